@@ -1,0 +1,35 @@
+# The two commands of the README: `make up` and `make test`.
+# Everything else is plain CMake + CTest underneath.
+
+BUILD      ?= build
+ASAN_BUILD ?= build-asan
+CMAKE_ARGS ?=
+# ctest parallelism: tests start real processes on loopback, two per core is plenty.
+TEST_JOBS  ?= 2
+
+.PHONY: up test deps build build-asan test-unit-asan format clean
+
+up: deps build
+	./deploy/local/up.sh $(BUILD)/pdserve
+
+test: deps build build-asan
+	cd $(BUILD) && PATH="$(CURDIR)/.deps/bin:$$PATH" ctest --output-on-failure -j $(TEST_JOBS) --timeout 900
+	cd $(ASAN_BUILD) && ctest --output-on-failure -j $(TEST_JOBS) -L unit --timeout 900
+
+deps:
+	./deploy/local/install-deps.sh
+
+build:
+	cmake -S . -B $(BUILD) -G Ninja $(CMAKE_ARGS)
+	cmake --build $(BUILD)
+
+# Unit tests again under AddressSanitizer + UndefinedBehaviorSanitizer.
+build-asan:
+	cmake --preset asan $(CMAKE_ARGS) >/dev/null
+	cmake --build $(ASAN_BUILD) --target unit_tests
+
+format:
+	git ls-files '*.h' '*.cpp' '*.cu' '*.cuh' | xargs clang-format -i
+
+clean:
+	rm -rf $(BUILD) $(ASAN_BUILD)

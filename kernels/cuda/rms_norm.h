@@ -1,0 +1,13 @@
+// RMSNorm on the device: out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+namespace pdserve::cuda {
+
+// x, weight and out are device pointers; x and out are [rows, dim] row-major
+// and may alias. Returns the launch error, if any.
+cudaError_t RmsNormF32(const float* x, const float* weight, float* out, int rows, int dim,
+                       float eps, cudaStream_t stream);
+
+}  // namespace pdserve::cuda

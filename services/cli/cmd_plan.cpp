@@ -1,0 +1,106 @@
+// pdserve plan: KV memory / capacity planner.
+#include <cstdio>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "common/flags.h"
+#include "engine/capacity_plan.h"
+#include "services/cli/command.h"
+
+namespace pdserve::cli {
+namespace {
+
+std::string HumanBytes(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (bytes >= 1024 && u < 4) {
+    bytes /= 1024;
+    ++u;
+  }
+  char buf[48];
+  std::snprintf(buf, sizeof(buf), u == 0 ? "%.0f %s" : "%.2f %s", bytes, units[u]);
+  return buf;
+}
+
+int RunPlan(int argc, char** argv) {
+  FlagSet flags("plan", "Plan KV-cache memory: bytes per token and sequence, and how many fit.");
+  std::string config;
+  CapacityRequest req;
+  std::string kv_dtype = "fp16";
+  bool json = false;
+  flags.AddString("config", &config, "Hugging Face config.json to read the KV shape from");
+  flags.AddInt("layers", &req.shape.layers, "number of transformer layers");
+  flags.AddInt("kv-heads", &req.shape.kv_heads, "number of key/value heads");
+  flags.AddInt("head-dim", &req.shape.head_dim, "dimension of one attention head");
+  flags.AddString("kv-dtype", &kv_dtype, "KV cache element type: fp32|fp16|bf16|fp8|fp4");
+  flags.AddInt("context", &req.context_tokens, "tokens per sequence");
+  flags.AddDouble("gpu-mem-gib", &req.gpu_mem_gib, "device memory in GiB");
+  flags.AddDouble("weights-gib", &req.weights_gib, "model weights in GiB on that device");
+  flags.AddDouble("reserve-ratio", &req.reserve_ratio,
+                  "fraction of device memory kept for activations and fragmentation");
+  flags.AddBool("json", &json, "print one JSON object");
+  flags.SetEpilog(
+      "Example: pdserve plan --layers 80 --kv-heads 8 --head-dim 128 --kv-dtype fp8 "
+      "--context 131072");
+  ParseFlagsOrExit(flags, argc, argv);
+
+  auto dtype = ParseDType(kv_dtype);
+  if (!dtype) UsageError("plan", "--kv-dtype: unknown type '" + kv_dtype + "'");
+  req.kv_dtype = *dtype;
+  const bool shape_flags =
+      flags.WasSet("layers") || flags.WasSet("kv-heads") || flags.WasSet("head-dim");
+  if (!config.empty()) {
+    if (shape_flags) UsageError("plan", "give either --config or --layers/--kv-heads/--head-dim");
+    auto shape = KvShapeFromConfigFile(config);
+    if (!shape.ok()) UsageError("plan", shape.status().message());
+    req.shape = *shape;
+  } else if (!(flags.WasSet("layers") && flags.WasSet("kv-heads") && flags.WasSet("head-dim"))) {
+    UsageError("plan", "need --config, or all of --layers, --kv-heads and --head-dim");
+  }
+  auto plan = PlanCapacity(req);
+  if (!plan.ok()) UsageError("plan", plan.status().message());
+
+  if (json) {
+    nlohmann::json j = {
+        {"layers", req.shape.layers},
+        {"kv_heads", req.shape.kv_heads},
+        {"head_dim", req.shape.head_dim},
+        {"kv_dtype", std::string(DTypeName(req.kv_dtype))},
+        {"context", req.context_tokens},
+        {"gpu_mem_gib", req.gpu_mem_gib},
+        {"weights_gib", req.weights_gib},
+        {"reserve_ratio", req.reserve_ratio},
+        {"kv_bytes_per_token", plan->kv_bytes_per_token},
+        {"kv_bytes_per_sequence", plan->kv_bytes_per_sequence},
+        {"kv_budget_bytes", plan->kv_budget_bytes},
+        {"max_tokens", plan->max_tokens},
+        {"max_sequences", plan->max_sequences},
+    };
+    std::printf("%s\n", j.dump().c_str());
+    return 0;
+  }
+  std::printf("KV shape            %lld layers x %lld KV heads x head dim %lld, %s\n",
+              static_cast<long long>(req.shape.layers), static_cast<long long>(req.shape.kv_heads),
+              static_cast<long long>(req.shape.head_dim),
+              std::string(DTypeName(req.kv_dtype)).c_str());
+  std::printf("bytes per token     %lld (%s)\n", static_cast<long long>(plan->kv_bytes_per_token),
+              HumanBytes(static_cast<double>(plan->kv_bytes_per_token)).c_str());
+  std::printf("bytes per sequence  %lld (%s) at %lld tokens\n",
+              static_cast<long long>(plan->kv_bytes_per_sequence),
+              HumanBytes(static_cast<double>(plan->kv_bytes_per_sequence)).c_str(),
+              static_cast<long long>(req.context_tokens));
+  std::printf("KV budget           %s of %.1f GiB (weights %.1f GiB, reserve %.0f%%)\n",
+              HumanBytes(static_cast<double>(plan->kv_budget_bytes)).c_str(), req.gpu_mem_gib,
+              req.weights_gib, req.reserve_ratio * 100);
+  std::printf("fits                %lld sequences (%lld tokens)\n",
+              static_cast<long long>(plan->max_sequences),
+              static_cast<long long>(plan->max_tokens));
+  return 0;
+}
+
+}  // namespace
+
+PDSERVE_COMMAND("plan", "KV memory / capacity planner", RunPlan);
+
+}  // namespace pdserve::cli
