@@ -14,7 +14,7 @@ packages=(
   libprotobuf-dev protobuf-compiler
   prometheus-cpp-dev prometheus
   libgtest-dev libgmock-dev libbenchmark-dev
-  nlohmann-json3-dev libxxhash-dev libopenblas-dev
+  nlohmann-json3-dev libxxhash-dev libopenblas-dev libpcre2-dev libutf8proc-dev
   clang clang-format clang-tidy libclang-rt-14-dev
   nodejs npm
 )
