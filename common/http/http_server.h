@@ -1,0 +1,102 @@
+// A small HTTP/1.1 server (Boost.Beast) for the router's OpenAI API and every
+// process's /metrics and /health.
+//
+// Contract:
+// - The handler runs on an I/O thread for each complete, size-checked request
+//   and must not block: it answers through the Exchange, now or later, from
+//   any thread (Reply once, or BeginStream + Write* + End).
+// - Streaming writes go out as they come (chunked transfer encoding, no
+//   buffering), which is what Server-Sent Events need.
+// - Limits are enforced before the handler sees anything: a body over
+//   max_body_bytes gets 413, headers over max_header_bytes 431, a malformed
+//   request 400, and more than max_concurrent_requests in flight 503 with
+//   Retry-After. All error bodies are OpenAI-style JSON. Only the offending
+//   connection is affected.
+// - When the client goes away before the exchange ends, the OnClientGone
+//   callback runs once (that is how a disconnect cancels work).
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "common/status.h"
+
+namespace pdserve::http {
+
+using Headers = std::vector<std::pair<std::string, std::string>>;
+
+struct Request {
+  std::string method;  // "GET", "POST", ...
+  std::string target;  // as sent: path and query
+  std::string path;    // target without the query string
+  Headers headers;     // names in lower case
+  std::string body;
+  std::string remote;  // peer "ip:port"
+  // The first header of that (lower-case) name, or "" when absent.
+  std::string_view Header(std::string_view lower_name) const;
+};
+
+struct Response {
+  int status = 200;
+  std::string content_type = "application/json";
+  Headers headers;
+  std::string body;
+};
+
+// An OpenAI-style error: {"error":{"message":..,"type":..,"param":..,"code":..}}.
+Response ErrorResponse(int status, std::string_view message,
+                       std::string_view type = "invalid_request_error", std::string_view param = {},
+                       std::string_view code = {});
+
+class Exchange {
+ public:
+  virtual ~Exchange() = default;
+  virtual void Reply(Response response) = 0;
+  virtual void BeginStream(int status, std::string content_type, Headers headers = {}) = 0;
+  virtual void Write(std::string chunk) = 0;
+  virtual void End() = 0;
+  // Registers the disconnect callback; runs at once if the client is already gone.
+  virtual void OnClientGone(std::function<void()> callback) = 0;
+  virtual bool client_gone() const = 0;
+};
+
+using Handler = std::function<void(const Request&, std::shared_ptr<Exchange>)>;
+
+struct ServerOptions {
+  std::string host = "0.0.0.0";
+  int port = 0;  // 0: pick a free port (see Server::port)
+  int threads = 2;
+  size_t max_body_bytes = 8u << 20;
+  size_t max_header_bytes = 16u << 10;
+  int max_concurrent_requests = 1024;
+  std::chrono::seconds idle_timeout{120};
+};
+
+class Server {
+ public:
+  Server(ServerOptions options, Handler handler);
+  ~Server();  // stops
+  Server(const Server&) = delete;
+  Server& operator=(const Server&) = delete;
+
+  // Binds and starts the I/O threads.
+  Status Start();
+  int port() const;
+  // Closes the listener and all connections, joins the threads.
+  void Stop();
+  int in_flight() const;
+
+  struct Impl;  // implementation detail, defined in the .cpp
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace pdserve::http

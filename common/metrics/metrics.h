@@ -1,0 +1,41 @@
+// Prometheus helpers shared by every pdserve process (ARCHITECTURE.md section 8).
+//
+// Metric names carry the `pdserve_` prefix and base units; counters end in
+// `_total`. Histogram buckets follow vLLM's where a counterpart exists, so
+// dashboards and habits carry over.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <prometheus/registry.h>
+
+#include "common/http/http_server.h"
+
+namespace pdserve::metrics {
+
+// Bucket boundaries in seconds.
+const std::vector<double>& TimeToFirstTokenBuckets();
+const std::vector<double>& InterTokenLatencyBuckets();
+const std::vector<double>& RequestLatencyBuckets();
+const std::vector<double>& KvTransferBuckets();
+const std::vector<double>& RouteDecisionBuckets();
+
+// Prometheus text exposition format (version 0.0.4) of everything in `registry`.
+std::string Serialize(const prometheus::Registry& registry);
+
+// What /health reports: healthy → 200, otherwise 503; `detail` goes in the body.
+struct Health {
+  bool healthy = true;
+  std::string detail;
+};
+
+// Answers GET /metrics and GET /health; returns false (and does nothing) for
+// any other path, so callers chain their own routes after it.
+bool ServeStandardEndpoints(const http::Request& request, http::Exchange& exchange,
+                            const prometheus::Registry& registry,
+                            const std::function<Health()>& health);
+
+}  // namespace pdserve::metrics
