@@ -1,0 +1,231 @@
+{{/* Names ----------------------------------------------------------------- */}}
+
+{{- define "pdserve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "pdserve.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels on every object; selectorLabels takes (dict "ctx" $ "component" "router"). */}}
+{{- define "pdserve.labels" -}}
+helm.sh/chart: {{ include "pdserve.chart" . }}
+app.kubernetes.io/name: {{ include "pdserve.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: pdserve
+{{- end }}
+
+{{- define "pdserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "pdserve.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/* Selects every pod of this release (router and workers). */}}
+{{- define "pdserve.releaseSelector" -}}
+app.kubernetes.io/name: {{ include "pdserve.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "pdserve.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "pdserve.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.image" -}}
+{{- printf "%s:%s%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) .Values.image.tagSuffix }}
+{{- end }}
+
+{{/* Router wiring ------------------------------------------------------------ */}}
+
+{{/* Headless Service of the router replicas: its DNS name resolves to every
+     router pod, so each worker connects to every replica (and re-resolves). */}}
+{{- define "pdserve.routerHeadless" -}}
+{{- printf "%s-router-headless" (include "pdserve.fullname" .) }}
+{{- end }}
+
+{{- define "pdserve.routerAddress" -}}
+{{- printf "%s.%s.svc:%d" (include "pdserve.routerHeadless" .) .Release.Namespace (int .Values.router.controlPort) }}
+{{- end }}
+
+{{/* Model storage ------------------------------------------------------------ */}}
+
+{{- define "pdserve.modelDir" -}}
+{{- printf "/models/%s" (.Values.model.subPath | trimPrefix "/") | trimSuffix "/" }}
+{{- end }}
+
+{{- define "pdserve.modelClaimName" -}}
+{{- if eq .Values.model.storage.type "existingClaim" }}
+{{- required "model.storage.existingClaim.claimName is required when model.storage.type is existingClaim" .Values.model.storage.existingClaim.claimName }}
+{{- else }}
+{{- printf "%s-model" (include "pdserve.fullname" .) }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.downloadJobName" -}}
+{{- $d := .Values.model.download }}
+{{- printf "%s-model-download-%s" (include "pdserve.fullname" .) (printf "%s@%s" $d.repo $d.revision | sha256sum | trunc 8) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The `models` volume every pod mounts. */}}
+{{- define "pdserve.modelVolume" -}}
+{{- $s := .Values.model.storage }}
+- name: models
+{{- if or (eq $s.type "existingClaim") (eq $s.type "newClaim") }}
+  persistentVolumeClaim:
+    claimName: {{ include "pdserve.modelClaimName" . }}
+{{- else if eq $s.type "hostPath" }}
+  hostPath:
+    path: {{ required "model.storage.hostPath.path is required when model.storage.type is hostPath" $s.hostPath.path }}
+    type: Directory
+{{- else }}
+  emptyDir:
+    sizeLimit: {{ $s.emptyDir.sizeLimit }}
+{{- end }}
+{{- end }}
+
+{{/* The download container (per-pod initContainer or the newClaim Job). */}}
+{{- define "pdserve.downloadContainer" -}}
+{{- $d := .Values.model.download }}
+- name: model-download
+  image: "{{ $d.image.repository }}:{{ $d.image.tag }}"
+  imagePullPolicy: {{ $d.image.pullPolicy }}
+  command:
+    - sh
+    - -c
+    - |
+      set -eu
+      if [ -f "$MODEL_DIR/.pdserve-model-ready" ]; then
+        echo "model already present in $MODEL_DIR"; exit 0
+      fi
+      pip install --no-cache-dir --user --quiet "huggingface_hub==$HF_HUB_VERSION"
+      python - <<'PY'
+      import json, os
+      from huggingface_hub import snapshot_download
+      snapshot_download(repo_id=os.environ["HF_REPO"], revision=os.environ["HF_REVISION"],
+                        local_dir=os.environ["MODEL_DIR"],
+                        allow_patterns=json.loads(os.environ["HF_ALLOW_PATTERNS"]))
+      PY
+      touch "$MODEL_DIR/.pdserve-model-ready"
+      echo "model downloaded into $MODEL_DIR"
+  env:
+    - name: HF_REPO
+      value: {{ required "model.download.repo is required for model.storage.type newClaim or download" $d.repo | quote }}
+    - name: HF_REVISION
+      value: {{ $d.revision | quote }}
+    - name: HF_ALLOW_PATTERNS
+      value: {{ toJson $d.allowPatterns | quote }}
+    - name: HF_HUB_VERSION
+      value: {{ $d.huggingfaceHubVersion | quote }}
+    - name: MODEL_DIR
+      value: {{ include "pdserve.modelDir" . }}
+    - name: HOME
+      value: /tmp
+    - name: HF_HOME
+      value: /tmp/hf
+    {{- if $d.hfTokenSecret.name }}
+    - name: HF_TOKEN
+      valueFrom:
+        secretKeyRef:
+          name: {{ $d.hfTokenSecret.name }}
+          key: {{ $d.hfTokenSecret.key }}
+    {{- end }}
+  securityContext:
+    {{- toYaml .Values.containerSecurityContext | nindent 4 }}
+  resources:
+    {{- toYaml $d.resources | nindent 4 }}
+  volumeMounts:
+    - name: models
+      mountPath: /models
+    - name: tmp
+      mountPath: /tmp
+{{- end }}
+
+{{/* initContainers that make the model available before the server starts. */}}
+{{- define "pdserve.modelInitContainers" -}}
+{{- $type := .Values.model.storage.type }}
+{{- if eq $type "download" }}
+{{- include "pdserve.downloadContainer" . }}
+{{- else if eq $type "tiny" }}
+- name: make-model
+  image: {{ include "pdserve.image" . }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  command:
+    - sh
+    - -c
+    - test -f "$MODEL_DIR/config.json" || pdserve make-model --preset tiny --out "$MODEL_DIR"
+  env:
+    - name: MODEL_DIR
+      value: {{ include "pdserve.modelDir" . }}
+  securityContext:
+    {{- toYaml .Values.containerSecurityContext | nindent 4 }}
+  volumeMounts:
+    - name: models
+      mountPath: /models
+    - name: tmp
+      mountPath: /tmp
+{{- else if eq $type "newClaim" }}
+- name: wait-for-model
+  image: {{ include "pdserve.image" . }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  command:
+    - sh
+    - -c
+    - |
+      until [ -f "$MODEL_DIR/.pdserve-model-ready" ]; do
+        echo "waiting for Job {{ include "pdserve.downloadJobName" . }} to download the model into $MODEL_DIR"
+        sleep 10
+      done
+  env:
+    - name: MODEL_DIR
+      value: {{ include "pdserve.modelDir" . }}
+  securityContext:
+    {{- toYaml .Values.containerSecurityContext | nindent 4 }}
+  volumeMounts:
+    - name: models
+      mountPath: /models
+      readOnly: true
+{{- end }}
+{{- end }}
+
+{{/* Security ------------------------------------------------------------------ */}}
+
+{{/* Container security context; takes (dict "ctx" $ "rdma" bool). With RDMA the
+     worker must pin (mlock) its KV pool for registration: IPC_LOCK. */}}
+{{- define "pdserve.containerSecurityContext" -}}
+{{- $sc := deepCopy .ctx.Values.containerSecurityContext }}
+{{- if .rdma }}
+{{- $caps := default dict $sc.capabilities }}
+{{- $_ := set $caps "add" (list "IPC_LOCK") }}
+{{- $_ := set $sc "capabilities" $caps }}
+{{- end }}
+{{- toYaml $sc }}
+{{- end }}
+
+{{/* Monitoring ------------------------------------------------------------ */}}
+
+{{/* ServiceMonitor and PodMonitor label each target with its pool (router,
+     prefill, decode), which the dashboard and the alert rules group by. */}}
+{{- define "pdserve.scrapeRelabelings" -}}
+- sourceLabels: [__meta_kubernetes_pod_label_app_kubernetes_io_component]
+  targetLabel: pool
+{{- end }}
