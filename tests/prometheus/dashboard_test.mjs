@@ -1,0 +1,227 @@
+// Tests of the Grafana dashboard, its query lister and the local Prometheus
+// setup: structure and PromQL conventions of deploy/grafana/pdserve-dashboard.json,
+// one copy of the dashboard and of the alert rules (deploy/ links into the
+// chart), and a real Prometheus server started by deploy/local/prometheus.sh
+// that loads the rules and evaluates every dashboard expression.
+//
+// Run: node --test tests/prometheus/dashboard_test.mjs
+import assert from 'node:assert/strict';
+import { execFileSync, spawn } from 'node:child_process';
+import fs from 'node:fs';
+import net from 'node:net';
+import os from 'node:os';
+import path from 'node:path';
+import { after, before, describe, test } from 'node:test';
+import { fileURLToPath } from 'node:url';
+
+const root = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '../..');
+const dashboardPath = path.join(root, 'deploy/grafana/pdserve-dashboard.json');
+const lister = path.join(root, 'deploy/grafana/dashboard-queries.sh');
+const dashboard = JSON.parse(fs.readFileSync(dashboardPath, 'utf8'));
+const panels = dashboard.panels.flatMap((p) => [p, ...(p.panels || [])]).filter((p) => p.type !== 'row');
+const targets = panels.flatMap((p) => p.targets.map((t) => ({ panel: p.title, ...t })));
+
+// Metric names fixed by ARCHITECTURE.md section 8 and the service issues.
+const knownMetrics = new Set([
+  'pdserve_prefix_cache_queries_tokens_total', 'pdserve_prefix_cache_hits_tokens_total',
+  'pdserve_kv_cache_usage_ratio', 'pdserve_requests_running', 'pdserve_requests_waiting',
+  'pdserve_time_to_first_token_seconds', 'pdserve_inter_token_latency_seconds',
+  'pdserve_kv_transfer_seconds', 'pdserve_kv_transfer_bytes_total', 'pdserve_kv_transfer_failures_total',
+  'pdserve_preemptions_total', 'pdserve_router_requests_total', 'pdserve_router_predicted_hit_tokens_total',
+  'pdserve_router_prompt_tokens_total', 'pdserve_router_decisions_total',
+  'pdserve_router_time_to_first_token_seconds', 'pdserve_router_route_seconds',
+  'pdserve_router_kv_event_gaps_total', 'pdserve_router_workers',
+]);
+const metricsIn = (expr) => [...expr.matchAll(/\b(pdserve_[a-z_]+)/g)].map((m) => m[1]);
+const baseName = (m) => m.replace(/_bucket$/, '');
+
+function exprsFor(titleRegex) {
+  const ps = panels.filter((p) => titleRegex.test(p.title));
+  assert.equal(ps.length, 1, `expected one panel matching ${titleRegex}, found ${ps.map((p) => p.title)}`);
+  return ps[0].targets.map((t) => t.expr.replace(/\s+/g, ' '));
+}
+const hitRate = (by) => new RegExp(
+  `^sum ${by ? `by \\(${by}\\) ` : ''}\\(rate\\(pdserve_prefix_cache_hits_tokens_total\\{[^}]*\\}\\[\\$__rate_interval\\]\\)\\) / ` +
+  `sum ${by ? `by \\(${by}\\) ` : ''}\\(rate\\(pdserve_prefix_cache_queries_tokens_total\\{[^}]*\\}\\[\\$__rate_interval\\]\\)\\)$`);
+const quantiles = (metric) => [0.5, 0.9, 0.99].map((q) => new RegExp(
+  `^histogram_quantile\\(${q}, sum by \\(le\\) \\(rate\\(${metric}_bucket\\{[^}]*\\}\\[\\$__rate_interval\\]\\)\\)\\)$`));
+
+describe('one source of truth', () => {
+  test('deploy/grafana/pdserve-dashboard.json is the chart\'s dashboard', () => {
+    assert.equal(fs.realpathSync(dashboardPath), path.join(root, 'helm/pdserve/files/grafana/pdserve-dashboard.json'));
+  });
+  test('deploy/prometheus/pdserve-alerts.yaml is the chart\'s rule file', () => {
+    assert.equal(fs.realpathSync(path.join(root, 'deploy/prometheus/pdserve-alerts.yaml')),
+      path.join(root, 'helm/pdserve/files/prometheus/pdserve-alerts.yaml'));
+  });
+});
+
+describe('dashboard structure', () => {
+  test('a ${datasource} variable of Prometheus type feeds every panel and query', () => {
+    const v = dashboard.templating.list.find((x) => x.name === 'datasource');
+    assert.equal(v.type, 'datasource');
+    assert.equal(v.query, 'prometheus');
+    for (const p of panels) {
+      assert.deepEqual(p.datasource, { type: 'prometheus', uid: '${datasource}' }, p.title);
+      for (const t of p.targets) assert.equal(t.datasource.uid, '${datasource}', `${p.title} ${t.refId}`);
+    }
+  });
+  test('unique ids, non-overlapping panels within 24 columns, a description on each', () => {
+    const ids = dashboard.panels.map((p) => p.id);
+    assert.equal(new Set(ids).size, ids.length);
+    const cells = new Set();
+    for (const p of dashboard.panels) {
+      const { x, y, w, h } = p.gridPos;
+      assert.ok(x >= 0 && x + w <= 24, p.title);
+      for (let i = x; i < x + w; i++) {
+        for (let j = y; j < y + h; j++) {
+          assert.ok(!cells.has(`${i},${j}`), `${p.title} overlaps another panel`);
+          cells.add(`${i},${j}`);
+        }
+      }
+    }
+    for (const p of panels) assert.ok(p.description?.length > 40, `${p.title} lacks a description`);
+  });
+  test('every expression names only contract metrics', () => {
+    for (const t of targets) {
+      const names = metricsIn(t.expr);
+      assert.ok(names.length > 0, t.panel);
+      for (const m of names) assert.ok(knownMetrics.has(baseName(m)), `${t.panel}: unknown metric ${m}`);
+    }
+  });
+  test('counters and histograms only through rate() or increase(), never lifetime values', () => {
+    for (const t of targets) {
+      for (const m of t.expr.matchAll(/(\w+)\((pdserve_\w+_(?:total|bucket))\b/g)) {
+        assert.ok(['rate', 'increase'].includes(m[1]), `${t.panel}: ${m[2]} inside ${m[1]}()`);
+      }
+      const bare = t.expr.match(/(?<!\()\bpdserve_\w+_(?:total|bucket)\b/g);
+      assert.equal(bare, null, `${t.panel}: counter outside rate(): ${bare}`);
+    }
+  });
+});
+
+describe('required panels', () => {
+  test('prefix hit rate as rate(hits)/rate(queries) per pool and per worker', () => {
+    assert.match(exprsFor(/hit rate per pool/)[0], hitRate('pool'));
+    assert.match(exprsFor(/hit rate per worker/)[0], hitRate('pool, instance'));
+  });
+  test('router predicted vs actual hit rate', () => {
+    const [predicted, actual] = exprsFor(/predicted vs actual/);
+    assert.match(predicted, /^sum\(rate\(pdserve_router_predicted_hit_tokens_total\{[^}]*\}\[\$__rate_interval\]\)\) \/ sum\(rate\(pdserve_router_prompt_tokens_total\{[^}]*\}\[\$__rate_interval\]\)\)$/);
+    assert.match(actual, hitRate(''));
+  });
+  test('TTFT and ITL p50/p90/p99 from histogram buckets', () => {
+    const ttft = exprsFor(/^Time to first token \(router\)/);
+    quantiles('pdserve_router_time_to_first_token_seconds').forEach((re, i) => assert.match(ttft[i], re));
+    const itl = exprsFor(/^Inter-token latency/);
+    quantiles('pdserve_inter_token_latency_seconds').forEach((re, i) => assert.match(itl[i], re));
+  });
+  test('requests running and waiting, KV cache usage', () => {
+    const [running, waiting] = exprsFor(/running and waiting/);
+    assert.match(running, /^sum by \(pool\) \(pdserve_requests_running\{/);
+    assert.match(waiting, /^sum by \(pool\) \(pdserve_requests_waiting\{/);
+    assert.match(exprsFor(/^KV cache usage/)[0], /pdserve_kv_cache_usage_ratio\{/);
+  });
+  test('KV transfer latency, bytes and failures', () => {
+    const lat = exprsFor(/^KV transfer latency/);
+    quantiles('pdserve_kv_transfer_seconds').forEach((re, i) => assert.match(lat[i], re));
+    assert.match(exprsFor(/^KV transfer throughput/)[0], /rate\(pdserve_kv_transfer_bytes_total\{/);
+    assert.match(exprsFor(/^KV transfer failures/)[0], /rate\(pdserve_kv_transfer_failures_total\{/);
+  });
+  test('remote vs local prefill, workers by state, KV event gaps', () => {
+    assert.match(exprsFor(/remote vs local/)[0], /^sum by \(kind\) \(rate\(pdserve_router_decisions_total\{/);
+    assert.match(exprsFor(/^Workers by state/)[0], /^max by \(role, state\) \(pdserve_router_workers\{/);
+    assert.match(exprsFor(/^KV event gaps/)[0], /increase\(pdserve_router_kv_event_gaps_total\{/);
+  });
+});
+
+describe('dashboard-queries.sh', () => {
+  const list = (...args) => execFileSync(lister, args, { encoding: 'utf8' }).trim().split('\n').map((l) => JSON.parse(l));
+  test('lists every expression with its panel', () => {
+    const rows = list();
+    assert.deepEqual(rows.map((r) => [r.panel, r.refId, r.expr]), targets.map((t) => [t.panel, t.refId, t.expr]));
+  });
+  test('--resolve leaves no dashboard variable', () => {
+    for (const r of list('--resolve')) {
+      assert.doesNotMatch(r.expr, /\$/, r.panel);
+      assert.match(r.expr, /\[1m\]|pdserve_(requests|kv_cache_usage|router_workers)/, r.panel);
+    }
+  });
+  test('bad arguments: one-line error, exit 2', () => {
+    assert.throws(() => execFileSync(lister, ['--bogus'], { stdio: 'pipe' }), (e) => e.status === 2 && /unknown option/.test(e.stderr));
+    assert.throws(() => execFileSync(lister, ['/nonexistent.json'], { stdio: 'pipe' }), (e) => e.status === 2 && /cannot read/.test(e.stderr));
+  });
+});
+
+// A real Prometheus started by deploy/local/prometheus.sh. It scrapes itself
+// in place of the router, so a target is up; no pdserve process runs here,
+// so queries succeed with empty results (the live test of the whole stack
+// checks values).
+describe('deploy/local/prometheus.sh with the real Prometheus server', () => {
+  let server;
+  let base;
+  let dir;
+  let log = '';
+
+  before(async () => {
+    dir = fs.mkdtempSync(path.join(os.tmpdir(), 'pdserve-prom-'));
+    const port = await freePort();
+    const listen = `127.0.0.1:${port}`;
+    base = `http://${listen}`;
+    server = spawn(path.join(root, 'deploy/local/prometheus.sh'),
+      ['--dir', dir, '--listen', listen, '--router', listen, '--prefill', '127.0.0.1:1', '--decode', '127.0.0.1:2,127.0.0.1:3'],
+      { stdio: ['ignore', 'pipe', 'pipe'] });
+    server.stdout.on('data', (d) => { log += d; });
+    server.stderr.on('data', (d) => { log += d; });
+    await waitFor(async () => (await fetch(`${base}/-/ready`)).ok, `Prometheus did not become ready:\n${log}`);
+  });
+  after(() => {
+    server?.kill('SIGTERM');
+    if (dir) fs.rmSync(dir, { recursive: true, force: true });
+  });
+
+  test('loads the pdserve alert rules', async () => {
+    const body = await (await fetch(`${base}/api/v1/rules`)).json();
+    const rules = body.data.groups.flatMap((g) => g.rules);
+    assert.deepEqual(rules.map((r) => r.name).sort(), ['PdserveKvCacheNearlyFull', 'PdserveKvEventGaps',
+      'PdserveKvTransferFailures', 'PdserveNoReadyDecodeWorker', 'PdservePrefixCacheHitRateCollapse']);
+    for (const r of rules) assert.equal(r.health === 'err', false, `${r.name}: ${r.lastError}`);
+  });
+  test('scrapes the given targets with their pool labels', async () => {
+    await waitFor(async () => {
+      const body = await (await fetch(`${base}/api/v1/targets`)).json();
+      const got = body.data.activeTargets.map((t) => `${t.labels.pool} ${t.labels.instance}`).sort();
+      return JSON.stringify(got) === JSON.stringify(['decode 127.0.0.1:2', 'decode 127.0.0.1:3', 'prefill 127.0.0.1:1',
+        `router ${base.slice(7)}`]);
+    }, 'targets not discovered');
+    await waitFor(async () => {
+      const body = await (await fetch(`${base}/api/v1/query?query=${encodeURIComponent('up{pool="router"}')}`)).json();
+      return body.data.result[0]?.value[1] === '1';
+    }, 'the router target is never scraped');
+  });
+  test('evaluates every dashboard expression without error', async () => {
+    const rows = execFileSync(lister, ['--resolve'], { encoding: 'utf8' }).trim().split('\n').map((l) => JSON.parse(l));
+    for (const r of rows) {
+      const res = await fetch(`${base}/api/v1/query`, { method: 'POST', body: new URLSearchParams({ query: r.expr }) });
+      const body = await res.json();
+      assert.equal(body.status, 'success', `${r.panel} ${r.refId}: ${body.error}\n${r.expr}`);
+    }
+  });
+});
+
+function freePort() {
+  return new Promise((resolve, reject) => {
+    const s = net.createServer();
+    s.listen(0, '127.0.0.1', () => { const { port } = s.address(); s.close(() => resolve(port)); });
+    s.on('error', reject);
+  });
+}
+
+async function waitFor(check, message, timeoutMs = 20000) {
+  const deadline = Date.now() + timeoutMs;
+  for (;;) {
+    try { if (await check()) return; } catch { /* not up yet */ }
+    if (Date.now() > deadline) throw new Error(message);
+    await new Promise((r) => setTimeout(r, 200));
+  }
+}
