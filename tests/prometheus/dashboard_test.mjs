@@ -135,6 +135,15 @@ describe('required panels', () => {
   });
 });
 
+test('README describes every dashboard panel and every alert', () => {
+  const readme = fs.readFileSync(path.join(root, 'README.md'), 'utf8');
+  const section = readme.slice(readme.indexOf('## Deploy on Kubernetes'));
+  assert.ok(section.length > 1000, 'README has no "Deploy on Kubernetes" section');
+  for (const p of panels) assert.ok(section.includes(`**${p.title}**`), `README lacks panel "${p.title}"`);
+  const rules = fs.readFileSync(path.join(root, 'deploy/prometheus/pdserve-alerts.yaml'), 'utf8');
+  for (const [, alert] of rules.matchAll(/- alert: (\w+)/g)) assert.ok(section.includes(`\`${alert}\``), `README lacks alert ${alert}`);
+});
+
 describe('dashboard-queries.sh', () => {
   const list = (...args) => execFileSync(lister, args, { encoding: 'utf8' }).trim().split('\n').map((l) => JSON.parse(l));
   test('lists every expression with its panel', () => {
