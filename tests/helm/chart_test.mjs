@@ -130,8 +130,10 @@ function checkRouterWiring(r) {
     assert.equal(wf.get('model'), routerFlags.get('model'), 'router and workers must load the same model');
     assert.equal(wf.get('max-local-prefill'), routerFlags.get('max-local-prefill'));
   }
-  assert.equal(flags(mainContainer(r.deployment('prefill'))).get('block-size'),
-    flags(mainContainer(r.deployment('decode'))).get('block-size'));
+  // Router and workers must agree on the block size (hash spec v1).
+  for (const role of ['prefill', 'decode']) {
+    assert.equal(flags(mainContainer(r.deployment(role))).get('block-size'), routerFlags.get('block-size'), role);
+  }
 }
 
 // Each Service selects pods of one Deployment and targets ports those pods name.
