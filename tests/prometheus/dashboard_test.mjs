@@ -2,11 +2,12 @@
 // setup: structure and PromQL conventions of deploy/grafana/pdserve-dashboard.json,
 // one copy of the dashboard and of the alert rules (deploy/ links into the
 // chart), and a real Prometheus server started by deploy/local/prometheus.sh
-// that loads the rules and evaluates every dashboard expression.
+// that loads the rules and evaluates every dashboard expression, also through
+// deploy/grafana/check-dashboard.mjs (the no-data detector for live runs).
 //
 // Run: node --test tests/prometheus/dashboard_test.mjs
 import assert from 'node:assert/strict';
-import { execFileSync, spawn } from 'node:child_process';
+import { execFileSync, spawn, spawnSync } from 'node:child_process';
 import fs from 'node:fs';
 import net from 'node:net';
 import os from 'node:os';
@@ -17,6 +18,7 @@ import { fileURLToPath } from 'node:url';
 const root = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '../..');
 const dashboardPath = path.join(root, 'deploy/grafana/pdserve-dashboard.json');
 const lister = path.join(root, 'deploy/grafana/dashboard-queries.sh');
+const checker = path.join(root, 'deploy/grafana/check-dashboard.mjs');
 const dashboard = JSON.parse(fs.readFileSync(dashboardPath, 'utf8'));
 const panels = dashboard.panels.flatMap((p) => [p, ...(p.panels || [])]).filter((p) => p.type !== 'row');
 const targets = panels.flatMap((p) => p.targets.map((t) => ({ panel: p.title, ...t })));
@@ -215,6 +217,35 @@ describe('deploy/local/prometheus.sh with the real Prometheus server', () => {
       const body = await res.json();
       assert.equal(body.status, 'success', `${r.panel} ${r.refId}: ${body.error}\n${r.expr}`);
     }
+  });
+  test('check-dashboard.mjs reports every pdserve query empty while no pdserve process runs', () => {
+    const r = spawnSync('node', [checker, '--prometheus', base], { encoding: 'utf8' });
+    assert.equal(r.status, 1, r.stderr);
+    const rows = r.stdout.trim().split('\n').map((l) => JSON.parse(l));
+    assert.deepEqual(rows.map((x) => [x.panel, x.refId]), targets.map((t) => [t.panel, t.refId]));
+    for (const x of rows) assert.equal(x.status, 'empty', `${x.panel} ${x.refId}: ${x.error}`);
+  });
+  test('check-dashboard.mjs tells ok, empty, NaN and invalid queries apart', () => {
+    const file = path.join(dir, 'probe-dashboard.json');
+    const exprs = ['up{pool="router"}', 'up{pool="none"}', 'vector(0) / vector(0)', 'sum(rate(up[$__rate_interval])'];
+    fs.writeFileSync(file, JSON.stringify({ panels: [{ title: 'probe', type: 'timeseries',
+      targets: exprs.map((expr, i) => ({ refId: String.fromCharCode(65 + i), expr })) }] }));
+    const r = spawnSync('node', [checker, '--prometheus', base, '--dashboard', file], { encoding: 'utf8' });
+    assert.equal(r.status, 1, r.stderr);
+    const rows = r.stdout.trim().split('\n').map((l) => JSON.parse(l));
+    assert.deepEqual(rows.map((x) => x.status), ['ok', 'empty', 'nan', 'error']);
+    assert.deepEqual(rows[0].values, [1]);
+    assert.match(rows[3].error, /parse error/);
+    fs.writeFileSync(file, JSON.stringify({ panels: [{ title: 'p', type: 'timeseries', targets: [{ refId: 'A', expr: 'count(up)' }] }] }));
+    assert.equal(spawnSync('node', [checker, '--prometheus', base, '--dashboard', file]).status, 0);
+  });
+  test('check-dashboard.mjs: unreachable Prometheus or bad arguments exit 2', () => {
+    const down = spawnSync('node', [checker, '--prometheus', 'http://127.0.0.1:1'], { encoding: 'utf8' });
+    assert.equal(down.status, 2);
+    assert.match(down.stderr, /cannot query/);
+    const bad = spawnSync('node', [checker, '--bogus'], { encoding: 'utf8' });
+    assert.equal(bad.status, 2);
+    assert.match(bad.stderr, /unknown argument --bogus/);
   });
 });
 
