@@ -304,6 +304,8 @@ describe('values-full.yaml', () => {
     assert.deepEqual(podSpec(r.deployment('prefill')).affinity, full.prefill.affinity);
     assert.deepEqual(podSpec(r.deployment('router')).nodeSelector, full.router.nodeSelector);
     assert.equal(flags(mainContainer(r.deployment('prefill'))).get('kv-cache-bytes'), '40GiB');
+    assert.deepEqual(r.deployment('decode').spec.strategy, full.decode.strategy);
+    assert.equal(r.deployment('prefill').spec.strategy, undefined);
   });
   test('HPA owns the router replica count; PDB and Ingress point at the router', () => {
     const hpa = r.get('HorizontalPodAutoscaler', `${release}-pdserve-router`);
@@ -473,6 +475,7 @@ describe('values.schema.json rejects bad values with its message', () => {
     [['prefill.kvCacheBytes=lots'], /at '\/prefill\/kvCacheBytes'/],
     [['router.httpPort=70000'], /at '\/router\/httpPort': maximum: got 70,000, want 65,535/],
     [['replica=2'], /additional properties 'replica' not allowed/],
+    [['decode.strategy.type=Surge'], /at '\/decode\/strategy\/type': value must be one of 'RollingUpdate', 'Recreate'/],
   ];
   for (const [set, message] of cases) {
     test(set.join(' '), () => {
