@@ -1,0 +1,172 @@
+// pdserve sim: replays a request trace through the router's real index and
+// policy code against simulated workers (services/router/simulator.h).
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "common/flags.h"
+#include "services/cli/command.h"
+#include "services/router/simulator.h"
+
+namespace pdserve::cli {
+namespace {
+
+using router::SimOptions;
+using router::SimResult;
+
+// "kv", "kv,random" or "all" -> policy names; empty on an unknown name.
+std::vector<std::string> ParsePolicyList(const std::string& text, std::string* bad) {
+  const auto& known = router::PolicyNames();
+  if (text == "all") return known;
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start <= text.size()) {
+    const size_t comma = std::min(text.find(',', start), text.size());
+    const std::string name = text.substr(start, comma - start);
+    if (std::find(known.begin(), known.end(), name) == known.end()) {
+      *bad = name;
+      return {};
+    }
+    out.push_back(name);
+    start = comma + 1;
+  }
+  return out;
+}
+
+nlohmann::json ResultJson(const SimOptions& o, const std::string& trace, const SimResult& r) {
+  return {
+      {"policy", o.policy},
+      {"hit_rate", r.hit_rate},
+      {"oracle_hit_rate", r.oracle_hit_rate},
+      {"hit_rate_vs_oracle", r.oracle_hit_rate > 0 ? r.hit_rate / r.oracle_hit_rate : 1.0},
+      {"predicted_hit_rate", r.predicted_hit_rate},
+      {"ttft_p50_s", r.ttft_p50_s},
+      {"ttft_p99_s", r.ttft_p99_s},
+      {"ttft_mean_s", r.ttft_mean_s},
+      {"load_imbalance", r.load_imbalance},
+      {"requests", r.requests},
+      {"prompt_tokens", r.prompt_tokens},
+      {"makespan_s", r.makespan_s},
+      {"index_rejected_stores", r.index.rejected_stores},
+      {"index_gaps", r.index.gaps},
+      {"trace", trace},
+      {"workers", o.workers},
+      {"capacity_blocks", o.capacity_blocks},
+      {"block_tokens", o.block_tokens},
+      {"load_weight", o.policy_options.load_weight},
+      {"decode_weight", o.policy_options.decode_weight},
+      {"temperature", o.policy_options.temperature},
+      {"seed", o.policy_options.seed},
+      {"pending_ttl_s", o.pending_ttl_s},
+      {"prefill_tokens_per_s", o.prefill_tokens_per_s},
+      {"prefill_overhead_s", o.prefill_overhead_s},
+      {"decode_step_s", o.decode_step_s},
+      {"decode_step_per_seq_s", o.decode_step_per_seq_s},
+      {"event_delay_s", o.event_delay_s},
+      {"load_report_interval_s", o.load_report_interval_s},
+  };
+}
+
+int RunSim(int argc, char** argv) {
+  FlagSet flags("sim", "Replay a Mooncake-format trace through the router's index and policies.");
+  std::string trace_path;
+  std::string policies = "kv";
+  SimOptions o;
+  int64_t seed = 1;
+  double pending_ttl_ms = o.pending_ttl_s * 1e3;
+  double prefill_overhead_ms = o.prefill_overhead_s * 1e3;
+  double decode_step_ms = o.decode_step_s * 1e3;
+  double decode_step_per_seq_ms = o.decode_step_per_seq_s * 1e3;
+  double event_delay_ms = o.event_delay_s * 1e3;
+  double load_report_ms = o.load_report_interval_s * 1e3;
+  bool json = false;
+  flags.AddString("trace", &trace_path,
+                  "trace file: JSON lines with timestamp (ms), "
+                  "input_length, output_length, hash_ids");
+  flags.AddInt("workers", &o.workers, "simulated workers (role both)");
+  flags.AddInt("capacity-blocks", &o.capacity_blocks, "KV cache blocks per worker (LRU)");
+  flags.AddInt("block-tokens", &o.block_tokens, "tokens per block of the trace's hash_ids");
+  flags.AddString("policy", &policies,
+                  "routing policy: kv|round_robin|least_loaded|random, a comma list, or all");
+  flags.AddDouble("load-weight", &o.policy_options.load_weight,
+                  "kv: weight of queued work against uncached prompt tokens");
+  flags.AddDouble("decode-weight", &o.policy_options.decode_weight,
+                  "kv, least_loaded: weight of running requests' KV tokens in queued work");
+  flags.AddDouble("temperature", &o.policy_options.temperature,
+                  "kv: softmax temperature for a randomised choice (0 = cheapest)");
+  flags.AddInt("seed", &seed, "random seed (random policy, kv with temperature)");
+  flags.AddDouble("pending-ttl-ms", &pending_ttl_ms,
+                  "how long routed-but-unconfirmed blocks count as held");
+  flags.AddDouble("prefill-tokens-per-s", &o.prefill_tokens_per_s,
+                  "simulated prefill speed of one worker");
+  flags.AddDouble("prefill-overhead-ms", &prefill_overhead_ms, "fixed cost of one prefill");
+  flags.AddDouble("decode-step-ms", &decode_step_ms, "decode step time at batch size 0");
+  flags.AddDouble("decode-step-per-seq-ms", &decode_step_per_seq_ms,
+                  "decode step time added per running request");
+  flags.AddDouble("event-delay-ms", &event_delay_ms, "KV event delivery delay to the router");
+  flags.AddDouble("load-report-ms", &load_report_ms, "interval of workers' Load reports");
+  flags.AddBool("json", &json, "print one JSON line per policy");
+  flags.SetEpilog(
+      "Example: pdserve sim --trace conversation_trace.jsonl --workers 16 --capacity-blocks 8000 "
+      "--block-tokens 512 --policy all --json");
+  ParseFlagsOrExit(flags, argc, argv);
+
+  if (trace_path.empty()) UsageError("sim", "--trace is required");
+  std::string bad;
+  const std::vector<std::string> names = ParsePolicyList(policies, &bad);
+  if (names.empty()) {
+    UsageError("sim", "--policy: unknown policy '" + bad +
+                          "' (valid: kv|round_robin|least_loaded|random|all)");
+  }
+  if (seed < 0) UsageError("sim", "--seed must not be negative");
+  o.policy_options.seed = static_cast<uint64_t>(seed);
+  o.pending_ttl_s = pending_ttl_ms / 1e3;
+  o.prefill_overhead_s = prefill_overhead_ms / 1e3;
+  o.decode_step_s = decode_step_ms / 1e3;
+  o.decode_step_per_seq_s = decode_step_per_seq_ms / 1e3;
+  o.event_delay_s = event_delay_ms / 1e3;
+  o.load_report_interval_s = load_report_ms / 1e3;
+
+  auto trace = router::LoadMooncakeTrace(trace_path, o.block_tokens);
+  if (!trace.ok()) UsageError("sim", trace.status().message());
+  std::fprintf(stderr, "sim: %zu requests from %s\n", trace->size(), trace_path.c_str());
+
+  if (!json) {
+    std::printf("%-13s %9s %9s %9s %10s %10s %10s\n", "policy", "hit_rate", "oracle", "of_oracle",
+                "ttft_p50_s", "ttft_p99_s", "imbalance");
+  }
+  for (const std::string& name : names) {
+    o.policy = name;
+    auto progress = [&](size_t done, size_t total) {
+      std::fprintf(stderr, "sim %s: %zu/%zu requests (%.0f%%)\n", name.c_str(), done, total,
+                   100.0 * static_cast<double>(done) / static_cast<double>(total));
+    };
+    auto result = router::RunSimulation(*trace, o, progress);
+    if (!result.ok()) {
+      if (result.status().code() == StatusCode::kInvalidArgument) {
+        UsageError("sim", result.status().message());
+      }
+      std::fprintf(stderr, "pdserve sim: %s\n", result.status().ToString().c_str());
+      return 1;
+    }
+    const SimResult& r = *result;
+    if (json) {
+      std::printf("%s\n", ResultJson(o, trace_path, r).dump().c_str());
+    } else {
+      std::printf("%-13s %9.4f %9.4f %8.1f%% %10.3f %10.3f %10.3f\n", name.c_str(), r.hit_rate,
+                  r.oracle_hit_rate,
+                  r.oracle_hit_rate > 0 ? 100.0 * r.hit_rate / r.oracle_hit_rate : 100.0,
+                  r.ttft_p50_s, r.ttft_p99_s, r.load_imbalance);
+    }
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
+}  // namespace
+
+PDSERVE_COMMAND("sim", "routing simulator: replay a trace through the router's policies", RunSim);
+
+}  // namespace pdserve::cli

@@ -1,0 +1,100 @@
+// BlockTable: an open-addressing hash table from a 64-bit block hash to a
+// fixed number of 64-bit words (a worker bitset), or to nothing (a set).
+//
+// Why not std::unordered_map: the prefix index does one lookup per prompt
+// block on the routing path and two inserts per KV event on the ingestion
+// path, so it wants one cache miss per operation, prefetchable slots and an
+// exact memory bound. Slots are stored inline ([key, word0, ..., wordW-1]),
+// probing is linear, deletion shifts back (no tombstones, so lookups never
+// slow down with churn). Key 0 is legal: it lives in one extra slot at the
+// end. Not thread-safe; the owner locks.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace pdserve::router::detail {
+
+class BlockTable {
+ public:
+  static constexpr size_t kNotFound = SIZE_MAX;
+
+  // `words` per entry (0 for a set); at most `max_entries` keys are held.
+  BlockTable(size_t words, size_t max_entries);
+
+  size_t size() const { return size_; }
+  size_t max_entries() const { return max_entries_; }
+  size_t words_per_entry() const { return words_; }
+  // Bytes allocated for slots (the table's whole footprint but a few members).
+  size_t bytes() const { return slots_.capacity() * sizeof(uint64_t); }
+
+  // Slot of `key`, or kNotFound.
+  size_t Find(uint64_t key) const {
+    if (key == 0) return has_zero_ ? capacity_ : kNotFound;
+    for (size_t i = Home(key);; i = (i + 1) & mask_) {
+      const uint64_t k = slots_[i * stride_];
+      if (k == key) return i;
+      if (k == 0) return kNotFound;
+    }
+  }
+
+  // Slot of `key`, inserting it (words zeroed) when absent; kNotFound when
+  // absent and the table already holds max_entries keys. Slot numbers of
+  // other keys are invalidated by an insert (the table may grow).
+  size_t FindOrInsert(uint64_t key, bool* inserted);
+
+  // Removes the key in `slot`. Invalidates slot numbers.
+  void EraseSlot(size_t slot);
+
+  // Removes `key` if present; returns whether it was.
+  bool Erase(uint64_t key) {
+    const size_t slot = Find(key);
+    if (slot == kNotFound) return false;
+    EraseSlot(slot);
+    return true;
+  }
+
+  uint64_t* words(size_t slot) { return &slots_[slot * stride_ + 1]; }
+  const uint64_t* words(size_t slot) const { return &slots_[slot * stride_ + 1]; }
+  uint64_t key(size_t slot) const { return slot == capacity_ ? 0 : slots_[slot * stride_]; }
+
+  // Hints the CPU to fetch the home slot of `key` (the routing path issues
+  // these for a whole prompt before walking it).
+  void Prefetch(uint64_t key) const { __builtin_prefetch(&slots_[Home(key) * stride_]); }
+
+  // Calls f(key, words) for every entry. The table must not change meanwhile.
+  template <typename F>
+  void ForEach(F&& f) const {
+    for (size_t i = 0; i < capacity_; ++i) {
+      const uint64_t k = slots_[i * stride_];
+      if (k != 0) f(k, &slots_[i * stride_ + 1]);
+    }
+    if (has_zero_) f(uint64_t{0}, &slots_[capacity_ * stride_ + 1]);
+  }
+
+  // Removes everything and returns to the smallest allocation.
+  void Clear();
+
+ private:
+  size_t Home(uint64_t key) const {
+    // Fibonacci hashing: spreads sequential ids (simulator traces) as well as
+    // the already-uniform xxHash block hashes.
+    return static_cast<size_t>((key * 0x9E3779B97F4A7C15ull) >> shift_);
+  }
+  void Allocate(size_t capacity);
+  void Grow();
+
+  size_t words_;
+  size_t stride_;
+  size_t max_entries_;
+  size_t capacity_ = 0;  // power of two; slot `capacity_` is the key-0 slot
+  size_t mask_ = 0;
+  int shift_ = 64;
+  size_t size_ = 0;
+  bool has_zero_ = false;
+  std::vector<uint64_t> slots_;
+};
+
+}  // namespace pdserve::router::detail

@@ -1,0 +1,343 @@
+#include "services/router/prefix_index.h"
+
+#include <algorithm>
+#include <bit>
+#include <limits>
+#include <mutex>
+
+#include "services/router/detail/block_table.h"
+
+namespace pdserve::router {
+
+using detail::BlockTable;
+
+namespace {
+constexpr int64_t kNoExpiry = std::numeric_limits<int64_t>::max();
+// How far ahead of the current block the ingestion and query loops prefetch.
+constexpr size_t kPrefetchDistance = 8;
+
+inline void SetBit(uint64_t* words, WorkerId w) { words[w >> 6] |= uint64_t{1} << (w & 63); }
+inline void ClearBit(uint64_t* words, WorkerId w) { words[w >> 6] &= ~(uint64_t{1} << (w & 63)); }
+inline bool TestBit(const uint64_t* words, WorkerId w) { return (words[w >> 6] >> (w & 63)) & 1; }
+inline bool AllZero(const uint64_t* words, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    if (words[i] != 0) return false;
+  }
+  return true;
+}
+}  // namespace
+
+const char* ApplyOutcomeName(ApplyOutcome outcome) {
+  switch (outcome) {
+    case ApplyOutcome::kApplied:
+      return "applied";
+    case ApplyOutcome::kDuplicate:
+      return "duplicate";
+    case ApplyOutcome::kNeedsResync:
+      return "needs_resync";
+    case ApplyOutcome::kUnknownWorker:
+      return "unknown_worker";
+  }
+  return "?";
+}
+
+struct PrefixIndex::WorkerState {
+  bool open = false;
+  bool synced = false;  // a snapshot was applied and no gap seen since
+  uint64_t last_seq = 0;
+  std::unique_ptr<BlockTable> blocks;  // the worker's own block set, for purges
+};
+
+PrefixIndex::PrefixIndex(PrefixIndexOptions options)
+    : options_(options),
+      words_((std::max<size_t>(options.max_workers, 1) + 63) / 64),
+      blocks_(std::make_unique<BlockTable>(words_, options.max_entries)),
+      pending_(std::make_unique<BlockTable>(words_, options.max_pending)),
+      next_pending_expiry_(kNoExpiry),
+      workers_(options.max_workers) {}
+
+PrefixIndex::~PrefixIndex() = default;
+
+Status PrefixIndex::AddWorker(WorkerId worker) {
+  std::unique_lock lock(mu_);
+  if (worker >= workers_.size()) {
+    return Status::InvalidArgument("worker slot " + std::to_string(worker) +
+                                   " is beyond the index's " + std::to_string(workers_.size()) +
+                                   " slots");
+  }
+  WorkerState& w = workers_[worker];
+  if (w.open) return Status::InvalidArgument("worker slot " + std::to_string(worker) + " in use");
+  w.open = true;
+  w.synced = false;
+  w.last_seq = 0;
+  // A worker never holds more distinct blocks than the index does.
+  w.blocks = std::make_unique<BlockTable>(0, options_.max_entries);
+  return Status::Ok();
+}
+
+void PrefixIndex::RemoveWorker(WorkerId worker) {
+  std::unique_lock lock(mu_);
+  if (worker >= workers_.size() || !workers_[worker].open) return;
+  PurgeBlocksLocked(worker);
+  PurgePendingLocked(worker);
+  workers_[worker] = WorkerState{};
+}
+
+void PrefixIndex::StoreLocked(WorkerId worker, std::span<const BlockHash> hashes) {
+  BlockTable& mine = *workers_[worker].blocks;
+  const size_t n = hashes.size();
+  for (size_t i = 0; i < n; ++i) {
+    if (i + kPrefetchDistance < n) {
+      blocks_->Prefetch(hashes[i + kPrefetchDistance]);
+      mine.Prefetch(hashes[i + kPrefetchDistance]);
+    }
+    const BlockHash h = hashes[i];
+    bool inserted = false;
+    const size_t slot = blocks_->FindOrInsert(h, &inserted);
+    if (slot == BlockTable::kNotFound) {
+      ++counters_.rejected_stores;
+      continue;
+    }
+    SetBit(blocks_->words(slot), worker);
+    bool mine_inserted = false;
+    mine.FindOrInsert(h, &mine_inserted);  // cannot fail: mine.size() <= blocks_->size()
+    if (pending_->size() != 0) ClearPendingBitLocked(h, worker);  // the real event supersedes
+  }
+  counters_.events_applied += n;
+}
+
+void PrefixIndex::RemoveLocked(WorkerId worker, std::span<const BlockHash> hashes) {
+  BlockTable& mine = *workers_[worker].blocks;
+  const size_t n = hashes.size();
+  for (size_t i = 0; i < n; ++i) {
+    if (i + kPrefetchDistance < n) {
+      blocks_->Prefetch(hashes[i + kPrefetchDistance]);
+      mine.Prefetch(hashes[i + kPrefetchDistance]);
+    }
+    const BlockHash h = hashes[i];
+    if (!mine.Erase(h)) {
+      ++counters_.unknown_removes;
+      continue;
+    }
+    const size_t slot = blocks_->Find(h);
+    if (slot == BlockTable::kNotFound) continue;  // unreachable: mine ⊆ blocks_
+    uint64_t* words = blocks_->words(slot);
+    ClearBit(words, worker);
+    if (AllZero(words, words_)) blocks_->EraseSlot(slot);
+  }
+  counters_.events_applied += n;
+}
+
+void PrefixIndex::PurgeBlocksLocked(WorkerId worker) {
+  BlockTable& mine = *workers_[worker].blocks;
+  mine.ForEach([&](uint64_t h, const uint64_t*) {
+    const size_t slot = blocks_->Find(h);
+    if (slot == BlockTable::kNotFound) return;
+    uint64_t* words = blocks_->words(slot);
+    ClearBit(words, worker);
+    if (AllZero(words, words_)) blocks_->EraseSlot(slot);
+  });
+  mine.Clear();
+}
+
+void PrefixIndex::ClearPendingBitLocked(BlockHash hash, WorkerId worker) {
+  const size_t slot = pending_->Find(hash);
+  if (slot == BlockTable::kNotFound) return;
+  uint64_t* words = pending_->words(slot);
+  ClearBit(words, worker);
+  if (AllZero(words, words_)) pending_->EraseSlot(slot);
+}
+
+void PrefixIndex::PurgePendingLocked(WorkerId worker) {
+  // Collect first: erasing shifts entries, which would upset the iteration.
+  std::vector<BlockHash> hashes;
+  pending_->ForEach([&](uint64_t h, const uint64_t* words) {
+    if (TestBit(words, worker)) hashes.push_back(h);
+  });
+  for (BlockHash h : hashes) ClearPendingBitLocked(h, worker);
+  // FIFO records of this worker become no-ops when they expire.
+}
+
+void PrefixIndex::PopPendingLocked() {
+  const PendingRecord& r = pending_fifo_.front();
+  ClearPendingBitLocked(r.hash, r.worker);
+  pending_fifo_.pop_front();
+  next_pending_expiry_.store(pending_fifo_.empty() ? kNoExpiry : pending_fifo_.front().expires_us,
+                             std::memory_order_relaxed);
+}
+
+ApplyOutcome PrefixIndex::ApplyEvents(WorkerId worker, const KvEventBatch& batch) {
+  std::unique_lock lock(mu_);
+  if (worker >= workers_.size() || !workers_[worker].open) return ApplyOutcome::kUnknownWorker;
+  WorkerState& w = workers_[worker];
+  if (!w.synced) return ApplyOutcome::kNeedsResync;
+  if (batch.seq <= w.last_seq) {
+    ++counters_.duplicate_batches;
+    return ApplyOutcome::kDuplicate;
+  }
+  if (batch.seq != w.last_seq + 1) {
+    ++counters_.gaps;
+    w.synced = false;
+    return ApplyOutcome::kNeedsResync;
+  }
+  w.last_seq = batch.seq;
+  for (const KvEvent& e : batch.events) {
+    switch (e.kind) {
+      case KvEvent::Kind::kStored:
+        StoreLocked(worker, e.hashes);
+        break;
+      case KvEvent::Kind::kRemoved:
+        RemoveLocked(worker, e.hashes);
+        break;
+      case KvEvent::Kind::kCleared:
+        PurgeBlocksLocked(worker);
+        PurgePendingLocked(worker);
+        break;
+    }
+  }
+  ++counters_.batches_applied;
+  return ApplyOutcome::kApplied;
+}
+
+Status PrefixIndex::ApplySnapshot(WorkerId worker, uint64_t seq,
+                                  std::span<const BlockHash> hashes) {
+  std::unique_lock lock(mu_);
+  if (worker >= workers_.size() || !workers_[worker].open) {
+    return Status::NotFound("snapshot for unknown worker slot " + std::to_string(worker));
+  }
+  PurgeBlocksLocked(worker);
+  const uint64_t applied_before = counters_.events_applied;
+  StoreLocked(worker, hashes);
+  counters_.events_applied = applied_before;  // a snapshot is not a stream of events
+  WorkerState& w = workers_[worker];
+  w.synced = true;
+  w.last_seq = seq;
+  ++counters_.snapshots_applied;
+  return Status::Ok();
+}
+
+bool PrefixIndex::NeedsResync(WorkerId worker) const {
+  std::shared_lock lock(mu_);
+  return worker < workers_.size() && workers_[worker].open && !workers_[worker].synced;
+}
+
+void PrefixIndex::LeadingOverlap(std::span<const BlockHash> hashes,
+                                 std::vector<uint32_t>* out) const {
+  out->assign(workers_.size(), 0);
+  if (hashes.empty()) return;
+  std::shared_lock lock(mu_);
+  const bool any_pending = pending_->size() != 0;
+  // Issue the memory loads for the whole prompt up front; the walk below then
+  // mostly hits cache instead of paying one miss per block in sequence.
+  const size_t n = hashes.size();
+  for (size_t i = 0; i < std::min(n, 4 * kPrefetchDistance); ++i) blocks_->Prefetch(hashes[i]);
+
+  // `alive` = workers holding every block so far. When a worker drops out at
+  // block i, its leading overlap is i.
+  constexpr size_t kMaxWordsOnStack = 16;  // 1024 workers
+  uint64_t alive_stack[kMaxWordsOnStack];
+  uint64_t here_stack[kMaxWordsOnStack];
+  std::vector<uint64_t> heap;
+  uint64_t* alive = alive_stack;
+  uint64_t* here = here_stack;
+  if (words_ > kMaxWordsOnStack) {
+    heap.assign(2 * words_, 0);
+    alive = heap.data();
+    here = heap.data() + words_;
+  }
+  auto load = [&](BlockHash h, uint64_t* dst) {
+    std::fill_n(dst, words_, 0);
+    const size_t slot = blocks_->Find(h);
+    if (slot != BlockTable::kNotFound) std::copy_n(blocks_->words(slot), words_, dst);
+    if (any_pending) {
+      const size_t p = pending_->Find(h);
+      if (p != BlockTable::kNotFound) {
+        const uint64_t* pw = pending_->words(p);
+        for (size_t k = 0; k < words_; ++k) dst[k] |= pw[k];
+      }
+    }
+  };
+  load(hashes[0], alive);
+  size_t i = 1;
+  for (; i < n; ++i) {
+    if (AllZero(alive, words_)) return;
+    if (i + 4 * kPrefetchDistance < n) blocks_->Prefetch(hashes[i + 4 * kPrefetchDistance]);
+    load(hashes[i], here);
+    for (size_t k = 0; k < words_; ++k) {
+      uint64_t dropped = alive[k] & ~here[k];
+      while (dropped != 0) {
+        const int bit = std::countr_zero(dropped);
+        (*out)[k * 64 + bit] = static_cast<uint32_t>(i);
+        dropped &= dropped - 1;
+      }
+      alive[k] &= here[k];
+    }
+  }
+  for (size_t k = 0; k < words_; ++k) {
+    for (uint64_t rest = alive[k]; rest != 0; rest &= rest - 1) {
+      (*out)[k * 64 + std::countr_zero(rest)] = static_cast<uint32_t>(n);
+    }
+  }
+}
+
+void PrefixIndex::AddPending(WorkerId worker, std::span<const BlockHash> hashes,
+                             int64_t expires_us) {
+  if (options_.max_pending == 0 || hashes.empty()) return;
+  std::unique_lock lock(mu_);
+  if (worker >= workers_.size() || !workers_[worker].open) return;
+  for (BlockHash h : hashes) {
+    while (pending_fifo_.size() >= options_.max_pending) PopPendingLocked();
+    bool inserted = false;
+    const size_t slot = pending_->FindOrInsert(h, &inserted);
+    if (slot == BlockTable::kNotFound) continue;  // unreachable: the FIFO bounds the table
+    uint64_t* words = pending_->words(slot);
+    if (TestBit(words, worker)) continue;  // already pending: keep the first expiry
+    SetBit(words, worker);
+    pending_fifo_.push_back({expires_us, h, worker});
+  }
+  next_pending_expiry_.store(pending_fifo_.empty() ? kNoExpiry : pending_fifo_.front().expires_us,
+                             std::memory_order_relaxed);
+}
+
+void PrefixIndex::ExpirePending(int64_t now_us) {
+  if (next_pending_expiry_.load(std::memory_order_relaxed) > now_us) return;
+  std::unique_lock lock(mu_);
+  while (!pending_fifo_.empty() && pending_fifo_.front().expires_us <= now_us) PopPendingLocked();
+}
+
+std::vector<BlockHash> PrefixIndex::WorkerBlocks(WorkerId worker) const {
+  std::shared_lock lock(mu_);
+  std::vector<BlockHash> out;
+  if (worker >= workers_.size() || !workers_[worker].open) return out;
+  workers_[worker].blocks->ForEach([&](uint64_t h, const uint64_t*) { out.push_back(h); });
+  return out;
+}
+
+size_t PrefixIndex::WorkerBlockCount(WorkerId worker) const {
+  std::shared_lock lock(mu_);
+  if (worker >= workers_.size() || !workers_[worker].open) return 0;
+  return workers_[worker].blocks->size();
+}
+
+PrefixIndexStats PrefixIndex::stats() const {
+  std::shared_lock lock(mu_);
+  PrefixIndexStats s = counters_;
+  s.entries = blocks_->size();
+  s.bytes = blocks_->bytes() + pending_->bytes() + pending_fifo_.size() * sizeof(PendingRecord) +
+            workers_.capacity() * sizeof(WorkerState);
+  s.worker_blocks = 0;
+  for (const WorkerState& w : workers_) {
+    if (!w.open) continue;
+    s.worker_blocks += w.blocks->size();
+    s.bytes += w.blocks->bytes();
+  }
+  // Pending bits are counted through the FIFO, whose records outlive
+  // superseded bits; count live bits instead.
+  s.pending_entries = 0;
+  pending_->ForEach([&](uint64_t, const uint64_t* words) {
+    for (size_t k = 0; k < words_; ++k) s.pending_entries += std::popcount(words[k]);
+  });
+  return s;
+}
+
+}  // namespace pdserve::router

@@ -1,0 +1,160 @@
+// PrefixIndex: the router's global map of which worker holds which KV block.
+//
+// Fed by each worker's KV events (Stored / Removed / Cleared, in batches with a
+// per-worker sequence number) and full snapshots (Resync); answers, for a
+// prompt's block hashes (common/block_hash.h), how many LEADING blocks each
+// worker holds: the walk stops at a worker's first miss, because a block is
+// only reusable together with its whole prefix (hash spec v1 chains parents).
+//
+// Contracts:
+// - Workers are dense slots 0..max_workers-1 (the caller maps names to slots).
+//   A worker is trusted only after a snapshot: until ApplySnapshot, and after
+//   a detected gap until the next snapshot, its event batches are not applied
+//   and ApplyEvents answers kNeedsResync (the caller then asks the worker for
+//   a Resync). What the worker held before the gap stays indexed meanwhile:
+//   stale knowledge routes better than none, and the snapshot replaces it.
+// - Batch sequence numbers: seq == last+1 is applied; seq <= last is a stale
+//   or duplicate delivery and is ignored; seq > last+1 is a gap (counted in
+//   stats().gaps, the source of pdserve_router_kv_event_gaps_total).
+// - Memory bound: at most max_entries distinct block hashes. A Stored event
+//   for a new hash while the index is full is dropped and counted in
+//   stats().rejected_stores: the index then under-reports that worker's
+//   prefix, so routing degrades gracefully and memory never grows. Size the
+//   bound to at least the sum of the workers' KV blocks. Memory use is
+//   reported in stats().bytes (allocated slots of every table).
+// - Pending entries (burst handling): AddPending records blocks a worker is
+//   about to compute because the router just sent it a request; queries treat
+//   them as held until they expire (ExpirePending) or the worker's own Stored
+//   event for that block arrives. At most max_pending are kept (oldest go
+//   first). An entry lives at most its TTL.
+// - Thread safety: every method may be called from any thread. Queries take a
+//   shared lock (many routing threads in parallel); event batches, snapshots,
+//   pending updates and purges take it exclusively, for time bounded by the
+//   batch size (or the worker's block count for a purge).
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <optional>
+#include <shared_mutex>
+#include <span>
+#include <vector>
+
+#include "common/block_hash.h"
+#include "common/status.h"
+
+namespace pdserve::router {
+
+namespace detail {
+class BlockTable;
+}
+
+using WorkerId = uint32_t;
+
+// One worker-side cache change, as carried by the control plane's KvEvents.
+struct KvEvent {
+  enum class Kind { kStored, kRemoved, kCleared };
+  Kind kind = Kind::kStored;
+  std::vector<BlockHash> hashes;    // Stored / Removed
+  std::optional<BlockHash> parent;  // Stored: hash of the block before hashes[0], if any
+};
+
+struct KvEventBatch {
+  uint64_t seq = 0;  // per worker, +1 per batch
+  std::vector<KvEvent> events;
+};
+
+enum class ApplyOutcome {
+  kApplied,        // the batch is reflected in the index
+  kDuplicate,      // seq already seen: ignored
+  kNeedsResync,    // gap, or no snapshot yet: ignored; ask the worker for a Resync
+  kUnknownWorker,  // slot not added
+};
+const char* ApplyOutcomeName(ApplyOutcome outcome);
+
+struct PrefixIndexOptions {
+  size_t max_workers = 256;        // slots; the bitset per block is max_workers bits
+  size_t max_entries = 4u << 20;   // distinct block hashes
+  size_t max_pending = 64u << 10;  // pending (worker, block) entries
+};
+
+struct PrefixIndexStats {
+  size_t entries = 0;           // distinct block hashes indexed
+  size_t worker_blocks = 0;     // (worker, block) pairs indexed
+  size_t pending_entries = 0;   // (worker, block) pending entries alive
+  size_t bytes = 0;             // memory held by the index's tables
+  uint64_t events_applied = 0;  // block-level events applied (each hash counts once)
+  uint64_t batches_applied = 0;
+  uint64_t duplicate_batches = 0;
+  uint64_t gaps = 0;               // sequence gaps detected
+  uint64_t rejected_stores = 0;    // Stored hashes dropped at the memory bound
+  uint64_t unknown_removes = 0;    // Removed hashes the worker was not known to hold
+  uint64_t snapshots_applied = 0;  // Resyncs
+};
+
+class PrefixIndex {
+ public:
+  explicit PrefixIndex(PrefixIndexOptions options = {});
+  ~PrefixIndex();
+  PrefixIndex(const PrefixIndex&) = delete;
+  PrefixIndex& operator=(const PrefixIndex&) = delete;
+
+  const PrefixIndexOptions& options() const { return options_; }
+
+  // Opens `worker`'s slot (empty, awaiting a snapshot). InvalidArgument if
+  // the slot is out of range or already open.
+  Status AddWorker(WorkerId worker);
+  // Forgets everything about `worker` (its blocks and pending entries) and
+  // frees the slot. No-op for a closed slot.
+  void RemoveWorker(WorkerId worker);
+
+  ApplyOutcome ApplyEvents(WorkerId worker, const KvEventBatch& batch);
+  // Resync: `worker` holds exactly `hashes`, as of its batch `seq`; the next
+  // batch expected is seq+1. NotFound for a closed slot.
+  Status ApplySnapshot(WorkerId worker, uint64_t seq, std::span<const BlockHash> hashes);
+  // Whether `worker`'s batches are being refused until a snapshot.
+  bool NeedsResync(WorkerId worker) const;
+
+  // out->at(w) = number of leading blocks of `hashes` worker w holds
+  // (indexed or pending), for every slot w < max_workers (0 for closed slots).
+  void LeadingOverlap(std::span<const BlockHash> hashes, std::vector<uint32_t>* out) const;
+
+  void AddPending(WorkerId worker, std::span<const BlockHash> hashes, int64_t expires_us);
+  // Drops pending entries whose expiry is <= now_us. Cheap when none is due.
+  void ExpirePending(int64_t now_us);
+
+  // Block hashes `worker` holds, unordered (for tests and debugging).
+  std::vector<BlockHash> WorkerBlocks(WorkerId worker) const;
+  size_t WorkerBlockCount(WorkerId worker) const;
+  PrefixIndexStats stats() const;
+
+ private:
+  struct WorkerState;
+  struct PendingRecord {
+    int64_t expires_us;
+    BlockHash hash;
+    WorkerId worker;
+  };
+
+  void StoreLocked(WorkerId worker, std::span<const BlockHash> hashes);
+  void RemoveLocked(WorkerId worker, std::span<const BlockHash> hashes);
+  void PurgeBlocksLocked(WorkerId worker);
+  void PurgePendingLocked(WorkerId worker);
+  void ClearPendingBitLocked(BlockHash hash, WorkerId worker);
+  void PopPendingLocked();
+
+  const PrefixIndexOptions options_;
+  const size_t words_;  // 64-bit words per worker bitset
+  mutable std::shared_mutex mu_;
+  std::unique_ptr<detail::BlockTable> blocks_;   // hash -> workers holding it
+  std::unique_ptr<detail::BlockTable> pending_;  // hash -> workers about to hold it
+  std::deque<PendingRecord> pending_fifo_;       // expiry order (TTL is uniform)
+  std::atomic<int64_t> next_pending_expiry_;     // front of pending_fifo_, or INT64_MAX
+  std::vector<WorkerState> workers_;
+  PrefixIndexStats counters_;  // the counter fields; sizes are computed on demand
+};
+
+}  // namespace pdserve::router

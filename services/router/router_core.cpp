@@ -1,0 +1,289 @@
+#include "services/router/router_core.h"
+
+#include <algorithm>
+#include <chrono>
+
+namespace pdserve::router {
+
+const char* WorkerRoleName(WorkerRole role) {
+  switch (role) {
+    case WorkerRole::kPrefill:
+      return "prefill";
+    case WorkerRole::kDecode:
+      return "decode";
+    case WorkerRole::kBoth:
+      return "both";
+  }
+  return "?";
+}
+
+StatusOr<WorkerRole> ParseWorkerRole(std::string_view text) {
+  if (text == "prefill") return WorkerRole::kPrefill;
+  if (text == "decode") return WorkerRole::kDecode;
+  if (text == "both") return WorkerRole::kBoth;
+  return Status::InvalidArgument("unknown worker role '" + std::string(text) +
+                                 "' (valid: prefill|decode|both)");
+}
+
+struct RouterCore::Worker {
+  WorkerId id = 0;
+  std::string name;
+  WorkerRole role = WorkerRole::kBoth;
+  WorkerLoad reported;
+  bool has_report = false;
+  bool draining = false;
+  int64_t inflight_requests = 0;
+  int64_t inflight_prefill_tokens = 0;  // charged to the prefilling worker
+  int64_t inflight_decode_tokens = 0;   // charged to the decode worker
+};
+
+RouterCore::RouterCore(RouterOptions options)
+    : options_(std::move(options)), index_(options_.index), workers_(options_.index.max_workers) {}
+
+RouterCore::~RouterCore() = default;
+
+StatusOr<std::unique_ptr<RouterCore>> RouterCore::Create(RouterOptions options) {
+  if (options.block_tokens <= 0) return Status::InvalidArgument("block_tokens must be positive");
+  if (options.max_local_prefill < 0) {
+    return Status::InvalidArgument("max_local_prefill must not be negative");
+  }
+  if (options.pending_ttl_us < 0)
+    return Status::InvalidArgument("pending TTL must not be negative");
+  if (options.index.max_workers == 0)
+    return Status::InvalidArgument("max_workers must be positive");
+  if (!options.clock_us) {
+    options.clock_us = [] {
+      return std::chrono::duration_cast<std::chrono::microseconds>(
+                 std::chrono::steady_clock::now().time_since_epoch())
+          .count();
+    };
+  }
+  PolicyOptions prefill_options = options.policy_options;
+  prefill_options.seed = options.policy_options.seed * 0x9E3779B97F4A7C15ull + 1;
+  auto decode_policy = MakePolicy(options.policy, options.policy_options);
+  if (!decode_policy.ok()) return decode_policy.status();
+  auto prefill_policy = MakePolicy(options.policy, prefill_options);
+  if (!prefill_policy.ok()) return prefill_policy.status();
+  std::unique_ptr<RouterCore> core(new RouterCore(std::move(options)));
+  core->decode_policy_ = std::move(*decode_policy);
+  core->prefill_policy_ = std::move(*prefill_policy);
+  return core;
+}
+
+StatusOr<WorkerId> RouterCore::AddWorker(const std::string& name, WorkerRole role) {
+  std::lock_guard lock(mu_);
+  std::optional<WorkerId> free_slot;
+  for (WorkerId i = 0; i < workers_.size(); ++i) {
+    if (!workers_[i]) {
+      if (!free_slot) free_slot = i;
+    } else if (workers_[i]->name == name) {
+      return Status::InvalidArgument("worker '" + name + "' is already registered");
+    }
+  }
+  if (!free_slot) {
+    return Status::ResourceExhausted("all " + std::to_string(workers_.size()) +
+                                     " worker slots are in use");
+  }
+  PDSERVE_RETURN_IF_ERROR(index_.AddWorker(*free_slot));
+  auto w = std::make_unique<Worker>();
+  w->id = *free_slot;
+  w->name = name;
+  w->role = role;
+  workers_[*free_slot] = std::move(w);
+  return *free_slot;
+}
+
+std::vector<uint64_t> RouterCore::RemoveWorker(WorkerId worker) {
+  std::vector<uint64_t> orphans;
+  std::lock_guard lock(mu_);
+  if (worker >= workers_.size() || !workers_[worker]) return orphans;
+  for (auto it = inflight_.begin(); it != inflight_.end();) {
+    Inflight& r = it->second;
+    if (r.decode == worker || r.prefiller == worker) {
+      ReleaseLocked(r, /*prefill_only=*/false);
+      orphans.push_back(it->first);
+      it = inflight_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  workers_[worker].reset();
+  index_.RemoveWorker(worker);
+  std::sort(orphans.begin(), orphans.end());
+  return orphans;
+}
+
+void RouterCore::SetDraining(WorkerId worker, bool draining) {
+  std::lock_guard lock(mu_);
+  if (worker < workers_.size() && workers_[worker]) workers_[worker]->draining = draining;
+}
+
+ApplyOutcome RouterCore::OnKvEvents(WorkerId worker, const KvEventBatch& batch) {
+  return index_.ApplyEvents(worker, batch);
+}
+
+Status RouterCore::OnSnapshot(WorkerId worker, uint64_t seq, std::span<const BlockHash> hashes) {
+  return index_.ApplySnapshot(worker, seq, hashes);
+}
+
+Status RouterCore::OnLoad(WorkerId worker, const WorkerLoad& load) {
+  std::lock_guard lock(mu_);
+  if (worker >= workers_.size() || !workers_[worker]) {
+    return Status::NotFound("load report for unknown worker slot " + std::to_string(worker));
+  }
+  workers_[worker]->reported = load;
+  workers_[worker]->has_report = true;
+  return Status::Ok();
+}
+
+Candidate RouterCore::MakeCandidateLocked(const Worker& w, int64_t overlap_blocks,
+                                          int64_t prompt_tokens) const {
+  Candidate c;
+  c.worker = w.id;
+  c.overlap_blocks = overlap_blocks;
+  c.uncached_tokens = std::max<int64_t>(0, prompt_tokens - overlap_blocks * options_.block_tokens);
+  c.queued_prefill_tokens = w.inflight_prefill_tokens;
+  c.decode_tokens = w.inflight_decode_tokens;
+  if (w.has_report) {
+    c.queued_prefill_tokens = std::max(c.queued_prefill_tokens, w.reported.queued_prefill_tokens);
+    if (w.reported.total_blocks > 0) {
+      const int64_t used = std::max<int64_t>(0, w.reported.total_blocks - w.reported.free_blocks);
+      c.decode_tokens = std::max(c.decode_tokens, used * options_.block_tokens);
+    }
+  }
+  return c;
+}
+
+StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
+  const int64_t blocks = static_cast<int64_t>(request.block_hashes.size());
+  if (request.prompt_tokens < blocks * options_.block_tokens || request.max_new_tokens < 0) {
+    return Status::InvalidArgument("route: " + std::to_string(blocks) + " blocks of " +
+                                   std::to_string(options_.block_tokens) + " tokens exceed the " +
+                                   std::to_string(request.prompt_tokens) + "-token prompt");
+  }
+  const int64_t now = options_.clock_us();
+  index_.ExpirePending(now);
+
+  std::lock_guard lock(mu_);
+  if (inflight_.contains(request.request_id)) {
+    return Status::InvalidArgument("request id " + std::to_string(request.request_id) +
+                                   " is already in flight");
+  }
+  index_.LeadingOverlap(request.block_hashes, &overlap_);
+
+  candidates_.clear();
+  for (const auto& w : workers_) {
+    if (w && !w->draining && w->role != WorkerRole::kPrefill) {
+      candidates_.push_back(MakeCandidateLocked(*w, overlap_[w->id], request.prompt_tokens));
+    }
+  }
+  if (candidates_.empty())
+    return Status::Unavailable("no decode worker is registered and accepting requests");
+  const Candidate d = candidates_[decode_policy_->Pick(candidates_)];
+
+  RouteDecision decision;
+  decision.decode = d.worker;
+  decision.decode_overlap_blocks = d.overlap_blocks;
+  decision.prefill_overlap_blocks = d.overlap_blocks;
+  decision.prefill_tokens = d.uncached_tokens;
+  if (d.uncached_tokens > options_.max_local_prefill) {
+    candidates_.clear();
+    for (const auto& w : workers_) {
+      if (w && !w->draining && w->role == WorkerRole::kPrefill) {
+        candidates_.push_back(MakeCandidateLocked(*w, overlap_[w->id], request.prompt_tokens));
+      }
+    }
+    if (!candidates_.empty()) {
+      const Candidate p = candidates_[prefill_policy_->Pick(candidates_)];
+      decision.prefill = p.worker;
+      decision.prefill_overlap_blocks = p.overlap_blocks;
+      decision.prefill_tokens = p.uncached_tokens;
+    }
+  }
+
+  Inflight r;
+  r.decode = decision.decode;
+  r.prefiller = decision.prefill.value_or(decision.decode);
+  r.prefill_tokens = decision.prefill_tokens;
+  r.decode_tokens = request.prompt_tokens + request.max_new_tokens;
+  Worker& dw = *workers_[r.decode];
+  dw.inflight_requests += 1;
+  dw.inflight_decode_tokens += r.decode_tokens;
+  workers_[r.prefiller]->inflight_prefill_tokens += r.prefill_tokens;
+  inflight_.emplace(request.request_id, r);
+
+  // Both the prefiller (computes the blocks) and the decode worker (receives
+  // them) will hold the whole prompt shortly.
+  const int64_t expires = now + options_.pending_ttl_us;
+  index_.AddPending(r.prefiller, request.block_hashes.subspan(decision.prefill_overlap_blocks),
+                    expires);
+  if (decision.prefill) {
+    index_.AddPending(r.decode, request.block_hashes.subspan(decision.decode_overlap_blocks),
+                      expires);
+  }
+
+  ++counters_.routed;
+  ++(decision.prefill ? counters_.remote_prefill : counters_.local_prefill);
+  counters_.prompt_tokens += request.prompt_tokens;
+  counters_.predicted_hit_tokens += request.prompt_tokens - decision.prefill_tokens;
+  return decision;
+}
+
+void RouterCore::ReleaseLocked(Inflight& r, bool prefill_only) {
+  if (!r.prefill_done) {
+    if (workers_[r.prefiller]) workers_[r.prefiller]->inflight_prefill_tokens -= r.prefill_tokens;
+    r.prefill_done = true;
+  }
+  if (prefill_only) return;
+  if (workers_[r.decode]) {
+    workers_[r.decode]->inflight_requests -= 1;
+    workers_[r.decode]->inflight_decode_tokens -= r.decode_tokens;
+  }
+}
+
+void RouterCore::OnPrefillDone(uint64_t request_id) {
+  std::lock_guard lock(mu_);
+  auto it = inflight_.find(request_id);
+  if (it != inflight_.end()) ReleaseLocked(it->second, /*prefill_only=*/true);
+}
+
+void RouterCore::OnRequestFinished(uint64_t request_id) {
+  std::lock_guard lock(mu_);
+  auto it = inflight_.find(request_id);
+  if (it == inflight_.end()) return;
+  ReleaseLocked(it->second, /*prefill_only=*/false);
+  inflight_.erase(it);
+}
+
+std::vector<WorkerView> RouterCore::Workers() const {
+  std::vector<WorkerView> out;
+  std::lock_guard lock(mu_);
+  for (const auto& w : workers_) {
+    if (!w) continue;
+    WorkerView v;
+    v.id = w->id;
+    v.name = w->name;
+    v.role = w->role;
+    v.needs_resync = index_.NeedsResync(w->id);
+    v.draining = w->draining;
+    v.indexed_blocks = index_.WorkerBlockCount(w->id);
+    v.reported = w->reported;
+    v.inflight_requests = w->inflight_requests;
+    v.inflight_prefill_tokens = w->inflight_prefill_tokens;
+    v.inflight_decode_tokens = w->inflight_decode_tokens;
+    out.push_back(std::move(v));
+  }
+  return out;
+}
+
+RouterStats RouterCore::stats() const {
+  RouterStats s;
+  {
+    std::lock_guard lock(mu_);
+    s = counters_;
+  }
+  s.index = index_.stats();
+  return s;
+}
+
+}  // namespace pdserve::router

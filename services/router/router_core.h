@@ -1,0 +1,174 @@
+// RouterCore: the routing brain the router service calls — workers, their
+// load, the global prefix index, and the choice of (decode worker, prefill
+// worker or local prefill) for each request. No I/O: the control plane turns
+// worker messages into the calls below; the HTTP layer calls Route() and
+// reports the request's progress back.
+//
+// Request accounting: Route() charges the chosen workers with the request's
+// prefill tokens and KV footprint; OnPrefillDone() releases the prefill part,
+// OnRequestFinished() (finished, failed or cancelled) the rest. Between two
+// Load reports, and for requests other router replicas sent, the worker's own
+// numbers and this router's accounting each undercount, so the policy sees
+// the larger of the two.
+//
+// Conditional disaggregation (ARCHITECTURE.md section 3): the decode worker D
+// is chosen first among decode|both workers (its own overlap and load); if the
+// tokens D would compute exceed max_local_prefill and a prefill-role worker
+// exists, a prefill worker is chosen among them (cache affinity and load),
+// else D prefills locally. Workers of role `both` serve their own prefills
+// only; they are never picked as another worker's remote prefiller.
+//
+// Burst handling: after each decision the blocks the prefilling worker will
+// compute are recorded as pending for pending_ttl_us, so the next requests
+// sharing that new prefix land on the same worker before its KV events come.
+//
+// Thread safety: all methods may be called concurrently. Route() and the
+// accounting calls serialise on one mutex (a decision is a few microseconds);
+// KV events go straight to the index, which has its own reader/writer lock,
+// so event ingestion only contends with the index walk of a decision.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "common/block_hash.h"
+#include "common/status.h"
+#include "services/router/policy.h"
+#include "services/router/prefix_index.h"
+
+namespace pdserve::router {
+
+enum class WorkerRole { kPrefill, kDecode, kBoth };
+const char* WorkerRoleName(WorkerRole role);
+StatusOr<WorkerRole> ParseWorkerRole(std::string_view text);
+
+// A worker's periodic Load report.
+struct WorkerLoad {
+  int64_t queued_prefill_tokens = 0;  // prompt tokens waiting for prefill (after its cache)
+  int64_t running = 0;                // requests decoding
+  int64_t waiting = 0;                // requests queued
+  int64_t free_blocks = 0;            // KV blocks not held by running requests
+  int64_t total_blocks = 0;
+};
+
+struct RouterOptions {
+  std::string policy = "kv";
+  PolicyOptions policy_options;
+  int64_t block_tokens = kDefaultBlockSize;
+  // Remote prefill only when the decode worker would compute more tokens than this.
+  int64_t max_local_prefill = 1024;
+  int64_t pending_ttl_us = 2'000'000;
+  PrefixIndexOptions index;
+  // Microseconds on a monotonic clock; the simulator supplies simulated time.
+  std::function<int64_t()> clock_us;
+};
+
+struct RouteRequest {
+  uint64_t request_id = 0;                  // unique among requests in flight
+  std::span<const BlockHash> block_hashes;  // full prompt blocks (hash spec v1)
+  int64_t prompt_tokens = 0;                // >= block_hashes.size() * block_tokens
+  int64_t max_new_tokens = 0;               // for the KV footprint estimate
+};
+
+struct RouteDecision {
+  WorkerId decode = 0;
+  std::optional<WorkerId> prefill;  // empty: the decode worker prefills locally
+  int64_t decode_overlap_blocks = 0;
+  int64_t prefill_overlap_blocks = 0;  // of the prefilling worker (== decode's when local)
+  int64_t prefill_tokens = 0;          // tokens the prefilling worker is expected to compute
+  bool remote_prefill() const { return prefill.has_value(); }
+};
+
+// What the router knows about one worker, for /metrics, logs and tests.
+struct WorkerView {
+  WorkerId id = 0;
+  std::string name;
+  WorkerRole role = WorkerRole::kBoth;
+  bool needs_resync = false;
+  bool draining = false;
+  size_t indexed_blocks = 0;
+  WorkerLoad reported;
+  int64_t inflight_requests = 0;
+  int64_t inflight_prefill_tokens = 0;
+  int64_t inflight_decode_tokens = 0;
+};
+
+struct RouterStats {
+  uint64_t routed = 0;
+  uint64_t local_prefill = 0;
+  uint64_t remote_prefill = 0;
+  uint64_t prompt_tokens = 0;
+  uint64_t predicted_hit_tokens = 0;  // overlap of the prefilling worker, in tokens
+  PrefixIndexStats index;
+};
+
+class RouterCore {
+ public:
+  // InvalidArgument for an unknown policy or nonsensical options.
+  static StatusOr<std::unique_ptr<RouterCore>> Create(RouterOptions options);
+  ~RouterCore();
+
+  // Registers a worker (a fresh connection). Its KV events are accepted after
+  // its first snapshot (OnSnapshot). InvalidArgument for a duplicate name,
+  // ResourceExhausted when all index slots are taken.
+  StatusOr<WorkerId> AddWorker(const std::string& name, WorkerRole role);
+  // Disconnect: purges the worker from the index and the load view. Returns
+  // the ids of requests that were routed to it and not finished (the caller
+  // retries or fails them; they are no longer accounted).
+  std::vector<uint64_t> RemoveWorker(WorkerId worker);
+
+  // A draining worker gets no new requests (its running ones finish); its
+  // blocks stay indexed. No-op for an unknown worker.
+  void SetDraining(WorkerId worker, bool draining);
+
+  ApplyOutcome OnKvEvents(WorkerId worker, const KvEventBatch& batch);
+  Status OnSnapshot(WorkerId worker, uint64_t seq, std::span<const BlockHash> hashes);
+  Status OnLoad(WorkerId worker, const WorkerLoad& load);
+
+  // Unavailable when no decode-capable worker is registered; InvalidArgument
+  // for a request id already in flight or inconsistent sizes.
+  StatusOr<RouteDecision> Route(const RouteRequest& request);
+  void OnPrefillDone(uint64_t request_id);
+  void OnRequestFinished(uint64_t request_id);
+
+  std::vector<WorkerView> Workers() const;
+  RouterStats stats() const;
+  const RouterOptions& options() const { return options_; }
+  // The index itself (events may also be applied to it directly).
+  PrefixIndex& index() { return index_; }
+
+ private:
+  struct Worker;
+  struct Inflight {
+    WorkerId decode = 0;
+    WorkerId prefiller = 0;  // == decode for local prefill
+    int64_t prefill_tokens = 0;
+    int64_t decode_tokens = 0;
+    bool prefill_done = false;
+  };
+  explicit RouterCore(RouterOptions options);
+  Candidate MakeCandidateLocked(const Worker& w, int64_t overlap_blocks,
+                                int64_t prompt_tokens) const;
+  void ReleaseLocked(Inflight& r, bool prefill_only);
+
+  RouterOptions options_;
+  PrefixIndex index_;
+  mutable std::mutex mu_;
+  std::unique_ptr<RoutingPolicy> decode_policy_;
+  std::unique_ptr<RoutingPolicy> prefill_policy_;
+  std::vector<std::unique_ptr<Worker>> workers_;  // by slot; null when free
+  std::unordered_map<uint64_t, Inflight> inflight_;
+  RouterStats counters_;
+  // Scratch reused by Route() (under mu_) so a decision does not allocate.
+  std::vector<uint32_t> overlap_;
+  std::vector<Candidate> candidates_;
+};
+
+}  // namespace pdserve::router

@@ -1,0 +1,99 @@
+// Routing simulator: replays a Mooncake-format request trace through the
+// router's real RouterCore (prefix index, load view, policy) against
+// simulated workers, to compare policies on prefix hit rate, TTFT and balance.
+//
+// Trace format (JSON lines): {"timestamp": ms, "input_length": tokens,
+// "output_length": tokens, "hash_ids": [...]}, one id per block_tokens-token
+// block of the prompt (the last may be partial); equal ids at equal positions
+// mean the same prefix. The ids stand in for block hashes.
+//
+// Simulated worker (role `both`, one per --workers):
+// - an LRU cache of capacity_blocks blocks. A prompt's leading cached blocks
+//   are hits; the rest are inserted (earlier blocks kept more recent, so a
+//   chain is evicted from its tail as an engine does). Evictions emit Removed
+//   events when the prefill starts, insertions Stored events when it ends,
+//   delivered to the router after event_delay_s.
+// - one FIFO prefill queue; a prefill takes prefill_overhead_s + uncached
+//   tokens / prefill_tokens_per_s and has priority over decode steps.
+// - continuous-batching decode: a step takes decode_step_s +
+//   decode_step_per_seq_s * batch and gives every running request a token.
+// - Load reports every load_report_interval_s.
+// TTFT = end of the request's prefill - arrival. Hit rate = cached prompt
+// tokens / prompt tokens at the workers; the oracle is one infinite cache
+// seeing every request in arrival order. Work of a worker = prompt tokens it
+// computed + tokens it generated; load imbalance = max / mean work.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <istream>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "services/router/router_core.h"
+
+namespace pdserve::router {
+
+struct TraceRequest {
+  int64_t timestamp_ms = 0;
+  int64_t input_length = 0;
+  int64_t output_length = 0;
+  std::vector<uint64_t> hash_ids;
+};
+
+// Parses JSON lines; blank lines are skipped. InvalidArgument naming the line
+// for malformed JSON, missing or negative fields, or a hash_ids count that is
+// not ceil(input_length / block_tokens). Requests come back sorted by
+// timestamp (stable).
+StatusOr<std::vector<TraceRequest>> ParseMooncakeTrace(std::istream& in, int64_t block_tokens,
+                                                       const std::string& source_name);
+// NotFound when the file cannot be opened.
+StatusOr<std::vector<TraceRequest>> LoadMooncakeTrace(const std::string& path,
+                                                      int64_t block_tokens);
+
+struct SimOptions {
+  int64_t workers = 16;
+  int64_t capacity_blocks = 8000;
+  int64_t block_tokens = 512;
+  std::string policy = "kv";
+  PolicyOptions policy_options;
+  double pending_ttl_s = 2.0;
+  double prefill_tokens_per_s = 8000;
+  double prefill_overhead_s = 0.005;
+  double decode_step_s = 0.015;
+  double decode_step_per_seq_s = 0.0002;
+  double event_delay_s = 0.01;
+  double load_report_interval_s = 0.1;
+};
+
+struct SimResult {
+  int64_t requests = 0;
+  int64_t prompt_tokens = 0;
+  int64_t hit_tokens = 0;            // served from the workers' caches
+  int64_t predicted_hit_tokens = 0;  // the router's expectation at routing time
+  int64_t oracle_hit_tokens = 0;
+  double hit_rate = 0;
+  double oracle_hit_rate = 0;
+  double predicted_hit_rate = 0;
+  double ttft_p50_s = 0;
+  double ttft_p99_s = 0;
+  double ttft_mean_s = 0;
+  double load_imbalance = 0;    // max / mean work
+  double makespan_s = 0;        // simulated time until the last request finished
+  std::vector<int64_t> work;    // per worker: prompt tokens computed + tokens generated
+  std::vector<int64_t> routed;  // per worker: requests
+  PrefixIndexStats index;
+};
+
+// Called every so often with (requests arrived, total).
+using SimProgress = std::function<void(size_t, size_t)>;
+
+// InvalidArgument for bad options (unknown policy, non-positive sizes or rates).
+StatusOr<SimResult> RunSimulation(const std::vector<TraceRequest>& trace, const SimOptions& options,
+                                  const SimProgress& progress = {});
+
+// Oracle hit tokens of `trace`: one cache of unlimited size, arrival order.
+int64_t OracleHitTokens(const std::vector<TraceRequest>& trace, int64_t block_tokens);
+
+}  // namespace pdserve::router
