@@ -43,7 +43,9 @@ class LogLine {
 #define PDSERVE_LOG_ERROR ::pdserve::LogLevel::kError
 
 // Usage: PDSERVE_LOG(INFO) << "request " << id << " done";
-#define PDSERVE_LOG(severity)                              \
-  if (PDSERVE_LOG_##severity < ::pdserve::GetLogLevel()) { \
-  } else                                                   \
-    ::pdserve::detail::LogLine(PDSERVE_LOG_##severity).stream()
+// (A one-pass for loop rather than if/else, so the macro is safe inside an
+// unbraced if.)
+#define PDSERVE_LOG(severity)                                                                      \
+  for (bool pdserve_log_on_ = PDSERVE_LOG_##severity >= ::pdserve::GetLogLevel(); pdserve_log_on_; \
+       pdserve_log_on_ = false)                                                                    \
+  ::pdserve::detail::LogLine(PDSERVE_LOG_##severity).stream()
