@@ -1,0 +1,50 @@
+// UTF-8 and Unicode helpers for the tokenizer (internal).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "common/status.h"
+
+namespace pdserve::tokenizer_detail {
+
+// Length in bytes of the UTF-8 sequence introduced by `lead` (1 for invalid
+// leads, so that scanning always advances).
+inline size_t Utf8SeqLen(unsigned char lead) {
+  if (lead < 0x80) return 1;
+  if ((lead >> 5) == 0x6) return 2;
+  if ((lead >> 4) == 0xE) return 3;
+  if ((lead >> 3) == 0x1E) return 4;
+  return 1;
+}
+
+// Decodes the code point at text[*pos] and advances *pos; invalid bytes
+// decode as U+FFFD and advance by one.
+char32_t NextCodepoint(std::string_view text, size_t* pos);
+void AppendUtf8(char32_t cp, std::string* out);
+
+// Replaces every maximal ill-formed subsequence with U+FFFD (the WHATWG /
+// Rust `String::from_utf8_lossy` rule).
+std::string Utf8Lossy(std::string_view bytes);
+bool IsValidUtf8(std::string_view bytes);
+
+// True when `text` ends inside a UTF-8 sequence that more bytes could complete.
+bool EndsWithIncompleteUtf8(std::string_view text);
+
+// GPT-2 byte-level alphabet: every byte has a printable stand-in character.
+const std::array<std::string, 256>& ByteToUnicode();
+// The byte a stand-in character represents, or -1.
+int UnicodeToByte(char32_t cp);
+
+// Rust `char::is_whitespace` (the Unicode White_Space property).
+bool IsWhitespace(char32_t cp);
+// Rust `char::is_alphanumeric` plus '_', approximated by general category.
+bool IsWordChar(char32_t cp);
+
+enum class NormalForm { kNFC, kNFD, kNFKC, kNFKD };
+StatusOr<std::string> NormalizeUnicode(std::string_view text, NormalForm form);
+std::string Lowercase(std::string_view text);
+
+}  // namespace pdserve::tokenizer_detail

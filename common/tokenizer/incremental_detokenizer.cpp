@@ -1,0 +1,53 @@
+#include <string_view>
+
+#include "common/tokenizer/tokenizer.h"
+
+namespace pdserve {
+
+namespace {
+constexpr std::string_view kReplacementChar = "\xEF\xBF\xBD";
+}  // namespace
+
+IncrementalDetokenizer::IncrementalDetokenizer(const Tokenizer& tokenizer, bool skip_special_tokens)
+    : tokenizer_(tokenizer), skip_special_tokens_(skip_special_tokens) {}
+
+std::string IncrementalDetokenizer::DecodeWindow(size_t begin, size_t end) const {
+  return tokenizer_.Decode(std::span<const TokenId>(ids_).subspan(begin, end - begin),
+                           skip_special_tokens_);
+}
+
+std::string IncrementalDetokenizer::Push(TokenId id) {
+  ids_.push_back(id);
+  std::string text = DecodeWindow(prefix_offset_, ids_.size());
+  // Hold back while the text does not extend what was emitted, or ends in a
+  // replacement character: the bytes of a character may still be arriving.
+  if (text.size() <= prefix_text_.size() || !std::string_view(text).starts_with(prefix_text_) ||
+      std::string_view(text).ends_with(kReplacementChar)) {
+    return "";
+  }
+  std::string piece = text.substr(prefix_text_.size());
+  // Slide the window: [read_offset_, end) produced text (the piece is not
+  // empty), so it is a valid start for the next window.
+  const size_t old_read = read_offset_;
+  prefix_offset_ = old_read;
+  read_offset_ = ids_.size();
+  prefix_text_ = DecodeWindow(prefix_offset_, read_offset_);
+  return piece;
+}
+
+std::string IncrementalDetokenizer::Flush() {
+  std::string text = DecodeWindow(prefix_offset_, ids_.size());
+  size_t common = 0;
+  while (common < text.size() && common < prefix_text_.size() &&
+         text[common] == prefix_text_[common]) {
+    ++common;
+  }
+  std::string rest = text.substr(common);
+  prefix_offset_ = read_offset_ = ids_.size();
+  prefix_text_.clear();
+  ids_.clear();
+  prefix_offset_ = read_offset_ = 0;
+  return rest;
+}
+
+}  // namespace pdserve

