@@ -1,0 +1,481 @@
+#include "engine/engine.h"
+
+#include <algorithm>
+#include <optional>
+
+#include "common/logging.h"
+#include "common/tokenizer/tokenizer.h"
+
+namespace pdserve {
+
+struct Engine::Sequence {
+  enum class State { kWaiting, kRunning, kRemote };
+  RequestId id = 0;
+  std::vector<TokenId> tokens;  // prompt, then every generated token
+  int64_t prompt_len = 0;
+  SamplingParams params;
+  uint64_t seed = 0;
+  BlockHash hash_seed = 0;
+  std::vector<BlockHash> hashes;  // of the leading full blocks whose KV is computed
+  int64_t num_computed = 0;       // tokens whose KV is in the pool
+  uint64_t arrival = 0;
+  bool prefill_only = false;
+  State state = State::kWaiting;
+  bool admitted_once = false;
+  bool reported_cached = false;
+  int64_t num_cached_tokens = 0;
+  bool finished = false;
+  std::optional<IncrementalDetokenizer> detokenizer;
+  std::optional<StopChecker> stop;
+
+  int64_t num_output() const { return static_cast<int64_t>(tokens.size()) - prompt_len; }
+};
+
+Engine::~Engine() = default;
+
+StatusOr<std::unique_ptr<Engine>> Engine::Create(Model* model, const EngineOptions& options,
+                                                 const Tokenizer* tokenizer) {
+  if (options.max_num_seqs < 1) return Status::InvalidArgument("max_num_seqs must be >= 1");
+  if (options.max_num_batched_tokens < 1) {
+    return Status::InvalidArgument("max_num_batched_tokens must be >= 1");
+  }
+  if (options.max_model_len < 0) return Status::InvalidArgument("max_model_len must be >= 0");
+  std::unique_ptr<Engine> e(new Engine());
+  e->model_ = model;
+  e->tokenizer_ = tokenizer;
+  e->options_ = options;
+  e->model_id_ = options.model_id.empty() ? model->model_id() : options.model_id;
+  const int64_t model_len = model->config().max_context();
+  e->max_model_len_ =
+      options.max_model_len > 0 ? std::min(options.max_model_len, model_len) : model_len;
+  auto pool = KvCachePool::Create(model->backend(), model->config(), options.kv_dtype,
+                                  options.block_size, options.kv_cache_bytes);
+  if (!pool.ok()) return pool.status();
+  e->pool_ = std::move(*pool);
+  BlockManagerOptions bm;
+  bm.num_blocks = static_cast<size_t>(e->pool_->num_blocks());
+  bm.block_size = static_cast<size_t>(options.block_size);
+  bm.enable_prefix_caching = options.enable_prefix_caching;
+  bm.record_kv_events = options.record_kv_events;
+  auto blocks = BlockManager::Create(bm);
+  if (!blocks.ok()) return blocks.status();
+  e->blocks_ = std::move(*blocks);
+  PDSERVE_LOG(INFO) << "engine: model " << model->model_id() << ", KV pool "
+                    << e->pool_->num_blocks() << " blocks of " << e->pool_->bytes_per_block()
+                    << " bytes (" << e->pool_->Describe() << "), max_model_len "
+                    << e->max_model_len_;
+  return e;
+}
+
+Status Engine::ValidateRequest(const EngineRequest& r) const {
+  const int64_t vocab = model_->config().vocab_size;
+  if (requests_.count(r.id)) {
+    return Status::InvalidArgument("request id " + std::to_string(r.id) + " is already in use");
+  }
+  if (r.prompt.empty()) return Status::InvalidArgument("prompt is empty");
+  const int64_t len = static_cast<int64_t>(r.prompt.size());
+  if (len >= max_model_len_) {
+    return Status::InvalidArgument("prompt of " + std::to_string(len) +
+                                   " tokens leaves no room for output in the context of " +
+                                   std::to_string(max_model_len_) + " tokens");
+  }
+  for (TokenId t : r.prompt) {
+    if (t < 0 || t >= vocab) {
+      return Status::InvalidArgument("prompt token id " + std::to_string(t) +
+                                     " is outside the vocabulary of " + std::to_string(vocab));
+    }
+  }
+  PDSERVE_RETURN_IF_ERROR(ValidateSamplingParams(r.params, static_cast<size_t>(vocab)));
+  if (!r.params.stop.empty() && tokenizer_ == nullptr) {
+    return Status::InvalidArgument("stop strings need a tokenizer");
+  }
+  const int64_t blocks_needed = (len + options_.block_size) / options_.block_size;
+  if (blocks_needed > pool_->num_blocks()) {
+    return Status::ResourceExhausted(
+        "prompt of " + std::to_string(len) + " tokens needs " + std::to_string(blocks_needed) +
+        " KV blocks but the whole pool has " + std::to_string(pool_->num_blocks()));
+  }
+  return Status::Ok();
+}
+
+std::unique_ptr<Engine::Sequence> Engine::NewSequence(EngineRequest r) {
+  auto s = std::make_unique<Sequence>();
+  s->id = r.id;
+  s->prompt_len = static_cast<int64_t>(r.prompt.size());
+  s->tokens = std::move(r.prompt);
+  s->seed = ResolveSeed(r.params);
+  s->params = std::move(r.params);
+  s->hash_seed = BlockHashSeed(model_id_, r.cache_salt);
+  s->arrival = next_arrival_++;
+  s->prefill_only = r.prefill_only;
+  if (tokenizer_ != nullptr) {
+    std::vector<TokenId> eos = model_->config().eos_token_ids;
+    for (TokenId id : tokenizer_->eos_token_ids()) {
+      if (std::find(eos.begin(), eos.end(), id) == eos.end()) eos.push_back(id);
+    }
+    s->detokenizer.emplace(*tokenizer_, /*skip_special_tokens=*/true);
+    s->stop.emplace(s->params, eos);
+  }
+  return s;
+}
+
+Status Engine::AddRequest(EngineRequest request) {
+  PDSERVE_RETURN_IF_ERROR(ValidateRequest(request));
+  auto seq = NewSequence(std::move(request));
+  Sequence* s = seq.get();
+  requests_.emplace(s->id, std::move(seq));
+  waiting_.push_back(s);
+  return Status::Ok();
+}
+
+void Engine::InsertSorted(std::vector<Sequence*>* list, Sequence* seq) {
+  auto it = std::upper_bound(list->begin(), list->end(), seq,
+                             [](Sequence* a, Sequence* b) { return a->arrival < b->arrival; });
+  list->insert(it, seq);
+}
+
+void Engine::Remove(std::vector<Sequence*>* list, Sequence* seq) {
+  list->erase(std::remove(list->begin(), list->end(), seq), list->end());
+}
+
+std::vector<BlockHash> Engine::PrefixHashes(const Sequence& s) const {
+  if (!options_.enable_prefix_caching) return {};
+  // Without the last token: at least one token is always computed, since its
+  // logits give the next output token.
+  return HashPrompt(s.hash_seed, std::span<const TokenId>(s.tokens.data(), s.tokens.size() - 1),
+                    static_cast<size_t>(options_.block_size));
+}
+
+void Engine::Preempt(Sequence* s) {
+  (void)blocks_->Free(s->id);
+  s->num_computed = 0;
+  s->hashes.clear();
+  s->state = Sequence::State::kWaiting;
+  Remove(&running_, s);
+  InsertSorted(&waiting_, s);
+  ++num_preemptions_;
+  PDSERVE_LOG(DEBUG) << "engine: preempted request " << s->id << " (" << s->tokens.size()
+                     << " tokens to recompute)";
+}
+
+void Engine::FinishSequence(Sequence* s, FinishReason reason, RequestOutput* out) {
+  out->finished = true;
+  out->finish_reason = reason;
+  if (s->prefill_only && blocks_->HasSequence(s->id)) {
+    auto pin = blocks_->Pin(s->id);
+    if (pin.ok()) {
+      out->kv_pin = *pin;
+      out->kv_blocks = blocks_->PinnedBlocks(*pin);
+    }
+  }
+  if (blocks_->HasSequence(s->id)) (void)blocks_->Free(s->id);
+  Remove(&running_, s);
+  Remove(&waiting_, s);
+  s->finished = true;
+}
+
+void Engine::ProcessToken(Sequence* s, const SampledToken& sampled, RequestOutput* out) {
+  const TokenId token = sampled.token;
+  s->tokens.push_back(token);
+  out->new_token_ids.push_back(token);
+  if (s->params.logprobs) out->logprobs.push_back(sampled);
+  if (!s->reported_cached) {
+    out->num_cached_tokens = s->num_cached_tokens;
+    s->reported_cached = true;
+  }
+  FinishReason reason = FinishReason::kNone;
+  if (s->stop) {
+    auto step = s->stop->OnToken(token, s->detokenizer->Push(token));
+    out->text += step.text;
+    reason = step.finish;
+  } else {
+    const auto& p = s->params;
+    const auto& eos = model_->config().eos_token_ids;
+    if (std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), token) !=
+            p.stop_token_ids.end() ||
+        (!p.ignore_eos && std::find(eos.begin(), eos.end(), token) != eos.end())) {
+      reason = FinishReason::kStop;
+    } else if (s->num_output() >= p.max_tokens) {
+      reason = FinishReason::kLength;
+    }
+  }
+  if (reason == FinishReason::kNone && s->prefill_only) {
+    // A prefill worker's job ends with the first token.
+    if (s->stop) out->text += s->stop->Flush();
+    FinishSequence(s, FinishReason::kNone, out);
+    return;
+  }
+  if (reason == FinishReason::kNone && static_cast<int64_t>(s->tokens.size()) >= max_model_len_) {
+    if (s->stop) out->text += s->stop->Flush();
+    reason = FinishReason::kLength;  // the context is full
+  }
+  if (reason != FinishReason::kNone) FinishSequence(s, reason, out);
+}
+
+StatusOr<std::vector<RequestOutput>> Engine::Step() {
+  std::vector<RequestOutput> outputs = std::move(pending_outputs_);
+  pending_outputs_.clear();
+  ++num_steps_;
+  const int64_t B = options_.block_size;
+  int64_t budget = options_.max_num_batched_tokens;
+  struct Scheduled {
+    Sequence* seq;
+    int64_t n;
+  };
+  std::vector<Scheduled> sched;
+  std::vector<RequestOutput> finished_early;
+  bool preempted = false;
+
+  // 1. Running sequences, oldest first.
+  for (size_t i = 0; i < running_.size() && budget > 0;) {
+    Sequence* s = running_[i];
+    const int64_t n =
+        std::min<int64_t>(static_cast<int64_t>(s->tokens.size()) - s->num_computed, budget);
+    bool scheduled = true;
+    for (;;) {
+      Status st = blocks_->AllocateSlots(s->id, static_cast<size_t>(s->num_computed + n));
+      if (st.ok()) break;
+      if (st.code() != StatusCode::kResourceExhausted) return st;
+      Sequence* victim = running_.back();
+      if (victim == s) {
+        const int64_t needed = (s->num_computed + n + B - 1) / B;
+        if (i == 0 && needed > pool_->num_blocks()) {
+          // Alone and still too big for the whole pool: it can never continue.
+          RequestOutput out;
+          out.id = s->id;
+          if (s->stop) out.text = s->stop->Flush();
+          PDSERVE_LOG(WARN) << "engine: request " << s->id << " outgrew the KV pool";
+          FinishSequence(s, FinishReason::kLength, &out);
+          finished_early.push_back(std::move(out));
+        } else {
+          Preempt(s);
+        }
+        scheduled = false;
+        break;
+      }
+      Preempt(victim);
+      preempted = true;
+    }
+    preempted |= !scheduled;
+    if (!scheduled) continue;  // s left running_; index i now names the next one
+    sched.push_back({s, n});
+    budget -= n;
+    ++i;
+  }
+
+  // 2. Waiting requests, in arrival order, unless this step had to preempt.
+  while (!preempted && !waiting_.empty() && budget > 0 &&
+         static_cast<int64_t>(running_.size()) < options_.max_num_seqs) {
+    Sequence* s = waiting_.front();
+    const int64_t total = static_cast<int64_t>(s->tokens.size());
+    const std::vector<BlockHash> hashes = PrefixHashes(*s);
+    const int64_t cached = static_cast<int64_t>(blocks_->FindCachedPrefix(hashes)) * B;
+    const int64_t planned = std::min(total - cached, budget);
+    AdmitRequest req;
+    req.seq = s->id;
+    req.prefix_hashes = hashes;
+    req.num_tokens = static_cast<size_t>(cached + planned);
+    req.prompt_tokens_for_stats = s->admitted_once ? 0 : static_cast<size_t>(s->prompt_len);
+    auto admitted = blocks_->Admit(req);
+    if (!admitted.ok()) {
+      if (admitted.status().code() == StatusCode::kResourceExhausted) break;
+      return admitted.status();
+    }
+    s->num_computed = static_cast<int64_t>(admitted->num_cached_tokens);
+    s->hashes.assign(hashes.begin(), hashes.begin() + admitted->num_cached_blocks);
+    if (!s->admitted_once) s->num_cached_tokens = s->num_computed;
+    s->admitted_once = true;
+    s->state = Sequence::State::kRunning;
+    waiting_.erase(waiting_.begin());
+    InsertSorted(&running_, s);
+    const int64_t covered = static_cast<int64_t>(blocks_->BlockTable(s->id).size()) * B;
+    const int64_t n = std::min({total - s->num_computed, budget, covered - s->num_computed});
+    if (n <= 0) continue;  // nothing covered yet; it runs next step
+    sched.push_back({s, n});
+    budget -= n;
+  }
+  for (auto& out : finished_early) outputs.push_back(std::move(out));
+  if (sched.empty()) return outputs;
+
+  // 3. The batch.
+  std::vector<int32_t> token_ids, positions, query_start{0}, context_lens, logits_rows,
+      block_tables;
+  std::vector<int64_t> slots;
+  std::vector<Sequence*> sampled_seqs;
+  int64_t max_blocks = 0;
+  for (const auto& sc : sched) {
+    max_blocks =
+        std::max<int64_t>(max_blocks, static_cast<int64_t>(blocks_->BlockTable(sc.seq->id).size()));
+  }
+  for (const auto& sc : sched) {
+    Sequence* s = sc.seq;
+    const auto& table = blocks_->BlockTable(s->id);
+    for (int64_t j = 0; j < sc.n; ++j) {
+      const int64_t pos = s->num_computed + j;
+      token_ids.push_back(s->tokens[pos]);
+      positions.push_back(static_cast<int32_t>(pos));
+      slots.push_back(static_cast<int64_t>(table[pos / B]) * B + pos % B);
+    }
+    query_start.push_back(static_cast<int32_t>(token_ids.size()));
+    context_lens.push_back(static_cast<int32_t>(s->num_computed + sc.n));
+    for (int64_t b = 0; b < max_blocks; ++b) {
+      block_tables.push_back(b < static_cast<int64_t>(table.size()) ? static_cast<int32_t>(table[b])
+                                                                    : 0);
+    }
+    if (s->num_computed + sc.n == static_cast<int64_t>(s->tokens.size())) {
+      logits_rows.push_back(static_cast<int32_t>(token_ids.size() - 1));
+      sampled_seqs.push_back(s);
+    }
+  }
+  ForwardBatch fb;
+  fb.num_tokens = static_cast<int64_t>(token_ids.size());
+  fb.token_ids = token_ids.data();
+  fb.positions = positions.data();
+  fb.slots = slots.data();
+  fb.attention.num_seqs = static_cast<int64_t>(sched.size());
+  fb.attention.query_start = query_start.data();
+  fb.attention.context_lens = context_lens.data();
+  fb.attention.block_tables = block_tables.data();
+  fb.attention.max_blocks_per_seq = max_blocks;
+  fb.num_logits = static_cast<int64_t>(logits_rows.size());
+  fb.logits_rows = logits_rows.data();
+  const int64_t vocab = model_->config().vocab_size;
+  logits_.resize(static_cast<size_t>(std::max<int64_t>(fb.num_logits, 1) * vocab));
+  PDSERVE_RETURN_IF_ERROR(model_->Forward(fb, pool_->layout(), pool_->base(), logits_.data()));
+
+  // 4. Bookkeeping: computed tokens, prefix-cache commits, sampling.
+  for (const auto& sc : sched) {
+    Sequence* s = sc.seq;
+    s->num_computed += sc.n;
+    if (options_.enable_prefix_caching) {
+      ExtendPromptHashes(s->hash_seed, std::span<const TokenId>(s->tokens.data(), s->num_computed),
+                         static_cast<size_t>(B), &s->hashes);
+      PDSERVE_RETURN_IF_ERROR(blocks_->CommitBlocks(s->id, s->hashes));
+    }
+  }
+  std::vector<RequestId> done;
+  for (size_t r = 0; r < sampled_seqs.size(); ++r) {
+    Sequence* s = sampled_seqs[r];
+    const std::span<const float> row(logits_.data() + r * vocab, static_cast<size_t>(vocab));
+    const SampledToken sampled =
+        SampleToken(row, s->params, s->seed, static_cast<uint64_t>(s->num_output()));
+    RequestOutput out;
+    out.id = s->id;
+    ProcessToken(s, sampled, &out);
+    outputs.push_back(std::move(out));
+  }
+  for (const auto& out : outputs) {
+    if (out.finished) done.push_back(out.id);
+  }
+  for (RequestId id : done) requests_.erase(id);
+  return outputs;
+}
+
+Status Engine::Cancel(RequestId id) {
+  auto it = requests_.find(id);
+  if (it == requests_.end()) {
+    return Status::NotFound("request " + std::to_string(id) + " is not active");
+  }
+  Sequence* s = it->second.get();
+  if (blocks_->HasSequence(id)) PDSERVE_RETURN_IF_ERROR(blocks_->Free(id));
+  Remove(&running_, s);
+  Remove(&waiting_, s);
+  // Drop an undelivered output of this request too (a remote first token).
+  pending_outputs_.erase(std::remove_if(pending_outputs_.begin(), pending_outputs_.end(),
+                                        [&](const RequestOutput& o) { return o.id == id; }),
+                         pending_outputs_.end());
+  requests_.erase(it);
+  return Status::Ok();
+}
+
+bool Engine::HasUnfinished() const { return !requests_.empty() || !pending_outputs_.empty(); }
+
+bool Engine::HasRequest(RequestId id) const { return requests_.count(id) > 0; }
+
+StatusOr<RemotePrefillPlan> Engine::AddRemotePrefillRequest(EngineRequest request) {
+  PDSERVE_RETURN_IF_ERROR(ValidateRequest(request));
+  if (request.prefill_only) {
+    return Status::InvalidArgument("a remote-prefill request cannot be prefill_only");
+  }
+  auto seq = NewSequence(std::move(request));
+  Sequence* s = seq.get();
+  const std::vector<BlockHash> hashes = PrefixHashes(*s);
+  AdmitRequest req;
+  req.seq = s->id;
+  req.prefix_hashes = hashes;
+  req.num_tokens = static_cast<size_t>(s->prompt_len);
+  req.prompt_tokens_for_stats = 0;  // blocks received by transfer are not hits
+  auto admitted = blocks_->Admit(req);
+  if (!admitted.ok()) return admitted.status();
+  s->num_computed = static_cast<int64_t>(admitted->num_cached_tokens);
+  s->num_cached_tokens = s->num_computed;
+  s->hashes.assign(hashes.begin(), hashes.begin() + admitted->num_cached_blocks);
+  s->admitted_once = true;
+  s->state = Sequence::State::kRemote;
+  RemotePrefillPlan plan;
+  plan.block_ids = blocks_->BlockTable(s->id);
+  plan.first_block_to_fill = admitted->num_cached_blocks;
+  plan.num_cached_tokens = s->num_computed;
+  requests_.emplace(s->id, std::move(seq));
+  return plan;
+}
+
+Status Engine::CompleteRemotePrefill(RequestId id, TokenId first_token,
+                                     std::optional<SampledToken> sampled) {
+  auto it = requests_.find(id);
+  if (it == requests_.end() || it->second->state != Sequence::State::kRemote) {
+    return Status::NotFound("request " + std::to_string(id) + " is not waiting for remote KV");
+  }
+  if (first_token < 0 || first_token >= model_->config().vocab_size) {
+    return Status::InvalidArgument("first token " + std::to_string(first_token) +
+                                   " is outside the vocabulary");
+  }
+  Sequence* s = it->second.get();
+  s->num_computed = s->prompt_len;
+  if (options_.enable_prefix_caching) {
+    ExtendPromptHashes(s->hash_seed, std::span<const TokenId>(s->tokens.data(), s->num_computed),
+                       static_cast<size_t>(options_.block_size), &s->hashes);
+    PDSERVE_RETURN_IF_ERROR(blocks_->CommitBlocks(s->id, s->hashes));
+  }
+  s->state = Sequence::State::kRunning;
+  InsertSorted(&running_, s);
+  SampledToken token = sampled.value_or(SampledToken{});
+  token.token = first_token;
+  RequestOutput out;
+  out.id = id;
+  ProcessToken(s, token, &out);
+  if (s->finished) requests_.erase(id);
+  pending_outputs_.push_back(std::move(out));
+  return Status::Ok();
+}
+
+Status Engine::FailRemotePrefill(RequestId id) {
+  auto it = requests_.find(id);
+  if (it == requests_.end() || it->second->state != Sequence::State::kRemote) {
+    return Status::NotFound("request " + std::to_string(id) + " is not waiting for remote KV");
+  }
+  Sequence* s = it->second.get();
+  PDSERVE_RETURN_IF_ERROR(blocks_->Free(id));
+  s->num_computed = 0;
+  s->hashes.clear();
+  s->state = Sequence::State::kWaiting;
+  InsertSorted(&waiting_, s);
+  return Status::Ok();
+}
+
+Status Engine::ReleaseKvBlocks(PinId pin) { return blocks_->Unpin(pin); }
+
+EngineStats Engine::GetStats() const {
+  EngineStats st;
+  st.num_running = static_cast<int64_t>(running_.size());
+  st.num_waiting = static_cast<int64_t>(waiting_.size());
+  for (const auto& [id, s] : requests_) {
+    if (s->state == Sequence::State::kRemote) ++st.num_remote_waiting;
+  }
+  st.num_preemptions = num_preemptions_;
+  st.num_steps = num_steps_;
+  st.blocks = blocks_->GetStats();
+  return st;
+}
+
+}  // namespace pdserve

@@ -1,0 +1,198 @@
+// The inference engine: a model, its paged KV pool, the block manager
+// (prefix cache, KV events) and a continuous-batching scheduler.
+//
+// Scheduling (vLLM vocabulary): every Step() builds one batch under a token
+// budget (max_num_batched_tokens). Running sequences come first, in arrival
+// order (FCFS): a decoding sequence takes 1 token, a prefilling one its next
+// chunk (whatever budget is left). Then waiting requests are admitted in
+// arrival order while budget, max_num_seqs and free blocks allow, each
+// reusing its longest cached prefix (full blocks, hash spec v1). When a
+// running sequence needs a block and none is free, the newest running
+// sequence is preempted: its blocks are released and it goes back to the
+// front of the queue, to be recomputed (prompt + tokens generated so far)
+// when it is admitted again. Sampling is a pure function of (logits, params,
+// seed, output index), so preemption, batching and chunking do not change
+// the tokens a request gets (up to floating-point noise in the logits).
+//
+// Disaggregated serving (ARCHITECTURE.md section 3):
+//  - decode worker: AddRemotePrefillRequest() admits a request and reserves
+//    blocks for its whole prompt, reusing the local cached prefix. It returns
+//    the block ids a peer must fill (blocks [first_block_to_fill, end) of the
+//    prompt's table). The request is parked (never scheduled, never
+//    preempted) until CompleteRemotePrefill(id, first_token): the KV is then
+//    taken as computed, its full blocks enter the prefix cache, and the next
+//    Step() reports the first token and decoding goes on. FailRemotePrefill(id)
+//    instead queues the request for local prefill (its reserved blocks are
+//    released first). Both peers must sample with the same resolved seed:
+//    give params.seed explicitly (ResolveSeed) before sending the request to
+//    both, otherwise tokens after the first are not those a single engine
+//    would produce.
+//  - prefill worker: a request added with prefill_only = true is prefilled
+//    like any other (prefix cache included), samples its first token and
+//    finishes. Its output carries `kv_blocks` (the block ids holding the
+//    prompt's KV, in order) under a pin: they are neither reused nor evicted
+//    until ReleaseKvBlocks(pin), which the caller invokes once the transport
+//    has copied them. Block i holds prompt tokens [i*B, (i+1)*B).
+//
+// Thread safety: none. One thread drives an engine (AddRequest, Step,
+// Cancel, ...); block_manager() is safe to read from other threads.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "common/block_hash.h"
+#include "common/dtype.h"
+#include "common/status.h"
+#include "engine/block_manager.h"
+#include "engine/kv_cache.h"
+#include "engine/model.h"
+#include "engine/sampler.h"
+
+namespace pdserve {
+
+class Tokenizer;
+
+using RequestId = uint64_t;
+
+struct EngineOptions {
+  int64_t block_size = 16;               // tokens per KV block
+  int64_t kv_cache_bytes = 64ll << 20;   // budget for the one KV pool
+  DType kv_dtype = DType::kF32;          // fp32, fp16, bf16 or fp8 (e4m3)
+  int64_t max_num_seqs = 64;             // sequences running at once
+  int64_t max_num_batched_tokens = 512;  // tokens per step (the prefill chunk size)
+  int64_t max_model_len = 0;             // 0: the model's context (ModelConfig::max_context)
+  bool enable_prefix_caching = true;
+  bool record_kv_events = false;  // on for workers that publish KV events
+};
+
+struct EngineRequest {
+  RequestId id = 0;
+  std::vector<TokenId> prompt;
+  SamplingParams params;
+  std::string cache_salt;  // isolates tenants' prefix caches (hash spec v1 seed)
+  bool prefill_only = false;
+};
+
+// What one Step() did for one request.
+struct RequestOutput {
+  RequestId id = 0;
+  std::vector<TokenId> new_token_ids;  // usually one; empty for a partial prefill
+  // With params.logprobs: one entry per new token.
+  std::vector<SampledToken> logprobs;
+  // New text released for this step (only with a tokenizer; stop strings cut it).
+  std::string text;
+  // For prefill_only requests `finished` is set with their first token, and
+  // finish_reason stays kNone unless that token itself ends generation.
+  bool finished = false;
+  FinishReason finish_reason = FinishReason::kNone;
+  // Prompt tokens whose KV came from the local prefix cache at admission
+  // (set on the request's first output).
+  int64_t num_cached_tokens = 0;
+  // prefill_only requests, on their (only) output: the pinned blocks holding
+  // the prompt's KV, and the pin to release.
+  std::vector<BlockId> kv_blocks;
+  std::optional<PinId> kv_pin;
+};
+
+struct RemotePrefillPlan {
+  std::vector<BlockId> block_ids;  // the prompt's whole block table
+  size_t first_block_to_fill = 0;  // blocks before it are cached locally
+  int64_t num_cached_tokens = 0;   // = first_block_to_fill * block_size
+};
+
+struct EngineStats {
+  int64_t num_running = 0;         // admitted and scheduled (prefill or decode)
+  int64_t num_waiting = 0;         // queued, including preempted ones
+  int64_t num_remote_waiting = 0;  // parked for remote KV
+  uint64_t num_preemptions = 0;    // pdserve_preemptions_total
+  uint64_t num_steps = 0;
+  BlockManagerStats blocks;
+};
+
+class Engine {
+ public:
+  // `tokenizer` may be null: outputs then carry no text and stop strings are
+  // refused. The model (and tokenizer) must outlive the engine; several
+  // engines may share one model if one thread drives them all.
+  static StatusOr<std::unique_ptr<Engine>> Create(Model* model, const EngineOptions& options,
+                                                  const Tokenizer* tokenizer = nullptr);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Validates and queues a request. InvalidArgument (nothing queued) for an
+  // empty prompt, a prompt that leaves no room for one output token in the
+  // context, a token id outside the vocabulary, invalid sampling params
+  // (ValidateSamplingParams), stop strings without a tokenizer or a
+  // duplicate id; ResourceExhausted when the prompt needs more blocks than
+  // the whole pool.
+  Status AddRequest(EngineRequest request);
+
+  // Runs one scheduling step and forward pass. Returns one output per
+  // request that got a token or finished. An empty result with
+  // HasUnfinished() true cannot happen unless every unfinished request is
+  // parked for remote KV.
+  StatusOr<std::vector<RequestOutput>> Step();
+
+  // Stops a request wherever it is (queued, prefilling, decoding, parked for
+  // remote KV) and frees every block it holds. NotFound for an unknown or
+  // already finished id. For a parked request the caller must make sure the
+  // peer no longer writes into its blocks.
+  Status Cancel(RequestId id);
+
+  // True while any request is queued, running or parked.
+  bool HasUnfinished() const;
+  bool HasRequest(RequestId id) const;
+
+  // --- disaggregation (see the header comment) ---
+  StatusOr<RemotePrefillPlan> AddRemotePrefillRequest(EngineRequest request);
+  // The KV of every block to fill has been written. `first_token` is the
+  // token the prefill worker sampled (its logprobs, if any, in `sampled`).
+  Status CompleteRemotePrefill(RequestId id, TokenId first_token,
+                               std::optional<SampledToken> sampled = std::nullopt);
+  Status FailRemotePrefill(RequestId id);
+  Status ReleaseKvBlocks(PinId pin);
+
+  const Model& model() const { return *model_; }
+  const KvCachePool& kv_pool() const { return *pool_; }
+  KvCachePool& kv_pool() { return *pool_; }
+  BlockManager& block_manager() { return *blocks_; }
+  const EngineOptions& options() const { return options_; }
+  int64_t max_model_len() const { return max_model_len_; }
+  EngineStats GetStats() const;
+
+ private:
+  struct Sequence;
+  Engine() = default;
+  Status ValidateRequest(const EngineRequest& request) const;
+  std::unique_ptr<Sequence> NewSequence(EngineRequest request);
+  void Preempt(Sequence* seq);
+  void FinishSequence(Sequence* seq, FinishReason reason, RequestOutput* out);
+  void ProcessToken(Sequence* seq, const SampledToken& sampled, RequestOutput* out);
+  void InsertSorted(std::vector<Sequence*>* list, Sequence* seq);
+  void Remove(std::vector<Sequence*>* list, Sequence* seq);
+  std::vector<BlockHash> PrefixHashes(const Sequence& seq) const;
+
+  Model* model_ = nullptr;
+  const Tokenizer* tokenizer_ = nullptr;
+  EngineOptions options_;
+  int64_t max_model_len_ = 0;
+  std::string model_id_;
+  std::unique_ptr<KvCachePool> pool_;
+  std::unique_ptr<BlockManager> blocks_;
+  std::unordered_map<RequestId, std::unique_ptr<Sequence>> requests_;
+  std::vector<Sequence*> waiting_;  // arrival order
+  std::vector<Sequence*> running_;  // arrival order
+  uint64_t next_arrival_ = 0;
+  uint64_t num_preemptions_ = 0;
+  uint64_t num_steps_ = 0;
+  std::vector<RequestOutput> pending_outputs_;  // reported by the next Step()
+  std::vector<float> logits_;
+};
+
+}  // namespace pdserve

@@ -1,0 +1,44 @@
+#include "engine/kv_cache.h"
+
+namespace pdserve {
+
+StatusOr<std::unique_ptr<KvCachePool>> KvCachePool::Create(kernels::Backend* backend,
+                                                           const ModelConfig& config, DType dtype,
+                                                           int64_t block_size,
+                                                           int64_t budget_bytes) {
+  if (block_size < 1 || block_size > 1024) {
+    return Status::InvalidArgument("block size must be in [1, 1024], got " +
+                                   std::to_string(block_size));
+  }
+  if (dtype == DType::kFP4E2M1) {
+    return Status::InvalidArgument("KV cache dtype fp4 is not supported (fp32, fp16, bf16, fp8)");
+  }
+  kernels::KvCacheLayout layout;
+  layout.num_layers = config.num_layers;
+  layout.num_kv_heads = config.num_kv_heads;
+  layout.head_dim = config.head_dim;
+  layout.block_size = block_size;
+  layout.dtype = dtype;
+  const int64_t per_block = layout.bytes_per_block();
+  layout.num_blocks = budget_bytes > 0 ? budget_bytes / per_block : 0;
+  if (layout.num_blocks < 1) {
+    return Status::ResourceExhausted("KV cache budget of " + std::to_string(budget_bytes) +
+                                     " bytes holds no block (one block takes " +
+                                     std::to_string(per_block) + " bytes)");
+  }
+  std::unique_ptr<KvCachePool> pool(new KvCachePool());
+  pool->backend_ = backend;
+  pool->layout_ = layout;
+  pool->base_ = backend->Allocate(static_cast<size_t>(layout.total_bytes()));
+  if (pool->base_ == nullptr) {
+    return Status::ResourceExhausted("cannot allocate a KV pool of " +
+                                     std::to_string(layout.total_bytes()) + " bytes");
+  }
+  return pool;
+}
+
+KvCachePool::~KvCachePool() {
+  if (base_ != nullptr) backend_->Free(base_);
+}
+
+}  // namespace pdserve

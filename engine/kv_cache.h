@@ -1,0 +1,51 @@
+// The paged KV pool: one preallocated, contiguous region of equal blocks.
+//
+// Contract: the region never moves or grows after Create, and its byte
+// layout is kernels::KvCacheLayout (block id b at b * bytes_per_block(), each
+// block holding every layer's K and V, plus fp8 scales). The transport layer
+// registers [base(), base() + total_bytes()) once and moves a block by id.
+// Which block holds what is the block manager's business, not the pool's.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "common/dtype.h"
+#include "common/status.h"
+#include "engine/model_config.h"
+#include "kernels/backend.h"
+
+namespace pdserve {
+
+class KvCachePool {
+ public:
+  // As many blocks as fit in `budget_bytes`. InvalidArgument for a block size
+  // < 1 or a dtype the KV cache cannot hold (fp4); ResourceExhausted when the
+  // budget holds no block or the backend cannot allocate it.
+  static StatusOr<std::unique_ptr<KvCachePool>> Create(kernels::Backend* backend,
+                                                       const ModelConfig& config, DType dtype,
+                                                       int64_t block_size, int64_t budget_bytes);
+  ~KvCachePool();
+  KvCachePool(const KvCachePool&) = delete;
+  KvCachePool& operator=(const KvCachePool&) = delete;
+
+  const kernels::KvCacheLayout& layout() const { return layout_; }
+  void* base() const { return base_; }
+  int64_t total_bytes() const { return layout_.total_bytes(); }
+  int64_t bytes_per_block() const { return layout_.bytes_per_block(); }
+  int64_t num_blocks() const { return layout_.num_blocks; }
+  // Start of block `id` (backend memory).
+  uint8_t* block(int64_t id) const {
+    return static_cast<uint8_t*>(base_) + layout_.block_offset(id);
+  }
+  std::string Describe() const { return layout_.Describe(); }
+
+ private:
+  KvCachePool() = default;
+  kernels::Backend* backend_ = nullptr;
+  kernels::KvCacheLayout layout_;
+  void* base_ = nullptr;
+};
+
+}  // namespace pdserve

@@ -1,0 +1,459 @@
+#include "engine/make_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "engine/safetensors.h"
+#include "kernels/cpu/float_convert.h"
+
+namespace pdserve {
+namespace {
+
+using nlohmann::json;
+using ordered_json = nlohmann::ordered_json;
+
+// The text BPE merges are learned from. Any fixed text works; this one is
+// plain English so the merges look like real subwords.
+constexpr std::string_view kCorpus =
+    "The quick brown fox jumps over the lazy dog. A serving system turns prompts into tokens, "
+    "and tokens into text. The router sends each request to a worker that already holds the "
+    "prefix of its prompt in the cache, so that the prefill is short and the first token comes "
+    "back fast. Prefill workers compute the attention keys and values of a prompt; decode "
+    "workers generate one token at a time for many requests at once. The blocks of the cache "
+    "move between the workers over the network, and the router keeps an index of which worker "
+    "holds which block. When the cache is full, the least recently used blocks are evicted. "
+    "Hello, world! How are you today? I am fine, thank you. What is the capital of France? "
+    "The capital of France is Paris. Once upon a time there was a little model that wanted to "
+    "learn how to speak. It read many books and wrote many stories, and in the end it could "
+    "answer questions about the weather, the time, the river and the mountains. Numbers like "
+    "1, 2, 3, 10, 100 and 2024 appear in text too. The engine schedules requests in the order "
+    "they arrive, batches them together, and preempts the newest one when memory runs out. "
+    "Every step mixes prefill chunks with decode tokens under a budget of tokens per step. "
+    "She said that they would be there in the morning, but nobody came until the evening. "
+    "We should write tests that fail when the code is wrong, and measure what is fast.";
+
+// GPT-2's reversible byte -> printable unicode mapping, as UTF-8 strings.
+std::vector<std::string> ByteSymbols() {
+  std::vector<int> cps(256, -1);
+  for (int b = '!'; b <= '~'; ++b) cps[b] = b;
+  for (int b = 0xA1; b <= 0xAC; ++b) cps[b] = b;
+  for (int b = 0xAE; b <= 0xFF; ++b) cps[b] = b;
+  int n = 0;
+  for (int b = 0; b < 256; ++b) {
+    if (cps[b] < 0) cps[b] = 256 + n++;
+  }
+  std::vector<std::string> out(256);
+  for (int b = 0; b < 256; ++b) {
+    const int cp = cps[b];
+    std::string s;
+    if (cp < 0x80) {
+      s.push_back(static_cast<char>(cp));
+    } else {
+      s.push_back(static_cast<char>(0xC0 | (cp >> 6)));
+      s.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+    }
+    out[b] = s;
+  }
+  return out;
+}
+
+// Splits text roughly as the GPT-2 pattern does: an optional leading space
+// followed by a run of letters, of digits or of other symbols.
+std::vector<std::string> PreTokenize(std::string_view text) {
+  auto kind = [](unsigned char c) {
+    if (std::isalpha(c)) return 0;
+    if (std::isdigit(c)) return 1;
+    if (std::isspace(c)) return 2;
+    return 3;
+  };
+  std::vector<std::string> words;
+  size_t i = 0;
+  while (i < text.size()) {
+    size_t j = i;
+    if (text[j] == ' ' && j + 1 < text.size() && kind(text[j + 1]) != 2) ++j;
+    const int k = kind(static_cast<unsigned char>(text[j]));
+    ++j;
+    while (j < text.size() && kind(static_cast<unsigned char>(text[j])) == k) ++j;
+    words.emplace_back(text.substr(i, j - i));
+    i = j;
+  }
+  return words;
+}
+
+struct Bpe {
+  std::vector<std::string> vocab;  // id -> symbol string (byte-mapped)
+  std::vector<std::pair<int, int>> merges;
+};
+
+Bpe LearnBpe(int64_t num_merges) {
+  const auto bytes = ByteSymbols();
+  Bpe bpe;
+  bpe.vocab = bytes;
+  std::map<std::string, int64_t> word_counts;
+  for (const auto& w : PreTokenize(kCorpus)) ++word_counts[w];
+  std::vector<std::pair<std::vector<int>, int64_t>> words;
+  for (const auto& [w, n] : word_counts) {
+    std::vector<int> ids;
+    for (unsigned char c : w) ids.push_back(c);
+    words.emplace_back(std::move(ids), n);
+  }
+  std::set<std::string> known(bytes.begin(), bytes.end());
+  while (static_cast<int64_t>(bpe.merges.size()) < num_merges) {
+    std::map<std::pair<int, int>, int64_t> pairs;
+    for (const auto& [ids, n] : words) {
+      for (size_t i = 0; i + 1 < ids.size(); ++i) pairs[{ids[i], ids[i + 1]}] += n;
+    }
+    // Most frequent pair; ties go to the smallest (left, right) ids.
+    std::pair<int, int> best{-1, -1};
+    int64_t best_count = 1;
+    for (const auto& [p, n] : pairs) {
+      if (n > best_count) {
+        best = p;
+        best_count = n;
+      }
+    }
+    if (best.first < 0) break;  // every remaining pair occurs once: stop learning
+    const int id = static_cast<int>(bpe.vocab.size());
+    bpe.vocab.push_back(bpe.vocab[best.first] + bpe.vocab[best.second]);
+    known.insert(bpe.vocab.back());
+    bpe.merges.push_back(best);
+    for (auto& [ids, n] : words) {
+      std::vector<int> merged;
+      for (size_t i = 0; i < ids.size(); ++i) {
+        if (i + 1 < ids.size() && ids[i] == best.first && ids[i + 1] == best.second) {
+          merged.push_back(id);
+          ++i;
+        } else {
+          merged.push_back(ids[i]);
+        }
+      }
+      ids = std::move(merged);
+    }
+  }
+  // The text ran out of repeated pairs: extend with learned tokens followed
+  // by a lowercase letter, in id order, so that every preset gets its size.
+  for (int left = 256; static_cast<int64_t>(bpe.merges.size()) < num_merges; ++left) {
+    for (int c = 'a'; c <= 'z' && static_cast<int64_t>(bpe.merges.size()) < num_merges; ++c) {
+      const std::string s = bpe.vocab[left] + bpe.vocab[c];
+      if (known.count(s)) continue;
+      known.insert(s);
+      bpe.vocab.push_back(s);
+      bpe.merges.emplace_back(left, c);
+    }
+  }
+  return bpe;
+}
+
+constexpr const char* kSpecialTokens[] = {"<|begin_of_text|>", "<|end_of_text|>",
+                                          "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"};
+
+constexpr const char* kChatTemplate =
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + "
+    "message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{% endif %}";
+
+ordered_json TokenizerJson(const Bpe& bpe) {
+  const int base = static_cast<int>(bpe.vocab.size());
+  ordered_json added = ordered_json::array();
+  for (int i = 0; i < 5; ++i) {
+    added.push_back({{"id", base + i},
+                     {"content", kSpecialTokens[i]},
+                     {"single_word", false},
+                     {"lstrip", false},
+                     {"rstrip", false},
+                     {"normalized", false},
+                     {"special", true}});
+  }
+  ordered_json vocab = ordered_json::object();
+  for (size_t i = 0; i < bpe.vocab.size(); ++i) vocab[bpe.vocab[i]] = i;
+  ordered_json merges = ordered_json::array();
+  for (const auto& [l, r] : bpe.merges) merges.push_back(bpe.vocab[l] + " " + bpe.vocab[r]);
+  ordered_json byte_level = {{"type", "ByteLevel"},
+                             {"add_prefix_space", false},
+                             {"trim_offsets", true},
+                             {"use_regex", true}};
+  const std::string bos = kSpecialTokens[0];
+  ordered_json post = {
+      {"type", "TemplateProcessing"},
+      {"single",
+       {{{"SpecialToken", {{"id", bos}, {"type_id", 0}}}},
+        {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}}},
+      {"pair",
+       {{{"SpecialToken", {{"id", bos}, {"type_id", 0}}}},
+        {{"Sequence", {{"id", "A"}, {"type_id", 0}}}},
+        {{"SpecialToken", {{"id", bos}, {"type_id", 1}}}},
+        {{"Sequence", {{"id", "B"}, {"type_id", 1}}}}}},
+      {"special_tokens", {{bos, {{"id", bos}, {"ids", {base}}, {"tokens", {bos}}}}}}};
+  return ordered_json{{"version", "1.0"},
+                      {"truncation", nullptr},
+                      {"padding", nullptr},
+                      {"added_tokens", added},
+                      {"normalizer", nullptr},
+                      {"pre_tokenizer", byte_level},
+                      {"post_processor", post},
+                      {"decoder", byte_level},
+                      {"model",
+                       {{"type", "BPE"},
+                        {"dropout", nullptr},
+                        {"unk_token", nullptr},
+                        {"continuing_subword_prefix", nullptr},
+                        {"end_of_word_suffix", nullptr},
+                        {"fuse_unk", false},
+                        {"byte_fallback", false},
+                        {"ignore_merges", false},
+                        {"vocab", vocab},
+                        {"merges", merges}}}};
+}
+
+// splitmix64: a tiny, well-mixed generator; identical on every platform.
+class Rng {
+ public:
+  explicit Rng(uint64_t seed) : state_(seed) {}
+  uint64_t Next() {
+    uint64_t z = (state_ += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  // Uniform in [-1, 1).
+  double Uniform() { return static_cast<double>(Next() >> 11) * 0x1.0p-52 - 1.0; }
+
+ private:
+  uint64_t state_;
+};
+
+uint64_t NameHash(std::string_view s) {
+  uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a
+  for (unsigned char c : s) h = (h ^ c) * 0x100000001b3ull;
+  return h;
+}
+
+struct TensorPlan {
+  std::string name;
+  std::vector<int64_t> shape;
+  enum Kind { kUniform, kNorm } kind = kUniform;
+  double std = 0;  // target standard deviation of the uniform values
+};
+
+TensorToWrite MakeTensor(const TensorPlan& p, const ModelSpec& spec) {
+  Rng rng(spec.seed ^ NameHash(p.name));
+  int64_t n = 1;
+  for (int64_t d : p.shape) n *= d;
+  std::vector<float> values(n);
+  const double a = std::sqrt(3.0) * p.std;  // uniform(-a, a) has std a / sqrt(3)
+  for (auto& v : values) {
+    v = p.kind == TensorPlan::kNorm ? static_cast<float>(1.0 + 0.1 * rng.Uniform())
+                                    : static_cast<float>(a * rng.Uniform());
+  }
+  TensorToWrite t;
+  t.name = p.name;
+  t.shape = p.shape;
+  switch (spec.dtype) {
+    case DType::kBF16:
+    case DType::kF16: {
+      t.dtype_name = spec.dtype == DType::kBF16 ? "BF16" : "F16";
+      t.data.resize(n * 2);
+      for (int64_t i = 0; i < n; ++i) {
+        const uint16_t h = spec.dtype == DType::kBF16 ? kernels::F32ToBf16(values[i])
+                                                      : kernels::F32ToF16(values[i]);
+        t.data[2 * i] = static_cast<uint8_t>(h);
+        t.data[2 * i + 1] = static_cast<uint8_t>(h >> 8);
+      }
+      break;
+    }
+    default:
+      t.dtype_name = "F32";
+      t.data.resize(n * 4);
+      std::memcpy(t.data.data(), values.data(), n * 4);
+      break;
+  }
+  return t;
+}
+
+Status WriteJson(const std::filesystem::path& path, const ordered_json& j) {
+  std::ofstream out(path, std::ios::trunc);
+  if (!out) return Status::InvalidArgument(path.string() + ": cannot create");
+  out << j.dump(2) << "\n";
+  out.close();
+  if (!out) return Status::Internal(path.string() + ": write failed");
+  return Status::Ok();
+}
+
+}  // namespace
+
+StatusOr<ModelSpec> PresetModelSpec(std::string_view preset) {
+  ModelSpec s;
+  if (preset == "tiny") return s;
+  if (preset == "small") {
+    s.name = "pdserve-small";
+    s.num_merges = 2048 - 256 - 5;
+    s.hidden_size = 512;
+    s.intermediate_size = 1536;
+    s.num_layers = 8;
+    s.num_heads = 8;
+    s.num_kv_heads = 2;
+    s.max_position_embeddings = 8192;
+    s.rope_theta = 500000.0;
+    return s;
+  }
+  return Status::InvalidArgument("unknown preset '" + std::string(preset) + "' (tiny or small)");
+}
+
+Status WriteModel(const ModelSpec& spec, const std::string& dir) {
+  namespace fs = std::filesystem;
+  if (spec.dtype != DType::kF32 && spec.dtype != DType::kBF16 && spec.dtype != DType::kF16) {
+    return Status::InvalidArgument("model dtype must be fp32, bf16 or fp16");
+  }
+  if (spec.num_merges < 0 || spec.shards < 1 || spec.num_heads % spec.num_kv_heads != 0) {
+    return Status::InvalidArgument("inconsistent model spec");
+  }
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return Status::InvalidArgument(dir + ": cannot create folder: " + ec.message());
+  const fs::path root(dir);
+  const bool qwen2 = spec.architecture == "Qwen2ForCausalLM";
+  const bool bias = qwen2 || spec.attention_bias;
+  const int64_t H = spec.hidden_size, I = spec.intermediate_size;
+  const int64_t hd = spec.head_dim > 0 ? spec.head_dim : H / spec.num_heads;
+  const int64_t V = spec.vocab_size();
+  const int64_t q_out = spec.num_heads * hd, kv_out = spec.num_kv_heads * hd;
+  const double h_std = 1.0 / std::sqrt(static_cast<double>(H));
+
+  // Tokenizer first: the vocab fixes the special token ids.
+  const Bpe bpe = LearnBpe(spec.num_merges);
+  const int base = static_cast<int>(bpe.vocab.size());
+  const int bos_id = base, end_of_text_id = base + 1, eot_id = base + 4;
+  PDSERVE_RETURN_IF_ERROR(WriteJson(root / "tokenizer.json", TokenizerJson(bpe)));
+  ordered_json added_decoder = ordered_json::object();
+  for (int i = 0; i < 5; ++i) {
+    added_decoder[std::to_string(base + i)] = {{"content", kSpecialTokens[i]}, {"lstrip", false},
+                                               {"normalized", false},          {"rstrip", false},
+                                               {"single_word", false},         {"special", true}};
+  }
+  PDSERVE_RETURN_IF_ERROR(
+      WriteJson(root / "tokenizer_config.json", {{"add_bos_token", true},
+                                                 {"add_eos_token", false},
+                                                 {"added_tokens_decoder", added_decoder},
+                                                 {"bos_token", kSpecialTokens[0]},
+                                                 {"chat_template", kChatTemplate},
+                                                 {"clean_up_tokenization_spaces", false},
+                                                 {"eos_token", "<|eot_id|>"},
+                                                 {"model_max_length", spec.max_position_embeddings},
+                                                 {"tokenizer_class", "PreTrainedTokenizerFast"}}));
+
+  ordered_json config = {{"_name_or_path", spec.name},
+                         {"architectures", {spec.architecture}},
+                         {"model_type", qwen2                                       ? "qwen2"
+                                        : spec.architecture == "MistralForCausalLM" ? "mistral"
+                                                                                    : "llama"},
+                         {"vocab_size", V},
+                         {"hidden_size", H},
+                         {"intermediate_size", I},
+                         {"num_hidden_layers", spec.num_layers},
+                         {"num_attention_heads", spec.num_heads},
+                         {"num_key_value_heads", spec.num_kv_heads},
+                         {"head_dim", hd},
+                         {"hidden_act", "silu"},
+                         {"max_position_embeddings", spec.max_position_embeddings},
+                         {"rms_norm_eps", spec.rms_norm_eps},
+                         {"rope_theta", spec.rope_theta},
+                         {"tie_word_embeddings", spec.tie_word_embeddings},
+                         {"bos_token_id", bos_id},
+                         {"eos_token_id", {end_of_text_id, eot_id}},
+                         {"torch_dtype", spec.dtype == DType::kBF16  ? "bfloat16"
+                                         : spec.dtype == DType::kF16 ? "float16"
+                                                                     : "float32"}};
+  if (!qwen2) config["attention_bias"] = spec.attention_bias;
+  if (qwen2 || spec.architecture == "MistralForCausalLM") config["sliding_window"] = nullptr;
+  switch (spec.rope_scaling.type) {
+    case RopeScaling::Type::kNone:
+      config["rope_scaling"] = nullptr;
+      break;
+    case RopeScaling::Type::kLinear:
+      config["rope_scaling"] = {{"rope_type", "linear"}, {"factor", spec.rope_scaling.factor}};
+      break;
+    case RopeScaling::Type::kLlama3:
+      config["rope_scaling"] = {
+          {"rope_type", "llama3"},
+          {"factor", spec.rope_scaling.factor},
+          {"low_freq_factor", spec.rope_scaling.low_freq_factor},
+          {"high_freq_factor", spec.rope_scaling.high_freq_factor},
+          {"original_max_position_embeddings", spec.rope_scaling.original_max_position_embeddings}};
+      break;
+  }
+  PDSERVE_RETURN_IF_ERROR(WriteJson(root / "config.json", config));
+  PDSERVE_RETURN_IF_ERROR(
+      WriteJson(root / "generation_config.json",
+                {{"bos_token_id", bos_id}, {"eos_token_id", {end_of_text_id, eot_id}}}));
+
+  // Weight plan, in the order the checkpoint lists them.
+  std::vector<TensorPlan> plan;
+  plan.push_back({"model.embed_tokens.weight", {V, H}, TensorPlan::kUniform, 1.0});
+  for (int64_t l = 0; l < spec.num_layers; ++l) {
+    const std::string p = "model.layers." + std::to_string(l) + ".";
+    plan.push_back({p + "input_layernorm.weight", {H}, TensorPlan::kNorm, 0});
+    // A gain of 2 on queries sharpens attention so positions matter.
+    plan.push_back({p + "self_attn.q_proj.weight", {q_out, H}, TensorPlan::kUniform, 2 * h_std});
+    plan.push_back({p + "self_attn.k_proj.weight", {kv_out, H}, TensorPlan::kUniform, h_std});
+    plan.push_back({p + "self_attn.v_proj.weight", {kv_out, H}, TensorPlan::kUniform, h_std});
+    if (bias) {
+      plan.push_back({p + "self_attn.q_proj.bias", {q_out}, TensorPlan::kUniform, 0.1});
+      plan.push_back({p + "self_attn.k_proj.bias", {kv_out}, TensorPlan::kUniform, 0.1});
+      plan.push_back({p + "self_attn.v_proj.bias", {kv_out}, TensorPlan::kUniform, 0.1});
+    }
+    plan.push_back({p + "self_attn.o_proj.weight",
+                    {H, q_out},
+                    TensorPlan::kUniform,
+                    1.0 / std::sqrt(static_cast<double>(q_out))});
+    plan.push_back({p + "post_attention_layernorm.weight", {H}, TensorPlan::kNorm, 0});
+    plan.push_back({p + "mlp.gate_proj.weight", {I, H}, TensorPlan::kUniform, h_std});
+    plan.push_back({p + "mlp.up_proj.weight", {I, H}, TensorPlan::kUniform, h_std});
+    plan.push_back({p + "mlp.down_proj.weight",
+                    {H, I},
+                    TensorPlan::kUniform,
+                    1.0 / std::sqrt(static_cast<double>(I))});
+  }
+  plan.push_back({"model.norm.weight", {H}, TensorPlan::kNorm, 0});
+  if (!spec.tie_word_embeddings) {
+    // Logit spread of about 3: peaked enough to be a "model", not one token.
+    plan.push_back({"lm_head.weight", {V, H}, TensorPlan::kUniform, 3 * h_std});
+  }
+
+  // Remove files of an earlier layout so a folder never mixes both.
+  fs::remove(root / "model.safetensors", ec);
+  fs::remove(root / "model.safetensors.index.json", ec);
+  const int shards = std::min<int>(spec.shards, static_cast<int>(plan.size()));
+  if (shards == 1) {
+    std::vector<TensorToWrite> tensors;
+    for (const auto& p : plan) tensors.push_back(MakeTensor(p, spec));
+    return WriteSafetensors((root / "model.safetensors").string(), tensors);
+  }
+  ordered_json weight_map = ordered_json::object();
+  int64_t total_bytes = 0;
+  const size_t per_shard = (plan.size() + shards - 1) / shards;
+  for (int s = 0; s < shards; ++s) {
+    char name[64];
+    std::snprintf(name, sizeof(name), "model-%05d-of-%05d.safetensors", s + 1, shards);
+    std::vector<TensorToWrite> tensors;
+    for (size_t i = s * per_shard; i < std::min(plan.size(), (s + 1) * per_shard); ++i) {
+      tensors.push_back(MakeTensor(plan[i], spec));
+      weight_map[plan[i].name] = name;
+      total_bytes += static_cast<int64_t>(tensors.back().data.size());
+    }
+    PDSERVE_RETURN_IF_ERROR(WriteSafetensors((root / name).string(), tensors));
+  }
+  return WriteJson(root / "model.safetensors.index.json",
+                   {{"metadata", {{"total_size", total_bytes}}}, {"weight_map", weight_map}});
+}
+
+}  // namespace pdserve

@@ -1,0 +1,355 @@
+#include "engine/model.h"
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+
+#include "engine/safetensors.h"
+#include "kernels/cpu/float_convert.h"
+
+namespace pdserve {
+
+using kernels::WeightMatrix;
+
+// Backend buffers of Forward, grown to the largest batch seen.
+struct Model::Scratch {
+  kernels::Backend* backend = nullptr;
+  std::vector<std::pair<void**, size_t>> registry;
+  int64_t token_capacity = 0;
+  int64_t logits_capacity = 0;
+  int64_t seq_capacity = 0;
+  int64_t table_capacity = 0;
+  float *x = nullptr, *h = nullptr, *q = nullptr, *k = nullptr, *v = nullptr, *attn = nullptr;
+  float *gate = nullptr, *up = nullptr, *act = nullptr;
+  int32_t *ids = nullptr, *positions = nullptr;
+  int64_t* slots = nullptr;
+  int32_t *query_start = nullptr, *context_lens = nullptr, *block_tables = nullptr;
+  int32_t* logits_rows = nullptr;
+  float *gathered = nullptr, *logits = nullptr;
+
+  ~Scratch() { ReleaseAll(); }
+  void ReleaseAll() {
+    for (auto& [ptr, bytes] : registry) {
+      (void)bytes;
+      if (*ptr) backend->Free(*ptr);
+      *ptr = nullptr;
+    }
+    registry.clear();
+  }
+  template <typename T>
+  bool Alloc(T** ptr, int64_t count) {
+    const size_t bytes = static_cast<size_t>(std::max<int64_t>(count, 1)) * sizeof(T);
+    if (*ptr) backend->Free(*ptr);
+    *ptr = static_cast<T*>(backend->Allocate(bytes));
+    bool seen = false;
+    for (auto& entry : registry) seen |= entry.first == reinterpret_cast<void**>(ptr);
+    if (!seen) registry.emplace_back(reinterpret_cast<void**>(ptr), bytes);
+    return *ptr != nullptr;
+  }
+};
+
+Model::~Model() {
+  scratch_.reset();
+  for (void* p : owned_) backend_->Free(p);
+}
+
+StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir, kernels::Backend* backend) {
+  auto config = LoadModelConfig(dir);
+  if (!config.ok()) return config.status();
+  auto files = WeightFiles::Open(dir);
+  if (!files.ok()) return files.status();
+  std::unique_ptr<Model> m(new Model());
+  m->config_ = std::move(*config);
+  m->dir_ = dir;
+  m->backend_ = backend;
+  m->model_id_ = m->config_.name_or_path;
+  if (m->model_id_.empty()) {
+    auto p = std::filesystem::path(dir).lexically_normal();
+    if (!p.has_filename()) p = p.parent_path();
+    m->model_id_ = std::filesystem::absolute(p).filename().string();
+  }
+  m->files_ = std::move(*files);
+  PDSERVE_RETURN_IF_ERROR(m->LoadWeights(*m->files_));
+  m->scratch_ = std::make_unique<Scratch>();
+  m->scratch_->backend = backend;
+  return m;
+}
+
+StatusOr<const TensorView*> Model::Tensor(const WeightFiles& files, const std::string& name,
+                                          std::vector<int64_t> shape) {
+  const TensorView* t = files.Find(name);
+  if (t == nullptr) {
+    return Status::InvalidArgument(files.description() + ": tensor '" + name + "' is missing");
+  }
+  TensorView expected;
+  expected.shape = shape;
+  if (t->shape != shape) {
+    return Status::InvalidArgument(t->file + ": tensor '" + name + "' has shape " +
+                                   t->ShapeString() + ", expected " + expected.ShapeString());
+  }
+  if (!t->dtype) {
+    return Status::InvalidArgument(t->file + ": tensor '" + name + "' has dtype " + t->dtype_name +
+                                   ", expected F32, F16 or BF16");
+  }
+  return t;
+}
+
+namespace {
+// Converts a float tensor of any supported dtype to fp32.
+void ConvertToF32(const TensorView& t, float* out) {
+  const int64_t n = t.numel();
+  switch (*t.dtype) {
+    case DType::kF32:
+      std::memcpy(out, t.data, n * 4);
+      break;
+    case DType::kBF16:
+      for (int64_t i = 0; i < n; ++i) {
+        uint16_t v;
+        std::memcpy(&v, t.data + 2 * i, 2);
+        out[i] = kernels::Bf16ToF32(v);
+      }
+      break;
+    case DType::kF16:
+      for (int64_t i = 0; i < n; ++i) {
+        uint16_t v;
+        std::memcpy(&v, t.data + 2 * i, 2);
+        out[i] = kernels::F16ToF32(v);
+      }
+      break;
+    default:
+      break;
+  }
+}
+}  // namespace
+
+StatusOr<WeightMatrix> Model::Matrix(const WeightFiles& files, const std::string& name,
+                                     int64_t rows, int64_t cols) {
+  auto found = Tensor(files, name, {rows, cols});
+  if (!found.ok()) return found.status();
+  const auto& t = **found;
+  WeightMatrix w;
+  w.rows = rows;
+  w.cols = cols;
+  num_parameters_ += rows * cols;
+  const bool aligned = reinterpret_cast<uintptr_t>(t.data) % (DTypeBits(*t.dtype) / 8) == 0;
+  if (backend_->SupportsWeightDType(*t.dtype) && backend_->SharesHostMemory() && aligned) {
+    w.data = t.data;  // zero copy from the mapping
+    w.dtype = *t.dtype;
+    return w;
+  }
+  void* dst;
+  if (backend_->SupportsWeightDType(*t.dtype)) {
+    dst = backend_->Allocate(t.bytes);
+    if (dst == nullptr) return Status::ResourceExhausted("out of memory loading '" + name + "'");
+    backend_->Upload(dst, t.data, t.bytes);
+    w.dtype = *t.dtype;
+    converted_bytes_ += static_cast<int64_t>(t.bytes);
+  } else {
+    std::vector<float> tmp(rows * cols);
+    ConvertToF32(t, tmp.data());
+    dst = backend_->Allocate(tmp.size() * 4);
+    if (dst == nullptr) return Status::ResourceExhausted("out of memory loading '" + name + "'");
+    backend_->Upload(dst, tmp.data(), tmp.size() * 4);
+    w.dtype = DType::kF32;
+    converted_bytes_ += static_cast<int64_t>(tmp.size() * 4);
+  }
+  owned_.push_back(dst);
+  w.data = dst;
+  return w;
+}
+
+StatusOr<const float*> Model::Vector(const WeightFiles& files, const std::string& name, int64_t n) {
+  auto found = Tensor(files, name, {n});
+  if (!found.ok()) return found.status();
+  const auto& t = **found;
+  num_parameters_ += n;
+  const bool aligned = reinterpret_cast<uintptr_t>(t.data) % 4 == 0;
+  if (*t.dtype == DType::kF32 && backend_->SharesHostMemory() && aligned) {
+    return reinterpret_cast<const float*>(t.data);
+  }
+  std::vector<float> tmp(n);
+  ConvertToF32(t, tmp.data());
+  void* dst = backend_->Allocate(n * 4);
+  if (dst == nullptr) return Status::ResourceExhausted("out of memory loading '" + name + "'");
+  backend_->Upload(dst, tmp.data(), n * 4);
+  owned_.push_back(dst);
+  converted_bytes_ += n * 4;
+  return static_cast<const float*>(dst);
+}
+
+Status Model::LoadWeights(const WeightFiles& files) {
+  const auto& c = config_;
+  const int64_t H = c.hidden_size, I = c.intermediate_size, hd = c.head_dim;
+  const int64_t q_out = c.num_heads * hd, kv_out = c.num_kv_heads * hd;
+  int64_t bytes = 0;
+  auto matrix = [&](const std::string& name, int64_t rows, int64_t cols,
+                    WeightMatrix* out) -> Status {
+    auto w = Matrix(files, name, rows, cols);
+    if (!w.ok()) return w.status();
+    *out = *w;
+    bytes += rows * cols * (DTypeBits(w->dtype) / 8);
+    return Status::Ok();
+  };
+  auto vector = [&](const std::string& name, int64_t n, const float** out) -> Status {
+    auto v = Vector(files, name, n);
+    if (!v.ok()) return v.status();
+    *out = *v;
+    bytes += n * 4;
+    return Status::Ok();
+  };
+
+  {
+    // The embedding table is read by row, so it is fp32 on every backend.
+    auto found = Tensor(files, "model.embed_tokens.weight", {c.vocab_size, H});
+    if (!found.ok()) return found.status();
+    const auto& t = **found;
+    num_parameters_ += c.vocab_size * H;
+    if (*t.dtype == DType::kF32 && backend_->SharesHostMemory() &&
+        reinterpret_cast<uintptr_t>(t.data) % 4 == 0) {
+      embedding_ = reinterpret_cast<const float*>(t.data);
+    } else {
+      std::vector<float> tmp(c.vocab_size * H);
+      ConvertToF32(t, tmp.data());
+      void* dst = backend_->Allocate(tmp.size() * 4);
+      if (dst == nullptr) return Status::ResourceExhausted("out of memory loading embeddings");
+      backend_->Upload(dst, tmp.data(), tmp.size() * 4);
+      owned_.push_back(dst);
+      converted_bytes_ += static_cast<int64_t>(tmp.size() * 4);
+      embedding_ = static_cast<const float*>(dst);
+    }
+  }
+  layers_.resize(c.num_layers);
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    const std::string p = "model.layers." + std::to_string(l) + ".";
+    Layer& L = layers_[l];
+    PDSERVE_RETURN_IF_ERROR(vector(p + "input_layernorm.weight", H, &L.input_norm));
+    PDSERVE_RETURN_IF_ERROR(matrix(p + "self_attn.q_proj.weight", q_out, H, &L.q));
+    PDSERVE_RETURN_IF_ERROR(matrix(p + "self_attn.k_proj.weight", kv_out, H, &L.k));
+    PDSERVE_RETURN_IF_ERROR(matrix(p + "self_attn.v_proj.weight", kv_out, H, &L.v));
+    PDSERVE_RETURN_IF_ERROR(matrix(p + "self_attn.o_proj.weight", H, q_out, &L.o));
+    if (c.qkv_bias) {
+      PDSERVE_RETURN_IF_ERROR(vector(p + "self_attn.q_proj.bias", q_out, &L.q_bias));
+      PDSERVE_RETURN_IF_ERROR(vector(p + "self_attn.k_proj.bias", kv_out, &L.k_bias));
+      PDSERVE_RETURN_IF_ERROR(vector(p + "self_attn.v_proj.bias", kv_out, &L.v_bias));
+    }
+    PDSERVE_RETURN_IF_ERROR(vector(p + "post_attention_layernorm.weight", H, &L.post_norm));
+    PDSERVE_RETURN_IF_ERROR(matrix(p + "mlp.gate_proj.weight", I, H, &L.gate));
+    PDSERVE_RETURN_IF_ERROR(matrix(p + "mlp.up_proj.weight", I, H, &L.up));
+    PDSERVE_RETURN_IF_ERROR(matrix(p + "mlp.down_proj.weight", H, I, &L.down));
+  }
+  PDSERVE_RETURN_IF_ERROR(vector("model.norm.weight", H, &final_norm_));
+  if (c.tie_word_embeddings) {
+    lm_head_ = WeightMatrix{embedding_, DType::kF32, c.vocab_size, H};
+    bytes += c.vocab_size * H * 4;
+  } else {
+    PDSERVE_RETURN_IF_ERROR(matrix("lm_head.weight", c.vocab_size, H, &lm_head_));
+  }
+  weight_bytes_per_step_ = bytes;
+
+  const std::vector<float> inv = c.RopeInvFreq();
+  void* dst = backend_->Allocate(inv.size() * 4);
+  if (dst == nullptr) return Status::ResourceExhausted("out of memory");
+  backend_->Upload(dst, inv.data(), inv.size() * 4);
+  owned_.push_back(dst);
+  inv_freq_ = static_cast<const float*>(dst);
+  return Status::Ok();
+}
+
+Status Model::Forward(const ForwardBatch& batch, const kernels::KvCacheLayout& layout,
+                      void* kv_pool, float* logits) {
+  const auto& c = config_;
+  const int64_t T = batch.num_tokens, R = batch.num_logits;
+  const int64_t S = batch.attention.num_seqs;
+  const int64_t H = c.hidden_size, I = c.intermediate_size, hd = c.head_dim;
+  const int64_t nh = c.num_heads, kvh = c.num_kv_heads;
+  if (T <= 0 || S <= 0) return Status::InvalidArgument("forward: empty batch");
+  if (layout.num_layers != c.num_layers || layout.num_kv_heads != kvh || layout.head_dim != hd) {
+    return Status::InvalidArgument("forward: KV layout does not match the model");
+  }
+  for (int64_t t = 0; t < T; ++t) {
+    if (batch.token_ids[t] < 0 || batch.token_ids[t] >= c.vocab_size) {
+      return Status::InvalidArgument("token id " + std::to_string(batch.token_ids[t]) +
+                                     " is outside the vocabulary of " +
+                                     std::to_string(c.vocab_size));
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    if (batch.logits_rows[r] < 0 || batch.logits_rows[r] >= T) {
+      return Status::InvalidArgument("forward: logits row out of range");
+    }
+  }
+  Scratch& s = *scratch_;
+  if (T > s.token_capacity) {
+    bool ok = s.Alloc(&s.x, T * H) && s.Alloc(&s.h, T * H) && s.Alloc(&s.q, T * nh * hd) &&
+              s.Alloc(&s.k, T * kvh * hd) && s.Alloc(&s.v, T * kvh * hd) &&
+              s.Alloc(&s.attn, T * nh * hd) && s.Alloc(&s.gate, T * I) && s.Alloc(&s.up, T * I) &&
+              s.Alloc(&s.act, T * I) && s.Alloc(&s.ids, T) && s.Alloc(&s.positions, T) &&
+              s.Alloc(&s.slots, T);
+    if (!ok)
+      return Status::ResourceExhausted("forward: out of memory for a batch of " +
+                                       std::to_string(T) + " tokens");
+    s.token_capacity = T;
+  }
+  if (R > s.logits_capacity) {
+    if (!(s.Alloc(&s.logits_rows, R) && s.Alloc(&s.gathered, R * H) &&
+          s.Alloc(&s.logits, R * c.vocab_size))) {
+      return Status::ResourceExhausted("forward: out of memory for logits");
+    }
+    s.logits_capacity = R;
+  }
+  if (S + 1 > s.seq_capacity) {
+    if (!(s.Alloc(&s.query_start, S + 1) && s.Alloc(&s.context_lens, S + 1))) {
+      return Status::ResourceExhausted("forward: out of memory");
+    }
+    s.seq_capacity = S + 1;
+  }
+  const int64_t table_entries = S * batch.attention.max_blocks_per_seq;
+  if (table_entries > s.table_capacity) {
+    if (!s.Alloc(&s.block_tables, table_entries)) return Status::ResourceExhausted("forward: OOM");
+    s.table_capacity = table_entries;
+  }
+  kernels::Backend& b = *backend_;
+  b.Upload(s.ids, batch.token_ids, T * 4);
+  b.Upload(s.positions, batch.positions, T * 4);
+  b.Upload(s.slots, batch.slots, T * 8);
+  b.Upload(s.query_start, batch.attention.query_start, (S + 1) * 4);
+  b.Upload(s.context_lens, batch.attention.context_lens, S * 4);
+  b.Upload(s.block_tables, batch.attention.block_tables, table_entries * 4);
+  b.Upload(s.logits_rows, batch.logits_rows, R * 4);
+  kernels::AttentionBatch att = batch.attention;
+  att.query_start = s.query_start;
+  att.context_lens = s.context_lens;
+  att.block_tables = s.block_tables;
+
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
+  b.Embedding(embedding_, s.ids, T, H, s.x);
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    const Layer& L = layers_[l];
+    b.RmsNorm(s.x, L.input_norm, s.h, T, H, eps);
+    b.Linear(s.h, T, L.q, L.q_bias, s.q);
+    b.Linear(s.h, T, L.k, L.k_bias, s.k);
+    b.Linear(s.h, T, L.v, L.v_bias, s.v);
+    b.Rope(s.q, s.positions, T, nh, hd, inv_freq_);
+    b.Rope(s.k, s.positions, T, kvh, hd, inv_freq_);
+    b.WriteKv(layout, kv_pool, l, s.k, s.v, s.slots, T);
+    b.PagedAttention(layout, kv_pool, l, s.q, nh, att, scale, s.attn);
+    b.Linear(s.attn, T, L.o, nullptr, s.h);
+    b.Add(s.x, s.h, T * H);
+    b.RmsNorm(s.x, L.post_norm, s.h, T, H, eps);
+    b.Linear(s.h, T, L.gate, nullptr, s.gate);
+    b.Linear(s.h, T, L.up, nullptr, s.up);
+    b.SwiGlu(s.gate, s.up, I, s.act, T, I);
+    b.Linear(s.act, T, L.down, nullptr, s.h);
+    b.Add(s.x, s.h, T * H);
+  }
+  if (R > 0) {
+    b.GatherRows(s.x, s.logits_rows, R, H, s.gathered);
+    b.RmsNorm(s.gathered, final_norm_, s.gathered, R, H, eps);
+    b.Linear(s.gathered, R, lm_head_, nullptr, s.logits);
+    b.Download(logits, s.logits, R * c.vocab_size * 4);
+  }
+  return Status::Ok();
+}
+
+}  // namespace pdserve

@@ -1,0 +1,166 @@
+// The compute backend interface: every op the forward pass needs, for one
+// device. The CPU backend (kernels/cpu/) and the CUDA backend implement it.
+//
+// Contract: ops take raw pointers plus shapes, never containers, so that the
+// same calls work on host and device memory. Pointers given to an op live in
+// the backend's memory space (Allocate/Upload); for a backend whose
+// SharesHostMemory() is true that is ordinary host memory. Activations are
+// fp32. Ops are synchronous from the caller's point of view: when an op
+// returns its output may be read by the next op on the same backend.
+//
+// The paged KV pool is ONE contiguous region whose byte layout is fixed by
+// KvCacheLayout below, so that the transport layer can register it once and
+// write a block into a peer's pool from its id alone (ARCHITECTURE.md section 6).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "common/dtype.h"
+
+namespace pdserve::kernels {
+
+// Byte layout of the paged KV pool.
+//
+// The pool is `num_blocks` blocks of `bytes_per_block()` bytes each, block id
+// b starting at byte b * bytes_per_block(): one block is one contiguous range
+// holding that block's K and V for every layer. Inside a block, for layer l:
+//   K: [num_kv_heads][block_size][head_dim] elements of `dtype`
+//   V: [num_kv_heads][block_size][head_dim] elements of `dtype`
+//   (fp8 only) K scales: [num_kv_heads] float32, then V scales: [num_kv_heads] float32
+// layer l starts at l * layer_stride_bytes() inside the block. For fp8-e4m3 an
+// element dequantizes as e4m3_value * scale of its (block, layer, K|V, head);
+// scales are powers of two. All other dtypes store the value itself.
+struct KvCacheLayout {
+  // The in-block order in the notation of transport/kv_layout.h (fp8 adds
+  // the per-head scales after each layer's V).
+  static constexpr const char* kBlockOrder = "layer/kv/head/token/dim";
+
+  int64_t num_layers = 0;
+  int64_t num_kv_heads = 0;
+  int64_t head_dim = 0;
+  int64_t block_size = 16;  // tokens per block
+  DType dtype = DType::kF32;
+  int64_t num_blocks = 0;
+
+  int64_t element_bytes() const { return DTypeBits(dtype) / 8; }
+  bool has_scales() const { return dtype == DType::kFP8E4M3; }
+  // Bytes of one head's K (or V) inside one block of one layer.
+  int64_t head_bytes() const { return block_size * head_dim * element_bytes(); }
+  int64_t kv_bytes_per_layer() const { return num_kv_heads * head_bytes(); }  // K or V alone
+  int64_t layer_stride_bytes() const {
+    return 2 * kv_bytes_per_layer() + (has_scales() ? 2 * num_kv_heads * 4 : 0);
+  }
+  int64_t bytes_per_block() const { return num_layers * layer_stride_bytes(); }
+  int64_t total_bytes() const { return num_blocks * bytes_per_block(); }
+
+  int64_t block_offset(int64_t block) const { return block * bytes_per_block(); }
+  int64_t k_offset(int64_t block, int64_t layer, int64_t head) const {
+    return block_offset(block) + layer * layer_stride_bytes() + head * head_bytes();
+  }
+  int64_t v_offset(int64_t block, int64_t layer, int64_t head) const {
+    return k_offset(block, layer, head) + kv_bytes_per_layer();
+  }
+  // fp8 only: the float32 scale of (block, layer, K, head) and of V.
+  int64_t k_scale_offset(int64_t block, int64_t layer, int64_t head) const {
+    return block_offset(block) + layer * layer_stride_bytes() + 2 * kv_bytes_per_layer() + head * 4;
+  }
+  int64_t v_scale_offset(int64_t block, int64_t layer, int64_t head) const {
+    return k_scale_offset(block, layer, head) + num_kv_heads * 4;
+  }
+
+  // One line naming every field, for the transfer handshake's layout hash and logs:
+  // "pdserve-kv-v1 layers=2 kv_heads=2 head_dim=16 block=16 dtype=fp32
+  // order=layer/kv/head/token/dim"
+  std::string Describe() const {
+    return "pdserve-kv-v1 layers=" + std::to_string(num_layers) +
+           " kv_heads=" + std::to_string(num_kv_heads) + " head_dim=" + std::to_string(head_dim) +
+           " block=" + std::to_string(block_size) + " dtype=" + std::string(DTypeName(dtype)) +
+           " order=" + kBlockOrder + (has_scales() ? " scales=per-layer-kv-head" : "");
+  }
+};
+
+// A weight matrix in the Hugging Face Linear layout: [rows = out features,
+// cols = in features], row-major.
+struct WeightMatrix {
+  const void* data = nullptr;
+  DType dtype = DType::kF32;
+  int64_t rows = 0;
+  int64_t cols = 0;
+};
+
+// The sequences of one attention call. Tokens of sequence s occupy rows
+// [query_start[s], query_start[s+1]) of q/out; they are the LAST q_len tokens
+// of a sequence whose KV (this step's tokens included, already written by
+// WriteKv) has context_lens[s] tokens, so query row j of s sits at position
+// context_lens[s] - q_len + j and attends causally to positions [0, that].
+// block_tables is [num_seqs][max_blocks_per_seq]: the pool block ids holding
+// positions [i*block_size, (i+1)*block_size) of each sequence.
+struct AttentionBatch {
+  int64_t num_seqs = 0;
+  const int32_t* query_start = nullptr;   // num_seqs + 1 entries
+  const int32_t* context_lens = nullptr;  // num_seqs entries
+  const int32_t* block_tables = nullptr;  // num_seqs * max_blocks_per_seq entries
+  int64_t max_blocks_per_seq = 0;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  virtual std::string name() const = 0;
+  // True when backend memory is host memory (weights can be used in place).
+  virtual bool SharesHostMemory() const = 0;
+  // Weight dtypes Linear accepts as they are; others are converted at load.
+  virtual bool SupportsWeightDType(DType dtype) const = 0;
+
+  // Memory in the backend's space. Allocate returns nullptr on failure; the
+  // contents are unspecified (zeroed for the CPU backend).
+  virtual void* Allocate(size_t bytes) = 0;
+  virtual void Free(void* ptr) = 0;
+  virtual void Upload(void* dst, const void* host_src, size_t bytes) = 0;
+  virtual void Download(void* host_dst, const void* src, size_t bytes) = 0;
+
+  // y[m, rows] = x[m, cols] · W^T (+ bias[rows] when bias is not null).
+  virtual void Linear(const float* x, int64_t m, const WeightMatrix& w, const float* bias,
+                      float* y) = 0;
+  // out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight; x and out may alias.
+  virtual void RmsNorm(const float* x, const float* weight, float* out, int64_t rows, int64_t dim,
+                       float eps) = 0;
+  // Rotary embedding in place on x[tokens][heads][head_dim], Hugging Face
+  // "rotate_half" pairing (i, i + head_dim/2): angle = positions[t] * inv_freq[i]
+  // for i < head_dim/2. inv_freq already carries any rope scaling.
+  virtual void Rope(float* x, const int32_t* positions, int64_t tokens, int64_t heads,
+                    int64_t head_dim, const float* inv_freq) = 0;
+  // out[i] = silu(gate[i]) * up[i] for `rows` rows of width n; gate/up rows
+  // are strided by `in_stride` floats (so one [rows, 2n] buffer can hold both).
+  virtual void SwiGlu(const float* gate, const float* up, int64_t in_stride, float* out,
+                      int64_t rows, int64_t n) = 0;
+  // x[i] += y[i].
+  virtual void Add(float* x, const float* y, int64_t n) = 0;
+  // out[t] = table[ids[t]] (table [vocab, dim], dtype fp32).
+  virtual void Embedding(const float* table, const int32_t* ids, int64_t tokens, int64_t dim,
+                         float* out) = 0;
+  // Copies rows[i] of x ([*, dim]) to out row i.
+  virtual void GatherRows(const float* x, const int32_t* rows, int64_t count, int64_t dim,
+                          float* out) = 0;
+
+  // Stores k and v ([tokens][num_kv_heads][head_dim]) of `layer` into the
+  // pool at slots[t] = block_id * block_size + offset. Tokens of one block
+  // arrive in slot order, and writing offset 0 starts the block afresh. For
+  // fp8 the (block, head) scale is the smallest power of two that keeps every
+  // value of the block within +-448: it is set from all the tokens one call
+  // writes into the block (a prefill chunk is rounded once) and grows when a
+  // later call (decode) needs it, requantizing the tokens already there.
+  virtual void WriteKv(const KvCacheLayout& layout, void* pool, int64_t layer, const float* k,
+                       const float* v, const int64_t* slots, int64_t tokens) = 0;
+  // Causal attention of q ([tokens][num_heads][head_dim]) over the paged KV
+  // of `layer`; out has q's shape. num_heads is a multiple of num_kv_heads
+  // (GQA; MQA and MHA are the extremes). scale multiplies q·k.
+  virtual void PagedAttention(const KvCacheLayout& layout, const void* pool, int64_t layer,
+                              const float* q, int64_t num_heads, const AttentionBatch& batch,
+                              float scale, float* out) = 0;
+};
+
+}  // namespace pdserve::kernels

@@ -1,0 +1,174 @@
+// pdserve bench engine: prefill and decode throughput of the CPU engine.
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "common/flags.h"
+#include "common/logging.h"
+#include "engine/engine.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "services/cli/command.h"
+
+namespace pdserve::cli {
+namespace {
+
+std::string CpuModel() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("model name", 0) == 0) {
+      auto colon = line.find(':');
+      if (colon != std::string::npos) return line.substr(colon + 2);
+    }
+  }
+  return "unknown";
+}
+
+double Seconds(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+int RunBenchEngine(int argc, char** argv) {
+  FlagSet flags("bench engine",
+                "Measure prefill and decode tokens/s of the CPU engine per batch size.");
+  std::string model_dir, kv_dtype_name = "fp32";
+  std::vector<int64_t> batches = {1, 8, 32};
+  int64_t prompt_tokens = 256, gen_tokens = 128, threads = 0, block_size = 16;
+  int64_t max_batched_tokens = 2048;
+  bool json = false;
+  flags.AddString("model", &model_dir, "model folder (e.g. from make-model --preset small)");
+  flags.AddIntList("batch", &batches, "batch sizes (concurrent requests)");
+  flags.AddInt("prompt-tokens", &prompt_tokens, "prompt length of every request");
+  flags.AddInt("gen-tokens", &gen_tokens, "tokens generated per request (EOS ignored)");
+  flags.AddString("kv-dtype", &kv_dtype_name, "KV cache dtype: fp32, fp16, bf16 or fp8");
+  flags.AddInt("block-size", &block_size, "tokens per KV block");
+  flags.AddInt("max-batched-tokens", &max_batched_tokens, "token budget per step");
+  flags.AddInt("threads", &threads, "CPU threads (0: one per core)");
+  flags.AddBool("json", &json, "one JSON line per batch size");
+  flags.SetEpilog(
+      "Example: pdserve bench engine --model models/small --batch 1,8,32 --prompt-tokens 256 "
+      "--gen-tokens 128 --json");
+  ParseFlagsOrExit(flags, argc, argv);
+  if (model_dir.empty()) UsageError("bench engine", "--model is required");
+  if (batches.empty()) UsageError("bench engine", "--batch needs at least one size");
+  for (int64_t b : batches) {
+    if (b < 1 || b > 4096) UsageError("bench engine", "--batch sizes must be in [1, 4096]");
+  }
+  if (prompt_tokens < 1 || gen_tokens < 2) {
+    UsageError("bench engine", "--prompt-tokens must be >= 1 and --gen-tokens >= 2");
+  }
+  auto kv_dtype = ParseDType(kv_dtype_name);
+  if (!kv_dtype || *kv_dtype == DType::kFP4E2M1) {
+    UsageError("bench engine", "--kv-dtype: expected fp32, fp16, bf16 or fp8");
+  }
+  kernels::CpuBackend backend(static_cast<int>(threads));
+  auto model = Model::Load(model_dir, &backend);
+  if (!model.ok()) UsageError("bench engine", model.status().message());
+  const auto& cfg = (*model)->config();
+  if (prompt_tokens + gen_tokens > cfg.max_context()) {
+    UsageError("bench engine", "--prompt-tokens + --gen-tokens exceed the model context");
+  }
+  const int64_t kv_bytes_per_token =
+      2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * DTypeBits(*kv_dtype) / 8;
+
+  for (int64_t batch : batches) {
+    EngineOptions options;
+    options.kv_dtype = *kv_dtype;
+    options.block_size = block_size;
+    options.max_num_seqs = batch;
+    options.max_num_batched_tokens = max_batched_tokens;
+    options.enable_prefix_caching = false;  // distinct prompts anyway: measure compute
+    const int64_t blocks_per_seq = (prompt_tokens + gen_tokens) / block_size + 2;
+    options.kv_cache_bytes =
+        (batch * blocks_per_seq + 4) * block_size * kv_bytes_per_token + (1 << 20);
+    auto engine = Engine::Create(model->get(), options);
+    if (!engine.ok()) UsageError("bench engine", engine.status().message());
+    uint64_t rng = 0x9e3779b97f4a7c15ull * static_cast<uint64_t>(batch);
+    for (int64_t r = 0; r < batch; ++r) {
+      EngineRequest req;
+      req.id = static_cast<RequestId>(r + 1);
+      for (int64_t t = 0; t < prompt_tokens; ++t) {
+        rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+        req.prompt.push_back(static_cast<TokenId>((rng >> 33) % cfg.vocab_size));
+      }
+      req.params.temperature = 0;
+      req.params.max_tokens = static_cast<int>(gen_tokens);
+      req.params.ignore_eos = true;
+      if (Status st = (*engine)->AddRequest(std::move(req)); !st.ok()) {
+        UsageError("bench engine", st.message());
+      }
+    }
+    std::fprintf(stderr, "bench engine: batch %lld: prefill of %lld x %lld tokens...\n",
+                 static_cast<long long>(batch), static_cast<long long>(batch),
+                 static_cast<long long>(prompt_tokens));
+    const auto t0 = std::chrono::steady_clock::now();
+    int64_t first_tokens = 0, decode_steps = 0, decode_tokens = 0;
+    auto t_prefill_end = t0;
+    while ((*engine)->HasUnfinished()) {
+      const bool prefilling = first_tokens < batch;
+      auto outputs = (*engine)->Step();
+      if (!outputs.ok()) {
+        std::fprintf(stderr, "pdserve bench engine: %s\n", outputs.status().message().c_str());
+        return 1;
+      }
+      int64_t produced = 0;
+      for (const auto& o : *outputs) produced += static_cast<int64_t>(o.new_token_ids.size());
+      if (prefilling) {
+        first_tokens += produced;
+        if (first_tokens >= batch) {
+          t_prefill_end = std::chrono::steady_clock::now();
+          std::fprintf(stderr, "bench engine: batch %lld: decoding %lld tokens each...\n",
+                       static_cast<long long>(batch), static_cast<long long>(gen_tokens - 1));
+        }
+      } else {
+        ++decode_steps;
+        decode_tokens += produced;
+      }
+    }
+    const auto t_end = std::chrono::steady_clock::now();
+    const double prefill_s = Seconds(t0, t_prefill_end), decode_s = Seconds(t_prefill_end, t_end);
+    nlohmann::json j = {
+        {"bench", "engine"},
+        {"model", (*model)->model_id()},
+        {"parameters", (*model)->num_parameters()},
+        {"batch", batch},
+        {"prompt_tokens", prompt_tokens},
+        {"gen_tokens", gen_tokens},
+        {"kv_dtype", std::string(DTypeName(*kv_dtype))},
+        {"block_size", block_size},
+        {"max_batched_tokens", max_batched_tokens},
+        {"prefill_seconds", prefill_s},
+        {"prefill_tokens_per_s", batch * prompt_tokens / prefill_s},
+        {"decode_seconds", decode_s},
+        {"decode_steps", decode_steps},
+        {"decode_tokens_per_s", decode_tokens / decode_s},
+        {"decode_step_ms", decode_steps ? 1000.0 * decode_s / decode_steps : 0.0},
+        {"weight_bytes_per_decode_step", (*model)->weight_bytes_per_step()},
+        {"weight_read_gb_per_s",
+         decode_steps ? (*model)->weight_bytes_per_step() * decode_steps / decode_s / 1e9 : 0.0},
+        {"machine",
+         {{"cores", std::thread::hardware_concurrency()},
+          {"cpu", CpuModel()},
+          {"threads", backend.threads()},
+          {"backend", backend.name()}}}};
+    if (json) {
+      std::printf("%s\n", j.dump().c_str());
+    } else {
+      std::printf("batch %3lld  prefill %9.1f tok/s  decode %9.1f tok/s  (%.2f ms/step)\n",
+                  static_cast<long long>(batch), batch * prompt_tokens / prefill_s,
+                  decode_tokens / decode_s, decode_steps ? 1000.0 * decode_s / decode_steps : 0.0);
+    }
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
+}  // namespace
+
+PDSERVE_COMMAND("bench engine", "engine prefill/decode throughput on the CPU", RunBenchEngine);
+
+}  // namespace pdserve::cli

@@ -1,0 +1,122 @@
+// pdserve generate: offline generation in one process (model + engine, no server).
+#include <cstdio>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "common/flags.h"
+#include "common/logging.h"
+#include "common/tokenizer/tokenizer.h"
+#include "engine/engine.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "services/cli/command.h"
+
+namespace pdserve::cli {
+namespace {
+
+int RunGenerate(int argc, char** argv) {
+  FlagSet flags("generate", "Generate text for one prompt, offline, on the CPU backend.");
+  std::string model_dir, prompt, kv_dtype_name = "fp32", stop;
+  int64_t max_tokens = 16, top_k = -1, seed = -1, threads = 0, block_size = 16;
+  int64_t kv_cache_bytes = 64ll << 20, max_batched_tokens = 512;
+  double temperature = 1.0, top_p = 1.0;
+  bool json = false, ignore_eos = false;
+  flags.AddString("model", &model_dir, "model folder (Hugging Face layout)");
+  flags.AddString("prompt", &prompt, "prompt text (a BOS token is added as the tokenizer says)");
+  flags.AddInt("max-tokens", &max_tokens, "most tokens to generate");
+  flags.AddDouble("temperature", &temperature, "sampling temperature; 0 = greedy");
+  flags.AddInt("top-k", &top_k, "keep the k most likely tokens (-1: off)");
+  flags.AddDouble("top-p", &top_p, "nucleus sampling mass in (0, 1]");
+  flags.AddInt("seed", &seed, "sampling seed (-1: random)");
+  flags.AddString("stop", &stop, "stop when the output contains this text");
+  flags.AddBool("ignore-eos", &ignore_eos, "keep generating after end-of-sequence tokens");
+  flags.AddString("kv-dtype", &kv_dtype_name, "KV cache dtype: fp32, fp16, bf16 or fp8");
+  flags.AddBytes("kv-cache-bytes", &kv_cache_bytes, "KV pool size");
+  flags.AddInt("block-size", &block_size, "tokens per KV block");
+  flags.AddInt("max-batched-tokens", &max_batched_tokens, "tokens per step (prefill chunk)");
+  flags.AddInt("threads", &threads, "CPU threads (0: one per core)");
+  flags.AddBool("json", &json,
+                "print one JSON object: prompt_token_ids, token_ids, text, finish_reason");
+  flags.SetEnvPrefix("PDSERVE_");
+  flags.SetEpilog("Example: pdserve generate --model models/tiny --prompt 'Hello' --max-tokens 8");
+  ParseFlagsOrExit(flags, argc, argv);
+
+  if (model_dir.empty()) UsageError("generate", "--model is required");
+  if (prompt.empty()) UsageError("generate", "--prompt is required and must not be empty");
+  auto kv_dtype = ParseDType(kv_dtype_name);
+  if (!kv_dtype || *kv_dtype == DType::kFP4E2M1) {
+    UsageError("generate",
+               "--kv-dtype: expected fp32, fp16, bf16 or fp8, got '" + kv_dtype_name + "'");
+  }
+  if (threads < 0) UsageError("generate", "--threads must be >= 0");
+  SamplingParams params;
+  params.max_tokens = static_cast<int>(std::min<int64_t>(max_tokens, 1 << 30));
+  if (max_tokens < 1) UsageError("generate", "--max-tokens must be >= 1");
+  params.temperature = static_cast<float>(temperature);
+  params.top_k = static_cast<int>(top_k);
+  params.top_p = static_cast<float>(top_p);
+  if (seed >= 0) params.seed = static_cast<uint64_t>(seed);
+  if (!stop.empty()) params.stop.push_back(stop);
+  params.ignore_eos = ignore_eos;
+  if (Status st = ValidateSamplingParams(params); !st.ok()) UsageError("generate", st.message());
+
+  kernels::CpuBackend backend(static_cast<int>(threads));
+  auto model = Model::Load(model_dir, &backend);
+  if (!model.ok()) UsageError("generate", model.status().message());
+  auto tokenizer = Tokenizer::Load(model_dir);
+  if (!tokenizer.ok()) UsageError("generate", tokenizer.status().message());
+  EngineOptions options;
+  options.kv_dtype = *kv_dtype;
+  options.kv_cache_bytes = kv_cache_bytes;
+  options.block_size = block_size;
+  options.max_num_batched_tokens = max_batched_tokens;
+  auto engine = Engine::Create(model->get(), options, tokenizer->get());
+  if (!engine.ok()) UsageError("generate", engine.status().message());
+
+  EngineRequest request;
+  request.id = 1;
+  request.prompt = (*tokenizer)->Encode(prompt, /*add_special_tokens=*/true);
+  request.params = params;
+  const std::vector<TokenId> prompt_ids = request.prompt;
+  if (Status st = (*engine)->AddRequest(std::move(request)); !st.ok()) {
+    UsageError("generate", st.message());
+  }
+  std::vector<TokenId> output_ids;
+  std::string text;
+  FinishReason finish = FinishReason::kNone;
+  while ((*engine)->HasUnfinished()) {
+    auto outputs = (*engine)->Step();
+    if (!outputs.ok()) {
+      std::fprintf(stderr, "pdserve generate: %s\n", outputs.status().message().c_str());
+      return 1;
+    }
+    for (const auto& out : *outputs) {
+      output_ids.insert(output_ids.end(), out.new_token_ids.begin(), out.new_token_ids.end());
+      text += out.text;
+      if (!json) {
+        std::fputs(out.text.c_str(), stdout);  // streaming is the progress display
+        std::fflush(stdout);
+      }
+      if (out.finished) finish = out.finish_reason;
+    }
+  }
+  if (json) {
+    nlohmann::json j = {{"prompt_token_ids", prompt_ids},
+                        {"token_ids", output_ids},
+                        {"text", text},
+                        {"finish_reason", FinishReasonName(finish)}};
+    std::printf("%s\n", j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
+  } else {
+    std::printf("\n");
+    PDSERVE_LOG(INFO) << "generate: " << prompt_ids.size() << " prompt tokens, "
+                      << output_ids.size() << " generated, finish_reason "
+                      << FinishReasonName(finish);
+  }
+  return 0;
+}
+
+}  // namespace
+
+PDSERVE_COMMAND("generate", "generate text offline for one prompt", RunGenerate);
+
+}  // namespace pdserve::cli

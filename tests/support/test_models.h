@@ -1,0 +1,20 @@
+// Test models written on demand with make-model's generator, once per test
+// process, into a private temporary folder that is removed at exit.
+#pragma once
+
+#include <string>
+
+#include "engine/make_model.h"
+
+namespace pdserve::testing {
+
+// The `tiny` preset (fp32 weights, seed 0).
+const std::string& TinyModelDir();
+
+// A model for `spec`, written under `name` (one folder per distinct name).
+std::string ModelDir(const std::string& name, const ModelSpec& spec);
+
+// A fresh empty folder under the process's temporary folder.
+std::string NewTempDir(const std::string& name);
+
+}  // namespace pdserve::testing

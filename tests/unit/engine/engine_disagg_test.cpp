@@ -1,0 +1,175 @@
+// Disaggregated prefill/decode between two engines in one process: the
+// prefill engine computes a prompt's KV and hands out its block ids; a
+// memcpy between the two pools stands in for the transport; the decode
+// engine continues from the first token and must produce exactly what one
+// engine alone produces.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <map>
+#include <random>
+
+#include "engine/engine.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "tests/support/test_models.h"
+
+namespace pdserve {
+namespace {
+
+class EngineDisaggTest : public ::testing::TestWithParam<DType> {
+ protected:
+  static void SetUpTestSuite() {
+    backend_ = new kernels::CpuBackend(2);
+    auto m = Model::Load(testing::TinyModelDir(), backend_);
+    ASSERT_TRUE(m.ok()) << m.status().ToString();
+    model_ = m->release();
+  }
+  static void TearDownTestSuite() {
+    delete model_;
+    delete backend_;
+  }
+
+  std::unique_ptr<Engine> MakeEngine() {
+    EngineOptions o;
+    o.kv_cache_bytes = 2 << 20;
+    o.kv_dtype = GetParam();
+    o.max_num_batched_tokens = 32;
+    auto e = Engine::Create(model_, o);
+    EXPECT_TRUE(e.ok()) << e.status().ToString();
+    return std::move(*e);
+  }
+
+  static EngineRequest Request(RequestId id, int prompt_len, uint32_t seed, int max_tokens) {
+    std::mt19937 rng(seed);
+    EngineRequest r;
+    r.id = id;
+    for (int i = 0; i < prompt_len; ++i) r.prompt.push_back(static_cast<TokenId>(rng() % 512));
+    r.params.temperature = 0.9f;  // sampled, with a seed both engines share
+    r.params.seed = seed;
+    r.params.max_tokens = max_tokens;
+    r.params.ignore_eos = true;
+    return r;
+  }
+
+  static std::vector<TokenId> Drain(Engine& e, RequestId id) {
+    std::vector<TokenId> out;
+    while (e.HasUnfinished()) {
+      auto step = e.Step();
+      EXPECT_TRUE(step.ok()) << step.status().ToString();
+      if (!step.ok()) break;
+      for (const auto& o : *step) {
+        if (o.id == id) out.insert(out.end(), o.new_token_ids.begin(), o.new_token_ids.end());
+      }
+    }
+    return out;
+  }
+
+  // The prefill side: runs the prompt, returns its first token and pinned blocks.
+  static RequestOutput Prefill(Engine& p, EngineRequest r) {
+    r.prefill_only = true;
+    EXPECT_TRUE(p.AddRequest(std::move(r)).ok());
+    RequestOutput result;
+    while (p.HasUnfinished()) {
+      auto step = p.Step();
+      EXPECT_TRUE(step.ok());
+      for (const auto& o : *step) {
+        if (o.finished) result = o;
+      }
+    }
+    return result;
+  }
+
+  static void CopyBlocks(const Engine& from, const std::vector<BlockId>& src, Engine& to,
+                         const RemotePrefillPlan& plan) {
+    ASSERT_EQ(src.size(), plan.block_ids.size());
+    const int64_t bytes = from.kv_pool().bytes_per_block();
+    ASSERT_EQ(bytes, to.kv_pool().bytes_per_block());
+    for (size_t i = plan.first_block_to_fill; i < src.size(); ++i) {
+      std::memcpy(to.kv_pool().block(plan.block_ids[i]), from.kv_pool().block(src[i]), bytes);
+    }
+  }
+
+  static kernels::CpuBackend* backend_;
+  static Model* model_;
+};
+kernels::CpuBackend* EngineDisaggTest::backend_ = nullptr;
+Model* EngineDisaggTest::model_ = nullptr;
+
+TEST_P(EngineDisaggTest, RemotePrefillContinuesExactly) {
+  const EngineRequest request = Request(1, 50, 1234, 20);
+  auto alone = MakeEngine();
+  ASSERT_TRUE(alone->AddRequest(request).ok());
+  const auto expected = Drain(*alone, 1);
+  ASSERT_EQ(expected.size(), 20u);
+
+  auto prefill = MakeEngine();
+  auto decode = MakeEngine();
+  auto plan = decode->AddRemotePrefillRequest(request);
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  EXPECT_EQ(plan->block_ids.size(), 4u);  // 50 tokens in blocks of 16
+  EXPECT_EQ(plan->first_block_to_fill, 0u);
+  EXPECT_EQ(decode->GetStats().num_remote_waiting, 1);
+  // Parked: stepping the decode engine does nothing for it.
+  auto idle = decode->Step();
+  ASSERT_TRUE(idle.ok());
+  EXPECT_TRUE(idle->empty());
+
+  const RequestOutput done = Prefill(*prefill, request);
+  ASSERT_TRUE(done.finished);
+  ASSERT_EQ(done.new_token_ids.size(), 1u);
+  EXPECT_EQ(done.new_token_ids[0], expected[0]);
+  ASSERT_TRUE(done.kv_pin.has_value());
+  CopyBlocks(*prefill, done.kv_blocks, *decode, *plan);
+  ASSERT_TRUE(prefill->ReleaseKvBlocks(*done.kv_pin).ok());
+  EXPECT_EQ(prefill->GetStats().blocks.used_blocks, 0u);
+  EXPECT_EQ(prefill->GetStats().blocks.cached_blocks, 3u);  // the full blocks stay cached
+
+  ASSERT_TRUE(decode->CompleteRemotePrefill(1, done.new_token_ids[0]).ok());
+  EXPECT_EQ(Drain(*decode, 1), expected);
+  EXPECT_EQ(decode->GetStats().blocks.used_blocks, 0u);
+
+  // The received blocks are now in the decode engine's prefix cache: a
+  // second request with the same prompt reuses them and fills only the rest.
+  EngineRequest again = request;
+  again.id = 2;
+  auto plan2 = decode->AddRemotePrefillRequest(again);
+  ASSERT_TRUE(plan2.ok());
+  EXPECT_EQ(plan2->first_block_to_fill, 3u);
+  EXPECT_EQ(plan2->num_cached_tokens, 48);
+  const RequestOutput done2 = Prefill(*prefill, again);
+  CopyBlocks(*prefill, done2.kv_blocks, *decode, *plan2);
+  ASSERT_TRUE(prefill->ReleaseKvBlocks(*done2.kv_pin).ok());
+  ASSERT_TRUE(decode->CompleteRemotePrefill(2, done2.new_token_ids[0]).ok());
+  EXPECT_EQ(Drain(*decode, 2), expected);
+}
+
+TEST_P(EngineDisaggTest, FailedRemotePrefillFallsBackToLocal) {
+  const EngineRequest request = Request(1, 37, 99, 10);
+  auto alone = MakeEngine();
+  ASSERT_TRUE(alone->AddRequest(request).ok());
+  const auto expected = Drain(*alone, 1);
+
+  auto decode = MakeEngine();
+  ASSERT_TRUE(decode->AddRemotePrefillRequest(request).ok());
+  EXPECT_GT(decode->GetStats().blocks.used_blocks, 0u);
+  ASSERT_TRUE(decode->FailRemotePrefill(1).ok());
+  EXPECT_EQ(decode->FailRemotePrefill(1).code(), StatusCode::kNotFound);
+  EXPECT_EQ(Drain(*decode, 1), expected);
+}
+
+TEST_P(EngineDisaggTest, CancelParkedRequestFreesReservation) {
+  auto decode = MakeEngine();
+  ASSERT_TRUE(decode->AddRemotePrefillRequest(Request(1, 40, 5, 10)).ok());
+  EXPECT_EQ(decode->GetStats().blocks.used_blocks, 3u);
+  ASSERT_TRUE(decode->Cancel(1).ok());
+  EXPECT_EQ(decode->GetStats().blocks.used_blocks, 0u);
+  EXPECT_FALSE(decode->HasUnfinished());
+  EXPECT_EQ(decode->CompleteRemotePrefill(1, 0).code(), StatusCode::kNotFound);
+}
+
+INSTANTIATE_TEST_SUITE_P(KvDtypes, EngineDisaggTest,
+                         ::testing::Values(DType::kF32, DType::kBF16, DType::kFP8E4M3),
+                         [](const auto& info) { return std::string(DTypeName(info.param)); });
+
+}  // namespace
+}  // namespace pdserve

@@ -1,0 +1,313 @@
+// Scheduler behaviour: greedy output does not depend on prefix-cache hits,
+// prefill chunk size, batch company or preemption; cancellation frees
+// everything; bad requests are refused with clear errors.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <random>
+
+#include "engine/engine.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "tests/support/test_models.h"
+
+namespace pdserve {
+namespace {
+
+constexpr int64_t kBlockBytes = 8 << 10;  // tiny model, fp32 KV, 16 tokens per block
+
+class EngineSchedulerTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    backend_ = new kernels::CpuBackend(2);
+    auto m = Model::Load(testing::TinyModelDir(), backend_);
+    ASSERT_TRUE(m.ok()) << m.status().ToString();
+    model_ = m->release();
+  }
+  static void TearDownTestSuite() {
+    delete model_;
+    delete backend_;
+  }
+
+  std::unique_ptr<Engine> MakeEngine(EngineOptions options = {}) {
+    if (options.kv_cache_bytes == EngineOptions{}.kv_cache_bytes) options.kv_cache_bytes = 4 << 20;
+    auto e = Engine::Create(model_, options);
+    EXPECT_TRUE(e.ok()) << e.status().ToString();
+    return std::move(*e);
+  }
+
+  static std::vector<TokenId> Prompt(int n, uint32_t seed) {
+    std::mt19937 rng(seed);
+    std::vector<TokenId> p(n);
+    for (auto& t : p) t = static_cast<TokenId>(rng() % 512);
+    return p;
+  }
+
+  static EngineRequest Greedy(RequestId id, std::vector<TokenId> prompt, int max_tokens) {
+    EngineRequest r;
+    r.id = id;
+    r.prompt = std::move(prompt);
+    r.params.temperature = 0;
+    r.params.max_tokens = max_tokens;
+    r.params.ignore_eos = true;
+    return r;
+  }
+
+  // Runs the engine dry; returns each request's generated tokens.
+  static std::map<RequestId, std::vector<TokenId>> RunAll(
+      Engine& e, std::map<RequestId, RequestOutput>* last = nullptr) {
+    std::map<RequestId, std::vector<TokenId>> out;
+    int guard = 0;
+    while (e.HasUnfinished()) {
+      auto step = e.Step();
+      EXPECT_TRUE(step.ok()) << step.status().ToString();
+      if (!step.ok()) break;
+      for (const auto& o : *step) {
+        auto& v = out[o.id];
+        v.insert(v.end(), o.new_token_ids.begin(), o.new_token_ids.end());
+        if (last && o.finished) (*last)[o.id] = o;
+      }
+      EXPECT_LT(++guard, 100000) << "engine does not make progress";
+      if (guard >= 100000) break;
+    }
+    Status inv = e.block_manager().CheckInvariants();
+    EXPECT_TRUE(inv.ok()) << inv.ToString();
+    return out;
+  }
+
+  std::vector<TokenId> Alone(const EngineRequest& r, EngineOptions options = {}) {
+    auto e = MakeEngine(options);
+    EXPECT_TRUE(e->AddRequest(r).ok());
+    return RunAll(*e)[r.id];
+  }
+
+  static kernels::CpuBackend* backend_;
+  static Model* model_;
+};
+kernels::CpuBackend* EngineSchedulerTest::backend_ = nullptr;
+Model* EngineSchedulerTest::model_ = nullptr;
+
+TEST_F(EngineSchedulerTest, PrefixCacheHitGivesSameTokens) {
+  const auto prompt = Prompt(70, 1);
+  EngineOptions no_cache;
+  no_cache.enable_prefix_caching = false;
+  const auto expected = Alone(Greedy(1, prompt, 24), no_cache);
+  ASSERT_EQ(expected.size(), 24u);
+
+  auto e = MakeEngine();
+  ASSERT_TRUE(e->AddRequest(Greedy(1, prompt, 24)).ok());
+  std::map<RequestId, RequestOutput> last;
+  auto first = RunAll(*e, &last);
+  EXPECT_EQ(first[1], expected);
+  ASSERT_TRUE(e->AddRequest(Greedy(2, prompt, 24)).ok());
+  auto step = e->Step();
+  ASSERT_TRUE(step.ok());
+  ASSERT_EQ(step->size(), 1u);
+  // 69 tokens hashable (the last is always computed): 4 full blocks reused.
+  EXPECT_EQ((*step)[0].num_cached_tokens, 64);
+  auto rest = RunAll(*e);
+  std::vector<TokenId> second = (*step)[0].new_token_ids;
+  second.insert(second.end(), rest[2].begin(), rest[2].end());
+  EXPECT_EQ(second, expected);
+  const auto stats = e->GetStats().blocks;
+  EXPECT_EQ(stats.prefix_cache_query_tokens, 140u);
+  EXPECT_EQ(stats.prefix_cache_hit_tokens, 64u);
+  EXPECT_EQ(stats.used_blocks, 0u);
+  // A different cache salt must not hit.
+  EngineRequest salted = Greedy(3, prompt, 4);
+  salted.cache_salt = "tenant-b";
+  ASSERT_TRUE(e->AddRequest(salted).ok());
+  auto salted_step = e->Step();
+  ASSERT_TRUE(salted_step.ok());
+  EXPECT_EQ((*salted_step)[0].num_cached_tokens, 0);
+  RunAll(*e);
+}
+
+TEST_F(EngineSchedulerTest, ChunkSizeDoesNotChangeTokens) {
+  const auto prompt = Prompt(75, 2);
+  EngineOptions reference_options;
+  reference_options.max_num_batched_tokens = 4096;
+  const auto expected = Alone(Greedy(1, prompt, 20), reference_options);
+  for (int64_t chunk : {1, 7, 16, 512}) {
+    SCOPED_TRACE(chunk);
+    EngineOptions o;
+    o.max_num_batched_tokens = chunk;
+    EXPECT_EQ(Alone(Greedy(1, prompt, 20), o), expected);
+  }
+}
+
+TEST_F(EngineSchedulerTest, BatchCompanyDoesNotChangeTokens) {
+  const EngineRequest target = Greedy(100, Prompt(41, 3), 30);
+  const auto expected = Alone(target);
+  // A seeded sampled request must also be reproducible inside a batch.
+  EngineRequest sampled = Greedy(200, Prompt(19, 4), 25);
+  sampled.params.temperature = 0.8f;
+  sampled.params.top_p = 0.9f;
+  sampled.params.seed = 42;
+  const auto expected_sampled = Alone(sampled);
+
+  EngineOptions o;
+  o.max_num_batched_tokens = 64;  // forces mixed prefill chunks and decodes
+  auto e = MakeEngine(o);
+  std::mt19937 rng(5);
+  for (int i = 0; i < 8; ++i) {
+    EngineRequest other = Greedy(i + 1, Prompt(5 + rng() % 90, 10 + i), 5 + rng() % 30);
+    if (i % 2) {
+      other.params.temperature = 1.0f;
+      other.params.top_k = 20;
+      other.params.seed = i;
+    }
+    ASSERT_TRUE(e->AddRequest(other).ok());
+    if (i == 3) {
+      ASSERT_TRUE(e->AddRequest(target).ok());
+    }
+  }
+  ASSERT_TRUE(e->AddRequest(sampled).ok());
+  auto out = RunAll(*e);
+  EXPECT_EQ(out[100], expected);
+  EXPECT_EQ(out[200], expected_sampled);
+  EXPECT_EQ(e->GetStats().blocks.used_blocks, 0u);
+}
+
+TEST_F(EngineSchedulerTest, PreemptionAndRecomputeGiveSameTokens) {
+  std::vector<EngineRequest> requests;
+  std::map<RequestId, std::vector<TokenId>> expected;
+  for (int i = 0; i < 4; ++i) {
+    requests.push_back(Greedy(i + 1, Prompt(40, 20 + i), 30));
+    if (i == 2) {
+      requests.back().params.temperature = 0.7f;
+      requests.back().params.seed = 7;
+    }
+    expected[i + 1] = Alone(requests.back());
+  }
+  EngineOptions o;
+  o.kv_cache_bytes = 9 * kBlockBytes;  // 9 blocks; each request grows to 5
+  auto e = MakeEngine(o);
+  for (const auto& r : requests) ASSERT_TRUE(e->AddRequest(r).ok());
+  auto out = RunAll(*e);
+  EXPECT_GT(e->GetStats().num_preemptions, 0u);
+  for (const auto& [id, tokens] : expected) EXPECT_EQ(out[id], tokens) << "request " << id;
+  const auto stats = e->GetStats().blocks;
+  EXPECT_EQ(stats.used_blocks, 0u);
+  EXPECT_EQ(stats.free_blocks + stats.evictable_blocks, stats.num_blocks);
+}
+
+TEST_F(EngineSchedulerTest, MaxNumSeqsIsRespected) {
+  EngineOptions o;
+  o.max_num_seqs = 2;
+  auto e = MakeEngine(o);
+  for (int i = 0; i < 5; ++i) ASSERT_TRUE(e->AddRequest(Greedy(i + 1, Prompt(10, i), 6)).ok());
+  while (e->HasUnfinished()) {
+    ASSERT_TRUE(e->Step().ok());
+    EXPECT_LE(e->GetStats().num_running, 2);
+  }
+}
+
+TEST_F(EngineSchedulerTest, CancelAtAnyPointFreesEverything) {
+  // Cancel after k steps, for every k through the life of the requests.
+  for (int cancel_after = 0; cancel_after < 12; ++cancel_after) {
+    SCOPED_TRACE(cancel_after);
+    EngineOptions o;
+    o.max_num_batched_tokens = 16;  // several prefill chunks
+    auto e = MakeEngine(o);
+    ASSERT_TRUE(e->AddRequest(Greedy(1, Prompt(50, 1), 8)).ok());
+    ASSERT_TRUE(e->AddRequest(Greedy(2, Prompt(20, 2), 8)).ok());
+    for (int s = 0; s < cancel_after && e->HasUnfinished(); ++s) ASSERT_TRUE(e->Step().ok());
+    if (e->HasRequest(1)) {
+      ASSERT_TRUE(e->Cancel(1).ok());
+      EXPECT_EQ(e->Cancel(1).code(), StatusCode::kNotFound);
+    }
+    RunAll(*e);
+    EXPECT_FALSE(e->HasRequest(1));
+    const auto stats = e->GetStats().blocks;
+    EXPECT_EQ(stats.used_blocks, 0u);
+    EXPECT_EQ(stats.num_sequences, 0u);
+  }
+}
+
+TEST_F(EngineSchedulerTest, StopTokenAndMaxTokensFinish) {
+  const auto prompt = Prompt(12, 9);
+  const auto greedy = Alone(Greedy(1, prompt, 10));
+  ASSERT_EQ(greedy.size(), 10u);
+  EngineRequest r = Greedy(1, prompt, 10);
+  r.params.stop_token_ids = {greedy[3]};
+  auto e = MakeEngine();
+  ASSERT_TRUE(e->AddRequest(r).ok());
+  std::map<RequestId, RequestOutput> last;
+  auto out = RunAll(*e, &last);
+  const size_t first_stop = std::find(greedy.begin(), greedy.end(), greedy[3]) - greedy.begin() + 1;
+  EXPECT_EQ(out[1].size(), first_stop);
+  EXPECT_EQ(last[1].finish_reason, FinishReason::kStop);
+
+  ASSERT_TRUE(e->AddRequest(Greedy(2, prompt, 3)).ok());
+  out = RunAll(*e, &last);
+  EXPECT_EQ(out[2].size(), 3u);
+  EXPECT_EQ(last[2].finish_reason, FinishReason::kLength);
+}
+
+TEST_F(EngineSchedulerTest, ContextLimitFinishesWithLength) {
+  EngineOptions o;
+  o.max_model_len = 20;
+  auto e = MakeEngine(o);
+  ASSERT_TRUE(e->AddRequest(Greedy(1, Prompt(15, 3), 100)).ok());
+  std::map<RequestId, RequestOutput> last;
+  auto out = RunAll(*e, &last);
+  EXPECT_EQ(out[1].size(), 5u);  // 15 + 5 = the 20-token context
+  EXPECT_EQ(last[1].finish_reason, FinishReason::kLength);
+}
+
+TEST_F(EngineSchedulerTest, BadRequestsAreRefusedClearly) {
+  EngineOptions o;
+  o.max_model_len = 100;
+  auto e = MakeEngine(o);
+  auto expect_error = [&](EngineRequest r, StatusCode code, const std::string& needle) {
+    Status st = e->AddRequest(std::move(r));
+    EXPECT_EQ(st.code(), code) << st.ToString();
+    EXPECT_NE(st.message().find(needle), std::string::npos) << st.message();
+  };
+  expect_error(Greedy(1, {}, 5), StatusCode::kInvalidArgument, "empty");
+  expect_error(Greedy(1, Prompt(100, 1), 5), StatusCode::kInvalidArgument, "context");
+  expect_error(Greedy(1, Prompt(5, 1), 0), StatusCode::kInvalidArgument, "max_tokens");
+  EngineRequest r = Greedy(1, Prompt(5, 1), 5);
+  r.params.temperature = -0.5f;
+  expect_error(r, StatusCode::kInvalidArgument, "temperature");
+  r = Greedy(1, Prompt(5, 1), 5);
+  r.params.top_p = 0.0f;
+  expect_error(r, StatusCode::kInvalidArgument, "top_p");
+  r.params.top_p = 1.5f;
+  expect_error(r, StatusCode::kInvalidArgument, "top_p");
+  expect_error(Greedy(1, {1, 2, 99999}, 5), StatusCode::kInvalidArgument, "vocabulary");
+  r = Greedy(1, Prompt(5, 1), 5);
+  r.params.stop = {"x"};
+  expect_error(r, StatusCode::kInvalidArgument, "tokenizer");
+  // A prompt that cannot fit in the pool at all.
+  EngineOptions small;
+  small.kv_cache_bytes = 2 * kBlockBytes;
+  auto tiny_pool = MakeEngine(small);
+  EXPECT_EQ(tiny_pool->AddRequest(Greedy(1, Prompt(40, 1), 5)).code(),
+            StatusCode::kResourceExhausted);
+  // Nothing was queued, and the engine still works.
+  EXPECT_FALSE(e->HasUnfinished());
+  ASSERT_TRUE(e->AddRequest(Greedy(1, Prompt(5, 1), 3)).ok());
+  expect_error(Greedy(1, Prompt(5, 2), 3), StatusCode::kInvalidArgument, "already");
+  EXPECT_EQ(RunAll(*e)[1].size(), 3u);
+}
+
+TEST_F(EngineSchedulerTest, KvPoolIsOneContiguousRegion) {
+  EngineOptions o;
+  o.kv_cache_bytes = 1 << 20;
+  o.kv_dtype = DType::kFP8E4M3;
+  auto e = MakeEngine(o);
+  const auto& pool = e->kv_pool();
+  const auto& layout = pool.layout();
+  // 2 layers x (K + V) x 2 heads x 16 tokens x 16 dims x 1 byte, plus 2 x 2 float scales per layer.
+  EXPECT_EQ(pool.bytes_per_block(), 2 * (2 * 2 * 16 * 16 + 2 * 2 * 4));
+  EXPECT_EQ(pool.num_blocks(), (1 << 20) / pool.bytes_per_block());
+  EXPECT_EQ(pool.total_bytes(), pool.num_blocks() * pool.bytes_per_block());
+  EXPECT_EQ(pool.block(3), static_cast<uint8_t*>(pool.base()) + 3 * pool.bytes_per_block());
+  EXPECT_EQ(layout.v_offset(1, 1, 0) - layout.block_offset(1),
+            layout.layer_stride_bytes() + layout.kv_bytes_per_layer());
+  EXPECT_NE(pool.Describe().find("dtype=fp8"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace pdserve
