@@ -214,12 +214,14 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
 
   // Both the prefiller (computes the blocks) and the decode worker (receives
   // them) will hold the whole prompt shortly.
-  const int64_t expires = now + options_.pending_ttl_us;
-  index_.AddPending(r.prefiller, request.block_hashes.subspan(decision.prefill_overlap_blocks),
-                    expires);
-  if (decision.prefill) {
-    index_.AddPending(r.decode, request.block_hashes.subspan(decision.decode_overlap_blocks),
+  if (options_.pending_ttl_us > 0) {
+    const int64_t expires = now + options_.pending_ttl_us;
+    index_.AddPending(r.prefiller, request.block_hashes.subspan(decision.prefill_overlap_blocks),
                       expires);
+    if (decision.prefill) {
+      index_.AddPending(r.decode, request.block_hashes.subspan(decision.decode_overlap_blocks),
+                        expires);
+    }
   }
 
   ++counters_.routed;

@@ -1,0 +1,331 @@
+// PrefixIndex against a naive reference model, plus its contracts one by one.
+#include "services/router/prefix_index.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <map>
+#include <random>
+#include <set>
+#include <unordered_map>
+
+#include "services/router/detail/block_table.h"
+
+namespace pdserve::router {
+namespace {
+
+using Kind = KvEvent::Kind;
+
+KvEventBatch Batch(uint64_t seq, Kind kind, std::vector<BlockHash> hashes) {
+  KvEventBatch b;
+  b.seq = seq;
+  KvEvent e;
+  e.kind = kind;
+  e.hashes = std::move(hashes);
+  b.events.push_back(std::move(e));
+  return b;
+}
+
+std::vector<uint32_t> Overlap(const PrefixIndex& index, std::vector<BlockHash> hashes) {
+  std::vector<uint32_t> out;
+  index.LeadingOverlap(hashes, &out);
+  return out;
+}
+
+TEST(BlockTableTest, MatchesUnorderedMapUnderChurn) {
+  // Small key range (with 0) so inserts, hits and backward-shift erasures
+  // interleave constantly; the table grows from 16 slots on the way.
+  detail::BlockTable table(2, 1 << 20);
+  std::unordered_map<uint64_t, uint64_t> ref;
+  std::mt19937_64 rng(7);
+  for (int step = 0; step < 200000; ++step) {
+    // Keys collide in their low bits to stress probe runs.
+    const uint64_t key = (rng() % 3000) << 20;
+    if (rng() % 3 != 0) {
+      bool inserted = false;
+      const size_t slot = table.FindOrInsert(key, &inserted);
+      ASSERT_NE(slot, detail::BlockTable::kNotFound);
+      EXPECT_EQ(inserted, !ref.contains(key));
+      if (inserted) {
+        EXPECT_EQ(table.words(slot)[0], 0u);
+        EXPECT_EQ(table.words(slot)[1], 0u);
+      }
+      table.words(slot)[1] = key ^ 0xabc;
+      ref[key] = key ^ 0xabc;
+    } else {
+      EXPECT_EQ(table.Erase(key), ref.erase(key) == 1);
+    }
+    ASSERT_EQ(table.size(), ref.size());
+  }
+  size_t seen = 0;
+  table.ForEach([&](uint64_t k, const uint64_t* w) {
+    ++seen;
+    ASSERT_TRUE(ref.contains(k));
+    EXPECT_EQ(w[1], ref[k]);
+  });
+  EXPECT_EQ(seen, ref.size());
+  for (const auto& [k, v] : ref) {
+    const size_t slot = table.Find(k);
+    ASSERT_NE(slot, detail::BlockTable::kNotFound);
+    EXPECT_EQ(table.words(slot)[1], v);
+  }
+}
+
+TEST(BlockTableTest, RefusesNewKeysAtTheBound) {
+  detail::BlockTable table(0, 3);
+  bool inserted = false;
+  for (uint64_t k : {0ull, 5ull, 9ull})
+    EXPECT_NE(table.FindOrInsert(k, &inserted), table.kNotFound);
+  EXPECT_EQ(table.FindOrInsert(11, &inserted), table.kNotFound);
+  EXPECT_NE(table.FindOrInsert(5, &inserted), table.kNotFound);  // present keys still found
+  EXPECT_FALSE(inserted);
+  EXPECT_TRUE(table.Erase(0));
+  EXPECT_NE(table.FindOrInsert(11, &inserted), table.kNotFound);
+  EXPECT_TRUE(inserted);
+}
+
+TEST(PrefixIndexTest, LeadingOverlapStopsAtTheFirstMiss) {
+  PrefixIndex index({.max_workers = 4});
+  for (WorkerId w : {0u, 1u, 2u}) {
+    ASSERT_TRUE(index.AddWorker(w).ok());
+    ASSERT_TRUE(index.ApplySnapshot(w, 0, {}).ok());
+  }
+  // w0 holds 10,11,12; w1 holds 10 and 12 (not 11); w2 holds 11,12 only.
+  ASSERT_EQ(index.ApplyEvents(0, Batch(1, Kind::kStored, {10, 11, 12})), ApplyOutcome::kApplied);
+  ASSERT_EQ(index.ApplyEvents(1, Batch(1, Kind::kStored, {10, 12})), ApplyOutcome::kApplied);
+  ASSERT_EQ(index.ApplyEvents(2, Batch(1, Kind::kStored, {11, 12})), ApplyOutcome::kApplied);
+  EXPECT_EQ(Overlap(index, {10, 11, 12, 13}), (std::vector<uint32_t>{3, 1, 0, 0}));
+  EXPECT_EQ(Overlap(index, {10, 11}), (std::vector<uint32_t>{2, 1, 0, 0}));
+  EXPECT_EQ(Overlap(index, {99, 10}), (std::vector<uint32_t>{0, 0, 0, 0}));
+  EXPECT_EQ(Overlap(index, {}), (std::vector<uint32_t>{0, 0, 0, 0}));
+}
+
+TEST(PrefixIndexTest, SequenceGapsDuplicatesAndResync) {
+  PrefixIndex index({.max_workers = 2});
+  ASSERT_TRUE(index.AddWorker(0).ok());
+  // No snapshot yet: refused, but that is not a gap.
+  EXPECT_EQ(index.ApplyEvents(0, Batch(1, Kind::kStored, {1})), ApplyOutcome::kNeedsResync);
+  EXPECT_EQ(index.stats().gaps, 0u);
+  ASSERT_TRUE(index.ApplySnapshot(0, 5, std::vector<BlockHash>{1, 2}).ok());
+  EXPECT_EQ(index.ApplyEvents(0, Batch(6, Kind::kStored, {3})), ApplyOutcome::kApplied);
+  EXPECT_EQ(index.ApplyEvents(0, Batch(6, Kind::kStored, {4})), ApplyOutcome::kDuplicate);
+  EXPECT_EQ(index.ApplyEvents(0, Batch(2, Kind::kRemoved, {1})), ApplyOutcome::kDuplicate);
+  EXPECT_EQ(Overlap(index, {1, 2, 3, 4})[0], 3u);  // neither stale batch applied
+  // Gap: 7 is missing.
+  EXPECT_EQ(index.ApplyEvents(0, Batch(8, Kind::kRemoved, {1})), ApplyOutcome::kNeedsResync);
+  EXPECT_TRUE(index.NeedsResync(0));
+  EXPECT_EQ(index.ApplyEvents(0, Batch(7, Kind::kRemoved, {1})), ApplyOutcome::kNeedsResync);
+  EXPECT_EQ(index.stats().gaps, 1u);
+  EXPECT_EQ(Overlap(index, {1, 2, 3})[0], 3u);  // old knowledge kept until the snapshot
+  ASSERT_TRUE(index.ApplySnapshot(0, 9, std::vector<BlockHash>{2, 3}).ok());
+  EXPECT_FALSE(index.NeedsResync(0));
+  EXPECT_EQ(Overlap(index, {1, 2, 3})[0], 0u);
+  EXPECT_EQ(Overlap(index, {2, 3})[0], 2u);
+  EXPECT_EQ(index.ApplyEvents(0, Batch(10, Kind::kStored, {1})), ApplyOutcome::kApplied);
+  EXPECT_EQ(index.ApplyEvents(1, Batch(1, Kind::kStored, {1})), ApplyOutcome::kUnknownWorker);
+  EXPECT_EQ(index.ApplyEvents(77, Batch(1, Kind::kStored, {1})), ApplyOutcome::kUnknownWorker);
+  EXPECT_FALSE(index.ApplySnapshot(1, 0, {}).ok());
+  EXPECT_FALSE(index.AddWorker(0).ok());  // in use
+  EXPECT_FALSE(index.AddWorker(2).ok());  // beyond max_workers
+}
+
+TEST(PrefixIndexTest, ClearedAndRemoveWorkerPurgeOnlyThatWorker) {
+  PrefixIndex index({.max_workers = 3});
+  for (WorkerId w : {0u, 1u}) {
+    ASSERT_TRUE(index.AddWorker(w).ok());
+    ASSERT_TRUE(index.ApplySnapshot(w, 0, {}).ok());
+    ASSERT_EQ(index.ApplyEvents(w, Batch(1, Kind::kStored, {7, 8, 9})), ApplyOutcome::kApplied);
+  }
+  ASSERT_EQ(index.ApplyEvents(1, Batch(2, Kind::kStored, {100})), ApplyOutcome::kApplied);
+  EXPECT_EQ(index.stats().entries, 4u);
+  EXPECT_EQ(index.stats().worker_blocks, 7u);
+  KvEventBatch clear;
+  clear.seq = 2;
+  clear.events.push_back({Kind::kCleared, {}, std::nullopt});
+  ASSERT_EQ(index.ApplyEvents(0, clear), ApplyOutcome::kApplied);
+  EXPECT_EQ(Overlap(index, {7, 8, 9}), (std::vector<uint32_t>{0, 3, 0}));
+  EXPECT_EQ(index.WorkerBlockCount(0), 0u);
+  index.RemoveWorker(1);
+  EXPECT_EQ(Overlap(index, {7, 8, 9}), (std::vector<uint32_t>{0, 0, 0}));
+  EXPECT_EQ(index.stats().entries, 0u);
+  EXPECT_EQ(index.stats().worker_blocks, 0u);
+  ASSERT_TRUE(index.AddWorker(1).ok());  // the slot is reusable, empty and unsynced
+  EXPECT_TRUE(index.NeedsResync(1));
+  EXPECT_EQ(index.WorkerBlockCount(1), 0u);
+}
+
+TEST(PrefixIndexTest, MemoryBoundDropsNewHashesAndReportsThem) {
+  PrefixIndex index({.max_workers = 2, .max_entries = 4});
+  for (WorkerId w : {0u, 1u}) {
+    ASSERT_TRUE(index.AddWorker(w).ok());
+    ASSERT_TRUE(index.ApplySnapshot(w, 0, {}).ok());
+  }
+  ASSERT_EQ(index.ApplyEvents(0, Batch(1, Kind::kStored, {1, 2, 3, 4, 5, 6})),
+            ApplyOutcome::kApplied);
+  PrefixIndexStats s = index.stats();
+  EXPECT_EQ(s.entries, 4u);
+  EXPECT_EQ(s.rejected_stores, 2u);
+  EXPECT_GT(s.bytes, 0u);
+  EXPECT_EQ(Overlap(index, {1, 2, 3, 4, 5, 6})[0], 4u);  // under-reports, never over-reports
+  // A known hash can still gain holders at the bound.
+  ASSERT_EQ(index.ApplyEvents(1, Batch(1, Kind::kStored, {1, 2, 9})), ApplyOutcome::kApplied);
+  EXPECT_EQ(Overlap(index, {1, 2, 9})[1], 2u);
+  EXPECT_EQ(index.stats().rejected_stores, 3u);
+  // Room frees up when blocks go.
+  ASSERT_EQ(index.ApplyEvents(0, Batch(2, Kind::kRemoved, {3, 4})), ApplyOutcome::kApplied);
+  ASSERT_EQ(index.ApplyEvents(0, Batch(3, Kind::kStored, {5})), ApplyOutcome::kApplied);
+  EXPECT_EQ(index.stats().entries, 3u);
+  EXPECT_EQ(index.stats().rejected_stores, 3u);
+}
+
+TEST(PrefixIndexTest, PendingEntriesCountUntilTheyExpireOrAreSuperseded) {
+  PrefixIndex index({.max_workers = 2});
+  for (WorkerId w : {0u, 1u}) {
+    ASSERT_TRUE(index.AddWorker(w).ok());
+    ASSERT_TRUE(index.ApplySnapshot(w, 0, {}).ok());
+  }
+  ASSERT_EQ(index.ApplyEvents(1, Batch(1, Kind::kStored, {1})), ApplyOutcome::kApplied);
+  index.AddPending(1, std::vector<BlockHash>{2, 3}, /*expires_us=*/1000);
+  index.AddPending(0, std::vector<BlockHash>{1, 2}, /*expires_us=*/1500);
+  EXPECT_EQ(Overlap(index, {1, 2, 3}), (std::vector<uint32_t>{2, 3}));
+  EXPECT_EQ(index.stats().pending_entries, 4u);
+  index.ExpirePending(999);
+  EXPECT_EQ(Overlap(index, {1, 2, 3}), (std::vector<uint32_t>{2, 3}));
+  index.ExpirePending(1000);
+  EXPECT_EQ(Overlap(index, {1, 2, 3}), (std::vector<uint32_t>{2, 1}));
+  // The worker's own Stored event supersedes its pending entry: removing the
+  // block afterwards leaves nothing behind.
+  ASSERT_EQ(index.ApplyEvents(0, Batch(1, Kind::kStored, {1})), ApplyOutcome::kApplied);
+  ASSERT_EQ(index.ApplyEvents(0, Batch(2, Kind::kRemoved, {1})), ApplyOutcome::kApplied);
+  EXPECT_EQ(Overlap(index, {1, 2})[0], 0u);
+  EXPECT_EQ(index.stats().pending_entries, 1u);  // (0, 2) until 1500
+  index.ExpirePending(1500);
+  EXPECT_EQ(index.stats().pending_entries, 0u);
+}
+
+TEST(PrefixIndexTest, PendingIsBoundedOldestFirst) {
+  PrefixIndex index({.max_workers = 1, .max_pending = 3});
+  ASSERT_TRUE(index.AddWorker(0).ok());
+  index.AddPending(0, std::vector<BlockHash>{1, 2, 3, 4, 5}, 100);
+  EXPECT_EQ(index.stats().pending_entries, 3u);
+  EXPECT_EQ(Overlap(index, {1})[0], 0u);
+  EXPECT_EQ(Overlap(index, {3, 4, 5})[0], 3u);
+}
+
+// The reference: per worker, a set of hashes; a worker's overlap is the
+// length of the prompt's longest prefix inside its set.
+struct ReferenceIndex {
+  struct Worker {
+    std::set<BlockHash> blocks;
+    bool synced = false;
+    uint64_t last = 0;
+  };
+  std::map<WorkerId, Worker> workers;
+  uint64_t gaps = 0;
+
+  ApplyOutcome Apply(WorkerId id, const KvEventBatch& b) {
+    auto it = workers.find(id);
+    if (it == workers.end()) return ApplyOutcome::kUnknownWorker;
+    Worker& w = it->second;
+    if (!w.synced) return ApplyOutcome::kNeedsResync;
+    if (b.seq <= w.last) return ApplyOutcome::kDuplicate;
+    if (b.seq != w.last + 1) {
+      ++gaps;
+      w.synced = false;
+      return ApplyOutcome::kNeedsResync;
+    }
+    w.last = b.seq;
+    for (const KvEvent& e : b.events) {
+      if (e.kind == Kind::kCleared) w.blocks.clear();
+      for (BlockHash h : e.hashes) {
+        if (e.kind == Kind::kStored) w.blocks.insert(h);
+        if (e.kind == Kind::kRemoved) w.blocks.erase(h);
+      }
+    }
+    return ApplyOutcome::kApplied;
+  }
+  std::vector<uint32_t> Overlap(const std::vector<BlockHash>& prompt, size_t slots) const {
+    std::vector<uint32_t> out(slots, 0);
+    for (const auto& [id, w] : workers) {
+      uint32_t n = 0;
+      while (n < prompt.size() && w.blocks.contains(prompt[n])) ++n;
+      out[id] = n;
+    }
+    return out;
+  }
+};
+
+TEST(PrefixIndexTest, MatchesReferenceUnderRandomEventStreams) {
+  constexpr size_t kSlots = 70;  // two bitset words
+  std::mt19937_64 rng(12345);
+  PrefixIndex index({.max_workers = kSlots});
+  ReferenceIndex ref;
+  // A small universe (0 included) makes workers share blocks constantly.
+  auto random_hash = [&] { return static_cast<BlockHash>(rng() % 64) * 0x100000001ull; };
+  auto random_hashes = [&](size_t max_n) {
+    std::vector<BlockHash> v(rng() % (max_n + 1));
+    for (auto& h : v) h = random_hash();
+    return v;
+  };
+  // Prompts are drawn from what workers were told to store, so overlaps are long.
+  std::vector<std::vector<BlockHash>> prompts;
+  for (int step = 0; step < 20000; ++step) {
+    const WorkerId w = static_cast<WorkerId>(rng() % kSlots);
+    const int op = static_cast<int>(rng() % 100);
+    if (op < 3) {
+      const bool ok = index.AddWorker(w).ok();
+      EXPECT_EQ(ok, !ref.workers.contains(w));
+      if (ok) ref.workers[w] = {};
+    } else if (op < 5) {
+      index.RemoveWorker(w);
+      ref.workers.erase(w);
+    } else if (op < 10) {
+      std::vector<BlockHash> snap = random_hashes(20);
+      const uint64_t seq = rng() % 50;
+      const bool ok = index.ApplySnapshot(w, seq, snap).ok();
+      EXPECT_EQ(ok, ref.workers.contains(w));
+      if (ok) ref.workers[w] = {{snap.begin(), snap.end()}, true, seq};
+    } else {
+      KvEventBatch b;
+      const auto it = ref.workers.find(w);
+      const uint64_t last = it == ref.workers.end() ? 0 : it->second.last;
+      const int kind = static_cast<int>(rng() % 20);
+      b.seq = kind == 0 ? last + 2 : kind == 1 ? last : last + 1;  // gap, duplicate, next
+      const int events = 1 + static_cast<int>(rng() % 3);
+      for (int e = 0; e < events; ++e) {
+        KvEvent ev;
+        const int k = static_cast<int>(rng() % 10);
+        ev.kind = k < 6 ? Kind::kStored : k < 9 ? Kind::kRemoved : Kind::kCleared;
+        if (ev.kind != Kind::kCleared) ev.hashes = random_hashes(8);
+        if (ev.kind == Kind::kStored && !ev.hashes.empty()) prompts.push_back(ev.hashes);
+        b.events.push_back(std::move(ev));
+      }
+      ASSERT_EQ(index.ApplyEvents(w, b), ref.Apply(w, b)) << "step " << step;
+    }
+    if (step % 10 == 0 && !prompts.empty()) {
+      std::vector<BlockHash> prompt = prompts[rng() % prompts.size()];
+      if (rng() % 2) prompt.push_back(random_hash());
+      std::vector<uint32_t> got;
+      index.LeadingOverlap(prompt, &got);
+      ASSERT_EQ(got, ref.Overlap(prompt, kSlots)) << "step " << step;
+    }
+  }
+  // Final state, worker by worker.
+  size_t pairs = 0;
+  std::set<BlockHash> all;
+  for (const auto& [id, w] : ref.workers) {
+    std::vector<BlockHash> got = index.WorkerBlocks(id);
+    std::sort(got.begin(), got.end());
+    EXPECT_EQ(got, std::vector<BlockHash>(w.blocks.begin(), w.blocks.end())) << "worker " << id;
+    pairs += w.blocks.size();
+    all.insert(w.blocks.begin(), w.blocks.end());
+  }
+  const PrefixIndexStats s = index.stats();
+  EXPECT_EQ(s.worker_blocks, pairs);
+  EXPECT_EQ(s.entries, all.size());
+  EXPECT_EQ(s.gaps, ref.gaps);
+  EXPECT_GT(s.gaps, 0u);
+}
+
+}  // namespace
+}  // namespace pdserve::router

@@ -1,0 +1,304 @@
+// RouterCore: each policy's choice on constructed scenarios, conditional
+// disaggregation, pending entries, request accounting and errors.
+#include "services/router/router_core.h"
+
+#include <gtest/gtest.h>
+
+#include <set>
+
+namespace pdserve::router {
+namespace {
+
+constexpr int64_t kBlock = 16;
+
+struct Fixture {
+  int64_t now_us = 0;
+  std::unique_ptr<RouterCore> core;
+  std::vector<WorkerId> ids;
+  std::vector<uint64_t> seqs;
+
+  explicit Fixture(RouterOptions o, std::vector<WorkerRole> roles) {
+    o.block_tokens = kBlock;
+    o.clock_us = [this] { return now_us; };
+    auto c = RouterCore::Create(std::move(o));
+    EXPECT_TRUE(c.ok()) << c.status().ToString();
+    core = std::move(*c);
+    for (size_t i = 0; i < roles.size(); ++i) {
+      auto id = core->AddWorker("w" + std::to_string(i), roles[i]);
+      EXPECT_TRUE(id.ok());
+      EXPECT_TRUE(core->OnSnapshot(*id, 0, {}).ok());
+      ids.push_back(*id);
+      seqs.push_back(0);
+    }
+  }
+  void Store(size_t worker, std::vector<BlockHash> hashes) {
+    KvEventBatch b;
+    b.seq = ++seqs[worker];
+    b.events.push_back({KvEvent::Kind::kStored, std::move(hashes), std::nullopt});
+    EXPECT_EQ(core->OnKvEvents(ids[worker], b), ApplyOutcome::kApplied);
+  }
+  void Queue(size_t worker, int64_t tokens) {
+    WorkerLoad load;
+    load.queued_prefill_tokens = tokens;
+    EXPECT_TRUE(core->OnLoad(ids[worker], load).ok());
+  }
+  RouteDecision Route(uint64_t id, const std::vector<BlockHash>& hashes, int64_t extra = 0) {
+    RouteRequest r;
+    r.request_id = id;
+    r.block_hashes = hashes;
+    r.prompt_tokens = static_cast<int64_t>(hashes.size()) * kBlock + extra;
+    auto d = core->Route(r);
+    EXPECT_TRUE(d.ok()) << d.status().ToString();
+    return d.ok() ? *d : RouteDecision{};
+  }
+  size_t IndexOf(WorkerId w) const {
+    return static_cast<size_t>(std::find(ids.begin(), ids.end(), w) - ids.begin());
+  }
+};
+
+std::vector<BlockHash> Prompt(BlockHash first, size_t n) {
+  std::vector<BlockHash> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = first + i;
+  return v;
+}
+
+RouterOptions Policy(const std::string& name) {
+  RouterOptions o;
+  o.policy = name;
+  o.pending_ttl_us = 0;  // isolate the policy from burst handling
+  return o;
+}
+
+TEST(RouterCoreTest, KvPicksTheWarmWorkerUnlessItsQueueMakesItCostlier) {
+  Fixture f(Policy("kv"), {WorkerRole::kBoth, WorkerRole::kBoth, WorkerRole::kBoth});
+  const auto prompt = Prompt(100, 8);  // 128 tokens
+  f.Store(1, Prompt(100, 6));          // 96 of them cached on w1
+  RouteDecision d = f.Route(1, prompt);
+  EXPECT_EQ(f.IndexOf(d.decode), 1u);
+  EXPECT_FALSE(d.remote_prefill());
+  EXPECT_EQ(d.decode_overlap_blocks, 6);
+  EXPECT_EQ(d.prefill_tokens, 32);
+  f.core->OnRequestFinished(1);
+  // cost(w1) = 32 + 0.25 * queue; cost(others) = 128: w1 loses above 384 queued tokens.
+  f.Queue(1, 380);
+  EXPECT_EQ(f.IndexOf(f.Route(2, prompt).decode), 1u);
+  f.core->OnRequestFinished(2);
+  f.Queue(1, 400);
+  EXPECT_NE(f.IndexOf(f.Route(3, prompt).decode), 1u);
+}
+
+TEST(RouterCoreTest, KvSpreadsColdRequestsByLoad) {
+  Fixture f(Policy("kv"), {WorkerRole::kBoth, WorkerRole::kBoth});
+  f.Queue(0, 1000);
+  EXPECT_EQ(f.IndexOf(f.Route(1, Prompt(1, 4)).decode), 1u);
+  // The router's own accounting now charges w1 with request 1, so once w0's
+  // queue drains the next request goes there.
+  f.Queue(0, 0);
+  EXPECT_EQ(f.IndexOf(f.Route(2, Prompt(50, 4)).decode), 0u);
+}
+
+TEST(RouterCoreTest, KvWithTemperatureSamplesButPrefersCheapWorkers) {
+  RouterOptions o = Policy("kv");
+  o.policy_options.temperature = 0.1;
+  Fixture f(o, {WorkerRole::kBoth, WorkerRole::kBoth, WorkerRole::kBoth});
+  f.Store(2, Prompt(100, 8));
+  int warm = 0;
+  for (uint64_t i = 0; i < 200; ++i) {
+    if (f.IndexOf(f.Route(i, Prompt(100, 8)).decode) == 2) ++warm;
+    f.core->OnRequestFinished(i);
+  }
+  EXPECT_GT(warm, 190);  // p(cold) = exp(-10) per cold worker
+}
+
+TEST(RouterCoreTest, RoundRobinIgnoresTheCache) {
+  Fixture f(Policy("round_robin"), {WorkerRole::kBoth, WorkerRole::kBoth, WorkerRole::kBoth});
+  f.Store(0, Prompt(100, 8));
+  std::vector<size_t> picks;
+  for (uint64_t i = 0; i < 6; ++i) picks.push_back(f.IndexOf(f.Route(i, Prompt(100, 8)).decode));
+  EXPECT_EQ(picks, (std::vector<size_t>{0, 1, 2, 0, 1, 2}));
+}
+
+TEST(RouterCoreTest, LeastLoadedIgnoresTheCache) {
+  Fixture f(Policy("least_loaded"), {WorkerRole::kBoth, WorkerRole::kBoth});
+  f.Store(0, Prompt(100, 8));
+  f.Queue(0, 10);
+  EXPECT_EQ(f.IndexOf(f.Route(1, Prompt(100, 8)).decode), 1u);
+  // w1 now carries request 1 (128 prefill tokens) in the router's accounting.
+  EXPECT_EQ(f.IndexOf(f.Route(2, Prompt(100, 8)).decode), 0u);
+}
+
+TEST(RouterCoreTest, RandomCoversTheCandidatesOnly) {
+  Fixture f(Policy("random"), {WorkerRole::kBoth, WorkerRole::kPrefill, WorkerRole::kBoth});
+  std::set<size_t> seen;
+  for (uint64_t i = 0; i < 100; ++i) {
+    seen.insert(f.IndexOf(f.Route(i, Prompt(1, 1)).decode));
+    f.core->OnRequestFinished(i);
+  }
+  EXPECT_EQ(seen, (std::set<size_t>{0, 2}));
+}
+
+TEST(RouterCoreTest, ConditionalDisaggregation) {
+  RouterOptions o = Policy("kv");
+  o.max_local_prefill = 100;
+  Fixture f(o, {WorkerRole::kDecode, WorkerRole::kPrefill, WorkerRole::kPrefill});
+  f.Store(2, Prompt(500, 16));  // prefill worker w2 is warm for this prompt
+  // 256 tokens to compute on the decode worker > 100: remote, on the warm prefill worker.
+  RouteDecision d = f.Route(1, Prompt(500, 16));
+  EXPECT_EQ(f.IndexOf(d.decode), 0u);
+  ASSERT_TRUE(d.remote_prefill());
+  EXPECT_EQ(f.IndexOf(*d.prefill), 2u);
+  EXPECT_EQ(d.prefill_overlap_blocks, 16);
+  EXPECT_EQ(d.prefill_tokens, 0);
+  // 64 tokens: local.
+  d = f.Route(2, Prompt(900, 4));
+  EXPECT_FALSE(d.remote_prefill());
+  EXPECT_EQ(d.prefill_tokens, 64);
+  // The decode worker holds most of the prompt: 100 tokens left is not more than 100.
+  f.Store(0, Prompt(700, 10));
+  d = f.Route(3, Prompt(700, 10), /*extra=*/100);
+  EXPECT_FALSE(d.remote_prefill());
+  EXPECT_EQ(d.prefill_tokens, 100);
+  d = f.Route(4, Prompt(700, 10), /*extra=*/101);
+  EXPECT_TRUE(d.remote_prefill());
+  const RouterStats s = f.core->stats();
+  EXPECT_EQ(s.remote_prefill, 2u);
+  EXPECT_EQ(s.local_prefill, 2u);
+}
+
+TEST(RouterCoreTest, NoPrefillWorkerMeansLocalPrefill) {
+  RouterOptions o = Policy("kv");
+  o.max_local_prefill = 0;
+  Fixture f(o, {WorkerRole::kDecode, WorkerRole::kBoth});
+  EXPECT_FALSE(f.Route(1, Prompt(1, 64)).remote_prefill());
+  EXPECT_FALSE(f.Route(2, Prompt(1000, 64)).remote_prefill());
+}
+
+TEST(RouterCoreTest, PendingEntriesCoLocateABurstUntilTheyExpire) {
+  RouterOptions o;
+  o.pending_ttl_us = 1'000'000;
+  Fixture f(o, {WorkerRole::kBoth, WorkerRole::kBoth, WorkerRole::kBoth, WorkerRole::kBoth});
+  const auto prompt = Prompt(42, 32);  // 512 tokens, cached nowhere
+  const RouteDecision first = f.Route(1, prompt);
+  EXPECT_EQ(first.decode_overlap_blocks, 0);
+  // The 4th copy in a row still prefers the warm worker: 0 uncached tokens +
+  // 0.25 * (3 * 512 queued + decode share) < 512 on an idle cold worker.
+  for (uint64_t i = 2; i <= 4; ++i) {
+    const RouteDecision d = f.Route(i, prompt);
+    EXPECT_EQ(d.decode, first.decode) << "request " << i;
+    EXPECT_EQ(d.decode_overlap_blocks, 32);
+  }
+  for (uint64_t i = 1; i <= 4; ++i) f.core->OnRequestFinished(i);
+  f.now_us = 1'000'000;  // the worker never confirmed with a Stored event
+  EXPECT_EQ(f.Route(6, prompt).decode_overlap_blocks, 0);
+}
+
+TEST(RouterCoreTest, WithoutPendingEntriesABurstSpreads) {
+  Fixture f(Policy("kv"), {WorkerRole::kBoth, WorkerRole::kBoth});
+  const auto prompt = Prompt(42, 32);
+  EXPECT_NE(f.Route(1, prompt).decode, f.Route(2, prompt).decode);
+}
+
+TEST(RouterCoreTest, AccountingFollowsTheRequest) {
+  RouterOptions o = Policy("kv");
+  o.max_local_prefill = 10;
+  Fixture f(o, {WorkerRole::kDecode, WorkerRole::kPrefill});
+  RouteRequest r;
+  const auto prompt = Prompt(1, 4);
+  r.request_id = 9;
+  r.block_hashes = prompt;
+  r.prompt_tokens = 70;
+  r.max_new_tokens = 30;
+  ASSERT_TRUE(f.core->Route(r).ok());
+  auto views = f.core->Workers();
+  ASSERT_EQ(views.size(), 2u);
+  EXPECT_EQ(views[0].inflight_requests, 1);
+  EXPECT_EQ(views[0].inflight_decode_tokens, 100);
+  EXPECT_EQ(views[0].inflight_prefill_tokens, 0);
+  EXPECT_EQ(views[1].inflight_prefill_tokens, 70);
+  EXPECT_EQ(f.core->Route(r).status().code(), StatusCode::kInvalidArgument);  // id in flight
+  f.core->OnPrefillDone(9);
+  views = f.core->Workers();
+  EXPECT_EQ(views[1].inflight_prefill_tokens, 0);
+  EXPECT_EQ(views[0].inflight_decode_tokens, 100);
+  f.core->OnRequestFinished(9);
+  f.core->OnRequestFinished(9);  // twice is harmless
+  views = f.core->Workers();
+  EXPECT_EQ(views[0].inflight_requests, 0);
+  EXPECT_EQ(views[0].inflight_decode_tokens, 0);
+}
+
+TEST(RouterCoreTest, RemovingAWorkerPurgesItAndReturnsItsRequests) {
+  Fixture f(Policy("round_robin"), {WorkerRole::kBoth, WorkerRole::kBoth});
+  f.Store(0, Prompt(1, 4));
+  f.Route(10, Prompt(1, 4));  // w0
+  f.Route(11, Prompt(1, 4));  // w1
+  f.Route(12, Prompt(1, 4));  // w0
+  EXPECT_EQ(f.core->RemoveWorker(f.ids[0]), (std::vector<uint64_t>{10, 12}));
+  EXPECT_EQ(f.core->stats().index.entries, 0u);
+  EXPECT_EQ(f.core->Workers().size(), 1u);
+  EXPECT_EQ(f.IndexOf(f.Route(13, Prompt(1, 4)).decode), 1u);
+  EXPECT_TRUE(f.core->RemoveWorker(f.ids[0]).empty());  // already gone
+}
+
+TEST(RouterCoreTest, DrainingWorkersGetNoNewRequests) {
+  Fixture f(Policy("kv"), {WorkerRole::kBoth, WorkerRole::kBoth});
+  f.Store(0, Prompt(1, 8));
+  f.core->SetDraining(f.ids[0], true);
+  EXPECT_EQ(f.IndexOf(f.Route(1, Prompt(1, 8)).decode), 1u);
+  f.core->SetDraining(f.ids[1], true);
+  RouteRequest r;
+  r.request_id = 2;
+  EXPECT_EQ(f.core->Route(r).status().code(), StatusCode::kUnavailable);
+}
+
+TEST(RouterCoreTest, Errors) {
+  RouterOptions bad;
+  bad.policy = "fastest";
+  auto c = RouterCore::Create(bad);
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("round_robin"), std::string::npos);
+  RouterOptions neg;
+  neg.policy_options.load_weight = -1;
+  EXPECT_FALSE(RouterCore::Create(neg).ok());
+
+  Fixture none(Policy("kv"), {});
+  RouteRequest r;
+  r.request_id = 1;
+  EXPECT_EQ(none.core->Route(r).status().code(), StatusCode::kUnavailable);
+
+  Fixture prefill_only(Policy("kv"), {WorkerRole::kPrefill});
+  EXPECT_EQ(prefill_only.core->Route(r).status().code(), StatusCode::kUnavailable);
+
+  Fixture f(Policy("kv"), {WorkerRole::kBoth});
+  EXPECT_EQ(f.core->AddWorker("w0", WorkerRole::kBoth).status().code(),
+            StatusCode::kInvalidArgument);
+  const auto prompt = Prompt(1, 4);
+  r.block_hashes = prompt;
+  r.prompt_tokens = 4 * kBlock - 1;  // fewer tokens than its full blocks hold
+  EXPECT_EQ(f.core->Route(r).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_FALSE(f.core->OnLoad(99, WorkerLoad{}).ok());
+  EXPECT_FALSE(ParseWorkerRole("leader").ok());
+  EXPECT_EQ(*ParseWorkerRole("prefill"), WorkerRole::kPrefill);
+}
+
+TEST(RouterCoreTest, GapsAreCountedAndReported) {
+  Fixture f(Policy("kv"), {WorkerRole::kBoth});
+  KvEventBatch b;
+  b.seq = 5;
+  EXPECT_EQ(f.core->OnKvEvents(f.ids[0], b), ApplyOutcome::kNeedsResync);
+  EXPECT_EQ(f.core->stats().index.gaps, 1u);
+  EXPECT_TRUE(f.core->Workers()[0].needs_resync);
+  EXPECT_TRUE(f.core->OnSnapshot(f.ids[0], 5, {}).ok());
+  EXPECT_FALSE(f.core->Workers()[0].needs_resync);
+}
+
+TEST(RouterCoreTest, AllSlotsInUse) {
+  RouterOptions o;
+  o.index.max_workers = 2;
+  Fixture f(o, {WorkerRole::kBoth, WorkerRole::kBoth});
+  EXPECT_EQ(f.core->AddWorker("w2", WorkerRole::kBoth).status().code(),
+            StatusCode::kResourceExhausted);
+}
+
+}  // namespace
+}  // namespace pdserve::router
