@@ -1,0 +1,29 @@
+// Control-plane protocol constants and conversions around pdserve.proto.
+//
+// Contract: kProtocolVersion is what this build writes into every Envelope and
+// Hello; a peer announcing another version is refused (transport/control).
+// Bump it whenever a schema change would be misread by an older peer.
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+
+#include "common/proto/pdserve.pb.h"
+#include "common/status.h"
+
+namespace pdserve::proto {
+
+inline constexpr uint32_t kProtocolVersion = 1;
+
+// Lossless both ways for every StatusCode; unknown wire codes map to kInternal.
+ErrorCode ToErrorCode(StatusCode code);
+StatusCode ToStatusCode(ErrorCode code);
+
+// "router", "prefill", "decode", "both" ("unspecified" for anything else).
+std::string_view RoleName(Role role);
+
+// Name of the body of an Envelope for log lines: "hello", "kv_events", ...;
+// "empty" when no body is set (for example a newer peer's unknown message).
+std::string_view BodyName(const Envelope& envelope);
+
+}  // namespace pdserve::proto
