@@ -1,0 +1,558 @@
+#include "engine/block_manager.h"
+
+#include <algorithm>
+#include <limits>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <utility>
+
+namespace pdserve {
+namespace {
+
+constexpr BlockId kNil = std::numeric_limits<BlockId>::max();
+
+size_t CeilDiv(size_t a, size_t b) { return (a + b - 1) / b; }
+
+struct Block {
+  uint32_t ref = 0;
+  bool has_hash = false;
+  bool on_free_list = false;
+  BlockHash hash = 0;
+  // Links of the LRU list of evictable blocks (kNil when not on it).
+  BlockId lru_prev = kNil;
+  BlockId lru_next = kNil;
+  bool on_lru = false;
+};
+
+struct Sequence {
+  std::vector<BlockId> table;
+  // Hashes of the leading committed blocks (cache hits included); kept even
+  // when a block stays private as a duplicate or loses its hash to a reset,
+  // so that later commits can be checked against them.
+  std::vector<BlockHash> committed_hashes;
+};
+
+// Collects the events of one public call; becomes one numbered batch.
+class BatchBuilder {
+ public:
+  void Stored(BlockHash hash, std::optional<BlockHash> parent) {
+    // Extends the current run when `hash` directly follows the last stored one.
+    if (!events_.empty()) {
+      if (auto* run = std::get_if<KvStored>(&events_.back());
+          run != nullptr && parent.has_value() && run->block_hashes.back() == *parent) {
+        run->block_hashes.push_back(hash);
+        return;
+      }
+    }
+    events_.emplace_back(std::in_place_type<KvStored>, std::vector<BlockHash>{hash}, parent);
+  }
+  void Removed(BlockHash hash) {
+    if (events_.empty() || !std::holds_alternative<KvRemoved>(events_.back())) {
+      events_.emplace_back(std::in_place_type<KvRemoved>);
+    }
+    std::get<KvRemoved>(events_.back()).block_hashes.push_back(hash);
+  }
+  void Cleared() { events_.emplace_back(std::in_place_type<KvCleared>); }
+  bool empty() const { return events_.empty(); }
+  std::vector<KvEvent> Take() { return std::move(events_); }
+
+ private:
+  std::vector<KvEvent> events_;
+};
+
+}  // namespace
+
+struct BlockManager::Impl {
+  explicit Impl(const BlockManagerOptions& o) : options(o), blocks(o.num_blocks) {
+    free_list.reserve(o.num_blocks);
+    // Popped from the back, so block 0 is handed out first.
+    for (size_t i = o.num_blocks; i-- > 0;) {
+      free_list.push_back(static_cast<BlockId>(i));
+      blocks[i].on_free_list = true;
+    }
+  }
+
+  // ---- LRU list of evictable blocks: head = least recently released. ----
+  void LruPushBack(BlockId id) {
+    Block& b = blocks[id];
+    b.lru_prev = lru_tail;
+    b.lru_next = kNil;
+    if (lru_tail != kNil) {
+      blocks[lru_tail].lru_next = id;
+    } else {
+      lru_head = id;
+    }
+    lru_tail = id;
+    b.on_lru = true;
+    ++lru_size;
+  }
+  void LruRemove(BlockId id) {
+    Block& b = blocks[id];
+    if (b.lru_prev != kNil) {
+      blocks[b.lru_prev].lru_next = b.lru_next;
+    } else {
+      lru_head = b.lru_next;
+    }
+    if (b.lru_next != kNil) {
+      blocks[b.lru_next].lru_prev = b.lru_prev;
+    } else {
+      lru_tail = b.lru_prev;
+    }
+    b.lru_prev = b.lru_next = kNil;
+    b.on_lru = false;
+    --lru_size;
+  }
+
+  size_t Allocatable() const { return free_list.size() + lru_size; }
+
+  // Drops the hash of the least recently released evictable block and returns
+  // the block, now without content. Precondition: lru_size > 0.
+  BlockId EvictOne(BatchBuilder* batch) {
+    BlockId id = lru_head;
+    LruRemove(id);
+    Block& b = blocks[id];
+    cached.erase(b.hash);
+    batch->Removed(b.hash);
+    b.has_hash = false;
+    ++evicted_total;
+    return id;
+  }
+
+  // One fresh block with refcount 1: the free list first (it keeps cached
+  // content alive longer), else an eviction. Precondition: Allocatable() > 0.
+  BlockId AllocateOne(BatchBuilder* batch) {
+    BlockId id;
+    if (!free_list.empty()) {
+      id = free_list.back();
+      free_list.pop_back();
+      blocks[id].on_free_list = false;
+    } else {
+      id = EvictOne(batch);
+    }
+    blocks[id].ref = 1;
+    return id;
+  }
+
+  void Acquire(BlockId id) {
+    Block& b = blocks[id];
+    if (b.ref == 0 && b.on_lru) LruRemove(id);
+    ++b.ref;
+  }
+
+  void Release(BlockId id) {
+    Block& b = blocks[id];
+    if (--b.ref > 0) return;
+    if (b.has_hash) {
+      LruPushBack(id);
+    } else {
+      b.on_free_list = true;
+      free_list.push_back(id);
+    }
+  }
+
+  // Releases in reverse table order: the tail of a sequence reaches the LRU
+  // list first and is therefore evicted before its prefix.
+  void ReleaseAll(const std::vector<BlockId>& table) {
+    for (auto it = table.rbegin(); it != table.rend(); ++it) Release(*it);
+  }
+
+  void Finish(BatchBuilder* batch) {
+    if (batch->empty()) return;
+    KvEventBatch out{++last_sequence_number, batch->Take()};
+    if (options.record_kv_events) pending_events.push_back(std::move(out));
+  }
+
+  size_t MatchPrefix(std::span<const BlockHash> hashes, size_t limit) const {
+    if (!options.enable_prefix_caching) return 0;
+    size_t n = std::min(hashes.size(), limit);
+    size_t k = 0;
+    while (k < n && cached.count(hashes[k]) > 0) ++k;
+    return k;
+  }
+
+  const BlockManagerOptions options;
+  mutable std::mutex mu;
+  std::vector<Block> blocks;
+  std::vector<BlockId> free_list;
+  BlockId lru_head = kNil;
+  BlockId lru_tail = kNil;
+  size_t lru_size = 0;
+  std::unordered_map<BlockHash, BlockId> cached;
+  std::unordered_map<SeqId, Sequence> sequences;
+  std::unordered_map<PinId, std::vector<BlockId>> pins;
+  PinId next_pin = 1;
+  std::vector<KvEventBatch> pending_events;
+  uint64_t last_sequence_number = 0;
+  uint64_t query_tokens = 0;
+  uint64_t hit_tokens = 0;
+  uint64_t evicted_total = 0;
+};
+
+StatusOr<std::unique_ptr<BlockManager>> BlockManager::Create(const BlockManagerOptions& options) {
+  if (options.num_blocks == 0) {
+    return Status::InvalidArgument("block manager: num_blocks must be at least 1");
+  }
+  if (options.block_size == 0) {
+    return Status::InvalidArgument("block manager: block_size must be at least 1");
+  }
+  if (options.num_blocks >= kNil) {
+    return Status::InvalidArgument("block manager: num_blocks " +
+                                   std::to_string(options.num_blocks) + " exceeds the id range");
+  }
+  return std::unique_ptr<BlockManager>(new BlockManager(std::make_unique<Impl>(options)));
+}
+
+BlockManager::BlockManager(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+BlockManager::~BlockManager() = default;
+
+size_t BlockManager::block_size() const { return impl_->options.block_size; }
+size_t BlockManager::num_blocks() const { return impl_->options.num_blocks; }
+
+size_t BlockManager::FindCachedPrefix(std::span<const BlockHash> hashes) const {
+  std::lock_guard lock(impl_->mu);
+  return impl_->MatchPrefix(hashes, hashes.size());
+}
+
+StatusOr<AdmitResult> BlockManager::Admit(const AdmitRequest& request) {
+  Impl& m = *impl_;
+  std::lock_guard lock(m.mu);
+  if (m.sequences.count(request.seq) > 0) {
+    return Status::InvalidArgument("block manager: sequence " + std::to_string(request.seq) +
+                                   " is already admitted");
+  }
+  const size_t bs = m.options.block_size;
+  const size_t k = m.MatchPrefix(request.prefix_hashes, request.num_tokens / bs);
+  const size_t total = CeilDiv(request.num_tokens, bs);
+  const size_t fresh = total - k;
+
+  // Matched blocks that are evictable now stop being allocatable once taken.
+  std::vector<BlockId> matched(k);
+  std::vector<BlockId> matched_evictable;
+  for (size_t i = 0; i < k; ++i) {
+    matched[i] = m.cached.at(request.prefix_hashes[i]);
+    if (m.blocks[matched[i]].ref == 0) matched_evictable.push_back(matched[i]);
+  }
+  std::sort(matched_evictable.begin(), matched_evictable.end());
+  size_t taken = static_cast<size_t>(
+      std::unique(matched_evictable.begin(), matched_evictable.end()) - matched_evictable.begin());
+  if (fresh > m.Allocatable() - taken) {
+    return Status::ResourceExhausted("block manager: sequence " + std::to_string(request.seq) +
+                                     " needs " + std::to_string(fresh) + " new blocks, " +
+                                     std::to_string(m.Allocatable() - taken) + " available");
+  }
+
+  Sequence seq;
+  seq.table.reserve(total);
+  // Matched blocks are acquired before allocating, so that the allocation
+  // below cannot evict them.
+  for (size_t i = 0; i < k; ++i) {
+    m.Acquire(matched[i]);
+    seq.table.push_back(matched[i]);
+    seq.committed_hashes.push_back(request.prefix_hashes[i]);
+  }
+  BatchBuilder batch;
+  for (size_t i = 0; i < fresh; ++i) seq.table.push_back(m.AllocateOne(&batch));
+  m.sequences.emplace(request.seq, std::move(seq));
+  m.Finish(&batch);
+
+  if (request.prompt_tokens_for_stats > 0) {
+    m.query_tokens += request.prompt_tokens_for_stats;
+    m.hit_tokens += std::min(k * bs, request.prompt_tokens_for_stats);
+  }
+  return AdmitResult{k, k * bs};
+}
+
+Status BlockManager::AllocateSlots(SeqId seq_id, size_t num_tokens) {
+  Impl& m = *impl_;
+  std::lock_guard lock(m.mu);
+  auto it = m.sequences.find(seq_id);
+  if (it == m.sequences.end()) {
+    return Status::NotFound("block manager: unknown sequence " + std::to_string(seq_id));
+  }
+  std::vector<BlockId>& table = it->second.table;
+  const size_t total = CeilDiv(num_tokens, m.options.block_size);
+  if (total <= table.size()) return Status::Ok();
+  const size_t fresh = total - table.size();
+  if (fresh > m.Allocatable()) {
+    return Status::ResourceExhausted("block manager: sequence " + std::to_string(seq_id) +
+                                     " needs " + std::to_string(fresh) + " new blocks, " +
+                                     std::to_string(m.Allocatable()) + " available");
+  }
+  BatchBuilder batch;
+  for (size_t i = 0; i < fresh; ++i) table.push_back(m.AllocateOne(&batch));
+  m.Finish(&batch);
+  return Status::Ok();
+}
+
+StatusOr<size_t> BlockManager::BlocksNeeded(SeqId seq_id, size_t num_tokens) const {
+  std::lock_guard lock(impl_->mu);
+  auto it = impl_->sequences.find(seq_id);
+  if (it == impl_->sequences.end()) {
+    return Status::NotFound("block manager: unknown sequence " + std::to_string(seq_id));
+  }
+  const size_t total = CeilDiv(num_tokens, impl_->options.block_size);
+  const size_t have = it->second.table.size();
+  return total > have ? total - have : 0;
+}
+
+Status BlockManager::CommitBlocks(SeqId seq_id, std::span<const BlockHash> block_hashes) {
+  Impl& m = *impl_;
+  std::lock_guard lock(m.mu);
+  auto it = m.sequences.find(seq_id);
+  if (it == m.sequences.end()) {
+    return Status::NotFound("block manager: unknown sequence " + std::to_string(seq_id));
+  }
+  if (!m.options.enable_prefix_caching) return Status::Ok();
+  Sequence& seq = it->second;
+  if (block_hashes.size() > seq.table.size()) {
+    return Status::InvalidArgument("block manager: commit of " +
+                                   std::to_string(block_hashes.size()) + " blocks for sequence " +
+                                   std::to_string(seq_id) + " which has only " +
+                                   std::to_string(seq.table.size()));
+  }
+  const size_t done = seq.committed_hashes.size();
+  for (size_t i = 0; i < std::min(done, block_hashes.size()); ++i) {
+    if (seq.committed_hashes[i] != block_hashes[i]) {
+      return Status::InvalidArgument("block manager: sequence " + std::to_string(seq_id) +
+                                     " block " + std::to_string(i) +
+                                     " was committed under another hash");
+    }
+  }
+  for (size_t i = done; i < block_hashes.size(); ++i) {
+    if (m.blocks[seq.table[i]].has_hash) {
+      return Status::Internal("block manager: uncommitted block " + std::to_string(seq.table[i]) +
+                              " already carries a hash");
+    }
+  }
+  BatchBuilder batch;
+  for (size_t i = done; i < block_hashes.size(); ++i) {
+    const BlockHash hash = block_hashes[i];
+    seq.committed_hashes.push_back(hash);
+    Block& b = m.blocks[seq.table[i]];
+    // Another block already holds this content: keep ours private rather
+    // than announce a duplicate.
+    if (!m.cached.emplace(hash, seq.table[i]).second) continue;
+    b.has_hash = true;
+    b.hash = hash;
+    batch.Stored(hash, i > 0 ? std::optional<BlockHash>(block_hashes[i - 1]) : std::nullopt);
+  }
+  m.Finish(&batch);
+  return Status::Ok();
+}
+
+const std::vector<BlockId>& BlockManager::BlockTable(SeqId seq_id) const {
+  static const std::vector<BlockId> kEmpty;
+  std::lock_guard lock(impl_->mu);
+  auto it = impl_->sequences.find(seq_id);
+  return it == impl_->sequences.end() ? kEmpty : it->second.table;
+}
+
+bool BlockManager::HasSequence(SeqId seq_id) const {
+  std::lock_guard lock(impl_->mu);
+  return impl_->sequences.count(seq_id) > 0;
+}
+
+size_t BlockManager::NumCommittedBlocks(SeqId seq_id) const {
+  std::lock_guard lock(impl_->mu);
+  auto it = impl_->sequences.find(seq_id);
+  return it == impl_->sequences.end() ? 0 : it->second.committed_hashes.size();
+}
+
+uint32_t BlockManager::RefCount(BlockId block) const {
+  std::lock_guard lock(impl_->mu);
+  return block < impl_->blocks.size() ? impl_->blocks[block].ref : 0;
+}
+
+Status BlockManager::Free(SeqId seq_id) {
+  Impl& m = *impl_;
+  std::lock_guard lock(m.mu);
+  auto it = m.sequences.find(seq_id);
+  if (it == m.sequences.end()) {
+    return Status::NotFound("block manager: unknown sequence " + std::to_string(seq_id));
+  }
+  m.ReleaseAll(it->second.table);
+  m.sequences.erase(it);
+  return Status::Ok();
+}
+
+StatusOr<PinId> BlockManager::Pin(SeqId seq_id) {
+  Impl& m = *impl_;
+  std::lock_guard lock(m.mu);
+  auto it = m.sequences.find(seq_id);
+  if (it == m.sequences.end()) {
+    return Status::NotFound("block manager: unknown sequence " + std::to_string(seq_id));
+  }
+  for (BlockId id : it->second.table) m.Acquire(id);
+  const PinId pin = m.next_pin++;
+  m.pins.emplace(pin, it->second.table);
+  return pin;
+}
+
+std::vector<BlockId> BlockManager::PinnedBlocks(PinId pin) const {
+  std::lock_guard lock(impl_->mu);
+  auto it = impl_->pins.find(pin);
+  return it == impl_->pins.end() ? std::vector<BlockId>{} : it->second;
+}
+
+Status BlockManager::Unpin(PinId pin) {
+  Impl& m = *impl_;
+  std::lock_guard lock(m.mu);
+  auto it = m.pins.find(pin);
+  if (it == m.pins.end()) {
+    return Status::NotFound("block manager: unknown pin " + std::to_string(pin));
+  }
+  m.ReleaseAll(it->second);
+  m.pins.erase(it);
+  return Status::Ok();
+}
+
+size_t BlockManager::Evict(size_t max_blocks) {
+  Impl& m = *impl_;
+  std::lock_guard lock(m.mu);
+  BatchBuilder batch;
+  size_t n = 0;
+  for (; n < max_blocks && m.lru_size > 0; ++n) {
+    BlockId id = m.EvictOne(&batch);
+    m.blocks[id].on_free_list = true;
+    m.free_list.push_back(id);
+  }
+  m.Finish(&batch);
+  return n;
+}
+
+void BlockManager::ResetPrefixCache() {
+  Impl& m = *impl_;
+  std::lock_guard lock(m.mu);
+  if (!m.options.enable_prefix_caching) return;
+  for (const auto& [hash, id] : m.cached) {
+    Block& b = m.blocks[id];
+    b.has_hash = false;
+    if (b.on_lru) {
+      m.LruRemove(id);
+      b.on_free_list = true;
+      m.free_list.push_back(id);
+    }
+  }
+  m.cached.clear();
+  BatchBuilder batch;
+  batch.Cleared();
+  m.Finish(&batch);
+}
+
+std::vector<KvEventBatch> BlockManager::DrainEvents() {
+  std::lock_guard lock(impl_->mu);
+  return std::exchange(impl_->pending_events, {});
+}
+
+KvCacheSnapshot BlockManager::Snapshot() const {
+  std::lock_guard lock(impl_->mu);
+  KvCacheSnapshot snapshot;
+  snapshot.last_sequence_number = impl_->last_sequence_number;
+  snapshot.block_hashes.reserve(impl_->cached.size());
+  for (const auto& entry : impl_->cached) snapshot.block_hashes.push_back(entry.first);
+  return snapshot;
+}
+
+uint64_t BlockManager::last_event_sequence_number() const {
+  std::lock_guard lock(impl_->mu);
+  return impl_->last_sequence_number;
+}
+
+BlockManagerStats BlockManager::GetStats() const {
+  const Impl& m = *impl_;
+  std::lock_guard lock(m.mu);
+  BlockManagerStats s;
+  s.num_blocks = m.options.num_blocks;
+  s.free_blocks = m.free_list.size();
+  s.evictable_blocks = m.lru_size;
+  s.used_blocks = s.num_blocks - s.free_blocks - s.evictable_blocks;
+  s.cached_blocks = m.cached.size();
+  s.allocatable_blocks = m.Allocatable();
+  s.usage_ratio = static_cast<double>(s.used_blocks) / static_cast<double>(s.num_blocks);
+  s.prefix_cache_query_tokens = m.query_tokens;
+  s.prefix_cache_hit_tokens = m.hit_tokens;
+  s.evicted_blocks_total = m.evicted_total;
+  s.num_sequences = m.sequences.size();
+  s.num_pins = m.pins.size();
+  return s;
+}
+
+Status BlockManager::CheckInvariants() const {
+  const Impl& m = *impl_;
+  std::lock_guard lock(m.mu);
+  const size_t n = m.options.num_blocks;
+  auto fail = [](std::string what) { return Status::Internal("block manager: " + what); };
+
+  // Reference counts must equal the number of table and pin entries.
+  std::vector<uint32_t> refs(n, 0);
+  for (const auto& [id, seq] : m.sequences) {
+    if (seq.committed_hashes.size() > seq.table.size()) {
+      return fail("sequence " + std::to_string(id) + " has more commits than blocks");
+    }
+    for (size_t i = 0; i < seq.table.size(); ++i) {
+      BlockId b = seq.table[i];
+      if (b >= n) return fail("sequence " + std::to_string(id) + " holds bad block id");
+      ++refs[b];
+      // Reserved (uncommitted) blocks must never be matchable.
+      if (i >= seq.committed_hashes.size() && m.blocks[b].has_hash) {
+        return fail("uncommitted block " + std::to_string(b) + " carries a hash");
+      }
+    }
+  }
+  for (const auto& [pin, table] : m.pins) {
+    for (BlockId b : table) {
+      if (b >= n) return fail("pin " + std::to_string(pin) + " holds bad block id");
+      ++refs[b];
+    }
+  }
+
+  std::vector<uint8_t> seen_free(n, 0);
+  for (BlockId b : m.free_list) {
+    if (b >= n || seen_free[b]++) return fail("free list holds a bad or repeated block");
+  }
+  std::vector<uint8_t> seen_lru(n, 0);
+  size_t lru_count = 0;
+  BlockId prev = kNil;
+  for (BlockId b = m.lru_head; b != kNil; prev = b, b = m.blocks[b].lru_next) {
+    if (b >= n || seen_lru[b]++ || ++lru_count > n) return fail("LRU list is corrupt");
+    if (m.blocks[b].lru_prev != prev) return fail("LRU back link is corrupt");
+  }
+  if (prev != m.lru_tail || lru_count != m.lru_size) return fail("LRU tail or size is wrong");
+
+  size_t free_count = 0, used_count = 0, evictable_count = 0, hashed = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const Block& b = m.blocks[i];
+    const std::string name = "block " + std::to_string(i);
+    if (b.ref != refs[i]) {
+      return fail(name + " refcount " + std::to_string(b.ref) + " but " + std::to_string(refs[i]) +
+                  " references");
+    }
+    if (b.on_free_list != (seen_free[i] != 0) || b.on_lru != (seen_lru[i] != 0)) {
+      return fail(name + " list flags disagree with the lists");
+    }
+    if (b.has_hash) {
+      ++hashed;
+      auto it = m.cached.find(b.hash);
+      if (it == m.cached.end() || it->second != i) return fail(name + " hash not in the map");
+    }
+    if (b.ref > 0) {
+      ++used_count;
+      if (b.on_free_list || b.on_lru) return fail(name + " is used but on a free/LRU list");
+    } else if (b.has_hash) {
+      ++evictable_count;
+      if (!b.on_lru || b.on_free_list) return fail(name + " is evictable but not (only) on LRU");
+    } else {
+      ++free_count;
+      if (!b.on_free_list || b.on_lru) return fail(name + " is free but not (only) on free list");
+    }
+  }
+  if (hashed != m.cached.size()) return fail("hash map has entries for no block");
+  if (free_count + used_count + evictable_count != n) return fail("blocks are unaccounted for");
+  if (free_count != m.free_list.size() || evictable_count != m.lru_size) {
+    return fail("counters disagree with block states");
+  }
+  return Status::Ok();
+}
+
+}  // namespace pdserve

@@ -1,0 +1,209 @@
+// Block manager: which KV-cache blocks hold what, and who uses them.
+//
+// The KV pool (engine/kv_cache) owns the memory: `num_blocks` blocks of
+// `block_size` tokens each. The block manager owns the block *ids*
+// 0..num_blocks-1 and decides their fate, in vLLM's vocabulary:
+//
+//  - block table: per sequence, the ids of the blocks holding its tokens, in
+//    order (token t lives in block table[t / block_size], slot t % block_size);
+//  - reference count: how many sequences (and pins) use a block;
+//  - prefix cache: a full block whose KV has been computed is "committed"
+//    under its hash (spec v1, common/block_hash.h) and can then be shared by
+//    any sequence whose prompt starts with the same blocks: shared blocks are
+//    reused, never copied. Only committed blocks ever match.
+//  - eviction: a cached block that nobody references stays cached but is
+//    evictable; when the free list is empty, allocation takes the least
+//    recently released evictable block and drops its hash (KvRemoved).
+//
+// Every block is in exactly one state at all times:
+//   free       (refcount 0, no hash)  - on the free list
+//   evictable  (refcount 0, hash)     - on the LRU list, still matchable
+//   used       (refcount > 0)         - in some block table or pin; it is
+//                                       "cached" too if it carries a hash
+// so free + used + evictable == num_blocks, always (CheckInvariants()).
+//
+// Allocation never leaves partial state: Admit and AllocateSlots either get
+// every block they need or change nothing and return ResourceExhausted, so the
+// scheduler can preempt a sequence (Free) and retry.
+//
+// Disaggregation:
+//  - a decode worker admits a sequence whose prompt KV will arrive by
+//    transfer: Admit reuses its own cached prefix and allocates the rest
+//    (reserved: uncommitted, so neither matchable nor announced); the peer
+//    writes into those block ids; once the KV is really there, CommitBlocks
+//    registers them. Pass prompt_tokens_for_stats = 0 for such admissions:
+//    blocks received by transfer are not prefix-cache hits.
+//  - a prefill worker that finished a prompt pins its blocks (Pin) while they
+//    are being sent, frees the sequence, and unpins once the transfer is done.
+//
+// Thread safety: all methods are safe to call concurrently (one internal
+// mutex), so a publisher thread may DrainEvents/Snapshot/GetStats while the
+// engine loop allocates. BlockTable's reference is valid until the next call
+// that changes that sequence, which must come from the same thread.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "common/block_hash.h"
+#include "common/status.h"
+#include "engine/kv_events.h"
+
+namespace pdserve {
+
+using BlockId = uint32_t;  // index of a block in the KV pool
+using SeqId = uint64_t;    // chosen by the caller, unique among live sequences
+using PinId = uint64_t;    // returned by Pin, never reused
+
+struct BlockManagerOptions {
+  size_t num_blocks = 0;                  // > 0
+  size_t block_size = kDefaultBlockSize;  // tokens per block, > 0
+  // Off: nothing is ever committed or matched (every block is private) and no
+  // events are recorded.
+  bool enable_prefix_caching = true;
+  // Off: event batches still get sequence numbers and snapshots stay exact,
+  // but nothing is queued for DrainEvents (offline use, where nobody drains).
+  bool record_kv_events = true;
+};
+
+struct BlockManagerStats {
+  size_t num_blocks = 0;
+  size_t free_blocks = 0;       // no content, on the free list
+  size_t used_blocks = 0;       // refcount > 0
+  size_t evictable_blocks = 0;  // refcount 0 but still cached
+  size_t cached_blocks = 0;     // carrying a hash (used or evictable)
+  // Blocks an allocation could obtain now: free + evictable.
+  size_t allocatable_blocks = 0;
+  // used / num_blocks: pdserve_kv_cache_usage_ratio (as vLLM: evictable
+  // cached blocks count as free).
+  double usage_ratio = 0;
+  // pdserve_prefix_cache_queries_tokens_total / ..._hits_tokens_total: the
+  // prompt tokens looked up for prefill computation and how many of them
+  // were found cached. Only admissions with prompt_tokens_for_stats > 0 count.
+  uint64_t prefix_cache_query_tokens = 0;
+  uint64_t prefix_cache_hit_tokens = 0;
+  uint64_t evicted_blocks_total = 0;
+  size_t num_sequences = 0;
+  size_t num_pins = 0;
+};
+
+struct AdmitRequest {
+  SeqId seq = 0;
+  // Hashes of the leading full blocks that may be reused from the cache, in
+  // order (HashPrompt). To keep at least one prompt token to compute (its
+  // logits give the first output token), hash the prompt without its last
+  // token: HashPrompt(seed, prompt.first(prompt.size() - 1), block_size).
+  std::span<const BlockHash> prefix_hashes;
+  // Tokens the block table must cover after admission (the whole prompt, or
+  // the cached prefix plus a first chunk). Reuse is capped at
+  // num_tokens / block_size blocks.
+  size_t num_tokens = 0;
+  // Adds this many query tokens, and the reused tokens (capped at it) as hit
+  // tokens, to the prefix-cache counters. 0 = not a prefill lookup.
+  size_t prompt_tokens_for_stats = 0;
+};
+
+struct AdmitResult {
+  size_t num_cached_blocks = 0;  // leading blocks reused from the cache
+  size_t num_cached_tokens = 0;  // num_cached_blocks * block_size
+};
+
+class BlockManager {
+ public:
+  // InvalidArgument when num_blocks or block_size is 0.
+  static StatusOr<std::unique_ptr<BlockManager>> Create(const BlockManagerOptions& options);
+  ~BlockManager();
+  BlockManager(const BlockManager&) = delete;
+  BlockManager& operator=(const BlockManager&) = delete;
+
+  size_t block_size() const;
+  size_t num_blocks() const;
+
+  // Number of leading `hashes` that are cached now (committed, referenced or
+  // evictable). Changes nothing: no LRU touch, no counters.
+  size_t FindCachedPrefix(std::span<const BlockHash> hashes) const;
+
+  // Creates `request.seq`'s block table: the longest cached prefix of
+  // request.prefix_hashes (refcount +1 each, taken off the LRU list if
+  // evictable), then fresh blocks up to ceil(num_tokens / block_size).
+  // Errors: InvalidArgument if seq is already live; ResourceExhausted (no
+  // state changed) if there are not enough allocatable blocks.
+  StatusOr<AdmitResult> Admit(const AdmitRequest& request);
+
+  // Grows `seq`'s block table so that it covers `num_tokens` tokens (no-op if
+  // it already does). Errors: NotFound; ResourceExhausted (no state changed).
+  Status AllocateSlots(SeqId seq, size_t num_tokens);
+
+  // Blocks AllocateSlots(seq, num_tokens) would need beyond what `seq` has.
+  // NotFound for an unknown seq.
+  StatusOr<size_t> BlocksNeeded(SeqId seq, size_t num_tokens) const;
+
+  // Commits the full blocks of `seq` whose KV is now computed (or received):
+  // `block_hashes` are the hashes of its leading full blocks (block i's hash
+  // at index i; pass all of them each time, ExtendPromptHashes keeps them).
+  // Blocks not yet committed are registered in the prefix cache and
+  // announced in one KvStored batch, in order. A block whose hash is already
+  // cached in another block stays private (no duplicate entry, no event).
+  // Errors: NotFound; InvalidArgument if there are more hashes than blocks,
+  // or an already committed block's hash differs (the caller hashed another
+  // prompt). No-op when prefix caching is off.
+  Status CommitBlocks(SeqId seq, std::span<const BlockHash> block_hashes);
+
+  // The sequence's block table (see the thread-safety note above). An
+  // unknown seq gives an empty table.
+  const std::vector<BlockId>& BlockTable(SeqId seq) const;
+  bool HasSequence(SeqId seq) const;
+  // Leading blocks of `seq` that are committed (cache hits count).
+  size_t NumCommittedBlocks(SeqId seq) const;
+  // Current reference count of a block (0 for an id outside the pool).
+  uint32_t RefCount(BlockId block) const;
+
+  // Releases everything `seq` holds (finish, cancel, preemption): refcount -1
+  // on each block; blocks reaching 0 go to the LRU list if cached (the
+  // sequence's last block first, so prefixes outlive their tails), else back
+  // to the free list. NotFound for an unknown seq.
+  Status Free(SeqId seq);
+
+  // Takes one extra reference on every block of `seq`'s table, so they are
+  // neither reused nor evicted until Unpin, even after Free(seq). For a
+  // prefill worker sending a prompt's KV. NotFound for an unknown seq.
+  StatusOr<PinId> Pin(SeqId seq);
+  // The blocks a pin holds, in table order (empty for an unknown pin).
+  std::vector<BlockId> PinnedBlocks(PinId pin) const;
+  // Drops the pin's references. NotFound for an unknown (or already
+  // released) pin.
+  Status Unpin(PinId pin);
+
+  // Evicts up to `max_blocks` evictable blocks, least recently released
+  // first (one KvRemoved batch). Returns how many were evicted.
+  size_t Evict(size_t max_blocks);
+
+  // Drops every cached hash (one KvCleared batch): evictable blocks become
+  // free, referenced blocks keep their KV and owners but no longer match and
+  // are not committed again. Live sequences and pins are untouched.
+  void ResetPrefixCache();
+
+  // Event batches recorded since the last drain, in sequence-number order.
+  std::vector<KvEventBatch> DrainEvents();
+  // Every cached hash, consistent with the event stream (see kv_events.h).
+  KvCacheSnapshot Snapshot() const;
+  // Sequence number of the last recorded batch (0 if none).
+  uint64_t last_event_sequence_number() const;
+
+  BlockManagerStats GetStats() const;
+
+  // Verifies every structural invariant (state partition, refcounts equal
+  // to table + pin references, hash map <-> block hashes, LRU and free lists
+  // disjoint and exact). Internal error naming the first violation. O(pool).
+  Status CheckInvariants() const;
+
+ private:
+  struct Impl;
+  explicit BlockManager(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace pdserve

@@ -1,0 +1,65 @@
+// KV events: how an engine tells the routers which prompt blocks it holds.
+//
+// The block manager records one event batch per call that changes the set of
+// cached block hashes (a commit, an allocation that evicted, an explicit
+// eviction, a reset). Batches are numbered 1, 2, 3, ... per engine, with no
+// gaps; the worker drains them and publishes them in order as `KvEvents`
+// messages (ARCHITECTURE.md section 5). A router that applies every batch in
+// order to a set of hashes (ApplyKvEventBatch) holds exactly the engine's
+// cached-hash set. After a gap or a reconnect it asks for a snapshot
+// (KvCacheSnapshot) and then applies only the batches numbered above the
+// snapshot's `last_sequence_number`.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <unordered_set>
+#include <variant>
+#include <vector>
+
+#include "common/block_hash.h"
+
+namespace pdserve {
+
+// Full blocks whose KV became available, in prompt order: block_hashes[0]'s
+// parent is `parent_hash` (nullopt for the first block of a prompt), and each
+// later hash's parent is the hash before it.
+struct KvStored {
+  std::vector<BlockHash> block_hashes;
+  std::optional<BlockHash> parent_hash;
+  bool operator==(const KvStored&) const = default;
+};
+
+// Blocks that were evicted: their hashes no longer match anything.
+struct KvRemoved {
+  std::vector<BlockHash> block_hashes;
+  bool operator==(const KvRemoved&) const = default;
+};
+
+// Every cached hash was dropped (prefix-cache reset).
+struct KvCleared {
+  bool operator==(const KvCleared&) const = default;
+};
+
+using KvEvent = std::variant<KvStored, KvRemoved, KvCleared>;
+
+// The events of one state change, applied in order.
+struct KvEventBatch {
+  uint64_t sequence_number = 0;  // 1 for the engine's first batch, +1 per batch
+  std::vector<KvEvent> events;
+  bool operator==(const KvEventBatch&) const = default;
+};
+
+// Every hash cached at the moment the batch numbered `last_sequence_number`
+// was recorded (0: before any batch), in no particular order.
+struct KvCacheSnapshot {
+  uint64_t last_sequence_number = 0;
+  std::vector<BlockHash> block_hashes;
+};
+
+// Applies one batch to a replica of the cached-hash set (what a router keeps
+// per worker). Idempotent in the sense that matters for Resync: applying a
+// batch already reflected in `hashes` leaves it unchanged.
+void ApplyKvEventBatch(const KvEventBatch& batch, std::unordered_set<BlockHash>* hashes);
+
+}  // namespace pdserve

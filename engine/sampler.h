@@ -1,0 +1,136 @@
+// Sampler: from one sequence's logits to its next token, and when to stop.
+//
+// Sampling is a pure function of (logits, params, seed, position): the random
+// draw for output token number `position` of a request comes from a counter
+// based generator keyed by (seed, position). So the same seed and the same
+// logits give the same tokens whatever else is in the batch, in whatever
+// order, and after preemption and recompute.
+//
+// Processing order (as Hugging Face and vLLM): temperature, then top-k, then
+// top-p on what top-k kept, then min-p; the kept tokens are renormalised and
+// one is drawn. temperature == 0 is greedy (argmax, lowest id on ties) and
+// ignores the other knobs. Logprobs are those of the model's raw
+// distribution, log_softmax(logits), before any of the processing above
+// (vLLM's default "raw logprobs").
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/block_hash.h"  // TokenId
+#include "common/status.h"
+
+namespace pdserve {
+
+inline constexpr int kMaxLogprobs = 20;  // OpenAI's top_logprobs cap
+
+struct SamplingParams {
+  float temperature = 1.0f;  // >= 0; 0 = greedy
+  int top_k = -1;            // -1 or 0: off; otherwise >= 1
+  float top_p = 1.0f;        // in (0, 1]; 1 = off
+  float min_p = 0.0f;        // in [0, 1]; 0 = off
+  // Same seed, same logits -> same tokens. nullopt: the request gets a seed
+  // drawn at random (ResolveSeed), still fixed for its whole life.
+  std::optional<uint64_t> seed;
+  int max_tokens = 16;  // >= 1: output tokens, stop tokens included
+  // Generation stops after any of these (the token is part of the output ids
+  // but its text is not part of the output text). EOS ids are added by the
+  // caller via StopChecker unless ignore_eos.
+  std::vector<TokenId> stop_token_ids;
+  // Generation stops when the output text contains one; the text returned
+  // ends right before it (OpenAI semantics). Non-empty strings, at most 16.
+  std::vector<std::string> stop;
+  bool ignore_eos = false;
+  // nullopt: no logprobs. n: the chosen token's logprob plus the n most
+  // likely tokens' (0 <= n <= kMaxLogprobs).
+  std::optional<int> logprobs;
+};
+
+// Checks every field; the message names the field and the accepted range
+// ("top_p must be in (0, 1], got 1.5"). `vocab_size` bounds stop_token_ids
+// (0: unchecked).
+Status ValidateSamplingParams(const SamplingParams& params, size_t vocab_size = 0);
+
+// params.seed, or a fresh random seed when it has none. Call once per request.
+uint64_t ResolveSeed(const SamplingParams& params);
+
+struct TokenLogprob {
+  TokenId token = 0;
+  float logprob = 0;
+  bool operator==(const TokenLogprob&) const = default;
+};
+
+struct SampledToken {
+  TokenId token = 0;
+  // Filled only when params.logprobs is set.
+  float logprob = 0;                       // of `token`
+  std::vector<TokenLogprob> top_logprobs;  // most likely first, ties by id
+};
+
+// Draws output token number `position` (0 for the first output token) of a
+// request whose resolved seed is `seed`. Preconditions: params validated,
+// logits non-empty. Non-finite logits: NaN counts as -inf; if every logit is
+// -inf the lowest id is returned.
+SampledToken SampleToken(std::span<const float> logits, const SamplingParams& params, uint64_t seed,
+                         uint64_t position);
+
+// The distribution SampleToken draws from when temperature > 0: kept tokens
+// with their renormalised probabilities, most likely first (ties by id).
+// Exposed for tests and for logprob-style introspection.
+struct TokenProb {
+  TokenId token = 0;
+  double prob = 0;
+};
+std::vector<TokenProb> SamplingDistribution(std::span<const float> logits,
+                                            const SamplingParams& params);
+
+enum class FinishReason { kNone, kStop, kLength };
+// "stop", "length" (OpenAI's finish_reason), "" for kNone.
+const char* FinishReasonName(FinishReason reason);
+
+// Per-request stop logic over the generated tokens and their detokenized
+// text (from IncrementalDetokenizer). Holds back text that might be the start
+// of a stop string, so what it releases never needs to be taken back.
+class StopChecker {
+ public:
+  // `eos_token_ids` end generation unless params.ignore_eos.
+  StopChecker(const SamplingParams& params, std::span<const TokenId> eos_token_ids);
+
+  struct Step {
+    FinishReason finish = FinishReason::kNone;
+    std::string text;  // newly released text, possibly empty
+    // The stop string or stop token id that ended generation, if any.
+    std::optional<std::string> matched_stop_string;
+    std::optional<TokenId> matched_stop_token;
+  };
+
+  // Feeds one generated token and the text the detokenizer released for it.
+  // Once it returned a finish reason, further calls are an error (return
+  // finish again, with no text). On kLength or a stop token, the held-back
+  // text (and, for kLength, `text`) is released; on a stop token its own
+  // text is dropped; on a stop string the text ends before it.
+  Step OnToken(TokenId token, std::string_view text);
+
+  // End of the stream by other means (cancel): releases held-back text.
+  std::string Flush();
+
+  size_t num_tokens() const { return num_tokens_; }
+  FinishReason finish() const { return finish_; }
+
+ private:
+  size_t HeldBackLength() const;
+
+  std::vector<TokenId> stop_ids_;
+  std::vector<std::string> stop_strings_;
+  size_t max_tokens_;
+  size_t num_tokens_ = 0;
+  std::string pending_;  // text not yet released (a possible stop-string start)
+  FinishReason finish_ = FinishReason::kNone;
+};
+
+}  // namespace pdserve
