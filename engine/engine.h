@@ -68,6 +68,9 @@ struct EngineOptions {
   int64_t max_model_len = 0;             // 0: the model's context (ModelConfig::max_context)
   bool enable_prefix_caching = true;
   bool record_kv_events = false;  // on for workers that publish KV events
+  // The served model id, first input of the block-hash seed (hash spec v1);
+  // empty: Model::model_id(). Must equal the router's id for the model.
+  std::string model_id;
 };
 
 struct EngineRequest {
