@@ -1,0 +1,368 @@
+// UCX KV transfer inside one process: two KvTransfer instances (two UCX
+// contexts and workers) talking over real UCX transports (TCP on loopback,
+// shared memory). Two-process behaviour, including a peer killed mid-transfer,
+// is in tests/integration/transport/.
+#include "transport/ucx/ucx_transfer.h"
+
+#include <dirent.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <future>
+#include <mutex>
+#include <numeric>
+#include <random>
+#include <set>
+#include <thread>
+
+#include "transport/kv_layout.h"
+
+namespace pdserve {
+namespace {
+
+using namespace std::chrono_literals;
+
+KvLayout TinyLayout() {
+  KvLayout l;
+  l.model_id = "tiny-test";
+  l.layers = 2;
+  l.kv_heads = 2;
+  l.head_dim = 16;
+  l.block_tokens = 4;
+  l.kv_dtype = DType::kF16;
+  l.bytes_per_block = l.DenseBytesPerBlock();  // 1 KiB
+  return l;
+}
+
+struct Pool {
+  std::vector<uint8_t> bytes;
+  size_t block_bytes;
+  Pool(size_t blocks, size_t bb, uint32_t seed) : bytes(blocks * bb), block_bytes(bb) {
+    std::mt19937 rng(seed);
+    for (auto& b : bytes) b = static_cast<uint8_t>(rng());
+  }
+  MemoryRegion region() { return {bytes.data(), bytes.size(), block_bytes, MemoryType::kHost}; }
+  const uint8_t* block(size_t i) const { return bytes.data() + i * block_bytes; }
+};
+
+// Waits for the one completion of a Write and counts extra ones.
+class Completion {
+ public:
+  TransferCallback callback() {
+    return [this](Status s) {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++calls_;
+      status_ = std::move(s);
+      on_progress_thread_ = std::this_thread::get_id() != caller_;
+      cv_.notify_all();
+    };
+  }
+  Status Wait() {
+    std::unique_lock<std::mutex> lock(mu_);
+    EXPECT_TRUE(cv_.wait_for(lock, 30s, [&] { return calls_ > 0; })) << "no completion";
+    return status_;
+  }
+  int calls() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return calls_;
+  }
+  bool on_progress_thread() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return on_progress_thread_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int calls_ = 0;
+  Status status_;
+  bool on_progress_thread_ = false;
+  std::thread::id caller_ = std::this_thread::get_id();
+};
+
+size_t CountDir(const char* path) {
+  size_t n = 0;
+  if (DIR* d = opendir(path)) {
+    while (readdir(d) != nullptr) ++n;
+    closedir(d);
+  }
+  return n;
+}
+
+std::unique_ptr<KvTransfer> MakeTransfer(const std::string& tls) {
+  UcxTransferOptions opts;
+  opts.tls = tls;
+  auto t = CreateUcxTransfer(opts);
+  EXPECT_TRUE(t.ok()) << t.status().ToString();
+  return t.ok() ? std::move(*t) : nullptr;
+}
+
+struct Pair {
+  std::unique_ptr<KvTransfer> writer, receiver;
+  PeerId to_receiver = 0, from_writer = 0;
+};
+
+// Full handshake: receiver exports, writer connects, receiver accepts the reply.
+void Handshake(Pair* p) {
+  auto desc = p->receiver->ExportDescriptor();
+  ASSERT_TRUE(desc.ok()) << desc.status().ToString();
+  auto conn = p->writer->Connect(*desc);
+  ASSERT_TRUE(conn.ok()) << conn.status().ToString();
+  p->to_receiver = conn->peer;
+  auto acc = p->receiver->Accept(conn->reply);
+  ASSERT_TRUE(acc.ok()) << acc.status().ToString();
+  p->from_writer = *acc;
+}
+
+class UcxTransferTest : public ::testing::TestWithParam<std::string> {};
+
+// Writes a scattered block list plus one contiguous stretch; checks every
+// target block against its source and every other block against its old
+// contents. `allocate`: the receiver's pool comes from AllocatePool (shared
+// memory for shm transports) instead of caller memory.
+void CheckScatteredWrite(const std::string& tls, bool allocate) {
+  const KvLayout layout = TinyLayout();
+  const size_t bb = layout.bytes_per_block;
+  Pool src(64, bb, 1), dst(96, bb, 2);
+  const Pool dst_before = dst;
+  Pair p{MakeTransfer(tls), MakeTransfer(tls)};
+  ASSERT_TRUE(p.writer && p.receiver);
+  ASSERT_TRUE(p.writer->RegisterPool(src.region(), layout).ok());
+  uint8_t* dst_base = dst.bytes.data();
+  if (allocate) {
+    auto region = p.receiver->AllocatePool(96, layout);
+    ASSERT_TRUE(region.ok()) << region.status().ToString();
+    ASSERT_EQ(region->bytes, dst.bytes.size());
+    dst_base = static_cast<uint8_t*>(region->base);
+    std::memcpy(dst_base, dst.bytes.data(), dst.bytes.size());
+  } else {
+    ASSERT_TRUE(p.receiver->RegisterPool(dst.region(), layout).ok());
+  }
+  Handshake(&p);
+
+  std::mt19937 rng(7);
+  std::vector<BlockId> targets(80);
+  std::iota(targets.begin(), targets.end(), 0);
+  std::shuffle(targets.begin(), targets.end(), rng);
+  std::vector<BlockCopy> copies;
+  // Scattered: 40 random sources (repeats allowed) into distinct random targets.
+  for (int i = 0; i < 40; ++i) copies.push_back({static_cast<BlockId>(rng() % 64), targets[i]});
+  // And one contiguous stretch, which becomes a single put; 80..87 stay untouched.
+  for (BlockId i = 0; i < 8; ++i) copies.push_back({50 + i, 88 + i});
+  auto runs = CoalesceBlockRuns(copies, 64, 96);
+  ASSERT_TRUE(std::any_of(runs->begin(), runs->end(), [](const BlockRun& r) {
+    return r.local == 50 && r.remote == 88 && r.count == 8;
+  }));
+
+  Completion done;
+  p.writer->Write(p.to_receiver, copies, TransferClock::now() + 20s, done.callback());
+  Status s = done.Wait();
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  EXPECT_TRUE(done.on_progress_thread());
+
+  std::set<BlockId> written;
+  for (const auto& c : copies) {
+    written.insert(c.remote);
+    EXPECT_EQ(std::memcmp(dst_base + c.remote * bb, src.block(c.local), bb), 0)
+        << "block " << c.remote << " differs from source block " << c.local;
+  }
+  for (BlockId b = 0; b < 96; ++b) {
+    if (written.count(b) == 0) {
+      EXPECT_EQ(std::memcmp(dst_base + b * bb, dst_before.block(b), bb), 0)
+          << "block " << b << " was touched";
+    }
+  }
+  Completion recv;
+  p.receiver->Receive(p.from_writer, copies, TransferClock::now() + 1s, recv.callback());
+  EXPECT_TRUE(recv.Wait().ok());
+  EXPECT_TRUE(p.receiver->FinishReceive({targets[0], targets[1]}).ok());
+  std::this_thread::sleep_for(10ms);
+  EXPECT_EQ(done.calls(), 1);
+}
+
+TEST_P(UcxTransferTest, ScatteredBlocksLandAndNothingElseChanges) {
+  CheckScatteredWrite(GetParam(), /*allocate=*/false);
+}
+
+TEST_P(UcxTransferTest, ScatteredBlocksLandInAnAllocatedPool) {
+  CheckScatteredWrite(GetParam(), /*allocate=*/true);
+}
+
+TEST_P(UcxTransferTest, ConcurrentWritersFromManyThreadsEachGetOneCompletion) {
+  const KvLayout layout = TinyLayout();
+  const size_t bb = layout.bytes_per_block;
+  Pool src(256, bb, 3), dst(256, bb, 4);
+  Pair p{MakeTransfer(GetParam()), MakeTransfer(GetParam())};
+  ASSERT_TRUE(p.writer->RegisterPool(src.region(), layout).ok());
+  ASSERT_TRUE(p.receiver->RegisterPool(dst.region(), layout).ok());
+  Handshake(&p);
+  constexpr int kThreads = 4, kWritesPerThread = 16;
+  std::vector<std::unique_ptr<Completion>> completions;
+  for (int i = 0; i < kThreads * kWritesPerThread; ++i) {
+    completions.push_back(std::make_unique<Completion>());
+  }
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < kWritesPerThread; ++i) {
+        // Each write owns 4 distinct target blocks; together they cover the pool.
+        const BlockId base = static_cast<BlockId>((t * kWritesPerThread + i) * 4);
+        std::vector<BlockCopy> copies;
+        for (BlockId k = 0; k < 4; ++k) copies.push_back({255 - base - k, base + k});
+        p.writer->Write(p.to_receiver, copies, TransferClock::now() + 20s,
+                        completions[t * kWritesPerThread + i]->callback());
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (auto& c : completions) EXPECT_TRUE(c->Wait().ok());
+  for (BlockId b = 0; b < 256; ++b) {
+    ASSERT_EQ(std::memcmp(dst.block(b), src.block(255 - b), bb), 0) << "block " << b;
+  }
+  for (auto& c : completions) EXPECT_EQ(c->calls(), 1);
+}
+
+TEST_P(UcxTransferTest, BadRequestsFailThroughTheCallbackWithoutHurtingTheConnection) {
+  const KvLayout layout = TinyLayout();
+  Pool src(8, layout.bytes_per_block, 5), dst(8, layout.bytes_per_block, 6);
+  Pair p{MakeTransfer(GetParam()), MakeTransfer(GetParam())};
+  ASSERT_TRUE(p.writer->RegisterPool(src.region(), layout).ok());
+  ASSERT_TRUE(p.receiver->RegisterPool(dst.region(), layout).ok());
+  Handshake(&p);
+
+  Completion out_of_range, duplicate, unknown_peer, late, accepted_peer;
+  p.writer->Write(p.to_receiver, {{0, 8}}, TransferClock::now() + 5s, out_of_range.callback());
+  p.writer->Write(p.to_receiver, {{0, 1}, {2, 1}}, TransferClock::now() + 5s, duplicate.callback());
+  p.writer->Write(p.to_receiver + 100, {{0, 1}}, TransferClock::now() + 5s,
+                  unknown_peer.callback());
+  p.writer->Write(p.to_receiver, {{0, 1}}, TransferClock::now() - 1ms, late.callback());
+  p.receiver->Write(p.from_writer, {{0, 1}}, TransferClock::now() + 5s, accepted_peer.callback());
+  Status s = out_of_range.Wait();
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("remote block 8 is out of range"), std::string::npos) << s.message();
+  EXPECT_EQ(duplicate.Wait().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(unknown_peer.Wait().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(late.Wait().code(), StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(accepted_peer.Wait().code(), StatusCode::kInvalidArgument);
+
+  Completion good;
+  p.writer->Write(p.to_receiver, {{3, 4}}, TransferClock::now() + 20s, good.callback());
+  ASSERT_TRUE(good.Wait().ok());
+  EXPECT_EQ(std::memcmp(dst.block(4), src.block(3), layout.bytes_per_block), 0);
+}
+
+TEST_P(UcxTransferTest, LayoutMismatchIsRefusedOnBothSidesNamingTheField) {
+  KvLayout here = TinyLayout();
+  KvLayout there = here;
+  there.kv_dtype = DType::kFP8E4M3;
+  there.bytes_per_block = here.bytes_per_block;  // same size, different meaning
+  Pool a(4, here.bytes_per_block, 7), b(4, there.bytes_per_block, 8);
+  auto writer = MakeTransfer(GetParam());
+  auto receiver = MakeTransfer(GetParam());
+  ASSERT_TRUE(writer->RegisterPool(a.region(), here).ok());
+  ASSERT_TRUE(receiver->RegisterPool(b.region(), there).ok());
+  auto desc = receiver->ExportDescriptor();
+  ASSERT_TRUE(desc.ok());
+  auto conn = writer->Connect(*desc);
+  ASSERT_FALSE(conn.ok());
+  EXPECT_EQ(conn.status().message(), "KV layout mismatch: kv_dtype: fp16 here, fp8 on peer");
+
+  // The receiver checks the writer's reply the same way.
+  auto mirror = MakeTransfer(GetParam());
+  Pool c(4, here.bytes_per_block, 9);
+  ASSERT_TRUE(mirror->RegisterPool(c.region(), here).ok());
+  auto desc2 = mirror->ExportDescriptor();
+  auto conn2 = writer->Connect(*desc2);
+  ASSERT_TRUE(conn2.ok()) << conn2.status().ToString();
+  auto acc = receiver->Accept(conn2->reply);
+  ASSERT_FALSE(acc.ok());
+  EXPECT_EQ(acc.status().message(), "KV layout mismatch: kv_dtype: fp8 here, fp16 on peer");
+}
+
+TEST_P(UcxTransferTest, BadDescriptorsAreRejected) {
+  const KvLayout layout = TinyLayout();
+  Pool a(4, layout.bytes_per_block, 10), b(4, layout.bytes_per_block, 11);
+  auto writer = MakeTransfer(GetParam());
+  auto receiver = MakeTransfer(GetParam());
+  auto early = writer->ExportDescriptor();
+  EXPECT_EQ(early.status().code(), StatusCode::kInvalidArgument);
+  ASSERT_TRUE(writer->RegisterPool(a.region(), layout).ok());
+  EXPECT_FALSE(writer->RegisterPool(a.region(), layout).ok()) << "registered twice";
+  ASSERT_TRUE(receiver->RegisterPool(b.region(), layout).ok());
+  auto desc = receiver->ExportDescriptor();
+  ASSERT_TRUE(desc.ok());
+  for (size_t n : {size_t{0}, size_t{3}, desc->size() / 2, desc->size() - 1}) {
+    auto c = writer->Connect(desc->substr(0, n));
+    ASSERT_FALSE(c.ok()) << n;
+    EXPECT_EQ(c.status().code(), StatusCode::kInvalidArgument);
+  }
+  std::string flipped = *desc;
+  flipped[flipped.size() / 2] ^= 0x5a;
+  auto c = writer->Connect(flipped);
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("checksum"), std::string::npos) << c.status().message();
+  // A descriptor where a reply belongs, and vice versa.
+  EXPECT_FALSE(receiver->Accept(*desc).ok());
+  auto good = writer->Connect(*desc);
+  ASSERT_TRUE(good.ok());
+  EXPECT_FALSE(writer->Connect(good->reply).ok());
+}
+
+TEST_P(UcxTransferTest, ReceiverGoneFailsTheWriteAndLaterWrites) {
+  const KvLayout layout = TinyLayout();
+  Pool src(512, layout.bytes_per_block, 12), dst(512, layout.bytes_per_block, 13);
+  Pair p{MakeTransfer(GetParam()), MakeTransfer(GetParam())};
+  ASSERT_TRUE(p.writer->RegisterPool(src.region(), layout).ok());
+  ASSERT_TRUE(p.receiver->RegisterPool(dst.region(), layout).ok());
+  Handshake(&p);
+  Completion first;
+  p.writer->Write(p.to_receiver, {{0, 0}}, TransferClock::now() + 20s, first.callback());
+  ASSERT_TRUE(first.Wait().ok());
+  p.receiver.reset();  // its worker, endpoints and memory registration are gone
+  // Writes keep failing explicitly, never hang, once the loss is noticed.
+  Status last;
+  for (int i = 0; i < 50; ++i) {
+    Completion c;
+    p.writer->Write(p.to_receiver, {{1, 1}}, TransferClock::now() + 2s, c.callback());
+    last = c.Wait();
+    if (!last.ok()) break;
+  }
+  ASSERT_FALSE(last.ok()) << "writes to a destroyed receiver kept succeeding";
+  EXPECT_TRUE(last.code() == StatusCode::kUnavailable ||
+              last.code() == StatusCode::kDeadlineExceeded)
+      << last.ToString();
+}
+
+TEST_P(UcxTransferTest, RepeatedSetupAndTeardownLeaksNoThreadsOrDescriptors) {
+  const KvLayout layout = TinyLayout();
+  auto cycle = [&] {
+    Pool src(16, layout.bytes_per_block, 14), dst(16, layout.bytes_per_block, 15);
+    Pair p{MakeTransfer(GetParam()), MakeTransfer(GetParam())};
+    ASSERT_TRUE(p.writer->RegisterPool(src.region(), layout).ok());
+    ASSERT_TRUE(p.receiver->RegisterPool(dst.region(), layout).ok());
+    Handshake(&p);
+    Completion c;
+    p.writer->Write(p.to_receiver, {{1, 2}, {2, 3}}, TransferClock::now() + 20s, c.callback());
+    ASSERT_TRUE(c.Wait().ok());
+    // Destroy with a write possibly in flight: it must complete (OK or kCancelled).
+    Completion pending;
+    p.writer->Write(p.to_receiver, {{5, 5}}, TransferClock::now() + 20s, pending.callback());
+    p.writer.reset();
+    EXPECT_EQ(pending.calls(), 1);
+  };
+  cycle();  // first use may start UCX's process-wide helpers
+  const size_t threads = CountDir("/proc/self/task");
+  const size_t fds = CountDir("/proc/self/fd");
+  for (int i = 0; i < 5; ++i) cycle();
+  EXPECT_EQ(CountDir("/proc/self/task"), threads) << "threads leaked";
+  EXPECT_EQ(CountDir("/proc/self/fd"), fds) << "file descriptors leaked";
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, UcxTransferTest, ::testing::Values("tcp", "shm"),
+                         [](const auto& info) { return info.param; });
+
+}  // namespace
+}  // namespace pdserve

@@ -1,0 +1,136 @@
+// KvTransfer: moves KV-cache blocks from one worker's pool into another's.
+//
+// One KvTransfer per worker process. Its life, in order:
+//   1. RegisterPool(): the whole KV pool, once, as ONE region (not per block);
+//      or AllocatePool(), which lets the backend allocate it where its
+//      transports reach it best (for UCX on one host: shared memory).
+//   2. ExportDescriptor(): opaque bytes (address, packed remote key, layout)
+//      that the caller carries to the peer over the control plane.
+//   3. Handshake. The WRITER (prefill side) calls Connect(peer descriptor),
+//      which validates the blob and the layout (a mismatch names the field) and
+//      returns a PeerId plus a `reply` blob. The caller carries the reply back;
+//      the RECEIVER (decode side) calls Accept(reply), which validates it the
+//      same way and returns the receiver's PeerId for that writer.
+//   4. Write(peer, pairs, deadline, done) on the writer; Receive(...) with the
+//      same pairs on the receiver. One-sided backends (UCX) need no Receive
+//      (it completes OK at once); two-sided ones (NCCL) do.
+//   5. The writer reports the outcome to the receiver over the control plane
+//      (PrefillDone). Only after a successful Write may the receiver read the
+//      blocks, after calling FinishReceive() for them.
+//
+// Completion contract: every Write/Receive gets EXACTLY ONE call of `done`,
+// with OK or an explicit failure: kInvalidArgument (bad or duplicate block id,
+// unknown peer), kDeadlineExceeded, kUnavailable (peer gone, connection
+// closed), kCancelled (the KvTransfer is being destroyed). `done` always runs
+// on the backend's progress thread, never inside Write/Receive; it must not
+// block for long and must not destroy the KvTransfer.
+//
+// A failed Write leaves the target blocks in an unspecified state, and the
+// connection to that peer closed (later Writes to the same PeerId fail with
+// kUnavailable; Connect again to retry). After a deadline, bytes already on
+// the wire may still land, so the receiver must treat those blocks as garbage
+// until it hands them out again.
+//
+// Thread safety: every method may be called from any thread concurrently,
+// except that the destructor must not race with other calls.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/status.h"
+#include "transport/kv_layout.h"
+
+namespace pdserve {
+
+using BlockId = uint32_t;
+using PeerId = uint64_t;
+using TransferClock = std::chrono::steady_clock;
+using TransferDeadline = TransferClock::time_point;
+using TransferCallback = std::function<void(Status)>;
+
+enum class MemoryType : uint8_t { kHost = 0, kCuda = 1 };
+std::string_view MemoryTypeName(MemoryType t);
+
+// The KV pool: `bytes` from `base`, block i at base + i * block_bytes.
+struct MemoryRegion {
+  void* base = nullptr;
+  size_t bytes = 0;
+  size_t block_bytes = 0;
+  MemoryType type = MemoryType::kHost;
+  size_t block_count() const { return block_bytes == 0 ? 0 : bytes / block_bytes; }
+};
+
+// Copy local block `local` of this pool into block `remote` of the peer's.
+struct BlockCopy {
+  BlockId local = 0;
+  BlockId remote = 0;
+  friend bool operator==(const BlockCopy&, const BlockCopy&) = default;
+};
+
+// A maximal run of consecutive blocks on both sides: one network operation.
+struct BlockRun {
+  BlockId local = 0;
+  BlockId remote = 0;
+  uint32_t count = 0;
+  friend bool operator==(const BlockRun&, const BlockRun&) = default;
+};
+
+// Merges pairs into maximal runs (local AND remote ids consecutive), ordered
+// by local block. Fails (InvalidArgument) when a remote block is
+// targeted twice or an id is out of range for either pool.
+StatusOr<std::vector<BlockRun>> CoalesceBlockRuns(std::vector<BlockCopy> copies,
+                                                  size_t local_blocks, size_t remote_blocks);
+
+class KvTransfer {
+ public:
+  struct Connection {
+    PeerId peer = 0;
+    std::string reply;  // hand to the peer's Accept()
+  };
+
+  virtual ~KvTransfer() = default;
+
+  // "ucx" or "nccl".
+  virtual std::string_view backend() const = 0;
+
+  // Registers the pool, once. The layout must validate and its
+  // bytes_per_block must equal region.block_bytes.
+  virtual Status RegisterPool(const MemoryRegion& region, const KvLayout& layout) = 0;
+
+  // Allocates `blocks` blocks of layout.bytes_per_block and registers them, in
+  // place of RegisterPool. UCX: host memory from UCX's allocator, which puts
+  // it in shared-memory segments when shared-memory transports are enabled,
+  // so that same-host peers write into it with a plain copy. NCCL: device
+  // memory. The memory belongs to the KvTransfer and lives as long as it.
+  virtual StatusOr<MemoryRegion> AllocatePool(size_t blocks, const KvLayout& layout) = 0;
+
+  // This worker's descriptor (requires a pool). Backends that bootstrap a
+  // per-pair channel from it (NCCL) make every call's result single-use.
+  virtual StatusOr<std::string> ExportDescriptor() = 0;
+
+  // Writer side of the handshake; see the top of this file.
+  virtual StatusOr<Connection> Connect(std::string_view peer_descriptor) = 0;
+  // Receiver side of the handshake.
+  virtual StatusOr<PeerId> Accept(std::string_view reply) = 0;
+
+  virtual void Write(PeerId peer, std::vector<BlockCopy> copies, TransferDeadline deadline,
+                     TransferCallback done) = 0;
+  virtual void Receive(PeerId peer, std::vector<BlockCopy> copies, TransferDeadline deadline,
+                       TransferCallback done) = 0;
+
+  // Receiver, after the writer reported success: makes the blocks readable in
+  // the registered region (device pools staged through host memory are copied
+  // in here; otherwise a no-op).
+  virtual Status FinishReceive(const std::vector<BlockId>& blocks) = 0;
+
+  // Closes the connection; pending operations on it fail with kCancelled.
+  virtual void Disconnect(PeerId peer) = 0;
+};
+
+}  // namespace pdserve
