@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include <google/protobuf/stubs/logging.h>
 #include <boost/asio.hpp>
 
 #include "common/logging.h"
@@ -28,6 +29,21 @@ using Clock = std::chrono::steady_clock;
 using std::chrono::duration_cast;
 using std::chrono::milliseconds;
 
+namespace {
+
+// libprotobuf reports some rejected input itself (invalid UTF-8 in a string
+// field); route that into our one-line log format instead of raw stderr.
+void ProtobufLogToPdserve(google::protobuf::LogLevel level, const char* file, int line,
+                          const std::string& message) {
+  if (level >= google::protobuf::LOGLEVEL_ERROR) {
+    PDSERVE_LOG(WARN) << "protobuf (" << file << ":" << line << "): " << message;
+  } else {
+    PDSERVE_LOG(DEBUG) << "protobuf (" << file << ":" << line << "): " << message;
+  }
+}
+
+}  // namespace
+
 // ---- EventLoop ---------------------------------------------------------------
 
 struct EventLoop::Impl {
@@ -38,6 +54,9 @@ struct EventLoop::Impl {
 };
 
 EventLoop::EventLoop(std::string name, int threads) : impl_(std::make_unique<Impl>()) {
+  static std::once_flag route_protobuf_logs;
+  std::call_once(route_protobuf_logs,
+                 [] { google::protobuf::SetLogHandler(&ProtobufLogToPdserve); });
   impl_->name = std::move(name);
   const int n = std::max(1, threads);
   for (int i = 0; i < n; ++i) {
