@@ -12,7 +12,6 @@ namespace pdserve::router {
 using detail::BlockTable;
 
 namespace {
-constexpr int64_t kNoExpiry = std::numeric_limits<int64_t>::max();
 // How far ahead of the current block the ingestion and query loops prefetch.
 constexpr size_t kPrefetchDistance = 8;
 
@@ -52,9 +51,12 @@ PrefixIndex::PrefixIndex(PrefixIndexOptions options)
     : options_(options),
       words_((std::max<size_t>(options.max_workers, 1) + 63) / 64),
       blocks_(std::make_unique<BlockTable>(words_, options.max_entries)),
-      pending_(std::make_unique<BlockTable>(words_, options.max_pending)),
-      next_pending_expiry_(kNoExpiry),
-      workers_(options.max_workers) {}
+      pending_(std::make_unique<BlockTable>(words_ + 1, options.max_pending)),
+      workers_(options.max_workers) {
+  // The pending table fills and empties with bursts; allocating it once
+  // keeps rehashing off the routing path.
+  pending_->Reserve(options.max_pending);
+}
 
 PrefixIndex::~PrefixIndex() = default;
 
@@ -155,15 +157,14 @@ void PrefixIndex::PurgePendingLocked(WorkerId worker) {
     if (TestBit(words, worker)) hashes.push_back(h);
   });
   for (BlockHash h : hashes) ClearPendingBitLocked(h, worker);
-  // FIFO records of this worker become no-ops when they expire.
 }
 
-void PrefixIndex::PopPendingLocked() {
-  const PendingRecord& r = pending_fifo_.front();
-  ClearPendingBitLocked(r.hash, r.worker);
-  pending_fifo_.pop_front();
-  next_pending_expiry_.store(pending_fifo_.empty() ? kNoExpiry : pending_fifo_.front().expires_us,
-                             std::memory_order_relaxed);
+void PrefixIndex::SweepPendingLocked(int64_t now_us) {
+  std::vector<BlockHash> expired;
+  pending_->ForEach([&](uint64_t h, const uint64_t* words) {
+    if (static_cast<int64_t>(words[words_]) <= now_us) expired.push_back(h);
+  });
+  for (BlockHash h : expired) pending_->Erase(h);
 }
 
 ApplyOutcome PrefixIndex::ApplyEvents(WorkerId worker, const KvEventBatch& batch) {
@@ -221,7 +222,7 @@ bool PrefixIndex::NeedsResync(WorkerId worker) const {
   return worker < workers_.size() && workers_[worker].open && !workers_[worker].synced;
 }
 
-void PrefixIndex::LeadingOverlap(std::span<const BlockHash> hashes,
+void PrefixIndex::LeadingOverlap(std::span<const BlockHash> hashes, int64_t now_us,
                                  std::vector<uint32_t>* out) const {
   out->assign(workers_.size(), 0);
   if (hashes.empty()) return;
@@ -230,7 +231,11 @@ void PrefixIndex::LeadingOverlap(std::span<const BlockHash> hashes,
   // Issue the memory loads for the whole prompt up front; the walk below then
   // mostly hits cache instead of paying one miss per block in sequence.
   const size_t n = hashes.size();
-  for (size_t i = 0; i < std::min(n, 4 * kPrefetchDistance); ++i) blocks_->Prefetch(hashes[i]);
+  auto prefetch = [&](BlockHash h) {
+    blocks_->Prefetch(h);
+    if (any_pending) pending_->Prefetch(h);
+  };
+  for (size_t i = 0; i < std::min(n, 4 * kPrefetchDistance); ++i) prefetch(hashes[i]);
 
   // `alive` = workers holding every block so far. When a worker drops out at
   // block i, its leading overlap is i.
@@ -253,7 +258,9 @@ void PrefixIndex::LeadingOverlap(std::span<const BlockHash> hashes,
       const size_t p = pending_->Find(h);
       if (p != BlockTable::kNotFound) {
         const uint64_t* pw = pending_->words(p);
-        for (size_t k = 0; k < words_; ++k) dst[k] |= pw[k];
+        if (static_cast<int64_t>(pw[words_]) > now_us) {
+          for (size_t k = 0; k < words_; ++k) dst[k] |= pw[k];
+        }
       }
     }
   };
@@ -261,7 +268,7 @@ void PrefixIndex::LeadingOverlap(std::span<const BlockHash> hashes,
   size_t i = 1;
   for (; i < n; ++i) {
     if (AllZero(alive, words_)) return;
-    if (i + 4 * kPrefetchDistance < n) blocks_->Prefetch(hashes[i + 4 * kPrefetchDistance]);
+    if (i + 4 * kPrefetchDistance < n) prefetch(hashes[i + 4 * kPrefetchDistance]);
     load(hashes[i], here);
     for (size_t k = 0; k < words_; ++k) {
       uint64_t dropped = alive[k] & ~here[k];
@@ -280,29 +287,33 @@ void PrefixIndex::LeadingOverlap(std::span<const BlockHash> hashes,
   }
 }
 
-void PrefixIndex::AddPending(WorkerId worker, std::span<const BlockHash> hashes,
+void PrefixIndex::AddPending(WorkerId worker, std::span<const BlockHash> hashes, int64_t now_us,
                              int64_t expires_us) {
-  if (options_.max_pending == 0 || hashes.empty()) return;
+  if (options_.max_pending == 0 || hashes.empty() || expires_us <= now_us) return;
   std::unique_lock lock(mu_);
   if (worker >= workers_.size() || !workers_[worker].open) return;
-  for (BlockHash h : hashes) {
-    while (pending_fifo_.size() >= options_.max_pending) PopPendingLocked();
+  // Make room for the whole request at once, so that its own blocks never
+  // push each other out; the leading blocks matter most when it is too long.
+  hashes = hashes.first(std::min(hashes.size(), options_.max_pending));
+  if (pending_->size() + hashes.size() > options_.max_pending) {
+    SweepPendingLocked(now_us);
+    if (pending_->size() + hashes.size() > options_.max_pending) pending_->ClearKeepCapacity();
+  }
+  for (size_t i = 0; i < hashes.size(); ++i) {
+    if (i + kPrefetchDistance < hashes.size()) pending_->Prefetch(hashes[i + kPrefetchDistance]);
+    const BlockHash h = hashes[i];
     bool inserted = false;
     const size_t slot = pending_->FindOrInsert(h, &inserted);
-    if (slot == BlockTable::kNotFound) continue;  // unreachable: the FIFO bounds the table
+    if (slot == BlockTable::kNotFound) continue;  // unreachable: room was made above
     uint64_t* words = pending_->words(slot);
-    if (TestBit(words, worker)) continue;  // already pending: keep the first expiry
     SetBit(words, worker);
-    pending_fifo_.push_back({expires_us, h, worker});
+    words[words_] = static_cast<uint64_t>(expires_us);
   }
-  next_pending_expiry_.store(pending_fifo_.empty() ? kNoExpiry : pending_fifo_.front().expires_us,
-                             std::memory_order_relaxed);
 }
 
 void PrefixIndex::ExpirePending(int64_t now_us) {
-  if (next_pending_expiry_.load(std::memory_order_relaxed) > now_us) return;
   std::unique_lock lock(mu_);
-  while (!pending_fifo_.empty() && pending_fifo_.front().expires_us <= now_us) PopPendingLocked();
+  SweepPendingLocked(now_us);
 }
 
 std::vector<BlockHash> PrefixIndex::WorkerBlocks(WorkerId worker) const {
@@ -323,16 +334,13 @@ PrefixIndexStats PrefixIndex::stats() const {
   std::shared_lock lock(mu_);
   PrefixIndexStats s = counters_;
   s.entries = blocks_->size();
-  s.bytes = blocks_->bytes() + pending_->bytes() + pending_fifo_.size() * sizeof(PendingRecord) +
-            workers_.capacity() * sizeof(WorkerState);
+  s.bytes = blocks_->bytes() + pending_->bytes() + workers_.capacity() * sizeof(WorkerState);
   s.worker_blocks = 0;
   for (const WorkerState& w : workers_) {
     if (!w.open) continue;
     s.worker_blocks += w.blocks->size();
     s.bytes += w.blocks->bytes();
   }
-  // Pending bits are counted through the FIFO, whose records outlive
-  // superseded bits; count live bits instead.
   s.pending_entries = 0;
   pending_->ForEach([&](uint64_t, const uint64_t* words) {
     for (size_t k = 0; k < words_; ++k) s.pending_entries += std::popcount(words[k]);

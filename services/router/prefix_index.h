@@ -23,20 +23,21 @@
 //   bound to at least the sum of the workers' KV blocks. Memory use is
 //   reported in stats().bytes (allocated slots of every table).
 // - Pending entries (burst handling): AddPending records blocks a worker is
-//   about to compute because the router just sent it a request; queries treat
-//   them as held until they expire (ExpirePending) or the worker's own Stored
-//   event for that block arrives. At most max_pending are kept (oldest go
-//   first). An entry lives at most its TTL.
+//   about to compute because the router just sent it a request; queries
+//   treat them as held until they expire or the worker's own Stored event for
+//   the block arrives. One expiry per block (the latest AddPending's), so an
+//   entry lives at most TTL after the block was last routed. At most
+//   max_pending blocks are pending: when the table is full, expired entries
+//   are swept, and if none had expired all pending entries are dropped (they
+//   are a short-lived hint; the real index is untouched).
 // - Thread safety: every method may be called from any thread. Queries take a
 //   shared lock (many routing threads in parallel); event batches, snapshots,
 //   pending updates and purges take it exclusively, for time bounded by the
 //   batch size (or the worker's block count for a purge).
 #pragma once
 
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
-#include <deque>
 #include <memory>
 #include <optional>
 #include <shared_mutex>
@@ -78,13 +79,13 @@ const char* ApplyOutcomeName(ApplyOutcome outcome);
 struct PrefixIndexOptions {
   size_t max_workers = 256;        // slots; the bitset per block is max_workers bits
   size_t max_entries = 4u << 20;   // distinct block hashes
-  size_t max_pending = 64u << 10;  // pending (worker, block) entries
+  size_t max_pending = 64u << 10;  // blocks with pending entries
 };
 
 struct PrefixIndexStats {
   size_t entries = 0;           // distinct block hashes indexed
   size_t worker_blocks = 0;     // (worker, block) pairs indexed
-  size_t pending_entries = 0;   // (worker, block) pending entries alive
+  size_t pending_entries = 0;   // (worker, block) pending entries not yet swept
   size_t bytes = 0;             // memory held by the index's tables
   uint64_t events_applied = 0;  // block-level events applied (each hash counts once)
   uint64_t batches_applied = 0;
@@ -119,11 +120,16 @@ class PrefixIndex {
   bool NeedsResync(WorkerId worker) const;
 
   // out->at(w) = number of leading blocks of `hashes` worker w holds
-  // (indexed or pending), for every slot w < max_workers (0 for closed slots).
-  void LeadingOverlap(std::span<const BlockHash> hashes, std::vector<uint32_t>* out) const;
+  // (indexed, or pending with an expiry after now_us), for every slot
+  // w < max_workers (0 for closed slots).
+  void LeadingOverlap(std::span<const BlockHash> hashes, int64_t now_us,
+                      std::vector<uint32_t>* out) const;
 
-  void AddPending(WorkerId worker, std::span<const BlockHash> hashes, int64_t expires_us);
-  // Drops pending entries whose expiry is <= now_us. Cheap when none is due.
+  // Marks `hashes` as about to be held by `worker` until expires_us.
+  void AddPending(WorkerId worker, std::span<const BlockHash> hashes, int64_t now_us,
+                  int64_t expires_us);
+  // Removes pending entries whose expiry is <= now_us (queries already
+  // ignore them; this returns their memory). O(max_pending).
   void ExpirePending(int64_t now_us);
 
   // Block hashes `worker` holds, unordered (for tests and debugging).
@@ -133,26 +139,20 @@ class PrefixIndex {
 
  private:
   struct WorkerState;
-  struct PendingRecord {
-    int64_t expires_us;
-    BlockHash hash;
-    WorkerId worker;
-  };
 
   void StoreLocked(WorkerId worker, std::span<const BlockHash> hashes);
   void RemoveLocked(WorkerId worker, std::span<const BlockHash> hashes);
   void PurgeBlocksLocked(WorkerId worker);
   void PurgePendingLocked(WorkerId worker);
   void ClearPendingBitLocked(BlockHash hash, WorkerId worker);
-  void PopPendingLocked();
+  void SweepPendingLocked(int64_t now_us);
 
   const PrefixIndexOptions options_;
   const size_t words_;  // 64-bit words per worker bitset
   mutable std::shared_mutex mu_;
-  std::unique_ptr<detail::BlockTable> blocks_;   // hash -> workers holding it
-  std::unique_ptr<detail::BlockTable> pending_;  // hash -> workers about to hold it
-  std::deque<PendingRecord> pending_fifo_;       // expiry order (TTL is uniform)
-  std::atomic<int64_t> next_pending_expiry_;     // front of pending_fifo_, or INT64_MAX
+  std::unique_ptr<detail::BlockTable> blocks_;  // hash -> workers holding it
+  // hash -> [workers about to hold it (words_), expiry in microseconds]
+  std::unique_ptr<detail::BlockTable> pending_;
   std::vector<WorkerState> workers_;
   PrefixIndexStats counters_;  // the counter fields; sizes are computed on demand
 };

@@ -162,14 +162,13 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
                                    std::to_string(request.prompt_tokens) + "-token prompt");
   }
   const int64_t now = options_.clock_us();
-  index_.ExpirePending(now);
 
   std::lock_guard lock(mu_);
   if (inflight_.contains(request.request_id)) {
     return Status::InvalidArgument("request id " + std::to_string(request.request_id) +
                                    " is already in flight");
   }
-  index_.LeadingOverlap(request.block_hashes, &overlap_);
+  index_.LeadingOverlap(request.block_hashes, now, &overlap_);
 
   candidates_.clear();
   for (const auto& w : workers_) {
@@ -217,9 +216,9 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
   if (options_.pending_ttl_us > 0) {
     const int64_t expires = now + options_.pending_ttl_us;
     index_.AddPending(r.prefiller, request.block_hashes.subspan(decision.prefill_overlap_blocks),
-                      expires);
+                      now, expires);
     if (decision.prefill) {
-      index_.AddPending(r.decode, request.block_hashes.subspan(decision.decode_overlap_blocks),
+      index_.AddPending(r.decode, request.block_hashes.subspan(decision.decode_overlap_blocks), now,
                         expires);
     }
   }

@@ -30,6 +30,16 @@ void BlockTable::Clear() {
   Allocate(kMinCapacity);
 }
 
+void BlockTable::ClearKeepCapacity() {
+  size_ = 0;
+  has_zero_ = false;
+  std::fill(slots_.begin(), slots_.end(), 0);
+}
+
+void BlockTable::Reserve(size_t entries) {
+  while (OverLoad(entries, capacity_)) Grow();
+}
+
 void BlockTable::Grow() {
   std::vector<uint64_t> old = std::move(slots_);
   const size_t old_capacity = capacity_;

@@ -76,6 +76,10 @@ class BlockTable {
 
   // Removes everything and returns to the smallest allocation.
   void Clear();
+  // Removes everything, keeping the allocation (no regrowth spikes after).
+  void ClearKeepCapacity();
+  // Grows the allocation so that `entries` keys fit without rehashing.
+  void Reserve(size_t entries);
 
  private:
   size_t Home(uint64_t key) const {

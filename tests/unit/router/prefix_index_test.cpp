@@ -26,9 +26,10 @@ KvEventBatch Batch(uint64_t seq, Kind kind, std::vector<BlockHash> hashes) {
   return b;
 }
 
-std::vector<uint32_t> Overlap(const PrefixIndex& index, std::vector<BlockHash> hashes) {
+std::vector<uint32_t> Overlap(const PrefixIndex& index, std::vector<BlockHash> hashes,
+                              int64_t now_us = 0) {
   std::vector<uint32_t> out;
-  index.LeadingOverlap(hashes, &out);
+  index.LeadingOverlap(hashes, now_us, &out);
   return out;
 }
 
@@ -185,31 +186,49 @@ TEST(PrefixIndexTest, PendingEntriesCountUntilTheyExpireOrAreSuperseded) {
     ASSERT_TRUE(index.ApplySnapshot(w, 0, {}).ok());
   }
   ASSERT_EQ(index.ApplyEvents(1, Batch(1, Kind::kStored, {1})), ApplyOutcome::kApplied);
-  index.AddPending(1, std::vector<BlockHash>{2, 3}, /*expires_us=*/1000);
-  index.AddPending(0, std::vector<BlockHash>{1, 2}, /*expires_us=*/1500);
-  EXPECT_EQ(Overlap(index, {1, 2, 3}), (std::vector<uint32_t>{2, 3}));
+  index.AddPending(1, std::vector<BlockHash>{2, 3}, /*now_us=*/0, /*expires_us=*/1000);
+  index.AddPending(0, std::vector<BlockHash>{1, 4}, /*now_us=*/0, /*expires_us=*/1500);
+  EXPECT_EQ(Overlap(index, {1, 2, 3}, 0), (std::vector<uint32_t>{1, 3}));
+  EXPECT_EQ(Overlap(index, {1, 4}, 0), (std::vector<uint32_t>{2, 1}));
   EXPECT_EQ(index.stats().pending_entries, 4u);
-  index.ExpirePending(999);
-  EXPECT_EQ(Overlap(index, {1, 2, 3}), (std::vector<uint32_t>{2, 3}));
-  index.ExpirePending(1000);
-  EXPECT_EQ(Overlap(index, {1, 2, 3}), (std::vector<uint32_t>{2, 1}));
+  EXPECT_EQ(Overlap(index, {1, 2, 3}, 999), (std::vector<uint32_t>{1, 3}));
+  EXPECT_EQ(Overlap(index, {1, 2, 3}, 1000), (std::vector<uint32_t>{1, 1}));
+  EXPECT_EQ(Overlap(index, {1, 4}, 1499), (std::vector<uint32_t>{2, 1}));
+  EXPECT_EQ(Overlap(index, {1, 4}, 1500), (std::vector<uint32_t>{0, 1}));
+  index.ExpirePending(1000);  // sweeps (1, 2) and (1, 3)
+  EXPECT_EQ(index.stats().pending_entries, 2u);
   // The worker's own Stored event supersedes its pending entry: removing the
-  // block afterwards leaves nothing behind.
+  // block afterwards leaves nothing behind, even before the expiry.
   ASSERT_EQ(index.ApplyEvents(0, Batch(1, Kind::kStored, {1})), ApplyOutcome::kApplied);
   ASSERT_EQ(index.ApplyEvents(0, Batch(2, Kind::kRemoved, {1})), ApplyOutcome::kApplied);
-  EXPECT_EQ(Overlap(index, {1, 2})[0], 0u);
-  EXPECT_EQ(index.stats().pending_entries, 1u);  // (0, 2) until 1500
-  index.ExpirePending(1500);
+  EXPECT_EQ(Overlap(index, {1, 4}, 0)[0], 0u);
+  EXPECT_EQ(index.stats().pending_entries, 1u);  // (0, 4)
+  // Routing a block again extends its life.
+  index.AddPending(0, std::vector<BlockHash>{4}, 1400, 2400);
+  EXPECT_EQ(Overlap(index, {4}, 2000)[0], 1u);
+  index.ExpirePending(2400);
+  EXPECT_EQ(index.stats().pending_entries, 0u);
+  // Removing a worker drops its pending entries.
+  index.AddPending(1, std::vector<BlockHash>{8}, 0, 100);
+  index.RemoveWorker(1);
   EXPECT_EQ(index.stats().pending_entries, 0u);
 }
 
-TEST(PrefixIndexTest, PendingIsBoundedOldestFirst) {
+TEST(PrefixIndexTest, PendingIsBounded) {
   PrefixIndex index({.max_workers = 1, .max_pending = 3});
   ASSERT_TRUE(index.AddWorker(0).ok());
-  index.AddPending(0, std::vector<BlockHash>{1, 2, 3, 4, 5}, 100);
-  EXPECT_EQ(index.stats().pending_entries, 3u);
-  EXPECT_EQ(Overlap(index, {1})[0], 0u);
-  EXPECT_EQ(Overlap(index, {3, 4, 5})[0], 3u);
+  index.AddPending(0, std::vector<BlockHash>{1, 2}, 0, 50);
+  index.AddPending(0, std::vector<BlockHash>{3}, 0, 100);
+  // Full: the expired entries (1, 2) make room.
+  index.AddPending(0, std::vector<BlockHash>{4}, 60, 160);
+  EXPECT_EQ(index.stats().pending_entries, 2u);
+  EXPECT_EQ(Overlap(index, {3}, 60)[0], 1u);
+  // Full of live entries: all are dropped, the new ones kept.
+  index.AddPending(0, std::vector<BlockHash>{5, 6}, 61, 161);
+  EXPECT_EQ(index.stats().pending_entries, 2u);
+  EXPECT_EQ(Overlap(index, {3}, 61)[0], 0u);
+  EXPECT_EQ(Overlap(index, {5, 6}, 61)[0], 2u);
+  EXPECT_LE(index.stats().pending_entries, 3u);
 }
 
 // The reference: per worker, a set of hashes; a worker's overlap is the
@@ -306,7 +325,7 @@ TEST(PrefixIndexTest, MatchesReferenceUnderRandomEventStreams) {
       std::vector<BlockHash> prompt = prompts[rng() % prompts.size()];
       if (rng() % 2) prompt.push_back(random_hash());
       std::vector<uint32_t> got;
-      index.LeadingOverlap(prompt, &got);
+      index.LeadingOverlap(prompt, 0, &got);
       ASSERT_EQ(got, ref.Overlap(prompt, kSlots)) << "step " << step;
     }
   }

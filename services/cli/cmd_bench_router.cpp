@@ -1,0 +1,328 @@
+// pdserve bench router: routing decision latency (prompt hashing + prefix
+// index walk + policy + accounting) and KV-event ingestion rate of the
+// router's core, on one thread, with an index of a given size.
+#include <time.h>
+#include <algorithm>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "common/block_hash.h"
+#include "common/flags.h"
+#include "services/cli/command.h"
+#include "services/router/router_core.h"
+
+namespace pdserve::cli {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using router::KvEvent;
+using router::KvEventBatch;
+
+std::string CpuModel() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("model name", 0) == 0) {
+      auto colon = line.find(':');
+      if (colon != std::string::npos) return line.substr(colon + 2);
+    }
+  }
+  return "unknown";
+}
+
+double Seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+// CPU time of this thread: unlike wall time, immune to other processes
+// taking the core (the figure to compare on a shared machine).
+double ThreadCpuSeconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
+}
+
+double LoadAverage() {
+  std::ifstream in("/proc/loadavg");
+  double one = -1;
+  in >> one;
+  return one;
+}
+
+double Percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t rank = static_cast<size_t>(std::ceil(p * static_cast<double>(v.size())));
+  return v[std::clamp<size_t>(rank, 1, v.size()) - 1];
+}
+
+// Applies `batches[i]` to worker `owner[i]`; returns the block events applied per second.
+// Sets *cpu_s to the thread CPU time spent.
+double Ingest(router::RouterCore& core, const std::vector<KvEventBatch>& batches,
+              const std::vector<router::WorkerId>& owner, int64_t* events, double* cpu_s) {
+  *events = 0;
+  for (const auto& b : batches) {
+    for (const auto& e : b.events) *events += static_cast<int64_t>(e.hashes.size());
+  }
+  const double c0 = ThreadCpuSeconds();
+  const auto t0 = Clock::now();
+  for (size_t i = 0; i < batches.size(); ++i) {
+    if (core.OnKvEvents(owner[i], batches[i]) != router::ApplyOutcome::kApplied) {
+      std::fprintf(stderr, "pdserve bench router: event batch refused\n");
+      std::exit(1);
+    }
+  }
+  const double s = Seconds(t0, Clock::now());
+  *cpu_s = ThreadCpuSeconds() - c0;
+  return static_cast<double>(*events) / std::max(s, 1e-9);
+}
+
+int RunBenchRouter(int argc, char** argv) {
+  FlagSet flags("bench router",
+                "Measure route decision latency and KV-event ingestion of the router core.");
+  int64_t workers = 64, indexed_blocks = 1'000'000, prompt_blocks = 128, block_tokens = 16;
+  int64_t decisions = 20000, events_per_batch = 16, seed = 1;
+  std::string policy = "kv";
+  double pending_ttl_ms = 2000;
+  bool json = false;
+  flags.AddInt("workers", &workers, "workers registered with the router");
+  flags.AddInt("indexed-blocks", &indexed_blocks, "distinct block hashes in the index");
+  flags.AddInt("prompt-blocks", &prompt_blocks, "full blocks per routed prompt");
+  flags.AddInt("block-tokens", &block_tokens, "tokens per block");
+  flags.AddInt("decisions", &decisions, "routing decisions timed");
+  flags.AddInt("events-per-batch", &events_per_batch, "block hashes per KV event batch");
+  flags.AddString("policy", &policy, "routing policy: kv|round_robin|least_loaded|random");
+  flags.AddDouble("pending-ttl-ms", &pending_ttl_ms,
+                  "burst-handling pending entries' lifetime (0 disables them)");
+  flags.AddInt("seed", &seed, "random seed");
+  flags.AddBool("json", &json, "print one JSON line");
+  flags.SetEpilog(
+      "Example: pdserve bench router --workers 64 --indexed-blocks 1000000 --prompt-blocks 128 "
+      "--json");
+  ParseFlagsOrExit(flags, argc, argv);
+  const char* cmd = "bench router";
+  if (workers < 1 || workers > 1024) UsageError(cmd, "--workers must be in [1, 1024]");
+  if (prompt_blocks < 1) UsageError(cmd, "--prompt-blocks must be positive");
+  if (indexed_blocks < prompt_blocks)
+    UsageError(cmd, "--indexed-blocks must be >= --prompt-blocks");
+  if (block_tokens < 1) UsageError(cmd, "--block-tokens must be positive");
+  if (decisions < 1) UsageError(cmd, "--decisions must be positive");
+  if (events_per_batch < 1) UsageError(cmd, "--events-per-batch must be positive");
+
+  router::RouterOptions ro;
+  ro.policy = policy;
+  ro.block_tokens = block_tokens;
+  ro.index.max_workers = static_cast<size_t>(workers);
+  ro.index.max_entries = static_cast<size_t>(indexed_blocks) * 2;
+  ro.policy_options.seed = static_cast<uint64_t>(seed);
+  if (!(pending_ttl_ms >= 0)) UsageError(cmd, "--pending-ttl-ms must not be negative");
+  ro.pending_ttl_us = static_cast<int64_t>(pending_ttl_ms * 1e3);
+  auto created = router::RouterCore::Create(ro);
+  if (!created.ok()) UsageError(cmd, created.status().message());
+  router::RouterCore& core = **created;
+  std::vector<router::WorkerId> ids;
+  for (int64_t w = 0; w < workers; ++w) {
+    auto id = core.AddWorker("bench-" + std::to_string(w), router::WorkerRole::kBoth);
+    if (!id.ok() || !core.OnSnapshot(*id, 0, {}).ok()) {
+      std::fprintf(stderr, "pdserve bench router: cannot register workers\n");
+      return 1;
+    }
+    ids.push_back(*id);
+  }
+
+  // Cached prompts ("families"): random tokens, hashed with spec v1, each
+  // stored on one random worker in batches of events_per_batch blocks, as a
+  // worker's engine would announce them.
+  std::mt19937_64 rng(static_cast<uint64_t>(seed));
+  const BlockHash hash_seed = BlockHashSeed("bench-model");
+  const int64_t families = indexed_blocks / prompt_blocks;
+  const int64_t prompt_tokens = prompt_blocks * block_tokens;
+  std::vector<std::vector<TokenId>> family_tokens(static_cast<size_t>(families));
+  std::vector<KvEventBatch> batches;
+  std::vector<router::WorkerId> owner;
+  std::vector<uint64_t> seq(static_cast<size_t>(workers), 0);
+  std::vector<std::vector<BlockHash>> family_hashes(static_cast<size_t>(families));
+  std::fprintf(stderr, "bench router: hashing %lld prompts of %lld blocks\n",
+               static_cast<long long>(families), static_cast<long long>(prompt_blocks));
+  for (int64_t f = 0; f < families; ++f) {
+    auto& tokens = family_tokens[static_cast<size_t>(f)];
+    tokens.resize(static_cast<size_t>(prompt_tokens));
+    for (auto& t : tokens) t = static_cast<TokenId>(rng() % 128000);
+    family_hashes[static_cast<size_t>(f)] =
+        HashPrompt(hash_seed, tokens, static_cast<size_t>(block_tokens));
+    const auto& hashes = family_hashes[static_cast<size_t>(f)];
+    const size_t w = rng() % static_cast<size_t>(workers);
+    for (size_t i = 0; i < hashes.size(); i += static_cast<size_t>(events_per_batch)) {
+      KvEventBatch b;
+      b.seq = ++seq[w];
+      KvEvent e;
+      e.kind = KvEvent::Kind::kStored;
+      if (i > 0) e.parent = hashes[i - 1];
+      e.hashes.assign(hashes.begin() + static_cast<std::ptrdiff_t>(i),
+                      hashes.begin() + static_cast<std::ptrdiff_t>(
+                                           std::min(hashes.size(), i + events_per_batch)));
+      b.events.push_back(std::move(e));
+      batches.push_back(std::move(b));
+      owner.push_back(ids[w]);
+    }
+  }
+  std::fprintf(stderr, "bench router: ingesting %zu event batches\n", batches.size());
+  int64_t stored_events = 0;
+  double store_cpu = 0;
+  const double store_rate = Ingest(core, batches, owner, &stored_events, &store_cpu);
+
+  // Churn at a full index: a quarter of the families are evicted (Removed)
+  // by their workers and stored again by another worker.
+  std::vector<KvEventBatch> churn;
+  std::vector<router::WorkerId> churn_owner;
+  {
+    std::vector<router::WorkerId> family_owner(static_cast<size_t>(families));
+    size_t bi = 0;
+    for (int64_t f = 0; f < families; ++f) {
+      family_owner[static_cast<size_t>(f)] = owner[bi];
+      bi += static_cast<size_t>((prompt_blocks + events_per_batch - 1) / events_per_batch);
+    }
+    for (int64_t f = 0; f < families; f += 4) {
+      const auto& hashes = family_hashes[static_cast<size_t>(f)];
+      const router::WorkerId from = family_owner[static_cast<size_t>(f)];
+      const router::WorkerId to = ids[rng() % static_cast<size_t>(workers)];
+      for (auto [w, kind] :
+           {std::pair{from, KvEvent::Kind::kRemoved}, std::pair{to, KvEvent::Kind::kStored}}) {
+        for (size_t i = 0; i < hashes.size(); i += static_cast<size_t>(events_per_batch)) {
+          KvEventBatch b;
+          b.seq = ++seq[w];
+          KvEvent e;
+          e.kind = kind;
+          e.hashes.assign(hashes.begin() + static_cast<std::ptrdiff_t>(i),
+                          hashes.begin() + static_cast<std::ptrdiff_t>(
+                                               std::min(hashes.size(), i + events_per_batch)));
+          b.events.push_back(std::move(e));
+          churn.push_back(std::move(b));
+          churn_owner.push_back(w);
+        }
+      }
+    }
+  }
+  std::fprintf(stderr, "bench router: churn of %zu event batches\n", churn.size());
+  int64_t churn_events = 0;
+  double churn_cpu = 0;
+  const double churn_rate = Ingest(core, churn, churn_owner, &churn_events, &churn_cpu);
+  const double events_per_s = static_cast<double>(stored_events + churn_events) /
+                              (static_cast<double>(stored_events) / store_rate +
+                               static_cast<double>(churn_events) / churn_rate);
+
+  // Queries: a cached prompt's first k blocks (k uniform in [0, prompt_blocks])
+  // followed by fresh tokens and a partial block, as a chat turn looks. The
+  // pool is large enough that a query's own pending entries (burst handling)
+  // have been pushed out of the bounded pending table before it repeats.
+  const size_t pool = static_cast<size_t>(std::min<int64_t>(4096, decisions));
+  std::vector<std::vector<TokenId>> queries(pool);
+  for (auto& q : queries) {
+    const auto& base = family_tokens[rng() % static_cast<size_t>(families)];
+    const int64_t k = static_cast<int64_t>(rng() % static_cast<uint64_t>(prompt_blocks + 1));
+    q.assign(base.begin(), base.begin() + k * block_tokens);
+    while (static_cast<int64_t>(q.size()) < prompt_tokens + block_tokens / 2) {
+      q.push_back(static_cast<TokenId>(rng() % 128000));
+    }
+  }
+  std::fprintf(stderr, "bench router: %lld routing decisions\n", static_cast<long long>(decisions));
+  std::vector<double> latency_us, hash_us;  // whole decision; its hashing part
+  latency_us.reserve(static_cast<size_t>(decisions));
+  hash_us.reserve(static_cast<size_t>(decisions));
+  int64_t overlap_blocks = 0;
+  const int64_t warmup = std::min<int64_t>(1000, decisions);
+  double route_cpu = 0;
+  for (int64_t i = -warmup; i < decisions; ++i) {
+    if (i == 0) route_cpu = -ThreadCpuSeconds();
+    const auto& q = queries[static_cast<size_t>(i + warmup) % pool];
+    const auto t0 = Clock::now();
+    const std::vector<BlockHash> hashes =
+        HashPrompt(hash_seed, q, static_cast<size_t>(block_tokens));
+    const auto t_hashed = Clock::now();
+    router::RouteRequest req;
+    req.request_id = static_cast<uint64_t>(i + warmup);
+    req.block_hashes = hashes;
+    req.prompt_tokens = static_cast<int64_t>(q.size());
+    req.max_new_tokens = 256;
+    auto d = core.Route(req);
+    const auto t1 = Clock::now();
+    if (!d.ok()) {
+      std::fprintf(stderr, "pdserve bench router: %s\n", d.status().ToString().c_str());
+      return 1;
+    }
+    core.OnRequestFinished(req.request_id);
+    if (i >= 0) {
+      latency_us.push_back(Seconds(t0, t1) * 1e6);
+      hash_us.push_back(Seconds(t0, t_hashed) * 1e6);
+      overlap_blocks += d->decode_overlap_blocks;
+    }
+  }
+  route_cpu += ThreadCpuSeconds();
+  double sum = 0;
+  for (double v : latency_us) sum += v;
+  const router::RouterStats stats = core.stats();
+
+  nlohmann::json j = {
+      {"bench", "router"},
+      {"route_p50_us", Percentile(latency_us, 0.50)},
+      {"route_p99_us", Percentile(latency_us, 0.99)},
+      {"route_mean_us", sum / static_cast<double>(latency_us.size())},
+      {"route_max_us", *std::max_element(latency_us.begin(), latency_us.end())},
+      {"hash_p50_us", Percentile(hash_us, 0.50)},
+      {"route_cpu_mean_us", route_cpu * 1e6 / static_cast<double>(decisions)},
+      {"events_per_s", events_per_s},
+      {"store_events_per_s", store_rate},
+      {"churn_events_per_s", churn_rate},
+      {"events_per_cpu_s",
+       static_cast<double>(stored_events + churn_events) / std::max(1e-9, store_cpu + churn_cpu)},
+      {"mean_overlap_blocks",
+       static_cast<double>(overlap_blocks) / static_cast<double>(latency_us.size())},
+      {"index_entries", stats.index.entries},
+      {"index_bytes", stats.index.bytes},
+      {"index_pending_entries", stats.index.pending_entries},
+      {"workers", workers},
+      {"indexed_blocks", indexed_blocks},
+      {"prompt_blocks", prompt_blocks},
+      {"block_tokens", block_tokens},
+      {"events_per_batch", events_per_batch},
+      {"decisions", decisions},
+      {"policy", policy},
+      {"pending_ttl_ms", pending_ttl_ms},
+      {"threads", 1},
+      {"cores", std::thread::hardware_concurrency()},
+      {"cpu_model", CpuModel()},
+      {"load_avg_1m", LoadAverage()},
+  };
+  if (json) {
+    std::printf("%s\n", j.dump().c_str());
+  } else {
+    std::printf(
+        "route decision   p50 %.2f us, p99 %.2f us, mean %.2f us (%lld decisions, %lld "
+        "blocks per prompt)\n",
+        j["route_p50_us"].get<double>(), j["route_p99_us"].get<double>(),
+        j["route_mean_us"].get<double>(), static_cast<long long>(decisions),
+        static_cast<long long>(prompt_blocks));
+    std::printf("event ingestion  %.2f M block events/s (store %.2f M/s, churn %.2f M/s)\n",
+                events_per_s / 1e6, store_rate / 1e6, churn_rate / 1e6);
+    std::printf("index            %zu entries, %.1f MiB, %lld workers\n", stats.index.entries,
+                static_cast<double>(stats.index.bytes) / (1 << 20),
+                static_cast<long long>(workers));
+  }
+  return 0;
+}
+
+}  // namespace
+
+PDSERVE_COMMAND("bench router", "route decision latency and KV-event ingestion of the router core",
+                RunBenchRouter);
+
+}  // namespace pdserve::cli
