@@ -1,6 +1,7 @@
 #include "engine/sampler.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <limits>
 #include <random>
@@ -9,7 +10,6 @@ namespace pdserve {
 namespace {
 
 constexpr size_t kMaxStopStrings = 16;
-constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 
 std::string Num(double v) {
   char buf[32];
@@ -31,100 +31,124 @@ double UniformDraw(uint64_t seed, uint64_t position) {
   return static_cast<double>(bits >> 11) * 0x1.0p-53;
 }
 
-double Logit(float v) { return std::isnan(v) ? kNegInf : static_cast<double>(v); }
-
+// Argmax over float logits; NaN never wins, lowest id on ties, 0 if all are
+// NaN or -inf.
 TokenId Argmax(std::span<const float> logits) {
   size_t best = 0;
-  double best_v = Logit(logits[0]);
-  for (size_t i = 1; i < logits.size(); ++i) {
-    double v = Logit(logits[i]);
-    if (v > best_v) {
-      best_v = v;
+  float best_v = -std::numeric_limits<float>::infinity();
+  for (size_t i = 0; i < logits.size(); ++i) {
+    if (logits[i] > best_v) {
+      best_v = logits[i];
       best = i;
     }
   }
   return static_cast<TokenId>(best);
 }
 
-// The kept tokens and their unnormalised weights.
-struct Candidates {
-  std::vector<TokenId> ids;
-  std::vector<double> weight;  // indexed by token id, all tokens
-  bool sorted = false;         // ids most likely first (ties by id)
-  double total = 0;            // sum of the kept weights
+// Per-thread buffers, reused across calls: the engine samples every sequence
+// of every step, and vocabularies reach 150k entries.
+struct Scratch {
+  std::vector<float> weight;  // by token id: exp((logit - max) / T), in [0, 1]
+  std::vector<TokenId> ids;   // kept tokens
+  std::vector<TokenId> crossing;
+  std::vector<double> bin_mass;
 };
 
-// Temperature, top-k, top-p, min-p: see the header for the order. Requires
-// temperature > 0.
-Candidates Filter(std::span<const float> logits, const SamplingParams& p) {
-  const size_t vocab = logits.size();
-  Candidates c;
-  c.weight.resize(vocab);
-  const double inv_t = 1.0 / static_cast<double>(p.temperature);
-  double max_z = kNegInf;
-  for (size_t i = 0; i < vocab; ++i) max_z = std::max(max_z, Logit(logits[i]) * inv_t);
-  if (max_z == kNegInf) {  // nothing is possible: fall back to the lowest id
-    c.ids = {0};
-    c.weight[0] = 1;
-    c.total = 1;
-    c.sorted = true;
-    return c;
-  }
-  const bool inf_max = std::isinf(max_z);  // +inf logits share all the mass
-  for (size_t i = 0; i < vocab; ++i) {
-    double z = Logit(logits[i]) * inv_t;
-    c.weight[i] = inf_max ? (z == max_z ? 1.0 : 0.0) : std::exp(z - max_z);
-  }
-  c.ids.reserve(vocab);
-  for (size_t i = 0; i < vocab; ++i) {
-    if (c.weight[i] > 0) c.ids.push_back(static_cast<TokenId>(i));
-  }
-  auto more_likely = [&c](TokenId a, TokenId b) {
-    return c.weight[a] != c.weight[b] ? c.weight[a] > c.weight[b] : a < b;
-  };
+Scratch& ThreadScratch() {
+  thread_local Scratch scratch;
+  return scratch;
+}
 
-  if (p.top_k > 0 && static_cast<size_t>(p.top_k) < c.ids.size()) {
-    std::nth_element(c.ids.begin(), c.ids.begin() + (p.top_k - 1), c.ids.end(), more_likely);
-    c.ids.resize(static_cast<size_t>(p.top_k));
+// For positive floats the IEEE bit pattern orders like the value, so its top
+// bits (exponent + 3 mantissa bits) bucket weights into 1024 ordered bins.
+constexpr int kBinShift = 20;
+constexpr size_t kNumBins = (0x3F800000u >> kBinShift) + 1;  // weights <= 1.0f
+size_t Bin(float w) { return std::bit_cast<uint32_t>(w) >> kBinShift; }
+
+// Temperature, top-k, top-p, min-p (see the header for the order), leaving
+// the kept tokens in scratch.ids and returning their total weight. Requires
+// temperature > 0.
+double Filter(std::span<const float> logits, const SamplingParams& p, Scratch& s) {
+  const size_t vocab = logits.size();
+  s.weight.resize(vocab);
+  s.ids.clear();
+  const float inv_t = 1.0f / p.temperature;
+  const float max_l = logits[Argmax(logits)];
+  if (!(max_l > -std::numeric_limits<float>::infinity())) {
+    s.ids.push_back(0);  // nothing is possible: fall back to the lowest id
+    s.weight[0] = 1;
+    return 1;
+  }
+  const bool inf_max = std::isinf(max_l);  // +inf logits share all the mass
+  for (size_t i = 0; i < vocab; ++i) {
+    const float l = logits[i];
+    float w;
+    if (inf_max) {
+      w = l == max_l ? 1.0f : 0.0f;
+    } else {
+      w = l == max_l ? 1.0f : std::exp((l - max_l) * inv_t);  // NaN stays NaN: dropped below
+    }
+    s.weight[i] = w;
+    if (w > 0) s.ids.push_back(static_cast<TokenId>(i));
+  }
+  const auto& w = s.weight;
+  auto more_likely = [&w](TokenId a, TokenId b) { return w[a] != w[b] ? w[a] > w[b] : a < b; };
+
+  if (p.top_k > 0 && static_cast<size_t>(p.top_k) < s.ids.size()) {
+    std::nth_element(s.ids.begin(), s.ids.begin() + (p.top_k - 1), s.ids.end(), more_likely);
+    s.ids.resize(static_cast<size_t>(p.top_k));
   }
 
   if (p.top_p < 1.0f) {
-    double kept_mass = 0;
-    for (TokenId id : c.ids) kept_mass += c.weight[id];
-    const double target = static_cast<double>(p.top_p) * kept_mass;
-    // Sort just enough of the head to cover `target`, growing geometrically:
-    // with peaked distributions a few dozen tokens carry the mass.
-    size_t m = std::min<size_t>(c.ids.size(), 64);
-    for (;;) {
-      std::partial_sort(c.ids.begin(), c.ids.begin() + m, c.ids.end(), more_likely);
-      double cum = 0;
-      size_t cut = 0;
-      for (size_t j = 0; j < m; ++j) {
-        cum += c.weight[c.ids[j]];
-        if (cum >= target) {
-          cut = j + 1;
-          break;
-        }
-      }
-      if (cut > 0) {
-        c.ids.resize(cut);
+    // Keep token t (most likely first) while the mass before it is below
+    // top_p of the mass top-k kept. Bins above the crossing bin are kept
+    // whole; only the crossing bin is sorted. O(vocab).
+    s.bin_mass.assign(kNumBins, 0.0);
+    double mass = 0;
+    for (TokenId id : s.ids) {
+      s.bin_mass[Bin(w[id])] += w[id];
+      mass += w[id];
+    }
+    const double target = static_cast<double>(p.top_p) * mass;
+    double before = 0;
+    size_t cross = 0;
+    bool found = false;
+    for (size_t b = kNumBins; b-- > 0;) {
+      if (before + s.bin_mass[b] >= target) {
+        cross = b;
+        found = true;
         break;
       }
-      if (m == c.ids.size()) break;  // rounding: keep everything
-      m = std::min(c.ids.size(), m * 4);
+      before += s.bin_mass[b];
     }
-    c.sorted = true;
+    if (found) {  // (not found: rounding left the target unreachable; keep all)
+      s.crossing.clear();
+      size_t out = 0;
+      for (TokenId id : s.ids) {
+        const size_t b = Bin(w[id]);
+        if (b > cross) s.ids[out++] = id;
+        if (b == cross) s.crossing.push_back(id);
+      }
+      s.ids.resize(out);
+      std::sort(s.crossing.begin(), s.crossing.end(), more_likely);
+      for (TokenId id : s.crossing) {
+        if (before >= target) break;
+        s.ids.push_back(id);
+        before += w[id];
+      }
+    }
   }
 
   if (p.min_p > 0.0f) {
-    // The most likely token is always kept by top-k/top-p, and its weight is 1
-    // (or it shares the +inf mass), so the threshold is min_p * 1.
-    const double threshold = static_cast<double>(p.min_p);
-    std::erase_if(c.ids, [&c, threshold](TokenId id) { return c.weight[id] < threshold; });
+    // The most likely token survives top-k/top-p and has weight 1, so the
+    // threshold min_p * p_max is min_p in weight units.
+    const float threshold = p.min_p;
+    std::erase_if(s.ids, [&w, threshold](TokenId id) { return w[id] < threshold; });
   }
 
-  for (TokenId id : c.ids) c.total += c.weight[id];
-  return c;
+  double total = 0;
+  for (TokenId id : s.ids) total += w[id];
+  return total;
 }
 
 }  // namespace
@@ -177,10 +201,11 @@ uint64_t ResolveSeed(const SamplingParams& params) {
 std::vector<TokenProb> SamplingDistribution(std::span<const float> logits,
                                             const SamplingParams& params) {
   if (params.temperature == 0) return {{Argmax(logits), 1.0}};
-  Candidates c = Filter(logits, params);
+  Scratch& s = ThreadScratch();
+  const double total = Filter(logits, params, s);
   std::vector<TokenProb> out;
-  out.reserve(c.ids.size());
-  for (TokenId id : c.ids) out.push_back({id, c.weight[id] / c.total});
+  out.reserve(s.ids.size());
+  for (TokenId id : s.ids) out.push_back({id, s.weight[id] / total});
   std::sort(out.begin(), out.end(), [](const TokenProb& a, const TokenProb& b) {
     return a.prob != b.prob ? a.prob > b.prob : a.token < b.token;
   });
@@ -193,14 +218,15 @@ SampledToken SampleToken(std::span<const float> logits, const SamplingParams& pa
   if (params.temperature == 0) {
     out.token = Argmax(logits);
   } else {
-    Candidates c = Filter(logits, params);
-    // Inverse CDF over the kept tokens in a fixed order (id order, or most
-    // likely first once top-p sorted them): deterministic for given logits.
-    const double target = UniformDraw(seed, position) * c.total;
+    Scratch& s = ThreadScratch();
+    const double total = Filter(logits, params, s);
+    // Inverse CDF over the kept tokens in the order Filter left them (a
+    // function of the logits alone), so the draw is deterministic.
+    const double target = UniformDraw(seed, position) * total;
     double cum = 0;
-    out.token = c.ids.back();
-    for (TokenId id : c.ids) {
-      cum += c.weight[id];
+    out.token = s.ids.back();
+    for (TokenId id : s.ids) {
+      cum += s.weight[id];
       if (cum > target) {
         out.token = id;
         break;
@@ -209,27 +235,43 @@ SampledToken SampleToken(std::span<const float> logits, const SamplingParams& pa
   }
 
   if (params.logprobs.has_value()) {
-    double max_l = kNegInf;
-    for (float v : logits) max_l = std::max(max_l, Logit(v));
+    // log_softmax of the raw logits; NaN counts as -inf.
+    const float max_l = logits[Argmax(logits)];
     double lse = max_l;
     if (std::isfinite(max_l)) {
       double sum = 0;
-      for (float v : logits) sum += std::exp(Logit(v) - max_l);
+      for (float v : logits) {
+        if (v > -std::numeric_limits<float>::infinity()) sum += std::exp(v - max_l);
+      }
       lse = max_l + std::log(sum);
     }
     auto logprob = [&](TokenId id) {
-      return static_cast<float>(std::isfinite(lse) ? Logit(logits[id]) - lse : kNegInf);
+      const float l = logits[id];
+      if (std::isnan(l) || !std::isfinite(lse)) return -std::numeric_limits<float>::infinity();
+      return static_cast<float>(static_cast<double>(l) - lse);
     };
     out.logprob = logprob(out.token);
     const size_t n = std::min(static_cast<size_t>(*params.logprobs), logits.size());
-    std::vector<TokenId> ids(logits.size());
-    for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<TokenId>(i);
-    std::partial_sort(ids.begin(), ids.begin() + n, ids.end(), [&](TokenId a, TokenId b) {
-      double la = Logit(logits[a]), lb = Logit(logits[b]);
-      return la != lb ? la > lb : a < b;
-    });
-    out.top_logprobs.reserve(n);
-    for (size_t i = 0; i < n; ++i) out.top_logprobs.push_back({ids[i], logprob(ids[i])});
+    if (n > 0) {
+      // The n best by a bounded insertion: n <= 20, one pass over the vocabulary.
+      auto better = [&](TokenId a, TokenId b) {
+        const float la =
+            std::isnan(logits[a]) ? -std::numeric_limits<float>::infinity() : logits[a];
+        const float lb =
+            std::isnan(logits[b]) ? -std::numeric_limits<float>::infinity() : logits[b];
+        return la != lb ? la > lb : a < b;
+      };
+      std::vector<TokenId> best;
+      best.reserve(n + 1);
+      for (size_t i = 0; i < logits.size(); ++i) {
+        const TokenId id = static_cast<TokenId>(i);
+        if (best.size() == n && !better(id, best.back())) continue;
+        best.insert(std::upper_bound(best.begin(), best.end(), id, better), id);
+        if (best.size() > n) best.pop_back();
+      }
+      out.top_logprobs.reserve(n);
+      for (TokenId id : best) out.top_logprobs.push_back({id, logprob(id)});
+    }
   }
   return out;
 }
