@@ -52,6 +52,7 @@ struct Scratch {
   std::vector<TokenId> ids;   // kept tokens
   std::vector<TokenId> crossing;
   std::vector<double> bin_mass;
+  std::vector<uint32_t> bin_count;
 };
 
 Scratch& ThreadScratch() {
@@ -95,8 +96,33 @@ double Filter(std::span<const float> logits, const SamplingParams& p, Scratch& s
   auto more_likely = [&w](TokenId a, TokenId b) { return w[a] != w[b] ? w[a] > w[b] : a < b; };
 
   if (p.top_k > 0 && static_cast<size_t>(p.top_k) < s.ids.size()) {
-    std::nth_element(s.ids.begin(), s.ids.begin() + (p.top_k - 1), s.ids.end(), more_likely);
-    s.ids.resize(static_cast<size_t>(p.top_k));
+    // The k most likely: bins above the one where the count reaches k are
+    // kept whole; only the crossing bin is partitioned. O(vocab).
+    const size_t k = static_cast<size_t>(p.top_k);
+    s.bin_count.assign(kNumBins, 0);
+    for (TokenId id : s.ids) ++s.bin_count[Bin(w[id])];
+    size_t above = 0;
+    size_t cross = 0;
+    for (size_t b = kNumBins; b-- > 0;) {
+      if (above + s.bin_count[b] >= k) {
+        cross = b;
+        break;
+      }
+      above += s.bin_count[b];
+    }
+    s.crossing.clear();
+    size_t out = 0;
+    for (TokenId id : s.ids) {
+      const size_t b = Bin(w[id]);
+      if (b > cross) s.ids[out++] = id;
+      if (b == cross) s.crossing.push_back(id);
+    }
+    s.ids.resize(out);
+    const size_t take = k - above;
+    std::nth_element(s.crossing.begin(), s.crossing.begin() + static_cast<std::ptrdiff_t>(take - 1),
+                     s.crossing.end(), more_likely);
+    s.ids.insert(s.ids.end(), s.crossing.begin(),
+                 s.crossing.begin() + static_cast<std::ptrdiff_t>(take));
   }
 
   if (p.top_p < 1.0f) {
