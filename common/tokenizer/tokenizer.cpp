@@ -158,8 +158,8 @@ class HfBpeTokenizer final : public Tokenizer {
   std::optional<TokenId> TokenToId(std::string_view token) const override;
   std::optional<std::string> IdToToken(TokenId id) const override;
   bool IsSpecial(TokenId id) const override {
-    auto it = added_by_id_.find(id);
-    return it != added_by_id_.end() && it->second->special;
+    const AddedToken* a = AddedById(id);
+    return a && a->special;
   }
   std::optional<TokenId> bos_token_id() const override { return bos_id_; }
   const std::vector<TokenId>& eos_token_ids() const override { return eos_ids_; }
@@ -177,6 +177,9 @@ class HfBpeTokenizer final : public Tokenizer {
   void PreTokenizeAndModel(std::string_view text, bool at_text_start,
                            std::vector<TokenId>* ids) const;
   const std::string* TokenString(TokenId id) const;
+  const AddedToken* AddedById(TokenId id) const {
+    return id >= 0 && static_cast<size_t>(id) < added_index_.size() ? added_index_[id] : nullptr;
+  }
   Status ParsePostProcessor(const json& j, Template* out) const;
 
   std::unique_ptr<Normalizer> normalizer_;
@@ -187,6 +190,7 @@ class HfBpeTokenizer final : public Tokenizer {
 
   std::vector<std::unique_ptr<AddedToken>> added_;
   std::unordered_map<TokenId, const AddedToken*> added_by_id_;
+  std::vector<const AddedToken*> added_index_;  // by id, filled by Finish()
   Vocab added_by_content_;
   AddedTokenMatcher raw_matcher_;         // tokens with normalized = false
   AddedTokenMatcher normalized_matcher_;  // tokens with normalized = true
@@ -446,6 +450,8 @@ void HfBpeTokenizer::Finish() {
   size_t size = model_->id_to_token().size();
   for (const auto& a : added_) size = std::max(size, static_cast<size_t>(a->id) + 1);
   vocab_size_ = size;
+  added_index_.assign(size, nullptr);
+  for (const auto& [id, token] : added_by_id_) added_index_[id] = token;
   // Without a config, the BOS is what the post-processor puts first.
   if (bos_token_.empty() && !template_.prefix.empty()) {
     if (auto s = IdToToken(template_.prefix.front())) bos_token_ = *s;
@@ -475,7 +481,7 @@ std::optional<TokenId> HfBpeTokenizer::TokenToId(std::string_view token) const {
 }
 
 const std::string* HfBpeTokenizer::TokenString(TokenId id) const {
-  if (auto it = added_by_id_.find(id); it != added_by_id_.end()) return &it->second->content;
+  if (const AddedToken* a = AddedById(id)) return &a->content;
   const auto& table = model_->id_to_token();
   if (id >= 0 && static_cast<size_t>(id) < table.size() && !table[id].empty()) return &table[id];
   return nullptr;

@@ -36,6 +36,30 @@ void BpeCache::Put(std::string_view key, const std::vector<TokenId>& ids) const 
   }
 }
 
+void BpeModel::MergeTable::Reserve(size_t n) {
+  size_t capacity = 16;
+  int bits = 4;
+  while (capacity < 2 * n) {
+    capacity <<= 1;
+    ++bits;
+  }
+  keys_.assign(capacity, kEmpty);
+  values_.assign(capacity, Merge{0, 0});
+  mask_ = capacity - 1;
+  shift_ = 64 - bits;
+}
+
+void BpeModel::MergeTable::Insert(uint64_t key, Merge merge) {
+  for (size_t i = Slot(key);; i = (i + 1) & mask_) {
+    if (keys_[i] == key) return;
+    if (keys_[i] == kEmpty) {
+      keys_[i] = key;
+      values_[i] = merge;
+      return;
+    }
+  }
+}
+
 StatusOr<std::unique_ptr<BpeModel>> BpeModel::Build(BpeConfig config) {
   std::unique_ptr<BpeModel> model(new BpeModel(std::move(config)));
   const BpeConfig& c = model->config_;
@@ -47,7 +71,7 @@ StatusOr<std::unique_ptr<BpeModel>> BpeModel::Build(BpeConfig config) {
   model->id_to_token_.resize(static_cast<size_t>(max_id + 1));
   for (const auto& [token, id] : c.vocab) model->id_to_token_[id] = token;
 
-  model->merges_.reserve(c.merges.size());
+  model->merges_.Reserve(c.merges.size());
   for (size_t rank = 0; rank < c.merges.size(); ++rank) {
     const auto& [a, b] = c.merges[rank];
     auto ia = c.vocab.find(a), ib = c.vocab.find(b), ic = c.vocab.find(a + b);
@@ -58,7 +82,7 @@ StatusOr<std::unique_ptr<BpeModel>> BpeModel::Build(BpeConfig config) {
     const uint64_t key = (static_cast<uint64_t>(static_cast<uint32_t>(ia->second)) << 32) |
                          static_cast<uint32_t>(ib->second);
     // The first (lowest-rank) occurrence of a pair wins.
-    model->merges_.emplace(key, Merge{static_cast<int>(rank), ic->second});
+    model->merges_.Insert(key, Merge{static_cast<int>(rank), ic->second});
   }
 
   if (!c.unk_token.empty()) {
@@ -69,6 +93,10 @@ StatusOr<std::unique_ptr<BpeModel>> BpeModel::Build(BpeConfig config) {
     }
     model->unk_id_ = it->second;
   }
+  for (int b = 0; b < 128; ++b) {
+    auto it = c.vocab.find(std::string(1, static_cast<char>(b)));
+    model->ascii_ids_[b] = it == c.vocab.end() ? -1 : it->second;
+  }
   for (int b = 0; b < 256; ++b) {
     char name[8];
     std::snprintf(name, sizeof(name), "<0x%02X>", b);
@@ -76,6 +104,19 @@ StatusOr<std::unique_ptr<BpeModel>> BpeModel::Build(BpeConfig config) {
     model->byte_fallback_ids_[b] = it == c.vocab.end() ? -1 : it->second;
     auto jt = c.vocab.find(ByteToUnicode()[b]);
     model->byte_level_ids_[b] = jt == c.vocab.end() ? -1 : jt->second;
+  }
+  static constexpr std::string_view kMeta = "\u2581";
+  if (!c.byte_level_input && !c.ignore_merges && c.vocab.count(kMeta)) {
+    bool inner_meta = false;
+    for (const auto& [token, id] : c.vocab) {
+      for (size_t pos = token.find(kMeta, 1); pos != std::string::npos && !inner_meta;
+           pos = token.find(kMeta, pos + 1)) {
+        inner_meta =
+            pos < kMeta.size() || token.compare(pos - kMeta.size(), kMeta.size(), kMeta) != 0;
+      }
+      if (inner_meta) break;
+    }
+    model->split_before_metaspace_ = !inner_meta;
   }
   if (c.byte_level_input) {
     for (const auto& [token, id] : c.vocab) {
@@ -99,8 +140,7 @@ StatusOr<std::unique_ptr<BpeModel>> BpeModel::Build(BpeConfig config) {
 const BpeModel::Merge* BpeModel::FindMerge(TokenId a, TokenId b) const {
   const uint64_t key =
       (static_cast<uint64_t>(static_cast<uint32_t>(a)) << 32) | static_cast<uint32_t>(b);
-  auto it = merges_.find(key);
-  return it == merges_.end() ? nullptr : &it->second;
+  return merges_.Find(key);
 }
 
 void BpeModel::AddUnknownChar(std::string_view ch, std::vector<Symbol>* symbols,
@@ -136,7 +176,14 @@ void BpeModel::InitialSymbols(std::string_view piece, std::vector<Symbol>* symbo
   } else {
     size_t i = 0;
     while (i < piece.size()) {
-      size_t len = Utf8SeqLen(static_cast<unsigned char>(piece[i]));
+      const auto lead = static_cast<unsigned char>(piece[i]);
+      if (lead < 0x80 && ascii_ids_[lead] >= 0) {
+        symbols->push_back({ascii_ids_[lead], 0, 0, true});
+        pending_unk = false;
+        ++i;
+        continue;
+      }
+      size_t len = Utf8SeqLen(lead);
       if (i + len > piece.size()) len = piece.size() - i;
       std::string_view ch = piece.substr(i, len);
       auto it = config_.vocab.find(ch);
@@ -192,9 +239,23 @@ void BpeModel::MergeAll(std::vector<Symbol>* symbols) const {
 }
 
 void BpeModel::Tokenize(std::string_view piece, std::vector<TokenId>* out) const {
+  if (!split_before_metaspace_) return TokenizeWord(piece, out);
+  static constexpr std::string_view kMeta = "\u2581";
+  size_t begin = 0;
+  for (size_t pos = piece.find(kMeta, 1); pos != std::string_view::npos;
+       pos = piece.find(kMeta, pos + 1)) {
+    const bool after_meta =
+        pos >= kMeta.size() && piece.substr(pos - kMeta.size(), kMeta.size()) == kMeta;
+    if (after_meta) continue;
+    TokenizeWord(piece.substr(begin, pos - begin), out);
+    begin = pos;
+  }
+  TokenizeWord(piece.substr(begin), out);
+}
+
+void BpeModel::TokenizeWord(std::string_view piece, std::vector<TokenId>* out) const {
   if (piece.empty()) return;
-  const bool cacheable = piece.size() <= kMaxCachedLength;
-  if (cacheable && cache_.Get(piece, out)) return;
+  // A whole-word vocabulary hit is one lookup, cheaper than the cache.
   if (config_.ignore_merges) {
     const Vocab& whole = config_.byte_level_input ? raw_vocab_ : config_.vocab;
     auto it = whole.find(piece);
@@ -203,6 +264,8 @@ void BpeModel::Tokenize(std::string_view piece, std::vector<TokenId>* out) const
       return;
     }
   }
+  const bool cacheable = piece.size() <= kMaxCachedLength;
+  if (cacheable && cache_.Get(piece, out)) return;
   std::vector<Symbol> symbols;
   symbols.reserve(piece.size());
   InitialSymbols(piece, &symbols);

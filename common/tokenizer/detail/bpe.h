@@ -88,9 +88,37 @@ class BpeModel {
   void MergeAll(std::vector<Symbol>* symbols) const;
   const Merge* FindMerge(TokenId a, TokenId b) const;
   void AddUnknownChar(std::string_view ch, std::vector<Symbol>* symbols, bool* pending_unk) const;
+  void TokenizeWord(std::string_view word, std::vector<TokenId>* out) const;
+
+  // Open-addressing table from a (left id, right id) pair to its merge: the
+  // lookup sits in the innermost loop, where std::unordered_map's modulo
+  // hashing and node chasing cost more than the merging itself.
+  class MergeTable {
+   public:
+    void Reserve(size_t n);
+    // Keeps the first entry for a key (the lowest rank).
+    void Insert(uint64_t key, Merge merge);
+    const Merge* Find(uint64_t key) const {
+      for (size_t i = Slot(key);; i = (i + 1) & mask_) {
+        if (keys_[i] == key) return &values_[i];
+        if (keys_[i] == kEmpty) return nullptr;
+      }
+    }
+
+   private:
+    static constexpr uint64_t kEmpty = ~0ULL;  // ids are never negative
+    size_t Slot(uint64_t key) const {
+      return static_cast<size_t>((key * 0x9E3779B97F4A7C15ULL) >> shift_) & mask_;
+    }
+    std::vector<uint64_t> keys_;
+    std::vector<Merge> values_;
+    size_t mask_ = 0;
+    int shift_ = 0;
+  };
 
   BpeConfig config_;
-  std::unordered_map<uint64_t, Merge> merges_;
+  MergeTable merges_;
+  std::array<TokenId, 128> ascii_ids_;  // single ASCII characters, -1 when absent
   std::vector<std::string> id_to_token_;
   TokenId unk_id_ = -1;
   std::array<TokenId, 256> byte_fallback_ids_;  // <0xNN>, -1 when absent
@@ -98,6 +126,11 @@ class BpeModel {
   // With byte-level input, vocab entries re-keyed by the raw bytes they stand
   // for, so whole-word lookups (ignore_merges) need no conversion.
   Vocab raw_vocab_;
+  // SentencePiece-style models without a pre-tokenizer hand over whole
+  // texts. When no vocabulary token has "▁" after another character, no merge
+  // can cross the start of a "▁word", so the text may be cut there: the same
+  // result, in cacheable pieces and without one huge merge queue.
+  bool split_before_metaspace_ = false;
   BpeCache cache_;
 };
 

@@ -180,16 +180,15 @@ bool IsWordChar(char32_t c) {
   }
 }
 
-StatusOr<std::string> NormalizeUnicode(std::string_view text, NormalForm form) {
-  // Pure ASCII is invariant under every normal form; skip the library call.
-  bool ascii = true;
-  for (char c : text) {
-    if (static_cast<unsigned char>(c) >= 0x80) {
-      ascii = false;
-      break;
-    }
-  }
-  if (ascii) return std::string(text);
+bool IsNfcInert(char32_t cp) {
+  return cp < 0x300 || (cp >= 0x400 && cp <= 0x482) || (cp >= 0x3041 && cp <= 0x3096) ||
+         (cp >= 0x30A1 && cp <= 0x30FA) || (cp >= 0x4E00 && cp <= 0x9FFF) ||
+         (cp >= 0xAC00 && cp <= 0xD7A3) || (cp >= 0x1F300 && cp <= 0x1FAFF);
+}
+
+namespace {
+
+StatusOr<std::string> Utf8procMap(std::string_view text, NormalForm form) {
   int options = UTF8PROC_STABLE;
   switch (form) {
     case NormalForm::kNFC:
@@ -205,17 +204,61 @@ StatusOr<std::string> NormalizeUnicode(std::string_view text, NormalForm form) {
       options |= UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT;
       break;
   }
-  // utf8proc rejects ill-formed input; the text arrives as UTF-8 from callers,
-  // so sanitize rather than fail the whole request.
-  std::string clean = IsValidUtf8(text) ? std::string(text) : Utf8Lossy(text);
   utf8proc_uint8_t* out = nullptr;
-  const utf8proc_ssize_t n = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(clean.data()),
-                                          static_cast<utf8proc_ssize_t>(clean.size()), &out,
+  const utf8proc_ssize_t n = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(text.data()),
+                                          static_cast<utf8proc_ssize_t>(text.size()), &out,
                                           static_cast<utf8proc_option_t>(options));
   if (n < 0) return Status::Internal(std::string("unicode normalization: ") + utf8proc_errmsg(n));
   std::string result(reinterpret_cast<char*>(out), static_cast<size_t>(n));
   std::free(out);
   return result;
+}
+
+}  // namespace
+
+StatusOr<std::string> NormalizeUnicode(std::string_view input, NormalForm form) {
+  // utf8proc rejects ill-formed input; callers pass UTF-8 from users, so
+  // repair rather than fail the whole request.
+  std::string repaired;
+  std::string_view text = input;
+  if (!IsValidUtf8(text)) {
+    repaired = Utf8Lossy(text);
+    text = repaired;
+  }
+  if (form != NormalForm::kNFC) return Utf8procMap(text, form);
+  // NFC changes nothing around inert characters, and there is a normalization
+  // boundary before each of them: only the runs that start at the inert
+  // character before a non-inert one and end before the next inert one need
+  // the library (most text needs it nowhere).
+  std::string out;
+  size_t copied = 0, prev_start = 0, pos = 0;
+  bool prev_inert = false;
+  while (pos < text.size()) {
+    const size_t start = pos;
+    const char32_t cp = NextCodepoint(text, &pos);
+    if (IsNfcInert(cp)) {
+      prev_start = start;
+      prev_inert = true;
+      continue;
+    }
+    const size_t chunk_begin = prev_inert && prev_start >= copied ? prev_start : start;
+    size_t chunk_end = pos;
+    while (chunk_end < text.size()) {
+      size_t next = chunk_end;
+      if (IsNfcInert(NextCodepoint(text, &next))) break;
+      chunk_end = next;
+    }
+    if (out.empty()) out.reserve(text.size() + 16);
+    out.append(text.substr(copied, chunk_begin - copied));
+    auto normalized = Utf8procMap(text.substr(chunk_begin, chunk_end - chunk_begin), form);
+    if (!normalized.ok()) return normalized.status();
+    out.append(*normalized);
+    copied = pos = chunk_end;
+    prev_inert = false;
+  }
+  if (copied == 0) return std::string(text);
+  out.append(text.substr(copied));
+  return out;
 }
 
 std::string Lowercase(std::string_view text) {

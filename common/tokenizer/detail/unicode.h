@@ -44,6 +44,11 @@ bool IsWhitespace(char32_t cp);
 bool IsWordChar(char32_t cp);
 
 enum class NormalForm { kNFC, kNFD, kNFKC, kNFKD };
+// Characters NFC leaves alone whatever surrounds them (NFC_Quick_Check = Yes,
+// canonical combining class 0, never the second of a composition): ASCII and
+// Latin up to U+02FF, basic Cyrillic, kana, CJK ideographs, Hangul syllables,
+// emoji. A conservative list: anything else goes through utf8proc.
+bool IsNfcInert(char32_t cp);
 StatusOr<std::string> NormalizeUnicode(std::string_view text, NormalForm form);
 std::string Lowercase(std::string_view text);
 
