@@ -159,10 +159,15 @@ class UcxTransfer final : public KvTransfer {
   // Queues the op's callback (once); MaybeRelease frees it when no UCX
   // request refers to it any more.
   void Finish(WriteOp* op, Status status);
+  // Finish with OK, unless the peer's process died meanwhile: over shared
+  // memory the data lands even in a dead peer's (still mapped) segment, and
+  // "success" must mean the peer was there to receive it.
+  void CompleteOk(WriteOp* op);
   void MaybeRelease(WriteOp* op);
   void FailPeer(Peer* peer, Status status);
   void CloseEndpoint(Peer* peer);
   void PollClosing();
+  void CloseDeferred();
 
   UcxTransferOptions options_;
   uint64_t instance_id_ = 0;
@@ -196,7 +201,8 @@ class UcxTransfer final : public KvTransfer {
   std::set<std::pair<TransferDeadline, WriteOp*>> deadlines_;
   std::vector<std::pair<TransferCallback, Status>> ready_;
   std::set<WriteOp*> live_ops_;
-  size_t watched_peers_ = 0;  // connected peers with a process to watch
+  std::vector<PeerId> deferred_close_;  // errored endpoints to close after progress
+  size_t watched_peers_ = 0;            // connected peers with a process to watch
   TransferClock::time_point next_watch_{};
   struct Closing {
     void* request;
@@ -342,6 +348,7 @@ void UcxTransfer::ProgressLoop() {
   for (;;) {
     bool worked = RunPostedTasks();
     while (ucp_worker_progress(worker_) != 0) worked = true;
+    CloseDeferred();
     PollClosing();
     CheckDeadlines();
     WatchPeerProcesses();
@@ -396,6 +403,7 @@ void UcxTransfer::Shutdown() {
   // Late callers' tasks still run (their completions fail with kCancelled).
   RunPostedTasks();
   std::vector<Peer*> peers;
+  CloseDeferred();
   for (auto& [id, p] : peers_) peers.push_back(p.get());
   for (Peer* p : peers) {
     FailPeer(p, Status::Cancelled("KV transfer shutting down"));
@@ -482,6 +490,21 @@ void UcxTransfer::Finish(WriteOp* op, Status status) {
   ready_.emplace_back(std::move(op->done), std::move(status));
 }
 
+void UcxTransfer::CompleteOk(WriteOp* op) {
+  auto it = peers_.find(op->peer);
+  if (it != peers_.end() && !it->second->process.empty() &&
+      transport_detail::ProcessIsGone(it->second->process)) {
+    Peer* peer = it->second.get();
+    const std::string who = PeerName(peer->id, peer->instance);
+    ++op->pending;  // FailPeer must not free `op`: our caller releases it
+    FailPeer(peer, Status::Unavailable(who + " is gone: its process has exited"));
+    --op->pending;
+    deferred_close_.push_back(peer->id);  // may be inside a UCX callback
+    return;
+  }
+  Finish(op, Status::Ok());
+}
+
 void UcxTransfer::MaybeRelease(WriteOp* op) {
   if (!op->finished || op->pending > 0) return;
   auto it = peers_.find(op->peer);
@@ -498,7 +521,7 @@ void UcxTransfer::OnRequestDone(WriteOp* op, ucs_status_t status) {
     const std::string who = it == peers_.end() ? "peer" : PeerName(op->peer, it->second->instance);
     Finish(op, Status::Unavailable("KV write to " + who + " failed: " + ucs_status_string(status)));
   } else if (op->pending == 0) {
-    Finish(op, Status::Ok());
+    CompleteOk(op);
   }
   MaybeRelease(op);  // `op` may be gone after this
 }
@@ -509,9 +532,20 @@ void UcxTransfer::OnPeerError(Peer* peer, ucs_status_t status) {
                     << " failed: " << ucs_status_string(status);
   FailPeer(peer, Status::Unavailable(PeerName(peer->id, peer->instance) +
                                      " is unreachable: " + ucs_status_string(status)));
-  // UCX requires an errored endpoint to be closed in force mode. The Peer stays
-  // in peers_ (marked failed) so later writes get a clear error.
-  CloseEndpoint(peer);
+  // UCX requires an errored endpoint to be closed in force mode, but not from
+  // inside its own error flow (UCX 1.13 still walks the endpoint's lanes after
+  // this callback): close it once ucp_worker_progress has returned. The Peer
+  // stays in peers_ (marked failed) so later writes get a clear error.
+  deferred_close_.push_back(peer->id);
+}
+
+void UcxTransfer::CloseDeferred() {
+  std::vector<PeerId> ids;
+  ids.swap(deferred_close_);
+  for (PeerId id : ids) {
+    auto it = peers_.find(id);
+    if (it != peers_.end()) CloseEndpoint(it->second.get());
+  }
 }
 
 void UcxTransfer::FailPeer(Peer* peer, Status status) {
@@ -822,7 +856,7 @@ void UcxTransfer::StartWrite(PeerId peer_id, std::vector<BlockCopy> copies,
   peer->ops.insert(op);
   deadlines_.insert({deadline, op});
   IssueWrite(peer, op, *runs);
-  if (--op->pending == 0) Finish(op, Status::Ok());
+  if (--op->pending == 0) CompleteOk(op);
   MaybeRelease(op);
 }
 

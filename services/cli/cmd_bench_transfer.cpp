@@ -1,0 +1,351 @@
+// pdserve bench transfer: KV block write bandwidth between two processes over
+// UCX (TCP or shared memory). The command starts its own receiver process
+// (this binary again, with --receiver-fd) and talks to it over a socketpair.
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <future>
+#include <numeric>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "common/flags.h"
+#include "common/logging.h"
+#include "services/cli/command.h"
+#include "transport/kv_layout.h"
+#include "transport/ucx/ucx_transfer.h"
+
+namespace pdserve::cli {
+namespace {
+
+constexpr const char* kCommand = "bench transfer";
+
+// Length-prefixed messages over the socketpair.
+bool SendMessage(int fd, const std::string& m) {
+  uint32_t n = static_cast<uint32_t>(m.size());
+  std::string frame(reinterpret_cast<const char*>(&n), 4);
+  frame += m;
+  size_t off = 0;
+  while (off < frame.size()) {
+    ssize_t w = write(fd, frame.data() + off, frame.size() - off);
+    if (w <= 0) return false;
+    off += static_cast<size_t>(w);
+  }
+  return true;
+}
+
+bool ReadExact(int fd, char* p, size_t n) {
+  while (n > 0) {
+    ssize_t r = read(fd, p, n);
+    if (r <= 0) return false;
+    p += r;
+    n -= static_cast<size_t>(r);
+  }
+  return true;
+}
+
+bool ReceiveMessage(int fd, std::string* m) {
+  uint32_t n = 0;
+  if (!ReadExact(fd, reinterpret_cast<char*>(&n), 4)) return false;
+  m->resize(n);
+  return ReadExact(fd, m->data(), n);
+}
+
+std::string UcxTlsFor(const std::string& tls) {
+  if (tls == "tcp") return "tcp";
+  if (tls == "shm") return "shm";
+  return tls;  // any other UCX TLS list, passed through
+}
+
+// A KV layout whose blocks are `block_bytes` long: one layer set of a
+// Llama-3-8B-shaped model (8 KV heads x 128 dims, fp16), as many tokens per
+// block as fit, padded to block_bytes.
+KvLayout BenchLayout(int64_t block_bytes) {
+  KvLayout l;
+  l.model_id = "bench/llama-3-8b-shaped";
+  l.kv_dtype = DType::kF16;
+  l.kv_heads = 8;
+  l.head_dim = 128;
+  const int64_t per_token_layer = 2 * 8 * 128 * 2;  // K and V, fp16
+  l.block_tokens = 16;
+  l.layers = std::max<int64_t>(1, block_bytes / (per_token_layer * l.block_tokens));
+  if (l.DenseBytesPerBlock() > block_bytes) {
+    l.block_tokens = 1;
+    l.layers = 1;
+    l.head_dim = 1;
+    l.kv_heads = 1;
+  }
+  l.bytes_per_block = block_bytes;
+  return l;
+}
+
+std::string CpuModel() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("model name", 0) == 0) {
+      auto colon = line.find(':');
+      if (colon != std::string::npos) return line.substr(colon + 2);
+    }
+  }
+  return "unknown";
+}
+
+int Fail(const std::string& what, const Status& s) {
+  std::fprintf(stderr, "pdserve %s: %s: %s\n", kCommand, what.c_str(), s.ToString().c_str());
+  return 1;
+}
+
+// The receiving process: allocates (or registers) the pool, hands over its
+// descriptor, accepts the writer's reply and waits until told to quit.
+int RunReceiver(int fd, const std::string& tls, int64_t block_bytes, int64_t blocks,
+                bool allocate) {
+  SetLogComponent("bench transfer receiver");
+  UcxTransferOptions opts;
+  opts.tls = UcxTlsFor(tls);
+  auto t = CreateUcxTransfer(opts);
+  if (!t.ok()) return Fail("receiver", t.status());
+  const KvLayout layout = BenchLayout(block_bytes);
+  std::vector<char> own;
+  if (allocate) {
+    auto region = (*t)->AllocatePool(static_cast<size_t>(blocks), layout);
+    if (!region.ok()) return Fail("receiver pool", region.status());
+    std::memset(region->base, 0, region->bytes);
+  } else {
+    own.assign(static_cast<size_t>(blocks * block_bytes), 0);
+    Status s = (*t)->RegisterPool(
+        {own.data(), own.size(), static_cast<size_t>(block_bytes), MemoryType::kHost}, layout);
+    if (!s.ok()) return Fail("receiver pool", s);
+  }
+  auto desc = (*t)->ExportDescriptor();
+  if (!desc.ok()) return Fail("descriptor", desc.status());
+  std::string reply;
+  if (!SendMessage(fd, *desc) || !ReceiveMessage(fd, &reply)) return 1;
+  auto peer = (*t)->Accept(reply);
+  if (!peer.ok()) return Fail("accept", peer.status());
+  std::string quit;
+  ReceiveMessage(fd, &quit);  // blocks until the writer is done (or gone)
+  return 0;
+}
+
+int RunBenchTransferImpl(int argc, char** argv) {
+  FlagSet flags(kCommand,
+                "KV block write bandwidth between two local processes over UCX "
+                "(scattered block lists, one JSON line per run).");
+  std::string tls = "tcp";
+  int64_t block_bytes = 256 * 1024;
+  int64_t blocks = 1024;
+  int64_t run_blocks = 1;
+  double seconds = 3;
+  int64_t iters = 0;
+  int64_t seed = 1;
+  bool json = false;
+  std::string receiver_pool = "allocate";
+  int64_t receiver_fd = -1;
+  flags.AddString("tls", &tls, "UCX transports: tcp | shm (or any UCX_TLS list)");
+  flags.AddBytes("block-bytes", &block_bytes,
+                 "bytes per KV block (64KiB = 16 tokens of one Llama-3-8B layer in fp16)");
+  flags.AddInt("blocks", &blocks, "blocks written per transfer (pool size on both sides)");
+  flags.AddInt("run-blocks", &run_blocks,
+               "contiguous blocks per run (1 = fully scattered; runs become one put each)");
+  flags.AddDouble("seconds", &seconds, "measure for about this long");
+  flags.AddInt("iters", &iters, "measure exactly this many transfers instead (0: use --seconds)");
+  flags.AddInt("seed", &seed, "seed of the random block placement");
+  flags.AddString("receiver-pool", &receiver_pool,
+                  "allocate (pool from AllocatePool: shared memory under shm) | register "
+                  "(caller memory)");
+  flags.AddBool("json", &json, "print one JSON line");
+  flags.AddInt("receiver-fd", &receiver_fd, "internal: run as the receiving process on this fd");
+  flags.SetEpilog(
+      "Example: pdserve bench transfer --tls shm --block-bytes 256KiB --blocks 1024 --json");
+  ParseFlagsOrExit(flags, argc, argv);
+  if (block_bytes <= 0) UsageError(kCommand, "--block-bytes must be positive");
+  if (blocks <= 0) UsageError(kCommand, "--blocks must be positive");
+  if (run_blocks <= 0 || run_blocks > blocks) UsageError(kCommand, "--run-blocks out of range");
+  if (receiver_pool != "allocate" && receiver_pool != "register") {
+    UsageError(kCommand, "--receiver-pool must be allocate or register");
+  }
+  if (static_cast<double>(block_bytes) * static_cast<double>(blocks) > 16.0 * (1ull << 30)) {
+    UsageError(kCommand, "pool of --blocks x --block-bytes exceeds 16 GiB");
+  }
+  const bool allocate = receiver_pool == "allocate";
+  if (receiver_fd >= 0) {
+    return RunReceiver(static_cast<int>(receiver_fd), tls, block_bytes, blocks, allocate);
+  }
+
+  // Start the receiver: this binary again, sharing one end of a socketpair.
+  int sv[2];
+  if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0) {
+    std::perror("socketpair");
+    return 1;
+  }
+  const pid_t child = fork();
+  if (child < 0) {
+    std::perror("fork");
+    return 1;
+  }
+  if (child == 0) {
+    close(sv[0]);
+    std::vector<std::string> args = {"pdserve",
+                                     "bench",
+                                     "transfer",
+                                     "--receiver-fd",
+                                     std::to_string(sv[1]),
+                                     "--tls",
+                                     tls,
+                                     "--block-bytes",
+                                     std::to_string(block_bytes),
+                                     "--blocks",
+                                     std::to_string(blocks),
+                                     "--receiver-pool",
+                                     receiver_pool};
+    std::vector<char*> cargv;
+    for (auto& a : args) cargv.push_back(a.data());
+    cargv.push_back(nullptr);
+    execv("/proc/self/exe", cargv.data());
+    std::perror("execv");
+    _exit(127);
+  }
+  close(sv[1]);
+  const int fd = sv[0];
+  auto finish_child = [&] {
+    SendMessage(fd, "quit");
+    close(fd);
+    int status = 0;
+    waitpid(child, &status, 0);
+  };
+
+  UcxTransferOptions opts;
+  opts.tls = UcxTlsFor(tls);
+  auto t = CreateUcxTransfer(opts);
+  if (!t.ok()) {
+    finish_child();
+    return Fail("writer", t.status());
+  }
+  const KvLayout layout = BenchLayout(block_bytes);
+  std::vector<char> pool(static_cast<size_t>(blocks * block_bytes));
+  std::mt19937_64 rng(static_cast<uint64_t>(seed));
+  for (size_t i = 0; i < pool.size(); i += 4096) pool[i] = static_cast<char>(rng());
+  Status s = (*t)->RegisterPool(
+      {pool.data(), pool.size(), static_cast<size_t>(block_bytes), MemoryType::kHost}, layout);
+  if (!s.ok()) {
+    finish_child();
+    return Fail("writer pool", s);
+  }
+  std::string desc;
+  if (!ReceiveMessage(fd, &desc)) {
+    finish_child();
+    std::fprintf(stderr, "pdserve %s: the receiver process did not start\n", kCommand);
+    return 1;
+  }
+  auto conn = (*t)->Connect(desc);
+  if (!conn.ok()) {
+    finish_child();
+    return Fail("connect", conn.status());
+  }
+  SendMessage(fd, conn->reply);
+
+  // Scattered placement: runs of `run_blocks` blocks, sources and targets in
+  // independent random orders, so that no two runs merge by accident... mostly.
+  const int64_t nruns = blocks / run_blocks;
+  std::vector<int64_t> src_runs(nruns), dst_runs(nruns);
+  std::iota(src_runs.begin(), src_runs.end(), 0);
+  std::iota(dst_runs.begin(), dst_runs.end(), 0);
+  std::shuffle(src_runs.begin(), src_runs.end(), rng);
+  std::shuffle(dst_runs.begin(), dst_runs.end(), rng);
+  std::vector<BlockCopy> copies;
+  for (int64_t r = 0; r < nruns; ++r) {
+    for (int64_t k = 0; k < run_blocks; ++k) {
+      copies.push_back({static_cast<BlockId>(src_runs[r] * run_blocks + k),
+                        static_cast<BlockId>(dst_runs[r] * run_blocks + k)});
+    }
+  }
+  auto runs = CoalesceBlockRuns(copies, blocks, blocks);
+  const size_t puts = runs.ok() ? runs->size() : 0;
+  const uint64_t bytes_per_write = copies.size() * static_cast<uint64_t>(block_bytes);
+
+  auto write_once = [&]() -> Status {
+    std::promise<Status> done;
+    auto f = done.get_future();
+    (*t)->Write(conn->peer, copies, TransferClock::now() + std::chrono::seconds(120),
+                [&](Status st) { done.set_value(std::move(st)); });
+    return f.get();
+  };
+  for (int i = 0; i < 2; ++i) {  // warm-up: wireup, registration caches
+    s = write_once();
+    if (!s.ok()) {
+      finish_child();
+      return Fail("warm-up write", s);
+    }
+  }
+  int64_t writes = 0;
+  const auto start = std::chrono::steady_clock::now();
+  auto last_report = start;
+  double elapsed = 0;
+  for (;;) {
+    s = write_once();
+    if (!s.ok()) {
+      finish_child();
+      return Fail("write", s);
+    }
+    ++writes;
+    const auto now = std::chrono::steady_clock::now();
+    elapsed = std::chrono::duration<double>(now - start).count();
+    if (now - last_report > std::chrono::seconds(1)) {
+      last_report = now;
+      std::fprintf(stderr, "  %.0f s: %lld transfers, %.3f GB/s\n", elapsed,
+                   static_cast<long long>(writes),
+                   static_cast<double>(bytes_per_write) * writes / elapsed / 1e9);
+    }
+    if (iters > 0 ? writes >= iters : elapsed >= seconds) break;
+  }
+  t->reset();  // close the endpoint before the receiver leaves: no spurious peer-gone log
+  finish_child();
+
+  const double total_bytes = static_cast<double>(bytes_per_write) * static_cast<double>(writes);
+  const double gbps = total_bytes / elapsed / 1e9;
+  if (json) {
+    nlohmann::json j = {
+        {"bench", "transfer"},
+        {"backend", "ucx"},
+        {"tls", tls},
+        {"block_bytes", block_bytes},
+        {"blocks", blocks},
+        {"run_blocks", run_blocks},
+        {"puts_per_transfer", puts},
+        {"receiver_pool", receiver_pool},
+        {"transfers", writes},
+        {"bytes", total_bytes},
+        {"seconds", elapsed},
+        {"gbytes_per_s", gbps},
+        {"machine", {{"cores", std::thread::hardware_concurrency()}, {"cpu", CpuModel()}}},
+    };
+    std::printf("%s\n", j.dump().c_str());
+  } else {
+    std::printf(
+        "tls %s, %lld blocks of %lld bytes (%zu puts per transfer): %.3f GB/s over %lld "
+        "transfers in %.2f s\n",
+        tls.c_str(), static_cast<long long>(blocks), static_cast<long long>(block_bytes), puts,
+        gbps, static_cast<long long>(writes), elapsed);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int RunBenchTransfer(int argc, char** argv) { return RunBenchTransferImpl(argc, argv); }
+
+PDSERVE_COMMAND("bench transfer", "KV block transfer bandwidth between two processes (UCX)",
+                RunBenchTransfer);
+
+}  // namespace pdserve::cli

@@ -1,0 +1,11 @@
+// pdserve transfer-bench: the name ARCHITECTURE.md section 9 lists; the same
+// command as `pdserve bench transfer`.
+#include "services/cli/command.h"
+
+namespace pdserve::cli {
+
+int RunBenchTransfer(int argc, char** argv);  // cmd_bench_transfer.cpp
+
+PDSERVE_COMMAND("transfer-bench", "same as 'bench transfer'", RunBenchTransfer);
+
+}  // namespace pdserve::cli
