@@ -120,7 +120,10 @@ void StoreRun(const float* src, int64_t src_stride, int64_t count, int64_t head_
 }  // namespace
 
 CpuBackend::CpuBackend(int threads) : pool_(threads > 0 ? threads : DefaultThreadCount()) {
-  openblas_set_num_threads(pool_.threads());
+  // OpenBLAS runs single-threaded inside our pool's threads (Linear splits
+  // the output features): its own worker threads would spin between calls
+  // and fight the pool for the same cores.
+  openblas_set_num_threads(1);
 }
 
 void* CpuBackend::Allocate(size_t bytes) {
@@ -139,15 +142,24 @@ void CpuBackend::Linear(const float* x, int64_t m, const WeightMatrix& w, const 
                         float* y) {
   if (m <= 0) return;
   const int64_t n = w.rows, k = w.cols;
-  float beta = 0.0f;
-  if (bias != nullptr) {
-    for (int64_t r = 0; r < m; ++r) std::memcpy(y + r * n, bias, n * 4);
-    beta = 1.0f;
-  }
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<blasint>(m),
-              static_cast<blasint>(n), static_cast<blasint>(k), 1.0f, x, static_cast<blasint>(k),
-              static_cast<const float*>(w.data), static_cast<blasint>(k), beta, y,
-              static_cast<blasint>(n));
+  const auto* weights = static_cast<const float*>(w.data);
+  // Each task computes a slice of output features: y[:, begin:end] =
+  // x . W[begin:end]^T, a contiguous range of W's rows.
+  pool_.ParallelFor(
+      n,
+      [&](int64_t begin, int64_t end) {
+        float beta = 0.0f;
+        if (bias != nullptr) {
+          for (int64_t r = 0; r < m; ++r)
+            std::memcpy(y + r * n + begin, bias + begin, (end - begin) * 4);
+          beta = 1.0f;
+        }
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<blasint>(m),
+                    static_cast<blasint>(end - begin), static_cast<blasint>(k), 1.0f, x,
+                    static_cast<blasint>(k), weights + begin * k, static_cast<blasint>(k), beta,
+                    y + begin, static_cast<blasint>(n));
+      },
+      /*min_chunk=*/64);
 }
 
 void CpuBackend::RmsNorm(const float* x, const float* weight, float* out, int64_t rows, int64_t dim,

@@ -11,7 +11,8 @@ namespace pdserve::kernels {
 
 class CpuBackend final : public Backend {
  public:
-  // `threads` <= 0 means one per core. OpenBLAS is set to the same count.
+  // `threads` <= 0 means one per core. Matrix products are split over the
+  // same threads (OpenBLAS itself runs single-threaded).
   explicit CpuBackend(int threads = 0);
 
   std::string name() const override { return "cpu"; }

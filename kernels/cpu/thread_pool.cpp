@@ -18,16 +18,26 @@ ThreadPool::~ThreadPool() {
 }
 
 void ThreadPool::RunChunks() {
-  // Called with mu_ NOT held; claims chunks until none are left.
+  // Claims chunks until none is left. The function and range are read under
+  // the lock together with the claim, so a worker that wakes late can only
+  // ever take work of the call in progress, never of a finished one.
   for (;;) {
-    int64_t begin;
+    const std::function<void(int64_t, int64_t)>* fn;
+    int64_t begin, end;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (next_ >= n_) return;
+      if (fn_ == nullptr || next_ >= n_) return;
+      fn = fn_;
       begin = next_;
-      next_ = std::min(n_, next_ + chunk_);
+      end = std::min(n_, begin + chunk_);
+      next_ = end;
     }
-    (*fn_)(begin, std::min(n_, begin + chunk_));
+    (*fn)(begin, end);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      done_ += end - begin;
+      if (done_ == n_) done_cv_.notify_all();
+    }
   }
 }
 
@@ -41,10 +51,6 @@ void ThreadPool::WorkerLoop() {
       seen = generation_;
     }
     RunChunks();
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (--active_ == 0) done_cv_.notify_all();
-    }
   }
 }
 
@@ -65,13 +71,15 @@ void ThreadPool::ParallelFor(int64_t n, const std::function<void(int64_t, int64_
     n_ = n;
     chunk_ = chunk;
     next_ = 0;
-    active_ = static_cast<int>(workers_.size());
+    done_ = 0;
     ++generation_;
   }
   work_cv_.notify_all();
   RunChunks();
+  // Wait for chunks other threads claimed, not for every worker to wake up:
+  // on a busy machine a sleeping worker may take milliseconds to run.
   std::unique_lock<std::mutex> lock(mu_);
-  done_cv_.wait(lock, [&] { return active_ == 0; });
+  done_cv_.wait(lock, [&] { return done_ == n_; });
   fn_ = nullptr;
 }
 

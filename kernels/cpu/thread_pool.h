@@ -44,7 +44,7 @@ class ThreadPool {
   int64_t chunk_ = 1;
   int64_t next_ = 0;        // next unclaimed item (guarded by mu_)
   int64_t generation_ = 0;  // bumps once per ParallelFor
-  int active_ = 0;          // workers still inside the current generation
+  int64_t done_ = 0;        // items finished in the current call
   bool stop_ = false;
 };
 

@@ -1,4 +1,6 @@
 // pdserve bench engine: prefill and decode throughput of the CPU engine.
+#include <sys/resource.h>
+
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -30,6 +32,14 @@ std::string CpuModel() {
 
 double Seconds(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
+}
+
+// CPU seconds (user + system) this process has used, all threads.
+double CpuSeconds() {
+  struct rusage ru;
+  getrusage(RUSAGE_SELF, &ru);
+  return ru.ru_utime.tv_sec + ru.ru_stime.tv_sec +
+         1e-6 * (ru.ru_utime.tv_usec + ru.ru_stime.tv_usec);
 }
 
 int RunBenchEngine(int argc, char** argv) {
@@ -106,6 +116,8 @@ int RunBenchEngine(int argc, char** argv) {
                  static_cast<long long>(batch), static_cast<long long>(batch),
                  static_cast<long long>(prompt_tokens));
     const auto t0 = std::chrono::steady_clock::now();
+    const double cpu0 = CpuSeconds();
+    double cpu_prefill_end = cpu0;
     int64_t first_tokens = 0, decode_steps = 0, decode_tokens = 0;
     auto t_prefill_end = t0;
     while ((*engine)->HasUnfinished()) {
@@ -121,6 +133,7 @@ int RunBenchEngine(int argc, char** argv) {
         first_tokens += produced;
         if (first_tokens >= batch) {
           t_prefill_end = std::chrono::steady_clock::now();
+          cpu_prefill_end = CpuSeconds();
           std::fprintf(stderr, "bench engine: batch %lld: decoding %lld tokens each...\n",
                        static_cast<long long>(batch), static_cast<long long>(gen_tokens - 1));
         }
@@ -130,6 +143,7 @@ int RunBenchEngine(int argc, char** argv) {
       }
     }
     const auto t_end = std::chrono::steady_clock::now();
+    const double cpu_end = CpuSeconds();
     const double prefill_s = Seconds(t0, t_prefill_end), decode_s = Seconds(t_prefill_end, t_end);
     nlohmann::json j = {
         {"bench", "engine"},
@@ -143,9 +157,13 @@ int RunBenchEngine(int argc, char** argv) {
         {"max_batched_tokens", max_batched_tokens},
         {"prefill_seconds", prefill_s},
         {"prefill_tokens_per_s", batch * prompt_tokens / prefill_s},
+        // CPU time used over wall time x threads: below 1 when other processes
+        // share the cores (the figures are then lower than the machine can do).
+        {"prefill_cpu_share", (cpu_prefill_end - cpu0) / (prefill_s * backend.threads())},
         {"decode_seconds", decode_s},
         {"decode_steps", decode_steps},
         {"decode_tokens_per_s", decode_tokens / decode_s},
+        {"decode_cpu_share", (cpu_end - cpu_prefill_end) / (decode_s * backend.threads())},
         {"decode_step_ms", decode_steps ? 1000.0 * decode_s / decode_steps : 0.0},
         {"weight_bytes_per_decode_step", (*model)->weight_bytes_per_step()},
         {"weight_read_gb_per_s",
