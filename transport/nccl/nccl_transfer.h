@@ -1,0 +1,37 @@
+// NCCL backend of KvTransfer (CUDA builds only; see transport/kv_transfer.h).
+//
+// One communicator of two ranks per (writer, receiver) pair, created lazily
+// on the pair's first transfer from an ncclUniqueId that travels in the
+// handshake: every ExportDescriptor() call mints a fresh id (so a descriptor
+// bootstraps exactly one pair), the writer's Connect() echoes it in its reply,
+// and the writer becomes rank 0, the receiver rank 1.
+//
+// NCCL is two-sided: the receiver must call Receive() with the SAME pairs the
+// writer passes to Write() (the Prefill message carries them). Both sides
+// coalesce the pairs into the same runs (CoalesceBlockRuns) and issue one
+// grouped ncclSend / ncclRecv per run on a dedicated stream. A transfer that
+// misses its deadline, or a communicator that reports an asynchronous error
+// (peer gone), aborts the communicator: the pair must handshake again.
+//
+// Pools are device memory (MemoryType::kCuda) on `device`. Work runs on one
+// thread per KvTransfer, which also runs the callbacks; a communicator's
+// lazy creation blocks that thread until the peer joins (bounded by the
+// transfer's deadline only once created: keep both sides' first transfers
+// close in time).
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "common/status.h"
+#include "transport/kv_transfer.h"
+
+namespace pdserve {
+
+struct NcclTransferOptions {
+  int device = 0;
+};
+
+StatusOr<std::unique_ptr<KvTransfer>> CreateNcclTransfer(const NcclTransferOptions& options);
+
+}  // namespace pdserve
