@@ -133,9 +133,12 @@ void* CpuBackend::Allocate(size_t bytes) {
   return p;
 }
 void CpuBackend::Free(void* ptr) { std::free(ptr); }
-void CpuBackend::Upload(void* dst, const void* src, size_t bytes) { std::memcpy(dst, src, bytes); }
+// Empty copies may come with null pointers (an empty vector's data()).
+void CpuBackend::Upload(void* dst, const void* src, size_t bytes) {
+  if (bytes > 0) std::memcpy(dst, src, bytes);
+}
 void CpuBackend::Download(void* dst, const void* src, size_t bytes) {
-  std::memcpy(dst, src, bytes);
+  if (bytes > 0) std::memcpy(dst, src, bytes);
 }
 
 void CpuBackend::Linear(const float* x, int64_t m, const WeightMatrix& w, const float* bias,
