@@ -5,6 +5,14 @@
 // at once. Encode/Decode agree with the Hugging Face `tokenizers` library for
 // the files they accept; anything they do not implement is refused at Load with
 // a message naming the unsupported part, never silently mis-tokenized.
+//
+// Supported: model BPE (byte_fallback, fuse_unk, ignore_merges); normalizers
+// Sequence, Prepend, Replace, NFC/NFD/NFKC/NFKD, Lowercase, Strip;
+// pre-tokenizers Sequence, Split, ByteLevel, Metaspace, Digits; decoders
+// Sequence, Replace, ByteFallback, Fuse, Strip, ByteLevel, Metaspace;
+// post-processors TemplateProcessing, ByteLevel, Roberta/BertProcessing,
+// Sequence. Decode is `tokenizers`' decode: transformers' optional
+// clean_up_tokenization_spaces rewriting is never applied.
 #pragma once
 
 #include <cstdint>
@@ -29,7 +37,10 @@ class Tokenizer {
   virtual ~Tokenizer() = default;
 
   // Text → ids. With `add_special_tokens`, the post-processor's BOS (or
-  // whatever tokenizer_config.json/tokenizer.json prescribe) is added.
+  // whatever tokenizer_config.json/tokenizer.json prescribe) is added; when
+  // tokenizer_config.json sets add_bos_token / add_eos_token, those decide
+  // (as transformers' Llama tokenizers do). Ill-formed UTF-8 is repaired
+  // (U+FFFD) before tokenizing.
   // Added/special tokens appearing literally in `text` are matched first and
   // never split.
   virtual std::vector<TokenId> Encode(std::string_view text, bool add_special_tokens) const = 0;
@@ -43,8 +54,11 @@ class Tokenizer {
   virtual bool IsSpecial(TokenId id) const = 0;
 
   virtual std::optional<TokenId> bos_token_id() const = 0;
-  // End-of-sequence ids: eos_token plus, where the config lists several
-  // (Llama 3's <|eot_id|>), all of them.
+  // End-of-sequence ids: eos_token, then generation_config.json's
+  // eos_token_id(s) when that file sits next to tokenizer.json, then the
+  // end-of-turn markers of common chat formats present as special tokens
+  // (<|eot_id|>, <|eom_id|>, <|im_end|>, <|endoftext|>, <end_of_turn>, ...).
+  // No duplicates; eos_token first.
   virtual const std::vector<TokenId>& eos_token_ids() const = 0;
   virtual const std::string& bos_token() const = 0;  // text form, "" if none
   virtual const std::string& eos_token() const = 0;

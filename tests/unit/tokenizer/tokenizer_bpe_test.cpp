@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gmock/gmock.h>
@@ -370,6 +371,34 @@ TEST(TokenizerConfig, BosEosAndTemplateFromConfigFiles) {
   auto direct = Tokenizer::Load(files.dir() + "/tokenizer.json");
   ASSERT_TRUE(direct.ok());
   EXPECT_THAT((*direct)->Encode("hi", true), ElementsAre(hi, 2));
+}
+
+TEST(ByteLevelBpe, SharedAcrossThreads) {
+  TokenizerFiles files("threads");
+  files.Write("tokenizer.json", ByteLevelJson());
+  auto t = files.Load();
+  ASSERT_TRUE(t);
+  std::vector<std::string> texts;
+  for (int k = 0; k < 64; ++k)
+    texts.push_back("hello w" + std::to_string(k * 7919) + " aaa abc é😀");
+  std::vector<std::vector<TokenId>> expected;
+  for (const auto& text : texts) expected.push_back(t->Encode(text, false));
+  // Several threads share one tokenizer (and its word cache) at once.
+  std::vector<std::thread> threads;
+  std::vector<int> mismatches(4, 0);
+  for (int w = 0; w < 4; ++w) {
+    threads.emplace_back([&, w] {
+      for (int round = 0; round < 20; ++round) {
+        for (size_t k = 0; k < texts.size(); ++k) {
+          if (t->Encode(texts[(k + w) % texts.size()], false) != expected[(k + w) % texts.size()]) {
+            ++mismatches[w];
+          }
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_THAT(mismatches, ElementsAre(0, 0, 0, 0));
 }
 
 struct BadFile {
