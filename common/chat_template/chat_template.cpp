@@ -37,6 +37,10 @@ StatusOr<std::string> RenderJson(const chat_template_detail::Program& program,
     }
   } catch (const std::bad_alloc&) {
     return Status::ResourceExhausted("chat template rendering ran out of memory");
+  } catch (const std::exception& e) {
+    // Library errors (out-of-range conversions and the like) are the
+    // template's or the input's fault, never a reason to take the process down.
+    return Status::InvalidArgument(std::string("chat template error: ") + e.what());
   }
   return out;
 }

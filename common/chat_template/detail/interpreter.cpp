@@ -1249,7 +1249,7 @@ Value AttributePath(Interpreter& in, const Value& item, const Value& path) {
     std::string part = p.substr(start, dot == std::string::npos ? std::string::npos : dot - start);
     bool numeric = !part.empty() && std::all_of(part.begin(), part.end(),
                                                 [](char c) { return c >= '0' && c <= '9'; });
-    cur = numeric ? in.GetItem(cur, Value::Int(std::stoll(part)))
+    cur = numeric ? in.GetItem(cur, Value::Int(std::strtoll(part.c_str(), nullptr, 10)))
                   : in.GetItem(cur, Value::String(part));
     if (dot == std::string::npos) return cur;
     start = dot + 1;

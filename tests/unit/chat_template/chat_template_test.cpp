@@ -3,6 +3,8 @@
 // settings (ImmutableSandboxedEnvironment, trim_blocks, lstrip_blocks,
 // loopcontrols, json.dumps-based tojson), the engine transformers uses.
 #include <cctype>
+#include <cstring>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -360,6 +362,42 @@ TEST(ChatTemplate, ResourceLimitsFailCleanly) {
   std::string deep_ifs;
   for (int i = 0; i < 1000; ++i) deep_ifs += "{% if true %}";
   EXPECT_FALSE(ChatTemplate::Parse(deep_ifs).ok());
+}
+
+// Mangled templates (bytes dropped, duplicated, replaced) must give a Status,
+// never a crash or a hang; under ASan this also checks memory safety.
+TEST(ChatTemplate, MangledTemplatesFailCleanly) {
+  const char* alphabet = "{}%#-+()[]'\".,|:=~ \n\tifornotendsetxy01";
+  std::mt19937 rng(1234);
+  auto context = nlohmann::ordered_json::parse(
+      R"({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+          "xs": [1, 2, 3], "d": {"k": "v"}, "add_generation_prompt": true})");
+  size_t rendered = 0;
+  for (int iter = 0; iter < 3000; ++iter) {
+    std::string src = kCases[rng() % std::size(kCases)].source;
+    int edits = 1 + static_cast<int>(rng() % 4);
+    for (int e = 0; e < edits && !src.empty(); ++e) {
+      size_t pos = rng() % src.size();
+      switch (rng() % 3) {
+        case 0:
+          src.erase(pos, 1 + rng() % 3);
+          break;
+        case 1:
+          src.insert(pos, 1, alphabet[rng() % std::strlen(alphabet)]);
+          break;
+        default:
+          src[pos] = alphabet[rng() % std::strlen(alphabet)];
+      }
+    }
+    auto t = ChatTemplate::Parse(src);
+    if (!t.ok()) {
+      EXPECT_FALSE(t.status().message().empty());
+      continue;
+    }
+    auto out = t->Render(context);
+    rendered += out.ok();
+  }
+  EXPECT_GT(rendered, 0u);
 }
 
 TEST(ChatTemplate, ParsedTemplateIsReusableAndCopyable) {
