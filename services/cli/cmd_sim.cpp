@@ -129,6 +129,10 @@ int RunSim(int argc, char** argv) {
   o.event_delay_s = event_delay_ms / 1e3;
   o.load_report_interval_s = load_report_ms / 1e3;
 
+  for (const std::string& name : names) {
+    o.policy = name;
+    if (Status st = router::ValidateSimOptions(o); !st.ok()) UsageError("sim", st.message());
+  }
   auto trace = router::LoadMooncakeTrace(trace_path, o.block_tokens);
   if (!trace.ok()) UsageError("sim", trace.status().message());
   std::fprintf(stderr, "sim: %zu requests from %s\n", trace->size(), trace_path.c_str());

@@ -126,7 +126,7 @@ double Percentile(std::vector<double> v, double p) {
   return v[std::clamp<size_t>(rank, 1, v.size()) - 1];
 }
 
-Status CheckOptions(const SimOptions& o) {
+Status CheckTimes(const SimOptions& o) {
   if (o.workers <= 0) return Status::InvalidArgument("workers must be positive");
   if (o.workers > 1024) return Status::InvalidArgument("at most 1024 simulated workers");
   if (o.capacity_blocks <= 0) return Status::InvalidArgument("capacity-blocks must be positive");
@@ -424,6 +424,12 @@ StatusOr<std::vector<TraceRequest>> LoadMooncakeTrace(const std::string& path,
   return ParseMooncakeTrace(in, block_tokens, path);
 }
 
+Status ValidateSimOptions(const SimOptions& options) {
+  PDSERVE_RETURN_IF_ERROR(CheckTimes(options));
+  auto policy = MakePolicy(options.policy, options.policy_options);
+  return policy.ok() ? Status::Ok() : policy.status();
+}
+
 int64_t OracleHitTokens(const std::vector<TraceRequest>& trace, int64_t block_tokens) {
   std::unordered_set<uint64_t> seen;
   int64_t hits = 0;
@@ -438,7 +444,7 @@ int64_t OracleHitTokens(const std::vector<TraceRequest>& trace, int64_t block_to
 
 StatusOr<SimResult> RunSimulation(const std::vector<TraceRequest>& trace, const SimOptions& options,
                                   const SimProgress& progress) {
-  PDSERVE_RETURN_IF_ERROR(CheckOptions(options));
+  PDSERVE_RETURN_IF_ERROR(ValidateSimOptions(options));
   RouterOptions ro;
   ro.policy = options.policy;
   ro.policy_options = options.policy_options;

@@ -86,6 +86,9 @@ struct SimResult {
   PrefixIndexStats index;
 };
 
+// InvalidArgument for non-positive sizes or rates, negative times, an unknown policy.
+Status ValidateSimOptions(const SimOptions& options);
+
 // Called every so often with (requests arrived, total).
 using SimProgress = std::function<void(size_t, size_t)>;
 
