@@ -206,6 +206,9 @@ struct GarbageCase {
   const char* expected_text;
 };
 
+// Keeps ctest names readable (gtest would otherwise dump the struct's bytes).
+void PrintTo(const GarbageCase& c, std::ostream* os) { *os << c.name; }
+
 class GarbageTest : public ::testing::TestWithParam<GarbageCase> {};
 
 TEST_P(GarbageTest, ClosesOnlyThatConnection) {
