@@ -6,21 +6,22 @@
 #
 # ucx_perftest puts the same buffer to the same remote address over and over,
 # so its working set stays in cache; pdserve writes scattered blocks of a pool.
-# Each size is therefore measured twice for pdserve: with a pool small enough
-# to stay in cache ("hot", the like-for-like comparison) and with a large pool
-# ("cold", what a KV cache does).
+# Each size is therefore measured twice for pdserve: with a one-block pool
+# ("hot": the same buffer every time, the like-for-like comparison) and with a
+# large pool of scattered blocks ("cold": what a KV cache does, bound by
+# memory bandwidth, which ucx_perftest never measures).
 #
 # Usage: bench/transfer_vs_ucx_perftest.sh [path/to/pdserve]
 # Environment: SIZES (bytes, default "65536 262144 1048576 4194304"),
 #   TLS_LIST (default "tcp shm"), SECONDS_PER_RUN (default 3),
-#   HOT_POOL_BYTES (default 4194304), COLD_POOL_BYTES (default 268435456).
+#   HOT_BLOCKS (default 1), COLD_POOL_BYTES (default 268435456).
 set -euo pipefail
 
 PDSERVE=${1:-build/pdserve}
 SIZES=${SIZES:-"65536 262144 1048576 4194304"}
 TLS_LIST=${TLS_LIST:-"tcp shm"}
 SECONDS_PER_RUN=${SECONDS_PER_RUN:-3}
-HOT_POOL_BYTES=${HOT_POOL_BYTES:-4194304}
+HOT_BLOCKS=${HOT_BLOCKS:-1}
 COLD_POOL_BYTES=${COLD_POOL_BYTES:-268435456}
 
 command -v ucx_perftest >/dev/null || { echo "ucx_perftest not found (apt-get install ucx-utils)" >&2; exit 2; }
@@ -41,9 +42,7 @@ perftest_gbps() {
 }
 
 pdserve_gbps() {
-  local tls=$1 size=$2 pool=$3
-  local blocks=$((pool / size))
-  ((blocks < 2)) && blocks=2
+  local tls=$1 size=$2 blocks=$3
   "$PDSERVE" bench transfer --tls "$tls" --block-bytes "$size" --blocks "$blocks" \
     --seconds "$SECONDS_PER_RUN" --json 2>/dev/null |
     sed -n 's/.*"gbytes_per_s":\([0-9.eE+-]*\).*/\1/p' |
@@ -62,8 +61,8 @@ for tls in $TLS_LIST; do
     iters=$((budget * SECONDS_PER_RUN / 3 / size))
     ((iters < 200)) && iters=200
     ref=$(perftest_gbps "$tls" "$size" "$iters")
-    hot=$(pdserve_gbps "$tls" "$size" "$HOT_POOL_BYTES")
-    cold=$(pdserve_gbps "$tls" "$size" "$COLD_POOL_BYTES")
+    hot=$(pdserve_gbps "$tls" "$size" "$HOT_BLOCKS")
+    cold=$(pdserve_gbps "$tls" "$size" $((COLD_POOL_BYTES / size)))
     ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b + 0 > 0) printf "%.2f", a / b; else print "nan" }'; }
     printf '%-5s %10s %14s %14s %16s %10s %10s\n' "$tls" "$size" "$hot" "$cold" "$ref" \
       "$(ratio "$hot" "$ref")" "$(ratio "$cold" "$ref")"

@@ -7,10 +7,13 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <future>
+#include <mutex>
 #include <numeric>
 #include <random>
 #include <string>
@@ -149,6 +152,7 @@ int RunBenchTransferImpl(int argc, char** argv) {
   double seconds = 3;
   int64_t iters = 0;
   int64_t seed = 1;
+  int64_t inflight = 4;
   bool json = false;
   std::string receiver_pool = "allocate";
   int64_t receiver_fd = -1;
@@ -161,6 +165,7 @@ int RunBenchTransferImpl(int argc, char** argv) {
   flags.AddDouble("seconds", &seconds, "measure for about this long");
   flags.AddInt("iters", &iters, "measure exactly this many transfers instead (0: use --seconds)");
   flags.AddInt("seed", &seed, "seed of the random block placement");
+  flags.AddInt("inflight", &inflight, "transfers kept outstanding at once");
   flags.AddString("receiver-pool", &receiver_pool,
                   "allocate (pool from AllocatePool: shared memory under shm) | register "
                   "(caller memory)");
@@ -171,6 +176,7 @@ int RunBenchTransferImpl(int argc, char** argv) {
   ParseFlagsOrExit(flags, argc, argv);
   if (block_bytes <= 0) UsageError(kCommand, "--block-bytes must be positive");
   if (blocks <= 0) UsageError(kCommand, "--blocks must be positive");
+  if (inflight <= 0) UsageError(kCommand, "--inflight must be positive");
   if (run_blocks <= 0 || run_blocks > blocks) UsageError(kCommand, "--run-blocks out of range");
   if (receiver_pool != "allocate" && receiver_pool != "register") {
     UsageError(kCommand, "--receiver-pool must be allocate or register");
@@ -183,6 +189,18 @@ int RunBenchTransferImpl(int argc, char** argv) {
     return RunReceiver(static_cast<int>(receiver_fd), tls, block_bytes, blocks, allocate);
   }
 
+  // The writer first: a bad --tls fails here, before any process starts.
+  UcxTransferOptions opts;
+  opts.tls = UcxTlsFor(tls);
+  auto t = CreateUcxTransfer(opts);
+  if (!t.ok()) return Fail("writer", t.status());
+  const KvLayout layout = BenchLayout(block_bytes);
+  std::vector<char> pool(static_cast<size_t>(blocks * block_bytes));
+  std::mt19937_64 rng(static_cast<uint64_t>(seed));
+  for (size_t i = 0; i < pool.size(); i += 4096) pool[i] = static_cast<char>(rng());
+  Status s = (*t)->RegisterPool(
+      {pool.data(), pool.size(), static_cast<size_t>(block_bytes), MemoryType::kHost}, layout);
+  if (!s.ok()) return Fail("writer pool", s);
   // Start the receiver: this binary again, sharing one end of a socketpair.
   int sv[2];
   if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0) {
@@ -225,23 +243,6 @@ int RunBenchTransferImpl(int argc, char** argv) {
     waitpid(child, &status, 0);
   };
 
-  UcxTransferOptions opts;
-  opts.tls = UcxTlsFor(tls);
-  auto t = CreateUcxTransfer(opts);
-  if (!t.ok()) {
-    finish_child();
-    return Fail("writer", t.status());
-  }
-  const KvLayout layout = BenchLayout(block_bytes);
-  std::vector<char> pool(static_cast<size_t>(blocks * block_bytes));
-  std::mt19937_64 rng(static_cast<uint64_t>(seed));
-  for (size_t i = 0; i < pool.size(); i += 4096) pool[i] = static_cast<char>(rng());
-  Status s = (*t)->RegisterPool(
-      {pool.data(), pool.size(), static_cast<size_t>(block_bytes), MemoryType::kHost}, layout);
-  if (!s.ok()) {
-    finish_child();
-    return Fail("writer pool", s);
-  }
   std::string desc;
   if (!ReceiveMessage(fd, &desc)) {
     finish_child();
@@ -288,26 +289,61 @@ int RunBenchTransferImpl(int argc, char** argv) {
       return Fail("warm-up write", s);
     }
   }
-  int64_t writes = 0;
+
+  // Keep `inflight` transfers outstanding: each completion (on the transfer's
+  // progress thread) submits the next one until the time is up.
+  std::mutex mu;
+  std::condition_variable cv;
+  int64_t writes = 0, submitted = 0, outstanding = 0;
+  bool stopping = false;
+  Status failure;
+  std::function<void()> submit;  // called with `mu` held
+  submit = [&] {
+    ++submitted;
+    ++outstanding;
+    (*t)->Write(conn->peer, copies, TransferClock::now() + std::chrono::seconds(120),
+                [&](Status st) {
+                  std::lock_guard<std::mutex> lock(mu);
+                  --outstanding;
+                  if (st.ok()) {
+                    ++writes;
+                  } else if (failure.ok()) {
+                    failure = std::move(st);
+                  }
+                  if (!stopping && failure.ok() && (iters == 0 || submitted < iters)) submit();
+                  // Waking the main thread per transfer would steal a core.
+                  if (outstanding == 0 || !failure.ok()) cv.notify_all();
+                });
+  };
   const auto start = std::chrono::steady_clock::now();
-  auto last_report = start;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    for (int64_t i = 0; i < inflight && (iters == 0 || i < iters); ++i) submit();
+  }
   double elapsed = 0;
-  for (;;) {
-    s = write_once();
-    if (!s.ok()) {
-      finish_child();
-      return Fail("write", s);
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    auto last_report = start;
+    for (;;) {
+      cv.wait_for(lock, std::chrono::milliseconds(100));
+      const auto now = std::chrono::steady_clock::now();
+      elapsed = std::chrono::duration<double>(now - start).count();
+      if (!failure.ok() || outstanding == 0) break;
+      if (iters == 0 && elapsed >= seconds) stopping = true;
+      if (now - last_report > std::chrono::seconds(1)) {
+        last_report = now;
+        std::fprintf(stderr, "  %.0f s: %lld transfers, %.3f GB/s\n", elapsed,
+                     static_cast<long long>(writes),
+                     static_cast<double>(bytes_per_write) * writes / elapsed / 1e9);
+      }
     }
-    ++writes;
-    const auto now = std::chrono::steady_clock::now();
-    elapsed = std::chrono::duration<double>(now - start).count();
-    if (now - last_report > std::chrono::seconds(1)) {
-      last_report = now;
-      std::fprintf(stderr, "  %.0f s: %lld transfers, %.3f GB/s\n", elapsed,
-                   static_cast<long long>(writes),
-                   static_cast<double>(bytes_per_write) * writes / elapsed / 1e9);
-    }
-    if (iters > 0 ? writes >= iters : elapsed >= seconds) break;
+    cv.wait(lock, [&] { return outstanding == 0; });
+    elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+  if (!failure.ok()) {
+    t->reset();
+    finish_child();
+    return Fail("write", failure);
   }
   t->reset();  // close the endpoint before the receiver leaves: no spurious peer-gone log
   finish_child();
@@ -323,6 +359,7 @@ int RunBenchTransferImpl(int argc, char** argv) {
         {"blocks", blocks},
         {"run_blocks", run_blocks},
         {"puts_per_transfer", puts},
+        {"inflight", inflight},
         {"receiver_pool", receiver_pool},
         {"transfers", writes},
         {"bytes", total_bytes},

@@ -1,5 +1,7 @@
 #include "transport/detail/descriptor.h"
 
+#include <poll.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 #include <xxhash.h>
 
@@ -145,10 +147,13 @@ StatusOr<WireDescriptor> DecodeDescriptor(std::string_view bytes, DescriptorKind
 
 namespace {
 
-std::string BootId() {
-  std::ifstream in("/proc/sys/kernel/random/boot_id");
-  std::string id;
-  std::getline(in, id);
+const std::string& BootId() {
+  static const std::string id = [] {
+    std::ifstream in("/proc/sys/kernel/random/boot_id");
+    std::string s;
+    std::getline(in, s);
+    return s;
+  }();
   return id;
 }
 
@@ -206,6 +211,30 @@ bool ProcessIsVisible(const std::string& identity) {
   std::string start;
   char state = '?';
   return ReadProcStat(id.pid, &start, &state) && start == id.start && state != 'Z' && state != 'X';
+}
+
+int OpenProcessWatch(const std::string& identity) {
+#ifdef SYS_pidfd_open
+  Identity id;
+  if (!ParseIdentity(identity, &id) || id.boot != BootId()) return -1;
+  const int fd = static_cast<int>(syscall(SYS_pidfd_open, static_cast<pid_t>(id.pid), 0));
+  if (fd < 0) return -1;
+  // Checked after opening: the pidfd now pins this very process, so a pid
+  // reused between the two steps cannot slip through.
+  if (!ProcessIsVisible(identity)) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+#else
+  (void)identity;
+  return -1;
+#endif
+}
+
+bool ProcessWatchFired(int pidfd) {
+  pollfd p{pidfd, POLLIN, 0};
+  return poll(&p, 1, 0) > 0;
 }
 
 bool ProcessIsGone(const std::string& identity) {

@@ -58,5 +58,10 @@ std::string ProcessIdentity();
 bool ProcessIsGone(const std::string& identity);
 // True when `identity` is a live process on this host, visible from here.
 bool ProcessIsVisible(const std::string& identity);
+// A pidfd for the visible live process `identity` (readable once it exits),
+// or -1 where that is impossible (not visible, or no pidfd_open). Close it.
+int OpenProcessWatch(const std::string& identity);
+// True when the process behind a pidfd from OpenProcessWatch has exited.
+bool ProcessWatchFired(int pidfd);
 
 }  // namespace pdserve::transport_detail

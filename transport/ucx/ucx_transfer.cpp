@@ -103,6 +103,17 @@ struct Peer {
   bool failed = false;
   Status failure;
   std::string process;  // watched for death when non-empty (same-host peer)
+  int pidfd = -1;       // the same, as a pidfd where the kernel has them
+  Peer() = default;
+  Peer(const Peer&) = delete;
+  Peer& operator=(const Peer&) = delete;
+  ~Peer() {
+    if (pidfd >= 0) close(pidfd);
+  }
+  bool ProcessGone() const {
+    if (pidfd >= 0) return transport_detail::ProcessWatchFired(pidfd);
+    return !process.empty() && transport_detail::ProcessIsGone(process);
+  }
   std::set<WriteOp*> ops;
 };
 
@@ -187,6 +198,7 @@ class UcxTransfer final : public KvTransfer {
   std::mutex mu_;  // guards tasks_ and stop_
   std::deque<std::function<void()>> tasks_;
   bool stop_ = false;
+  bool sleeping_ = false;  // the progress thread waits in epoll_wait
   std::atomic<PeerId> next_peer_{1};
 
   // --- Progress thread only -------------------------------------------------
@@ -316,12 +328,16 @@ UcxTransfer::~UcxTransfer() {
 }
 
 void UcxTransfer::Post(std::function<void()> fn) {
+  bool wake;
   {
     std::lock_guard<std::mutex> lock(mu_);
     tasks_.push_back(std::move(fn));
+    wake = sleeping_;  // a polling progress thread sees the task without a syscall
   }
-  uint64_t one = 1;
-  [[maybe_unused]] ssize_t n = write(wake_fd_, &one, sizeof(one));
+  if (wake) {
+    uint64_t one = 1;
+    [[maybe_unused]] ssize_t n = write(wake_fd_, &one, sizeof(one));
+  }
 }
 
 template <typename T>
@@ -379,15 +395,30 @@ void UcxTransfer::ProgressLoop() {
     if (watched_peers_ > 0) {
       timeout_ms = std::min<int>(timeout_ms, static_cast<int>(kProcessWatchInterval.count()));
     }
+    {
+      // Declared under the lock that Post takes, so that a task posted from
+      // now on writes the wake-up fd, and one posted before is seen here.
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!tasks_.empty() || stop_) continue;
+      sleeping_ = true;
+    }
     if (worker_efd_ >= 0) {
       ucs_status_t s = ucp_worker_arm(worker_);
-      if (s == UCS_ERR_BUSY) continue;  // events arrived meanwhile: progress again
+      if (s == UCS_ERR_BUSY) {  // events arrived meanwhile: progress again
+        std::lock_guard<std::mutex> lock(mu_);
+        sleeping_ = false;
+        continue;
+      }
       if (s != UCS_OK) timeout_ms = std::min(timeout_ms, 1);
     } else {
       timeout_ms = std::min(timeout_ms, 1);
     }
     epoll_event events[4];
     int n = epoll_wait(epoll_fd_, events, 4, timeout_ms);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      sleeping_ = false;
+    }
     for (int i = 0; i < n; ++i) {
       if (events[i].data.fd == wake_fd_) {
         uint64_t count;
@@ -413,7 +444,7 @@ void UcxTransfer::Shutdown() {
   DeliverCompletions();
   // Force-closes normally finish at once; bound the wait anyway (error mode
   // "none" gives no guarantee), then abandon them to ucp_worker_destroy.
-  const auto give_up = TransferClock::now() + std::chrono::seconds(2);
+  const auto give_up = TransferClock::now() + std::chrono::milliseconds(200);
   while (!closing_.empty() && TransferClock::now() < give_up) {
     ucp_worker_progress(worker_);
     PollClosing();
@@ -469,7 +500,7 @@ void UcxTransfer::WatchPeerProcesses() {
   watched_peers_ = 0;
   for (auto& [id, peer] : peers_) {
     if (peer->process.empty() || peer->failed || peer->ep == nullptr) continue;
-    if (transport_detail::ProcessIsGone(peer->process)) {
+    if (peer->ProcessGone()) {
       const std::string who = PeerName(peer->id, peer->instance);
       PDSERVE_LOG(WARN) << "KV transfer " << who << ": its process has exited";
       FailPeer(peer.get(), Status::Unavailable(who + " is gone: its process has exited"));
@@ -492,8 +523,7 @@ void UcxTransfer::Finish(WriteOp* op, Status status) {
 
 void UcxTransfer::CompleteOk(WriteOp* op) {
   auto it = peers_.find(op->peer);
-  if (it != peers_.end() && !it->second->process.empty() &&
-      transport_detail::ProcessIsGone(it->second->process)) {
+  if (it != peers_.end() && it->second->ProcessGone()) {
     Peer* peer = it->second.get();
     const std::string who = PeerName(peer->id, peer->instance);
     ++op->pending;  // FailPeer must not free `op`: our caller releases it
@@ -729,8 +759,53 @@ StatusOr<std::string> UcxTransfer::ExportDescriptor() {
   });
 }
 
+// Completion of the endpoint flush that Connect waits for.
+struct ConnectWaiter {
+  std::promise<Status> done;
+};
+
+void ConnectFlushed(void* request, ucs_status_t status, void* user_data) {
+  auto* waiter = static_cast<std::shared_ptr<ConnectWaiter>*>(user_data);
+  (*waiter)->done.set_value(status == UCS_OK ? Status::Ok()
+                                             : Status::Unavailable(UcsError("UCX wireup", status)));
+  delete waiter;
+  ucp_request_free(request);
+}
+
 StatusOr<KvTransfer::Connection> UcxTransfer::Connect(std::string_view peer_descriptor) {
-  return RunSync<StatusOr<Connection>>([&] { return ConnectLocked(peer_descriptor); });
+  auto waiter = std::make_shared<ConnectWaiter>();
+  auto wired = waiter->done.get_future();
+  auto conn = RunSync<StatusOr<Connection>>([&]() -> StatusOr<Connection> {
+    auto c = ConnectLocked(peer_descriptor);
+    if (!c.ok()) return c;
+    // Flushing the new endpoint completes UCX's wireup exchange with the peer,
+    // so that Connect returns a working connection (or a clear error) and no
+    // wireup message is left half-way when either side shuts down.
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    param.cb.send = ConnectFlushed;
+    auto* holder = new std::shared_ptr<ConnectWaiter>(waiter);
+    param.user_data = holder;
+    ucs_status_ptr_t req = ucp_ep_flush_nbx(peers_.at(c->peer)->ep, &param);
+    if (!UCS_PTR_IS_PTR(req)) {
+      delete holder;
+      waiter->done.set_value(UCS_PTR_IS_ERR(req)
+                                 ? Status::Unavailable(UcsError("UCX wireup", UCS_PTR_STATUS(req)))
+                                 : Status::Ok());
+    }
+    return c;
+  });
+  if (!conn.ok()) return conn;
+  if (std::this_thread::get_id() == progress_id_) return conn;  // cannot wait on ourselves
+  Status s = wired.wait_for(options_.connect_timeout) == std::future_status::ready
+                 ? wired.get()
+                 : Status::Unavailable("the peer did not complete the UCX handshake within " +
+                                       std::to_string(options_.connect_timeout.count()) + " ms");
+  if (!s.ok()) {
+    Disconnect(conn->peer);
+    return s;
+  }
+  return conn;
 }
 
 StatusOr<KvTransfer::Connection> UcxTransfer::ConnectLocked(std::string_view blob) {
@@ -748,7 +823,10 @@ StatusOr<KvTransfer::Connection> UcxTransfer::ConnectLocked(std::string_view blo
   peer->writer_side = true;
   peer->remote_base = d->base;
   peer->remote_blocks = d->block_count();
-  if (transport_detail::ProcessIsVisible(d->process)) peer->process = d->process;
+  if (transport_detail::ProcessIsVisible(d->process)) {
+    peer->process = d->process;
+    peer->pidfd = transport_detail::OpenProcessWatch(d->process);
+  }
 
   ucp_ep_params_t ep_params{};
   ep_params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |

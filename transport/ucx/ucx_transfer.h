@@ -47,6 +47,8 @@ struct UcxTransferOptions {
   // Sleep on the worker's event fd when idle (UCP_FEATURE_WAKEUP). Without it
   // the progress thread polls with a 1 ms nap when idle.
   bool wakeup = true;
+  // Connect waits this long for UCX's wireup with the peer to complete.
+  std::chrono::milliseconds connect_timeout{10000};
   std::string name = "pdserve";
 };
 
