@@ -58,7 +58,8 @@ HttpResult Exchange(int port, const std::string& request,
     if (on_data && !on_data(data)) hung_up = true;
   };
   while (!done && !hung_up) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(end - std::chrono::steady_clock::now());
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        end - std::chrono::steady_clock::now());
     if (left.count() <= 0) break;
     pollfd p{fd, POLLIN, 0};
     if (::poll(&p, 1, static_cast<int>(left.count())) <= 0) break;
@@ -92,7 +93,8 @@ HttpResult Exchange(int port, const std::string& request,
         start = e + 2;
       }
       chunked = Lower(result.headers["transfer-encoding"]).find("chunked") != std::string::npos;
-      if (result.headers.count("content-length")) content_length = std::atol(result.headers["content-length"].c_str());
+      if (result.headers.count("content-length"))
+        content_length = std::atol(result.headers["content-length"].c_str());
     }
     if (chunked) {
       chunk_buf += buf;
@@ -120,32 +122,38 @@ HttpResult Exchange(int port, const std::string& request,
   return result;
 }
 
-std::string BuildRequest(const std::string& method, const std::string& path, const std::string& body,
+std::string BuildRequest(const std::string& method, const std::string& path,
+                         const std::string& body,
                          const std::map<std::string, std::string>& headers) {
   std::string req = method + " " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n";
   for (const auto& [k, v] : headers) req += k + ": " + v + "\r\n";
   if (!body.empty() || method == "POST") {
-    req += "Content-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) + "\r\n";
+    req +=
+        "Content-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) + "\r\n";
   }
   return req + "\r\n" + body;
 }
 
 }  // namespace
 
-HttpResult HttpRequest(int port, const std::string& method, const std::string& path, const std::string& body,
-                       const std::map<std::string, std::string>& headers, std::chrono::milliseconds timeout) {
+HttpResult HttpRequest(int port, const std::string& method, const std::string& path,
+                       const std::string& body, const std::map<std::string, std::string>& headers,
+                       std::chrono::milliseconds timeout) {
   return Exchange(port, BuildRequest(method, path, body, headers), nullptr, timeout);
 }
 
 HttpResult HttpStream(int port, const std::string& path, const std::string& body,
-                      const std::function<bool(const std::string&)>& on_data, std::chrono::milliseconds timeout) {
+                      const std::function<bool(const std::string&)>& on_data,
+                      std::chrono::milliseconds timeout) {
   return Exchange(port, BuildRequest("POST", path, body, {}), on_data, timeout);
 }
 
-bool WaitForHttpStatus(int port, const std::string& path, int status, std::chrono::milliseconds timeout) {
+bool WaitForHttpStatus(int port, const std::string& path, int status,
+                       std::chrono::milliseconds timeout) {
   const auto end = std::chrono::steady_clock::now() + timeout;
   while (std::chrono::steady_clock::now() < end) {
-    if (HttpRequest(port, "GET", path, {}, {}, std::chrono::seconds(2)).status == status) return true;
+    if (HttpRequest(port, "GET", path, {}, {}, std::chrono::seconds(2)).status == status)
+      return true;
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   return false;

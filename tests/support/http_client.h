@@ -9,9 +9,9 @@
 namespace pdserve::testing {
 
 struct HttpResult {
-  int status = 0;  // 0: no response (connection failed or timed out)
+  int status = 0;                              // 0: no response (connection failed or timed out)
   std::map<std::string, std::string> headers;  // lower-case names
-  std::string body;  // de-chunked
+  std::string body;                            // de-chunked
 };
 
 // `method` "GET"/"POST"; `body` sent as application/json when non-empty.

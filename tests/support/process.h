@@ -35,7 +35,8 @@ class ChildProcess {
   std::string Log() const;
   // Waits until the log matches `pattern`; returns submatch 1 (or the whole
   // match), or nullopt when the timeout passes or the process exits first.
-  std::optional<std::string> WaitForLog(const std::regex& pattern, std::chrono::milliseconds timeout);
+  std::optional<std::string> WaitForLog(const std::regex& pattern,
+                                        std::chrono::milliseconds timeout);
 
  private:
   pid_t pid_ = -1;

@@ -1,0 +1,93 @@
+// pdserve router: the OpenAI-compatible front door and KV-aware router.
+#include <cstdio>
+
+#include "common/flags.h"
+#include "common/logging.h"
+#include "common/signals.h"
+#include "services/cli/command.h"
+#include "services/router/router_service.h"
+
+namespace pdserve::cli {
+namespace {
+
+int RunRouter(int argc, char** argv) {
+  BlockTerminationSignals();
+  router::RouterServiceOptions o;
+  int64_t http_port = o.http_port, control_port = o.control_port, metrics_port = o.metrics_port;
+  int64_t http_threads = o.http_threads, max_concurrent = o.max_concurrent_requests;
+  int64_t max_body = static_cast<int64_t>(o.max_body_bytes);
+  int64_t timeout_s = o.request_timeout_ms / 1000, max_attempts = o.max_attempts;
+  std::string log_level = "info";
+  FlagSet flags("router", "Serve the OpenAI API and route requests to prefill/decode workers.");
+  flags.SetEnvPrefix("PDSERVE_");
+  flags.AddString("model", &o.model_dir, "model folder (tokenizer, chat template, config.json)");
+  flags.AddString("model-id", &o.model_id, "served model name (default: the model folder's name)");
+  flags.AddString("host", &o.host, "address to listen on");
+  flags.AddInt("port", &http_port, "HTTP port of the OpenAI API (0: any free port)");
+  flags.AddInt("control-port", &control_port, "port workers connect to (0: any free port)");
+  flags.AddInt("metrics-port", &metrics_port,
+               "separate port for /metrics (-1: serve it on --port)");
+  flags.AddString("policy", &o.policy, "routing policy: kv|round_robin|least_loaded|random");
+  flags.AddDouble("policy-temperature", &o.policy_temperature,
+                  "softmax temperature of the kv policy (0: always the cheapest worker)");
+  flags.AddInt("max-local-prefill", &o.max_local_prefill,
+               "use a prefill worker when the decode worker would compute more tokens than this");
+  flags.AddInt("block-size", &o.block_size, "tokens per KV block (must match the workers)");
+  flags.AddString("api-key-file", &o.api_key_file, "file of accepted API keys, one per line");
+  flags.AddInt("http-threads", &http_threads, "HTTP I/O threads");
+  flags.AddInt("max-concurrent-requests", &max_concurrent, "requests in flight before 503");
+  flags.AddBytes("max-body-bytes", &max_body, "largest accepted request body");
+  flags.AddInt("request-timeout", &timeout_s, "seconds before a request fails with 504");
+  flags.AddInt("max-attempts", &max_attempts, "workers tried per request before it fails");
+  flags.AddString("log-level", &log_level, "debug|info|warn|error");
+  ParseFlagsOrExit(flags, argc, argv);
+
+  LogLevel level;
+  if (!ParseLogLevel(log_level, &level))
+    UsageError("router", "--log-level: unknown level '" + log_level + "'");
+  SetLogLevel(level);
+  if (o.model_dir.empty()) UsageError("router", "--model is required");
+  auto port_ok = [](int64_t p, bool allow_minus_one) {
+    return (p >= 0 && p <= 65535) || (allow_minus_one && p == -1);
+  };
+  if (!port_ok(http_port, false)) UsageError("router", "--port must be in [0, 65535]");
+  if (!port_ok(control_port, false)) UsageError("router", "--control-port must be in [0, 65535]");
+  if (!port_ok(metrics_port, true))
+    UsageError("router", "--metrics-port must be -1 or in [0, 65535]");
+  if (o.block_size <= 0) UsageError("router", "--block-size must be positive");
+  if (o.max_local_prefill < 0) UsageError("router", "--max-local-prefill must not be negative");
+  if (http_threads < 1 || max_concurrent < 1 || max_body < 1 || timeout_s < 1 || max_attempts < 1) {
+    UsageError("router", "thread, request, size, timeout and attempt limits must be positive");
+  }
+  o.http_port = static_cast<int>(http_port);
+  o.control_port = static_cast<int>(control_port);
+  o.metrics_port = static_cast<int>(metrics_port);
+  o.http_threads = static_cast<int>(http_threads);
+  o.max_concurrent_requests = static_cast<int>(max_concurrent);
+  o.max_body_bytes = static_cast<size_t>(max_body);
+  o.request_timeout_ms = timeout_s * 1000;
+  o.max_attempts = static_cast<int>(max_attempts);
+
+  auto service = router::RouterService::Create(o);
+  if (!service.ok()) {
+    std::fprintf(stderr, "pdserve router: %s\n", service.status().message().c_str());
+    return service.status().code() == StatusCode::kInvalidArgument ||
+                   service.status().code() == StatusCode::kNotFound
+               ? 2
+               : 1;
+  }
+  if (Status st = (*service)->Start(); !st.ok()) {
+    std::fprintf(stderr, "pdserve router: %s\n", st.message().c_str());
+    return 1;
+  }
+  const int sig = WaitForTerminationSignal();
+  PDSERVE_LOG(INFO) << "router: signal " << sig << ", shutting down";
+  (*service)->Stop();
+  return 0;
+}
+
+}  // namespace
+
+PDSERVE_COMMAND("router", "OpenAI API front door and KV-aware router", RunRouter);
+
+}  // namespace pdserve::cli

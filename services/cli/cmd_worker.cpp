@@ -1,0 +1,112 @@
+// pdserve worker: a prefill, decode or co-located worker.
+#include <cstdio>
+#include <sstream>
+
+#include "common/flags.h"
+#include "common/logging.h"
+#include "common/signals.h"
+#include "services/cli/command.h"
+#include "services/worker/worker_service.h"
+
+namespace pdserve::cli {
+namespace {
+
+int RunWorker(int argc, char** argv) {
+  BlockTerminationSignals();
+  worker::WorkerOptions o;
+  std::string role = "both", routers, kv_dtype = "fp32", log_level = "info";
+  int64_t port = o.port, metrics_port = o.metrics_port, threads = o.threads;
+  int64_t drain_s = o.drain_timeout_ms / 1000, prefill_timeout_ms = o.prefill_timeout_ms;
+  FlagSet flags("worker", "Run an engine as a prefill, decode or co-located worker.");
+  flags.SetEnvPrefix("PDSERVE_");
+  flags.AddString("role", &role, "prefill|decode|both");
+  flags.AddString("model", &o.model_dir,
+                  "model folder (config.json, *.safetensors, tokenizer.json)");
+  flags.AddString("model-id", &o.model_id, "served model name (default: the model folder's name)");
+  flags.AddString("router", &routers,
+                  "router control address(es), HOST:PORT[,HOST:PORT...]; names are re-resolved");
+  flags.AddString("host", &o.host, "address to listen on");
+  flags.AddString("advertise-host", &o.advertise_host,
+                  "address other workers use to reach this one");
+  flags.AddInt("port", &port, "control port for peer workers (0: any free port)");
+  flags.AddInt("metrics-port", &metrics_port, "port of /metrics and /health (0: any, -1: off)");
+  flags.AddString("worker-id", &o.worker_id, "unique worker name (default: role-host-pid)");
+  flags.AddBytes("kv-cache-bytes", &o.kv_cache_bytes, "memory for the paged KV cache");
+  flags.AddString("kv-dtype", &kv_dtype, "KV cache type: fp32|fp16|bf16|fp8");
+  flags.AddInt("block-size", &o.block_size, "tokens per KV block");
+  flags.AddInt("max-num-seqs", &o.max_num_seqs, "sequences running at once");
+  flags.AddInt("max-num-batched-tokens", &o.max_num_batched_tokens,
+               "tokens per engine step (prefill chunk)");
+  flags.AddInt("max-local-prefill", &o.max_local_prefill,
+               "prefill remotely only when more than this many prompt tokens are left to compute");
+  flags.AddInt("threads", &threads, "compute threads (0: all cores)");
+  flags.AddString("transfer-tls", &o.transfer_tls,
+                  "UCX transports for KV hand-off (UCX_TLS syntax; empty: UCX default)");
+  flags.AddInt("prefill-timeout-ms", &prefill_timeout_ms,
+               "deadline of a remote prefill before local fallback");
+  flags.AddInt("drain-timeout", &drain_s, "seconds SIGTERM waits for running requests");
+  flags.AddString("log-level", &log_level, "debug|info|warn|error");
+  ParseFlagsOrExit(flags, argc, argv);
+
+  LogLevel level;
+  if (!ParseLogLevel(log_level, &level))
+    UsageError("worker", "--log-level: unknown level '" + log_level + "'");
+  SetLogLevel(level);
+  if (role == "prefill")
+    o.role = worker::Role::kPrefill;
+  else if (role == "decode")
+    o.role = worker::Role::kDecode;
+  else if (role == "both")
+    o.role = worker::Role::kBoth;
+  else
+    UsageError("worker", "--role must be prefill, decode or both, not '" + role + "'");
+  if (o.model_dir.empty()) UsageError("worker", "--model is required");
+  if (routers.empty()) UsageError("worker", "--router is required");
+  std::stringstream ss(routers);
+  for (std::string item; std::getline(ss, item, ',');) {
+    if (item.find(':') == std::string::npos)
+      UsageError("worker", "--router: '" + item + "' is not HOST:PORT");
+    o.routers.push_back(item);
+  }
+  auto dtype = ParseDType(kv_dtype);
+  if (!dtype || *dtype == DType::kFP4E2M1)
+    UsageError("worker", "--kv-dtype: unknown KV type '" + kv_dtype + "'");
+  o.kv_dtype = *dtype;
+  if (port < 0 || port > 65535) UsageError("worker", "--port must be in [0, 65535]");
+  if (metrics_port < -1 || metrics_port > 65535)
+    UsageError("worker", "--metrics-port must be -1 or in [0, 65535]");
+  if (o.block_size <= 0 || o.kv_cache_bytes <= 0 || o.max_num_seqs <= 0 ||
+      o.max_num_batched_tokens <= 0 || threads < 0 || o.max_local_prefill < 0 ||
+      prefill_timeout_ms <= 0 || drain_s < 0) {
+    UsageError("worker", "sizes, limits and timeouts must be positive");
+  }
+  o.port = static_cast<int>(port);
+  o.metrics_port = static_cast<int>(metrics_port);
+  o.threads = static_cast<int>(threads);
+  o.prefill_timeout_ms = prefill_timeout_ms;
+  o.drain_timeout_ms = drain_s * 1000;
+
+  auto service = worker::WorkerService::Create(o);
+  if (!service.ok()) {
+    std::fprintf(stderr, "pdserve worker: %s\n", service.status().message().c_str());
+    const StatusCode c = service.status().code();
+    return c == StatusCode::kInvalidArgument || c == StatusCode::kNotFound ||
+                   c == StatusCode::kUnsupported
+               ? 2
+               : 1;
+  }
+  if (Status st = (*service)->Start(); !st.ok()) {
+    std::fprintf(stderr, "pdserve worker: %s\n", st.message().c_str());
+    return 1;
+  }
+  const int sig = WaitForTerminationSignal();
+  PDSERVE_LOG(INFO) << "worker: signal " << sig << ", draining";
+  (*service)->Stop();
+  return 0;
+}
+
+}  // namespace
+
+PDSERVE_COMMAND("worker", "prefill, decode or co-located worker", RunWorker);
+
+}  // namespace pdserve::cli

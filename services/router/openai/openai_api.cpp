@@ -1,0 +1,554 @@
+#include "services/router/openai/openai_api.h"
+
+#include <fstream>
+#include <limits>
+
+namespace pdserve::router {
+
+using ojson = nlohmann::ordered_json;
+
+http::Response ApiError::ToResponse() const {
+  return http::ErrorResponse(status, message, type, param, code);
+}
+
+namespace {
+
+ApiError Bad(std::string param, std::string message) {
+  ApiError e;
+  e.param = std::move(param);
+  e.message = std::move(message);
+  return e;
+}
+
+const char* TypeName(const ojson& v) {
+  switch (v.type()) {
+    case ojson::value_t::null:
+      return "null";
+    case ojson::value_t::boolean:
+      return "a boolean";
+    case ojson::value_t::string:
+      return "a string";
+    case ojson::value_t::array:
+      return "an array";
+    case ojson::value_t::object:
+      return "an object";
+    case ojson::value_t::number_float:
+      return "a number";
+    default:
+      return "an integer";
+  }
+}
+
+// Field accessors: absent or null → nullopt; wrong type → error.
+class Fields {
+ public:
+  explicit Fields(const ojson& obj) : obj_(obj) {}
+  const ojson* Get(const char* name) const {
+    auto it = obj_.find(name);
+    if (it == obj_.end() || it->is_null()) return nullptr;
+    return &*it;
+  }
+  std::optional<ApiError> Bool(const char* name, bool* out) const {
+    if (const ojson* v = Get(name)) {
+      if (!v->is_boolean())
+        return Bad(name, std::string("'") + name + "' must be a boolean, got " + TypeName(*v));
+      *out = v->get<bool>();
+    }
+    return std::nullopt;
+  }
+  std::optional<ApiError> Int(const char* name, std::optional<int64_t>* out) const {
+    if (const ojson* v = Get(name)) {
+      if (v->is_number_integer()) {
+        *out = v->get<int64_t>();
+      } else if (v->is_number_float() &&
+                 v->get<double>() == static_cast<double>(static_cast<int64_t>(v->get<double>()))) {
+        *out = static_cast<int64_t>(v->get<double>());  // 16.0 is an integer to Python clients too
+      } else {
+        return Bad(name, std::string("'") + name + "' must be an integer, got " + TypeName(*v));
+      }
+    }
+    return std::nullopt;
+  }
+  std::optional<ApiError> Number(const char* name, std::optional<double>* out) const {
+    if (const ojson* v = Get(name)) {
+      if (!v->is_number())
+        return Bad(name, std::string("'") + name + "' must be a number, got " + TypeName(*v));
+      *out = v->get<double>();
+    }
+    return std::nullopt;
+  }
+  std::optional<ApiError> String(const char* name, std::string* out) const {
+    if (const ojson* v = Get(name)) {
+      if (!v->is_string())
+        return Bad(name, std::string("'") + name + "' must be a string, got " + TypeName(*v));
+      *out = v->get<std::string>();
+    }
+    return std::nullopt;
+  }
+
+ private:
+  const ojson& obj_;
+};
+
+#define PDSERVE_API_CHECK(expr)          \
+  do {                                   \
+    if (auto err_ = (expr)) return err_; \
+  } while (0)
+
+std::optional<ApiError> ParseTokenArray(const ojson& v, const char* param,
+                                        std::vector<TokenId>* out) {
+  for (const auto& t : v) {
+    if (!t.is_number_integer() || t.get<int64_t>() < 0 ||
+        t.get<int64_t>() > std::numeric_limits<TokenId>::max()) {
+      return Bad(param, std::string("'") + param + "' token ids must be non-negative integers");
+    }
+    out->push_back(static_cast<TokenId>(t.get<int64_t>()));
+  }
+  return std::nullopt;
+}
+
+std::optional<ApiError> ParsePrompt(const ojson& body, ApiRequest* out) {
+  auto it = body.find("prompt");
+  if (it == body.end() || it->is_null()) return Bad("prompt", "'prompt' is required");
+  const ojson* p = &*it;
+  // A batch of exactly one prompt is the same request; larger batches are n>1 in disguise.
+  if (p->is_array() && p->size() == 1 && ((*p)[0].is_string() || (*p)[0].is_array())) p = &(*p)[0];
+  if (p->is_string()) {
+    if (p->get_ref<const std::string&>().empty())
+      return Bad("prompt", "'prompt' must not be empty");
+    out->prompt_text = p->get<std::string>();
+    return std::nullopt;
+  }
+  if (p->is_array()) {
+    if (p->empty()) return Bad("prompt", "'prompt' must not be empty");
+    if (!(*p)[0].is_number()) {
+      return Bad("prompt",
+                 "'prompt' must be a string or an array of token ids; batches of several "
+                 "prompts are not supported, send one request per prompt");
+    }
+    std::vector<TokenId> ids;
+    PDSERVE_API_CHECK(ParseTokenArray(*p, "prompt", &ids));
+    out->prompt_ids = std::move(ids);
+    return std::nullopt;
+  }
+  return Bad("prompt", std::string("'prompt' must be a string or an array of token ids, got ") +
+                           TypeName(*p));
+}
+
+std::optional<ApiError> ParseMessages(const ojson& body, ApiRequest* out) {
+  auto it = body.find("messages");
+  if (it == body.end() || it->is_null()) return Bad("messages", "'messages' is required");
+  if (!it->is_array())
+    return Bad("messages", std::string("'messages' must be an array, got ") + TypeName(*it));
+  if (it->empty()) return Bad("messages", "'messages' must not be empty");
+  ojson messages = ojson::array();
+  for (size_t i = 0; i < it->size(); ++i) {
+    const ojson& m = (*it)[i];
+    const std::string where = "messages[" + std::to_string(i) + "]";
+    if (!m.is_object()) return Bad(where, "'" + where + "' must be an object");
+    auto role = m.find("role");
+    if (role == m.end() || !role->is_string())
+      return Bad(where + ".role", "'" + where + ".role' must be a string");
+    const std::string r = role->get<std::string>();
+    if (r != "system" && r != "user" && r != "assistant" && r != "tool" && r != "developer") {
+      return Bad(where + ".role", "'" + where +
+                                      ".role' must be one of system, developer, user, "
+                                      "assistant, tool; got '" +
+                                      r + "'");
+    }
+    ojson copy = m;
+    auto content = m.find("content");
+    if (content == m.end() || content->is_null()) {
+      if (r != "assistant") return Bad(where + ".content", "'" + where + ".content' is required");
+      copy["content"] = "";
+    } else if (content->is_array()) {
+      // Text parts are joined as vLLM does; other part types need a multimodal model.
+      std::string text;
+      for (const auto& part : *content) {
+        if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
+            !part["text"].is_string()) {
+          return Bad(where + ".content", "'" + where +
+                                             ".content' parts must be {\"type\": \"text\", "
+                                             "\"text\": ...}; this model takes text only");
+        }
+        if (!text.empty()) text += "\n";
+        text += part["text"].get<std::string>();
+      }
+      copy["content"] = text;
+    } else if (!content->is_string()) {
+      return Bad(where + ".content",
+                 "'" + where + ".content' must be a string or an array of text parts");
+    }
+    messages.push_back(std::move(copy));
+  }
+  out->messages = std::move(messages);
+  return std::nullopt;
+}
+
+std::optional<ApiError> ParseStop(const ojson& body, const ApiLimits& limits, ApiRequest* out) {
+  auto it = body.find("stop");
+  if (it == body.end() || it->is_null()) return std::nullopt;
+  std::vector<std::string> stops;
+  if (it->is_string()) {
+    stops.push_back(it->get<std::string>());
+  } else if (it->is_array()) {
+    for (const auto& s : *it) {
+      if (!s.is_string()) return Bad("stop", "'stop' must be a string or an array of strings");
+      stops.push_back(s.get<std::string>());
+    }
+  } else {
+    return Bad("stop",
+               std::string("'stop' must be a string or an array of strings, got ") + TypeName(*it));
+  }
+  for (const auto& s : stops) {
+    if (s.empty()) return Bad("stop", "'stop' strings must not be empty");
+  }
+  if (static_cast<int>(stops.size()) > limits.max_stop_strings) {
+    return Bad("stop",
+               "at most " + std::to_string(limits.max_stop_strings) + " stop strings are allowed");
+  }
+  out->sampling.stop = std::move(stops);
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view body,
+                                     const ApiLimits& limits, ApiRequest* out) {
+  *out = ApiRequest{};
+  out->endpoint = endpoint;
+  ojson j;
+  try {
+    j = ojson::parse(body);
+  } catch (const nlohmann::json::parse_error& e) {
+    return Bad("", std::string("the request body is not valid JSON: ") + e.what());
+  }
+  if (!j.is_object()) return Bad("", "the request body must be a JSON object");
+  Fields f(j);
+
+  // Model.
+  PDSERVE_API_CHECK(f.String("model", &out->model));
+  if (out->model.empty()) {
+    if (!limits.model_ids.empty()) out->model = limits.model_ids.front();
+  } else if (std::find(limits.model_ids.begin(), limits.model_ids.end(), out->model) ==
+             limits.model_ids.end()) {
+    ApiError e = Bad("model", "The model `" + out->model + "` does not exist.");
+    e.status = 404;
+    e.code = "model_not_found";
+    return e;
+  }
+
+  // Prompt or messages.
+  if (endpoint == Endpoint::kCompletions) {
+    PDSERVE_API_CHECK(ParsePrompt(j, out));
+    PDSERVE_API_CHECK(f.Bool("echo", &out->echo));
+  } else {
+    PDSERVE_API_CHECK(ParseMessages(j, out));
+    PDSERVE_API_CHECK(f.Bool("add_generation_prompt", &out->add_generation_prompt));
+  }
+
+  // Streaming.
+  PDSERVE_API_CHECK(f.Bool("stream", &out->stream));
+  if (const ojson* so = f.Get("stream_options")) {
+    if (!so->is_object()) return Bad("stream_options", "'stream_options' must be an object");
+    if (!out->stream)
+      return Bad("stream_options", "'stream_options' is only allowed when 'stream' is true");
+    PDSERVE_API_CHECK(Fields(*so).Bool("include_usage", &out->include_usage));
+  }
+
+  // n: one choice per request.
+  std::optional<int64_t> n;
+  PDSERVE_API_CHECK(f.Int("n", &n));
+  if (n && *n != 1) return Bad("n", "only n=1 is supported; send several requests instead");
+
+  // Length.
+  std::optional<int64_t> max_tokens, max_completion_tokens;
+  PDSERVE_API_CHECK(f.Int("max_tokens", &max_tokens));
+  PDSERVE_API_CHECK(f.Int("max_completion_tokens", &max_completion_tokens));
+  if (max_completion_tokens) max_tokens = max_completion_tokens;
+  if (max_tokens) {
+    const char* param = max_completion_tokens ? "max_completion_tokens" : "max_tokens";
+    if (*max_tokens < 1 || *max_tokens > std::numeric_limits<int>::max()) {
+      return Bad(param, std::string("'") + param + "' must be at least 1, got " +
+                            std::to_string(*max_tokens));
+    }
+    out->max_tokens = static_cast<int>(*max_tokens);
+  }
+
+  // Sampling.
+  SamplingParams& s = out->sampling;
+  std::optional<double> temperature, top_p, min_p, presence, frequency;
+  PDSERVE_API_CHECK(f.Number("temperature", &temperature));
+  PDSERVE_API_CHECK(f.Number("top_p", &top_p));
+  PDSERVE_API_CHECK(f.Number("min_p", &min_p));
+  if (temperature) {
+    if (*temperature < 0 || *temperature > 2)
+      return Bad("temperature", "'temperature' must be in [0, 2]");
+    s.temperature = static_cast<float>(*temperature);
+  }
+  if (top_p) {
+    if (!(*top_p > 0 && *top_p <= 1)) return Bad("top_p", "'top_p' must be in (0, 1]");
+    s.top_p = static_cast<float>(*top_p);
+  }
+  if (min_p) {
+    if (!(*min_p >= 0 && *min_p <= 1)) return Bad("min_p", "'min_p' must be in [0, 1]");
+    s.min_p = static_cast<float>(*min_p);
+  }
+  std::optional<int64_t> top_k, seed;
+  PDSERVE_API_CHECK(f.Int("top_k", &top_k));
+  if (top_k) {
+    if (*top_k < -1 || *top_k > std::numeric_limits<int>::max()) {
+      return Bad("top_k", "'top_k' must be -1 (off) or a positive integer");
+    }
+    s.top_k = static_cast<int>(*top_k);
+  }
+  PDSERVE_API_CHECK(f.Int("seed", &seed));
+  if (seed) s.seed = static_cast<uint64_t>(*seed);
+  PDSERVE_API_CHECK(f.Number("presence_penalty", &presence));
+  PDSERVE_API_CHECK(f.Number("frequency_penalty", &frequency));
+  if (presence && *presence != 0)
+    return Bad("presence_penalty", "'presence_penalty' is not supported (only 0)");
+  if (frequency && *frequency != 0)
+    return Bad("frequency_penalty", "'frequency_penalty' is not supported (only 0)");
+  if (const ojson* bias = f.Get("logit_bias"); bias && !(bias->is_object() && bias->empty())) {
+    return Bad("logit_bias", "'logit_bias' is not supported");
+  }
+  if (const ojson* tools = f.Get("tools"); tools && !(tools->is_array() && tools->empty())) {
+    return Bad("tools", "'tools' is not supported by this server");
+  }
+  if (const ojson* rf = f.Get("response_format")) {
+    if (!rf->is_object() || rf->value("type", "") != "text") {
+      return Bad("response_format", "only 'response_format' {\"type\": \"text\"} is supported");
+    }
+  }
+  PDSERVE_API_CHECK(ParseStop(j, limits, out));
+  if (const ojson* ids = f.Get("stop_token_ids")) {
+    if (!ids->is_array())
+      return Bad("stop_token_ids", "'stop_token_ids' must be an array of token ids");
+    PDSERVE_API_CHECK(ParseTokenArray(*ids, "stop_token_ids", &s.stop_token_ids));
+  }
+  PDSERVE_API_CHECK(f.Bool("ignore_eos", &s.ignore_eos));
+
+  // Logprobs: an integer for completions, a boolean plus top_logprobs for chat.
+  if (endpoint == Endpoint::kCompletions) {
+    if (const ojson* lp = f.Get("logprobs"); lp && !(lp->is_boolean() && !lp->get<bool>())) {
+      if (!lp->is_number_integer() || lp->get<int64_t>() < 0 || lp->get<int64_t>() > kMaxLogprobs) {
+        return Bad("logprobs",
+                   "'logprobs' must be an integer in [0, " + std::to_string(kMaxLogprobs) + "]");
+      }
+      s.logprobs = static_cast<int>(lp->get<int64_t>());
+    }
+  } else {
+    PDSERVE_API_CHECK(f.Bool("logprobs", &out->chat_logprobs));
+    std::optional<int64_t> top;
+    PDSERVE_API_CHECK(f.Int("top_logprobs", &top));
+    if (top) {
+      if (!out->chat_logprobs)
+        return Bad("top_logprobs", "'top_logprobs' requires 'logprobs': true");
+      if (*top < 0 || *top > kMaxLogprobs) {
+        return Bad("top_logprobs",
+                   "'top_logprobs' must be in [0, " + std::to_string(kMaxLogprobs) + "]");
+      }
+    }
+    if (out->chat_logprobs) s.logprobs = static_cast<int>(top.value_or(0));
+  }
+
+  PDSERVE_API_CHECK(f.String("user", &out->user));
+  PDSERVE_API_CHECK(f.String("cache_salt", &out->cache_salt));
+  if (f.Get("cache_salt") && out->cache_salt.empty()) {
+    return Bad("cache_salt", "'cache_salt' must not be empty when given");
+  }
+  return std::nullopt;
+}
+
+// ---------------------------------------------------------------------------
+// Responses
+
+ResponseFormatter::ResponseFormatter(const ApiRequest& request, std::string id,
+                                     int64_t created_unix)
+    : request_(request), id_(std::move(id)), created_(created_unix) {}
+
+nlohmann::json ResponseFormatter::Envelope(const char* object) const {
+  return {{"id", id_}, {"object", object}, {"created", created_}, {"model", request_.model}};
+}
+
+nlohmann::json ResponseFormatter::UsageJson(const Usage& u) const {
+  return {{"prompt_tokens", u.prompt_tokens},
+          {"completion_tokens", u.completion_tokens},
+          {"total_tokens", u.prompt_tokens + u.completion_tokens},
+          {"prompt_tokens_details", {{"cached_tokens", u.cached_tokens}}}};
+}
+
+nlohmann::json ResponseFormatter::Logprobs(const std::vector<TokenPiece>& pieces,
+                                           size_t text_offset) const {
+  if (!request_.sampling.logprobs) return nullptr;
+  if (request_.endpoint == Endpoint::kChatCompletions) {
+    nlohmann::json content = nlohmann::json::array();
+    for (const auto& p : pieces) {
+      nlohmann::json top = nlohmann::json::array();
+      for (const auto& [tok, lp] : p.top_logprobs) {
+        top.push_back({{"token", tok},
+                       {"logprob", lp},
+                       {"bytes", std::vector<uint8_t>(tok.begin(), tok.end())}});
+      }
+      content.push_back({{"token", p.token_text},
+                         {"logprob", p.logprob.value_or(0.f)},
+                         {"bytes", std::vector<uint8_t>(p.token_text.begin(), p.token_text.end())},
+                         {"top_logprobs", top}});
+    }
+    return {{"content", content}};
+  }
+  nlohmann::json tokens = nlohmann::json::array(), token_logprobs = nlohmann::json::array(),
+                 top_logprobs = nlohmann::json::array(), offsets = nlohmann::json::array();
+  size_t offset = text_offset;
+  for (const auto& p : pieces) {
+    tokens.push_back(p.token_text);
+    token_logprobs.push_back(p.logprob.value_or(0.f));
+    nlohmann::json top = nlohmann::json::object();
+    for (const auto& [tok, lp] : p.top_logprobs) top[tok] = lp;
+    top_logprobs.push_back(top);
+    offsets.push_back(offset);
+    offset += p.text.size();
+  }
+  return {{"tokens", tokens},
+          {"token_logprobs", token_logprobs},
+          {"top_logprobs", top_logprobs},
+          {"text_offset", offsets}};
+}
+
+namespace {
+std::string Sse(const nlohmann::json& j) { return "data: " + j.dump() + "\n\n"; }
+std::string JoinText(const std::vector<TokenPiece>& pieces) {
+  std::string text;
+  for (const auto& p : pieces) text += p.text;
+  return text;
+}
+}  // namespace
+
+std::string ResponseFormatter::StreamStart() const {
+  if (request_.endpoint != Endpoint::kChatCompletions) return "";
+  nlohmann::json j = Envelope("chat.completion.chunk");
+  j["choices"] = {{{"index", 0},
+                   {"delta", {{"role", "assistant"}, {"content", ""}}},
+                   {"logprobs", nullptr},
+                   {"finish_reason", nullptr}}};
+  return Sse(j);
+}
+
+std::string ResponseFormatter::StreamDelta(const std::vector<TokenPiece>& pieces) const {
+  const std::string text = JoinText(pieces);
+  if (text.empty() && !request_.sampling.logprobs) return "";
+  if (request_.endpoint == Endpoint::kChatCompletions) {
+    nlohmann::json j = Envelope("chat.completion.chunk");
+    j["choices"] = {{{"index", 0},
+                     {"delta", {{"content", text}}},
+                     {"logprobs", Logprobs(pieces, 0)},
+                     {"finish_reason", nullptr}}};
+    return Sse(j);
+  }
+  nlohmann::json j = Envelope("text_completion");
+  j["choices"] = {{{"index", 0},
+                   {"text", text},
+                   {"logprobs", Logprobs(pieces, 0)},
+                   {"finish_reason", nullptr}}};
+  return Sse(j);
+}
+
+std::string ResponseFormatter::StreamFinish(const std::string& finish_reason,
+                                            const Usage& usage) const {
+  std::string out;
+  if (request_.endpoint == Endpoint::kChatCompletions) {
+    nlohmann::json j = Envelope("chat.completion.chunk");
+    j["choices"] = {{{"index", 0},
+                     {"delta", nlohmann::json::object()},
+                     {"logprobs", nullptr},
+                     {"finish_reason", finish_reason}}};
+    out += Sse(j);
+  } else {
+    nlohmann::json j = Envelope("text_completion");
+    j["choices"] = {
+        {{"index", 0}, {"text", ""}, {"logprobs", nullptr}, {"finish_reason", finish_reason}}};
+    out += Sse(j);
+  }
+  if (request_.include_usage) {
+    nlohmann::json j =
+        Envelope(request_.endpoint == Endpoint::kChatCompletions ? "chat.completion.chunk"
+                                                                 : "text_completion");
+    j["choices"] = nlohmann::json::array();
+    j["usage"] = UsageJson(usage);
+    out += Sse(j);
+  }
+  out += "data: [DONE]\n\n";
+  return out;
+}
+
+std::string ResponseFormatter::StreamError(const ApiError& error) {
+  nlohmann::json err = {
+      {"message", error.message},
+      {"type", error.type},
+      {"param", error.param.empty() ? nlohmann::json(nullptr) : nlohmann::json(error.param)},
+      {"code", error.code.empty() ? nlohmann::json(nullptr) : nlohmann::json(error.code)}};
+  return Sse({{"error", err}}) + "data: [DONE]\n\n";
+}
+
+nlohmann::json ResponseFormatter::Complete(const std::string& prompt_text,
+                                           const std::vector<TokenPiece>& pieces,
+                                           const std::string& finish_reason,
+                                           const Usage& usage) const {
+  const std::string text = JoinText(pieces);
+  nlohmann::json j;
+  if (request_.endpoint == Endpoint::kChatCompletions) {
+    j = Envelope("chat.completion");
+    j["choices"] = {{{"index", 0},
+                     {"message", {{"role", "assistant"}, {"content", text}}},
+                     {"logprobs", Logprobs(pieces, 0)},
+                     {"finish_reason", finish_reason}}};
+  } else {
+    const std::string prefix = request_.echo ? prompt_text : "";
+    j = Envelope("text_completion");
+    j["choices"] = {{{"index", 0},
+                     {"text", prefix + text},
+                     {"logprobs", Logprobs(pieces, prefix.size())},
+                     {"finish_reason", finish_reason}}};
+  }
+  j["usage"] = UsageJson(usage);
+  return j;
+}
+
+StatusOr<std::vector<std::string>> LoadApiKeys(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return Status::NotFound(path + ": cannot open the API key file");
+  std::vector<std::string> keys;
+  std::string line;
+  while (std::getline(in, line)) {
+    while (!line.empty() && (line.back() == '\r' || line.back() == ' ' || line.back() == '\t'))
+      line.pop_back();
+    size_t start = line.find_first_not_of(" \t");
+    if (start == std::string::npos || line[start] == '#') continue;
+    keys.push_back(line.substr(start));
+  }
+  if (keys.empty()) return Status::InvalidArgument(path + ": the API key file holds no key");
+  return keys;
+}
+
+bool AuthorizeBearer(std::string_view header, const std::vector<std::string>& keys) {
+  constexpr std::string_view kPrefix = "Bearer ";
+  if (header.size() < kPrefix.size() || header.substr(0, kPrefix.size()) != kPrefix) return false;
+  std::string_view presented = header.substr(kPrefix.size());
+  bool any = false;
+  for (const auto& key : keys) {
+    // Compare every byte of the longer of the two so timing reveals neither
+    // the matching prefix length nor which key was closest.
+    const size_t n = std::max(key.size(), presented.size());
+    unsigned char diff = static_cast<unsigned char>(key.size() != presented.size());
+    for (size_t i = 0; i < n; ++i) {
+      const unsigned char a = i < key.size() ? static_cast<unsigned char>(key[i]) : 0;
+      const unsigned char b = i < presented.size() ? static_cast<unsigned char>(presented[i]) : 0;
+      diff |= static_cast<unsigned char>(a ^ b);
+    }
+    any |= (diff == 0);
+  }
+  return any;
+}
+
+}  // namespace pdserve::router

@@ -1,0 +1,120 @@
+// The OpenAI HTTP API surface of the router: request parsing and validation,
+// and the response / Server-Sent-Events formats of /v1/completions and
+// /v1/chat/completions.
+//
+// Contract: ParseRequest never throws; every rejection is an ApiError with the
+// HTTP status, an OpenAI error type and the offending parameter, so the router
+// answers `{"error":{"message","type","param","code"}}` exactly as OpenAI does.
+// Unknown fields are ignored (clients send many); known fields of the wrong
+// type or out of range are rejected.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "common/block_hash.h"
+#include "common/http/http_server.h"
+#include "engine/sampler.h"
+
+namespace pdserve::router {
+
+enum class Endpoint { kCompletions, kChatCompletions };
+
+struct ApiError {
+  int status = 400;
+  std::string message;
+  std::string type = "invalid_request_error";
+  std::string param;  // "" when no single parameter is at fault
+  std::string code;   // e.g. "model_not_found"
+  http::Response ToResponse() const;
+};
+
+struct ApiRequest {
+  Endpoint endpoint = Endpoint::kCompletions;
+  std::string model;
+  bool stream = false;
+  bool include_usage = false;  // stream_options.include_usage
+  // /v1/completions: exactly one of these is set.
+  std::optional<std::string> prompt_text;
+  std::optional<std::vector<TokenId>> prompt_ids;
+  // /v1/chat/completions: the messages array, key order kept for the template.
+  nlohmann::ordered_json messages;
+  bool add_generation_prompt = true;
+  bool echo = false;  // completions only: prepend the prompt to the output
+  // max_tokens as given (nullopt: the router fills in the endpoint default).
+  std::optional<int> max_tokens;
+  SamplingParams sampling;     // max_tokens is filled by the router once the prompt length is known
+  bool chat_logprobs = false;  // chat: logprobs=true (top_logprobs in sampling.logprobs)
+  std::string user;
+  std::string cache_salt;
+};
+
+// What the router accepts: the served model id(s) and size limits.
+struct ApiLimits {
+  std::vector<std::string> model_ids;  // empty model in a request = the first
+  int max_stop_strings = 16;
+};
+
+// Parses and validates a request body for `endpoint`.
+std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view body,
+                                     const ApiLimits& limits, ApiRequest* out);
+
+struct Usage {
+  int64_t prompt_tokens = 0;
+  int64_t completion_tokens = 0;
+  int64_t cached_tokens = 0;
+};
+
+// One generated token as the response formats need it.
+struct TokenPiece {
+  TokenId token = 0;
+  std::string text;        // detokenized text released with this token
+  std::string token_text;  // the token's own string (for logprobs)
+  std::optional<float> logprob;
+  std::vector<std::pair<std::string, float>> top_logprobs;  // token text, logprob
+};
+
+// Builds the bodies for one request: non-streaming JSON, or SSE events.
+class ResponseFormatter {
+ public:
+  ResponseFormatter(const ApiRequest& request, std::string id, int64_t created_unix);
+
+  const std::string& id() const { return id_; }
+
+  // Streaming: the first event(s) ("" when the endpoint has none; chat sends the role).
+  std::string StreamStart() const;
+  // Streaming: one event carrying `text` (and logprobs when requested).
+  std::string StreamDelta(const std::vector<TokenPiece>& pieces) const;
+  // Streaming: the finish event, the usage event when requested, and [DONE].
+  std::string StreamFinish(const std::string& finish_reason, const Usage& usage) const;
+  // Streaming: an error event after the stream started, then [DONE].
+  static std::string StreamError(const ApiError& error);
+
+  // Non-streaming: the whole response object.
+  nlohmann::json Complete(const std::string& prompt_text, const std::vector<TokenPiece>& pieces,
+                          const std::string& finish_reason, const Usage& usage) const;
+
+ private:
+  nlohmann::json Logprobs(const std::vector<TokenPiece>& pieces, size_t text_offset) const;
+  nlohmann::json UsageJson(const Usage& usage) const;
+  nlohmann::json Envelope(const char* object) const;
+
+  const ApiRequest& request_;
+  std::string id_;
+  int64_t created_;
+};
+
+// Reads an API key file (one key per line; blank lines and '#' comments
+// ignored). An empty result is an error: a key file with no key is a mistake.
+StatusOr<std::vector<std::string>> LoadApiKeys(const std::string& path);
+
+// Checks an "Authorization: Bearer <key>" header against the keys in time
+// independent of where a mismatch occurs.
+bool AuthorizeBearer(std::string_view authorization_header, const std::vector<std::string>& keys);
+
+}  // namespace pdserve::router

@@ -1,0 +1,992 @@
+#include "services/router/router_service.h"
+
+#include <prometheus/counter.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <random>
+#include <thread>
+#include <unordered_map>
+
+#include <nlohmann/json.hpp>
+
+#include "common/block_hash.h"
+#include "common/chat_template/chat_template.h"
+#include "common/http/http_server.h"
+#include "common/logging.h"
+#include "common/metrics/metrics.h"
+#include "common/proto/pdserve.pb.h"
+#include "common/tokenizer/tokenizer.h"
+#include "engine/model_config.h"
+#include "engine/model_id.h"
+#include "services/router/openai/openai_api.h"
+#include "services/router/router_core.h"
+#include "transport/control/connection.h"
+
+namespace pdserve::router {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double SecondsSince(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+int64_t UnixSeconds() {
+  return std::chrono::duration_cast<std::chrono::seconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+std::string RandomHex(std::mt19937_64& rng, int digits) {
+  static const char* kHex = "0123456789abcdef";
+  std::string s;
+  for (int i = 0; i < digits; ++i) s.push_back(kHex[rng() % 16]);
+  return s;
+}
+
+std::optional<WorkerRole> FromProtoRole(proto::Role r) {
+  switch (r) {
+    case proto::ROLE_PREFILL:
+      return WorkerRole::kPrefill;
+    case proto::ROLE_DECODE:
+      return WorkerRole::kDecode;
+    case proto::ROLE_BOTH:
+      return WorkerRole::kBoth;
+    default:
+      return std::nullopt;
+  }
+}
+
+void ToProto(const SamplingParams& s, proto::SamplingParams* p) {
+  p->set_temperature(s.temperature);
+  p->set_top_p(s.top_p);
+  p->set_top_k(s.top_k > 0 ? s.top_k : 0);
+  if (s.seed) p->set_seed(*s.seed);
+  p->set_max_tokens(static_cast<uint32_t>(s.max_tokens));
+  for (const auto& stop : s.stop) p->add_stop(stop);
+  for (TokenId id : s.stop_token_ids) p->add_stop_token_ids(id);
+  p->set_ignore_eos(s.ignore_eos);
+  p->set_logprobs(s.logprobs.has_value());
+  p->set_top_logprobs(static_cast<uint32_t>(s.logprobs.value_or(0)));
+}
+
+const char* FinishName(proto::FinishReason r) {
+  switch (r) {
+    case proto::FINISH_REASON_LENGTH:
+      return "length";
+    default:
+      return "stop";
+  }
+}
+
+// Router metrics (ARCHITECTURE.md section 8).
+struct RouterMetrics {
+  explicit RouterMetrics(prometheus::Registry& r)
+      : requests(prometheus::BuildCounter()
+                     .Name("pdserve_router_requests_total")
+                     .Help("Requests answered by the router, by outcome")
+                     .Register(r)),
+        predicted_hit_tokens(
+            prometheus::BuildCounter()
+                .Name("pdserve_router_predicted_hit_tokens_total")
+                .Help("Prompt tokens the index predicted cached on the prefilling worker")
+                .Register(r)
+                .Add({})),
+        prompt_tokens(prometheus::BuildCounter()
+                          .Name("pdserve_router_prompt_tokens_total")
+                          .Help("Prompt tokens routed")
+                          .Register(r)
+                          .Add({})),
+        decisions(prometheus::BuildCounter()
+                      .Name("pdserve_router_decisions_total")
+                      .Help("Routing decisions by kind")
+                      .Register(r)),
+        retries(prometheus::BuildCounter()
+                    .Name("pdserve_router_retries_total")
+                    .Help("Requests re-sent to another worker before their first token")
+                    .Register(r)
+                    .Add({})),
+        ttft(prometheus::BuildHistogram()
+                 .Name("pdserve_router_time_to_first_token_seconds")
+                 .Help("Time from request arrival to its first token, seen by the router")
+                 .Register(r)
+                 .Add({}, metrics::TimeToFirstTokenBuckets())),
+        route_seconds(prometheus::BuildHistogram()
+                          .Name("pdserve_router_route_seconds")
+                          .Help("Time to tokenize, hash and choose workers for a request")
+                          .Register(r)
+                          .Add({}, metrics::RouteDecisionBuckets())),
+        e2e(prometheus::BuildHistogram()
+                .Name("pdserve_router_request_duration_seconds")
+                .Help("Time from request arrival to its last byte")
+                .Register(r)
+                .Add({}, metrics::RequestLatencyBuckets())),
+        event_gaps(prometheus::BuildCounter()
+                       .Name("pdserve_router_kv_event_gaps_total")
+                       .Help("KV event batches out of sequence (each triggers a resync)")
+                       .Register(r)
+                       .Add({})),
+        workers(prometheus::BuildGauge()
+                    .Name("pdserve_router_workers")
+                    .Help("Connected workers by role and state")
+                    .Register(r)),
+        inflight(prometheus::BuildGauge()
+                     .Name("pdserve_router_requests_in_flight")
+                     .Help("Requests being served")
+                     .Register(r)
+                     .Add({})),
+        index_blocks(prometheus::BuildGauge()
+                         .Name("pdserve_router_index_blocks")
+                         .Help("Distinct block hashes in the prefix index")
+                         .Register(r)
+                         .Add({})),
+        index_bytes(prometheus::BuildGauge()
+                        .Name("pdserve_router_index_bytes")
+                        .Help("Memory held by the prefix index")
+                        .Register(r)
+                        .Add({})) {}
+
+  prometheus::Family<prometheus::Counter>& requests;
+  prometheus::Counter& predicted_hit_tokens;
+  prometheus::Counter& prompt_tokens;
+  prometheus::Family<prometheus::Counter>& decisions;
+  prometheus::Counter& retries;
+  prometheus::Histogram& ttft;
+  prometheus::Histogram& route_seconds;
+  prometheus::Histogram& e2e;
+  prometheus::Counter& event_gaps;
+  prometheus::Family<prometheus::Gauge>& workers;
+  prometheus::Gauge& inflight;
+  prometheus::Gauge& index_blocks;
+  prometheus::Gauge& index_bytes;
+};
+
+// One connected worker.
+struct WorkerLink {
+  control::ConnectionPtr conn;
+  std::optional<WorkerId> id;  // set after a valid Register
+  std::string name;
+  WorkerRole role = WorkerRole::kBoth;
+  std::string control_address;
+  bool synced = false;
+  // KvSnapshot chunks being assembled.
+  std::vector<BlockHash> snapshot;
+};
+
+// One HTTP request in flight.
+struct Inflight {
+  uint64_t id = 0;
+  std::string request_id;  // "cmpl-..." / "chatcmpl-..."
+  std::string http_request_id;
+  std::shared_ptr<http::Exchange> exchange;
+  std::unique_ptr<ApiRequest> api;
+  std::unique_ptr<ResponseFormatter> formatter;
+  std::string prompt_text;  // for echo
+  std::vector<TokenId> prompt_ids;
+  std::vector<BlockHash> hashes;
+  Clock::time_point arrived;
+  Clock::time_point deadline;
+  int attempts = 0;
+  std::optional<WorkerId> decode;
+  std::optional<WorkerId> prefill;
+  bool started_stream = false;  // HTTP headers sent
+  bool first_token_seen = false;
+  double ttft_s = 0;
+  std::vector<TokenPiece> pieces;  // non-streaming: the whole output
+  size_t completion_tokens = 0;
+  std::unique_ptr<IncrementalDetokenizer> detok;  // when workers send ids only
+};
+
+class RouterServiceImpl : public RouterService {
+ public:
+  explicit RouterServiceImpl(RouterServiceOptions o)
+      : opts_(std::move(o)), rng_(std::random_device{}()) {}
+
+  Status Init() {
+    auto tok = Tokenizer::Load(opts_.model_dir);
+    if (!tok.ok()) return tok.status();
+    tokenizer_ = std::move(*tok);
+    if (!tokenizer_->chat_template().empty()) {
+      auto tmpl = ChatTemplate::Parse(tokenizer_->chat_template());
+      if (!tmpl.ok()) {
+        PDSERVE_LOG(WARN) << "chat template unusable, /v1/chat/completions disabled: "
+                          << tmpl.status().message();
+      } else {
+        chat_template_.emplace(std::move(*tmpl));
+      }
+    }
+    auto config = LoadModelConfig(opts_.model_dir);
+    if (!config.ok()) return config.status();
+    max_context_ = config->max_context();
+    model_id_ = ServedModelId(opts_.model_dir, *config, opts_.model_id);
+    if (!opts_.api_key_file.empty()) {
+      auto keys = LoadApiKeys(opts_.api_key_file);
+      if (!keys.ok()) return keys.status();
+      api_keys_ = std::move(*keys);
+    }
+    RouterOptions ro;
+    ro.policy = opts_.policy;
+    ro.policy_options.temperature = opts_.policy_temperature;
+    ro.block_tokens = opts_.block_size;
+    ro.max_local_prefill = opts_.max_local_prefill;
+    auto core = RouterCore::Create(ro);
+    if (!core.ok()) return core.status();
+    core_ = std::move(*core);
+    limits_.model_ids = {model_id_};
+    return Status::Ok();
+  }
+
+  Status Start() override {
+    loop_ = std::make_unique<control::EventLoop>("router-control", 1);
+    control::ConnectionOptions co;
+    co.role = proto::ROLE_ROUTER;
+    co.id = "router";
+    control::ConnectionHandlers handlers;
+    handlers.on_message = [this](const control::ConnectionPtr& c, proto::Envelope& e) {
+      OnControl(c, e);
+    };
+    handlers.on_close = [this](const control::ConnectionPtr& c, const Status& s) {
+      OnWorkerClosed(c, s);
+    };
+    control_ = std::make_unique<control::Server>(loop_.get(), co, handlers);
+    PDSERVE_RETURN_IF_ERROR(
+        control_->Listen(opts_.host, static_cast<uint16_t>(opts_.control_port)));
+
+    http::ServerOptions ho;
+    ho.host = opts_.host;
+    ho.port = opts_.http_port;
+    ho.threads = opts_.http_threads;
+    ho.max_body_bytes = opts_.max_body_bytes;
+    ho.max_header_bytes = opts_.max_header_bytes;
+    ho.max_concurrent_requests = opts_.max_concurrent_requests;
+    http_ = std::make_unique<http::Server>(
+        ho, [this](const http::Request& r, std::shared_ptr<http::Exchange> ex) {
+          HandleHttp(r, std::move(ex));
+        });
+    PDSERVE_RETURN_IF_ERROR(http_->Start());
+    if (opts_.metrics_port >= 0) {
+      http::ServerOptions mo;
+      mo.host = opts_.host;
+      mo.port = opts_.metrics_port;
+      mo.threads = 1;
+      metrics_http_ = std::make_unique<http::Server>(
+          mo, [this](const http::Request& r, std::shared_ptr<http::Exchange> ex) {
+            if (!metrics::ServeStandardEndpoints(r, *ex, *registry_,
+                                                 [] { return metrics::Health{}; })) {
+              ex->Reply(http::ErrorResponse(404, "only /metrics and /health are served here"));
+            }
+          });
+      PDSERVE_RETURN_IF_ERROR(metrics_http_->Start());
+    }
+    watchdog_ = std::thread([this] { Watchdog(); });
+    PDSERVE_LOG(INFO) << "router serving model '" << model_id_ << "' (context " << max_context_
+                      << ", block size " << opts_.block_size << ", policy " << opts_.policy
+                      << ") on http :" << http_->port() << ", control :" << control_->port()
+                      << (metrics_http_ ? ", metrics :" + std::to_string(metrics_http_->port())
+                                        : "");
+    return Status::Ok();
+  }
+
+  void Stop() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stopping_) return;
+      stopping_ = true;
+    }
+    watchdog_cv_.notify_all();
+    if (watchdog_.joinable()) watchdog_.join();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      std::vector<uint64_t> ids;
+      for (auto& [id, _] : inflight_) ids.push_back(id);
+      for (uint64_t id : ids) FailLocked(id, 503, "the router is shutting down", "server_error");
+    }
+    if (http_) http_->Stop();
+    if (metrics_http_) metrics_http_->Stop();
+    if (control_) control_->Stop("router stopping");
+    control_.reset();
+    loop_.reset();
+  }
+
+  ~RouterServiceImpl() override { Stop(); }
+
+  int http_port() const override { return http_ ? http_->port() : 0; }
+  int control_port() const override { return control_ ? control_->port() : 0; }
+  int metrics_port() const override { return metrics_http_ ? metrics_http_->port() : http_port(); }
+
+ private:
+  // ---------------------------------------------------------------- HTTP side
+  void HandleHttp(const http::Request& req, std::shared_ptr<http::Exchange> ex) {
+    if (!metrics_http_ &&
+        metrics::ServeStandardEndpoints(req, *ex, *registry_, [] { return metrics::Health{}; })) {
+      return;
+    }
+    if (req.path == "/health") {  // metrics on their own port: health stays here too
+      ex->Reply({200, "application/json", {}, R"({"status":"ok"})"});
+      return;
+    }
+    if (req.path == "/ready") {
+      const bool ready = HasDecodeWorker();
+      http::Response r;
+      r.status = ready ? 200 : 503;
+      r.body = nlohmann::json{{"ready", ready}, {"decode_workers", CountWorkers(true)}}.dump();
+      if (!ready) r.headers.emplace_back("Retry-After", "1");
+      ex->Reply(std::move(r));
+      return;
+    }
+    const bool is_api = req.path.rfind("/v1/", 0) == 0;
+    if (is_api && !api_keys_.empty() && !AuthorizeBearer(req.Header("authorization"), api_keys_)) {
+      ex->Reply(http::ErrorResponse(
+          401, "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
+          "invalid_request_error", "", "invalid_api_key"));
+      CountRequest("unauthorized");
+      return;
+    }
+    if (req.path == "/v1/models") {
+      if (req.method != "GET") return ex->Reply(http::ErrorResponse(405, "use GET for /v1/models"));
+      nlohmann::json model = {{"id", model_id_},          {"object", "model"},
+                              {"created", started_unix_}, {"owned_by", "pdserve"},
+                              {"root", model_id_},        {"max_model_len", max_context_}};
+      ex->Reply({200,
+                 "application/json",
+                 {},
+                 nlohmann::json{{"object", "list"}, {"data", {model}}}.dump()});
+      return;
+    }
+    if (req.path == "/v1/completions" || req.path == "/v1/chat/completions") {
+      if (req.method != "POST")
+        return ex->Reply(http::ErrorResponse(405, "use POST for " + req.path));
+      HandleGenerate(
+          req, std::move(ex),
+          req.path == "/v1/completions" ? Endpoint::kCompletions : Endpoint::kChatCompletions);
+      return;
+    }
+    ex->Reply(http::ErrorResponse(404, "no such endpoint: " + req.method + " " + req.path,
+                                  "invalid_request_error", "", "not_found"));
+  }
+
+  void HandleGenerate(const http::Request& req, std::shared_ptr<http::Exchange> ex,
+                      Endpoint endpoint) {
+    const auto arrived = Clock::now();
+    auto r = std::make_unique<Inflight>();
+    r->arrived = arrived;
+    r->deadline = arrived + std::chrono::milliseconds(opts_.request_timeout_ms);
+    r->exchange = ex;
+    r->api = std::make_unique<ApiRequest>();
+    std::string rid(req.Header("x-request-id"));
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      r->id = next_id_++;
+      if (rid.empty()) rid = RandomHex(rng_, 32);
+      r->request_id =
+          (endpoint == Endpoint::kCompletions ? "cmpl-" : "chatcmpl-") + RandomHex(rng_, 24);
+    }
+    r->http_request_id = rid;
+    auto reject = [&](const ApiError& e, const char* status) {
+      http::Response resp = e.ToResponse();
+      resp.headers.emplace_back("x-request-id", rid);
+      ex->Reply(std::move(resp));
+      CountRequest(status);
+      PDSERVE_LOG(INFO) << "request " << rid << " " << req.path << " rejected " << e.status << ": "
+                        << e.message;
+    };
+    if (auto err = ParseRequest(endpoint, req.body, limits_, r->api.get()))
+      return reject(*err, "rejected");
+    ApiRequest& api = *r->api;
+
+    // Tokenize.
+    if (endpoint == Endpoint::kChatCompletions) {
+      if (!chat_template_) {
+        return reject({400, "this model has no chat template; use /v1/completions",
+                       "invalid_request_error", "messages", ""},
+                      "rejected");
+      }
+      auto text = RenderChat(*chat_template_, api.messages, api.add_generation_prompt,
+                             tokenizer_->bos_token(), tokenizer_->eos_token());
+      if (!text.ok()) {
+        return reject({400, "the chat template rejected the messages: " + text.status().message(),
+                       "invalid_request_error", "messages", ""},
+                      "rejected");
+      }
+      r->prompt_text = *text;
+      r->prompt_ids = tokenizer_->Encode(*text, /*add_special_tokens=*/false);
+    } else if (api.prompt_text) {
+      r->prompt_text = *api.prompt_text;
+      r->prompt_ids = tokenizer_->Encode(*api.prompt_text, /*add_special_tokens=*/true);
+    } else {
+      r->prompt_ids = *api.prompt_ids;
+      for (TokenId id : r->prompt_ids) {
+        if (static_cast<size_t>(id) >= tokenizer_->vocab_size()) {
+          return reject({400,
+                         "token id " + std::to_string(id) + " is outside the vocabulary (size " +
+                             std::to_string(tokenizer_->vocab_size()) + ")",
+                         "invalid_request_error", "prompt", ""},
+                        "rejected");
+        }
+      }
+      if (api.echo) r->prompt_text = tokenizer_->Decode(r->prompt_ids, false);
+    }
+    const int64_t prompt_len = static_cast<int64_t>(r->prompt_ids.size());
+    const char* prompt_param = endpoint == Endpoint::kChatCompletions ? "messages" : "prompt";
+    if (prompt_len == 0) {
+      return reject({400, "the prompt is empty after tokenization", "invalid_request_error",
+                     prompt_param, ""},
+                    "rejected");
+    }
+    if (prompt_len >= max_context_) {
+      return reject(
+          {400,
+           "This model's maximum context length is " + std::to_string(max_context_) +
+               " tokens. However, your prompt has " + std::to_string(prompt_len) + " tokens.",
+           "invalid_request_error", prompt_param, "context_length_exceeded"},
+          "rejected");
+    }
+    const int64_t room = max_context_ - prompt_len;
+    int64_t max_tokens =
+        api.max_tokens ? *api.max_tokens : (endpoint == Endpoint::kCompletions ? 16 : room);
+    if (api.max_tokens && max_tokens > room) {
+      return reject(
+          {400,
+           "This model's maximum context length is " + std::to_string(max_context_) +
+               " tokens. However, you requested " + std::to_string(prompt_len + max_tokens) +
+               " tokens (" + std::to_string(prompt_len) + " in the prompt, " +
+               std::to_string(max_tokens) + " for the completion).",
+           "invalid_request_error", "max_tokens", "context_length_exceeded"},
+          "rejected");
+    }
+    max_tokens = std::min(max_tokens, room);
+    api.sampling.max_tokens = static_cast<int>(max_tokens);
+    if (Status st = ValidateSamplingParams(api.sampling, tokenizer_->vocab_size()); !st.ok()) {
+      return reject({400, st.message(), "invalid_request_error", "", ""}, "rejected");
+    }
+    const BlockHash seed = BlockHashSeed(model_id_, api.cache_salt);
+    r->hashes = HashPrompt(seed, r->prompt_ids, static_cast<size_t>(opts_.block_size));
+    r->formatter = std::make_unique<ResponseFormatter>(api, r->request_id, UnixSeconds());
+    metrics_.route_seconds.Observe(SecondsSince(arrived));
+
+    const uint64_t id = r->id;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stopping_)
+        return reject({503, "the router is shutting down", "server_error", "", ""}, "unavailable");
+      inflight_.emplace(id, std::move(r));
+      metrics_.inflight.Increment();
+      DispatchLocked(id);
+    }
+    // Outside the lock: the callback runs at once if the client already left.
+    ex->OnClientGone([this, id] {
+      std::lock_guard<std::mutex> lock(mu_);
+      CancelLocked(id, "client disconnected");
+    });
+  }
+
+  // Routes and sends Generate; on failure answers the client. Requires mu_.
+  void DispatchLocked(uint64_t id) {
+    auto it = inflight_.find(id);
+    if (it == inflight_.end()) return;
+    Inflight& r = *it->second;
+    while (true) {
+      if (r.attempts >= opts_.max_attempts) {
+        return FailLocked(
+            id, 503,
+            "no worker could serve the request after " + std::to_string(r.attempts) + " attempts",
+            "server_error");
+      }
+      ++r.attempts;
+      RouteRequest rr;
+      rr.request_id = id;
+      rr.block_hashes = r.hashes;
+      rr.prompt_tokens = static_cast<int64_t>(r.prompt_ids.size());
+      rr.max_new_tokens = r.api->sampling.max_tokens;
+      auto decision = core_->Route(rr);
+      if (!decision.ok()) {
+        return FailLocked(id, 503, "no decode worker is available: " + decision.status().message(),
+                          "server_error",
+                          /*retry_after=*/true);
+      }
+      auto decode_link = LinkOf(decision->decode);
+      if (!decode_link) {
+        core_->OnRequestFinished(id);
+        continue;
+      }
+      proto::Envelope env;
+      proto::Generate* g = env.mutable_generate();
+      g->set_request_id(std::to_string(id));
+      for (TokenId t : r.prompt_ids) g->add_prompt_token_ids(t);
+      ToProto(r.api->sampling, g->mutable_sampling());
+      g->set_cache_salt(r.api->cache_salt);
+      if (decision->prefill) {
+        if (auto p = LinkOf(*decision->prefill)) {
+          g->set_prefill_worker_id(p->name);
+          g->set_prefill_address(p->control_address);
+        }
+      }
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(r.deadline - Clock::now()).count();
+      g->set_deadline_ms(static_cast<uint32_t>(std::max<int64_t>(1, left)));
+      if (Status st = decode_link->conn->Send(std::move(env)); !st.ok()) {
+        PDSERVE_LOG(WARN) << "request " << r.http_request_id << ": send to " << decode_link->name
+                          << " failed: " << st.message();
+        core_->OnRequestFinished(id);
+        continue;
+      }
+      r.decode = decision->decode;
+      r.prefill = decision->prefill;
+      metrics_.prompt_tokens.Increment(static_cast<double>(r.prompt_ids.size()));
+      const int64_t overlap =
+          decision->prefill ? decision->prefill_overlap_blocks : decision->decode_overlap_blocks;
+      metrics_.predicted_hit_tokens.Increment(static_cast<double>(overlap * opts_.block_size));
+      metrics_.decisions.Add({{"kind", decision->prefill ? "remote_prefill" : "local_prefill"}})
+          .Increment();
+      if (r.attempts > 1) metrics_.retries.Increment();
+      return;
+    }
+  }
+
+  // ------------------------------------------------------------ control side
+  void OnControl(const control::ConnectionPtr& c, proto::Envelope& e) {
+    std::lock_guard<std::mutex> lock(mu_);
+    WorkerLink& link = links_[c->id()];
+    link.conn = c;
+    switch (e.body_case()) {
+      case proto::Envelope::kRegistration:
+        return OnRegisterLocked(link, e.registration());
+      case proto::Envelope::kLoad: {
+        if (!link.id) return;
+        const auto& l = e.load();
+        WorkerLoad load;
+        load.queued_prefill_tokens = static_cast<int64_t>(l.queued_prefill_tokens());
+        load.running = l.running_requests();
+        load.waiting = l.waiting_requests();
+        load.free_blocks = static_cast<int64_t>(l.free_blocks());
+        load.total_blocks = static_cast<int64_t>(l.total_blocks());
+        (void)core_->OnLoad(*link.id, load);
+        return;
+      }
+      case proto::Envelope::kKvEvents:
+        return OnKvEventsLocked(link, e.kv_events());
+      case proto::Envelope::kKvSnapshot: {
+        if (!link.id) return;
+        const auto& s = e.kv_snapshot();
+        if (s.chunk_index() == 0) link.snapshot.clear();
+        link.snapshot.insert(link.snapshot.end(), s.block_hashes().begin(), s.block_hashes().end());
+        if (s.last_chunk()) {
+          Status st = core_->OnSnapshot(*link.id, s.sequence(), link.snapshot);
+          if (!st.ok())
+            PDSERVE_LOG(WARN) << "worker " << link.name << ": snapshot refused: " << st.message();
+          link.synced = st.ok();
+          PDSERVE_LOG(INFO) << "worker " << link.name << " synced: " << link.snapshot.size()
+                            << " cached blocks at sequence " << s.sequence();
+          link.snapshot.clear();
+          link.snapshot.shrink_to_fit();
+          UpdateWorkerGaugesLocked();
+        }
+        return;
+      }
+      case proto::Envelope::kToken:
+        return OnTokenLocked(e.token());
+      case proto::Envelope::kFinished:
+        return OnFinishedLocked(e.finished());
+      case proto::Envelope::kError:
+        return OnRequestErrorLocked(link, e.error());
+      case proto::Envelope::kGoodbye:
+        if (e.goodbye().drain()) {
+          PDSERVE_LOG(INFO) << "worker " << link.name << " is draining: " << e.goodbye().reason();
+          link.synced = false;  // no new requests; running ones finish
+          if (link.id) core_->SetDraining(*link.id, true);
+          UpdateWorkerGaugesLocked();
+        }
+        return;
+      default:
+        PDSERVE_LOG(WARN) << "worker " << link.name << " sent an unexpected message (field "
+                          << static_cast<int>(e.body_case()) << "); ignored";
+    }
+  }
+
+  void RefuseLocked(WorkerLink& link, const std::string& why) {
+    PDSERVE_LOG(WARN) << "refusing worker '" << link.name << "' from "
+                      << link.conn->remote_address() << ": " << why;
+    proto::Envelope env;
+    env.mutable_error()->set_code(proto::ERROR_CODE_INVALID_ARGUMENT);
+    env.mutable_error()->set_message(why);
+    (void)link.conn->Send(std::move(env));
+    // Closed from a fresh loop turn: Close may complete inline, and its
+    // on_close takes mu_, which the caller holds.
+    loop_->Post([conn = link.conn, why] { conn->Close(why); });
+  }
+
+  void OnRegisterLocked(WorkerLink& link, const proto::Register& reg) {
+    link.name = reg.worker_id();
+    if (link.id) return RefuseLocked(link, "Register sent twice on one connection");
+    auto role = FromProtoRole(reg.role());
+    if (!role) return RefuseLocked(link, "worker role must be prefill, decode or both");
+    if (reg.model_id() != model_id_) {
+      return RefuseLocked(link, "model_id: '" + reg.model_id() + "' on the worker, '" + model_id_ +
+                                    "' on the router");
+    }
+    if (static_cast<int64_t>(reg.block_size()) != opts_.block_size) {
+      return RefuseLocked(link, "block_size: " + std::to_string(reg.block_size()) +
+                                    " on the worker, " + std::to_string(opts_.block_size) +
+                                    " on the router");
+    }
+    if (reg.hash_version() != kBlockHashVersion) {
+      return RefuseLocked(link, "hash_version: " + std::to_string(reg.hash_version()) +
+                                    " on the worker, " + std::to_string(kBlockHashVersion) +
+                                    " on the router");
+    }
+    auto id = core_->AddWorker(reg.worker_id(), *role);
+    if (!id.ok()) return RefuseLocked(link, id.status().message());
+    link.id = *id;
+    link.role = *role;
+    link.control_address = reg.control_address();
+    by_worker_[*id] = link.conn->id();
+    PDSERVE_LOG(INFO) << "worker " << link.name << " registered: role " << WorkerRoleName(*role)
+                      << ", " << reg.kv_capacity_blocks() << " KV blocks, control "
+                      << reg.control_address();
+    proto::Envelope env;
+    env.mutable_resync()->set_reason("new connection");
+    (void)link.conn->Send(std::move(env));
+    UpdateWorkerGaugesLocked();
+  }
+
+  void OnKvEventsLocked(WorkerLink& link, const proto::KvEvents& ev) {
+    if (!link.id) return;
+    KvEventBatch batch;
+    batch.seq = ev.sequence();
+    batch.events.reserve(static_cast<size_t>(ev.events_size()));
+    for (const auto& pe : ev.events()) {
+      KvEvent k;
+      switch (pe.kind_case()) {
+        case proto::KvEvent::kStored:
+          k.kind = KvEvent::Kind::kStored;
+          k.hashes.assign(pe.stored().block_hashes().begin(), pe.stored().block_hashes().end());
+          if (pe.stored().has_parent_hash()) k.parent = pe.stored().parent_hash();
+          break;
+        case proto::KvEvent::kRemoved:
+          k.kind = KvEvent::Kind::kRemoved;
+          k.hashes.assign(pe.removed().block_hashes().begin(), pe.removed().block_hashes().end());
+          break;
+        case proto::KvEvent::kCleared:
+          k.kind = KvEvent::Kind::kCleared;
+          break;
+        default:
+          continue;
+      }
+      batch.events.push_back(std::move(k));
+    }
+    const ApplyOutcome out = core_->OnKvEvents(*link.id, batch);
+    if (out == ApplyOutcome::kNeedsResync && link.synced) {
+      link.synced = false;
+      metrics_.event_gaps.Increment();
+      PDSERVE_LOG(WARN) << "worker " << link.name << ": KV event gap at sequence " << batch.seq
+                        << "; resyncing";
+      proto::Envelope env;
+      env.mutable_resync()->set_reason("sequence gap");
+      (void)link.conn->Send(std::move(env));
+      UpdateWorkerGaugesLocked();
+    }
+  }
+
+  void OnWorkerClosed(const control::ConnectionPtr& c, const Status& why) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = links_.find(c->id());
+    if (it == links_.end()) return;
+    WorkerLink link = std::move(it->second);
+    links_.erase(it);
+    if (!link.id) return;
+    by_worker_.erase(*link.id);
+    std::vector<uint64_t> orphans = core_->RemoveWorker(*link.id);
+    PDSERVE_LOG(WARN) << "worker " << link.name << " disconnected (" << why.message()
+                      << "); index purged, " << orphans.size() << " request(s) affected";
+    // Requests whose prefill worker died stay with their decode worker, which
+    // falls back to local prefill; only those it was decoding move elsewhere.
+    for (uint64_t id : orphans) {
+      auto it = inflight_.find(id);
+      if (it == inflight_.end() || it->second->decode != link.id) continue;
+      RetryOrFailLocked(id, "worker " + link.name + " disconnected");
+    }
+    UpdateWorkerGaugesLocked();
+  }
+
+  void RetryOrFailLocked(uint64_t id, const std::string& why) {
+    auto it = inflight_.find(id);
+    if (it == inflight_.end()) return;
+    Inflight& r = *it->second;
+    if (!r.first_token_seen && !stopping_) {
+      PDSERVE_LOG(INFO) << "request " << r.http_request_id << ": " << why
+                        << " before the first token; retrying";
+      r.decode.reset();
+      r.prefill.reset();
+      return DispatchLocked(id);
+    }
+    FailLocked(id, 503, why + " during generation", "server_error");
+  }
+
+  void OnTokenLocked(const proto::Token& t) {
+    auto it = inflight_.find(ParseId(t.request_id()));
+    if (it == inflight_.end()) return;  // cancelled or finished meanwhile
+    Inflight& r = *it->second;
+    if (!r.first_token_seen) {
+      r.first_token_seen = true;
+      r.ttft_s = SecondsSince(r.arrived);
+      metrics_.ttft.Observe(r.ttft_s);
+      core_->OnPrefillDone(r.id);
+      if (r.api->stream) {
+        r.exchange->BeginStream(200, "text/event-stream", {{"x-request-id", r.http_request_id}});
+        r.started_stream = true;
+        r.exchange->Write(r.formatter->StreamStart());
+      }
+    }
+    std::vector<TokenPiece> pieces;
+    for (int i = 0; i < t.token_ids_size(); ++i) {
+      TokenPiece p;
+      p.token = t.token_ids(i);
+      if (r.api->sampling.logprobs) {
+        p.token_text = tokenizer_->Decode(std::span<const TokenId>(&p.token, 1), false);
+        if (i < t.logprobs_size()) p.logprob = t.logprobs(i);
+        if (i < t.top_logprobs_size()) {
+          const auto& top = t.top_logprobs(i);
+          for (int k = 0; k < top.token_ids_size() && k < top.logprobs_size(); ++k) {
+            TokenId tid = top.token_ids(k);
+            p.top_logprobs.emplace_back(
+                tokenizer_->Decode(std::span<const TokenId>(&tid, 1), false), top.logprobs(k));
+          }
+        }
+      }
+      if (!t.has_text()) {
+        if (!r.detok) r.detok = std::make_unique<IncrementalDetokenizer>(*tokenizer_, true);
+        p.text = r.detok->Push(p.token);
+      }
+      pieces.push_back(std::move(p));
+    }
+    if (t.has_text() && !pieces.empty()) pieces.back().text = t.text();
+    r.completion_tokens += pieces.size();
+    if (r.api->stream) {
+      std::string event = r.formatter->StreamDelta(pieces);
+      if (!event.empty()) r.exchange->Write(std::move(event));
+    } else {
+      for (auto& p : pieces) r.pieces.push_back(std::move(p));
+    }
+  }
+
+  void OnFinishedLocked(const proto::Finished& f) {
+    auto it = inflight_.find(ParseId(f.request_id()));
+    if (it == inflight_.end()) return;
+    Inflight& r = *it->second;
+    if (f.reason() == proto::FINISH_REASON_CANCELLED) return;  // our own Cancel echoed back
+    Usage usage;
+    usage.prompt_tokens = f.usage().prompt_tokens();
+    usage.completion_tokens = f.usage().completion_tokens();
+    usage.cached_tokens = f.usage().cached_tokens();
+    const char* finish = FinishName(f.reason());
+    if (r.detok) {
+      // Text held back by the router-side detokenizer ends the output.
+      std::string tail = r.detok->Flush();
+      if (!tail.empty()) {
+        TokenPiece p;
+        p.text = std::move(tail);
+        if (r.api->stream) {
+          r.exchange->Write(r.formatter->StreamDelta({p}));
+        } else {
+          r.pieces.push_back(std::move(p));
+        }
+      }
+    }
+    if (r.api->stream) {
+      if (!r.started_stream) {
+        r.exchange->BeginStream(200, "text/event-stream", {{"x-request-id", r.http_request_id}});
+        r.exchange->Write(r.formatter->StreamStart());
+      }
+      r.exchange->Write(r.formatter->StreamFinish(finish, usage));
+      r.exchange->End();
+    } else {
+      http::Response resp;
+      resp.body = r.formatter->Complete(r.prompt_text, r.pieces, finish, usage).dump();
+      resp.headers.emplace_back("x-request-id", r.http_request_id);
+      r.exchange->Reply(std::move(resp));
+    }
+    PDSERVE_LOG(INFO) << "request " << r.http_request_id << " ok: prompt " << usage.prompt_tokens
+                      << " (cached " << usage.cached_tokens << "), completion "
+                      << usage.completion_tokens << ", finish " << finish << ", decode "
+                      << WorkerName(r.decode)
+                      << (r.prefill ? ", prefill " + WorkerName(r.prefill)
+                                    : std::string(", local prefill"))
+                      << ", ttft " << r.ttft_s << "s, total " << SecondsSince(r.arrived)
+                      << "s, attempts " << r.attempts;
+    FinishLocked(r.id, "ok");
+  }
+
+  void OnRequestErrorLocked(WorkerLink& link, const proto::Error& e) {
+    const uint64_t id = ParseId(e.request_id());
+    auto it = inflight_.find(id);
+    if (it == inflight_.end()) return;
+    PDSERVE_LOG(WARN) << "worker " << link.name << " failed request " << it->second->http_request_id
+                      << ": " << e.message();
+    core_->OnRequestFinished(id);
+    if (e.retryable()) return RetryOrFailLocked(id, "worker " + link.name + ": " + e.message());
+    const int status = e.code() == proto::ERROR_CODE_INVALID_ARGUMENT ? 400 : 500;
+    FailLocked(id, status, e.message(), status == 400 ? "invalid_request_error" : "server_error");
+  }
+
+  // ------------------------------------------------------- request endings
+  void FailLocked(uint64_t id, int status, const std::string& message, const std::string& type,
+                  bool retry_after = false) {
+    auto it = inflight_.find(id);
+    if (it == inflight_.end()) return;
+    Inflight& r = *it->second;
+    ApiError err{status, message, type, "", ""};
+    if (r.started_stream) {
+      r.exchange->Write(ResponseFormatter::StreamError(err));
+      r.exchange->End();
+    } else {
+      http::Response resp = err.ToResponse();
+      resp.headers.emplace_back("x-request-id", r.http_request_id);
+      if (retry_after) resp.headers.emplace_back("Retry-After", "1");
+      r.exchange->Reply(std::move(resp));
+    }
+    PDSERVE_LOG(INFO) << "request " << r.http_request_id << " failed " << status << ": " << message;
+    if (r.decode) SendCancelLocked(r, message);
+    FinishLocked(id, status >= 500 ? "error" : "rejected");
+  }
+
+  void CancelLocked(uint64_t id, const std::string& why) {
+    auto it = inflight_.find(id);
+    if (it == inflight_.end()) return;
+    Inflight& r = *it->second;
+    PDSERVE_LOG(INFO) << "request " << r.http_request_id << " cancelled: " << why;
+    if (r.decode) SendCancelLocked(r, why);
+    FinishLocked(id, "cancelled");
+  }
+
+  void SendCancelLocked(Inflight& r, const std::string& why) {
+    if (auto link = LinkOf(*r.decode)) {
+      proto::Envelope env;
+      env.mutable_cancel()->set_request_id(std::to_string(r.id));
+      env.mutable_cancel()->set_reason(why);
+      (void)link->conn->Send(std::move(env));
+    }
+  }
+
+  void FinishLocked(uint64_t id, const char* status) {
+    auto it = inflight_.find(id);
+    if (it == inflight_.end()) return;
+    metrics_.e2e.Observe(SecondsSince(it->second->arrived));
+    core_->OnRequestFinished(id);
+    inflight_.erase(it);
+    metrics_.inflight.Decrement();
+    CountRequest(status);
+  }
+
+  // Deadlines and periodic gauges.
+  void Watchdog() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!stopping_) {
+      watchdog_cv_.wait_for(lock, std::chrono::milliseconds(250));
+      if (stopping_) break;
+      const auto now = Clock::now();
+      std::vector<uint64_t> expired;
+      for (auto& [id, r] : inflight_) {
+        if (now > r->deadline) expired.push_back(id);
+      }
+      for (uint64_t id : expired)
+        FailLocked(id, 504, "the request exceeded its deadline", "timeout");
+      const RouterStats s = core_->stats();
+      metrics_.index_blocks.Set(static_cast<double>(s.index.entries));
+      metrics_.index_bytes.Set(static_cast<double>(s.index.bytes));
+    }
+  }
+
+  // ------------------------------------------------------------ helpers
+  WorkerLink* LinkOf(WorkerId w) {
+    auto it = by_worker_.find(w);
+    if (it == by_worker_.end()) return nullptr;
+    auto l = links_.find(it->second);
+    return l == links_.end() ? nullptr : &l->second;
+  }
+
+  std::string WorkerName(std::optional<WorkerId> w) {
+    if (!w) return "-";
+    auto* l = LinkOf(*w);
+    return l ? l->name : "gone";
+  }
+
+  static uint64_t ParseId(const std::string& s) {
+    uint64_t v = 0;
+    for (char c : s) {
+      if (c < '0' || c > '9') return 0;
+      v = v * 10 + static_cast<uint64_t>(c - '0');
+    }
+    return v;
+  }
+
+  bool HasDecodeWorker() { return CountWorkers(true) > 0; }
+
+  int CountWorkers(bool decode_capable_synced) {
+    std::lock_guard<std::mutex> lock(mu_);
+    int n = 0;
+    for (auto& [_, l] : links_) {
+      if (!l.id) continue;
+      if (decode_capable_synced && (l.role == WorkerRole::kPrefill || !l.synced)) continue;
+      ++n;
+    }
+    return n;
+  }
+
+  void UpdateWorkerGaugesLocked() {
+    for (const char* role : {"prefill", "decode", "both"}) {
+      for (const char* state : {"ready", "syncing"})
+        metrics_.workers.Add({{"role", role}, {"state", state}}).Set(0);
+    }
+    for (auto& [_, l] : links_) {
+      if (!l.id) continue;
+      metrics_.workers
+          .Add({{"role", WorkerRoleName(l.role)}, {"state", l.synced ? "ready" : "syncing"}})
+          .Increment();
+    }
+  }
+
+  void CountRequest(const char* status) { metrics_.requests.Add({{"status", status}}).Increment(); }
+
+  RouterServiceOptions opts_;
+  std::unique_ptr<Tokenizer> tokenizer_;
+  std::optional<ChatTemplate> chat_template_;
+  int64_t max_context_ = 0;
+  std::string model_id_;
+  std::vector<std::string> api_keys_;
+  ApiLimits limits_;
+  std::unique_ptr<RouterCore> core_;
+  std::shared_ptr<prometheus::Registry> registry_ = std::make_shared<prometheus::Registry>();
+  RouterMetrics metrics_{*registry_};
+  const int64_t started_unix_ = UnixSeconds();
+
+  std::unique_ptr<control::EventLoop> loop_;
+  std::unique_ptr<control::Server> control_;
+  std::unique_ptr<http::Server> http_;
+  std::unique_ptr<http::Server> metrics_http_;
+  std::thread watchdog_;
+  std::condition_variable watchdog_cv_;
+
+  std::mutex mu_;  // everything below
+  bool stopping_ = false;
+  std::mt19937_64 rng_;
+  uint64_t next_id_ = 1;
+  std::unordered_map<uint64_t, WorkerLink> links_;    // by connection id
+  std::unordered_map<WorkerId, uint64_t> by_worker_;  // worker → connection id
+  std::unordered_map<uint64_t, std::unique_ptr<Inflight>> inflight_;
+};
+
+}  // namespace
+
+StatusOr<std::unique_ptr<RouterService>> RouterService::Create(RouterServiceOptions options) {
+  auto service = std::make_unique<RouterServiceImpl>(std::move(options));
+  PDSERVE_RETURN_IF_ERROR(service->Init());
+  return std::unique_ptr<RouterService>(std::move(service));
+}
+
+}  // namespace pdserve::router

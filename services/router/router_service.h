@@ -1,0 +1,57 @@
+// The router process: OpenAI HTTP API in front, control-plane server behind.
+//
+// Workers connect to the control port, Register, and keep the router's
+// prefix index and load view current with KV events and Load reports. Each
+// HTTP request is tokenized (chat template for chat), hashed (spec v1),
+// routed by RouterCore, sent to the chosen decode worker as Generate (naming a
+// prefill worker for remote prefill), and its tokens are streamed back.
+//
+// Failure contract: a worker that dies or fails a request before the first
+// token reached the client → the request is retried on another worker,
+// transparently; after the first token → the stream ends with an error event.
+// A client that disconnects → Cancel is sent to the worker. Nothing hangs:
+// every request also has a deadline.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "common/status.h"
+
+namespace pdserve::router {
+
+struct RouterServiceOptions {
+  std::string model_dir;  // tokenizer.json, tokenizer_config.json, config.json
+  std::string model_id;   // served name; "" = the model folder's name
+  std::string host = "0.0.0.0";
+  int http_port = 8000;     // 0: any free port
+  int control_port = 9000;  // 0: any free port
+  int metrics_port = -1;    // -1: /metrics on the HTTP port
+  std::string policy = "kv";
+  double policy_temperature = 0;  // softmax temperature of the kv policy (0: argmin)
+  int64_t max_local_prefill = 512;
+  int64_t block_size = 16;
+  std::string api_key_file;
+  int http_threads = 2;
+  int max_concurrent_requests = 512;
+  size_t max_body_bytes = 4u << 20;
+  size_t max_header_bytes = 16u << 10;
+  int max_attempts = 3;  // dispatches per request (1 + retries)
+  int64_t request_timeout_ms = 600'000;
+};
+
+class RouterService {
+ public:
+  static StatusOr<std::unique_ptr<RouterService>> Create(RouterServiceOptions options);
+  virtual ~RouterService() = default;
+  // Binds the HTTP, metrics and control ports and starts serving.
+  virtual Status Start() = 0;
+  // Fails requests in flight with an error, closes worker connections, stops.
+  virtual void Stop() = 0;
+  virtual int http_port() const = 0;
+  virtual int control_port() const = 0;
+  virtual int metrics_port() const = 0;  // == http_port() when shared
+};
+
+}  // namespace pdserve::router

@@ -1,0 +1,119 @@
+// The official `openai` npm client against a real local stack (router + one
+// prefill + one decode worker on the tiny model). Greedy answers must equal
+// the offline engine's (`pdserve generate`), streamed or not.
+// Usage: node openai_client.mjs PDSERVE_BIN NODE_MODULES_DIR
+import { spawn, execFileSync } from 'node:child_process';
+import { mkdtempSync, rmSync, openSync } from 'node:fs';
+import { createRequire } from 'node:module';
+import os from 'node:os';
+import path from 'node:path';
+import test, { after } from 'node:test';
+import assert from 'node:assert/strict';
+
+const [bin, nodeModules] = process.argv.slice(2);
+const require = createRequire(path.join(nodeModules, 'noop.js'));
+const OpenAI = require('openai').default ?? require('openai');
+
+const dir = mkdtempSync(path.join(os.tmpdir(), 'pdserve-openai-'));
+const model = path.join(dir, 'tiny');
+execFileSync(bin, ['make-model', '--preset', 'tiny', '--out', model]);
+const children = [];
+
+function start(name, args) {
+  const log = path.join(dir, `${name}.log`);
+  const child = spawn(bin, args, { stdio: ['ignore', openSync(log, 'w'), openSync(log, 'a')] });
+  children.push(child);
+  return log;
+}
+
+async function waitFor(fn, what, ms = 60000) {
+  const end = Date.now() + ms;
+  while (Date.now() < end) {
+    const v = await fn();
+    if (v) return v;
+    await new Promise((r) => setTimeout(r, 50));
+  }
+  throw new Error(`timed out waiting for ${what}`);
+}
+
+function readLog(log) {
+  return execFileSync('cat', [log]).toString();
+}
+
+const routerLog = start('router', ['router', '--model', model, '--host', '127.0.0.1', '--port', '0',
+  '--control-port', '0', '--max-local-prefill', '16']);
+const ports = await waitFor(() => readLog(routerLog).match(/on http :(\d+), control :(\d+)/), 'router ports');
+const [httpPort, controlPort] = [ports[1], ports[2]];
+for (const role of ['prefill', 'decode']) {
+  start(role, ['worker', '--role', role, '--model', model, '--router', `127.0.0.1:${controlPort}`,
+    '--host', '127.0.0.1', '--port', '0', '--metrics-port', '0', '--worker-id', `${role}-0`, '--threads', '1',
+    '--transfer-tls', 'tcp', '--kv-cache-bytes', '8MiB', '--max-local-prefill', '16']);
+}
+await waitFor(async () => {
+  try { return (await fetch(`http://127.0.0.1:${httpPort}/ready`)).status === 200; } catch { return false; }
+}, 'router /ready');
+
+const client = new OpenAI({ baseURL: `http://127.0.0.1:${httpPort}/v1`, apiKey: 'unused', maxRetries: 0 });
+const modelId = 'tiny';
+const prompt = 'The quick brown fox jumps over the lazy dog, and then the dog chases the fox around the yard.';
+const offline = JSON.parse(execFileSync(bin, ['generate', '--model', model, '--prompt', prompt,
+  '--max-tokens', '12', '--temperature', '0', '--ignore-eos', '--json', '--threads', '1']).toString());
+
+after(() => {
+  for (const c of children) c.kill('SIGKILL');
+  rmSync(dir, { recursive: true, force: true });
+});
+
+test('models.list names the served model', async () => {
+  const models = await client.models.list();
+  assert.deepEqual(models.data.map((m) => m.id), [modelId]);
+});
+
+test('completions equal the offline engine', async () => {
+  const r = await client.completions.create({ model: modelId, prompt, max_tokens: 12, temperature: 0,
+    ignore_eos: true });
+  assert.equal(r.object, 'text_completion');
+  assert.equal(r.choices[0].text, offline.text);
+  assert.equal(r.usage.prompt_tokens, offline.prompt_token_ids.length);
+  assert.equal(r.usage.completion_tokens, offline.token_ids.length);
+});
+
+test('streamed completions concatenate to the same text, with usage', async () => {
+  const stream = await client.completions.create({ model: modelId, prompt, max_tokens: 12, temperature: 0,
+    ignore_eos: true, stream: true, stream_options: { include_usage: true } });
+  let text = '';
+  let usage = null;
+  let finish = null;
+  for await (const chunk of stream) {
+    if (chunk.choices.length) {
+      text += chunk.choices[0].text;
+      finish = chunk.choices[0].finish_reason ?? finish;
+    }
+    if (chunk.usage) usage = chunk.usage;
+  }
+  assert.equal(text, offline.text);
+  assert.equal(finish, 'length');
+  assert.equal(usage.completion_tokens, 12);
+});
+
+test('chat completions, streamed and not, agree', async () => {
+  const messages = [{ role: 'system', content: 'You are terse.' }, { role: 'user', content: 'Say hello.' }];
+  const r = await client.chat.completions.create({ model: modelId, messages, max_tokens: 10, temperature: 0 });
+  assert.equal(r.object, 'chat.completion');
+  assert.equal(r.choices[0].message.role, 'assistant');
+  const stream = await client.chat.completions.create({ model: modelId, messages, max_tokens: 10,
+    temperature: 0, stream: true });
+  let text = '';
+  for await (const chunk of stream) text += chunk.choices[0]?.delta?.content ?? '';
+  assert.equal(text, r.choices[0].message.content);
+  assert.ok(r.usage.prompt_tokens > 0);
+});
+
+test('bad requests surface as OpenAI errors', async () => {
+  await assert.rejects(
+    client.completions.create({ model: 'no-such-model', prompt: 'x' }),
+    (e) => e.status === 404 && /does not exist/.test(e.message));
+  await assert.rejects(
+    client.completions.create({ model: modelId, prompt: 'x', temperature: -1 }),
+    (e) => e.status === 400 && e.error?.param === 'temperature');
+});

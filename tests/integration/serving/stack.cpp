@@ -1,0 +1,100 @@
+#include "tests/integration/serving/stack.h"
+
+#include <gtest/gtest.h>
+
+#include <regex>
+#include <sstream>
+
+#include "tests/support/test_models.h"
+
+namespace pdserve::testing {
+
+const std::string& LocalStack::Model() {
+  static const std::string dir = [] {
+    std::string d = NewTempDir("stack-model") + "/tiny";
+    CommandResult r = RunCommand({kPdserve, "make-model", "--preset", "tiny", "--out", d});
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    return d;
+  }();
+  return dir;
+}
+
+void LocalStack::StartRouter(const std::vector<std::string>& extra) {
+  dir_ = NewTempDir(name_);
+  std::vector<std::string> argv = {kPdserve,    "router", "--model", Model(),          "--host",
+                                   "127.0.0.1", "--port", "0",       "--control-port", "0"};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  router_ = ChildProcess::Start(argv, dir_ + "/router.log");
+  auto ports =
+      router_.WaitForLog(std::regex(R"(on http :(\d+), control :\d+)"), std::chrono::seconds(60));
+  ASSERT_TRUE(ports) << router_.Log();
+  http_port_ = std::stoi(*ports);
+  control_port_ =
+      std::stoi(*router_.WaitForLog(std::regex(R"(control :(\d+))"), std::chrono::seconds(5)));
+}
+
+WorkerProc& LocalStack::StartWorker(const std::string& role,
+                                    const std::vector<std::string>& extra) {
+  auto w = std::make_unique<WorkerProc>();
+  w->id = role + std::to_string(workers_.size());
+  w->role = role;
+  std::vector<std::string> argv = {kPdserve,           "worker",
+                                   "--role",           role,
+                                   "--model",          Model(),
+                                   "--router",         "127.0.0.1:" + std::to_string(control_port_),
+                                   "--host",           "127.0.0.1",
+                                   "--port",           "0",
+                                   "--metrics-port",   "0",
+                                   "--worker-id",      w->id,
+                                   "--threads",        "1",
+                                   "--transfer-tls",   "tcp",
+                                   "--kv-cache-bytes", "8MiB"};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  w->proc = ChildProcess::Start(argv, dir_ + "/" + w->id + ".log");
+  auto port = w->proc.WaitForLog(std::regex(R"(metrics :(\d+))"), std::chrono::seconds(60));
+  EXPECT_TRUE(port) << w->proc.Log();
+  if (port) w->metrics_port = std::stoi(*port);
+  // Registered and synced at the router.
+  EXPECT_TRUE(
+      router_.WaitForLog(std::regex("worker " + w->id + " synced"), std::chrono::seconds(30)))
+      << router_.Log() << w->proc.Log();
+  workers_.push_back(std::move(w));
+  return *workers_.back();
+}
+
+bool LocalStack::WaitReady(std::chrono::milliseconds timeout) {
+  return WaitForHttpStatus(http_port_, "/ready", 200, timeout);
+}
+
+std::pair<int, nlohmann::json> LocalStack::Post(const std::string& path,
+                                                const nlohmann::json& body) {
+  HttpResult r = HttpRequest(http_port_, "POST", path, body.dump());
+  nlohmann::json j = nlohmann::json::parse(r.body, nullptr, false);
+  if (j.is_discarded()) j = nullptr;
+  return {r.status, j};
+}
+
+double LocalStack::Metric(int port, const std::string& name, const std::string& labels) {
+  HttpResult r = HttpRequest(port, "GET", "/metrics");
+  std::istringstream in(r.body);
+  double sum = 0;
+  for (std::string line; std::getline(in, line);) {
+    if (line.empty() || line[0] == '#') continue;
+    if (line.compare(0, name.size(), name) != 0) continue;
+    const char next = line.size() > name.size() ? line[name.size()] : ' ';
+    if (next != ' ' && next != '{') continue;  // a longer metric name
+    if (!labels.empty() && line.find(labels) == std::string::npos) continue;
+    sum += std::stod(line.substr(line.rfind(' ') + 1));
+  }
+  return sum;
+}
+
+nlohmann::json Generate(const std::string& prompt, int max_tokens) {
+  CommandResult r = RunCommand({kPdserve, "generate", "--model", LocalStack::Model(), "--prompt",
+                                prompt, "--max-tokens", std::to_string(max_tokens), "--temperature",
+                                "0", "--ignore-eos", "--json", "--threads", "1"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  return nlohmann::json::parse(r.out, nullptr, false);
+}
+
+}  // namespace pdserve::testing

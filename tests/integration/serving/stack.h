@@ -1,0 +1,64 @@
+// A local serving stack of real processes for end-to-end tests: one router
+// and any number of prefill/decode workers on loopback, on the tiny model.
+#pragma once
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "tests/support/http_client.h"
+#include "tests/support/process.h"
+
+namespace pdserve::testing {
+
+inline const std::string kPdserve = PDSERVE_BIN_PATH;
+
+struct WorkerProc {
+  std::string id;
+  std::string role;
+  int metrics_port = 0;
+  ChildProcess proc;
+};
+
+class LocalStack {
+ public:
+  // Writes the tiny model once per test binary.
+  static const std::string& Model();
+
+  explicit LocalStack(std::string name) : name_(std::move(name)) {}
+
+  // Starts the router; extra flags are appended.
+  void StartRouter(const std::vector<std::string>& extra = {});
+  // Starts a worker and waits until the router lists it as synced.
+  WorkerProc& StartWorker(const std::string& role, const std::vector<std::string>& extra = {});
+  // Waits for /ready.
+  bool WaitReady(std::chrono::milliseconds timeout = std::chrono::seconds(60));
+
+  int http_port() const { return http_port_; }
+  int control_port() const { return control_port_; }
+  ChildProcess& router() { return router_; }
+  std::vector<std::unique_ptr<WorkerProc>>& workers() { return workers_; }
+
+  // POST helper: parsed JSON body (null when not JSON) plus the status.
+  std::pair<int, nlohmann::json> Post(const std::string& path, const nlohmann::json& body);
+  // One metric value scraped from `port` (sum over label sets matching `labels`).
+  static double Metric(int port, const std::string& name, const std::string& labels = "");
+
+ private:
+  std::string name_;
+  std::string dir_;
+  ChildProcess router_;
+  int http_port_ = 0;
+  int control_port_ = 0;
+  std::vector<std::unique_ptr<WorkerProc>> workers_;
+};
+
+// `pdserve generate --json` for the same prompt, greedy.
+nlohmann::json Generate(const std::string& prompt, int max_tokens);
+
+}  // namespace pdserve::testing
