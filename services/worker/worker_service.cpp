@@ -346,6 +346,7 @@ class WorkerServiceImpl : public WorkerService {
       ho.threads = 1;
       metrics_http_ = std::make_unique<http::Server>(
           ho, [this](const http::Request& r, std::shared_ptr<http::Exchange> ex) {
+            if (r.path == "/metrics") RefreshCacheCounters();
             if (!metrics::ServeStandardEndpoints(r, *ex, *registry_, [this] { return Health(); })) {
               ex->Reply(http::ErrorResponse(404, "only /metrics and /health are served here"));
             }
@@ -1155,13 +1156,27 @@ class WorkerServiceImpl : public WorkerService {
     metrics_.usage.Set(s.blocks.usage_ratio);
     metrics_.running.Set(static_cast<double>(s.num_running));
     metrics_.waiting.Set(static_cast<double>(s.num_waiting + s.num_remote_waiting));
-    auto bump = [](prometheus::Counter& c, uint64_t total, uint64_t* last) {
-      if (total > *last) c.Increment(static_cast<double>(total - *last));
-      *last = total;
-    };
-    bump(metrics_.queries, s.blocks.prefix_cache_query_tokens, &last_queries_);
-    bump(metrics_.hits, s.blocks.prefix_cache_hit_tokens, &last_hits_);
-    bump(metrics_.preemptions, s.num_preemptions, &last_preemptions_);
+    RefreshCacheCounters();
+    std::lock_guard<std::mutex> lock(counters_mu_);
+    if (s.num_preemptions > last_preemptions_) {
+      metrics_.preemptions.Increment(static_cast<double>(s.num_preemptions - last_preemptions_));
+    }
+    last_preemptions_ = s.num_preemptions;
+  }
+
+  // Prefix-cache counters straight from the block manager (safe from any
+  // thread), so a scrape sees every admission up to now.
+  void RefreshCacheCounters() {
+    const BlockManagerStats b = engine_->block_manager().GetStats();
+    std::lock_guard<std::mutex> lock(counters_mu_);
+    if (b.prefix_cache_query_tokens > last_queries_) {
+      metrics_.queries.Increment(static_cast<double>(b.prefix_cache_query_tokens - last_queries_));
+      last_queries_ = b.prefix_cache_query_tokens;
+    }
+    if (b.prefix_cache_hit_tokens > last_hits_) {
+      metrics_.hits.Increment(static_cast<double>(b.prefix_cache_hit_tokens - last_hits_));
+      last_hits_ = b.prefix_cache_hit_tokens;
+    }
   }
 
   WorkerOptions opts_;
@@ -1177,6 +1192,7 @@ class WorkerServiceImpl : public WorkerService {
 
   std::shared_ptr<prometheus::Registry> registry_ = std::make_shared<prometheus::Registry>();
   WorkerMetrics metrics_{*registry_};
+  std::mutex counters_mu_;
   uint64_t last_queries_ = 0, last_hits_ = 0, last_preemptions_ = 0;
 
   std::unique_ptr<control::EventLoop> loop_;
