@@ -30,6 +30,8 @@ owner() {
 status=0
 packages=()
 while read -r lib; do
+  # The CUDA runtime comes with the CUDA base image, not from a package here.
+  case "$lib" in /usr/local/cuda*) continue ;; esac
   if pkg="$(owner "$lib")" && [ -n "$pkg" ]; then
     packages+=("$pkg")
   else

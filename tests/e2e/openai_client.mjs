@@ -54,7 +54,7 @@ await waitFor(async () => {
 }, 'router /ready');
 
 const client = new OpenAI({ baseURL: `http://127.0.0.1:${httpPort}/v1`, apiKey: 'unused', maxRetries: 0 });
-const modelId = 'tiny';
+const modelId = 'pdserve-tiny';  // make-model's _name_or_path
 const prompt = 'The quick brown fox jumps over the lazy dog, and then the dog chases the fox around the yard.';
 const offline = JSON.parse(execFileSync(bin, ['generate', '--model', model, '--prompt', prompt,
   '--max-tokens', '12', '--temperature', '0', '--ignore-eos', '--json', '--threads', '1']).toString());
