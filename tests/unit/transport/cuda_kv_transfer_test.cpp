@@ -29,6 +29,7 @@ namespace {
 
 using namespace std::chrono_literals;
 
+#if PDSERVE_WITH_CUDA || PDSERVE_WITH_NCCL
 KvLayout Layout() {
   KvLayout l;
   l.model_id = "cuda-transfer-test";
@@ -58,6 +59,7 @@ std::vector<BlockCopy> ScatteredCopies(size_t blocks, uint32_t seed) {
   }
   return copies;
 }
+#endif
 
 #if PDSERVE_WITH_CUDA
 std::vector<uint8_t> RandomHost(size_t n, uint32_t seed) {
