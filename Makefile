@@ -4,13 +4,17 @@
 BUILD      ?= build
 ASAN_BUILD ?= build-asan
 CMAKE_ARGS ?=
+# Extra flags of `pdserve up`, e.g. UP_ARGS="--prefill 2 --port 8080".
+UP_ARGS    ?=
 # ctest parallelism: tests start real processes on loopback, two per core is plenty.
 TEST_JOBS  ?= 2
 
 .PHONY: up test deps build build-asan test-unit-asan format clean
 
+# The router on :8000 with one prefill and one decode worker on the tiny model;
+# ports match deploy/local/prometheus.sh. Ctrl-C stops it.
 up: deps build
-	./deploy/local/up.sh $(BUILD)/pdserve
+	$(BUILD)/pdserve up --dir .deps/up $(UP_ARGS)
 
 test: deps build build-asan
 	cd $(BUILD) && PATH="$(CURDIR)/.deps/bin:$$PATH" ctest --output-on-failure -j $(TEST_JOBS) --timeout 900

@@ -8,7 +8,7 @@ root="$(cd "$(dirname "$0")/../.." && pwd)"
 deps="$root/.deps"
 
 packages=(
-  build-essential cmake ninja-build pkg-config ccache unzip jq
+  build-essential cmake ninja-build pkg-config ccache unzip jq curl
   libboost-dev libboost-system-dev
   libucx-dev ucx-utils
   libprotobuf-dev protobuf-compiler

@@ -1,0 +1,437 @@
+// pdserve up: the whole local stack in one command. Starts the router and the
+// prefill/decode workers as child processes of this binary, waits until the
+// router answers /ready and every worker /health, prints where to reach them,
+// and stops them all on Ctrl-C or SIGTERM. A child that dies takes the stack
+// down with a non-zero exit and the child's last log lines on stderr, so a
+// broken start never looks like a running one.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <regex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "common/flags.h"
+#include "common/http/http_client.h"
+#include "common/logging.h"
+#include "common/signals.h"
+#include "engine/make_model.h"
+#include "services/cli/command.h"
+
+namespace pdserve::cli {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+using namespace std::chrono_literals;
+
+struct Child {
+  std::string name;  // "router", "prefill-0", "decode-1"
+  std::string log_path;
+  pid_t pid = -1;
+  std::optional<int> exit_code;  // 128 + signal when killed
+  int port = 0;                  // HTTP port (router) or metrics port (worker), once known
+  bool up = false;               // answered /ready (router) or /health (worker)
+};
+
+std::string Describe(int code) {
+  return code > 128 ? "killed by signal " + std::to_string(code - 128)
+                    : "exit code " + std::to_string(code);
+}
+
+// The last `n` lines of a log file.
+std::string Tail(const std::string& path, size_t n) {
+  std::ifstream in(path);
+  std::deque<std::string> lines;
+  for (std::string line; std::getline(in, line);) {
+    lines.push_back(std::move(line));
+    if (lines.size() > n) lines.pop_front();
+  }
+  std::string out;
+  for (const auto& l : lines) out += "  | " + l + "\n";
+  return out.empty() ? "  | (empty log)\n" : out;
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+// Runs this binary with `args`; stdout and stderr go to the child's log.
+Status Spawn(Child& child, const std::vector<std::string>& args) {
+  static const std::string self = fs::read_symlink("/proc/self/exe").string();
+  const int log_fd = ::open(child.log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (log_fd < 0)
+    return Status::Unavailable("cannot write " + child.log_path + ": " + std::strerror(errno));
+  std::vector<std::string> argv_storage = {self};
+  argv_storage.insert(argv_storage.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (auto& a : argv_storage) argv.push_back(a.data());
+  argv.push_back(nullptr);
+
+  const pid_t parent = ::getpid();
+  const pid_t pid = ::fork();
+  if (pid < 0) {
+    ::close(log_fd);
+    return Status::Unavailable(std::string("fork: ") + std::strerror(errno));
+  }
+  if (pid == 0) {
+    // Children must not outlive a `pdserve up` that was killed outright.
+    ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+    if (::getppid() != parent) ::_exit(1);
+    sigset_t none;
+    sigemptyset(&none);
+    ::sigprocmask(SIG_SETMASK, &none, nullptr);  // the parent blocks SIGINT/SIGTERM
+    ::dup2(log_fd, STDOUT_FILENO);
+    ::dup2(log_fd, STDERR_FILENO);
+    ::execv(argv[0], argv.data());
+    std::fprintf(stderr, "exec %s: %s\n", argv[0], std::strerror(errno));
+    ::_exit(127);
+  }
+  ::close(log_fd);
+  child.pid = pid;
+  return Status::Ok();
+}
+
+// Reaps children that exited; returns the first one that did.
+Child* ReapExited(std::vector<Child>& children) {
+  Child* first = nullptr;
+  for (auto& c : children) {
+    if (c.exit_code) continue;
+    int status = 0;
+    if (::waitpid(c.pid, &status, WNOHANG) == c.pid) {
+      c.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      if (!first) first = &c;
+    }
+  }
+  return first;
+}
+
+// SIGTERM to every child (workers drain), then SIGKILL whatever is left at
+// the deadline.
+void StopAll(std::vector<Child>& children, std::chrono::seconds grace) {
+  for (auto& c : children)
+    if (!c.exit_code) ::kill(c.pid, SIGTERM);
+  const auto deadline = Clock::now() + grace;
+  auto last_note = Clock::now();
+  while (true) {
+    ReapExited(children);
+    std::vector<std::string> left;
+    for (auto& c : children)
+      if (!c.exit_code) left.push_back(c.name);
+    if (left.empty()) return;
+    if (Clock::now() >= deadline) {
+      for (auto& c : children) {
+        if (c.exit_code) continue;
+        std::fprintf(stderr, "pdserve up: %s did not stop in %llds, killing it\n", c.name.c_str(),
+                     static_cast<long long>(grace.count()));
+        ::kill(c.pid, SIGKILL);
+        int status;
+        ::waitpid(c.pid, &status, 0);
+        c.exit_code = 128 + SIGKILL;
+      }
+      return;
+    }
+    if (Clock::now() - last_note >= 5s) {
+      std::string names;
+      for (const auto& n : left) names += (names.empty() ? "" : ", ") + n;
+      std::fprintf(stderr, "pdserve up: waiting for %s to finish running requests\n",
+                   names.c_str());
+      last_note = Clock::now();
+    }
+    std::this_thread::sleep_for(50ms);
+  }
+}
+
+// The port a child printed in its log ("on http :8000", "metrics :9100").
+std::optional<int> PortFromLog(const Child& c, const std::regex& pattern) {
+  std::smatch m;
+  const std::string log = ReadFile(c.log_path);
+  if (!std::regex_search(log, m, pattern)) return std::nullopt;
+  return std::stoi(m[1].str());
+}
+
+bool Answers(const std::string& host, int port, const std::string& path) {
+  http::HttpConnection conn(host, port);
+  auto r = conn.Send("GET", path, {}, {}, 1s);
+  return r.ok() && r->status == 200;
+}
+
+std::string LocalHost(const std::string& listen_host) {
+  return listen_host == "0.0.0.0" || listen_host.empty() ? "127.0.0.1" : listen_host;
+}
+
+int Fail(std::vector<Child>& children, const Child& culprit, const std::string& what) {
+  std::fprintf(stderr, "pdserve up: %s %s; last lines of %s:\n%s", culprit.name.c_str(),
+               what.c_str(), culprit.log_path.c_str(), Tail(culprit.log_path, 20).c_str());
+  StopAll(children, 10s);
+  return 1;
+}
+
+int RunUp(int argc, char** argv) {
+  BlockTerminationSignals();
+  int64_t prefill = 1, decode = 1, port = 8000, control_port = 9000;
+  int64_t prefill_metrics_port = 9100, decode_metrics_port = 9200, threads = 0;
+  int64_t kv_cache_bytes = 64ll << 20, start_timeout_s = 120, stop_timeout_s = 40;
+  std::string model, model_id, dir = ".pdserve", host = "127.0.0.1", policy = "kv";
+  std::string log_level = "info";
+  FlagSet flags("up",
+                "Start a local stack: the router plus prefill and decode workers as child "
+                "processes. Ctrl-C or SIGTERM stops them all.");
+  flags.SetEnvPrefix("PDSERVE_");
+  flags.AddInt("prefill", &prefill, "prefill workers (0: decode workers prefill locally)");
+  flags.AddInt("decode", &decode, "decode workers (at least 1)");
+  flags.AddString("model", &model,
+                  "model folder (default: the tiny test model, written under --dir on first use)");
+  flags.AddString("model-id", &model_id, "served model name (default: the model's own)");
+  flags.AddInt("port", &port, "router HTTP port: the OpenAI API and /metrics (0: any free port)");
+  flags.AddInt("control-port", &control_port, "router port the workers connect to (0: any)");
+  flags.AddInt("prefill-metrics-port", &prefill_metrics_port,
+               "metrics port of the first prefill worker, the next ones count up (0: any)");
+  flags.AddInt("decode-metrics-port", &decode_metrics_port,
+               "metrics port of the first decode worker, the next ones count up (0: any)");
+  flags.AddString("host", &host, "address the router's HTTP port listens on");
+  flags.AddString("policy", &policy, "routing policy: kv|round_robin|least_loaded|random");
+  flags.AddInt("threads", &threads, "compute threads per worker (0: the cores shared out)");
+  flags.AddBytes("kv-cache-bytes", &kv_cache_bytes, "KV cache memory per worker");
+  flags.AddString("dir", &dir, "folder for the logs (DIR/logs) and the default model");
+  flags.AddInt("start-timeout", &start_timeout_s, "seconds to wait for the stack to be ready");
+  flags.AddInt("stop-timeout", &stop_timeout_s,
+               "seconds to let workers drain on stop before killing them");
+  flags.AddString("log-level", &log_level, "log level of the router and workers");
+  flags.SetEpilog("Example: pdserve up --prefill 2 --decode 1 --port 8000");
+  ParseFlagsOrExit(flags, argc, argv);
+
+  if (prefill < 0 || prefill > 64) UsageError("up", "--prefill must be in [0, 64]");
+  if (decode < 1 || decode > 64) UsageError("up", "--decode must be in [1, 64]");
+  for (auto [name, p] : {std::pair{"port", port},
+                         {"control-port", control_port},
+                         {"prefill-metrics-port", prefill_metrics_port},
+                         {"decode-metrics-port", decode_metrics_port}}) {
+    if (p < 0 || p > 65535) UsageError("up", std::string("--") + name + " must be in [0, 65535]");
+  }
+  if (prefill_metrics_port > 0 && prefill_metrics_port + prefill - 1 > 65535)
+    UsageError("up", "--prefill-metrics-port leaves no room for every prefill worker");
+  if (decode_metrics_port > 0 && decode_metrics_port + decode - 1 > 65535)
+    UsageError("up", "--decode-metrics-port leaves no room for every decode worker");
+  if (threads < 0) UsageError("up", "--threads must not be negative");
+  if (kv_cache_bytes <= 0) UsageError("up", "--kv-cache-bytes must be positive");
+  if (start_timeout_s < 1 || stop_timeout_s < 1) UsageError("up", "timeouts must be positive");
+  LogLevel level;
+  if (!ParseLogLevel(log_level, &level))
+    UsageError("up", "--log-level: unknown level '" + log_level + "'");
+
+  std::error_code ec;
+  fs::create_directories(dir + "/logs", ec);
+  if (ec) {
+    std::fprintf(stderr, "pdserve up: cannot create %s/logs: %s\n", dir.c_str(),
+                 ec.message().c_str());
+    return 1;
+  }
+  if (model.empty()) {
+    model = dir + "/models/tiny";
+    if (!fs::exists(model + "/config.json")) {
+      std::printf("pdserve up: writing the tiny test model to %s\n", model.c_str());
+      auto spec = PresetModelSpec("tiny");
+      Status st = spec.ok() ? WriteModel(*spec, model) : spec.status();
+      if (!st.ok()) {
+        std::fprintf(stderr, "pdserve up: %s\n", st.message().c_str());
+        return 1;
+      }
+    }
+  } else if (!fs::is_directory(model)) {
+    UsageError("up", "--model: '" + model + "' is not a folder");
+  }
+  if (threads == 0) {
+    const int64_t cores = std::max(1u, std::thread::hardware_concurrency());
+    threads = std::max<int64_t>(1, cores / (prefill + decode));
+  }
+
+  std::vector<Child> children;
+  children.reserve(static_cast<size_t>(1 + prefill + decode));
+  auto add = [&](std::string name) -> Child& {
+    Child& c = children.emplace_back();
+    c.name = std::move(name);
+    c.log_path = dir + "/logs/" + c.name + ".log";
+    return c;
+  };
+  auto start = [&](Child& c, const std::vector<std::string>& args) {
+    if (Status st = Spawn(c, args); !st.ok()) {
+      std::fprintf(stderr, "pdserve up: starting %s: %s\n", c.name.c_str(), st.message().c_str());
+      StopAll(children, 10s);
+      return false;
+    }
+    std::printf("pdserve up: started %s (pid %d, log %s)\n", c.name.c_str(), c.pid,
+                c.log_path.c_str());
+    std::fflush(stdout);
+    return true;
+  };
+
+  std::vector<std::string> router_args = {"router",
+                                          "--model",
+                                          model,
+                                          "--host",
+                                          host,
+                                          "--port",
+                                          std::to_string(port),
+                                          "--control-port",
+                                          std::to_string(control_port),
+                                          "--policy",
+                                          policy,
+                                          "--log-level",
+                                          log_level};
+  if (!model_id.empty()) router_args.insert(router_args.end(), {"--model-id", model_id});
+  if (!start(add("router"), router_args)) return 1;
+
+  // Workers need the control port, which the router reports once it listens.
+  static const std::regex kRouterPorts(R"(on http :(\d+), control :(\d+))");
+  int http_port = 0, router_control_port = 0;
+  const auto deadline = Clock::now() + std::chrono::seconds(start_timeout_s);
+  while (router_control_port == 0) {
+    if (Child* dead = ReapExited(children))
+      return Fail(children, *dead, "exited at start (" + Describe(*dead->exit_code) + ")");
+    if (WaitForTerminationSignalFor(50ms)) {
+      StopAll(children, std::chrono::seconds(stop_timeout_s));
+      return 0;
+    }
+    if (Clock::now() > deadline) return Fail(children, children[0], "did not start in time");
+    std::smatch m;
+    const std::string log = ReadFile(children[0].log_path);
+    if (std::regex_search(log, m, kRouterPorts)) {
+      http_port = std::stoi(m[1].str());
+      router_control_port = std::stoi(m[2].str());
+    }
+  }
+  children[0].port = http_port;
+
+  auto worker_args = [&](const std::string& role, const std::string& id, int64_t metrics_port) {
+    std::vector<std::string> args = {"worker",
+                                     "--role",
+                                     role,
+                                     "--model",
+                                     model,
+                                     "--router",
+                                     "127.0.0.1:" + std::to_string(router_control_port),
+                                     "--host",
+                                     "127.0.0.1",
+                                     "--port",
+                                     "0",
+                                     "--metrics-port",
+                                     std::to_string(metrics_port),
+                                     "--worker-id",
+                                     id,
+                                     "--threads",
+                                     std::to_string(threads),
+                                     "--kv-cache-bytes",
+                                     std::to_string(kv_cache_bytes),
+                                     "--log-level",
+                                     log_level};
+    if (!model_id.empty()) args.insert(args.end(), {"--model-id", model_id});
+    return args;
+  };
+  for (int64_t i = 0; i < prefill; ++i) {
+    const std::string id = "prefill-" + std::to_string(i);
+    if (!start(add(id),
+               worker_args("prefill", id, prefill_metrics_port ? prefill_metrics_port + i : 0)))
+      return 1;
+  }
+  for (int64_t i = 0; i < decode; ++i) {
+    const std::string id = "decode-" + std::to_string(i);
+    if (!start(add(id),
+               worker_args("decode", id, decode_metrics_port ? decode_metrics_port + i : 0)))
+      return 1;
+  }
+
+  // Ready: the router answers /ready and every worker /health.
+  static const std::regex kMetricsPort(R"(metrics :(\d+))");
+  const std::string local = LocalHost(host);
+  while (!std::all_of(children.begin(), children.end(), [](const Child& c) { return c.up; })) {
+    if (Child* dead = ReapExited(children))
+      return Fail(children, *dead, "exited at start (" + Describe(*dead->exit_code) + ")");
+    if (WaitForTerminationSignalFor(100ms)) {
+      StopAll(children, std::chrono::seconds(stop_timeout_s));
+      return 0;
+    }
+    for (auto& c : children) {
+      if (c.up) continue;
+      if (c.port == 0) c.port = PortFromLog(c, kMetricsPort).value_or(0);
+      if (c.port == 0) continue;
+      c.up = &c == &children[0] ? Answers(local, c.port, "/ready")
+                                : Answers("127.0.0.1", c.port, "/health");
+    }
+    if (Clock::now() > deadline) {
+      for (auto& c : children)
+        if (!c.up) return Fail(children, c, "was not ready in time");
+    }
+  }
+
+  std::string served = model_id;
+  {
+    http::HttpConnection conn(local, http_port);
+    auto models = conn.Send("GET", "/v1/models", {}, {}, 5s);
+    if (models.ok() && models->status == 200) {
+      auto j = nlohmann::json::parse(models->body, nullptr, false);
+      if (!j.is_discarded() && j.contains("data") && !j["data"].empty())
+        served = j["data"][0].value("id", served);
+    }
+  }
+  const std::string base = "http://" + local + ":" + std::to_string(http_port);
+  std::string prefill_targets, decode_targets, worker_metrics;
+  for (const auto& c : children) {
+    if (&c == &children[0]) continue;
+    const std::string addr = "127.0.0.1:" + std::to_string(c.port);
+    std::string& list = c.name.rfind("prefill", 0) == 0 ? prefill_targets : decode_targets;
+    list += (list.empty() ? "" : ",") + addr;
+    worker_metrics += "           http://" + addr + "/metrics (" + c.name + ")\n";
+  }
+  const std::string body = nlohmann::json{
+      {"model", served},
+      {"messages", {{{"role", "user"}, {"content", "Hello!"}}}},
+      {"max_tokens", 16}}.dump();
+  std::printf(
+      "\npdserve up: ready at %s (%lld prefill, %lld decode worker%s, model %s)\n"
+      "  try:     curl -s %s/v1/chat/completions -H 'Content-Type: application/json' -d '%s'\n"
+      "  metrics: %s/metrics (router)\n%s"
+      "  logs:    %s/logs/\n"
+      "  prometheus, from a pdserve checkout: deploy/local/prometheus.sh --router %s:%d "
+      "--prefill '%s' --decode '%s'\n"
+      "Ctrl-C stops the stack.\n",
+      base.c_str(), static_cast<long long>(prefill), static_cast<long long>(decode),
+      decode == 1 ? "" : "s", served.c_str(), base.c_str(), body.c_str(), base.c_str(),
+      worker_metrics.c_str(), dir.c_str(), local.c_str(), http_port, prefill_targets.c_str(),
+      decode_targets.c_str());
+  std::fflush(stdout);
+
+  while (true) {
+    if (auto sig = WaitForTerminationSignalFor(200ms)) {
+      std::printf("pdserve up: %s, stopping the stack\n", strsignal(*sig));
+      std::fflush(stdout);
+      StopAll(children, std::chrono::seconds(stop_timeout_s));
+      std::printf("pdserve up: stopped\n");
+      return 0;
+    }
+    if (Child* dead = ReapExited(children))
+      return Fail(children, *dead, "exited (" + Describe(*dead->exit_code) + ")");
+  }
+}
+
+}  // namespace
+
+PDSERVE_COMMAND("up", "start a local router with prefill and decode workers", RunUp);
+
+}  // namespace pdserve::cli

@@ -1,0 +1,161 @@
+// `pdserve up` as a user runs it: the printed curl line works, every printed
+// metrics address answers, SIGTERM stops every child, and a child that dies
+// at start or later takes the stack down with its last log lines.
+#include <signal.h>
+
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <regex>
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+#include "tests/support/http_client.h"
+#include "tests/support/process.h"
+#include "tests/support/test_models.h"
+
+namespace pdserve::testing {
+namespace {
+
+using namespace std::chrono_literals;
+
+const std::string kPdserve = PDSERVE_BIN_PATH;
+
+// Any free ports, one thread per worker: tests run side by side.
+std::vector<std::string> UpArgs(const std::string& dir, std::vector<std::string> extra = {}) {
+  std::vector<std::string> argv = {kPdserve,
+                                   "up",
+                                   "--dir",
+                                   dir,
+                                   "--port",
+                                   "0",
+                                   "--control-port",
+                                   "0",
+                                   "--prefill-metrics-port",
+                                   "0",
+                                   "--decode-metrics-port",
+                                   "0",
+                                   "--threads",
+                                   "1",
+                                   "--kv-cache-bytes",
+                                   "8MiB",
+                                   "--stop-timeout",
+                                   "20"};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  return argv;
+}
+
+std::vector<pid_t> ChildPids(const std::string& log) {
+  std::vector<pid_t> pids;
+  static const std::regex started(R"(started \S+ \(pid (\d+))");
+  for (std::sregex_iterator it(log.begin(), log.end(), started), end; it != end; ++it)
+    pids.push_back(std::stoi((*it)[1].str()));
+  return pids;
+}
+
+bool Alive(pid_t pid) { return ::kill(pid, 0) == 0; }
+
+TEST(UpTest, ServesThePrintedCurlLineAndStopsEveryChildOnSigterm) {
+  const std::string dir = NewTempDir("up-serve");
+  ChildProcess up =
+      ChildProcess::Start(UpArgs(dir, {"--prefill", "1", "--decode", "2"}), dir + "/up.log");
+  ASSERT_TRUE(up.WaitForLog(std::regex("Ctrl-C stops the stack"), 120s)) << up.Log();
+  const std::string log = up.Log();
+  EXPECT_NE(log.find("1 prefill, 2 decode workers, model pdserve-tiny"), std::string::npos) << log;
+
+  // The curl example, run as printed.
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(log, m, std::regex(R"(try:\s+(curl .*))"))) << log;
+  CommandResult curl = RunCommand({"/bin/bash", "-c", m[1].str()});
+  ASSERT_EQ(curl.exit_code, 0) << curl.err;
+  auto answer = nlohmann::json::parse(curl.out, nullptr, false);
+  ASSERT_FALSE(answer.is_discarded()) << curl.out;
+  EXPECT_EQ(answer["object"], "chat.completion");
+  EXPECT_EQ(answer["usage"]["completion_tokens"], 16);
+
+  // Every printed metrics address serves pdserve metrics: router + 3 workers.
+  std::set<int> ports;
+  static const std::regex metrics(R"(http://127\.0\.0\.1:(\d+)/metrics)");
+  for (std::sregex_iterator it(log.begin(), log.end(), metrics), end; it != end; ++it)
+    ports.insert(std::stoi((*it)[1].str()));
+  ASSERT_EQ(ports.size(), 4u) << log;
+  for (int port : ports) {
+    HttpResult r = HttpRequest(port, "GET", "/metrics");
+    EXPECT_EQ(r.status, 200) << port;
+    EXPECT_NE(r.body.find("pdserve_"), std::string::npos) << port;
+  }
+  // The Prometheus hint names the same addresses.
+  EXPECT_TRUE(std::regex_search(log, std::regex(R"(prometheus\.sh --router 127\.0\.0\.1:\d+ )"
+                                                R"(--prefill '127\.0\.0\.1:\d+' )"
+                                                R"(--decode '127\.0\.0\.1:\d+,127\.0\.0\.1:\d+')")))
+      << log;
+
+  const std::vector<pid_t> pids = ChildPids(log);
+  ASSERT_EQ(pids.size(), 4u) << log;
+  up.Signal(SIGTERM);
+  auto code = up.Wait(60s);
+  ASSERT_TRUE(code) << "pdserve up did not stop\n" << up.Log();
+  EXPECT_EQ(*code, 0) << up.Log();
+  EXPECT_NE(up.Log().find("pdserve up: stopped"), std::string::npos);
+  for (pid_t pid : pids) EXPECT_FALSE(Alive(pid)) << "child " << pid << " outlived pdserve up";
+  // Each child logged to its own file under DIR/logs.
+  for (const char* name : {"router", "prefill-0", "decode-0", "decode-1"}) {
+    std::ifstream in(dir + "/logs/" + name + ".log");
+    EXPECT_TRUE(in.good()) << name;
+  }
+}
+
+TEST(UpTest, ChildDyingAtStartFailsWithItsLastLogLines) {
+  // A model folder whose config.json is not JSON: the router refuses it.
+  const std::string dir = NewTempDir("up-bad-model");
+  const std::string model = dir + "/model";
+  CommandResult made = RunCommand({kPdserve, "make-model", "--preset", "tiny", "--out", model});
+  ASSERT_EQ(made.exit_code, 0) << made.err;
+  std::ofstream(model + "/config.json") << "{ this is not json";
+
+  ChildProcess up = ChildProcess::Start(UpArgs(dir, {"--model", model}), dir + "/up.log");
+  auto code = up.Wait(60s);
+  ASSERT_TRUE(code) << up.Log();
+  EXPECT_EQ(*code, 1) << up.Log();
+  const std::string log = up.Log();
+  EXPECT_NE(log.find("router exited at start (exit code"), std::string::npos) << log;
+  EXPECT_NE(log.find("last lines of"), std::string::npos) << log;
+  EXPECT_NE(log.find("  | pdserve router: "), std::string::npos) << log;
+  EXPECT_NE(log.find("config.json"), std::string::npos) << log;
+  EXPECT_EQ(log.find("ready at"), std::string::npos) << log;
+}
+
+TEST(UpTest, WorkerKilledLaterTakesTheStackDown) {
+  const std::string dir = NewTempDir("up-worker-dies");
+  ChildProcess up = ChildProcess::Start(UpArgs(dir, {"--prefill", "0"}), dir + "/up.log");
+  ASSERT_TRUE(up.WaitForLog(std::regex("Ctrl-C stops the stack"), 120s)) << up.Log();
+  const std::vector<pid_t> pids = ChildPids(up.Log());
+  ASSERT_EQ(pids.size(), 2u) << up.Log();
+  ::kill(pids[1], SIGKILL);  // the decode worker
+  auto code = up.Wait(60s);
+  ASSERT_TRUE(code) << up.Log();
+  EXPECT_EQ(*code, 1);
+  EXPECT_NE(up.Log().find("decode-0 exited (killed by signal 9)"), std::string::npos) << up.Log();
+  EXPECT_FALSE(Alive(pids[0])) << "the router outlived pdserve up";
+}
+
+TEST(UpTest, BadFlagsAreUsageErrors) {
+  for (const auto& args : std::vector<std::vector<std::string>>{
+           {"--decode", "0"},
+           {"--prefill", "-1"},
+           {"--port", "70000"},
+           {"--model", "/nonexistent/model"},
+           {"--log-level", "loud"},
+       }) {
+    std::vector<std::string> argv = {kPdserve, "up"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    CommandResult r = RunCommand(argv);
+    EXPECT_EQ(r.exit_code, 2) << args[0];
+    EXPECT_NE(r.err.find("pdserve up: "), std::string::npos) << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  }
+}
+
+}  // namespace
+}  // namespace pdserve::testing
