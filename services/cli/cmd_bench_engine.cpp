@@ -13,22 +13,11 @@
 #include "common/logging.h"
 #include "engine/engine.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "services/cli/bench_util.h"
 #include "services/cli/command.h"
 
 namespace pdserve::cli {
 namespace {
-
-std::string CpuModel() {
-  std::ifstream in("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("model name", 0) == 0) {
-      auto colon = line.find(':');
-      if (colon != std::string::npos) return line.substr(colon + 2);
-    }
-  }
-  return "unknown";
-}
 
 double Seconds(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();

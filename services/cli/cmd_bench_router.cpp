@@ -17,6 +17,7 @@
 
 #include "common/block_hash.h"
 #include "common/flags.h"
+#include "services/cli/bench_util.h"
 #include "services/cli/command.h"
 #include "services/router/router_core.h"
 
@@ -26,18 +27,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using router::KvEvent;
 using router::KvEventBatch;
-
-std::string CpuModel() {
-  std::ifstream in("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("model name", 0) == 0) {
-      auto colon = line.find(':');
-      if (colon != std::string::npos) return line.substr(colon + 2);
-    }
-  }
-  return "unknown";
-}
 
 double Seconds(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
@@ -56,13 +45,6 @@ double LoadAverage() {
   double one = -1;
   in >> one;
   return one;
-}
-
-double Percentile(std::vector<double> v, double p) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t rank = static_cast<size_t>(std::ceil(p * static_cast<double>(v.size())));
-  return v[std::clamp<size_t>(rank, 1, v.size()) - 1];
 }
 
 // Applies `batches[i]` to worker `owner[i]`; returns the block events applied per second.

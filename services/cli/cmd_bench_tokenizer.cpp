@@ -16,24 +16,13 @@
 
 #include "common/flags.h"
 #include "common/tokenizer/tokenizer.h"
+#include "services/cli/bench_util.h"
 #include "services/cli/command.h"
 
 namespace pdserve::cli {
 namespace {
 
 namespace fs = std::filesystem;
-
-std::string CpuModel() {
-  std::ifstream in("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("model name", 0) == 0) {
-      auto colon = line.find(':');
-      if (colon != std::string::npos) return line.substr(colon + 2);
-    }
-  }
-  return "unknown";
-}
 
 // Text a serving tokenizer meets: prose in several scripts, code, numbers,
 // emoji and odd whitespace, in paragraphs of a few KB (prompt-sized documents).

@@ -24,6 +24,7 @@
 
 #include "common/flags.h"
 #include "common/logging.h"
+#include "services/cli/bench_util.h"
 #include "services/cli/command.h"
 #include "transport/kv_layout.h"
 #include "transport/ucx/ucx_transfer.h"
@@ -90,18 +91,6 @@ KvLayout BenchLayout(int64_t block_bytes) {
   }
   l.bytes_per_block = block_bytes;
   return l;
-}
-
-std::string CpuModel() {
-  std::ifstream in("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("model name", 0) == 0) {
-      auto colon = line.find(':');
-      if (colon != std::string::npos) return line.substr(colon + 2);
-    }
-  }
-  return "unknown";
 }
 
 int Fail(const std::string& what, const Status& s) {

@@ -172,6 +172,18 @@ bool Answers(const std::string& host, int port, const std::string& path) {
   return r.ok() && r->status == 200;
 }
 
+// The router is ready for the whole stack once every worker has registered
+// and synced its cache index; before that, requests would all land on the
+// first worker or skip the prefill pool.
+bool RouterSeesAll(const std::string& host, int port, int64_t prefill, int64_t decode) {
+  http::HttpConnection conn(host, port);
+  auto r = conn.Send("GET", "/ready", {}, {}, 1s);
+  if (!r.ok() || r->status != 200) return false;
+  auto j = nlohmann::json::parse(r->body, nullptr, false);
+  return j.is_object() && j.value("prefill_workers", -1) >= prefill &&
+         j.value("decode_workers", -1) >= decode;
+}
+
 std::string LocalHost(const std::string& listen_host) {
   return listen_host == "0.0.0.0" || listen_host.empty() ? "127.0.0.1" : listen_host;
 }
@@ -188,6 +200,7 @@ int RunUp(int argc, char** argv) {
   int64_t prefill = 1, decode = 1, port = 8000, control_port = 9000;
   int64_t prefill_metrics_port = 9100, decode_metrics_port = 9200, threads = 0;
   int64_t kv_cache_bytes = 64ll << 20, start_timeout_s = 120, stop_timeout_s = 40;
+  int64_t max_local_prefill = 512;
   std::string model, model_id, dir = ".pdserve", host = "127.0.0.1", policy = "kv";
   std::string log_level = "info";
   FlagSet flags("up",
@@ -207,6 +220,8 @@ int RunUp(int argc, char** argv) {
                "metrics port of the first decode worker, the next ones count up (0: any)");
   flags.AddString("host", &host, "address the router's HTTP port listens on");
   flags.AddString("policy", &policy, "routing policy: kv|round_robin|least_loaded|random");
+  flags.AddInt("max-local-prefill", &max_local_prefill,
+               "prompt tokens a decode worker computes itself; more go to a prefill worker");
   flags.AddInt("threads", &threads, "compute threads per worker (0: the cores shared out)");
   flags.AddBytes("kv-cache-bytes", &kv_cache_bytes, "KV cache memory per worker");
   flags.AddString("dir", &dir, "folder for the logs (DIR/logs) and the default model");
@@ -230,6 +245,7 @@ int RunUp(int argc, char** argv) {
   if (decode_metrics_port > 0 && decode_metrics_port + decode - 1 > 65535)
     UsageError("up", "--decode-metrics-port leaves no room for every decode worker");
   if (threads < 0) UsageError("up", "--threads must not be negative");
+  if (max_local_prefill < 0) UsageError("up", "--max-local-prefill must not be negative");
   if (kv_cache_bytes <= 0) UsageError("up", "--kv-cache-bytes must be positive");
   if (start_timeout_s < 1 || stop_timeout_s < 1) UsageError("up", "timeouts must be positive");
   LogLevel level;
@@ -293,6 +309,8 @@ int RunUp(int argc, char** argv) {
                                           std::to_string(control_port),
                                           "--policy",
                                           policy,
+                                          "--max-local-prefill",
+                                          std::to_string(max_local_prefill),
                                           "--log-level",
                                           log_level};
   if (!model_id.empty()) router_args.insert(router_args.end(), {"--model-id", model_id});
@@ -339,6 +357,8 @@ int RunUp(int argc, char** argv) {
                                      std::to_string(threads),
                                      "--kv-cache-bytes",
                                      std::to_string(kv_cache_bytes),
+                                     "--max-local-prefill",
+                                     std::to_string(max_local_prefill),
                                      "--log-level",
                                      log_level};
     if (!model_id.empty()) args.insert(args.end(), {"--model-id", model_id});
@@ -357,7 +377,7 @@ int RunUp(int argc, char** argv) {
       return 1;
   }
 
-  // Ready: the router answers /ready and every worker /health.
+  // Ready: every worker answers /health and the router lists them all as synced.
   static const std::regex kMetricsPort(R"(metrics :(\d+))");
   const std::string local = LocalHost(host);
   while (!std::all_of(children.begin(), children.end(), [](const Child& c) { return c.up; })) {
@@ -371,7 +391,7 @@ int RunUp(int argc, char** argv) {
       if (c.up) continue;
       if (c.port == 0) c.port = PortFromLog(c, kMetricsPort).value_or(0);
       if (c.port == 0) continue;
-      c.up = &c == &children[0] ? Answers(local, c.port, "/ready")
+      c.up = &c == &children[0] ? RouterSeesAll(local, c.port, prefill, decode)
                                 : Answers("127.0.0.1", c.port, "/health");
     }
     if (Clock::now() > deadline) {

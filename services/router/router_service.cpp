@@ -335,7 +335,10 @@ class RouterServiceImpl : public RouterService {
       const bool ready = HasDecodeWorker();
       http::Response r;
       r.status = ready ? 200 : 503;
-      r.body = nlohmann::json{{"ready", ready}, {"decode_workers", CountWorkers(true)}}.dump();
+      r.body = nlohmann::json{{"ready", ready},
+                              {"decode_workers", CountSyncedWorkers(/*prefill=*/false)},
+                              {"prefill_workers", CountSyncedWorkers(/*prefill=*/true)}}
+                   .dump();
       if (!ready) r.headers.emplace_back("Retry-After", "1");
       ex->Reply(std::move(r));
       return;
@@ -925,15 +928,14 @@ class RouterServiceImpl : public RouterService {
     return v;
   }
 
-  bool HasDecodeWorker() { return CountWorkers(true) > 0; }
+  bool HasDecodeWorker() { return CountSyncedWorkers(/*prefill=*/false) > 0; }
 
-  int CountWorkers(bool decode_capable_synced) {
+  // Registered, synced workers that prefill only, or that can decode.
+  int CountSyncedWorkers(bool prefill) {
     std::lock_guard<std::mutex> lock(mu_);
     int n = 0;
     for (auto& [_, l] : links_) {
-      if (!l.id) continue;
-      if (decode_capable_synced && (l.role == WorkerRole::kPrefill || !l.synced)) continue;
-      ++n;
+      if (l.id && l.synced && (l.role == WorkerRole::kPrefill) == prefill) ++n;
     }
     return n;
   }

@@ -384,16 +384,20 @@ class WorkerServiceImpl : public WorkerService {
     engine_thread_.join();
     dns_cv_.notify_all();
     if (dns_thread_.joinable()) dns_thread_.join();
+    // Clients are stopped outside the locks: Stop() waits for their close
+    // callbacks, which take these same locks on the loop thread.
+    std::map<std::string, std::unique_ptr<control::Client>> routers;
+    std::map<std::string, PrefillPeer> peers;
     {
       std::lock_guard<std::mutex> lock(routers_mu_);
-      for (auto& [_, c] : routers_) c->Stop("worker stopping");
-      routers_.clear();
+      routers.swap(routers_);
     }
     {
       std::lock_guard<std::mutex> lock(peers_mu_);
-      for (auto& [_, p] : prefill_peers_) p.client->Stop("worker stopping");
-      prefill_peers_.clear();
+      peers.swap(prefill_peers_);
     }
+    for (auto& [_, c] : routers) c->Stop("worker stopping");
+    for (auto& [_, p] : peers) p.client->Stop("worker stopping");
     if (peer_server_) peer_server_->Stop("worker stopping");
     peer_server_.reset();
     if (metrics_http_) metrics_http_->Stop();

@@ -58,8 +58,11 @@ bool Alive(pid_t pid) { return ::kill(pid, 0) == 0; }
 
 TEST(UpTest, ServesThePrintedCurlLineAndStopsEveryChildOnSigterm) {
   const std::string dir = NewTempDir("up-serve");
-  ChildProcess up =
-      ChildProcess::Start(UpArgs(dir, {"--prefill", "1", "--decode", "2"}), dir + "/up.log");
+  // Every prompt prefilled remotely: the decode workers hold connections to
+  // the prefill worker when they are stopped.
+  ChildProcess up = ChildProcess::Start(
+      UpArgs(dir, {"--prefill", "1", "--decode", "2", "--max-local-prefill", "0"}),
+      dir + "/up.log");
   ASSERT_TRUE(up.WaitForLog(std::regex("Ctrl-C stops the stack"), 120s)) << up.Log();
   const std::string log = up.Log();
   EXPECT_NE(log.find("1 prefill, 2 decode workers, model pdserve-tiny"), std::string::npos) << log;
@@ -72,7 +75,7 @@ TEST(UpTest, ServesThePrintedCurlLineAndStopsEveryChildOnSigterm) {
   auto answer = nlohmann::json::parse(curl.out, nullptr, false);
   ASSERT_FALSE(answer.is_discarded()) << curl.out;
   EXPECT_EQ(answer["object"], "chat.completion");
-  EXPECT_EQ(answer["usage"]["completion_tokens"], 16);
+  EXPECT_GT(answer["usage"]["completion_tokens"].get<int>(), 0);
 
   // Every printed metrics address serves pdserve metrics: router + 3 workers.
   std::set<int> ports;
@@ -91,6 +94,15 @@ TEST(UpTest, ServesThePrintedCurlLineAndStopsEveryChildOnSigterm) {
                                                 R"(--decode '127\.0\.0\.1:\d+,127\.0\.0\.1:\d+')")))
       << log;
 
+  std::string decode_logs;
+  for (const char* name : {"decode-0", "decode-1"}) {
+    std::ifstream in(dir + "/logs/" + name + ".log");
+    decode_logs += std::string(std::istreambuf_iterator<char>(in), {});
+  }
+  std::ifstream router_log(dir + "/logs/router.log");
+  EXPECT_NE(decode_logs.find("remote prefill"), std::string::npos)
+      << decode_logs << std::string(std::istreambuf_iterator<char>(router_log), {});
+
   const std::vector<pid_t> pids = ChildPids(log);
   ASSERT_EQ(pids.size(), 4u) << log;
   up.Signal(SIGTERM);
@@ -98,6 +110,8 @@ TEST(UpTest, ServesThePrintedCurlLineAndStopsEveryChildOnSigterm) {
   ASSERT_TRUE(code) << "pdserve up did not stop\n" << up.Log();
   EXPECT_EQ(*code, 0) << up.Log();
   EXPECT_NE(up.Log().find("pdserve up: stopped"), std::string::npos);
+  EXPECT_EQ(up.Log().find("killing it"), std::string::npos) << "a child ignored SIGTERM\n"
+                                                            << up.Log();
   for (pid_t pid : pids) EXPECT_FALSE(Alive(pid)) << "child " << pid << " outlived pdserve up";
   // Each child logged to its own file under DIR/logs.
   for (const char* name : {"router", "prefill-0", "decode-0", "decode-1"}) {
