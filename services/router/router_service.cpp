@@ -150,7 +150,14 @@ struct RouterMetrics {
                         .Name("pdserve_router_index_bytes")
                         .Help("Memory held by the prefix index")
                         .Register(r)
-                        .Add({})) {}
+                        .Add({})) {
+    // Every outcome and decision exists from the start at 0, so rate() and
+    // ratios over them are defined before the first request of each kind.
+    for (const char* status :
+         {"ok", "rejected", "error", "cancelled", "unavailable", "unauthorized"})
+      requests.Add({{"status", status}});
+    for (const char* kind : {"remote_prefill", "local_prefill"}) decisions.Add({{"kind", kind}});
+  }
 
   prometheus::Family<prometheus::Counter>& requests;
   prometheus::Counter& predicted_hit_tokens;

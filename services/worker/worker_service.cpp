@@ -205,7 +205,11 @@ struct WorkerMetrics {
                               .Name("pdserve_generation_tokens_total")
                               .Help("Output tokens produced")
                               .Register(r)
-                              .Add({})) {}
+                              .Add({})) {
+    // Both directions exist from the start at 0: throughput panels and
+    // alerts see a series on every worker before the first hand-off.
+    for (const char* direction : {"in", "out"}) transfer_bytes.Add({{"direction", direction}});
+  }
 
   prometheus::Counter& queries;
   prometheus::Counter& hits;
