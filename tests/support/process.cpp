@@ -12,13 +12,18 @@
 
 namespace pdserve::testing {
 
-ChildProcess::~ChildProcess() {
-  if (pid_ > 0 && !exit_code_) {
-    ::kill(pid_, SIGKILL);
+namespace {
+// Kills and reaps a child that has not been waited for.
+void KillAndReap(pid_t pid, const std::optional<int>& exit_code) {
+  if (pid > 0 && !exit_code) {
+    ::kill(pid, SIGKILL);
     int status = 0;
-    ::waitpid(pid_, &status, 0);
+    ::waitpid(pid, &status, 0);
   }
 }
+}  // namespace
+
+ChildProcess::~ChildProcess() { KillAndReap(pid_, exit_code_); }
 
 ChildProcess::ChildProcess(ChildProcess&& o) noexcept
     : pid_(o.pid_), exit_code_(o.exit_code_), log_path_(std::move(o.log_path_)) {
@@ -27,7 +32,7 @@ ChildProcess::ChildProcess(ChildProcess&& o) noexcept
 
 ChildProcess& ChildProcess::operator=(ChildProcess&& o) noexcept {
   if (this != &o) {
-    this->~ChildProcess();
+    KillAndReap(pid_, exit_code_);
     pid_ = o.pid_;
     exit_code_ = o.exit_code_;
     log_path_ = std::move(o.log_path_);

@@ -91,7 +91,8 @@ TEST_F(DisaggregationTest, SharedPrefixIsComputedAndSentOnce) {
   // A different tail, long enough (> --max-local-prefill) to be prefilled remotely.
   ExpectSameAsGenerate(stack_, prefix + " second " + Words(40), 4);
   const double hits = Sum("prefill", "pdserve_prefix_cache_hits_tokens_total") - hits_before;
-  const double bytes = Sum("prefill", "pdserve_kv_transfer_bytes_total", "direction=\"out\"") - bytes_first;
+  const double bytes =
+      Sum("prefill", "pdserve_kv_transfer_bytes_total", "direction=\"out\"") - bytes_first;
   // The router sent the prompt to the prefill worker holding the prefix, which
   // reused it; the decode worker, which kept the first prompt's blocks cached,
   // received only the blocks after the shared prefix.

@@ -19,12 +19,13 @@ const std::string& LocalStack::Model() {
   return dir;
 }
 
-void LocalStack::StartRouter(const std::vector<std::string>& extra) {
-  dir_ = NewTempDir(name_);
-  std::vector<std::string> argv = {kPdserve,    "router", "--model", Model(),          "--host",
-                                   "127.0.0.1", "--port", "0",       "--control-port", "0"};
+void LocalStack::StartRouter(const std::vector<std::string>& extra, int control_port) {
+  if (dir_.empty()) dir_ = NewTempDir(name_);
+  std::vector<std::string> argv = {
+      kPdserve,    "router", "--model", Model(),          "--host",
+      "127.0.0.1", "--port", "0",       "--control-port", std::to_string(control_port)};
   argv.insert(argv.end(), extra.begin(), extra.end());
-  router_ = ChildProcess::Start(argv, dir_ + "/router.log");
+  router_ = ChildProcess::Start(argv, dir_ + "/router" + std::to_string(router_starts_++) + ".log");
   auto ports =
       router_.WaitForLog(std::regex(R"(on http :(\d+), control :\d+)"), std::chrono::seconds(60));
   ASSERT_TRUE(ports) << router_.Log();

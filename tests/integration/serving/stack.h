@@ -32,8 +32,9 @@ class LocalStack {
 
   explicit LocalStack(std::string name) : name_(std::move(name)) {}
 
-  // Starts the router; extra flags are appended.
-  void StartRouter(const std::vector<std::string>& extra = {});
+  // Starts the router; extra flags are appended. A control port of 0 picks
+  // a free one; a restarted router passes the previous control_port().
+  void StartRouter(const std::vector<std::string>& extra = {}, int control_port = 0);
   // Starts a worker and waits until the router lists it as synced.
   WorkerProc& StartWorker(const std::string& role, const std::vector<std::string>& extra = {});
   // Waits for /ready.
@@ -53,6 +54,7 @@ class LocalStack {
   std::string name_;
   std::string dir_;
   ChildProcess router_;
+  int router_starts_ = 0;
   int http_port_ = 0;
   int control_port_ = 0;
   std::vector<std::unique_ptr<WorkerProc>> workers_;

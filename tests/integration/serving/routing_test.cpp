@@ -1,0 +1,176 @@
+// The router's KV-aware routing and failure handling with real workers:
+// prefix groups stay on warm workers (and round robin, the contrast, loses
+// those hits), the router's predicted hits match what the workers report,
+// cache_salt keeps tenants apart, a frozen worker is detected and its request
+// retried elsewhere, and a restarted router rebuilds its index from the
+// workers' resync.
+#include <signal.h>
+
+#include <gtest/gtest.h>
+
+#include <regex>
+
+#include "tests/integration/serving/stack.h"
+
+namespace pdserve::testing {
+namespace {
+
+using namespace std::chrono_literals;
+
+// A prompt of `group`'s shared prefix (about 150 tokens) and a unique tail.
+std::string GroupPrompt(int group, int request) {
+  std::string s = "group " + std::to_string(group) + ":";
+  for (int i = 0; i < 60; ++i) s += " w" + std::to_string((group * 31 + i * 7) % 97);
+  s += " | request " + std::to_string(request) + ":";
+  for (int i = 0; i < 8; ++i) s += " t" + std::to_string((request * 13 + i) % 89);
+  return s;
+}
+
+struct Totals {
+  int64_t prompt = 0, cached = 0;
+  double share() const { return prompt ? static_cast<double>(cached) / prompt : 0; }
+};
+
+// Six prefix groups, three requests each, one at a time, interleaved so that
+// consecutive requests rarely share a group.
+Totals RunGroups(LocalStack& stack) {
+  Totals t;
+  for (int round = 0; round < 3; ++round) {
+    for (int g = 0; g < 6; ++g) {
+      const int group = (g * 5 + round) % 6;
+      auto [status, body] = stack.Post(
+          "/v1/completions",
+          {{"prompt", GroupPrompt(group, round)}, {"max_tokens", 2}, {"temperature", 0}});
+      EXPECT_EQ(status, 200) << body.dump();
+      if (status != 200) continue;
+      t.prompt += body["usage"]["prompt_tokens"].get<int64_t>();
+      t.cached += body["usage"]["prompt_tokens_details"]["cached_tokens"].get<int64_t>();
+    }
+  }
+  return t;
+}
+
+TEST(RoutingTest, KvPolicyKeepsPrefixGroupsWarmAndPredictsItsHits) {
+  Totals kv, round_robin;
+  double predicted = 0, prompt_counter = 0;
+  {
+    LocalStack stack("routing-kv");
+    stack.StartRouter({"--policy", "kv", "--policy-temperature", "0"});
+    stack.StartWorker("both");
+    stack.StartWorker("both");
+    ASSERT_TRUE(stack.WaitReady());
+    kv = RunGroups(stack);
+    predicted = LocalStack::Metric(stack.http_port(), "pdserve_router_predicted_hit_tokens_total");
+    prompt_counter = LocalStack::Metric(stack.http_port(), "pdserve_router_prompt_tokens_total");
+  }
+  {
+    LocalStack stack("routing-rr");
+    stack.StartRouter({"--policy", "round_robin"});
+    stack.StartWorker("both");
+    stack.StartWorker("both");
+    ASSERT_TRUE(stack.WaitReady());
+    round_robin = RunGroups(stack);
+  }
+  // 18 requests, 6 of them the first of their group: with every group on
+  // one worker, 12 find their ~150-token prefix cached.
+  EXPECT_GT(kv.share(), 0.55) << kv.cached << "/" << kv.prompt;
+  EXPECT_LT(round_robin.share(), kv.share() - 0.15)
+      << "round robin " << round_robin.share() << ", kv " << kv.share();
+  // The router's prediction is what the workers then found, block for block.
+  EXPECT_EQ(prompt_counter, static_cast<double>(kv.prompt));
+  EXPECT_EQ(predicted, static_cast<double>(kv.cached));
+}
+
+TEST(RoutingTest, CacheSaltKeepsTenantsApart) {
+  LocalStack stack("routing-salt");
+  stack.StartRouter();
+  stack.StartWorker("both");
+  ASSERT_TRUE(stack.WaitReady());
+  auto cached = [&](const std::string& salt) {
+    nlohmann::json req = {{"prompt", GroupPrompt(1, 1)}, {"max_tokens", 1}, {"temperature", 0}};
+    if (!salt.empty()) req["cache_salt"] = salt;
+    auto [status, body] = stack.Post("/v1/completions", req);
+    EXPECT_EQ(status, 200) << body.dump();
+    return status == 200 ? body["usage"]["prompt_tokens_details"]["cached_tokens"].get<int64_t>()
+                         : -1;
+  };
+  EXPECT_EQ(cached("tenant-a"), 0);
+  EXPECT_GT(cached("tenant-a"), 100);  // same tenant: the prefix is reused
+  EXPECT_EQ(cached("tenant-b"), 0);    // another tenant never sees it
+  EXPECT_EQ(cached(""), 0);            // nor does unsalted traffic
+  EXPECT_GT(cached(""), 100);
+}
+
+TEST(RoutingTest, FrozenWorkerIsDetectedAndItsRequestRetriedElsewhere) {
+  LocalStack stack("routing-frozen");
+  stack.StartRouter({"--policy", "kv", "--policy-temperature", "0"});
+  stack.StartWorker("both");
+  stack.StartWorker("both");
+  ASSERT_TRUE(stack.WaitReady());
+  const nlohmann::json req = {
+      {"prompt", GroupPrompt(2, 0)}, {"max_tokens", 8}, {"temperature", 0}, {"ignore_eos", true}};
+  HttpResult first = HttpRequest(stack.http_port(), "POST", "/v1/completions", req.dump(),
+                                 {{"x-request-id", "warm"}});
+  ASSERT_EQ(first.status, 200) << first.body;
+  auto served_by =
+      stack.router().WaitForLog(std::regex(R"(request warm ok: .*decode (both\d))"), 10s);
+  ASSERT_TRUE(served_by) << stack.router().Log();
+
+  // The warm worker stops answering (SIGSTOP: no TCP reset, only silence);
+  // the same prompt is routed to it for its cache, and the router must find
+  // out by heartbeat and send the request to the other worker.
+  WorkerProc* warm = nullptr;
+  for (auto& w : stack.workers())
+    if (w->id == *served_by) warm = w.get();
+  ASSERT_NE(warm, nullptr);
+  warm->proc.Signal(SIGSTOP);
+  HttpResult again = HttpRequest(stack.http_port(), "POST", "/v1/completions", req.dump(),
+                                 {{"x-request-id", "retried"}}, 60s);
+  warm->proc.Signal(SIGCONT);
+  ASSERT_EQ(again.status, 200) << again.body;
+  auto a = nlohmann::json::parse(first.body), b = nlohmann::json::parse(again.body);
+  EXPECT_EQ(a["choices"][0]["text"], b["choices"][0]["text"]);  // greedy: same answer
+  const std::string log = stack.router().Log();
+  EXPECT_TRUE(std::regex_search(log, std::regex("worker " + *served_by + " disconnected"))) << log;
+  EXPECT_TRUE(
+      std::regex_search(log, std::regex(R"(request retried: .*before the first token; retrying)")))
+      << log;
+  EXPECT_TRUE(std::regex_search(log, std::regex(R"(request retried ok: .*attempts 2)"))) << log;
+  // Resumed, the worker reconnects and serves again.
+  EXPECT_TRUE(stack.router().WaitForLog(
+      std::regex("worker " + *served_by + R"( synced[\s\S]*worker )" + *served_by + " synced"),
+      30s))
+      << stack.router().Log();
+}
+
+TEST(RoutingTest, RestartedRouterRebuildsItsIndexFromWorkerResync) {
+  LocalStack stack("routing-restart");
+  stack.StartRouter({"--policy", "kv", "--policy-temperature", "0"});
+  stack.StartWorker("both");
+  ASSERT_TRUE(stack.WaitReady());
+  const nlohmann::json req = {{"prompt", GroupPrompt(3, 0)}, {"max_tokens", 2}, {"temperature", 0}};
+  auto [status, body] = stack.Post("/v1/completions", req);
+  ASSERT_EQ(status, 200) << body.dump();
+
+  const int control_port = stack.control_port();
+  stack.router().Signal(SIGKILL);
+  ASSERT_TRUE(stack.router().Wait(10s));
+  stack.StartRouter({"--policy", "kv", "--policy-temperature", "0"}, control_port);
+  // The worker reconnects on its own and reports the blocks it still holds.
+  auto synced =
+      stack.router().WaitForLog(std::regex(R"(worker both0 synced: (\d+) cached blocks)"), 60s);
+  ASSERT_TRUE(synced) << stack.router().Log();
+  EXPECT_GE(std::stoi(*synced), 9) << "the ~150-token prompt fills 9+ blocks";
+  ASSERT_TRUE(stack.WaitReady());
+
+  auto [status2, body2] = stack.Post("/v1/completions", req);
+  ASSERT_EQ(status2, 200) << body2.dump();
+  const int64_t cached = body2["usage"]["prompt_tokens_details"]["cached_tokens"].get<int64_t>();
+  EXPECT_GE(cached, 144);
+  // A fresh router knows of these hits only through the resync.
+  EXPECT_EQ(LocalStack::Metric(stack.http_port(), "pdserve_router_predicted_hit_tokens_total"),
+            static_cast<double>(cached));
+}
+
+}  // namespace
+}  // namespace pdserve::testing
