@@ -31,8 +31,8 @@
 //    transfer: Admit reuses its own cached prefix and allocates the rest
 //    (reserved: uncommitted, so neither matchable nor announced); the peer
 //    writes into those block ids; once the KV is really there, CommitBlocks
-//    registers them. The admission's lookup counts as a prefix-cache query
-//    (its matched prefix is a hit); the blocks received by transfer are not.
+//    registers them. Pass prompt_tokens_for_stats = 0 for such admissions:
+//    blocks received by transfer are not prefix-cache hits.
 //  - a prefill worker that finished a prompt pins its blocks (Pin) while they
 //    are being sent, frees the sequence, and unpins once the transfer is done.
 //

@@ -404,9 +404,7 @@ StatusOr<RemotePrefillPlan> Engine::AddRemotePrefillRequest(EngineRequest reques
   req.seq = s->id;
   req.prefix_hashes = hashes;
   req.num_tokens = static_cast<size_t>(s->prompt_len);
-  // This lookup is the decode worker's prefix-cache query; the blocks that
-  // will arrive by transfer are filled later and never counted as hits.
-  req.prompt_tokens_for_stats = static_cast<size_t>(s->prompt_len);
+  req.prompt_tokens_for_stats = 0;  // blocks received by transfer are not hits
   auto admitted = blocks_->Admit(req);
   if (!admitted.ok()) return admitted.status();
   s->num_computed = static_cast<int64_t>(admitted->num_cached_tokens);
