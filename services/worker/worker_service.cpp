@@ -934,9 +934,10 @@ class WorkerServiceImpl : public WorkerService {
                            << " refused: " << conn.status().message();
         proto::Envelope err;
         err.mutable_error()->set_code(proto::ERROR_CODE_INVALID_ARGUMENT);
-        err.mutable_error()->set_message("KV layout mismatch: " + conn.status().message());
+        // The transport's message names the mismatch ("KV layout mismatch: ...").
+        err.mutable_error()->set_message(conn.status().message());
         (void)c->Send(std::move(err));
-        loop_->Post([c, msg = conn.status().message()] { c->Close("KV layout mismatch: " + msg); });
+        loop_->Post([c, msg = conn.status().message()] { c->Close(msg); });
         return;
       }
       {

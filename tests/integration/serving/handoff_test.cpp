@@ -1,0 +1,94 @@
+// Worker hand-off edge cases with real processes: a prefill worker whose KV
+// layout differs from the decode worker's is refused with a clear error and
+// the request is still answered correctly (local prefill); SIGTERM drains a
+// decode worker: its running stream completes, new requests go elsewhere, it
+// exits 0.
+#include <signal.h>
+
+#include <gtest/gtest.h>
+
+#include <regex>
+
+#include "tests/integration/serving/stack.h"
+
+namespace pdserve::testing {
+namespace {
+
+using namespace std::chrono_literals;
+
+TEST(HandoffTest, LayoutMismatchIsRefusedClearlyAndServedCorrectlyByLocalPrefill) {
+  LocalStack stack("handoff-layout");
+  stack.StartRouter({"--max-local-prefill", "0"});
+  WorkerProc& prefill = stack.StartWorker("prefill", {"--kv-dtype", "fp16"});
+  WorkerProc& decode = stack.StartWorker("decode", {"--max-local-prefill", "0"});
+  ASSERT_TRUE(stack.WaitReady());
+
+  const std::string prompt = "the layouts of these two workers do not agree";
+  nlohmann::json want = Generate(prompt, 6);
+  ASSERT_TRUE(want.is_object());
+  auto [status, got] =
+      stack.Post("/v1/completions",
+                 {{"prompt", prompt}, {"max_tokens", 6}, {"temperature", 0}, {"ignore_eos", true}});
+  ASSERT_EQ(status, 200) << got.dump();
+  EXPECT_EQ(got["choices"][0]["text"], want["text"]);  // fp32 KV computed locally
+
+  const std::regex refused(R"(KV layout mismatch: kv_dtype: fp16 here, fp32 on peer)");
+  EXPECT_TRUE(prefill.proc.WaitForLog(refused, 10s)) << prefill.proc.Log();
+  EXPECT_TRUE(decode.proc.WaitForLog(refused, 10s)) << decode.proc.Log();
+  EXPECT_TRUE(decode.proc.WaitForLog(std::regex(R"(request 1 done: .*local prefill)"), 10s))
+      << decode.proc.Log();
+  // Nothing was written into the decode pool by the refused peer.
+  EXPECT_EQ(LocalStack::Metric(decode.metrics_port, "pdserve_kv_transfer_bytes_total"), 0);
+  EXPECT_EQ(LocalStack::Metric(prefill.metrics_port, "pdserve_kv_transfer_bytes_total"), 0);
+}
+
+TEST(HandoffTest, SigtermDrainsTheRunningStreamAndExitsZero) {
+  LocalStack stack("handoff-drain");
+  stack.StartRouter();
+  WorkerProc& first = stack.StartWorker("both");
+  ASSERT_TRUE(stack.WaitReady());
+
+  // A long stream on the only worker; a second worker joins, then the first
+  // is told to stop while its stream is running.
+  const int max_tokens = 3000;
+  const nlohmann::json req = {{"prompt", "drain me gently"},
+                              {"max_tokens", max_tokens},
+                              {"temperature", 0},
+                              {"ignore_eos", true},
+                              {"stream", true},
+                              {"stream_options", {{"include_usage", true}}}};
+  bool signalled = false;
+  std::string events;
+  HttpResult r =
+      HttpStream(stack.http_port(), "/v1/completions", req.dump(), [&](const std::string& data) {
+        events += data;
+        if (!signalled) {
+          stack.StartWorker("both");
+          first.proc.Signal(SIGTERM);
+          signalled = true;
+        }
+        return true;
+      });
+  ASSERT_EQ(r.status, 200);
+  ASSERT_TRUE(signalled);
+  EXPECT_NE(events.find("\"completion_tokens\":" + std::to_string(max_tokens)), std::string::npos)
+      << events.substr(events.size() > 2000 ? events.size() - 2000 : 0);
+  EXPECT_NE(events.find("data: [DONE]"), std::string::npos);
+
+  auto code = first.proc.Wait(60s);
+  ASSERT_TRUE(code) << first.proc.Log();
+  EXPECT_EQ(*code, 0) << first.proc.Log();
+  EXPECT_TRUE(std::regex_search(first.proc.Log(), std::regex("signal 15, draining")));
+  EXPECT_TRUE(std::regex_search(stack.router().Log(), std::regex("worker both0 is draining")))
+      << stack.router().Log();
+
+  // New work lands on the remaining worker.
+  auto [status, body] =
+      stack.Post("/v1/completions", {{"prompt", "after the drain"}, {"max_tokens", 4}});
+  ASSERT_EQ(status, 200) << body.dump();
+  EXPECT_TRUE(stack.router().WaitForLog(std::regex(R"(ok: .*decode both1)"), 10s))
+      << stack.router().Log();
+}
+
+}  // namespace
+}  // namespace pdserve::testing
