@@ -290,6 +290,7 @@ class WorkerServiceImpl : public WorkerService {
     if (!tok.ok()) return tok.status();
     tokenizer_ = std::move(*tok);
     EngineOptions eo;
+    eo.model_id = model_id_;  // seeds the block hashes: must be the id the router hashes with
     eo.block_size = opts_.block_size;
     eo.kv_cache_bytes = opts_.kv_cache_bytes;
     eo.kv_dtype = opts_.kv_dtype;

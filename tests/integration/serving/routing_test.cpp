@@ -172,5 +172,33 @@ TEST(RoutingTest, RestartedRouterRebuildsItsIndexFromWorkerResync) {
             static_cast<double>(cached));
 }
 
+TEST(RoutingTest, ExplicitModelIdKeepsRouterAndWorkerHashesInStep) {
+  // Block hashes are seeded with the served model id: a renamed model must be
+  // hashed with the new name on both sides, or the index never matches.
+  LocalStack stack("routing-model-id");
+  stack.StartRouter({"--model-id", "team/renamed-model"});
+  stack.StartWorker("both", {"--model-id", "team/renamed-model"});
+  ASSERT_TRUE(stack.WaitReady());
+  const nlohmann::json req = {{"model", "team/renamed-model"},
+                              {"prompt", GroupPrompt(4, 0)},
+                              {"max_tokens", 1},
+                              {"temperature", 0}};
+  ASSERT_EQ(stack.Post("/v1/completions", req).first, 200);
+  // A fresh router: its index holds only what the worker reports (no
+  // pending entries of its own routing), so a seed mismatch would show.
+  const int control_port = stack.control_port();
+  stack.router().Signal(SIGKILL);
+  ASSERT_TRUE(stack.router().Wait(10s));
+  stack.StartRouter({"--model-id", "team/renamed-model"}, control_port);
+  ASSERT_TRUE(stack.router().WaitForLog(std::regex(R"(worker both0 synced)"), 60s));
+  ASSERT_TRUE(stack.WaitReady());
+  auto [status, body] = stack.Post("/v1/completions", req);
+  ASSERT_EQ(status, 200) << body.dump();
+  const int64_t cached = body["usage"]["prompt_tokens_details"]["cached_tokens"].get<int64_t>();
+  EXPECT_GE(cached, 144);
+  EXPECT_EQ(LocalStack::Metric(stack.http_port(), "pdserve_router_predicted_hit_tokens_total"),
+            static_cast<double>(cached));
+}
+
 }  // namespace
 }  // namespace pdserve::testing
