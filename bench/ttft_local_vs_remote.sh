@@ -31,7 +31,7 @@ for mode in local remote; do
   decode_metrics="$(grep -o 'http://[0-9.:]*/metrics (decode-0)' "$work/$mode.log" | cut -d' ' -f1)"
   echo "ttft_local_vs_remote: $mode prefill, $requests requests of ~$words words" >&2
   # Unique prompts (no prefix shared beyond the chat template), one in flight.
-  line="$("$bin" bench serve --url "$url" --requests "$requests" --concurrency 1 \
+  line="$("$bin" bench serve --json --url "$url" --requests "$requests" --concurrency 1 \
     --groups 1 --prefix-words 0 --suffix-words "$words" --max-tokens 4)"
   bytes="$(curl -s "$decode_metrics" | awk '/^pdserve_kv_transfer_bytes_total/ {s += $2} END {print s + 0}')"
   jq -c --arg mode "$mode" --argjson bytes "$bytes" --argjson n "$requests" \

@@ -4,6 +4,8 @@
 // percentiles and the prefix-cache share of prompt tokens the server reported.
 //
 // Workloads:
+//   random         unique prompts of --min-words..--max-words words: no
+//                  prefix shared beyond the chat template (the cold baseline);
 //   shared-prefix  --groups system prompts of --prefix-words words, each
 //                  request one of them plus its own --suffix-words words
 //                  (what a hit-rate dashboard should light up on);
@@ -81,6 +83,21 @@ std::vector<Prompt> SharedPrefixPrompts(int64_t requests, int64_t groups, int64_
     Prompt p;
     p.system = prefixes[static_cast<size_t>(group(rng))];
     p.user = "Question " + std::to_string(i) + ": " + Words(rng, suffix_words);
+    p.max_tokens = max_tokens;
+    prompts.push_back(std::move(p));
+  }
+  return prompts;
+}
+
+std::vector<Prompt> RandomPrompts(int64_t requests, int64_t min_words, int64_t max_words,
+                                  int64_t max_tokens, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int64_t> length(min_words, max_words);
+  std::vector<Prompt> prompts;
+  for (int64_t i = 0; i < requests; ++i) {
+    Prompt p;
+    // The request number first: even equal word draws never share a block.
+    p.user = std::to_string(i) + " " + Words(rng, length(rng));
     p.max_tokens = max_tokens;
     prompts.push_back(std::move(p));
   }
@@ -223,6 +240,8 @@ int RunBenchServe(int argc, char** argv) {
   std::string api_key;
   int64_t requests = 200, concurrency = 8, groups = 4, prefix_words = 200, suffix_words = 20;
   int64_t max_tokens = 16, trace_block_words = 16, seed = 0, timeout_s = 120;
+  int64_t min_words = 50, max_words = 300;
+  bool json = false;
   FlagSet flags("bench serve",
                 "Load a running router with streamed chat completions; print one JSON line of "
                 "throughput, latency percentiles and prefix-cache share.");
@@ -230,7 +249,9 @@ int RunBenchServe(int argc, char** argv) {
   flags.AddString("url", &url, "router base URL (http://HOST:PORT)");
   flags.AddString("model", &model, "model name to request (default: the router's first)");
   flags.AddString("api-key", &api_key, "sent as 'Authorization: Bearer KEY' when set");
-  flags.AddString("workload", &workload, "shared-prefix|trace");
+  flags.AddString("workload", &workload, "random|shared-prefix|trace");
+  flags.AddInt("min-words", &min_words, "random: fewest words per prompt");
+  flags.AddInt("max-words", &max_words, "random: most words per prompt");
   flags.AddInt("requests", &requests, "requests to send");
   flags.AddInt("concurrency", &concurrency, "clients, each with one request in flight");
   flags.AddInt("groups", &groups, "shared-prefix: distinct system prompts");
@@ -243,6 +264,7 @@ int RunBenchServe(int argc, char** argv) {
   flags.AddInt("max-tokens", &max_tokens, "output tokens per request (trace: the cap)");
   flags.AddInt("seed", &seed, "seed of the generated text");
   flags.AddInt("timeout", &timeout_s, "seconds before one request counts as failed");
+  flags.AddBool("json", &json, "print only the JSON line (default: a summary, then the line)");
   flags.SetEpilog(
       "Example: pdserve bench serve --url http://127.0.0.1:8000 --workload shared-prefix "
       "--requests 200 --concurrency 8");
@@ -260,8 +282,12 @@ int RunBenchServe(int argc, char** argv) {
   if (!host_port.ok()) UsageError("bench serve", "--url: " + host_port.status().message());
   if (requests < 1 || concurrency < 1 || max_tokens < 1 || timeout_s < 1 || seed < 0)
     UsageError("bench serve", "requests, concurrency, max tokens and timeout must be positive");
-  if (workload != "shared-prefix" && workload != "trace")
-    UsageError("bench serve", "--workload must be shared-prefix or trace, not '" + workload + "'");
+  if (workload != "random" && workload != "shared-prefix" && workload != "trace") {
+    UsageError("bench serve",
+               "--workload must be random, shared-prefix or trace, not '" + workload + "'");
+  }
+  if (workload == "random" && (min_words < 1 || max_words < min_words))
+    UsageError("bench serve", "--min-words must be positive and at most --max-words");
   if (workload == "shared-prefix" && (groups < 1 || prefix_words < 0 || suffix_words < 0))
     UsageError("bench serve", "--groups must be positive and word counts not negative");
   if (workload == "trace" && trace_path.empty())
@@ -286,7 +312,10 @@ int RunBenchServe(int argc, char** argv) {
   }
 
   std::vector<Prompt> prompts;
-  if (workload == "shared-prefix") {
+  if (workload == "random") {
+    prompts =
+        RandomPrompts(requests, min_words, max_words, max_tokens, static_cast<uint64_t>(seed));
+  } else if (workload == "shared-prefix") {
     prompts = SharedPrefixPrompts(requests, groups, prefix_words, suffix_words, max_tokens,
                                   static_cast<uint64_t>(seed));
   } else {
@@ -352,7 +381,9 @@ int RunBenchServe(int argc, char** argv) {
                              {"concurrency", concurrency},
                              {"max_tokens", max_tokens},
                              {"seed", seed}};
-  if (workload == "shared-prefix") {
+  if (workload == "random") {
+    settings.update({{"min_words", min_words}, {"max_words", max_words}});
+  } else if (workload == "shared-prefix") {
     settings.update(
         {{"groups", groups}, {"prefix_words", prefix_words}, {"suffix_words", suffix_words}});
   } else {
@@ -377,6 +408,17 @@ int RunBenchServe(int argc, char** argv) {
       {"e2e_ms", Percentiles(e2e)},
       {"settings", settings},
       {"machine", MachineJson()}};
+  if (!json) {
+    std::printf(
+        "%lld ok, %lld failed in %.2f s: %.2f requests/s, %.1f output tokens/s\n"
+        "TTFT ms p50/p90/p99 %.1f/%.1f/%.1f, ITL ms p50/p99 %.2f/%.2f, "
+        "prompt tokens from the prefix cache %.1f%%\n",
+        static_cast<long long>(ok), static_cast<long long>(result["failed"].get<int64_t>()),
+        duration, result["requests_per_s"].get<double>(),
+        result["output_tokens_per_s"].get<double>(), Percentile(ttft, 0.5) * 1e3,
+        Percentile(ttft, 0.9) * 1e3, Percentile(ttft, 0.99) * 1e3, Percentile(itl, 0.5) * 1e3,
+        Percentile(itl, 0.99) * 1e3, 100 * result["cached_fraction"].get<double>());
+  }
   std::printf("%s\n", result.dump().c_str());
   return ok > 0 ? 0 : 1;
 }

@@ -95,7 +95,7 @@ after(async () => {
 });
 
 test('shared-prefix load: every dashboard expression has finite data, hit rate above 0.5', async () => {
-  const bench = spawnSync(pdserve, ['bench', 'serve', '--url', routerUrl, '--workload', 'shared-prefix',
+  const bench = spawnSync(pdserve, ['bench', 'serve', '--json', '--url', routerUrl, '--workload', 'shared-prefix',
     '--requests', String(requests), '--concurrency', '4', '--groups', '2', '--prefix-words', '150',
     '--suffix-words', '10', '--max-tokens', '8'], { encoding: 'utf8' });
   const benchEnd = Date.now() / 1000;

@@ -90,5 +90,42 @@ TEST(HandoffTest, SigtermDrainsTheRunningStreamAndExitsZero) {
       << stack.router().Log();
 }
 
+TEST(HandoffTest, DecodeWorkerKilledMidStreamEndsTheStreamWithAnErrorEvent) {
+  LocalStack stack("handoff-killed-mid-stream");
+  stack.StartRouter();
+  WorkerProc& worker = stack.StartWorker("both");
+  ASSERT_TRUE(stack.WaitReady());
+  const nlohmann::json req = {{"prompt", "this stream will be cut"},
+                              {"max_tokens", 3000},
+                              {"temperature", 0},
+                              {"ignore_eos", true},
+                              {"stream", true}};
+  bool killed = false;
+  std::string events;
+  HttpResult r =
+      HttpStream(stack.http_port(), "/v1/completions", req.dump(), [&](const std::string& data) {
+        events += data;
+        if (!killed) {
+          worker.proc.Signal(SIGKILL);
+          killed = true;
+        }
+        return true;
+      });
+  // Tokens were already sent: no retry, but an error event and a clean end.
+  ASSERT_EQ(r.status, 200);
+  EXPECT_NE(events.find("\"text\""), std::string::npos) << events;
+  EXPECT_NE(events.find("data: {\"error\":"), std::string::npos) << events;
+  EXPECT_NE(events.find("during generation"), std::string::npos) << events;
+  EXPECT_EQ(events.rfind("data: [DONE]\n\n"), events.size() - 14) << events;
+  EXPECT_EQ(
+      LocalStack::Metric(stack.http_port(), "pdserve_router_requests_total", "status=\"error\""),
+      1);
+  // The router keeps serving: a new worker takes new requests.
+  stack.StartWorker("both");
+  auto [status, body] =
+      stack.Post("/v1/completions", {{"prompt", "still here"}, {"max_tokens", 2}});
+  EXPECT_EQ(status, 200) << body.dump();
+}
+
 }  // namespace
 }  // namespace pdserve::testing

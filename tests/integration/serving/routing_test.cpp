@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <regex>
+#include <thread>
 
 #include "tests/integration/serving/stack.h"
 
@@ -143,6 +144,17 @@ TEST(RoutingTest, FrozenWorkerIsDetectedAndItsRequestRetriedElsewhere) {
       << stack.router().Log();
 }
 
+// The router's indexed block count, once its periodic gauge update has seen
+// the worker's events (0 if that never happens).
+double IndexedBlocks(int port) {
+  for (int i = 0; i < 100; ++i) {
+    const double n = LocalStack::Metric(port, "pdserve_router_index_blocks");
+    if (n > 0) return n;
+    std::this_thread::sleep_for(50ms);
+  }
+  return 0;
+}
+
 TEST(RoutingTest, RestartedRouterRebuildsItsIndexFromWorkerResync) {
   LocalStack stack("routing-restart");
   stack.StartRouter({"--policy", "kv", "--policy-temperature", "0"});
@@ -151,6 +163,8 @@ TEST(RoutingTest, RestartedRouterRebuildsItsIndexFromWorkerResync) {
   const nlohmann::json req = {{"prompt", GroupPrompt(3, 0)}, {"max_tokens", 2}, {"temperature", 0}};
   auto [status, body] = stack.Post("/v1/completions", req);
   ASSERT_EQ(status, 200) << body.dump();
+  const double indexed_before = IndexedBlocks(stack.http_port());
+  ASSERT_GT(indexed_before, 0);
 
   const int control_port = stack.control_port();
   stack.router().Signal(SIGKILL);
@@ -162,6 +176,9 @@ TEST(RoutingTest, RestartedRouterRebuildsItsIndexFromWorkerResync) {
   ASSERT_TRUE(synced) << stack.router().Log();
   EXPECT_GE(std::stoi(*synced), 9) << "the ~150-token prompt fills 9+ blocks";
   ASSERT_TRUE(stack.WaitReady());
+  // The rebuilt index is the one the old router had.
+  EXPECT_EQ(std::stoi(*synced), indexed_before);
+  EXPECT_EQ(IndexedBlocks(stack.http_port()), indexed_before);
 
   auto [status2, body2] = stack.Post("/v1/completions", req);
   ASSERT_EQ(status2, 200) << body2.dump();
