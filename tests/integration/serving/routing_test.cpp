@@ -166,10 +166,7 @@ TEST(RoutingTest, RestartedRouterRebuildsItsIndexFromWorkerResync) {
   const double indexed_before = IndexedBlocks(stack.http_port());
   ASSERT_GT(indexed_before, 0);
 
-  const int control_port = stack.control_port();
-  stack.router().Signal(SIGKILL);
-  ASSERT_TRUE(stack.router().Wait(10s));
-  stack.StartRouter({"--policy", "kv", "--policy-temperature", "0"}, control_port);
+  stack.RestartRouter({"--policy", "kv", "--policy-temperature", "0"});
   // The worker reconnects on its own and reports the blocks it still holds.
   auto synced =
       stack.router().WaitForLog(std::regex(R"(worker both0 synced: (\d+) cached blocks)"), 60s);
@@ -203,10 +200,7 @@ TEST(RoutingTest, ExplicitModelIdKeepsRouterAndWorkerHashesInStep) {
   ASSERT_EQ(stack.Post("/v1/completions", req).first, 200);
   // A fresh router: its index holds only what the worker reports (no
   // pending entries of its own routing), so a seed mismatch would show.
-  const int control_port = stack.control_port();
-  stack.router().Signal(SIGKILL);
-  ASSERT_TRUE(stack.router().Wait(10s));
-  stack.StartRouter({"--model-id", "team/renamed-model"}, control_port);
+  stack.RestartRouter({"--model-id", "team/renamed-model"});
   ASSERT_TRUE(stack.router().WaitForLog(std::regex(R"(worker both0 synced)"), 60s));
   ASSERT_TRUE(stack.WaitReady());
   auto [status, body] = stack.Post("/v1/completions", req);

@@ -1,5 +1,7 @@
 #include "tests/integration/serving/stack.h"
 
+#include <signal.h>
+
 #include <gtest/gtest.h>
 
 #include <regex>
@@ -32,6 +34,12 @@ void LocalStack::StartRouter(const std::vector<std::string>& extra, int control_
   http_port_ = std::stoi(*ports);
   control_port_ =
       std::stoi(*router_.WaitForLog(std::regex(R"(control :(\d+))"), std::chrono::seconds(5)));
+}
+
+void LocalStack::RestartRouter(const std::vector<std::string>& extra) {
+  router_.Signal(SIGKILL);
+  ASSERT_TRUE(router_.Wait(std::chrono::seconds(10)));
+  StartRouter(extra, control_port_);
 }
 
 WorkerProc& LocalStack::StartWorker(const std::string& role,

@@ -35,6 +35,9 @@ class LocalStack {
   // Starts the router; extra flags are appended. A control port of 0 picks
   // a free one; a restarted router passes the previous control_port().
   void StartRouter(const std::vector<std::string>& extra = {}, int control_port = 0);
+  // SIGKILLs the router and starts a new one on the same control port (the
+  // workers reconnect to it on their own); `extra` as for StartRouter.
+  void RestartRouter(const std::vector<std::string>& extra = {});
   // Starts a worker and waits until the router lists it as synced.
   WorkerProc& StartWorker(const std::string& role, const std::vector<std::string>& extra = {});
   // Waits for /ready.
