@@ -103,6 +103,10 @@ function checkProbesAndPorts(r) {
     assert.equal(wf.get('role'), role);
     assert.equal(String(portByName(w, 'metrics')), wf.get('metrics-port'));
     assert.equal(String(portByName(w, 'control')), wf.get('port'));
+    // Other pods reach this worker at its pod IP, never at loopback.
+    assert.equal(wf.get('advertise-host'), '$(POD_IP)');
+    const podIp = w.env.find((e) => e.name === 'POD_IP');
+    assert.equal(podIp?.valueFrom?.fieldRef?.fieldPath, 'status.podIP');
     for (const probe of ['startupProbe', 'readinessProbe', 'livenessProbe']) {
       assert.deepEqual(w[probe].httpGet, { path: '/health', port: 'metrics' }, `${role} ${probe}`);
     }
