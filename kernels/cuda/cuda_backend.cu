@@ -1,0 +1,507 @@
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstdlib>
+
+#include "kernels/cuda/cuda_backend.h"
+#include "kernels/cuda/rms_norm.h"
+
+namespace pdserve::kernels {
+
+namespace {
+
+void Check(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return;
+  std::fprintf(stderr, "pdserve cuda backend: %s: %s\n", what, cudaGetErrorString(err));
+  std::abort();
+}
+
+void Check(cublasStatus_t status, const char* what) {
+  if (status == CUBLAS_STATUS_SUCCESS) return;
+  std::fprintf(stderr, "pdserve cuda backend: %s: cuBLAS status %d\n", what,
+               static_cast<int>(status));
+  std::abort();
+}
+
+constexpr int kThreads = 256;
+
+unsigned Blocks(int64_t n) { return static_cast<unsigned>((n + kThreads - 1) / kThreads); }
+
+// KvCacheLayout's offsets, precomputed on the host for device code (the
+// layout header is plain C++).
+struct DeviceLayout {
+  int64_t num_kv_heads, head_dim, block_size;
+  int64_t head_bytes, kv_bytes_per_layer, layer_stride, bytes_per_block;
+  DType dtype;
+  bool has_scales;
+
+  explicit DeviceLayout(const KvCacheLayout& l)
+      : num_kv_heads(l.num_kv_heads),
+        head_dim(l.head_dim),
+        block_size(l.block_size),
+        head_bytes(l.head_bytes()),
+        kv_bytes_per_layer(l.kv_bytes_per_layer()),
+        layer_stride(l.layer_stride_bytes()),
+        bytes_per_block(l.bytes_per_block()),
+        dtype(l.dtype),
+        has_scales(l.has_scales()) {}
+
+  __device__ int64_t k_offset(int64_t block, int64_t layer, int64_t head) const {
+    return block * bytes_per_block + layer * layer_stride + head * head_bytes;
+  }
+  __device__ int64_t v_offset(int64_t block, int64_t layer, int64_t head) const {
+    return k_offset(block, layer, head) + kv_bytes_per_layer;
+  }
+  __device__ int64_t k_scale_offset(int64_t block, int64_t layer, int64_t head) const {
+    return block * bytes_per_block + layer * layer_stride + 2 * kv_bytes_per_layer + head * 4;
+  }
+  __device__ int64_t v_scale_offset(int64_t block, int64_t layer, int64_t head) const {
+    return k_scale_offset(block, layer, head) + num_kv_heads * 4;
+  }
+};
+
+// ---- KV element codecs: bit-identical to kernels/cpu/float_convert ----------
+
+constexpr float kE4M3Max = 448.0f;
+
+__device__ float E4M3ToF32(uint8_t v) {
+  const int exp = (v >> 3) & 0xf;
+  const int mant = v & 7;
+  float m;
+  if (exp == 0xf && mant == 7) {
+    m = __int_as_float(0x7fc00000);  // NaN
+  } else if (exp == 0) {
+    m = ldexpf(static_cast<float>(mant), -9);
+  } else {
+    m = ldexpf(1.0f + mant / 8.0f, exp - 7);
+  }
+  return (v & 0x80) ? -m : m;
+}
+
+__device__ uint8_t F32ToE4M3(float f) {
+  if (isnan(f)) return 0x7f;
+  const uint8_t sign = signbit(f) ? 0x80 : 0;
+  const float a = fabsf(f);
+  if (a >= kE4M3Max) return sign | 0x7e;
+  if (a < 0.015625f) return sign | static_cast<uint8_t>(rintf(a * 512.0f));
+  int e;
+  const float frac = frexpf(a, &e);
+  int m = static_cast<int>(rintf((frac * 2.0f - 1.0f) * 8.0f));
+  int biased = e - 1 + 7;
+  if (m == 8) {
+    m = 0;
+    ++biased;
+  }
+  const int code = biased * 8 + m;
+  return sign | static_cast<uint8_t>(code > 0x7e ? 0x7e : code);
+}
+
+// Smallest power of two s with max_abs / s <= 448 (0 for all zeros).
+__device__ float Fp8ScaleFor(float max_abs) {
+  if (!(max_abs > 0)) return 0.0f;
+  int e;
+  const float f = frexpf(max_abs / kE4M3Max, &e);
+  return ldexpf(1.0f, f == 0.5f ? e - 1 : e);
+}
+
+__device__ float LoadKv(const uint8_t* base, DType dtype, int64_t i, float scale) {
+  switch (dtype) {
+    case DType::kF32:
+      return reinterpret_cast<const float*>(base)[i];
+    case DType::kBF16:
+      return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(base)[i]);
+    case DType::kF16:
+      return __half2float(reinterpret_cast<const __half*>(base)[i]);
+    case DType::kFP8E4M3:
+      return E4M3ToF32(base[i]) * scale;
+    default:
+      return __int_as_float(0x7fc00000);
+  }
+}
+
+__device__ void StoreKv(uint8_t* base, DType dtype, int64_t i, float value, float scale) {
+  switch (dtype) {
+    case DType::kF32:
+      reinterpret_cast<float*>(base)[i] = value;
+      return;
+    case DType::kBF16:
+      reinterpret_cast<__nv_bfloat16*>(base)[i] = __float2bfloat16_rn(value);
+      return;
+    case DType::kF16:
+      reinterpret_cast<__half*>(base)[i] = __float2half_rn(value);
+      return;
+    case DType::kFP8E4M3:
+      base[i] = F32ToE4M3(value * (scale > 0 ? 1.0f / scale : 0.0f));
+      return;
+    default:
+      return;
+  }
+}
+
+// ---- Element-wise ops --------------------------------------------------------
+
+__global__ void AddBiasKernel(float* y, const float* bias, int64_t m, int64_t n) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < m * n) y[i] += bias[i % n];
+}
+
+__global__ void RopeKernel(float* x, const int32_t* positions, int64_t tokens, int64_t heads,
+                           int64_t head_dim, const float* inv_freq) {
+  const int64_t half = head_dim / 2;
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= tokens * heads * half) return;
+  const int64_t t = i / (heads * half);
+  const int64_t h = (i / half) % heads;
+  const int64_t d = i % half;
+  // The angle in double, as the CPU backend computes it: large positions
+  // times small frequencies lose digits in float.
+  const double angle = static_cast<double>(positions[t]) * inv_freq[d];
+  double sd, cd;
+  sincos(angle, &sd, &cd);
+  const float s = static_cast<float>(sd), c = static_cast<float>(cd);
+  float* row = x + (t * heads + h) * head_dim;
+  const float a = row[d], b = row[d + half];
+  row[d] = a * c - b * s;
+  row[d + half] = b * c + a * s;
+}
+
+__global__ void SwiGluKernel(const float* gate, const float* up, int64_t in_stride, float* out,
+                             int64_t rows, int64_t n) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= rows * n) return;
+  const int64_t r = i / n, c = i % n;
+  const float g = gate[r * in_stride + c];
+  out[i] = g / (1.0f + expf(-g)) * up[r * in_stride + c];
+}
+
+__global__ void AddKernel(float* x, const float* y, int64_t n) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n) x[i] += y[i];
+}
+
+__global__ void GatherKernel(const float* table, const int32_t* ids, int64_t count, int64_t dim,
+                             float* out) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= count * dim) return;
+  const int64_t r = i / dim, c = i % dim;
+  out[i] = table[static_cast<int64_t>(ids[r]) * dim + c];
+}
+
+// ---- Paged KV write ----------------------------------------------------------
+
+// fp32/bf16/fp16: every element independently.
+__global__ void WriteKvPlainKernel(DeviceLayout layout, uint8_t* pool, int64_t layer,
+                                   const float* k, const float* v, const int64_t* slots,
+                                   int64_t tokens) {
+  const int64_t hd = layout.head_dim, kvh = layout.num_kv_heads, bs = layout.block_size;
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= tokens * kvh * hd) return;
+  const int64_t t = i / (kvh * hd), h = (i / hd) % kvh, d = i % hd;
+  const int64_t block = slots[t] / bs, offset = slots[t] % bs;
+  StoreKv(pool + layout.k_offset(block, layer, h), layout.dtype, offset * hd + d, k[i], 1.0f);
+  StoreKv(pool + layout.v_offset(block, layer, h), layout.dtype, offset * hd + d, v[i], 1.0f);
+}
+
+// Block-wide max of non-negative values (all threads get the result).
+__device__ float BlockMax(float value, float* shared) {
+  for (int o = 16; o > 0; o /= 2) value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, o));
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();  // `shared` may still be read by a previous call
+  if (lane == 0) shared[warp] = value;
+  __syncthreads();
+  value = lane < blockDim.x / 32 ? shared[lane] : 0.0f;
+  for (int o = 16; o > 0; o /= 2) value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, o));
+  return value;
+}
+
+// fp8: one thread block per (KV head, K|V). The tokens of a head are walked
+// in order, one run of consecutive slots in a block at a time, exactly as
+// the CPU backend does: the block's scale grows to cover the whole run and
+// the tokens already there are requantized when it does.
+__global__ void WriteKvFp8Kernel(DeviceLayout layout, uint8_t* pool, int64_t layer, const float* k,
+                                 const float* v, const int64_t* slots, int64_t tokens) {
+  __shared__ float reduce[kThreads / 32];
+  const int64_t hd = layout.head_dim, kvh = layout.num_kv_heads, bs = layout.block_size;
+  const int64_t h = blockIdx.x / 2;
+  const bool is_v = blockIdx.x % 2 == 1;
+  const float* src = is_v ? v : k;
+  for (int64_t t = 0; t < tokens;) {
+    const int64_t block = slots[t] / bs, offset = slots[t] % bs;
+    int64_t run = 1;
+    while (t + run < tokens && slots[t + run] == slots[t] + run && offset + run < bs) ++run;
+    uint8_t* head =
+        pool + (is_v ? layout.v_offset(block, layer, h) : layout.k_offset(block, layer, h));
+    float* scale = reinterpret_cast<float*>(pool + (is_v ? layout.v_scale_offset(block, layer, h)
+                                                         : layout.k_scale_offset(block, layer, h)));
+    float max_abs = 0;
+    for (int64_t i = threadIdx.x; i < run * hd; i += blockDim.x) {
+      max_abs = fmaxf(max_abs, fabsf(src[((t + i / hd) * kvh + h) * hd + i % hd]));
+    }
+    max_abs = BlockMax(max_abs, reduce);
+    const float old_scale = offset == 0 ? 0.0f : *scale;  // offset 0: a fresh block
+    const float needed = Fp8ScaleFor(max_abs);
+    const float new_scale = needed > old_scale ? needed : old_scale;
+    if (new_scale != old_scale && old_scale > 0) {
+      for (int64_t i = threadIdx.x; i < offset * hd; i += blockDim.x) {
+        head[i] = F32ToE4M3(E4M3ToF32(head[i]) * old_scale / new_scale);
+      }
+    }
+    for (int64_t i = threadIdx.x; i < run * hd; i += blockDim.x) {
+      StoreKv(head, DType::kFP8E4M3, offset * hd + i, src[((t + i / hd) * kvh + h) * hd + i % hd],
+              new_scale);
+    }
+    __syncthreads();  // every thread read the old scale before it changes
+    if (threadIdx.x == 0) *scale = new_scale;
+    __syncthreads();
+    t += run;
+  }
+}
+
+// ---- Paged attention -----------------------------------------------------------
+
+constexpr int kWarpsPerBlock = 4;
+constexpr int kMaxHeadDimPerLane = 8;  // head_dim <= 256
+
+// One warp per (query row, head): lanes split head_dim; keys are visited in
+// order with an online softmax, so no score buffer is needed at any context
+// length.
+__global__ void PagedAttentionKernel(DeviceLayout layout, const uint8_t* pool, int64_t layer,
+                                     const float* q, int64_t num_heads, AttentionBatch batch,
+                                     int64_t tokens, float scale, float* out) {
+  const int64_t task = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (task >= tokens * num_heads) return;
+  const int64_t row = task / num_heads, h = task % num_heads;
+  const int64_t hd = layout.head_dim, bs = layout.block_size;
+  const int64_t g = h / (num_heads / layout.num_kv_heads);
+  // The sequence of this row: the last s with query_start[s] <= row.
+  int64_t lo = 0, hi = batch.num_seqs - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (batch.query_start[mid] <= row)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  const int64_t s = lo;
+  const int64_t q_len = batch.query_start[s + 1] - batch.query_start[s];
+  const int64_t n_keys = batch.context_lens[s] - q_len + (row - batch.query_start[s]) + 1;
+  const int32_t* table = batch.block_tables + s * batch.max_blocks_per_seq;
+
+  float qv[kMaxHeadDimPerLane], acc[kMaxHeadDimPerLane];
+  const float* qrow = q + (row * num_heads + h) * hd;
+  for (int j = 0; j < kMaxHeadDimPerLane; ++j) {
+    const int64_t d = lane + 32 * j;
+    qv[j] = d < hd ? qrow[d] : 0.0f;
+    acc[j] = 0.0f;
+  }
+  float running_max = -INFINITY, denom = 0.0f;
+  for (int64_t key = 0; key < n_keys; ++key) {
+    const int64_t block = table[key / bs], t = key % bs;
+    const uint8_t* kp = pool + layout.k_offset(block, layer, g);
+    const uint8_t* vp = pool + layout.v_offset(block, layer, g);
+    const float ks =
+        layout.has_scales
+            ? *reinterpret_cast<const float*>(pool + layout.k_scale_offset(block, layer, g))
+            : 1.0f;
+    const float vs =
+        layout.has_scales
+            ? *reinterpret_cast<const float*>(pool + layout.v_scale_offset(block, layer, g))
+            : 1.0f;
+    float dot = 0.0f;
+    for (int j = 0; j < kMaxHeadDimPerLane; ++j) {
+      const int64_t d = lane + 32 * j;
+      if (d < hd) dot += qv[j] * LoadKv(kp, layout.dtype, t * hd + d, ks);
+    }
+    for (int o = 16; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+    const float score = dot * scale;
+    const float new_max = fmaxf(running_max, score);
+    const float correction = expf(running_max - new_max);  // 0 on the first key
+    const float p = expf(score - new_max);
+    denom = denom * correction + p;
+    for (int j = 0; j < kMaxHeadDimPerLane; ++j) {
+      const int64_t d = lane + 32 * j;
+      if (d < hd) acc[j] = acc[j] * correction + p * LoadKv(vp, layout.dtype, t * hd + d, vs);
+    }
+    running_max = new_max;
+  }
+  float* orow = out + (row * num_heads + h) * hd;
+  for (int j = 0; j < kMaxHeadDimPerLane; ++j) {
+    const int64_t d = lane + 32 * j;
+    if (d < hd) orow[d] = acc[j] / denom;
+  }
+}
+
+}  // namespace
+
+struct CudaBackend::State {
+  int device = 0;
+  cudaStream_t stream = nullptr;
+  cublasHandle_t cublas = nullptr;
+};
+
+std::unique_ptr<CudaBackend> CudaBackend::Create(int device) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || device < 0 || device >= count) {
+    cudaGetLastError();  // clear the "no driver" error
+    return nullptr;
+  }
+  auto state = std::make_unique<State>();
+  state->device = device;
+  Check(cudaSetDevice(device), "cudaSetDevice");
+  Check(cudaStreamCreateWithFlags(&state->stream, cudaStreamNonBlocking), "cudaStreamCreate");
+  Check(cublasCreate(&state->cublas), "cublasCreate");
+  Check(cublasSetStream(state->cublas, state->stream), "cublasSetStream");
+  // Full fp32 products: the CPU backend is the reference, TF32 would not match it.
+  Check(cublasSetMathMode(state->cublas, CUBLAS_PEDANTIC_MATH), "cublasSetMathMode");
+  return std::unique_ptr<CudaBackend>(new CudaBackend(std::move(state)));
+}
+
+CudaBackend::CudaBackend(std::unique_ptr<State> state) : state_(std::move(state)) {}
+
+CudaBackend::~CudaBackend() {
+  if (!state_) return;
+  cudaStreamSynchronize(state_->stream);
+  cublasDestroy(state_->cublas);
+  cudaStreamDestroy(state_->stream);
+}
+
+void* CudaBackend::Allocate(size_t bytes) {
+  void* p = nullptr;
+  if (cudaMalloc(&p, bytes == 0 ? 1 : bytes) != cudaSuccess) {
+    cudaGetLastError();
+    return nullptr;
+  }
+  return p;
+}
+
+void CudaBackend::Free(void* ptr) {
+  Synchronize();  // a queued op may still use it
+  Check(cudaFree(ptr), "cudaFree");
+}
+
+void CudaBackend::Upload(void* dst, const void* host_src, size_t bytes) {
+  if (bytes == 0) return;
+  Check(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, state_->stream), "upload");
+  // The host buffer may be reused as soon as we return.
+  Synchronize();
+}
+
+void CudaBackend::Download(void* host_dst, const void* src, size_t bytes) {
+  if (bytes == 0) return;
+  Check(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, state_->stream), "download");
+  Synchronize();
+}
+
+void CudaBackend::Synchronize() {
+  Check(cudaStreamSynchronize(state_->stream), "cudaStreamSynchronize");
+}
+
+void CudaBackend::Linear(const float* x, int64_t m, const WeightMatrix& w, const float* bias,
+                         float* y) {
+  if (m == 0) return;
+  if (w.dtype != DType::kF32) {
+    std::fprintf(stderr, "pdserve cuda backend: Linear takes fp32 weights (converted at load)\n");
+    std::abort();
+  }
+  // Row-major y[m, rows] = x[m, cols] W^T is column-major y^T = W x^T, with
+  // W read as the column-major [cols, rows] matrix transposed.
+  const float one = 1.0f, zero = 0.0f;
+  Check(cublasSgemm(state_->cublas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(w.rows),
+                    static_cast<int>(m), static_cast<int>(w.cols), &one,
+                    static_cast<const float*>(w.data), static_cast<int>(w.cols), x,
+                    static_cast<int>(w.cols), &zero, y, static_cast<int>(w.rows)),
+        "cublasSgemm");
+  if (bias != nullptr) {
+    AddBiasKernel<<<Blocks(m * w.rows), kThreads, 0, state_->stream>>>(y, bias, m, w.rows);
+    Check(cudaGetLastError(), "bias");
+  }
+}
+
+void CudaBackend::RmsNorm(const float* x, const float* weight, float* out, int64_t rows,
+                          int64_t dim, float eps) {
+  if (rows == 0) return;
+  Check(cuda::RmsNormF32(x, weight, out, static_cast<int>(rows), static_cast<int>(dim), eps,
+                         state_->stream),
+        "RmsNorm");
+}
+
+void CudaBackend::Rope(float* x, const int32_t* positions, int64_t tokens, int64_t heads,
+                       int64_t head_dim, const float* inv_freq) {
+  const int64_t n = tokens * heads * (head_dim / 2);
+  if (n == 0) return;
+  RopeKernel<<<Blocks(n), kThreads, 0, state_->stream>>>(x, positions, tokens, heads, head_dim,
+                                                         inv_freq);
+  Check(cudaGetLastError(), "Rope");
+}
+
+void CudaBackend::SwiGlu(const float* gate, const float* up, int64_t in_stride, float* out,
+                         int64_t rows, int64_t n) {
+  if (rows * n == 0) return;
+  SwiGluKernel<<<Blocks(rows * n), kThreads, 0, state_->stream>>>(gate, up, in_stride, out, rows,
+                                                                  n);
+  Check(cudaGetLastError(), "SwiGlu");
+}
+
+void CudaBackend::Add(float* x, const float* y, int64_t n) {
+  if (n == 0) return;
+  AddKernel<<<Blocks(n), kThreads, 0, state_->stream>>>(x, y, n);
+  Check(cudaGetLastError(), "Add");
+}
+
+void CudaBackend::Embedding(const float* table, const int32_t* ids, int64_t tokens, int64_t dim,
+                            float* out) {
+  GatherRows(table, ids, tokens, dim, out);
+}
+
+void CudaBackend::GatherRows(const float* x, const int32_t* rows, int64_t count, int64_t dim,
+                             float* out) {
+  if (count * dim == 0) return;
+  GatherKernel<<<Blocks(count * dim), kThreads, 0, state_->stream>>>(x, rows, count, dim, out);
+  Check(cudaGetLastError(), "GatherRows");
+}
+
+void CudaBackend::WriteKv(const KvCacheLayout& layout, void* pool, int64_t layer, const float* k,
+                          const float* v, const int64_t* slots, int64_t tokens) {
+  if (tokens == 0) return;
+  auto* base = static_cast<uint8_t*>(pool);
+  const DeviceLayout dl(layout);
+  if (layout.has_scales()) {
+    WriteKvFp8Kernel<<<static_cast<unsigned>(2 * layout.num_kv_heads), kThreads, 0,
+                       state_->stream>>>(dl, base, layer, k, v, slots, tokens);
+  } else {
+    const int64_t n = tokens * layout.num_kv_heads * layout.head_dim;
+    WriteKvPlainKernel<<<Blocks(n), kThreads, 0, state_->stream>>>(dl, base, layer, k, v, slots,
+                                                                   tokens);
+  }
+  Check(cudaGetLastError(), "WriteKv");
+}
+
+void CudaBackend::PagedAttention(const KvCacheLayout& layout, const void* pool, int64_t layer,
+                                 const float* q, int64_t num_heads, const AttentionBatch& batch,
+                                 float scale, float* out) {
+  if (layout.head_dim > 32 * kMaxHeadDimPerLane) {
+    std::fprintf(stderr, "pdserve cuda backend: head_dim %lld over %d\n",
+                 static_cast<long long>(layout.head_dim), 32 * kMaxHeadDimPerLane);
+    std::abort();
+  }
+  if (batch.num_seqs == 0) return;
+  // The row count lives in device memory; read it once.
+  int32_t tokens = 0;
+  Check(cudaMemcpyAsync(&tokens, batch.query_start + batch.num_seqs, sizeof(tokens),
+                        cudaMemcpyDeviceToHost, state_->stream),
+        "attention rows");
+  Synchronize();
+  const int64_t tasks = static_cast<int64_t>(tokens) * num_heads;
+  if (tasks == 0) return;
+  const auto blocks = static_cast<unsigned>((tasks + kWarpsPerBlock - 1) / kWarpsPerBlock);
+  PagedAttentionKernel<<<blocks, 32 * kWarpsPerBlock, 0, state_->stream>>>(
+      DeviceLayout(layout), static_cast<const uint8_t*>(pool), layer, q, num_heads, batch, tokens,
+      scale, out);
+  Check(cudaGetLastError(), "PagedAttention");
+}
+
+}  // namespace pdserve::kernels

@@ -1,0 +1,66 @@
+// The CUDA implementation of kernels::Backend: every op of the forward pass
+// on one device, with the same semantics as the CPU backend (which is its
+// reference in the tests), the same paged KV pool layout, and fp32
+// activations. This is the correctness-first version: straightforward
+// kernels (one warp per query head for attention, cuBLAS SGEMM for Linear);
+// the fast paths (flash-decoding, bf16 tensor cores, CUDA graphs) come on top
+// of it and are checked against it.
+//
+// Contract (beyond backend.h): ops are queued on the backend's stream in call
+// order; Download waits for them, so results read through Download are
+// complete. Pointers given to ops, AttentionBatch arrays included, are
+// device memory from Allocate. A failed CUDA call aborts with its error: a
+// device in an unknown state must not produce tokens.
+#pragma once
+
+#include <memory>
+
+#include "kernels/backend.h"
+
+namespace pdserve::kernels {
+
+class CudaBackend final : public Backend {
+ public:
+  // Uses device `device`; nullptr when there is no such device.
+  static std::unique_ptr<CudaBackend> Create(int device = 0);
+  ~CudaBackend() override;
+
+  std::string name() const override { return "cuda"; }
+  bool SharesHostMemory() const override { return false; }
+  bool SupportsWeightDType(DType dtype) const override { return dtype == DType::kF32; }
+
+  void* Allocate(size_t bytes) override;
+  void Free(void* ptr) override;
+  void Upload(void* dst, const void* host_src, size_t bytes) override;
+  void Download(void* host_dst, const void* src, size_t bytes) override;
+
+  void Linear(const float* x, int64_t m, const WeightMatrix& w, const float* bias,
+              float* y) override;
+  void RmsNorm(const float* x, const float* weight, float* out, int64_t rows, int64_t dim,
+               float eps) override;
+  void Rope(float* x, const int32_t* positions, int64_t tokens, int64_t heads, int64_t head_dim,
+            const float* inv_freq) override;
+  void SwiGlu(const float* gate, const float* up, int64_t in_stride, float* out, int64_t rows,
+              int64_t n) override;
+  void Add(float* x, const float* y, int64_t n) override;
+  void Embedding(const float* table, const int32_t* ids, int64_t tokens, int64_t dim,
+                 float* out) override;
+  void GatherRows(const float* x, const int32_t* rows, int64_t count, int64_t dim,
+                  float* out) override;
+  void WriteKv(const KvCacheLayout& layout, void* pool, int64_t layer, const float* k,
+               const float* v, const int64_t* slots, int64_t tokens) override;
+  void PagedAttention(const KvCacheLayout& layout, const void* pool, int64_t layer, const float* q,
+                      int64_t num_heads, const AttentionBatch& batch, float scale,
+                      float* out) override;
+
+  // Waits for every queued op.
+  void Synchronize();
+
+  struct State;  // CUDA handles, defined in the .cu file
+
+ private:
+  explicit CudaBackend(std::unique_ptr<State> state);
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace pdserve::kernels
