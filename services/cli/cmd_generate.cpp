@@ -8,15 +8,15 @@
 #include "common/logging.h"
 #include "common/tokenizer/tokenizer.h"
 #include "engine/engine.h"
-#include "kernels/cpu/cpu_backend.h"
+#include "kernels/backend_factory.h"
 #include "services/cli/command.h"
 
 namespace pdserve::cli {
 namespace {
 
 int RunGenerate(int argc, char** argv) {
-  FlagSet flags("generate", "Generate text for one prompt, offline, on the CPU backend.");
-  std::string model_dir, prompt, kv_dtype_name = "fp32", stop;
+  FlagSet flags("generate", "Generate text for one prompt, offline.");
+  std::string model_dir, prompt, kv_dtype_name = "fp32", stop, device = "cpu";
   int64_t max_tokens = 16, top_k = -1, seed = -1, threads = 0, block_size = 16;
   int64_t kv_cache_bytes = 64ll << 20, max_batched_tokens = 512;
   double temperature = 1.0, top_p = 1.0;
@@ -35,6 +35,7 @@ int RunGenerate(int argc, char** argv) {
   flags.AddInt("block-size", &block_size, "tokens per KV block");
   flags.AddInt("max-batched-tokens", &max_batched_tokens, "tokens per step (prefill chunk)");
   flags.AddInt("threads", &threads, "CPU threads (0: one per core)");
+  flags.AddString("device", &device, "compute backend: cpu, cuda or cuda:N");
   flags.AddBool("json", &json,
                 "print one JSON object: prompt_token_ids, token_ids, text, finish_reason");
   flags.SetEnvPrefix("PDSERVE_");
@@ -60,8 +61,14 @@ int RunGenerate(int argc, char** argv) {
   params.ignore_eos = ignore_eos;
   if (Status st = ValidateSamplingParams(params); !st.ok()) UsageError("generate", st.message());
 
-  kernels::CpuBackend backend(static_cast<int>(threads));
-  auto model = Model::Load(model_dir, &backend);
+  auto backend = kernels::CreateBackend(device, static_cast<int>(threads));
+  if (!backend.ok()) {
+    if (backend.status().code() == StatusCode::kInvalidArgument)
+      UsageError("generate", "--device: " + backend.status().message());
+    std::fprintf(stderr, "pdserve generate: %s\n", backend.status().message().c_str());
+    return 1;
+  }
+  auto model = Model::Load(model_dir, backend->get());
   if (!model.ok()) UsageError("generate", model.status().message());
   auto tokenizer = Tokenizer::Load(model_dir);
   if (!tokenizer.ok()) UsageError("generate", tokenizer.status().message());
