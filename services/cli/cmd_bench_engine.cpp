@@ -12,6 +12,7 @@
 #include "common/flags.h"
 #include "common/logging.h"
 #include "engine/engine.h"
+#include "kernels/backend_factory.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "services/cli/bench_util.h"
 #include "services/cli/command.h"
@@ -33,8 +34,8 @@ double CpuSeconds() {
 
 int RunBenchEngine(int argc, char** argv) {
   FlagSet flags("bench engine",
-                "Measure prefill and decode tokens/s of the CPU engine per batch size.");
-  std::string model_dir, kv_dtype_name = "fp32";
+                "Measure prefill and decode tokens/s of the engine per batch size.");
+  std::string model_dir, kv_dtype_name = "fp32", device = "cpu";
   std::vector<int64_t> batches = {1, 8, 32};
   int64_t prompt_tokens = 256, gen_tokens = 128, threads = 0, block_size = 16;
   int64_t max_batched_tokens = 2048;
@@ -47,6 +48,7 @@ int RunBenchEngine(int argc, char** argv) {
   flags.AddInt("block-size", &block_size, "tokens per KV block");
   flags.AddInt("max-batched-tokens", &max_batched_tokens, "token budget per step");
   flags.AddInt("threads", &threads, "CPU threads (0: one per core)");
+  flags.AddString("device", &device, "compute backend: cpu, cuda or cuda:N");
   flags.AddBool("json", &json, "one JSON line per batch size");
   flags.SetEpilog(
       "Example: pdserve bench engine --model models/small --batch 1,8,32 --prompt-tokens 256 "
@@ -64,7 +66,17 @@ int RunBenchEngine(int argc, char** argv) {
   if (!kv_dtype || *kv_dtype == DType::kFP4E2M1) {
     UsageError("bench engine", "--kv-dtype: expected fp32, fp16, bf16 or fp8");
   }
-  kernels::CpuBackend backend(static_cast<int>(threads));
+  auto created = kernels::CreateBackend(device, static_cast<int>(threads));
+  if (!created.ok()) {
+    if (created.status().code() == StatusCode::kInvalidArgument)
+      UsageError("bench engine", "--device: " + created.status().message());
+    std::fprintf(stderr, "pdserve bench engine: %s\n", created.status().message().c_str());
+    return 1;
+  }
+  kernels::Backend& backend = **created;
+  // CPU-time shares only mean something for the CPU backend's threads.
+  const auto* cpu_backend = dynamic_cast<const kernels::CpuBackend*>(&backend);
+  const int backend_threads = cpu_backend ? cpu_backend->threads() : 1;
   auto model = Model::Load(model_dir, &backend);
   if (!model.ok()) UsageError("bench engine", model.status().message());
   const auto& cfg = (*model)->config();
@@ -148,11 +160,11 @@ int RunBenchEngine(int argc, char** argv) {
         {"prefill_tokens_per_s", batch * prompt_tokens / prefill_s},
         // CPU time used over wall time x threads: below 1 when other processes
         // share the cores (the figures are then lower than the machine can do).
-        {"prefill_cpu_share", (cpu_prefill_end - cpu0) / (prefill_s * backend.threads())},
+        {"prefill_cpu_share", (cpu_prefill_end - cpu0) / (prefill_s * backend_threads)},
         {"decode_seconds", decode_s},
         {"decode_steps", decode_steps},
         {"decode_tokens_per_s", decode_tokens / decode_s},
-        {"decode_cpu_share", (cpu_end - cpu_prefill_end) / (decode_s * backend.threads())},
+        {"decode_cpu_share", (cpu_end - cpu_prefill_end) / (decode_s * backend_threads)},
         {"decode_step_ms", decode_steps ? 1000.0 * decode_s / decode_steps : 0.0},
         {"weight_bytes_per_decode_step", (*model)->weight_bytes_per_step()},
         {"weight_read_gb_per_s",
@@ -160,7 +172,7 @@ int RunBenchEngine(int argc, char** argv) {
         {"machine",
          {{"cores", std::thread::hardware_concurrency()},
           {"cpu", CpuModel()},
-          {"threads", backend.threads()},
+          {"threads", backend_threads},
           {"backend", backend.name()}}}};
     if (json) {
       std::printf("%s\n", j.dump().c_str());
