@@ -188,6 +188,6 @@ int RunBenchEngine(int argc, char** argv) {
 
 }  // namespace
 
-PDSERVE_COMMAND("bench engine", "engine prefill/decode throughput on the CPU", RunBenchEngine);
+PDSERVE_COMMAND("bench engine", "engine prefill/decode throughput (CPU or CUDA)", RunBenchEngine);
 
 }  // namespace pdserve::cli
