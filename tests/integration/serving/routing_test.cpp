@@ -8,6 +8,7 @@
 
 #include <gtest/gtest.h>
 
+#include <fstream>
 #include <regex>
 #include <thread>
 
@@ -102,6 +103,21 @@ TEST(RoutingTest, CacheSaltKeepsTenantsApart) {
   EXPECT_GT(cached(""), 100);
 }
 
+// True once /proc says the process is stopped (state T).
+bool WaitUntilStopped(pid_t pid) {
+  for (int i = 0; i < 400; ++i) {
+    std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+    std::string line;
+    std::getline(stat, line);
+    // "pid (comm) S ...": the state follows the last ')'.
+    const size_t paren = line.rfind(')');
+    if (paren != std::string::npos && paren + 2 < line.size() && line[paren + 2] == 'T')
+      return true;
+    std::this_thread::sleep_for(5ms);
+  }
+  return false;
+}
+
 TEST(RoutingTest, FrozenWorkerIsDetectedAndItsRequestRetriedElsewhere) {
   LocalStack stack("routing-frozen");
   stack.StartRouter({"--policy", "kv", "--policy-temperature", "0"});
@@ -125,6 +141,8 @@ TEST(RoutingTest, FrozenWorkerIsDetectedAndItsRequestRetriedElsewhere) {
     if (w->id == *served_by) warm = w.get();
   ASSERT_NE(warm, nullptr);
   warm->proc.Signal(SIGSTOP);
+  // kill() returns before the process has stopped: wait until it has.
+  ASSERT_TRUE(WaitUntilStopped(warm->proc.pid()));
   HttpResult again = HttpRequest(stack.http_port(), "POST", "/v1/completions", req.dump(),
                                  {{"x-request-id", "retried"}}, 60s);
   warm->proc.Signal(SIGCONT);
