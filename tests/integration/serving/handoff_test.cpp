@@ -108,6 +108,7 @@ TEST(HandoffTest, DecodeWorkerKilledMidStreamEndsTheStreamWithAnErrorEvent) {
         events += data;
         if (!killed) {
           worker.proc.Signal(SIGKILL);
+          (void)worker.proc.Wait(std::chrono::seconds(10));  // really gone before reading on
           killed = true;
         }
         return true;
