@@ -47,19 +47,7 @@ uint16_t F32ToF16(float f) {
 namespace {
 std::array<float, 256> BuildE4M3Table() {
   std::array<float, 256> t{};
-  for (int v = 0; v < 256; ++v) {
-    const int exp = (v >> 3) & 0xf;
-    const int mant = v & 7;
-    float m;
-    if (exp == 0xf && mant == 7) {
-      m = NAN;
-    } else if (exp == 0) {
-      m = std::ldexp(static_cast<float>(mant), -9);
-    } else {
-      m = std::ldexp(1.0f + mant / 8.0f, exp - 7);
-    }
-    t[v] = (v & 0x80) ? -m : m;
-  }
+  for (int v = 0; v < 256; ++v) t[v] = E4M3Decode(static_cast<uint8_t>(v));
   return t;
 }
 const std::array<float, 256> kE4M3Table = BuildE4M3Table();
@@ -67,25 +55,6 @@ const std::array<float, 256> kE4M3Table = BuildE4M3Table();
 
 float E4M3ToF32(uint8_t v) { return kE4M3Table[v]; }
 
-uint8_t F32ToE4M3(float f) {
-  if (std::isnan(f)) return 0x7f;
-  const uint8_t sign = std::signbit(f) ? 0x80 : 0;
-  float a = std::fabs(f);
-  if (a >= kE4M3Max) return sign | 0x7e;
-  if (a < 0.015625f) {  // subnormal range: steps of 2^-9; 8 steps is the smallest normal (code 8)
-    return sign | static_cast<uint8_t>(std::nearbyint(a * 512.0f));
-  }
-  int e;
-  const float frac = std::frexp(a, &e);  // a = frac * 2^e, frac in [0.5, 1)
-  // a = (1 + m/8) * 2^(e-1); the mantissa in eighths, rounded to nearest even.
-  int m = static_cast<int>(std::nearbyint((frac * 2.0f - 1.0f) * 8.0f));
-  int biased = e - 1 + 7;
-  if (m == 8) {
-    m = 0;
-    ++biased;
-  }
-  const int code = biased * 8 + m;
-  return sign | static_cast<uint8_t>(code > 0x7e ? 0x7e : code);
-}
+uint8_t F32ToE4M3(float f) { return E4M3Encode(f); }
 
 }  // namespace pdserve::kernels

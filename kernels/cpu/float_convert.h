@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kernels/fp8_e4m3.h"
+
 namespace pdserve::kernels {
 
 inline float Bf16ToF32(uint16_t h) {
@@ -26,8 +28,7 @@ inline uint16_t F32ToBf16(float f) {
 float F16ToF32(uint16_t h);
 uint16_t F32ToF16(float f);
 
-// fp8 E4M3 ("FN" variant: bias 7, no infinities, 0x7f/0xff are NaN, max 448).
-inline constexpr float kE4M3Max = 448.0f;
+// fp8 E4M3 (see kernels/fp8_e4m3.h); decoding goes through a table.
 float E4M3ToF32(uint8_t v);
 // Saturates to +-448; NaN maps to the NaN code.
 uint8_t F32ToE4M3(float f);

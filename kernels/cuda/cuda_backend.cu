@@ -8,6 +8,7 @@
 
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/rms_norm.h"
+#include "kernels/fp8_e4m3.h"
 
 namespace pdserve::kernels {
 
@@ -65,39 +66,8 @@ struct DeviceLayout {
 
 // ---- KV element codecs: bit-identical to kernels/cpu/float_convert ----------
 
-constexpr float kE4M3Max = 448.0f;
-
-__device__ float E4M3ToF32(uint8_t v) {
-  const int exp = (v >> 3) & 0xf;
-  const int mant = v & 7;
-  float m;
-  if (exp == 0xf && mant == 7) {
-    m = __int_as_float(0x7fc00000);  // NaN
-  } else if (exp == 0) {
-    m = ldexpf(static_cast<float>(mant), -9);
-  } else {
-    m = ldexpf(1.0f + mant / 8.0f, exp - 7);
-  }
-  return (v & 0x80) ? -m : m;
-}
-
-__device__ uint8_t F32ToE4M3(float f) {
-  if (isnan(f)) return 0x7f;
-  const uint8_t sign = signbit(f) ? 0x80 : 0;
-  const float a = fabsf(f);
-  if (a >= kE4M3Max) return sign | 0x7e;
-  if (a < 0.015625f) return sign | static_cast<uint8_t>(rintf(a * 512.0f));
-  int e;
-  const float frac = frexpf(a, &e);
-  int m = static_cast<int>(rintf((frac * 2.0f - 1.0f) * 8.0f));
-  int biased = e - 1 + 7;
-  if (m == 8) {
-    m = 0;
-    ++biased;
-  }
-  const int code = biased * 8 + m;
-  return sign | static_cast<uint8_t>(code > 0x7e ? 0x7e : code);
-}
+__device__ float E4M3ToF32(uint8_t v) { return E4M3Decode(v); }
+__device__ uint8_t F32ToE4M3(float f) { return E4M3Encode(f); }
 
 // Smallest power of two s with max_abs / s <= 448 (0 for all zeros).
 __device__ float Fp8ScaleFor(float max_abs) {
