@@ -135,5 +135,22 @@ TEST(HandoffTest, DecodeWorkerKilledMidStreamEndsTheStreamWithAnErrorEvent) {
   EXPECT_EQ(status, 200) << body.dump();
 }
 
+TEST(HandoffTest, WorkerHealthFollowsItsRouterLink) {
+  LocalStack stack("handoff-health");
+  stack.StartRouter();
+  WorkerProc& worker = stack.StartWorker("both");
+  ASSERT_TRUE(WaitForHttpStatus(worker.metrics_port, "/health", 200, std::chrono::seconds(10)));
+  // No router: the worker is alive but not serving; its probe says so.
+  const int control_port = stack.control_port();
+  stack.router().Signal(SIGKILL);
+  ASSERT_TRUE(stack.router().Wait(std::chrono::seconds(10)));
+  ASSERT_TRUE(WaitForHttpStatus(worker.metrics_port, "/health", 503, std::chrono::seconds(30)));
+  EXPECT_NE(HttpRequest(worker.metrics_port, "GET", "/health").body.find("no router connection"),
+            std::string::npos);
+  // A router on the same address again: the worker reconnects and is healthy.
+  stack.StartRouter({}, control_port);
+  EXPECT_TRUE(WaitForHttpStatus(worker.metrics_port, "/health", 200, std::chrono::seconds(30)));
+}
+
 }  // namespace
 }  // namespace pdserve::testing
