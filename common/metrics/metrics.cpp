@@ -38,6 +38,33 @@ const std::vector<double>& RouteDecisionBuckets() {
   return b;
 }
 
+prometheus::Counter& AddCounter(prometheus::Registry& registry, const std::string& name,
+                                const std::string& help) {
+  return AddCounterFamily(registry, name, help).Add({});
+}
+
+prometheus::Gauge& AddGauge(prometheus::Registry& registry, const std::string& name,
+                            const std::string& help) {
+  return AddGaugeFamily(registry, name, help).Add({});
+}
+
+prometheus::Histogram& AddHistogram(prometheus::Registry& registry, const std::string& name,
+                                    const std::string& help, const std::vector<double>& buckets) {
+  return prometheus::BuildHistogram().Name(name).Help(help).Register(registry).Add({}, buckets);
+}
+
+prometheus::Family<prometheus::Counter>& AddCounterFamily(prometheus::Registry& registry,
+                                                          const std::string& name,
+                                                          const std::string& help) {
+  return prometheus::BuildCounter().Name(name).Help(help).Register(registry);
+}
+
+prometheus::Family<prometheus::Gauge>& AddGaugeFamily(prometheus::Registry& registry,
+                                                      const std::string& name,
+                                                      const std::string& help) {
+  return prometheus::BuildGauge().Name(name).Help(help).Register(registry);
+}
+
 std::string Serialize(const prometheus::Registry& registry) {
   prometheus::TextSerializer serializer;
   return serializer.Serialize(registry.Collect());

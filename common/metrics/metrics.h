@@ -10,6 +10,10 @@
 #include <string>
 #include <vector>
 
+#include <prometheus/counter.h>
+#include <prometheus/family.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
 #include <prometheus/registry.h>
 
 #include "common/http/http_server.h"
@@ -22,6 +26,22 @@ const std::vector<double>& InterTokenLatencyBuckets();
 const std::vector<double>& RequestLatencyBuckets();
 const std::vector<double>& KvTransferBuckets();
 const std::vector<double>& RouteDecisionBuckets();
+
+// Registration in one call. The unlabelled forms return the single series;
+// the Family forms leave adding labelled series to the caller. References
+// stay valid as long as the registry lives.
+prometheus::Counter& AddCounter(prometheus::Registry& registry, const std::string& name,
+                                const std::string& help);
+prometheus::Gauge& AddGauge(prometheus::Registry& registry, const std::string& name,
+                            const std::string& help);
+prometheus::Histogram& AddHistogram(prometheus::Registry& registry, const std::string& name,
+                                    const std::string& help, const std::vector<double>& buckets);
+prometheus::Family<prometheus::Counter>& AddCounterFamily(prometheus::Registry& registry,
+                                                          const std::string& name,
+                                                          const std::string& help);
+prometheus::Family<prometheus::Gauge>& AddGaugeFamily(prometheus::Registry& registry,
+                                                      const std::string& name,
+                                                      const std::string& help);
 
 // Prometheus text exposition format (version 0.0.4) of everything in `registry`.
 std::string Serialize(const prometheus::Registry& registry);

@@ -88,69 +88,39 @@ const char* FinishName(proto::FinishReason r) {
 // Router metrics (ARCHITECTURE.md section 8).
 struct RouterMetrics {
   explicit RouterMetrics(prometheus::Registry& r)
-      : requests(prometheus::BuildCounter()
-                     .Name("pdserve_router_requests_total")
-                     .Help("Requests answered by the router, by outcome")
-                     .Register(r)),
-        predicted_hit_tokens(
-            prometheus::BuildCounter()
-                .Name("pdserve_router_predicted_hit_tokens_total")
-                .Help("Prompt tokens the index predicted cached on the prefilling worker")
-                .Register(r)
-                .Add({})),
-        prompt_tokens(prometheus::BuildCounter()
-                          .Name("pdserve_router_prompt_tokens_total")
-                          .Help("Prompt tokens routed")
-                          .Register(r)
-                          .Add({})),
-        decisions(prometheus::BuildCounter()
-                      .Name("pdserve_router_decisions_total")
-                      .Help("Routing decisions by kind")
-                      .Register(r)),
-        retries(prometheus::BuildCounter()
-                    .Name("pdserve_router_retries_total")
-                    .Help("Requests re-sent to another worker before their first token")
-                    .Register(r)
-                    .Add({})),
-        ttft(prometheus::BuildHistogram()
-                 .Name("pdserve_router_time_to_first_token_seconds")
-                 .Help("Time from request arrival to its first token, seen by the router")
-                 .Register(r)
-                 .Add({}, metrics::TimeToFirstTokenBuckets())),
-        route_seconds(prometheus::BuildHistogram()
-                          .Name("pdserve_router_route_seconds")
-                          .Help("Time to tokenize, hash and choose workers for a request")
-                          .Register(r)
-                          .Add({}, metrics::RouteDecisionBuckets())),
-        e2e(prometheus::BuildHistogram()
-                .Name("pdserve_router_request_duration_seconds")
-                .Help("Time from request arrival to its last byte")
-                .Register(r)
-                .Add({}, metrics::RequestLatencyBuckets())),
-        event_gaps(prometheus::BuildCounter()
-                       .Name("pdserve_router_kv_event_gaps_total")
-                       .Help("KV event batches out of sequence (each triggers a resync)")
-                       .Register(r)
-                       .Add({})),
-        workers(prometheus::BuildGauge()
-                    .Name("pdserve_router_workers")
-                    .Help("Connected workers by role and state")
-                    .Register(r)),
-        inflight(prometheus::BuildGauge()
-                     .Name("pdserve_router_requests_in_flight")
-                     .Help("Requests being served")
-                     .Register(r)
-                     .Add({})),
-        index_blocks(prometheus::BuildGauge()
-                         .Name("pdserve_router_index_blocks")
-                         .Help("Distinct block hashes in the prefix index")
-                         .Register(r)
-                         .Add({})),
-        index_bytes(prometheus::BuildGauge()
-                        .Name("pdserve_router_index_bytes")
-                        .Help("Memory held by the prefix index")
-                        .Register(r)
-                        .Add({})) {
+      : requests(metrics::AddCounterFamily(r, "pdserve_router_requests_total",
+                                           "Requests answered by the router, by outcome")),
+        predicted_hit_tokens(metrics::AddCounter(
+            r, "pdserve_router_predicted_hit_tokens_total",
+            "Prompt tokens the index predicted cached on the prefilling worker")),
+        prompt_tokens(
+            metrics::AddCounter(r, "pdserve_router_prompt_tokens_total", "Prompt tokens routed")),
+        decisions(metrics::AddCounterFamily(r, "pdserve_router_decisions_total",
+                                            "Routing decisions by kind")),
+        retries(metrics::AddCounter(r, "pdserve_router_retries_total",
+                                    "Requests re-sent to another worker before their first token")),
+        ttft(metrics::AddHistogram(
+            r, "pdserve_router_time_to_first_token_seconds",
+            "Time from request arrival to its first token, seen by the router",
+            metrics::TimeToFirstTokenBuckets())),
+        route_seconds(
+            metrics::AddHistogram(r, "pdserve_router_route_seconds",
+                                  "Time to tokenize, hash and choose workers for a request",
+                                  metrics::RouteDecisionBuckets())),
+        e2e(metrics::AddHistogram(r, "pdserve_router_request_duration_seconds",
+                                  "Time from request arrival to its last byte",
+                                  metrics::RequestLatencyBuckets())),
+        event_gaps(
+            metrics::AddCounter(r, "pdserve_router_kv_event_gaps_total",
+                                "KV event batches out of sequence (each triggers a resync)")),
+        workers(metrics::AddGaugeFamily(r, "pdserve_router_workers",
+                                        "Connected workers by role and state")),
+        inflight(
+            metrics::AddGauge(r, "pdserve_router_requests_in_flight", "Requests being served")),
+        index_blocks(metrics::AddGauge(r, "pdserve_router_index_blocks",
+                                       "Distinct block hashes in the prefix index")),
+        index_bytes(
+            metrics::AddGauge(r, "pdserve_router_index_bytes", "Memory held by the prefix index")) {
     // Every outcome and decision exists from the start at 0, so rate() and
     // ratios over them are defined before the first request of each kind.
     for (const char* status :

@@ -137,75 +137,42 @@ std::vector<std::string> Resolve(const std::string& host) {
 
 struct WorkerMetrics {
   explicit WorkerMetrics(prometheus::Registry& r)
-      : queries(prometheus::BuildCounter()
-                    .Name("pdserve_prefix_cache_queries_tokens_total")
-                    .Help("Prompt tokens looked up in the prefix cache for prefill computation")
-                    .Register(r)
-                    .Add({})),
-        hits(prometheus::BuildCounter()
-                 .Name("pdserve_prefix_cache_hits_tokens_total")
-                 .Help("Prompt tokens found in the prefix cache (blocks received by transfer are "
-                       "not hits)")
-                 .Register(r)
-                 .Add({})),
-        usage(prometheus::BuildGauge()
-                  .Name("pdserve_kv_cache_usage_ratio")
-                  .Help("Fraction of KV blocks held by requests")
-                  .Register(r)
-                  .Add({})),
-        running(prometheus::BuildGauge()
-                    .Name("pdserve_requests_running")
-                    .Help("Requests being prefilled or decoded")
-                    .Register(r)
-                    .Add({})),
-        waiting(prometheus::BuildGauge()
-                    .Name("pdserve_requests_waiting")
-                    .Help("Requests queued, including those waiting for remote KV")
-                    .Register(r)
-                    .Add({})),
-        ttft(prometheus::BuildHistogram()
-                 .Name("pdserve_time_to_first_token_seconds")
-                 .Help("Time from Generate to the first token")
-                 .Register(r)
-                 .Add({}, metrics::TimeToFirstTokenBuckets())),
-        itl(prometheus::BuildHistogram()
-                .Name("pdserve_inter_token_latency_seconds")
-                .Help("Time between consecutive output tokens of a request")
-                .Register(r)
-                .Add({}, metrics::InterTokenLatencyBuckets())),
-        transfer_seconds(prometheus::BuildHistogram()
-                             .Name("pdserve_kv_transfer_seconds")
-                             .Help("Time to write a prompt's KV blocks to a decode worker")
-                             .Register(r)
-                             .Add({}, metrics::KvTransferBuckets())),
-        transfer_bytes(prometheus::BuildCounter()
-                           .Name("pdserve_kv_transfer_bytes_total")
-                           .Help("KV bytes moved between workers")
-                           .Register(r)),
-        transfer_failures(prometheus::BuildCounter()
-                              .Name("pdserve_kv_transfer_failures_total")
-                              .Help("KV hand-offs that failed (transfer error, timeout, lost peer)")
-                              .Register(r)
-                              .Add({})),
-        preemptions(prometheus::BuildCounter()
-                        .Name("pdserve_preemptions_total")
-                        .Help("Sequences preempted for lack of KV blocks (recomputed later)")
-                        .Register(r)
-                        .Add({})),
-        requests(prometheus::BuildCounter()
-                     .Name("pdserve_requests_total")
-                     .Help("Requests finished by this worker, by kind and outcome")
-                     .Register(r)),
-        prefill_tokens(prometheus::BuildCounter()
-                           .Name("pdserve_prompt_tokens_total")
-                           .Help("Prompt tokens of requests admitted")
-                           .Register(r)
-                           .Add({})),
-        generation_tokens(prometheus::BuildCounter()
-                              .Name("pdserve_generation_tokens_total")
-                              .Help("Output tokens produced")
-                              .Register(r)
-                              .Add({})) {
+      : queries(metrics::AddCounter(
+            r, "pdserve_prefix_cache_queries_tokens_total",
+            "Prompt tokens looked up in the prefix cache for prefill computation")),
+        hits(metrics::AddCounter(
+            r, "pdserve_prefix_cache_hits_tokens_total",
+            "Prompt tokens found in the prefix cache (blocks received by transfer are "
+            "not hits)")),
+        usage(metrics::AddGauge(r, "pdserve_kv_cache_usage_ratio",
+                                "Fraction of KV blocks held by requests")),
+        running(metrics::AddGauge(r, "pdserve_requests_running",
+                                  "Requests being prefilled or decoded")),
+        waiting(metrics::AddGauge(r, "pdserve_requests_waiting",
+                                  "Requests queued, including those waiting for remote KV")),
+        ttft(metrics::AddHistogram(r, "pdserve_time_to_first_token_seconds",
+                                   "Time from Generate to the first token",
+                                   metrics::TimeToFirstTokenBuckets())),
+        itl(metrics::AddHistogram(r, "pdserve_inter_token_latency_seconds",
+                                  "Time between consecutive output tokens of a request",
+                                  metrics::InterTokenLatencyBuckets())),
+        transfer_seconds(metrics::AddHistogram(
+            r, "pdserve_kv_transfer_seconds",
+            "Time to write a prompt's KV blocks to a decode worker", metrics::KvTransferBuckets())),
+        transfer_bytes(metrics::AddCounterFamily(r, "pdserve_kv_transfer_bytes_total",
+                                                 "KV bytes moved between workers")),
+        transfer_failures(
+            metrics::AddCounter(r, "pdserve_kv_transfer_failures_total",
+                                "KV hand-offs that failed (transfer error, timeout, lost peer)")),
+        preemptions(
+            metrics::AddCounter(r, "pdserve_preemptions_total",
+                                "Sequences preempted for lack of KV blocks (recomputed later)")),
+        requests(metrics::AddCounterFamily(
+            r, "pdserve_requests_total", "Requests finished by this worker, by kind and outcome")),
+        prefill_tokens(metrics::AddCounter(r, "pdserve_prompt_tokens_total",
+                                           "Prompt tokens of requests admitted")),
+        generation_tokens(
+            metrics::AddCounter(r, "pdserve_generation_tokens_total", "Output tokens produced")) {
     // Both directions exist from the start at 0: throughput panels and
     // alerts see a series on every worker before the first hand-off.
     for (const char* direction : {"in", "out"}) transfer_bytes.Add({{"direction", direction}});
