@@ -94,6 +94,18 @@ double Filter(std::span<const float> logits, const SamplingParams& p, Scratch& s
   }
   const auto& w = s.weight;
   auto more_likely = [&w](TokenId a, TokenId b) { return w[a] != w[b] ? w[a] > w[b] : a < b; };
+  // Keeps in s.ids the tokens of bins above `cross` (in order) and moves
+  // those of bin `cross` to s.crossing, to be ranked exactly.
+  auto split_at = [&](size_t cross) {
+    s.crossing.clear();
+    size_t out = 0;
+    for (TokenId id : s.ids) {
+      const size_t b = Bin(w[id]);
+      if (b > cross) s.ids[out++] = id;
+      if (b == cross) s.crossing.push_back(id);
+    }
+    s.ids.resize(out);
+  };
 
   if (p.top_k > 0 && static_cast<size_t>(p.top_k) < s.ids.size()) {
     // The k most likely: bins above the one where the count reaches k are
@@ -110,14 +122,7 @@ double Filter(std::span<const float> logits, const SamplingParams& p, Scratch& s
       }
       above += s.bin_count[b];
     }
-    s.crossing.clear();
-    size_t out = 0;
-    for (TokenId id : s.ids) {
-      const size_t b = Bin(w[id]);
-      if (b > cross) s.ids[out++] = id;
-      if (b == cross) s.crossing.push_back(id);
-    }
-    s.ids.resize(out);
+    split_at(cross);
     const size_t take = k - above;
     std::nth_element(s.crossing.begin(), s.crossing.begin() + static_cast<std::ptrdiff_t>(take - 1),
                      s.crossing.end(), more_likely);
@@ -148,14 +153,7 @@ double Filter(std::span<const float> logits, const SamplingParams& p, Scratch& s
       before += s.bin_mass[b];
     }
     if (found) {  // (not found: rounding left the target unreachable; keep all)
-      s.crossing.clear();
-      size_t out = 0;
-      for (TokenId id : s.ids) {
-        const size_t b = Bin(w[id]);
-        if (b > cross) s.ids[out++] = id;
-        if (b == cross) s.crossing.push_back(id);
-      }
-      s.ids.resize(out);
+      split_at(cross);
       std::sort(s.crossing.begin(), s.crossing.end(), more_likely);
       for (TokenId id : s.crossing) {
         if (before >= target) break;
