@@ -320,6 +320,7 @@ Status Model::Forward(const ForwardBatch& batch, const kernels::KvCacheLayout& l
   att.query_start = s.query_start;
   att.context_lens = s.context_lens;
   att.block_tables = s.block_tables;
+  att.num_tokens = T;
 
   const float eps = static_cast<float>(c.rms_norm_eps);
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));

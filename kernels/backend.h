@@ -103,6 +103,9 @@ struct AttentionBatch {
   const int32_t* context_lens = nullptr;  // num_seqs entries
   const int32_t* block_tables = nullptr;  // num_seqs * max_blocks_per_seq entries
   int64_t max_blocks_per_seq = 0;
+  // Query rows in all: query_start[num_seqs], also given here so that a
+  // device backend can size its launch without reading device memory back.
+  int64_t num_tokens = 0;
 };
 
 class Backend {

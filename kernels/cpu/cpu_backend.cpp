@@ -271,7 +271,7 @@ void CpuBackend::PagedAttention(const KvCacheLayout& layout, const void* pool, i
   const auto* base = static_cast<const uint8_t*>(pool);
   const int64_t kvh = layout.num_kv_heads, hd = layout.head_dim, bs = layout.block_size;
   const int64_t group = num_heads / kvh;
-  const int64_t tokens = batch.query_start[batch.num_seqs];
+  const int64_t tokens = batch.num_tokens;
   std::vector<int32_t> row_seq(tokens);
   for (int64_t s = 0; s < batch.num_seqs; ++s) {
     for (int32_t r = batch.query_start[s]; r < batch.query_start[s + 1]; ++r) row_seq[r] = s;

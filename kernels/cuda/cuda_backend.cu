@@ -240,10 +240,10 @@ constexpr int kMaxHeadDimPerLane = 8;  // head_dim <= 256
 // length.
 __global__ void PagedAttentionKernel(DeviceLayout layout, const uint8_t* pool, int64_t layer,
                                      const float* q, int64_t num_heads, AttentionBatch batch,
-                                     int64_t tokens, float scale, float* out) {
+                                     float scale, float* out) {
   const int64_t task = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  if (task >= tokens * num_heads) return;
+  if (task >= batch.num_tokens * num_heads) return;
   const int64_t row = task / num_heads, h = task % num_heads;
   const int64_t hd = layout.head_dim, bs = layout.block_size;
   const int64_t g = h / (num_heads / layout.num_kv_heads);
@@ -459,18 +459,12 @@ void CudaBackend::PagedAttention(const KvCacheLayout& layout, const void* pool, 
     std::abort();
   }
   if (batch.num_seqs == 0) return;
-  // The row count lives in device memory; read it once.
-  int32_t tokens = 0;
-  Check(cudaMemcpyAsync(&tokens, batch.query_start + batch.num_seqs, sizeof(tokens),
-                        cudaMemcpyDeviceToHost, state_->stream),
-        "attention rows");
-  Synchronize();
-  const int64_t tasks = static_cast<int64_t>(tokens) * num_heads;
+  const int64_t tasks = batch.num_tokens * num_heads;
   if (tasks == 0) return;
   const auto blocks = static_cast<unsigned>((tasks + kWarpsPerBlock - 1) / kWarpsPerBlock);
   PagedAttentionKernel<<<blocks, 32 * kWarpsPerBlock, 0, state_->stream>>>(
-      DeviceLayout(layout), static_cast<const uint8_t*>(pool), layer, q, num_heads, batch, tokens,
-      scale, out);
+      DeviceLayout(layout), static_cast<const uint8_t*>(pool), layer, q, num_heads, batch, scale,
+      out);
   Check(cudaGetLastError(), "PagedAttention");
 }
 

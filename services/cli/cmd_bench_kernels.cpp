@@ -118,6 +118,7 @@ int RunBenchKernels(int argc, char** argv) {
   ab.context_lens = static_cast<const int32_t*>(upload(context_lens));
   ab.block_tables = static_cast<const int32_t*>(upload(tables));
   ab.max_blocks_per_seq = blocks_per_seq;
+  ab.num_tokens = batch;
   const auto* dq = static_cast<const float*>(upload(q));
   auto* out = static_cast<float*>(backend->Allocate(q.size() * 4));
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));

@@ -217,11 +217,12 @@ TEST_P(CudaKvTest, PagedAttentionMatchesTheCpu) {
   auto q = Random(rows * num_heads * hd);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
 
-  AttentionBatch cpu_batch{2, query_start.data(), context_lens.data(), tables.data(), 3};
+  AttentionBatch cpu_batch{2, query_start.data(), context_lens.data(), tables.data(), 3, rows};
   std::vector<float> want(q.size());
   cpu_.PagedAttention(l, pool.data(), kLayer, q.data(), num_heads, cpu_batch, scale, want.data());
 
-  AttentionBatch gpu_batch{2, ToDevice(query_start), ToDevice(context_lens), ToDevice(tables), 3};
+  AttentionBatch gpu_batch{2,   ToDevice(query_start), ToDevice(context_lens), ToDevice(tables), 3,
+                           rows};
   float* out = Poisoned(q.size());
   gpu_->PagedAttention(l, gpu_pool, kLayer, ToDevice(q), num_heads, gpu_batch, scale, out);
   ExpectClose(FromDevice(out, q.size()), want, "PagedAttention");

@@ -178,7 +178,8 @@ TEST(Fp8KvCacheTest, AttentionOutputWithinDerivedBound) {
   // All T tokens attend as one prefill (causal), over the same block table.
   const int32_t qs[2] = {0, static_cast<int32_t>(T)};
   const int32_t ctx[1] = {static_cast<int32_t>(T)};
-  kernels::AttentionBatch batch{1, qs, ctx, f8.table.data(), static_cast<int64_t>(f8.table.size())};
+  kernels::AttentionBatch batch{1, qs, ctx, f8.table.data(), static_cast<int64_t>(f8.table.size()),
+                                T};
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   std::vector<float> o8(q.size()), o32(q.size());
   backend.PagedAttention(f8.layout, f8.pool.data(), 0, q.data(), heads, batch, scale, o8.data());
