@@ -354,7 +354,7 @@ int RunBenchTransferImpl(int argc, char** argv) {
         {"bytes", total_bytes},
         {"seconds", elapsed},
         {"gbytes_per_s", gbps},
-        {"machine", {{"cores", std::thread::hardware_concurrency()}, {"cpu", CpuModel()}}},
+        {"machine", MachineJson()},
     };
     std::printf("%s\n", j.dump().c_str());
   } else {
