@@ -24,6 +24,7 @@
 #include "common/tokenizer/tokenizer.h"
 #include "engine/model_config.h"
 #include "engine/model_id.h"
+#include "services/protocol/sampling.h"
 #include "services/router/openai/openai_api.h"
 #include "services/router/router_core.h"
 #include "transport/control/connection.h"
@@ -61,19 +62,6 @@ std::optional<WorkerRole> FromProtoRole(proto::Role r) {
     default:
       return std::nullopt;
   }
-}
-
-void ToProto(const SamplingParams& s, proto::SamplingParams* p) {
-  p->set_temperature(s.temperature);
-  p->set_top_p(s.top_p);
-  p->set_top_k(s.top_k > 0 ? s.top_k : 0);
-  if (s.seed) p->set_seed(*s.seed);
-  p->set_max_tokens(static_cast<uint32_t>(s.max_tokens));
-  for (const auto& stop : s.stop) p->add_stop(stop);
-  for (TokenId id : s.stop_token_ids) p->add_stop_token_ids(id);
-  p->set_ignore_eos(s.ignore_eos);
-  p->set_logprobs(s.logprobs.has_value());
-  p->set_top_logprobs(static_cast<uint32_t>(s.logprobs.value_or(0)));
 }
 
 const char* FinishName(proto::FinishReason r) {

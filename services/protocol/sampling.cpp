@@ -1,0 +1,32 @@
+#include "services/protocol/sampling.h"
+
+namespace pdserve {
+
+void ToProto(const SamplingParams& s, proto::SamplingParams* p) {
+  p->set_temperature(s.temperature);
+  p->set_top_p(s.top_p);
+  p->set_top_k(s.top_k > 0 ? s.top_k : 0);
+  if (s.seed) p->set_seed(*s.seed);
+  p->set_max_tokens(static_cast<uint32_t>(s.max_tokens));
+  for (const auto& stop : s.stop) p->add_stop(stop);
+  for (TokenId id : s.stop_token_ids) p->add_stop_token_ids(id);
+  p->set_ignore_eos(s.ignore_eos);
+  p->set_logprobs(s.logprobs.has_value());
+  p->set_top_logprobs(static_cast<uint32_t>(s.logprobs.value_or(0)));
+}
+
+SamplingParams FromProto(const proto::SamplingParams& p) {
+  SamplingParams s;
+  s.temperature = p.temperature();
+  s.top_p = p.top_p() > 0 ? p.top_p() : 1.0f;
+  s.top_k = p.top_k() > 0 ? p.top_k() : -1;
+  if (p.has_seed()) s.seed = p.seed();
+  s.max_tokens = static_cast<int>(p.max_tokens());
+  s.stop.assign(p.stop().begin(), p.stop().end());
+  s.stop_token_ids.assign(p.stop_token_ids().begin(), p.stop_token_ids().end());
+  s.ignore_eos = p.ignore_eos();
+  if (p.logprobs()) s.logprobs = static_cast<int>(p.top_logprobs());
+  return s;
+}
+
+}  // namespace pdserve

@@ -1,0 +1,52 @@
+// Sampling parameters survive the wire unchanged, and a message that leaves
+// knobs unset means "off" for them.
+#include "services/protocol/sampling.h"
+
+#include <gtest/gtest.h>
+
+namespace pdserve {
+namespace {
+
+TEST(SamplingProtoTest, RoundTripKeepsEveryField) {
+  SamplingParams s;
+  s.temperature = 0.7f;
+  s.top_p = 0.9f;
+  s.top_k = 40;
+  s.seed = 1234;
+  s.max_tokens = 77;
+  s.stop = {"\n\n", "END"};
+  s.stop_token_ids = {2, 32000};
+  s.ignore_eos = true;
+  s.logprobs = 5;
+  proto::SamplingParams wire;
+  ToProto(s, &wire);
+  const SamplingParams back = FromProto(wire);
+  EXPECT_EQ(back.temperature, s.temperature);
+  EXPECT_EQ(back.top_p, s.top_p);
+  EXPECT_EQ(back.top_k, s.top_k);
+  EXPECT_EQ(back.seed, s.seed);
+  EXPECT_EQ(back.max_tokens, s.max_tokens);
+  EXPECT_EQ(back.stop, s.stop);
+  EXPECT_EQ(back.stop_token_ids, s.stop_token_ids);
+  EXPECT_EQ(back.ignore_eos, s.ignore_eos);
+  EXPECT_EQ(back.logprobs, s.logprobs);
+}
+
+TEST(SamplingProtoTest, UnsetKnobsMeanOff) {
+  const SamplingParams s = FromProto(proto::SamplingParams{});
+  EXPECT_EQ(s.top_p, 1.0f);
+  EXPECT_EQ(s.top_k, -1);
+  EXPECT_FALSE(s.seed.has_value());
+  EXPECT_FALSE(s.logprobs.has_value());
+  // And "off" goes out as unset.
+  SamplingParams defaults;
+  defaults.top_k = -1;
+  proto::SamplingParams wire;
+  ToProto(defaults, &wire);
+  EXPECT_EQ(wire.top_k(), 0);
+  EXPECT_FALSE(wire.has_seed());
+  EXPECT_FALSE(wire.logprobs());
+}
+
+}  // namespace
+}  // namespace pdserve
