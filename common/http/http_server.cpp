@@ -1,5 +1,9 @@
 #include "common/http/http_server.h"
 
+#include <sys/socket.h>
+
+#include <cerrno>
+
 #include <boost/asio.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
@@ -212,21 +216,29 @@ class Session : public std::enable_shared_from_this<Session> {
   void WatchForDisconnect() {
     stream_.socket().async_wait(
         tcp::socket::wait_read,
-        net::bind_executor(stream_.get_executor(),
-                           [self = shared_from_this()](beast::error_code ec) {
-                             if (!self->exchange_ || self->state_ == State::kReading ||
-                                 self->state_ == State::kClosed) {
-                               return;
-                             }
-                             if (ec == net::error::operation_aborted) return;
-                             beast::error_code aec;
-                             const size_t avail = self->stream_.socket().available(aec);
-                             if (ec || aec || avail == 0) {
-                               self->PeerGone();
-                             }
-                             // Otherwise the client pipelined its next request: leave it for
-                             // DoRead.
-                           }));
+        net::bind_executor(
+            stream_.get_executor(), [self = shared_from_this()](beast::error_code ec) {
+              if (!self->exchange_ || self->state_ == State::kReading ||
+                  self->state_ == State::kClosed) {
+                return;
+              }
+              if (ec == net::error::operation_aborted) return;
+              if (ec) return self->PeerGone();
+              // The reactor may report readiness that an earlier read already
+              // consumed: only a peek that sees end of stream (or an error)
+              // means the peer left.
+              char byte;
+              const ssize_t n =
+                  ::recv(self->stream_.socket().native_handle(), &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+              if (n == 0) return self->PeerGone();
+              if (n < 0) {
+                if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)
+                  return self->WatchForDisconnect();  // spurious: watch again
+                return self->PeerGone();
+              }
+              // Bytes waiting: the client pipelined its next request; leave
+              // them for DoRead.
+            }));
   }
 
   void PeerGone() {

@@ -43,7 +43,7 @@ Totals RunGroups(LocalStack& stack) {
       auto [status, body] = stack.Post(
           "/v1/completions",
           {{"prompt", GroupPrompt(group, round)}, {"max_tokens", 2}, {"temperature", 0}});
-      EXPECT_EQ(status, 200) << body.dump();
+      EXPECT_EQ(status, 200) << body.dump() << "\n" << stack.router().Log();
       if (status != 200) continue;
       t.prompt += body["usage"]["prompt_tokens"].get<int64_t>();
       t.cached += body["usage"]["prompt_tokens_details"]["cached_tokens"].get<int64_t>();
