@@ -1,12 +1,14 @@
 #include "engine/make_model.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <set>
+#include <thread>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -245,8 +247,49 @@ struct TensorPlan {
   double std = 0;  // target standard deviation of the uniform values
 };
 
-TensorToWrite MakeTensor(const TensorPlan& p, const ModelSpec& spec) {
-  Rng rng(spec.seed ^ NameHash(p.name));
+// The weight tensors of a model with `c`'s shapes, in the order checkpoints
+// list them.
+std::vector<TensorPlan> PlanTensors(const ModelConfig& c) {
+  const int64_t H = c.hidden_size, I = c.intermediate_size, hd = c.head_dim, V = c.vocab_size;
+  const int64_t q_out = c.num_heads * hd, kv_out = c.num_kv_heads * hd;
+  const double h_std = 1.0 / std::sqrt(static_cast<double>(H));
+  std::vector<TensorPlan> plan;
+  plan.push_back({"model.embed_tokens.weight", {V, H}, TensorPlan::kUniform, 1.0});
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    const std::string p = "model.layers." + std::to_string(l) + ".";
+    plan.push_back({p + "input_layernorm.weight", {H}, TensorPlan::kNorm, 0});
+    // A gain of 2 on queries sharpens attention so positions matter.
+    plan.push_back({p + "self_attn.q_proj.weight", {q_out, H}, TensorPlan::kUniform, 2 * h_std});
+    plan.push_back({p + "self_attn.k_proj.weight", {kv_out, H}, TensorPlan::kUniform, h_std});
+    plan.push_back({p + "self_attn.v_proj.weight", {kv_out, H}, TensorPlan::kUniform, h_std});
+    if (c.qkv_bias) {
+      plan.push_back({p + "self_attn.q_proj.bias", {q_out}, TensorPlan::kUniform, 0.1});
+      plan.push_back({p + "self_attn.k_proj.bias", {kv_out}, TensorPlan::kUniform, 0.1});
+      plan.push_back({p + "self_attn.v_proj.bias", {kv_out}, TensorPlan::kUniform, 0.1});
+    }
+    plan.push_back({p + "self_attn.o_proj.weight",
+                    {H, q_out},
+                    TensorPlan::kUniform,
+                    1.0 / std::sqrt(static_cast<double>(q_out))});
+    plan.push_back({p + "post_attention_layernorm.weight", {H}, TensorPlan::kNorm, 0});
+    plan.push_back({p + "mlp.gate_proj.weight", {I, H}, TensorPlan::kUniform, h_std});
+    plan.push_back({p + "mlp.up_proj.weight", {I, H}, TensorPlan::kUniform, h_std});
+    plan.push_back({p + "mlp.down_proj.weight",
+                    {H, I},
+                    TensorPlan::kUniform,
+                    1.0 / std::sqrt(static_cast<double>(I))});
+  }
+  plan.push_back({"model.norm.weight", {H}, TensorPlan::kNorm, 0});
+  if (!c.tie_word_embeddings) {
+    // Logit spread of about 3: peaked enough to be a "model", not one token.
+    plan.push_back({"lm_head.weight", {V, H}, TensorPlan::kUniform, 3 * h_std});
+  }
+
+  return plan;
+}
+
+TensorToWrite MakeTensor(const TensorPlan& p, uint64_t seed, DType dtype) {
+  Rng rng(seed ^ NameHash(p.name));
   int64_t n = 1;
   for (int64_t d : p.shape) n *= d;
   std::vector<float> values(n);
@@ -258,14 +301,14 @@ TensorToWrite MakeTensor(const TensorPlan& p, const ModelSpec& spec) {
   TensorToWrite t;
   t.name = p.name;
   t.shape = p.shape;
-  switch (spec.dtype) {
+  switch (dtype) {
     case DType::kBF16:
     case DType::kF16: {
-      t.dtype_name = spec.dtype == DType::kBF16 ? "BF16" : "F16";
+      t.dtype_name = dtype == DType::kBF16 ? "BF16" : "F16";
       t.data.resize(n * 2);
       for (int64_t i = 0; i < n; ++i) {
-        const uint16_t h = spec.dtype == DType::kBF16 ? kernels::F32ToBf16(values[i])
-                                                      : kernels::F32ToF16(values[i]);
+        const uint16_t h =
+            dtype == DType::kBF16 ? kernels::F32ToBf16(values[i]) : kernels::F32ToF16(values[i]);
         t.data[2 * i] = static_cast<uint8_t>(h);
         t.data[2 * i + 1] = static_cast<uint8_t>(h >> 8);
       }
@@ -326,8 +369,16 @@ Status WriteModel(const ModelSpec& spec, const std::string& dir) {
   const int64_t H = spec.hidden_size, I = spec.intermediate_size;
   const int64_t hd = spec.head_dim > 0 ? spec.head_dim : H / spec.num_heads;
   const int64_t V = spec.vocab_size();
-  const int64_t q_out = spec.num_heads * hd, kv_out = spec.num_kv_heads * hd;
-  const double h_std = 1.0 / std::sqrt(static_cast<double>(H));
+  ModelConfig shapes;
+  shapes.vocab_size = V;
+  shapes.hidden_size = H;
+  shapes.intermediate_size = I;
+  shapes.num_layers = spec.num_layers;
+  shapes.num_heads = spec.num_heads;
+  shapes.num_kv_heads = spec.num_kv_heads;
+  shapes.head_dim = hd;
+  shapes.qkv_bias = bias;
+  shapes.tie_word_embeddings = spec.tie_word_embeddings;
 
   // Tokenizer first: the vocab fixes the special token ids.
   const Bpe bpe = LearnBpe(spec.num_merges);
@@ -396,38 +447,7 @@ Status WriteModel(const ModelSpec& spec, const std::string& dir) {
       WriteJson(root / "generation_config.json",
                 {{"bos_token_id", bos_id}, {"eos_token_id", {end_of_text_id, eot_id}}}));
 
-  // Weight plan, in the order the checkpoint lists them.
-  std::vector<TensorPlan> plan;
-  plan.push_back({"model.embed_tokens.weight", {V, H}, TensorPlan::kUniform, 1.0});
-  for (int64_t l = 0; l < spec.num_layers; ++l) {
-    const std::string p = "model.layers." + std::to_string(l) + ".";
-    plan.push_back({p + "input_layernorm.weight", {H}, TensorPlan::kNorm, 0});
-    // A gain of 2 on queries sharpens attention so positions matter.
-    plan.push_back({p + "self_attn.q_proj.weight", {q_out, H}, TensorPlan::kUniform, 2 * h_std});
-    plan.push_back({p + "self_attn.k_proj.weight", {kv_out, H}, TensorPlan::kUniform, h_std});
-    plan.push_back({p + "self_attn.v_proj.weight", {kv_out, H}, TensorPlan::kUniform, h_std});
-    if (bias) {
-      plan.push_back({p + "self_attn.q_proj.bias", {q_out}, TensorPlan::kUniform, 0.1});
-      plan.push_back({p + "self_attn.k_proj.bias", {kv_out}, TensorPlan::kUniform, 0.1});
-      plan.push_back({p + "self_attn.v_proj.bias", {kv_out}, TensorPlan::kUniform, 0.1});
-    }
-    plan.push_back({p + "self_attn.o_proj.weight",
-                    {H, q_out},
-                    TensorPlan::kUniform,
-                    1.0 / std::sqrt(static_cast<double>(q_out))});
-    plan.push_back({p + "post_attention_layernorm.weight", {H}, TensorPlan::kNorm, 0});
-    plan.push_back({p + "mlp.gate_proj.weight", {I, H}, TensorPlan::kUniform, h_std});
-    plan.push_back({p + "mlp.up_proj.weight", {I, H}, TensorPlan::kUniform, h_std});
-    plan.push_back({p + "mlp.down_proj.weight",
-                    {H, I},
-                    TensorPlan::kUniform,
-                    1.0 / std::sqrt(static_cast<double>(I))});
-  }
-  plan.push_back({"model.norm.weight", {H}, TensorPlan::kNorm, 0});
-  if (!spec.tie_word_embeddings) {
-    // Logit spread of about 3: peaked enough to be a "model", not one token.
-    plan.push_back({"lm_head.weight", {V, H}, TensorPlan::kUniform, 3 * h_std});
-  }
+  const std::vector<TensorPlan> plan = PlanTensors(shapes);
 
   // Remove files of an earlier layout so a folder never mixes both.
   fs::remove(root / "model.safetensors", ec);
@@ -435,7 +455,7 @@ Status WriteModel(const ModelSpec& spec, const std::string& dir) {
   const int shards = std::min<int>(spec.shards, static_cast<int>(plan.size()));
   if (shards == 1) {
     std::vector<TensorToWrite> tensors;
-    for (const auto& p : plan) tensors.push_back(MakeTensor(p, spec));
+    for (const auto& p : plan) tensors.push_back(MakeTensor(p, spec.seed, spec.dtype));
     return WriteSafetensors((root / "model.safetensors").string(), tensors);
   }
   ordered_json weight_map = ordered_json::object();
@@ -446,7 +466,7 @@ Status WriteModel(const ModelSpec& spec, const std::string& dir) {
     std::snprintf(name, sizeof(name), "model-%05d-of-%05d.safetensors", s + 1, shards);
     std::vector<TensorToWrite> tensors;
     for (size_t i = s * per_shard; i < std::min(plan.size(), (s + 1) * per_shard); ++i) {
-      tensors.push_back(MakeTensor(plan[i], spec));
+      tensors.push_back(MakeTensor(plan[i], spec.seed, spec.dtype));
       weight_map[plan[i].name] = name;
       total_bytes += static_cast<int64_t>(tensors.back().data.size());
     }
@@ -454,6 +474,38 @@ Status WriteModel(const ModelSpec& spec, const std::string& dir) {
   }
   return WriteJson(root / "model.safetensors.index.json",
                    {{"metadata", {{"total_size", total_bytes}}}, {"weight_map", weight_map}});
+}
+
+StatusOr<std::unique_ptr<WeightFiles>> RandomWeights(const ModelConfig& config, DType dtype,
+                                                     uint64_t seed) {
+  if (dtype != DType::kF32 && dtype != DType::kBF16 && dtype != DType::kF16) {
+    return Status::InvalidArgument("dummy weights must be fp32, bf16 or fp16");
+  }
+  const std::vector<TensorPlan> plan = PlanTensors(config);
+  std::vector<TensorToWrite> tensors(plan.size());
+  // Billions of values for real shapes: fill tensors on every core.
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t i; (i = next.fetch_add(1)) < plan.size();) {
+      tensors[i] = MakeTensor(plan[i], seed, dtype);
+    }
+  };
+  std::vector<std::thread> threads;
+  const unsigned n = std::max(1u, std::thread::hardware_concurrency());
+  for (unsigned t = 1; t < n; ++t) threads.emplace_back(work);
+  work();
+  for (auto& t : threads) t.join();
+  return WeightFiles::FromMemory(std::move(tensors), "dummy weights");
+}
+
+int64_t CountParameters(const ModelConfig& config) {
+  int64_t total = 0;
+  for (const TensorPlan& p : PlanTensors(config)) {
+    int64_t n = 1;
+    for (int64_t d : p.shape) n *= d;
+    total += n;
+  }
+  return total;
 }
 
 }  // namespace pdserve

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 
@@ -53,5 +54,20 @@ StatusOr<ModelSpec> PresetModelSpec(std::string_view preset);
 
 // Writes the model into `dir` (created if needed; existing files replaced).
 Status WriteModel(const ModelSpec& spec, const std::string& dir);
+
+class WeightFiles;
+
+// Every weight tensor a model with `config`'s shapes needs, random as
+// WriteModel makes them (the same seed gives the same values), in `dtype`
+// (fp32, bf16 or fp16), held in memory. These are `--load-format dummy`'s
+// weights: real model shapes (bench/configs/) run from a config.json alone.
+// Filled on every core; an 8B-parameter model takes seconds and its size in
+// host memory.
+StatusOr<std::unique_ptr<WeightFiles>> RandomWeights(const ModelConfig& config, DType dtype,
+                                                     uint64_t seed);
+
+// The number of weights (parameters) RandomWeights(config, ...) makes: the
+// parameter count a checkpoint of that architecture has.
+int64_t CountParameters(const ModelConfig& config);
 
 }  // namespace pdserve

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <filesystem>
 
+#include "engine/make_model.h"
 #include "engine/safetensors.h"
 #include "kernels/cpu/float_convert.h"
 
@@ -53,10 +54,22 @@ Model::~Model() {
   for (void* p : owned_) backend_->Free(p);
 }
 
-StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir, kernels::Backend* backend) {
+std::optional<LoadFormat> ParseLoadFormat(std::string_view name) {
+  if (name == "safetensors") return LoadFormat::kSafetensors;
+  if (name == "dummy") return LoadFormat::kDummy;
+  return std::nullopt;
+}
+
+StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir, kernels::Backend* backend,
+                                             LoadFormat format) {
   auto config = LoadModelConfig(dir);
   if (!config.ok()) return config.status();
-  auto files = WeightFiles::Open(dir);
+  auto files =
+      format == LoadFormat::kDummy
+          ? RandomWeights(*config,
+                          backend->SupportsWeightDType(DType::kBF16) ? DType::kBF16 : DType::kF32,
+                          /*seed=*/0)
+          : WeightFiles::Open(dir);
   if (!files.ok()) return files.status();
   std::unique_ptr<Model> m(new Model());
   m->config_ = std::move(*config);

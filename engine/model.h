@@ -12,7 +12,9 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/status.h"
@@ -23,6 +25,13 @@ namespace pdserve {
 
 class WeightFiles;
 struct TensorView;
+
+// Where the weights come from: the folder's safetensors files, or random
+// values of the right shapes generated at load (`--load-format dummy`, for
+// benchmarking a real architecture from its config.json alone).
+enum class LoadFormat { kSafetensors, kDummy };
+// "safetensors" or "dummy"; nullopt otherwise.
+std::optional<LoadFormat> ParseLoadFormat(std::string_view name);
 
 // One forward step. All pointers are host memory; Forward copies what the
 // backend needs. Token t of the batch has id token_ids[t], position
@@ -42,8 +51,10 @@ struct ForwardBatch {
 class Model {
  public:
   // Loads DIR (config.json + safetensors) onto `backend`, which must outlive
-  // the model.
-  static StatusOr<std::unique_ptr<Model>> Load(const std::string& dir, kernels::Backend* backend);
+  // the model. kDummy reads only config.json; its weights are bf16 where the
+  // backend takes bf16 matrices, fp32 otherwise, the same on every load.
+  static StatusOr<std::unique_ptr<Model>> Load(const std::string& dir, kernels::Backend* backend,
+                                               LoadFormat format = LoadFormat::kSafetensors);
   ~Model();
   Model(const Model&) = delete;
   Model& operator=(const Model&) = delete;

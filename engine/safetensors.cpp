@@ -28,6 +28,12 @@ size_t DTypeNameBytes(const std::string& name) {
   return 0;
 }
 
+// The dtypes the model loader reads (nullopt for the others).
+std::optional<DType> FloatTensorDType(const std::string& name) {
+  if (name == "F32" || name == "F16" || name == "BF16") return ParseDType(name);
+  return std::nullopt;
+}
+
 Status Corrupt(const std::string& path, const std::string& what) {
   return Status::InvalidArgument(path + ": corrupt safetensors header: " + what);
 }
@@ -99,9 +105,7 @@ StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::stri
     v.dtype_name = dt->get<std::string>();
     const size_t elem = DTypeNameBytes(v.dtype_name);
     if (elem == 0) return Corrupt(path, "'" + name + "' has unknown dtype '" + v.dtype_name + "'");
-    if (v.dtype_name == "F32" || v.dtype_name == "F16" || v.dtype_name == "BF16") {
-      v.dtype = ParseDType(v.dtype_name);
-    }
+    v.dtype = FloatTensorDType(v.dtype_name);
     auto sh = t.find("shape");
     if (sh == t.end() || !sh->is_array()) return Corrupt(path, "'" + name + "' has no shape");
     uint64_t numel = 1;
@@ -186,6 +190,29 @@ StatusOr<std::unique_ptr<WeightFiles>> WeightFiles::Open(const std::string& dir)
   } else {
     return Status::NotFound(dir + ": no model.safetensors or model.safetensors.index.json");
   }
+  return out;
+}
+
+WeightFiles::WeightFiles() = default;
+WeightFiles::~WeightFiles() = default;
+
+std::unique_ptr<WeightFiles> WeightFiles::FromMemory(std::vector<TensorToWrite> tensors,
+                                                     const std::string& description) {
+  auto out = std::make_unique<WeightFiles>();
+  out->memory_tensors_ = std::move(tensors);
+  for (const TensorToWrite& t : out->memory_tensors_) {
+    TensorView v;
+    v.name = t.name;
+    v.dtype_name = t.dtype_name;
+    v.dtype = FloatTensorDType(t.dtype_name);
+    v.shape = t.shape;
+    v.data = t.data.data();
+    v.bytes = t.data.size();
+    v.file = description;
+    auto [it, inserted] = out->memory_views_.insert_or_assign(t.name, std::move(v));
+    out->index_[t.name] = &it->second;
+  }
+  out->description_ = description;
   return out;
 }
 

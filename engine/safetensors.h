@@ -54,6 +54,14 @@ class SafetensorsFile {
   std::map<std::string, TensorView> tensors_;
 };
 
+// A tensor to write: raw little-endian bytes of `dtype_name` elements.
+struct TensorToWrite {
+  std::string name;
+  std::string dtype_name;  // "F32", "BF16", ...
+  std::vector<int64_t> shape;
+  std::vector<uint8_t> data;
+};
+
 // The weights of one model folder: model.safetensors, or the shards listed
 // by model.safetensors.index.json ("weight_map": tensor -> shard file).
 class WeightFiles {
@@ -62,6 +70,13 @@ class WeightFiles {
   // InvalidArgument for a malformed index or shard, or a tensor the index
   // places in a shard that lacks it.
   static StatusOr<std::unique_ptr<WeightFiles>> Open(const std::string& dir);
+  // Tensors held in memory instead of files (`--load-format dummy`); the
+  // views point into `tensors`, which the WeightFiles keeps. `description`
+  // stands in for the file name in messages.
+  static std::unique_ptr<WeightFiles> FromMemory(std::vector<TensorToWrite> tensors,
+                                                 const std::string& description);
+  WeightFiles();
+  ~WeightFiles();
 
   // nullptr when absent.
   const TensorView* Find(const std::string& name) const;
@@ -70,16 +85,10 @@ class WeightFiles {
 
  private:
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
+  std::vector<TensorToWrite> memory_tensors_;  // FromMemory's data
+  std::map<std::string, TensorView> memory_views_;
   std::map<std::string, const TensorView*> index_;
   std::string description_;
-};
-
-// A tensor to write: raw little-endian bytes of `dtype_name` elements.
-struct TensorToWrite {
-  std::string name;
-  std::string dtype_name;  // "F32", "BF16", ...
-  std::vector<int64_t> shape;
-  std::vector<uint8_t> data;
 };
 
 // Writes a safetensors file (tensors sorted by name, header padded to 8 bytes).

@@ -35,12 +35,15 @@ double CpuSeconds() {
 int RunBenchEngine(int argc, char** argv) {
   FlagSet flags("bench engine",
                 "Measure prefill and decode tokens/s of the engine per batch size.");
-  std::string model_dir, kv_dtype_name = "fp32", device = "cpu";
+  std::string model_dir, kv_dtype_name = "fp32", device = "cpu", load_format_name = "safetensors";
   std::vector<int64_t> batches = {1, 8, 32};
   int64_t prompt_tokens = 256, gen_tokens = 128, threads = 0, block_size = 16;
   int64_t max_batched_tokens = 2048;
   bool json = false;
   flags.AddString("model", &model_dir, "model folder (e.g. from make-model --preset small)");
+  flags.AddString("load-format", &load_format_name,
+                  "safetensors, or dummy: random weights from the folder's config.json alone "
+                  "(real shapes, e.g. bench/configs/llama-3.1-8b)");
   flags.AddIntList("batch", &batches, "batch sizes (concurrent requests)");
   flags.AddInt("prompt-tokens", &prompt_tokens, "prompt length of every request");
   flags.AddInt("gen-tokens", &gen_tokens, "tokens generated per request (EOS ignored)");
@@ -52,7 +55,9 @@ int RunBenchEngine(int argc, char** argv) {
   flags.AddBool("json", &json, "one JSON line per batch size");
   flags.SetEpilog(
       "Example: pdserve bench engine --model models/small --batch 1,8,32 --prompt-tokens 256 "
-      "--gen-tokens 128 --json");
+      "--gen-tokens 128 --json\n"
+      "         pdserve bench engine --model bench/configs/llama-3.1-8b --load-format dummy "
+      "--device cuda --kv-dtype bf16 --batch 1 --json");
   ParseFlagsOrExit(flags, argc, argv);
   if (model_dir.empty()) UsageError("bench engine", "--model is required");
   if (batches.empty()) UsageError("bench engine", "--batch needs at least one size");
@@ -66,6 +71,8 @@ int RunBenchEngine(int argc, char** argv) {
   if (!kv_dtype || *kv_dtype == DType::kFP4E2M1) {
     UsageError("bench engine", "--kv-dtype: expected fp32, fp16, bf16 or fp8");
   }
+  const auto load_format = ParseLoadFormat(load_format_name);
+  if (!load_format) UsageError("bench engine", "--load-format: expected safetensors or dummy");
   auto created = kernels::CreateBackend(device, static_cast<int>(threads));
   if (!created.ok()) {
     if (created.status().code() == StatusCode::kInvalidArgument)
@@ -77,7 +84,10 @@ int RunBenchEngine(int argc, char** argv) {
   // CPU-time shares only mean something for the CPU backend's threads.
   const auto* cpu_backend = dynamic_cast<const kernels::CpuBackend*>(&backend);
   const int backend_threads = cpu_backend ? cpu_backend->threads() : 1;
-  auto model = Model::Load(model_dir, &backend);
+  if (*load_format == LoadFormat::kDummy) {
+    std::fprintf(stderr, "bench engine: generating dummy weights for %s...\n", model_dir.c_str());
+  }
+  auto model = Model::Load(model_dir, &backend, *load_format);
   if (!model.ok()) UsageError("bench engine", model.status().message());
   const auto& cfg = (*model)->config();
   if (prompt_tokens + gen_tokens > cfg.max_context()) {
@@ -150,6 +160,7 @@ int RunBenchEngine(int argc, char** argv) {
         {"bench", "engine"},
         {"model", (*model)->model_id()},
         {"parameters", (*model)->num_parameters()},
+        {"load_format", load_format_name},
         {"batch", batch},
         {"prompt_tokens", prompt_tokens},
         {"gen_tokens", gen_tokens},

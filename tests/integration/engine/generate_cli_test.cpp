@@ -6,6 +6,7 @@
 #include <array>
 #include <cstdio>
 #include <filesystem>
+#include <sstream>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -89,6 +90,26 @@ TEST_F(GenerateCliTest, GenerateJsonIsDeterministicAndConsistent) {
   EXPECT_EQ(nlohmann::json::parse(f.out)["token_ids"].size(), 4u);
 }
 
+TEST_F(GenerateCliTest, BenchEngineRunsARealShapeFromConfigAloneWithDummyWeights) {
+  // A folder holding only config.json: the way bench/configs/ ship real
+  // architectures for benchmarking.
+  const std::string dir = testing::NewTempDir("cli-dummy");
+  std::filesystem::copy_file(*dir_ + "/config.json", dir + "/config.json");
+  const Result r = RunPdserve("bench engine --model " + dir +
+                              " --load-format dummy --batch 1,2 --prompt-tokens 20"
+                              " --gen-tokens 4 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  std::istringstream lines(r.out);
+  int results = 0;
+  for (std::string line; std::getline(lines, line);) {
+    const auto j = nlohmann::json::parse(line);
+    EXPECT_EQ(j["load_format"], "dummy");
+    EXPECT_GT(j["decode_tokens_per_s"].get<double>(), 0);
+    ++results;
+  }
+  EXPECT_EQ(results, 2);
+}
+
 TEST_F(GenerateCliTest, BadFlagsExitTwoWithOneLine) {
   const std::string err = testing::NewTempDir("cli-err") + "/stderr";
   const std::string model = " --model " + *dir_;
@@ -105,6 +126,7 @@ TEST_F(GenerateCliTest, BadFlagsExitTwoWithOneLine) {
       "make-model --preset huge --out /tmp/x",
       "make-model --preset tiny",
       "bench engine --batch 0",
+      "bench engine --load-format pt",
   };
   for (const char* b : bad) {
     SCOPED_TRACE(b);
