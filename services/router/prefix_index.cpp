@@ -52,10 +52,12 @@ PrefixIndex::PrefixIndex(PrefixIndexOptions options)
       words_((std::max<size_t>(options.max_workers, 1) + 63) / 64),
       blocks_(std::make_unique<BlockTable>(words_, options.max_entries)),
       pending_(std::make_unique<BlockTable>(words_ + 1, options.max_pending)),
+      spare_pending_(std::make_unique<BlockTable>(words_ + 1, options.max_pending)),
       workers_(options.max_workers) {
-  // The pending table fills and empties with bursts; allocating it once
+  // The pending tables fill and empty with bursts; allocating them once
   // keeps rehashing off the routing path.
   pending_->Reserve(options.max_pending);
+  spare_pending_->Reserve(options.max_pending);
 }
 
 PrefixIndex::~PrefixIndex() = default;
@@ -88,6 +90,12 @@ void PrefixIndex::RemoveWorker(WorkerId worker) {
 void PrefixIndex::StoreLocked(WorkerId worker, std::span<const BlockHash> hashes) {
   BlockTable& mine = *workers_[worker].blocks;
   const size_t n = hashes.size();
+  // Event batches are short (a worker announces a few blocks at a time), so
+  // the first kPrefetchDistance lookups are fetched up front as well.
+  for (size_t i = 0; i < std::min(n, kPrefetchDistance); ++i) {
+    blocks_->Prefetch(hashes[i]);
+    mine.Prefetch(hashes[i]);
+  }
   for (size_t i = 0; i < n; ++i) {
     if (i + kPrefetchDistance < n) {
       blocks_->Prefetch(hashes[i + kPrefetchDistance]);
@@ -111,6 +119,12 @@ void PrefixIndex::StoreLocked(WorkerId worker, std::span<const BlockHash> hashes
 void PrefixIndex::RemoveLocked(WorkerId worker, std::span<const BlockHash> hashes) {
   BlockTable& mine = *workers_[worker].blocks;
   const size_t n = hashes.size();
+  // Event batches are short (a worker announces a few blocks at a time), so
+  // the first kPrefetchDistance lookups are fetched up front as well.
+  for (size_t i = 0; i < std::min(n, kPrefetchDistance); ++i) {
+    blocks_->Prefetch(hashes[i]);
+    mine.Prefetch(hashes[i]);
+  }
   for (size_t i = 0; i < n; ++i) {
     if (i + kPrefetchDistance < n) {
       blocks_->Prefetch(hashes[i + kPrefetchDistance]);
@@ -296,8 +310,18 @@ void PrefixIndex::AddPending(WorkerId worker, std::span<const BlockHash> hashes,
   // push each other out; the leading blocks matter most when it is too long.
   hashes = hashes.first(std::min(hashes.size(), options_.max_pending));
   if (pending_->size() + hashes.size() > options_.max_pending) {
-    SweepPendingLocked(now_us);
-    if (pending_->size() + hashes.size() > options_.max_pending) pending_->ClearKeepCapacity();
+    // Full: start over on the spare table, whose zeroing earlier inserts
+    // have spread out (sweeping or clearing this one here would cost a
+    // routing call the time of a pass over the whole table).
+    spare_pending_->ClearStep(SIZE_MAX);  // normally already done
+    std::swap(pending_, spare_pending_);
+    spare_pending_->StartClear();
+  }
+  // A few spare slots per insert: the spare is clean long before the active
+  // table (half its slots, at most) fills again.
+  spare_pending_->ClearStep(4 * hashes.size());
+  for (size_t i = 0; i < std::min(hashes.size(), kPrefetchDistance); ++i) {
+    pending_->Prefetch(hashes[i]);
   }
   for (size_t i = 0; i < hashes.size(); ++i) {
     if (i + kPrefetchDistance < hashes.size()) pending_->Prefetch(hashes[i + kPrefetchDistance]);
@@ -334,7 +358,8 @@ PrefixIndexStats PrefixIndex::stats() const {
   std::shared_lock lock(mu_);
   PrefixIndexStats s = counters_;
   s.entries = blocks_->size();
-  s.bytes = blocks_->bytes() + pending_->bytes() + workers_.capacity() * sizeof(WorkerState);
+  s.bytes = blocks_->bytes() + pending_->bytes() + spare_pending_->bytes() +
+            workers_.capacity() * sizeof(WorkerState);
   s.worker_blocks = 0;
   for (const WorkerState& w : workers_) {
     if (!w.open) continue;

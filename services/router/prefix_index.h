@@ -27,9 +27,10 @@
 //   treat them as held until they expire or the worker's own Stored event for
 //   the block arrives. One expiry per block (the latest AddPending's), so an
 //   entry lives at most TTL after the block was last routed. At most
-//   max_pending blocks are pending: when the table is full, expired entries
-//   are swept, and if none had expired all pending entries are dropped (they
-//   are a short-lived hint; the real index is untouched).
+//   max_pending blocks are pending: when the table is full, every pending
+//   entry is dropped at once (they are a short-lived hint; the real index is
+//   untouched) and a spare table, zeroed in small steps by earlier calls,
+//   takes over, so no routing call pays for a pass over the table.
 // - Thread safety: every method may be called from any thread. Queries take a
 //   shared lock (many routing threads in parallel); event batches, snapshots,
 //   pending updates and purges take it exclusively, for time bounded by the
@@ -85,7 +86,7 @@ struct PrefixIndexOptions {
 struct PrefixIndexStats {
   size_t entries = 0;           // distinct block hashes indexed
   size_t worker_blocks = 0;     // (worker, block) pairs indexed
-  size_t pending_entries = 0;   // (worker, block) pending entries not yet swept
+  size_t pending_entries = 0;   // (worker, block) pending entries not yet swept or dropped
   size_t bytes = 0;             // memory held by the index's tables
   uint64_t events_applied = 0;  // block-level events applied (each hash counts once)
   uint64_t batches_applied = 0;
@@ -153,6 +154,8 @@ class PrefixIndex {
   std::unique_ptr<detail::BlockTable> blocks_;  // hash -> workers holding it
   // hash -> [workers about to hold it (words_), expiry in microseconds]
   std::unique_ptr<detail::BlockTable> pending_;
+  // The next pending table, zeroed a few slots per AddPending (see there).
+  std::unique_ptr<detail::BlockTable> spare_pending_;
   std::vector<WorkerState> workers_;
   PrefixIndexStats counters_;  // the counter fields; sizes are computed on demand
 };

@@ -13,7 +13,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
 namespace pdserve::router::detail {
 
@@ -28,7 +27,7 @@ class BlockTable {
   size_t max_entries() const { return max_entries_; }
   size_t words_per_entry() const { return words_; }
   // Bytes allocated for slots (the table's whole footprint but a few members).
-  size_t bytes() const { return slots_.capacity() * sizeof(uint64_t); }
+  size_t bytes() const { return slots_.bytes(); }
 
   // Slot of `key`, or kNotFound.
   size_t Find(uint64_t key) const {
@@ -78,10 +77,38 @@ class BlockTable {
   void Clear();
   // Removes everything, keeping the allocation (no regrowth spikes after).
   void ClearKeepCapacity();
+  // The same, spread over many calls, for a table set aside meanwhile:
+  // StartClear() drops every key at once and leaves the slots to zero;
+  // ClearStep(n) zeroes up to n more slots and returns true once all are
+  // zero. The table must not be used in between.
+  void StartClear();
+  bool ClearStep(size_t slots);
   // Grows the allocation so that `entries` keys fit without rehashing.
   void Reserve(size_t entries);
 
  private:
+  // Zeroed slot memory. Tables of 2 MiB and more are mapped 2 MiB-aligned and
+  // advised for huge pages: the kernel zeroes them lazily (growth needs no
+  // memset pass), and random lookups over tens of MB then need one TLB entry
+  // per 2 MiB instead of per 4 KiB.
+  class SlotMemory {
+   public:
+    SlotMemory() = default;
+    explicit SlotMemory(size_t words);
+    ~SlotMemory();
+    SlotMemory(SlotMemory&& other) noexcept;
+    SlotMemory& operator=(SlotMemory&& other) noexcept;
+    uint64_t& operator[](size_t i) const { return data_[i]; }
+    uint64_t* data() const { return data_; }
+    size_t bytes() const { return bytes_; }  // allocated, at least what was asked
+
+   private:
+    void Release();
+    uint64_t* data_ = nullptr;
+    size_t bytes_ = 0;
+    size_t mapped_bytes_ = 0;  // 0: from calloc
+  };
+
   size_t Home(uint64_t key) const {
     // Fibonacci hashing: spreads sequential ids (simulator traces) as well as
     // the already-uniform xxHash block hashes.
@@ -98,7 +125,8 @@ class BlockTable {
   int shift_ = 64;
   size_t size_ = 0;
   bool has_zero_ = false;
-  std::vector<uint64_t> slots_;
+  size_t clear_from_ = SIZE_MAX;  // next slot StartClear left to zero; SIZE_MAX: clean
+  SlotMemory slots_;
 };
 
 }  // namespace pdserve::router::detail

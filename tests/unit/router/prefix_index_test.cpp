@@ -219,16 +219,22 @@ TEST(PrefixIndexTest, PendingIsBounded) {
   ASSERT_TRUE(index.AddWorker(0).ok());
   index.AddPending(0, std::vector<BlockHash>{1, 2}, 0, 50);
   index.AddPending(0, std::vector<BlockHash>{3}, 0, 100);
-  // Full: the expired entries (1, 2) make room.
-  index.AddPending(0, std::vector<BlockHash>{4}, 60, 160);
+  EXPECT_EQ(index.stats().pending_entries, 3u);
+  // Full: everything pending is dropped, the new blocks kept.
+  index.AddPending(0, std::vector<BlockHash>{4, 5}, 10, 110);
   EXPECT_EQ(index.stats().pending_entries, 2u);
-  EXPECT_EQ(Overlap(index, {3}, 60)[0], 1u);
-  // Full of live entries: all are dropped, the new ones kept.
-  index.AddPending(0, std::vector<BlockHash>{5, 6}, 61, 161);
-  EXPECT_EQ(index.stats().pending_entries, 2u);
-  EXPECT_EQ(Overlap(index, {3}, 61)[0], 0u);
-  EXPECT_EQ(Overlap(index, {5, 6}, 61)[0], 2u);
-  EXPECT_LE(index.stats().pending_entries, 3u);
+  EXPECT_EQ(Overlap(index, {3}, 10)[0], 0u);
+  EXPECT_EQ(Overlap(index, {4, 5}, 10)[0], 2u);
+  // Over and over (each pair overflows what the last one left, so each call
+  // switches tables): the two tables are cleared and reused in turn and no
+  // dropped entry comes back.
+  for (BlockHash h = 10; h < 1000; h += 2) {
+    index.AddPending(0, std::vector<BlockHash>{h, h + 1}, 20, 120);
+    ASSERT_EQ(Overlap(index, {h, h + 1}, 20)[0], 2u) << h;
+    ASSERT_EQ(Overlap(index, {h - 2}, 20)[0], 0u) << h;
+    ASSERT_EQ(Overlap(index, {h - 1}, 20)[0], 0u) << h;
+    ASSERT_LE(index.stats().pending_entries, 3u);
+  }
 }
 
 // The reference: per worker, a set of hashes; a worker's overlap is the
