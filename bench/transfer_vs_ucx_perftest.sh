@@ -11,10 +11,13 @@
 # large pool of scattered blocks ("cold": what a KV cache does, bound by
 # memory bandwidth, which ucx_perftest never measures).
 #
+# Every figure is the median of REPEAT runs, the tools taking turns, so that
+# a burst of noise on a shared machine does not decide a ratio.
+#
 # Usage: bench/transfer_vs_ucx_perftest.sh [path/to/pdserve]
 # Environment: SIZES (bytes, default "65536 262144 1048576 4194304"),
 #   TLS_LIST (default "tcp shm"), SECONDS_PER_RUN (default 3),
-#   HOT_BLOCKS (default 1), COLD_POOL_BYTES (default 268435456).
+#   HOT_BLOCKS (default 1), COLD_POOL_BYTES (default 268435456), REPEAT (default 3).
 set -euo pipefail
 
 PDSERVE=${1:-build/pdserve}
@@ -23,6 +26,7 @@ TLS_LIST=${TLS_LIST:-"tcp shm"}
 SECONDS_PER_RUN=${SECONDS_PER_RUN:-3}
 HOT_BLOCKS=${HOT_BLOCKS:-1}
 COLD_POOL_BYTES=${COLD_POOL_BYTES:-268435456}
+REPEAT=${REPEAT:-3}
 
 command -v ucx_perftest >/dev/null || { echo "ucx_perftest not found (apt-get install ucx-utils)" >&2; exit 2; }
 [[ -x "$PDSERVE" ]] || { echo "pdserve binary not found at $PDSERVE" >&2; exit 2; }
@@ -49,6 +53,8 @@ pdserve_gbps() {
     awk '{ printf "%.3f", $1 }'
 }
 
+median() { sort -g | awk '{ v[NR] = $1 } END { if (NR == 0) print "nan"; else print v[int((NR + 1) / 2)] }'; }
+
 cores=$(nproc)
 cpu=$(awk -F': ' '/model name/ {print $2; exit}' /proc/cpuinfo)
 echo "machine: $cores cores, $cpu; $(ucx_info -v | head -1 | sed 's/# //')"
@@ -60,12 +66,19 @@ for tls in $TLS_LIST; do
     if [[ $tls == tcp ]]; then budget=$((300 * 1024 * 1024)); else budget=$((8 * 1024 * 1024 * 1024)); fi
     iters=$((budget * SECONDS_PER_RUN / 3 / size))
     ((iters < 200)) && iters=200
-    ref=$(perftest_gbps "$tls" "$size" "$iters")
-    hot=$(pdserve_gbps "$tls" "$size" "$HOT_BLOCKS")
-    cold=$(pdserve_gbps "$tls" "$size" $((COLD_POOL_BYTES / size)))
+    refs=() hots=() colds=()
+    for ((r = 0; r < REPEAT; ++r)); do
+      echo "  $tls $size: run $((r + 1)) of $REPEAT" >&2
+      refs+=("$(perftest_gbps "$tls" "$size" "$iters")")
+      hots+=("$(pdserve_gbps "$tls" "$size" "$HOT_BLOCKS")")
+      colds+=("$(pdserve_gbps "$tls" "$size" $((COLD_POOL_BYTES / size)))")
+    done
+    ref=$(printf '%s\n' "${refs[@]}" | median)
+    hot=$(printf '%s\n' "${hots[@]}" | median)
+    cold=$(printf '%s\n' "${colds[@]}" | median)
     ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b + 0 > 0) printf "%.2f", a / b; else print "nan" }'; }
     printf '%-5s %10s %14s %14s %16s %10s %10s\n' "$tls" "$size" "$hot" "$cold" "$ref" \
       "$(ratio "$hot" "$ref")" "$(ratio "$cold" "$ref")"
   done
 done
-echo "(GB/s = 10^9 bytes per second; ratio = pdserve / ucx_perftest)"
+echo "(GB/s = 10^9 bytes per second, median of $REPEAT runs; ratio = pdserve / ucx_perftest)"

@@ -75,6 +75,11 @@ std::string EffectiveTls(const std::string& requested) {
 }
 
 constexpr auto kProcessWatchInterval = std::chrono::milliseconds(50);
+// A write completed toward a same-host peer reports success only if the
+// peer's process was alive at most this long before (over shared memory a
+// dead peer's pool still takes puts). Checking at every completion would cost
+// a system call per write, a large share of a 256 KiB copy.
+constexpr auto kCompletionLivenessWindow = std::chrono::milliseconds(1);
 
 class UcxTransfer;
 
@@ -114,6 +119,14 @@ struct Peer {
     if (pidfd >= 0) return transport_detail::ProcessWatchFired(pidfd);
     return !process.empty() && transport_detail::ProcessIsGone(process);
   }
+  // ProcessGone(), reusing an "alive" answer for kCompletionLivenessWindow.
+  bool ProcessGoneRecently(TransferClock::time_point now) {
+    if (process.empty() || now < alive_until) return false;
+    if (ProcessGone()) return true;
+    alive_until = now + kCompletionLivenessWindow;
+    return false;
+  }
+  TransferClock::time_point alive_until{};
   std::set<WriteOp*> ops;
 };
 
@@ -523,7 +536,7 @@ void UcxTransfer::Finish(WriteOp* op, Status status) {
 
 void UcxTransfer::CompleteOk(WriteOp* op) {
   auto it = peers_.find(op->peer);
-  if (it != peers_.end() && it->second->ProcessGone()) {
+  if (it != peers_.end() && it->second->ProcessGoneRecently(TransferClock::now())) {
     Peer* peer = it->second.get();
     const std::string who = PeerName(peer->id, peer->instance);
     ++op->pending;  // FailPeer must not free `op`: our caller releases it
@@ -941,8 +954,12 @@ void UcxTransfer::StartWrite(PeerId peer_id, std::vector<BlockCopy> copies,
 void UcxTransfer::IssueWrite(Peer* peer, WriteOp* op, const std::vector<BlockRun>& runs) {
   const size_t bb = region_.block_bytes;
   ucp_request_param_t param{};
-  param.op_attr_mask =
-      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMH;
+  // MULTI_SEND: a transfer posts its runs back to back (and more transfers
+  // follow), which lets UCX pick its streaming protocols; over shared memory
+  // that is a direct copy into the peer's mapped pool instead of software
+  // emulation through active messages for puts above ~32 KiB.
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                       UCP_OP_ATTR_FIELD_MEMH | UCP_OP_ATTR_FLAG_MULTI_SEND;
   param.cb.send = PutDone;
   param.user_data = op;
   param.memh = memh_;
