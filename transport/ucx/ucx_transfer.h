@@ -21,7 +21,9 @@
 // "peer", so a list made only of shared-memory transports runs in error mode
 // "none". Peer death is then noticed by watching the peer's process, which
 // this backend does for every same-host peer (every 50 ms, by pid + start
-// time). For shared memory to carry the data, the RECEIVER's pool must come
+// time; and at a write's completion, which reports success only if the peer
+// was seen alive within the last millisecond: a check per write would add a
+// system call to every 256 KiB copy). For shared memory to carry the data, the RECEIVER's pool must come
 // from AllocatePool(): UCX maps into other processes only memory it
 // allocated. A caller-owned pool still works, through UCX's emulated puts, at
 // TCP-like speed.
