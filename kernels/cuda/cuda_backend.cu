@@ -113,6 +113,13 @@ __device__ void StoreKv(uint8_t* base, DType dtype, int64_t i, float value, floa
 
 // ---- Element-wise ops --------------------------------------------------------
 
+// Activations enter bf16 matrix products rounded to nearest even, as the CPU
+// reference rounds them (kernels/cpu/float_convert).
+__global__ void F32ToBf16Kernel(const float* x, __nv_bfloat16* y, int64_t n) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n) y[i] = __float2bfloat16_rn(x[i]);
+}
+
 __global__ void AddBiasKernel(float* y, const float* bias, int64_t m, int64_t n) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i < m * n) y[i] += bias[i % n];
@@ -310,7 +317,23 @@ __global__ void PagedAttentionKernel(DeviceLayout layout, const uint8_t* pool, i
 struct CudaBackend::State {
   int device = 0;
   cudaStream_t stream = nullptr;
-  cublasHandle_t cublas = nullptr;
+  cublasHandle_t cublas = nullptr;       // fp32 products, pedantic (the CPU's arithmetic)
+  cublasHandle_t cublas_bf16 = nullptr;  // bf16 products on the tensor cores, fp32 accumulation
+  // Activations converted for bf16 products; grown in stream order.
+  __nv_bfloat16* bf16_scratch = nullptr;
+  int64_t bf16_scratch_elems = 0;
+
+  __nv_bfloat16* Bf16Scratch(int64_t elems) {
+    if (elems > bf16_scratch_elems) {
+      if (bf16_scratch != nullptr) Check(cudaFreeAsync(bf16_scratch, stream), "cudaFreeAsync");
+      void* p = nullptr;
+      Check(cudaMallocAsync(&p, static_cast<size_t>(elems) * sizeof(__nv_bfloat16), stream),
+            "cudaMallocAsync");
+      bf16_scratch = static_cast<__nv_bfloat16*>(p);
+      bf16_scratch_elems = elems;
+    }
+    return bf16_scratch;
+  }
 };
 
 std::unique_ptr<CudaBackend> CudaBackend::Create(int device) {
@@ -327,6 +350,8 @@ std::unique_ptr<CudaBackend> CudaBackend::Create(int device) {
   Check(cublasSetStream(state->cublas, state->stream), "cublasSetStream");
   // Full fp32 products: the CPU backend is the reference, TF32 would not match it.
   Check(cublasSetMathMode(state->cublas, CUBLAS_PEDANTIC_MATH), "cublasSetMathMode");
+  Check(cublasCreate(&state->cublas_bf16), "cublasCreate");
+  Check(cublasSetStream(state->cublas_bf16, state->stream), "cublasSetStream");
   return std::unique_ptr<CudaBackend>(new CudaBackend(std::move(state)));
 }
 
@@ -335,6 +360,8 @@ CudaBackend::CudaBackend(std::unique_ptr<State> state) : state_(std::move(state)
 CudaBackend::~CudaBackend() {
   if (!state_) return;
   cudaStreamSynchronize(state_->stream);
+  if (state_->bf16_scratch != nullptr) cudaFree(state_->bf16_scratch);
+  cublasDestroy(state_->cublas_bf16);
   cublasDestroy(state_->cublas);
   cudaStreamDestroy(state_->stream);
 }
@@ -373,18 +400,31 @@ void CudaBackend::Synchronize() {
 void CudaBackend::Linear(const float* x, int64_t m, const WeightMatrix& w, const float* bias,
                          float* y) {
   if (m == 0) return;
-  if (w.dtype != DType::kF32) {
-    std::fprintf(stderr, "pdserve cuda backend: Linear takes fp32 weights (converted at load)\n");
-    std::abort();
-  }
   // Row-major y[m, rows] = x[m, cols] W^T is column-major y^T = W x^T, with
   // W read as the column-major [cols, rows] matrix transposed.
   const float one = 1.0f, zero = 0.0f;
-  Check(cublasSgemm(state_->cublas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(w.rows),
-                    static_cast<int>(m), static_cast<int>(w.cols), &one,
-                    static_cast<const float*>(w.data), static_cast<int>(w.cols), x,
-                    static_cast<int>(w.cols), &zero, y, static_cast<int>(w.rows)),
-        "cublasSgemm");
+  const int rows = static_cast<int>(w.rows), cols = static_cast<int>(w.cols);
+  switch (w.dtype) {
+    case DType::kF32:
+      Check(cublasSgemm(state_->cublas, CUBLAS_OP_T, CUBLAS_OP_N, rows, static_cast<int>(m), cols,
+                        &one, static_cast<const float*>(w.data), cols, x, cols, &zero, y, rows),
+            "cublasSgemm");
+      break;
+    case DType::kBF16: {
+      const int64_t n = m * w.cols;
+      __nv_bfloat16* xb = state_->Bf16Scratch(n);
+      F32ToBf16Kernel<<<Blocks(n), kThreads, 0, state_->stream>>>(x, xb, n);
+      Check(cudaGetLastError(), "F32ToBf16");
+      Check(cublasGemmEx(state_->cublas_bf16, CUBLAS_OP_T, CUBLAS_OP_N, rows, static_cast<int>(m),
+                         cols, &one, w.data, CUDA_R_16BF, cols, xb, CUDA_R_16BF, cols, &zero, y,
+                         CUDA_R_32F, rows, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+            "cublasGemmEx bf16");
+      break;
+    }
+    default:
+      std::fprintf(stderr, "pdserve cuda backend: Linear takes fp32 or bf16 weights\n");
+      std::abort();
+  }
   if (bias != nullptr) {
     AddBiasKernel<<<Blocks(m * w.rows), kThreads, 0, state_->stream>>>(y, bias, m, w.rows);
     Check(cudaGetLastError(), "bias");

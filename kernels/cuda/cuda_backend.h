@@ -2,9 +2,9 @@
 // on one device, with the same semantics as the CPU backend (which is its
 // reference in the tests), the same paged KV pool layout, and fp32
 // activations. This is the correctness-first version: straightforward
-// kernels (one warp per query head for attention, cuBLAS SGEMM for Linear);
-// the fast paths (flash-decoding, bf16 tensor cores, CUDA graphs) come on top
-// of it and are checked against it.
+// kernels (one warp per query head for attention; cuBLAS SGEMM for fp32
+// weights, cublasGemmEx on the tensor cores for bf16 ones); the fast paths
+// (flash-decoding, CUDA graphs) come on top of it and are checked against it.
 //
 // Contract (beyond backend.h): ops are queued on the backend's stream in call
 // order; Download waits for them, so results read through Download are
@@ -27,7 +27,11 @@ class CudaBackend final : public Backend {
 
   std::string name() const override { return "cuda"; }
   bool SharesHostMemory() const override { return false; }
-  bool SupportsWeightDType(DType dtype) const override { return dtype == DType::kF32; }
+  // bf16 matrices run on the tensor cores (activations rounded to bf16,
+  // fp32 accumulation and output); fp32 ones in full fp32.
+  bool SupportsWeightDType(DType dtype) const override {
+    return dtype == DType::kF32 || dtype == DType::kBF16;
+  }
 
   void* Allocate(size_t bytes) override;
   void Free(void* ptr) override;

@@ -1,6 +1,7 @@
 // The CUDA backend against the CPU backend, op by op (label: gpu): random
 // inputs fresh per run (never zeros), device outputs poisoned with NaN before
-// each call, every element checked. fp32 paths within 1e-5 relative; the
+// each call, every element checked. fp32 paths within 1e-5 relative, bf16
+// products within 1e-4 of the fp32 product of the same rounded values; the
 // paged KV pool written by the device is byte-identical to the CPU's for
 // every KV dtype (fp8 scale growth and requantization included).
 #include <gtest/gtest.h>
@@ -11,6 +12,7 @@
 #include <vector>
 
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/float_convert.h"
 
 #if PDSERVE_WITH_CUDA
 #include "kernels/cuda/cuda_backend.h"
@@ -89,6 +91,25 @@ TEST_F(CudaBackendTest, ElementwiseOpsAndLinearMatchTheCpu) {
     float* y = Poisoned(m * rows);
     gpu_->Linear(ToDevice(x), m, {ToDevice(w), DType::kF32, rows, cols}, ToDevice(bias), y);
     ExpectClose(FromDevice(y, m * rows), want, "Linear");
+  }
+  {
+    // bf16 weights: the device rounds activations to bf16 and accumulates in
+    // fp32, so the reference is the fp32 product of the same rounded values.
+    const int64_t bm = 9, brows = 70, bcols = 1024;
+    auto bx = Random(bm * bcols), bw = Random(brows * bcols);
+    std::vector<uint16_t> bw16(bw.size());
+    for (size_t i = 0; i < bw.size(); ++i) {
+      bw16[i] = F32ToBf16(bw[i]);
+      bw[i] = Bf16ToF32(bw16[i]);
+    }
+    auto bx_rounded = bx;
+    for (auto& v : bx_rounded) v = Bf16ToF32(F32ToBf16(v));
+    std::vector<float> want(bm * brows);
+    cpu_.Linear(bx_rounded.data(), bm, {bw.data(), DType::kF32, brows, bcols}, nullptr,
+                want.data());
+    float* y = Poisoned(bm * brows);
+    gpu_->Linear(ToDevice(bx), bm, {ToDevice(bw16), DType::kBF16, brows, bcols}, nullptr, y);
+    ExpectClose(FromDevice(y, bm * brows), want, "Linear bf16", 1e-4);
   }
   {
     const int64_t r = 5, dim = 1000;
