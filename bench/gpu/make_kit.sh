@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Packs what the GPU checks need into .gpu-kit.tar.xz (ignored by git), for a GPU
+# machine that has the CUDA toolkit (the same major version as here) but none
+# of our Debian libraries: the stripped binaries of a CUDA build made here,
+# the shared libraries they load that are neither part of a base system nor
+# of the CUDA toolkit, and UCX's transport modules. bench/gpu/run_kit.sh runs
+# it there from the repository root.
+#
+# Usage: bench/gpu/make_kit.sh [build-dir]   (after `make build` with nvcc present)
+set -euo pipefail
+
+BUILD=${1:-build}
+KIT=.gpu-kit
+BINARIES=(pdserve tests/cuda_backend_test tests/cuda_engine_test tests/cuda_rms_norm_test
+          tests/cuda_kv_transfer_test)
+
+for b in "${BINARIES[@]}"; do
+  [[ -x "$BUILD/$b" ]] || { echo "make_kit: $BUILD/$b is missing (build with CUDA first)" >&2; exit 2; }
+done
+ldd "$BUILD/pdserve" | grep -q libcudart ||
+  { echo "make_kit: $BUILD/pdserve was built without CUDA" >&2; exit 2; }
+
+rm -rf "$KIT"
+mkdir -p "$KIT/bin" "$KIT/lib/ucx"
+for b in "${BINARIES[@]}"; do
+  echo "make_kit: $b" >&2
+  strip -o "$KIT/bin/$(basename "$b")" "$BUILD/$b"
+done
+
+# Libraries a base system or the CUDA toolkit already has stay behind.
+system='/(libc|libm|libdl|librt|libpthread|libstdc\+\+|libgcc_s|ld-linux-x86-64)\.so'
+for b in "${BINARIES[@]}"; do ldd "$BUILD/$b"; done |
+  awk '$2 == "=>" && $3 ~ /^\// { print $3 }' | sort -u |
+  grep -Ev "$system" | grep -v '^/usr/local/cuda' |
+  while read -r lib; do cp -L "$lib" "$KIT/lib/"; done
+ucx_modules=$(dirname "$(readlink -f "$(ldconfig -p | awk '/libucp.so.0 / { print $NF; exit }')")")/ucx
+cp -L "$ucx_modules"/*.so.0 "$KIT/lib/ucx/" 2>/dev/null || true
+
+echo "make_kit: compressing $(du -sh "$KIT" | cut -f1)" >&2
+tar -cf - "$KIT" | xz -T0 -6 > "$KIT.tar.xz"
+rm -rf "$KIT"
+echo "make_kit: done: $(du -h "$KIT.tar.xz" | cut -f1) in $KIT.tar.xz; carry it and run bench/gpu/run_kit.sh on the GPU machine" >&2
