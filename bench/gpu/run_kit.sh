@@ -32,7 +32,7 @@ if [[ $WHAT == all || $WHAT == tests ]]; then
   for t in cuda_rms_norm_test cuda_backend_test cuda_engine_test cuda_kv_transfer_test; do
     step "$t"
     if "$KIT/bin/$t" --gtest_brief=1 > "$OUT/$t.log" 2>&1; then r=pass; else r=FAIL; fi
-    skipped=$(sed -n 's/^\[  SKIPPED \] \([0-9]*\) tests\?,.*/\1/p' "$OUT/$t.log" | head -1)
+    skipped=$(sed -n 's/^\[  SKIPPED \] \([0-9]*\) tests\?[.,].*/\1/p' "$OUT/$t.log" | head -1)
     summary+=("$t: $r, ${skipped:-0} skipped")
   done
   for t in cuda_rms_norm_test cuda_backend_test; do
