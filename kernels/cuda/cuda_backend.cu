@@ -312,6 +312,162 @@ __global__ void PagedAttentionKernel(DeviceLayout layout, const uint8_t* pool, i
   }
 }
 
+// ---- Split-K paged attention (flash-decoding) ------------------------------------
+//
+// Decode rows have one query each, so one warp per (row, head) walks the
+// whole context alone, one dependent step per key: slow at long contexts.
+// Here the keys of each row are cut into splits of kSplitKeys, one block of
+// kSplitWarps warps per (row, KV head, split); every query head of the GQA
+// group is computed from one read of the group's K and V (the KV bytes cross
+// memory once, not group times). Each block leaves an unnormalised partial
+// (running max, denominator, weighted sum of V); a second kernel merges the
+// splits of each (row, head). Same arithmetic as PagedAttentionKernel per
+// key (the dot, then the scale, then expf), so the two agree to rounding of
+// the merge.
+
+constexpr int kSplitKeys = 512;
+constexpr int kSplitWarps = 4;
+constexpr int kMaxGroup = 8;  // query heads per KV head on this path
+
+__device__ int64_t SequenceOfRow(const AttentionBatch& batch, int64_t row) {
+  int64_t lo = 0, hi = batch.num_seqs - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (batch.query_start[mid] <= row)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
+}
+
+// partial_acc: [rows][num_heads][splits][head_dim]; partial_ml: [rows][num_heads][splits][2].
+template <int D>  // head_dim <= 32 * D
+__global__ void __launch_bounds__(32 * kSplitWarps)
+    SplitAttentionKernel(DeviceLayout layout, const uint8_t* pool, int64_t layer, const float* q,
+                         int64_t num_heads, AttentionBatch batch, float scale, int splits,
+                         float* partial_acc, float* partial_ml) {
+  __shared__ float sm_m[kSplitWarps][kMaxGroup];
+  __shared__ float sm_l[kSplitWarps][kMaxGroup];
+  __shared__ float sm_acc[kSplitWarps][kMaxGroup][32 * D];
+  const int64_t row = blockIdx.x / layout.num_kv_heads, g = blockIdx.x % layout.num_kv_heads;
+  const int split = blockIdx.y;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int group = static_cast<int>(num_heads / layout.num_kv_heads);
+  const int64_t hd = layout.head_dim, bs = layout.block_size;
+  const int64_t s = SequenceOfRow(batch, row);
+  const int64_t q_len = batch.query_start[s + 1] - batch.query_start[s];
+  const int64_t n_keys = batch.context_lens[s] - q_len + (row - batch.query_start[s]) + 1;
+  const int32_t* table = batch.block_tables + s * batch.max_blocks_per_seq;
+  const int64_t k_begin = static_cast<int64_t>(split) * kSplitKeys;
+  const int64_t k_end = min(n_keys, k_begin + kSplitKeys);
+
+  float qv[kMaxGroup][D], acc[kMaxGroup][D], m[kMaxGroup], l[kMaxGroup];
+#pragma unroll
+  for (int i = 0; i < kMaxGroup; ++i) {
+    const float* qrow = q + (row * num_heads + g * group + i) * hd;
+#pragma unroll
+    for (int j = 0; j < D; ++j) {
+      const int64_t d = lane + 32 * j;
+      qv[i][j] = i < group && d < hd ? qrow[d] : 0.0f;
+      acc[i][j] = 0.0f;
+    }
+    m[i] = -INFINITY;
+    l[i] = 0.0f;
+  }
+  for (int64_t key = k_begin + warp; key < k_end; key += kSplitWarps) {
+    const int64_t block = table[key / bs], t = key % bs;
+    const uint8_t* kp = pool + layout.k_offset(block, layer, g);
+    const uint8_t* vp = pool + layout.v_offset(block, layer, g);
+    const float ks =
+        layout.has_scales
+            ? *reinterpret_cast<const float*>(pool + layout.k_scale_offset(block, layer, g))
+            : 1.0f;
+    const float vs =
+        layout.has_scales
+            ? *reinterpret_cast<const float*>(pool + layout.v_scale_offset(block, layer, g))
+            : 1.0f;
+    float kv[D], vv[D];
+#pragma unroll
+    for (int j = 0; j < D; ++j) {
+      const int64_t d = lane + 32 * j;
+      kv[j] = d < hd ? LoadKv(kp, layout.dtype, t * hd + d, ks) : 0.0f;
+      vv[j] = d < hd ? LoadKv(vp, layout.dtype, t * hd + d, vs) : 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < kMaxGroup; ++i) {
+      if (i >= group) break;
+      float dot = 0.0f;
+#pragma unroll
+      for (int j = 0; j < D; ++j) dot += qv[i][j] * kv[j];
+      for (int o = 16; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+      const float score = dot * scale;
+      const float new_max = fmaxf(m[i], score);
+      const float correction = expf(m[i] - new_max);  // 0 on the first key
+      const float p = expf(score - new_max);
+      l[i] = l[i] * correction + p;
+#pragma unroll
+      for (int j = 0; j < D; ++j) acc[i][j] = acc[i][j] * correction + p * vv[j];
+      m[i] = new_max;
+    }
+  }
+
+  // Merge the warps of the block.
+#pragma unroll
+  for (int i = 0; i < kMaxGroup; ++i) {
+    if (lane == 0) {
+      sm_m[warp][i] = m[i];
+      sm_l[warp][i] = l[i];
+    }
+#pragma unroll
+    for (int j = 0; j < D; ++j) sm_acc[warp][i][lane + 32 * j] = acc[i][j];
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < group * hd; idx += blockDim.x) {
+    const int i = idx / static_cast<int>(hd), d = idx % static_cast<int>(hd);
+    float mx = -INFINITY;
+    for (int w = 0; w < kSplitWarps; ++w) mx = fmaxf(mx, sm_m[w][i]);
+    float sum_l = 0.0f, sum_acc = 0.0f;
+    if (mx != -INFINITY) {  // -inf: no key of this row falls in this split
+      for (int w = 0; w < kSplitWarps; ++w) {
+        const float f = sm_m[w][i] == -INFINITY ? 0.0f : expf(sm_m[w][i] - mx);
+        sum_l += sm_l[w][i] * f;
+        sum_acc += sm_acc[w][i][d] * f;
+      }
+    }
+    const int64_t slot = (row * num_heads + g * group + i) * splits + split;
+    partial_acc[slot * hd + d] = sum_acc;
+    if (d == 0) {
+      partial_ml[2 * slot] = mx;
+      partial_ml[2 * slot + 1] = sum_l;
+    }
+  }
+}
+
+// One warp per (row, head): merges the splits' partials into the output row.
+__global__ void MergeSplitsKernel(const float* partial_acc, const float* partial_ml, int64_t tasks,
+                                  int64_t head_dim, int splits, float* out) {
+  const int64_t task = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (task >= tasks) return;
+  const float* ml = partial_ml + task * splits * 2;
+  float mx = -INFINITY;
+  for (int sp = 0; sp < splits; ++sp) mx = fmaxf(mx, ml[2 * sp]);
+  float denom = 0.0f;
+  for (int sp = 0; sp < splits; ++sp) {
+    if (ml[2 * sp] != -INFINITY) denom += ml[2 * sp + 1] * expf(ml[2 * sp] - mx);
+  }
+  for (int64_t d = lane; d < head_dim; d += 32) {
+    float sum = 0.0f;
+    for (int sp = 0; sp < splits; ++sp) {
+      if (ml[2 * sp] != -INFINITY) {
+        sum += partial_acc[(task * splits + sp) * head_dim + d] * expf(ml[2 * sp] - mx);
+      }
+    }
+    out[task * head_dim + d] = sum / denom;
+  }
+}
+
 }  // namespace
 
 struct CudaBackend::State {
@@ -322,6 +478,21 @@ struct CudaBackend::State {
   // Activations converted for bf16 products; grown in stream order.
   __nv_bfloat16* bf16_scratch = nullptr;
   int64_t bf16_scratch_elems = 0;
+  // Split-K attention partials; grown in stream order.
+  float* split_scratch = nullptr;
+  int64_t split_scratch_floats = 0;
+
+  float* SplitScratch(int64_t floats) {
+    if (floats > split_scratch_floats) {
+      if (split_scratch != nullptr) Check(cudaFreeAsync(split_scratch, stream), "cudaFreeAsync");
+      void* p = nullptr;
+      Check(cudaMallocAsync(&p, static_cast<size_t>(floats) * sizeof(float), stream),
+            "cudaMallocAsync");
+      split_scratch = static_cast<float*>(p);
+      split_scratch_floats = floats;
+    }
+    return split_scratch;
+  }
 
   __nv_bfloat16* Bf16Scratch(int64_t elems) {
     if (elems > bf16_scratch_elems) {
@@ -361,6 +532,7 @@ CudaBackend::~CudaBackend() {
   if (!state_) return;
   cudaStreamSynchronize(state_->stream);
   if (state_->bf16_scratch != nullptr) cudaFree(state_->bf16_scratch);
+  if (state_->split_scratch != nullptr) cudaFree(state_->split_scratch);
   cublasDestroy(state_->cublas_bf16);
   cublasDestroy(state_->cublas);
   cudaStreamDestroy(state_->stream);
@@ -501,6 +673,44 @@ void CudaBackend::PagedAttention(const KvCacheLayout& layout, const void* pool, 
   if (batch.num_seqs == 0) return;
   const int64_t tasks = batch.num_tokens * num_heads;
   if (tasks == 0) return;
+  // Split-K for rows with long contexts and few rows (decode steps): the
+  // partials take rows x heads x splits x (head_dim + 2) floats, so a long
+  // prefill chunk, which has parallelism enough in its rows, stays on the
+  // one-warp-per-row kernel.
+  const int64_t max_keys = batch.max_blocks_per_seq * layout.block_size;
+  const int splits = static_cast<int>((max_keys + kSplitKeys - 1) / kSplitKeys);
+  const int64_t group = layout.num_kv_heads > 0 ? num_heads / layout.num_kv_heads : 0;
+  const int64_t partial_floats = tasks * splits * (layout.head_dim + 2);
+  constexpr int64_t kMaxPartialFloats = int64_t{64} << 20;  // 256 MB
+  if (splits > 1 && group >= 1 && group <= kMaxGroup && group * layout.num_kv_heads == num_heads &&
+      partial_floats <= kMaxPartialFloats && splits <= 65535) {
+    float* partial_acc = state_->SplitScratch(partial_floats);
+    float* partial_ml = partial_acc + tasks * splits * layout.head_dim;
+    const dim3 grid(static_cast<unsigned>(batch.num_tokens * layout.num_kv_heads),
+                    static_cast<unsigned>(splits));
+    const DeviceLayout dl(layout);
+    const auto* p = static_cast<const uint8_t*>(pool);
+    const int64_t hd = layout.head_dim;
+    if (hd <= 32) {
+      SplitAttentionKernel<1><<<grid, 32 * kSplitWarps, 0, state_->stream>>>(
+          dl, p, layer, q, num_heads, batch, scale, splits, partial_acc, partial_ml);
+    } else if (hd <= 64) {
+      SplitAttentionKernel<2><<<grid, 32 * kSplitWarps, 0, state_->stream>>>(
+          dl, p, layer, q, num_heads, batch, scale, splits, partial_acc, partial_ml);
+    } else if (hd <= 128) {
+      SplitAttentionKernel<4><<<grid, 32 * kSplitWarps, 0, state_->stream>>>(
+          dl, p, layer, q, num_heads, batch, scale, splits, partial_acc, partial_ml);
+    } else {
+      SplitAttentionKernel<8><<<grid, 32 * kSplitWarps, 0, state_->stream>>>(
+          dl, p, layer, q, num_heads, batch, scale, splits, partial_acc, partial_ml);
+    }
+    Check(cudaGetLastError(), "SplitAttention");
+    const auto merge_blocks = static_cast<unsigned>((tasks + kWarpsPerBlock - 1) / kWarpsPerBlock);
+    MergeSplitsKernel<<<merge_blocks, 32 * kWarpsPerBlock, 0, state_->stream>>>(
+        partial_acc, partial_ml, tasks, hd, splits, out);
+    Check(cudaGetLastError(), "MergeSplits");
+    return;
+  }
   const auto blocks = static_cast<unsigned>((tasks + kWarpsPerBlock - 1) / kWarpsPerBlock);
   PagedAttentionKernel<<<blocks, 32 * kWarpsPerBlock, 0, state_->stream>>>(
       DeviceLayout(layout), static_cast<const uint8_t*>(pool), layer, q, num_heads, batch, scale,

@@ -1,10 +1,11 @@
 // The CUDA implementation of kernels::Backend: every op of the forward pass
 // on one device, with the same semantics as the CPU backend (which is its
 // reference in the tests), the same paged KV pool layout, and fp32
-// activations. This is the correctness-first version: straightforward
-// kernels (one warp per query head for attention; cuBLAS SGEMM for fp32
-// weights, cublasGemmEx on the tensor cores for bf16 ones); the fast paths
-// (flash-decoding, CUDA graphs) come on top of it and are checked against it.
+// activations. Attention runs split-K (flash-decoding: a GQA group's query
+// heads share one read of each key split, partials merged after) when the
+// context is long and the rows few, else one warp per (row, head); cuBLAS
+// SGEMM for fp32 weights, cublasGemmEx on the tensor cores for bf16 ones.
+// Still to come: fused kernels and decode steps captured in CUDA graphs.
 //
 // Contract (beyond backend.h): ops are queued on the backend's stream in call
 // order; Download waits for them, so results read through Download are
