@@ -1,4 +1,8 @@
-// pdserve bench engine: prefill and decode throughput of the CPU engine.
+// pdserve bench engine: prefill and decode throughput of the engine, on the
+// CPU or a GPU. On a GPU the device's copy bandwidth and bf16 matrix rate are
+// measured first, and every result also states decode as a fraction of that
+// bandwidth (weights + KV read per step) and prefill as a fraction of that
+// rate (the forward pass's FLOPs): the roofline figures of METHOD.md.
 #include <sys/resource.h>
 
 #include <chrono>
@@ -16,6 +20,10 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "services/cli/bench_util.h"
 #include "services/cli/command.h"
+
+#if PDSERVE_WITH_CUDA
+#include "kernels/cuda/roofline.h"
+#endif
 
 namespace pdserve::cli {
 namespace {
@@ -95,6 +103,33 @@ int RunBenchEngine(int argc, char** argv) {
   }
   const int64_t kv_bytes_per_token =
       2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * DTypeBits(*kv_dtype) / 8;
+  // The forward pass's FLOPs for one sequence's prefill of n tokens: every
+  // weight matrix once per token (2 FLOPs a weight), causal attention
+  // (QK^T and PV: 4 * head_dim FLOPs per query head per visible key), and
+  // the LM head for the one row that is sampled.
+  const int64_t q_out = cfg.num_heads * cfg.head_dim, kv_out = cfg.num_kv_heads * cfg.head_dim;
+  const double layer_weights = static_cast<double>(cfg.hidden_size) * (q_out + 2 * kv_out) +
+                               static_cast<double>(q_out) * cfg.hidden_size +
+                               3.0 * cfg.hidden_size * cfg.intermediate_size;
+  auto prefill_flops = [&](int64_t n) {
+    const double nd = static_cast<double>(n);
+    return cfg.num_layers *
+               (2.0 * layer_weights * nd + 4.0 * cfg.num_heads * cfg.head_dim * nd * (nd + 1) / 2) +
+           2.0 * cfg.vocab_size * cfg.hidden_size;
+  };
+  double copy_gbytes_per_s = 0, bf16_tflops = 0;
+#if PDSERVE_WITH_CUDA
+  if (backend.name() == "cuda") {
+    std::fprintf(stderr, "bench engine: measuring the device's copy bandwidth and GEMM rates...\n");
+    const cuda::Roofline roof = cuda::MeasureRoofline();
+    if (!roof.error.empty()) {
+      std::fprintf(stderr, "pdserve bench engine: roofline: %s\n", roof.error.c_str());
+      return 1;
+    }
+    copy_gbytes_per_s = roof.copy_gbytes_per_s;
+    bf16_tflops = roof.bf16_tflops;
+  }
+#endif
 
   for (int64_t batch : batches) {
     EngineOptions options;
@@ -156,6 +191,13 @@ int RunBenchEngine(int argc, char** argv) {
     const auto t_end = std::chrono::steady_clock::now();
     const double cpu_end = CpuSeconds();
     const double prefill_s = Seconds(t0, t_prefill_end), decode_s = Seconds(t_prefill_end, t_end);
+    // Mean KV read per decode step: every sequence's context, which grows
+    // from prompt + 1 to prompt + gen - 1 tokens over the decode steps.
+    const double kv_read_per_step = static_cast<double>(batch) *
+                                    (static_cast<double>(prompt_tokens) + gen_tokens / 2.0) *
+                                    static_cast<double>(kv_bytes_per_token);
+    const double step_s = decode_steps ? decode_s / static_cast<double>(decode_steps) : 0.0;
+    const double prefill_tflops = batch * prefill_flops(prompt_tokens) / prefill_s / 1e12;
     nlohmann::json j = {
         {"bench", "engine"},
         {"model", (*model)->model_id()},
@@ -178,6 +220,8 @@ int RunBenchEngine(int argc, char** argv) {
         {"decode_cpu_share", (cpu_end - cpu_prefill_end) / (decode_s * backend_threads)},
         {"decode_step_ms", decode_steps ? 1000.0 * decode_s / decode_steps : 0.0},
         {"weight_bytes_per_decode_step", (*model)->weight_bytes_per_step()},
+        {"kv_bytes_per_decode_step", kv_read_per_step},
+        {"prefill_tflops", prefill_tflops},
         {"weight_read_gb_per_s",
          decode_steps ? (*model)->weight_bytes_per_step() * decode_steps / decode_s / 1e9 : 0.0},
         {"machine",
@@ -185,6 +229,15 @@ int RunBenchEngine(int argc, char** argv) {
           {"cpu", CpuModel()},
           {"threads", backend_threads},
           {"backend", backend.name()}}}};
+    if (copy_gbytes_per_s > 0) {
+      j["copy_gbytes_per_s"] = copy_gbytes_per_s;
+      j["bf16_tflops"] = bf16_tflops;
+      j["decode_bandwidth_fraction"] =
+          step_s > 0 ? ((*model)->weight_bytes_per_step() + kv_read_per_step) / step_s /
+                           (copy_gbytes_per_s * 1e9)
+                     : 0.0;
+      j["prefill_matrix_fraction"] = prefill_tflops / bf16_tflops;
+    }
     if (json) {
       std::printf("%s\n", j.dump().c_str());
     } else {

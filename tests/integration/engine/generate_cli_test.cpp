@@ -105,6 +105,10 @@ TEST_F(GenerateCliTest, BenchEngineRunsARealShapeFromConfigAloneWithDummyWeights
     const auto j = nlohmann::json::parse(line);
     EXPECT_EQ(j["load_format"], "dummy");
     EXPECT_GT(j["decode_tokens_per_s"].get<double>(), 0);
+    EXPECT_GT(j["prefill_tflops"].get<double>(), 0);
+    // 2 x (20 + 4 / 2) tokens of K and V per sequence: 2 layers, 2 KV heads of 16, fp32.
+    EXPECT_EQ(j["kv_bytes_per_decode_step"].get<double>(),
+              j["batch"].get<double>() * (20 + 2) * 2 * 2 * 2 * 16 * 4);
     ++results;
   }
   EXPECT_EQ(results, 2);
