@@ -174,14 +174,16 @@ TEST_F(CudaBackendTest, ElementwiseOpsAndLinearMatchTheCpu) {
 // block's earlier tokens be requantized).
 class CudaKvTest : public CudaBackendTest, public ::testing::WithParamInterface<DType> {
  protected:
-  KvCacheLayout Layout() const {
+  // 2 KV heads, 16-token blocks, the test's KV dtype.
+  KvCacheLayout Layout(int64_t num_layers = 2, int64_t head_dim = 64,
+                       int64_t num_blocks = 8) const {
     KvCacheLayout l;
-    l.num_layers = 2;
+    l.num_layers = num_layers;
     l.num_kv_heads = 2;
-    l.head_dim = 64;
+    l.head_dim = head_dim;
     l.block_size = 16;
     l.dtype = GetParam();
-    l.num_blocks = 8;
+    l.num_blocks = num_blocks;
     return l;
   }
   static constexpr int64_t kLayer = 1;
@@ -255,13 +257,7 @@ TEST_P(CudaKvTest, PagedAttentionMatchesTheCpu) {
 // 3-row chunk over 1000 keys (its later splits empty) and a 1-key row, with
 // 4 query heads per KV head and head_dim 128, against the CPU.
 TEST_P(CudaKvTest, LongContextPagedAttentionMatchesTheCpu) {
-  KvCacheLayout l;
-  l.num_layers = 1;
-  l.num_kv_heads = 2;
-  l.head_dim = 128;
-  l.block_size = 16;
-  l.dtype = GetParam();
-  l.num_blocks = 330;
+  const KvCacheLayout l = Layout(/*num_layers=*/1, /*head_dim=*/128, /*num_blocks=*/330);
   const int64_t num_heads = 8, hd = l.head_dim, width = l.num_kv_heads * hd;
   const std::vector<int32_t> context_lens = {4100, 1000, 1};
   const std::vector<int32_t> query_start = {0, 1, 4, 5};
