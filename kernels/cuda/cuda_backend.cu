@@ -242,6 +242,54 @@ __global__ void WriteKvFp8Kernel(DeviceLayout layout, uint8_t* pool, int64_t lay
 constexpr int kWarpsPerBlock = 4;
 constexpr int kMaxHeadDimPerLane = 8;  // head_dim <= 256
 
+// The keys query row `row` attends to: its sequence's block table and how
+// many keys (causal: up to and including the row's own position).
+struct RowKeys {
+  const int32_t* table;
+  int64_t n_keys;
+};
+
+__device__ RowKeys KeysOfRow(const AttentionBatch& batch, int64_t row) {
+  // The sequence of this row: the last s with query_start[s] <= row.
+  int64_t lo = 0, hi = batch.num_seqs - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (batch.query_start[mid] <= row)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  const int64_t q_len = batch.query_start[lo + 1] - batch.query_start[lo];
+  return {batch.block_tables + lo * batch.max_blocks_per_seq,
+          batch.context_lens[lo] - q_len + (row - batch.query_start[lo]) + 1};
+}
+
+// Where key `key` of KV head g sits in the pool: its K and V rows (element
+// index `elem` within the head's block data) and their fp8 scales (1 for
+// other dtypes).
+struct KvAt {
+  const uint8_t* k;
+  const uint8_t* v;
+  float k_scale, v_scale;
+  int64_t elem;
+};
+
+__device__ KvAt KvOfKey(const DeviceLayout& layout, const uint8_t* pool, int64_t layer, int64_t g,
+                        const int32_t* table, int64_t key) {
+  const int64_t block = table[key / layout.block_size];
+  KvAt a;
+  a.k = pool + layout.k_offset(block, layer, g);
+  a.v = pool + layout.v_offset(block, layer, g);
+  a.k_scale = layout.has_scales
+                  ? *reinterpret_cast<const float*>(pool + layout.k_scale_offset(block, layer, g))
+                  : 1.0f;
+  a.v_scale = layout.has_scales
+                  ? *reinterpret_cast<const float*>(pool + layout.v_scale_offset(block, layer, g))
+                  : 1.0f;
+  a.elem = (key % layout.block_size) * layout.head_dim;
+  return a;
+}
+
 // One warp per (query row, head): lanes split head_dim; keys are visited in
 // order with an online softmax, so no score buffer is needed at any context
 // length.
@@ -252,21 +300,9 @@ __global__ void PagedAttentionKernel(DeviceLayout layout, const uint8_t* pool, i
   const int lane = threadIdx.x % 32;
   if (task >= batch.num_tokens * num_heads) return;
   const int64_t row = task / num_heads, h = task % num_heads;
-  const int64_t hd = layout.head_dim, bs = layout.block_size;
+  const int64_t hd = layout.head_dim;
   const int64_t g = h / (num_heads / layout.num_kv_heads);
-  // The sequence of this row: the last s with query_start[s] <= row.
-  int64_t lo = 0, hi = batch.num_seqs - 1;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi + 1) / 2;
-    if (batch.query_start[mid] <= row)
-      lo = mid;
-    else
-      hi = mid - 1;
-  }
-  const int64_t s = lo;
-  const int64_t q_len = batch.query_start[s + 1] - batch.query_start[s];
-  const int64_t n_keys = batch.context_lens[s] - q_len + (row - batch.query_start[s]) + 1;
-  const int32_t* table = batch.block_tables + s * batch.max_blocks_per_seq;
+  const RowKeys keys = KeysOfRow(batch, row);
 
   float qv[kMaxHeadDimPerLane], acc[kMaxHeadDimPerLane];
   const float* qrow = q + (row * num_heads + h) * hd;
@@ -276,22 +312,12 @@ __global__ void PagedAttentionKernel(DeviceLayout layout, const uint8_t* pool, i
     acc[j] = 0.0f;
   }
   float running_max = -INFINITY, denom = 0.0f;
-  for (int64_t key = 0; key < n_keys; ++key) {
-    const int64_t block = table[key / bs], t = key % bs;
-    const uint8_t* kp = pool + layout.k_offset(block, layer, g);
-    const uint8_t* vp = pool + layout.v_offset(block, layer, g);
-    const float ks =
-        layout.has_scales
-            ? *reinterpret_cast<const float*>(pool + layout.k_scale_offset(block, layer, g))
-            : 1.0f;
-    const float vs =
-        layout.has_scales
-            ? *reinterpret_cast<const float*>(pool + layout.v_scale_offset(block, layer, g))
-            : 1.0f;
+  for (int64_t key = 0; key < keys.n_keys; ++key) {
+    const KvAt kv = KvOfKey(layout, pool, layer, g, keys.table, key);
     float dot = 0.0f;
     for (int j = 0; j < kMaxHeadDimPerLane; ++j) {
       const int64_t d = lane + 32 * j;
-      if (d < hd) dot += qv[j] * LoadKv(kp, layout.dtype, t * hd + d, ks);
+      if (d < hd) dot += qv[j] * LoadKv(kv.k, layout.dtype, kv.elem + d, kv.k_scale);
     }
     for (int o = 16; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
     const float score = dot * scale;
@@ -301,7 +327,9 @@ __global__ void PagedAttentionKernel(DeviceLayout layout, const uint8_t* pool, i
     denom = denom * correction + p;
     for (int j = 0; j < kMaxHeadDimPerLane; ++j) {
       const int64_t d = lane + 32 * j;
-      if (d < hd) acc[j] = acc[j] * correction + p * LoadKv(vp, layout.dtype, t * hd + d, vs);
+      if (d < hd) {
+        acc[j] = acc[j] * correction + p * LoadKv(kv.v, layout.dtype, kv.elem + d, kv.v_scale);
+      }
     }
     running_max = new_max;
   }
@@ -329,18 +357,6 @@ constexpr int kSplitKeys = 512;
 constexpr int kSplitWarps = 4;
 constexpr int kMaxGroup = 8;  // query heads per KV head on this path
 
-__device__ int64_t SequenceOfRow(const AttentionBatch& batch, int64_t row) {
-  int64_t lo = 0, hi = batch.num_seqs - 1;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi + 1) / 2;
-    if (batch.query_start[mid] <= row)
-      lo = mid;
-    else
-      hi = mid - 1;
-  }
-  return lo;
-}
-
 // partial_acc: [rows][num_heads][splits][head_dim]; partial_ml: [rows][num_heads][splits][2].
 template <int D>  // head_dim <= 32 * D
 __global__ void __launch_bounds__(32 * kSplitWarps)
@@ -354,13 +370,10 @@ __global__ void __launch_bounds__(32 * kSplitWarps)
   const int split = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = static_cast<int>(num_heads / layout.num_kv_heads);
-  const int64_t hd = layout.head_dim, bs = layout.block_size;
-  const int64_t s = SequenceOfRow(batch, row);
-  const int64_t q_len = batch.query_start[s + 1] - batch.query_start[s];
-  const int64_t n_keys = batch.context_lens[s] - q_len + (row - batch.query_start[s]) + 1;
-  const int32_t* table = batch.block_tables + s * batch.max_blocks_per_seq;
+  const int64_t hd = layout.head_dim;
+  const RowKeys keys = KeysOfRow(batch, row);
   const int64_t k_begin = static_cast<int64_t>(split) * kSplitKeys;
-  const int64_t k_end = min(n_keys, k_begin + kSplitKeys);
+  const int64_t k_end = min(keys.n_keys, k_begin + kSplitKeys);
 
   float qv[kMaxGroup][D], acc[kMaxGroup][D], m[kMaxGroup], l[kMaxGroup];
 #pragma unroll
@@ -376,23 +389,13 @@ __global__ void __launch_bounds__(32 * kSplitWarps)
     l[i] = 0.0f;
   }
   for (int64_t key = k_begin + warp; key < k_end; key += kSplitWarps) {
-    const int64_t block = table[key / bs], t = key % bs;
-    const uint8_t* kp = pool + layout.k_offset(block, layer, g);
-    const uint8_t* vp = pool + layout.v_offset(block, layer, g);
-    const float ks =
-        layout.has_scales
-            ? *reinterpret_cast<const float*>(pool + layout.k_scale_offset(block, layer, g))
-            : 1.0f;
-    const float vs =
-        layout.has_scales
-            ? *reinterpret_cast<const float*>(pool + layout.v_scale_offset(block, layer, g))
-            : 1.0f;
+    const KvAt at = KvOfKey(layout, pool, layer, g, keys.table, key);
     float kv[D], vv[D];
 #pragma unroll
     for (int j = 0; j < D; ++j) {
       const int64_t d = lane + 32 * j;
-      kv[j] = d < hd ? LoadKv(kp, layout.dtype, t * hd + d, ks) : 0.0f;
-      vv[j] = d < hd ? LoadKv(vp, layout.dtype, t * hd + d, vs) : 0.0f;
+      kv[j] = d < hd ? LoadKv(at.k, layout.dtype, at.elem + d, at.k_scale) : 0.0f;
+      vv[j] = d < hd ? LoadKv(at.v, layout.dtype, at.elem + d, at.v_scale) : 0.0f;
     }
 #pragma unroll
     for (int i = 0; i < kMaxGroup; ++i) {
@@ -468,6 +471,32 @@ __global__ void MergeSplitsKernel(const float* partial_acc, const float* partial
   }
 }
 
+// A device buffer reused from call to call, grown (never shrunk) in stream
+// order, so that no growth waits for the device.
+class StreamScratch {
+ public:
+  template <typename T>
+  T* Get(int64_t elems, cudaStream_t stream) {
+    const size_t bytes = static_cast<size_t>(elems) * sizeof(T);
+    if (bytes > bytes_) {
+      if (data_ != nullptr) Check(cudaFreeAsync(data_, stream), "cudaFreeAsync");
+      Check(cudaMallocAsync(&data_, bytes, stream), "cudaMallocAsync");
+      bytes_ = bytes;
+    }
+    return static_cast<T*>(data_);
+  }
+  // After the stream is idle.
+  void Release() {
+    if (data_ != nullptr) cudaFree(data_);
+    data_ = nullptr;
+    bytes_ = 0;
+  }
+
+ private:
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
 }  // namespace
 
 struct CudaBackend::State {
@@ -475,36 +504,8 @@ struct CudaBackend::State {
   cudaStream_t stream = nullptr;
   cublasHandle_t cublas = nullptr;       // fp32 products, pedantic (the CPU's arithmetic)
   cublasHandle_t cublas_bf16 = nullptr;  // bf16 products on the tensor cores, fp32 accumulation
-  // Activations converted for bf16 products; grown in stream order.
-  __nv_bfloat16* bf16_scratch = nullptr;
-  int64_t bf16_scratch_elems = 0;
-  // Split-K attention partials; grown in stream order.
-  float* split_scratch = nullptr;
-  int64_t split_scratch_floats = 0;
-
-  float* SplitScratch(int64_t floats) {
-    if (floats > split_scratch_floats) {
-      if (split_scratch != nullptr) Check(cudaFreeAsync(split_scratch, stream), "cudaFreeAsync");
-      void* p = nullptr;
-      Check(cudaMallocAsync(&p, static_cast<size_t>(floats) * sizeof(float), stream),
-            "cudaMallocAsync");
-      split_scratch = static_cast<float*>(p);
-      split_scratch_floats = floats;
-    }
-    return split_scratch;
-  }
-
-  __nv_bfloat16* Bf16Scratch(int64_t elems) {
-    if (elems > bf16_scratch_elems) {
-      if (bf16_scratch != nullptr) Check(cudaFreeAsync(bf16_scratch, stream), "cudaFreeAsync");
-      void* p = nullptr;
-      Check(cudaMallocAsync(&p, static_cast<size_t>(elems) * sizeof(__nv_bfloat16), stream),
-            "cudaMallocAsync");
-      bf16_scratch = static_cast<__nv_bfloat16*>(p);
-      bf16_scratch_elems = elems;
-    }
-    return bf16_scratch;
-  }
+  StreamScratch bf16_activations;        // activations converted for bf16 products
+  StreamScratch attention_partials;      // split-K attention partials
 };
 
 std::unique_ptr<CudaBackend> CudaBackend::Create(int device) {
@@ -531,8 +532,8 @@ CudaBackend::CudaBackend(std::unique_ptr<State> state) : state_(std::move(state)
 CudaBackend::~CudaBackend() {
   if (!state_) return;
   cudaStreamSynchronize(state_->stream);
-  if (state_->bf16_scratch != nullptr) cudaFree(state_->bf16_scratch);
-  if (state_->split_scratch != nullptr) cudaFree(state_->split_scratch);
+  state_->bf16_activations.Release();
+  state_->attention_partials.Release();
   cublasDestroy(state_->cublas_bf16);
   cublasDestroy(state_->cublas);
   cudaStreamDestroy(state_->stream);
@@ -584,7 +585,7 @@ void CudaBackend::Linear(const float* x, int64_t m, const WeightMatrix& w, const
       break;
     case DType::kBF16: {
       const int64_t n = m * w.cols;
-      __nv_bfloat16* xb = state_->Bf16Scratch(n);
+      __nv_bfloat16* xb = state_->bf16_activations.Get<__nv_bfloat16>(n, state_->stream);
       F32ToBf16Kernel<<<Blocks(n), kThreads, 0, state_->stream>>>(x, xb, n);
       Check(cudaGetLastError(), "F32ToBf16");
       Check(cublasGemmEx(state_->cublas_bf16, CUBLAS_OP_T, CUBLAS_OP_N, rows, static_cast<int>(m),
@@ -684,7 +685,7 @@ void CudaBackend::PagedAttention(const KvCacheLayout& layout, const void* pool, 
   constexpr int64_t kMaxPartialFloats = int64_t{64} << 20;  // 256 MB
   if (splits > 1 && group >= 1 && group <= kMaxGroup && group * layout.num_kv_heads == num_heads &&
       partial_floats <= kMaxPartialFloats && splits <= 65535) {
-    float* partial_acc = state_->SplitScratch(partial_floats);
+    float* partial_acc = state_->attention_partials.Get<float>(partial_floats, state_->stream);
     float* partial_ml = partial_acc + tasks * splits * layout.head_dim;
     const dim3 grid(static_cast<unsigned>(batch.num_tokens * layout.num_kv_heads),
                     static_cast<unsigned>(splits));
