@@ -12,8 +12,10 @@ namespace pdserve::router {
 using detail::BlockTable;
 
 namespace {
-// How far ahead of the current block the ingestion and query loops prefetch.
-constexpr size_t kPrefetchDistance = 8;
+// Blocks whose table slots are loaded together (BlockTable::Warm) before
+// they are looked up one by one: enough misses in flight to cover memory
+// latency, few enough that a walk ending early wastes little.
+constexpr size_t kWarmChunk = 16;
 
 inline void SetBit(uint64_t* words, WorkerId w) { words[w >> 6] |= uint64_t{1} << (w & 63); }
 inline void ClearBit(uint64_t* words, WorkerId w) { words[w >> 6] &= ~(uint64_t{1} << (w & 63)); }
@@ -90,16 +92,11 @@ void PrefixIndex::RemoveWorker(WorkerId worker) {
 void PrefixIndex::StoreLocked(WorkerId worker, std::span<const BlockHash> hashes) {
   BlockTable& mine = *workers_[worker].blocks;
   const size_t n = hashes.size();
-  // Event batches are short (a worker announces a few blocks at a time), so
-  // the first kPrefetchDistance lookups are fetched up front as well.
-  for (size_t i = 0; i < std::min(n, kPrefetchDistance); ++i) {
-    blocks_->Prefetch(hashes[i]);
-    mine.Prefetch(hashes[i]);
-  }
   for (size_t i = 0; i < n; ++i) {
-    if (i + kPrefetchDistance < n) {
-      blocks_->Prefetch(hashes[i + kPrefetchDistance]);
-      mine.Prefetch(hashes[i + kPrefetchDistance]);
+    if (i % kWarmChunk == 0) {
+      const auto chunk = hashes.subspan(i, std::min(kWarmChunk, n - i));
+      blocks_->Warm(chunk);
+      mine.Warm(chunk);
     }
     const BlockHash h = hashes[i];
     bool inserted = false;
@@ -119,16 +116,11 @@ void PrefixIndex::StoreLocked(WorkerId worker, std::span<const BlockHash> hashes
 void PrefixIndex::RemoveLocked(WorkerId worker, std::span<const BlockHash> hashes) {
   BlockTable& mine = *workers_[worker].blocks;
   const size_t n = hashes.size();
-  // Event batches are short (a worker announces a few blocks at a time), so
-  // the first kPrefetchDistance lookups are fetched up front as well.
-  for (size_t i = 0; i < std::min(n, kPrefetchDistance); ++i) {
-    blocks_->Prefetch(hashes[i]);
-    mine.Prefetch(hashes[i]);
-  }
   for (size_t i = 0; i < n; ++i) {
-    if (i + kPrefetchDistance < n) {
-      blocks_->Prefetch(hashes[i + kPrefetchDistance]);
-      mine.Prefetch(hashes[i + kPrefetchDistance]);
+    if (i % kWarmChunk == 0) {
+      const auto chunk = hashes.subspan(i, std::min(kWarmChunk, n - i));
+      blocks_->Warm(chunk);
+      mine.Warm(chunk);
     }
     const BlockHash h = hashes[i];
     if (!mine.Erase(h)) {
@@ -242,56 +234,57 @@ void PrefixIndex::LeadingOverlap(std::span<const BlockHash> hashes, int64_t now_
   if (hashes.empty()) return;
   std::shared_lock lock(mu_);
   const bool any_pending = pending_->size() != 0;
-  // Issue the memory loads for the whole prompt up front; the walk below then
-  // mostly hits cache instead of paying one miss per block in sequence.
   const size_t n = hashes.size();
-  auto prefetch = [&](BlockHash h) {
-    blocks_->Prefetch(h);
-    if (any_pending) pending_->Prefetch(h);
-  };
-  for (size_t i = 0; i < std::min(n, 4 * kPrefetchDistance); ++i) prefetch(hashes[i]);
 
   // `alive` = workers holding every block so far. When a worker drops out at
   // block i, its leading overlap is i.
   constexpr size_t kMaxWordsOnStack = 16;  // 1024 workers
   uint64_t alive_stack[kMaxWordsOnStack];
-  uint64_t here_stack[kMaxWordsOnStack];
   std::vector<uint64_t> heap;
   uint64_t* alive = alive_stack;
-  uint64_t* here = here_stack;
   if (words_ > kMaxWordsOnStack) {
-    heap.assign(2 * words_, 0);
+    heap.assign(words_, 0);
     alive = heap.data();
-    here = heap.data() + words_;
   }
-  auto load = [&](BlockHash h, uint64_t* dst) {
-    std::fill_n(dst, words_, 0);
-    const size_t slot = blocks_->Find(h);
-    if (slot != BlockTable::kNotFound) std::copy_n(blocks_->words(slot), words_, dst);
-    if (any_pending) {
-      const size_t p = pending_->Find(h);
-      if (p != BlockTable::kNotFound) {
-        const uint64_t* pw = pending_->words(p);
-        if (static_cast<int64_t>(pw[words_]) > now_us) {
-          for (size_t k = 0; k < words_; ++k) dst[k] |= pw[k];
+  std::fill_n(alive, words_, ~uint64_t{0});  // narrowed to block 0's holders first
+
+  // The walk goes a chunk of blocks at a time: the chunk's slots are warmed
+  // and looked up, then its bitsets combined in order. At most
+  // kWarmChunk - 1 lookups past the end of the overlap are wasted.
+  const uint64_t* held[kWarmChunk];
+  const uint64_t* pending[kWarmChunk];
+  for (size_t base = 0; base < n; base += kWarmChunk) {
+    const size_t m = std::min(kWarmChunk, n - base);
+    blocks_->Warm(hashes.subspan(base, m));
+    if (any_pending) pending_->Warm(hashes.subspan(base, m));
+    for (size_t j = 0; j < m; ++j) {
+      const size_t slot = blocks_->Find(hashes[base + j]);
+      held[j] = slot == BlockTable::kNotFound ? nullptr : blocks_->words(slot);
+      pending[j] = nullptr;
+      if (any_pending) {
+        const size_t p = pending_->Find(hashes[base + j]);
+        if (p != BlockTable::kNotFound &&
+            static_cast<int64_t>(pending_->words(p)[words_]) > now_us) {
+          pending[j] = pending_->words(p);
         }
       }
     }
-  };
-  load(hashes[0], alive);
-  size_t i = 1;
-  for (; i < n; ++i) {
-    if (AllZero(alive, words_)) return;
-    if (i + 4 * kPrefetchDistance < n) prefetch(hashes[i + 4 * kPrefetchDistance]);
-    load(hashes[i], here);
-    for (size_t k = 0; k < words_; ++k) {
-      uint64_t dropped = alive[k] & ~here[k];
-      while (dropped != 0) {
-        const int bit = std::countr_zero(dropped);
-        (*out)[k * 64 + bit] = static_cast<uint32_t>(i);
-        dropped &= dropped - 1;
+    for (size_t j = 0; j < m; ++j) {
+      const size_t i = base + j;
+      bool any_alive = false;
+      for (size_t k = 0; k < words_; ++k) {
+        const uint64_t here = (held[j] ? held[j][k] : 0) | (pending[j] ? pending[j][k] : 0);
+        // Who drops out at block 0 keeps the 0 `out` already holds.
+        uint64_t dropped = i == 0 ? 0 : alive[k] & ~here;
+        while (dropped != 0) {
+          const int bit = std::countr_zero(dropped);
+          (*out)[k * 64 + bit] = static_cast<uint32_t>(i);
+          dropped &= dropped - 1;
+        }
+        alive[k] &= here;
+        any_alive |= alive[k] != 0;
       }
-      alive[k] &= here[k];
+      if (!any_alive) return;
     }
   }
   for (size_t k = 0; k < words_; ++k) {
@@ -320,11 +313,10 @@ void PrefixIndex::AddPending(WorkerId worker, std::span<const BlockHash> hashes,
   // A few spare slots per insert: the spare is clean long before the active
   // table (half its slots, at most) fills again.
   spare_pending_->ClearStep(4 * hashes.size());
-  for (size_t i = 0; i < std::min(hashes.size(), kPrefetchDistance); ++i) {
-    pending_->Prefetch(hashes[i]);
-  }
   for (size_t i = 0; i < hashes.size(); ++i) {
-    if (i + kPrefetchDistance < hashes.size()) pending_->Prefetch(hashes[i + kPrefetchDistance]);
+    if (i % kWarmChunk == 0) {
+      pending_->Warm(hashes.subspan(i, std::min(kWarmChunk, hashes.size() - i)));
+    }
     const BlockHash h = hashes[i];
     bool inserted = false;
     const size_t slot = pending_->FindOrInsert(h, &inserted);

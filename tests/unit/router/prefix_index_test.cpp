@@ -294,6 +294,7 @@ TEST(PrefixIndexTest, MatchesReferenceUnderRandomEventStreams) {
   };
   // Prompts are drawn from what workers were told to store, so overlaps are long.
   std::vector<std::vector<BlockHash>> prompts;
+  uint32_t longest_overlap = 0;
   for (int step = 0; step < 20000; ++step) {
     const WorkerId w = static_cast<WorkerId>(rng() % kSlots);
     const int op = static_cast<int>(rng() % 100);
@@ -329,10 +330,19 @@ TEST(PrefixIndexTest, MatchesReferenceUnderRandomEventStreams) {
     }
     if (step % 10 == 0 && !prompts.empty()) {
       std::vector<BlockHash> prompt = prompts[rng() % prompts.size()];
+      const auto holder = ref.workers.find(w);
+      if (step % 20 == 0 && holder != ref.workers.end()) {
+        // A worker's whole block set as the prompt: overlaps long enough
+        // to cross the walk's chunks of lookups.
+        prompt.assign(holder->second.blocks.begin(), holder->second.blocks.end());
+        std::shuffle(prompt.begin(), prompt.end(), rng);
+      }
       if (rng() % 2) prompt.push_back(random_hash());
       std::vector<uint32_t> got;
       index.LeadingOverlap(prompt, 0, &got);
-      ASSERT_EQ(got, ref.Overlap(prompt, kSlots)) << "step " << step;
+      const std::vector<uint32_t> want = ref.Overlap(prompt, kSlots);
+      ASSERT_EQ(got, want) << "step " << step;
+      longest_overlap = std::max(longest_overlap, *std::max_element(want.begin(), want.end()));
     }
   }
   // Final state, worker by worker.
@@ -350,6 +360,7 @@ TEST(PrefixIndexTest, MatchesReferenceUnderRandomEventStreams) {
   EXPECT_EQ(s.entries, all.size());
   EXPECT_EQ(s.gaps, ref.gaps);
   EXPECT_GT(s.gaps, 0u);
+  EXPECT_GT(longest_overlap, 32u);  // the walk went past two chunks of lookups
 }
 
 }  // namespace
