@@ -74,6 +74,26 @@ void ExtendPromptHashes(BlockHash seed, std::span<const TokenId> tokens, size_t 
                         std::vector<BlockHash>* out) {
   if (block_size == 0) return;
   const size_t full = tokens.size() / block_size;
+  out->reserve(full);
+  if (std::endian::native == std::endian::little && block_size == 16) {
+    // The usual block size with every length a constant: the hash's size
+    // dispatch folds away and the chain runs about twice as fast as
+    // through HashBlock (the router hashes every block of every prompt).
+    uint8_t buf[8 + 64];
+    for (size_t i = out->size(); i < full; ++i) {
+      const TokenId* block = tokens.data() + i * 16;
+      if (i == 0) {
+        std::memcpy(buf, block, 64);
+        out->push_back(XXH3_64bits_withSeed(buf, 64, seed));
+      } else {
+        const uint64_t parent = (*out)[i - 1];
+        std::memcpy(buf, &parent, 8);
+        std::memcpy(buf + 8, block, 64);
+        out->push_back(XXH3_64bits_withSeed(buf, 72, seed));
+      }
+    }
+    return;
+  }
   for (size_t i = out->size(); i < full; ++i) {
     const BlockHash* parent = i == 0 ? nullptr : &(*out)[i - 1];
     BlockHash h = HashBlock(seed, parent, tokens.subspan(i * block_size, block_size));
