@@ -338,9 +338,11 @@ Status Model::Forward(const ForwardBatch& batch, const kernels::KvCacheLayout& l
   const float eps = static_cast<float>(c.rms_norm_eps);
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
   b.Embedding(embedding_, s.ids, T, H, s.x);
+  b.RmsNorm(s.x, layers_[0].input_norm, s.h, T, H, eps);
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const Layer& L = layers_[l];
-    b.RmsNorm(s.x, L.input_norm, s.h, T, H, eps);
+    // s.h holds RmsNorm(s.x) with this layer's input norm here. Each residual
+    // add is fused with the norm that follows it.
     b.Linear(s.h, T, L.q, L.q_bias, s.q);
     b.Linear(s.h, T, L.k, L.k_bias, s.k);
     b.Linear(s.h, T, L.v, L.v_bias, s.v);
@@ -349,13 +351,16 @@ Status Model::Forward(const ForwardBatch& batch, const kernels::KvCacheLayout& l
     b.WriteKv(layout, kv_pool, l, s.k, s.v, s.slots, T);
     b.PagedAttention(layout, kv_pool, l, s.q, nh, att, scale, s.attn);
     b.Linear(s.attn, T, L.o, nullptr, s.h);
-    b.Add(s.x, s.h, T * H);
-    b.RmsNorm(s.x, L.post_norm, s.h, T, H, eps);
+    b.AddRmsNorm(s.x, s.h, L.post_norm, s.h, T, H, eps);
     b.Linear(s.h, T, L.gate, nullptr, s.gate);
     b.Linear(s.h, T, L.up, nullptr, s.up);
     b.SwiGlu(s.gate, s.up, I, s.act, T, I);
     b.Linear(s.act, T, L.down, nullptr, s.h);
-    b.Add(s.x, s.h, T * H);
+    if (l + 1 < c.num_layers) {
+      b.AddRmsNorm(s.x, s.h, layers_[l + 1].input_norm, s.h, T, H, eps);
+    } else {
+      b.Add(s.x, s.h, T * H);  // the final norm runs on the logits rows alone
+    }
   }
   if (R > 0) {
     b.GatherRows(s.x, s.logits_rows, R, H, s.gathered);

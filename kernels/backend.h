@@ -142,6 +142,11 @@ class Backend {
                       int64_t rows, int64_t n) = 0;
   // x[i] += y[i].
   virtual void Add(float* x, const float* y, int64_t n) = 0;
+  // The residual add fused with the norm after it, one pass over each row:
+  // x[r] += y[r], then out[r] = RmsNorm(x[r]) as above. out may alias y
+  // (each row is read whole before it is written), not x.
+  virtual void AddRmsNorm(float* x, const float* y, const float* weight, float* out, int64_t rows,
+                          int64_t dim, float eps) = 0;
   // out[t] = table[ids[t]] (table [vocab, dim], dtype fp32).
   virtual void Embedding(const float* table, const int32_t* ids, int64_t tokens, int64_t dim,
                          float* out) = 0;

@@ -225,6 +225,24 @@ void CpuBackend::Add(float* x, const float* y, int64_t n) {
       4096);
 }
 
+void CpuBackend::AddRmsNorm(float* x, const float* y, const float* weight, float* out, int64_t rows,
+                            int64_t dim, float eps) {
+  pool_.ParallelFor(rows, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* xr = x + r * dim;
+      const float* yr = y + r * dim;
+      double ss = 0;
+      for (int64_t i = 0; i < dim; ++i) {
+        xr[i] += yr[i];
+        ss += static_cast<double>(xr[i]) * xr[i];
+      }
+      const float inv = static_cast<float>(1.0 / std::sqrt(ss / dim + eps));
+      float* o = out + r * dim;
+      for (int64_t i = 0; i < dim; ++i) o[i] = xr[i] * inv * weight[i];
+    }
+  });
+}
+
 void CpuBackend::Embedding(const float* table, const int32_t* ids, int64_t tokens, int64_t dim,
                            float* out) {
   for (int64_t t = 0; t < tokens; ++t) std::memcpy(out + t * dim, table + ids[t] * dim, dim * 4);

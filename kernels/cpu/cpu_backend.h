@@ -34,6 +34,8 @@ class CpuBackend final : public Backend {
   void SwiGlu(const float* gate, const float* up, int64_t in_stride, float* out, int64_t rows,
               int64_t n) override;
   void Add(float* x, const float* y, int64_t n) override;
+  void AddRmsNorm(float* x, const float* y, const float* weight, float* out, int64_t rows,
+                  int64_t dim, float eps) override;
   void Embedding(const float* table, const int32_t* ids, int64_t tokens, int64_t dim,
                  float* out) override;
   void GatherRows(const float* x, const int32_t* rows, int64_t count, int64_t dim,

@@ -635,6 +635,14 @@ void CudaBackend::Add(float* x, const float* y, int64_t n) {
   Check(cudaGetLastError(), "Add");
 }
 
+void CudaBackend::AddRmsNorm(float* x, const float* y, const float* weight, float* out,
+                             int64_t rows, int64_t dim, float eps) {
+  if (rows == 0) return;
+  Check(cuda::AddRmsNormF32(x, y, weight, out, static_cast<int>(rows), static_cast<int>(dim), eps,
+                            state_->stream),
+        "AddRmsNorm");
+}
+
 void CudaBackend::Embedding(const float* table, const int32_t* ids, int64_t tokens, int64_t dim,
                             float* out) {
   GatherRows(table, ids, tokens, dim, out);

@@ -6,12 +6,24 @@ namespace {
 constexpr int kThreads = 256;
 
 // One block per row: a block-wide sum of squares, then the scaled write.
-__global__ void RmsNormF32Kernel(const float* __restrict__ x, const float* __restrict__ weight,
-                                 float* __restrict__ out, int dim, float eps) {
-  const float* row = x + static_cast<size_t>(blockIdx.x) * dim;
+// With kAddResidual the row is first x[r] += residual[r], stored back to x.
+// Each thread reads and writes only its own elements (i = threadIdx.x +
+// k * blockDim.x) in both passes, so out may alias x (plain) or residual
+// (fused): an element is read before the barrier and written after it.
+template <bool kAddResidual>
+__global__ void RmsNormKernel(float* x, const float* residual, const float* __restrict__ weight,
+                              float* out, int dim, float eps) {
+  float* row = x + static_cast<size_t>(blockIdx.x) * dim;
   float* out_row = out + static_cast<size_t>(blockIdx.x) * dim;
   float sum = 0.f;
-  for (int i = threadIdx.x; i < dim; i += blockDim.x) sum += row[i] * row[i];
+  for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+    float v = row[i];
+    if constexpr (kAddResidual) {
+      v += residual[static_cast<size_t>(blockIdx.x) * dim + i];
+      row[i] = v;
+    }
+    sum += v * v;
+  }
   for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
   __shared__ float warp_sums[kThreads / 32];
   const int warp = threadIdx.x / 32;
@@ -33,7 +45,16 @@ __global__ void RmsNormF32Kernel(const float* __restrict__ x, const float* __res
 cudaError_t RmsNormF32(const float* x, const float* weight, float* out, int rows, int dim,
                        float eps, cudaStream_t stream) {
   if (rows <= 0 || dim <= 0) return cudaErrorInvalidValue;
-  RmsNormF32Kernel<<<rows, kThreads, 0, stream>>>(x, weight, out, dim, eps);
+  // The plain kernel never writes x.
+  RmsNormKernel<false>
+      <<<rows, kThreads, 0, stream>>>(const_cast<float*>(x), nullptr, weight, out, dim, eps);
+  return cudaGetLastError();
+}
+
+cudaError_t AddRmsNormF32(float* x, const float* residual, const float* weight, float* out,
+                          int rows, int dim, float eps, cudaStream_t stream) {
+  if (rows <= 0 || dim <= 0) return cudaErrorInvalidValue;
+  RmsNormKernel<true><<<rows, kThreads, 0, stream>>>(x, residual, weight, out, dim, eps);
   return cudaGetLastError();
 }
 

@@ -10,4 +10,9 @@ namespace pdserve::cuda {
 cudaError_t RmsNormF32(const float* x, const float* weight, float* out, int rows, int dim,
                        float eps, cudaStream_t stream);
 
+// The residual add fused in: x[r] += residual[r] (stored), then out[r] =
+// RmsNorm(x[r]). out may alias residual, not x.
+cudaError_t AddRmsNormF32(float* x, const float* residual, const float* weight, float* out,
+                          int rows, int dim, float eps, cudaStream_t stream);
+
 }  // namespace pdserve::cuda

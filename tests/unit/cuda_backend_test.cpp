@@ -122,6 +122,18 @@ TEST_F(CudaBackendTest, ElementwiseOpsAndLinearMatchTheCpu) {
     ExpectClose(FromDevice(out, r * dim), want, "RmsNorm");
   }
   {
+    // Fused residual + norm, out aliasing the residual as the engine calls it.
+    const int64_t r = 5, dim = 4096 + 3;
+    auto x = Random(r * dim), y = Random(r * dim), weight = Random(dim);
+    std::vector<float> want_x = x, want(r * dim);
+    cpu_.AddRmsNorm(want_x.data(), y.data(), weight.data(), want.data(), r, dim, 1e-6f);
+    float* dx = ToDevice(x);
+    float* dy = ToDevice(y);
+    gpu_->AddRmsNorm(dx, dy, ToDevice(weight), dy, r, dim, 1e-6f);
+    ExpectClose(FromDevice(dx, r * dim), want_x, "AddRmsNorm sum");
+    ExpectClose(FromDevice(dy, r * dim), want, "AddRmsNorm");
+  }
+  {
     const int64_t tokens = 6, heads = 3, hd = 64;
     auto in = Random(tokens * heads * hd);
     std::vector<int32_t> positions = {0, 1, 17, 511, 4095, 131071};
