@@ -18,14 +18,14 @@ struct Model::Scratch {
   std::vector<std::pair<void**, size_t>> registry;
   int64_t token_capacity = 0;
   int64_t logits_capacity = 0;
-  int64_t seq_capacity = 0;
-  int64_t table_capacity = 0;
+  int64_t inputs_capacity = 0;  // bytes
   float *x = nullptr, *h = nullptr, *q = nullptr, *k = nullptr, *v = nullptr, *attn = nullptr;
   float *gate = nullptr, *up = nullptr, *act = nullptr;
-  int32_t *ids = nullptr, *positions = nullptr;
-  int64_t* slots = nullptr;
-  int32_t *query_start = nullptr, *context_lens = nullptr, *block_tables = nullptr;
-  int32_t* logits_rows = nullptr;
+  // The step's inputs (token ids, positions, KV slots, attention tables,
+  // logits rows) packed in one host buffer and sent with one Upload: on a
+  // device each Upload is a synchronous copy, so one costs what seven did.
+  std::vector<uint8_t> staged_inputs;
+  uint8_t* inputs = nullptr;
   float *gathered = nullptr, *logits = nullptr;
 
   ~Scratch() { ReleaseAll(); }
@@ -296,48 +296,65 @@ Status Model::Forward(const ForwardBatch& batch, const kernels::KvCacheLayout& l
     bool ok = s.Alloc(&s.x, T * H) && s.Alloc(&s.h, T * H) && s.Alloc(&s.q, T * nh * hd) &&
               s.Alloc(&s.k, T * kvh * hd) && s.Alloc(&s.v, T * kvh * hd) &&
               s.Alloc(&s.attn, T * nh * hd) && s.Alloc(&s.gate, T * I) && s.Alloc(&s.up, T * I) &&
-              s.Alloc(&s.act, T * I) && s.Alloc(&s.ids, T) && s.Alloc(&s.positions, T) &&
-              s.Alloc(&s.slots, T);
+              s.Alloc(&s.act, T * I);
     if (!ok)
       return Status::ResourceExhausted("forward: out of memory for a batch of " +
                                        std::to_string(T) + " tokens");
     s.token_capacity = T;
   }
   if (R > s.logits_capacity) {
-    if (!(s.Alloc(&s.logits_rows, R) && s.Alloc(&s.gathered, R * H) &&
-          s.Alloc(&s.logits, R * c.vocab_size))) {
+    if (!(s.Alloc(&s.gathered, R * H) && s.Alloc(&s.logits, R * c.vocab_size))) {
       return Status::ResourceExhausted("forward: out of memory for logits");
     }
     s.logits_capacity = R;
   }
-  if (S + 1 > s.seq_capacity) {
-    if (!(s.Alloc(&s.query_start, S + 1) && s.Alloc(&s.context_lens, S + 1))) {
-      return Status::ResourceExhausted("forward: out of memory");
-    }
-    s.seq_capacity = S + 1;
-  }
   const int64_t table_entries = S * batch.attention.max_blocks_per_seq;
-  if (table_entries > s.table_capacity) {
-    if (!s.Alloc(&s.block_tables, table_entries)) return Status::ResourceExhausted("forward: OOM");
-    s.table_capacity = table_entries;
+  size_t input_bytes = 0;
+  // Offset of the next `bytes` in the packed inputs, each array 8-byte aligned.
+  auto place = [&input_bytes](int64_t bytes) {
+    const size_t at = input_bytes;
+    input_bytes += (static_cast<size_t>(bytes) + 7) / 8 * 8;
+    return at;
+  };
+  const size_t at_slots = place(T * 8);
+  const size_t at_ids = place(T * 4);
+  const size_t at_positions = place(T * 4);
+  const size_t at_query_start = place((S + 1) * 4);
+  const size_t at_context_lens = place(S * 4);
+  const size_t at_block_tables = place(table_entries * 4);
+  const size_t at_logits_rows = place(R * 4);
+  if (static_cast<int64_t>(input_bytes) > s.inputs_capacity) {
+    if (!s.Alloc(&s.inputs, static_cast<int64_t>(input_bytes))) {
+      return Status::ResourceExhausted("forward: out of memory for the step's inputs");
+    }
+    s.inputs_capacity = static_cast<int64_t>(input_bytes);
   }
+  s.staged_inputs.resize(input_bytes);
+  auto stage = [&](size_t at, const void* src, size_t bytes) {
+    if (bytes > 0) std::memcpy(s.staged_inputs.data() + at, src, bytes);
+  };
+  stage(at_slots, batch.slots, T * 8);
+  stage(at_ids, batch.token_ids, T * 4);
+  stage(at_positions, batch.positions, T * 4);
+  stage(at_query_start, batch.attention.query_start, (S + 1) * 4);
+  stage(at_context_lens, batch.attention.context_lens, S * 4);
+  stage(at_block_tables, batch.attention.block_tables, table_entries * 4);
+  stage(at_logits_rows, batch.logits_rows, R * 4);
   kernels::Backend& b = *backend_;
-  b.Upload(s.ids, batch.token_ids, T * 4);
-  b.Upload(s.positions, batch.positions, T * 4);
-  b.Upload(s.slots, batch.slots, T * 8);
-  b.Upload(s.query_start, batch.attention.query_start, (S + 1) * 4);
-  b.Upload(s.context_lens, batch.attention.context_lens, S * 4);
-  b.Upload(s.block_tables, batch.attention.block_tables, table_entries * 4);
-  b.Upload(s.logits_rows, batch.logits_rows, R * 4);
+  b.Upload(s.inputs, s.staged_inputs.data(), input_bytes);
+  auto* const slots = reinterpret_cast<const int64_t*>(s.inputs + at_slots);
+  auto* const ids = reinterpret_cast<const int32_t*>(s.inputs + at_ids);
+  auto* const positions = reinterpret_cast<const int32_t*>(s.inputs + at_positions);
+  auto* const logits_rows = reinterpret_cast<const int32_t*>(s.inputs + at_logits_rows);
   kernels::AttentionBatch att = batch.attention;
-  att.query_start = s.query_start;
-  att.context_lens = s.context_lens;
-  att.block_tables = s.block_tables;
+  att.query_start = reinterpret_cast<const int32_t*>(s.inputs + at_query_start);
+  att.context_lens = reinterpret_cast<const int32_t*>(s.inputs + at_context_lens);
+  att.block_tables = reinterpret_cast<const int32_t*>(s.inputs + at_block_tables);
   att.num_tokens = T;
 
   const float eps = static_cast<float>(c.rms_norm_eps);
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
-  b.Embedding(embedding_, s.ids, T, H, s.x);
+  b.Embedding(embedding_, ids, T, H, s.x);
   b.RmsNorm(s.x, layers_[0].input_norm, s.h, T, H, eps);
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const Layer& L = layers_[l];
@@ -346,9 +363,9 @@ Status Model::Forward(const ForwardBatch& batch, const kernels::KvCacheLayout& l
     b.Linear(s.h, T, L.q, L.q_bias, s.q);
     b.Linear(s.h, T, L.k, L.k_bias, s.k);
     b.Linear(s.h, T, L.v, L.v_bias, s.v);
-    b.Rope(s.q, s.positions, T, nh, hd, inv_freq_);
-    b.Rope(s.k, s.positions, T, kvh, hd, inv_freq_);
-    b.WriteKv(layout, kv_pool, l, s.k, s.v, s.slots, T);
+    b.Rope(s.q, positions, T, nh, hd, inv_freq_);
+    b.Rope(s.k, positions, T, kvh, hd, inv_freq_);
+    b.WriteKv(layout, kv_pool, l, s.k, s.v, slots, T);
     b.PagedAttention(layout, kv_pool, l, s.q, nh, att, scale, s.attn);
     b.Linear(s.attn, T, L.o, nullptr, s.h);
     b.AddRmsNorm(s.x, s.h, L.post_norm, s.h, T, H, eps);
@@ -363,7 +380,7 @@ Status Model::Forward(const ForwardBatch& batch, const kernels::KvCacheLayout& l
     }
   }
   if (R > 0) {
-    b.GatherRows(s.x, s.logits_rows, R, H, s.gathered);
+    b.GatherRows(s.x, logits_rows, R, H, s.gathered);
     b.RmsNorm(s.gathered, final_norm_, s.gathered, R, H, eps);
     b.Linear(s.gathered, R, lm_head_, nullptr, s.logits);
     b.Download(logits, s.logits, R * c.vocab_size * 4);
