@@ -340,8 +340,20 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
   fb.num_logits = static_cast<int64_t>(logits_rows.size());
   fb.logits_rows = logits_rows.data();
   const int64_t vocab = model_->config().vocab_size;
-  logits_.resize(static_cast<size_t>(std::max<int64_t>(fb.num_logits, 1) * vocab));
-  PDSERVE_RETURN_IF_ERROR(model_->Forward(fb, pool_->layout(), pool_->base(), logits_.data()));
+  // Greedy rows without logprobs need only their argmax: when every row of
+  // the step is one, the logits stay on the backend and token ids come back.
+  const bool greedy_step = std::all_of(
+      sampled_seqs.begin(), sampled_seqs.end(),
+      [](const Sequence* s) { return s->params.temperature == 0 && !s->params.logprobs; });
+  std::vector<int32_t> greedy_tokens;
+  if (greedy_step) {
+    greedy_tokens.resize(sampled_seqs.size());
+    PDSERVE_RETURN_IF_ERROR(
+        model_->ForwardGreedy(fb, pool_->layout(), pool_->base(), greedy_tokens.data()));
+  } else {
+    logits_.resize(static_cast<size_t>(std::max<int64_t>(fb.num_logits, 1) * vocab));
+    PDSERVE_RETURN_IF_ERROR(model_->Forward(fb, pool_->layout(), pool_->base(), logits_.data()));
+  }
 
   // 4. Bookkeeping: computed tokens, prefix-cache commits, sampling.
   for (const auto& sc : sched) {
@@ -356,9 +368,13 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
   std::vector<RequestId> done;
   for (size_t r = 0; r < sampled_seqs.size(); ++r) {
     Sequence* s = sampled_seqs[r];
-    const std::span<const float> row(logits_.data() + r * vocab, static_cast<size_t>(vocab));
-    const SampledToken sampled =
-        SampleToken(row, s->params, s->seed, static_cast<uint64_t>(s->num_output()));
+    SampledToken sampled;
+    if (greedy_step) {
+      sampled.token = greedy_tokens[r];  // what SampleToken gives at temperature 0
+    } else {
+      const std::span<const float> row(logits_.data() + r * vocab, static_cast<size_t>(vocab));
+      sampled = SampleToken(row, s->params, s->seed, static_cast<uint64_t>(s->num_output()));
+    }
     RequestOutput out;
     out.id = s->id;
     ProcessToken(s, sampled, &out);

@@ -27,6 +27,7 @@ struct Model::Scratch {
   std::vector<uint8_t> staged_inputs;
   uint8_t* inputs = nullptr;
   float *gathered = nullptr, *logits = nullptr;
+  int32_t* argmax = nullptr;
 
   ~Scratch() { ReleaseAll(); }
   void ReleaseAll() {
@@ -270,6 +271,26 @@ Status Model::LoadWeights(const WeightFiles& files) {
 
 Status Model::Forward(const ForwardBatch& batch, const kernels::KvCacheLayout& layout,
                       void* kv_pool, float* logits) {
+  PDSERVE_RETURN_IF_ERROR(ComputeLogits(batch, layout, kv_pool));
+  if (batch.num_logits > 0) {
+    backend_->Download(logits, scratch_->logits, batch.num_logits * config_.vocab_size * 4);
+  }
+  return Status::Ok();
+}
+
+Status Model::ForwardGreedy(const ForwardBatch& batch, const kernels::KvCacheLayout& layout,
+                            void* kv_pool, int32_t* tokens) {
+  PDSERVE_RETURN_IF_ERROR(ComputeLogits(batch, layout, kv_pool));
+  if (batch.num_logits > 0) {
+    Scratch& s = *scratch_;
+    backend_->ArgMaxRows(s.logits, batch.num_logits, config_.vocab_size, s.argmax);
+    backend_->Download(tokens, s.argmax, batch.num_logits * 4);
+  }
+  return Status::Ok();
+}
+
+Status Model::ComputeLogits(const ForwardBatch& batch, const kernels::KvCacheLayout& layout,
+                            void* kv_pool) {
   const auto& c = config_;
   const int64_t T = batch.num_tokens, R = batch.num_logits;
   const int64_t S = batch.attention.num_seqs;
@@ -303,7 +324,8 @@ Status Model::Forward(const ForwardBatch& batch, const kernels::KvCacheLayout& l
     s.token_capacity = T;
   }
   if (R > s.logits_capacity) {
-    if (!(s.Alloc(&s.gathered, R * H) && s.Alloc(&s.logits, R * c.vocab_size))) {
+    if (!(s.Alloc(&s.gathered, R * H) && s.Alloc(&s.logits, R * c.vocab_size) &&
+          s.Alloc(&s.argmax, R))) {
       return Status::ResourceExhausted("forward: out of memory for logits");
     }
     s.logits_capacity = R;
@@ -383,7 +405,6 @@ Status Model::Forward(const ForwardBatch& batch, const kernels::KvCacheLayout& l
     b.GatherRows(s.x, logits_rows, R, H, s.gathered);
     b.RmsNorm(s.gathered, final_norm_, s.gathered, R, H, eps);
     b.Linear(s.gathered, R, lm_head_, nullptr, s.logits);
-    b.Download(logits, s.logits, R * c.vocab_size * 4);
   }
   return Status::Ok();
 }

@@ -75,6 +75,11 @@ class Model {
   // [num_logits, vocab_size] into host memory `logits`.
   Status Forward(const ForwardBatch& batch, const kernels::KvCacheLayout& layout, void* kv_pool,
                  float* logits);
+  // The same step for rows that are all sampled greedily: only each row's
+  // argmax token (lowest id on ties, NaN as -inf, as SampleToken) leaves the
+  // backend, into host memory `tokens` [num_logits].
+  Status ForwardGreedy(const ForwardBatch& batch, const kernels::KvCacheLayout& layout,
+                       void* kv_pool, int32_t* tokens);
 
  private:
   struct Layer {
@@ -90,6 +95,9 @@ class Model {
 
   Model() = default;
   Status LoadWeights(const WeightFiles& files);
+  // The forward pass up to the logits, left in the scratch buffer.
+  Status ComputeLogits(const ForwardBatch& batch, const kernels::KvCacheLayout& layout,
+                       void* kv_pool);
   StatusOr<const TensorView*> Tensor(const WeightFiles& files, const std::string& name,
                                      std::vector<int64_t> shape);
   StatusOr<kernels::WeightMatrix> Matrix(const WeightFiles& files, const std::string& name,

@@ -153,6 +153,10 @@ class Backend {
   // Copies rows[i] of x ([*, dim]) to out row i.
   virtual void GatherRows(const float* x, const int32_t* rows, int64_t count, int64_t dim,
                           float* out) = 0;
+  // out[r] = the column of row r's largest value (x is [rows, n]): greedy
+  // sampling on the backend, so that only token ids leave it. The lowest
+  // column wins ties, NaN counts as -inf, and a row of -inf gives 0.
+  virtual void ArgMaxRows(const float* x, int64_t rows, int64_t n, int32_t* out) = 0;
 
   // Stores k and v ([tokens][num_kv_heads][head_dim]) of `layer` into the
   // pool at slots[t] = block_id * block_size + offset. Tokens of one block

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "kernels/cpu/float_convert.h"
@@ -251,6 +252,21 @@ void CpuBackend::Embedding(const float* table, const int32_t* ids, int64_t token
 void CpuBackend::GatherRows(const float* x, const int32_t* rows, int64_t count, int64_t dim,
                             float* out) {
   for (int64_t i = 0; i < count; ++i) std::memcpy(out + i * dim, x + rows[i] * dim, dim * 4);
+}
+
+void CpuBackend::ArgMaxRows(const float* x, int64_t rows, int64_t n, int32_t* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = x + r * n;
+    int64_t best = 0;
+    float best_value = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < n; ++i) {
+      if (row[i] > best_value) {  // false for NaN: it never wins, as if it were -inf
+        best_value = row[i];
+        best = i;
+      }
+    }
+    out[r] = static_cast<int32_t>(best);
+  }
 }
 
 void CpuBackend::WriteKv(const KvCacheLayout& layout, void* pool, int64_t layer, const float* k,

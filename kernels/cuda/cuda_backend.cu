@@ -159,6 +159,56 @@ __global__ void AddKernel(float* x, const float* y, int64_t n) {
   if (i < n) x[i] += y[i];
 }
 
+// One block per row. Each thread keeps its best (value, column) with NaN as
+// -inf; the block then reduces pairs, the larger value and on a tie the
+// lower column winning, so the result is the CPU's whatever the schedule.
+constexpr int kArgMaxThreads = 1024;
+__device__ inline bool ArgMaxBetter(float v, int64_t i, float best_v, int64_t best_i) {
+  return v > best_v || (v == best_v && i < best_i);
+}
+__global__ void ArgMaxRowsKernel(const float* x, int64_t n, int32_t* out) {
+  const float* row = x + static_cast<int64_t>(blockIdx.x) * n;
+  float best_v = -INFINITY;
+  int64_t best_i = n;  // no column yet: loses every tie against a real one
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const float v = isnan(row[i]) ? -INFINITY : row[i];
+    if (ArgMaxBetter(v, i, best_v, best_i)) {
+      best_v = v;
+      best_i = i;
+    }
+  }
+  for (int offset = 16; offset > 0; offset /= 2) {
+    const float v = __shfl_xor_sync(0xffffffffu, best_v, offset);
+    const int64_t i = __shfl_xor_sync(0xffffffffu, best_i, offset);
+    if (ArgMaxBetter(v, i, best_v, best_i)) {
+      best_v = v;
+      best_i = i;
+    }
+  }
+  __shared__ float warp_v[kArgMaxThreads / 32];
+  __shared__ int64_t warp_i[kArgMaxThreads / 32];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) {
+    warp_v[warp] = best_v;
+    warp_i[warp] = best_i;
+  }
+  __syncthreads();
+  if (warp != 0) return;
+  const int warps = blockDim.x / 32;
+  best_v = lane < warps ? warp_v[lane] : -INFINITY;
+  best_i = lane < warps ? warp_i[lane] : n;
+  for (int offset = 16; offset > 0; offset /= 2) {
+    const float v = __shfl_xor_sync(0xffffffffu, best_v, offset);
+    const int64_t i = __shfl_xor_sync(0xffffffffu, best_i, offset);
+    if (ArgMaxBetter(v, i, best_v, best_i)) {
+      best_v = v;
+      best_i = i;
+    }
+  }
+  // best_i is n only for an empty row.
+  if (lane == 0) out[blockIdx.x] = static_cast<int32_t>(best_i < n ? best_i : 0);
+}
+
 __global__ void GatherKernel(const float* table, const int32_t* ids, int64_t count, int64_t dim,
                              float* out) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
@@ -653,6 +703,12 @@ void CudaBackend::GatherRows(const float* x, const int32_t* rows, int64_t count,
   if (count * dim == 0) return;
   GatherKernel<<<Blocks(count * dim), kThreads, 0, state_->stream>>>(x, rows, count, dim, out);
   Check(cudaGetLastError(), "GatherRows");
+}
+
+void CudaBackend::ArgMaxRows(const float* x, int64_t rows, int64_t n, int32_t* out) {
+  if (rows == 0) return;
+  ArgMaxRowsKernel<<<static_cast<unsigned>(rows), kArgMaxThreads, 0, state_->stream>>>(x, n, out);
+  Check(cudaGetLastError(), "ArgMaxRows");
 }
 
 void CudaBackend::WriteKv(const KvCacheLayout& layout, void* pool, int64_t layer, const float* k,

@@ -54,6 +54,7 @@ class CudaBackend final : public Backend {
                  float* out) override;
   void GatherRows(const float* x, const int32_t* rows, int64_t count, int64_t dim,
                   float* out) override;
+  void ArgMaxRows(const float* x, int64_t rows, int64_t n, int32_t* out) override;
   void WriteKv(const KvCacheLayout& layout, void* pool, int64_t layer, const float* k,
                const float* v, const int64_t* slots, int64_t tokens) override;
   void PagedAttention(const KvCacheLayout& layout, const void* pool, int64_t layer, const float* q,

@@ -164,6 +164,25 @@ TEST_F(CudaBackendTest, ElementwiseOpsAndLinearMatchTheCpu) {
     ExpectClose(FromDevice(da, 1001), want, "Add");
   }
   {
+    // Greedy sampling on the device: a Llama-3 sized vocabulary, ties, NaN
+    // and a row of -inf, against the CPU's column for every row.
+    const int64_t rows = 6, n = 128256;
+    auto logits = Random(rows * n, -30.f, 30.f);
+    logits[1 * n + 77] = logits[1 * n + 128000] = 100.f;  // tie: 77 wins
+    logits[2 * n + 0] = NAN;
+    logits[2 * n + 5] = NAN;
+    std::fill_n(logits.begin() + 3 * n, n, -INFINITY);
+    logits[4 * n + n - 1] = 1e30f;  // the last column
+    std::vector<int32_t> want(rows);
+    cpu_.ArgMaxRows(logits.data(), rows, n, want.data());
+    int32_t* got = ToDevice(std::vector<int32_t>(rows, -1));  // poisoned
+    gpu_->ArgMaxRows(ToDevice(logits), rows, n, got);
+    EXPECT_EQ(FromDevice(got, rows), want);
+    EXPECT_EQ(want[1], 77);
+    EXPECT_EQ(want[3], 0);
+    EXPECT_EQ(want[4], n - 1);
+  }
+  {
     const int64_t vocab = 50, dim = 96;
     auto table = Random(vocab * dim);
     std::vector<int32_t> ids = {3, 49, 0, 3, 17};

@@ -1,12 +1,17 @@
-// CPU backend ops that the forward pass fuses: the fused op must give the
-// very bits of the unfused sequence it replaces (the engine's reference
-// tests compare whole forward passes; this pins the op itself).
+// CPU backend ops that replace a longer host-side sequence must give its
+// very results: the fused residual + norm those of Add then RmsNorm, the
+// backend argmax the sampler's greedy token (the engine's reference tests
+// compare whole forward passes; these pin the ops themselves).
 #include "kernels/cpu/cpu_backend.h"
 
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <limits>
 #include <random>
 #include <vector>
+
+#include "engine/sampler.h"
 
 namespace pdserve::kernels {
 namespace {
@@ -40,6 +45,40 @@ TEST(CpuBackendTest, AddRmsNormIsAddThenRmsNorm) {
     EXPECT_EQ(alias_x, want_x) << rows << " rows";
     EXPECT_EQ(alias_y, want) << rows << " rows";
   }
+}
+
+TEST(CpuBackendTest, ArgMaxRowsIsTheSamplersGreedyToken) {
+  std::mt19937 rng(std::random_device{}());
+  CpuBackend cpu(1);
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::nanf("");
+  const int64_t n = 1000;
+  std::vector<std::vector<float>> rows;
+  for (int i = 0; i < 20; ++i) rows.push_back(Random(rng, n));
+  // Ties (lowest column wins), NaN (never wins), -inf everywhere, NaN first.
+  rows.push_back(std::vector<float>(n, 1.5f));
+  rows.push_back(Random(rng, n));
+  rows.back()[3] = rows.back()[900] = 7.f;
+  rows.push_back(Random(rng, n));
+  rows.back()[0] = nan;
+  rows.back()[500] = nan;
+  rows.push_back(std::vector<float>(n, -inf));
+  rows.push_back(std::vector<float>(n, -inf));
+  rows.back()[0] = nan;
+  rows.back()[n - 1] = -1e30f;
+  std::vector<float> flat;
+  for (const auto& r : rows) flat.insert(flat.end(), r.begin(), r.end());
+  std::vector<int32_t> got(rows.size(), -1);
+  cpu.ArgMaxRows(flat.data(), static_cast<int64_t>(rows.size()), n, got.data());
+  SamplingParams greedy;
+  greedy.temperature = 0;
+  for (size_t r = 0; r < rows.size(); ++r) {
+    EXPECT_EQ(got[r], SampleToken(rows[r], greedy, /*seed=*/1, /*position=*/0).token)
+        << "row " << r;
+  }
+  EXPECT_EQ(got[20], 0);
+  EXPECT_EQ(got[21], 3);
+  EXPECT_EQ(got[23], 0);
+  EXPECT_EQ(got[24], n - 1);
 }
 
 }  // namespace
