@@ -579,8 +579,16 @@ std::unique_ptr<CudaBackend> CudaBackend::Create(int device) {
 
 CudaBackend::CudaBackend(std::unique_ptr<State> state) : state_(std::move(state)) {}
 
+void CudaBackend::MakeCurrent() const {
+  // Allocations and launches go to the calling thread's current device, and
+  // a stream launches only on its own device: with cuda:N, N > 0, any thread
+  // (or a thread another backend switched) must first switch to ours.
+  Check(cudaSetDevice(state_->device), "cudaSetDevice");
+}
+
 CudaBackend::~CudaBackend() {
   if (!state_) return;
+  MakeCurrent();
   cudaStreamSynchronize(state_->stream);
   state_->bf16_activations.Release();
   state_->attention_partials.Release();
@@ -590,6 +598,7 @@ CudaBackend::~CudaBackend() {
 }
 
 void* CudaBackend::Allocate(size_t bytes) {
+  MakeCurrent();
   void* p = nullptr;
   if (cudaMalloc(&p, bytes == 0 ? 1 : bytes) != cudaSuccess) {
     cudaGetLastError();
@@ -599,11 +608,13 @@ void* CudaBackend::Allocate(size_t bytes) {
 }
 
 void CudaBackend::Free(void* ptr) {
+  MakeCurrent();
   Synchronize();  // a queued op may still use it
   Check(cudaFree(ptr), "cudaFree");
 }
 
 void CudaBackend::Upload(void* dst, const void* host_src, size_t bytes) {
+  MakeCurrent();
   if (bytes == 0) return;
   Check(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, state_->stream), "upload");
   // The host buffer may be reused as soon as we return.
@@ -611,17 +622,20 @@ void CudaBackend::Upload(void* dst, const void* host_src, size_t bytes) {
 }
 
 void CudaBackend::Download(void* host_dst, const void* src, size_t bytes) {
+  MakeCurrent();
   if (bytes == 0) return;
   Check(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, state_->stream), "download");
   Synchronize();
 }
 
 void CudaBackend::Synchronize() {
+  MakeCurrent();
   Check(cudaStreamSynchronize(state_->stream), "cudaStreamSynchronize");
 }
 
 void CudaBackend::Linear(const float* x, int64_t m, const WeightMatrix& w, const float* bias,
                          float* y) {
+  MakeCurrent();
   if (m == 0) return;
   // Row-major y[m, rows] = x[m, cols] W^T is column-major y^T = W x^T, with
   // W read as the column-major [cols, rows] matrix transposed.
@@ -656,6 +670,7 @@ void CudaBackend::Linear(const float* x, int64_t m, const WeightMatrix& w, const
 
 void CudaBackend::RmsNorm(const float* x, const float* weight, float* out, int64_t rows,
                           int64_t dim, float eps) {
+  MakeCurrent();
   if (rows == 0) return;
   Check(cuda::RmsNormF32(x, weight, out, static_cast<int>(rows), static_cast<int>(dim), eps,
                          state_->stream),
@@ -664,6 +679,7 @@ void CudaBackend::RmsNorm(const float* x, const float* weight, float* out, int64
 
 void CudaBackend::Rope(float* x, const int32_t* positions, int64_t tokens, int64_t heads,
                        int64_t head_dim, const float* inv_freq) {
+  MakeCurrent();
   const int64_t n = tokens * heads * (head_dim / 2);
   if (n == 0) return;
   RopeKernel<<<Blocks(n), kThreads, 0, state_->stream>>>(x, positions, tokens, heads, head_dim,
@@ -673,6 +689,7 @@ void CudaBackend::Rope(float* x, const int32_t* positions, int64_t tokens, int64
 
 void CudaBackend::SwiGlu(const float* gate, const float* up, int64_t in_stride, float* out,
                          int64_t rows, int64_t n) {
+  MakeCurrent();
   if (rows * n == 0) return;
   SwiGluKernel<<<Blocks(rows * n), kThreads, 0, state_->stream>>>(gate, up, in_stride, out, rows,
                                                                   n);
@@ -680,6 +697,7 @@ void CudaBackend::SwiGlu(const float* gate, const float* up, int64_t in_stride, 
 }
 
 void CudaBackend::Add(float* x, const float* y, int64_t n) {
+  MakeCurrent();
   if (n == 0) return;
   AddKernel<<<Blocks(n), kThreads, 0, state_->stream>>>(x, y, n);
   Check(cudaGetLastError(), "Add");
@@ -687,6 +705,7 @@ void CudaBackend::Add(float* x, const float* y, int64_t n) {
 
 void CudaBackend::AddRmsNorm(float* x, const float* y, const float* weight, float* out,
                              int64_t rows, int64_t dim, float eps) {
+  MakeCurrent();
   if (rows == 0) return;
   Check(cuda::AddRmsNormF32(x, y, weight, out, static_cast<int>(rows), static_cast<int>(dim), eps,
                             state_->stream),
@@ -695,17 +714,20 @@ void CudaBackend::AddRmsNorm(float* x, const float* y, const float* weight, floa
 
 void CudaBackend::Embedding(const float* table, const int32_t* ids, int64_t tokens, int64_t dim,
                             float* out) {
+  MakeCurrent();
   GatherRows(table, ids, tokens, dim, out);
 }
 
 void CudaBackend::GatherRows(const float* x, const int32_t* rows, int64_t count, int64_t dim,
                              float* out) {
+  MakeCurrent();
   if (count * dim == 0) return;
   GatherKernel<<<Blocks(count * dim), kThreads, 0, state_->stream>>>(x, rows, count, dim, out);
   Check(cudaGetLastError(), "GatherRows");
 }
 
 void CudaBackend::ArgMaxRows(const float* x, int64_t rows, int64_t n, int32_t* out) {
+  MakeCurrent();
   if (rows == 0) return;
   ArgMaxRowsKernel<<<static_cast<unsigned>(rows), kArgMaxThreads, 0, state_->stream>>>(x, n, out);
   Check(cudaGetLastError(), "ArgMaxRows");
@@ -713,6 +735,7 @@ void CudaBackend::ArgMaxRows(const float* x, int64_t rows, int64_t n, int32_t* o
 
 void CudaBackend::WriteKv(const KvCacheLayout& layout, void* pool, int64_t layer, const float* k,
                           const float* v, const int64_t* slots, int64_t tokens) {
+  MakeCurrent();
   if (tokens == 0) return;
   auto* base = static_cast<uint8_t*>(pool);
   const DeviceLayout dl(layout);
@@ -730,6 +753,7 @@ void CudaBackend::WriteKv(const KvCacheLayout& layout, void* pool, int64_t layer
 void CudaBackend::PagedAttention(const KvCacheLayout& layout, const void* pool, int64_t layer,
                                  const float* q, int64_t num_heads, const AttentionBatch& batch,
                                  float scale, float* out) {
+  MakeCurrent();
   if (layout.head_dim > 32 * kMaxHeadDimPerLane) {
     std::fprintf(stderr, "pdserve cuda backend: head_dim %lld over %d\n",
                  static_cast<long long>(layout.head_dim), 32 * kMaxHeadDimPerLane);
@@ -738,10 +762,12 @@ void CudaBackend::PagedAttention(const KvCacheLayout& layout, const void* pool, 
   if (batch.num_seqs == 0) return;
   const int64_t tasks = batch.num_tokens * num_heads;
   if (tasks == 0) return;
-  // Split-K for rows with long contexts and few rows (decode steps): the
-  // partials take rows x heads x splits x (head_dim + 2) floats, so a long
-  // prefill chunk, which has parallelism enough in its rows, stays on the
-  // one-warp-per-row kernel.
+  // Split-K whenever the widest row of the batch has more than one split of
+  // keys (rows with shorter contexts leave their later splits empty, which
+  // the merge skips), unless the partials, rows x heads x splits x
+  // (head_dim + 2) floats, would pass 256 MB: a long prefill chunk, which
+  // has parallelism enough in its rows, then stays on the one-warp-per-row
+  // kernel.
   const int64_t max_keys = batch.max_blocks_per_seq * layout.block_size;
   const int splits = static_cast<int>((max_keys + kSplitKeys - 1) / kSplitKeys);
   const int64_t group = layout.num_kv_heads > 0 ? num_heads / layout.num_kv_heads : 0;

@@ -68,6 +68,7 @@ class CudaBackend final : public Backend {
 
  private:
   explicit CudaBackend(std::unique_ptr<State> state);
+  void MakeCurrent() const;  // this backend's device, for the calling thread
   std::unique_ptr<State> state_;
 };
 

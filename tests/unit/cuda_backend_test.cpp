@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "kernels/cpu/cpu_backend.h"
@@ -120,6 +121,9 @@ TEST_F(CudaBackendTest, ElementwiseOpsAndLinearMatchTheCpu) {
     float* out = Poisoned(r * dim);
     gpu_->RmsNorm(ToDevice(in), ToDevice(weight), out, r, dim, 1e-6f);
     ExpectClose(FromDevice(out, r * dim), want, "RmsNorm");
+    float* in_place = ToDevice(in);  // out aliasing x, as the engine's final norm
+    gpu_->RmsNorm(in_place, ToDevice(weight), in_place, r, dim, 1e-6f);
+    ExpectClose(FromDevice(in_place, r * dim), want, "RmsNorm in place");
   }
   {
     // Fused residual + norm, out aliasing the residual as the engine calls it.
@@ -285,46 +289,57 @@ TEST_P(CudaKvTest, PagedAttentionMatchesTheCpu) {
 
 // Long contexts take the split-K path (keys cut into splits of 512, merged
 // afterwards): a 4100-key decode row (9 splits, the last one partial), a
-// 3-row chunk over 1000 keys (its later splits empty) and a 1-key row, with
-// 4 query heads per KV head and head_dim 128, against the CPU.
+// 3-row chunk over 1000 keys (its later splits empty) and a 1-key row,
+// against the CPU. The shapes cover every head_dim instantiation of the
+// split kernel (32, 64, 128, 256), GQA groups from 1 to the split path's
+// largest (8), and a group of 10, which takes the one-warp-per-row kernel.
 TEST_P(CudaKvTest, LongContextPagedAttentionMatchesTheCpu) {
-  const KvCacheLayout l = Layout(/*num_layers=*/1, /*head_dim=*/128, /*num_blocks=*/330);
-  const int64_t num_heads = 8, hd = l.head_dim, width = l.num_kv_heads * hd;
-  const std::vector<int32_t> context_lens = {4100, 1000, 1};
-  const std::vector<int32_t> query_start = {0, 1, 4, 5};
-  const int64_t rows = 5, max_blocks = (4100 + 15) / 16;
-  // Every sequence gets its own scattered blocks.
-  std::vector<int32_t> free_blocks(l.num_blocks);
-  for (int32_t b = 0; b < l.num_blocks; ++b) free_blocks[b] = b;
-  std::shuffle(free_blocks.begin(), free_blocks.end(), rng_);
-  std::vector<int32_t> tables(context_lens.size() * max_blocks, 0);
-  std::vector<uint8_t> pool(l.total_bytes(), 0);
-  size_t next = 0;
-  for (size_t seq = 0; seq < context_lens.size(); ++seq) {
-    const int64_t n = context_lens[seq];
-    for (int64_t b = 0; b < (n + 15) / 16; ++b) tables[seq * max_blocks + b] = free_blocks[next++];
-    auto k = Random(n * width), v = Random(n * width);
-    std::vector<int64_t> slots(n);
-    for (int64_t pos = 0; pos < n; ++pos) {
-      slots[pos] = static_cast<int64_t>(tables[seq * max_blocks + pos / 16]) * 16 + pos % 16;
+  struct Shape {
+    int64_t head_dim, num_heads;  // 2 KV heads
+  };
+  for (const Shape shape :
+       {Shape{128, 8}, Shape{64, 16}, Shape{256, 2}, Shape{32, 4}, Shape{128, 20}}) {
+    SCOPED_TRACE("head_dim " + std::to_string(shape.head_dim) + ", " +
+                 std::to_string(shape.num_heads) + " query heads");
+    const KvCacheLayout l = Layout(/*num_layers=*/1, shape.head_dim, /*num_blocks=*/330);
+    const int64_t num_heads = shape.num_heads, hd = l.head_dim, width = l.num_kv_heads * hd;
+    const std::vector<int32_t> context_lens = {4100, 1000, 1};
+    const std::vector<int32_t> query_start = {0, 1, 4, 5};
+    const int64_t rows = 5, max_blocks = (4100 + 15) / 16;
+    // Every sequence gets its own scattered blocks.
+    std::vector<int32_t> free_blocks(l.num_blocks);
+    for (int32_t b = 0; b < l.num_blocks; ++b) free_blocks[b] = b;
+    std::shuffle(free_blocks.begin(), free_blocks.end(), rng_);
+    std::vector<int32_t> tables(context_lens.size() * max_blocks, 0);
+    std::vector<uint8_t> pool(l.total_bytes(), 0);
+    size_t next = 0;
+    for (size_t seq = 0; seq < context_lens.size(); ++seq) {
+      const int64_t n = context_lens[seq];
+      for (int64_t b = 0; b < (n + 15) / 16; ++b)
+        tables[seq * max_blocks + b] = free_blocks[next++];
+      auto k = Random(n * width), v = Random(n * width);
+      std::vector<int64_t> slots(n);
+      for (int64_t pos = 0; pos < n; ++pos) {
+        slots[pos] = static_cast<int64_t>(tables[seq * max_blocks + pos / 16]) * 16 + pos % 16;
+      }
+      cpu_.WriteKv(l, pool.data(), 0, k.data(), v.data(), slots.data(), n);
     }
-    cpu_.WriteKv(l, pool.data(), 0, k.data(), v.data(), slots.data(), n);
-  }
-  auto q = Random(rows * num_heads * hd);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  AttentionBatch cpu_batch{3,   query_start.data(), context_lens.data(), tables.data(), max_blocks,
-                           rows};
-  std::vector<float> want(q.size());
-  cpu_.PagedAttention(l, pool.data(), 0, q.data(), num_heads, cpu_batch, scale, want.data());
+    auto q = Random(rows * num_heads * hd);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+    AttentionBatch cpu_batch{
+        3, query_start.data(), context_lens.data(), tables.data(), max_blocks, rows};
+    std::vector<float> want(q.size());
+    cpu_.PagedAttention(l, pool.data(), 0, q.data(), num_heads, cpu_batch, scale, want.data());
 
-  void* gpu_pool = gpu_->Allocate(pool.size());
-  allocations_.push_back(gpu_pool);
-  gpu_->Upload(gpu_pool, pool.data(), pool.size());
-  AttentionBatch gpu_batch{
-      3, ToDevice(query_start), ToDevice(context_lens), ToDevice(tables), max_blocks, rows};
-  float* out = Poisoned(q.size());
-  gpu_->PagedAttention(l, gpu_pool, 0, ToDevice(q), num_heads, gpu_batch, scale, out);
-  ExpectClose(FromDevice(out, q.size()), want, "long-context PagedAttention");
+    void* gpu_pool = gpu_->Allocate(pool.size());
+    allocations_.push_back(gpu_pool);
+    gpu_->Upload(gpu_pool, pool.data(), pool.size());
+    AttentionBatch gpu_batch{
+        3, ToDevice(query_start), ToDevice(context_lens), ToDevice(tables), max_blocks, rows};
+    float* out = Poisoned(q.size());
+    gpu_->PagedAttention(l, gpu_pool, 0, ToDevice(q), num_heads, gpu_batch, scale, out);
+    ExpectClose(FromDevice(out, q.size()), want, "long-context PagedAttention");
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(KvDtypes, CudaKvTest,

@@ -1,6 +1,7 @@
 // The whole engine on the CUDA backend (label: gpu): the tiny model's greedy
 // tokens on the device equal the CPU engine's with fp32 weights and KV, for
-// prompts around block boundaries and a batch of them at once; with bf16
+// prompts around block boundaries and past one split of keys, a batch of
+// them at once (greedy rows sample on the device); with bf16
 // weights (tensor-core products) the first token's log-probabilities stay
 // within 1e-2 relative of the CPU's on the same checkpoint.
 #include <gtest/gtest.h>
@@ -68,7 +69,9 @@ TEST(CudaEngineTest, GreedyTokensEqualTheCpuEngine) {
   auto cpu = kernels::CreateBackend("cpu", 2);
   ASSERT_TRUE(cpu.ok());
   std::vector<std::vector<TokenId>> prompts;
-  for (int n : {1, 15, 16, 17, 300}) prompts.push_back(Prompt(n, 100 + n));
+  // 600 + 40 tokens: more than 512 keys, so prefill and decode attention
+  // also take the split-K path.
+  for (int n : {1, 15, 16, 17, 300, 600}) prompts.push_back(Prompt(n, 100 + n));
   const auto want = RunGreedy(cpu->get(), prompts, 40);
   const auto got = RunGreedy(gpu->get(), prompts, 40);
   ASSERT_EQ(want.size(), prompts.size());
