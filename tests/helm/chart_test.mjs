@@ -5,11 +5,15 @@
 //
 // Run: node --test tests/helm/chart_test.mjs   (HELM=path/to/helm optional)
 import assert from 'node:assert/strict';
-import { execFileSync, spawnSync } from 'node:child_process';
+import { execFile, execFileSync, spawnSync } from 'node:child_process';
+import crypto from 'node:crypto';
 import fs from 'node:fs';
+import http from 'node:http';
 import { createRequire } from 'node:module';
+import os from 'node:os';
 import path from 'node:path';
 import { describe, test } from 'node:test';
+import { promisify } from 'node:util';
 import { fileURLToPath } from 'node:url';
 
 const root = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '../..');
@@ -66,13 +70,15 @@ class Rendered {
 
 const podSpec = (d) => d.spec.template.spec;
 const mainContainer = (d) => podSpec(d).containers[0];
-// "--name=value" args as a map; the first argument is the command.
+// "--name=value" args as a map, a bare boolean "--name" as true; the first
+// argument is the command.
 function flags(container) {
   const m = new Map();
   for (const a of container.args.slice(1)) {
-    const match = /^--([a-z-]+)=(.*)$/.exec(a);
-    assert.ok(match, `argument not in --flag=value form: ${a}`);
-    m.set(match[1], match[2]);
+    const match = /^--([a-z-]+)(?:=(.*))?$/.exec(a);
+    assert.ok(match, `argument not in --flag=value or --flag form: ${a}`);
+    assert.ok(!m.has(match[1]), `--${match[1]} given twice`);
+    m.set(match[1], match[2] === undefined ? true : match[2]);
   }
   return m;
 }
@@ -82,7 +88,36 @@ const portByName = (container, name) => {
   return p.containerPort;
 };
 const matches = (selector, labels) => Object.entries(selector).every(([k, v]) => labels[k] === v);
+// A Kubernetes label selector (matchLabels and In/NotIn/Exists matchExpressions).
+function selects(selector, labels) {
+  if (selector.matchLabels && !matches(selector.matchLabels, labels)) return false;
+  return (selector.matchExpressions || []).every((e) => {
+    switch (e.operator) {
+      case 'In': return e.values.includes(labels[e.key]);
+      case 'NotIn': return !e.values.includes(labels[e.key]);
+      case 'Exists': return e.key in labels;
+      default: throw new Error(`operator ${e.operator}`);
+    }
+  });
+}
+const podLabels = (d) => d.spec.template.metadata.labels;
 const envOf = (container) => Object.fromEntries((container.env || []).map((e) => [e.name, e]));
+
+// The Secret behind a file a Deployment's server reads: the read-only mount
+// holding the file, and the Secret volume item projected to it.
+function secretFile(d, file) {
+  const c = mainContainer(d);
+  const mount = (c.volumeMounts || []).find((m) => path.dirname(file) === m.mountPath);
+  assert.ok(mount, `${d.metadata.name}: no mount holds ${file}`);
+  assert.equal(mount.readOnly, true, `${d.metadata.name}: ${mount.mountPath} is writable`);
+  const volume = podSpec(d).volumes.find((v) => v.name === mount.name);
+  assert.ok(volume.secret, `${d.metadata.name}: ${mount.name} is not a Secret volume`);
+  const item = volume.secret.items.find((i) => i.path === path.basename(file));
+  assert.ok(item, `${d.metadata.name}: Secret volume ${mount.name} has no item ${path.basename(file)}`);
+  return { secretName: volume.secret.secretName, key: item.key, mode: volume.secret.defaultMode, volume: mount.name };
+}
+const components = ['router', 'prefill', 'decode'];
+const decodeBase64 = (s) => Buffer.from(s, 'base64').toString('utf8');
 
 // Every probe targets a named container port that exists, /health (or /ready
 // for router readiness), and ports agree with the container's flags.
@@ -237,9 +272,254 @@ describe('default values', () => {
   });
   test('optional objects are off', () => {
     for (const kind of ['ServiceMonitor', 'PodMonitor', 'PrometheusRule', 'ConfigMap', 'Ingress',
-      'HorizontalPodAutoscaler', 'PodDisruptionBudget', 'NetworkPolicy', 'Job', 'PersistentVolumeClaim']) {
+      'HorizontalPodAutoscaler', 'PodDisruptionBudget', 'Job', 'PersistentVolumeClaim', 'Certificate', 'Issuer']) {
       assert.ok(!r.has(kind), `${kind} rendered although not enabled`);
     }
+    for (const c of components) {
+      const f = flags(mainContainer(r.deployment(c)));
+      for (const flag of ['insecure-control-plane', 'control-tls-cert', 'metrics-key-file', 'salt-per-api-key']) {
+        assert.ok(!f.has(flag), `${c} has --${flag}`);
+      }
+    }
+  });
+  test('cluster secret: a generated Secret, mounted read-only in every Deployment as --cluster-secret-file', () => {
+    const secrets = r.all('Secret');
+    assert.equal(secrets.length, 1);
+    const secret = r.get('Secret', `${release}-pdserve-cluster-secret`);
+    assert.equal(secret.type, 'Opaque');
+    assert.deepEqual(Object.keys(secret.data), ['cluster-secret']);
+    assert.match(decodeBase64(secret.data['cluster-secret']), /^[A-Za-z0-9]{64}$/);
+    for (const c of components) {
+      const d = r.deployment(c);
+      const file = flags(mainContainer(d)).get('cluster-secret-file');
+      assert.ok(file, `${c} has no --cluster-secret-file`);
+      const src = secretFile(d, file);
+      assert.deepEqual([src.secretName, src.key], [secret.metadata.name, 'cluster-secret'], c);
+      assert.equal(src.mode, 0o440, `${c}: the secret is readable by the pod's group (fsGroup) only`);
+      // The pods roll exactly when the secret's value changes.
+      assert.equal(d.spec.template.metadata.annotations['checksum/cluster-secret'],
+        crypto.createHash('sha256').update(secret.data['cluster-secret']).digest('hex'), c);
+    }
+  });
+  test('NetworkPolicy on: control ports only from this release\'s workers, HTTP and metrics open', () => {
+    const routerPolicy = r.get('NetworkPolicy', `${release}-pdserve-router`);
+    const router = r.deployment('router');
+    assert.ok(matches(routerPolicy.spec.podSelector.matchLabels, podLabels(router)));
+    assert.deepEqual(routerPolicy.spec.policyTypes, ['Ingress']);
+    const rule = (policy, port) => policy.spec.ingress.find((i) => i.ports?.some((p) => p.port === port));
+    // Clients (and the Ingress controller) reach the HTTP port from anywhere;
+    // with router.metricsPort 0 Prometheus scrapes the router there too.
+    assert.equal(rule(routerPolicy, 'http').from, undefined);
+    const control = rule(routerPolicy, 'control');
+    for (const c of ['prefill', 'decode']) {
+      assert.ok(control.from.some((f) => selects(f.podSelector, podLabels(r.deployment(c)))), `${c} reaches the control port`);
+    }
+    const others = [podLabels(router), { ...podLabels(r.deployment('decode')), 'app.kubernetes.io/instance': 'other' },
+      { ...podLabels(r.deployment('decode')), 'app.kubernetes.io/component': 'model-download' }];
+    for (const labels of others) {
+      assert.ok(!control.from.some((f) => selects(f.podSelector, labels)), `${JSON.stringify(labels)} reaches the control port`);
+      assert.ok(!control.from.some((f) => f.namespaceSelector || f.ipBlock));
+    }
+    for (const i of routerPolicy.spec.ingress) for (const p of i.ports) portByName(mainContainer(router), p.port);
+
+    const workerPolicy = r.get('NetworkPolicy', `${release}-pdserve-workers`);
+    for (const c of components) {
+      assert.equal(selects(workerPolicy.spec.podSelector, podLabels(r.deployment(c))), c !== 'router', c);
+    }
+    // KV transfer: UCX picks its ports at run time, so workers accept each
+    // other on every port, and nobody else.
+    const anyPort = workerPolicy.spec.ingress.filter((i) => !i.ports);
+    assert.equal(anyPort.length, 1);
+    for (const c of components) {
+      assert.equal(anyPort[0].from.some((f) => selects(f.podSelector, podLabels(r.deployment(c)))), c !== 'router', c);
+    }
+    assert.equal(rule(workerPolicy, 'metrics').from, undefined, 'Prometheus scrapes the workers from anywhere');
+    for (const c of ['prefill', 'decode']) portByName(mainContainer(r.deployment(c)), 'metrics');
+  });
+});
+
+describe('cluster secret', () => {
+  test('two renders without a cluster draw different random secrets of 64 characters', () => {
+    const values = [render(), render()].map((x) => decodeBase64(x.get('Secret', `${release}-pdserve-cluster-secret`).data['cluster-secret']));
+    for (const v of values) assert.match(v, /^[A-Za-z0-9]{64}$/);
+    assert.notEqual(values[0], values[1]);
+  });
+  test('an upgrade keeps the value already in the cluster (lookup), and so the checksum', async () => {
+    const name = `${release}-pdserve-cluster-secret`;
+    const value = Buffer.from('k'.repeat(48)).toString('base64');
+    const api = await fakeApiServer({ [`/api/v1/namespaces/${namespace}/secrets/${name}`]: {
+      apiVersion: 'v1', kind: 'Secret', type: 'Opaque', data: { 'cluster-secret': value },
+      metadata: { name, namespace, labels: { 'app.kubernetes.io/managed-by': 'Helm' },
+        annotations: { 'meta.helm.sh/release-name': release, 'meta.helm.sh/release-namespace': namespace } } } });
+    try {
+      // The server must answer while helm runs: spawn asynchronously.
+      const { stdout } = await promisify(execFile)(helm, ['template', release, chart, '--namespace', namespace,
+        '--dry-run=server', '--disable-openapi-validation', '--kubeconfig', api.kubeconfig]);
+      const r = new Rendered(YAML.parseAllDocuments(stdout).map((d) => d.toJS()).filter(Boolean));
+      assert.equal(r.get('Secret', name).data['cluster-secret'], value);
+      const checksum = crypto.createHash('sha256').update(value).digest('hex');
+      for (const c of components) assert.equal(r.deployment(c).spec.template.metadata.annotations['checksum/cluster-secret'], checksum, c);
+    } finally {
+      api.close();
+    }
+  });
+  test('existingSecret: mounted with its key, no Secret created, no checksum', () => {
+    const r = render({ set: ['controlPlane.clusterSecret.existingSecret=my-secret', 'controlPlane.clusterSecret.key=token'] });
+    assert.ok(!r.has('Secret'));
+    for (const c of components) {
+      const d = r.deployment(c);
+      const src = secretFile(d, flags(mainContainer(d)).get('cluster-secret-file'));
+      assert.deepEqual([src.secretName, src.key], ['my-secret', 'token'], c);
+      assert.equal(d.spec.template.metadata.annotations, undefined, c);
+    }
+  });
+  test('insecure: --insecure-control-plane everywhere, no Secret, no mount', () => {
+    const r = render({ set: ['controlPlane.insecure=true'] });
+    assert.ok(!r.has('Secret'));
+    for (const c of components) {
+      const d = r.deployment(c);
+      const f = flags(mainContainer(d));
+      assert.equal(f.get('insecure-control-plane'), true, c);
+      assert.ok(!f.has('cluster-secret-file'), c);
+      assert.ok(!podSpec(d).volumes.some((v) => v.secret), c);
+      assert.equal(d.spec.template.metadata.annotations, undefined, c);
+    }
+    const res = runHelm(['install', release, chart, '--dry-run=client', '--set', 'controlPlane.insecure=true']);
+    assert.match(res.stdout.slice(res.stdout.indexOf('NOTES:')), /WARNING: controlPlane.insecure is set/);
+  });
+  test('pod annotations keep the user\'s next to the checksum', () => {
+    const r = render({ set: ['decode.podAnnotations.team=llm'] });
+    const a = r.deployment('decode').spec.template.metadata.annotations;
+    assert.equal(a.team, 'llm');
+    assert.match(a['checksum/cluster-secret'], /^[0-9a-f]{64}$/);
+  });
+  test('without an fsGroup the secret files are world-readable, or the server could not read them', () => {
+    const r = render({ set: ['podSecurityContext.fsGroup=null'] });
+    assert.equal(podSpec(r.deployment('router')).securityContext.fsGroup, undefined);
+    const d = r.deployment('router');
+    assert.equal(secretFile(d, flags(mainContainer(d)).get('cluster-secret-file')).mode, 0o444);
+  });
+});
+
+// Just enough of a Kubernetes API server for `helm template --dry-run=server`
+// to run the chart's lookups: discovery of the kinds the chart renders, the
+// given objects by path, 404 for everything else. Returns a kubeconfig path
+// and a close function.
+async function fakeApiServer(objects) {
+  const resources = {
+    '/api/v1': ['v1', [['secrets', 'Secret'], ['services', 'Service'], ['serviceaccounts', 'ServiceAccount']]],
+    '/apis/apps/v1': ['apps/v1', [['deployments', 'Deployment']]],
+    '/apis/networking.k8s.io/v1': ['networking.k8s.io/v1', [['networkpolicies', 'NetworkPolicy']]],
+  };
+  const server = http.createServer((req, res) => {
+    const reply = (code, body) => { res.writeHead(code, { 'Content-Type': 'application/json' }); res.end(JSON.stringify(body)); };
+    const url = req.url.split('?')[0];
+    if (url === '/version') return reply(200, { major: '1', minor: '30', gitVersion: 'v1.30.0' });
+    if (url === '/api') return reply(200, { kind: 'APIVersions', versions: ['v1'] });
+    if (url === '/apis') {
+      return reply(200, { kind: 'APIGroupList', apiVersion: 'v1', groups: ['apps', 'networking.k8s.io'].map((name) => {
+        const v = { groupVersion: `${name}/v1`, version: 'v1' };
+        return { name, versions: [v], preferredVersion: v };
+      }) });
+    }
+    if (resources[url]) {
+      const [groupVersion, list] = resources[url];
+      return reply(200, { kind: 'APIResourceList', groupVersion, resources: list.map(([name, kind]) => ({
+        name, singularName: kind.toLowerCase(), namespaced: true, kind, verbs: ['get', 'list', 'create'] })) });
+    }
+    if (objects[url]) return reply(200, objects[url]);
+    return reply(404, { kind: 'Status', apiVersion: 'v1', status: 'Failure', reason: 'NotFound', code: 404 });
+  });
+  await new Promise((resolve) => server.listen(0, '127.0.0.1', resolve));
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'pdserve-helm-'));
+  const kubeconfig = path.join(dir, 'kubeconfig');
+  fs.writeFileSync(kubeconfig, YAML.stringify({
+    apiVersion: 'v1', kind: 'Config', 'current-context': 'fake',
+    clusters: [{ name: 'fake', cluster: { server: `http://127.0.0.1:${server.address().port}` } }],
+    users: [{ name: 'fake', user: { token: 'fake' } }],
+    contexts: [{ name: 'fake', context: { cluster: 'fake', user: 'fake', namespace } }],
+  }));
+  return { kubeconfig, close: () => { server.close(); fs.rmSync(dir, { recursive: true }); } };
+}
+
+// The three TLS flags name files of one read-only Secret volume; returns its Secret.
+function tlsSecretOf(d) {
+  const f = flags(mainContainer(d));
+  const files = ['control-tls-cert', 'control-tls-key', 'control-tls-ca'].map((n) => f.get(n));
+  const src = files.map((file) => secretFile(d, file));
+  assert.deepEqual(src.map((x) => x.key), ['tls.crt', 'tls.key', 'ca.crt'], d.metadata.name);
+  assert.equal(new Set(src.map((x) => x.secretName)).size, 1);
+  return src[0].secretName;
+}
+
+describe('control-plane TLS', () => {
+  test('from an existing kubernetes.io/tls Secret, in every Deployment, next to the cluster secret', () => {
+    const r = render({ set: ['controlPlane.tls.enabled=true', 'controlPlane.tls.existingSecret=control-tls'] });
+    for (const c of components) {
+      assert.equal(tlsSecretOf(r.deployment(c)), 'control-tls', c);
+      assert.ok(flags(mainContainer(r.deployment(c))).has('cluster-secret-file'), c);
+    }
+    assert.ok(!r.has('Certificate') && !r.has('Issuer'));
+  });
+  test('from cert-manager with a CA of the release\'s own', () => {
+    const r = render({ set: ['controlPlane.tls.enabled=true', 'controlPlane.tls.certManager.enabled=true'] });
+    const issuers = Object.fromEntries(r.all('Issuer').map((i) => [i.metadata.name, i.spec]));
+    const ca = r.get('Certificate', `${release}-pdserve-control-ca`);
+    assert.equal(ca.spec.isCA, true);
+    assert.deepEqual(issuers[ca.spec.issuerRef.name], { selfSigned: {} });
+    const caIssuer = Object.entries(issuers).find(([, spec]) => spec.ca)[0];
+    assert.equal(issuers[caIssuer].ca.secretName, ca.spec.secretName);
+    for (const c of components) {
+      const cert = r.get('Certificate', `${release}-pdserve-${c}-control-tls`);
+      assert.equal(cert.spec.issuerRef.name, caIssuer, c);
+      assert.equal(tlsSecretOf(r.deployment(c)), cert.spec.secretName, c);
+    }
+  });
+  test('issuerRef names the issuer of every certificate; workers dial the router at a name its certificate holds', () => {
+    const r = render({ set: ['controlPlane.tls.enabled=true', 'controlPlane.tls.certManager.enabled=true',
+      'controlPlane.tls.certManager.issuerRef.name=corp-ca', 'controlPlane.tls.certManager.issuerRef.kind=ClusterIssuer'] });
+    assert.ok(!r.has('Issuer'));
+    const certs = r.all('Certificate');
+    assert.deepEqual(certs.map((x) => x.metadata.name).sort(), components.map((c) => `${release}-pdserve-${c}-control-tls`).sort());
+    for (const c of components) {
+      const cert = r.get('Certificate', `${release}-pdserve-${c}-control-tls`);
+      assert.deepEqual(cert.spec.issuerRef, { name: 'corp-ca', kind: 'ClusterIssuer', group: 'cert-manager.io' });
+      // Every process both accepts and opens control connections.
+      assert.ok(cert.spec.usages.includes('server auth') && cert.spec.usages.includes('client auth'), c);
+      assert.equal(tlsSecretOf(r.deployment(c)), cert.spec.secretName, c);
+      assert.equal(cert.spec.duration, '2160h');
+    }
+    const routerHost = flags(mainContainer(r.deployment('decode'))).get('router').replace(/:\d+$/, '');
+    assert.ok(r.get('Certificate', `${release}-pdserve-router-control-tls`).spec.dnsNames.includes(routerHost));
+  });
+});
+
+describe('metrics key and per-key cache salt', () => {
+  test('/metrics key for every process; the monitor sends it', () => {
+    for (const monitor of ['serviceMonitor', 'podMonitor']) {
+      const r = render({ set: ['metrics.auth.existingSecret=scrape', `metrics.${monitor}.enabled=true`] });
+      for (const c of components) {
+        const d = r.deployment(c);
+        const src = secretFile(d, flags(mainContainer(d)).get('metrics-key-file'));
+        assert.deepEqual([src.secretName, src.key], ['scrape', 'metrics-keys'], c);
+      }
+      const m = r.all(monitor === 'serviceMonitor' ? 'ServiceMonitor' : 'PodMonitor')[0];
+      const endpoints = m.spec.endpoints || m.spec.podMetricsEndpoints;
+      assert.equal(endpoints.length, 2);
+      for (const e of endpoints) {
+        assert.deepEqual(e.authorization, { type: 'Bearer', credentials: { name: 'scrape', key: 'metrics-keys' } }, `${monitor} ${e.port}`);
+      }
+    }
+    const open = render({ set: ['metrics.serviceMonitor.enabled=true'] });
+    for (const e of open.all('ServiceMonitor')[0].spec.endpoints) assert.equal(e.authorization, undefined);
+  });
+  test('saltPerApiKey passes --salt-per-api-key to the router only', () => {
+    const r = render({ set: ['router.apiKeys.existingSecret=keys', 'router.saltPerApiKey=true'] });
+    assert.equal(flags(mainContainer(r.deployment('router'))).get('salt-per-api-key'), true);
+    for (const c of ['prefill', 'decode']) assert.ok(!flags(mainContainer(r.deployment(c))).has('salt-per-api-key'));
+  });
+  test('networkPolicy.enabled=false removes the policies', () => {
+    assert.ok(!render({ set: ['networkPolicy.enabled=false'] }).has('NetworkPolicy'));
   });
 });
 
@@ -386,17 +666,42 @@ describe('values-full.yaml', () => {
     assert.ok(matches(routerPolicy.spec.podSelector.matchLabels, routerPod));
     const control = routerPolicy.spec.ingress.find((i) => i.ports?.[0].port === 'control');
     const workerPod = r.deployment('decode').spec.template.metadata.labels;
-    assert.ok(matches(control.from[0].podSelector.matchLabels, workerPod), 'workers may reach the control port');
+    assert.ok(selects(control.from[0].podSelector, workerPod), 'workers may reach the control port');
     const metrics = routerPolicy.spec.ingress.find((i) => i.ports?.[0].port === 'metrics');
     assert.deepEqual(metrics.from, full.networkPolicy.metricsFrom);
+    const http = routerPolicy.spec.ingress.find((i) => i.ports?.[0].port === 'http');
+    assert.deepEqual(http.from, full.networkPolicy.httpFrom);
     for (const rule of routerPolicy.spec.ingress) {
       for (const p of rule.ports || []) portByName(mainContainer(r.deployment('router')), p.port);
     }
     const workerPolicy = r.get('NetworkPolicy', `${release}-pdserve-workers`);
     const ex = Object.fromEntries(workerPolicy.spec.podSelector.matchExpressions.map((e) => [e.key, e.values]));
     assert.deepEqual(ex['app.kubernetes.io/component'], ['prefill', 'decode']);
-    assert.ok(workerPolicy.spec.ingress.some((i) => !i.ports && matches(i.from[0].podSelector.matchLabels, workerPod)),
+    assert.ok(workerPolicy.spec.ingress.some((i) => !i.ports && selects(i.from[0].podSelector, workerPod)),
       'workers accept KV transfers from each other on any port');
+  });
+  test('control plane: existing cluster secret, cert-manager certificates from the ClusterIssuer', () => {
+    assert.ok(!r.has('Secret') && !r.has('Issuer'));
+    for (const c of components) {
+      const d = r.deployment(c);
+      const src = secretFile(d, flags(mainContainer(d)).get('cluster-secret-file'));
+      assert.deepEqual([src.secretName, src.key], ['pdserve-cluster-secret', 'secret']);
+      const cert = r.get('Certificate', `${release}-pdserve-${c}-control-tls`);
+      assert.equal(tlsSecretOf(d), cert.spec.secretName);
+      assert.deepEqual(cert.spec.issuerRef, { name: 'internal-ca', kind: 'ClusterIssuer', group: 'cert-manager.io' });
+      assert.deepEqual([cert.spec.duration, cert.spec.renewBefore], ['720h', '240h']);
+    }
+    assert.equal(flags(mainContainer(r.deployment('router'))).get('salt-per-api-key'), true);
+  });
+  test('metrics keys: every process reads the accepted keys, the ServiceMonitor sends the scrape key', () => {
+    for (const c of components) {
+      const d = r.deployment(c);
+      const src = secretFile(d, flags(mainContainer(d)).get('metrics-key-file'));
+      assert.deepEqual([src.secretName, src.key], ['pdserve-metrics-keys', 'accepted']);
+    }
+    for (const e of r.get('ServiceMonitor', `${release}-pdserve`).spec.endpoints) {
+      assert.deepEqual(e.authorization.credentials, { name: 'pdserve-metrics-keys', key: 'prometheus' });
+    }
   });
 });
 
@@ -465,6 +770,7 @@ describe('targeted overrides', () => {
     assert.match(notes, new RegExp(`port-forward service/${release}-pdserve-router 8000:8000`));
     assert.match(notes, /curl -s \$URL\/v1\/completions -H 'Content-Type: application\/json'/);
     assert.match(notes, /"prompt": "The capital of France is", "max_tokens": 16/);
+    assert.match(notes, new RegExp(`cluster secret in Secret ${release}-pdserve-cluster-secret`));
   });
 });
 
@@ -480,6 +786,20 @@ describe('values.schema.json rejects bad values with its message', () => {
     [['router.httpPort=70000'], /at '\/router\/httpPort': maximum: got 70,000, want 65,535/],
     [['replica=2'], /additional properties 'replica' not allowed/],
     [['decode.strategy.type=Surge'], /at '\/decode\/strategy\/type': value must be one of 'RollingUpdate', 'Recreate'/],
+    // Control-plane values that contradict each other.
+    [['controlPlane.insecure=true', 'controlPlane.clusterSecret.existingSecret=s'],
+      /at '\/controlPlane\/clusterSecret\/existingSecret': maxLength: got 1, want 0/],
+    [['controlPlane.insecure=on'], /at '\/controlPlane\/insecure': got string, want boolean/],
+    [['controlPlane.clusterSecret.key='], /at '\/controlPlane\/clusterSecret\/key': minLength/],
+    [['controlPlane.tls.enabled=true'], /at '\/controlPlane\/tls\/existingSecret': minLength: got 0, want 1/],
+    [['controlPlane.tls.enabled=true', 'controlPlane.tls.existingSecret=t', 'controlPlane.tls.certManager.enabled=true'],
+      /at '\/controlPlane\/tls\/certManager\/enabled': value must be false/],
+    [['controlPlane.tls.certManager.enabled=true'], /at '\/controlPlane\/tls\/enabled': value must be true/],
+    [['controlPlane.tls.existingSecret=t'], /at '\/controlPlane\/tls\/enabled': value must be true/],
+    [['controlPlane.tls.enabled=true', 'controlPlane.tls.certManager.enabled=true', 'controlPlane.tls.certManager.duration=90d'],
+      /at '\/controlPlane\/tls\/certManager\/duration'/],
+    [['router.saltPerApiKey=true'], /at '\/router\/apiKeys\/existingSecret': minLength: got 0, want 1/],
+    [['metrics.auth.key=a/b'], /at '\/metrics\/auth\/key'/],
   ];
   for (const [set, message] of cases) {
     test(set.join(' '), () => {

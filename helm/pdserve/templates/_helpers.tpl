@@ -43,6 +43,22 @@ app.kubernetes.io/name: {{ include "pdserve.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 
+{{/* A label selector (matchExpressions) of this release's pods of the given
+     components, e.g. the workers but not the model download Job. Takes
+     (dict "ctx" $ "components" (list "prefill" "decode")). */}}
+{{- define "pdserve.componentSelector" -}}
+matchExpressions:
+  - key: app.kubernetes.io/name
+    operator: In
+    values: [{{ include "pdserve.name" .ctx }}]
+  - key: app.kubernetes.io/instance
+    operator: In
+    values: [{{ .ctx.Release.Name | quote }}]
+  - key: app.kubernetes.io/component
+    operator: In
+    values: [{{ join ", " .components }}]
+{{- end }}
+
 {{- define "pdserve.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create }}
 {{- default (include "pdserve.fullname" .) .Values.serviceAccount.name }}
@@ -228,4 +244,162 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "pdserve.scrapeRelabelings" -}}
 - sourceLabels: [__meta_kubernetes_pod_label_app_kubernetes_io_component]
   targetLabel: pool
+{{- end }}
+
+{{/* Control-plane security --------------------------------------------------- */}}
+
+{{/* Where every pod finds its secrets (read-only Secret volumes). */}}
+{{- define "pdserve.clusterSecretFile" -}}/etc/pdserve/cluster-secret/cluster-secret{{- end }}
+{{- define "pdserve.controlTlsDir" -}}/etc/pdserve/control-tls{{- end }}
+{{- define "pdserve.metricsKeysFile" -}}/etc/pdserve/metrics-keys/keys{{- end }}
+
+{{/* True (non-empty) when the chart creates the cluster secret itself. */}}
+{{- define "pdserve.clusterSecretGenerated" -}}
+{{- $cp := .Values.controlPlane }}
+{{- if and (not $cp.insecure) (not $cp.clusterSecret.existingSecret) }}true{{ end }}
+{{- end }}
+
+{{- define "pdserve.clusterSecretName" -}}
+{{- default (printf "%s-cluster-secret" (include "pdserve.fullname" .)) .Values.controlPlane.clusterSecret.existingSecret }}
+{{- end }}
+
+{{/* The generated cluster secret, base64-encoded as in the Secret's data: the
+     value already in the cluster when there is one (lookup, so upgrades keep
+     it), else 64 random characters (sprig's randAlphaNum draws from
+     crypto/rand; 62 symbols, about 381 bits). Computed once per render and
+     cached in the values, so the Secret and the pods' checksum annotations
+     agree. Without a cluster (helm template, --dry-run) lookup finds nothing
+     and every render draws a new value. */}}
+{{- define "pdserve.clusterSecretData" -}}
+{{- $cs := .Values.controlPlane.clusterSecret }}
+{{- if not (hasKey $cs "_renderedData") }}
+{{- $existing := lookup "v1" "Secret" .Release.Namespace (include "pdserve.clusterSecretName" .) }}
+{{- $data := dig "data" $cs.key "" $existing }}
+{{- $_ := set $cs "_renderedData" (default (randAlphaNum 64 | b64enc) $data) }}
+{{- end }}
+{{- index $cs "_renderedData" }}
+{{- end }}
+
+{{/* Name of the control-plane TLS Secret of one component (router, prefill,
+     decode); takes (dict "ctx" $ "component" name). */}}
+{{- define "pdserve.controlTlsSecretName" -}}
+{{- $tls := .ctx.Values.controlPlane.tls }}
+{{- if $tls.certManager.enabled }}
+{{- printf "%s-%s-control-tls" (include "pdserve.fullname" .ctx) .component }}
+{{- else }}
+{{- $tls.existingSecret }}
+{{- end }}
+{{- end }}
+
+{{/* Pod annotations: the user's, plus a checksum of the generated cluster
+     secret so that the pods roll exactly when its value changes (it is stable
+     across upgrades). A Secret of your own (existingSecret) is not read: roll
+     the pods yourself after changing it. Takes (dict "ctx" $ "extra" map). */}}
+{{- define "pdserve.podAnnotations" -}}
+{{- $a := deepCopy (default dict .extra) }}
+{{- if include "pdserve.clusterSecretGenerated" .ctx }}
+{{- $_ := set $a "checksum/cluster-secret" (include "pdserve.clusterSecretData" .ctx | sha256sum) }}
+{{- end }}
+{{- with $a }}
+{{- toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* Flags of the control-plane security and the /metrics key, shared by the
+     router and the workers. */}}
+{{- define "pdserve.securityArgs" -}}
+{{- $cp := .Values.controlPlane }}
+{{- if $cp.insecure }}
+- --insecure-control-plane
+{{- else }}
+- --cluster-secret-file={{ include "pdserve.clusterSecretFile" . }}
+{{- end }}
+{{- if $cp.tls.enabled }}
+- --control-tls-cert={{ include "pdserve.controlTlsDir" . }}/tls.crt
+- --control-tls-key={{ include "pdserve.controlTlsDir" . }}/tls.key
+- --control-tls-ca={{ include "pdserve.controlTlsDir" . }}/ca.crt
+{{- end }}
+{{- if .Values.metrics.auth.existingSecret }}
+- --metrics-key-file={{ include "pdserve.metricsKeysFile" . }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.securityVolumeMounts" -}}
+{{- if not .Values.controlPlane.insecure }}
+- name: cluster-secret
+  mountPath: {{ include "pdserve.clusterSecretFile" . | dir }}
+  readOnly: true
+{{- end }}
+{{- if .Values.controlPlane.tls.enabled }}
+- name: control-tls
+  mountPath: {{ include "pdserve.controlTlsDir" . }}
+  readOnly: true
+{{- end }}
+{{- if .Values.metrics.auth.existingSecret }}
+- name: metrics-keys
+  mountPath: {{ include "pdserve.metricsKeysFile" . | dir }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/* Mode of the secret files: 0440, owner root and group the pod's fsGroup,
+     which the server runs in; 0444 without an fsGroup, or it could not read
+     them. Decimal (288, 292), so that YAML 1.1 and 1.2 parsers agree. */}}
+{{- define "pdserve.secretFileMode" -}}
+{{- if .Values.podSecurityContext.fsGroup }}288{{ else }}292{{ end }}
+{{- end }}
+
+{{/* Secret volumes, each with only the keys the process reads. Takes
+     (dict "ctx" $ "component" name). */}}
+{{- define "pdserve.securityVolumes" -}}
+{{- $ctx := .ctx }}
+{{- $cp := $ctx.Values.controlPlane }}
+{{- $mode := include "pdserve.secretFileMode" $ctx }}
+{{- if not $cp.insecure }}
+- name: cluster-secret
+  secret:
+    secretName: {{ include "pdserve.clusterSecretName" $ctx }}
+    defaultMode: {{ $mode }}
+    items:
+      - key: {{ $cp.clusterSecret.key }}
+        path: {{ include "pdserve.clusterSecretFile" $ctx | base }}
+{{- end }}
+{{- if $cp.tls.enabled }}
+- name: control-tls
+  secret:
+    secretName: {{ include "pdserve.controlTlsSecretName" . }}
+    defaultMode: {{ $mode }}
+    items:
+      - key: tls.crt
+        path: tls.crt
+      - key: tls.key
+        path: tls.key
+      - key: ca.crt
+        path: ca.crt
+{{- end }}
+{{- with $ctx.Values.metrics.auth }}
+{{- if .existingSecret }}
+- name: metrics-keys
+  secret:
+    secretName: {{ .existingSecret }}
+    defaultMode: {{ $mode }}
+    items:
+      - key: {{ .key }}
+        path: {{ include "pdserve.metricsKeysFile" $ctx | base }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Scrape authorization of a ServiceMonitor/PodMonitor endpoint when
+     /metrics needs a key. */}}
+{{- define "pdserve.scrapeAuthorization" -}}
+{{- with .Values.metrics.auth }}
+{{- if .existingSecret }}
+authorization:
+  type: Bearer
+  credentials:
+    name: {{ .existingSecret }}
+    key: {{ default .key .scrapeKey }}
+{{- end }}
+{{- end }}
 {{- end }}
