@@ -108,14 +108,20 @@ StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::stri
     v.dtype = FloatTensorDType(v.dtype_name);
     auto sh = t.find("shape");
     if (sh == t.end() || !sh->is_array()) return Corrupt(path, "'" + name + "' has no shape");
+    // Bounded so that numel x element size (and TensorView::numel) cannot overflow.
+    constexpr uint64_t kMaxElements = uint64_t{1} << 40;
     uint64_t numel = 1;
     for (const auto& d : *sh) {
-      if (!d.is_number_integer() || d.get<int64_t>() < 0 || d.get<int64_t>() > (int64_t{1} << 40)) {
+      if (!d.is_number_integer() || d.get<int64_t>() < 0 ||
+          static_cast<uint64_t>(d.get<int64_t>()) > kMaxElements) {
         return Corrupt(path, "'" + name + "' has an invalid dimension " + d.dump());
       }
       v.shape.push_back(d.get<int64_t>());
-      numel *= static_cast<uint64_t>(d.get<int64_t>());
-      if (numel > (uint64_t{1} << 40)) return Corrupt(path, "'" + name + "' is impossibly large");
+      const uint64_t dim = static_cast<uint64_t>(d.get<int64_t>());
+      if (dim != 0 && numel > kMaxElements / dim) {
+        return Corrupt(path, "'" + name + "' is impossibly large");
+      }
+      numel *= dim;
     }
     auto off = t.find("data_offsets");
     if (off == t.end() || !off->is_array() || off->size() != 2 || !(*off)[0].is_number_unsigned() ||
