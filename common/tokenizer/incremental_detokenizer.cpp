@@ -18,6 +18,13 @@ std::string IncrementalDetokenizer::DecodeWindow(size_t begin, size_t end) const
 
 std::string IncrementalDetokenizer::Push(TokenId id) {
   ids_.push_back(id);
+  // Ids that decode to nothing (unknown, or skipped special tokens) neither
+  // open nor close a run of byte tokens; while one is open, its text may
+  // still change (a later byte can make the whole run invalid UTF-8).
+  if (!(skip_special_tokens_ && tokenizer_.IsSpecial(id)) && tokenizer_.IdToToken(id)) {
+    in_byte_run_ = tokenizer_.IsByteToken(id);
+  }
+  if (in_byte_run_) return "";
   std::string text = DecodeWindow(prefix_offset_, ids_.size());
   // Hold back while the text does not extend what was emitted, or ends in a
   // replacement character: the bytes of a character may still be arriving.
@@ -46,6 +53,7 @@ std::string IncrementalDetokenizer::Flush() {
   prefix_offset_ = read_offset_ = ids_.size();
   prefix_text_.clear();
   ids_.clear();
+  in_byte_run_ = false;
   prefix_offset_ = read_offset_ = 0;
   return rest;
 }

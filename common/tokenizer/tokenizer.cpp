@@ -7,6 +7,7 @@
 #include "common/tokenizer/tokenizer.h"
 
 #include <algorithm>
+#include <cctype>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -24,6 +25,22 @@ namespace {
 using nlohmann::json;
 using namespace tokenizer_detail;
 namespace fs = std::filesystem;
+
+// Whether a decoder (or a Sequence of them) contains ByteFallback.
+bool HasByteFallback(const json& decoder) {
+  if (!decoder.is_object()) return false;
+  const auto type = decoder.find("type");
+  if (type != decoder.end() && *type == "ByteFallback") return true;
+  const auto parts = decoder.find("decoders");
+  if (parts == decoder.end() || !parts->is_array()) return false;
+  return std::any_of(parts->begin(), parts->end(), HasByteFallback);
+}
+
+// "<0xNN>", the form ByteFallback turns back into a byte.
+bool IsByteFallbackToken(std::string_view s) {
+  auto hex = [](char c) { return std::isxdigit(static_cast<unsigned char>(c)) != 0; };
+  return s.size() == 6 && s.starts_with("<0x") && s[5] == '>' && hex(s[3]) && hex(s[4]);
+}
 
 struct AddedToken {
   TokenId id = 0;
@@ -161,6 +178,9 @@ class HfBpeTokenizer final : public Tokenizer {
     const AddedToken* a = AddedById(id);
     return a && a->special;
   }
+  bool IsByteToken(TokenId id) const override {
+    return id >= 0 && static_cast<size_t>(id) < byte_token_.size() && byte_token_[id];
+  }
   std::optional<TokenId> bos_token_id() const override { return bos_id_; }
   const std::vector<TokenId>& eos_token_ids() const override { return eos_ids_; }
   const std::string& bos_token() const override { return bos_token_; }
@@ -191,6 +211,8 @@ class HfBpeTokenizer final : public Tokenizer {
   std::vector<std::unique_ptr<AddedToken>> added_;
   std::unordered_map<TokenId, const AddedToken*> added_by_id_;
   std::vector<const AddedToken*> added_index_;  // by id, filled by Finish()
+  bool byte_fallback_ = false;                  // the decoder chain has ByteFallback
+  std::vector<bool> byte_token_;                // by id, filled by Finish()
   Vocab added_by_content_;
   AddedTokenMatcher raw_matcher_;         // tokens with normalized = false
   AddedTokenMatcher normalized_matcher_;  // tokens with normalized = true
@@ -292,6 +314,7 @@ Status HfBpeTokenizer::LoadTokenizerJson(const json& j) {
     auto d = BuildDecoder(j["decoder"]);
     if (!d.ok()) return d.status();
     decoder_ = std::move(*d);
+    byte_fallback_ = HasByteFallback(j["decoder"]);
   }
   auto model = BpeModel::Build(std::move(bpe));
   if (!model.ok()) return model.status();
@@ -452,6 +475,11 @@ void HfBpeTokenizer::Finish() {
   vocab_size_ = size;
   added_index_.assign(size, nullptr);
   for (const auto& [id, token] : added_by_id_) added_index_[id] = token;
+  byte_token_.assign(byte_fallback_ ? size : 0, false);
+  for (size_t id = 0; id < byte_token_.size(); ++id) {
+    const std::string* s = TokenString(static_cast<TokenId>(id));
+    byte_token_[id] = s && IsByteFallbackToken(*s);
+  }
   // Without a config, the BOS is what the post-processor puts first.
   if (bos_token_.empty() && !template_.prefix.empty()) {
     if (auto s = IdToToken(template_.prefix.front())) bos_token_ = *s;

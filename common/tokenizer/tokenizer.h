@@ -52,6 +52,11 @@ class Tokenizer {
   virtual std::optional<TokenId> TokenToId(std::string_view token) const = 0;
   virtual std::optional<std::string> IdToToken(TokenId id) const = 0;
   virtual bool IsSpecial(TokenId id) const = 0;
+  // True for a byte token ("<0xC3>") of a tokenizer whose decoder has
+  // ByteFallback. A run of byte tokens decodes as a whole (a run that is not
+  // valid UTF-8 becomes one U+FFFD per byte), so the text of a byte token is
+  // final only once a token of another kind follows it.
+  virtual bool IsByteToken(TokenId id) const = 0;
 
   virtual std::optional<TokenId> bos_token_id() const = 0;
   // End-of-sequence ids: eos_token, then generation_config.json's
@@ -68,7 +73,9 @@ class Tokenizer {
 
 // Streaming detokenizer: turns a token stream into text pieces that are safe
 // to send one by one. Never emits half a UTF-8 character; the concatenation
-// of all Push() results plus Flush() equals Decode(all ids).
+// of all Push() results plus Flush() equals Decode(all ids). Text is held back
+// while it may still change: an incomplete character, or a run of byte tokens
+// (IsByteToken) that the next token may extend.
 class IncrementalDetokenizer {
  public:
   IncrementalDetokenizer(const Tokenizer& tokenizer, bool skip_special_tokens);
@@ -84,6 +91,8 @@ class IncrementalDetokenizer {
   const Tokenizer& tokenizer_;
   bool skip_special_tokens_;
   std::vector<TokenId> ids_;
+  // The last id that decodes to something is a byte token: its run may go on.
+  bool in_byte_run_ = false;
   // Text is decoded over the window [prefix_offset_, end): everything that
   // ids_[prefix_offset_, read_offset_) produces has been emitted and is cached
   // in prefix_text_; the new piece is the decoded window minus that prefix.

@@ -278,10 +278,23 @@ TEST(SentencePieceBpe, ByteFallbackForUnknownCharacters) {
   // ByteFallback rule; a lenient UTF-8 decoder would print one for both).
   const std::vector<TokenId> bad = {3 + 0xE4, 3 + 0xB8, *t->TokenToId("\u2581hi")};
   EXPECT_EQ(t->Decode(bad, false), "\xEF\xBF\xBD\xEF\xBF\xBD hi");
+  // A run of byte tokens decodes as a whole, so streaming holds it back until
+  // a token of another kind (or the end of the stream) closes it.
   std::vector<std::string> pieces;
   const std::vector<TokenId> e_acute = {1, meta, 3 + 0xC3, 3 + 0xA9};
   EXPECT_EQ(Stream(*t, e_acute, &pieces), "<s> é");
-  EXPECT_THAT(pieces, ElementsAre("<s>", " ", "", "é", ""));
+  EXPECT_THAT(pieces, ElementsAre("<s>", " ", "", "", "é"));
+  const TokenId hi = *t->TokenToId("\u2581hi");
+  pieces.clear();
+  EXPECT_EQ(Stream(*t, {1, meta, 3 + 0xC3, 3 + 0xA9, hi}, &pieces), "<s> é hi");
+  EXPECT_THAT(pieces, ElementsAre("<s>", " ", "", "", "é hi", ""));
+  // "é" then an incomplete character: the whole run is invalid, one U+FFFD
+  // per byte, and the stream must not have sent the "é" already.
+  const std::vector<TokenId> spoiled = {1, meta, 3 + 0xC3, 3 + 0xA9, 3 + 0xE4, 3 + 0xB8, hi};
+  EXPECT_EQ(Stream(*t, spoiled), t->Decode(spoiled, false));
+  EXPECT_EQ(t->Decode(spoiled, false), "<s> \xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD hi");
+  EXPECT_TRUE(t->IsByteToken(3 + 0xC3));
+  EXPECT_FALSE(t->IsByteToken(hi));
 }
 
 TEST(SentencePieceBpe, UnknownTokenFusedWithoutByteFallback) {
