@@ -107,7 +107,7 @@ StatusOr<ClientResponse> HttpConnection::Send(std::string_view method, std::stri
       s.stream.expires_at(deadline);
       ec = s.Run([&](auto handler) { s.stream.async_connect(endpoints, handler); });
       if (ec) return fail("connect", ec);
-      s.stream.socket().set_option(tcp::no_delay(true));
+      s.stream.socket().set_option(tcp::no_delay(true), ec);  // best effort
       s.connected = true;
     }
     s.stream.expires_at(deadline);

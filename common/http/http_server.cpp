@@ -8,14 +8,17 @@
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 
+#include <algorithm>
 #include <deque>
 #include <mutex>
 #include <optional>
 #include <thread>
+#include <unordered_set>
 #include <variant>
 
 #include <nlohmann/json.hpp>
 
+#include "common/accept_backoff.h"
 #include "common/logging.h"
 
 namespace pdserve::http {
@@ -32,6 +35,11 @@ std::string_view Request::Header(std::string_view lower_name) const {
   return {};
 }
 
+size_t Request::HeaderCount(std::string_view lower_name) const {
+  return static_cast<size_t>(std::count_if(headers.begin(), headers.end(),
+                                           [&](const auto& h) { return h.first == lower_name; }));
+}
+
 Response ErrorResponse(int status, std::string_view message, std::string_view type,
                        std::string_view param, std::string_view code) {
   nlohmann::json err = {{"message", message},
@@ -40,7 +48,8 @@ Response ErrorResponse(int status, std::string_view message, std::string_view ty
                         {"code", code.empty() ? nlohmann::json(nullptr) : nlohmann::json(code)}};
   Response r;
   r.status = status;
-  r.body = nlohmann::json{{"error", err}}.dump();
+  r.body =
+      nlohmann::json{{"error", err}}.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
   return r;
 }
 
@@ -54,18 +63,63 @@ std::string ToLower(beast::string_view s) {
   return out;
 }
 
+// Client bytes for a log line: printable ASCII as is, the rest as \xNN, cut
+// at `max` bytes.
+std::string Printable(std::string_view s, size_t max = 160) {
+  static const char* kHex = "0123456789abcdef";
+  std::string out;
+  for (size_t i = 0; i < s.size() && i < max; ++i) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    if (c >= 0x20 && c < 0x7f && c != '\\') {
+      out.push_back(static_cast<char>(c));
+    } else {
+      out += "\\x";
+      out.push_back(kHex[c >> 4]);
+      out.push_back(kHex[c & 15]);
+    }
+  }
+  if (s.size() > max) out += "...";
+  return out;
+}
+
+// Adds handler-supplied headers; one that could not be sent as given (line
+// breaks or NUL inside, or too long for a header) is left out and logged.
+template <typename Message>
+void SetHeaders(Message& res, const Headers& headers) {
+  for (const auto& [name, value] : headers) {
+    const bool sendable = !name.empty() && name.size() + value.size() < 8192 &&
+                          name.find_first_of(std::string_view("\r\n\0:", 4)) == std::string::npos &&
+                          value.find_first_of(std::string_view("\r\n\0", 3)) == std::string::npos;
+    if (!sendable) {
+      PDSERVE_LOG(WARN) << "http: response header '" << Printable(name, 40)
+                        << "' left out: not sendable as given";
+      continue;
+    }
+    res.set(name, value);
+  }
+}
+
 class Session;
 
-// The reply channel of one request; forwards everything onto its session's strand.
+// The reply channel of one request; forwards everything onto its session's
+// strand, tagged with the request's sequence number so that a late call can
+// never answer a later request of the same connection.
 class ExchangeImpl : public Exchange {
  public:
-  ExchangeImpl(std::weak_ptr<Session> session) : session_(std::move(session)) {}
+  ExchangeImpl(std::weak_ptr<Session> session, uint64_t seq)
+      : session_(std::move(session)), seq_(seq) {}
+  // Dropped unanswered: the session answers 500 instead of waiting forever.
+  ~ExchangeImpl() override;
   void Reply(Response response) override;
   void BeginStream(int status, std::string content_type, Headers headers) override;
   void Write(std::string chunk) override;
   void End() override;
   void OnClientGone(std::function<void()> callback) override;
   bool client_gone() const override { return gone_.load(); }
+
+  // The handler threw (and that was logged): answers 500 unless an answer
+  // was already given.
+  void HandlerFailed();
 
   // Called by the session (on its strand) when the peer disconnects.
   void MarkGone() {
@@ -79,25 +133,37 @@ class ExchangeImpl : public Exchange {
   }
 
  private:
+  void Abandon(const char* why);
+
   std::weak_ptr<Session> session_;
+  const uint64_t seq_;
   std::mutex mu_;
   std::function<void()> on_gone_;
   std::atomic<bool> gone_{false};
+  std::atomic<bool> answered_{false};  // Reply or End called
 };
 
 }  // namespace
 
 struct Server::Impl {
+  // Declared before the io_context: sessions still queued in it when it is
+  // destroyed touch these on their way out.
   ServerOptions options;
   Handler handler;
-  net::io_context ioc;
-  std::optional<tcp::acceptor> acceptor;
-  std::vector<std::thread> threads;
   std::atomic<int> in_flight{0};
+  std::mutex sessions_mu;
+  std::unordered_set<Session*> sessions;  // live sessions, for Stop
+
+  net::io_context ioc;
+  std::optional<tcp::acceptor> acceptor;     // on its own strand
+  std::optional<net::steady_timer> backoff;  // the acceptor's strand
+  AcceptBackoff accept_backoff{"http"};
+  std::vector<std::thread> threads;
   int bound_port = 0;
   bool started = false;
 
   void Accept();
+  void RunThread();
 };
 
 namespace {
@@ -108,39 +174,79 @@ class Session : public std::enable_shared_from_this<Session> {
     beast::error_code ec;
     auto ep = stream_.socket().remote_endpoint(ec);
     if (!ec) remote_ = ep.address().to_string() + ":" + std::to_string(ep.port());
+    std::lock_guard<std::mutex> lock(server_->sessions_mu);
+    server_->sessions.insert(this);
+  }
+
+  ~Session() {
+    // Every path that ends an exchange uncounts it; this is the net under
+    // them, so that no connection can leave the server's count raised.
+    if (counted_) server_->in_flight.fetch_sub(1);
+    std::lock_guard<std::mutex> lock(server_->sessions_mu);
+    server_->sessions.erase(this);
   }
 
   void Start() {
     net::dispatch(stream_.get_executor(), [self = shared_from_this()] { self->DoRead(); });
   }
 
+  // Server::Stop, once the I/O threads have ended: drops the connection and
+  // the reference that kept it alive for its handler.
+  void Shutdown() { Close(); }
+
   // --- called through ExchangeImpl, always posted onto the strand ---
-  void PostReply(Response response) {
+  void PostReply(uint64_t seq, Response response) {
     net::post(stream_.get_executor(),
-              [self = shared_from_this(), r = std::move(response)]() mutable {
-                self->DoReply(std::move(r));
+              [self = shared_from_this(), seq, r = std::move(response)]() mutable {
+                if (seq != self->seq_ || self->state_ != State::kHandling) return;
+                self->WriteResponse(std::move(r));
               });
   }
-  void PostBeginStream(int status, std::string content_type, Headers headers) {
+  void PostBeginStream(uint64_t seq, int status, std::string content_type, Headers headers) {
     net::post(stream_.get_executor(),
-              [self = shared_from_this(), status, ct = std::move(content_type),
+              [self = shared_from_this(), seq, status, ct = std::move(content_type),
                h = std::move(headers)]() mutable {
+                if (seq != self->seq_) return;
                 self->DoBeginStream(status, std::move(ct), std::move(h));
               });
   }
-  void PostWrite(std::string chunk) {
-    net::post(stream_.get_executor(), [self = shared_from_this(), c = std::move(chunk)]() mutable {
-      if (self->state_ != State::kStreaming) return;
-      self->queue_.emplace_back(std::move(c));
-      self->Pump();
-    });
+  void PostWrite(uint64_t seq, std::string chunk) {
+    net::post(stream_.get_executor(),
+              [self = shared_from_this(), seq, c = std::move(chunk)]() mutable {
+                if (seq != self->seq_ || self->state_ != State::kStreaming) return;
+                self->queue_.emplace_back(std::move(c));
+                self->Pump();
+              });
   }
-  void PostEnd() {
-    net::post(stream_.get_executor(), [self = shared_from_this()] {
-      if (self->state_ != State::kStreaming) return;
+  void PostEnd(uint64_t seq) {
+    net::post(stream_.get_executor(), [self = shared_from_this(), seq] {
+      if (seq != self->seq_ || self->state_ != State::kStreaming) return;
       self->queue_.emplace_back(LastChunk{});
       self->state_ = State::kStreamEnding;
       self->Pump();
+    });
+  }
+  // The exchange of request `seq` ends without an answer: answer 500, or
+  // close the connection when a stream already began. `why` (a literal) is
+  // logged; null when the caller logged already.
+  void PostAbandon(uint64_t seq, const char* why) {
+    net::post(stream_.get_executor(), [self = shared_from_this(), seq, why] {
+      if (seq != self->seq_) return;
+      if (self->state_ == State::kHandling) {
+        if (why) {
+          PDSERVE_LOG(WARN) << "http " << self->remote_ << " " << self->what_ << ": " << why
+                            << "; answered 500";
+        }
+        self->WriteResponse(
+            ErrorResponse(500, "the server failed while handling the request; it has been logged",
+                          "server_error"));
+      } else if (self->state_ == State::kStreaming) {
+        if (why) {
+          PDSERVE_LOG(WARN) << "http " << self->remote_ << " " << self->what_ << ": " << why
+                            << " in the middle of its stream; closing the connection";
+        }
+        self->PeerGone();
+      }
     });
   }
 
@@ -180,7 +286,7 @@ class Session : public std::enable_shared_from_this<Session> {
       }
       PDSERVE_LOG(WARN) << "http " << remote_ << ": " << message << "; closing the connection";
       keep_alive_ = false;
-      return DoReply(ErrorResponse(status, message));
+      return WriteResponse(ErrorResponse(status, message));
     }
     auto& msg = parser_->get();
     Request req;
@@ -199,16 +305,32 @@ class Session : public std::enable_shared_from_this<Session> {
       Response r = ErrorResponse(503, "server is at its concurrent request limit; retry shortly",
                                  "server_overloaded");
       r.headers.emplace_back("Retry-After", "1");
-      return DoReply(std::move(r));
+      return WriteResponse(std::move(r));
     }
     server_->in_flight.fetch_add(1);
     counted_ = true;
     state_ = State::kHandling;
+    ++seq_;
+    what_ = Printable(req.method, 16) + " " + Printable(req.path);
     stream_.expires_never();
-    exchange_ = std::make_shared<ExchangeImpl>(weak_from_this());
+    // Nothing else may hold this session while the handler works (the
+    // exchange only refers to it): this reference keeps it, and its count in
+    // in_flight, until the exchange ends or the connection closes.
+    self_ = shared_from_this();
+    auto exchange = std::make_shared<ExchangeImpl>(weak_from_this(), seq_);
+    exchange_ = exchange;
     WatchForDisconnect();
-    auto exchange = exchange_;
-    server_->handler(req, exchange);
+    try {
+      server_->handler(req, exchange);
+    } catch (const std::exception& e) {
+      PDSERVE_LOG(ERROR) << "http " << remote_ << " " << what_
+                         << ": the handler threw: " << Printable(e.what(), 400);
+      exchange->HandlerFailed();
+    } catch (...) {
+      PDSERVE_LOG(ERROR) << "http " << remote_ << " " << what_
+                         << ": the handler threw a non-standard exception";
+      exchange->HandlerFailed();
+    }
   }
 
   // While a request is handled or streamed, a readable socket with nothing
@@ -217,8 +339,8 @@ class Session : public std::enable_shared_from_this<Session> {
     stream_.socket().async_wait(
         tcp::socket::wait_read,
         net::bind_executor(
-            stream_.get_executor(), [self = shared_from_this()](beast::error_code ec) {
-              if (!self->exchange_ || self->state_ == State::kReading ||
+            stream_.get_executor(), [self = shared_from_this(), seq = seq_](beast::error_code ec) {
+              if (seq != self->seq_ || self->state_ == State::kReading ||
                   self->state_ == State::kClosed) {
                 return;
               }
@@ -236,18 +358,20 @@ class Session : public std::enable_shared_from_this<Session> {
                   return self->WatchForDisconnect();  // spurious: watch again
                 return self->PeerGone();
               }
-              // Bytes waiting: the client pipelined its next request; leave
-              // them for DoRead.
+              // Bytes waiting: the client pipelined its next request. They
+              // stay in the socket for the next DoRead; watching again would
+              // only wake at once, so the watch ends here (self_ keeps the
+              // session until the answer is written).
             }));
   }
 
   void PeerGone() {
-    auto exchange = exchange_;
-    if (exchange) exchange->MarkGone();
+    if (auto exchange = exchange_.lock()) exchange->MarkGone();
     Close();
   }
 
-  void DoReply(Response r) {
+  // Writes a whole response; the exchange (if any) ends when it is written.
+  void WriteResponse(Response r) {
     if (state_ == State::kClosed || state_ == State::kWritingReply || state_ == State::kStreaming ||
         state_ == State::kStreamEnding) {
       return;
@@ -258,7 +382,7 @@ class Session : public std::enable_shared_from_this<Session> {
     res->result(static_cast<unsigned>(r.status));
     res->set(bhttp::field::server, "pdserve");
     res->set(bhttp::field::content_type, r.content_type);
-    for (auto& [k, v] : r.headers) res->set(k, v);
+    SetHeaders(*res, r.headers);
     res->keep_alive(keep_alive_);
     res->body() = std::move(r.body);
     res->prepare_payload();
@@ -278,7 +402,7 @@ class Session : public std::enable_shared_from_this<Session> {
     res.set(bhttp::field::server, "pdserve");
     res.set(bhttp::field::content_type, content_type);
     res.set(bhttp::field::cache_control, "no-cache");
-    for (auto& [k, v] : headers) res.set(k, v);
+    SetHeaders(res, headers);
     res.keep_alive(keep_alive_);
     res.chunked(true);
     serializer_.emplace(res);
@@ -314,6 +438,7 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   void FinishExchange(beast::error_code ec) {
+    if (state_ == State::kClosed) return;
     if (counted_) {
       server_->in_flight.fetch_sub(1);
       counted_ = false;
@@ -321,6 +446,7 @@ class Session : public std::enable_shared_from_this<Session> {
     exchange_.reset();
     serializer_.reset();
     stream_header_.reset();
+    const auto keep = std::move(self_);  // the caller's completion handler holds another
     if (ec || !keep_alive_) return Close();
     beast::error_code ignored;
     stream_.socket().cancel(ignored);  // the disconnect watch
@@ -330,12 +456,13 @@ class Session : public std::enable_shared_from_this<Session> {
   void Close() {
     if (state_ == State::kClosed) return;
     state_ = State::kClosed;
+    const auto keep = std::move(self_);  // released when Close returns
     if (counted_) {
       server_->in_flight.fetch_sub(1);
       counted_ = false;
     }
-    auto exchange = std::move(exchange_);
-    if (exchange) exchange->MarkGone();
+    if (auto exchange = exchange_.lock()) exchange->MarkGone();
+    exchange_.reset();
     beast::error_code ignored;
     stream_.socket().shutdown(tcp::socket::shutdown_both, ignored);
     stream_.socket().close(ignored);
@@ -344,32 +471,46 @@ class Session : public std::enable_shared_from_this<Session> {
   beast::tcp_stream stream_;
   Server::Impl* server_;
   std::string remote_;
+  std::string what_;  // "METHOD /path" of the current request, for log lines
   beast::flat_buffer buffer_;
   std::optional<bhttp::request_parser<bhttp::string_body>> parser_;
-  std::shared_ptr<ExchangeImpl> exchange_;
+  std::weak_ptr<ExchangeImpl> exchange_;
+  std::shared_ptr<Session> self_;  // set while a request is handled (see OnRead)
   std::shared_ptr<bhttp::response<bhttp::empty_body>> stream_header_;
   std::optional<bhttp::response_serializer<bhttp::empty_body>> serializer_;
   std::deque<Pending> queue_;
   State state_ = State::kReading;
+  uint64_t seq_ = 0;  // requests handed to the handler on this connection
   bool writing_ = false;
   bool keep_alive_ = true;
   bool counted_ = false;
   unsigned version_ = 11;
 };
 
+ExchangeImpl::~ExchangeImpl() {
+  if (!answered_.load()) Abandon("the handler dropped the request without answering it");
+}
+void ExchangeImpl::HandlerFailed() {
+  if (!answered_.exchange(true)) Abandon(nullptr);
+}
+void ExchangeImpl::Abandon(const char* why) {
+  if (auto s = session_.lock()) s->PostAbandon(seq_, why);
+}
 void ExchangeImpl::Reply(Response response) {
-  if (auto s = session_.lock()) s->PostReply(std::move(response));
+  answered_ = true;
+  if (auto s = session_.lock()) s->PostReply(seq_, std::move(response));
 }
 void ExchangeImpl::BeginStream(int status, std::string content_type, Headers headers) {
   if (auto s = session_.lock())
-    s->PostBeginStream(status, std::move(content_type), std::move(headers));
+    s->PostBeginStream(seq_, status, std::move(content_type), std::move(headers));
 }
 void ExchangeImpl::Write(std::string chunk) {
   if (chunk.empty()) return;  // an empty chunk would end the chunked body
-  if (auto s = session_.lock()) s->PostWrite(std::move(chunk));
+  if (auto s = session_.lock()) s->PostWrite(seq_, std::move(chunk));
 }
 void ExchangeImpl::End() {
-  if (auto s = session_.lock()) s->PostEnd();
+  answered_ = true;
+  if (auto s = session_.lock()) s->PostEnd(seq_);
 }
 void ExchangeImpl::OnClientGone(std::function<void()> callback) {
   {
@@ -387,13 +528,37 @@ void ExchangeImpl::OnClientGone(std::function<void()> callback) {
 void Server::Impl::Accept() {
   acceptor->async_accept(net::make_strand(ioc), [this](beast::error_code ec, tcp::socket socket) {
     if (ec == net::error::operation_aborted || !acceptor->is_open()) return;
-    if (!ec) {
-      std::make_shared<Session>(std::move(socket), this)->Start();
-    } else {
-      PDSERVE_LOG(WARN) << "http accept failed: " << ec.message();
+    if (ec) {
+      // Out of descriptors the listener stays readable: retrying at once
+      // would spin. Wait, then try again.
+      backoff->expires_after(accept_backoff.Failed(ec.message()));
+      backoff->async_wait([this](beast::error_code wait_ec) {
+        if (wait_ec || !acceptor->is_open()) return;
+        Accept();
+      });
+      return;
     }
+    accept_backoff.Succeeded();
+    std::make_shared<Session>(std::move(socket), this)->Start();
     Accept();
   });
+}
+
+void Server::Impl::RunThread() {
+  // Handlers are guarded where they call user code; anything still thrown
+  // inside Asio's handlers is logged and the thread serves on, so that no
+  // request can end the process.
+  for (;;) {
+    try {
+      ioc.run();
+      return;
+    } catch (const std::exception& e) {
+      PDSERVE_LOG(ERROR) << "http :" << bound_port
+                         << ": an I/O handler threw: " << Printable(e.what(), 400);
+    } catch (...) {
+      PDSERVE_LOG(ERROR) << "http :" << bound_port << ": an I/O handler threw";
+    }
+  }
 }
 
 Server::Server(ServerOptions options, Handler handler) : impl_(std::make_unique<Impl>()) {
@@ -408,7 +573,8 @@ Status Server::Start() {
   auto address = net::ip::make_address(impl_->options.host, ec);
   if (ec) return Status::InvalidArgument("bad listen address '" + impl_->options.host + "'");
   tcp::endpoint endpoint(address, static_cast<uint16_t>(impl_->options.port));
-  impl_->acceptor.emplace(impl_->ioc);
+  impl_->acceptor.emplace(net::make_strand(impl_->ioc));
+  impl_->backoff.emplace(impl_->acceptor->get_executor());
   impl_->acceptor->open(endpoint.protocol(), ec);
   if (!ec) impl_->acceptor->set_option(net::socket_base::reuse_address(true), ec);
   if (!ec) impl_->acceptor->bind(endpoint, ec);
@@ -418,9 +584,10 @@ Status Server::Start() {
                                std::to_string(impl_->options.port) + ": " + ec.message());
   }
   impl_->bound_port = impl_->acceptor->local_endpoint().port();
+  impl_->accept_backoff.set_listener("http :" + std::to_string(impl_->bound_port));
   impl_->Accept();
   const int n = std::max(1, impl_->options.threads);
-  for (int i = 0; i < n; ++i) impl_->threads.emplace_back([this] { impl_->ioc.run(); });
+  for (int i = 0; i < n; ++i) impl_->threads.emplace_back([this] { impl_->RunThread(); });
   impl_->started = true;
   return Status::Ok();
 }
@@ -431,13 +598,22 @@ int Server::in_flight() const { return impl_->in_flight.load(); }
 void Server::Stop() {
   if (!impl_ || !impl_->started) return;
   impl_->started = false;
-  net::post(impl_->ioc, [this] {
-    beast::error_code ignored;
-    impl_->acceptor->close(ignored);
-  });
   impl_->ioc.stop();
   for (auto& t : impl_->threads) t.join();
   impl_->threads.clear();
+  // No I/O thread runs now: close the listener and every connection from
+  // here, which also releases the sessions held for their handlers.
+  beast::error_code ignored;
+  impl_->acceptor->close(ignored);
+  impl_->backoff->cancel();
+  std::vector<std::shared_ptr<Session>> live;
+  {
+    std::lock_guard<std::mutex> lock(impl_->sessions_mu);
+    for (Session* s : impl_->sessions) {
+      if (auto p = s->weak_from_this().lock()) live.push_back(std::move(p));
+    }
+  }
+  for (auto& s : live) s->Shutdown();
 }
 
 }  // namespace pdserve::http

@@ -5,6 +5,11 @@
 // - The handler runs on an I/O thread for each complete, size-checked request
 //   and must not block: it answers through the Exchange, now or later, from
 //   any thread (Reply once, or BeginStream + Write* + End).
+// - No request ends the process: an exception escaping the handler is logged
+//   (one line) and answered with an OpenAI-style 500 (or, when a stream had
+//   begun, the connection is closed). An Exchange dropped without an answer is
+//   answered 500 the same way. The server's own I/O threads survive anything
+//   thrown inside them.
 // - Streaming writes go out as they come (chunked transfer encoding, no
 //   buffering), which is what Server-Sent Events need.
 // - Limits are enforced before the handler sees anything: a body over
@@ -12,8 +17,17 @@
 //   request 400, and more than max_concurrent_requests in flight 503 with
 //   Retry-After. All error bodies are OpenAI-style JSON. Only the offending
 //   connection is affected.
+// - Requests pipelined on one connection are answered one at a time, in
+//   order: the next is read once the current answer is written. Every
+//   request counted in in_flight() is uncounted when its exchange ends or its
+//   connection closes, whatever the handler does.
 // - When the client goes away before the exchange ends, the OnClientGone
-//   callback runs once (that is how a disconnect cancels work).
+//   callback runs once (that is how a disconnect cancels work). A client whose
+//   pipelined bytes wait unread is only seen to leave when its answer is
+//   written.
+// - When accept() fails (out of file descriptors, ...), the listener retries
+//   after a short growing delay and logs at most one line per interval; it
+//   serves again as soon as descriptors are free.
 #pragma once
 
 #include <atomic>
@@ -41,6 +55,8 @@ struct Request {
   std::string remote;  // peer "ip:port"
   // The first header of that (lower-case) name, or "" when absent.
   std::string_view Header(std::string_view lower_name) const;
+  // How many headers of that (lower-case) name were sent.
+  size_t HeaderCount(std::string_view lower_name) const;
 };
 
 struct Response {
@@ -51,6 +67,8 @@ struct Response {
 };
 
 // An OpenAI-style error: {"error":{"message":..,"type":..,"param":..,"code":..}}.
+// Text that is not valid UTF-8 (a client's path echoed back, say) is repaired
+// with U+FFFD, never a reason to fail.
 Response ErrorResponse(int status, std::string_view message,
                        std::string_view type = "invalid_request_error", std::string_view param = {},
                        std::string_view code = {});

@@ -18,6 +18,7 @@
 #include <google/protobuf/stubs/logging.h>
 #include <boost/asio.hpp>
 
+#include "common/accept_backoff.h"
 #include "common/logging.h"
 #include "common/proto/protocol.h"
 
@@ -464,18 +465,28 @@ struct Server::State : std::enable_shared_from_this<Server::State> {
         options(std::move(options)),
         handlers(std::move(handlers)) {}
 
-  void Accept() {
+  // `backoff` paces retries when accept() keeps failing (out of descriptors
+  // the listener stays readable: retrying at once would spin); the first
+  // call makes it, each later one passes it on.
+  void Accept(std::shared_ptr<AcceptBackoff> backoff = nullptr) {
+    if (!backoff)
+      backoff = std::make_shared<AcceptBackoff>("control server :" + std::to_string(port));
     acceptor.async_accept(
         asio::make_strand(loop->impl().io),
-        [self = shared_from_this()](boost::system::error_code ec, tcp::socket socket) {
+        [self = shared_from_this(), backoff](boost::system::error_code ec, tcp::socket socket) {
           if (ec == asio::error::operation_aborted || !self->acceptor.is_open()) return;
           if (ec) {
-            PDSERVE_LOG(WARN) << "control server :" << self->port
-                              << " accept failed: " << ec.message();
-          } else {
-            self->Adopt(std::move(socket));
+            auto timer = std::make_shared<asio::steady_timer>(self->acceptor.get_executor(),
+                                                              backoff->Failed(ec.message()));
+            timer->async_wait([self, backoff, timer](boost::system::error_code wait_ec) {
+              if (wait_ec || !self->acceptor.is_open()) return;
+              self->Accept(backoff);
+            });
+            return;
           }
-          self->Accept();
+          backoff->Succeeded();
+          self->Adopt(std::move(socket));
+          self->Accept(backoff);
         });
   }
 
