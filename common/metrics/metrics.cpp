@@ -4,6 +4,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/http/bearer_auth.h"
+
 namespace pdserve::metrics {
 
 const std::vector<double>& TimeToFirstTokenBuckets() {
@@ -72,8 +74,16 @@ std::string Serialize(const prometheus::Registry& registry) {
 
 bool ServeStandardEndpoints(const http::Request& request, http::Exchange& exchange,
                             const prometheus::Registry& registry,
-                            const std::function<Health()>& health) {
+                            const std::function<Health()>& health,
+                            const std::vector<std::string>& metrics_keys) {
   if (request.path == "/metrics") {
+    if (!metrics_keys.empty()) {
+      const http::BearerCheck auth = http::CheckBearer(request, metrics_keys);
+      if (!auth.accepted()) {
+        exchange.Reply(http::BearerRefusal(auth));
+        return true;
+      }
+    }
     if (request.method != "GET") {
       exchange.Reply(http::ErrorResponse(405, "use GET for /metrics"));
       return true;
@@ -88,8 +98,8 @@ bool ServeStandardEndpoints(const http::Request& request, http::Exchange& exchan
     const Health h = health ? health() : Health{};
     http::Response r;
     r.status = h.healthy ? 200 : 503;
-    r.body =
-        nlohmann::json{{"status", h.healthy ? "ok" : "unhealthy"}, {"detail", h.detail}}.dump();
+    r.body = nlohmann::json{{"status", h.healthy ? "ok" : "unhealthy"}, {"detail", h.detail}}.dump(
+        -1, ' ', false, nlohmann::json::error_handler_t::replace);
     exchange.Reply(std::move(r));
     return true;
   }

@@ -53,9 +53,13 @@ struct Health {
 };
 
 // Answers GET /metrics and GET /health; returns false (and does nothing) for
-// any other path, so callers chain their own routes after it.
+// any other path, so callers chain their own routes after it. With
+// `metrics_keys` (--metrics-key-file), /metrics answers only requests with
+// "Authorization: Bearer <one of them>" (http/bearer_auth.h); /health stays
+// open to probes.
 bool ServeStandardEndpoints(const http::Request& request, http::Exchange& exchange,
                             const prometheus::Registry& registry,
-                            const std::function<Health()>& health);
+                            const std::function<Health()>& health,
+                            const std::vector<std::string>& metrics_keys = {});
 
 }  // namespace pdserve::metrics

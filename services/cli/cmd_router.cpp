@@ -34,6 +34,14 @@ int RunRouter(int argc, char** argv) {
                "use a prefill worker when the decode worker would compute more tokens than this");
   flags.AddInt("block-size", &o.block_size, "tokens per KV block (must match the workers)");
   flags.AddString("api-key-file", &o.api_key_file, "file of accepted API keys, one per line");
+  flags.AddBool("salt-per-api-key", &o.salt_per_api_key,
+                "derive each request's cache salt from its API key, so that tenants never share "
+                "cached prefixes or see each other's cache timing (needs --api-key-file)");
+  flags.AddString("metrics-key-file", &o.metrics_key_file,
+                  "file of keys /metrics requires as 'Authorization: Bearer KEY' (/health and "
+                  "/ready stay open)");
+  int64_t max_json_depth = o.max_json_depth;
+  flags.AddInt("max-json-depth", &max_json_depth, "deepest nesting accepted in a request body");
   flags.AddInt("http-threads", &http_threads, "HTTP I/O threads");
   flags.AddInt("max-concurrent-requests", &max_concurrent, "requests in flight before 503");
   flags.AddBytes("max-body-bytes", &max_body, "largest accepted request body");
@@ -47,6 +55,11 @@ int RunRouter(int argc, char** argv) {
     UsageError("router", "--log-level: unknown level '" + log_level + "'");
   SetLogLevel(level);
   if (o.model_dir.empty()) UsageError("router", "--model is required");
+  if (o.salt_per_api_key && o.api_key_file.empty())
+    UsageError("router", "--salt-per-api-key needs --api-key-file (salts derive from the keys)");
+  if (max_json_depth < 1 || max_json_depth > 1000)
+    UsageError("router", "--max-json-depth must be in [1, 1000]");
+  o.max_json_depth = static_cast<int>(max_json_depth);
   auto port_ok = [](int64_t p, bool allow_minus_one) {
     return (p >= 0 && p <= 65535) || (allow_minus_one && p == -1);
   };

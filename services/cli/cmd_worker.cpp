@@ -30,6 +30,9 @@ int RunWorker(int argc, char** argv) {
                   "address other workers use to reach this one");
   flags.AddInt("port", &port, "control port for peer workers (0: any free port)");
   flags.AddInt("metrics-port", &metrics_port, "port of /metrics and /health (0: any, -1: off)");
+  flags.AddString("metrics-key-file", &o.metrics_key_file,
+                  "file of keys /metrics requires as 'Authorization: Bearer KEY' (/health stays "
+                  "open)");
   flags.AddString("worker-id", &o.worker_id, "unique worker name (default: role-host-pid)");
   flags.AddBytes("kv-cache-bytes", &o.kv_cache_bytes, "memory for the paged KV cache");
   flags.AddString("kv-dtype", &kv_dtype, "KV cache type: fp32|fp16|bf16|fp8");

@@ -17,6 +17,7 @@
 
 #include "common/block_hash.h"
 #include "common/chat_template/chat_template.h"
+#include "common/http/bearer_auth.h"
 #include "common/http/http_server.h"
 #include "common/logging.h"
 #include "common/metrics/metrics.h"
@@ -191,7 +192,7 @@ class RouterServiceImpl : public RouterService {
     max_context_ = config->max_context();
     model_id_ = ServedModelId(opts_.model_dir, *config, opts_.model_id);
     if (!opts_.api_key_file.empty()) {
-      auto keys = LoadApiKeys(opts_.api_key_file);
+      auto keys = http::LoadApiKeys(opts_.api_key_file);
       if (!keys.ok()) return keys.status();
       api_keys_ = std::move(*keys);
     }
@@ -204,6 +205,7 @@ class RouterServiceImpl : public RouterService {
     if (!core.ok()) return core.status();
     core_ = std::move(*core);
     limits_.model_ids = {model_id_};
+    PDSERVE_RETURN_IF_ERROR(InitHttpOptions());
     return Status::Ok();
   }
 
@@ -242,8 +244,8 @@ class RouterServiceImpl : public RouterService {
       mo.threads = 1;
       metrics_http_ = std::make_unique<http::Server>(
           mo, [this](const http::Request& r, std::shared_ptr<http::Exchange> ex) {
-            if (!metrics::ServeStandardEndpoints(r, *ex, *registry_,
-                                                 [] { return metrics::Health{}; })) {
+            if (!metrics::ServeStandardEndpoints(
+                    r, *ex, *registry_, [] { return metrics::Health{}; }, metrics_keys_)) {
               ex->Reply(http::ErrorResponse(404, "only /metrics and /health are served here"));
             }
           });
@@ -287,9 +289,27 @@ class RouterServiceImpl : public RouterService {
 
  private:
   // ---------------------------------------------------------------- HTTP side
+  // Init's part for the HTTP side: request limits, /metrics keys, tenancy.
+  Status InitHttpOptions() {
+    if (opts_.max_json_depth < 1)
+      return Status::InvalidArgument("--max-json-depth must be at least 1");
+    limits_.max_json_depth = opts_.max_json_depth;
+    if (opts_.salt_per_api_key && api_keys_.empty()) {
+      return Status::InvalidArgument(
+          "--salt-per-api-key derives cache salts from API keys: it needs --api-key-file");
+    }
+    if (!opts_.metrics_key_file.empty()) {
+      auto keys = http::LoadApiKeys(opts_.metrics_key_file);
+      if (!keys.ok()) return keys.status();
+      metrics_keys_ = std::move(*keys);
+    }
+    return Status::Ok();
+  }
+
   void HandleHttp(const http::Request& req, std::shared_ptr<http::Exchange> ex) {
     if (!metrics_http_ &&
-        metrics::ServeStandardEndpoints(req, *ex, *registry_, [] { return metrics::Health{}; })) {
+        metrics::ServeStandardEndpoints(
+            req, *ex, *registry_, [] { return metrics::Health{}; }, metrics_keys_)) {
       return;
     }
     if (req.path == "/health") {  // metrics on their own port: health stays here too
@@ -309,12 +329,15 @@ class RouterServiceImpl : public RouterService {
       return;
     }
     const bool is_api = req.path.rfind("/v1/", 0) == 0;
-    if (is_api && !api_keys_.empty() && !AuthorizeBearer(req.Header("authorization"), api_keys_)) {
-      ex->Reply(http::ErrorResponse(
-          401, "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
-          "invalid_request_error", "", "invalid_api_key"));
-      CountRequest("unauthorized");
-      return;
+    std::optional<size_t> api_key;  // which key authorized the request
+    if (is_api && !api_keys_.empty()) {
+      const http::BearerCheck auth = http::CheckBearer(req, api_keys_);
+      if (!auth.accepted()) {
+        ex->Reply(http::BearerRefusal(auth));
+        CountRequest("unauthorized");
+        return;
+      }
+      api_key = auth.key_index;
     }
     if (req.path == "/v1/models") {
       if (req.method != "GET") return ex->Reply(http::ErrorResponse(405, "use GET for /v1/models"));
@@ -332,15 +355,17 @@ class RouterServiceImpl : public RouterService {
         return ex->Reply(http::ErrorResponse(405, "use POST for " + req.path));
       HandleGenerate(
           req, std::move(ex),
-          req.path == "/v1/completions" ? Endpoint::kCompletions : Endpoint::kChatCompletions);
+          req.path == "/v1/completions" ? Endpoint::kCompletions : Endpoint::kChatCompletions,
+          api_key);
       return;
     }
     ex->Reply(http::ErrorResponse(404, "no such endpoint: " + req.method + " " + req.path,
                                   "invalid_request_error", "", "not_found"));
   }
 
+  // `api_key`: the index of the key that authorized the request, if any.
   void HandleGenerate(const http::Request& req, std::shared_ptr<http::Exchange> ex,
-                      Endpoint endpoint) {
+                      Endpoint endpoint, std::optional<size_t> api_key) {
     const auto arrived = Clock::now();
     auto r = std::make_unique<Inflight>();
     r->arrived = arrived;
@@ -367,6 +392,9 @@ class RouterServiceImpl : public RouterService {
     if (auto err = ParseRequest(endpoint, req.body, limits_, r->api.get()))
       return reject(*err, "rejected");
     ApiRequest& api = *r->api;
+    // Tenancy: each key's requests share cache only among themselves.
+    if (opts_.salt_per_api_key && api_key)
+      api.cache_salt = TenantCacheSalt(api_keys_[*api_key], api.cache_salt);
 
     // Tokenize.
     if (endpoint == Endpoint::kChatCompletions) {
@@ -926,6 +954,7 @@ class RouterServiceImpl : public RouterService {
   int64_t max_context_ = 0;
   std::string model_id_;
   std::vector<std::string> api_keys_;
+  std::vector<std::string> metrics_keys_;  // empty: /metrics is open
   ApiLimits limits_;
   std::unique_ptr<RouterCore> core_;
   std::shared_ptr<prometheus::Registry> registry_ = std::make_shared<prometheus::Registry>();

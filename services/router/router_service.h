@@ -33,6 +33,12 @@ struct RouterServiceOptions {
   int64_t max_local_prefill = 512;
   int64_t block_size = 16;
   std::string api_key_file;
+  // Keys /metrics requires ("" = none); /health and /ready stay open.
+  std::string metrics_key_file;
+  // Cache salt of each request derived from its API key (and the client's
+  // salt), so that tenants never share cached blocks; needs api_key_file.
+  bool salt_per_api_key = false;
+  int max_json_depth = 64;  // nesting allowed in a request body
   int http_threads = 2;
   int max_concurrent_requests = 512;
   size_t max_body_bytes = 4u << 20;

@@ -21,6 +21,7 @@
 #include <unordered_map>
 
 #include "common/block_hash.h"
+#include "common/http/bearer_auth.h"
 #include "common/http/http_server.h"
 #include "common/logging.h"
 #include "common/metrics/metrics.h"
@@ -216,6 +217,11 @@ class WorkerServiceImpl : public WorkerService {
   ~WorkerServiceImpl() override { Stop(); }
 
   Status Init() {
+    if (!opts_.metrics_key_file.empty()) {
+      auto keys = http::LoadApiKeys(opts_.metrics_key_file);
+      if (!keys.ok()) return keys.status();
+      metrics_keys_ = std::move(*keys);
+    }
     if (opts_.worker_id.empty()) {
       char host[256] = {0};
       gethostname(host, sizeof(host) - 1);
@@ -293,7 +299,8 @@ class WorkerServiceImpl : public WorkerService {
       metrics_http_ = std::make_unique<http::Server>(
           ho, [this](const http::Request& r, std::shared_ptr<http::Exchange> ex) {
             if (r.path == "/metrics") RefreshCacheCounters();
-            if (!metrics::ServeStandardEndpoints(r, *ex, *registry_, [this] { return Health(); })) {
+            if (!metrics::ServeStandardEndpoints(
+                    r, *ex, *registry_, [this] { return Health(); }, metrics_keys_)) {
               ex->Reply(http::ErrorResponse(404, "only /metrics and /health are served here"));
             }
           });
@@ -1149,6 +1156,7 @@ class WorkerServiceImpl : public WorkerService {
   std::unique_ptr<control::EventLoop> loop_;
   std::unique_ptr<control::Server> peer_server_;
   std::unique_ptr<http::Server> metrics_http_;
+  std::vector<std::string> metrics_keys_;  // empty: /metrics is open
 
   std::thread engine_thread_;
   std::mutex cmd_mu_;

@@ -49,6 +49,7 @@ struct WorkerOptions {
   std::string advertise_host;        // address peers use to reach us ("" = 127.0.0.1)
   int port = 0;                      // control port for peer workers (0: any)
   int metrics_port = 0;              // /metrics and /health (0: any, -1: off)
+  std::string metrics_key_file;      // keys /metrics requires ("" = open); /health stays open
   std::string worker_id;             // "" = role-hostname-pid
   int64_t kv_cache_bytes = 256ll << 20;
   DType kv_dtype = DType::kF32;

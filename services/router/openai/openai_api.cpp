@@ -1,7 +1,11 @@
 #include "services/router/openai/openai_api.h"
 
-#include <fstream>
+#include <openssl/evp.h>
+
+#include <cmath>
+#include <cstring>
 #include <limits>
+#include <stdexcept>
 
 namespace pdserve::router {
 
@@ -39,6 +43,25 @@ const char* TypeName(const ojson& v) {
   }
 }
 
+// The value as a signed 64-bit integer: integers in range, and floats with an
+// integral value in range (16.0 is an integer to Python clients too).
+std::optional<int64_t> AsInt64(const ojson& v) {
+  if (v.is_number_unsigned()) {
+    const auto u = v.get<uint64_t>();
+    if (u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) return std::nullopt;
+    return static_cast<int64_t>(u);
+  }
+  if (v.is_number_integer()) return v.get<int64_t>();
+  if (v.is_number_float()) {
+    const double d = v.get<double>();
+    // [-2^63, 2^63): outside it the cast would be undefined.
+    if (!(d >= -9223372036854775808.0 && d < 9223372036854775808.0) || d != std::trunc(d))
+      return std::nullopt;
+    return static_cast<int64_t>(d);
+  }
+  return std::nullopt;
+}
+
 // Field accessors: absent or null → nullopt; wrong type → error.
 class Fields {
  public:
@@ -58,13 +81,11 @@ class Fields {
   }
   std::optional<ApiError> Int(const char* name, std::optional<int64_t>* out) const {
     if (const ojson* v = Get(name)) {
-      if (v->is_number_integer()) {
-        *out = v->get<int64_t>();
-      } else if (v->is_number_float() &&
-                 v->get<double>() == static_cast<double>(static_cast<int64_t>(v->get<double>()))) {
-        *out = static_cast<int64_t>(v->get<double>());  // 16.0 is an integer to Python clients too
-      } else {
-        return Bad(name, std::string("'") + name + "' must be an integer, got " + TypeName(*v));
+      *out = AsInt64(*v);
+      if (!*out) {
+        return Bad(name, std::string("'") + name + "' must be an integer" +
+                             (v->is_number() ? " in the 64-bit range" : "") + ", got " +
+                             TypeName(*v));
       }
     }
     return std::nullopt;
@@ -98,11 +119,11 @@ class Fields {
 std::optional<ApiError> ParseTokenArray(const ojson& v, const char* param,
                                         std::vector<TokenId>* out) {
   for (const auto& t : v) {
-    if (!t.is_number_integer() || t.get<int64_t>() < 0 ||
-        t.get<int64_t>() > std::numeric_limits<TokenId>::max()) {
+    const std::optional<int64_t> id = t.is_number_float() ? std::nullopt : AsInt64(t);
+    if (!id || *id < 0 || *id > std::numeric_limits<TokenId>::max()) {
       return Bad(param, std::string("'") + param + "' token ids must be non-negative integers");
     }
-    out->push_back(static_cast<TokenId>(t.get<int64_t>()));
+    out->push_back(static_cast<TokenId>(*id));
   }
   return std::nullopt;
 }
@@ -165,14 +186,16 @@ std::optional<ApiError> ParseMessages(const ojson& body, ApiRequest* out) {
       // Text parts are joined as vLLM does; other part types need a multimodal model.
       std::string text;
       for (const auto& part : *content) {
-        if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
-            !part["text"].is_string()) {
+        auto type = part.is_object() ? part.find("type") : part.end();
+        auto part_text = part.is_object() ? part.find("text") : part.end();
+        if (!part.is_object() || type == part.end() || *type != "text" || part_text == part.end() ||
+            !part_text->is_string()) {
           return Bad(where + ".content", "'" + where +
                                              ".content' parts must be {\"type\": \"text\", "
                                              "\"text\": ...}; this model takes text only");
         }
         if (!text.empty()) text += "\n";
-        text += part["text"].get<std::string>();
+        text += part_text->get_ref<const std::string&>();
       }
       copy["content"] = text;
     } else if (!content->is_string()) {
@@ -218,11 +241,8 @@ std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view body,
   *out = ApiRequest{};
   out->endpoint = endpoint;
   ojson j;
-  try {
-    j = ojson::parse(body);
-  } catch (const nlohmann::json::parse_error& e) {
-    return Bad("", std::string("the request body is not valid JSON: ") + e.what());
-  }
+  if (auto err = ParseCheckedJson(body, limits.max_json_depth, &j))
+    return Bad(err->path, err->message);
   if (!j.is_object()) return Bad("", "the request body must be a JSON object");
   Fields f(j);
 
@@ -317,7 +337,8 @@ std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view body,
     return Bad("tools", "'tools' is not supported by this server");
   }
   if (const ojson* rf = f.Get("response_format")) {
-    if (!rf->is_object() || rf->value("type", "") != "text") {
+    auto type = rf->is_object() ? rf->find("type") : rf->end();
+    if (!rf->is_object() || type == rf->end() || *type != "text") {
       return Bad("response_format", "only 'response_format' {\"type\": \"text\"} is supported");
     }
   }
@@ -332,11 +353,12 @@ std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view body,
   // Logprobs: an integer for completions, a boolean plus top_logprobs for chat.
   if (endpoint == Endpoint::kCompletions) {
     if (const ojson* lp = f.Get("logprobs"); lp && !(lp->is_boolean() && !lp->get<bool>())) {
-      if (!lp->is_number_integer() || lp->get<int64_t>() < 0 || lp->get<int64_t>() > kMaxLogprobs) {
+      const std::optional<int64_t> n = lp->is_number_float() ? std::nullopt : AsInt64(*lp);
+      if (!n || *n < 0 || *n > kMaxLogprobs) {
         return Bad("logprobs",
                    "'logprobs' must be an integer in [0, " + std::to_string(kMaxLogprobs) + "]");
       }
-      s.logprobs = static_cast<int>(lp->get<int64_t>());
+      s.logprobs = static_cast<int>(*n);
     }
   } else {
     PDSERVE_API_CHECK(f.Bool("logprobs", &out->chat_logprobs));
@@ -364,9 +386,66 @@ std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view body,
 // ---------------------------------------------------------------------------
 // Responses
 
+namespace {
+
+constexpr std::string_view kReplacementChar = "\xEF\xBF\xBD";  // U+FFFD
+
+// `bytes` with every maximal ill-formed UTF-8 subsequence replaced by U+FFFD
+// (the Unicode-recommended practice, as Python's errors="replace" does).
+std::string Utf8Text(std::string_view bytes) {
+  std::string out;
+  out.reserve(bytes.size());
+  size_t i = 0;
+  while (i < bytes.size()) {
+    const auto c = static_cast<unsigned char>(bytes[i]);
+    if (c < 0x80) {
+      out.push_back(static_cast<char>(c));
+      ++i;
+      continue;
+    }
+    // Sequence length and the allowed range of the second byte (which rules
+    // out overlong forms, surrogates and code points past U+10FFFF).
+    size_t need = 0;
+    unsigned char lo = 0x80, hi = 0xBF;
+    if (c >= 0xC2 && c <= 0xDF) {
+      need = 2;
+    } else if (c >= 0xE0 && c <= 0xEF) {
+      need = 3;
+      if (c == 0xE0) lo = 0xA0;
+      if (c == 0xED) hi = 0x9F;
+    } else if (c >= 0xF0 && c <= 0xF4) {
+      need = 4;
+      if (c == 0xF0) lo = 0x90;
+      if (c == 0xF4) hi = 0x8F;
+    }
+    size_t k = 1;
+    while (need && k < need && i + k < bytes.size()) {
+      const auto d = static_cast<unsigned char>(bytes[i + k]);
+      if (d < (k == 1 ? lo : 0x80) || d > (k == 1 ? hi : 0xBF)) break;
+      ++k;
+    }
+    if (need && k == need) {
+      out.append(bytes.substr(i, need));
+    } else {
+      out.append(kReplacementChar);
+    }
+    i += k;
+  }
+  return out;
+}
+
+// A logprob as JSON can carry it: -inf (and NaN) as vLLM writes them.
+double Logprob(float lp) { return std::isfinite(lp) ? static_cast<double>(lp) : -9999.0; }
+
+std::vector<uint8_t> Bytes(const std::string& s) {
+  return std::vector<uint8_t>(s.begin(), s.end());
+}
+
+}  // namespace
+
 ResponseFormatter::ResponseFormatter(const ApiRequest& request, std::string id,
                                      int64_t created_unix)
-    : request_(request), id_(std::move(id)), created_(created_unix) {}
+    : request_(request), id_(Utf8Text(id)), created_(created_unix) {}
 
 nlohmann::json ResponseFormatter::Envelope(const char* object) const {
   return {{"id", id_}, {"object", object}, {"created", created_}, {"model", request_.model}};
@@ -387,13 +466,11 @@ nlohmann::json ResponseFormatter::Logprobs(const std::vector<TokenPiece>& pieces
     for (const auto& p : pieces) {
       nlohmann::json top = nlohmann::json::array();
       for (const auto& [tok, lp] : p.top_logprobs) {
-        top.push_back({{"token", tok},
-                       {"logprob", lp},
-                       {"bytes", std::vector<uint8_t>(tok.begin(), tok.end())}});
+        top.push_back({{"token", Utf8Text(tok)}, {"logprob", Logprob(lp)}, {"bytes", Bytes(tok)}});
       }
-      content.push_back({{"token", p.token_text},
-                         {"logprob", p.logprob.value_or(0.f)},
-                         {"bytes", std::vector<uint8_t>(p.token_text.begin(), p.token_text.end())},
+      content.push_back({{"token", Utf8Text(p.token_text)},
+                         {"logprob", Logprob(p.logprob.value_or(0.f))},
+                         {"bytes", Bytes(p.token_text)},
                          {"top_logprobs", top}});
     }
     return {{"content", content}};
@@ -402,10 +479,10 @@ nlohmann::json ResponseFormatter::Logprobs(const std::vector<TokenPiece>& pieces
                  top_logprobs = nlohmann::json::array(), offsets = nlohmann::json::array();
   size_t offset = text_offset;
   for (const auto& p : pieces) {
-    tokens.push_back(p.token_text);
-    token_logprobs.push_back(p.logprob.value_or(0.f));
+    tokens.push_back(Utf8Text(p.token_text));
+    token_logprobs.push_back(Logprob(p.logprob.value_or(0.f)));
     nlohmann::json top = nlohmann::json::object();
-    for (const auto& [tok, lp] : p.top_logprobs) top[tok] = lp;
+    for (const auto& [tok, lp] : p.top_logprobs) top[Utf8Text(tok)] = Logprob(lp);
     top_logprobs.push_back(top);
     offsets.push_back(offset);
     offset += p.text.size();
@@ -417,12 +494,16 @@ nlohmann::json ResponseFormatter::Logprobs(const std::vector<TokenPiece>& pieces
 }
 
 namespace {
-std::string Sse(const nlohmann::json& j) { return "data: " + j.dump() + "\n\n"; }
-std::string JoinText(const std::vector<TokenPiece>& pieces) {
+// The values are valid UTF-8 already; replace() is the net for any that is not.
+std::string Sse(const nlohmann::json& j) {
+  return "data: " + j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n\n";
+}
+std::string JoinRaw(const std::vector<TokenPiece>& pieces) {
   std::string text;
   for (const auto& p : pieces) text += p.text;
   return text;
 }
+std::string JoinText(const std::vector<TokenPiece>& pieces) { return Utf8Text(JoinRaw(pieces)); }
 }  // namespace
 
 std::string ResponseFormatter::StreamStart() const {
@@ -495,60 +576,46 @@ nlohmann::json ResponseFormatter::Complete(const std::string& prompt_text,
                                            const std::vector<TokenPiece>& pieces,
                                            const std::string& finish_reason,
                                            const Usage& usage) const {
-  const std::string text = JoinText(pieces);
   nlohmann::json j;
   if (request_.endpoint == Endpoint::kChatCompletions) {
     j = Envelope("chat.completion");
     j["choices"] = {{{"index", 0},
-                     {"message", {{"role", "assistant"}, {"content", text}}},
+                     {"message", {{"role", "assistant"}, {"content", JoinText(pieces)}}},
                      {"logprobs", Logprobs(pieces, 0)},
-                     {"finish_reason", finish_reason}}};
+                     {"finish_reason", Utf8Text(finish_reason)}}};
   } else {
     const std::string prefix = request_.echo ? prompt_text : "";
     j = Envelope("text_completion");
     j["choices"] = {{{"index", 0},
-                     {"text", prefix + text},
+                     {"text", Utf8Text(prefix + JoinRaw(pieces))},
                      {"logprobs", Logprobs(pieces, prefix.size())},
-                     {"finish_reason", finish_reason}}};
+                     {"finish_reason", Utf8Text(finish_reason)}}};
   }
   j["usage"] = UsageJson(usage);
   return j;
 }
 
-StatusOr<std::vector<std::string>> LoadApiKeys(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return Status::NotFound(path + ": cannot open the API key file");
-  std::vector<std::string> keys;
-  std::string line;
-  while (std::getline(in, line)) {
-    while (!line.empty() && (line.back() == '\r' || line.back() == ' ' || line.back() == '\t'))
-      line.pop_back();
-    size_t start = line.find_first_not_of(" \t");
-    if (start == std::string::npos || line[start] == '#') continue;
-    keys.push_back(line.substr(start));
+std::string TenantCacheSalt(std::string_view api_key, std::string_view client_salt) {
+  // The key's length first, so that no (key, salt) pair can pose as another.
+  std::string input = "pdserve tenant cache salt v1";
+  input.push_back('\0');
+  const uint64_t key_size = api_key.size();
+  for (int shift = 0; shift < 64; shift += 8) input.push_back(static_cast<char>(key_size >> shift));
+  input.append(api_key);
+  input.append(client_salt);
+  unsigned char digest[EVP_MAX_MD_SIZE];
+  unsigned int digest_size = 0;
+  if (EVP_Digest(input.data(), input.size(), digest, &digest_size, EVP_sha256(), nullptr) != 1) {
+    // Only short of memory; the HTTP boundary turns this into a 500.
+    throw std::runtime_error("SHA-256 failed");
   }
-  if (keys.empty()) return Status::InvalidArgument(path + ": the API key file holds no key");
-  return keys;
-}
-
-bool AuthorizeBearer(std::string_view header, const std::vector<std::string>& keys) {
-  constexpr std::string_view kPrefix = "Bearer ";
-  if (header.size() < kPrefix.size() || header.substr(0, kPrefix.size()) != kPrefix) return false;
-  std::string_view presented = header.substr(kPrefix.size());
-  bool any = false;
-  for (const auto& key : keys) {
-    // Compare every byte of the longer of the two so timing reveals neither
-    // the matching prefix length nor which key was closest.
-    const size_t n = std::max(key.size(), presented.size());
-    unsigned char diff = static_cast<unsigned char>(key.size() != presented.size());
-    for (size_t i = 0; i < n; ++i) {
-      const unsigned char a = i < key.size() ? static_cast<unsigned char>(key[i]) : 0;
-      const unsigned char b = i < presented.size() ? static_cast<unsigned char>(presented[i]) : 0;
-      diff |= static_cast<unsigned char>(a ^ b);
-    }
-    any |= (diff == 0);
+  static const char* kHex = "0123456789abcdef";
+  std::string hex;
+  for (unsigned int i = 0; i < digest_size; ++i) {
+    hex.push_back(kHex[digest[i] >> 4]);
+    hex.push_back(kHex[digest[i] & 15]);
   }
-  return any;
+  return hex;
 }
 
 }  // namespace pdserve::router

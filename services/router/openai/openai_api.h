@@ -2,11 +2,19 @@
 // and the response / Server-Sent-Events formats of /v1/completions and
 // /v1/chat/completions.
 //
-// Contract: ParseRequest never throws; every rejection is an ApiError with the
-// HTTP status, an OpenAI error type and the offending parameter, so the router
-// answers `{"error":{"message","type","param","code"}}` exactly as OpenAI does.
-// Unknown fields are ignored (clients send many); known fields of the wrong
-// type or out of range are rejected.
+// Contract: ParseRequest never throws, whatever the body holds; every
+// rejection is an ApiError with the HTTP status, an OpenAI error type and the
+// offending parameter, so the router answers
+// `{"error":{"message","type","param","code"}}` exactly as OpenAI does. The
+// body is checked as a whole first (checked_json.h: nesting depth, UTF-8,
+// number range), and a fault there names its field too
+// ("messages[0].content"). Unknown fields are ignored (clients send many);
+// known fields of the wrong type or out of range are rejected.
+//
+// The response formats never fail on text that is not valid UTF-8 (byte
+// tokens, cut multi-byte characters): such text is repaired with U+FFFD, and
+// logprobs' "bytes" keep the exact bytes. Non-finite logprobs are written as
+// -9999.0 (as vLLM does), so every JSON produced here serializes.
 #pragma once
 
 #include <cstdint>
@@ -20,6 +28,7 @@
 #include "common/block_hash.h"
 #include "common/http/http_server.h"
 #include "engine/sampler.h"
+#include "services/router/openai/checked_json.h"
 
 namespace pdserve::router {
 
@@ -58,6 +67,7 @@ struct ApiRequest {
 struct ApiLimits {
   std::vector<std::string> model_ids;  // empty model in a request = the first
   int max_stop_strings = 16;
+  int max_json_depth = kDefaultMaxJsonDepth;  // nesting of the request body
 };
 
 // Parses and validates a request body for `endpoint`.
@@ -109,12 +119,11 @@ class ResponseFormatter {
   int64_t created_;
 };
 
-// Reads an API key file (one key per line; blank lines and '#' comments
-// ignored). An empty result is an error: a key file with no key is a mistake.
-StatusOr<std::vector<std::string>> LoadApiKeys(const std::string& path);
-
-// Checks an "Authorization: Bearer <key>" header against the keys in time
-// independent of where a mismatch occurs.
-bool AuthorizeBearer(std::string_view authorization_header, const std::vector<std::string>& keys);
+// Tenancy (--salt-per-api-key): the cache salt of a request authorized by
+// `api_key`, given the client's own `client_salt` ("" when none). A one-way
+// hash (SHA-256) of both, in hex, so that requests of different keys never
+// share cached blocks, the same key's requests do (per client salt), and the
+// key itself never leaves the router.
+std::string TenantCacheSalt(std::string_view api_key, std::string_view client_salt);
 
 }  // namespace pdserve::router

@@ -472,5 +472,33 @@ TEST(HttpServerTest, OutOfDescriptorsTheAcceptLoopBacksOffLogsRarelyAndRecovers)
   EXPECT_NE(text.find("accepting connections again"), std::string::npos) << text;
 }
 
+TEST(HttpServerTest, MetricsCanRequireAKeyWhileHealthStaysOpen) {
+  auto registry = std::make_shared<prometheus::Registry>();
+  prometheus::BuildCounter().Name("pdserve_test_total").Help("t").Register(*registry).Add({});
+  const std::vector<std::string> keys = {"scrape-key"};
+  Server server({.host = "127.0.0.1"}, [&](const Request& req, std::shared_ptr<Exchange> ex) {
+    if (!metrics::ServeStandardEndpoints(req, *ex, *registry, {}, keys))
+      ex->Reply(ErrorResponse(404, "no route"));
+  });
+  ASSERT_TRUE(server.Start().ok());
+  auto get = [&](const std::string& path, const std::string& headers) {
+    return Fetch(server.port(), "GET " + path + " HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" +
+                                    headers + "\r\n");
+  };
+  std::string r = get("/metrics", "");
+  EXPECT_NE(r.find("HTTP/1.1 401"), std::string::npos) << r;
+  EXPECT_NE(r.find("WWW-Authenticate: Bearer"), std::string::npos) << r;
+  EXPECT_EQ(r.find("pdserve_test_total"), std::string::npos);
+  r = get("/metrics", "Authorization: Bearer wrong\r\n");
+  EXPECT_NE(r.find("HTTP/1.1 401"), std::string::npos) << r;
+  r = get("/metrics", "Authorization: bearer scrape-key\r\n");
+  EXPECT_NE(r.find("HTTP/1.1 200"), std::string::npos) << r;
+  EXPECT_NE(r.find("pdserve_test_total"), std::string::npos) << r;
+  r = get("/metrics", "Authorization: Bearer scrape-key\r\nAuthorization: Bearer wrong\r\n");
+  EXPECT_NE(r.find("HTTP/1.1 400"), std::string::npos) << r;
+  r = get("/health", "");
+  EXPECT_NE(r.find("HTTP/1.1 200"), std::string::npos) << r;
+}
+
 }  // namespace
 }  // namespace pdserve::http

@@ -3,7 +3,8 @@
 
 #include <gtest/gtest.h>
 
-#include <fstream>
+#include <algorithm>
+#include <limits>
 
 namespace pdserve::router {
 namespace {
@@ -171,25 +172,153 @@ TEST(OpenAiApiTest, ChatStreamEvents) {
   EXPECT_TRUE(err.starts_with("data: {\"error\""));
 }
 
-TEST(OpenAiApiTest, ApiKeys) {
-  const std::string path = ::testing::TempDir() + "/keys.txt";
-  {
-    std::ofstream out(path);
-    out << "# tenants\n\nsk-alpha\n  sk-beta  \n";
+// A message that can be echoed in any JSON and any log: printable ASCII.
+bool Printable(const std::string& s) {
+  return std::all_of(s.begin(), s.end(), [](char c) { return c >= 0x20 && c < 0x7f; });
+}
+
+TEST(OpenAiApiTest, HostileBodiesAre400sNamingTheField) {
+  const Endpoint C = Endpoint::kCompletions, H = Endpoint::kChatCompletions;
+  struct Case {
+    Endpoint endpoint;
+    std::string body;
+    std::string param;
+    std::string says;
+  };
+  const std::vector<Case> cases = {
+      // Numbers past a double (nlohmann throws out_of_range for these).
+      {C, R"({"prompt":"x","max_tokens":1e400})", "max_tokens", "out of range"},
+      {C, R"({"prompt":"x","temperature":-1e999})", "temperature", "out of range"},
+      {C, R"({"prompt":[1e400]})", "prompt[0]", "out of range"},
+      // Numbers that are doubles but no 64-bit integer.
+      {C, R"({"prompt":"x","max_tokens":1e300})", "max_tokens", "integer"},
+      {C, R"({"prompt":"x","max_tokens":18446744073709551616})", "max_tokens", "integer"},
+      {C, R"({"prompt":"x","seed":9223372036854775808})", "seed", "integer"},
+      {C, R"({"prompt":"x","logprobs":1e19})", "logprobs", "integer"},
+      {C, R"({"prompt":[1,18446744073709551615]})", "prompt", "token ids"},
+      // Strings that are not UTF-8 (error messages echoing them made
+      // json::dump() throw).
+      {C, "{\"prompt\":\"a\xff\"}", "prompt", "UTF-8"},
+      {H,
+       "{\"messages\":[{\"role\":\"user\",\"content\":\"ok\"},"
+       "{\"role\":\"user\",\"content\":\"a\xc0\xaf\"}]}",
+       "messages[1].content", "UTF-8"},
+      {H,
+       "{\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":"
+       "\"\xed\xa0\x80\"}"
+       "]}]}",
+       "messages[0].content[0].text", "UTF-8"},
+      {C, R"({"prompt":"\ud800"})", "prompt", "surrogate"},
+      {C, "{\"pr\xffompt\":\"x\"}", "", "UTF-8"},
+      // Known fields of the wrong type (.value() threw type_error).
+      {C, R"({"prompt":"x","response_format":{"type":5}})", "response_format", "response_format"},
+      {C, R"({"prompt":"x","response_format":{"type":null}})", "response_format", "text"},
+      {C, R"({"prompt":"x","response_format":["text"]})", "response_format", "text"},
+      {H, R"({"messages":[{"role":"user","content":[{"type":7,"text":"a"}]}]})",
+       "messages[0].content", "parts"},
+      {H, R"({"messages":[{"role":"user","content":[{"type":["text"],"text":"a"}]}]})",
+       "messages[0].content", "parts"},
+      {H, R"({"messages":[{"role":"user","content":[{"type":"text","text":5}]}]})",
+       "messages[0].content", "parts"},
+      {H, R"({"messages":[{"role":"user","content":[5]}]})", "messages[0].content", "parts"},
+      // Not one JSON value.
+      {C, R"({"prompt":"x"} and more)", "", "not valid JSON"},
+      {C, "", "", "not valid JSON"},
+  };
+  for (const auto& c : cases) {
+    ApiRequest req;
+    const auto err = ParseRequest(c.endpoint, c.body, kLimits, &req);
+    ASSERT_TRUE(err.has_value()) << c.body;
+    EXPECT_EQ(err->status, 400) << c.body;
+    EXPECT_EQ(err->param, c.param) << c.body << ": " << err->message;
+    EXPECT_NE(err->message.find(c.says), std::string::npos) << c.body << ": " << err->message;
+    if (!c.param.empty()) {
+      EXPECT_NE(err->message.find("'" + c.param + "'"), std::string::npos) << err->message;
+    }
+    EXPECT_TRUE(Printable(err->message)) << err->message;
+    const auto j = nlohmann::json::parse(err->ToResponse().body);
+    EXPECT_EQ(j["error"]["message"], err->message);
+    if (!c.param.empty()) {
+      EXPECT_EQ(j["error"]["param"], c.param);
+    }
   }
-  auto keys = LoadApiKeys(path);
-  ASSERT_TRUE(keys.ok());
-  EXPECT_EQ(*keys, (std::vector<std::string>{"sk-alpha", "sk-beta"}));
-  EXPECT_TRUE(AuthorizeBearer("Bearer sk-beta", *keys));
-  EXPECT_FALSE(AuthorizeBearer("Bearer sk-bet", *keys));
-  EXPECT_FALSE(AuthorizeBearer("Bearer sk-betaa", *keys));
-  EXPECT_FALSE(AuthorizeBearer("sk-alpha", *keys));
-  EXPECT_FALSE(AuthorizeBearer("", *keys));
-  {
-    std::ofstream out(path);
-    out << "# nothing\n";
-  }
-  EXPECT_FALSE(LoadApiKeys(path).ok());
+}
+
+TEST(OpenAiApiTest, NestingIsLimitedBeforeAnythingUsesTheBody) {
+  // 100k levels in a chat message (the router used to crash copying it).
+  const std::string deep = R"({"messages":[{"role":"user","content":"x","extra":)" +
+                           std::string(100000, '[') + std::string(100000, ']') + "}]}";
+  ApiError e = ParseBad(Endpoint::kChatCompletions, deep);
+  EXPECT_EQ(e.status, 400);
+  EXPECT_TRUE(e.param.starts_with("messages[0].extra[0]")) << e.param;
+  EXPECT_NE(e.message.find("deeper than 64 levels"), std::string::npos) << e.message;
+
+  ApiLimits limits = kLimits;
+  limits.max_json_depth = 5;
+  ApiRequest req;
+  // Object, array, array, array, object: five levels pass.
+  EXPECT_FALSE(
+      ParseRequest(Endpoint::kCompletions, R"({"prompt":"x","a":[[[{}]]]})", limits, &req));
+  const auto err =
+      ParseRequest(Endpoint::kCompletions, R"({"prompt":"x","a":[[[[{}]]]]})", limits, &req);
+  ASSERT_TRUE(err.has_value());
+  EXPECT_EQ(err->param, "a[0][0][0][0]");
+}
+
+TEST(OpenAiApiTest, DuplicateKeysKeepTheLastValueAndManyKeysParse) {
+  auto r = ParseOk(Endpoint::kCompletions, R"({"prompt":"first","max_tokens":2,"prompt":"last"})");
+  EXPECT_EQ(r.prompt_text, "last");
+  EXPECT_EQ(r.max_tokens, 2);
+  auto chat = ParseOk(Endpoint::kChatCompletions,
+                      R"({"messages":[{"role":"user","content":"a","role":"system"}]})");
+  EXPECT_EQ(chat.messages[0]["role"], "system");
+  EXPECT_EQ(chat.messages[0].begin().key(), "role");  // first position kept
+  // An object of 200k keys (4 MiB of body) parses in time linear in its size.
+  std::string many = R"({"prompt":"x","extra":{)";
+  for (int i = 0; i < 200000; ++i) many += (i ? ",\"k" : "\"k") + std::to_string(i) + "\":0";
+  many += "}}";
+  EXPECT_EQ(ParseOk(Endpoint::kCompletions, many).prompt_text, "x");
+}
+
+TEST(OpenAiApiTest, ResponsesSurviveTextThatIsNotUtf8) {
+  // Byte-fallback tokens: a cut euro sign, and a byte that is never UTF-8.
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float ninf = -std::numeric_limits<float>::infinity();
+  std::vector<TokenPiece> pieces = {{1, "\xe2\x82", "\xe2\x82", ninf, {{"\xff", nan}}},
+                                    {2, "\xac", "\xac", -0.5f, {{"\xac", -0.5f}}}};
+  auto req = ParseOk(Endpoint::kCompletions, R"({"prompt":"Hi","logprobs":1})");
+  ResponseFormatter fmt(req, "cmpl-1", 1700000000);
+  const auto j = fmt.Complete("Hi", pieces, "length", {2, 2, 0});
+  const auto back = nlohmann::json::parse(j.dump());      // dump() must not throw
+  EXPECT_EQ(back["choices"][0]["text"], "\xe2\x82\xac");  // joined, the text is whole
+  EXPECT_EQ(back["choices"][0]["logprobs"]["tokens"][0], "\xef\xbf\xbd");
+  EXPECT_EQ(back["choices"][0]["logprobs"]["token_logprobs"][0], -9999.0);
+  EXPECT_EQ(back["choices"][0]["logprobs"]["top_logprobs"][0]["\xef\xbf\xbd"], -9999.0);
+  const std::string delta = fmt.StreamDelta({pieces[0]});
+  EXPECT_TRUE(nlohmann::json::accept(delta.substr(6))) << delta;
+
+  auto chat_req = ParseOk(Endpoint::kChatCompletions,
+                          R"({"messages":[{"role":"user","content":"x"}],"logprobs":true})");
+  ResponseFormatter chat(chat_req, "chatcmpl-1", 1700000000);
+  const auto c = nlohmann::json::parse(chat.Complete("", {pieces[0]}, "stop", {1, 1, 0}).dump());
+  EXPECT_EQ(c["choices"][0]["message"]["content"], "\xef\xbf\xbd");
+  // "bytes" keeps the token's exact bytes.
+  EXPECT_EQ(c["choices"][0]["logprobs"]["content"][0]["bytes"], (nlohmann::json{0xe2, 0x82}));
+  const std::string err =
+      ResponseFormatter::StreamError({400, "bad \xff byte", "invalid_request_error", "", ""});
+  EXPECT_TRUE(nlohmann::json::accept(err.substr(6, err.find("\n\n") - 6))) << err;
+}
+
+TEST(OpenAiApiTest, TenantCacheSaltsSeparateKeysAndNeverHoldTheKey) {
+  const std::string a = TenantCacheSalt("sk-alpha", "");
+  EXPECT_EQ(a.size(), 64u);  // SHA-256 in hex
+  EXPECT_EQ(a.find("sk-alpha"), std::string::npos);
+  EXPECT_EQ(a, TenantCacheSalt("sk-alpha", ""));
+  EXPECT_NE(a, TenantCacheSalt("sk-beta", ""));
+  EXPECT_NE(a, TenantCacheSalt("sk-alpha", "team-1"));
+  EXPECT_EQ(TenantCacheSalt("sk-alpha", "team-1"), TenantCacheSalt("sk-alpha", "team-1"));
+  // Where the key ends is part of the input: no pair poses as another.
+  EXPECT_NE(TenantCacheSalt("sk-a", "lpha"), TenantCacheSalt("sk-alpha", ""));
 }
 
 }  // namespace

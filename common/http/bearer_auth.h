@@ -1,0 +1,45 @@
+// API keys and their check on "Authorization: Bearer <key>", shared by the
+// OpenAI API and every process's /metrics.
+//
+// Contract:
+// - A key file holds one key per line; blank lines and '#' comments are
+//   ignored, surrounding whitespace trimmed. A file with no key is an error.
+// - The scheme is matched in any case ("bearer" too, as RFC 9110 says),
+//   followed by one or more spaces and the key. Keys are compared in time
+//   independent of where (and with which key) a mismatch occurs.
+// - A request with more than one Authorization header is refused as
+//   ambiguous (400), never judged by one of them.
+#pragma once
+
+#include <cstddef>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/http/http_server.h"
+#include "common/status.h"
+
+namespace pdserve::http {
+
+StatusOr<std::vector<std::string>> LoadApiKeys(const std::string& path);
+
+// The index in `keys` of the key an Authorization header value presents, or
+// nullopt when it presents none of them (or is not a Bearer credential).
+std::optional<size_t> MatchBearer(std::string_view authorization,
+                                  const std::vector<std::string>& keys);
+
+struct BearerCheck {
+  enum class Outcome { kAccepted, kRefused, kAmbiguous };
+  Outcome outcome = Outcome::kRefused;
+  size_t key_index = 0;  // which of the keys, when accepted
+  bool accepted() const { return outcome == Outcome::kAccepted; }
+};
+
+BearerCheck CheckBearer(const Request& request, const std::vector<std::string>& keys);
+
+// The answer to a check that did not pass: 401 (code invalid_api_key, with
+// WWW-Authenticate) or 400 for several Authorization headers.
+Response BearerRefusal(const BearerCheck& check);
+
+}  // namespace pdserve::http
