@@ -16,16 +16,15 @@ StatusOr<ChatTemplate> ChatTemplate::Parse(std::string_view source) {
 
 namespace {
 
-template <typename Json>
-StatusOr<std::string> RenderJson(const chat_template_detail::Program& program,
-                                 const Json& context) {
-  if (!context.is_object()) {
-    return Status::InvalidArgument("chat template context must be a JSON object");
-  }
-  Value vars = Value::FromJson(context);
+// Runs `make_variables` and the program, turning every failure into a Status.
+// The variables are built in here too: converting deep input can hit a limit.
+template <typename MakeVariables>
+StatusOr<std::string> RenderWith(const chat_template_detail::Program& program,
+                                 MakeVariables make_variables) {
   std::string out;
   try {
-    chat_template_detail::RenderProgram(program, vars.dict(), &out);
+    const Dict variables = make_variables();
+    chat_template_detail::RenderProgram(program, variables, &out);
   } catch (const TemplateError& e) {
     switch (e.kind) {
       case TemplateError::Kind::kRaised:
@@ -46,16 +45,29 @@ StatusOr<std::string> RenderJson(const chat_template_detail::Program& program,
 }
 
 template <typename Json>
-StatusOr<std::string> RenderChatJson(const ChatTemplate& tmpl, const Json& messages,
-                                     bool add_generation_prompt, std::string_view bos_token,
-                                     std::string_view eos_token) {
+StatusOr<std::string> RenderJson(const chat_template_detail::Program& program,
+                                 const Json& context) {
+  if (!context.is_object()) {
+    return Status::InvalidArgument("chat template context must be a JSON object");
+  }
+  return RenderWith(program, [&] { return Value::FromJson(context).dict(); });
+}
+
+// The messages are converted as they are, never copied into a JSON context
+// first: a JSON copy recurses as deep as the input nests.
+template <typename Json>
+StatusOr<std::string> RenderChatJson(const chat_template_detail::Program& program,
+                                     const Json& messages, bool add_generation_prompt,
+                                     std::string_view bos_token, std::string_view eos_token) {
   if (!messages.is_array()) return Status::InvalidArgument("'messages' must be an array");
-  Json context = Json::object();
-  context["messages"] = messages;
-  context["add_generation_prompt"] = add_generation_prompt;
-  context["bos_token"] = std::string(bos_token);
-  context["eos_token"] = std::string(eos_token);
-  return tmpl.Render(context);
+  return RenderWith(program, [&] {
+    Dict variables;
+    variables.Set("messages", Value::FromJson(messages, /*depth=*/1));
+    variables.Set("add_generation_prompt", Value::Bool(add_generation_prompt));
+    variables.Set("bos_token", Value::String(std::string(bos_token)));
+    variables.Set("eos_token", Value::String(std::string(eos_token)));
+    return variables;
+  });
 }
 
 }  // namespace
@@ -71,13 +83,13 @@ StatusOr<std::string> ChatTemplate::Render(const nlohmann::ordered_json& context
 StatusOr<std::string> RenderChat(const ChatTemplate& tmpl, const nlohmann::json& messages,
                                  bool add_generation_prompt, std::string_view bos_token,
                                  std::string_view eos_token) {
-  return RenderChatJson(tmpl, messages, add_generation_prompt, bos_token, eos_token);
+  return RenderChatJson(*tmpl.program_, messages, add_generation_prompt, bos_token, eos_token);
 }
 
 StatusOr<std::string> RenderChat(const ChatTemplate& tmpl, const nlohmann::ordered_json& messages,
                                  bool add_generation_prompt, std::string_view bos_token,
                                  std::string_view eos_token) {
-  return RenderChatJson(tmpl, messages, add_generation_prompt, bos_token, eos_token);
+  return RenderChatJson(*tmpl.program_, messages, add_generation_prompt, bos_token, eos_token);
 }
 
 }  // namespace pdserve

@@ -22,7 +22,14 @@
 //   kInvalidArgument and exactly `msg` as the message; other render failures
 //   (type errors, attribute access on an undefined value, ...) fail with
 //   kInvalidArgument and a message giving the template line; resource limits
-//   (output size, range length, recursion) fail with kResourceExhausted.
+//   fail with kResourceExhausted.
+// - Limits, so that no template and no input can take the process down
+//   (stack, memory or time): input and values nest at most 256 deep, strings
+//   and the output hold at most 64 MiB, evaluation nests at most 300 deep
+//   (macro calls at most 100), a render takes at most 2M steps and creates
+//   at most 512 MiB of values, range() yields at most 1M items; expressions
+//   nest at most 256 deep and blocks 200 (Parse refuses deeper ones). A
+//   namespace cannot hold a namespace (values never form a cycle).
 // - Object key order: Render(ordered_json) keeps the caller's key order (as
 //   Python dicts do, which matters for `tools | tojson`); Render(json) sees
 //   nlohmann::json's sorted order.
@@ -54,6 +61,10 @@ class ChatTemplate {
   StatusOr<std::string> Render(const nlohmann::ordered_json& context) const;
 
  private:
+  friend StatusOr<std::string> RenderChat(const ChatTemplate&, const nlohmann::json&, bool,
+                                          std::string_view, std::string_view);
+  friend StatusOr<std::string> RenderChat(const ChatTemplate&, const nlohmann::ordered_json&, bool,
+                                          std::string_view, std::string_view);
   explicit ChatTemplate(std::shared_ptr<const chat_template_detail::Program> program)
       : program_(std::move(program)) {}
   std::shared_ptr<const chat_template_detail::Program> program_;

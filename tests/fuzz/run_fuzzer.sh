@@ -49,6 +49,7 @@ fuzzer="$(abs "$fuzzer")"
 corpus="$(abs "$corpus")"
 
 mkdir -p "$out/obj" "$out/corpus" "$out/artifacts"
+rm -f "$out/artifacts"/*  # only this run's findings are reported
 launcher=()
 command -v ccache >/dev/null 2>&1 && launcher=(ccache)
 flags=(-std=c++20 -O1 -g -fsanitize=fuzzer-no-link,address,undefined

@@ -38,6 +38,7 @@ struct Expr {
   };
   Kind kind;
   int line = 0;
+  int height = 1;  // of the tree below, this node included (bounded by the parser)
   Value literal;
   std::string name;
   bool negated = false;

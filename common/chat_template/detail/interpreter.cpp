@@ -19,9 +19,12 @@
 namespace pdserve::chat_template_detail {
 namespace {
 
-constexpr size_t kMaxOutputBytes = size_t{64} << 20;
+constexpr size_t kMaxOutputBytes = kMaxStringBytes;
 constexpr int64_t kMaxRangeLength = 1'000'000;
 constexpr int kMaxCallDepth = 100;
+// Statements and expressions being evaluated inside one another, macro calls
+// included: bounds the interpreter's recursion, so its stack use.
+constexpr int kMaxNesting = 300;
 
 [[noreturn]] void Error(std::string message) { throw TemplateError(std::move(message)); }
 [[noreturn]] void LimitError(std::string message) {
@@ -206,6 +209,7 @@ std::string Replace(const std::string& s, const std::string& old_s, const std::s
       if (count < 0 || done < count) {
         out += new_s;
         ++done;
+        CheckStringSize(out.size());
       }
       AppendUtf8(&out, c);
     }
@@ -219,6 +223,7 @@ std::string Replace(const std::string& s, const std::string& old_s, const std::s
     if (p == std::string::npos) break;
     out.append(s, start, p - start);
     out += new_s;
+    CheckStringSize(out.size());
     start = p + old_s.size();
     ++done;
   }
@@ -227,6 +232,7 @@ std::string Replace(const std::string& s, const std::string& old_s, const std::s
 }
 
 int64_t CodePointLength(const std::string& s) {
+  RenderBudget::ChargeBytes(static_cast<int64_t>(s.size()));
   int64_t n = 0;
   for (unsigned char c : s) {
     if ((c & 0xc0) != 0x80) ++n;
@@ -285,6 +291,7 @@ bool Contains(const Value& container, const Value& item) {
         if (item.is_undefined()) UndefinedError(item);
         Error(std::string("'in <string>' requires string as left operand, not ") + item.TypeName());
       }
+      RenderBudget::ChargeBytes(static_cast<int64_t>(container.str().size()));
       return container.str().find(item.str()) != std::string::npos;
     case Value::Kind::kList:
     case Value::Kind::kTuple:
@@ -392,6 +399,7 @@ const std::map<std::string, TestFn, std::less<>>& Tests();
 class Interpreter {
  public:
   void Run(const Program& program, const Dict& variables, std::string* out) {
+    RenderBudget budget;
     Scope globals(nullptr);
     InstallGlobals(&globals);
     Scope context(&globals);
@@ -421,7 +429,8 @@ class Interpreter {
       std::string method = name;
       return Value::MakeCallable(
           std::string(obj.TypeName()) + "." + name,
-          [this, self, method](const CallArgs& args) { return CallMethod(self, method, args); });
+          [this, self, method](const CallArgs& args) { return CallMethod(self, method, args); },
+          &obj);
     }
     if (IsUnsafeMethod(obj, name)) {
       return Value::Undefined("access to attribute " + Quote(name) + " of " +
@@ -513,7 +522,26 @@ class Interpreter {
     return Flow::kNormal;
   }
 
+  // Counts one level of nesting for its lifetime, and one step.
+  class Nested {
+   public:
+    explicit Nested(int* depth) : depth_(depth) {
+      if (++*depth_ > kMaxNesting) {
+        --*depth_;
+        LimitError("chat template evaluation nested deeper than " + std::to_string(kMaxNesting));
+      }
+      RenderBudget::ChargeSteps(1);
+    }
+    ~Nested() { --*depth_; }
+    Nested(const Nested&) = delete;
+    Nested& operator=(const Nested&) = delete;
+
+   private:
+    int* depth_;
+  };
+
   Flow ExecNode(const Node& node, Scope& scope, std::string* out) {
+    Nested nested(&nesting_);
     try {
       return ExecNodeUnlocated(node, scope, out);
     } catch (const TemplateError& e) {
@@ -553,6 +581,7 @@ class Interpreter {
           if (!ns || ns->kind() != Value::Kind::kNamespace) {
             Error("cannot assign attribute on non-namespace object " + Quote(node.ns_name));
           }
+          if (v.holds_namespace()) Error("a namespace cannot hold a namespace in chat templates");
           ns->ns().attrs.Set(node.attr, std::move(v));
         } else {
           Assign(node.targets, v, scope);
@@ -611,6 +640,7 @@ class Interpreter {
     }
     const int64_t n = static_cast<int64_t>(items.size());
     for (int64_t i = 0; i < n; ++i) {
+      RenderBudget::ChargeSteps(1);
       // Jinja2: each iteration sees the enclosing variables but its own
       // assignments end with the iteration.
       Scope iter_scope(&scope);
@@ -692,6 +722,7 @@ class Interpreter {
 
  public:
   Value Eval(const Expr& e, Scope& scope) {
+    Nested nested(&nesting_);
     switch (e.kind) {
       case Expr::Kind::kLiteral:
         return e.literal;
@@ -871,10 +902,12 @@ class Interpreter {
         }
         if (op == "**") {
           if (b < 0) return Value::Float(std::pow(static_cast<double>(a), static_cast<double>(b)));
+          // Square and multiply: 64 rounds at most, and (-1) ** 3 is -1.
           res = 1;
-          for (int64_t k = 0; k < b; ++k) {
-            if (__builtin_mul_overflow(res, a, &res)) Error("integer overflow");
-            if (res == 0 || res == 1) break;
+          int64_t base = a;
+          for (int64_t e = b; e > 0; e >>= 1) {
+            if ((e & 1) && __builtin_mul_overflow(res, base, &res)) Error("integer overflow");
+            if (e > 1 && __builtin_mul_overflow(base, base, &base)) Error("integer overflow");
           }
           return Value::Int(res);
         }
@@ -1014,6 +1047,7 @@ class Interpreter {
 
   Scope* root_ = nullptr;
   int call_depth_ = 0;
+  int nesting_ = 0;
 };
 
 // ---- Python methods ------------------------------------------------------------
@@ -1125,6 +1159,7 @@ Value Interpreter::CallMethod(const Value& obj, const std::string& name, const C
     }
     if (name == "find" || name == "rfind" || name == "index") {
       std::string sub = ArgString(a, 0, "sub", name.c_str());
+      RenderBudget::ChargeBytes(static_cast<int64_t>(s.size()));
       size_t p = name == "rfind" ? s.rfind(sub) : s.find(sub);
       if (p == std::string::npos) {
         if (name == "index") Error("substring not found");
@@ -1134,6 +1169,7 @@ Value Interpreter::CallMethod(const Value& obj, const std::string& name, const C
     }
     if (name == "count") {
       std::string sub = ArgString(a, 0, "sub", "count");
+      RenderBudget::ChargeBytes(static_cast<int64_t>(s.size()));
       if (sub.empty()) return Value::Int(CodePointLength(s) + 1);
       int64_t n = 0;
       for (size_t p = s.find(sub); p != std::string::npos; p = s.find(sub, p + sub.size())) ++n;
@@ -1151,6 +1187,7 @@ Value Interpreter::CallMethod(const Value& obj, const std::string& name, const C
         if (!first) out += s;
         first = false;
         out += item.str();
+        CheckStringSize(out.size());
       }
       return Value::String(std::move(out));
     }
@@ -1388,9 +1425,9 @@ Value FilterIndent(Interpreter&, const Value& v, const CallArgs& a) {
   if (width_v && width_v->is_string()) {
     indention = width_v->str();
   } else {
-    indention.assign(
-        static_cast<size_t>(std::max<int64_t>(0, width_v ? CheckedInt(*width_v, "width") : 4)),
-        ' ');
+    const int64_t width = width_v ? CheckedInt(*width_v, "width") : 4;
+    CheckStringSize(static_cast<size_t>(std::max<int64_t>(0, width)));
+    indention.assign(static_cast<size_t>(std::max<int64_t>(0, width)), ' ');
   }
   bool first = ArgBool(a, 1, "first", false);
   bool blank = ArgBool(a, 2, "blank", false);
@@ -1401,6 +1438,7 @@ Value FilterIndent(Interpreter&, const Value& v, const CallArgs& a) {
     for (size_t i = 0; i < lines.size(); ++i) {
       if (i) rv += "\n" + indention;
       rv += lines[i];
+      CheckStringSize(rv.size());
     }
   } else {
     rv = lines.empty() ? "" : lines[0];
@@ -1410,6 +1448,7 @@ Value FilterIndent(Interpreter&, const Value& v, const CallArgs& a) {
         if (i > 1) rv += "\n";
         if (!lines[i].empty()) rv += indention;
         rv += lines[i];
+        CheckStringSize(rv.size());
       }
     }
   }
@@ -1436,6 +1475,7 @@ Value FilterJoin(Interpreter& in, const Value& v, const CallArgs& a) {
     if (!first) out += sep;
     first = false;
     out += SoftStr(attribute ? AttributePath(in, item, *attribute) : item);
+    CheckStringSize(out.size());
   }
   return Value::String(std::move(out));
 }

@@ -2,6 +2,7 @@
 // grammar and whitespace rules of Jinja2's own lexer/parser (with the
 // environment Hugging Face uses: trim_blocks, lstrip_blocks, no
 // keep_trailing_newline).
+#include <algorithm>
 #include <cctype>
 #include <cerrno>
 #include <cstdlib>
@@ -465,6 +466,10 @@ const std::set<std::string, std::less<>> kUnsupportedTags = {
     "endblock", "endcall", "endfilter", "endwith", "endautoescape", "endtrans"};
 
 constexpr int kMaxNesting = 200;
+// Height of one expression's tree. Chains of operators, filters, attributes
+// or calls deepen the tree without nesting in the source; the interpreter and
+// the tree's destructor recurse along it.
+constexpr int kMaxExprHeight = 256;
 
 class Parser {
  public:
@@ -751,6 +756,20 @@ class Parser {
 
   // ---- expressions ----
 
+  // Completes a node whose children are in place: sets its height.
+  ExprPtr Seal(ExprPtr e) {
+    int height = 0;
+    for (const auto& a : e->args) {
+      if (a) height = std::max(height, a->height);
+    }
+    for (const auto& [_, v] : e->kwargs) {
+      if (v) height = std::max(height, v->height);
+    }
+    e->height = height + 1;
+    if (e->height > kMaxExprHeight) Fail(e->line, "expression nested too deeply");
+    return e;
+  }
+
   ExprPtr Make(Expr::Kind kind, int line) {
     auto e = std::make_unique<Expr>();
     e->kind = kind;
@@ -778,7 +797,7 @@ class Parser {
     }
     auto e = Make(Expr::Kind::kTuple, line);
     e->args = std::move(items);
-    return e;
+    return Seal(std::move(e));
   }
 
   bool IsTupleEnd(bool stop_at_if) const {
@@ -804,13 +823,14 @@ class Parser {
       ExprPtr otherwise;
       if (IsName("else")) {
         ++i_;
+        DepthGuard guard(this);
         otherwise = ParseCondExpr();
       }
       auto e = Make(Expr::Kind::kCondExpr, line);
       e->args.push_back(std::move(expr));
       e->args.push_back(std::move(cond));
       e->args.push_back(std::move(otherwise));
-      expr = std::move(e);
+      expr = Seal(std::move(e));
     }
     return expr;
   }
@@ -823,7 +843,7 @@ class Parser {
       auto e = Make(Expr::Kind::kOr, line);
       e->args.push_back(std::move(left));
       e->args.push_back(ParseAnd());
-      left = std::move(e);
+      left = Seal(std::move(e));
     }
     return left;
   }
@@ -836,7 +856,7 @@ class Parser {
       auto e = Make(Expr::Kind::kAnd, line);
       e->args.push_back(std::move(left));
       e->args.push_back(ParseNot());
-      left = std::move(e);
+      left = Seal(std::move(e));
     }
     return left;
   }
@@ -849,7 +869,7 @@ class Parser {
       auto e = Make(Expr::Kind::kUnary, line);
       e->name = "not";
       e->args.push_back(ParseNot());
-      return e;
+      return Seal(std::move(e));
     }
     return ParseCompare();
   }
@@ -883,7 +903,7 @@ class Parser {
     e->args.push_back(std::move(first));
     for (auto& r : rest) e->args.push_back(std::move(r));
     e->ops = std::move(ops);
-    return e;
+    return Seal(std::move(e));
   }
 
   ExprPtr Binary(std::string op, ExprPtr left, ExprPtr right, int line) {
@@ -891,7 +911,7 @@ class Parser {
     e->name = std::move(op);
     e->args.push_back(std::move(left));
     e->args.push_back(std::move(right));
-    return e;
+    return Seal(std::move(e));
   }
 
   ExprPtr ParseMath1() {
@@ -946,6 +966,7 @@ class Parser {
       node = Make(Expr::Kind::kUnary, line);
       node->name = op;
       node->args.push_back(ParseUnary(false));
+      node = Seal(std::move(node));
     } else {
       node = ParsePrimary();
     }
@@ -1009,7 +1030,7 @@ class Parser {
             e->args.push_back(ParseExpression(true));
           }
           ExpectOp("]");
-          return e;
+          return Seal(std::move(e));
         }
         if (tok.value == "{") {
           ++i_;
@@ -1022,7 +1043,7 @@ class Parser {
             e->args.push_back(ParseExpression(true));
           }
           ExpectOp("}");
-          return e;
+          return Seal(std::move(e));
         }
         break;
       default:
@@ -1040,7 +1061,7 @@ class Parser {
           auto e = Make(Expr::Kind::kGetAttr, line);
           e->name = TakeName();
           e->args.push_back(std::move(node));
-          node = std::move(e);
+          node = Seal(std::move(e));
         } else if (Cur().type == Tok::kInt) {
           auto e = Make(Expr::Kind::kGetItem, line);
           e->args.push_back(std::move(node));
@@ -1048,7 +1069,7 @@ class Parser {
           key->literal = Value::Int(Cur().int_value);
           ++i_;
           e->args.push_back(std::move(key));
-          node = std::move(e);
+          node = Seal(std::move(e));
         } else {
           Fail(line, "expected an attribute name after '.'");
         }
@@ -1085,12 +1106,12 @@ class Parser {
       auto e = Make(Expr::Kind::kGetItem, line);
       e->args.push_back(std::move(object));
       e->args.push_back(std::move(parts[0]));
-      return e;
+      return Seal(std::move(e));
     }
     auto e = Make(Expr::Kind::kSlice, line);
     e->args.push_back(std::move(object));
     for (auto& p : parts) e->args.push_back(std::move(p));
-    return e;
+    return Seal(std::move(e));
   }
 
   void ParseArgs(Expr* call) {
@@ -1123,7 +1144,7 @@ class Parser {
     auto e = Make(Expr::Kind::kCall, Cur().line);
     e->args.push_back(std::move(callee));
     ParseArgs(e.get());
-    return e;
+    return Seal(std::move(e));
   }
 
   ExprPtr ParseFilterExpr(ExprPtr node) {
@@ -1138,7 +1159,7 @@ class Parser {
         e->name = name;
         e->args.push_back(std::move(node));
         if (IsOp("(")) ParseArgs(e.get());
-        node = std::move(e);
+        node = Seal(std::move(e));
       } else if (IsName("is")) {
         int line = Cur().line;
         ++i_;
@@ -1161,7 +1182,7 @@ class Parser {
           if (IsName("is")) Fail(line, "tests cannot be chained with 'is'");
           e->args.push_back(ParsePostfix(ParsePrimary()));
         }
-        node = std::move(e);
+        node = Seal(std::move(e));
       } else if (IsOp("(")) {
         node = ParseCall(std::move(node));
       } else {
@@ -1186,6 +1207,10 @@ StatusOr<std::shared_ptr<const Program>> ParseProgram(std::string_view source) {
     return std::shared_ptr<const Program>(std::move(program));
   } catch (const ParseError& e) {
     return Status(e.code, "chat template line " + std::to_string(e.line) + ": " + e.message);
+  } catch (const TemplateError& e) {  // a limit, e.g. a string literal past kMaxStringBytes
+    return Status::ResourceExhausted(std::string("chat template: ") + e.what());
+  } catch (const std::bad_alloc&) {
+    return Status::ResourceExhausted("chat template: out of memory while parsing");
   }
 }
 

@@ -7,7 +7,72 @@
 
 namespace pdserve::chat_template_detail {
 
+namespace {
+[[noreturn]] void LimitError(std::string message) {
+  throw TemplateError(TemplateError::Kind::kLimit, std::move(message));
+}
+
+thread_local RenderBudget* current_budget = nullptr;
+}  // namespace
+
+void CheckStringSize(size_t bytes) {
+  if (bytes > kMaxStringBytes) {
+    LimitError("chat template string longer than " + std::to_string(kMaxStringBytes >> 20) +
+               " MiB");
+  }
+}
+
+RenderBudget::RenderBudget() : previous_(current_budget) { current_budget = this; }
+RenderBudget::~RenderBudget() { current_budget = previous_; }
+
+void RenderBudget::ChargeSteps(int64_t steps) {
+  RenderBudget* b = current_budget;
+  if (b != nullptr && (b->steps_ += steps) > kMaxSteps) {
+    LimitError("chat template rendering takes more than " + std::to_string(kMaxSteps) + " steps");
+  }
+}
+
+void RenderBudget::ChargeBytes(int64_t bytes) {
+  RenderBudget* b = current_budget;
+  if (b != nullptr && (b->bytes_ += bytes) > kMaxBytes) {
+    LimitError("chat template rendering exceeds its work limit (" +
+               std::to_string(kMaxBytes >> 20) + " MiB of values created or scanned)");
+  }
+}
+
+template <typename Range>
+void Value::SetNesting(const Range& elements) {
+  int depth = 0;
+  for (const Value& e : elements) {
+    depth = std::max(depth, e.depth_ + 1);
+    holds_namespace_ = holds_namespace_ || e.holds_namespace_;
+  }
+  if (depth > kMaxValueDepth) {
+    LimitError("chat template value nested deeper than " + std::to_string(kMaxValueDepth));
+  }
+  depth_ = static_cast<uint16_t>(depth);
+}
+
+namespace {
+// The values of a Dict, as a range for SetNesting.
+struct DictValues {
+  const Dict& d;
+  struct It {
+    std::vector<std::pair<std::string, Value>>::const_iterator i;
+    const Value& operator*() const { return i->second; }
+    It& operator++() {
+      ++i;
+      return *this;
+    }
+    bool operator!=(const It& o) const { return i != o.i; }
+  };
+  It begin() const { return {d.items.begin()}; }
+  It end() const { return {d.items.end()}; }
+};
+}  // namespace
+
 const Value* Dict::Find(std::string_view key) const {
+  RenderBudget::ChargeBytes(static_cast<int64_t>(items.size()));  // a linear scan
   for (const auto& [k, v] : items) {
     if (k == key) return &v;
   }
@@ -15,6 +80,7 @@ const Value* Dict::Find(std::string_view key) const {
 }
 
 void Dict::Set(std::string key, Value value) {
+  RenderBudget::ChargeBytes(static_cast<int64_t>(items.size()));
   for (auto& [k, v] : items) {
     if (k == key) {
       v = std::move(value);
@@ -61,13 +127,17 @@ Value Value::Float(double d) {
   return v;
 }
 Value Value::String(std::string s) {
+  CheckStringSize(s.size());
+  RenderBudget::ChargeBytes(static_cast<int64_t>(s.size()));
   Value v;
   v.kind_ = Kind::kString;
   v.s_ = std::make_shared<const std::string>(std::move(s));
   return v;
 }
 Value Value::MakeList(List items) {
+  RenderBudget::ChargeBytes(static_cast<int64_t>(items.size() * sizeof(Value)));
   Value v;
+  v.SetNesting(items);
   v.kind_ = Kind::kList;
   v.l_ = std::make_shared<const List>(std::move(items));
   return v;
@@ -78,19 +148,29 @@ Value Value::MakeTuple(List items) {
   return v;
 }
 Value Value::MakeDict(Dict dict) {
+  RenderBudget::ChargeBytes(
+      static_cast<int64_t>(dict.items.size() * sizeof(std::pair<std::string, Value>)));
   Value v;
+  v.SetNesting(DictValues{dict});
   v.kind_ = Kind::kDict;
   v.m_ = std::make_shared<const Dict>(std::move(dict));
   return v;
 }
 Value Value::MakeNamespace(Dict attrs) {
   Value v;
+  v.SetNesting(DictValues{attrs});
+  if (v.holds_namespace_) {
+    throw TemplateError("a namespace cannot hold a namespace in chat templates");
+  }
+  v.holds_namespace_ = true;
   v.kind_ = Kind::kNamespace;
   v.ns_ = std::make_shared<Namespace>(Namespace{std::move(attrs)});
   return v;
 }
-Value Value::MakeCallable(std::string name, std::function<Value(const CallArgs&)> fn) {
+Value Value::MakeCallable(std::string name, std::function<Value(const CallArgs&)> fn,
+                          const Value* bound_to) {
   Value v;
+  if (bound_to != nullptr) v.holds_namespace_ = bound_to->holds_namespace_;
   v.kind_ = Kind::kCallable;
   v.c_ = std::make_shared<const Callable>(Callable{std::move(name), std::move(fn)});
   return v;
@@ -157,6 +237,7 @@ const char* Value::TypeName() const {
 // ---- UTF-8 -------------------------------------------------------------------
 
 std::u32string DecodeUtf8(std::string_view s) {
+  RenderBudget::ChargeBytes(static_cast<int64_t>(s.size() * sizeof(char32_t)));
   std::u32string out;
   out.reserve(s.size());
   size_t i = 0;
@@ -304,7 +385,10 @@ std::string StringRepr(const std::string& s) {
   return out;
 }
 
+// The printers check the size as they go: a list may hold the same long
+// string a million times.
 void AppendRepr(std::string* out, const Value& v) {
+  CheckStringSize(out->size());
   switch (v.kind()) {
     case Value::Kind::kString:
       *out += StringRepr(v.str());
@@ -379,6 +463,7 @@ std::string Repr(const Value& v) {
 }
 
 bool Equals(const Value& a, const Value& b) {
+  RenderBudget::ChargeBytes(sizeof(Value));
   using K = Value::Kind;
   if (a.is_number() && b.is_number()) {
     if (a.kind() == K::kFloat || b.kind() == K::kFloat) return a.as_float() == b.as_float();
@@ -390,6 +475,7 @@ bool Equals(const Value& a, const Value& b) {
     case K::kNone:
       return true;
     case K::kString:
+      RenderBudget::ChargeBytes(static_cast<int64_t>(std::min(a.str().size(), b.str().size())));
       return a.str() == b.str();
     case K::kList:
     case K::kTuple: {
@@ -421,6 +507,7 @@ bool Equals(const Value& a, const Value& b) {
 }
 
 int Compare(const Value& a, const Value& b) {
+  RenderBudget::ChargeBytes(sizeof(Value));
   using K = Value::Kind;
   if (a.is_number() && b.is_number()) {
     if (a.kind() == K::kFloat || b.kind() == K::kFloat) {
@@ -497,6 +584,7 @@ void AppendJsonString(std::string* out, const std::string& s, bool ensure_ascii)
 }
 
 void AppendJson(std::string* out, const Value& v, const JsonOptions& o, int depth) {
+  CheckStringSize(out->size());
   using K = Value::Kind;
   const std::string item_sep =
       o.has_separators ? o.item_separator : (o.indent >= 0 ? std::string(",") : std::string(", "));

@@ -4,6 +4,14 @@
 //
 // Strings, lists and dicts are immutable and shared (copying a Value is
 // cheap); only a namespace is mutable, as in Jinja2's sandbox.
+//
+// Bounds, so that neither a template nor its input can exhaust the stack, the
+// memory or the time of the process (every breach is a TemplateError of kind
+// kLimit): values nest at most kMaxValueDepth deep (the printers and
+// comparisons recurse along the nesting); a string holds at most
+// kMaxStringBytes; a namespace never holds a namespace, directly or through
+// what it contains, so values never form a cycle; and one render may take at
+// most RenderBudget's steps and create at most its bytes.
 #pragma once
 
 #include <cstdint>
@@ -18,6 +26,9 @@
 #include <nlohmann/json.hpp>
 
 namespace pdserve::chat_template_detail {
+
+inline constexpr int kMaxValueDepth = 256;
+inline constexpr size_t kMaxStringBytes = size_t{64} << 20;
 
 // Internal failure while rendering; turned into a Status at the API boundary.
 struct TemplateError : std::runtime_error {
@@ -48,6 +59,32 @@ struct CallArgs {
   std::vector<std::pair<std::string, Value>> keyword;
   // Positional argument `index`, else keyword `name`, else nullptr.
   const Value* Get(size_t index, std::string_view name) const;
+};
+
+// Throws kLimit when a string under construction would exceed kMaxStringBytes.
+void CheckStringSize(size_t bytes);
+
+// The work limits of one render on this thread: evaluation steps (charged by
+// the interpreter) and bytes of the strings and containers created or
+// scanned (charged by Value's factories and the operations whose cost grows
+// with their operands: decoding, searching, comparing, dict lookups).
+// Constructing one installs it for the current thread until it is destroyed;
+// outside a render nothing is charged.
+class RenderBudget {
+ public:
+  static constexpr int64_t kMaxSteps = 2'000'000;
+  static constexpr int64_t kMaxBytes = int64_t{512} << 20;
+  RenderBudget();
+  ~RenderBudget();
+  RenderBudget(const RenderBudget&) = delete;
+  RenderBudget& operator=(const RenderBudget&) = delete;
+  static void ChargeSteps(int64_t steps);
+  static void ChargeBytes(int64_t bytes);
+
+ private:
+  int64_t steps_ = 0;
+  int64_t bytes_ = 0;
+  RenderBudget* previous_;
 };
 
 struct Callable {
@@ -82,9 +119,12 @@ class Value {
   static Value MakeTuple(List items);
   static Value MakeDict(Dict dict);
   static Value MakeNamespace(Dict attrs);
-  static Value MakeCallable(std::string name, std::function<Value(const CallArgs&)> fn);
+  // `bound_to`: the object a bound method keeps alive (for the namespace rule).
+  static Value MakeCallable(std::string name, std::function<Value(const CallArgs&)> fn,
+                            const Value* bound_to = nullptr);
+  // Nesting deeper than kMaxValueDepth throws kLimit.
   template <typename Json>
-  static Value FromJson(const Json& j);
+  static Value FromJson(const Json& j, int depth = 0);
 
   Kind kind() const { return kind_; }
   bool is_undefined() const { return kind_ == Kind::kUndefined; }
@@ -94,6 +134,10 @@ class Value {
     return kind_ == Kind::kInt || kind_ == Kind::kFloat || kind_ == Kind::kBool;
   }
   bool is_sequence() const { return kind_ == Kind::kList || kind_ == Kind::kTuple; }
+  // 0 for scalars, 1 + the deepest element for containers.
+  int depth() const { return depth_; }
+  // A namespace, or a container or bound method holding one.
+  bool holds_namespace() const { return holds_namespace_; }
 
   bool as_bool() const { return b_; }
   int64_t as_int() const { return kind_ == Kind::kBool ? (b_ ? 1 : 0) : i_; }
@@ -112,8 +156,15 @@ class Value {
   const char* TypeName() const;
 
  private:
+  // Depth and holds_namespace_ of a container from its elements; throws
+  // kLimit past kMaxValueDepth.
+  template <typename Range>
+  void SetNesting(const Range& elements);
+
   Kind kind_ = Kind::kUndefined;
   bool b_ = false;
+  bool holds_namespace_ = false;
+  uint16_t depth_ = 0;
   int64_t i_ = 0;
   double d_ = 0;
   std::shared_ptr<const std::string> s_;
@@ -151,7 +202,11 @@ void AppendUtf8(std::string* out, char32_t c);
 bool IsPySpace(char32_t c);
 
 template <typename Json>
-Value Value::FromJson(const Json& j) {
+Value Value::FromJson(const Json& j, int depth) {
+  if (depth > kMaxValueDepth) {
+    throw TemplateError(TemplateError::Kind::kLimit,
+                        "chat template input nested deeper than " + std::to_string(kMaxValueDepth));
+  }
   switch (j.type()) {
     case nlohmann::detail::value_t::null:
       return None();
@@ -171,13 +226,15 @@ Value Value::FromJson(const Json& j) {
     case nlohmann::detail::value_t::array: {
       List items;
       items.reserve(j.size());
-      for (const auto& e : j) items.push_back(FromJson(e));
+      for (const auto& e : j) items.push_back(FromJson(e, depth + 1));
       return MakeList(std::move(items));
     }
     case nlohmann::detail::value_t::object: {
       Dict d;
       d.items.reserve(j.size());
-      for (auto it = j.begin(); it != j.end(); ++it) d.items.emplace_back(it.key(), FromJson(*it));
+      for (auto it = j.begin(); it != j.end(); ++it) {
+        d.items.emplace_back(it.key(), FromJson(*it, depth + 1));
+      }
       return MakeDict(std::move(d));
     }
     default:

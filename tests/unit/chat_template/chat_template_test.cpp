@@ -364,6 +364,89 @@ TEST(ChatTemplate, ResourceLimitsFailCleanly) {
   EXPECT_FALSE(ChatTemplate::Parse(deep_ifs).ok());
 }
 
+// Found by tests/fuzz/chat_template_fuzzer.cpp: each of these overflowed the
+// stack, looped for ages or grew without bound before the limits existed.
+TEST(ChatTemplate, RecursionIsBoundedWhateverTheTemplateOrInput) {
+  // A message nested 100000 deep: a limit, not a stack overflow.
+  nlohmann::ordered_json deep = "x";
+  for (int i = 0; i < 100000; ++i) {
+    nlohmann::ordered_json wrapper = nlohmann::ordered_json::array();
+    wrapper.push_back(std::move(deep));
+    deep = std::move(wrapper);
+  }
+  nlohmann::ordered_json messages = nlohmann::ordered_json::array();
+  messages.push_back(nlohmann::ordered_json::object());
+  messages[0]["role"] = "user";
+  messages[0]["content"] = std::move(deep);
+  auto tmpl = ChatTemplate::Parse("{{ messages }}");
+  ASSERT_TRUE(tmpl.ok());
+  EXPECT_EQ(RenderChat(*tmpl, messages, true, "", "").status().code(),
+            StatusCode::kResourceExhausted);
+  // Operator, filter and conditional chains deepen the tree without nesting.
+  std::string sum = "{{ 1", filters = "{{ x";
+  for (int i = 0; i < 3000; ++i) sum += "+1";
+  for (int i = 0; i < 600; ++i) filters += "|trim";
+  for (const std::string& source : {sum + " }}", filters + " }}"}) {
+    auto t = ChatTemplate::Parse(source);
+    ASSERT_FALSE(t.ok()) << source.substr(0, 40);
+    EXPECT_NE(t.status().message().find("nested too deeply"), std::string::npos);
+  }
+  std::string conditional = "{{ ";
+  for (int i = 0; i < 3000; ++i) conditional += "0 if 0 else ";
+  EXPECT_FALSE(ChatTemplate::Parse(conditional + "1 }}").ok());
+  // Macro recursion inside nested blocks: every block level adds to the stack.
+  std::string blocks;
+  for (int i = 0; i < 150; ++i) blocks += "{% if 1 %}";
+  blocks += "{{ f(n + 1) }}";
+  for (int i = 0; i < 150; ++i) blocks += "{% endif %}";
+  EXPECT_EQ(RenderError("{% macro f(n) %}" + blocks + "{% endmacro %}{{ f(0) }}").code(),
+            StatusCode::kResourceExhausted);
+  // Values built by the template nest no deeper than input may.
+  EXPECT_EQ(RenderError("{% set ns = namespace(v=1) %}{% for i in range(1000) %}"
+                        "{% set ns.v = [ns.v] %}{% endfor %}{{ ns.v }}")
+                .code(),
+            StatusCode::kResourceExhausted);
+}
+
+TEST(ChatTemplate, WorkAndMemoryAreBounded) {
+  // Macros that call themselves twice: 2^40 calls without a step limit.
+  EXPECT_EQ(RenderError("{% macro f(n) %}{% if n < 40 %}{{ f(n + 1) }}{{ f(n + 1) }}{% endif %}"
+                        "{% endmacro %}{{ f(0) }}")
+                .code(),
+            StatusCode::kResourceExhausted);
+  // Doubling a string; inserting a long string between every character.
+  EXPECT_EQ(RenderError("{% set ns = namespace(s='x') %}{% for i in range(64) %}"
+                        "{% set ns.s = ns.s ~ ns.s %}{% endfor %}")
+                .code(),
+            StatusCode::kResourceExhausted);
+  // Work that grows with a long operand counts: each s[0] decodes all of s.
+  EXPECT_EQ(RenderError("{% set s = 'x' * 30000000 %}{% for i in range(100) %}{{ s[0] }}"
+                        "{% endfor %}")
+                .code(),
+            StatusCode::kResourceExhausted);
+  EXPECT_EQ(RenderError("{{ ('x' * 1000).replace('', 'y' * 1000000) }}").code(),
+            StatusCode::kResourceExhausted);
+  EXPECT_EQ(RenderError("{{ 'a\nb' | indent(1000000000000000000) }}").code(),
+            StatusCode::kResourceExhausted);
+  // Exponents are squared, not multiplied out one by one.
+  EXPECT_EQ(Render("{{ (-1) ** 3 }} {{ (-1) ** 1000000000000000001 }} {{ 3 ** 39 }}"),
+            "-1 -1 4052555153018976267");
+  EXPECT_EQ(RenderError("{{ 3 ** 1000000000000000000 }}").code(), StatusCode::kInvalidArgument);
+}
+
+TEST(ChatTemplate, NamespacesCannotHoldNamespaces) {
+  // Jinja2 allows it; here it would be a cycle (leaked, and printed forever).
+  for (const char* source :
+       {"{% set ns = namespace() %}{% set ns.a = ns %}",
+        "{% set ns = namespace() %}{% set ns.a = [ns] %}",
+        "{% set ns = namespace() %}{% set d = {'n': ns} %}{% set ns.f = d.get %}",
+        "{% set ns = namespace() %}{% set other = namespace(inner=ns) %}"}) {
+    const Status s = RenderError(source);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << source;
+    EXPECT_NE(s.message().find("namespace cannot hold a namespace"), std::string::npos) << source;
+  }
+}
+
 // Mangled templates (bytes dropped, duplicated, replaced) must give a Status,
 // never a crash or a hang; under ASan this also checks memory safety.
 TEST(ChatTemplate, MangledTemplatesFailCleanly) {
