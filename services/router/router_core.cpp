@@ -99,13 +99,19 @@ std::vector<uint64_t> RouterCore::RemoveWorker(WorkerId worker) {
   if (worker >= workers_.size() || !workers_[worker]) return orphans;
   for (auto it = inflight_.begin(); it != inflight_.end();) {
     Inflight& r = it->second;
-    if (r.decode == worker || r.prefiller == worker) {
+    if (r.decode == worker) {
       ReleaseLocked(r, /*prefill_only=*/false);
       orphans.push_back(it->first);
       it = inflight_.erase(it);
-    } else {
-      ++it;
+      continue;
     }
+    if (r.prefiller == worker) {
+      // Only its prefill is lost: the decode worker computes the prompt
+      // itself, and the request stays in flight there until it finishes.
+      ReleaseLocked(r, /*prefill_only=*/true);
+      r.prefiller = r.decode;
+    }
+    ++it;
   }
   workers_[worker].reset();
   index_.RemoveWorker(worker);

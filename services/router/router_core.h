@@ -120,8 +120,10 @@ class RouterCore {
   // ResourceExhausted when all index slots are taken.
   StatusOr<WorkerId> AddWorker(const std::string& name, WorkerRole role);
   // Disconnect: purges the worker from the index and the load view. Returns
-  // the ids of requests that were routed to it and not finished (the caller
-  // retries or fails them; they are no longer accounted).
+  // the ids of requests it was decoding and that had not finished (the caller
+  // retries or fails them; they are no longer accounted). Requests it was
+  // only prefilling for another worker stay in flight on that decode worker,
+  // which falls back to local prefill.
   std::vector<uint64_t> RemoveWorker(WorkerId worker);
 
   // A draining worker gets no new requests (its running ones finish); its

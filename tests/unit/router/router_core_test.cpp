@@ -240,6 +240,19 @@ TEST(RouterCoreTest, RemovingAWorkerPurgesItAndReturnsItsRequests) {
   EXPECT_TRUE(f.core->RemoveWorker(f.ids[0]).empty());  // already gone
 }
 
+TEST(RouterCoreTest, LosingThePrefillWorkerLeavesTheRequestWithItsDecodeWorker) {
+  RouterOptions o = Policy("kv");
+  o.max_local_prefill = 10;
+  Fixture f(o, {WorkerRole::kDecode, WorkerRole::kPrefill});
+  ASSERT_TRUE(f.Route(7, Prompt(1, 4)).remote_prefill());
+  EXPECT_EQ(f.core->Workers()[1].inflight_prefill_tokens, 64);
+  // The prefill worker goes: the request is not an orphan, it stays accounted
+  // on its decode worker, and it is returned when THAT worker goes.
+  EXPECT_TRUE(f.core->RemoveWorker(f.ids[1]).empty());
+  EXPECT_EQ(f.core->Workers()[0].inflight_requests, 1);
+  EXPECT_EQ(f.core->RemoveWorker(f.ids[0]), (std::vector<uint64_t>{7}));
+}
+
 TEST(RouterCoreTest, DrainingWorkersGetNoNewRequests) {
   Fixture f(Policy("kv"), {WorkerRole::kBoth, WorkerRole::kBoth});
   f.Store(0, Prompt(1, 8));
