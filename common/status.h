@@ -21,7 +21,8 @@ enum class StatusCode {
   kUnavailable,        // peer gone, connection closed; retrying elsewhere may help
   kDeadlineExceeded,
   kCancelled,
-  kInternal,  // a bug or an invariant broken
+  kInternal,         // a bug or an invariant broken
+  kUnauthenticated,  // the peer did not prove who it is (control-plane secret, API key)
 };
 
 const char* StatusCodeName(StatusCode code);
@@ -46,6 +47,9 @@ class [[nodiscard]] Status {
   }
   static Status Cancelled(std::string m) { return {StatusCode::kCancelled, std::move(m)}; }
   static Status Internal(std::string m) { return {StatusCode::kInternal, std::move(m)}; }
+  static Status Unauthenticated(std::string m) {
+    return {StatusCode::kUnauthenticated, std::move(m)};
+  }
 
   bool ok() const { return code_ == StatusCode::kOk; }
   StatusCode code() const { return code_; }

@@ -7,13 +7,15 @@ namespace pdserve::proto {
 static_assert(static_cast<int>(ERROR_CODE_INVALID_ARGUMENT) ==
               static_cast<int>(StatusCode::kInvalidArgument));
 static_assert(static_cast<int>(ERROR_CODE_INTERNAL) == static_cast<int>(StatusCode::kInternal));
+static_assert(static_cast<int>(ERROR_CODE_UNAUTHENTICATED) ==
+              static_cast<int>(StatusCode::kUnauthenticated));
 
 ErrorCode ToErrorCode(StatusCode code) {
   return code == StatusCode::kOk ? ERROR_CODE_UNSPECIFIED : static_cast<ErrorCode>(code);
 }
 
 StatusCode ToStatusCode(ErrorCode code) {
-  if (code <= ERROR_CODE_UNSPECIFIED || code > ERROR_CODE_INTERNAL) return StatusCode::kInternal;
+  if (code <= ERROR_CODE_UNSPECIFIED || code > ERROR_CODE_UNAUTHENTICATED) return StatusCode::kInternal;
   return static_cast<StatusCode>(code);
 }
 

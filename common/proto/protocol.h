@@ -13,7 +13,9 @@
 
 namespace pdserve::proto {
 
-inline constexpr uint32_t kProtocolVersion = 1;
+// 2: authenticated handshake (Hello.auth_nonce, Auth), layout-first transfer
+// handshake, PrefillWorkers.
+inline constexpr uint32_t kProtocolVersion = 2;
 
 // Lossless both ways for every StatusCode; unknown wire codes map to kInternal.
 ErrorCode ToErrorCode(StatusCode code);

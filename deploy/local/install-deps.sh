@@ -9,7 +9,7 @@ deps="$root/.deps"
 
 packages=(
   build-essential cmake ninja-build pkg-config ccache unzip jq curl
-  libboost-dev libboost-system-dev libssl-dev
+  libboost-dev libboost-system-dev libssl-dev openssl
   libucx-dev ucx-utils
   libprotobuf-dev protobuf-compiler
   prometheus-cpp-dev prometheus

@@ -5,6 +5,7 @@
 #include "common/logging.h"
 #include "common/signals.h"
 #include "services/cli/command.h"
+#include "services/cli/control_security_flags.h"
 #include "services/router/router_service.h"
 
 namespace pdserve::cli {
@@ -47,6 +48,10 @@ int RunRouter(int argc, char** argv) {
   flags.AddBytes("max-body-bytes", &max_body, "largest accepted request body");
   flags.AddInt("request-timeout", &timeout_s, "seconds before a request fails with 504");
   flags.AddInt("max-attempts", &max_attempts, "workers tried per request before it fails");
+  flags.AddInt("max-snapshot-blocks", &o.max_snapshot_blocks,
+               "largest KV capacity (and snapshot) a worker may register, in blocks");
+  ControlSecurityFlags security;
+  security.AddTo(flags);
   flags.AddString("log-level", &log_level, "debug|info|warn|error");
   ParseFlagsOrExit(flags, argc, argv);
 
@@ -60,6 +65,12 @@ int RunRouter(int argc, char** argv) {
   if (max_json_depth < 1 || max_json_depth > 1000)
     UsageError("router", "--max-json-depth must be in [1, 1000]");
   o.max_json_depth = static_cast<int>(max_json_depth);
+  if (o.max_snapshot_blocks < 1) UsageError("router", "--max-snapshot-blocks must be positive");
+  {
+    ControlSecurity sec = security.LoadOrExit("router");
+    o.cluster_secret = std::move(sec.secret);
+    o.control_tls = std::move(sec.tls);
+  }
   auto port_ok = [](int64_t p, bool allow_minus_one) {
     return (p >= 0 && p <= 65535) || (allow_minus_one && p == -1);
   };

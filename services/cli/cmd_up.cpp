@@ -32,6 +32,7 @@
 #include "common/signals.h"
 #include "engine/make_model.h"
 #include "services/cli/command.h"
+#include "transport/control/handshake.h"
 
 namespace pdserve::cli {
 namespace {
@@ -70,6 +71,20 @@ std::string Tail(const std::string& path, size_t n) {
 std::string ReadFile(const std::string& path) {
   std::ifstream in(path);
   return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+// A fresh cluster secret for this stack's control plane, readable by the
+// owner only; every child proves it to the others.
+Status WriteClusterSecret(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0) return Status::Unavailable("cannot write " + path + ": " + std::strerror(errno));
+  const std::string secret = control::ClusterSecret::Generate() + "\n";
+  const bool ok = ::fchmod(fd, 0600) == 0 &&
+                  ::write(fd, secret.data(), secret.size()) == static_cast<ssize_t>(secret.size());
+  const int err = errno;
+  ::close(fd);
+  if (!ok) return Status::Unavailable("cannot write " + path + ": " + std::strerror(err));
+  return Status::Ok();
 }
 
 // Runs this binary with `args`; stdout and stderr go to the child's log.
@@ -273,6 +288,11 @@ int RunUp(int argc, char** argv) {
   } else if (!fs::is_directory(model)) {
     UsageError("up", "--model: '" + model + "' is not a folder");
   }
+  const std::string secret_file = dir + "/cluster-secret";
+  if (Status st = WriteClusterSecret(secret_file); !st.ok()) {
+    std::fprintf(stderr, "pdserve up: %s\n", st.message().c_str());
+    return 1;
+  }
   if (threads == 0) {
     const int64_t cores = std::max(1u, std::thread::hardware_concurrency());
     threads = std::max<int64_t>(1, cores / (prefill + decode));
@@ -314,6 +334,7 @@ int RunUp(int argc, char** argv) {
                                           "--log-level",
                                           log_level};
   if (!model_id.empty()) router_args.insert(router_args.end(), {"--model-id", model_id});
+  router_args.insert(router_args.end(), {"--cluster-secret-file", secret_file});
   if (!start(add("router"), router_args)) return 1;
 
   // Workers need the control port, which the router reports once it listens.
@@ -362,6 +383,7 @@ int RunUp(int argc, char** argv) {
                                      "--log-level",
                                      log_level};
     if (!model_id.empty()) args.insert(args.end(), {"--model-id", model_id});
+    args.insert(args.end(), {"--cluster-secret-file", secret_file});
     return args;
   };
   for (int64_t i = 0; i < prefill; ++i) {

@@ -6,6 +6,7 @@
 #include "common/logging.h"
 #include "common/signals.h"
 #include "services/cli/command.h"
+#include "services/cli/control_security_flags.h"
 #include "services/worker/worker_service.h"
 
 namespace pdserve::cli {
@@ -48,6 +49,8 @@ int RunWorker(int argc, char** argv) {
   flags.AddInt("prefill-timeout-ms", &prefill_timeout_ms,
                "deadline of a remote prefill before local fallback");
   flags.AddInt("drain-timeout", &drain_s, "seconds SIGTERM waits for running requests");
+  ControlSecurityFlags security;
+  security.AddTo(flags);
   flags.AddString("log-level", &log_level, "debug|info|warn|error");
   ParseFlagsOrExit(flags, argc, argv);
 
@@ -64,6 +67,11 @@ int RunWorker(int argc, char** argv) {
   else
     UsageError("worker", "--role must be prefill, decode or both, not '" + role + "'");
   if (o.model_dir.empty()) UsageError("worker", "--model is required");
+  {
+    ControlSecurity sec = security.LoadOrExit("worker");
+    o.cluster_secret = std::move(sec.secret);
+    o.control_tls = std::move(sec.tls);
+  }
   if (routers.empty()) UsageError("worker", "--router is required");
   std::stringstream ss(routers);
   for (std::string item; std::getline(ss, item, ',');) {

@@ -6,6 +6,7 @@
 #include <prometheus/registry.h>
 
 #include <atomic>
+#include <bit>
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
@@ -22,6 +23,7 @@
 #include "common/logging.h"
 #include "common/metrics/metrics.h"
 #include "common/proto/pdserve.pb.h"
+#include "common/random_id.h"
 #include "common/tokenizer/tokenizer.h"
 #include "engine/model_config.h"
 #include "engine/model_id.h"
@@ -109,13 +111,25 @@ struct RouterMetrics {
         index_blocks(metrics::AddGauge(r, "pdserve_router_index_blocks",
                                        "Distinct block hashes in the prefix index")),
         index_bytes(
-            metrics::AddGauge(r, "pdserve_router_index_bytes", "Memory held by the prefix index")) {
+            metrics::AddGauge(r, "pdserve_router_index_bytes", "Memory held by the prefix index")),
+        control_buffered_bytes(metrics::AddGauge(
+            r, "pdserve_router_control_buffered_bytes",
+            "Bytes held for control connections: incomplete received frames and queued sends")),
+        snapshot_pending_bytes(
+            metrics::AddGauge(r, "pdserve_router_snapshot_pending_bytes",
+                              "Bytes of KV snapshots being received and not yet complete")),
+        control_rejected(
+            metrics::AddCounterFamily(r, "pdserve_router_control_rejected_total",
+                                      "Control messages or connections refused, by reason")) {
     // Every outcome and decision exists from the start at 0, so rate() and
     // ratios over them are defined before the first request of each kind.
     for (const char* status :
          {"ok", "rejected", "error", "cancelled", "unavailable", "unauthorized"})
       requests.Add({{"status", status}});
     for (const char* kind : {"remote_prefill", "local_prefill"}) decisions.Add({{"kind", kind}});
+    for (const char* reason :
+         {"not_dispatched_here", "duplicate_worker", "snapshot_too_large", "registration_invalid"})
+      control_rejected.Add({{"reason", reason}});
   }
 
   prometheus::Family<prometheus::Counter>& requests;
@@ -131,6 +145,9 @@ struct RouterMetrics {
   prometheus::Gauge& inflight;
   prometheus::Gauge& index_blocks;
   prometheus::Gauge& index_bytes;
+  prometheus::Gauge& control_buffered_bytes;
+  prometheus::Gauge& snapshot_pending_bytes;
+  prometheus::Family<prometheus::Counter>& control_rejected;
 };
 
 // One connected worker.
@@ -140,14 +157,22 @@ struct WorkerLink {
   std::string name;
   WorkerRole role = WorkerRole::kBoth;
   std::string control_address;
+  int64_t kv_capacity_blocks = 0;  // as registered
   bool synced = false;
+  bool draining = false;
   // KvSnapshot chunks being assembled.
   std::vector<BlockHash> snapshot;
+  uint64_t rejected_messages = 0;  // for rate-limited logging
 };
 
 // One HTTP request in flight.
 struct Inflight {
   uint64_t id = 0;
+  // The id of the current dispatch on the control plane (fresh per attempt,
+  // unguessable), and the connection it went out on: only that connection may
+  // answer for it.
+  std::string wire_id;
+  uint64_t decode_conn = 0;
   std::string request_id;  // "cmpl-..." / "chatcmpl-..."
   std::string http_request_id;
   std::shared_ptr<http::Exchange> exchange;
@@ -214,6 +239,8 @@ class RouterServiceImpl : public RouterService {
     control::ConnectionOptions co;
     co.role = proto::ROLE_ROUTER;
     co.id = "router";
+    co.secret = opts_.cluster_secret;
+    co.tls = opts_.control_tls;
     control::ConnectionHandlers handlers;
     handlers.on_message = [this](const control::ConnectionPtr& c, proto::Envelope& e) {
       OnControl(c, e);
@@ -492,7 +519,7 @@ class RouterServiceImpl : public RouterService {
         return FailLocked(
             id, 503,
             "no worker could serve the request after " + std::to_string(r.attempts) + " attempts",
-            "server_error");
+            "server_error", /*retry_after=*/true, "unavailable");
       }
       ++r.attempts;
       RouteRequest rr;
@@ -503,17 +530,17 @@ class RouterServiceImpl : public RouterService {
       auto decision = core_->Route(rr);
       if (!decision.ok()) {
         return FailLocked(id, 503, "no decode worker is available: " + decision.status().message(),
-                          "server_error",
-                          /*retry_after=*/true);
+                          "server_error", /*retry_after=*/true, "unavailable");
       }
       auto decode_link = LinkOf(decision->decode);
       if (!decode_link) {
         core_->OnRequestFinished(id);
         continue;
       }
+      SetWireIdLocked(r, NewUnguessableId());
       proto::Envelope env;
       proto::Generate* g = env.mutable_generate();
-      g->set_request_id(std::to_string(id));
+      g->set_request_id(r.wire_id);
       for (TokenId t : r.prompt_ids) g->add_prompt_token_ids(t);
       ToProto(r.api->sampling, g->mutable_sampling());
       g->set_cache_salt(r.api->cache_salt);
@@ -533,6 +560,7 @@ class RouterServiceImpl : public RouterService {
         continue;
       }
       r.decode = decision->decode;
+      r.decode_conn = decode_link->conn->id();
       r.prefill = decision->prefill;
       metrics_.prompt_tokens.Increment(static_cast<double>(r.prompt_ids.size()));
       const int64_t overlap =
@@ -570,8 +598,22 @@ class RouterServiceImpl : public RouterService {
       case proto::Envelope::kKvSnapshot: {
         if (!link.id) return;
         const auto& s = e.kv_snapshot();
-        if (s.chunk_index() == 0) link.snapshot.clear();
+        if (s.chunk_index() == 0) {
+          snapshot_pending_bytes_ -= link.snapshot.size() * sizeof(BlockHash);
+          link.snapshot.clear();
+        }
+        // A worker cannot cache more blocks than it has; a snapshot that
+        // claims more is a fault, and must not grow the router without bound.
+        const size_t limit = static_cast<size_t>(
+            std::min<int64_t>(opts_.max_snapshot_blocks, link.kv_capacity_blocks));
+        if (link.snapshot.size() + static_cast<size_t>(s.block_hashes_size()) > limit) {
+          metrics_.control_rejected.Add({{"reason", "snapshot_too_large"}}).Increment();
+          return RefuseLocked(link, "KV snapshot of more than " + std::to_string(limit) +
+                                        " blocks (registered capacity " +
+                                        std::to_string(link.kv_capacity_blocks) + ")");
+        }
         link.snapshot.insert(link.snapshot.end(), s.block_hashes().begin(), s.block_hashes().end());
+        snapshot_pending_bytes_ += static_cast<size_t>(s.block_hashes_size()) * sizeof(BlockHash);
         if (s.last_chunk()) {
           Status st = core_->OnSnapshot(*link.id, s.sequence(), link.snapshot);
           if (!st.ok())
@@ -579,6 +621,7 @@ class RouterServiceImpl : public RouterService {
           link.synced = st.ok();
           PDSERVE_LOG(INFO) << "worker " << link.name << " synced: " << link.snapshot.size()
                             << " cached blocks at sequence " << s.sequence();
+          snapshot_pending_bytes_ -= link.snapshot.size() * sizeof(BlockHash);
           link.snapshot.clear();
           link.snapshot.shrink_to_fit();
           UpdateWorkerGaugesLocked();
@@ -586,22 +629,73 @@ class RouterServiceImpl : public RouterService {
         return;
       }
       case proto::Envelope::kToken:
-        return OnTokenLocked(e.token());
+        return OnTokenLocked(link, e.token());
       case proto::Envelope::kFinished:
-        return OnFinishedLocked(e.finished());
+        return OnFinishedLocked(link, e.finished());
       case proto::Envelope::kError:
         return OnRequestErrorLocked(link, e.error());
       case proto::Envelope::kGoodbye:
         if (e.goodbye().drain()) {
           PDSERVE_LOG(INFO) << "worker " << link.name << " is draining: " << e.goodbye().reason();
           link.synced = false;  // no new requests; running ones finish
+          link.draining = true;
           if (link.id) core_->SetDraining(*link.id, true);
+          if (link.id && link.role == WorkerRole::kPrefill) BroadcastPrefillWorkersLocked();
           UpdateWorkerGaugesLocked();
         }
         return;
       default:
         PDSERVE_LOG(WARN) << "worker " << link.name << " sent an unexpected message (field "
                           << static_cast<int>(e.body_case()) << "); ignored";
+    }
+  }
+
+  // The request dispatched under `wire_id` on `link`'s connection, or null
+  // (finished meanwhile, or a message from a connection it was not sent on,
+  // which is counted and logged, and changes nothing).
+  Inflight* DispatchedOnLocked(WorkerLink& link, const std::string& wire_id, const char* what) {
+    auto w = wire_ids_.find(wire_id);
+    if (w != wire_ids_.end()) {
+      auto it = inflight_.find(w->second);
+      if (it != inflight_.end() && it->second->decode_conn == link.conn->id())
+        return it->second.get();
+      if (it != inflight_.end()) {
+        metrics_.control_rejected.Add({{"reason", "not_dispatched_here"}}).Increment();
+        // Powers of two: a misbehaving peer cannot flood the log.
+        if (std::has_single_bit(++link.rejected_messages)) {
+          PDSERVE_LOG(WARN) << "worker " << link.name << " from " << link.conn->remote_address()
+                            << " sent " << what << " for a request not dispatched to it; ignored ("
+                            << link.rejected_messages << " so far)";
+        }
+      }
+    }
+    return nullptr;
+  }
+
+  void SetWireIdLocked(Inflight& r, std::string wire_id) {
+    if (!r.wire_id.empty()) wire_ids_.erase(r.wire_id);
+    r.wire_id = std::move(wire_id);
+    if (!r.wire_id.empty()) wire_ids_[r.wire_id] = r.id;
+  }
+
+  // The prefill workers a decode worker may be told to use: registered,
+  // prefill role, not draining.
+  proto::Envelope PrefillWorkersLocked() {
+    proto::Envelope env;
+    auto* list = env.mutable_prefill_workers();
+    for (auto& [_, l] : links_) {
+      if (!l.id || l.role != WorkerRole::kPrefill || l.draining) continue;
+      auto* w = list->add_workers();
+      w->set_worker_id(l.name);
+      w->set_control_address(l.control_address);
+    }
+    return env;
+  }
+
+  void BroadcastPrefillWorkersLocked() {
+    const proto::Envelope env = PrefillWorkersLocked();
+    for (auto& [_, l] : links_) {
+      if (l.id && l.role != WorkerRole::kPrefill) (void)l.conn->Send(env);
     }
   }
 
@@ -636,11 +730,24 @@ class RouterServiceImpl : public RouterService {
                                     " on the worker, " + std::to_string(kBlockHashVersion) +
                                     " on the router");
     }
+    if (reg.kv_capacity_blocks() == 0 ||
+        reg.kv_capacity_blocks() > static_cast<uint64_t>(opts_.max_snapshot_blocks)) {
+      metrics_.control_rejected.Add({{"reason", "registration_invalid"}}).Increment();
+      return RefuseLocked(link, "kv_capacity_blocks " + std::to_string(reg.kv_capacity_blocks()) +
+                                    " is outside [1, " + std::to_string(opts_.max_snapshot_blocks) +
+                                    "] (router --max-snapshot-blocks)");
+    }
     auto id = core_->AddWorker(reg.worker_id(), *role);
-    if (!id.ok()) return RefuseLocked(link, id.status().message());
+    if (!id.ok()) {
+      // The live worker of that name keeps its place: a second connection
+      // claiming it never evicts the first.
+      metrics_.control_rejected.Add({{"reason", "duplicate_worker"}}).Increment();
+      return RefuseLocked(link, id.status().message());
+    }
     link.id = *id;
     link.role = *role;
     link.control_address = reg.control_address();
+    link.kv_capacity_blocks = static_cast<int64_t>(reg.kv_capacity_blocks());
     by_worker_[*id] = link.conn->id();
     PDSERVE_LOG(INFO) << "worker " << link.name << " registered: role " << WorkerRoleName(*role)
                       << ", " << reg.kv_capacity_blocks() << " KV blocks, control "
@@ -648,6 +755,11 @@ class RouterServiceImpl : public RouterService {
     proto::Envelope env;
     env.mutable_resync()->set_reason("new connection");
     (void)link.conn->Send(std::move(env));
+    if (*role == WorkerRole::kPrefill) {
+      BroadcastPrefillWorkersLocked();  // re-admitted: decode workers reconnect at once
+    } else {
+      (void)link.conn->Send(PrefillWorkersLocked());
+    }
     UpdateWorkerGaugesLocked();
   }
 
@@ -695,8 +807,10 @@ class RouterServiceImpl : public RouterService {
     if (it == links_.end()) return;
     WorkerLink link = std::move(it->second);
     links_.erase(it);
+    snapshot_pending_bytes_ -= link.snapshot.size() * sizeof(BlockHash);
     if (!link.id) return;
     by_worker_.erase(*link.id);
+    if (link.role == WorkerRole::kPrefill) BroadcastPrefillWorkersLocked();
     std::vector<uint64_t> orphans = core_->RemoveWorker(*link.id);
     PDSERVE_LOG(WARN) << "worker " << link.name << " disconnected (" << why.message()
                       << "); index purged, " << orphans.size() << " request(s) affected";
@@ -724,10 +838,10 @@ class RouterServiceImpl : public RouterService {
     FailLocked(id, 503, why + " during generation", "server_error");
   }
 
-  void OnTokenLocked(const proto::Token& t) {
-    auto it = inflight_.find(ParseId(t.request_id()));
-    if (it == inflight_.end()) return;  // cancelled or finished meanwhile
-    Inflight& r = *it->second;
+  void OnTokenLocked(WorkerLink& link, const proto::Token& t) {
+    Inflight* found = DispatchedOnLocked(link, t.request_id(), "Token");
+    if (!found) return;  // cancelled or finished meanwhile, or not this worker's
+    Inflight& r = *found;
     if (!r.first_token_seen) {
       r.first_token_seen = true;
       r.ttft_s = SecondsSince(r.arrived);
@@ -771,10 +885,10 @@ class RouterServiceImpl : public RouterService {
     }
   }
 
-  void OnFinishedLocked(const proto::Finished& f) {
-    auto it = inflight_.find(ParseId(f.request_id()));
-    if (it == inflight_.end()) return;
-    Inflight& r = *it->second;
+  void OnFinishedLocked(WorkerLink& link, const proto::Finished& f) {
+    Inflight* found = DispatchedOnLocked(link, f.request_id(), "Finished");
+    if (!found) return;
+    Inflight& r = *found;
     if (f.reason() == proto::FINISH_REASON_CANCELLED) return;  // our own Cancel echoed back
     Usage usage;
     usage.prompt_tokens = f.usage().prompt_tokens();
@@ -819,10 +933,10 @@ class RouterServiceImpl : public RouterService {
   }
 
   void OnRequestErrorLocked(WorkerLink& link, const proto::Error& e) {
-    const uint64_t id = ParseId(e.request_id());
-    auto it = inflight_.find(id);
-    if (it == inflight_.end()) return;
-    PDSERVE_LOG(WARN) << "worker " << link.name << " failed request " << it->second->http_request_id
+    Inflight* found = DispatchedOnLocked(link, e.request_id(), "Error");
+    if (!found) return;
+    const uint64_t id = found->id;
+    PDSERVE_LOG(WARN) << "worker " << link.name << " failed request " << found->http_request_id
                       << ": " << e.message();
     core_->OnRequestFinished(id);
     if (e.retryable()) return RetryOrFailLocked(id, "worker " + link.name + ": " + e.message());
@@ -831,8 +945,10 @@ class RouterServiceImpl : public RouterService {
   }
 
   // ------------------------------------------------------- request endings
+  // `outcome` labels pdserve_router_requests_total (default: "error" for 5xx,
+  // "rejected" otherwise).
   void FailLocked(uint64_t id, int status, const std::string& message, const std::string& type,
-                  bool retry_after = false) {
+                  bool retry_after = false, const char* outcome = nullptr) {
     auto it = inflight_.find(id);
     if (it == inflight_.end()) return;
     Inflight& r = *it->second;
@@ -848,7 +964,7 @@ class RouterServiceImpl : public RouterService {
     }
     PDSERVE_LOG(INFO) << "request " << r.http_request_id << " failed " << status << ": " << message;
     if (r.decode) SendCancelLocked(r, message);
-    FinishLocked(id, status >= 500 ? "error" : "rejected");
+    FinishLocked(id, outcome ? outcome : (status >= 500 ? "error" : "rejected"));
   }
 
   void CancelLocked(uint64_t id, const std::string& why) {
@@ -863,7 +979,7 @@ class RouterServiceImpl : public RouterService {
   void SendCancelLocked(Inflight& r, const std::string& why) {
     if (auto link = LinkOf(*r.decode)) {
       proto::Envelope env;
-      env.mutable_cancel()->set_request_id(std::to_string(r.id));
+      env.mutable_cancel()->set_request_id(r.wire_id);
       env.mutable_cancel()->set_reason(why);
       (void)link->conn->Send(std::move(env));
     }
@@ -874,6 +990,7 @@ class RouterServiceImpl : public RouterService {
     if (it == inflight_.end()) return;
     metrics_.e2e.Observe(SecondsSince(it->second->arrived));
     core_->OnRequestFinished(id);
+    SetWireIdLocked(*it->second, "");
     inflight_.erase(it);
     metrics_.inflight.Decrement();
     CountRequest(status);
@@ -895,6 +1012,9 @@ class RouterServiceImpl : public RouterService {
       const RouterStats s = core_->stats();
       metrics_.index_blocks.Set(static_cast<double>(s.index.entries));
       metrics_.index_bytes.Set(static_cast<double>(s.index.bytes));
+      metrics_.snapshot_pending_bytes.Set(static_cast<double>(snapshot_pending_bytes_));
+      if (control_)
+        metrics_.control_buffered_bytes.Set(static_cast<double>(control_->buffered_bytes()));
     }
   }
 
@@ -910,15 +1030,6 @@ class RouterServiceImpl : public RouterService {
     if (!w) return "-";
     auto* l = LinkOf(*w);
     return l ? l->name : "gone";
-  }
-
-  static uint64_t ParseId(const std::string& s) {
-    uint64_t v = 0;
-    for (char c : s) {
-      if (c < '0' || c > '9') return 0;
-      v = v * 10 + static_cast<uint64_t>(c - '0');
-    }
-    return v;
   }
 
   bool HasDecodeWorker() { return CountSyncedWorkers(/*prefill=*/false) > 0; }
@@ -975,6 +1086,8 @@ class RouterServiceImpl : public RouterService {
   std::unordered_map<uint64_t, WorkerLink> links_;    // by connection id
   std::unordered_map<WorkerId, uint64_t> by_worker_;  // worker → connection id
   std::unordered_map<uint64_t, std::unique_ptr<Inflight>> inflight_;
+  std::unordered_map<std::string, uint64_t> wire_ids_;  // Inflight::wire_id → id
+  size_t snapshot_pending_bytes_ = 0;
 };
 
 }  // namespace

@@ -18,6 +18,8 @@
 #include <string>
 
 #include "common/status.h"
+#include "transport/control/handshake.h"
+#include "transport/control/tls.h"
 
 namespace pdserve::router {
 
@@ -45,6 +47,13 @@ struct RouterServiceOptions {
   size_t max_header_bytes = 16u << 10;
   int max_attempts = 3;  // dispatches per request (1 + retries)
   int64_t request_timeout_ms = 600'000;
+  // Control plane: the secret workers must prove (null: unauthenticated,
+  // --insecure-control-plane) and optional mutual TLS.
+  std::shared_ptr<const control::ClusterSecret> cluster_secret;
+  std::shared_ptr<const control::TlsContext> control_tls;
+  // Largest KV snapshot (cached block hashes) one worker may send; a worker
+  // also may not announce more than its registered KV capacity.
+  int64_t max_snapshot_blocks = int64_t{8} << 20;
 };
 
 class RouterService {

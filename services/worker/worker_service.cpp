@@ -26,6 +26,8 @@
 #include "common/logging.h"
 #include "common/metrics/metrics.h"
 #include "common/proto/pdserve.pb.h"
+#include "common/proto/protocol.h"
+#include "common/random_id.h"
 #include "common/tokenizer/tokenizer.h"
 #include "engine/engine.h"
 #include "engine/model.h"
@@ -147,7 +149,11 @@ struct WorkerMetrics {
         prefill_tokens(metrics::AddCounter(r, "pdserve_prompt_tokens_total",
                                            "Prompt tokens of requests admitted")),
         generation_tokens(
-            metrics::AddCounter(r, "pdserve_generation_tokens_total", "Output tokens produced")) {
+            metrics::AddCounter(r, "pdserve_generation_tokens_total", "Output tokens produced")),
+        control_buffered_bytes(metrics::AddGauge(
+            r, "pdserve_control_buffered_bytes",
+            "Bytes held for control connections (routers and peer workers): incomplete "
+            "received frames and queued sends")) {
     // Both directions exist from the start at 0: throughput panels and
     // alerts see a series on every worker before the first hand-off.
     for (const char* direction : {"in", "out"}) transfer_bytes.Add({{"direction", direction}});
@@ -167,6 +173,7 @@ struct WorkerMetrics {
   prometheus::Family<prometheus::Counter>& requests;
   prometheus::Counter& prefill_tokens;
   prometheus::Counter& generation_tokens;
+  prometheus::Gauge& control_buffered_bytes;
 };
 
 // A request this worker decodes (decode/both roles).
@@ -201,10 +208,17 @@ struct PrefillJob {
   Clock::time_point deadline;
 };
 
+// A decode worker connected to us for hand-offs (prefill side).
+struct DecodePeer {
+  bool layout_accepted = false;  // step 1 of the transfer handshake passed
+  PeerId transfer_peer = 0;      // after step 3; 0 before
+};
+
 // Our client connection to one prefill worker.
 struct PrefillPeer {
   std::unique_ptr<control::Client> client;
-  bool ready = false;  // transfer handshake done
+  bool ready = false;      // transfer handshake done
+  bool forgotten = false;  // no router lists it: dropped when its connection closes
   PeerId transfer_peer = 0;
   std::deque<proto::Envelope> pending;  // Prefill messages waiting for the handshake
   std::string last_error;
@@ -276,9 +290,7 @@ class WorkerServiceImpl : public WorkerService {
   Status Start() override {
     loop_ = std::make_unique<control::EventLoop>("worker-control", 1);
     // Peer server: decode workers connect here to hand us prefills.
-    control::ConnectionOptions co;
-    co.role = ToProto(opts_.role);
-    co.id = opts_.worker_id;
+    const control::ConnectionOptions co = ControlOptions();
     control::ConnectionHandlers peer_handlers;
     peer_handlers.on_message = [this](const ConnectionPtr& c, proto::Envelope& e) {
       OnPeerMessage(c, e);
@@ -364,6 +376,16 @@ class WorkerServiceImpl : public WorkerService {
   const std::string& worker_id() const override { return opts_.worker_id; }
 
  private:
+  // Every control connection of this worker, to routers and to peers.
+  control::ConnectionOptions ControlOptions() const {
+    control::ConnectionOptions co;
+    co.role = ToProto(opts_.role);
+    co.id = opts_.worker_id;
+    co.secret = opts_.cluster_secret;
+    co.tls = opts_.control_tls;
+    return co;
+  }
+
   // ------------------------------------------------------------- routers
   metrics::Health Health() {
     if (stopped_) return {false, "stopping"};
@@ -401,8 +423,7 @@ class WorkerServiceImpl : public WorkerService {
           if (routers_.count(addr)) continue;
           auto [host, port] = SplitHostPort(addr);
           control::ClientOptions co;
-          co.connection.role = ToProto(opts_.role);
-          co.connection.id = opts_.worker_id;
+          co.connection = ControlOptions();
           control::ConnectionHandlers h;
           h.on_open = [this](const ConnectionPtr& c) { OnRouterOpen(c); };
           h.on_message = [this](const ConnectionPtr& c, proto::Envelope& e) {
@@ -433,7 +454,6 @@ class WorkerServiceImpl : public WorkerService {
     r->set_hash_version(kBlockHashVersion);
     r->set_kv_capacity_blocks(static_cast<uint64_t>(engine_->kv_pool().num_blocks()));
     r->set_transfer_backend(std::string(transfer_->backend()));
-    r->set_transfer_descriptor(descriptor_);
     r->set_layout_hash(layout_.Hash());
     r->set_control_address(control_address_);
     r->set_metrics_port(static_cast<uint32_t>(std::max(0, metrics_port())));
@@ -458,6 +478,9 @@ class WorkerServiceImpl : public WorkerService {
       case proto::Envelope::kResync:
         Post([this, c] { SendSnapshot(c); });
         return;
+      case proto::Envelope::kPrefillWorkers:
+        if (opts_.role != Role::kPrefill) OnPrefillWorkers(c, e.prefill_workers());
+        return;
       case proto::Envelope::kGoodbye:
         return;
       default:
@@ -468,6 +491,7 @@ class WorkerServiceImpl : public WorkerService {
 
   void OnRouterClosed(const std::string& addr, const ConnectionPtr& c, const Status& why) {
     (void)addr;
+    if (opts_.role != Role::kPrefill) ForgetRouterView(c);
     // on_close also runs for connections that never opened: only opened ones
     // were counted (router_conns_ tells which).
     Post([this, c, why] {
@@ -575,7 +599,7 @@ class WorkerServiceImpl : public WorkerService {
         d.remote = true;
         d.prefill_address = g.prefill_address();
         d.cached_tokens = plan->num_cached_tokens;
-        d.prefill_rid = opts_.worker_id + "/" + std::to_string(req.id);
+        d.prefill_rid = NewUnguessableId();
         const auto deadline = Clock::now() + std::chrono::milliseconds(opts_.prefill_timeout_ms);
         d.remote_give_up = deadline + kRemoteWriteGrace;
         proto::Envelope env;
@@ -702,29 +726,32 @@ class WorkerServiceImpl : public WorkerService {
   }
 
   // ------------------------------------------------- decode side of hand-off
+  // A client to the prefill worker at `address`, started. Requires peers_mu_.
+  PrefillPeer& EnsurePrefillPeerLocked(const std::string& address) {
+    auto it = prefill_peers_.find(address);
+    if (it != prefill_peers_.end()) return it->second;
+    auto [host, port] = SplitHostPort(address);
+    control::ClientOptions co;
+    co.connection = ControlOptions();
+    co.connect_timeout = std::chrono::milliseconds(2000);
+    control::ConnectionHandlers h;
+    h.on_open = [this, address](const ConnectionPtr& c) { OnPrefillPeerOpen(address, c); };
+    h.on_message = [this, address](const ConnectionPtr& c, proto::Envelope& e) {
+      OnPrefillPeerMessage(address, c, e);
+    };
+    h.on_close = [this, address](const ConnectionPtr& c, const Status& s) {
+      OnPrefillPeerClosed(address, c, s);
+    };
+    PrefillPeer peer;
+    peer.client = std::make_unique<control::Client>(loop_.get(), host, port, co, h);
+    peer.client->Start();
+    return prefill_peers_.emplace(address, std::move(peer)).first->second;
+  }
+
   void SendToPrefillPeer(const std::string& address, proto::Envelope prefill, RequestId id) {
     std::lock_guard<std::mutex> lock(peers_mu_);
-    auto it = prefill_peers_.find(address);
-    if (it == prefill_peers_.end()) {
-      auto [host, port] = SplitHostPort(address);
-      control::ClientOptions co;
-      co.connection.role = ToProto(opts_.role);
-      co.connection.id = opts_.worker_id;
-      co.connect_timeout = std::chrono::milliseconds(2000);
-      control::ConnectionHandlers h;
-      h.on_open = [this, address](const ConnectionPtr& c) { OnPrefillPeerOpen(address, c); };
-      h.on_message = [this, address](const ConnectionPtr& c, proto::Envelope& e) {
-        OnPrefillPeerMessage(address, c, e);
-      };
-      h.on_close = [this, address](const ConnectionPtr&, const Status& s) {
-        OnPrefillPeerClosed(address, s);
-      };
-      PrefillPeer peer;
-      peer.client = std::make_unique<control::Client>(loop_.get(), host, port, co, h);
-      peer.client->Start();
-      it = prefill_peers_.emplace(address, std::move(peer)).first;
-    }
-    PrefillPeer& peer = it->second;
+    PrefillPeer& peer = EnsurePrefillPeerLocked(address);
+    peer.forgotten = false;  // a router just named it
     if (peer.ready && peer.client->Send(prefill).ok()) return;
     if (!peer.ready && peer.pending.size() < 4096) {
       peer.pending.push_back(std::move(prefill));
@@ -734,12 +761,98 @@ class WorkerServiceImpl : public WorkerService {
         [this, id, why = "prefill peer " + address + " unavailable"] { FallBackToLocal(id, why); });
   }
 
+  // A router's list of the prefill workers it admits (see the header).
+  void OnPrefillWorkers(const ConnectionPtr& router, const proto::PrefillWorkers& list) {
+    std::set<std::string> announced;
+    for (const auto& w : list.workers()) {
+      if (!w.control_address().empty()) announced.insert(w.control_address());
+    }
+    std::vector<std::string> dropped;
+    {
+      std::lock_guard<std::mutex> lock(peers_mu_);
+      std::set<std::string>& view = router_prefill_views_[router->id()];
+      for (const auto& address : announced) {
+        const bool new_here = !view.count(address);
+        PrefillPeer& peer = EnsurePrefillPeerLocked(address);
+        peer.forgotten = false;
+        // Re-admitted by a router: whatever backoff a failed connection left
+        // behind, try now, so its first request does not wait seconds.
+        if (new_here && !peer.ready) peer.client->ReconnectNow();
+      }
+      view = std::move(announced);
+      dropped = ReconcilePrefillPeersLocked();
+    }
+    FallBackRequestsOf(dropped, "prefill worker removed by the router");
+  }
+
+  void ForgetRouterView(const ConnectionPtr& router) {
+    std::vector<std::string> dropped;
+    {
+      std::lock_guard<std::mutex> lock(peers_mu_);
+      if (router_prefill_views_.erase(router->id()) == 0) return;
+      dropped = ReconcilePrefillPeersLocked();
+    }
+    FallBackRequestsOf(dropped, "prefill worker no longer listed by any router");
+  }
+
+  // Stops reconnecting to prefill workers no router lists. A peer with an
+  // open connection is only marked: it may still hold hand-offs, and goes
+  // when that connection closes. Returns the addresses dropped now. Requires
+  // peers_mu_.
+  std::vector<std::string> ReconcilePrefillPeersLocked() {
+    std::set<std::string> listed;
+    for (const auto& [_, view] : router_prefill_views_) listed.insert(view.begin(), view.end());
+    std::vector<std::string> dropped;
+    for (auto it = prefill_peers_.begin(); it != prefill_peers_.end();) {
+      if (listed.count(it->first)) {
+        ++it;
+        continue;
+      }
+      if (it->second.ready) {
+        it->second.forgotten = true;
+        ++it;
+        continue;
+      }
+      PDSERVE_LOG(INFO) << "prefill worker " << it->first << " is no longer listed by a router; "
+                        << "not reconnecting";
+      RetireClient(std::move(it->second.client));
+      dropped.push_back(it->first);
+      it = prefill_peers_.erase(it);
+    }
+    return dropped;
+  }
+
+  // Stops a client from any thread, including its own callbacks.
+  void RetireClient(std::unique_ptr<control::Client> client) {
+    loop_->Post([c = std::shared_ptr<control::Client>(std::move(client))] {
+      c->Stop("prefill worker no longer listed");
+    });
+  }
+
+  // Requests waiting on a prefill peer that is gone before anything was sent
+  // to it (or whose connection closed: it writes nothing more).
+  void FallBackRequestsOf(const std::vector<std::string>& addresses, const std::string& why) {
+    if (addresses.empty()) return;
+    Post([this, addresses, why] {
+      std::vector<RequestId> ids;
+      for (auto& [id, r] : decode_) {
+        if (r.remote &&
+            std::find(addresses.begin(), addresses.end(), r.prefill_address) != addresses.end()) {
+          ids.push_back(id);
+        }
+      }
+      for (RequestId id : ids) FallBackToLocal(id, why);
+    });
+  }
+
+  // Step 1 of the transfer handshake (pdserve.proto, TransferHello): our
+  // layout only; the descriptor follows once the peer accepted it.
   void OnPrefillPeerOpen(const std::string& address, const ConnectionPtr& c) {
     proto::Envelope e;
     auto* h = e.mutable_transfer_hello();
     h->set_worker_id(opts_.worker_id);
     h->set_backend(std::string(transfer_->backend()));
-    h->set_transfer_descriptor(descriptor_);
+    h->set_kv_layout(layout_.Encode());
     h->set_layout_hash(layout_.Hash());
     (void)c->Send(std::move(e));
     PDSERVE_LOG(INFO) << "connected to prefill worker " << address << "; transfer handshake sent";
@@ -748,27 +861,45 @@ class WorkerServiceImpl : public WorkerService {
   void OnPrefillPeerMessage(const std::string& address, const ConnectionPtr& c,
                             proto::Envelope& e) {
     if (e.has_transfer_hello()) {
-      auto peer = transfer_->Accept(e.transfer_hello().transfer_descriptor());
+      const proto::TransferHello& hello = e.transfer_hello();
+      auto refuse = [&](const std::string& why) {
+        {
+          std::lock_guard<std::mutex> lock(peers_mu_);
+          if (auto it = prefill_peers_.find(address); it != prefill_peers_.end())
+            it->second.last_error = why;
+        }
+        PDSERVE_LOG(ERROR) << "prefill worker " << address
+                           << ": transfer handshake failed: " << why;
+        c->Close("transfer handshake failed: " + why);
+      };
+      if (hello.transfer_descriptor().empty()) {
+        // Step 2: the peer accepted our layout and shows its own.
+        if (Status st = CheckPeerLayout(hello); !st.ok()) return refuse(st.message());
+        proto::Envelope offer;
+        offer.mutable_transfer_hello()->set_worker_id(opts_.worker_id);
+        offer.mutable_transfer_hello()->set_transfer_descriptor(descriptor_);
+        (void)c->Send(std::move(offer));
+        return;
+      }
+      // Step 4: the writer's reply to our descriptor.
+      auto peer = transfer_->Accept(hello.transfer_descriptor());
+      if (!peer.ok()) return refuse(peer.status().message());
       std::deque<proto::Envelope> flush;
       {
         std::lock_guard<std::mutex> lock(peers_mu_);
-        auto& p = prefill_peers_[address];
-        if (!peer.ok()) {
-          p.last_error = peer.status().message();
-          PDSERVE_LOG(ERROR) << "prefill worker " << address
-                             << ": transfer handshake failed: " << p.last_error;
-          c->Close("transfer handshake failed: " + p.last_error);
-          return;
-        }
-        p.ready = true;
-        p.transfer_peer = *peer;
-        flush.swap(p.pending);
+        auto it = prefill_peers_.find(address);
+        if (it == prefill_peers_.end()) return;  // forgotten meanwhile
+        it->second.ready = true;
+        it->second.transfer_peer = *peer;
+        flush.swap(it->second.pending);
       }
       for (auto& env : flush) (void)c->Send(std::move(env));
       return;
     }
     if (e.has_prefill_done()) {
-      Post([this, done = std::move(*e.mutable_prefill_done())] { OnPrefillDone(done); });
+      Post([this, address, done = std::move(*e.mutable_prefill_done())] {
+        OnPrefillDone(address, done);
+      });
       return;
     }
     if (e.has_error()) {
@@ -777,15 +908,31 @@ class WorkerServiceImpl : public WorkerService {
     }
   }
 
-  void OnPrefillPeerClosed(const std::string& address, const Status& why) {
+  // The peer's TransferHello layout against ours: OK, or the differences.
+  Status CheckPeerLayout(const proto::TransferHello& hello) const {
+    auto peer_layout = KvLayout::Decode(hello.kv_layout());
+    if (!peer_layout.ok())
+      return Status::InvalidArgument("bad KV layout from peer: " + peer_layout.status().message());
+    return CheckLayoutsMatch(layout_, *peer_layout);
+  }
+
+  void OnPrefillPeerClosed(const std::string& address, const ConnectionPtr& c, const Status& why) {
+    (void)c;
     std::deque<proto::Envelope> dropped;
     {
       std::lock_guard<std::mutex> lock(peers_mu_);
       auto it = prefill_peers_.find(address);
-      if (it == prefill_peers_.end()) return;
-      it->second.ready = false;
-      dropped.swap(it->second.pending);
-      if (!why.ok() && it->second.last_error.empty()) it->second.last_error = why.message();
+      if (it != prefill_peers_.end()) {
+        it->second.ready = false;
+        dropped.swap(it->second.pending);
+        if (!why.ok() && it->second.last_error.empty()) it->second.last_error = why.message();
+        if (it->second.forgotten) {
+          PDSERVE_LOG(INFO) << "prefill worker " << address
+                            << " closed and no router lists it; not reconnecting";
+          RetireClient(std::move(it->second.client));
+          prefill_peers_.erase(it);
+        }
+      }
     }
     // A closed peer writes nothing more: every hand-off it held falls back now.
     Post([this, address, why] {
@@ -801,10 +948,11 @@ class WorkerServiceImpl : public WorkerService {
     });
   }
 
-  void OnPrefillDone(const proto::PrefillDone& done) {
+  // Accepted only from the prefill worker the request was sent to.
+  void OnPrefillDone(const std::string& address, const proto::PrefillDone& done) {
     RequestId id = 0;
     for (auto& [rid, r] : decode_) {
-      if (r.remote && r.prefill_rid == done.request_id()) id = rid;
+      if (r.remote && r.prefill_rid == done.request_id() && r.prefill_address == address) id = rid;
     }
     if (id == 0) return;
     DecodeRequest& r = decode_.at(id);
@@ -875,41 +1023,13 @@ class WorkerServiceImpl : public WorkerService {
 
   // ------------------------------------------------ prefill side of hand-off
   void OnPeerMessage(const ConnectionPtr& c, proto::Envelope& e) {
-    if (e.has_transfer_hello()) {
-      // We write into the decode worker's pool: we are the transfer's writer.
-      auto conn = transfer_->Connect(e.transfer_hello().transfer_descriptor());
-      if (!conn.ok()) {
-        PDSERVE_LOG(ERROR) << "decode worker " << e.transfer_hello().worker_id()
-                           << " refused: " << conn.status().message();
-        proto::Envelope err;
-        err.mutable_error()->set_code(proto::ERROR_CODE_INVALID_ARGUMENT);
-        // The transport's message names the mismatch ("KV layout mismatch: ...").
-        err.mutable_error()->set_message(conn.status().message());
-        (void)c->Send(std::move(err));
-        loop_->Post([c, msg = conn.status().message()] { c->Close(msg); });
-        return;
-      }
-      {
-        std::lock_guard<std::mutex> lock(peers_mu_);
-        decode_peers_[c->id()] = conn->peer;
-      }
-      proto::Envelope reply;
-      auto* h = reply.mutable_transfer_hello();
-      h->set_worker_id(opts_.worker_id);
-      h->set_backend(std::string(transfer_->backend()));
-      h->set_transfer_descriptor(conn->reply);
-      h->set_layout_hash(layout_.Hash());
-      (void)c->Send(std::move(reply));
-      PDSERVE_LOG(INFO) << "decode worker " << e.transfer_hello().worker_id()
-                        << " connected for KV hand-off";
-      return;
-    }
+    if (e.has_transfer_hello()) return OnPeerTransferHello(c, e.transfer_hello());
     if (e.has_prefill()) {
       PeerId peer = 0;
       {
         std::lock_guard<std::mutex> lock(peers_mu_);
         auto it = decode_peers_.find(c->id());
-        if (it != decode_peers_.end()) peer = it->second;
+        if (it != decode_peers_.end()) peer = it->second.transfer_peer;
       }
       Post([this, c, peer, p = std::move(*e.mutable_prefill())]() mutable {
         OnPrefill(c, peer, std::move(p));
@@ -918,16 +1038,68 @@ class WorkerServiceImpl : public WorkerService {
     }
   }
 
+  // The writer's half of the transfer handshake (pdserve.proto, TransferHello).
+  void OnPeerTransferHello(const ConnectionPtr& c, const proto::TransferHello& hello) {
+    auto refuse = [&](const Status& st) {
+      PDSERVE_LOG(ERROR) << "decode worker " << hello.worker_id() << " from " << c->remote_address()
+                         << " refused: " << st.message();
+      proto::Envelope err;
+      err.mutable_error()->set_code(proto::ToErrorCode(st.code()));
+      // The message names the mismatch ("KV layout mismatch: ...").
+      err.mutable_error()->set_message(st.message());
+      (void)c->Send(std::move(err));
+      loop_->Post([c, msg = st.message()] { c->Close(msg); });
+    };
+    if (hello.transfer_descriptor().empty()) {
+      // Step 1: the decode worker's layout. Ours goes back only if they agree.
+      if (Status st = CheckPeerLayout(hello); !st.ok()) return refuse(st);
+      {
+        std::lock_guard<std::mutex> lock(peers_mu_);
+        decode_peers_[c->id()].layout_accepted = true;
+      }
+      proto::Envelope reply;
+      auto* h = reply.mutable_transfer_hello();
+      h->set_worker_id(opts_.worker_id);
+      h->set_backend(std::string(transfer_->backend()));
+      h->set_kv_layout(layout_.Encode());
+      h->set_layout_hash(layout_.Hash());
+      (void)c->Send(std::move(reply));
+      return;
+    }
+    // Step 3: the decode worker's descriptor, after the layouts agreed. We
+    // write into that pool: we are the transfer's writer.
+    {
+      std::lock_guard<std::mutex> lock(peers_mu_);
+      auto it = decode_peers_.find(c->id());
+      if (it == decode_peers_.end() || !it->second.layout_accepted || it->second.transfer_peer) {
+        return refuse(Status::InvalidArgument(
+            "transfer descriptor out of order (layout first, descriptor once)"));
+      }
+    }
+    auto conn = transfer_->Connect(hello.transfer_descriptor());
+    if (!conn.ok()) return refuse(conn.status());
+    {
+      std::lock_guard<std::mutex> lock(peers_mu_);
+      decode_peers_[c->id()].transfer_peer = conn->peer;
+    }
+    proto::Envelope reply;
+    auto* h = reply.mutable_transfer_hello();
+    h->set_worker_id(opts_.worker_id);
+    h->set_transfer_descriptor(conn->reply);
+    (void)c->Send(std::move(reply));
+    PDSERVE_LOG(INFO) << "decode worker " << hello.worker_id() << " connected for KV hand-off";
+  }
+
   void OnPeerClosed(const ConnectionPtr& c, const Status&) {
     PeerId peer = 0;
     {
       std::lock_guard<std::mutex> lock(peers_mu_);
       auto it = decode_peers_.find(c->id());
       if (it == decode_peers_.end()) return;
-      peer = it->second;
+      peer = it->second.transfer_peer;
       decode_peers_.erase(it);
     }
-    transfer_->Disconnect(peer);
+    if (peer) transfer_->Disconnect(peer);
   }
 
   void OnPrefill(const ConnectionPtr& decode, PeerId peer, proto::Prefill p) {
@@ -1111,6 +1283,7 @@ class WorkerServiceImpl : public WorkerService {
       for (const auto& c : router_conns_) (void)c->Send(env);
     }
     // Metrics from the same snapshot.
+    metrics_.control_buffered_bytes.Set(static_cast<double>(ControlBufferedBytes()));
     metrics_.usage.Set(s.blocks.usage_ratio);
     metrics_.running.Set(static_cast<double>(s.num_running));
     metrics_.waiting.Set(static_cast<double>(s.num_waiting + s.num_remote_waiting));
@@ -1120,6 +1293,20 @@ class WorkerServiceImpl : public WorkerService {
       metrics_.preemptions.Increment(static_cast<double>(s.num_preemptions - last_preemptions_));
     }
     last_preemptions_ = s.num_preemptions;
+  }
+
+  size_t ControlBufferedBytes() {
+    size_t total = peer_server_ ? peer_server_->buffered_bytes() : 0;
+    auto add = [&](const control::Client& c) {
+      if (auto conn = c.connection()) total += conn->buffered_bytes();
+    };
+    {
+      std::lock_guard<std::mutex> lock(routers_mu_);
+      for (auto& [_, c] : routers_) add(*c);
+    }
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    for (auto& [_, p] : prefill_peers_) add(*p.client);
+    return total;
   }
 
   // Prefix-cache counters straight from the block manager (safe from any
@@ -1185,8 +1372,9 @@ class WorkerServiceImpl : public WorkerService {
   // Peers.
   std::mutex peers_mu_;
   std::map<std::string, PrefillPeer> prefill_peers_;  // by control address (decode side)
-  std::unordered_map<uint64_t, PeerId>
-      decode_peers_;  // connection id → transfer peer (prefill side)
+  // Each router connection's latest PrefillWorkers, by connection id.
+  std::map<uint64_t, std::set<std::string>> router_prefill_views_;
+  std::unordered_map<uint64_t, DecodePeer> decode_peers_;  // by connection id (prefill side)
 };
 
 }  // namespace

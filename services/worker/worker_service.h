@@ -20,6 +20,13 @@
 // running requests finish (or are cancelled at the grace deadline), then a
 // Goodbye.
 //
+// Prefill peers: a decode worker keeps connections to the prefill workers its
+// routers list (PrefillWorkers), connects to them ahead of the first request,
+// reconnects at once when a router lists one again, and stops reconnecting to
+// one no router lists (an open connection is kept until it closes, so a
+// draining prefill worker finishes what it holds). The KV layouts are compared
+// before either side's transfer descriptor leaves the process.
+//
 // Safety of remote writes: a decode worker never hands reserved blocks back
 // to its allocator while its prefill peer may still write into them. It falls
 // back to local prefill only after the peer reported failure, after the peer's
@@ -35,6 +42,8 @@
 
 #include "common/dtype.h"
 #include "common/status.h"
+#include "transport/control/handshake.h"
+#include "transport/control/tls.h"
 
 namespace pdserve::worker {
 
@@ -63,6 +72,10 @@ struct WorkerOptions {
   int64_t load_interval_ms = 200;
   int64_t dns_refresh_ms = 5'000;
   int64_t drain_timeout_ms = 30'000;
+  // Control plane (routers and peer workers alike): the secret to prove (null:
+  // unauthenticated, --insecure-control-plane) and optional mutual TLS.
+  std::shared_ptr<const control::ClusterSecret> cluster_secret;
+  std::shared_ptr<const control::TlsContext> control_tls;
 };
 
 class WorkerService {

@@ -3,7 +3,8 @@
 // the offline engine's (`pdserve generate`), streamed or not.
 // Usage: node openai_client.mjs PDSERVE_BIN NODE_MODULES_DIR
 import { spawn, execFileSync } from 'node:child_process';
-import { mkdtempSync, rmSync, openSync } from 'node:fs';
+import { mkdtempSync, rmSync, openSync, writeFileSync } from 'node:fs';
+import { randomBytes } from 'node:crypto';
 import { createRequire } from 'node:module';
 import os from 'node:os';
 import path from 'node:path';
@@ -18,6 +19,9 @@ const dir = mkdtempSync(path.join(os.tmpdir(), 'pdserve-openai-'));
 const model = path.join(dir, 'tiny');
 execFileSync(bin, ['make-model', '--preset', 'tiny', '--out', model]);
 const children = [];
+// The control plane is authenticated: every process proves this secret.
+const secretFile = path.join(dir, 'cluster-secret');
+writeFileSync(secretFile, randomBytes(32).toString('hex') + '\n', { mode: 0o600 });
 
 function start(name, args) {
   const log = path.join(dir, `${name}.log`);
@@ -41,13 +45,14 @@ function readLog(log) {
 }
 
 const routerLog = start('router', ['router', '--model', model, '--host', '127.0.0.1', '--port', '0',
-  '--control-port', '0', '--max-local-prefill', '16']);
+  '--control-port', '0', '--max-local-prefill', '16', '--cluster-secret-file', secretFile]);
 const ports = await waitFor(() => readLog(routerLog).match(/on http :(\d+), control :(\d+)/), 'router ports');
 const [httpPort, controlPort] = [ports[1], ports[2]];
 for (const role of ['prefill', 'decode']) {
   start(role, ['worker', '--role', role, '--model', model, '--router', `127.0.0.1:${controlPort}`,
     '--host', '127.0.0.1', '--port', '0', '--metrics-port', '0', '--worker-id', `${role}-0`, '--threads', '1',
-    '--transfer-tls', 'tcp', '--kv-cache-bytes', '8MiB', '--max-local-prefill', '16']);
+    '--transfer-tls', 'tcp', '--kv-cache-bytes', '8MiB', '--max-local-prefill', '16',
+    '--cluster-secret-file', secretFile]);
 }
 await waitFor(async () => {
   try { return (await fetch(`http://127.0.0.1:${httpPort}/ready`)).status === 200; } catch { return false; }

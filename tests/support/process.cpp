@@ -129,7 +129,7 @@ CommandResult RunCommand(const std::vector<std::string>& argv, std::chrono::mill
   if (pid == 0) {
     ::dup2(out_fd, STDOUT_FILENO);
     ::dup2(err_fd, STDERR_FILENO);
-    ::execv(args[0], args.data());
+    ::execvp(args[0], args.data());  // a bare name is looked up in PATH
     _exit(127);
   }
   ::close(out_fd);

@@ -44,7 +44,8 @@ class ChildProcess {
   std::string log_path_;
 };
 
-// Runs a command to completion; returns its exit code and captured stdout.
+// Runs a command to completion (argv[0] without a slash is looked up in
+// PATH); returns its exit code and captured stdout.
 struct CommandResult {
   int exit_code = -1;
   std::string out;

@@ -9,6 +9,7 @@
 #include <deque>
 #include <future>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <set>
 #include <thread>
@@ -21,6 +22,7 @@
 #include "common/accept_backoff.h"
 #include "common/logging.h"
 #include "common/proto/protocol.h"
+#include "transport/control/detail/byte_stream.h"
 
 namespace pdserve::control {
 
@@ -101,32 +103,37 @@ class ConnectionImpl final : public Connection,
   // Called after on_close, so that the owner (Server, Client) can forget it.
   using FinalHook = std::function<void(const std::shared_ptr<ConnectionImpl>&)>;
 
-  ConnectionImpl(tcp::socket socket, std::string remote, ConnectionOptions options,
-                 ConnectionHandlers handlers, FinalHook on_final)
-      : socket_(std::move(socket)),
-        strand_(socket_.get_executor()),
+  ConnectionImpl(tcp::socket socket, HandshakeSide side, std::string remote,
+                 ConnectionOptions options, ConnectionHandlers handlers, FinalHook on_final)
+      : stream_(detail::MakeByteStream(std::move(socket), options.tls.get())),
+        strand_(stream_->executor()),
         tick_timer_(strand_),
         close_timer_(strand_),
         id_(g_next_connection_id.fetch_add(1)),
+        side_(side),
         remote_(std::move(remote)),
         options_(std::move(options)),
         handlers_(std::move(handlers)),
         on_final_(std::move(on_final)),
-        decoder_(options_.max_frame_bytes) {}
+        decoder_(options_.max_frame_bytes),
+        handshake_(side, OwnHello(options_), options_.secret) {}
 
-  // Sends our Hello and starts reading and the heartbeat timer.
+  // TLS handshake (when configured), then our Hello; starts the timer that
+  // bounds the opening and later sends heartbeats.
   void Start() {
     asio::dispatch(strand_, [self = shared_from_this()] {
-      self->last_receive_ = self->last_send_ = Clock::now();
-      proto::Envelope hello;
-      auto* h = hello.mutable_hello();
-      h->set_protocol_version(proto::kProtocolVersion);
-      h->set_role(self->options_.role);
-      h->set_peer_id(self->options_.id);
-      h->set_software_version(PDSERVE_VERSION_STRING);
-      (void)self->Enqueue(std::move(hello), /*internal=*/true);
-      self->ReadMore();
+      self->opened_at_ = self->last_receive_ = self->last_send_ = Clock::now();
       self->ScheduleTick();
+      self->stream_->AsyncHandshake(self->side_, [self](const boost::system::error_code& ec) {
+        if (self->closed()) return;
+        if (ec) {
+          self->Finish(Status::Unauthenticated("TLS handshake failed: " + ec.message()));
+          return;
+        }
+        self->stream_ready_ = true;
+        (void)self->Enqueue(self->handshake_.Start(), /*internal=*/true);
+        self->ReadMore();
+      });
     });
   }
 
@@ -153,6 +160,11 @@ class ConnectionImpl final : public Connection,
     return peer_hello_;
   }
 
+  size_t buffered_bytes() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return queued_bytes_ + receive_buffered_;
+  }
+
   // "control #3 127.0.0.1:4242" plus the peer's identity once known.
   std::string Describe() const {
     std::string s = "control #" + std::to_string(id_) + " " + remote_;
@@ -168,6 +180,14 @@ class ConnectionImpl final : public Connection,
  private:
   enum class State { kOpen, kClosing, kClosed };
 
+  static proto::Hello OwnHello(const ConnectionOptions& options) {
+    proto::Hello h;
+    h.set_role(options.role);
+    h.set_peer_id(options.id);
+    h.set_software_version(PDSERVE_VERSION_STRING);
+    return h;
+  }
+
   Status Enqueue(proto::Envelope envelope, bool internal) {
     envelope.set_protocol_version(proto::kProtocolVersion);
     std::string frame;
@@ -177,6 +197,11 @@ class ConnectionImpl final : public Connection,
       std::lock_guard<std::mutex> lock(mu_);
       if (state_ == State::kClosed || (state_ == State::kClosing && !internal)) {
         return Status::Unavailable("control connection to " + remote_ + " is closed");
+      }
+      // Nothing of the application's goes to a peer that has not proved who it is.
+      if (!internal && !handshake_done_) {
+        return Status::Unavailable("control connection to " + remote_ +
+                                   " has not completed its handshake");
       }
       if (!internal && queued_bytes_ + frame.size() > options_.max_queued_bytes) {
         return Status::ResourceExhausted("send queue to " + remote_ + " is full (" +
@@ -195,6 +220,10 @@ class ConnectionImpl final : public Connection,
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (state_ == State::kClosed) return;
+      if (!stream_ready_) {  // TLS handshake still running: Start() writes later
+        write_in_flight_ = false;
+        return;
+      }
       writing_.clear();
       while (!queue_.empty()) {
         writing_.push_back(std::move(queue_.front()));
@@ -211,26 +240,25 @@ class ConnectionImpl final : public Connection,
     std::vector<asio::const_buffer> buffers;
     buffers.reserve(writing_.size());
     for (const auto& f : writing_) buffers.emplace_back(f.data(), f.size());
-    asio::async_write(socket_, buffers,
-                      [self = shared_from_this()](boost::system::error_code ec, size_t n) {
-                        if (ec) {
-                          self->Finish(Status::Unavailable("write failed: " + ec.message()));
-                          return;
-                        }
-                        self->last_send_ = Clock::now();
-                        {
-                          std::lock_guard<std::mutex> lock(self->mu_);
-                          self->queued_bytes_ -= n;
-                        }
-                        self->WriteMore();
-                      });
+    stream_->AsyncWrite(std::move(buffers),
+                        [self = shared_from_this()](const boost::system::error_code& ec, size_t n) {
+                          if (ec) {
+                            self->Finish(Status::Unavailable("write failed: " + ec.message()));
+                            return;
+                          }
+                          self->last_send_ = Clock::now();
+                          {
+                            std::lock_guard<std::mutex> lock(self->mu_);
+                            self->queued_bytes_ -= n;
+                          }
+                          self->WriteMore();
+                        });
   }
 
   void ReadMore() {
-    socket_.async_read_some(asio::buffer(read_buffer_),
-                            [self = shared_from_this()](boost::system::error_code ec, size_t n) {
-                              self->OnRead(ec, n);
-                            });
+    stream_->AsyncReadSome(asio::buffer(read_buffer_),
+                           [self = shared_from_this()](const boost::system::error_code& ec,
+                                                       size_t n) { self->OnRead(ec, n); });
   }
 
   void OnRead(boost::system::error_code ec, size_t n) {
@@ -258,16 +286,39 @@ class ConnectionImpl final : public Connection,
     }
     last_receive_ = Clock::now();
     incoming_.clear();
+    const bool was_partial = decoder_.buffered_bytes() > 0;
     const Status decoded = decoder_.Feed(read_buffer_.data(), n, &incoming_);
     // Envelopes before a bad frame are still delivered: the peer sent them whole.
     for (auto& envelope : incoming_) {
       if (closed()) return;
+      if (!handshake_done_ && envelope.ByteSizeLong() > kMaxHandshakeFrameBytes) {
+        Finish(Status::ResourceExhausted("frame of " + std::to_string(envelope.ByteSizeLong()) +
+                                         " bytes before the handshake completed (at most " +
+                                         std::to_string(kMaxHandshakeFrameBytes) + ")"));
+        return;
+      }
       HandleEnvelope(envelope);
     }
     if (closed()) return;
     if (!decoded.ok()) {
       Finish(Status(decoded.code(), "bad frame from peer: " + decoded.message()));
       return;
+    }
+    if (!handshake_done_ && decoder_.pending_frame_bytes() > kMaxHandshakeFrameBytes) {
+      Finish(Status::ResourceExhausted("frame of " +
+                                       std::to_string(decoder_.pending_frame_bytes()) +
+                                       " bytes announced before the handshake completed (at most " +
+                                       std::to_string(kMaxHandshakeFrameBytes) + ")"));
+      return;
+    }
+    // The slow-frame clock starts with the first byte of a frame and runs
+    // until no incomplete frame is left.
+    if (decoder_.buffered_bytes() == 0 || !was_partial || incoming_.size() > 0) {
+      partial_since_ = Clock::now();
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      receive_buffered_ = decoder_.buffered_bytes();
     }
     ReadMore();
   }
@@ -281,25 +332,29 @@ class ConnectionImpl final : public Connection,
       return;
     }
     if (!handshake_done_) {
-      if (!envelope.has_hello()) {
-        Finish(Status::InvalidArgument(std::string("expected Hello as the first message, got ") +
-                                       std::string(proto::BodyName(envelope))));
+      // Refused already: what else the peer sent is read and dropped while
+      // the refusal is flushed.
+      if (handshake_.state() == Handshake::State::kRefused) return;
+      Handshake::Step step = handshake_.OnMessage(envelope);
+      if (step.state == Handshake::State::kRefused) {
+        PDSERVE_LOG(WARN) << Describe() << " refused: " << step.refusal.message();
+        proto::Envelope last = std::move(step.to_send.back());
+        step.to_send.pop_back();
+        for (auto& e : step.to_send) (void)Enqueue(std::move(e), /*internal=*/true);
+        BeginClose(std::move(last),
+                   Status(step.refusal.code(), "refused the peer: " + step.refusal.message()));
         return;
       }
-      const uint32_t version = envelope.hello().protocol_version();
-      if (version != proto::kProtocolVersion ||
-          envelope.protocol_version() != proto::kProtocolVersion) {
-        Refuse("protocol version " + std::to_string(version) +
-               " is not supported (this peer speaks version " +
-               std::to_string(proto::kProtocolVersion) + ")");
-        return;
-      }
+      for (auto& e : step.to_send) (void)Enqueue(std::move(e), /*internal=*/true);
+      if (step.state != Handshake::State::kDone) return;
       {
         std::lock_guard<std::mutex> lock(mu_);
-        peer_hello_ = envelope.hello();
+        peer_hello_ = handshake_.peer_hello();
         handshake_done_ = true;
       }
-      PDSERVE_LOG(INFO) << Describe() << " open";
+      PDSERVE_LOG(INFO) << Describe() << " open"
+                        << (handshake_.authenticated() ? ", authenticated" : ", NOT authenticated")
+                        << (options_.tls ? ", TLS" : "");
       if (handlers_.on_open) handlers_.on_open(shared_from_this());
       return;
     }
@@ -330,17 +385,6 @@ class ConnectionImpl final : public Connection,
     }
   }
 
-  // On the strand: tells the peer why (Error) and closes after flushing.
-  void Refuse(const std::string& why) {
-    PDSERVE_LOG(WARN) << Describe() << " refused: " << why;
-    proto::Envelope error;
-    auto* e = error.mutable_error();
-    e->set_code(proto::ERROR_CODE_UNSUPPORTED);
-    e->set_message(why);
-    e->set_retryable(false);
-    BeginClose(std::move(error), Status::Unsupported("refused the peer: " + why));
-  }
-
   // On the strand: queues `last` behind everything already queued, then
   // closes once the queue is empty or close_timeout has passed.
   void BeginClose(proto::Envelope last, Status reason) {
@@ -350,6 +394,10 @@ class ConnectionImpl final : public Connection,
       state_ = State::kClosing;
     }
     close_reason_ = std::move(reason);
+    if (!stream_ready_) {  // nothing can be said before TLS is up
+      Finish(close_reason_);
+      return;
+    }
     (void)Enqueue(std::move(last), /*internal=*/true);
     close_timer_.expires_after(options_.close_timeout);
     close_timer_.async_wait([self = shared_from_this()](boost::system::error_code ec) {
@@ -362,8 +410,11 @@ class ConnectionImpl final : public Connection,
   }
 
   void ScheduleTick() {
-    const auto period =
-        std::max(milliseconds(1), std::min(options_.heartbeat_interval, options_.peer_timeout) / 2);
+    // Often enough for every deadline the tick enforces.
+    const auto period = std::max(milliseconds(1),
+                                 std::min({options_.heartbeat_interval, options_.peer_timeout,
+                                           options_.handshake_timeout, options_.slow_frame_grace}) /
+                                     2);
     tick_timer_.expires_after(period);
     tick_timer_.async_wait([self = shared_from_this()](boost::system::error_code ec) {
       if (ec || self->closed()) return;
@@ -373,6 +424,29 @@ class ConnectionImpl final : public Connection,
 
   void Tick() {
     const auto now = Clock::now();
+    if (!handshake_done_ && now - opened_at_ > options_.handshake_timeout) {
+      Finish(Status::DeadlineExceeded("handshake not completed within " +
+                                      std::to_string(options_.handshake_timeout.count()) + " ms"));
+      return;
+    }
+    if (decoder_.buffered_bytes() > 0) {
+      // Expected time of the frame in progress at the minimum rate.
+      const size_t frame_bytes =
+          std::max(decoder_.pending_frame_bytes(), decoder_.buffered_bytes());
+      const auto allowed =
+          options_.slow_frame_grace +
+          milliseconds(static_cast<int64_t>(
+              1000.0 * static_cast<double>(frame_bytes) /
+              static_cast<double>(std::max<size_t>(1, options_.min_receive_bytes_per_second))));
+      if (now - partial_since_ > allowed) {
+        Finish(Status::DeadlineExceeded(
+            "peer too slow: " + std::to_string(decoder_.buffered_bytes()) + " of a " +
+            std::to_string(frame_bytes) + "-byte frame in " +
+            std::to_string(Millis(now - partial_since_)) + " ms (minimum rate " +
+            std::to_string(options_.min_receive_bytes_per_second) + " bytes/s)"));
+        return;
+      }
+    }
     if (now - last_receive_ > options_.peer_timeout) {
       Finish(Status::DeadlineExceeded(
           "peer silent for " + std::to_string(Millis(now - last_receive_)) + " ms (timeout " +
@@ -382,7 +456,7 @@ class ConnectionImpl final : public Connection,
     bool idle;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      idle = state_ == State::kOpen && !write_in_flight_;
+      idle = state_ == State::kOpen && handshake_done_ && !write_in_flight_;
     }
     // With a write in flight the peer is about to hear from us anyway; with a
     // stalled one, more heartbeats would only pile up.
@@ -409,12 +483,11 @@ class ConnectionImpl final : public Connection,
       state_ = State::kClosed;
       queue_.clear();
       queued_bytes_ = 0;
+      receive_buffered_ = 0;
     }
     tick_timer_.cancel();
     close_timer_.cancel();
-    boost::system::error_code ignored;
-    socket_.shutdown(tcp::socket::shutdown_both, ignored);
-    socket_.close(ignored);
+    stream_->Close();
     if (reason.ok()) {
       PDSERVE_LOG(INFO) << Describe() << " closed: " << reason.message();
     } else {
@@ -425,11 +498,12 @@ class ConnectionImpl final : public Connection,
     if (on_final_) on_final_(self);
   }
 
-  tcp::socket socket_;
+  std::unique_ptr<detail::ByteStream> stream_;
   asio::any_io_executor strand_;
   asio::steady_timer tick_timer_;
   asio::steady_timer close_timer_;
   const uint64_t id_;
+  const HandshakeSide side_;
   const std::string remote_;
   const ConnectionOptions options_;
   ConnectionHandlers handlers_;
@@ -437,6 +511,10 @@ class ConnectionImpl final : public Connection,
 
   // Strand-only state.
   FrameDecoder decoder_;
+  Handshake handshake_;
+  bool stream_ready_ = false;  // TLS (if any) established: frames may be written
+  Clock::time_point opened_at_{};
+  Clock::time_point partial_since_{};  // first byte of the incomplete frame
   std::array<uint8_t, 64 * 1024> read_buffer_{};
   std::vector<proto::Envelope> incoming_;
   std::vector<std::string> writing_;
@@ -448,7 +526,8 @@ class ConnectionImpl final : public Connection,
   mutable std::mutex mu_;
   State state_ = State::kOpen;
   std::deque<std::string> queue_;
-  size_t queued_bytes_ = 0;  // queued plus being written
+  size_t queued_bytes_ = 0;      // queued plus being written
+  size_t receive_buffered_ = 0;  // bytes of an incomplete received frame
   bool write_in_flight_ = false;
   bool handshake_done_ = false;
   proto::Hello peer_hello_;
@@ -496,15 +575,15 @@ struct Server::State : std::enable_shared_from_this<Server::State> {
     if (ec) return;  // the peer is already gone
     socket.set_option(tcp::no_delay(true), ec);
     std::weak_ptr<State> weak = shared_from_this();
-    auto conn =
-        std::make_shared<ConnectionImpl>(std::move(socket), Endpoint(remote), options, handlers,
-                                         [weak](const std::shared_ptr<ConnectionImpl>& c) {
-                                           if (auto self = weak.lock()) {
-                                             std::lock_guard<std::mutex> lock(self->mu);
-                                             self->connections.erase(c);
-                                             self->cv.notify_all();
-                                           }
-                                         });
+    auto conn = std::make_shared<ConnectionImpl>(std::move(socket), HandshakeSide::kAcceptor,
+                                                 Endpoint(remote), options, handlers,
+                                                 [weak](const std::shared_ptr<ConnectionImpl>& c) {
+                                                   if (auto self = weak.lock()) {
+                                                     std::lock_guard<std::mutex> lock(self->mu);
+                                                     self->connections.erase(c);
+                                                     self->cv.notify_all();
+                                                   }
+                                                 });
     {
       std::lock_guard<std::mutex> lock(mu);
       if (stopping) return;  // socket closes with conn
@@ -587,6 +666,13 @@ void Server::Stop(const std::string& reason) {
 size_t Server::connection_count() const {
   std::lock_guard<std::mutex> lock(state_->mu);
   return state_->connections.size();
+}
+
+size_t Server::buffered_bytes() const {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  size_t total = 0;
+  for (const auto& c : state_->connections) total += c->buffered_bytes();
+  return total;
 }
 
 // ---- Client ------------------------------------------------------------------
@@ -672,7 +758,7 @@ struct Client::State : std::enable_shared_from_this<Client::State> {
       if (!self) return;
       {
         std::lock_guard<std::mutex> lock(self->mu);
-        self->attempt = 0;
+        self->opened_at = Clock::now();
         self->is_connected = true;
       }
       if (self->handlers.on_open) self->handlers.on_open(c);
@@ -688,8 +774,8 @@ struct Client::State : std::enable_shared_from_this<Client::State> {
       if (self->handlers.on_close) self->handlers.on_close(c, reason);
     };
     auto conn = std::make_shared<ConnectionImpl>(
-        std::move(*socket), Endpoint(remote), options.connection, std::move(wrapped),
-        [weak](const std::shared_ptr<ConnectionImpl>&) {
+        std::move(*socket), HandshakeSide::kInitiator, Endpoint(remote), options.connection,
+        std::move(wrapped), [weak](const std::shared_ptr<ConnectionImpl>&) {
           auto self = weak.lock();
           if (!self) return;
           bool reconnect;
@@ -697,6 +783,12 @@ struct Client::State : std::enable_shared_from_this<Client::State> {
             std::lock_guard<std::mutex> lock(self->mu);
             self->current.reset();
             reconnect = !self->stopping;
+            // Only a connection that lasted resets the backoff: one the owner
+            // or the peer closes right after the handshake (a refused
+            // registration, a KV layout mismatch) must not loop at full speed.
+            if (self->opened_at && Clock::now() - *self->opened_at >= self->options.max_backoff)
+              self->attempt = 0;
+            self->opened_at.reset();
             self->cv.notify_all();
           }
           if (reconnect) {
@@ -727,10 +819,26 @@ struct Client::State : std::enable_shared_from_this<Client::State> {
     const auto delay = milliseconds(static_cast<int64_t>(std::max(0.0, base * factor(rng))));
     PDSERVE_LOG(INFO) << "control client " << Target() << ": " << why << "; reconnect attempt "
                       << (n + 1) << " in " << delay.count() << " ms";
+    backing_off = true;
     backoff_timer.expires_after(delay);
     backoff_timer.async_wait([self = shared_from_this()](boost::system::error_code ec) {
-      if (!ec) self->Connect();
+      if (ec) return;
+      self->backing_off = false;
+      self->Connect();
     });
+  }
+
+  // On the strand.
+  void ReconnectNow() {
+    if (!backing_off || IsStopping()) return;
+    backing_off = false;
+    backoff_timer.cancel();
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      attempt = 0;
+    }
+    PDSERVE_LOG(INFO) << "control client " << Target() << ": reconnecting now";
+    Connect();
   }
 
   bool IsStopping() {
@@ -747,7 +855,8 @@ struct Client::State : std::enable_shared_from_this<Client::State> {
   const uint16_t port;
   const ClientOptions options;
   const ConnectionHandlers handlers;
-  std::mt19937_64 rng;  // strand only
+  std::mt19937_64 rng;       // strand only
+  bool backing_off = false;  // strand only: waiting for backoff_timer
 
   mutable std::mutex mu;
   std::condition_variable cv;
@@ -755,6 +864,7 @@ struct Client::State : std::enable_shared_from_this<Client::State> {
   bool stopping = false;
   bool is_connected = false;
   int attempt = 0;
+  std::optional<Clock::time_point> opened_at;  // of the current connection, once open
   std::shared_ptr<ConnectionImpl> current;
   std::shared_ptr<tcp::socket> pending_socket;
 };
@@ -815,6 +925,10 @@ void Client::Stop(const std::string& reason) {
   cancelled.wait();
   std::unique_lock<std::mutex> lock(state_->mu);
   state_->cv.wait(lock, [&] { return state_->current == nullptr; });
+}
+
+void Client::ReconnectNow() {
+  asio::post(state_->strand, [s = state_] { s->ReconnectNow(); });
 }
 
 bool Client::connected() const {

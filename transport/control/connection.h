@@ -15,17 +15,24 @@
 //              exponential backoff plus jitter until stopped.
 //
 // Connection protocol, identical on both sides:
-//   - Each side sends Hello first. A peer whose Hello (or any Envelope) carries
-//     another protocol version is refused: the refusing side logs the reason,
-//     sends Error{code: UNSUPPORTED, message} and closes; the refused side's
-//     on_close receives that message. on_open fires once the peer's Hello is
-//     accepted; peer_hello() is valid from then on.
+//   - With TLS configured, the TLS handshake comes first (mutual; tls.h).
+//   - Then the handshake of handshake.h: Hello both ways, and with a cluster
+//     secret an Auth proof both ways. A peer with another protocol version, a
+//     wrong or missing proof, or a secret where we have none (or the reverse)
+//     is refused: the refusing side logs the reason, sends Error{code,
+//     message} and closes; the refused side's on_close receives that message.
+//     Until the handshake is done nothing else is accepted, no frame may
+//     exceed kMaxHandshakeFrameBytes, and the whole opening (TLS included)
+//     must finish within handshake_timeout. on_open fires once it is done;
+//     peer_hello() is valid from then on. No application message ever reaches
+//     on_message from an unauthenticated peer.
 //   - A side that sent nothing for heartbeat_interval sends a Heartbeat. A side
 //     that received nothing for peer_timeout closes the connection as dead
 //     (kDeadlineExceeded) — this catches stopped processes and half-open TCP.
-//   - A frame over max_frame_bytes, a payload that does not parse, a first
-//     message other than Hello, or end of stream in the middle of a frame
-//     closes that one connection with a logged reason; nothing else is affected.
+//   - A frame over max_frame_bytes, a payload that does not parse, end of
+//     stream in the middle of a frame, or a frame that arrives slower than
+//     min_receive_bytes_per_second (after slow_frame_grace) closes that one
+//     connection with a logged reason; nothing else is affected.
 //   - Close(reason) is graceful: queued frames are flushed, then Goodbye{reason}
 //     is sent and the socket closed (forced after close_timeout). A received
 //     Goodbye is passed to on_message; unless it has drain = true the
@@ -49,6 +56,8 @@
 #include "common/proto/pdserve.pb.h"
 #include "common/status.h"
 #include "transport/control/frame.h"
+#include "transport/control/handshake.h"
+#include "transport/control/tls.h"
 
 namespace pdserve::control {
 
@@ -77,11 +86,23 @@ struct ConnectionOptions {
   // Announced in our Hello.
   proto::Role role = proto::ROLE_UNSPECIFIED;
   std::string id;
+  // The cluster secret both ends must prove they hold; null runs without
+  // authentication (only for --insecure-control-plane).
+  std::shared_ptr<const ClusterSecret> secret;
+  // Mutual TLS around every connection; null: plain TCP.
+  std::shared_ptr<const TlsContext> tls;
+  // TLS, Hello and Auth must all be done within this.
+  std::chrono::milliseconds handshake_timeout{5000};
   // Larger frames are refused in both directions.
   size_t max_frame_bytes = kDefaultMaxFrameBytes;
   // Send() fails with kResourceExhausted while this many bytes wait to be
   // written (a peer that stopped reading must not grow our memory forever).
-  size_t max_queued_bytes = size_t{256} << 20;
+  size_t max_queued_bytes = size_t{64} << 20;
+  // A frame whose first bytes arrived must be complete within
+  // slow_frame_grace + its length / min_receive_bytes_per_second, so that a
+  // peer cannot pin a large receive buffer by trickling bytes into it.
+  size_t min_receive_bytes_per_second = size_t{64} << 10;
+  std::chrono::milliseconds slow_frame_grace{5000};
   std::chrono::milliseconds heartbeat_interval{1000};
   std::chrono::milliseconds peer_timeout{5000};
   // How long Close() waits for queued frames to drain before dropping them.
@@ -107,6 +128,9 @@ class Connection {
   virtual const std::string& remote_address() const = 0;
   // The peer's Hello; empty before on_open.
   virtual proto::Hello peer_hello() const = 0;
+  // Bytes held for this connection now: an incomplete received frame plus
+  // frames queued to send.
+  virtual size_t buffered_bytes() const = 0;
 };
 
 using ConnectionPtr = std::shared_ptr<Connection>;
@@ -140,6 +164,8 @@ class Server {
   // outside the loop, returns after every on_close has run.
   void Stop(const std::string& reason = "server stopping");
   size_t connection_count() const;
+  // Sum of buffered_bytes() over the open connections (a metric's source).
+  size_t buffered_bytes() const;
 
   struct State;
 
@@ -152,7 +178,9 @@ struct ClientOptions {
   std::chrono::milliseconds connect_timeout{3000};
   // Delay before reconnect attempt n (from 0): min(max_backoff,
   // initial_backoff * 2^n), scaled by a random factor in [1 - jitter, 1 + jitter].
-  // n returns to 0 after each successful handshake.
+  // n returns to 0 when a connection closes after staying open for at least
+  // max_backoff (a peer that accepts the handshake and then drops us at once
+  // is retried with growing delays), and on ReconnectNow().
   std::chrono::milliseconds initial_backoff{100};
   std::chrono::milliseconds max_backoff{5000};
   double jitter = 0.2;
@@ -175,6 +203,10 @@ class Client {
   // Closes gracefully and stops reconnecting. When called from outside the
   // loop, returns after on_close (if a connection existed) has run.
   void Stop(const std::string& reason = "client stopping");
+  // Skips the rest of the wait before the next reconnect attempt and resets
+  // the backoff (the owner learned that the peer is back). No effect while
+  // connected or connecting.
+  void ReconnectNow();
   // True between on_open and on_close.
   bool connected() const;
   // The current connection, or null.

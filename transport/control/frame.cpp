@@ -34,6 +34,11 @@ Status AppendFrame(const proto::Envelope& envelope, size_t max_frame_bytes, std:
 
 FrameDecoder::FrameDecoder(size_t max_frame_bytes) : max_frame_bytes_(max_frame_bytes) {}
 
+size_t FrameDecoder::pending_frame_bytes() const {
+  if (buffer_.size() < kFrameHeaderBytes) return 0;
+  return ReadBigEndian32(reinterpret_cast<const uint8_t*>(buffer_.data()));
+}
+
 size_t FrameDecoder::DecodeFrames(const uint8_t* data, size_t size,
                                   std::vector<proto::Envelope>* out) {
   size_t pos = 0;

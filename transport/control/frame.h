@@ -16,7 +16,8 @@
 namespace pdserve::control {
 
 inline constexpr size_t kFrameHeaderBytes = 4;
-inline constexpr size_t kDefaultMaxFrameBytes = 64u << 20;
+// Large enough for a snapshot chunk or a Generate of a million-token prompt.
+inline constexpr size_t kDefaultMaxFrameBytes = 16u << 20;
 
 // Appends the frame of `envelope` (header + payload) to *out. Fails with
 // kResourceExhausted, leaving *out unchanged, when the payload would exceed
@@ -41,6 +42,9 @@ class FrameDecoder {
   // Bytes of an incomplete frame held back for the next Feed(). Non-zero at
   // end of stream means the peer stopped mid-frame.
   size_t buffered_bytes() const { return buffer_.size(); }
+  // The announced payload length of the incomplete frame held back, once its
+  // header has arrived; 0 otherwise.
+  size_t pending_frame_bytes() const;
   bool failed() const { return !error_.ok(); }
   size_t max_frame_bytes() const { return max_frame_bytes_; }
 

@@ -371,12 +371,14 @@ TEST(ControlConnectionTest, ClientRefusesNewerServerAndKeepsRetrying) {
   client.Start();
   for (int attempt = 0; attempt < 2; ++attempt) {
     RawSocket peer(listener.Accept());
-    ASSERT_TRUE(peer.WriteEnvelope(HelloEnvelope(2, "newer-router")));
+    const uint32_t newer = proto::kProtocolVersion + 1;
+    ASSERT_TRUE(peer.WriteEnvelope(HelloEnvelope(newer, "newer-router")));
     std::vector<proto::Envelope> from_client;
     ASSERT_TRUE(peer.ReadUntilClosed(&from_client));
     ASSERT_EQ(from_client.size(), 2u);
     EXPECT_EQ(from_client[0].hello().peer_id(), "decode");
-    EXPECT_TRUE(Contains(from_client[1].error().message(), "protocol version 2 is not supported"));
+    EXPECT_TRUE(Contains(from_client[1].error().message(),
+                         "protocol version " + std::to_string(newer) + " is not supported"));
   }
   ASSERT_TRUE(client_rec.WaitForCloses(2));
   EXPECT_EQ(client_rec.closes()[0].code(), StatusCode::kUnsupported);

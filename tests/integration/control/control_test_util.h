@@ -20,6 +20,7 @@
 #include "common/proto/protocol.h"
 #include "transport/control/connection.h"
 #include "transport/control/frame.h"
+#include "transport/control/handshake.h"
 
 namespace pdserve::control::testing {
 
@@ -190,6 +191,54 @@ class RawSocket {
   }
   int fd_ = -1;
 };
+
+// Reads one whole frame from a raw socket (false on timeout or close).
+inline bool ReadEnvelope(RawSocket& socket, proto::Envelope* out) {
+  FrameDecoder decoder;
+  std::vector<proto::Envelope> got;
+  char byte;
+  const auto deadline = std::chrono::steady_clock::now() + kWaitLimit;
+  // One byte at a time: what follows the frame stays in the socket.
+  while (got.empty() && std::chrono::steady_clock::now() < deadline) {
+    const ssize_t n = ::recv(socket.fd(), &byte, 1, 0);
+    if (n == 0) return false;
+    if (n < 0) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) continue;
+      return false;
+    }
+    if (!decoder.Feed(reinterpret_cast<const uint8_t*>(&byte), 1, &got).ok()) return false;
+  }
+  if (got.empty()) return false;
+  *out = std::move(got[0]);
+  return true;
+}
+
+// Runs the initiator's side of the authenticated handshake by hand over a raw
+// socket (a peer that knows the secret and may then misbehave). True when the
+// server's proof arrived; the server verifies ours on its own.
+inline bool AuthenticateRaw(RawSocket& socket, const ClusterSecret& secret,
+                            proto::Role role = proto::ROLE_DECODE,
+                            const std::string& id = "raw-peer") {
+  Handshake hs(
+      HandshakeSide::kInitiator,
+      [&] {
+        proto::Hello h;
+        h.set_role(role);
+        h.set_peer_id(id);
+        return h;
+      }(),
+      std::shared_ptr<const ClusterSecret>(&secret, [](const ClusterSecret*) {}));
+  if (!socket.WriteEnvelope(hs.Start())) return false;
+  while (hs.state() == Handshake::State::kInProgress) {
+    proto::Envelope in;
+    if (!ReadEnvelope(socket, &in)) return false;
+    Handshake::Step step = hs.OnMessage(in);
+    for (const auto& e : step.to_send) {
+      if (!socket.WriteEnvelope(e)) return false;
+    }
+  }
+  return hs.state() == Handshake::State::kDone;
+}
 
 // A listening IPv4 socket on 127.0.0.1 with an ephemeral port.
 class RawListener {

@@ -234,5 +234,21 @@ TEST(RoutingTest, ExplicitModelIdKeepsRouterAndWorkerHashesInStep) {
             static_cast<double>(cached));
 }
 
+TEST(RoutingTest, NoDecodeWorkerIsCountedAsUnavailableNotAsAnError) {
+  LocalStack stack("routing-unavailable");
+  stack.StartRouter();
+  HttpResult r = HttpRequest(stack.http_port(), "POST", "/v1/completions",
+                             R"({"prompt": "anyone there?", "max_tokens": 2})");
+  EXPECT_EQ(r.status, 503) << r.body;
+  EXPECT_EQ(r.headers["retry-after"], "1");
+  EXPECT_NE(r.body.find("no decode worker"), std::string::npos) << r.body;
+  EXPECT_EQ(LocalStack::Metric(stack.http_port(), "pdserve_router_requests_total",
+                               "status=\"unavailable\""),
+            1);
+  EXPECT_EQ(LocalStack::Metric(stack.http_port(), "pdserve_router_requests_total",
+                               "status=\"error\""),
+            0);
+}
+
 }  // namespace
 }  // namespace pdserve::testing

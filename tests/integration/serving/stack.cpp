@@ -4,10 +4,13 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <fstream>
 #include <regex>
 #include <sstream>
 
 #include "tests/support/test_models.h"
+#include "transport/control/handshake.h"
 
 namespace pdserve::testing {
 
@@ -21,12 +24,31 @@ const std::string& LocalStack::Model() {
   return dir;
 }
 
+const std::string& LocalStack::SecretFile() {
+  if (dir_.empty()) dir_ = NewTempDir(name_);
+  if (secret_file_.empty()) {
+    secret_file_ = dir_ + "/cluster-secret";
+    std::ofstream(secret_file_) << control::ClusterSecret::Generate() << "\n";
+  }
+  return secret_file_;
+}
+
+std::vector<std::string> LocalStack::WithSecurity(std::vector<std::string> argv,
+                                                  const std::vector<std::string>& extra) {
+  const bool chosen = std::any_of(extra.begin(), extra.end(), [](const std::string& a) {
+    return a.rfind("--cluster-secret-file", 0) == 0 || a.rfind("--insecure-control-plane", 0) == 0;
+  });
+  if (!chosen) argv.insert(argv.end(), {"--cluster-secret-file", SecretFile()});
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  return argv;
+}
+
 void LocalStack::StartRouter(const std::vector<std::string>& extra, int control_port) {
   if (dir_.empty()) dir_ = NewTempDir(name_);
   std::vector<std::string> argv = {
       kPdserve,    "router", "--model", Model(),          "--host",
       "127.0.0.1", "--port", "0",       "--control-port", std::to_string(control_port)};
-  argv.insert(argv.end(), extra.begin(), extra.end());
+  argv = WithSecurity(std::move(argv), extra);
   router_ = ChildProcess::Start(argv, dir_ + "/router" + std::to_string(router_starts_++) + ".log");
   auto ports =
       router_.WaitForLog(std::regex(R"(on http :(\d+), control :\d+)"), std::chrono::seconds(60));
@@ -58,7 +80,8 @@ WorkerProc& LocalStack::StartWorker(const std::string& role,
                                    "--threads",        "1",
                                    "--transfer-tls",   "tcp",
                                    "--kv-cache-bytes", "8MiB"};
-  argv.insert(argv.end(), extra.begin(), extra.end());
+  argv = WithSecurity(std::move(argv), extra);
+  argv.insert(argv.begin(), worker_launcher_.begin(), worker_launcher_.end());
   w->proc = ChildProcess::Start(argv, dir_ + "/" + w->id + ".log");
   auto port = w->proc.WaitForLog(std::regex(R"(metrics :(\d+))"), std::chrono::seconds(60));
   EXPECT_TRUE(port) << w->proc.Log();

@@ -40,8 +40,15 @@ class LocalStack {
   void RestartRouter(const std::vector<std::string>& extra = {});
   // Starts a worker and waits until the router lists it as synced.
   WorkerProc& StartWorker(const std::string& role, const std::vector<std::string>& extra = {});
+  // Workers started from now on run under `prefix`, e.g. `ip netns exec NAME`
+  // to place them in a network namespace (empty: run directly).
+  void SetWorkerLauncher(std::vector<std::string> prefix) { worker_launcher_ = std::move(prefix); }
   // Waits for /ready.
   bool WaitReady(std::chrono::milliseconds timeout = std::chrono::seconds(60));
+
+  // The cluster secret file every process of this stack gets, unless its
+  // extra flags name --cluster-secret-file or --insecure-control-plane.
+  const std::string& SecretFile();
 
   int http_port() const { return http_port_; }
   int control_port() const { return control_port_; }
@@ -54,13 +61,18 @@ class LocalStack {
   static double Metric(int port, const std::string& name, const std::string& labels = "");
 
  private:
+  std::vector<std::string> WithSecurity(std::vector<std::string> argv,
+                                        const std::vector<std::string>& extra);
+
   std::string name_;
   std::string dir_;
+  std::string secret_file_;
   ChildProcess router_;
   int router_starts_ = 0;
   int http_port_ = 0;
   int control_port_ = 0;
   std::vector<std::unique_ptr<WorkerProc>> workers_;
+  std::vector<std::string> worker_launcher_;
 };
 
 // `pdserve generate --json` for the same prompt, greedy.

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <condition_variable>
+#include <fstream>
 #include <mutex>
 #include <random>
 #include <set>
@@ -25,12 +26,26 @@ const std::string kPdserve = PDSERVE_BIN_PATH;
 
 class RouterStandIn {
  public:
-  RouterStandIn() : loop_("stand-in"), server_(&loop_, {}, Handlers()) {
+  // The stand-in authenticates the worker with the secret in `secret_file`,
+  // as a router does.
+  explicit RouterStandIn(const std::string& secret_file)
+      : loop_("stand-in"), server_(&loop_, Options(secret_file), Handlers()) {
     EXPECT_TRUE(server_.Listen("127.0.0.1", 0).ok());
   }
   ~RouterStandIn() { server_.Stop(); }
 
   int port() const { return server_.port(); }
+
+  static control::ConnectionOptions Options(const std::string& secret_file) {
+    std::ofstream(secret_file) << control::ClusterSecret::Generate() << "\n";
+    auto secret = control::ClusterSecret::Load(secret_file);
+    EXPECT_TRUE(secret.ok()) << secret.status().ToString();
+    control::ConnectionOptions o;
+    o.role = proto::ROLE_ROUTER;
+    o.id = "stand-in";
+    if (secret.ok()) o.secret = *secret;
+    return o;
+  }
 
   bool WaitRegistered() {
     std::unique_lock<std::mutex> lock(mu_);
@@ -158,13 +173,14 @@ TEST(KvEventConsistencyTest, EventStreamRebuildsTheWorkersCacheAcrossResyncs) {
       RunCommand({kPdserve, "make-model", "--preset", "tiny", "--out", dir + "/model"});
   ASSERT_EQ(made.exit_code, 0) << made.err;
 
-  RouterStandIn router;
+  RouterStandIn router(dir + "/cluster-secret");
   // 64 blocks of 16 tokens: the prompts below need many more, so blocks are
   // evicted (Removed events) throughout.
   ChildProcess worker = ChildProcess::Start(
       {kPdserve, "worker", "--role", "both", "--model", dir + "/model", "--router",
        "127.0.0.1:" + std::to_string(router.port()), "--metrics-port", "-1", "--worker-id", "w0",
-       "--threads", "1", "--kv-cache-bytes", "512KiB"},
+       "--threads", "1", "--kv-cache-bytes", "512KiB", "--cluster-secret-file",
+       dir + "/cluster-secret"},
       dir + "/worker.log");
   ASSERT_TRUE(router.WaitRegistered()) << worker.Log();
 
