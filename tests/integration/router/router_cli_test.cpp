@@ -1,5 +1,6 @@
-// `pdserve sim` and `pdserve bench router` as users run them: exit codes,
-// one-line errors, and the JSON they print.
+// `pdserve sim` and `pdserve bench router` as users run them, and the
+// control-plane security flags of `pdserve router` and `pdserve worker`: exit
+// codes, one-line errors, and the JSON they print.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
@@ -52,6 +53,31 @@ std::string WriteTrace(const std::string& name, const std::string& text) {
   const std::string path = TempPath(name);
   std::ofstream(path) << text;
   return path;
+}
+
+// Checked before the model is read: no model is needed to see the errors.
+TEST(ControlSecurityCliTest, RouterAndWorkerRefuseToStartWithoutAClusterSecret) {
+  const std::string short_secret = WriteTrace("short-secret", "too short\n");
+  const std::string model = "--model /nonexistent-model";
+  const std::string worker = "worker " + model + " --router 127.0.0.1:1 ";
+  const struct {
+    std::string args, message;
+  } cases[] = {
+      {"router " + model, "--cluster-secret-file is required"},
+      {worker, "--cluster-secret-file is required"},
+      {worker + "--cluster-secret-file /nonexistent-secret", "cannot read the cluster secret"},
+      {worker + "--cluster-secret-file " + short_secret, "at least 16 are required"},
+      {"router " + model + " --insecure-control-plane --cluster-secret-file " + short_secret,
+       "exclude each other"},
+      {"router " + model + " --insecure-control-plane --control-tls-cert x.pem",
+       "--control-tls-cert, --control-tls-key and --control-tls-ca go together"},
+  };
+  for (const auto& c : cases) {
+    CliRun r = Pdserve(c.args);
+    EXPECT_EQ(r.exit_code, 2) << c.args << "\n" << r.err;
+    ASSERT_EQ(Lines(r.err).size(), 1u) << c.args << "\n" << r.err;
+    EXPECT_NE(r.err.find(c.message), std::string::npos) << c.args << "\n" << r.err;
+  }
 }
 
 TEST(SimCliTest, MissingTraceFileIsAOneLineUsageError) {
