@@ -357,12 +357,15 @@ class WorkerServiceImpl : public WorkerService {
       std::lock_guard<std::mutex> lock(routers_mu_);
       routers.swap(routers_);
     }
+    std::vector<std::unique_ptr<control::Client>> retired;
     {
       std::lock_guard<std::mutex> lock(peers_mu_);
       peers.swap(prefill_peers_);
+      retired.swap(retired_clients_);
     }
     for (auto& [_, c] : routers) c->Stop("worker stopping");
     for (auto& [_, p] : peers) p.client->Stop("worker stopping");
+    for (auto& c : retired) c->Stop("worker stopping");
     if (peer_server_) peer_server_->Stop("worker stopping");
     peer_server_.reset();
     if (metrics_http_) metrics_http_->Stop();
@@ -782,6 +785,7 @@ class WorkerServiceImpl : public WorkerService {
       view = std::move(announced);
       dropped = ReconcilePrefillPeersLocked();
     }
+    StopRetiredClients();
     FallBackRequestsOf(dropped, "prefill worker removed by the router");
   }
 
@@ -792,6 +796,7 @@ class WorkerServiceImpl : public WorkerService {
       if (router_prefill_views_.erase(router->id()) == 0) return;
       dropped = ReconcilePrefillPeersLocked();
     }
+    StopRetiredClients();
     FallBackRequestsOf(dropped, "prefill worker no longer listed by any router");
   }
 
@@ -815,18 +820,24 @@ class WorkerServiceImpl : public WorkerService {
       }
       PDSERVE_LOG(INFO) << "prefill worker " << it->first << " is no longer listed by a router; "
                         << "not reconnecting";
-      RetireClient(std::move(it->second.client));
+      retired_clients_.push_back(std::move(it->second.client));
       dropped.push_back(it->first);
       it = prefill_peers_.erase(it);
     }
     return dropped;
   }
 
-  // Stops a client from any thread, including its own callbacks.
-  void RetireClient(std::unique_ptr<control::Client> client) {
-    loop_->Post([c = std::shared_ptr<control::Client>(std::move(client))] {
-      c->Stop("prefill worker no longer listed");
-    });
+  // Stops the clients of forgotten prefill peers. Called without peers_mu_
+  // (a client's close may run its on_close inline, which takes that lock);
+  // from the loop thread, Stop() does not wait, so this is safe inside a
+  // client's own callbacks too.
+  void StopRetiredClients() {
+    std::vector<std::unique_ptr<control::Client>> retired;
+    {
+      std::lock_guard<std::mutex> lock(peers_mu_);
+      retired.swap(retired_clients_);
+    }
+    for (auto& c : retired) c->Stop("prefill worker no longer listed by a router");
   }
 
   // Requests waiting on a prefill peer that is gone before anything was sent
@@ -929,11 +940,12 @@ class WorkerServiceImpl : public WorkerService {
         if (it->second.forgotten) {
           PDSERVE_LOG(INFO) << "prefill worker " << address
                             << " closed and no router lists it; not reconnecting";
-          RetireClient(std::move(it->second.client));
+          retired_clients_.push_back(std::move(it->second.client));
           prefill_peers_.erase(it);
         }
       }
     }
+    StopRetiredClients();
     // A closed peer writes nothing more: every hand-off it held falls back now.
     Post([this, address, why] {
       std::vector<RequestId> ids;
@@ -1374,6 +1386,8 @@ class WorkerServiceImpl : public WorkerService {
   std::map<std::string, PrefillPeer> prefill_peers_;  // by control address (decode side)
   // Each router connection's latest PrefillWorkers, by connection id.
   std::map<uint64_t, std::set<std::string>> router_prefill_views_;
+  // Clients of forgotten peers, to stop once peers_mu_ is released.
+  std::vector<std::unique_ptr<control::Client>> retired_clients_;
   std::unordered_map<uint64_t, DecodePeer> decode_peers_;  // by connection id (prefill side)
 };
 
