@@ -3,7 +3,8 @@
 //
 // Input layout:
 //   byte 0        the endpoint (bit 0: chat), the ApiLimits (bits 1-2: the
-//                 served model ids, bits 3-5: max_stop_strings) and the body's
+//                 served model ids, bits 3-5: max_stop_strings, bit 7:
+//                 max_json_depth 4 instead of the default) and the body's
 //                 form (bit 6)
 //   raw form:     the request body up to the first NUL byte (or the end), then
 //                 the script below
@@ -20,7 +21,7 @@
 //   - ParseRequest's result honours its contract: an error has a status, a
 //     type and a message; an accepted request has its fields in range (the
 //     prompt or messages present and well-formed, sampling values in range,
-//     stop strings within the limit);
+//     stop strings within the limit, the body nested no deeper than the limit);
 //   - every formatter output is well-formed: SSE is a sequence of
 //     "data: <JSON object>\n\n" events ending in "data: [DONE]\n\n" where the
 //     stream ends, each JSON payload valid (UTF-8 included); Complete() is a
@@ -137,7 +138,29 @@ void CheckError(const ApiError& e) {
   }
 }
 
-void CheckAccepted(Endpoint endpoint, const ApiLimits& limits, const ApiRequest& r) {
+// Nesting depth of a JSON text that parsed (brackets outside strings).
+int JsonDepth(std::string_view text) {
+  int depth = 0, deepest = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\') ++i;
+      if (c == '"') in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      deepest = std::max(deepest, ++depth);
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return deepest;
+}
+
+void CheckAccepted(Endpoint endpoint, const ApiLimits& limits, std::string_view body,
+                   const ApiRequest& r) {
+  if (JsonDepth(body) > limits.max_json_depth) Fail("accepted a body nested past the limit");
   if (r.endpoint != endpoint) Fail("endpoint changed");
   const bool known = std::find(limits.model_ids.begin(), limits.model_ids.end(), r.model) !=
                      limits.model_ids.end();
@@ -419,6 +442,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       break;
   }
   limits.max_stop_strings = (config >> 3) & 7;
+  if (config & 0x80) limits.max_json_depth = 4;
 
   std::string body;
   Script script(nullptr, 0);
@@ -438,7 +462,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     CheckError(*error);
     return 0;
   }
-  CheckAccepted(endpoint, limits, request);
+  CheckAccepted(endpoint, limits, body, request);
   DriveFormatter(request, script);
   return 0;
 }
