@@ -10,7 +10,6 @@
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
-#include <random>
 #include <thread>
 #include <unordered_map>
 
@@ -45,13 +44,6 @@ int64_t UnixSeconds() {
   return std::chrono::duration_cast<std::chrono::seconds>(
              std::chrono::system_clock::now().time_since_epoch())
       .count();
-}
-
-std::string RandomHex(std::mt19937_64& rng, int digits) {
-  static const char* kHex = "0123456789abcdef";
-  std::string s;
-  for (int i = 0; i < digits; ++i) s.push_back(kHex[rng() % 16]);
-  return s;
 }
 
 std::optional<WorkerRole> FromProtoRole(proto::Role r) {
@@ -196,8 +188,7 @@ struct Inflight {
 
 class RouterServiceImpl : public RouterService {
  public:
-  explicit RouterServiceImpl(RouterServiceOptions o)
-      : opts_(std::move(o)), rng_(std::random_device{}()) {}
+  explicit RouterServiceImpl(RouterServiceOptions o) : opts_(std::move(o)) {}
 
   Status Init() {
     auto tok = Tokenizer::Load(opts_.model_dir);
@@ -403,10 +394,10 @@ class RouterServiceImpl : public RouterService {
     {
       std::lock_guard<std::mutex> lock(mu_);
       r->id = next_id_++;
-      if (rid.empty()) rid = RandomHex(rng_, 32);
-      r->request_id =
-          (endpoint == Endpoint::kCompletions ? "cmpl-" : "chatcmpl-") + RandomHex(rng_, 24);
     }
+    if (rid.empty()) rid = NewUnguessableId();
+    r->request_id = (endpoint == Endpoint::kCompletions ? "cmpl-" : "chatcmpl-") +
+                    NewUnguessableId().substr(0, 24);
     r->http_request_id = rid;
     auto reject = [&](const ApiError& e, const char* status) {
       http::Response resp = e.ToResponse();
@@ -1081,7 +1072,6 @@ class RouterServiceImpl : public RouterService {
 
   std::mutex mu_;  // everything below
   bool stopping_ = false;
-  std::mt19937_64 rng_;
   uint64_t next_id_ = 1;
   std::unordered_map<uint64_t, WorkerLink> links_;    // by connection id
   std::unordered_map<WorkerId, uint64_t> by_worker_;  // worker → connection id
