@@ -15,7 +15,8 @@ ErrorCode ToErrorCode(StatusCode code) {
 }
 
 StatusCode ToStatusCode(ErrorCode code) {
-  if (code <= ERROR_CODE_UNSPECIFIED || code > ERROR_CODE_UNAUTHENTICATED) return StatusCode::kInternal;
+  if (code <= ERROR_CODE_UNSPECIFIED || code > ERROR_CODE_UNAUTHENTICATED)
+    return StatusCode::kInternal;
   return static_cast<StatusCode>(code);
 }
 

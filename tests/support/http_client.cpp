@@ -11,19 +11,6 @@
 namespace pdserve::testing {
 namespace {
 
-int Connect(int port) {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    ::close(fd);
-    return -1;
-  }
-  return fd;
-}
-
 std::string Lower(std::string s) {
   for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   return s;
@@ -34,7 +21,7 @@ HttpResult Exchange(int port, const std::string& request,
                     const std::function<bool(const std::string&)>& on_data,
                     std::chrono::milliseconds timeout) {
   HttpResult result;
-  int fd = Connect(port);
+  int fd = ConnectLoopback(port);
   if (fd < 0) return result;
   size_t off = 0;
   while (off < request.size()) {
@@ -135,6 +122,24 @@ std::string BuildRequest(const std::string& method, const std::string& path,
 }
 
 }  // namespace
+
+int ConnectLoopback(int port, std::chrono::seconds receive_timeout) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return -1;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  if (receive_timeout.count() > 0) {
+    timeval tv{static_cast<time_t>(receive_timeout.count()), 0};
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  }
+  return fd;
+}
 
 HttpResult HttpRequest(int port, const std::string& method, const std::string& path,
                        const std::string& body, const std::map<std::string, std::string>& headers,

@@ -26,6 +26,11 @@ HttpResult HttpStream(int port, const std::string& path, const std::string& body
                       const std::function<bool(const std::string&)>& on_data,
                       std::chrono::milliseconds timeout = std::chrono::seconds(60));
 
+// A blocking TCP connection to 127.0.0.1:`port` for raw requests, or -1. A
+// positive `receive_timeout` bounds each read, so a wedged server fails the
+// test instead of hanging it.
+int ConnectLoopback(int port, std::chrono::seconds receive_timeout = std::chrono::seconds(0));
+
 // Polls GET `path` until it answers `status` or the timeout passes.
 bool WaitForHttpStatus(int port, const std::string& path, int status,
                        std::chrono::milliseconds timeout);

@@ -36,21 +36,7 @@ constexpr const char* kKeyA = "sk-tenant-a";
 constexpr const char* kKeyB = "sk-tenant-b";
 constexpr const char* kMetricsKey = "scrape-only";
 
-int Connect(int port) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return -1;
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    ::close(fd);
-    return -1;
-  }
-  timeval tv{30, 0};  // a wedged router fails the test instead of hanging it
-  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  return fd;
-}
+int Connect(int port) { return ConnectLoopback(port, std::chrono::seconds(30)); }
 
 // Sends `request` as one write and reads until the router closes.
 std::string Exchange(int port, const std::string& request) {

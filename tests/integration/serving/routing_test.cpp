@@ -245,9 +245,9 @@ TEST(RoutingTest, NoDecodeWorkerIsCountedAsUnavailableNotAsAnError) {
   EXPECT_EQ(LocalStack::Metric(stack.http_port(), "pdserve_router_requests_total",
                                "status=\"unavailable\""),
             1);
-  EXPECT_EQ(LocalStack::Metric(stack.http_port(), "pdserve_router_requests_total",
-                               "status=\"error\""),
-            0);
+  EXPECT_EQ(
+      LocalStack::Metric(stack.http_port(), "pdserve_router_requests_total", "status=\"error\""),
+      0);
 }
 
 }  // namespace

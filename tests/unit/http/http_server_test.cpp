@@ -25,24 +25,12 @@
 #include <nlohmann/json.hpp>
 
 #include "common/metrics/metrics.h"
+#include "tests/support/http_client.h"
 
 namespace pdserve::http {
 namespace {
 
-int Connect(int port) {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    ::close(fd);
-    return -1;
-  }
-  timeval tv{10, 0};  // a hung server fails the test instead of hanging it
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  return fd;
-}
+int Connect(int port) { return testing::ConnectLoopback(port, std::chrono::seconds(10)); }
 
 void SendAll(int fd, const std::string& data) {
   size_t off = 0;
