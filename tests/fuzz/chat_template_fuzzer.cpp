@@ -29,6 +29,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/chat_template/chat_template.h"
+#include "tests/fuzz/fuzz_script.h"
 
 namespace {
 
@@ -37,6 +38,7 @@ using nlohmann::ordered_json;
 using pdserve::ChatTemplate;
 using pdserve::Status;
 using pdserve::StatusCode;
+using pdserve::fuzz::Script;
 
 [[noreturn]] void Fail(const std::string& what) {
   std::fprintf(stderr, "chat template contract broken: %s\n", what.c_str());
@@ -61,23 +63,6 @@ RealTemplate g_templates[] = {
      {}},
     {"llama3", "tests/fuzz/data/chat_templates/llama3.json", "chat_template", {}, {}, {}},
     {"qwen3", "tests/fuzz/data/chat_templates/qwen3.json", "chat_template", {}, {}, {}},
-};
-
-class Script {
- public:
-  Script(const uint8_t* data, size_t size) : data_(data), size_(size) {}
-  uint8_t Byte() { return pos_ < size_ ? data_[pos_++] : 0; }
-  std::string Bytes() {  // up to 63 raw bytes, length first
-    const size_t n = std::min<size_t>(Byte() % 64, size_ - std::min(pos_, size_));
-    std::string s(reinterpret_cast<const char*>(data_ + pos_), n);
-    pos_ += n;
-    return s;
-  }
-
- private:
-  const uint8_t* data_;
-  size_t size_;
-  size_t pos_ = 0;
 };
 
 // Strings the real templates look for, or raw bytes.
@@ -297,7 +282,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     RenderSource(std::string_view(reinterpret_cast<const char*>(data + 1), size - 1));
     return 0;
   }
-  Script in(data + 1, size - 1);
+  Script in(data + 1, size - 1, /*max_bytes=*/64);
   const RealTemplate& t = g_templates[(config >> 1) & 3];
   if (config & 16) {
     RenderReal<ordered_json>(t, config, in);

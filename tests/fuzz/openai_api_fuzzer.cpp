@@ -40,11 +40,13 @@
 #include <nlohmann/json.hpp>
 
 #include "services/router/openai/openai_api.h"
+#include "tests/fuzz/fuzz_script.h"
 
 namespace {
 
 using nlohmann::json;
 using pdserve::TokenId;
+using pdserve::fuzz::Script;
 using pdserve::router::ApiError;
 using pdserve::router::ApiLimits;
 using pdserve::router::ApiRequest;
@@ -53,38 +55,12 @@ using pdserve::router::ResponseFormatter;
 using pdserve::router::TokenPiece;
 using pdserve::router::Usage;
 
+constexpr size_t kMaxScriptBytes = 32;  // strings of up to 31 bytes
+
 [[noreturn]] void Fail(const std::string& what) {
   std::fprintf(stderr, "openai api contract broken: %s\n", what.c_str());
   __builtin_trap();
 }
-
-// Reads the script part of the input; past its end every read yields zeros.
-class Script {
- public:
-  Script(const uint8_t* data, size_t size) : data_(data), size_(size) {}
-  Script& operator=(const Script&) = default;
-  bool done() const { return pos_ >= size_; }
-  uint8_t Byte() { return pos_ < size_ ? data_[pos_++] : 0; }
-  template <typename T>
-  T Bits() {
-    T v{};
-    uint8_t bytes[sizeof(T)] = {};
-    for (auto& b : bytes) b = Byte();
-    std::memcpy(&v, bytes, sizeof(T));
-    return v;
-  }
-  std::string Bytes() {  // up to 31 raw bytes, length first
-    const size_t n = std::min<size_t>(Byte() % 32, size_ - std::min(pos_, size_));
-    std::string s(reinterpret_cast<const char*>(data_ + pos_), n);
-    pos_ += n;
-    return s;
-  }
-
- private:
-  const uint8_t* data_;
-  size_t size_;
-  size_t pos_ = 0;
-};
 
 bool ValidUtf8(std::string_view s) {
   // The JSON parser accepts a string exactly when it is valid UTF-8.
@@ -445,16 +421,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (config & 0x80) limits.max_json_depth = 4;
 
   std::string body;
-  Script script(nullptr, 0);
+  Script script(nullptr, 0, kMaxScriptBytes);
   if (config & kGeneratedBody) {
-    script = Script(data + 1, size - 1);
+    script = Script(data + 1, size - 1, kMaxScriptBytes);
     body = GenerateBody(script);
   } else {
     const std::string_view rest(reinterpret_cast<const char*>(data + 1), size - 1);
     const size_t nul = rest.find('\0');
     body = rest.substr(0, nul);
     const size_t script_begin = nul == std::string_view::npos ? rest.size() : nul + 1;
-    script = Script(data + 1 + script_begin, rest.size() - script_begin);
+    script = Script(data + 1 + script_begin, rest.size() - script_begin, kMaxScriptBytes);
   }
 
   ApiRequest request;
