@@ -49,8 +49,8 @@
 #include <vector>
 
 #include "common/block_hash.h"
+#include "common/kv_events.h"
 #include "common/status.h"
-#include "engine/kv_events.h"
 
 namespace pdserve {
 

@@ -2,13 +2,22 @@
 
 #include <cmath>
 #include <fstream>
+#include <sstream>
 
 #include <nlohmann/json.hpp>
+
+#include "engine/model_config.h"
+#include "engine/safetensors.h"
 
 namespace pdserve {
 
 StatusOr<CapacityPlan> PlanCapacity(const CapacityRequest& r) {
-  if (r.shape.layers <= 0 || r.shape.kv_heads <= 0 || r.shape.head_dim <= 0) {
+  if (r.shape.is_mla()) {
+    if (r.shape.layers <= 0 || r.shape.kv_lora_rank <= 0 || r.shape.qk_rope_head_dim <= 0) {
+      return Status::InvalidArgument(
+          "layers, kv_lora_rank and qk_rope_head_dim must all be positive");
+    }
+  } else if (r.shape.layers <= 0 || r.shape.kv_heads <= 0 || r.shape.head_dim <= 0) {
     return Status::InvalidArgument("layers, kv heads and head dim must all be positive");
   }
   if (r.context_tokens <= 0) return Status::InvalidArgument("context must be positive");
@@ -20,7 +29,10 @@ StatusOr<CapacityPlan> PlanCapacity(const CapacityRequest& r) {
   CapacityPlan plan;
   // 2 x L x H x D elements per token, each DTypeBits/8 bytes; the element count
   // is even, so fp4's half byte still gives whole bytes.
-  const int64_t elements = 2 * r.shape.layers * r.shape.kv_heads * r.shape.head_dim;
+  // (MLA: L x (kv_lora_rank + qk_rope_head_dim), one latent and no separate V.)
+  const int64_t elements = r.shape.is_mla()
+                               ? r.shape.layers * (r.shape.kv_lora_rank + r.shape.qk_rope_head_dim)
+                               : 2 * r.shape.layers * r.shape.kv_heads * r.shape.head_dim;
   plan.kv_bytes_per_token = elements * DTypeBits(r.kv_dtype) / 8;
   plan.kv_bytes_per_sequence = plan.kv_bytes_per_token * r.context_tokens;
   constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
@@ -34,34 +46,33 @@ StatusOr<CapacityPlan> PlanCapacity(const CapacityRequest& r) {
 StatusOr<KvShape> KvShapeFromConfigFile(const std::string& path) {
   std::ifstream in(path);
   if (!in) return Status::NotFound(path + ": cannot open");
-  nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object())
-    return Status::InvalidArgument(path + ": not a JSON object");
-  auto get_int = [&](const char* key) -> std::optional<int64_t> {
-    auto it = j.find(key);
-    if (it == j.end() || !it->is_number_integer()) return std::nullopt;
-    return it->get<int64_t>();
-  };
+  std::stringstream text;
+  text << in.rdbuf();
+  // The engine's own reading: every architecture it serves, with the same
+  // defaults (Qwen3's head_dim of 128, say) and the same refusals, bar the
+  // weights' quantization, which does not change the KV cache.
+  nlohmann::json j = nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+  if (j.is_object()) j.erase("quantization_config");
+  auto config = ParseModelConfig(j.is_discarded() ? text.str() : j.dump(), path);
+  if (!config.ok()) return config.status();
   KvShape s;
-  auto layers = get_int("num_hidden_layers");
-  auto heads = get_int("num_attention_heads");
-  if (!layers) return Status::InvalidArgument(path + ": missing integer 'num_hidden_layers'");
-  if (!heads) return Status::InvalidArgument(path + ": missing integer 'num_attention_heads'");
-  s.layers = *layers;
-  s.kv_heads = get_int("num_key_value_heads").value_or(*heads);
-  if (auto hd = get_int("head_dim")) {
-    s.head_dim = *hd;
+  s.layers = config->num_layers;
+  if (config->is_mla()) {
+    s.kv_lora_rank = config->kv_lora_rank;
+    s.qk_rope_head_dim = config->qk_rope_head_dim;
   } else {
-    auto hidden = get_int("hidden_size");
-    if (!hidden || *heads <= 0) {
-      return Status::InvalidArgument(path + ": need 'head_dim' or 'hidden_size'");
-    }
-    s.head_dim = *hidden / *heads;
-  }
-  if (s.layers <= 0 || s.kv_heads <= 0 || s.head_dim <= 0) {
-    return Status::InvalidArgument(path + ": layer and head counts must be positive");
+    s.kv_heads = config->num_kv_heads;
+    s.head_dim = config->head_dim;
   }
   return s;
+}
+
+StatusOr<int64_t> CheckpointWeightBytes(const std::string& dir) {
+  auto files = WeightFiles::Open(dir);
+  if (!files.ok()) return files.status();
+  int64_t bytes = 0;
+  for (const auto& [name, view] : (*files)->tensors()) bytes += static_cast<int64_t>(view->bytes);
+  return bytes;
 }
 
 }  // namespace pdserve

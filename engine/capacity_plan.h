@@ -1,8 +1,11 @@
 // KV-cache capacity planning: how many sequences of a given context fit.
 //
 // KV bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per
-// element. Block scales of quantised caches are left out, as published
-// capacity tables do.
+// element; for multi-head latent attention (DeepSeek-V2/V3), which caches
+// one vector per token and layer, layers x (kv_lora_rank + qk_rope_head_dim)
+// x bytes per element. Block scales of quantised caches are left out, as
+// published capacity tables do (pdserve's fp8 pool adds one fp32 scale per
+// block, layer and cached vector: ScaleBytesPerBlock).
 #pragma once
 
 #include <cstdint>
@@ -15,8 +18,16 @@ namespace pdserve {
 
 struct KvShape {
   int64_t layers = 0;
-  int64_t kv_heads = 0;
-  int64_t head_dim = 0;
+  int64_t kv_heads = 0;  // GQA only
+  int64_t head_dim = 0;  // GQA only
+  // MLA (both > 0): the latent and rope widths of the one cached vector.
+  int64_t kv_lora_rank = 0;
+  int64_t qk_rope_head_dim = 0;
+
+  bool is_mla() const { return kv_lora_rank > 0 || qk_rope_head_dim > 0; }
+  // fp32 scales pdserve's fp8 pool stores per block: one per layer and
+  // cached vector (GQA: K and V of each KV head; MLA: the latent).
+  int64_t ScaleBytesPerBlock() const { return layers * (is_mla() ? 1 : 2 * kv_heads) * 4; }
 };
 
 struct CapacityRequest {
@@ -39,9 +50,16 @@ struct CapacityPlan {
 // Validates the request (all sizes positive, ratio in [0,1)) and computes the plan.
 StatusOr<CapacityPlan> PlanCapacity(const CapacityRequest& request);
 
-// Reads the KV shape from a Hugging Face config.json: num_hidden_layers,
-// num_key_value_heads (default num_attention_heads), head_dim (default
-// hidden_size / num_attention_heads).
+// Reads the KV shape from a Hugging Face config.json of any architecture the
+// engine serves, exactly as the engine reads it (ParseModelConfig): its
+// errors, refusals and defaults (head_dim per architecture) are the engine's,
+// except that a quantization_config is ignored (quantized weights leave the
+// KV cache as it is; DeepSeek-V3's published checkpoint is fp8).
 StatusOr<KvShape> KvShapeFromConfigFile(const std::string& path);
+
+// Bytes of every tensor of the checkpoint in `dir` (model.safetensors or a
+// sharded index), as stored: what the weights take on a device that keeps
+// them in their checkpoint dtype.
+StatusOr<int64_t> CheckpointWeightBytes(const std::string& dir);
 
 }  // namespace pdserve

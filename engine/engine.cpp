@@ -20,6 +20,8 @@ struct Engine::Sequence {
   int64_t num_computed = 0;       // tokens whose KV is in the pool
   uint64_t arrival = 0;
   bool prefill_only = false;
+  bool stream_kv_blocks = false;
+  int64_t reported_full_blocks = 0;  // stream_kv_blocks: prompt blocks already reported
   State state = State::kWaiting;
   bool admitted_once = false;
   bool reported_cached = false;
@@ -46,6 +48,14 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(Model* model, const EngineOptio
   e->options_ = options;
   e->model_id_ = options.model_id.empty() ? model->model_id() : options.model_id;
   const int64_t model_len = model->config().max_context();
+  // Full attention equals the model's sliding-window attention only up to
+  // the window: a longer context would compute something else.
+  if (const auto& window = model->config().sliding_window;
+      window && options.max_model_len > *window) {
+    return Status::Unsupported("max_model_len " + std::to_string(options.max_model_len) +
+                               " exceeds the model's 'sliding_window' " + std::to_string(*window) +
+                               " (sliding-window attention is not implemented)");
+  }
   e->max_model_len_ =
       options.max_model_len > 0 ? std::min(options.max_model_len, model_len) : model_len;
   auto pool = KvCachePool::Create(model->backend(), model->config(), options.kv_dtype,
@@ -108,6 +118,7 @@ std::unique_ptr<Engine::Sequence> Engine::NewSequence(EngineRequest r) {
   s->hash_seed = BlockHashSeed(model_id_, r.cache_salt);
   s->arrival = next_arrival_++;
   s->prefill_only = r.prefill_only;
+  s->stream_kv_blocks = r.prefill_only && r.stream_kv_blocks;
   if (tokenizer_ != nullptr) {
     std::vector<TokenId> eos = model_->config().eos_token_ids;
     for (TokenId id : tokenizer_->eos_token_ids()) {
@@ -149,6 +160,7 @@ std::vector<BlockHash> Engine::PrefixHashes(const Sequence& s) const {
 void Engine::Preempt(Sequence* s) {
   (void)blocks_->Free(s->id);
   s->num_computed = 0;
+  s->reported_full_blocks = 0;  // recomputed blocks are reported again
   s->hashes.clear();
   s->state = Sequence::State::kWaiting;
   Remove(&running_, s);
@@ -365,6 +377,28 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
       PDSERVE_RETURN_IF_ERROR(blocks_->CommitBlocks(s->id, s->hashes));
     }
   }
+  // Streamed prefills: full prompt blocks that this step completed, for
+  // sequences not sampled (finished) this step; their last output has them all.
+  for (const auto& sc : sched) {
+    Sequence* s = sc.seq;
+    if (!s->stream_kv_blocks || s->num_computed >= static_cast<int64_t>(s->tokens.size())) continue;
+    const int64_t full = std::min(s->num_computed, s->prompt_len) / B;
+    if (full <= s->reported_full_blocks) continue;
+    auto pin = blocks_->Pin(s->id);
+    if (!pin.ok()) return pin.status();
+    RequestOutput out;
+    out.id = s->id;
+    out.kv_pin = *pin;
+    out.kv_blocks = blocks_->PinnedBlocks(*pin);
+    out.kv_blocks.resize(static_cast<size_t>(full));
+    s->reported_full_blocks = full;
+    outputs.push_back(std::move(out));
+  }
+  // The KV of this step must be in the pool before a transport reads it.
+  if (std::any_of(sched.begin(), sched.end(),
+                  [](const Scheduled& sc) { return sc.seq->prefill_only; })) {
+    model_->backend()->Synchronize();
+  }
   std::vector<RequestId> done;
   for (size_t r = 0; r < sampled_seqs.size(); ++r) {
     Sequence* s = sampled_seqs[r];
@@ -474,6 +508,9 @@ Status Engine::FailRemotePrefill(RequestId id) {
   PDSERVE_RETURN_IF_ERROR(blocks_->Free(id));
   s->num_computed = 0;
   s->hashes.clear();
+  // Its local prefill is its first admission for the prefix-cache counters
+  // (the remote attempt counted nothing: received blocks are not hits).
+  s->admitted_once = false;
   s->state = Sequence::State::kWaiting;
   InsertSorted(&waiting_, s);
   return Status::Ok();

@@ -79,6 +79,10 @@ struct EngineRequest {
   SamplingParams params;
   std::string cache_salt;  // isolates tenants' prefix caches (hash spec v1 seed)
   bool prefill_only = false;
+  // prefill_only requests: also report the prompt's full blocks as chunks of
+  // it complete (see RequestOutput::kv_blocks), so that a prefill worker can
+  // send them while it computes the next chunk.
+  bool stream_kv_blocks = false;
 };
 
 // What one Step() did for one request.
@@ -96,8 +100,13 @@ struct RequestOutput {
   // Prompt tokens whose KV came from the local prefix cache at admission
   // (set on the request's first output).
   int64_t num_cached_tokens = 0;
-  // prefill_only requests, on their (only) output: the pinned blocks holding
-  // the prompt's KV, and the pin to release.
+  // prefill_only requests, on their last output: the pinned blocks holding
+  // the prompt's KV, and the pin to release. With stream_kv_blocks, also on
+  // every earlier step that completed new full prompt blocks (finished false):
+  // the prompt's full blocks computed so far, in order, under a pin of their
+  // own (block i holds prompt tokens [i*B, (i+1)*B), as on the last output).
+  // After a preemption the same prompt indices may be reported again, in
+  // other blocks holding the same KV. Every pin must be released.
   std::vector<BlockId> kv_blocks;
   std::optional<PinId> kv_pin;
 };

@@ -14,9 +14,14 @@ StatusOr<std::unique_ptr<KvCachePool>> KvCachePool::Create(kernels::Backend* bac
     return Status::InvalidArgument("KV cache dtype fp4 is not supported (fp32, fp16, bf16, fp8)");
   }
   kernels::KvCacheLayout layout;
-  layout.num_layers = config.num_layers;
-  layout.num_kv_heads = config.num_kv_heads;
-  layout.head_dim = config.head_dim;
+  if (config.is_mla()) {
+    layout = kernels::KvCacheLayout::Mla(config.num_layers, config.kv_lora_rank,
+                                         config.qk_rope_head_dim);
+  } else {
+    layout.num_layers = config.num_layers;
+    layout.num_kv_heads = config.num_kv_heads;
+    layout.head_dim = config.head_dim;
+  }
   layout.block_size = block_size;
   layout.dtype = dtype;
   const int64_t per_block = layout.bytes_per_block();
@@ -39,6 +44,30 @@ StatusOr<std::unique_ptr<KvCachePool>> KvCachePool::Create(kernels::Backend* bac
 
 KvCachePool::~KvCachePool() {
   if (base_ != nullptr) backend_->Free(base_);
+}
+
+MemoryType KvCachePool::memory_type() const {
+  return backend_->SharesHostMemory() ? MemoryType::kHost : MemoryType::kCuda;
+}
+
+KvLayout KvCachePool::TransferLayout(std::string model_id, DType weight_dtype,
+                                     std::string transfer_backend) const {
+  KvLayout l;
+  l.model_id = std::move(model_id);
+  l.weight_dtype = weight_dtype;
+  l.kv_dtype = layout_.dtype;
+  l.layers = layout_.num_layers;
+  l.kv_heads = layout_.num_kv_heads;
+  l.head_dim = layout_.head_dim;
+  l.attention = layout_.attention;
+  l.kv_lora_rank = layout_.kv_lora_rank;
+  l.qk_rope_head_dim = layout_.rope_dim();
+  l.block_tokens = layout_.block_size;
+  l.block_layout = layout_.BlockOrder();
+  l.bytes_per_block = layout_.bytes_per_block();
+  l.memory_type = memory_type();
+  l.transfer_backend = std::move(transfer_backend);
+  return l;
 }
 
 }  // namespace pdserve

@@ -2,7 +2,7 @@
 //
 // Contract: the region never moves or grows after Create, and its byte
 // layout is kernels::KvCacheLayout (block id b at b * bytes_per_block(), each
-// block holding every layer's K and V, plus fp8 scales). The transport layer
+// block holding every layer's K and V, or MLA latent, plus fp8 scales). The transport layer
 // registers [base(), base() + total_bytes()) once and moves a block by id.
 // Which block holds what is the block manager's business, not the pool's.
 #pragma once
@@ -12,6 +12,7 @@
 #include <string>
 
 #include "common/dtype.h"
+#include "common/kv_layout.h"
 #include "common/status.h"
 #include "engine/model_config.h"
 #include "kernels/backend.h"
@@ -40,6 +41,12 @@ class KvCachePool {
     return static_cast<uint8_t*>(base_) + layout_.block_offset(id);
   }
   std::string Describe() const { return layout_.Describe(); }
+  // Host memory, or device memory of a backend that does not share it.
+  MemoryType memory_type() const;
+  // The pool as the KV transport announces and compares it: every byte field
+  // from this pool's layout, plus the identities only the caller knows.
+  KvLayout TransferLayout(std::string model_id, DType weight_dtype,
+                          std::string transfer_backend) const;
 
  private:
   KvCachePool() = default;

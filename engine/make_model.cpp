@@ -244,40 +244,140 @@ struct TensorPlan {
   std::string name;
   std::vector<int64_t> shape;
   enum Kind { kUniform, kNorm } kind = kUniform;
-  double std = 0;  // target standard deviation of the uniform values
+  double std = 0;         // target standard deviation of the uniform values
+  bool keep_f32 = false;  // stored fp32 whatever the model's dtype
 };
 
+double FanIn(int64_t n) { return 1.0 / std::sqrt(static_cast<double>(n)); }
+
+// DeepseekV2Attention / DeepseekV3Attention's tensors (multi-head latent
+// attention), named and shaped as the modeling code declares them.
+void PlanMlaAttention(const ModelConfig& c, const std::string& p, std::vector<TensorPlan>* plan) {
+  const int64_t H = c.hidden_size, nh = c.num_heads;
+  const int64_t qk = c.qk_nope_head_dim + c.qk_rope_head_dim;
+  const int64_t latent = c.kv_lora_rank, rope = c.qk_rope_head_dim;
+  const std::string a = p + "self_attn.";
+  // A gain of 2 on queries sharpens attention so positions matter.
+  if (c.q_lora_rank > 0) {
+    plan->push_back({a + "q_a_proj.weight", {c.q_lora_rank, H}, TensorPlan::kUniform, FanIn(H)});
+    if (c.qkv_bias) {
+      plan->push_back({a + "q_a_proj.bias", {c.q_lora_rank}, TensorPlan::kUniform, 0.1});
+    }
+    plan->push_back({a + "q_a_layernorm.weight", {c.q_lora_rank}, TensorPlan::kNorm, 0});
+    plan->push_back({a + "q_b_proj.weight",
+                     {nh * qk, c.q_lora_rank},
+                     TensorPlan::kUniform,
+                     2 * FanIn(c.q_lora_rank)});
+  } else {
+    plan->push_back({a + "q_proj.weight", {nh * qk, H}, TensorPlan::kUniform, 2 * FanIn(H)});
+  }
+  plan->push_back(
+      {a + "kv_a_proj_with_mqa.weight", {latent + rope, H}, TensorPlan::kUniform, FanIn(H)});
+  if (c.qkv_bias) {
+    plan->push_back({a + "kv_a_proj_with_mqa.bias", {latent + rope}, TensorPlan::kUniform, 0.1});
+  }
+  plan->push_back({a + "kv_a_layernorm.weight", {latent}, TensorPlan::kNorm, 0});
+  plan->push_back({a + "kv_b_proj.weight",
+                   {nh * (c.qk_nope_head_dim + c.v_head_dim), latent},
+                   TensorPlan::kUniform,
+                   FanIn(latent)});
+  plan->push_back({a + "o_proj.weight",
+                   {H, nh * c.v_head_dim},
+                   TensorPlan::kUniform,
+                   FanIn(nh * c.v_head_dim)});
+  if (c.o_bias) plan->push_back({a + "o_proj.bias", {H}, TensorPlan::kUniform, 0.1});
+}
+
 // The weight tensors of a model with `c`'s shapes, in the order checkpoints
-// list them.
-std::vector<TensorPlan> PlanTensors(const ModelConfig& c) {
+// list them; the multi-token-prediction layers only when asked (a written
+// checkpoint has them, the engine never reads them).
+std::vector<TensorPlan> PlanTensors(const ModelConfig& c, bool with_mtp_layers) {
   const int64_t H = c.hidden_size, I = c.intermediate_size, hd = c.head_dim, V = c.vocab_size;
   const int64_t q_out = c.num_heads * hd, kv_out = c.num_kv_heads * hd;
   const double h_std = 1.0 / std::sqrt(static_cast<double>(H));
   std::vector<TensorPlan> plan;
   plan.push_back({"model.embed_tokens.weight", {V, H}, TensorPlan::kUniform, 1.0});
-  for (int64_t l = 0; l < c.num_layers; ++l) {
+  // DeepSeek-V3 checkpoints store num_nextn_predict_layers multi-token-
+  // prediction layers after the last one: a decoder layer plus its own
+  // embedding, input norms, projection and head. The causal LM ignores them.
+  const int64_t stored_layers = c.num_layers + (with_mtp_layers ? c.num_nextn_predict_layers : 0);
+  for (int64_t l = 0; l < stored_layers; ++l) {
     const std::string p = "model.layers." + std::to_string(l) + ".";
-    plan.push_back({p + "input_layernorm.weight", {H}, TensorPlan::kNorm, 0});
-    // A gain of 2 on queries sharpens attention so positions matter.
-    plan.push_back({p + "self_attn.q_proj.weight", {q_out, H}, TensorPlan::kUniform, 2 * h_std});
-    plan.push_back({p + "self_attn.k_proj.weight", {kv_out, H}, TensorPlan::kUniform, h_std});
-    plan.push_back({p + "self_attn.v_proj.weight", {kv_out, H}, TensorPlan::kUniform, h_std});
-    if (c.qkv_bias) {
-      plan.push_back({p + "self_attn.q_proj.bias", {q_out}, TensorPlan::kUniform, 0.1});
-      plan.push_back({p + "self_attn.k_proj.bias", {kv_out}, TensorPlan::kUniform, 0.1});
-      plan.push_back({p + "self_attn.v_proj.bias", {kv_out}, TensorPlan::kUniform, 0.1});
+    if (l >= c.num_layers) {
+      plan.push_back({p + "embed_tokens.weight", {V, H}, TensorPlan::kUniform, 1.0});
+      plan.push_back({p + "enorm.weight", {H}, TensorPlan::kNorm, 0});
+      plan.push_back({p + "hnorm.weight", {H}, TensorPlan::kNorm, 0});
+      plan.push_back({p + "eh_proj.weight", {H, 2 * H}, TensorPlan::kUniform, FanIn(2 * H)});
+      plan.push_back({p + "shared_head.norm.weight", {H}, TensorPlan::kNorm, 0});
+      plan.push_back({p + "shared_head.head.weight", {V, H}, TensorPlan::kUniform, 3 * h_std});
     }
-    plan.push_back({p + "self_attn.o_proj.weight",
-                    {H, q_out},
-                    TensorPlan::kUniform,
-                    1.0 / std::sqrt(static_cast<double>(q_out))});
+    plan.push_back({p + "input_layernorm.weight", {H}, TensorPlan::kNorm, 0});
+    if (c.is_mla()) {
+      PlanMlaAttention(c, p, &plan);
+    } else {
+      // A gain of 2 on queries sharpens attention so positions matter.
+      plan.push_back({p + "self_attn.q_proj.weight", {q_out, H}, TensorPlan::kUniform, 2 * h_std});
+      plan.push_back({p + "self_attn.k_proj.weight", {kv_out, H}, TensorPlan::kUniform, h_std});
+      plan.push_back({p + "self_attn.v_proj.weight", {kv_out, H}, TensorPlan::kUniform, h_std});
+      if (c.qkv_bias) {
+        plan.push_back({p + "self_attn.q_proj.bias", {q_out}, TensorPlan::kUniform, 0.1});
+        plan.push_back({p + "self_attn.k_proj.bias", {kv_out}, TensorPlan::kUniform, 0.1});
+        plan.push_back({p + "self_attn.v_proj.bias", {kv_out}, TensorPlan::kUniform, 0.1});
+      }
+      plan.push_back(
+          {p + "self_attn.o_proj.weight", {H, q_out}, TensorPlan::kUniform, FanIn(q_out)});
+      if (c.o_bias) plan.push_back({p + "self_attn.o_proj.bias", {H}, TensorPlan::kUniform, 0.1});
+      if (c.qk_norm) {
+        plan.push_back({p + "self_attn.q_norm.weight", {hd}, TensorPlan::kNorm, 0});
+        plan.push_back({p + "self_attn.k_norm.weight", {hd}, TensorPlan::kNorm, 0});
+      }
+    }
     plan.push_back({p + "post_attention_layernorm.weight", {H}, TensorPlan::kNorm, 0});
+    if (c.IsSparseLayer(l)) {
+      const std::string b = p + (c.mixtral_names ? "block_sparse_moe." : "mlp.");
+      const int64_t MI = c.moe_intermediate_size;
+      // A router gain of 3 makes the routing differ between tokens.
+      plan.push_back({b + "gate.weight", {c.num_experts, H}, TensorPlan::kUniform, 3 * h_std});
+      if (c.moe_topk_method == kernels::MoeTopkMethod::kNoAuxTc) {
+        // Large enough against sigmoid scores in (0, 1) to change choices.
+        plan.push_back({b + "gate.e_score_correction_bias",
+                        {c.num_experts},
+                        TensorPlan::kUniform,
+                        0.2,
+                        /*keep_f32=*/true});
+      }
+      if (c.num_shared_experts > 0) {
+        const int64_t SI = MI * c.num_shared_experts;
+        const std::string x = b + "shared_experts.";
+        plan.push_back({x + "gate_proj.weight", {SI, H}, TensorPlan::kUniform, h_std});
+        plan.push_back({x + "up_proj.weight", {SI, H}, TensorPlan::kUniform, h_std});
+        plan.push_back({x + "down_proj.weight", {H, SI}, TensorPlan::kUniform, FanIn(SI)});
+      }
+      for (int64_t e = 0; e < c.num_experts; ++e) {
+        const std::string x = b + "experts." + std::to_string(e) + ".";
+        const bool m = c.mixtral_names;
+        plan.push_back(
+            {x + (m ? "w1" : "gate_proj") + ".weight", {MI, H}, TensorPlan::kUniform, h_std});
+        plan.push_back({x + (m ? "w2" : "down_proj") + ".weight",
+                        {H, MI},
+                        TensorPlan::kUniform,
+                        1.0 / std::sqrt(static_cast<double>(MI))});
+        plan.push_back(
+            {x + (m ? "w3" : "up_proj") + ".weight", {MI, H}, TensorPlan::kUniform, h_std});
+      }
+      continue;
+    }
     plan.push_back({p + "mlp.gate_proj.weight", {I, H}, TensorPlan::kUniform, h_std});
     plan.push_back({p + "mlp.up_proj.weight", {I, H}, TensorPlan::kUniform, h_std});
     plan.push_back({p + "mlp.down_proj.weight",
                     {H, I},
                     TensorPlan::kUniform,
                     1.0 / std::sqrt(static_cast<double>(I))});
+    if (c.mlp_bias) {
+      plan.push_back({p + "mlp.gate_proj.bias", {I}, TensorPlan::kUniform, 0.1});
+      plan.push_back({p + "mlp.up_proj.bias", {I}, TensorPlan::kUniform, 0.1});
+      plan.push_back({p + "mlp.down_proj.bias", {H}, TensorPlan::kUniform, 0.1});
+    }
   }
   plan.push_back({"model.norm.weight", {H}, TensorPlan::kNorm, 0});
   if (!c.tie_word_embeddings) {
@@ -289,6 +389,7 @@ std::vector<TensorPlan> PlanTensors(const ModelConfig& c) {
 }
 
 TensorToWrite MakeTensor(const TensorPlan& p, uint64_t seed, DType dtype) {
+  if (p.keep_f32) dtype = DType::kF32;
   Rng rng(seed ^ NameHash(p.name));
   int64_t n = 1;
   for (int64_t d : p.shape) n *= d;
@@ -349,7 +450,78 @@ StatusOr<ModelSpec> PresetModelSpec(std::string_view preset) {
     s.rope_theta = 500000.0;
     return s;
   }
-  return Status::InvalidArgument("unknown preset '" + std::string(preset) + "' (tiny or small)");
+  if (preset == "qwen3") {
+    s.architecture = "Qwen3ForCausalLM";
+    s.name = "pdserve-tiny-qwen3";
+    s.head_dim = 32;
+    s.rope_theta = 1000000.0;
+    s.rms_norm_eps = 1e-6;
+    return s;
+  }
+  if (preset == "qwen3-moe") {
+    s.architecture = "Qwen3MoeForCausalLM";
+    s.name = "pdserve-tiny-qwen3-moe";
+    s.num_layers = 3;
+    s.head_dim = 32;
+    s.rope_theta = 1000000.0;
+    s.rms_norm_eps = 1e-6;
+    s.num_experts = 8;
+    s.num_experts_per_tok = 2;
+    s.moe_intermediate_size = 48;
+    s.norm_topk_prob = true;
+    s.mlp_only_layers = {1};
+    return s;
+  }
+  if (preset == "mixtral") {
+    s.architecture = "MixtralForCausalLM";
+    s.name = "pdserve-tiny-mixtral";
+    s.intermediate_size = 96;  // each expert's width
+    s.rope_theta = 1000000.0;
+    s.num_experts = 8;
+    s.num_experts_per_tok = 2;
+    return s;
+  }
+  if (preset == "deepseek-v2-lite" || preset == "deepseek-v3") {
+    const bool v3 = preset == "deepseek-v3";
+    s.architecture = v3 ? "DeepseekV3ForCausalLM" : "DeepseekV2ForCausalLM";
+    s.name = v3 ? "pdserve-tiny-deepseek-v3" : "pdserve-tiny-deepseek-v2-lite";
+    s.num_layers = v3 ? 4 : 3;
+    s.num_kv_heads = s.num_heads;
+    s.intermediate_size = 128;  // the dense layers' MLP
+    s.rms_norm_eps = 1e-6;
+    s.q_lora_rank = v3 ? 48 : 0;
+    s.kv_lora_rank = 32;
+    s.qk_nope_head_dim = 16;
+    s.qk_rope_head_dim = 16;
+    s.v_head_dim = 16;
+    s.num_experts = 8;
+    s.num_experts_per_tok = 2;
+    s.moe_intermediate_size = 32;
+    s.num_shared_experts = v3 ? 1 : 2;
+    s.first_k_dense_replace = v3 ? 2 : 1;
+    if (v3) {
+      s.topk_method = kernels::MoeTopkMethod::kNoAuxTc;
+      s.n_group = 4;
+      s.topk_group = 2;
+      s.norm_topk_prob = true;
+      s.routed_scaling_factor = 2.5;
+      // DeepSeek-V3's yarn keys; max_position_embeddings = factor x the
+      // original length, as in its config.json.
+      s.rope_scaling.type = RopeScaling::Type::kYarn;
+      s.rope_scaling.factor = 4;
+      s.rope_scaling.original_max_position_embeddings = 1024;
+      s.rope_scaling.beta_fast = 32;
+      s.rope_scaling.beta_slow = 1;
+      s.rope_scaling.mscale = 1;
+      s.rope_scaling.mscale_all_dim = 1;
+      s.max_position_embeddings = 4096;
+      s.num_nextn_predict_layers = 1;
+    }
+    return s;
+  }
+  return Status::InvalidArgument(
+      "unknown preset '" + std::string(preset) +
+      "' (tiny, small, qwen3, qwen3-moe, mixtral, deepseek-v2-lite or deepseek-v3)");
 }
 
 Status WriteModel(const ModelSpec& spec, const std::string& dir) {
@@ -365,20 +537,17 @@ Status WriteModel(const ModelSpec& spec, const std::string& dir) {
   if (ec) return Status::InvalidArgument(dir + ": cannot create folder: " + ec.message());
   const fs::path root(dir);
   const bool qwen2 = spec.architecture == "Qwen2ForCausalLM";
-  const bool bias = qwen2 || spec.attention_bias;
+  const bool qwen3 = spec.architecture == "Qwen3ForCausalLM";
+  const bool llama = spec.architecture == "LlamaForCausalLM";
+  const bool mistral = spec.architecture == "MistralForCausalLM";
+  const bool qwen3_moe = spec.architecture == "Qwen3MoeForCausalLM";
+  const bool mixtral = spec.architecture == "MixtralForCausalLM";
+  const bool deepseek_v2 = spec.architecture == "DeepseekV2ForCausalLM";
+  const bool deepseek_v3 = spec.architecture == "DeepseekV3ForCausalLM";
+  const bool deepseek = deepseek_v2 || deepseek_v3;
   const int64_t H = spec.hidden_size, I = spec.intermediate_size;
   const int64_t hd = spec.head_dim > 0 ? spec.head_dim : H / spec.num_heads;
   const int64_t V = spec.vocab_size();
-  ModelConfig shapes;
-  shapes.vocab_size = V;
-  shapes.hidden_size = H;
-  shapes.intermediate_size = I;
-  shapes.num_layers = spec.num_layers;
-  shapes.num_heads = spec.num_heads;
-  shapes.num_kv_heads = spec.num_kv_heads;
-  shapes.head_dim = hd;
-  shapes.qkv_bias = bias;
-  shapes.tie_word_embeddings = spec.tie_word_embeddings;
 
   // Tokenizer first: the vocab fixes the special token ids.
   const Bpe bpe = LearnBpe(spec.num_merges);
@@ -404,9 +573,14 @@ Status WriteModel(const ModelSpec& spec, const std::string& dir) {
 
   ordered_json config = {{"_name_or_path", spec.name},
                          {"architectures", {spec.architecture}},
-                         {"model_type", qwen2                                       ? "qwen2"
-                                        : spec.architecture == "MistralForCausalLM" ? "mistral"
-                                                                                    : "llama"},
+                         {"model_type", qwen2         ? "qwen2"
+                                        : qwen3       ? "qwen3"
+                                        : qwen3_moe   ? "qwen3_moe"
+                                        : mistral     ? "mistral"
+                                        : mixtral     ? "mixtral"
+                                        : deepseek_v2 ? "deepseek_v2"
+                                        : deepseek_v3 ? "deepseek_v3"
+                                                      : "llama"},
                          {"vocab_size", V},
                          {"hidden_size", H},
                          {"intermediate_size", I},
@@ -424,8 +598,60 @@ Status WriteModel(const ModelSpec& spec, const std::string& dir) {
                          {"torch_dtype", spec.dtype == DType::kBF16  ? "bfloat16"
                                          : spec.dtype == DType::kF16 ? "float16"
                                                                      : "float32"}};
-  if (!qwen2) config["attention_bias"] = spec.attention_bias;
-  if (qwen2 || spec.architecture == "MistralForCausalLM") config["sliding_window"] = nullptr;
+  if (deepseek) {
+    // DeepSeek's config.json has no head_dim (transformers derives it from
+    // qk_rope_head_dim) and repeats the head count as num_key_value_heads.
+    config.erase("head_dim");
+    config["num_key_value_heads"] = spec.num_heads;
+    config["q_lora_rank"] = spec.q_lora_rank > 0 ? ordered_json(spec.q_lora_rank) : ordered_json();
+    config["kv_lora_rank"] = spec.kv_lora_rank;
+    config["qk_nope_head_dim"] = spec.qk_nope_head_dim;
+    config["qk_rope_head_dim"] = spec.qk_rope_head_dim;
+    config["v_head_dim"] = spec.v_head_dim;
+    if (deepseek_v3) config["rope_interleave"] = spec.rope_interleave;
+    config["n_routed_experts"] = spec.num_experts;
+    config["n_shared_experts"] = spec.num_shared_experts;
+    config["num_experts_per_tok"] = spec.num_experts_per_tok;
+    config["moe_intermediate_size"] = spec.moe_intermediate_size;
+    config["first_k_dense_replace"] = spec.first_k_dense_replace;
+    config["moe_layer_freq"] = spec.moe_layer_freq;
+    config["scoring_func"] = deepseek_v3 ? "sigmoid" : "softmax";
+    config["topk_method"] = spec.topk_method == kernels::MoeTopkMethod::kNoAuxTc ? "noaux_tc"
+                            : spec.topk_method == kernels::MoeTopkMethod::kGroupLimitedGreedy
+                                ? "group_limited_greedy"
+                                : "greedy";
+    config["n_group"] = spec.n_group;
+    config["topk_group"] = spec.topk_group;
+    config["norm_topk_prob"] = spec.norm_topk_prob;
+    config["routed_scaling_factor"] = spec.routed_scaling_factor;
+    config["aux_loss_alpha"] = 0.001;  // training only
+    config["seq_aux"] = true;          // training only
+    if (deepseek_v3) config["num_nextn_predict_layers"] = spec.num_nextn_predict_layers;
+  }
+  if (llama || qwen3 || qwen3_moe || deepseek) config["attention_bias"] = spec.attention_bias;
+  if (llama) config["mlp_bias"] = spec.mlp_bias;
+  if (qwen2 || qwen3 || qwen3_moe || mistral || mixtral) config["sliding_window"] = nullptr;
+  if (qwen2 || qwen3 || qwen3_moe) {
+    config["use_sliding_window"] = false;
+    config["max_window_layers"] = spec.num_layers;
+  }
+  if (qwen3_moe) {
+    config["num_experts"] = spec.num_experts;
+    config["num_experts_per_tok"] = spec.num_experts_per_tok;
+    config["moe_intermediate_size"] = spec.moe_intermediate_size;
+    config["norm_topk_prob"] = spec.norm_topk_prob;
+    config["decoder_sparse_step"] = spec.decoder_sparse_step;
+    config["mlp_only_layers"] = spec.mlp_only_layers;
+  }
+  if (mixtral) {
+    config["num_local_experts"] = spec.num_experts;
+    config["num_experts_per_tok"] = spec.num_experts_per_tok;
+    config["router_jitter_noise"] = 0.0;
+  }
+  if (qwen3_moe || mixtral) {
+    config["output_router_logits"] = false;
+    config["router_aux_loss_coef"] = 0.001;
+  }
   switch (spec.rope_scaling.type) {
     case RopeScaling::Type::kNone:
       config["rope_scaling"] = nullptr;
@@ -441,13 +667,27 @@ Status WriteModel(const ModelSpec& spec, const std::string& dir) {
           {"high_freq_factor", spec.rope_scaling.high_freq_factor},
           {"original_max_position_embeddings", spec.rope_scaling.original_max_position_embeddings}};
       break;
+    case RopeScaling::Type::kYarn:
+      // DeepSeek's published form (keys as in DeepSeek-V3's config.json).
+      config["rope_scaling"] = {
+          {"type", "yarn"},
+          {"factor", spec.rope_scaling.factor},
+          {"original_max_position_embeddings", spec.rope_scaling.original_max_position_embeddings},
+          {"beta_fast", spec.rope_scaling.beta_fast},
+          {"beta_slow", spec.rope_scaling.beta_slow},
+          {"mscale", spec.rope_scaling.mscale},
+          {"mscale_all_dim", spec.rope_scaling.mscale_all_dim}};
+      break;
   }
   PDSERVE_RETURN_IF_ERROR(WriteJson(root / "config.json", config));
   PDSERVE_RETURN_IF_ERROR(
       WriteJson(root / "generation_config.json",
                 {{"bos_token_id", bos_id}, {"eos_token_id", {end_of_text_id, eot_id}}}));
 
-  const std::vector<TensorPlan> plan = PlanTensors(shapes);
+  // The tensors follow from the config exactly as the loader reads it.
+  auto shapes = ParseModelConfig(config.dump(), "make-model config");
+  if (!shapes.ok()) return shapes.status();
+  const std::vector<TensorPlan> plan = PlanTensors(*shapes, /*with_mtp_layers=*/true);
 
   // Remove files of an earlier layout so a folder never mixes both.
   fs::remove(root / "model.safetensors", ec);
@@ -481,7 +721,7 @@ StatusOr<std::unique_ptr<WeightFiles>> RandomWeights(const ModelConfig& config, 
   if (dtype != DType::kF32 && dtype != DType::kBF16 && dtype != DType::kF16) {
     return Status::InvalidArgument("dummy weights must be fp32, bf16 or fp16");
   }
-  const std::vector<TensorPlan> plan = PlanTensors(config);
+  const std::vector<TensorPlan> plan = PlanTensors(config, /*with_mtp_layers=*/false);
   std::vector<TensorToWrite> tensors(plan.size());
   // Billions of values for real shapes: fill tensors on every core.
   std::atomic<size_t> next{0};
@@ -500,7 +740,7 @@ StatusOr<std::unique_ptr<WeightFiles>> RandomWeights(const ModelConfig& config, 
 
 int64_t CountParameters(const ModelConfig& config) {
   int64_t total = 0;
-  for (const TensorPlan& p : PlanTensors(config)) {
+  for (const TensorPlan& p : PlanTensors(config, /*with_mtp_layers=*/false)) {
     int64_t n = 1;
     for (int64_t d : p.shape) n *= d;
     total += n;

@@ -17,6 +17,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "common/dtype.h"
 #include "common/status.h"
@@ -25,9 +26,12 @@
 namespace pdserve {
 
 struct ModelSpec {
-  std::string architecture = "LlamaForCausalLM";  // or MistralForCausalLM, Qwen2ForCausalLM
-  std::string name = "pdserve-tiny";              // written as _name_or_path (the model id)
-  int64_t num_merges = 251;                       // vocab = 256 + merges + 5 special tokens
+  // or MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+  // Qwen3MoeForCausalLM, MixtralForCausalLM, DeepseekV2ForCausalLM,
+  // DeepseekV3ForCausalLM
+  std::string architecture = "LlamaForCausalLM";
+  std::string name = "pdserve-tiny";  // written as _name_or_path (the model id)
+  int64_t num_merges = 251;           // vocab = 256 + merges + 5 special tokens
   int64_t hidden_size = 64;
   int64_t intermediate_size = 192;
   int64_t num_layers = 2;
@@ -37,10 +41,49 @@ struct ModelSpec {
   int64_t max_position_embeddings = 4096;
   double rope_theta = 10000.0;
   double rms_norm_eps = 1e-5;
-  RopeScaling rope_scaling;  // kNone, kLinear or kLlama3 are written as such
+  RopeScaling rope_scaling;  // written as such (yarn: its keys but truncate)
   bool tie_word_embeddings = false;
-  bool attention_bias = false;  // Llama's QKV bias flag (Qwen2 always has biases)
-  DType dtype = DType::kF32;    // weights: fp32, bf16 or fp16
+  // config.json's flags, written for the architectures that define them
+  // (attention_bias: Llama, Qwen3; mlp_bias: Llama); Qwen2 always has q/k/v
+  // biases.
+  bool attention_bias = false;
+  bool mlp_bias = false;
+  // Mixture of experts (Qwen3MoeForCausalLM, MixtralForCausalLM only).
+  // Mixtral's experts are intermediate_size wide and every layer is sparse;
+  // Qwen3-MoE's are moe_intermediate_size wide, on the layers that
+  // decoder_sparse_step and mlp_only_layers make sparse.
+  int64_t num_experts = 0;
+  int64_t num_experts_per_tok = 0;
+  int64_t moe_intermediate_size = 0;
+  bool norm_topk_prob = false;
+  int64_t decoder_sparse_step = 1;
+  std::vector<int64_t> mlp_only_layers;
+  // DeepSeek-V2/V3 (DeepseekV2ForCausalLM, DeepseekV3ForCausalLM): the
+  // multi-head latent attention's widths (q_lora_rank 0 is written as null:
+  // a plain q_proj; num_kv_heads is ignored, the config repeats num_heads)
+  // and rope_interleave (V3 only); the MoE's shared experts, first dense
+  // layers, layer frequency, routing method with its groups and the
+  // routed_scaling_factor. Experts are moe_intermediate_size wide, dense
+  // layers intermediate_size; V2 scores with a softmax, V3 with a sigmoid
+  // and an e_score_correction_bias (written fp32 whatever `dtype`, as
+  // transformers keeps it).
+  int64_t q_lora_rank = 0;
+  int64_t kv_lora_rank = 0;
+  int64_t qk_nope_head_dim = 0;
+  int64_t qk_rope_head_dim = 0;
+  int64_t v_head_dim = 0;
+  bool rope_interleave = true;
+  int64_t num_shared_experts = 0;
+  int64_t first_k_dense_replace = 0;
+  int64_t moe_layer_freq = 1;
+  kernels::MoeTopkMethod topk_method = kernels::MoeTopkMethod::kGreedy;
+  int64_t n_group = 1;
+  int64_t topk_group = 1;
+  double routed_scaling_factor = 1.0;
+  // DeepSeek-V3's multi-token-prediction layers, stored after the last
+  // layer (the causal LM ignores them).
+  int64_t num_nextn_predict_layers = 0;
+  DType dtype = DType::kF32;  // weights: fp32, bf16 or fp16
   uint64_t seed = 0;
   int shards = 1;  // > 1: sharded safetensors with an index
 
@@ -49,7 +92,23 @@ struct ModelSpec {
 
 // "tiny": 2 layers, hidden 64, 4 heads, 2 KV heads, vocab 512 (tests, default).
 // "small": about 25M parameters, 8 layers, hidden 512, 8 heads, 2 KV heads,
-// vocab 2048 (CPU benchmarks). InvalidArgument for other names.
+// vocab 2048 (CPU benchmarks).
+// "qwen3": Qwen3ForCausalLM shaped like tiny, with Q/K norms and head_dim 32
+// (not hidden / heads = 16); untied (random tied embeddings make greedy
+// decoding repeat the last token).
+// "qwen3-moe": Qwen3MoeForCausalLM like qwen3 with 3 layers, 8 experts of
+// width 48, top-2 renormalised, layer 1 dense (mlp_only_layers).
+// "mixtral": MixtralForCausalLM like tiny, 8 experts of width 96, top-2.
+// "deepseek-v2-lite": DeepseekV2ForCausalLM shaped as DeepSeek-V2-Lite at
+// hidden 64: 3 layers (layer 0 dense), 4 heads, no q LoRA, latent 32 + rope
+// 16, 8 experts of width 32, top-2 by softmax (greedy), 2 shared experts.
+// "deepseek-v3": DeepseekV3ForCausalLM shaped as DeepSeek-V3 at hidden 64:
+// 4 layers (layers 0 and 1 dense), q LoRA 48, latent 32 + rope 16, 8 experts
+// in 4 groups, top-2 of the best 2 groups by sigmoid with a correction bias
+// (noaux_tc), renormalised, scaled by 2.5, 1 shared expert, yarn rope
+// (factor 4 over 1024 positions), and one multi-token-prediction layer in
+// the checkpoint, as DeepSeek-V3 ships it.
+// InvalidArgument for other names.
 StatusOr<ModelSpec> PresetModelSpec(std::string_view preset);
 
 // Writes the model into `dir` (created if needed; existing files replaced).
@@ -67,7 +126,9 @@ StatusOr<std::unique_ptr<WeightFiles>> RandomWeights(const ModelConfig& config, 
                                                      uint64_t seed);
 
 // The number of weights (parameters) RandomWeights(config, ...) makes: the
-// parameter count a checkpoint of that architecture has.
+// parameter count a checkpoint of that architecture has, DeepSeek-V3's
+// multi-token-prediction layers left out (RandomWeights makes none: the
+// engine does not read them).
 int64_t CountParameters(const ModelConfig& config);
 
 }  // namespace pdserve

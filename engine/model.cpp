@@ -1,9 +1,11 @@
 #include "engine/model.h"
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 
+#include "common/logging.h"
 #include "engine/make_model.h"
 #include "engine/safetensors.h"
 #include "kernels/cpu/float_convert.h"
@@ -52,6 +54,7 @@ struct Model::Scratch {
 
 Model::~Model() {
   scratch_.reset();
+  FreeMlaScratch();
   for (void* p : owned_) backend_->Free(p);
 }
 
@@ -82,6 +85,14 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir, kernels::Ba
     if (!p.has_filename()) p = p.parent_path();
     m->model_id_ = std::filesystem::absolute(p).filename().string();
   }
+  if (const auto& c = m->config_;
+      c.is_mla() && c.kv_lora_rank + c.qk_rope_head_dim > backend->MaxMlaLatentWidth()) {
+    return Status::Unsupported(dir + ": kv_lora_rank + qk_rope_head_dim = " +
+                               std::to_string(c.kv_lora_rank + c.qk_rope_head_dim) +
+                               " exceeds the widest latent the " + backend->name() +
+                               " backend attends over (" +
+                               std::to_string(backend->MaxMlaLatentWidth()) + ")");
+  }
   m->files_ = std::move(*files);
   PDSERVE_RETURN_IF_ERROR(m->LoadWeights(*m->files_));
   m->scratch_ = std::make_unique<Scratch>();
@@ -93,8 +104,10 @@ StatusOr<const TensorView*> Model::Tensor(const WeightFiles& files, const std::s
                                           std::vector<int64_t> shape) {
   const TensorView* t = files.Find(name);
   if (t == nullptr) {
-    return Status::InvalidArgument(files.description() + ": tensor '" + name + "' is missing");
+    return Status::InvalidArgument(files.description() + ": tensor '" + name + "' is missing (" +
+                                   config_.architecture + " needs it with this config.json)");
   }
+  used_tensors_.insert(name);
   TensorView expected;
   expected.shape = shape;
   if (t->shape != shape) {
@@ -149,6 +162,7 @@ StatusOr<WeightMatrix> Model::Matrix(const WeightFiles& files, const std::string
   if (backend_->SupportsWeightDType(*t.dtype) && backend_->SharesHostMemory() && aligned) {
     w.data = t.data;  // zero copy from the mapping
     w.dtype = *t.dtype;
+    matrix_dtype_ = w.dtype;
     return w;
   }
   void* dst;
@@ -169,6 +183,7 @@ StatusOr<WeightMatrix> Model::Matrix(const WeightFiles& files, const std::string
   }
   owned_.push_back(dst);
   w.data = dst;
+  matrix_dtype_ = w.dtype;
   return w;
 }
 
@@ -237,19 +252,74 @@ Status Model::LoadWeights(const WeightFiles& files) {
     const std::string p = "model.layers." + std::to_string(l) + ".";
     Layer& L = layers_[l];
     PDSERVE_RETURN_IF_ERROR(vector(p + "input_layernorm.weight", H, &L.input_norm));
-    PDSERVE_RETURN_IF_ERROR(matrix(p + "self_attn.q_proj.weight", q_out, H, &L.q));
-    PDSERVE_RETURN_IF_ERROR(matrix(p + "self_attn.k_proj.weight", kv_out, H, &L.k));
-    PDSERVE_RETURN_IF_ERROR(matrix(p + "self_attn.v_proj.weight", kv_out, H, &L.v));
-    PDSERVE_RETURN_IF_ERROR(matrix(p + "self_attn.o_proj.weight", H, q_out, &L.o));
-    if (c.qkv_bias) {
-      PDSERVE_RETURN_IF_ERROR(vector(p + "self_attn.q_proj.bias", q_out, &L.q_bias));
-      PDSERVE_RETURN_IF_ERROR(vector(p + "self_attn.k_proj.bias", kv_out, &L.k_bias));
-      PDSERVE_RETURN_IF_ERROR(vector(p + "self_attn.v_proj.bias", kv_out, &L.v_bias));
+    if (c.is_mla()) {
+      PDSERVE_RETURN_IF_ERROR(LoadMlaAttention(files, p, &L, &bytes));
+    } else {
+      PDSERVE_RETURN_IF_ERROR(matrix(p + "self_attn.q_proj.weight", q_out, H, &L.q));
+      PDSERVE_RETURN_IF_ERROR(matrix(p + "self_attn.k_proj.weight", kv_out, H, &L.k));
+      PDSERVE_RETURN_IF_ERROR(matrix(p + "self_attn.v_proj.weight", kv_out, H, &L.v));
+      PDSERVE_RETURN_IF_ERROR(matrix(p + "self_attn.o_proj.weight", H, q_out, &L.o));
+      if (c.qkv_bias) {
+        PDSERVE_RETURN_IF_ERROR(vector(p + "self_attn.q_proj.bias", q_out, &L.q_bias));
+        PDSERVE_RETURN_IF_ERROR(vector(p + "self_attn.k_proj.bias", kv_out, &L.k_bias));
+        PDSERVE_RETURN_IF_ERROR(vector(p + "self_attn.v_proj.bias", kv_out, &L.v_bias));
+      }
+      if (c.o_bias) PDSERVE_RETURN_IF_ERROR(vector(p + "self_attn.o_proj.bias", H, &L.o_bias));
+      if (c.qk_norm) {
+        PDSERVE_RETURN_IF_ERROR(vector(p + "self_attn.q_norm.weight", hd, &L.q_norm));
+        PDSERVE_RETURN_IF_ERROR(vector(p + "self_attn.k_norm.weight", hd, &L.k_norm));
+      }
     }
     PDSERVE_RETURN_IF_ERROR(vector(p + "post_attention_layernorm.weight", H, &L.post_norm));
+    if (c.IsSparseLayer(l)) {
+      // Qwen3MoeSparseMoeBlock and DeepSeek's MoE (`mlp.gate`,
+      // `mlp.experts.N.{gate,up,down}_proj`) or MixtralSparseMoeBlock
+      // (`block_sparse_moe.gate`, `block_sparse_moe.experts.N.{w1,w3,w2}` =
+      // gate, up, down).
+      const std::string b = p + (c.mixtral_names ? "block_sparse_moe." : "mlp.");
+      const int64_t E = c.num_experts, MI = c.moe_intermediate_size;
+      L.sparse = true;
+      PDSERVE_RETURN_IF_ERROR(matrix(b + "gate.weight", E, H, &L.moe.router));
+      L.experts.resize(E);
+      const int64_t before = bytes;
+      for (int64_t e = 0; e < E; ++e) {
+        const std::string x = b + "experts." + std::to_string(e) + ".";
+        auto& X = L.experts[e];
+        PDSERVE_RETURN_IF_ERROR(
+            matrix(x + (c.mixtral_names ? "w1" : "gate_proj") + ".weight", MI, H, &X.gate));
+        PDSERVE_RETURN_IF_ERROR(
+            matrix(x + (c.mixtral_names ? "w3" : "up_proj") + ".weight", MI, H, &X.up));
+        PDSERVE_RETURN_IF_ERROR(
+            matrix(x + (c.mixtral_names ? "w2" : "down_proj") + ".weight", H, MI, &X.down));
+      }
+      expert_weight_bytes_ += bytes - before;
+      bytes = before;  // experts are counted per step by MoeFfn
+      L.moe.experts = L.experts.data();
+      L.moe.routing = c.MoeRoutingRule();
+      if (c.moe_topk_method == kernels::MoeTopkMethod::kNoAuxTc) {
+        // DeepseekV3TopkRouter's buffer, which steers the choice only.
+        PDSERVE_RETURN_IF_ERROR(
+            vector(b + "gate.e_score_correction_bias", E, &L.moe.routing.correction_bias));
+      }
+      if (c.num_shared_experts > 0) {
+        // DeepSeek's shared experts: one MLP that every token goes through.
+        const std::string x = b + "shared_experts.";
+        const int64_t SI = MI * c.num_shared_experts;
+        PDSERVE_RETURN_IF_ERROR(matrix(x + "gate_proj.weight", SI, H, &L.shared_expert.gate));
+        PDSERVE_RETURN_IF_ERROR(matrix(x + "up_proj.weight", SI, H, &L.shared_expert.up));
+        PDSERVE_RETURN_IF_ERROR(matrix(x + "down_proj.weight", H, SI, &L.shared_expert.down));
+        L.moe.shared = &L.shared_expert;
+      }
+      continue;
+    }
     PDSERVE_RETURN_IF_ERROR(matrix(p + "mlp.gate_proj.weight", I, H, &L.gate));
     PDSERVE_RETURN_IF_ERROR(matrix(p + "mlp.up_proj.weight", I, H, &L.up));
     PDSERVE_RETURN_IF_ERROR(matrix(p + "mlp.down_proj.weight", H, I, &L.down));
+    if (c.mlp_bias) {
+      PDSERVE_RETURN_IF_ERROR(vector(p + "mlp.gate_proj.bias", I, &L.gate_bias));
+      PDSERVE_RETURN_IF_ERROR(vector(p + "mlp.up_proj.bias", I, &L.up_bias));
+      PDSERVE_RETURN_IF_ERROR(vector(p + "mlp.down_proj.bias", H, &L.down_bias));
+    }
   }
   PDSERVE_RETURN_IF_ERROR(vector("model.norm.weight", H, &final_norm_));
   if (c.tie_word_embeddings) {
@@ -259,6 +329,37 @@ Status Model::LoadWeights(const WeightFiles& files) {
     PDSERVE_RETURN_IF_ERROR(matrix("lm_head.weight", c.vocab_size, H, &lm_head_));
   }
   weight_bytes_per_step_ = bytes;
+  // Strict: every tensor of the checkpoint is one the architecture uses.
+  // Rotary inverse frequencies, which some converted checkpoints carry, are a
+  // buffer transformers recomputes from config.json and never loads.
+  // DeepSeek's multi-token-prediction layers (num_nextn_predict_layers of
+  // them, stored as layers num_hidden_layers and up) serve speculative
+  // decoding, not the causal LM: left out on purpose, as transformers does.
+  const std::string first_mtp = "model.layers." + std::to_string(c.num_layers) + ".";
+  auto is_mtp = [&](const std::string& name) {
+    if (c.num_nextn_predict_layers <= 0 || !name.starts_with("model.layers.")) return false;
+    const int64_t layer = std::atoll(name.c_str() + std::strlen("model.layers."));
+    return layer >= c.num_layers && layer < c.num_layers + c.num_nextn_predict_layers;
+  };
+  int64_t mtp_tensors = 0;
+  for (const auto& [name, view] : files.tensors()) {
+    if (is_mtp(name)) {
+      ++mtp_tensors;
+      continue;
+    }
+    if (used_tensors_.count(name) || name.ends_with(".rotary_emb.inv_freq")) continue;
+    return Status::InvalidArgument(view->file + ": tensor '" + name + "' is not used by " +
+                                   c.architecture + " with this config.json" +
+                                   (name == "lm_head.weight" && c.tie_word_embeddings
+                                        ? " (tie_word_embeddings is true)"
+                                        : ""));
+  }
+  used_tensors_.clear();
+  if (mtp_tensors > 0) {
+    PDSERVE_LOG(INFO) << "model: ignoring " << mtp_tensors << " tensors of "
+                      << c.num_nextn_predict_layers << " multi-token-prediction layer(s) from "
+                      << first_mtp << " on (speculative decoding is not used)";
+  }
 
   const std::vector<float> inv = c.RopeInvFreq();
   void* dst = backend_->Allocate(inv.size() * 4);
@@ -297,9 +398,13 @@ Status Model::ComputeLogits(const ForwardBatch& batch, const kernels::KvCacheLay
   const int64_t H = c.hidden_size, I = c.intermediate_size, hd = c.head_dim;
   const int64_t nh = c.num_heads, kvh = c.num_kv_heads;
   if (T <= 0 || S <= 0) return Status::InvalidArgument("forward: empty batch");
-  if (layout.num_layers != c.num_layers || layout.num_kv_heads != kvh || layout.head_dim != hd) {
+  const bool layout_matches = c.is_mla() ? layout.is_mla() && layout.num_layers == c.num_layers &&
+                                               layout.kv_lora_rank == c.kv_lora_rank &&
+                                               layout.rope_dim() == c.qk_rope_head_dim
+                                         : !layout.is_mla() && layout.num_layers == c.num_layers &&
+                                               layout.num_kv_heads == kvh && layout.head_dim == hd;
+  if (!layout_matches)
     return Status::InvalidArgument("forward: KV layout does not match the model");
-  }
   for (int64_t t = 0; t < T; ++t) {
     if (batch.token_ids[t] < 0 || batch.token_ids[t] >= c.vocab_size) {
       return Status::InvalidArgument("token id " + std::to_string(batch.token_ids[t]) +
@@ -378,29 +483,48 @@ Status Model::ComputeLogits(const ForwardBatch& batch, const kernels::KvCacheLay
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
   b.Embedding(embedding_, ids, T, H, s.x);
   b.RmsNorm(s.x, layers_[0].input_norm, s.h, T, H, eps);
+  kernels::MoeStats moe;
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const Layer& L = layers_[l];
     // s.h holds RmsNorm(s.x) with this layer's input norm here. Each residual
     // add is fused with the norm that follows it.
-    b.Linear(s.h, T, L.q, L.q_bias, s.q);
-    b.Linear(s.h, T, L.k, L.k_bias, s.k);
-    b.Linear(s.h, T, L.v, L.v_bias, s.v);
-    b.Rope(s.q, positions, T, nh, hd, inv_freq_);
-    b.Rope(s.k, positions, T, kvh, hd, inv_freq_);
-    b.WriteKv(layout, kv_pool, l, s.k, s.v, slots, T);
-    b.PagedAttention(layout, kv_pool, l, s.q, nh, att, scale, s.attn);
-    b.Linear(s.attn, T, L.o, nullptr, s.h);
+    if (c.is_mla()) {
+      // In place: o_proj's output replaces the normed input in s.h.
+      PDSERVE_RETURN_IF_ERROR(
+          MlaAttentionForward(L, l, positions, slots, att, layout, kv_pool, s.h, T, s.h));
+    } else {
+      b.Linear(s.h, T, L.q, L.q_bias, s.q);
+      b.Linear(s.h, T, L.k, L.k_bias, s.k);
+      b.Linear(s.h, T, L.v, L.v_bias, s.v);
+      if (L.q_norm != nullptr) {
+        // Qwen3's per-head norm is RmsNorm over [tokens * heads] rows of head_dim.
+        b.RmsNorm(s.q, L.q_norm, s.q, T * nh, hd, eps);
+        b.RmsNorm(s.k, L.k_norm, s.k, T * kvh, hd, eps);
+      }
+      b.Rope(s.q, positions, T, nh, hd, inv_freq_);
+      b.Rope(s.k, positions, T, kvh, hd, inv_freq_);
+      b.WriteKv(layout, kv_pool, l, s.k, s.v, slots, T);
+      b.PagedAttention(layout, kv_pool, l, s.q, nh, att, scale, s.attn);
+      b.Linear(s.attn, T, L.o, L.o_bias, s.h);
+    }
     b.AddRmsNorm(s.x, s.h, L.post_norm, s.h, T, H, eps);
-    b.Linear(s.h, T, L.gate, nullptr, s.gate);
-    b.Linear(s.h, T, L.up, nullptr, s.up);
-    b.SwiGlu(s.gate, s.up, I, s.act, T, I);
-    b.Linear(s.act, T, L.down, nullptr, s.h);
+    if (L.sparse) {
+      const kernels::MoeStats st = b.MoeFfn(s.h, T, L.moe, s.h);  // in place
+      moe.active_experts += st.active_experts;
+      moe.expert_bytes_read += st.expert_bytes_read;
+    } else {
+      b.Linear(s.h, T, L.gate, L.gate_bias, s.gate);
+      b.Linear(s.h, T, L.up, L.up_bias, s.up);
+      b.SwiGlu(s.gate, s.up, I, s.act, T, I);
+      b.Linear(s.act, T, L.down, L.down_bias, s.h);
+    }
     if (l + 1 < c.num_layers) {
       b.AddRmsNorm(s.x, s.h, layers_[l + 1].input_norm, s.h, T, H, eps);
     } else {
       b.Add(s.x, s.h, T * H);  // the final norm runs on the logits rows alone
     }
   }
+  last_moe_stats_ = moe;
   if (R > 0) {
     b.GatherRows(s.x, logits_rows, R, H, s.gathered);
     b.RmsNorm(s.gathered, final_norm_, s.gathered, R, H, eps);

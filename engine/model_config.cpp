@@ -1,5 +1,6 @@
 #include "engine/model_config.h"
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -21,6 +22,7 @@ constexpr int64_t kMaxLayers = 1024;
 constexpr int64_t kMaxHeads = 1024;
 constexpr int64_t kMaxHeadDim = 1024;
 constexpr int64_t kMaxPositions = int64_t{1} << 24;
+constexpr int64_t kMaxExperts = 1 << 14;
 
 StatusOr<std::string> ReadFile(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -110,19 +112,26 @@ Status ReadTokenIds(const json& j, const char* key, const std::string& source,
   return Status::Ok();
 }
 
-Status ParseRopeScaling(const json& j, const std::string& source, RopeScaling* out) {
-  auto it = j.find("rope_scaling");
-  if (it == j.end() || it->is_null()) return Status::Ok();
-  if (!it->is_object())
-    return Status::InvalidArgument(source + ": 'rope_scaling' must be an object");
+// `rope` is the rope_scaling object (transformers 4.x) or rope_parameters
+// (transformers 5, which also holds rope_theta); `key` names it in messages.
+Status ParseRopeScaling(const json& rope, const std::string& source, const char* key,
+                        RopeScaling* out) {
+  if (!rope.is_object()) {
+    return Status::InvalidArgument(source + ": '" + key + "' must be an object");
+  }
   std::string type;
-  if (auto t = it->find("rope_type"); t != it->end() && t->is_string()) {
+  if (auto t = rope.find("rope_type"); t != rope.end() && t->is_string()) {
     type = t->get<std::string>();
-  } else if (auto t2 = it->find("type"); t2 != it->end() && t2->is_string()) {
+  } else if (auto t2 = rope.find("type"); t2 != rope.end() && t2->is_string()) {
     type = t2->get<std::string>();
   }
-  const std::string where = source + ": rope_scaling";
-  Reader r(*it, where);
+  const std::string where = source + ": " + key;
+  if (auto f = rope.find("partial_rotary_factor");
+      f != rope.end() && !(f->is_number() && f->get<double>() == 1.0)) {
+    return Status::Unsupported(where + ": 'partial_rotary_factor' " + f->dump() +
+                               " is not supported (rotary over the whole head only)");
+  }
+  Reader r(rope, where);
   RopeScaling s;
   if (type == "default") return Status::Ok();
   if (type == "linear") {
@@ -136,17 +145,261 @@ Status ParseRopeScaling(const json& j, const std::string& source, RopeScaling* o
     if (!(s.high_freq_factor > s.low_freq_factor)) {
       return Status::InvalidArgument(where + ": high_freq_factor must exceed low_freq_factor");
     }
+  } else if (type == "yarn") {
+    // transformers 5's reading: `factor` as given (4.x replaced it by
+    // max_position_embeddings / original_max_position_embeddings; the
+    // published DeepSeek configs make both equal).
+    s.type = RopeScaling::Type::kYarn;
+    s.original_max_position_embeddings = 0;  // absent: max_position_embeddings, set by the caller
+    PDSERVE_RETURN_IF_ERROR(r.Int("original_max_position_embeddings",
+                                  &s.original_max_position_embeddings, false, 1, kMaxPositions));
+    // `or 32` / `or 1` in transformers: a null or zero beta takes the default.
+    PDSERVE_RETURN_IF_ERROR(r.Double("beta_fast", &s.beta_fast, -1e9, 1e9));
+    PDSERVE_RETURN_IF_ERROR(r.Double("beta_slow", &s.beta_slow, -1e9, 1e9));
+    if (s.beta_fast == 0) s.beta_fast = 32;
+    if (s.beta_slow == 0) s.beta_slow = 1;
+    PDSERVE_RETURN_IF_ERROR(r.Double("mscale", &s.mscale, -1e9, 1e9));
+    PDSERVE_RETURN_IF_ERROR(r.Double("mscale_all_dim", &s.mscale_all_dim, -1e9, 1e9));
+    if (auto a = rope.find("attention_factor"); a != rope.end() && !a->is_null()) {
+      double factor = 1;
+      PDSERVE_RETURN_IF_ERROR(r.Double("attention_factor", &factor, 0, 1e9));
+      s.attention_factor = factor;
+    }
+    PDSERVE_RETURN_IF_ERROR(r.Bool("truncate", &s.truncate));
   } else {
     return Status::Unsupported(where + ": type '" + type +
-                               "' is not supported (default, linear, llama3 are)");
+                               "' is not supported (default, linear, llama3, and yarn for "
+                               "DeepSeek, are)");
   }
-  if (it->find("factor") == it->end()) return Status::InvalidArgument(where + ": missing 'factor'");
+  if (rope.find("factor") == rope.end()) {
+    return Status::InvalidArgument(where + ": missing 'factor'");
+  }
   PDSERVE_RETURN_IF_ERROR(r.Double("factor", &s.factor, 0, 1e6));
   *out = s;
   return Status::Ok();
 }
 
+// The keys that change the computation in ways pdserve does not implement.
+// Each is refused naming the key (a model computed without it would give
+// wrong tokens, not an error).
+Status RefuseUnimplementedKeys(const json& j, const std::string& source,
+                               const std::string& architecture) {
+  auto present = [&](const char* key) {
+    auto it = j.find(key);
+    return it != j.end() && !it->is_null() ? &*it : nullptr;
+  };
+  if (const json* q = present("quantization_config")) {
+    std::string method = "?";
+    if (q->is_object()) {
+      if (auto m = q->find("quant_method"); m != q->end() && m->is_string()) {
+        method = m->get<std::string>();
+      }
+    }
+    return Status::Unsupported(source + ": 'quantization_config' (quant_method " + method +
+                               ") is not supported: pdserve serves unquantized fp32, fp16 or "
+                               "bf16 weights");
+  }
+  if (const json* act = present("hidden_act")) {
+    // SwiGLU's activation; "swish" is the same function in transformers.
+    if (!act->is_string() || (*act != "silu" && *act != "swish")) {
+      return Status::Unsupported(source + ": 'hidden_act' " + act->dump() +
+                                 " is not supported (silu is)");
+    }
+  }
+  if (const json* f = present("partial_rotary_factor");
+      f != nullptr && !(f->is_number() && f->get<double>() == 1.0)) {
+    return Status::Unsupported(source + ": 'partial_rotary_factor' " + f->dump() +
+                               " is not supported (rotary over the whole head only)");
+  }
+  // Qwen2/Qwen3 window some layers only when use_sliding_window is true.
+  const bool qwen = architecture == "Qwen2ForCausalLM" || architecture == "Qwen3ForCausalLM" ||
+                    architecture == "Qwen3MoeForCausalLM";
+  if (const json* w = present("use_sliding_window"); qwen && w != nullptr) {
+    if (!w->is_boolean()) {
+      return Status::InvalidArgument(source + ": 'use_sliding_window' must be true or false");
+    }
+    if (w->get<bool>()) {
+      return Status::Unsupported(source +
+                                 ": 'use_sliding_window' true is not supported (sliding-window "
+                                 "attention on layers from max_window_layers on)");
+    }
+  }
+  if (const json* types = present("layer_types")) {
+    if (!types->is_array()) {
+      return Status::InvalidArgument(source + ": 'layer_types' must be a list");
+    }
+    for (const auto& t : *types) {
+      if (t != "full_attention") {
+        return Status::Unsupported(source + ": 'layer_types' holds " + t.dump() +
+                                   " (only full_attention is supported)");
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+// The MoE keys of DeepseekV2Config / DeepseekV3Config, with their defaults,
+// and the routing each modeling file implements: DeepseekV2Moe scores with a
+// softmax and picks greedy or group_limited_greedy (it never renormalises);
+// DeepseekV3MoE scores with a sigmoid and always picks noaux_tc. Any other
+// scoring_func / topk_method, or V2's norm_topk_prob (which transformers
+// ignores while the original DeepSeek code renormalised), is refused naming
+// the key rather than computed some other way.
+Status ParseDeepseekMoe(const json& j, const std::string& source, bool v3, ModelConfig* c) {
+  Reader r(j, source);
+  c->num_experts = v3 ? 256 : 64;
+  c->num_shared_experts = v3 ? 1 : 2;
+  c->moe_intermediate_size = v3 ? 2048 : 1407;
+  c->first_k_dense_replace = v3 ? 3 : 0;
+  c->norm_topk_prob = v3;
+  c->routed_scaling_factor = v3 ? 2.5 : 1.0;
+  PDSERVE_RETURN_IF_ERROR(r.Int("n_routed_experts", &c->num_experts, false, 1, kMaxExperts));
+  // DeepseekV2Config's num_experts_per_tok defaults to None, which the MoE
+  // block cannot run with.
+  c->num_experts_per_tok = v3 ? 8 : 0;
+  PDSERVE_RETURN_IF_ERROR(
+      r.Int("num_experts_per_tok", &c->num_experts_per_tok, !v3, 1, kMaxExperts));
+  PDSERVE_RETURN_IF_ERROR(r.Int("n_shared_experts", &c->num_shared_experts, false, 0, kMaxExperts));
+  PDSERVE_RETURN_IF_ERROR(
+      r.Int("moe_intermediate_size", &c->moe_intermediate_size, false, 1, kMaxIntermediate));
+  PDSERVE_RETURN_IF_ERROR(
+      r.Int("first_k_dense_replace", &c->first_k_dense_replace, false, 0, kMaxLayers));
+  PDSERVE_RETURN_IF_ERROR(r.Int("moe_layer_freq", &c->moe_layer_freq, false, 1, kMaxLayers));
+  PDSERVE_RETURN_IF_ERROR(r.Bool("norm_topk_prob", &c->norm_topk_prob));
+  PDSERVE_RETURN_IF_ERROR(r.Double("routed_scaling_factor", &c->routed_scaling_factor, 0, 1e6));
+  auto text = [&](const char* key, const char* fallback, std::string* out) -> Status {
+    *out = fallback;
+    auto it = j.find(key);
+    if (it == j.end() || it->is_null()) return Status::Ok();
+    if (!it->is_string()) {
+      return Status::InvalidArgument(source + ": '" + key + "' must be a string, got " +
+                                     it->dump());
+    }
+    *out = it->get<std::string>();
+    return Status::Ok();
+  };
+  std::string scoring, method;
+  PDSERVE_RETURN_IF_ERROR(text("scoring_func", v3 ? "sigmoid" : "softmax", &scoring));
+  PDSERVE_RETURN_IF_ERROR(text("topk_method", v3 ? "noaux_tc" : "greedy", &method));
+  const std::string arch = v3 ? "DeepseekV3ForCausalLM" : "DeepseekV2ForCausalLM";
+  if (scoring != (v3 ? "sigmoid" : "softmax")) {
+    return Status::Unsupported(source + ": 'scoring_func' \"" + scoring +
+                               "\" is not supported for " + arch + " (" +
+                               (v3 ? "sigmoid" : "softmax") + " is)");
+  }
+  c->moe_scoring = v3 ? kernels::MoeScoring::kSigmoid : kernels::MoeScoring::kSoftmax;
+  if (v3 && method == "noaux_tc") {
+    c->moe_topk_method = kernels::MoeTopkMethod::kNoAuxTc;
+  } else if (!v3 && method == "greedy") {
+    c->moe_topk_method = kernels::MoeTopkMethod::kGreedy;
+  } else if (!v3 && method == "group_limited_greedy") {
+    c->moe_topk_method = kernels::MoeTopkMethod::kGroupLimitedGreedy;
+  } else {
+    return Status::Unsupported(source + ": 'topk_method' \"" + method + "\" is not supported for " +
+                               arch + " (" +
+                               (v3 ? "noaux_tc is" : "greedy and group_limited_greedy are") + ")");
+  }
+  if (!v3 && c->norm_topk_prob) {
+    return Status::Unsupported(source +
+                               ": 'norm_topk_prob' true is not supported for "
+                               "DeepseekV2ForCausalLM (transformers never renormalises its "
+                               "routing weights)");
+  }
+  bool mlp_bias = false;
+  PDSERVE_RETURN_IF_ERROR(r.Bool("mlp_bias", &mlp_bias));
+  if (mlp_bias) {
+    return Status::Unsupported(source + ": 'mlp_bias' true is not supported for " + arch);
+  }
+  c->moe_norm_epsilon = v3 ? 1e-20 : 0.0;
+  if (c->num_experts_per_tok > c->num_experts) {
+    return Status::InvalidArgument(source + ": 'num_experts_per_tok' " +
+                                   std::to_string(c->num_experts_per_tok) +
+                                   " exceeds 'n_routed_experts' " + std::to_string(c->num_experts));
+  }
+  if (c->moe_topk_method != kernels::MoeTopkMethod::kGreedy) {
+    c->moe_n_group = v3 ? 8 : 0;
+    c->moe_topk_group = v3 ? 4 : 0;
+    PDSERVE_RETURN_IF_ERROR(r.Int("n_group", &c->moe_n_group, !v3, 1, kernels::kMaxMoeGroups));
+    PDSERVE_RETURN_IF_ERROR(r.Int("topk_group", &c->moe_topk_group, !v3, 1, c->moe_n_group));
+    if (c->num_experts % c->moe_n_group != 0) {
+      return Status::InvalidArgument(source + ": 'n_group' " + std::to_string(c->moe_n_group) +
+                                     " does not divide 'n_routed_experts' " +
+                                     std::to_string(c->num_experts));
+    }
+    if (v3 && c->num_experts / c->moe_n_group < 2) {
+      return Status::InvalidArgument(source +
+                                     ": noaux_tc scores each group by its two best experts, so "
+                                     "'n_group' must leave 2 or more experts per group");
+    }
+  }
+  return Status::Ok();
+}
+
+// The attention keys of DeepseekV2Config / DeepseekV3Config, with their
+// defaults (q_lora_rank 1536 when the key is absent, null for none).
+Status ParseDeepseekAttention(const json& j, const std::string& source, bool v3, ModelConfig* c) {
+  Reader r(j, source);
+  c->q_lora_rank = 1536;
+  if (auto q = j.find("q_lora_rank"); q != j.end() && q->is_null()) c->q_lora_rank = 0;
+  PDSERVE_RETURN_IF_ERROR(r.Int("q_lora_rank", &c->q_lora_rank, false, 1, kMaxHidden));
+  c->kv_lora_rank = 512;
+  c->qk_nope_head_dim = 128;
+  c->qk_rope_head_dim = 64;
+  c->v_head_dim = 128;
+  PDSERVE_RETURN_IF_ERROR(r.Int("kv_lora_rank", &c->kv_lora_rank, false, 1, kMaxHidden));
+  PDSERVE_RETURN_IF_ERROR(r.Int("qk_nope_head_dim", &c->qk_nope_head_dim, false, 1, kMaxHeadDim));
+  PDSERVE_RETURN_IF_ERROR(r.Int("qk_rope_head_dim", &c->qk_rope_head_dim, false, 2, kMaxHeadDim));
+  PDSERVE_RETURN_IF_ERROR(r.Int("v_head_dim", &c->v_head_dim, false, 1, kMaxHeadDim));
+  // V2 always rotates interleaved pairs (view_as_complex); V3 unless told not to.
+  c->rope_interleave = true;
+  if (v3) PDSERVE_RETURN_IF_ERROR(r.Bool("rope_interleave", &c->rope_interleave));
+  PDSERVE_RETURN_IF_ERROR(
+      r.Int("num_nextn_predict_layers", &c->num_nextn_predict_layers, false, 0, kMaxLayers));
+  if (c->qk_rope_head_dim % 2 != 0) {
+    return Status::InvalidArgument(source + ": qk_rope_head_dim " +
+                                   std::to_string(c->qk_rope_head_dim) +
+                                   " must be even for rotary embeddings");
+  }
+  // The rotary width is the rope part of a head (config.head_dim =
+  // qk_rope_head_dim in both configuration files).
+  c->head_dim = c->qk_rope_head_dim;
+  c->mla_softmax_mscale =
+      v3 && c->rope_scaling.type != RopeScaling::Type::kNone && c->rope_scaling.mscale_all_dim != 0;
+  // attention_bias: q_a_proj, kv_a_proj_with_mqa and o_proj (never q_proj,
+  // q_b_proj or kv_b_proj).
+  bool attention_bias = false;
+  PDSERVE_RETURN_IF_ERROR(r.Bool("attention_bias", &attention_bias));
+  c->qkv_bias = attention_bias;
+  c->o_bias = attention_bias;
+  return Status::Ok();
+}
+
 }  // namespace
+
+bool ModelConfig::IsSparseLayer(int64_t l) const {
+  if (num_experts <= 0) return false;
+  for (int64_t d : mlp_only_layers) {
+    if (d == l) return false;
+  }
+  // Qwen3-MoE's step, DeepSeek's first dense layers and frequency (each a
+  // no-op at the other families' defaults).
+  return (l + 1) % decoder_sparse_step == 0 && l >= first_k_dense_replace &&
+         l % moe_layer_freq == 0;
+}
+
+kernels::MoeRouting ModelConfig::MoeRoutingRule() const {
+  kernels::MoeRouting r;
+  r.num_experts = num_experts;
+  r.top_k = num_experts_per_tok;
+  r.scoring = moe_scoring;
+  r.topk_method = moe_topk_method;
+  r.n_group = moe_n_group;
+  r.topk_group = moe_topk_group;
+  r.norm_topk_prob = norm_topk_prob;
+  r.norm_epsilon = static_cast<float>(moe_norm_epsilon);
+  r.routed_scaling_factor = static_cast<float>(routed_scaling_factor);
+  return r;
+}
 
 int64_t ModelConfig::max_context() const {
   int64_t n = max_position_embeddings;
@@ -180,10 +433,59 @@ std::vector<float> ModelConfig::RopeInvFreq() const {
         }
         break;
       }
+      case RopeScaling::Type::kYarn: {
+        // transformers' _compute_yarn_parameters, in double.
+        const auto& s = rope_scaling;
+        const double dim = static_cast<double>(head_dim);
+        const double old_len = static_cast<double>(s.original_max_position_embeddings);
+        auto correction_dim = [&](double rotations) {
+          return dim * std::log(old_len / (rotations * 2 * std::numbers::pi)) /
+                 (2 * std::log(rope_theta));
+        };
+        double low = correction_dim(s.beta_fast), high = correction_dim(s.beta_slow);
+        if (s.truncate) {
+          low = std::floor(low);
+          high = std::ceil(high);
+        }
+        low = std::max(low, 0.0);
+        high = std::min(high, dim - 1);
+        if (low == high) high += 0.001;  // the ramp's singularity guard
+        const double ramp = std::clamp((static_cast<double>(i) - low) / (high - low), 0.0, 1.0);
+        const double extrapolation = 1 - ramp;
+        f = f / s.factor * (1 - extrapolation) + f * extrapolation;
+        break;
+      }
     }
     inv[i] = static_cast<float>(f);
   }
   return inv;
+}
+
+namespace {
+// yarn_get_mscale / get_mscale of transformers.
+double YarnMscale(double scale, double mscale) {
+  return scale <= 1 ? 1.0 : 0.1 * mscale * std::log(scale) + 1.0;
+}
+}  // namespace
+
+double ModelConfig::RopeAttentionFactor() const {
+  const auto& s = rope_scaling;
+  if (s.type != RopeScaling::Type::kYarn) return 1.0;
+  if (s.attention_factor) return *s.attention_factor;
+  if (s.mscale != 0 && s.mscale_all_dim != 0) {
+    return YarnMscale(s.factor, s.mscale) / YarnMscale(s.factor, s.mscale_all_dim);
+  }
+  return YarnMscale(s.factor, 1.0);
+}
+
+double ModelConfig::AttentionScale() const {
+  if (!is_mla()) return 1.0 / std::sqrt(static_cast<double>(head_dim));
+  double scale = 1.0 / std::sqrt(static_cast<double>(qk_nope_head_dim + qk_rope_head_dim));
+  if (mla_softmax_mscale) {
+    const double m = YarnMscale(rope_scaling.factor, rope_scaling.mscale_all_dim);
+    scale *= m * m;
+  }
+  return scale;
 }
 
 StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std::string& source) {
@@ -197,12 +499,23 @@ StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std::strin
     return Status::InvalidArgument(source + ": missing 'architectures'");
   }
   c.architecture = (*arch)[0].get<std::string>();
+  const bool is_llama = c.architecture == "LlamaForCausalLM";
+  const bool is_mistral = c.architecture == "MistralForCausalLM";
   const bool is_qwen2 = c.architecture == "Qwen2ForCausalLM";
-  if (c.architecture != "LlamaForCausalLM" && c.architecture != "MistralForCausalLM" && !is_qwen2) {
+  const bool is_qwen3 = c.architecture == "Qwen3ForCausalLM";
+  const bool is_qwen3_moe = c.architecture == "Qwen3MoeForCausalLM";
+  const bool is_mixtral = c.architecture == "MixtralForCausalLM";
+  const bool is_deepseek_v2 = c.architecture == "DeepseekV2ForCausalLM";
+  const bool is_deepseek_v3 = c.architecture == "DeepseekV3ForCausalLM";
+  if (!is_llama && !is_mistral && !is_qwen2 && !is_qwen3 && !is_qwen3_moe && !is_mixtral &&
+      !is_deepseek_v2 && !is_deepseek_v3) {
     return Status::Unsupported(source + ": architecture '" + c.architecture +
                                "' is not supported (LlamaForCausalLM, MistralForCausalLM, "
-                               "Qwen2ForCausalLM are)");
+                               "Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, "
+                               "MixtralForCausalLM, DeepseekV2ForCausalLM, "
+                               "DeepseekV3ForCausalLM are)");
   }
+  PDSERVE_RETURN_IF_ERROR(RefuseUnimplementedKeys(j, source, c.architecture));
   if (auto n = j.find("_name_or_path"); n != j.end() && n->is_string()) {
     c.name_or_path = n->get<std::string>();
   }
@@ -218,24 +531,113 @@ StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std::strin
   PDSERVE_RETURN_IF_ERROR(r.Int("num_attention_heads", &c.num_heads, true, 1, kMaxHeads));
   c.num_kv_heads = c.num_heads;
   PDSERVE_RETURN_IF_ERROR(r.Int("num_key_value_heads", &c.num_kv_heads, false, 1, kMaxHeads));
-  c.head_dim = c.hidden_size / c.num_heads;
+  // Qwen3Config defaults head_dim to 128; the others (Qwen3-MoE included:
+  // getattr(config, "head_dim", hidden_size // num_attention_heads)) derive it.
+  c.head_dim = is_qwen3 ? 128 : c.hidden_size / c.num_heads;
   PDSERVE_RETURN_IF_ERROR(r.Int("head_dim", &c.head_dim, false, 2, kMaxHeadDim));
   c.max_position_embeddings = 2048;
   PDSERVE_RETURN_IF_ERROR(
       r.Int("max_position_embeddings", &c.max_position_embeddings, false, 1, kMaxPositions));
+  c.rms_norm_eps = 1e-6;  // every family's default in transformers
   PDSERVE_RETURN_IF_ERROR(r.Double("rms_norm_eps", &c.rms_norm_eps, 0, 1));
   PDSERVE_RETURN_IF_ERROR(r.Double("rope_theta", &c.rope_theta, 1, 1e12));
   PDSERVE_RETURN_IF_ERROR(r.Bool("tie_word_embeddings", &c.tie_word_embeddings));
-  c.qkv_bias = is_qwen2;
-  if (!is_qwen2) PDSERVE_RETURN_IF_ERROR(r.Bool("attention_bias", &c.qkv_bias));
-  bool use_sliding_window = c.architecture == "MistralForCausalLM";
-  PDSERVE_RETURN_IF_ERROR(r.Bool("use_sliding_window", &use_sliding_window));
-  if (use_sliding_window) {
-    int64_t window = 0;
-    PDSERVE_RETURN_IF_ERROR(r.Int("sliding_window", &window, false, 1, kMaxPositions));
-    if (window > 0) c.sliding_window = window;
+  bool attention_bias = false;
+  PDSERVE_RETURN_IF_ERROR(r.Bool("attention_bias", &attention_bias));
+  bool mlp_bias = false;
+  PDSERVE_RETURN_IF_ERROR(r.Bool("mlp_bias", &mlp_bias));
+  // What each modeling file does with the flags (the others ignore them).
+  c.qkv_bias = is_qwen2 || ((is_llama || is_qwen3 || is_qwen3_moe) && attention_bias);
+  c.o_bias = (is_llama || is_qwen3 || is_qwen3_moe) && attention_bias;
+  c.mlp_bias = is_llama && mlp_bias;
+  c.qk_norm = is_qwen3 || is_qwen3_moe;
+  if (is_qwen3_moe) {
+    // Qwen3MoeConfig's defaults; transformers 5 also accepts num_local_experts
+    // (attribute_map). router_aux_loss_coef and output_router_logits only
+    // matter in training.
+    c.num_experts = 128;
+    c.num_experts_per_tok = 8;
+    c.moe_intermediate_size = 768;
+    const char* experts_key = j.contains("num_experts") ? "num_experts" : "num_local_experts";
+    PDSERVE_RETURN_IF_ERROR(r.Int(experts_key, &c.num_experts, false, 0, kMaxExperts));
+    PDSERVE_RETURN_IF_ERROR(
+        r.Int("num_experts_per_tok", &c.num_experts_per_tok, false, 1, kMaxExperts));
+    PDSERVE_RETURN_IF_ERROR(
+        r.Int("moe_intermediate_size", &c.moe_intermediate_size, false, 1, kMaxIntermediate));
+    PDSERVE_RETURN_IF_ERROR(r.Bool("norm_topk_prob", &c.norm_topk_prob));
+    PDSERVE_RETURN_IF_ERROR(
+        r.Int("decoder_sparse_step", &c.decoder_sparse_step, false, 1, kMaxLayers));
+    if (auto m = j.find("mlp_only_layers"); m != j.end() && !m->is_null()) {
+      if (!m->is_array()) {
+        return Status::InvalidArgument(source + ": 'mlp_only_layers' must be a list of layers");
+      }
+      for (const auto& v : *m) {
+        if (!v.is_number_integer()) {
+          return Status::InvalidArgument(source + ": 'mlp_only_layers' holds " + v.dump() +
+                                         ", not a layer index");
+        }
+        c.mlp_only_layers.push_back(v.get<int64_t>());
+      }
+    }
   }
-  PDSERVE_RETURN_IF_ERROR(ParseRopeScaling(j, source, &c.rope_scaling));
+  if (is_mixtral) {
+    // MixtralConfig's defaults. Every layer is sparse, experts are
+    // intermediate_size wide and the top-k weights are always renormalised.
+    // router_jitter_noise only perturbs the router input in training
+    // (`if self.training and self.jitter_noise > 0`); router_aux_loss_coef
+    // and output_router_logits only matter in training too.
+    c.num_experts = 8;
+    c.num_experts_per_tok = 2;
+    PDSERVE_RETURN_IF_ERROR(r.Int("num_local_experts", &c.num_experts, false, 1, kMaxExperts));
+    PDSERVE_RETURN_IF_ERROR(
+        r.Int("num_experts_per_tok", &c.num_experts_per_tok, false, 1, kMaxExperts));
+    c.moe_intermediate_size = c.intermediate_size;
+    c.norm_topk_prob = true;
+    c.mixtral_names = true;
+  }
+  if (c.architecture == "DeepseekV2ForCausalLM" || c.architecture == "DeepseekV3ForCausalLM") {
+    PDSERVE_RETURN_IF_ERROR(
+        ParseDeepseekMoe(j, source, c.architecture == "DeepseekV3ForCausalLM", &c));
+  }
+  if (c.num_experts > 0 && c.num_experts_per_tok > c.num_experts) {
+    return Status::InvalidArgument(
+        source + ": 'num_experts_per_tok' " + std::to_string(c.num_experts_per_tok) +
+        " exceeds the number of experts " + std::to_string(c.num_experts));
+  }
+  if (is_mistral || is_mixtral) {
+    // MistralConfig's default window is 4096, MixtralConfig's none; null
+    // means none.
+    auto w = j.find("sliding_window");
+    if (w == j.end()) {
+      if (is_mistral) c.sliding_window = 4096;
+    } else if (!w->is_null()) {
+      int64_t window = 0;
+      PDSERVE_RETURN_IF_ERROR(r.Int("sliding_window", &window, false, 1, kMaxPositions));
+      c.sliding_window = window;
+    }
+  }
+  const char* rope_key = "rope_scaling";
+  if (auto rp = j.find("rope_parameters"); rp != j.end() && !rp->is_null()) {
+    rope_key = "rope_parameters";
+    PDSERVE_RETURN_IF_ERROR(ParseRopeScaling(*rp, source, "rope_parameters", &c.rope_scaling));
+    Reader rr(*rp, source + ": rope_parameters");
+    PDSERVE_RETURN_IF_ERROR(rr.Double("rope_theta", &c.rope_theta, 1, 1e12));
+  } else if (auto rs = j.find("rope_scaling"); rs != j.end() && !rs->is_null()) {
+    PDSERVE_RETURN_IF_ERROR(ParseRopeScaling(*rs, source, "rope_scaling", &c.rope_scaling));
+  }
+  if (c.rope_scaling.type == RopeScaling::Type::kYarn) {
+    if (!is_deepseek_v2 && !is_deepseek_v3) {
+      // The GQA path does not scale cos/sin by yarn's attention factor.
+      return Status::Unsupported(source + ": " + rope_key +
+                                 ": type 'yarn' is supported for DeepSeek-V2/V3 only");
+    }
+    if (c.rope_scaling.original_max_position_embeddings == 0) {
+      c.rope_scaling.original_max_position_embeddings = c.max_position_embeddings;
+    }
+  }
+  if (is_deepseek_v2 || is_deepseek_v3) {
+    PDSERVE_RETURN_IF_ERROR(ParseDeepseekAttention(j, source, is_deepseek_v3, &c));
+  }
   PDSERVE_RETURN_IF_ERROR(ReadTokenIds(j, "eos_token_id", source, &c.eos_token_ids));
   std::vector<TokenId> bos;
   PDSERVE_RETURN_IF_ERROR(ReadTokenIds(j, "bos_token_id", source, &bos));

@@ -1,11 +1,18 @@
 // A decoder-only transformer's shape and hyper-parameters, read from a
 // Hugging Face `config.json` (LlamaForCausalLM, MistralForCausalLM,
-// Qwen2ForCausalLM).
+// Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM,
+// DeepseekV2ForCausalLM, DeepseekV3ForCausalLM),
+// with the defaults and the meaning the `transformers` modeling code gives
+// each key.
 //
 // Contract: a ModelConfig returned by ParseModelConfig has been validated:
 // every size is positive and within the limits below, heads divide evenly
 // into KV-head groups, head_dim is even and the rope scaling is one pdserve
-// implements. Errors name the field and the value.
+// implements. Errors name the field and the value. A key that would change
+// the computation in a way pdserve does not implement (an unknown rope type,
+// a sliding window on some layers, a quantization config, an activation
+// other than SiLU, a partial rotary factor) is refused as Unsupported naming
+// the key; it is never silently ignored.
 #pragma once
 
 #include <cstdint>
@@ -15,11 +22,12 @@
 
 #include "common/block_hash.h"  // TokenId
 #include "common/status.h"
+#include "kernels/moe_routing.h"
 
 namespace pdserve {
 
 struct RopeScaling {
-  enum class Type { kNone, kLinear, kLlama3 };
+  enum class Type { kNone, kLinear, kLlama3, kYarn };
   Type type = Type::kNone;
   double factor = 1.0;
   // llama3 only (Llama 3.1+): frequencies between the two wavelength bounds
@@ -27,6 +35,18 @@ struct RopeScaling {
   double low_freq_factor = 1.0;
   double high_freq_factor = 4.0;
   int64_t original_max_position_embeddings = 8192;
+  // yarn only (transformers' _compute_yarn_parameters): frequencies ramp
+  // from extrapolated to interpolated between the correction dimensions of
+  // beta_fast and beta_slow rotations (floored/ceiled unless `truncate` is
+  // false), and cos/sin are multiplied by attention_factor (when absent:
+  // mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are
+  // non-zero, else mscale(factor, 1), with mscale(s, m) = 0.1 m ln s + 1).
+  double beta_fast = 32;
+  double beta_slow = 1;
+  double mscale = 0;          // 0: absent
+  double mscale_all_dim = 0;  // 0: absent
+  std::optional<double> attention_factor;
+  bool truncate = true;
 };
 
 struct ModelConfig {
@@ -44,19 +64,99 @@ struct ModelConfig {
   double rope_theta = 10000.0;
   RopeScaling rope_scaling;
   bool tie_word_embeddings = false;
-  bool qkv_bias = false;  // Qwen2 always; Llama with "attention_bias": true
-  // Mistral's sliding window; pdserve attends to the full context, so the
+  // Which projections carry a bias (`<name>.bias` tensors), as each
+  // architecture defines them: Llama and Qwen3 put one on q/k/v/o_proj when
+  // "attention_bias" is true, Qwen2 always on q/k/v_proj (never o_proj),
+  // Llama on gate/up/down_proj when "mlp_bias" is true; Mistral has none.
+  bool qkv_bias = false;
+  bool o_bias = false;
+  bool mlp_bias = false;
+  // Qwen3: RMSNorm over each head's head_dim values of the queries and keys
+  // (self_attn.q_norm / k_norm, weight [head_dim]) before RoPE.
+  bool qk_norm = false;
+  // Mistral's sliding window; pdserve attends to the full context, which is
+  // the windowed attention exactly while the context fits the window, so the
   // usable context is capped at the window (nullopt: no window).
   std::optional<int64_t> sliding_window;
+  // Sparse mixture-of-experts FFN (Qwen3MoeSparseMoeBlock, Mixtral's
+  // block_sparse_moe): num_experts > 0 on MoE architectures only. Each
+  // expert is a SwiGLU MLP of moe_intermediate_size (Mixtral: its
+  // intermediate_size); the router's softmax over all experts picks
+  // num_experts_per_tok of them, renormalised when norm_topk_prob (Mixtral:
+  // always; Qwen3-MoE: the key, false when absent, as Qwen3MoeConfig).
+  int64_t num_experts = 0;
+  int64_t num_experts_per_tok = 0;
+  int64_t moe_intermediate_size = 0;
+  bool norm_topk_prob = false;
+  // Qwen3-MoE: layer l is sparse iff l is not in mlp_only_layers and
+  // (l + 1) % decoder_sparse_step == 0; the other layers keep the dense MLP
+  // of intermediate_size. Mixtral: every layer is sparse.
+  int64_t decoder_sparse_step = 1;
+  std::vector<int64_t> mlp_only_layers;
+  // Mixtral names its block `block_sparse_moe` with experts w1 (gate), w3
+  // (up), w2 (down); Qwen3-MoE and DeepSeek `mlp` with gate_proj/up_proj/down_proj.
+  bool mixtral_names = false;
+  // DeepSeek-V2/V3 (DeepseekV2Moe, DeepseekV3MoE; num_experts is
+  // n_routed_experts): layer l is sparse iff l >= first_k_dense_replace and
+  // l % moe_layer_freq == 0 (dense layers have the MLP of intermediate_size);
+  // every sparse layer adds `mlp.shared_experts`, one MLP of
+  // moe_intermediate_size * num_shared_experts (n_shared_experts; 0: none).
+  // Routing (kernels/moe_routing.h): V2 softmax with topk_method greedy or
+  // group_limited_greedy; V3 sigmoid with noaux_tc and the router's
+  // `mlp.gate.e_score_correction_bias`, renormalised with a 1e-20 epsilon
+  // when norm_topk_prob; both scale the weights by routed_scaling_factor.
+  int64_t num_shared_experts = 0;
+  int64_t first_k_dense_replace = 0;
+  int64_t moe_layer_freq = 1;
+  kernels::MoeScoring moe_scoring = kernels::MoeScoring::kSoftmax;
+  kernels::MoeTopkMethod moe_topk_method = kernels::MoeTopkMethod::kGreedy;
+  int64_t moe_n_group = 1;
+  int64_t moe_topk_group = 1;
+  double moe_norm_epsilon = 0.0;
+  double routed_scaling_factor = 1.0;
+  // DeepSeek-V2/V3 multi-head latent attention (DeepseekV2Attention,
+  // DeepseekV3Attention); kv_lora_rank > 0 on those architectures only.
+  // Queries: q_proj, or q_a_proj -> q_a_layernorm -> q_b_proj when
+  // q_lora_rank > 0 (null in config.json: 0), each head qk_nope_head_dim +
+  // qk_rope_head_dim wide. Keys and values: kv_a_proj_with_mqa gives the
+  // latent (kv_lora_rank, normalised by kv_a_layernorm) and one shared rope
+  // key (qk_rope_head_dim); kv_b_proj expands the latent into each head's
+  // qk_nope_head_dim key and v_head_dim value. head_dim is qk_rope_head_dim
+  // (the rotary width), as transformers sets it. V2 rotates interleaved
+  // pairs (complex multiplication), V3 too unless rope_interleave is false.
+  // q_a_proj, kv_a_proj_with_mqa and o_proj carry biases when
+  // attention_bias. num_nextn_predict_layers multi-token-prediction layers
+  // stored after the last layer are not part of the causal LM.
+  int64_t q_lora_rank = 0;
+  int64_t kv_lora_rank = 0;
+  int64_t qk_nope_head_dim = 0;
+  int64_t qk_rope_head_dim = 0;
+  int64_t v_head_dim = 0;
+  bool rope_interleave = false;
+  bool mla_softmax_mscale = false;  // V3: scale *= mscale(factor, mscale_all_dim)^2
+  int64_t num_nextn_predict_layers = 0;
+  bool is_mla() const { return kv_lora_rank > 0; }
   std::optional<TokenId> bos_token_id;
   std::vector<TokenId> eos_token_ids;
   std::string torch_dtype;  // as written, informational
+
+  // Whether layer l runs the sparse MoE block instead of the dense MLP.
+  bool IsSparseLayer(int64_t l) const;
+  // The routing of the sparse layers, correction_bias left null (the
+  // model points it at each layer's e_score_correction_bias).
+  kernels::MoeRouting MoeRoutingRule() const;
 
   // The longest sequence (prompt + output) the engine may run.
   int64_t max_context() const;
   // Rotary inverse frequencies, head_dim/2 entries, with scaling applied
   // exactly as Hugging Face's rope initialisation does.
   std::vector<float> RopeInvFreq() const;
+  // The factor Hugging Face multiplies cos and sin by (yarn's
+  // attention_factor; 1 for the other rope types).
+  double RopeAttentionFactor() const;
+  // The softmax scale of q . k: head_dim^-0.5, or for MLA
+  // (qk_nope_head_dim + qk_rope_head_dim)^-0.5 with V3's mscale correction.
+  double AttentionScale() const;
 };
 
 // Parses config.json text. `source` names the file in error messages.

@@ -143,6 +143,21 @@ StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::stri
     v.bytes = end - begin;
     file->tensors_.emplace(name, std::move(v));
   }
+  // No two tensors may share bytes (the format lays them out back to back):
+  // a header that overlaps them is corrupt, not a way to alias weights.
+  std::vector<const TensorView*> by_start;
+  for (const auto& [name, view] : file->tensors_) {
+    if (view.bytes > 0) by_start.push_back(&view);
+  }
+  std::sort(by_start.begin(), by_start.end(),
+            [](const TensorView* a, const TensorView* b) { return a->data < b->data; });
+  for (size_t i = 1; i < by_start.size(); ++i) {
+    const TensorView& prev = *by_start[i - 1];
+    if (by_start[i]->data < prev.data + prev.bytes) {
+      return Corrupt(path, "tensors '" + prev.name + "' and '" + by_start[i]->name +
+                               "' overlap in the data section");
+    }
+  }
   return file;
 }
 

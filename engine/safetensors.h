@@ -80,6 +80,8 @@ class WeightFiles {
 
   // nullptr when absent.
   const TensorView* Find(const std::string& name) const;
+  // Every tensor of every file, by name.
+  const std::map<std::string, const TensorView*>& tensors() const { return index_; }
   size_t num_tensors() const { return index_.size(); }
   const std::string& description() const { return description_; }  // for messages
 

@@ -4,18 +4,9 @@
 #include <bit>
 #include <cmath>
 #include <limits>
-#include <random>
 
 namespace pdserve {
 namespace {
-
-constexpr size_t kMaxStopStrings = 16;
-
-std::string Num(double v) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%g", v);
-  return buf;
-}
 
 uint64_t SplitMix64(uint64_t x) {
   x += 0x9e3779b97f4a7c15ULL;
@@ -176,51 +167,6 @@ double Filter(std::span<const float> logits, const SamplingParams& p, Scratch& s
 }
 
 }  // namespace
-
-Status ValidateSamplingParams(const SamplingParams& p, size_t vocab_size) {
-  if (!std::isfinite(p.temperature) || p.temperature < 0) {
-    return Status::InvalidArgument("temperature must be a number >= 0, got " + Num(p.temperature));
-  }
-  if (p.top_k < -1) {
-    return Status::InvalidArgument("top_k must be -1 or 0 (disabled) or at least 1, got " +
-                                   std::to_string(p.top_k));
-  }
-  if (!(p.top_p > 0 && p.top_p <= 1)) {
-    return Status::InvalidArgument("top_p must be in (0, 1], got " + Num(p.top_p));
-  }
-  if (!(p.min_p >= 0 && p.min_p <= 1)) {
-    return Status::InvalidArgument("min_p must be in [0, 1], got " + Num(p.min_p));
-  }
-  if (p.max_tokens < 1) {
-    return Status::InvalidArgument("max_tokens must be at least 1, got " +
-                                   std::to_string(p.max_tokens));
-  }
-  for (TokenId id : p.stop_token_ids) {
-    if (id < 0 || (vocab_size > 0 && static_cast<size_t>(id) >= vocab_size)) {
-      return Status::InvalidArgument("stop_token_ids: " + std::to_string(id) +
-                                     " is not a token id of this model (vocabulary size " +
-                                     std::to_string(vocab_size) + ")");
-    }
-  }
-  if (p.stop.size() > kMaxStopStrings) {
-    return Status::InvalidArgument("stop: at most " + std::to_string(kMaxStopStrings) +
-                                   " stop strings, got " + std::to_string(p.stop.size()));
-  }
-  for (const std::string& s : p.stop) {
-    if (s.empty()) return Status::InvalidArgument("stop: stop strings must not be empty");
-  }
-  if (p.logprobs.has_value() && (*p.logprobs < 0 || *p.logprobs > kMaxLogprobs)) {
-    return Status::InvalidArgument("logprobs must be in [0, " + std::to_string(kMaxLogprobs) +
-                                   "], got " + std::to_string(*p.logprobs));
-  }
-  return Status::Ok();
-}
-
-uint64_t ResolveSeed(const SamplingParams& params) {
-  if (params.seed.has_value()) return *params.seed;
-  std::random_device rd;
-  return (static_cast<uint64_t>(rd()) << 32) ^ rd();
-}
 
 std::vector<TokenProb> SamplingDistribution(std::span<const float> logits,
                                             const SamplingParams& params) {

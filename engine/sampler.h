@@ -23,41 +23,10 @@
 #include <vector>
 
 #include "common/block_hash.h"  // TokenId
+#include "common/sampling_params.h"
 #include "common/status.h"
 
 namespace pdserve {
-
-inline constexpr int kMaxLogprobs = 20;  // OpenAI's top_logprobs cap
-
-struct SamplingParams {
-  float temperature = 1.0f;  // >= 0; 0 = greedy
-  int top_k = -1;            // -1 or 0: off; otherwise >= 1
-  float top_p = 1.0f;        // in (0, 1]; 1 = off
-  float min_p = 0.0f;        // in [0, 1]; 0 = off
-  // Same seed, same logits -> same tokens. nullopt: the request gets a seed
-  // drawn at random (ResolveSeed), still fixed for its whole life.
-  std::optional<uint64_t> seed;
-  int max_tokens = 16;  // >= 1: output tokens, stop tokens included
-  // Generation stops after any of these (the token is part of the output ids
-  // but its text is not part of the output text). EOS ids are added by the
-  // caller via StopChecker unless ignore_eos.
-  std::vector<TokenId> stop_token_ids;
-  // Generation stops when the output text contains one; the text returned
-  // ends right before it (OpenAI semantics). Non-empty strings, at most 16.
-  std::vector<std::string> stop;
-  bool ignore_eos = false;
-  // nullopt: no logprobs. n: the chosen token's logprob plus the n most
-  // likely tokens' (0 <= n <= kMaxLogprobs).
-  std::optional<int> logprobs;
-};
-
-// Checks every field; the message names the field and the accepted range
-// ("top_p must be in (0, 1], got 1.5"). `vocab_size` bounds stop_token_ids
-// (0: unchecked).
-Status ValidateSamplingParams(const SamplingParams& params, size_t vocab_size = 0);
-
-// params.seed, or a fresh random seed when it has none. Call once per request.
-uint64_t ResolveSeed(const SamplingParams& params);
 
 struct TokenLogprob {
   TokenId token = 0;

@@ -15,9 +15,12 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <string>
 
 #include "common/dtype.h"
+#include "common/kv_block_order.h"
+#include "kernels/moe_routing.h"
 
 namespace pdserve::kernels {
 
@@ -25,59 +28,100 @@ namespace pdserve::kernels {
 //
 // The pool is `num_blocks` blocks of `bytes_per_block()` bytes each, block id
 // b starting at byte b * bytes_per_block(): one block is one contiguous range
-// holding that block's K and V for every layer. Inside a block, for layer l:
+// holding that block's KV for every layer; layer l starts at
+// l * layer_stride_bytes() inside the block.
+//
+// GQA (attention == kGqa), for layer l:
 //   K: [num_kv_heads][block_size][head_dim] elements of `dtype`
 //   V: [num_kv_heads][block_size][head_dim] elements of `dtype`
 //   (fp8 only) K scales: [num_kv_heads] float32, then V scales: [num_kv_heads] float32
-// layer l starts at l * layer_stride_bytes() inside the block. For fp8-e4m3 an
-// element dequantizes as e4m3_value * scale of its (block, layer, K|V, head);
-// scales are powers of two. All other dtypes store the value itself.
+// MLA (attention == kMla; num_kv_heads is 1 and head_dim is kv_lora_rank +
+// rope_dim), for layer l:
+//   latent: [block_size][kv_lora_rank + rope_dim] elements of `dtype`, each
+//           token's normalised c_kv then its roped k_pe; no separate V (the
+//           value is the first kv_lora_rank elements), so v_offset() ==
+//           k_offset() and v_scale_offset() == k_scale_offset()
+//   (fp8 only) one float32 scale for the layer's latent block
+// For fp8-e4m3 an element dequantizes as e4m3_value * scale of its (block,
+// layer, K|V, head); scales are powers of two. All other dtypes store the
+// value itself.
 struct KvCacheLayout {
-  // The in-block order in the notation of transport/kv_layout.h (fp8 adds
-  // the per-head scales after each layer's V).
-  static constexpr const char* kBlockOrder = "layer/kv/head/token/dim";
-
+  KvAttention attention = KvAttention::kGqa;
   int64_t num_layers = 0;
   int64_t num_kv_heads = 0;
   int64_t head_dim = 0;
-  int64_t block_size = 16;  // tokens per block
+  int64_t kv_lora_rank = 0;  // MLA only: the latent part of head_dim
+  int64_t block_size = 16;   // tokens per block
   DType dtype = DType::kF32;
   int64_t num_blocks = 0;
 
+  // The MLA pool of `layers` layers caching kv_lora_rank + rope_dim values per token.
+  static KvCacheLayout Mla(int64_t layers, int64_t kv_lora_rank, int64_t rope_dim) {
+    KvCacheLayout l;
+    l.attention = KvAttention::kMla;
+    l.num_layers = layers;
+    l.num_kv_heads = 1;
+    l.head_dim = kv_lora_rank + rope_dim;
+    l.kv_lora_rank = kv_lora_rank;
+    return l;
+  }
+
+  bool is_mla() const { return attention == KvAttention::kMla; }
+  int64_t rope_dim() const { return is_mla() ? head_dim - kv_lora_rank : 0; }
+  // Cached vectors per token and KV head: K and V (GQA), the latent alone (MLA).
+  int64_t kv_sets() const { return is_mla() ? 1 : 2; }
   int64_t element_bytes() const { return DTypeBits(dtype) / 8; }
   bool has_scales() const { return dtype == DType::kFP8E4M3; }
-  // Bytes of one head's K (or V) inside one block of one layer.
+  // Bytes of one head's K (or V, or MLA latent) inside one block of one layer.
   int64_t head_bytes() const { return block_size * head_dim * element_bytes(); }
   int64_t kv_bytes_per_layer() const { return num_kv_heads * head_bytes(); }  // K or V alone
   int64_t layer_stride_bytes() const {
-    return 2 * kv_bytes_per_layer() + (has_scales() ? 2 * num_kv_heads * 4 : 0);
+    return kv_sets() * kv_bytes_per_layer() + (has_scales() ? kv_sets() * num_kv_heads * 4 : 0);
   }
   int64_t bytes_per_block() const { return num_layers * layer_stride_bytes(); }
   int64_t total_bytes() const { return num_blocks * bytes_per_block(); }
+  // Bytes one token occupies in the pool, scales left out:
+  // kv_sets x layers x kv_heads x head_dim x element bytes.
+  int64_t bytes_per_token() const {
+    return kv_sets() * num_layers * num_kv_heads * head_dim * element_bytes();
+  }
 
   int64_t block_offset(int64_t block) const { return block * bytes_per_block(); }
   int64_t k_offset(int64_t block, int64_t layer, int64_t head) const {
     return block_offset(block) + layer * layer_stride_bytes() + head * head_bytes();
   }
   int64_t v_offset(int64_t block, int64_t layer, int64_t head) const {
-    return k_offset(block, layer, head) + kv_bytes_per_layer();
+    return k_offset(block, layer, head) + (is_mla() ? 0 : kv_bytes_per_layer());
   }
   // fp8 only: the float32 scale of (block, layer, K, head) and of V.
   int64_t k_scale_offset(int64_t block, int64_t layer, int64_t head) const {
-    return block_offset(block) + layer * layer_stride_bytes() + 2 * kv_bytes_per_layer() + head * 4;
+    return block_offset(block) + layer * layer_stride_bytes() + kv_sets() * kv_bytes_per_layer() +
+           head * 4;
   }
   int64_t v_scale_offset(int64_t block, int64_t layer, int64_t head) const {
-    return k_scale_offset(block, layer, head) + num_kv_heads * 4;
+    return k_scale_offset(block, layer, head) + (is_mla() ? 0 : num_kv_heads * 4);
   }
 
-  // One line naming every field, for the transfer handshake's layout hash and logs:
-  // "pdserve-kv-v1 layers=2 kv_heads=2 head_dim=16 block=16 dtype=fp32
-  // order=layer/kv/head/token/dim"
+  // The in-block order in the notation of common/kv_block_order.h.
+  std::string BlockOrder() const {
+    if (is_mla()) {
+      return std::string(kMlaBlockOrder) + (has_scales() ? std::string(kMlaScalesSuffix) : "");
+    }
+    return std::string(kKvBlockOrder) + (has_scales() ? std::string(kKvScalesSuffix) : "");
+  }
+
+  // One line naming every field, for logs:
+  // "layers=2 kv_heads=2 head_dim=16 block=16 dtype=fp32 order=layer/kv/head/token/dim"
+  // (MLA: "attention=mla layers=2 kv_lora_rank=32 rope_dim=16 block=16 ...").
   std::string Describe() const {
-    return "pdserve-kv-v1 layers=" + std::to_string(num_layers) +
-           " kv_heads=" + std::to_string(num_kv_heads) + " head_dim=" + std::to_string(head_dim) +
-           " block=" + std::to_string(block_size) + " dtype=" + std::string(DTypeName(dtype)) +
-           " order=" + kBlockOrder + (has_scales() ? " scales=per-layer-kv-head" : "");
+    const std::string shape = is_mla() ? "attention=mla layers=" + std::to_string(num_layers) +
+                                             " kv_lora_rank=" + std::to_string(kv_lora_rank) +
+                                             " rope_dim=" + std::to_string(rope_dim())
+                                       : "layers=" + std::to_string(num_layers) +
+                                             " kv_heads=" + std::to_string(num_kv_heads) +
+                                             " head_dim=" + std::to_string(head_dim);
+    return shape + " block=" + std::to_string(block_size) +
+           " dtype=" + std::string(DTypeName(dtype)) + " order=" + BlockOrder();
   }
 };
 
@@ -108,6 +152,41 @@ struct AttentionBatch {
   int64_t num_tokens = 0;
 };
 
+// One expert of a sparse mixture-of-experts FFN:
+// expert(x) = down(silu(gate(x)) * up(x)), no biases. Hugging Face names:
+// Mixtral `block_sparse_moe.experts.N.{w1 = gate, w3 = up, w2 = down}`,
+// Qwen3-MoE `mlp.experts.N.{gate_proj, up_proj, down_proj}`. gate and up are
+// [intermediate, hidden], down is [hidden, intermediate]; every expert of a
+// block has the same shapes, in a dtype SupportsWeightDType accepts.
+struct MoeExpertWeights {
+  WeightMatrix gate;
+  WeightMatrix up;
+  WeightMatrix down;
+};
+
+// A sparse MoE block (Mixtral's `block_sparse_moe`, Qwen3-MoE's and
+// DeepSeek's `mlp` on their sparse layers).
+struct MoeWeights {
+  // The router (`gate` in every checkpoint): [num_experts, hidden], no bias.
+  WeightMatrix router;
+  // routing.num_experts entries. The ARRAY is host memory; the matrices it
+  // points to live in the backend's memory like every other weight.
+  const MoeExpertWeights* experts = nullptr;
+  // How tokens pick experts (kernels/moe_routing.h).
+  MoeRouting routing;
+  // DeepSeek's shared experts (`shared_experts`), one SwiGLU MLP that every
+  // token goes through and whose output is added to the routed sum; its
+  // width may differ from the routed experts'. Host memory, like `experts`;
+  // nullptr when the block has none.
+  const MoeExpertWeights* shared = nullptr;
+};
+
+// What one MoeFfn call did (host values).
+struct MoeStats {
+  int64_t active_experts = 0;     // experts that at least one token was routed to
+  int64_t expert_bytes_read = 0;  // gate + up + down bytes of those, each expert once
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -124,6 +203,10 @@ class Backend {
   virtual void Free(void* ptr) = 0;
   virtual void Upload(void* dst, const void* host_src, size_t bytes) = 0;
   virtual void Download(void* host_dst, const void* src, size_t bytes) = 0;
+  // Returns once every op issued so far has finished writing its output, so
+  // that another engine (a DMA or network transfer reading the KV pool) sees
+  // it. A no-op for backends whose ops finish before they return.
+  virtual void Synchronize() {}
 
   // y[m, rows] = x[m, cols] · W^T (+ bias[rows] when bias is not null).
   virtual void Linear(const float* x, int64_t m, const WeightMatrix& w, const float* bias,
@@ -158,7 +241,7 @@ class Backend {
   // column wins ties, NaN counts as -inf, and a row of -inf gives 0.
   virtual void ArgMaxRows(const float* x, int64_t rows, int64_t n, int32_t* out) = 0;
 
-  // Stores k and v ([tokens][num_kv_heads][head_dim]) of `layer` into the
+  // GQA layouts. Stores k and v ([tokens][num_kv_heads][head_dim]) of `layer` into the
   // pool at slots[t] = block_id * block_size + offset. Tokens of one block
   // arrive in slot order, and writing offset 0 starts the block afresh. For
   // fp8 the (block, head) scale is the smallest power of two that keeps every
@@ -167,12 +250,62 @@ class Backend {
   // later call (decode) needs it, requantizing the tokens already there.
   virtual void WriteKv(const KvCacheLayout& layout, void* pool, int64_t layer, const float* k,
                        const float* v, const int64_t* slots, int64_t tokens) = 0;
-  // Causal attention of q ([tokens][num_heads][head_dim]) over the paged KV
+  // GQA layouts. Causal attention of q ([tokens][num_heads][head_dim]) over the paged KV
   // of `layer`; out has q's shape. num_heads is a multiple of num_kv_heads
   // (GQA; MQA and MHA are the extremes). scale multiplies q·k.
   virtual void PagedAttention(const KvCacheLayout& layout, const void* pool, int64_t layer,
                               const float* q, int64_t num_heads, const AttentionBatch& batch,
                               float scale, float* out) = 0;
+
+  // Multi-head latent attention (DeepSeek-V2/V3) ops. R = layout.kv_lora_rank,
+  // P = layout.rope_dim(), on an MLA layout (KvCacheLayout::Mla).
+  //
+  // Per-head products: for every token t and head h < heads,
+  // y[t][h] = x[t][h] . W_h^T, where W_h is rows [h * out, (h + 1) * out) of
+  // w ([heads * out, in], fp32), out = w.rows / heads and in = w.cols; x is
+  // [tokens][heads][in], y [tokens][heads][out]. MLA absorbs kv_b_proj with
+  // it: each head's query into the latent space, its output back out of it.
+  virtual void HeadsLinear(const float* x, int64_t tokens, int64_t heads, const WeightMatrix& w,
+                           float* y) = 0;
+  // Stores the latent of `layer`: c_kv ([tokens][R]) and k_pe ([tokens][P])
+  // become one vector [c_kv | k_pe] per token at slots[t]. Slot order and the
+  // fp8 scale rule are WriteKv's, with one scale per (block, layer) covering
+  // both parts.
+  virtual void WriteLatentKv(const KvCacheLayout& layout, void* pool, int64_t layer,
+                             const float* c_kv, const float* k_pe, const int64_t* slots,
+                             int64_t tokens) = 0;
+  // Causal attention in the absorbed form over the latents of `layer`, rows
+  // and positions as PagedAttention. For query row r, head h and key j:
+  //   score(j) = (q_latent[r][h] . c_kv(j) + q_pe[r][h] . k_pe(j)) * scale
+  //   out[r][h] = sum over j of softmax(score)(j) * c_kv(j)
+  // q_latent and out are [tokens][num_heads][R], q_pe [tokens][num_heads][P].
+  // Every head reads the same single latent per token: the cache holds no
+  // per-head keys or values.
+  virtual void MlaAttention(const KvCacheLayout& layout, const void* pool, int64_t layer,
+                            const float* q_latent, const float* q_pe, int64_t num_heads,
+                            const AttentionBatch& batch, float scale, float* out) = 0;
+  // The widest latent (R + P) MlaAttention takes; the engine refuses a model
+  // with a wider one at load rather than fail mid-step.
+  virtual int64_t MaxMlaLatentWidth() const { return std::numeric_limits<int64_t>::max(); }
+
+  // Mixture-of-experts routing as the transformers modeling code does it
+  // (kernels/moe_routing.h), per token row of logits ([tokens,
+  // routing.num_experts]), in fp32. expert_ids and weights are [tokens,
+  // top_k], each row in descending order of choice score. A row with a NaN
+  // logit routes to top_k distinct valid ids with non-finite weights.
+  virtual void MoeRoute(const float* logits, int64_t tokens, const MoeRouting& routing,
+                        int32_t* expert_ids, float* weights) = 0;
+  // The sparse MoE FFN on x ([tokens, hidden], hidden = w.router.cols):
+  // routing as MoeRoute over logits = x . router^T, then
+  // out[t] = sum over j < top_k of weights[t][j] * expert_{ids[t][j]}(x[t])
+  // (summed in j order) + shared(x[t]) when w.shared is set. Tokens are
+  // grouped by expert, so every active expert's weights are read once per
+  // call, whatever the token count; inactive experts are not read (the
+  // shared expert is read always and not counted in the stats). out
+  // ([tokens, hidden]) may alias x (x is read whole before out is written).
+  // The stats need the routing on the host: a device backend waits for it
+  // (one small copy per call) before it queues the expert products.
+  virtual MoeStats MoeFfn(const float* x, int64_t tokens, const MoeWeights& w, float* out) = 0;
 };
 
 }  // namespace pdserve::kernels

@@ -1,29 +1,78 @@
 #include "kernels/backend_factory.h"
 
 #include <charconv>
+#include <optional>
 #include <string>
 
 #include "kernels/cpu/cpu_backend.h"
 #if PDSERVE_WITH_CUDA
 #include "kernels/cuda/cuda_backend.h"
+#include "kernels/cuda/device.h"
 #endif
 
 namespace pdserve::kernels {
+namespace {
+
+int CudaDeviceCount() {
+#if PDSERVE_WITH_CUDA
+  return cuda::DeviceCount();
+#else
+  return 0;
+#endif
+}
+
+// The index of "cuda" (0) or "cuda:N"; nullopt when `device` is not of that form.
+std::optional<int> CudaIndex(std::string_view device) {
+  if (device.substr(0, 4) != "cuda" || (device.size() > 4 && device[4] != ':')) return std::nullopt;
+  if (device.size() == 4) return 0;
+  const std::string_view n = device.substr(5);
+  int index = 0;
+  auto [end, err] = std::from_chars(n.data(), n.data() + n.size(), index);
+  if (err != std::errc() || end != n.data() + n.size() || n.empty() || index < 0)
+    return std::nullopt;
+  return index;
+}
+
+}  // namespace
+
+std::string DescribeAvailableDevices() {
+  std::string out = "cpu";
+#if PDSERVE_WITH_CUDA
+  for (int i = 0; i < CudaDeviceCount(); ++i)
+    out += ", cuda:" + std::to_string(i) + " (" + cuda::DeviceDescription(i) + ")";
+#endif
+  return out;
+}
+
+StatusOr<std::string> ResolveDevice(std::string_view requested) {
+  if (requested == "cpu") return std::string("cpu");
+  if (requested == "auto") return std::string(CudaDeviceCount() > 0 ? "cuda:0" : "cpu");
+  const std::optional<int> index = CudaIndex(requested);
+  if (!index) {
+    return Status::InvalidArgument("unknown device '" + std::string(requested) +
+                                   "' (expected auto, cpu, cuda or cuda:N)");
+  }
+#if !PDSERVE_WITH_CUDA
+  return Status::InvalidArgument(
+      "device '" + std::string(requested) +
+      "': this pdserve was built without CUDA; available: " + DescribeAvailableDevices());
+#endif
+  if (*index >= CudaDeviceCount()) {
+    return Status::InvalidArgument("no CUDA device " + std::to_string(*index) +
+                                   " on this machine; available: " + DescribeAvailableDevices());
+  }
+  return "cuda:" + std::to_string(*index);
+}
 
 StatusOr<std::unique_ptr<Backend>> CreateBackend(std::string_view device, int threads) {
   if (device == "cpu") return std::unique_ptr<Backend>(std::make_unique<CpuBackend>(threads));
-  if (device.substr(0, 4) != "cuda" || (device.size() > 4 && device[4] != ':')) {
+  const std::optional<int> cuda_index = CudaIndex(device);
+  if (!cuda_index) {
     return Status::InvalidArgument("unknown device '" + std::string(device) +
                                    "' (expected cpu, cuda or cuda:N)");
   }
-  int index = 0;
-  if (device.size() > 4) {
-    const std::string_view n = device.substr(5);
-    auto [end, err] = std::from_chars(n.data(), n.data() + n.size(), index);
-    if (err != std::errc() || end != n.data() + n.size() || n.empty() || index < 0)
-      return Status::InvalidArgument("bad device index in '" + std::string(device) + "'");
-  }
 #if PDSERVE_WITH_CUDA
+  const int index = *cuda_index;
   auto backend = CudaBackend::Create(index);
   if (!backend) {
     return Status::Unavailable("no CUDA device " + std::to_string(index) + " on this machine");

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <memory>
+#include <string>
 #include <string_view>
 
 #include "common/status.h"
@@ -13,5 +14,15 @@ namespace pdserve::kernels {
 // (device N, default 0). InvalidArgument for another name; Unavailable when
 // CUDA was not built in or the device does not exist.
 StatusOr<std::unique_ptr<Backend>> CreateBackend(std::string_view device, int threads);
+
+// Turns a --device value into the device a backend is created on: "auto" is
+// the first CUDA device when one exists (and CUDA is built in), else "cpu";
+// "cuda" is "cuda:0". InvalidArgument naming what exists ("cpu, cuda:0
+// (NVIDIA H100 ...)") for a malformed name or a CUDA device that is not
+// there, so that a command can refuse it before it starts anything.
+StatusOr<std::string> ResolveDevice(std::string_view requested);
+
+// "cpu" and every CUDA device with its description, comma-separated.
+std::string DescribeAvailableDevices();
 
 }  // namespace pdserve::kernels

@@ -5,8 +5,6 @@
 
 namespace pdserve {
 
-std::string_view MemoryTypeName(MemoryType t) { return t == MemoryType::kCuda ? "cuda" : "host"; }
-
 StatusOr<std::vector<BlockRun>> CoalesceBlockRuns(std::vector<BlockCopy> copies,
                                                   size_t local_blocks, size_t remote_blocks) {
   std::unordered_set<BlockId> targets;

@@ -11,12 +11,24 @@
 //      returns a PeerId plus a `reply` blob. The caller carries the reply back;
 //      the RECEIVER (decode side) calls Accept(reply), which validates it the
 //      same way and returns the receiver's PeerId for that writer.
-//   4. Write(peer, pairs, deadline, done) on the writer; Receive(...) with the
-//      same pairs on the receiver. One-sided backends (UCX) need no Receive
-//      (it completes OK at once); two-sided ones (NCCL) do.
+//   4. Write(peer, pairs, deadline, done) on the writer; Receive(...) with
+//      EXACTLY the same pairs on the receiver. Always post the Receive: it is
+//      required by two-sided transfers (NCCL; UCX pairs that are staged
+//      through bounce buffers, see below), where its `done` fires once every
+//      byte is in the receiver's registered pool; for one-sided transfers
+//      (UCX puts straight into the peer's pool) it completes OK at once.
+//      The Receive may be posted before or after the Write starts.
 //   5. The writer reports the outcome to the receiver over the control plane
-//      (PrefillDone). Only after a successful Write may the receiver read the
-//      blocks, after calling FinishReceive() for them.
+//      (PrefillDone). Only after a successful Write AND a successful Receive
+//      may the receiver read the blocks, after calling FinishReceive() for
+//      them (a no-op for every current backend, kept for future ones).
+//
+// Staging (UCX): a pool that the network cannot reach directly (a device pool
+// when the UCX build lacks CUDA memory support, or any pool under staging
+// mode "always") moves through a bounded set of bounce buffers per KvTransfer
+// (KvStagingMode, `staging_bytes`), pipelined chunk by chunk. A pair is
+// staged when either side needs it; both handshake blobs say so. stats()
+// shows what the staging holds.
 //
 // Completion contract: every Write/Receive gets EXACTLY ONE call of `done`,
 // with OK or an explicit failure: kInvalidArgument (bad or duplicate block id,
@@ -27,7 +39,9 @@
 //
 // A failed Write leaves the target blocks in an unspecified state, and the
 // connection to that peer closed (later Writes to the same PeerId fail with
-// kUnavailable; Connect again to retry). After a deadline, bytes already on
+// kUnavailable; Connect again to retry), unless it was refused before any
+// byte moved: invalid block ids (kInvalidArgument) or a deadline already past
+// when the backend took it up ("submitted after its deadline"). After a deadline, bytes already on
 // the wire may still land, so the receiver must treat those blocks as garbage
 // until it hands them out again.
 //
@@ -43,8 +57,8 @@
 #include <string_view>
 #include <vector>
 
+#include "common/kv_layout.h"
 #include "common/status.h"
-#include "transport/kv_layout.h"
 
 namespace pdserve {
 
@@ -53,9 +67,6 @@ using PeerId = uint64_t;
 using TransferClock = std::chrono::steady_clock;
 using TransferDeadline = TransferClock::time_point;
 using TransferCallback = std::function<void(Status)>;
-
-enum class MemoryType : uint8_t { kHost = 0, kCuda = 1 };
-std::string_view MemoryTypeName(MemoryType t);
 
 // The KV pool: `bytes` from `base`, block i at base + i * block_bytes.
 struct MemoryRegion {
@@ -79,6 +90,24 @@ struct BlockRun {
   BlockId remote = 0;
   uint32_t count = 0;
   friend bool operator==(const BlockRun&, const BlockRun&) = default;
+};
+
+// How the UCX backend treats pools the network cannot reach directly.
+//   kAuto:   stage device pools when UCX lacks CUDA memory support; put directly otherwise.
+//   kAlways: stage every pool, host pools included (the device copy becomes a memcpy).
+//   kNever:  no bounce buffers: a device pool UCX cannot map is refused, and so
+//            is a peer that needs staging.
+enum class KvStagingMode : uint8_t { kAuto = 0, kAlways = 1, kNever = 2 };
+
+// What a KvTransfer holds right now; all zero when idle and nothing is staged.
+struct KvTransferStats {
+  // Bounce-buffer memory allocated (stays allocated once a staged pair exists).
+  size_t staging_bytes_reserved = 0;
+  // Of that, bytes lent to transfers (0 once every transfer has completed and
+  // the network has let go of its buffers).
+  size_t staging_bytes_in_use = 0;
+  // Writes and Receives whose `done` has not been called yet.
+  size_t transfers_in_flight = 0;
 };
 
 // Merges pairs into maximal runs (local AND remote ids consecutive), ordered
@@ -124,13 +153,17 @@ class KvTransfer {
   virtual void Receive(PeerId peer, std::vector<BlockCopy> copies, TransferDeadline deadline,
                        TransferCallback done) = 0;
 
-  // Receiver, after the writer reported success: makes the blocks readable in
-  // the registered region (device pools staged through host memory are copied
-  // in here; otherwise a no-op).
+  // Receiver, after the writer reported success and Receive completed OK:
+  // makes the blocks readable in the registered region. A no-op for every
+  // current backend (staged pairs copy into the pool before Receive's `done`);
+  // still validates the block ids.
   virtual Status FinishReceive(const std::vector<BlockId>& blocks) = 0;
 
   // Closes the connection; pending operations on it fail with kCancelled.
   virtual void Disconnect(PeerId peer) = 0;
+
+  // Counters for tests and /metrics; safe from any thread, cheap.
+  virtual KvTransferStats stats() const = 0;
 };
 
 }  // namespace pdserve

@@ -1,12 +1,20 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, from the repository root, with .gpu-kit.tar.xz
-# carried (bench/gpu/make_kit.sh): the gpu-labelled tests, compute-sanitizer memcheck
-# over the kernel tests, then the GPU benchmarks (copy bandwidth, bf16 GEMM
-# rate, paged decode attention, and the engine on Llama-3.1-8B shapes with
-# dummy weights: batch-1 decode and a 4096-token prefill, bf16 and fp8 KV).
-# Logs and JSON lines go to $OUT (or ./gpu-out); a summary prints last.
+# carried (bench/gpu/make_kit.sh): the gpu-labelled tests (the serving test
+# starts router + prefill + decode workers on the GPU and compares their text
+# with the CPU engine, for the tiny model and stories260K), compute-sanitizer
+# memcheck over the kernel tests, then the GPU benchmarks (copy bandwidth,
+# bf16 GEMM rate, paged decode attention, the engine on Llama-3.1-8B shapes
+# with dummy weights: batch-1 decode and a 4096-token prefill, bf16 and fp8
+# KV) and `bench serve` against a GPU stack (stories260K, and Llama-3.1-8B
+# shapes with dummy weights). Logs and JSON lines go to $OUT (or ./gpu-out);
+# a summary prints last.
 #
-# Usage: bench/gpu/run_kit.sh [all|tests|bench]
+# Also (families): each model-family preset generates the same greedy tokens
+# on the GPU as on the CPU, `bench engine` on the qwen3-moe preset and on
+# the deepseek-v3 preset at a 4K context (latent KV bytes per decode step).
+#
+# Usage: bench/gpu/run_kit.sh [all|tests|bench|serve|families]
 set -uo pipefail
 
 WHAT=${1:-all}
@@ -29,13 +37,15 @@ step() { echo "== $*" >&2; }
 cat "$OUT/device.txt"
 
 if [[ $WHAT == all || $WHAT == tests ]]; then
-  for t in cuda_rms_norm_test cuda_backend_test cuda_engine_test cuda_kv_transfer_test; do
+  for t in cuda_rms_norm_test cuda_backend_test cuda_engine_test cuda_kv_transfer_test cuda_moe_test \
+    cuda_mla_attention_test cuda_serving_test; do
     step "$t"
-    if "$KIT/bin/$t" --gtest_brief=1 > "$OUT/$t.log" 2>&1; then r=pass; else r=FAIL; fi
+    if PDSERVE_BIN=$PDSERVE PDSERVE_REAL_MODEL_DIR=$KIT/models/stories260K \
+      "$KIT/bin/$t" --gtest_brief=1 > "$OUT/$t.log" 2>&1; then r=pass; else r=FAIL; fi
     skipped=$(sed -n 's/^\[  SKIPPED \] \([0-9]*\) tests\?[.,].*/\1/p' "$OUT/$t.log" | head -1)
     summary+=("$t: $r, ${skipped:-0} skipped")
   done
-  for t in cuda_rms_norm_test cuda_backend_test; do
+  for t in cuda_rms_norm_test cuda_backend_test cuda_mla_attention_test; do
     step "compute-sanitizer memcheck $t"
     if compute-sanitizer --tool memcheck --error-exitcode 3 "$KIT/bin/$t" --gtest_brief=1 \
       > "$OUT/memcheck-$t.log" 2>&1; then r=clean; else r=ERRORS; fi
@@ -61,6 +71,85 @@ if [[ $WHAT == all || $WHAT == bench ]]; then
       --json 2>>"$OUT/bench.err" | tee -a "$OUT/bench.jsonl"
   done
   summary+=("bench: $(grep -c . "$OUT/bench.jsonl") JSON lines in bench.jsonl")
+fi
+
+if [[ $WHAT == all || $WHAT == families ]]; then
+  : > "$OUT/families.jsonl"
+  for preset in tiny qwen3 qwen3-moe mixtral deepseek-v2-lite deepseek-v3; do
+    step "greedy tokens of the $preset preset, GPU against CPU"
+    "$PDSERVE" make-model --preset "$preset" --out "$OUT/model-$preset" > /dev/null
+    tokens() {
+      "$PDSERVE" generate --model "$OUT/model-$preset" --device "$1" --prompt "the quick brown fox" \
+        --max-tokens 32 --temperature 0 --ignore-eos --json 2>>"$OUT/bench.err" |
+        python3 -c 'import json,sys; print(json.load(sys.stdin)["token_ids"])'
+    }
+    cpu=$(tokens cpu) gpu=$(tokens cuda)
+    if [[ -n $cpu && $cpu == "$gpu" ]]; then r=equal; else r=DIFFERENT; fi
+    summary+=("$preset greedy tokens, GPU vs CPU: $r")
+    [[ $r == equal ]] || printf 'cpu %s\ngpu %s\n' "$cpu" "$gpu" >> "$OUT/families-$preset.txt"
+  done
+  for batch in 1 32; do
+    step "bench engine, qwen3-moe preset, batch $batch"
+    "$PDSERVE" bench engine --model "$OUT/model-qwen3-moe" --device cuda --batch "$batch" \
+      --prompt-tokens 256 --gen-tokens 64 --json 2>>"$OUT/bench.err" | tee -a "$OUT/families.jsonl"
+  done
+  # Multi-head latent attention at a 4K context: kv_bytes_per_decode_step is
+  # 4095 tokens x layers x (kv_lora_rank + qk_rope_head_dim) x 2 bytes.
+  for batch in 1 32; do
+    step "bench engine, deepseek-v3 preset, 4K context, batch $batch"
+    "$PDSERVE" bench engine --model "$OUT/model-deepseek-v3" --device cuda --batch "$batch" \
+      --kv-dtype bf16 --prompt-tokens 4094 --gen-tokens 2 --json 2>>"$OUT/bench.err" |
+      tee -a "$OUT/families.jsonl"
+  done
+  rm -rf "$OUT"/model-*
+fi
+
+# A GPU stack (router + 1 prefill + 1 decode worker, every prompt prefilled
+# remotely) under `bench serve`; one JSON line per model.
+serve_bench() {  # NAME MODEL_DIR UP_FLAGS... -- BENCH_FLAGS...
+  local name=$1 model=$2 up=() bench=()
+  shift 2
+  while [[ $# -gt 0 && $1 != -- ]]; do up+=("$1"); shift; done
+  [[ $# -gt 0 ]] && shift
+  bench=("$@")
+  local dir=$OUT/up-$name
+  "$PDSERVE" up --dir "$dir" --model "$model" --port 0 --control-port 0 --prefill-metrics-port 0 \
+    --decode-metrics-port 0 --device cuda --max-local-prefill 0 --start-timeout 600 "${up[@]}" \
+    > "$OUT/up-$name.log" 2>&1 &
+  local pid=$!
+  until grep -q "Ctrl-C stops" "$OUT/up-$name.log"; do
+    sleep 1
+    kill -0 $pid 2>/dev/null || { echo "serve $name: the stack did not start" >&2; return 1; }
+  done
+  local url
+  url=$(grep -o 'ready at http://[0-9.:]*' "$OUT/up-$name.log" | cut -d' ' -f3)
+  # python3 rather than jq: the GPU image has the one, not always the other.
+  "$PDSERVE" bench serve --json --url "$url" "${bench[@]}" 2>>"$OUT/bench.err" |
+    STACK=$name DEVICE=$(sed -n 3p "$OUT/device.txt") python3 -c '
+import json, os, sys
+for line in sys.stdin:
+    r = json.loads(line)
+    r.update(stack=os.environ["STACK"], device=os.environ["DEVICE"], prefill_workers=1,
+             decode_workers=1)
+    print(json.dumps(r), flush=True)' | tee -a "$OUT/serve.jsonl"
+  kill $pid
+  wait $pid || true
+}
+
+if [[ $WHAT == all || $WHAT == serve ]]; then
+  : > "$OUT/serve.jsonl"
+  if [[ -f $KIT/models/stories260K/config.json ]]; then
+    step "bench serve, stories260K on the GPU"
+    serve_bench stories260K "$KIT/models/stories260K" --kv-cache-bytes 256MiB -- --api completions \
+      --requests 200 --concurrency 16 --groups 8 --prefix-words 60 --suffix-words 20 --max-tokens 32
+  fi
+  if [[ -f $KIT/models/llama-3.1-8b/tokenizer.json ]]; then
+    step "bench serve, Llama-3.1-8B shapes (dummy weights) on the GPU"
+    serve_bench llama-3.1-8b-dummy "$KIT/models/llama-3.1-8b" --load-format dummy \
+      --kv-cache-bytes 8GiB -- \
+      --requests 64 --concurrency 8 --groups 4 --prefix-words 600 --suffix-words 200 --max-tokens 32
+  fi
+  summary+=("serve: $(grep -c . "$OUT/serve.jsonl") JSON lines in serve.jsonl")
 fi
 
 echo

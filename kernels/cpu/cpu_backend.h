@@ -1,10 +1,13 @@
-// The CPU backend: matrix products through OpenBLAS, everything else on a
-// small thread pool. Reference semantics for every op of kernels/backend.h.
+// The CPU backend: matrix products through its own weight-streaming kernels
+// for few rows (decode) and OpenBLAS for many (prefill), everything else on
+// a small thread pool, with SIMD kernels chosen at run time
+// (cpu_features.h). Reference semantics for every op of kernels/backend.h.
 #pragma once
 
 #include <memory>
 
 #include "kernels/backend.h"
+#include "kernels/cpu/cpu_features.h"
 #include "kernels/cpu/thread_pool.h"
 
 namespace pdserve::kernels {
@@ -12,19 +15,26 @@ namespace pdserve::kernels {
 class CpuBackend final : public Backend {
  public:
   // `threads` <= 0 means one per core. Matrix products are split over the
-  // same threads (OpenBLAS itself runs single-threaded).
-  explicit CpuBackend(int threads = 0);
+  // same threads (OpenBLAS itself runs single-threaded). `simd` is capped at
+  // what the processor supports; a lower level runs the same ops slower
+  // (tests compare the levels).
+  explicit CpuBackend(int threads = 0, SimdLevel simd = DefaultSimdLevel());
 
   std::string name() const override { return "cpu"; }
   bool SharesHostMemory() const override { return true; }
-  bool SupportsWeightDType(DType dtype) const override { return dtype == DType::kF32; }
+  // fp32, bf16 and fp16 matrices are computed as stored (fp32 products and sums).
+  bool SupportsWeightDType(DType dtype) const override {
+    return dtype == DType::kF32 || dtype == DType::kBF16 || dtype == DType::kF16;
+  }
   int threads() const { return pool_.threads(); }
+  SimdLevel simd_level() const { return simd_; }
 
   void* Allocate(size_t bytes) override;
   void Free(void* ptr) override;
   void Upload(void* dst, const void* host_src, size_t bytes) override;
   void Download(void* host_dst, const void* src, size_t bytes) override;
 
+  // kernels/cpu/linear.cpp.
   void Linear(const float* x, int64_t m, const WeightMatrix& w, const float* bias,
               float* y) override;
   void RmsNorm(const float* x, const float* weight, float* out, int64_t rows, int64_t dim,
@@ -46,9 +56,22 @@ class CpuBackend final : public Backend {
   void PagedAttention(const KvCacheLayout& layout, const void* pool, int64_t layer, const float* q,
                       int64_t num_heads, const AttentionBatch& batch, float scale,
                       float* out) override;
+  // Mixture of experts: kernels/cpu/moe.cpp.
+  // Multi-head latent attention: kernels/cpu/mla_attention.cpp.
+  void HeadsLinear(const float* x, int64_t tokens, int64_t heads, const WeightMatrix& w,
+                   float* y) override;
+  void WriteLatentKv(const KvCacheLayout& layout, void* pool, int64_t layer, const float* c_kv,
+                     const float* k_pe, const int64_t* slots, int64_t tokens) override;
+  void MlaAttention(const KvCacheLayout& layout, const void* pool, int64_t layer,
+                    const float* q_latent, const float* q_pe, int64_t num_heads,
+                    const AttentionBatch& batch, float scale, float* out) override;
+  void MoeRoute(const float* logits, int64_t tokens, const MoeRouting& routing, int32_t* expert_ids,
+                float* weights) override;
+  MoeStats MoeFfn(const float* x, int64_t tokens, const MoeWeights& w, float* out) override;
 
  private:
   ThreadPool pool_;
+  SimdLevel simd_;
 };
 
 }  // namespace pdserve::kernels

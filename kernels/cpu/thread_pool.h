@@ -5,8 +5,14 @@
 // returns when all calls are done. One ParallelFor runs at a time per pool
 // (calls from several threads are serialized). fn must not call ParallelFor
 // on the same pool.
+//
+// A forward pass issues a few parallel loops per layer, microseconds apart:
+// workers spin for a short while after each loop (and the caller while it
+// waits for the last ranges) before they sleep on a condition variable, so
+// a loop that follows soon after another starts without a wake-up.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -32,20 +38,32 @@ class ThreadPool {
 
  private:
   void WorkerLoop();
-  void RunChunks();
+  // Claims and runs ranges of call `generation` until none is left.
+  void RunChunks(uint64_t generation);
 
   std::vector<std::thread> workers_;
   std::mutex call_mu_;  // serializes ParallelFor callers
-  std::mutex mu_;
-  std::condition_variable work_cv_;
-  std::condition_variable done_cv_;
+
+  // The call in progress. `claim_` packs its generation, its number of
+  // ranges and the next unclaimed range in one word, so a worker that wakes
+  // late can only ever claim a range of the call in progress: a claim
+  // succeeds only while the generation it saw is current and ranges remain,
+  // and the caller does not return (and reuse fn_, n_, chunk_) before every
+  // claimed range is done.
+  std::atomic<uint64_t> claim_{0};
+  std::atomic<int64_t> chunks_done_{0};
   const std::function<void(int64_t, int64_t)>* fn_ = nullptr;
   int64_t n_ = 0;
   int64_t chunk_ = 1;
-  int64_t next_ = 0;        // next unclaimed item (guarded by mu_)
-  int64_t generation_ = 0;  // bumps once per ParallelFor
-  int64_t done_ = 0;        // items finished in the current call
-  bool stop_ = false;
+  uint64_t generation_ = 0;  // of the last call (written by callers only)
+
+  // Sleeping: workers wait for a new generation, the caller for its last range.
+  std::mutex mu_;
+  std::condition_variable work_cv_;
+  std::condition_variable done_cv_;
+  int sleeping_workers_ = 0;  // guarded by mu_
+  std::atomic<bool> caller_sleeping_{false};
+  std::atomic<bool> stop_{false};
 };
 
 // Threads to use when the user did not say: the machine's cores.

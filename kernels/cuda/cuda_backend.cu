@@ -7,6 +7,8 @@
 #include <cstdlib>
 
 #include "kernels/cuda/cuda_backend.h"
+#include "kernels/cuda/kv_codec.cuh"
+#include "kernels/cuda/mla_attention.h"
 #include "kernels/cuda/rms_norm.h"
 #include "kernels/fp8_e4m3.h"
 
@@ -63,53 +65,6 @@ struct DeviceLayout {
     return k_scale_offset(block, layer, head) + num_kv_heads * 4;
   }
 };
-
-// ---- KV element codecs: bit-identical to kernels/cpu/float_convert ----------
-
-__device__ float E4M3ToF32(uint8_t v) { return E4M3Decode(v); }
-__device__ uint8_t F32ToE4M3(float f) { return E4M3Encode(f); }
-
-// Smallest power of two s with max_abs / s <= 448 (0 for all zeros).
-__device__ float Fp8ScaleFor(float max_abs) {
-  if (!(max_abs > 0)) return 0.0f;
-  int e;
-  const float f = frexpf(max_abs / kE4M3Max, &e);
-  return ldexpf(1.0f, f == 0.5f ? e - 1 : e);
-}
-
-__device__ float LoadKv(const uint8_t* base, DType dtype, int64_t i, float scale) {
-  switch (dtype) {
-    case DType::kF32:
-      return reinterpret_cast<const float*>(base)[i];
-    case DType::kBF16:
-      return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(base)[i]);
-    case DType::kF16:
-      return __half2float(reinterpret_cast<const __half*>(base)[i]);
-    case DType::kFP8E4M3:
-      return E4M3ToF32(base[i]) * scale;
-    default:
-      return __int_as_float(0x7fc00000);
-  }
-}
-
-__device__ void StoreKv(uint8_t* base, DType dtype, int64_t i, float value, float scale) {
-  switch (dtype) {
-    case DType::kF32:
-      reinterpret_cast<float*>(base)[i] = value;
-      return;
-    case DType::kBF16:
-      reinterpret_cast<__nv_bfloat16*>(base)[i] = __float2bfloat16_rn(value);
-      return;
-    case DType::kF16:
-      reinterpret_cast<__half*>(base)[i] = __float2half_rn(value);
-      return;
-    case DType::kFP8E4M3:
-      base[i] = F32ToE4M3(value * (scale > 0 ? 1.0f / scale : 0.0f));
-      return;
-    default:
-      return;
-  }
-}
 
 // ---- Element-wise ops --------------------------------------------------------
 
@@ -230,18 +185,6 @@ __global__ void WriteKvPlainKernel(DeviceLayout layout, uint8_t* pool, int64_t l
   const int64_t block = slots[t] / bs, offset = slots[t] % bs;
   StoreKv(pool + layout.k_offset(block, layer, h), layout.dtype, offset * hd + d, k[i], 1.0f);
   StoreKv(pool + layout.v_offset(block, layer, h), layout.dtype, offset * hd + d, v[i], 1.0f);
-}
-
-// Block-wide max of non-negative values (all threads get the result).
-__device__ float BlockMax(float value, float* shared) {
-  for (int o = 16; o > 0; o /= 2) value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, o));
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  __syncthreads();  // `shared` may still be read by a previous call
-  if (lane == 0) shared[warp] = value;
-  __syncthreads();
-  value = lane < blockDim.x / 32 ? shared[lane] : 0.0f;
-  for (int o = 16; o > 0; o /= 2) value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, o));
-  return value;
 }
 
 // fp8: one thread block per (KV head, K|V). The tokens of a head are walked
@@ -521,6 +464,171 @@ __global__ void MergeSplitsKernel(const float* partial_acc, const float* partial
   }
 }
 
+// ---- Mixture of experts ----------------------------------------------------
+
+// The routing order: larger value first, the lower id among equals.
+__device__ inline bool MoeBefore(float p, int64_t e, float q, int64_t f) {
+  return p > q || (p == q && e < f);
+}
+
+// Expert e's score (kernels/moe_routing.h); NaN becomes -inf, below every
+// score. For softmax, mx and sum are the row's max logit and sum of
+// exponentials, computed as the CPU backend does so that equal logits give
+// equal scores on both.
+__device__ inline float MoeScore(const float* row, int64_t e, const MoeRouting& r, float mx,
+                                 float sum) {
+  const float s =
+      r.scoring == MoeScoring::kSoftmax ? expf(row[e] - mx) / sum : 1.0f / (1.0f + expf(-row[e]));
+  return isnan(s) ? -INFINITY : s;
+}
+
+// One thread per token, nothing kept per expert: scores are recomputed
+// where needed. Grouped methods first score the groups (at most
+// kMaxMoeGroups, one bit each for the kept ones); then the top_k picks,
+// each the first expert strictly after the previous pick in the routing
+// order of choice scores, so no candidate list is kept.
+__global__ void MoeRouteKernel(const float* logits, int64_t tokens, MoeRouting r, int32_t* ids,
+                               float* weights) {
+  const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (t >= tokens) return;
+  const int64_t n = r.num_experts;
+  const float* row = logits + t * n;
+  float mx = -INFINITY, sum = 0.0f;
+  if (r.scoring == MoeScoring::kSoftmax) {
+    for (int64_t e = 0; e < n; ++e) mx = fmaxf(mx, row[e]);
+    for (int64_t e = 0; e < n; ++e) sum += expf(row[e] - mx);
+  }
+  const bool biased = r.topk_method == MoeTopkMethod::kNoAuxTc;
+  auto raw_choice = [&](int64_t e) {
+    const float s = MoeScore(row, e, r, mx, sum);
+    return biased ? s + r.correction_bias[e] : s;
+  };
+  uint64_t kept = ~uint64_t{0};
+  const int64_t size = n / r.n_group;
+  if (r.topk_method != MoeTopkMethod::kGreedy) {
+    float group_score[kMaxMoeGroups];
+    for (int64_t g = 0; g < r.n_group; ++g) {
+      float first = -INFINITY, second = -INFINITY;
+      for (int64_t e = g * size; e < (g + 1) * size; ++e) {
+        const float c = raw_choice(e);
+        if (c > first) {
+          second = first;
+          first = c;
+        } else if (c > second) {
+          second = c;
+        }
+      }
+      group_score[g] = r.topk_method == MoeTopkMethod::kGroupLimitedGreedy ? first : first + second;
+    }
+    kept = 0;
+    for (int64_t k = 0; k < r.topk_group; ++k) {
+      int64_t best = -1;
+      for (int64_t g = 0; g < r.n_group; ++g) {
+        if (kept >> g & 1) continue;
+        if (best < 0 || MoeBefore(group_score[g], g, group_score[best], best)) best = g;
+      }
+      kept |= uint64_t{1} << best;
+    }
+  }
+  // Experts of dropped groups choose (and, for group_limited_greedy, weigh) 0.
+  auto in_kept_group = [&](int64_t e) { return (kept >> (e / size) & 1) != 0; };
+  auto choice = [&](int64_t e) { return in_kept_group(e) ? raw_choice(e) : 0.0f; };
+  auto weight = [&](int64_t e) {
+    if (r.topk_method == MoeTopkMethod::kGroupLimitedGreedy && !in_kept_group(e)) return 0.0f;
+    return MoeScore(row, e, r, mx, sum);
+  };
+  float prev_c = INFINITY, chosen = 0.0f;
+  int64_t prev_e = -1;
+  for (int64_t j = 0; j < r.top_k; ++j) {
+    float best_c = 0.0f;
+    int64_t best_e = -1;
+    for (int64_t e = 0; e < n; ++e) {
+      const float c = choice(e);
+      if (!MoeBefore(prev_c, prev_e, c, e)) continue;  // already picked
+      if (best_e < 0 || MoeBefore(c, e, best_c, best_e)) {
+        best_c = c;
+        best_e = e;
+      }
+    }
+    const float w = weight(best_e);
+    ids[t * r.top_k + j] = static_cast<int32_t>(best_e);
+    weights[t * r.top_k + j] = w;
+    chosen += w;
+    prev_c = best_c;
+    prev_e = best_e;
+  }
+  for (int64_t j = 0; j < r.top_k; ++j) {
+    float w = weights[t * r.top_k + j];
+    if (r.norm_topk_prob) w /= chosen + r.norm_epsilon;
+    weights[t * r.top_k + j] = w * r.routed_scaling_factor;
+  }
+}
+
+constexpr int kMoeGroupThreads = 1024;
+constexpr int kMoeTile = 4096;        // assignments staged in shared memory at a time
+constexpr int kMoeMaxExperts = 4096;  // keeps the shared memory under 48 KB
+
+// One block: groups the n = tokens * top_k assignments (a = t * top_k + j)
+// by expert, a stable counting sort. Expert e owns gathered rows
+// [start[e], start[e] + counts[e]), its assignments in order; src_row[r] is
+// the token of gathered row r, row_of[a] the gathered row of assignment a.
+// Thread e % blockDim owns expert e, so its counters need no atomics; every
+// thread reads every id (from a shared tile, one broadcast per step).
+__global__ void __launch_bounds__(kMoeGroupThreads)
+    MoeGroupKernel(const int32_t* ids, int64_t n, int64_t top_k, int64_t num_experts,
+                   int32_t* counts, int32_t* src_row, int32_t* row_of) {
+  extern __shared__ int32_t moe_shared[];
+  int32_t* tile = moe_shared;               // kMoeTile
+  int32_t* cursor = moe_shared + kMoeTile;  // num_experts
+  for (int64_t e = threadIdx.x; e < num_experts; e += blockDim.x) cursor[e] = 0;
+  for (int pass = 0; pass < 2; ++pass) {
+    for (int64_t base = 0; base < n; base += kMoeTile) {
+      const int64_t len = n - base < kMoeTile ? n - base : kMoeTile;
+      __syncthreads();  // the previous tile is consumed
+      for (int64_t i = threadIdx.x; i < len; i += blockDim.x) tile[i] = ids[base + i];
+      __syncthreads();
+      for (int64_t i = 0; i < len; ++i) {
+        const int32_t e = tile[i];
+        if (e % blockDim.x != threadIdx.x) continue;
+        if (pass == 0) {
+          ++cursor[e];
+        } else {
+          const int32_t r = cursor[e]++;
+          src_row[r] = static_cast<int32_t>((base + i) / top_k);
+          row_of[base + i] = r;
+        }
+      }
+    }
+    __syncthreads();
+    if (pass == 0 && threadIdx.x == 0) {
+      // counts out, then each expert's cursor becomes its first row.
+      int32_t start = 0;
+      for (int64_t e = 0; e < num_experts; ++e) {
+        counts[e] = cursor[e];
+        const int32_t c = cursor[e];
+        cursor[e] = start;
+        start += c;
+      }
+    }
+  }
+}
+
+// out[t] = sum over j of weights[t][j] * y[row_of[t][j]], in j order, plus
+// shared[t] when shared is not null.
+__global__ void MoeCombineKernel(const float* y, const int32_t* row_of, const float* weights,
+                                 const float* shared, int64_t tokens, int64_t top_k, int64_t hidden,
+                                 float* out) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= tokens * hidden) return;
+  const int64_t t = i / hidden, c = i % hidden;
+  float acc = 0.0f;
+  for (int64_t j = 0; j < top_k; ++j) {
+    acc += weights[t * top_k + j] * y[static_cast<int64_t>(row_of[t * top_k + j]) * hidden + c];
+  }
+  if (shared != nullptr) acc += shared[i];
+  out[i] = acc;
+}
+
 // A device buffer reused from call to call, grown (never shrunk) in stream
 // order, so that no growth waits for the device.
 class StreamScratch {
@@ -556,6 +664,10 @@ struct CudaBackend::State {
   cublasHandle_t cublas_bf16 = nullptr;  // bf16 products on the tensor cores, fp32 accumulation
   StreamScratch bf16_activations;        // activations converted for bf16 products
   StreamScratch attention_partials;      // split-K attention partials
+  StreamScratch moe_scratch;             // MoeFfn's logits, routing and gathered rows
+  int32_t* moe_counts_host =
+      nullptr;  // pinned: tokens per expert, read after each MoeFfn's routing
+  int64_t moe_counts_capacity = 0;
 };
 
 std::unique_ptr<CudaBackend> CudaBackend::Create(int device) {
@@ -592,6 +704,8 @@ CudaBackend::~CudaBackend() {
   cudaStreamSynchronize(state_->stream);
   state_->bf16_activations.Release();
   state_->attention_partials.Release();
+  state_->moe_scratch.Release();
+  if (state_->moe_counts_host != nullptr) cudaFreeHost(state_->moe_counts_host);
   cublasDestroy(state_->cublas_bf16);
   cublasDestroy(state_->cublas);
   cudaStreamDestroy(state_->stream);
@@ -807,6 +921,165 @@ void CudaBackend::PagedAttention(const KvCacheLayout& layout, const void* pool, 
       DeviceLayout(layout), static_cast<const uint8_t*>(pool), layer, q, num_heads, batch, scale,
       out);
   Check(cudaGetLastError(), "PagedAttention");
+}
+
+void CudaBackend::HeadsLinear(const float* x, int64_t tokens, int64_t heads, const WeightMatrix& w,
+                              float* y) {
+  MakeCurrent();
+  if (tokens == 0 || heads == 0) return;
+  if (w.dtype != DType::kF32 || w.rows % heads != 0) {
+    std::fprintf(stderr,
+                 "pdserve cuda backend: HeadsLinear takes fp32 [heads * out, in] weights\n");
+    std::abort();
+  }
+  // Head h: row-major y_h[tokens, out] = x_h[tokens, in] W_h^T, rows of x_h
+  // heads * in apart and of y_h heads * out apart; column-major that is
+  // y_h^T = W_h x_h^T, one batch entry per head.
+  const float one = 1.0f, zero = 0.0f;
+  const int64_t out = w.rows / heads, in = w.cols;
+  Check(cublasSgemmStridedBatched(state_->cublas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(out),
+                                  static_cast<int>(tokens), static_cast<int>(in), &one,
+                                  static_cast<const float*>(w.data), static_cast<int>(in), out * in,
+                                  x, static_cast<int>(heads * in), in, &zero, y,
+                                  static_cast<int>(heads * out), out, static_cast<int>(heads)),
+        "cublasSgemmStridedBatched");
+}
+
+static_assert(cuda::kMaxMlaLatent == 640, "CudaBackend::MaxMlaLatentWidth must say the same");
+
+void CudaBackend::WriteLatentKv(const KvCacheLayout& layout, void* pool, int64_t layer,
+                                const float* c_kv, const float* k_pe, const int64_t* slots,
+                                int64_t tokens) {
+  MakeCurrent();
+  Check(cuda::WriteLatentKv(layout, pool, layer, c_kv, k_pe, slots, tokens, state_->stream),
+        "WriteLatentKv");
+}
+
+void CudaBackend::MlaAttention(const KvCacheLayout& layout, const void* pool, int64_t layer,
+                               const float* q_latent, const float* q_pe, int64_t num_heads,
+                               const AttentionBatch& batch, float scale, float* out) {
+  MakeCurrent();
+  if (layout.head_dim > cuda::kMaxMlaLatent) {
+    std::fprintf(stderr, "pdserve cuda backend: MLA latent width %lld over %lld\n",
+                 static_cast<long long>(layout.head_dim),
+                 static_cast<long long>(cuda::kMaxMlaLatent));
+    std::abort();
+  }
+  Check(cuda::MlaAttention(layout, pool, layer, q_latent, q_pe, num_heads, batch, scale, out,
+                           state_->stream),
+        "MlaAttention");
+}
+
+void CudaBackend::MoeRoute(const float* logits, int64_t tokens, const MoeRouting& routing,
+                           int32_t* expert_ids, float* weights) {
+  MakeCurrent();
+  if (tokens == 0) return;
+  MoeRouteKernel<<<Blocks(tokens), kThreads, 0, state_->stream>>>(logits, tokens, routing,
+                                                                  expert_ids, weights);
+  Check(cudaGetLastError(), "MoeRoute");
+}
+
+MoeStats CudaBackend::MoeFfn(const float* x, int64_t tokens, const MoeWeights& w, float* out) {
+  MakeCurrent();
+  MoeStats stats;
+  if (tokens <= 0) return stats;
+  const int64_t num_experts = w.routing.num_experts, k = w.routing.top_k, hidden = w.router.cols;
+  const int64_t inter = w.experts[0].gate.rows;
+  const int64_t n = tokens * k;  // (token, choice) assignments, a = t * k + j
+  if (num_experts > kMoeMaxExperts) {
+    std::fprintf(stderr, "pdserve cuda backend: MoeFfn takes at most %d experts\n", kMoeMaxExperts);
+    std::abort();
+  }
+
+  // One scratch region, carved into 256-byte aligned pieces.
+  size_t total = 0;
+  auto carve = [&total](int64_t elems, size_t elem_bytes) {
+    const size_t at = total;
+    total += (static_cast<size_t>(elems) * elem_bytes + 255) / 256 * 256;
+    return at;
+  };
+  const size_t logits_at = carve(tokens * num_experts, 4), weights_at = carve(n, 4);
+  const size_t ids_at = carve(n, 4), counts_at = carve(num_experts, 4);
+  const size_t src_row_at = carve(n, 4), row_of_at = carve(n, 4);
+  const size_t xg_at = carve(n * hidden, 4), gate_at = carve(n * inter, 4);
+  const size_t up_at = carve(n * inter, 4), act_at = carve(n * inter, 4);
+  const size_t y_at = carve(n * hidden, 4);
+  const int64_t shared_inter = w.shared != nullptr ? w.shared->gate.rows : 0;
+  const size_t shared_gate_at = carve(tokens * shared_inter, 4);
+  const size_t shared_up_at = carve(tokens * shared_inter, 4);
+  const size_t shared_act_at = carve(tokens * shared_inter, 4);
+  const size_t shared_at = carve(w.shared != nullptr ? tokens * hidden : 0, 4);
+  auto* base = state_->moe_scratch.Get<char>(static_cast<int64_t>(total), state_->stream);
+  auto* logits = reinterpret_cast<float*>(base + logits_at);
+  auto* weights = reinterpret_cast<float*>(base + weights_at);
+  auto* ids = reinterpret_cast<int32_t*>(base + ids_at);
+  auto* counts = reinterpret_cast<int32_t*>(base + counts_at);
+  auto* src_row = reinterpret_cast<int32_t*>(base + src_row_at);
+  auto* row_of = reinterpret_cast<int32_t*>(base + row_of_at);
+  auto* xg = reinterpret_cast<float*>(base + xg_at);
+  auto* gate = reinterpret_cast<float*>(base + gate_at);
+  auto* up = reinterpret_cast<float*>(base + up_at);
+  auto* act = reinterpret_cast<float*>(base + act_at);
+  auto* y = reinterpret_cast<float*>(base + y_at);
+  auto* shared_gate = reinterpret_cast<float*>(base + shared_gate_at);
+  auto* shared_up = reinterpret_cast<float*>(base + shared_up_at);
+  auto* shared_act = reinterpret_cast<float*>(base + shared_act_at);
+  auto* shared = w.shared != nullptr ? reinterpret_cast<float*>(base + shared_at) : nullptr;
+
+  Linear(x, tokens, w.router, nullptr, logits);
+  MoeRoute(logits, tokens, w.routing, ids, weights);
+  const size_t group_shared_bytes = (kMoeTile + num_experts) * sizeof(int32_t);
+  MoeGroupKernel<<<1, kMoeGroupThreads, group_shared_bytes, state_->stream>>>(
+      ids, n, k, num_experts, counts, src_row, row_of);
+  Check(cudaGetLastError(), "MoeGroup");
+
+  // The per-expert row counts decide the products' shapes: read them back.
+  if (state_->moe_counts_capacity < num_experts) {
+    if (state_->moe_counts_host != nullptr)
+      Check(cudaFreeHost(state_->moe_counts_host), "cudaFreeHost");
+    Check(cudaMallocHost(&state_->moe_counts_host, num_experts * sizeof(int32_t)),
+          "cudaMallocHost");
+    state_->moe_counts_capacity = num_experts;
+  }
+  int32_t* host_counts = state_->moe_counts_host;
+  Check(cudaMemcpyAsync(host_counts, counts, num_experts * sizeof(int32_t), cudaMemcpyDeviceToHost,
+                        state_->stream),
+        "MoeFfn counts");
+  Synchronize();
+
+  GatherRows(x, src_row, n, hidden, xg);
+  auto bytes = [](const WeightMatrix& m) { return m.rows * m.cols * (DTypeBits(m.dtype) / 8); };
+  int64_t start = 0;
+  for (int64_t e = 0; e < num_experts; ++e) {
+    const int64_t rows = host_counts[e];
+    if (rows == 0) continue;
+    const MoeExpertWeights& ex = w.experts[e];
+    Linear(xg + start * hidden, rows, ex.gate, nullptr, gate + start * inter);
+    Linear(xg + start * hidden, rows, ex.up, nullptr, up + start * inter);
+    ++stats.active_experts;
+    stats.expert_bytes_read += bytes(ex.gate) + bytes(ex.up) + bytes(ex.down);
+    start += rows;
+  }
+  SwiGlu(gate, up, inter, act, n, inter);
+  start = 0;
+  for (int64_t e = 0; e < num_experts; ++e) {
+    const int64_t rows = host_counts[e];
+    if (rows == 0) continue;
+    Linear(act + start * inter, rows, w.experts[e].down, nullptr, y + start * hidden);
+    start += rows;
+  }
+  // The shared expert sees every token; computed before out (which may
+  // alias x) is written.
+  if (w.shared != nullptr) {
+    Linear(x, tokens, w.shared->gate, nullptr, shared_gate);
+    Linear(x, tokens, w.shared->up, nullptr, shared_up);
+    SwiGlu(shared_gate, shared_up, shared_inter, shared_act, tokens, shared_inter);
+    Linear(shared_act, tokens, w.shared->down, nullptr, shared);
+  }
+  MoeCombineKernel<<<Blocks(tokens * hidden), kThreads, 0, state_->stream>>>(
+      y, row_of, weights, shared, tokens, k, hidden, out);
+  Check(cudaGetLastError(), "MoeCombine");
+  return stats;
 }
 
 }  // namespace pdserve::kernels

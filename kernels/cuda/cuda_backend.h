@@ -60,9 +60,26 @@ class CudaBackend final : public Backend {
   void PagedAttention(const KvCacheLayout& layout, const void* pool, int64_t layer, const float* q,
                       int64_t num_heads, const AttentionBatch& batch, float scale,
                       float* out) override;
+  // Per-head products as one strided-batched cuBLAS SGEMM (pedantic fp32).
+  void HeadsLinear(const float* x, int64_t tokens, int64_t heads, const WeightMatrix& w,
+                   float* y) override;
+  // kernels/cuda/mla_attention.h.
+  void WriteLatentKv(const KvCacheLayout& layout, void* pool, int64_t layer, const float* c_kv,
+                     const float* k_pe, const int64_t* slots, int64_t tokens) override;
+  void MlaAttention(const KvCacheLayout& layout, const void* pool, int64_t layer,
+                    const float* q_latent, const float* q_pe, int64_t num_heads,
+                    const AttentionBatch& batch, float scale, float* out) override;
+  // cuda::kMaxMlaLatent (kernels/cuda/mla_attention.h): DeepSeek's 576 fits.
+  int64_t MaxMlaLatentWidth() const override { return 640; }
+  void MoeRoute(const float* logits, int64_t tokens, const MoeRouting& routing, int32_t* expert_ids,
+                float* weights) override;
+  // Per-expert cuBLAS products over the gathered rows of each active expert;
+  // routing and grouping run on the device, then the per-expert row counts
+  // are read back (the stream is synchronized once per call) to shape them.
+  MoeStats MoeFfn(const float* x, int64_t tokens, const MoeWeights& w, float* out) override;
 
   // Waits for every queued op.
-  void Synchronize();
+  void Synchronize() override;
 
   struct State;  // CUDA handles, defined in the .cu file
 

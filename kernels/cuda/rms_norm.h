@@ -6,7 +6,8 @@
 namespace pdserve::cuda {
 
 // x, weight and out are device pointers; x and out are [rows, dim] row-major
-// and may alias. Returns the launch error, if any.
+// and may alias. Returns the launch error, if any. Rows of up to 256 values
+// (per-head norms over head_dim) take one warp each, longer ones a block.
 cudaError_t RmsNormF32(const float* x, const float* weight, float* out, int rows, int dim,
                        float eps, cudaStream_t stream);
 

@@ -1,8 +1,10 @@
 // pdserve bench engine: prefill and decode throughput of the engine, on the
-// CPU or a GPU. On a GPU the device's copy bandwidth and bf16 matrix rate are
-// measured first, and every result also states decode as a fraction of that
-// bandwidth (weights + KV read per step) and prefill as a fraction of that
-// rate (the forward pass's FLOPs): the roofline figures of METHOD.md.
+// CPU or a GPU. The memory bandwidth is measured first (on a GPU the
+// device's copy bandwidth, on the CPU the read bandwidth of the backend's
+// threads), and every result also states decode as a fraction of it
+// (weights + KV read per step); on a GPU also the bf16 matrix rate, and
+// prefill as a fraction of it (the forward pass's FLOPs): the roofline
+// figures of METHOD.md.
 #include <sys/resource.h>
 
 #include <chrono>
@@ -18,6 +20,7 @@
 #include "engine/engine.h"
 #include "kernels/backend_factory.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/read_bandwidth.h"
 #include "services/cli/bench_util.h"
 #include "services/cli/command.h"
 
@@ -38,6 +41,15 @@ double CpuSeconds() {
   getrusage(RUSAGE_SELF, &ru);
   return ru.ru_utime.tv_sec + ru.ru_stime.tv_sec +
          1e-6 * (ru.ru_utime.tv_usec + ru.ru_stime.tv_usec);
+}
+
+// The 1-minute load average (Linux), -1 where unknown: CPU figures taken
+// while other processes run are low, and this says how busy the machine was.
+double LoadAverage() {
+  std::ifstream in("/proc/loadavg");
+  double load = -1;
+  in >> load;
+  return in ? load : -1;
 }
 
 int RunBenchEngine(int argc, char** argv) {
@@ -101,23 +113,60 @@ int RunBenchEngine(int argc, char** argv) {
   if (prompt_tokens + gen_tokens > cfg.max_context()) {
     UsageError("bench engine", "--prompt-tokens + --gen-tokens exceed the model context");
   }
+  // K and V of every KV head, or (multi-head latent attention) the one
+  // latent of kv_lora_rank + qk_rope_head_dim values, per layer.
   const int64_t kv_bytes_per_token =
-      2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * DTypeBits(*kv_dtype) / 8;
+      (cfg.is_mla() ? cfg.num_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+                    : 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim) *
+      DTypeBits(*kv_dtype) / 8;
   // The forward pass's FLOPs for one sequence's prefill of n tokens: every
   // weight matrix once per token (2 FLOPs a weight), causal attention
   // (QK^T and PV: 4 * head_dim FLOPs per query head per visible key), and
   // the LM head for the one row that is sampled.
   const int64_t q_out = cfg.num_heads * cfg.head_dim, kv_out = cfg.num_kv_heads * cfg.head_dim;
-  const double layer_weights = static_cast<double>(cfg.hidden_size) * (q_out + 2 * kv_out) +
-                               static_cast<double>(q_out) * cfg.hidden_size +
-                               3.0 * cfg.hidden_size * cfg.intermediate_size;
+  // A sparse layer's token goes through the router and num_experts_per_tok
+  // experts.
+  double weights_per_token = 0;
+  // MLA's absorbed form: q (through q_lora_rank when set), kv_a_proj, each
+  // head's kv_b_proj key and value parts on the latent, o_proj; attention
+  // reads kv_lora_rank + rope values per key for the score and kv_lora_rank
+  // for the output.
+  const double mla_q = cfg.q_lora_rank > 0
+                           ? static_cast<double>(cfg.hidden_size) * cfg.q_lora_rank +
+                                 static_cast<double>(cfg.q_lora_rank) * cfg.num_heads *
+                                     (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+                           : static_cast<double>(cfg.hidden_size) * cfg.num_heads *
+                                 (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim);
+  const double mla_weights =
+      mla_q + static_cast<double>(cfg.hidden_size) * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) +
+      static_cast<double>(cfg.num_heads) * cfg.kv_lora_rank *
+          (cfg.qk_nope_head_dim + cfg.v_head_dim) +
+      static_cast<double>(cfg.num_heads) * cfg.v_head_dim * cfg.hidden_size;
+  const double attention_flops_per_key =
+      cfg.is_mla() ? 4.0 * cfg.kv_lora_rank + 2.0 * cfg.qk_rope_head_dim : 4.0 * cfg.head_dim;
+  for (int64_t l = 0; l < cfg.num_layers; ++l) {
+    weights_per_token += cfg.is_mla()
+                             ? mla_weights
+                             : static_cast<double>(cfg.hidden_size) * (q_out + 2 * kv_out) +
+                                   static_cast<double>(q_out) * cfg.hidden_size;
+    weights_per_token +=
+        cfg.IsSparseLayer(l)
+            ? static_cast<double>(cfg.hidden_size) *
+                  (cfg.num_experts + 3.0 * cfg.num_experts_per_tok * cfg.moe_intermediate_size)
+            : 3.0 * cfg.hidden_size * cfg.intermediate_size;
+  }
   auto prefill_flops = [&](int64_t n) {
     const double nd = static_cast<double>(n);
-    return cfg.num_layers *
-               (2.0 * layer_weights * nd + 4.0 * cfg.num_heads * cfg.head_dim * nd * (nd + 1) / 2) +
+    return 2.0 * weights_per_token * nd +
+           cfg.num_layers * attention_flops_per_key * cfg.num_heads * nd * (nd + 1) / 2 +
            2.0 * cfg.vocab_size * cfg.hidden_size;
   };
-  double copy_gbytes_per_s = 0, bf16_tflops = 0;
+  double copy_gbytes_per_s = 0, bf16_tflops = 0, read_gbytes_per_s = 0;
+  if (cpu_backend != nullptr) {
+    std::fprintf(stderr, "bench engine: measuring the memory read bandwidth of %d threads...\n",
+                 backend_threads);
+    read_gbytes_per_s = kernels::MeasureReadBandwidth(backend_threads) / 1e9;
+  }
 #if PDSERVE_WITH_CUDA
   if (backend.name() == "cuda") {
     std::fprintf(stderr, "bench engine: measuring the device's copy bandwidth and GEMM rates...\n");
@@ -165,6 +214,8 @@ int RunBenchEngine(int argc, char** argv) {
     const double cpu0 = CpuSeconds();
     double cpu_prefill_end = cpu0;
     int64_t first_tokens = 0, decode_steps = 0, decode_tokens = 0;
+    // Sparse layers' expert weights read over the decode steps (MoeStats).
+    int64_t expert_bytes = 0, active_experts = 0;
     auto t_prefill_end = t0;
     while ((*engine)->HasUnfinished()) {
       const bool prefilling = first_tokens < batch;
@@ -186,6 +237,8 @@ int RunBenchEngine(int argc, char** argv) {
       } else {
         ++decode_steps;
         decode_tokens += produced;
+        expert_bytes += (*model)->last_moe_stats().expert_bytes_read;
+        active_experts += (*model)->last_moe_stats().active_experts;
       }
     }
     const auto t_end = std::chrono::steady_clock::now();
@@ -193,9 +246,12 @@ int RunBenchEngine(int argc, char** argv) {
     const double prefill_s = Seconds(t0, t_prefill_end), decode_s = Seconds(t_prefill_end, t_end);
     // Mean KV read per decode step: every sequence's context, which grows
     // from prompt + 1 to prompt + gen - 1 tokens over the decode steps.
+    // The pool's own bytes per token (its layout: one latent per token and
+    // layer for MLA; scales left out).
+    const int64_t pool_bytes_per_token = (*engine)->kv_pool().layout().bytes_per_token();
     const double kv_read_per_step = static_cast<double>(batch) *
                                     (static_cast<double>(prompt_tokens) + gen_tokens / 2.0) *
-                                    static_cast<double>(kv_bytes_per_token);
+                                    static_cast<double>(pool_bytes_per_token);
     const double step_s = decode_steps ? decode_s / static_cast<double>(decode_steps) : 0.0;
     const double prefill_tflops = batch * prefill_flops(prompt_tokens) / prefill_s / 1e12;
     nlohmann::json j = {
@@ -219,23 +275,47 @@ int RunBenchEngine(int argc, char** argv) {
         {"decode_tokens_per_s", decode_tokens / decode_s},
         {"decode_cpu_share", (cpu_end - cpu_prefill_end) / (decode_s * backend_threads)},
         {"decode_step_ms", decode_steps ? 1000.0 * decode_s / decode_steps : 0.0},
+        // Dense weights (for MoE models: all but the experts, routers
+        // included) and, beside them, the experts' weights a decode step read
+        // on average: each active expert of a sparse layer once, whatever
+        // the batch (MoeStats.expert_bytes_read summed over the layers).
         {"weight_bytes_per_decode_step", (*model)->weight_bytes_per_step()},
+        {"expert_bytes_per_decode_step",
+         decode_steps ? static_cast<double>(expert_bytes) / decode_steps : 0.0},
+        {"active_experts_per_decode_step",
+         decode_steps ? static_cast<double>(active_experts) / decode_steps : 0.0},
+        {"expert_weight_bytes", (*model)->expert_weight_bytes()},
+        {"attention", cfg.is_mla() ? "mla" : "gqa"},
+        {"kv_bytes_per_token", pool_bytes_per_token},
         {"kv_bytes_per_decode_step", kv_read_per_step},
         {"prefill_tflops", prefill_tflops},
         {"weight_read_gb_per_s",
-         decode_steps ? (*model)->weight_bytes_per_step() * decode_steps / decode_s / 1e9 : 0.0},
+         decode_steps ? static_cast<double>((*model)->weight_bytes_per_step() * decode_steps +
+                                            expert_bytes) /
+                            decode_s / 1e9
+                      : 0.0},
+        {"weight_dtype", std::string(DTypeName((*model)->matrix_dtype()))},
         {"machine",
          {{"cores", std::thread::hardware_concurrency()},
           {"cpu", CpuModel()},
           {"threads", backend_threads},
           {"backend", backend.name()}}}};
+    // Weights + mean KV read per decode step, over the step time.
+    const double decode_bytes_per_s =
+        step_s > 0 ? ((*model)->weight_bytes_per_step() +
+                      static_cast<double>(expert_bytes) / decode_steps + kv_read_per_step) /
+                         step_s
+                   : 0.0;
+    if (cpu_backend != nullptr) {
+      j["machine"]["simd"] = kernels::SimdLevelName(cpu_backend->simd_level());
+      j["load_average"] = LoadAverage();
+      j["read_gbytes_per_s"] = read_gbytes_per_s;
+      j["decode_bandwidth_fraction"] = decode_bytes_per_s / (read_gbytes_per_s * 1e9);
+    }
     if (copy_gbytes_per_s > 0) {
       j["copy_gbytes_per_s"] = copy_gbytes_per_s;
       j["bf16_tflops"] = bf16_tflops;
-      j["decode_bandwidth_fraction"] =
-          step_s > 0 ? ((*model)->weight_bytes_per_step() + kv_read_per_step) / step_s /
-                           (copy_gbytes_per_s * 1e9)
-                     : 0.0;
+      j["decode_bandwidth_fraction"] = decode_bytes_per_s / (copy_gbytes_per_s * 1e9);
       j["prefill_matrix_fraction"] = prefill_tflops / bf16_tflops;
     }
     if (json) {

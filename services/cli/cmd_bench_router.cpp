@@ -25,8 +25,6 @@ namespace pdserve::cli {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-using router::KvEvent;
-using router::KvEventBatch;
 
 double Seconds(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
@@ -84,7 +82,13 @@ double Ingest(router::RouterCore& core, const std::vector<KvEventBatch>& batches
               const std::vector<router::WorkerId>& owner, int64_t* events, double* cpu_s) {
   *events = 0;
   for (const auto& b : batches) {
-    for (const auto& e : b.events) *events += static_cast<int64_t>(e.hashes.size());
+    for (const KvEvent& e : b.events) {
+      if (const auto* st = std::get_if<KvStored>(&e)) {
+        *events += static_cast<int64_t>(st->block_hashes.size());
+      } else if (const auto* rm = std::get_if<KvRemoved>(&e)) {
+        *events += static_cast<int64_t>(rm->block_hashes.size());
+      }
+    }
   }
   const double c0 = ThreadCpuSeconds();
   const auto t0 = Clock::now();
@@ -144,7 +148,7 @@ int RunBenchRouter(int argc, char** argv) {
   router::RouterCore& core = **created;
   std::vector<router::WorkerId> ids;
   for (int64_t w = 0; w < workers; ++w) {
-    auto id = core.AddWorker("bench-" + std::to_string(w), router::WorkerRole::kBoth);
+    auto id = core.AddWorker("bench-" + std::to_string(w), Role::kBoth);
     if (!id.ok() || !core.OnSnapshot(*id, 0, {}).ok()) {
       std::fprintf(stderr, "pdserve bench router: cannot register workers\n");
       return 1;
@@ -176,13 +180,12 @@ int RunBenchRouter(int argc, char** argv) {
     const size_t w = rng() % static_cast<size_t>(workers);
     for (size_t i = 0; i < hashes.size(); i += static_cast<size_t>(events_per_batch)) {
       KvEventBatch b;
-      b.seq = ++seq[w];
-      KvEvent e;
-      e.kind = KvEvent::Kind::kStored;
-      if (i > 0) e.parent = hashes[i - 1];
-      e.hashes.assign(hashes.begin() + static_cast<std::ptrdiff_t>(i),
-                      hashes.begin() + static_cast<std::ptrdiff_t>(
-                                           std::min(hashes.size(), i + events_per_batch)));
+      b.sequence_number = ++seq[w];
+      KvStored e;
+      if (i > 0) e.parent_hash = hashes[i - 1];
+      e.block_hashes.assign(hashes.begin() + static_cast<std::ptrdiff_t>(i),
+                            hashes.begin() + static_cast<std::ptrdiff_t>(
+                                                 std::min(hashes.size(), i + events_per_batch)));
       b.events.push_back(std::move(e));
       batches.push_back(std::move(b));
       owner.push_back(ids[w]);
@@ -208,17 +211,18 @@ int RunBenchRouter(int argc, char** argv) {
       const auto& hashes = family_hashes[static_cast<size_t>(f)];
       const router::WorkerId from = family_owner[static_cast<size_t>(f)];
       const router::WorkerId to = ids[rng() % static_cast<size_t>(workers)];
-      for (auto [w, kind] :
-           {std::pair{from, KvEvent::Kind::kRemoved}, std::pair{to, KvEvent::Kind::kStored}}) {
+      for (auto [w, stored] : {std::pair{from, false}, std::pair{to, true}}) {
         for (size_t i = 0; i < hashes.size(); i += static_cast<size_t>(events_per_batch)) {
           KvEventBatch b;
-          b.seq = ++seq[w];
-          KvEvent e;
-          e.kind = kind;
-          e.hashes.assign(hashes.begin() + static_cast<std::ptrdiff_t>(i),
-                          hashes.begin() + static_cast<std::ptrdiff_t>(
-                                               std::min(hashes.size(), i + events_per_batch)));
-          b.events.push_back(std::move(e));
+          b.sequence_number = ++seq[w];
+          std::vector<BlockHash> part(hashes.begin() + static_cast<std::ptrdiff_t>(i),
+                                      hashes.begin() + static_cast<std::ptrdiff_t>(std::min(
+                                                           hashes.size(), i + events_per_batch)));
+          if (stored) {
+            b.events.emplace_back(KvStored{std::move(part), std::nullopt});
+          } else {
+            b.events.emplace_back(KvRemoved{std::move(part)});
+          }
           churn.push_back(std::move(b));
           churn_owner.push_back(w);
         }

@@ -146,18 +146,21 @@ class SseReader {
   std::function<void(std::string_view)> on_event_;
 };
 
-Outcome SendOne(http::HttpConnection& conn, const std::string& model, const Prompt& p,
+// `chat`: /v1/chat/completions with a system and a user message; else
+// /v1/completions with the two texts joined (models without a chat template).
+Outcome SendOne(http::HttpConnection& conn, const std::string& model, const Prompt& p, bool chat,
                 const http::Headers& headers, std::chrono::milliseconds timeout) {
-  nlohmann::json messages = nlohmann::json::array();
-  if (!p.system.empty()) messages.push_back({{"role", "system"}, {"content", p.system}});
-  messages.push_back({{"role", "user"}, {"content", p.user}});
-  const nlohmann::json body = {{"model", model},
-                               {"messages", messages},
-                               {"max_tokens", p.max_tokens},
-                               {"temperature", 0},
-                               {"ignore_eos", true},
-                               {"stream", true},
-                               {"stream_options", {{"include_usage", true}}}};
+  nlohmann::json body = {{"model", model},   {"max_tokens", p.max_tokens},
+                         {"temperature", 0}, {"ignore_eos", true},
+                         {"stream", true},   {"stream_options", {{"include_usage", true}}}};
+  if (chat) {
+    nlohmann::json messages = nlohmann::json::array();
+    if (!p.system.empty()) messages.push_back({{"role", "system"}, {"content", p.system}});
+    messages.push_back({{"role", "user"}, {"content", p.user}});
+    body["messages"] = std::move(messages);
+  } else {
+    body["prompt"] = p.system.empty() ? p.user : p.system + "\n" + p.user;
+  }
   Outcome out;
   const auto start = Clock::now();
   auto last = start;
@@ -182,8 +185,11 @@ Outcome SendOne(http::HttpConnection& conn, const std::string& model, const Prom
         out.cached_tokens = u["prompt_tokens_details"].value("cached_tokens", 0);
     }
     if (!j.contains("choices") || j["choices"].empty()) return;
-    const auto& delta = j["choices"][0]["delta"];
-    if (!delta.is_object() || !delta.contains("content")) return;
+    const auto& choice = j["choices"][0];
+    const bool has_text = chat ? choice.contains("delta") && choice["delta"].is_object() &&
+                                     choice["delta"].contains("content")
+                               : choice.contains("text") && choice["text"].is_string();
+    if (!has_text) return;
     const auto now = Clock::now();
     if (first) {
       out.ttft_s = std::chrono::duration<double>(now - start).count();
@@ -195,8 +201,8 @@ Outcome SendOne(http::HttpConnection& conn, const std::string& model, const Prom
   });
   // The body is fed to the event reader as it arrives; an error answer (JSON,
   // no events) is kept as well, up to a size worth reporting.
-  auto r = conn.Send("POST", "/v1/chat/completions", body.dump(), headers, timeout,
-                     [&](std::string_view bytes) {
+  auto r = conn.Send("POST", chat ? "/v1/chat/completions" : "/v1/completions", body.dump(),
+                     headers, timeout, [&](std::string_view bytes) {
                        sse.Feed(bytes);
                        if (error_body.size() < 65536) error_body.append(bytes);
                        return true;
@@ -237,19 +243,23 @@ std::string Today() {
 
 int RunBenchServe(int argc, char** argv) {
   std::string url = "http://127.0.0.1:8000", model, workload = "shared-prefix", trace_path;
-  std::string api_key;
+  std::string api_key, api = "chat";
   int64_t requests = 200, concurrency = 8, groups = 4, prefix_words = 200, suffix_words = 20;
   int64_t max_tokens = 16, trace_block_words = 16, seed = 0, timeout_s = 120;
   int64_t min_words = 50, max_words = 300;
   bool json = false;
-  FlagSet flags("bench serve",
-                "Load a running router with streamed chat completions; print one JSON line of "
-                "throughput, latency percentiles and prefix-cache share.");
+  FlagSet flags(
+      "bench serve",
+      "Load a running router with streamed chat (or plain) completions; print one JSON line of "
+      "throughput, latency percentiles and prefix-cache share.");
   flags.SetEnvPrefix("PDSERVE_");
   flags.AddString("url", &url, "router base URL (http://HOST:PORT)");
   flags.AddString("model", &model, "model name to request (default: the router's first)");
   flags.AddString("api-key", &api_key, "sent as 'Authorization: Bearer KEY' when set");
   flags.AddString("workload", &workload, "random|shared-prefix|trace");
+  flags.AddString("api", &api,
+                  "chat (/v1/chat/completions) or completions (/v1/completions: for models "
+                  "without a chat template; system and user text joined)");
   flags.AddInt("min-words", &min_words, "random: fewest words per prompt");
   flags.AddInt("max-words", &max_words, "random: most words per prompt");
   flags.AddInt("requests", &requests, "requests to send");
@@ -286,6 +296,8 @@ int RunBenchServe(int argc, char** argv) {
     UsageError("bench serve",
                "--workload must be random, shared-prefix or trace, not '" + workload + "'");
   }
+  if (api != "chat" && api != "completions")
+    UsageError("bench serve", "--api must be chat or completions, not '" + api + "'");
   if (workload == "random" && (min_words < 1 || max_words < min_words))
     UsageError("bench serve", "--min-words must be positive and at most --max-words");
   if (workload == "shared-prefix" && (groups < 1 || prefix_words < 0 || suffix_words < 0))
@@ -342,7 +354,8 @@ int RunBenchServe(int argc, char** argv) {
     clients.emplace_back([&] {
       http::HttpConnection conn(host, port);
       for (size_t i; (i = next.fetch_add(1)) < prompts.size();) {
-        outcomes[i] = SendOne(conn, model, prompts[i], headers, std::chrono::seconds(timeout_s));
+        outcomes[i] = SendOne(conn, model, prompts[i], api == "chat", headers,
+                              std::chrono::seconds(timeout_s));
         const size_t n = finished.fetch_add(1) + 1;
         std::lock_guard<std::mutex> lock(progress_mu);
         if (Clock::now() - last_progress >= 2s || n == prompts.size()) {
@@ -377,6 +390,7 @@ int RunBenchServe(int argc, char** argv) {
 
   nlohmann::json settings = {{"url", url},
                              {"model", model},
+                             {"api", api},
                              {"requests", requests},
                              {"concurrency", concurrency},
                              {"max_tokens", max_tokens},

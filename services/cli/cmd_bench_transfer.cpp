@@ -23,10 +23,10 @@
 #include <nlohmann/json.hpp>
 
 #include "common/flags.h"
+#include "common/kv_layout.h"
 #include "common/logging.h"
 #include "services/cli/bench_util.h"
 #include "services/cli/command.h"
-#include "transport/kv_layout.h"
 #include "transport/ucx/ucx_transfer.h"
 
 namespace pdserve::cli {
@@ -341,20 +341,11 @@ int RunBenchTransferImpl(int argc, char** argv) {
   const double gbps = total_bytes / elapsed / 1e9;
   if (json) {
     nlohmann::json j = {
-        {"bench", "transfer"},
-        {"backend", "ucx"},
-        {"tls", tls},
-        {"block_bytes", block_bytes},
-        {"blocks", blocks},
-        {"run_blocks", run_blocks},
-        {"puts_per_transfer", puts},
-        {"inflight", inflight},
-        {"receiver_pool", receiver_pool},
-        {"transfers", writes},
-        {"bytes", total_bytes},
-        {"seconds", elapsed},
-        {"gbytes_per_s", gbps},
-        {"machine", MachineJson()},
+        {"bench", "transfer"},        {"backend", "ucx"},         {"tls", tls},
+        {"block_bytes", block_bytes}, {"blocks", blocks},         {"run_blocks", run_blocks},
+        {"puts_per_transfer", puts},  {"inflight", inflight},     {"receiver_pool", receiver_pool},
+        {"transfers", writes},        {"bytes", total_bytes},     {"seconds", elapsed},
+        {"gbytes_per_s", gbps},       {"machine", MachineJson()},
     };
     std::printf("%s\n", j.dump().c_str());
   } else {

@@ -17,7 +17,13 @@ int RunMakeModel(int argc, char** argv) {
   std::string preset = "tiny", out, dtype_name = "fp32";
   int64_t seed = 0, shards = 1;
   flags.AddString("preset", &preset,
-                  "tiny (2 layers, hidden 64; tests and default) or small (~25M params, GQA)");
+                  "tiny (2 layers, hidden 64; tests and default), small (~25M params, GQA), "
+                  "qwen3 (tiny Qwen3ForCausalLM: Q/K norms, head_dim 32), qwen3-moe (tiny "
+                  "Qwen3MoeForCausalLM: 8 experts, top-2, one dense layer), mixtral (tiny "
+                  "MixtralForCausalLM: 8 experts, top-2), deepseek-v2-lite (tiny "
+                  "DeepseekV2ForCausalLM: latent attention, 8 experts by softmax, 2 shared) or "
+                  "deepseek-v3 (tiny DeepseekV3ForCausalLM: q LoRA, yarn rope, 8 experts in 4 "
+                  "groups by sigmoid with a correction bias, 1 shared)");
   flags.AddString("out", &out, "folder to write (created if needed)");
   flags.AddInt("seed", &seed, "random seed of the weights");
   flags.AddString("dtype", &dtype_name, "weight dtype: fp32, bf16 or fp16");

@@ -25,7 +25,7 @@ std::string HumanBytes(double bytes) {
 
 int RunPlan(int argc, char** argv) {
   FlagSet flags("plan", "Plan KV-cache memory: bytes per token and sequence, and how many fit.");
-  std::string config;
+  std::string config, weights_from;
   CapacityRequest req;
   std::string kv_dtype = "fp16";
   bool json = false;
@@ -33,39 +33,67 @@ int RunPlan(int argc, char** argv) {
   flags.AddInt("layers", &req.shape.layers, "number of transformer layers");
   flags.AddInt("kv-heads", &req.shape.kv_heads, "number of key/value heads");
   flags.AddInt("head-dim", &req.shape.head_dim, "dimension of one attention head");
+  flags.AddInt("kv-lora-rank", &req.shape.kv_lora_rank,
+               "multi-head latent attention (DeepSeek): width of the cached latent");
+  flags.AddInt("qk-rope-head-dim", &req.shape.qk_rope_head_dim,
+               "multi-head latent attention (DeepSeek): width of the cached rope key");
   flags.AddString("kv-dtype", &kv_dtype, "KV cache element type: fp32|fp16|bf16|fp8|fp4");
   flags.AddInt("context", &req.context_tokens, "tokens per sequence");
   flags.AddDouble("gpu-mem-gib", &req.gpu_mem_gib, "device memory in GiB");
   flags.AddDouble("weights-gib", &req.weights_gib, "model weights in GiB on that device");
+  flags.AddString("weights-from", &weights_from,
+                  "model folder whose safetensors size the weights (instead of --weights-gib)");
   flags.AddDouble("reserve-ratio", &req.reserve_ratio,
                   "fraction of device memory kept for activations and fragmentation");
   flags.AddBool("json", &json, "print one JSON object");
   flags.SetEpilog(
       "Example: pdserve plan --layers 80 --kv-heads 8 --head-dim 128 --kv-dtype fp8 "
-      "--context 131072");
+      "--context 131072\n"
+      "MLA (DeepSeek-V3): pdserve plan --layers 61 --kv-lora-rank 512 --qk-rope-head-dim 64 "
+      "--kv-dtype bf16");
   ParseFlagsOrExit(flags, argc, argv);
 
   auto dtype = ParseDType(kv_dtype);
   if (!dtype) UsageError("plan", "--kv-dtype: unknown type '" + kv_dtype + "'");
   req.kv_dtype = *dtype;
-  const bool shape_flags =
-      flags.WasSet("layers") || flags.WasSet("kv-heads") || flags.WasSet("head-dim");
+  if (!weights_from.empty()) {
+    if (flags.WasSet("weights-gib"))
+      UsageError("plan", "give either --weights-from or --weights-gib");
+    auto bytes = CheckpointWeightBytes(weights_from);
+    if (!bytes.ok()) UsageError("plan", "--weights-from: " + bytes.status().message());
+    req.weights_gib = static_cast<double>(*bytes) / (1ull << 30);
+  }
+  const bool gqa_flags = flags.WasSet("kv-heads") || flags.WasSet("head-dim");
+  const bool mla_flags = flags.WasSet("kv-lora-rank") || flags.WasSet("qk-rope-head-dim");
   if (!config.empty()) {
-    if (shape_flags) UsageError("plan", "give either --config or --layers/--kv-heads/--head-dim");
+    if (gqa_flags || mla_flags || flags.WasSet("layers")) {
+      UsageError("plan", "give either --config or the shape flags (--layers, ...)");
+    }
     auto shape = KvShapeFromConfigFile(config);
     if (!shape.ok()) UsageError("plan", shape.status().message());
     req.shape = *shape;
+  } else if (mla_flags) {
+    if (gqa_flags) {
+      UsageError("plan",
+                 "--kv-lora-rank/--qk-rope-head-dim (MLA) and --kv-heads/--head-dim (GQA) "
+                 "exclude each other");
+    }
+    if (!(flags.WasSet("layers") && flags.WasSet("kv-lora-rank") &&
+          flags.WasSet("qk-rope-head-dim"))) {
+      UsageError("plan", "MLA needs all of --layers, --kv-lora-rank and --qk-rope-head-dim");
+    }
   } else if (!(flags.WasSet("layers") && flags.WasSet("kv-heads") && flags.WasSet("head-dim"))) {
-    UsageError("plan", "need --config, or all of --layers, --kv-heads and --head-dim");
+    UsageError("plan",
+               "need --config, or all of --layers, --kv-heads and --head-dim (or, for MLA, "
+               "--layers, --kv-lora-rank and --qk-rope-head-dim)");
   }
   auto plan = PlanCapacity(req);
   if (!plan.ok()) UsageError("plan", plan.status().message());
 
   if (json) {
     nlohmann::json j = {
+        {"attention", req.shape.is_mla() ? "mla" : "gqa"},
         {"layers", req.shape.layers},
-        {"kv_heads", req.shape.kv_heads},
-        {"head_dim", req.shape.head_dim},
         {"kv_dtype", std::string(DTypeName(req.kv_dtype))},
         {"context", req.context_tokens},
         {"gpu_mem_gib", req.gpu_mem_gib},
@@ -77,15 +105,39 @@ int RunPlan(int argc, char** argv) {
         {"max_tokens", plan->max_tokens},
         {"max_sequences", plan->max_sequences},
     };
+    if (req.shape.is_mla()) {
+      j["kv_lora_rank"] = req.shape.kv_lora_rank;
+      j["qk_rope_head_dim"] = req.shape.qk_rope_head_dim;
+    } else {
+      j["kv_heads"] = req.shape.kv_heads;
+      j["head_dim"] = req.shape.head_dim;
+    }
+    if (req.kv_dtype == DType::kFP8E4M3)
+      j["fp8_scale_bytes_per_block"] = req.shape.ScaleBytesPerBlock();
     std::printf("%s\n", j.dump().c_str());
     return 0;
   }
-  std::printf("KV shape            %lld layers x %lld KV heads x head dim %lld, %s\n",
-              static_cast<long long>(req.shape.layers), static_cast<long long>(req.shape.kv_heads),
-              static_cast<long long>(req.shape.head_dim),
-              std::string(DTypeName(req.kv_dtype)).c_str());
+  if (req.shape.is_mla()) {
+    std::printf(
+        "KV shape            %lld layers x (latent %lld + rope key %lld), one vector per token "
+        "(MLA), %s\n",
+        static_cast<long long>(req.shape.layers), static_cast<long long>(req.shape.kv_lora_rank),
+        static_cast<long long>(req.shape.qk_rope_head_dim),
+        std::string(DTypeName(req.kv_dtype)).c_str());
+  } else {
+    std::printf(
+        "KV shape            %lld layers x %lld KV heads x head dim %lld, %s\n",
+        static_cast<long long>(req.shape.layers), static_cast<long long>(req.shape.kv_heads),
+        static_cast<long long>(req.shape.head_dim), std::string(DTypeName(req.kv_dtype)).c_str());
+  }
   std::printf("bytes per token     %lld (%s)\n", static_cast<long long>(plan->kv_bytes_per_token),
               HumanBytes(static_cast<double>(plan->kv_bytes_per_token)).c_str());
+  if (req.kv_dtype == DType::kFP8E4M3) {
+    std::printf(
+        "fp8 scales          +%lld bytes per block (one fp32 per layer and cached vector), "
+        "not counted above\n",
+        static_cast<long long>(req.shape.ScaleBytesPerBlock()));
+  }
   std::printf("bytes per sequence  %lld (%s) at %lld tokens\n",
               static_cast<long long>(plan->kv_bytes_per_sequence),
               HumanBytes(static_cast<double>(plan->kv_bytes_per_sequence)).c_str(),

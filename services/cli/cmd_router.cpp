@@ -21,18 +21,31 @@ int RunRouter(int argc, char** argv) {
   std::string log_level = "info";
   FlagSet flags("router", "Serve the OpenAI API and route requests to prefill/decode workers.");
   flags.SetEnvPrefix("PDSERVE_");
-  flags.AddString("model", &o.model_dir, "model folder (tokenizer, chat template, config.json)");
+  flags.AddString("model", &o.model_dir,
+                  "model folder (tokenizer, chat template; config.json for the served name)");
   flags.AddString("model-id", &o.model_id, "served model name (default: the model folder's name)");
   flags.AddString("host", &o.host, "address to listen on");
   flags.AddInt("port", &http_port, "HTTP port of the OpenAI API (0: any free port)");
   flags.AddInt("control-port", &control_port, "port workers connect to (0: any free port)");
   flags.AddInt("metrics-port", &metrics_port,
                "separate port for /metrics (-1: serve it on --port)");
-  flags.AddString("policy", &o.policy, "routing policy: kv|round_robin|least_loaded|random");
+  flags.AddString("policy", &o.policy,
+                  "routing policy: " + router::PolicyChoices() +
+                      " (dynamo, llm-d, sglang, production-stack: those projects' default "
+                      "KV-aware policies, see docs/routing.md)");
   flags.AddDouble("policy-temperature", &o.policy_temperature,
                   "softmax temperature of the kv policy (0: always the cheapest worker)");
+  flags.AddDouble("replication-copy-cost", &o.replication_copy_cost,
+                  "kv: price of copying one token of KV from a busy holder, in prompt tokens of "
+                  "prefill (copy time / prefill time; e.g. 0.1); when a hot prefix's holders are "
+                  "busier than that, a holder writes it to a less loaded worker (0: off)");
+  flags.AddInt("drain-push-blocks", &o.drain_push_blocks,
+               "when a worker drains (SIGTERM), the most KV blocks of its most used recent "
+               "prompts it writes to the surviving workers before it leaves (0: off)");
   flags.AddInt("max-local-prefill", &o.max_local_prefill,
-               "use a prefill worker when the decode worker would compute more tokens than this");
+               "the most prompt tokens a decode worker prefills itself: a request whose decode "
+               "worker would compute more (cached prefix excluded) goes to a prefill worker; "
+               "the router alone decides, workers follow");
   flags.AddInt("block-size", &o.block_size, "tokens per KV block (must match the workers)");
   flags.AddString("api-key-file", &o.api_key_file, "file of accepted API keys, one per line");
   flags.AddBool("salt-per-api-key", &o.salt_per_api_key,
@@ -41,6 +54,10 @@ int RunRouter(int argc, char** argv) {
   flags.AddString("metrics-key-file", &o.metrics_key_file,
                   "file of keys /metrics requires as 'Authorization: Bearer KEY' (/health and "
                   "/ready stay open)");
+  flags.AddString("admin-key-file", &o.admin_key_file,
+                  "file of keys POST /admin/drain {\"worker\": NAME} requires as 'Authorization: "
+                  "Bearer KEY' (stop routing to a worker and push its hot prompts before you "
+                  "terminate it); without it there are no admin endpoints");
   int64_t max_json_depth = o.max_json_depth;
   flags.AddInt("max-json-depth", &max_json_depth, "deepest nesting accepted in a request body");
   flags.AddInt("http-threads", &http_threads, "HTTP I/O threads");
@@ -80,6 +97,10 @@ int RunRouter(int argc, char** argv) {
     UsageError("router", "--metrics-port must be -1 or in [0, 65535]");
   if (o.block_size <= 0) UsageError("router", "--block-size must be positive");
   if (o.max_local_prefill < 0) UsageError("router", "--max-local-prefill must not be negative");
+  if (o.drain_push_blocks < 0) UsageError("router", "--drain-push-blocks must not be negative");
+  if (o.replication_copy_cost < 0) {
+    UsageError("router", "--replication-copy-cost must not be negative");
+  }
   if (http_threads < 1 || max_concurrent < 1 || max_body < 1 || timeout_s < 1 || max_attempts < 1) {
     UsageError("router", "thread, request, size, timeout and attempt limits must be positive");
   }

@@ -66,6 +66,21 @@ nlohmann::json ResultJson(const SimOptions& o, const std::string& trace, const S
       {"decode_step_per_seq_s", o.decode_step_per_seq_s},
       {"event_delay_s", o.event_delay_s},
       {"load_report_interval_s", o.load_report_interval_s},
+      {"time_scale", o.time_scale},
+      {"replication", o.replication && o.policy == "kv"},
+      {"kv_bytes_per_token", o.kv_bytes_per_token},
+      {"copy_gbps", o.copy_gbps},
+      {"replications_started", r.replications_started},
+      {"replications_finished", r.replications_finished},
+      {"replications_failed", r.replications_failed},
+      {"copied_tokens", r.copied_tokens},
+      {"copied_bytes", r.copied_bytes},
+      {"remove_worker_at_s", o.remove_at_s},
+      {"drain_push", o.drain_push},
+      {"removed_at_s", r.removed_at_s},
+      {"drain_pushed_blocks", r.drain_pushed_blocks},
+      {"hit_rate_after_removal", r.hit_rate_after_removal},
+      {"requests_after_removal", r.requests_after_removal},
   };
 }
 
@@ -89,7 +104,7 @@ int RunSim(int argc, char** argv) {
   flags.AddInt("capacity-blocks", &o.capacity_blocks, "KV cache blocks per worker (LRU)");
   flags.AddInt("block-tokens", &o.block_tokens, "tokens per block of the trace's hash_ids");
   flags.AddString("policy", &policies,
-                  "routing policy: kv|round_robin|least_loaded|random, a comma list, or all");
+                  "routing policy: " + router::PolicyChoices() + ", a comma list, or all");
   flags.AddDouble("load-weight", &o.policy_options.load_weight,
                   "kv: weight of queued work against uncached prompt tokens");
   flags.AddDouble("decode-weight", &o.policy_options.decode_weight,
@@ -107,6 +122,24 @@ int RunSim(int argc, char** argv) {
                   "decode step time added per running request");
   flags.AddDouble("event-delay-ms", &event_delay_ms, "KV event delivery delay to the router");
   flags.AddDouble("load-report-ms", &load_report_ms, "interval of workers' Load reports");
+  flags.AddBool("replication", &o.replication,
+                "kv: copy a hot prefix's KV blocks to a less loaded worker when that beats "
+                "waiting for the holders (--replication=false: never)");
+  flags.AddDouble("kv-bytes-per-token", &o.kv_bytes_per_token,
+                  "KV cache bytes of one token (all layers), for copy times");
+  flags.AddDouble("copy-gbps", &o.copy_gbps, "GB/s of each worker's KV copy link");
+  flags.AddDouble("remove-worker-at-s", &o.remove_at_s,
+                  "scale-down: at this simulated second a worker drains and leaves (< 0: never)");
+  flags.AddInt("remove-worker", &o.remove_worker,
+               "index of the worker that leaves (-1: none, to measure the same window without)");
+  flags.AddBool("drain-push", &o.drain_push,
+                "the leaving worker pushes its most recent prompts' blocks to the survivors");
+  flags.AddInt("drain-push-blocks", &o.drain_push_blocks,
+               "most blocks the leaving worker pushes (0: as many as it holds)");
+  flags.AddDouble("after-removal-s", &o.after_removal_s,
+                  "window after the removal whose arrivals give hit_rate_after_removal");
+  flags.AddDouble("time-scale", &o.time_scale,
+                  "multiply the trace's timestamps: 0.5 replays it twice as fast");
   flags.AddBool("json", &json, "print one JSON line per policy");
   flags.SetEpilog(
       "Example: pdserve sim --trace conversation_trace.jsonl --workers 16 --capacity-blocks 8000 "
@@ -117,8 +150,8 @@ int RunSim(int argc, char** argv) {
   std::string bad;
   const std::vector<std::string> names = ParsePolicyList(policies, &bad);
   if (names.empty()) {
-    UsageError("sim", "--policy: unknown policy '" + bad +
-                          "' (valid: kv|round_robin|least_loaded|random|all)");
+    UsageError("sim", "--policy: unknown policy '" + bad + "' (valid: " + router::PolicyChoices() +
+                          "|all)");
   }
   if (seed < 0) UsageError("sim", "--seed must not be negative");
   o.policy_options.seed = static_cast<uint64_t>(seed);
@@ -138,7 +171,7 @@ int RunSim(int argc, char** argv) {
   std::fprintf(stderr, "sim: %zu requests from %s\n", trace->size(), trace_path.c_str());
 
   if (!json) {
-    std::printf("%-13s %9s %9s %9s %10s %10s %10s\n", "policy", "hit_rate", "oracle", "of_oracle",
+    std::printf("%-16s %9s %9s %9s %10s %10s %10s\n", "policy", "hit_rate", "oracle", "of_oracle",
                 "ttft_p50_s", "ttft_p99_s", "imbalance");
   }
   for (const std::string& name : names) {
@@ -159,7 +192,7 @@ int RunSim(int argc, char** argv) {
     if (json) {
       std::printf("%s\n", ResultJson(o, trace_path, r).dump().c_str());
     } else {
-      std::printf("%-13s %9.4f %9.4f %8.1f%% %10.3f %10.3f %10.3f\n", name.c_str(), r.hit_rate,
+      std::printf("%-16s %9.4f %9.4f %8.1f%% %10.3f %10.3f %10.3f\n", name.c_str(), r.hit_rate,
                   r.oracle_hit_rate,
                   r.oracle_hit_rate > 0 ? 100.0 * r.hit_rate / r.oracle_hit_rate : 100.0,
                   r.ttft_p50_s, r.ttft_p99_s, r.load_imbalance);

@@ -217,7 +217,8 @@ int RunUp(int argc, char** argv) {
   int64_t kv_cache_bytes = 64ll << 20, start_timeout_s = 120, stop_timeout_s = 40;
   int64_t max_local_prefill = 512;
   std::string model, model_id, dir = ".pdserve", host = "127.0.0.1", policy = "kv";
-  std::string log_level = "info";
+  std::string log_level = "info", device = "auto", load_format = "safetensors";
+  bool stream_chunks = true;
   FlagSet flags("up",
                 "Start a local stack: the router plus prefill and decode workers as child "
                 "processes. Ctrl-C or SIGTERM stops them all.");
@@ -237,7 +238,12 @@ int RunUp(int argc, char** argv) {
   flags.AddString("policy", &policy, "routing policy: kv|round_robin|least_loaded|random");
   flags.AddInt("max-local-prefill", &max_local_prefill,
                "prompt tokens a decode worker computes itself; more go to a prefill worker");
-  flags.AddInt("threads", &threads, "compute threads per worker (0: the cores shared out)");
+  flags.AddString("device", &device, "device of every worker: auto|cpu|cuda|cuda:N");
+  flags.AddString("load-format", &load_format,
+                  "workers' weights: safetensors|dummy (random, for benchmarks)");
+  flags.AddInt("threads", &threads, "compute threads per CPU worker (0: the cores shared out)");
+  flags.AddBool("kv-stream-chunks", &stream_chunks,
+                "prefill workers send each finished chunk's KV while the next computes");
   flags.AddBytes("kv-cache-bytes", &kv_cache_bytes, "KV cache memory per worker");
   flags.AddString("dir", &dir, "folder for the logs (DIR/logs) and the default model");
   flags.AddInt("start-timeout", &start_timeout_s, "seconds to wait for the stack to be ready");
@@ -359,29 +365,33 @@ int RunUp(int argc, char** argv) {
   children[0].port = http_port;
 
   auto worker_args = [&](const std::string& role, const std::string& id, int64_t metrics_port) {
-    std::vector<std::string> args = {"worker",
-                                     "--role",
-                                     role,
-                                     "--model",
-                                     model,
-                                     "--router",
-                                     "127.0.0.1:" + std::to_string(router_control_port),
-                                     "--host",
-                                     "127.0.0.1",
-                                     "--port",
-                                     "0",
-                                     "--metrics-port",
-                                     std::to_string(metrics_port),
-                                     "--worker-id",
-                                     id,
-                                     "--threads",
-                                     std::to_string(threads),
-                                     "--kv-cache-bytes",
-                                     std::to_string(kv_cache_bytes),
-                                     "--max-local-prefill",
-                                     std::to_string(max_local_prefill),
-                                     "--log-level",
-                                     log_level};
+    std::vector<std::string> args = {
+        "worker",
+        "--role",
+        role,
+        "--model",
+        model,
+        "--router",
+        "127.0.0.1:" + std::to_string(router_control_port),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--metrics-port",
+        std::to_string(metrics_port),
+        "--worker-id",
+        id,
+        "--threads",
+        std::to_string(threads),
+        "--kv-cache-bytes",
+        std::to_string(kv_cache_bytes),
+        "--device",
+        device,
+        "--load-format",
+        load_format,
+        std::string("--kv-stream-chunks=") + (stream_chunks ? "true" : "false"),
+        "--log-level",
+        log_level};
     if (!model_id.empty()) args.insert(args.end(), {"--model-id", model_id});
     args.insert(args.end(), {"--cluster-secret-file", secret_file});
     return args;

@@ -5,9 +5,12 @@
 #include "common/flags.h"
 #include "common/logging.h"
 #include "common/signals.h"
+#include "kernels/backend_factory.h"
 #include "services/cli/command.h"
 #include "services/cli/control_security_flags.h"
+#include "services/protocol/role.h"
 #include "services/worker/worker_service.h"
+#include "transport/kv_transfer_factory.h"
 
 namespace pdserve::cli {
 namespace {
@@ -16,6 +19,7 @@ int RunWorker(int argc, char** argv) {
   BlockTerminationSignals();
   worker::WorkerOptions o;
   std::string role = "both", routers, kv_dtype = "fp32", log_level = "info";
+  std::string kv_transfer = "ucx", kv_staging = "auto", load_format = "safetensors";
   int64_t port = o.port, metrics_port = o.metrics_port, threads = o.threads;
   int64_t drain_s = o.drain_timeout_ms / 1000, prefill_timeout_ms = o.prefill_timeout_ms;
   FlagSet flags("worker", "Run an engine as a prefill, decode or co-located worker.");
@@ -24,6 +28,9 @@ int RunWorker(int argc, char** argv) {
   flags.AddString("model", &o.model_dir,
                   "model folder (config.json, *.safetensors, tokenizer.json)");
   flags.AddString("model-id", &o.model_id, "served model name (default: the model folder's name)");
+  flags.AddString(
+      "load-format", &load_format,
+      "safetensors|dummy (dummy: random weights of config.json's shapes, for benchmarks)");
   flags.AddString("router", &routers,
                   "router control address(es), HOST:PORT[,HOST:PORT...]; names are re-resolved");
   flags.AddString("host", &o.host, "address to listen on");
@@ -41,9 +48,18 @@ int RunWorker(int argc, char** argv) {
   flags.AddInt("max-num-seqs", &o.max_num_seqs, "sequences running at once");
   flags.AddInt("max-num-batched-tokens", &o.max_num_batched_tokens,
                "tokens per engine step (prefill chunk)");
-  flags.AddInt("max-local-prefill", &o.max_local_prefill,
-               "prefill remotely only when more than this many prompt tokens are left to compute");
-  flags.AddInt("threads", &threads, "compute threads (0: all cores)");
+  flags.AddString("device", &o.device,
+                  "auto|cpu|cuda|cuda:N (auto: the first CUDA device, else the CPU)");
+  flags.AddInt("threads", &threads, "compute threads of the CPU device (0: all cores)");
+  flags.AddString("kv-transfer", &kv_transfer,
+                  "KV hand-off transport: ucx|nccl (NCCL moves device memory only)");
+  flags.AddString("kv-staging", &kv_staging,
+                  "auto|always|never: move device KV through pinned host bounce buffers (auto: "
+                  "when UCX cannot reach device memory; always: every pool, a CPU one too)");
+  flags.AddBytes("kv-staging-bytes", &o.kv_staging_bytes,
+                 "bounce-buffer memory of a staged KV transport, whatever the pool size");
+  flags.AddBool("kv-stream-chunks", &o.stream_prefill_chunks,
+                "prefill side: send each finished chunk's KV blocks while the next computes");
   flags.AddString("transfer-tls", &o.transfer_tls,
                   "UCX transports for KV hand-off (UCX_TLS syntax; empty: UCX default)");
   flags.AddInt("prefill-timeout-ms", &prefill_timeout_ms,
@@ -58,15 +74,31 @@ int RunWorker(int argc, char** argv) {
   if (!ParseLogLevel(log_level, &level))
     UsageError("worker", "--log-level: unknown level '" + log_level + "'");
   SetLogLevel(level);
-  if (role == "prefill")
-    o.role = worker::Role::kPrefill;
-  else if (role == "decode")
-    o.role = worker::Role::kDecode;
-  else if (role == "both")
-    o.role = worker::Role::kBoth;
-  else
-    UsageError("worker", "--role must be prefill, decode or both, not '" + role + "'");
+  auto parsed_role = ParseRole(role);
+  if (!parsed_role.ok()) UsageError("worker", "--role: " + parsed_role.status().message());
+  o.role = *parsed_role;
   if (o.model_dir.empty()) UsageError("worker", "--model is required");
+  auto format = ParseLoadFormat(load_format);
+  if (!format)
+    UsageError("worker", "--load-format must be safetensors or dummy, not '" + load_format + "'");
+  o.load_format = *format;
+  // The device and the transport are checked before anything binds a port.
+  auto device = kernels::ResolveDevice(o.device);
+  if (!device.ok()) UsageError("worker", "--device: " + device.status().message());
+  o.device = *device;
+  auto transfer_kind = ParseKvTransferKind(kv_transfer);
+  if (!transfer_kind.ok())
+    UsageError("worker", "--kv-transfer: " + transfer_kind.status().message());
+  o.kv_transfer = *transfer_kind;
+  if (o.kv_transfer == KvTransferKind::kNccl && o.device == "cpu") {
+    UsageError("worker",
+               "--kv-transfer nccl: NCCL moves device memory only; with --device cpu "
+               "use --kv-transfer ucx");
+  }
+  auto staging = ParseKvStagingMode(kv_staging);
+  if (!staging.ok()) UsageError("worker", "--kv-staging: " + staging.status().message());
+  o.kv_staging = *staging;
+  if (o.kv_staging_bytes <= 0) UsageError("worker", "--kv-staging-bytes must be positive");
   {
     ControlSecurity sec = security.LoadOrExit("worker");
     o.cluster_secret = std::move(sec.secret);
@@ -87,7 +119,7 @@ int RunWorker(int argc, char** argv) {
   if (metrics_port < -1 || metrics_port > 65535)
     UsageError("worker", "--metrics-port must be -1 or in [0, 65535]");
   if (o.block_size <= 0 || o.kv_cache_bytes <= 0 || o.max_num_seqs <= 0 ||
-      o.max_num_batched_tokens <= 0 || threads < 0 || o.max_local_prefill < 0 ||
+      o.max_num_batched_tokens <= 0 || threads < 0 || o.kv_staging_bytes <= 0 ||
       prefill_timeout_ms <= 0 || drain_s < 0) {
     UsageError("worker", "sizes, limits and timeouts must be positive");
   }

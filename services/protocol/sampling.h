@@ -1,10 +1,10 @@
-// The engine's sampling parameters on the wire (Generate and Prefill carry
-// them): one mapping, so that the router, the decode worker and the prefill
+// Sampling parameters (common/sampling_params.h) on the wire (Generate and
+// Prefill carry them): one mapping, so that the router, the decode worker and the prefill
 // worker sample a request the same way.
 #pragma once
 
 #include "common/proto/pdserve.pb.h"
-#include "engine/sampler.h"
+#include "common/sampling_params.h"
 
 namespace pdserve {
 

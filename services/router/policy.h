@@ -15,6 +15,29 @@
 //   least_loaded  minimum queued_work, ignoring cache.
 //   random        uniform.
 // Ties go to the candidates in rotation, so equal workers share the load.
+//
+// The anchors' default KV-aware policies, modelled from their code and docs
+// (docs/routing.md cites the file each default comes from). Each sees the
+// same Candidate view as kv (this router's index and load accounting), so a
+// comparison isolates the decision rule:
+//   dynamo            minimise overlap_score_weight (1) * prefill blocks + decode
+//                     blocks, prefill blocks = (queued prefill tokens + this
+//                     request's uncached tokens) / block, decode blocks = blocks
+//                     of running requests + this request's; temperature 0; ties
+//                     to the smaller cache (tree size), then rotation.
+//   llm-d             maximise 2 * queue score + 2 * (1 - KV usage) + 3 * prefix
+//                     score (the inference pool's default scorer weights), queue
+//                     score = min-max normalised waiting requests (1 when all
+//                     equal), prefix score = leading cached blocks / prompt blocks.
+//   sglang            cache_aware: if max - min in-flight requests > 64 and
+//                     max > 1.5 * min, the least loaded worker; else if the
+//                     longest cached prefix covers more than 30% of the prompt,
+//                     the worker holding it (least loaded among equals); else
+//                     the least loaded worker.
+//   production-stack  kvaware: the worker holding the longest cached prefix
+//                     when the prompt tokens it lacks are at most 2000; else
+//                     the worker that received the fewest requests over the
+//                     last 60 s (lowest QPS).
 #pragma once
 
 #include <cstdint>
@@ -31,10 +54,16 @@ namespace pdserve::router {
 
 struct Candidate {
   WorkerId worker = 0;
+  int64_t prompt_tokens = 0;          // of this request (equal for every candidate)
   int64_t overlap_blocks = 0;         // leading prompt blocks it holds
   int64_t uncached_tokens = 0;        // prompt tokens it would still compute
   int64_t queued_prefill_tokens = 0;  // prefill work already waiting there
   int64_t decode_tokens = 0;          // tokens of KV in use by running requests
+  int64_t inflight_requests = 0;      // routed there and not finished
+  int64_t waiting_requests = 0;       // of those, not yet past their prefill
+  double kv_usage = 0;                // share of its KV blocks in use, 0..1
+  int64_t recent_requests = 0;        // routed there within PolicyOptions::qps_window_s
+  int64_t cached_blocks = 0;          // blocks the index says it holds
 };
 
 struct PolicyOptions {
@@ -47,6 +76,18 @@ struct PolicyOptions {
   double decode_weight = 0.05;  // kv, least_loaded: decode tokens' share of queued work
   double temperature = 0.0;     // kv: 0 = argmin
   uint64_t seed = 1;            // random, kv with temperature
+  int64_t block_tokens = 16;    // dynamo, llm-d: tokens per block (RouterCore sets it)
+
+  // The anchors' shipped defaults (docs/routing.md).
+  double dynamo_overlap_score_weight = 1.0;
+  double llmd_queue_weight = 2.0;
+  double llmd_kv_usage_weight = 2.0;
+  double llmd_prefix_weight = 3.0;
+  double sglang_cache_threshold = 0.3;
+  int64_t sglang_balance_abs_threshold = 64;
+  double sglang_balance_rel_threshold = 1.5;
+  int64_t production_stack_kv_aware_threshold = 2000;  // uncached tokens
+  double qps_window_s = 60.0;                          // production-stack's --request-stats-window
 };
 
 class RoutingPolicy {
@@ -59,6 +100,8 @@ class RoutingPolicy {
 
 // The policy names accepted by --policy, in the order --help lists them.
 const std::vector<std::string>& PolicyNames();
+// The same, joined by '|' (for --help and errors).
+std::string PolicyChoices();
 // InvalidArgument naming the valid choices for an unknown name.
 StatusOr<std::unique_ptr<RoutingPolicy>> MakePolicy(std::string_view name,
                                                     const PolicyOptions& options);
@@ -67,5 +110,10 @@ StatusOr<std::unique_ptr<RoutingPolicy>> MakePolicy(std::string_view name,
 double QueuedWork(const Candidate& c, const PolicyOptions& options);
 // The kv policy's cost.
 double KvCost(const Candidate& c, const PolicyOptions& options);
+// The dynamo policy's cost (its "logit"; lower is better).
+double DynamoCost(const Candidate& c, const PolicyOptions& options);
+// The llm-d policy's score (higher is better); min/max_waiting over the candidates.
+double LlmdScore(const Candidate& c, int64_t min_waiting, int64_t max_waiting,
+                 const PolicyOptions& options);
 
 }  // namespace pdserve::router

@@ -178,28 +178,24 @@ ApplyOutcome PrefixIndex::ApplyEvents(WorkerId worker, const KvEventBatch& batch
   if (worker >= workers_.size() || !workers_[worker].open) return ApplyOutcome::kUnknownWorker;
   WorkerState& w = workers_[worker];
   if (!w.synced) return ApplyOutcome::kNeedsResync;
-  if (batch.seq <= w.last_seq) {
+  if (batch.sequence_number <= w.last_seq) {
     ++counters_.duplicate_batches;
     return ApplyOutcome::kDuplicate;
   }
-  if (batch.seq != w.last_seq + 1) {
+  if (batch.sequence_number != w.last_seq + 1) {
     ++counters_.gaps;
     w.synced = false;
     return ApplyOutcome::kNeedsResync;
   }
-  w.last_seq = batch.seq;
-  for (const KvEvent& e : batch.events) {
-    switch (e.kind) {
-      case KvEvent::Kind::kStored:
-        StoreLocked(worker, e.hashes);
-        break;
-      case KvEvent::Kind::kRemoved:
-        RemoveLocked(worker, e.hashes);
-        break;
-      case KvEvent::Kind::kCleared:
-        PurgeBlocksLocked(worker);
-        PurgePendingLocked(worker);
-        break;
+  w.last_seq = batch.sequence_number;
+  for (const KvEvent& event : batch.events) {
+    if (const auto* e = std::get_if<KvStored>(&event)) {
+      StoreLocked(worker, e->block_hashes);
+    } else if (const auto* e = std::get_if<KvRemoved>(&event)) {
+      RemoveLocked(worker, e->block_hashes);
+    } else {
+      PurgeBlocksLocked(worker);  // KvCleared
+      PurgePendingLocked(worker);
     }
   }
   ++counters_.batches_applied;

@@ -1,10 +1,10 @@
 // PrefixIndex: the router's global map of which worker holds which KV block.
 //
-// Fed by each worker's KV events (Stored / Removed / Cleared, in batches with a
-// per-worker sequence number) and full snapshots (Resync); answers, for a
-// prompt's block hashes (common/block_hash.h), how many LEADING blocks each
-// worker holds: the walk stops at a worker's first miss, because a block is
-// only reusable together with its whole prefix (hash spec v1 chains parents).
+// Fed by each worker's KV events (common/kv_events.h: Stored / Removed /
+// Cleared, in batches with a per-worker sequence number) and full snapshots (Resync); answers, for
+// a prompt's block hashes (common/block_hash.h), how many LEADING blocks each worker holds: the
+// walk stops at a worker's first miss, because a block is only reusable together with its whole
+// prefix (hash spec v1 chains parents).
 //
 // Contracts:
 // - Workers are dense slots 0..max_workers-1 (the caller maps names to slots).
@@ -46,6 +46,7 @@
 #include <vector>
 
 #include "common/block_hash.h"
+#include "common/kv_events.h"
 #include "common/status.h"
 
 namespace pdserve::router {
@@ -55,19 +56,6 @@ class BlockTable;
 }
 
 using WorkerId = uint32_t;
-
-// One worker-side cache change, as carried by the control plane's KvEvents.
-struct KvEvent {
-  enum class Kind { kStored, kRemoved, kCleared };
-  Kind kind = Kind::kStored;
-  std::vector<BlockHash> hashes;    // Stored / Removed
-  std::optional<BlockHash> parent;  // Stored: hash of the block before hashes[0], if any
-};
-
-struct KvEventBatch {
-  uint64_t seq = 0;  // per worker, +1 per batch
-  std::vector<KvEvent> events;
-};
 
 enum class ApplyOutcome {
   kApplied,        // the batch is reflected in the index

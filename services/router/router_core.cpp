@@ -2,39 +2,24 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <deque>
 
 namespace pdserve::router {
-
-const char* WorkerRoleName(WorkerRole role) {
-  switch (role) {
-    case WorkerRole::kPrefill:
-      return "prefill";
-    case WorkerRole::kDecode:
-      return "decode";
-    case WorkerRole::kBoth:
-      return "both";
-  }
-  return "?";
-}
-
-StatusOr<WorkerRole> ParseWorkerRole(std::string_view text) {
-  if (text == "prefill") return WorkerRole::kPrefill;
-  if (text == "decode") return WorkerRole::kDecode;
-  if (text == "both") return WorkerRole::kBoth;
-  return Status::InvalidArgument("unknown worker role '" + std::string(text) +
-                                 "' (valid: prefill|decode|both)");
-}
 
 struct RouterCore::Worker {
   WorkerId id = 0;
   std::string name;
-  WorkerRole role = WorkerRole::kBoth;
+  Role role = Role::kBoth;
+  int64_t max_model_len = 0;  // 0: unknown
   WorkerLoad reported;
   bool has_report = false;
   bool draining = false;
   int64_t inflight_requests = 0;
-  int64_t inflight_prefill_tokens = 0;  // charged to the prefilling worker
-  int64_t inflight_decode_tokens = 0;   // charged to the decode worker
+  int64_t inflight_prefill_tokens = 0;    // charged to the prefilling worker
+  int64_t inflight_prefill_requests = 0;  // requests it has not prefilled yet
+  int64_t inflight_decode_tokens = 0;     // charged to the decode worker
+  std::deque<int64_t> routed_at_us;       // within the QPS window (production-stack)
 };
 
 RouterCore::RouterCore(RouterOptions options)
@@ -47,6 +32,9 @@ StatusOr<std::unique_ptr<RouterCore>> RouterCore::Create(RouterOptions options) 
   if (options.max_local_prefill < 0) {
     return Status::InvalidArgument("max_local_prefill must not be negative");
   }
+  if (!(options.copy_cost >= 0) || !std::isfinite(options.copy_cost)) {
+    return Status::InvalidArgument("copy_cost must be finite and non-negative");
+  }
   if (options.pending_ttl_us < 0)
     return Status::InvalidArgument("pending TTL must not be negative");
   if (options.index.max_workers == 0)
@@ -58,6 +46,7 @@ StatusOr<std::unique_ptr<RouterCore>> RouterCore::Create(RouterOptions options) 
           .count();
     };
   }
+  options.policy_options.block_tokens = options.block_tokens;
   PolicyOptions prefill_options = options.policy_options;
   prefill_options.seed = options.policy_options.seed * 0x9E3779B97F4A7C15ull + 1;
   auto decode_policy = MakePolicy(options.policy, options.policy_options);
@@ -70,7 +59,9 @@ StatusOr<std::unique_ptr<RouterCore>> RouterCore::Create(RouterOptions options) 
   return core;
 }
 
-StatusOr<WorkerId> RouterCore::AddWorker(const std::string& name, WorkerRole role) {
+StatusOr<WorkerId> RouterCore::AddWorker(const std::string& name, Role role,
+                                         int64_t max_model_len) {
+  if (max_model_len < 0) return Status::InvalidArgument("max_model_len must not be negative");
   std::lock_guard lock(mu_);
   std::optional<WorkerId> free_slot;
   for (WorkerId i = 0; i < workers_.size(); ++i) {
@@ -89,6 +80,7 @@ StatusOr<WorkerId> RouterCore::AddWorker(const std::string& name, WorkerRole rol
   w->id = *free_slot;
   w->name = name;
   w->role = role;
+  w->max_model_len = max_model_len;
   workers_[*free_slot] = std::move(w);
   return *free_slot;
 }
@@ -142,21 +134,36 @@ Status RouterCore::OnLoad(WorkerId worker, const WorkerLoad& load) {
   return Status::Ok();
 }
 
-Candidate RouterCore::MakeCandidateLocked(const Worker& w, int64_t overlap_blocks,
-                                          int64_t prompt_tokens) const {
+Candidate RouterCore::MakeCandidateLocked(Worker& w, int64_t overlap_blocks, int64_t prompt_tokens,
+                                          int64_t now_us) {
   Candidate c;
   c.worker = w.id;
+  c.prompt_tokens = prompt_tokens;
   c.overlap_blocks = overlap_blocks;
   c.uncached_tokens = std::max<int64_t>(0, prompt_tokens - overlap_blocks * options_.block_tokens);
   c.queued_prefill_tokens = w.inflight_prefill_tokens;
   c.decode_tokens = w.inflight_decode_tokens;
+  c.waiting_requests = w.inflight_prefill_requests;
+  c.inflight_requests =
+      w.role == Role::kPrefill ? w.inflight_prefill_requests : w.inflight_requests;
   if (w.has_report) {
     c.queued_prefill_tokens = std::max(c.queued_prefill_tokens, w.reported.queued_prefill_tokens);
+    c.waiting_requests = std::max(c.waiting_requests, w.reported.waiting);
+    c.inflight_requests = std::max(c.inflight_requests, w.reported.running + w.reported.waiting);
     if (w.reported.total_blocks > 0) {
       const int64_t used = std::max<int64_t>(0, w.reported.total_blocks - w.reported.free_blocks);
       c.decode_tokens = std::max(c.decode_tokens, used * options_.block_tokens);
+      c.kv_usage =
+          std::min(1.0, static_cast<double>(c.decode_tokens) /
+                            static_cast<double>(w.reported.total_blocks * options_.block_tokens));
     }
   }
+  const auto window_us = static_cast<int64_t>(options_.policy_options.qps_window_s * 1e6);
+  while (!w.routed_at_us.empty() && w.routed_at_us.front() <= now_us - window_us) {
+    w.routed_at_us.pop_front();
+  }
+  c.recent_requests = static_cast<int64_t>(w.routed_at_us.size());
+  c.cached_blocks = static_cast<int64_t>(index_.WorkerBlockCount(w.id));
   return c;
 }
 
@@ -176,30 +183,55 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
   }
   index_.LeadingOverlap(request.block_hashes, now, &overlap_);
 
+  // Whether a worker's context holds `tokens` (an unknown one is assumed to).
+  auto holds = [](const Worker& w, int64_t tokens) {
+    return w.max_model_len == 0 || tokens <= w.max_model_len;
+  };
+  const int64_t sequence_tokens = request.prompt_tokens + request.max_new_tokens;
   candidates_.clear();
+  bool too_short = false;
   for (const auto& w : workers_) {
-    if (w && !w->draining && w->role != WorkerRole::kPrefill) {
-      candidates_.push_back(MakeCandidateLocked(*w, overlap_[w->id], request.prompt_tokens));
+    if (w && !w->draining && w->role != Role::kPrefill) {
+      if (!holds(*w, sequence_tokens)) {
+        too_short = true;
+        continue;
+      }
+      candidates_.push_back(MakeCandidateLocked(*w, overlap_[w->id], request.prompt_tokens, now));
     }
   }
-  if (candidates_.empty())
-    return Status::Unavailable("no decode worker is registered and accepting requests");
-  const Candidate d = candidates_[decode_policy_->Pick(candidates_)];
+  if (candidates_.empty()) {
+    return Status::Unavailable(
+        too_short ? "no decode worker accepting requests runs sequences of " +
+                        std::to_string(sequence_tokens) + " tokens"
+                  : std::string("no decode worker is registered and accepting requests"));
+  }
+  OfferCopiesLocked(request.prompt_tokens);
+  const size_t d_index = decode_policy_->Pick(candidates_);
+  const Candidate d = candidates_[d_index];
 
   RouteDecision decision;
   decision.decode = d.worker;
   decision.decode_overlap_blocks = d.overlap_blocks;
   decision.prefill_overlap_blocks = d.overlap_blocks;
   decision.prefill_tokens = d.uncached_tokens;
-  if (d.uncached_tokens > options_.max_local_prefill) {
+  if (!copy_blocks_.empty() && copy_blocks_[d_index] > 0) {
+    decision.copy_from = copy_source_;
+    decision.copy_blocks = copy_blocks_[d_index];
+    decision.prefill_tokens =
+        std::max<int64_t>(0, request.prompt_tokens -
+                                 (d.overlap_blocks + decision.copy_blocks) * options_.block_tokens);
+  }
+  if (decision.prefill_tokens > options_.max_local_prefill) {
     candidates_.clear();
     for (const auto& w : workers_) {
-      if (w && !w->draining && w->role == WorkerRole::kPrefill) {
-        candidates_.push_back(MakeCandidateLocked(*w, overlap_[w->id], request.prompt_tokens));
+      if (w && !w->draining && w->role == Role::kPrefill && holds(*w, request.prompt_tokens + 1)) {
+        candidates_.push_back(MakeCandidateLocked(*w, overlap_[w->id], request.prompt_tokens, now));
       }
     }
     if (!candidates_.empty()) {
       const Candidate p = candidates_[prefill_policy_->Pick(candidates_)];
+      decision.copy_from.reset();  // the prefill worker writes every missing block
+      decision.copy_blocks = 0;
       decision.prefill = p.worker;
       decision.prefill_overlap_blocks = p.overlap_blocks;
       decision.prefill_tokens = p.uncached_tokens;
@@ -214,7 +246,11 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
   Worker& dw = *workers_[r.decode];
   dw.inflight_requests += 1;
   dw.inflight_decode_tokens += r.decode_tokens;
-  workers_[r.prefiller]->inflight_prefill_tokens += r.prefill_tokens;
+  dw.routed_at_us.push_back(now);
+  Worker& pw = *workers_[r.prefiller];
+  pw.inflight_prefill_tokens += r.prefill_tokens;
+  pw.inflight_prefill_requests += 1;
+  if (decision.prefill) pw.routed_at_us.push_back(now);
   inflight_.emplace(request.request_id, r);
 
   // Both the prefiller (computes the blocks) and the decode worker (receives
@@ -231,14 +267,55 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
 
   ++counters_.routed;
   ++(decision.prefill ? counters_.remote_prefill : counters_.local_prefill);
+  if (decision.copy_from) {
+    ++counters_.copies;
+    counters_.copied_blocks += static_cast<uint64_t>(decision.copy_blocks);
+  }
   counters_.prompt_tokens += request.prompt_tokens;
   counters_.predicted_hit_tokens += request.prompt_tokens - decision.prefill_tokens;
   return decision;
 }
 
+void RouterCore::OfferCopiesLocked(int64_t prompt_tokens) {
+  copy_blocks_.clear();
+  if (options_.copy_cost <= 0 || options_.copy_cost >= 1) return;  // >= 1: a copy never pays
+  // The longest prefix any KV writer holds, and its least busy holder.
+  int64_t best = 0;
+  double best_work = 0;
+  bool found = false;
+  for (const auto& w : workers_) {
+    if (!w || w->role == Role::kDecode) continue;
+    const int64_t overlap = overlap_[w->id];
+    if (overlap == 0 || overlap < best) continue;
+    const double work = static_cast<double>(std::max(
+        w->inflight_prefill_tokens, w->has_report ? w->reported.queued_prefill_tokens : 0));
+    if (!found || overlap > best || work < best_work) {
+      best = overlap;
+      best_work = work;
+      copy_source_ = w->id;
+      found = true;
+    }
+  }
+  if (!found) return;
+  const int64_t best_tokens = std::min(best * options_.block_tokens, prompt_tokens);
+  copy_blocks_.assign(candidates_.size(), 0);
+  for (size_t i = 0; i < candidates_.size(); ++i) {
+    Candidate& c = candidates_[i];
+    if (c.overlap_blocks >= best) continue;
+    const int64_t copied = best_tokens - c.overlap_blocks * options_.block_tokens;
+    // Rounded so that a copy never looks as cheap as holding the blocks.
+    c.uncached_tokens -=
+        copied - static_cast<int64_t>(std::ceil(static_cast<double>(copied) * options_.copy_cost));
+    copy_blocks_[i] = best - c.overlap_blocks;
+  }
+}
+
 void RouterCore::ReleaseLocked(Inflight& r, bool prefill_only) {
   if (!r.prefill_done) {
-    if (workers_[r.prefiller]) workers_[r.prefiller]->inflight_prefill_tokens -= r.prefill_tokens;
+    if (workers_[r.prefiller]) {
+      workers_[r.prefiller]->inflight_prefill_tokens -= r.prefill_tokens;
+      workers_[r.prefiller]->inflight_prefill_requests -= 1;
+    }
     r.prefill_done = true;
   }
   if (prefill_only) return;
@@ -271,6 +348,7 @@ std::vector<WorkerView> RouterCore::Workers() const {
     v.id = w->id;
     v.name = w->name;
     v.role = w->role;
+    v.max_model_len = w->max_model_len;
     v.needs_resync = index_.NeedsResync(w->id);
     v.draining = w->draining;
     v.indexed_blocks = index_.WorkerBlockCount(w->id);
@@ -281,6 +359,17 @@ std::vector<WorkerView> RouterCore::Workers() const {
     out.push_back(std::move(v));
   }
   return out;
+}
+
+int64_t RouterCore::MaxModelLen() const {
+  std::lock_guard lock(mu_);
+  int64_t longest = 0;
+  for (const auto& w : workers_) {
+    if (!w || w->draining || w->role == Role::kPrefill) continue;
+    if (w->max_model_len == 0) return 0;
+    longest = std::max(longest, w->max_model_len);
+  }
+  return longest;
 }
 
 RouterStats RouterCore::stats() const {

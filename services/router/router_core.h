@@ -15,8 +15,9 @@
 // is chosen first among decode|both workers (its own overlap and load); if the
 // tokens D would compute exceed max_local_prefill and a prefill-role worker
 // exists, a prefill worker is chosen among them (cache affinity and load),
-// else D prefills locally. Workers of role `both` serve their own prefills
-// only; they are never picked as another worker's remote prefiller.
+// else D prefills locally. This is the system's only prefill decision: the
+// router carries it to D in Generate (prefill_address), and D follows it. Workers of role `both`
+// serve their own prefills only; they are never picked as another worker's remote prefiller.
 //
 // Burst handling: after each decision the blocks the prefilling worker will
 // compute are recorded as pending for pending_ttl_us, so the next requests
@@ -40,14 +41,11 @@
 
 #include "common/block_hash.h"
 #include "common/status.h"
+#include "services/protocol/role.h"
 #include "services/router/policy.h"
 #include "services/router/prefix_index.h"
 
 namespace pdserve::router {
-
-enum class WorkerRole { kPrefill, kDecode, kBoth };
-const char* WorkerRoleName(WorkerRole role);
-StatusOr<WorkerRole> ParseWorkerRole(std::string_view text);
 
 // A worker's periodic Load report.
 struct WorkerLoad {
@@ -58,13 +56,27 @@ struct WorkerLoad {
   int64_t total_blocks = 0;
 };
 
+inline constexpr int64_t kDefaultMaxLocalPrefill = 512;
+
 struct RouterOptions {
   std::string policy = "kv";
   PolicyOptions policy_options;
   int64_t block_tokens = kDefaultBlockSize;
-  // Remote prefill only when the decode worker would compute more tokens than this.
-  int64_t max_local_prefill = 1024;
+  // The most prompt tokens a decode worker prefills itself: a request whose
+  // decode worker would compute more (its cached prefix excluded) is
+  // prefilled on a prefill worker, when one is registered. The router's
+  // --max-local-prefill; this decision is the only one (workers follow it).
+  int64_t max_local_prefill = kDefaultMaxLocalPrefill;
   int64_t pending_ttl_us = 2'000'000;
+  // Hot-prefix replication by KV copy. A decode candidate that lacks part of
+  // the longest cached prefix any worker holds may have those blocks copied
+  // from a holder (one that can write KV: role prefill or both) instead of
+  // computing them; the policy then sees each copied token as copy_cost
+  // prompt tokens of work (copy time / prefill time per token). So when the
+  // holders' queues outgrow the price of a copy, the request goes to a
+  // less loaded worker with a copy, and the prefix's later requests spread
+  // over its holders. 0 (or >= 1, where recomputing is cheaper): no copies.
+  double copy_cost = 0;
   PrefixIndexOptions index;
   // Microseconds on a monotonic clock; the simulator supplies simulated time.
   std::function<int64_t()> clock_us;
@@ -76,6 +88,9 @@ struct RouteRequest {
   int64_t prompt_tokens = 0;                // >= block_hashes.size() * block_tokens
   int64_t max_new_tokens = 0;               // for the KV footprint estimate
 };
+// Only workers whose max_model_len (when known) holds prompt_tokens +
+// max_new_tokens decode the request, and only those whose max_model_len holds
+// the prompt and its first token prefill it.
 
 struct RouteDecision {
   WorkerId decode = 0;
@@ -83,6 +98,11 @@ struct RouteDecision {
   int64_t decode_overlap_blocks = 0;
   int64_t prefill_overlap_blocks = 0;  // of the prefilling worker (== decode's when local)
   int64_t prefill_tokens = 0;          // tokens the prefilling worker is expected to compute
+  // Replication: before its prefill the decode worker receives blocks
+  // [decode_overlap_blocks, decode_overlap_blocks + copy_blocks) of the
+  // prompt from copy_from, which holds them (local prefill only).
+  std::optional<WorkerId> copy_from;
+  int64_t copy_blocks = 0;
   bool remote_prefill() const { return prefill.has_value(); }
 };
 
@@ -90,7 +110,8 @@ struct RouteDecision {
 struct WorkerView {
   WorkerId id = 0;
   std::string name;
-  WorkerRole role = WorkerRole::kBoth;
+  Role role = Role::kBoth;
+  int64_t max_model_len = 0;  // 0: not reported
   bool needs_resync = false;
   bool draining = false;
   size_t indexed_blocks = 0;
@@ -106,6 +127,8 @@ struct RouterStats {
   uint64_t remote_prefill = 0;
   uint64_t prompt_tokens = 0;
   uint64_t predicted_hit_tokens = 0;  // overlap of the prefilling worker, in tokens
+  uint64_t copies = 0;                // decisions with a replication copy
+  uint64_t copied_blocks = 0;
   PrefixIndexStats index;
 };
 
@@ -116,9 +139,11 @@ class RouterCore {
   ~RouterCore();
 
   // Registers a worker (a fresh connection). Its KV events are accepted after
-  // its first snapshot (OnSnapshot). InvalidArgument for a duplicate name,
-  // ResourceExhausted when all index slots are taken.
-  StatusOr<WorkerId> AddWorker(const std::string& name, WorkerRole role);
+  // its first snapshot (OnSnapshot). `max_model_len`: the longest sequence
+  // (prompt + output) it runs, 0 when it did not say. InvalidArgument for a
+  // duplicate name or a negative length, ResourceExhausted when all index
+  // slots are taken.
+  StatusOr<WorkerId> AddWorker(const std::string& name, Role role, int64_t max_model_len = 0);
   // Disconnect: purges the worker from the index and the load view. Returns
   // the ids of requests it was decoding and that had not finished (the caller
   // retries or fails them; they are no longer accounted). Requests it was
@@ -134,9 +159,15 @@ class RouterCore {
   Status OnSnapshot(WorkerId worker, uint64_t seq, std::span<const BlockHash> hashes);
   Status OnLoad(WorkerId worker, const WorkerLoad& load);
 
-  // Unavailable when no decode-capable worker is registered; InvalidArgument
-  // for a request id already in flight or inconsistent sizes.
+  // Unavailable when no decode-capable worker is registered, accepting
+  // requests and long enough for the request; InvalidArgument for a request
+  // id already in flight or inconsistent sizes.
   StatusOr<RouteDecision> Route(const RouteRequest& request);
+  // The longest sequence (prompt + output tokens) a request may have: the
+  // largest max_model_len of the decode-capable workers accepting requests.
+  // 0 when unknown: none is registered, or one did not report its length
+  // (and might take any request).
+  int64_t MaxModelLen() const;
   void OnPrefillDone(uint64_t request_id);
   void OnRequestFinished(uint64_t request_id);
 
@@ -156,9 +187,13 @@ class RouterCore {
     bool prefill_done = false;
   };
   explicit RouterCore(RouterOptions options);
-  Candidate MakeCandidateLocked(const Worker& w, int64_t overlap_blocks,
-                                int64_t prompt_tokens) const;
+  // Also forgets the worker's routing times older than the QPS window.
+  Candidate MakeCandidateLocked(Worker& w, int64_t overlap_blocks, int64_t prompt_tokens,
+                                int64_t now_us);
   void ReleaseLocked(Inflight& r, bool prefill_only);
+  // With copy_cost > 0: lowers each decode candidate's uncached tokens by what
+  // a copy from the best holder would save, recording the copy in copy_*_.
+  void OfferCopiesLocked(int64_t prompt_tokens);
 
   RouterOptions options_;
   PrefixIndex index_;
@@ -171,6 +206,8 @@ class RouterCore {
   // Scratch reused by Route() (under mu_) so a decision does not allocate.
   std::vector<uint32_t> overlap_;
   std::vector<Candidate> candidates_;
+  std::vector<int64_t> copy_blocks_;  // per decode candidate: blocks a copy brings
+  WorkerId copy_source_ = 0;
 };
 
 }  // namespace pdserve::router

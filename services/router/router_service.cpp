@@ -21,11 +21,12 @@
 #include "common/http/http_server.h"
 #include "common/logging.h"
 #include "common/metrics/metrics.h"
+#include "common/model_id.h"
 #include "common/proto/pdserve.pb.h"
 #include "common/random_id.h"
 #include "common/tokenizer/tokenizer.h"
-#include "engine/model_config.h"
-#include "engine/model_id.h"
+#include "services/protocol/kv_events.h"
+#include "services/protocol/role.h"
 #include "services/protocol/sampling.h"
 #include "services/router/openai/openai_api.h"
 #include "services/router/router_core.h"
@@ -40,23 +41,15 @@ double SecondsSince(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
+// max_tokens of a chat request that gives none while no registered worker
+// reported its context length (older workers): the worker still stops at its
+// own limit, with finish_reason "length".
+constexpr int64_t kMaxTokensWhenContextUnknown = 4096;
+
 int64_t UnixSeconds() {
   return std::chrono::duration_cast<std::chrono::seconds>(
              std::chrono::system_clock::now().time_since_epoch())
       .count();
-}
-
-std::optional<WorkerRole> FromProtoRole(proto::Role r) {
-  switch (r) {
-    case proto::ROLE_PREFILL:
-      return WorkerRole::kPrefill;
-    case proto::ROLE_DECODE:
-      return WorkerRole::kDecode;
-    case proto::ROLE_BOTH:
-      return WorkerRole::kBoth;
-    default:
-      return std::nullopt;
-  }
 }
 
 const char* FinishName(proto::FinishReason r) {
@@ -112,7 +105,16 @@ struct RouterMetrics {
                               "Bytes of KV snapshots being received and not yet complete")),
         control_rejected(
             metrics::AddCounterFamily(r, "pdserve_router_control_rejected_total",
-                                      "Control messages or connections refused, by reason")) {
+                                      "Control messages or connections refused, by reason")),
+        replications(metrics::AddCounterFamily(
+            r, "pdserve_router_replications_total",
+            "Hot-prefix copies by outcome: started (a holder was asked to write the prefix's "
+            "blocks to the chosen worker), finished (that request's first token came), failed "
+            "(no path to the holder, or the request failed before its first token)")),
+        replicated_blocks(metrics::AddCounter(
+            r, "pdserve_router_replicated_blocks_total",
+            "KV blocks holders were asked to copy (the bytes are in the workers' "
+            "pdserve_kv_transfer_bytes_total)")) {
     // Every outcome and decision exists from the start at 0, so rate() and
     // ratios over them are defined before the first request of each kind.
     for (const char* status :
@@ -122,6 +124,9 @@ struct RouterMetrics {
     for (const char* reason :
          {"not_dispatched_here", "duplicate_worker", "snapshot_too_large", "registration_invalid"})
       control_rejected.Add({{"reason", reason}});
+    for (const char* outcome : {"started", "finished", "failed"}) {
+      replications.Add({{"outcome", outcome}});
+    }
   }
 
   prometheus::Family<prometheus::Counter>& requests;
@@ -140,6 +145,8 @@ struct RouterMetrics {
   prometheus::Gauge& control_buffered_bytes;
   prometheus::Gauge& snapshot_pending_bytes;
   prometheus::Family<prometheus::Counter>& control_rejected;
+  prometheus::Family<prometheus::Counter>& replications;
+  prometheus::Counter& replicated_blocks;
 };
 
 // One connected worker.
@@ -147,7 +154,7 @@ struct WorkerLink {
   control::ConnectionPtr conn;
   std::optional<WorkerId> id;  // set after a valid Register
   std::string name;
-  WorkerRole role = WorkerRole::kBoth;
+  Role role = Role::kBoth;
   std::string control_address;
   int64_t kv_capacity_blocks = 0;  // as registered
   bool synced = false;
@@ -178,7 +185,8 @@ struct Inflight {
   int attempts = 0;
   std::optional<WorkerId> decode;
   std::optional<WorkerId> prefill;
-  bool started_stream = false;  // HTTP headers sent
+  std::optional<WorkerId> copy_from;  // a holder copying a hot prefix as its prefill worker
+  bool started_stream = false;        // HTTP headers sent
   bool first_token_seen = false;
   double ttft_s = 0;
   std::vector<TokenPiece> pieces;  // non-streaming: the whole output
@@ -203,10 +211,10 @@ class RouterServiceImpl : public RouterService {
         chat_template_.emplace(std::move(*tmpl));
       }
     }
-    auto config = LoadModelConfig(opts_.model_dir);
-    if (!config.ok()) return config.status();
-    max_context_ = config->max_context();
-    model_id_ = ServedModelId(opts_.model_dir, *config, opts_.model_id);
+    // The context length is not read here: workers report theirs (Register).
+    auto model_id = ServedModelIdOfFolder(opts_.model_dir, opts_.model_id);
+    if (!model_id.ok()) return model_id.status();
+    model_id_ = std::move(*model_id);
     if (!opts_.api_key_file.empty()) {
       auto keys = http::LoadApiKeys(opts_.api_key_file);
       if (!keys.ok()) return keys.status();
@@ -217,6 +225,7 @@ class RouterServiceImpl : public RouterService {
     ro.policy_options.temperature = opts_.policy_temperature;
     ro.block_tokens = opts_.block_size;
     ro.max_local_prefill = opts_.max_local_prefill;
+    ro.copy_cost = opts_.replication_copy_cost;
     auto core = RouterCore::Create(ro);
     if (!core.ok()) return core.status();
     core_ = std::move(*core);
@@ -270,8 +279,8 @@ class RouterServiceImpl : public RouterService {
       PDSERVE_RETURN_IF_ERROR(metrics_http_->Start());
     }
     watchdog_ = std::thread([this] { Watchdog(); });
-    PDSERVE_LOG(INFO) << "router serving model '" << model_id_ << "' (context " << max_context_
-                      << ", block size " << opts_.block_size << ", policy " << opts_.policy
+    PDSERVE_LOG(INFO) << "router serving model '" << model_id_ << "' (block size "
+                      << opts_.block_size << ", policy " << opts_.policy
                       << ") on http :" << http_->port() << ", control :" << control_->port()
                       << (metrics_http_ ? ", metrics :" + std::to_string(metrics_http_->port())
                                         : "");
@@ -321,6 +330,11 @@ class RouterServiceImpl : public RouterService {
       if (!keys.ok()) return keys.status();
       metrics_keys_ = std::move(*keys);
     }
+    if (!opts_.admin_key_file.empty()) {
+      auto keys = http::LoadApiKeys(opts_.admin_key_file);
+      if (!keys.ok()) return keys.status();
+      admin_keys_ = std::move(*keys);
+    }
     return Status::Ok();
   }
 
@@ -346,6 +360,17 @@ class RouterServiceImpl : public RouterService {
       ex->Reply(std::move(r));
       return;
     }
+    if (req.path.rfind("/admin/", 0) == 0) {
+      if (admin_keys_.empty()) {
+        return ex->Reply(http::ErrorResponse(404, "admin endpoints are off (--admin-key-file)",
+                                             "invalid_request_error", "", "not_found"));
+      }
+      const http::BearerCheck auth = http::CheckBearer(req, admin_keys_);
+      if (!auth.accepted()) return ex->Reply(http::BearerRefusal(auth));
+      if (req.path == "/admin/drain") return HandleAdminDrain(req, ex);
+      return ex->Reply(http::ErrorResponse(404, "no such endpoint: " + req.method + " " + req.path,
+                                           "invalid_request_error", "", "not_found"));
+    }
     const bool is_api = req.path.rfind("/v1/", 0) == 0;
     std::optional<size_t> api_key;  // which key authorized the request
     if (is_api && !api_keys_.empty()) {
@@ -359,9 +384,12 @@ class RouterServiceImpl : public RouterService {
     }
     if (req.path == "/v1/models") {
       if (req.method != "GET") return ex->Reply(http::ErrorResponse(405, "use GET for /v1/models"));
+      // max_model_len: what the registered workers run (null before one says).
+      const int64_t max_len = core_->MaxModelLen();
       nlohmann::json model = {{"id", model_id_},          {"object", "model"},
                               {"created", started_unix_}, {"owned_by", "pdserve"},
-                              {"root", model_id_},        {"max_model_len", max_context_}};
+                              {"root", model_id_},        {"max_model_len", nullptr}};
+      if (max_len > 0) model["max_model_len"] = max_len;
       ex->Reply({200,
                  "application/json",
                  {},
@@ -453,21 +481,24 @@ class RouterServiceImpl : public RouterService {
                      prompt_param, ""},
                     "rejected");
     }
-    if (prompt_len >= max_context_) {
+    // The longest sequence a registered decode worker runs (0: unknown, the
+    // worker then stops generation at its own limit).
+    const int64_t max_len = core_->MaxModelLen();
+    if (max_len > 0 && prompt_len >= max_len) {
       return reject(
           {400,
-           "This model's maximum context length is " + std::to_string(max_context_) +
+           "This model's maximum context length is " + std::to_string(max_len) +
                " tokens. However, your prompt has " + std::to_string(prompt_len) + " tokens.",
            "invalid_request_error", prompt_param, "context_length_exceeded"},
           "rejected");
     }
-    const int64_t room = max_context_ - prompt_len;
+    const int64_t room = max_len > 0 ? max_len - prompt_len : kMaxTokensWhenContextUnknown;
     int64_t max_tokens =
         api.max_tokens ? *api.max_tokens : (endpoint == Endpoint::kCompletions ? 16 : room);
-    if (api.max_tokens && max_tokens > room) {
+    if (max_len > 0 && api.max_tokens && max_tokens > room) {
       return reject(
           {400,
-           "This model's maximum context length is " + std::to_string(max_context_) +
+           "This model's maximum context length is " + std::to_string(max_len) +
                " tokens. However, you requested " + std::to_string(prompt_len + max_tokens) +
                " tokens (" + std::to_string(prompt_len) + " in the prompt, " +
                std::to_string(max_tokens) + " for the completion).",
@@ -535,10 +566,32 @@ class RouterServiceImpl : public RouterService {
       for (TokenId t : r.prompt_ids) g->add_prompt_token_ids(t);
       ToProto(r.api->sampling, g->mutable_sampling());
       g->set_cache_salt(r.api->cache_salt);
+      // The prefill decision travels with the request: an address means
+      // "prefill remotely there", none means "prefill locally".
       if (decision->prefill) {
         if (auto p = LinkOf(*decision->prefill)) {
           g->set_prefill_worker_id(p->name);
           g->set_prefill_address(p->control_address);
+        } else {
+          core_->OnPrefillDone(id);  // no link: local prefill after all
+          decision->prefill.reset();
+        }
+      }
+      // A hot-prefix copy rides on the existing hand-off: the holder is the
+      // request's prefill worker; it computes only what it lacks (the prefix
+      // is cached there) and writes every block the decode worker lacks.
+      // Without a link the decode worker recomputes the prefix.
+      r.copy_from.reset();
+      if (decision->copy_from) {
+        auto holder = LinkOf(*decision->copy_from);
+        if (holder && !holder->draining) {
+          g->set_prefill_worker_id(holder->name);
+          g->set_prefill_address(holder->control_address);
+          r.copy_from = decision->copy_from;
+          metrics_.replications.Add({{"outcome", "started"}}).Increment();
+          metrics_.replicated_blocks.Increment(static_cast<double>(decision->copy_blocks));
+        } else {
+          metrics_.replications.Add({{"outcome", "failed"}}).Increment();
         }
       }
       const auto left =
@@ -553,11 +606,13 @@ class RouterServiceImpl : public RouterService {
       r.decode = decision->decode;
       r.decode_conn = decode_link->conn->id();
       r.prefill = decision->prefill;
+      if (opts_.drain_push_blocks > 0) RecordHotPromptLocked(decision->decode, r);
       metrics_.prompt_tokens.Increment(static_cast<double>(r.prompt_ids.size()));
       const int64_t overlap =
           decision->prefill ? decision->prefill_overlap_blocks : decision->decode_overlap_blocks;
       metrics_.predicted_hit_tokens.Increment(static_cast<double>(overlap * opts_.block_size));
-      metrics_.decisions.Add({{"kind", decision->prefill ? "remote_prefill" : "local_prefill"}})
+      metrics_.decisions
+          .Add({{"kind", decision->prefill || r.copy_from ? "remote_prefill" : "local_prefill"}})
           .Increment();
       if (r.attempts > 1) metrics_.retries.Increment();
       return;
@@ -628,11 +683,7 @@ class RouterServiceImpl : public RouterService {
       case proto::Envelope::kGoodbye:
         if (e.goodbye().drain()) {
           PDSERVE_LOG(INFO) << "worker " << link.name << " is draining: " << e.goodbye().reason();
-          link.synced = false;  // no new requests; running ones finish
-          link.draining = true;
-          if (link.id) core_->SetDraining(*link.id, true);
-          if (link.id && link.role == WorkerRole::kPrefill) BroadcastPrefillWorkersLocked();
-          UpdateWorkerGaugesLocked();
+          DrainLocked(link);
         }
         return;
       default:
@@ -669,13 +720,176 @@ class RouterServiceImpl : public RouterService {
     if (!r.wire_id.empty()) wire_ids_[r.wire_id] = r.id;
   }
 
-  // The prefill workers a decode worker may be told to use: registered,
-  // prefill role, not draining.
-  proto::Envelope PrefillWorkersLocked() {
+  // ---------------------------------------------- scale-down (drain push)
+  struct Pushed {
+    size_t prompts = 0;
+    int64_t blocks = 0;
+  };
+
+  // No new requests for `link` (running ones finish); with drain pushes its
+  // hot prompts go to the survivors. Idempotent.
+  Pushed DrainLocked(WorkerLink& link) {
+    Pushed pushed;
+    if (link.draining) return pushed;
+    link.synced = false;
+    link.draining = true;
+    if (link.id) core_->SetDraining(*link.id, true);
+    if (link.id && opts_.drain_push_blocks > 0) pushed = PushHotPromptsLocked(link);
+    if (link.id && WritesKvForOthers(link)) BroadcastPrefillWorkersLocked();
+    UpdateWorkerGaugesLocked();
+    return pushed;
+  }
+
+  // POST /admin/drain {"worker": NAME}: the operator's scale-down before
+  // terminating a worker (needs --admin-key-file).
+  void HandleAdminDrain(const http::Request& req, const std::shared_ptr<http::Exchange>& ex) {
+    if (req.method != "POST") return ex->Reply(http::ErrorResponse(405, "use POST"));
+    const nlohmann::json body = nlohmann::json::parse(req.body, nullptr, false);
+    if (!body.is_object() || !body.contains("worker") || !body["worker"].is_string()) {
+      return ex->Reply(http::ErrorResponse(400, "expected {\"worker\": NAME}",
+                                           "invalid_request_error", "worker", ""));
+    }
+    const std::string name = body["worker"];
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [_, l] : links_) {
+      if (!l.id || l.name != name) continue;
+      const bool already = l.draining;
+      const Pushed pushed = DrainLocked(l);
+      PDSERVE_LOG(INFO) << "admin: drain " << name << (already ? " (already draining)" : "") << ": "
+                        << pushed.prompts << " prompt(s), " << pushed.blocks << " block(s) pushed";
+      return ex->Reply({200,
+                        "application/json",
+                        {},
+                        nlohmann::json{{"worker", name},
+                                       {"draining", true},
+                                       {"pushed_prompts", pushed.prompts},
+                                       {"pushed_blocks", pushed.blocks}}
+                            .dump()});
+    }
+    PDSERVE_LOG(INFO) << "admin: drain " << name << ": no such worker";
+    ex->Reply(http::ErrorResponse(404, "no registered worker '" + name + "'",
+                                  "invalid_request_error", "worker", "not_found"));
+  }
+
+  // The prompts each worker served most often lately, by the hash of their
+  // last full block: what a draining worker has the survivors copy.
+  struct HotPrompt {
+    std::vector<TokenId> tokens;  // whole blocks only
+    std::vector<BlockHash> hashes;
+    std::string cache_salt;
+    int64_t uses = 0;
+    uint64_t last_use = 0;
+  };
+  static constexpr size_t kHotPromptsPerWorker = 64;
+
+  void RecordHotPromptLocked(WorkerId worker, const Inflight& r) {
+    if (r.hashes.empty()) return;
+    auto& prompts = hot_prompts_[worker];
+    HotPrompt& p = prompts[r.hashes.back()];
+    if (p.uses == 0) {
+      const size_t n = r.hashes.size() * static_cast<size_t>(opts_.block_size);
+      p.tokens.assign(r.prompt_ids.begin(), r.prompt_ids.begin() + static_cast<ptrdiff_t>(n));
+      p.hashes = r.hashes;
+      p.cache_salt = r.api->cache_salt;
+    }
+    ++p.uses;
+    p.last_use = ++hot_clock_;
+    if (prompts.size() > kHotPromptsPerWorker) {  // forget the least recently used
+      auto coldest = prompts.begin();
+      for (auto it = prompts.begin(); it != prompts.end(); ++it) {
+        if (it->second.last_use < coldest->second.last_use) coldest = it;
+      }
+      prompts.erase(coldest);
+    }
+  }
+
+  // A worker announced its drain: each of its hottest prompts that it still
+  // holds goes, as a one-token request, to a survivor in turn with the
+  // draining worker as prefill worker, which writes the blocks the survivor
+  // lacks (a survivor without a link to it computes them), up to
+  // drain_push_blocks blocks.
+  Pushed PushHotPromptsLocked(const WorkerLink& leaving) {
+    auto found = hot_prompts_.find(*leaving.id);
+    if (found == hot_prompts_.end() || !WritesKvForOthers(leaving)) return {};
+    std::vector<const WorkerLink*> survivors;
+    for (auto& [_, l] : links_) {
+      if (l.id && l.synced && !l.draining && l.role != Role::kPrefill && &l != &leaving)
+        survivors.push_back(&l);
+    }
+    if (survivors.empty()) return {};
+    std::vector<std::pair<BlockHash, const HotPrompt*>> order;
+    for (const auto& [hash, p] : found->second) order.emplace_back(hash, &p);
+    std::sort(order.begin(), order.end(), [](const auto& a, const auto& b) {
+      return a.second->uses != b.second->uses ? a.second->uses > b.second->uses
+                                              : a.second->last_use > b.second->last_use;
+    });
+    int64_t budget = opts_.drain_push_blocks, pushed_blocks = 0;
+    size_t turn = 0, pushed = 0;
+    std::vector<uint32_t> overlap;
+    for (const auto& [_, p] : order) {
+      if (budget <= 0) break;
+      const std::vector<BlockHash>& hashes = p->hashes;
+      core_->index().LeadingOverlap(hashes, 0, &overlap);
+      if (overlap[*leaving.id] < hashes.size()) continue;  // evicted meanwhile
+      const WorkerLink& target = *survivors[turn++ % survivors.size()];
+      const int64_t missing = static_cast<int64_t>(hashes.size() - overlap[*target.id]);
+      if (missing == 0) continue;
+      proto::Envelope env;
+      proto::Generate* g = env.mutable_generate();
+      const std::string wire_id = "drain-push-" + NewUnguessableId();
+      g->set_request_id(wire_id);
+      for (TokenId t : p->tokens) g->add_prompt_token_ids(t);
+      SamplingParams one_token;
+      one_token.temperature = 0;
+      one_token.max_tokens = 1;
+      ToProto(one_token, g->mutable_sampling());
+      g->set_cache_salt(p->cache_salt);
+      g->set_prefill_worker_id(leaving.name);
+      g->set_prefill_address(leaving.control_address);
+      g->set_deadline_ms(static_cast<uint32_t>(opts_.request_timeout_ms));
+      if (!target.conn->Send(std::move(env)).ok()) continue;
+      pushes_[wire_id] = target.conn->id();
+      budget -= missing;
+      pushed_blocks += missing;
+      ++pushed;
+      metrics_.replications.Add({{"outcome", "started"}}).Increment();
+      metrics_.replicated_blocks.Increment(static_cast<double>(missing));
+    }
+    hot_prompts_.erase(found);
+    PDSERVE_LOG(INFO) << "worker " << leaving.name << " drains: " << pushed << " hot prompt(s), "
+                      << pushed_blocks << " block(s) pushed to " << survivors.size()
+                      << " survivor(s)";
+    return {pushed, pushed_blocks};
+  }
+
+  // True when `wire_id` is a drain push (its result is only counted).
+  bool EndPushLocked(const WorkerLink& link, const std::string& wire_id, bool ok) {
+    auto it = pushes_.find(wire_id);
+    if (it == pushes_.end() || it->second != link.conn->id()) return false;
+    pushes_.erase(it);
+    metrics_.replications.Add({{"outcome", ok ? "finished" : "failed"}}).Increment();
+    return true;
+  }
+
+  // Whether decode workers connect to `l`'s peer port: prefill workers, and
+  // with replication or drain pushes the workers of role both (holders that
+  // copy prefixes).
+  bool WritesKvForOthers(const WorkerLink& l) const {
+    return l.role == Role::kPrefill ||
+           ((opts_.replication_copy_cost > 0 || opts_.drain_push_blocks > 0) &&
+            l.role == Role::kBoth);
+  }
+
+  // The workers `recipient` may be told to take a prefill from: registered,
+  // writing KV for others, not draining, not itself.
+  proto::Envelope PrefillWorkersLocked(const WorkerLink& recipient) {
     proto::Envelope env;
     auto* list = env.mutable_prefill_workers();
     for (auto& [_, l] : links_) {
-      if (!l.id || l.role != WorkerRole::kPrefill || l.draining) continue;
+      // A draining worker stays listed when it may push its prompts: the
+      // router sends it no new prefills either way.
+      if (!l.id || !WritesKvForOthers(l) || &l == &recipient) continue;
+      if (l.draining && opts_.drain_push_blocks == 0) continue;
       auto* w = list->add_workers();
       w->set_worker_id(l.name);
       w->set_control_address(l.control_address);
@@ -684,9 +898,8 @@ class RouterServiceImpl : public RouterService {
   }
 
   void BroadcastPrefillWorkersLocked() {
-    const proto::Envelope env = PrefillWorkersLocked();
     for (auto& [_, l] : links_) {
-      if (l.id && l.role != WorkerRole::kPrefill) (void)l.conn->Send(env);
+      if (l.id && l.role != Role::kPrefill) (void)l.conn->Send(PrefillWorkersLocked(l));
     }
   }
 
@@ -705,7 +918,7 @@ class RouterServiceImpl : public RouterService {
   void OnRegisterLocked(WorkerLink& link, const proto::Register& reg) {
     link.name = reg.worker_id();
     if (link.id) return RefuseLocked(link, "Register sent twice on one connection");
-    auto role = FromProtoRole(reg.role());
+    auto role = FromProto(reg.role());
     if (!role) return RefuseLocked(link, "worker role must be prefill, decode or both");
     if (reg.model_id() != model_id_) {
       return RefuseLocked(link, "model_id: '" + reg.model_id() + "' on the worker, '" + model_id_ +
@@ -728,7 +941,7 @@ class RouterServiceImpl : public RouterService {
                                     " is outside [1, " + std::to_string(opts_.max_snapshot_blocks) +
                                     "] (router --max-snapshot-blocks)");
     }
-    auto id = core_->AddWorker(reg.worker_id(), *role);
+    auto id = core_->AddWorker(reg.worker_id(), *role, reg.max_model_len());
     if (!id.ok()) {
       // The live worker of that name keeps its place: a second connection
       // claiming it never evicts the first.
@@ -740,51 +953,30 @@ class RouterServiceImpl : public RouterService {
     link.control_address = reg.control_address();
     link.kv_capacity_blocks = static_cast<int64_t>(reg.kv_capacity_blocks());
     by_worker_[*id] = link.conn->id();
-    PDSERVE_LOG(INFO) << "worker " << link.name << " registered: role " << WorkerRoleName(*role)
-                      << ", " << reg.kv_capacity_blocks() << " KV blocks, control "
-                      << reg.control_address();
+    PDSERVE_LOG(INFO) << "worker " << link.name << " registered: role " << RoleName(*role) << ", "
+                      << reg.kv_capacity_blocks() << " KV blocks, max_model_len "
+                      << (reg.max_model_len() ? std::to_string(reg.max_model_len()) : "unknown")
+                      << ", control " << reg.control_address();
     proto::Envelope env;
     env.mutable_resync()->set_reason("new connection");
     (void)link.conn->Send(std::move(env));
-    if (*role == WorkerRole::kPrefill) {
+    if (WritesKvForOthers(link)) {
       BroadcastPrefillWorkersLocked();  // re-admitted: decode workers reconnect at once
     } else {
-      (void)link.conn->Send(PrefillWorkersLocked());
+      (void)link.conn->Send(PrefillWorkersLocked(link));
     }
     UpdateWorkerGaugesLocked();
   }
 
   void OnKvEventsLocked(WorkerLink& link, const proto::KvEvents& ev) {
     if (!link.id) return;
-    KvEventBatch batch;
-    batch.seq = ev.sequence();
-    batch.events.reserve(static_cast<size_t>(ev.events_size()));
-    for (const auto& pe : ev.events()) {
-      KvEvent k;
-      switch (pe.kind_case()) {
-        case proto::KvEvent::kStored:
-          k.kind = KvEvent::Kind::kStored;
-          k.hashes.assign(pe.stored().block_hashes().begin(), pe.stored().block_hashes().end());
-          if (pe.stored().has_parent_hash()) k.parent = pe.stored().parent_hash();
-          break;
-        case proto::KvEvent::kRemoved:
-          k.kind = KvEvent::Kind::kRemoved;
-          k.hashes.assign(pe.removed().block_hashes().begin(), pe.removed().block_hashes().end());
-          break;
-        case proto::KvEvent::kCleared:
-          k.kind = KvEvent::Kind::kCleared;
-          break;
-        default:
-          continue;
-      }
-      batch.events.push_back(std::move(k));
-    }
+    const KvEventBatch batch = FromProto(ev);
     const ApplyOutcome out = core_->OnKvEvents(*link.id, batch);
     if (out == ApplyOutcome::kNeedsResync && link.synced) {
       link.synced = false;
       metrics_.event_gaps.Increment();
-      PDSERVE_LOG(WARN) << "worker " << link.name << ": KV event gap at sequence " << batch.seq
-                        << "; resyncing";
+      PDSERVE_LOG(WARN) << "worker " << link.name << ": KV event gap at sequence "
+                        << batch.sequence_number << "; resyncing";
       proto::Envelope env;
       env.mutable_resync()->set_reason("sequence gap");
       (void)link.conn->Send(std::move(env));
@@ -801,7 +993,7 @@ class RouterServiceImpl : public RouterService {
     snapshot_pending_bytes_ -= link.snapshot.size() * sizeof(BlockHash);
     if (!link.id) return;
     by_worker_.erase(*link.id);
-    if (link.role == WorkerRole::kPrefill) BroadcastPrefillWorkersLocked();
+    if (WritesKvForOthers(link)) BroadcastPrefillWorkersLocked();
     std::vector<uint64_t> orphans = core_->RemoveWorker(*link.id);
     PDSERVE_LOG(WARN) << "worker " << link.name << " disconnected (" << why.message()
                       << "); index purged, " << orphans.size() << " request(s) affected";
@@ -822,6 +1014,7 @@ class RouterServiceImpl : public RouterService {
     if (!r.first_token_seen && !stopping_) {
       PDSERVE_LOG(INFO) << "request " << r.http_request_id << ": " << why
                         << " before the first token; retrying";
+      if (r.copy_from) metrics_.replications.Add({{"outcome", "failed"}}).Increment();
       r.decode.reset();
       r.prefill.reset();
       return DispatchLocked(id);
@@ -838,6 +1031,7 @@ class RouterServiceImpl : public RouterService {
       r.ttft_s = SecondsSince(r.arrived);
       metrics_.ttft.Observe(r.ttft_s);
       core_->OnPrefillDone(r.id);
+      if (r.copy_from) metrics_.replications.Add({{"outcome", "finished"}}).Increment();
       if (r.api->stream) {
         r.exchange->BeginStream(200, "text/event-stream", {{"x-request-id", r.http_request_id}});
         r.started_stream = true;
@@ -877,6 +1071,7 @@ class RouterServiceImpl : public RouterService {
   }
 
   void OnFinishedLocked(WorkerLink& link, const proto::Finished& f) {
+    if (EndPushLocked(link, f.request_id(), /*ok=*/true)) return;
     Inflight* found = DispatchedOnLocked(link, f.request_id(), "Finished");
     if (!found) return;
     Inflight& r = *found;
@@ -916,14 +1111,16 @@ class RouterServiceImpl : public RouterService {
                       << " (cached " << usage.cached_tokens << "), completion "
                       << usage.completion_tokens << ", finish " << finish << ", decode "
                       << WorkerName(r.decode)
-                      << (r.prefill ? ", prefill " + WorkerName(r.prefill)
-                                    : std::string(", local prefill"))
+                      << (r.prefill     ? ", prefill " + WorkerName(r.prefill)
+                          : r.copy_from ? ", prefix copied by " + WorkerName(r.copy_from)
+                                        : std::string(", local prefill"))
                       << ", ttft " << r.ttft_s << "s, total " << SecondsSince(r.arrived)
                       << "s, attempts " << r.attempts;
     FinishLocked(r.id, "ok");
   }
 
   void OnRequestErrorLocked(WorkerLink& link, const proto::Error& e) {
+    if (EndPushLocked(link, e.request_id(), /*ok=*/false)) return;
     Inflight* found = DispatchedOnLocked(link, e.request_id(), "Error");
     if (!found) return;
     const uint64_t id = found->id;
@@ -1030,7 +1227,7 @@ class RouterServiceImpl : public RouterService {
     std::lock_guard<std::mutex> lock(mu_);
     int n = 0;
     for (auto& [_, l] : links_) {
-      if (l.id && l.synced && (l.role == WorkerRole::kPrefill) == prefill) ++n;
+      if (l.id && l.synced && (l.role == Role::kPrefill) == prefill) ++n;
     }
     return n;
   }
@@ -1042,8 +1239,7 @@ class RouterServiceImpl : public RouterService {
     }
     for (auto& [_, l] : links_) {
       if (!l.id) continue;
-      metrics_.workers
-          .Add({{"role", WorkerRoleName(l.role)}, {"state", l.synced ? "ready" : "syncing"}})
+      metrics_.workers.Add({{"role", RoleName(l.role)}, {"state", l.synced ? "ready" : "syncing"}})
           .Increment();
     }
   }
@@ -1053,10 +1249,10 @@ class RouterServiceImpl : public RouterService {
   RouterServiceOptions opts_;
   std::unique_ptr<Tokenizer> tokenizer_;
   std::optional<ChatTemplate> chat_template_;
-  int64_t max_context_ = 0;
   std::string model_id_;
   std::vector<std::string> api_keys_;
   std::vector<std::string> metrics_keys_;  // empty: /metrics is open
+  std::vector<std::string> admin_keys_;    // empty: /admin/* is off
   ApiLimits limits_;
   std::unique_ptr<RouterCore> core_;
   std::shared_ptr<prometheus::Registry> registry_ = std::make_shared<prometheus::Registry>();
@@ -1077,6 +1273,9 @@ class RouterServiceImpl : public RouterService {
   std::unordered_map<WorkerId, uint64_t> by_worker_;  // worker → connection id
   std::unordered_map<uint64_t, std::unique_ptr<Inflight>> inflight_;
   std::unordered_map<std::string, uint64_t> wire_ids_;  // Inflight::wire_id → id
+  std::unordered_map<WorkerId, std::unordered_map<BlockHash, HotPrompt>> hot_prompts_;
+  uint64_t hot_clock_ = 0;
+  std::unordered_map<std::string, uint64_t> pushes_;  // drain push wire id → connection
   size_t snapshot_pending_bytes_ = 0;
 };
 

@@ -4,7 +4,10 @@
 // prefix index and load view current with KV events and Load reports. Each
 // HTTP request is tokenized (chat template for chat), hashed (spec v1),
 // routed by RouterCore, sent to the chosen decode worker as Generate (naming a
-// prefill worker for remote prefill), and its tokens are streamed back.
+// prefill worker when the router decided on remote prefill: the only such
+// decision), and its tokens are streamed back. Requests too long for every
+// registered decode worker (their Register.max_model_len) are refused with
+// OpenAI's context_length_exceeded error.
 //
 // Failure contract: a worker that dies or fails a request before the first
 // token reached the client → the request is retried on another worker,
@@ -18,25 +21,40 @@
 #include <string>
 
 #include "common/status.h"
+#include "services/router/router_core.h"
 #include "transport/control/handshake.h"
 #include "transport/control/tls.h"
 
 namespace pdserve::router {
 
 struct RouterServiceOptions {
-  std::string model_dir;  // tokenizer.json, tokenizer_config.json, config.json
-  std::string model_id;   // served name; "" = the model folder's name
+  // tokenizer.json, tokenizer_config.json, and config.json for its
+  // `_name_or_path` only (the served id); context lengths come from workers.
+  std::string model_dir;
+  std::string model_id;  // served name; "" = the model folder's name
   std::string host = "0.0.0.0";
   int http_port = 8000;     // 0: any free port
   int control_port = 9000;  // 0: any free port
   int metrics_port = -1;    // -1: /metrics on the HTTP port
   std::string policy = "kv";
   double policy_temperature = 0;  // softmax temperature of the kv policy (0: argmin)
-  int64_t max_local_prefill = 512;
+  int64_t max_local_prefill = kDefaultMaxLocalPrefill;  // see RouterOptions
+  // Hot-prefix replication (RouterOptions::copy_cost; 0: off). A copy is a
+  // remote prefill by a holder of role both or prefill, which then writes the
+  // prefix's blocks to the chosen worker; with it on, workers of role both
+  // are also listed to decode workers as prefill peers.
+  double replication_copy_cost = 0;
+  // Scale-down: when a worker of role both or prefill announces its drain
+  // (SIGTERM), the router has it write its most used recent prompts, up to
+  // this many blocks, to the surviving workers before it leaves (0: off).
+  int64_t drain_push_blocks = 0;
   int64_t block_size = 16;
   std::string api_key_file;
   // Keys /metrics requires ("" = none); /health and /ready stay open.
   std::string metrics_key_file;
+  // Keys of POST /admin/drain {"worker": NAME} (no new requests for that
+  // worker, its hot prompts pushed as on SIGTERM); "" = no admin endpoints.
+  std::string admin_key_file;
   // Cache salt of each request derived from its API key (and the client's
   // salt), so that tenants never share cached blocks; needs api_key_file.
   bool salt_per_api_key = false;

@@ -6,6 +6,7 @@
 #include <fstream>
 #include <list>
 #include <queue>
+#include <span>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -33,13 +34,13 @@ StatusOr<int64_t> GetCount(const nlohmann::json& j, const char* key, const std::
   return v;
 }
 
-enum class EventType { kArrival, kWorkerDone, kDeliver, kLoadReport };
+enum class EventType { kArrival, kWorkerDone, kDeliver, kLoadReport, kCopyDone, kRemove };
 
 struct Event {
   double time;
   uint64_t order;  // FIFO among equal times: keeps event batches in sequence
   EventType type;
-  size_t index;  // request (arrival) or worker (done, deliver)
+  size_t index;  // request (arrival), worker (done, deliver) or copy
   bool operator>(const Event& o) const { return time != o.time ? time > o.time : order > o.order; }
 };
 
@@ -65,8 +66,16 @@ class SimWorker {
   int64_t Admit(const TraceRequest& r, std::vector<uint64_t>* evicted,
                 std::vector<uint64_t>* stored) {
     const int64_t hits = CachedPrefix(r);
-    for (size_t i = r.hash_ids.size(); i-- > 0;) {
-      const uint64_t h = r.hash_ids[i];
+    Insert(r.hash_ids, evicted, stored);
+    return hits;
+  }
+
+  // Makes `hashes` (a prompt's leading blocks) cached, earlier ones more
+  // recent; appends evicted and newly stored hashes (stored in prompt order).
+  void Insert(std::span<const uint64_t> hashes, std::vector<uint64_t>* evicted,
+              std::vector<uint64_t>* stored) {
+    for (size_t i = hashes.size(); i-- > 0;) {
+      const uint64_t h = hashes[i];
       auto it = where_.find(h);
       if (it != where_.end()) {
         lru_.splice(lru_.begin(), lru_, it->second);
@@ -93,7 +102,6 @@ class SimWorker {
       });
     }
     std::reverse(stored->begin(), stored->end());  // prompt order
-    return hits;
   }
 
   struct Running {
@@ -111,6 +119,11 @@ class SimWorker {
   std::deque<KvEventBatch> outbox;  // batches on their way to the router
   int64_t work = 0;
   int64_t routed = 0;
+  double link_free_at = 0;  // when its KV copy link is next idle
+  bool draining = false;
+  bool removed = false;
+  int64_t copies_out = 0;     // copies from it not landed yet
+  std::deque<size_t> recent;  // requests admitted, most recent last
 
  private:
   WorkerId id_;
@@ -118,6 +131,16 @@ class SimWorker {
   std::list<uint64_t> lru_;  // front = most recent
   std::unordered_map<uint64_t, std::list<uint64_t>::iterator> where_;
 };
+
+struct Copy {
+  size_t request;
+  size_t source;
+  size_t target;
+  int64_t blocks;  // leading blocks of the prompt the target holds once it lands
+  bool push;       // a drain push (no request waits for it)
+};
+
+constexpr size_t kRecentRequests = 4096;
 
 double Percentile(std::vector<double> v, double p) {
   if (v.empty()) return 0;
@@ -134,11 +157,26 @@ Status CheckTimes(const SimOptions& o) {
   if (!(o.prefill_tokens_per_s > 0)) {
     return Status::InvalidArgument("prefill rate must be positive");
   }
+  if (!(o.kv_bytes_per_token > 0) || !(o.copy_gbps > 0) || !std::isfinite(o.kv_bytes_per_token) ||
+      !std::isfinite(o.copy_gbps)) {
+    return Status::InvalidArgument("KV bytes per token and copy bandwidth must be positive");
+  }
   for (double v : {o.pending_ttl_s, o.prefill_overhead_s, o.decode_step_s, o.decode_step_per_seq_s,
                    o.event_delay_s}) {
     if (!(v >= 0) || !std::isfinite(v)) {
       return Status::InvalidArgument("simulated times must be finite and non-negative");
     }
+  }
+  if (!(o.time_scale > 0) || !std::isfinite(o.time_scale)) {
+    return Status::InvalidArgument("time scale must be finite and positive");
+  }
+  if (o.remove_at_s >= 0 && (o.remove_worker < -1 || o.remove_worker >= o.workers)) {
+    return Status::InvalidArgument(
+        "the worker to remove must be one of the simulated workers (or -1: none)");
+  }
+  if (o.drain_push_blocks < 0 || !(o.after_removal_s > 0)) {
+    return Status::InvalidArgument(
+        "drain push budget must not be negative and the after-removal window must be positive");
   }
   if (!(o.load_report_interval_s > 0)) {
     return Status::InvalidArgument("load report interval must be positive");
@@ -149,11 +187,16 @@ Status CheckTimes(const SimOptions& o) {
 class Simulation {
  public:
   Simulation(const std::vector<TraceRequest>& trace, const SimOptions& o, RouterCore* core)
-      : trace_(trace), o_(o), core_(core), ttft_(trace.size(), 0) {}
+      : trace_(trace),
+        o_(o),
+        core_(core),
+        ttft_(trace.size(), 0),
+        copied_of_(trace.size(), 0),
+        hit_of_(trace.size(), 0) {}
 
   Status Init() {
     for (int64_t i = 0; i < o_.workers; ++i) {
-      auto id = core_->AddWorker("sim-" + std::to_string(i), WorkerRole::kBoth);
+      auto id = core_->AddWorker("sim-" + std::to_string(i), Role::kBoth);
       if (!id.ok()) return id.status();
       PDSERVE_RETURN_IF_ERROR(core_->OnSnapshot(*id, 0, {}));  // empty caches
       by_id_.emplace(*id, workers_.size());
@@ -166,9 +209,12 @@ class Simulation {
 
   Status Run(const SimProgress& progress) {
     for (size_t i = 0; i < trace_.size(); ++i) {
-      Push(static_cast<double>(trace_[i].timestamp_ms) / 1000.0, EventType::kArrival, i);
+      Push(ArrivalTime(i), EventType::kArrival, i);
     }
     Push(0, EventType::kLoadReport, 0);
+    if (o_.remove_at_s >= 0 && o_.remove_worker >= 0) {
+      Push(o_.remove_at_s, EventType::kRemove, static_cast<size_t>(o_.remove_worker));
+    }
     const size_t progress_every = std::max<size_t>(1, trace_.size() / 10);
     size_t arrived = 0;
     while (!events_.empty()) {
@@ -183,9 +229,17 @@ class Simulation {
         case EventType::kWorkerDone:
           Finish(workers_[e.index]);
           Kick(workers_[e.index]);
+          TryLeave(workers_[e.index]);
+          break;
+        case EventType::kRemove:
+          StartDrain(workers_[e.index]);
           break;
         case EventType::kDeliver: {
           SimWorker& w = workers_[e.index];
+          if (w.removed) {  // its index entries are gone with it
+            w.outbox.pop_front();
+            break;
+          }
           const ApplyOutcome outcome = core_->OnKvEvents(w.id(), w.outbox.front());
           w.outbox.pop_front();
           if (outcome != ApplyOutcome::kApplied) {
@@ -194,6 +248,9 @@ class Simulation {
           }
           break;
         }
+        case EventType::kCopyDone:
+          Land(copies_[e.index]);
+          break;
         case EventType::kLoadReport:
           ReportLoad();
           if (finished_ < trace_.size()) {
@@ -232,10 +289,33 @@ class Simulation {
     r.load_imbalance = mean > 0 ? static_cast<double>(max_work) / mean : 1.0;
     r.makespan_s = now_;
     r.index = core_->stats().index;
+    r.replications_started = replications_started_;
+    r.replications_finished = replications_finished_;
+    r.replications_failed = replications_failed_;
+    r.copied_tokens = copied_tokens_;
+    r.copied_bytes = copied_bytes_;
+    r.removed_at_s = removed_at_s_;
+    r.drain_pushed_blocks = drain_pushed_blocks_;
+    if (o_.remove_at_s >= 0) {
+      int64_t hits = 0, tokens = 0;
+      for (size_t i = 0; i < trace_.size(); ++i) {
+        const double t = ArrivalTime(i);
+        if (t < o_.remove_at_s || t >= o_.remove_at_s + o_.after_removal_s) continue;
+        hits += hit_of_[i];
+        tokens += trace_[i].input_length;
+        ++r.requests_after_removal;
+      }
+      r.hit_rate_after_removal =
+          tokens > 0 ? static_cast<double>(hits) / static_cast<double>(tokens) : 0.0;
+    }
     return r;
   }
 
  private:
+  double ArrivalTime(size_t i) const {
+    return static_cast<double>(trace_[i].timestamp_ms) / 1000.0 * o_.time_scale;
+  }
+
   void Push(double time, EventType type, size_t index) {
     events_.push({time, order_++, type, index});
   }
@@ -255,20 +335,114 @@ class Simulation {
         TokensOfLeadingBlocks(r, decision->prefill_overlap_blocks, o_.block_tokens);
     prompt_tokens_ += r.input_length;
     SimWorker& w = workers_[by_id_.at(decision->decode)];
-    w.queue.push_back(i);
     ++w.routed;
+    if (decision->copy_from && StartCopy(i, by_id_.at(*decision->copy_from), by_id_.at(w.id()),
+                                         decision->decode_overlap_blocks + decision->copy_blocks)) {
+      return Status::Ok();  // queued when the copy lands
+    }
+    w.queue.push_back(i);
     Kick(w);
     return Status::Ok();
   }
 
-  void Emit(SimWorker& w, KvEvent::Kind kind, std::vector<uint64_t> hashes) {
+  // Copies the prompt's blocks [target's cached prefix, `blocks`) that the
+  // source still holds. False when it holds none of them (a failed copy: the
+  // target computes them).
+  bool StartCopy(size_t i, size_t source, size_t target, int64_t blocks, bool push = false) {
+    const TraceRequest& r = trace_[i];
+    SimWorker& src = workers_[source];
+    SimWorker& dst = workers_[target];
+    const int64_t have = dst.CachedPrefix(r);
+    blocks = std::min(blocks, src.CachedPrefix(r));
+    if (blocks <= have) {
+      if (!push) ++replications_failed_;
+      return false;
+    }
+    const int64_t tokens = TokensOfLeadingBlocks(r, blocks, o_.block_tokens) -
+                           TokensOfLeadingBlocks(r, have, o_.block_tokens);
+    const double bytes = static_cast<double>(tokens) * o_.kv_bytes_per_token;
+    const double start = std::max({now_, src.link_free_at, dst.link_free_at});
+    const double end = start + bytes / (o_.copy_gbps * 1e9);
+    src.link_free_at = dst.link_free_at = end;
+    ++src.copies_out;
+    if (push) {
+      drain_pushed_blocks_ += blocks - have;
+    } else {
+      ++replications_started_;
+      copied_bytes_ += bytes;
+      copied_tokens_ += tokens;
+      copied_of_[i] = tokens;
+    }
+    copies_.push_back({i, source, target, blocks, push});
+    Push(end, EventType::kCopyDone, copies_.size() - 1);
+    return true;
+  }
+
+  void Land(const Copy& c) {
+    SimWorker& dst = workers_[c.target];
+    const TraceRequest& r = trace_[c.request];
+    std::vector<uint64_t> evicted, stored;
+    dst.Insert(std::span<const uint64_t>(r.hash_ids.data(), static_cast<size_t>(c.blocks)),
+               &evicted, &stored);
+    Emit<KvRemoved>(dst, std::move(evicted));
+    Emit<KvStored>(dst, std::move(stored));
+    --workers_[c.source].copies_out;
+    TryLeave(workers_[c.source]);
+    if (c.push) return;
+    ++replications_finished_;
+    dst.queue.push_back(c.request);
+    Kick(dst);
+  }
+
+  // Scale-down: no new requests; with drain_push, the prompts of its most
+  // recent requests go to the survivors in turn, within the block budget.
+  void StartDrain(SimWorker& w) {
+    w.draining = true;
+    core_->SetDraining(w.id(), true);
+    const size_t source = by_id_.at(w.id());
+    std::vector<size_t> survivors;
+    for (size_t k = 0; k < workers_.size(); ++k) {
+      if (!workers_[k].draining && !workers_[k].removed) survivors.push_back(k);
+    }
+    if (o_.drain_push && !survivors.empty()) {
+      int64_t budget = o_.drain_push_blocks > 0 ? o_.drain_push_blocks : o_.capacity_blocks;
+      std::unordered_set<uint64_t> pushed;  // last block of each pushed chain
+      size_t turn = 0;
+      for (auto it = w.recent.rbegin(); it != w.recent.rend() && budget > 0; ++it) {
+        const TraceRequest& r = trace_[*it];
+        const int64_t held = std::min(w.CachedPrefix(r), budget);
+        if (held == 0 || !pushed.insert(r.hash_ids[static_cast<size_t>(held - 1)]).second) {
+          continue;
+        }
+        const size_t target = survivors[turn++ % survivors.size()];
+        const int64_t before = drain_pushed_blocks_;
+        StartCopy(*it, source, target, held, /*push=*/true);
+        budget -= drain_pushed_blocks_ - before;
+      }
+    }
+    TryLeave(w);
+  }
+
+  // A draining worker leaves once idle with every copy from it landed.
+  void TryLeave(SimWorker& w) {
+    if (!w.draining || w.removed || w.action != SimWorker::Action::kIdle || !w.queue.empty() ||
+        !w.running.empty() || w.copies_out > 0) {
+      return;
+    }
+    w.removed = true;
+    removed_at_s_ = now_;
+    (void)core_->RemoveWorker(w.id());
+  }
+
+  // Event: KvStored or KvRemoved, of `hashes`.
+  template <typename Event>
+  void Emit(SimWorker& w, std::vector<uint64_t> hashes) {
     if (hashes.empty()) return;
     KvEventBatch batch;
-    batch.seq = ++w.seq;
-    KvEvent e;
-    e.kind = kind;
-    e.hashes.assign(hashes.begin(), hashes.end());
-    batch.events.push_back(std::move(e));
+    batch.sequence_number = ++w.seq;
+    Event e;
+    e.block_hashes.assign(hashes.begin(), hashes.end());
+    batch.events.emplace_back(std::move(e));
     w.outbox.push_back(std::move(batch));
     Push(now_ + o_.event_delay_s, EventType::kDeliver, by_id_.at(w.id()));
   }
@@ -285,10 +459,14 @@ class Simulation {
       w.to_store.clear();
       const int64_t hit_blocks = w.Admit(r, &evicted, &w.to_store);
       const int64_t hits = TokensOfLeadingBlocks(r, hit_blocks, o_.block_tokens);
-      hit_tokens_ += hits;
+      // Blocks this request had copied in are not cache hits.
+      hit_of_[i] = std::max<int64_t>(0, hits - copied_of_[i]);
+      hit_tokens_ += hit_of_[i];
+      w.recent.push_back(i);
+      if (w.recent.size() > kRecentRequests) w.recent.pop_front();
       const int64_t computed = r.input_length - hits;
       w.work += computed;
-      Emit(w, KvEvent::Kind::kRemoved, std::move(evicted));
+      Emit<KvRemoved>(w, std::move(evicted));
       w.action = SimWorker::Action::kPrefill;
       w.current = i;
       Push(now_ + o_.prefill_overhead_s + static_cast<double>(computed) / o_.prefill_tokens_per_s,
@@ -304,8 +482,8 @@ class Simulation {
   void Finish(SimWorker& w) {
     if (w.action == SimWorker::Action::kPrefill) {
       const size_t i = w.current;
-      ttft_[i] = now_ - static_cast<double>(trace_[i].timestamp_ms) / 1000.0;
-      Emit(w, KvEvent::Kind::kStored, std::move(w.to_store));
+      ttft_[i] = now_ - ArrivalTime(i);
+      Emit<KvStored>(w, std::move(w.to_store));
       w.to_store = {};
       core_->OnPrefillDone(i);
       const int64_t out = trace_[i].output_length;
@@ -364,6 +542,16 @@ class Simulation {
   int64_t prompt_tokens_ = 0;
   int64_t hit_tokens_ = 0;
   int64_t predicted_hit_tokens_ = 0;
+  std::vector<int64_t> copied_of_;  // per request: tokens copied in for it
+  std::vector<int64_t> hit_of_;     // per request: cache hit tokens
+  double removed_at_s_ = -1;
+  int64_t drain_pushed_blocks_ = 0;
+  std::vector<Copy> copies_;
+  int64_t replications_started_ = 0;
+  int64_t replications_finished_ = 0;
+  int64_t replications_failed_ = 0;
+  int64_t copied_tokens_ = 0;
+  double copied_bytes_ = 0;
 };
 
 }  // namespace
@@ -450,6 +638,11 @@ StatusOr<SimResult> RunSimulation(const std::vector<TraceRequest>& trace, const 
   ro.policy_options = options.policy_options;
   ro.block_tokens = options.block_tokens;
   ro.pending_ttl_us = static_cast<int64_t>(options.pending_ttl_s * 1e6);
+  // Replication is part of pdserve's kv policy; the anchors have none.
+  if (options.replication && options.policy == "kv") {
+    ro.copy_cost =
+        options.prefill_tokens_per_s * options.kv_bytes_per_token / (options.copy_gbps * 1e9);
+  }
   ro.index.max_workers = static_cast<size_t>(options.workers);
   // Room for every worker's cache plus the blocks announced while in flight.
   ro.index.max_entries = static_cast<size_t>(options.workers * options.capacity_blocks * 2);

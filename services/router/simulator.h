@@ -18,8 +18,24 @@
 // - continuous-batching decode: a step takes decode_step_s +
 //   decode_step_per_seq_s * batch and gives every running request a token.
 // - Load reports every load_report_interval_s.
+// - Replication (policy kv, --replication): when the router decides to copy a
+//   prefix's blocks from a holder (RouterCore copy_cost = copy time / prefill
+//   time per token, from kv_bytes_per_token and copy_gbps), the copy takes
+//   bytes / bandwidth on the source's and the target's links (one copy at a
+//   time per link), then the blocks enter the target's LRU like computed ones
+//   (so replicas age out) and the request joins the target's queue. Blocks
+//   the source evicted before the copy starts are computed instead.
+// - Scale-down (remove_at_s >= 0): at that time worker remove_worker starts
+//   draining: the router sends it nothing new, it finishes its queued and
+//   running requests, and with drain_push it pushes the prompts of its most
+//   recently admitted requests (the blocks it still holds, up to
+//   drain_push_blocks) to the survivors in turn, over the copy links. It
+//   leaves (RouterCore::RemoveWorker) once idle and every push landed. The
+//   hit rate of the requests arriving in the following after_removal_s shows
+//   the dip.
 // TTFT = end of the request's prefill - arrival. Hit rate = cached prompt
-// tokens / prompt tokens at the workers; the oracle is one infinite cache
+// tokens / prompt tokens at the workers (copied blocks count as copied, not
+// as hits, for the request that asked for the copy); the oracle is one infinite cache
 // seeing every request in arrival order. Work of a worker = prompt tokens it
 // computed + tokens it generated; load imbalance = max / mean work.
 #pragma once
@@ -65,6 +81,20 @@ struct SimOptions {
   double decode_step_per_seq_s = 0.0002;
   double event_delay_s = 0.01;
   double load_report_interval_s = 0.1;
+  // Arrival times are the trace's timestamps times this: 0.5 replays it
+  // twice as fast (twice the load), 2 half as fast.
+  double time_scale = 1.0;
+  double remove_at_s = -1;    // < 0: no worker leaves
+  int64_t remove_worker = 0;  // index of the worker that leaves; -1: none (baseline window)
+  bool drain_push = true;     // it pushes its hottest prefixes to the survivors
+  // Push budget in blocks (0: as many as it holds). The most recent prompts
+  // matter most: on a 4-worker multi-turn trace 100 blocks already remove
+  // the dip, while pushing all 2,000 held the copy links for seconds.
+  int64_t drain_push_blocks = 1000;
+  double after_removal_s = 60;         // window of hit_rate_after_removal
+  bool replication = true;             // hot-prefix copies (policy kv only)
+  double kv_bytes_per_token = 131072;  // Llama-3-8B, bf16 KV
+  double copy_gbps = 12.5;             // GB/s of a worker's KV copy link
 };
 
 struct SimResult {
@@ -79,7 +109,16 @@ struct SimResult {
   double ttft_p50_s = 0;
   double ttft_p99_s = 0;
   double ttft_mean_s = 0;
-  double load_imbalance = 0;    // max / mean work
+  double load_imbalance = 0;  // max / mean work
+  int64_t replications_started = 0;
+  int64_t replications_finished = 0;
+  int64_t replications_failed = 0;  // the source no longer held the blocks
+  int64_t copied_tokens = 0;
+  double copied_bytes = 0;
+  double removed_at_s = -1;           // when the leaving worker left
+  int64_t drain_pushed_blocks = 0;    // blocks it pushed to survivors
+  double hit_rate_after_removal = 0;  // of requests arriving in the window
+  int64_t requests_after_removal = 0;
   double makespan_s = 0;        // simulated time until the last request finished
   std::vector<int64_t> work;    // per worker: prompt tokens computed + tokens generated
   std::vector<int64_t> routed;  // per worker: requests

@@ -1,16 +1,8 @@
 #include "services/worker/worker_service.h"
 
-#include <arpa/inet.h>
-#include <netdb.h>
 #include <unistd.h>
 
-#include <prometheus/counter.h>
-#include <prometheus/gauge.h>
-#include <prometheus/histogram.h>
-#include <prometheus/registry.h>
-
 #include <atomic>
-#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -18,62 +10,26 @@
 #include <mutex>
 #include <set>
 #include <thread>
-#include <unordered_map>
 
 #include "common/block_hash.h"
 #include "common/http/bearer_auth.h"
 #include "common/http/http_server.h"
 #include "common/logging.h"
-#include "common/metrics/metrics.h"
+#include "common/model_id.h"
 #include "common/proto/pdserve.pb.h"
 #include "common/proto/protocol.h"
-#include "common/random_id.h"
 #include "common/tokenizer/tokenizer.h"
 #include "engine/engine.h"
 #include "engine/model.h"
-#include "engine/model_id.h"
-#include "kernels/cpu/cpu_backend.h"
-#include "services/protocol/sampling.h"
+#include "kernels/backend_factory.h"
+#include "services/protocol/kv_events.h"
+#include "services/worker/decode_side.h"
+#include "services/worker/host_port.h"
+#include "services/worker/prefill_side.h"
+#include "services/worker/worker_context.h"
 #include "transport/control/connection.h"
-#include "transport/kv_layout.h"
-#include "transport/kv_transfer.h"
-#include "transport/ucx/ucx_transfer.h"
 
 namespace pdserve::worker {
-namespace {
-
-using Clock = std::chrono::steady_clock;
-using control::ConnectionPtr;
-
-double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
-
-// Past a prefill peer's transfer deadline, its transport has given up; this
-// margin covers clock granularity and bytes already on the wire.
-constexpr auto kRemoteWriteGrace = std::chrono::milliseconds(2000);
-
-proto::Role ToProto(Role r) {
-  switch (r) {
-    case Role::kPrefill:
-      return proto::ROLE_PREFILL;
-    case Role::kDecode:
-      return proto::ROLE_DECODE;
-    case Role::kBoth:
-      return proto::ROLE_BOTH;
-  }
-  return proto::ROLE_UNSPECIFIED;
-}
-
-const char* RoleName(Role r) {
-  switch (r) {
-    case Role::kPrefill:
-      return "prefill";
-    case Role::kDecode:
-      return "decode";
-    case Role::kBoth:
-      return "both";
-  }
-  return "?";
-}
 
 proto::Envelope RequestError(const std::string& rid, StatusCode code, const std::string& msg,
                              bool retryable) {
@@ -86,143 +42,32 @@ proto::Envelope RequestError(const std::string& rid, StatusCode code, const std:
   return e;
 }
 
-std::pair<std::string, uint16_t> SplitHostPort(const std::string& s) {
-  auto colon = s.rfind(':');
-  if (colon == std::string::npos) return {s, 0};
-  int port = std::atoi(s.c_str() + colon + 1);
-  return {s.substr(0, colon), static_cast<uint16_t>(port)};
+proto::Envelope LayoutHello(const WorkerContext& ctx) {
+  proto::Envelope e;
+  auto* h = e.mutable_transfer_hello();
+  h->set_worker_id(ctx.opts->worker_id);
+  h->set_backend(std::string(ctx.transfer->backend()));
+  h->set_kv_layout(ctx.layout->Encode());
+  h->set_layout_hash(ctx.layout->Hash());
+  return e;
 }
 
-// All IPv4 addresses of `host` (an address resolves to itself).
-std::vector<std::string> Resolve(const std::string& host) {
-  addrinfo hints{};
-  hints.ai_family = AF_INET;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* res = nullptr;
-  std::vector<std::string> out;
-  if (getaddrinfo(host.c_str(), nullptr, &hints, &res) != 0) return out;
-  for (addrinfo* p = res; p; p = p->ai_next) {
-    char buf[64];
-    auto* sin = reinterpret_cast<sockaddr_in*>(p->ai_addr);
-    if (inet_ntop(AF_INET, &sin->sin_addr, buf, sizeof(buf))) out.emplace_back(buf);
-  }
-  freeaddrinfo(res);
-  std::sort(out.begin(), out.end());
-  out.erase(std::unique(out.begin(), out.end()), out.end());
-  return out;
+Status CheckPeerLayout(const WorkerContext& ctx, const proto::TransferHello& hello) {
+  auto peer_layout = KvLayout::Decode(hello.kv_layout());
+  if (!peer_layout.ok())
+    return Status::InvalidArgument("bad KV layout from peer: " + peer_layout.status().message());
+  return CheckLayoutsMatch(*ctx.layout, *peer_layout);
 }
 
-struct WorkerMetrics {
-  explicit WorkerMetrics(prometheus::Registry& r)
-      : queries(metrics::AddCounter(
-            r, "pdserve_prefix_cache_queries_tokens_total",
-            "Prompt tokens looked up in the prefix cache for prefill computation")),
-        hits(metrics::AddCounter(
-            r, "pdserve_prefix_cache_hits_tokens_total",
-            "Prompt tokens found in the prefix cache (blocks received by transfer are "
-            "not hits)")),
-        usage(metrics::AddGauge(r, "pdserve_kv_cache_usage_ratio",
-                                "Fraction of KV blocks held by requests")),
-        running(metrics::AddGauge(r, "pdserve_requests_running",
-                                  "Requests being prefilled or decoded")),
-        waiting(metrics::AddGauge(r, "pdserve_requests_waiting",
-                                  "Requests queued, including those waiting for remote KV")),
-        ttft(metrics::AddHistogram(r, "pdserve_time_to_first_token_seconds",
-                                   "Time from Generate to the first token",
-                                   metrics::TimeToFirstTokenBuckets())),
-        itl(metrics::AddHistogram(r, "pdserve_inter_token_latency_seconds",
-                                  "Time between consecutive output tokens of a request",
-                                  metrics::InterTokenLatencyBuckets())),
-        transfer_seconds(metrics::AddHistogram(
-            r, "pdserve_kv_transfer_seconds",
-            "Time to write a prompt's KV blocks to a decode worker", metrics::KvTransferBuckets())),
-        transfer_bytes(metrics::AddCounterFamily(r, "pdserve_kv_transfer_bytes_total",
-                                                 "KV bytes moved between workers")),
-        transfer_failures(
-            metrics::AddCounter(r, "pdserve_kv_transfer_failures_total",
-                                "KV hand-offs that failed (transfer error, timeout, lost peer)")),
-        preemptions(
-            metrics::AddCounter(r, "pdserve_preemptions_total",
-                                "Sequences preempted for lack of KV blocks (recomputed later)")),
-        requests(metrics::AddCounterFamily(
-            r, "pdserve_requests_total", "Requests finished by this worker, by kind and outcome")),
-        prefill_tokens(metrics::AddCounter(r, "pdserve_prompt_tokens_total",
-                                           "Prompt tokens of requests admitted")),
-        generation_tokens(
-            metrics::AddCounter(r, "pdserve_generation_tokens_total", "Output tokens produced")),
-        control_buffered_bytes(metrics::AddGauge(
-            r, "pdserve_control_buffered_bytes",
-            "Bytes held for control connections (routers and peer workers): incomplete "
-            "received frames and queued sends")) {
-    // Both directions exist from the start at 0: throughput panels and
-    // alerts see a series on every worker before the first hand-off.
-    for (const char* direction : {"in", "out"}) transfer_bytes.Add({{"direction", direction}});
-  }
+namespace {
 
-  prometheus::Counter& queries;
-  prometheus::Counter& hits;
-  prometheus::Gauge& usage;
-  prometheus::Gauge& running;
-  prometheus::Gauge& waiting;
-  prometheus::Histogram& ttft;
-  prometheus::Histogram& itl;
-  prometheus::Histogram& transfer_seconds;
-  prometheus::Family<prometheus::Counter>& transfer_bytes;
-  prometheus::Counter& transfer_failures;
-  prometheus::Counter& preemptions;
-  prometheus::Family<prometheus::Counter>& requests;
-  prometheus::Counter& prefill_tokens;
-  prometheus::Counter& generation_tokens;
-  prometheus::Gauge& control_buffered_bytes;
-};
+using control::ConnectionPtr;
+using Clock = WorkerClock;
 
-// A request this worker decodes (decode/both roles).
-struct DecodeRequest {
-  RequestId id = 0;
-  std::string router_rid;
-  ConnectionPtr router;
-  Clock::time_point arrived;
-  Clock::time_point last_token;
-  bool first_token_sent = false;
-  int64_t prompt_tokens = 0;
-  int64_t cached_tokens = 0;
-  int64_t completion_tokens = 0;
-  // Remote prefill in progress.
-  bool remote = false;  // waiting for a prefill peer
-  bool prefilled_remotely = false;
-  std::string prefill_address;
-  Clock::time_point remote_give_up;  // transfer deadline + grace
-  std::vector<BlockId> remote_blocks;
-  bool cancel_after_remote = false;  // cancelled while the peer may still write
-  std::string prefill_rid;           // id used with the prefill peer
-};
-
-// A prompt this worker prefills for a decode worker (prefill/both roles).
-struct PrefillJob {
-  RequestId id = 0;
-  std::string decode_rid;
-  ConnectionPtr decode;
-  PeerId transfer_peer = 0;
-  std::vector<std::pair<uint32_t, uint32_t>> writes;  // (prompt block index, remote block id)
-  Clock::time_point arrived;
-  Clock::time_point deadline;
-};
-
-// A decode worker connected to us for hand-offs (prefill side).
-struct DecodePeer {
-  bool layout_accepted = false;  // step 1 of the transfer handshake passed
-  PeerId transfer_peer = 0;      // after step 3; 0 before
-};
-
-// Our client connection to one prefill worker.
-struct PrefillPeer {
-  std::unique_ptr<control::Client> client;
-  bool ready = false;      // transfer handshake done
-  bool forgotten = false;  // no router lists it: dropped when its connection closes
-  PeerId transfer_peer = 0;
-  std::deque<proto::Envelope> pending;  // Prefill messages waiting for the handshake
-  std::string last_error;
-};
+// The device index of a resolved "cuda:N" (0 for anything else).
+int CudaIndex(const std::string& device) {
+  return device.rfind("cuda:", 0) == 0 ? std::atoi(device.c_str() + 5) : 0;
+}
 
 class WorkerServiceImpl : public WorkerService {
  public:
@@ -242,11 +87,15 @@ class WorkerServiceImpl : public WorkerService {
       opts_.worker_id =
           std::string(RoleName(opts_.role)) + "-" + host + "-" + std::to_string(getpid());
     }
-    backend_ = std::make_unique<kernels::CpuBackend>(opts_.threads);
-    auto model = Model::Load(opts_.model_dir, backend_.get());
+    auto device = kernels::ResolveDevice(opts_.device);
+    if (!device.ok()) return device.status();
+    auto backend = kernels::CreateBackend(*device, opts_.threads);
+    if (!backend.ok()) return backend.status();
+    backend_ = std::move(*backend);
+    auto model = Model::Load(opts_.model_dir, backend_.get(), opts_.load_format);
     if (!model.ok()) return model.status();
     model_ = std::move(*model);
-    model_id_ = ServedModelId(opts_.model_dir, model_->config(), opts_.model_id);
+    model_id_ = ServedModelId(opts_.model_dir, model_->config().name_or_path, opts_.model_id);
     auto tok = Tokenizer::Load(opts_.model_dir);
     if (!tok.ok()) return tok.status();
     tokenizer_ = std::move(*tok);
@@ -262,41 +111,49 @@ class WorkerServiceImpl : public WorkerService {
     if (!engine.ok()) return engine.status();
     engine_ = std::move(*engine);
 
-    // The KV transport: the whole pool, registered once.
-    UcxTransferOptions uo;
-    uo.tls = opts_.transfer_tls;
-    uo.name = opts_.worker_id;
-    auto transfer = CreateUcxTransfer(uo);
+    // The KV transport: the whole pool, registered once, as what it is.
+    const KvCachePool& pool = engine_->kv_pool();
+    KvTransferOptions to;
+    to.kind = opts_.kv_transfer;
+    to.pool_memory = pool.memory_type();
+    to.cuda_device = CudaIndex(*device);
+    to.staging = opts_.kv_staging;
+    to.staging_bytes = static_cast<size_t>(opts_.kv_staging_bytes);
+    to.tls = opts_.transfer_tls;
+    to.name = opts_.worker_id;
+    auto transfer = CreateKvTransfer(to);
     if (!transfer.ok()) return transfer.status();
     transfer_ = std::move(*transfer);
-    const KvCachePool& pool = engine_->kv_pool();
-    layout_.model_id = model_id_;
-    layout_.weight_dtype = DType::kF32;
-    layout_.kv_dtype = opts_.kv_dtype;
-    layout_.layers = model_->config().num_layers;
-    layout_.kv_heads = model_->config().num_kv_heads;
-    layout_.head_dim = model_->config().head_dim;
-    layout_.block_tokens = opts_.block_size;
-    layout_.bytes_per_block = pool.bytes_per_block();
+    layout_ =
+        pool.TransferLayout(model_id_, model_->matrix_dtype(), std::string(transfer_->backend()));
     MemoryRegion region{pool.base(), static_cast<size_t>(pool.total_bytes()),
-                        static_cast<size_t>(pool.bytes_per_block()), MemoryType::kHost};
+                        static_cast<size_t>(pool.bytes_per_block()), pool.memory_type()};
     PDSERVE_RETURN_IF_ERROR(transfer_->RegisterPool(region, layout_));
-    auto desc = transfer_->ExportDescriptor();
-    if (!desc.ok()) return desc.status();
-    descriptor_ = std::move(*desc);
+    device_ = *device;
+
+    ctx_.opts = &opts_;
+    ctx_.engine = engine_.get();
+    ctx_.transfer = transfer_.get();
+    ctx_.layout = &layout_;
+    ctx_.metrics = &metrics_;
+    ctx_.control = ControlOptions();
+    ctx_.post = [this](std::function<void()> fn) { Post(std::move(fn)); };
+    ctx_.busy = &busy_;
+    ctx_.draining = &draining_;
     return Status::Ok();
   }
 
   Status Start() override {
     loop_ = std::make_unique<control::EventLoop>("worker-control", 1);
+    ctx_.loop = loop_.get();
     // Peer server: decode workers connect here to hand us prefills.
     const control::ConnectionOptions co = ControlOptions();
     control::ConnectionHandlers peer_handlers;
     peer_handlers.on_message = [this](const ConnectionPtr& c, proto::Envelope& e) {
-      OnPeerMessage(c, e);
+      prefill_.OnPeerMessage(c, e);
     };
-    peer_handlers.on_close = [this](const ConnectionPtr& c, const Status& s) {
-      OnPeerClosed(c, s);
+    peer_handlers.on_close = [this](const ConnectionPtr& c, const Status&) {
+      prefill_.OnPeerClosed(c);
     };
     peer_server_ = std::make_unique<control::Server>(loop_.get(), co, peer_handlers);
     PDSERVE_RETURN_IF_ERROR(peer_server_->Listen(opts_.host, static_cast<uint16_t>(opts_.port)));
@@ -324,7 +181,8 @@ class WorkerServiceImpl : public WorkerService {
                       << ") serving model '" << model_id_
                       << "': " << engine_->kv_pool().num_blocks() << " KV blocks of "
                       << opts_.block_size << " tokens (" << DTypeName(opts_.kv_dtype)
-                      << "), peers at " << control_address_ << ", metrics :" << metrics_port();
+                      << "), peers at " << control_address_ << ", metrics :" << metrics_port()
+                      << ", device " << device_ << ", KV layout " << layout_.ToString();
     return Status::Ok();
   }
 
@@ -340,7 +198,10 @@ class WorkerServiceImpl : public WorkerService {
       (void)c.Send(std::move(e));
     });
     const auto give_up = Clock::now() + std::chrono::milliseconds(opts_.drain_timeout_ms);
-    while (Clock::now() < give_up && busy_.load() > 0)
+    const auto linger_until =
+        Clock::now() +
+        std::chrono::milliseconds(opts_.role == Role::kDecode ? 0 : opts_.drain_linger_ms);
+    while (Clock::now() < give_up && (busy_.load() > 0 || Clock::now() < linger_until))
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     if (busy_.load() > 0)
       PDSERVE_LOG(WARN) << "worker: drain timeout; cancelling " << busy_.load() << " request(s)";
@@ -352,20 +213,12 @@ class WorkerServiceImpl : public WorkerService {
     // Clients are stopped outside the locks: Stop() waits for their close
     // callbacks, which take these same locks on the loop thread.
     std::map<std::string, std::unique_ptr<control::Client>> routers;
-    std::map<std::string, PrefillPeer> peers;
     {
       std::lock_guard<std::mutex> lock(routers_mu_);
       routers.swap(routers_);
     }
-    std::vector<std::unique_ptr<control::Client>> retired;
-    {
-      std::lock_guard<std::mutex> lock(peers_mu_);
-      peers.swap(prefill_peers_);
-      retired.swap(retired_clients_);
-    }
     for (auto& [_, c] : routers) c->Stop("worker stopping");
-    for (auto& [_, p] : peers) p.client->Stop("worker stopping");
-    for (auto& c : retired) c->Stop("worker stopping");
+    decode_.StopClients("worker stopping");
     if (peer_server_) peer_server_->Stop("worker stopping");
     peer_server_.reset();
     if (metrics_http_) metrics_http_->Stop();
@@ -409,7 +262,7 @@ class WorkerServiceImpl : public WorkerService {
       std::set<std::string> want;
       for (const auto& spec : opts_.routers) {
         auto [host, port] = SplitHostPort(spec);
-        for (const auto& ip : Resolve(host)) want.insert(ip + ":" + std::to_string(port));
+        for (const auto& ip : ResolveIpv4(host)) want.insert(ip + ":" + std::to_string(port));
       }
       {
         std::lock_guard<std::mutex> rl(routers_mu_);
@@ -460,6 +313,7 @@ class WorkerServiceImpl : public WorkerService {
     r->set_layout_hash(layout_.Hash());
     r->set_control_address(control_address_);
     r->set_metrics_port(static_cast<uint32_t>(std::max(0, metrics_port())));
+    r->set_max_model_len(static_cast<uint64_t>(engine_->max_model_len()));
     (void)c->Send(std::move(e));
     PDSERVE_LOG(INFO) << "registered with router " << c->remote_address();
     Post([this, c] {
@@ -472,17 +326,17 @@ class WorkerServiceImpl : public WorkerService {
     switch (e.body_case()) {
       case proto::Envelope::kGenerate:
         Post([this, c, g = std::move(*e.mutable_generate())]() mutable {
-          OnGenerate(c, std::move(g));
+          decode_.OnGenerate(c, std::move(g));
         });
         return;
       case proto::Envelope::kCancel:
-        Post([this, c, rid = e.cancel().request_id()] { OnRouterCancel(c, rid); });
+        Post([this, c, rid = e.cancel().request_id()] { decode_.OnRouterCancel(c, rid); });
         return;
       case proto::Envelope::kResync:
         Post([this, c] { SendSnapshot(c); });
         return;
       case proto::Envelope::kPrefillWorkers:
-        if (opts_.role != Role::kPrefill) OnPrefillWorkers(c, e.prefill_workers());
+        if (opts_.role != Role::kPrefill) decode_.OnPrefillWorkers(c, e.prefill_workers());
         return;
       case proto::Envelope::kGoodbye:
         return;
@@ -494,7 +348,7 @@ class WorkerServiceImpl : public WorkerService {
 
   void OnRouterClosed(const std::string& addr, const ConnectionPtr& c, const Status& why) {
     (void)addr;
-    if (opts_.role != Role::kPrefill) ForgetRouterView(c);
+    if (opts_.role != Role::kPrefill) decode_.ForgetRouterView(c);
     // on_close also runs for connections that never opened: only opened ones
     // were counted (router_conns_ tells which).
     Post([this, c, why] {
@@ -508,11 +362,7 @@ class WorkerServiceImpl : public WorkerService {
         PDSERVE_LOG(WARN) << "router " << c->remote_address() << " disconnected: " << why.message();
       }
       // Requests of that router cannot be delivered any more.
-      std::vector<RequestId> orphans;
-      for (auto& [id, r] : decode_) {
-        if (r.router == c) orphans.push_back(id);
-      }
-      for (RequestId id : orphans) CancelDecode(id, "router connection lost");
+      decode_.OnRouterGone(c);
     });
   }
 
@@ -538,14 +388,16 @@ class WorkerServiceImpl : public WorkerService {
       }
       for (auto& fn : cmds) fn();
       if (stop_engine_) break;
-      CheckRemoteDeadlines();
+      decode_.CheckDeadlines();
       if (HasRunnableWork()) {
         auto outputs = engine_->Step();
         if (!outputs.ok()) {
           PDSERVE_LOG(ERROR) << "engine step failed: " << outputs.status().message();
           std::this_thread::sleep_for(std::chrono::milliseconds(50));
         } else {
-          for (auto& out : *outputs) HandleOutput(out);
+          for (auto& out : *outputs) {
+            if (!prefill_.HandleOutput(out)) decode_.HandleOutput(out);
+          }
         }
       }
       PublishEvents();
@@ -555,682 +407,13 @@ class WorkerServiceImpl : public WorkerService {
       }
     }
     // Shutdown: cancel whatever is left so no block stays held.
-    std::vector<RequestId> left;
-    for (auto& [id, _] : decode_) left.push_back(id);
-    for (RequestId id : left) CancelDecode(id, "worker stopping");
-    for (auto& [id, job] : prefill_) (void)engine_->Cancel(id);
-    prefill_.clear();
+    decode_.CancelAll("worker stopping");
+    prefill_.CancelAll();
   }
 
   bool HasRunnableWork() const {
     const auto s = engine_->GetStats();
     return s.num_running + s.num_waiting > 0;
-  }
-
-  void OnGenerate(const ConnectionPtr& router, proto::Generate g) {
-    if (draining_) {
-      (void)router->Send(
-          RequestError(g.request_id(), StatusCode::kUnavailable, "worker is draining", true));
-      return;
-    }
-    if (opts_.role == Role::kPrefill) {
-      (void)router->Send(RequestError(g.request_id(), StatusCode::kUnsupported,
-                                      "this is a prefill worker; send Generate to a decode worker",
-                                      true));
-      return;
-    }
-    EngineRequest req;
-    req.id = next_id_++;
-    req.prompt.assign(g.prompt_token_ids().begin(), g.prompt_token_ids().end());
-    req.params = FromProto(g.sampling());
-    req.params.seed = ResolveSeed(req.params);  // the prefill peer must sample with the same seed
-    req.cache_salt = g.cache_salt();
-    DecodeRequest d;
-    d.id = req.id;
-    d.router_rid = g.request_id();
-    d.router = router;
-    d.arrived = Clock::now();
-    d.prompt_tokens = static_cast<int64_t>(req.prompt.size());
-
-    const bool can_remote = !g.prefill_address().empty();
-    if (can_remote) {
-      EngineRequest copy = req;
-      auto plan = engine_->AddRemotePrefillRequest(std::move(copy));
-      if (!plan.ok()) return RejectGenerate(router, g.request_id(), plan.status());
-      const int64_t to_compute = d.prompt_tokens - plan->num_cached_tokens;
-      if (to_compute > opts_.max_local_prefill) {
-        d.remote = true;
-        d.prefill_address = g.prefill_address();
-        d.cached_tokens = plan->num_cached_tokens;
-        d.prefill_rid = NewUnguessableId();
-        const auto deadline = Clock::now() + std::chrono::milliseconds(opts_.prefill_timeout_ms);
-        d.remote_give_up = deadline + kRemoteWriteGrace;
-        proto::Envelope env;
-        auto* p = env.mutable_prefill();
-        p->set_request_id(d.prefill_rid);
-        for (TokenId t : req.prompt) p->add_prompt_token_ids(t);
-        ToProto(req.params, p->mutable_sampling());
-        p->set_cache_salt(req.cache_salt);
-        for (size_t i = plan->first_block_to_fill; i < plan->block_ids.size(); ++i) {
-          auto* w = p->add_blocks();
-          w->set_prompt_block_index(static_cast<uint32_t>(i));
-          w->set_remote_block_id(plan->block_ids[i]);
-          d.remote_blocks.push_back(plan->block_ids[i]);
-        }
-        p->set_decode_worker_id(opts_.worker_id);
-        p->set_deadline_ms(static_cast<uint32_t>(opts_.prefill_timeout_ms));
-        metrics_.prefill_tokens.Increment(static_cast<double>(d.prompt_tokens));
-        decode_.emplace(d.id, std::move(d));
-        busy_.fetch_add(1);
-        SendToPrefillPeer(decode_.at(req.id).prefill_address, std::move(env), req.id);
-        return;
-      }
-      // Not worth a hand-off: give the reservation back and prefill here.
-      (void)engine_->FailRemotePrefill(req.id);
-      d.cached_tokens = plan->num_cached_tokens;
-    } else {
-      if (Status st = engine_->AddRequest(std::move(req)); !st.ok()) {
-        return RejectGenerate(router, g.request_id(), st);
-      }
-    }
-    metrics_.prefill_tokens.Increment(static_cast<double>(d.prompt_tokens));
-    decode_.emplace(d.id, std::move(d));
-    busy_.fetch_add(1);
-  }
-
-  void RejectGenerate(const ConnectionPtr& router, const std::string& rid, const Status& st) {
-    PDSERVE_LOG(INFO) << "request " << rid << " refused: " << st.message();
-    const bool retryable =
-        st.code() == StatusCode::kResourceExhausted || st.code() == StatusCode::kUnavailable;
-    (void)router->Send(RequestError(rid, st.code(), st.message(), retryable));
-    metrics_.requests.Add({{"kind", "decode"}, {"outcome", "refused"}}).Increment();
-  }
-
-  void OnRouterCancel(const ConnectionPtr& router, const std::string& rid) {
-    for (auto& [id, r] : decode_) {
-      if (r.router == router && r.router_rid == rid)
-        return CancelDecode(id, "cancelled by the router");
-    }
-  }
-
-  // Frees everything a decode request holds (deferred while a peer may write).
-  void CancelDecode(RequestId id, const std::string& why) {
-    auto it = decode_.find(id);
-    if (it == decode_.end()) return;
-    DecodeRequest& r = it->second;
-    if (r.remote) {
-      r.cancel_after_remote = true;  // released when the peer answers, dies or times out
-      PDSERVE_LOG(INFO) << "request " << r.router_rid << " cancelled (" << why
-                        << "); its blocks are released once the prefill peer is done with them";
-      return;
-    }
-    (void)engine_->Cancel(id);
-    PDSERVE_LOG(INFO) << "request " << r.router_rid << " cancelled: " << why << " after "
-                      << r.completion_tokens << " tokens";
-    metrics_.requests.Add({{"kind", "decode"}, {"outcome", "cancelled"}}).Increment();
-    decode_.erase(it);
-    busy_.fetch_sub(1);
-  }
-
-  void HandleOutput(RequestOutput& out) {
-    if (auto pj = prefill_.find(out.id); pj != prefill_.end())
-      return OnPrefillComputed(pj->second, out);
-    auto it = decode_.find(out.id);
-    if (it == decode_.end()) return;
-    DecodeRequest& r = it->second;
-    const auto now = Clock::now();
-    if (!out.new_token_ids.empty()) {
-      if (!r.first_token_sent) {
-        r.first_token_sent = true;
-        metrics_.ttft.Observe(Seconds(now - r.arrived));
-        if (!r.remote) r.cached_tokens = out.num_cached_tokens;
-      } else {
-        const double gap =
-            Seconds(now - r.last_token) / static_cast<double>(out.new_token_ids.size());
-        for (size_t i = 0; i < out.new_token_ids.size(); ++i) metrics_.itl.Observe(gap);
-      }
-      r.last_token = now;
-      r.completion_tokens += static_cast<int64_t>(out.new_token_ids.size());
-      metrics_.generation_tokens.Increment(static_cast<double>(out.new_token_ids.size()));
-      proto::Envelope env;
-      auto* t = env.mutable_token();
-      t->set_request_id(r.router_rid);
-      for (TokenId id : out.new_token_ids) t->add_token_ids(id);
-      for (const auto& lp : out.logprobs) {
-        t->add_logprobs(lp.logprob);
-        auto* top = t->add_top_logprobs();
-        for (const auto& alt : lp.top_logprobs) {
-          top->add_token_ids(alt.token);
-          top->add_logprobs(alt.logprob);
-        }
-      }
-      t->set_text(out.text);
-      (void)r.router->Send(std::move(env));
-    }
-    if (out.finished) {
-      proto::Envelope env;
-      auto* f = env.mutable_finished();
-      f->set_request_id(r.router_rid);
-      f->set_reason(out.finish_reason == FinishReason::kLength ? proto::FINISH_REASON_LENGTH
-                                                               : proto::FINISH_REASON_STOP);
-      f->mutable_usage()->set_prompt_tokens(static_cast<uint32_t>(r.prompt_tokens));
-      f->mutable_usage()->set_completion_tokens(static_cast<uint32_t>(r.completion_tokens));
-      f->mutable_usage()->set_cached_tokens(static_cast<uint32_t>(r.cached_tokens));
-      (void)r.router->Send(std::move(env));
-      PDSERVE_LOG(INFO) << "request " << r.router_rid << " done: prompt " << r.prompt_tokens
-                        << " (cached " << r.cached_tokens << "), completion " << r.completion_tokens
-                        << ", " << (r.prefilled_remotely ? "remote" : "local") << " prefill, "
-                        << FinishReasonName(out.finish_reason) << ", " << Seconds(now - r.arrived)
-                        << "s";
-      metrics_.requests.Add({{"kind", "decode"}, {"outcome", "ok"}}).Increment();
-      decode_.erase(it);
-      busy_.fetch_sub(1);
-    }
-  }
-
-  // ------------------------------------------------- decode side of hand-off
-  // A client to the prefill worker at `address`, started. Requires peers_mu_.
-  PrefillPeer& EnsurePrefillPeerLocked(const std::string& address) {
-    auto it = prefill_peers_.find(address);
-    if (it != prefill_peers_.end()) return it->second;
-    auto [host, port] = SplitHostPort(address);
-    control::ClientOptions co;
-    co.connection = ControlOptions();
-    co.connect_timeout = std::chrono::milliseconds(2000);
-    control::ConnectionHandlers h;
-    h.on_open = [this, address](const ConnectionPtr& c) { OnPrefillPeerOpen(address, c); };
-    h.on_message = [this, address](const ConnectionPtr& c, proto::Envelope& e) {
-      OnPrefillPeerMessage(address, c, e);
-    };
-    h.on_close = [this, address](const ConnectionPtr& c, const Status& s) {
-      OnPrefillPeerClosed(address, c, s);
-    };
-    PrefillPeer peer;
-    peer.client = std::make_unique<control::Client>(loop_.get(), host, port, co, h);
-    peer.client->Start();
-    return prefill_peers_.emplace(address, std::move(peer)).first->second;
-  }
-
-  void SendToPrefillPeer(const std::string& address, proto::Envelope prefill, RequestId id) {
-    std::lock_guard<std::mutex> lock(peers_mu_);
-    PrefillPeer& peer = EnsurePrefillPeerLocked(address);
-    peer.forgotten = false;  // a router just named it
-    if (peer.ready && peer.client->Send(prefill).ok()) return;
-    if (!peer.ready && peer.pending.size() < 4096) {
-      peer.pending.push_back(std::move(prefill));
-      return;
-    }
-    Post(
-        [this, id, why = "prefill peer " + address + " unavailable"] { FallBackToLocal(id, why); });
-  }
-
-  // A router's list of the prefill workers it admits (see the header).
-  void OnPrefillWorkers(const ConnectionPtr& router, const proto::PrefillWorkers& list) {
-    std::set<std::string> announced;
-    for (const auto& w : list.workers()) {
-      if (!w.control_address().empty()) announced.insert(w.control_address());
-    }
-    std::vector<std::string> dropped;
-    {
-      std::lock_guard<std::mutex> lock(peers_mu_);
-      std::set<std::string>& view = router_prefill_views_[router->id()];
-      for (const auto& address : announced) {
-        const bool new_here = !view.count(address);
-        PrefillPeer& peer = EnsurePrefillPeerLocked(address);
-        peer.forgotten = false;
-        // Re-admitted by a router: whatever backoff a failed connection left
-        // behind, try now, so its first request does not wait seconds.
-        if (new_here && !peer.ready) peer.client->ReconnectNow();
-      }
-      view = std::move(announced);
-      dropped = ReconcilePrefillPeersLocked();
-    }
-    StopRetiredClients();
-    FallBackRequestsOf(dropped, "prefill worker removed by the router");
-  }
-
-  void ForgetRouterView(const ConnectionPtr& router) {
-    std::vector<std::string> dropped;
-    {
-      std::lock_guard<std::mutex> lock(peers_mu_);
-      if (router_prefill_views_.erase(router->id()) == 0) return;
-      dropped = ReconcilePrefillPeersLocked();
-    }
-    StopRetiredClients();
-    FallBackRequestsOf(dropped, "prefill worker no longer listed by any router");
-  }
-
-  // Stops reconnecting to prefill workers no router lists. A peer with an
-  // open connection is only marked: it may still hold hand-offs, and goes
-  // when that connection closes. Returns the addresses dropped now. Requires
-  // peers_mu_.
-  std::vector<std::string> ReconcilePrefillPeersLocked() {
-    std::set<std::string> listed;
-    for (const auto& [_, view] : router_prefill_views_) listed.insert(view.begin(), view.end());
-    std::vector<std::string> dropped;
-    for (auto it = prefill_peers_.begin(); it != prefill_peers_.end();) {
-      if (listed.count(it->first)) {
-        ++it;
-        continue;
-      }
-      if (it->second.ready) {
-        it->second.forgotten = true;
-        ++it;
-        continue;
-      }
-      PDSERVE_LOG(INFO) << "prefill worker " << it->first << " is no longer listed by a router; "
-                        << "not reconnecting";
-      retired_clients_.push_back(std::move(it->second.client));
-      dropped.push_back(it->first);
-      it = prefill_peers_.erase(it);
-    }
-    return dropped;
-  }
-
-  // Stops the clients of forgotten prefill peers. Called without peers_mu_
-  // (a client's close may run its on_close inline, which takes that lock);
-  // from the loop thread, Stop() does not wait, so this is safe inside a
-  // client's own callbacks too.
-  void StopRetiredClients() {
-    std::vector<std::unique_ptr<control::Client>> retired;
-    {
-      std::lock_guard<std::mutex> lock(peers_mu_);
-      retired.swap(retired_clients_);
-    }
-    for (auto& c : retired) c->Stop("prefill worker no longer listed by a router");
-  }
-
-  // Requests waiting on a prefill peer that is gone before anything was sent
-  // to it (or whose connection closed: it writes nothing more).
-  void FallBackRequestsOf(const std::vector<std::string>& addresses, const std::string& why) {
-    if (addresses.empty()) return;
-    Post([this, addresses, why] {
-      std::vector<RequestId> ids;
-      for (auto& [id, r] : decode_) {
-        if (r.remote &&
-            std::find(addresses.begin(), addresses.end(), r.prefill_address) != addresses.end()) {
-          ids.push_back(id);
-        }
-      }
-      for (RequestId id : ids) FallBackToLocal(id, why);
-    });
-  }
-
-  // Step 1 of the transfer handshake (pdserve.proto, TransferHello): our
-  // layout only; the descriptor follows once the peer accepted it.
-  void OnPrefillPeerOpen(const std::string& address, const ConnectionPtr& c) {
-    proto::Envelope e;
-    auto* h = e.mutable_transfer_hello();
-    h->set_worker_id(opts_.worker_id);
-    h->set_backend(std::string(transfer_->backend()));
-    h->set_kv_layout(layout_.Encode());
-    h->set_layout_hash(layout_.Hash());
-    (void)c->Send(std::move(e));
-    PDSERVE_LOG(INFO) << "connected to prefill worker " << address << "; transfer handshake sent";
-  }
-
-  void OnPrefillPeerMessage(const std::string& address, const ConnectionPtr& c,
-                            proto::Envelope& e) {
-    if (e.has_transfer_hello()) {
-      const proto::TransferHello& hello = e.transfer_hello();
-      auto refuse = [&](const std::string& why) {
-        {
-          std::lock_guard<std::mutex> lock(peers_mu_);
-          if (auto it = prefill_peers_.find(address); it != prefill_peers_.end())
-            it->second.last_error = why;
-        }
-        PDSERVE_LOG(ERROR) << "prefill worker " << address
-                           << ": transfer handshake failed: " << why;
-        c->Close("transfer handshake failed: " + why);
-      };
-      if (hello.transfer_descriptor().empty()) {
-        // Step 2: the peer accepted our layout and shows its own.
-        if (Status st = CheckPeerLayout(hello); !st.ok()) return refuse(st.message());
-        proto::Envelope offer;
-        offer.mutable_transfer_hello()->set_worker_id(opts_.worker_id);
-        offer.mutable_transfer_hello()->set_transfer_descriptor(descriptor_);
-        (void)c->Send(std::move(offer));
-        return;
-      }
-      // Step 4: the writer's reply to our descriptor.
-      auto peer = transfer_->Accept(hello.transfer_descriptor());
-      if (!peer.ok()) return refuse(peer.status().message());
-      std::deque<proto::Envelope> flush;
-      {
-        std::lock_guard<std::mutex> lock(peers_mu_);
-        auto it = prefill_peers_.find(address);
-        if (it == prefill_peers_.end()) return;  // forgotten meanwhile
-        it->second.ready = true;
-        it->second.transfer_peer = *peer;
-        flush.swap(it->second.pending);
-      }
-      for (auto& env : flush) (void)c->Send(std::move(env));
-      return;
-    }
-    if (e.has_prefill_done()) {
-      Post([this, address, done = std::move(*e.mutable_prefill_done())] {
-        OnPrefillDone(address, done);
-      });
-      return;
-    }
-    if (e.has_error()) {
-      PDSERVE_LOG(WARN) << "prefill worker " << address << ": " << e.error().message();
-      return;
-    }
-  }
-
-  // The peer's TransferHello layout against ours: OK, or the differences.
-  Status CheckPeerLayout(const proto::TransferHello& hello) const {
-    auto peer_layout = KvLayout::Decode(hello.kv_layout());
-    if (!peer_layout.ok())
-      return Status::InvalidArgument("bad KV layout from peer: " + peer_layout.status().message());
-    return CheckLayoutsMatch(layout_, *peer_layout);
-  }
-
-  void OnPrefillPeerClosed(const std::string& address, const ConnectionPtr& c, const Status& why) {
-    (void)c;
-    std::deque<proto::Envelope> dropped;
-    {
-      std::lock_guard<std::mutex> lock(peers_mu_);
-      auto it = prefill_peers_.find(address);
-      if (it != prefill_peers_.end()) {
-        it->second.ready = false;
-        dropped.swap(it->second.pending);
-        if (!why.ok() && it->second.last_error.empty()) it->second.last_error = why.message();
-        if (it->second.forgotten) {
-          PDSERVE_LOG(INFO) << "prefill worker " << address
-                            << " closed and no router lists it; not reconnecting";
-          retired_clients_.push_back(std::move(it->second.client));
-          prefill_peers_.erase(it);
-        }
-      }
-    }
-    StopRetiredClients();
-    // A closed peer writes nothing more: every hand-off it held falls back now.
-    Post([this, address, why] {
-      std::vector<RequestId> ids;
-      for (auto& [id, r] : decode_) {
-        if (r.remote && r.prefill_address == address) ids.push_back(id);
-      }
-      if (!ids.empty()) {
-        PDSERVE_LOG(WARN) << "prefill worker " << address << " lost (" << why.message() << "); "
-                          << ids.size() << " request(s) fall back to local prefill";
-      }
-      for (RequestId id : ids) FallBackToLocal(id, "prefill worker lost: " + why.message());
-    });
-  }
-
-  // Accepted only from the prefill worker the request was sent to.
-  void OnPrefillDone(const std::string& address, const proto::PrefillDone& done) {
-    RequestId id = 0;
-    for (auto& [rid, r] : decode_) {
-      if (r.remote && r.prefill_rid == done.request_id() && r.prefill_address == address) id = rid;
-    }
-    if (id == 0) return;
-    DecodeRequest& r = decode_.at(id);
-    if (!done.ok()) return FallBackToLocal(id, "prefill failed: " + done.failure_reason());
-    r.remote = false;
-    r.prefilled_remotely = true;
-    metrics_.transfer_bytes.Add({{"direction", "in"}})
-        .Increment(static_cast<double>(done.bytes_written()));
-    if (r.cancel_after_remote) {
-      (void)engine_->Cancel(id);
-      metrics_.requests.Add({{"kind", "decode"}, {"outcome", "cancelled"}}).Increment();
-      decode_.erase(id);
-      busy_.fetch_sub(1);
-      return;
-    }
-    if (Status st = transfer_->FinishReceive(r.remote_blocks); !st.ok()) {
-      return FallBackToLocal(id, "receiving KV failed: " + st.message());
-    }
-    r.cached_tokens = done.cached_tokens();
-    std::optional<SampledToken> sampled;
-    if (done.has_first_token_top_logprobs() || done.first_token_logprob() != 0) {
-      SampledToken s;
-      s.token = done.first_token_id();
-      s.logprob = done.first_token_logprob();
-      const auto& top = done.first_token_top_logprobs();
-      for (int k = 0; k < top.token_ids_size() && k < top.logprobs_size(); ++k) {
-        s.top_logprobs.push_back({top.token_ids(k), top.logprobs(k)});
-      }
-      sampled = std::move(s);
-    }
-    if (Status st = engine_->CompleteRemotePrefill(id, done.first_token_id(), sampled); !st.ok()) {
-      PDSERVE_LOG(ERROR) << "request " << r.router_rid << ": " << st.message();
-      FallBackToLocal(id, st.message());
-    }
-  }
-
-  // The hand-off did not happen: prefill locally (or finish a pending cancel).
-  void FallBackToLocal(RequestId id, const std::string& why) {
-    auto it = decode_.find(id);
-    if (it == decode_.end() || !it->second.remote) return;
-    DecodeRequest& r = it->second;
-    r.remote = false;
-    metrics_.transfer_failures.Increment();
-    if (r.cancel_after_remote) {
-      (void)engine_->Cancel(id);
-      metrics_.requests.Add({{"kind", "decode"}, {"outcome", "cancelled"}}).Increment();
-      decode_.erase(it);
-      busy_.fetch_sub(1);
-      return;
-    }
-    PDSERVE_LOG(WARN) << "request " << r.router_rid << ": " << why << "; prefilling locally";
-    if (Status st = engine_->FailRemotePrefill(id); !st.ok()) {
-      (void)r.router->Send(
-          RequestError(r.router_rid, st.code(), st.message(), !r.first_token_sent));
-      decode_.erase(it);
-      busy_.fetch_sub(1);
-    }
-  }
-
-  void CheckRemoteDeadlines() {
-    const auto now = Clock::now();
-    std::vector<RequestId> late;
-    for (auto& [id, r] : decode_) {
-      if (r.remote && now > r.remote_give_up) late.push_back(id);
-    }
-    for (RequestId id : late) FallBackToLocal(id, "prefill worker timed out");
-  }
-
-  // ------------------------------------------------ prefill side of hand-off
-  void OnPeerMessage(const ConnectionPtr& c, proto::Envelope& e) {
-    if (e.has_transfer_hello()) return OnPeerTransferHello(c, e.transfer_hello());
-    if (e.has_prefill()) {
-      PeerId peer = 0;
-      {
-        std::lock_guard<std::mutex> lock(peers_mu_);
-        auto it = decode_peers_.find(c->id());
-        if (it != decode_peers_.end()) peer = it->second.transfer_peer;
-      }
-      Post([this, c, peer, p = std::move(*e.mutable_prefill())]() mutable {
-        OnPrefill(c, peer, std::move(p));
-      });
-      return;
-    }
-  }
-
-  // The writer's half of the transfer handshake (pdserve.proto, TransferHello).
-  void OnPeerTransferHello(const ConnectionPtr& c, const proto::TransferHello& hello) {
-    auto refuse = [&](const Status& st) {
-      PDSERVE_LOG(ERROR) << "decode worker " << hello.worker_id() << " from " << c->remote_address()
-                         << " refused: " << st.message();
-      proto::Envelope err;
-      err.mutable_error()->set_code(proto::ToErrorCode(st.code()));
-      // The message names the mismatch ("KV layout mismatch: ...").
-      err.mutable_error()->set_message(st.message());
-      (void)c->Send(std::move(err));
-      loop_->Post([c, msg = st.message()] { c->Close(msg); });
-    };
-    if (hello.transfer_descriptor().empty()) {
-      // Step 1: the decode worker's layout. Ours goes back only if they agree.
-      if (Status st = CheckPeerLayout(hello); !st.ok()) return refuse(st);
-      {
-        std::lock_guard<std::mutex> lock(peers_mu_);
-        decode_peers_[c->id()].layout_accepted = true;
-      }
-      proto::Envelope reply;
-      auto* h = reply.mutable_transfer_hello();
-      h->set_worker_id(opts_.worker_id);
-      h->set_backend(std::string(transfer_->backend()));
-      h->set_kv_layout(layout_.Encode());
-      h->set_layout_hash(layout_.Hash());
-      (void)c->Send(std::move(reply));
-      return;
-    }
-    // Step 3: the decode worker's descriptor, after the layouts agreed. We
-    // write into that pool: we are the transfer's writer.
-    {
-      std::lock_guard<std::mutex> lock(peers_mu_);
-      auto it = decode_peers_.find(c->id());
-      if (it == decode_peers_.end() || !it->second.layout_accepted || it->second.transfer_peer) {
-        return refuse(Status::InvalidArgument(
-            "transfer descriptor out of order (layout first, descriptor once)"));
-      }
-    }
-    auto conn = transfer_->Connect(hello.transfer_descriptor());
-    if (!conn.ok()) return refuse(conn.status());
-    {
-      std::lock_guard<std::mutex> lock(peers_mu_);
-      decode_peers_[c->id()].transfer_peer = conn->peer;
-    }
-    proto::Envelope reply;
-    auto* h = reply.mutable_transfer_hello();
-    h->set_worker_id(opts_.worker_id);
-    h->set_transfer_descriptor(conn->reply);
-    (void)c->Send(std::move(reply));
-    PDSERVE_LOG(INFO) << "decode worker " << hello.worker_id() << " connected for KV hand-off";
-  }
-
-  void OnPeerClosed(const ConnectionPtr& c, const Status&) {
-    PeerId peer = 0;
-    {
-      std::lock_guard<std::mutex> lock(peers_mu_);
-      auto it = decode_peers_.find(c->id());
-      if (it == decode_peers_.end()) return;
-      peer = it->second.transfer_peer;
-      decode_peers_.erase(it);
-    }
-    if (peer) transfer_->Disconnect(peer);
-  }
-
-  void OnPrefill(const ConnectionPtr& decode, PeerId peer, proto::Prefill p) {
-    auto fail = [&](const std::string& why, bool retryable) {
-      proto::Envelope env;
-      auto* d = env.mutable_prefill_done();
-      d->set_request_id(p.request_id());
-      d->set_ok(false);
-      d->set_failure_reason(why);
-      d->set_retryable(retryable);
-      (void)decode->Send(std::move(env));
-      metrics_.transfer_failures.Increment();
-      metrics_.requests.Add({{"kind", "prefill"}, {"outcome", "failed"}}).Increment();
-    };
-    if (opts_.role == Role::kDecode) return fail("this is a decode-only worker", false);
-    if (draining_) return fail("prefill worker is draining", true);
-    if (peer == 0) return fail("no transfer handshake on this connection", false);
-    EngineRequest req;
-    req.id = next_id_++;
-    req.prompt.assign(p.prompt_token_ids().begin(), p.prompt_token_ids().end());
-    req.params = FromProto(p.sampling());
-    req.params.max_tokens = 1;
-    req.cache_salt = p.cache_salt();
-    req.prefill_only = true;
-    if (Status st = engine_->AddRequest(std::move(req)); !st.ok()) return fail(st.message(), false);
-    PrefillJob job;
-    job.id = next_id_ - 1;
-    job.decode_rid = p.request_id();
-    job.decode = decode;
-    job.transfer_peer = peer;
-    for (const auto& w : p.blocks())
-      job.writes.emplace_back(w.prompt_block_index(), w.remote_block_id());
-    job.arrived = Clock::now();
-    job.deadline =
-        job.arrived + std::chrono::milliseconds(p.deadline_ms() ? p.deadline_ms() : 30'000);
-    metrics_.prefill_tokens.Increment(static_cast<double>(p.prompt_token_ids_size()));
-    prefill_.emplace(job.id, std::move(job));
-    busy_.fetch_add(1);
-  }
-
-  void OnPrefillComputed(PrefillJob& job, RequestOutput& out) {
-    if (!out.finished) return;  // a partial (chunked) prefill step
-    PrefillJob j = std::move(job);
-    prefill_.erase(out.id);
-    const std::optional<PinId> pin = out.kv_pin;
-    auto release = [this, pin] {
-      if (pin) Post([this, pin] { (void)engine_->ReleaseKvBlocks(*pin); });
-    };
-    auto fail = [&](const std::string& why) {
-      proto::Envelope env;
-      auto* d = env.mutable_prefill_done();
-      d->set_request_id(j.decode_rid);
-      d->set_ok(false);
-      d->set_failure_reason(why);
-      d->set_retryable(true);
-      (void)j.decode->Send(std::move(env));
-      metrics_.transfer_failures.Increment();
-      metrics_.requests.Add({{"kind", "prefill"}, {"outcome", "failed"}}).Increment();
-      release();
-      busy_.fetch_sub(1);
-    };
-    if (out.new_token_ids.empty()) return fail("prefill produced no token");
-    std::vector<BlockCopy> copies;
-    for (auto [index, remote] : j.writes) {
-      if (index >= out.kv_blocks.size())
-        return fail("block index " + std::to_string(index) + " beyond the prompt");
-      copies.push_back({out.kv_blocks[index], remote});
-    }
-    proto::Envelope env;
-    auto* d = env.mutable_prefill_done();
-    d->set_request_id(j.decode_rid);
-    d->set_ok(true);
-    d->set_first_token_id(out.new_token_ids[0]);
-    if (!out.logprobs.empty()) {
-      d->set_first_token_logprob(out.logprobs[0].logprob);
-      for (const auto& alt : out.logprobs[0].top_logprobs) {
-        d->mutable_first_token_top_logprobs()->add_token_ids(alt.token);
-        d->mutable_first_token_top_logprobs()->add_logprobs(alt.logprob);
-      }
-    }
-    const uint64_t bytes =
-        copies.size() * static_cast<uint64_t>(engine_->kv_pool().bytes_per_block());
-    d->set_blocks_written(static_cast<uint32_t>(copies.size()));
-    d->set_bytes_written(bytes);
-    d->set_cached_tokens(static_cast<uint32_t>(out.num_cached_tokens));
-    const auto started = Clock::now();
-    auto decode = j.decode;
-    auto rid = j.decode_rid;
-    const auto arrived = j.arrived;
-    const size_t nblocks = copies.size();
-    const int64_t cached = out.num_cached_tokens;
-    transfer_->Write(
-        j.transfer_peer, std::move(copies), j.deadline,
-        [this, decode, env = std::move(env), release, started, arrived, bytes, rid, nblocks,
-         cached](Status st) mutable {
-          if (st.ok()) {
-            metrics_.transfer_seconds.Observe(Seconds(Clock::now() - started));
-            metrics_.transfer_bytes.Add({{"direction", "out"}})
-                .Increment(static_cast<double>(bytes));
-            metrics_.requests.Add({{"kind", "prefill"}, {"outcome", "ok"}}).Increment();
-            (void)decode->Send(std::move(env));
-            PDSERVE_LOG(INFO) << "prefill " << rid << " done: " << nblocks << " blocks (" << bytes
-                              << " bytes) written, " << cached << " prompt tokens cached, "
-                              << Seconds(Clock::now() - arrived) << "s";
-          } else {
-            proto::Envelope fail;
-            auto* f = fail.mutable_prefill_done();
-            f->set_request_id(rid);
-            f->set_ok(false);
-            f->set_failure_reason("KV transfer failed: " + st.message());
-            f->set_retryable(true);
-            (void)decode->Send(std::move(fail));
-            metrics_.transfer_failures.Increment();
-            metrics_.requests.Add({{"kind", "prefill"}, {"outcome", "failed"}}).Increment();
-            PDSERVE_LOG(WARN) << "prefill " << rid << ": KV transfer failed: " << st.message();
-          }
-          release();
-          busy_.fetch_sub(1);
-        });
   }
 
   // ------------------------------------------------------ events and load
@@ -1240,21 +423,7 @@ class WorkerServiceImpl : public WorkerService {
     if (batches.empty() || router_conns_.empty()) return;
     for (const auto& b : batches) {
       proto::Envelope env;
-      auto* ev = env.mutable_kv_events();
-      ev->set_sequence(b.sequence_number);
-      for (const auto& e : b.events) {
-        auto* pe = ev->add_events();
-        if (auto* s = std::get_if<KvStored>(&e)) {
-          auto* st = pe->mutable_stored();
-          for (BlockHash h : s->block_hashes) st->add_block_hashes(h);
-          if (s->parent_hash) st->set_parent_hash(*s->parent_hash);
-        } else if (auto* r = std::get_if<KvRemoved>(&e)) {
-          auto* rm = pe->mutable_removed();
-          for (BlockHash h : r->block_hashes) rm->add_block_hashes(h);
-        } else {
-          pe->mutable_cleared();
-        }
-      }
+      ToProto(b, env.mutable_kv_events());
       for (const auto& c : router_conns_) (void)c->Send(env);
     }
   }
@@ -1279,13 +448,9 @@ class WorkerServiceImpl : public WorkerService {
 
   void SendLoad() {
     const EngineStats s = engine_->GetStats();
-    int64_t queued_tokens = 0;
-    for (auto& [_, r] : decode_) {
-      if (!r.first_token_sent && !r.remote) queued_tokens += r.prompt_tokens - r.cached_tokens;
-    }
     proto::Envelope env;
     auto* l = env.mutable_load();
-    l->set_queued_prefill_tokens(static_cast<uint64_t>(std::max<int64_t>(0, queued_tokens)));
+    l->set_queued_prefill_tokens(static_cast<uint64_t>(decode_.QueuedPrefillTokens()));
     l->set_running_requests(static_cast<uint32_t>(s.num_running));
     l->set_waiting_requests(static_cast<uint32_t>(s.num_waiting + s.num_remote_waiting));
     l->set_free_blocks(s.blocks.allocatable_blocks);
@@ -1296,6 +461,9 @@ class WorkerServiceImpl : public WorkerService {
     }
     // Metrics from the same snapshot.
     metrics_.control_buffered_bytes.Set(static_cast<double>(ControlBufferedBytes()));
+    const KvTransferStats ts = transfer_->stats();
+    metrics_.staging_bytes_in_use.Set(static_cast<double>(ts.staging_bytes_in_use));
+    metrics_.staging_bytes_reserved.Set(static_cast<double>(ts.staging_bytes_reserved));
     metrics_.usage.Set(s.blocks.usage_ratio);
     metrics_.running.Set(static_cast<double>(s.num_running));
     metrics_.waiting.Set(static_cast<double>(s.num_waiting + s.num_remote_waiting));
@@ -1316,9 +484,7 @@ class WorkerServiceImpl : public WorkerService {
       std::lock_guard<std::mutex> lock(routers_mu_);
       for (auto& [_, c] : routers_) add(*c);
     }
-    std::lock_guard<std::mutex> lock(peers_mu_);
-    for (auto& [_, p] : prefill_peers_) add(*p.client);
-    return total;
+    return total + decode_.ControlBufferedBytes();
   }
 
   // Prefix-cache counters straight from the block manager (safe from any
@@ -1337,13 +503,13 @@ class WorkerServiceImpl : public WorkerService {
   }
 
   WorkerOptions opts_;
-  std::unique_ptr<kernels::CpuBackend> backend_;
+  std::unique_ptr<kernels::Backend> backend_;
   std::unique_ptr<Model> model_;
   std::unique_ptr<Tokenizer> tokenizer_;
   std::unique_ptr<Engine> engine_;
   std::unique_ptr<KvTransfer> transfer_;
   KvLayout layout_;
-  std::string descriptor_;
+  std::string device_;
   std::string model_id_;
   std::string control_address_;
 
@@ -1366,10 +532,10 @@ class WorkerServiceImpl : public WorkerService {
   std::atomic<bool> draining_{false};
   std::atomic<int> busy_{0};  // decode requests + prefill jobs in flight
 
-  // Engine-thread state.
-  RequestId next_id_ = 1;
-  std::unordered_map<RequestId, DecodeRequest> decode_;
-  std::unordered_map<RequestId, PrefillJob> prefill_;
+  // The two sides of the KV hand-off.
+  WorkerContext ctx_;
+  DecodeSide decode_{&ctx_};
+  PrefillSide prefill_{&ctx_};
 
   // Routers.
   std::thread dns_thread_;
@@ -1380,15 +546,6 @@ class WorkerServiceImpl : public WorkerService {
   std::atomic<int> routers_connected_{0};
   std::mutex pub_mu_;
   std::set<ConnectionPtr> router_conns_;
-
-  // Peers.
-  std::mutex peers_mu_;
-  std::map<std::string, PrefillPeer> prefill_peers_;  // by control address (decode side)
-  // Each router connection's latest PrefillWorkers, by connection id.
-  std::map<uint64_t, std::set<std::string>> router_prefill_views_;
-  // Clients of forgotten peers, to stop once peers_mu_ is released.
-  std::vector<std::unique_ptr<control::Client>> retired_clients_;
-  std::unordered_map<uint64_t, DecodePeer> decode_peers_;  // by connection id (prefill side)
 };
 
 }  // namespace

@@ -1,38 +1,25 @@
 // The worker process: one engine (model, paged KV pool, prefix cache,
-// continuous batching) served over the control plane, in one of three roles.
+// continuous batching) on one device, served over the control plane, in one
+// of three roles:
 //
-//   decode   owns each request's lifetime: admits Generate from a router,
-//            reserves KV blocks (reusing its own cached prefix), and when the
-//            router named a prefill worker and the tokens left to compute
-//            exceed max_local_prefill, asks that worker to compute the prompt
-//            and write the missing blocks straight into the reserved ones. A
-//            watchdog turns a prefill failure, a lost prefill peer or a
-//            timeout into local prefill. Streams Token, ends with Finished.
-//   prefill  computes prompts (with its own prefix cache) for decode workers,
-//            writes the missing blocks over the KV transport, flushes, and
-//            answers PrefillDone with the first sampled token, or a failure.
+//   decode   owns each request's lifetime: admits Generate from a router and,
+//            when the router named a prefill worker, has that worker compute
+//            the prompt and write its KV into blocks reserved here
+//            (decode_side.h).
+//   prefill  computes prompts for decode workers and writes their KV blocks
+//            over the KV transport (prefill_side.h).
 //   both     a co-located worker: prefill and decode in one engine.
 //
-// Every worker registers with every router (re-resolving router host names
+// The service shell (worker_service.cpp) builds the worker from interfaces:
+// the compute backend from kernels::CreateBackend (the KV pool is that
+// backend's memory: device memory on CUDA), the KV transport from
+// CreateKvTransfer with the pool registered under its real memory type and
+// layout. It registers with every router (re-resolving router host names
 // periodically, so a headless Service with several replicas works), sends
 // periodic Load reports and its KV events in order, answers Resync with a
 // snapshot, serves /metrics and /health, and drains on Stop(): no new work,
 // running requests finish (or are cancelled at the grace deadline), then a
 // Goodbye.
-//
-// Prefill peers: a decode worker keeps connections to the prefill workers its
-// routers list (PrefillWorkers), connects to them ahead of the first request,
-// reconnects at once when a router lists one again, and stops reconnecting to
-// one no router lists (an open connection is kept until it closes, so a
-// draining prefill worker finishes what it holds). The KV layouts are compared
-// before either side's transfer descriptor leaves the process.
-//
-// Safety of remote writes: a decode worker never hands reserved blocks back
-// to its allocator while its prefill peer may still write into them. It falls
-// back to local prefill only after the peer reported failure, after the peer's
-// connection closed (a dead process writes nothing), or after the transfer
-// deadline it gave the peer plus a grace period, past which the peer's
-// transport has given up.
 #pragma once
 
 #include <cstdint>
@@ -42,16 +29,19 @@
 
 #include "common/dtype.h"
 #include "common/status.h"
+#include "engine/model.h"
+#include "services/protocol/role.h"
 #include "transport/control/handshake.h"
 #include "transport/control/tls.h"
+#include "transport/kv_transfer_factory.h"
 
 namespace pdserve::worker {
-
-enum class Role { kPrefill, kDecode, kBoth };
 
 struct WorkerOptions {
   Role role = Role::kBoth;
   std::string model_dir;
+  // kDummy: random weights of the config's shapes (benchmarks without a checkpoint).
+  LoadFormat load_format = LoadFormat::kSafetensors;
   std::string model_id;              // "" = ServedModelId's default
   std::vector<std::string> routers;  // host:port of each router (or a DNS name with many)
   std::string host = "0.0.0.0";      // listen address
@@ -65,13 +55,25 @@ struct WorkerOptions {
   int64_t block_size = 16;
   int64_t max_num_seqs = 64;
   int64_t max_num_batched_tokens = 512;
-  int64_t max_local_prefill = 512;
-  int threads = 0;                      // compute threads (0: all cores)
-  std::string transfer_tls;             // UCX_TLS for the KV transport ("" = UCX's choice)
+  // "auto" (the first CUDA device, else the CPU), "cpu", "cuda" or "cuda:N";
+  // see kernels::ResolveDevice.
+  std::string device = "auto";
+  int threads = 0;  // compute threads of the CPU backend (0: all cores)
+  KvTransferKind kv_transfer = KvTransferKind::kUcx;
+  KvStagingMode kv_staging = KvStagingMode::kAuto;
+  int64_t kv_staging_bytes = 256ll << 20;  // bounce buffers of a staged transport, at most
+  std::string transfer_tls;                // UCX_TLS for the KV transport ("" = UCX's choice)
+  // Prefill side: write each finished chunk's full blocks while the next
+  // chunk computes (off: everything once the prompt is done).
+  bool stream_prefill_chunks = true;
   int64_t prefill_timeout_ms = 30'000;  // transfer deadline given to the prefill peer
   int64_t load_interval_ms = 200;
   int64_t dns_refresh_ms = 5'000;
   int64_t drain_timeout_ms = 30'000;
+  // A draining worker that writes KV for others (role both or prefill) stays
+  // at least this long, so that the prefills by which the routers push its
+  // hot prompts to the survivors reach it (router --drain-push-blocks).
+  int64_t drain_linger_ms = 500;
   // Control plane (routers and peer workers alike): the secret to prove (null:
   // unauthenticated, --insecure-control-plane) and optional mutual TLS.
   std::shared_ptr<const control::ClusterSecret> cluster_secret;

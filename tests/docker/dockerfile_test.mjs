@@ -153,6 +153,14 @@ for (const v of variants) {
       assert.ok(take, 'final stage does not copy pdserve from the build stage');
       assert.equal(take.args.split(/\s+/)[0], path.posix.join(workdir, buildDir, 'pdserve'));
       assert.ok(buildRuns.some((r) => r.includes(`runtime-packages.sh ${buildDir}/pdserve`)));
+      // The CUDA image must carry the NCCL transport (the chart's kvTransfer:
+      // nccl): its build stops when CMake did not find NCCL.
+      if (v.cuda === 'ON') {
+        assert.ok(buildRuns.some((r) => r.startsWith(`grep -q '^NCCL_LIBRARY:FILEPATH=/' ${buildDir}/CMakeCache.txt`)),
+          'the CUDA build stage does not check that NCCL was found');
+        assert.match(fs.readFileSync(path.join(root, 'transport/nccl/CMakeLists.txt'), 'utf8'), /find_library\(NCCL_LIBRARY\b/,
+          'the NCCL check reads a cache variable the build no longer sets');
+      }
     });
 
     test('the final stage: runtime libraries only, non-root, pdserve entrypoint, OCI labels', () => {

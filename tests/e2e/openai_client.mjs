@@ -51,7 +51,7 @@ const [httpPort, controlPort] = [ports[1], ports[2]];
 for (const role of ['prefill', 'decode']) {
   start(role, ['worker', '--role', role, '--model', model, '--router', `127.0.0.1:${controlPort}`,
     '--host', '127.0.0.1', '--port', '0', '--metrics-port', '0', '--worker-id', `${role}-0`, '--threads', '1',
-    '--transfer-tls', 'tcp', '--kv-cache-bytes', '8MiB', '--max-local-prefill', '16',
+    '--transfer-tls', 'tcp', '--kv-cache-bytes', '8MiB',
     '--cluster-secret-file', secretFile]);
 }
 await waitFor(async () => {

@@ -1,9 +1,12 @@
 // Tests of the Helm chart helm/pdserve: `helm lint --strict`, then
 // `helm template` with the default values, values-cpu.yaml, a full-featured
 // values file and targeted overrides, with assertions on the rendered objects
-// (parsed with the `yaml` package), and bad values rejected by the schema.
+// (parsed with the `yaml` package), bad values rejected by the schema, every
+// rendered object validated against the Kubernetes API schemas (k8s_schema.mjs),
+// and, given PDSERVE_BIN, every flag the chart passes known to that binary.
 //
-// Run: node --test tests/helm/chart_test.mjs   (HELM=path/to/helm optional)
+// Run: node --test tests/helm/chart_test.mjs
+//      (HELM=path/to/helm, PDSERVE_BIN=build/pdserve optional)
 import assert from 'node:assert/strict';
 import { execFile, execFileSync, spawnSync } from 'node:child_process';
 import crypto from 'node:crypto';
@@ -15,10 +18,13 @@ import path from 'node:path';
 import { describe, test } from 'node:test';
 import { promisify } from 'node:util';
 import { fileURLToPath } from 'node:url';
+import { loadValidator, SchemaError } from './k8s_schema.mjs';
 
 const root = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '../..');
-const require = createRequire(path.join(process.env.PDSERVE_NPM_DIR || path.join(root, '.deps/npm'), 'package.json'));
+const npmDir = process.env.PDSERVE_NPM_DIR || path.join(root, '.deps/npm');
+const require = createRequire(path.join(npmDir, 'package.json'));
 const YAML = require('yaml');
+const validateObject = await loadValidator(npmDir);
 
 const chart = path.join(root, 'helm/pdserve');
 const cpuValues = path.join(chart, 'values-cpu.yaml');
@@ -124,6 +130,8 @@ const decodeBase64 = (s) => Buffer.from(s, 'base64').toString('utf8');
 function checkProbesAndPorts(r) {
   const router = mainContainer(r.deployment('router'));
   const rf = flags(router);
+  // No command: the image's ENTRYPOINT (pdserve) runs the subcommand in args.
+  assert.equal(router.command, undefined);
   assert.equal(router.args[0], 'router');
   assert.equal(String(portByName(router, 'http')), rf.get('port'));
   assert.equal(String(portByName(router, 'control')), rf.get('control-port'));
@@ -134,6 +142,7 @@ function checkProbesAndPorts(r) {
   for (const role of ['prefill', 'decode']) {
     const w = mainContainer(r.deployment(role));
     const wf = flags(w);
+    assert.equal(w.command, undefined);
     assert.equal(w.args[0], 'worker');
     assert.equal(wf.get('role'), role);
     assert.equal(String(portByName(w, 'metrics')), wf.get('metrics-port'));
@@ -167,7 +176,8 @@ function checkRouterWiring(r) {
     const wf = flags(mainContainer(r.deployment(role)));
     assert.equal(wf.get('router'), `${headless.metadata.name}.${namespace}.svc:${routerFlags.get('control-port')}`);
     assert.equal(wf.get('model'), routerFlags.get('model'), 'router and workers must load the same model');
-    assert.equal(wf.get('max-local-prefill'), routerFlags.get('max-local-prefill'));
+    // The router alone decides remote prefill: workers have no threshold.
+    assert.equal(wf.has('max-local-prefill'), false, `${role} worker must not get --max-local-prefill`);
   }
   // Router and workers must agree on the block size (hash spec v1).
   for (const role of ['prefill', 'decode']) {
@@ -210,6 +220,18 @@ function workerResources(r, role) {
   return mainContainer(r.deployment(role)).resources;
 }
 
+// Device and KV transfer flags of a worker pool, and its NCCL_* variables.
+function deviceFlags(r, role) {
+  const c = mainContainer(r.deployment(role));
+  const f = flags(c);
+  const pick = (n) => (f.has(n) ? f.get(n) : undefined);
+  return {
+    device: pick('device'), threads: pick('threads'), transfer: pick('kv-transfer'),
+    staging: pick('kv-staging'), stagingBytes: pick('kv-staging-bytes'),
+    ncclEnv: Object.fromEntries((c.env || []).filter((e) => e.name.startsWith('NCCL_')).map((e) => [e.name, e.value])),
+  };
+}
+
 describe('helm lint --strict', () => {
   for (const [label, files] of [['default values', []], ['values-cpu.yaml', [cpuValues]], ['values-full.yaml', [fullValues]]]) {
     test(label, () => {
@@ -250,6 +272,18 @@ describe('default values', () => {
       assert.ok(mount, `${role} mounts /dev/shm`);
       const vol = spec.volumes.find((v) => v.name === mount.name);
       assert.equal(vol.emptyDir.medium, 'Memory');
+    }
+  });
+  test('GPU pools: --device cuda, KV over UCX with staging auto, no --threads, no NCCL variables', () => {
+    for (const role of ['prefill', 'decode']) {
+      assert.deepEqual(deviceFlags(r, role), { device: 'cuda', threads: undefined, transfer: 'ucx',
+        staging: 'auto', stagingBytes: undefined, ncclEnv: {} }, role);
+    }
+  });
+  test('/dev/shm is large enough for NCCL (1Gi or more)', () => {
+    for (const role of ['prefill', 'decode']) {
+      const vol = podSpec(r.deployment(role)).volumes.find((v) => v.name === 'dshm');
+      assert.match(vol.emptyDir.sizeLimit, /^([1-9][0-9]*)Gi$/, role);
     }
   });
   test('model from the existing claim, mounted read-only', () => {
@@ -549,6 +583,12 @@ describe('values-cpu.yaml', () => {
     for (const d of r.all('Deployment')) assert.match(mainContainer(d).image, /^pdserve:[^:]+-cpu$/);
     for (const role of ['prefill', 'decode']) assert.equal(flags(mainContainer(r.deployment(role))).get('kv-cache-bytes'), '64MiB');
   });
+  test('--device cpu with --threads, KV over UCX, no GPU staging flags', () => {
+    for (const role of ['prefill', 'decode']) {
+      assert.deepEqual(deviceFlags(r, role), { device: 'cpu', threads: '1', transfer: 'ucx',
+        staging: undefined, stagingBytes: undefined, ncclEnv: {} }, role);
+    }
+  });
   test('probes, ports and wiring as with the defaults', () => {
     checkProbesAndPorts(r);
     checkRouterWiring(r);
@@ -571,6 +611,13 @@ describe('values-full.yaml', () => {
     assert.equal(workerResources(r, 'prefill').limits['amd.com/gpu'], 2);
     assert.equal(workerResources(r, 'decode').limits['amd.com/gpu'], 1);
     assert.equal(workerResources(r, 'decode').limits['nvidia.com/gpu'], undefined);
+  });
+  test('KV over NCCL in both pools: device per pool, staging flags, the NCCL variables that are set', () => {
+    const common = { threads: undefined, transfer: 'nccl', staging: 'always', stagingBytes: '512MiB',
+      ncclEnv: { NCCL_SOCKET_IFNAME: 'eth0', NCCL_IB_HCA: 'mlx5_0' } };
+    assert.deepEqual(deviceFlags(r, 'prefill'), { device: 'cuda:1', ...common });
+    assert.deepEqual(deviceFlags(r, 'decode'), { device: 'cuda', ...common });
+    assert.ok(!('kv-transfer' in Object.fromEntries(flags(mainContainer(r.deployment('router'))))), 'router gets no KV flags');
   });
   test('RDMA: device resource, UCX environment and IPC_LOCK on workers only', () => {
     checkSecurity(r, { rdma: true });
@@ -756,7 +803,7 @@ describe('targeted overrides', () => {
     assert.match(res.stderr, /model.download.repo is required/);
   });
   test('replica counts and zero GPUs', () => {
-    const r = render({ set: ['prefill.replicas=0', 'decode.replicas=5', 'router.replicas=2', 'decode.gpus=0'] });
+    const r = render({ set: ['prefill.replicas=0', 'decode.replicas=5', 'router.replicas=2', 'decode.gpus=0', 'decode.device=cpu'] });
     assert.equal(r.deployment('prefill').spec.replicas, 0);
     assert.equal(r.deployment('decode').spec.replicas, 5);
     assert.equal(r.deployment('router').spec.replicas, 2);
@@ -781,7 +828,7 @@ describe('values.schema.json rejects bad values with its message', () => {
     [['router.replicas=0'], /at '\/router\/replicas': minimum: got 0, want 1/],
     [['model.storage.type=nfs'], /at '\/model\/storage\/type': value must be one of 'existingClaim', 'newClaim', 'hostPath', 'download', 'tiny'/],
     [['decode.gpus=two'], /at '\/decode\/gpus': got string, want integer/],
-    [['routing.policy=fastest'], /at '\/routing\/policy': value must be one of 'kv', 'round_robin', 'least_loaded', 'random'/],
+    [['routing.policy=fastest'], /at '\/routing\/policy': value must be one of 'kv', 'dynamo', 'llm-d', 'sglang', 'production-stack', 'round_robin', 'least_loaded', 'random'/],
     [['prefill.kvCacheBytes=lots'], /at '\/prefill\/kvCacheBytes'/],
     [['router.httpPort=70000'], /at '\/router\/httpPort': maximum: got 70,000, want 65,535/],
     [['replica=2'], /additional properties 'replica' not allowed/],
@@ -800,6 +847,16 @@ describe('values.schema.json rejects bad values with its message', () => {
       /at '\/controlPlane\/tls\/certManager\/duration'/],
     [['router.saltPerApiKey=true'], /at '\/router\/apiKeys\/existingSecret': minLength: got 0, want 1/],
     [['metrics.auth.key=a/b'], /at '\/metrics\/auth\/key'/],
+    // Device, KV transfer and staging.
+    [['prefill.device=gpu'], /at '\/prefill\/device': 'gpu' does not match pattern/],
+    [['decode.gpus=0'], /at '\/decode\/gpus': minimum: got 0, want 1/],
+    [['decode.device=cuda:1', 'decode.gpus=0'], /at '\/decode\/gpus': minimum: got 0, want 1/],
+    [['prefill.device=cpu'], /at '\/prefill\/gpus': maximum: got 1, want 0/],
+    [['prefill.threads=-1'], /at '\/prefill\/threads': minimum: got -1, want 0/],
+    [['kvTransfer=rdma'], /at '\/kvTransfer': value must be one of 'ucx', 'nccl'/],
+    [['kvTransfer=nccl', 'decode.device=cpu', 'decode.gpus=0'], /at '\/decode\/device': 'cpu' does not match pattern '\^\(auto\|cuda/],
+    [['kvStaging.mode=sometimes'], /at '\/kvStaging\/mode': value must be one of 'auto', 'always', 'never'/],
+    [['kvStaging.bytes=lots'], /at '\/kvStaging\/bytes'/],
   ];
   for (const [set, message] of cases) {
     test(set.join(' '), () => {
@@ -808,6 +865,154 @@ describe('values.schema.json rejects bad values with its message', () => {
       const res = runHelm(args);
       assert.notEqual(res.status, 0, `accepted ${set}`);
       assert.match(res.stderr, message);
+    });
+  }
+});
+
+// Validates every object against the Kubernetes API schemas; one failure
+// lists every invalid object and field.
+async function assertValidObjects(r, label) {
+  const problems = [];
+  for (const o of r.objects) {
+    try {
+      await validateObject(o);
+    } catch (e) {
+      if (!(e instanceof SchemaError)) throw e;
+      problems.push(e.message);
+    }
+  }
+  assert.deepEqual(problems, [], `${label}: objects the Kubernetes API would refuse:\n${problems.join('\n')}`);
+}
+
+// The one SchemaError validating `object` throws.
+async function schemaError(object) {
+  try {
+    await validateObject(object);
+  } catch (e) {
+    if (e instanceof SchemaError) return e.message;
+    throw e;
+  }
+  assert.fail(`${object.kind}/${object.metadata?.name} passed validation`);
+}
+
+describe('every rendered object validates against the Kubernetes API schemas', () => {
+  const renders = [
+    ['default values', {}],
+    ['values-cpu.yaml', { files: [cpuValues] }],
+    ['values-full.yaml (ServiceMonitor, PrometheusRule, dashboard, cert-manager, NCCL)', { files: [fullValues] }],
+    ['values-full.yaml with a PodMonitor', { files: [fullValues], set: ['metrics.serviceMonitor.enabled=false', 'metrics.podMonitor.enabled=true'] }],
+    ['cert-manager with the release\'s own CA, per-pod download, metrics keys, monitors on', {
+      set: ['controlPlane.tls.enabled=true', 'controlPlane.tls.certManager.enabled=true', 'model.storage.type=download',
+        'model.download.repo=Qwen/Qwen2.5-0.5B-Instruct', 'model.download.hfTokenSecret.name=hf', 'metrics.auth.existingSecret=keys',
+        'metrics.podMonitor.enabled=true', 'metrics.prometheusRule.enabled=true', 'grafana.dashboard.enabled=true'] }],
+    ['hostPath storage, TLS from a Secret, no NetworkPolicy, insecure', {
+      set: ['model.storage.type=hostPath', 'model.storage.hostPath.path=/mnt/models', 'controlPlane.tls.enabled=true',
+        'controlPlane.tls.existingSecret=tls', 'networkPolicy.enabled=false', 'controlPlane.insecure=true'] }],
+  ];
+  const kinds = new Set();
+  for (const [label, opts] of renders) {
+    test(label, async () => {
+      const r = render(opts);
+      for (const o of r.objects) kinds.add(o.kind);
+      await assertValidObjects(r, label);
+    });
+  }
+  test('the renders above cover every kind the templates create', () => {
+    const templated = new Set();
+    for (const f of fs.readdirSync(path.join(chart, 'templates')).filter((x) => x.endsWith('.yaml'))) {
+      for (const m of fs.readFileSync(path.join(chart, 'templates', f), 'utf8').matchAll(/^kind: (\w+)$/gm)) templated.add(m[1]);
+    }
+    assert.ok(templated.has('ServiceMonitor') && templated.has('PodMonitor') && templated.has('PrometheusRule'));
+    assert.deepEqual([...templated].filter((k) => !kinds.has(k)), [], 'kinds no render validated');
+  });
+
+  // Values that values.schema.json lets through but that render objects the
+  // API server refuses: only the API schemas catch them.
+  const badValues = [
+    [['--set-json', 'prefill.extraEnv=[{"name":"A","value":1}]'],
+      /^Deployment\/rel-pdserve-prefill: spec\/template\/spec\/containers\/0\/env\/\d+\/value: must be string$/],
+    [['--set-json', 'decode.affinity={"nodeAfinity":{}}'],
+      /^Deployment\/rel-pdserve-decode: spec\/template\/spec\/affinity\/nodeAfinity: unknown field$/],
+    [['--set', 'prefill.tolerations[0].effect=Sometimes'],
+      /^Deployment\/rel-pdserve-prefill: spec\/template\/spec\/tolerations\/0\/effect: must be one of "NoExecute", "NoSchedule", "PreferNoSchedule"$/],
+    [['--set', 'metrics.serviceMonitor.enabled=true', '--set', 'metrics.serviceMonitor.interval=often'],
+      /^ServiceMonitor\/rel-pdserve: spec\/endpoints\/0\/interval: must match .*; spec\/endpoints\/1\/interval: must match /],
+  ];
+  for (const [args, message] of badValues) {
+    test(`rejected: ${args.filter((a) => !a.startsWith('--')).join(' ')}`, async () => {
+      const res = runHelm(['template', release, chart, '--namespace', namespace, ...args]);
+      assert.equal(res.status, 0, `values.schema.json now refuses it (pick another case): ${res.stderr}`);
+      const objects = YAML.parseAllDocuments(res.stdout).map((d) => d.toJS()).filter(Boolean);
+      const errors = [];
+      for (const o of objects) errors.push(await schemaError(o).catch(() => null));
+      assert.deepEqual(errors.filter(Boolean).length, 1, `one object refused: ${errors.filter(Boolean).join('\n')}`);
+      assert.match(errors.find(Boolean), message);
+    });
+  }
+
+  // Rendered objects corrupted after the fact, one field each.
+  test('corrupted objects are rejected naming the object and the field', async () => {
+    const rendered = render({ files: [fullValues], set: ['metrics.serviceMonitor.enabled=false', 'metrics.podMonitor.enabled=true'] });
+    const fresh = () => new Rendered(structuredClone(rendered.objects));
+    const cases = [
+      ['Deployment', (o) => { o.spec.replicas = 'two'; }, /^Deployment\/rel-pdserve-decode: spec\/replicas: must be integer$/],
+      ['Deployment', (o) => { delete o.spec.selector; }, /^Deployment\/rel-pdserve-decode: spec: required field selector is missing$/],
+      ['Deployment', (o) => { podSpec(o).containers[0].resources.limits.memory = '64 GB'; },
+        /^Deployment\/rel-pdserve-decode: spec\/template\/spec\/containers\/0\/resources\/limits\/memory: /],
+      ['Deployment', (o) => { podSpec(o).containers[0].imagePullPolicyy = 'Always'; },
+        /^Deployment\/rel-pdserve-decode: spec\/template\/spec\/containers\/0\/imagePullPolicyy: unknown field$/],
+      ['Service', (o) => { o.spec.ports[0].protocol = 'QUIC'; }, /^Service\/rel-pdserve-\S+: spec\/ports\/0\/protocol: must be one of /],
+      ['PodMonitor', (o) => { o.spec.podMetricsEndpoints[0].scheme = 'ftp'; },
+        /^PodMonitor\/rel-pdserve: spec\/podMetricsEndpoints\/0\/scheme: must be one of /],
+      ['PrometheusRule', (o) => { delete o.spec.groups[0].rules[0].expr; },
+        /^PrometheusRule\/rel-pdserve: spec\/groups\/0\/rules\/0: required field expr is missing$/],
+      ['Certificate', (o) => { o.spec.secretNam = o.spec.secretName; },
+        /^Certificate\/rel-pdserve-\S+: spec\/secretNam: unknown field$/],
+      ['NetworkPolicy', (o) => { o.apiVersion = 'networking.k8s.io/v9'; }, /^NetworkPolicy\/rel-pdserve-\S+: no schema for networking\.k8s\.io\/v9 NetworkPolicy /],
+    ];
+    for (const [kind, corrupt, message] of cases) {
+      const r = fresh();
+      const object = kind === 'Deployment' ? r.deployment('decode') : r.all(kind)[0];
+      assert.ok(object, `no ${kind} rendered`);
+      await validateObject(object);
+      corrupt(object);
+      assert.match(await schemaError(object), message, `${kind}: ${corrupt}`);
+    }
+  });
+});
+
+// The image runs the build's pdserve: every subcommand and flag the chart
+// passes must exist there. ctest passes PDSERVE_BIN when the build has the
+// pdserve target; without a built binary this part is skipped.
+describe('the chart\'s commands and flags exist in pdserve', () => {
+  const bin = process.env.PDSERVE_BIN;
+  const skip = !bin ? 'PDSERVE_BIN not set' : !fs.existsSync(bin) ? `${bin} not built` : false;
+  const known = new Map();
+  function knownFlags(command) {
+    if (!known.has(command)) {
+      const res = spawnSync(bin, [command, '--help'], { encoding: 'utf8' });
+      assert.equal(res.status, 0, `pdserve ${command} --help failed: ${res.stderr}`);
+      known.set(command, new Set([...res.stdout.matchAll(/^\s+--([a-z0-9-]+)/gm)].map((m) => m[1])));
+    }
+    return known.get(command);
+  }
+  for (const [label, opts] of [['default values', {}], ['values-cpu.yaml', { files: [cpuValues] }],
+    ['values-full.yaml', { files: [fullValues] }]]) {
+    test(label, { skip }, () => {
+      const r = render(opts);
+      for (const d of r.all('Deployment')) {
+        const c = mainContainer(d);
+        const have = knownFlags(c.args[0]);
+        for (const flag of flags(c).keys()) assert.ok(have.has(flag), `${d.metadata.name}: pdserve ${c.args[0]} has no --${flag}`);
+        for (const init of podSpec(d).initContainers || []) {
+          for (const m of (init.command || []).join(' ').matchAll(/\bpdserve ([a-z-]+)((?: +--?[a-z0-9-]+(?: +"?[^-" ][^ ]*"?)?)*)/g)) {
+            const have = knownFlags(m[1]);
+            for (const f of m[2].matchAll(/--([a-z0-9-]+)/g)) {
+              assert.ok(have.has(f[1]), `${d.metadata.name}/${init.name}: pdserve ${m[1]} has no --${f[1]}`);
+            }
+          }
+        }
+      }
     });
   }
 });

@@ -1,5 +1,6 @@
 #include "tests/support/reference_model.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -10,122 +11,18 @@
 
 #include <nlohmann/json.hpp>
 
+#include "tests/support/reference_tensors.h"
+
 namespace pdserve::testing {
-namespace {
 
-using nlohmann::json;
-
-std::string Slurp(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-double HalfToDouble(uint16_t h) {
-  const int sign = h >> 15, exp = (h >> 10) & 31, mant = h & 1023;
-  double v = exp == 0 ? std::ldexp(mant, -24) : std::ldexp(1024 + mant, exp - 25);
-  return sign ? -v : v;
-}
-
-// name -> values, from every safetensors file of the folder.
-class Tensors {
- public:
-  bool Load(const std::string& dir, std::string* error) {
-    namespace fs = std::filesystem;
-    std::vector<std::string> files;
-    if (fs::exists(fs::path(dir) / "model.safetensors.index.json")) {
-      json idx = json::parse(Slurp((fs::path(dir) / "model.safetensors.index.json").string()));
-      std::map<std::string, bool> seen;
-      for (auto& [name, file] : idx["weight_map"].items()) {
-        if (!seen[file.get<std::string>()]) files.push_back(file.get<std::string>());
-        seen[file.get<std::string>()] = true;
-      }
-    } else {
-      files.push_back("model.safetensors");
-    }
-    for (const auto& f : files) {
-      const std::string bytes = Slurp((fs::path(dir) / f).string());
-      if (bytes.size() < 8) {
-        *error = f + ": too short";
-        return false;
-      }
-      uint64_t n = 0;
-      std::memcpy(&n, bytes.data(), 8);
-      json header = json::parse(bytes.substr(8, n));
-      const char* data = bytes.data() + 8 + n;
-      for (auto& [name, t] : header.items()) {
-        if (name == "__metadata__") continue;
-        const std::string dtype = t["dtype"];
-        const uint64_t begin = t["data_offsets"][0], end = t["data_offsets"][1];
-        std::vector<double> v;
-        if (dtype == "F32") {
-          for (uint64_t o = begin; o < end; o += 4) {
-            float x;
-            std::memcpy(&x, data + o, 4);
-            v.push_back(x);
-          }
-        } else if (dtype == "BF16" || dtype == "F16") {
-          for (uint64_t o = begin; o < end; o += 2) {
-            uint16_t h;
-            std::memcpy(&h, data + o, 2);
-            if (dtype == "BF16") {
-              const uint32_t bits = static_cast<uint32_t>(h) << 16;
-              float x;
-              std::memcpy(&x, &bits, 4);
-              v.push_back(x);
-            } else {
-              v.push_back(HalfToDouble(h));
-            }
-          }
-        } else {
-          *error = name + ": unexpected dtype " + dtype;
-          return false;
-        }
-        values_[name] = std::move(v);
-      }
-    }
-    return true;
-  }
-  bool Take(const std::string& name, std::vector<double>* out, std::string* error) {
-    auto it = values_.find(name);
-    if (it == values_.end()) {
-      *error = "missing " + name;
-      return false;
-    }
-    *out = std::move(it->second);
-    return true;
-  }
-  bool Has(const std::string& name) const { return values_.count(name) > 0; }
-
- private:
-  std::map<std::string, std::vector<double>> values_;
-};
-
-// y[rows_out] = W[rows_out, cols] x[cols] (+ b)
-std::vector<double> MatVec(const std::vector<double>& w, const std::vector<double>& x, int64_t rows,
-                           const std::vector<double>* bias = nullptr) {
-  const int64_t cols = static_cast<int64_t>(x.size());
-  std::vector<double> y(rows);
-  for (int64_t r = 0; r < rows; ++r) {
-    double acc = bias && !bias->empty() ? (*bias)[r] : 0.0;
-    for (int64_t c = 0; c < cols; ++c) acc += w[r * cols + c] * x[c];
-    y[r] = acc;
-  }
-  return y;
-}
-
-std::vector<double> RmsNorm(const std::vector<double>& x, const std::vector<double>& w,
-                            double eps) {
-  double ss = 0;
-  for (double v : x) ss += v * v;
-  const double inv = 1.0 / std::sqrt(ss / x.size() + eps);
-  std::vector<double> y(x.size());
-  for (size_t i = 0; i < x.size(); ++i) y[i] = x[i] * inv * w[i];
-  return y;
-}
-
-}  // namespace
+using reference::HalfToDouble;
+using reference::json;
+using reference::MatVec;
+using reference::RmsNorm;
+using reference::RoundBf16;
+using reference::RoundE4M3;
+using reference::Slurp;
+using reference::Tensors;
 
 std::unique_ptr<ReferenceModel> ReferenceModel::Load(const std::string& dir, std::string* error) {
   json c =
@@ -146,7 +43,48 @@ std::unique_ptr<ReferenceModel> ReferenceModel::Load(const std::string& dir, std
   m->eps_ = c.value("rms_norm_eps", 1e-6);
   const double theta = c.value("rope_theta", 10000.0);
   const bool tied = c.value("tie_word_embeddings", false);
-  const bool bias = arch == "Qwen2ForCausalLM" || c.value("attention_bias", false);
+  if (arch == "DeepseekV2ForCausalLM" || arch == "DeepseekV3ForCausalLM") {
+    m->deepseek_ = true;
+    m->ds_.v3 = arch == "DeepseekV3ForCausalLM";
+    if (!m->LoadDeepseek(c, dir, error)) return nullptr;
+    return m;
+  }
+  // nn.Linear(..., bias=...) in each modeling file: Llama's attention and
+  // Qwen3's take bias=config.attention_bias on q/k/v/o_proj, Qwen2's q/k/v
+  // have bias=True and o_proj none, LlamaMLP takes bias=config.mlp_bias;
+  // Mistral's projections and the other MLPs have no bias.
+  const bool llama = arch == "LlamaForCausalLM", qwen2 = arch == "Qwen2ForCausalLM",
+             qwen3 = arch == "Qwen3ForCausalLM";
+  const bool attention_bias =
+      (llama || qwen3 || arch == "Qwen3MoeForCausalLM") && c.value("attention_bias", false);
+  const bool qkv_bias = qwen2 || attention_bias;
+  const bool o_bias = attention_bias;
+  const bool mlp_bias = llama && c.value("mlp_bias", false);
+  if (qwen3 && !(c.contains("head_dim") && !c["head_dim"].is_null())) m->head_dim_ = 128;
+  // Qwen3MoeDecoderLayer: Qwen3MoeSparseMoeBlock where
+  // `layer_idx not in mlp_only_layers and num_experts > 0 and
+  // (layer_idx + 1) % decoder_sparse_step == 0`, else Qwen3MoeMLP with
+  // intermediate_size; MixtralDecoderLayer: block_sparse_moe on every layer,
+  // experts of intermediate_size, routing weights always renormalised.
+  const bool qwen3_moe = arch == "Qwen3MoeForCausalLM", mixtral = arch == "MixtralForCausalLM";
+  const bool qk_norm = qwen3 || qwen3_moe;
+  int64_t num_experts = 0, sparse_step = 1;
+  std::vector<int64_t> mlp_only;
+  if (qwen3_moe) {
+    num_experts = c.value("num_experts", c.value("num_local_experts", int64_t{128}));
+    m->top_k_ = c.value("num_experts_per_tok", int64_t{8});
+    m->moe_inter_ = c.value("moe_intermediate_size", int64_t{768});
+    m->norm_topk_ = c.value("norm_topk_prob", false);
+    sparse_step = c.value("decoder_sparse_step", int64_t{1});
+    if (c.contains("mlp_only_layers") && c["mlp_only_layers"].is_array()) {
+      mlp_only = c["mlp_only_layers"].get<std::vector<int64_t>>();
+    }
+  } else if (mixtral) {
+    num_experts = c.value("num_local_experts", int64_t{8});
+    m->top_k_ = c.value("num_experts_per_tok", int64_t{2});
+    m->moe_inter_ = m->inter_;
+    m->norm_topk_ = true;
+  }
 
   // Rotary frequencies as Hugging Face computes them, including rope_scaling,
   // then held as float32 (the dtype of HF's inv_freq buffer).
@@ -184,15 +122,45 @@ std::unique_ptr<ReferenceModel> ReferenceModel::Load(const std::string& dir, std
         !t.Take(p + "self_attn.q_proj.weight", &L.q, error) ||
         !t.Take(p + "self_attn.k_proj.weight", &L.k, error) ||
         !t.Take(p + "self_attn.v_proj.weight", &L.v, error) ||
-        !t.Take(p + "self_attn.o_proj.weight", &L.o, error) ||
-        !t.Take(p + "mlp.gate_proj.weight", &L.gate, error) ||
-        !t.Take(p + "mlp.up_proj.weight", &L.up, error) ||
-        !t.Take(p + "mlp.down_proj.weight", &L.down, error)) {
+        !t.Take(p + "self_attn.o_proj.weight", &L.o, error)) {
       return nullptr;
     }
-    if (bias && (!t.Take(p + "self_attn.q_proj.bias", &L.q_bias, error) ||
-                 !t.Take(p + "self_attn.k_proj.bias", &L.k_bias, error) ||
-                 !t.Take(p + "self_attn.v_proj.bias", &L.v_bias, error))) {
+    L.sparse = num_experts > 0 &&
+               std::find(mlp_only.begin(), mlp_only.end(), l) == mlp_only.end() &&
+               (l + 1) % sparse_step == 0;
+    if (L.sparse) {
+      const std::string b = p + (mixtral ? "block_sparse_moe." : "mlp.");
+      if (!t.Take(b + "gate.weight", &L.router, error)) return nullptr;
+      L.e_gate.resize(num_experts);
+      L.e_up.resize(num_experts);
+      L.e_down.resize(num_experts);
+      for (int64_t e = 0; e < num_experts; ++e) {
+        const std::string x = b + "experts." + std::to_string(e) + ".";
+        // MixtralBlockSparseTop2MLP: w2(act(w1(x)) * w3(x)).
+        if (!t.Take(x + (mixtral ? "w1" : "gate_proj") + ".weight", &L.e_gate[e], error) ||
+            !t.Take(x + (mixtral ? "w3" : "up_proj") + ".weight", &L.e_up[e], error) ||
+            !t.Take(x + (mixtral ? "w2" : "down_proj") + ".weight", &L.e_down[e], error)) {
+          return nullptr;
+        }
+      }
+    } else if (!t.Take(p + "mlp.gate_proj.weight", &L.gate, error) ||
+               !t.Take(p + "mlp.up_proj.weight", &L.up, error) ||
+               !t.Take(p + "mlp.down_proj.weight", &L.down, error)) {
+      return nullptr;
+    }
+    if (qkv_bias && (!t.Take(p + "self_attn.q_proj.bias", &L.q_bias, error) ||
+                     !t.Take(p + "self_attn.k_proj.bias", &L.k_bias, error) ||
+                     !t.Take(p + "self_attn.v_proj.bias", &L.v_bias, error))) {
+      return nullptr;
+    }
+    if (o_bias && !t.Take(p + "self_attn.o_proj.bias", &L.o_bias, error)) return nullptr;
+    if (qk_norm && (!t.Take(p + "self_attn.q_norm.weight", &L.q_norm, error) ||
+                    !t.Take(p + "self_attn.k_norm.weight", &L.k_norm, error))) {
+      return nullptr;
+    }
+    if (mlp_bias && (!t.Take(p + "mlp.gate_proj.bias", &L.gate_bias, error) ||
+                     !t.Take(p + "mlp.up_proj.bias", &L.up_bias, error) ||
+                     !t.Take(p + "mlp.down_proj.bias", &L.down_bias, error))) {
       return nullptr;
     }
     m->layers_.push_back(std::move(L));
@@ -203,10 +171,16 @@ std::unique_ptr<ReferenceModel> ReferenceModel::Load(const std::string& dir, std
   } else if (!t.Take("lm_head.weight", &m->lm_head_, error)) {
     return nullptr;
   }
+  if (const std::string left = t.Leftover(); !left.empty()) {
+    *error = "unused tensor " + left;
+    return nullptr;
+  }
   return m;
 }
 
-std::vector<std::vector<double>> ReferenceModel::Forward(const std::vector<int32_t>& tokens) const {
+std::vector<std::vector<double>> ReferenceModel::Forward(const std::vector<int32_t>& tokens,
+                                                         const KvRounding& kv) const {
+  if (deepseek_) return ForwardDeepseek(tokens, kv);
   const int64_t T = static_cast<int64_t>(tokens.size()), H = hidden_, hd = head_dim_;
   std::vector<std::vector<double>> x(T, std::vector<double>(H));
   for (int64_t t = 0; t < T; ++t) {
@@ -222,6 +196,13 @@ std::vector<std::vector<double>> ReferenceModel::Forward(const std::vector<int32
       }
     }
   };
+  auto head_norm = [&](std::vector<double>& v, int64_t heads, const std::vector<double>& w) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const std::vector<double> head(v.begin() + h * hd, v.begin() + (h + 1) * hd);
+      const auto normed = RmsNorm(head, w, eps_);
+      std::copy(normed.begin(), normed.end(), v.begin() + h * hd);
+    }
+  };
   for (const Layer& L : layers_) {
     std::vector<std::vector<double>> q(T), k(T), v(T);
     for (int64_t t = 0; t < T; ++t) {
@@ -229,35 +210,80 @@ std::vector<std::vector<double>> ReferenceModel::Forward(const std::vector<int32
       q[t] = MatVec(L.q, h, heads_ * hd, &L.q_bias);
       k[t] = MatVec(L.k, h, kv_heads_ * hd, &L.k_bias);
       v[t] = MatVec(L.v, h, kv_heads_ * hd, &L.v_bias);
+      if (!L.q_norm.empty()) {
+        // Qwen3: q_norm(q_proj(x).view(..., -1, head_dim)), each head alone.
+        head_norm(q[t], heads_, L.q_norm);
+        head_norm(k[t], kv_heads_, L.k_norm);
+      }
       rope(q[t], heads_, t);
       rope(k[t], kv_heads_, t);
     }
+    // The keys and values query t sees: as the cache holds them then.
+    auto cached = [&](const std::vector<std::vector<double>>& src, int64_t t) {
+      if (kv.type == KvRounding::Type::kNone) return src;
+      std::vector<std::vector<double>> out(src.begin(), src.begin() + t + 1);
+      if (kv.type == KvRounding::Type::kBF16) {
+        for (auto& row : out) {
+          for (auto& x : row) x = RoundBf16(x);
+        }
+        return out;
+      }
+      const int64_t written = std::max<int64_t>(t, kv.first_chunk - 1);  // last cached position
+      for (int64_t b0 = 0; b0 <= t; b0 += kv.block_size) {
+        const int64_t b1 = std::min({b0 + kv.block_size - 1, written, T - 1});
+        for (int64_t g = 0; g < kv_heads_; ++g) {
+          double max_abs = 0;
+          for (int64_t j = b0; j <= b1; ++j) {
+            for (int64_t i = 0; i < hd; ++i) {
+              max_abs =
+                  std::max<double>(max_abs, std::fabs(static_cast<float>(src[j][g * hd + i])));
+            }
+          }
+          if (max_abs == 0) continue;
+          const double scale =
+              std::ldexp(1.0, static_cast<int>(std::ceil(std::log2(max_abs / 448))));
+          for (int64_t j = b0; j <= std::min(b1, t); ++j) {
+            for (int64_t i = 0; i < hd; ++i) {
+              double& x = out[j][g * hd + i];
+              x = RoundE4M3(static_cast<float>(x) / scale) * scale;
+            }
+          }
+        }
+      }
+      return out;
+    };
     for (int64_t t = 0; t < T; ++t) {
       std::vector<double> attn(heads_ * hd, 0.0);
+      const auto kc = cached(k, t), vc = cached(v, t);
       for (int64_t h = 0; h < heads_; ++h) {
         const int64_t g = h / (heads_ / kv_heads_);
         std::vector<double> s(t + 1);
         double mx = -1e300;
         for (int64_t j = 0; j <= t; ++j) {
           double dot = 0;
-          for (int64_t i = 0; i < hd; ++i) dot += q[t][h * hd + i] * k[j][g * hd + i];
+          for (int64_t i = 0; i < hd; ++i) dot += q[t][h * hd + i] * kc[j][g * hd + i];
           s[j] = dot / std::sqrt(static_cast<double>(hd));
           mx = std::max(mx, s[j]);
         }
         double den = 0;
         for (auto& e : s) den += (e = std::exp(e - mx));
         for (int64_t j = 0; j <= t; ++j) {
-          for (int64_t i = 0; i < hd; ++i) attn[h * hd + i] += s[j] / den * v[j][g * hd + i];
+          for (int64_t i = 0; i < hd; ++i) attn[h * hd + i] += s[j] / den * vc[j][g * hd + i];
         }
       }
-      const auto o = MatVec(L.o, attn, H);
+      const auto o = MatVec(L.o, attn, H, &L.o_bias);
       for (int64_t i = 0; i < H; ++i) x[t][i] += o[i];
       const auto h2 = RmsNorm(x[t], L.post_norm, eps_);
-      const auto gate = MatVec(L.gate, h2, inter_);
-      const auto up = MatVec(L.up, h2, inter_);
+      if (L.sparse) {
+        const auto d = SparseMoe(L, h2);
+        for (int64_t i = 0; i < H; ++i) x[t][i] += d[i];
+        continue;
+      }
+      const auto gate = MatVec(L.gate, h2, inter_, &L.gate_bias);
+      const auto up = MatVec(L.up, h2, inter_, &L.up_bias);
       std::vector<double> act(inter_);
       for (int64_t i = 0; i < inter_; ++i) act[i] = gate[i] / (1 + std::exp(-gate[i])) * up[i];
-      const auto d = MatVec(L.down, act, H);
+      const auto d = MatVec(L.down, act, H, &L.down_bias);
       for (int64_t i = 0; i < H; ++i) x[t][i] += d[i];
     }
   }
@@ -265,6 +291,39 @@ std::vector<std::vector<double>> ReferenceModel::Forward(const std::vector<int32
   for (int64_t t = 0; t < T; ++t)
     logits[t] = MatVec(lm_head_, RmsNorm(x[t], final_norm_, eps_), vocab_);
   return logits;
+}
+
+// One token through the sparse block, as Qwen3MoeSparseMoeBlock /
+// MixtralSparseMoeBlock compute it: router_logits = gate(x); routing_weights
+// = softmax(router_logits) over every expert; top-k of those (torch.topk;
+// the lower id wins an exact tie here); divided by their sum when
+// norm_topk_prob; out = sum of weight * expert(x) over the chosen experts,
+// expert(x) = down(silu(gate(x)) * up(x)).
+std::vector<double> ReferenceModel::SparseMoe(const Layer& L, const std::vector<double>& h) const {
+  const int64_t E = static_cast<int64_t>(L.e_gate.size()), H = hidden_;
+  const auto logits = MatVec(L.router, h, E);
+  const double mx = *std::max_element(logits.begin(), logits.end());
+  std::vector<double> p(E);
+  double den = 0;
+  for (int64_t e = 0; e < E; ++e) den += (p[e] = std::exp(logits[e] - mx));
+  for (auto& v : p) v /= den;
+  std::vector<int64_t> order(E);
+  for (int64_t e = 0; e < E; ++e) order[e] = e;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return p[a] > p[b]; });
+  order.resize(top_k_);
+  double sum = 0;
+  for (int64_t e : order) sum += p[e];
+  std::vector<double> out(H, 0.0);
+  for (int64_t e : order) {
+    const double w = norm_topk_ ? p[e] / sum : p[e];
+    const auto g = MatVec(L.e_gate[e], h, moe_inter_);
+    const auto u = MatVec(L.e_up[e], h, moe_inter_);
+    std::vector<double> act(moe_inter_);
+    for (int64_t i = 0; i < moe_inter_; ++i) act[i] = g[i] / (1 + std::exp(-g[i])) * u[i];
+    const auto d = MatVec(L.e_down[e], act, H);
+    for (int64_t i = 0; i < H; ++i) out[i] += w * d[i];
+  }
+  return out;
 }
 
 std::vector<double> ReferenceModel::LastLogits(const std::vector<int32_t>& tokens) const {

@@ -1,8 +1,20 @@
 // A naive dense reference forward pass for the Llama family (Llama, Mistral,
-// Qwen2), written independently of the engine: it parses config.json and the
-// safetensors files itself, keeps every weight in double, recomputes the
-// whole causal attention from scratch for every call (no KV cache, no
-// paging) and accumulates in double. Tests hold the engine against it.
+// Qwen2, Qwen3, and the mixture-of-experts Qwen3-MoE and Mixtral) and for
+// DeepSeek-V2/V3, written from the `transformers` modeling files
+// (modeling_llama/mistral/qwen2/qwen3/qwen3_moe/mixtral/deepseek_v2/
+// deepseek_v3.py) independently of the engine: which projections carry
+// biases, Qwen3's per-head q_norm/k_norm before RoPE, the sparse MoE block
+// (softmax over all router logits, top-k, renormalised per norm_topk_prob,
+// every token through its experts one by one), and a refusal of any
+// checkpoint tensor the architecture does not use. DeepSeek's multi-head
+// latent attention runs in the plain form of the modeling code (every
+// head's key and value decompressed from the latent through kv_b_proj,
+// each version's RoPE pairing, yarn frequencies and scales), and its MoE
+// gate exactly (tests/support/reference_deepseek.cpp). It parses
+// config.json and the safetensors files itself, keeps every weight in
+// double, recomputes the whole causal attention from scratch for every call
+// (no KV cache, no paging) and accumulates in double. Tests hold the engine
+// against it.
 #pragma once
 
 #include <cstdint>
@@ -10,7 +22,30 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json_fwd.hpp>
+
 namespace pdserve::testing {
+
+// How the reference rounds the keys and values it attends to, as a KV cache
+// of that dtype stores them (the format kernels/backend.h specifies): kNone
+// keeps them exact; kBF16 rounds each value to the nearest bf16 (ties to
+// even); kFP8E4M3 divides the values of each (block of block_size
+// positions, head) by the smallest power of two that keeps them within
+// +-448, rounds to the nearest e4m3 and multiplies back. The block's scale
+// covers the tokens cached when the query runs: the first `first_chunk`
+// tokens are written together, each later one by its own step (as a
+// prefill followed by one-token decode steps). A mixture-of-experts model
+// needs this to be compared with a quantized cache: a rounding difference in
+// attention can flip which experts a token is routed to, a jump no
+// tolerance on the exact logits covers. DeepSeek's cache holds one row per
+// token and layer, the normalised latent then the roped key, which is what
+// gets rounded: fp8 with one scale per (block, layer) over whole rows.
+struct KvRounding {
+  enum class Type { kNone, kBF16, kFP8E4M3 };
+  Type type = Type::kNone;
+  int64_t block_size = 16;
+  int64_t first_chunk = 1;
+};
 
 class ReferenceModel {
  public:
@@ -19,7 +54,8 @@ class ReferenceModel {
 
   // Logits for every position of `tokens`: result[t] is the distribution of
   // the token after tokens[0..t].
-  std::vector<std::vector<double>> Forward(const std::vector<int32_t>& tokens) const;
+  std::vector<std::vector<double>> Forward(const std::vector<int32_t>& tokens,
+                                           const KvRounding& kv = {}) const;
   std::vector<double> LastLogits(const std::vector<int32_t>& tokens) const;
 
   // Greedy continuation of `prompt` (argmax, lowest id on ties), n tokens.
@@ -29,8 +65,39 @@ class ReferenceModel {
 
  private:
   struct Layer {
-    std::vector<double> in_norm, post_norm, q, k, v, o, q_bias, k_bias, v_bias, gate, up, down;
+    std::vector<double> in_norm, post_norm, q, k, v, o, q_bias, k_bias, v_bias, o_bias;
+    std::vector<double> q_norm, k_norm;  // Qwen3, [head_dim]
+    std::vector<double> gate, up, down, gate_bias, up_bias, down_bias;
+    // Sparse MoE block: router [experts, hidden]; experts' gate/up/down.
+    bool sparse = false;
+    std::vector<double> router;
+    std::vector<std::vector<double>> e_gate, e_up, e_down;
+    // DeepSeek: latent attention (q is q_proj, or q_b_proj after q_a_proj
+    // and q_a_norm), the router's e_score_correction_bias, shared experts.
+    std::vector<double> q_a, q_a_bias, q_a_norm, kv_a, kv_a_bias, kv_a_norm, kv_b;
+    std::vector<double> correction_bias;
+    std::vector<double> s_gate, s_up, s_down;
   };
+  // DeepSeek-V2/V3 (tests/support/reference_deepseek.cpp).
+  struct Deepseek {
+    bool v3 = false;
+    int64_t q_lora_rank = 0, kv_lora_rank = 0, nope = 0, rope = 0, v_dim = 0;
+    bool interleave = true;         // rotate pairs (2i, 2i+1), else (i, i + rope/2)
+    double attention_factor = 1.0;  // yarn's factor on cos and sin
+    double softmax_scale = 0;
+    int64_t experts = 0, shared_inter = 0, n_group = 1, topk_group = 1;
+    std::string topk_method;  // greedy, group_limited_greedy or noaux_tc
+    double routed_scaling_factor = 1.0;
+  };
+  bool LoadDeepseek(const nlohmann::json& c, const std::string& dir, std::string* error);
+  std::vector<std::vector<double>> ForwardDeepseek(const std::vector<int32_t>& tokens,
+                                                   const KvRounding& kv) const;
+  std::vector<double> DeepseekMoe(const Layer& L, const std::vector<double>& h) const;
+  std::vector<double> SparseMoe(const Layer& L, const std::vector<double>& h) const;
+  bool deepseek_ = false;
+  Deepseek ds_;
+  int64_t top_k_ = 0, moe_inter_ = 0;
+  bool norm_topk_ = false;
   int64_t vocab_ = 0, hidden_ = 0, inter_ = 0, heads_ = 0, kv_heads_ = 0, head_dim_ = 0;
   double eps_ = 1e-5;
   std::vector<double> inv_freq_;

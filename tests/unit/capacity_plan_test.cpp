@@ -1,5 +1,6 @@
 // Published KV-cache sizes the planner must reproduce exactly.
 #include "engine/capacity_plan.h"
+#include "tests/support/test_models.h"
 
 #include <gtest/gtest.h>
 
@@ -71,27 +72,95 @@ TEST(CapacityPlanTest, RejectsBadInput) {
   EXPECT_EQ(PlanCapacity(r).status().code(), StatusCode::kInvalidArgument);
 }
 
-TEST(CapacityPlanTest, ReadsShapeFromConfig) {
-  const std::string path = ::testing::TempDir() + "/qwen_config.json";
-  {
-    std::ofstream out(path);
-    // Qwen2.5-7B: no head_dim key, 3584 / 28 = 128.
-    out << R"({"num_hidden_layers": 28, "num_attention_heads": 28,
-               "num_key_value_heads": 4, "hidden_size": 3584})";
-  }
-  auto shape = KvShapeFromConfigFile(path);
-  ASSERT_TRUE(shape.ok()) << shape.status().ToString();
-  EXPECT_EQ(shape->layers, 28);
-  EXPECT_EQ(shape->kv_heads, 4);
-  EXPECT_EQ(shape->head_dim, 128);
-  {
-    std::ofstream out(path);
-    out << R"({"num_attention_heads": 28})";
-  }
-  auto bad = KvShapeFromConfigFile(path);
-  EXPECT_FALSE(bad.ok());
-  EXPECT_NE(bad.status().message().find("num_hidden_layers"), std::string::npos);
+// The planner reads a config.json as the engine does, for every family.
+TEST(CapacityPlanTest, ReadsShapeFromConfigAsTheEngineDoes) {
+  // Qwen2.5-7B: no head_dim key, 3584 / 28 = 128.
+  auto qwen2 = KvShapeFromConfigFile(std::string(PDSERVE_SOURCE_DIR) +
+                                     "/bench/configs/qwen2.5-7b/config.json");
+  ASSERT_TRUE(qwen2.ok()) << qwen2.status().ToString();
+  EXPECT_EQ(qwen2->layers, 28);
+  EXPECT_EQ(qwen2->kv_heads, 4);
+  EXPECT_EQ(qwen2->head_dim, 128);
+
+  const std::string path = ::testing::TempDir() + "/plan_config.json";
+  auto shape_of = [&](const std::string& json) {
+    std::ofstream(path) << json;
+    return KvShapeFromConfigFile(path);
+  };
+  // Qwen3 without head_dim: transformers' default of 128, not 2048 / 32 = 64.
+  auto qwen3 = shape_of(R"({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+      "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28,
+      "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 151936,
+      "max_position_embeddings": 40960})");
+  ASSERT_TRUE(qwen3.ok()) << qwen3.status().ToString();
+  EXPECT_EQ(qwen3->layers, 28);
+  EXPECT_EQ(qwen3->kv_heads, 8);
+  EXPECT_EQ(qwen3->head_dim, 128);
+  // Mixtral-8x7B: 32 layers, 8 KV heads of 4096 / 32 = 128.
+  auto mixtral = shape_of(R"({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+      "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+      "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000,
+      "max_position_embeddings": 32768, "num_local_experts": 8, "num_experts_per_tok": 2})");
+  ASSERT_TRUE(mixtral.ok()) << mixtral.status().ToString();
+  EXPECT_EQ(mixtral->layers, 32);
+  EXPECT_EQ(mixtral->kv_heads, 8);
+  EXPECT_EQ(mixtral->head_dim, 128);
+  // What the engine refuses, the planner refuses, naming the key.
+  auto bad = shape_of(R"({"architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+      "intermediate_size": 128, "num_attention_heads": 4, "vocab_size": 100})");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("num_hidden_layers"), std::string::npos)
+      << bad.status().message();
   EXPECT_EQ(KvShapeFromConfigFile(path + ".missing").status().code(), StatusCode::kNotFound);
+}
+
+// Multi-head latent attention caches one vector of kv_lora_rank +
+// qk_rope_head_dim per token and layer: DeepSeek-V3 (61 layers, 512 + 64)
+// takes 70,272 bytes per token at bf16 and 35,136 at fp8, against 320 KiB
+// for Llama-3.1-70B's GQA at 16 bits.
+TEST(CapacityPlanTest, MlaLatentBytesPerToken) {
+  KvShape v3;
+  v3.layers = 61;
+  v3.kv_lora_rank = 512;
+  v3.qk_rope_head_dim = 64;
+  EXPECT_EQ(Plan(v3, DType::kBF16, 4096).kv_bytes_per_token, 70272);
+  EXPECT_EQ(Plan(v3, DType::kFP8E4M3, 4096).kv_bytes_per_token, 35136);
+  EXPECT_EQ(Plan(v3, DType::kBF16, 4096).kv_bytes_per_sequence, 70272 * 4096);
+  EXPECT_EQ(v3.ScaleBytesPerBlock(), 61 * 4);
+  v3.qk_rope_head_dim = 0;
+  CapacityRequest r;
+  r.shape = v3;
+  EXPECT_EQ(PlanCapacity(r).status().code(), StatusCode::kInvalidArgument);
+}
+
+// DeepSeek-V3's published config.json, fp8 weight quantization included:
+// the planner takes its latent shape (the engine would refuse the weights).
+TEST(CapacityPlanTest, ReadsDeepSeekV3LatentShape) {
+  auto v3 = KvShapeFromConfigFile(std::string(PDSERVE_SOURCE_DIR) +
+                                  "/bench/configs/deepseek-v3/config.json");
+  ASSERT_TRUE(v3.ok()) << v3.status().ToString();
+  EXPECT_TRUE(v3->is_mla());
+  EXPECT_EQ(v3->layers, 61);
+  EXPECT_EQ(v3->kv_lora_rank, 512);
+  EXPECT_EQ(v3->qk_rope_head_dim, 64);
+  EXPECT_EQ(Plan(*v3, DType::kBF16, 4096).kv_bytes_per_token, 70272);
+}
+
+// The weights of a checkpoint, as stored: its safetensors file less the
+// 8-byte length and the JSON header in front of the data.
+TEST(CapacityPlanTest, CheckpointWeightBytesAreTheStoredTensors) {
+  const std::string file = testing::TinyModelDir() + "/model.safetensors";
+  std::ifstream in(file, std::ios::binary);
+  ASSERT_TRUE(in);
+  uint64_t header = 0;
+  in.read(reinterpret_cast<char*>(&header), 8);
+  in.seekg(0, std::ios::end);
+  const int64_t data_bytes = static_cast<int64_t>(in.tellg()) - 8 - static_cast<int64_t>(header);
+  auto bytes = CheckpointWeightBytes(testing::TinyModelDir());
+  ASSERT_TRUE(bytes.ok()) << bytes.status().ToString();
+  EXPECT_EQ(*bytes, data_bytes);
+  EXPECT_EQ(CheckpointWeightBytes(::testing::TempDir() + "/no-such-model").status().code(),
+            StatusCode::kNotFound);
 }
 
 }  // namespace

@@ -3,7 +3,8 @@
 // prompts around block boundaries and past one split of keys, a batch of
 // them at once (greedy rows sample on the device); with bf16
 // weights (tensor-core products) the first token's log-probabilities stay
-// within 1e-2 relative of the CPU's on the same checkpoint.
+// within 1e-2 relative of the CPU's on the same checkpoint. The Qwen3 and
+// DeepSeek presets' greedy tokens equal the CPU engine's too.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -80,6 +81,42 @@ TEST(CudaEngineTest, GreedyTokensEqualTheCpuEngine) {
     ASSERT_EQ(tokens.size(), 40u);
     EXPECT_EQ(got.at(id), tokens) << "prompt of " << prompts[id - 1].size() << " tokens";
   }
+}
+
+// The greedy tokens of a make-model preset, 40 per prompt for prompts of 1,
+// 17, 300 and 600 tokens (within one block, past a block boundary, and long
+// enough that attention walks many blocks), on the device and on the CPU.
+void ExpectPresetGreedyTokensEqualTheCpu(const std::string& preset, uint32_t seed) {
+  SCOPED_TRACE(preset);
+  auto gpu = kernels::CreateBackend("cuda", 0);
+  if (!gpu.ok()) GTEST_SKIP() << gpu.status().message();
+  auto cpu = kernels::CreateBackend("cpu", 2);
+  ASSERT_TRUE(cpu.ok());
+  auto spec = PresetModelSpec(preset);
+  ASSERT_TRUE(spec.ok());
+  const std::string dir = testing::ModelDir("cuda_" + preset, *spec);
+  std::vector<std::vector<TokenId>> prompts;
+  for (int n : {1, 17, 300, 600}) prompts.push_back(Prompt(n, seed + n));
+  const auto want = RunGreedy(cpu->get(), prompts, 40, nullptr, dir);
+  const auto got = RunGreedy(gpu->get(), prompts, 40, nullptr, dir);
+  ASSERT_EQ(want.size(), prompts.size());
+  ASSERT_EQ(got.size(), prompts.size());
+  for (const auto& [id, tokens] : want) {
+    ASSERT_EQ(tokens.size(), 40u);
+    EXPECT_EQ(got.at(id), tokens) << "prompt of " << prompts[id - 1].size() << " tokens";
+  }
+}
+
+// Qwen3 (per-head Q/K RmsNorm, head_dim 32 != hidden / heads).
+TEST(CudaEngineTest, Qwen3GreedyTokensEqualTheCpuEngine) {
+  ExpectPresetGreedyTokensEqualTheCpu("qwen3", 300);
+}
+
+// DeepSeek-V2/V3 (multi-head latent attention over the latent KV cache,
+// DeepSeek MoE routing).
+TEST(CudaEngineTest, DeepSeekGreedyTokensEqualTheCpuEngine) {
+  ExpectPresetGreedyTokensEqualTheCpu("deepseek-v2-lite", 400);
+  ExpectPresetGreedyTokensEqualTheCpu("deepseek-v3", 400);
 }
 
 TEST(CudaEngineTest, Bf16WeightsStayCloseToTheCpu) {

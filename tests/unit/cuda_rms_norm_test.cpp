@@ -15,12 +15,16 @@
 namespace pdserve {
 namespace {
 
-TEST(CudaRmsNormTest, MatchesReference) {
+// Rows of `dim` values: 4099 takes the block-per-row kernel, head_dim-sized
+// rows (Qwen3's per-head Q/K norm, run in place) the warp-per-row one.
+void CheckRmsNorm([[maybe_unused]] int rows, [[maybe_unused]] int dim,
+                  [[maybe_unused]] bool in_place) {
 #if !PDSERVE_WITH_CUDA
   GTEST_SKIP() << "built without CUDA (PDSERVE_CUDA=OFF or no nvcc)";
 #else
   if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device on this machine";
-  const int rows = 37, dim = 4096 + 3;  // odd sizes hit the loop tails
+  SCOPED_TRACE(::testing::Message()
+               << rows << " rows of " << dim << (in_place ? ", in place" : ""));
   std::mt19937 rng(std::random_device{}());
   std::uniform_real_distribution<float> dist(-2.f, 2.f);
   std::vector<float> x(rows * dim), w(dim), out(rows * dim, NAN);
@@ -33,6 +37,10 @@ TEST(CudaRmsNormTest, MatchesReference) {
   cudaMemcpy(dx, x.data(), x.size() * 4, cudaMemcpyHostToDevice);
   cudaMemcpy(dw, w.data(), w.size() * 4, cudaMemcpyHostToDevice);
   cudaMemset(dout, 0xff, out.size() * 4);  // poison: NaN everywhere
+  if (in_place) {
+    cudaFree(dout);
+    dout = dx;
+  }
   ASSERT_EQ(cuda::RmsNormF32(dx, dw, dout, rows, dim, 1e-5f, nullptr), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(out.data(), dout, out.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
   for (int r = 0; r < rows; ++r) {
@@ -46,8 +54,20 @@ TEST(CudaRmsNormTest, MatchesReference) {
   }
   cudaFree(dx);
   cudaFree(dw);
-  cudaFree(dout);
+  if (!in_place) cudaFree(dout);
 #endif
+}
+
+TEST(CudaRmsNormTest, MatchesReference) {
+  CheckRmsNorm(37, 4096 + 3, false);  // odd sizes hit the loop tails
+  CheckRmsNorm(37, 4096 + 3, true);
+}
+
+TEST(CudaRmsNormTest, ShortRowsMatchReference) {
+  for (int dim : {8, 32, 100, 128, 256, 257}) {
+    CheckRmsNorm(8 * 37 + 5, dim, true);  // a partial block of rows at the end
+    CheckRmsNorm(3, dim, false);
+  }
 }
 
 }  // namespace

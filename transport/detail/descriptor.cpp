@@ -8,10 +8,13 @@
 #include <fstream>
 #include <sstream>
 
-#include "transport/detail/byte_codec.h"
+#include "common/byte_codec.h"
 
 namespace pdserve::transport_detail {
 namespace {
+
+using codec::ByteReader;
+using codec::ByteWriter;
 
 constexpr std::string_view kMagic = "PDKV";
 constexpr uint16_t kVersion = 1;

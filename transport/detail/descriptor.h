@@ -14,8 +14,8 @@
 #include <string>
 #include <string_view>
 
+#include "common/kv_layout.h"
 #include "common/status.h"
-#include "transport/kv_layout.h"
 #include "transport/kv_transfer.h"
 
 namespace pdserve::transport_detail {
@@ -34,7 +34,10 @@ struct WireDescriptor {
   KvLayout layout;
   std::string address;  // UCX worker address
   std::string rkey;     // UCX packed remote key
-  std::string channel;  // NCCL unique id
+  // Backend channel parameters: NCCL unique id; UCX staging parameters
+  // (needs staging, chunk blocks, and in a reply the pair's nonce; see
+  // ucx_transfer.cpp).
+  std::string channel;
   std::string process;  // ProcessIdentity() of the exporting process
   uint64_t block_count() const { return block_bytes == 0 ? 0 : bytes / block_bytes; }
 };

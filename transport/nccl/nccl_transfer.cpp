@@ -2,6 +2,7 @@
 
 #include <cuda_runtime.h>
 #include <nccl.h>
+#include <atomic>
 
 #include <condition_variable>
 #include <cstring>
@@ -68,11 +69,17 @@ class NcclTransfer final : public KvTransfer {
   StatusOr<PeerId> Accept(std::string_view reply) override;
   void Write(PeerId peer, std::vector<BlockCopy> copies, TransferDeadline deadline,
              TransferCallback done) override {
-    Enqueue({peer, true, std::move(copies), deadline, std::move(done)});
+    Enqueue({peer, true, std::move(copies), deadline, Counted(std::move(done))});
   }
   void Receive(PeerId peer, std::vector<BlockCopy> copies, TransferDeadline deadline,
                TransferCallback done) override {
-    Enqueue({peer, false, std::move(copies), deadline, std::move(done)});
+    Enqueue({peer, false, std::move(copies), deadline, Counted(std::move(done))});
+  }
+  // No bounce buffers: NCCL moves device memory directly.
+  KvTransferStats stats() const override {
+    KvTransferStats s;
+    s.transfers_in_flight = in_flight_.load();
+    return s;
   }
   Status FinishReceive(const std::vector<BlockId>& /*blocks*/) override {
     return Status::Ok();  // NCCL receives straight into the device pool
@@ -81,6 +88,14 @@ class NcclTransfer final : public KvTransfer {
 
  private:
   void Enqueue(Job job);
+  // `done`, counted in transfers_in_flight until it runs.
+  TransferCallback Counted(TransferCallback done) {
+    ++in_flight_;
+    return [this, done = std::move(done)](Status s) {
+      --in_flight_;
+      if (done) done(std::move(s));
+    };
+  }
   void WorkLoop();
   Status Run(Job& job);
   Status EnsureComm(NcclPeer* peer);
@@ -103,6 +118,7 @@ class NcclTransfer final : public KvTransfer {
   std::unordered_map<PeerId, std::shared_ptr<NcclPeer>> peers_;
   std::unordered_map<std::string, bool> exported_ids_;  // minted ids not yet used
   PeerId next_peer_ = 1;
+  std::atomic<size_t> in_flight_{0};
   std::thread worker_;
 };
 

@@ -4,6 +4,7 @@
 #include <sys/eventfd.h>
 #include <ucp/api/ucp.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #include <algorithm>
 #include <atomic>
@@ -13,6 +14,7 @@
 #include <cstring>
 #include <deque>
 #include <future>
+#include <limits>
 #include <mutex>
 #include <random>
 #include <set>
@@ -21,8 +23,10 @@
 #include <utility>
 #include <vector>
 
+#include "common/byte_codec.h"
 #include "common/logging.h"
 #include "transport/detail/descriptor.h"
+#include "transport/ucx/staging_copier.h"
 
 #if PDSERVE_WITH_CUDA
 #include "transport/ucx/cuda_staging.h"
@@ -96,6 +100,107 @@ struct WriteOp {
   size_t runs = 0;
 };
 
+// ---- Staging (see ucx_transfer.h) -------------------------------------------
+
+// The UCX part of the descriptor's "channel" field: u8 version | u8 needs
+// staging | u32 chunk blocks (0: this side cannot stage) | u64 connection
+// nonce (reply only).
+struct StagingWire {
+  bool staged = false;
+  uint32_t chunk_blocks = 0;
+  uint64_t nonce = 0;
+};
+constexpr uint8_t kStagingWireVersion = 1;
+
+std::string EncodeStaging(const StagingWire& w) {
+  codec::ByteWriter b;
+  b.U8(kStagingWireVersion);
+  b.U8(w.staged ? 1 : 0);
+  b.U32(w.chunk_blocks);
+  b.U64(w.nonce);
+  return b.Take();
+}
+
+StatusOr<StagingWire> DecodeStaging(std::string_view bytes) {
+  codec::ByteReader r(bytes, "KV transfer staging parameters");
+  uint8_t version = 0, staged = 0;
+  StagingWire w;
+  PDSERVE_RETURN_IF_ERROR(r.U8("version", &version));
+  if (version != kStagingWireVersion) {
+    return r.Error("staging parameters version " + std::to_string(version) + " is not supported");
+  }
+  PDSERVE_RETURN_IF_ERROR(r.U8("staged", &staged));
+  PDSERVE_RETURN_IF_ERROR(r.U32("chunk_blocks", &w.chunk_blocks));
+  PDSERVE_RETURN_IF_ERROR(r.U64("nonce", &w.nonce));
+  w.staged = staged != 0;
+  return w;
+}
+
+constexpr size_t kChunkHeaderBytes = 64;
+constexpr uint64_t kChunkMagic = 0x4b4e484356445050ull;  // "PPDVCHNK"
+struct ChunkHeader {
+  uint64_t magic;
+  uint64_t transfer_hash;
+  uint32_t chunk;
+  uint32_t chunks;
+  uint32_t blocks;
+  uint32_t reserved;
+};
+static_assert(sizeof(ChunkHeader) <= kChunkHeaderBytes);
+
+constexpr uint64_t kTagPrefix = uint64_t{0xA5} << 56;
+constexpr uint64_t kTagFullMask = ~uint64_t{0};
+constexpr uint64_t kTagTransferMask = ~uint64_t{0xFFFF};  // all but the chunk index
+// How long a receiver swallows chunks of a Receive that failed.
+constexpr auto kDrainWindow = std::chrono::seconds(30);
+
+// A staged Write or Receive. Lives until its callback is queued AND no bounce
+// slot or UCX request refers to it.
+struct StagedOp {
+  UcxTransfer* owner = nullptr;
+  bool writer = false;
+  PeerId peer = 0;
+  TransferCallback done;
+  TransferDeadline deadline;
+  std::vector<BlockCopy> seq;  // block by block, in the order both sides agree on
+  uint32_t chunk_blocks = 0;
+  uint32_t chunks = 0;
+  uint32_t next_chunk = 0;   // next to stage (writer) / to match (receiver)
+  uint32_t chunks_done = 0;  // sent (writer) / in the pool (receiver)
+  uint64_t tag_base = 0;
+  uint64_t hash = 0;
+  uint64_t bytes = 0;
+  int slots_held = 0;
+  int pending = 0;  // UCX requests other than slot ones (the final flush)
+  bool flushing = false;
+  bool finished = false;
+};
+
+enum class SlotState { kFree, kCopyIn, kSending, kReceiving, kCopyOut };
+
+struct Slot {
+  UcxTransfer* owner = nullptr;
+  size_t index = 0;
+  char* buf = nullptr;
+  SlotState state = SlotState::kFree;
+  StagedOp* op = nullptr;
+  uint32_t chunk = 0;
+  uint32_t blocks = 0;
+};
+
+// A chunk of a failed Receive swallowed without a slot.
+struct DrainRecv {
+  UcxTransfer* owner = nullptr;
+  std::vector<char> buf;
+};
+
+struct Drain {
+  PeerId peer = 0;
+  uint64_t tag = 0;  // matched under kTagTransferMask
+  uint32_t remaining = 0;
+  TransferClock::time_point until;
+};
+
 struct Peer {
   UcxTransfer* owner = nullptr;
   PeerId id = 0;
@@ -128,6 +233,10 @@ struct Peer {
   }
   TransferClock::time_point alive_until{};
   std::set<WriteOp*> ops;
+  // Staging of this pair (both sides agree; see ucx_transfer.h).
+  bool staged = false;
+  uint32_t chunk_blocks = 0;
+  uint64_t nonce = 0;
 };
 
 class UcxTransfer final : public KvTransfer {
@@ -152,10 +261,21 @@ class UcxTransfer final : public KvTransfer {
                TransferCallback done) override;
   Status FinishReceive(const std::vector<BlockId>& blocks) override;
   void Disconnect(PeerId peer) override;
+  KvTransferStats stats() const override {
+    KvTransferStats s;
+    s.staging_bytes_reserved = stat_reserved_.load();
+    s.staging_bytes_in_use = stat_in_use_.load();
+    s.transfers_in_flight = stat_in_flight_.load();
+    return s;
+  }
 
   // UCX callbacks (progress thread).
   void OnRequestDone(WriteOp* op, ucs_status_t status);
   void OnPeerError(Peer* peer, ucs_status_t status);
+  void OnSlotSent(Slot* slot, ucs_status_t status);
+  void OnSlotReceived(Slot* slot, ucs_status_t status, size_t length);
+  void OnStagedFlushed(StagedOp* op, ucs_status_t status);
+  void OnDrained(DrainRecv* d);
 
  private:
   // Runs `fn` on the progress thread and waits for it (inline when already there).
@@ -193,6 +313,33 @@ class UcxTransfer final : public KvTransfer {
   void PollClosing();
   void CloseDeferred();
 
+  // Staging (progress thread).
+  Status PlanStaging(const MemoryRegion& region);
+  StatusOr<StagingWire> OwnStaging() const;
+  Status AgreeStaging(Peer* peer, const std::string& peer_channel, bool peer_is_receiver);
+  Status EnsureArena();
+  void StartStaged(Peer* peer, bool writer, const std::vector<BlockRun>& runs,
+                   TransferDeadline deadline, TransferCallback done);
+  void StartReceive(PeerId peer_id, std::vector<BlockCopy> copies, TransferDeadline deadline,
+                    TransferCallback done);
+  bool PumpStaging();
+  Slot* TakeSlot(StagedOp* op);
+  void ReleaseSlot(Slot* slot);
+  void StageOut(StagedOp* op, Slot* slot);
+  void OnCopyDone(Slot* slot, Status status);
+  void SendSlot(Slot* slot);
+  bool ReceiveNext(StagedOp* op);
+  void DrainMessage(ucp_tag_message_h msg, size_t length);
+  void PumpDrains();
+  void FinishStaged(StagedOp* op, Status status);
+  // A failed staged write closes its connection (as a failed direct write does).
+  void FailStagedWrite(StagedOp* op, Status status);
+  void MaybeReleaseStaged(StagedOp* op);
+  void CheckStagedDeadlines();
+  bool CopiesInFlight() const;
+  void ShutdownStaging();
+  std::string StagedWhat(const StagedOp* op) const;
+
   UcxTransferOptions options_;
   uint64_t instance_id_ = 0;
 
@@ -216,9 +363,7 @@ class UcxTransfer final : public KvTransfer {
 
   // --- Progress thread only -------------------------------------------------
   bool registered_ = false;
-  MemoryRegion region_;       // as registered by the caller
-  MemoryRegion wire_region_;  // what peers write into (the host mirror when staged)
-  void* staging_ = nullptr;   // pinned host mirror of a device pool, or null
+  MemoryRegion region_;  // as registered by the caller
   KvLayout layout_;
   ucp_mem_h memh_ = nullptr;
   std::string rkey_blob_;
@@ -234,12 +379,59 @@ class UcxTransfer final : public KvTransfer {
     std::unique_ptr<Peer> peer;
   };
   std::vector<Closing> closing_;
+
+  // Staging (progress thread only, except the stats).
+  bool own_staged_ = false;        // this side's pool moves through bounce buffers
+  uint32_t own_chunk_blocks_ = 0;  // blocks per slot; 0: cannot stage
+  size_t slot_count_ = 0;
+  size_t slot_bytes_ = 0;  // header + own_chunk_blocks_ blocks
+  std::unique_ptr<ucx_detail::StagingCopier> copier_;
+  void* arena_ = nullptr;
+  ucp_mem_h arena_memh_ = nullptr;
+  std::vector<Slot> slots_;
+  std::vector<size_t> free_slots_;
+  size_t writer_slots_ = 0;                 // held by writes (at most slot_count_ - 1)
+  std::vector<StagedOp*> stage_writers_;    // writes with chunks to stage or to flush
+  std::vector<StagedOp*> stage_receivers_;  // receives with chunks to match
+  std::set<StagedOp*> staged_ops_;
+  std::set<std::pair<TransferDeadline, StagedOp*>> staged_deadlines_;
+  std::vector<Drain> drains_;
+  std::set<DrainRecv*> drain_recvs_;
+  std::atomic<size_t> stat_reserved_{0};
+  std::atomic<size_t> stat_in_use_{0};
+  std::atomic<size_t> stat_in_flight_{0};
 };
 
 void PutDone(void* request, ucs_status_t status, void* user_data) {
   auto* op = static_cast<WriteOp*>(user_data);
   ucp_request_free(request);
   op->owner->OnRequestDone(op, status);
+}
+
+void SlotSent(void* request, ucs_status_t status, void* user_data) {
+  auto* slot = static_cast<Slot*>(user_data);
+  ucp_request_free(request);
+  slot->owner->OnSlotSent(slot, status);
+}
+
+void SlotReceived(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info,
+                  void* user_data) {
+  auto* slot = static_cast<Slot*>(user_data);
+  ucp_request_free(request);
+  slot->owner->OnSlotReceived(slot, status, info != nullptr ? info->length : 0);
+}
+
+void StagedFlushed(void* request, ucs_status_t status, void* user_data) {
+  auto* op = static_cast<StagedOp*>(user_data);
+  ucp_request_free(request);
+  op->owner->OnStagedFlushed(op, status);
+}
+
+void Drained(void* request, ucs_status_t /*status*/, const ucp_tag_recv_info_t* /*info*/,
+             void* user_data) {
+  auto* d = static_cast<DrainRecv*>(user_data);
+  ucp_request_free(request);
+  d->owner->OnDrained(d);
 }
 
 void EndpointError(void* arg, ucp_ep_h /*ep*/, ucs_status_t status) {
@@ -264,7 +456,8 @@ Status UcxTransfer::Init() {
   ucp_params_t params{};
   params.field_mask =
       UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED | UCP_PARAM_FIELD_NAME;
-  params.features = UCP_FEATURE_RMA | (options_.wakeup ? UCP_FEATURE_WAKEUP : 0);
+  // TAG: the chunks of staged transfers.
+  params.features = UCP_FEATURE_RMA | UCP_FEATURE_TAG | (options_.wakeup ? UCP_FEATURE_WAKEUP : 0);
   params.mt_workers_shared = 0;
   params.name = options_.name.c_str();
   s = ucp_init(&params, config, &context_);
@@ -332,12 +525,19 @@ UcxTransfer::~UcxTransfer() {
   // died with the worker; their ops already reported failure.
   for (WriteOp* op : live_ops_) delete op;
   live_ops_.clear();
+  // Likewise staged ops and drains whose requests UCX abandoned.
+  for (StagedOp* op : staged_ops_) delete op;
+  staged_ops_.clear();
+  for (DrainRecv* d : drain_recvs_) delete d;
+  drain_recvs_.clear();
   if (context_ != nullptr) ucp_cleanup(context_);
   if (epoll_fd_ >= 0) close(epoll_fd_);
   if (wake_fd_ >= 0) close(wake_fd_);
-#if PDSERVE_WITH_CUDA
-  ucx_detail::FreePinned(staging_);
-#endif
+  if (copier_ != nullptr) {
+    copier_->Drain();
+    copier_->FreeBounce(arena_);
+    copier_.reset();
+  }
 }
 
 void UcxTransfer::Post(std::function<void()> fn) {
@@ -377,9 +577,11 @@ void UcxTransfer::ProgressLoop() {
   for (;;) {
     bool worked = RunPostedTasks();
     while (ucp_worker_progress(worker_) != 0) worked = true;
+    if (PumpStaging()) worked = true;
     CloseDeferred();
     PollClosing();
     CheckDeadlines();
+    CheckStagedDeadlines();
     WatchPeerProcesses();
     if (!ready_.empty()) worked = true;
     DeliverCompletions();
@@ -394,14 +596,15 @@ void UcxTransfer::ProgressLoop() {
       continue;
     }
     if (now - last_event < options_.busy_poll) continue;
+    if (CopiesInFlight()) continue;  // device copies end without a UCX event
 
     // Idle: sleep until UCX or a caller has something, or the next deadline.
     int timeout_ms = 1000;
-    if (!deadlines_.empty()) {
-      auto until =
-          std::chrono::duration_cast<std::chrono::milliseconds>(deadlines_.begin()->first - now)
-              .count() +
-          1;
+    for (const auto* first :
+         {deadlines_.empty() ? nullptr : &deadlines_.begin()->first,
+          staged_deadlines_.empty() ? nullptr : &staged_deadlines_.begin()->first}) {
+      if (first == nullptr) continue;
+      auto until = std::chrono::duration_cast<std::chrono::milliseconds>(*first - now).count() + 1;
       timeout_ms = static_cast<int>(std::clamp<int64_t>(until, 0, timeout_ms));
     }
     if (!closing_.empty()) timeout_ms = std::min(timeout_ms, 1);
@@ -454,6 +657,7 @@ void UcxTransfer::Shutdown() {
     CloseEndpoint(p);
   }
   peers_.clear();
+  ShutdownStaging();
   DeliverCompletions();
   // Force-closes normally finish at once; bound the wait anyway (error mode
   // "none" gives no guarantee), then abandon them to ucp_worker_destroy.
@@ -474,6 +678,10 @@ void UcxTransfer::Shutdown() {
     ucp_mem_unmap(context_, memh_);
     memh_ = nullptr;
   }
+  if (arena_memh_ != nullptr) {
+    ucp_mem_unmap(context_, arena_memh_);
+    arena_memh_ = nullptr;
+  }
 }
 
 void UcxTransfer::DeliverCompletions() {
@@ -481,6 +689,7 @@ void UcxTransfer::DeliverCompletions() {
     std::vector<std::pair<TransferCallback, Status>> ready;
     ready.swap(ready_);
     for (auto& [cb, status] : ready) {
+      --stat_in_flight_;
       if (cb) cb(std::move(status));
     }
   }
@@ -512,7 +721,8 @@ void UcxTransfer::WatchPeerProcesses() {
   next_watch_ = now + kProcessWatchInterval;
   watched_peers_ = 0;
   for (auto& [id, peer] : peers_) {
-    if (peer->process.empty() || peer->failed || peer->ep == nullptr) continue;
+    if (peer->process.empty() || peer->failed) continue;
+    if (peer->writer_side && peer->ep == nullptr) continue;
     if (peer->ProcessGone()) {
       const std::string who = PeerName(peer->id, peer->instance);
       PDSERVE_LOG(WARN) << "KV transfer " << who << ": its process has exited";
@@ -601,6 +811,15 @@ void UcxTransfer::FailPeer(Peer* peer, Status status) {
     Finish(op, status);
     MaybeRelease(op);
   }
+  std::erase_if(drains_, [&](const Drain& d) { return d.peer == peer->id; });
+  std::vector<StagedOp*> staged;
+  for (StagedOp* op : staged_ops_) {
+    if (op->peer == peer->id && !op->finished) staged.push_back(op);
+  }
+  for (StagedOp* op : staged) {
+    FinishStaged(op, status);
+    MaybeReleaseStaged(op);
+  }
 }
 
 void UcxTransfer::CloseEndpoint(Peer* peer) {
@@ -667,34 +886,22 @@ Status UcxTransfer::CheckPool(const MemoryRegion& region, const KvLayout& layout
 Status UcxTransfer::RegisterPoolLocked(const MemoryRegion& region, const KvLayout& layout) {
   PDSERVE_RETURN_IF_ERROR(CheckPool(region, layout));
   if (region.base == nullptr) return Status::InvalidArgument("KV pool base is null");
-  MemoryRegion wire = region;
-  ucs_memory_type_t mem_type = UCS_MEMORY_TYPE_HOST;
-  if (region.type == MemoryType::kCuda) {
-    if (cuda_memory_supported_) {
-      mem_type = UCS_MEMORY_TYPE_CUDA;
-    } else {
-#if PDSERVE_WITH_CUDA
-      auto pinned = ucx_detail::AllocPinned(region.bytes);
-      if (!pinned.ok()) return pinned.status();
-      staging_ = *pinned;
-      wire.base = staging_;
-      wire.type = MemoryType::kHost;
-      PDSERVE_LOG(INFO) << "UCX has no CUDA memory support; staging the KV pool through "
-                        << region.bytes << " bytes of pinned host memory";
-#else
-      return Status::Unsupported("a CUDA KV pool needs a CUDA build of pdserve");
-#endif
-    }
+  PDSERVE_RETURN_IF_ERROR(PlanStaging(region));
+  // A staged device pool is never handed to UCX (it cannot map it); a staged
+  // host pool is mapped anyway, which costs nothing and keeps the descriptor
+  // uniform.
+  if (region.type == MemoryType::kCuda && !cuda_memory_supported_) {
+    return FinishRegistration(region, region, layout);
   }
   ucp_mem_map_params_t mp{};
   mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
                   UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
-  mp.address = wire.base;
-  mp.length = wire.bytes;
-  mp.memory_type = mem_type;
+  mp.address = region.base;
+  mp.length = region.bytes;
+  mp.memory_type = region.type == MemoryType::kCuda ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
   ucs_status_t s = ucp_mem_map(context_, &mp, &memh_);
   if (s != UCS_OK) return Status::Unavailable(UcsError("ucp_mem_map of the KV pool", s));
-  return FinishRegistration(region, wire, layout);
+  return FinishRegistration(region, region, layout);
 }
 
 StatusOr<MemoryRegion> UcxTransfer::AllocatePool(size_t blocks, const KvLayout& layout) {
@@ -706,6 +913,7 @@ StatusOr<MemoryRegion> UcxTransfer::AllocatePoolLocked(size_t blocks, const KvLa
   region.block_bytes = static_cast<size_t>(layout.bytes_per_block);
   region.bytes = blocks * region.block_bytes;
   PDSERVE_RETURN_IF_ERROR(CheckPool(region, layout));
+  PDSERVE_RETURN_IF_ERROR(PlanStaging(region));
   ucp_mem_map_params_t mp{};
   mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_LENGTH | UCP_MEM_MAP_PARAM_FIELD_FLAGS |
                   UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
@@ -727,25 +935,27 @@ StatusOr<MemoryRegion> UcxTransfer::AllocatePoolLocked(size_t blocks, const KvLa
   return region;
 }
 
-Status UcxTransfer::FinishRegistration(const MemoryRegion& region, const MemoryRegion& wire,
+Status UcxTransfer::FinishRegistration(const MemoryRegion& region, const MemoryRegion& /*wire*/,
                                        const KvLayout& layout) {
-  void* rkey = nullptr;
-  size_t rkey_len = 0;
-  ucs_status_t s = ucp_rkey_pack(context_, memh_, &rkey, &rkey_len);
-  if (s != UCS_OK) {
-    ucp_mem_unmap(context_, memh_);
-    memh_ = nullptr;
-    return Status::Unavailable(UcsError("ucp_rkey_pack", s));
+  if (memh_ != nullptr) {  // null: a staged device pool, which peers never address
+    void* rkey = nullptr;
+    size_t rkey_len = 0;
+    ucs_status_t s = ucp_rkey_pack(context_, memh_, &rkey, &rkey_len);
+    if (s != UCS_OK) {
+      ucp_mem_unmap(context_, memh_);
+      memh_ = nullptr;
+      return Status::Unavailable(UcsError("ucp_rkey_pack", s));
+    }
+    rkey_blob_.assign(static_cast<const char*>(rkey), rkey_len);
+    ucp_rkey_buffer_release(rkey);
   }
-  rkey_blob_.assign(static_cast<const char*>(rkey), rkey_len);
-  ucp_rkey_buffer_release(rkey);
   region_ = region;
-  wire_region_ = wire;
   layout_ = layout;
   registered_ = true;
   PDSERVE_LOG(INFO) << "UCX KV pool registered: " << region.block_count() << " blocks of "
                     << region.block_bytes << " bytes (" << MemoryTypeName(region.type)
-                    << "), layout hash " << std::hex << layout.Hash();
+                    << "), layout hash " << std::hex << layout.Hash() << std::dec
+                    << (own_staged_ ? ", staged through bounce buffers" : ", direct");
   return Status::Ok();
 }
 
@@ -753,15 +963,19 @@ WireDescriptor UcxTransfer::OwnDescriptor(DescriptorKind kind) const {
   WireDescriptor d;
   d.kind = kind;
   d.backend = BackendCode::kUcx;
-  d.memory_type = wire_region_.type;
+  d.memory_type = region_.type;
   d.instance_id = instance_id_;
-  d.base = reinterpret_cast<uint64_t>(wire_region_.base);
-  d.bytes = wire_region_.bytes;
-  d.block_bytes = wire_region_.block_bytes;
+  d.base = reinterpret_cast<uint64_t>(region_.base);
+  d.bytes = region_.bytes;
+  d.block_bytes = region_.block_bytes;
   d.layout = layout_;
   d.address = worker_address_;
   d.rkey = rkey_blob_;
   d.process = process_identity_;
+  StagingWire w;
+  w.staged = own_staged_;
+  w.chunk_blocks = own_chunk_blocks_;
+  d.channel = EncodeStaging(w);
   return d;
 }
 
@@ -793,7 +1007,10 @@ StatusOr<KvTransfer::Connection> UcxTransfer::Connect(std::string_view peer_desc
     if (!c.ok()) return c;
     // Flushing the new endpoint completes UCX's wireup exchange with the peer,
     // so that Connect returns a working connection (or a clear error) and no
-    // wireup message is left half-way when either side shuts down.
+    // wireup message is left half-way when either side shuts down. Known
+    // limit: UCX 1.13 (Debian 12) aborts the reader's process when the writer
+    // dies while the reader's wireup reply is still queued (an assertion that
+    // UCX 1.14 removed); the flush confines that window to this handshake.
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     param.cb.send = ConnectFlushed;
@@ -827,7 +1044,6 @@ StatusOr<KvTransfer::Connection> UcxTransfer::ConnectLocked(std::string_view blo
   if (!d.ok()) return d.status();
   PDSERVE_RETURN_IF_ERROR(CheckLayoutsMatch(layout_, d->layout));
   if (d->address.empty()) return Status::InvalidArgument("KV transfer descriptor has no address");
-  if (d->rkey.empty()) return Status::InvalidArgument("KV transfer descriptor has no remote key");
 
   auto peer = std::make_unique<Peer>();
   peer->owner = this;
@@ -836,6 +1052,10 @@ StatusOr<KvTransfer::Connection> UcxTransfer::ConnectLocked(std::string_view blo
   peer->writer_side = true;
   peer->remote_base = d->base;
   peer->remote_blocks = d->block_count();
+  PDSERVE_RETURN_IF_ERROR(AgreeStaging(peer.get(), d->channel, /*peer_is_receiver=*/true));
+  if (!peer->staged && d->rkey.empty()) {
+    return Status::InvalidArgument("KV transfer descriptor has no remote key");
+  }
   if (transport_detail::ProcessIsVisible(d->process)) {
     peer->process = d->process;
     peer->pidfd = transport_detail::OpenProcessWatch(d->process);
@@ -852,17 +1072,28 @@ StatusOr<KvTransfer::Connection> UcxTransfer::ConnectLocked(std::string_view blo
   if (s != UCS_OK) {
     return Status::Unavailable(UcsError("cannot reach the peer (ucp_ep_create)", s));
   }
-  s = ucp_ep_rkey_unpack(peer->ep, d->rkey.data(), &peer->rkey);
-  if (s != UCS_OK) {
-    CloseEndpoint(peer.get());
-    return Status::InvalidArgument(
-        UcsError("peer's remote key is unusable (ucp_ep_rkey_unpack)", s));
+  if (!peer->staged) {  // staged pairs never address the peer's pool
+    s = ucp_ep_rkey_unpack(peer->ep, d->rkey.data(), &peer->rkey);
+    if (s != UCS_OK) {
+      CloseEndpoint(peer.get());
+      return Status::InvalidArgument(
+          UcsError("peer's remote key is unusable (ucp_ep_rkey_unpack)", s));
+    }
   }
   Connection c;
   c.peer = peer->id;
-  c.reply = EncodeDescriptor(OwnDescriptor(DescriptorKind::kReply));
+  WireDescriptor own = OwnDescriptor(DescriptorKind::kReply);
+  StagingWire w;
+  w.staged = own_staged_;
+  w.chunk_blocks = own_chunk_blocks_;
+  w.nonce = peer->nonce;
+  own.channel = EncodeStaging(w);
+  c.reply = EncodeDescriptor(own);
   PDSERVE_LOG(INFO) << "UCX KV transfer connected to " << PeerName(peer->id, peer->instance) << ": "
-                    << peer->remote_blocks << " remote blocks";
+                    << peer->remote_blocks << " remote blocks"
+                    << (peer->staged ? ", staged in chunks of " +
+                                           std::to_string(peer->chunk_blocks) + " blocks"
+                                     : ", direct puts");
   peers_.emplace(peer->id, std::move(peer));
   return c;
 }
@@ -877,7 +1108,15 @@ StatusOr<PeerId> UcxTransfer::Accept(std::string_view reply) {
     peer->owner = this;
     peer->id = next_peer_.fetch_add(1);
     peer->instance = d->instance_id;
-    PDSERVE_LOG(INFO) << "UCX KV transfer accepted writer " << PeerName(peer->id, peer->instance);
+    peer->remote_blocks = d->block_count();
+    PDSERVE_RETURN_IF_ERROR(AgreeStaging(peer.get(), d->channel, /*peer_is_receiver=*/false));
+    if (peer->staged && transport_detail::ProcessIsVisible(d->process)) {
+      // A staged receive waits for the writer: notice a same-host writer's death.
+      peer->process = d->process;
+      peer->pidfd = transport_detail::OpenProcessWatch(d->process);
+    }
+    PDSERVE_LOG(INFO) << "UCX KV transfer accepted writer " << PeerName(peer->id, peer->instance)
+                      << (peer->staged ? " (staged)" : "");
     const PeerId id = peer->id;
     peers_.emplace(id, std::move(peer));
     return id;
@@ -888,6 +1127,7 @@ StatusOr<PeerId> UcxTransfer::Accept(std::string_view reply) {
 
 void UcxTransfer::Write(PeerId peer, std::vector<BlockCopy> copies, TransferDeadline deadline,
                         TransferCallback done) {
+  ++stat_in_flight_;
   Post([this, peer, copies = std::move(copies), deadline, done = std::move(done)]() mutable {
     StartWrite(peer, std::move(copies), deadline, std::move(done));
   });
@@ -922,17 +1162,7 @@ void UcxTransfer::StartWrite(PeerId peer_id, std::vector<BlockCopy> copies,
   if (TransferClock::now() >= deadline) {
     return fail(Status::DeadlineExceeded("KV write submitted after its deadline"));
   }
-#if PDSERVE_WITH_CUDA
-  const size_t bb = region_.block_bytes;
-  if (staging_ != nullptr) {
-    for (const BlockRun& r : *runs) {
-      Status s = ucx_detail::CopyDeviceToHost(static_cast<char*>(staging_) + r.local * bb,
-                                              static_cast<char*>(region_.base) + r.local * bb,
-                                              r.count * bb);
-      if (!s.ok()) return fail(s);
-    }
-  }
-#endif
+  if (peer->staged) return StartStaged(peer, /*writer=*/true, *runs, deadline, std::move(done));
 
   auto* op = new WriteOp;
   live_ops_.insert(op);
@@ -964,7 +1194,7 @@ void UcxTransfer::IssueWrite(Peer* peer, WriteOp* op, const std::vector<BlockRun
   param.cb.send = PutDone;
   param.user_data = op;
   param.memh = memh_;
-  char* local = static_cast<char*>(wire_region_.base);
+  char* local = static_cast<char*>(region_.base);
   for (const BlockRun& r : runs) {
     const size_t len = static_cast<size_t>(r.count) * bb;
     op->bytes += len;
@@ -987,16 +1217,11 @@ void UcxTransfer::IssueWrite(Peer* peer, WriteOp* op, const std::vector<BlockRun
   if (req != nullptr) ++op->pending;
 }
 
-void UcxTransfer::Receive(PeerId peer, std::vector<BlockCopy> /*copies*/,
-                          TransferDeadline /*deadline*/, TransferCallback done) {
-  // UCX writes are one-sided: the data is in place once the writer's flush
-  // completes, so the receiver has nothing to wait for here.
-  Post([this, peer, done = std::move(done)]() mutable {
-    Status s =
-        peers_.count(peer) != 0
-            ? Status::Ok()
-            : Status::InvalidArgument("KV receive from unknown peer " + std::to_string(peer));
-    ready_.emplace_back(std::move(done), std::move(s));
+void UcxTransfer::Receive(PeerId peer, std::vector<BlockCopy> copies, TransferDeadline deadline,
+                          TransferCallback done) {
+  ++stat_in_flight_;
+  Post([this, peer, copies = std::move(copies), deadline, done = std::move(done)]() mutable {
+    StartReceive(peer, std::move(copies), deadline, std::move(done));
   });
 }
 
@@ -1008,15 +1233,8 @@ Status UcxTransfer::FinishReceive(const std::vector<BlockId>& blocks) {
         return Status::InvalidArgument("block " + std::to_string(b) + " is out of range");
       }
     }
-#if PDSERVE_WITH_CUDA
-    if (staging_ != nullptr) {
-      const size_t bb = region_.block_bytes;
-      for (BlockId b : blocks) {
-        PDSERVE_RETURN_IF_ERROR(ucx_detail::CopyHostToDevice(
-            static_cast<char*>(region_.base) + b * bb, static_cast<char*>(staging_) + b * bb, bb));
-      }
-    }
-#endif
+    // Direct puts are in place once the writer's flush completed; staged
+    // chunks were copied into the pool before Receive's `done`.
     return Status::Ok();
   });
 }
@@ -1031,6 +1249,615 @@ void UcxTransfer::Disconnect(PeerId peer_id) {
     peers_.erase(it);
     return 0;
   });
+}
+
+// ---- Staging ------------------------------------------------------------------
+
+Status UcxTransfer::PlanStaging(const MemoryRegion& region) {
+  const size_t bb = region.block_bytes;
+  const bool device = region.type == MemoryType::kCuda;
+  if (device && !cuda_memory_supported_ && options_.staging == KvStagingMode::kNever) {
+    return Status::Unsupported(
+        "this UCX build cannot map CUDA memory and KV staging is 'never': a device KV pool "
+        "needs staging 'auto' or 'always' (or a UCX built with CUDA support)");
+  }
+  own_staged_ = options_.staging == KvStagingMode::kAlways || (device && !cuda_memory_supported_);
+#if !PDSERVE_WITH_CUDA
+  if (device && own_staged_) {
+    return Status::Unsupported("a staged CUDA KV pool needs a CUDA build of pdserve");
+  }
+#endif
+  own_chunk_blocks_ = 0;
+  slot_count_ = 0;
+  slot_bytes_ = 0;
+  if (options_.staging == KvStagingMode::kNever) return Status::Ok();
+  for (size_t n : {size_t{8}, size_t{4}, size_t{3}}) {
+    const size_t per = options_.staging_bytes / n;
+    if (per >= kChunkHeaderBytes + bb) {
+      slot_count_ = n;
+      own_chunk_blocks_ = static_cast<uint32_t>(
+          std::min<size_t>((per - kChunkHeaderBytes) / bb, std::numeric_limits<uint32_t>::max()));
+      slot_bytes_ = kChunkHeaderBytes + own_chunk_blocks_ * bb;
+      break;
+    }
+  }
+  if (own_chunk_blocks_ == 0 && own_staged_) {
+    return Status::InvalidArgument(
+        "KV staging budget of " + std::to_string(options_.staging_bytes) +
+        " bytes cannot hold 3 bounce slots of one " + std::to_string(bb) + "-byte block (plus a " +
+        std::to_string(kChunkHeaderBytes) + "-byte header) each");
+  }
+  return Status::Ok();
+}
+
+Status UcxTransfer::AgreeStaging(Peer* peer, const std::string& peer_channel,
+                                 bool peer_is_receiver) {
+  StagingWire theirs;
+  if (!peer_channel.empty()) {
+    auto w = DecodeStaging(peer_channel);
+    if (!w.ok()) return w.status();
+    theirs = *w;
+  }
+  peer->staged = own_staged_ || theirs.staged;
+  if (!peer->staged) return Status::Ok();
+  if (own_chunk_blocks_ == 0) {
+    return Status::InvalidArgument(
+        "the peer's KV pool moves through staging buffers, but this worker cannot stage "
+        "(staging 'never', or a staging budget below 3 blocks)");
+  }
+  if (theirs.chunk_blocks == 0) {
+    return Status::InvalidArgument(
+        "this worker's KV pool moves through staging buffers, but the peer cannot stage "
+        "(staging 'never' there, or a staging budget below 3 blocks)");
+  }
+  peer->chunk_blocks = std::min(own_chunk_blocks_, theirs.chunk_blocks);
+  if (peer_is_receiver) {
+    std::random_device rd;
+    do {
+      peer->nonce = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+    } while (peer->nonce == 0);
+  } else {
+    if (theirs.nonce == 0) {
+      return Status::InvalidArgument("KV transfer handshake reply has no staging nonce");
+    }
+    peer->nonce = theirs.nonce;
+  }
+  return EnsureArena();
+}
+
+Status UcxTransfer::EnsureArena() {
+  if (arena_ != nullptr) return Status::Ok();
+  std::unique_ptr<ucx_detail::StagingCopier> copier;
+  if (region_.type == MemoryType::kCuda) {
+#if PDSERVE_WITH_CUDA
+    int device = options_.cuda_device;
+    if (device < 0) {
+      auto d = ucx_detail::DeviceOfPointer(region_.base);
+      if (!d.ok()) return d.status();
+      device = *d;
+    }
+    auto c = ucx_detail::MakeCudaCopier(device);
+    if (!c.ok()) return c.status();
+    copier = std::move(*c);
+#else
+    return Status::Unsupported("staging a CUDA KV pool needs a CUDA build of pdserve");
+#endif
+  } else {
+    copier = ucx_detail::MakeHostCopier();
+  }
+  const size_t total = slot_count_ * slot_bytes_;
+  auto mem = copier->AllocBounce(total);
+  if (!mem.ok()) return mem.status();
+  if (Status s = copier->Init(slot_count_); !s.ok()) {
+    copier->FreeBounce(*mem);
+    return s;
+  }
+  // Registered once, so that chunks go out and come in without UCX
+  // registering them on the fly.
+  ucp_mem_map_params_t mp{};
+  mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                  UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
+  mp.address = *mem;
+  mp.length = total;
+  mp.memory_type = UCS_MEMORY_TYPE_HOST;
+  if (ucs_status_t s = ucp_mem_map(context_, &mp, &arena_memh_); s != UCS_OK) {
+    PDSERVE_LOG(WARN) << "ucp_mem_map of the KV staging buffers failed (" << ucs_status_string(s)
+                      << "); UCX will register them per message";
+    arena_memh_ = nullptr;
+  }
+  arena_ = *mem;
+  copier_ = std::move(copier);
+  slots_.resize(slot_count_);
+  for (size_t i = 0; i < slot_count_; ++i) {
+    slots_[i].owner = this;
+    slots_[i].index = i;
+    slots_[i].buf = static_cast<char*>(arena_) + i * slot_bytes_;
+    free_slots_.push_back(slot_count_ - 1 - i);
+  }
+  stat_reserved_ = total;
+  PDSERVE_LOG(INFO) << "KV staging: " << slot_count_ << " bounce slots of " << own_chunk_blocks_
+                    << " blocks (" << total << " bytes, " << copier_->name() << " copies)";
+  return Status::Ok();
+}
+
+std::string UcxTransfer::StagedWhat(const StagedOp* op) const {
+  auto it = peers_.find(op->peer);
+  const std::string who = it == peers_.end() ? "peer " + std::to_string(op->peer)
+                                             : PeerName(op->peer, it->second->instance);
+  return std::string(op->writer ? "KV write of " : "KV receive of ") + std::to_string(op->bytes) +
+         " bytes (" + std::to_string(op->chunks_done) + " of " + std::to_string(op->chunks) +
+         " chunks done) " + (op->writer ? "to " : "from ") + who;
+}
+
+void UcxTransfer::StartStaged(Peer* peer, bool writer, const std::vector<BlockRun>& runs,
+                              TransferDeadline deadline, TransferCallback done) {
+  auto* op = new StagedOp;
+  op->owner = this;
+  op->writer = writer;
+  op->peer = peer->id;
+  op->done = std::move(done);
+  op->deadline = deadline;
+  op->chunk_blocks = peer->chunk_blocks;
+  uint32_t min_remote = std::numeric_limits<uint32_t>::max();
+  for (const BlockRun& r : runs) {
+    for (uint32_t k = 0; k < r.count; ++k) op->seq.push_back({r.local + k, r.remote + k});
+    min_remote = std::min(min_remote, r.remote);
+  }
+  op->chunks = static_cast<uint32_t>((op->seq.size() + op->chunk_blocks - 1) / op->chunk_blocks);
+  op->bytes = op->seq.size() * region_.block_bytes;
+  op->hash = XXH3_64bits_withSeed(op->seq.data(), op->seq.size() * sizeof(BlockCopy), peer->nonce);
+  op->tag_base = kTagPrefix | ((peer->nonce & 0xFFFF) << 40) |
+                 ((static_cast<uint64_t>(min_remote) & 0xFFFFFF) << 16);
+  staged_ops_.insert(op);
+  staged_deadlines_.insert({deadline, op});
+  (writer ? stage_writers_ : stage_receivers_).push_back(op);
+}
+
+void UcxTransfer::StartReceive(PeerId peer_id, std::vector<BlockCopy> copies,
+                               TransferDeadline deadline, TransferCallback done) {
+  auto fail = [&](Status s) {
+    if (!s.ok()) PDSERVE_LOG(WARN) << "KV receive refused: " << s.ToString();
+    ready_.emplace_back(std::move(done), std::move(s));
+  };
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stop_) return fail(Status::Cancelled("KV transfer shutting down"));
+  }
+  auto it = peers_.find(peer_id);
+  if (it == peers_.end()) {
+    return fail(Status::InvalidArgument("KV receive from unknown peer " + std::to_string(peer_id)));
+  }
+  Peer* peer = it->second.get();
+  // Direct puts are one-sided: the data is in place once the writer's flush
+  // completes, so the receiver has nothing to wait for.
+  if (!peer->staged) return fail(Status::Ok());
+  if (peer->writer_side) {
+    return fail(Status::InvalidArgument("KV receive from peer " + std::to_string(peer_id) +
+                                        ", which was connected to as a receiver, not accepted"));
+  }
+  if (peer->failed) return fail(peer->failure);
+  auto runs = CoalesceBlockRuns(std::move(copies), peer->remote_blocks, region_.block_count());
+  if (!runs.ok()) return fail(runs.status());
+  if (runs->empty()) return fail(Status::Ok());
+  if (TransferClock::now() >= deadline) {
+    return fail(Status::DeadlineExceeded("KV receive submitted after its deadline"));
+  }
+  StartStaged(peer, /*writer=*/false, *runs, deadline, std::move(done));
+}
+
+Slot* UcxTransfer::TakeSlot(StagedOp* op) {
+  if (free_slots_.empty()) return nullptr;
+  Slot* slot = &slots_[free_slots_.back()];
+  free_slots_.pop_back();
+  slot->op = op;
+  ++op->slots_held;
+  if (op->writer) ++writer_slots_;
+  stat_in_use_ += slot_bytes_;
+  return slot;
+}
+
+void UcxTransfer::ReleaseSlot(Slot* slot) {
+  StagedOp* op = slot->op;
+  slot->state = SlotState::kFree;
+  slot->op = nullptr;
+  free_slots_.push_back(slot->index);
+  --op->slots_held;
+  if (op->writer) --writer_slots_;
+  stat_in_use_ -= slot_bytes_;
+  MaybeReleaseStaged(op);  // `op` may be gone after this
+}
+
+namespace {
+// The copies of one chunk between the pool and its slot, merging blocks that
+// are consecutive in the pool.
+std::vector<ucx_detail::CopySegment> ChunkSegments(const StagedOp& op, const Slot& slot, char* pool,
+                                                   size_t bb, bool to_pool) {
+  std::vector<ucx_detail::CopySegment> segs;
+  const size_t first = static_cast<size_t>(slot.chunk) * op.chunk_blocks;
+  char* data = slot.buf + kChunkHeaderBytes;
+  BlockId prev = 0;
+  for (size_t k = 0; k < slot.blocks; ++k) {
+    const BlockCopy& c = op.seq[first + k];
+    const BlockId b = op.writer ? c.local : c.remote;
+    char* in_pool = pool + static_cast<size_t>(b) * bb;
+    char* in_slot = data + k * bb;
+    if (k > 0 && b == prev + 1) {
+      segs.back().bytes += bb;
+    } else if (to_pool) {
+      segs.push_back({in_pool, in_slot, bb});
+    } else {
+      segs.push_back({in_slot, in_pool, bb});
+    }
+    prev = b;
+  }
+  return segs;
+}
+}  // namespace
+
+void UcxTransfer::StageOut(StagedOp* op, Slot* slot) {
+  const uint32_t chunk = op->next_chunk++;
+  const size_t first = static_cast<size_t>(chunk) * op->chunk_blocks;
+  slot->chunk = chunk;
+  slot->blocks = static_cast<uint32_t>(std::min<size_t>(op->chunk_blocks, op->seq.size() - first));
+  ChunkHeader h{kChunkMagic, op->hash, chunk, op->chunks, slot->blocks, 0};
+  std::memcpy(slot->buf, &h, sizeof(h));
+  auto segs = ChunkSegments(*op, *slot, static_cast<char*>(region_.base), region_.block_bytes,
+                            /*to_pool=*/false);
+  slot->state = SlotState::kCopyIn;
+  Status s = copier_->Start(slot->index, segs.data(), segs.size(), /*to_pool=*/false);
+  if (!s.ok() || !copier_->asynchronous()) OnCopyDone(slot, std::move(s));
+}
+
+void UcxTransfer::OnCopyDone(Slot* slot, Status status) {
+  StagedOp* op = slot->op;
+  if (slot->state == SlotState::kCopyIn) {
+    if (!op->finished && !status.ok()) FailStagedWrite(op, std::move(status));
+    if (op->finished) return ReleaseSlot(slot);
+    return SendSlot(slot);
+  }
+  if (!op->finished) {  // kCopyOut: the chunk is in the pool
+    if (!status.ok()) {
+      FinishStaged(op, std::move(status));
+    } else if (++op->chunks_done == op->chunks) {
+      FinishStaged(op, Status::Ok());
+    }
+  }
+  ReleaseSlot(slot);
+}
+
+void UcxTransfer::SendSlot(Slot* slot) {
+  StagedOp* op = slot->op;
+  auto it = peers_.find(op->peer);
+  Peer* peer = it == peers_.end() ? nullptr : it->second.get();
+  if (peer == nullptr || peer->failed || peer->ep == nullptr) {
+    FinishStaged(op, peer != nullptr && peer->failed
+                         ? peer->failure
+                         : Status::Unavailable("connection to peer " + std::to_string(op->peer) +
+                                               " is closed"));
+    return ReleaseSlot(slot);
+  }
+  ucp_request_param_t param{};
+  param.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+  if (arena_memh_ != nullptr) {
+    param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+    param.memh = arena_memh_;
+  }
+  param.cb.send = SlotSent;
+  param.user_data = slot;
+  slot->state = SlotState::kSending;
+  const size_t len = kChunkHeaderBytes + static_cast<size_t>(slot->blocks) * region_.block_bytes;
+  // The callback may run inside this call: touch nothing after it but errors.
+  ucs_status_ptr_t req =
+      ucp_tag_send_nbx(peer->ep, slot->buf, len, op->tag_base | (slot->chunk & 0xFFFF), &param);
+  if (UCS_PTR_IS_ERR(req)) {
+    FailStagedWrite(op, Status::Unavailable(UcsError("ucp_tag_send_nbx", UCS_PTR_STATUS(req))));
+    ReleaseSlot(slot);
+  } else if (req == nullptr) {
+    OnSlotSent(slot, UCS_OK);
+  }
+}
+
+void UcxTransfer::OnSlotSent(Slot* slot, ucs_status_t status) {
+  StagedOp* op = slot->op;
+  if (!op->finished) {
+    if (status != UCS_OK) {
+      FailStagedWrite(
+          op, Status::Unavailable(StagedWhat(op) + " failed: " + ucs_status_string(status)));
+    } else {
+      ++op->chunks_done;
+    }
+  }
+  ReleaseSlot(slot);
+}
+
+void UcxTransfer::OnStagedFlushed(StagedOp* op, ucs_status_t status) {
+  --op->pending;
+  if (!op->finished) {
+    if (status != UCS_OK) {
+      FailStagedWrite(
+          op, Status::Unavailable(StagedWhat(op) + " failed: " + ucs_status_string(status)));
+    } else {
+      auto it = peers_.find(op->peer);
+      if (it != peers_.end() && it->second->ProcessGoneRecently(TransferClock::now())) {
+        FailStagedWrite(op, Status::Unavailable(PeerName(op->peer, it->second->instance) +
+                                                " is gone: its process has exited"));
+      } else {
+        FinishStaged(op, Status::Ok());
+      }
+    }
+  }
+  MaybeReleaseStaged(op);
+}
+
+bool UcxTransfer::ReceiveNext(StagedOp* op) {
+  if (op->finished || op->next_chunk >= op->chunks || free_slots_.empty()) return false;
+  ucp_tag_recv_info_t info{};
+  ucp_tag_message_h msg =
+      ucp_tag_probe_nb(worker_, op->tag_base | (op->next_chunk & 0xFFFF), kTagFullMask, 1, &info);
+  if (msg == nullptr) return false;
+  Slot* slot = TakeSlot(op);
+  const uint32_t chunk = op->next_chunk++;
+  const size_t first = static_cast<size_t>(chunk) * op->chunk_blocks;
+  slot->chunk = chunk;
+  slot->blocks = static_cast<uint32_t>(std::min<size_t>(op->chunk_blocks, op->seq.size() - first));
+  if (info.length > slot_bytes_) {
+    DrainMessage(msg, info.length);
+    FinishStaged(op, Status::InvalidArgument(StagedWhat(op) + ": chunk " + std::to_string(chunk) +
+                                             " has " + std::to_string(info.length) +
+                                             " bytes; the writer's pairs differ from this "
+                                             "Receive's"));
+    ReleaseSlot(slot);
+    return true;
+  }
+  ucp_request_param_t param{};
+  param.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+  if (arena_memh_ != nullptr) {
+    param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+    param.memh = arena_memh_;
+  }
+  param.cb.recv = SlotReceived;
+  param.user_data = slot;
+  slot->state = SlotState::kReceiving;
+  const size_t length = info.length;
+  ucs_status_ptr_t req = ucp_tag_msg_recv_nbx(worker_, slot->buf, length, msg, &param);
+  if (UCS_PTR_IS_ERR(req)) {
+    FinishStaged(op, Status::Unavailable(UcsError("ucp_tag_msg_recv_nbx", UCS_PTR_STATUS(req))));
+    ReleaseSlot(slot);
+  } else if (req == nullptr) {
+    OnSlotReceived(slot, UCS_OK, length);
+  }
+  return true;
+}
+
+void UcxTransfer::OnSlotReceived(Slot* slot, ucs_status_t status, size_t length) {
+  StagedOp* op = slot->op;
+  if (op->finished) return ReleaseSlot(slot);
+  if (status != UCS_OK) {
+    // The network failed under a receive: the writer is gone or unreachable.
+    // Fail the pair, so that nothing of it is received any more (see FinishStaged).
+    Status failure = Status::Unavailable(StagedWhat(op) + " failed: " + ucs_status_string(status));
+    auto it = peers_.find(op->peer);
+    if (it != peers_.end()) FailPeer(it->second.get(), failure);
+    FinishStaged(op, std::move(failure));
+    return ReleaseSlot(slot);
+  }
+  ChunkHeader h{};
+  std::memcpy(&h, slot->buf, sizeof(h));
+  const size_t expected =
+      kChunkHeaderBytes + static_cast<size_t>(slot->blocks) * region_.block_bytes;
+  if (length != expected || h.magic != kChunkMagic || h.transfer_hash != op->hash ||
+      h.chunk != slot->chunk || h.chunks != op->chunks || h.blocks != slot->blocks) {
+    FinishStaged(op, Status::InvalidArgument(
+                         StagedWhat(op) + ": chunk " + std::to_string(slot->chunk) +
+                         " does not belong to this Receive (the writer's block pairs differ)"));
+    return ReleaseSlot(slot);
+  }
+  auto segs = ChunkSegments(*op, *slot, static_cast<char*>(region_.base), region_.block_bytes,
+                            /*to_pool=*/true);
+  slot->state = SlotState::kCopyOut;
+  Status s = copier_->Start(slot->index, segs.data(), segs.size(), /*to_pool=*/true);
+  if (!s.ok() || !copier_->asynchronous()) OnCopyDone(slot, std::move(s));
+}
+
+void UcxTransfer::DrainMessage(ucp_tag_message_h msg, size_t length) {
+  auto* d = new DrainRecv;
+  d->owner = this;
+  d->buf.resize(std::max<size_t>(length, 1));
+  drain_recvs_.insert(d);
+  ucp_request_param_t param{};
+  param.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+  param.cb.recv = Drained;
+  param.user_data = d;
+  ucs_status_ptr_t req = ucp_tag_msg_recv_nbx(worker_, d->buf.data(), length, msg, &param);
+  if (UCS_PTR_IS_ERR(req) || req == nullptr) OnDrained(d);
+}
+
+void UcxTransfer::OnDrained(DrainRecv* d) {
+  if (drain_recvs_.erase(d) != 0) delete d;
+}
+
+void UcxTransfer::PumpDrains() {
+  const auto now = TransferClock::now();
+  for (size_t i = 0; i < drains_.size();) {
+    Drain& d = drains_[i];
+    if (d.remaining == 0 || now > d.until) {
+      drains_.erase(drains_.begin() + static_cast<std::ptrdiff_t>(i));
+      continue;
+    }
+    ucp_tag_recv_info_t info{};
+    ucp_tag_message_h msg = ucp_tag_probe_nb(worker_, d.tag, kTagTransferMask, 1, &info);
+    if (msg == nullptr) {
+      ++i;
+      continue;
+    }
+    --d.remaining;
+    DrainMessage(msg, info.length);
+  }
+}
+
+bool UcxTransfer::PumpStaging() {
+  if (slots_.empty()) return false;
+  bool worked = false;
+  if (copier_->asynchronous()) {
+    for (Slot& slot : slots_) {
+      if (slot.state != SlotState::kCopyIn && slot.state != SlotState::kCopyOut) continue;
+      Status s;
+      if (copier_->Poll(slot.index, &s)) {
+        OnCopyDone(&slot, std::move(s));
+        worked = true;
+      }
+    }
+  }
+  // Writers: flush the fully sent ones; hand out slots one per writer per
+  // round, keeping one slot for receives.
+  for (StagedOp* op : std::vector<StagedOp*>(stage_writers_)) {
+    if (staged_ops_.count(op) == 0 || op->finished || op->flushing ||
+        op->chunks_done != op->chunks) {
+      continue;
+    }
+    std::erase(stage_writers_, op);
+    worked = true;
+    auto it = peers_.find(op->peer);
+    if (it == peers_.end() || it->second->ep == nullptr || it->second->failed) {
+      FinishStaged(op, it != peers_.end() && it->second->failed
+                           ? it->second->failure
+                           : Status::Unavailable("connection closed"));
+      MaybeReleaseStaged(op);
+      continue;
+    }
+    op->flushing = true;
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    param.cb.send = StagedFlushed;
+    param.user_data = op;
+    ++op->pending;
+    ucs_status_ptr_t req = ucp_ep_flush_nbx(it->second->ep, &param);
+    if (UCS_PTR_IS_ERR(req)) {
+      --op->pending;
+      FailStagedWrite(op, Status::Unavailable(UcsError("ucp_ep_flush_nbx", UCS_PTR_STATUS(req))));
+      MaybeReleaseStaged(op);
+    } else if (req == nullptr) {
+      OnStagedFlushed(op, UCS_OK);
+    }
+  }
+  for (bool granted = true; granted;) {
+    granted = false;
+    for (StagedOp* op : std::vector<StagedOp*>(stage_writers_)) {
+      if (free_slots_.empty() || writer_slots_ + 1 >= slot_count_) break;
+      if (staged_ops_.count(op) == 0 || op->finished || op->next_chunk >= op->chunks) continue;
+      StageOut(op, TakeSlot(op));  // `op` may be gone after this
+      granted = worked = true;
+    }
+  }
+  // Receivers: a slot only for a chunk that has arrived, oldest Receive first.
+  for (StagedOp* op : std::vector<StagedOp*>(stage_receivers_)) {
+    if (free_slots_.empty()) break;
+    if (staged_ops_.count(op) == 0) continue;
+    if (op->finished || op->next_chunk >= op->chunks) {
+      std::erase(stage_receivers_, op);
+      continue;
+    }
+    while (staged_ops_.count(op) != 0 && ReceiveNext(op)) worked = true;
+  }
+  if (!drains_.empty()) PumpDrains();
+  return worked;
+}
+
+void UcxTransfer::FinishStaged(StagedOp* op, Status status) {
+  if (op->finished) return;
+  op->finished = true;
+  staged_deadlines_.erase({op->deadline, op});
+  if (!status.ok()) {
+    PDSERVE_LOG(WARN) << (op->writer ? "KV write failed: " : "KV receive failed: ")
+                      << status.ToString();
+    auto it = peers_.find(op->peer);
+    if (!op->writer && op->next_chunk < op->chunks && it != peers_.end() && !it->second->failed) {
+      // Chunks a live writer still sends for it are swallowed, not left in
+      // UCX. Never those of a failed writer: UCX 1.13 may still hold a
+      // rendezvous request of a dead sender, and receiving it touches the
+      // sender's freed endpoint.
+      drains_.push_back({op->peer, op->tag_base, op->chunks - op->next_chunk,
+                         TransferClock::now() + kDrainWindow});
+    }
+  }
+  ready_.emplace_back(std::move(op->done), std::move(status));
+}
+
+void UcxTransfer::FailStagedWrite(StagedOp* op, Status status) {
+  FinishStaged(op, status);
+  auto it = peers_.find(op->peer);
+  if (it == peers_.end()) return;
+  Peer* peer = it->second.get();
+  // Nothing more of it may land at the peer: close the connection (deferred,
+  // as this may run inside a UCX callback).
+  FailPeer(peer, Status::Unavailable("connection to " + PeerName(peer->id, peer->instance) +
+                                     " closed after a failed write: " + status.message()));
+  deferred_close_.push_back(peer->id);
+}
+
+void UcxTransfer::MaybeReleaseStaged(StagedOp* op) {
+  if (!op->finished || op->slots_held > 0 || op->pending > 0) return;
+  std::erase(stage_writers_, op);
+  std::erase(stage_receivers_, op);
+  staged_ops_.erase(op);
+  delete op;
+}
+
+void UcxTransfer::CheckStagedDeadlines() {
+  const auto now = TransferClock::now();
+  while (!staged_deadlines_.empty() && staged_deadlines_.begin()->first <= now) {
+    StagedOp* op = staged_deadlines_.begin()->second;
+    Status s = Status::DeadlineExceeded(StagedWhat(op) + " missed its deadline");
+    if (op->writer) {
+      FailStagedWrite(op, std::move(s));
+    } else {
+      FinishStaged(op, std::move(s));
+    }
+    MaybeReleaseStaged(op);
+  }
+}
+
+bool UcxTransfer::CopiesInFlight() const {
+  if (copier_ == nullptr || !copier_->asynchronous()) return false;
+  for (const Slot& slot : slots_) {
+    if (slot.state == SlotState::kCopyIn || slot.state == SlotState::kCopyOut) return true;
+  }
+  return false;
+}
+
+void UcxTransfer::ShutdownStaging() {
+  for (StagedOp* op : std::vector<StagedOp*>(staged_ops_.begin(), staged_ops_.end())) {
+    if (staged_ops_.count(op) == 0 || op->finished) continue;
+    FinishStaged(op, Status::Cancelled("KV transfer shutting down"));
+    MaybeReleaseStaged(op);
+  }
+  drains_.clear();
+  if (slots_.empty()) return;
+  // Force-closed endpoints cancel the sends; receives end as their senders
+  // go. Bound the wait, then leave what remains to ucp_worker_destroy.
+  auto busy = [&] {
+    return std::any_of(slots_.begin(), slots_.end(),
+                       [](const Slot& s) { return s.state != SlotState::kFree; });
+  };
+  const auto give_up = TransferClock::now() + std::chrono::milliseconds(200);
+  while (busy() && TransferClock::now() < give_up) {
+    ucp_worker_progress(worker_);
+    PollClosing();
+    for (Slot& slot : slots_) {
+      Status s;
+      if ((slot.state == SlotState::kCopyIn || slot.state == SlotState::kCopyOut) &&
+          copier_->Poll(slot.index, &s)) {
+        OnCopyDone(&slot, std::move(s));
+      }
+    }
+  }
+  copier_->Drain();
+  size_t stuck = 0;
+  for (const Slot& slot : slots_) stuck += slot.state != SlotState::kFree ? 1 : 0;
+  if (stuck > 0) PDSERVE_LOG(WARN) << stuck << " KV staging slot(s) still held by UCX at shutdown";
 }
 
 }  // namespace

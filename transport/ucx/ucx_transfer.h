@@ -23,15 +23,62 @@
 // this backend does for every same-host peer (every 50 ms, by pid + start
 // time; and at a write's completion, which reports success only if the peer
 // was seen alive within the last millisecond: a check per write would add a
-// system call to every 256 KiB copy). For shared memory to carry the data, the RECEIVER's pool must come
-// from AllocatePool(): UCX maps into other processes only memory it
-// allocated. A caller-owned pool still works, through UCX's emulated puts, at
-// TCP-like speed.
+// system call to every 256 KiB copy). For shared memory to carry the data, the RECEIVER's pool must
+// come from AllocatePool(): UCX maps into other processes only memory it allocated. A caller-owned
+// pool still works, through UCX's emulated puts, at TCP-like speed.
 //
-// Device memory: a kCuda region is mapped directly when the UCX build supports
-// CUDA memory; otherwise (CUDA builds only) the pool is mirrored in pinned host
-// memory: Write copies source runs device-to-host before putting them, and the
-// receiver's FinishReceive copies landed blocks host-to-device.
+// Device memory and staging: a kCuda region is mapped directly when the UCX
+// build supports CUDA memory. Otherwise (CUDA builds only; or for every pool
+// under `staging` = kAlways) the pool is STAGED: it is never handed to UCX, and
+// its blocks move through bounce buffers of at most `staging_bytes` per
+// KvTransfer, whatever the pool size:
+//   - The budget is cut into 8 (else 4, else 3) slots of whole blocks plus a
+//     64-byte chunk header; it must hold at least 3 one-block slots. Pinned
+//     host memory (cudaHostAlloc) for device pools, aligned host memory for
+//     host pools. Allocated on the first staged Connect/Accept, kept until
+//     the KvTransfer is destroyed (stats().staging_bytes_reserved).
+//   - A pair is staged when either side needs it (the descriptor and the
+//     Connect reply each carry "needs staging" and the side's chunk size in
+//     blocks); the pair's chunk is the smaller of the two.
+//   - The pair's transfers are two-sided: the receiver MUST post Receive()
+//     with exactly the writer's pairs (before or after the Write starts).
+//     Both sides order the pairs the same way (CoalesceBlockRuns, then block
+//     by block) and cut them into chunks. Writer: copy chunk i pool -> slot
+//     (cudaMemcpyAsync, or memcpy for host pools) while chunk i-1 is on the
+//     wire; send it as a tagged message (ucp_tag_send_nbx); report success
+//     after every chunk is sent and the endpoint is flushed. Receiver: probe
+//     for chunk i's tag and only then take a slot and receive into it
+//     (ucp_tag_probe_nb + ucp_tag_msg_recv_nbx), check its header, copy slot ->
+//     pool (host-to-device overlaps receiving the next chunk). Receive's
+//     `done` fires when every byte is in the registered pool, so FinishReceive
+//     has nothing to do.
+//   - Why tagged messages, and why probe first: tag matching lets one chunk
+//     go straight from the writer's slot into the receiver's slot (rendezvous
+//     for large chunks, no extra copy and no receiver-side buffer outside the
+//     budget), matches a chunk to its Receive by tag whichever side comes
+//     first, and UCX orders same-tag messages from one sender. Probing before
+//     taking a slot means a receiver's slots only ever hold data that has
+//     arrived, so two transfers arriving in a different order than their
+//     Receives were posted cannot deadlock on slots. Writers together hold at
+//     most all slots but one, so a KvTransfer that both writes and receives
+//     can always receive. (Active messages would need a receiver-side copy
+//     out of UCX's buffer or the same rendezvous machinery by hand.)
+//   - Tag: 0xA5 | 16 bits of the pair's connection nonce | 24 bits of the
+//     smallest receiver block of the transfer | 16 bits of chunk index (wraps;
+//     the header holds the full index). Concurrent Receives on one KvTransfer
+//     target disjoint blocks, so the tag tells them apart; the chunk header
+//     carries an XXH3 of (nonce, ordered pairs), so a Receive whose pairs
+//     differ from the Write fails with kInvalidArgument without touching the
+//     pool.
+//   - Failure: the op's `done` runs once; bounce slots return as soon as the
+//     network lets go of them (a force-closed endpoint cancels the writer's
+//     sends; a receiver drains the chunks of a failed Receive that still
+//     arrive, for up to 30 s, without a slot). A failed staged Write closes
+//     the connection like any failed Write; a failed Receive does not. The
+//     receiver notices a dead same-host writer by watching its process, and
+//     any writer through its deadline.
+// `staging` = kNever: no bounce buffers; a device pool UCX cannot map is
+// refused at RegisterPool, and so is a peer that needs staging.
 #pragma once
 
 #include <chrono>
@@ -52,6 +99,11 @@ struct UcxTransferOptions {
   // Connect waits this long for UCX's wireup with the peer to complete.
   std::chrono::milliseconds connect_timeout{10000};
   std::string name = "pdserve";
+  KvStagingMode staging = KvStagingMode::kAuto;
+  // Bounce-buffer budget of this KvTransfer (staged pairs only).
+  size_t staging_bytes = size_t{256} << 20;
+  // CUDA device of a kCuda pool; -1: the device that holds the pool.
+  int cuda_device = -1;
 };
 
 StatusOr<std::unique_ptr<KvTransfer>> CreateUcxTransfer(const UcxTransferOptions& options);

@@ -27,7 +27,7 @@
 
 #include "common/block_hash.h"
 #include "common/http/http_server.h"
-#include "engine/sampler.h"
+#include "common/sampling_params.h"
 #include "services/router/openai/checked_json.h"
 
 namespace pdserve::router {

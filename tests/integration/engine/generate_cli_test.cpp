@@ -6,6 +6,7 @@
 #include <array>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <sstream>
 #include <string>
 
@@ -114,6 +115,36 @@ TEST_F(GenerateCliTest, BenchEngineRunsARealShapeFromConfigAloneWithDummyWeights
   EXPECT_EQ(results, 2);
 }
 
+// On the qwen3-moe preset (2 sparse layers of 8 experts, top-2, one dense
+// layer) bench engine reports the expert bytes a decode step read: one token
+// reads its 2 experts per sparse layer; 32 tokens read each active expert
+// once, so never more than all 16 experts' bytes.
+TEST_F(GenerateCliTest, BenchEngineReportsExpertBytesPerDecodeStep) {
+  const std::string dir = testing::NewTempDir("cli-moe-bench") + "/model";
+  ASSERT_EQ(RunPdserve("make-model --preset qwen3-moe --out " + dir).exit_code, 0);
+  const Result r = RunPdserve("bench engine --model " + dir +
+                              " --batch 1,32 --prompt-tokens 16 --gen-tokens 8 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  constexpr double kExpertBytes = 3 * 48 * 64 * 4;  // gate, up, down of 48 x 64, fp32
+  std::istringstream lines(r.out);
+  int results = 0;
+  for (std::string line; std::getline(lines, line);) {
+    const auto j = nlohmann::json::parse(line);
+    SCOPED_TRACE(line);
+    EXPECT_EQ(j["expert_weight_bytes"].get<double>(), 2 * 8 * kExpertBytes);
+    const double read = j["expert_bytes_per_decode_step"].get<double>();
+    if (j["batch"] == 1) {
+      EXPECT_EQ(read, 2 * 2 * kExpertBytes);
+      EXPECT_EQ(j["active_experts_per_decode_step"].get<double>(), 4);
+    } else {
+      EXPECT_GT(read, 2 * 2 * kExpertBytes);
+      EXPECT_LE(read, 2 * 8 * kExpertBytes);
+    }
+    ++results;
+  }
+  EXPECT_EQ(results, 2);
+}
+
 TEST_F(GenerateCliTest, BadFlagsExitTwoWithOneLine) {
   const std::string err = testing::NewTempDir("cli-err") + "/stderr";
   const std::string model = " --model " + *dir_;
@@ -154,6 +185,144 @@ TEST_F(GenerateCliTest, BadFlagsExitTwoWithOneLine) {
   EXPECT_NE(Slurp(err).find("model.safetensors"), std::string::npos) << Slurp(err);
   EXPECT_EQ(RunPdserve("generate --help").exit_code, 0);
   EXPECT_EQ(RunPdserve("make-model --help").exit_code, 0);
+}
+
+// The qwen3 preset generates; a config key pdserve does not implement and a
+// checkpoint tensor it does not use each exit 2 with one line naming them.
+TEST_F(GenerateCliTest, Qwen3PresetRunsAndUnimplementedKeysExitTwo) {
+  namespace fs = std::filesystem;
+  const std::string dir = testing::NewTempDir("cli-qwen3") + "/qwen3";
+  ASSERT_EQ(RunPdserve("make-model --preset qwen3 --out " + dir).exit_code, 0);
+  const Result ok =
+      RunPdserve("generate --model " + dir + " --prompt hi --max-tokens 4 --ignore-eos --json");
+  ASSERT_EQ(ok.exit_code, 0) << ok.out;
+  EXPECT_EQ(nlohmann::json::parse(ok.out)["token_ids"].size(), 4u) << ok.out;
+
+  const std::string err = testing::NewTempDir("cli-qwen3-err") + "/stderr";
+  auto with_config = [&](const std::string& name, const std::string& key,
+                         const nlohmann::json& value) {
+    const std::string bad = testing::NewTempDir(name) + "/model";
+    fs::copy(dir, bad);
+    nlohmann::json c = nlohmann::json::parse(Slurp(dir + "/config.json"));
+    c[key] = value;
+    std::ofstream(bad + "/config.json") << c.dump();
+    return bad;
+  };
+  struct Case {
+    std::string dir, needle;
+  };
+  const Case cases[] = {
+      {with_config("cli-yarn", "rope_scaling", {{"rope_type", "yarn"}, {"factor", 4.0}}),
+       "rope_scaling"},
+      {with_config("cli-window", "use_sliding_window", true), "use_sliding_window"},
+      {with_config("cli-quant", "quantization_config", {{"quant_method", "fp8"}}),
+       "quantization_config"},
+      {with_config("cli-act", "hidden_act", "gelu_pytorch_tanh"), "hidden_act"},
+      // Tied embeddings leave the checkpoint's lm_head.weight unused.
+      {with_config("cli-tied", "tie_word_embeddings", true), "lm_head.weight"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.needle);
+    const Result r = RunPdserve("generate --model " + c.dir + " --prompt hi", err);
+    EXPECT_EQ(r.exit_code, 2);
+    const std::string e = Slurp(err);
+    EXPECT_EQ(std::count(e.begin(), e.end(), '\n'), 1) << e;
+    EXPECT_NE(e.find(c.needle), std::string::npos) << e;
+  }
+}
+
+// The mixture-of-experts presets generate, the same greedy tokens every run; a
+// config whose experts or sparse layers disagree with the checkpoint exits 2
+// naming the tensor that does not fit, and a routing key pdserve does not
+// implement for the architecture exits 2 naming the key.
+TEST_F(GenerateCliTest, MoePresetsRunAndMismatchedExpertsExitTwo) {
+  namespace fs = std::filesystem;
+  const std::string err = testing::NewTempDir("cli-moe-err") + "/stderr";
+  struct Case {
+    std::string preset, key;
+    nlohmann::json value;
+    std::string needle;
+  };
+  const Case cases[] = {
+      // Layer 1 becomes sparse: its router is missing.
+      {"qwen3-moe", "mlp_only_layers", nlohmann::json::array(), "model.layers.1.mlp.gate.weight"},
+      // Layer 0 becomes dense: its MLP is missing.
+      {"qwen3-moe", "mlp_only_layers", {0, 1, 2}, "model.layers.0.mlp.gate_proj.weight"},
+      // The router's shape names the expert count.
+      {"mixtral", "num_local_experts", 9, "model.layers.0.block_sparse_moe.gate.weight"},
+      // DeepSeek: layer 0 becomes sparse (first_k_dense_replace): its router is missing.
+      {"deepseek-v2-lite", "first_k_dense_replace", 0, "model.layers.0.mlp.gate.weight"},
+      // No shared experts: the checkpoint's are not used.
+      {"deepseek-v3", "n_shared_experts", 0, "shared_experts"},
+      // Routing that transformers' modeling code does not have for the architecture.
+      {"deepseek-v3", "topk_method", "greedy", "'topk_method'"},
+      {"deepseek-v3", "scoring_func", "softmax", "'scoring_func'"},
+      {"deepseek-v2-lite", "norm_topk_prob", true, "'norm_topk_prob'"},
+      // Groups must split the experts evenly.
+      {"deepseek-v3", "n_group", 3, "'n_group'"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.preset + " " + c.key);
+    const std::string dir = testing::NewTempDir("cli-" + c.preset) + "/model";
+    ASSERT_EQ(RunPdserve("make-model --preset " + c.preset + " --out " + dir).exit_code, 0);
+    const std::string gen = "generate --model " + dir +
+                            " --prompt hi --max-tokens 6 --temperature 0 --ignore-eos --json";
+    const Result a = RunPdserve(gen), b = RunPdserve(gen);
+    ASSERT_EQ(a.exit_code, 0) << a.out;
+    EXPECT_EQ(nlohmann::json::parse(a.out)["token_ids"].size(), 6u) << a.out;
+    EXPECT_EQ(nlohmann::json::parse(a.out)["token_ids"], nlohmann::json::parse(b.out)["token_ids"]);
+
+    const std::string bad = testing::NewTempDir("cli-moe-bad") + "/model";
+    fs::copy(dir, bad);
+    nlohmann::json config = nlohmann::json::parse(Slurp(dir + "/config.json"));
+    config[c.key] = c.value;
+    std::ofstream(bad + "/config.json") << config.dump();
+    const Result r = RunPdserve("generate --model " + bad + " --prompt hi", err);
+    EXPECT_EQ(r.exit_code, 2);
+    const std::string e = Slurp(err);
+    EXPECT_EQ(std::count(e.begin(), e.end(), '\n'), 1) << e;
+    EXPECT_NE(e.find(c.needle), std::string::npos) << e;
+  }
+}
+
+// `pdserve plan` reads any supported family's config.json and sizes the
+// weights from a checkpoint's safetensors.
+TEST_F(GenerateCliTest, PlanReadsEveryFamilyAndSizesWeightsFromTheCheckpoint) {
+  for (const std::string preset : {"qwen3", "qwen3-moe", "mixtral"}) {
+    const std::string dir = testing::NewTempDir("cli-plan") + "/" + preset;
+    ASSERT_EQ(RunPdserve("make-model --preset " + preset + " --out " + dir).exit_code, 0);
+    const nlohmann::json config = nlohmann::json::parse(Slurp(dir + "/config.json"));
+    const Result r = RunPdserve("plan --config " + dir + "/config.json --weights-from " + dir +
+                                " --kv-dtype fp16 --context 1024 --gpu-mem-gib 1 --json");
+    ASSERT_EQ(r.exit_code, 0) << preset;
+    const nlohmann::json plan = nlohmann::json::parse(r.out);
+    EXPECT_EQ(plan["layers"], config["num_hidden_layers"]) << preset;
+    EXPECT_EQ(plan["kv_heads"], config["num_key_value_heads"]) << preset;
+    EXPECT_EQ(plan["head_dim"],
+              config.value("head_dim", config["hidden_size"].get<int>() /
+                                           config["num_attention_heads"].get<int>()))
+        << preset;
+    // fp16 K and V of every layer for one token.
+    EXPECT_EQ(plan["kv_bytes_per_token"], 2 * 2 * plan["layers"].get<int64_t>() *
+                                              plan["kv_heads"].get<int64_t>() *
+                                              plan["head_dim"].get<int64_t>());
+    // The weights came from the files: a little under the checkpoint's size.
+    const double file_gib =
+        static_cast<double>(std::filesystem::file_size(dir + "/model.safetensors")) / (1 << 30);
+    EXPECT_GT(plan["weights_gib"].get<double>(), 0.9 * file_gib) << preset;
+    EXPECT_LE(plan["weights_gib"].get<double>(), file_gib) << preset;
+  }
+  const std::string err = testing::NewTempDir("cli-plan-err") + "/stderr";
+  EXPECT_EQ(RunPdserve("plan --config " + *dir_ + "/config.json --weights-from " + *dir_ +
+                           " --weights-gib 3",
+                       err)
+                .exit_code,
+            2);
+  EXPECT_NE(Slurp(err).find("either --weights-from or --weights-gib"), std::string::npos);
+  EXPECT_EQ(RunPdserve("plan --config " + *dir_ + "/config.json --weights-from /nonexistent", err)
+                .exit_code,
+            2);
+  EXPECT_NE(Slurp(err).find("--weights-from"), std::string::npos) << Slurp(err);
 }
 
 }  // namespace

@@ -131,7 +131,7 @@ TEST(SimCliTest, JsonLinePerPolicy) {
                            "--policy all --json");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const auto lines = Lines(r.out);
-  ASSERT_EQ(lines.size(), 4u) << r.out;
+  ASSERT_EQ(lines.size(), 8u) << r.out;
   std::vector<std::string> policies;
   for (const auto& line : lines) {
     const auto j = nlohmann::json::parse(line);
@@ -141,14 +141,87 @@ TEST(SimCliTest, JsonLinePerPolicy) {
     }
     EXPECT_DOUBLE_EQ(j["oracle_hit_rate"].get<double>(), 20.0 / 48);
     policies.push_back(j["policy"]);
-    if (j["policy"] == "kv") {
-      EXPECT_DOUBLE_EQ(j["hit_rate"].get<double>(), 20.0 / 48);
+    for (const char* kv_aware : {"kv", "dynamo", "llm-d", "sglang", "production-stack"}) {
+      if (j["policy"] == kv_aware) {
+        EXPECT_DOUBLE_EQ(j["hit_rate"].get<double>(), 20.0 / 48) << kv_aware;
+      }
     }
     if (j["policy"] == "round_robin") {
       EXPECT_DOUBLE_EQ(j["hit_rate"].get<double>(), 0.0);
     }
   }
-  EXPECT_EQ(policies, (std::vector<std::string>{"kv", "round_robin", "least_loaded", "random"}));
+  EXPECT_EQ(policies,
+            (std::vector<std::string>{"kv", "dynamo", "llm-d", "sglang", "production-stack",
+                                      "round_robin", "least_loaded", "random"}));
+}
+
+TEST(SimCliTest, TimeScaleCompressesArrivals) {
+  // Two cold 4-block prompts 1 s apart on one worker at 4 tokens/s: 4 s of
+  // prefill each. At time scale 0.25 the second arrives 0.25 s after the
+  // first and waits for it.
+  const std::string trace = WriteTrace(
+      "scale.jsonl",
+      "{\"timestamp\": 0, \"input_length\": 16, \"output_length\": 1, \"hash_ids\": [1, 2, 3, "
+      "4]}\n"
+      "{\"timestamp\": 1000, \"input_length\": 16, \"output_length\": 1, \"hash_ids\": [5, 6, "
+      "7, 8]}\n");
+  auto mean_ttft = [&](const std::string& scale) {
+    const CliRun r = Pdserve("sim --trace " + trace +
+                             " --workers 1 --block-tokens 4 --prefill-tokens-per-s 4 "
+                             "--prefill-overhead-ms 0 --json --time-scale " +
+                             scale);
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    const auto j = nlohmann::json::parse(r.out);
+    EXPECT_DOUBLE_EQ(j["time_scale"].get<double>(), std::stod(scale));
+    return j["ttft_mean_s"].get<double>();
+  };
+  EXPECT_NEAR(mean_ttft("1"), (4.0 + 7.0) / 2, 1e-9);
+  EXPECT_NEAR(mean_ttft("0.25"), (4.0 + 7.75) / 2, 1e-9);
+  const CliRun bad = Pdserve("sim --trace " + trace + " --time-scale 0");
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_EQ(Lines(bad.err).size(), 1u) << bad.err;
+  EXPECT_NE(bad.err.find("time scale must be finite and positive"), std::string::npos) << bad.err;
+}
+
+TEST(TraceCliTest, SameSeedSameFileAndSimReadsIt) {
+  const std::string a = TempPath("gen-a.jsonl"), b = TempPath("gen-b.jsonl"),
+                    c = TempPath("gen-c.jsonl");
+  const std::string args =
+      "trace generate --sessions 50 --turns 3 --prefixes 4 --zipf 1.2 --prefix-tokens 1000 "
+      "--question-tokens 200 --answer-tokens 100 --rate 5 --arrival onoff --on-s 2 --off-s 3 "
+      "--think-s 4 --block-tokens 64";
+  ASSERT_EQ(Pdserve(args + " --seed 7 --output " + a).exit_code, 0);
+  ASSERT_EQ(Pdserve(args + " --seed 7 --output " + b).exit_code, 0);
+  ASSERT_EQ(Pdserve(args + " --seed 8 --output " + c).exit_code, 0);
+  EXPECT_EQ(ReadFile(a), ReadFile(b));
+  EXPECT_NE(ReadFile(a), ReadFile(c));
+  EXPECT_EQ(Lines(ReadFile(a)).size(), 150u);
+  const CliRun to_stdout = Pdserve(args + " --seed 7");
+  EXPECT_EQ(to_stdout.out, ReadFile(a));
+  const CliRun sim = Pdserve("sim --trace " + a + " --block-tokens 64 --workers 4 --json");
+  ASSERT_EQ(sim.exit_code, 0) << sim.err;
+  EXPECT_EQ(nlohmann::json::parse(sim.out)["requests"].get<int64_t>(), 150);
+}
+
+TEST(TraceCliTest, BadFlagsAreOneLineUsageErrors) {
+  struct Case {
+    std::string args, expect;
+  };
+  for (const Case& c : std::vector<Case>{
+           {"trace generate --sessions 0", "--sessions must be positive"},
+           {"trace generate --zipf -1", "--zipf must be finite and non-negative"},
+           {"trace generate --rate 0", "--rate must be finite and positive"},
+           {"trace generate --arrival bursty", "--arrival must be poisson or onoff"},
+           {"trace generate --turns x", "--turns"},
+           {"trace generate --seed -3", "--seed must not be negative"},
+           {"trace generate --nonsense 1", "nonsense"},
+       }) {
+    const CliRun r = Pdserve(c.args);
+    EXPECT_EQ(r.exit_code, 2) << c.args;
+    EXPECT_EQ(Lines(r.err).size(), 1u) << c.args << ": " << r.err;
+    EXPECT_NE(r.err.find(c.expect), std::string::npos) << c.args << ": " << r.err;
+    EXPECT_TRUE(r.out.empty()) << c.args;
+  }
 }
 
 TEST(BenchRouterCliTest, PrintsItsFigures) {

@@ -53,11 +53,22 @@ TEST(BenchServeTest, RandomIsColdSharedPrefixIsWarmAndCountsMatchTheRouter) {
   EXPECT_EQ(warm["ok"], 20);
   EXPECT_GT(warm["cached_fraction"].get<double>(), 0.6) << warm.dump();
 
+  // Plain completions, for models without a chat template.
+  nlohmann::json plain = BenchServe(
+      stack.http_port(),
+      {"--api", "completions", "--requests", "4", "--concurrency", "2", "--max-tokens", "3"}, &code,
+      &err);
+  ASSERT_EQ(code, 0) << err;
+  EXPECT_EQ(plain["ok"], 4);
+  EXPECT_EQ(plain["completion_tokens"], 4 * 3);
+  EXPECT_EQ(plain["settings"]["api"], "completions");
+
   // What the tool saw is what the router counted.
   EXPECT_EQ(LocalStack::Metric(stack.http_port(), "pdserve_router_requests_total", "status=\"ok\""),
-            32);
+            36);
   EXPECT_EQ(LocalStack::Metric(stack.http_port(), "pdserve_router_prompt_tokens_total"),
-            cold["prompt_tokens"].get<double>() + warm["prompt_tokens"].get<double>());
+            cold["prompt_tokens"].get<double>() + warm["prompt_tokens"].get<double>() +
+                plain["prompt_tokens"].get<double>());
 }
 
 TEST(BenchServeTest, FailedRequestsAreReportedAndFailTheRun) {
@@ -81,6 +92,7 @@ TEST(BenchServeTest, BadFlagsAreOneLineUsageErrors) {
            {"--url", "ftp://x:1"},
            {"--url", "http://127.0.0.1:8000/v1"},
            {"--concurrency", "0"},
+           {"--api", "soap"},
            {"--workload", "random", "--min-words", "10", "--max-words", "5"},
        }) {
     std::vector<std::string> argv = {kPdserve, "bench", "serve"};

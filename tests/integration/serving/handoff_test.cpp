@@ -21,7 +21,7 @@ TEST(HandoffTest, LayoutMismatchIsRefusedClearlyAndServedCorrectlyByLocalPrefill
   LocalStack stack("handoff-layout");
   stack.StartRouter({"--max-local-prefill", "0"});
   WorkerProc& prefill = stack.StartWorker("prefill", {"--kv-dtype", "fp16"});
-  WorkerProc& decode = stack.StartWorker("decode", {"--max-local-prefill", "0"});
+  WorkerProc& decode = stack.StartWorker("decode");
   ASSERT_TRUE(stack.WaitReady());
 
   const std::string prompt = "the layouts of these two workers do not agree";
@@ -42,6 +42,10 @@ TEST(HandoffTest, LayoutMismatchIsRefusedClearlyAndServedCorrectlyByLocalPrefill
   // Nothing was written into the decode pool by the refused peer.
   EXPECT_EQ(LocalStack::Metric(decode.metrics_port, "pdserve_kv_transfer_bytes_total"), 0);
   EXPECT_EQ(LocalStack::Metric(prefill.metrics_port, "pdserve_kv_transfer_bytes_total"), 0);
+  // The local prefill after the failed remote attempt is the decode worker's
+  // own prefill computation: every prompt token was looked up.
+  EXPECT_EQ(LocalStack::Metric(decode.metrics_port, "pdserve_prefix_cache_queries_tokens_total"),
+            want["prompt_token_ids"].size());
 }
 
 TEST(HandoffTest, SigtermDrainsTheRunningStreamAndExitsZero) {

@@ -46,7 +46,7 @@ std::vector<std::string> LocalStack::WithSecurity(std::vector<std::string> argv,
 void LocalStack::StartRouter(const std::vector<std::string>& extra, int control_port) {
   if (dir_.empty()) dir_ = NewTempDir(name_);
   std::vector<std::string> argv = {
-      kPdserve,    "router", "--model", Model(),          "--host",
+      kPdserve,    "router", "--model", model(),          "--host",
       "127.0.0.1", "--port", "0",       "--control-port", std::to_string(control_port)};
   argv = WithSecurity(std::move(argv), extra);
   router_ = ChildProcess::Start(argv, dir_ + "/router" + std::to_string(router_starts_++) + ".log");
@@ -71,7 +71,7 @@ WorkerProc& LocalStack::StartWorker(const std::string& role,
   w->role = role;
   std::vector<std::string> argv = {kPdserve,           "worker",
                                    "--role",           role,
-                                   "--model",          Model(),
+                                   "--model",          model(),
                                    "--router",         "127.0.0.1:" + std::to_string(control_port_),
                                    "--host",           "127.0.0.1",
                                    "--port",           "0",
@@ -121,12 +121,42 @@ double LocalStack::Metric(int port, const std::string& name, const std::string& 
   return sum;
 }
 
-nlohmann::json Generate(const std::string& prompt, int max_tokens) {
-  CommandResult r = RunCommand({kPdserve, "generate", "--model", LocalStack::Model(), "--prompt",
-                                prompt, "--max-tokens", std::to_string(max_tokens), "--temperature",
-                                "0", "--ignore-eos", "--json", "--threads", "1"});
+nlohmann::json Generate(const std::string& prompt, int max_tokens, const std::string& model) {
+  CommandResult r = RunCommand({kPdserve, "generate", "--model", model, "--device", "cpu",
+                                "--prompt", prompt, "--max-tokens", std::to_string(max_tokens),
+                                "--temperature", "0", "--ignore-eos", "--json", "--threads", "1"});
   EXPECT_EQ(r.exit_code, 0) << r.err;
   return nlohmann::json::parse(r.out, nullptr, false);
+}
+
+void ExpectSameAsGenerate(LocalStack& stack, const std::string& prompt, int max_tokens) {
+  SCOPED_TRACE(prompt.substr(0, 60));
+  nlohmann::json want = Generate(prompt, max_tokens, stack.model());
+  ASSERT_TRUE(want.is_object());
+  auto [status, got] = stack.Post(
+      "/v1/completions",
+      {{"prompt", prompt}, {"max_tokens", max_tokens}, {"temperature", 0}, {"ignore_eos", true}});
+  ASSERT_EQ(status, 200) << got.dump();
+  EXPECT_EQ(got["choices"][0]["text"], want["text"])
+      << "prompt tokens " << want["prompt_token_ids"].size();
+  EXPECT_EQ(got["usage"]["prompt_tokens"], want["prompt_token_ids"].size());
+  EXPECT_EQ(got["usage"]["completion_tokens"], want["token_ids"].size());
+}
+
+void ExpectKvMoved(const WorkerProc& prefill, const WorkerProc& decode) {
+  EXPECT_GT(LocalStack::Metric(decode.metrics_port, "pdserve_kv_transfer_bytes_total",
+                               "direction=\"in\""),
+            0);
+  EXPECT_GT(LocalStack::Metric(prefill.metrics_port, "pdserve_kv_transfer_bytes_total",
+                               "direction=\"out\""),
+            0);
+}
+
+std::string RealModelDir() {
+  const char* env = std::getenv("PDSERVE_REAL_MODEL_DIR");
+  const std::string dir =
+      env ? env : std::string(PDSERVE_SOURCE_DIR) + "/../shared/models/stories260K";
+  return std::ifstream(dir + "/config.json").good() ? dir : "";
 }
 
 }  // namespace pdserve::testing

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <optional>
@@ -16,7 +17,10 @@
 
 namespace pdserve::testing {
 
-inline const std::string kPdserve = PDSERVE_BIN_PATH;
+// The binary under test; PDSERVE_BIN overrides the build's (the GPU kit runs
+// these tests from another folder).
+inline const std::string kPdserve =
+    std::getenv("PDSERVE_BIN") ? std::getenv("PDSERVE_BIN") : PDSERVE_BIN_PATH;
 
 struct WorkerProc {
   std::string id;
@@ -31,6 +35,11 @@ class LocalStack {
   static const std::string& Model();
 
   explicit LocalStack(std::string name) : name_(std::move(name)) {}
+
+  // The model folder the router and the workers started from now on serve
+  // (default: Model()).
+  void SetModel(std::string dir) { model_ = std::move(dir); }
+  const std::string& model() const { return model_.empty() ? Model() : model_; }
 
   // Starts the router; extra flags are appended. A control port of 0 picks
   // a free one; a restarted router passes the previous control_port().
@@ -65,6 +74,7 @@ class LocalStack {
                                         const std::vector<std::string>& extra);
 
   std::string name_;
+  std::string model_;
   std::string dir_;
   std::string secret_file_;
   ChildProcess router_;
@@ -75,7 +85,19 @@ class LocalStack {
   std::vector<std::string> worker_launcher_;
 };
 
-// `pdserve generate --json` for the same prompt, greedy.
-nlohmann::json Generate(const std::string& prompt, int max_tokens);
+// `pdserve generate --json` for the same prompt, greedy (on the CPU).
+nlohmann::json Generate(const std::string& prompt, int max_tokens,
+                        const std::string& model = LocalStack::Model());
+
+// A greedy completion through the stack's router equals `pdserve generate`
+// on the CPU with the stack's model: text, prompt and completion tokens.
+void ExpectSameAsGenerate(LocalStack& stack, const std::string& prompt, int max_tokens);
+
+// KV blocks went from `prefill` to `decode` (their transfer byte counters).
+void ExpectKvMoved(const WorkerProc& prefill, const WorkerProc& decode);
+
+// The real pretrained model of the shared folder (stories260K), or "" when
+// it is absent (tests then skip, saying so).
+std::string RealModelDir();
 
 }  // namespace pdserve::testing

@@ -22,56 +22,17 @@
 #include <set>
 #include <thread>
 
-#include "transport/kv_layout.h"
+#include "common/kv_layout.h"
+#include "tests/support/transfer_pair.h"
 #include "transport/ucx/ucx_transfer.h"
 
 namespace pdserve {
 namespace {
 
 using namespace std::chrono_literals;
-
-// ---- Framing over the socketpair ---------------------------------------------
-
-bool SendMessage(int fd, const std::string& m) {
-  uint32_t n = static_cast<uint32_t>(m.size());
-  std::string frame(reinterpret_cast<const char*>(&n), 4);
-  frame += m;
-  size_t off = 0;
-  while (off < frame.size()) {
-    ssize_t w = send(fd, frame.data() + off, frame.size() - off, MSG_NOSIGNAL);
-    if (w <= 0) return false;
-    off += static_cast<size_t>(w);
-  }
-  return true;
-}
-
-bool ReadExact(int fd, char* p, size_t n) {
-  while (n > 0) {
-    ssize_t r = read(fd, p, n);
-    if (r <= 0) return false;
-    p += r;
-    n -= static_cast<size_t>(r);
-  }
-  return true;
-}
-
-bool ReceiveMessage(int fd, std::string* m) {
-  uint32_t n = 0;
-  if (!ReadExact(fd, reinterpret_cast<char*>(&n), 4)) return false;
-  m->resize(n);
-  return ReadExact(fd, m->data(), n);
-}
-
-KvLayout LayoutWithBlockBytes(int64_t block_bytes) {
-  KvLayout l;
-  l.model_id = "two-process-test";
-  l.layers = 1;
-  l.kv_heads = 1;
-  l.head_dim = block_bytes / 2 / 2 / 16;  // fp16, K and V, 16 tokens
-  l.block_tokens = 16;
-  l.bytes_per_block = block_bytes;
-  return l;
-}
+using testing::LayoutWithBlockBytes;
+using testing::ReceiveFrame;
+using testing::SendFrame;
 
 std::string RandomBytes(size_t n, uint32_t seed) {
   std::string s(n, '\0');
@@ -105,7 +66,7 @@ TEST(TransferChild, Serve) {
   opts.tls = tls;
   auto t = CreateUcxTransfer(opts);
   ASSERT_TRUE(t.ok()) << t.status().ToString();
-  const KvLayout layout = LayoutWithBlockBytes(block_bytes);
+  const KvLayout layout = LayoutWithBlockBytes(block_bytes, "two-process-test");
   const std::string initial = RandomBytes(static_cast<size_t>(blocks * block_bytes), seed);
   std::string own;
   char* base = nullptr;
@@ -124,14 +85,14 @@ TEST(TransferChild, Serve) {
   std::memcpy(base, initial.data(), initial.size());
   auto desc = (*t)->ExportDescriptor();
   ASSERT_TRUE(desc.ok());
-  ASSERT_TRUE(SendMessage(fd, *desc));
+  ASSERT_TRUE(SendFrame(fd, *desc));
   std::string msg;
-  ASSERT_TRUE(ReceiveMessage(fd, &msg));
+  ASSERT_TRUE(ReceiveFrame(fd, &msg));
   auto peer = (*t)->Accept(msg);
   ASSERT_TRUE(peer.ok()) << peer.status().ToString();
-  ASSERT_TRUE(SendMessage(fd, "accepted"));
-  while (ReceiveMessage(fd, &msg) && msg != "quit") {
-    if (msg == "dump") SendMessage(fd, std::string(base, initial.size()));
+  ASSERT_TRUE(SendFrame(fd, "accepted"));
+  while (ReceiveFrame(fd, &msg) && msg != "quit") {
+    if (msg == "dump") SendFrame(fd, std::string(base, initial.size()));
   }
 }
 
@@ -166,7 +127,7 @@ Child StartChild(const std::string& tls, int64_t blocks, int64_t block_bytes, bo
 
 void StopChild(Child* c) {
   if (c->fd >= 0) {
-    SendMessage(c->fd, "quit");
+    SendFrame(c->fd, "quit");
     close(c->fd);
     c->fd = -1;
   }
@@ -180,12 +141,12 @@ void StopChild(Child* c) {
 // Connects `writer` to the child; returns the writer's peer id.
 PeerId ConnectToChild(KvTransfer* writer, const Child& c) {
   std::string desc, ack;
-  EXPECT_TRUE(ReceiveMessage(c.fd, &desc)) << "the helper process did not start";
+  EXPECT_TRUE(ReceiveFrame(c.fd, &desc)) << "the helper process did not start";
   auto conn = writer->Connect(desc);
   EXPECT_TRUE(conn.ok()) << conn.status().ToString();
   if (!conn.ok()) return 0;
-  EXPECT_TRUE(SendMessage(c.fd, conn->reply));
-  EXPECT_TRUE(ReceiveMessage(c.fd, &ack));
+  EXPECT_TRUE(SendFrame(c.fd, conn->reply));
+  EXPECT_TRUE(ReceiveFrame(c.fd, &ack));
   EXPECT_EQ(ack, "accepted");
   return conn->peer;
 }
@@ -223,7 +184,7 @@ class TwoProcessTest : public ::testing::TestWithParam<Param> {};
 
 TEST_P(TwoProcessTest, RandomScatteredBlocksLandAndNothingElseChanges) {
   const int64_t blocks = 256, bb = 4096;
-  const KvLayout layout = LayoutWithBlockBytes(bb);
+  const KvLayout layout = LayoutWithBlockBytes(bb, "two-process-test");
   Child child = StartChild(GetParam().tls, blocks, bb, GetParam().allocate, 200);
   UcxTransferOptions opts;
   opts.tls = GetParam().tls;
@@ -253,9 +214,9 @@ TEST_P(TwoProcessTest, RandomScatteredBlocksLandAndNothingElseChanges) {
     for (const auto& c : copies) {
       std::memcpy(&expected[c.remote * bb], &src[c.local * bb], bb);
     }
-    ASSERT_TRUE(SendMessage(child.fd, "dump"));
+    ASSERT_TRUE(SendFrame(child.fd, "dump"));
     std::string got;
-    ASSERT_TRUE(ReceiveMessage(child.fd, &got));
+    ASSERT_TRUE(ReceiveFrame(child.fd, &got));
     ASSERT_EQ(got.size(), expected.size());
     for (int64_t b = 0; b < blocks; ++b) {
       ASSERT_EQ(std::memcmp(&got[b * bb], &expected[b * bb], bb), 0)
@@ -273,7 +234,7 @@ TEST_P(TwoProcessTest, PeerKilledMidTransferFailsExplicitlyAndLeaksNothing) {
   // puts (shared memory into caller memory), which is far slower.
   const bool slow = GetParam().tls == "shm" && !GetParam().allocate;
   const int64_t blocks = slow ? 32 : 256, bb = 64 * 1024;
-  const KvLayout layout = LayoutWithBlockBytes(bb);
+  const KvLayout layout = LayoutWithBlockBytes(bb, "two-process-test");
   std::string src(static_cast<size_t>(blocks * bb), 'x');
   std::vector<BlockCopy> all;
   for (int64_t b = 0; b < blocks; ++b) {
@@ -348,7 +309,7 @@ INSTANTIATE_TEST_SUITE_P(Transports, TwoProcessTest,
 // not the peer, ends it, and the failure says so.
 TEST(TwoProcessDeadlineTest, StoppedReceiverHitsTheDeadline) {
   const int64_t blocks = 1024, bb = 64 * 1024;
-  const KvLayout layout = LayoutWithBlockBytes(bb);
+  const KvLayout layout = LayoutWithBlockBytes(bb, "two-process-test");
   Child child = StartChild("tcp", blocks, bb, false, 9);
   UcxTransferOptions opts;
   opts.tls = "tcp";

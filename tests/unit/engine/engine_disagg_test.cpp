@@ -159,6 +159,59 @@ TEST_P(EngineDisaggTest, FailedRemotePrefillFallsBackToLocal) {
   ASSERT_TRUE(decode->FailRemotePrefill(1).ok());
   EXPECT_EQ(decode->FailRemotePrefill(1).code(), StatusCode::kNotFound);
   EXPECT_EQ(Drain(*decode, 1), expected);
+  // The local prefill is this engine's prefill computation: it counts in the
+  // prefix-cache query counter (it used to count nothing after a remote try).
+  EXPECT_EQ(decode->GetStats().blocks.prefix_cache_query_tokens, 37u);
+}
+
+// A streamed prefill reports each chunk's full blocks as it completes them,
+// under pins of their own; copying those early and the rest at the end gives
+// the decode engine exactly what one engine alone produces.
+TEST_P(EngineDisaggTest, StreamedPrefillReportsFullBlocksChunkByChunk) {
+  const EngineRequest request = Request(1, 100, 4321, 12);  // 32-token chunks, 16-token blocks
+  auto alone = MakeEngine();
+  ASSERT_TRUE(alone->AddRequest(request).ok());
+  const auto expected = Drain(*alone, 1);
+
+  auto prefill = MakeEngine();
+  auto decode = MakeEngine();
+  auto plan = decode->AddRemotePrefillRequest(request);
+  ASSERT_TRUE(plan.ok());
+  ASSERT_EQ(plan->block_ids.size(), 7u);
+  EngineRequest streamed = request;
+  streamed.prefill_only = true;
+  streamed.stream_kv_blocks = true;
+  ASSERT_TRUE(prefill->AddRequest(streamed).ok());
+  const int64_t bytes = prefill->kv_pool().bytes_per_block();
+  std::vector<size_t> reported;
+  size_t sent = 0;
+  RequestOutput last;
+  while (prefill->HasUnfinished()) {
+    auto step = prefill->Step();
+    ASSERT_TRUE(step.ok());
+    for (const auto& o : *step) {
+      ASSERT_TRUE(o.kv_pin.has_value());
+      for (; sent < o.kv_blocks.size(); ++sent) {
+        std::memcpy(decode->kv_pool().block(plan->block_ids[sent]),
+                    prefill->kv_pool().block(o.kv_blocks[sent]), bytes);
+      }
+      if (o.finished) {
+        last = o;
+      } else {
+        EXPECT_TRUE(o.new_token_ids.empty());
+        reported.push_back(o.kv_blocks.size());
+        ASSERT_TRUE(prefill->ReleaseKvBlocks(*o.kv_pin).ok());
+      }
+    }
+  }
+  EXPECT_EQ(reported, (std::vector<size_t>{2, 4, 6}));  // after 32, 64 and 96 tokens
+  ASSERT_TRUE(last.finished);
+  EXPECT_EQ(last.kv_blocks.size(), 7u);
+  ASSERT_TRUE(prefill->ReleaseKvBlocks(*last.kv_pin).ok());
+  EXPECT_EQ(prefill->GetStats().blocks.used_blocks, 0u);
+  EXPECT_EQ(prefill->GetStats().blocks.num_pins, 0u);
+  ASSERT_TRUE(decode->CompleteRemotePrefill(1, last.new_token_ids[0]).ok());
+  EXPECT_EQ(Drain(*decode, 1), expected);
 }
 
 TEST_P(EngineDisaggTest, CancelParkedRequestFreesReservation) {

@@ -35,9 +35,10 @@ std::vector<int32_t> RandomTokens(int n, int64_t vocab, uint32_t seed) {
 // scrambled permutation, so any paging mistake shows up.
 class PagedRunner {
  public:
-  PagedRunner(Model* model, kernels::Backend* backend, int64_t block_size = 16)
+  PagedRunner(Model* model, kernels::Backend* backend, int64_t block_size = 16,
+              DType kv_dtype = DType::kF32)
       : model_(model), block_size_(block_size) {
-    auto pool = KvCachePool::Create(backend, model->config(), DType::kF32, block_size, 8 << 20);
+    auto pool = KvCachePool::Create(backend, model->config(), kv_dtype, block_size, 8 << 20);
     EXPECT_TRUE(pool.ok()) << pool.status().ToString();
     pool_ = std::move(*pool);
     table_.resize(pool_->num_blocks());
@@ -211,8 +212,98 @@ std::vector<Variant> Variants() {
   {
     ModelSpec s = base;
     s.dtype = DType::kF16;
-    s.attention_bias = true;
+    s.attention_bias = true;  // q/k/v/o_proj biases
     v.push_back({"llama_fp16_bias", s});
+  }
+  {
+    ModelSpec s = base;
+    s.mlp_bias = true;  // gate/up/down_proj biases
+    s.attention_bias = true;
+    v.push_back({"llama_mlp_bias", s});
+  }
+  {
+    ModelSpec s = *PresetModelSpec("qwen3");  // Q/K norms, head_dim 32
+    s.num_merges = 59;
+    v.push_back({"qwen3_preset", s});
+  }
+  {
+    ModelSpec s = *PresetModelSpec("qwen3");
+    s.num_merges = 59;
+    s.tie_word_embeddings = true;
+    s.attention_bias = true;
+    s.num_kv_heads = 1;
+    s.head_dim = 8;  // smaller than hidden / heads
+    s.dtype = DType::kBF16;
+    v.push_back({"qwen3_tied_bias_bf16", s});
+  }
+  {
+    ModelSpec s = *PresetModelSpec("qwen3-moe");
+    s.num_merges = 59;
+    s.num_layers = 4;
+    s.norm_topk_prob = false;   // Qwen3MoeConfig's default
+    s.decoder_sparse_step = 2;  // layers 1 and 3 sparse ...
+    s.mlp_only_layers = {3};    // ... but 3 is dense
+    s.num_experts_per_tok = 3;
+    s.attention_bias = true;
+    s.dtype = DType::kBF16;
+    v.push_back({"qwen3_moe_unnormalised_step2_bf16", s});
+  }
+  {
+    ModelSpec s = *PresetModelSpec("mixtral");
+    s.num_merges = 59;
+    s.num_experts = 4;
+    s.num_experts_per_tok = 1;
+    s.shards = 3;
+    v.push_back({"mixtral_top1_sharded", s});
+  }
+  {
+    // DeepSeek-V2's full-size routing: group-limited, scaled; biases on
+    // q/kv_a_proj_with_mqa/o_proj; bf16 weights.
+    ModelSpec s = *PresetModelSpec("deepseek-v2-lite");
+    s.num_merges = 59;
+    s.topk_method = kernels::MoeTopkMethod::kGroupLimitedGreedy;
+    s.n_group = 4;
+    s.topk_group = 2;
+    s.num_experts_per_tok = 3;
+    s.routed_scaling_factor = 1.5;
+    s.attention_bias = true;
+    s.dtype = DType::kBF16;
+    // YaRN with mscale != mscale_all_dim: cos and sin scaled by their
+    // ratio; V2's softmax scale has no mscale correction.
+    s.rope_scaling.type = RopeScaling::Type::kYarn;
+    s.rope_scaling.factor = 8;
+    s.rope_scaling.original_max_position_embeddings = 512;
+    s.rope_scaling.mscale = 0.707;
+    s.rope_scaling.mscale_all_dim = 0.5;
+    v.push_back({"deepseek_v2_group_limited_bias_bf16_yarn", s});
+  }
+  {
+    // DeepSeek-V3 with rotate_half RoPE pairs, a plain q_proj, every other
+    // layer sparse, two shared experts, tied embeddings, sharded.
+    ModelSpec s = *PresetModelSpec("deepseek-v3");
+    s.num_merges = 59;
+    s.rope_interleave = false;
+    s.q_lora_rank = 0;
+    s.first_k_dense_replace = 1;
+    s.moe_layer_freq = 2;
+    s.num_shared_experts = 2;
+    s.norm_topk_prob = false;
+    s.tie_word_embeddings = true;
+    s.shards = 3;
+    // V3's softmax scale times mscale(factor, mscale_all_dim)^2, cos and
+    // sin times the mscale ratio.
+    s.rope_scaling.factor = 2;
+    s.rope_scaling.original_max_position_embeddings = 2048;
+    s.rope_scaling.mscale_all_dim = 0.7;
+    v.push_back({"deepseek_v3_rotate_half_plain_q_freq2_tied_mscale", s});
+  }
+  {
+    // bf16 weights beside the fp32 e_score_correction_bias, as DeepSeek-V3
+    // checkpoints store them.
+    ModelSpec s = *PresetModelSpec("deepseek-v3");
+    s.num_merges = 59;
+    s.dtype = DType::kBF16;
+    v.push_back({"deepseek_v3_bf16", s});
   }
   return v;
 }
@@ -226,6 +317,130 @@ TEST(EngineReferenceTest, VariantsMatchReference) {
     CheckPrompt(l, 70, 16, 4);
     CheckDecode(l, 9);
   }
+}
+
+// A preset through every KV dtype: a 5-token prompt, then 40 greedy decode
+// steps, each step's logits against the reference's for the same sequence.
+// A greedy token must be the reference's argmax wherever the reference's
+// top-2 gap exceeds twice the step's largest logit error (where rounding
+// cannot flip it).
+//   Dense presets: the exact reference; quantized KV gets a tolerance of its
+// rounding. Mixture-of-experts presets (`kv_rounding`): a quantized cache's
+// rounding can move a token to other experts, a jump no tolerance covers, so
+// the reference rounds its keys and values as that cache stores them
+// (testing::KvRounding) and the tolerances are those of float arithmetic
+// and of values that round differently from double and from fp32.
+void CheckPresetForEachKvDtype(const std::string& preset, bool kv_rounding) {
+  Loaded l = LoadBoth(testing::ModelDir(preset, *PresetModelSpec(preset)));
+  ASSERT_NE(l.model, nullptr);
+  struct Case {
+    DType kv;
+    double tolerance;
+    testing::KvRounding::Type rounding;
+  };
+  using R = testing::KvRounding::Type;
+  const std::vector<Case> cases = kv_rounding
+                                      ? std::vector<Case>{{DType::kF32, kTolerance, R::kNone},
+                                                          {DType::kBF16, 1e-3, R::kBF16},
+                                                          {DType::kFP8E4M3, 1e-3, R::kFP8E4M3}}
+                                      : std::vector<Case>{{DType::kF32, kTolerance, R::kNone},
+                                                          {DType::kBF16, 1e-2, R::kNone},
+                                                          {DType::kFP8E4M3, 5e-2, R::kNone}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(DTypeName(c.kv));
+    auto tokens = RandomTokens(5, l.model->config().vocab_size, 21);
+    PagedRunner runner(l.model.get(), l.backend.get(), 16, c.kv);
+    std::vector<std::vector<float>> step_logits{runner.Run(tokens, 0, 5).back()};
+    constexpr int kSteps = 40;
+    for (int step = 0; step < kSteps; ++step) {
+      const auto& last = step_logits.back();
+      tokens.push_back(
+          static_cast<int32_t>(std::max_element(last.begin(), last.end()) - last.begin()));
+      step_logits.push_back(runner.Run(tokens, static_cast<int64_t>(tokens.size()) - 1, 1)[0]);
+    }
+    const auto ref = l.reference->Forward(tokens, {c.rounding, 16, 5});
+    double worst = 0;
+    int checked = 0;
+    for (int step = 0; step <= kSteps; ++step) {
+      const size_t pos = 4 + step;
+      const double err = testing::RelativeError(step_logits[step], ref[pos]);
+      worst = std::max(worst, err);
+      ASSERT_LT(err, c.tolerance) << "decode step " << step;
+      if (step == kSteps) break;
+      auto sorted = ref[pos];
+      std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<>());
+      double scale = 0;
+      for (double x : ref[pos]) scale = std::max(scale, std::fabs(x));
+      // Every engine logit is within err * scale of the reference's, so the
+      // argmax can only move where the top-2 gap is at most twice that.
+      if (sorted[0] - sorted[1] > 2 * err * scale) {
+        ++checked;
+        EXPECT_EQ(tokens[pos + 1], testing::ArgMax(ref[pos])) << "greedy token at step " << step;
+      }
+    }
+    std::printf(
+        "%s preset, %s KV (reference %s): worst logits error %.2e over %d steps, %d greedy "
+        "tokens checked\n",
+        preset.c_str(), std::string(DTypeName(c.kv)).c_str(),
+        c.rounding == R::kNone ? "exact" : "rounding its KV alike", worst, kSteps + 1, checked);
+    EXPECT_GE(checked, kSteps / 2);
+    // Not degenerate: the greedy tokens are not one token repeated.
+    std::vector<int32_t> out(tokens.begin() + 5, tokens.end());
+    std::sort(out.begin(), out.end());
+    EXPECT_GT(std::unique(out.begin(), out.end()) - out.begin(), 5);
+  }
+}
+
+TEST(EngineReferenceTest, Qwen3PresetMatchesReferenceForEachKvDtype) {
+  ASSERT_TRUE(LoadModelConfig(testing::ModelDir("qwen3", *PresetModelSpec("qwen3")))->qk_norm);
+  CheckPresetForEachKvDtype("qwen3", /*kv_rounding=*/false);
+}
+
+TEST(EngineReferenceTest, Qwen3MoePresetMatchesReferenceForEachKvDtype) {
+  auto config = LoadModelConfig(testing::ModelDir("qwen3-moe", *PresetModelSpec("qwen3-moe")));
+  ASSERT_TRUE(config.ok());
+  // Layers 0 and 2 sparse, layer 1 dense (mlp_only_layers).
+  ASSERT_TRUE(config->IsSparseLayer(0));
+  ASSERT_FALSE(config->IsSparseLayer(1));
+  ASSERT_TRUE(config->IsSparseLayer(2));
+  CheckPresetForEachKvDtype("qwen3-moe", /*kv_rounding=*/true);
+}
+
+TEST(EngineReferenceTest, MixtralPresetMatchesReferenceForEachKvDtype) {
+  CheckPresetForEachKvDtype("mixtral", /*kv_rounding=*/true);
+}
+
+// DeepSeek: the engine's absorbed latent attention against the reference's
+// plain decompressed one, and DeepSeek's MoE routing; the latent cache is
+// rounded alike by the reference.
+TEST(EngineReferenceTest, DeepseekV2LitePresetMatchesReferenceForEachKvDtype) {
+  auto config =
+      LoadModelConfig(testing::ModelDir("deepseek-v2-lite", *PresetModelSpec("deepseek-v2-lite")));
+  ASSERT_TRUE(config.ok()) << config.status().ToString();
+  ASSERT_TRUE(config->is_mla());
+  EXPECT_EQ(config->q_lora_rank, 0);
+  EXPECT_EQ(config->moe_topk_method, kernels::MoeTopkMethod::kGreedy);
+  EXPECT_EQ(config->moe_scoring, kernels::MoeScoring::kSoftmax);
+  // first_k_dense_replace 1: layer 0 dense, 1 and 2 sparse.
+  EXPECT_FALSE(config->IsSparseLayer(0));
+  EXPECT_TRUE(config->IsSparseLayer(1));
+  EXPECT_TRUE(config->IsSparseLayer(2));
+  CheckPresetForEachKvDtype("deepseek-v2-lite", /*kv_rounding=*/true);
+}
+
+TEST(EngineReferenceTest, DeepseekV3PresetMatchesReferenceForEachKvDtype) {
+  auto config = LoadModelConfig(testing::ModelDir("deepseek-v3", *PresetModelSpec("deepseek-v3")));
+  ASSERT_TRUE(config.ok()) << config.status().ToString();
+  ASSERT_TRUE(config->is_mla());
+  EXPECT_GT(config->q_lora_rank, 0);
+  EXPECT_EQ(config->rope_scaling.type, RopeScaling::Type::kYarn);
+  EXPECT_EQ(config->moe_topk_method, kernels::MoeTopkMethod::kNoAuxTc);
+  EXPECT_EQ(config->moe_scoring, kernels::MoeScoring::kSigmoid);
+  // first_k_dense_replace 2: layers 0 and 1 dense, 2 and 3 sparse.
+  EXPECT_FALSE(config->IsSparseLayer(1));
+  EXPECT_TRUE(config->IsSparseLayer(2));
+  EXPECT_TRUE(config->IsSparseLayer(3));
+  CheckPresetForEachKvDtype("deepseek-v3", /*kv_rounding=*/true);
 }
 
 // The engine (scheduler + sampler) on top: a greedy run of 50 tokens gives

@@ -8,6 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "engine/engine.h"
 #include "engine/make_model.h"
 #include "engine/model.h"
 #include "engine/safetensors.h"
@@ -137,6 +138,303 @@ TEST(ModelLoaderTest, UnsupportedArchitectureAndRopeScaling) {
   ExpectError(LoadStatus(dir), StatusCode::kUnsupported, {"yarn"});
 }
 
+// Each key that would change the computation in a way pdserve does not
+// implement refuses the model with one line naming the key.
+TEST(ModelLoaderTest, UnimplementedConfigKeysAreRefusedByName) {
+  struct Case {
+    const char* name;
+    std::function<void(json&)> edit;
+    std::vector<std::string> needles;
+  };
+  const Case cases[] = {
+      {"rope-dynamic",
+       [](json& c) {
+         c["rope_scaling"] = {{"type", "dynamic"}, {"factor", 2.0}};
+       },
+       {"rope_scaling", "dynamic"}},
+      {"rope-params-yarn",
+       [](json& c) {
+         c["rope_parameters"] = {{"rope_type", "yarn"}, {"rope_theta", 1e6}, {"factor", 4.0}};
+       },
+       {"rope_parameters", "yarn"}},
+      {"partial-rotary",
+       [](json& c) { c["partial_rotary_factor"] = 0.5; },
+       {"partial_rotary_factor"}},
+      {"quantized",
+       [](json& c) {
+         c["quantization_config"] = {{"quant_method", "gptq"}, {"bits", 4}};
+       },
+       {"quantization_config", "gptq"}},
+      {"gelu", [](json& c) { c["hidden_act"] = "gelu"; }, {"hidden_act", "gelu"}},
+      {"qwen-window",
+       [](json& c) {
+         c["architectures"] = {"Qwen2ForCausalLM"};
+         c["use_sliding_window"] = true;
+         c["sliding_window"] = 4096;
+       },
+       {"use_sliding_window"}},
+      {"layer-types",
+       [](json& c) {
+         c["layer_types"] = {"full_attention", "sliding_attention"};
+       },
+       {"layer_types", "sliding_attention"}},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.name);
+    const std::string dir = CopyOfTiny(std::string("key-") + c.name);
+    EditConfig(dir, c.edit);
+    const Status st = LoadStatus(dir);
+    EXPECT_EQ(st.code(), StatusCode::kUnsupported) << st.ToString();
+    for (const auto& n : c.needles) {
+      EXPECT_NE(st.message().find(n), std::string::npos)
+          << "'" << n << "' not in: " << st.message();
+    }
+    EXPECT_EQ(st.message().find('\n'), std::string::npos) << st.message();
+  }
+  // What the families define is accepted: Qwen2 without a window, Llama's
+  // "silu", a window-less Mistral, rope_parameters of the default type.
+  std::string dir = CopyOfTiny("key-accepted");
+  EditConfig(dir, [](json& c) {
+    c["hidden_act"] = "silu";
+    c["rope_scaling"] = nullptr;
+    c["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 20000.0}};
+    c["quantization_config"] = nullptr;
+    c["layer_types"] = {"full_attention", "full_attention"};
+  });
+  kernels::CpuBackend backend(1);
+  auto m = Model::Load(dir, &backend);
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  EXPECT_EQ((*m)->config().rope_theta, 20000.0);
+}
+
+// A Mistral window shorter than the context asked for is refused by the
+// engine; within the window, full attention is exact and the context is
+// capped at the window.
+TEST(ModelLoaderTest, SlidingWindowCapsTheContextAndRefusesMore) {
+  const std::string dir = CopyOfTiny("window");
+  EditConfig(dir, [](json& c) {
+    c["architectures"] = {"MistralForCausalLM"};
+    c.erase("attention_bias");
+    c["sliding_window"] = 256;
+  });
+  kernels::CpuBackend backend(1);
+  auto m = Model::Load(dir, &backend);
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  EXPECT_EQ((*m)->config().max_context(), 256);
+  EngineOptions options;
+  options.kv_cache_bytes = 1 << 20;
+  auto within = Engine::Create(m->get(), options);
+  ASSERT_TRUE(within.ok()) << within.status().ToString();
+  EXPECT_EQ((*within)->max_model_len(), 256);
+  options.max_model_len = 1024;
+  ExpectError(Engine::Create(m->get(), options).status(), StatusCode::kUnsupported,
+              {"sliding_window", "1024"});
+  // MistralConfig's default window applies when the key is absent.
+  EditConfig(dir, [](json& c) { c.erase("sliding_window"); });
+  auto by_default = Model::Load(dir, &backend);
+  ASSERT_TRUE(by_default.ok()) << by_default.status().ToString();
+  EXPECT_EQ((*by_default)->config().sliding_window, 4096);
+}
+
+// Biases exactly where each family defines them: Llama's mlp_bias is read,
+// not dropped, so its tensors are expected; a Qwen3 checkpoint needs its
+// Q/K norms.
+TEST(ModelLoaderTest, BiasFlagsAndQkNormsNeedTheirTensors) {
+  std::string dir = CopyOfTiny("mlp-bias");
+  EditConfig(dir, [](json& c) { c["mlp_bias"] = true; });
+  ExpectError(LoadStatus(dir), StatusCode::kInvalidArgument,
+              {"model.layers.0.mlp.gate_proj.bias", "missing"});
+  dir = CopyOfTiny("attn-bias");
+  EditConfig(dir, [](json& c) { c["attention_bias"] = true; });
+  ExpectError(LoadStatus(dir), StatusCode::kInvalidArgument,
+              {"model.layers.0.self_attn.q_proj.bias", "missing"});
+  dir = CopyOfTiny("as-qwen3");
+  EditConfig(dir, [](json& c) { c["architectures"] = {"Qwen3ForCausalLM"}; });
+  ExpectError(LoadStatus(dir), StatusCode::kInvalidArgument,
+              {"model.layers.0.self_attn.q_norm.weight", "missing"});
+
+  ModelSpec spec = *PresetModelSpec("tiny");
+  spec.mlp_bias = true;
+  spec.attention_bias = true;
+  dir = testing::ModelDir("llama-biases", spec);
+  kernels::CpuBackend backend(1);
+  auto m = Model::Load(dir, &backend);
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  EXPECT_TRUE((*m)->config().mlp_bias);
+  EXPECT_TRUE((*m)->config().o_bias);
+}
+
+TEST(ModelLoaderTest, Qwen3PresetLoads) {
+  const std::string dir = testing::ModelDir("qwen3", *PresetModelSpec("qwen3"));
+  const json c = json::parse(Slurp(fs::path(dir) / "config.json"));
+  EXPECT_EQ(c["architectures"][0], "Qwen3ForCausalLM");
+  EXPECT_EQ(c["model_type"], "qwen3");
+  EXPECT_NE(c["head_dim"].get<int64_t>() * c["num_attention_heads"].get<int64_t>(),
+            c["hidden_size"].get<int64_t>());
+  EXPECT_TRUE(fs::exists(fs::path(dir) / "tokenizer.json"));
+  auto f = SafetensorsFile::Open((fs::path(dir) / "model.safetensors").string());
+  ASSERT_TRUE(f.ok());
+  EXPECT_EQ((*f)->tensors().at("model.layers.1.self_attn.k_norm.weight").shape,
+            std::vector<int64_t>{32});
+  EXPECT_EQ((*f)->tensors().count("lm_head.weight"), 1u);
+  kernels::CpuBackend backend(1);
+  auto m = Model::Load(dir, &backend);
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  EXPECT_TRUE((*m)->config().qk_norm);
+  EXPECT_FALSE((*m)->config().qkv_bias);
+  EXPECT_EQ((*m)->config().head_dim, 32);
+}
+
+// The MoE presets: the keys as transformers reads them, sparse layers per
+// mlp_only_layers / decoder_sparse_step, and the experts loaded apart from
+// the dense weights.
+TEST(ModelLoaderTest, MoePresetsLoadWithTheirKeys) {
+  {
+    const std::string dir = testing::ModelDir("qwen3-moe", *PresetModelSpec("qwen3-moe"));
+    const json c = json::parse(Slurp(fs::path(dir) / "config.json"));
+    EXPECT_EQ(c["architectures"][0], "Qwen3MoeForCausalLM");
+    EXPECT_EQ(c["model_type"], "qwen3_moe");
+    EXPECT_EQ(c["mlp_only_layers"], json::array({1}));
+    kernels::CpuBackend backend(1);
+    auto m = Model::Load(dir, &backend);
+    ASSERT_TRUE(m.ok()) << m.status().ToString();
+    const ModelConfig& mc = (*m)->config();
+    EXPECT_TRUE(mc.qk_norm);
+    EXPECT_EQ(mc.num_experts, 8);
+    EXPECT_EQ(mc.num_experts_per_tok, 2);
+    EXPECT_EQ(mc.moe_intermediate_size, 48);
+    EXPECT_TRUE(mc.norm_topk_prob);
+    EXPECT_TRUE(mc.IsSparseLayer(0));
+    EXPECT_FALSE(mc.IsSparseLayer(1));
+    // 2 sparse layers x 8 experts x 3 matrices of 48 x 64 fp32.
+    EXPECT_EQ((*m)->expert_weight_bytes(), 2 * 8 * 3 * 48 * 64 * 4);
+  }
+  {
+    const std::string dir = testing::ModelDir("mixtral", *PresetModelSpec("mixtral"));
+    kernels::CpuBackend backend(1);
+    auto m = Model::Load(dir, &backend);
+    ASSERT_TRUE(m.ok()) << m.status().ToString();
+    const ModelConfig& mc = (*m)->config();
+    EXPECT_EQ(mc.num_experts, 8);
+    EXPECT_EQ(mc.moe_intermediate_size, mc.intermediate_size);
+    EXPECT_TRUE(mc.norm_topk_prob);
+    EXPECT_FALSE(mc.qk_norm);
+    EXPECT_FALSE(mc.sliding_window.has_value());
+    EXPECT_TRUE(mc.IsSparseLayer(0) && mc.IsSparseLayer(1));
+  }
+  auto parse = [](json c) { return ParseModelConfig(c.dump(), "config.json"); };
+  json q = json::parse(Slurp(
+      fs::path(testing::ModelDir("qwen3-moe", *PresetModelSpec("qwen3-moe"))) / "config.json"));
+  // Qwen3MoeConfig's defaults: norm_topk_prob false, head_dim hidden / heads.
+  q.erase("norm_topk_prob");
+  q.erase("head_dim");
+  auto no_norm = parse(q);
+  ASSERT_TRUE(no_norm.ok()) << no_norm.status().ToString();
+  EXPECT_FALSE(no_norm->norm_topk_prob);
+  EXPECT_EQ(no_norm->head_dim, 16);
+  // transformers 5 spells the expert count num_local_experts.
+  q.erase("num_experts");
+  q["num_local_experts"] = 4;
+  EXPECT_EQ(parse(q)->num_experts, 4);
+  q["num_experts_per_tok"] = 5;
+  EXPECT_FALSE(parse(q).ok());
+  q["num_experts_per_tok"] = 2;
+  q["use_sliding_window"] = true;
+  EXPECT_EQ(parse(q).status().code(), StatusCode::kUnsupported);
+  // Mixtral: norm_topk_prob is not a key of its (always renormalised);
+  // router_jitter_noise only perturbs training; a window caps the context.
+  json x = json::parse(
+      Slurp(fs::path(testing::ModelDir("mixtral", *PresetModelSpec("mixtral"))) / "config.json"));
+  x["norm_topk_prob"] = false;
+  x["router_jitter_noise"] = 0.1;
+  x["sliding_window"] = 256;
+  auto mixtral = parse(x);
+  ASSERT_TRUE(mixtral.ok()) << mixtral.status().ToString();
+  EXPECT_TRUE(mixtral->norm_topk_prob);
+  EXPECT_EQ(mixtral->max_context(), 256);
+}
+
+// DeepSeek's MoE keys as DeepseekV2Config / DeepseekV3Config read them: the
+// published DeepSeek-V3 config.json (its fp8 quantization_config removed, as
+// for a bf16 conversion) and the defaults, and the preset's expert bytes.
+TEST(ModelLoaderTest, DeepseekMoeKeys) {
+  auto parse = [](json c) { return ParseModelConfig(c.dump(), "config.json"); };
+  json v3 =
+      json::parse(Slurp(fs::path(PDSERVE_SOURCE_DIR) / "bench/configs/deepseek-v3/config.json"));
+  v3.erase("quantization_config");
+  auto c = parse(v3);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->num_experts, 256);
+  EXPECT_EQ(c->num_experts_per_tok, 8);
+  EXPECT_EQ(c->num_shared_experts, 1);
+  EXPECT_EQ(c->moe_intermediate_size, 2048);
+  EXPECT_EQ(c->moe_scoring, kernels::MoeScoring::kSigmoid);
+  EXPECT_EQ(c->moe_topk_method, kernels::MoeTopkMethod::kNoAuxTc);
+  EXPECT_EQ(c->moe_n_group, 8);
+  EXPECT_EQ(c->moe_topk_group, 4);
+  EXPECT_TRUE(c->norm_topk_prob);
+  EXPECT_DOUBLE_EQ(c->routed_scaling_factor, 2.5);
+  // first_k_dense_replace 3: layers 0-2 dense, the other 58 sparse.
+  EXPECT_FALSE(c->IsSparseLayer(2));
+  EXPECT_TRUE(c->IsSparseLayer(3));
+  EXPECT_TRUE(c->IsSparseLayer(60));
+  const kernels::MoeRouting rule = c->MoeRoutingRule();
+  EXPECT_EQ(rule.num_experts, 256);
+  EXPECT_FLOAT_EQ(rule.norm_epsilon, 1e-20f);
+  EXPECT_FLOAT_EQ(rule.routed_scaling_factor, 2.5f);
+  // DeepseekV3Config's defaults for the keys left out.
+  for (const char* key : {"n_routed_experts", "n_shared_experts", "num_experts_per_tok",
+                          "first_k_dense_replace", "n_group", "topk_group", "norm_topk_prob",
+                          "routed_scaling_factor", "scoring_func", "topk_method"}) {
+    v3.erase(key);
+  }
+  c = parse(v3);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->num_experts, 256);
+  EXPECT_EQ(c->num_experts_per_tok, 8);
+  EXPECT_EQ(c->first_k_dense_replace, 3);
+  EXPECT_EQ(c->moe_n_group, 8);
+  EXPECT_TRUE(c->norm_topk_prob);
+  EXPECT_EQ(c->moe_topk_method, kernels::MoeTopkMethod::kNoAuxTc);
+  // moe_layer_freq 2 with first_k_dense_replace 1: layers 2, 4, ... sparse.
+  json v2 = json::parse(
+      Slurp(fs::path(testing::ModelDir("deepseek-v2-lite", *PresetModelSpec("deepseek-v2-lite"))) /
+            "config.json"));
+  v2["moe_layer_freq"] = 2;
+  v2["num_hidden_layers"] = 5;
+  c = parse(v2);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_FALSE(c->IsSparseLayer(0));
+  EXPECT_FALSE(c->IsSparseLayer(1));
+  EXPECT_TRUE(c->IsSparseLayer(2));
+  EXPECT_FALSE(c->IsSparseLayer(3));
+  EXPECT_TRUE(c->IsSparseLayer(4));
+  EXPECT_EQ(c->moe_scoring, kernels::MoeScoring::kSoftmax);
+  EXPECT_FLOAT_EQ(c->MoeRoutingRule().norm_epsilon, 0.0f);
+  // DeepseekV2Config has no default for num_experts_per_tok (None).
+  v2.erase("num_experts_per_tok");
+  EXPECT_EQ(parse(v2).status().code(), StatusCode::kInvalidArgument);
+  v2["num_experts_per_tok"] = 2;
+  v2["topk_method"] = "group_limited_greedy";
+  v2["n_group"] = 4;
+  v2["topk_group"] = 5;  // more groups kept than there are
+  EXPECT_EQ(parse(v2).status().code(), StatusCode::kInvalidArgument);
+  v2["topk_group"] = 2;
+  c = parse(v2);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->moe_topk_method, kernels::MoeTopkMethod::kGroupLimitedGreedy);
+  v2["topk_method"] = "noaux_tc";  // V3's method
+  EXPECT_EQ(parse(v2).status().code(), StatusCode::kUnsupported);
+
+  // The preset: 2 sparse layers x 8 experts x 3 matrices of 32 x 64 fp32;
+  // the shared experts are read every step, with the dense weights.
+  kernels::CpuBackend backend(1);
+  auto m = Model::Load(testing::ModelDir("deepseek-v2-lite", *PresetModelSpec("deepseek-v2-lite")),
+                       &backend);
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  EXPECT_EQ((*m)->expert_weight_bytes(), 2 * 8 * 3 * 32 * 64 * 4);
+}
+
 TEST(ModelLoaderTest, ConfigValuesOutOfRange) {
   struct Case {
     const char* key;
@@ -175,6 +473,28 @@ TEST(ModelLoaderTest, TensorMissingWrongShapeWrongDtype) {
   });
   ExpectError(LoadStatus(dir), StatusCode::kInvalidArgument,
               {"model.layers.1.mlp.up_proj.weight", "missing"});
+
+  dir = CopyOfTiny("t-unused");
+  EditTensors(dir, [](std::vector<TensorToWrite>& t) {
+    TensorToWrite extra = t.back();
+    extra.name = "model.layers.0.mlp.up_proj.bias";
+    extra.shape = {static_cast<int64_t>(extra.data.size() / 4)};
+    t.push_back(extra);
+  });
+  ExpectError(LoadStatus(dir), StatusCode::kInvalidArgument,
+              {"model.layers.0.mlp.up_proj.bias", "not used", "LlamaForCausalLM"});
+
+  dir = CopyOfTiny("t-tied-head");
+  EditConfig(dir, [](json& c) { c["tie_word_embeddings"] = true; });
+  ExpectError(LoadStatus(dir), StatusCode::kInvalidArgument,
+              {"lm_head.weight", "not used", "tie_word_embeddings"});
+
+  dir = CopyOfTiny("t-inv-freq");  // a buffer transformers recomputes: ignored as it does
+  EditTensors(dir, [](std::vector<TensorToWrite>& t) {
+    t.push_back(
+        {"model.layers.0.self_attn.rotary_emb.inv_freq", "F32", {8}, std::vector<uint8_t>(32, 0)});
+  });
+  EXPECT_TRUE(LoadStatus(dir).ok());
 
   dir = CopyOfTiny("t-shape");
   EditTensors(dir, [](std::vector<TensorToWrite>& t) {
@@ -217,6 +537,31 @@ TEST(ModelLoaderTest, TruncatedAndCorruptSafetensors) {
   std::string huge = bytes;
   huge[7] = 0x7f;  // header length of ~2^63
   ExpectError(with_file("s-huge", huge), StatusCode::kInvalidArgument, {"header length"});
+  // Two tensors of one shape whose offsets point at the same bytes (the
+  // header rewritten at its own length, padded with spaces).
+  json header = json::parse(bytes.substr(8, header_len));
+  const json first = header["model.layers.0.input_layernorm.weight"];
+  ASSERT_EQ(first["shape"], header["model.layers.1.input_layernorm.weight"]["shape"]);
+  header["model.layers.1.input_layernorm.weight"]["data_offsets"] = first["data_offsets"];
+  std::string text = header.dump();
+  ASSERT_LE(text.size(), header_len);
+  text.resize(header_len, ' ');
+  ExpectError(with_file("s-overlap", bytes.substr(0, 8) + text + bytes.substr(8 + header_len)),
+              StatusCode::kInvalidArgument,
+              {"overlap", "model.layers.0.input_layernorm.weight",
+               "model.layers.1.input_layernorm.weight"});
+  // A tensor whose range points past the end of the file.
+  header = json::parse(bytes.substr(8, header_len));
+  const uint64_t data_size = bytes.size() - 8 - header_len;
+  const uint64_t norm_bytes =
+      first["data_offsets"][1].get<uint64_t>() - first["data_offsets"][0].get<uint64_t>();
+  header["model.layers.1.input_layernorm.weight"]["data_offsets"] = {data_size,
+                                                                     data_size + norm_bytes};
+  text = header.dump();
+  ASSERT_LE(text.size(), header_len);
+  text.resize(header_len, ' ');
+  ExpectError(with_file("s-past", bytes.substr(0, 8) + text + bytes.substr(8 + header_len)),
+              StatusCode::kInvalidArgument, {"outside", "model.layers.1.input_layernorm.weight"});
   // A tensor whose byte range does not match its shape.
   const std::string dir = CopyOfTiny("s-range");
   EditTensors(dir, [](std::vector<TensorToWrite>& t) { t[0].data.resize(t[0].data.size() - 4); });

@@ -14,15 +14,24 @@
 namespace pdserve::router {
 namespace {
 
-using Kind = KvEvent::Kind;
+enum class Kind { kStored, kRemoved, kCleared };
+
+KvEvent Event(Kind kind, std::vector<BlockHash> hashes) {
+  switch (kind) {
+    case Kind::kStored:
+      return KvStored{std::move(hashes), std::nullopt};
+    case Kind::kRemoved:
+      return KvRemoved{std::move(hashes)};
+    case Kind::kCleared:
+      break;
+  }
+  return KvCleared{};
+}
 
 KvEventBatch Batch(uint64_t seq, Kind kind, std::vector<BlockHash> hashes) {
   KvEventBatch b;
-  b.seq = seq;
-  KvEvent e;
-  e.kind = kind;
-  e.hashes = std::move(hashes);
-  b.events.push_back(std::move(e));
+  b.sequence_number = seq;
+  b.events.push_back(Event(kind, std::move(hashes)));
   return b;
 }
 
@@ -141,8 +150,8 @@ TEST(PrefixIndexTest, ClearedAndRemoveWorkerPurgeOnlyThatWorker) {
   EXPECT_EQ(index.stats().entries, 4u);
   EXPECT_EQ(index.stats().worker_blocks, 7u);
   KvEventBatch clear;
-  clear.seq = 2;
-  clear.events.push_back({Kind::kCleared, {}, std::nullopt});
+  clear.sequence_number = 2;
+  clear.events.push_back(KvCleared{});
   ASSERT_EQ(index.ApplyEvents(0, clear), ApplyOutcome::kApplied);
   EXPECT_EQ(Overlap(index, {7, 8, 9}), (std::vector<uint32_t>{0, 3, 0}));
   EXPECT_EQ(index.WorkerBlockCount(0), 0u);
@@ -253,18 +262,19 @@ struct ReferenceIndex {
     if (it == workers.end()) return ApplyOutcome::kUnknownWorker;
     Worker& w = it->second;
     if (!w.synced) return ApplyOutcome::kNeedsResync;
-    if (b.seq <= w.last) return ApplyOutcome::kDuplicate;
-    if (b.seq != w.last + 1) {
+    if (b.sequence_number <= w.last) return ApplyOutcome::kDuplicate;
+    if (b.sequence_number != w.last + 1) {
       ++gaps;
       w.synced = false;
       return ApplyOutcome::kNeedsResync;
     }
-    w.last = b.seq;
+    w.last = b.sequence_number;
     for (const KvEvent& e : b.events) {
-      if (e.kind == Kind::kCleared) w.blocks.clear();
-      for (BlockHash h : e.hashes) {
-        if (e.kind == Kind::kStored) w.blocks.insert(h);
-        if (e.kind == Kind::kRemoved) w.blocks.erase(h);
+      if (std::holds_alternative<KvCleared>(e)) w.blocks.clear();
+      if (auto* st = std::get_if<KvStored>(&e))
+        w.blocks.insert(st->block_hashes.begin(), st->block_hashes.end());
+      if (auto* rm = std::get_if<KvRemoved>(&e)) {
+        for (BlockHash h : rm->block_hashes) w.blocks.erase(h);
       }
     }
     return ApplyOutcome::kApplied;
@@ -316,15 +326,15 @@ TEST(PrefixIndexTest, MatchesReferenceUnderRandomEventStreams) {
       const auto it = ref.workers.find(w);
       const uint64_t last = it == ref.workers.end() ? 0 : it->second.last;
       const int kind = static_cast<int>(rng() % 20);
-      b.seq = kind == 0 ? last + 2 : kind == 1 ? last : last + 1;  // gap, duplicate, next
+      b.sequence_number = kind == 0 ? last + 2 : kind == 1 ? last : last + 1;  // gap, dup, next
       const int events = 1 + static_cast<int>(rng() % 3);
       for (int e = 0; e < events; ++e) {
-        KvEvent ev;
         const int k = static_cast<int>(rng() % 10);
-        ev.kind = k < 6 ? Kind::kStored : k < 9 ? Kind::kRemoved : Kind::kCleared;
-        if (ev.kind != Kind::kCleared) ev.hashes = random_hashes(8);
-        if (ev.kind == Kind::kStored && !ev.hashes.empty()) prompts.push_back(ev.hashes);
-        b.events.push_back(std::move(ev));
+        const Kind kind = k < 6 ? Kind::kStored : k < 9 ? Kind::kRemoved : Kind::kCleared;
+        std::vector<BlockHash> hashes;
+        if (kind != Kind::kCleared) hashes = random_hashes(8);
+        if (kind == Kind::kStored && !hashes.empty()) prompts.push_back(hashes);
+        b.events.push_back(Event(kind, std::move(hashes)));
       }
       ASSERT_EQ(index.ApplyEvents(w, b), ref.Apply(w, b)) << "step " << step;
     }

@@ -17,7 +17,7 @@ struct Fixture {
   std::vector<WorkerId> ids;
   std::vector<uint64_t> seqs;
 
-  explicit Fixture(RouterOptions o, std::vector<WorkerRole> roles) {
+  explicit Fixture(RouterOptions o, std::vector<Role> roles) {
     o.block_tokens = kBlock;
     o.clock_us = [this] { return now_us; };
     auto c = RouterCore::Create(std::move(o));
@@ -33,8 +33,8 @@ struct Fixture {
   }
   void Store(size_t worker, std::vector<BlockHash> hashes) {
     KvEventBatch b;
-    b.seq = ++seqs[worker];
-    b.events.push_back({KvEvent::Kind::kStored, std::move(hashes), std::nullopt});
+    b.sequence_number = ++seqs[worker];
+    b.events.push_back(KvStored{std::move(hashes), std::nullopt});
     EXPECT_EQ(core->OnKvEvents(ids[worker], b), ApplyOutcome::kApplied);
   }
   void Queue(size_t worker, int64_t tokens) {
@@ -70,7 +70,7 @@ RouterOptions Policy(const std::string& name) {
 }
 
 TEST(RouterCoreTest, KvPicksTheWarmWorkerUnlessItsQueueMakesItCostlier) {
-  Fixture f(Policy("kv"), {WorkerRole::kBoth, WorkerRole::kBoth, WorkerRole::kBoth});
+  Fixture f(Policy("kv"), {Role::kBoth, Role::kBoth, Role::kBoth});
   const auto prompt = Prompt(100, 8);  // 128 tokens
   f.Store(1, Prompt(100, 6));          // 96 of them cached on w1
   RouteDecision d = f.Route(1, prompt);
@@ -88,7 +88,7 @@ TEST(RouterCoreTest, KvPicksTheWarmWorkerUnlessItsQueueMakesItCostlier) {
 }
 
 TEST(RouterCoreTest, KvSpreadsColdRequestsByLoad) {
-  Fixture f(Policy("kv"), {WorkerRole::kBoth, WorkerRole::kBoth});
+  Fixture f(Policy("kv"), {Role::kBoth, Role::kBoth});
   f.Queue(0, 1000);
   EXPECT_EQ(f.IndexOf(f.Route(1, Prompt(1, 4)).decode), 1u);
   // The router's own accounting now charges w1 with request 1, so once w0's
@@ -100,7 +100,7 @@ TEST(RouterCoreTest, KvSpreadsColdRequestsByLoad) {
 TEST(RouterCoreTest, KvWithTemperatureSamplesButPrefersCheapWorkers) {
   RouterOptions o = Policy("kv");
   o.policy_options.temperature = 0.1;
-  Fixture f(o, {WorkerRole::kBoth, WorkerRole::kBoth, WorkerRole::kBoth});
+  Fixture f(o, {Role::kBoth, Role::kBoth, Role::kBoth});
   f.Store(2, Prompt(100, 8));
   int warm = 0;
   for (uint64_t i = 0; i < 200; ++i) {
@@ -111,7 +111,7 @@ TEST(RouterCoreTest, KvWithTemperatureSamplesButPrefersCheapWorkers) {
 }
 
 TEST(RouterCoreTest, RoundRobinIgnoresTheCache) {
-  Fixture f(Policy("round_robin"), {WorkerRole::kBoth, WorkerRole::kBoth, WorkerRole::kBoth});
+  Fixture f(Policy("round_robin"), {Role::kBoth, Role::kBoth, Role::kBoth});
   f.Store(0, Prompt(100, 8));
   std::vector<size_t> picks;
   for (uint64_t i = 0; i < 6; ++i) picks.push_back(f.IndexOf(f.Route(i, Prompt(100, 8)).decode));
@@ -119,7 +119,7 @@ TEST(RouterCoreTest, RoundRobinIgnoresTheCache) {
 }
 
 TEST(RouterCoreTest, LeastLoadedIgnoresTheCache) {
-  Fixture f(Policy("least_loaded"), {WorkerRole::kBoth, WorkerRole::kBoth});
+  Fixture f(Policy("least_loaded"), {Role::kBoth, Role::kBoth});
   f.Store(0, Prompt(100, 8));
   f.Queue(0, 10);
   EXPECT_EQ(f.IndexOf(f.Route(1, Prompt(100, 8)).decode), 1u);
@@ -128,7 +128,7 @@ TEST(RouterCoreTest, LeastLoadedIgnoresTheCache) {
 }
 
 TEST(RouterCoreTest, RandomCoversTheCandidatesOnly) {
-  Fixture f(Policy("random"), {WorkerRole::kBoth, WorkerRole::kPrefill, WorkerRole::kBoth});
+  Fixture f(Policy("random"), {Role::kBoth, Role::kPrefill, Role::kBoth});
   std::set<size_t> seen;
   for (uint64_t i = 0; i < 100; ++i) {
     seen.insert(f.IndexOf(f.Route(i, Prompt(1, 1)).decode));
@@ -140,7 +140,7 @@ TEST(RouterCoreTest, RandomCoversTheCandidatesOnly) {
 TEST(RouterCoreTest, ConditionalDisaggregation) {
   RouterOptions o = Policy("kv");
   o.max_local_prefill = 100;
-  Fixture f(o, {WorkerRole::kDecode, WorkerRole::kPrefill, WorkerRole::kPrefill});
+  Fixture f(o, {Role::kDecode, Role::kPrefill, Role::kPrefill});
   f.Store(2, Prompt(500, 16));  // prefill worker w2 is warm for this prompt
   // 256 tokens to compute on the decode worker > 100: remote, on the warm prefill worker.
   RouteDecision d = f.Route(1, Prompt(500, 16));
@@ -165,10 +165,87 @@ TEST(RouterCoreTest, ConditionalDisaggregation) {
   EXPECT_EQ(s.local_prefill, 2u);
 }
 
+TEST(RouterCoreTest, OneRemotePrefillThresholdWithOneDefault) {
+  // The router's decision is the only one: 512 uncached tokens by default,
+  // counted after the decode worker's own cached prefix.
+  EXPECT_EQ(RouterOptions{}.max_local_prefill, kDefaultMaxLocalPrefill);
+  EXPECT_EQ(kDefaultMaxLocalPrefill, 512);
+  Fixture f(Policy("kv"), {Role::kDecode, Role::kPrefill});
+  EXPECT_FALSE(f.Route(1, Prompt(100, 32)).remote_prefill());  // 512 tokens: local
+  EXPECT_TRUE(f.Route(2, Prompt(200, 32), /*extra=*/1).remote_prefill());
+  // 1024 tokens, 512 of them cached on the decode worker: local.
+  f.Store(0, Prompt(300, 32));
+  const RouteDecision d = f.Route(3, Prompt(300, 64));
+  EXPECT_FALSE(d.remote_prefill());
+  EXPECT_EQ(d.decode_overlap_blocks, 32);
+  EXPECT_EQ(d.prefill_tokens, 512);
+}
+
+TEST(RouterCoreTest, RequestsGoOnlyToWorkersWhoseContextHoldsThem) {
+  RouterOptions o = Policy("kv");
+  o.max_local_prefill = 10;
+  Fixture f(o, {});
+  auto add = [&](const std::string& name, Role role, int64_t max_model_len) {
+    auto id = f.core->AddWorker(name, role, max_model_len);
+    EXPECT_TRUE(id.ok()) << id.status().ToString();
+    EXPECT_TRUE(f.core->OnSnapshot(*id, 0, {}).ok());
+    f.ids.push_back(*id);
+    f.seqs.push_back(0);
+    return *id;
+  };
+  EXPECT_EQ(f.core->MaxModelLen(), 0);  // nobody registered: unknown
+  const WorkerId short_decode = add("d100", Role::kDecode, 100);
+  const WorkerId long_decode = add("d200", Role::kBoth, 200);
+  const WorkerId prefill = add("p150", Role::kPrefill, 150);
+  EXPECT_EQ(f.core->MaxModelLen(), 200);  // prefill workers do not count
+  auto route = [&](uint64_t id, int64_t blocks, int64_t max_new, BlockHash first = 0) {
+    RouteRequest r;
+    const auto prompt = Prompt(first ? first : 1000 * id, static_cast<size_t>(blocks));
+    r.request_id = id;
+    r.block_hashes = prompt;
+    r.prompt_tokens = blocks * kBlock;
+    r.max_new_tokens = max_new;
+    return f.core->Route(r);
+  };
+  // The prompt is cached on the 100-token worker: 64 + 36 tokens go there...
+  f.Store(0, Prompt(7, 4));
+  auto d = route(1, 4, 36, /*first=*/7);
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->decode, short_decode);
+  EXPECT_FALSE(d->remote_prefill());  // nothing left to compute
+  f.core->OnRequestFinished(1);
+  // ...but 64 + 37 only fit the 200-token worker, cache or not; its 64
+  // tokens to compute go to the prefill worker, whose 150 hold them.
+  d = route(2, 4, 37, /*first=*/7);
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->decode, long_decode);
+  EXPECT_EQ(d->prefill, prefill);
+  f.core->OnRequestFinished(2);
+  // A 160-token prompt does not fit the prefill worker's 150: local prefill.
+  d = route(20, 10, 40);
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->decode, long_decode);
+  EXPECT_FALSE(d->remote_prefill());
+  // 201 tokens fit nobody.
+  EXPECT_EQ(route(21, 10, 41).status().code(), StatusCode::kUnavailable);
+  // A draining worker's context does not count.
+  f.core->SetDraining(long_decode, true);
+  EXPECT_EQ(f.core->MaxModelLen(), 100);
+  f.core->SetDraining(long_decode, false);
+  // A worker that did not report its length may take anything, so the
+  // router can no longer tell a request is too long.
+  const WorkerId unknown = add("d?", Role::kDecode, 0);
+  EXPECT_EQ(f.core->MaxModelLen(), 0);
+  d = route(22, 10, 1000);
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->decode, unknown);
+  EXPECT_EQ(f.core->Workers()[short_decode].max_model_len, 100);
+}
+
 TEST(RouterCoreTest, NoPrefillWorkerMeansLocalPrefill) {
   RouterOptions o = Policy("kv");
   o.max_local_prefill = 0;
-  Fixture f(o, {WorkerRole::kDecode, WorkerRole::kBoth});
+  Fixture f(o, {Role::kDecode, Role::kBoth});
   EXPECT_FALSE(f.Route(1, Prompt(1, 64)).remote_prefill());
   EXPECT_FALSE(f.Route(2, Prompt(1000, 64)).remote_prefill());
 }
@@ -176,7 +253,7 @@ TEST(RouterCoreTest, NoPrefillWorkerMeansLocalPrefill) {
 TEST(RouterCoreTest, PendingEntriesCoLocateABurstUntilTheyExpire) {
   RouterOptions o;
   o.pending_ttl_us = 1'000'000;
-  Fixture f(o, {WorkerRole::kBoth, WorkerRole::kBoth, WorkerRole::kBoth, WorkerRole::kBoth});
+  Fixture f(o, {Role::kBoth, Role::kBoth, Role::kBoth, Role::kBoth});
   const auto prompt = Prompt(42, 32);  // 512 tokens, cached nowhere
   const RouteDecision first = f.Route(1, prompt);
   EXPECT_EQ(first.decode_overlap_blocks, 0);
@@ -193,7 +270,7 @@ TEST(RouterCoreTest, PendingEntriesCoLocateABurstUntilTheyExpire) {
 }
 
 TEST(RouterCoreTest, WithoutPendingEntriesABurstSpreads) {
-  Fixture f(Policy("kv"), {WorkerRole::kBoth, WorkerRole::kBoth});
+  Fixture f(Policy("kv"), {Role::kBoth, Role::kBoth});
   const auto prompt = Prompt(42, 32);
   EXPECT_NE(f.Route(1, prompt).decode, f.Route(2, prompt).decode);
 }
@@ -201,7 +278,7 @@ TEST(RouterCoreTest, WithoutPendingEntriesABurstSpreads) {
 TEST(RouterCoreTest, AccountingFollowsTheRequest) {
   RouterOptions o = Policy("kv");
   o.max_local_prefill = 10;
-  Fixture f(o, {WorkerRole::kDecode, WorkerRole::kPrefill});
+  Fixture f(o, {Role::kDecode, Role::kPrefill});
   RouteRequest r;
   const auto prompt = Prompt(1, 4);
   r.request_id = 9;
@@ -228,7 +305,7 @@ TEST(RouterCoreTest, AccountingFollowsTheRequest) {
 }
 
 TEST(RouterCoreTest, RemovingAWorkerPurgesItAndReturnsItsRequests) {
-  Fixture f(Policy("round_robin"), {WorkerRole::kBoth, WorkerRole::kBoth});
+  Fixture f(Policy("round_robin"), {Role::kBoth, Role::kBoth});
   f.Store(0, Prompt(1, 4));
   f.Route(10, Prompt(1, 4));  // w0
   f.Route(11, Prompt(1, 4));  // w1
@@ -243,7 +320,7 @@ TEST(RouterCoreTest, RemovingAWorkerPurgesItAndReturnsItsRequests) {
 TEST(RouterCoreTest, LosingThePrefillWorkerLeavesTheRequestWithItsDecodeWorker) {
   RouterOptions o = Policy("kv");
   o.max_local_prefill = 10;
-  Fixture f(o, {WorkerRole::kDecode, WorkerRole::kPrefill});
+  Fixture f(o, {Role::kDecode, Role::kPrefill});
   ASSERT_TRUE(f.Route(7, Prompt(1, 4)).remote_prefill());
   EXPECT_EQ(f.core->Workers()[1].inflight_prefill_tokens, 64);
   // The prefill worker goes: the request is not an orphan, it stays accounted
@@ -254,7 +331,7 @@ TEST(RouterCoreTest, LosingThePrefillWorkerLeavesTheRequestWithItsDecodeWorker) 
 }
 
 TEST(RouterCoreTest, DrainingWorkersGetNoNewRequests) {
-  Fixture f(Policy("kv"), {WorkerRole::kBoth, WorkerRole::kBoth});
+  Fixture f(Policy("kv"), {Role::kBoth, Role::kBoth});
   f.Store(0, Prompt(1, 8));
   f.core->SetDraining(f.ids[0], true);
   EXPECT_EQ(f.IndexOf(f.Route(1, Prompt(1, 8)).decode), 1u);
@@ -279,25 +356,23 @@ TEST(RouterCoreTest, Errors) {
   r.request_id = 1;
   EXPECT_EQ(none.core->Route(r).status().code(), StatusCode::kUnavailable);
 
-  Fixture prefill_only(Policy("kv"), {WorkerRole::kPrefill});
+  Fixture prefill_only(Policy("kv"), {Role::kPrefill});
   EXPECT_EQ(prefill_only.core->Route(r).status().code(), StatusCode::kUnavailable);
 
-  Fixture f(Policy("kv"), {WorkerRole::kBoth});
-  EXPECT_EQ(f.core->AddWorker("w0", WorkerRole::kBoth).status().code(),
-            StatusCode::kInvalidArgument);
+  Fixture f(Policy("kv"), {Role::kBoth});
+  EXPECT_EQ(f.core->AddWorker("w0", Role::kBoth).status().code(), StatusCode::kInvalidArgument);
   const auto prompt = Prompt(1, 4);
   r.block_hashes = prompt;
   r.prompt_tokens = 4 * kBlock - 1;  // fewer tokens than its full blocks hold
   EXPECT_EQ(f.core->Route(r).status().code(), StatusCode::kInvalidArgument);
   EXPECT_FALSE(f.core->OnLoad(99, WorkerLoad{}).ok());
-  EXPECT_FALSE(ParseWorkerRole("leader").ok());
-  EXPECT_EQ(*ParseWorkerRole("prefill"), WorkerRole::kPrefill);
+  EXPECT_EQ(f.core->AddWorker("w1", Role::kBoth, -1).status().code(), StatusCode::kInvalidArgument);
 }
 
 TEST(RouterCoreTest, GapsAreCountedAndReported) {
-  Fixture f(Policy("kv"), {WorkerRole::kBoth});
+  Fixture f(Policy("kv"), {Role::kBoth});
   KvEventBatch b;
-  b.seq = 5;
+  b.sequence_number = 5;
   EXPECT_EQ(f.core->OnKvEvents(f.ids[0], b), ApplyOutcome::kNeedsResync);
   EXPECT_EQ(f.core->stats().index.gaps, 1u);
   EXPECT_TRUE(f.core->Workers()[0].needs_resync);
@@ -305,12 +380,60 @@ TEST(RouterCoreTest, GapsAreCountedAndReported) {
   EXPECT_FALSE(f.core->Workers()[0].needs_resync);
 }
 
+// Replication: with copy_cost 0.1 a copied token weighs a tenth of a
+// computed one, so a busy holder's prefix is copied to an idle worker.
+TEST(RouterCoreTest, KvCopiesABusyHoldersPrefixToAnIdleWorker) {
+  RouterOptions o = Policy("kv");
+  o.copy_cost = 0.1;
+  Fixture f(o, {Role::kBoth, Role::kBoth});
+  f.Store(0, Prompt(100, 8));
+  std::vector<BlockHash> prompt = Prompt(100, 8);
+  prompt.push_back(999);
+  // Idle holder: 16 tokens to compute there beat 16 + 128 - 115 = 29 with a copy.
+  RouteDecision d = f.Route(1, prompt);
+  EXPECT_EQ(f.IndexOf(d.decode), 0u);
+  EXPECT_FALSE(d.copy_from.has_value());
+  f.core->OnRequestFinished(1);
+  // Busy holder (10000 tokens queued, cost 16 + 2500): copy to worker 1.
+  f.Queue(0, 10000);
+  d = f.Route(2, prompt);
+  EXPECT_EQ(f.IndexOf(d.decode), 1u);
+  ASSERT_TRUE(d.copy_from.has_value());
+  EXPECT_EQ(f.IndexOf(*d.copy_from), 0u);
+  EXPECT_EQ(d.decode_overlap_blocks, 0);
+  EXPECT_EQ(d.copy_blocks, 8);
+  EXPECT_EQ(d.prefill_tokens, kBlock);  // only the last block is computed
+  EXPECT_EQ(f.core->stats().copies, 1u);
+  EXPECT_EQ(f.core->stats().copied_blocks, 8u);
+}
+
+TEST(RouterCoreTest, NoCopyWithoutAWriterOrWhenRecomputingIsCheaper) {
+  for (double cost : {0.0, 1.0}) {
+    RouterOptions o = Policy("kv");
+    o.copy_cost = cost;
+    Fixture f(o, {Role::kBoth, Role::kBoth});
+    f.Store(0, Prompt(100, 8));
+    f.Queue(0, 10000);
+    const RouteDecision d = f.Route(1, Prompt(100, 9));
+    EXPECT_EQ(f.IndexOf(d.decode), 1u) << cost;  // recomputes the prefix there
+    EXPECT_FALSE(d.copy_from.has_value()) << cost;
+  }
+  // A decode-role holder has no peer port to write from.
+  RouterOptions o = Policy("kv");
+  o.copy_cost = 0.1;
+  Fixture f(o, {Role::kDecode, Role::kDecode});
+  f.Store(0, Prompt(100, 8));
+  f.Queue(0, 10000);
+  EXPECT_FALSE(f.Route(1, Prompt(100, 9)).copy_from.has_value());
+  o.copy_cost = -1;
+  EXPECT_FALSE(RouterCore::Create(o).ok());
+}
+
 TEST(RouterCoreTest, AllSlotsInUse) {
   RouterOptions o;
   o.index.max_workers = 2;
-  Fixture f(o, {WorkerRole::kBoth, WorkerRole::kBoth});
-  EXPECT_EQ(f.core->AddWorker("w2", WorkerRole::kBoth).status().code(),
-            StatusCode::kResourceExhausted);
+  Fixture f(o, {Role::kBoth, Role::kBoth});
+  EXPECT_EQ(f.core->AddWorker("w2", Role::kBoth).status().code(), StatusCode::kResourceExhausted);
 }
 
 }  // namespace

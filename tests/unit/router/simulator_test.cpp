@@ -131,6 +131,94 @@ TEST(SimulatorTest, TraceErrorsNameTheLine) {
             StatusCode::kNotFound);
 }
 
+// A burst of 40 requests on one 100-token prefix, 20 ms apart, each with a
+// 40-token question: at 1000 tokens/s the holder alone would fall behind.
+std::vector<TraceRequest> HotPrefixBurst() {
+  std::vector<TraceRequest> trace;
+  for (int i = 0; i < 41; ++i) {
+    TraceRequest r;
+    r.timestamp_ms = i == 0 ? 0 : 1000 + 20 * i;  // request 0 warms one worker
+    r.input_length = 140;
+    r.output_length = 1;
+    for (uint64_t b = 1; b <= 25; ++b) r.hash_ids.push_back(b);
+    for (uint64_t b = 0; b < 10; ++b)
+      r.hash_ids.push_back(1000 + 10 * static_cast<uint64_t>(i) + b);
+    trace.push_back(r);
+  }
+  return trace;
+}
+
+TEST(SimulatorTest, HotPrefixIsCopiedAndItsRequestsSpread) {
+  const auto trace = HotPrefixBurst();
+  SimOptions o = SmallOptions("kv", 2, 1000);
+  o.kv_bytes_per_token = 1e6;
+  o.copy_gbps = 10;  // 10,000 tokens/s: a copy costs a tenth of a prefill
+  auto with = RunSimulation(trace, o);
+  ASSERT_TRUE(with.ok()) << with.status().ToString();
+  EXPECT_GE(with->replications_started, 1);
+  EXPECT_EQ(with->replications_finished, with->replications_started);
+  EXPECT_EQ(with->replications_failed, 0);
+  EXPECT_EQ(with->copied_tokens, 100 * with->replications_started);
+  EXPECT_DOUBLE_EQ(with->copied_bytes, 1e6 * static_cast<double>(with->copied_tokens));
+  EXPECT_GT(with->routed[0], 5);
+  EXPECT_GT(with->routed[1], 5);
+  // Every prefix token after the first request was either a hit or copied.
+  EXPECT_EQ(with->hit_tokens + with->copied_tokens, 40 * 100);
+
+  o.replication = false;
+  auto without = RunSimulation(trace, o);
+  ASSERT_TRUE(without.ok());
+  EXPECT_EQ(without->replications_started, 0);
+  EXPECT_EQ(without->copied_tokens, 0);
+  // Spreading by recomputing the prefix costs more than copying it.
+  EXPECT_LT(with->ttft_mean_s, without->ttft_mean_s);
+  EXPECT_LT(with->ttft_p99_s, without->ttft_p99_s);
+}
+
+TEST(SimulatorTest, AnchorPoliciesNeverCopy) {
+  const auto trace = HotPrefixBurst();
+  for (const char* policy : {"dynamo", "llm-d", "sglang", "production-stack"}) {
+    SimOptions o = SmallOptions(policy, 2, 1000);
+    auto r = RunSimulation(trace, o);
+    ASSERT_TRUE(r.ok()) << policy;
+    EXPECT_EQ(r->replications_started, 0) << policy;
+  }
+}
+
+// Scale-down: worker 0 holds a prompt and leaves at 5 s; the next request
+// on that prompt (at 10 s) is a hit on the survivor only if the leaving
+// worker pushed it there.
+TEST(SimulatorTest, DrainPushesTheLeavingWorkersPrefixesToTheSurvivors) {
+  const auto trace = Parse(
+      R"({"timestamp": 0, "input_length": 44, "output_length": 3, "hash_ids": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 100]}
+{"timestamp": 10000, "input_length": 44, "output_length": 1, "hash_ids": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 101]}
+)",
+      4);
+  SimOptions o = SmallOptions("kv", 2, 100);
+  auto stay = RunSimulation(trace, o);
+  ASSERT_TRUE(stay.ok());
+  ASSERT_EQ(stay->routed, (std::vector<int64_t>{2, 0}));  // worker 0 holds the prompt
+  o.remove_at_s = 5;
+  o.remove_worker = 0;
+  o.after_removal_s = 10;
+  auto pushed = RunSimulation(trace, o);
+  ASSERT_TRUE(pushed.ok()) << pushed.status().ToString();
+  EXPECT_EQ(pushed->routed, (std::vector<int64_t>{1, 1}));
+  EXPECT_EQ(pushed->drain_pushed_blocks, 11);
+  EXPECT_DOUBLE_EQ(pushed->removed_at_s, 5 + 44 * o.kv_bytes_per_token / (o.copy_gbps * 1e9));
+  EXPECT_EQ(pushed->requests_after_removal, 1);
+  EXPECT_DOUBLE_EQ(pushed->hit_rate_after_removal, 40.0 / 44);
+  EXPECT_EQ(pushed->index.gaps, 0u);
+  o.drain_push = false;
+  auto dropped = RunSimulation(trace, o);
+  ASSERT_TRUE(dropped.ok());
+  EXPECT_EQ(dropped->drain_pushed_blocks, 0);
+  EXPECT_DOUBLE_EQ(dropped->removed_at_s, 5);
+  EXPECT_DOUBLE_EQ(dropped->hit_rate_after_removal, 0);
+  o.remove_worker = 2;
+  EXPECT_EQ(RunSimulation(trace, o).status().code(), StatusCode::kInvalidArgument);
+}
+
 TEST(SimulatorTest, RejectsBadOptions) {
   const auto trace = Parse(kConversations, 4);
   SimOptions o = SmallOptions("fastest", 2, 100);
@@ -139,6 +227,12 @@ TEST(SimulatorTest, RejectsBadOptions) {
   EXPECT_EQ(RunSimulation(trace, o).status().code(), StatusCode::kInvalidArgument);
   o = SmallOptions("kv", 2, 100);
   o.prefill_tokens_per_s = 0;
+  EXPECT_EQ(RunSimulation(trace, o).status().code(), StatusCode::kInvalidArgument);
+  o = SmallOptions("kv", 2, 100);
+  o.time_scale = 0;
+  EXPECT_EQ(RunSimulation(trace, o).status().code(), StatusCode::kInvalidArgument);
+  o = SmallOptions("kv", 2, 100);
+  o.copy_gbps = -1;
   EXPECT_EQ(RunSimulation(trace, o).status().code(), StatusCode::kInvalidArgument);
 }
 

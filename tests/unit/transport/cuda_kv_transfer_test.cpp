@@ -1,6 +1,7 @@
-// KV transfer of device-memory pools (label: gpu): UCX with a CUDA pool (direct
-// when UCX supports CUDA memory, else staged through pinned host memory), and
-// NCCL between two devices. Skips with a message where no device exists.
+// KV transfer of device-memory pools (label: gpu): UCX with CUDA pools on one
+// device (direct when UCX supports CUDA memory, else, and always under staging
+// "always", staged through a small budget of pinned bounce buffers), and NCCL
+// between two devices. Skips with a message where no device exists.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -12,7 +13,7 @@
 #include <thread>
 #include <vector>
 
-#include "transport/kv_layout.h"
+#include "common/kv_layout.h"
 #include "transport/ucx/ucx_transfer.h"
 
 #if PDSERVE_WITH_CUDA
@@ -83,11 +84,11 @@ void ExpectBlocks(const std::vector<uint8_t>& got, const std::vector<uint8_t>& b
 }
 #endif
 
-TEST(CudaKvTransferTest, UcxMovesDevicePools) {
-#if !PDSERVE_WITH_CUDA
-  GTEST_SKIP() << "built without CUDA (PDSERVE_CUDA=OFF or no nvcc)";
-#else
-  if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device on this machine";
+#if PDSERVE_WITH_CUDA
+// Moves scattered blocks (3 rounds) between two device pools on device 0
+// through UCX with `mode`, Receive posted before each Write; checks every
+// block and that no bounce buffer stays in use.
+void UcxDeviceToDevice(KvStagingMode mode, size_t staging_bytes, bool expect_staged) {
   const KvLayout layout = Layout();
   const size_t bb = layout.bytes_per_block, blocks = 64, bytes = blocks * bb;
   const auto src = RandomHost(bytes, 1), before = RandomHost(bytes, 2);
@@ -99,6 +100,8 @@ TEST(CudaKvTransferTest, UcxMovesDevicePools) {
   {
     UcxTransferOptions opts;
     opts.tls = "tcp";
+    opts.staging = mode;
+    opts.staging_bytes = staging_bytes;
     auto writer = CreateUcxTransfer(opts);
     auto receiver = CreateUcxTransfer(opts);
     ASSERT_TRUE(writer.ok() && receiver.ok());
@@ -107,19 +110,89 @@ TEST(CudaKvTransferTest, UcxMovesDevicePools) {
     ASSERT_TRUE(r.ok()) << r.ToString();
     auto conn = (*writer)->Connect(*(*receiver)->ExportDescriptor());
     ASSERT_TRUE(conn.ok()) << conn.status().ToString();
-    ASSERT_TRUE((*receiver)->Accept(conn->reply).ok());
-    const auto copies = ScatteredCopies(blocks, 3);
-    Status s = WriteAndWait(writer->get(), conn->peer, copies);
-    ASSERT_TRUE(s.ok()) << s.ToString();
-    std::vector<BlockId> landed;
-    for (const auto& c : copies) landed.push_back(c.remote);
-    ASSERT_TRUE((*receiver)->FinishReceive(landed).ok());
-    std::vector<uint8_t> got(bytes);
-    ASSERT_EQ(cudaMemcpy(got.data(), ddst, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
-    ExpectBlocks(got, before, src, copies, bb);
+    auto from = (*receiver)->Accept(conn->reply);
+    ASSERT_TRUE(from.ok()) << from.status().ToString();
+    EXPECT_EQ((*writer)->stats().staging_bytes_reserved > 0, expect_staged);
+    if (expect_staged) {
+      EXPECT_LE((*writer)->stats().staging_bytes_reserved, staging_bytes);
+    }
+    for (uint32_t round = 0; round < 3; ++round) {
+      const auto copies = ScatteredCopies(blocks, 3 + round);
+      std::vector<uint8_t> prior(bytes);
+      ASSERT_EQ(cudaMemcpy(prior.data(), ddst, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+      std::promise<Status> received;
+      (*receiver)->Receive(*from, copies, TransferClock::now() + 30s,
+                           [&](Status s) { received.set_value(s); });
+      Status s = WriteAndWait(writer->get(), conn->peer, copies);
+      ASSERT_TRUE(s.ok()) << s.ToString();
+      Status rs = received.get_future().get();
+      ASSERT_TRUE(rs.ok()) << rs.ToString();
+      std::vector<BlockId> landed;
+      for (const auto& c : copies) landed.push_back(c.remote);
+      ASSERT_TRUE((*receiver)->FinishReceive(landed).ok());
+      std::vector<uint8_t> got(bytes);
+      ASSERT_EQ(cudaMemcpy(got.data(), ddst, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+      ExpectBlocks(got, prior, src, copies, bb);
+    }
+    for (int i = 0; i < 500 && ((*writer)->stats().staging_bytes_in_use != 0 ||
+                                (*receiver)->stats().staging_bytes_in_use != 0);
+         ++i) {
+      std::this_thread::sleep_for(10ms);
+    }
+    EXPECT_EQ((*writer)->stats().staging_bytes_in_use, 0u);
+    EXPECT_EQ((*receiver)->stats().staging_bytes_in_use, 0u);
   }
   cudaFree(dsrc);
   cudaFree(ddst);
+}
+
+// True when this UCX maps CUDA memory (a device pool registers under "never").
+bool UcxMapsCudaMemory() {
+  void* d = nullptr;
+  if (cudaMalloc(&d, Layout().bytes_per_block) != cudaSuccess) return false;
+  bool ok = false;
+  {
+    UcxTransferOptions opts;
+    opts.tls = "tcp";
+    opts.staging = KvStagingMode::kNever;
+    auto t = CreateUcxTransfer(opts);
+    const size_t bb = Layout().bytes_per_block;
+    ok = t.ok() && (*t)->RegisterPool({d, bb, bb, MemoryType::kCuda}, Layout()).ok();
+  }  // destroyed before the memory is freed
+  cudaFree(d);
+  return ok;
+}
+#endif
+
+TEST(CudaKvTransferTest, UcxMovesDevicePools) {
+#if !PDSERVE_WITH_CUDA
+  GTEST_SKIP() << "built without CUDA (PDSERVE_CUDA=OFF or no nvcc)";
+#else
+  if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device on this machine";
+  // auto: direct where UCX maps CUDA memory, else staged.
+  UcxDeviceToDevice(KvStagingMode::kAuto, size_t{256} << 20, !UcxMapsCudaMemory());
+#endif
+}
+
+TEST(CudaKvTransferTest, UcxStagesDevicePoolsThroughASmallBudget) {
+#if !PDSERVE_WITH_CUDA
+  GTEST_SKIP() << "built without CUDA (PDSERVE_CUDA=OFF or no nvcc)";
+#else
+  if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device on this machine";
+  // 4 slots of 2 blocks (32 KiB each): 32-block transfers wrap 4 times.
+  UcxDeviceToDevice(KvStagingMode::kAlways, 4 * (2 * 32768 + 64), true);
+#endif
+}
+
+TEST(CudaKvTransferTest, UcxPutsDevicePoolsDirectlyWhereItMapsCudaMemory) {
+#if !PDSERVE_WITH_CUDA
+  GTEST_SKIP() << "built without CUDA (PDSERVE_CUDA=OFF or no nvcc)";
+#else
+  if (cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device on this machine";
+  if (!UcxMapsCudaMemory()) {
+    GTEST_SKIP() << "this UCX build has no CUDA memory support (device pools are staged)";
+  }
+  UcxDeviceToDevice(KvStagingMode::kNever, size_t{256} << 20, false);
 #endif
 }
 

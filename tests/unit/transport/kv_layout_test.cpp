@@ -1,6 +1,6 @@
 // KvLayout: canonical encoding (checked against hand-assembled bytes), hash
 // stability, decoding of damaged input, and mismatch messages.
-#include "transport/kv_layout.h"
+#include "common/kv_layout.h"
 
 #include <gtest/gtest.h>
 #include <xxhash.h>
@@ -38,7 +38,7 @@ TEST(KvLayoutTest, DenseBytesPerBlockMatchesTheFormula) {
 TEST(KvLayoutTest, EncodingIsTheDocumentedLittleEndianFormat) {
   const KvLayout l = Llama3_8B();
   std::string expected;
-  PutLe(&expected, 1, 2);  // format version
+  PutLe(&expected, 3, 2);  // format version
   PutLe(&expected, l.model_id.size(), 4);
   expected += l.model_id;
   PutLe(&expected, 2, 1);  // bf16 (DType enum order: f32, f16, bf16, fp8, fp4)
@@ -46,17 +46,23 @@ TEST(KvLayoutTest, EncodingIsTheDocumentedLittleEndianFormat) {
   PutLe(&expected, 32, 8);
   PutLe(&expected, 8, 8);
   PutLe(&expected, 128, 8);
+  PutLe(&expected, 0, 1);  // attention: gqa
+  PutLe(&expected, 0, 8);  // kv_lora_rank
+  PutLe(&expected, 0, 8);  // qk_rope_head_dim
   PutLe(&expected, 16, 8);
   PutLe(&expected, l.block_layout.size(), 4);
   expected += l.block_layout;
   PutLe(&expected, 2 * 32 * 8 * 128 * 16 * 2, 8);
+  PutLe(&expected, 0, 1);  // memory_type: host
+  PutLe(&expected, 3, 4);
+  expected += "ucx";
   EXPECT_EQ(l.Encode(), expected);
   EXPECT_EQ(l.Hash(), XXH3_64bits(expected.data(), expected.size()));
 }
 
 TEST(KvLayoutTest, EveryFieldChangesTheHash) {
   const KvLayout base = Llama3_8B();
-  std::vector<KvLayout> variants(9, base);
+  std::vector<KvLayout> variants(12, base);
   variants[0].model_id = "other";
   variants[1].weight_dtype = DType::kF16;
   variants[2].kv_dtype = DType::kFP8E4M3;
@@ -66,6 +72,9 @@ TEST(KvLayoutTest, EveryFieldChangesTheHash) {
   variants[6].block_tokens = 32;
   variants[7].block_layout = "kv/layer/token/head/dim";
   variants[8].bytes_per_block += 64;
+  variants[9].memory_type = MemoryType::kCuda;
+  variants[10].transfer_backend = "nccl";
+  variants[11].attention = KvAttention::kMla;
   for (const auto& v : variants) {
     EXPECT_NE(v.Hash(), base.Hash()) << v.ToString();
     EXPECT_FALSE(DescribeLayoutDifferences(base, v).empty()) << v.ToString();
@@ -114,6 +123,69 @@ TEST(KvLayoutTest, MismatchNamesEachDifferingField) {
   peer.block_tokens = 32;
   EXPECT_EQ(DescribeLayoutDifferences(here, peer),
             "kv_dtype: fp16 here, fp8 on peer; block_tokens: 16 here, 32 on peer");
+  peer = here;
+  peer.memory_type = MemoryType::kCuda;
+  peer.transfer_backend = "nccl";
+  EXPECT_EQ(DescribeLayoutDifferences(here, peer),
+            "memory_type: host here, cuda on peer; transfer_backend: ucx here, nccl on peer");
+}
+
+// DeepSeek-V3's latent cache: 61 layers of one 512 + 64 vector per token.
+KvLayout DeepSeekV3() {
+  KvLayout l;
+  l.model_id = "deepseek-ai/DeepSeek-V3";
+  l.weight_dtype = DType::kBF16;
+  l.kv_dtype = DType::kBF16;
+  l.layers = 61;
+  l.attention = KvAttention::kMla;
+  l.kv_heads = 1;
+  l.kv_lora_rank = 512;
+  l.qk_rope_head_dim = 64;
+  l.head_dim = 576;
+  l.block_tokens = 16;
+  l.block_layout = "layer/token/latent+rope";
+  l.bytes_per_block = l.DenseBytesPerBlock();
+  return l;
+}
+
+TEST(KvLayoutTest, MlaLayoutHoldsOneLatentPerTokenAndLayer) {
+  const KvLayout l = DeepSeekV3();
+  EXPECT_TRUE(l.Validate().ok()) << l.Validate().ToString();
+  EXPECT_EQ(l.DenseBytesPerBlock(), 61 * 576 * 16 * 2);  // 70,272 bytes per token
+  auto back = KvLayout::Decode(l.Encode());
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(*back, l);
+  KvLayout bad = l;
+  bad.head_dim = 512;
+  EXPECT_FALSE(bad.Validate().ok());
+  bad = Llama3_8B();
+  bad.kv_lora_rank = 512;
+  EXPECT_FALSE(bad.Validate().ok());
+}
+
+TEST(KvLayoutTest, GqaAndMlaWorkersNeverPair) {
+  // Even a GQA layout with the very same bytes per block (1 KV head of 576
+  // dims, K and V, against the latent) must not pair with an MLA one.
+  const KvLayout mla = DeepSeekV3();
+  KvLayout gqa = mla;
+  gqa.attention = KvAttention::kGqa;
+  gqa.kv_lora_rank = 0;
+  gqa.qk_rope_head_dim = 0;
+  gqa.head_dim = 288;
+  gqa.block_layout = "layer/kv/head/token/dim";
+  ASSERT_TRUE(gqa.Validate().ok()) << gqa.Validate().ToString();
+  ASSERT_EQ(gqa.bytes_per_block, mla.bytes_per_block);
+  EXPECT_NE(gqa.Hash(), mla.Hash());
+  const Status s = CheckLayoutsMatch(gqa, mla);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("attention: gqa here, mla on peer"), std::string::npos) << s.message();
+  // Two MLA layouts with other latent widths do not pair either.
+  KvLayout wider = mla;
+  wider.kv_lora_rank = 448;
+  wider.qk_rope_head_dim = 128;
+  EXPECT_NE(wider.Hash(), mla.Hash());
+  EXPECT_NE(DescribeLayoutDifferences(mla, wider).find("kv_lora_rank: 512 here, 448 on peer"),
+            std::string::npos);
 }
 
 TEST(KvLayoutTest, ValidateNamesTheBadField) {

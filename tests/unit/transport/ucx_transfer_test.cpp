@@ -3,6 +3,7 @@
 // shared memory). Two-process behaviour, including a peer killed mid-transfer,
 // is in tests/integration/transport/.
 #include "transport/ucx/ucx_transfer.h"
+#include "tests/support/transfer_pair.h"
 
 #include <dirent.h>
 #include <gtest/gtest.h>
@@ -18,7 +19,7 @@
 #include <set>
 #include <thread>
 
-#include "transport/kv_layout.h"
+#include "common/kv_layout.h"
 
 namespace pdserve {
 namespace {
@@ -37,52 +38,6 @@ KvLayout TinyLayout() {
   return l;
 }
 
-struct Pool {
-  std::vector<uint8_t> bytes;
-  size_t block_bytes;
-  Pool(size_t blocks, size_t bb, uint32_t seed) : bytes(blocks * bb), block_bytes(bb) {
-    std::mt19937 rng(seed);
-    for (auto& b : bytes) b = static_cast<uint8_t>(rng());
-  }
-  MemoryRegion region() { return {bytes.data(), bytes.size(), block_bytes, MemoryType::kHost}; }
-  const uint8_t* block(size_t i) const { return bytes.data() + i * block_bytes; }
-};
-
-// Waits for the one completion of a Write and counts extra ones.
-class Completion {
- public:
-  TransferCallback callback() {
-    return [this](Status s) {
-      std::lock_guard<std::mutex> lock(mu_);
-      ++calls_;
-      status_ = std::move(s);
-      on_progress_thread_ = std::this_thread::get_id() != caller_;
-      cv_.notify_all();
-    };
-  }
-  Status Wait() {
-    std::unique_lock<std::mutex> lock(mu_);
-    EXPECT_TRUE(cv_.wait_for(lock, 30s, [&] { return calls_ > 0; })) << "no completion";
-    return status_;
-  }
-  int calls() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return calls_;
-  }
-  bool on_progress_thread() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return on_progress_thread_;
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  int calls_ = 0;
-  Status status_;
-  bool on_progress_thread_ = false;
-  std::thread::id caller_ = std::this_thread::get_id();
-};
-
 size_t CountDir(const char* path) {
   size_t n = 0;
   if (DIR* d = opendir(path)) {
@@ -100,22 +55,10 @@ std::unique_ptr<KvTransfer> MakeTransfer(const std::string& tls) {
   return t.ok() ? std::move(*t) : nullptr;
 }
 
-struct Pair {
-  std::unique_ptr<KvTransfer> writer, receiver;
-  PeerId to_receiver = 0, from_writer = 0;
-};
-
-// Full handshake: receiver exports, writer connects, receiver accepts the reply.
-void Handshake(Pair* p) {
-  auto desc = p->receiver->ExportDescriptor();
-  ASSERT_TRUE(desc.ok()) << desc.status().ToString();
-  auto conn = p->writer->Connect(*desc);
-  ASSERT_TRUE(conn.ok()) << conn.status().ToString();
-  p->to_receiver = conn->peer;
-  auto acc = p->receiver->Accept(conn->reply);
-  ASSERT_TRUE(acc.ok()) << acc.status().ToString();
-  p->from_writer = *acc;
-}
+using testing::Completion;
+using testing::Handshake;
+using testing::Pool;
+using Pair = testing::TransferPair;
 
 class UcxTransferTest : public ::testing::TestWithParam<std::string> {};
 

@@ -1,4 +1,4 @@
-#include "engine/kv_events.h"
+#include "common/kv_events.h"
 
 #include <type_traits>
 

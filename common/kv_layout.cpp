@@ -1,19 +1,19 @@
-#include "transport/kv_layout.h"
+#include "common/kv_layout.h"
 
 #include <xxhash.h>
 
 #include <string>
 #include <vector>
 
-#include "transport/detail/byte_codec.h"
+#include "common/byte_codec.h"
 
 namespace pdserve {
 namespace {
 
-using transport_detail::ByteReader;
-using transport_detail::ByteWriter;
+using codec::ByteReader;
+using codec::ByteWriter;
 
-constexpr uint16_t kLayoutFormatVersion = 1;
+constexpr uint16_t kLayoutFormatVersion = 3;
 constexpr size_t kMaxNameBytes = 4096;
 
 bool KnownDType(uint8_t v) { return v <= static_cast<uint8_t>(DType::kFP4E2M1); }
@@ -22,8 +22,11 @@ std::string Name(DType t) { return std::string(DTypeName(t)); }
 
 }  // namespace
 
+std::string_view MemoryTypeName(MemoryType t) { return t == MemoryType::kCuda ? "cuda" : "host"; }
+
 int64_t KvLayout::DenseBytesPerBlock() const {
-  const int64_t elements = 2 * layers * kv_heads * head_dim * block_tokens;
+  const int64_t sets = attention == KvAttention::kMla ? 1 : 2;  // MLA: no separate V
+  const int64_t elements = sets * layers * kv_heads * head_dim * block_tokens;
   return elements * DTypeBits(kv_dtype) / 8;
 }
 
@@ -35,11 +38,27 @@ Status KvLayout::Validate() const {
   };
   if (model_id.empty()) return Status::InvalidArgument("KV layout: model_id is empty");
   if (block_layout.empty()) return Status::InvalidArgument("KV layout: block_layout is empty");
+  if (transfer_backend.empty())
+    return Status::InvalidArgument("KV layout: transfer_backend is empty");
   PDSERVE_RETURN_IF_ERROR(positive("layers", layers));
   PDSERVE_RETURN_IF_ERROR(positive("kv_heads", kv_heads));
   PDSERVE_RETURN_IF_ERROR(positive("head_dim", head_dim));
   PDSERVE_RETURN_IF_ERROR(positive("block_tokens", block_tokens));
   PDSERVE_RETURN_IF_ERROR(positive("bytes_per_block", bytes_per_block));
+  if (attention == KvAttention::kMla) {
+    PDSERVE_RETURN_IF_ERROR(positive("kv_lora_rank", kv_lora_rank));
+    PDSERVE_RETURN_IF_ERROR(positive("qk_rope_head_dim", qk_rope_head_dim));
+    if (kv_heads != 1 || head_dim != kv_lora_rank + qk_rope_head_dim) {
+      return Status::InvalidArgument(
+          "KV layout: an MLA layout has kv_heads 1 and head_dim kv_lora_rank + "
+          "qk_rope_head_dim, got kv_heads " +
+          std::to_string(kv_heads) + " and head_dim " + std::to_string(head_dim));
+    }
+  } else if (attention != KvAttention::kGqa) {
+    return Status::InvalidArgument("KV layout: unknown attention kind");
+  } else if (kv_lora_rank != 0 || qk_rope_head_dim != 0) {
+    return Status::InvalidArgument("KV layout: a GQA layout has no latent widths");
+  }
   if (bytes_per_block < DenseBytesPerBlock()) {
     return Status::InvalidArgument("KV layout: bytes_per_block " + std::to_string(bytes_per_block) +
                                    " is smaller than the dense size " +
@@ -57,9 +76,14 @@ std::string KvLayout::Encode() const {
   w.U64(static_cast<uint64_t>(layers));
   w.U64(static_cast<uint64_t>(kv_heads));
   w.U64(static_cast<uint64_t>(head_dim));
+  w.U8(static_cast<uint8_t>(attention));
+  w.U64(static_cast<uint64_t>(kv_lora_rank));
+  w.U64(static_cast<uint64_t>(qk_rope_head_dim));
   w.U64(static_cast<uint64_t>(block_tokens));
   w.Bytes(block_layout);
   w.U64(static_cast<uint64_t>(bytes_per_block));
+  w.U8(static_cast<uint8_t>(memory_type));
+  w.Bytes(transfer_backend);
   return w.Take();
 }
 
@@ -89,12 +113,28 @@ StatusOr<KvLayout> KvLayout::Decode(std::string_view bytes) {
   l.kv_heads = static_cast<int64_t>(v);
   PDSERVE_RETURN_IF_ERROR(r.U64("head_dim", &v));
   l.head_dim = static_cast<int64_t>(v);
+  uint8_t attention = 0;
+  PDSERVE_RETURN_IF_ERROR(r.U8("attention", &attention));
+  if (attention > static_cast<uint8_t>(KvAttention::kMla))
+    return r.Error("unknown attention code " + std::to_string(attention));
+  l.attention = static_cast<KvAttention>(attention);
+  PDSERVE_RETURN_IF_ERROR(r.U64("kv_lora_rank", &v));
+  l.kv_lora_rank = static_cast<int64_t>(v);
+  PDSERVE_RETURN_IF_ERROR(r.U64("qk_rope_head_dim", &v));
+  l.qk_rope_head_dim = static_cast<int64_t>(v);
   PDSERVE_RETURN_IF_ERROR(r.U64("block_tokens", &v));
   l.block_tokens = static_cast<int64_t>(v);
   PDSERVE_RETURN_IF_ERROR(r.Bytes("block_layout", kMaxNameBytes, &s));
   l.block_layout = std::string(s);
   PDSERVE_RETURN_IF_ERROR(r.U64("bytes_per_block", &v));
   l.bytes_per_block = static_cast<int64_t>(v);
+  uint8_t memory = 0;
+  PDSERVE_RETURN_IF_ERROR(r.U8("memory_type", &memory));
+  if (memory > static_cast<uint8_t>(MemoryType::kCuda))
+    return r.Error("unknown memory_type code " + std::to_string(memory));
+  l.memory_type = static_cast<MemoryType>(memory);
+  PDSERVE_RETURN_IF_ERROR(r.Bytes("transfer_backend", kMaxNameBytes, &s));
+  l.transfer_backend = std::string(s);
   if (r.remaining() != 0) {
     return r.Error(std::to_string(r.remaining()) + " unexpected trailing bytes");
   }
@@ -110,8 +150,14 @@ std::string KvLayout::ToString() const {
   return "model=" + model_id + " weight_dtype=" + Name(weight_dtype) +
          " kv_dtype=" + Name(kv_dtype) + " layers=" + std::to_string(layers) +
          " kv_heads=" + std::to_string(kv_heads) + " head_dim=" + std::to_string(head_dim) +
+         " attention=" + std::string(KvAttentionName(attention)) +
+         (attention == KvAttention::kMla
+              ? " kv_lora_rank=" + std::to_string(kv_lora_rank) +
+                    " qk_rope_head_dim=" + std::to_string(qk_rope_head_dim)
+              : std::string()) +
          " block_tokens=" + std::to_string(block_tokens) + " block_layout=" + block_layout +
-         " bytes_per_block=" + std::to_string(bytes_per_block);
+         " bytes_per_block=" + std::to_string(bytes_per_block) +
+         " memory=" + std::string(MemoryTypeName(memory_type)) + " transfer=" + transfer_backend;
 }
 
 std::string DescribeLayoutDifferences(const KvLayout& here, const KvLayout& peer) {
@@ -125,10 +171,18 @@ std::string DescribeLayoutDifferences(const KvLayout& here, const KvLayout& peer
   cmp("layers", std::to_string(here.layers), std::to_string(peer.layers));
   cmp("kv_heads", std::to_string(here.kv_heads), std::to_string(peer.kv_heads));
   cmp("head_dim", std::to_string(here.head_dim), std::to_string(peer.head_dim));
+  cmp("attention", std::string(KvAttentionName(here.attention)),
+      std::string(KvAttentionName(peer.attention)));
+  cmp("kv_lora_rank", std::to_string(here.kv_lora_rank), std::to_string(peer.kv_lora_rank));
+  cmp("qk_rope_head_dim", std::to_string(here.qk_rope_head_dim),
+      std::to_string(peer.qk_rope_head_dim));
   cmp("block_tokens", std::to_string(here.block_tokens), std::to_string(peer.block_tokens));
   cmp("block_layout", "'" + here.block_layout + "'", "'" + peer.block_layout + "'");
   cmp("bytes_per_block", std::to_string(here.bytes_per_block),
       std::to_string(peer.bytes_per_block));
+  cmp("memory_type", std::string(MemoryTypeName(here.memory_type)),
+      std::string(MemoryTypeName(peer.memory_type)));
+  cmp("transfer_backend", here.transfer_backend, peer.transfer_backend);
   std::string out;
   for (const auto& d : diffs) {
     if (!out.empty()) out += "; ";

@@ -1,5 +1,5 @@
-// Little-endian byte writer and bounds-checked reader for the transfer
-// module's small binary formats (layout encoding, descriptors). Internal.
+// Little-endian byte writer and bounds-checked reader for small binary
+// formats (the KV layout encoding, transfer descriptors).
 #pragma once
 
 #include <cstdint>
@@ -9,7 +9,7 @@
 
 #include "common/status.h"
 
-namespace pdserve::transport_detail {
+namespace pdserve::codec {
 
 class ByteWriter {
  public:
@@ -102,4 +102,4 @@ class ByteReader {
   std::string what_;
 };
 
-}  // namespace pdserve::transport_detail
+}  // namespace pdserve::codec

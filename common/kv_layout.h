@@ -1,16 +1,22 @@
-// KvLayout: what one KV block of a worker's pool holds, byte for byte.
+// KvLayout: what one KV block of a worker's pool holds, byte for byte, where
+// the pool lives and how blocks move. The engine's pool produces it
+// (KvCachePool::TransferLayout) and the transport hashes and compares it, so
+// the layout a worker announces is the pool as it really is.
 //
 // Two workers may exchange KV blocks only when their layouts are identical:
-// same model, weight dtype, KV dtype, layer count, KV heads, head dimension,
-// tokens per block, in-block layout and bytes per block. A mismatch would not
+// same model, weight dtype, KV dtype, layer count, attention kind (GQA or
+// MLA) and latent widths, KV heads, head dimension, tokens per block,
+// in-block layout, bytes per block, pool memory and transfer backend. A mismatch would not
 // crash anything; it would silently produce garbage attention. So the transfer
 // handshake compares layouts (ARCHITECTURE.md section 5) and refuses a peer
 // with a message that names every differing field:
 //   "KV layout mismatch: kv_dtype: fp16 here, fp8 on peer"
 //
 // The layout hash is a stable 64-bit digest of the canonical encoding (format
-// version 1, below); it never changes between builds or machines, so it may be
+// version 3, below); it never changes between builds or machines, so it may be
 // logged, stored and compared across releases of the same format version.
+// (Version 2 added memory_type and transfer_backend, version 3 the attention
+// kind and the MLA latent widths.)
 #pragma once
 
 #include <cstdint>
@@ -18,13 +24,14 @@
 #include <string_view>
 
 #include "common/dtype.h"
+#include "common/kv_block_order.h"
 #include "common/status.h"
 
 namespace pdserve {
 
-// Name of the in-block layout written by the engine's KV write: for each layer,
-// K then V, each [block_tokens][kv_heads][head_dim] (token-major).
-inline constexpr std::string_view kDefaultBlockLayout = "layer/kv/token/head/dim";
+// Where a pool lives: host memory or CUDA device memory.
+enum class MemoryType : uint8_t { kHost = 0, kCuda = 1 };
+std::string_view MemoryTypeName(MemoryType t);
 
 struct KvLayout {
   std::string model_id;
@@ -33,23 +40,33 @@ struct KvLayout {
   int64_t layers = 0;
   int64_t kv_heads = 0;
   int64_t head_dim = 0;
+  // MLA (DeepSeek): one cached vector per token and layer, kv_heads 1 and
+  // head_dim = kv_lora_rank + qk_rope_head_dim; both widths 0 for GQA.
+  KvAttention attention = KvAttention::kGqa;
+  int64_t kv_lora_rank = 0;
+  int64_t qk_rope_head_dim = 0;
   int64_t block_tokens = 16;  // tokens per block (B)
-  std::string block_layout{kDefaultBlockLayout};
+  std::string block_layout{kKvBlockOrder};
   // Bytes of one block, including any per-block scales (fp8). Dense layouts
   // use DenseBytesPerBlock().
   int64_t bytes_per_block = 0;
+  MemoryType memory_type = MemoryType::kHost;
+  std::string transfer_backend = "ucx";  // KvTransfer::backend() of the worker
 
-  // 2 x layers x kv_heads x head_dim x block_tokens x dtype bytes (no scales).
+  // 2 x layers x kv_heads x head_dim x block_tokens x dtype bytes (no
+  // scales); MLA: layers x (kv_lora_rank + qk_rope_head_dim) x block_tokens
+  // x dtype bytes.
   int64_t DenseBytesPerBlock() const;
 
-  // OK when every count is positive, names are non-empty and
+  // OK when every count is positive, names are non-empty, an MLA layout's
+  // widths add up to head_dim with one KV head (a GQA one's are 0) and
   // bytes_per_block >= DenseBytesPerBlock(); otherwise says which field is wrong.
   Status Validate() const;
 
   // Stable digest of Encode() (XXH3-64).
   uint64_t Hash() const;
 
-  // Canonical little-endian encoding, format version 1. Decode rejects
+  // Canonical little-endian encoding, format version 3. Decode rejects
   // truncated, oversized or unknown-version input with a clear Status.
   std::string Encode() const;
   static StatusOr<KvLayout> Decode(std::string_view bytes);

@@ -1,4 +1,7 @@
 // KV events: how an engine tells the routers which prompt blocks it holds.
+// One model for both ends: the engine's block manager records these, the
+// router's prefix index applies them, and services/protocol/kv_events.h maps
+// them to and from the control plane's KvEvents message.
 //
 // The block manager records one event batch per call that changes the set of
 // cached block hashes (a commit, an allocation that evicted, an explicit

@@ -1,6 +1,6 @@
 // ApplyKvEventBatch: the replay a router does per worker, and the
 // idempotence that lets it apply batches already covered by a snapshot.
-#include "engine/kv_events.h"
+#include "common/kv_events.h"
 
 #include <gtest/gtest.h>
 

@@ -1,0 +1,40 @@
+#include "common/model_id.h"
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+namespace pdserve {
+
+std::string ServedModelId(const std::string& model_dir, std::string_view name_or_path,
+                          const std::string& explicit_id) {
+  if (!explicit_id.empty()) return explicit_id;
+  if (!name_or_path.empty()) return std::string(name_or_path);
+  auto p = std::filesystem::path(model_dir).lexically_normal();
+  if (!p.has_filename()) p = p.parent_path();  // trailing slash
+  std::string name = std::filesystem::absolute(p).filename().string();
+  return name.empty() ? "model" : name;
+}
+
+StatusOr<std::string> ServedModelIdOfFolder(const std::string& model_dir,
+                                            const std::string& explicit_id) {
+  if (!explicit_id.empty()) return explicit_id;
+  const std::string path = (std::filesystem::path(model_dir) / "config.json").string();
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    return Status::NotFound(model_dir + ": no config.json (expected a Hugging Face model folder)");
+  }
+  std::stringstream text;
+  text << in.rdbuf();
+  const auto j = nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object()) return Status::InvalidArgument(path + ": not a JSON object");
+  std::string name_or_path;
+  if (auto n = j.find("_name_or_path"); n != j.end() && n->is_string()) {
+    name_or_path = n->get<std::string>();
+  }
+  return ServedModelId(model_dir, name_or_path);
+}
+
+}  // namespace pdserve

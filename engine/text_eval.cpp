@@ -1,0 +1,153 @@
+#include "engine/text_eval.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+namespace pdserve {
+namespace {
+
+// log-softmax of one row of logits, in double.
+void LogSoftmax(const float* logits, int64_t n, std::vector<double>* out) {
+  out->resize(n);
+  double max = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) max = std::max(max, static_cast<double>(logits[i]));
+  double sum = 0;
+  for (int64_t i = 0; i < n; ++i) sum += std::exp(static_cast<double>(logits[i]) - max);
+  const double log_z = max + std::log(sum);
+  for (int64_t i = 0; i < n; ++i) (*out)[i] = static_cast<double>(logits[i]) - log_z;
+}
+
+int64_t ArgMax(const std::vector<double>& v) {
+  return std::max_element(v.begin(), v.end()) - v.begin();  // first (lowest id) of equals
+}
+
+}  // namespace
+
+StatusOr<std::unique_ptr<PagedSequenceRunner>> PagedSequenceRunner::Create(Model* model,
+                                                                           DType kv_dtype,
+                                                                           int64_t block_size,
+                                                                           int64_t max_tokens) {
+  if (block_size < 1) return Status::InvalidArgument("block size must be >= 1");
+  const ModelConfig& c = model->config();
+  const int64_t blocks = (max_tokens + block_size - 1) / block_size;
+  // A budget of at least `blocks` blocks of any dtype: 4 bytes per cached
+  // element (fp32, the widest) plus one 4-byte scale per (layer, K/V, head),
+  // the most any layout adds per block.
+  const int64_t elements_per_token =
+      c.num_layers *
+      (c.is_mla() ? c.kv_lora_rank + c.qk_rope_head_dim : 2 * c.num_kv_heads * c.head_dim);
+  const int64_t scale_bytes = c.num_layers * (2 * std::max<int64_t>(c.num_kv_heads, 1)) * 4;
+  const int64_t budget = blocks * (elements_per_token * 4 * block_size + scale_bytes);
+  auto pool = KvCachePool::Create(model->backend(), c, kv_dtype, block_size, budget);
+  if (!pool.ok()) return pool.status();
+  std::unique_ptr<PagedSequenceRunner> r(new PagedSequenceRunner());
+  r->model_ = model;
+  r->block_size_ = block_size;
+  r->pool_ = std::move(*pool);
+  const int64_t n = r->pool_->num_blocks();
+  for (int64_t b = n - 1; b >= 0 && static_cast<int64_t>(r->block_table_.size()) < blocks; --b) {
+    r->block_table_.push_back(static_cast<int32_t>(b));
+  }
+  if (static_cast<int64_t>(r->block_table_.size()) < blocks) {
+    return Status::Internal("KV pool holds " + std::to_string(n) + " blocks, " +
+                            std::to_string(blocks) + " needed");
+  }
+  return r;
+}
+
+Status PagedSequenceRunner::Run(const std::vector<TokenId>& tokens, int64_t start, int64_t n,
+                                std::vector<float>* logits) {
+  if (start < 0 || n < 1 || start + n > static_cast<int64_t>(tokens.size()) ||
+      (start + n + block_size_ - 1) / block_size_ > static_cast<int64_t>(block_table_.size())) {
+    return Status::InvalidArgument("tokens [" + std::to_string(start) + ", " +
+                                   std::to_string(start + n) + ") outside the runner's range");
+  }
+  std::vector<int32_t> ids(n), pos(n), rows(n);
+  std::vector<int64_t> slots(n);
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t p = start + j;
+    ids[j] = tokens[p];
+    pos[j] = static_cast<int32_t>(p);
+    slots[j] = static_cast<int64_t>(block_table_[p / block_size_]) * block_size_ + p % block_size_;
+    rows[j] = static_cast<int32_t>(j);
+  }
+  const int32_t query_start[2] = {0, static_cast<int32_t>(n)};
+  const int32_t context_len = static_cast<int32_t>(start + n);
+  ForwardBatch b;
+  b.num_tokens = n;
+  b.token_ids = ids.data();
+  b.positions = pos.data();
+  b.slots = slots.data();
+  b.attention.num_seqs = 1;
+  b.attention.query_start = query_start;
+  b.attention.context_lens = &context_len;
+  b.attention.block_tables = block_table_.data();
+  b.attention.max_blocks_per_seq = static_cast<int64_t>(block_table_.size());
+  b.attention.num_tokens = n;
+  b.num_logits = n;
+  b.logits_rows = rows.data();
+  logits->resize(n * model_->config().vocab_size);
+  return model_->Forward(b, pool_->layout(), pool_->base(), logits->data());
+}
+
+StatusOr<TextEvalResult> EvaluateText(Model* model, const std::vector<TokenId>& tokens,
+                                      const TextEvalOptions& options) {
+  const ModelConfig& c = model->config();
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  if (n < 2) return Status::InvalidArgument("the text must have at least 2 tokens");
+  if (n > c.max_context()) {
+    return Status::InvalidArgument("the text has " + std::to_string(n) +
+                                   " tokens, more than the model's context of " +
+                                   std::to_string(c.max_context()));
+  }
+  for (TokenId t : tokens) {
+    if (t < 0 || t >= c.vocab_size) {
+      return Status::InvalidArgument("token id " + std::to_string(t) + " outside the vocabulary");
+    }
+  }
+  if (options.prefill_tokens < 1 || options.decode_chunk < 1) {
+    return Status::InvalidArgument("prefill tokens and decode chunk must be >= 1");
+  }
+  auto base = PagedSequenceRunner::Create(model, DType::kF32, options.block_size, n);
+  if (!base.ok()) return base.status();
+  auto test = PagedSequenceRunner::Create(model, options.kv_dtype, options.block_size, n);
+  if (!test.ok()) return test.status();
+
+  const int64_t V = c.vocab_size;
+  TextEvalResult r;
+  double nll_sum = 0, base_nll_sum = 0, kl_sum = 0;
+  int64_t agree = 0;
+  std::vector<float> base_logits, test_logits;
+  std::vector<double> base_lp, test_lp;
+  // The last token is fed too although its logits score nothing: its step
+  // is part of the decode path like any other.
+  for (int64_t start = 0; start < n;) {
+    const int64_t len =
+        std::min(start == 0 ? options.prefill_tokens : options.decode_chunk, n - start);
+    if (Status st = (*base)->Run(tokens, start, len, &base_logits); !st.ok()) return st;
+    if (Status st = (*test)->Run(tokens, start, len, &test_logits); !st.ok()) return st;
+    for (int64_t j = 0; j < len && start + j + 1 < n; ++j) {
+      LogSoftmax(base_logits.data() + j * V, V, &base_lp);
+      LogSoftmax(test_logits.data() + j * V, V, &test_lp);
+      const TokenId next = tokens[start + j + 1];
+      r.token_nll.push_back(-test_lp[next]);
+      nll_sum -= test_lp[next];
+      base_nll_sum -= base_lp[next];
+      if (ArgMax(base_lp) == ArgMax(test_lp)) ++agree;
+      double kl = 0;
+      for (int64_t i = 0; i < V; ++i) kl += std::exp(base_lp[i]) * (base_lp[i] - test_lp[i]);
+      kl_sum += kl;
+    }
+    start += len;
+  }
+  r.tokens = n - 1;
+  r.nll = nll_sum / r.tokens;
+  r.perplexity = std::exp(r.nll);
+  r.baseline_nll = base_nll_sum / r.tokens;
+  r.top1_agreement = static_cast<double>(agree) / r.tokens;
+  r.kl_mean = kl_sum / r.tokens;
+  return r;
+}
+
+}  // namespace pdserve

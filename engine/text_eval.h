@@ -1,0 +1,84 @@
+// Teacher-forced evaluation of a text under a model, through the paged KV
+// cache: what a KV dtype costs in quality.
+//
+// The text's tokens are fed as a server would feed them: the first
+// `prefill_tokens` as one prefill chunk, then the rest `decode_chunk` at a
+// time (1: one decode step per token), each step writing its K/V into a
+// paged pool of the KV dtype under test and attending to everything cached
+// so far read back from it. The logits of every position come out of the
+// same Model::Forward the engine runs; nothing is kept in fp32 on the side.
+// Position t's logits score token t+1, so a text of n tokens scores n - 1.
+//
+// EvaluateText runs the text twice over one model, once with an fp32 KV
+// pool (the baseline) and once with the dtype under test, step by step in
+// lockstep, so that only one step's logits of each are held at a time.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "common/block_hash.h"  // TokenId
+#include "common/dtype.h"
+#include "common/status.h"
+#include "engine/kv_cache.h"
+#include "engine/model.h"
+
+namespace pdserve {
+
+// Feeds one sequence through Model::Forward over a pool of its own that
+// holds `max_tokens` tokens. The block table is the pool's blocks in
+// reverse order, so positions that are neighbours in the sequence are not
+// neighbours in memory.
+class PagedSequenceRunner {
+ public:
+  static StatusOr<std::unique_ptr<PagedSequenceRunner>> Create(Model* model, DType kv_dtype,
+                                                               int64_t block_size,
+                                                               int64_t max_tokens);
+
+  // Feeds tokens[start, start + n) at positions start..start+n-1 (every
+  // earlier position must have been fed) and writes their logits,
+  // [n, vocab_size] row-major, into `logits` (resized).
+  Status Run(const std::vector<TokenId>& tokens, int64_t start, int64_t n,
+             std::vector<float>* logits);
+
+  const KvCachePool& pool() const { return *pool_; }
+
+ private:
+  PagedSequenceRunner() = default;
+  Model* model_ = nullptr;
+  int64_t block_size_ = 0;
+  std::unique_ptr<KvCachePool> pool_;
+  std::vector<int32_t> block_table_;
+};
+
+struct TextEvalOptions {
+  DType kv_dtype = DType::kF32;  // fp32, fp16, bf16 or fp8 (e4m3)
+  int64_t block_size = 16;
+  // Tokens of the first (prefill) step; the whole text when it is shorter.
+  int64_t prefill_tokens = 32;
+  int64_t decode_chunk = 1;  // tokens per later step
+};
+
+struct TextEvalResult {
+  int64_t tokens = 0;  // scored tokens: the text's tokens minus the first
+  // Under the dtype under test: mean negative log-likelihood in nats per
+  // scored token, and exp(nll).
+  double nll = 0;
+  double perplexity = 0;
+  // Against the fp32-KV run of the same text: the fraction of positions
+  // whose most likely next token (lowest id on ties) is the same, and the
+  // mean over positions of KL(p_fp32 || p_dtype) in nats.
+  double top1_agreement = 0;
+  double kl_mean = 0;
+  double baseline_nll = 0;        // the fp32-KV run's mean NLL
+  std::vector<double> token_nll;  // per scored token, under the dtype under test
+};
+
+// InvalidArgument for fewer than 2 tokens, a token outside the vocabulary,
+// more tokens than the model's context, a dtype the KV pool cannot hold, or
+// a prefill_tokens / decode_chunk below 1. Log-softmax is computed in double.
+StatusOr<TextEvalResult> EvaluateText(Model* model, const std::vector<TokenId>& tokens,
+                                      const TextEvalOptions& options);
+
+}  // namespace pdserve

@@ -1,0 +1,28 @@
+// Matrix products for few activation rows, the shape of Linear in decode:
+// every weight is read from memory once per call, in the dtype it is stored
+// in (fp32, bf16 or fp16), so a bf16 model streams half the bytes of an
+// fp32 one. Large row counts (prefill) go to BLAS instead, see
+// CpuBackend::Linear; WeightRowsToF32 feeds it bf16/fp16 weights.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/backend.h"
+#include "kernels/cpu/cpu_features.h"
+
+namespace pdserve::kernels {
+
+// y[r][j] = sum_i x[r][i] * W[j][i] (+ bias[j] when bias is not null) for
+// rows r < m and output features j in [j_begin, j_end); x is [m, w.cols]
+// and y is [m, w.rows], both row-major, and only the given columns of y are
+// written. Each product is the exact fp32 product of the activation and the
+// weight widened to fp32; sums are fp32, in an order that depends on
+// `level` (so two levels agree to rounding, not bit for bit).
+void LinearRows(SimdLevel level, const float* x, int64_t m, const WeightMatrix& w,
+                const float* bias, int64_t j_begin, int64_t j_end, float* y);
+
+// Widens rows [begin, end) of w to fp32 into out ([end - begin, w.cols]).
+void WeightRowsToF32(SimdLevel level, const WeightMatrix& w, int64_t begin, int64_t end,
+                     float* out);
+
+}  // namespace pdserve::kernels

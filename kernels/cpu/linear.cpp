@@ -1,0 +1,68 @@
+// CpuBackend::Linear: the weight-streaming kernels of gemv.h for few rows
+// (decode), BLAS for many (prefill), split over the pool by output features.
+#include <cblas.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/gemv.h"
+
+namespace pdserve::kernels {
+namespace {
+
+// Up to this many rows LinearRows, which reads the weights once in their
+// stored dtype, is at least as fast as BLAS (on the `small` preset's
+// matrices, one core: faster up to 64 rows, even at 128 for fp32 and
+// bf16 weights); beyond it BLAS's cache blocking takes over.
+constexpr int64_t kMaxStreamingRows = 64;
+
+// Weight rows widened to fp32 per BLAS call for bf16/fp16 weights: enough
+// for BLAS to block well, few enough to stay in the L2 cache.
+constexpr int64_t kWidenRows = 64;
+
+}  // namespace
+
+void CpuBackend::Linear(const float* x, int64_t m, const WeightMatrix& w, const float* bias,
+                        float* y) {
+  if (m <= 0) return;
+  const int64_t n = w.rows, k = w.cols;
+  if (m <= kMaxStreamingRows) {
+    pool_.ParallelFor(
+        n, [&](int64_t begin, int64_t end) { LinearRows(simd_, x, m, w, bias, begin, end, y); },
+        /*min_chunk=*/16);
+    return;
+  }
+  // Each task computes a slice of output features: y[:, begin:end] =
+  // x . W[begin:end]^T, a contiguous range of W's rows.
+  auto gemm = [&](const float* rows, int64_t begin, int64_t count) {
+    float beta = 0.0f;
+    if (bias != nullptr) {
+      for (int64_t r = 0; r < m; ++r) std::copy_n(bias + begin, count, y + r * n + begin);
+      beta = 1.0f;
+    }
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<blasint>(m),
+                static_cast<blasint>(count), static_cast<blasint>(k), 1.0f, x,
+                static_cast<blasint>(k), rows, static_cast<blasint>(k), beta, y + begin,
+                static_cast<blasint>(n));
+  };
+  pool_.ParallelFor(
+      n,
+      [&](int64_t begin, int64_t end) {
+        if (w.dtype == DType::kF32) {
+          gemm(static_cast<const float*>(w.data) + begin * k, begin, end - begin);
+          return;
+        }
+        // Grown once per thread to the largest slice seen, then reused.
+        thread_local std::vector<float> widened;
+        widened.resize(std::max<size_t>(widened.size(), kWidenRows * k));
+        for (int64_t r = begin; r < end; r += kWidenRows) {
+          const int64_t count = std::min(kWidenRows, end - r);
+          WeightRowsToF32(simd_, w, r, r + count, widened.data());
+          gemm(widened.data(), r, count);
+        }
+      },
+      /*min_chunk=*/64);
+}
+
+}  // namespace pdserve::kernels

@@ -1,0 +1,152 @@
+// Multi-head latent attention on the CPU (kernels/backend.h: HeadsLinear,
+// WriteLatentKv, MlaAttention): the reference the CUDA backend is tested
+// against. Scores and the weighted sum are BLAS products over one block of
+// latents at a time, for every head of a query row that a task holds, so a
+// block is decoded once per row and task, not once per head.
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/kv_codec.h"
+
+namespace pdserve::kernels {
+
+void CpuBackend::HeadsLinear(const float* x, int64_t tokens, int64_t heads, const WeightMatrix& w,
+                             float* y) {
+  if (tokens <= 0 || heads <= 0) return;
+  if (w.dtype != DType::kF32 || w.rows % heads != 0) {
+    std::fprintf(stderr, "pdserve cpu backend: HeadsLinear takes fp32 [heads * out, in] weights\n");
+    std::abort();
+  }
+  const int64_t out = w.rows / heads, in = w.cols;
+  const auto* weights = static_cast<const float*>(w.data);
+  pool_.ParallelFor(heads, [&](int64_t begin, int64_t end) {
+    for (int64_t h = begin; h < end; ++h) {
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<blasint>(tokens),
+                  static_cast<blasint>(out), static_cast<blasint>(in), 1.0f, x + h * in,
+                  static_cast<blasint>(heads * in), weights + h * out * in,
+                  static_cast<blasint>(in), 0.0f, y + h * out, static_cast<blasint>(heads * out));
+    }
+  });
+}
+
+void CpuBackend::WriteLatentKv(const KvCacheLayout& layout, void* pool, int64_t layer,
+                               const float* c_kv, const float* k_pe, const int64_t* slots,
+                               int64_t tokens) {
+  auto* base = static_cast<uint8_t*>(pool);
+  const int64_t R = layout.kv_lora_rank, P = layout.rope_dim(), D = R + P;
+  const int64_t bs = layout.block_size;
+  std::vector<float> run_values;
+  // One head: the tokens are stored in order (the fp8 scale of a block grows
+  // run by run), as WriteKv does for each GQA head.
+  for (int64_t t = 0; t < tokens;) {
+    const int64_t block = slots[t] / bs, offset = slots[t] % bs;
+    int64_t run = 1;
+    while (t + run < tokens && slots[t + run] == slots[t] + run && offset + run < bs) ++run;
+    run_values.resize(run * D);
+    for (int64_t i = 0; i < run; ++i) {
+      std::copy(c_kv + (t + i) * R, c_kv + (t + i + 1) * R, run_values.begin() + i * D);
+      std::copy(k_pe + (t + i) * P, k_pe + (t + i + 1) * P, run_values.begin() + i * D + R);
+    }
+    // The fp8 scale sits right after the latents, 4-byte aligned only when
+    // they fill a multiple of 4 bytes: copied, never dereferenced in place.
+    float scale = 0;
+    uint8_t* scale_at = base + layout.k_scale_offset(block, layer, 0);
+    if (layout.has_scales()) std::memcpy(&scale, scale_at, 4);
+    StoreRun(run_values.data(), D, run, D, layout.dtype, offset,
+             base + layout.k_offset(block, layer, 0), &scale);
+    if (layout.has_scales()) std::memcpy(scale_at, &scale, 4);
+    t += run;
+  }
+}
+
+void CpuBackend::MlaAttention(const KvCacheLayout& layout, const void* pool, int64_t layer,
+                              const float* q_latent, const float* q_pe, int64_t num_heads,
+                              const AttentionBatch& batch, float scale, float* out) {
+  const auto* base = static_cast<const uint8_t*>(pool);
+  const int64_t R = layout.kv_lora_rank, P = layout.rope_dim(), D = R + P;
+  const int64_t bs = layout.block_size;
+  const int64_t tokens = batch.num_tokens;
+  std::vector<int32_t> row_seq(tokens);
+  for (int64_t s = 0; s < batch.num_seqs; ++s) {
+    for (int32_t r = batch.query_start[s]; r < batch.query_start[s + 1]; ++r) row_seq[r] = s;
+  }
+  // A task is a run of (row, head) pairs; the heads of one row in it share
+  // every block read.
+  pool_.ParallelFor(tokens * num_heads, [&](int64_t begin, int64_t end) {
+    std::vector<float> q, scores, block_buf(bs * D), acc;
+    std::vector<double> denom;
+    for (int64_t task = begin; task < end;) {
+      const int64_t row = task / num_heads, h0 = task % num_heads;
+      const int64_t G = std::min(num_heads - h0, end - task);  // heads of this row here
+      const int64_t s = row_seq[row];
+      const int64_t q_len = batch.query_start[s + 1] - batch.query_start[s];
+      const int64_t pos = batch.context_lens[s] - q_len + (row - batch.query_start[s]);
+      const int64_t n_keys = pos + 1;
+      const int64_t n_blocks = (n_keys + bs - 1) / bs;
+      const int32_t* table = batch.block_tables + s * batch.max_blocks_per_seq;
+      // The heads' queries as [G][R + P]: latent part, then rope part.
+      q.resize(G * D);
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t h = h0 + g;
+        std::copy(q_latent + (row * num_heads + h) * R, q_latent + (row * num_heads + h + 1) * R,
+                  q.begin() + g * D);
+        std::copy(q_pe + (row * num_heads + h) * P, q_pe + (row * num_heads + h + 1) * P,
+                  q.begin() + g * D + R);
+      }
+      auto keys_of = [&](int64_t b, int64_t in_block) -> const float* {
+        const int64_t block = table[b];
+        const uint8_t* kp = base + layout.k_offset(block, layer, 0);
+        if (layout.dtype == DType::kF32) return reinterpret_cast<const float*>(kp);
+        float k_scale = 1.0f;
+        if (layout.has_scales())
+          std::memcpy(&k_scale, base + layout.k_scale_offset(block, layer, 0), 4);
+        LoadKv(kp, layout.dtype, k_scale, in_block * D, block_buf.data());
+        return block_buf.data();
+      };
+      // Pass 1: scores [G][n_keys] = scale * q . latent.
+      scores.resize(G * n_keys);
+      for (int64_t b = 0; b < n_blocks; ++b) {
+        const int64_t in_block = std::min(bs, n_keys - b * bs);
+        const float* keys = keys_of(b, in_block);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<blasint>(G),
+                    static_cast<blasint>(in_block), static_cast<blasint>(D), scale, q.data(),
+                    static_cast<blasint>(D), keys, static_cast<blasint>(D), 0.0f,
+                    scores.data() + b * bs, static_cast<blasint>(n_keys));
+      }
+      denom.assign(G, 0.0);
+      for (int64_t g = 0; g < G; ++g) {
+        float* sc = scores.data() + g * n_keys;
+        const float mx = *std::max_element(sc, sc + n_keys);
+        for (int64_t j = 0; j < n_keys; ++j) {
+          sc[j] = std::exp(sc[j] - mx);
+          denom[g] += sc[j];
+        }
+      }
+      // Pass 2: out [G][R] = probabilities . c_kv (the latents' first R values).
+      acc.assign(G * R, 0.0f);
+      for (int64_t b = 0; b < n_blocks; ++b) {
+        const int64_t in_block = std::min(bs, n_keys - b * bs);
+        const float* keys = keys_of(b, in_block);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<blasint>(G),
+                    static_cast<blasint>(R), static_cast<blasint>(in_block), 1.0f,
+                    scores.data() + b * bs, static_cast<blasint>(n_keys), keys,
+                    static_cast<blasint>(D), 1.0f, acc.data(), static_cast<blasint>(R));
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const float inv = static_cast<float>(1.0 / denom[g]);
+        float* o = out + (row * num_heads + h0 + g) * R;
+        for (int64_t i = 0; i < R; ++i) o[i] = acc[g * R + i] * inv;
+      }
+      task += G;
+    }
+  });
+}
+
+}  // namespace pdserve::kernels

@@ -1,0 +1,442 @@
+#include "kernels/cpu/paged_attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "kernels/cpu/simd_loads.h"
+
+namespace pdserve::kernels {
+namespace {
+
+// Query rows of one sequence per unit: enough to share each decoded block
+// among many queries in prefill, few enough that long prompts still make
+// many units for the threads.
+constexpr int64_t kRowsPerUnit = 16;
+
+// The per-level inner loops of a unit.
+struct AttentionKernels {
+  // out[t] = scale * (q . keys[t]) for t < count; keys rows are head_dim apart.
+  void (*scores)(const float* q, const float* keys, int64_t head_dim, int64_t count, float scale,
+                 float* out);
+  // acc = acc * decay + sum over t < count of p[t] * values[t].
+  void (*accumulate)(float* acc, float decay, const float* values, const float* p, int64_t count,
+                     int64_t head_dim);
+  // dst[i] = src[i] (stored as dtype, not fp32) * factor, for i < count. fp8
+  // values arrive divided by 2^8 (simd_loads.h), which `factor` undoes.
+  void (*widen)(DType dtype, const uint8_t* src, int64_t count, float factor, float* dst);
+  // x[t] = exp(x[t] - shift) for t < count (every x[t] <= shift); returns
+  // their sum.
+  float (*exp_sum)(float* x, int64_t count, float shift);
+};
+
+// Portable ------------------------------------------------------------------
+
+void ScoresPortable(const float* q, const float* keys, int64_t hd, int64_t count, float scale,
+                    float* out) {
+  for (int64_t t = 0; t < count; ++t) {
+    const float* k = keys + t * hd;
+    float partial[8] = {};
+    int64_t i = 0;
+    for (; i + 8 <= hd; i += 8)
+      for (int l = 0; l < 8; ++l) partial[l] += q[i + l] * k[i + l];
+    float dot = 0;
+    for (int l = 0; l < 8; ++l) dot += partial[l];
+    for (; i < hd; ++i) dot += q[i] * k[i];
+    out[t] = dot * scale;
+  }
+}
+
+void AccumulatePortable(float* acc, float decay, const float* values, const float* p, int64_t count,
+                        int64_t hd) {
+  for (int64_t i = 0; i < hd; ++i) acc[i] *= decay;
+  for (int64_t t = 0; t < count; ++t)
+    for (int64_t i = 0; i < hd; ++i) acc[i] += p[t] * values[t * hd + i];
+}
+
+template <DType D>
+void WidenScalar(const uint8_t* src, int64_t from, int64_t count, float factor, float* dst) {
+  for (int64_t i = from; i < count; ++i) dst[i] = simd::LoadScalar<D>(src, i) * factor;
+}
+
+void WidenPortable(DType dtype, const uint8_t* src, int64_t count, float factor, float* dst) {
+  switch (dtype) {
+    case DType::kBF16:
+      return WidenScalar<DType::kBF16>(src, 0, count, factor, dst);
+    case DType::kF16:
+      return WidenScalar<DType::kF16>(src, 0, count, factor, dst);
+    case DType::kFP8E4M3:
+      // The scalar fp8 decode is exact: no 2^-8 to undo.
+      return WidenScalar<DType::kFP8E4M3>(src, 0, count, factor / simd::kE4M3LoadFactor, dst);
+    default:
+      std::abort();  // fp32 is read in place; other dtypes are refused with the pool
+  }
+}
+
+float ExpSumPortable(float* x, int64_t count, float shift) {
+  float sum = 0;
+  for (int64_t t = 0; t < count; ++t) sum += (x[t] = std::exp(x[t] - shift));
+  return sum;
+}
+
+#if PDSERVE_HAVE_X86_SIMD
+
+// exp on SIMD lanes, Cephes' single-precision method: x = n ln2 + r with
+// |r| <= ln2 / 2, a degree-7 polynomial for e^r (relative error about 1e-7,
+// as libm's expf within a couple of units in the last place), times 2^n.
+// Arguments below -87 give about 1e-38 instead of 0 (softmax weights are
+// summed with at least one 1, so the difference does not show).
+constexpr float kExpLow = -87.0f;
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kExpP[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                            4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+PDSERVE_TARGET_AVX2 inline __m256 ExpAvx2(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(kExpLow));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(kExpP[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpP[i]));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
+  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
+}
+
+PDSERVE_TARGET_AVX512 inline __m512 ExpAvx512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(kExpLow));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kExpP[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpP[i]));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+PDSERVE_TARGET_AVX2 float ExpSumAvx2(float* x, int64_t count, float shift) {
+  const __m256 sv = _mm256_set1_ps(shift);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t t = 0;
+  for (; t + 8 <= count; t += 8) {
+    const __m256 e = ExpAvx2(_mm256_sub_ps(_mm256_loadu_ps(x + t), sv));
+    _mm256_storeu_ps(x + t, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  float sum = simd::ReduceAdd(acc);
+  for (; t < count; ++t) sum += (x[t] = std::exp(x[t] - shift));
+  return sum;
+}
+
+PDSERVE_TARGET_AVX512 float ExpSumAvx512(float* x, int64_t count, float shift) {
+  const __m512 sv = _mm512_set1_ps(shift);
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t t = 0; t < count; t += 16) {
+    const __mmask16 mask = count - t >= 16 ? static_cast<__mmask16>(0xffff)
+                                           : static_cast<__mmask16>((1u << (count - t)) - 1);
+    const __m512 e = ExpAvx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, x + t), sv));
+    _mm512_mask_storeu_ps(x + t, mask, e);
+    acc = _mm512_mask_add_ps(acc, mask, acc, e);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+// AVX2 ----------------------------------------------------------------------
+
+PDSERVE_TARGET_AVX2 void ScoresAvx2(const float* q, const float* keys, int64_t hd, int64_t count,
+                                    float scale, float* out) {
+  int64_t t = 0;
+  // Four keys at a time share each load of q.
+  for (; t + 4 <= count; t += 4) {
+    const float* k = keys + t * hd;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t i = 0;
+    for (; i + 8 <= hd; i += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + i);
+      a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + i), a0);
+      a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + hd + i), a1);
+      a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 2 * hd + i), a2);
+      a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 3 * hd + i), a3);
+    }
+    float d[4] = {simd::ReduceAdd(a0), simd::ReduceAdd(a1), simd::ReduceAdd(a2),
+                  simd::ReduceAdd(a3)};
+    for (; i < hd; ++i)
+      for (int j = 0; j < 4; ++j) d[j] += q[i] * k[j * hd + i];
+    for (int j = 0; j < 4; ++j) out[t + j] = d[j] * scale;
+  }
+  for (; t < count; ++t) {
+    const float* k = keys + t * hd;
+    __m256 a = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= hd; i += 8)
+      a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), a);
+    float d = simd::ReduceAdd(a);
+    for (; i < hd; ++i) d += q[i] * k[i];
+    out[t] = d * scale;
+  }
+}
+
+PDSERVE_TARGET_AVX2 void AccumulateAvx2(float* acc, float decay, const float* values,
+                                        const float* p, int64_t count, int64_t hd) {
+  int64_t i = 0;
+  const __m256 dv = _mm256_set1_ps(decay);
+  for (; i + 8 <= hd; i += 8) {
+    __m256 a = _mm256_mul_ps(_mm256_loadu_ps(acc + i), dv);
+    for (int64_t t = 0; t < count; ++t)
+      a = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), _mm256_loadu_ps(values + t * hd + i), a);
+    _mm256_storeu_ps(acc + i, a);
+  }
+  for (; i < hd; ++i) {
+    float a = acc[i] * decay;
+    for (int64_t t = 0; t < count; ++t) a += p[t] * values[t * hd + i];
+    acc[i] = a;
+  }
+}
+
+template <DType D>
+PDSERVE_TARGET_AVX2 void WidenAvx2Of(const uint8_t* src, int64_t count, float factor, float* dst) {
+  int64_t i = 0;
+  const __m256 f = _mm256_set1_ps(factor);
+  for (; i + 8 <= count; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_mul_ps(simd::Load8<D>(src, i), f));
+  if constexpr (D == DType::kFP8E4M3) factor /= simd::kE4M3LoadFactor;
+  WidenScalar<D>(src, i, count, factor, dst);
+}
+
+PDSERVE_TARGET_AVX2 void WidenAvx2(DType dtype, const uint8_t* src, int64_t count, float factor,
+                                   float* dst) {
+  switch (dtype) {
+    case DType::kBF16:
+      return WidenAvx2Of<DType::kBF16>(src, count, factor, dst);
+    case DType::kF16:
+      return WidenAvx2Of<DType::kF16>(src, count, factor, dst);
+    case DType::kFP8E4M3:
+      return WidenAvx2Of<DType::kFP8E4M3>(src, count, factor, dst);
+    default:
+      std::abort();
+  }
+}
+
+// AVX-512 -------------------------------------------------------------------
+
+PDSERVE_TARGET_AVX512 void ScoresAvx512(const float* q, const float* keys, int64_t hd,
+                                        int64_t count, float scale, float* out) {
+  const __mmask16 tail = static_cast<__mmask16>((1u << (hd % 16)) - 1);
+  const int64_t full = hd / 16 * 16;
+  int64_t t = 0;
+  for (; t + 4 <= count; t += 4) {
+    const float* k = keys + t * hd;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t i = 0; i < full; i += 16) {
+      const __m512 qv = _mm512_loadu_ps(q + i);
+      a0 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + i), a0);
+      a1 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + hd + i), a1);
+      a2 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + 2 * hd + i), a2);
+      a3 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + 3 * hd + i), a3);
+    }
+    if (tail) {
+      const __m512 qv = _mm512_maskz_loadu_ps(tail, q + full);
+      a0 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(tail, k + full), a0);
+      a1 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(tail, k + hd + full), a1);
+      a2 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(tail, k + 2 * hd + full), a2);
+      a3 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(tail, k + 3 * hd + full), a3);
+    }
+    out[t] = _mm512_reduce_add_ps(a0) * scale;
+    out[t + 1] = _mm512_reduce_add_ps(a1) * scale;
+    out[t + 2] = _mm512_reduce_add_ps(a2) * scale;
+    out[t + 3] = _mm512_reduce_add_ps(a3) * scale;
+  }
+  for (; t < count; ++t) {
+    const float* k = keys + t * hd;
+    __m512 a = _mm512_setzero_ps();
+    for (int64_t i = 0; i < full; i += 16)
+      a = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(k + i), a);
+    if (tail)
+      a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, q + full),
+                          _mm512_maskz_loadu_ps(tail, k + full), a);
+    out[t] = _mm512_reduce_add_ps(a) * scale;
+  }
+}
+
+PDSERVE_TARGET_AVX512 void AccumulateAvx512(float* acc, float decay, const float* values,
+                                            const float* p, int64_t count, int64_t hd) {
+  const __m512 dv = _mm512_set1_ps(decay);
+  for (int64_t i = 0; i < hd; i += 16) {
+    const __mmask16 mask = hd - i >= 16 ? static_cast<__mmask16>(0xffff)
+                                        : static_cast<__mmask16>((1u << (hd - i)) - 1);
+    __m512 a = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, acc + i), dv);
+    for (int64_t t = 0; t < count; ++t)
+      a = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), _mm512_maskz_loadu_ps(mask, values + t * hd + i),
+                          a);
+    _mm512_mask_storeu_ps(acc + i, mask, a);
+  }
+}
+
+template <DType D>
+PDSERVE_TARGET_AVX512 void WidenAvx512Of(const uint8_t* src, int64_t count, float factor,
+                                         float* dst) {
+  const __m512 f = _mm512_set1_ps(factor);
+  for (int64_t i = 0; i < count; i += 16) {
+    const __mmask16 mask = count - i >= 16 ? static_cast<__mmask16>(0xffff)
+                                           : static_cast<__mmask16>((1u << (count - i)) - 1);
+    _mm512_mask_storeu_ps(dst + i, mask, _mm512_mul_ps(simd::Load16<D>(src, i, mask), f));
+  }
+}
+
+PDSERVE_TARGET_AVX512 void WidenAvx512(DType dtype, const uint8_t* src, int64_t count, float factor,
+                                       float* dst) {
+  switch (dtype) {
+    case DType::kBF16:
+      return WidenAvx512Of<DType::kBF16>(src, count, factor, dst);
+    case DType::kF16:
+      return WidenAvx512Of<DType::kF16>(src, count, factor, dst);
+    case DType::kFP8E4M3:
+      return WidenAvx512Of<DType::kFP8E4M3>(src, count, factor, dst);
+    default:
+      std::abort();
+  }
+}
+
+#endif  // PDSERVE_HAVE_X86_SIMD
+
+AttentionKernels KernelsFor(SimdLevel level) {
+#if PDSERVE_HAVE_X86_SIMD
+  if (level == SimdLevel::kAvx512) {
+    return {&ScoresAvx512, &AccumulateAvx512, &WidenAvx512, &ExpSumAvx512};
+  }
+  if (level == SimdLevel::kAvx2) return {&ScoresAvx2, &AccumulateAvx2, &WidenAvx2, &ExpSumAvx2};
+#endif
+  (void)level;
+  return {&ScoresPortable, &AccumulatePortable, &WidenPortable, &ExpSumPortable};
+}
+
+// Query rows [row_begin, row_end) of sequence `seq` against KV head `kv_head`.
+struct Unit {
+  int32_t seq;
+  int32_t kv_head;
+  int32_t row_begin;
+  int32_t row_end;
+};
+
+// Per-thread scratch, grown to the largest unit seen and then reused.
+struct Scratch {
+  std::vector<float> acc, max, sum, keys, values, scores;
+};
+
+void RunUnit(const AttentionKernels& k, const Unit& u, const KvCacheLayout& layout,
+             const uint8_t* base, int64_t layer, const float* q, int64_t num_heads,
+             const AttentionBatch& batch, float scale, float* out, Scratch& s) {
+  const int64_t hd = layout.head_dim, bs = layout.block_size;
+  const int64_t group = num_heads / layout.num_kv_heads;
+  const int64_t q_len = batch.query_start[u.seq + 1] - batch.query_start[u.seq];
+  // Row r of the sequence sits at position first_pos + (r - query_start) and
+  // sees the keys up to and including it.
+  const int64_t first_pos = batch.context_lens[u.seq] - q_len;
+  const int64_t rows = u.row_end - u.row_begin, queries = rows * group;
+  const int64_t max_keys = first_pos + (u.row_end - 1 - batch.query_start[u.seq]) + 1;
+  const int32_t* table = batch.block_tables + u.seq * batch.max_blocks_per_seq;
+  const bool in_place = layout.dtype == DType::kF32;
+  const bool fp8 = layout.has_scales();
+
+  s.acc.assign(queries * hd, 0.0f);
+  s.max.assign(queries, -INFINITY);
+  s.sum.assign(queries, 0.0f);
+  if (!in_place) {
+    s.keys.resize(std::max<size_t>(s.keys.size(), bs * hd));
+    s.values.resize(std::max<size_t>(s.values.size(), bs * hd));
+  }
+  s.scores.resize(std::max<size_t>(s.scores.size(), bs));
+
+  const int64_t n_blocks = (max_keys + bs - 1) / bs;
+  for (int64_t b = 0; b < n_blocks; ++b) {
+    const int64_t in_block = std::min(bs, max_keys - b * bs);
+    const int64_t block = table[b];
+    const uint8_t* kp = base + layout.k_offset(block, layer, u.kv_head);
+    const uint8_t* vp = base + layout.v_offset(block, layer, u.kv_head);
+    const float* keys = reinterpret_cast<const float*>(kp);
+    const float* values = reinterpret_cast<const float*>(vp);
+    if (!in_place) {
+      // fp8 scales by memcpy: odd head or block sizes leave them unaligned.
+      float k_factor = 1.0f, v_factor = 1.0f;
+      if (fp8) {
+        std::memcpy(&k_factor, base + layout.k_scale_offset(block, layer, u.kv_head), 4);
+        std::memcpy(&v_factor, base + layout.v_scale_offset(block, layer, u.kv_head), 4);
+        k_factor *= simd::kE4M3LoadFactor;
+        v_factor *= simd::kE4M3LoadFactor;
+      }
+      k.widen(layout.dtype, kp, in_block * hd, k_factor, s.keys.data());
+      k.widen(layout.dtype, vp, in_block * hd, v_factor, s.values.data());
+      keys = s.keys.data();
+      values = s.values.data();
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t row = u.row_begin + r;
+      const int64_t n_keys = first_pos + (row - batch.query_start[u.seq]) + 1;
+      const int64_t visible = std::min(in_block, n_keys - b * bs);
+      if (visible <= 0) continue;  // this row's causal window ended in an earlier block
+      for (int64_t j = 0; j < group; ++j) {
+        const int64_t h = u.kv_head * group + j, i = r * group + j;
+        float* sc = s.scores.data();
+        k.scores(q + (row * num_heads + h) * hd, keys, hd, visible, scale, sc);
+        float block_max = sc[0];
+        for (int64_t t = 1; t < visible; ++t) block_max = std::max(block_max, sc[t]);
+        const float new_max = std::max(s.max[i], block_max);
+        // exp(-inf) = 0 wipes the empty initial state.
+        const float decay = std::exp(s.max[i] - new_max);
+        s.sum[i] = s.sum[i] * decay + k.exp_sum(sc, visible, new_max);
+        s.max[i] = new_max;
+        k.accumulate(s.acc.data() + i * hd, decay, values, sc, visible, hd);
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < group; ++j) {
+      const int64_t h = u.kv_head * group + j, i = r * group + j;
+      float* o = out + ((u.row_begin + r) * num_heads + h) * hd;
+      const float inv = 1.0f / s.sum[i];
+      for (int64_t d = 0; d < hd; ++d) o[d] = s.acc[i * hd + d] * inv;
+    }
+  }
+}
+
+}  // namespace
+
+void PagedAttentionCpu(SimdLevel level, ThreadPool& threads, const KvCacheLayout& layout,
+                       const void* pool, int64_t layer, const float* q, int64_t num_heads,
+                       const AttentionBatch& batch, float scale, float* out) {
+  const AttentionKernels kernels = KernelsFor(level);
+  // The unit list of this call; a thread's own vector, reused.
+  thread_local std::vector<Unit> units;
+  units.clear();
+  for (int64_t s = 0; s < batch.num_seqs; ++s) {
+    for (int32_t r = batch.query_start[s]; r < batch.query_start[s + 1]; r += kRowsPerUnit) {
+      const int32_t end = std::min<int32_t>(batch.query_start[s + 1], r + kRowsPerUnit);
+      for (int64_t g = 0; g < layout.num_kv_heads; ++g) {
+        units.push_back(Unit{static_cast<int32_t>(s), static_cast<int32_t>(g), r, end});
+      }
+    }
+  }
+  // Later rows of a prompt see more keys: hand out the heaviest units first
+  // so the last ones to finish are short.
+  std::sort(units.begin(), units.end(), [&](const Unit& a, const Unit& b) {
+    const auto keys = [&](const Unit& u) {
+      return batch.context_lens[u.seq] - batch.query_start[u.seq + 1] + u.row_end;
+    };
+    return keys(a) > keys(b);
+  });
+  const auto* base = static_cast<const uint8_t*>(pool);
+  const std::vector<Unit>& all = units;
+  threads.ParallelFor(static_cast<int64_t>(all.size()), [&](int64_t begin, int64_t end) {
+    thread_local Scratch scratch;
+    for (int64_t i = begin; i < end; ++i) {
+      RunUnit(kernels, all[i], layout, base, layer, q, num_heads, batch, scale, out, scratch);
+    }
+  });
+}
+
+}  // namespace pdserve::kernels

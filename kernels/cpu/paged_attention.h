@@ -1,0 +1,25 @@
+// Paged causal attention on the CPU: the PagedAttention op of
+// kernels/backend.h, with the same contract.
+//
+// The work is split into units of (sequence, KV head, run of query rows). A
+// unit decodes each KV block it needs once (fp16, bf16 and fp8 widened to
+// fp32 in one SIMD pass) for every query head of its GQA group and every row
+// it holds, and keeps an online softmax per query (running max, sum and
+// weighted sum of values), so nothing grows with the context and a unit
+// allocates nothing: its scratch is per thread, grown to the largest unit
+// seen.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/backend.h"
+#include "kernels/cpu/cpu_features.h"
+#include "kernels/cpu/thread_pool.h"
+
+namespace pdserve::kernels {
+
+void PagedAttentionCpu(SimdLevel level, ThreadPool& threads, const KvCacheLayout& layout,
+                       const void* pool, int64_t layer, const float* q, int64_t num_heads,
+                       const AttentionBatch& batch, float scale, float* out);
+
+}  // namespace pdserve::kernels

@@ -1,0 +1,225 @@
+#include "kernels/cuda/mla_attention.h"
+
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/kv_codec.cuh"
+
+namespace pdserve::cuda {
+namespace {
+
+using kernels::KvCacheLayout;
+
+constexpr int kThreads = 256;
+constexpr int kWarps = 4;  // warps per (row, head) block of MlaAttentionKernel
+
+// KvCacheLayout's MLA offsets, precomputed on the host.
+struct LatentLayout {
+  int64_t rank, rope, width, block_size, layer_stride, bytes_per_block, head_bytes;
+  DType dtype;
+  bool has_scales;
+
+  explicit LatentLayout(const KvCacheLayout& l)
+      : rank(l.kv_lora_rank),
+        rope(l.rope_dim()),
+        width(l.head_dim),
+        block_size(l.block_size),
+        layer_stride(l.layer_stride_bytes()),
+        bytes_per_block(l.bytes_per_block()),
+        head_bytes(l.head_bytes()),
+        dtype(l.dtype),
+        has_scales(l.has_scales()) {}
+
+  __device__ int64_t latent_offset(int64_t block, int64_t layer) const {
+    return block * bytes_per_block + layer * layer_stride;
+  }
+  __device__ int64_t scale_offset(int64_t block, int64_t layer) const {
+    return latent_offset(block, layer) + head_bytes;
+  }
+};
+
+// The fp8 scale follows the latents and is 4-byte aligned only when they
+// fill a multiple of 4 bytes: read and written bytewise.
+__device__ float LoadScale(const uint8_t* at) {
+  float s;
+  memcpy(&s, at, 4);
+  return s;
+}
+__device__ void StoreScale(uint8_t* at, float s) { memcpy(at, &s, 4); }
+
+// Element d of token t's latent: c_kv then k_pe.
+__device__ float LatentValue(const LatentLayout& l, const float* c_kv, const float* k_pe, int64_t t,
+                             int64_t d) {
+  return d < l.rank ? c_kv[t * l.rank + d] : k_pe[t * l.rope + d - l.rank];
+}
+
+__global__ void WriteLatentPlainKernel(LatentLayout l, uint8_t* pool, int64_t layer,
+                                       const float* c_kv, const float* k_pe, const int64_t* slots,
+                                       int64_t tokens) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= tokens * l.width) return;
+  const int64_t t = i / l.width, d = i % l.width;
+  const int64_t block = slots[t] / l.block_size, offset = slots[t] % l.block_size;
+  kernels::StoreKv(pool + l.latent_offset(block, layer), l.dtype, offset * l.width + d,
+                   LatentValue(l, c_kv, k_pe, t, d), 1.0f);
+}
+
+// fp8: one thread block walks the tokens in order, one run of consecutive
+// slots in a block at a time, as the CPU backend does (the block's scale
+// grows to cover the run; tokens already there are requantized when it does).
+__global__ void WriteLatentFp8Kernel(LatentLayout l, uint8_t* pool, int64_t layer,
+                                     const float* c_kv, const float* k_pe, const int64_t* slots,
+                                     int64_t tokens) {
+  __shared__ float reduce[kThreads / 32];
+  const int64_t D = l.width, bs = l.block_size;
+  for (int64_t t = 0; t < tokens;) {
+    const int64_t block = slots[t] / bs, offset = slots[t] % bs;
+    int64_t run = 1;
+    while (t + run < tokens && slots[t + run] == slots[t] + run && offset + run < bs) ++run;
+    uint8_t* latent = pool + l.latent_offset(block, layer);
+    uint8_t* scale_at = pool + l.scale_offset(block, layer);
+    float max_abs = 0;
+    for (int64_t i = threadIdx.x; i < run * D; i += blockDim.x) {
+      max_abs = fmaxf(max_abs, fabsf(LatentValue(l, c_kv, k_pe, t + i / D, i % D)));
+    }
+    max_abs = kernels::BlockMax(max_abs, reduce);
+    const float old_scale = offset == 0 ? 0.0f : LoadScale(scale_at);  // offset 0: a fresh block
+    const float needed = kernels::Fp8ScaleFor(max_abs);
+    const float new_scale = needed > old_scale ? needed : old_scale;
+    if (new_scale != old_scale && old_scale > 0) {
+      for (int64_t i = threadIdx.x; i < offset * D; i += blockDim.x) {
+        latent[i] = kernels::F32ToE4M3(kernels::E4M3ToF32(latent[i]) * old_scale / new_scale);
+      }
+    }
+    for (int64_t i = threadIdx.x; i < run * D; i += blockDim.x) {
+      kernels::StoreKv(latent, DType::kFP8E4M3, offset * D + i,
+                       LatentValue(l, c_kv, k_pe, t + i / D, i % D), new_scale);
+    }
+    __syncthreads();  // every thread read the old scale before it changes
+    if (threadIdx.x == 0) StoreScale(scale_at, new_scale);
+    __syncthreads();
+    t += run;
+  }
+}
+
+// C: latent values per lane (width <= 32 * C). Lane `lane` holds elements
+// lane + 32 c of the query, of each key it reads and of its accumulator.
+template <int C>
+__global__ void __launch_bounds__(32 * kWarps)
+    MlaAttentionKernel(LatentLayout l, const uint8_t* pool, int64_t layer, const float* q_latent,
+                       const float* q_pe, int64_t num_heads, kernels::AttentionBatch batch,
+                       float scale, float* out) {
+  __shared__ float warp_m[kWarps], warp_l[kWarps];
+  __shared__ float warp_acc[kWarps][32 * C];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t row = blockIdx.x / num_heads, h = blockIdx.x % num_heads;
+  int64_t s = 0;
+  while (s + 1 < batch.num_seqs && batch.query_start[s + 1] <= row) ++s;
+  const int64_t q_len = batch.query_start[s + 1] - batch.query_start[s];
+  const int64_t n_keys = batch.context_lens[s] - q_len + (row - batch.query_start[s]) + 1;
+  const int32_t* table = batch.block_tables + s * batch.max_blocks_per_seq;
+  const int64_t R = l.rank, D = l.width;
+
+  float q[C], acc[C];
+  for (int c = 0; c < C; ++c) {
+    const int64_t i = lane + 32 * c;
+    q[c] = i < R   ? q_latent[(row * num_heads + h) * R + i]
+           : i < D ? q_pe[(row * num_heads + h) * l.rope + i - R]
+                   : 0.0f;
+    acc[c] = 0.0f;
+  }
+  float m = -INFINITY, sum = 0.0f;
+  for (int64_t j = warp; j < n_keys; j += kWarps) {
+    const int64_t block = table[j / l.block_size], offset = j % l.block_size;
+    const uint8_t* latent = pool + l.latent_offset(block, layer);
+    const float k_scale = l.has_scales ? LoadScale(pool + l.scale_offset(block, layer)) : 1.0f;
+    float k[C];
+    float dot = 0.0f;
+    for (int c = 0; c < C; ++c) {
+      const int64_t i = lane + 32 * c;
+      k[c] = i < D ? kernels::LoadKv(latent, l.dtype, offset * D + i, k_scale) : 0.0f;
+      dot += q[c] * k[c];
+    }
+    for (int o = 16; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+    const float score = dot * scale;
+    const float new_m = fmaxf(m, score);
+    const float correction = expf(m - new_m);  // 0 for the first key (m = -inf)
+    const float p = expf(score - new_m);
+    sum = sum * correction + p;
+    for (int c = 0; c < C; ++c) {
+      const bool value = lane + 32 * c < R;  // the value is the latent part alone
+      acc[c] = acc[c] * correction + (value ? p * k[c] : 0.0f);
+    }
+    m = new_m;
+  }
+  if (lane == 0) {
+    warp_m[warp] = m;
+    warp_l[warp] = sum;
+  }
+  for (int c = 0; c < C; ++c) warp_acc[warp][lane + 32 * c] = acc[c];
+  __syncthreads();
+  float total_m = -INFINITY;
+  for (int w = 0; w < kWarps; ++w) total_m = fmaxf(total_m, warp_m[w]);
+  float total = 0.0f;
+  for (int w = 0; w < kWarps; ++w) {
+    if (warp_l[w] > 0) total += warp_l[w] * expf(warp_m[w] - total_m);
+  }
+  for (int64_t i = threadIdx.x; i < R; i += blockDim.x) {
+    float o = 0.0f;
+    for (int w = 0; w < kWarps; ++w) {
+      if (warp_l[w] > 0) o += warp_acc[w][i] * expf(warp_m[w] - total_m);
+    }
+    out[(row * num_heads + h) * R + i] = o / total;
+  }
+}
+
+template <int C>
+void LaunchMla(const LatentLayout& l, const void* pool, int64_t layer, const float* q_latent,
+               const float* q_pe, int64_t num_heads, const kernels::AttentionBatch& batch,
+               float scale, float* out, cudaStream_t stream) {
+  MlaAttentionKernel<C>
+      <<<static_cast<unsigned>(batch.num_tokens * num_heads), 32 * kWarps, 0, stream>>>(
+          l, static_cast<const uint8_t*>(pool), layer, q_latent, q_pe, num_heads, batch, scale,
+          out);
+}
+
+}  // namespace
+
+cudaError_t WriteLatentKv(const KvCacheLayout& layout, void* pool, int64_t layer, const float* c_kv,
+                          const float* k_pe, const int64_t* slots, int64_t tokens,
+                          cudaStream_t stream) {
+  if (tokens == 0) return cudaSuccess;
+  const LatentLayout l(layout);
+  auto* base = static_cast<uint8_t*>(pool);
+  if (layout.has_scales()) {
+    WriteLatentFp8Kernel<<<1, kThreads, 0, stream>>>(l, base, layer, c_kv, k_pe, slots, tokens);
+  } else {
+    const int64_t n = tokens * layout.head_dim;
+    const auto blocks = static_cast<unsigned>((n + kThreads - 1) / kThreads);
+    WriteLatentPlainKernel<<<blocks, kThreads, 0, stream>>>(l, base, layer, c_kv, k_pe, slots,
+                                                            tokens);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t MlaAttention(const KvCacheLayout& layout, const void* pool, int64_t layer,
+                         const float* q_latent, const float* q_pe, int64_t num_heads,
+                         const kernels::AttentionBatch& batch, float scale, float* out,
+                         cudaStream_t stream) {
+  if (layout.head_dim > kMaxMlaLatent) return cudaErrorInvalidValue;
+  if (batch.num_tokens == 0 || num_heads == 0) return cudaSuccess;
+  const LatentLayout l(layout);
+  const int64_t d = layout.head_dim;
+  if (d <= 64) {
+    LaunchMla<2>(l, pool, layer, q_latent, q_pe, num_heads, batch, scale, out, stream);
+  } else if (d <= 128) {
+    LaunchMla<4>(l, pool, layer, q_latent, q_pe, num_heads, batch, scale, out, stream);
+  } else if (d <= 256) {
+    LaunchMla<8>(l, pool, layer, q_latent, q_pe, num_heads, batch, scale, out, stream);
+  } else {
+    LaunchMla<kMaxMlaLatent / 32>(l, pool, layer, q_latent, q_pe, num_heads, batch, scale, out,
+                                  stream);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace pdserve::cuda

@@ -1,0 +1,116 @@
+// pdserve eval: the quality cost of a KV dtype, as the perplexity of a text
+// teacher-forced through the paged KV cache, compared with an fp32 KV cache
+// (engine/text_eval.h).
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "common/flags.h"
+#include "common/tokenizer/tokenizer.h"
+#include "engine/text_eval.h"
+#include "kernels/backend_factory.h"
+#include "services/cli/bench_util.h"
+#include "services/cli/command.h"
+
+namespace pdserve::cli {
+namespace {
+
+int RunEval(int argc, char** argv) {
+  FlagSet flags("eval",
+                "Per-token NLL and perplexity of a text with prefill and paged decode, and "
+                "top-1 agreement and KL divergence against an fp32 KV cache.");
+  std::string model_dir, text_path, kv_dtype_name = "fp32", device = "cpu";
+  int64_t block_size = 16, prefill_tokens = 32, decode_chunk = 1, threads = 0;
+  bool json = false;
+  flags.AddString("model", &model_dir, "model folder (Hugging Face layout)");
+  flags.AddString("text", &text_path,
+                  "text file to score (a BOS token is added as the tokenizer says)");
+  flags.AddString("kv-dtype", &kv_dtype_name, "KV cache dtype under test: fp32, fp16, bf16 or fp8");
+  flags.AddInt("block-size", &block_size, "tokens per KV block");
+  flags.AddInt("prefill-tokens", &prefill_tokens, "tokens of the first (prefill) step");
+  flags.AddInt("decode-chunk", &decode_chunk, "tokens per later step (1: one decode step each)");
+  flags.AddInt("threads", &threads, "CPU threads (0: one per core)");
+  flags.AddString("device", &device, "compute backend: cpu, cuda or cuda:N");
+  flags.AddBool("json", &json,
+                "print one JSON line: model, kv_dtype, tokens, nll, perplexity, top1_agreement, "
+                "kl_mean, machine");
+  flags.SetEnvPrefix("PDSERVE_");
+  flags.SetEpilog(
+      "Example: pdserve eval --model models/tiny --text bench/eval/tinystories.txt --kv-dtype fp8");
+  ParseFlagsOrExit(flags, argc, argv);
+
+  if (model_dir.empty()) UsageError("eval", "--model is required");
+  if (text_path.empty()) UsageError("eval", "--text is required");
+  auto kv_dtype = ParseDType(kv_dtype_name);
+  if (!kv_dtype || *kv_dtype == DType::kFP4E2M1) {
+    UsageError("eval", "--kv-dtype: expected fp32, fp16, bf16 or fp8, got '" + kv_dtype_name + "'");
+  }
+  if (block_size < 1 || block_size > 1024) UsageError("eval", "--block-size must be in [1, 1024]");
+  if (prefill_tokens < 1) UsageError("eval", "--prefill-tokens must be >= 1");
+  if (decode_chunk < 1) UsageError("eval", "--decode-chunk must be >= 1");
+  if (threads < 0) UsageError("eval", "--threads must be >= 0");
+  std::ifstream in(text_path, std::ios::binary);
+  if (!in) UsageError("eval", "--text: cannot read '" + text_path + "'");
+  std::stringstream text;
+  text << in.rdbuf();
+
+  auto backend = kernels::CreateBackend(device, static_cast<int>(threads));
+  if (!backend.ok()) {
+    if (backend.status().code() == StatusCode::kInvalidArgument)
+      UsageError("eval", "--device: " + backend.status().message());
+    std::fprintf(stderr, "pdserve eval: %s\n", backend.status().message().c_str());
+    return 1;
+  }
+  auto model = Model::Load(model_dir, backend->get());
+  if (!model.ok()) UsageError("eval", model.status().message());
+  auto tokenizer = Tokenizer::Load(model_dir);
+  if (!tokenizer.ok()) UsageError("eval", tokenizer.status().message());
+  const std::vector<TokenId> tokens = (*tokenizer)->Encode(text.str(), /*add_special_tokens=*/true);
+
+  TextEvalOptions options;
+  options.kv_dtype = *kv_dtype;
+  options.block_size = block_size;
+  options.prefill_tokens = prefill_tokens;
+  options.decode_chunk = decode_chunk;
+  auto result = EvaluateText(model->get(), tokens, options);
+  if (!result.ok()) {
+    if (result.status().code() == StatusCode::kInvalidArgument)
+      UsageError("eval", result.status().message());
+    std::fprintf(stderr, "pdserve eval: %s\n", result.status().message().c_str());
+    return 1;
+  }
+  const TextEvalResult& r = *result;
+  if (json) {
+    nlohmann::json machine = MachineJson();
+    machine["backend"] = (*backend)->name();
+    nlohmann::json j = {{"model", (*model)->model_id()},
+                        {"kv_dtype", DTypeName(*kv_dtype)},
+                        {"tokens", r.tokens},
+                        {"nll", r.nll},
+                        {"perplexity", r.perplexity},
+                        {"top1_agreement", r.top1_agreement},
+                        {"kl_mean", r.kl_mean},
+                        {"fp32_kv_nll", r.baseline_nll},
+                        {"prefill_tokens", std::min<int64_t>(prefill_tokens, tokens.size())},
+                        {"decode_chunk", decode_chunk},
+                        {"block_size", block_size},
+                        {"machine", machine}};
+    std::printf("%s\n", j.dump().c_str());
+  } else {
+    std::printf(
+        "model %s, kv %s: %lld tokens, nll %.6f nats/token, perplexity %.4f, "
+        "top-1 agreement with fp32 KV %.4f, mean KL %.3g nats\n",
+        (*model)->model_id().c_str(), std::string(DTypeName(*kv_dtype)).c_str(),
+        static_cast<long long>(r.tokens), r.nll, r.perplexity, r.top1_agreement, r.kl_mean);
+  }
+  return 0;
+}
+
+}  // namespace
+
+PDSERVE_COMMAND("eval", "perplexity of a text through the paged KV cache, per KV dtype", RunEval);
+
+}  // namespace pdserve::cli

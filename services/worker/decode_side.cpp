@@ -1,0 +1,655 @@
+#include "services/worker/decode_side.h"
+
+#include <algorithm>
+#include <optional>
+#include <unordered_set>
+
+#include "common/logging.h"
+#include "common/random_id.h"
+#include "services/protocol/sampling.h"
+#include "services/worker/host_port.h"
+
+namespace pdserve::worker {
+namespace {
+
+using control::ConnectionPtr;
+
+// Past a prefill peer's transfer deadline, its transport has given up; this
+// margin covers clock granularity and bytes already on the wire.
+constexpr auto kRemoteWriteGrace = std::chrono::milliseconds(2000);
+
+// Prefill messages queued for a peer whose handshake is not done yet.
+constexpr size_t kMaxPendingPrefills = 4096;
+
+}  // namespace
+
+// A request this worker decodes.
+struct DecodeSide::Request {
+  RequestId id = 0;
+  std::string router_rid;
+  ConnectionPtr router;
+  WorkerClock::time_point arrived;
+  WorkerClock::time_point last_token;
+  bool first_token_sent = false;
+  int64_t prompt_tokens = 0;
+  int64_t cached_tokens = 0;
+  int64_t completion_tokens = 0;
+  bool prefilled_remotely = false;
+
+  // The remote hand-off, while `remote` holds.
+  bool remote = false;
+  std::string prefill_address;
+  std::string prefill_rid;                  // id used with the prefill peer
+  WorkerClock::time_point remote_give_up;   // transfer deadline + grace
+  std::vector<BlockId> to_fill;             // reserved blocks the peer must write, in order
+  std::unordered_set<BlockId> unannounced;  // of to_fill, not yet in a KvWrite of the peer
+  int pending_receives = 0;
+  std::string failure;                     // first reason the hand-off cannot succeed
+  std::optional<proto::PrefillDone> done;  // the peer's report, once it came
+  bool cancel_after_remote = false;        // cancelled while the peer may still write
+};
+
+// Our client connection to one prefill worker.
+struct DecodeSide::PrefillPeer {
+  std::unique_ptr<control::Client> client;
+  bool ready = false;      // transfer handshake done
+  bool forgotten = false;  // no router lists it: dropped when its connection closes
+  PeerId transfer_peer = 0;
+  std::deque<proto::Envelope> pending;  // Prefill messages waiting for the handshake
+  std::string last_error;
+};
+
+DecodeSide::DecodeSide(WorkerContext* ctx) : ctx_(ctx) {}
+DecodeSide::~DecodeSide() = default;
+
+// ------------------------------------------------------------- requests
+
+void DecodeSide::OnGenerate(const ConnectionPtr& router, proto::Generate g) {
+  auto reject = [&](const Status& st) {
+    PDSERVE_LOG(INFO) << "request " << g.request_id() << " refused: " << st.message();
+    const bool retryable =
+        st.code() == StatusCode::kResourceExhausted || st.code() == StatusCode::kUnavailable;
+    (void)router->Send(RequestError(g.request_id(), st.code(), st.message(), retryable));
+    ctx_->metrics->CountRequest("decode", "refused");
+  };
+  if (ctx_->draining->load()) return reject(Status::Unavailable("worker is draining"));
+  if (ctx_->opts->role == Role::kPrefill) {
+    return reject(
+        Status::Unsupported("this is a prefill worker; send Generate to a decode worker"));
+  }
+  if (by_router_rid_.count({router->id(), g.request_id()})) {
+    return reject(Status::InvalidArgument("duplicate request id " + g.request_id()));
+  }
+  EngineRequest req;
+  req.id = ctx_->next_id++;
+  req.prompt.assign(g.prompt_token_ids().begin(), g.prompt_token_ids().end());
+  req.params = FromProto(g.sampling());
+  req.params.seed = ResolveSeed(req.params);  // the prefill peer must sample with the same seed
+  req.cache_salt = g.cache_salt();
+  auto r = std::make_unique<Request>();
+  r->id = req.id;
+  r->router_rid = g.request_id();
+  r->router = router;
+  r->arrived = WorkerClock::now();
+  r->prompt_tokens = static_cast<int64_t>(req.prompt.size());
+
+  // The router decided: a named prefill worker means remote prefill.
+  std::optional<proto::Envelope> prefill;
+  if (!g.prefill_address().empty()) {
+    EngineRequest copy = req;
+    auto plan = ctx_->engine->AddRemotePrefillRequest(std::move(copy));
+    if (!plan.ok()) return reject(plan.status());
+    r->remote = true;
+    r->prefill_address = g.prefill_address();
+    r->cached_tokens = plan->num_cached_tokens;
+    r->prefill_rid = NewUnguessableId();
+    const int64_t timeout_ms = ctx_->opts->prefill_timeout_ms;
+    r->remote_give_up =
+        WorkerClock::now() + std::chrono::milliseconds(timeout_ms) + kRemoteWriteGrace;
+    proto::Envelope env;
+    auto* p = env.mutable_prefill();
+    p->set_request_id(r->prefill_rid);
+    for (TokenId t : req.prompt) p->add_prompt_token_ids(t);
+    ToProto(req.params, p->mutable_sampling());
+    p->set_cache_salt(req.cache_salt);
+    for (size_t i = plan->first_block_to_fill; i < plan->block_ids.size(); ++i) {
+      auto* w = p->add_blocks();
+      w->set_prompt_block_index(static_cast<uint32_t>(i));
+      w->set_remote_block_id(plan->block_ids[i]);
+      r->to_fill.push_back(plan->block_ids[i]);
+      r->unannounced.insert(plan->block_ids[i]);
+    }
+    p->set_decode_worker_id(ctx_->opts->worker_id);
+    p->set_deadline_ms(static_cast<uint32_t>(timeout_ms));
+    prefill = std::move(env);
+    by_prefill_rid_[r->prefill_rid] = r->id;
+  } else if (Status st = ctx_->engine->AddRequest(std::move(req)); !st.ok()) {
+    return reject(st);
+  }
+  ctx_->metrics->prefill_tokens.Increment(static_cast<double>(r->prompt_tokens));
+  by_router_rid_[{router->id(), r->router_rid}] = r->id;
+  const RequestId id = r->id;
+  const std::string address = r->prefill_address;
+  requests_.emplace(id, std::move(r));
+  ctx_->busy->fetch_add(1);
+  if (prefill) SendToPrefillPeer(address, std::move(*prefill), id);
+}
+
+void DecodeSide::OnRouterCancel(const ConnectionPtr& router, const std::string& rid) {
+  auto it = by_router_rid_.find({router->id(), rid});
+  if (it != by_router_rid_.end()) CancelRequest(it->second, "cancelled by the router");
+}
+
+void DecodeSide::OnRouterGone(const ConnectionPtr& router) {
+  std::vector<RequestId> orphans;
+  for (auto it = by_router_rid_.lower_bound({router->id(), std::string()});
+       it != by_router_rid_.end() && it->first.first == router->id(); ++it) {
+    orphans.push_back(it->second);
+  }
+  for (RequestId id : orphans) CancelRequest(id, "router connection lost");
+}
+
+void DecodeSide::CancelAll(const std::string& why) {
+  std::vector<RequestId> ids;
+  for (auto& [id, _] : requests_) ids.push_back(id);
+  for (RequestId id : ids) {
+    // The transport is about to go away with the worker: nothing writes after it.
+    if (requests_.at(id)->remote) requests_.at(id)->remote = false;
+    CancelRequest(id, why);
+  }
+}
+
+// Frees everything a request holds (deferred while a peer may write).
+void DecodeSide::CancelRequest(RequestId id, const std::string& why) {
+  auto it = requests_.find(id);
+  if (it == requests_.end()) return;
+  Request& r = *it->second;
+  if (r.remote) {
+    r.cancel_after_remote = true;  // released when the peer is done with its blocks
+    PDSERVE_LOG(INFO) << "request " << r.router_rid << " cancelled (" << why
+                      << "); its blocks are released once the prefill peer is done with them";
+    return;
+  }
+  (void)ctx_->engine->Cancel(id);
+  PDSERVE_LOG(INFO) << "request " << r.router_rid << " cancelled: " << why << " after "
+                    << r.completion_tokens << " tokens";
+  EraseRequest(id, "cancelled");
+}
+
+void DecodeSide::EraseRequest(RequestId id, const char* outcome) {
+  auto it = requests_.find(id);
+  if (it == requests_.end()) return;
+  Request& r = *it->second;
+  if (outcome) ctx_->metrics->CountRequest("decode", outcome);
+  by_router_rid_.erase({r.router->id(), r.router_rid});
+  if (!r.prefill_rid.empty()) by_prefill_rid_.erase(r.prefill_rid);
+  requests_.erase(it);
+  ctx_->busy->fetch_sub(1);
+}
+
+bool DecodeSide::HandleOutput(RequestOutput& out) {
+  auto it = requests_.find(out.id);
+  if (it == requests_.end()) return false;
+  Request& r = *it->second;
+  const auto now = WorkerClock::now();
+  if (!out.new_token_ids.empty()) {
+    if (!r.first_token_sent) {
+      r.first_token_sent = true;
+      ctx_->metrics->ttft.Observe(Seconds(now - r.arrived));
+      if (!r.prefilled_remotely) r.cached_tokens = out.num_cached_tokens;
+    } else {
+      const double gap =
+          Seconds(now - r.last_token) / static_cast<double>(out.new_token_ids.size());
+      for (size_t i = 0; i < out.new_token_ids.size(); ++i) ctx_->metrics->itl.Observe(gap);
+    }
+    r.last_token = now;
+    r.completion_tokens += static_cast<int64_t>(out.new_token_ids.size());
+    ctx_->metrics->generation_tokens.Increment(static_cast<double>(out.new_token_ids.size()));
+    proto::Envelope env;
+    auto* t = env.mutable_token();
+    t->set_request_id(r.router_rid);
+    for (TokenId id : out.new_token_ids) t->add_token_ids(id);
+    for (const auto& lp : out.logprobs) {
+      t->add_logprobs(lp.logprob);
+      auto* top = t->add_top_logprobs();
+      for (const auto& alt : lp.top_logprobs) {
+        top->add_token_ids(alt.token);
+        top->add_logprobs(alt.logprob);
+      }
+    }
+    t->set_text(out.text);
+    (void)r.router->Send(std::move(env));
+  }
+  if (out.finished) {
+    proto::Envelope env;
+    auto* f = env.mutable_finished();
+    f->set_request_id(r.router_rid);
+    f->set_reason(out.finish_reason == FinishReason::kLength ? proto::FINISH_REASON_LENGTH
+                                                             : proto::FINISH_REASON_STOP);
+    f->mutable_usage()->set_prompt_tokens(static_cast<uint32_t>(r.prompt_tokens));
+    f->mutable_usage()->set_completion_tokens(static_cast<uint32_t>(r.completion_tokens));
+    f->mutable_usage()->set_cached_tokens(static_cast<uint32_t>(r.cached_tokens));
+    (void)r.router->Send(std::move(env));
+    PDSERVE_LOG(INFO) << "request " << r.router_rid << " done: prompt " << r.prompt_tokens
+                      << " (cached " << r.cached_tokens << "), completion " << r.completion_tokens
+                      << ", " << (r.prefilled_remotely ? "remote" : "local") << " prefill, "
+                      << FinishReasonName(out.finish_reason) << ", " << Seconds(now - r.arrived)
+                      << "s";
+    EraseRequest(out.id, "ok");
+  }
+  return true;
+}
+
+int64_t DecodeSide::QueuedPrefillTokens() const {
+  int64_t queued = 0;
+  for (auto& [_, r] : requests_) {
+    if (!r->first_token_sent && !r->remote) queued += r->prompt_tokens - r->cached_tokens;
+  }
+  return std::max<int64_t>(0, queued);
+}
+
+// ------------------------------------------------------- remote hand-off
+
+RequestId DecodeSide::FindByPrefillRid(const std::string& address, const std::string& rid) const {
+  auto it = by_prefill_rid_.find(rid);
+  if (it == by_prefill_rid_.end()) return 0;
+  auto r = requests_.find(it->second);
+  // Accepted only from the prefill worker the request was sent to.
+  if (r == requests_.end() || !r->second->remote || r->second->prefill_address != address) return 0;
+  return it->second;
+}
+
+void DecodeSide::OnKvWrite(const std::string& address, PeerId transfer_peer,
+                           const proto::KvWrite& w) {
+  const RequestId id = FindByPrefillRid(address, w.request_id());
+  if (id == 0) return;
+  Request& r = *requests_.at(id);
+  std::vector<BlockCopy> pairs;
+  for (const auto& p : w.pairs()) {
+    const BlockId remote = p.remote_block_id();
+    if (r.unannounced.erase(remote) == 0) {
+      // Not ours to fill, or announced twice: the hand-off cannot succeed.
+      // It is settled when the peer reports, closes or times out, as it may
+      // still be writing.
+      if (r.failure.empty()) {
+        r.failure = "prefill worker announced block " + std::to_string(remote) +
+                    ", which is not a block reserved for it (or announced twice)";
+      }
+      return;
+    }
+    pairs.push_back({p.local_block_id(), remote});
+  }
+  if (pairs.empty()) return;
+  if (transfer_peer == 0) {
+    // The connection closed meanwhile; its close settles the hand-off.
+    if (r.failure.empty()) r.failure = "no transfer connection to the prefill worker";
+    return;
+  }
+  ++r.pending_receives;
+  ctx_->transfer->Receive(transfer_peer, std::move(pairs), r.remote_give_up - kRemoteWriteGrace,
+                          [this, id, rid = r.prefill_rid](Status st) {
+                            ctx_->post([this, id, rid, st] { OnReceiveDone(id, rid, st); });
+                          });
+}
+
+void DecodeSide::OnReceiveDone(RequestId id, const std::string& prefill_rid, const Status& st) {
+  auto it = requests_.find(id);
+  if (it == requests_.end() || it->second->prefill_rid != prefill_rid) return;
+  Request& r = *it->second;
+  --r.pending_receives;
+  if (!st.ok() && r.failure.empty()) r.failure = "receiving KV failed: " + st.message();
+  TrySettleRemote(id);
+}
+
+void DecodeSide::OnPrefillDone(const std::string& address, const proto::PrefillDone& done) {
+  const RequestId id = FindByPrefillRid(address, done.request_id());
+  if (id == 0) return;
+  Request& r = *requests_.at(id);
+  if (r.done) return;  // one report per hand-off
+  r.done = done;
+  if (!done.ok() && r.failure.empty()) r.failure = "prefill failed: " + done.failure_reason();
+  if (done.ok()) {
+    ctx_->metrics->transfer_bytes.Add({{"direction", "in"}})
+        .Increment(static_cast<double>(done.bytes_written()));
+  }
+  TrySettleRemote(id);
+}
+
+void DecodeSide::GiveUpRemote(RequestId id, const std::string& why) {
+  auto it = requests_.find(id);
+  if (it == requests_.end() || !it->second->remote) return;
+  Request& r = *it->second;
+  if (r.failure.empty()) r.failure = why;
+  // The peer may still be writing: settle only once it cannot any more.
+  if (!r.done) r.done.emplace();  // counts as a (failed) report
+  TrySettleRemote(id);
+}
+
+void DecodeSide::TrySettleRemote(RequestId id) {
+  Request& r = *requests_.at(id);
+  if (!r.remote || !r.done || r.pending_receives > 0) return;
+  if (r.failure.empty() && !r.unannounced.empty()) {
+    r.failure = "prefill worker wrote " + std::to_string(r.to_fill.size() - r.unannounced.size()) +
+                " of " + std::to_string(r.to_fill.size()) + " blocks";
+  }
+  if (r.failure.empty() && r.done->ok()) return CompleteRemote(id);
+  FallBackToLocal(id);
+}
+
+void DecodeSide::CompleteRemote(RequestId id) {
+  Request& r = *requests_.at(id);
+  r.remote = false;
+  r.prefilled_remotely = true;
+  by_prefill_rid_.erase(r.prefill_rid);
+  if (r.cancel_after_remote) {
+    (void)ctx_->engine->Cancel(id);
+    return EraseRequest(id, "cancelled");
+  }
+  if (Status st = ctx_->transfer->FinishReceive(r.to_fill); !st.ok()) {
+    r.remote = true;
+    r.failure = "receiving KV failed: " + st.message();
+    return FallBackToLocal(id);
+  }
+  const proto::PrefillDone& done = *r.done;
+  r.cached_tokens = done.cached_tokens();
+  std::optional<SampledToken> sampled;
+  if (done.has_first_token_top_logprobs() || done.first_token_logprob() != 0) {
+    SampledToken s;
+    s.token = done.first_token_id();
+    s.logprob = done.first_token_logprob();
+    const auto& top = done.first_token_top_logprobs();
+    for (int k = 0; k < top.token_ids_size() && k < top.logprobs_size(); ++k) {
+      s.top_logprobs.push_back({top.token_ids(k), top.logprobs(k)});
+    }
+    sampled = std::move(s);
+  }
+  if (Status st = ctx_->engine->CompleteRemotePrefill(id, done.first_token_id(), sampled);
+      !st.ok()) {
+    PDSERVE_LOG(ERROR) << "request " << r.router_rid << ": " << st.message();
+    r.remote = true;
+    r.failure = st.message();
+    FallBackToLocal(id);
+  }
+}
+
+// The hand-off did not happen: prefill locally (or finish a pending cancel).
+void DecodeSide::FallBackToLocal(RequestId id) {
+  Request& r = *requests_.at(id);
+  r.remote = false;
+  r.prefilled_remotely = false;
+  by_prefill_rid_.erase(r.prefill_rid);
+  ctx_->metrics->transfer_failures.Increment();
+  if (r.cancel_after_remote) {
+    (void)ctx_->engine->Cancel(id);
+    return EraseRequest(id, "cancelled");
+  }
+  PDSERVE_LOG(WARN) << "request " << r.router_rid << ": " << r.failure << "; prefilling locally";
+  if (Status st = ctx_->engine->FailRemotePrefill(id); !st.ok()) {
+    (void)r.router->Send(RequestError(r.router_rid, st.code(), st.message(), !r.first_token_sent));
+    EraseRequest(id, "failed");
+  }
+}
+
+void DecodeSide::CheckDeadlines() {
+  const auto now = WorkerClock::now();
+  std::vector<RequestId> late;
+  for (auto& [id, r] : requests_) {
+    if (r->remote && now > r->remote_give_up) late.push_back(id);
+  }
+  for (RequestId id : late) GiveUpRemote(id, "prefill worker timed out");
+}
+
+// Requests waiting on prefill peers that are gone (or whose connection
+// closed: they write nothing more).
+void DecodeSide::FallBackRequestsOf(const std::vector<std::string>& addresses,
+                                    const std::string& why) {
+  if (addresses.empty()) return;
+  ctx_->post([this, addresses, why] {
+    std::vector<RequestId> ids;
+    for (auto& [id, r] : requests_) {
+      if (r->remote &&
+          std::find(addresses.begin(), addresses.end(), r->prefill_address) != addresses.end()) {
+        ids.push_back(id);
+      }
+    }
+    if (!ids.empty()) {
+      PDSERVE_LOG(WARN) << ids.size() << " request(s) fall back to local prefill: " << why;
+    }
+    for (RequestId id : ids) GiveUpRemote(id, why);
+  });
+}
+
+// ---------------------------------------------------------- prefill peers
+
+DecodeSide::PrefillPeer& DecodeSide::EnsurePrefillPeerLocked(const std::string& address) {
+  auto it = prefill_peers_.find(address);
+  if (it != prefill_peers_.end()) return *it->second;
+  auto [host, port] = SplitHostPort(address);
+  control::ClientOptions co;
+  co.connection = ctx_->control;
+  co.connect_timeout = std::chrono::milliseconds(2000);
+  control::ConnectionHandlers h;
+  h.on_open = [this, address](const ConnectionPtr& c) { OnPrefillPeerOpen(address, c); };
+  h.on_message = [this, address](const ConnectionPtr& c, proto::Envelope& e) {
+    OnPrefillPeerMessage(address, c, e);
+  };
+  h.on_close = [this, address](const ConnectionPtr&, const Status& s) {
+    OnPrefillPeerClosed(address, s);
+  };
+  auto peer = std::make_unique<PrefillPeer>();
+  peer->client = std::make_unique<control::Client>(ctx_->loop, host, port, co, h);
+  peer->client->Start();
+  return *prefill_peers_.emplace(address, std::move(peer)).first->second;
+}
+
+void DecodeSide::SendToPrefillPeer(const std::string& address, proto::Envelope prefill,
+                                   RequestId id) {
+  {
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    PrefillPeer& peer = EnsurePrefillPeerLocked(address);
+    peer.forgotten = false;  // a router just named it
+    if (peer.ready && peer.client->Send(prefill).ok()) return;
+    if (!peer.ready && peer.pending.size() < kMaxPendingPrefills) {
+      peer.pending.push_back(std::move(prefill));
+      return;
+    }
+  }
+  // Nothing was sent: nothing can write, so the fallback is immediate.
+  GiveUpRemote(id, "prefill peer " + address + " unavailable");
+}
+
+// A router's list of the prefill workers it admits (see the header).
+void DecodeSide::OnPrefillWorkers(const ConnectionPtr& router, const proto::PrefillWorkers& list) {
+  std::set<std::string> announced;
+  for (const auto& w : list.workers()) {
+    if (!w.control_address().empty()) announced.insert(w.control_address());
+  }
+  std::vector<std::string> dropped;
+  {
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    std::set<std::string>& view = router_prefill_views_[router->id()];
+    for (const auto& address : announced) {
+      const bool new_here = !view.count(address);
+      PrefillPeer& peer = EnsurePrefillPeerLocked(address);
+      peer.forgotten = false;
+      // Re-admitted by a router: whatever backoff a failed connection left
+      // behind, try now, so its first request does not wait seconds.
+      if (new_here && !peer.ready) peer.client->ReconnectNow();
+    }
+    view = std::move(announced);
+    dropped = ReconcilePrefillPeersLocked();
+  }
+  StopRetiredClients();
+  FallBackRequestsOf(dropped, "prefill worker removed by the router");
+}
+
+void DecodeSide::ForgetRouterView(const ConnectionPtr& router) {
+  std::vector<std::string> dropped;
+  {
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    if (router_prefill_views_.erase(router->id()) == 0) return;
+    dropped = ReconcilePrefillPeersLocked();
+  }
+  StopRetiredClients();
+  FallBackRequestsOf(dropped, "prefill worker no longer listed by any router");
+}
+
+// Stops reconnecting to prefill workers no router lists. A peer with an open
+// connection is only marked: it may still hold hand-offs, and goes when that
+// connection closes. Returns the addresses dropped now.
+std::vector<std::string> DecodeSide::ReconcilePrefillPeersLocked() {
+  std::set<std::string> listed;
+  for (const auto& [_, view] : router_prefill_views_) listed.insert(view.begin(), view.end());
+  std::vector<std::string> dropped;
+  for (auto it = prefill_peers_.begin(); it != prefill_peers_.end();) {
+    if (listed.count(it->first)) {
+      ++it;
+      continue;
+    }
+    if (it->second->ready) {
+      it->second->forgotten = true;
+      ++it;
+      continue;
+    }
+    PDSERVE_LOG(INFO) << "prefill worker " << it->first << " is no longer listed by a router; "
+                      << "not reconnecting";
+    retired_clients_.push_back(std::move(it->second->client));
+    dropped.push_back(it->first);
+    it = prefill_peers_.erase(it);
+  }
+  return dropped;
+}
+
+// Called without peers_mu_ (a client's close may run its on_close inline,
+// which takes that lock); from the loop thread Stop() does not wait, so this
+// is safe inside a client's own callbacks too.
+void DecodeSide::StopRetiredClients() {
+  std::vector<std::unique_ptr<control::Client>> retired;
+  {
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    retired.swap(retired_clients_);
+  }
+  for (auto& c : retired) c->Stop("prefill worker no longer listed by a router");
+}
+
+void DecodeSide::StopClients(const std::string& why) {
+  std::map<std::string, std::unique_ptr<PrefillPeer>> peers;
+  std::vector<std::unique_ptr<control::Client>> retired;
+  {
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    peers.swap(prefill_peers_);
+    retired.swap(retired_clients_);
+  }
+  for (auto& [_, p] : peers) p->client->Stop(why);
+  for (auto& c : retired) c->Stop(why);
+}
+
+size_t DecodeSide::ControlBufferedBytes() {
+  size_t total = 0;
+  std::lock_guard<std::mutex> lock(peers_mu_);
+  for (auto& [_, p] : prefill_peers_) {
+    if (auto conn = p->client->connection()) total += conn->buffered_bytes();
+  }
+  return total;
+}
+
+// Step 1 of the transfer handshake (pdserve.proto, TransferHello): our layout
+// only; the descriptor follows once the peer accepted it.
+void DecodeSide::OnPrefillPeerOpen(const std::string& address, const ConnectionPtr& c) {
+  (void)c->Send(LayoutHello(*ctx_));
+  PDSERVE_LOG(INFO) << "connected to prefill worker " << address << "; transfer handshake sent";
+}
+
+void DecodeSide::OnPrefillPeerMessage(const std::string& address, const ConnectionPtr& c,
+                                      proto::Envelope& e) {
+  if (e.has_transfer_hello()) {
+    const proto::TransferHello& hello = e.transfer_hello();
+    auto refuse = [&](const std::string& why) {
+      {
+        std::lock_guard<std::mutex> lock(peers_mu_);
+        if (auto it = prefill_peers_.find(address); it != prefill_peers_.end())
+          it->second->last_error = why;
+      }
+      PDSERVE_LOG(ERROR) << "prefill worker " << address << ": transfer handshake failed: " << why;
+      c->Close("transfer handshake failed: " + why);
+    };
+    if (hello.transfer_descriptor().empty()) {
+      // Step 2: the peer accepted our layout and shows its own. Our
+      // descriptor is minted for this connection alone (NCCL bootstraps one
+      // pair from it).
+      if (Status st = CheckPeerLayout(*ctx_, hello); !st.ok()) return refuse(st.message());
+      auto descriptor = ctx_->transfer->ExportDescriptor();
+      if (!descriptor.ok()) return refuse(descriptor.status().message());
+      proto::Envelope offer;
+      offer.mutable_transfer_hello()->set_worker_id(ctx_->opts->worker_id);
+      offer.mutable_transfer_hello()->set_transfer_descriptor(std::move(*descriptor));
+      (void)c->Send(std::move(offer));
+      return;
+    }
+    // Step 4: the writer's reply to our descriptor.
+    auto peer = ctx_->transfer->Accept(hello.transfer_descriptor());
+    if (!peer.ok()) return refuse(peer.status().message());
+    std::deque<proto::Envelope> flush;
+    {
+      std::lock_guard<std::mutex> lock(peers_mu_);
+      auto it = prefill_peers_.find(address);
+      if (it == prefill_peers_.end()) return;  // forgotten meanwhile
+      it->second->ready = true;
+      it->second->transfer_peer = *peer;
+      flush.swap(it->second->pending);
+    }
+    for (auto& env : flush) (void)c->Send(std::move(env));
+    return;
+  }
+  if (e.has_kv_write()) {
+    PeerId transfer_peer = 0;
+    {
+      std::lock_guard<std::mutex> lock(peers_mu_);
+      if (auto it = prefill_peers_.find(address); it != prefill_peers_.end())
+        transfer_peer = it->second->transfer_peer;
+    }
+    ctx_->post([this, address, transfer_peer, w = std::move(*e.mutable_kv_write())] {
+      OnKvWrite(address, transfer_peer, w);
+    });
+    return;
+  }
+  if (e.has_prefill_done()) {
+    ctx_->post([this, address, done = std::move(*e.mutable_prefill_done())] {
+      OnPrefillDone(address, done);
+    });
+    return;
+  }
+  if (e.has_error()) {
+    PDSERVE_LOG(WARN) << "prefill worker " << address << ": " << e.error().message();
+    return;
+  }
+}
+
+void DecodeSide::OnPrefillPeerClosed(const std::string& address, const Status& why) {
+  std::deque<proto::Envelope> dropped;
+  PeerId transfer_peer = 0;
+  {
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    auto it = prefill_peers_.find(address);
+    if (it != prefill_peers_.end()) {
+      PrefillPeer& peer = *it->second;
+      peer.ready = false;
+      transfer_peer = std::exchange(peer.transfer_peer, 0);
+      dropped.swap(peer.pending);
+      if (!why.ok() && peer.last_error.empty()) peer.last_error = why.message();
+      if (peer.forgotten) {
+        PDSERVE_LOG(INFO) << "prefill worker " << address
+                          << " closed and no router lists it; not reconnecting";
+        retired_clients_.push_back(std::move(peer.client));
+        prefill_peers_.erase(it);
+      }
+    }
+  }
+  StopRetiredClients();
+  // A closed peer writes nothing more; its transfer pair goes too, which ends
+  // every Receive pending on it, and every hand-off it held falls back.
+  if (transfer_peer) ctx_->transfer->Disconnect(transfer_peer);
+  FallBackRequestsOf({address}, "prefill worker lost: " + why.message());
+}
+
+}  // namespace pdserve::worker

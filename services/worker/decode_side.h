@@ -1,0 +1,116 @@
+// The decode side of a worker (decode and both roles): owns each request from
+// Generate to Finished, and the receiving half of the KV hand-off.
+//
+// A Generate that names a prefill worker (the router decided on remote
+// prefill) reserves blocks for the whole prompt, reusing this worker's cached
+// prefix, and asks that worker to compute the prompt and write the missing
+// blocks into the reserved ones. Before each write the prefill worker
+// announces its block pairs (KvWrite); this side checks that they are blocks
+// it reserved for that request and posts the matching KvTransfer::Receive.
+// The request goes on from the peer's first token once PrefillDone reported
+// success, every reserved block was announced and every Receive completed.
+// Anything else falls back to local prefill.
+//
+// Safety of remote writes: reserved blocks go back to the allocator only
+// when nothing can write into them any more: no Receive of theirs is pending,
+// and the peer reported failure, its connection closed (its transfer pair is
+// then disconnected, which ends pending Receives), or the transfer deadline
+// plus a grace period passed.
+//
+// Prefill peers: one control client per prefill worker the routers list
+// (PrefillWorkers), connected ahead of the first request; the transfer
+// handshake compares layouts before this worker's descriptor (a fresh one per
+// connection) leaves the process.
+//
+// Threads: On* methods say where they run; engine-thread state is touched
+// only there, peer state under a lock.
+#pragma once
+
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "services/worker/worker_context.h"
+
+namespace pdserve::worker {
+
+class DecodeSide {
+ public:
+  explicit DecodeSide(WorkerContext* ctx);
+  ~DecodeSide();
+
+  // --- engine thread ---
+  void OnGenerate(const control::ConnectionPtr& router, proto::Generate g);
+  void OnRouterCancel(const control::ConnectionPtr& router, const std::string& rid);
+  // Requests of a closed router connection cannot be delivered: cancelled.
+  void OnRouterGone(const control::ConnectionPtr& router);
+  // True when `out` was one of this side's requests.
+  bool HandleOutput(RequestOutput& out);
+  void CheckDeadlines();
+  // Prompt tokens admitted here and not yet computed (for Load reports).
+  int64_t QueuedPrefillTokens() const;
+  // At shutdown: every request is cancelled, no block stays held.
+  void CancelAll(const std::string& why);
+
+  // --- control loop thread ---
+  void OnPrefillWorkers(const control::ConnectionPtr& router, const proto::PrefillWorkers& list);
+  void ForgetRouterView(const control::ConnectionPtr& router);
+
+  // --- any thread ---
+  size_t ControlBufferedBytes();
+  // Stops every prefill-peer client (Stop(), after the engine thread ended).
+  void StopClients(const std::string& why);
+
+ private:
+  struct Request;
+  struct PrefillPeer;
+
+  // Engine thread.
+  void CancelRequest(RequestId id, const std::string& why);
+  void EraseRequest(RequestId id, const char* outcome);
+  void OnKvWrite(const std::string& address, PeerId transfer_peer, const proto::KvWrite& w);
+  void OnReceiveDone(RequestId id, const std::string& prefill_rid, const Status& st);
+  void OnPrefillDone(const std::string& address, const proto::PrefillDone& done);
+  // Wants the hand-off of `id` given up; it happens once no Receive is pending.
+  void GiveUpRemote(RequestId id, const std::string& why);
+  // Completes or falls back once the hand-off's outcome is known and safe.
+  void TrySettleRemote(RequestId id);
+  void CompleteRemote(RequestId id);
+  void FallBackToLocal(RequestId id);
+  void FallBackRequestsOf(const std::vector<std::string>& addresses, const std::string& why);
+  RequestId FindByPrefillRid(const std::string& address, const std::string& rid) const;
+
+  // Peers (peers_mu_).
+  PrefillPeer& EnsurePrefillPeerLocked(const std::string& address);
+  std::vector<std::string> ReconcilePrefillPeersLocked();
+  void StopRetiredClients();
+  void SendToPrefillPeer(const std::string& address, proto::Envelope prefill, RequestId id);
+  void OnPrefillPeerOpen(const std::string& address, const control::ConnectionPtr& c);
+  void OnPrefillPeerMessage(const std::string& address, const control::ConnectionPtr& c,
+                            proto::Envelope& e);
+  void OnPrefillPeerClosed(const std::string& address, const Status& why);
+
+  WorkerContext* ctx_;
+
+  // Engine thread.
+  std::unordered_map<RequestId, std::unique_ptr<Request>> requests_;
+  // (router connection id, router's request id) -> request.
+  std::map<std::pair<uint64_t, std::string>, RequestId> by_router_rid_;
+  // Id used with the prefill peer -> request (remote hand-offs in progress).
+  std::unordered_map<std::string, RequestId> by_prefill_rid_;
+
+  // Peers.
+  std::mutex peers_mu_;
+  std::map<std::string, std::unique_ptr<PrefillPeer>> prefill_peers_;  // by control address
+  // Each router connection's latest PrefillWorkers, by connection id.
+  std::map<uint64_t, std::set<std::string>> router_prefill_views_;
+  // Clients of forgotten peers, to stop once peers_mu_ is released.
+  std::vector<std::unique_ptr<control::Client>> retired_clients_;
+};
+
+}  // namespace pdserve::worker

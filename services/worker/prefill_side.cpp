@@ -1,0 +1,305 @@
+#include "services/worker/prefill_side.h"
+
+#include "common/logging.h"
+#include "common/proto/protocol.h"
+#include "services/protocol/sampling.h"
+
+namespace pdserve::worker {
+namespace {
+
+using control::ConnectionPtr;
+
+constexpr uint32_t kDefaultPrefillDeadlineMs = 30'000;
+
+proto::Envelope PrefillFailure(const std::string& rid, const std::string& why, bool retryable) {
+  proto::Envelope env;
+  auto* d = env.mutable_prefill_done();
+  d->set_request_id(rid);
+  d->set_ok(false);
+  d->set_failure_reason(why);
+  d->set_retryable(retryable);
+  return env;
+}
+
+}  // namespace
+
+// A prompt this worker prefills for a decode worker.
+struct PrefillSide::Job {
+  RequestId id = 0;
+  std::string decode_rid;
+  ConnectionPtr decode;
+  PeerId transfer_peer = 0;
+  std::map<uint32_t, BlockId> unsent;  // prompt block index -> the decode worker's block
+  WorkerClock::time_point arrived;
+  WorkerClock::time_point deadline;
+  WorkerClock::time_point first_write;
+  int pending_writes = 0;
+  uint32_t blocks_written = 0;
+  uint64_t bytes_written = 0;
+  bool computed = false;  // the engine is done with it
+  std::string failure;    // first reason the job fails
+  proto::Envelope done;   // the success report, filled when computed
+};
+
+PrefillSide::PrefillSide(WorkerContext* ctx) : ctx_(ctx) {}
+PrefillSide::~PrefillSide() = default;
+
+// ------------------------------------------------------------ handshake
+
+void PrefillSide::OnPeerMessage(const ConnectionPtr& c, proto::Envelope& e) {
+  if (e.has_transfer_hello()) return OnPeerTransferHello(c, e.transfer_hello());
+  if (e.has_prefill()) {
+    PeerId peer = 0;
+    {
+      std::lock_guard<std::mutex> lock(peers_mu_);
+      auto it = decode_peers_.find(c->id());
+      if (it != decode_peers_.end()) peer = it->second.transfer_peer;
+    }
+    ctx_->post([this, c, peer, p = std::move(*e.mutable_prefill())]() mutable {
+      OnPrefill(c, peer, std::move(p));
+    });
+  }
+}
+
+// The writer's half of the transfer handshake (pdserve.proto, TransferHello).
+void PrefillSide::OnPeerTransferHello(const ConnectionPtr& c, const proto::TransferHello& hello) {
+  auto refuse = [&](const Status& st) {
+    PDSERVE_LOG(ERROR) << "decode worker " << hello.worker_id() << " from " << c->remote_address()
+                       << " refused: " << st.message();
+    proto::Envelope err;
+    err.mutable_error()->set_code(proto::ToErrorCode(st.code()));
+    // The message names the mismatch ("KV layout mismatch: ...").
+    err.mutable_error()->set_message(st.message());
+    (void)c->Send(std::move(err));
+    ctx_->loop->Post([c, msg = st.message()] { c->Close(msg); });
+  };
+  if (hello.transfer_descriptor().empty()) {
+    // Step 1: the decode worker's layout. Ours goes back only if they agree.
+    if (Status st = CheckPeerLayout(*ctx_, hello); !st.ok()) return refuse(st);
+    {
+      std::lock_guard<std::mutex> lock(peers_mu_);
+      decode_peers_[c->id()].layout_accepted = true;
+    }
+    (void)c->Send(LayoutHello(*ctx_));
+    return;
+  }
+  // Step 3: the decode worker's descriptor, after the layouts agreed. We
+  // write into that pool: we are the transfer's writer.
+  {
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    auto it = decode_peers_.find(c->id());
+    if (it == decode_peers_.end() || !it->second.layout_accepted || it->second.transfer_peer) {
+      return refuse(Status::InvalidArgument(
+          "transfer descriptor out of order (layout first, descriptor once)"));
+    }
+  }
+  auto conn = ctx_->transfer->Connect(hello.transfer_descriptor());
+  if (!conn.ok()) return refuse(conn.status());
+  {
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    decode_peers_[c->id()].transfer_peer = conn->peer;
+  }
+  proto::Envelope reply;
+  auto* h = reply.mutable_transfer_hello();
+  h->set_worker_id(ctx_->opts->worker_id);
+  h->set_transfer_descriptor(conn->reply);
+  (void)c->Send(std::move(reply));
+  PDSERVE_LOG(INFO) << "decode worker " << hello.worker_id() << " connected for KV hand-off";
+}
+
+void PrefillSide::OnPeerClosed(const ConnectionPtr& c) {
+  PeerId peer = 0;
+  {
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    auto it = decode_peers_.find(c->id());
+    if (it == decode_peers_.end()) return;
+    peer = it->second.transfer_peer;
+    decode_peers_.erase(it);
+  }
+  // Pending writes to that pool end (kCancelled); jobs still computing stop.
+  if (peer) ctx_->transfer->Disconnect(peer);
+  ctx_->post([this, id = c->id()] { OnDecodeGone(id); });
+}
+
+// ----------------------------------------------------------------- jobs
+
+void PrefillSide::OnPrefill(const ConnectionPtr& decode, PeerId peer, proto::Prefill p) {
+  auto refuse = [&](const std::string& why, bool retryable) {
+    (void)decode->Send(PrefillFailure(p.request_id(), why, retryable));
+    ctx_->metrics->transfer_failures.Increment();
+    ctx_->metrics->CountRequest("prefill", "failed");
+  };
+  if (ctx_->opts->role == Role::kDecode) return refuse("this is a decode-only worker", false);
+  // A draining worker still computes and writes prefills: the routers send
+  // it no new requests, so what comes is a hand-off that raced the drain or
+  // a drain push of its hot prompts to a survivor, and Stop() waits for both.
+  if (peer == 0) return refuse("no transfer handshake on this connection", false);
+  auto job = std::make_unique<Job>();
+  for (const auto& w : p.blocks()) {
+    if (!job->unsent.emplace(w.prompt_block_index(), w.remote_block_id()).second) {
+      return refuse("prompt block " + std::to_string(w.prompt_block_index()) + " listed twice",
+                    false);
+    }
+  }
+  EngineRequest req;
+  req.id = ctx_->next_id++;
+  req.prompt.assign(p.prompt_token_ids().begin(), p.prompt_token_ids().end());
+  req.params = FromProto(p.sampling());
+  req.params.max_tokens = 1;
+  req.cache_salt = p.cache_salt();
+  req.prefill_only = true;
+  req.stream_kv_blocks = ctx_->opts->stream_prefill_chunks;
+  const RequestId id = req.id;
+  if (Status st = ctx_->engine->AddRequest(std::move(req)); !st.ok())
+    return refuse(st.message(), false);
+  job->id = id;
+  job->decode_rid = p.request_id();
+  job->decode = decode;
+  job->transfer_peer = peer;
+  job->arrived = WorkerClock::now();
+  job->deadline = job->arrived + std::chrono::milliseconds(
+                                     p.deadline_ms() ? p.deadline_ms() : kDefaultPrefillDeadlineMs);
+  ctx_->metrics->prefill_tokens.Increment(static_cast<double>(p.prompt_token_ids_size()));
+  jobs_.emplace(id, std::move(job));
+  ctx_->busy->fetch_add(1);
+}
+
+void PrefillSide::OnDecodeGone(uint64_t connection_id) {
+  std::vector<RequestId> orphans;
+  for (auto& [id, job] : jobs_) {
+    if (job->decode->id() == connection_id && !job->computed) orphans.push_back(id);
+  }
+  for (RequestId id : orphans) {
+    Job& job = *jobs_.at(id);
+    (void)ctx_->engine->Cancel(id);
+    job.computed = true;
+    if (job.failure.empty()) job.failure = "decode worker disconnected";
+    TryFinish(id);
+  }
+}
+
+bool PrefillSide::HandleOutput(RequestOutput& out) {
+  auto it = jobs_.find(out.id);
+  if (it == jobs_.end()) return false;
+  Job& job = *it->second;
+  if (!out.finished) {
+    // A chunk's full blocks (streamed prefill).
+    if (job.failure.empty()) {
+      WriteBlocks(job, out.kv_blocks, out.kv_pin);
+    } else {
+      ReleasePin(out.kv_pin);
+    }
+    return true;
+  }
+  job.computed = true;
+  if (out.new_token_ids.empty() && job.failure.empty()) job.failure = "prefill produced no token";
+  if (!job.unsent.empty() && job.unsent.rbegin()->first >= out.kv_blocks.size() &&
+      job.failure.empty()) {
+    job.failure =
+        "block index " + std::to_string(job.unsent.rbegin()->first) + " beyond the prompt";
+  }
+  if (job.failure.empty()) {
+    auto* d = job.done.mutable_prefill_done();
+    d->set_request_id(job.decode_rid);
+    d->set_ok(true);
+    d->set_first_token_id(out.new_token_ids[0]);
+    if (!out.logprobs.empty()) {
+      d->set_first_token_logprob(out.logprobs[0].logprob);
+      for (const auto& alt : out.logprobs[0].top_logprobs) {
+        d->mutable_first_token_top_logprobs()->add_token_ids(alt.token);
+        d->mutable_first_token_top_logprobs()->add_logprobs(alt.logprob);
+      }
+    }
+    d->set_cached_tokens(static_cast<uint32_t>(out.num_cached_tokens));
+    WriteBlocks(job, out.kv_blocks, out.kv_pin);
+  } else {
+    ReleasePin(out.kv_pin);
+  }
+  TryFinish(out.id);
+  return true;
+}
+
+void PrefillSide::WriteBlocks(Job& job, const std::vector<BlockId>& kv_blocks,
+                              std::optional<PinId> pin) {
+  std::vector<BlockCopy> copies;
+  proto::Envelope announce;
+  auto* w = announce.mutable_kv_write();
+  w->set_request_id(job.decode_rid);
+  for (auto it = job.unsent.begin(); it != job.unsent.end() && it->first < kv_blocks.size();) {
+    copies.push_back({kv_blocks[it->first], it->second});
+    auto* pair = w->add_pairs();
+    pair->set_local_block_id(kv_blocks[it->first]);
+    pair->set_remote_block_id(it->second);
+    it = job.unsent.erase(it);
+  }
+  if (copies.empty()) return ReleasePin(pin);
+  // The receiver posts its Receive from this announcement, before or while
+  // the bytes move.
+  (void)job.decode->Send(std::move(announce));
+  if (job.pending_writes++ == 0 && job.blocks_written == 0) job.first_write = WorkerClock::now();
+  const uint64_t bytes = copies.size() * static_cast<uint64_t>(ctx_->layout->bytes_per_block);
+  job.blocks_written += static_cast<uint32_t>(copies.size());
+  ctx_->transfer->Write(
+      job.transfer_peer, std::move(copies), job.deadline,
+      [this, id = job.id, bytes, pin](Status st) {
+        ctx_->post([this, id, st, bytes, pin] { OnWriteDone(id, st, bytes, pin); });
+      });
+}
+
+void PrefillSide::OnWriteDone(RequestId id, const Status& st, uint64_t bytes,
+                              std::optional<PinId> pin) {
+  ReleasePin(pin);
+  auto it = jobs_.find(id);
+  if (it == jobs_.end()) return;
+  Job& job = *it->second;
+  --job.pending_writes;
+  if (st.ok()) {
+    job.bytes_written += bytes;
+    ctx_->metrics->transfer_bytes.Add({{"direction", "out"}}).Increment(static_cast<double>(bytes));
+  } else if (job.failure.empty()) {
+    job.failure = "KV transfer failed: " + st.message();
+    // The pair is unusable now: the decode worker reconnects and handshakes anew.
+    ctx_->loop->Post([c = job.decode, why = job.failure] { c->Close(why); });
+  }
+  TryFinish(id);
+}
+
+void PrefillSide::TryFinish(RequestId id) {
+  Job& job = *jobs_.at(id);
+  if (!job.computed || job.pending_writes > 0) return;
+  const auto now = WorkerClock::now();
+  if (job.failure.empty()) {
+    auto* d = job.done.mutable_prefill_done();
+    d->set_blocks_written(job.blocks_written);
+    d->set_bytes_written(job.bytes_written);
+    (void)job.decode->Send(std::move(job.done));
+    if (job.blocks_written > 0)
+      ctx_->metrics->transfer_seconds.Observe(Seconds(now - job.first_write));
+    ctx_->metrics->CountRequest("prefill", "ok");
+    PDSERVE_LOG(INFO) << "prefill " << job.decode_rid << " done: " << job.blocks_written
+                      << " blocks (" << job.bytes_written << " bytes) written, "
+                      << Seconds(now - job.arrived) << "s";
+  } else {
+    (void)job.decode->Send(PrefillFailure(job.decode_rid, job.failure, true));
+    ctx_->metrics->transfer_failures.Increment();
+    ctx_->metrics->CountRequest("prefill", "failed");
+    PDSERVE_LOG(WARN) << "prefill " << job.decode_rid << " failed: " << job.failure;
+  }
+  jobs_.erase(id);
+  ctx_->busy->fetch_sub(1);
+}
+
+void PrefillSide::ReleasePin(std::optional<PinId> pin) {
+  if (pin) (void)ctx_->engine->ReleaseKvBlocks(*pin);
+}
+
+void PrefillSide::CancelAll() {
+  for (auto& [id, job] : jobs_) {
+    if (!job->computed) (void)ctx_->engine->Cancel(id);
+  }
+  // Pins held by writes still pending go with the engine; the transport is
+  // destroyed after the engine thread, which cancels those writes.
+  jobs_.clear();
+}
+
+}  // namespace pdserve::worker

@@ -1,0 +1,75 @@
+// The prefill side of a worker (prefill and both roles): computes prompts for
+// decode workers and writes the KV blocks they reserved.
+//
+// A decode worker connects to this worker's peer port and runs the transfer
+// handshake (pdserve.proto, TransferHello) as the receiver; this side is the
+// writer. Each Prefill is computed like any request (prefix cache included).
+// With streaming on (the default), the full blocks of every finished chunk
+// are written while the next chunk computes, so the hand-off of a long prompt
+// costs little more than its last chunk; the rest (and the first token) goes
+// when the prompt is done. Every write is announced first (KvWrite, the exact
+// block pairs) so the receiver can post the matching Receive. PrefillDone
+// reports success only after every write completed; any failure is reported
+// once, with the reason.
+//
+// A failed write leaves the transfer pair unusable (kv_transfer.h), so the
+// connection to that decode worker is closed: it reconnects and handshakes
+// a new pair.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "services/worker/worker_context.h"
+
+namespace pdserve::worker {
+
+class PrefillSide {
+ public:
+  explicit PrefillSide(WorkerContext* ctx);
+  ~PrefillSide();
+
+  // --- control loop thread: connections of decode workers ---
+  void OnPeerMessage(const control::ConnectionPtr& c, proto::Envelope& e);
+  void OnPeerClosed(const control::ConnectionPtr& c);
+
+  // --- engine thread ---
+  // True when `out` was one of this side's jobs.
+  bool HandleOutput(RequestOutput& out);
+  // At shutdown: every job is cancelled and every pin released.
+  void CancelAll();
+
+ private:
+  struct Job;
+  struct DecodePeer {
+    bool layout_accepted = false;  // step 1 of the transfer handshake passed
+    PeerId transfer_peer = 0;      // after step 3; 0 before
+  };
+
+  void OnPeerTransferHello(const control::ConnectionPtr& c, const proto::TransferHello& hello);
+  // Engine thread.
+  void OnPrefill(const control::ConnectionPtr& decode, PeerId peer, proto::Prefill p);
+  void OnDecodeGone(uint64_t connection_id);
+  // Writes the job's still unsent blocks among the prompt's first
+  // kv_blocks.size() blocks, holding `pin` until the write completes.
+  void WriteBlocks(Job& job, const std::vector<BlockId>& kv_blocks, std::optional<PinId> pin);
+  void OnWriteDone(RequestId id, const Status& st, uint64_t bytes, std::optional<PinId> pin);
+  // Reports the job once it is computed and no write is pending.
+  void TryFinish(RequestId id);
+  void ReleasePin(std::optional<PinId> pin);
+
+  WorkerContext* ctx_;
+
+  // Engine thread.
+  std::unordered_map<RequestId, std::unique_ptr<Job>> jobs_;
+
+  std::mutex peers_mu_;
+  std::unordered_map<uint64_t, DecodePeer> decode_peers_;  // by connection id
+};
+
+}  // namespace pdserve::worker

@@ -1,0 +1,93 @@
+// The worker's Prometheus series (names as in ARCHITECTURE.md section 8), in
+// one place for the service shell and both sides of the KV hand-off.
+#pragma once
+
+#include <prometheus/counter.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+
+#include "common/metrics/metrics.h"
+
+namespace pdserve::worker {
+
+struct WorkerMetrics {
+  explicit WorkerMetrics(prometheus::Registry& r)
+      : queries(metrics::AddCounter(
+            r, "pdserve_prefix_cache_queries_tokens_total",
+            "Prompt tokens looked up in the prefix cache for prefill computation")),
+        hits(metrics::AddCounter(
+            r, "pdserve_prefix_cache_hits_tokens_total",
+            "Prompt tokens found in the prefix cache (blocks received by transfer are "
+            "not hits)")),
+        usage(metrics::AddGauge(r, "pdserve_kv_cache_usage_ratio",
+                                "Fraction of KV blocks held by requests")),
+        running(metrics::AddGauge(r, "pdserve_requests_running",
+                                  "Requests being prefilled or decoded")),
+        waiting(metrics::AddGauge(r, "pdserve_requests_waiting",
+                                  "Requests queued, including those waiting for remote KV")),
+        ttft(metrics::AddHistogram(r, "pdserve_time_to_first_token_seconds",
+                                   "Time from Generate to the first token",
+                                   metrics::TimeToFirstTokenBuckets())),
+        itl(metrics::AddHistogram(r, "pdserve_inter_token_latency_seconds",
+                                  "Time between consecutive output tokens of a request",
+                                  metrics::InterTokenLatencyBuckets())),
+        transfer_seconds(metrics::AddHistogram(
+            r, "pdserve_kv_transfer_seconds",
+            "Time from a hand-off's first KV write to its last completing (a streamed prefill "
+            "overlaps it with computing the prompt's later chunks)",
+            metrics::KvTransferBuckets())),
+        transfer_bytes(metrics::AddCounterFamily(r, "pdserve_kv_transfer_bytes_total",
+                                                 "KV bytes moved between workers")),
+        transfer_failures(
+            metrics::AddCounter(r, "pdserve_kv_transfer_failures_total",
+                                "KV hand-offs that failed (transfer error, timeout, lost peer)")),
+        staging_bytes_in_use(metrics::AddGauge(
+            r, "pdserve_kv_staging_bytes_in_use",
+            "Bytes of the KV transport's bounce buffers held by transfers in flight")),
+        staging_bytes_reserved(metrics::AddGauge(
+            r, "pdserve_kv_staging_bytes_reserved",
+            "Bytes the KV transport reserved for bounce buffers (--kv-staging-bytes at most)")),
+        preemptions(
+            metrics::AddCounter(r, "pdserve_preemptions_total",
+                                "Sequences preempted for lack of KV blocks (recomputed later)")),
+        requests(metrics::AddCounterFamily(
+            r, "pdserve_requests_total", "Requests finished by this worker, by kind and outcome")),
+        prefill_tokens(metrics::AddCounter(r, "pdserve_prompt_tokens_total",
+                                           "Prompt tokens of requests admitted")),
+        generation_tokens(
+            metrics::AddCounter(r, "pdserve_generation_tokens_total", "Output tokens produced")),
+        control_buffered_bytes(metrics::AddGauge(
+            r, "pdserve_control_buffered_bytes",
+            "Bytes held for control connections (routers and peer workers): incomplete "
+            "received frames and queued sends")) {
+    // Both directions exist from the start at 0: throughput panels and
+    // alerts see a series on every worker before the first hand-off.
+    for (const char* direction : {"in", "out"}) transfer_bytes.Add({{"direction", direction}});
+  }
+
+  // One finished request of `kind` ("decode" or "prefill") with `outcome`.
+  void CountRequest(const char* kind, const char* outcome) {
+    requests.Add({{"kind", kind}, {"outcome", outcome}}).Increment();
+  }
+
+  prometheus::Counter& queries;
+  prometheus::Counter& hits;
+  prometheus::Gauge& usage;
+  prometheus::Gauge& running;
+  prometheus::Gauge& waiting;
+  prometheus::Histogram& ttft;
+  prometheus::Histogram& itl;
+  prometheus::Histogram& transfer_seconds;
+  prometheus::Family<prometheus::Counter>& transfer_bytes;
+  prometheus::Counter& transfer_failures;
+  prometheus::Gauge& staging_bytes_in_use;
+  prometheus::Gauge& staging_bytes_reserved;
+  prometheus::Counter& preemptions;
+  prometheus::Family<prometheus::Counter>& requests;
+  prometheus::Counter& prefill_tokens;
+  prometheus::Counter& generation_tokens;
+  prometheus::Gauge& control_buffered_bytes;
+};
+
+}  // namespace pdserve::worker

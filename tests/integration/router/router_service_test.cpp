@@ -1,0 +1,198 @@
+// The router service in process, with fake workers on its control port: the
+// context limit it enforces is the one workers register (max_model_len), and
+// its prefill decision travels in Generate (prefill_address only for remote
+// prefill).
+#include "services/router/router_service.h"
+
+#include <gtest/gtest.h>
+
+#include <condition_variable>
+#include <mutex>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "common/block_hash.h"
+#include "common/model_id.h"
+#include "common/proto/pdserve.pb.h"
+#include "tests/support/http_client.h"
+#include "tests/support/test_models.h"
+#include "transport/control/connection.h"
+
+namespace pdserve::router {
+namespace {
+
+constexpr auto kWait = std::chrono::seconds(20);
+
+// A worker that registers, answers Resync with an empty snapshot and finishes
+// every Generate at once, remembering it.
+class FakeWorker {
+ public:
+  FakeWorker(control::EventLoop* loop, int router_port, const std::string& model_id,
+             const std::string& name, proto::Role role, uint32_t max_model_len)
+      : name_(name) {
+    control::ClientOptions co;
+    co.connection.role = role;
+    co.connection.id = name;
+    control::ConnectionHandlers h;
+    h.on_open = [=, this](const control::ConnectionPtr& c) {
+      proto::Envelope env;
+      proto::Register* r = env.mutable_registration();
+      r->set_worker_id(name);
+      r->set_role(role);
+      r->set_model_id(model_id);
+      r->set_block_size(static_cast<uint32_t>(kDefaultBlockSize));
+      r->set_hash_version(kBlockHashVersion);
+      r->set_kv_capacity_blocks(100);
+      r->set_control_address(address());
+      r->set_max_model_len(max_model_len);
+      (void)c->Send(std::move(env));
+    };
+    h.on_message = [this](const control::ConnectionPtr& c, proto::Envelope& e) {
+      proto::Envelope reply;
+      if (e.has_resync()) {
+        reply.mutable_kv_snapshot()->set_last_chunk(true);
+      } else if (e.has_generate()) {
+        proto::Finished* f = reply.mutable_finished();
+        f->set_request_id(e.generate().request_id());
+        f->set_reason(proto::FINISH_REASON_LENGTH);
+        f->mutable_usage()->set_prompt_tokens(
+            static_cast<uint32_t>(e.generate().prompt_token_ids_size()));
+      }
+      {
+        std::lock_guard lock(mu_);
+        if (e.has_resync()) registered_ = true;
+        if (e.has_generate()) generates_.push_back(e.generate());
+        cv_.notify_all();
+      }
+      if (reply.body_case() != proto::Envelope::BODY_NOT_SET) (void)c->Send(std::move(reply));
+    };
+    client_ = std::make_unique<control::Client>(loop, "127.0.0.1",
+                                                static_cast<uint16_t>(router_port), co, h);
+    client_->Start();
+  }
+  ~FakeWorker() { client_->Stop(); }
+
+  std::string address() const { return name_ + ".test:9000"; }
+
+  // The router answered Register (with a Resync).
+  bool WaitRegistered() {
+    std::unique_lock lock(mu_);
+    return cv_.wait_for(lock, kWait, [this] { return registered_; });
+  }
+  std::vector<proto::Generate> generates() {
+    std::lock_guard lock(mu_);
+    return generates_;
+  }
+
+ private:
+  std::string name_;
+  std::unique_ptr<control::Client> client_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool registered_ = false;
+  std::vector<proto::Generate> generates_;
+};
+
+class RouterServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    RouterServiceOptions o;
+    o.model_dir = pdserve::testing::TinyModelDir();
+    o.host = "127.0.0.1";
+    o.http_port = 0;
+    o.control_port = 0;
+    o.max_local_prefill = 16;
+    o.request_timeout_ms = 20'000;
+    auto s = RouterService::Create(o);
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    service_ = std::move(*s);
+    ASSERT_TRUE(service_->Start().ok());
+    auto id = ServedModelIdOfFolder(o.model_dir);
+    ASSERT_TRUE(id.ok());
+    model_id_ = *id;
+  }
+  void TearDown() override {
+    workers_.clear();
+    if (service_) service_->Stop();
+  }
+
+  FakeWorker& AddWorker(const std::string& name, proto::Role role, uint32_t max_model_len) {
+    workers_.push_back(std::make_unique<FakeWorker>(&loop_, service_->control_port(), model_id_,
+                                                    name, role, max_model_len));
+    EXPECT_TRUE(workers_.back()->WaitRegistered()) << name;
+    return *workers_.back();
+  }
+
+  pdserve::testing::HttpResult Complete(int prompt_tokens, std::optional<int> max_tokens) {
+    nlohmann::json body = {{"model", model_id_},
+                           {"prompt", std::vector<int>(static_cast<size_t>(prompt_tokens), 5)}};
+    if (max_tokens) body["max_tokens"] = *max_tokens;
+    return pdserve::testing::HttpRequest(service_->http_port(), "POST", "/v1/completions",
+                                         body.dump());
+  }
+
+  nlohmann::json Models() {
+    auto r = pdserve::testing::HttpRequest(service_->http_port(), "GET", "/v1/models");
+    EXPECT_EQ(r.status, 200);
+    return nlohmann::json::parse(r.body)["data"][0];
+  }
+
+  control::EventLoop loop_{"fake-workers", 1};
+  std::unique_ptr<RouterService> service_;
+  std::string model_id_;
+  std::vector<std::unique_ptr<FakeWorker>> workers_;
+};
+
+TEST_F(RouterServiceTest, TheContextLimitIsTheRegisteredWorkersOne) {
+  EXPECT_TRUE(Models()["max_model_len"].is_null());  // no worker said yet
+  AddWorker("decode-a", proto::ROLE_DECODE, 64);
+  EXPECT_EQ(Models()["max_model_len"], 64);
+
+  auto r = Complete(64, 1);
+  EXPECT_EQ(r.status, 400);
+  auto error = nlohmann::json::parse(r.body)["error"];
+  EXPECT_EQ(error["code"], "context_length_exceeded");
+  EXPECT_EQ(error["param"], "prompt");
+  EXPECT_NE(error["message"].get<std::string>().find("maximum context length is 64 tokens"),
+            std::string::npos)
+      << r.body;
+
+  r = Complete(10, 55);
+  EXPECT_EQ(r.status, 400);
+  error = nlohmann::json::parse(r.body)["error"];
+  EXPECT_EQ(error["code"], "context_length_exceeded");
+  EXPECT_EQ(error["param"], "max_tokens");
+
+  EXPECT_EQ(Complete(10, 54).status, 200);  // exactly 64 tokens
+
+  // A longer worker raises the limit: the longest registered one counts.
+  AddWorker("decode-b", proto::ROLE_BOTH, 128);
+  EXPECT_EQ(Models()["max_model_len"], 128);
+  EXPECT_EQ(Complete(64, 10).status, 200);
+  // A worker that does not report its length leaves it unknown.
+  AddWorker("decode-old", proto::ROLE_DECODE, 0);
+  EXPECT_TRUE(Models()["max_model_len"].is_null());
+  EXPECT_EQ(Complete(200, 1).status, 200);
+}
+
+TEST_F(RouterServiceTest, PrefillAddressOnlyForTheRoutersRemoteDecision) {
+  FakeWorker& decode = AddWorker("decode", proto::ROLE_DECODE, 1024);
+  FakeWorker& prefill = AddWorker("prefill-worker", proto::ROLE_PREFILL, 1024);
+  // 16 tokens to compute is not more than --max-local-prefill 16: local.
+  EXPECT_EQ(Complete(16, 1).status, 200);
+  // 48: remote, on the only prefill worker.
+  EXPECT_EQ(Complete(48, 1).status, 200);
+  const auto g = decode.generates();
+  ASSERT_EQ(g.size(), 2u);
+  EXPECT_EQ(g[0].prompt_token_ids_size(), 16);
+  EXPECT_TRUE(g[0].prefill_address().empty());
+  EXPECT_TRUE(g[0].prefill_worker_id().empty());
+  EXPECT_EQ(g[1].prompt_token_ids_size(), 48);
+  EXPECT_EQ(g[1].prefill_address(), prefill.address());
+  EXPECT_EQ(g[1].prefill_worker_id(), "prefill-worker");
+  EXPECT_TRUE(prefill.generates().empty());
+}
+
+}  // namespace
+}  // namespace pdserve::router

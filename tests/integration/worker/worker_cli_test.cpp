@@ -1,0 +1,53 @@
+// `pdserve worker` refuses a device or a KV transport it cannot use with one
+// line and exit 2, before it reads the model or binds a port.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "tests/support/process.h"
+
+namespace pdserve::testing {
+namespace {
+
+// A worker command line that would be valid but for `extra`; its model
+// folder does not exist, so reaching the model would be another error.
+CommandResult Worker(const std::vector<std::string>& extra) {
+  std::vector<std::string> argv = {PDSERVE_BIN_PATH,          "worker",   "--model",
+                                   "/nonexistent-model",      "--router", "127.0.0.1:1",
+                                   "--insecure-control-plane"};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  return RunCommand(argv, std::chrono::seconds(30));
+}
+
+void ExpectOneLineUsageError(const CommandResult& r, const std::string& needle) {
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find(needle), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("nonexistent-model"), std::string::npos) << "the model was read: " << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << "not one line: " << r.err;
+}
+
+TEST(WorkerCliTest, AMissingCudaDeviceIsRefusedNamingWhatExists) {
+  CommandResult r = Worker({"--device", "cuda:7"});
+  ExpectOneLineUsageError(r, "--device");
+  // The list of what exists always starts with the CPU.
+  EXPECT_NE(r.err.find("available: cpu"), std::string::npos) << r.err;
+}
+
+TEST(WorkerCliTest, UnknownDevicesTransportsAndStagingModesAreRefused) {
+  ExpectOneLineUsageError(Worker({"--device", "tpu"}), "unknown device 'tpu'");
+  ExpectOneLineUsageError(Worker({"--device", "cuda:x"}), "unknown device 'cuda:x'");
+  ExpectOneLineUsageError(Worker({"--kv-transfer", "rdma"}), "--kv-transfer");
+  ExpectOneLineUsageError(Worker({"--kv-staging", "sometimes"}), "--kv-staging");
+  ExpectOneLineUsageError(Worker({"--kv-staging-bytes", "0"}), "positive");
+  ExpectOneLineUsageError(Worker({"--load-format", "gguf"}), "--load-format");
+}
+
+TEST(WorkerCliTest, NcclWithACpuDeviceIsRefused) {
+  ExpectOneLineUsageError(Worker({"--device", "cpu", "--kv-transfer", "nccl"}),
+                          "NCCL moves device memory only");
+}
+
+}  // namespace
+}  // namespace pdserve::testing

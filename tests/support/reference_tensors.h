@@ -1,0 +1,172 @@
+// Helpers of the reference forward passes (tests/support/reference_model.h):
+// a safetensors reader that widens every tensor to double, and the plain
+// double-precision building blocks they share. Independent of the engine.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace pdserve::testing::reference {
+
+using nlohmann::json;
+
+inline std::string Slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+inline double HalfToDouble(uint16_t h) {
+  const int sign = h >> 15, exp = (h >> 10) & 31, mant = h & 1023;
+  double v = exp == 0 ? std::ldexp(mant, -24) : std::ldexp(1024 + mant, exp - 25);
+  return sign ? -v : v;
+}
+
+// name -> values, from every safetensors file of the folder.
+class Tensors {
+ public:
+  bool Load(const std::string& dir, std::string* error) {
+    namespace fs = std::filesystem;
+    std::vector<std::string> files;
+    if (fs::exists(fs::path(dir) / "model.safetensors.index.json")) {
+      json idx = json::parse(Slurp((fs::path(dir) / "model.safetensors.index.json").string()));
+      std::map<std::string, bool> seen;
+      for (auto& [name, file] : idx["weight_map"].items()) {
+        if (!seen[file.get<std::string>()]) files.push_back(file.get<std::string>());
+        seen[file.get<std::string>()] = true;
+      }
+    } else {
+      files.push_back("model.safetensors");
+    }
+    for (const auto& f : files) {
+      const std::string bytes = Slurp((fs::path(dir) / f).string());
+      if (bytes.size() < 8) {
+        *error = f + ": too short";
+        return false;
+      }
+      uint64_t n = 0;
+      std::memcpy(&n, bytes.data(), 8);
+      json header = json::parse(bytes.substr(8, n));
+      const char* data = bytes.data() + 8 + n;
+      for (auto& [name, t] : header.items()) {
+        if (name == "__metadata__") continue;
+        const std::string dtype = t["dtype"];
+        const uint64_t begin = t["data_offsets"][0], end = t["data_offsets"][1];
+        std::vector<double> v;
+        if (dtype == "F32") {
+          for (uint64_t o = begin; o < end; o += 4) {
+            float x;
+            std::memcpy(&x, data + o, 4);
+            v.push_back(x);
+          }
+        } else if (dtype == "BF16" || dtype == "F16") {
+          for (uint64_t o = begin; o < end; o += 2) {
+            uint16_t h;
+            std::memcpy(&h, data + o, 2);
+            if (dtype == "BF16") {
+              const uint32_t bits = static_cast<uint32_t>(h) << 16;
+              float x;
+              std::memcpy(&x, &bits, 4);
+              v.push_back(x);
+            } else {
+              v.push_back(HalfToDouble(h));
+            }
+          }
+        } else {
+          *error = name + ": unexpected dtype " + dtype;
+          return false;
+        }
+        values_[name] = std::move(v);
+      }
+    }
+    return true;
+  }
+  bool Take(const std::string& name, std::vector<double>* out, std::string* error) {
+    auto it = values_.find(name);
+    if (it == values_.end()) {
+      *error = "missing " + name;
+      return false;
+    }
+    *out = std::move(it->second);
+    values_.erase(it);
+    return true;
+  }
+  bool Has(const std::string& name) const { return values_.count(name) > 0; }
+  // Forgets every tensor whose name starts with `prefix`; how many there were.
+  int64_t Drop(const std::string& prefix) {
+    int64_t n = 0;
+    for (auto it = values_.lower_bound(prefix);
+         it != values_.end() && it->first.compare(0, prefix.size(), prefix) == 0;) {
+      it = values_.erase(it);
+      ++n;
+    }
+    return n;
+  }
+  // A tensor nobody took, "" when all were used.
+  std::string Leftover() const { return values_.empty() ? "" : values_.begin()->first; }
+
+ private:
+  std::map<std::string, std::vector<double>> values_;
+};
+
+// y[rows_out] = W[rows_out, cols] x[cols] (+ b)
+inline std::vector<double> MatVec(const std::vector<double>& w, const std::vector<double>& x,
+                                  int64_t rows, const std::vector<double>* bias = nullptr) {
+  const int64_t cols = static_cast<int64_t>(x.size());
+  std::vector<double> y(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    double acc = bias && !bias->empty() ? (*bias)[r] : 0.0;
+    for (int64_t c = 0; c < cols; ++c) acc += w[r * cols + c] * x[c];
+    y[r] = acc;
+  }
+  return y;
+}
+
+inline std::vector<double> RmsNorm(const std::vector<double>& x, const std::vector<double>& w,
+                                   double eps) {
+  double ss = 0;
+  for (double v : x) ss += v * v;
+  const double inv = 1.0 / std::sqrt(ss / x.size() + eps);
+  std::vector<double> y(x.size());
+  for (size_t i = 0; i < x.size(); ++i) y[i] = x[i] * inv * w[i];
+  return y;
+}
+
+// Nearest bf16 of the float nearest x (ties to even).
+inline double RoundBf16(double x) {
+  const float f = static_cast<float>(x);
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  bits += 0x7FFF + ((bits >> 16) & 1);
+  bits &= 0xFFFF0000u;
+  float r;
+  std::memcpy(&r, &bits, 4);
+  return r;
+}
+
+// Nearest e4m3 value (1 sign, 4 exponent bits of bias 7, 3 mantissa bits,
+// largest 448, subnormal step 2^-9), ties to even, saturating at 448.
+inline double RoundE4M3(double x) {
+  const double a = std::fabs(x);
+  if (a >= 448) return std::copysign(448.0, x);
+  if (a == 0) return x;
+  const int e = std::max(static_cast<int>(std::floor(std::log2(a))), -6);
+  const double step = std::ldexp(1.0, e - 3);
+  return std::copysign(std::min(448.0, std::nearbyint(a / step) * step), x);
+}
+
+// x * sigmoid(x), in double.
+inline double Silu(double x) { return x / (1 + std::exp(-x)); }
+
+}  // namespace pdserve::testing::reference

@@ -1,0 +1,172 @@
+// Trace generator: determinism, a format the simulator reads back, and each
+// parameter visible in the output's statistics.
+#include "services/router/trace_generator.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+#include <sstream>
+
+namespace pdserve::router {
+namespace {
+
+std::vector<TraceRequest> Gen(const TraceGenOptions& o) {
+  auto t = GenerateTrace(o);
+  EXPECT_TRUE(t.ok()) << t.status().ToString();
+  return t.ok() ? *t : std::vector<TraceRequest>{};
+}
+
+std::string Text(const std::vector<TraceRequest>& trace) {
+  std::ostringstream out;
+  WriteMooncakeTrace(trace, out);
+  return out.str();
+}
+
+TEST(TraceGeneratorTest, SameSeedSameTraceAndTheSimulatorReadsIt) {
+  TraceGenOptions o;
+  o.sessions = 200;
+  o.turns = 3;
+  o.block_tokens = 64;
+  o.seed = 42;
+  const std::string a = Text(Gen(o)), b = Text(Gen(o));
+  EXPECT_EQ(a, b);
+  o.seed = 43;
+  EXPECT_NE(a, Text(Gen(o)));
+  std::istringstream in(a);
+  auto parsed = ParseMooncakeTrace(in, 64, "generated");
+  ASSERT_TRUE(parsed.ok()) << parsed.status().ToString();
+  EXPECT_EQ(parsed->size(), 600u);
+  EXPECT_EQ(Text(*parsed), a);
+}
+
+// P(rank k) = k^-s / sum_j j^-s over 8 prefixes.
+TEST(TraceGeneratorTest, PrefixPopularityFollowsZipf) {
+  for (double s : {0.0, 1.0, 2.0}) {
+    TraceGenOptions o;
+    o.sessions = 20000;
+    o.prefixes = 8;
+    o.zipf = s;
+    o.prefix_tokens = 1024;
+    o.block_tokens = 512;  // 2 blocks per prefix: prefix p has ids 2p, 2p+1
+    std::map<uint64_t, int64_t> count;
+    for (const TraceRequest& r : Gen(o)) {
+      ASSERT_GE(r.hash_ids.size(), 3u);
+      EXPECT_EQ(r.hash_ids[1], r.hash_ids[0] + 1);
+      ++count[r.hash_ids[0] / 2];
+    }
+    double norm = 0;
+    for (int k = 1; k <= 8; ++k) norm += std::pow(k, -s);
+    for (int k = 1; k <= 8; ++k) {
+      const double expected = std::pow(k, -s) / norm;
+      EXPECT_NEAR(static_cast<double>(count[k - 1]) / 20000.0, expected, 0.012)
+          << "zipf " << s << " rank " << k;
+    }
+  }
+}
+
+TEST(TraceGeneratorTest, LengthsFollowTheirMeansAndBounds) {
+  TraceGenOptions o;
+  o.sessions = 5000;
+  o.prefixes = 3;
+  o.prefix_tokens = 1000;
+  o.question_tokens = 400;
+  o.answer_tokens = 100;
+  o.block_tokens = 16;
+  double in_sum = 0, out_sum = 0;
+  const auto trace = Gen(o);
+  for (const TraceRequest& r : trace) {
+    EXPECT_GE(r.input_length, 1000 + 200);
+    EXPECT_LE(r.input_length, 1000 + 600);
+    EXPECT_GE(r.output_length, 50);
+    EXPECT_LE(r.output_length, 150);
+    EXPECT_EQ(static_cast<int64_t>(r.hash_ids.size()), (r.input_length + 15) / 16);
+    in_sum += static_cast<double>(r.input_length);
+    out_sum += static_cast<double>(r.output_length);
+  }
+  EXPECT_NEAR(in_sum / 5000, 1400, 5);
+  EXPECT_NEAR(out_sum / 5000, 100, 2);
+  // The shared prefix is 62 full blocks (the 63rd holds the question too):
+  // every session of a prefix shares those and nothing after.
+  std::map<uint64_t, std::vector<const TraceRequest*>> by_prefix;
+  for (const TraceRequest& r : trace) by_prefix[r.hash_ids[0]].push_back(&r);
+  EXPECT_EQ(by_prefix.size(), 3u);
+  for (const auto& [first, requests] : by_prefix) {
+    const TraceRequest& a = *requests[0];
+    const TraceRequest& b = *requests[1];
+    for (size_t j = 0; j < 62; ++j) EXPECT_EQ(a.hash_ids[j], b.hash_ids[j]);
+    EXPECT_NE(a.hash_ids[62], b.hash_ids[62]);
+  }
+}
+
+// Turn k+1's prompt holds turn k's prompt and answer: its full blocks are a
+// prefix of the next turn's ids, and the new question is within its bounds.
+TEST(TraceGeneratorTest, TurnsExtendTheirSession) {
+  TraceGenOptions o;
+  o.sessions = 1;
+  o.turns = 6;
+  o.prefixes = 0;
+  o.question_tokens = 100;
+  o.answer_tokens = 40;
+  o.block_tokens = 32;
+  o.think_s = 5;
+  const auto trace = Gen(o);
+  ASSERT_EQ(trace.size(), 6u);
+  for (size_t k = 0; k + 1 < trace.size(); ++k) {
+    const TraceRequest& a = trace[k];
+    const TraceRequest& b = trace[k + 1];
+    EXPECT_LE(a.timestamp_ms, b.timestamp_ms);
+    const int64_t question = b.input_length - a.input_length - a.output_length;
+    EXPECT_GE(question, 50);
+    EXPECT_LE(question, 150);
+    const size_t full = static_cast<size_t>(a.input_length / 32);
+    for (size_t j = 0; j < full; ++j) EXPECT_EQ(a.hash_ids[j], b.hash_ids[j]);
+    if (full < a.hash_ids.size()) {
+      EXPECT_NE(a.hash_ids[full], b.hash_ids[full]);  // was partial
+    }
+  }
+  // The oracle sees every turn after the first hit its whole history.
+  EXPECT_GT(OracleHitTokens(trace, 32), 0);
+}
+
+TEST(TraceGeneratorTest, ArrivalRateAndBursts) {
+  TraceGenOptions o;
+  o.sessions = 20000;
+  o.sessions_per_s = 10;
+  o.prefixes = 0;
+  o.block_tokens = 64;
+  auto span_s = [](const std::vector<TraceRequest>& t) {
+    return static_cast<double>(t.back().timestamp_ms - t.front().timestamp_ms) / 1000.0;
+  };
+  EXPECT_NEAR(span_s(Gen(o)), 2000, 60);  // 20000 sessions at 10/s
+  o.arrival = ArrivalProcess::kOnOff;
+  o.on_s = 2;
+  o.off_s = 8;
+  const auto bursty = Gen(o);
+  EXPECT_NEAR(span_s(bursty), 2000, 60);  // the same mean rate
+  for (const TraceRequest& r : bursty) {
+    EXPECT_LE(r.timestamp_ms % 10000, 2000) << r.timestamp_ms;  // only in the 2 s bursts
+  }
+}
+
+TEST(TraceGeneratorTest, BadOptionsAreRefused) {
+  auto refused = [](auto mutate, const std::string& what) {
+    TraceGenOptions o;
+    mutate(o);
+    auto t = GenerateTrace(o);
+    EXPECT_FALSE(t.ok()) << what;
+    if (!t.ok()) {
+      EXPECT_NE(t.status().message().find(what), std::string::npos) << what;
+    }
+  };
+  refused([](TraceGenOptions& o) { o.sessions = 0; }, "sessions");
+  refused([](TraceGenOptions& o) { o.turns = -1; }, "turns");
+  refused([](TraceGenOptions& o) { o.zipf = -0.5; }, "zipf");
+  refused([](TraceGenOptions& o) { o.sessions_per_s = 0; }, "rate");
+  refused([](TraceGenOptions& o) { o.off_s = 0; }, "off-s");
+  refused([](TraceGenOptions& o) { o.prefix_tokens = 0; }, "prefix-tokens");
+  refused([](TraceGenOptions& o) { o.think_s = -1; }, "think-s");
+}
+
+}  // namespace
+}  // namespace pdserve::router
