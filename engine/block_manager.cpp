@@ -376,16 +376,18 @@ Status BlockManager::Free(SeqId seq_id) {
   return Status::Ok();
 }
 
-StatusOr<PinId> BlockManager::Pin(SeqId seq_id) {
+StatusOr<PinId> BlockManager::Pin(SeqId seq_id, size_t first_block) {
   Impl& m = *impl_;
   std::lock_guard lock(m.mu);
   auto it = m.sequences.find(seq_id);
   if (it == m.sequences.end()) {
     return Status::NotFound("block manager: unknown sequence " + std::to_string(seq_id));
   }
-  for (BlockId id : it->second.table) m.Acquire(id);
+  const std::vector<BlockId>& table = it->second.table;
+  std::vector<BlockId> pinned(table.begin() + std::min(first_block, table.size()), table.end());
+  for (BlockId id : pinned) m.Acquire(id);
   const PinId pin = m.next_pin++;
-  m.pins.emplace(pin, it->second.table);
+  m.pins.emplace(pin, std::move(pinned));
   return pin;
 }
 

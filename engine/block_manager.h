@@ -167,10 +167,12 @@ class BlockManager {
   // to the free list. NotFound for an unknown seq.
   Status Free(SeqId seq);
 
-  // Takes one extra reference on every block of `seq`'s table, so they are
-  // neither reused nor evicted until Unpin, even after Free(seq). For a
-  // prefill worker sending a prompt's KV. NotFound for an unknown seq.
-  StatusOr<PinId> Pin(SeqId seq);
+  // Takes one extra reference on every block of `seq`'s table from
+  // `first_block` on, so they are neither reused nor evicted until Unpin,
+  // even after Free(seq). For a prefill worker sending a prompt's KV, and a
+  // decode worker holding blocks a peer may still write into. NotFound for
+  // an unknown seq.
+  StatusOr<PinId> Pin(SeqId seq, size_t first_block = 0);
   // The blocks a pin holds, in table order (empty for an unknown pin).
   std::vector<BlockId> PinnedBlocks(PinId pin) const;
   // Drops the pin's references. NotFound for an unknown (or already

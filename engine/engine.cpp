@@ -26,6 +26,7 @@ struct Engine::Sequence {
   bool admitted_once = false;
   bool reported_cached = false;
   int64_t num_cached_tokens = 0;
+  size_t remote_first_block = 0;  // kRemote: the first block the peer fills
   bool finished = false;
   std::optional<IncrementalDetokenizer> detokenizer;
   std::optional<StopChecker> stop;
@@ -462,6 +463,7 @@ StatusOr<RemotePrefillPlan> Engine::AddRemotePrefillRequest(EngineRequest reques
   s->hashes.assign(hashes.begin(), hashes.begin() + admitted->num_cached_blocks);
   s->admitted_once = true;
   s->state = Sequence::State::kRemote;
+  s->remote_first_block = admitted->num_cached_blocks;
   RemotePrefillPlan plan;
   plan.block_ids = blocks_->BlockTable(s->id);
   plan.first_block_to_fill = admitted->num_cached_blocks;
@@ -499,12 +501,18 @@ Status Engine::CompleteRemotePrefill(RequestId id, TokenId first_token,
   return Status::Ok();
 }
 
-Status Engine::FailRemotePrefill(RequestId id) {
+StatusOr<std::optional<PinId>> Engine::FailRemotePrefill(RequestId id, bool hold_unfilled) {
   auto it = requests_.find(id);
   if (it == requests_.end() || it->second->state != Sequence::State::kRemote) {
     return Status::NotFound("request " + std::to_string(id) + " is not waiting for remote KV");
   }
   Sequence* s = it->second.get();
+  std::optional<PinId> held;
+  if (hold_unfilled) {
+    auto pin = blocks_->Pin(id, s->remote_first_block);
+    if (!pin.ok()) return pin.status();
+    held = *pin;
+  }
   PDSERVE_RETURN_IF_ERROR(blocks_->Free(id));
   s->num_computed = 0;
   s->hashes.clear();
@@ -513,7 +521,7 @@ Status Engine::FailRemotePrefill(RequestId id) {
   s->admitted_once = false;
   s->state = Sequence::State::kWaiting;
   InsertSorted(&waiting_, s);
-  return Status::Ok();
+  return held;
 }
 
 Status Engine::ReleaseKvBlocks(PinId pin) { return blocks_->Unpin(pin); }

@@ -23,7 +23,9 @@
 //    taken as computed, its full blocks enter the prefix cache, and the next
 //    Step() reports the first token and decoding goes on. FailRemotePrefill(id)
 //    instead queues the request for local prefill (its reserved blocks are
-//    released first). Both peers must sample with the same resolved seed:
+//    released first; or, while the peer may still be writing into the blocks
+//    it was to fill, kept out of use under a pin the caller releases once
+//    nothing can write into them any more). Both peers must sample with the same resolved seed:
 //    give params.seed explicitly (ResolveSeed) before sending the request to
 //    both, otherwise tokens after the first are not those a single engine
 //    would produce.
@@ -167,7 +169,12 @@ class Engine {
   // token the prefill worker sampled (its logprobs, if any, in `sampled`).
   Status CompleteRemotePrefill(RequestId id, TokenId first_token,
                                std::optional<SampledToken> sampled = std::nullopt);
-  Status FailRemotePrefill(RequestId id);
+  // The hand-off failed: the request goes back to the queue for local
+  // prefill. With `hold_unfilled` the blocks the peer was to fill are not
+  // reused until ReleaseKvBlocks(returned pin), since a peer that was given
+  // up on may still be writing into them (the request prefills into other
+  // blocks); otherwise they are freed and nothing is returned.
+  StatusOr<std::optional<PinId>> FailRemotePrefill(RequestId id, bool hold_unfilled = false);
   Status ReleaseKvBlocks(PinId pin);
 
   const Model& model() const { return *model_; }

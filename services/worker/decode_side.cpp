@@ -14,9 +14,13 @@ namespace {
 
 using control::ConnectionPtr;
 
-// Past a prefill peer's transfer deadline, its transport has given up; this
-// margin covers clock granularity and bytes already on the wire.
-constexpr auto kRemoteWriteGrace = std::chrono::milliseconds(2000);
+// The prefill peer's transfer deadline runs from when its Prefill message
+// arrives, ours from when we sent it: the margin covers that message's time
+// on a live control connection (one silent for peer_timeout is closed, and
+// a closed one delivers nothing more) and clock granularity.
+WorkerClock::duration RemoteWriteGrace(const control::ConnectionOptions& control) {
+  return control.peer_timeout + std::chrono::milliseconds(2000);
+}
 
 // Prefill messages queued for a peer whose handshake is not done yet.
 constexpr size_t kMaxPendingPrefills = 4096;
@@ -45,7 +49,8 @@ struct DecodeSide::Request {
   std::unordered_set<BlockId> unannounced;  // of to_fill, not yet in a KvWrite of the peer
   int pending_receives = 0;
   std::string failure;                     // first reason the hand-off cannot succeed
-  std::optional<proto::PrefillDone> done;  // the peer's report, once it came
+  std::optional<proto::PrefillDone> done;  // the peer's report (or a give-up standing for it)
+  bool writer_settled = false;             // the peer's own report came: it writes no more
   bool cancel_after_remote = false;        // cancelled while the peer may still write
 };
 
@@ -55,7 +60,7 @@ struct DecodeSide::PrefillPeer {
   bool ready = false;      // transfer handshake done
   bool forgotten = false;  // no router lists it: dropped when its connection closes
   PeerId transfer_peer = 0;
-  std::deque<proto::Envelope> pending;  // Prefill messages waiting for the handshake
+  std::deque<PendingPrefill> pending;  // Prefill messages waiting for the handshake
   std::string last_error;
 };
 
@@ -104,8 +109,8 @@ void DecodeSide::OnGenerate(const ConnectionPtr& router, proto::Generate g) {
     r->cached_tokens = plan->num_cached_tokens;
     r->prefill_rid = NewUnguessableId();
     const int64_t timeout_ms = ctx_->opts->prefill_timeout_ms;
-    r->remote_give_up =
-        WorkerClock::now() + std::chrono::milliseconds(timeout_ms) + kRemoteWriteGrace;
+    r->remote_give_up = WorkerClock::now() + std::chrono::milliseconds(timeout_ms) +
+                        RemoteWriteGrace(ctx_->control);
     proto::Envelope env;
     auto* p = env.mutable_prefill();
     p->set_request_id(r->prefill_rid);
@@ -132,7 +137,10 @@ void DecodeSide::OnGenerate(const ConnectionPtr& router, proto::Generate g) {
   const std::string address = r->prefill_address;
   requests_.emplace(id, std::move(r));
   ctx_->busy->fetch_add(1);
-  if (prefill) SendToPrefillPeer(address, std::move(*prefill), id);
+  if (prefill) {
+    const auto send_by = requests_.at(id)->remote_give_up - RemoteWriteGrace(ctx_->control);
+    SendToPrefillPeer(address, std::move(*prefill), id, send_by);
+  }
 }
 
 void DecodeSide::OnRouterCancel(const ConnectionPtr& router, const std::string& rid) {
@@ -157,6 +165,9 @@ void DecodeSide::CancelAll(const std::string& why) {
     if (requests_.at(id)->remote) requests_.at(id)->remote = false;
     CancelRequest(id, why);
   }
+  for (auto& [rid, held] : held_for_peers_) (void)ctx_->engine->ReleaseKvBlocks(held.pin);
+  held_for_peers_.clear();
+  held_blocks_.store(0);
 }
 
 // Frees everything a request holds (deferred while a peer may write).
@@ -286,7 +297,8 @@ void DecodeSide::OnKvWrite(const std::string& address, PeerId transfer_peer,
     return;
   }
   ++r.pending_receives;
-  ctx_->transfer->Receive(transfer_peer, std::move(pairs), r.remote_give_up - kRemoteWriteGrace,
+  ctx_->transfer->Receive(transfer_peer, std::move(pairs),
+                          r.remote_give_up - RemoteWriteGrace(ctx_->control),
                           [this, id, rid = r.prefill_rid](Status st) {
                             ctx_->post([this, id, rid, st] { OnReceiveDone(id, rid, st); });
                           });
@@ -303,9 +315,17 @@ void DecodeSide::OnReceiveDone(RequestId id, const std::string& prefill_rid, con
 
 void DecodeSide::OnPrefillDone(const std::string& address, const proto::PrefillDone& done) {
   const RequestId id = FindByPrefillRid(address, done.request_id());
-  if (id == 0) return;
+  if (id == 0) {
+    // A hand-off given up on before its report: the peer writes no more.
+    auto held = held_for_peers_.find(done.request_id());
+    if (held != held_for_peers_.end() && held->second.address == address) {
+      ReleaseHeldBlocks(held, "its prefill worker reported");
+    }
+    return;
+  }
   Request& r = *requests_.at(id);
-  if (r.done) return;  // one report per hand-off
+  if (r.writer_settled) return;  // one report per hand-off
+  r.writer_settled = true;
   r.done = done;
   if (!done.ok() && r.failure.empty()) r.failure = "prefill failed: " + done.failure_reason();
   if (done.ok()) {
@@ -320,7 +340,8 @@ void DecodeSide::GiveUpRemote(RequestId id, const std::string& why) {
   if (it == requests_.end() || !it->second->remote) return;
   Request& r = *it->second;
   if (r.failure.empty()) r.failure = why;
-  // The peer may still be writing: settle only once it cannot any more.
+  // The peer may still be writing: FallBackToLocal holds the blocks it was
+  // to fill until it cannot any more.
   if (!r.done) r.done.emplace();  // counts as a (failed) report
   TrySettleRemote(id);
 }
@@ -373,21 +394,42 @@ void DecodeSide::CompleteRemote(RequestId id) {
 }
 
 // The hand-off did not happen: prefill locally (or finish a pending cancel).
+// Unless the peer reported, it may still be writing into the blocks it was
+// to fill (it may not know yet that we gave up: a partition, a frozen
+// process, a transfer in flight); those stay out of use until its transfer
+// deadline has passed or its late report comes, and the request prefills
+// into other blocks.
 void DecodeSide::FallBackToLocal(RequestId id) {
   Request& r = *requests_.at(id);
   r.remote = false;
   r.prefilled_remotely = false;
   by_prefill_rid_.erase(r.prefill_rid);
   ctx_->metrics->transfer_failures.Increment();
+  const bool hold = !r.writer_settled && WorkerClock::now() < r.remote_give_up;
+  auto failed = ctx_->engine->FailRemotePrefill(id, hold);
+  if (failed.ok() && failed->has_value()) {
+    const size_t blocks = ctx_->engine->block_manager().PinnedBlocks(**failed).size();
+    held_for_peers_[r.prefill_rid] = {**failed, r.remote_give_up, r.prefill_address, blocks};
+    held_blocks_.fetch_add(blocks);
+  }
   if (r.cancel_after_remote) {
     (void)ctx_->engine->Cancel(id);
     return EraseRequest(id, "cancelled");
   }
   PDSERVE_LOG(WARN) << "request " << r.router_rid << ": " << r.failure << "; prefilling locally";
-  if (Status st = ctx_->engine->FailRemotePrefill(id); !st.ok()) {
+  if (!failed.ok()) {
+    const Status& st = failed.status();
     (void)r.router->Send(RequestError(r.router_rid, st.code(), st.message(), !r.first_token_sent));
     EraseRequest(id, "failed");
   }
+}
+
+void DecodeSide::ReleaseHeldBlocks(HeldBlocksMap::iterator it, const char* why) {
+  PDSERVE_LOG(INFO) << it->second.blocks << " KV block(s) held for prefill worker "
+                    << it->second.address << " released: " << why;
+  (void)ctx_->engine->ReleaseKvBlocks(it->second.pin);
+  held_blocks_.fetch_sub(it->second.blocks);
+  held_for_peers_.erase(it);
 }
 
 void DecodeSide::CheckDeadlines() {
@@ -397,6 +439,11 @@ void DecodeSide::CheckDeadlines() {
     if (r->remote && now > r->remote_give_up) late.push_back(id);
   }
   for (RequestId id : late) GiveUpRemote(id, "prefill worker timed out");
+  for (auto it = held_for_peers_.begin(); it != held_for_peers_.end();) {
+    auto next = std::next(it);
+    if (now >= it->second.until) ReleaseHeldBlocks(it, "its transfer deadline has passed");
+    it = next;
+  }
 }
 
 // Requests waiting on prefill peers that are gone (or whose connection
@@ -443,18 +490,19 @@ DecodeSide::PrefillPeer& DecodeSide::EnsurePrefillPeerLocked(const std::string& 
 }
 
 void DecodeSide::SendToPrefillPeer(const std::string& address, proto::Envelope prefill,
-                                   RequestId id) {
+                                   RequestId id, WorkerClock::time_point send_by) {
   {
     std::lock_guard<std::mutex> lock(peers_mu_);
     PrefillPeer& peer = EnsurePrefillPeerLocked(address);
     peer.forgotten = false;  // a router just named it
     if (peer.ready && peer.client->Send(prefill).ok()) return;
     if (!peer.ready && peer.pending.size() < kMaxPendingPrefills) {
-      peer.pending.push_back(std::move(prefill));
+      peer.pending.push_back({std::move(prefill), send_by});
       return;
     }
   }
   // Nothing was sent: nothing can write, so the fallback is immediate.
+  requests_.at(id)->writer_settled = true;
   GiveUpRemote(id, "prefill peer " + address + " unavailable");
 }
 
@@ -589,7 +637,7 @@ void DecodeSide::OnPrefillPeerMessage(const std::string& address, const Connecti
     // Step 4: the writer's reply to our descriptor.
     auto peer = ctx_->transfer->Accept(hello.transfer_descriptor());
     if (!peer.ok()) return refuse(peer.status().message());
-    std::deque<proto::Envelope> flush;
+    std::deque<PendingPrefill> flush;
     {
       std::lock_guard<std::mutex> lock(peers_mu_);
       auto it = prefill_peers_.find(address);
@@ -598,7 +646,16 @@ void DecodeSide::OnPrefillPeerMessage(const std::string& address, const Connecti
       it->second->transfer_peer = *peer;
       flush.swap(it->second->pending);
     }
-    for (auto& env : flush) (void)c->Send(std::move(env));
+    // The peer's deadline must not outlast ours: it gets the time left, and
+    // a request whose time is up is not sent (it falls back on its own).
+    const auto now = WorkerClock::now();
+    for (auto& p : flush) {
+      if (now >= p.send_by) continue;
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(p.send_by - now);
+      p.prefill.mutable_prefill()->set_deadline_ms(
+          static_cast<uint32_t>(std::max<int64_t>(1, left.count())));
+      (void)c->Send(std::move(p.prefill));
+    }
     return;
   }
   if (e.has_kv_write()) {
@@ -626,7 +683,7 @@ void DecodeSide::OnPrefillPeerMessage(const std::string& address, const Connecti
 }
 
 void DecodeSide::OnPrefillPeerClosed(const std::string& address, const Status& why) {
-  std::deque<proto::Envelope> dropped;
+  std::deque<PendingPrefill> dropped;
   PeerId transfer_peer = 0;
   {
     std::lock_guard<std::mutex> lock(peers_mu_);
@@ -646,8 +703,10 @@ void DecodeSide::OnPrefillPeerClosed(const std::string& address, const Status& w
     }
   }
   StopRetiredClients();
-  // A closed peer writes nothing more; its transfer pair goes too, which ends
-  // every Receive pending on it, and every hand-off it held falls back.
+  // Its transfer pair goes too, which ends every Receive pending on it, and
+  // every hand-off it held falls back. The peer itself may not have noticed
+  // yet (a partition, a frozen process): FallBackToLocal holds the blocks
+  // it may still write into.
   if (transfer_peer) ctx_->transfer->Disconnect(transfer_peer);
   FallBackRequestsOf({address}, "prefill worker lost: " + why.message());
 }

@@ -11,11 +11,14 @@
 // success, every reserved block was announced and every Receive completed.
 // Anything else falls back to local prefill.
 //
-// Safety of remote writes: reserved blocks go back to the allocator only
-// when nothing can write into them any more: no Receive of theirs is pending,
-// and the peer reported failure, its connection closed (its transfer pair is
-// then disconnected, which ends pending Receives), or the transfer deadline
-// plus a grace period passed.
+// Safety of remote writes: a peer may write into the blocks reserved for it
+// until it reports (PrefillDone) or its transfer deadline passes, whatever
+// happened on our side: a partition or a frozen process hides our give-up
+// from it, and bytes already on the wire still land. So a hand-off that
+// falls back before the peer reported keeps those blocks out of use (held
+// under a pin, the request prefilling into others) until the peer's late
+// report comes or the deadline plus a grace period has passed, and a
+// Prefill that waited for the handshake is sent with only the time left.
 //
 // Prefill peers: one control client per prefill worker the routers list
 // (PrefillWorkers), connected ahead of the first request; the transfer
@@ -26,6 +29,7 @@
 // only there, peer state under a lock.
 #pragma once
 
+#include <atomic>
 #include <deque>
 #include <map>
 #include <memory>
@@ -54,6 +58,9 @@ class DecodeSide {
   void CheckDeadlines();
   // Prompt tokens admitted here and not yet computed (for Load reports).
   int64_t QueuedPrefillTokens() const;
+  // Blocks held because a prefill peer given up on may still write into them
+  // (any thread).
+  size_t HeldBlocks() const { return held_blocks_.load(); }
   // At shutdown: every request is cancelled, no block stays held.
   void CancelAll(const std::string& why);
 
@@ -69,6 +76,18 @@ class DecodeSide {
  private:
   struct Request;
   struct PrefillPeer;
+  struct PendingPrefill {
+    proto::Envelope prefill;
+    WorkerClock::time_point send_by;  // later, the peer's deadline would outlast ours
+  };
+  // Blocks of a fallen-back hand-off that its peer may still write into.
+  struct HeldForPeer {
+    PinId pin = 0;
+    WorkerClock::time_point until;  // the peer's transfer deadline plus the grace
+    std::string address;            // the prefill peer
+    size_t blocks = 0;
+  };
+  using HeldBlocksMap = std::unordered_map<std::string, HeldForPeer>;  // by prefill rid
 
   // Engine thread.
   void CancelRequest(RequestId id, const std::string& why);
@@ -82,6 +101,7 @@ class DecodeSide {
   void TrySettleRemote(RequestId id);
   void CompleteRemote(RequestId id);
   void FallBackToLocal(RequestId id);
+  void ReleaseHeldBlocks(HeldBlocksMap::iterator it, const char* why);
   void FallBackRequestsOf(const std::vector<std::string>& addresses, const std::string& why);
   RequestId FindByPrefillRid(const std::string& address, const std::string& rid) const;
 
@@ -89,7 +109,8 @@ class DecodeSide {
   PrefillPeer& EnsurePrefillPeerLocked(const std::string& address);
   std::vector<std::string> ReconcilePrefillPeersLocked();
   void StopRetiredClients();
-  void SendToPrefillPeer(const std::string& address, proto::Envelope prefill, RequestId id);
+  void SendToPrefillPeer(const std::string& address, proto::Envelope prefill, RequestId id,
+                         WorkerClock::time_point send_by);
   void OnPrefillPeerOpen(const std::string& address, const control::ConnectionPtr& c);
   void OnPrefillPeerMessage(const std::string& address, const control::ConnectionPtr& c,
                             proto::Envelope& e);
@@ -103,6 +124,8 @@ class DecodeSide {
   std::map<std::pair<uint64_t, std::string>, RequestId> by_router_rid_;
   // Id used with the prefill peer -> request (remote hand-offs in progress).
   std::unordered_map<std::string, RequestId> by_prefill_rid_;
+  HeldBlocksMap held_for_peers_;
+  std::atomic<size_t> held_blocks_{0};
 
   // Peers.
   std::mutex peers_mu_;

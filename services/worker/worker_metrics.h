@@ -45,6 +45,10 @@ struct WorkerMetrics {
         staging_bytes_in_use(metrics::AddGauge(
             r, "pdserve_kv_staging_bytes_in_use",
             "Bytes of the KV transport's bounce buffers held by transfers in flight")),
+        blocks_held_for_peers(metrics::AddGauge(
+            r, "pdserve_kv_blocks_held_for_peers",
+            "KV blocks of failed hand-offs kept out of use until the prefill peer that was to "
+            "fill them can no longer write into them (its report or its transfer deadline)")),
         staging_bytes_reserved(metrics::AddGauge(
             r, "pdserve_kv_staging_bytes_reserved",
             "Bytes the KV transport reserved for bounce buffers (--kv-staging-bytes at most)")),
@@ -82,6 +86,7 @@ struct WorkerMetrics {
   prometheus::Family<prometheus::Counter>& transfer_bytes;
   prometheus::Counter& transfer_failures;
   prometheus::Gauge& staging_bytes_in_use;
+  prometheus::Gauge& blocks_held_for_peers;
   prometheus::Gauge& staging_bytes_reserved;
   prometheus::Counter& preemptions;
   prometheus::Family<prometheus::Counter>& requests;

@@ -464,6 +464,7 @@ class WorkerServiceImpl : public WorkerService {
     const KvTransferStats ts = transfer_->stats();
     metrics_.staging_bytes_in_use.Set(static_cast<double>(ts.staging_bytes_in_use));
     metrics_.staging_bytes_reserved.Set(static_cast<double>(ts.staging_bytes_reserved));
+    metrics_.blocks_held_for_peers.Set(static_cast<double>(decode_.HeldBlocks()));
     metrics_.usage.Set(s.blocks.usage_ratio);
     metrics_.running.Set(static_cast<double>(s.num_running));
     metrics_.waiting.Set(static_cast<double>(s.num_waiting + s.num_remote_waiting));

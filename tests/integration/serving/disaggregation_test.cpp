@@ -9,6 +9,7 @@
 
 #include <gtest/gtest.h>
 
+#include <regex>
 #include <thread>
 
 #include "tests/integration/serving/stack.h"
@@ -41,7 +42,12 @@ class DisaggregationTest : public ::testing::TestWithParam<TransferCase> {
   void SetUp() override {
     stack_.StartRouter({"--max-local-prefill", "32"});
     for (int i = 0; i < 2; ++i) stack_.StartWorker("prefill", GetParam().worker_flags);
-    for (int i = 0; i < 2; ++i) stack_.StartWorker("decode", GetParam().worker_flags);
+    // A short transfer deadline: blocks of a hand-off whose prefill worker
+    // died stay held until it has passed (plus the control plane's peer
+    // timeout), as a writer that was only cut off could still write into them.
+    std::vector<std::string> decode_flags = GetParam().worker_flags;
+    decode_flags.insert(decode_flags.end(), {"--prefill-timeout-ms", "3000"});
+    for (int i = 0; i < 2; ++i) stack_.StartWorker("decode", decode_flags);
     ASSERT_TRUE(stack_.WaitReady());
   }
 
@@ -54,9 +60,10 @@ class DisaggregationTest : public ::testing::TestWithParam<TransferCase> {
     return s;
   }
 
-  // Waits until no decode worker holds a block or a bounce buffer (idle).
+  // Waits until no decode worker holds a block or a bounce buffer (idle);
+  // blocks held for a prefill peer go at its deadline, 10 s at most here.
   bool DecodePoolsIdle() {
-    for (int i = 0; i < 200; ++i) {
+    for (int i = 0; i < 400; ++i) {
       if (Sum("decode", "pdserve_kv_cache_usage_ratio") == 0 &&
           Sum("decode", "pdserve_requests_running") == 0 &&
           Sum("decode", "pdserve_kv_staging_bytes_in_use") == 0) {
@@ -129,6 +136,7 @@ TEST_P(DisaggregationTest, PrefillWorkerKilledMidTransferFallsBackToLocal) {
     EXPECT_EQ(results[i].second["choices"][0]["text"], expected[i]["text"]) << i;
   }
   EXPECT_TRUE(DecodePoolsIdle()) << "blocks leaked on a decode worker";
+  EXPECT_EQ(Sum("decode", "pdserve_kv_blocks_held_for_peers"), 0);
   // New long requests still work, prefilled locally.
   ExpectSameAsGenerate(stack_, Words(90), 4);
 }
@@ -215,6 +223,55 @@ TEST(RealModelDisaggregationTest, StagedHandOffMatchesTheOfflineEngine) {
     if (!idle) std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   EXPECT_TRUE(idle) << "bounce buffers still held after every request finished";
+}
+
+// A prefill worker frozen with a hand-off queued for it: the decode worker
+// gives up on it once the control connection times out and answers by local
+// prefill, but the frozen worker may still write into the blocks reserved
+// for it when it wakes up (it does not know it was given up on), so those
+// stay held, out of every other use, until its transfer deadline has passed;
+// then they are free again and the stack answers as before.
+TEST(FrozenPrefillWorkerTest, BlocksReservedForItStayHeldUntilItsDeadline) {
+  LocalStack stack("disagg-frozen");
+  stack.StartRouter({"--max-local-prefill", "0"});
+  WorkerProc& prefill = stack.StartWorker("prefill");
+  WorkerProc& decode = stack.StartWorker("decode", {"--prefill-timeout-ms", "4000"});
+  ASSERT_TRUE(stack.WaitReady());
+  ExpectSameAsGenerate(stack, Words(40), 4);  // the hand-off works
+
+  const std::string prompt = Words(150);
+  const nlohmann::json want = Generate(prompt, 6);
+  prefill.proc.Signal(SIGSTOP);
+  auto [status, got] =
+      stack.Post("/v1/completions",
+                 {{"prompt", prompt}, {"max_tokens", 6}, {"temperature", 0}, {"ignore_eos", true}});
+  ASSERT_EQ(status, 200) << got.dump();
+  EXPECT_EQ(got["choices"][0]["text"], want["text"]);
+  EXPECT_TRUE(decode.proc.WaitForLog(std::regex("prefilling locally"), std::chrono::seconds(1)));
+
+  // Held now (the gauge follows the load reports), though the request is done.
+  double held = 0;
+  for (int i = 0; i < 40 && held == 0; ++i) {
+    held = LocalStack::Metric(decode.metrics_port, "pdserve_kv_blocks_held_for_peers");
+    if (held == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_GE(held, 150 / 16) << "the blocks the frozen worker may write into were not held";
+  EXPECT_GT(LocalStack::Metric(decode.metrics_port, "pdserve_kv_cache_usage_ratio"), 0);
+
+  // Woken up, it may write into them; at its deadline they are released.
+  prefill.proc.Signal(SIGCONT);
+  EXPECT_TRUE(decode.proc.WaitForLog(std::regex("KV block\\(s\\) held for prefill worker .* "
+                                                "released"),
+                                     std::chrono::seconds(20)));
+  bool idle = false;
+  for (int i = 0; i < 100 && !idle; ++i) {
+    idle = LocalStack::Metric(decode.metrics_port, "pdserve_kv_blocks_held_for_peers") == 0 &&
+           LocalStack::Metric(decode.metrics_port, "pdserve_kv_cache_usage_ratio") == 0;
+    if (!idle) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_TRUE(idle) << "held blocks were not released after the deadline";
+  ASSERT_TRUE(stack.WaitReady());
+  for (int words : {30, 150, 200}) ExpectSameAsGenerate(stack, Words(words), 8);
 }
 
 }  // namespace

@@ -156,12 +156,60 @@ TEST_P(EngineDisaggTest, FailedRemotePrefillFallsBackToLocal) {
   auto decode = MakeEngine();
   ASSERT_TRUE(decode->AddRemotePrefillRequest(request).ok());
   EXPECT_GT(decode->GetStats().blocks.used_blocks, 0u);
-  ASSERT_TRUE(decode->FailRemotePrefill(1).ok());
-  EXPECT_EQ(decode->FailRemotePrefill(1).code(), StatusCode::kNotFound);
+  auto failed = decode->FailRemotePrefill(1);
+  ASSERT_TRUE(failed.ok());
+  EXPECT_FALSE(failed->has_value()) << "nothing is held unless asked";
+  EXPECT_EQ(decode->FailRemotePrefill(1).status().code(), StatusCode::kNotFound);
   EXPECT_EQ(Drain(*decode, 1), expected);
   // The local prefill is this engine's prefill computation: it counts in the
   // prefix-cache query counter (it used to count nothing after a remote try).
   EXPECT_EQ(decode->GetStats().blocks.prefix_cache_query_tokens, 37u);
+}
+
+// A peer that was given up on may still write into the blocks it was to
+// fill: held, they stay out of every other use (the request prefills into
+// other blocks) until released, while the cached prefix stays shared.
+TEST_P(EngineDisaggTest, FailedRemotePrefillCanHoldTheBlocksThePeerWasToFill) {
+  const EngineRequest first = Request(1, 40, 5, 4);
+  EngineRequest second = Request(2, 70, 6, 6);
+  // The second prompt starts with the first's two full blocks (16 tokens each).
+  std::copy(first.prompt.begin(), first.prompt.begin() + 32, second.prompt.begin());
+  auto alone = MakeEngine();
+  ASSERT_TRUE(alone->AddRequest(second).ok());
+  const auto expected = Drain(*alone, 2);
+
+  auto decode = MakeEngine();
+  ASSERT_TRUE(decode->AddRequest(first).ok());
+  Drain(*decode, 1);  // leaves its two full blocks cached
+  auto plan = decode->AddRemotePrefillRequest(second);
+  ASSERT_TRUE(plan.ok());
+  ASSERT_EQ(plan->first_block_to_fill, 2u);
+  const std::vector<BlockId> to_fill(plan->block_ids.begin() + 2, plan->block_ids.end());
+  ASSERT_EQ(to_fill.size(), 3u);
+
+  auto held = decode->FailRemotePrefill(2, /*hold_unfilled=*/true);
+  ASSERT_TRUE(held.ok()) << held.status().ToString();
+  ASSERT_TRUE(held->has_value());
+  EXPECT_EQ(decode->block_manager().PinnedBlocks(**held), to_fill);
+  for (BlockId b : to_fill) EXPECT_EQ(decode->block_manager().RefCount(b), 1u) << b;
+
+  // The local prefill never touches a held block, and gets the same tokens.
+  std::vector<TokenId> got;
+  while (decode->HasUnfinished()) {
+    for (BlockId b : decode->block_manager().BlockTable(2)) {
+      EXPECT_EQ(std::count(to_fill.begin(), to_fill.end(), b), 0) << "block " << b << " reused";
+    }
+    auto outs = decode->Step();
+    ASSERT_TRUE(outs.ok());
+    for (const auto& o : *outs)
+      got.insert(got.end(), o.new_token_ids.begin(), o.new_token_ids.end());
+  }
+  EXPECT_EQ(got, expected);
+  for (BlockId b : to_fill) EXPECT_EQ(decode->block_manager().RefCount(b), 1u) << b;
+
+  ASSERT_TRUE(decode->ReleaseKvBlocks(**held).ok());
+  for (BlockId b : to_fill) EXPECT_EQ(decode->block_manager().RefCount(b), 0u) << b;
+  EXPECT_EQ(decode->GetStats().blocks.used_blocks, 0u);
 }
 
 // A streamed prefill reports each chunk's full blocks as it completes them,
