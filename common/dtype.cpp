@@ -12,8 +12,10 @@ std::string_view DTypeName(DType t) {
       return "bf16";
     case DType::kFP8E4M3:
       return "fp8";
-    case DType::kFP4E2M1:
-      return "fp4";
+    case DType::kNvFp4:
+      return "nvfp4";
+    case DType::kFP8E5M2:
+      return "fp8_e5m2";
   }
   return "?";
 }
@@ -23,7 +25,8 @@ std::optional<DType> ParseDType(std::string_view n) {
   if (n == "fp16" || n == "float16" || n == "F16" || n == "half") return DType::kF16;
   if (n == "bf16" || n == "bfloat16" || n == "BF16") return DType::kBF16;
   if (n == "fp8" || n == "fp8-e4m3" || n == "fp8_e4m3" || n == "F8_E4M3") return DType::kFP8E4M3;
-  if (n == "fp4" || n == "fp4-e2m1") return DType::kFP4E2M1;
+  if (n == "fp8_e5m2" || n == "fp8-e5m2" || n == "F8_E5M2") return DType::kFP8E5M2;
+  if (n == "nvfp4" || n == "fp4" || n == "fp4-e2m1") return DType::kNvFp4;
   return std::nullopt;
 }
 

@@ -21,12 +21,16 @@ inline std::string_view KvAttentionName(KvAttention a) {
 }
 
 // GQA: for each layer, K then V, each [kv_heads][block_tokens][head_dim]
-// (head-major). Pools that carry per-head scales (fp8) append kKvScalesSuffix.
+// (head-major). Pools that carry per-head scales (fp8, nvfp4) append kKvScalesSuffix.
 inline constexpr std::string_view kKvBlockOrder = "layer/kv/head/token/dim";
 inline constexpr std::string_view kKvScalesSuffix = "+scales/layer/kv/head";
 // MLA: for each layer, [block_tokens][kv_lora_rank + qk_rope_head_dim]; fp8
 // pools append one scale per layer (kMlaScalesSuffix).
 inline constexpr std::string_view kMlaBlockOrder = "layer/token/latent+rope";
 inline constexpr std::string_view kMlaScalesSuffix = "+scales/layer";
+// nvfp4 pools: each head's (or latent's) packed 4-bit codes are followed by
+// their E4M3 micro-scales, one per 16 values (kMicroScalesInfix, after the
+// element order).
+inline constexpr std::string_view kMicroScalesInfix = "+micro16";
 
 }  // namespace pdserve

@@ -16,7 +16,7 @@ using codec::ByteWriter;
 constexpr uint16_t kLayoutFormatVersion = 3;
 constexpr size_t kMaxNameBytes = 4096;
 
-bool KnownDType(uint8_t v) { return v <= static_cast<uint8_t>(DType::kFP4E2M1); }
+bool KnownDType(uint8_t v) { return v <= static_cast<uint8_t>(DType::kFP8E5M2); }
 
 std::string Name(DType t) { return std::string(DTypeName(t)); }
 

@@ -28,18 +28,26 @@ StatusOr<CapacityPlan> PlanCapacity(const CapacityRequest& r) {
   }
   CapacityPlan plan;
   // 2 x L x H x D elements per token, each DTypeBits/8 bytes; the element count
-  // is even, so fp4's half byte still gives whole bytes.
+  // is even, so nvfp4's half byte still gives whole bytes.
   // (MLA: L x (kv_lora_rank + qk_rope_head_dim), one latent and no separate V.)
   const int64_t elements = r.shape.is_mla()
                                ? r.shape.layers * (r.shape.kv_lora_rank + r.shape.qk_rope_head_dim)
                                : 2 * r.shape.layers * r.shape.kv_heads * r.shape.head_dim;
   plan.kv_bytes_per_token = elements * DTypeBits(r.kv_dtype) / 8;
-  plan.kv_bytes_per_sequence = plan.kv_bytes_per_token * r.context_tokens;
+  // nvfp4: a micro-scale per 16 values of each cached vector.
+  plan.kv_scale_bytes_per_token =
+      r.shape.is_mla()
+          ? r.shape.layers *
+                MicroScalesPerVector(r.kv_dtype, r.shape.kv_lora_rank + r.shape.qk_rope_head_dim)
+          : 2 * r.shape.layers * r.shape.kv_heads *
+                MicroScalesPerVector(r.kv_dtype, r.shape.head_dim);
+  const int64_t stored_per_token = plan.kv_bytes_per_token + plan.kv_scale_bytes_per_token;
+  plan.kv_bytes_per_sequence = stored_per_token * r.context_tokens;
   constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
   const double budget = r.gpu_mem_gib * kGiB * (1.0 - r.reserve_ratio) - r.weights_gib * kGiB;
   plan.kv_budget_bytes = budget > 0 ? static_cast<int64_t>(std::floor(budget)) : 0;
   plan.max_sequences = plan.kv_budget_bytes / plan.kv_bytes_per_sequence;
-  plan.max_tokens = plan.kv_budget_bytes / plan.kv_bytes_per_token;
+  plan.max_tokens = plan.kv_budget_bytes / stored_per_token;
   return plan;
 }
 

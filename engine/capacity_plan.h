@@ -3,9 +3,11 @@
 // KV bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per
 // element; for multi-head latent attention (DeepSeek-V2/V3), which caches
 // one vector per token and layer, layers x (kv_lora_rank + qk_rope_head_dim)
-// x bytes per element. Block scales of quantised caches are left out, as
-// published capacity tables do (pdserve's fp8 pool adds one fp32 scale per
-// block, layer and cached vector: ScaleBytesPerBlock).
+// x bytes per element. Scales of quantised caches are left out of it, as
+// published capacity tables do; nvfp4's E4M3 micro-scales (one byte per 16
+// elements, every token has them) are given apart and do count in the
+// capacity, while the fp32 scale per block, layer and cached vector of the
+// fp8 and nvfp4 pools (ScaleBytesPerBlock) does not.
 #pragma once
 
 #include <cstdint>
@@ -25,7 +27,7 @@ struct KvShape {
   int64_t qk_rope_head_dim = 0;
 
   bool is_mla() const { return kv_lora_rank > 0 || qk_rope_head_dim > 0; }
-  // fp32 scales pdserve's fp8 pool stores per block: one per layer and
+  // fp32 scales pdserve's fp8 and nvfp4 pools store per block: one per layer and
   // cached vector (GQA: K and V of each KV head; MLA: the latent).
   int64_t ScaleBytesPerBlock() const { return layers * (is_mla() ? 1 : 2 * kv_heads) * 4; }
 };
@@ -40,11 +42,12 @@ struct CapacityRequest {
 };
 
 struct CapacityPlan {
-  int64_t kv_bytes_per_token = 0;
-  int64_t kv_bytes_per_sequence = 0;  // at the requested context
-  int64_t kv_budget_bytes = 0;        // memory left for the KV pool (never negative)
-  int64_t max_sequences = 0;          // concurrent full-context sequences that fit
-  int64_t max_tokens = 0;             // KV tokens that fit in the budget
+  int64_t kv_bytes_per_token = 0;        // the elements alone
+  int64_t kv_scale_bytes_per_token = 0;  // nvfp4's micro-scales; 0 for other dtypes
+  int64_t kv_bytes_per_sequence = 0;     // at the requested context, micro-scales included
+  int64_t kv_budget_bytes = 0;           // memory left for the KV pool (never negative)
+  int64_t max_sequences = 0;             // concurrent full-context sequences that fit
+  int64_t max_tokens = 0;                // KV tokens that fit in the budget (micro-scales included)
 };
 
 // Validates the request (all sizes positive, ratio in [0,1)) and computes the plan.

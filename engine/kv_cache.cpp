@@ -10,9 +10,6 @@ StatusOr<std::unique_ptr<KvCachePool>> KvCachePool::Create(kernels::Backend* bac
     return Status::InvalidArgument("block size must be in [1, 1024], got " +
                                    std::to_string(block_size));
   }
-  if (dtype == DType::kFP4E2M1) {
-    return Status::InvalidArgument("KV cache dtype fp4 is not supported (fp32, fp16, bf16, fp8)");
-  }
   kernels::KvCacheLayout layout;
   if (config.is_mla()) {
     layout = kernels::KvCacheLayout::Mla(config.num_layers, config.kv_lora_rank,
@@ -24,6 +21,11 @@ StatusOr<std::unique_ptr<KvCachePool>> KvCachePool::Create(kernels::Backend* bac
   }
   layout.block_size = block_size;
   layout.dtype = dtype;
+  if (dtype == DType::kNvFp4 && layout.head_dim % 2 != 0) {
+    return Status::InvalidArgument(
+        "KV cache dtype nvfp4 needs an even head_dim (two 4-bit values a byte); this model's is " +
+        std::to_string(layout.head_dim));
+  }
   const int64_t per_block = layout.bytes_per_block();
   layout.num_blocks = budget_bytes > 0 ? budget_bytes / per_block : 0;
   if (layout.num_blocks < 1) {

@@ -22,7 +22,8 @@ namespace pdserve {
 class KvCachePool {
  public:
   // As many blocks as fit in `budget_bytes`. InvalidArgument for a block size
-  // < 1 or a dtype the KV cache cannot hold (fp4); ResourceExhausted when the
+  // < 1 or a dtype the KV cache cannot hold (nvfp4 with an odd
+  // head_dim); ResourceExhausted when the
   // budget holds no block or the backend cannot allocate it.
   static StatusOr<std::unique_ptr<KvCachePool>> Create(kernels::Backend* backend,
                                                        const ModelConfig& config, DType dtype,

@@ -146,6 +146,7 @@ void CpuBackend::WriteKv(const KvCacheLayout& layout, void* pool, int64_t layer,
                          const float* v, const int64_t* slots, int64_t tokens) {
   auto* base = static_cast<uint8_t*>(pool);
   const int64_t kvh = layout.num_kv_heads, hd = layout.head_dim, bs = layout.block_size;
+  const KvRegion region{layout.dtype, bs, hd};
   // One task per KV head: the tokens of a head are stored in order, which the
   // fp8 scale bookkeeping of a block relies on; heads are independent. A
   // decode step's few tokens are cheaper to store than to hand to threads.
@@ -159,7 +160,7 @@ void CpuBackend::WriteKv(const KvCacheLayout& layout, void* pool, int64_t layer,
             // The run of following tokens that continue in the same block.
             int64_t run = 1;
             while (t + run < tokens && slots[t + run] == slots[t] + run && offset + run < bs) ++run;
-            // fp8 scales are copied in and out: with odd head or block sizes
+            // Scales are copied in and out: with odd head or block sizes
             // the layout puts them at addresses that are not 4-byte aligned.
             float ks = 0, vs = 0;
             uint8_t* k_scale = base + layout.k_scale_offset(block, layer, h);
@@ -168,9 +169,9 @@ void CpuBackend::WriteKv(const KvCacheLayout& layout, void* pool, int64_t layer,
               std::memcpy(&ks, k_scale, 4);
               std::memcpy(&vs, v_scale, 4);
             }
-            StoreRun(k + (t * kvh + h) * hd, kvh * hd, run, hd, layout.dtype, offset,
+            StoreRun(k + (t * kvh + h) * hd, kvh * hd, run, region, offset,
                      base + layout.k_offset(block, layer, h), &ks);
-            StoreRun(v + (t * kvh + h) * hd, kvh * hd, run, hd, layout.dtype, offset,
+            StoreRun(v + (t * kvh + h) * hd, kvh * hd, run, region, offset,
                      base + layout.v_offset(block, layer, h), &vs);
             if (layout.has_scales()) {
               std::memcpy(k_scale, &ks, 4);

@@ -1,7 +1,8 @@
 // The CPU backend's paged-KV element codecs, shared by the GQA ops
-// (cpu_backend.cpp) and the MLA ops (mla_attention.cpp): one definition of
-// how a value is stored in and read from the pool for every KV dtype, and of
-// the fp8 block-scale rule (kernels/backend.h, WriteKv).
+// (cpu_backend.cpp, paged_attention.cpp) and the MLA ops (mla_attention.cpp):
+// one definition of how a value is stored in and read from a head region of
+// the pool (kernels/backend.h) for every KV dtype, with the scale rules of
+// kernels/kv_quant.h.
 #pragma once
 
 #include <cstdint>
@@ -10,21 +11,28 @@
 
 namespace pdserve::kernels {
 
-// Decodes `count` consecutive KV elements of `dtype` to fp32 (scale applies
-// to fp8 only). Aborts on a dtype the pool cannot hold (refused at creation).
-void LoadKv(const uint8_t* src, DType dtype, float scale, int64_t count, float* dst);
-// Encodes `count` values; fp8 divides by `scale` first (exact: a power of two).
-void StoreKv(const float* src, DType dtype, float scale, int64_t count, uint8_t* dst);
+// A head region of one block: block_size vectors of `width` values (a
+// head's K or V, or an MLA latent) of `dtype` from `base` (nvfp4: its
+// micro-scales follow the packed codes).
+struct KvRegion {
+  DType dtype = DType::kF32;
+  int64_t block_size = 0;
+  int64_t width = 0;
+  // Bytes from `base` to nvfp4's micro-scales.
+  int64_t micro_scales_at() const { return block_size * width / 2; }
+};
 
-// Smallest power of two s with max_abs / s <= 448 (0 for an all-zero vector).
-float Fp8ScaleFor(float max_abs);
+// Decodes elements [0, count) of a region to fp32 (`scale`: the region's,
+// for scaled dtypes). Aborts on a dtype the pool cannot hold (refused at
+// creation).
+void LoadKv(const uint8_t* base, const KvRegion& region, float scale, int64_t count, float* dst);
 
 // Writes a run of tokens that land in consecutive slots of ONE block for one
-// head (`count` vectors of head_dim from `src`, rows `src_stride` floats
-// apart), starting at `offset_in_block`. For fp8 the block's scale first
-// grows to cover the whole run, so a block filled by one call (a prefill
-// chunk) is rounded exactly once; offset 0 starts the block afresh.
-void StoreRun(const float* src, int64_t src_stride, int64_t count, int64_t head_dim, DType dtype,
-              int64_t offset_in_block, uint8_t* head_base, float* scale);
+// head (`count` vectors of region.width from `src`, rows `src_stride` floats
+// apart), starting at `offset_in_block`. For scaled dtypes the region's
+// scale first grows to cover the whole run, so a block filled by one call (a
+// prefill chunk) is rounded exactly once; offset 0 starts the block afresh.
+void StoreRun(const float* src, int64_t src_stride, int64_t count, const KvRegion& region,
+              int64_t offset_in_block, uint8_t* base, float* scale);
 
 }  // namespace pdserve::kernels

@@ -59,7 +59,7 @@ void CpuBackend::WriteLatentKv(const KvCacheLayout& layout, void* pool, int64_t 
     float scale = 0;
     uint8_t* scale_at = base + layout.k_scale_offset(block, layer, 0);
     if (layout.has_scales()) std::memcpy(&scale, scale_at, 4);
-    StoreRun(run_values.data(), D, run, D, layout.dtype, offset,
+    StoreRun(run_values.data(), D, run, KvRegion{layout.dtype, bs, D}, offset,
              base + layout.k_offset(block, layer, 0), &scale);
     if (layout.has_scales()) std::memcpy(scale_at, &scale, 4);
     t += run;
@@ -107,7 +107,7 @@ void CpuBackend::MlaAttention(const KvCacheLayout& layout, const void* pool, int
         float k_scale = 1.0f;
         if (layout.has_scales())
           std::memcpy(&k_scale, base + layout.k_scale_offset(block, layer, 0), 4);
-        LoadKv(kp, layout.dtype, k_scale, in_block * D, block_buf.data());
+        LoadKv(kp, KvRegion{layout.dtype, bs, D}, k_scale, in_block * D, block_buf.data());
         return block_buf.data();
       };
       // Pass 1: scores [G][n_keys] = scale * q . latent.

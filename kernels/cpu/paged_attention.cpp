@@ -6,6 +6,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels/cpu/kv_codec.h"
 #include "kernels/cpu/simd_loads.h"
 
 namespace pdserve::kernels {
@@ -341,7 +342,10 @@ void RunUnit(const AttentionKernels& k, const Unit& u, const KvCacheLayout& layo
   const int64_t max_keys = first_pos + (u.row_end - 1 - batch.query_start[u.seq]) + 1;
   const int32_t* table = batch.block_tables + u.seq * batch.max_blocks_per_seq;
   const bool in_place = layout.dtype == DType::kF32;
-  const bool fp8 = layout.has_scales();
+  // fp8 e5m2 and nvfp4 go through the scalar codec, the others through
+  // `widen` (fp8 e4m3 with its 2^-8 factor, simd_loads.h).
+  const bool codec = layout.dtype == DType::kFP8E5M2 || layout.dtype == DType::kNvFp4;
+  const KvRegion region{layout.dtype, bs, hd};
 
   s.acc.assign(queries * hd, 0.0f);
   s.max.assign(queries, -INFINITY);
@@ -361,16 +365,23 @@ void RunUnit(const AttentionKernels& k, const Unit& u, const KvCacheLayout& layo
     const float* keys = reinterpret_cast<const float*>(kp);
     const float* values = reinterpret_cast<const float*>(vp);
     if (!in_place) {
-      // fp8 scales by memcpy: odd head or block sizes leave them unaligned.
+      // Scales by memcpy: odd head or block sizes leave them unaligned.
       float k_factor = 1.0f, v_factor = 1.0f;
-      if (fp8) {
+      if (layout.has_scales()) {
         std::memcpy(&k_factor, base + layout.k_scale_offset(block, layer, u.kv_head), 4);
         std::memcpy(&v_factor, base + layout.v_scale_offset(block, layer, u.kv_head), 4);
-        k_factor *= simd::kE4M3LoadFactor;
-        v_factor *= simd::kE4M3LoadFactor;
       }
-      k.widen(layout.dtype, kp, in_block * hd, k_factor, s.keys.data());
-      k.widen(layout.dtype, vp, in_block * hd, v_factor, s.values.data());
+      if (codec) {
+        LoadKv(kp, region, k_factor, in_block * hd, s.keys.data());
+        LoadKv(vp, region, v_factor, in_block * hd, s.values.data());
+      } else {
+        if (layout.dtype == DType::kFP8E4M3) {
+          k_factor *= simd::kE4M3LoadFactor;
+          v_factor *= simd::kE4M3LoadFactor;
+        }
+        k.widen(layout.dtype, kp, in_block * hd, k_factor, s.keys.data());
+        k.widen(layout.dtype, vp, in_block * hd, v_factor, s.values.data());
+      }
       keys = s.keys.data();
       values = s.values.data();
     }

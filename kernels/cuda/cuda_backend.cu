@@ -38,6 +38,7 @@ unsigned Blocks(int64_t n) { return static_cast<unsigned>((n + kThreads - 1) / k
 struct DeviceLayout {
   int64_t num_kv_heads, head_dim, block_size;
   int64_t head_bytes, kv_bytes_per_layer, layer_stride, bytes_per_block;
+  int64_t micro_at;  // nvfp4: the micro-scales' offset in a head region
   DType dtype;
   bool has_scales;
 
@@ -49,6 +50,7 @@ struct DeviceLayout {
         kv_bytes_per_layer(l.kv_bytes_per_layer()),
         layer_stride(l.layer_stride_bytes()),
         bytes_per_block(l.bytes_per_block()),
+        micro_at(l.head_value_bytes()),
         dtype(l.dtype),
         has_scales(l.has_scales()) {}
 
@@ -183,16 +185,17 @@ __global__ void WriteKvPlainKernel(DeviceLayout layout, uint8_t* pool, int64_t l
   if (i >= tokens * kvh * hd) return;
   const int64_t t = i / (kvh * hd), h = (i / hd) % kvh, d = i % hd;
   const int64_t block = slots[t] / bs, offset = slots[t] % bs;
-  StoreKv(pool + layout.k_offset(block, layer, h), layout.dtype, offset * hd + d, k[i], 1.0f);
-  StoreKv(pool + layout.v_offset(block, layer, h), layout.dtype, offset * hd + d, v[i], 1.0f);
+  StorePlainKv(pool + layout.k_offset(block, layer, h), layout.dtype, offset * hd + d, k[i]);
+  StorePlainKv(pool + layout.v_offset(block, layer, h), layout.dtype, offset * hd + d, v[i]);
 }
 
-// fp8: one thread block per (KV head, K|V). The tokens of a head are walked
-// in order, one run of consecutive slots in a block at a time, exactly as
-// the CPU backend does: the block's scale grows to cover the whole run and
-// the tokens already there are requantized when it does.
-__global__ void WriteKvFp8Kernel(DeviceLayout layout, uint8_t* pool, int64_t layer, const float* k,
-                                 const float* v, const int64_t* slots, int64_t tokens) {
+// Scaled dtypes (fp8, fp8_e5m2, nvfp4): one thread block per (KV head,
+// K|V). The tokens of a head are walked in order, one run of consecutive
+// slots in a block at a time, exactly as the CPU backend does (the block's
+// scale grows to cover the whole run; WriteScaledRun).
+__global__ void WriteKvScaledKernel(DeviceLayout layout, uint8_t* pool, int64_t layer,
+                                    const float* k, const float* v, const int64_t* slots,
+                                    int64_t tokens) {
   __shared__ float reduce[kThreads / 32];
   const int64_t hd = layout.head_dim, kvh = layout.num_kv_heads, bs = layout.block_size;
   const int64_t h = blockIdx.x / 2;
@@ -204,28 +207,12 @@ __global__ void WriteKvFp8Kernel(DeviceLayout layout, uint8_t* pool, int64_t lay
     while (t + run < tokens && slots[t + run] == slots[t] + run && offset + run < bs) ++run;
     uint8_t* head =
         pool + (is_v ? layout.v_offset(block, layer, h) : layout.k_offset(block, layer, h));
-    float* scale = reinterpret_cast<float*>(pool + (is_v ? layout.v_scale_offset(block, layer, h)
-                                                         : layout.k_scale_offset(block, layer, h)));
-    float max_abs = 0;
-    for (int64_t i = threadIdx.x; i < run * hd; i += blockDim.x) {
-      max_abs = fmaxf(max_abs, fabsf(src[((t + i / hd) * kvh + h) * hd + i % hd]));
-    }
-    max_abs = BlockMax(max_abs, reduce);
-    const float old_scale = offset == 0 ? 0.0f : *scale;  // offset 0: a fresh block
-    const float needed = Fp8ScaleFor(max_abs);
-    const float new_scale = needed > old_scale ? needed : old_scale;
-    if (new_scale != old_scale && old_scale > 0) {
-      for (int64_t i = threadIdx.x; i < offset * hd; i += blockDim.x) {
-        head[i] = F32ToE4M3(E4M3ToF32(head[i]) * old_scale / new_scale);
-      }
-    }
-    for (int64_t i = threadIdx.x; i < run * hd; i += blockDim.x) {
-      StoreKv(head, DType::kFP8E4M3, offset * hd + i, src[((t + i / hd) * kvh + h) * hd + i % hd],
-              new_scale);
-    }
-    __syncthreads();  // every thread read the old scale before it changes
-    if (threadIdx.x == 0) *scale = new_scale;
-    __syncthreads();
+    uint8_t* scale_at = pool + (is_v ? layout.v_scale_offset(block, layer, h)
+                                     : layout.k_scale_offset(block, layer, h));
+    const float* first = src + (t * kvh + h) * hd;
+    WriteScaledRun(
+        layout.dtype, head, layout.micro_at, scale_at, offset, run, hd,
+        [&](int64_t i) { return first[(i / hd) * kvh * hd + i % hd]; }, reduce);
     t += run;
   }
 }
@@ -273,12 +260,10 @@ __device__ KvAt KvOfKey(const DeviceLayout& layout, const uint8_t* pool, int64_t
   KvAt a;
   a.k = pool + layout.k_offset(block, layer, g);
   a.v = pool + layout.v_offset(block, layer, g);
-  a.k_scale = layout.has_scales
-                  ? *reinterpret_cast<const float*>(pool + layout.k_scale_offset(block, layer, g))
-                  : 1.0f;
-  a.v_scale = layout.has_scales
-                  ? *reinterpret_cast<const float*>(pool + layout.v_scale_offset(block, layer, g))
-                  : 1.0f;
+  a.k_scale =
+      layout.has_scales ? LoadScaleBytes(pool + layout.k_scale_offset(block, layer, g)) : 1.0f;
+  a.v_scale =
+      layout.has_scales ? LoadScaleBytes(pool + layout.v_scale_offset(block, layer, g)) : 1.0f;
   a.elem = (key % layout.block_size) * layout.head_dim;
   return a;
 }
@@ -310,7 +295,8 @@ __global__ void PagedAttentionKernel(DeviceLayout layout, const uint8_t* pool, i
     float dot = 0.0f;
     for (int j = 0; j < kMaxHeadDimPerLane; ++j) {
       const int64_t d = lane + 32 * j;
-      if (d < hd) dot += qv[j] * LoadKv(kv.k, layout.dtype, kv.elem + d, kv.k_scale);
+      if (d < hd)
+        dot += qv[j] * LoadKv(kv.k, layout.dtype, kv.elem + d, kv.k_scale, layout.micro_at, hd);
     }
     for (int o = 16; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
     const float score = dot * scale;
@@ -321,7 +307,8 @@ __global__ void PagedAttentionKernel(DeviceLayout layout, const uint8_t* pool, i
     for (int j = 0; j < kMaxHeadDimPerLane; ++j) {
       const int64_t d = lane + 32 * j;
       if (d < hd) {
-        acc[j] = acc[j] * correction + p * LoadKv(kv.v, layout.dtype, kv.elem + d, kv.v_scale);
+        acc[j] = acc[j] * correction +
+                 p * LoadKv(kv.v, layout.dtype, kv.elem + d, kv.v_scale, layout.micro_at, hd);
       }
     }
     running_max = new_max;
@@ -387,8 +374,10 @@ __global__ void __launch_bounds__(32 * kSplitWarps)
 #pragma unroll
     for (int j = 0; j < D; ++j) {
       const int64_t d = lane + 32 * j;
-      kv[j] = d < hd ? LoadKv(at.k, layout.dtype, at.elem + d, at.k_scale) : 0.0f;
-      vv[j] = d < hd ? LoadKv(at.v, layout.dtype, at.elem + d, at.v_scale) : 0.0f;
+      kv[j] =
+          d < hd ? LoadKv(at.k, layout.dtype, at.elem + d, at.k_scale, layout.micro_at, hd) : 0.0f;
+      vv[j] =
+          d < hd ? LoadKv(at.v, layout.dtype, at.elem + d, at.v_scale, layout.micro_at, hd) : 0.0f;
     }
 #pragma unroll
     for (int i = 0; i < kMaxGroup; ++i) {
@@ -854,8 +843,8 @@ void CudaBackend::WriteKv(const KvCacheLayout& layout, void* pool, int64_t layer
   auto* base = static_cast<uint8_t*>(pool);
   const DeviceLayout dl(layout);
   if (layout.has_scales()) {
-    WriteKvFp8Kernel<<<static_cast<unsigned>(2 * layout.num_kv_heads), kThreads, 0,
-                       state_->stream>>>(dl, base, layer, k, v, slots, tokens);
+    WriteKvScaledKernel<<<static_cast<unsigned>(2 * layout.num_kv_heads), kThreads, 0,
+                          state_->stream>>>(dl, base, layer, k, v, slots, tokens);
   } else {
     const int64_t n = tokens * layout.num_kv_heads * layout.head_dim;
     WriteKvPlainKernel<<<Blocks(n), kThreads, 0, state_->stream>>>(dl, base, layer, k, v, slots,

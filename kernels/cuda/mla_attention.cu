@@ -15,6 +15,7 @@ constexpr int kWarps = 4;  // warps per (row, head) block of MlaAttentionKernel
 // KvCacheLayout's MLA offsets, precomputed on the host.
 struct LatentLayout {
   int64_t rank, rope, width, block_size, layer_stride, bytes_per_block, head_bytes;
+  int64_t micro_at;  // nvfp4: the micro-scales' offset in a latent region
   DType dtype;
   bool has_scales;
 
@@ -26,6 +27,7 @@ struct LatentLayout {
         layer_stride(l.layer_stride_bytes()),
         bytes_per_block(l.bytes_per_block()),
         head_bytes(l.head_bytes()),
+        micro_at(l.head_value_bytes()),
         dtype(l.dtype),
         has_scales(l.has_scales()) {}
 
@@ -36,15 +38,6 @@ struct LatentLayout {
     return latent_offset(block, layer) + head_bytes;
   }
 };
-
-// The fp8 scale follows the latents and is 4-byte aligned only when they
-// fill a multiple of 4 bytes: read and written bytewise.
-__device__ float LoadScale(const uint8_t* at) {
-  float s;
-  memcpy(&s, at, 4);
-  return s;
-}
-__device__ void StoreScale(uint8_t* at, float s) { memcpy(at, &s, 4); }
 
 // Element d of token t's latent: c_kv then k_pe.
 __device__ float LatentValue(const LatentLayout& l, const float* c_kv, const float* k_pe, int64_t t,
@@ -59,44 +52,26 @@ __global__ void WriteLatentPlainKernel(LatentLayout l, uint8_t* pool, int64_t la
   if (i >= tokens * l.width) return;
   const int64_t t = i / l.width, d = i % l.width;
   const int64_t block = slots[t] / l.block_size, offset = slots[t] % l.block_size;
-  kernels::StoreKv(pool + l.latent_offset(block, layer), l.dtype, offset * l.width + d,
-                   LatentValue(l, c_kv, k_pe, t, d), 1.0f);
+  kernels::StorePlainKv(pool + l.latent_offset(block, layer), l.dtype, offset * l.width + d,
+                        LatentValue(l, c_kv, k_pe, t, d));
 }
 
-// fp8: one thread block walks the tokens in order, one run of consecutive
-// slots in a block at a time, as the CPU backend does (the block's scale
-// grows to cover the run; tokens already there are requantized when it does).
-__global__ void WriteLatentFp8Kernel(LatentLayout l, uint8_t* pool, int64_t layer,
-                                     const float* c_kv, const float* k_pe, const int64_t* slots,
-                                     int64_t tokens) {
+// Scaled dtypes (fp8, fp8_e5m2, nvfp4): one thread block walks the tokens in
+// order, one run of consecutive slots in a block at a time, as the CPU
+// backend does (kernels::WriteScaledRun).
+__global__ void WriteLatentScaledKernel(LatentLayout l, uint8_t* pool, int64_t layer,
+                                        const float* c_kv, const float* k_pe, const int64_t* slots,
+                                        int64_t tokens) {
   __shared__ float reduce[kThreads / 32];
   const int64_t D = l.width, bs = l.block_size;
   for (int64_t t = 0; t < tokens;) {
     const int64_t block = slots[t] / bs, offset = slots[t] % bs;
     int64_t run = 1;
     while (t + run < tokens && slots[t + run] == slots[t] + run && offset + run < bs) ++run;
-    uint8_t* latent = pool + l.latent_offset(block, layer);
-    uint8_t* scale_at = pool + l.scale_offset(block, layer);
-    float max_abs = 0;
-    for (int64_t i = threadIdx.x; i < run * D; i += blockDim.x) {
-      max_abs = fmaxf(max_abs, fabsf(LatentValue(l, c_kv, k_pe, t + i / D, i % D)));
-    }
-    max_abs = kernels::BlockMax(max_abs, reduce);
-    const float old_scale = offset == 0 ? 0.0f : LoadScale(scale_at);  // offset 0: a fresh block
-    const float needed = kernels::Fp8ScaleFor(max_abs);
-    const float new_scale = needed > old_scale ? needed : old_scale;
-    if (new_scale != old_scale && old_scale > 0) {
-      for (int64_t i = threadIdx.x; i < offset * D; i += blockDim.x) {
-        latent[i] = kernels::F32ToE4M3(kernels::E4M3ToF32(latent[i]) * old_scale / new_scale);
-      }
-    }
-    for (int64_t i = threadIdx.x; i < run * D; i += blockDim.x) {
-      kernels::StoreKv(latent, DType::kFP8E4M3, offset * D + i,
-                       LatentValue(l, c_kv, k_pe, t + i / D, i % D), new_scale);
-    }
-    __syncthreads();  // every thread read the old scale before it changes
-    if (threadIdx.x == 0) StoreScale(scale_at, new_scale);
-    __syncthreads();
+    kernels::WriteScaledRun(
+        l.dtype, pool + l.latent_offset(block, layer), l.micro_at,
+        pool + l.scale_offset(block, layer), offset, run, D,
+        [&](int64_t i) { return LatentValue(l, c_kv, k_pe, t + i / D, i % D); }, reduce);
     t += run;
   }
 }
@@ -131,12 +106,14 @@ __global__ void __launch_bounds__(32 * kWarps)
   for (int64_t j = warp; j < n_keys; j += kWarps) {
     const int64_t block = table[j / l.block_size], offset = j % l.block_size;
     const uint8_t* latent = pool + l.latent_offset(block, layer);
-    const float k_scale = l.has_scales ? LoadScale(pool + l.scale_offset(block, layer)) : 1.0f;
+    const float k_scale =
+        l.has_scales ? kernels::LoadScaleBytes(pool + l.scale_offset(block, layer)) : 1.0f;
     float k[C];
     float dot = 0.0f;
     for (int c = 0; c < C; ++c) {
       const int64_t i = lane + 32 * c;
-      k[c] = i < D ? kernels::LoadKv(latent, l.dtype, offset * D + i, k_scale) : 0.0f;
+      k[c] =
+          i < D ? kernels::LoadKv(latent, l.dtype, offset * D + i, k_scale, l.micro_at, D) : 0.0f;
       dot += q[c] * k[c];
     }
     for (int o = 16; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
@@ -191,7 +168,7 @@ cudaError_t WriteLatentKv(const KvCacheLayout& layout, void* pool, int64_t layer
   const LatentLayout l(layout);
   auto* base = static_cast<uint8_t*>(pool);
   if (layout.has_scales()) {
-    WriteLatentFp8Kernel<<<1, kThreads, 0, stream>>>(l, base, layer, c_kv, k_pe, slots, tokens);
+    WriteLatentScaledKernel<<<1, kThreads, 0, stream>>>(l, base, layer, c_kv, k_pe, slots, tokens);
   } else {
     const int64_t n = tokens * layout.head_dim;
     const auto blocks = static_cast<unsigned>((n + kThreads - 1) / kThreads);

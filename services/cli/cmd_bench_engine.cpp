@@ -67,7 +67,7 @@ int RunBenchEngine(int argc, char** argv) {
   flags.AddIntList("batch", &batches, "batch sizes (concurrent requests)");
   flags.AddInt("prompt-tokens", &prompt_tokens, "prompt length of every request");
   flags.AddInt("gen-tokens", &gen_tokens, "tokens generated per request (EOS ignored)");
-  flags.AddString("kv-dtype", &kv_dtype_name, "KV cache dtype: fp32, fp16, bf16 or fp8");
+  flags.AddString("kv-dtype", &kv_dtype_name, "KV cache dtype: " + std::string(kKvDTypeChoices));
   flags.AddInt("block-size", &block_size, "tokens per KV block");
   flags.AddInt("max-batched-tokens", &max_batched_tokens, "token budget per step");
   flags.AddInt("threads", &threads, "CPU threads (0: one per core)");
@@ -88,9 +88,7 @@ int RunBenchEngine(int argc, char** argv) {
     UsageError("bench engine", "--prompt-tokens must be >= 1 and --gen-tokens >= 2");
   }
   auto kv_dtype = ParseDType(kv_dtype_name);
-  if (!kv_dtype || *kv_dtype == DType::kFP4E2M1) {
-    UsageError("bench engine", "--kv-dtype: expected fp32, fp16, bf16 or fp8");
-  }
+  if (!kv_dtype) UsageError("bench engine", "--kv-dtype: expected " + std::string(kKvDTypeChoices));
   const auto load_format = ParseLoadFormat(load_format_name);
   if (!load_format) UsageError("bench engine", "--load-format: expected safetensors or dummy");
   auto created = kernels::CreateBackend(device, static_cast<int>(threads));
@@ -113,12 +111,22 @@ int RunBenchEngine(int argc, char** argv) {
   if (prompt_tokens + gen_tokens > cfg.max_context()) {
     UsageError("bench engine", "--prompt-tokens + --gen-tokens exceed the model context");
   }
-  // K and V of every KV head, or (multi-head latent attention) the one
-  // latent of kv_lora_rank + qk_rope_head_dim values, per layer.
-  const int64_t kv_bytes_per_token =
-      (cfg.is_mla() ? cfg.num_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-                    : 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim) *
-      DTypeBits(*kv_dtype) / 8;
+  // The pool's layout, for its block size in bytes (scales included): K and
+  // V of every KV head, or (multi-head latent attention) the one latent of
+  // kv_lora_rank + qk_rope_head_dim values, per layer.
+  kernels::KvCacheLayout sizing;
+  if (cfg.is_mla()) {
+    sizing = kernels::KvCacheLayout::Mla(cfg.num_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim);
+  } else {
+    sizing.num_layers = cfg.num_layers;
+    sizing.num_kv_heads = cfg.num_kv_heads;
+    sizing.head_dim = cfg.head_dim;
+  }
+  sizing.block_size = block_size;
+  sizing.dtype = *kv_dtype;
+  // What one GiB of KV budget holds: the capacity side of a KV dtype.
+  constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+  const int64_t kv_blocks_per_gib = static_cast<int64_t>(kGiB / sizing.bytes_per_block());
   // The forward pass's FLOPs for one sequence's prefill of n tokens: every
   // weight matrix once per token (2 FLOPs a weight), causal attention
   // (QK^T and PV: 4 * head_dim FLOPs per query head per visible key), and
@@ -188,8 +196,7 @@ int RunBenchEngine(int argc, char** argv) {
     options.max_num_batched_tokens = max_batched_tokens;
     options.enable_prefix_caching = false;  // distinct prompts anyway: measure compute
     const int64_t blocks_per_seq = (prompt_tokens + gen_tokens) / block_size + 2;
-    options.kv_cache_bytes =
-        (batch * blocks_per_seq + 4) * block_size * kv_bytes_per_token + (1 << 20);
+    options.kv_cache_bytes = (batch * blocks_per_seq + 4) * sizing.bytes_per_block() + (1 << 20);
     auto engine = Engine::Create(model->get(), options);
     if (!engine.ok()) UsageError("bench engine", engine.status().message());
     uint64_t rng = 0x9e3779b97f4a7c15ull * static_cast<uint64_t>(batch);
@@ -287,6 +294,9 @@ int RunBenchEngine(int argc, char** argv) {
         {"expert_weight_bytes", (*model)->expert_weight_bytes()},
         {"attention", cfg.is_mla() ? "mla" : "gqa"},
         {"kv_bytes_per_token", pool_bytes_per_token},
+        {"kv_bytes_per_block", sizing.bytes_per_block()},
+        {"kv_blocks_per_gib", kv_blocks_per_gib},
+        {"kv_tokens_per_gib", kv_blocks_per_gib * block_size},
         {"kv_bytes_per_decode_step", kv_read_per_step},
         {"prefill_tflops", prefill_tflops},
         {"weight_read_gb_per_s",

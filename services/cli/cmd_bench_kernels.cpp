@@ -36,12 +36,12 @@ int RunBenchKernels(int argc, char** argv) {
   flags.AddInt("heads", &heads, "query heads");
   flags.AddInt("kv-heads", &kv_heads, "KV heads (GQA groups)");
   flags.AddInt("head-dim", &head_dim, "head dimension (at most 256)");
-  flags.AddString("kv-dtype", &kv_dtype_name, "KV cache dtype: fp32, fp16, bf16 or fp8");
+  flags.AddString("kv-dtype", &kv_dtype_name, "KV cache dtype: " + std::string(kKvDTypeChoices));
   flags.SetEpilog("Example: pdserve bench kernels --batch 64 --context 4096 --kv-dtype fp16");
   ParseFlagsOrExit(flags, argc, argv);
   auto kv_dtype = ParseDType(kv_dtype_name);
-  if (!kv_dtype || *kv_dtype == DType::kFP4E2M1)
-    UsageError("bench kernels", "--kv-dtype: expected fp32, fp16, bf16 or fp8");
+  if (!kv_dtype)
+    UsageError("bench kernels", "--kv-dtype: expected " + std::string(kKvDTypeChoices));
   if (batch < 1 || context < 1 || heads < 1 || kv_heads < 1 || heads % kv_heads != 0 ||
       head_dim < 2 || head_dim > 256 || head_dim % 2 != 0 || device < 0) {
     UsageError("bench kernels",

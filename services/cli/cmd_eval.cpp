@@ -28,7 +28,8 @@ int RunEval(int argc, char** argv) {
   flags.AddString("model", &model_dir, "model folder (Hugging Face layout)");
   flags.AddString("text", &text_path,
                   "text file to score (a BOS token is added as the tokenizer says)");
-  flags.AddString("kv-dtype", &kv_dtype_name, "KV cache dtype under test: fp32, fp16, bf16 or fp8");
+  flags.AddString("kv-dtype", &kv_dtype_name,
+                  "KV cache dtype under test: " + std::string(kKvDTypeChoices));
   flags.AddInt("block-size", &block_size, "tokens per KV block");
   flags.AddInt("prefill-tokens", &prefill_tokens, "tokens of the first (prefill) step");
   flags.AddInt("decode-chunk", &decode_chunk, "tokens per later step (1: one decode step each)");
@@ -45,8 +46,9 @@ int RunEval(int argc, char** argv) {
   if (model_dir.empty()) UsageError("eval", "--model is required");
   if (text_path.empty()) UsageError("eval", "--text is required");
   auto kv_dtype = ParseDType(kv_dtype_name);
-  if (!kv_dtype || *kv_dtype == DType::kFP4E2M1) {
-    UsageError("eval", "--kv-dtype: expected fp32, fp16, bf16 or fp8, got '" + kv_dtype_name + "'");
+  if (!kv_dtype) {
+    UsageError("eval", "--kv-dtype: expected " + std::string(kKvDTypeChoices) + ", got '" +
+                           kv_dtype_name + "'");
   }
   if (block_size < 1 || block_size > 1024) UsageError("eval", "--block-size must be in [1, 1024]");
   if (prefill_tokens < 1) UsageError("eval", "--prefill-tokens must be >= 1");

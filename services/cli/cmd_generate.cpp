@@ -30,7 +30,7 @@ int RunGenerate(int argc, char** argv) {
   flags.AddInt("seed", &seed, "sampling seed (-1: random)");
   flags.AddString("stop", &stop, "stop when the output contains this text");
   flags.AddBool("ignore-eos", &ignore_eos, "keep generating after end-of-sequence tokens");
-  flags.AddString("kv-dtype", &kv_dtype_name, "KV cache dtype: fp32, fp16, bf16 or fp8");
+  flags.AddString("kv-dtype", &kv_dtype_name, "KV cache dtype: " + std::string(kKvDTypeChoices));
   flags.AddBytes("kv-cache-bytes", &kv_cache_bytes, "KV pool size");
   flags.AddInt("block-size", &block_size, "tokens per KV block");
   flags.AddInt("max-batched-tokens", &max_batched_tokens, "tokens per step (prefill chunk)");
@@ -45,9 +45,9 @@ int RunGenerate(int argc, char** argv) {
   if (model_dir.empty()) UsageError("generate", "--model is required");
   if (prompt.empty()) UsageError("generate", "--prompt is required and must not be empty");
   auto kv_dtype = ParseDType(kv_dtype_name);
-  if (!kv_dtype || *kv_dtype == DType::kFP4E2M1) {
-    UsageError("generate",
-               "--kv-dtype: expected fp32, fp16, bf16 or fp8, got '" + kv_dtype_name + "'");
+  if (!kv_dtype) {
+    UsageError("generate", "--kv-dtype: expected " + std::string(kKvDTypeChoices) + ", got '" +
+                               kv_dtype_name + "'");
   }
   if (threads < 0) UsageError("generate", "--threads must be >= 0");
   SamplingParams params;

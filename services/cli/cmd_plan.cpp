@@ -37,7 +37,7 @@ int RunPlan(int argc, char** argv) {
                "multi-head latent attention (DeepSeek): width of the cached latent");
   flags.AddInt("qk-rope-head-dim", &req.shape.qk_rope_head_dim,
                "multi-head latent attention (DeepSeek): width of the cached rope key");
-  flags.AddString("kv-dtype", &kv_dtype, "KV cache element type: fp32|fp16|bf16|fp8|fp4");
+  flags.AddString("kv-dtype", &kv_dtype, "KV cache element type: " + std::string(kKvDTypeChoices));
   flags.AddInt("context", &req.context_tokens, "tokens per sequence");
   flags.AddDouble("gpu-mem-gib", &req.gpu_mem_gib, "device memory in GiB");
   flags.AddDouble("weights-gib", &req.weights_gib, "model weights in GiB on that device");
@@ -112,8 +112,11 @@ int RunPlan(int argc, char** argv) {
       j["kv_heads"] = req.shape.kv_heads;
       j["head_dim"] = req.shape.head_dim;
     }
-    if (req.kv_dtype == DType::kFP8E4M3)
-      j["fp8_scale_bytes_per_block"] = req.shape.ScaleBytesPerBlock();
+    if (req.kv_dtype == DType::kNvFp4)
+      j["kv_scale_bytes_per_token"] = plan->kv_scale_bytes_per_token;
+    if (req.kv_dtype == DType::kFP8E4M3 || req.kv_dtype == DType::kFP8E5M2 ||
+        req.kv_dtype == DType::kNvFp4)
+      j["fp32_scale_bytes_per_block"] = req.shape.ScaleBytesPerBlock();
     std::printf("%s\n", j.dump().c_str());
     return 0;
   }
@@ -132,10 +135,16 @@ int RunPlan(int argc, char** argv) {
   }
   std::printf("bytes per token     %lld (%s)\n", static_cast<long long>(plan->kv_bytes_per_token),
               HumanBytes(static_cast<double>(plan->kv_bytes_per_token)).c_str());
-  if (req.kv_dtype == DType::kFP8E4M3) {
+  if (req.kv_dtype == DType::kNvFp4) {
     std::printf(
-        "fp8 scales          +%lld bytes per block (one fp32 per layer and cached vector), "
-        "not counted above\n",
+        "nvfp4 micro-scales  +%lld bytes per token (one E4M3 per 16 values), counted below\n",
+        static_cast<long long>(plan->kv_scale_bytes_per_token));
+  }
+  if (req.kv_dtype == DType::kFP8E4M3 || req.kv_dtype == DType::kFP8E5M2 ||
+      req.kv_dtype == DType::kNvFp4) {
+    std::printf(
+        "block scales        +%lld bytes per block (one fp32 per layer and cached vector), "
+        "not counted\n",
         static_cast<long long>(req.shape.ScaleBytesPerBlock()));
   }
   std::printf("bytes per sequence  %lld (%s) at %lld tokens\n",

@@ -43,7 +43,7 @@ int RunWorker(int argc, char** argv) {
                   "open)");
   flags.AddString("worker-id", &o.worker_id, "unique worker name (default: role-host-pid)");
   flags.AddBytes("kv-cache-bytes", &o.kv_cache_bytes, "memory for the paged KV cache");
-  flags.AddString("kv-dtype", &kv_dtype, "KV cache type: fp32|fp16|bf16|fp8");
+  flags.AddString("kv-dtype", &kv_dtype, "KV cache type: " + std::string(kKvDTypeChoices));
   flags.AddInt("block-size", &o.block_size, "tokens per KV block");
   flags.AddInt("max-num-seqs", &o.max_num_seqs, "sequences running at once");
   flags.AddInt("max-num-batched-tokens", &o.max_num_batched_tokens,
@@ -112,8 +112,10 @@ int RunWorker(int argc, char** argv) {
     o.routers.push_back(item);
   }
   auto dtype = ParseDType(kv_dtype);
-  if (!dtype || *dtype == DType::kFP4E2M1)
-    UsageError("worker", "--kv-dtype: unknown KV type '" + kv_dtype + "'");
+  if (!dtype) {
+    UsageError("worker", "--kv-dtype: unknown KV type '" + kv_dtype + "' (" +
+                             std::string(kKvDTypeChoices) + ")");
+  }
   o.kv_dtype = *dtype;
   if (port < 0 || port > 65535) UsageError("worker", "--port must be in [0, 65535]");
   if (metrics_port < -1 || metrics_port > 65535)

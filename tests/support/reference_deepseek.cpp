@@ -288,7 +288,7 @@ std::vector<std::vector<double>> ReferenceModel::ForwardDeepseek(const std::vect
         for (auto& r : out) {
           for (auto& v : r) v = RoundBf16(v);
         }
-      } else if (kv.type == KvRounding::Type::kFP8E4M3) {
+      } else if (kv.type != KvRounding::Type::kNone) {
         const int64_t written = std::max<int64_t>(t, kv.first_chunk - 1);
         for (int64_t b0 = 0; b0 <= t; b0 += kv.block_size) {
           const int64_t b1 = std::min({b0 + kv.block_size - 1, written, T - 1});
@@ -298,10 +298,11 @@ std::vector<std::vector<double>> ReferenceModel::ForwardDeepseek(const std::vect
               max_abs = std::max<double>(max_abs, std::fabs(static_cast<float>(v)));
           }
           if (max_abs == 0) continue;
-          const double scale =
-              std::ldexp(1.0, static_cast<int>(std::ceil(std::log2(max_abs / 448))));
+          const reference::ScaledKv type = ScaledKvOf(kv.type);
+          const double scale = reference::ScaledKvScale(type, max_abs);
           for (int64_t j = b0; j <= std::min(b1, t); ++j) {
-            for (double& v : out[j]) v = RoundE4M3(static_cast<float>(v) / scale) * scale;
+            reference::RoundScaledVector(type, scale, out[j].data(),
+                                         static_cast<int64_t>(out[j].size()));
           }
         }
       }

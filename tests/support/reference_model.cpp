@@ -240,13 +240,10 @@ std::vector<std::vector<double>> ReferenceModel::Forward(const std::vector<int32
             }
           }
           if (max_abs == 0) continue;
-          const double scale =
-              std::ldexp(1.0, static_cast<int>(std::ceil(std::log2(max_abs / 448))));
+          const reference::ScaledKv type = ScaledKvOf(kv.type);
+          const double scale = reference::ScaledKvScale(type, max_abs);
           for (int64_t j = b0; j <= std::min(b1, t); ++j) {
-            for (int64_t i = 0; i < hd; ++i) {
-              double& x = out[j][g * hd + i];
-              x = RoundE4M3(static_cast<float>(x) / scale) * scale;
-            }
+            reference::RoundScaledVector(type, scale, out[j].data() + g * hd, hd);
           }
         }
       }

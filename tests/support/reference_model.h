@@ -24,6 +24,8 @@
 
 #include <nlohmann/json_fwd.hpp>
 
+#include "tests/support/reference_tensors.h"
+
 namespace pdserve::testing {
 
 // How the reference rounds the keys and values it attends to, as a KV cache
@@ -31,7 +33,10 @@ namespace pdserve::testing {
 // keeps them exact; kBF16 rounds each value to the nearest bf16 (ties to
 // even); kFP8E4M3 divides the values of each (block of block_size
 // positions, head) by the smallest power of two that keeps them within
-// +-448, rounds to the nearest e4m3 and multiplies back. The block's scale
+// +-448, rounds to the nearest e4m3 and multiplies back; kFP8E5M2 the same
+// within +-57344 to e5m2; kNvFp4 takes the power of two for +-448 x 6 and
+// rounds each 16 values of a token's head to E2M1 in units of an E4M3
+// micro-scale (reference::RoundScaledVector). The block's scale
 // covers the tokens cached when the query runs: the first `first_chunk`
 // tokens are written together, each later one by its own step (as a
 // prefill followed by one-token decode steps). A mixture-of-experts model
@@ -41,11 +46,18 @@ namespace pdserve::testing {
 // token and layer, the normalised latent then the roped key, which is what
 // gets rounded: fp8 with one scale per (block, layer) over whole rows.
 struct KvRounding {
-  enum class Type { kNone, kBF16, kFP8E4M3 };
+  enum class Type { kNone, kBF16, kFP8E4M3, kFP8E5M2, kNvFp4 };
   Type type = Type::kNone;
   int64_t block_size = 16;
   int64_t first_chunk = 1;
 };
+
+// The scaled dtype of kFP8E4M3, kFP8E5M2 and kNvFp4.
+inline reference::ScaledKv ScaledKvOf(KvRounding::Type t) {
+  return t == KvRounding::Type::kFP8E5M2 ? reference::ScaledKv::kE5M2
+         : t == KvRounding::Type::kNvFp4 ? reference::ScaledKv::kNvFp4
+                                         : reference::ScaledKv::kE4M3;
+}
 
 class ReferenceModel {
  public:

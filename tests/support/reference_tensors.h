@@ -166,6 +166,62 @@ inline double RoundE4M3(double x) {
   return std::copysign(std::min(448.0, std::nearbyint(a / step) * step), x);
 }
 
+// Nearest e5m2 value (OFP8: 1 sign, 5 exponent bits of bias 15, 2 mantissa
+// bits, largest 57344, subnormal step 2^-16), ties to even, saturating.
+inline double RoundE5M2(double x) {
+  const double a = std::fabs(x);
+  if (a >= 57344) return std::copysign(57344.0, x);
+  if (a == 0) return x;
+  const int e = std::max(static_cast<int>(std::floor(std::log2(a))), -14);
+  const double step = std::ldexp(1.0, e - 2);
+  return std::copysign(std::min(57344.0, std::nearbyint(a / step) * step), x);
+}
+
+// Nearest E2M1 value (OCP MX: 0, 0.5, 1, 1.5, 2, 3, 4, 6), ties to the even
+// code (the one whose mantissa bit is 0), saturating at 6.
+inline double RoundE2M1(double x) {
+  const double a = std::fabs(x);
+  if (a >= 6) return std::copysign(6.0, x);
+  const int e = std::max(static_cast<int>(std::floor(std::log2(a))), 0);  // log2(0): -inf
+  const double step = std::ldexp(1.0, e - 1);
+  return std::copysign(std::min(6.0, std::nearbyint(a / step) * step), x);
+}
+
+// The scaled KV dtypes (kernels/backend.h): what a region scale of s holds
+// at most, and one cached vector (a token's head, an MLA row) rounded as the
+// pool stores it at region scale s: fp8 element by element; nvfp4 by groups
+// of 16 consecutive values (the last one what is left), each with the E4M3 micro-scale amax / 6 / s
+// and its values rounded to E2M1 in units of s x micro-scale.
+enum class ScaledKv { kE4M3, kE5M2, kNvFp4 };
+
+inline double ScaledKvRange(ScaledKv t) {
+  return t == ScaledKv::kE5M2 ? 57344.0 : t == ScaledKv::kNvFp4 ? 448.0 * 6 : 448.0;
+}
+
+// The smallest power of two s with max_abs / s <= the range.
+inline double ScaledKvScale(ScaledKv t, double max_abs) {
+  return std::ldexp(1.0, static_cast<int>(std::ceil(std::log2(max_abs / ScaledKvRange(t)))));
+}
+
+inline void RoundScaledVector(ScaledKv t, double s, double* x, int64_t n) {
+  if (t != ScaledKv::kNvFp4) {
+    for (int64_t i = 0; i < n; ++i) {
+      const double v = static_cast<float>(x[i]) / s;
+      x[i] = (t == ScaledKv::kE5M2 ? RoundE5M2(v) : RoundE4M3(v)) * s;
+    }
+    return;
+  }
+  for (int64_t g = 0; g < n; g += 16) {
+    const int64_t end = std::min(g + 16, n);  // the vector's last group may be short
+    double amax = 0;
+    for (int64_t i = g; i < end; ++i)
+      amax = std::max(amax, static_cast<double>(std::fabs(static_cast<float>(x[i]))));
+    const double unit = RoundE4M3(amax / 6 / s) * s;
+    for (int64_t i = g; i < end; ++i)
+      x[i] = unit > 0 ? RoundE2M1(static_cast<float>(x[i]) / unit) * unit : 0.0;
+  }
+}
+
 // x * sigmoid(x), in double.
 inline double Silu(double x) { return x / (1 + std::exp(-x)); }
 

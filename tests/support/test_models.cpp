@@ -4,6 +4,7 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <mutex>
 
@@ -64,6 +65,13 @@ std::string ModelDir(const std::string& name, const ModelSpec& spec) {
 const std::string& TinyModelDir() {
   static const std::string dir = ModelDir("tiny", *PresetModelSpec("tiny"));
   return dir;
+}
+
+std::string RealModelDir() {
+  const char* env = std::getenv("PDSERVE_REAL_MODEL_DIR");
+  const std::string dir =
+      env ? env : std::string(PDSERVE_SOURCE_DIR) + "/../shared/models/stories260K";
+  return std::ifstream(dir + "/config.json").good() ? dir : "";
 }
 
 }  // namespace pdserve::testing

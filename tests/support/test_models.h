@@ -17,4 +17,9 @@ std::string ModelDir(const std::string& name, const ModelSpec& spec);
 // A fresh empty folder under the process's temporary folder.
 std::string NewTempDir(const std::string& name);
 
+// The real pretrained model of the shared folder (stories260K; or
+// $PDSERVE_REAL_MODEL_DIR), or "" when it is absent (tests then skip,
+// saying so).
+std::string RealModelDir();
+
 }  // namespace pdserve::testing

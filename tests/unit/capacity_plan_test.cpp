@@ -33,7 +33,24 @@ TEST(CapacityPlanTest, Llama31_70B_AllDtypes) {
   EXPECT_EQ(Plan({80, 8, 128}, DType::kF16, 131072).kv_bytes_per_token, 320 * KiB);
   EXPECT_EQ(Plan({80, 8, 128}, DType::kF16, 131072).kv_bytes_per_sequence, 40 * GiB);
   EXPECT_EQ(Plan({80, 8, 128}, DType::kFP8E4M3, 131072).kv_bytes_per_sequence, 20 * GiB);
-  EXPECT_EQ(Plan({80, 8, 128}, DType::kFP4E2M1, 131072).kv_bytes_per_sequence, 10 * GiB);
+  EXPECT_EQ(Plan({80, 8, 128}, DType::kFP8E5M2, 131072).kv_bytes_per_sequence, 20 * GiB);
+  // nvfp4: the articles' 80 KiB a token is the 4-bit values; the E4M3
+  // micro-scale of every 16 values adds 2 x 80 x 8 x 128 / 16 = 10 KiB, and
+  // counts in what a sequence takes.
+  const CapacityPlan nvfp4 = Plan({80, 8, 128}, DType::kNvFp4, 131072);
+  EXPECT_EQ(nvfp4.kv_bytes_per_token, 80 * KiB);
+  EXPECT_EQ(nvfp4.kv_scale_bytes_per_token, 10 * KiB);
+  EXPECT_EQ(nvfp4.kv_bytes_per_sequence, 10 * GiB + 10 * GiB / 8);
+  // Other dtypes have no micro-scales.
+  EXPECT_EQ(Plan({80, 8, 128}, DType::kFP8E4M3, 131072).kv_scale_bytes_per_token, 0);
+}
+
+// A head_dim that is not a multiple of 16 (stories260K's 8) ends each
+// vector on a shorter group with a micro-scale of its own.
+TEST(CapacityPlanTest, NvFp4MicroScalesOfNarrowHeads) {
+  const CapacityPlan p = Plan({5, 4, 8}, DType::kNvFp4, 512);
+  EXPECT_EQ(p.kv_bytes_per_token, 2 * 5 * 4 * 8 / 2);
+  EXPECT_EQ(p.kv_scale_bytes_per_token, 2 * 5 * 4);
 }
 
 TEST(CapacityPlanTest, Llama2_7B) {

@@ -227,8 +227,8 @@ class CudaKvTest : public CudaBackendTest, public ::testing::WithParamInterface<
 
   // Writes positions [0, 37) then 37, 38, 39, 40 one by one, with both
   // backends; returns the CPU pool and leaves the device pool in *device_pool.
-  std::vector<uint8_t> WriteBoth(void** device_pool) {
-    const KvCacheLayout l = Layout();
+  std::vector<uint8_t> WriteBoth(void** device_pool, int64_t head_dim = 64) {
+    const KvCacheLayout l = Layout(2, head_dim);
     const int64_t width = l.num_kv_heads * l.head_dim;
     std::vector<uint8_t> cpu_pool(l.total_bytes());
     for (auto& b : cpu_pool) b = static_cast<uint8_t>(rng_());  // stale bytes of earlier users
@@ -250,14 +250,18 @@ class CudaKvTest : public CudaBackendTest, public ::testing::WithParamInterface<
   }
 };
 
+// Head dims 8 and 24 leave nvfp4 groups shorter than 16 (stories260K's heads are 8 wide).
 TEST_P(CudaKvTest, WriteKvLeavesTheSameBytesAsTheCpu) {
-  void* gpu_pool = nullptr;
-  const std::vector<uint8_t> want = WriteBoth(&gpu_pool);
-  const std::vector<uint8_t> got = FromDevice(static_cast<uint8_t*>(gpu_pool), want.size());
-  const int64_t bpb = Layout().bytes_per_block();
-  for (size_t i = 0; i < want.size(); ++i) {
-    ASSERT_EQ(got[i], want[i]) << "byte " << i << " (block " << i / bpb << ", offset " << i % bpb
-                               << ")";
+  for (const int64_t head_dim : {64, 8, 24}) {
+    SCOPED_TRACE("head_dim " + std::to_string(head_dim));
+    void* gpu_pool = nullptr;
+    const std::vector<uint8_t> want = WriteBoth(&gpu_pool, head_dim);
+    const std::vector<uint8_t> got = FromDevice(static_cast<uint8_t*>(gpu_pool), want.size());
+    const int64_t bpb = Layout(2, head_dim).bytes_per_block();
+    for (size_t i = 0; i < want.size(); ++i) {
+      ASSERT_EQ(got[i], want[i]) << "byte " << i << " (block " << i / bpb << ", offset " << i % bpb
+                                 << ")";
+    }
   }
 }
 
@@ -343,7 +347,8 @@ TEST_P(CudaKvTest, LongContextPagedAttentionMatchesTheCpu) {
 }
 
 INSTANTIATE_TEST_SUITE_P(KvDtypes, CudaKvTest,
-                         ::testing::Values(DType::kF32, DType::kBF16, DType::kF16, DType::kFP8E4M3),
+                         ::testing::Values(DType::kF32, DType::kBF16, DType::kF16, DType::kFP8E4M3,
+                                           DType::kFP8E5M2, DType::kNvFp4),
                          [](const auto& info) { return std::string(DTypeName(info.param)); });
 
 #endif  // PDSERVE_WITH_CUDA

@@ -84,6 +84,14 @@ TEST_F(CudaMlaAttentionTest, OddSizesEveryKvDtype) {
   }
   // Values that make later writes grow the fp8 block scales.
   Check(mla_test::MakeProblem(20, 6, 3, 5, DType::kFP8E4M3, MixedBatch(), 12, 300.0f));
+  // The scaled dtypes of issue 20: latents of 26 (two nvfp4 groups, the
+  // second short), growing scales too.
+  for (DType dtype : {DType::kFP8E5M2, DType::kNvFp4}) {
+    SCOPED_TRACE(DTypeName(dtype));
+    Check(mla_test::MakeProblem(20, 6, 3, 5, dtype, MixedBatch(), 16));
+    Check(mla_test::MakeProblem(20, 6, 3, 5, dtype, MixedBatch(), 17, 300.0f));
+  }
+  Check(mla_test::MakeProblem(512, 64, 4, 16, DType::kNvFp4, {{200, 1}}, 18));
 }
 
 TEST_F(CudaMlaAttentionTest, DeepSeekWidthsAndLongContext) {

@@ -86,7 +86,7 @@ TEST_F(EvalCliTest, BadInvocationsExit2WithOneLine) {
       "eval --model " + *dir_,
       "eval --model " + *dir_ + " --text /nonexistent/text.txt",
       "eval --model /nonexistent/model --text " + text,
-      "eval --model " + *dir_ + " --text " + text + " --kv-dtype fp4",
+      "eval --model " + *dir_ + " --text " + text + " --kv-dtype nvfp8",
       "eval --model " + *dir_ + " --text " + text + " --kv-dtype int3",
       "eval --model " + *dir_ + " --text " + text + " --decode-chunk 0",
       "eval --model " + *dir_ + " --text " + text + " --block-size 0",

@@ -156,7 +156,7 @@ TEST_F(GenerateCliTest, BadFlagsExitTwoWithOneLine) {
       "generate --prompt hi --max-tokens 0",
       "generate --prompt hi --temperature -1",
       "generate --prompt hi --top-p 1.5",
-      "generate --prompt hi --kv-dtype fp4",
+      "generate --prompt hi --kv-dtype fp6",
       "generate --prompt hi --max-tokens abc",
       "make-model --preset huge --out /tmp/x",
       "make-model --preset tiny",

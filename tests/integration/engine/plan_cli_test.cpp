@@ -37,7 +37,7 @@ TEST(PlanCliTest, DeepSeekV3ConfigGivesTheLatentBytesPerToken) {
   ASSERT_EQ(fp8.exit_code, 0) << fp8.err;
   EXPECT_NE(fp8.out.find("bytes per token     35136 "), std::string::npos) << fp8.out;
   // 61 layers x one fp32 scale per block.
-  EXPECT_NE(fp8.out.find("fp8 scales          +244 bytes per block"), std::string::npos) << fp8.out;
+  EXPECT_NE(fp8.out.find("block scales        +244 bytes per block"), std::string::npos) << fp8.out;
 
   const auto json =
       Plan({"--config", kDeepSeekV3, "--kv-dtype", "fp8", "--context", "4096", "--json"});

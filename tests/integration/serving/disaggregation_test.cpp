@@ -9,6 +9,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <regex>
 #include <thread>
 
@@ -223,6 +224,74 @@ TEST(RealModelDisaggregationTest, StagedHandOffMatchesTheOfflineEngine) {
     if (!idle) std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   EXPECT_TRUE(idle) << "bounce buffers still held after every request finished";
+}
+
+// nvfp4 KV handed off equals nvfp4 KV computed where it is decoded, bit for
+// bit: the same greedy text as `generate --kv-dtype nvfp4`, and the same
+// logprobs (top 5 at every step, compared exactly) as a stack whose decode
+// worker prefills the prompts itself. Both stacks answer each prompt twice,
+// so that the logprobs compared come from the same computation on each side
+// (the second time, full blocks are cached and only the prompt's tail is
+// computed). The bytes moved per request are the nvfp4 block's: under 0.3
+// of bf16's for the same prompts.
+TEST(Nvfp4DisaggregationTest, HandOffEqualsLocalPrefillBitForBit) {
+  const std::vector<std::string> prompts = {Words(3), Words(40), Words(150)};
+  auto logprobs_of = [&](LocalStack& stack) {
+    std::vector<nlohmann::json> out;
+    for (const std::string& prompt : prompts) {
+      auto [status, got] = stack.Post("/v1/completions", {{"prompt", prompt},
+                                                          {"max_tokens", 12},
+                                                          {"temperature", 0},
+                                                          {"ignore_eos", true},
+                                                          {"logprobs", 5}});
+      EXPECT_EQ(status, 200) << got.dump();
+      out.push_back(got["choices"][0]["logprobs"]);
+    }
+    return out;
+  };
+  const std::vector<std::string> nvfp4 = {"--kv-dtype", "nvfp4"};
+  std::vector<nlohmann::json> remote, local;
+  double bytes_nvfp4 = 0;
+  {
+    LocalStack stack("disagg-nvfp4");
+    stack.StartRouter({"--max-local-prefill", "0"});
+    WorkerProc& prefill = stack.StartWorker("prefill", nvfp4);
+    WorkerProc& decode = stack.StartWorker("decode", nvfp4);
+    ASSERT_TRUE(stack.WaitReady());
+    for (const std::string& prompt : prompts) ExpectSameAsGenerate(stack, prompt, 24, nvfp4);
+    ExpectKvMoved(prefill, decode);
+    bytes_nvfp4 = LocalStack::Metric(decode.metrics_port, "pdserve_kv_transfer_bytes_total",
+                                     "direction=\"in\"");
+    remote = logprobs_of(stack);
+  }
+  {
+    LocalStack stack("disagg-nvfp4-local");
+    stack.StartRouter();
+    stack.StartWorker("decode", nvfp4);
+    ASSERT_TRUE(stack.WaitReady());
+    for (const std::string& prompt : prompts) ExpectSameAsGenerate(stack, prompt, 24, nvfp4);
+    local = logprobs_of(stack);
+  }
+  ASSERT_EQ(remote.size(), local.size());
+  for (size_t i = 0; i < remote.size(); ++i) {
+    ASSERT_TRUE(remote[i].is_object()) << remote[i].dump();
+    EXPECT_EQ(remote[i], local[i]) << "prompt " << i;
+  }
+  // The same prompts in bf16: the bytes one hand-off moves.
+  LocalStack stack("disagg-bf16");
+  stack.StartRouter({"--max-local-prefill", "0"});
+  stack.StartWorker("prefill", {"--kv-dtype", "bf16"});
+  WorkerProc& decode = stack.StartWorker("decode", {"--kv-dtype", "bf16"});
+  ASSERT_TRUE(stack.WaitReady());
+  for (const std::string& prompt : prompts) {
+    ExpectSameAsGenerate(stack, prompt, 24, {"--kv-dtype", "bf16"});
+  }
+  const double bytes_bf16 = LocalStack::Metric(
+      decode.metrics_port, "pdserve_kv_transfer_bytes_total", "direction=\"in\"");
+  ASSERT_GT(bytes_bf16, 0);
+  std::printf("KV bytes moved for the same prompts: nvfp4 %.0f, bf16 %.0f (%.3f)\n", bytes_nvfp4,
+              bytes_bf16, bytes_nvfp4 / bytes_bf16);
+  EXPECT_LT(bytes_nvfp4, 0.3 * bytes_bf16);
 }
 
 // A prefill worker frozen with a hand-off queued for it: the decode worker

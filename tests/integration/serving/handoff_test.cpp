@@ -17,23 +17,36 @@ namespace {
 
 using namespace std::chrono_literals;
 
-TEST(HandoffTest, LayoutMismatchIsRefusedClearlyAndServedCorrectlyByLocalPrefill) {
-  LocalStack stack("handoff-layout");
+// Two KV dtypes that must never pair: fp16 against fp32, and nvfp4 against
+// fp8 (a prefix cached in one type is never served to a worker of another:
+// the hand-off is refused before a byte moves).
+struct Mismatch {
+  const char* name;
+  const char* prefill_dtype;
+  const char* decode_dtype;
+};
+
+class HandoffLayoutTest : public ::testing::TestWithParam<Mismatch> {};
+
+TEST_P(HandoffLayoutTest, MismatchIsRefusedClearlyAndServedCorrectlyByLocalPrefill) {
+  const Mismatch m = GetParam();
+  LocalStack stack(std::string("handoff-layout-") + m.name);
   stack.StartRouter({"--max-local-prefill", "0"});
-  WorkerProc& prefill = stack.StartWorker("prefill", {"--kv-dtype", "fp16"});
-  WorkerProc& decode = stack.StartWorker("decode");
+  WorkerProc& prefill = stack.StartWorker("prefill", {"--kv-dtype", m.prefill_dtype});
+  WorkerProc& decode = stack.StartWorker("decode", {"--kv-dtype", m.decode_dtype});
   ASSERT_TRUE(stack.WaitReady());
 
   const std::string prompt = "the layouts of these two workers do not agree";
-  nlohmann::json want = Generate(prompt, 6);
+  nlohmann::json want = Generate(prompt, 6, LocalStack::Model(), {"--kv-dtype", m.decode_dtype});
   ASSERT_TRUE(want.is_object());
   auto [status, got] =
       stack.Post("/v1/completions",
                  {{"prompt", prompt}, {"max_tokens", 6}, {"temperature", 0}, {"ignore_eos", true}});
   ASSERT_EQ(status, 200) << got.dump();
-  EXPECT_EQ(got["choices"][0]["text"], want["text"]);  // fp32 KV computed locally
+  EXPECT_EQ(got["choices"][0]["text"], want["text"]);  // the decode worker's own KV type
 
-  const std::regex refused(R"(KV layout mismatch: kv_dtype: fp16 here, fp32 on peer)");
+  const std::regex refused(std::string("KV layout mismatch: kv_dtype: ") + m.prefill_dtype +
+                           " here, " + m.decode_dtype + " on peer");
   EXPECT_TRUE(prefill.proc.WaitForLog(refused, 10s)) << prefill.proc.Log();
   EXPECT_TRUE(decode.proc.WaitForLog(refused, 10s)) << decode.proc.Log();
   EXPECT_TRUE(
@@ -47,6 +60,11 @@ TEST(HandoffTest, LayoutMismatchIsRefusedClearlyAndServedCorrectlyByLocalPrefill
   EXPECT_EQ(LocalStack::Metric(decode.metrics_port, "pdserve_prefix_cache_queries_tokens_total"),
             want["prompt_token_ids"].size());
 }
+
+INSTANTIATE_TEST_SUITE_P(KvDtypes, HandoffLayoutTest,
+                         ::testing::Values(Mismatch{"fp16_fp32", "fp16", "fp32"},
+                                           Mismatch{"nvfp4_fp8", "nvfp4", "fp8"}),
+                         [](const auto& info) { return std::string(info.param.name); });
 
 TEST(HandoffTest, SigtermDrainsTheRunningStreamAndExitsZero) {
   LocalStack stack("handoff-drain");

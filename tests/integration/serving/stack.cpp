@@ -121,17 +121,26 @@ double LocalStack::Metric(int port, const std::string& name, const std::string& 
   return sum;
 }
 
-nlohmann::json Generate(const std::string& prompt, int max_tokens, const std::string& model) {
-  CommandResult r = RunCommand({kPdserve, "generate", "--model", model, "--device", "cpu",
-                                "--prompt", prompt, "--max-tokens", std::to_string(max_tokens),
-                                "--temperature", "0", "--ignore-eos", "--json", "--threads", "1"});
+nlohmann::json Generate(const std::string& prompt, int max_tokens, const std::string& model,
+                        const std::vector<std::string>& extra) {
+  std::vector<std::string> args = {kPdserve,        "generate",
+                                   "--model",       model,
+                                   "--device",      "cpu",
+                                   "--prompt",      prompt,
+                                   "--max-tokens",  std::to_string(max_tokens),
+                                   "--temperature", "0",
+                                   "--ignore-eos",  "--json",
+                                   "--threads",     "1"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  CommandResult r = RunCommand(args);
   EXPECT_EQ(r.exit_code, 0) << r.err;
   return nlohmann::json::parse(r.out, nullptr, false);
 }
 
-void ExpectSameAsGenerate(LocalStack& stack, const std::string& prompt, int max_tokens) {
+void ExpectSameAsGenerate(LocalStack& stack, const std::string& prompt, int max_tokens,
+                          const std::vector<std::string>& generate_flags) {
   SCOPED_TRACE(prompt.substr(0, 60));
-  nlohmann::json want = Generate(prompt, max_tokens, stack.model());
+  nlohmann::json want = Generate(prompt, max_tokens, stack.model(), generate_flags);
   ASSERT_TRUE(want.is_object());
   auto [status, got] = stack.Post(
       "/v1/completions",
@@ -150,13 +159,6 @@ void ExpectKvMoved(const WorkerProc& prefill, const WorkerProc& decode) {
   EXPECT_GT(LocalStack::Metric(prefill.metrics_port, "pdserve_kv_transfer_bytes_total",
                                "direction=\"out\""),
             0);
-}
-
-std::string RealModelDir() {
-  const char* env = std::getenv("PDSERVE_REAL_MODEL_DIR");
-  const std::string dir =
-      env ? env : std::string(PDSERVE_SOURCE_DIR) + "/../shared/models/stories260K";
-  return std::ifstream(dir + "/config.json").good() ? dir : "";
 }
 
 }  // namespace pdserve::testing

@@ -14,6 +14,7 @@
 
 #include "tests/support/http_client.h"
 #include "tests/support/process.h"
+#include "tests/support/test_models.h"
 
 namespace pdserve::testing {
 
@@ -85,19 +86,19 @@ class LocalStack {
   std::vector<std::string> worker_launcher_;
 };
 
-// `pdserve generate --json` for the same prompt, greedy (on the CPU).
+// `pdserve generate --json` for the same prompt, greedy (on the CPU), with
+// `extra` flags (e.g. --kv-dtype).
 nlohmann::json Generate(const std::string& prompt, int max_tokens,
-                        const std::string& model = LocalStack::Model());
+                        const std::string& model = LocalStack::Model(),
+                        const std::vector<std::string>& extra = {});
 
 // A greedy completion through the stack's router equals `pdserve generate`
-// on the CPU with the stack's model: text, prompt and completion tokens.
-void ExpectSameAsGenerate(LocalStack& stack, const std::string& prompt, int max_tokens);
+// on the CPU with the stack's model (and `generate_flags`): text, prompt and
+// completion tokens.
+void ExpectSameAsGenerate(LocalStack& stack, const std::string& prompt, int max_tokens,
+                          const std::vector<std::string>& generate_flags = {});
 
 // KV blocks went from `prefill` to `decode` (their transfer byte counters).
 void ExpectKvMoved(const WorkerProc& prefill, const WorkerProc& decode);
-
-// The real pretrained model of the shared folder (stories260K), or "" when
-// it is absent (tests then skip, saying so).
-std::string RealModelDir();
 
 }  // namespace pdserve::testing

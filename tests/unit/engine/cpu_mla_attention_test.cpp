@@ -5,7 +5,8 @@
 // smallest power-of-two block scale covering the block), and attention over
 // the stored latents is the absorbed-form formula of the contract. Odd
 // sizes, several sequences with blocks scattered over the pool, a prefill
-// chunk after an earlier context and a decode step, fp32, bf16 and fp8 KV.
+// chunk after an earlier context and a decode step, fp32, bf16, fp8 (e4m3
+// and e5m2) and nvfp4 KV.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -14,7 +15,9 @@
 #include <vector>
 
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/fp4_e2m1.h"
 #include "kernels/fp8_e4m3.h"
+#include "kernels/fp8_e5m2.h"
 #include "tests/unit/mla_test_problem.h"
 
 namespace pdserve::kernels {
@@ -26,7 +29,10 @@ using mla_test::Problem;
 double Stored(const Problem& p, const std::vector<uint8_t>& pool, int64_t layer, int64_t block,
               int64_t offset, int64_t d) {
   const auto& l = p.layout;
-  const int64_t at = l.k_offset(block, layer, 0) + (offset * l.head_dim + d) * l.element_bytes();
+  const int64_t i = offset * l.head_dim + d;  // element of the latent region
+  const int64_t at = l.k_offset(block, layer, 0) + i * DTypeBits(l.dtype) / 8;
+  float scale = 1;
+  if (l.has_scales()) std::memcpy(&scale, pool.data() + l.k_scale_offset(block, layer, 0), 4);
   switch (l.dtype) {
     case DType::kF32: {
       float v;
@@ -41,10 +47,17 @@ double Stored(const Problem& p, const std::vector<uint8_t>& pool, int64_t layer,
       std::memcpy(&v, &wide, 4);
       return v;
     }
-    case DType::kFP8E4M3: {
-      float scale;
-      std::memcpy(&scale, pool.data() + l.k_scale_offset(block, layer, 0), 4);
+    case DType::kFP8E4M3:
       return double{E4M3Decode(pool[at])} * scale;
+    case DType::kFP8E5M2:
+      return double{E5M2Decode(pool[at])} * scale;
+    case DType::kNvFp4: {
+      // Codes two a byte (even element low), then each latent's micro-scales.
+      const int64_t groups = (l.head_dim + 15) / 16;
+      const uint8_t micro =
+          pool[l.k_offset(block, layer, 0) + l.head_value_bytes() + offset * groups + d / 16];
+      const uint8_t code = (pool[at] >> (4 * (i % 2))) & 0xf;
+      return double{E2M1Decode(code)} * E4M3Decode(micro) * scale;
     }
     default:
       ADD_FAILURE() << "unexpected dtype";
@@ -89,17 +102,34 @@ void CheckProblem(const Problem& p) {
         const double got = Stored(p, run.pool, layer, block, offset, d);
         latents[pos * D + d] = got;
         double tolerance = 0;
-        if (l.dtype == DType::kBF16) tolerance = std::fabs(want) * 0x1p-8;
-        if (l.dtype == DType::kFP8E4M3) {
-          float scale;
+        float scale = 1;
+        if (l.has_scales())
           std::memcpy(&scale, run.pool.data() + l.k_scale_offset(block, layer, 0), 4);
+        if (l.dtype == DType::kBF16) tolerance = std::fabs(want) * 0x1p-8;
+        if (l.dtype == DType::kFP8E4M3)
           tolerance = std::max(std::fabs(want) * 0x1p-4, double{scale} * 0x1p-9);
+        if (l.dtype == DType::kFP8E5M2)
+          tolerance = std::max(std::fabs(want) * 0x1p-3, double{scale} * 0x1p-16);
+        if (l.dtype == DType::kNvFp4) {
+          // Half an E2M1 step of the group's unit (amax / 6, an E4M3 within
+          // 1/16), the largest step (4 to 6) being 2 units.
+          double amax = 0;
+          for (int64_t e = d / 16 * 16; e < std::min<int64_t>(D, d / 16 * 16 + 16); ++e) {
+            amax =
+                std::max(amax, static_cast<double>(std::fabs(e < R ? p.c_kv[s][pos * R + e]
+                                                                   : p.k_pe[s][pos * P + e - R])));
+          }
+          tolerance = amax / 6 * (1 + 0x1p-4) + double{scale} * 0x1p-9 * 6;
         }
         ASSERT_NEAR(got, want, tolerance) << "seq " << s << " pos " << pos << " element " << d;
       }
     }
-    if (l.dtype == DType::kFP8E4M3) {
-      // The block scale: the smallest power of two that keeps the block's values within 448.
+    if (l.has_scales()) {
+      // The block scale: the smallest power of two that keeps the block's
+      // values within the dtype's range (448, 57344, nvfp4's 448 x 6).
+      const double range = l.dtype == DType::kFP8E5M2 ? 57344.0
+                           : l.dtype == DType::kNvFp4 ? 448.0 * 6
+                                                      : 448.0;
       for (int64_t b = 0; b * bs < context; ++b) {
         double max_abs = 0;
         for (int64_t pos = b * bs; pos < std::min<int64_t>(context, (b + 1) * bs); ++pos) {
@@ -110,8 +140,8 @@ void CheckProblem(const Problem& p) {
         }
         float scale;
         std::memcpy(&scale, run.pool.data() + l.k_scale_offset(table[b], layer, 0), 4);
-        EXPECT_LE(max_abs / scale, 448.0) << "seq " << s << " block " << b;
-        EXPECT_GT(max_abs / (scale / 2), 448.0) << "seq " << s << " block " << b;
+        EXPECT_LE(max_abs / scale, range) << "seq " << s << " block " << b;
+        EXPECT_GT(max_abs / (scale / 2), range) << "seq " << s << " block " << b;
       }
     }
     // 2. Attention over the stored latents, float64.
@@ -170,6 +200,16 @@ TEST(CpuMlaAttentionTest, Fp8OddSizesWithGrowingBlockScales) {
   // the earlier one set, which requantizes the tokens already there.
   CheckProblem(mla_test::MakeProblem(20, 6, 3, 5, DType::kFP8E4M3, MixedBatch(), 3, 300.0f));
   CheckProblem(mla_test::MakeProblem(20, 6, 3, 5, DType::kFP8E4M3, MixedBatch(), 4));
+}
+
+TEST(CpuMlaAttentionTest, Fp8E5M2AndNvFp4OddSizesWithGrowingBlockScales) {
+  // Latents of 26 values: nvfp4 takes a group of 16 and a short one of 10.
+  for (DType dtype : {DType::kFP8E5M2, DType::kNvFp4}) {
+    SCOPED_TRACE(DTypeName(dtype));
+    CheckProblem(mla_test::MakeProblem(20, 6, 3, 5, dtype, MixedBatch(), 6, 300.0f));
+    CheckProblem(mla_test::MakeProblem(20, 6, 3, 5, dtype, MixedBatch(), 7));
+  }
+  CheckProblem(mla_test::MakeProblem(512, 64, 4, 16, DType::kNvFp4, {{40, 1}, {19, 7}}, 8));
 }
 
 TEST(CpuMlaAttentionTest, DeepSeekWidths) {

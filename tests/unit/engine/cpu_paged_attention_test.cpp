@@ -15,6 +15,8 @@
 
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/float_convert.h"
+#include "kernels/fp4_e2m1.h"
+#include "kernels/fp8_e5m2.h"
 
 namespace pdserve::kernels {
 namespace {
@@ -23,7 +25,14 @@ namespace {
 double Stored(const KvCacheLayout& layout, const uint8_t* pool, int64_t block, int64_t head,
               bool is_v, int64_t index) {
   const int64_t offset = is_v ? layout.v_offset(block, 0, head) : layout.k_offset(block, 0, head);
-  const uint8_t* p = pool + offset + index * layout.element_bytes();
+  const uint8_t* p = pool + offset + index * DTypeBits(layout.dtype) / 8;
+  float scale = 1;
+  if (layout.has_scales()) {
+    std::memcpy(&scale,
+                pool + (is_v ? layout.v_scale_offset(block, 0, head)
+                             : layout.k_scale_offset(block, 0, head)),
+                4);
+  }
   switch (layout.dtype) {
     case DType::kF32: {
       float f;
@@ -36,15 +45,22 @@ double Stored(const KvCacheLayout& layout, const uint8_t* pool, int64_t block, i
       std::memcpy(&h, p, 2);
       return layout.dtype == DType::kBF16 ? Bf16ToF32(h) : F16ToF32(h);
     }
-    default: {
-      float scale;
-      std::memcpy(&scale,
-                  pool + (is_v ? layout.v_scale_offset(block, 0, head)
-                               : layout.k_scale_offset(block, 0, head)),
-                  4);
+    case DType::kFP8E4M3:
       return static_cast<double>(E4M3ToF32(*p)) * scale;
+    case DType::kFP8E5M2:
+      return static_cast<double>(E5M2Decode(*p)) * scale;
+    case DType::kNvFp4: {
+      // Two codes a byte, the even element low; after the codes, each
+      // token's E4M3 micro-scales, one per 16 dimensions.
+      const uint8_t* region = pool + offset;
+      const int64_t hd = layout.head_dim, per_token = (hd + 15) / 16;
+      const uint8_t code = (region[index / 2] >> (4 * (index % 2))) & 0xf;
+      const uint8_t micro =
+          region[layout.head_value_bytes() + index / hd * per_token + index % hd / 16];
+      return static_cast<double>(E2M1Decode(code)) * E4M3Decode(micro) * scale;
     }
   }
+  return NAN;
 }
 
 struct Seq {
@@ -174,12 +190,15 @@ std::vector<SimdLevel> Levels() {
 TEST(CpuPagedAttentionTest, MatchesDoublePrecisionAttention) {
   uint32_t seed = 1;
   for (const SimdLevel level : Levels()) {
-    for (const DType dtype : {DType::kF32, DType::kBF16, DType::kF16, DType::kFP8E4M3}) {
+    for (const DType dtype : {DType::kF32, DType::kBF16, DType::kF16, DType::kFP8E4M3,
+                              DType::kFP8E5M2, DType::kNvFp4}) {
       for (const int64_t group : {1, 3, 8}) {  // 2, 4 and 5 below
         CheckAttention(level, dtype, /*kv_heads=*/2, group, /*head_dim=*/64, /*block=*/16, seed++);
       }
-      // Head and block sizes that leave tails in every loop.
-      CheckAttention(level, dtype, 1, 5, /*head_dim=*/17, /*block=*/5, seed++);
+      // Head and block sizes that leave tails in every loop (nvfp4 packs
+      // two values a byte: an even head dim, its last micro-scale short).
+      const bool nvfp4 = dtype == DType::kNvFp4;
+      CheckAttention(level, dtype, 1, 5, /*head_dim=*/nvfp4 ? 18 : 17, /*block=*/5, seed++);
       CheckAttention(level, dtype, 3, 2, /*head_dim=*/8, /*block=*/1, seed++);
       CheckAttention(level, dtype, 2, 4, /*head_dim=*/80, /*block=*/7, seed++);
       CheckAttention(level, dtype, 1, 1, /*head_dim=*/128, /*block=*/32, seed++);

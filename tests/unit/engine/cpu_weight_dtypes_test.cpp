@@ -23,12 +23,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::string RealModelDir() {
-  const char* env = std::getenv("PDSERVE_REAL_MODEL_DIR");
-  const std::string dir =
-      env ? env : std::string(PDSERVE_SOURCE_DIR) + "/../shared/models/stories260K";
-  return std::ifstream(dir + "/config.json").good() ? dir : "";
-}
+using testing::RealModelDir;
 
 // Copies the model folder `src` to a new folder with every float tensor
 // rounded to `narrow` (bf16 or fp16) and stored as `stored`: `narrow` itself,

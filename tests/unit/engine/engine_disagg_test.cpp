@@ -273,7 +273,8 @@ TEST_P(EngineDisaggTest, CancelParkedRequestFreesReservation) {
 }
 
 INSTANTIATE_TEST_SUITE_P(KvDtypes, EngineDisaggTest,
-                         ::testing::Values(DType::kF32, DType::kBF16, DType::kFP8E4M3),
+                         ::testing::Values(DType::kF32, DType::kBF16, DType::kFP8E4M3,
+                                           DType::kFP8E5M2, DType::kNvFp4),
                          [](const auto& info) { return std::string(DTypeName(info.param)); });
 
 }  // namespace

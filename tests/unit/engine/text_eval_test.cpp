@@ -5,6 +5,8 @@
 // cache stores them, for bf16 and fp8; agreement and KL against fp32 KV.
 #include <gtest/gtest.h>
 
+#include <cstdio>
+
 #include <algorithm>
 #include <cmath>
 #include <memory>
@@ -96,15 +98,24 @@ TEST_F(TextEvalTest, Fp32KvNllEqualsTheReferenceLogSoftmax) {
   }
 }
 
-// bf16 and fp8 KV: the NLL follows the reference that rounds K/V as the
-// cache does (prefill chunk, then one token per step); the distributions
-// move away from fp32 KV's a little, and KL matches the reference's own
-// KL(fp32 || rounded).
+// bf16, fp8 (e4m3, e5m2) and nvfp4 KV: the NLL follows the reference that
+// rounds K/V as the cache does (prefill chunk, then one token per step); the
+// distributions move away from fp32 KV's, the coarser the type the more
+// (bounds per type), and KL matches the reference's own KL(fp32 || rounded).
 TEST_F(TextEvalTest, QuantisedKvFollowsTheRoundedReferenceAndHasSmallKl) {
   const auto tokens = RandomTokens(70, model_->config().vocab_size, 2);
   const auto exact = ref_->Forward(tokens, {});
-  for (auto [dtype, type] : {std::pair{DType::kBF16, KvRounding::Type::kBF16},
-                             std::pair{DType::kFP8E4M3, KvRounding::Type::kFP8E4M3}}) {
+  struct Case {
+    DType dtype;
+    KvRounding::Type type;
+    double max_kl, min_top1;
+  };
+  for (const Case c : {Case{DType::kBF16, KvRounding::Type::kBF16, 0.05, 0.8},
+                       Case{DType::kFP8E4M3, KvRounding::Type::kFP8E4M3, 0.05, 0.8},
+                       Case{DType::kFP8E5M2, KvRounding::Type::kFP8E5M2, 0.1, 0.7},
+                       Case{DType::kNvFp4, KvRounding::Type::kNvFp4, 0.5, 0.5}}) {
+    const DType dtype = c.dtype;
+    const KvRounding::Type type = c.type;
     SCOPED_TRACE(std::string(DTypeName(dtype)));
     TextEvalOptions o;
     o.kv_dtype = dtype;
@@ -127,11 +138,14 @@ TEST_F(TextEvalTest, QuantisedKvFollowsTheRoundedReferenceAndHasSmallKl) {
     }
     ref_kl /= static_cast<double>(tokens.size() - 1);
     EXPECT_GT(r->kl_mean, 0.0);
-    EXPECT_LT(r->kl_mean, 0.05);
+    EXPECT_LT(r->kl_mean, c.max_kl);
     // The same quantity from the reference's distributions (they agreed to
     // 6 digits when measured; 5% leaves room for the engine's fp32 sums).
     EXPECT_NEAR(r->kl_mean, ref_kl, 0.05 * ref_kl);
-    EXPECT_GT(r->top1_agreement, 0.8);
+    EXPECT_GT(r->top1_agreement, c.min_top1);
+    std::printf("%s KV: KL %.3g, top-1 agreement %.3f, NLL %.4f (fp32 KV %.4f)\n",
+                std::string(DTypeName(dtype)).c_str(), r->kl_mean, r->top1_agreement, r->nll,
+                r->baseline_nll);
   }
 }
 
@@ -146,9 +160,6 @@ TEST_F(TextEvalTest, RefusesWhatItCannotScore) {
   const std::vector<int32_t> too_long(model_->config().max_context() + 1, 1);
   EXPECT_EQ(EvaluateText(model_.get(), too_long, o).status().code(), StatusCode::kInvalidArgument);
   o.decode_chunk = 0;
-  EXPECT_EQ(EvaluateText(model_.get(), {1, 2, 3}, o).status().code(), StatusCode::kInvalidArgument);
-  o.decode_chunk = 1;
-  o.kv_dtype = DType::kFP4E2M1;
   EXPECT_EQ(EvaluateText(model_.get(), {1, 2, 3}, o).status().code(), StatusCode::kInvalidArgument);
 }
 
