@@ -13,8 +13,12 @@
 # Also (families): each model-family preset generates the same greedy tokens
 # on the GPU as on the CPU, `bench engine` on the qwen3-moe preset and on
 # the deepseek-v3 preset at a 4K context (latent KV bytes per decode step).
+# And (kv): for every KV dtype, stories260K and the tiny, qwen3 and
+# deepseek-v3 presets generate the same greedy tokens on the GPU as on the
+# CPU, and `bench engine` on Llama-3.1-8B shapes (decode and prefill, tokens
+# per GiB of KV).
 #
-# Usage: bench/gpu/run_kit.sh [all|tests|bench|serve|families]
+# Usage: bench/gpu/run_kit.sh [all|tests|bench|serve|families|kv]
 set -uo pipefail
 
 WHAT=${1:-all}
@@ -102,6 +106,39 @@ if [[ $WHAT == all || $WHAT == families ]]; then
       tee -a "$OUT/families.jsonl"
   done
   rm -rf "$OUT"/model-*
+fi
+
+if [[ $WHAT == all || $WHAT == kv ]]; then
+  : > "$OUT/kv.jsonl"
+  models=()
+  [[ -f $KIT/models/stories260K/config.json ]] && models+=("$KIT/models/stories260K")
+  for preset in tiny qwen3 deepseek-v3; do
+    "$PDSERVE" make-model --preset "$preset" --out "$OUT/model-$preset" > /dev/null
+    models+=("$OUT/model-$preset")
+  done
+  for model in "${models[@]}"; do
+    for kv in fp32 fp16 bf16 fp8 fp8_e5m2 nvfp4; do
+      step "greedy tokens of $(basename "$model") with $kv KV, GPU against CPU"
+      tokens() {
+        "$PDSERVE" generate --model "$model" --device "$1" --kv-dtype "$kv" \
+          --prompt "Once upon a time" --max-tokens 32 --temperature 0 --ignore-eos --json \
+          2>>"$OUT/bench.err" | python3 -c 'import json,sys; print(json.load(sys.stdin)["token_ids"])'
+      }
+      cpu=$(tokens cpu) gpu=$(tokens cuda)
+      if [[ -n $cpu && $cpu == "$gpu" ]]; then r=equal; else r=DIFFERENT; fi
+      summary+=("$(basename "$model") $kv KV greedy tokens, GPU vs CPU: $r")
+      [[ $r == equal ]] || printf '%s %s\ncpu %s\ngpu %s\n' "$model" "$kv" "$cpu" "$gpu" \
+        >> "$OUT/kv-different.txt"
+    done
+  done
+  for kv in bf16 fp8 fp8_e5m2 nvfp4; do
+    step "bench engine, Llama-3.1-8B shapes, $kv KV: batch-1 decode after 1024 tokens"
+    "$PDSERVE" bench engine --model bench/configs/llama-3.1-8b --load-format dummy --device cuda \
+      --kv-dtype "$kv" --batch 1 --prompt-tokens 1024 --gen-tokens 32 --max-batched-tokens 1024 \
+      --json 2>>"$OUT/bench.err" | tee -a "$OUT/kv.jsonl"
+  done
+  rm -rf "$OUT"/model-*
+  summary+=("kv: $(grep -c . "$OUT/kv.jsonl") JSON lines in kv.jsonl")
 fi
 
 # A GPU stack (router + 1 prefill + 1 decode worker, every prompt prefilled
