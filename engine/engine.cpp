@@ -60,7 +60,8 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(Model* model, const EngineOptio
   e->max_model_len_ =
       options.max_model_len > 0 ? std::min(options.max_model_len, model_len) : model_len;
   auto pool = KvCachePool::Create(model->backend(), model->config(), options.kv_dtype,
-                                  options.block_size, options.kv_cache_bytes);
+                                  options.block_size, options.kv_cache_bytes,
+                                  options.kv_scales ? &*options.kv_scales : nullptr);
   if (!pool.ok()) return pool.status();
   e->pool_ = std::move(*pool);
   BlockManagerOptions bm;

@@ -62,9 +62,12 @@ class Tokenizer;
 using RequestId = uint64_t;
 
 struct EngineOptions {
-  int64_t block_size = 16;               // tokens per KV block
-  int64_t kv_cache_bytes = 64ll << 20;   // budget for the one KV pool
-  DType kv_dtype = DType::kF32;          // fp32, fp16, bf16 or fp8 (e4m3)
+  int64_t block_size = 16;              // tokens per KV block
+  int64_t kv_cache_bytes = 64ll << 20;  // budget for the one KV pool
+  DType kv_dtype = DType::kF32;         // any DType (common/dtype.h)
+  // Calibrated scales for a scaled kv_dtype (engine/kv_scales.h); none:
+  // each block sets its own.
+  std::optional<KvScales> kv_scales;
   int64_t max_num_seqs = 64;             // sequences running at once
   int64_t max_num_batched_tokens = 512;  // tokens per step (the prefill chunk size)
   int64_t max_model_len = 0;             // 0: the model's context (ModelConfig::max_context)

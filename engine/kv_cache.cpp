@@ -4,8 +4,8 @@ namespace pdserve {
 
 StatusOr<std::unique_ptr<KvCachePool>> KvCachePool::Create(kernels::Backend* backend,
                                                            const ModelConfig& config, DType dtype,
-                                                           int64_t block_size,
-                                                           int64_t budget_bytes) {
+                                                           int64_t block_size, int64_t budget_bytes,
+                                                           const KvScales* scales) {
   if (block_size < 1 || block_size > 1024) {
     return Status::InvalidArgument("block size must be in [1, 1024], got " +
                                    std::to_string(block_size));
@@ -26,6 +26,19 @@ StatusOr<std::unique_ptr<KvCachePool>> KvCachePool::Create(kernels::Backend* bac
         "KV cache dtype nvfp4 needs an even head_dim (two 4-bit values a byte); this model's is " +
         std::to_string(layout.head_dim));
   }
+  if (scales != nullptr) {
+    if (!layout.has_scales() || scales->kv_dtype != dtype) {
+      return Status::InvalidArgument("KV scales were calibrated for " +
+                                     std::string(DTypeName(scales->kv_dtype)) +
+                                     " KV, this pool is " + std::string(DTypeName(dtype)));
+    }
+    if (scales->kv_sets != layout.kv_sets() || scales->num_layers() != layout.num_layers) {
+      return Status::InvalidArgument(
+          "KV scales hold " + std::to_string(scales->num_layers()) + " layers of " +
+          std::to_string(scales->kv_sets) + ", the model " + std::to_string(layout.num_layers) +
+          " of " + std::to_string(layout.kv_sets()) + (layout.is_mla() ? " (MLA)" : " (K, V)"));
+    }
+  }
   const int64_t per_block = layout.bytes_per_block();
   layout.num_blocks = budget_bytes > 0 ? budget_bytes / per_block : 0;
   if (layout.num_blocks < 1) {
@@ -36,6 +49,10 @@ StatusOr<std::unique_ptr<KvCachePool>> KvCachePool::Create(kernels::Backend* bac
   std::unique_ptr<KvCachePool> pool(new KvCachePool());
   pool->backend_ = backend;
   pool->layout_ = layout;
+  if (scales != nullptr) {
+    pool->fixed_scales_ = scales->scales;
+    pool->layout_.fixed_scales = pool->fixed_scales_.data();
+  }
   pool->base_ = backend->Allocate(static_cast<size_t>(layout.total_bytes()));
   if (pool->base_ == nullptr) {
     return Status::ResourceExhausted("cannot allocate a KV pool of " +

@@ -10,10 +10,12 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "common/dtype.h"
 #include "common/kv_layout.h"
 #include "common/status.h"
+#include "engine/kv_scales.h"
 #include "engine/model_config.h"
 #include "kernels/backend.h"
 
@@ -22,12 +24,14 @@ namespace pdserve {
 class KvCachePool {
  public:
   // As many blocks as fit in `budget_bytes`. InvalidArgument for a block size
-  // < 1 or a dtype the KV cache cannot hold (nvfp4 with an odd
-  // head_dim); ResourceExhausted when the
-  // budget holds no block or the backend cannot allocate it.
+  // < 1, a dtype the KV cache cannot hold (nvfp4 with an odd head_dim), or
+  // calibrated `scales` (engine/kv_scales.h) of another dtype or shape than
+  // the pool's; ResourceExhausted when the budget holds no block or the
+  // backend cannot allocate it.
   static StatusOr<std::unique_ptr<KvCachePool>> Create(kernels::Backend* backend,
                                                        const ModelConfig& config, DType dtype,
-                                                       int64_t block_size, int64_t budget_bytes);
+                                                       int64_t block_size, int64_t budget_bytes,
+                                                       const KvScales* scales = nullptr);
   ~KvCachePool();
   KvCachePool(const KvCachePool&) = delete;
   KvCachePool& operator=(const KvCachePool&) = delete;
@@ -53,6 +57,7 @@ class KvCachePool {
   KvCachePool() = default;
   kernels::Backend* backend_ = nullptr;
   kernels::KvCacheLayout layout_;
+  std::vector<float> fixed_scales_;  // layout_.fixed_scales points here
   void* base_ = nullptr;
 };
 

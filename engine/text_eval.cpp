@@ -2,7 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <string>
+
+#include "kernels/kv_quant.h"
 
 namespace pdserve {
 namespace {
@@ -22,12 +25,27 @@ int64_t ArgMax(const std::vector<double>& v) {
   return std::max_element(v.begin(), v.end()) - v.begin();  // first (lowest id) of equals
 }
 
+// At least 2 tokens, within the context and the vocabulary.
+Status CheckText(const ModelConfig& c, const std::vector<TokenId>& tokens) {
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  if (n < 2) return Status::InvalidArgument("the text must have at least 2 tokens");
+  if (n > c.max_context()) {
+    return Status::InvalidArgument("the text has " + std::to_string(n) +
+                                   " tokens, more than the model's context of " +
+                                   std::to_string(c.max_context()));
+  }
+  for (TokenId t : tokens) {
+    if (t < 0 || t >= c.vocab_size) {
+      return Status::InvalidArgument("token id " + std::to_string(t) + " outside the vocabulary");
+    }
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
-StatusOr<std::unique_ptr<PagedSequenceRunner>> PagedSequenceRunner::Create(Model* model,
-                                                                           DType kv_dtype,
-                                                                           int64_t block_size,
-                                                                           int64_t max_tokens) {
+StatusOr<std::unique_ptr<PagedSequenceRunner>> PagedSequenceRunner::Create(
+    Model* model, DType kv_dtype, int64_t block_size, int64_t max_tokens, const KvScales* scales) {
   if (block_size < 1) return Status::InvalidArgument("block size must be >= 1");
   const ModelConfig& c = model->config();
   const int64_t blocks = (max_tokens + block_size - 1) / block_size;
@@ -39,7 +57,7 @@ StatusOr<std::unique_ptr<PagedSequenceRunner>> PagedSequenceRunner::Create(Model
       (c.is_mla() ? c.kv_lora_rank + c.qk_rope_head_dim : 2 * c.num_kv_heads * c.head_dim);
   const int64_t scale_bytes = c.num_layers * (2 * std::max<int64_t>(c.num_kv_heads, 1)) * 4;
   const int64_t budget = blocks * (elements_per_token * 4 * block_size + scale_bytes);
-  auto pool = KvCachePool::Create(model->backend(), c, kv_dtype, block_size, budget);
+  auto pool = KvCachePool::Create(model->backend(), c, kv_dtype, block_size, budget, scales);
   if (!pool.ok()) return pool.status();
   std::unique_ptr<PagedSequenceRunner> r(new PagedSequenceRunner());
   r->model_ = model;
@@ -95,23 +113,14 @@ StatusOr<TextEvalResult> EvaluateText(Model* model, const std::vector<TokenId>& 
                                       const TextEvalOptions& options) {
   const ModelConfig& c = model->config();
   const int64_t n = static_cast<int64_t>(tokens.size());
-  if (n < 2) return Status::InvalidArgument("the text must have at least 2 tokens");
-  if (n > c.max_context()) {
-    return Status::InvalidArgument("the text has " + std::to_string(n) +
-                                   " tokens, more than the model's context of " +
-                                   std::to_string(c.max_context()));
-  }
-  for (TokenId t : tokens) {
-    if (t < 0 || t >= c.vocab_size) {
-      return Status::InvalidArgument("token id " + std::to_string(t) + " outside the vocabulary");
-    }
-  }
+  PDSERVE_RETURN_IF_ERROR(CheckText(c, tokens));
   if (options.prefill_tokens < 1 || options.decode_chunk < 1) {
     return Status::InvalidArgument("prefill tokens and decode chunk must be >= 1");
   }
   auto base = PagedSequenceRunner::Create(model, DType::kF32, options.block_size, n);
   if (!base.ok()) return base.status();
-  auto test = PagedSequenceRunner::Create(model, options.kv_dtype, options.block_size, n);
+  auto test = PagedSequenceRunner::Create(model, options.kv_dtype, options.block_size, n,
+                                          options.kv_scales ? &*options.kv_scales : nullptr);
   if (!test.ok()) return test.status();
 
   const int64_t V = c.vocab_size;
@@ -148,6 +157,54 @@ StatusOr<TextEvalResult> EvaluateText(Model* model, const std::vector<TokenId>& 
   r.top1_agreement = static_cast<double>(agree) / r.tokens;
   r.kl_mean = kl_sum / r.tokens;
   return r;
+}
+
+StatusOr<KvScales> MeasureKvScales(Model* model, const std::vector<TokenId>& tokens, DType kv_dtype,
+                                   int64_t block_size) {
+  if (kv_dtype != DType::kFP8E4M3 && kv_dtype != DType::kFP8E5M2 && kv_dtype != DType::kNvFp4) {
+    return Status::InvalidArgument("KV scales are calibrated for fp8, fp8_e5m2 or nvfp4, not " +
+                                   std::string(DTypeName(kv_dtype)));
+  }
+  PDSERVE_RETURN_IF_ERROR(CheckText(model->config(), tokens));
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  auto runner = PagedSequenceRunner::Create(model, DType::kF32, block_size, n);
+  if (!runner.ok()) return runner.status();
+  std::vector<float> logits;
+  PDSERVE_RETURN_IF_ERROR((*runner)->Run(tokens, 0, n, &logits));
+  // The fp32 pool, on the host: every K/V value the text wrote.
+  const KvCachePool& pool = (*runner)->pool();
+  const kernels::KvCacheLayout& l = pool.layout();
+  std::vector<uint8_t> bytes(static_cast<size_t>(pool.total_bytes()));
+  model->backend()->Synchronize();
+  model->backend()->Download(bytes.data(), pool.base(), bytes.size());
+  KvScales s;
+  s.kv_dtype = kv_dtype;
+  s.kv_sets = l.kv_sets();
+  s.scales.assign(l.num_layers * l.kv_sets(), 0.0f);
+  const std::vector<int32_t>& table = (*runner)->block_table();
+  for (int64_t layer = 0; layer < l.num_layers; ++layer) {
+    for (int64_t set = 0; set < l.kv_sets(); ++set) {
+      float max_abs = 0;
+      for (int64_t p = 0; p < n; ++p) {
+        const int64_t block = table[p / block_size], slot = p % block_size;
+        for (int64_t h = 0; h < l.num_kv_heads; ++h) {
+          const int64_t at =
+              (set == 0 ? l.k_offset(block, layer, h) : l.v_offset(block, layer, h)) +
+              slot * l.head_dim * 4;
+          for (int64_t d = 0; d < l.head_dim; ++d) {
+            float v;
+            std::memcpy(&v, bytes.data() + at + d * 4, 4);
+            if (std::fabs(v) > max_abs) max_abs = std::fabs(v);
+          }
+        }
+      }
+      // A layer that wrote nothing but zeros gets the smallest normal
+      // scale: any positive scale stores zeros exactly.
+      const float scale = kernels::KvScaleFor(kv_dtype, max_abs);
+      s.scales[layer * l.kv_sets() + set] = scale > 0 ? scale : 1.17549435e-38f;
+    }
+  }
+  return s;
 }
 
 }  // namespace pdserve

@@ -16,12 +16,14 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "common/block_hash.h"  // TokenId
 #include "common/dtype.h"
 #include "common/status.h"
 #include "engine/kv_cache.h"
+#include "engine/kv_scales.h"
 #include "engine/model.h"
 
 namespace pdserve {
@@ -34,7 +36,8 @@ class PagedSequenceRunner {
  public:
   static StatusOr<std::unique_ptr<PagedSequenceRunner>> Create(Model* model, DType kv_dtype,
                                                                int64_t block_size,
-                                                               int64_t max_tokens);
+                                                               int64_t max_tokens,
+                                                               const KvScales* scales = nullptr);
 
   // Feeds tokens[start, start + n) at positions start..start+n-1 (every
   // earlier position must have been fed) and writes their logits,
@@ -43,6 +46,8 @@ class PagedSequenceRunner {
              std::vector<float>* logits);
 
   const KvCachePool& pool() const { return *pool_; }
+  // Position p's block is block_table()[p / block_size].
+  const std::vector<int32_t>& block_table() const { return block_table_; }
 
  private:
   PagedSequenceRunner() = default;
@@ -53,7 +58,8 @@ class PagedSequenceRunner {
 };
 
 struct TextEvalOptions {
-  DType kv_dtype = DType::kF32;  // fp32, fp16, bf16 or fp8 (e4m3)
+  DType kv_dtype = DType::kF32;       // any DType
+  std::optional<KvScales> kv_scales;  // calibrated scales for kv_dtype (engine/kv_scales.h)
   int64_t block_size = 16;
   // Tokens of the first (prefill) step; the whole text when it is shorter.
   int64_t prefill_tokens = 32;
@@ -80,5 +86,14 @@ struct TextEvalResult {
 // a prefill_tokens / decode_chunk below 1. Log-softmax is computed in double.
 StatusOr<TextEvalResult> EvaluateText(Model* model, const std::vector<TokenId>& tokens,
                                       const TextEvalOptions& options);
+
+// Calibration for a scaled `kv_dtype` (fp8, fp8_e5m2, nvfp4): runs the text
+// through an fp32 pool (one prefill step) and gives each layer and cached
+// vector (K, V; the MLA latent) the smallest power of two that keeps the
+// largest magnitude written into it, over the whole text, within the
+// dtype's range (kernels/kv_quant.h). The same checks as EvaluateText, and
+// InvalidArgument for an unscaled dtype.
+StatusOr<KvScales> MeasureKvScales(Model* model, const std::vector<TokenId>& tokens, DType kv_dtype,
+                                   int64_t block_size);
 
 }  // namespace pdserve

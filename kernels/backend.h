@@ -60,6 +60,10 @@ struct KvCacheLayout {
   int64_t block_size = 16;   // tokens per block
   DType dtype = DType::kF32;
   int64_t num_blocks = 0;
+  // Calibrated scales (engine/kv_scales.h), host memory owned by the pool:
+  // [num_layers][kv_sets()] region scales that every write of that layer
+  // uses instead of setting and growing its own; null for dynamic scales.
+  const float* fixed_scales = nullptr;
 
   // The MLA pool of `layers` layers caching kv_lora_rank + rope_dim values per token.
   static KvCacheLayout Mla(int64_t layers, int64_t kv_lora_rank, int64_t rope_dim) {

@@ -147,6 +147,8 @@ void CpuBackend::WriteKv(const KvCacheLayout& layout, void* pool, int64_t layer,
   auto* base = static_cast<uint8_t*>(pool);
   const int64_t kvh = layout.num_kv_heads, hd = layout.head_dim, bs = layout.block_size;
   const KvRegion region{layout.dtype, bs, hd};
+  const float fixed_k = layout.fixed_scales ? layout.fixed_scales[2 * layer] : 0.0f;
+  const float fixed_v = layout.fixed_scales ? layout.fixed_scales[2 * layer + 1] : 0.0f;
   // One task per KV head: the tokens of a head are stored in order, which the
   // fp8 scale bookkeeping of a block relies on; heads are independent. A
   // decode step's few tokens are cheaper to store than to hand to threads.
@@ -170,9 +172,9 @@ void CpuBackend::WriteKv(const KvCacheLayout& layout, void* pool, int64_t layer,
               std::memcpy(&vs, v_scale, 4);
             }
             StoreRun(k + (t * kvh + h) * hd, kvh * hd, run, region, offset,
-                     base + layout.k_offset(block, layer, h), &ks);
+                     base + layout.k_offset(block, layer, h), &ks, fixed_k);
             StoreRun(v + (t * kvh + h) * hd, kvh * hd, run, region, offset,
-                     base + layout.v_offset(block, layer, h), &vs);
+                     base + layout.v_offset(block, layer, h), &vs, fixed_v);
             if (layout.has_scales()) {
               std::memcpy(k_scale, &ks, 4);
               std::memcpy(v_scale, &vs, 4);

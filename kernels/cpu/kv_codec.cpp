@@ -123,7 +123,7 @@ void LoadKv(const uint8_t* base, const KvRegion& region, float scale, int64_t co
 }
 
 void StoreRun(const float* src, int64_t src_stride, int64_t count, const KvRegion& region,
-              int64_t offset_in_block, uint8_t* base, float* scale) {
+              int64_t offset_in_block, uint8_t* base, float* scale, float fixed_scale) {
   const int64_t head_dim = region.width;
   const bool scaled = region.dtype == DType::kFP8E4M3 || region.dtype == DType::kFP8E5M2 ||
                       region.dtype == DType::kNvFp4;
@@ -138,7 +138,7 @@ void StoreRun(const float* src, int64_t src_stride, int64_t count, const KvRegio
         if (a > max_abs) max_abs = a;
       }
     }
-    const float needed = KvScaleFor(region.dtype, max_abs);
+    const float needed = fixed_scale > 0 ? fixed_scale : KvScaleFor(region.dtype, max_abs);
     if (needed > *scale) {
       if (*scale > 0) GrowScale(region, *scale, needed, offset_in_block, base);
       *scale = needed;

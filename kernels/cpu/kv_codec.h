@@ -32,7 +32,9 @@ void LoadKv(const uint8_t* base, const KvRegion& region, float scale, int64_t co
 // apart), starting at `offset_in_block`. For scaled dtypes the region's
 // scale first grows to cover the whole run, so a block filled by one call (a
 // prefill chunk) is rounded exactly once; offset 0 starts the block afresh.
+// A positive `fixed_scale` (calibration) is the region's scale instead:
+// nothing grows, values past its range saturate.
 void StoreRun(const float* src, int64_t src_stride, int64_t count, const KvRegion& region,
-              int64_t offset_in_block, uint8_t* base, float* scale);
+              int64_t offset_in_block, uint8_t* base, float* scale, float fixed_scale = 0);
 
 }  // namespace pdserve::kernels

@@ -60,7 +60,8 @@ void CpuBackend::WriteLatentKv(const KvCacheLayout& layout, void* pool, int64_t 
     uint8_t* scale_at = base + layout.k_scale_offset(block, layer, 0);
     if (layout.has_scales()) std::memcpy(&scale, scale_at, 4);
     StoreRun(run_values.data(), D, run, KvRegion{layout.dtype, bs, D}, offset,
-             base + layout.k_offset(block, layer, 0), &scale);
+             base + layout.k_offset(block, layer, 0), &scale,
+             layout.fixed_scales ? layout.fixed_scales[layer] : 0.0f);
     if (layout.has_scales()) std::memcpy(scale_at, &scale, 4);
     t += run;
   }

@@ -195,7 +195,7 @@ __global__ void WriteKvPlainKernel(DeviceLayout layout, uint8_t* pool, int64_t l
 // scale grows to cover the whole run; WriteScaledRun).
 __global__ void WriteKvScaledKernel(DeviceLayout layout, uint8_t* pool, int64_t layer,
                                     const float* k, const float* v, const int64_t* slots,
-                                    int64_t tokens) {
+                                    int64_t tokens, float fixed_k, float fixed_v) {
   __shared__ float reduce[kThreads / 32];
   const int64_t hd = layout.head_dim, kvh = layout.num_kv_heads, bs = layout.block_size;
   const int64_t h = blockIdx.x / 2;
@@ -212,7 +212,8 @@ __global__ void WriteKvScaledKernel(DeviceLayout layout, uint8_t* pool, int64_t 
     const float* first = src + (t * kvh + h) * hd;
     WriteScaledRun(
         layout.dtype, head, layout.micro_at, scale_at, offset, run, hd,
-        [&](int64_t i) { return first[(i / hd) * kvh * hd + i % hd]; }, reduce);
+        [&](int64_t i) { return first[(i / hd) * kvh * hd + i % hd]; }, reduce,
+        is_v ? fixed_v : fixed_k);
     t += run;
   }
 }
@@ -843,8 +844,11 @@ void CudaBackend::WriteKv(const KvCacheLayout& layout, void* pool, int64_t layer
   auto* base = static_cast<uint8_t*>(pool);
   const DeviceLayout dl(layout);
   if (layout.has_scales()) {
+    // Calibrated scales live in host memory: passed by value.
+    const float fixed_k = layout.fixed_scales ? layout.fixed_scales[2 * layer] : 0.0f;
+    const float fixed_v = layout.fixed_scales ? layout.fixed_scales[2 * layer + 1] : 0.0f;
     WriteKvScaledKernel<<<static_cast<unsigned>(2 * layout.num_kv_heads), kThreads, 0,
-                          state_->stream>>>(dl, base, layer, k, v, slots, tokens);
+                          state_->stream>>>(dl, base, layer, k, v, slots, tokens, fixed_k, fixed_v);
   } else {
     const int64_t n = tokens * layout.num_kv_heads * layout.head_dim;
     WriteKvPlainKernel<<<Blocks(n), kThreads, 0, state_->stream>>>(dl, base, layer, k, v, slots,

@@ -85,18 +85,19 @@ __device__ inline float BlockMax(float value, float* shared) {
 // scale grows to cover the run, the tokens already there are re-expressed
 // at the new scale, then the run is encoded. value(i) gives element i of the
 // run (token i / width, dimension i % width). `reduce` holds blockDim.x / 32
-// floats.
+// floats. A positive `fixed_scale` (calibration) is the region's scale
+// instead: nothing grows, values past its range saturate.
 template <typename Value>
 __device__ void WriteScaledRun(DType dtype, uint8_t* region, int64_t micro_at, uint8_t* scale_at,
                                int64_t offset, int64_t run, int64_t width, Value value,
-                               float* reduce) {
+                               float* reduce, float fixed_scale) {
   float max_abs = 0;
   for (int64_t i = threadIdx.x; i < run * width; i += blockDim.x) {
     max_abs = fmaxf(max_abs, fabsf(value(i)));  // fmaxf skips NaNs, as the host's comparison
   }
   max_abs = BlockMax(max_abs, reduce);
   const float old_scale = offset == 0 ? 0.0f : LoadScaleBytes(scale_at);  // 0: a fresh block
-  const float needed = KvScaleFor(dtype, max_abs);
+  const float needed = fixed_scale > 0 ? fixed_scale : KvScaleFor(dtype, max_abs);
   const float new_scale = needed > old_scale ? needed : old_scale;
   const int64_t first = offset * width;
   const int64_t groups = MicroScalesPerVector(DType::kNvFp4, width);  // nvfp4, per vector

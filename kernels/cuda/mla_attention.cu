@@ -61,7 +61,7 @@ __global__ void WriteLatentPlainKernel(LatentLayout l, uint8_t* pool, int64_t la
 // backend does (kernels::WriteScaledRun).
 __global__ void WriteLatentScaledKernel(LatentLayout l, uint8_t* pool, int64_t layer,
                                         const float* c_kv, const float* k_pe, const int64_t* slots,
-                                        int64_t tokens) {
+                                        int64_t tokens, float fixed_scale) {
   __shared__ float reduce[kThreads / 32];
   const int64_t D = l.width, bs = l.block_size;
   for (int64_t t = 0; t < tokens;) {
@@ -71,7 +71,8 @@ __global__ void WriteLatentScaledKernel(LatentLayout l, uint8_t* pool, int64_t l
     kernels::WriteScaledRun(
         l.dtype, pool + l.latent_offset(block, layer), l.micro_at,
         pool + l.scale_offset(block, layer), offset, run, D,
-        [&](int64_t i) { return LatentValue(l, c_kv, k_pe, t + i / D, i % D); }, reduce);
+        [&](int64_t i) { return LatentValue(l, c_kv, k_pe, t + i / D, i % D); }, reduce,
+        fixed_scale);
     t += run;
   }
 }
@@ -168,7 +169,10 @@ cudaError_t WriteLatentKv(const KvCacheLayout& layout, void* pool, int64_t layer
   const LatentLayout l(layout);
   auto* base = static_cast<uint8_t*>(pool);
   if (layout.has_scales()) {
-    WriteLatentScaledKernel<<<1, kThreads, 0, stream>>>(l, base, layer, c_kv, k_pe, slots, tokens);
+    // Calibrated scales live in host memory: passed by value.
+    const float fixed = layout.fixed_scales ? layout.fixed_scales[layer] : 0.0f;
+    WriteLatentScaledKernel<<<1, kThreads, 0, stream>>>(l, base, layer, c_kv, k_pe, slots, tokens,
+                                                        fixed);
   } else {
     const int64_t n = tokens * layout.head_dim;
     const auto blocks = static_cast<unsigned>((n + kThreads - 1) / kThreads);

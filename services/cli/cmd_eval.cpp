@@ -23,6 +23,7 @@ int RunEval(int argc, char** argv) {
                 "Per-token NLL and perplexity of a text with prefill and paged decode, and "
                 "top-1 agreement and KL divergence against an fp32 KV cache.");
   std::string model_dir, text_path, kv_dtype_name = "fp32", device = "cpu";
+  std::string kv_scales_path, write_kv_scales_path;
   int64_t block_size = 16, prefill_tokens = 32, decode_chunk = 1, threads = 0;
   bool json = false;
   flags.AddString("model", &model_dir, "model folder (Hugging Face layout)");
@@ -30,6 +31,11 @@ int RunEval(int argc, char** argv) {
                   "text file to score (a BOS token is added as the tokenizer says)");
   flags.AddString("kv-dtype", &kv_dtype_name,
                   "KV cache dtype under test: " + std::string(kKvDTypeChoices));
+  flags.AddString("kv-scales", &kv_scales_path,
+                  "calibrated KV scales to evaluate with (a file of --write-kv-scales)");
+  flags.AddString("write-kv-scales", &write_kv_scales_path,
+                  "calibrate: write the text's per-layer KV scales for --kv-dtype (fp8, fp8_e5m2, "
+                  "nvfp4) to this file, then evaluate with them");
   flags.AddInt("block-size", &block_size, "tokens per KV block");
   flags.AddInt("prefill-tokens", &prefill_tokens, "tokens of the first (prefill) step");
   flags.AddInt("decode-chunk", &decode_chunk, "tokens per later step (1: one decode step each)");
@@ -54,6 +60,14 @@ int RunEval(int argc, char** argv) {
   if (prefill_tokens < 1) UsageError("eval", "--prefill-tokens must be >= 1");
   if (decode_chunk < 1) UsageError("eval", "--decode-chunk must be >= 1");
   if (threads < 0) UsageError("eval", "--threads must be >= 0");
+  if (!kv_scales_path.empty() && !write_kv_scales_path.empty())
+    UsageError("eval", "--kv-scales and --write-kv-scales exclude each other");
+  std::optional<KvScales> kv_scales;
+  if (!kv_scales_path.empty()) {
+    auto read = ReadKvScales(kv_scales_path);
+    if (!read.ok()) UsageError("eval", "--kv-scales: " + read.status().message());
+    kv_scales = std::move(*read);
+  }
   std::ifstream in(text_path, std::ios::binary);
   if (!in) UsageError("eval", "--text: cannot read '" + text_path + "'");
   std::stringstream text;
@@ -72,8 +86,19 @@ int RunEval(int argc, char** argv) {
   if (!tokenizer.ok()) UsageError("eval", tokenizer.status().message());
   const std::vector<TokenId> tokens = (*tokenizer)->Encode(text.str(), /*add_special_tokens=*/true);
 
+  if (!write_kv_scales_path.empty()) {
+    auto measured = MeasureKvScales(model->get(), tokens, *kv_dtype, block_size);
+    if (!measured.ok()) UsageError("eval", "--write-kv-scales: " + measured.status().message());
+    if (Status st = WriteKvScales(write_kv_scales_path, *measured); !st.ok()) {
+      std::fprintf(stderr, "pdserve eval: %s\n", st.message().c_str());
+      return 1;
+    }
+    kv_scales = std::move(*measured);
+  }
+
   TextEvalOptions options;
   options.kv_dtype = *kv_dtype;
+  options.kv_scales = kv_scales;
   options.block_size = block_size;
   options.prefill_tokens = prefill_tokens;
   options.decode_chunk = decode_chunk;
@@ -99,6 +124,7 @@ int RunEval(int argc, char** argv) {
                         {"prefill_tokens", std::min<int64_t>(prefill_tokens, tokens.size())},
                         {"decode_chunk", decode_chunk},
                         {"block_size", block_size},
+                        {"kv_scales", kv_scales ? "calibrated" : "dynamic"},
                         {"machine", machine}};
     std::printf("%s\n", j.dump().c_str());
   } else {

@@ -16,7 +16,7 @@ namespace {
 
 int RunGenerate(int argc, char** argv) {
   FlagSet flags("generate", "Generate text for one prompt, offline.");
-  std::string model_dir, prompt, kv_dtype_name = "fp32", stop, device = "cpu";
+  std::string model_dir, prompt, kv_dtype_name = "fp32", stop, device = "cpu", kv_scales_path;
   int64_t max_tokens = 16, top_k = -1, seed = -1, threads = 0, block_size = 16;
   int64_t kv_cache_bytes = 64ll << 20, max_batched_tokens = 512;
   double temperature = 1.0, top_p = 1.0;
@@ -31,6 +31,8 @@ int RunGenerate(int argc, char** argv) {
   flags.AddString("stop", &stop, "stop when the output contains this text");
   flags.AddBool("ignore-eos", &ignore_eos, "keep generating after end-of-sequence tokens");
   flags.AddString("kv-dtype", &kv_dtype_name, "KV cache dtype: " + std::string(kKvDTypeChoices));
+  flags.AddString("kv-scales", &kv_scales_path,
+                  "calibrated KV scales (pdserve eval --write-kv-scales) for a scaled KV dtype");
   flags.AddBytes("kv-cache-bytes", &kv_cache_bytes, "KV pool size");
   flags.AddInt("block-size", &block_size, "tokens per KV block");
   flags.AddInt("max-batched-tokens", &max_batched_tokens, "tokens per step (prefill chunk)");
@@ -74,6 +76,11 @@ int RunGenerate(int argc, char** argv) {
   if (!tokenizer.ok()) UsageError("generate", tokenizer.status().message());
   EngineOptions options;
   options.kv_dtype = *kv_dtype;
+  if (!kv_scales_path.empty()) {
+    auto scales = ReadKvScales(kv_scales_path);
+    if (!scales.ok()) UsageError("generate", "--kv-scales: " + scales.status().message());
+    options.kv_scales = std::move(*scales);
+  }
   options.kv_cache_bytes = kv_cache_bytes;
   options.block_size = block_size;
   options.max_num_batched_tokens = max_batched_tokens;

@@ -26,6 +26,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/dtype.h"
 #include "common/flags.h"
 #include "common/http/http_client.h"
 #include "common/logging.h"
@@ -218,6 +219,7 @@ int RunUp(int argc, char** argv) {
   int64_t max_local_prefill = 512;
   std::string model, model_id, dir = ".pdserve", host = "127.0.0.1", policy = "kv";
   std::string log_level = "info", device = "auto", load_format = "safetensors";
+  std::string kv_dtype = "fp32";
   bool stream_chunks = true;
   FlagSet flags("up",
                 "Start a local stack: the router plus prefill and decode workers as child "
@@ -245,6 +247,8 @@ int RunUp(int argc, char** argv) {
   flags.AddBool("kv-stream-chunks", &stream_chunks,
                 "prefill workers send each finished chunk's KV while the next computes");
   flags.AddBytes("kv-cache-bytes", &kv_cache_bytes, "KV cache memory per worker");
+  flags.AddString("kv-dtype", &kv_dtype,
+                  "KV cache type of every worker: " + std::string(kKvDTypeChoices));
   flags.AddString("dir", &dir, "folder for the logs (DIR/logs) and the default model");
   flags.AddInt("start-timeout", &start_timeout_s, "seconds to wait for the stack to be ready");
   flags.AddInt("stop-timeout", &stop_timeout_s,
@@ -268,6 +272,10 @@ int RunUp(int argc, char** argv) {
   if (threads < 0) UsageError("up", "--threads must not be negative");
   if (max_local_prefill < 0) UsageError("up", "--max-local-prefill must not be negative");
   if (kv_cache_bytes <= 0) UsageError("up", "--kv-cache-bytes must be positive");
+  if (!ParseDType(kv_dtype)) {
+    UsageError("up",
+               "--kv-dtype: expected " + std::string(kKvDTypeChoices) + ", got '" + kv_dtype + "'");
+  }
   if (start_timeout_s < 1 || stop_timeout_s < 1) UsageError("up", "timeouts must be positive");
   LogLevel level;
   if (!ParseLogLevel(log_level, &level))
@@ -385,6 +393,8 @@ int RunUp(int argc, char** argv) {
         std::to_string(threads),
         "--kv-cache-bytes",
         std::to_string(kv_cache_bytes),
+        "--kv-dtype",
+        kv_dtype,
         "--device",
         device,
         "--load-format",

@@ -18,7 +18,7 @@ namespace {
 int RunWorker(int argc, char** argv) {
   BlockTerminationSignals();
   worker::WorkerOptions o;
-  std::string role = "both", routers, kv_dtype = "fp32", log_level = "info";
+  std::string role = "both", routers, kv_dtype = "fp32", log_level = "info", kv_scales;
   std::string kv_transfer = "ucx", kv_staging = "auto", load_format = "safetensors";
   int64_t port = o.port, metrics_port = o.metrics_port, threads = o.threads;
   int64_t drain_s = o.drain_timeout_ms / 1000, prefill_timeout_ms = o.prefill_timeout_ms;
@@ -44,6 +44,8 @@ int RunWorker(int argc, char** argv) {
   flags.AddString("worker-id", &o.worker_id, "unique worker name (default: role-host-pid)");
   flags.AddBytes("kv-cache-bytes", &o.kv_cache_bytes, "memory for the paged KV cache");
   flags.AddString("kv-dtype", &kv_dtype, "KV cache type: " + std::string(kKvDTypeChoices));
+  flags.AddString("kv-scales", &kv_scales,
+                  "calibrated KV scales (pdserve eval --write-kv-scales) for a scaled KV type");
   flags.AddInt("block-size", &o.block_size, "tokens per KV block");
   flags.AddInt("max-num-seqs", &o.max_num_seqs, "sequences running at once");
   flags.AddInt("max-num-batched-tokens", &o.max_num_batched_tokens,
@@ -99,6 +101,22 @@ int RunWorker(int argc, char** argv) {
   if (!staging.ok()) UsageError("worker", "--kv-staging: " + staging.status().message());
   o.kv_staging = *staging;
   if (o.kv_staging_bytes <= 0) UsageError("worker", "--kv-staging-bytes must be positive");
+  auto dtype = ParseDType(kv_dtype);
+  if (!dtype) {
+    UsageError("worker", "--kv-dtype: unknown KV type '" + kv_dtype + "' (" +
+                             std::string(kKvDTypeChoices) + ")");
+  }
+  o.kv_dtype = *dtype;
+  if (!kv_scales.empty()) {
+    auto scales = ReadKvScales(kv_scales);
+    if (!scales.ok()) UsageError("worker", "--kv-scales: " + scales.status().message());
+    if (scales->kv_dtype != *dtype) {
+      UsageError("worker", "--kv-scales: calibrated for " +
+                               std::string(DTypeName(scales->kv_dtype)) + " KV, --kv-dtype is " +
+                               std::string(DTypeName(*dtype)));
+    }
+    o.kv_scales = std::move(*scales);
+  }
   {
     ControlSecurity sec = security.LoadOrExit("worker");
     o.cluster_secret = std::move(sec.secret);
@@ -111,12 +129,6 @@ int RunWorker(int argc, char** argv) {
       UsageError("worker", "--router: '" + item + "' is not HOST:PORT");
     o.routers.push_back(item);
   }
-  auto dtype = ParseDType(kv_dtype);
-  if (!dtype) {
-    UsageError("worker", "--kv-dtype: unknown KV type '" + kv_dtype + "' (" +
-                             std::string(kKvDTypeChoices) + ")");
-  }
-  o.kv_dtype = *dtype;
   if (port < 0 || port > 65535) UsageError("worker", "--port must be in [0, 65535]");
   if (metrics_port < -1 || metrics_port > 65535)
     UsageError("worker", "--metrics-port must be -1 or in [0, 65535]");

@@ -104,6 +104,7 @@ class WorkerServiceImpl : public WorkerService {
     eo.block_size = opts_.block_size;
     eo.kv_cache_bytes = opts_.kv_cache_bytes;
     eo.kv_dtype = opts_.kv_dtype;
+    eo.kv_scales = opts_.kv_scales;
     eo.max_num_seqs = opts_.max_num_seqs;
     eo.max_num_batched_tokens = opts_.max_num_batched_tokens;
     eo.record_kv_events = true;

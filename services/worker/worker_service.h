@@ -24,11 +24,13 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "common/dtype.h"
 #include "common/status.h"
+#include "engine/kv_scales.h"
 #include "engine/model.h"
 #include "services/protocol/role.h"
 #include "transport/control/handshake.h"
@@ -52,6 +54,7 @@ struct WorkerOptions {
   std::string worker_id;             // "" = role-hostname-pid
   int64_t kv_cache_bytes = 256ll << 20;
   DType kv_dtype = DType::kF32;
+  std::optional<KvScales> kv_scales;  // calibrated scales for kv_dtype (engine/kv_scales.h)
   int64_t block_size = 16;
   int64_t max_num_seqs = 64;
   int64_t max_num_batched_tokens = 512;

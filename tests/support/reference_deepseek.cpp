@@ -282,6 +282,7 @@ std::vector<std::vector<double>> ReferenceModel::ForwardDeepseek(const std::vect
     }
     // The rows query t sees, rounded as the cache holds them then (fp8: one
     // scale per block over whole rows, set by the tokens written with it).
+    const int64_t layer = &L - layers_.data();
     auto cached = [&](int64_t t) {
       std::vector<std::vector<double>> out(row.begin(), row.begin() + t + 1);
       if (kv.type == KvRounding::Type::kBF16) {
@@ -297,9 +298,10 @@ std::vector<std::vector<double>> ReferenceModel::ForwardDeepseek(const std::vect
             for (double v : row[j])
               max_abs = std::max<double>(max_abs, std::fabs(static_cast<float>(v)));
           }
-          if (max_abs == 0) continue;
+          if (max_abs == 0 && kv.fixed_scales.empty()) continue;
           const reference::ScaledKv type = ScaledKvOf(kv.type);
-          const double scale = reference::ScaledKvScale(type, max_abs);
+          const double scale = kv.fixed_scales.empty() ? reference::ScaledKvScale(type, max_abs)
+                                                       : kv.fixed_scales[layer];
           for (int64_t j = b0; j <= std::min(b1, t); ++j) {
             reference::RoundScaledVector(type, scale, out[j].data(),
                                          static_cast<int64_t>(out[j].size()));

@@ -219,7 +219,8 @@ std::vector<std::vector<double>> ReferenceModel::Forward(const std::vector<int32
       rope(k[t], kv_heads_, t);
     }
     // The keys and values query t sees: as the cache holds them then.
-    auto cached = [&](const std::vector<std::vector<double>>& src, int64_t t) {
+    const int64_t layer = &L - layers_.data();
+    auto cached = [&](const std::vector<std::vector<double>>& src, int64_t t, int64_t set) {
       if (kv.type == KvRounding::Type::kNone) return src;
       std::vector<std::vector<double>> out(src.begin(), src.begin() + t + 1);
       if (kv.type == KvRounding::Type::kBF16) {
@@ -239,9 +240,10 @@ std::vector<std::vector<double>> ReferenceModel::Forward(const std::vector<int32
                   std::max<double>(max_abs, std::fabs(static_cast<float>(src[j][g * hd + i])));
             }
           }
-          if (max_abs == 0) continue;
+          if (max_abs == 0 && kv.fixed_scales.empty()) continue;
           const reference::ScaledKv type = ScaledKvOf(kv.type);
-          const double scale = reference::ScaledKvScale(type, max_abs);
+          const double scale = kv.fixed_scales.empty() ? reference::ScaledKvScale(type, max_abs)
+                                                       : kv.fixed_scales[layer * 2 + set];
           for (int64_t j = b0; j <= std::min(b1, t); ++j) {
             reference::RoundScaledVector(type, scale, out[j].data() + g * hd, hd);
           }
@@ -251,7 +253,7 @@ std::vector<std::vector<double>> ReferenceModel::Forward(const std::vector<int32
     };
     for (int64_t t = 0; t < T; ++t) {
       std::vector<double> attn(heads_ * hd, 0.0);
-      const auto kc = cached(k, t), vc = cached(v, t);
+      const auto kc = cached(k, t, 0), vc = cached(v, t, 1);
       for (int64_t h = 0; h < heads_; ++h) {
         const int64_t g = h / (heads_ / kv_heads_);
         std::vector<double> s(t + 1);

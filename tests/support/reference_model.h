@@ -50,6 +50,10 @@ struct KvRounding {
   Type type = Type::kNone;
   int64_t block_size = 16;
   int64_t first_chunk = 1;
+  // Calibrated scales ([layer][K, V]; [layer] for DeepSeek's rows): every
+  // block of that layer uses this scale instead of its own (values past its
+  // range saturate). Empty: each block's own, as above.
+  std::vector<double> fixed_scales;
 };
 
 // The scaled dtype of kFP8E4M3, kFP8E5M2 and kNvFp4.

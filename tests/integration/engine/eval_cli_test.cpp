@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdio>
 #include <cstdlib>
@@ -76,6 +77,40 @@ TEST_F(EvalCliTest, JsonLineOnTheTinyPreset) {
     EXPECT_EQ(q["fp32_kv_nll"], fp32["nll"]) << "the baseline run is the fp32 run";
     EXPECT_GT(q["kl_mean"].get<double>(), 0.0) << dtype;
     EXPECT_LT(q["kl_mean"].get<double>(), 0.05) << dtype;
+  }
+}
+
+// Calibration: --write-kv-scales writes the text's per-layer scales and
+// evaluates with them; --kv-scales reads them back into the same figures
+// (and `generate` takes the file too); scales of another dtype
+// are refused with one line and exit 2.
+TEST_F(EvalCliTest, WrittenKvScalesReadBackIntoTheSameFigures) {
+  const std::string scales = testing::NewTempDir("eval-scales") + "/nvfp4.json";
+  const std::string base = "eval --model " + *dir_ + " --text " + kStoryText + " --json";
+  const Result written = RunPdserve(base + " --kv-dtype nvfp4 --write-kv-scales " + scales);
+  ASSERT_EQ(written.exit_code, 0) << written.err;
+  const auto calibrated = nlohmann::json::parse(written.out);
+  EXPECT_EQ(calibrated["kv_scales"], "calibrated");
+  std::ifstream file(scales);
+  const auto j = nlohmann::json::parse(file);
+  EXPECT_EQ(j["kv_dtype"], "nvfp4");
+  EXPECT_EQ(j["layers"].size(), 2u);  // the tiny preset's layers, [k, v] each
+  const Result read = RunPdserve(base + " --kv-dtype nvfp4 --kv-scales " + scales);
+  ASSERT_EQ(read.exit_code, 0) << read.err;
+  const auto again = nlohmann::json::parse(read.out);
+  EXPECT_EQ(again["nll"], calibrated["nll"]);
+  EXPECT_EQ(again["kl_mean"], calibrated["kl_mean"]);
+  const Result gen =
+      RunPdserve("generate --model " + *dir_ +
+                 " --prompt hello --max-tokens 4 --kv-dtype nvfp4 --kv-scales " + scales);
+  EXPECT_EQ(gen.exit_code, 0) << gen.err;
+  for (const std::string& refused :
+       {base + " --kv-dtype fp8 --kv-scales " + scales,
+        "generate --model " + *dir_ + " --prompt hello --kv-dtype bf16 --kv-scales " + scales,
+        base + " --kv-dtype nvfp4 --kv-scales /nonexistent/scales.json"}) {
+    const Result r = RunPdserve(refused);
+    EXPECT_EQ(r.exit_code, 2) << refused << "\n" << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
   }
 }
 

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -47,6 +48,16 @@ TEST(WorkerCliTest, UnknownDevicesTransportsAndStagingModesAreRefused) {
 TEST(WorkerCliTest, NcclWithACpuDeviceIsRefused) {
   ExpectOneLineUsageError(Worker({"--device", "cpu", "--kv-transfer", "nccl"}),
                           "NCCL moves device memory only");
+}
+
+// Calibrated KV scales must be readable and of the worker's KV type.
+TEST(WorkerCliTest, KvScalesOfAnotherTypeOrUnreadableAreRefused) {
+  const std::string file = std::string(PDSERVE_BINARY_DIR) + "/worker-cli-nvfp4-scales.json";
+  std::ofstream(file) << R"({"kv_dtype":"nvfp4","layers":[[0.5,0.25]]})";
+  ExpectOneLineUsageError(Worker({"--kv-dtype", "fp8", "--kv-scales", file}),
+                          "calibrated for nvfp4 KV, --kv-dtype is fp8");
+  ExpectOneLineUsageError(Worker({"--kv-dtype", "nvfp4", "--kv-scales", "/nonexistent/scales"}),
+                          "--kv-scales");
 }
 
 }  // namespace

@@ -361,7 +361,7 @@ void CheckPresetForEachKvDtype(const std::string& preset, bool kv_rounding) {
           static_cast<int32_t>(std::max_element(last.begin(), last.end()) - last.begin()));
       step_logits.push_back(runner.Run(tokens, static_cast<int64_t>(tokens.size()) - 1, 1)[0]);
     }
-    const auto ref = l.reference->Forward(tokens, {c.rounding, 16, 5});
+    const auto ref = l.reference->Forward(tokens, {c.rounding, 16, 5, {}});
     double worst = 0;
     int checked = 0;
     for (int step = 0; step <= kSteps; ++step) {

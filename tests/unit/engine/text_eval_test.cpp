@@ -149,6 +149,57 @@ TEST_F(TextEvalTest, QuantisedKvFollowsTheRoundedReferenceAndHasSmallKl) {
   }
 }
 
+// Calibration: MeasureKvScales gives every layer's K and V one power-of-two
+// scale from the text, and a pool given them follows the reference that
+// rounds K/V at those very scales (saturating past their range).
+TEST_F(TextEvalTest, CalibratedScalesFollowTheReferenceAtThoseScales) {
+  const auto tokens = RandomTokens(70, model_->config().vocab_size, 3);
+  for (auto [dtype, type] : {std::pair{DType::kFP8E4M3, KvRounding::Type::kFP8E4M3},
+                             std::pair{DType::kNvFp4, KvRounding::Type::kNvFp4}}) {
+    SCOPED_TRACE(std::string(DTypeName(dtype)));
+    auto scales = MeasureKvScales(model_.get(), tokens, dtype, 16);
+    ASSERT_TRUE(scales.ok()) << scales.status().ToString();
+    ASSERT_EQ(scales->kv_dtype, dtype);
+    ASSERT_EQ(scales->kv_sets, 2);
+    ASSERT_EQ(scales->num_layers(), model_->config().num_layers);
+    for (float s : scales->scales) {
+      int e;
+      EXPECT_EQ(std::frexp(s, &e), 0.5f) << s << " is not a power of two";
+    }
+    TextEvalOptions o;
+    o.kv_dtype = dtype;
+    o.kv_scales = *scales;
+    o.block_size = 16;
+    o.prefill_tokens = 24;
+    auto r = EvaluateText(model_.get(), tokens, o);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    KvRounding kv;
+    kv.type = type;
+    kv.block_size = 16;
+    kv.first_chunk = 24;
+    kv.fixed_scales.assign(scales->scales.begin(), scales->scales.end());
+    const auto rounded = ref_->Forward(tokens, kv);
+    for (size_t t = 0; t + 1 < tokens.size(); ++t) {
+      EXPECT_NEAR(r->token_nll[t], -LogSoftmax(rounded[t])[tokens[t + 1]], kNllTolerance)
+          << "position " << t;
+    }
+    o.kv_scales.reset();
+    auto dynamic = EvaluateText(model_.get(), tokens, o);
+    ASSERT_TRUE(dynamic.ok());
+    std::printf("%s KV: KL %.3g calibrated, %.3g dynamic\n", std::string(DTypeName(dtype)).c_str(),
+                r->kl_mean, dynamic->kl_mean);
+  }
+  // Scales of another dtype, or of an unscaled one, are refused.
+  auto fp8 = MeasureKvScales(model_.get(), tokens, DType::kFP8E4M3, 16);
+  ASSERT_TRUE(fp8.ok());
+  TextEvalOptions o;
+  o.kv_dtype = DType::kNvFp4;
+  o.kv_scales = *fp8;
+  EXPECT_EQ(EvaluateText(model_.get(), tokens, o).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(MeasureKvScales(model_.get(), tokens, DType::kBF16, 16).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
 TEST_F(TextEvalTest, RefusesWhatItCannotScore) {
   TextEvalOptions o;
   EXPECT_EQ(EvaluateText(model_.get(), {1}, o).status().code(), StatusCode::kInvalidArgument);

@@ -232,6 +232,43 @@ TEST_P(KvQuantWriteTest, ErrorIsTheFormatsPrecision) {
   EXPECT_GT(rel, floor) << DTypeName(d) << ": suspiciously exact for the format";
 }
 
+// Calibrated scales (KvCacheLayout::fixed_scales): every region of the layer
+// takes that scale, from the first write on, whatever it holds; nothing
+// grows, and values past the scale's range saturate.
+TEST_P(KvQuantWriteTest, FixedScalesAreUsedAsTheyAre) {
+  const DType d = GetParam();
+  KvCacheLayout l = OneHead(d, 24);
+  const float fixed[2] = {0.25f, 0.5f};  // K, V of layer 0
+  l.fixed_scales = fixed;
+  CpuBackend cpu(2);
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::vector<float> quiet(2 * 24), loud(24);
+  for (auto& x : quiet) x = 0.01f * normal(rng);
+  for (auto& x : loud) x = 1e5f * normal(rng);  // far past every range at 0.25
+  Written w;
+  w.pool.assign(l.total_bytes(), 0x5a);
+  Write(cpu, l, &w, quiet, 0);
+  EXPECT_EQ(w.k_scale, fixed[0]);
+  Write(cpu, l, &w, loud, 2);
+  EXPECT_EQ(w.k_scale, fixed[0]) << "a calibrated scale must not grow";
+  std::vector<float> all = quiet;
+  all.insert(all.end(), loud.begin(), loud.end());
+  const std::vector<uint8_t> want = ExpectedRegion(l, all, fixed[0]);
+  const uint8_t* got = w.pool.data() + l.k_offset(1, 0, 0);
+  for (int64_t i = 0; i < 3 * 24; ++i) {
+    ASSERT_EQ(Decoded(l, got, w.k_scale, i), Decoded(l, want.data(), fixed[0], i)) << i;
+  }
+  // The loud token saturated at the largest magnitude the scale holds.
+  double largest = 0;
+  for (int64_t i = 2 * 24; i < 3 * 24; ++i)
+    largest = std::max(largest, std::fabs(Decoded(l, got, w.k_scale, i)));
+  EXPECT_EQ(largest, Range(d) * fixed[0]);
+  float v_scale;
+  std::memcpy(&v_scale, w.pool.data() + l.v_scale_offset(1, 0, 0), 4);
+  EXPECT_EQ(v_scale, fixed[1]);
+}
+
 INSTANTIATE_TEST_SUITE_P(ScaledKvDtypes, KvQuantWriteTest,
                          ::testing::Values(DType::kFP8E4M3, DType::kFP8E5M2, DType::kNvFp4),
                          [](const auto& info) { return std::string(DTypeName(info.param)); });

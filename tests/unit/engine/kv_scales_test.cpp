@@ -1,0 +1,91 @@
+// engine/kv_scales.h: the calibration file round-trips, a malformed one is
+// refused naming what is wrong, and a pool refuses scales of another dtype
+// or shape.
+#include "engine/kv_scales.h"
+
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include "engine/kv_cache.h"
+#include "engine/model_config.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "tests/support/test_models.h"
+
+namespace pdserve {
+namespace {
+
+std::string WriteText(const std::string& name, const std::string& text) {
+  const std::string path = testing::NewTempDir("kv-scales") + "/" + name;
+  std::ofstream(path) << text;
+  return path;
+}
+
+TEST(KvScalesTest, RoundTrips) {
+  KvScales s;
+  s.kv_dtype = DType::kNvFp4;
+  s.kv_sets = 2;
+  s.scales = {0.25f, 0.0078125f, 1.0f, 3.0517578125e-05f};
+  const std::string path = testing::NewTempDir("kv-scales") + "/scales.json";
+  ASSERT_TRUE(WriteKvScales(path, s).ok());
+  auto back = ReadKvScales(path);
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(back->kv_dtype, DType::kNvFp4);
+  EXPECT_EQ(back->kv_sets, 2);
+  EXPECT_EQ(back->num_layers(), 2);
+  EXPECT_EQ(back->scales, s.scales);
+  // MLA: one scale a layer.
+  auto mla = ReadKvScales(WriteText("mla.json", R"({"kv_dtype":"fp8","layers":[[2],[0.5]]})"));
+  ASSERT_TRUE(mla.ok()) << mla.status().ToString();
+  EXPECT_EQ(mla->kv_sets, 1);
+  EXPECT_EQ(mla->kv_dtype, DType::kFP8E4M3);
+}
+
+TEST(KvScalesTest, RefusesMalformedFilesNamingTheProblem) {
+  const std::pair<std::string, std::string> bad[] = {
+      {"not json", "not a JSON object"},
+      {R"({"layers":[[1,1]]})", "kv_dtype"},
+      {R"({"kv_dtype":"bf16","layers":[[1,1]]})", "scaled types"},
+      {R"({"kv_dtype":"fp8","layers":[]})", "layers"},
+      {R"({"kv_dtype":"fp8","layers":[[1,1],[1]]})", "layer 1 has 1 scales"},
+      {R"({"kv_dtype":"fp8","layers":[[1,2,3]]})", "layer 0 must be"},
+      {R"({"kv_dtype":"fp8","layers":[[1,-2]]})", "positive and finite"},
+      {R"({"kv_dtype":"fp8","layers":[[1,0]]})", "positive and finite"},
+      {R"({"kv_dtype":"fp8","layers":[[1,1e300]]})", "positive and finite"},
+      {R"({"kv_dtype":"fp8","layers":[[1,"x"]]})", "no number"},
+  };
+  int i = 0;
+  for (const auto& [text, why] : bad) {
+    auto r = ReadKvScales(WriteText("bad" + std::to_string(i++) + ".json", text));
+    ASSERT_FALSE(r.ok()) << text;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << text;
+    EXPECT_NE(r.status().message().find(why), std::string::npos) << r.status().message();
+  }
+  EXPECT_FALSE(ReadKvScales("/nonexistent/scales.json").ok());
+}
+
+TEST(KvScalesTest, APoolRefusesScalesOfAnotherDtypeOrShape) {
+  auto config = LoadModelConfig(testing::TinyModelDir());
+  ASSERT_TRUE(config.ok());
+  kernels::CpuBackend cpu(1);
+  KvScales s;
+  s.kv_dtype = DType::kFP8E4M3;
+  s.kv_sets = 2;
+  s.scales.assign(2 * config->num_layers, 0.5f);
+  auto ok = KvCachePool::Create(&cpu, *config, DType::kFP8E4M3, 16, 1 << 20, &s);
+  ASSERT_TRUE(ok.ok()) << ok.status().ToString();
+  EXPECT_EQ((*ok)->layout().fixed_scales[1], 0.5f);
+  auto other = KvCachePool::Create(&cpu, *config, DType::kNvFp4, 16, 1 << 20, &s);
+  EXPECT_EQ(other.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(other.status().message().find("calibrated for fp8"), std::string::npos);
+  auto unscaled = KvCachePool::Create(&cpu, *config, DType::kBF16, 16, 1 << 20, &s);
+  EXPECT_EQ(unscaled.status().code(), StatusCode::kInvalidArgument);
+  s.scales.pop_back();
+  s.scales.pop_back();
+  auto short_of_a_layer = KvCachePool::Create(&cpu, *config, DType::kFP8E4M3, 16, 1 << 20, &s);
+  EXPECT_EQ(short_of_a_layer.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(short_of_a_layer.status().message().find("layers"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace pdserve
