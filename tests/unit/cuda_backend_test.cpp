@@ -227,8 +227,10 @@ class CudaKvTest : public CudaBackendTest, public ::testing::WithParamInterface<
 
   // Writes positions [0, 37) then 37, 38, 39, 40 one by one, with both
   // backends; returns the CPU pool and leaves the device pool in *device_pool.
-  std::vector<uint8_t> WriteBoth(void** device_pool, int64_t head_dim = 64) {
-    const KvCacheLayout l = Layout(2, head_dim);
+  std::vector<uint8_t> WriteBoth(void** device_pool, int64_t head_dim = 64,
+                                 const float* fixed_scales = nullptr) {
+    KvCacheLayout l = Layout(2, head_dim);
+    l.fixed_scales = fixed_scales;
     const int64_t width = l.num_kv_heads * l.head_dim;
     std::vector<uint8_t> cpu_pool(l.total_bytes());
     for (auto& b : cpu_pool) b = static_cast<uint8_t>(rng_());  // stale bytes of earlier users
@@ -256,6 +258,29 @@ TEST_P(CudaKvTest, WriteKvLeavesTheSameBytesAsTheCpu) {
     SCOPED_TRACE("head_dim " + std::to_string(head_dim));
     void* gpu_pool = nullptr;
     const std::vector<uint8_t> want = WriteBoth(&gpu_pool, head_dim);
+    const std::vector<uint8_t> got = FromDevice(static_cast<uint8_t*>(gpu_pool), want.size());
+    const int64_t bpb = Layout(2, head_dim).bytes_per_block();
+    for (size_t i = 0; i < want.size(); ++i) {
+      ASSERT_EQ(got[i], want[i]) << "byte " << i << " (block " << i / bpb << ", offset " << i % bpb
+                                 << ")";
+    }
+  }
+}
+
+// Calibrated scales (fixed per layer, saturating past their range): the
+// growing magnitudes of WriteBoth's decode tokens pass the range of layer
+// 1's K scale, so saturation is covered too.
+TEST_P(CudaKvTest, WriteKvAtCalibratedScalesLeavesTheSameBytesAsTheCpu) {
+  if (!Layout().has_scales()) GTEST_SKIP() << "only scaled KV dtypes take calibrated scales";
+  const float range = GetParam() == DType::kFP8E5M2 ? 57344.0f
+                      : GetParam() == DType::kNvFp4 ? 448.0f * 6
+                                                    : 448.0f;
+  // [layer][K, V]: layer 1's K scale holds up to 4, its V scale up to 64.
+  const float fixed[4] = {1.0f, 1.0f, 4.0f / range, 64.0f / range};
+  for (const int64_t head_dim : {64, 8}) {
+    SCOPED_TRACE("head_dim " + std::to_string(head_dim));
+    void* gpu_pool = nullptr;
+    const std::vector<uint8_t> want = WriteBoth(&gpu_pool, head_dim, fixed);
     const std::vector<uint8_t> got = FromDevice(static_cast<uint8_t*>(gpu_pool), want.size());
     const int64_t bpb = Layout(2, head_dim).bytes_per_block();
     for (size_t i = 0; i < want.size(); ++i) {
