@@ -22,6 +22,9 @@ struct WorkerMetrics {
             "not hits)")),
         usage(metrics::AddGauge(r, "pdserve_kv_cache_usage_ratio",
                                 "Fraction of KV blocks held by requests")),
+        capacity(metrics::AddGaugeFamily(
+            r, "pdserve_kv_cache_capacity_tokens",
+            "Tokens the KV pool holds (blocks x block size), labelled with its KV dtype")),
         running(metrics::AddGauge(r, "pdserve_requests_running",
                                   "Requests being prefilled or decoded")),
         waiting(metrics::AddGauge(r, "pdserve_requests_waiting",
@@ -78,6 +81,7 @@ struct WorkerMetrics {
   prometheus::Counter& queries;
   prometheus::Counter& hits;
   prometheus::Gauge& usage;
+  prometheus::Family<prometheus::Gauge>& capacity;
   prometheus::Gauge& running;
   prometheus::Gauge& waiting;
   prometheus::Histogram& ttft;

@@ -114,6 +114,8 @@ class WorkerServiceImpl : public WorkerService {
 
     // The KV transport: the whole pool, registered once, as what it is.
     const KvCachePool& pool = engine_->kv_pool();
+    metrics_.capacity.Add({{"kv_dtype", std::string(DTypeName(opts_.kv_dtype))}})
+        .Set(static_cast<double>(pool.num_blocks() * opts_.block_size));
     KvTransferOptions to;
     to.kind = opts_.kv_transfer;
     to.pool_memory = pool.memory_type();

@@ -251,7 +251,7 @@ TEST(Nvfp4DisaggregationTest, HandOffEqualsLocalPrefillBitForBit) {
   };
   const std::vector<std::string> nvfp4 = {"--kv-dtype", "nvfp4"};
   std::vector<nlohmann::json> remote, local;
-  double bytes_nvfp4 = 0;
+  double bytes_nvfp4 = 0, tokens_nvfp4 = 0;
   {
     LocalStack stack("disagg-nvfp4");
     stack.StartRouter({"--max-local-prefill", "0"});
@@ -262,6 +262,8 @@ TEST(Nvfp4DisaggregationTest, HandOffEqualsLocalPrefillBitForBit) {
     ExpectKvMoved(prefill, decode);
     bytes_nvfp4 = LocalStack::Metric(decode.metrics_port, "pdserve_kv_transfer_bytes_total",
                                      "direction=\"in\"");
+    tokens_nvfp4 = LocalStack::Metric(decode.metrics_port, "pdserve_kv_cache_capacity_tokens",
+                                      "kv_dtype=\"nvfp4\"");
     remote = logprobs_of(stack);
   }
   {
@@ -292,6 +294,13 @@ TEST(Nvfp4DisaggregationTest, HandOffEqualsLocalPrefillBitForBit) {
   std::printf("KV bytes moved for the same prompts: nvfp4 %.0f, bf16 %.0f (%.3f)\n", bytes_nvfp4,
               bytes_bf16, bytes_nvfp4 / bytes_bf16);
   EXPECT_LT(bytes_nvfp4, 0.3 * bytes_bf16);
+  // The same --kv-cache-bytes holds 3.46 times the tokens at this model's
+  // head dim of 16 (a micro-scale byte per 8 bytes of values; 3.54 at 128).
+  const double tokens_bf16 = LocalStack::Metric(
+      decode.metrics_port, "pdserve_kv_cache_capacity_tokens", "kv_dtype=\"bf16\"");
+  std::printf("KV pool capacity: nvfp4 %.0f tokens, bf16 %.0f (%.3f)\n", tokens_nvfp4, tokens_bf16,
+              tokens_nvfp4 / tokens_bf16);
+  EXPECT_GT(tokens_nvfp4, 3.4 * tokens_bf16);
 }
 
 // A prefill worker frozen with a hand-off queued for it: the decode worker
