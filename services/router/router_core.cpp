@@ -284,7 +284,7 @@ void RouterCore::OfferCopiesLocked(int64_t prompt_tokens) {
   double best_work = 0;
   bool found = false;
   for (const auto& w : workers_) {
-    if (!w || w->role == Role::kDecode) continue;
+    if (!w) continue;  // any holder copies (decode-only workers too: prefix_copy)
     const int64_t overlap = overlap_[w->id];
     if (overlap == 0 || overlap < best) continue;
     const double work = static_cast<double>(std::max(

@@ -70,7 +70,7 @@ struct RouterOptions {
   int64_t pending_ttl_us = 2'000'000;
   // Hot-prefix replication by KV copy. A decode candidate that lacks part of
   // the longest cached prefix any worker holds may have those blocks copied
-  // from a holder (one that can write KV: role prefill or both) instead of
+  // from a holder (any role: decode-only workers write KV for copies) instead of
   // computing them; the policy then sees each copied token as copy_cost
   // prompt tokens of work (copy time / prefill time per token). So when the
   // holders' queues outgrow the price of a copy, the request goes to a

@@ -587,6 +587,7 @@ class RouterServiceImpl : public RouterService {
         if (holder && !holder->draining) {
           g->set_prefill_worker_id(holder->name);
           g->set_prefill_address(holder->control_address);
+          g->set_prefix_copy(true);
           r.copy_from = decision->copy_from;
           metrics_.replications.Add({{"outcome", "started"}}).Increment();
           metrics_.replicated_blocks.Increment(static_cast<double>(decision->copy_blocks));
@@ -846,6 +847,7 @@ class RouterServiceImpl : public RouterService {
       g->set_cache_salt(p->cache_salt);
       g->set_prefill_worker_id(leaving.name);
       g->set_prefill_address(leaving.control_address);
+      g->set_prefix_copy(true);
       g->set_deadline_ms(static_cast<uint32_t>(opts_.request_timeout_ms));
       if (!target.conn->Send(std::move(env)).ok()) continue;
       pushes_[wire_id] = target.conn->id();
@@ -872,12 +874,11 @@ class RouterServiceImpl : public RouterService {
   }
 
   // Whether decode workers connect to `l`'s peer port: prefill workers, and
-  // with replication or drain pushes the workers of role both (holders that
-  // copy prefixes).
+  // with replication or drain pushes every worker (any holder may copy a
+  // prefix; decode-only workers write KV for those copies alone).
   bool WritesKvForOthers(const WorkerLink& l) const {
-    return l.role == Role::kPrefill ||
-           ((opts_.replication_copy_cost > 0 || opts_.drain_push_blocks > 0) &&
-            l.role == Role::kBoth);
+    return l.role == Role::kPrefill || opts_.replication_copy_cost > 0 ||
+           opts_.drain_push_blocks > 0;
   }
 
   // The workers `recipient` may be told to take a prefill from: registered,

@@ -125,6 +125,7 @@ void DecodeSide::OnGenerate(const ConnectionPtr& router, proto::Generate g) {
       r->unannounced.insert(plan->block_ids[i]);
     }
     p->set_decode_worker_id(ctx_->opts->worker_id);
+    p->set_prefix_copy(g.prefix_copy());
     p->set_deadline_ms(static_cast<uint32_t>(timeout_ms));
     prefill = std::move(env);
     by_prefill_rid_[r->prefill_rid] = r->id;

@@ -129,7 +129,12 @@ void PrefillSide::OnPrefill(const ConnectionPtr& decode, PeerId peer, proto::Pre
     ctx_->metrics->transfer_failures.Increment();
     ctx_->metrics->CountRequest("prefill", "failed");
   };
-  if (ctx_->opts->role == Role::kDecode) return refuse("this is a decode-only worker", false);
+  // A decode-only worker prefills for others only prefix copies (a hot
+  // prefix it holds, or its own prompts pushed as it drains), whose prompt
+  // it has mostly cached.
+  if (ctx_->opts->role == Role::kDecode && !p.prefix_copy()) {
+    return refuse("this is a decode-only worker (it only copies prefixes)", false);
+  }
   // A draining worker still computes and writes prefills: the routers send
   // it no new requests, so what comes is a hand-off that raced the drain or
   // a drain push of its hot prompts to a survivor, and Stop() waits for both.

@@ -1,5 +1,6 @@
 // Scale-down that keeps the cache warm: SIGTERM to one of three workers
-// (role both) in the middle of a load. No request fails, and with the
+// (role both, or decode: a decode-only worker writes its pushes as prefix
+// copies) in the middle of a load. No request fails, and with the
 // router's --drain-push-blocks the leaving worker's hot prompt is a cache
 // hit on a survivor afterwards; without it, that prompt is computed again.
 #include <signal.h>
@@ -26,10 +27,11 @@ std::string Words(int n, int salt) {
 
 // Runs the scenario; returns the cached tokens of the hot prompt's next
 // request after its holder left, and its prefix's token count.
-std::pair<int64_t, int64_t> DrainOneOfThree(const std::vector<std::string>& router_flags) {
+std::pair<int64_t, int64_t> DrainOneOfThree(const std::vector<std::string>& router_flags,
+                                            const std::string& role = "both") {
   LocalStack stack("drain");
   stack.StartRouter(router_flags);
-  for (int i = 0; i < 3; ++i) stack.StartWorker("both");
+  for (int i = 0; i < 3; ++i) stack.StartWorker(role);
   EXPECT_TRUE(stack.WaitReady());
 
   // The hot prompt, used three times: its worker is the one to leave.
@@ -137,6 +139,11 @@ std::pair<int64_t, int64_t> DrainOneOfThree(const std::vector<std::string>& rout
 TEST(DrainTest, SigtermMidLoadFailsNothingAndTheHotPromptStaysWarm) {
   const auto [cached, prefix] = DrainOneOfThree({"--drain-push-blocks", "1000"});
   // The earlier turns shared " turn" too: up to one block more than this one can.
+  EXPECT_GE(cached, prefix - 16) << "the hot prompt was not pushed to the survivor it went to";
+}
+
+TEST(DrainTest, ADecodeOnlyWorkerPushesItsHotPromptToo) {
+  const auto [cached, prefix] = DrainOneOfThree({"--drain-push-blocks", "1000"}, "decode");
   EXPECT_GE(cached, prefix - 16) << "the hot prompt was not pushed to the survivor it went to";
 }
 

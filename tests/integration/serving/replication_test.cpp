@@ -1,8 +1,10 @@
-// Hot-prefix replication on the real stack: router + 3 workers (role both)
-// with --replication-copy-cost. A burst on one prefix keeps its holder
-// busy, so the router has the holder write the prefix's blocks to other
-// workers (a remote prefill by the holder) and the burst spreads; greedy
-// output stays that of the offline engine and every block comes back.
+// Hot-prefix replication on the real stack: router + 3 workers with
+// --replication-copy-cost, of role both and of role decode (decode-only
+// workers write KV for prefix copies alone). A burst on one prefix keeps its
+// holder busy, so the router has the holder write the prefix's blocks to
+// other workers (a remote prefill by the holder, marked as a copy) and the
+// burst spreads; greedy output stays that of the offline engine and every
+// block comes back.
 #include <gtest/gtest.h>
 
 #include <thread>
@@ -22,7 +24,7 @@ std::string Words(int n, int salt) {
   return s;
 }
 
-class ReplicationTest : public ::testing::Test {
+class ReplicationTest : public ::testing::TestWithParam<const char*> {
  protected:
   double Sum(const std::string& metric, const std::string& labels = "") {
     double s = 0;
@@ -46,9 +48,9 @@ class ReplicationTest : public ::testing::Test {
   LocalStack stack_{"replication"};
 };
 
-TEST_F(ReplicationTest, BurstOnOnePrefixIsCopiedAndSpread) {
+TEST_P(ReplicationTest, BurstOnOnePrefixIsCopiedAndSpread) {
   stack_.StartRouter({"--replication-copy-cost", "0.05", "--max-local-prefill", "100000"});
-  for (int i = 0; i < 3; ++i) stack_.StartWorker("both");
+  for (int i = 0; i < 3; ++i) stack_.StartWorker(GetParam());
   ASSERT_TRUE(stack_.WaitReady());
 
   const std::string prefix = Words(200, 0);
@@ -100,9 +102,9 @@ TEST_F(ReplicationTest, BurstOnOnePrefixIsCopiedAndSpread) {
   EXPECT_TRUE(PoolsIdle()) << "blocks leaked on a worker";
 }
 
-TEST_F(ReplicationTest, OffByDefault) {
+TEST_P(ReplicationTest, OffByDefault) {
   stack_.StartRouter({"--max-local-prefill", "100000"});
-  for (int i = 0; i < 2; ++i) stack_.StartWorker("both");
+  for (int i = 0; i < 2; ++i) stack_.StartWorker(GetParam());
   ASSERT_TRUE(stack_.WaitReady());
   const std::string prefix = Words(200, 0);
   ExpectSameAsGenerate(stack_, prefix + " warm", 2);
@@ -119,6 +121,9 @@ TEST_F(ReplicationTest, OffByDefault) {
   EXPECT_EQ(Sum("pdserve_kv_transfer_bytes_total"), 0);  // both workers prefill locally
   EXPECT_TRUE(PoolsIdle());
 }
+
+INSTANTIATE_TEST_SUITE_P(Roles, ReplicationTest, ::testing::Values("both", "decode"),
+                         [](const auto& info) { return std::string(info.param); });
 
 }  // namespace
 }  // namespace pdserve::testing

@@ -407,7 +407,7 @@ TEST(RouterCoreTest, KvCopiesABusyHoldersPrefixToAnIdleWorker) {
   EXPECT_EQ(f.core->stats().copied_blocks, 8u);
 }
 
-TEST(RouterCoreTest, NoCopyWithoutAWriterOrWhenRecomputingIsCheaper) {
+TEST(RouterCoreTest, NoCopyWhenRecomputingIsCheaper) {
   for (double cost : {0.0, 1.0}) {
     RouterOptions o = Policy("kv");
     o.copy_cost = cost;
@@ -418,15 +418,25 @@ TEST(RouterCoreTest, NoCopyWithoutAWriterOrWhenRecomputingIsCheaper) {
     EXPECT_EQ(f.IndexOf(d.decode), 1u) << cost;  // recomputes the prefix there
     EXPECT_FALSE(d.copy_from.has_value()) << cost;
   }
-  // A decode-role holder has no peer port to write from.
+  RouterOptions o = Policy("kv");
+  o.copy_cost = -1;
+  EXPECT_FALSE(RouterCore::Create(o).ok());
+}
+
+// A decode-only holder copies too (its worker writes KV for prefix copies):
+// the busy holder's prefix goes to the idle decode worker by copy.
+TEST(RouterCoreTest, ADecodeOnlyHolderIsACopySource) {
   RouterOptions o = Policy("kv");
   o.copy_cost = 0.1;
   Fixture f(o, {Role::kDecode, Role::kDecode});
   f.Store(0, Prompt(100, 8));
   f.Queue(0, 10000);
-  EXPECT_FALSE(f.Route(1, Prompt(100, 9)).copy_from.has_value());
-  o.copy_cost = -1;
-  EXPECT_FALSE(RouterCore::Create(o).ok());
+  const RouteDecision d = f.Route(1, Prompt(100, 9));
+  EXPECT_EQ(f.IndexOf(d.decode), 1u);
+  ASSERT_TRUE(d.copy_from.has_value());
+  EXPECT_EQ(f.IndexOf(*d.copy_from), 0u);
+  EXPECT_GT(d.copy_blocks, 0);
+  EXPECT_FALSE(d.remote_prefill()) << "a copy is not a prefill worker's prefill";
 }
 
 TEST(RouterCoreTest, AllSlotsInUse) {
