@@ -850,7 +850,7 @@ class RouterServiceImpl : public RouterService {
       g->set_prefix_copy(true);
       g->set_deadline_ms(static_cast<uint32_t>(opts_.request_timeout_ms));
       if (!target.conn->Send(std::move(env)).ok()) continue;
-      pushes_[wire_id] = target.conn->id();
+      pushes_[wire_id] = Push{target.conn->id(), false};
       budget -= missing;
       pushed_blocks += missing;
       ++pushed;
@@ -867,7 +867,8 @@ class RouterServiceImpl : public RouterService {
   // True when `wire_id` is a drain push (its result is only counted).
   bool EndPushLocked(const WorkerLink& link, const std::string& wire_id, bool ok) {
     auto it = pushes_.find(wire_id);
-    if (it == pushes_.end() || it->second != link.conn->id()) return false;
+    if (it == pushes_.end() || it->second.conn != link.conn->id()) return false;
+    ok = ok && it->second.copied;  // a push that fell back to local prefill copied nothing
     pushes_.erase(it);
     metrics_.replications.Add({{"outcome", ok ? "finished" : "failed"}}).Increment();
     return true;
@@ -1025,14 +1026,25 @@ class RouterServiceImpl : public RouterService {
 
   void OnTokenLocked(WorkerLink& link, const proto::Token& t) {
     Inflight* found = DispatchedOnLocked(link, t.request_id(), "Token");
-    if (!found) return;  // cancelled or finished meanwhile, or not this worker's
+    if (!found) {
+      // A drain push's token says whether the blocks came by copy.
+      auto push = pushes_.find(t.request_id());
+      if (push != pushes_.end() && push->second.conn == link.conn->id() && t.prefilled_remotely())
+        push->second.copied = true;
+      return;  // cancelled or finished meanwhile, or not this worker's
+    }
     Inflight& r = *found;
     if (!r.first_token_seen) {
       r.first_token_seen = true;
       r.ttft_s = SecondsSince(r.arrived);
       metrics_.ttft.Observe(r.ttft_s);
       core_->OnPrefillDone(r.id);
-      if (r.copy_from) metrics_.replications.Add({{"outcome", "finished"}}).Increment();
+      // A copy that fell back to local prefill (the holder evicted the
+      // prefix, the hand-off failed) copied nothing.
+      if (r.copy_from) {
+        metrics_.replications.Add({{"outcome", t.prefilled_remotely() ? "finished" : "failed"}})
+            .Increment();
+      }
       if (r.api->stream) {
         r.exchange->BeginStream(200, "text/event-stream", {{"x-request-id", r.http_request_id}});
         r.started_stream = true;
@@ -1276,7 +1288,11 @@ class RouterServiceImpl : public RouterService {
   std::unordered_map<std::string, uint64_t> wire_ids_;  // Inflight::wire_id → id
   std::unordered_map<WorkerId, std::unordered_map<BlockHash, HotPrompt>> hot_prompts_;
   uint64_t hot_clock_ = 0;
-  std::unordered_map<std::string, uint64_t> pushes_;  // drain push wire id → connection
+  struct Push {
+    uint64_t conn = 0;    // the survivor's connection
+    bool copied = false;  // its first token came after the blocks were copied
+  };
+  std::unordered_map<std::string, Push> pushes_;  // by drain push wire id
   size_t snapshot_pending_bytes_ = 0;
 };
 

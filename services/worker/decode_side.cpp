@@ -205,7 +205,8 @@ bool DecodeSide::HandleOutput(RequestOutput& out) {
   Request& r = *it->second;
   const auto now = WorkerClock::now();
   if (!out.new_token_ids.empty()) {
-    if (!r.first_token_sent) {
+    const bool first = !r.first_token_sent;
+    if (first) {
       r.first_token_sent = true;
       ctx_->metrics->ttft.Observe(Seconds(now - r.arrived));
       if (!r.prefilled_remotely) r.cached_tokens = out.num_cached_tokens;
@@ -220,6 +221,7 @@ bool DecodeSide::HandleOutput(RequestOutput& out) {
     proto::Envelope env;
     auto* t = env.mutable_token();
     t->set_request_id(r.router_rid);
+    if (first) t->set_prefilled_remotely(r.prefilled_remotely);
     for (TokenId id : out.new_token_ids) t->add_token_ids(id);
     for (const auto& lp : out.logprobs) {
       t->add_logprobs(lp.logprob);

@@ -201,9 +201,9 @@ class WorkerServiceImpl : public WorkerService {
       (void)c.Send(std::move(e));
     });
     const auto give_up = Clock::now() + std::chrono::milliseconds(opts_.drain_timeout_ms);
-    const auto linger_until =
-        Clock::now() +
-        std::chrono::milliseconds(opts_.role == Role::kDecode ? 0 : opts_.drain_linger_ms);
+    // Every role lingers: a decode-only worker too may be asked for prefix
+    // copies (its hot prompts pushed to survivors) right after its goodbye.
+    const auto linger_until = Clock::now() + std::chrono::milliseconds(opts_.drain_linger_ms);
     while (Clock::now() < give_up && (busy_.load() > 0 || Clock::now() < linger_until))
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     if (busy_.load() > 0)

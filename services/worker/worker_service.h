@@ -73,9 +73,9 @@ struct WorkerOptions {
   int64_t load_interval_ms = 200;
   int64_t dns_refresh_ms = 5'000;
   int64_t drain_timeout_ms = 30'000;
-  // A draining worker that writes KV for others (role both or prefill) stays
-  // at least this long, so that the prefills by which the routers push its
-  // hot prompts to the survivors reach it (router --drain-push-blocks).
+  // A draining worker stays at least this long, so that the prefills (prefix
+  // copies) by which the routers push its hot prompts to the survivors reach
+  // it (router --drain-push-blocks).
   int64_t drain_linger_ms = 500;
   // Control plane (routers and peer workers alike): the secret to prove (null:
   // unauthenticated, --insecure-control-plane) and optional mutual TLS.

@@ -100,6 +100,11 @@ TEST_P(ReplicationTest, BurstOnOnePrefixIsCopiedAndSpread) {
   }
   EXPECT_GE(served, 2) << stack_.router().Log();
   EXPECT_TRUE(PoolsIdle()) << "blocks leaked on a worker";
+  // Every copy ended once: by copy (the decode worker's first token says the
+  // prompt's KV came from the holder) or failed (it prefilled locally).
+  EXPECT_EQ(RouterMetric("pdserve_router_replications_total", "started"),
+            RouterMetric("pdserve_router_replications_total", "finished") +
+                RouterMetric("pdserve_router_replications_total", "failed"));
 }
 
 TEST_P(ReplicationTest, OffByDefault) {
