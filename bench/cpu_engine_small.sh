@@ -1,6 +1,6 @@
 #!/bin/sh
 # The CPU engine figures of issue 21 on the `small` preset: fp32 and bf16
-# weights, fp32 / fp16 / fp8 KV, decode at batch 1, 8 and 32 after a
+# weights, fp32 / fp16 / fp8 / nvfp4 KV, decode at batch 1, 8 and 32 after a
 # 256-token prompt, and a 512-token prefill in one chunk. One JSON line per
 # result (`pdserve bench engine --json`): the machine, the SIMD level, the
 # measured read bandwidth, decode as a fraction of it and the load average
@@ -15,7 +15,7 @@ trap 'rm -rf "$dir"' EXIT
 "$build/pdserve" make-model --preset small --out "$dir/fp32" >&2
 "$build/pdserve" make-model --preset small --dtype bf16 --out "$dir/bf16" >&2
 for weights in fp32 bf16; do
-  for kv in fp32 fp16 fp8; do
+  for kv in fp32 fp16 fp8 nvfp4; do
     "$build/pdserve" bench engine --model "$dir/$weights" --threads "$threads" --batch 1,8,32 \
       --prompt-tokens 256 --gen-tokens 128 --kv-dtype "$kv" --json
   done

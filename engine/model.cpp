@@ -493,9 +493,9 @@ Status Model::ComputeLogits(const ForwardBatch& batch, const kernels::KvCacheLay
       PDSERVE_RETURN_IF_ERROR(
           MlaAttentionForward(L, l, positions, slots, att, layout, kv_pool, s.h, T, s.h));
     } else {
-      b.Linear(s.h, T, L.q, L.q_bias, s.q);
-      b.Linear(s.h, T, L.k, L.k_bias, s.k);
-      b.Linear(s.h, T, L.v, L.v_bias, s.v);
+      const kernels::Backend::LinearOutput qkv[] = {
+          {&L.q, L.q_bias, s.q}, {&L.k, L.k_bias, s.k}, {&L.v, L.v_bias, s.v}};
+      b.LinearShared(s.h, T, qkv, 3);
       if (L.q_norm != nullptr) {
         // Qwen3's per-head norm is RmsNorm over [tokens * heads] rows of head_dim.
         b.RmsNorm(s.q, L.q_norm, s.q, T * nh, hd, eps);
@@ -513,8 +513,9 @@ Status Model::ComputeLogits(const ForwardBatch& batch, const kernels::KvCacheLay
       moe.active_experts += st.active_experts;
       moe.expert_bytes_read += st.expert_bytes_read;
     } else {
-      b.Linear(s.h, T, L.gate, L.gate_bias, s.gate);
-      b.Linear(s.h, T, L.up, L.up_bias, s.up);
+      const kernels::Backend::LinearOutput gate_up[] = {{&L.gate, L.gate_bias, s.gate},
+                                                        {&L.up, L.up_bias, s.up}};
+      b.LinearShared(s.h, T, gate_up, 2);
       b.SwiGlu(s.gate, s.up, I, s.act, T, I);
       b.Linear(s.act, T, L.down, L.down_bias, s.h);
     }

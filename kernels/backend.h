@@ -233,6 +233,19 @@ class Backend {
   // y[m, rows] = x[m, cols] · W^T (+ bias[rows] when bias is not null).
   virtual void Linear(const float* x, int64_t m, const WeightMatrix& w, const float* bias,
                       float* y) = 0;
+  // One Linear per output over the same input (q, k and v of a layer; gate
+  // and up): every w has x's cols. The CPU backend streams all the weights
+  // in one parallel pass for few rows (decode) instead of one pass each,
+  // keeping the matrices as stored; the default calls Linear per output.
+  struct LinearOutput {
+    const WeightMatrix* w;
+    const float* bias;  // may be null
+    float* y;           // [m, w->rows]
+  };
+  // (A pointer and a count: CUDA sources include this header as C++17.)
+  virtual void LinearShared(const float* x, int64_t m, const LinearOutput* outputs, size_t count) {
+    for (size_t i = 0; i < count; ++i) Linear(x, m, *outputs[i].w, outputs[i].bias, outputs[i].y);
+  }
   // out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight; x and out may alias.
   virtual void RmsNorm(const float* x, const float* weight, float* out, int64_t rows, int64_t dim,
                        float eps) = 0;

@@ -35,6 +35,7 @@ class CpuBackend final : public Backend {
   void Download(void* host_dst, const void* src, size_t bytes) override;
 
   // kernels/cpu/linear.cpp.
+  void LinearShared(const float* x, int64_t m, const LinearOutput* outputs, size_t count) override;
   void Linear(const float* x, int64_t m, const WeightMatrix& w, const float* bias,
               float* y) override;
   void RmsNorm(const float* x, const float* weight, float* out, int64_t rows, int64_t dim,

@@ -3,6 +3,7 @@
 #include <cblas.h>
 
 #include <algorithm>
+#include <span>
 #include <vector>
 
 #include "kernels/cpu/cpu_backend.h"
@@ -63,6 +64,33 @@ void CpuBackend::Linear(const float* x, int64_t m, const WeightMatrix& w, const 
         }
       },
       /*min_chunk=*/64);
+}
+
+void CpuBackend::LinearShared(const float* x, int64_t m, const LinearOutput* outputs_begin,
+                              size_t count) {
+  if (m <= 0 || count == 0) return;
+  const std::span<const LinearOutput> outputs(outputs_begin, count);
+  if (m > kMaxStreamingRows) {
+    for (const LinearOutput& o : outputs) Linear(x, m, *o.w, o.bias, o.y);
+    return;
+  }
+  // One pass over the outputs' rows laid end to end: a chunk of it maps to
+  // row ranges of one or more matrices, so the pool forks and joins once
+  // for all of them.
+  int64_t total = 0;
+  for (const LinearOutput& o : outputs) total += o.w->rows;
+  pool_.ParallelFor(
+      total,
+      [&](int64_t begin, int64_t end) {
+        int64_t first = 0;
+        for (const LinearOutput& o : outputs) {
+          const int64_t last = first + o.w->rows;
+          const int64_t b = std::max(begin, first), e = std::min(end, last);
+          if (b < e) LinearRows(simd_, x, m, *o.w, o.bias, b - first, e - first, o.y);
+          first = last;
+        }
+      },
+      /*min_chunk=*/16);
 }
 
 }  // namespace pdserve::kernels
