@@ -24,6 +24,11 @@
 
 namespace pdserve {
 
+// Where a worker holds a block: its device pool, or a lower tier (host
+// memory, local disk: engine/kv_tier_store.h) from which it is copied back
+// into the pool before a prompt uses it. The values are on the wire.
+enum class KvTier : uint8_t { kDevice = 0, kHost = 1, kDisk = 2 };
+
 // Full blocks whose KV became available, in prompt order: block_hashes[0]'s
 // parent is `parent_hash` (nullopt for the first block of a prompt), and each
 // later hash's parent is the hash before it.

@@ -1,0 +1,384 @@
+#include "engine/kv_tier_store.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <list>
+#include <unordered_map>
+
+namespace pdserve {
+namespace {
+
+constexpr uint64_t kSlabMagic = 0x31424c53564b4450ull;  // "PDKVSLB1", little-endian
+constexpr uint32_t kSlabVersion = 1;
+constexpr int64_t kHeaderBytes = 64;
+constexpr int64_t kSlotAlign = 4096;
+
+// A disk slot's header, little-endian on every host this runs on (x86-64,
+// aarch64); the last field checks the ones before it.
+struct SlotHeader {
+  uint64_t magic = kSlabMagic;
+  uint32_t version = kSlabVersion;
+  uint32_t reserved = 0;
+  uint64_t layout_hash = 0;
+  uint64_t block_hash = 0;
+  uint64_t generation = 0;
+  uint64_t payload_bytes = 0;
+  uint64_t payload_checksum = 0;
+  uint64_t header_checksum = 0;
+
+  uint64_t Checksum() const { return XXH3_64bits(this, offsetof(SlotHeader, header_checksum)); }
+};
+static_assert(sizeof(SlotHeader) == kHeaderBytes);
+
+std::string Hex(uint64_t v) {
+  char buf[17];
+  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+std::string Errno(const std::string& what) { return what + ": " + std::strerror(errno); }
+
+}  // namespace
+
+struct KvTierStore::Slot {
+  enum class State { kFree, kHeld, kBusy };
+  State state = State::kFree;
+  BlockHash hash = 0;
+  uint64_t generation = 0;
+  std::list<int64_t>::iterator lru;  // valid while held or busy
+};
+
+// One tier's bookkeeping: slots, the index by hash and the LRU order
+// (front = least recently used).
+struct KvTierStore::Tier {
+  KvTier kind;
+  std::vector<Slot> slots;
+  std::unordered_map<BlockHash, int64_t> index;
+  std::list<int64_t> lru;
+  std::vector<int64_t> free;
+  int64_t hits = 0, bytes_written = 0, bytes_read = 0;
+
+  Tier(KvTier k, int64_t n) : kind(k), slots(static_cast<size_t>(n)) {
+    for (int64_t i = n - 1; i >= 0; --i) free.push_back(i);
+  }
+  void Touch(int64_t s) { lru.splice(lru.end(), lru, slots[s].lru); }
+  void Hold(int64_t s, BlockHash hash, uint64_t generation) {
+    Slot& slot = slots[s];
+    slot.state = Slot::State::kHeld;
+    slot.hash = hash;
+    slot.generation = generation;
+    slot.lru = lru.insert(lru.end(), s);
+    index[hash] = s;
+  }
+  void Release(int64_t s) {
+    Slot& slot = slots[s];
+    if (slot.state != Slot::State::kFree) lru.erase(slot.lru);
+    auto it = index.find(slot.hash);
+    if (it != index.end() && it->second == s) index.erase(it);
+    slot = Slot{};
+    free.push_back(s);
+  }
+  // The least recently used slot not busy with I/O, or -1.
+  int64_t Victim() const {
+    for (int64_t s : lru) {
+      if (slots[s].state == Slot::State::kHeld) return s;
+    }
+    return -1;
+  }
+};
+
+StatusOr<std::unique_ptr<KvTierStore>> KvTierStore::Open(const KvTierOptions& options) {
+  if (options.block_bytes <= 0) return Status::InvalidArgument("KV tiers need the block size");
+  std::unique_ptr<KvTierStore> s(new KvTierStore());
+  s->options_ = options;
+  if (options.host_bytes < 0 || options.disk_bytes < 0) {
+    return Status::InvalidArgument("KV tier sizes must not be negative");
+  }
+  s->host_slots_ = options.host_bytes / options.block_bytes;
+  if (options.host_bytes > 0 && s->host_slots_ == 0) {
+    return Status::InvalidArgument("the host KV tier of " + std::to_string(options.host_bytes) +
+                                   " bytes holds no block of " +
+                                   std::to_string(options.block_bytes) + " bytes");
+  }
+  s->host_memory_.resize(static_cast<size_t>(s->host_slots_ * options.block_bytes));
+  s->host_ = std::make_unique<Tier>(KvTier::kHost, s->host_slots_);
+  s->slot_stride_ = (kHeaderBytes + options.block_bytes + kSlotAlign - 1) / kSlotAlign * kSlotAlign;
+  if (!options.disk_dir.empty()) {
+    s->disk_slots_ = options.disk_bytes / s->slot_stride_;
+    if (s->disk_slots_ == 0) {
+      return Status::InvalidArgument("the disk KV tier of " + std::to_string(options.disk_bytes) +
+                                     " bytes holds no block of " + std::to_string(s->slot_stride_) +
+                                     " bytes (with its header)");
+    }
+  }
+  s->disk_ = std::make_unique<Tier>(KvTier::kDisk, s->disk_slots_);
+  if (s->disk_slots_ > 0) PDSERVE_RETURN_IF_ERROR(s->OpenDisk());
+  return s;
+}
+
+KvTierStore::~KvTierStore() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+Status KvTierStore::OpenDisk() {
+  std::error_code ec;
+  std::filesystem::create_directories(options_.disk_dir, ec);
+  if (ec) {
+    return Status::Unavailable("cannot create the disk KV tier's folder " + options_.disk_dir +
+                               ": " + ec.message());
+  }
+  const std::string path = options_.disk_dir + "/kv-tier-" + Hex(options_.layout_hash) + ".slab";
+  fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  if (fd_ < 0) return Status::Unavailable(Errno("cannot open " + path));
+  const off_t want = static_cast<off_t>(disk_slots_ * slot_stride_);
+  struct stat st {};
+  if (::fstat(fd_, &st) != 0) return Status::Unavailable(Errno("cannot stat " + path));
+  // A larger slab (an earlier, bigger --kv-disk-cache-bytes) is cut to size;
+  // its slots past the new end are lost, the others kept.
+  if (st.st_size != want && ::ftruncate(fd_, want) != 0) {
+    return Status::Unavailable(Errno("cannot size " + path));
+  }
+  // Rebuild the index from the headers: the newest valid copy of each hash.
+  std::unordered_map<BlockHash, std::pair<uint64_t, int64_t>> newest;  // hash -> (generation, slot)
+  for (int64_t slot = 0; slot < disk_slots_; ++slot) {
+    SlotHeader h;
+    if (::pread(fd_, &h, sizeof(h), static_cast<off_t>(slot * slot_stride_)) !=
+        static_cast<ssize_t>(sizeof(h))) {
+      continue;
+    }
+    if (h.magic != kSlabMagic || h.version != kSlabVersion || h.header_checksum != h.Checksum() ||
+        h.layout_hash != options_.layout_hash ||
+        h.payload_bytes != static_cast<uint64_t>(options_.block_bytes)) {
+      continue;
+    }
+    next_generation_ = std::max(next_generation_, h.generation + 1);
+    auto [it, inserted] = newest.try_emplace(h.block_hash, h.generation, slot);
+    if (!inserted && h.generation > it->second.first) it->second = {h.generation, slot};
+  }
+  std::vector<std::pair<uint64_t, int64_t>> order;  // oldest first: the LRU order
+  for (const auto& [hash, gs] : newest) order.push_back(gs);
+  std::sort(order.begin(), order.end());
+  Tier& d = *disk_;
+  d.free.clear();
+  std::vector<bool> used(static_cast<size_t>(disk_slots_), false);
+  for (const auto& [generation, slot] : order) {
+    SlotHeader h;
+    (void)::pread(fd_, &h, sizeof(h), static_cast<off_t>(slot * slot_stride_));
+    d.Hold(slot, h.block_hash, generation);
+    used[static_cast<size_t>(slot)] = true;
+  }
+  for (int64_t slot = disk_slots_ - 1; slot >= 0; --slot) {
+    if (!used[static_cast<size_t>(slot)]) d.free.push_back(slot);
+  }
+  return Status::Ok();
+}
+
+Status KvTierStore::WriteDiskSlot(int64_t slot, BlockHash hash, uint64_t generation,
+                                  const uint8_t* bytes) {
+  SlotHeader h;
+  h.layout_hash = options_.layout_hash;
+  h.block_hash = hash;
+  h.generation = generation;
+  h.payload_bytes = static_cast<uint64_t>(options_.block_bytes);
+  h.payload_checksum = XXH3_64bits(bytes, static_cast<size_t>(options_.block_bytes));
+  h.header_checksum = h.Checksum();
+  iovec iov[2] = {{&h, sizeof(h)},
+                  {const_cast<uint8_t*>(bytes), static_cast<size_t>(options_.block_bytes)}};
+  const ssize_t want = static_cast<ssize_t>(sizeof(h)) + options_.block_bytes;
+  const ssize_t n = ::pwritev(fd_, iov, 2, static_cast<off_t>(slot * slot_stride_));
+  if (n != want) return Status::Unavailable(Errno("disk KV tier write"));
+  return Status::Ok();
+}
+
+bool KvTierStore::ReadDiskSlot(int64_t slot, BlockHash hash, uint8_t* out) {
+  SlotHeader h;
+  iovec iov[2] = {{&h, sizeof(h)}, {out, static_cast<size_t>(options_.block_bytes)}};
+  const ssize_t want = static_cast<ssize_t>(sizeof(h)) + options_.block_bytes;
+  if (::preadv(fd_, iov, 2, static_cast<off_t>(slot * slot_stride_)) != want) return false;
+  return h.magic == kSlabMagic && h.version == kSlabVersion && h.header_checksum == h.Checksum() &&
+         h.layout_hash == options_.layout_hash && h.block_hash == hash &&
+         h.payload_bytes == static_cast<uint64_t>(options_.block_bytes) &&
+         h.payload_checksum == XXH3_64bits(out, static_cast<size_t>(options_.block_bytes));
+}
+
+int64_t KvTierStore::TakeDiskSlotLocked(std::vector<KvTierChange>* changes) {
+  Tier& d = *disk_;
+  if (d.free.empty()) {
+    const int64_t victim = d.Victim();
+    if (victim < 0) return -1;
+    changes->push_back({d.slots[victim].hash, KvTier::kDisk, false});
+    d.Release(victim);
+  }
+  const int64_t slot = d.free.back();
+  d.free.pop_back();
+  return slot;
+}
+
+Status KvTierStore::DemoteLocked(std::unique_lock<std::mutex>& lock,
+                                 std::vector<KvTierChange>* changes) {
+  Tier& h = *host_;
+  const int64_t victim = h.Victim();
+  if (victim < 0) return Status::ResourceExhausted("every host KV tier slot is busy");
+  const BlockHash hash = h.slots[victim].hash;
+  const int64_t disk_slot = has_disk() ? TakeDiskSlotLocked(changes) : -1;
+  if (disk_slot < 0) {  // no disk tier (or every slot busy): the block is gone
+    changes->push_back({hash, KvTier::kHost, false});
+    h.Release(victim);
+    return Status::Ok();
+  }
+  // Both slots stay out of use while the block is written; the host copy
+  // keeps serving Get meanwhile.
+  Tier& d = *disk_;
+  h.slots[victim].state = Slot::State::kBusy;
+  d.slots[disk_slot].state = Slot::State::kBusy;
+  const uint64_t generation = next_generation_++;
+  const uint8_t* bytes = host_memory_.data() + victim * options_.block_bytes;
+  lock.unlock();
+  const Status written = WriteDiskSlot(disk_slot, hash, generation, bytes);
+  lock.lock();
+  h.Release(victim);
+  changes->push_back({hash, KvTier::kHost, false});
+  d.slots[disk_slot].state = Slot::State::kFree;
+  if (!written.ok()) {
+    d.free.push_back(disk_slot);
+    return written;
+  }
+  auto old = d.index.find(hash);  // a copy written meanwhile: the newer one wins
+  if (old != d.index.end()) d.Release(old->second);
+  d.Hold(disk_slot, hash, generation);
+  d.bytes_written += options_.block_bytes;
+  changes->push_back({hash, KvTier::kDisk, true});
+  return Status::Ok();
+}
+
+Status KvTierStore::Put(BlockHash hash, const uint8_t* bytes, std::vector<KvTierChange>* changes) {
+  std::unique_lock<std::mutex> lock(mu_);
+  Tier& h = *host_;
+  Tier& d = *disk_;
+  if (auto it = h.index.find(hash); it != h.index.end()) {
+    h.Touch(it->second);
+    return Status::Ok();
+  }
+  if (!has_host()) {
+    if (!has_disk()) return Status::Ok();
+    if (auto it = d.index.find(hash); it != d.index.end()) {
+      d.Touch(it->second);
+      return Status::Ok();
+    }
+    const int64_t slot = TakeDiskSlotLocked(changes);
+    if (slot < 0) return Status::ResourceExhausted("every disk KV tier slot is busy");
+    d.slots[slot].state = Slot::State::kBusy;
+    const uint64_t generation = next_generation_++;
+    lock.unlock();
+    const Status written = WriteDiskSlot(slot, hash, generation, bytes);
+    lock.lock();
+    d.slots[slot].state = Slot::State::kFree;
+    if (!written.ok()) {
+      d.free.push_back(slot);
+      return written;
+    }
+    d.Hold(slot, hash, generation);
+    d.bytes_written += options_.block_bytes;
+    changes->push_back({hash, KvTier::kDisk, true});
+    return Status::Ok();
+  }
+  // The host tier takes it; a disk copy of the same hash is dropped (one
+  // lower tier holds a block at a time).
+  while (h.free.empty()) PDSERVE_RETURN_IF_ERROR(DemoteLocked(lock, changes));
+  if (auto it = h.index.find(hash); it != h.index.end()) {  // put by another thread meanwhile
+    h.Touch(it->second);
+    return Status::Ok();
+  }
+  if (auto it = d.index.find(hash);
+      it != d.index.end() && d.slots[it->second].state == Slot::State::kHeld) {
+    changes->push_back({hash, KvTier::kDisk, false});
+    d.Release(it->second);
+  }
+  const int64_t slot = h.free.back();
+  h.free.pop_back();
+  std::memcpy(host_memory_.data() + slot * options_.block_bytes, bytes,
+              static_cast<size_t>(options_.block_bytes));
+  h.Hold(slot, hash, next_generation_++);
+  h.bytes_written += options_.block_bytes;
+  changes->push_back({hash, KvTier::kHost, true});
+  return Status::Ok();
+}
+
+std::optional<KvTier> KvTierStore::Find(BlockHash hash) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (host_->index.count(hash)) return KvTier::kHost;
+  if (disk_->index.count(hash)) return KvTier::kDisk;
+  return std::nullopt;
+}
+
+Status KvTierStore::Get(BlockHash hash, uint8_t* out, std::vector<KvTierChange>* changes) {
+  std::unique_lock<std::mutex> lock(mu_);
+  Tier& h = *host_;
+  Tier& d = *disk_;
+  if (auto it = h.index.find(hash); it != h.index.end()) {
+    std::memcpy(out, host_memory_.data() + it->second * options_.block_bytes,
+                static_cast<size_t>(options_.block_bytes));
+    if (h.slots[it->second].state == Slot::State::kHeld) h.Touch(it->second);
+    ++h.hits;
+    h.bytes_read += options_.block_bytes;
+    return Status::Ok();
+  }
+  auto it = d.index.find(hash);
+  if (it == d.index.end() || d.slots[it->second].state != Slot::State::kHeld) {
+    return Status::NotFound("no lower KV tier holds block " + Hex(hash));
+  }
+  const int64_t slot = it->second;
+  d.slots[slot].state = Slot::State::kBusy;
+  lock.unlock();
+  const bool ok = ReadDiskSlot(slot, hash, out);
+  lock.lock();
+  d.slots[slot].state = Slot::State::kHeld;
+  if (!ok) {
+    ++corrupt_dropped_;
+    changes->push_back({hash, KvTier::kDisk, false});
+    d.Release(slot);
+    return Status::NotFound("disk KV tier block " + Hex(hash) +
+                            " failed its checksums: dropped, not served");
+  }
+  d.Touch(slot);
+  ++d.hits;
+  d.bytes_read += options_.block_bytes;
+  return Status::Ok();
+}
+
+std::vector<BlockHash> KvTierStore::Blocks(KvTier tier) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Tier& t = tier == KvTier::kDisk ? *disk_ : *host_;
+  std::vector<BlockHash> out;
+  if (tier == KvTier::kDevice) return out;
+  out.reserve(t.index.size());
+  for (const auto& [hash, _] : t.index) out.push_back(hash);
+  return out;
+}
+
+KvTierStats KvTierStore::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  KvTierStats s;
+  auto fill = [](const Tier& t, int64_t capacity, KvTierStats::Tier* out) {
+    out->blocks = static_cast<int64_t>(t.index.size());
+    out->capacity_blocks = capacity;
+    out->hits = t.hits;
+    out->bytes_written = t.bytes_written;
+    out->bytes_read = t.bytes_read;
+  };
+  fill(*host_, host_slots_, &s.host);
+  fill(*disk_, disk_slots_, &s.disk);
+  s.corrupt_dropped = corrupt_dropped_;
+  return s;
+}
+
+}  // namespace pdserve
