@@ -29,22 +29,27 @@ namespace pdserve {
 // into the pool before a prompt uses it. The values are on the wire.
 enum class KvTier : uint8_t { kDevice = 0, kHost = 1, kDisk = 2 };
 
-// Full blocks whose KV became available, in prompt order: block_hashes[0]'s
-// parent is `parent_hash` (nullopt for the first block of a prompt), and each
-// later hash's parent is the hash before it.
+// Full blocks whose KV became available in `tier`. Device blocks come in
+// prompt order: block_hashes[0]'s parent is `parent_hash` (nullopt for the
+// first block of a prompt), and each later hash's parent is the hash before
+// it; lower-tier blocks come in no particular order, without a parent.
 struct KvStored {
   std::vector<BlockHash> block_hashes;
   std::optional<BlockHash> parent_hash;
+  KvTier tier = KvTier::kDevice;
   bool operator==(const KvStored&) const = default;
 };
 
-// Blocks that were evicted: their hashes no longer match anything.
+// Blocks that left `tier` (evicted, moved down, dropped as corrupt): their
+// hashes no longer match anything there.
 struct KvRemoved {
   std::vector<BlockHash> block_hashes;
+  KvTier tier = KvTier::kDevice;
   bool operator==(const KvRemoved&) const = default;
 };
 
-// Every cached hash was dropped (prefix-cache reset).
+// Every hash cached in the device pool was dropped (prefix-cache reset);
+// lower tiers keep theirs.
 struct KvCleared {
   bool operator==(const KvCleared&) const = default;
 };
@@ -59,15 +64,20 @@ struct KvEventBatch {
 };
 
 // Every hash cached at the moment the batch numbered `last_sequence_number`
-// was recorded (0: before any batch), in no particular order.
+// was recorded (0: before any batch), in no particular order: in the device
+// pool, and in the lower tiers.
 struct KvCacheSnapshot {
   uint64_t last_sequence_number = 0;
-  std::vector<BlockHash> block_hashes;
+  std::vector<BlockHash> block_hashes;  // device
+  std::vector<BlockHash> host_block_hashes;
+  std::vector<BlockHash> disk_block_hashes;
 };
 
-// Applies one batch to a replica of the cached-hash set (what a router keeps
-// per worker). Idempotent in the sense that matters for Resync: applying a
-// batch already reflected in `hashes` leaves it unchanged.
-void ApplyKvEventBatch(const KvEventBatch& batch, std::unordered_set<BlockHash>* hashes);
+// Applies one batch to a replica of one tier's cached-hash set (what a router
+// keeps per worker and tier): events of other tiers are skipped. Idempotent
+// in the sense that matters for Resync: applying a batch already reflected
+// in `hashes` leaves it unchanged.
+void ApplyKvEventBatch(const KvEventBatch& batch, std::unordered_set<BlockHash>* hashes,
+                       KvTier tier = KvTier::kDevice);
 
 }  // namespace pdserve

@@ -5,6 +5,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 
 namespace pdserve {
@@ -112,6 +113,7 @@ struct BlockManager::Impl {
     BlockId id = lru_head;
     LruRemove(id);
     Block& b = blocks[id];
+    if (options.on_evict) options.on_evict(id, b.hash);
     cached.erase(b.hash);
     batch->Removed(b.hash);
     b.has_hash = false;
@@ -184,6 +186,8 @@ struct BlockManager::Impl {
   PinId next_pin = 1;
   std::vector<KvEventBatch> pending_events;
   uint64_t last_sequence_number = 0;
+  // Lower-tier holdings (RecordTierChanges), for snapshots.
+  std::unordered_set<BlockHash> host_tier, disk_tier;
   uint64_t query_tokens = 0;
   uint64_t hit_tokens = 0;
   uint64_t evicted_total = 0;
@@ -453,7 +457,46 @@ KvCacheSnapshot BlockManager::Snapshot() const {
   snapshot.last_sequence_number = impl_->last_sequence_number;
   snapshot.block_hashes.reserve(impl_->cached.size());
   for (const auto& entry : impl_->cached) snapshot.block_hashes.push_back(entry.first);
+  snapshot.host_block_hashes.assign(impl_->host_tier.begin(), impl_->host_tier.end());
+  snapshot.disk_block_hashes.assign(impl_->disk_tier.begin(), impl_->disk_tier.end());
   return snapshot;
+}
+
+void BlockManager::RecordTierChanges(std::span<const KvTierChange> changes) {
+  if (changes.empty()) return;
+  Impl& m = *impl_;
+  std::lock_guard lock(m.mu);
+  std::vector<KvEvent> events;
+  for (const KvTierChange& c : changes) {
+    if (c.tier == KvTier::kDevice) continue;
+    std::unordered_set<BlockHash>& held = c.tier == KvTier::kHost ? m.host_tier : m.disk_tier;
+    if (c.stored) {
+      held.insert(c.hash);
+    } else {
+      held.erase(c.hash);
+    }
+    // Consecutive changes of one kind and tier share an event.
+    if (!events.empty()) {
+      if (auto* s = std::get_if<KvStored>(&events.back());
+          s != nullptr && c.stored && s->tier == c.tier) {
+        s->block_hashes.push_back(c.hash);
+        continue;
+      }
+      if (auto* r = std::get_if<KvRemoved>(&events.back());
+          r != nullptr && !c.stored && r->tier == c.tier) {
+        r->block_hashes.push_back(c.hash);
+        continue;
+      }
+    }
+    if (c.stored) {
+      events.emplace_back(KvStored{{c.hash}, std::nullopt, c.tier});
+    } else {
+      events.emplace_back(KvRemoved{{c.hash}, c.tier});
+    }
+  }
+  if (events.empty()) return;
+  KvEventBatch out{++m.last_sequence_number, std::move(events)};
+  if (m.options.record_kv_events) m.pending_events.push_back(std::move(out));
 }
 
 uint64_t BlockManager::last_event_sequence_number() const {

@@ -44,6 +44,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <vector>
@@ -51,6 +52,7 @@
 #include "common/block_hash.h"
 #include "common/kv_events.h"
 #include "common/status.h"
+#include "engine/kv_tier_store.h"
 
 namespace pdserve {
 
@@ -67,6 +69,11 @@ struct BlockManagerOptions {
   // Off: event batches still get sequence numbers and snapshots stay exact,
   // but nothing is queued for DrainEvents (offline use, where nobody drains).
   bool record_kv_events = true;
+  // Called for every cached block an allocation evicts, before the block is
+  // handed out again (its KV still intact): where a worker copies it down to
+  // its lower tiers. Runs under the block manager's lock: it must not call
+  // the block manager.
+  std::function<void(BlockId block, BlockHash hash)> on_evict;
 };
 
 struct BlockManagerStats {
@@ -190,8 +197,14 @@ class BlockManager {
 
   // Event batches recorded since the last drain, in sequence-number order.
   std::vector<KvEventBatch> DrainEvents();
-  // Every cached hash, consistent with the event stream (see kv_events.h).
+  // Every cached hash, consistent with the event stream (see kv_events.h),
+  // the lower tiers' included.
   KvCacheSnapshot Snapshot() const;
+
+  // Blocks that entered or left a lower tier (engine/kv_tier_store.h),
+  // recorded as one event batch in the same numbered stream, and kept for
+  // snapshots. No-op for an empty list.
+  void RecordTierChanges(std::span<const KvTierChange> changes);
   // Sequence number of the last recorded batch (0 if none).
   uint64_t last_event_sequence_number() const;
 

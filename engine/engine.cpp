@@ -9,7 +9,8 @@
 namespace pdserve {
 
 struct Engine::Sequence {
-  enum class State { kWaiting, kRunning, kRemote };
+  // kLoading: admitted, waiting for blocks from a lower tier (not scheduled).
+  enum class State { kWaiting, kRunning, kRemote, kLoading };
   RequestId id = 0;
   std::vector<TokenId> tokens;  // prompt, then every generated token
   int64_t prompt_len = 0;
@@ -27,6 +28,8 @@ struct Engine::Sequence {
   bool reported_cached = false;
   int64_t num_cached_tokens = 0;
   size_t remote_first_block = 0;  // kRemote: the first block the peer fills
+  uint64_t load_ticket = 0;       // kLoading: the onload it waits for
+  size_t load_first_block = 0;    // kLoading: where the onloaded blocks start
   bool finished = false;
   std::optional<IncrementalDetokenizer> detokenizer;
   std::optional<StopChecker> stop;
@@ -69,9 +72,49 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(Model* model, const EngineOptio
   bm.block_size = static_cast<size_t>(options.block_size);
   bm.enable_prefix_caching = options.enable_prefix_caching;
   bm.record_kv_events = options.record_kv_events;
+  const bool tiers = options.kv_host_cache_bytes > 0 || !options.kv_disk_cache_dir.empty();
+  if (tiers && options.enable_prefix_caching) {
+    KvTierOptions to;
+    to.block_bytes = e->pool_->bytes_per_block();
+    // Blocks are the same bytes in host and device pools and whatever moves
+    // them: only the model and the pool's layout decide what a block means.
+    KvLayout content = e->pool_->TransferLayout(e->model_id_, model->matrix_dtype(), "tiers");
+    content.memory_type = MemoryType::kHost;
+    to.layout_hash = content.Hash();
+    to.host_bytes = options.kv_host_cache_bytes;
+    to.disk_dir = options.kv_disk_cache_dir;
+    to.disk_bytes = options.kv_disk_cache_bytes;
+    auto store = KvTierStore::Open(to);
+    if (!store.ok()) return store.status();
+    e->tier_store_ = std::move(*store);
+    e->tier_mover_ = std::make_unique<KvTierMover>(e->tier_store_.get(), options.on_tier_ready);
+    // An evicted block's KV, copied while it is still intact (the block
+    // manager hands it out right after).
+    Engine* self = e.get();
+    bm.on_evict = [self](BlockId block, BlockHash hash) {
+      const auto bytes = static_cast<size_t>(self->pool_->bytes_per_block());
+      std::vector<uint8_t> copy(bytes);
+      self->model_->backend()->Download(copy.data(), self->pool_->block(block), bytes);
+      self->tier_mover_->Offload(hash, std::move(copy));
+      ++self->offloaded_blocks_;
+    };
+  }
   auto blocks = BlockManager::Create(bm);
   if (!blocks.ok()) return blocks.status();
   e->blocks_ = std::move(*blocks);
+  if (e->tier_store_) {
+    // A warm disk tier: what it holds goes out with the first snapshot.
+    std::vector<KvTierChange> held;
+    for (BlockHash h : e->tier_store_->Blocks(KvTier::kDisk))
+      held.push_back({h, KvTier::kDisk, true});
+    e->blocks_->RecordTierChanges(held);
+    PDSERVE_LOG(INFO) << "engine: KV tiers: host " << e->tier_store_->stats().host.capacity_blocks
+                      << " blocks, disk " << e->tier_store_->stats().disk.capacity_blocks
+                      << " blocks"
+                      << (held.empty() ? ""
+                                       : " (" + std::to_string(held.size()) +
+                                             " cached blocks found on disk)");
+  }
   PDSERVE_LOG(INFO) << "engine: model " << model->model_id() << ", KV pool "
                     << e->pool_->num_blocks() << " blocks of " << e->pool_->bytes_per_block()
                     << " bytes (" << e->pool_->Describe() << "), max_model_len "
@@ -226,10 +269,59 @@ void Engine::ProcessToken(Sequence* s, const SampledToken& sampled, RequestOutpu
   if (reason != FinishReason::kNone) FinishSequence(s, reason, out);
 }
 
+int64_t Engine::TierPrefix(std::span<const BlockHash> hashes, int64_t from, int64_t limit) const {
+  int64_t n = 0;
+  while (from + n < limit && tier_mover_->Holds(hashes[from + n])) ++n;
+  return n;
+}
+
+void Engine::ProcessTierWork() {
+  if (!tier_mover_) return;
+  const int64_t B = options_.block_size;
+  for (KvTierMover::Loaded& done : tier_mover_->TakeLoaded()) {
+    auto load = loads_.find(done.ticket);
+    if (load == loads_.end()) continue;
+    const RequestId id = load->second;
+    loads_.erase(load);
+    auto it = requests_.find(id);
+    // Cancelled or preempted meanwhile: the blocks are gone, and so is the need.
+    if (it == requests_.end() || it->second->state != Sequence::State::kLoading ||
+        it->second->load_ticket != done.ticket) {
+      continue;
+    }
+    Sequence* s = it->second.get();
+    const std::vector<BlockId>& table = blocks_->BlockTable(s->id);
+    const size_t n = done.blocks.size();
+    for (size_t k = 0; k < n; ++k) {
+      model_->backend()->Upload(pool_->block(table[s->load_first_block + k]), done.blocks[k].data(),
+                                done.blocks[k].size());
+      (done.tiers[k] == KvTier::kDisk ? disk_hit_tokens_ : host_hit_tokens_) += B;
+    }
+    if (n > 0) {
+      const std::vector<BlockHash> hashes = PrefixHashes(*s);
+      s->hashes.assign(hashes.begin(),
+                       hashes.begin() + static_cast<ptrdiff_t>(s->load_first_block + n));
+      (void)blocks_->CommitBlocks(s->id, s->hashes);
+      s->num_computed = static_cast<int64_t>(s->load_first_block + n) * B;
+      if (s->num_cached_tokens < s->num_computed) s->num_cached_tokens = s->num_computed;
+      TierOnload record;
+      record.blocks = static_cast<int64_t>(n);
+      record.seconds = done.seconds;
+      for (KvTier t : done.tiers) {
+        if (t == KvTier::kDisk) record.tier = KvTier::kDisk;
+      }
+      tier_onloads_.push_back(record);
+    }
+    s->state = Sequence::State::kRunning;  // computes what the tiers did not hold
+  }
+  blocks_->RecordTierChanges(tier_mover_->TakeChanges());
+}
+
 StatusOr<std::vector<RequestOutput>> Engine::Step() {
   std::vector<RequestOutput> outputs = std::move(pending_outputs_);
   pending_outputs_.clear();
   ++num_steps_;
+  ProcessTierWork();
   const int64_t B = options_.block_size;
   int64_t budget = options_.max_num_batched_tokens;
   struct Scheduled {
@@ -243,6 +335,10 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
   // 1. Running sequences, oldest first.
   for (size_t i = 0; i < running_.size() && budget > 0;) {
     Sequence* s = running_[i];
+    if (s->state == Sequence::State::kLoading) {  // its blocks are on their way back
+      ++i;
+      continue;
+    }
     const int64_t n =
         std::min<int64_t>(static_cast<int64_t>(s->tokens.size()) - s->num_computed, budget);
     bool scheduled = true;
@@ -284,7 +380,11 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
     const int64_t total = static_cast<int64_t>(s->tokens.size());
     const std::vector<BlockHash> hashes = PrefixHashes(*s);
     const int64_t cached = static_cast<int64_t>(blocks_->FindCachedPrefix(hashes)) * B;
-    const int64_t planned = std::min(total - cached, budget);
+    // The blocks that continue the cached prefix in a lower tier: admitted
+    // now, copied back while the request waits.
+    const int64_t from_tiers =
+        tier_mover_ ? TierPrefix(hashes, cached / B, static_cast<int64_t>(hashes.size())) : 0;
+    const int64_t planned = from_tiers > 0 ? from_tiers * B : std::min(total - cached, budget);
     AdmitRequest req;
     req.seq = s->id;
     req.prefix_hashes = hashes;
@@ -302,6 +402,15 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
     s->state = Sequence::State::kRunning;
     waiting_.erase(waiting_.begin());
     InsertSorted(&running_, s);
+    if (from_tiers > 0) {
+      s->state = Sequence::State::kLoading;
+      s->load_ticket = next_load_ticket_++;
+      s->load_first_block = admitted->num_cached_blocks;
+      loads_[s->load_ticket] = s->id;
+      const auto first = hashes.begin() + static_cast<ptrdiff_t>(admitted->num_cached_blocks);
+      tier_mover_->Onload(s->load_ticket, std::vector<BlockHash>(first, first + from_tiers));
+      continue;
+    }
     const int64_t covered = static_cast<int64_t>(blocks_->BlockTable(s->id).size()) * B;
     const int64_t n = std::min({total - s->num_computed, budget, covered - s->num_computed});
     if (n <= 0) continue;  // nothing covered yet; it runs next step
@@ -533,6 +642,18 @@ EngineStats Engine::GetStats() const {
   st.num_waiting = static_cast<int64_t>(waiting_.size());
   for (const auto& [id, s] : requests_) {
     if (s->state == Sequence::State::kRemote) ++st.num_remote_waiting;
+    if (s->state == Sequence::State::kLoading) ++st.num_loading;
+  }
+  if (tier_store_) {
+    st.tiers.enabled = true;
+    st.tiers.store = tier_store_->stats();
+    st.tiers.host_hit_tokens = host_hit_tokens_;
+    st.tiers.disk_hit_tokens = disk_hit_tokens_;
+    st.tiers.offloaded_blocks = offloaded_blocks_;
+    const KvTierMover::Counters c = tier_mover_->counters();
+    st.tiers.offload_failures = c.offload_failures;
+    st.tiers.onloads_in_flight = c.onloads_in_flight;
+    st.tiers.offloads_queued = c.offloads_queued;
   }
   st.num_preemptions = num_preemptions_;
   st.num_steps = num_steps_;

@@ -41,8 +41,10 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -52,6 +54,8 @@
 #include "common/status.h"
 #include "engine/block_manager.h"
 #include "engine/kv_cache.h"
+#include "engine/kv_tier_mover.h"
+#include "engine/kv_tier_store.h"
 #include "engine/model.h"
 #include "engine/sampler.h"
 
@@ -76,6 +80,18 @@ struct EngineOptions {
   // The served model id, first input of the block-hash seed (hash spec v1);
   // empty: Model::model_id(). Must equal the router's id for the model.
   std::string model_id;
+  // Lower KV tiers behind the pool (engine/kv_tier_store.h): host memory and
+  // a local-disk slab; 0 / empty: none. Cached blocks the pool evicts go
+  // down there; a prompt continuing its cached prefix with blocks held there
+  // waits while they are copied back (other requests step on), then prefills
+  // the rest. A disk folder written by an earlier run of the same model and
+  // KV layout comes back warm.
+  int64_t kv_host_cache_bytes = 0;
+  std::string kv_disk_cache_dir;
+  int64_t kv_disk_cache_bytes = 0;
+  // Called from another thread when blocks a request waits for are read from
+  // a lower tier: the engine's driver should call Step() soon.
+  std::function<void()> on_tier_ready;
 };
 
 struct EngineRequest {
@@ -122,13 +138,33 @@ struct RemotePrefillPlan {
   int64_t num_cached_tokens = 0;   // = first_block_to_fill * block_size
 };
 
+// What the lower KV tiers did (all 0 without tiers).
+struct EngineTierStats {
+  bool enabled = false;
+  KvTierStats store;                                 // blocks, capacity, bytes per tier
+  int64_t host_hit_tokens = 0, disk_hit_tokens = 0;  // prompt tokens copied back from each
+  int64_t offloaded_blocks = 0;                      // evicted blocks handed down
+  int64_t offload_failures = 0;
+  int64_t onloads_in_flight = 0;
+  int64_t offloads_queued = 0;  // evicted blocks not yet in a tier
+};
+
+// One copy back into the pool, for latency histograms.
+struct TierOnload {
+  KvTier tier = KvTier::kHost;  // the slowest tier a block of it came from
+  int64_t blocks = 0;
+  double seconds = 0;
+};
+
 struct EngineStats {
   int64_t num_running = 0;         // admitted and scheduled (prefill or decode)
+  int64_t num_loading = 0;         // of those, waiting for blocks from a lower tier
   int64_t num_waiting = 0;         // queued, including preempted ones
   int64_t num_remote_waiting = 0;  // parked for remote KV
   uint64_t num_preemptions = 0;    // pdserve_preemptions_total
   uint64_t num_steps = 0;
   BlockManagerStats blocks;
+  EngineTierStats tiers;
 };
 
 class Engine {
@@ -185,6 +221,8 @@ class Engine {
   KvCachePool& kv_pool() { return *pool_; }
   BlockManager& block_manager() { return *blocks_; }
   const EngineOptions& options() const { return options_; }
+  // Onloads finished since the last call (lower tiers only).
+  std::vector<TierOnload> TakeTierOnloads() { return std::exchange(tier_onloads_, {}); }
   int64_t max_model_len() const { return max_model_len_; }
   EngineStats GetStats() const;
 
@@ -199,6 +237,10 @@ class Engine {
   void InsertSorted(std::vector<Sequence*>* list, Sequence* seq);
   void Remove(std::vector<Sequence*>* list, Sequence* seq);
   std::vector<BlockHash> PrefixHashes(const Sequence& seq) const;
+  // Leading blocks of hashes[from, limit) the lower tiers hold.
+  int64_t TierPrefix(std::span<const BlockHash> hashes, int64_t from, int64_t limit) const;
+  // Copies finished onloads into the pool and records the tiers' changes.
+  void ProcessTierWork();
 
   Model* model_ = nullptr;
   const Tokenizer* tokenizer_ = nullptr;
@@ -207,6 +249,14 @@ class Engine {
   std::string model_id_;
   std::unique_ptr<KvCachePool> pool_;
   std::unique_ptr<BlockManager> blocks_;
+  // Lower tiers: the store, and the thread that moves blocks to and from it
+  // (declared after the store: it goes first).
+  std::unique_ptr<KvTierStore> tier_store_;
+  std::unique_ptr<KvTierMover> tier_mover_;
+  uint64_t next_load_ticket_ = 1;
+  std::unordered_map<uint64_t, RequestId> loads_;  // onload ticket -> request
+  int64_t host_hit_tokens_ = 0, disk_hit_tokens_ = 0, offloaded_blocks_ = 0;
+  std::vector<TierOnload> tier_onloads_;
   std::unordered_map<RequestId, std::unique_ptr<Sequence>> requests_;
   std::vector<Sequence*> waiting_;  // arrival order
   std::vector<Sequence*> running_;  // arrival order

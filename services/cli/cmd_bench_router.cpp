@@ -219,9 +219,9 @@ int RunBenchRouter(int argc, char** argv) {
                                       hashes.begin() + static_cast<std::ptrdiff_t>(std::min(
                                                            hashes.size(), i + events_per_batch)));
           if (stored) {
-            b.events.emplace_back(KvStored{std::move(part), std::nullopt});
+            b.events.emplace_back(KvStored{std::move(part), std::nullopt, KvTier::kDevice});
           } else {
-            b.events.emplace_back(KvRemoved{std::move(part)});
+            b.events.emplace_back(KvRemoved{std::move(part), KvTier::kDevice});
           }
           churn.push_back(std::move(b));
           churn_owner.push_back(w);

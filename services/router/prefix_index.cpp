@@ -189,10 +189,11 @@ ApplyOutcome PrefixIndex::ApplyEvents(WorkerId worker, const KvEventBatch& batch
   }
   w.last_seq = batch.sequence_number;
   for (const KvEvent& event : batch.events) {
+    // Lower-tier holdings are not indexed yet: the index is the device pools'.
     if (const auto* e = std::get_if<KvStored>(&event)) {
-      StoreLocked(worker, e->block_hashes);
+      if (e->tier == KvTier::kDevice) StoreLocked(worker, e->block_hashes);
     } else if (const auto* e = std::get_if<KvRemoved>(&event)) {
-      RemoveLocked(worker, e->block_hashes);
+      if (e->tier == KvTier::kDevice) RemoveLocked(worker, e->block_hashes);
     } else {
       PurgeBlocksLocked(worker);  // KvCleared
       PurgePendingLocked(worker);

@@ -434,19 +434,38 @@ class WorkerServiceImpl : public WorkerService {
   void SendSnapshot(const ConnectionPtr& c) {
     PublishEvents();  // everything up to now goes out first, so the snapshot follows it
     KvCacheSnapshot snap = engine_->block_manager().Snapshot();
+    // Chunks of at most kChunk hashes: the device pool's, then the host
+    // tier's, then the disk tier's, each into its own field.
     constexpr size_t kChunk = 64 * 1024;
-    size_t i = 0;
+    const std::vector<BlockHash>* tiers[] = {&snap.block_hashes, &snap.host_block_hashes,
+                                             &snap.disk_block_hashes};
+    size_t tier = 0, i = 0;
     uint32_t chunk = 0;
-    do {
+    bool last = false;
+    while (!last) {
       proto::Envelope env;
       auto* s = env.mutable_kv_snapshot();
       s->set_sequence(snap.last_sequence_number);
       s->set_chunk_index(chunk++);
-      const size_t end = std::min(snap.block_hashes.size(), i + kChunk);
-      for (; i < end; ++i) s->add_block_hashes(snap.block_hashes[i]);
-      s->set_last_chunk(i >= snap.block_hashes.size());
+      for (size_t room = kChunk; room > 0 && tier < 3;) {
+        const std::vector<BlockHash>& hashes = *tiers[tier];
+        auto* field = tier == 0   ? s->mutable_block_hashes()
+                      : tier == 1 ? s->mutable_host_block_hashes()
+                                  : s->mutable_disk_block_hashes();
+        const size_t n = std::min(room, hashes.size() - i);
+        field->Add(hashes.begin() + static_cast<ptrdiff_t>(i),
+                   hashes.begin() + static_cast<ptrdiff_t>(i + n));
+        i += n;
+        room -= n;
+        if (i == hashes.size()) {
+          ++tier;
+          i = 0;
+        }
+      }
+      last = tier == 3;
+      s->set_last_chunk(last);
       (void)c->Send(std::move(env));
-    } while (i < snap.block_hashes.size());
+    }
   }
 
   void SendLoad() {

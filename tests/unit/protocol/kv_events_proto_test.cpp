@@ -21,10 +21,10 @@ KvEventBatch RoundTrip(const KvEventBatch& batch) {
 TEST(KvEventsProtoTest, EveryKindRoundTrips) {
   const KvEventBatch batch{
       42,
-      {KvStored{{10, 11, 12}, std::nullopt},        // a prompt's first blocks: no parent
-       KvStored{{13}, BlockHash{12}},               // continues a cached prefix
+      {KvStored{{10, 11, 12}, std::nullopt, KvTier::kDevice},        // a prompt's first blocks: no parent
+       KvStored{{13}, BlockHash{12}, KvTier::kDevice},               // continues a cached prefix
        KvStored{{0, ~BlockHash{0}}, BlockHash{0}},  // extreme hash values
-       KvRemoved{{11, 99}}, KvCleared{}, KvStored{{}, std::nullopt},  // empty lists stay empty
+       KvRemoved{{11, 99}}, KvCleared{}, KvStored{{}, std::nullopt, KvTier::kDevice},  // empty lists stay empty
        KvRemoved{{}}}};
   EXPECT_EQ(RoundTrip(batch), batch);
 }
@@ -41,7 +41,7 @@ TEST(KvEventsProtoTest, WireFieldsAreTheDocumentedOnes) {
   EXPECT_EQ(wire.events(1).removed().block_hashes(0), 3u);
   EXPECT_TRUE(wire.events(2).has_cleared());
   proto::KvEvents no_parent;
-  ToProto({1, {KvStored{{5}, std::nullopt}}}, &no_parent);
+  ToProto({1, {KvStored{{5}, std::nullopt, KvTier::kDevice}}}, &no_parent);
   EXPECT_FALSE(no_parent.events(0).stored().has_parent_hash());
 }
 
@@ -57,9 +57,9 @@ TEST(KvEventsProtoTest, EmptyAndUnknownEventsAreSkipped) {
 
 TEST(KvEventsProtoTest, AReplicaFedThroughTheWireMatchesOneFedDirectly) {
   const std::vector<KvEventBatch> batches = {
-      {1, {KvStored{{1, 2, 3}, std::nullopt}}},
+      {1, {KvStored{{1, 2, 3}, std::nullopt, KvTier::kDevice}}},
       {2, {KvRemoved{{2}}, KvStored{{4}, BlockHash{3}}}},
-      {3, {KvCleared{}, KvStored{{5}, std::nullopt}}},
+      {3, {KvCleared{}, KvStored{{5}, std::nullopt, KvTier::kDevice}}},
   };
   std::unordered_set<BlockHash> direct, wired;
   for (const auto& b : batches) {

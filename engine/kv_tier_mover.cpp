@@ -1,0 +1,130 @@
+#include "engine/kv_tier_mover.h"
+
+#include <chrono>
+
+#include "common/logging.h"
+
+namespace pdserve {
+
+KvTierMover::KvTierMover(KvTierStore* store, std::function<void()> on_ready)
+    : store_(store), on_ready_(std::move(on_ready)), thread_([this] { Run(); }) {}
+
+KvTierMover::~KvTierMover() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+void KvTierMover::Offload(BlockHash hash, std::vector<uint8_t> bytes) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // One queued copy per hash: a block evicted again before its first copy
+    // landed holds the same KV.
+    if (!queued_.emplace(hash, std::make_shared<const std::vector<uint8_t>>(std::move(bytes)))
+             .second) {
+      return;
+    }
+    Job job;
+    job.hash = hash;
+    jobs_.push_back(std::move(job));
+  }
+  cv_.notify_one();
+}
+
+bool KvTierMover::Holds(BlockHash hash) const {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (queued_.count(hash)) return true;
+  }
+  return store_->Find(hash).has_value();
+}
+
+void KvTierMover::Onload(uint64_t ticket, std::vector<BlockHash> hashes) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Job job;
+    job.onload = true;
+    job.ticket = ticket;
+    job.hashes = std::move(hashes);
+    job.asked = std::chrono::steady_clock::now();
+    // Ahead of queued offloads: a request is waiting for these.
+    jobs_.push_front(std::move(job));
+    ++onloads_in_flight_;
+  }
+  cv_.notify_one();
+}
+
+std::vector<KvTierMover::Loaded> KvTierMover::TakeLoaded() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return std::exchange(loaded_, {});
+}
+
+std::vector<KvTierChange> KvTierMover::TakeChanges() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return std::exchange(changes_, {});
+}
+
+KvTierMover::Counters KvTierMover::counters() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  Counters c;
+  c.offloads_queued = static_cast<int64_t>(queued_.size());
+  c.onloads_in_flight = onloads_in_flight_;
+  c.offload_failures = offload_failures_;
+  return c;
+}
+
+void KvTierMover::Run() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    cv_.wait(lock, [this] { return stop_ || !jobs_.empty(); });
+    if (jobs_.empty()) return;  // stopping, and every queued offload is done
+    Job job = std::move(jobs_.front());
+    jobs_.pop_front();
+    std::vector<KvTierChange> changes;
+    if (!job.onload) {
+      const std::shared_ptr<const std::vector<uint8_t>> bytes = queued_.at(job.hash);
+      lock.unlock();
+      const Status st = store_->Put(job.hash, bytes->data(), &changes);
+      lock.lock();
+      queued_.erase(job.hash);
+      if (!st.ok()) {
+        ++offload_failures_;
+        PDSERVE_LOG(WARN) << "KV tiers: a block could not be kept: " << st.message();
+      }
+    } else {
+      Loaded out;
+      out.ticket = job.ticket;
+      for (BlockHash hash : job.hashes) {
+        std::vector<uint8_t> block(static_cast<size_t>(store_->options().block_bytes));
+        if (auto q = queued_.find(hash); q != queued_.end()) {
+          block = *q->second;  // still on its way down
+          out.tiers.push_back(KvTier::kHost);
+        } else {
+          lock.unlock();
+          const std::optional<KvTier> tier = store_->Find(hash);
+          const Status st =
+              tier ? store_->Get(hash, block.data(), &changes) : Status::NotFound("gone");
+          lock.lock();
+          if (!st.ok()) break;
+          out.tiers.push_back(*tier);
+        }
+        out.blocks.push_back(std::move(block));
+      }
+      out.seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - job.asked).count();
+      loaded_.push_back(std::move(out));
+      --onloads_in_flight_;
+    }
+    changes_.insert(changes_.end(), changes.begin(), changes.end());
+    if (job.onload && on_ready_) {
+      lock.unlock();
+      on_ready_();
+      lock.lock();
+    }
+  }
+}
+
+}  // namespace pdserve

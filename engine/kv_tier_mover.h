@@ -1,0 +1,92 @@
+// Moves KV blocks between an engine and its lower tiers (engine/kv_tier_store.h)
+// on a thread of its own, so that the engine's step loop never waits for the
+// tiers' memory copies or disk I/O.
+//
+//  - Offload: the engine hands over a copy of each cached block the block
+//    manager evicts (taken on the engine thread, before the block is reused:
+//    one memcpy, or one device-to-host copy); the mover puts it into the
+//    tiers. Until it is there the copy stays queued here, and a prompt that
+//    needs the block meanwhile gets it from the queue: a write still in
+//    flight is not lost.
+//  - Onload: the engine asks for a run of blocks a prompt continues with;
+//    the mover reads them (host memory or disk) into buffers and reports
+//    them; the engine copies them into the pool and the request goes on.
+//
+// Every change of what the tiers hold is collected for the engine to record
+// as KV events (BlockManager::RecordTierChanges).
+//
+// Thread safety: every method may be called from any thread; `on_ready`
+// runs on the mover's thread after each onload completes.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "engine/kv_tier_store.h"
+
+namespace pdserve {
+
+class KvTierMover {
+ public:
+  struct Loaded {
+    uint64_t ticket = 0;
+    // The leading requested blocks found, in order (a block missing, or
+    // dropped as corrupt, ends the run), with the tier each came from.
+    std::vector<std::vector<uint8_t>> blocks;
+    std::vector<KvTier> tiers;
+    double seconds = 0;  // from the request to the last block read
+  };
+
+  KvTierMover(KvTierStore* store, std::function<void()> on_ready);
+  ~KvTierMover();  // finishes queued offloads, then joins
+  KvTierMover(const KvTierMover&) = delete;
+  KvTierMover& operator=(const KvTierMover&) = delete;
+
+  void Offload(BlockHash hash, std::vector<uint8_t> bytes);
+  // Whether the tiers (or the offload queue) hold `hash` now.
+  bool Holds(BlockHash hash) const;
+  void Onload(uint64_t ticket, std::vector<BlockHash> hashes);
+
+  std::vector<Loaded> TakeLoaded();
+  std::vector<KvTierChange> TakeChanges();
+
+  struct Counters {
+    int64_t offloads_queued = 0;  // now
+    int64_t onloads_in_flight = 0;
+    int64_t offload_failures = 0;  // puts the store refused (disk errors)
+  };
+  Counters counters() const;
+
+ private:
+  struct Job {
+    bool onload = false;
+    BlockHash hash = 0;                           // offload
+    uint64_t ticket = 0;                          // onload
+    std::vector<BlockHash> hashes;                // onload
+    std::chrono::steady_clock::time_point asked;  // onload
+  };
+  void Run();
+
+  KvTierStore* store_;
+  std::function<void()> on_ready_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Job> jobs_;
+  // Offloaded copies not yet in the store, by hash.
+  std::unordered_map<BlockHash, std::shared_ptr<const std::vector<uint8_t>>> queued_;
+  std::vector<Loaded> loaded_;
+  std::vector<KvTierChange> changes_;
+  int64_t onloads_in_flight_ = 0;
+  int64_t offload_failures_ = 0;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+}  // namespace pdserve
