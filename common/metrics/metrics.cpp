@@ -55,6 +55,12 @@ prometheus::Histogram& AddHistogram(prometheus::Registry& registry, const std::s
   return prometheus::BuildHistogram().Name(name).Help(help).Register(registry).Add({}, buckets);
 }
 
+prometheus::Family<prometheus::Histogram>& AddHistogramFamily(prometheus::Registry& registry,
+                                                              const std::string& name,
+                                                              const std::string& help) {
+  return prometheus::BuildHistogram().Name(name).Help(help).Register(registry);
+}
+
 prometheus::Family<prometheus::Counter>& AddCounterFamily(prometheus::Registry& registry,
                                                           const std::string& name,
                                                           const std::string& help) {

@@ -42,6 +42,10 @@ prometheus::Family<prometheus::Counter>& AddCounterFamily(prometheus::Registry& 
 prometheus::Family<prometheus::Gauge>& AddGaugeFamily(prometheus::Registry& registry,
                                                       const std::string& name,
                                                       const std::string& help);
+// Series of a histogram family take their buckets when added.
+prometheus::Family<prometheus::Histogram>& AddHistogramFamily(prometheus::Registry& registry,
+                                                              const std::string& name,
+                                                              const std::string& help);
 
 // Prometheus text exposition format (version 0.0.4) of everything in `registry`.
 std::string Serialize(const prometheus::Registry& registry);

@@ -35,6 +35,11 @@ int RunRouter(int argc, char** argv) {
                       "KV-aware policies, see docs/routing.md)");
   flags.AddDouble("policy-temperature", &o.policy_temperature,
                   "softmax temperature of the kv policy (0: always the cheapest worker)");
+  flags.AddDouble("host-tier-weight", &o.host_tier_weight,
+                  "kv, dynamo: a prompt token in a worker's host-memory KV tier, against one in "
+                  "its device pool (1) and one to compute (0)");
+  flags.AddDouble("disk-tier-weight", &o.disk_tier_weight,
+                  "kv, dynamo: a prompt token in a worker's disk KV tier, likewise");
   flags.AddDouble("replication-copy-cost", &o.replication_copy_cost,
                   "kv: price of copying one token of KV from a busy holder, in prompt tokens of "
                   "prefill (copy time / prefill time; e.g. 0.1); when a hot prefix's holders are "
@@ -71,6 +76,10 @@ int RunRouter(int argc, char** argv) {
   security.AddTo(flags);
   flags.AddString("log-level", &log_level, "debug|info|warn|error");
   ParseFlagsOrExit(flags, argc, argv);
+  for (auto [name, w] : {std::pair{"host-tier-weight", o.host_tier_weight},
+                         {"disk-tier-weight", o.disk_tier_weight}}) {
+    if (!(w >= 0 && w <= 1)) UsageError("router", std::string("--") + name + " must be in [0, 1]");
+  }
 
   LogLevel level;
   if (!ParseLogLevel(log_level, &level))

@@ -43,6 +43,12 @@ int RunWorker(int argc, char** argv) {
                   "open)");
   flags.AddString("worker-id", &o.worker_id, "unique worker name (default: role-host-pid)");
   flags.AddBytes("kv-cache-bytes", &o.kv_cache_bytes, "memory for the paged KV cache");
+  flags.AddBytes("kv-host-cache-bytes", &o.kv_host_cache_bytes,
+                 "host-memory KV tier behind the device pool (0: none)");
+  flags.AddString("kv-disk-cache-dir", &o.kv_disk_cache_dir,
+                  "folder of the local-disk KV tier (\"\": none); a restart on it comes back warm");
+  flags.AddBytes("kv-disk-cache-bytes", &o.kv_disk_cache_bytes,
+                 "size of the disk KV tier (with --kv-disk-cache-dir)");
   flags.AddString("kv-dtype", &kv_dtype, "KV cache type: " + std::string(kKvDTypeChoices));
   flags.AddString("kv-scales", &kv_scales,
                   "calibrated KV scales (pdserve eval --write-kv-scales) for a scaled KV type");
@@ -101,6 +107,10 @@ int RunWorker(int argc, char** argv) {
   if (!staging.ok()) UsageError("worker", "--kv-staging: " + staging.status().message());
   o.kv_staging = *staging;
   if (o.kv_staging_bytes <= 0) UsageError("worker", "--kv-staging-bytes must be positive");
+  if (o.kv_host_cache_bytes < 0) UsageError("worker", "--kv-host-cache-bytes must not be negative");
+  if (o.kv_disk_cache_dir.empty() != (o.kv_disk_cache_bytes == 0) || o.kv_disk_cache_bytes < 0) {
+    UsageError("worker", "--kv-disk-cache-dir and a positive --kv-disk-cache-bytes go together");
+  }
   auto dtype = ParseDType(kv_dtype);
   if (!dtype) {
     UsageError("worker", "--kv-dtype: unknown KV type '" + kv_dtype + "' (" +

@@ -279,13 +279,21 @@ double QueuedWork(const Candidate& c, const PolicyOptions& options) {
          options.decode_weight * static_cast<double>(c.decode_tokens);
 }
 
+double TieredUncachedTokens(const Candidate& c, const PolicyOptions& options) {
+  const double b = static_cast<double>(options.block_tokens);
+  return static_cast<double>(c.uncached_tokens) +
+         (1.0 - options.host_tier_weight) * static_cast<double>(c.host_blocks) * b +
+         (1.0 - options.disk_tier_weight) * static_cast<double>(c.disk_blocks) * b;
+}
+
 double KvCost(const Candidate& c, const PolicyOptions& options) {
-  return static_cast<double>(c.uncached_tokens) + options.load_weight * QueuedWork(c, options);
+  return TieredUncachedTokens(c, options) + options.load_weight * QueuedWork(c, options);
 }
 
 double DynamoCost(const Candidate& c, const PolicyOptions& options) {
-  const double prefill_blocks = static_cast<double>(c.queued_prefill_tokens + c.uncached_tokens) /
-                                static_cast<double>(options.block_tokens);
+  const double prefill_blocks =
+      (static_cast<double>(c.queued_prefill_tokens) + TieredUncachedTokens(c, options)) /
+      static_cast<double>(options.block_tokens);
   const double decode_blocks = CeilDiv(c.decode_tokens, options.block_tokens) +
                                CeilDiv(c.prompt_tokens, options.block_tokens);
   return options.dynamo_overlap_score_weight * prefill_blocks + decode_blocks;

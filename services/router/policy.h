@@ -54,8 +54,12 @@ namespace pdserve::router {
 
 struct Candidate {
   WorkerId worker = 0;
-  int64_t prompt_tokens = 0;          // of this request (equal for every candidate)
-  int64_t overlap_blocks = 0;         // leading prompt blocks it holds
+  int64_t prompt_tokens = 0;   // of this request (equal for every candidate)
+  int64_t overlap_blocks = 0;  // leading prompt blocks it holds (device pool)
+  // The blocks after those it holds in its lower tiers (copied back rather
+  // than computed, at a cost: PolicyOptions host/disk_tier_weight).
+  int64_t host_blocks = 0;
+  int64_t disk_blocks = 0;
   int64_t uncached_tokens = 0;        // prompt tokens it would still compute
   int64_t queued_prefill_tokens = 0;  // prefill work already waiting there
   int64_t decode_tokens = 0;          // tokens of KV in use by running requests
@@ -74,9 +78,15 @@ struct PolicyOptions {
   // the oracle; 0.25 keeps load imbalance near 1.1.
   double load_weight = 0.25;
   double decode_weight = 0.05;  // kv, least_loaded: decode tokens' share of queued work
-  double temperature = 0.0;     // kv: 0 = argmin
-  uint64_t seed = 1;            // random, kv with temperature
-  int64_t block_tokens = 16;    // dynamo, llm-d: tokens per block (RouterCore sets it)
+  // kv, dynamo: what a prompt token found in a lower tier is worth against
+  // one in the device pool (1) and one to compute (0): copying it back costs
+  // time too. Dynamo's KVBM defaults (its router credits host blocks at 0.75
+  // and disk blocks at 0.25 of a device hit).
+  double host_tier_weight = 0.75;
+  double disk_tier_weight = 0.25;
+  double temperature = 0.0;   // kv: 0 = argmin
+  uint64_t seed = 1;          // random, kv with temperature
+  int64_t block_tokens = 16;  // dynamo, llm-d: tokens per block (RouterCore sets it)
 
   // The anchors' shipped defaults (docs/routing.md).
   double dynamo_overlap_score_weight = 1.0;
@@ -108,6 +118,10 @@ StatusOr<std::unique_ptr<RoutingPolicy>> MakePolicy(std::string_view name,
 
 // queued_work as the kv and least_loaded policies see it.
 double QueuedWork(const Candidate& c, const PolicyOptions& options);
+// The prompt tokens a candidate does not hold in its device pool, with those
+// in its lower tiers counted at (1 - their tier's weight): what the kv and
+// dynamo policies weigh as uncached.
+double TieredUncachedTokens(const Candidate& c, const PolicyOptions& options);
 // The kv policy's cost.
 double KvCost(const Candidate& c, const PolicyOptions& options);
 // The dynamo policy's cost (its "logit"; lower is better).

@@ -4,6 +4,7 @@
 #include <bit>
 #include <limits>
 #include <mutex>
+#include <unordered_set>
 
 #include "services/router/detail/block_table.h"
 
@@ -46,7 +47,8 @@ struct PrefixIndex::WorkerState {
   bool open = false;
   bool synced = false;  // a snapshot was applied and no gap seen since
   uint64_t last_seq = 0;
-  std::unique_ptr<BlockTable> blocks;  // the worker's own block set, for purges
+  std::unique_ptr<BlockTable> blocks;        // the worker's own block set, for purges
+  std::unordered_set<BlockHash> host, disk;  // its lower tiers
 };
 
 PrefixIndex::PrefixIndex(PrefixIndexOptions options)
@@ -87,6 +89,37 @@ void PrefixIndex::RemoveWorker(WorkerId worker) {
   PurgeBlocksLocked(worker);
   PurgePendingLocked(worker);
   workers_[worker] = WorkerState{};
+}
+
+void PrefixIndex::StoreLowerLocked(WorkerId worker, KvTier tier,
+                                   std::span<const BlockHash> hashes) {
+  auto& set = tier == KvTier::kHost ? workers_[worker].host : workers_[worker].disk;
+  for (BlockHash h : hashes) {
+    if (set.size() >= options_.max_lower_tier_blocks && !set.count(h)) {
+      ++counters_.rejected_stores;
+      continue;
+    }
+    set.insert(h);
+  }
+}
+
+TierRun PrefixIndex::LowerTierRun(WorkerId worker, std::span<const BlockHash> hashes,
+                                  size_t from) const {
+  std::shared_lock lock(mu_);
+  TierRun run;
+  if (worker >= workers_.size() || !workers_[worker].open) return run;
+  const WorkerState& w = workers_[worker];
+  if (w.host.empty() && w.disk.empty()) return run;
+  for (size_t i = from; i < hashes.size(); ++i) {
+    if (w.host.count(hashes[i])) {
+      ++run.host_blocks;
+    } else if (w.disk.count(hashes[i])) {
+      ++run.disk_blocks;
+    } else {
+      break;
+    }
+  }
+  return run;
 }
 
 void PrefixIndex::StoreLocked(WorkerId worker, std::span<const BlockHash> hashes) {
@@ -189,11 +222,19 @@ ApplyOutcome PrefixIndex::ApplyEvents(WorkerId worker, const KvEventBatch& batch
   }
   w.last_seq = batch.sequence_number;
   for (const KvEvent& event : batch.events) {
-    // Lower-tier holdings are not indexed yet: the index is the device pools'.
     if (const auto* e = std::get_if<KvStored>(&event)) {
-      if (e->tier == KvTier::kDevice) StoreLocked(worker, e->block_hashes);
+      if (e->tier == KvTier::kDevice) {
+        StoreLocked(worker, e->block_hashes);
+      } else {
+        StoreLowerLocked(worker, e->tier, e->block_hashes);
+      }
     } else if (const auto* e = std::get_if<KvRemoved>(&event)) {
-      if (e->tier == KvTier::kDevice) RemoveLocked(worker, e->block_hashes);
+      if (e->tier == KvTier::kDevice) {
+        RemoveLocked(worker, e->block_hashes);
+      } else {
+        auto& set = e->tier == KvTier::kHost ? w.host : w.disk;
+        for (BlockHash h : e->block_hashes) set.erase(h);
+      }
     } else {
       PurgeBlocksLocked(worker);  // KvCleared
       PurgePendingLocked(worker);
@@ -203,13 +244,18 @@ ApplyOutcome PrefixIndex::ApplyEvents(WorkerId worker, const KvEventBatch& batch
   return ApplyOutcome::kApplied;
 }
 
-Status PrefixIndex::ApplySnapshot(WorkerId worker, uint64_t seq,
-                                  std::span<const BlockHash> hashes) {
+Status PrefixIndex::ApplySnapshot(WorkerId worker, uint64_t seq, std::span<const BlockHash> hashes,
+                                  std::span<const BlockHash> host,
+                                  std::span<const BlockHash> disk) {
   std::unique_lock lock(mu_);
   if (worker >= workers_.size() || !workers_[worker].open) {
     return Status::NotFound("snapshot for unknown worker slot " + std::to_string(worker));
   }
   PurgeBlocksLocked(worker);
+  workers_[worker].host.clear();
+  workers_[worker].disk.clear();
+  StoreLowerLocked(worker, KvTier::kHost, host);
+  StoreLowerLocked(worker, KvTier::kDisk, disk);
   const uint64_t applied_before = counters_.events_applied;
   StoreLocked(worker, hashes);
   counters_.events_applied = applied_before;  // a snapshot is not a stream of events
@@ -350,9 +396,11 @@ PrefixIndexStats PrefixIndex::stats() const {
   s.bytes = blocks_->bytes() + pending_->bytes() + spare_pending_->bytes() +
             workers_.capacity() * sizeof(WorkerState);
   s.worker_blocks = 0;
+  s.lower_tier_blocks = 0;
   for (const WorkerState& w : workers_) {
     if (!w.open) continue;
     s.worker_blocks += w.blocks->size();
+    s.lower_tier_blocks += w.host.size() + w.disk.size();
     s.bytes += w.blocks->bytes();
   }
   s.pending_entries = 0;

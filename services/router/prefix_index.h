@@ -31,6 +31,11 @@
 //   entry is dropped at once (they are a short-lived hint; the real index is
 //   untouched) and a spare table, zeroed in small steps by earlier calls,
 //   takes over, so no routing call pays for a pass over the table.
+// - Lower tiers: what a worker holds in its host-memory and disk tiers
+//   (Stored/Removed events of those tiers, and the snapshot's lists) is kept
+//   per worker beside the device index, at most max_lower_tier_blocks per
+//   worker and tier (more are dropped, counted in rejected_stores). TierRun
+//   says how far a prompt continues there past the device prefix.
 // - Thread safety: every method may be called from any thread. Queries take a
 //   shared lock (many routing threads in parallel); event batches, snapshots,
 //   pending updates and purges take it exclusively, for time bounded by the
@@ -66,17 +71,27 @@ enum class ApplyOutcome {
 const char* ApplyOutcomeName(ApplyOutcome outcome);
 
 struct PrefixIndexOptions {
-  size_t max_workers = 256;        // slots; the bitset per block is max_workers bits
-  size_t max_entries = 4u << 20;   // distinct block hashes
-  size_t max_pending = 64u << 10;  // blocks with pending entries
+  size_t max_workers = 256;                 // slots; the bitset per block is max_workers bits
+  size_t max_entries = 4u << 20;            // distinct block hashes
+  size_t max_pending = 64u << 10;           // blocks with pending entries
+  size_t max_lower_tier_blocks = 1u << 20;  // per worker and lower tier
+};
+
+// The blocks a worker holds past its device prefix: a run of the prompt's
+// following blocks, each in its host or disk tier.
+struct TierRun {
+  int64_t host_blocks = 0;
+  int64_t disk_blocks = 0;
+  int64_t blocks() const { return host_blocks + disk_blocks; }
 };
 
 struct PrefixIndexStats {
-  size_t entries = 0;           // distinct block hashes indexed
-  size_t worker_blocks = 0;     // (worker, block) pairs indexed
-  size_t pending_entries = 0;   // (worker, block) pending entries not yet swept or dropped
-  size_t bytes = 0;             // memory held by the index's tables
-  uint64_t events_applied = 0;  // block-level events applied (each hash counts once)
+  size_t entries = 0;            // distinct block hashes indexed
+  size_t worker_blocks = 0;      // (worker, block) pairs indexed
+  size_t lower_tier_blocks = 0;  // (worker, block) pairs in lower tiers
+  size_t pending_entries = 0;    // (worker, block) pending entries not yet swept or dropped
+  size_t bytes = 0;              // memory held by the index's tables
+  uint64_t events_applied = 0;   // block-level events applied (each hash counts once)
   uint64_t batches_applied = 0;
   uint64_t duplicate_batches = 0;
   uint64_t gaps = 0;               // sequence gaps detected
@@ -102,9 +117,11 @@ class PrefixIndex {
   void RemoveWorker(WorkerId worker);
 
   ApplyOutcome ApplyEvents(WorkerId worker, const KvEventBatch& batch);
-  // Resync: `worker` holds exactly `hashes`, as of its batch `seq`; the next
-  // batch expected is seq+1. NotFound for a closed slot.
-  Status ApplySnapshot(WorkerId worker, uint64_t seq, std::span<const BlockHash> hashes);
+  // Resync: `worker` holds exactly `hashes` in its device pool (and `host`,
+  // `disk` in its lower tiers), as of its batch `seq`; the next batch
+  // expected is seq+1. NotFound for a closed slot.
+  Status ApplySnapshot(WorkerId worker, uint64_t seq, std::span<const BlockHash> hashes,
+                       std::span<const BlockHash> host = {}, std::span<const BlockHash> disk = {});
   // Whether `worker`'s batches are being refused until a snapshot.
   bool NeedsResync(WorkerId worker) const;
 
@@ -113,6 +130,10 @@ class PrefixIndex {
   // w < max_workers (0 for closed slots).
   void LeadingOverlap(std::span<const BlockHash> hashes, int64_t now_us,
                       std::vector<uint32_t>* out) const;
+
+  // Blocks hashes[from], hashes[from + 1], ... that `worker` holds in its
+  // lower tiers, up to the first it does not (0 for a closed slot).
+  TierRun LowerTierRun(WorkerId worker, std::span<const BlockHash> hashes, size_t from) const;
 
   // Marks `hashes` as about to be held by `worker` until expires_us.
   void AddPending(WorkerId worker, std::span<const BlockHash> hashes, int64_t now_us,
@@ -130,6 +151,7 @@ class PrefixIndex {
   struct WorkerState;
 
   void StoreLocked(WorkerId worker, std::span<const BlockHash> hashes);
+  void StoreLowerLocked(WorkerId worker, KvTier tier, std::span<const BlockHash> hashes);
   void RemoveLocked(WorkerId worker, std::span<const BlockHash> hashes);
   void PurgeBlocksLocked(WorkerId worker);
   void PurgePendingLocked(WorkerId worker);

@@ -120,8 +120,9 @@ ApplyOutcome RouterCore::OnKvEvents(WorkerId worker, const KvEventBatch& batch) 
   return index_.ApplyEvents(worker, batch);
 }
 
-Status RouterCore::OnSnapshot(WorkerId worker, uint64_t seq, std::span<const BlockHash> hashes) {
-  return index_.ApplySnapshot(worker, seq, hashes);
+Status RouterCore::OnSnapshot(WorkerId worker, uint64_t seq, std::span<const BlockHash> hashes,
+                              std::span<const BlockHash> host, std::span<const BlockHash> disk) {
+  return index_.ApplySnapshot(worker, seq, hashes, host, disk);
 }
 
 Status RouterCore::OnLoad(WorkerId worker, const WorkerLoad& load) {
@@ -140,7 +141,11 @@ Candidate RouterCore::MakeCandidateLocked(Worker& w, int64_t overlap_blocks, int
   c.worker = w.id;
   c.prompt_tokens = prompt_tokens;
   c.overlap_blocks = overlap_blocks;
-  c.uncached_tokens = std::max<int64_t>(0, prompt_tokens - overlap_blocks * options_.block_tokens);
+  const TierRun run = index_.LowerTierRun(w.id, route_hashes_, static_cast<size_t>(overlap_blocks));
+  c.host_blocks = run.host_blocks;
+  c.disk_blocks = run.disk_blocks;
+  c.uncached_tokens =
+      std::max<int64_t>(0, prompt_tokens - (overlap_blocks + run.blocks()) * options_.block_tokens);
   c.queued_prefill_tokens = w.inflight_prefill_tokens;
   c.decode_tokens = w.inflight_decode_tokens;
   c.waiting_requests = w.inflight_prefill_requests;
@@ -182,6 +187,7 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
                                    " is already in flight");
   }
   index_.LeadingOverlap(request.block_hashes, now, &overlap_);
+  route_hashes_ = request.block_hashes;
 
   // Whether a worker's context holds `tokens` (an unknown one is assumed to).
   auto holds = [](const Worker& w, int64_t tokens) {
@@ -213,6 +219,8 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
   decision.decode = d.worker;
   decision.decode_overlap_blocks = d.overlap_blocks;
   decision.prefill_overlap_blocks = d.overlap_blocks;
+  decision.prefill_host_blocks = d.host_blocks;
+  decision.prefill_disk_blocks = d.disk_blocks;
   decision.prefill_tokens = d.uncached_tokens;
   if (!copy_blocks_.empty() && copy_blocks_[d_index] > 0) {
     decision.copy_from = copy_source_;
@@ -234,6 +242,8 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
       decision.copy_blocks = 0;
       decision.prefill = p.worker;
       decision.prefill_overlap_blocks = p.overlap_blocks;
+      decision.prefill_host_blocks = p.host_blocks;
+      decision.prefill_disk_blocks = p.disk_blocks;
       decision.prefill_tokens = p.uncached_tokens;
     }
   }
@@ -273,6 +283,8 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
   }
   counters_.prompt_tokens += request.prompt_tokens;
   counters_.predicted_hit_tokens += request.prompt_tokens - decision.prefill_tokens;
+  counters_.predicted_host_hit_tokens += decision.prefill_host_blocks * options_.block_tokens;
+  counters_.predicted_disk_hit_tokens += decision.prefill_disk_blocks * options_.block_tokens;
   return decision;
 }
 
@@ -301,7 +313,8 @@ void RouterCore::OfferCopiesLocked(int64_t prompt_tokens) {
   copy_blocks_.assign(candidates_.size(), 0);
   for (size_t i = 0; i < candidates_.size(); ++i) {
     Candidate& c = candidates_[i];
-    if (c.overlap_blocks >= best) continue;
+    // A candidate with blocks in its lower tiers copies them back itself.
+    if (c.overlap_blocks >= best || c.host_blocks + c.disk_blocks > 0) continue;
     const int64_t copied = best_tokens - c.overlap_blocks * options_.block_tokens;
     // Rounded so that a copy never looks as cheap as holding the blocks.
     c.uncached_tokens -=

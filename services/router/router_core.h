@@ -97,7 +97,11 @@ struct RouteDecision {
   std::optional<WorkerId> prefill;  // empty: the decode worker prefills locally
   int64_t decode_overlap_blocks = 0;
   int64_t prefill_overlap_blocks = 0;  // of the prefilling worker (== decode's when local)
-  int64_t prefill_tokens = 0;          // tokens the prefilling worker is expected to compute
+  // The blocks after those that the prefilling worker copies back from its
+  // lower tiers instead of computing.
+  int64_t prefill_host_blocks = 0;
+  int64_t prefill_disk_blocks = 0;
+  int64_t prefill_tokens = 0;  // tokens the prefilling worker is expected to compute
   // Replication: before its prefill the decode worker receives blocks
   // [decode_overlap_blocks, decode_overlap_blocks + copy_blocks) of the
   // prompt from copy_from, which holds them (local prefill only).
@@ -126,8 +130,10 @@ struct RouterStats {
   uint64_t local_prefill = 0;
   uint64_t remote_prefill = 0;
   uint64_t prompt_tokens = 0;
-  uint64_t predicted_hit_tokens = 0;  // overlap of the prefilling worker, in tokens
-  uint64_t copies = 0;                // decisions with a replication copy
+  uint64_t predicted_hit_tokens = 0;  // overlap of the prefilling worker, in tokens (tiers too)
+  uint64_t predicted_host_hit_tokens = 0;  // of those, in its host tier
+  uint64_t predicted_disk_hit_tokens = 0;  // and in its disk tier
+  uint64_t copies = 0;                     // decisions with a replication copy
   uint64_t copied_blocks = 0;
   PrefixIndexStats index;
 };
@@ -156,7 +162,9 @@ class RouterCore {
   void SetDraining(WorkerId worker, bool draining);
 
   ApplyOutcome OnKvEvents(WorkerId worker, const KvEventBatch& batch);
-  Status OnSnapshot(WorkerId worker, uint64_t seq, std::span<const BlockHash> hashes);
+  // `host` and `disk`: what the worker holds in its lower tiers.
+  Status OnSnapshot(WorkerId worker, uint64_t seq, std::span<const BlockHash> hashes,
+                    std::span<const BlockHash> host = {}, std::span<const BlockHash> disk = {});
   Status OnLoad(WorkerId worker, const WorkerLoad& load);
 
   // Unavailable when no decode-capable worker is registered, accepting
@@ -205,6 +213,7 @@ class RouterCore {
   RouterStats counters_;
   // Scratch reused by Route() (under mu_) so a decision does not allocate.
   std::vector<uint32_t> overlap_;
+  std::span<const BlockHash> route_hashes_;  // the request Route is deciding
   std::vector<Candidate> candidates_;
   std::vector<int64_t> copy_blocks_;  // per decode candidate: blocks a copy brings
   WorkerId copy_source_ = 0;

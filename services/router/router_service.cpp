@@ -69,6 +69,10 @@ struct RouterMetrics {
         predicted_hit_tokens(metrics::AddCounter(
             r, "pdserve_router_predicted_hit_tokens_total",
             "Prompt tokens the index predicted cached on the prefilling worker")),
+        predicted_tier_hit_tokens(metrics::AddCounterFamily(
+            r, "pdserve_router_predicted_tier_hit_tokens_total",
+            "Prompt tokens the index predicted in a lower KV tier (tier=host|disk) of the "
+            "prefilling worker, past its device prefix")),
         prompt_tokens(
             metrics::AddCounter(r, "pdserve_router_prompt_tokens_total", "Prompt tokens routed")),
         decisions(metrics::AddCounterFamily(r, "pdserve_router_decisions_total",
@@ -131,6 +135,7 @@ struct RouterMetrics {
 
   prometheus::Family<prometheus::Counter>& requests;
   prometheus::Counter& predicted_hit_tokens;
+  prometheus::Family<prometheus::Counter>& predicted_tier_hit_tokens;
   prometheus::Counter& prompt_tokens;
   prometheus::Family<prometheus::Counter>& decisions;
   prometheus::Counter& retries;
@@ -156,11 +161,12 @@ struct WorkerLink {
   std::string name;
   Role role = Role::kBoth;
   std::string control_address;
-  int64_t kv_capacity_blocks = 0;  // as registered
+  int64_t kv_capacity_blocks = 0;                      // as registered
+  int64_t host_tier_blocks = 0, disk_tier_blocks = 0;  // likewise, its lower KV tiers
   bool synced = false;
   bool draining = false;
-  // KvSnapshot chunks being assembled.
-  std::vector<BlockHash> snapshot;
+  // KvSnapshot chunks being assembled: device pool, host tier, disk tier.
+  std::vector<BlockHash> snapshot, snapshot_host, snapshot_disk;
   uint64_t rejected_messages = 0;  // for rate-limited logging
 };
 
@@ -223,6 +229,8 @@ class RouterServiceImpl : public RouterService {
     RouterOptions ro;
     ro.policy = opts_.policy;
     ro.policy_options.temperature = opts_.policy_temperature;
+    ro.policy_options.host_tier_weight = opts_.host_tier_weight;
+    ro.policy_options.disk_tier_weight = opts_.disk_tier_weight;
     ro.block_tokens = opts_.block_size;
     ro.max_local_prefill = opts_.max_local_prefill;
     ro.copy_cost = opts_.replication_copy_cost;
@@ -612,6 +620,14 @@ class RouterServiceImpl : public RouterService {
       const int64_t overlap =
           decision->prefill ? decision->prefill_overlap_blocks : decision->decode_overlap_blocks;
       metrics_.predicted_hit_tokens.Increment(static_cast<double>(overlap * opts_.block_size));
+      if (decision->prefill_host_blocks > 0) {
+        metrics_.predicted_tier_hit_tokens.Add({{"tier", "host"}})
+            .Increment(static_cast<double>(decision->prefill_host_blocks * opts_.block_size));
+      }
+      if (decision->prefill_disk_blocks > 0) {
+        metrics_.predicted_tier_hit_tokens.Add({{"tier", "disk"}})
+            .Increment(static_cast<double>(decision->prefill_disk_blocks * opts_.block_size));
+      }
       metrics_.decisions
           .Add({{"kind", decision->prefill || r.copy_from ? "remote_prefill" : "local_prefill"}})
           .Increment();
@@ -645,32 +661,52 @@ class RouterServiceImpl : public RouterService {
       case proto::Envelope::kKvSnapshot: {
         if (!link.id) return;
         const auto& s = e.kv_snapshot();
+        std::vector<BlockHash>* parts[] = {&link.snapshot, &link.snapshot_host,
+                                           &link.snapshot_disk};
         if (s.chunk_index() == 0) {
-          snapshot_pending_bytes_ -= link.snapshot.size() * sizeof(BlockHash);
-          link.snapshot.clear();
+          for (auto* part : parts) {
+            snapshot_pending_bytes_ -= part->size() * sizeof(BlockHash);
+            part->clear();
+          }
         }
-        // A worker cannot cache more blocks than it has; a snapshot that
-        // claims more is a fault, and must not grow the router without bound.
-        const size_t limit = static_cast<size_t>(
-            std::min<int64_t>(opts_.max_snapshot_blocks, link.kv_capacity_blocks));
-        if (link.snapshot.size() + static_cast<size_t>(s.block_hashes_size()) > limit) {
-          metrics_.control_rejected.Add({{"reason", "snapshot_too_large"}}).Increment();
-          return RefuseLocked(link, "KV snapshot of more than " + std::to_string(limit) +
-                                        " blocks (registered capacity " +
-                                        std::to_string(link.kv_capacity_blocks) + ")");
+        // A worker cannot cache more blocks than it has, in its pool or in
+        // a tier; a snapshot that claims more is a fault, and must not grow
+        // the router without bound.
+        const struct {
+          const google::protobuf::RepeatedField<uint64_t>& hashes;
+          int64_t capacity;
+          const char* what;
+        } tiers[] = {{s.block_hashes(), link.kv_capacity_blocks, "KV"},
+                     {s.host_block_hashes(), link.host_tier_blocks, "host tier"},
+                     {s.disk_block_hashes(), link.disk_tier_blocks, "disk tier"}};
+        for (size_t t = 0; t < 3; ++t) {
+          const size_t limit =
+              static_cast<size_t>(std::min<int64_t>(opts_.max_snapshot_blocks, tiers[t].capacity));
+          if (parts[t]->size() + static_cast<size_t>(tiers[t].hashes.size()) > limit) {
+            metrics_.control_rejected.Add({{"reason", "snapshot_too_large"}}).Increment();
+            return RefuseLocked(link, std::string(tiers[t].what) + " snapshot of more than " +
+                                          std::to_string(limit) + " blocks (registered capacity " +
+                                          std::to_string(tiers[t].capacity) + ")");
+          }
+          parts[t]->insert(parts[t]->end(), tiers[t].hashes.begin(), tiers[t].hashes.end());
+          snapshot_pending_bytes_ +=
+              static_cast<size_t>(tiers[t].hashes.size()) * sizeof(BlockHash);
         }
-        link.snapshot.insert(link.snapshot.end(), s.block_hashes().begin(), s.block_hashes().end());
-        snapshot_pending_bytes_ += static_cast<size_t>(s.block_hashes_size()) * sizeof(BlockHash);
         if (s.last_chunk()) {
-          Status st = core_->OnSnapshot(*link.id, s.sequence(), link.snapshot);
+          Status st = core_->OnSnapshot(*link.id, s.sequence(), link.snapshot, link.snapshot_host,
+                                        link.snapshot_disk);
           if (!st.ok())
             PDSERVE_LOG(WARN) << "worker " << link.name << ": snapshot refused: " << st.message();
           link.synced = st.ok();
           PDSERVE_LOG(INFO) << "worker " << link.name << " synced: " << link.snapshot.size()
-                            << " cached blocks at sequence " << s.sequence();
-          snapshot_pending_bytes_ -= link.snapshot.size() * sizeof(BlockHash);
-          link.snapshot.clear();
-          link.snapshot.shrink_to_fit();
+                            << " cached blocks (" << link.snapshot_host.size()
+                            << " in its host tier, " << link.snapshot_disk.size()
+                            << " on its disk) at sequence " << s.sequence();
+          for (auto* part : parts) {
+            snapshot_pending_bytes_ -= part->size() * sizeof(BlockHash);
+            part->clear();
+            part->shrink_to_fit();
+          }
           UpdateWorkerGaugesLocked();
         }
         return;
@@ -954,6 +990,10 @@ class RouterServiceImpl : public RouterService {
     link.role = *role;
     link.control_address = reg.control_address();
     link.kv_capacity_blocks = static_cast<int64_t>(reg.kv_capacity_blocks());
+    link.host_tier_blocks = static_cast<int64_t>(
+        std::min<uint64_t>(reg.host_tier_capacity_blocks(), opts_.max_snapshot_blocks));
+    link.disk_tier_blocks = static_cast<int64_t>(
+        std::min<uint64_t>(reg.disk_tier_capacity_blocks(), opts_.max_snapshot_blocks));
     by_worker_[*id] = link.conn->id();
     PDSERVE_LOG(INFO) << "worker " << link.name << " registered: role " << RoleName(*role) << ", "
                       << reg.kv_capacity_blocks() << " KV blocks, max_model_len "

@@ -38,6 +38,10 @@ struct RouterServiceOptions {
   int metrics_port = -1;    // -1: /metrics on the HTTP port
   std::string policy = "kv";
   double policy_temperature = 0;  // softmax temperature of the kv policy (0: argmin)
+  // kv and dynamo: a prompt token in a worker's host / disk KV tier against
+  // one in its device pool (PolicyOptions).
+  double host_tier_weight = 0.75;
+  double disk_tier_weight = 0.25;
   int64_t max_local_prefill = kDefaultMaxLocalPrefill;  // see RouterOptions
   // Hot-prefix replication (RouterOptions::copy_cost; 0: off). A copy is a
   // remote prefill by a holder of role both or prefill, which then writes the

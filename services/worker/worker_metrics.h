@@ -64,6 +64,25 @@ struct WorkerMetrics {
                                            "Prompt tokens of requests admitted")),
         generation_tokens(
             metrics::AddCounter(r, "pdserve_generation_tokens_total", "Output tokens produced")),
+        tier_blocks(metrics::AddGaugeFamily(
+            r, "pdserve_kv_tier_blocks",
+            "KV blocks held in a lower tier (tier=host|disk) behind the device pool")),
+        tier_capacity(metrics::AddGaugeFamily(r, "pdserve_kv_tier_capacity_blocks",
+                                              "KV blocks a lower tier can hold")),
+        tier_hit_tokens(metrics::AddCounterFamily(
+            r, "pdserve_kv_tier_hit_tokens_total",
+            "Prompt tokens whose KV was copied back from a lower tier instead of computed")),
+        tier_offload_bytes(metrics::AddCounterFamily(r, "pdserve_kv_tier_offload_bytes_total",
+                                                     "KV bytes written into a lower tier")),
+        tier_onload_bytes(metrics::AddCounterFamily(r, "pdserve_kv_tier_onload_bytes_total",
+                                                    "KV bytes read out of a lower tier")),
+        tier_onload_seconds(metrics::AddHistogramFamily(
+            r, "pdserve_kv_tier_onload_seconds",
+            "Time a request waited for its prefix to come back from the lower tiers (tier: the "
+            "slowest one it came from)")),
+        tier_corrupt(metrics::AddCounter(
+            r, "pdserve_kv_tier_corrupt_blocks_total",
+            "Disk-tier blocks that failed their checksums: dropped, never served")),
         control_buffered_bytes(metrics::AddGauge(
             r, "pdserve_control_buffered_bytes",
             "Bytes held for control connections (routers and peer workers): incomplete "
@@ -96,6 +115,13 @@ struct WorkerMetrics {
   prometheus::Family<prometheus::Counter>& requests;
   prometheus::Counter& prefill_tokens;
   prometheus::Counter& generation_tokens;
+  prometheus::Family<prometheus::Gauge>& tier_blocks;
+  prometheus::Family<prometheus::Gauge>& tier_capacity;
+  prometheus::Family<prometheus::Counter>& tier_hit_tokens;
+  prometheus::Family<prometheus::Counter>& tier_offload_bytes;
+  prometheus::Family<prometheus::Counter>& tier_onload_bytes;
+  prometheus::Family<prometheus::Histogram>& tier_onload_seconds;
+  prometheus::Counter& tier_corrupt;
   prometheus::Gauge& control_buffered_bytes;
 };
 

@@ -103,6 +103,14 @@ class WorkerServiceImpl : public WorkerService {
     eo.model_id = model_id_;  // seeds the block hashes: must be the id the router hashes with
     eo.block_size = opts_.block_size;
     eo.kv_cache_bytes = opts_.kv_cache_bytes;
+    eo.kv_host_cache_bytes = opts_.kv_host_cache_bytes;
+    eo.kv_disk_cache_dir = opts_.kv_disk_cache_dir;
+    eo.kv_disk_cache_bytes = opts_.kv_disk_cache_bytes;
+    // Blocks a request waits for came back from a tier: step again now.
+    eo.on_tier_ready = [this] {
+      { std::lock_guard<std::mutex> lock(cmd_mu_); }
+      cv_.notify_all();
+    };
     eo.kv_dtype = opts_.kv_dtype;
     eo.kv_scales = opts_.kv_scales;
     eo.max_num_seqs = opts_.max_num_seqs;
@@ -111,6 +119,9 @@ class WorkerServiceImpl : public WorkerService {
     auto engine = Engine::Create(model_.get(), eo, tokenizer_.get());
     if (!engine.ok()) return engine.status();
     engine_ = std::move(*engine);
+    // Fixed for the engine's life; read by the control thread at Register.
+    host_tier_blocks_ = engine_->GetStats().tiers.store.host.capacity_blocks;
+    disk_tier_blocks_ = engine_->GetStats().tiers.store.disk.capacity_blocks;
 
     // The KV transport: the whole pool, registered once, as what it is.
     const KvCachePool& pool = engine_->kv_pool();
@@ -312,6 +323,8 @@ class WorkerServiceImpl : public WorkerService {
     r->set_block_size(static_cast<uint32_t>(opts_.block_size));
     r->set_hash_version(kBlockHashVersion);
     r->set_kv_capacity_blocks(static_cast<uint64_t>(engine_->kv_pool().num_blocks()));
+    r->set_host_tier_capacity_blocks(static_cast<uint64_t>(host_tier_blocks_));
+    r->set_disk_tier_capacity_blocks(static_cast<uint64_t>(disk_tier_blocks_));
     r->set_transfer_backend(std::string(transfer_->backend()));
     r->set_layout_hash(layout_.Hash());
     r->set_control_address(control_address_);
@@ -414,9 +427,12 @@ class WorkerServiceImpl : public WorkerService {
     prefill_.CancelAll();
   }
 
+  // Requests parked for lower-tier blocks do not count: the tier thread
+  // wakes the loop when they are back (on_tier_ready).
   bool HasRunnableWork() const {
     const auto s = engine_->GetStats();
-    return s.num_running + s.num_waiting > 0;
+    return s.num_running - s.num_loading + s.num_waiting > 0 ||
+           (s.tiers.enabled && s.num_loading > 0 && s.tiers.onloads_in_flight == 0);
   }
 
   // ------------------------------------------------------ events and load
@@ -491,6 +507,7 @@ class WorkerServiceImpl : public WorkerService {
     metrics_.running.Set(static_cast<double>(s.num_running));
     metrics_.waiting.Set(static_cast<double>(s.num_waiting + s.num_remote_waiting));
     RefreshCacheCounters();
+    if (s.tiers.enabled) RefreshTierMetrics(s.tiers);
     std::lock_guard<std::mutex> lock(counters_mu_);
     if (s.num_preemptions > last_preemptions_) {
       metrics_.preemptions.Increment(static_cast<double>(s.num_preemptions - last_preemptions_));
@@ -512,6 +529,39 @@ class WorkerServiceImpl : public WorkerService {
 
   // Prefix-cache counters straight from the block manager (safe from any
   // thread), so a scrape sees every admission up to now.
+  // Engine thread (it takes the engine's onload records).
+  void RefreshTierMetrics(const EngineTierStats& t) {
+    const struct {
+      const char* name;
+      const KvTierStats::Tier& tier;
+      int64_t hit_tokens;
+      LastTier& last;
+    } tiers[] = {{"host", t.store.host, t.host_hit_tokens, last_host_},
+                 {"disk", t.store.disk, t.disk_hit_tokens, last_disk_}};
+    for (const auto& x : tiers) {
+      if (x.tier.capacity_blocks == 0) continue;
+      const prometheus::Labels label = {{"tier", x.name}};
+      metrics_.tier_blocks.Add(label).Set(static_cast<double>(x.tier.blocks));
+      metrics_.tier_capacity.Add(label).Set(static_cast<double>(x.tier.capacity_blocks));
+      auto bump = [&](prometheus::Family<prometheus::Counter>& f, int64_t now, int64_t& last) {
+        f.Add(label).Increment(static_cast<double>(std::max<int64_t>(0, now - last)));
+        last = std::max(last, now);
+      };
+      bump(metrics_.tier_hit_tokens, x.hit_tokens, x.last.hit_tokens);
+      bump(metrics_.tier_offload_bytes, x.tier.bytes_written, x.last.written);
+      bump(metrics_.tier_onload_bytes, x.tier.bytes_read, x.last.read);
+    }
+    if (t.store.corrupt_dropped > last_corrupt_) {
+      metrics_.tier_corrupt.Increment(static_cast<double>(t.store.corrupt_dropped - last_corrupt_));
+      last_corrupt_ = t.store.corrupt_dropped;
+    }
+    for (const TierOnload& o : engine_->TakeTierOnloads()) {
+      metrics_.tier_onload_seconds
+          .Add({{"tier", o.tier == KvTier::kDisk ? "disk" : "host"}}, metrics::KvTransferBuckets())
+          .Observe(o.seconds);
+    }
+  }
+
   void RefreshCacheCounters() {
     const BlockManagerStats b = engine_->block_manager().GetStats();
     std::lock_guard<std::mutex> lock(counters_mu_);
@@ -525,6 +575,12 @@ class WorkerServiceImpl : public WorkerService {
     }
   }
 
+  struct LastTier {
+    int64_t hit_tokens = 0, written = 0, read = 0;
+  };
+  LastTier last_host_, last_disk_;  // engine thread
+  int64_t host_tier_blocks_ = 0, disk_tier_blocks_ = 0;
+  int64_t last_corrupt_ = 0;
   WorkerOptions opts_;
   std::unique_ptr<kernels::Backend> backend_;
   std::unique_ptr<Model> model_;

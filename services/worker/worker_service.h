@@ -53,6 +53,12 @@ struct WorkerOptions {
   std::string metrics_key_file;      // keys /metrics requires ("" = open); /health stays open
   std::string worker_id;             // "" = role-hostname-pid
   int64_t kv_cache_bytes = 256ll << 20;
+  // Lower KV tiers (engine/kv_tier_store.h): host memory and a local-disk
+  // folder behind the pool; 0 / "" = none. A worker restarted on the same
+  // folder comes back warm (its disk blocks are in its first snapshot).
+  int64_t kv_host_cache_bytes = 0;
+  std::string kv_disk_cache_dir;
+  int64_t kv_disk_cache_bytes = 0;
   DType kv_dtype = DType::kF32;
   std::optional<KvScales> kv_scales;  // calibrated scales for kv_dtype (engine/kv_scales.h)
   int64_t block_size = 16;

@@ -50,6 +50,12 @@ TEST(WorkerCliTest, NcclWithACpuDeviceIsRefused) {
                           "NCCL moves device memory only");
 }
 
+TEST(WorkerCliTest, KvTierFlagsThatDoNotAgreeAreRefused) {
+  ExpectOneLineUsageError(Worker({"--kv-disk-cache-dir", "/tmp/x"}), "--kv-disk-cache-bytes");
+  ExpectOneLineUsageError(Worker({"--kv-disk-cache-bytes", "1GiB"}), "--kv-disk-cache-dir");
+  ExpectOneLineUsageError(Worker({"--kv-host-cache-bytes", "-5"}), "--kv-host-cache-bytes");
+}
+
 // Calibrated KV scales must be readable and of the worker's KV type.
 TEST(WorkerCliTest, KvScalesOfAnotherTypeOrUnreadableAreRefused) {
   const std::string file = std::string(PDSERVE_BINARY_DIR) + "/worker-cli-nvfp4-scales.json";

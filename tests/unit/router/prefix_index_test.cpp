@@ -373,5 +373,55 @@ TEST(PrefixIndexTest, MatchesReferenceUnderRandomEventStreams) {
   EXPECT_GT(longest_overlap, 32u);  // the walk went past two chunks of lookups
 }
 
+// Lower tiers: Stored/Removed events of the host and disk tiers and the
+// snapshot's lists give each worker's run of blocks past its device prefix;
+// a device reset (Cleared) keeps them, removing the worker drops them.
+TEST(PrefixIndexTest, LowerTierRunsFollowTheirEventsAndSnapshots) {
+  PrefixIndex index;
+  ASSERT_TRUE(index.AddWorker(0).ok());
+  ASSERT_TRUE(index.AddWorker(1).ok());
+  const std::vector<BlockHash> host = {3, 4}, disk = {5};
+  ASSERT_TRUE(index.ApplySnapshot(0, 0, std::vector<BlockHash>{1, 2}, host, disk).ok());
+  ASSERT_TRUE(index.ApplySnapshot(1, 0, {}).ok());
+  const std::vector<BlockHash> prompt = {1, 2, 3, 4, 5, 6};
+  EXPECT_EQ(Overlap(index, prompt)[0], 2u);
+  TierRun run = index.LowerTierRun(0, prompt, 2);
+  EXPECT_EQ(run.host_blocks, 2);
+  EXPECT_EQ(run.disk_blocks, 1);
+  EXPECT_EQ(index.LowerTierRun(1, prompt, 0).blocks(), 0);
+  // Block 4 leaves the host tier for the disk: the run goes on through it.
+  KvEventBatch b;
+  b.sequence_number = 1;
+  b.events.push_back(KvRemoved{{4}, KvTier::kHost});
+  b.events.push_back(KvStored{{4}, std::nullopt, KvTier::kDisk});
+  ASSERT_EQ(index.ApplyEvents(0, b), ApplyOutcome::kApplied);
+  run = index.LowerTierRun(0, prompt, 2);
+  EXPECT_EQ(run.host_blocks, 1);
+  EXPECT_EQ(run.disk_blocks, 2);
+  // Block 3 is dropped: the run stops at once.
+  ASSERT_EQ(index.ApplyEvents(0, {2, {KvRemoved{{3}, KvTier::kHost}}}), ApplyOutcome::kApplied);
+  EXPECT_EQ(index.LowerTierRun(0, prompt, 2).blocks(), 0);
+  EXPECT_EQ(index.LowerTierRun(0, prompt, 3).blocks(), 2);
+  // Device events never touch the tiers, and tier events never the device.
+  EXPECT_EQ(Overlap(index, prompt)[0], 2u);
+  ASSERT_EQ(index.ApplyEvents(0, {3, {KvCleared{}}}), ApplyOutcome::kApplied);
+  EXPECT_EQ(Overlap(index, prompt)[0], 0u);
+  EXPECT_EQ(index.LowerTierRun(0, prompt, 3).blocks(), 2) << "a device reset emptied the tiers";
+  EXPECT_EQ(index.stats().lower_tier_blocks, 2u);
+  index.RemoveWorker(0);
+  EXPECT_EQ(index.LowerTierRun(0, prompt, 3).blocks(), 0);
+  EXPECT_EQ(index.stats().lower_tier_blocks, 0u);
+}
+
+TEST(PrefixIndexTest, LowerTiersAreBoundedPerWorker) {
+  PrefixIndexOptions o;
+  o.max_lower_tier_blocks = 3;
+  PrefixIndex index(o);
+  ASSERT_TRUE(index.AddWorker(0).ok());
+  ASSERT_TRUE(index.ApplySnapshot(0, 0, {}, std::vector<BlockHash>{1, 2, 3, 4, 5}, {}).ok());
+  EXPECT_EQ(index.stats().lower_tier_blocks, 3u);
+  EXPECT_EQ(index.stats().rejected_stores, 2u);
+}
+
 }  // namespace
 }  // namespace pdserve::router

@@ -69,6 +69,52 @@ RouterOptions Policy(const std::string& name) {
   return o;
 }
 
+// Lower tiers: a prefix in a worker's host tier counts at the host weight
+// (0.75 by default), on its disk at the disk weight (0.25): the kv policy
+// goes to the worker that holds the prefix in its host tier rather than the
+// one holding a shorter prefix in its pool, and the decision says how many
+// blocks come back from each tier (and computes only the rest).
+TEST(RouterCoreTest, KvCreditsLowerTiersByTheirWeights) {
+  Fixture f(Policy("kv"), {Role::kBoth, Role::kBoth});
+  const auto prompt = Prompt(100, 8);  // 128 tokens
+  f.Store(0, Prompt(100, 2));          // 32 in w0's pool
+  // w1: 2 blocks in its pool, then 4 in its host tier and 1 on its disk.
+  ASSERT_TRUE(f.core
+                  ->OnSnapshot(f.ids[1], 0, std::vector<BlockHash>{100, 101},
+                               std::vector<BlockHash>{102, 103, 104, 105},
+                               std::vector<BlockHash>{106})
+                  .ok());
+  f.seqs[1] = 0;
+  RouteDecision d = f.Route(1, prompt);
+  EXPECT_EQ(f.IndexOf(d.decode), 1u);
+  EXPECT_EQ(d.decode_overlap_blocks, 2);
+  EXPECT_EQ(d.prefill_host_blocks, 4);
+  EXPECT_EQ(d.prefill_disk_blocks, 1);
+  EXPECT_EQ(d.prefill_tokens, 16);  // only the last block is computed
+  const RouterStats st = f.core->stats();
+  EXPECT_EQ(st.predicted_host_hit_tokens, 64u);
+  EXPECT_EQ(st.predicted_disk_hit_tokens, 16u);
+  // The tier's weight decides against queued work: w1's queue outweighs a
+  // host-tier prefix worth 0.75 x 64 + 0.25 x 16 = 52 tokens of prefill,
+  // but not a device prefix.
+  f.core->OnRequestFinished(1);
+  f.Queue(1, 4 * 60);  // 60 tokens of cost at load weight 0.25
+  EXPECT_EQ(f.IndexOf(f.Route(2, prompt).decode), 0u);
+  // Weights of 1 (a tier block as good as a pool block) take it back.
+  RouterOptions o = Policy("kv");
+  o.policy_options.host_tier_weight = 1;
+  o.policy_options.disk_tier_weight = 1;
+  Fixture g(o, {Role::kBoth, Role::kBoth});
+  g.Store(0, Prompt(100, 2));
+  ASSERT_TRUE(g.core
+                  ->OnSnapshot(g.ids[1], 0, std::vector<BlockHash>{100, 101},
+                               std::vector<BlockHash>{102, 103, 104, 105},
+                               std::vector<BlockHash>{106})
+                  .ok());
+  g.Queue(1, 4 * 60);
+  EXPECT_EQ(g.IndexOf(g.Route(1, prompt).decode), 1u);
+}
+
 TEST(RouterCoreTest, KvPicksTheWarmWorkerUnlessItsQueueMakesItCostlier) {
   Fixture f(Policy("kv"), {Role::kBoth, Role::kBoth, Role::kBoth});
   const auto prompt = Prompt(100, 8);  // 128 tokens
