@@ -81,6 +81,21 @@ nlohmann::json ResultJson(const SimOptions& o, const std::string& trace, const S
       {"drain_pushed_blocks", r.drain_pushed_blocks},
       {"hit_rate_after_removal", r.hit_rate_after_removal},
       {"requests_after_removal", r.requests_after_removal},
+      {"host_capacity_blocks", o.host_capacity_blocks},
+      {"disk_capacity_blocks", o.disk_capacity_blocks},
+      {"host_onload_gbps", o.host_onload_gbps},
+      {"host_onload_latency_s", o.host_onload_latency_s},
+      {"disk_onload_gbps", o.disk_onload_gbps},
+      {"disk_onload_latency_s", o.disk_onload_latency_s},
+      {"host_tier_weight", o.policy_options.host_tier_weight},
+      {"disk_tier_weight", o.policy_options.disk_tier_weight},
+      {"host_hit_tokens", r.host_hit_tokens},
+      {"disk_hit_tokens", r.disk_hit_tokens},
+      {"predicted_host_hit_tokens", r.predicted_host_hit_tokens},
+      {"predicted_disk_hit_tokens", r.predicted_disk_hit_tokens},
+      {"onloads", r.onloads},
+      {"onload_bytes", r.onload_bytes},
+      {"onload_wait_mean_s", r.onload_wait_mean_s},
   };
 }
 
@@ -96,6 +111,8 @@ int RunSim(int argc, char** argv) {
   double decode_step_per_seq_ms = o.decode_step_per_seq_s * 1e3;
   double event_delay_ms = o.event_delay_s * 1e3;
   double load_report_ms = o.load_report_interval_s * 1e3;
+  double host_onload_latency_us = o.host_onload_latency_s * 1e6;
+  double disk_onload_latency_us = o.disk_onload_latency_s * 1e6;
   bool json = false;
   flags.AddString("trace", &trace_path,
                   "trace file: JSON lines with timestamp (ms), "
@@ -128,6 +145,21 @@ int RunSim(int argc, char** argv) {
   flags.AddDouble("kv-bytes-per-token", &o.kv_bytes_per_token,
                   "KV cache bytes of one token (all layers), for copy times");
   flags.AddDouble("copy-gbps", &o.copy_gbps, "GB/s of each worker's KV copy link");
+  flags.AddInt("host-blocks", &o.host_capacity_blocks,
+               "host-memory KV tier per worker, in blocks (0: none)");
+  flags.AddInt("disk-blocks", &o.disk_capacity_blocks,
+               "local-disk KV tier per worker, in blocks (0: none)");
+  flags.AddDouble("host-onload-gbps", &o.host_onload_gbps, "GB/s of a host tier -> device copy");
+  flags.AddDouble("host-onload-latency-us", &host_onload_latency_us,
+                  "fixed cost of one block's host tier -> device copy");
+  flags.AddDouble("disk-onload-gbps", &o.disk_onload_gbps, "GB/s of a disk tier read");
+  flags.AddDouble("disk-onload-latency-us", &disk_onload_latency_us,
+                  "fixed cost of one block's disk tier read");
+  flags.AddDouble("host-tier-weight", &o.policy_options.host_tier_weight,
+                  "kv, dynamo: a prompt token in a worker's host tier, against one in its "
+                  "device pool (1) and one to compute (0)");
+  flags.AddDouble("disk-tier-weight", &o.policy_options.disk_tier_weight,
+                  "kv, dynamo: a prompt token in a worker's disk tier, likewise");
   flags.AddDouble("remove-worker-at-s", &o.remove_at_s,
                   "scale-down: at this simulated second a worker drains and leaves (< 0: never)");
   flags.AddInt("remove-worker", &o.remove_worker,
@@ -161,6 +193,8 @@ int RunSim(int argc, char** argv) {
   o.decode_step_per_seq_s = decode_step_per_seq_ms / 1e3;
   o.event_delay_s = event_delay_ms / 1e3;
   o.load_report_interval_s = load_report_ms / 1e3;
+  o.host_onload_latency_s = host_onload_latency_us / 1e6;
+  o.disk_onload_latency_s = disk_onload_latency_us / 1e6;
 
   for (const std::string& name : names) {
     o.policy = name;

@@ -242,6 +242,10 @@ StatusOr<std::unique_ptr<RoutingPolicy>> MakePolicy(std::string_view name,
         "policy weights and temperature must be finite and non-negative");
   }
   if (options.block_tokens <= 0) return Status::InvalidArgument("block_tokens must be positive");
+  if (!(options.host_tier_weight >= 0 && options.host_tier_weight <= 1) ||
+      !(options.disk_tier_weight >= 0 && options.disk_tier_weight <= 1)) {
+    return Status::InvalidArgument("host and disk tier weights must be in [0, 1]");
+  }
   for (double v : {options.dynamo_overlap_score_weight, options.llmd_queue_weight,
                    options.llmd_kv_usage_weight, options.llmd_prefix_weight,
                    options.sglang_cache_threshold, options.sglang_balance_rel_threshold}) {

@@ -12,6 +12,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "services/router/sim_kv_cache.h"
+
 namespace pdserve::router {
 namespace {
 
@@ -34,75 +36,33 @@ StatusOr<int64_t> GetCount(const nlohmann::json& j, const char* key, const std::
   return v;
 }
 
-enum class EventType { kArrival, kWorkerDone, kDeliver, kLoadReport, kCopyDone, kRemove };
+enum class EventType {
+  kArrival,
+  kWorkerDone,
+  kDeliver,
+  kLoadReport,
+  kCopyDone,
+  kRemove,
+  kOnloadDone
+};
 
 struct Event {
   double time;
   uint64_t order;  // FIFO among equal times: keeps event batches in sequence
   EventType type;
-  size_t index;  // request (arrival), worker (done, deliver) or copy
+  size_t index;  // request (arrival, onload), worker (done, deliver) or copy
   bool operator>(const Event& o) const { return time != o.time ? time > o.time : order > o.order; }
 };
 
 class SimWorker {
  public:
-  SimWorker(WorkerId id, int64_t capacity) : id_(id), capacity_(capacity) {}
+  SimWorker(WorkerId id, const SimOptions& o)
+      : cache(o.capacity_blocks, o.host_capacity_blocks, o.disk_capacity_blocks), id_(id) {}
 
   WorkerId id() const { return id_; }
 
-  // Leading blocks of `r` cached here.
-  int64_t CachedPrefix(const TraceRequest& r) const {
-    int64_t n = 0;
-    for (uint64_t h : r.hash_ids) {
-      if (!where_.contains(h)) break;
-      ++n;
-    }
-    return n;
-  }
-
-  // Admits `r` into the cache: touches the hit prefix, inserts the rest so
-  // that earlier blocks end up more recent, evicts from the LRU end. Appends
-  // evicted and newly stored hashes.
-  int64_t Admit(const TraceRequest& r, std::vector<uint64_t>* evicted,
-                std::vector<uint64_t>* stored) {
-    const int64_t hits = CachedPrefix(r);
-    Insert(r.hash_ids, evicted, stored);
-    return hits;
-  }
-
-  // Makes `hashes` (a prompt's leading blocks) cached, earlier ones more
-  // recent; appends evicted and newly stored hashes (stored in prompt order).
-  void Insert(std::span<const uint64_t> hashes, std::vector<uint64_t>* evicted,
-              std::vector<uint64_t>* stored) {
-    for (size_t i = hashes.size(); i-- > 0;) {
-      const uint64_t h = hashes[i];
-      auto it = where_.find(h);
-      if (it != where_.end()) {
-        lru_.splice(lru_.begin(), lru_, it->second);
-      } else {
-        lru_.push_front(h);
-        where_.emplace(h, lru_.begin());
-        stored->push_back(h);
-      }
-    }
-    while (static_cast<int64_t>(lru_.size()) > capacity_) {
-      const uint64_t victim = lru_.back();
-      lru_.pop_back();
-      where_.erase(victim);
-      evicted->push_back(victim);
-    }
-    // A block stored and evicted by the same admission (a prompt larger than
-    // the cache) is reported as neither.
-    if (!evicted->empty()) {
-      std::unordered_set<uint64_t> gone(evicted->begin(), evicted->end());
-      std::erase_if(*stored, [&](uint64_t h) {
-        if (!gone.contains(h)) return false;
-        std::erase(*evicted, h);
-        return true;
-      });
-    }
-    std::reverse(stored->begin(), stored->end());  // prompt order
-  }
+  // Leading blocks of `r` in the device pool.
+  int64_t CachedPrefix(const TraceRequest& r) const { return cache.DevicePrefix(r.hash_ids); }
 
   struct Running {
     size_t request;
@@ -110,26 +70,26 @@ class SimWorker {
   };
   enum class Action { kIdle, kPrefill, kDecode };
 
-  std::deque<size_t> queue;  // waiting for prefill
+  SimKvCache cache;
+  std::deque<size_t> queue;  // waiting for admission
+  std::deque<size_t> ready;  // admitted (lower-tier blocks back), waiting for prefill
   std::vector<Running> running;
   Action action = Action::kIdle;
   size_t current = 0;               // request being prefilled
-  std::vector<uint64_t> to_store;   // its new blocks, announced when it ends
   uint64_t seq = 0;                 // last KV event batch number
   std::deque<KvEventBatch> outbox;  // batches on their way to the router
   int64_t work = 0;
   int64_t routed = 0;
-  double link_free_at = 0;  // when its KV copy link is next idle
+  double link_free_at = 0;       // when its KV copy link is next idle
+  double tier_link_free_at = 0;  // when its tier mover is next idle
   bool draining = false;
   bool removed = false;
   int64_t copies_out = 0;     // copies from it not landed yet
+  int64_t loading = 0;        // requests waiting for their lower-tier blocks
   std::deque<size_t> recent;  // requests admitted, most recent last
 
  private:
   WorkerId id_;
-  int64_t capacity_;
-  std::list<uint64_t> lru_;  // front = most recent
-  std::unordered_map<uint64_t, std::list<uint64_t>::iterator> where_;
 };
 
 struct Copy {
@@ -174,6 +134,19 @@ Status CheckTimes(const SimOptions& o) {
     return Status::InvalidArgument(
         "the worker to remove must be one of the simulated workers (or -1: none)");
   }
+  if (o.host_capacity_blocks < 0 || o.disk_capacity_blocks < 0) {
+    return Status::InvalidArgument("tier capacities must not be negative");
+  }
+  for (double v : {o.host_onload_gbps, o.disk_onload_gbps}) {
+    if (!(v > 0) || !std::isfinite(v)) {
+      return Status::InvalidArgument("onload bandwidths must be finite and positive");
+    }
+  }
+  for (double v : {o.host_onload_latency_s, o.disk_onload_latency_s}) {
+    if (!(v >= 0) || !std::isfinite(v)) {
+      return Status::InvalidArgument("onload latencies must be finite and non-negative");
+    }
+  }
   if (o.drain_push_blocks < 0 || !(o.after_removal_s > 0)) {
     return Status::InvalidArgument(
         "drain push budget must not be negative and the after-removal window must be positive");
@@ -192,7 +165,10 @@ class Simulation {
         core_(core),
         ttft_(trace.size(), 0),
         copied_of_(trace.size(), 0),
-        hit_of_(trace.size(), 0) {}
+        hit_of_(trace.size(), 0),
+        computed_of_(trace.size(), 0),
+        worker_of_(trace.size(), 0),
+        to_store_of_(trace.size()) {}
 
   Status Init() {
     for (int64_t i = 0; i < o_.workers; ++i) {
@@ -200,7 +176,7 @@ class Simulation {
       if (!id.ok()) return id.status();
       PDSERVE_RETURN_IF_ERROR(core_->OnSnapshot(*id, 0, {}));  // empty caches
       by_id_.emplace(*id, workers_.size());
-      workers_.emplace_back(*id, o_.capacity_blocks);
+      workers_.emplace_back(*id, o_);
     }
     return Status::Ok();
   }
@@ -251,6 +227,13 @@ class Simulation {
         case EventType::kCopyDone:
           Land(copies_[e.index]);
           break;
+        case EventType::kOnloadDone: {
+          SimWorker& w = workers_[worker_of_[e.index]];
+          --w.loading;
+          w.ready.push_back(e.index);
+          Kick(w);
+          break;
+        }
         case EventType::kLoadReport:
           ReportLoad();
           if (finished_ < trace_.size()) {
@@ -267,7 +250,14 @@ class Simulation {
     r.requests = static_cast<int64_t>(trace_.size());
     r.prompt_tokens = prompt_tokens_;
     r.hit_tokens = hit_tokens_;
+    r.host_hit_tokens = host_hit_tokens_;
+    r.disk_hit_tokens = disk_hit_tokens_;
     r.predicted_hit_tokens = predicted_hit_tokens_;
+    r.predicted_host_hit_tokens = predicted_host_hit_tokens_;
+    r.predicted_disk_hit_tokens = predicted_disk_hit_tokens_;
+    r.onloads = onloads_;
+    r.onload_bytes = onload_bytes_;
+    r.onload_wait_mean_s = onloads_ > 0 ? onload_wait_s_ / static_cast<double>(onloads_) : 0.0;
     r.oracle_hit_tokens = OracleHitTokens(trace_, o_.block_tokens);
     const double total = std::max<double>(1, static_cast<double>(prompt_tokens_));
     r.hit_rate = static_cast<double>(hit_tokens_) / total;
@@ -331,10 +321,17 @@ class Simulation {
     req.max_new_tokens = r.output_length;
     auto decision = core_->Route(req);
     if (!decision.ok()) return decision.status();
-    predicted_hit_tokens_ +=
-        TokensOfLeadingBlocks(r, decision->prefill_overlap_blocks, o_.block_tokens);
+    const int64_t device = decision->prefill_overlap_blocks;
+    const int64_t host = device + decision->prefill_host_blocks;
+    const int64_t disk = host + decision->prefill_disk_blocks;
+    predicted_hit_tokens_ += TokensOfLeadingBlocks(r, disk, o_.block_tokens);
+    predicted_host_hit_tokens_ += TokensOfLeadingBlocks(r, host, o_.block_tokens) -
+                                  TokensOfLeadingBlocks(r, device, o_.block_tokens);
+    predicted_disk_hit_tokens_ += TokensOfLeadingBlocks(r, disk, o_.block_tokens) -
+                                  TokensOfLeadingBlocks(r, host, o_.block_tokens);
     prompt_tokens_ += r.input_length;
     SimWorker& w = workers_[by_id_.at(decision->decode)];
+    worker_of_[i] = by_id_.at(decision->decode);
     ++w.routed;
     if (decision->copy_from && StartCopy(i, by_id_.at(*decision->copy_from), by_id_.at(w.id()),
                                          decision->decode_overlap_blocks + decision->copy_blocks)) {
@@ -381,11 +378,12 @@ class Simulation {
   void Land(const Copy& c) {
     SimWorker& dst = workers_[c.target];
     const TraceRequest& r = trace_[c.request];
-    std::vector<uint64_t> evicted, stored;
-    dst.Insert(std::span<const uint64_t>(r.hash_ids.data(), static_cast<size_t>(c.blocks)),
-               &evicted, &stored);
-    Emit<KvRemoved>(dst, std::move(evicted));
-    Emit<KvStored>(dst, std::move(stored));
+    std::vector<SimKvChange> changes;
+    std::vector<uint64_t> stored;
+    dst.cache.Admit(std::span<const uint64_t>(r.hash_ids.data(), static_cast<size_t>(c.blocks)),
+                    &changes, &stored);
+    for (uint64_t h : stored) changes.push_back({h, KvTier::kDevice, true});
+    Emit(dst, changes);
     --workers_[c.source].copies_out;
     TryLeave(workers_[c.source]);
     if (c.push) return;
@@ -426,7 +424,7 @@ class Simulation {
   // A draining worker leaves once idle with every copy from it landed.
   void TryLeave(SimWorker& w) {
     if (!w.draining || w.removed || w.action != SimWorker::Action::kIdle || !w.queue.empty() ||
-        !w.running.empty() || w.copies_out > 0) {
+        !w.ready.empty() || w.loading > 0 || !w.running.empty() || w.copies_out > 0) {
       return;
     }
     w.removed = true;
@@ -434,42 +432,89 @@ class Simulation {
     (void)core_->RemoveWorker(w.id());
   }
 
-  // Event: KvStored or KvRemoved, of `hashes`.
-  template <typename Event>
-  void Emit(SimWorker& w, std::vector<uint64_t> hashes) {
-    if (hashes.empty()) return;
+  // One batch of `changes`, runs of the same tier and direction as one event.
+  void Emit(SimWorker& w, const std::vector<SimKvChange>& changes) {
+    if (changes.empty()) return;
     KvEventBatch batch;
     batch.sequence_number = ++w.seq;
-    Event e;
-    e.block_hashes.assign(hashes.begin(), hashes.end());
-    batch.events.emplace_back(std::move(e));
+    for (size_t i = 0; i < changes.size();) {
+      size_t j = i;
+      std::vector<BlockHash> hashes;
+      while (j < changes.size() && changes[j].tier == changes[i].tier &&
+             changes[j].stored == changes[i].stored) {
+        hashes.push_back(changes[j++].hash);
+      }
+      if (changes[i].stored) {
+        batch.events.emplace_back(KvStored{std::move(hashes), std::nullopt, changes[i].tier});
+      } else {
+        batch.events.emplace_back(KvRemoved{std::move(hashes), changes[i].tier});
+      }
+      i = j;
+    }
     w.outbox.push_back(std::move(batch));
     Push(now_ + o_.event_delay_s, EventType::kDeliver, by_id_.at(w.id()));
   }
 
-  // Starts the worker's next action if it is idle.
+  // Takes a queued request into the worker's cache: its device prefix and
+  // the lower-tier run after it are served, the rest is to be computed.
+  // False when it first waits for its lower-tier blocks (kOnloadDone).
+  bool Admit(SimWorker& w, size_t i) {
+    const TraceRequest& r = trace_[i];
+    const int64_t device = w.cache.DevicePrefix(r.hash_ids);
+    const SimLowerRun lower = w.cache.LowerRun(r.hash_ids, device);
+    std::vector<SimKvChange> changes;
+    w.cache.Admit(r.hash_ids, &changes, &to_store_of_[i]);
+    Emit(w, changes);
+    const int64_t served_blocks = device + lower.blocks();
+    const int64_t served = TokensOfLeadingBlocks(r, served_blocks, o_.block_tokens);
+    const int64_t host = TokensOfLeadingBlocks(r, device + lower.host, o_.block_tokens) -
+                         TokensOfLeadingBlocks(r, device, o_.block_tokens);
+    const int64_t disk = served - TokensOfLeadingBlocks(r, device + lower.host, o_.block_tokens);
+    // Blocks this request had copied in are not cache hits.
+    hit_of_[i] = std::max<int64_t>(0, served - copied_of_[i]);
+    hit_tokens_ += hit_of_[i];
+    host_hit_tokens_ += host;
+    disk_hit_tokens_ += disk;
+    computed_of_[i] = r.input_length - served;
+    w.work += computed_of_[i];
+    w.recent.push_back(i);
+    if (w.recent.size() > kRecentRequests) w.recent.pop_front();
+    if (lower.blocks() == 0) return true;
+    // The worker's tier mover copies the blocks back, one at a time; its
+    // prefill and decode steps go on meanwhile.
+    const double seconds =
+        static_cast<double>(lower.host) * o_.host_onload_latency_s +
+        static_cast<double>(host) * o_.kv_bytes_per_token / (o_.host_onload_gbps * 1e9) +
+        static_cast<double>(lower.disk) * o_.disk_onload_latency_s +
+        static_cast<double>(disk) * o_.kv_bytes_per_token / (o_.disk_onload_gbps * 1e9);
+    const double end = std::max(now_, w.tier_link_free_at) + seconds;
+    w.tier_link_free_at = end;
+    ++onloads_;
+    onload_bytes_ += static_cast<double>(host + disk) * o_.kv_bytes_per_token;
+    onload_wait_s_ += end - now_;
+    ++w.loading;
+    Push(end, EventType::kOnloadDone, i);
+    return false;
+  }
+
+  // Starts the worker's next action if it is idle: admits queued requests
+  // until one is ready (those waiting for onloads step aside), prefills the
+  // oldest ready one, else runs a decode step.
   void Kick(SimWorker& w) {
     if (w.action != SimWorker::Action::kIdle) return;
     const size_t wi = by_id_.at(w.id());
-    if (!w.queue.empty()) {
+    while (w.ready.empty() && !w.queue.empty()) {
       const size_t i = w.queue.front();
       w.queue.pop_front();
-      const TraceRequest& r = trace_[i];
-      std::vector<uint64_t> evicted;
-      w.to_store.clear();
-      const int64_t hit_blocks = w.Admit(r, &evicted, &w.to_store);
-      const int64_t hits = TokensOfLeadingBlocks(r, hit_blocks, o_.block_tokens);
-      // Blocks this request had copied in are not cache hits.
-      hit_of_[i] = std::max<int64_t>(0, hits - copied_of_[i]);
-      hit_tokens_ += hit_of_[i];
-      w.recent.push_back(i);
-      if (w.recent.size() > kRecentRequests) w.recent.pop_front();
-      const int64_t computed = r.input_length - hits;
-      w.work += computed;
-      Emit<KvRemoved>(w, std::move(evicted));
+      if (Admit(w, i)) w.ready.push_back(i);
+    }
+    if (!w.ready.empty()) {
+      const size_t i = w.ready.front();
+      w.ready.pop_front();
       w.action = SimWorker::Action::kPrefill;
       w.current = i;
-      Push(now_ + o_.prefill_overhead_s + static_cast<double>(computed) / o_.prefill_tokens_per_s,
+      Push(now_ + o_.prefill_overhead_s +
+               static_cast<double>(computed_of_[i]) / o_.prefill_tokens_per_s,
            EventType::kWorkerDone, wi);
     } else if (!w.running.empty()) {
       w.action = SimWorker::Action::kDecode;
@@ -483,8 +528,10 @@ class Simulation {
     if (w.action == SimWorker::Action::kPrefill) {
       const size_t i = w.current;
       ttft_[i] = now_ - ArrivalTime(i);
-      Emit<KvStored>(w, std::move(w.to_store));
-      w.to_store = {};
+      std::vector<SimKvChange> stored;
+      for (uint64_t h : to_store_of_[i]) stored.push_back({h, KvTier::kDevice, true});
+      Emit(w, stored);
+      to_store_of_[i] = {};
       core_->OnPrefillDone(i);
       const int64_t out = trace_[i].output_length;
       if (out > 0) w.work += 1;  // the first token comes with the prefill
@@ -513,16 +560,19 @@ class Simulation {
       WorkerLoad load;
       for (size_t i : w.queue) {
         const TraceRequest& r = trace_[i];
+        const int64_t device = w.CachedPrefix(r);
+        const int64_t served = device + w.cache.LowerRun(r.hash_ids, device).blocks();
         load.queued_prefill_tokens +=
-            r.input_length - TokensOfLeadingBlocks(r, w.CachedPrefix(r), o_.block_tokens);
+            r.input_length - TokensOfLeadingBlocks(r, served, o_.block_tokens);
       }
+      for (size_t i : w.ready) load.queued_prefill_tokens += computed_of_[i];
       int64_t used_blocks = 0;
       for (const auto& run : w.running) {
         const TraceRequest& r = trace_[run.request];
         used_blocks += BlocksFor(r.input_length + r.output_length - run.remaining, o_.block_tokens);
       }
       load.running = static_cast<int64_t>(w.running.size());
-      load.waiting = static_cast<int64_t>(w.queue.size());
+      load.waiting = static_cast<int64_t>(w.queue.size() + w.ready.size());
       load.total_blocks = o_.capacity_blocks;
       load.free_blocks = std::max<int64_t>(0, o_.capacity_blocks - used_blocks);
       (void)core_->OnLoad(w.id(), load);
@@ -541,9 +591,20 @@ class Simulation {
   std::vector<double> ttft_;
   int64_t prompt_tokens_ = 0;
   int64_t hit_tokens_ = 0;
+  int64_t host_hit_tokens_ = 0;
+  int64_t disk_hit_tokens_ = 0;
   int64_t predicted_hit_tokens_ = 0;
-  std::vector<int64_t> copied_of_;  // per request: tokens copied in for it
-  std::vector<int64_t> hit_of_;     // per request: cache hit tokens
+  int64_t predicted_host_hit_tokens_ = 0;
+  int64_t predicted_disk_hit_tokens_ = 0;
+  int64_t onloads_ = 0;
+  double onload_bytes_ = 0;
+  double onload_wait_s_ = 0;
+  std::vector<int64_t> copied_of_;    // per request: tokens copied in for it
+  std::vector<int64_t> hit_of_;       // per request: cache hit tokens (any tier)
+  std::vector<int64_t> computed_of_;  // per request: prompt tokens its worker computes
+  std::vector<size_t> worker_of_;     // per request: the worker it was routed to
+  std::vector<std::vector<uint64_t>>
+      to_store_of_;  // its new device blocks, announced when computed
   double removed_at_s_ = -1;
   int64_t drain_pushed_blocks_ = 0;
   std::vector<Copy> copies_;

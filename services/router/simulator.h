@@ -17,6 +17,15 @@
 //   tokens / prefill_tokens_per_s and has priority over decode steps.
 // - continuous-batching decode: a step takes decode_step_s +
 //   decode_step_per_seq_s * batch and gives every running request a token.
+// - Lower tiers (host_capacity_blocks, disk_capacity_blocks > 0): the
+//   worker's cache is services/router/sim_kv_cache.h, placing blocks as the
+//   engine's tiers do and announcing every move as the engine's KV events
+//   (KvTier). A request whose device prefix continues in a lower tier waits
+//   for those blocks on the worker's tier mover (one transfer at a time:
+//   per block the tier's latency plus its bytes over the tier's bandwidth)
+//   while the worker prefills and decodes others, then queues for the prefill
+//   of the rest. Offloads cost nothing here: the engine makes them off the
+//   step loop over the other direction of the link.
 // - Load reports every load_report_interval_s.
 // - Replication (policy kv, --replication): when the router decides to copy a
 //   prefix's blocks from a holder (RouterCore copy_cost = copy time / prefill
@@ -34,7 +43,7 @@
 //   hit rate of the requests arriving in the following after_removal_s shows
 //   the dip.
 // TTFT = end of the request's prefill - arrival. Hit rate = cached prompt
-// tokens / prompt tokens at the workers (copied blocks count as copied, not
+// tokens (device or lower tier) / prompt tokens at the workers (copied blocks count as copied, not
 // as hits, for the request that asked for the copy); the oracle is one infinite cache
 // seeing every request in arrival order. Work of a worker = prompt tokens it
 // computed + tokens it generated; load imbalance = max / mean work.
@@ -95,13 +104,25 @@ struct SimOptions {
   bool replication = true;             // hot-prefix copies (policy kv only)
   double kv_bytes_per_token = 131072;  // Llama-3-8B, bf16 KV
   double copy_gbps = 12.5;             // GB/s of a worker's KV copy link
+  // Lower tiers per worker, in blocks (0: none), and what an onload costs:
+  // host memory over PCIe Gen4 x16 from pinned memory, one NVMe Gen4 drive.
+  int64_t host_capacity_blocks = 0;
+  int64_t disk_capacity_blocks = 0;
+  double host_onload_gbps = 25;
+  double host_onload_latency_s = 10e-6;  // per block
+  double disk_onload_gbps = 6;
+  double disk_onload_latency_s = 100e-6;  // per block
 };
 
 struct SimResult {
   int64_t requests = 0;
   int64_t prompt_tokens = 0;
-  int64_t hit_tokens = 0;            // served from the workers' caches
+  int64_t hit_tokens = 0;            // served from the workers' caches, any tier
+  int64_t host_hit_tokens = 0;       // of those, onloaded from a host tier
+  int64_t disk_hit_tokens = 0;       // and from a disk tier
   int64_t predicted_hit_tokens = 0;  // the router's expectation at routing time
+  int64_t predicted_host_hit_tokens = 0;
+  int64_t predicted_disk_hit_tokens = 0;
   int64_t oracle_hit_tokens = 0;
   double hit_rate = 0;
   double oracle_hit_rate = 0;
@@ -119,9 +140,12 @@ struct SimResult {
   int64_t drain_pushed_blocks = 0;    // blocks it pushed to survivors
   double hit_rate_after_removal = 0;  // of requests arriving in the window
   int64_t requests_after_removal = 0;
-  double makespan_s = 0;        // simulated time until the last request finished
-  std::vector<int64_t> work;    // per worker: prompt tokens computed + tokens generated
-  std::vector<int64_t> routed;  // per worker: requests
+  int64_t onloads = 0;  // requests that waited for lower-tier blocks
+  double onload_bytes = 0;
+  double onload_wait_mean_s = 0;  // of those requests, from admission to blocks back
+  double makespan_s = 0;          // simulated time until the last request finished
+  std::vector<int64_t> work;      // per worker: prompt tokens computed + tokens generated
+  std::vector<int64_t> routed;    // per worker: requests
   PrefixIndexStats index;
 };
 

@@ -219,6 +219,91 @@ TEST(SimulatorTest, DrainPushesTheLeavingWorkersPrefixesToTheSurvivors) {
   EXPECT_EQ(RunSimulation(trace, o).status().code(), StatusCode::kInvalidArgument);
 }
 
+// One worker with room for 2 blocks: B pushes A's blocks out of the pool;
+// A again, with one more block, finds them in a lower tier (or nowhere).
+const char* kComeBack =
+    R"({"timestamp": 0, "input_length": 8, "output_length": 1, "hash_ids": [1, 2]}
+{"timestamp": 10000, "input_length": 8, "output_length": 1, "hash_ids": [3, 4]}
+{"timestamp": 20000, "input_length": 12, "output_length": 1, "hash_ids": [1, 2, 5]}
+)";
+
+SimOptions TierOptions() {
+  SimOptions o = SmallOptions("kv", 1, 2);
+  o.kv_bytes_per_token = 1e6;
+  o.host_onload_gbps = 1;          // 8 tokens: 8 ms
+  o.host_onload_latency_s = 1e-3;  // per block
+  o.disk_onload_gbps = 0.5;        // 8 tokens: 16 ms
+  o.disk_onload_latency_s = 2e-3;
+  return o;
+}
+
+TEST(SimulatorTest, EvictedBlocksComeBackFromTheHostTier) {
+  const auto trace = Parse(kComeBack, 4);
+  auto without = RunSimulation(trace, TierOptions());
+  ASSERT_TRUE(without.ok());
+  EXPECT_EQ(without->hit_tokens, 0);
+  SimOptions o = TierOptions();
+  o.host_capacity_blocks = 8;
+  auto r = RunSimulation(trace, o);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->hit_tokens, 8);
+  EXPECT_EQ(r->host_hit_tokens, 8);
+  EXPECT_EQ(r->disk_hit_tokens, 0);
+  // The router followed the host tier's Stored events.
+  EXPECT_EQ(r->predicted_hit_tokens, 8);
+  EXPECT_EQ(r->predicted_host_hit_tokens, 8);
+  EXPECT_EQ(r->onloads, 1);
+  EXPECT_DOUBLE_EQ(r->onload_bytes, 8e6);
+  // TTFTs 8, 8 ms computed; the third: 2 x 1 ms + 8 ms onload + 4 ms of
+  // prefill (against 12 ms computing it all).
+  EXPECT_NEAR(r->onload_wait_mean_s, 0.010, 1e-9);
+  EXPECT_NEAR(r->ttft_mean_s, (0.008 + 0.008 + 0.014) / 3, 1e-9);
+  EXPECT_NEAR(without->ttft_mean_s, (0.008 + 0.008 + 0.012) / 3, 1e-9);
+  EXPECT_EQ(r->index.gaps, 0u);
+}
+
+TEST(SimulatorTest, EvictedBlocksComeBackFromTheDiskTier) {
+  const auto trace = Parse(kComeBack, 4);
+  SimOptions o = TierOptions();
+  o.disk_capacity_blocks = 8;
+  auto r = RunSimulation(trace, o);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->hit_tokens, 8);
+  EXPECT_EQ(r->disk_hit_tokens, 8);
+  EXPECT_EQ(r->predicted_disk_hit_tokens, 8);
+  EXPECT_NEAR(r->onload_wait_mean_s, 2 * 0.002 + 0.016, 1e-9);
+  // A host tier of one block sends the older block to disk: a run of one
+  // host and one disk block.
+  o.host_capacity_blocks = 1;
+  r = RunSimulation(trace, o);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->host_hit_tokens + r->disk_hit_tokens, 8);
+  EXPECT_EQ(r->host_hit_tokens, 4);
+  EXPECT_EQ(r->predicted_host_hit_tokens, 4);
+  EXPECT_EQ(r->predicted_disk_hit_tokens, 4);
+  EXPECT_NEAR(r->onload_wait_mean_s, 0.001 + 0.004 + 0.002 + 0.008, 1e-9);
+}
+
+TEST(SimulatorTest, OnlyTheOnloadingRequestWaits) {
+  // A slow host tier (1 s for A's blocks); C arrives just after A's return
+  // and is prefilled meanwhile.
+  const auto trace =
+      Parse(std::string(kComeBack) +
+                R"({"timestamp": 20001, "input_length": 4, "output_length": 1, "hash_ids": [9]})",
+            4);
+  SimOptions o = TierOptions();
+  o.host_capacity_blocks = 8;
+  o.host_onload_gbps = 8e-3;
+  o.host_onload_latency_s = 0;
+  auto r = RunSimulation(trace, o);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->host_hit_tokens, 8);
+  // TTFTs: 8 ms, 8 ms, C's 4 ms, A's 1 s + 4 ms.
+  EXPECT_NEAR(r->ttft_p50_s, 0.008, 1e-9);
+  EXPECT_NEAR(r->ttft_p99_s, 1.004, 1e-9);
+  EXPECT_NEAR(r->ttft_mean_s, (0.008 + 0.008 + 0.004 + 1.004) / 4, 1e-9);
+}
+
 TEST(SimulatorTest, RejectsBadOptions) {
   const auto trace = Parse(kConversations, 4);
   SimOptions o = SmallOptions("fastest", 2, 100);
@@ -233,6 +318,15 @@ TEST(SimulatorTest, RejectsBadOptions) {
   EXPECT_EQ(RunSimulation(trace, o).status().code(), StatusCode::kInvalidArgument);
   o = SmallOptions("kv", 2, 100);
   o.copy_gbps = -1;
+  EXPECT_EQ(RunSimulation(trace, o).status().code(), StatusCode::kInvalidArgument);
+  o = SmallOptions("kv", 2, 100);
+  o.host_capacity_blocks = -1;
+  EXPECT_EQ(RunSimulation(trace, o).status().code(), StatusCode::kInvalidArgument);
+  o = SmallOptions("kv", 2, 100);
+  o.disk_onload_gbps = 0;
+  EXPECT_EQ(RunSimulation(trace, o).status().code(), StatusCode::kInvalidArgument);
+  o = SmallOptions("kv", 2, 100);
+  o.policy_options.host_tier_weight = 1.5;
   EXPECT_EQ(RunSimulation(trace, o).status().code(), StatusCode::kInvalidArgument);
 }
 
