@@ -1,6 +1,7 @@
 #include "engine/kv_tier_store.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -139,6 +140,12 @@ Status KvTierStore::OpenDisk() {
   const std::string path = options_.disk_dir + "/kv-tier-" + Hex(options_.layout_hash) + ".slab";
   fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
   if (fd_ < 0) return Status::Unavailable(Errno("cannot open " + path));
+  // Two workers on one slab would overwrite each other's slots. The lock
+  // goes with the process, so a worker that was killed leaves none behind.
+  if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+    return Status::Unavailable(
+        Errno(path + " is in use by another process (give every worker its own disk tier folder)"));
+  }
   const off_t want = static_cast<off_t>(disk_slots_ * slot_stride_);
   struct stat st {};
   if (::fstat(fd_, &st) != 0) return Status::Unavailable(Errno("cannot stat " + path));

@@ -9,6 +9,7 @@
 //         a 64-byte header and the block's bytes, each written with one
 //         pwrite and read with one pread (a block is one contiguous range of
 //         the pool, so a tier transfer is one large sequential I/O).
+// One process at a time owns a slab (an advisory lock on the file).
 // Plain buffered I/O: the page cache absorbs the writes, and crash safety
 // does not depend on write ordering or fsync but on the header: block hash,
 // the writing layout's hash, a generation number and checksums of header

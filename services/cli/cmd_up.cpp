@@ -217,6 +217,8 @@ int RunUp(int argc, char** argv) {
   int64_t prefill_metrics_port = 9100, decode_metrics_port = 9200, threads = 0;
   int64_t kv_cache_bytes = 64ll << 20, start_timeout_s = 120, stop_timeout_s = 40;
   int64_t max_local_prefill = 512;
+  int64_t kv_host_cache_bytes = 0, kv_disk_cache_bytes = 0;
+  std::string kv_disk_cache_dir;
   std::string model, model_id, dir = ".pdserve", host = "127.0.0.1", policy = "kv";
   std::string log_level = "info", device = "auto", load_format = "safetensors";
   std::string kv_dtype = "fp32";
@@ -249,6 +251,13 @@ int RunUp(int argc, char** argv) {
   flags.AddBytes("kv-cache-bytes", &kv_cache_bytes, "KV cache memory per worker");
   flags.AddString("kv-dtype", &kv_dtype,
                   "KV cache type of every worker: " + std::string(kKvDTypeChoices));
+  flags.AddBytes("kv-host-cache-bytes", &kv_host_cache_bytes,
+                 "host-memory KV tier per worker (0: none)");
+  flags.AddString("kv-disk-cache-dir", &kv_disk_cache_dir,
+                  "folder of the disk KV tiers: each worker's in a subfolder named after it, so "
+                  "that a restarted stack comes back warm (\"\": none)");
+  flags.AddBytes("kv-disk-cache-bytes", &kv_disk_cache_bytes,
+                 "disk KV tier per worker (with --kv-disk-cache-dir)");
   flags.AddString("dir", &dir, "folder for the logs (DIR/logs) and the default model");
   flags.AddInt("start-timeout", &start_timeout_s, "seconds to wait for the stack to be ready");
   flags.AddInt("stop-timeout", &stop_timeout_s,
@@ -272,6 +281,10 @@ int RunUp(int argc, char** argv) {
   if (threads < 0) UsageError("up", "--threads must not be negative");
   if (max_local_prefill < 0) UsageError("up", "--max-local-prefill must not be negative");
   if (kv_cache_bytes <= 0) UsageError("up", "--kv-cache-bytes must be positive");
+  if (kv_host_cache_bytes < 0) UsageError("up", "--kv-host-cache-bytes must not be negative");
+  if (kv_disk_cache_dir.empty() != (kv_disk_cache_bytes <= 0)) {
+    UsageError("up", "--kv-disk-cache-dir and a positive --kv-disk-cache-bytes go together");
+  }
   if (!ParseDType(kv_dtype)) {
     UsageError("up",
                "--kv-dtype: expected " + std::string(kKvDTypeChoices) + ", got '" + kv_dtype + "'");
@@ -403,6 +416,13 @@ int RunUp(int argc, char** argv) {
         "--log-level",
         log_level};
     if (!model_id.empty()) args.insert(args.end(), {"--model-id", model_id});
+    if (kv_host_cache_bytes > 0) {
+      args.insert(args.end(), {"--kv-host-cache-bytes", std::to_string(kv_host_cache_bytes)});
+    }
+    if (!kv_disk_cache_dir.empty()) {
+      args.insert(args.end(), {"--kv-disk-cache-dir", kv_disk_cache_dir + "/" + id,
+                               "--kv-disk-cache-bytes", std::to_string(kv_disk_cache_bytes)});
+    }
     args.insert(args.end(), {"--cluster-secret-file", secret_file});
     return args;
   };

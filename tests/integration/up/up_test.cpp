@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <fstream>
 #include <regex>
 #include <set>
@@ -60,9 +61,12 @@ TEST(UpTest, ServesThePrintedCurlLineAndStopsEveryChildOnSigterm) {
   const std::string dir = NewTempDir("up-serve");
   // Every prompt prefilled remotely: the decode workers hold connections to
   // the prefill worker when they are stopped.
-  ChildProcess up = ChildProcess::Start(
-      UpArgs(dir, {"--prefill", "1", "--decode", "2", "--max-local-prefill", "0"}),
-      dir + "/up.log");
+  // With KV tiers: each worker gets its own disk tier folder.
+  ChildProcess up =
+      ChildProcess::Start(UpArgs(dir, {"--prefill", "1", "--decode", "2", "--max-local-prefill",
+                                       "0", "--kv-host-cache-bytes", "2MiB", "--kv-disk-cache-dir",
+                                       dir + "/kv", "--kv-disk-cache-bytes", "4MiB"}),
+                          dir + "/up.log");
   ASSERT_TRUE(up.WaitForLog(std::regex("Ctrl-C stops the stack"), 120s)) << up.Log();
   const std::string log = up.Log();
   EXPECT_NE(log.find("1 prefill, 2 decode workers, model pdserve-tiny"), std::string::npos) << log;
@@ -87,6 +91,18 @@ TEST(UpTest, ServesThePrintedCurlLineAndStopsEveryChildOnSigterm) {
     HttpResult r = HttpRequest(port, "GET", "/metrics");
     EXPECT_EQ(r.status, 200) << port;
     EXPECT_NE(r.body.find("pdserve_"), std::string::npos) << port;
+    if (r.body.find("pdserve_router_") == std::string::npos) {
+      EXPECT_TRUE(std::regex_search(
+          r.body, std::regex(R"(pdserve_kv_tier_capacity_blocks\{[^}]*tier="disk"[^}]*\} [1-9])")))
+          << r.body;
+    }
+  }
+  for (const char* name : {"prefill-0", "decode-0", "decode-1"}) {
+    bool slab = false;
+    for (const auto& e : std::filesystem::directory_iterator(dir + "/kv/" + name)) {
+      slab |= e.path().extension() == ".slab";
+    }
+    EXPECT_TRUE(slab) << name;
   }
   // The Prometheus hint names the same addresses.
   EXPECT_TRUE(std::regex_search(log, std::regex(R"(prometheus\.sh --router 127\.0\.0\.1:\d+ )"
@@ -161,6 +177,8 @@ TEST(UpTest, BadFlagsAreUsageErrors) {
            {"--port", "70000"},
            {"--model", "/nonexistent/model"},
            {"--log-level", "loud"},
+           {"--kv-disk-cache-dir", "kv"},
+           {"--kv-host-cache-bytes", "-1"},
        }) {
     std::vector<std::string> argv = {kPdserve, "up"};
     argv.insert(argv.end(), args.begin(), args.end());

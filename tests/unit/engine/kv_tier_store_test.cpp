@@ -155,6 +155,21 @@ TEST(KvTierStoreTest, ReopeningRebuildsTheDiskIndexOfTheSameLayoutOnly) {
   EXPECT_TRUE((*other)->Blocks(KvTier::kDisk).empty());
 }
 
+TEST(KvTierStoreTest, OneProcessAtATimeOwnsADiskFolder) {
+  const std::string dir = testing::NewTempDir("tiers-shared");
+  {
+    auto first = KvTierStore::Open(Options(0, dir, 4));
+    ASSERT_TRUE(first.ok());
+    auto second = KvTierStore::Open(Options(0, dir, 4));
+    ASSERT_FALSE(second.ok());
+    EXPECT_EQ(second.status().code(), StatusCode::kUnavailable);
+    EXPECT_NE(second.status().message().find("in use by another process"), std::string::npos)
+        << second.status().message();
+  }
+  // Released with its owner (a killed process releases it too).
+  EXPECT_TRUE(KvTierStore::Open(Options(0, dir, 4)).ok());
+}
+
 TEST(KvTierStoreTest, RefusesSizesThatHoldNoBlock) {
   KvTierOptions o = Options(0, "", 0);
   o.host_bytes = kBlock - 1;
