@@ -84,17 +84,23 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(Model* model, const EngineOptio
     to.host_bytes = options.kv_host_cache_bytes;
     to.disk_dir = options.kv_disk_cache_dir;
     to.disk_bytes = options.kv_disk_cache_bytes;
+    to.host_memory_from = model->backend();
     auto store = KvTierStore::Open(to);
     if (!store.ok()) return store.status();
     e->tier_store_ = std::move(*store);
-    e->tier_mover_ = std::make_unique<KvTierMover>(e->tier_store_.get(), options.on_tier_ready);
+    // Up to 64 idle transfer buffers are kept: an eviction burst of a long
+    // prompt reuses them rather than allocating page-locked memory again.
+    e->tier_buffers_ = std::make_unique<HostBlockBuffers>(
+        model->backend(), static_cast<size_t>(e->pool_->bytes_per_block()), 64);
+    e->tier_mover_ = std::make_unique<KvTierMover>(e->tier_store_.get(), e->tier_buffers_.get(),
+                                                   options.on_tier_ready);
     // An evicted block's KV, copied while it is still intact (the block
     // manager hands it out right after).
     Engine* self = e.get();
     bm.on_evict = [self](BlockId block, BlockHash hash) {
-      const auto bytes = static_cast<size_t>(self->pool_->bytes_per_block());
-      std::vector<uint8_t> copy(bytes);
-      self->model_->backend()->Download(copy.data(), self->pool_->block(block), bytes);
+      HostBlockBuffers::Buffer copy = self->tier_buffers_->Take();
+      if (!copy) return;  // no host memory left: the block is dropped, as without tiers
+      self->model_->backend()->Download(copy.data(), self->pool_->block(block), copy.size());
       self->tier_mover_->Offload(hash, std::move(copy));
       ++self->offloaded_blocks_;
     };

@@ -53,6 +53,7 @@
 #include "common/dtype.h"
 #include "common/status.h"
 #include "engine/block_manager.h"
+#include "engine/host_block_buffers.h"
 #include "engine/kv_cache.h"
 #include "engine/kv_tier_mover.h"
 #include "engine/kv_tier_store.h"
@@ -252,6 +253,7 @@ class Engine {
   // Lower tiers: the store, and the thread that moves blocks to and from it
   // (declared after the store: it goes first).
   std::unique_ptr<KvTierStore> tier_store_;
+  std::unique_ptr<HostBlockBuffers> tier_buffers_;  // outlives the mover's buffers
   std::unique_ptr<KvTierMover> tier_mover_;
   uint64_t next_load_ticket_ = 1;
   std::unordered_map<uint64_t, RequestId> loads_;  // onload ticket -> request

@@ -1,13 +1,18 @@
 #include "engine/kv_tier_mover.h"
 
 #include <chrono>
+#include <cstring>
 
 #include "common/logging.h"
 
 namespace pdserve {
 
-KvTierMover::KvTierMover(KvTierStore* store, std::function<void()> on_ready)
-    : store_(store), on_ready_(std::move(on_ready)), thread_([this] { Run(); }) {}
+KvTierMover::KvTierMover(KvTierStore* store, HostBlockBuffers* buffers,
+                         std::function<void()> on_ready)
+    : store_(store),
+      buffers_(buffers),
+      on_ready_(std::move(on_ready)),
+      thread_([this] { Run(); }) {}
 
 KvTierMover::~KvTierMover() {
   {
@@ -18,12 +23,12 @@ KvTierMover::~KvTierMover() {
   thread_.join();
 }
 
-void KvTierMover::Offload(BlockHash hash, std::vector<uint8_t> bytes) {
+void KvTierMover::Offload(BlockHash hash, HostBlockBuffers::Buffer bytes) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     // One queued copy per hash: a block evicted again before its first copy
     // landed holds the same KV.
-    if (!queued_.emplace(hash, std::make_shared<const std::vector<uint8_t>>(std::move(bytes)))
+    if (!queued_.emplace(hash, std::make_shared<const HostBlockBuffers::Buffer>(std::move(bytes)))
              .second) {
       return;
     }
@@ -85,7 +90,7 @@ void KvTierMover::Run() {
     jobs_.pop_front();
     std::vector<KvTierChange> changes;
     if (!job.onload) {
-      const std::shared_ptr<const std::vector<uint8_t>> bytes = queued_.at(job.hash);
+      const std::shared_ptr<const HostBlockBuffers::Buffer> bytes = queued_.at(job.hash);
       lock.unlock();
       const Status st = store_->Put(job.hash, bytes->data(), &changes);
       lock.lock();
@@ -98,9 +103,13 @@ void KvTierMover::Run() {
       Loaded out;
       out.ticket = job.ticket;
       for (BlockHash hash : job.hashes) {
-        std::vector<uint8_t> block(static_cast<size_t>(store_->options().block_bytes));
+        lock.unlock();
+        HostBlockBuffers::Buffer block = buffers_->Take();
+        lock.lock();
+        if (!block) break;  // no host memory left: the rest is computed
         if (auto q = queued_.find(hash); q != queued_.end()) {
-          block = *q->second;  // still on its way down
+          // Still on its way down.
+          std::memcpy(block.data(), q->second->data(), block.size());
           out.tiers.push_back(KvTier::kHost);
         } else {
           lock.unlock();

@@ -4,13 +4,15 @@
 //
 //  - Offload: the engine hands over a copy of each cached block the block
 //    manager evicts (taken on the engine thread, before the block is reused:
-//    one memcpy, or one device-to-host copy); the mover puts it into the
+//    one memcpy, or one device-to-host copy into a page-locked buffer of
+//    engine/host_block_buffers.h); the mover puts it into the
 //    tiers. Until it is there the copy stays queued here, and a prompt that
 //    needs the block meanwhile gets it from the queue: a write still in
 //    flight is not lost.
 //  - Onload: the engine asks for a run of blocks a prompt continues with;
-//    the mover reads them (host memory or disk) into buffers and reports
-//    them; the engine copies them into the pool and the request goes on.
+//    the mover reads them (host memory or disk) into such buffers and
+//    reports them; the engine copies them into the pool and the request goes
+//    on.
 //
 // Every change of what the tiers hold is collected for the engine to record
 // as KV events (BlockManager::RecordTierChanges).
@@ -29,6 +31,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "engine/host_block_buffers.h"
 #include "engine/kv_tier_store.h"
 
 namespace pdserve {
@@ -39,17 +42,18 @@ class KvTierMover {
     uint64_t ticket = 0;
     // The leading requested blocks found, in order (a block missing, or
     // dropped as corrupt, ends the run), with the tier each came from.
-    std::vector<std::vector<uint8_t>> blocks;
+    std::vector<HostBlockBuffers::Buffer> blocks;
     std::vector<KvTier> tiers;
     double seconds = 0;  // from the request to the last block read
   };
 
-  KvTierMover(KvTierStore* store, std::function<void()> on_ready);
+  // Onloads read into buffers from `buffers` (of the store's block size).
+  KvTierMover(KvTierStore* store, HostBlockBuffers* buffers, std::function<void()> on_ready);
   ~KvTierMover();  // finishes queued offloads, then joins
   KvTierMover(const KvTierMover&) = delete;
   KvTierMover& operator=(const KvTierMover&) = delete;
 
-  void Offload(BlockHash hash, std::vector<uint8_t> bytes);
+  void Offload(BlockHash hash, HostBlockBuffers::Buffer bytes);
   // Whether the tiers (or the offload queue) hold `hash` now.
   bool Holds(BlockHash hash) const;
   void Onload(uint64_t ticket, std::vector<BlockHash> hashes);
@@ -75,12 +79,13 @@ class KvTierMover {
   void Run();
 
   KvTierStore* store_;
+  HostBlockBuffers* buffers_;
   std::function<void()> on_ready_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Job> jobs_;
   // Offloaded copies not yet in the store, by hash.
-  std::unordered_map<BlockHash, std::shared_ptr<const std::vector<uint8_t>>> queued_;
+  std::unordered_map<BlockHash, std::shared_ptr<const HostBlockBuffers::Buffer>> queued_;
   std::vector<Loaded> loaded_;
   std::vector<KvTierChange> changes_;
   int64_t onloads_in_flight_ = 0;

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <filesystem>
 #include <list>
+#include <new>
 #include <unordered_map>
 
 namespace pdserve {
@@ -110,7 +111,17 @@ StatusOr<std::unique_ptr<KvTierStore>> KvTierStore::Open(const KvTierOptions& op
                                    " bytes holds no block of " +
                                    std::to_string(options.block_bytes) + " bytes");
   }
-  s->host_memory_.resize(static_cast<size_t>(s->host_slots_ * options.block_bytes));
+  if (s->host_slots_ > 0) {
+    const auto bytes = static_cast<size_t>(s->host_slots_ * options.block_bytes);
+    s->host_memory_ = static_cast<uint8_t*>(
+        options.host_memory_from ? options.host_memory_from->AllocateHost(bytes)
+                                 : ::operator new (bytes, std::align_val_t{64}, std::nothrow));
+    if (s->host_memory_ == nullptr) {
+      return Status::ResourceExhausted("cannot allocate the host KV tier's " +
+                                       std::to_string(bytes) + " bytes" +
+                                       (options.host_memory_from ? " of page-locked memory" : ""));
+    }
+  }
   s->host_ = std::make_unique<Tier>(KvTier::kHost, s->host_slots_);
   s->slot_stride_ = (kHeaderBytes + options.block_bytes + kSlotAlign - 1) / kSlotAlign * kSlotAlign;
   if (!options.disk_dir.empty()) {
@@ -128,6 +139,13 @@ StatusOr<std::unique_ptr<KvTierStore>> KvTierStore::Open(const KvTierOptions& op
 
 KvTierStore::~KvTierStore() {
   if (fd_ >= 0) ::close(fd_);
+  if (host_memory_ != nullptr) {
+    if (options_.host_memory_from) {
+      options_.host_memory_from->FreeHost(host_memory_);
+    } else {
+      ::operator delete (host_memory_, std::align_val_t{64});
+    }
+  }
 }
 
 Status KvTierStore::OpenDisk() {
@@ -248,7 +266,7 @@ Status KvTierStore::DemoteLocked(std::unique_lock<std::mutex>& lock,
   h.slots[victim].state = Slot::State::kBusy;
   d.slots[disk_slot].state = Slot::State::kBusy;
   const uint64_t generation = next_generation_++;
-  const uint8_t* bytes = host_memory_.data() + victim * options_.block_bytes;
+  const uint8_t* bytes = host_memory_ + victim * options_.block_bytes;
   lock.unlock();
   const Status written = WriteDiskSlot(disk_slot, hash, generation, bytes);
   lock.lock();
@@ -312,7 +330,7 @@ Status KvTierStore::Put(BlockHash hash, const uint8_t* bytes, std::vector<KvTier
   }
   const int64_t slot = h.free.back();
   h.free.pop_back();
-  std::memcpy(host_memory_.data() + slot * options_.block_bytes, bytes,
+  std::memcpy(host_memory_ + slot * options_.block_bytes, bytes,
               static_cast<size_t>(options_.block_bytes));
   h.Hold(slot, hash, next_generation_++);
   h.bytes_written += options_.block_bytes;
@@ -332,7 +350,7 @@ Status KvTierStore::Get(BlockHash hash, uint8_t* out, std::vector<KvTierChange>*
   Tier& h = *host_;
   Tier& d = *disk_;
   if (auto it = h.index.find(hash); it != h.index.end()) {
-    std::memcpy(out, host_memory_.data() + it->second * options_.block_bytes,
+    std::memcpy(out, host_memory_ + it->second * options_.block_bytes,
                 static_cast<size_t>(options_.block_bytes));
     if (h.slots[it->second].state == Slot::State::kHeld) h.Touch(it->second);
     ++h.hits;

@@ -39,6 +39,7 @@
 #include "common/block_hash.h"
 #include "common/kv_events.h"
 #include "common/status.h"
+#include "kernels/backend.h"
 
 namespace pdserve {
 
@@ -48,6 +49,10 @@ struct KvTierOptions {
   int64_t host_bytes = 0;    // 0: no host tier
   std::string disk_dir;      // "": no disk tier
   int64_t disk_bytes = 0;    // with disk_dir: the slab's size (> 0)
+  // Where the host tier's memory comes from: the device's backend
+  // (AllocateHost: page-locked on CUDA, as the tier's copies to and from the
+  // device want it); null: ordinary memory.
+  kernels::Backend* host_memory_from = nullptr;
 };
 
 // Where the blocks of a Put or an eviction went, for KV events: a block
@@ -125,7 +130,7 @@ class KvTierStore {
   int64_t disk_slots_ = 0;
   int64_t slot_stride_ = 0;  // disk: header + payload, rounded up to 4 KiB
   int fd_ = -1;
-  std::vector<uint8_t> host_memory_;
+  uint8_t* host_memory_ = nullptr;  // host_slots_ blocks
 
   mutable std::mutex mu_;
   std::unique_ptr<Tier> host_, disk_;

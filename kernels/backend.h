@@ -16,6 +16,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <new>
 #include <string>
 
 #include "common/dtype.h"
@@ -225,6 +226,15 @@ class Backend {
   virtual void Free(void* ptr) = 0;
   virtual void Upload(void* dst, const void* host_src, size_t bytes) = 0;
   virtual void Download(void* host_dst, const void* src, size_t bytes) = 0;
+  // Host memory for long-lived buffers that Upload and Download copy from
+  // and to (the lower KV tiers and their transfer buffers): page-locked on
+  // CUDA, so that a copy is one DMA at the link's speed rather than a
+  // staged copy from pageable memory; ordinary 64-byte aligned memory here.
+  // nullptr on failure; the contents are unspecified.
+  virtual void* AllocateHost(size_t bytes) {
+    return ::operator new (bytes == 0 ? 1 : bytes, std::align_val_t{64}, std::nothrow);
+  }
+  virtual void FreeHost(void* ptr) { ::operator delete (ptr, std::align_val_t{64}); }
   // Returns once every op issued so far has finished writing its output, so
   // that another engine (a DMA or network transfer reading the KV pool) sees
   // it. A no-op for backends whose ops finish before they return.

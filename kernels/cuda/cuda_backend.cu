@@ -717,6 +717,25 @@ void CudaBackend::Free(void* ptr) {
   Check(cudaFree(ptr), "cudaFree");
 }
 
+void* CudaBackend::AllocateHost(size_t bytes) {
+  MakeCurrent();  // the context of this device, whichever thread asks
+  void* p = nullptr;
+  // Portable: page-locked for every context, whichever device a later copy
+  // goes to.
+  if (cudaHostAlloc(&p, bytes == 0 ? 1 : bytes, cudaHostAllocPortable) != cudaSuccess) {
+    cudaGetLastError();
+    return nullptr;
+  }
+  return p;
+}
+
+void CudaBackend::FreeHost(void* ptr) {
+  if (ptr == nullptr) return;
+  MakeCurrent();
+  Synchronize();  // a queued copy may still read it
+  Check(cudaFreeHost(ptr), "cudaFreeHost");
+}
+
 void CudaBackend::Upload(void* dst, const void* host_src, size_t bytes) {
   MakeCurrent();
   if (bytes == 0) return;

@@ -38,6 +38,8 @@ class CudaBackend final : public Backend {
   void Free(void* ptr) override;
   void Upload(void* dst, const void* host_src, size_t bytes) override;
   void Download(void* host_dst, const void* src, size_t bytes) override;
+  void* AllocateHost(size_t bytes) override;  // page-locked (cudaHostAlloc)
+  void FreeHost(void* ptr) override;
 
   void Linear(const float* x, int64_t m, const WeightMatrix& w, const float* bias,
               float* y) override;

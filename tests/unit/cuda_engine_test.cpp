@@ -4,12 +4,18 @@
 // them at once (greedy rows sample on the device); with bf16
 // weights (tensor-core products) the first token's log-probabilities stay
 // within 1e-2 relative of the CPU's on the same checkpoint. The Qwen3 and
-// DeepSeek presets' greedy tokens equal the CPU engine's too.
+// DeepSeek presets' greedy tokens equal the CPU engine's too. With a host KV
+// tier (page-locked memory), evicted prefixes come back with the CPU's tokens.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <map>
 #include <random>
+#include <thread>
+
+#if PDSERVE_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
 
 #include "engine/engine.h"
 #include "engine/make_model.h"
@@ -152,6 +158,80 @@ TEST(CudaEngineTest, Bf16WeightsStayCloseToTheCpu) {
     EXPECT_GE(common, 15) << "prompt of " << prompts[id - 1].size() << " tokens";
     EXPECT_LT(std::sqrt(diff / norm), 1e-2) << "prompt of " << prompts[id - 1].size() << " tokens";
   }
+}
+
+// Greedy tokens of each prompt in turn, on an engine whose 12-block pool
+// evicts earlier prompts into a host tier (of `host_blocks`, 0: none).
+// Returns the tokens and the prompt tokens served from the host tier.
+std::pair<std::vector<std::vector<TokenId>>, int64_t> RunInTurnWithAHostTier(
+    kernels::Backend* backend, const std::vector<std::vector<TokenId>>& prompts,
+    int64_t host_blocks) {
+  auto model = Model::Load(testing::TinyModelDir(), backend);
+  EXPECT_TRUE(model.ok()) << model.status().ToString();
+  if (!model.ok()) return {};
+  constexpr int64_t kBlockBytes = 8 << 10;  // tiny model, fp32 KV, 16 tokens
+  EngineOptions options;
+  options.kv_cache_bytes = 12 * kBlockBytes;
+  options.kv_host_cache_bytes = host_blocks * kBlockBytes;
+  auto engine = Engine::Create(model->get(), options);
+  EXPECT_TRUE(engine.ok()) << engine.status().ToString();
+  if (!engine.ok()) return {};
+  std::vector<std::vector<TokenId>> out;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    EngineRequest r;
+    r.id = static_cast<RequestId>(i + 1);
+    r.prompt = prompts[i];
+    r.params.temperature = 0;
+    r.params.max_tokens = 6;
+    r.params.ignore_eos = true;
+    EXPECT_TRUE((*engine)->AddRequest(std::move(r)).ok());
+    out.emplace_back();
+    for (int guard = 0; (*engine)->HasUnfinished() && guard < 100000; ++guard) {
+      auto step = (*engine)->Step();
+      EXPECT_TRUE(step.ok()) << step.status().ToString();
+      if (!step.ok()) break;
+      for (const auto& o : *step) {
+        out.back().insert(out.back().end(), o.new_token_ids.begin(), o.new_token_ids.end());
+      }
+      // Parked for an onload on the tier thread.
+      if (step->empty()) std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  }
+  return {out, (*engine)->GetStats().tiers.host_hit_tokens};
+}
+
+// The host tier on CUDA: evicted blocks go down through page-locked buffers
+// and come back; the tokens are the CPU engine's.
+TEST(CudaEngineTest, EvictedPrefixesComeBackFromTheHostTierWithTheCpuTokens) {
+  auto gpu = kernels::CreateBackend("cuda", 0);
+  if (!gpu.ok()) GTEST_SKIP() << gpu.status().message();
+  auto cpu = kernels::CreateBackend("cpu", 2);
+  ASSERT_TRUE(cpu.ok());
+  // Three 96-token prompts cycle through a pool of two, twice.
+  std::vector<std::vector<TokenId>> prompts;
+  for (int round = 0; round < 2; ++round) {
+    for (uint32_t k = 0; k < 3; ++k) prompts.push_back(Prompt(96, 300 + k));
+  }
+  const auto [want, no_tier_hits] = RunInTurnWithAHostTier(cpu->get(), prompts, 0);
+  const auto [cpu_tiered, cpu_host_hits] = RunInTurnWithAHostTier(cpu->get(), prompts, 64);
+  const auto [got, gpu_host_hits] = RunInTurnWithAHostTier(gpu->get(), prompts, 64);
+  ASSERT_EQ(got.size(), prompts.size());
+  EXPECT_EQ(no_tier_hits, 0);
+  EXPECT_GT(cpu_host_hits, 0);
+  EXPECT_EQ(gpu_host_hits, cpu_host_hits);  // the same blocks came back
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    EXPECT_EQ(cpu_tiered[i], want[i]) << "prompt " << i;
+    EXPECT_EQ(got[i], want[i]) << "prompt " << i;
+  }
+#if PDSERVE_WITH_CUDA
+  // The tier's memory and buffers are page-locked.
+  void* host = (*gpu)->AllocateHost(1 << 20);
+  ASSERT_NE(host, nullptr);
+  cudaPointerAttributes attributes{};
+  ASSERT_EQ(cudaPointerGetAttributes(&attributes, host), cudaSuccess);
+  EXPECT_EQ(attributes.type, cudaMemoryTypeHost);
+  (*gpu)->FreeHost(host);
+#endif
 }
 
 TEST(CudaEngineTest, UnknownOrMissingDevicesAreClearErrors) {
