@@ -131,6 +131,7 @@ struct RouterMetrics {
     for (const char* outcome : {"started", "finished", "failed"}) {
       replications.Add({{"outcome", outcome}});
     }
+    for (const char* tier : {"host", "disk"}) predicted_tier_hit_tokens.Add({{"tier", tier}});
   }
 
   prometheus::Family<prometheus::Counter>& requests;

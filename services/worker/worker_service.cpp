@@ -543,6 +543,9 @@ class WorkerServiceImpl : public WorkerService {
       const prometheus::Labels label = {{"tier", x.name}};
       metrics_.tier_blocks.Add(label).Set(static_cast<double>(x.tier.blocks));
       metrics_.tier_capacity.Add(label).Set(static_cast<double>(x.tier.capacity_blocks));
+      // From the first refresh on, as the counters: rate() and quantiles
+      // over it are defined before the first onload.
+      metrics_.tier_onload_seconds.Add(label, metrics::KvTransferBuckets());
       auto bump = [&](prometheus::Family<prometheus::Counter>& f, int64_t now, int64_t& last) {
         f.Add(label).Increment(static_cast<double>(std::max<int64_t>(0, now - last)));
         last = std::max(last, now);

@@ -232,6 +232,19 @@ function deviceFlags(r, role) {
   };
 }
 
+// The lower KV tier flags of a worker pool, and the mount and volume at its
+// disk tier's folder.
+function kvTiers(r, role) {
+  const d = r.deployment(role);
+  const f = flags(mainContainer(d));
+  const pick = (n) => (f.has(n) ? f.get(n) : undefined);
+  const dir = pick('kv-disk-cache-dir');
+  const mount = dir === undefined ? undefined : (mainContainer(d).volumeMounts || []).find((m) => m.mountPath === dir);
+  const volume = mount && podSpec(d).volumes.find((v) => v.name === mount.name);
+  return { host: pick('kv-host-cache-bytes'), dir, bytes: pick('kv-disk-cache-bytes'), mount, volume };
+}
+const noKvTiers = { host: undefined, dir: undefined, bytes: undefined, mount: undefined, volume: undefined };
+
 describe('helm lint --strict', () => {
   for (const [label, files] of [['default values', []], ['values-cpu.yaml', [cpuValues]], ['values-full.yaml', [fullValues]]]) {
     test(label, () => {
@@ -278,6 +291,12 @@ describe('default values', () => {
     for (const role of ['prefill', 'decode']) {
       assert.deepEqual(deviceFlags(r, role), { device: 'cuda', threads: undefined, transfer: 'ucx',
         staging: 'auto', stagingBytes: undefined, ncclEnv: {} }, role);
+    }
+  });
+  test('no lower KV tiers: no tier flags, no disk tier volume', () => {
+    for (const role of ['prefill', 'decode']) {
+      assert.deepEqual(kvTiers(r, role), noKvTiers, role);
+      assert.ok(!podSpec(r.deployment(role)).volumes.some((v) => v.name === 'kv-disk'), role);
     }
   });
   test('/dev/shm is large enough for NCCL (1Gi or more)', () => {
@@ -619,6 +638,20 @@ describe('values-full.yaml', () => {
     assert.deepEqual(deviceFlags(r, 'decode'), { device: 'cuda', ...common });
     assert.ok(!('kv-transfer' in Object.fromEntries(flags(mainContainer(r.deployment('router'))))), 'router gets no KV flags');
   });
+  test('KV tiers: prefill\'s disk tier on a node directory, decode\'s on an emptyDir sized from it', () => {
+    const prefill = kvTiers(r, 'prefill');
+    assert.deepEqual([prefill.host, prefill.dir, prefill.bytes], ['32GiB', '/var/cache/pdserve-kv', '2TiB']);
+    assert.ok(!prefill.mount.readOnly, 'the worker writes its disk tier');
+    // A replaced pod on the node finds its blocks again.
+    assert.deepEqual(prefill.volume.hostPath, { path: '/mnt/nvme0/pdserve-kv-prefill', type: 'DirectoryOrCreate' });
+    assert.equal(prefill.volume.emptyDir, undefined);
+    const decode = kvTiers(r, 'decode');
+    assert.deepEqual([decode.host, decode.dir, decode.bytes], ['16GiB', '/kv-disk', '200GiB']);
+    assert.ok(!decode.mount.readOnly, 'the worker writes its disk tier');
+    // 200GiB plus 5%.
+    assert.deepEqual(decode.volume.emptyDir, { sizeLimit: '215040Mi' });
+    assert.equal(decode.volume.hostPath, undefined);
+  });
   test('RDMA: device resource, UCX environment and IPC_LOCK on workers only', () => {
     checkSecurity(r, { rdma: true });
     for (const role of ['prefill', 'decode']) {
@@ -802,6 +835,34 @@ describe('targeted overrides', () => {
     assert.notEqual(res.status, 0);
     assert.match(res.stderr, /model.download.repo is required/);
   });
+  test('KV tiers: one pool alone, the host tier alone, sizes (and the pool\'s) from a values file in decimal', () => {
+    const host = render({ set: ['decode.kvTiers.hostCacheBytes=64GiB'] });
+    assert.deepEqual(kvTiers(host, 'decode'), { ...noKvTiers, host: '64GiB' });
+    assert.deepEqual(kvTiers(host, 'prefill'), noKvTiers);
+    // A values file makes floats of integers; the flags still get plain digits.
+    const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'pdserve-helm-'));
+    try {
+      const file = path.join(dir, 'tiers.yaml');
+      fs.writeFileSync(file, YAML.stringify({ prefill: { kvCacheBytes: 42949672960, kvTiers: { hostCacheBytes: 68719476736,
+        disk: { enabled: true, sizeBytes: 536870912000, mountPath: '/kv', sizeLimit: '600Gi' } } } }));
+      const r = render({ files: [file] });
+      const t = kvTiers(r, 'prefill');
+      assert.deepEqual([t.host, t.dir, t.bytes], ['68719476736', '/kv', '536870912000']);
+      assert.deepEqual(t.volume.emptyDir, { sizeLimit: '600Gi' });
+      assert.equal(flags(mainContainer(r.deployment('prefill'))).get('kv-cache-bytes'), '42949672960');
+    } finally {
+      fs.rmSync(dir, { recursive: true });
+    }
+  });
+  test('a disk tier without sizeBytes is refused with its message', () => {
+    for (const role of ['prefill', 'decode']) {
+      for (const extra of [[], ['--set', `${role}.kvTiers.disk.sizeBytes=0`]]) {
+        const res = runHelm(['template', release, chart, '--set', `${role}.kvTiers.disk.enabled=true`, ...extra]);
+        assert.notEqual(res.status, 0, `${role} ${extra}`);
+        assert.match(res.stderr, new RegExp(`${role}\\.kvTiers\\.disk\\.sizeBytes is required when ${role}\\.kvTiers\\.disk\\.enabled is true`));
+      }
+    }
+  });
   test('replica counts and zero GPUs', () => {
     const r = render({ set: ['prefill.replicas=0', 'decode.replicas=5', 'router.replicas=2', 'decode.gpus=0', 'decode.device=cpu'] });
     assert.equal(r.deployment('prefill').spec.replicas, 0);
@@ -857,6 +918,12 @@ describe('values.schema.json rejects bad values with its message', () => {
     [['kvTransfer=nccl', 'decode.device=cpu', 'decode.gpus=0'], /at '\/decode\/device': 'cpu' does not match pattern '\^\(auto\|cuda/],
     [['kvStaging.mode=sometimes'], /at '\/kvStaging\/mode': value must be one of 'auto', 'always', 'never'/],
     [['kvStaging.bytes=lots'], /at '\/kvStaging\/bytes'/],
+    // Lower KV tiers.
+    [['prefill.kvTiers.hostCacheBytes=lots'], /at '\/prefill\/kvTiers\/hostCacheBytes'/],
+    [['decode.kvTiers.disk.sizeBytes=1PB'], /at '\/decode\/kvTiers\/disk\/sizeBytes'/],
+    [['decode.kvTiers.disk.mountPath=kv'], /at '\/decode\/kvTiers\/disk\/mountPath': 'kv' does not match pattern/],
+    [['prefill.kvTiers.disk.hostPath=nvme'], /at '\/prefill\/kvTiers\/disk\/hostPath': 'nvme' does not match pattern/],
+    [['prefill.kvTiers.disk.enable=true'], /at '\/prefill\/kvTiers\/disk': additional properties 'enable' not allowed/],
   ];
   for (const [set, message] of cases) {
     test(set.join(' '), () => {

@@ -33,6 +33,10 @@ const knownMetrics = new Set([
   'pdserve_router_prompt_tokens_total', 'pdserve_router_decisions_total',
   'pdserve_router_time_to_first_token_seconds', 'pdserve_router_route_seconds',
   'pdserve_router_kv_event_gaps_total', 'pdserve_router_workers',
+  // Lower KV tiers (label tier: host or disk).
+  'pdserve_kv_tier_blocks', 'pdserve_kv_tier_capacity_blocks', 'pdserve_kv_tier_hit_tokens_total',
+  'pdserve_kv_tier_offload_bytes_total', 'pdserve_kv_tier_onload_bytes_total', 'pdserve_kv_tier_onload_seconds',
+  'pdserve_kv_tier_corrupt_blocks_total', 'pdserve_router_predicted_tier_hit_tokens_total',
 ]);
 const metricsIn = (expr) => [...expr.matchAll(/\b(pdserve_[a-z_]+)/g)].map((m) => m[1]);
 const baseName = (m) => m.replace(/_bucket$/, '');
@@ -135,6 +139,27 @@ describe('required panels', () => {
     assert.match(exprsFor(/^Workers by state/)[0], /^max by \(role, state\) \(pdserve_router_workers\{/);
     assert.match(exprsFor(/^KV event gaps/)[0], /increase\(pdserve_router_kv_event_gaps_total\{/);
   });
+  test('KV tiers: hit rate per tier over the prefix cache queries, predicted vs actual, onload p50/p99 per tier', () => {
+    const [tiers, device] = exprsFor(/^KV tier hit rate/);
+    assert.match(tiers, /^sum by \(tier\) \(rate\(pdserve_kv_tier_hit_tokens_total\{[^}]*\}\[\$__rate_interval\]\)\) \/ ignoring \(tier\) group_left sum \(rate\(pdserve_prefix_cache_queries_tokens_total\{[^}]*\}\[\$__rate_interval\]\)\)$/);
+    assert.match(device, hitRate(''));
+    const [predicted, actual] = exprsFor(/^KV tier hits: router prediction/);
+    assert.match(predicted, /^sum by \(tier\) \(rate\(pdserve_router_predicted_tier_hit_tokens_total\{/);
+    assert.match(actual, /^sum by \(tier\) \(rate\(pdserve_kv_tier_hit_tokens_total\{/);
+    const onload = exprsFor(/^KV tier onload latency/);
+    assert.equal(onload.length, 2);
+    [0.5, 0.99].forEach((q, i) => assert.match(onload[i], new RegExp(
+      `^histogram_quantile\\(${q}, sum by \\(tier, le\\) \\(rate\\(pdserve_kv_tier_onload_seconds_bucket\\{[^}]*\\}\\[\\$__rate_interval\\]\\)\\)\\)$`)));
+  });
+  test('KV tiers: blocks held vs capacity, bytes in and out, corrupt blocks', () => {
+    const [held, capacity] = exprsFor(/^KV tier blocks held vs capacity/);
+    assert.match(held, /^sum by \(pool, tier\) \(pdserve_kv_tier_blocks\{/);
+    assert.match(capacity, /^sum by \(pool, tier\) \(pdserve_kv_tier_capacity_blocks\{/);
+    const [offload, onload] = exprsFor(/^KV tier offload and onload/);
+    assert.match(offload, /rate\(pdserve_kv_tier_offload_bytes_total\{/);
+    assert.match(onload, /rate\(pdserve_kv_tier_onload_bytes_total\{/);
+    assert.match(exprsFor(/^KV tier corrupt blocks/)[0], /increase\(pdserve_kv_tier_corrupt_blocks_total\{/);
+  });
 });
 
 test('README describes every dashboard panel and every alert', () => {
@@ -155,7 +180,7 @@ describe('dashboard-queries.sh', () => {
   test('--resolve leaves no dashboard variable', () => {
     for (const r of list('--resolve')) {
       assert.doesNotMatch(r.expr, /\$/, r.panel);
-      assert.match(r.expr, /\[1m\]|pdserve_(requests|kv_cache_usage|router_workers)/, r.panel);
+      assert.match(r.expr, /\[1m\]|pdserve_(requests|kv_cache_usage|router_workers|kv_tier_blocks|kv_tier_capacity_blocks)/, r.panel);
     }
   });
   test('bad arguments: one-line error, exit 2', () => {

@@ -223,6 +223,41 @@ matchExpressions:
 {{- end }}
 {{- end }}
 
+{{/* KV tiers ------------------------------------------------------------------ */}}
+
+{{/* A byte count as the worker's flags take it: a string as given, a number
+     in decimal (values files turn integers into floats, which print as
+     5e+11). */}}
+{{- define "pdserve.byteCount" -}}
+{{- if kindIs "string" . }}{{ . }}{{ else }}{{ printf "%d" (int64 .) }}{{ end }}
+{{- end }}
+
+{{/* --kv-disk-cache-bytes of a pool whose disk tier is enabled: the worker
+     refuses the folder without a size, so the render fails first. Takes
+     (dict "role" name "disk" .kvTiers.disk). */}}
+{{- define "pdserve.kvDiskBytes" -}}
+{{- $b := include "pdserve.byteCount" (default "" .disk.sizeBytes) }}
+{{- if not (regexMatch "[1-9]" $b) }}
+{{- fail (printf "%s.kvTiers.disk.sizeBytes is required when %s.kvTiers.disk.enabled is true: the size of the disk KV tier's file, e.g. 500GiB" .role .role) }}
+{{- end }}
+{{- $b }}
+{{- end }}
+
+{{/* Size limit of the emptyDir holding a pool's disk tier: disk.sizeLimit, or
+     sizeBytes plus 5% in Mi (the worker's file never grows past sizeBytes).
+     Takes the same dict as pdserve.kvDiskBytes. */}}
+{{- define "pdserve.kvDiskSizeLimit" -}}
+{{- if .disk.sizeLimit }}
+{{- include "pdserve.byteCount" .disk.sizeLimit }}
+{{- else }}
+{{- $b := include "pdserve.kvDiskBytes" . }}
+{{- $n := regexFind "^[0-9]+" $b }}
+{{- $units := dict "" 1 "K" 1024 "KiB" 1024 "M" 1048576 "MiB" 1048576 "G" 1073741824 "GiB" 1073741824 "T" 1099511627776 "TiB" 1099511627776 }}
+{{- $bytes := mul (int64 $n) (get $units (trimPrefix $n $b)) }}
+{{- printf "%dMi" (div (add $bytes (div $bytes 20) 1048575) 1048576) }}
+{{- end }}
+{{- end }}
+
 {{/* Security ------------------------------------------------------------------ */}}
 
 {{/* Container security context; takes (dict "ctx" $ "rdma" bool). With RDMA the
