@@ -293,6 +293,12 @@ describe('default values', () => {
         staging: 'auto', stagingBytes: undefined, ncclEnv: {} }, role);
     }
   });
+  test('kv routing with hot-prefix replication and drain pushes on', () => {
+    const rf = flags(mainContainer(r.deployment('router')));
+    assert.equal(rf.get('policy'), 'kv');
+    assert.equal(rf.get('replication-copy-cost'), '0.1');
+    assert.equal(rf.get('drain-push-blocks'), '4096');
+  });
   test('no lower KV tiers: no tier flags, no disk tier volume', () => {
     for (const role of ['prefill', 'decode']) {
       assert.deepEqual(kvTiers(r, role), noKvTiers, role);
@@ -638,6 +644,11 @@ describe('values-full.yaml', () => {
     assert.deepEqual(deviceFlags(r, 'decode'), { device: 'cuda', ...common });
     assert.ok(!('kv-transfer' in Object.fromEntries(flags(mainContainer(r.deployment('router'))))), 'router gets no KV flags');
   });
+  test('replication and drain pushes turned off', () => {
+    const rf = flags(mainContainer(r.deployment('router')));
+    assert.equal(rf.get('replication-copy-cost'), '0');
+    assert.equal(rf.get('drain-push-blocks'), '0');
+  });
   test('KV tiers: prefill\'s disk tier on a node directory, decode\'s on an emptyDir sized from it', () => {
     const prefill = kvTiers(r, 'prefill');
     assert.deepEqual([prefill.host, prefill.dir, prefill.bytes], ['32GiB', '/var/cache/pdserve-kv', '2TiB']);
@@ -890,6 +901,8 @@ describe('values.schema.json rejects bad values with its message', () => {
     [['model.storage.type=nfs'], /at '\/model\/storage\/type': value must be one of 'existingClaim', 'newClaim', 'hostPath', 'download', 'tiny'/],
     [['decode.gpus=two'], /at '\/decode\/gpus': got string, want integer/],
     [['routing.policy=fastest'], /at '\/routing\/policy': value must be one of 'kv', 'dynamo', 'llm-d', 'sglang', 'production-stack', 'round_robin', 'least_loaded', 'random'/],
+    [['routing.replicationCopyCost=-1'], /at '\/routing\/replicationCopyCost': minimum: got -1, want 0/],
+    [['routing.drainPushBlocks=-5'], /at '\/routing\/drainPushBlocks': minimum: got -5, want 0/],
     [['prefill.kvCacheBytes=lots'], /at '\/prefill\/kvCacheBytes'/],
     [['router.httpPort=70000'], /at '\/router\/httpPort': maximum: got 70,000, want 65,535/],
     [['replica=2'], /additional properties 'replica' not allowed/],
