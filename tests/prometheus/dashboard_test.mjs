@@ -149,7 +149,9 @@ describe('required panels', () => {
     const onload = exprsFor(/^KV tier onload latency/);
     assert.equal(onload.length, 2);
     [0.5, 0.99].forEach((q, i) => assert.match(onload[i], new RegExp(
-      `^histogram_quantile\\(${q}, sum by \\(tier, le\\) \\(rate\\(pdserve_kv_tier_onload_seconds_bucket\\{[^}]*\\}\\[\\$__rate_interval\\]\\)\\)\\)$`)));
+      // Tiers without onloads in the interval are left out, not drawn as NaN.
+      `^histogram_quantile\\(${q}, sum by \\(tier, le\\) \\(rate\\(pdserve_kv_tier_onload_seconds_bucket\\{[^}]*\\}\\[\\$__rate_interval\\]\\)\\)\\) ` +
+      `and on \\(tier\\) sum by \\(tier\\) \\(rate\\(pdserve_kv_tier_onload_seconds_bucket\\{[^}]*le="\\+Inf"\\}\\[\\$__rate_interval\\]\\)\\) > 0$`)));
   });
   test('KV tiers: blocks held vs capacity, bytes in and out, corrupt blocks', () => {
     const [held, capacity] = exprsFor(/^KV tier blocks held vs capacity/);
