@@ -180,9 +180,11 @@ TEST(BlockManagerTest, StoredEventsCarryParentAndOrder) {
   EXPECT_EQ(batches[0].sequence_number, 1u);
   EXPECT_EQ(batches[1].sequence_number, 2u);
   ASSERT_EQ(batches[0].events.size(), 1u);
-  EXPECT_EQ(std::get<KvStored>(batches[0].events[0]), (KvStored{{h[0]}, std::nullopt, KvTier::kDevice}));
+  EXPECT_EQ(std::get<KvStored>(batches[0].events[0]),
+            (KvStored{{h[0]}, std::nullopt, KvTier::kDevice}));
   ASSERT_EQ(batches[1].events.size(), 1u);
-  EXPECT_EQ(std::get<KvStored>(batches[1].events[0]), (KvStored{{h[1], h[2]}, h[0], KvTier::kDevice}));
+  EXPECT_EQ(std::get<KvStored>(batches[1].events[0]),
+            (KvStored{{h[1], h[2]}, h[0], KvTier::kDevice}));
   EXPECT_TRUE(bm->DrainEvents().empty());
   EXPECT_EQ(bm->last_event_sequence_number(), 2u);
 }
@@ -340,7 +342,8 @@ TEST(BlockManagerTest, ResetPrefixCacheClearsHashesButNotSequences) {
   ASSERT_TRUE(bm->CommitBlocks(2, Hashes(b12)).ok());
   batches = bm->DrainEvents();
   ASSERT_EQ(batches.size(), 1u);
-  EXPECT_EQ(std::get<KvStored>(batches[0].events[0]), (KvStored{{Hashes(b12)[2]}, Hashes(b12)[1], KvTier::kDevice}));
+  EXPECT_EQ(std::get<KvStored>(batches[0].events[0]),
+            (KvStored{{Hashes(b12)[2]}, Hashes(b12)[1], KvTier::kDevice}));
   ASSERT_TRUE(bm->Free(2).ok());
   EXPECT_EQ(bm->GetStats().evictable_blocks, 1u);
   ASSERT_TRUE(bm->CheckInvariants().ok());

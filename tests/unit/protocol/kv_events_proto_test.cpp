@@ -21,10 +21,11 @@ KvEventBatch RoundTrip(const KvEventBatch& batch) {
 TEST(KvEventsProtoTest, EveryKindRoundTrips) {
   const KvEventBatch batch{
       42,
-      {KvStored{{10, 11, 12}, std::nullopt, KvTier::kDevice},        // a prompt's first blocks: no parent
-       KvStored{{13}, BlockHash{12}, KvTier::kDevice},               // continues a cached prefix
-       KvStored{{0, ~BlockHash{0}}, BlockHash{0}},  // extreme hash values
-       KvRemoved{{11, 99}}, KvCleared{}, KvStored{{}, std::nullopt, KvTier::kDevice},  // empty lists stay empty
+      {KvStored{{10, 11, 12}, std::nullopt, KvTier::kDevice},  // a prompt's first blocks: no parent
+       KvStored{{13}, BlockHash{12}, KvTier::kDevice},         // continues a cached prefix
+       KvStored{{0, ~BlockHash{0}}, BlockHash{0}},             // extreme hash values
+       KvRemoved{{11, 99}}, KvCleared{},
+       KvStored{{}, std::nullopt, KvTier::kDevice},  // empty lists stay empty
        KvRemoved{{}}}};
   EXPECT_EQ(RoundTrip(batch), batch);
 }
