@@ -8,6 +8,11 @@
 #include <map>
 #include <mutex>
 
+#include <gtest/gtest.h>
+
+#include "engine/model.h"
+#include "kernels/cpu/cpu_backend.h"
+
 namespace pdserve::testing {
 namespace {
 
@@ -72,6 +77,16 @@ std::string RealModelDir() {
   const std::string dir =
       env ? env : std::string(PDSERVE_SOURCE_DIR) + "/../shared/models/stories260K";
   return std::ifstream(dir + "/config.json").good() ? dir : "";
+}
+
+Model* TinyCpuModel() {
+  static Model* const model = [] {
+    static kernels::CpuBackend backend(2);
+    auto m = Model::Load(TinyModelDir(), &backend);
+    if (!m.ok()) ADD_FAILURE() << m.status().ToString();
+    return m.ok() ? m->release() : nullptr;
+  }();
+  return model;
 }
 
 }  // namespace pdserve::testing

@@ -6,10 +6,18 @@
 
 #include "engine/make_model.h"
 
+namespace pdserve {
+class Model;
+}
+
 namespace pdserve::testing {
 
 // The `tiny` preset (fp32 weights, seed 0).
 const std::string& TinyModelDir();
+
+// The `tiny` preset loaded on a 2-thread CPU backend, once per test process
+// (the engine tests share it; it lives until the process exits).
+Model* TinyCpuModel();
 
 // A model for `spec`, written under `name` (one folder per distinct name).
 std::string ModelDir(const std::string& name, const ModelSpec& spec);

@@ -10,7 +10,6 @@
 #include <random>
 
 #include "engine/engine.h"
-#include "kernels/cpu/cpu_backend.h"
 #include "tests/support/test_models.h"
 
 namespace pdserve {
@@ -19,14 +18,8 @@ namespace {
 class EngineDisaggTest : public ::testing::TestWithParam<DType> {
  protected:
   static void SetUpTestSuite() {
-    backend_ = new kernels::CpuBackend(2);
-    auto m = Model::Load(testing::TinyModelDir(), backend_);
-    ASSERT_TRUE(m.ok()) << m.status().ToString();
-    model_ = m->release();
-  }
-  static void TearDownTestSuite() {
-    delete model_;
-    delete backend_;
+    model_ = testing::TinyCpuModel();
+    ASSERT_NE(model_, nullptr);
   }
 
   std::unique_ptr<Engine> MakeEngine() {
@@ -89,10 +82,8 @@ class EngineDisaggTest : public ::testing::TestWithParam<DType> {
     }
   }
 
-  static kernels::CpuBackend* backend_;
   static Model* model_;
 };
-kernels::CpuBackend* EngineDisaggTest::backend_ = nullptr;
 Model* EngineDisaggTest::model_ = nullptr;
 
 TEST_P(EngineDisaggTest, RemotePrefillContinuesExactly) {

@@ -7,7 +7,6 @@
 #include <random>
 
 #include "engine/engine.h"
-#include "kernels/cpu/cpu_backend.h"
 #include "tests/support/test_models.h"
 
 namespace pdserve {
@@ -18,14 +17,8 @@ constexpr int64_t kBlockBytes = 8 << 10;  // tiny model, fp32 KV, 16 tokens per 
 class EngineSchedulerTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    backend_ = new kernels::CpuBackend(2);
-    auto m = Model::Load(testing::TinyModelDir(), backend_);
-    ASSERT_TRUE(m.ok()) << m.status().ToString();
-    model_ = m->release();
-  }
-  static void TearDownTestSuite() {
-    delete model_;
-    delete backend_;
+    model_ = testing::TinyCpuModel();
+    ASSERT_NE(model_, nullptr);
   }
 
   std::unique_ptr<Engine> MakeEngine(EngineOptions options = {}) {
@@ -80,10 +73,8 @@ class EngineSchedulerTest : public ::testing::Test {
     return RunAll(*e)[r.id];
   }
 
-  static kernels::CpuBackend* backend_;
   static Model* model_;
 };
-kernels::CpuBackend* EngineSchedulerTest::backend_ = nullptr;
 Model* EngineSchedulerTest::model_ = nullptr;
 
 TEST_F(EngineSchedulerTest, PrefixCacheHitGivesSameTokens) {

@@ -17,7 +17,6 @@
 #include <thread>
 
 #include "engine/engine.h"
-#include "kernels/cpu/cpu_backend.h"
 #include "tests/support/test_models.h"
 
 namespace pdserve {
@@ -28,14 +27,8 @@ constexpr int64_t kBlockBytes = 8 << 10;  // tiny model, fp32 KV, 16 tokens per 
 class EngineTiersTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    backend_ = new kernels::CpuBackend(2);
-    auto m = Model::Load(testing::TinyModelDir(), backend_);
-    ASSERT_TRUE(m.ok()) << m.status().ToString();
-    model_ = m->release();
-  }
-  static void TearDownTestSuite() {
-    delete model_;
-    delete backend_;
+    model_ = testing::TinyCpuModel();
+    ASSERT_NE(model_, nullptr);
   }
 
   // A pool of 12 blocks: two 96-token prompts' worth.
@@ -95,10 +88,8 @@ class EngineTiersTest : public ::testing::Test {
     }
   }
 
-  static kernels::CpuBackend* backend_;
   static Model* model_;
 };
-kernels::CpuBackend* EngineTiersTest::backend_ = nullptr;
 Model* EngineTiersTest::model_ = nullptr;
 
 // The tokens without tiers, for comparison.
