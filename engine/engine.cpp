@@ -30,6 +30,9 @@ struct Engine::Sequence {
   size_t remote_first_block = 0;  // kRemote: the first block the peer fills
   uint64_t load_ticket = 0;       // kLoading: the onload it waits for
   size_t load_first_block = 0;    // kLoading: where the onloaded blocks start
+  // kLoading: the prompt's block hashes up to the end of the onloaded run,
+  // committed when the blocks are in (computed once, at admission).
+  std::vector<BlockHash> load_hashes;
   bool finished = false;
   std::optional<IncrementalDetokenizer> detokenizer;
   std::optional<StopChecker> stop;
@@ -304,9 +307,8 @@ void Engine::ProcessTierWork() {
       (done.tiers[k] == KvTier::kDisk ? disk_hit_tokens_ : host_hit_tokens_) += B;
     }
     if (n > 0) {
-      const std::vector<BlockHash> hashes = PrefixHashes(*s);
-      s->hashes.assign(hashes.begin(),
-                       hashes.begin() + static_cast<ptrdiff_t>(s->load_first_block + n));
+      s->hashes.assign(s->load_hashes.begin(),
+                       s->load_hashes.begin() + static_cast<ptrdiff_t>(s->load_first_block + n));
       (void)blocks_->CommitBlocks(s->id, s->hashes);
       s->num_computed = static_cast<int64_t>(s->load_first_block + n) * B;
       if (s->num_cached_tokens < s->num_computed) s->num_cached_tokens = s->num_computed;
@@ -318,6 +320,7 @@ void Engine::ProcessTierWork() {
       }
       tier_onloads_.push_back(record);
     }
+    s->load_hashes = {};
     s->state = Sequence::State::kRunning;  // computes what the tiers did not hold
   }
   blocks_->RecordTierChanges(tier_mover_->TakeChanges());
@@ -414,6 +417,7 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
       s->load_first_block = admitted->num_cached_blocks;
       loads_[s->load_ticket] = s->id;
       const auto first = hashes.begin() + static_cast<ptrdiff_t>(admitted->num_cached_blocks);
+      s->load_hashes.assign(hashes.begin(), first + from_tiers);
       tier_mover_->Onload(s->load_ticket, std::vector<BlockHash>(first, first + from_tiers));
       continue;
     }
