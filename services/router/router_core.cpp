@@ -135,13 +135,15 @@ Status RouterCore::OnLoad(WorkerId worker, const WorkerLoad& load) {
   return Status::Ok();
 }
 
-Candidate RouterCore::MakeCandidateLocked(Worker& w, int64_t overlap_blocks, int64_t prompt_tokens,
-                                          int64_t now_us) {
+Candidate RouterCore::MakeCandidateLocked(Worker& w, int64_t overlap_blocks,
+                                          const RouteRequest& request, int64_t now_us) {
+  const int64_t prompt_tokens = request.prompt_tokens;
   Candidate c;
   c.worker = w.id;
   c.prompt_tokens = prompt_tokens;
   c.overlap_blocks = overlap_blocks;
-  const TierRun run = index_.LowerTierRun(w.id, route_hashes_, static_cast<size_t>(overlap_blocks));
+  const TierRun run =
+      index_.LowerTierRun(w.id, request.block_hashes, static_cast<size_t>(overlap_blocks));
   c.host_blocks = run.host_blocks;
   c.disk_blocks = run.disk_blocks;
   c.uncached_tokens =
@@ -187,7 +189,6 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
                                    " is already in flight");
   }
   index_.LeadingOverlap(request.block_hashes, now, &overlap_);
-  route_hashes_ = request.block_hashes;
 
   // Whether a worker's context holds `tokens` (an unknown one is assumed to).
   auto holds = [](const Worker& w, int64_t tokens) {
@@ -202,7 +203,7 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
         too_short = true;
         continue;
       }
-      candidates_.push_back(MakeCandidateLocked(*w, overlap_[w->id], request.prompt_tokens, now));
+      candidates_.push_back(MakeCandidateLocked(*w, overlap_[w->id], request, now));
     }
   }
   if (candidates_.empty()) {
@@ -233,7 +234,7 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
     candidates_.clear();
     for (const auto& w : workers_) {
       if (w && !w->draining && w->role == Role::kPrefill && holds(*w, request.prompt_tokens + 1)) {
-        candidates_.push_back(MakeCandidateLocked(*w, overlap_[w->id], request.prompt_tokens, now));
+        candidates_.push_back(MakeCandidateLocked(*w, overlap_[w->id], request, now));
       }
     }
     if (!candidates_.empty()) {

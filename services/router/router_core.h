@@ -195,8 +195,9 @@ class RouterCore {
     bool prefill_done = false;
   };
   explicit RouterCore(RouterOptions options);
-  // Also forgets the worker's routing times older than the QPS window.
-  Candidate MakeCandidateLocked(Worker& w, int64_t overlap_blocks, int64_t prompt_tokens,
+  // `w` as a candidate for `request`, whose leading overlap_blocks blocks it
+  // holds. Also forgets the worker's routing times older than the QPS window.
+  Candidate MakeCandidateLocked(Worker& w, int64_t overlap_blocks, const RouteRequest& request,
                                 int64_t now_us);
   void ReleaseLocked(Inflight& r, bool prefill_only);
   // With copy_cost > 0: lowers each decode candidate's uncached tokens by what
@@ -213,7 +214,6 @@ class RouterCore {
   RouterStats counters_;
   // Scratch reused by Route() (under mu_) so a decision does not allocate.
   std::vector<uint32_t> overlap_;
-  std::span<const BlockHash> route_hashes_;  // the request Route is deciding
   std::vector<Candidate> candidates_;
   std::vector<int64_t> copy_blocks_;  // per decode candidate: blocks a copy brings
   WorkerId copy_source_ = 0;
