@@ -149,12 +149,14 @@ TEST(RoutingTest, FrozenWorkerIsDetectedAndItsRequestRetriedElsewhere) {
   ASSERT_EQ(again.status, 200) << again.body;
   auto a = nlohmann::json::parse(first.body), b = nlohmann::json::parse(again.body);
   EXPECT_EQ(a["choices"][0]["text"], b["choices"][0]["text"]);  // greedy: same answer
+  // The request's log line is written after its response went out: wait for it.
+  EXPECT_TRUE(stack.router().WaitForLog(std::regex(R"(request retried ok: .*attempts 2)"), 10s))
+      << stack.router().Log();
   const std::string log = stack.router().Log();
   EXPECT_TRUE(std::regex_search(log, std::regex("worker " + *served_by + " disconnected"))) << log;
   EXPECT_TRUE(
       std::regex_search(log, std::regex(R"(request retried: .*before the first token; retrying)")))
       << log;
-  EXPECT_TRUE(std::regex_search(log, std::regex(R"(request retried ok: .*attempts 2)"))) << log;
   // Resumed, the worker reconnects and syncs a second time.
   const std::string synced = "worker " + *served_by + " synced";
   auto count_synced = [&] {
