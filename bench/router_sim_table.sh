@@ -62,6 +62,7 @@ print(json.dumps({
     "kv_hit_rate": kv["hit_rate"], "best_anchor_hit_rate": best_hit,
     "p99_and_mean_at_or_below_every_anchor":
         kv["ttft_p99_s"] <= best_p99 and kv["ttft_mean_s"] <= best_mean,
+    "hit_within_2_points": kv["hit_rate"] >= best_hit - 0.02,
     "reuse_within_2_points": kv["reuse_rate"] >= best_reuse - 0.02,
 }))
 ' "$name" "$machine"

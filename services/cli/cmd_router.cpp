@@ -44,6 +44,12 @@ int RunRouter(int argc, char** argv) {
                   "kv: price of copying one token of KV from a busy holder, in prompt tokens of "
                   "prefill (copy time / prefill time; e.g. 0.1); when a hot prefix's holders are "
                   "busier than that, a holder writes it to a less loaded worker (0: off)");
+  flags.AddInt("replication-min-requests", &o.replication_min_requests,
+               "kv: a prefix is copied only once this many requests (the one routed included) "
+               "reached it as their longest cached prefix within --replication-window-s, so a "
+               "conversation's own history stays with its holder (1-16)");
+  flags.AddDouble("replication-window-s", &o.replication_window_s,
+                  "kv: the window of --replication-min-requests, in seconds");
   flags.AddInt("drain-push-blocks", &o.drain_push_blocks,
                "when a worker drains (SIGTERM), the most KV blocks of its most used recent "
                "prompts it writes to the surviving workers before it leaves (0: off)");
@@ -92,11 +98,6 @@ int RunRouter(int argc, char** argv) {
     UsageError("router", "--max-json-depth must be in [1, 1000]");
   o.max_json_depth = static_cast<int>(max_json_depth);
   if (o.max_snapshot_blocks < 1) UsageError("router", "--max-snapshot-blocks must be positive");
-  {
-    ControlSecurity sec = security.LoadOrExit("router");
-    o.cluster_secret = std::move(sec.secret);
-    o.control_tls = std::move(sec.tls);
-  }
   auto port_ok = [](int64_t p, bool allow_minus_one) {
     return (p >= 0 && p <= 65535) || (allow_minus_one && p == -1);
   };
@@ -110,8 +111,21 @@ int RunRouter(int argc, char** argv) {
   if (o.replication_copy_cost < 0) {
     UsageError("router", "--replication-copy-cost must not be negative");
   }
+  if (o.replication_min_requests < 1 || o.replication_min_requests > 16) {
+    UsageError("router", "--replication-min-requests must be in [1, 16]");
+  }
+  if (!(o.replication_window_s >= 1e-3) || !(o.replication_window_s <= 86400)) {
+    UsageError("router", "--replication-window-s must be in [0.001, 86400]");
+  }
   if (http_threads < 1 || max_concurrent < 1 || max_body < 1 || timeout_s < 1 || max_attempts < 1) {
     UsageError("router", "thread, request, size, timeout and attempt limits must be positive");
+  }
+  {
+    // After the other flags: its warning about an open control plane is for
+    // a router that is about to start, not one refused for a bad flag.
+    ControlSecurity sec = security.LoadOrExit("router");
+    o.cluster_secret = std::move(sec.secret);
+    o.control_tls = std::move(sec.tls);
   }
   o.http_port = static_cast<int>(http_port);
   o.control_port = static_cast<int>(control_port);

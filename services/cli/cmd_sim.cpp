@@ -70,6 +70,8 @@ nlohmann::json ResultJson(const SimOptions& o, const std::string& trace, const S
       {"replication", o.replication && o.policy == "kv"},
       {"kv_bytes_per_token", o.kv_bytes_per_token},
       {"copy_gbps", o.copy_gbps},
+      {"replication_min_requests", o.replication_min_requests},
+      {"replication_window_s", o.replication_window_s},
       {"replications_started", r.replications_started},
       {"replications_finished", r.replications_finished},
       {"replications_failed", r.replications_failed},
@@ -142,6 +144,11 @@ int RunSim(int argc, char** argv) {
   flags.AddBool("replication", &o.replication,
                 "kv: copy a hot prefix's KV blocks to a less loaded worker when that beats "
                 "waiting for the holders (--replication=false: never)");
+  flags.AddInt("replication-min-requests", &o.replication_min_requests,
+               "kv: a prefix is copied only once this many requests (the one routed included) "
+               "reached it as their longest cached prefix within --replication-window-s");
+  flags.AddDouble("replication-window-s", &o.replication_window_s,
+                  "kv: the window of --replication-min-requests");
   flags.AddDouble("kv-bytes-per-token", &o.kv_bytes_per_token,
                   "KV cache bytes of one token (all layers), for copy times");
   flags.AddDouble("copy-gbps", &o.copy_gbps, "GB/s of each worker's KV copy link");

@@ -35,6 +35,11 @@ StatusOr<std::unique_ptr<RouterCore>> RouterCore::Create(RouterOptions options) 
   if (!(options.copy_cost >= 0) || !std::isfinite(options.copy_cost)) {
     return Status::InvalidArgument("copy_cost must be finite and non-negative");
   }
+  if (options.copy_min_requests < 1 || options.copy_min_requests > kMaxCopyMinRequests) {
+    return Status::InvalidArgument("copy_min_requests must be in [1, " +
+                                   std::to_string(kMaxCopyMinRequests) + "]");
+  }
+  if (options.copy_window_us <= 0) return Status::InvalidArgument("copy window must be positive");
   if (options.pending_ttl_us < 0)
     return Status::InvalidArgument("pending TTL must not be negative");
   if (options.index.max_workers == 0)
@@ -212,7 +217,7 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
                         std::to_string(sequence_tokens) + " tokens"
                   : std::string("no decode worker is registered and accepting requests"));
   }
-  OfferCopiesLocked(request.prompt_tokens);
+  OfferCopiesLocked(request, now);
   const size_t d_index = decode_policy_->Pick(candidates_);
   const Candidate d = candidates_[d_index];
 
@@ -289,7 +294,30 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
   return decision;
 }
 
-void RouterCore::OfferCopiesLocked(int64_t prompt_tokens) {
+bool RouterCore::NoteHotPrefixLocked(BlockHash last_block, int64_t now_us) {
+  // Bounded: past this many prefixes, those no request reached within the
+  // window are forgotten (they could not be hot), and if the window itself
+  // holds more, all of them (a copy then waits for the prefix to be reached
+  // again).
+  constexpr size_t kMaxTrackedPrefixes = 1 << 16;
+  if (prefix_reach_.size() >= kMaxTrackedPrefixes) {
+    std::erase_if(prefix_reach_, [&](const auto& entry) {
+      return entry.second.newest_us <= now_us - options_.copy_window_us;
+    });
+    if (prefix_reach_.size() >= kMaxTrackedPrefixes / 2) prefix_reach_.clear();
+  }
+  const auto needed = static_cast<uint32_t>(options_.copy_min_requests);
+  PrefixReach& reach = prefix_reach_[last_block];
+  reach.at_us[reach.next] = now_us;
+  reach.next = (reach.next + 1) % needed;
+  reach.count = std::min(reach.count + 1, needed);
+  reach.newest_us = now_us;
+  // The ring's next slot holds the oldest of the latest `needed` times.
+  return reach.count == needed && reach.at_us[reach.next] > now_us - options_.copy_window_us;
+}
+
+void RouterCore::OfferCopiesLocked(const RouteRequest& request, int64_t now_us) {
+  const int64_t prompt_tokens = request.prompt_tokens;
   copy_blocks_.clear();
   if (options_.copy_cost <= 0 || options_.copy_cost >= 1) return;  // >= 1: a copy never pays
   // The longest prefix any KV writer holds, and its least busy holder.
@@ -310,6 +338,7 @@ void RouterCore::OfferCopiesLocked(int64_t prompt_tokens) {
     }
   }
   if (!found) return;
+  if (!NoteHotPrefixLocked(request.block_hashes[static_cast<size_t>(best) - 1], now_us)) return;
   const int64_t best_tokens = std::min(best * options_.block_tokens, prompt_tokens);
   copy_blocks_.assign(candidates_.size(), 0);
   for (size_t i = 0; i < candidates_.size(); ++i) {

@@ -29,6 +29,7 @@
 // so event ingestion only contends with the index walk of a decision.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -57,6 +58,7 @@ struct WorkerLoad {
 };
 
 inline constexpr int64_t kDefaultMaxLocalPrefill = 512;
+inline constexpr int64_t kMaxCopyMinRequests = 16;
 
 struct RouterOptions {
   std::string policy = "kv";
@@ -77,6 +79,14 @@ struct RouterOptions {
   // less loaded worker with a copy, and the prefix's later requests spread
   // over its holders. 0 (or >= 1, where recomputing is cheaper): no copies.
   double copy_cost = 0;
+  // Only a hot prefix is copied: one that at least copy_min_requests
+  // requests (the one being routed included) reached as their longest cached
+  // prefix within copy_window_us. A conversation's own history, reached once
+  // per turn, then stays with its holder (copying it away trades that
+  // holder's hit for a copy), while a system prompt that a burst of requests
+  // shares is spread. 1: any prefix a copy pays for.
+  int64_t copy_min_requests = 2;
+  int64_t copy_window_us = 10'000'000;
   PrefixIndexOptions index;
   // Microseconds on a monotonic clock; the simulator supplies simulated time.
   std::function<int64_t()> clock_us;
@@ -200,9 +210,13 @@ class RouterCore {
   Candidate MakeCandidateLocked(Worker& w, int64_t overlap_blocks, const RouteRequest& request,
                                 int64_t now_us);
   void ReleaseLocked(Inflight& r, bool prefill_only);
-  // With copy_cost > 0: lowers each decode candidate's uncached tokens by what
-  // a copy from the best holder would save, recording the copy in copy_*_.
-  void OfferCopiesLocked(int64_t prompt_tokens);
+  // With copy_cost > 0 and the longest held prefix hot: lowers each decode
+  // candidate's uncached tokens by what a copy from the best holder would
+  // save, recording the copy in copy_*_.
+  void OfferCopiesLocked(const RouteRequest& request, int64_t now_us);
+  // Counts one more request reaching the prefix that ends with block
+  // `last_block`; true when it is hot (see RouterOptions::copy_min_requests).
+  bool NoteHotPrefixLocked(BlockHash last_block, int64_t now_us);
 
   RouterOptions options_;
   PrefixIndex index_;
@@ -217,6 +231,15 @@ class RouterCore {
   std::vector<Candidate> candidates_;
   std::vector<int64_t> copy_blocks_;  // per decode candidate: blocks a copy brings
   WorkerId copy_source_ = 0;
+  // The longest held prefixes requests reached, by their last block: the
+  // times of the latest copy_min_requests of them (a ring).
+  struct PrefixReach {
+    std::array<int64_t, kMaxCopyMinRequests> at_us{};
+    uint32_t count = 0;  // times recorded, up to copy_min_requests
+    uint32_t next = 0;   // ring position of the next one
+    int64_t newest_us = 0;
+  };
+  std::unordered_map<BlockHash, PrefixReach> prefix_reach_;
 };
 
 }  // namespace pdserve::router

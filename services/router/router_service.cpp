@@ -235,6 +235,8 @@ class RouterServiceImpl : public RouterService {
     ro.block_tokens = opts_.block_size;
     ro.max_local_prefill = opts_.max_local_prefill;
     ro.copy_cost = opts_.replication_copy_cost;
+    ro.copy_min_requests = opts_.replication_min_requests;
+    ro.copy_window_us = static_cast<int64_t>(opts_.replication_window_s * 1e6);
     auto core = RouterCore::Create(ro);
     if (!core.ok()) return core.status();
     core_ = std::move(*core);

@@ -48,6 +48,10 @@ struct RouterServiceOptions {
   // prefix's blocks to the chosen worker; with it on, workers of role both
   // are also listed to decode workers as prefill peers.
   double replication_copy_cost = 0;
+  // Which prefixes are hot enough to copy (RouterOptions::copy_min_requests,
+  // copy_window_us).
+  int64_t replication_min_requests = 2;
+  double replication_window_s = 10;
   // Scale-down: when a worker of role both or prefill announces its drain
   // (SIGTERM), the router has it write its most used recent prompts, up to
   // this many blocks, to the surviving workers before it leaves (0: off).

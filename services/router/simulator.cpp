@@ -127,6 +127,13 @@ Status CheckTimes(const SimOptions& o) {
       return Status::InvalidArgument("simulated times must be finite and non-negative");
     }
   }
+  if (o.replication_min_requests < 1 || o.replication_min_requests > kMaxCopyMinRequests) {
+    return Status::InvalidArgument("replication-min-requests must be in [1, " +
+                                   std::to_string(kMaxCopyMinRequests) + "]");
+  }
+  if (!(o.replication_window_s >= 1e-3) || !(o.replication_window_s <= 86400)) {
+    return Status::InvalidArgument("replication-window-s must be in [0.001, 86400]");
+  }
   if (!(o.time_scale > 0) || !std::isfinite(o.time_scale)) {
     return Status::InvalidArgument("time scale must be finite and positive");
   }
@@ -703,6 +710,8 @@ StatusOr<SimResult> RunSimulation(const std::vector<TraceRequest>& trace, const 
   if (options.replication && options.policy == "kv") {
     ro.copy_cost =
         options.prefill_tokens_per_s * options.kv_bytes_per_token / (options.copy_gbps * 1e9);
+    ro.copy_min_requests = options.replication_min_requests;
+    ro.copy_window_us = static_cast<int64_t>(options.replication_window_s * 1e6);
   }
   ro.index.max_workers = static_cast<size_t>(options.workers);
   // Room for every worker's cache plus the blocks announced while in flight.

@@ -297,6 +297,8 @@ describe('default values', () => {
     const rf = flags(mainContainer(r.deployment('router')));
     assert.equal(rf.get('policy'), 'kv');
     assert.equal(rf.get('replication-copy-cost'), '0.1');
+    assert.equal(rf.get('replication-min-requests'), '2');
+    assert.equal(rf.get('replication-window-s'), '10');
     assert.equal(rf.get('drain-push-blocks'), '4096');
   });
   test('no lower KV tiers: no tier flags, no disk tier volume', () => {
@@ -647,6 +649,8 @@ describe('values-full.yaml', () => {
   test('replication and drain pushes turned off', () => {
     const rf = flags(mainContainer(r.deployment('router')));
     assert.equal(rf.get('replication-copy-cost'), '0');
+    assert.equal(rf.get('replication-min-requests'), '3');
+    assert.equal(rf.get('replication-window-s'), '2.5');
     assert.equal(rf.get('drain-push-blocks'), '0');
   });
   test('KV tiers: prefill\'s disk tier on a node directory, decode\'s on an emptyDir sized from it', () => {
@@ -902,6 +906,8 @@ describe('values.schema.json rejects bad values with its message', () => {
     [['decode.gpus=two'], /at '\/decode\/gpus': got string, want integer/],
     [['routing.policy=fastest'], /at '\/routing\/policy': value must be one of 'kv', 'dynamo', 'llm-d', 'sglang', 'production-stack', 'round_robin', 'least_loaded', 'random'/],
     [['routing.replicationCopyCost=-1'], /at '\/routing\/replicationCopyCost': minimum: got -1, want 0/],
+    [['routing.replicationMinRequests=0'], /at '\/routing\/replicationMinRequests': minimum: got 0, want 1/],
+    [['routing.replicationWindowSeconds=0'], /at '\/routing\/replicationWindowSeconds'/],
     [['routing.drainPushBlocks=-5'], /at '\/routing\/drainPushBlocks': minimum: got -5, want 0/],
     [['prefill.kvCacheBytes=lots'], /at '\/prefill\/kvCacheBytes'/],
     [['router.httpPort=70000'], /at '\/router\/httpPort': maximum: got 70,000, want 65,535/],

@@ -108,6 +108,16 @@ TEST(SimCliTest, BadFlagsAndBadTracesAreOneLineErrors) {
            {"sim --trace " + trace + " --block-tokens 4", "bad.jsonl:2: 'hash_ids'"},
            {"sim --trace " + trace, "expected 1 at 512 tokens per block"},
            {"bench router --workers 0", "--workers must be in [1, 1024]"},
+           {"sim --trace " + one + " --block-tokens 4 --replication-min-requests 0",
+            "replication-min-requests must be in [1, 16]"},
+           {"sim --trace " + one + " --block-tokens 4 --replication-window-s 0",
+            "replication-window-s must be in [0.001, 86400]"},
+           {"router --insecure-control-plane --model /nonexistent-model "
+            "--replication-min-requests 17",
+            "--replication-min-requests must be in [1, 16]"},
+           {"router --insecure-control-plane --model /nonexistent-model "
+            "--replication-window-s -1",
+            "--replication-window-s must be in [0.001, 86400]"},
        }) {
     const CliRun r = Pdserve(c.args);
     EXPECT_EQ(r.exit_code, 2) << c.args;

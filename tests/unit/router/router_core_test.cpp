@@ -467,6 +467,56 @@ TEST(RouterCoreTest, NoCopyWhenRecomputingIsCheaper) {
   RouterOptions o = Policy("kv");
   o.copy_cost = -1;
   EXPECT_FALSE(RouterCore::Create(o).ok());
+  for (int64_t min_requests : {int64_t{0}, kMaxCopyMinRequests + 1}) {
+    RouterOptions bad = Policy("kv");
+    bad.copy_min_requests = min_requests;
+    EXPECT_FALSE(RouterCore::Create(bad).ok()) << min_requests;
+  }
+  RouterOptions no_window = Policy("kv");
+  no_window.copy_window_us = 0;
+  EXPECT_FALSE(RouterCore::Create(no_window).ok());
+}
+
+// Only hot prefixes are copied: a prefix that a single request reaches (a
+// conversation's own history, once per turn) stays with its busy holder or
+// is recomputed, never copied; once copy_min_requests requests reached it
+// within the window, it is. Requests reaching it further apart than the
+// window do not make it hot.
+TEST(RouterCoreTest, OnlyAPrefixReachedByEnoughRecentRequestsIsCopied) {
+  RouterOptions o = Policy("kv");
+  o.copy_cost = 0.1;
+  o.copy_min_requests = 3;
+  o.copy_window_us = 10'000'000;
+  Fixture f(o, {Role::kBoth, Role::kBoth});
+  f.Store(0, Prompt(100, 8));
+  f.Queue(0, 10000);
+  std::vector<BlockHash> prompt = Prompt(100, 8);
+  prompt.push_back(999);
+  // Two requests 11 s apart, then one more 11 s later: never three within 10 s.
+  for (uint64_t id = 1; id <= 3; ++id) {
+    const RouteDecision d = f.Route(id, prompt);
+    EXPECT_FALSE(d.copy_from.has_value()) << id;
+    f.core->OnRequestFinished(id);
+    f.now_us += 11'000'000;
+  }
+  // Three within the window: the third is copied to the idle worker.
+  EXPECT_FALSE(f.Route(4, prompt).copy_from.has_value());
+  f.core->OnRequestFinished(4);
+  f.now_us += 4'000'000;
+  EXPECT_FALSE(f.Route(5, prompt).copy_from.has_value());
+  f.core->OnRequestFinished(5);
+  f.now_us += 4'000'000;
+  const RouteDecision hot = f.Route(6, prompt);
+  EXPECT_EQ(f.IndexOf(hot.decode), 1u);
+  ASSERT_TRUE(hot.copy_from.has_value());
+  EXPECT_EQ(f.IndexOf(*hot.copy_from), 0u);
+  EXPECT_EQ(hot.copy_blocks, 8);
+  // Another prefix of the same holder, reached once, is not hot.
+  f.Store(0, Prompt(500, 8));
+  std::vector<BlockHash> other = Prompt(500, 8);
+  other.push_back(998);
+  EXPECT_FALSE(f.Route(7, other).copy_from.has_value());
+  EXPECT_EQ(f.core->stats().copies, 1u);
 }
 
 // A decode-only holder copies too (its worker writes KV for prefix copies):
@@ -474,6 +524,7 @@ TEST(RouterCoreTest, NoCopyWhenRecomputingIsCheaper) {
 TEST(RouterCoreTest, ADecodeOnlyHolderIsACopySource) {
   RouterOptions o = Policy("kv");
   o.copy_cost = 0.1;
+  o.copy_min_requests = 1;  // any prefix a copy pays for
   Fixture f(o, {Role::kDecode, Role::kDecode});
   f.Store(0, Prompt(100, 8));
   f.Queue(0, 10000);

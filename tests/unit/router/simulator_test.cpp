@@ -175,6 +175,46 @@ TEST(SimulatorTest, HotPrefixIsCopiedAndItsRequestsSpread) {
   EXPECT_LT(with->ttft_p99_s, without->ttft_p99_s);
 }
 
+// 24 conversations: their first turns arrive together and alternate
+// between the two workers; 10 s later every other conversation sends a
+// second turn extending its own first prompt, 5 ms apart, so those
+// conversations' holder is busy while the other worker idles. Each history
+// is reached by one request only: not hot, never copied (copying would
+// trade the holder's hit for a copy). With any prefix allowed
+// (copy_min_requests 1) the same trace copies.
+std::vector<TraceRequest> ConversationsBurst() {
+  std::vector<TraceRequest> trace;
+  for (int turn = 0; turn < 2; ++turn) {
+    for (int s = 0; s < 24; ++s) {
+      if (turn == 1 && s % 2 == 1) continue;
+      TraceRequest r;
+      r.timestamp_ms = turn == 0 ? s : 10000 + 5 * s;
+      r.output_length = 1;
+      const uint64_t blocks = turn == 0 ? 50 : 60;
+      r.input_length = static_cast<int64_t>(blocks) * 4;
+      for (uint64_t b = 0; b < blocks; ++b)
+        r.hash_ids.push_back(100000 * static_cast<uint64_t>(s + 1) + b);
+      trace.push_back(r);
+    }
+  }
+  return trace;
+}
+
+TEST(SimulatorTest, AConversationsOwnHistoryIsNeverCopied) {
+  const auto trace = ConversationsBurst();
+  SimOptions o = SmallOptions("kv", 2, 10000);
+  o.kv_bytes_per_token = 1e6;
+  o.copy_gbps = 10;
+  auto gated = RunSimulation(trace, o);
+  ASSERT_TRUE(gated.ok()) << gated.status().ToString();
+  EXPECT_EQ(gated->replications_started, 0);
+  o.replication_min_requests = 1;
+  auto any = RunSimulation(trace, o);
+  ASSERT_TRUE(any.ok());
+  EXPECT_GT(any->replications_started, 0);
+  EXPECT_GT(gated->hit_tokens, any->hit_tokens);
+}
+
 TEST(SimulatorTest, AnchorPoliciesNeverCopy) {
   const auto trace = HotPrefixBurst();
   for (const char* policy : {"dynamo", "llm-d", "sglang", "production-stack"}) {
@@ -318,6 +358,9 @@ TEST(SimulatorTest, RejectsBadOptions) {
   EXPECT_EQ(RunSimulation(trace, o).status().code(), StatusCode::kInvalidArgument);
   o = SmallOptions("kv", 2, 100);
   o.copy_gbps = -1;
+  EXPECT_EQ(RunSimulation(trace, o).status().code(), StatusCode::kInvalidArgument);
+  o = SmallOptions("kv", 2, 100);
+  o.replication_min_requests = 0;
   EXPECT_EQ(RunSimulation(trace, o).status().code(), StatusCode::kInvalidArgument);
   o = SmallOptions("kv", 2, 100);
   o.host_capacity_blocks = -1;
