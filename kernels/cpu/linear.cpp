@@ -1,5 +1,6 @@
 // CpuBackend::Linear: the weight-streaming kernels of gemv.h for few rows
-// (decode), BLAS for many (prefill), split over the pool by output features.
+// (decode), BLAS for many (prefill; bf16 weights on AVX-512 BF16:
+// gemm_bf16.h), split over the pool by output features.
 #include <cblas.h>
 
 #include <algorithm>
@@ -7,16 +8,11 @@
 #include <vector>
 
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/gemm_bf16.h"
 #include "kernels/cpu/gemv.h"
 
 namespace pdserve::kernels {
 namespace {
-
-// Up to this many rows LinearRows, which reads the weights once in their
-// stored dtype, is at least as fast as BLAS (on the `small` preset's
-// matrices, one core: faster up to 64 rows, even at 128 for fp32 and
-// bf16 weights); beyond it BLAS's cache blocking takes over.
-constexpr int64_t kMaxStreamingRows = 64;
 
 // Weight rows widened to fp32 per BLAS call for bf16/fp16 weights: enough
 // for BLAS to block well, few enough to stay in the L2 cache.
@@ -32,6 +28,31 @@ void CpuBackend::Linear(const float* x, int64_t m, const WeightMatrix& w, const 
     pool_.ParallelFor(
         n, [&](int64_t begin, int64_t end) { LinearRows(simd_, x, m, w, bias, begin, end, y); },
         /*min_chunk=*/16);
+    return;
+  }
+  if (w.dtype == DType::kBF16 && UsesBf16DotProducts(simd_)) {
+    // The activations rounded once (rows padded to whole pairs), then each
+    // task computes whole panels of output features from them.
+    const int64_t ldx = (k + 1) / 2 * 2;
+    thread_local std::vector<uint16_t> rounded;
+    rounded.resize(std::max<size_t>(rounded.size(), m * ldx));
+    uint16_t* xb = rounded.data();
+    pool_.ParallelFor(
+        m,
+        [&](int64_t begin, int64_t end) {
+          for (int64_t r = begin; r < end; ++r) {
+            RoundRowsToBf16(x + r * k, k, xb + r * ldx);
+            if (ldx > k) xb[r * ldx + k] = 0;
+          }
+        },
+        /*min_chunk=*/16);
+    const int64_t panels = (n + kBf16PanelColumns - 1) / kBf16PanelColumns;
+    pool_.ParallelFor(panels, [&](int64_t begin, int64_t end) {
+      thread_local std::vector<uint16_t> panel;
+      panel.resize(std::max<size_t>(panel.size(), PackedPanelElements(k)));
+      GemmBf16(xb, ldx, m, w, bias, begin * kBf16PanelColumns, std::min(n, end * kBf16PanelColumns),
+               y, panel.data());
+    });
     return;
   }
   // Each task computes a slice of output features: y[:, begin:end] =

@@ -1,7 +1,9 @@
 // CpuBackend::Linear at every SIMD level this processor has, for fp32, bf16
 // and fp16 weights, against a double-precision product of the same values:
 // row counts on both sides of the switch from the weight-streaming kernels
-// to BLAS, odd sizes that exercise every tail, with and without bias.
+// to BLAS (or, for bf16 weights on AVX-512 BF16, to products of activations
+// rounded to bf16: the reference rounds them alike), odd sizes that exercise
+// every tail, with and without bias.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -11,6 +13,8 @@
 
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/float_convert.h"
+#include "kernels/cpu/gemm_bf16.h"
+#include "kernels/cpu/gemv.h"
 
 namespace pdserve::kernels {
 namespace {
@@ -58,13 +62,25 @@ TEST(CpuLinearTest, MatchesDoublePrecisionProductAtEveryLevel) {
     CpuBackend cpu(3, level);
     ASSERT_EQ(cpu.simd_level(), level);
     for (const DType dtype : {DType::kF32, DType::kBF16, DType::kF16}) {
-      for (const int64_t m : {1, 2, 3, 4, 5, 8, 9, 17, 65, 97}) {
-        for (const auto& [n, k] : std::vector<std::pair<int64_t, int64_t>>{
-                 {1, 1}, {3, 7}, {4, 16}, {5, 17}, {37, 33}, {130, 64}, {67, 515}, {200, 31}}) {
+      for (const int64_t m : {1, 2, 3, 4, 5, 8, 9, 17, 65, 97, 131}) {
+        for (const auto& [n, k] : std::vector<std::pair<int64_t, int64_t>>{{1, 1},
+                                                                           {3, 7},
+                                                                           {4, 16},
+                                                                           {5, 17},
+                                                                           {37, 33},
+                                                                           {130, 64},
+                                                                           {67, 515},
+                                                                           {200, 31},
+                                                                           {96, 2}}) {
           const Weights w = RandomWeights(rng, dtype, n, k);
           std::vector<float> x(m * k), bias(n);
           for (auto& v : x) v = dist(rng);
           for (auto& v : bias) v = dist(rng);
+          // The activations as the kernel multiplies them.
+          std::vector<float> xr = x;
+          if (dtype == DType::kBF16 && m > kMaxStreamingRows && UsesBf16DotProducts(level)) {
+            for (auto& v : xr) v = Bf16ToF32(F32ToBf16(v));
+          }
           for (const bool with_bias : {false, true}) {
             std::vector<float> y(m * n, NAN);
             cpu.Linear(x.data(), m, w.matrix, with_bias ? bias.data() : nullptr, y.data());
@@ -72,7 +88,7 @@ TEST(CpuLinearTest, MatchesDoublePrecisionProductAtEveryLevel) {
               for (int64_t j = 0; j < n; ++j) {
                 double want = with_bias ? bias[j] : 0.0, magnitude = std::fabs(want);
                 for (int64_t i = 0; i < k; ++i) {
-                  const double p = static_cast<double>(x[r * k + i]) * w.values[j * k + i];
+                  const double p = static_cast<double>(xr[r * k + i]) * w.values[j * k + i];
                   want += p;
                   magnitude += std::fabs(p);
                 }
@@ -88,6 +104,28 @@ TEST(CpuLinearTest, MatchesDoublePrecisionProductAtEveryLevel) {
         }
       }
     }
+  }
+}
+
+// The activations' rounding for bf16 dot products is F32ToBf16's: to
+// nearest, ties to even, infinities kept, for every tail length.
+TEST(CpuLinearTest, ActivationsRoundToBf16AsTheScalarConversion) {
+  if (!UsesBf16DotProducts(SimdLevel::kAvx512)) {
+    GTEST_SKIP() << "this processor has no AVX-512 BF16: bf16 prefill goes to BLAS";
+  }
+  std::mt19937 rng(99);
+  std::uniform_real_distribution<float> dist(-1e3f, 1e3f);
+  std::vector<float> x(37);
+  for (auto& v : x) v = dist(rng);
+  // Ties (halfway between two bf16 values, both parities) and special values.
+  const uint32_t specials[] = {0x3f808000u, 0x3f818000u, 0x7f800000u, 0xff800000u,
+                               0x00000000u, 0x80000000u, 0x7f7fffffu, 0x00000001u};
+  for (size_t i = 0; i < std::size(specials); ++i) std::memcpy(&x[i], &specials[i], 4);
+  for (int64_t count = 0; count <= static_cast<int64_t>(x.size()); ++count) {
+    std::vector<uint16_t> out(x.size() + 1, 0xabcd);
+    RoundRowsToBf16(x.data(), count, out.data());
+    for (int64_t i = 0; i < count; ++i) EXPECT_EQ(out[i], F32ToBf16(x[i])) << count << " " << i;
+    EXPECT_EQ(out[count], 0xabcd) << "wrote past " << count;
   }
 }
 
