@@ -23,6 +23,18 @@ SimdLevel DetectedSimdLevel() {
 #endif
 }
 
+bool HasAvx512Bf16() {
+#if defined(__x86_64__) || defined(__i386__)
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16");
+  }();
+  return has;
+#else
+  return false;
+#endif
+}
+
 SimdLevel DefaultSimdLevel() {
   SimdLevel level = DetectedSimdLevel();
   if (const char* env = std::getenv("PDSERVE_CPU_SIMD")) {

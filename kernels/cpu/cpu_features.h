@@ -16,6 +16,11 @@ enum class SimdLevel {
 // The highest level this processor (and its operating system) supports.
 SimdLevel DetectedSimdLevel();
 
+// Whether this processor has AVX-512 BF16 (bf16 pair dot products and
+// fp32 -> bf16 conversion), an extension beside the levels: only the
+// AVX-512 level uses it (kernels/cpu/gemm_bf16.h).
+bool HasAvx512Bf16();
+
 // The level a CpuBackend uses by default: DetectedSimdLevel(), lowered by the
 // environment variable PDSERVE_CPU_SIMD=portable|avx2 (to compare paths on
 // one machine); it is never raised above what the processor supports.

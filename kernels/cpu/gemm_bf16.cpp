@@ -99,13 +99,7 @@ PDSERVE_TARGET_AVX512_BF16 void RoundAvx512Bf16(const float* x, int64_t count, u
 
 }  // namespace
 
-bool UsesBf16DotProducts(SimdLevel level) {
-  static const bool has_bf16 = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512bf16");
-  }();
-  return level == SimdLevel::kAvx512 && has_bf16;
-}
+bool UsesBf16DotProducts(SimdLevel level) { return level == SimdLevel::kAvx512 && HasAvx512Bf16(); }
 
 void RoundRowsToBf16(const float* x, int64_t count, uint16_t* out) {
   RoundAvx512Bf16(x, count, out);

@@ -1,5 +1,6 @@
 // pdserve router: the OpenAI-compatible front door and KV-aware router.
 #include <cstdio>
+#include <string>
 
 #include "common/flags.h"
 #include "common/logging.h"
@@ -47,7 +48,8 @@ int RunRouter(int argc, char** argv) {
   flags.AddInt("replication-min-requests", &o.replication_min_requests,
                "kv: a prefix is copied only once this many requests (the one routed included) "
                "reached it as their longest cached prefix within --replication-window-s, so a "
-               "conversation's own history stays with its holder (1-16)");
+               "conversation's own history stays with its holder (1-" +
+                   std::to_string(router::kMaxCopyMinRequests) + ")");
   flags.AddDouble("replication-window-s", &o.replication_window_s,
                   "kv: the window of --replication-min-requests, in seconds");
   flags.AddInt("drain-push-blocks", &o.drain_push_blocks,
@@ -111,8 +113,9 @@ int RunRouter(int argc, char** argv) {
   if (o.replication_copy_cost < 0) {
     UsageError("router", "--replication-copy-cost must not be negative");
   }
-  if (o.replication_min_requests < 1 || o.replication_min_requests > 16) {
-    UsageError("router", "--replication-min-requests must be in [1, 16]");
+  if (o.replication_min_requests < 1 || o.replication_min_requests > router::kMaxCopyMinRequests) {
+    UsageError("router", "--replication-min-requests must be in [1, " +
+                             std::to_string(router::kMaxCopyMinRequests) + "]");
   }
   if (!(o.replication_window_s >= 1e-3) || !(o.replication_window_s <= 86400)) {
     UsageError("router", "--replication-window-s must be in [0.001, 86400]");
