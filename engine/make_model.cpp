@@ -14,7 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/safetensors.h"
-#include "kernels/cpu/float_convert.h"
+#include "kernels/float_convert.h"
 
 namespace pdserve {
 namespace {

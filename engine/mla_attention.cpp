@@ -25,7 +25,7 @@
 
 #include "engine/model.h"
 #include "engine/safetensors.h"
-#include "kernels/cpu/float_convert.h"
+#include "kernels/float_convert.h"
 
 namespace pdserve {
 
@@ -53,25 +53,21 @@ float ElementAsF32(const TensorView& t, int64_t i) {
   }
 }
 
-int64_t MatrixBytes(const WeightMatrix& w) { return w.rows * w.cols * (DTypeBits(w.dtype) / 8); }
-
 }  // namespace
 
-StatusOr<WeightMatrix> Model::UploadRows(const TensorView& t, const std::vector<int64_t>& rows,
-                                         double factor, bool fp32) {
+StatusOr<kernels::LinearWeights> Model::PrepareRows(const TensorView& t,
+                                                    const std::vector<int64_t>& rows, double factor,
+                                                    const float* bias) {
   const int64_t cols = t.shape[1];
   const DType dtype = *t.dtype;
-  WeightMatrix w;
-  w.rows = static_cast<int64_t>(rows.size());
-  w.cols = cols;
   std::vector<uint8_t> host;
-  if (!fp32 && factor == 1.0 && backend_->SupportsWeightDType(dtype)) {
+  WeightMatrix w{nullptr, dtype, static_cast<int64_t>(rows.size()), cols};
+  if (factor == 1.0) {
     const int64_t row_bytes = cols * (DTypeBits(dtype) / 8);
     host.resize(rows.size() * row_bytes);
     for (size_t i = 0; i < rows.size(); ++i) {
       std::memcpy(host.data() + i * row_bytes, t.data + rows[i] * row_bytes, row_bytes);
     }
-    w.dtype = dtype;
   } else {
     host.resize(rows.size() * cols * 4);
     auto* f = reinterpret_cast<float*>(host.data());
@@ -82,22 +78,13 @@ StatusOr<WeightMatrix> Model::UploadRows(const TensorView& t, const std::vector<
     }
     w.dtype = DType::kF32;
   }
-  void* dst = backend_->Allocate(host.size());
-  if (dst == nullptr) return Status::ResourceExhausted("out of memory loading '" + t.name + "'");
-  backend_->Upload(dst, host.data(), host.size());
-  owned_.push_back(dst);
-  converted_bytes_ += static_cast<int64_t>(host.size());
-  w.data = dst;
-  return w;
-}
-
-StatusOr<const float*> Model::UploadFloats(const std::vector<float>& values) {
-  void* dst = backend_->Allocate(values.size() * 4);
-  if (dst == nullptr) return Status::ResourceExhausted("out of memory loading attention weights");
-  backend_->Upload(dst, values.data(), values.size() * 4);
-  owned_.push_back(dst);
-  converted_bytes_ += static_cast<int64_t>(values.size() * 4);
-  return static_cast<const float*>(dst);
+  w.data = host.data();
+  // The rows are a temporary copy: the backend keeps its own.
+  auto prepared = backend_->PrepareLinear(&w, 1, bias, /*in_place=*/false, store_.get());
+  if (!prepared.ok())
+    return Status(prepared.status().code(), t.name + ": " + prepared.status().message());
+  matrix_dtype_ = prepared->dtype();
+  return prepared;
 }
 
 Status Model::LoadMlaAttention(const WeightFiles& files, const std::string& prefix, Layer* layer,
@@ -108,10 +95,10 @@ Status Model::LoadMlaAttention(const WeightFiles& files, const std::string& pref
   const int64_t rope = c.qk_rope_head_dim, R = c.kv_lora_rank, vd = c.v_head_dim;
   const std::string a = prefix + "self_attn.";
   int64_t bytes = 0;
-  auto take = [&](StatusOr<WeightMatrix> w, WeightMatrix* out) -> Status {
+  auto take = [&](StatusOr<kernels::LinearWeights> w, kernels::LinearWeights* out) -> Status {
     if (!w.ok()) return w.status();
     *out = *w;
-    bytes += MatrixBytes(*w);
+    bytes += w->stored_bytes();
     return Status::Ok();
   };
   auto vector = [&](const std::string& name, int64_t n, const float** out) -> Status {
@@ -120,6 +107,11 @@ Status Model::LoadMlaAttention(const WeightFiles& files, const std::string& pref
     *out = *v;
     bytes += n * 4;
     return Status::Ok();
+  };
+  auto all_rows = [](int64_t n) {
+    std::vector<int64_t> rows(n);
+    for (int64_t i = 0; i < n; ++i) rows[i] = i;
+    return rows;
   };
   // The rope rows in rotate_half order: de-interleaved when the checkpoint
   // pairs (2i, 2i + 1).
@@ -132,10 +124,17 @@ Status Model::LoadMlaAttention(const WeightFiles& files, const std::string& pref
   int64_t q_in = H;
   std::string q_name = a + "q_proj.weight";
   if (c.q_lora_rank > 0) {
-    PDSERVE_RETURN_IF_ERROR(take(Matrix(files, a + "q_a_proj.weight", c.q_lora_rank, H), &M.q_a));
+    auto q_a = Tensor(files, a + "q_a_proj.weight", {c.q_lora_rank, H});
+    if (!q_a.ok()) return q_a.status();
+    num_parameters_ += c.q_lora_rank * H;
+    const float* q_a_bias = nullptr;
     if (c.qkv_bias) {
-      PDSERVE_RETURN_IF_ERROR(vector(a + "q_a_proj.bias", c.q_lora_rank, &M.q_a_bias));
+      auto bias = HostVector(files, a + "q_a_proj.bias", c.q_lora_rank);
+      if (!bias.ok()) return bias.status();
+      q_a_bias = KeepFloats(std::move(*bias));
     }
+    PDSERVE_RETURN_IF_ERROR(
+        take(PrepareRows(**q_a, all_rows(c.q_lora_rank), 1.0, q_a_bias), &M.q_a));
     PDSERVE_RETURN_IF_ERROR(vector(a + "q_a_layernorm.weight", c.q_lora_rank, &M.q_a_norm));
     q_in = c.q_lora_rank;
     q_name = a + "q_b_proj.weight";
@@ -151,8 +150,8 @@ Status Model::LoadMlaAttention(const WeightFiles& files, const std::string& pref
         pe_rows.push_back(h * (nope + rope) + nope + rope_order[j]);
     }
     const double factor = c.RopeAttentionFactor();
-    PDSERVE_RETURN_IF_ERROR(take(UploadRows(**q, nope_rows, 1.0, false), &M.q_nope));
-    PDSERVE_RETURN_IF_ERROR(take(UploadRows(**q, pe_rows, factor * factor, false), &M.q_pe));
+    PDSERVE_RETURN_IF_ERROR(take(PrepareRows(**q, nope_rows, 1.0, nullptr), &M.q_nope));
+    PDSERVE_RETURN_IF_ERROR(take(PrepareRows(**q, pe_rows, factor * factor, nullptr), &M.q_pe));
   }
 
   // The latent and the shared rope key.
@@ -163,23 +162,19 @@ Status Model::LoadMlaAttention(const WeightFiles& files, const std::string& pref
     std::vector<int64_t> latent_rows(R), pe_rows(rope);
     for (int64_t i = 0; i < R; ++i) latent_rows[i] = i;
     for (int64_t j = 0; j < rope; ++j) pe_rows[j] = R + rope_order[j];
-    PDSERVE_RETURN_IF_ERROR(take(UploadRows(**kv_a, latent_rows, 1.0, false), &M.kv_latent));
-    PDSERVE_RETURN_IF_ERROR(take(UploadRows(**kv_a, pe_rows, 1.0, false), &M.k_pe));
+    const float *latent_bias = nullptr, *pe_bias = nullptr;
     if (c.qkv_bias) {
       auto bias = Tensor(files, a + "kv_a_proj_with_mqa.bias", {R + rope});
       if (!bias.ok()) return bias.status();
       num_parameters_ += R + rope;
-      std::vector<float> latent_bias(R), pe_bias(rope);
-      for (int64_t i = 0; i < R; ++i) latent_bias[i] = ElementAsF32(**bias, i);
-      for (int64_t j = 0; j < rope; ++j) pe_bias[j] = ElementAsF32(**bias, R + rope_order[j]);
-      auto lb = UploadFloats(latent_bias);
-      if (!lb.ok()) return lb.status();
-      auto pb = UploadFloats(pe_bias);
-      if (!pb.ok()) return pb.status();
-      M.kv_latent_bias = *lb;
-      M.k_pe_bias = *pb;
-      bytes += (R + rope) * 4;
+      std::vector<float> lb(R), pb(rope);
+      for (int64_t i = 0; i < R; ++i) lb[i] = ElementAsF32(**bias, i);
+      for (int64_t j = 0; j < rope; ++j) pb[j] = ElementAsF32(**bias, R + rope_order[j]);
+      latent_bias = KeepFloats(std::move(lb));
+      pe_bias = KeepFloats(std::move(pb));
     }
+    PDSERVE_RETURN_IF_ERROR(take(PrepareRows(**kv_a, latent_rows, 1.0, latent_bias), &M.kv_latent));
+    PDSERVE_RETURN_IF_ERROR(take(PrepareRows(**kv_a, pe_rows, 1.0, pe_bias), &M.k_pe));
     PDSERVE_RETURN_IF_ERROR(vector(a + "kv_a_layernorm.weight", R, &M.kv_norm));
   }
 
@@ -202,82 +197,80 @@ Status Model::LoadMlaAttention(const WeightFiles& files, const std::string& pref
         }
       }
     }
-    auto uk_dev = UploadFloats(uk_t);
-    if (!uk_dev.ok()) return uk_dev.status();
-    auto uv_dev = UploadFloats(uv);
-    if (!uv_dev.ok()) return uv_dev.status();
-    M.uk_t = WeightMatrix{*uk_dev, DType::kF32, heads * R, nope};
-    M.uv = WeightMatrix{*uv_dev, DType::kF32, heads * vd, R};
-    bytes += MatrixBytes(M.uk_t) + MatrixBytes(M.uv);
+    auto upload = [&](const std::vector<float>& v) {
+      return static_cast<const float*>(store_->Upload(v.data(), v.size() * 4));
+    };
+    M.uk_t = WeightMatrix{upload(uk_t), DType::kF32, heads * R, nope};
+    M.uv = WeightMatrix{upload(uv), DType::kF32, heads * vd, R};
+    if (M.uk_t.data == nullptr || M.uv.data == nullptr) {
+      return Status::ResourceExhausted("out of memory loading attention weights");
+    }
+    bytes += M.uk_t.stored_bytes() + M.uv.stored_bytes();
   }
 
-  PDSERVE_RETURN_IF_ERROR(take(Matrix(files, a + "o_proj.weight", H, heads * vd), &layer->o));
-  if (c.o_bias) PDSERVE_RETURN_IF_ERROR(vector(a + "o_proj.bias", H, &layer->o_bias));
+  std::vector<std::string> no_bias;
+  const float* o_bias = nullptr;
+  if (c.o_bias) {
+    auto bias = HostVector(files, a + "o_proj.bias", H);
+    if (!bias.ok()) return bias.status();
+    o_bias = KeepFloats(std::move(*bias));
+  }
+  {
+    auto o = Matrix(files, a + "o_proj.weight", H, heads * vd);
+    if (!o.ok()) return o.status();
+    auto w = backend_->PrepareLinear(&*o, 1, o_bias, /*in_place=*/true, store_.get());
+    if (!w.ok()) return w.status();
+    PDSERVE_RETURN_IF_ERROR(take(std::move(w), &layer->o));
+  }
   *step_bytes += bytes;
   return Status::Ok();
 }
 
-void Model::FreeMlaScratch() {
-  MlaScratch& m = mla_scratch_;
-  for (float** p :
-       {&m.q_a, &m.q_nope, &m.q_pe, &m.latent, &m.k_pe, &m.q_latent, &m.out_latent, &m.out_v}) {
-    if (*p != nullptr) backend_->Free(*p);
-    *p = nullptr;
-  }
-  m.token_capacity = 0;
-}
-
-Status Model::MlaAttentionForward(const Layer& layer, int64_t l, const int32_t* positions,
-                                  const int64_t* slots, const kernels::AttentionBatch& att,
-                                  const kernels::KvCacheLayout& layout, void* kv_pool,
-                                  const float* h, int64_t tokens, float* out) {
+void Model::MlaAttentionForward(const Layer& layer, int64_t l, const int32_t* positions,
+                                const int64_t* slots, const kernels::AttentionPlan& plan,
+                                const kernels::Tensor& h, const kernels::Tensor& out) {
+  using kernels::Tensor;
   const ModelConfig& c = config_;
   const MlaWeights& M = layer.mla;
   const int64_t heads = c.num_heads, nope = c.qk_nope_head_dim, rope = c.qk_rope_head_dim;
   const int64_t R = c.kv_lora_rank, vd = c.v_head_dim, qr = c.q_lora_rank;
-  MlaScratch& m = mla_scratch_;
-  if (tokens > m.token_capacity) {
-    FreeMlaScratch();
-    auto alloc = [&](float** p, int64_t n) {
-      *p =
-          static_cast<float*>(backend_->Allocate(static_cast<size_t>(std::max<int64_t>(n, 1)) * 4));
-      return *p != nullptr;
-    };
-    const int64_t T = tokens;
-    if (!(alloc(&m.q_a, T * qr) && alloc(&m.q_nope, T * heads * nope) &&
-          alloc(&m.q_pe, T * heads * rope) && alloc(&m.latent, T * R) && alloc(&m.k_pe, T * rope) &&
-          alloc(&m.q_latent, T * heads * R) && alloc(&m.out_latent, T * heads * R) &&
-          alloc(&m.out_v, T * heads * vd))) {
-      FreeMlaScratch();
-      return Status::ResourceExhausted("forward: out of memory for the latent attention of " +
-                                       std::to_string(T) + " tokens");
-    }
-    m.token_capacity = T;
-  }
+  const int64_t T = h.shape[0];
   kernels::Backend& b = *backend_;
+  const DType act = b.activation_dtype();
+  uint8_t* const base = scratch_->base;
+  auto A = [&](size_t at, std::initializer_list<int64_t> shape) {
+    return Tensor::Of(base + at, act, shape);
+  };
+  auto F32 = [](const float* p, int64_t n) { return Tensor::Of(p, DType::kF32, {n}); };
+  const Scratch& at = *scratch_;
   // q_a_layernorm and kv_a_layernorm are built with the RMSNorm's default
   // eps in both modeling files, not config.rms_norm_eps.
   constexpr float kLatentNormEps = 1e-6f;
-  const float* q_in = h;
+  Tensor q_in = h;
   if (qr > 0) {
-    b.Linear(h, tokens, M.q_a, M.q_a_bias, m.q_a);
-    b.RmsNorm(m.q_a, M.q_a_norm, m.q_a, tokens, qr, kLatentNormEps);
-    q_in = m.q_a;
+    const Tensor q_a = A(at.q_a, {T, qr});
+    b.Linear(h, M.q_a, q_a);
+    b.RmsNorm(q_a, F32(M.q_a_norm, qr), kLatentNormEps, q_a);
+    q_in = q_a;
   }
-  b.Linear(q_in, tokens, M.q_nope, nullptr, m.q_nope);
-  b.Linear(q_in, tokens, M.q_pe, nullptr, m.q_pe);
-  b.Linear(h, tokens, M.kv_latent, M.kv_latent_bias, m.latent);
-  b.RmsNorm(m.latent, M.kv_norm, m.latent, tokens, R, kLatentNormEps);
-  b.Linear(h, tokens, M.k_pe, M.k_pe_bias, m.k_pe);
-  b.Rope(m.q_pe, positions, tokens, heads, rope, inv_freq_);
-  b.Rope(m.k_pe, positions, tokens, 1, rope, inv_freq_);
-  b.WriteLatentKv(layout, kv_pool, l, m.latent, m.k_pe, slots, tokens);
-  b.HeadsLinear(m.q_nope, tokens, heads, M.uk_t, m.q_latent);
-  b.MlaAttention(layout, kv_pool, l, m.q_latent, m.q_pe, heads, att,
-                 static_cast<float>(c.AttentionScale()), m.out_latent);
-  b.HeadsLinear(m.out_latent, tokens, heads, M.uv, m.out_v);
-  b.Linear(m.out_v, tokens, layer.o, layer.o_bias, out);
-  return Status::Ok();
+  const Tensor q_nope = A(at.q_nope, {T, heads * nope}), q_pe = A(at.q_pe, {T, heads * rope});
+  const Tensor latent = A(at.latent, {T, R}), k_pe = A(at.k_pe, {T, rope});
+  b.Linear(q_in, M.q_nope, q_nope);
+  b.Linear(q_in, M.q_pe, q_pe);
+  b.Linear(h, M.kv_latent, latent);
+  b.RmsNorm(latent, F32(M.kv_norm, R), kLatentNormEps, latent);
+  b.Linear(h, M.k_pe, k_pe);
+  b.Rope(q_pe.Split({heads, rope}), positions, inv_freq_);
+  b.Rope(k_pe.Split({1, rope}), positions, inv_freq_);
+  b.WriteLatentKv(plan.layout, plan.pool, l, latent, k_pe, slots);
+  const Tensor q_latent = A(at.q_latent, {T, heads, R});
+  const Tensor out_latent = A(at.out_latent, {T, heads, R});
+  const Tensor out_v = A(at.out_v, {T, heads, vd});
+  b.HeadsLinear(q_nope.Split({heads, nope}), M.uk_t, q_latent);
+  b.MlaAttention(plan, l, q_latent, q_pe.Split({heads, rope}),
+                 static_cast<float>(c.AttentionScale()), out_latent);
+  b.HeadsLinear(out_latent, M.uv, out_v);
+  b.Linear(out_v.Split({heads * vd}), layer.o, out);
 }
 
 }  // namespace pdserve

@@ -8,54 +8,15 @@
 #include "common/logging.h"
 #include "engine/make_model.h"
 #include "engine/safetensors.h"
-#include "kernels/cpu/float_convert.h"
+#include "kernels/float_convert.h"
 
 namespace pdserve {
 
 using kernels::WeightMatrix;
 
-// Backend buffers of Forward, grown to the largest batch seen.
-struct Model::Scratch {
-  kernels::Backend* backend = nullptr;
-  std::vector<std::pair<void**, size_t>> registry;
-  int64_t token_capacity = 0;
-  int64_t logits_capacity = 0;
-  int64_t inputs_capacity = 0;  // bytes
-  float *x = nullptr, *h = nullptr, *q = nullptr, *k = nullptr, *v = nullptr, *attn = nullptr;
-  float *gate = nullptr, *up = nullptr, *act = nullptr;
-  // The step's inputs (token ids, positions, KV slots, attention tables,
-  // logits rows) packed in one host buffer and sent with one Upload: on a
-  // device each Upload is a synchronous copy, so one costs what seven did.
-  std::vector<uint8_t> staged_inputs;
-  uint8_t* inputs = nullptr;
-  float *gathered = nullptr, *logits = nullptr;
-  int32_t* argmax = nullptr;
-
-  ~Scratch() { ReleaseAll(); }
-  void ReleaseAll() {
-    for (auto& [ptr, bytes] : registry) {
-      (void)bytes;
-      if (*ptr) backend->Free(*ptr);
-      *ptr = nullptr;
-    }
-    registry.clear();
-  }
-  template <typename T>
-  bool Alloc(T** ptr, int64_t count) {
-    const size_t bytes = static_cast<size_t>(std::max<int64_t>(count, 1)) * sizeof(T);
-    if (*ptr) backend->Free(*ptr);
-    *ptr = static_cast<T*>(backend->Allocate(bytes));
-    bool seen = false;
-    for (auto& entry : registry) seen |= entry.first == reinterpret_cast<void**>(ptr);
-    if (!seen) registry.emplace_back(reinterpret_cast<void**>(ptr), bytes);
-    return *ptr != nullptr;
-  }
-};
-
 Model::~Model() {
-  scratch_.reset();
-  FreeMlaScratch();
-  for (void* p : owned_) backend_->Free(p);
+  if (scratch_ && scratch_->base != nullptr) backend_->Free(scratch_->base);
+  if (scratch_ && scratch_->inputs != nullptr) backend_->Free(scratch_->inputs);
 }
 
 std::optional<LoadFormat> ParseLoadFormat(std::string_view name) {
@@ -94,9 +55,9 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir, kernels::Ba
                                std::to_string(backend->MaxMlaLatentWidth()) + ")");
   }
   m->files_ = std::move(*files);
+  m->store_ = std::make_unique<kernels::WeightStore>(backend);
   PDSERVE_RETURN_IF_ERROR(m->LoadWeights(*m->files_));
   m->scratch_ = std::make_unique<Scratch>();
-  m->scratch_->backend = backend;
   return m;
 }
 
@@ -153,38 +114,30 @@ StatusOr<WeightMatrix> Model::Matrix(const WeightFiles& files, const std::string
                                      int64_t rows, int64_t cols) {
   auto found = Tensor(files, name, {rows, cols});
   if (!found.ok()) return found.status();
-  const auto& t = **found;
-  WeightMatrix w;
-  w.rows = rows;
-  w.cols = cols;
   num_parameters_ += rows * cols;
-  const bool aligned = reinterpret_cast<uintptr_t>(t.data) % (DTypeBits(*t.dtype) / 8) == 0;
-  if (backend_->SupportsWeightDType(*t.dtype) && backend_->SharesHostMemory() && aligned) {
-    w.data = t.data;  // zero copy from the mapping
-    w.dtype = *t.dtype;
-    matrix_dtype_ = w.dtype;
-    return w;
-  }
-  void* dst;
-  if (backend_->SupportsWeightDType(*t.dtype)) {
-    dst = backend_->Allocate(t.bytes);
-    if (dst == nullptr) return Status::ResourceExhausted("out of memory loading '" + name + "'");
-    backend_->Upload(dst, t.data, t.bytes);
-    w.dtype = *t.dtype;
-    converted_bytes_ += static_cast<int64_t>(t.bytes);
-  } else {
-    std::vector<float> tmp(rows * cols);
-    ConvertToF32(t, tmp.data());
-    dst = backend_->Allocate(tmp.size() * 4);
-    if (dst == nullptr) return Status::ResourceExhausted("out of memory loading '" + name + "'");
-    backend_->Upload(dst, tmp.data(), tmp.size() * 4);
-    w.dtype = DType::kF32;
-    converted_bytes_ += static_cast<int64_t>(tmp.size() * 4);
-  }
-  owned_.push_back(dst);
-  w.data = dst;
-  matrix_dtype_ = w.dtype;
-  return w;
+  return WeightMatrix{(*found)->data, *(*found)->dtype, rows, cols};
+}
+
+const float* Model::KeepFloats(std::vector<float> values) {
+  host_floats_.push_back(std::move(values));
+  return host_floats_.back().data();
+}
+
+StatusOr<const float*> Model::Floats(const std::vector<float>& values) {
+  if (backend_->SharesHostMemory()) return KeepFloats(values);
+  void* dst = store_->Upload(values.data(), values.size() * 4);
+  if (dst == nullptr) return Status::ResourceExhausted("out of memory loading the weights");
+  return static_cast<const float*>(dst);
+}
+
+StatusOr<std::vector<float>> Model::HostVector(const WeightFiles& files, const std::string& name,
+                                               int64_t n) {
+  auto found = Tensor(files, name, {n});
+  if (!found.ok()) return found.status();
+  num_parameters_ += n;
+  std::vector<float> values(n);
+  ConvertToF32(**found, values.data());
+  return values;
 }
 
 StatusOr<const float*> Model::Vector(const WeightFiles& files, const std::string& name, int64_t n) {
@@ -198,11 +151,8 @@ StatusOr<const float*> Model::Vector(const WeightFiles& files, const std::string
   }
   std::vector<float> tmp(n);
   ConvertToF32(t, tmp.data());
-  void* dst = backend_->Allocate(n * 4);
+  void* dst = store_->Upload(tmp.data(), n * 4);
   if (dst == nullptr) return Status::ResourceExhausted("out of memory loading '" + name + "'");
-  backend_->Upload(dst, tmp.data(), n * 4);
-  owned_.push_back(dst);
-  converted_bytes_ += n * 4;
   return static_cast<const float*>(dst);
 }
 
@@ -211,12 +161,35 @@ Status Model::LoadWeights(const WeightFiles& files) {
   const int64_t H = c.hidden_size, I = c.intermediate_size, hd = c.head_dim;
   const int64_t q_out = c.num_heads * hd, kv_out = c.num_kv_heads * hd;
   int64_t bytes = 0;
-  auto matrix = [&](const std::string& name, int64_t rows, int64_t cols,
-                    WeightMatrix* out) -> Status {
-    auto w = Matrix(files, name, rows, cols);
-    if (!w.ok()) return w.status();
+  // The checkpoint's matrices `names` (each [rows[i], cols]) stacked into
+  // one prepared Linear product, with their biases `bias_names` (none when
+  // empty), adding the bytes a step reads.
+  auto linear = [&](std::initializer_list<std::string> names, std::vector<int64_t> rows,
+                    int64_t cols, std::vector<std::string> bias_names,
+                    kernels::LinearWeights* out) -> Status {
+    WeightMatrix parts[kernels::kMaxLinearParts];
+    size_t i = 0;
+    for (const std::string& name : names) {
+      auto m = Matrix(files, name, rows[i], cols);
+      if (!m.ok()) return m.status();
+      parts[i++] = *m;
+    }
+    const float* bias = nullptr;
+    if (!bias_names.empty()) {
+      std::vector<float> all;
+      for (size_t j = 0; j < bias_names.size(); ++j) {
+        auto v = HostVector(files, bias_names[j], rows[j]);
+        if (!v.ok()) return v.status();
+        all.insert(all.end(), v->begin(), v->end());
+      }
+      bias = KeepFloats(std::move(all));
+    }
+    auto w =
+        backend_->PrepareLinear(parts, static_cast<int>(i), bias, /*in_place=*/true, store_.get());
+    if (!w.ok()) return Status(w.status().code(), *names.begin() + ": " + w.status().message());
+    matrix_dtype_ = w->dtype();
     *out = *w;
-    bytes += rows * cols * (DTypeBits(w->dtype) / 8);
+    bytes += w->stored_bytes();
     return Status::Ok();
   };
   auto vector = [&](const std::string& name, int64_t n, const float** out) -> Status {
@@ -239,35 +212,31 @@ Status Model::LoadWeights(const WeightFiles& files) {
     } else {
       std::vector<float> tmp(c.vocab_size * H);
       ConvertToF32(t, tmp.data());
-      void* dst = backend_->Allocate(tmp.size() * 4);
-      if (dst == nullptr) return Status::ResourceExhausted("out of memory loading embeddings");
-      backend_->Upload(dst, tmp.data(), tmp.size() * 4);
-      owned_.push_back(dst);
-      converted_bytes_ += static_cast<int64_t>(tmp.size() * 4);
-      embedding_ = static_cast<const float*>(dst);
+      embedding_ = static_cast<const float*>(store_->Upload(tmp.data(), tmp.size() * 4));
+      if (embedding_ == nullptr)
+        return Status::ResourceExhausted("out of memory loading embeddings");
     }
   }
   layers_.resize(c.num_layers);
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const std::string p = "model.layers." + std::to_string(l) + ".";
+    const std::string a = p + "self_attn.";
     Layer& L = layers_[l];
     PDSERVE_RETURN_IF_ERROR(vector(p + "input_layernorm.weight", H, &L.input_norm));
     if (c.is_mla()) {
       PDSERVE_RETURN_IF_ERROR(LoadMlaAttention(files, p, &L, &bytes));
     } else {
-      PDSERVE_RETURN_IF_ERROR(matrix(p + "self_attn.q_proj.weight", q_out, H, &L.q));
-      PDSERVE_RETURN_IF_ERROR(matrix(p + "self_attn.k_proj.weight", kv_out, H, &L.k));
-      PDSERVE_RETURN_IF_ERROR(matrix(p + "self_attn.v_proj.weight", kv_out, H, &L.v));
-      PDSERVE_RETURN_IF_ERROR(matrix(p + "self_attn.o_proj.weight", H, q_out, &L.o));
-      if (c.qkv_bias) {
-        PDSERVE_RETURN_IF_ERROR(vector(p + "self_attn.q_proj.bias", q_out, &L.q_bias));
-        PDSERVE_RETURN_IF_ERROR(vector(p + "self_attn.k_proj.bias", kv_out, &L.k_bias));
-        PDSERVE_RETURN_IF_ERROR(vector(p + "self_attn.v_proj.bias", kv_out, &L.v_bias));
-      }
-      if (c.o_bias) PDSERVE_RETURN_IF_ERROR(vector(p + "self_attn.o_proj.bias", H, &L.o_bias));
+      std::vector<std::string> qkv_bias;
+      if (c.qkv_bias) qkv_bias = {a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"};
+      PDSERVE_RETURN_IF_ERROR(
+          linear({a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"},
+                 {q_out, kv_out, kv_out}, H, qkv_bias, &L.qkv));
+      std::vector<std::string> o_bias;
+      if (c.o_bias) o_bias = {a + "o_proj.bias"};
+      PDSERVE_RETURN_IF_ERROR(linear({a + "o_proj.weight"}, {H}, q_out, o_bias, &L.o));
       if (c.qk_norm) {
-        PDSERVE_RETURN_IF_ERROR(vector(p + "self_attn.q_norm.weight", hd, &L.q_norm));
-        PDSERVE_RETURN_IF_ERROR(vector(p + "self_attn.k_norm.weight", hd, &L.k_norm));
+        PDSERVE_RETURN_IF_ERROR(vector(a + "q_norm.weight", hd, &L.q_norm));
+        PDSERVE_RETURN_IF_ERROR(vector(a + "k_norm.weight", hd, &L.k_norm));
       }
     }
     PDSERVE_RETURN_IF_ERROR(vector(p + "post_attention_layernorm.weight", H, &L.post_norm));
@@ -279,18 +248,17 @@ Status Model::LoadWeights(const WeightFiles& files) {
       const std::string b = p + (c.mixtral_names ? "block_sparse_moe." : "mlp.");
       const int64_t E = c.num_experts, MI = c.moe_intermediate_size;
       L.sparse = true;
-      PDSERVE_RETURN_IF_ERROR(matrix(b + "gate.weight", E, H, &L.moe.router));
+      PDSERVE_RETURN_IF_ERROR(linear({b + "gate.weight"}, {E}, H, {}, &L.moe.router));
       L.experts.resize(E);
       const int64_t before = bytes;
       for (int64_t e = 0; e < E; ++e) {
         const std::string x = b + "experts." + std::to_string(e) + ".";
         auto& X = L.experts[e];
+        PDSERVE_RETURN_IF_ERROR(linear({x + (c.mixtral_names ? "w1" : "gate_proj") + ".weight",
+                                        x + (c.mixtral_names ? "w3" : "up_proj") + ".weight"},
+                                       {MI, MI}, H, {}, &X.gate_up));
         PDSERVE_RETURN_IF_ERROR(
-            matrix(x + (c.mixtral_names ? "w1" : "gate_proj") + ".weight", MI, H, &X.gate));
-        PDSERVE_RETURN_IF_ERROR(
-            matrix(x + (c.mixtral_names ? "w3" : "up_proj") + ".weight", MI, H, &X.up));
-        PDSERVE_RETURN_IF_ERROR(
-            matrix(x + (c.mixtral_names ? "w2" : "down_proj") + ".weight", H, MI, &X.down));
+            linear({x + (c.mixtral_names ? "w2" : "down_proj") + ".weight"}, {H}, MI, {}, &X.down));
       }
       expert_weight_bytes_ += bytes - before;
       bytes = before;  // experts are counted per step by MoeFfn
@@ -305,28 +273,31 @@ Status Model::LoadWeights(const WeightFiles& files) {
         // DeepSeek's shared experts: one MLP that every token goes through.
         const std::string x = b + "shared_experts.";
         const int64_t SI = MI * c.num_shared_experts;
-        PDSERVE_RETURN_IF_ERROR(matrix(x + "gate_proj.weight", SI, H, &L.shared_expert.gate));
-        PDSERVE_RETURN_IF_ERROR(matrix(x + "up_proj.weight", SI, H, &L.shared_expert.up));
-        PDSERVE_RETURN_IF_ERROR(matrix(x + "down_proj.weight", H, SI, &L.shared_expert.down));
+        PDSERVE_RETURN_IF_ERROR(linear({x + "gate_proj.weight", x + "up_proj.weight"}, {SI, SI}, H,
+                                       {}, &L.shared_expert.gate_up));
+        PDSERVE_RETURN_IF_ERROR(
+            linear({x + "down_proj.weight"}, {H}, SI, {}, &L.shared_expert.down));
         L.moe.shared = &L.shared_expert;
       }
       continue;
     }
-    PDSERVE_RETURN_IF_ERROR(matrix(p + "mlp.gate_proj.weight", I, H, &L.gate));
-    PDSERVE_RETURN_IF_ERROR(matrix(p + "mlp.up_proj.weight", I, H, &L.up));
-    PDSERVE_RETURN_IF_ERROR(matrix(p + "mlp.down_proj.weight", H, I, &L.down));
+    const std::string m = p + "mlp.";
+    std::vector<std::string> gate_up_bias, down_bias;
     if (c.mlp_bias) {
-      PDSERVE_RETURN_IF_ERROR(vector(p + "mlp.gate_proj.bias", I, &L.gate_bias));
-      PDSERVE_RETURN_IF_ERROR(vector(p + "mlp.up_proj.bias", I, &L.up_bias));
-      PDSERVE_RETURN_IF_ERROR(vector(p + "mlp.down_proj.bias", H, &L.down_bias));
+      gate_up_bias = {m + "gate_proj.bias", m + "up_proj.bias"};
+      down_bias = {m + "down_proj.bias"};
     }
+    PDSERVE_RETURN_IF_ERROR(linear({m + "gate_proj.weight", m + "up_proj.weight"}, {I, I}, H,
+                                   gate_up_bias, &L.gate_up));
+    PDSERVE_RETURN_IF_ERROR(linear({m + "down_proj.weight"}, {H}, I, down_bias, &L.down));
   }
   PDSERVE_RETURN_IF_ERROR(vector("model.norm.weight", H, &final_norm_));
   if (c.tie_word_embeddings) {
-    lm_head_ = WeightMatrix{embedding_, DType::kF32, c.vocab_size, H};
+    // The embedding table, already fp32 backend memory, as it is.
+    lm_head_ = kernels::LinearWeights::Of(WeightMatrix{embedding_, DType::kF32, c.vocab_size, H});
     bytes += c.vocab_size * H * 4;
   } else {
-    PDSERVE_RETURN_IF_ERROR(matrix("lm_head.weight", c.vocab_size, H, &lm_head_));
+    PDSERVE_RETURN_IF_ERROR(linear({"lm_head.weight"}, {c.vocab_size}, H, {}, &lm_head_));
   }
   weight_bytes_per_step_ = bytes;
   // Strict: every tensor of the checkpoint is one the architecture uses.
@@ -361,12 +332,65 @@ Status Model::LoadWeights(const WeightFiles& files) {
                       << first_mtp << " on (speculative decoding is not used)";
   }
 
-  const std::vector<float> inv = c.RopeInvFreq();
-  void* dst = backend_->Allocate(inv.size() * 4);
-  if (dst == nullptr) return Status::ResourceExhausted("out of memory");
-  backend_->Upload(dst, inv.data(), inv.size() * 4);
-  owned_.push_back(dst);
-  inv_freq_ = static_cast<const float*>(dst);
+  auto inv = Floats(c.RopeInvFreq());
+  if (!inv.ok()) return inv.status();
+  inv_freq_ = *inv;
+  return Status::Ok();
+}
+
+Status Model::Reserve(int64_t tokens, int64_t logits) {
+  Scratch& s = *scratch_;
+  if (tokens <= s.tokens && logits <= s.logits) return Status::Ok();
+  tokens = std::max(tokens, s.tokens);
+  logits = std::max(logits, s.logits);
+  const auto& c = config_;
+  const DType act = backend_->activation_dtype();
+  const int64_t T = tokens, R = logits, H = c.hidden_size, I = c.intermediate_size;
+  const int64_t hd = c.head_dim, nh = c.num_heads, kvh = c.num_kv_heads;
+  size_t total = 0;
+  auto take = [&total](int64_t elems, int64_t elem_bits) {
+    const size_t at = total;
+    total += (static_cast<size_t>(std::max<int64_t>(elems, 1) * elem_bits / 8) + 255) / 256 * 256;
+    return at;
+  };
+  const int a = DTypeBits(act);
+  Scratch n;
+  n.tokens = T;
+  n.logits = R;
+  n.x = take(T * H, a);
+  n.h = take(T * H, a);
+  n.gathered = take(R * H, a);
+  n.logits_at = take(R * c.vocab_size, 32);
+  n.argmax = take(R, 32);
+  if (c.is_mla()) {
+    const int64_t heads = c.num_heads, R_ = c.kv_lora_rank;
+    n.q_a = take(T * c.q_lora_rank, a);
+    n.q_nope = take(T * heads * c.qk_nope_head_dim, a);
+    n.q_pe = take(T * heads * c.qk_rope_head_dim, a);
+    n.latent = take(T * R_, a);
+    n.k_pe = take(T * c.qk_rope_head_dim, a);
+    n.q_latent = take(T * heads * R_, a);
+    n.out_latent = take(T * heads * R_, a);
+    n.out_v = take(T * heads * c.v_head_dim, a);
+  } else {
+    n.qkv = take(T * (nh + 2 * kvh) * hd, a);
+    n.attn = take(T * nh * hd, a);
+  }
+  // Sparse layers keep their own buffers in the backend; the dense MLP of a
+  // model with sparse layers may be narrower than the widest.
+  n.gate_up = take(T * 2 * I, a);
+  n.act = take(T * I, a);
+  n.bytes = total;
+  n.base = static_cast<uint8_t*>(backend_->Allocate(total));
+  if (n.base == nullptr) {
+    return Status::ResourceExhausted("forward: out of memory for a batch of " + std::to_string(T) +
+                                     " tokens");
+  }
+  if (s.base != nullptr) backend_->Free(s.base);
+  n.inputs = s.inputs;
+  n.inputs_bytes = s.inputs_bytes;
+  n.staged_inputs = std::move(s.staged_inputs);
+  s = std::move(n);
   return Status::Ok();
 }
 
@@ -374,7 +398,8 @@ Status Model::Forward(const ForwardBatch& batch, const kernels::KvCacheLayout& l
                       void* kv_pool, float* logits) {
   PDSERVE_RETURN_IF_ERROR(ComputeLogits(batch, layout, kv_pool));
   if (batch.num_logits > 0) {
-    backend_->Download(logits, scratch_->logits, batch.num_logits * config_.vocab_size * 4);
+    backend_->Download(logits, scratch_->base + scratch_->logits_at,
+                       batch.num_logits * config_.vocab_size * 4);
   }
   return Status::Ok();
 }
@@ -384,14 +409,18 @@ Status Model::ForwardGreedy(const ForwardBatch& batch, const kernels::KvCacheLay
   PDSERVE_RETURN_IF_ERROR(ComputeLogits(batch, layout, kv_pool));
   if (batch.num_logits > 0) {
     Scratch& s = *scratch_;
-    backend_->ArgMaxRows(s.logits, batch.num_logits, config_.vocab_size, s.argmax);
-    backend_->Download(tokens, s.argmax, batch.num_logits * 4);
+    auto* argmax = reinterpret_cast<int32_t*>(s.base + s.argmax);
+    backend_->ArgMaxRows(kernels::Tensor::Of(s.base + s.logits_at, DType::kF32,
+                                             {batch.num_logits, config_.vocab_size}),
+                         argmax);
+    backend_->Download(tokens, argmax, batch.num_logits * 4);
   }
   return Status::Ok();
 }
 
 Status Model::ComputeLogits(const ForwardBatch& batch, const kernels::KvCacheLayout& layout,
                             void* kv_pool) {
+  using kernels::Tensor;
   const auto& c = config_;
   const int64_t T = batch.num_tokens, R = batch.num_logits;
   const int64_t S = batch.attention.num_seqs;
@@ -417,24 +446,8 @@ Status Model::ComputeLogits(const ForwardBatch& batch, const kernels::KvCacheLay
       return Status::InvalidArgument("forward: logits row out of range");
     }
   }
+  PDSERVE_RETURN_IF_ERROR(Reserve(T, R));
   Scratch& s = *scratch_;
-  if (T > s.token_capacity) {
-    bool ok = s.Alloc(&s.x, T * H) && s.Alloc(&s.h, T * H) && s.Alloc(&s.q, T * nh * hd) &&
-              s.Alloc(&s.k, T * kvh * hd) && s.Alloc(&s.v, T * kvh * hd) &&
-              s.Alloc(&s.attn, T * nh * hd) && s.Alloc(&s.gate, T * I) && s.Alloc(&s.up, T * I) &&
-              s.Alloc(&s.act, T * I);
-    if (!ok)
-      return Status::ResourceExhausted("forward: out of memory for a batch of " +
-                                       std::to_string(T) + " tokens");
-    s.token_capacity = T;
-  }
-  if (R > s.logits_capacity) {
-    if (!(s.Alloc(&s.gathered, R * H) && s.Alloc(&s.logits, R * c.vocab_size) &&
-          s.Alloc(&s.argmax, R))) {
-      return Status::ResourceExhausted("forward: out of memory for logits");
-    }
-    s.logits_capacity = R;
-  }
   const int64_t table_entries = S * batch.attention.max_blocks_per_seq;
   size_t input_bytes = 0;
   // Offset of the next `bytes` in the packed inputs, each array 8-byte aligned.
@@ -450,12 +463,16 @@ Status Model::ComputeLogits(const ForwardBatch& batch, const kernels::KvCacheLay
   const size_t at_context_lens = place(S * 4);
   const size_t at_block_tables = place(table_entries * 4);
   const size_t at_logits_rows = place(R * 4);
-  if (static_cast<int64_t>(input_bytes) > s.inputs_capacity) {
-    if (!s.Alloc(&s.inputs, static_cast<int64_t>(input_bytes))) {
+  if (input_bytes > s.inputs_bytes) {
+    void* inputs = backend_->Allocate(input_bytes);
+    if (inputs == nullptr) {
       return Status::ResourceExhausted("forward: out of memory for the step's inputs");
     }
-    s.inputs_capacity = static_cast<int64_t>(input_bytes);
+    if (s.inputs != nullptr) backend_->Free(s.inputs);
+    s.inputs = inputs;
+    s.inputs_bytes = input_bytes;
   }
+  auto* const inputs = static_cast<uint8_t*>(s.inputs);
   s.staged_inputs.resize(input_bytes);
   auto stage = [&](size_t at, const void* src, size_t bytes) {
     if (bytes > 0) std::memcpy(s.staged_inputs.data() + at, src, bytes);
@@ -468,68 +485,84 @@ Status Model::ComputeLogits(const ForwardBatch& batch, const kernels::KvCacheLay
   stage(at_block_tables, batch.attention.block_tables, table_entries * 4);
   stage(at_logits_rows, batch.logits_rows, R * 4);
   kernels::Backend& b = *backend_;
-  b.Upload(s.inputs, s.staged_inputs.data(), input_bytes);
-  auto* const slots = reinterpret_cast<const int64_t*>(s.inputs + at_slots);
-  auto* const ids = reinterpret_cast<const int32_t*>(s.inputs + at_ids);
-  auto* const positions = reinterpret_cast<const int32_t*>(s.inputs + at_positions);
-  auto* const logits_rows = reinterpret_cast<const int32_t*>(s.inputs + at_logits_rows);
+  b.Upload(inputs, s.staged_inputs.data(), input_bytes);
+  auto* const slots = reinterpret_cast<const int64_t*>(inputs + at_slots);
+  auto* const ids = reinterpret_cast<const int32_t*>(inputs + at_ids);
+  auto* const positions = reinterpret_cast<const int32_t*>(inputs + at_positions);
+  auto* const logits_rows = reinterpret_cast<const int32_t*>(inputs + at_logits_rows);
   kernels::AttentionBatch att = batch.attention;
-  att.query_start = reinterpret_cast<const int32_t*>(s.inputs + at_query_start);
-  att.context_lens = reinterpret_cast<const int32_t*>(s.inputs + at_context_lens);
-  att.block_tables = reinterpret_cast<const int32_t*>(s.inputs + at_block_tables);
+  att.query_start = reinterpret_cast<const int32_t*>(inputs + at_query_start);
+  att.context_lens = reinterpret_cast<const int32_t*>(inputs + at_context_lens);
+  att.block_tables = reinterpret_cast<const int32_t*>(inputs + at_block_tables);
   att.num_tokens = T;
 
+  const DType act = b.activation_dtype();
+  auto A = [&](size_t at, int64_t rows, int64_t cols) {
+    return Tensor::Of(s.base + at, act, {rows, cols});
+  };
+  auto F32 = [](const float* p, int64_t n) { return Tensor::Of(p, DType::kF32, {n}); };
+  kernels::AttentionPlan plan;
+  plan.layout = layout;
+  plan.pool = kv_pool;
+  plan.batch = att;
+  plan.num_heads = nh;
+  const Tensor x = A(s.x, T, H), h = A(s.h, T, H);
   const float eps = static_cast<float>(c.rms_norm_eps);
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
-  b.Embedding(embedding_, ids, T, H, s.x);
-  b.RmsNorm(s.x, layers_[0].input_norm, s.h, T, H, eps);
+  b.Embedding(Tensor::Of(embedding_, DType::kF32, {c.vocab_size, H}), ids, x);
+  b.RmsNorm(x, F32(layers_[0].input_norm, H), eps, h);
   kernels::MoeStats moe;
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const Layer& L = layers_[l];
-    // s.h holds RmsNorm(s.x) with this layer's input norm here. Each residual
+    // h holds RmsNorm(x) with this layer's input norm here. Each residual
     // add is fused with the norm that follows it.
     if (c.is_mla()) {
-      // In place: o_proj's output replaces the normed input in s.h.
-      PDSERVE_RETURN_IF_ERROR(
-          MlaAttentionForward(L, l, positions, slots, att, layout, kv_pool, s.h, T, s.h));
+      // In place: o_proj's output replaces the normed input in h.
+      MlaAttentionForward(L, l, positions, slots, plan, h, h);
     } else {
-      const kernels::Backend::LinearOutput qkv[] = {
-          {&L.q, L.q_bias, s.q}, {&L.k, L.k_bias, s.k}, {&L.v, L.v_bias, s.v}};
-      b.LinearShared(s.h, T, qkv, 3);
+      // One q|k|v product; q, k and v are column ranges of it.
+      const Tensor qkv = A(s.qkv, T, (nh + 2 * kvh) * hd);
+      b.Linear(h, L.qkv, qkv);
+      const Tensor q = qkv.Columns(0, nh * hd).Split({nh, hd});
+      const Tensor k = qkv.Columns(nh * hd, (nh + kvh) * hd).Split({kvh, hd});
+      const Tensor v = qkv.Columns((nh + kvh) * hd, (nh + 2 * kvh) * hd).Split({kvh, hd});
       if (L.q_norm != nullptr) {
-        // Qwen3's per-head norm is RmsNorm over [tokens * heads] rows of head_dim.
-        b.RmsNorm(s.q, L.q_norm, s.q, T * nh, hd, eps);
-        b.RmsNorm(s.k, L.k_norm, s.k, T * kvh, hd, eps);
+        // Qwen3's per-head norm: RmsNorm over each head's head_dim values.
+        b.RmsNorm(q, F32(L.q_norm, hd), eps, q);
+        b.RmsNorm(k, F32(L.k_norm, hd), eps, k);
       }
-      b.Rope(s.q, positions, T, nh, hd, inv_freq_);
-      b.Rope(s.k, positions, T, kvh, hd, inv_freq_);
-      b.WriteKv(layout, kv_pool, l, s.k, s.v, slots, T);
-      b.PagedAttention(layout, kv_pool, l, s.q, nh, att, scale, s.attn);
-      b.Linear(s.attn, T, L.o, L.o_bias, s.h);
+      b.Rope(q, positions, inv_freq_);
+      b.Rope(k, positions, inv_freq_);
+      b.WriteKv(layout, kv_pool, l, k, v, slots);
+      const Tensor attn = A(s.attn, T, nh * hd);
+      b.PagedAttention(plan, l, q, scale, attn.Split({nh, hd}));
+      b.Linear(attn, L.o, h);
     }
-    b.AddRmsNorm(s.x, s.h, L.post_norm, s.h, T, H, eps);
+    b.AddRmsNorm(x, h, F32(L.post_norm, H), eps, h);
     if (L.sparse) {
-      const kernels::MoeStats st = b.MoeFfn(s.h, T, L.moe, s.h);  // in place
+      kernels::MoeStats st;
+      b.MoeFfn(h, L.moe, h, &st);  // in place
       moe.active_experts += st.active_experts;
       moe.expert_bytes_read += st.expert_bytes_read;
     } else {
-      const kernels::Backend::LinearOutput gate_up[] = {{&L.gate, L.gate_bias, s.gate},
-                                                        {&L.up, L.up_bias, s.up}};
-      b.LinearShared(s.h, T, gate_up, 2);
-      b.SwiGlu(s.gate, s.up, I, s.act, T, I);
-      b.Linear(s.act, T, L.down, L.down_bias, s.h);
+      // One gate|up product, then SwiGLU over its two halves.
+      const Tensor gate_up = A(s.gate_up, T, 2 * I), actv = A(s.act, T, I);
+      b.Linear(h, L.gate_up, gate_up);
+      b.SwiGlu(gate_up.Columns(0, I), gate_up.Columns(I, 2 * I), actv);
+      b.Linear(actv, L.down, h);
     }
     if (l + 1 < c.num_layers) {
-      b.AddRmsNorm(s.x, s.h, layers_[l + 1].input_norm, s.h, T, H, eps);
+      b.AddRmsNorm(x, h, F32(layers_[l + 1].input_norm, H), eps, h);
     } else {
-      b.Add(s.x, s.h, T * H);  // the final norm runs on the logits rows alone
+      b.Add(x, h);  // the final norm runs on the logits rows alone
     }
   }
   last_moe_stats_ = moe;
   if (R > 0) {
-    b.GatherRows(s.x, logits_rows, R, H, s.gathered);
-    b.RmsNorm(s.gathered, final_norm_, s.gathered, R, H, eps);
-    b.Linear(s.gathered, R, lm_head_, nullptr, s.logits);
+    const Tensor gathered = A(s.gathered, R, H);
+    b.GatherRows(x, logits_rows, gathered);
+    b.RmsNorm(gathered, F32(final_norm_, H), eps, gathered);
+    b.Linear(gathered, lm_head_, Tensor::Of(s.base + s.logits_at, DType::kF32, {R, c.vocab_size}));
   }
   return Status::Ok();
 }

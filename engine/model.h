@@ -84,7 +84,7 @@ class Model {
   const kernels::MoeStats& last_moe_stats() const { return last_moe_stats_; }
   int64_t num_parameters() const { return num_parameters_; }
   // Bytes of weights converted at load (0 when everything is zero-copy).
-  int64_t converted_weight_bytes() const { return converted_bytes_; }
+  int64_t converted_weight_bytes() const { return store_->bytes(); }
   // The dtype the weight matrices are computed in (after any conversion at
   // load): part of what two workers that exchange KV must share.
   DType matrix_dtype() const { return matrix_dtype_; }
@@ -104,40 +104,31 @@ class Model {
   // absorbed form computes with (engine/mla_attention.cpp splits the
   // checkpoint's matrices at load).
   struct MlaWeights {
-    kernels::WeightMatrix q_a;  // q_lora_rank > 0: q_a_proj [q_lora_rank, hidden]
-    const float* q_a_bias = nullptr;
+    kernels::LinearWeights q_a;       // q_lora_rank > 0: q_a_proj [q_lora_rank, hidden]
     const float* q_a_norm = nullptr;  // q_a_layernorm
     // q_proj (or q_b_proj) split per head into its nope and rope rows; the
     // rope rows de-interleaved and carrying yarn's attention factor squared.
-    kernels::WeightMatrix q_nope;  // [heads * qk_nope_head_dim, q input]
-    kernels::WeightMatrix q_pe;    // [heads * qk_rope_head_dim, q input]
-    // kv_a_proj_with_mqa split: the latent rows and the (de-interleaved) rope key rows.
-    kernels::WeightMatrix kv_latent;  // [kv_lora_rank, hidden]
-    const float* kv_latent_bias = nullptr;
-    kernels::WeightMatrix k_pe;  // [qk_rope_head_dim, hidden]
-    const float* k_pe_bias = nullptr;
-    const float* kv_norm = nullptr;  // kv_a_layernorm
+    kernels::LinearWeights q_nope;  // [heads * qk_nope_head_dim, q input]
+    kernels::LinearWeights q_pe;    // [heads * qk_rope_head_dim, q input]
+    // kv_a_proj_with_mqa split: the latent rows and the (de-interleaved)
+    // rope key rows, each with its part of the bias.
+    kernels::LinearWeights kv_latent;  // [kv_lora_rank, hidden]
+    kernels::LinearWeights k_pe;       // [qk_rope_head_dim, hidden]
+    const float* kv_norm = nullptr;    // kv_a_layernorm
     // kv_b_proj split for the absorbed form, fp32: each head's key part
     // transposed (queries into the latent space) and its value part.
     kernels::WeightMatrix uk_t;  // [heads * kv_lora_rank, qk_nope_head_dim]
     kernels::WeightMatrix uv;    // [heads * v_head_dim, kv_lora_rank]
   };
   struct Layer {
-    MlaWeights mla;  // MLA models only; o / o_bias are o_proj's as for GQA
+    MlaWeights mla;  // MLA models only; o is o_proj's as for GQA
     const float* input_norm = nullptr;
-    kernels::WeightMatrix q, k, v, o;
-    // Optional parts (nullptr when the architecture has none).
-    const float* q_bias = nullptr;
-    const float* k_bias = nullptr;
-    const float* v_bias = nullptr;
-    const float* o_bias = nullptr;
-    const float* q_norm = nullptr;  // [head_dim], Qwen3
+    kernels::LinearWeights qkv;  // q|k|v (GQA), with their biases where the model has them
+    kernels::LinearWeights o;
+    const float* q_norm = nullptr;  // [head_dim], Qwen3 (nullptr when absent)
     const float* k_norm = nullptr;
     const float* post_norm = nullptr;
-    kernels::WeightMatrix gate, up, down;
-    const float* gate_bias = nullptr;
-    const float* up_bias = nullptr;
-    const float* down_bias = nullptr;
+    kernels::LinearWeights gate_up, down;
     // Sparse layers: `moe.experts` points into `experts`, `moe.shared` (when
     // set) at `shared_expert`.
     bool sparse = false;
@@ -145,12 +136,23 @@ class Model {
     kernels::MoeExpertWeights shared_expert;
     kernels::MoeWeights moe;
   };
-  struct Scratch;
-  // Backend buffers of the MLA attention, grown to the largest batch seen.
-  struct MlaScratch {
-    int64_t token_capacity = 0;
-    float *q_a = nullptr, *q_nope = nullptr, *q_pe = nullptr, *latent = nullptr;
-    float *k_pe = nullptr, *q_latent = nullptr, *out_latent = nullptr, *out_v = nullptr;
+  // Backend memory of Forward: one allocation carved into the activations of
+  // the largest step reserved, so that a step allocates nothing. Offsets in
+  // bytes from `base`; every piece 256-byte aligned.
+  struct Scratch {
+    int64_t tokens = 0, logits = 0;  // capacity in rows
+    uint8_t* base = nullptr;
+    size_t bytes = 0;
+    size_t x = 0, h = 0, qkv = 0, attn = 0, gate_up = 0, act = 0;
+    size_t gathered = 0, logits_at = 0, argmax = 0;
+    void* inputs = nullptr;  // backend memory the staged inputs go to
+    size_t inputs_bytes = 0;
+    // MLA
+    size_t q_a = 0, q_nope = 0, q_pe = 0, latent = 0, k_pe = 0, q_latent = 0, out_latent = 0,
+           out_v = 0;
+    // The step's inputs (token ids, positions, KV slots, attention tables,
+    // logits rows) packed in one host buffer and sent with one Upload.
+    std::vector<uint8_t> staged_inputs;
   };
 
   Model() = default;
@@ -158,27 +160,37 @@ class Model {
   // model into layer->mla and layer->o, adding the bytes a step reads.
   Status LoadMlaAttention(const WeightFiles& files, const std::string& prefix, Layer* layer,
                           int64_t* step_bytes);
-  // Rows `rows` of `t` as a backend matrix: in t's dtype where the backend
-  // takes it and factor is 1 and fp32 is not asked for, else fp32 times factor.
-  StatusOr<kernels::WeightMatrix> UploadRows(const TensorView& t, const std::vector<int64_t>& rows,
-                                             double factor, bool fp32);
-  StatusOr<const float*> UploadFloats(const std::vector<float>& values);
-  // The MLA attention of layer l on h (the RmsNorm'd input), o_proj's
-  // output left in `out` (which may alias h: h is read whole first); writes
-  // the layer's latents into the pool.
-  Status MlaAttentionForward(const Layer& layer, int64_t l, const int32_t* positions,
-                             const int64_t* slots, const kernels::AttentionBatch& att,
-                             const kernels::KvCacheLayout& layout, void* kv_pool, const float* h,
-                             int64_t tokens, float* out);
-  void FreeMlaScratch();
+  // Rows `rows` of `t` as one prepared Linear product (bias: host fp32, one
+  // per row, or null): in t's dtype where factor is 1, else fp32 times factor.
+  StatusOr<kernels::LinearWeights> PrepareRows(const TensorView& t,
+                                               const std::vector<int64_t>& rows, double factor,
+                                               const float* bias);
+  // Host fp32 values the model keeps for its life; their address.
+  const float* KeepFloats(std::vector<float> values);
+  // `values` where the backend reads them: kept in place on a backend that
+  // shares host memory, else copied into the store.
+  StatusOr<const float*> Floats(const std::vector<float>& values);
+  // The MLA attention of layer l on h (the RmsNorm'd input, [tokens,
+  // hidden]), o_proj's output left in `out` (which may alias h: h is read
+  // whole first); writes the layer's latents into the pool.
+  void MlaAttentionForward(const Layer& layer, int64_t l, const int32_t* positions,
+                           const int64_t* slots, const kernels::AttentionPlan& plan,
+                           const kernels::Tensor& h, const kernels::Tensor& out);
+  // Sizes the scratch of Forward for `tokens` rows and `logits` logits rows.
+  Status Reserve(int64_t tokens, int64_t logits);
   Status LoadWeights(const WeightFiles& files);
   // The forward pass up to the logits, left in the scratch buffer.
   Status ComputeLogits(const ForwardBatch& batch, const kernels::KvCacheLayout& layout,
                        void* kv_pool);
   StatusOr<const TensorView*> Tensor(const WeightFiles& files, const std::string& name,
                                      std::vector<int64_t> shape);
+  // The checkpoint's matrix `name` in host memory (validated, counted).
   StatusOr<kernels::WeightMatrix> Matrix(const WeightFiles& files, const std::string& name,
                                          int64_t rows, int64_t cols);
+  // The checkpoint's vector `name` as fp32: host values, or where the
+  // backend reads it (in place when it can).
+  StatusOr<std::vector<float>> HostVector(const WeightFiles& files, const std::string& name,
+                                          int64_t n);
   StatusOr<const float*> Vector(const WeightFiles& files, const std::string& name, int64_t n);
 
   ModelConfig config_;
@@ -187,20 +199,19 @@ class Model {
   std::string dir_;
   kernels::Backend* backend_ = nullptr;
   std::unique_ptr<WeightFiles> files_;
-  std::set<std::string> used_tensors_;  // filled by Tensor() during Load
-  std::vector<void*> owned_;            // backend allocations freed with the model
+  std::set<std::string> used_tensors_;           // filled by Tensor() during Load
+  std::unique_ptr<kernels::WeightStore> store_;  // backend memory of the weights
+  std::vector<std::vector<float>> host_floats_;  // KeepFloats
   const float* embedding_ = nullptr;
   std::vector<Layer> layers_;
   const float* final_norm_ = nullptr;
-  kernels::WeightMatrix lm_head_;
+  kernels::LinearWeights lm_head_;
   const float* inv_freq_ = nullptr;
   int64_t weight_bytes_per_step_ = 0;
   int64_t num_parameters_ = 0;
-  int64_t converted_bytes_ = 0;
   int64_t expert_weight_bytes_ = 0;
   kernels::MoeStats last_moe_stats_;
   std::unique_ptr<Scratch> scratch_;
-  MlaScratch mla_scratch_;
 };
 
 }  // namespace pdserve

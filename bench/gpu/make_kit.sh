@@ -14,9 +14,8 @@ set -euo pipefail
 
 BUILD=${1:-build}
 KIT=.gpu-kit
-BINARIES=(pdserve tests/cuda_backend_test tests/cuda_engine_test tests/cuda_rms_norm_test
-          tests/cuda_kv_transfer_test tests/cuda_serving_test tests/cuda_moe_test
-          tests/cuda_mla_attention_test)
+BINARIES=(pdserve tests/backend_ops_test tests/cuda_engine_test tests/cuda_kv_transfer_test
+          tests/cuda_serving_test)
 
 for b in "${BINARIES[@]}"; do
   [[ -x "$BUILD/$b" ]] || { echo "make_kit: $BUILD/$b is missing (build with CUDA first)" >&2; exit 2; }

@@ -41,15 +41,14 @@ step() { echo "== $*" >&2; }
 cat "$OUT/device.txt"
 
 if [[ $WHAT == all || $WHAT == tests ]]; then
-  for t in cuda_rms_norm_test cuda_backend_test cuda_engine_test cuda_kv_transfer_test cuda_moe_test \
-    cuda_mla_attention_test cuda_serving_test; do
+  for t in backend_ops_test cuda_engine_test cuda_kv_transfer_test cuda_serving_test; do
     step "$t"
     if PDSERVE_BIN=$PDSERVE PDSERVE_REAL_MODEL_DIR=$KIT/models/stories260K \
       "$KIT/bin/$t" --gtest_brief=1 > "$OUT/$t.log" 2>&1; then r=pass; else r=FAIL; fi
     skipped=$(sed -n 's/^\[  SKIPPED \] \([0-9]*\) tests\?[.,].*/\1/p' "$OUT/$t.log" | head -1)
     summary+=("$t: $r, ${skipped:-0} skipped")
   done
-  for t in cuda_rms_norm_test cuda_backend_test cuda_mla_attention_test; do
+  for t in backend_ops_test; do
     step "compute-sanitizer memcheck $t"
     if compute-sanitizer --tool memcheck --error-exitcode 3 "$KIT/bin/$t" --gtest_brief=1 \
       > "$OUT/memcheck-$t.log" 2>&1; then r=clean; else r=ERRORS; fi

@@ -9,9 +9,10 @@
 #include <limits>
 #include <vector>
 
-#include "kernels/cpu/float_convert.h"
 #include "kernels/cpu/kv_codec.h"
 #include "kernels/cpu/paged_attention.h"
+#include "kernels/float_convert.h"
+#include "kernels/op_check.h"
 
 namespace pdserve::kernels {
 
@@ -39,22 +40,37 @@ void CpuBackend::Download(void* dst, const void* src, size_t bytes) {
   if (bytes > 0) std::memcpy(dst, src, bytes);
 }
 
-void CpuBackend::RmsNorm(const float* x, const float* weight, float* out, int64_t rows, int64_t dim,
-                         float eps) {
-  pool_.ParallelFor(rows, [&](int64_t begin, int64_t end) {
+namespace {
+
+// One row of RmsNorm: out = x / sqrt(mean(x^2) + eps) * weight.
+void NormRow(const float* x, const float* weight, int64_t dim, float eps, float* out) {
+  double ss = 0;
+  for (int64_t i = 0; i < dim; ++i) ss += static_cast<double>(x[i]) * x[i];
+  const float inv = static_cast<float>(1.0 / std::sqrt(ss / dim + eps));
+  for (int64_t i = 0; i < dim; ++i) out[i] = x[i] * inv * weight[i];
+}
+
+}  // namespace
+
+void CpuBackend::RmsNorm(const Tensor& x, const Tensor& weight, float eps, const Tensor& out) {
+  CheckF32(x, "RmsNorm");
+  CheckF32(out, "RmsNorm");
+  const int64_t dim = x.row_size();
+  OpCheck(weight.dtype == DType::kF32 && weight.numel() == dim && out.rows() == x.rows(), "RmsNorm",
+          "takes an fp32 weight of a row's size and an output of x's shape");
+  const RowLayout in = x.row_layout(), to = out.row_layout();
+  const float* w = weight.as<const float>();
+  pool_.ParallelFor(x.rows(), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float* xr = x + r * dim;
-      double ss = 0;
-      for (int64_t i = 0; i < dim; ++i) ss += static_cast<double>(xr[i]) * xr[i];
-      const float inv = static_cast<float>(1.0 / std::sqrt(ss / dim + eps));
-      float* o = out + r * dim;
-      for (int64_t i = 0; i < dim; ++i) o[i] = xr[i] * inv * weight[i];
+      NormRow(x.as<const float>() + in.offset(r), w, dim, eps, out.as<float>() + to.offset(r));
     }
   });
 }
 
-void CpuBackend::Rope(float* x, const int32_t* positions, int64_t tokens, int64_t heads,
-                      int64_t head_dim, const float* inv_freq) {
+void CpuBackend::Rope(const Tensor& x, const int32_t* positions, const float* inv_freq) {
+  CheckF32(x, "Rope");
+  OpCheck(x.rank == 3, "Rope", "takes x as [tokens, heads, head_dim]");
+  const int64_t tokens = x.shape[0], heads = x.shape[1], head_dim = x.shape[2];
   const int64_t half = head_dim / 2;
   pool_.ParallelFor(tokens, [&](int64_t begin, int64_t end) {
     std::vector<float> cs(half), sn(half);
@@ -67,7 +83,7 @@ void CpuBackend::Rope(float* x, const int32_t* positions, int64_t tokens, int64_
         sn[i] = static_cast<float>(std::sin(angle));
       }
       for (int64_t h = 0; h < heads; ++h) {
-        float* v = x + (t * heads + h) * head_dim;
+        float* v = x.as<float>() + t * x.stride[0] + h * head_dim;
         for (int64_t i = 0; i < half; ++i) {
           const float a = v[i], b = v[i + half];
           v[i] = a * cs[i] - b * sn[i];
@@ -78,58 +94,81 @@ void CpuBackend::Rope(float* x, const int32_t* positions, int64_t tokens, int64_
   });
 }
 
-void CpuBackend::SwiGlu(const float* gate, const float* up, int64_t in_stride, float* out,
-                        int64_t rows, int64_t n) {
-  pool_.ParallelFor(rows, [&](int64_t begin, int64_t end) {
+void CpuBackend::SwiGlu(const Tensor& gate, const Tensor& up, const Tensor& out) {
+  CheckF32(gate, "SwiGlu");
+  CheckF32(up, "SwiGlu");
+  CheckF32(out, "SwiGlu");
+  const int64_t n = out.row_size();
+  OpCheck(gate.row_size() == n && up.row_size() == n && gate.rows() == out.rows() &&
+              up.rows() == out.rows(),
+          "SwiGlu", "takes gate, up and out of one shape");
+  const RowLayout g = gate.row_layout(), u = up.row_layout(), o = out.row_layout();
+  pool_.ParallelFor(out.rows(), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float* g = gate + r * in_stride;
-      const float* u = up + r * in_stride;
-      float* o = out + r * n;
-      for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+      const float* gr = gate.as<const float>() + g.offset(r);
+      const float* ur = up.as<const float>() + u.offset(r);
+      float* orow = out.as<float>() + o.offset(r);
+      for (int64_t i = 0; i < n; ++i) orow[i] = gr[i] / (1.0f + std::exp(-gr[i])) * ur[i];
     }
   });
 }
 
-void CpuBackend::Add(float* x, const float* y, int64_t n) {
+void CpuBackend::Add(const Tensor& x, const Tensor& y) {
+  CheckPackedF32(x, "Add");
+  CheckPackedF32(y, "Add");
+  OpCheck(x.numel() == y.numel(), "Add", "takes x and y of one size");
+  float* xp = x.as<float>();
+  const float* yp = y.as<const float>();
   pool_.ParallelFor(
-      n,
+      x.numel(),
       [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i) x[i] += y[i];
+        for (int64_t i = begin; i < end; ++i) xp[i] += yp[i];
       },
       4096);
 }
 
-void CpuBackend::AddRmsNorm(float* x, const float* y, const float* weight, float* out, int64_t rows,
-                            int64_t dim, float eps) {
-  pool_.ParallelFor(rows, [&](int64_t begin, int64_t end) {
+void CpuBackend::AddRmsNorm(const Tensor& x, const Tensor& y, const Tensor& weight, float eps,
+                            const Tensor& out) {
+  CheckF32(x, "AddRmsNorm");
+  CheckF32(y, "AddRmsNorm");
+  CheckF32(out, "AddRmsNorm");
+  const int64_t dim = x.row_size();
+  OpCheck(weight.dtype == DType::kF32 && weight.numel() == dim && y.rows() == x.rows() &&
+              out.rows() == x.rows(),
+          "AddRmsNorm", "takes x, y and out of one shape and an fp32 weight of a row's size");
+  const RowLayout xl = x.row_layout(), yl = y.row_layout(), ol = out.row_layout();
+  const float* w = weight.as<const float>();
+  pool_.ParallelFor(x.rows(), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      float* xr = x + r * dim;
-      const float* yr = y + r * dim;
-      double ss = 0;
-      for (int64_t i = 0; i < dim; ++i) {
-        xr[i] += yr[i];
-        ss += static_cast<double>(xr[i]) * xr[i];
-      }
-      const float inv = static_cast<float>(1.0 / std::sqrt(ss / dim + eps));
-      float* o = out + r * dim;
-      for (int64_t i = 0; i < dim; ++i) o[i] = xr[i] * inv * weight[i];
+      float* xr = x.as<float>() + xl.offset(r);
+      const float* yr = y.as<const float>() + yl.offset(r);
+      for (int64_t i = 0; i < dim; ++i) xr[i] += yr[i];
+      NormRow(xr, w, dim, eps, out.as<float>() + ol.offset(r));
     }
   });
 }
 
-void CpuBackend::Embedding(const float* table, const int32_t* ids, int64_t tokens, int64_t dim,
-                           float* out) {
-  for (int64_t t = 0; t < tokens; ++t) std::memcpy(out + t * dim, table + ids[t] * dim, dim * 4);
+void CpuBackend::Embedding(const Tensor& table, const int32_t* ids, const Tensor& out) {
+  GatherRows(table, ids, out);
 }
 
-void CpuBackend::GatherRows(const float* x, const int32_t* rows, int64_t count, int64_t dim,
-                            float* out) {
-  for (int64_t i = 0; i < count; ++i) std::memcpy(out + i * dim, x + rows[i] * dim, dim * 4);
+void CpuBackend::GatherRows(const Tensor& x, const int32_t* rows, const Tensor& out) {
+  CheckF32(x, "GatherRows");
+  CheckF32(out, "GatherRows");
+  const int64_t dim = out.row_size();
+  OpCheck(x.row_size() == dim, "GatherRows", "takes x and out of one row size");
+  const RowLayout in = x.row_layout(), to = out.row_layout();
+  for (int64_t i = 0; i < out.rows(); ++i) {
+    std::memcpy(out.as<float>() + to.offset(i), x.as<const float>() + in.offset(rows[i]), dim * 4);
+  }
 }
 
-void CpuBackend::ArgMaxRows(const float* x, int64_t rows, int64_t n, int32_t* out) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* row = x + r * n;
+void CpuBackend::ArgMaxRows(const Tensor& x, int32_t* out) {
+  CheckF32(x, "ArgMaxRows");
+  const int64_t n = x.row_size();
+  const RowLayout l = x.row_layout();
+  for (int64_t r = 0; r < x.rows(); ++r) {
+    const float* row = x.as<const float>() + l.offset(r);
     int64_t best = 0;
     float best_value = -std::numeric_limits<float>::infinity();
     for (int64_t i = 0; i < n; ++i) {
@@ -142,10 +181,16 @@ void CpuBackend::ArgMaxRows(const float* x, int64_t rows, int64_t n, int32_t* ou
   }
 }
 
-void CpuBackend::WriteKv(const KvCacheLayout& layout, void* pool, int64_t layer, const float* k,
-                         const float* v, const int64_t* slots, int64_t tokens) {
+void CpuBackend::WriteKv(const KvCacheLayout& layout, void* pool, int64_t layer, const Tensor& k,
+                         const Tensor& v, const int64_t* slots) {
+  CheckF32(k, "WriteKv");
+  CheckF32(v, "WriteKv");
   auto* base = static_cast<uint8_t*>(pool);
   const int64_t kvh = layout.num_kv_heads, hd = layout.head_dim, bs = layout.block_size;
+  const int64_t tokens = k.shape[0];
+  OpCheck(k.row_size() == hd && k.rows() == tokens * kvh && v.row_size() == hd &&
+              v.rows() == tokens * kvh,
+          "WriteKv", "takes k and v as [tokens, num_kv_heads, head_dim] of the layout");
   const KvRegion region{layout.dtype, bs, hd};
   const float fixed_k = layout.fixed_scales ? layout.fixed_scales[2 * layer] : 0.0f;
   const float fixed_v = layout.fixed_scales ? layout.fixed_scales[2 * layer + 1] : 0.0f;
@@ -171,10 +216,10 @@ void CpuBackend::WriteKv(const KvCacheLayout& layout, void* pool, int64_t layer,
               std::memcpy(&ks, k_scale, 4);
               std::memcpy(&vs, v_scale, 4);
             }
-            StoreRun(k + (t * kvh + h) * hd, kvh * hd, run, region, offset,
-                     base + layout.k_offset(block, layer, h), &ks, fixed_k);
-            StoreRun(v + (t * kvh + h) * hd, kvh * hd, run, region, offset,
-                     base + layout.v_offset(block, layer, h), &vs, fixed_v);
+            StoreRun(k.as<const float>() + t * k.stride[0] + h * hd, k.stride[0], run, region,
+                     offset, base + layout.k_offset(block, layer, h), &ks, fixed_k);
+            StoreRun(v.as<const float>() + t * v.stride[0] + h * hd, v.stride[0], run, region,
+                     offset, base + layout.v_offset(block, layer, h), &vs, fixed_v);
             if (layout.has_scales()) {
               std::memcpy(k_scale, &ks, 4);
               std::memcpy(v_scale, &vs, 4);
@@ -186,10 +231,16 @@ void CpuBackend::WriteKv(const KvCacheLayout& layout, void* pool, int64_t layer,
       min_heads_per_task);
 }
 
-void CpuBackend::PagedAttention(const KvCacheLayout& layout, const void* pool, int64_t layer,
-                                const float* q, int64_t num_heads, const AttentionBatch& batch,
-                                float scale, float* out) {
-  PagedAttentionCpu(simd_, pool_, layout, pool, layer, q, num_heads, batch, scale, out);
+void CpuBackend::PagedAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q,
+                                float scale, const Tensor& out) {
+  const KvCacheLayout& layout = plan.layout;
+  CheckF32(q, "PagedAttention");
+  CheckPackedF32(out, "PagedAttention");
+  OpCheck(q.rank == 3 && q.shape[2] == layout.head_dim && q.shape[1] % layout.num_kv_heads == 0 &&
+              out.numel() == q.numel(),
+          "PagedAttention", "takes q as [tokens, num_heads, head_dim] and out of q's shape");
+  PagedAttentionCpu(simd_, pool_, layout, plan.pool, layer, q.as<const float>(), q.stride[0],
+                    q.shape[1], plan.batch, scale, out.as<float>());
 }
 
 }  // namespace pdserve::kernels

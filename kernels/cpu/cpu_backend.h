@@ -35,40 +35,30 @@ class CpuBackend final : public Backend {
   void Download(void* host_dst, const void* src, size_t bytes) override;
 
   // kernels/cpu/linear.cpp.
-  void LinearShared(const float* x, int64_t m, const LinearOutput* outputs, size_t count) override;
-  void Linear(const float* x, int64_t m, const WeightMatrix& w, const float* bias,
-              float* y) override;
-  void RmsNorm(const float* x, const float* weight, float* out, int64_t rows, int64_t dim,
-               float eps) override;
-  void Rope(float* x, const int32_t* positions, int64_t tokens, int64_t heads, int64_t head_dim,
-            const float* inv_freq) override;
-  void SwiGlu(const float* gate, const float* up, int64_t in_stride, float* out, int64_t rows,
-              int64_t n) override;
-  void Add(float* x, const float* y, int64_t n) override;
-  void AddRmsNorm(float* x, const float* y, const float* weight, float* out, int64_t rows,
-                  int64_t dim, float eps) override;
-  void Embedding(const float* table, const int32_t* ids, int64_t tokens, int64_t dim,
-                 float* out) override;
-  void GatherRows(const float* x, const int32_t* rows, int64_t count, int64_t dim,
-                  float* out) override;
-  void ArgMaxRows(const float* x, int64_t rows, int64_t n, int32_t* out) override;
-  void WriteKv(const KvCacheLayout& layout, void* pool, int64_t layer, const float* k,
-               const float* v, const int64_t* slots, int64_t tokens) override;
-  void PagedAttention(const KvCacheLayout& layout, const void* pool, int64_t layer, const float* q,
-                      int64_t num_heads, const AttentionBatch& batch, float scale,
-                      float* out) override;
-  // Mixture of experts: kernels/cpu/moe.cpp.
+  void Linear(const Tensor& x, const LinearWeights& w, const Tensor& y) override;
+  void RmsNorm(const Tensor& x, const Tensor& weight, float eps, const Tensor& out) override;
+  void AddRmsNorm(const Tensor& x, const Tensor& y, const Tensor& weight, float eps,
+                  const Tensor& out) override;
+  void Rope(const Tensor& x, const int32_t* positions, const float* inv_freq) override;
+  void SwiGlu(const Tensor& gate, const Tensor& up, const Tensor& out) override;
+  void Add(const Tensor& x, const Tensor& y) override;
+  void Embedding(const Tensor& table, const int32_t* ids, const Tensor& out) override;
+  void GatherRows(const Tensor& x, const int32_t* rows, const Tensor& out) override;
+  void ArgMaxRows(const Tensor& x, int32_t* out) override;
+  void WriteKv(const KvCacheLayout& layout, void* pool, int64_t layer, const Tensor& k,
+               const Tensor& v, const int64_t* slots) override;
+  void PagedAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q, float scale,
+                      const Tensor& out) override;
   // Multi-head latent attention: kernels/cpu/mla_attention.cpp.
-  void HeadsLinear(const float* x, int64_t tokens, int64_t heads, const WeightMatrix& w,
-                   float* y) override;
-  void WriteLatentKv(const KvCacheLayout& layout, void* pool, int64_t layer, const float* c_kv,
-                     const float* k_pe, const int64_t* slots, int64_t tokens) override;
-  void MlaAttention(const KvCacheLayout& layout, const void* pool, int64_t layer,
-                    const float* q_latent, const float* q_pe, int64_t num_heads,
-                    const AttentionBatch& batch, float scale, float* out) override;
-  void MoeRoute(const float* logits, int64_t tokens, const MoeRouting& routing, int32_t* expert_ids,
+  void HeadsLinear(const Tensor& x, const WeightMatrix& w, const Tensor& y) override;
+  void WriteLatentKv(const KvCacheLayout& layout, void* pool, int64_t layer, const Tensor& c_kv,
+                     const Tensor& k_pe, const int64_t* slots) override;
+  void MlaAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q_latent,
+                    const Tensor& q_pe, float scale, const Tensor& out) override;
+  // Mixture of experts: kernels/cpu/moe.cpp.
+  void MoeRoute(const Tensor& logits, const MoeRouting& routing, int32_t* expert_ids,
                 float* weights) override;
-  MoeStats MoeFfn(const float* x, int64_t tokens, const MoeWeights& w, float* out) override;
+  void MoeFfn(const Tensor& x, const MoeWeights& w, const Tensor& out, MoeStats* stats) override;
 
  private:
   ThreadPool pool_;

@@ -106,15 +106,14 @@ void RoundRowsToBf16(const float* x, int64_t count, uint16_t* out) {
 }
 
 void GemmBf16(const uint16_t* xb, int64_t ldx, int64_t m, const WeightMatrix& w, const float* bias,
-              int64_t j_begin, int64_t j_end, float* y, uint16_t* scratch) {
+              int64_t j_begin, int64_t j_end, float* y, int64_t ldy, uint16_t* scratch) {
   const int64_t pairs = (w.cols + 1) / 2;
   for (int64_t j0 = j_begin; j0 < j_end; j0 += kBf16PanelColumns) {
     PackPanel(w, j0, scratch);
     const int64_t columns = std::min(kBf16PanelColumns, j_end - j0);
     for (int64_t r = 0; r < m; r += kMaxRows) {
       const int64_t rows = std::min<int64_t>(kMaxRows, m - r);
-      kPanelRows[rows - 1](xb + r * ldx, ldx, scratch, pairs, bias, j0, columns, y + r * w.rows,
-                           w.rows);
+      kPanelRows[rows - 1](xb + r * ldx, ldx, scratch, pairs, bias, j0, columns, y + r * ldy, ldy);
     }
   }
 }
@@ -124,7 +123,7 @@ void GemmBf16(const uint16_t* xb, int64_t ldx, int64_t m, const WeightMatrix& w,
 bool UsesBf16DotProducts(SimdLevel) { return false; }
 void RoundRowsToBf16(const float*, int64_t, uint16_t*) { std::abort(); }
 void GemmBf16(const uint16_t*, int64_t, int64_t, const WeightMatrix&, const float*, int64_t,
-              int64_t, float*, uint16_t*) {
+              int64_t, float*, int64_t, uint16_t*) {
   std::abort();
 }
 

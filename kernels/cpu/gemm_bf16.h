@@ -8,8 +8,8 @@
 
 #include <cstdint>
 
-#include "kernels/backend.h"
 #include "kernels/cpu/cpu_features.h"
+#include "kernels/weights.h"
 
 namespace pdserve::kernels {
 
@@ -26,11 +26,11 @@ void RoundRowsToBf16(const float* x, int64_t count, uint16_t* out);
 // y[r][j] = sum_i xb[r][i] * W[j][i] (+ bias[j] when not null) for r < m and
 // output features j in [j_begin, j_end): xb is [m, ldx] bf16 (ldx >= w.cols,
 // even; entries past w.cols are zero), W is bf16 [w.rows, w.cols], y is
-// [m, w.rows] fp32 and only the given columns are written. Products of bf16
+// fp32 with rows ldy floats apart and only the given columns are written. Products of bf16
 // values are exact in fp32; sums are fp32. `scratch` holds
 // PackedPanelElements(w.cols) elements. Needs UsesBf16DotProducts(kAvx512).
 void GemmBf16(const uint16_t* xb, int64_t ldx, int64_t m, const WeightMatrix& w, const float* bias,
-              int64_t j_begin, int64_t j_end, float* y, uint16_t* scratch);
+              int64_t j_begin, int64_t j_end, float* y, int64_t ldy, uint16_t* scratch);
 
 // Output features per packed weight panel, and the scratch GemmBf16 needs.
 inline constexpr int64_t kBf16PanelColumns = 32;

@@ -179,8 +179,8 @@ TileFn TileForRows(SimdLevel level, int64_t mr) {
 
 template <DType D>
 void LinearRowsOf(SimdLevel level, const float* x, int64_t m, const WeightMatrix& w,
-                  const float* bias, int64_t j_begin, int64_t j_end, float* y) {
-  const int64_t k = w.cols, n = w.rows;
+                  const float* bias, int64_t j_begin, int64_t j_end, float* y, int64_t ldy) {
+  const int64_t k = w.cols, n = ldy;
   const int64_t ldw_bytes = k * (DTypeBits(D) / 8);
   const auto* base = static_cast<const uint8_t*>(w.data);
   // The tile functions for a full group of activation rows and for the last,
@@ -242,15 +242,15 @@ void WidenRows(SimdLevel level, const void* src, int64_t count, float* out) {
 }  // namespace
 
 void LinearRows(SimdLevel level, const float* x, int64_t m, const WeightMatrix& w,
-                const float* bias, int64_t j_begin, int64_t j_end, float* y) {
+                const float* bias, int64_t j_begin, int64_t j_end, float* y, int64_t ldy) {
   if (m <= 0 || j_begin >= j_end) return;
   switch (w.dtype) {
     case DType::kF32:
-      return LinearRowsOf<DType::kF32>(level, x, m, w, bias, j_begin, j_end, y);
+      return LinearRowsOf<DType::kF32>(level, x, m, w, bias, j_begin, j_end, y, ldy);
     case DType::kBF16:
-      return LinearRowsOf<DType::kBF16>(level, x, m, w, bias, j_begin, j_end, y);
+      return LinearRowsOf<DType::kBF16>(level, x, m, w, bias, j_begin, j_end, y, ldy);
     case DType::kF16:
-      return LinearRowsOf<DType::kF16>(level, x, m, w, bias, j_begin, j_end, y);
+      return LinearRowsOf<DType::kF16>(level, x, m, w, bias, j_begin, j_end, y, ldy);
     default:
       break;
   }

@@ -7,8 +7,8 @@
 
 #include <cstdint>
 
-#include "kernels/backend.h"
 #include "kernels/cpu/cpu_features.h"
+#include "kernels/weights.h"
 
 namespace pdserve::kernels {
 
@@ -20,12 +20,12 @@ inline constexpr int64_t kMaxStreamingRows = 64;
 
 // y[r][j] = sum_i x[r][i] * W[j][i] (+ bias[j] when bias is not null) for
 // rows r < m and output features j in [j_begin, j_end); x is [m, w.cols]
-// and y is [m, w.rows], both row-major, and only the given columns of y are
-// written. Each product is the exact fp32 product of the activation and the
+// row-major, y's rows are ldy floats apart (ldy >= w.rows), and only the
+// given columns of y are written. Each product is the exact fp32 product of the activation and the
 // weight widened to fp32; sums are fp32, in an order that depends on
 // `level` (so two levels agree to rounding, not bit for bit).
 void LinearRows(SimdLevel level, const float* x, int64_t m, const WeightMatrix& w,
-                const float* bias, int64_t j_begin, int64_t j_end, float* y);
+                const float* bias, int64_t j_begin, int64_t j_end, float* y, int64_t ldy);
 
 // Widens rows [begin, end) of w to fp32 into out ([end - begin, w.cols]).
 void WeightRowsToF32(SimdLevel level, const WeightMatrix& w, int64_t begin, int64_t end,

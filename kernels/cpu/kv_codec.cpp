@@ -5,7 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "kernels/cpu/float_convert.h"
+#include "kernels/float_convert.h"
 #include "kernels/kv_quant.h"
 
 namespace pdserve::kernels {

@@ -7,23 +7,27 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <vector>
 
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/kv_codec.h"
+#include "kernels/op_check.h"
 
 namespace pdserve::kernels {
 
-void CpuBackend::HeadsLinear(const float* x, int64_t tokens, int64_t heads, const WeightMatrix& w,
-                             float* y) {
+void CpuBackend::HeadsLinear(const Tensor& xt, const WeightMatrix& w, const Tensor& yt) {
+  CheckPackedF32(xt, "HeadsLinear");
+  CheckPackedF32(yt, "HeadsLinear");
+  OpCheck(xt.rank == 3 && yt.rank == 3 && yt.shape[0] == xt.shape[0] && yt.shape[1] == xt.shape[1],
+          "HeadsLinear", "takes x [tokens, heads, in] and y [tokens, heads, out]");
+  const int64_t tokens = xt.shape[0], heads = xt.shape[1];
   if (tokens <= 0 || heads <= 0) return;
-  if (w.dtype != DType::kF32 || w.rows % heads != 0) {
-    std::fprintf(stderr, "pdserve cpu backend: HeadsLinear takes fp32 [heads * out, in] weights\n");
-    std::abort();
-  }
+  OpCheck(w.dtype == DType::kF32 && w.rows % heads == 0 && w.rows / heads == yt.shape[2] &&
+              w.cols == xt.shape[2],
+          "HeadsLinear", "takes fp32 [heads * out, in] weights");
+  const float* x = xt.as<const float>();
+  float* y = yt.as<float>();
   const int64_t out = w.rows / heads, in = w.cols;
   const auto* weights = static_cast<const float*>(w.data);
   pool_.ParallelFor(heads, [&](int64_t begin, int64_t end) {
@@ -37,8 +41,15 @@ void CpuBackend::HeadsLinear(const float* x, int64_t tokens, int64_t heads, cons
 }
 
 void CpuBackend::WriteLatentKv(const KvCacheLayout& layout, void* pool, int64_t layer,
-                               const float* c_kv, const float* k_pe, const int64_t* slots,
-                               int64_t tokens) {
+                               const Tensor& c_kv_t, const Tensor& k_pe_t, const int64_t* slots) {
+  CheckPackedF32(c_kv_t, "WriteLatentKv");
+  CheckPackedF32(k_pe_t, "WriteLatentKv");
+  const int64_t tokens = c_kv_t.rows();
+  OpCheck(c_kv_t.row_size() == layout.kv_lora_rank && k_pe_t.row_size() == layout.rope_dim() &&
+              k_pe_t.rows() == tokens,
+          "WriteLatentKv", "takes c_kv [tokens, R] and k_pe [tokens, P] of the layout");
+  const float* c_kv = c_kv_t.as<const float>();
+  const float* k_pe = k_pe_t.as<const float>();
   auto* base = static_cast<uint8_t*>(pool);
   const int64_t R = layout.kv_lora_rank, P = layout.rope_dim(), D = R + P;
   const int64_t bs = layout.block_size;
@@ -67,9 +78,22 @@ void CpuBackend::WriteLatentKv(const KvCacheLayout& layout, void* pool, int64_t 
   }
 }
 
-void CpuBackend::MlaAttention(const KvCacheLayout& layout, const void* pool, int64_t layer,
-                              const float* q_latent, const float* q_pe, int64_t num_heads,
-                              const AttentionBatch& batch, float scale, float* out) {
+void CpuBackend::MlaAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q_latent_t,
+                              const Tensor& q_pe_t, float scale, const Tensor& out_t) {
+  const KvCacheLayout& layout = plan.layout;
+  const void* pool = plan.pool;
+  const AttentionBatch& batch = plan.batch;
+  CheckPackedF32(q_latent_t, "MlaAttention");
+  CheckPackedF32(q_pe_t, "MlaAttention");
+  CheckPackedF32(out_t, "MlaAttention");
+  OpCheck(q_latent_t.rank == 3 && q_latent_t.shape[2] == layout.kv_lora_rank && q_pe_t.rank == 3 &&
+              q_pe_t.shape[2] == layout.rope_dim() && out_t.numel() == q_latent_t.numel(),
+          "MlaAttention",
+          "takes q_latent [tokens, heads, R], q_pe [tokens, heads, P], out as q_latent");
+  const float* q_latent = q_latent_t.as<const float>();
+  const float* q_pe = q_pe_t.as<const float>();
+  float* out = out_t.as<float>();
+  const int64_t num_heads = q_latent_t.shape[1];
   const auto* base = static_cast<const uint8_t*>(pool);
   const int64_t R = layout.kv_lora_rank, P = layout.rope_dim(), D = R + P;
   const int64_t bs = layout.block_size;
@@ -91,7 +115,7 @@ void CpuBackend::MlaAttention(const KvCacheLayout& layout, const void* pool, int
       const int64_t pos = batch.context_lens[s] - q_len + (row - batch.query_start[s]);
       const int64_t n_keys = pos + 1;
       const int64_t n_blocks = (n_keys + bs - 1) / bs;
-      const int32_t* table = batch.block_tables + s * batch.max_blocks_per_seq;
+      const int32_t* table = batch.table(s);
       // The heads' queries as [G][R + P]: latent part, then rope part.
       q.resize(G * D);
       for (int64_t g = 0; g < G; ++g) {

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/op_check.h"
 
 namespace pdserve::kernels {
 namespace {
@@ -98,8 +99,13 @@ void RouteRow(const float* logits, const MoeRouting& r, RouteScratch& s, int32_t
 
 }  // namespace
 
-void CpuBackend::MoeRoute(const float* logits, int64_t tokens, const MoeRouting& routing,
-                          int32_t* expert_ids, float* weights) {
+void CpuBackend::MoeRoute(const Tensor& logits_t, const MoeRouting& routing, int32_t* expert_ids,
+                          float* weights) {
+  CheckPackedF32(logits_t, "MoeRoute");
+  OpCheck(logits_t.row_size() == routing.num_experts, "MoeRoute",
+          "takes logits [tokens, num_experts]");
+  const float* logits = logits_t.as<const float>();
+  const int64_t tokens = logits_t.rows();
   pool_.ParallelFor(tokens, [&](int64_t begin, int64_t end) {
     RouteScratch scratch(routing);
     for (int64_t t = begin; t < end; ++t) {
@@ -109,18 +115,28 @@ void CpuBackend::MoeRoute(const float* logits, int64_t tokens, const MoeRouting&
   });
 }
 
-MoeStats CpuBackend::MoeFfn(const float* x, int64_t tokens, const MoeWeights& w, float* out) {
-  MoeStats stats;
-  if (tokens <= 0) return stats;
+void CpuBackend::MoeFfn(const Tensor& xt, const MoeWeights& w, const Tensor& out_t,
+                        MoeStats* stats) {
+  CheckPackedF32(xt, "MoeFfn");
+  CheckPackedF32(out_t, "MoeFfn");
+  OpCheck(xt.row_size() == w.router.cols && out_t.numel() == xt.numel(), "MoeFfn",
+          "takes x and out [tokens, hidden]");
+  if (stats != nullptr) *stats = MoeStats{};
+  const int64_t tokens = xt.rows();
+  if (tokens <= 0) return;
+  float* out = out_t.as<float>();
   const int64_t num_experts = w.routing.num_experts, k = w.routing.top_k;
-  const int64_t hidden = w.router.cols, inter = w.experts[0].gate.rows;
+  const int64_t hidden = w.router.cols, inter = w.experts[0].down.cols;
   const int64_t n = tokens * k;  // (token, choice) assignments, a = t * k + j
 
+  auto f32 = [](std::vector<float>& v, int64_t rows, int64_t cols) {
+    return Tensor::Of(v.data(), DType::kF32, {rows, cols});
+  };
   std::vector<float> logits(tokens * num_experts);
-  Linear(x, tokens, w.router, nullptr, logits.data());
+  Linear(xt, w.router, f32(logits, tokens, num_experts));
   std::vector<int32_t> ids(n);
   std::vector<float> weights(n);
-  MoeRoute(logits.data(), tokens, w.routing, ids.data(), weights.data());
+  MoeRoute(f32(logits, tokens, num_experts), w.routing, ids.data(), weights.data());
 
   // Group the assignments by expert (a stable counting sort): expert e owns
   // rows [start[e], start[e + 1]) of the gathered blocks, its tokens in order.
@@ -138,37 +154,37 @@ MoeStats CpuBackend::MoeFfn(const float* x, int64_t tokens, const MoeWeights& w,
     }
   }
 
-  std::vector<float> xg(n * hidden), gate(n * inter), up(n * inter), act(n * inter), y(n * hidden);
-  GatherRows(x, src_row.data(), n, hidden, xg.data());
-  auto bytes = [](const WeightMatrix& m) { return m.rows * m.cols * (DTypeBits(m.dtype) / 8); };
+  // Each expert's gate|up product over its rows, SwiGLU, then down.
+  std::vector<float> xg(n * hidden), gate_up(n * 2 * inter), act(n * inter), y(n * hidden);
+  GatherRows(xt, src_row.data(), f32(xg, n, hidden));
   for (int64_t e = 0; e < num_experts; ++e) {
-    const int64_t rows = start[e + 1] - start[e];
-    if (rows == 0) continue;
-    const MoeExpertWeights& ex = w.experts[e];
-    Linear(xg.data() + start[e] * hidden, rows, ex.gate, nullptr, gate.data() + start[e] * inter);
-    Linear(xg.data() + start[e] * hidden, rows, ex.up, nullptr, up.data() + start[e] * inter);
-    ++stats.active_experts;
-    stats.expert_bytes_read += bytes(ex.gate) + bytes(ex.up) + bytes(ex.down);
+    if (start[e + 1] == start[e]) continue;
+    Linear(f32(xg, n, hidden).Rows(start[e], start[e + 1]), w.experts[e].gate_up,
+           f32(gate_up, n, 2 * inter).Rows(start[e], start[e + 1]));
+    if (stats != nullptr) {
+      ++stats->active_experts;
+      stats->expert_bytes_read += w.experts[e].stored_bytes();
+    }
   }
-  SwiGlu(gate.data(), up.data(), inter, act.data(), n, inter);
+  const Tensor gu = f32(gate_up, n, 2 * inter);
+  SwiGlu(gu.Columns(0, inter), gu.Columns(inter, 2 * inter), f32(act, n, inter));
   for (int64_t e = 0; e < num_experts; ++e) {
-    const int64_t rows = start[e + 1] - start[e];
-    if (rows == 0) continue;
-    Linear(act.data() + start[e] * inter, rows, w.experts[e].down, nullptr,
-           y.data() + start[e] * hidden);
+    if (start[e + 1] == start[e]) continue;
+    Linear(f32(act, n, inter).Rows(start[e], start[e + 1]), w.experts[e].down,
+           f32(y, n, hidden).Rows(start[e], start[e + 1]));
   }
 
   // The shared expert sees every token; computed before out (which may
   // alias x) is written.
   std::vector<float> shared;
   if (w.shared != nullptr) {
-    const int64_t si = w.shared->gate.rows;
-    std::vector<float> sg(tokens * si), su(tokens * si), sa(tokens * si);
-    Linear(x, tokens, w.shared->gate, nullptr, sg.data());
-    Linear(x, tokens, w.shared->up, nullptr, su.data());
-    SwiGlu(sg.data(), su.data(), si, sa.data(), tokens, si);
+    const int64_t si = w.shared->down.cols;
+    std::vector<float> sgu(tokens * 2 * si), sa(tokens * si);
+    Linear(xt, w.shared->gate_up, f32(sgu, tokens, 2 * si));
+    const Tensor g = f32(sgu, tokens, 2 * si);
+    SwiGlu(g.Columns(0, si), g.Columns(si, 2 * si), f32(sa, tokens, si));
     shared.resize(tokens * hidden);
-    Linear(sa.data(), tokens, w.shared->down, nullptr, shared.data());
+    Linear(f32(sa, tokens, si), w.shared->down, f32(shared, tokens, hidden));
   }
 
   // Combine: each token's expert outputs, weighted, in choice order, then
@@ -188,7 +204,6 @@ MoeStats CpuBackend::MoeFfn(const float* x, int64_t tokens, const MoeWeights& w,
       }
     }
   });
-  return stats;
 }
 
 }  // namespace pdserve::kernels

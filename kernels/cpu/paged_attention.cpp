@@ -330,8 +330,8 @@ struct Scratch {
 };
 
 void RunUnit(const AttentionKernels& k, const Unit& u, const KvCacheLayout& layout,
-             const uint8_t* base, int64_t layer, const float* q, int64_t num_heads,
-             const AttentionBatch& batch, float scale, float* out, Scratch& s) {
+             const uint8_t* base, int64_t layer, const float* q, int64_t q_stride,
+             int64_t num_heads, const AttentionBatch& batch, float scale, float* out, Scratch& s) {
   const int64_t hd = layout.head_dim, bs = layout.block_size;
   const int64_t group = num_heads / layout.num_kv_heads;
   const int64_t q_len = batch.query_start[u.seq + 1] - batch.query_start[u.seq];
@@ -340,7 +340,7 @@ void RunUnit(const AttentionKernels& k, const Unit& u, const KvCacheLayout& layo
   const int64_t first_pos = batch.context_lens[u.seq] - q_len;
   const int64_t rows = u.row_end - u.row_begin, queries = rows * group;
   const int64_t max_keys = first_pos + (u.row_end - 1 - batch.query_start[u.seq]) + 1;
-  const int32_t* table = batch.block_tables + u.seq * batch.max_blocks_per_seq;
+  const int32_t* table = batch.table(u.seq);
   const bool in_place = layout.dtype == DType::kF32;
   // fp8 e5m2 and nvfp4 go through the scalar codec, the others through
   // `widen` (fp8 e4m3 with its 2^-8 factor, simd_loads.h).
@@ -393,7 +393,7 @@ void RunUnit(const AttentionKernels& k, const Unit& u, const KvCacheLayout& layo
       for (int64_t j = 0; j < group; ++j) {
         const int64_t h = u.kv_head * group + j, i = r * group + j;
         float* sc = s.scores.data();
-        k.scores(q + (row * num_heads + h) * hd, keys, hd, visible, scale, sc);
+        k.scores(q + row * q_stride + h * hd, keys, hd, visible, scale, sc);
         float block_max = sc[0];
         for (int64_t t = 1; t < visible; ++t) block_max = std::max(block_max, sc[t]);
         const float new_max = std::max(s.max[i], block_max);
@@ -418,8 +418,8 @@ void RunUnit(const AttentionKernels& k, const Unit& u, const KvCacheLayout& layo
 }  // namespace
 
 void PagedAttentionCpu(SimdLevel level, ThreadPool& threads, const KvCacheLayout& layout,
-                       const void* pool, int64_t layer, const float* q, int64_t num_heads,
-                       const AttentionBatch& batch, float scale, float* out) {
+                       const void* pool, int64_t layer, const float* q, int64_t q_stride,
+                       int64_t num_heads, const AttentionBatch& batch, float scale, float* out) {
   const AttentionKernels kernels = KernelsFor(level);
   // The unit list of this call; a thread's own vector, reused.
   thread_local std::vector<Unit> units;
@@ -445,7 +445,8 @@ void PagedAttentionCpu(SimdLevel level, ThreadPool& threads, const KvCacheLayout
   threads.ParallelFor(static_cast<int64_t>(all.size()), [&](int64_t begin, int64_t end) {
     thread_local Scratch scratch;
     for (int64_t i = begin; i < end; ++i) {
-      RunUnit(kernels, all[i], layout, base, layer, q, num_heads, batch, scale, out, scratch);
+      RunUnit(kernels, all[i], layout, base, layer, q, q_stride, num_heads, batch, scale, out,
+              scratch);
     }
   });
 }

@@ -1,5 +1,6 @@
 // Paged causal attention on the CPU: the PagedAttention op of
-// kernels/backend.h, with the same contract.
+// kernels/backend.h, with the same contract; query rows (tokens) of q are
+// q_stride floats apart, out is packed.
 //
 // The work is split into units of (sequence, KV head, run of query rows). A
 // unit decodes each KV block it needs once (fp16, bf16 and fp8 widened to
@@ -19,7 +20,7 @@
 namespace pdserve::kernels {
 
 void PagedAttentionCpu(SimdLevel level, ThreadPool& threads, const KvCacheLayout& layout,
-                       const void* pool, int64_t layer, const float* q, int64_t num_heads,
-                       const AttentionBatch& batch, float scale, float* out);
+                       const void* pool, int64_t layer, const float* q, int64_t q_stride,
+                       int64_t num_heads, const AttentionBatch& batch, float scale, float* out);
 
 }  // namespace pdserve::kernels

@@ -10,7 +10,7 @@
 #include <cstring>
 
 #include "common/dtype.h"
-#include "kernels/cpu/float_convert.h"
+#include "kernels/float_convert.h"
 
 #if defined(__x86_64__)
 // GCC 12 warns about the deliberately undefined registers inside its own

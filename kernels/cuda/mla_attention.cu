@@ -1,15 +1,17 @@
-#include "kernels/cuda/mla_attention.h"
-
+// Multi-head latent attention on the device (kernels/cuda/ops.h): the
+// latent write and the absorbed-form attention, with the CPU backend's
+// semantics (kernels/cpu/mla_attention.cpp) and pool bytes.
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/kv_codec.cuh"
+#include "kernels/cuda/ops.h"
+#include "kernels/op_check.h"
 
 namespace pdserve::cuda {
 namespace {
 
 using kernels::KvCacheLayout;
 
-constexpr int kThreads = 256;
 constexpr int kWarps = 4;  // warps per (row, head) block of MlaAttentionKernel
 
 // KvCacheLayout's MLA offsets, precomputed on the host.
@@ -92,7 +94,7 @@ __global__ void __launch_bounds__(32 * kWarps)
   while (s + 1 < batch.num_seqs && batch.query_start[s + 1] <= row) ++s;
   const int64_t q_len = batch.query_start[s + 1] - batch.query_start[s];
   const int64_t n_keys = batch.context_lens[s] - q_len + (row - batch.query_start[s]) + 1;
-  const int32_t* table = batch.block_tables + s * batch.max_blocks_per_seq;
+  const int32_t* table = batch.table(s);
   const int64_t R = l.rank, D = l.width;
 
   float q[C], acc[C];
@@ -146,7 +148,7 @@ __global__ void __launch_bounds__(32 * kWarps)
     for (int w = 0; w < kWarps; ++w) {
       if (warp_l[w] > 0) o += warp_acc[w][i] * expf(warp_m[w] - total_m);
     }
-    out[(row * num_heads + h) * R + i] = o / total;
+    out[(row * num_heads + h) * R + i] = total > 0 ? o / total : 0.0f;  // no keys: 0
   }
 }
 
@@ -162,45 +164,61 @@ void LaunchMla(const LatentLayout& l, const void* pool, int64_t layer, const flo
 
 }  // namespace
 
-cudaError_t WriteLatentKv(const KvCacheLayout& layout, void* pool, int64_t layer, const float* c_kv,
-                          const float* k_pe, const int64_t* slots, int64_t tokens,
-                          cudaStream_t stream) {
-  if (tokens == 0) return cudaSuccess;
+void WriteLatentKv(const KvCacheLayout& layout, void* pool, int64_t layer, const Tensor& c_kv,
+                   const Tensor& k_pe, const int64_t* slots, cudaStream_t stream) {
+  kernels::CheckPackedF32(c_kv, "WriteLatentKv");
+  kernels::CheckPackedF32(k_pe, "WriteLatentKv");
+  const int64_t tokens = c_kv.rows();
+  kernels::OpCheck(c_kv.row_size() == layout.kv_lora_rank && k_pe.row_size() == layout.rope_dim() &&
+                       k_pe.rows() == tokens,
+                   "WriteLatentKv", "takes c_kv [tokens, R] and k_pe [tokens, P] of the layout");
+  if (tokens == 0) return;
   const LatentLayout l(layout);
   auto* base = static_cast<uint8_t*>(pool);
   if (layout.has_scales()) {
     // Calibrated scales live in host memory: passed by value.
     const float fixed = layout.fixed_scales ? layout.fixed_scales[layer] : 0.0f;
-    WriteLatentScaledKernel<<<1, kThreads, 0, stream>>>(l, base, layer, c_kv, k_pe, slots, tokens,
-                                                        fixed);
+    WriteLatentScaledKernel<<<1, kThreads, 0, stream>>>(
+        l, base, layer, c_kv.as<const float>(), k_pe.as<const float>(), slots, tokens, fixed);
   } else {
     const int64_t n = tokens * layout.head_dim;
-    const auto blocks = static_cast<unsigned>((n + kThreads - 1) / kThreads);
-    WriteLatentPlainKernel<<<blocks, kThreads, 0, stream>>>(l, base, layer, c_kv, k_pe, slots,
-                                                            tokens);
+    WriteLatentPlainKernel<<<Blocks(n), kThreads, 0, stream>>>(
+        l, base, layer, c_kv.as<const float>(), k_pe.as<const float>(), slots, tokens);
   }
-  return cudaGetLastError();
+  Check(cudaGetLastError(), "WriteLatentKv");
 }
 
-cudaError_t MlaAttention(const KvCacheLayout& layout, const void* pool, int64_t layer,
-                         const float* q_latent, const float* q_pe, int64_t num_heads,
-                         const kernels::AttentionBatch& batch, float scale, float* out,
-                         cudaStream_t stream) {
-  if (layout.head_dim > kMaxMlaLatent) return cudaErrorInvalidValue;
-  if (batch.num_tokens == 0 || num_heads == 0) return cudaSuccess;
+void MlaAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q_latent,
+                  const Tensor& q_pe, float scale, const Tensor& out, cudaStream_t stream) {
+  const KvCacheLayout& layout = plan.layout;
+  kernels::CheckPackedF32(q_latent, "MlaAttention");
+  kernels::CheckPackedF32(q_pe, "MlaAttention");
+  kernels::CheckPackedF32(out, "MlaAttention");
+  kernels::OpCheck(q_latent.rank == 3 && q_latent.shape[2] == layout.kv_lora_rank &&
+                       q_pe.rank == 3 && q_pe.shape[2] == layout.rope_dim() &&
+                       out.numel() == q_latent.numel(),
+                   "MlaAttention",
+                   "takes q_latent [tokens, heads, R], q_pe [tokens, heads, P], out as q_latent");
+  kernels::OpCheck(layout.head_dim <= kMaxMlaLatent, "MlaAttention",
+                   "takes a latent of up to 640 values");
+  const int64_t num_heads = q_latent.shape[1];
+  const kernels::AttentionBatch& batch = plan.batch;
+  if (batch.num_tokens == 0 || num_heads == 0) return;
   const LatentLayout l(layout);
   const int64_t d = layout.head_dim;
+  const float* ql = q_latent.as<const float>();
+  const float* qp = q_pe.as<const float>();
+  float* o = out.as<float>();
   if (d <= 64) {
-    LaunchMla<2>(l, pool, layer, q_latent, q_pe, num_heads, batch, scale, out, stream);
+    LaunchMla<2>(l, plan.pool, layer, ql, qp, num_heads, batch, scale, o, stream);
   } else if (d <= 128) {
-    LaunchMla<4>(l, pool, layer, q_latent, q_pe, num_heads, batch, scale, out, stream);
+    LaunchMla<4>(l, plan.pool, layer, ql, qp, num_heads, batch, scale, o, stream);
   } else if (d <= 256) {
-    LaunchMla<8>(l, pool, layer, q_latent, q_pe, num_heads, batch, scale, out, stream);
+    LaunchMla<8>(l, plan.pool, layer, ql, qp, num_heads, batch, scale, o, stream);
   } else {
-    LaunchMla<kMaxMlaLatent / 32>(l, pool, layer, q_latent, q_pe, num_heads, batch, scale, out,
-                                  stream);
+    LaunchMla<kMaxMlaLatent / 32>(l, plan.pool, layer, ql, qp, num_heads, batch, scale, o, stream);
   }
-  return cudaGetLastError();
+  Check(cudaGetLastError(), "MlaAttention");
 }
 
 }  // namespace pdserve::cuda

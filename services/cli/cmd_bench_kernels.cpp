@@ -100,7 +100,9 @@ int RunBenchKernels(int argc, char** argv) {
     for (int64_t t = 0; t < context; ++t)
       host_slots[t] = int64_t{tables[s * blocks_per_seq + t / 16]} * 16 + t % 16;
     backend->Upload(slots, host_slots.data(), context * 8);
-    backend->WriteKv(layout, pool, 0, k, v, slots, context);
+    backend->WriteKv(layout, pool, 0,
+                     kernels::Tensor::Of(k, DType::kF32, {context, kv_heads, head_dim}),
+                     kernels::Tensor::Of(v, DType::kF32, {context, kv_heads, head_dim}), slots);
   }
 
   std::vector<int32_t> query_start(batch + 1), context_lens(batch, static_cast<int32_t>(context));
@@ -112,7 +114,11 @@ int RunBenchKernels(int argc, char** argv) {
     backend->Upload(p, vec.data(), vec.size() * sizeof(vec[0]));
     return p;
   };
-  kernels::AttentionBatch ab;
+  kernels::AttentionPlan plan;
+  plan.layout = layout;
+  plan.pool = pool;
+  plan.num_heads = heads;
+  kernels::AttentionBatch& ab = plan.batch;
   ab.num_seqs = batch;
   ab.query_start = static_cast<const int32_t*>(upload(query_start));
   ab.context_lens = static_cast<const int32_t*>(upload(context_lens));
@@ -127,7 +133,8 @@ int RunBenchKernels(int argc, char** argv) {
   double best = 1e30;
   for (int i = 0; i < 11; ++i) {  // the first run warms up
     const auto start = std::chrono::steady_clock::now();
-    backend->PagedAttention(layout, pool, 0, dq, heads, ab, scale, out);
+    backend->PagedAttention(plan, 0, kernels::Tensor::Of(dq, DType::kF32, {batch, heads, head_dim}),
+                            scale, kernels::Tensor::Of(out, DType::kF32, {batch, heads, head_dim}));
     backend->Synchronize();
     const double s =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

@@ -49,6 +49,16 @@ struct Problem {
     b.num_tokens = tokens;
     return b;
   }
+  // The attention plan over `pool` and the batch's arrays (backend memory).
+  kernels::AttentionPlan Plan(void* pool, const int32_t* query_start_p,
+                              const int32_t* context_lens_p, const int32_t* block_tables_p) const {
+    kernels::AttentionPlan plan;
+    plan.layout = layout;
+    plan.pool = pool;
+    plan.batch = Batch(query_start_p, context_lens_p, block_tables_p);
+    plan.num_heads = heads;
+    return plan;
+  }
 };
 
 // `spread` scales the latents: large values exercise the fp8 block scales.

@@ -30,18 +30,20 @@ TEST(CpuBackendTest, AddRmsNormIsAddThenRmsNorm) {
     const int64_t dim = 517;
     const auto x = Random(rng, rows * dim), y = Random(rng, rows * dim), w = Random(rng, dim);
 
-    std::vector<float> want_x = x, want(rows * dim);
-    cpu.Add(want_x.data(), y.data(), rows * dim);
-    cpu.RmsNorm(want_x.data(), w.data(), want.data(), rows, dim, 1e-5f);
+    auto t = [&](std::vector<float>& v) { return Tensor::Of(v.data(), DType::kF32, {rows, dim}); };
+    auto weight = Tensor::Of(w.data(), DType::kF32, {dim});
+    std::vector<float> want_x = x, want(rows * dim), y_copy = y;
+    cpu.Add(t(want_x), t(y_copy));
+    cpu.RmsNorm(t(want_x), weight, 1e-5f, t(want));
 
     std::vector<float> got_x = x, got(rows * dim, NAN);
-    cpu.AddRmsNorm(got_x.data(), y.data(), w.data(), got.data(), rows, dim, 1e-5f);
+    cpu.AddRmsNorm(t(got_x), t(y_copy), weight, 1e-5f, t(got));
     EXPECT_EQ(got_x, want_x) << rows << " rows";
     EXPECT_EQ(got, want) << rows << " rows";
 
     // out aliasing y, as the engine calls it.
     std::vector<float> alias_x = x, alias_y = y;
-    cpu.AddRmsNorm(alias_x.data(), alias_y.data(), w.data(), alias_y.data(), rows, dim, 1e-5f);
+    cpu.AddRmsNorm(t(alias_x), t(alias_y), weight, 1e-5f, t(alias_y));
     EXPECT_EQ(alias_x, want_x) << rows << " rows";
     EXPECT_EQ(alias_y, want) << rows << " rows";
   }
@@ -68,7 +70,8 @@ TEST(CpuBackendTest, ArgMaxRowsIsTheSamplersGreedyToken) {
   std::vector<float> flat;
   for (const auto& r : rows) flat.insert(flat.end(), r.begin(), r.end());
   std::vector<int32_t> got(rows.size(), -1);
-  cpu.ArgMaxRows(flat.data(), static_cast<int64_t>(rows.size()), n, got.data());
+  cpu.ArgMaxRows(Tensor::Of(flat.data(), DType::kF32, {static_cast<int64_t>(rows.size()), n}),
+                 got.data());
   SamplingParams greedy;
   greedy.temperature = 0;
   for (size_t r = 0; r < rows.size(); ++r) {

@@ -73,14 +73,21 @@ struct Run {
 Run RunOnCpu(CpuBackend& cpu, const Problem& p, int64_t layer) {
   Run r;
   r.pool.assign(p.layout.total_bytes(), 0xcd);  // garbage where nothing is written
-  cpu.WriteLatentKv(p.layout, r.pool.data(), layer, p.c_kv_before.data(), p.k_pe_before.data(),
-                    p.slots_before.data(), static_cast<int64_t>(p.slots_before.size()));
-  cpu.WriteLatentKv(p.layout, r.pool.data(), layer, p.c_kv_step.data(), p.k_pe_step.data(),
-                    p.slots_step.data(), static_cast<int64_t>(p.slots_step.size()));
-  r.out.assign(p.tokens * p.heads * p.layout.kv_lora_rank, NAN);
-  cpu.MlaAttention(p.layout, r.pool.data(), layer, p.q_latent.data(), p.q_pe.data(), p.heads,
-                   p.Batch(p.query_start.data(), p.context_lens.data(), p.block_tables.data()),
-                   p.scale, r.out.data());
+  const int64_t R = p.layout.kv_lora_rank, P = p.layout.rope_dim();
+  auto f32 = [](const std::vector<float>& v, std::initializer_list<int64_t> shape) {
+    return Tensor::Of(v.data(), DType::kF32, shape);
+  };
+  const auto before = static_cast<int64_t>(p.slots_before.size());
+  const auto step = static_cast<int64_t>(p.slots_step.size());
+  cpu.WriteLatentKv(p.layout, r.pool.data(), layer, f32(p.c_kv_before, {before, R}),
+                    f32(p.k_pe_before, {before, P}), p.slots_before.data());
+  cpu.WriteLatentKv(p.layout, r.pool.data(), layer, f32(p.c_kv_step, {step, R}),
+                    f32(p.k_pe_step, {step, P}), p.slots_step.data());
+  r.out.assign(p.tokens * p.heads * R, NAN);
+  cpu.MlaAttention(
+      p.Plan(r.pool.data(), p.query_start.data(), p.context_lens.data(), p.block_tables.data()),
+      layer, f32(p.q_latent, {p.tokens, p.heads, R}), f32(p.q_pe, {p.tokens, p.heads, P}), p.scale,
+      f32(r.out, {p.tokens, p.heads, R}));
   return r;
 }
 
@@ -225,8 +232,9 @@ TEST(CpuMlaAttentionTest, HeadsLinearIsOneProductPerHead) {
   std::vector<float> x(tokens * heads * in), w(heads * out * in), y(tokens * heads * out, NAN);
   for (auto& v : x) v = u(rng);
   for (auto& v : w) v = u(rng);
-  cpu.HeadsLinear(x.data(), tokens, heads, WeightMatrix{w.data(), DType::kF32, heads * out, in},
-                  y.data());
+  cpu.HeadsLinear(Tensor::Of(x.data(), DType::kF32, {tokens, heads, in}),
+                  WeightMatrix{w.data(), DType::kF32, heads * out, in},
+                  Tensor::Of(y.data(), DType::kF32, {tokens, heads, out}));
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t h = 0; h < heads; ++h) {
       for (int64_t o = 0; o < out; ++o) {

@@ -18,6 +18,10 @@ namespace {
 
 using moe_test::Problem;
 
+Tensor X(const std::vector<float>& v, int64_t rows, int64_t cols) {
+  return Tensor::Of(v.data(), DType::kF32, {rows, cols});
+}
+
 struct HostBlock {
   std::vector<MoeExpertWeights> experts;
   MoeWeights w;
@@ -26,11 +30,11 @@ struct HostBlock {
 HostBlock Weights(const Problem& p) {
   HostBlock b;
   for (int64_t e = 0; e < p.experts; ++e) {
-    b.experts.push_back({{p.gate[e].data(), DType::kF32, p.inter, p.hidden},
-                         {p.up[e].data(), DType::kF32, p.inter, p.hidden},
-                         {p.down[e].data(), DType::kF32, p.hidden, p.inter}});
+    b.experts.push_back({LinearWeights::Stack({{p.gate[e].data(), DType::kF32, p.inter, p.hidden},
+                                               {p.up[e].data(), DType::kF32, p.inter, p.hidden}}),
+                         LinearWeights::Of({p.down[e].data(), DType::kF32, p.hidden, p.inter})});
   }
-  b.w.router = {p.router.data(), DType::kF32, p.experts, p.hidden};
+  b.w.router = LinearWeights::Of({p.router.data(), DType::kF32, p.experts, p.hidden});
   b.w.experts = b.experts.data();
   b.w.routing = MoeRouting::Softmax(p.experts, p.top_k, p.norm);
   return b;
@@ -54,7 +58,8 @@ TEST(CpuMoeTest, MoeFfnMatchesThePerTokenReference) {
         const HostBlock b = Weights(p);
 
         std::vector<float> out(tokens * p.hidden, NAN);
-        const MoeStats stats = cpu.MoeFfn(p.x.data(), tokens, b.w, out.data());
+        MoeStats stats;
+        cpu.MoeFfn(X(p.x, tokens, p.hidden), b.w, X(out, tokens, p.hidden), &stats);
         EXPECT_LT(moe_test::RelativeError(out, want), 1e-5);
         const int64_t active = moe_test::ActiveExperts(routing);
         EXPECT_EQ(stats.active_experts, active);
@@ -63,7 +68,7 @@ TEST(CpuMoeTest, MoeFfnMatchesThePerTokenReference) {
 
         // In place (out aliasing x), as the engine calls it.
         std::vector<float> in_place = p.x;
-        cpu.MoeFfn(in_place.data(), tokens, b.w, in_place.data());
+        cpu.MoeFfn(X(in_place, tokens, p.hidden), b.w, X(in_place, tokens, p.hidden), nullptr);
         EXPECT_EQ(in_place, out);
       }
     }
@@ -105,8 +110,8 @@ TEST(CpuMoeTest, MoeRouteMatchesTheReference) {
       const int64_t tokens = static_cast<int64_t>(rows.size());
       std::vector<int32_t> ids(tokens * top_k, -1);
       std::vector<float> weights(tokens * top_k, NAN);
-      cpu.MoeRoute(logits.data(), tokens, MoeRouting::Softmax(experts, top_k, norm), ids.data(),
-                   weights.data());
+      cpu.MoeRoute(X(logits, tokens, experts), MoeRouting::Softmax(experts, top_k, norm),
+                   ids.data(), weights.data());
       EXPECT_EQ(ids, want.ids) << "top_k " << top_k << " norm " << norm;
       for (size_t i = 0; i < weights.size(); ++i) {
         EXPECT_NEAR(weights[i], want.probs[i], 1e-6) << "top_k " << top_k << " at " << i;
@@ -187,7 +192,7 @@ TEST(CpuMoeTest, DeepseekRoutingMatchesTheReference) {
       const int64_t tokens = static_cast<int64_t>(rows.size());
       std::vector<int32_t> ids(tokens * top_k, -1);
       std::vector<float> weights(tokens * top_k, NAN);
-      cpu.MoeRoute(logits.data(), tokens, rule.routing, ids.data(), weights.data());
+      cpu.MoeRoute(X(logits, tokens, experts), rule.routing, ids.data(), weights.data());
       EXPECT_EQ(ids, want.ids);
       for (size_t i = 0; i < weights.size(); ++i) {
         EXPECT_NEAR(weights[i], want.probs[i], 1e-5 * std::max(1.0, std::fabs(want.probs[i])))
@@ -246,9 +251,10 @@ TEST(CpuMoeTest, SharedExpertIsAddedToTheRoutedSum) {
   const auto sg = moe_test::Uniform(rng, shared_inter * hidden, 0.2f);
   const auto su = moe_test::Uniform(rng, shared_inter * hidden, 0.2f);
   const auto sd = moe_test::Uniform(rng, hidden * shared_inter, 0.2f);
-  const MoeExpertWeights shared{{sg.data(), DType::kF32, shared_inter, hidden},
-                                {su.data(), DType::kF32, shared_inter, hidden},
-                                {sd.data(), DType::kF32, hidden, shared_inter}};
+  const MoeExpertWeights shared{
+      LinearWeights::Stack({{sg.data(), DType::kF32, shared_inter, hidden},
+                            {su.data(), DType::kF32, shared_inter, hidden}}),
+      LinearWeights::Of({sd.data(), DType::kF32, hidden, shared_inter})};
   b.w.shared = &shared;
 
   auto want = moe_test::Reference(p, routing);
@@ -269,12 +275,13 @@ TEST(CpuMoeTest, SharedExpertIsAddedToTheRoutedSum) {
     }
   }
   std::vector<float> out(tokens * hidden, NAN);
-  const MoeStats stats = cpu.MoeFfn(p.x.data(), tokens, b.w, out.data());
+  MoeStats stats;
+  cpu.MoeFfn(X(p.x, tokens, hidden), b.w, X(out, tokens, hidden), &stats);
   EXPECT_LT(moe_test::RelativeError(out, want), 1e-5);
   // The shared expert is read every step and not counted with the routed ones.
   EXPECT_EQ(stats.expert_bytes_read, moe_test::ActiveExperts(routing) * p.ExpertBytes());
   std::vector<float> in_place = p.x;
-  cpu.MoeFfn(in_place.data(), tokens, b.w, in_place.data());
+  cpu.MoeFfn(X(in_place, tokens, hidden), b.w, X(in_place, tokens, hidden), nullptr);
   EXPECT_EQ(in_place, out);
 }
 
@@ -283,7 +290,8 @@ TEST(CpuMoeTest, NoTokensReadsNothing) {
   const Problem p = moe_test::MakeProblem(rng, 1, 16, 8, 8, 2, true);
   const HostBlock b = Weights(p);
   CpuBackend cpu(1);
-  const MoeStats stats = cpu.MoeFfn(p.x.data(), 0, b.w, nullptr);
+  MoeStats stats{7, 7};
+  cpu.MoeFfn(X(p.x, 0, p.hidden), b.w, X(p.x, 0, p.hidden), &stats);
   EXPECT_EQ(stats.active_experts, 0);
   EXPECT_EQ(stats.expert_bytes_read, 0);
 }

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "kernels/cpu/cpu_backend.h"
-#include "kernels/cpu/float_convert.h"
+#include "kernels/float_convert.h"
 #include "kernels/fp4_e2m1.h"
 #include "kernels/fp8_e5m2.h"
 
@@ -106,7 +106,8 @@ void CheckAttention(SimdLevel level, DType dtype, int64_t kv_heads, int64_t grou
     for (int64_t p = 0; p < n; ++p) {
       slots[p] = table[s * max_blocks + p / block_size] * block_size + p % block_size;
     }
-    cpu.WriteKv(layout, pool.data(), 0, k.data(), v.data(), slots.data(), n);
+    cpu.WriteKv(layout, pool.data(), 0, Tensor::Of(k.data(), DType::kF32, {n, kv_heads, head_dim}),
+                Tensor::Of(v.data(), DType::kF32, {n, kv_heads, head_dim}), slots.data());
   }
 
   std::vector<int32_t> query_start(S + 1, 0), context(S);
@@ -125,7 +126,13 @@ void CheckAttention(SimdLevel level, DType dtype, int64_t kv_heads, int64_t grou
   batch.num_tokens = tokens;
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
   std::vector<float> out(q.size(), NAN);
-  cpu.PagedAttention(layout, pool.data(), 0, q.data(), num_heads, batch, scale, out.data());
+  AttentionPlan plan;
+  plan.layout = layout;
+  plan.pool = pool.data();
+  plan.batch = batch;
+  plan.num_heads = num_heads;
+  cpu.PagedAttention(plan, 0, Tensor::Of(q.data(), DType::kF32, {tokens, num_heads, head_dim}),
+                     scale, Tensor::Of(out.data(), DType::kF32, {tokens, num_heads, head_dim}));
 
   for (int64_t s = 0; s < S; ++s) {
     // The sequence's stored keys and values, decoded once per KV head:

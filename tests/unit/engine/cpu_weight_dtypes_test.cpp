@@ -15,7 +15,7 @@
 #include "engine/model.h"
 #include "engine/safetensors.h"
 #include "kernels/cpu/cpu_backend.h"
-#include "kernels/cpu/float_convert.h"
+#include "kernels/float_convert.h"
 #include "tests/support/test_models.h"
 
 namespace pdserve {

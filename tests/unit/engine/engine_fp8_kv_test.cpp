@@ -9,7 +9,7 @@
 
 #include "engine/engine.h"
 #include "kernels/cpu/cpu_backend.h"
-#include "kernels/cpu/float_convert.h"
+#include "kernels/float_convert.h"
 #include "tests/support/test_models.h"
 
 namespace pdserve {
@@ -106,10 +106,14 @@ struct KvFixture {
       }
       slots.push_back(table[t / 16] * 16 + t % 16);
     }
-    backend.WriteKv(layout, pool.data(), 0, k.data(), v.data(), slots.data(), prefill);
+    const int64_t kvh = layout.num_kv_heads, hd = layout.head_dim;
+    using kernels::Tensor;
+    backend.WriteKv(layout, pool.data(), 0, Tensor::Of(k.data(), DType::kF32, {prefill, kvh, hd}),
+                    Tensor::Of(v.data(), DType::kF32, {prefill, kvh, hd}), slots.data());
     for (int64_t t = prefill; t < tokens; ++t) {
-      backend.WriteKv(layout, pool.data(), 0, k.data() + t * width, v.data() + t * width,
-                      slots.data() + t, 1);
+      backend.WriteKv(
+          layout, pool.data(), 0, Tensor::Of(k.data() + t * width, DType::kF32, {1, kvh, hd}),
+          Tensor::Of(v.data() + t * width, DType::kF32, {1, kvh, hd}), slots.data() + t);
     }
   }
 
@@ -182,8 +186,17 @@ TEST(Fp8KvCacheTest, AttentionOutputWithinDerivedBound) {
                                 T};
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   std::vector<float> o8(q.size()), o32(q.size());
-  backend.PagedAttention(f8.layout, f8.pool.data(), 0, q.data(), heads, batch, scale, o8.data());
-  backend.PagedAttention(f32.layout, f32.pool.data(), 0, q.data(), heads, batch, scale, o32.data());
+  auto attend = [&](KvFixture& f, std::vector<float>& out) {
+    kernels::AttentionPlan plan;
+    plan.layout = f.layout;
+    plan.pool = f.pool.data();
+    plan.batch = batch;
+    plan.num_heads = heads;
+    backend.PagedAttention(plan, 0, kernels::Tensor::Of(q.data(), DType::kF32, {T, heads, hd}),
+                           scale, kernels::Tensor::Of(out.data(), DType::kF32, {T, heads, hd}));
+  };
+  attend(f8, o8);
+  attend(f32, o32);
   double worst_ratio = 0;
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t h = 0; h < heads; ++h) {

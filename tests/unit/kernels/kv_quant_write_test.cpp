@@ -112,7 +112,8 @@ void Write(CpuBackend& cpu, const KvCacheLayout& l, Written* w, const std::vecto
   for (size_t i = 0; i < k.size(); ++i) v[i] = -k[i];
   std::vector<int64_t> slots(tokens);
   for (int64_t t = 0; t < tokens; ++t) slots[t] = kBlock + first + t;
-  cpu.WriteKv(l, w->pool.data(), 0, k.data(), v.data(), slots.data(), tokens);
+  cpu.WriteKv(l, w->pool.data(), 0, Tensor::Of(k.data(), DType::kF32, {tokens, 1, l.head_dim}),
+              Tensor::Of(v.data(), DType::kF32, {tokens, 1, l.head_dim}), slots.data());
   std::memcpy(&w->k_scale, w->pool.data() + l.k_scale_offset(1, 0, 0), 4);
 }
 

@@ -1,4 +1,4 @@
-#include "kernels/cpu/float_convert.h"
+#include "kernels/float_convert.h"
 
 #include <array>
 #include <cmath>

@@ -1,0 +1,102 @@
+// The defaults of kernels/backend.h that every backend shares: preparing a
+// Linear layer's weights at load.
+#include "kernels/backend.h"
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "kernels/float_convert.h"
+
+namespace pdserve::kernels {
+namespace {
+
+// Element i of a float matrix of any dtype the loader hands over, as fp32.
+float ElementAsF32(const void* data, DType dtype, int64_t i) {
+  const auto* bytes = static_cast<const uint8_t*>(data);
+  uint16_t h;
+  switch (dtype) {
+    case DType::kBF16:
+      std::memcpy(&h, bytes + 2 * i, 2);
+      return Bf16ToF32(h);
+    case DType::kF16:
+      std::memcpy(&h, bytes + 2 * i, 2);
+      return F16ToF32(h);
+    default: {
+      float v;
+      std::memcpy(&v, bytes + 4 * i, 4);
+      return v;
+    }
+  }
+}
+
+}  // namespace
+
+StatusOr<LinearWeights> Backend::PrepareLinear(const WeightMatrix* parts, int count,
+                                               const float* bias, bool in_place,
+                                               WeightStore* store) {
+  if (count < 1 || count > kMaxLinearParts) {
+    return Status::InvalidArgument("a Linear product stacks 1 to " +
+                                   std::to_string(kMaxLinearParts) + " matrices, not " +
+                                   std::to_string(count));
+  }
+  const WeightMatrix& first = parts[0];
+  LinearWeights w;
+  w.cols = first.cols;
+  for (int p = 0; p < count; ++p) {
+    if (parts[p].cols != first.cols || parts[p].dtype != first.dtype ||
+        parts[p].scheme != first.scheme) {
+      return Status::InvalidArgument("stacked weight matrices differ in columns, dtype or scheme");
+    }
+    w.rows += parts[p].rows;
+  }
+  if (first.scheme != WeightScheme::kNone) {
+    return Status::Unsupported("the " + name() + " backend does not compute " +
+                               WeightSchemeName(first.scheme) + " weights");
+  }
+  if (first.dtype != DType::kF32 && first.dtype != DType::kBF16 && first.dtype != DType::kF16) {
+    return Status::InvalidArgument(std::string("weights of dtype ") +
+                                   std::string(DTypeName(first.dtype)) +
+                                   " without a quantisation scheme");
+  }
+  const bool keep = SupportsWeightDType(first.dtype);
+  const int64_t elem = DTypeBits(first.dtype) / 8;
+  bool aligned = true;
+  for (int p = 0; p < count; ++p) {
+    aligned &= reinterpret_cast<uintptr_t>(parts[p].data) % elem == 0;
+  }
+  if (SharesHostMemory() && in_place && keep && aligned) {
+    for (int p = 0; p < count; ++p) w.parts[p] = parts[p];  // zero copy
+    w.num_parts = count;
+  } else {
+    // One packed copy, in the stored dtype or widened to fp32.
+    const DType dtype = keep ? first.dtype : DType::kF32;
+    const int64_t out_elem = DTypeBits(dtype) / 8;
+    std::vector<uint8_t> host(static_cast<size_t>(w.rows * w.cols * out_elem));
+    int64_t row = 0;
+    for (int p = 0; p < count; ++p) {
+      const int64_t n = parts[p].rows * w.cols;
+      uint8_t* dst = host.data() + row * w.cols * out_elem;
+      if (keep) {
+        std::memcpy(dst, parts[p].data, static_cast<size_t>(n * elem));
+      } else {
+        auto* f = reinterpret_cast<float*>(dst);
+        for (int64_t i = 0; i < n; ++i) f[i] = ElementAsF32(parts[p].data, first.dtype, i);
+      }
+      row += parts[p].rows;
+    }
+    void* data = store->Upload(host.data(), host.size());
+    if (data == nullptr) return Status::ResourceExhausted("out of memory for the weights");
+    w.parts[0] = WeightMatrix{data, dtype, w.rows, w.cols};
+    w.num_parts = 1;
+  }
+  if (bias != nullptr && SharesHostMemory() && in_place) {
+    w.bias = bias;
+  } else if (bias != nullptr) {
+    w.bias = static_cast<const float*>(store->Upload(bias, static_cast<size_t>(w.rows) * 4));
+    if (w.bias == nullptr) return Status::ResourceExhausted("out of memory for a bias");
+  }
+  return w;
+}
+
+}  // namespace pdserve::kernels

@@ -1,0 +1,72 @@
+// Element-wise activations and row gathers (kernels/cuda/ops.h): SwiGLU over
+// the two halves of a gate|up product, the residual add, and the gather
+// behind the embedding lookup and the logits rows.
+#include "kernels/cuda/ops.h"
+#include "kernels/op_check.h"
+
+namespace pdserve::cuda {
+namespace {
+
+using kernels::RowLayout;
+
+__global__ void SwiGluKernel(const float* gate, RowLayout gl, const float* up, RowLayout ul,
+                             float* out, RowLayout ol, int64_t rows, int64_t n) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= rows * n) return;
+  const int64_t r = i / n, c = i % n;
+  const float g = gate[gl.offset(r) + c];
+  out[ol.offset(r) + c] = g / (1.0f + expf(-g)) * up[ul.offset(r) + c];
+}
+
+__global__ void AddKernel(float* x, const float* y, int64_t n) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n) x[i] += y[i];
+}
+
+__global__ void GatherKernel(const float* x, RowLayout xl, const int32_t* rows, int64_t count,
+                             int64_t dim, float* out, RowLayout ol) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= count * dim) return;
+  const int64_t r = i / dim, c = i % dim;
+  out[ol.offset(r) + c] = x[xl.offset(rows[r]) + c];
+}
+
+}  // namespace
+
+void SwiGlu(const Tensor& gate, const Tensor& up, const Tensor& out, cudaStream_t stream) {
+  kernels::CheckF32(gate, "SwiGlu");
+  kernels::CheckF32(up, "SwiGlu");
+  kernels::CheckF32(out, "SwiGlu");
+  const int64_t rows = out.rows(), n = out.row_size();
+  kernels::OpCheck(
+      gate.row_size() == n && up.row_size() == n && gate.rows() == rows && up.rows() == rows,
+      "SwiGlu", "takes gate, up and out of one shape");
+  if (rows * n == 0) return;
+  SwiGluKernel<<<Blocks(rows * n), kThreads, 0, stream>>>(
+      gate.as<const float>(), gate.row_layout(), up.as<const float>(), up.row_layout(),
+      out.as<float>(), out.row_layout(), rows, n);
+  Check(cudaGetLastError(), "SwiGlu");
+}
+
+void Add(const Tensor& x, const Tensor& y, cudaStream_t stream) {
+  kernels::CheckPackedF32(x, "Add");
+  kernels::CheckPackedF32(y, "Add");
+  kernels::OpCheck(x.numel() == y.numel(), "Add", "takes x and y of one size");
+  const int64_t n = x.numel();
+  if (n == 0) return;
+  AddKernel<<<Blocks(n), kThreads, 0, stream>>>(x.as<float>(), y.as<const float>(), n);
+  Check(cudaGetLastError(), "Add");
+}
+
+void GatherRows(const Tensor& x, const int32_t* rows, const Tensor& out, cudaStream_t stream) {
+  kernels::CheckF32(x, "GatherRows");
+  kernels::CheckF32(out, "GatherRows");
+  const int64_t count = out.rows(), dim = out.row_size();
+  kernels::OpCheck(x.row_size() == dim, "GatherRows", "takes x and out of one row size");
+  if (count * dim == 0) return;
+  GatherKernel<<<Blocks(count * dim), kThreads, 0, stream>>>(
+      x.as<const float>(), x.row_layout(), rows, count, dim, out.as<float>(), out.row_layout());
+  Check(cudaGetLastError(), "GatherRows");
+}
+
+}  // namespace pdserve::cuda

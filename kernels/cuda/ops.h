@@ -1,0 +1,102 @@
+// The op families of the CUDA backend, one file each, as host launchers that
+// queue their kernels on a stream: cuda_backend.cu only dispatches to them.
+// Arguments follow kernels/backend.h (same shapes, same semantics, device
+// memory); each launcher checks the dtypes and layouts it takes and aborts
+// otherwise (kernels/op_check.h). Activations are fp32 on every family today.
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/kv_cache_layout.h"
+#include "kernels/step.h"
+#include "kernels/tensor.h"
+#include "kernels/weights.h"
+
+namespace pdserve::cuda {
+
+using kernels::AttentionPlan;
+using kernels::KvCacheLayout;
+using kernels::LinearWeights;
+using kernels::MoeRouting;
+using kernels::MoeStats;
+using kernels::MoeWeights;
+using kernels::Tensor;
+using kernels::WeightMatrix;
+
+// ---- GEMM / GEMV (gemm.cu): cuBLAS SGEMM for fp32 weights (pedantic: the
+// CPU's arithmetic), cublasGemmEx on the tensor cores for bf16 ones
+// (activations rounded to bf16 into `bf16_x`, fp32 accumulation).
+struct Gemm {
+  cublasHandle_t fp32 = nullptr;
+  cublasHandle_t bf16 = nullptr;
+  Workspace* bf16_x = nullptr;
+  cudaStream_t stream = nullptr;
+};
+void Linear(const Gemm& g, const Tensor& x, const LinearWeights& w, const Tensor& y);
+// Per-head products as one strided-batched SGEMM.
+void HeadsLinear(const Gemm& g, const Tensor& x, const WeightMatrix& w, const Tensor& y);
+
+// ---- Norm (norm.cu).
+void RmsNorm(const Tensor& x, const Tensor& weight, float eps, const Tensor& out,
+             cudaStream_t stream);
+void AddRmsNorm(const Tensor& x, const Tensor& y, const Tensor& weight, float eps,
+                const Tensor& out, cudaStream_t stream);
+
+// ---- RoPE and the paged KV write (rope_kv_write.cu).
+void Rope(const Tensor& x, const int32_t* positions, const float* inv_freq, cudaStream_t stream);
+void WriteKv(const KvCacheLayout& layout, void* pool, int64_t layer, const Tensor& k,
+             const Tensor& v, const int64_t* slots, cudaStream_t stream);
+
+// ---- Element-wise activations and row gathers (activation.cu).
+void SwiGlu(const Tensor& gate, const Tensor& up, const Tensor& out, cudaStream_t stream);
+void Add(const Tensor& x, const Tensor& y, cudaStream_t stream);
+void GatherRows(const Tensor& x, const int32_t* rows, const Tensor& out, cudaStream_t stream);
+
+// ---- Sampling (sampling.cu): greedy, one block per row.
+void ArgMaxRows(const Tensor& x, int32_t* out, cudaStream_t stream);
+
+// ---- Decode attention (decode_attention.cu): split-K flash-decoding over
+// the paged blocks, a GQA group's query heads sharing each K/V read.
+// The number of key splits for a plan (the widest row's keys in splits of
+// kDecodeSplitKeys), or 0 where the plan does not take this path (a group
+// too wide, or partials past their cap: a long prefill chunk, which has
+// rows enough to fill the device without splitting).
+inline constexpr int64_t kDecodeSplitKeys = 512;
+int DecodeSplits(const AttentionPlan& plan);
+// Floats of partials DecodeAttention needs for `splits`.
+int64_t DecodePartialFloats(const AttentionPlan& plan, int splits);
+void DecodeAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q, float scale,
+                     int splits, float* partials, const Tensor& out, cudaStream_t stream);
+
+// ---- Prefill attention (prefill_attention.cu): one warp per (row, head),
+// an online softmax over the row's keys in order.
+void PrefillAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q, float scale,
+                      const Tensor& out, cudaStream_t stream);
+
+// ---- Mixture of experts (moe.cu).
+void MoeRoute(const Tensor& logits, const MoeRouting& routing, int32_t* expert_ids, float* weights,
+              cudaStream_t stream);
+// MoeFfn's device scratch and the page-locked host copy of the per-expert
+// row counts.
+struct MoeScratch {
+  Workspace device{"MoE"};
+  int32_t* host_counts = nullptr;
+  int64_t host_capacity = 0;
+  void Release();
+};
+void MoeFfn(const Gemm& g, MoeScratch& scratch, const Tensor& x, const MoeWeights& w,
+            const Tensor& out, MoeStats* stats);
+
+// ---- Multi-head latent attention (mla_attention.cu).
+// The widest latent (kv_lora_rank + rope_dim) MlaAttention takes.
+inline constexpr int64_t kMaxMlaLatent = 640;
+void WriteLatentKv(const KvCacheLayout& layout, void* pool, int64_t layer, const Tensor& c_kv,
+                   const Tensor& k_pe, const int64_t* slots, cudaStream_t stream);
+void MlaAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q_latent,
+                  const Tensor& q_pe, float scale, const Tensor& out, cudaStream_t stream);
+
+}  // namespace pdserve::cuda

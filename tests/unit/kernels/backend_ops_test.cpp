@@ -1,0 +1,669 @@
+// Every op of kernels/backend.h on every backend against the CPU backend's
+// portable path, as llama.cpp's test-backend-ops holds its backends to the
+// CPU: the CPU backend at each SIMD level above the portable one (its fast
+// paths against its own reference), and the CUDA backend where a device
+// exists (label gpu; its cases skip with a message otherwise). Inputs are
+// random and never zero; outputs are poisoned first (NaN, or -1 for ids) so
+// that an element an op leaves unwritten fails; the error is
+// ||out - ref|| / ||ref||, within a bound per op that fits its arithmetic
+// (fp32 summation order: 1e-5; bf16 operands: 5e-3). The paged KV pool is
+// compared byte for byte, since its format is fixed (kernels/kv_quant.h).
+// The CPU's portable path is itself held to float64 references by the
+// cpu_* tests.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/backend.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "kernels/float_convert.h"
+#include "tests/unit/mla_test_problem.h"
+#include "tests/unit/moe_test_problem.h"
+
+#if PDSERVE_WITH_CUDA
+#include "kernels/cuda/cuda_backend.h"
+#endif
+
+namespace pdserve::kernels {
+namespace {
+
+// Backend memory of one test case, freed with it.
+class Mem {
+ public:
+  explicit Mem(Backend* b) : b_(b), store_(b) {}
+  template <typename T>
+  T* Up(const std::vector<T>& host) {
+    auto* p = static_cast<T*>(store_.Allocate(std::max<size_t>(host.size(), 1) * sizeof(T)));
+    b_->Upload(p, host.data(), host.size() * sizeof(T));
+    return p;
+  }
+  template <typename T>
+  std::vector<T> Down(const T* p, size_t n) {
+    std::vector<T> host(n);
+    b_->Download(host.data(), p, n * sizeof(T));
+    return host;
+  }
+  std::vector<float> Down(const Tensor& t) { return Down(t.as<const float>(), t.numel()); }
+  // An fp32 tensor of `shape` holding `host`.
+  Tensor F32(const std::vector<float>& host, std::initializer_list<int64_t> shape) {
+    return Tensor::Of(Up(host), DType::kF32, shape);
+  }
+  // An fp32 tensor of `shape`, every element NaN.
+  Tensor Poisoned(std::initializer_list<int64_t> shape) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    return F32(std::vector<float>(n, NAN), shape);
+  }
+  WeightStore* store() { return &store_; }
+
+ private:
+  Backend* b_;
+  WeightStore store_;
+};
+
+struct Target {
+  std::string name;
+  std::unique_ptr<Backend> backend;
+};
+
+class BackendOpsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    for (int l = static_cast<int>(SimdLevel::kPortable) + 1;
+         l <= static_cast<int>(DetectedSimdLevel()); ++l) {
+      const auto level = static_cast<SimdLevel>(l);
+      targets_.push_back(
+          {std::string("cpu ") + SimdLevelName(level), std::make_unique<CpuBackend>(2, level)});
+    }
+#if PDSERVE_WITH_CUDA
+    if (auto gpu = CudaBackend::Create()) targets_.push_back({"cuda", std::move(gpu)});
+#endif
+    if (targets_.empty()) {
+      GTEST_SKIP() << "no backend to compare with the CPU's portable path (a processor without "
+                      "AVX2 and no CUDA device)";
+    }
+    static bool noted = false;
+    if (!HasCuda() && !noted) {
+      std::printf("[   NOTE   ] no CUDA device (or built without CUDA): the CUDA cases skip\n");
+      noted = true;
+    }
+  }
+
+  bool HasCuda() const {
+    return std::any_of(targets_.begin(), targets_.end(),
+                       [](const Target& t) { return t.name == "cuda"; });
+  }
+
+  std::vector<float> Random(size_t n, float lo = -1.f, float hi = 1.f) {
+    std::uniform_real_distribution<float> dist(lo, hi);
+    std::vector<float> v(n);
+    for (auto& x : v) {
+      do x = dist(rng_);
+      while (x == 0.f);
+    }
+    return v;
+  }
+
+  // ||got - want|| / ||want|| <= bound, every element written (finite where
+  // the reference is).
+  static void ExpectClose(const std::string& what, const std::vector<float>& got,
+                          const std::vector<float>& want, double bound) {
+    ASSERT_EQ(got.size(), want.size()) << what;
+    double num = 0, den = 0;
+    for (size_t i = 0; i < want.size(); ++i) {
+      if (std::isfinite(want[i])) {
+        ASSERT_TRUE(std::isfinite(got[i])) << what << " [" << i << "] not written";
+      }
+      const double d = static_cast<double>(got[i]) - want[i];
+      num += d * d;
+      den += static_cast<double>(want[i]) * want[i];
+    }
+    const double err = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+    EXPECT_LE(err, bound) << what << ": ||out - ref|| / ||ref|| = " << err;
+  }
+
+  // Runs `run` on the reference and on every target; each returns the
+  // outputs to compare (downloaded).
+  using Outputs = std::vector<std::vector<float>>;
+  void Compare(const std::string& op, double bound,
+               const std::function<Outputs(Backend&, Mem&)>& run) {
+    Mem ref_mem(&reference_);
+    const Outputs want = run(reference_, ref_mem);
+    for (Target& t : targets_) {
+      SCOPED_TRACE(t.name);
+      Mem mem(t.backend.get());
+      const Outputs got = run(*t.backend, mem);
+      ASSERT_EQ(got.size(), want.size());
+      for (size_t i = 0; i < want.size(); ++i) {
+        ExpectClose(op + " output " + std::to_string(i), got[i], want[i], bound);
+      }
+    }
+  }
+
+  std::mt19937 rng_{std::random_device{}()};
+  CpuBackend reference_{2, SimdLevel::kPortable};
+  std::vector<Target> targets_;
+};
+
+// ---- Linear ----------------------------------------------------------------
+
+// fp32 and bf16 weights, one matrix and three stacked ones with a bias, on
+// both sides of the CPU's switch from streaming kernels to BLAS (64 rows).
+// bf16 products round activations to bf16 on AVX-512 BF16 and CUDA, not on
+// the portable path: 5e-3 covers that rounding.
+TEST_F(BackendOpsTest, Linear) {
+  const int64_t k = 200;
+  const std::vector<int64_t> rows = {96, 17, 33};
+  for (const DType dtype : {DType::kF32, DType::kBF16}) {
+    // The weights in their stored dtype, host memory.
+    std::vector<std::vector<uint8_t>> stored;
+    for (int64_t r : rows) {
+      const auto values = Random(r * k);
+      std::vector<uint8_t> bytes(values.size() * DTypeBits(dtype) / 8);
+      for (size_t i = 0; i < values.size(); ++i) {
+        if (dtype == DType::kF32) {
+          std::memcpy(&bytes[4 * i], &values[i], 4);
+        } else {
+          const uint16_t h = F32ToBf16(values[i]);
+          std::memcpy(&bytes[2 * i], &h, 2);
+        }
+      }
+      stored.push_back(std::move(bytes));
+    }
+    const auto bias = Random(96 + 17 + 33);
+    for (const int parts : {1, 3}) {
+      for (const int64_t m : {1, 7, 70}) {
+        const int64_t n = parts == 1 ? rows[0] : 96 + 17 + 33;
+        const auto x = Random(m * k);
+        Compare(std::string("Linear ") + std::string(DTypeName(dtype)) + " parts " +
+                    std::to_string(parts) + " m " + std::to_string(m),
+                dtype == DType::kF32 ? 1e-5 : 5e-3, [&](Backend& b, Mem& mem) -> Outputs {
+                  WeightMatrix host[3];
+                  for (int p = 0; p < parts; ++p) {
+                    host[p] = WeightMatrix{stored[p].data(), dtype, rows[p], k};
+                  }
+                  auto w = b.PrepareLinear(host, parts, parts == 3 ? bias.data() : nullptr,
+                                           /*in_place=*/false, mem.store());
+                  EXPECT_TRUE(w.ok()) << w.status().ToString();
+                  const Tensor y = mem.Poisoned({m, n});
+                  b.Linear(mem.F32(x, {m, k}), *w, y);
+                  return {mem.Down(y)};
+                });
+      }
+    }
+  }
+}
+
+TEST_F(BackendOpsTest, PrepareLinearRefusesSchemesItDoesNotCompute) {
+  const std::vector<uint8_t> codes(64 * 32, 0x38);
+  const float scale = 0.5f;
+  for (Target& t : targets_) {
+    SCOPED_TRACE(t.name);
+    WeightStore store(t.backend.get());
+    WeightMatrix w{codes.data(), DType::kFP8E4M3, 64, 32, WeightScheme::kFp8Tensor, &scale};
+    auto prepared = t.backend->PrepareLinear(&w, 1, nullptr, true, &store);
+    ASSERT_FALSE(prepared.ok());
+    EXPECT_EQ(prepared.status().code(), StatusCode::kUnsupported);
+    EXPECT_NE(prepared.status().message().find("fp8-tensor"), std::string::npos)
+        << prepared.status().message();
+  }
+}
+
+// ---- Norms, RoPE, activations, gathers, sampling -----------------------------
+
+TEST_F(BackendOpsTest, RmsNormOnRowsAndOnHeadsOfAPackedProduct) {
+  // Long rows (a block per row on CUDA), in place and not.
+  for (const bool in_place : {false, true}) {
+    const int64_t r = 37, dim = 4096 + 3;
+    const auto x = Random(r * dim, -2, 2), w = Random(dim, -2, 2);
+    Compare("RmsNorm", 1e-5, [&](Backend& b, Mem& mem) -> Outputs {
+      const Tensor in = mem.F32(x, {r, dim});
+      const Tensor out = in_place ? in : mem.Poisoned({r, dim});
+      b.RmsNorm(in, mem.F32(w, {dim}), 1e-5f, out);
+      return {mem.Down(out)};
+    });
+  }
+  // Per-head rows of q and k inside a q|k|v product (Qwen3's norm): views
+  // whose tokens are the product's width apart, normed in place; v untouched.
+  for (const int64_t hd : {8, 64, 128, 256, 257}) {
+    const int64_t tokens = 29, nh = 4, kvh = 2, width = (nh + 2 * kvh) * hd;
+    const auto qkv = Random(tokens * width, -2, 2), wq = Random(hd), wk = Random(hd);
+    Compare("RmsNorm heads " + std::to_string(hd), 1e-5, [&](Backend& b, Mem& mem) -> Outputs {
+      const Tensor t = mem.F32(qkv, {tokens, width});
+      const Tensor q = t.Columns(0, nh * hd).Split({nh, hd});
+      const Tensor k = t.Columns(nh * hd, (nh + kvh) * hd).Split({kvh, hd});
+      b.RmsNorm(q, mem.F32(wq, {hd}), 1e-6f, q);
+      b.RmsNorm(k, mem.F32(wk, {hd}), 1e-6f, k);
+      return {mem.Down(t)};
+    });
+  }
+}
+
+TEST_F(BackendOpsTest, AddRmsNormWithOutAliasingTheResidual) {
+  const int64_t r = 5, dim = 4096 + 3;
+  const auto x = Random(r * dim), y = Random(r * dim), w = Random(dim);
+  Compare("AddRmsNorm", 1e-5, [&](Backend& b, Mem& mem) -> Outputs {
+    const Tensor tx = mem.F32(x, {r, dim}), ty = mem.F32(y, {r, dim});
+    b.AddRmsNorm(tx, ty, mem.F32(w, {dim}), 1e-6f, ty);
+    return {mem.Down(tx), mem.Down(ty)};
+  });
+}
+
+TEST_F(BackendOpsTest, RopeOnAViewOfAPackedProduct) {
+  const int64_t tokens = 6, heads = 3, hd = 64, width = 5 * hd;
+  const auto x = Random(tokens * width);
+  const std::vector<int32_t> positions = {0, 1, 17, 511, 4095, 131071};
+  std::vector<float> inv_freq(hd / 2);
+  for (int64_t i = 0; i < hd / 2; ++i) inv_freq[i] = std::pow(500000.f, -2.f * i / hd);
+  Compare("Rope", 1e-5, [&](Backend& b, Mem& mem) -> Outputs {
+    const Tensor t = mem.F32(x, {tokens, width});
+    b.Rope(t.Columns(hd, (1 + heads) * hd).Split({heads, hd}), mem.Up(positions), mem.Up(inv_freq));
+    return {mem.Down(t)};  // columns outside the view stay as they were
+  });
+}
+
+TEST_F(BackendOpsTest, SwiGluOverTheHalvesOfGateUp) {
+  const int64_t r = 4, n = 300;
+  const auto gate_up = Random(r * 2 * n, -6, 6);
+  Compare("SwiGlu", 1e-6, [&](Backend& b, Mem& mem) -> Outputs {
+    const Tensor gu = mem.F32(gate_up, {r, 2 * n}), out = mem.Poisoned({r, n});
+    b.SwiGlu(gu.Columns(0, n), gu.Columns(n, 2 * n), out);
+    return {mem.Down(out)};
+  });
+}
+
+TEST_F(BackendOpsTest, AddEmbeddingAndGatherRows) {
+  const auto a = Random(1001), c = Random(1001);
+  Compare("Add", 1e-7, [&](Backend& b, Mem& mem) -> Outputs {
+    const Tensor x = mem.F32(a, {1001});
+    b.Add(x, mem.F32(c, {1001}));
+    return {mem.Down(x)};
+  });
+  const int64_t vocab = 50, dim = 96;
+  const auto table = Random(vocab * dim);
+  const std::vector<int32_t> ids = {3, 49, 0, 3, 17};
+  const auto count = static_cast<int64_t>(ids.size());
+  Compare("Embedding and GatherRows", 0, [&](Backend& b, Mem& mem) -> Outputs {
+    const Tensor t = mem.F32(table, {vocab, dim});
+    const Tensor e = mem.Poisoned({count, dim}), g = mem.Poisoned({count, dim});
+    b.Embedding(t, mem.Up(ids), e);
+    b.GatherRows(t, mem.Up(ids), g);
+    return {mem.Down(e), mem.Down(g)};
+  });
+}
+
+// Greedy sampling on the backend: a Llama-3 sized vocabulary, ties (the
+// lowest column wins), NaN (never wins), a row of -inf (0), the last column.
+TEST_F(BackendOpsTest, ArgMaxRows) {
+  const int64_t rows = 6, n = 128256;
+  auto logits = Random(rows * n, -30, 30);
+  logits[1 * n + 77] = logits[1 * n + 128000] = 100.f;
+  logits[2 * n + 0] = NAN;
+  logits[2 * n + 5] = NAN;
+  std::fill_n(logits.begin() + 3 * n, n, -INFINITY);
+  logits[4 * n + n - 1] = 1e30f;
+  auto run = [&](Backend& b) {
+    Mem mem(&b);
+    int32_t* out = mem.Up(std::vector<int32_t>(rows, -1));
+    b.ArgMaxRows(mem.F32(logits, {rows, n}), out);
+    return mem.Down(out, rows);
+  };
+  const auto want = run(reference_);
+  EXPECT_EQ(want[1], 77);
+  EXPECT_EQ(want[3], 0);
+  EXPECT_EQ(want[4], n - 1);
+  for (Target& t : targets_) EXPECT_EQ(run(*t.backend), want) << t.name;
+}
+
+// ---- Paged KV write and attention ------------------------------------------
+
+class BackendKvTest : public BackendOpsTest, public ::testing::WithParamInterface<DType> {
+ protected:
+  // 2 KV heads, 16-token blocks, the test's KV dtype.
+  KvCacheLayout Layout(int64_t num_layers, int64_t head_dim, int64_t num_blocks) const {
+    KvCacheLayout l;
+    l.num_layers = num_layers;
+    l.num_kv_heads = 2;
+    l.head_dim = head_dim;
+    l.block_size = 16;
+    l.dtype = GetParam();
+    l.num_blocks = num_blocks;
+    return l;
+  }
+
+  // One pool written by `b` as the engine writes it: a 37-token prefill
+  // chunk over blocks 5, 2, 7, then decode tokens one at a time whose
+  // magnitudes grow (scales must grow, earlier tokens be requantized). K
+  // and V are views of a q|k|v product, as the engine hands them over.
+  std::vector<uint8_t> Write(Backend& b, const KvCacheLayout& l, const std::vector<uint8_t>& stale,
+                             const std::vector<std::vector<float>>& chunks) {
+    Mem mem(&b);
+    auto* pool = mem.Up(stale);
+    const std::vector<int32_t> table = {5, 2, 7};
+    const int64_t hd = l.head_dim, width = 5 * hd;  // q (one head), k and v (two each)
+    int64_t pos = 0;
+    for (const auto& qkv : chunks) {
+      const auto n = static_cast<int64_t>(qkv.size()) / width;
+      std::vector<int64_t> slots(n);
+      for (int64_t i = 0; i < n; ++i) slots[i] = table[(pos + i) / 16] * 16 + (pos + i) % 16;
+      const Tensor t = mem.F32(qkv, {n, width});
+      b.WriteKv(l, pool, 1, t.Columns(hd, 3 * hd).Split({2, hd}),
+                t.Columns(3 * hd, 5 * hd).Split({2, hd}), mem.Up(slots));
+      pos += n;
+    }
+    return mem.Down(pool, stale.size());
+  }
+};
+
+TEST_P(BackendKvTest, WriteKvLeavesTheReferencesBytes) {
+  // Head dims 8 and 24 leave nvfp4 groups shorter than 16.
+  for (const int64_t hd : {64, 8, 24}) {
+    SCOPED_TRACE("head_dim " + std::to_string(hd));
+    for (const bool calibrated : {false, true}) {
+      KvCacheLayout l = Layout(2, hd, 8);
+      if (calibrated && !l.has_scales()) continue;
+      // Calibrated: [layer][K, V], layer 1's K scale holding up to 4 (the
+      // growing decode tokens saturate it), its V scale up to 64.
+      const float range = GetParam() == DType::kFP8E5M2 ? 57344.0f
+                          : GetParam() == DType::kNvFp4 ? 448.0f * 6
+                                                        : 448.0f;
+      const float fixed[4] = {1.0f, 1.0f, 4.0f / range, 64.0f / range};
+      if (calibrated) l.fixed_scales = fixed;
+      std::vector<uint8_t> stale(l.total_bytes());
+      for (auto& byte : stale) byte = static_cast<uint8_t>(rng_());  // earlier users' bytes
+      std::vector<std::vector<float>> chunks = {Random(37 * 5 * hd)};
+      for (int i = 1; i <= 4; ++i) chunks.push_back(Random(5 * hd, -4.f * i, 4.f * i));
+      const auto want = Write(reference_, l, stale, chunks);
+      for (Target& t : targets_) {
+        const auto got = Write(*t.backend, l, stale, chunks);
+        for (size_t i = 0; i < want.size(); ++i) {
+          ASSERT_EQ(got[i], want[i]) << t.name << (calibrated ? " calibrated" : "") << ": byte "
+                                     << i << " (block " << i / l.bytes_per_block() << ")";
+        }
+      }
+    }
+  }
+}
+
+// Short contexts with GQA (3 query heads per KV head) and long ones, which
+// CUDA splits (keys in splits of 512, merged afterwards): a 4100-key decode
+// row, a 3-row chunk over 1000 keys, a 1-key row; head dims of every split
+// kernel instance and groups up to 10. q is a view of a q|k|v product.
+TEST_P(BackendKvTest, PagedAttention) {
+  struct Shape {
+    int64_t head_dim, num_heads;  // 2 KV heads
+    std::vector<int32_t> context_lens, q_lens;
+  };
+  const std::vector<Shape> shapes = {{64, 6, {41, 20}, {3, 1}},
+                                     {128, 8, {4100, 1000, 1}, {1, 3, 1}},
+                                     {64, 16, {4100, 1000, 1}, {1, 3, 1}},
+                                     {256, 2, {4100, 1000, 1}, {1, 3, 1}},
+                                     {32, 4, {4100, 1000, 1}, {1, 3, 1}},
+                                     {128, 20, {4100, 1000, 1}, {1, 3, 1}}};
+  for (const Shape& s : shapes) {
+    SCOPED_TRACE("head_dim " + std::to_string(s.head_dim) + ", " + std::to_string(s.num_heads) +
+                 " query heads, context " + std::to_string(s.context_lens[0]));
+    const int64_t seqs = static_cast<int64_t>(s.context_lens.size()), hd = s.head_dim;
+    int64_t max_blocks = 0, blocks = 0;
+    for (int32_t c : s.context_lens) {
+      max_blocks = std::max<int64_t>(max_blocks, (c + 15) / 16);
+      blocks += (c + 15) / 16;
+    }
+    const KvCacheLayout l = Layout(1, hd, blocks + 3);
+    // Every sequence's blocks scattered over the pool, written once by the
+    // reference; both backends then read the very same bytes.
+    std::vector<int32_t> free_blocks(l.num_blocks);
+    for (int32_t b = 0; b < l.num_blocks; ++b) free_blocks[b] = b;
+    std::shuffle(free_blocks.begin(), free_blocks.end(), rng_);
+    std::vector<int32_t> tables(seqs * max_blocks, 0), query_start = {0};
+    std::vector<uint8_t> pool(l.total_bytes(), 0);
+    size_t next = 0;
+    for (int64_t q = 0; q < seqs; ++q) {
+      const int64_t n = s.context_lens[q];
+      for (int64_t b = 0; b < (n + 15) / 16; ++b) tables[q * max_blocks + b] = free_blocks[next++];
+      const auto k = Random(n * 2 * hd), v = Random(n * 2 * hd);
+      std::vector<int64_t> slots(n);
+      for (int64_t p = 0; p < n; ++p) slots[p] = tables[q * max_blocks + p / 16] * 16 + p % 16;
+      reference_.WriteKv(l, pool.data(), 0, Tensor::Of(k.data(), DType::kF32, {n, 2, hd}),
+                         Tensor::Of(v.data(), DType::kF32, {n, 2, hd}), slots.data());
+      query_start.push_back(query_start.back() + s.q_lens[q]);
+    }
+    const int64_t rows = query_start.back(), width = (s.num_heads + 4) * hd;
+    const auto qkv = Random(rows * width);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+    Compare("PagedAttention", 1e-5, [&](Backend& b, Mem& mem) -> Outputs {
+      AttentionPlan plan;
+      plan.layout = l;
+      plan.pool = mem.Up(pool);
+      plan.num_heads = s.num_heads;
+      plan.batch.num_seqs = seqs;
+      plan.batch.query_start = mem.Up(query_start);
+      plan.batch.context_lens = mem.Up(s.context_lens);
+      plan.batch.block_tables = mem.Up(tables);
+      plan.batch.max_blocks_per_seq = max_blocks;
+      plan.batch.num_tokens = rows;
+      const Tensor q = mem.F32(qkv, {rows, width}).Columns(0, s.num_heads * hd);
+      const Tensor out = mem.Poisoned({rows, s.num_heads, hd});
+      b.PagedAttention(plan, 0, q.Split({s.num_heads, hd}), scale, out);
+      return {mem.Down(out)};
+    });
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(KvDtypes, BackendKvTest,
+                         ::testing::Values(DType::kF32, DType::kBF16, DType::kF16, DType::kFP8E4M3,
+                                           DType::kFP8E5M2, DType::kNvFp4),
+                         [](const auto& info) { return std::string(DTypeName(info.param)); });
+
+// ---- Multi-head latent attention --------------------------------------------
+
+// The latent writes leave the reference's bytes (fp8 block scales and
+// requantization included), the attention its output.
+TEST_F(BackendOpsTest, MlaWriteLatentKvAndAttention) {
+  std::vector<mla_test::Problem> problems;
+  const std::vector<mla_test::Sequence> mixed = {{17, 17}, {23, 1}, {9, 4}};
+  for (DType dtype :
+       {DType::kF32, DType::kBF16, DType::kF16, DType::kFP8E4M3, DType::kFP8E5M2, DType::kNvFp4}) {
+    problems.push_back(mla_test::MakeProblem(20, 6, 3, 5, dtype, mixed, 11));
+    // Values that make later writes grow the block scales.
+    problems.push_back(mla_test::MakeProblem(20, 6, 3, 5, dtype, mixed, 12, 300.0f));
+  }
+  // DeepSeek's widths (the widest kernel), a long context and a chunk.
+  problems.push_back(
+      mla_test::MakeProblem(512, 64, 8, 16, DType::kBF16, {{1000, 1}, {300, 37}}, 13));
+  problems.push_back(mla_test::MakeProblem(512, 64, 4, 16, DType::kNvFp4, {{200, 1}}, 18));
+  for (const mla_test::Problem& p : problems) {
+    SCOPED_TRACE(std::string(DTypeName(p.layout.dtype)) + " rank " +
+                 std::to_string(p.layout.kv_lora_rank));
+    const int64_t R = p.layout.kv_lora_rank, P = p.layout.rope_dim(), layer = 1;
+    std::vector<uint8_t> pool_bytes;
+    auto run = [&](Backend& b, Mem& mem) -> Outputs {
+      auto* pool = mem.Up(std::vector<uint8_t>(p.layout.total_bytes(), 0));
+      const auto before = static_cast<int64_t>(p.slots_before.size());
+      const auto step = static_cast<int64_t>(p.slots_step.size());
+      b.WriteLatentKv(p.layout, pool, layer, mem.F32(p.c_kv_before, {before, R}),
+                      mem.F32(p.k_pe_before, {before, P}), mem.Up(p.slots_before));
+      b.WriteLatentKv(p.layout, pool, layer, mem.F32(p.c_kv_step, {step, R}),
+                      mem.F32(p.k_pe_step, {step, P}), mem.Up(p.slots_step));
+      const Tensor out = mem.Poisoned({p.tokens, p.heads, R});
+      b.MlaAttention(
+          p.Plan(pool, mem.Up(p.query_start), mem.Up(p.context_lens), mem.Up(p.block_tables)),
+          layer, mem.F32(p.q_latent, {p.tokens, p.heads, R}),
+          mem.F32(p.q_pe, {p.tokens, p.heads, P}), p.scale, out);
+      pool_bytes = mem.Down(pool, p.layout.total_bytes());
+      return {mem.Down(out)};
+    };
+    Mem ref_mem(&reference_);
+    const Outputs want = run(reference_, ref_mem);
+    const std::vector<uint8_t> want_pool = pool_bytes;
+    for (Target& t : targets_) {
+      SCOPED_TRACE(t.name);
+      Mem mem(t.backend.get());
+      const Outputs got = run(*t.backend, mem);
+      ASSERT_EQ(pool_bytes, want_pool) << "the pools differ";
+      // The device reduces the latent dot products in a warp tree, the CPU
+      // in one running sum.
+      ExpectClose("MlaAttention", got[0], want[0], 1e-5);
+    }
+  }
+}
+
+TEST_F(BackendOpsTest, HeadsLinear) {
+  const int64_t tokens = 37, heads = 5, in = 24, out = 40;
+  const auto x = Random(tokens * heads * in), w = Random(heads * out * in);
+  Compare("HeadsLinear", 1e-5, [&](Backend& b, Mem& mem) -> Outputs {
+    const Tensor y = mem.Poisoned({tokens, heads, out});
+    b.HeadsLinear(mem.F32(x, {tokens, heads, in}),
+                  WeightMatrix{mem.Up(w), DType::kF32, heads * out, in}, y);
+    return {mem.Down(y)};
+  });
+}
+
+// ---- Mixture of experts -----------------------------------------------------
+
+// Softmax top-k routing (top_k 1 to 32, ties in all-equal rows) and
+// DeepSeek's rules (V2's scaled softmax, greedy and group-limited; V3's
+// sigmoid noaux_tc with a correction bias): ids equal, weights within 1e-6.
+TEST_F(BackendOpsTest, MoeRoute) {
+  const int64_t tokens = 64, experts = 32;
+  const std::vector<float> bias = moe_test::Uniform(rng_, experts, 0.6f);
+  std::vector<MoeRouting> rules;
+  for (const int64_t top_k : {1, 2, 8, 32})
+    rules.push_back(MoeRouting::Softmax(experts, top_k, true));
+  MoeRouting v2 = MoeRouting::Softmax(experts, 4, false);
+  v2.routed_scaling_factor = 16.0f;
+  MoeRouting grouped = v2;
+  grouped.topk_method = MoeTopkMethod::kGroupLimitedGreedy;
+  grouped.n_group = 4;
+  grouped.topk_group = 2;
+  MoeRouting v3 = grouped;
+  v3.scoring = MoeScoring::kSigmoid;
+  v3.topk_method = MoeTopkMethod::kNoAuxTc;
+  v3.norm_topk_prob = true;
+  v3.norm_epsilon = 1e-20f;
+  v3.routed_scaling_factor = 2.5f;
+  rules.insert(rules.end(), {v2, grouped, v3});
+  for (const MoeRouting& rule : rules) {
+    SCOPED_TRACE("method " + std::to_string(static_cast<int>(rule.topk_method)) + ", top_k " +
+                 std::to_string(rule.top_k));
+    std::vector<float> logits;
+    while (static_cast<int64_t>(logits.size()) < (tokens - 1) * experts) {
+      const auto row = moe_test::Uniform(rng_, experts, 4.0f);
+      if (moe_test::RouteByRule({{row.begin(), row.end()}}, rule, bias).near_tie) continue;
+      logits.insert(logits.end(), row.begin(), row.end());
+    }
+    logits.resize(tokens * experts, 0.5f);  // a row of all-equal logits
+    auto run = [&](Backend& b, std::vector<float>* weights) {
+      Mem mem(&b);
+      MoeRouting r = rule;
+      r.correction_bias = mem.Up(bias);
+      int32_t* ids = mem.Up(std::vector<int32_t>(tokens * rule.top_k, -1));
+      float* w = mem.Up(std::vector<float>(tokens * rule.top_k, NAN));
+      b.MoeRoute(mem.F32(logits, {tokens, experts}), r, ids, w);
+      *weights = mem.Down(w, tokens * rule.top_k);
+      return mem.Down(ids, tokens * rule.top_k);
+    };
+    std::vector<float> want_w, got_w;
+    const auto want = run(reference_, &want_w);
+    for (Target& t : targets_) {
+      EXPECT_EQ(run(*t.backend, &got_w), want) << t.name;
+      ExpectClose(t.name + " MoeRoute weights", got_w, want_w, 1e-6);
+    }
+  }
+}
+
+// Whole blocks, fp32 and bf16 experts (the router fp32 on both, so both
+// route from the same logits), one token to more than one grouping tile's
+// worth, top_k up to 4, a DeepSeek block with a shared expert, in place.
+TEST_F(BackendOpsTest, MoeFfn) {
+  struct Case {
+    int64_t tokens, hidden, inter, experts, top_k;
+    bool shared;
+  };
+  const std::vector<Case> cases = {{1, 64, 48, 10, 1, false},
+                                   {7, 64, 48, 10, 2, false},
+                                   {33, 64, 48, 10, 4, false},
+                                   {2100, 32, 16, 8, 2, false},
+                                   {37, 32, 16, 8, 2, true}};
+  for (const Case& c : cases) {
+    const moe_test::Problem p =
+        moe_test::MakeProblem(rng_, c.tokens, c.hidden, c.inter, c.experts, c.top_k, true);
+    const int64_t si = 24;
+    const auto sg = moe_test::Uniform(rng_, si * c.hidden, 0.2f);
+    const auto su = moe_test::Uniform(rng_, si * c.hidden, 0.2f);
+    const auto sd = moe_test::Uniform(rng_, c.hidden * si, 0.2f);
+    for (const DType dtype : {DType::kF32, DType::kBF16}) {
+      SCOPED_TRACE(std::to_string(c.tokens) + " tokens, top_k " + std::to_string(c.top_k) + ", " +
+                   std::string(DTypeName(dtype)) + (c.shared ? ", shared expert" : ""));
+      // The experts' weights as `dtype`, host memory.
+      auto stored = [&](const std::vector<float>& m) {
+        std::vector<uint8_t> bytes(m.size() * DTypeBits(dtype) / 8);
+        for (size_t i = 0; i < m.size(); ++i) {
+          if (dtype == DType::kF32) {
+            std::memcpy(&bytes[4 * i], &m[i], 4);
+          } else {
+            const uint16_t h = F32ToBf16(m[i]);
+            std::memcpy(&bytes[2 * i], &h, 2);
+          }
+        }
+        return bytes;
+      };
+      std::vector<std::vector<uint8_t>> gate, up, down;
+      for (int64_t e = 0; e < c.experts; ++e) {
+        gate.push_back(stored(p.gate[e]));
+        up.push_back(stored(p.up[e]));
+        down.push_back(stored(p.down[e]));
+      }
+      std::vector<MoeStats> stats;
+      auto run = [&](Backend& b, Mem& mem) -> Outputs {
+        auto prepare = [&](std::initializer_list<WeightMatrix> parts) {
+          auto w = b.PrepareLinear(parts.begin(), static_cast<int>(parts.size()), nullptr, false,
+                                   mem.store());
+          EXPECT_TRUE(w.ok()) << w.status().ToString();
+          return *w;
+        };
+        std::vector<MoeExpertWeights> experts(c.experts);
+        for (int64_t e = 0; e < c.experts; ++e) {
+          experts[e].gate_up = prepare({{gate[e].data(), dtype, c.inter, c.hidden},
+                                        {up[e].data(), dtype, c.inter, c.hidden}});
+          experts[e].down = prepare({{down[e].data(), dtype, c.hidden, c.inter}});
+        }
+        MoeWeights w;
+        w.router = prepare({{p.router.data(), DType::kF32, c.experts, c.hidden}});
+        w.experts = experts.data();
+        w.routing = MoeRouting::Softmax(c.experts, c.top_k, true);
+        MoeExpertWeights shared;
+        if (c.shared) {
+          shared.gate_up = prepare(
+              {{sg.data(), DType::kF32, si, c.hidden}, {su.data(), DType::kF32, si, c.hidden}});
+          shared.down = prepare({{sd.data(), DType::kF32, c.hidden, si}});
+          w.shared = &shared;
+        }
+        const Tensor out = mem.Poisoned({c.tokens, c.hidden});
+        MoeStats st;
+        b.MoeFfn(mem.F32(p.x, {c.tokens, c.hidden}), w, out, &st);
+        stats.push_back(st);
+        const Tensor in_place = mem.F32(p.x, {c.tokens, c.hidden});
+        b.MoeFfn(in_place, w, in_place, nullptr);
+        return {mem.Down(out), mem.Down(in_place)};
+      };
+      Compare("MoeFfn", dtype == DType::kF32 ? 1e-5 : 5e-3, run);
+      for (const MoeStats& st : stats) {
+        EXPECT_EQ(st.active_experts, stats[0].active_experts);
+        EXPECT_EQ(st.expert_bytes_read, stats[0].expert_bytes_read);
+      }
+      EXPECT_EQ(stats[0].expert_bytes_read,
+                stats[0].active_experts * 3 * c.inter * c.hidden * DTypeBits(dtype) / 8);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace pdserve::kernels
