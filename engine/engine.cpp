@@ -111,6 +111,14 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(Model* model, const EngineOptio
   auto blocks = BlockManager::Create(bm);
   if (!blocks.ok()) return blocks.status();
   e->blocks_ = std::move(*blocks);
+  RunnerOptions runner;
+  runner.max_num_batched_tokens = options.max_num_batched_tokens;
+  runner.max_num_seqs = options.max_num_seqs;
+  runner.max_model_len = e->max_model_len_;
+  runner.graphs = options.graphs;
+  auto executor = Executor::Create(model, e->pool_.get(), runner);
+  if (!executor.ok()) return executor.status();
+  e->executor_ = std::move(*executor);
   if (e->tier_store_) {
     // A warm disk tier: what it holds goes out with the first snapshot.
     std::vector<KvTierChange> held;
@@ -430,63 +438,26 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
   for (auto& out : finished_early) outputs.push_back(std::move(out));
   if (sched.empty()) return outputs;
 
-  // 3. The batch.
-  std::vector<int32_t> token_ids, positions, query_start{0}, context_lens, logits_rows,
-      block_tables;
-  std::vector<int64_t> slots;
+  // 3. The step: the executor runs it and samples.
+  std::vector<ScheduledSeq> step;
   std::vector<Sequence*> sampled_seqs;
-  int64_t max_blocks = 0;
-  for (const auto& sc : sched) {
-    max_blocks =
-        std::max<int64_t>(max_blocks, static_cast<int64_t>(blocks_->BlockTable(sc.seq->id).size()));
-  }
+  step.reserve(sched.size());
   for (const auto& sc : sched) {
     Sequence* s = sc.seq;
-    const auto& table = blocks_->BlockTable(s->id);
-    for (int64_t j = 0; j < sc.n; ++j) {
-      const int64_t pos = s->num_computed + j;
-      token_ids.push_back(s->tokens[pos]);
-      positions.push_back(static_cast<int32_t>(pos));
-      slots.push_back(static_cast<int64_t>(table[pos / B]) * B + pos % B);
-    }
-    query_start.push_back(static_cast<int32_t>(token_ids.size()));
-    context_lens.push_back(static_cast<int32_t>(s->num_computed + sc.n));
-    for (int64_t b = 0; b < max_blocks; ++b) {
-      block_tables.push_back(b < static_cast<int64_t>(table.size()) ? static_cast<int32_t>(table[b])
-                                                                    : 0);
-    }
-    if (s->num_computed + sc.n == static_cast<int64_t>(s->tokens.size())) {
-      logits_rows.push_back(static_cast<int32_t>(token_ids.size() - 1));
-      sampled_seqs.push_back(s);
-    }
+    ScheduledSeq& x = step.emplace_back();
+    x.id = s->id;
+    x.tokens = s->tokens;
+    x.num_computed = s->num_computed;
+    x.num_new = sc.n;
+    x.blocks = blocks_->BlockTable(s->id);
+    x.sample = s->num_computed + sc.n == static_cast<int64_t>(s->tokens.size());
+    x.params = &s->params;
+    x.seed = s->seed;
+    x.output_index = static_cast<uint64_t>(s->num_output());
+    if (x.sample) sampled_seqs.push_back(s);
   }
-  ForwardBatch fb;
-  fb.num_tokens = static_cast<int64_t>(token_ids.size());
-  fb.token_ids = token_ids.data();
-  fb.positions = positions.data();
-  fb.slots = slots.data();
-  fb.attention.num_seqs = static_cast<int64_t>(sched.size());
-  fb.attention.query_start = query_start.data();
-  fb.attention.context_lens = context_lens.data();
-  fb.attention.block_tables = block_tables.data();
-  fb.attention.max_blocks_per_seq = max_blocks;
-  fb.num_logits = static_cast<int64_t>(logits_rows.size());
-  fb.logits_rows = logits_rows.data();
-  const int64_t vocab = model_->config().vocab_size;
-  // Greedy rows without logprobs need only their argmax: when every row of
-  // the step is one, the logits stay on the backend and token ids come back.
-  const bool greedy_step = std::all_of(
-      sampled_seqs.begin(), sampled_seqs.end(),
-      [](const Sequence* s) { return s->params.temperature == 0 && !s->params.logprobs; });
-  std::vector<int32_t> greedy_tokens;
-  if (greedy_step) {
-    greedy_tokens.resize(sampled_seqs.size());
-    PDSERVE_RETURN_IF_ERROR(
-        model_->ForwardGreedy(fb, pool_->layout(), pool_->base(), greedy_tokens.data()));
-  } else {
-    logits_.resize(static_cast<size_t>(std::max<int64_t>(fb.num_logits, 1) * vocab));
-    PDSERVE_RETURN_IF_ERROR(model_->Forward(fb, pool_->layout(), pool_->base(), logits_.data()));
-  }
+  auto sampled = executor_->Execute(step);
+  if (!sampled.ok()) return sampled.status();
 
   // 4. Bookkeeping: computed tokens, prefix-cache commits, sampling.
   for (const auto& sc : sched) {
@@ -518,21 +489,14 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
   // The KV of this step must be in the pool before a transport reads it.
   if (std::any_of(sched.begin(), sched.end(),
                   [](const Scheduled& sc) { return sc.seq->prefill_only; })) {
-    model_->backend()->Synchronize();
+    executor_->Synchronize();
   }
   std::vector<RequestId> done;
   for (size_t r = 0; r < sampled_seqs.size(); ++r) {
     Sequence* s = sampled_seqs[r];
-    SampledToken sampled;
-    if (greedy_step) {
-      sampled.token = greedy_tokens[r];  // what SampleToken gives at temperature 0
-    } else {
-      const std::span<const float> row(logits_.data() + r * vocab, static_cast<size_t>(vocab));
-      sampled = SampleToken(row, s->params, s->seed, static_cast<uint64_t>(s->num_output()));
-    }
     RequestOutput out;
     out.id = s->id;
-    ProcessToken(s, sampled, &out);
+    ProcessToken(s, (*sampled)[r], &out);
     outputs.push_back(std::move(out));
   }
   for (const auto& out : outputs) {

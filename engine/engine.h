@@ -14,7 +14,13 @@
 // seed, output index), so preemption, batching and chunking do not change
 // the tokens a request gets (up to floating-point noise in the logits).
 //
-// Disaggregated serving (ARCHITECTURE.md section 3):
+// A step is split as vLLM's: this class is the scheduler (what runs: the
+// sequences and their new tokens, above); the executor (engine/executor.h)
+// runs them on the worker's devices, through a model runner per device
+// (engine/model_runner.h: static inputs, persistent block tables, graphs of
+// decode steps, sampling).
+//
+// Disaggregated serving (docs/architecture.md section 3):
 //  - decode worker: AddRemotePrefillRequest() admits a request and reserves
 //    blocks for its whole prompt, reusing the local cached prefix. It returns
 //    the block ids a peer must fill (blocks [first_block_to_fill, end) of the
@@ -53,6 +59,7 @@
 #include "common/dtype.h"
 #include "common/status.h"
 #include "engine/block_manager.h"
+#include "engine/executor.h"
 #include "engine/host_block_buffers.h"
 #include "engine/kv_cache.h"
 #include "engine/kv_tier_mover.h"
@@ -93,6 +100,9 @@ struct EngineOptions {
   // Called from another thread when blocks a request waits for are read from
   // a lower tier: the engine's driver should call Step() soon.
   std::function<void()> on_tier_ready;
+  // Decode steps replayed from captured graphs (engine/model_runner.h):
+  // kAuto where the backend captures (CUDA; --cuda-graphs), kOff never.
+  GraphMode graphs = GraphMode::kAuto;
 };
 
 struct EngineRequest {
@@ -266,7 +276,7 @@ class Engine {
   uint64_t num_preemptions_ = 0;
   uint64_t num_steps_ = 0;
   std::vector<RequestOutput> pending_outputs_;  // reported by the next Step()
-  std::vector<float> logits_;
+  std::unique_ptr<Executor> executor_;          // runs each step (declared last: goes first)
 };
 
 }  // namespace pdserve

@@ -16,7 +16,6 @@ using kernels::WeightMatrix;
 
 Model::~Model() {
   if (scratch_ && scratch_->base != nullptr) backend_->Free(scratch_->base);
-  if (scratch_ && scratch_->inputs != nullptr) backend_->Free(scratch_->inputs);
 }
 
 std::optional<LoadFormat> ParseLoadFormat(std::string_view name) {
@@ -248,6 +247,7 @@ Status Model::LoadWeights(const WeightFiles& files) {
       const std::string b = p + (c.mixtral_names ? "block_sparse_moe." : "mlp.");
       const int64_t E = c.num_experts, MI = c.moe_intermediate_size;
       L.sparse = true;
+      has_sparse_layers_ = true;
       PDSERVE_RETURN_IF_ERROR(linear({b + "gate.weight"}, {E}, H, {}, &L.moe.router));
       L.experts.resize(E);
       const int64_t before = bytes;
@@ -338,9 +338,13 @@ Status Model::LoadWeights(const WeightFiles& files) {
   return Status::Ok();
 }
 
-Status Model::Reserve(int64_t tokens, int64_t logits) {
+Status Model::Reserve(int64_t tokens, int64_t logits, int64_t seqs, int64_t blocks_per_seq,
+                      int64_t block_size) {
   Scratch& s = *scratch_;
-  if (tokens <= s.tokens && logits <= s.logits) return Status::Ok();
+  if (tokens <= s.tokens && logits <= s.logits && seqs <= s.seqs &&
+      blocks_per_seq * block_size <= s.keys) {
+    return Status::Ok();
+  }
   tokens = std::max(tokens, s.tokens);
   logits = std::max(logits, s.logits);
   const auto& c = config_;
@@ -357,11 +361,13 @@ Status Model::Reserve(int64_t tokens, int64_t logits) {
   Scratch n;
   n.tokens = T;
   n.logits = R;
+  n.seqs = std::max(seqs, s.seqs);
+  n.keys = std::max(blocks_per_seq * block_size, s.keys);
   n.x = take(T * H, a);
   n.h = take(T * H, a);
   n.gathered = take(R * H, a);
   n.logits_at = take(R * c.vocab_size, 32);
-  n.argmax = take(R, 32);
+  int64_t width = std::max({H, 2 * I, c.vocab_size});
   if (c.is_mla()) {
     const int64_t heads = c.num_heads, R_ = c.kv_lora_rank;
     n.q_a = take(T * c.q_lora_rank, a);
@@ -372,14 +378,16 @@ Status Model::Reserve(int64_t tokens, int64_t logits) {
     n.q_latent = take(T * heads * R_, a);
     n.out_latent = take(T * heads * R_, a);
     n.out_v = take(T * heads * c.v_head_dim, a);
+    width = std::max({width, heads * c.qk_nope_head_dim, heads * c.v_head_dim, c.q_lora_rank});
   } else {
     n.qkv = take(T * (nh + 2 * kvh) * hd, a);
     n.attn = take(T * nh * hd, a);
+    width = std::max(width, (nh + 2 * kvh) * hd);
   }
-  // Sparse layers keep their own buffers in the backend; the dense MLP of a
-  // model with sparse layers may be narrower than the widest.
+  // Sparse layers keep their own buffers in the backend.
   n.gate_up = take(T * 2 * I, a);
   n.act = take(T * I, a);
+  if (c.num_experts > 0) width = std::max(width, 2 * c.moe_intermediate_size);
   n.bytes = total;
   n.base = static_cast<uint8_t*>(backend_->Allocate(total));
   if (n.base == nullptr) {
@@ -387,129 +395,47 @@ Status Model::Reserve(int64_t tokens, int64_t logits) {
                                      " tokens");
   }
   if (s.base != nullptr) backend_->Free(s.base);
-  n.inputs = s.inputs;
-  n.inputs_bytes = s.inputs_bytes;
-  n.staged_inputs = std::move(s.staged_inputs);
-  s = std::move(n);
-  return Status::Ok();
-}
-
-Status Model::Forward(const ForwardBatch& batch, const kernels::KvCacheLayout& layout,
-                      void* kv_pool, float* logits) {
-  PDSERVE_RETURN_IF_ERROR(ComputeLogits(batch, layout, kv_pool));
-  if (batch.num_logits > 0) {
-    backend_->Download(logits, scratch_->base + scratch_->logits_at,
-                       batch.num_logits * config_.vocab_size * 4);
+  s = n;
+  ++scratch_generation_;
+  kernels::StepLimits limits;
+  limits.max_tokens = T;
+  limits.max_seqs = n.seqs;
+  limits.max_width = width;
+  limits.num_heads = c.num_heads;
+  if (c.is_mla()) {
+    limits.layout = kernels::KvCacheLayout::Mla(c.num_layers, c.kv_lora_rank, c.qk_rope_head_dim);
+  } else {
+    limits.layout.num_layers = c.num_layers;
+    limits.layout.num_kv_heads = kvh;
+    limits.layout.head_dim = hd;
   }
-  return Status::Ok();
+  limits.layout.block_size = block_size;
+  limits.max_blocks_per_seq = (n.keys + block_size - 1) / block_size;
+  return backend_->Reserve(limits);
 }
 
-Status Model::ForwardGreedy(const ForwardBatch& batch, const kernels::KvCacheLayout& layout,
-                            void* kv_pool, int32_t* tokens) {
-  PDSERVE_RETURN_IF_ERROR(ComputeLogits(batch, layout, kv_pool));
-  if (batch.num_logits > 0) {
-    Scratch& s = *scratch_;
-    auto* argmax = reinterpret_cast<int32_t*>(s.base + s.argmax);
-    backend_->ArgMaxRows(kernels::Tensor::Of(s.base + s.logits_at, DType::kF32,
-                                             {batch.num_logits, config_.vocab_size}),
-                         argmax);
-    backend_->Download(tokens, argmax, batch.num_logits * 4);
-  }
-  return Status::Ok();
+kernels::Tensor Model::logits(int64_t rows) const {
+  return kernels::Tensor::Of(scratch_->base + scratch_->logits_at, DType::kF32,
+                             {rows, config_.vocab_size});
 }
 
-Status Model::ComputeLogits(const ForwardBatch& batch, const kernels::KvCacheLayout& layout,
-                            void* kv_pool) {
+void Model::Forward(const StepInputs& in, const kernels::AttentionPlan& plan) {
   using kernels::Tensor;
   const auto& c = config_;
-  const int64_t T = batch.num_tokens, R = batch.num_logits;
-  const int64_t S = batch.attention.num_seqs;
+  const int64_t T = in.num_tokens, R = in.num_logits;
   const int64_t H = c.hidden_size, I = c.intermediate_size, hd = c.head_dim;
   const int64_t nh = c.num_heads, kvh = c.num_kv_heads;
-  if (T <= 0 || S <= 0) return Status::InvalidArgument("forward: empty batch");
-  const bool layout_matches = c.is_mla() ? layout.is_mla() && layout.num_layers == c.num_layers &&
-                                               layout.kv_lora_rank == c.kv_lora_rank &&
-                                               layout.rope_dim() == c.qk_rope_head_dim
-                                         : !layout.is_mla() && layout.num_layers == c.num_layers &&
-                                               layout.num_kv_heads == kvh && layout.head_dim == hd;
-  if (!layout_matches)
-    return Status::InvalidArgument("forward: KV layout does not match the model");
-  for (int64_t t = 0; t < T; ++t) {
-    if (batch.token_ids[t] < 0 || batch.token_ids[t] >= c.vocab_size) {
-      return Status::InvalidArgument("token id " + std::to_string(batch.token_ids[t]) +
-                                     " is outside the vocabulary of " +
-                                     std::to_string(c.vocab_size));
-    }
-  }
-  for (int64_t r = 0; r < R; ++r) {
-    if (batch.logits_rows[r] < 0 || batch.logits_rows[r] >= T) {
-      return Status::InvalidArgument("forward: logits row out of range");
-    }
-  }
-  PDSERVE_RETURN_IF_ERROR(Reserve(T, R));
-  Scratch& s = *scratch_;
-  const int64_t table_entries = S * batch.attention.max_blocks_per_seq;
-  size_t input_bytes = 0;
-  // Offset of the next `bytes` in the packed inputs, each array 8-byte aligned.
-  auto place = [&input_bytes](int64_t bytes) {
-    const size_t at = input_bytes;
-    input_bytes += (static_cast<size_t>(bytes) + 7) / 8 * 8;
-    return at;
-  };
-  const size_t at_slots = place(T * 8);
-  const size_t at_ids = place(T * 4);
-  const size_t at_positions = place(T * 4);
-  const size_t at_query_start = place((S + 1) * 4);
-  const size_t at_context_lens = place(S * 4);
-  const size_t at_block_tables = place(table_entries * 4);
-  const size_t at_logits_rows = place(R * 4);
-  if (input_bytes > s.inputs_bytes) {
-    void* inputs = backend_->Allocate(input_bytes);
-    if (inputs == nullptr) {
-      return Status::ResourceExhausted("forward: out of memory for the step's inputs");
-    }
-    if (s.inputs != nullptr) backend_->Free(s.inputs);
-    s.inputs = inputs;
-    s.inputs_bytes = input_bytes;
-  }
-  auto* const inputs = static_cast<uint8_t*>(s.inputs);
-  s.staged_inputs.resize(input_bytes);
-  auto stage = [&](size_t at, const void* src, size_t bytes) {
-    if (bytes > 0) std::memcpy(s.staged_inputs.data() + at, src, bytes);
-  };
-  stage(at_slots, batch.slots, T * 8);
-  stage(at_ids, batch.token_ids, T * 4);
-  stage(at_positions, batch.positions, T * 4);
-  stage(at_query_start, batch.attention.query_start, (S + 1) * 4);
-  stage(at_context_lens, batch.attention.context_lens, S * 4);
-  stage(at_block_tables, batch.attention.block_tables, table_entries * 4);
-  stage(at_logits_rows, batch.logits_rows, R * 4);
+  const Scratch& s = *scratch_;
   kernels::Backend& b = *backend_;
-  b.Upload(inputs, s.staged_inputs.data(), input_bytes);
-  auto* const slots = reinterpret_cast<const int64_t*>(inputs + at_slots);
-  auto* const ids = reinterpret_cast<const int32_t*>(inputs + at_ids);
-  auto* const positions = reinterpret_cast<const int32_t*>(inputs + at_positions);
-  auto* const logits_rows = reinterpret_cast<const int32_t*>(inputs + at_logits_rows);
-  kernels::AttentionBatch att = batch.attention;
-  att.query_start = reinterpret_cast<const int32_t*>(inputs + at_query_start);
-  att.context_lens = reinterpret_cast<const int32_t*>(inputs + at_context_lens);
-  att.block_tables = reinterpret_cast<const int32_t*>(inputs + at_block_tables);
-  att.num_tokens = T;
-
   const DType act = b.activation_dtype();
   auto A = [&](size_t at, int64_t rows, int64_t cols) {
     return Tensor::Of(s.base + at, act, {rows, cols});
   };
   auto F32 = [](const float* p, int64_t n) { return Tensor::Of(p, DType::kF32, {n}); };
-  kernels::AttentionPlan plan;
-  plan.layout = layout;
-  plan.pool = kv_pool;
-  plan.batch = att;
-  plan.num_heads = nh;
   const Tensor x = A(s.x, T, H), h = A(s.h, T, H);
   const float eps = static_cast<float>(c.rms_norm_eps);
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
-  b.Embedding(Tensor::Of(embedding_, DType::kF32, {c.vocab_size, H}), ids, x);
+  b.Embedding(Tensor::Of(embedding_, DType::kF32, {c.vocab_size, H}), in.token_ids, x);
   b.RmsNorm(x, F32(layers_[0].input_norm, H), eps, h);
   kernels::MoeStats moe;
   for (int64_t l = 0; l < c.num_layers; ++l) {
@@ -518,7 +444,7 @@ Status Model::ComputeLogits(const ForwardBatch& batch, const kernels::KvCacheLay
     // add is fused with the norm that follows it.
     if (c.is_mla()) {
       // In place: o_proj's output replaces the normed input in h.
-      MlaAttentionForward(L, l, positions, slots, plan, h, h);
+      MlaAttentionForward(L, l, in.positions, in.slots, plan, h, h);
     } else {
       // One q|k|v product; q, k and v are column ranges of it.
       const Tensor qkv = A(s.qkv, T, (nh + 2 * kvh) * hd);
@@ -531,9 +457,9 @@ Status Model::ComputeLogits(const ForwardBatch& batch, const kernels::KvCacheLay
         b.RmsNorm(q, F32(L.q_norm, hd), eps, q);
         b.RmsNorm(k, F32(L.k_norm, hd), eps, k);
       }
-      b.Rope(q, positions, inv_freq_);
-      b.Rope(k, positions, inv_freq_);
-      b.WriteKv(layout, kv_pool, l, k, v, slots);
+      b.Rope(q, in.positions, inv_freq_);
+      b.Rope(k, in.positions, inv_freq_);
+      b.WriteKv(plan.layout, plan.pool, l, k, v, in.slots);
       const Tensor attn = A(s.attn, T, nh * hd);
       b.PagedAttention(plan, l, q, scale, attn.Split({nh, hd}));
       b.Linear(attn, L.o, h);
@@ -541,7 +467,7 @@ Status Model::ComputeLogits(const ForwardBatch& batch, const kernels::KvCacheLay
     b.AddRmsNorm(x, h, F32(L.post_norm, H), eps, h);
     if (L.sparse) {
       kernels::MoeStats st;
-      b.MoeFfn(h, L.moe, h, &st);  // in place
+      b.MoeFfn(h, L.moe, h, collect_moe_stats_ ? &st : nullptr);  // in place
       moe.active_experts += st.active_experts;
       moe.expert_bytes_read += st.expert_bytes_read;
     } else {
@@ -560,11 +486,10 @@ Status Model::ComputeLogits(const ForwardBatch& batch, const kernels::KvCacheLay
   last_moe_stats_ = moe;
   if (R > 0) {
     const Tensor gathered = A(s.gathered, R, H);
-    b.GatherRows(x, logits_rows, gathered);
+    b.GatherRows(x, in.logits_rows, gathered);
     b.RmsNorm(gathered, F32(final_norm_, H), eps, gathered);
-    b.Linear(gathered, lm_head_, Tensor::Of(s.base + s.logits_at, DType::kF32, {R, c.vocab_size}));
+    b.Linear(gathered, lm_head_, logits(R));
   }
-  return Status::Ok();
 }
 
 }  // namespace pdserve

@@ -39,17 +39,16 @@ enum class LoadFormat { kSafetensors, kDummy };
 // "safetensors" or "dummy"; nullopt otherwise.
 std::optional<LoadFormat> ParseLoadFormat(std::string_view name);
 
-// One forward step. All pointers are host memory; Forward copies what the
-// backend needs. Token t of the batch has id token_ids[t], position
-// positions[t] and its K/V goes to KV slot slots[t] (block * block_size +
-// offset). `attention` groups the tokens by sequence (kernels/backend.h).
-// Logits are produced for the rows listed in logits_rows, in that order.
-struct ForwardBatch {
+// One forward step's inputs, in backend memory (the model runner stages
+// them, engine/model_runner.h): token t has id token_ids[t] (in the
+// vocabulary), position positions[t], and its K/V goes to KV slot slots[t]
+// (block * block_size + offset; negative: nowhere, a padding row). Logits
+// are produced for the rows logits_rows[0, num_logits), in that order.
+struct StepInputs {
   int64_t num_tokens = 0;
   const int32_t* token_ids = nullptr;
   const int32_t* positions = nullptr;
   const int64_t* slots = nullptr;
-  kernels::AttentionBatch attention;
   int64_t num_logits = 0;
   const int32_t* logits_rows = nullptr;
 };
@@ -78,9 +77,10 @@ class Model {
   int64_t weight_bytes_per_step() const { return weight_bytes_per_step_; }
   // Bytes of all experts' weights (0 for a dense model).
   int64_t expert_weight_bytes() const { return expert_weight_bytes_; }
-  // What the sparse layers of the last Forward/ForwardGreedy did, summed over
-  // the layers: experts active per layer, added up, and the expert weight
-  // bytes read (each active expert of a layer once). Zero for dense models.
+  // What the sparse layers of the last Forward did, summed over the layers:
+  // experts active per layer, added up, and the expert weight bytes read
+  // (each active expert of a layer once). Zero for dense models, and unless
+  // set_collect_moe_stats(true).
   const kernels::MoeStats& last_moe_stats() const { return last_moe_stats_; }
   int64_t num_parameters() const { return num_parameters_; }
   // Bytes of weights converted at load (0 when everything is zero-copy).
@@ -89,15 +89,28 @@ class Model {
   // load): part of what two workers that exchange KV must share.
   DType matrix_dtype() const { return matrix_dtype_; }
 
-  // Runs the batch, writing its K/V into the pool and logits
-  // [num_logits, vocab_size] into host memory `logits`.
-  Status Forward(const ForwardBatch& batch, const kernels::KvCacheLayout& layout, void* kv_pool,
-                 float* logits);
-  // The same step for rows that are all sampled greedily: only each row's
-  // argmax token (lowest id on ties, NaN as -inf, as SampleToken) leaves the
-  // backend, into host memory `tokens` [num_logits].
-  Status ForwardGreedy(const ForwardBatch& batch, const kernels::KvCacheLayout& layout,
-                       void* kv_pool, int32_t* tokens);
+  bool has_sparse_layers() const { return has_sparse_layers_; }
+  // Sparse layers fill last_moe_stats() only when asked (benchmarks): on a
+  // device the stats need the routing back on the host.
+  void set_collect_moe_stats(bool collect) { collect_moe_stats_ = collect; }
+
+  // Sizes the scratch of Forward, and the backend's (Backend::Reserve), for
+  // steps of up to `tokens` token rows, `logits` logits rows and `seqs`
+  // sequences of up to `blocks_per_seq` blocks of `block_size` tokens; a
+  // larger reservation moves the scratch (scratch_generation() changes:
+  // graphs captured on the old one are stale). Forward allocates nothing.
+  Status Reserve(int64_t tokens, int64_t logits, int64_t seqs, int64_t blocks_per_seq,
+                 int64_t block_size);
+  uint64_t scratch_generation() const { return scratch_generation_; }
+
+  // Queues one step on the backend: writes its tokens' K/V into the plan's
+  // pool (the plan made for this step, Backend::PlanAttention) and its
+  // logits, fp32 [num_logits, vocab_size], into logits(). The inputs are
+  // within the reservation and valid (the runner checks them); nothing is
+  // allocated or synchronised, so a step can be captured into a graph.
+  void Forward(const StepInputs& in, const kernels::AttentionPlan& plan);
+  // The logits of the last Forward (backend memory), its first `rows` rows.
+  kernels::Tensor logits(int64_t rows) const;
 
  private:
   // DeepSeek's multi-head latent attention of one layer, in the shapes the
@@ -141,18 +154,14 @@ class Model {
   // bytes from `base`; every piece 256-byte aligned.
   struct Scratch {
     int64_t tokens = 0, logits = 0;  // capacity in rows
+    int64_t seqs = 0, keys = 0;      // what the backend was told (Backend::Reserve)
     uint8_t* base = nullptr;
     size_t bytes = 0;
     size_t x = 0, h = 0, qkv = 0, attn = 0, gate_up = 0, act = 0;
-    size_t gathered = 0, logits_at = 0, argmax = 0;
-    void* inputs = nullptr;  // backend memory the staged inputs go to
-    size_t inputs_bytes = 0;
+    size_t gathered = 0, logits_at = 0;
     // MLA
     size_t q_a = 0, q_nope = 0, q_pe = 0, latent = 0, k_pe = 0, q_latent = 0, out_latent = 0,
            out_v = 0;
-    // The step's inputs (token ids, positions, KV slots, attention tables,
-    // logits rows) packed in one host buffer and sent with one Upload.
-    std::vector<uint8_t> staged_inputs;
   };
 
   Model() = default;
@@ -176,12 +185,7 @@ class Model {
   void MlaAttentionForward(const Layer& layer, int64_t l, const int32_t* positions,
                            const int64_t* slots, const kernels::AttentionPlan& plan,
                            const kernels::Tensor& h, const kernels::Tensor& out);
-  // Sizes the scratch of Forward for `tokens` rows and `logits` logits rows.
-  Status Reserve(int64_t tokens, int64_t logits);
   Status LoadWeights(const WeightFiles& files);
-  // The forward pass up to the logits, left in the scratch buffer.
-  Status ComputeLogits(const ForwardBatch& batch, const kernels::KvCacheLayout& layout,
-                       void* kv_pool);
   StatusOr<const TensorView*> Tensor(const WeightFiles& files, const std::string& name,
                                      std::vector<int64_t> shape);
   // The checkpoint's matrix `name` in host memory (validated, counted).
@@ -212,6 +216,9 @@ class Model {
   int64_t expert_weight_bytes_ = 0;
   kernels::MoeStats last_moe_stats_;
   std::unique_ptr<Scratch> scratch_;
+  uint64_t scratch_generation_ = 0;
+  bool has_sparse_layers_ = false;
+  bool collect_moe_stats_ = false;
 };
 
 }  // namespace pdserve

@@ -45,7 +45,8 @@ Status CheckText(const ModelConfig& c, const std::vector<TokenId>& tokens) {
 }  // namespace
 
 StatusOr<std::unique_ptr<PagedSequenceRunner>> PagedSequenceRunner::Create(
-    Model* model, DType kv_dtype, int64_t block_size, int64_t max_tokens, const KvScales* scales) {
+    Model* model, DType kv_dtype, int64_t block_size, int64_t max_tokens, const KvScales* scales,
+    int64_t max_step) {
   if (block_size < 1) return Status::InvalidArgument("block size must be >= 1");
   const ModelConfig& c = model->config();
   const int64_t blocks = (max_tokens + block_size - 1) / block_size;
@@ -71,6 +72,14 @@ StatusOr<std::unique_ptr<PagedSequenceRunner>> PagedSequenceRunner::Create(
     return Status::Internal("KV pool holds " + std::to_string(n) + " blocks, " +
                             std::to_string(blocks) + " needed");
   }
+  RunnerOptions options;
+  options.max_num_batched_tokens = max_step > 0 ? std::min(max_step, max_tokens) : max_tokens;
+  options.max_num_seqs = 1;
+  options.max_model_len = blocks * block_size;
+  options.graphs = GraphMode::kOff;
+  auto runner = ModelRunner::Create(model, r->pool_->layout(), r->pool_->base(), options);
+  if (!runner.ok()) return runner.status();
+  r->runner_ = std::move(*runner);
   return r;
 }
 
@@ -106,7 +115,7 @@ Status PagedSequenceRunner::Run(const std::vector<TokenId>& tokens, int64_t star
   b.num_logits = n;
   b.logits_rows = rows.data();
   logits->resize(n * model_->config().vocab_size);
-  return model_->Forward(b, pool_->layout(), pool_->base(), logits->data());
+  return runner_->Forward(b, logits->data());
 }
 
 StatusOr<TextEvalResult> EvaluateText(Model* model, const std::vector<TokenId>& tokens,
@@ -117,10 +126,11 @@ StatusOr<TextEvalResult> EvaluateText(Model* model, const std::vector<TokenId>& 
   if (options.prefill_tokens < 1 || options.decode_chunk < 1) {
     return Status::InvalidArgument("prefill tokens and decode chunk must be >= 1");
   }
-  auto base = PagedSequenceRunner::Create(model, DType::kF32, options.block_size, n);
+  const int64_t step = std::max(options.prefill_tokens, options.decode_chunk);
+  auto base = PagedSequenceRunner::Create(model, DType::kF32, options.block_size, n, nullptr, step);
   if (!base.ok()) return base.status();
   auto test = PagedSequenceRunner::Create(model, options.kv_dtype, options.block_size, n,
-                                          options.kv_scales ? &*options.kv_scales : nullptr);
+                                          options.kv_scales ? &*options.kv_scales : nullptr, step);
   if (!test.ok()) return test.status();
 
   const int64_t V = c.vocab_size;

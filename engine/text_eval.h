@@ -25,6 +25,7 @@
 #include "engine/kv_cache.h"
 #include "engine/kv_scales.h"
 #include "engine/model.h"
+#include "engine/model_runner.h"
 
 namespace pdserve {
 
@@ -34,10 +35,13 @@ namespace pdserve {
 // neighbours in memory.
 class PagedSequenceRunner {
  public:
+  // Runs of up to `max_step` tokens (0: max_tokens) over a sequence of up to
+  // `max_tokens`.
   static StatusOr<std::unique_ptr<PagedSequenceRunner>> Create(Model* model, DType kv_dtype,
                                                                int64_t block_size,
                                                                int64_t max_tokens,
-                                                               const KvScales* scales = nullptr);
+                                                               const KvScales* scales = nullptr,
+                                                               int64_t max_step = 0);
 
   // Feeds tokens[start, start + n) at positions start..start+n-1 (every
   // earlier position must have been fed) and writes their logits,
@@ -54,6 +58,7 @@ class PagedSequenceRunner {
   Model* model_ = nullptr;
   int64_t block_size_ = 0;
   std::unique_ptr<KvCachePool> pool_;
+  std::unique_ptr<ModelRunner> runner_;  // after the pool: goes first
   std::vector<int32_t> block_table_;
 };
 

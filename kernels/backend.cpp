@@ -1,5 +1,5 @@
 // The defaults of kernels/backend.h that every backend shares: preparing a
-// Linear layer's weights at load.
+// Linear layer's weights at load, and graphs that run eagerly.
 #include "kernels/backend.h"
 
 #include <cstring>
@@ -30,7 +30,20 @@ float ElementAsF32(const void* data, DType dtype, int64_t i) {
   }
 }
 
+// The graph of a backend that does not capture: the body, run again.
+class EagerGraph final : public Backend::Graph {
+ public:
+  explicit EagerGraph(std::function<void()> body) : body(std::move(body)) {}
+  std::function<void()> body;
+};
+
 }  // namespace
+
+std::unique_ptr<Backend::Graph> Backend::CaptureGraph(const std::function<void()>& body) {
+  return std::make_unique<EagerGraph>(body);
+}
+
+void Backend::ReplayGraph(Graph& graph) { static_cast<EagerGraph&>(graph).body(); }
 
 StatusOr<LinearWeights> Backend::PrepareLinear(const WeightMatrix* parts, int count,
                                                const float* bias, bool in_place,

@@ -16,7 +16,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <limits>
+#include <memory>
 #include <new>
 #include <string>
 #include <vector>
@@ -67,10 +69,54 @@ class Backend {
     return ::operator new (bytes == 0 ? 1 : bytes, std::align_val_t{64}, std::nothrow);
   }
   virtual void FreeHost(void* ptr) { ::operator delete (ptr, std::align_val_t{64}); }
+  // Stream-ordered copies: queued after every op issued so far and before
+  // every later one, without waiting. `host_src` must stay unchanged, and
+  // `host_dst` is not filled, until Synchronize (or a synchronous copy)
+  // returns; from AllocateHost memory a copy is a DMA that runs while the
+  // host goes on. The defaults copy synchronously.
+  virtual void UploadAsync(void* dst, const void* host_src, size_t bytes) {
+    Upload(dst, host_src, bytes);
+  }
+  virtual void DownloadAsync(void* host_dst, const void* src, size_t bytes) {
+    Download(host_dst, src, bytes);
+  }
   // Returns once every op issued so far has finished writing its output, so
   // that another engine (a DMA or network transfer reading the KV pool) sees
   // it. A no-op for backends whose ops finish before they return.
   virtual void Synchronize() {}
+
+  // ---- Steps.
+
+  // Sizes the backend's own scratch for steps within `limits`, before any
+  // runs (and before any graph is captured): no op allocates while a step
+  // runs. Ops of larger steps are a contract violation inside a graph and
+  // grow the scratch (stream-ordered) outside one.
+  virtual Status Reserve(const StepLimits& limits) {
+    (void)limits;
+    return Status::Ok();
+  }
+  // Fills plan's choices (kernels/step.h) from its sequences, once per step;
+  // every attention op of the step then follows them. A backend that shares
+  // host memory may read the batch's arrays; a device backend plans with
+  // the host-side bounds. The plan's workspace and state stay valid until
+  // the next PlanAttention. Ops given an unplanned plan plan for themselves.
+  virtual void PlanAttention(AttentionPlan* plan) { plan->planned = true; }
+
+  // Graph capture: what `body` queues, captured once and replayed as one
+  // launch (CUDA graphs). Inside body nothing may allocate, free, copy
+  // synchronously or synchronise, and every input is read from memory that
+  // stays put (static buffers the caller refills before each replay).
+  // A backend that does not capture keeps body and runs it on each replay:
+  // the same lifecycle, eagerly. nullptr when capture failed (the caller
+  // runs eagerly).
+  class Graph {
+   public:
+    virtual ~Graph() = default;
+  };
+  // True where replaying saves work (launches), so callers capture by default.
+  virtual bool CapturesGraphs() const { return false; }
+  virtual std::unique_ptr<Graph> CaptureGraph(const std::function<void()>& body);
+  virtual void ReplayGraph(Graph& graph);
 
   // ---- Weights, prepared once at load.
 
@@ -132,7 +178,8 @@ class Backend {
   virtual void ArgMaxRows(const Tensor& x, int32_t* out) = 0;
 
   // GQA layouts. Stores k and v ([tokens, num_kv_heads, head_dim]) of `layer`
-  // into the pool at slots[t] = block_id * block_size + offset. Tokens of one
+  // into the pool at slots[t] = block_id * block_size + offset; a negative
+  // slot writes nothing (a padding row of a captured batch). Tokens of one
   // block arrive in slot order, and writing offset 0 starts the block afresh.
   // For scaled dtypes (fp8, fp8_e5m2, nvfp4) the (block, head) scale follows
   // kernels/kv_quant.h: it is set from all the tokens one call writes into
@@ -142,7 +189,8 @@ class Backend {
                        const Tensor& v, const int64_t* slots) = 0;
   // GQA layouts. Causal attention of q ([tokens, num_heads, head_dim]) over
   // the paged KV of `layer`, the pool and sequences as the step's plan
-  // gives them; out has q's shape and is packed. num_heads is a
+  // gives them; out has q's shape and is packed. A row with no keys
+  // (context 0: padding) gives 0. num_heads is a
   // multiple of num_kv_heads (GQA; MQA and MHA are the extremes). scale
   // multiplies q.k.
   virtual void PagedAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q,
@@ -159,8 +207,8 @@ class Backend {
   // back out of it.
   virtual void HeadsLinear(const Tensor& x, const WeightMatrix& w, const Tensor& y) = 0;
   // Stores the latent of `layer`: c_kv ([tokens, R]) and k_pe ([tokens, P])
-  // become one vector [c_kv | k_pe] per token at slots[t]. Slot order and the
-  // fp8 scale rule are WriteKv's, with one scale per (block, layer) covering
+  // become one vector [c_kv | k_pe] per token at slots[t]. Slot order, the
+  // negative slots and the fp8 scale rule are WriteKv's, with one scale per (block, layer) covering
   // both parts.
   virtual void WriteLatentKv(const KvCacheLayout& layout, void* pool, int64_t layer,
                              const Tensor& c_kv, const Tensor& k_pe, const int64_t* slots) = 0;

@@ -1,5 +1,6 @@
 // What a forward step hands the backend besides its tensors: the batch's
-// sequences and the attention plan every layer of the step uses.
+// sequences, the attention plan every layer of the step uses, the limits
+// scratch is sized for once, and graphs of captured steps.
 #pragma once
 
 #include <cstdint>
@@ -36,13 +37,38 @@ struct AttentionBatch {
   }
 };
 
-// The attention of one step, built once and used by every layer: the KV
-// pool and its layout, the sequences, and the query heads.
+// The attention of one step, built once per step and used by every layer:
+// the KV pool and its layout, the sequences, the query heads, and what
+// Backend::PlanAttention chose for them (how to split the keys, the work
+// units, where partials go), so that no layer decides it again.
 struct AttentionPlan {
   KvCacheLayout layout;
   void* pool = nullptr;   // the KV pool, backend memory
   AttentionBatch batch;   // arrays in backend memory
   int64_t num_heads = 0;  // query heads
+  // Host-side bounds of the batch (a device backend plans with them without
+  // reading its arrays back): the longest q_len, the longest context. Zero:
+  // unknown, take the widest (num_tokens; max_blocks_per_seq blocks). A
+  // captured graph's plan holds for every replay, so it bounds them all.
+  int64_t max_query_len = 0;
+  int64_t max_context_len = 0;
+
+  // Set by Backend::PlanAttention.
+  bool planned = false;
+  int32_t num_splits = 0;               // key splits per row (flash-decoding); 0: none
+  void* workspace = nullptr;            // backend memory for the splits' partials
+  const void* backend_state = nullptr;  // the backend's own plan (the CPU's work units)
+};
+
+// The largest step a caller runs, so that a backend sizes its scratch once
+// (Backend::Reserve) rather than growing it while a step runs.
+struct StepLimits {
+  int64_t max_tokens = 0;          // rows of any activation
+  int64_t max_seqs = 0;            // sequences (the rows of a captured decode step)
+  int64_t max_blocks_per_seq = 0;  // block table width
+  int64_t max_width = 0;           // the widest activation row (a Linear's input or output)
+  int64_t num_heads = 0;           // attention query heads
+  KvCacheLayout layout;            // the KV pool's
 };
 
 }  // namespace pdserve::kernels

@@ -203,6 +203,10 @@ void CpuBackend::WriteKv(const KvCacheLayout& layout, void* pool, int64_t layer,
       [&](int64_t begin, int64_t end) {
         for (int64_t h = begin; h < end; ++h) {
           for (int64_t t = 0; t < tokens;) {
+            if (slots[t] < 0) {  // a padding row: nowhere
+              ++t;
+              continue;
+            }
             const int64_t block = slots[t] / bs, offset = slots[t] % bs;
             // The run of following tokens that continue in the same block.
             int64_t run = 1;
@@ -239,8 +243,23 @@ void CpuBackend::PagedAttention(const AttentionPlan& plan, int64_t layer, const 
   OpCheck(q.rank == 3 && q.shape[2] == layout.head_dim && q.shape[1] % layout.num_kv_heads == 0 &&
               out.numel() == q.numel(),
           "PagedAttention", "takes q as [tokens, num_heads, head_dim] and out of q's shape");
+  const std::vector<AttentionUnit>* units =
+      static_cast<const std::vector<AttentionUnit>*>(plan.backend_state);
+  thread_local std::vector<AttentionUnit> own;
+  if (!plan.planned || units == nullptr) {
+    PlanAttentionUnits(layout, plan.batch, &own);
+    units = &own;
+  }
   PagedAttentionCpu(simd_, pool_, layout, plan.pool, layer, q.as<const float>(), q.stride[0],
-                    q.shape[1], plan.batch, scale, out.as<float>());
+                    q.shape[1], plan.batch, scale, out.as<float>(), *units);
+}
+
+void CpuBackend::PlanAttention(AttentionPlan* plan) {
+  plan->planned = true;
+  plan->backend_state = nullptr;
+  if (plan->layout.is_mla()) return;  // MLA maps rows to sequences per call
+  PlanAttentionUnits(plan->layout, plan->batch, &planned_units_);
+  plan->backend_state = &planned_units_;
 }
 
 }  // namespace pdserve::kernels

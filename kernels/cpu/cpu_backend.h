@@ -5,9 +5,11 @@
 #pragma once
 
 #include <memory>
+#include <vector>
 
 #include "kernels/backend.h"
 #include "kernels/cpu/cpu_features.h"
+#include "kernels/cpu/paged_attention.h"
 #include "kernels/cpu/thread_pool.h"
 
 namespace pdserve::kernels {
@@ -45,6 +47,8 @@ class CpuBackend final : public Backend {
   void Embedding(const Tensor& table, const int32_t* ids, const Tensor& out) override;
   void GatherRows(const Tensor& x, const int32_t* rows, const Tensor& out) override;
   void ArgMaxRows(const Tensor& x, int32_t* out) override;
+  // The work units of every layer's PagedAttention (kernels/cpu/paged_attention.h).
+  void PlanAttention(AttentionPlan* plan) override;
   void WriteKv(const KvCacheLayout& layout, void* pool, int64_t layer, const Tensor& k,
                const Tensor& v, const int64_t* slots) override;
   void PagedAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q, float scale,
@@ -63,6 +67,7 @@ class CpuBackend final : public Backend {
  private:
   ThreadPool pool_;
   SimdLevel simd_;
+  std::vector<AttentionUnit> planned_units_;  // the last PlanAttention's
 };
 
 }  // namespace pdserve::kernels

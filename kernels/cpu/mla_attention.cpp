@@ -57,6 +57,10 @@ void CpuBackend::WriteLatentKv(const KvCacheLayout& layout, void* pool, int64_t 
   // One head: the tokens are stored in order (the fp8 scale of a block grows
   // run by run), as WriteKv does for each GQA head.
   for (int64_t t = 0; t < tokens;) {
+    if (slots[t] < 0) {  // a padding row: nowhere
+      ++t;
+      continue;
+    }
     const int64_t block = slots[t] / bs, offset = slots[t] % bs;
     int64_t run = 1;
     while (t + run < tokens && slots[t + run] == slots[t] + run && offset + run < bs) ++run;
@@ -114,6 +118,14 @@ void CpuBackend::MlaAttention(const AttentionPlan& plan, int64_t layer, const Te
       const int64_t q_len = batch.query_start[s + 1] - batch.query_start[s];
       const int64_t pos = batch.context_lens[s] - q_len + (row - batch.query_start[s]);
       const int64_t n_keys = pos + 1;
+      if (n_keys <= 0) {  // a padding row (context 0): no keys, output 0
+        for (int64_t g = 0; g < G; ++g) {
+          float* o = out + (row * num_heads + h0 + g) * R;
+          std::fill(o, o + R, 0.0f);
+        }
+        task += G;
+        continue;
+      }
       const int64_t n_blocks = (n_keys + bs - 1) / bs;
       const int32_t* table = batch.table(s);
       // The heads' queries as [G][R + P]: latent part, then rope part.

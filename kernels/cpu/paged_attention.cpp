@@ -316,20 +316,12 @@ AttentionKernels KernelsFor(SimdLevel level) {
   return {&ScoresPortable, &AccumulatePortable, &WidenPortable, &ExpSumPortable};
 }
 
-// Query rows [row_begin, row_end) of sequence `seq` against KV head `kv_head`.
-struct Unit {
-  int32_t seq;
-  int32_t kv_head;
-  int32_t row_begin;
-  int32_t row_end;
-};
-
 // Per-thread scratch, grown to the largest unit seen and then reused.
 struct Scratch {
   std::vector<float> acc, max, sum, keys, values, scores;
 };
 
-void RunUnit(const AttentionKernels& k, const Unit& u, const KvCacheLayout& layout,
+void RunUnit(const AttentionKernels& k, const AttentionUnit& u, const KvCacheLayout& layout,
              const uint8_t* base, int64_t layer, const float* q, int64_t q_stride,
              int64_t num_heads, const AttentionBatch& batch, float scale, float* out, Scratch& s) {
   const int64_t hd = layout.head_dim, bs = layout.block_size;
@@ -409,7 +401,7 @@ void RunUnit(const AttentionKernels& k, const Unit& u, const KvCacheLayout& layo
     for (int64_t j = 0; j < group; ++j) {
       const int64_t h = u.kv_head * group + j, i = r * group + j;
       float* o = out + ((u.row_begin + r) * num_heads + h) * hd;
-      const float inv = 1.0f / s.sum[i];
+      const float inv = s.sum[i] > 0 ? 1.0f / s.sum[i] : 0.0f;  // a row without keys: 0
       for (int64_t d = 0; d < hd; ++d) o[d] = s.acc[i * hd + d] * inv;
     }
   }
@@ -417,35 +409,37 @@ void RunUnit(const AttentionKernels& k, const Unit& u, const KvCacheLayout& layo
 
 }  // namespace
 
-void PagedAttentionCpu(SimdLevel level, ThreadPool& threads, const KvCacheLayout& layout,
-                       const void* pool, int64_t layer, const float* q, int64_t q_stride,
-                       int64_t num_heads, const AttentionBatch& batch, float scale, float* out) {
-  const AttentionKernels kernels = KernelsFor(level);
-  // The unit list of this call; a thread's own vector, reused.
-  thread_local std::vector<Unit> units;
-  units.clear();
+void PlanAttentionUnits(const KvCacheLayout& layout, const AttentionBatch& batch,
+                        std::vector<AttentionUnit>* units) {
+  units->clear();
   for (int64_t s = 0; s < batch.num_seqs; ++s) {
     for (int32_t r = batch.query_start[s]; r < batch.query_start[s + 1]; r += kRowsPerUnit) {
       const int32_t end = std::min<int32_t>(batch.query_start[s + 1], r + kRowsPerUnit);
       for (int64_t g = 0; g < layout.num_kv_heads; ++g) {
-        units.push_back(Unit{static_cast<int32_t>(s), static_cast<int32_t>(g), r, end});
+        units->push_back(AttentionUnit{static_cast<int32_t>(s), static_cast<int32_t>(g), r, end});
       }
     }
   }
   // Later rows of a prompt see more keys: hand out the heaviest units first
   // so the last ones to finish are short.
-  std::sort(units.begin(), units.end(), [&](const Unit& a, const Unit& b) {
-    const auto keys = [&](const Unit& u) {
+  std::sort(units->begin(), units->end(), [&](const AttentionUnit& a, const AttentionUnit& b) {
+    const auto keys = [&](const AttentionUnit& u) {
       return batch.context_lens[u.seq] - batch.query_start[u.seq + 1] + u.row_end;
     };
     return keys(a) > keys(b);
   });
+}
+
+void PagedAttentionCpu(SimdLevel level, ThreadPool& threads, const KvCacheLayout& layout,
+                       const void* pool, int64_t layer, const float* q, int64_t q_stride,
+                       int64_t num_heads, const AttentionBatch& batch, float scale, float* out,
+                       const std::vector<AttentionUnit>& units) {
+  const AttentionKernels kernels = KernelsFor(level);
   const auto* base = static_cast<const uint8_t*>(pool);
-  const std::vector<Unit>& all = units;
-  threads.ParallelFor(static_cast<int64_t>(all.size()), [&](int64_t begin, int64_t end) {
+  threads.ParallelFor(static_cast<int64_t>(units.size()), [&](int64_t begin, int64_t end) {
     thread_local Scratch scratch;
     for (int64_t i = begin; i < end; ++i) {
-      RunUnit(kernels, all[i], layout, base, layer, q, q_stride, num_heads, batch, scale, out,
+      RunUnit(kernels, units[i], layout, base, layer, q, q_stride, num_heads, batch, scale, out,
               scratch);
     }
   });

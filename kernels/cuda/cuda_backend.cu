@@ -19,6 +19,7 @@ struct CudaBackend::State {
   cuda::Workspace bf16_activations{"bf16 activations"};      // converted for bf16 products
   cuda::Workspace attention_partials{"attention partials"};  // split-K partials
   cuda::MoeScratch moe;
+  void* cublas_workspace = nullptr;  // fixed, so that cuBLAS allocates nothing in a graph
 
   cuda::Gemm gemm() { return {cublas, cublas_bf16, &bf16_activations, stream}; }
 };
@@ -39,6 +40,16 @@ std::unique_ptr<CudaBackend> CudaBackend::Create(int device) {
   Check(cublasSetMathMode(state->cublas, CUBLAS_PEDANTIC_MATH), "cublasSetMathMode");
   Check(cublasCreate(&state->cublas_bf16), "cublasCreate");
   Check(cublasSetStream(state->cublas_bf16, state->stream), "cublasSetStream");
+  // One workspace per handle, set up front: inside a captured graph cuBLAS
+  // must not allocate its own.
+  constexpr size_t kCublasWorkspace = size_t{32} << 20;
+  Check(cudaMalloc(&state->cublas_workspace, 2 * kCublasWorkspace), "cudaMalloc");
+  Check(cublasSetWorkspace(state->cublas, state->cublas_workspace, kCublasWorkspace),
+        "cublasSetWorkspace");
+  Check(cublasSetWorkspace(state->cublas_bf16,
+                           static_cast<char*>(state->cublas_workspace) + kCublasWorkspace,
+                           kCublasWorkspace),
+        "cublasSetWorkspace");
   return std::unique_ptr<CudaBackend>(new CudaBackend(std::move(state)));
 }
 
@@ -60,6 +71,7 @@ CudaBackend::~CudaBackend() {
   state_->moe.Release();
   cublasDestroy(state_->cublas_bf16);
   cublasDestroy(state_->cublas);
+  cudaFree(state_->cublas_workspace);
   cudaStreamDestroy(state_->stream);
 }
 
@@ -113,9 +125,99 @@ void CudaBackend::Download(void* host_dst, const void* src, size_t bytes) {
   Synchronize();
 }
 
+void CudaBackend::UploadAsync(void* dst, const void* host_src, size_t bytes) {
+  MakeCurrent();
+  if (bytes == 0) return;
+  Check(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, state_->stream), "upload");
+}
+
+void CudaBackend::DownloadAsync(void* host_dst, const void* src, size_t bytes) {
+  MakeCurrent();
+  if (bytes == 0) return;
+  Check(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, state_->stream), "download");
+}
+
 void CudaBackend::Synchronize() {
   MakeCurrent();
   Check(cudaStreamSynchronize(state_->stream), "cudaStreamSynchronize");
+}
+
+// ---- Steps.
+
+Status CudaBackend::Reserve(const StepLimits& limits) {
+  MakeCurrent();
+  state_->bf16_activations.Reserve(static_cast<size_t>(limits.max_tokens * limits.max_width) * 2,
+                                   state_->stream);
+  if (!limits.layout.is_mla() && limits.num_heads > 0) {
+    // Split-K serves decode-sized batches: at most max_seqs rows (a
+    // captured step's), every context up to the table's width. A prefill
+    // step that splits grows the partials outside any graph.
+    AttentionPlan widest;
+    widest.layout = limits.layout;
+    widest.num_heads = limits.num_heads;
+    widest.batch.num_tokens = limits.max_seqs;
+    widest.batch.max_blocks_per_seq = limits.max_blocks_per_seq;
+    const int splits = cuda::DecodeSplits(widest);
+    if (splits > 0) {
+      state_->attention_partials.Reserve(
+          static_cast<size_t>(cuda::DecodePartialFloats(widest, splits)) * 4, state_->stream);
+    }
+  }
+  return Status::Ok();
+}
+
+void CudaBackend::PlanAttention(AttentionPlan* plan) {
+  MakeCurrent();
+  plan->planned = true;
+  plan->num_splits = 0;
+  plan->workspace = nullptr;
+  if (plan->layout.is_mla()) return;  // one kernel; nothing to choose yet
+  plan->num_splits = cuda::DecodeSplits(*plan);
+  if (plan->num_splits > 0) {
+    plan->workspace = state_->attention_partials.Get<float>(
+        cuda::DecodePartialFloats(*plan, plan->num_splits), state_->stream);
+  }
+}
+
+namespace {
+
+struct CudaGraph final : Backend::Graph {
+  cudaGraphExec_t exec = nullptr;
+  ~CudaGraph() override {
+    if (exec != nullptr) cudaGraphExecDestroy(exec);
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<Backend::Graph> CudaBackend::CaptureGraph(const std::function<void()>& body) {
+  MakeCurrent();
+  if (cudaStreamBeginCapture(state_->stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
+    cudaGetLastError();
+    return nullptr;
+  }
+  body();
+  cudaGraph_t graph = nullptr;
+  cudaError_t err = cudaStreamEndCapture(state_->stream, &graph);
+  if (err != cudaSuccess || graph == nullptr) {
+    cudaGetLastError();
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    return nullptr;
+  }
+  auto captured = std::make_unique<CudaGraph>();
+  err = cudaGraphInstantiate(&captured->exec, graph, 0);
+  cudaGraphDestroy(graph);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    captured->exec = nullptr;
+    return nullptr;
+  }
+  return captured;
+}
+
+void CudaBackend::ReplayGraph(Graph& graph) {
+  MakeCurrent();
+  Check(cudaGraphLaunch(static_cast<CudaGraph&>(graph).exec, state_->stream), "cudaGraphLaunch");
 }
 
 // ---- Ops: each a call into its family.

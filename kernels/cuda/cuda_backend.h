@@ -41,6 +41,17 @@ class CudaBackend final : public Backend {
   void Download(void* host_dst, const void* src, size_t bytes) override;
   void* AllocateHost(size_t bytes) override;  // page-locked (cudaHostAlloc)
   void FreeHost(void* ptr) override;
+  void UploadAsync(void* dst, const void* host_src, size_t bytes) override;
+  void DownloadAsync(void* host_dst, const void* src, size_t bytes) override;
+
+  // The bf16 activation copies and split-K partials of the largest step.
+  Status Reserve(const StepLimits& limits) override;
+  // The split-K choice (kernels/cuda/ops.h DecodeSplits) and its partials.
+  void PlanAttention(AttentionPlan* plan) override;
+  // CUDA graphs: the stream captured, instantiated, replayed in one launch.
+  bool CapturesGraphs() const override { return true; }
+  std::unique_ptr<Graph> CaptureGraph(const std::function<void()>& body) override;
+  void ReplayGraph(Graph& graph) override;
 
   void Linear(const Tensor& x, const LinearWeights& w, const Tensor& y) override;
   void RmsNorm(const Tensor& x, const Tensor& weight, float eps, const Tensor& out) override;

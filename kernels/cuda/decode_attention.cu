@@ -148,7 +148,8 @@ __global__ void MergeSplitsKernel(const float* partial_acc, const float* partial
 
 int DecodeSplits(const AttentionPlan& plan) {
   const KvCacheLayout& l = plan.layout;
-  const int64_t max_keys = plan.batch.max_blocks_per_seq * l.block_size;
+  const int64_t max_keys = plan.max_context_len > 0 ? plan.max_context_len
+                                                    : plan.batch.max_blocks_per_seq * l.block_size;
   const int64_t splits = (max_keys + kSplitKeys - 1) / kSplitKeys;
   const int64_t group = l.num_kv_heads > 0 ? plan.num_heads / l.num_kv_heads : 0;
   // Partials of rows x heads x splits x (head_dim + 2) floats stay under

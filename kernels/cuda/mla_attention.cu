@@ -53,6 +53,7 @@ __global__ void WriteLatentPlainKernel(LatentLayout l, uint8_t* pool, int64_t la
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= tokens * l.width) return;
   const int64_t t = i / l.width, d = i % l.width;
+  if (slots[t] < 0) return;  // a padding row: nowhere
   const int64_t block = slots[t] / l.block_size, offset = slots[t] % l.block_size;
   kernels::StorePlainKv(pool + l.latent_offset(block, layer), l.dtype, offset * l.width + d,
                         LatentValue(l, c_kv, k_pe, t, d));
@@ -67,6 +68,10 @@ __global__ void WriteLatentScaledKernel(LatentLayout l, uint8_t* pool, int64_t l
   __shared__ float reduce[kThreads / 32];
   const int64_t D = l.width, bs = l.block_size;
   for (int64_t t = 0; t < tokens;) {
+    if (slots[t] < 0) {  // a padding row: nowhere
+      ++t;
+      continue;
+    }
     const int64_t block = slots[t] / bs, offset = slots[t] % bs;
     int64_t run = 1;
     while (t + run < tokens && slots[t + run] == slots[t] + run && offset + run < bs) ++run;

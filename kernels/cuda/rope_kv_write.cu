@@ -37,6 +37,7 @@ __global__ void WriteKvPlainKernel(DeviceLayout layout, uint8_t* pool, int64_t l
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= tokens * kvh * hd) return;
   const int64_t t = i / (kvh * hd), hi = i % (kvh * hd), h = hi / hd, d = hi % hd;
+  if (slots[t] < 0) return;  // a padding row: nowhere
   const int64_t block = slots[t] / bs, offset = slots[t] % bs;
   kernels::StorePlainKv(pool + layout.k_offset(block, layer, h), layout.dtype, offset * hd + d,
                         k[t * k_stride + hi]);
@@ -59,6 +60,10 @@ __global__ void WriteKvScaledKernel(DeviceLayout layout, uint8_t* pool, int64_t 
   const float* src = is_v ? v : k;
   const int64_t stride = is_v ? v_stride : k_stride;
   for (int64_t t = 0; t < tokens;) {
+    if (slots[t] < 0) {  // a padding row: nowhere
+      ++t;
+      continue;
+    }
     const int64_t block = slots[t] / bs, offset = slots[t] % bs;
     int64_t run = 1;
     while (t + run < tokens && slots[t + run] == slots[t] + run && offset + run < bs) ++run;

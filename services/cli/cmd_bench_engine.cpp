@@ -59,7 +59,7 @@ int RunBenchEngine(int argc, char** argv) {
   std::vector<int64_t> batches = {1, 8, 32};
   int64_t prompt_tokens = 256, gen_tokens = 128, threads = 0, block_size = 16;
   int64_t max_batched_tokens = 2048;
-  bool json = false;
+  bool json = false, cuda_graphs = true;
   flags.AddString("model", &model_dir, "model folder (e.g. from make-model --preset small)");
   flags.AddString("load-format", &load_format_name,
                   "safetensors, or dummy: random weights from the folder's config.json alone "
@@ -72,6 +72,8 @@ int RunBenchEngine(int argc, char** argv) {
   flags.AddInt("max-batched-tokens", &max_batched_tokens, "token budget per step");
   flags.AddInt("threads", &threads, "CPU threads (0: one per core)");
   flags.AddString("device", &device, "compute backend: cpu, cuda or cuda:N");
+  flags.AddBool("cuda-graphs", &cuda_graphs,
+                "replay decode steps from CUDA graphs (=false: launch every op)");
   flags.AddBool("json", &json, "one JSON line per batch size");
   flags.SetEpilog(
       "Example: pdserve bench engine --model models/small --batch 1,8,32 --prompt-tokens 256 "
@@ -108,6 +110,7 @@ int RunBenchEngine(int argc, char** argv) {
   auto model = Model::Load(model_dir, &backend, *load_format);
   if (!model.ok()) UsageError("bench engine", model.status().message());
   const auto& cfg = (*model)->config();
+  (*model)->set_collect_moe_stats(true);  // expert bytes read, per step
   if (prompt_tokens + gen_tokens > cfg.max_context()) {
     UsageError("bench engine", "--prompt-tokens + --gen-tokens exceed the model context");
   }
@@ -194,6 +197,7 @@ int RunBenchEngine(int argc, char** argv) {
     options.block_size = block_size;
     options.max_num_seqs = batch;
     options.max_num_batched_tokens = max_batched_tokens;
+    options.graphs = cuda_graphs ? GraphMode::kAuto : GraphMode::kOff;
     options.enable_prefix_caching = false;  // distinct prompts anyway: measure compute
     const int64_t blocks_per_seq = (prompt_tokens + gen_tokens) / block_size + 2;
     options.kv_cache_bytes = (batch * blocks_per_seq + 4) * sizing.bytes_per_block() + (1 << 20);

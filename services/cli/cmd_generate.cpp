@@ -20,7 +20,7 @@ int RunGenerate(int argc, char** argv) {
   int64_t max_tokens = 16, top_k = -1, seed = -1, threads = 0, block_size = 16;
   int64_t kv_cache_bytes = 64ll << 20, max_batched_tokens = 512;
   double temperature = 1.0, top_p = 1.0;
-  bool json = false, ignore_eos = false;
+  bool json = false, ignore_eos = false, cuda_graphs = true;
   flags.AddString("model", &model_dir, "model folder (Hugging Face layout)");
   flags.AddString("prompt", &prompt, "prompt text (a BOS token is added as the tokenizer says)");
   flags.AddInt("max-tokens", &max_tokens, "most tokens to generate");
@@ -38,6 +38,8 @@ int RunGenerate(int argc, char** argv) {
   flags.AddInt("max-batched-tokens", &max_batched_tokens, "tokens per step (prefill chunk)");
   flags.AddInt("threads", &threads, "CPU threads (0: one per core)");
   flags.AddString("device", &device, "compute backend: cpu, cuda or cuda:N");
+  flags.AddBool("cuda-graphs", &cuda_graphs,
+                "replay decode steps from CUDA graphs (=false: launch every op)");
   flags.AddBool("json", &json,
                 "print one JSON object: prompt_token_ids, token_ids, text, finish_reason");
   flags.SetEnvPrefix("PDSERVE_");
@@ -84,6 +86,7 @@ int RunGenerate(int argc, char** argv) {
   options.kv_cache_bytes = kv_cache_bytes;
   options.block_size = block_size;
   options.max_num_batched_tokens = max_batched_tokens;
+  options.graphs = cuda_graphs ? GraphMode::kAuto : GraphMode::kOff;
   auto engine = Engine::Create(model->get(), options, tokenizer->get());
   if (!engine.ok()) UsageError("generate", engine.status().message());
 

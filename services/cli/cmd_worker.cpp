@@ -59,6 +59,8 @@ int RunWorker(int argc, char** argv) {
   flags.AddString("device", &o.device,
                   "auto|cpu|cuda|cuda:N (auto: the first CUDA device, else the CPU)");
   flags.AddInt("threads", &threads, "compute threads of the CPU device (0: all cores)");
+  flags.AddBool("cuda-graphs", &o.cuda_graphs,
+                "replay decode steps from CUDA graphs (=false: launch every op)");
   flags.AddString("kv-transfer", &kv_transfer,
                   "KV hand-off transport: ucx|nccl (NCCL moves device memory only)");
   flags.AddString("kv-staging", &kv_staging,

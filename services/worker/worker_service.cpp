@@ -115,6 +115,7 @@ class WorkerServiceImpl : public WorkerService {
     eo.kv_scales = opts_.kv_scales;
     eo.max_num_seqs = opts_.max_num_seqs;
     eo.max_num_batched_tokens = opts_.max_num_batched_tokens;
+    eo.graphs = opts_.cuda_graphs ? GraphMode::kAuto : GraphMode::kOff;
     eo.record_kv_events = true;
     auto engine = Engine::Create(model_.get(), eo, tokenizer_.get());
     if (!engine.ok()) return engine.status();

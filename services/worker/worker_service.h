@@ -67,7 +67,8 @@ struct WorkerOptions {
   // "auto" (the first CUDA device, else the CPU), "cpu", "cuda" or "cuda:N";
   // see kernels::ResolveDevice.
   std::string device = "auto";
-  int threads = 0;  // compute threads of the CPU backend (0: all cores)
+  int threads = 0;          // compute threads of the CPU backend (0: all cores)
+  bool cuda_graphs = true;  // decode steps replayed from CUDA graphs where the device has them
   KvTransferKind kv_transfer = KvTransferKind::kUcx;
   KvStagingMode kv_staging = KvStagingMode::kAuto;
   int64_t kv_staging_bytes = 256ll << 20;  // bounce buffers of a staged transport, at most

@@ -13,6 +13,7 @@
 #include "engine/engine.h"
 #include "engine/kv_cache.h"
 #include "engine/model.h"
+#include "engine/model_runner.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "tests/support/reference_model.h"
 #include "tests/support/test_models.h"
@@ -41,6 +42,14 @@ class PagedRunner {
     auto pool = KvCachePool::Create(backend, model->config(), kv_dtype, block_size, 8 << 20);
     EXPECT_TRUE(pool.ok()) << pool.status().ToString();
     pool_ = std::move(*pool);
+    RunnerOptions options;
+    options.max_num_batched_tokens = 512;
+    options.max_num_seqs = 1;
+    options.max_model_len = pool_->num_blocks() * block_size;
+    options.graphs = GraphMode::kOff;
+    auto runner = ModelRunner::Create(model, pool_->layout(), pool_->base(), options);
+    EXPECT_TRUE(runner.ok()) << runner.status().ToString();
+    runner_ = std::move(*runner);
     table_.resize(pool_->num_blocks());
     std::iota(table_.begin(), table_.end(), 0);
     std::mt19937 rng(7);
@@ -77,7 +86,7 @@ class PagedRunner {
     b.logits_rows = rows.data();
     const int64_t V = model_->config().vocab_size;
     std::vector<float> flat(n * V);
-    Status st = model_->Forward(b, pool_->layout(), pool_->base(), flat.data());
+    Status st = runner_->Forward(b, flat.data());
     EXPECT_TRUE(st.ok()) << st.ToString();
     std::vector<std::vector<float>> out(n);
     for (int64_t j = 0; j < n; ++j) out[j].assign(flat.begin() + j * V, flat.begin() + (j + 1) * V);
@@ -88,6 +97,7 @@ class PagedRunner {
   Model* model_;
   int64_t block_size_;
   std::unique_ptr<KvCachePool> pool_;
+  std::unique_ptr<ModelRunner> runner_;
   std::vector<int32_t> table_;
 };
 

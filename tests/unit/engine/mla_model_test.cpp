@@ -14,6 +14,7 @@
 #include "engine/kv_cache.h"
 #include "engine/make_model.h"
 #include "engine/model.h"
+#include "engine/model_runner.h"
 #include "kernels/backend_factory.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "tests/support/test_models.h"
@@ -68,7 +69,7 @@ TEST(MlaModelTest, PoolHoldsOneLatentPerTokenAndAnnouncesIt) {
   }
 }
 
-TEST(MlaModelTest, ForwardRefusesAGqaPool) {
+TEST(MlaModelTest, RunnerRefusesAGqaPool) {
   kernels::CpuBackend cpu(1);
   auto model = Model::Load(V3Dir(), &cpu);
   ASSERT_TRUE(model.ok()) << model.status().ToString();
@@ -78,25 +79,13 @@ TEST(MlaModelTest, ForwardRefusesAGqaPool) {
   gqa.head_dim = (*model)->config().kv_lora_rank + (*model)->config().qk_rope_head_dim;
   gqa.num_blocks = 4;
   std::vector<uint8_t> pool(gqa.total_bytes());
-  const int32_t token = 1, position = 0, query_start[] = {0, 1}, context = 1, table = 0, row = 0;
-  const int64_t slot = 0;
-  ForwardBatch b;
-  b.num_tokens = 1;
-  b.token_ids = &token;
-  b.positions = &position;
-  b.slots = &slot;
-  b.attention.num_seqs = 1;
-  b.attention.query_start = query_start;
-  b.attention.context_lens = &context;
-  b.attention.block_tables = &table;
-  b.attention.max_blocks_per_seq = 1;
-  b.attention.num_tokens = 1;
-  b.num_logits = 1;
-  b.logits_rows = &row;
-  std::vector<float> logits((*model)->config().vocab_size);
-  const Status st = (*model)->Forward(b, gqa, pool.data(), logits.data());
-  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(st.message().find("KV layout"), std::string::npos) << st.message();
+  RunnerOptions options;
+  options.max_model_len = 64;
+  const auto runner = ModelRunner::Create(model->get(), gqa, pool.data(), options);
+  ASSERT_FALSE(runner.ok());
+  EXPECT_EQ(runner.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(runner.status().message().find("KV layout"), std::string::npos)
+      << runner.status().message();
 }
 
 TEST(MlaModelTest, StrictLoaderIgnoresOnlyTheMultiTokenPredictionLayers) {

@@ -1,0 +1,384 @@
+#include "engine/model_runner.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "common/logging.h"
+
+namespace pdserve {
+
+using kernels::Tensor;
+
+namespace {
+
+// The smallest bucket (a power of two) that holds `seqs`.
+int64_t Bucket(int64_t seqs) {
+  int64_t b = 1;
+  while (b < seqs) b *= 2;
+  return b;
+}
+
+}  // namespace
+
+ModelRunner::Staged ModelRunner::StagedLayout(int64_t tokens, int64_t seqs, int64_t logits,
+                                              int64_t table_entries) {
+  Staged s;
+  size_t at = 0;
+  auto place = [&at](int64_t bytes) {
+    const size_t here = at;
+    at += (static_cast<size_t>(std::max<int64_t>(bytes, 1)) + 63) / 64 * 64;
+    return here;
+  };
+  s.slots = place(tokens * 8);
+  s.ids = place(tokens * 4);
+  s.positions = place(tokens * 4);
+  s.query_start = place((seqs + 1) * 4);
+  s.context_lens = place(seqs * 4);
+  s.table_rows = place(seqs * 4);
+  s.logits_rows = place(logits * 4);
+  s.inputs_end = at;
+  s.table_updates = place(table_entries * 4);
+  s.end = at;
+  return s;
+}
+
+ModelRunner::~ModelRunner() {
+  graphs_.clear();
+  if (backend_ == nullptr) return;
+  backend_->Synchronize();
+  if (host_ != nullptr) backend_->FreeHost(host_);
+  for (void* p : {static_cast<void*>(device_), static_cast<void*>(device_tables_),
+                  static_cast<void*>(device_tokens_)}) {
+    if (p != nullptr) backend_->Free(p);
+  }
+}
+
+StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(Model* model,
+                                                           const kernels::KvCacheLayout& layout,
+                                                           void* pool,
+                                                           const RunnerOptions& options) {
+  const ModelConfig& c = model->config();
+  const bool layout_matches = c.is_mla() ? layout.is_mla() && layout.num_layers == c.num_layers &&
+                                               layout.kv_lora_rank == c.kv_lora_rank &&
+                                               layout.rope_dim() == c.qk_rope_head_dim
+                                         : !layout.is_mla() && layout.num_layers == c.num_layers &&
+                                               layout.num_kv_heads == c.num_kv_heads &&
+                                               layout.head_dim == c.head_dim;
+  if (!layout_matches) return Status::InvalidArgument("KV layout does not match the model");
+  if (options.max_num_batched_tokens < 1 || options.max_num_seqs < 1 || options.max_model_len < 1) {
+    return Status::InvalidArgument("model runner limits must be >= 1");
+  }
+  std::unique_ptr<ModelRunner> r(new ModelRunner());
+  r->model_ = model;
+  r->backend_ = model->backend();
+  r->layout_ = layout;
+  r->pool_ = pool;
+  r->options_ = options;
+  r->table_width_ = (options.max_model_len + layout.block_size - 1) / layout.block_size;
+  r->table_rows_ = options.max_num_seqs;
+  const int64_t T = options.max_num_batched_tokens, S = options.max_num_seqs;
+  // Token rows: the budget, or a decode batch padded to its bucket. Logits
+  // rows: as many (every token of a batch given whole has them).
+  r->max_rows_ = std::max(T, Bucket(S));
+  const int64_t R = r->max_rows_;
+  PDSERVE_RETURN_IF_ERROR(
+      model->Reserve(r->max_rows_, R, Bucket(S), r->table_width_, layout.block_size));
+  const Staged st = StagedLayout(r->max_rows_, Bucket(S), R, r->table_rows_ * r->table_width_);
+  r->staged_ = st;
+  r->bytes_ = st.end;
+  kernels::Backend* b = r->backend_;
+  r->host_ = static_cast<uint8_t*>(b->AllocateHost(st.end));
+  r->device_ = static_cast<uint8_t*>(b->Allocate(st.inputs_end));
+  r->device_tables_ =
+      static_cast<int32_t*>(b->Allocate(r->table_rows_ * r->table_width_ * sizeof(int32_t)));
+  r->device_tokens_ = static_cast<int32_t*>(b->Allocate(R * sizeof(int32_t)));
+  if (r->host_ == nullptr || r->device_ == nullptr || r->device_tables_ == nullptr ||
+      r->device_tokens_ == nullptr) {
+    return Status::ResourceExhausted("model runner: out of memory for the step's inputs");
+  }
+  // Every table entry valid from the start (block 0), so that a padding
+  // row's table can be read whatever row it names.
+  std::vector<int32_t> zeros(r->table_rows_ * r->table_width_, 0);
+  b->Upload(r->device_tables_, zeros.data(), zeros.size() * sizeof(int32_t));
+  r->sent_.assign(r->table_rows_, std::vector<int32_t>(r->table_width_, 0));
+  r->row_owner_.assign(r->table_rows_, 0);
+  r->row_used_.assign(r->table_rows_, 0);
+  r->row_taken_.assign(r->table_rows_, false);
+  r->graphs_enabled_ = options.graphs == GraphMode::kAlways ||
+                       (options.graphs == GraphMode::kAuto && b->CapturesGraphs());
+  if (r->graphs_enabled_ && model->has_sparse_layers() && options.graphs != GraphMode::kAlways) {
+    // The sparse FFN reads its per-expert row counts back (kernels/backend.h).
+    PDSERVE_LOG(INFO) << "model runner: decode steps of a sparse model run without graphs";
+    r->graphs_enabled_ = false;
+  }
+  return r;
+}
+
+Status ModelRunner::AssignTableRows(std::span<const ScheduledSeq> step, int32_t* rows) {
+  const Staged& st = staged_;
+  auto* updates = reinterpret_cast<int32_t*>(host_ + st.table_updates);
+  int64_t staged = 0;
+  for (size_t i = 0; i < step.size(); ++i) {
+    const ScheduledSeq& s = step[i];
+    auto found = row_of_.find(s.id);
+    int32_t row;
+    if (found != row_of_.end()) {
+      row = found->second;
+    } else {
+      // A free row, else the one used longest ago by a request not in this
+      // step (finished, preempted or waiting: it sends its table again).
+      row = -1;
+      for (int64_t r = 0; r < table_rows_; ++r) {
+        if (!row_taken_[r]) {
+          row = static_cast<int32_t>(r);
+          break;
+        }
+        if (row_used_[r] < step_ && (row < 0 || row_used_[r] < row_used_[row])) {
+          row = static_cast<int32_t>(r);
+        }
+      }
+      if (row < 0) return Status::Internal("model runner: no block table row is free");
+      if (row_taken_[row]) row_of_.erase(row_owner_[row]);
+      row_taken_[row] = true;
+      row_owner_[row] = s.id;
+      row_of_[s.id] = row;
+    }
+    row_used_[row] = step_;
+    rows[i] = row;
+    // Send the entries from the first that changed; the rest of the row
+    // keeps what it had (entries past the table are never read).
+    std::vector<int32_t>& sent = sent_[row];
+    const auto n = static_cast<int64_t>(s.blocks.size());
+    int64_t from = 0;
+    while (from < n && sent[from] == static_cast<int32_t>(s.blocks[from])) ++from;
+    if (from == n) continue;
+    for (int64_t j = from; j < n; ++j) {
+      sent[j] = static_cast<int32_t>(s.blocks[j]);
+      updates[staged + j - from] = sent[j];
+    }
+    backend_->UploadAsync(device_tables_ + row * table_width_ + from, updates + staged,
+                          (n - from) * sizeof(int32_t));
+    staged += n - from;
+  }
+  return Status::Ok();
+}
+
+StatusOr<std::vector<SampledToken>> ModelRunner::Execute(std::span<const ScheduledSeq> step) {
+  const ModelConfig& c = model_->config();
+  const auto S = static_cast<int64_t>(step.size());
+  int64_t T = 0, R = 0;
+  bool decode = S > 0;
+  for (const ScheduledSeq& s : step) {
+    if (s.num_new < 1 || s.num_computed + s.num_new > static_cast<int64_t>(s.tokens.size()) ||
+        (s.num_computed + s.num_new + layout_.block_size - 1) / layout_.block_size >
+            static_cast<int64_t>(s.blocks.size()) ||
+        static_cast<int64_t>(s.blocks.size()) > table_width_) {
+      return Status::InvalidArgument("model runner: sequence " + std::to_string(s.id) +
+                                     " does not fit its blocks or the runner's limits");
+    }
+    T += s.num_new;
+    R += s.sample ? 1 : 0;
+    decode &= s.num_new == 1;
+  }
+  if (S == 0) return std::vector<SampledToken>{};
+  if (S > options_.max_num_seqs || T > options_.max_num_batched_tokens) {
+    return Status::InvalidArgument("model runner: a step of " + std::to_string(T) + " tokens and " +
+                                   std::to_string(S) + " sequences is past the runner's limits");
+  }
+  ++step_;
+  const int64_t bucket = Bucket(S);
+  const bool graph = graphs_enabled_ && decode;
+  const int64_t rows = graph ? bucket : T, seqs = graph ? bucket : S;
+  const Staged& st = staged_;
+  auto* slots = reinterpret_cast<int64_t*>(host_ + st.slots);
+  auto* ids = reinterpret_cast<int32_t*>(host_ + st.ids);
+  auto* positions = reinterpret_cast<int32_t*>(host_ + st.positions);
+  auto* query_start = reinterpret_cast<int32_t*>(host_ + st.query_start);
+  auto* context_lens = reinterpret_cast<int32_t*>(host_ + st.context_lens);
+  auto* table_rows = reinterpret_cast<int32_t*>(host_ + st.table_rows);
+  auto* logits_rows = reinterpret_cast<int32_t*>(host_ + st.logits_rows);
+  const int64_t B = layout_.block_size;
+  int64_t t = 0, r = 0;
+  query_start[0] = 0;
+  int64_t max_context = 0, max_query = 0;
+  for (int64_t i = 0; i < S; ++i) {
+    const ScheduledSeq& s = step[i];
+    for (int64_t j = 0; j < s.num_new; ++j, ++t) {
+      const int64_t pos = s.num_computed + j;
+      const TokenId id = s.tokens[pos];
+      if (id < 0 || id >= c.vocab_size) {
+        return Status::InvalidArgument("token id " + std::to_string(id) +
+                                       " is outside the vocabulary of " +
+                                       std::to_string(c.vocab_size));
+      }
+      ids[t] = id;
+      positions[t] = static_cast<int32_t>(pos);
+      slots[t] = static_cast<int64_t>(s.blocks[pos / B]) * B + pos % B;
+    }
+    query_start[i + 1] = static_cast<int32_t>(t);
+    context_lens[i] = static_cast<int32_t>(s.num_computed + s.num_new);
+    max_context = std::max(max_context, s.num_computed + s.num_new);
+    max_query = std::max(max_query, s.num_new);
+    if (!graph && s.sample) logits_rows[r++] = static_cast<int32_t>(t - 1);
+  }
+  PDSERVE_RETURN_IF_ERROR(AssignTableRows(step, table_rows));
+  if (graph) {
+    // Padding rows up to the bucket: no KV written (slot -1), no keys.
+    for (int64_t i = S; i < bucket; ++i) {
+      ids[i] = 0;
+      positions[i] = 0;
+      slots[i] = -1;
+      query_start[i + 1] = static_cast<int32_t>(i + 1);
+      context_lens[i] = 0;
+      table_rows[i] = 0;
+    }
+    for (int64_t i = 0; i < bucket; ++i) logits_rows[i] = static_cast<int32_t>(i);
+  }
+  Run(rows, seqs, graph ? bucket : R, graph ? 1 : max_query, graph ? table_width_ * B : max_context,
+      graph);
+
+  // Sampling. Row k of the logits is the k-th sampled sequence (with a
+  // graph, row i is sequence i).
+  std::vector<SampledToken> out;
+  const int64_t logit_rows = graph ? bucket : R;
+  const bool all_greedy = std::all_of(step.begin(), step.end(), [](const ScheduledSeq& s) {
+    return !s.sample || (s.params->temperature == 0 && !s.params->logprobs);
+  });
+  std::vector<int32_t> argmax(logit_rows);
+  backend_->DownloadAsync(argmax.data(), device_tokens_, logit_rows * sizeof(int32_t));
+  const int64_t V = c.vocab_size;
+  if (!all_greedy) {
+    logits_.resize(static_cast<size_t>(logit_rows * V));
+    backend_->DownloadAsync(logits_.data(), model_->logits(logit_rows).data,
+                            logits_.size() * sizeof(float));
+  }
+  backend_->Synchronize();
+  int64_t k = 0;
+  for (int64_t i = 0; i < S; ++i) {
+    const ScheduledSeq& s = step[i];
+    if (!s.sample) continue;
+    const int64_t row = graph ? i : k;
+    ++k;
+    if (s.params->temperature == 0 && !s.params->logprobs) {
+      SampledToken greedy;
+      greedy.token = argmax[row];  // what SampleToken gives at temperature 0
+      out.push_back(std::move(greedy));
+    } else {
+      const std::span<const float> logits(logits_.data() + row * V, static_cast<size_t>(V));
+      out.push_back(SampleToken(logits, *s.params, s.seed, s.output_index));
+    }
+  }
+  return out;
+}
+
+Status ModelRunner::Forward(const ForwardBatch& batch, float* logits) {
+  const ModelConfig& c = model_->config();
+  const int64_t T = batch.num_tokens, S = batch.attention.num_seqs, R = batch.num_logits;
+  if (T <= 0 || S <= 0) return Status::InvalidArgument("forward: empty batch");
+  if (T > options_.max_num_batched_tokens || S > table_rows_ || R > max_rows_ ||
+      batch.attention.max_blocks_per_seq > table_width_) {
+    return Status::InvalidArgument("forward: a batch of " + std::to_string(T) + " tokens and " +
+                                   std::to_string(S) +
+                                   " sequences is past the model runner's limits");
+  }
+  for (int64_t t = 0; t < T; ++t) {
+    if (batch.token_ids[t] < 0 || batch.token_ids[t] >= c.vocab_size) {
+      return Status::InvalidArgument("token id " + std::to_string(batch.token_ids[t]) +
+                                     " is outside the vocabulary of " +
+                                     std::to_string(c.vocab_size));
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    if (batch.logits_rows[r] < 0 || batch.logits_rows[r] >= T) {
+      return Status::InvalidArgument("forward: logits row out of range");
+    }
+  }
+  ++step_;
+  const Staged& st = staged_;
+  std::memcpy(host_ + st.slots, batch.slots, T * 8);
+  std::memcpy(host_ + st.ids, batch.token_ids, T * 4);
+  std::memcpy(host_ + st.positions, batch.positions, T * 4);
+  std::memcpy(host_ + st.query_start, batch.attention.query_start, (S + 1) * 4);
+  std::memcpy(host_ + st.context_lens, batch.attention.context_lens, S * 4);
+  if (R > 0) std::memcpy(host_ + st.logits_rows, batch.logits_rows, R * 4);
+  // The batch's tables go to rows [0, S), which no request holds any more.
+  auto* rows = reinterpret_cast<int32_t*>(host_ + st.table_rows);
+  auto* updates = reinterpret_cast<int32_t*>(host_ + st.table_updates);
+  const int64_t width = batch.attention.max_blocks_per_seq;
+  int64_t max_context = 0, max_query = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    rows[s] = static_cast<int32_t>(s);
+    if (row_taken_[s]) row_of_.erase(row_owner_[s]);
+    row_taken_[s] = false;
+    const int32_t* table = batch.attention.block_tables + s * width;
+    std::copy(table, table + width, sent_[s].begin());
+    std::copy(table, table + width, updates + s * width);
+    backend_->UploadAsync(device_tables_ + s * table_width_, updates + s * width,
+                          width * sizeof(int32_t));
+    max_context = std::max<int64_t>(max_context, batch.attention.context_lens[s]);
+    max_query = std::max<int64_t>(
+        max_query, batch.attention.query_start[s + 1] - batch.attention.query_start[s]);
+  }
+  Run(T, S, R, max_query, max_context, /*graph=*/false);
+  if (R > 0) backend_->DownloadAsync(logits, model_->logits(R).data, R * c.vocab_size * 4);
+  backend_->Synchronize();
+  return Status::Ok();
+}
+
+void ModelRunner::Run(int64_t tokens, int64_t seqs, int64_t logits, int64_t max_query_len,
+                      int64_t max_context_len, bool graph) {
+  const Staged& st = staged_;
+  // One stream-ordered copy of every input; the host buffer is not touched
+  // again before the step's results are read back (a synchronisation).
+  backend_->UploadAsync(device_, host_, st.inputs_end);
+  auto queue = [this, st, tokens, seqs, logits, max_query_len, max_context_len]() {
+    kernels::AttentionPlan plan;
+    plan.layout = layout_;
+    plan.pool = pool_;
+    plan.num_heads = model_->config().num_heads;
+    plan.batch.num_seqs = seqs;
+    plan.batch.query_start = reinterpret_cast<const int32_t*>(device_ + st.query_start);
+    plan.batch.context_lens = reinterpret_cast<const int32_t*>(device_ + st.context_lens);
+    plan.batch.block_tables = device_tables_;
+    plan.batch.table_rows = reinterpret_cast<const int32_t*>(device_ + st.table_rows);
+    plan.batch.max_blocks_per_seq = table_width_;
+    plan.batch.num_tokens = tokens;
+    plan.max_query_len = max_query_len;
+    plan.max_context_len = max_context_len;
+    backend_->PlanAttention(&plan);
+    StepInputs in;
+    in.num_tokens = tokens;
+    in.token_ids = reinterpret_cast<const int32_t*>(device_ + st.ids);
+    in.positions = reinterpret_cast<const int32_t*>(device_ + st.positions);
+    in.slots = reinterpret_cast<const int64_t*>(device_ + st.slots);
+    in.num_logits = logits;
+    in.logits_rows = reinterpret_cast<const int32_t*>(device_ + st.logits_rows);
+    model_->Forward(in, plan);
+    if (logits > 0) backend_->ArgMaxRows(model_->logits(logits), device_tokens_);
+  };
+  if (!graph) {
+    queue();
+    return;
+  }
+  if (graphs_generation_ != model_->scratch_generation()) {
+    graphs_.clear();  // captured on scratch the model has since moved
+    graphs_generation_ = model_->scratch_generation();
+  }
+  auto found = graphs_.find(tokens);
+  if (found == graphs_.end()) {
+    std::unique_ptr<kernels::Backend::Graph> g = backend_->CaptureGraph(queue);
+    if (g == nullptr) {
+      PDSERVE_LOG(WARN) << "model runner: capturing a decode step of " << tokens
+                        << " rows failed; decode steps run without graphs";
+      graphs_enabled_ = false;
+      graphs_.clear();
+      queue();
+      return;
+    }
+    found = graphs_.emplace(tokens, std::move(g)).first;
+  }
+  backend_->ReplayGraph(*found->second);
+  ++graph_replays_;
+}
+
+}  // namespace pdserve

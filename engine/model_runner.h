@@ -1,0 +1,159 @@
+// The model runner: turns one scheduled step into device work on one
+// backend and its sampled tokens (vLLM's model runner; the scheduler is
+// engine.h, the devices the executor, engine/executor.h).
+//
+// What it keeps on the device from step to step, sized once at creation:
+//  - the step's inputs (token ids, positions, KV slots, sequence bounds,
+//    logits rows), staged in one page-locked host buffer and sent with one
+//    stream-ordered copy into static device buffers;
+//  - persistent block tables: one row per running sequence, of which a step
+//    sends only the entries that changed (a decode step: a new block now and
+//    then, not the whole table);
+//  - graphs (GraphMode): decode steps of a batch-size bucket (1, 2, 4, ...,
+//    up to max_num_seqs) are captured once and replayed, reading their
+//    inputs from the static buffers; a batch is padded up to its bucket with
+//    rows that write no KV and attend to nothing.
+// Sampling is a pure function of (logits, params, seed, output index)
+// (engine/sampler.h): greedy rows take their argmax on the backend, so only
+// token ids come back; the others download their logits rows and sample on
+// the host. So preemption, batching, padding and graphs never change tokens.
+//
+// Thread safety: none; one engine thread drives a runner.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <unordered_map>
+#include <vector>
+
+#include "common/block_hash.h"  // TokenId
+#include "common/status.h"
+#include "engine/model.h"
+#include "engine/sampler.h"
+
+namespace pdserve {
+
+// Graph capture of decode steps: kAuto on backends where replaying saves
+// launch work (CUDA); kAlways runs the same lifecycle on any backend (the
+// CPU replays by running the ops again), so that tests check the runner's
+// static inputs; kOff runs every step eagerly.
+enum class GraphMode { kOff, kAuto, kAlways };
+
+struct RunnerOptions {
+  int64_t max_num_batched_tokens = 512;  // tokens of the largest step
+  int64_t max_num_seqs = 64;             // sequences of the largest step
+  int64_t max_model_len = 0;             // longest sequence (block table width)
+  GraphMode graphs = GraphMode::kAuto;
+};
+
+// One sequence of a step, as the scheduler hands it over. The spans stay
+// valid until Execute returns.
+struct ScheduledSeq {
+  uint64_t id = 0;                   // request id: keys the persistent table row
+  std::span<const TokenId> tokens;   // prompt, then every generated token
+  int64_t num_computed = 0;          // tokens whose KV is in the pool
+  int64_t num_new = 0;               // this step computes [num_computed, + num_new)
+  std::span<const uint32_t> blocks;  // block table (BlockId), covering them all
+  bool sample = false;               // the last new token's logits give a token
+  const SamplingParams* params = nullptr;
+  uint64_t seed = 0;          // resolved seed (ResolveSeed)
+  uint64_t output_index = 0;  // which output token this is, 0 first
+};
+
+// A batch given whole (text evaluation, tests): host arrays. Token t has id
+// token_ids[t], position positions[t] and its K/V goes to KV slot slots[t]
+// (block * block_size + offset). `attention` groups the tokens by sequence
+// (kernels/step.h; its arrays host memory). Logits are produced for the
+// rows listed in logits_rows, in that order.
+struct ForwardBatch {
+  int64_t num_tokens = 0;
+  const int32_t* token_ids = nullptr;
+  const int32_t* positions = nullptr;
+  const int64_t* slots = nullptr;
+  kernels::AttentionBatch attention;
+  int64_t num_logits = 0;
+  const int32_t* logits_rows = nullptr;
+};
+
+class ModelRunner {
+ public:
+  // A runner of `model` over the KV pool at `pool` (backend memory, laid out
+  // as `layout`), which both outlive it. Sizes the model's scratch, its own
+  // static buffers and the backend's for the largest step `options` allow.
+  static StatusOr<std::unique_ptr<ModelRunner>> Create(Model* model,
+                                                       const kernels::KvCacheLayout& layout,
+                                                       void* pool, const RunnerOptions& options);
+  ~ModelRunner();
+  ModelRunner(const ModelRunner&) = delete;
+  ModelRunner& operator=(const ModelRunner&) = delete;
+
+  // Runs one step: the new tokens of every sequence, then a sampled token
+  // for each sequence with `sample` set, in order. InvalidArgument for a
+  // step past the runner's limits or a token outside the vocabulary.
+  StatusOr<std::vector<SampledToken>> Execute(std::span<const ScheduledSeq> step);
+
+  // Runs a batch given whole, its logits [num_logits, vocab] into host
+  // memory `logits`; its block tables take the first rows of the
+  // persistent table (sequences of later Execute calls send theirs again).
+  Status Forward(const ForwardBatch& batch, float* logits);
+
+  // Steps replayed from a graph and graphs captured so far (for tests and logs).
+  int64_t graph_replays() const { return graph_replays_; }
+  int64_t graphs_captured() const { return static_cast<int64_t>(graphs_.size()); }
+
+ private:
+  // Offsets of the step's arrays in the staging buffer and in the static
+  // device buffer (laid out alike, sized for the runner's limits).
+  struct Staged {
+    size_t slots = 0, ids = 0, positions = 0, query_start = 0, context_lens = 0;
+    size_t table_rows = 0, logits_rows = 0;
+    size_t inputs_end = 0;     // what one copy sends each step
+    size_t table_updates = 0;  // host only: block table entries to send
+    size_t end = 0;
+  };
+  ModelRunner() = default;
+  static Staged StagedLayout(int64_t tokens, int64_t seqs, int64_t logits, int64_t table_entries);
+  // Rows of the persistent block table for this step's sequences, sending
+  // the entries that changed; -1 when no row is free (cannot happen within
+  // the limits).
+  Status AssignTableRows(std::span<const ScheduledSeq> step, int32_t* rows);
+  // Sends the staged inputs and queues a step of `tokens` tokens, `seqs`
+  // sequences and `logits` logits rows (greedy ids of every row included),
+  // from a graph of its bucket when `graph`.
+  void Run(int64_t tokens, int64_t seqs, int64_t logits, int64_t max_query_len,
+           int64_t max_context_len, bool graph);
+
+  Model* model_ = nullptr;
+  kernels::Backend* backend_ = nullptr;
+  kernels::KvCacheLayout layout_;
+  void* pool_ = nullptr;
+  RunnerOptions options_;
+  Staged staged_;
+  int64_t max_rows_ = 0;     // token rows of the largest step, padding included
+  int64_t table_width_ = 0;  // max blocks per sequence
+  int64_t table_rows_ = 0;   // rows of the persistent table
+  // Host staging (page-locked where the backend has such memory) and the
+  // static device buffers it is copied into, laid out alike.
+  uint8_t* host_ = nullptr;
+  uint8_t* device_ = nullptr;
+  size_t bytes_ = 0;
+  int32_t* device_tables_ = nullptr;  // [table_rows_][table_width_]
+  int32_t* device_tokens_ = nullptr;  // sampled ids [max rows]
+  // The persistent table on the host: row contents as sent, and which
+  // request holds each row (with the step it was last used in).
+  std::vector<std::vector<int32_t>> sent_;
+  std::vector<uint64_t> row_owner_;
+  std::vector<uint64_t> row_used_;
+  std::vector<bool> row_taken_;
+  std::unordered_map<uint64_t, int32_t> row_of_;
+  uint64_t step_ = 0;
+  // Graphs by bucket (batch size), and the model scratch they were captured on.
+  std::unordered_map<int64_t, std::unique_ptr<kernels::Backend::Graph>> graphs_;
+  uint64_t graphs_generation_ = 0;
+  bool graphs_enabled_ = false;
+  int64_t graph_replays_ = 0;
+  std::vector<float> logits_;  // host copy of sampled rows' logits
+};
+
+}  // namespace pdserve

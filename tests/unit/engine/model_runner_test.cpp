@@ -1,0 +1,187 @@
+// The model runner (engine/model_runner.h) on the CPU backend: decode steps
+// replayed from graphs (GraphMode::kAlways runs the capture lifecycle on the
+// CPU, replaying by running the ops again) read every input from the
+// runner's static buffers and persistent block tables, so they must give the
+// tokens of steps run eagerly, whatever the batch (padded to its bucket),
+// the sequences coming and going (table rows reused), preemption and seeded
+// sampling. A runner that left one input stale would change tokens here.
+#include "engine/model_runner.h"
+
+#include <gtest/gtest.h>
+
+#include <map>
+#include <numeric>
+#include <random>
+
+#include "engine/engine.h"
+#include "engine/kv_cache.h"
+#include "tests/support/test_models.h"
+
+namespace pdserve {
+namespace {
+
+std::vector<TokenId> Prompt(int n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<TokenId> p(n);
+  for (auto& t : p) t = static_cast<TokenId>(rng() % 512);
+  return p;
+}
+
+// One sequence driven by hand: its tokens and its blocks.
+struct Seq {
+  uint64_t id;
+  std::vector<TokenId> tokens;
+  int64_t computed = 0;
+  std::vector<uint32_t> blocks;
+  SamplingParams params;
+};
+
+// A runner over its own pool, with `graphs`, and the blocks it hands out.
+struct Rig {
+  std::unique_ptr<KvCachePool> pool;
+  std::unique_ptr<ModelRunner> runner;
+  uint32_t next_block = 0;
+
+  explicit Rig(GraphMode graphs) {
+    Model* model = testing::TinyCpuModel();
+    auto p = KvCachePool::Create(model->backend(), model->config(), DType::kF32, 16, 4 << 20);
+    EXPECT_TRUE(p.ok()) << p.status().ToString();
+    pool = std::move(*p);
+    RunnerOptions o;
+    o.max_num_batched_tokens = 64;
+    o.max_num_seqs = 8;
+    o.max_model_len = 256;
+    o.graphs = graphs;
+    auto r = ModelRunner::Create(model, pool->layout(), pool->base(), o);
+    EXPECT_TRUE(r.ok()) << r.status().ToString();
+    runner = std::move(*r);
+  }
+
+  // Runs every sequence's next tokens (the rest of its prompt, or one) and
+  // appends the sampled ones.
+  std::vector<TokenId> Step(std::vector<Seq>& seqs) {
+    std::vector<ScheduledSeq> step;
+    for (Seq& s : seqs) {
+      const int64_t n = static_cast<int64_t>(s.tokens.size()) - s.computed;
+      while (static_cast<int64_t>(s.blocks.size()) * 16 < s.computed + n) {
+        s.blocks.push_back(next_block++);
+      }
+      ScheduledSeq x;
+      x.id = s.id;
+      x.tokens = s.tokens;
+      x.num_computed = s.computed;
+      x.num_new = n;
+      x.blocks = s.blocks;
+      x.sample = true;
+      x.params = &s.params;
+      x.seed = 1000 + s.id;
+      x.output_index = s.tokens.size();
+      step.push_back(x);
+    }
+    auto sampled = runner->Execute(step);
+    EXPECT_TRUE(sampled.ok()) << sampled.status().ToString();
+    std::vector<TokenId> out;
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      seqs[i].computed = static_cast<int64_t>(seqs[i].tokens.size());
+      seqs[i].tokens.push_back((*sampled)[i].token);
+      out.push_back((*sampled)[i].token);
+    }
+    return out;
+  }
+};
+
+TEST(ModelRunnerTest, DecodeStepsReplayedFromGraphsGiveTheEagerTokens) {
+  Rig eager(GraphMode::kOff), graphs(GraphMode::kAlways);
+  auto make = [](uint64_t id, int prompt, bool sampled) {
+    Seq s{id, Prompt(prompt, static_cast<uint32_t>(id)), 0, {}, {}};
+    s.params.temperature = sampled ? 0.8f : 0.0f;
+    s.params.ignore_eos = true;
+    return s;
+  };
+  std::vector<Seq> a = {make(1, 5, false), make(2, 17, true), make(3, 9, false)};
+  std::vector<Seq> b = a;
+  for (int step = 0; step < 40; ++step) {
+    if (step == 12) {  // a sequence leaves: two remain (bucket 2)
+      a.erase(a.begin());
+      b.erase(b.begin());
+    }
+    if (step == 20) {  // a new one comes (its prefill eager), then five (bucket 8)
+      for (uint64_t id : {4, 5, 6}) {
+        a.push_back(make(id, 3 + static_cast<int>(id), id % 2 == 0));
+        b.push_back(a.back());
+      }
+    }
+    ASSERT_EQ(graphs.Step(b), eager.Step(a)) << "step " << step;
+  }
+  EXPECT_EQ(eager.runner->graph_replays(), 0);
+  // Decode steps of buckets 4, 2 and 8; prefill steps run eagerly.
+  EXPECT_EQ(graphs.runner->graphs_captured(), 3);
+  EXPECT_EQ(graphs.runner->graph_replays(), 40 - 2);
+}
+
+TEST(ModelRunnerTest, StepsPastTheLimitsAreRefused) {
+  Rig rig(GraphMode::kOff);
+  std::vector<Seq> seqs;
+  for (uint64_t id = 1; id <= 9; ++id) seqs.push_back({id, Prompt(2, 1), 0, {}, {}});
+  std::vector<ScheduledSeq> step;
+  for (Seq& s : seqs) {
+    s.blocks = {rig.next_block++};
+    ScheduledSeq x;
+    x.id = s.id;
+    x.tokens = s.tokens;
+    x.num_new = 2;
+    x.blocks = s.blocks;
+    step.push_back(x);
+  }
+  auto r = rig.runner->Execute(step);  // 9 sequences, 8 allowed
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  step.resize(1);
+  step[0].blocks = {};  // no block for its tokens
+  r = rig.runner->Execute(step);
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+}
+
+// The whole engine with graphs against the same engine without: mixed
+// greedy and seeded requests of different lengths, batches that shrink as
+// requests finish, and a pool small enough to preempt.
+TEST(ModelRunnerTest, EngineWithGraphsGivesTheTokensOfTheEagerEngine) {
+  auto run = [](GraphMode graphs) {
+    EngineOptions o;
+    o.kv_cache_bytes = 8 * (8 << 10);  // 8 blocks of the tiny model: preemption
+    o.graphs = graphs;
+    auto e = Engine::Create(testing::TinyCpuModel(), o);
+    EXPECT_TRUE(e.ok()) << e.status().ToString();
+    for (int i = 0; i < 5; ++i) {
+      EngineRequest r;
+      r.id = i + 1;
+      r.prompt = Prompt(20 + 7 * i, 50 + i);
+      r.params.max_tokens = 10 + 6 * i;
+      r.params.ignore_eos = true;
+      r.params.temperature = i % 2 == 0 ? 0.0f : 0.9f;
+      r.params.seed = 11 + i;
+      EXPECT_TRUE((*e)->AddRequest(std::move(r)).ok());
+    }
+    std::map<RequestId, std::vector<TokenId>> out;
+    for (int guard = 0; (*e)->HasUnfinished() && guard < 10000; ++guard) {
+      auto step = (*e)->Step();
+      EXPECT_TRUE(step.ok()) << step.status().ToString();
+      if (!step.ok()) break;
+      for (const auto& o : *step) {
+        out[o.id].insert(out[o.id].end(), o.new_token_ids.begin(), o.new_token_ids.end());
+      }
+    }
+    EXPECT_GT((*e)->GetStats().num_preemptions, 0u);
+    return out;
+  };
+  const auto eager = run(GraphMode::kOff);
+  const auto graphs = run(GraphMode::kAlways);
+  ASSERT_EQ(eager.size(), 5u);
+  for (const auto& [id, tokens] : eager) {
+    EXPECT_EQ(graphs.at(id), tokens) << "request " << id;
+    EXPECT_EQ(tokens.size(), static_cast<size_t>(10 + 6 * (id - 1)));
+  }
+}
+
+}  // namespace
+}  // namespace pdserve
