@@ -1,4 +1,4 @@
-// Prefix block hashing, spec v1 (ARCHITECTURE.md section 4).
+// Prefix block hashing, spec v1 (docs/architecture.md section 4).
 //
 // The router and every worker must compute the same 64-bit hash for the same
 // block of the same prompt, bit for bit:

@@ -7,7 +7,7 @@
 // cached block hashes (a commit, an allocation that evicted, an explicit
 // eviction, a reset). Batches are numbered 1, 2, 3, ... per engine, with no
 // gaps; the worker drains them and publishes them in order as `KvEvents`
-// messages (ARCHITECTURE.md section 5). A router that applies every batch in
+// messages (docs/architecture.md section 5). A router that applies every batch in
 // order to a set of hashes (ApplyKvEventBatch) holds exactly the engine's
 // cached-hash set. After a gap or a reconnect it asks for a snapshot
 // (KvCacheSnapshot) and then applies only the batches numbered above the

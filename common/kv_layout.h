@@ -8,7 +8,7 @@
 // MLA) and latent widths, KV heads, head dimension, tokens per block,
 // in-block layout, bytes per block, pool memory and transfer backend. A mismatch would not
 // crash anything; it would silently produce garbage attention. So the transfer
-// handshake compares layouts (ARCHITECTURE.md section 5) and refuses a peer
+// handshake compares layouts (docs/architecture.md section 5) and refuses a peer
 // with a message that names every differing field:
 //   "KV layout mismatch: kv_dtype: fp16 here, fp8 on peer"
 //

@@ -1,4 +1,4 @@
-// Prometheus helpers shared by every pdserve process (ARCHITECTURE.md section 8).
+// Prometheus helpers shared by every pdserve process (docs/architecture.md section 8).
 //
 // Metric names carry the `pdserve_` prefix and base units; counters end in
 // `_total`. Histogram buckets follow vLLM's where a counterpart exists, so

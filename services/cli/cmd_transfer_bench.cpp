@@ -1,4 +1,4 @@
-// pdserve transfer-bench: the name ARCHITECTURE.md section 9 lists; the same
+// pdserve transfer-bench: the name docs/architecture.md section 9 lists; the same
 // command as `pdserve bench transfer`.
 #include "services/cli/command.h"
 

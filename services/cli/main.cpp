@@ -1,4 +1,4 @@
-// pdserve: one binary, many commands (ARCHITECTURE.md section 9).
+// pdserve: one binary, many commands (docs/architecture.md section 9).
 #include <algorithm>
 #include <cstdio>
 #include <string>

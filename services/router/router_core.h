@@ -11,7 +11,7 @@
 // numbers and this router's accounting each undercount, so the policy sees
 // the larger of the two.
 //
-// Conditional disaggregation (ARCHITECTURE.md section 3): the decode worker D
+// Conditional disaggregation (docs/architecture.md section 3): the decode worker D
 // is chosen first among decode|both workers (its own overlap and load); if the
 // tokens D would compute exceed max_local_prefill and a prefill-role worker
 // exists, a prefill worker is chosen among them (cache affinity and load),

@@ -61,7 +61,7 @@ const char* FinishName(proto::FinishReason r) {
   }
 }
 
-// Router metrics (ARCHITECTURE.md section 8).
+// Router metrics (docs/architecture.md section 8).
 struct RouterMetrics {
   explicit RouterMetrics(prometheus::Registry& r)
       : requests(metrics::AddCounterFamily(r, "pdserve_router_requests_total",

@@ -1,4 +1,4 @@
-// The worker's Prometheus series (names as in ARCHITECTURE.md section 8), in
+// The worker's Prometheus series (names as in docs/architecture.md section 8), in
 // one place for the service shell and both sides of the KV hand-off.
 #pragma once
 

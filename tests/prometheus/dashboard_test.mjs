@@ -23,7 +23,7 @@ const dashboard = JSON.parse(fs.readFileSync(dashboardPath, 'utf8'));
 const panels = dashboard.panels.flatMap((p) => [p, ...(p.panels || [])]).filter((p) => p.type !== 'row');
 const targets = panels.flatMap((p) => p.targets.map((t) => ({ panel: p.title, ...t })));
 
-// Metric names fixed by ARCHITECTURE.md section 8 and the service issues.
+// Metric names fixed by docs/architecture.md section 8 and the service issues.
 const knownMetrics = new Set([
   'pdserve_prefix_cache_queries_tokens_total', 'pdserve_prefix_cache_hits_tokens_total',
   'pdserve_kv_cache_usage_ratio', 'pdserve_requests_running', 'pdserve_requests_waiting',

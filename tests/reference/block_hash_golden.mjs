@@ -1,4 +1,4 @@
-// Independent implementation of block hash spec v1 (ARCHITECTURE.md section 4)
+// Independent implementation of block hash spec v1 (docs/architecture.md section 4)
 // on top of the Rust xxHash port in @node-rs/xxhash, used to produce the golden
 // vectors in tests/unit/block_hash_test.cpp. Run: node block_hash_golden.mjs
 import { createRequire } from 'node:module';

@@ -1,5 +1,5 @@
 // The opening of every control connection: protocol version check and mutual
-// authentication with the cluster secret (ARCHITECTURE.md section 5).
+// authentication with the cluster secret (docs/architecture.md section 5).
 //
 // Both ends run the same exchange; they differ only in their side (the one
 // that opened the TCP connection is the initiator):
