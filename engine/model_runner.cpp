@@ -78,9 +78,11 @@ StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(Model* model,
   r->table_rows_ = options.max_num_seqs;
   const int64_t T = options.max_num_batched_tokens, S = options.max_num_seqs;
   // Token rows: the budget, or a decode batch padded to its bucket. Logits
-  // rows: as many (every token of a batch given whole has them).
+  // rows: one per sequence (a padded decode batch has its bucket's), or
+  // what the caller asks for.
   r->max_rows_ = std::max(T, Bucket(S));
-  const int64_t R = r->max_rows_;
+  r->max_logits_ = std::max(options.max_logits > 0 ? options.max_logits : S, Bucket(S));
+  const int64_t R = r->max_logits_;
   PDSERVE_RETURN_IF_ERROR(
       model->Reserve(r->max_rows_, R, Bucket(S), r->table_width_, layout.block_size));
   const Staged st = StagedLayout(r->max_rows_, Bucket(S), R, r->table_rows_ * r->table_width_);
@@ -275,7 +277,7 @@ Status ModelRunner::Forward(const ForwardBatch& batch, float* logits) {
   const ModelConfig& c = model_->config();
   const int64_t T = batch.num_tokens, S = batch.attention.num_seqs, R = batch.num_logits;
   if (T <= 0 || S <= 0) return Status::InvalidArgument("forward: empty batch");
-  if (T > options_.max_num_batched_tokens || S > table_rows_ || R > max_rows_ ||
+  if (T > options_.max_num_batched_tokens || S > table_rows_ || R > max_logits_ ||
       batch.attention.max_blocks_per_seq > table_width_) {
     return Status::InvalidArgument("forward: a batch of " + std::to_string(T) + " tokens and " +
                                    std::to_string(S) +

@@ -44,6 +44,9 @@ struct RunnerOptions {
   int64_t max_num_batched_tokens = 512;  // tokens of the largest step
   int64_t max_num_seqs = 64;             // sequences of the largest step
   int64_t max_model_len = 0;             // longest sequence (block table width)
+  // Logits rows of the largest step: 0, one per sequence (Execute); a batch
+  // given whole (Forward) may want one per token.
+  int64_t max_logits = 0;
   GraphMode graphs = GraphMode::kAuto;
 };
 
@@ -131,6 +134,7 @@ class ModelRunner {
   RunnerOptions options_;
   Staged staged_;
   int64_t max_rows_ = 0;     // token rows of the largest step, padding included
+  int64_t max_logits_ = 0;   // logits rows of the largest step, padding included
   int64_t table_width_ = 0;  // max blocks per sequence
   int64_t table_rows_ = 0;   // rows of the persistent table
   // Host staging (page-locked where the backend has such memory) and the

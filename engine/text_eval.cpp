@@ -74,6 +74,7 @@ StatusOr<std::unique_ptr<PagedSequenceRunner>> PagedSequenceRunner::Create(
   }
   RunnerOptions options;
   options.max_num_batched_tokens = max_step > 0 ? std::min(max_step, max_tokens) : max_tokens;
+  options.max_logits = options.max_num_batched_tokens;  // every token's
   options.max_num_seqs = 1;
   options.max_model_len = blocks * block_size;
   options.graphs = GraphMode::kOff;

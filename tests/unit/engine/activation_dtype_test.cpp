@@ -171,6 +171,7 @@ std::vector<float> PromptLogits(Model* model, const std::vector<TokenId>& prompt
   EXPECT_TRUE(pool.ok()) << pool.status().ToString();
   RunnerOptions o;
   o.max_num_batched_tokens = 64;
+  o.max_logits = 64;
   o.max_num_seqs = 1;
   o.max_model_len = 64;
   o.graphs = GraphMode::kOff;

@@ -44,6 +44,7 @@ class PagedRunner {
     pool_ = std::move(*pool);
     RunnerOptions options;
     options.max_num_batched_tokens = 512;
+    options.max_logits = 512;
     options.max_num_seqs = 1;
     options.max_model_len = pool_->num_blocks() * block_size;
     options.graphs = GraphMode::kOff;
