@@ -12,7 +12,7 @@ enum class DType : uint8_t {
   kF32,
   kF16,
   kBF16,
-  kFP8E4M3,  // KV cache only, with per-block-per-head scales
+  kFP8E4M3,  // KV cache (per-block-per-head scales) and FP8 weights (kernels/weights.h)
   kNvFp4,    // KV cache only: E2M1 values, an E4M3 scale per 16, per-block-per-head scales
   kFP8E5M2,  // KV cache only, with per-block-per-head scales
 };

@@ -39,6 +39,58 @@ class EagerGraph final : public Backend::Graph {
 
 }  // namespace
 
+Status CheckScaledParts(const WeightMatrix* parts, int count) {
+  for (int p = 0; p < count; ++p) {
+    const WeightMatrix& w = parts[p];
+    if (w.dtype != DType::kFP8E4M3) {
+      return Status::InvalidArgument(std::string(WeightSchemeName(w.scheme)) +
+                                     " weights must be fp8 e4m3, not " +
+                                     std::string(DTypeName(w.dtype)));
+    }
+    if (w.scales == nullptr) {
+      return Status::InvalidArgument(std::string(WeightSchemeName(w.scheme)) +
+                                     " weights without scales");
+    }
+    if (w.scheme == WeightScheme::kFp8Block &&
+        (w.block_rows <= 0 || w.block_cols <= 0 || w.block_rows != parts[0].block_rows ||
+         w.block_cols != parts[0].block_cols)) {
+      return Status::InvalidArgument(
+          "fp8-block weights need positive block sizes, the same for "
+          "every stacked matrix");
+    }
+  }
+  return Status::Ok();
+}
+
+StatusOr<LinearWeights> PrepareScaledParts(const WeightMatrix* parts, int count, const float* bias,
+                                           bool in_place, WeightStore* store) {
+  LinearWeights w;
+  w.cols = parts[0].cols;
+  w.num_parts = count;
+  for (int p = 0; p < count; ++p) {
+    w.parts[p] = parts[p];
+    w.rows += parts[p].rows;
+    if (in_place) continue;
+    // The codes, then the scales (4-byte aligned after them), in one piece.
+    const int64_t code_bytes = parts[p].rows * parts[p].cols;
+    const int64_t scales_at = (code_bytes + 63) / 64 * 64;
+    const int64_t n = parts[p].num_scales();
+    auto* mem = static_cast<uint8_t*>(store->Allocate(static_cast<size_t>(scales_at + n * 4)));
+    if (mem == nullptr) return Status::ResourceExhausted("out of memory for the weights");
+    store->backend()->Upload(mem, parts[p].data, static_cast<size_t>(code_bytes));
+    store->backend()->Upload(mem + scales_at, parts[p].scales, static_cast<size_t>(n * 4));
+    w.parts[p].data = mem;
+    w.parts[p].scales = reinterpret_cast<const float*>(mem + scales_at);
+  }
+  if (bias != nullptr && in_place) {
+    w.bias = bias;
+  } else if (bias != nullptr) {
+    w.bias = static_cast<const float*>(store->Upload(bias, static_cast<size_t>(w.rows) * 4));
+    if (w.bias == nullptr) return Status::ResourceExhausted("out of memory for a bias");
+  }
+  return w;
+}
+
 std::unique_ptr<Backend::Graph> Backend::CaptureGraph(const std::function<void()>& body) {
   return std::make_unique<EagerGraph>(body);
 }
@@ -63,9 +115,13 @@ StatusOr<LinearWeights> Backend::PrepareLinear(const WeightMatrix* parts, int co
     }
     w.rows += parts[p].rows;
   }
-  if (first.scheme != WeightScheme::kNone) {
+  if (first.scheme != WeightScheme::kNone && !SupportsWeightScheme(first.scheme)) {
     return Status::Unsupported("the " + name() + " backend does not compute " +
                                WeightSchemeName(first.scheme) + " weights");
+  }
+  if (first.scheme != WeightScheme::kNone) {
+    PDSERVE_RETURN_IF_ERROR(CheckScaledParts(parts, count));
+    return PrepareScaledParts(parts, count, bias, in_place && SharesHostMemory(), store);
   }
   if (first.dtype != DType::kF32 && first.dtype != DType::kBF16 && first.dtype != DType::kF16) {
     return Status::InvalidArgument(std::string("weights of dtype ") +

@@ -130,9 +130,11 @@ class Backend {
   // dtype it does not take converted to fp32; the bias likewise.
   // Unsupported naming the scheme for one SupportsWeightScheme refuses;
   // InvalidArgument for parts that do not stack; ResourceExhausted when
-  // memory runs out. The default serves the kNone scheme; a backend that
-  // computes a scaled scheme overrides it to lay out the scales its kernels
-  // read.
+  // memory runs out. The default serves every scheme: scaled parts stay
+  // parts, each with its codes and scales as given (in place, or copied
+  // with PrepareScaledParts); a backend whose kernels read another layout
+  // of the scales overrides it (CUDA packs the parts and makes per-tensor
+  // scales per channel).
   virtual StatusOr<LinearWeights> PrepareLinear(const WeightMatrix* parts, int count,
                                                 const float* bias, bool in_place,
                                                 WeightStore* store);
@@ -246,6 +248,16 @@ class Backend {
   // asked for them (benchmarks ask, serving does not).
   virtual void MoeFfn(const Tensor& x, const MoeWeights& w, const Tensor& out, MoeStats* stats) = 0;
 };
+
+// Shared by the PrepareLinear implementations: InvalidArgument unless every
+// part of a scaled scheme holds fp8 e4m3 codes with scales (and, for
+// kFp8Block, the same positive block sizes).
+Status CheckScaledParts(const WeightMatrix* parts, int count);
+// The parts of a scaled scheme as they are: in place (host memory that
+// outlives the weights, on a backend that reads it), else each part's codes
+// and scales copied into `store`; the bias likewise.
+StatusOr<LinearWeights> PrepareScaledParts(const WeightMatrix* parts, int count, const float* bias,
+                                           bool in_place, WeightStore* store);
 
 // Backend memory holding prepared weights (and anything else a model keeps
 // for its life), freed together when the store goes.

@@ -34,8 +34,24 @@ inline const char* WeightSchemeName(WeightScheme scheme) {
   return "?";
 }
 
+// How a backend that multiplies in fp8 (W8A8) scales the activations a
+// matrix multiplies: not at all (kNone: a weight-only checkpoint; the
+// activations stay in their dtype), from their own largest magnitude, per
+// token (row) or over the whole tensor (dynamic), or by the checkpoint's
+// calibrated `input_scale` (static). A backend that widens the weights
+// instead (weight-only: the CPU, GPUs without fp8 tensor cores) ignores it.
+// The scale of a dynamic row or tensor is its largest magnitude / 448 (1
+// when that is 0): ActivationScale.
+enum class ActivationScaling : uint8_t { kNone, kDynamicPerToken, kDynamicPerTensor, kStatic };
+
+inline float ActivationScale(float amax) { return amax > 0 ? amax / 448.0f : 1.0f; }
+
 // One stored matrix in the Hugging Face Linear layout: [rows = out
 // features, cols = in features], row-major elements of `dtype`.
+//
+// Scaled schemes store e4m3 codes (dtype kFP8E4M3, never the NaN codes
+// 0x7f / 0xff: the loader refuses them) and fp32 scales; element (r, c) is
+// E4M3Decode(code) * scale_at(r, c), the checkpoint's dequantisation.
 struct WeightMatrix {
   const void* data = nullptr;
   DType dtype = DType::kF32;
@@ -46,7 +62,29 @@ struct WeightMatrix {
   // (channel), or ceil(rows / block_rows) x ceil(cols / block_cols) row-major
   // (block). Null for kNone.
   const float* scales = nullptr;
-  int64_t block_rows = 0, block_cols = 0;  // kFp8Block
+  // kFp8Block: DeepSeek-V3's layout is 128 x 128; a loader that keeps a
+  // subset of a matrix's rows (MLA's per-head splits) makes 1 x 128.
+  int64_t block_rows = 0, block_cols = 0;
+  // Scaled schemes: the activations' scaling for W8A8, and the static scale.
+  ActivationScaling activation_scaling = ActivationScaling::kNone;
+  float input_scale = 0;
+
+  // Scales per row of blocks (kFp8Block).
+  int64_t scale_cols() const { return block_cols <= 0 ? 0 : (cols + block_cols - 1) / block_cols; }
+  // The scale of element (row, col); 1 for kNone.
+  float scale_at(int64_t row, int64_t col) const {
+    switch (scheme) {
+      case WeightScheme::kNone:
+        return 1.0f;
+      case WeightScheme::kFp8Tensor:
+        return scales[0];
+      case WeightScheme::kFp8Channel:
+        return scales[row];
+      case WeightScheme::kFp8Block:
+        return scales[row / block_rows * scale_cols() + col / block_cols];
+    }
+    return 1.0f;
+  }
 
   // The number of scales the scheme keeps.
   int64_t num_scales() const {
@@ -58,9 +96,9 @@ struct WeightMatrix {
       case WeightScheme::kFp8Channel:
         return rows;
       case WeightScheme::kFp8Block:
-        return block_rows <= 0 || block_cols <= 0 ? 0
-                                                  : ((rows + block_rows - 1) / block_rows) *
-                                                        ((cols + block_cols - 1) / block_cols);
+        return block_rows <= 0 || block_cols <= 0
+                   ? 0
+                   : (rows + block_rows - 1) / block_rows * scale_cols();
     }
     return 0;
   }

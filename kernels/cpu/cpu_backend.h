@@ -28,6 +28,9 @@ class CpuBackend final : public Backend {
   bool SupportsWeightDType(DType dtype) const override {
     return dtype == DType::kF32 || dtype == DType::kBF16 || dtype == DType::kF16;
   }
+  // The fp8 schemes too: the codes are read in place and widened in
+  // registers (kernels/cpu/gemv_fp8.h), fp32 activations (weight-only).
+  bool SupportsWeightScheme(WeightScheme) const override { return true; }
   int threads() const { return pool_.threads(); }
   SimdLevel simd_level() const { return simd_; }
 

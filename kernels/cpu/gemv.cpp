@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <vector>
 
+#include "kernels/cpu/gemv_fp8.h"
 #include "kernels/cpu/simd_loads.h"
 
 namespace pdserve::kernels {
@@ -244,6 +245,9 @@ void WidenRows(SimdLevel level, const void* src, int64_t count, float* out) {
 void LinearRows(SimdLevel level, const float* x, int64_t m, const WeightMatrix& w,
                 const float* bias, int64_t j_begin, int64_t j_end, float* y, int64_t ldy) {
   if (m <= 0 || j_begin >= j_end) return;
+  if (w.scheme != WeightScheme::kNone) {
+    return LinearRowsFp8(level, x, m, w, bias, j_begin, j_end, y, ldy);
+  }
   switch (w.dtype) {
     case DType::kF32:
       return LinearRowsOf<DType::kF32>(level, x, m, w, bias, j_begin, j_end, y, ldy);
@@ -259,6 +263,7 @@ void LinearRows(SimdLevel level, const float* x, int64_t m, const WeightMatrix& 
 
 void WeightRowsToF32(SimdLevel level, const WeightMatrix& w, int64_t begin, int64_t end,
                      float* out) {
+  if (w.scheme != WeightScheme::kNone) return Fp8RowsToF32(level, w, begin, end, out);
   const int64_t count = (end - begin) * w.cols;
   const int64_t first = begin * w.cols;
   switch (w.dtype) {

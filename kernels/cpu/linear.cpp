@@ -1,6 +1,7 @@
 // CpuBackend::Linear: the weight-streaming kernels of gemv.h for few rows
 // (decode), BLAS for many (prefill; bf16 weights on AVX-512 BF16:
-// gemm_bf16.h), split over the pool by output features. The stacked parts
+// gemm_bf16.h; fp8 weights widened with their scales, kWidenRows rows at a
+// time), split over the pool by output features. The stacked parts
 // of a LinearWeights (q|k|v, gate|up) stay where the checkpoint holds them:
 // the output features of all parts are laid end to end and split as one
 // range, so the pool forks and joins once per product.
@@ -43,8 +44,6 @@ void CpuBackend::Linear(const Tensor& xt, const LinearWeights& w, const Tensor& 
   const int64_t m = xt.rows();
   OpCheck(xt.row_size() == w.cols && yt.row_size() == w.rows && yt.rows() == m, "Linear",
           "takes x [m, w.cols] and y [m, w.rows]");
-  OpCheck(w.scheme() == WeightScheme::kNone, "Linear",
-          "computes unscaled weights only (PrepareLinear refuses the others)");
   if (m <= 0) return;
   const int64_t n = w.rows, k = w.cols;
   const float* x = xt.as<const float>();
@@ -62,7 +61,8 @@ void CpuBackend::Linear(const Tensor& xt, const LinearWeights& w, const Tensor& 
         /*min_chunk=*/16);
     return;
   }
-  if (w.dtype() == DType::kBF16 && UsesBf16DotProducts(simd_)) {
+  if (w.dtype() == DType::kBF16 && w.scheme() == WeightScheme::kNone &&
+      UsesBf16DotProducts(simd_)) {
     // The activations rounded once (rows padded to whole pairs), then each
     // task computes whole panels of output features from them.
     const int64_t ldx = (k + 1) / 2 * 2;
@@ -119,7 +119,7 @@ void CpuBackend::Linear(const Tensor& xt, const LinearWeights& w, const Tensor& 
       [&](int64_t begin, int64_t end) {
         ForParts(w, begin, end, [&](const WeightMatrix& part, int64_t first, int64_t b, int64_t e) {
           const float* bias = bias_at(first + b);
-          if (part.dtype == DType::kF32) {
+          if (part.dtype == DType::kF32 && part.scheme == WeightScheme::kNone) {
             gemm(static_cast<const float*>(part.data) + b * k, bias, first + b, e - b);
             return;
           }
