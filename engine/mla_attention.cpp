@@ -53,37 +53,80 @@ float ElementAsF32(const TensorView& t, int64_t i) {
   }
 }
 
+// Element (r, c) of a checkpoint matrix, dequantised.
+float ElementAsF32(const WeightMatrix& w, int64_t r, int64_t c) {
+  const auto* bytes = static_cast<const uint8_t*>(w.data);
+  const int64_t i = r * w.cols + c;
+  uint16_t h;
+  switch (w.dtype) {
+    case DType::kFP8E4M3:
+      return kernels::E4M3ToF32(bytes[i]) * w.scale_at(r, c);
+    case DType::kBF16:
+      std::memcpy(&h, bytes + 2 * i, 2);
+      return kernels::Bf16ToF32(h);
+    case DType::kF16:
+      std::memcpy(&h, bytes + 2 * i, 2);
+      return kernels::F16ToF32(h);
+    default: {
+      float v;
+      std::memcpy(&v, bytes + 4 * i, 4);
+      return v;
+    }
+  }
+}
+
 }  // namespace
 
-StatusOr<kernels::LinearWeights> Model::PrepareRows(const TensorView& t,
+StatusOr<kernels::LinearWeights> Model::PrepareRows(const WeightMatrix& w, const std::string& name,
                                                     const std::vector<int64_t>& rows, double factor,
                                                     const float* bias) {
-  const int64_t cols = t.shape[1];
-  const DType dtype = *t.dtype;
+  const int64_t cols = w.cols, n = static_cast<int64_t>(rows.size());
+  const bool fp8 = w.dtype == DType::kFP8E4M3;
   std::vector<uint8_t> host;
-  WeightMatrix w{nullptr, dtype, static_cast<int64_t>(rows.size()), cols};
-  if (factor == 1.0) {
-    const int64_t row_bytes = cols * (DTypeBits(dtype) / 8);
-    host.resize(rows.size() * row_bytes);
-    for (size_t i = 0; i < rows.size(); ++i) {
-      std::memcpy(host.data() + i * row_bytes, t.data + rows[i] * row_bytes, row_bytes);
+  std::vector<float> scales;
+  WeightMatrix out = w;
+  out.rows = n;
+  if (factor == 1.0 || fp8) {
+    const int64_t row_bytes = cols * (DTypeBits(w.dtype) / 8);
+    host.resize(n * row_bytes);
+    for (int64_t i = 0; i < n; ++i) {
+      std::memcpy(host.data() + i * row_bytes,
+                  static_cast<const uint8_t*>(w.data) + rows[i] * row_bytes, row_bytes);
+    }
+    // The kept rows' scales: the tensor's one, each row's, or each row's
+    // blocks (a row subset breaks the blocks' rows apart).
+    if (fp8) {
+      const auto f = static_cast<float>(factor);
+      if (w.scheme == kernels::WeightScheme::kFp8Tensor) {
+        scales.push_back(w.scales[0] * f);
+      } else if (w.scheme == kernels::WeightScheme::kFp8Channel) {
+        for (int64_t r : rows) scales.push_back(w.scales[r] * f);
+      } else {
+        for (int64_t r : rows) {
+          for (int64_t b = 0; b < w.scale_cols(); ++b) {
+            scales.push_back(w.scale_at(r, b * w.block_cols) * f);
+          }
+        }
+        out.block_rows = 1;
+      }
+      out.scales = scales.data();
     }
   } else {
-    host.resize(rows.size() * cols * 4);
+    host.resize(n * cols * 4);
     auto* f = reinterpret_cast<float*>(host.data());
-    for (size_t i = 0; i < rows.size(); ++i) {
+    for (int64_t i = 0; i < n; ++i) {
       for (int64_t j = 0; j < cols; ++j) {
-        f[i * cols + j] = static_cast<float>(ElementAsF32(t, rows[i] * cols + j) * factor);
+        f[i * cols + j] = static_cast<float>(ElementAsF32(w, rows[i], j) * factor);
       }
     }
-    w.dtype = DType::kF32;
+    out.dtype = DType::kF32;
   }
-  w.data = host.data();
+  out.data = host.data();
   // The rows are a temporary copy: the backend keeps its own.
-  auto prepared = backend_->PrepareLinear(&w, 1, bias, /*in_place=*/false, store_.get());
+  auto prepared = backend_->PrepareLinear(&out, 1, bias, /*in_place=*/false, store_.get());
   if (!prepared.ok())
-    return Status(prepared.status().code(), t.name + ": " + prepared.status().message());
-  matrix_dtype_ = prepared->dtype();
+    return Status(prepared.status().code(), name + ": " + prepared.status().message());
+  NoteMatrix(*prepared);
   return prepared;
 }
 
@@ -124,25 +167,23 @@ Status Model::LoadMlaAttention(const WeightFiles& files, const std::string& pref
   int64_t q_in = H;
   std::string q_name = a + "q_proj.weight";
   if (c.q_lora_rank > 0) {
-    auto q_a = Tensor(files, a + "q_a_proj.weight", {c.q_lora_rank, H});
+    auto q_a = Matrix(files, a + "q_a_proj.weight", c.q_lora_rank, H);
     if (!q_a.ok()) return q_a.status();
-    num_parameters_ += c.q_lora_rank * H;
     const float* q_a_bias = nullptr;
     if (c.qkv_bias) {
       auto bias = HostVector(files, a + "q_a_proj.bias", c.q_lora_rank);
       if (!bias.ok()) return bias.status();
       q_a_bias = KeepFloats(std::move(*bias));
     }
-    PDSERVE_RETURN_IF_ERROR(
-        take(PrepareRows(**q_a, all_rows(c.q_lora_rank), 1.0, q_a_bias), &M.q_a));
+    PDSERVE_RETURN_IF_ERROR(take(
+        PrepareRows(*q_a, a + "q_a_proj.weight", all_rows(c.q_lora_rank), 1.0, q_a_bias), &M.q_a));
     PDSERVE_RETURN_IF_ERROR(vector(a + "q_a_layernorm.weight", c.q_lora_rank, &M.q_a_norm));
     q_in = c.q_lora_rank;
     q_name = a + "q_b_proj.weight";
   }
   {
-    auto q = Tensor(files, q_name, {heads * (nope + rope), q_in});
+    auto q = Matrix(files, q_name, heads * (nope + rope), q_in);
     if (!q.ok()) return q.status();
-    num_parameters_ += heads * (nope + rope) * q_in;
     std::vector<int64_t> nope_rows, pe_rows;
     for (int64_t h = 0; h < heads; ++h) {
       for (int64_t i = 0; i < nope; ++i) nope_rows.push_back(h * (nope + rope) + i);
@@ -150,15 +191,16 @@ Status Model::LoadMlaAttention(const WeightFiles& files, const std::string& pref
         pe_rows.push_back(h * (nope + rope) + nope + rope_order[j]);
     }
     const double factor = c.RopeAttentionFactor();
-    PDSERVE_RETURN_IF_ERROR(take(PrepareRows(**q, nope_rows, 1.0, nullptr), &M.q_nope));
-    PDSERVE_RETURN_IF_ERROR(take(PrepareRows(**q, pe_rows, factor * factor, nullptr), &M.q_pe));
+    PDSERVE_RETURN_IF_ERROR(take(PrepareRows(*q, q_name, nope_rows, 1.0, nullptr), &M.q_nope));
+    PDSERVE_RETURN_IF_ERROR(
+        take(PrepareRows(*q, q_name, pe_rows, factor * factor, nullptr), &M.q_pe));
   }
 
   // The latent and the shared rope key.
   {
-    auto kv_a = Tensor(files, a + "kv_a_proj_with_mqa.weight", {R + rope, H});
+    const std::string kv_a_name = a + "kv_a_proj_with_mqa.weight";
+    auto kv_a = Matrix(files, kv_a_name, R + rope, H);
     if (!kv_a.ok()) return kv_a.status();
-    num_parameters_ += (R + rope) * H;
     std::vector<int64_t> latent_rows(R), pe_rows(rope);
     for (int64_t i = 0; i < R; ++i) latent_rows[i] = i;
     for (int64_t j = 0; j < rope; ++j) pe_rows[j] = R + rope_order[j];
@@ -173,27 +215,28 @@ Status Model::LoadMlaAttention(const WeightFiles& files, const std::string& pref
       latent_bias = KeepFloats(std::move(lb));
       pe_bias = KeepFloats(std::move(pb));
     }
-    PDSERVE_RETURN_IF_ERROR(take(PrepareRows(**kv_a, latent_rows, 1.0, latent_bias), &M.kv_latent));
-    PDSERVE_RETURN_IF_ERROR(take(PrepareRows(**kv_a, pe_rows, 1.0, pe_bias), &M.k_pe));
+    PDSERVE_RETURN_IF_ERROR(
+        take(PrepareRows(*kv_a, kv_a_name, latent_rows, 1.0, latent_bias), &M.kv_latent));
+    PDSERVE_RETURN_IF_ERROR(take(PrepareRows(*kv_a, kv_a_name, pe_rows, 1.0, pe_bias), &M.k_pe));
     PDSERVE_RETURN_IF_ERROR(vector(a + "kv_a_layernorm.weight", R, &M.kv_norm));
   }
 
   // kv_b_proj: head h's rows are its nope key rows, then its value rows.
   {
-    auto kv_b = Tensor(files, a + "kv_b_proj.weight", {heads * (nope + vd), R});
+    // fp32, dequantised where the checkpoint is fp8.
+    auto kv_b = Matrix(files, a + "kv_b_proj.weight", heads * (nope + vd), R);
     if (!kv_b.ok()) return kv_b.status();
-    num_parameters_ += heads * (nope + vd) * R;
     std::vector<float> uk_t(heads * R * nope), uv(heads * vd * R);
     for (int64_t h = 0; h < heads; ++h) {
       const int64_t base = h * (nope + vd);
       for (int64_t i = 0; i < nope; ++i) {
         for (int64_t r = 0; r < R; ++r) {
-          uk_t[(h * R + r) * nope + i] = ElementAsF32(**kv_b, (base + i) * R + r);
+          uk_t[(h * R + r) * nope + i] = ElementAsF32(*kv_b, base + i, r);
         }
       }
       for (int64_t d = 0; d < vd; ++d) {
         for (int64_t r = 0; r < R; ++r) {
-          uv[(h * vd + d) * R + r] = ElementAsF32(**kv_b, (base + nope + d) * R + r);
+          uv[(h * vd + d) * R + r] = ElementAsF32(*kv_b, base + nope + d, r);
         }
       }
     }

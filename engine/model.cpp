@@ -56,12 +56,16 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir, kernels::Ba
   m->files_ = std::move(*files);
   m->store_ = std::make_unique<kernels::WeightStore>(backend);
   PDSERVE_RETURN_IF_ERROR(m->LoadWeights(*m->files_));
+  if (m->config_.quant.quantized()) {
+    PDSERVE_LOG(INFO) << "model: " << m->model_id_ << ": fp8 weights, "
+                      << m->config_.quant.Describe() << " (" << backend->name() << " backend)";
+  }
   m->scratch_ = std::make_unique<Scratch>();
   return m;
 }
 
 StatusOr<const TensorView*> Model::Tensor(const WeightFiles& files, const std::string& name,
-                                          std::vector<int64_t> shape) {
+                                          std::vector<int64_t> shape, bool allow_fp8) {
   const TensorView* t = files.Find(name);
   if (t == nullptr) {
     return Status::InvalidArgument(files.description() + ": tensor '" + name + "' is missing (" +
@@ -74,9 +78,10 @@ StatusOr<const TensorView*> Model::Tensor(const WeightFiles& files, const std::s
     return Status::InvalidArgument(t->file + ": tensor '" + name + "' has shape " +
                                    t->ShapeString() + ", expected " + expected.ShapeString());
   }
-  if (!t->dtype) {
+  if (!t->dtype || (*t->dtype == DType::kFP8E4M3 && !allow_fp8)) {
     return Status::InvalidArgument(t->file + ": tensor '" + name + "' has dtype " + t->dtype_name +
-                                   ", expected F32, F16 or BF16");
+                                   ", expected F32, F16 or BF16" +
+                                   (allow_fp8 ? " (or F8_E4M3 with a quantization_config)" : ""));
   }
   return t;
 }
@@ -111,10 +116,106 @@ void ConvertToF32(const TensorView& t, float* out) {
 
 StatusOr<WeightMatrix> Model::Matrix(const WeightFiles& files, const std::string& name,
                                      int64_t rows, int64_t cols) {
-  auto found = Tensor(files, name, {rows, cols});
+  auto found = Tensor(files, name, {rows, cols}, /*allow_fp8=*/true);
   if (!found.ok()) return found.status();
   num_parameters_ += rows * cols;
-  return WeightMatrix{(*found)->data, *(*found)->dtype, rows, cols};
+  const TensorView& t = **found;
+  WeightMatrix w{t.data, *t.dtype, rows, cols};
+  if (w.dtype != DType::kFP8E4M3) return w;
+  PDSERVE_RETURN_IF_ERROR(Fp8Scales(files, t, &w));
+  return w;
+}
+
+Status Model::Fp8Scales(const WeightFiles& files, const TensorView& t, WeightMatrix* w) {
+  const WeightQuantConfig& q = config_.quant;
+  const std::string where = t.file + ": tensor '" + t.name + "' ";
+  const std::string module = t.name.substr(0, t.name.rfind('.'));
+  if (!q.quantized()) {
+    return Status::InvalidArgument(where + "is F8_E4M3 but config.json has no quantization_config");
+  }
+  if (q.Ignores(module)) {
+    return Status::InvalidArgument(where + "is F8_E4M3 but quantization_config leaves module '" +
+                                   module + "' unquantised");
+  }
+  // The e4m3 NaN codes (0x7f, 0xff) are no weight; the kernels read the
+  // codes without checking for them (kernels/weights.h).
+  for (size_t i = 0; i < t.bytes; ++i) {
+    if ((t.data[i] & 0x7f) == 0x7f) {
+      return Status::InvalidArgument(where + "holds the e4m3 NaN code at element " +
+                                     std::to_string(i));
+    }
+  }
+  const int64_t rows = w->rows, cols = w->cols;
+  std::vector<int64_t> expected = ScaleShape(q, rows, cols);
+  const std::string scale_name = module + "." + q.scale_suffix();
+  const std::string scheme = kernels::WeightSchemeName(q.scheme);
+  const TensorView* s = files.Find(scale_name);
+  if (s == nullptr) {
+    return Status::InvalidArgument(where + "is F8_E4M3 and needs its " + scheme + " scales '" +
+                                   scale_name + "', which are missing");
+  }
+  used_tensors_.insert(scale_name);
+  // Per tensor: [] or [1]; per channel: [rows, 1] or [rows].
+  const bool shape_ok =
+      q.scheme == kernels::WeightScheme::kFp8Tensor ? s->numel() == 1 && s->shape.size() <= 1
+      : q.scheme == kernels::WeightScheme::kFp8Channel
+          ? s->shape == std::vector<int64_t>{rows, 1} || s->shape == std::vector<int64_t>{rows}
+          : s->shape == expected;
+  TensorView want;
+  want.shape = expected;
+  if (!shape_ok) {
+    return Status::InvalidArgument(s->file + ": tensor '" + scale_name + "' has shape " +
+                                   s->ShapeString() + ", expected " + want.ShapeString() +
+                                   " (the " + scheme + " scales of '" + t.name + "' " + "[" +
+                                   std::to_string(rows) + ", " + std::to_string(cols) + "])");
+  }
+  if (!s->dtype || *s->dtype == DType::kFP8E4M3) {
+    return Status::InvalidArgument(s->file + ": tensor '" + scale_name + "' has dtype " +
+                                   s->dtype_name + ", expected F32, F16 or BF16");
+  }
+  std::vector<float> scales(s->numel());
+  ConvertToF32(*s, scales.data());
+  for (size_t i = 0; i < scales.size(); ++i) {
+    if (!std::isfinite(scales[i]) || scales[i] <= 0) {
+      return Status::InvalidArgument(s->file + ": tensor '" + scale_name + "' holds " +
+                                     std::to_string(scales[i]) + " at element " +
+                                     std::to_string(i) + " (scales must be finite and positive)");
+    }
+  }
+  w->scheme = q.scheme;
+  w->block_rows = q.block_rows;
+  w->block_cols = q.block_cols;
+  w->scales = KeepFloats(std::move(scales));
+  w->activation_scaling = q.activations;
+  if (q.static_activations()) {
+    const std::string input_name = module + ".input_scale";
+    const TensorView* in = files.Find(input_name);
+    if (in == nullptr) {
+      return Status::InvalidArgument(where + "needs its static activation scale '" + input_name +
+                                     "' (activation_scheme static), which is missing");
+    }
+    used_tensors_.insert(input_name);
+    if (in->numel() != 1 || in->shape.size() > 1 || !in->dtype || *in->dtype == DType::kFP8E4M3) {
+      return Status::InvalidArgument(in->file + ": tensor '" + input_name + "' is " +
+                                     in->dtype_name + " " + in->ShapeString() +
+                                     ", expected one F32, F16 or BF16 value");
+    }
+    ConvertToF32(*in, &w->input_scale);
+    if (!std::isfinite(w->input_scale) || w->input_scale <= 0) {
+      return Status::InvalidArgument(in->file + ": tensor '" + input_name + "' holds " +
+                                     std::to_string(w->input_scale) +
+                                     " (scales must be finite and positive)");
+    }
+  }
+  return Status::Ok();
+}
+
+void Model::NoteMatrix(const kernels::LinearWeights& w) {
+  // An fp8 matrix anywhere makes the model an fp8 one, whatever the
+  // matrices left unquantised (lm_head, routers) are stored in.
+  if (matrix_dtype_ == DType::kFP8E4M3) return;
+  matrix_dtype_ = w.dtype();
+  weight_scheme_ = w.scheme();
 }
 
 const float* Model::KeepFloats(std::vector<float> values) {
@@ -186,7 +287,7 @@ Status Model::LoadWeights(const WeightFiles& files) {
     auto w =
         backend_->PrepareLinear(parts, static_cast<int>(i), bias, /*in_place=*/true, store_.get());
     if (!w.ok()) return Status(w.status().code(), *names.begin() + ": " + w.status().message());
-    matrix_dtype_ = w->dtype();
+    NoteMatrix(*w);
     *out = *w;
     bytes += w->stored_bytes();
     return Status::Ok();

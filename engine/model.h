@@ -87,7 +87,10 @@ class Model {
   int64_t converted_weight_bytes() const { return store_->bytes(); }
   // The dtype the weight matrices are computed in (after any conversion at
   // load): part of what two workers that exchange KV must share.
+  // fp8 (kFP8E4M3) when the checkpoint's matrices are: then
+  // weight_scheme() is their scheme (kernels/weights.h), else kNone.
   DType matrix_dtype() const { return matrix_dtype_; }
+  kernels::WeightScheme weight_scheme() const { return weight_scheme_; }
 
   bool has_sparse_layers() const { return has_sparse_layers_; }
   // Sparse layers fill last_moe_stats() only when asked (benchmarks): on a
@@ -169,11 +172,17 @@ class Model {
   // model into layer->mla and layer->o, adding the bytes a step reads.
   Status LoadMlaAttention(const WeightFiles& files, const std::string& prefix, Layer* layer,
                           int64_t* step_bytes);
-  // Rows `rows` of `t` as one prepared Linear product (bias: host fp32, one
-  // per row, or null): in t's dtype where factor is 1, else fp32 times factor.
-  StatusOr<kernels::LinearWeights> PrepareRows(const TensorView& t,
+  // Rows `rows` of `w` (the checkpoint's matrix `name`) as one prepared
+  // Linear product (bias: host fp32, one per row, or null): in w's dtype
+  // where factor is 1, else fp32 times factor; fp8 rows keep their codes,
+  // their scales (times factor) become per channel, or per 1 x block_cols
+  // block.
+  StatusOr<kernels::LinearWeights> PrepareRows(const kernels::WeightMatrix& w,
+                                               const std::string& name,
                                                const std::vector<int64_t>& rows, double factor,
                                                const float* bias);
+  // Records a prepared matrix's dtype and scheme (matrix_dtype()).
+  void NoteMatrix(const kernels::LinearWeights& w);
   // Host fp32 values the model keeps for its life; their address.
   const float* KeepFloats(std::vector<float> values);
   // `values` where the backend reads them: kept in place on a backend that
@@ -186,11 +195,18 @@ class Model {
                            const int64_t* slots, const kernels::AttentionPlan& plan,
                            const kernels::Tensor& h, const kernels::Tensor& out);
   Status LoadWeights(const WeightFiles& files);
+  // The checkpoint's tensor `name` of `shape`, of a float dtype (F8_E4M3
+  // only where allow_fp8), marked used.
   StatusOr<const TensorView*> Tensor(const WeightFiles& files, const std::string& name,
-                                     std::vector<int64_t> shape);
-  // The checkpoint's matrix `name` in host memory (validated, counted).
+                                     std::vector<int64_t> shape, bool allow_fp8 = false);
+  // The checkpoint's matrix `name` in host memory (validated, counted); an
+  // F8_E4M3 one with its scales (Fp8Scales).
   StatusOr<kernels::WeightMatrix> Matrix(const WeightFiles& files, const std::string& name,
                                          int64_t rows, int64_t cols);
+  // The scheme, scales (fp32, kept by the model) and activation scaling of
+  // the F8_E4M3 matrix `t`, from config.json's quantization_config and the
+  // checkpoint's scale tensors, each validated (engine/weight_quant.h).
+  Status Fp8Scales(const WeightFiles& files, const TensorView& t, kernels::WeightMatrix* w);
   // The checkpoint's vector `name` as fp32: host values, or where the
   // backend reads it (in place when it can).
   StatusOr<std::vector<float>> HostVector(const WeightFiles& files, const std::string& name,
@@ -199,6 +215,7 @@ class Model {
 
   ModelConfig config_;
   DType matrix_dtype_ = DType::kF32;
+  kernels::WeightScheme weight_scheme_ = kernels::WeightScheme::kNone;
   std::string model_id_;
   std::string dir_;
   kernels::Backend* backend_ = nullptr;

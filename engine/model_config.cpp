@@ -188,17 +188,6 @@ Status RefuseUnimplementedKeys(const json& j, const std::string& source,
     auto it = j.find(key);
     return it != j.end() && !it->is_null() ? &*it : nullptr;
   };
-  if (const json* q = present("quantization_config")) {
-    std::string method = "?";
-    if (q->is_object()) {
-      if (auto m = q->find("quant_method"); m != q->end() && m->is_string()) {
-        method = m->get<std::string>();
-      }
-    }
-    return Status::Unsupported(source + ": 'quantization_config' (quant_method " + method +
-                               ") is not supported: pdserve serves unquantized fp32, fp16 or "
-                               "bf16 weights");
-  }
   if (const json* act = present("hidden_act")) {
     // SwiGLU's activation; "swish" is the same function in transformers.
     if (!act->is_string() || (*act != "silu" && *act != "swish")) {
@@ -516,6 +505,11 @@ StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std::strin
                                "DeepseekV3ForCausalLM are)");
   }
   PDSERVE_RETURN_IF_ERROR(RefuseUnimplementedKeys(j, source, c.architecture));
+  if (auto q = j.find("quantization_config"); q != j.end()) {
+    auto quant = ParseQuantizationConfig(*q, source);
+    if (!quant.ok()) return quant.status();
+    c.quant = std::move(*quant);
+  }
   if (auto n = j.find("_name_or_path"); n != j.end() && n->is_string()) {
     c.name_or_path = n->get<std::string>();
   }

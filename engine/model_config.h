@@ -10,9 +10,10 @@
 // into KV-head groups, head_dim is even and the rope scaling is one pdserve
 // implements. Errors name the field and the value. A key that would change
 // the computation in a way pdserve does not implement (an unknown rope type,
-// a sliding window on some layers, a quantization config, an activation
-// other than SiLU, a partial rotary factor) is refused as Unsupported naming
-// the key; it is never silently ignored.
+// a sliding window on some layers, an activation other than SiLU, a partial
+// rotary factor, a quantization config other than the FP8 formats of
+// engine/weight_quant.h) is refused as Unsupported naming the key; it is
+// never silently ignored.
 #pragma once
 
 #include <cstdint>
@@ -22,6 +23,7 @@
 
 #include "common/block_hash.h"  // TokenId
 #include "common/status.h"
+#include "engine/weight_quant.h"
 #include "kernels/moe_routing.h"
 
 namespace pdserve {
@@ -139,6 +141,8 @@ struct ModelConfig {
   std::optional<TokenId> bos_token_id;
   std::vector<TokenId> eos_token_ids;
   std::string torch_dtype;  // as written, informational
+  // `quantization_config` (none: the weights are as stored).
+  WeightQuantConfig quant;
 
   // Whether layer l runs the sparse MoE block instead of the dense MLP.
   bool IsSparseLayer(int64_t l) const;

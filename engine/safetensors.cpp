@@ -30,7 +30,9 @@ size_t DTypeNameBytes(const std::string& name) {
 
 // The dtypes the model loader reads (nullopt for the others).
 std::optional<DType> FloatTensorDType(const std::string& name) {
-  if (name == "F32" || name == "F16" || name == "BF16") return ParseDType(name);
+  if (name == "F32" || name == "F16" || name == "BF16" || name == "F8_E4M3") {
+    return ParseDType(name);
+  }
   return std::nullopt;
 }
 

@@ -26,7 +26,7 @@ namespace pdserve {
 struct TensorView {
   std::string name;
   std::string dtype_name;      // as in the header: "F32", "BF16", "I64", ...
-  std::optional<DType> dtype;  // set for F32, F16, BF16
+  std::optional<DType> dtype;  // set for F32, F16, BF16 and F8_E4M3
   std::vector<int64_t> shape;
   const uint8_t* data = nullptr;  // inside the mapping
   size_t bytes = 0;

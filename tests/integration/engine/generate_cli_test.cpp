@@ -215,7 +215,7 @@ TEST_F(GenerateCliTest, Qwen3PresetRunsAndUnimplementedKeysExitTwo) {
       {with_config("cli-yarn", "rope_scaling", {{"rope_type", "yarn"}, {"factor", 4.0}}),
        "rope_scaling"},
       {with_config("cli-window", "use_sliding_window", true), "use_sliding_window"},
-      {with_config("cli-quant", "quantization_config", {{"quant_method", "fp8"}}),
+      {with_config("cli-quant", "quantization_config", {{"quant_method", "awq"}, {"bits", 4}}),
        "quantization_config"},
       {with_config("cli-act", "hidden_act", "gelu_pytorch_tanh"), "hidden_act"},
       // Tied embeddings leave the checkpoint's lm_head.weight unused.
