@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/safetensors.h"
+#include "engine/weight_quant.h"
 #include "kernels/float_convert.h"
 
 namespace pdserve {
@@ -388,20 +389,13 @@ std::vector<TensorPlan> PlanTensors(const ModelConfig& c, bool with_mtp_layers) 
   return plan;
 }
 
-TensorToWrite MakeTensor(const TensorPlan& p, uint64_t seed, DType dtype) {
-  if (p.keep_f32) dtype = DType::kF32;
-  Rng rng(seed ^ NameHash(p.name));
-  int64_t n = 1;
-  for (int64_t d : p.shape) n *= d;
-  std::vector<float> values(n);
-  const double a = std::sqrt(3.0) * p.std;  // uniform(-a, a) has std a / sqrt(3)
-  for (auto& v : values) {
-    v = p.kind == TensorPlan::kNorm ? static_cast<float>(1.0 + 0.1 * rng.Uniform())
-                                    : static_cast<float>(a * rng.Uniform());
-  }
+// A float tensor of `dtype` (fp32, bf16 or fp16) holding `values`, rounded.
+TensorToWrite FloatTensor(std::string name, std::vector<int64_t> shape,
+                          const std::vector<float>& values, DType dtype) {
+  const int64_t n = static_cast<int64_t>(values.size());
   TensorToWrite t;
-  t.name = p.name;
-  t.shape = p.shape;
+  t.name = std::move(name);
+  t.shape = std::move(shape);
   switch (dtype) {
     case DType::kBF16:
     case DType::kF16: {
@@ -422,6 +416,66 @@ TensorToWrite MakeTensor(const TensorPlan& p, uint64_t seed, DType dtype) {
       break;
   }
   return t;
+}
+
+// The weight `name` ([rows, cols] `values`) of an FP8 checkpoint in
+// `q`'s format: the e4m3 codes, the scales and, for static activations, an
+// input_scale of 1 (random models have no calibration data).
+void AppendFp8(const std::string& name, int64_t rows, int64_t cols, const float* values,
+               const WeightQuantConfig& q, std::vector<TensorToWrite>* out) {
+  Fp8Matrix m = QuantizeFp8(values, rows, cols, q);
+  const std::string module = name.substr(0, name.rfind('.'));
+  TensorToWrite w;
+  w.name = name;
+  w.dtype_name = "F8_E4M3";
+  w.shape = {rows, cols};
+  w.data = std::move(m.codes);
+  out->push_back(std::move(w));
+  TensorToWrite s;
+  s.name = module + "." + q.scale_suffix();
+  s.dtype_name = "F32";
+  s.shape = ScaleShape(q, rows, cols);
+  s.data.resize(m.scales.size() * 4);
+  std::memcpy(s.data.data(), m.scales.data(), s.data.size());
+  out->push_back(std::move(s));
+  if (q.static_activations()) {
+    const float one = 1.0f;
+    TensorToWrite in;
+    in.name = module + ".input_scale";
+    in.dtype_name = "F32";
+    in.shape = {};
+    in.data.resize(4);
+    std::memcpy(in.data.data(), &one, 4);
+    out->push_back(std::move(in));
+  }
+}
+
+// The plan's tensor, random, in `dtype`; a Linear weight that `q`
+// quantises as the fp8 codes of those values (rounded to `dtype` first, as
+// a quantiser reading a checkpoint of that dtype sees them) and its scales.
+void MakeTensors(const TensorPlan& p, uint64_t seed, DType dtype, const ModelConfig& c,
+                 std::vector<TensorToWrite>* out) {
+  if (p.keep_f32) dtype = DType::kF32;
+  Rng rng(seed ^ NameHash(p.name));
+  int64_t n = 1;
+  for (int64_t d : p.shape) n *= d;
+  std::vector<float> values(n);
+  const double a = std::sqrt(3.0) * p.std;  // uniform(-a, a) has std a / sqrt(3)
+  for (auto& v : values) {
+    v = p.kind == TensorPlan::kNorm ? static_cast<float>(1.0 + 0.1 * rng.Uniform())
+                                    : static_cast<float>(a * rng.Uniform());
+  }
+  const WeightQuantConfig& q = c.quant;
+  if (q.quantized() && p.shape.size() == 2 && IsQuantizableLinear(p.name, c.num_layers) &&
+      !q.Ignores(p.name.substr(0, p.name.rfind('.')))) {
+    for (auto& v : values) {
+      if (dtype == DType::kBF16) v = kernels::Bf16ToF32(kernels::F32ToBf16(v));
+      if (dtype == DType::kF16) v = kernels::F16ToF32(kernels::F32ToF16(v));
+    }
+    AppendFp8(p.name, p.shape[0], p.shape[1], values.data(), q, out);
+    return;
+  }
+  out->push_back(FloatTensor(p.name, p.shape, values, dtype));
 }
 
 Status WriteJson(const std::filesystem::path& path, const ordered_json& j) {
@@ -679,6 +733,9 @@ Status WriteModel(const ModelSpec& spec, const std::string& dir) {
           {"mscale_all_dim", spec.rope_scaling.mscale_all_dim}};
       break;
   }
+  if (spec.quant != kernels::WeightScheme::kNone) {
+    config["quantization_config"] = ordered_json::parse(QuantizationConfigJson(spec.quant).dump());
+  }
   PDSERVE_RETURN_IF_ERROR(WriteJson(root / "config.json", config));
   PDSERVE_RETURN_IF_ERROR(
       WriteJson(root / "generation_config.json",
@@ -695,7 +752,7 @@ Status WriteModel(const ModelSpec& spec, const std::string& dir) {
   const int shards = std::min<int>(spec.shards, static_cast<int>(plan.size()));
   if (shards == 1) {
     std::vector<TensorToWrite> tensors;
-    for (const auto& p : plan) tensors.push_back(MakeTensor(p, spec.seed, spec.dtype));
+    for (const auto& p : plan) MakeTensors(p, spec.seed, spec.dtype, *shapes, &tensors);
     return WriteSafetensors((root / "model.safetensors").string(), tensors);
   }
   ordered_json weight_map = ordered_json::object();
@@ -706,9 +763,12 @@ Status WriteModel(const ModelSpec& spec, const std::string& dir) {
     std::snprintf(name, sizeof(name), "model-%05d-of-%05d.safetensors", s + 1, shards);
     std::vector<TensorToWrite> tensors;
     for (size_t i = s * per_shard; i < std::min(plan.size(), (s + 1) * per_shard); ++i) {
-      tensors.push_back(MakeTensor(plan[i], spec.seed, spec.dtype));
-      weight_map[plan[i].name] = name;
-      total_bytes += static_cast<int64_t>(tensors.back().data.size());
+      const size_t first = tensors.size();
+      MakeTensors(plan[i], spec.seed, spec.dtype, *shapes, &tensors);
+      for (size_t t = first; t < tensors.size(); ++t) {
+        weight_map[tensors[t].name] = name;
+        total_bytes += static_cast<int64_t>(tensors[t].data.size());
+      }
     }
     PDSERVE_RETURN_IF_ERROR(WriteSafetensors((root / name).string(), tensors));
   }
@@ -722,12 +782,12 @@ StatusOr<std::unique_ptr<WeightFiles>> RandomWeights(const ModelConfig& config, 
     return Status::InvalidArgument("dummy weights must be fp32, bf16 or fp16");
   }
   const std::vector<TensorPlan> plan = PlanTensors(config, /*with_mtp_layers=*/false);
-  std::vector<TensorToWrite> tensors(plan.size());
+  std::vector<std::vector<TensorToWrite>> made(plan.size());
   // Billions of values for real shapes: fill tensors on every core.
   std::atomic<size_t> next{0};
   auto work = [&] {
     for (size_t i; (i = next.fetch_add(1)) < plan.size();) {
-      tensors[i] = MakeTensor(plan[i], seed, dtype);
+      MakeTensors(plan[i], seed, dtype, config, &made[i]);
     }
   };
   std::vector<std::thread> threads;
@@ -735,6 +795,10 @@ StatusOr<std::unique_ptr<WeightFiles>> RandomWeights(const ModelConfig& config, 
   for (unsigned t = 1; t < n; ++t) threads.emplace_back(work);
   work();
   for (auto& t : threads) t.join();
+  std::vector<TensorToWrite> tensors;
+  for (auto& m : made) {
+    for (auto& t : m) tensors.push_back(std::move(t));
+  }
   return WeightFiles::FromMemory(std::move(tensors), "dummy weights");
 }
 
@@ -746,6 +810,83 @@ int64_t CountParameters(const ModelConfig& config) {
     total += n;
   }
   return total;
+}
+
+Status QuantizeModel(const std::string& from, kernels::WeightScheme scheme,
+                     const std::string& dir) {
+  namespace fs = std::filesystem;
+  if (scheme == kernels::WeightScheme::kNone) {
+    return Status::InvalidArgument("quantize: no fp8 scheme given");
+  }
+  const fs::path src(from), root(dir);
+  std::error_code ec;
+  if (fs::exists(root) && fs::equivalent(src, root, ec)) {
+    return Status::InvalidArgument(dir + ": the quantised model needs a folder of its own");
+  }
+  std::ifstream in(src / "config.json");
+  if (!in) return Status::NotFound(from + ": no config.json");
+  ordered_json config = ordered_json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (config.is_discarded() || !config.is_object()) {
+    return Status::InvalidArgument(from + "/config.json: not a JSON object");
+  }
+  if (config.contains("quantization_config") && !config["quantization_config"].is_null()) {
+    return Status::InvalidArgument(from + "/config.json: the model is quantised already");
+  }
+  config["quantization_config"] = ordered_json::parse(QuantizationConfigJson(scheme).dump());
+  auto parsed = ParseModelConfig(config.dump(), from + "/config.json");
+  if (!parsed.ok()) return parsed.status();
+  auto files = WeightFiles::Open(from);
+  if (!files.ok()) return files.status();
+  std::vector<TensorToWrite> tensors;
+  int64_t quantised = 0;
+  for (const auto& [name, t] : (*files)->tensors()) {
+    const bool linear = t->shape.size() == 2 && IsQuantizableLinear(name, parsed->num_layers) &&
+                        !parsed->quant.Ignores(name.substr(0, name.rfind('.')));
+    if (linear && t->dtype && *t->dtype != DType::kFP8E4M3) {
+      std::vector<float> values(t->numel());
+      for (int64_t i = 0; i < t->numel(); ++i) {
+        uint16_t h;
+        switch (*t->dtype) {
+          case DType::kBF16:
+            std::memcpy(&h, t->data + 2 * i, 2);
+            values[i] = kernels::Bf16ToF32(h);
+            break;
+          case DType::kF16:
+            std::memcpy(&h, t->data + 2 * i, 2);
+            values[i] = kernels::F16ToF32(h);
+            break;
+          default:
+            std::memcpy(&values[i], t->data + 4 * i, 4);
+            break;
+        }
+      }
+      AppendFp8(name, t->shape[0], t->shape[1], values.data(), parsed->quant, &tensors);
+      ++quantised;
+      continue;
+    }
+    TensorToWrite copy;
+    copy.name = name;
+    copy.dtype_name = t->dtype_name;
+    copy.shape = t->shape;
+    copy.data.assign(t->data, t->data + t->bytes);
+    tensors.push_back(std::move(copy));
+  }
+  if (quantised == 0) return Status::InvalidArgument(from + ": no Linear weights to quantise");
+  fs::create_directories(root, ec);
+  if (ec) return Status::InvalidArgument(dir + ": cannot create folder: " + ec.message());
+  // Everything else of the folder (tokenizer, generation config) as it is.
+  for (const auto& entry : fs::directory_iterator(src)) {
+    const std::string file = entry.path().filename().string();
+    if (!entry.is_regular_file() || file == "config.json" || file.ends_with(".safetensors") ||
+        file == "model.safetensors.index.json") {
+      continue;
+    }
+    fs::copy_file(entry.path(), root / file, fs::copy_options::overwrite_existing, ec);
+    if (ec) return Status::Internal(dir + "/" + file + ": copy failed: " + ec.message());
+  }
+  fs::remove(root / "model.safetensors.index.json", ec);
+  PDSERVE_RETURN_IF_ERROR(WriteJson(root / "config.json", config));
+  return WriteSafetensors((root / "model.safetensors").string(), tensors);
 }
 
 }  // namespace pdserve

@@ -84,6 +84,10 @@ struct ModelSpec {
   // layer (the causal LM ignores them).
   int64_t num_nextn_predict_layers = 0;
   DType dtype = DType::kF32;  // weights: fp32, bf16 or fp16
+  // An FP8 checkpoint (engine/weight_quant.h): the decoder's Linear weights
+  // quantised from their `dtype` values, in the layout of
+  // QuantizationConfigJson(quant), which config.json carries.
+  kernels::WeightScheme quant = kernels::WeightScheme::kNone;
   uint64_t seed = 0;
   int shards = 1;  // > 1: sharded safetensors with an index
 
@@ -116,9 +120,17 @@ Status WriteModel(const ModelSpec& spec, const std::string& dir);
 
 class WeightFiles;
 
+// Writes the model of folder `from` (config.json and safetensors) into
+// `dir` with its decoder's Linear weights (IsQuantizableLinear) quantised to
+// `scheme` as make-model writes fp8 models, the other tensors and files as
+// they are. The whole model is held in memory. InvalidArgument for a model
+// already quantised, one without such weights, or `dir` being `from`.
+Status QuantizeModel(const std::string& from, kernels::WeightScheme scheme, const std::string& dir);
+
 // Every weight tensor a model with `config`'s shapes needs, random as
 // WriteModel makes them (the same seed gives the same values), in `dtype`
-// (fp32, bf16 or fp16), held in memory. These are `--load-format dummy`'s
+// (fp32, bf16 or fp16), held in memory; the Linear weights in fp8 where
+// `config` has a quantization_config (with their scales). These are `--load-format dummy`'s
 // weights: real model shapes (bench/configs/) run from a config.json alone.
 // Filled on every core; an 8B-parameter model takes seconds and its size in
 // host memory.

@@ -14,7 +14,7 @@ int RunMakeModel(int argc, char** argv) {
   FlagSet flags("make-model",
                 "Write a deterministic random model (config, safetensors, BPE tokenizer, chat "
                 "template) in the Hugging Face layout.");
-  std::string preset = "tiny", out, dtype_name = "fp32";
+  std::string preset = "tiny", out, dtype_name = "fp32", quant_name, from;
   int64_t seed = 0, shards = 1;
   flags.AddString("preset", &preset,
                   "tiny (2 layers, hidden 64; tests and default), small (~25M params, GQA), "
@@ -28,10 +28,47 @@ int RunMakeModel(int argc, char** argv) {
   flags.AddInt("seed", &seed, "random seed of the weights");
   flags.AddString("dtype", &dtype_name, "weight dtype: fp32, bf16 or fp16");
   flags.AddInt("shards", &shards, "split the weights over this many safetensors files");
-  flags.SetEpilog("Example: pdserve make-model --preset tiny --out models/tiny");
+  flags.AddString("quant", &quant_name,
+                  "write an FP8 checkpoint: fp8-tensor (quant_method fp8, a scale per tensor), "
+                  "fp8-channel (compressed-tensors FP8_DYNAMIC, a scale per output channel) or "
+                  "fp8-block (quant_method fp8, 128x128 blocks as DeepSeek-V3)");
+  flags.AddString("from", &from,
+                  "quantise this model folder (with --quant) instead of making a random one");
+  flags.SetEpilog(
+      "Example: pdserve make-model --preset tiny --out models/tiny\n"
+      "         pdserve make-model --from models/tiny --quant fp8-block --out models/tiny-fp8");
   ParseFlagsOrExit(flags, argc, argv);
 
   if (out.empty()) UsageError("make-model", "--out is required");
+  kernels::WeightScheme quant = kernels::WeightScheme::kNone;
+  if (!quant_name.empty()) {
+    for (auto s : {kernels::WeightScheme::kFp8Tensor, kernels::WeightScheme::kFp8Channel,
+                   kernels::WeightScheme::kFp8Block}) {
+      if (quant_name == kernels::WeightSchemeName(s)) quant = s;
+    }
+    if (quant == kernels::WeightScheme::kNone) {
+      UsageError("make-model", "--quant: expected fp8-tensor, fp8-channel or fp8-block, got '" +
+                                   quant_name + "'");
+    }
+  }
+  if (!from.empty()) {
+    if (quant == kernels::WeightScheme::kNone) UsageError("make-model", "--from needs --quant");
+    for (const char* f : {"preset", "seed", "dtype", "shards"}) {
+      if (flags.WasSet(f)) {
+        UsageError("make-model", std::string("--from and --") + f + " exclude each other");
+      }
+    }
+    Status st = QuantizeModel(from, quant, out);
+    if (!st.ok()) {
+      if (st.code() == StatusCode::kInternal) {
+        std::fprintf(stderr, "pdserve make-model: %s\n", st.message().c_str());
+        return 1;
+      }
+      UsageError("make-model", "--from: " + st.message());
+    }
+    std::printf("wrote %s (%s) to %s\n", from.c_str(), quant_name.c_str(), out.c_str());
+    return 0;
+  }
   auto spec = PresetModelSpec(preset);
   if (!spec.ok()) UsageError("make-model", "--preset: " + spec.status().message());
   auto dtype = ParseDType(dtype_name);
@@ -43,8 +80,9 @@ int RunMakeModel(int argc, char** argv) {
   spec->dtype = *dtype;
   spec->seed = static_cast<uint64_t>(seed);
   spec->shards = static_cast<int>(shards);
-  PDSERVE_LOG(INFO) << "make-model: writing preset " << preset << " (" << dtype_name << ") to "
-                    << out;
+  spec->quant = quant;
+  PDSERVE_LOG(INFO) << "make-model: writing preset " << preset << " (" << dtype_name
+                    << (quant_name.empty() ? "" : ", " + quant_name) << ") to " << out;
   Status st = WriteModel(*spec, out);
   if (!st.ok()) {
     std::fprintf(stderr, "pdserve make-model: %s\n", st.message().c_str());

@@ -33,7 +33,20 @@ inline double HalfToDouble(uint16_t h) {
   return sign ? -v : v;
 }
 
-// name -> values, from every safetensors file of the folder.
+// The value of an e4m3 code (1 sign bit, 4 exponent bits of bias 7, 3
+// mantissa bits; exponent 0: subnormals of 2^-9).
+inline double DecodeE4M3(uint8_t code) {
+  const int e = (code >> 3) & 15, m = code & 7;
+  const double v = e == 0 ? std::ldexp(m, -9) : std::ldexp(8 + m, e - 10);
+  return code & 0x80 ? -v : v;
+}
+
+// name -> values, from every safetensors file of the folder. FP8 weights
+// (F8_E4M3 `X.weight`) come out dequantised, as the published formats
+// define them: each code's value times `X.weight_scale` (one value: per
+// tensor; one per row: per channel) or `X.weight_scale_inv` (one per block
+// of config.json's quantization_config.weight_block_size); the scales and
+// `X.input_scale` are consumed.
 class Tensors {
  public:
   bool Load(const std::string& dir, std::string* error) {
@@ -63,8 +76,14 @@ class Tensors {
         if (name == "__metadata__") continue;
         const std::string dtype = t["dtype"];
         const uint64_t begin = t["data_offsets"][0], end = t["data_offsets"][1];
+        shapes_[name] = t["shape"].get<std::vector<int64_t>>();
         std::vector<double> v;
-        if (dtype == "F32") {
+        if (dtype == "F8_E4M3") {
+          for (uint64_t o = begin; o < end; ++o) {
+            v.push_back(DecodeE4M3(static_cast<uint8_t>(data[o])));
+          }
+          fp8_.push_back(name);
+        } else if (dtype == "F32") {
           for (uint64_t o = begin; o < end; o += 4) {
             float x;
             std::memcpy(&x, data + o, 4);
@@ -90,7 +109,7 @@ class Tensors {
         values_[name] = std::move(v);
       }
     }
-    return true;
+    return Dequantize(dir, error);
   }
   bool Take(const std::string& name, std::vector<double>* out, std::string* error) {
     auto it = values_.find(name);
@@ -117,7 +136,58 @@ class Tensors {
   std::string Leftover() const { return values_.empty() ? "" : values_.begin()->first; }
 
  private:
+  bool Dequantize(const std::string& dir, std::string* error) {
+    if (fp8_.empty()) return true;
+    const json config =
+        json::parse(Slurp((std::filesystem::path(dir) / "config.json").string()), nullptr, false);
+    int64_t block_rows = 0, block_cols = 0;
+    if (config.is_object() && config.contains("quantization_config")) {
+      const json& q = config["quantization_config"];
+      if (q.contains("weight_block_size") && q["weight_block_size"].is_array()) {
+        block_rows = q["weight_block_size"][0];
+        block_cols = q["weight_block_size"][1];
+      }
+    }
+    for (const std::string& name : fp8_) {
+      const std::string module = name.substr(0, name.rfind('.'));
+      const auto& shape = shapes_[name];
+      if (shape.size() != 2) {
+        *error = name + ": an fp8 tensor that is no matrix";
+        return false;
+      }
+      const int64_t rows = shape[0], cols = shape[1];
+      std::vector<double>& w = values_[name];
+      if (auto it = values_.find(module + ".weight_scale_inv"); it != values_.end()) {
+        if (block_rows <= 0) {
+          *error = name + ": block scales without weight_block_size";
+          return false;
+        }
+        const int64_t per_row = (cols + block_cols - 1) / block_cols;
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t c = 0; c < cols; ++c)
+            w[r * cols + c] *= it->second.at((r / block_rows) * per_row + c / block_cols);
+        values_.erase(it);
+      } else if (auto sc = values_.find(module + ".weight_scale"); sc != values_.end()) {
+        const bool per_tensor = sc->second.size() == 1;
+        if (!per_tensor && static_cast<int64_t>(sc->second.size()) != rows) {
+          *error = name + ": scales neither per tensor nor per row";
+          return false;
+        }
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t c = 0; c < cols; ++c) w[r * cols + c] *= sc->second[per_tensor ? 0 : r];
+        values_.erase(sc);
+      } else {
+        *error = name + ": fp8 without scales";
+        return false;
+      }
+      values_.erase(module + ".input_scale");
+    }
+    return true;
+  }
+
   std::map<std::string, std::vector<double>> values_;
+  std::map<std::string, std::vector<int64_t>> shapes_;
+  std::vector<std::string> fp8_;
 };
 
 // y[rows_out] = W[rows_out, cols] x[cols] (+ b)
