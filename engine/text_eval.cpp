@@ -127,8 +127,16 @@ StatusOr<TextEvalResult> EvaluateText(Model* model, const std::vector<TokenId>& 
   if (options.prefill_tokens < 1 || options.decode_chunk < 1) {
     return Status::InvalidArgument("prefill tokens and decode chunk must be >= 1");
   }
+  Model* baseline = options.baseline != nullptr ? options.baseline : model;
+  if (baseline->config().vocab_size != c.vocab_size) {
+    return Status::InvalidArgument(
+        "the baseline model's vocabulary (" + std::to_string(baseline->config().vocab_size) +
+        " tokens) is not the model's (" + std::to_string(c.vocab_size) + ")");
+  }
+  PDSERVE_RETURN_IF_ERROR(CheckText(baseline->config(), tokens));
   const int64_t step = std::max(options.prefill_tokens, options.decode_chunk);
-  auto base = PagedSequenceRunner::Create(model, DType::kF32, options.block_size, n, nullptr, step);
+  auto base =
+      PagedSequenceRunner::Create(baseline, DType::kF32, options.block_size, n, nullptr, step);
   if (!base.ok()) return base.status();
   auto test = PagedSequenceRunner::Create(model, options.kv_dtype, options.block_size, n,
                                           options.kv_scales ? &*options.kv_scales : nullptr, step);

@@ -9,9 +9,11 @@
 // same Model::Forward the engine runs; nothing is kept in fp32 on the side.
 // Position t's logits score token t+1, so a text of n tokens scores n - 1.
 //
-// EvaluateText runs the text twice over one model, once with an fp32 KV
-// pool (the baseline) and once with the dtype under test, step by step in
-// lockstep, so that only one step's logits of each are held at a time.
+// EvaluateText runs the text twice, once with an fp32 KV pool (the
+// baseline) and once with the dtype under test, step by step in lockstep,
+// so that only one step's logits of each are held at a time. The baseline
+// runs on the same model, or on another one (an unquantised model beside
+// its FP8 checkpoint: what the weights' quantisation costs).
 #pragma once
 
 #include <cstdint>
@@ -69,6 +71,9 @@ struct TextEvalOptions {
   // Tokens of the first (prefill) step; the whole text when it is shorter.
   int64_t prefill_tokens = 32;
   int64_t decode_chunk = 1;  // tokens per later step
+  // The model of the baseline run (fp32 KV); null: the model under test.
+  // Its vocabulary must be the model's.
+  Model* baseline = nullptr;
 };
 
 struct TextEvalResult {
@@ -77,18 +82,20 @@ struct TextEvalResult {
   // scored token, and exp(nll).
   double nll = 0;
   double perplexity = 0;
-  // Against the fp32-KV run of the same text: the fraction of positions
-  // whose most likely next token (lowest id on ties) is the same, and the
-  // mean over positions of KL(p_fp32 || p_dtype) in nats.
+  // Against the baseline run of the same text (fp32 KV, the baseline
+  // model): the fraction of positions whose most likely next token (lowest
+  // id on ties) is the same, and the mean over positions of
+  // KL(p_baseline || p_test) in nats.
   double top1_agreement = 0;
   double kl_mean = 0;
-  double baseline_nll = 0;        // the fp32-KV run's mean NLL
+  double baseline_nll = 0;        // the baseline run's mean NLL
   std::vector<double> token_nll;  // per scored token, under the dtype under test
 };
 
 // InvalidArgument for fewer than 2 tokens, a token outside the vocabulary,
-// more tokens than the model's context, a dtype the KV pool cannot hold, or
-// a prefill_tokens / decode_chunk below 1. Log-softmax is computed in double.
+// more tokens than the model's context, a dtype the KV pool cannot hold, a
+// prefill_tokens / decode_chunk below 1, or a baseline of another
+// vocabulary size. Log-softmax is computed in double.
 StatusOr<TextEvalResult> EvaluateText(Model* model, const std::vector<TokenId>& tokens,
                                       const TextEvalOptions& options);
 

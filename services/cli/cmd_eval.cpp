@@ -21,9 +21,10 @@ namespace {
 int RunEval(int argc, char** argv) {
   FlagSet flags("eval",
                 "Per-token NLL and perplexity of a text with prefill and paged decode, and "
-                "top-1 agreement and KL divergence against an fp32 KV cache.");
+                "top-1 agreement and KL divergence against an fp32 KV cache (or a baseline "
+                "model: the cost of FP8 weights).");
   std::string model_dir, text_path, kv_dtype_name = "fp32", device = "cpu";
-  std::string kv_scales_path, write_kv_scales_path;
+  std::string kv_scales_path, write_kv_scales_path, baseline_dir;
   int64_t block_size = 16, prefill_tokens = 32, decode_chunk = 1, threads = 0;
   bool json = false;
   flags.AddString("model", &model_dir, "model folder (Hugging Face layout)");
@@ -36,6 +37,9 @@ int RunEval(int argc, char** argv) {
   flags.AddString("write-kv-scales", &write_kv_scales_path,
                   "calibrate: write the text's per-layer KV scales for --kv-dtype (fp8, fp8_e5m2, "
                   "nvfp4) to this file, then evaluate with them");
+  flags.AddString("baseline", &baseline_dir,
+                  "compare with this model (fp32 KV) instead of --model with fp32 KV: the "
+                  "unquantised model of an FP8 checkpoint, say");
   flags.AddInt("block-size", &block_size, "tokens per KV block");
   flags.AddInt("prefill-tokens", &prefill_tokens, "tokens of the first (prefill) step");
   flags.AddInt("decode-chunk", &decode_chunk, "tokens per later step (1: one decode step each)");
@@ -82,6 +86,12 @@ int RunEval(int argc, char** argv) {
   }
   auto model = Model::Load(model_dir, backend->get());
   if (!model.ok()) UsageError("eval", model.status().message());
+  std::unique_ptr<Model> baseline;
+  if (!baseline_dir.empty()) {
+    auto loaded = Model::Load(baseline_dir, backend->get());
+    if (!loaded.ok()) UsageError("eval", "--baseline: " + loaded.status().message());
+    baseline = std::move(*loaded);
+  }
   auto tokenizer = Tokenizer::Load(model_dir);
   if (!tokenizer.ok()) UsageError("eval", tokenizer.status().message());
   const std::vector<TokenId> tokens = (*tokenizer)->Encode(text.str(), /*add_special_tokens=*/true);
@@ -102,6 +112,7 @@ int RunEval(int argc, char** argv) {
   options.block_size = block_size;
   options.prefill_tokens = prefill_tokens;
   options.decode_chunk = decode_chunk;
+  options.baseline = baseline.get();
   auto result = EvaluateText(model->get(), tokens, options);
   if (!result.ok()) {
     if (result.status().code() == StatusCode::kInvalidArgument)
@@ -125,14 +136,25 @@ int RunEval(int argc, char** argv) {
                         {"decode_chunk", decode_chunk},
                         {"block_size", block_size},
                         {"kv_scales", kv_scales ? "calibrated" : "dynamic"},
+                        {"weight_dtype", DTypeName((*model)->matrix_dtype())},
+                        {"weight_scheme", kernels::WeightSchemeName((*model)->weight_scheme())},
+                        {"weight_bytes_per_step", (*model)->weight_bytes_per_step()},
+                        {"parameters", (*model)->num_parameters()},
                         {"machine", machine}};
+    if (baseline) {
+      j["baseline"] = baseline_dir;
+      j["baseline_weight_dtype"] = DTypeName(baseline->matrix_dtype());
+      j["baseline_weight_bytes_per_step"] = baseline->weight_bytes_per_step();
+      j["baseline_nll"] = r.baseline_nll;
+    }
     std::printf("%s\n", j.dump().c_str());
   } else {
     std::printf(
         "model %s, kv %s: %lld tokens, nll %.6f nats/token, perplexity %.4f, "
-        "top-1 agreement with fp32 KV %.4f, mean KL %.3g nats\n",
+        "top-1 agreement with %s %.4f, mean KL %.3g nats\n",
         (*model)->model_id().c_str(), std::string(DTypeName(*kv_dtype)).c_str(),
-        static_cast<long long>(r.tokens), r.nll, r.perplexity, r.top1_agreement, r.kl_mean);
+        static_cast<long long>(r.tokens), r.nll, r.perplexity,
+        baseline ? "the baseline" : "fp32 KV", r.top1_agreement, r.kl_mean);
   }
   return 0;
 }
