@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/ops.h"
+#include "kernels/fp8_gemm.h"
 
 namespace pdserve::kernels {
 
@@ -20,8 +21,23 @@ struct CudaBackend::State {
   cuda::Workspace attention_partials{"attention partials"};  // split-K partials
   cuda::MoeScratch moe;
   void* cublas_workspace = nullptr;  // fixed, so that cuBLAS allocates nothing in a graph
+  // fp8 products (kernels/cuda/gemm_fp8.cu).
+  cublasLtHandle_t lt = nullptr;
+  cuda::Workspace fp8_activations{"fp8 activations"};  // quantised rows and their scales
+  cuda::Workspace fp8_widened{"fp8 widened weights"};  // bf16 slices of fp8 weights
+  int sm = 0;
 
-  cuda::Gemm gemm() { return {cublas, cublas_bf16, &bf16_activations, stream}; }
+  static constexpr size_t kCublasWorkspace = size_t{32} << 20;
+  cuda::Gemm gemm() {
+    cuda::Gemm g{cublas, cublas_bf16, &bf16_activations, stream};
+    g.lt = lt;
+    g.lt_workspace = static_cast<char*>(cublas_workspace) + 2 * kCublasWorkspace;
+    g.lt_workspace_bytes = kCublasWorkspace;
+    g.fp8_x = &fp8_activations;
+    g.fp8_widened = &fp8_widened;
+    g.sm = sm;
+    return g;
+  }
 };
 
 std::unique_ptr<CudaBackend> CudaBackend::Create(int device) {
@@ -40,10 +56,14 @@ std::unique_ptr<CudaBackend> CudaBackend::Create(int device) {
   Check(cublasSetMathMode(state->cublas, CUBLAS_PEDANTIC_MATH), "cublasSetMathMode");
   Check(cublasCreate(&state->cublas_bf16), "cublasCreate");
   Check(cublasSetStream(state->cublas_bf16, state->stream), "cublasSetStream");
-  // One workspace per handle, set up front: inside a captured graph cuBLAS
-  // must not allocate its own.
-  constexpr size_t kCublasWorkspace = size_t{32} << 20;
-  Check(cudaMalloc(&state->cublas_workspace, 2 * kCublasWorkspace), "cudaMalloc");
+  Check(cublasLtCreate(&state->lt), "cublasLtCreate");
+  cudaDeviceProp prop{};
+  Check(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
+  state->sm = prop.major * 10 + prop.minor;
+  // One workspace per handle (the third for cuBLASLt), set up front: inside
+  // a captured graph cuBLAS must not allocate its own.
+  constexpr size_t kCublasWorkspace = State::kCublasWorkspace;
+  Check(cudaMalloc(&state->cublas_workspace, 3 * kCublasWorkspace), "cudaMalloc");
   Check(cublasSetWorkspace(state->cublas, state->cublas_workspace, kCublasWorkspace),
         "cublasSetWorkspace");
   Check(cublasSetWorkspace(state->cublas_bf16,
@@ -69,6 +89,9 @@ CudaBackend::~CudaBackend() {
   state_->bf16_activations.Release();
   state_->attention_partials.Release();
   state_->moe.Release();
+  state_->fp8_activations.Release();
+  state_->fp8_widened.Release();
+  cublasLtDestroy(state_->lt);
   cublasDestroy(state_->cublas_bf16);
   cublasDestroy(state_->cublas);
   cudaFree(state_->cublas_workspace);
@@ -140,6 +163,43 @@ void CudaBackend::DownloadAsync(void* host_dst, const void* src, size_t bytes) {
 void CudaBackend::Synchronize() {
   MakeCurrent();
   Check(cudaStreamSynchronize(state_->stream), "cudaStreamSynchronize");
+}
+
+// ---- Weights.
+
+StatusOr<LinearWeights> CudaBackend::PrepareLinear(const WeightMatrix* parts, int count,
+                                                   const float* bias, bool in_place,
+                                                   WeightStore* store) {
+  if (count < 1 || parts[0].scheme == WeightScheme::kNone) {
+    return Backend::PrepareLinear(parts, count, bias, in_place, store);
+  }
+  if (count > kMaxLinearParts) return Status::InvalidArgument("too many stacked matrices");
+  for (int p = 1; p < count; ++p) {
+    if (parts[p].cols != parts[0].cols || parts[p].scheme != parts[0].scheme) {
+      return Status::InvalidArgument("stacked weight matrices differ in columns or scheme");
+    }
+  }
+  PDSERVE_RETURN_IF_ERROR(CheckScaledParts(parts, count));
+  MakeCurrent();
+  // One matrix, its scales after the codes (kernels/fp8_gemm.h).
+  const PackedFp8 packed = PackFp8Parts(parts, count);
+  const size_t scales_at = (packed.codes.size() + 255) / 256 * 256;
+  auto* mem = static_cast<uint8_t*>(store->Allocate(scales_at + packed.scales.size() * 4));
+  if (mem == nullptr) return Status::ResourceExhausted("out of memory for the weights");
+  Upload(mem, packed.codes.data(), packed.codes.size());
+  Upload(mem + scales_at, packed.scales.data(), packed.scales.size() * 4);
+  LinearWeights w;
+  w.parts[0] = packed.matrix;
+  w.parts[0].data = mem;
+  w.parts[0].scales = reinterpret_cast<const float*>(mem + scales_at);
+  w.num_parts = 1;
+  w.rows = packed.matrix.rows;
+  w.cols = packed.matrix.cols;
+  if (bias != nullptr) {
+    w.bias = static_cast<const float*>(store->Upload(bias, static_cast<size_t>(w.rows) * 4));
+    if (w.bias == nullptr) return Status::ResourceExhausted("out of memory for a bias");
+  }
+  return w;
 }
 
 // ---- Steps.

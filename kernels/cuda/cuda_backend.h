@@ -34,6 +34,13 @@ class CudaBackend final : public Backend {
   bool SupportsWeightDType(DType dtype) const override {
     return dtype == DType::kF32 || dtype == DType::kBF16;
   }
+  // The fp8 schemes: W8A8 on compute capability 8.9+, weight-only below
+  // (kernels/fp8_gemm.h).
+  bool SupportsWeightScheme(WeightScheme) const override { return true; }
+  // Scaled schemes packed into one matrix, per-tensor scales made per row
+  // (PackFp8Parts); the others as Backend::PrepareLinear.
+  StatusOr<LinearWeights> PrepareLinear(const WeightMatrix* parts, int count, const float* bias,
+                                        bool in_place, WeightStore* store) override;
 
   void* Allocate(size_t bytes) override;
   void Free(void* ptr) override;

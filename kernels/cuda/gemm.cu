@@ -27,9 +27,8 @@ void Linear(const Gemm& g, const Tensor& x, const LinearWeights& w, const Tensor
   const int64_t m = x.rows();
   kernels::OpCheck(x.row_size() == w.cols && y.row_size() == w.rows && y.rows() == m, "Linear",
                    "takes x [m, w.cols] and y [m, w.rows]");
-  kernels::OpCheck(w.scheme() == kernels::WeightScheme::kNone, "Linear",
-                   "computes unscaled weights only (PrepareLinear refuses the others)");
   if (m == 0) return;
+  if (w.scheme() != kernels::WeightScheme::kNone) return Fp8Linear(g, x, w, y);
   // Row-major y[m, rows] = x[m, cols] W^T is column-major y^T = W x^T, with
   // W read as the column-major [cols, rows] matrix transposed. Each stacked
   // part fills its column range of y (ldc = all the rows).

@@ -5,6 +5,7 @@
 // otherwise (kernels/op_check.h). Activations are fp32 on every family today.
 #pragma once
 
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
@@ -29,14 +30,26 @@ using kernels::WeightMatrix;
 
 // ---- GEMM / GEMV (gemm.cu): cuBLAS SGEMM for fp32 weights (pedantic: the
 // CPU's arithmetic), cublasGemmEx on the tensor cores for bf16 ones
-// (activations rounded to bf16 into `bf16_x`, fp32 accumulation).
+// (activations rounded to bf16 into `bf16_x`, fp32 accumulation); fp8
+// weights (gemm_fp8.cu) by the paths of kernels/fp8_gemm.h: a GEMV kernel
+// for few rows, cuBLASLt's fp8 GEMM (W8A8, `lt`, activations quantised
+// into `fp8_x`) on compute capability 8.9+, else widened to bf16 a slice of
+// rows at a time into `fp8_widened`.
 struct Gemm {
   cublasHandle_t fp32 = nullptr;
   cublasHandle_t bf16 = nullptr;
   Workspace* bf16_x = nullptr;
   cudaStream_t stream = nullptr;
+  cublasLtHandle_t lt = nullptr;
+  void* lt_workspace = nullptr;
+  size_t lt_workspace_bytes = 0;
+  Workspace* fp8_x = nullptr;
+  Workspace* fp8_widened = nullptr;
+  int sm = 0;  // compute capability, major * 10 + minor
 };
 void Linear(const Gemm& g, const Tensor& x, const LinearWeights& w, const Tensor& y);
+// Linear for fp8 weights packed by CudaBackend::PrepareLinear (one part).
+void Fp8Linear(const Gemm& g, const Tensor& x, const LinearWeights& w, const Tensor& y);
 // Per-head products as one strided-batched SGEMM.
 void HeadsLinear(const Gemm& g, const Tensor& x, const WeightMatrix& w, const Tensor& y);
 
