@@ -812,6 +812,25 @@ int64_t CountParameters(const ModelConfig& config) {
   return total;
 }
 
+int64_t ConfigWeightBytes(const ModelConfig& config, DType dtype) {
+  const int64_t width = DTypeBits(dtype) / 8;
+  const WeightQuantConfig& q = config.quant;
+  int64_t total = 0;
+  for (const TensorPlan& p : PlanTensors(config, /*with_mtp_layers=*/false)) {
+    int64_t n = 1;
+    for (int64_t d : p.shape) n *= d;
+    if (q.quantized() && p.shape.size() == 2 && IsQuantizableLinear(p.name, config.num_layers) &&
+        !q.Ignores(p.name.substr(0, p.name.rfind('.')))) {
+      int64_t scales = 1;
+      for (int64_t d : ScaleShape(q, p.shape[0], p.shape[1])) scales *= d;
+      total += n + 4 * scales;
+      continue;
+    }
+    total += n * (p.keep_f32 ? 4 : width);
+  }
+  return total;
+}
+
 Status QuantizeModel(const std::string& from, kernels::WeightScheme scheme,
                      const std::string& dir) {
   namespace fs = std::filesystem;

@@ -143,4 +143,10 @@ StatusOr<std::unique_ptr<WeightFiles>> RandomWeights(const ModelConfig& config, 
 // engine does not read them).
 int64_t CountParameters(const ModelConfig& config);
 
+// The bytes of the weights CountParameters counts as a checkpoint of
+// `config` stores them: `dtype` (fp32, bf16 or fp16) each, except the Linear
+// weights an FP8 quantization_config quantises (IsQuantizableLinear, not
+// ignored): one byte each plus their fp32 scales.
+int64_t ConfigWeightBytes(const ModelConfig& config, DType dtype);
+
 }  // namespace pdserve

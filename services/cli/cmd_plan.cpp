@@ -1,11 +1,15 @@
 // pdserve plan: KV memory / capacity planner.
 #include <cstdio>
+#include <fstream>
+#include <sstream>
 #include <string>
 
 #include <nlohmann/json.hpp>
 
 #include "common/flags.h"
 #include "engine/capacity_plan.h"
+#include "engine/make_model.h"
+#include "engine/model_config.h"
 #include "services/cli/command.h"
 
 namespace pdserve::cli {
@@ -28,7 +32,7 @@ int RunPlan(int argc, char** argv) {
   std::string config, weights_from;
   CapacityRequest req;
   std::string kv_dtype = "fp16";
-  bool json = false;
+  bool json = false, weights_from_config = false;
   flags.AddString("config", &config, "Hugging Face config.json to read the KV shape from");
   flags.AddInt("layers", &req.shape.layers, "number of transformer layers");
   flags.AddInt("kv-heads", &req.shape.kv_heads, "number of key/value heads");
@@ -43,6 +47,10 @@ int RunPlan(int argc, char** argv) {
   flags.AddDouble("weights-gib", &req.weights_gib, "model weights in GiB on that device");
   flags.AddString("weights-from", &weights_from,
                   "model folder whose safetensors size the weights (instead of --weights-gib)");
+  flags.AddBool("weights-from-config", &weights_from_config,
+                "size the weights from --config's shapes: its torch_dtype per weight (bf16 unless "
+                "float32 or float16), one byte plus fp32 scales per weight an FP8 "
+                "quantization_config quantises");
   flags.AddDouble("reserve-ratio", &req.reserve_ratio,
                   "fraction of device memory kept for activations and fragmentation");
   flags.AddBool("json", &json, "print one JSON object");
@@ -62,6 +70,24 @@ int RunPlan(int argc, char** argv) {
     auto bytes = CheckpointWeightBytes(weights_from);
     if (!bytes.ok()) UsageError("plan", "--weights-from: " + bytes.status().message());
     req.weights_gib = static_cast<double>(*bytes) / (1ull << 30);
+  }
+  int64_t weight_bytes = -1;
+  if (weights_from_config) {
+    if (config.empty()) UsageError("plan", "--weights-from-config needs --config");
+    if (!weights_from.empty() || flags.WasSet("weights-gib")) {
+      UsageError("plan", "give one of --weights-from-config, --weights-from and --weights-gib");
+    }
+    std::ifstream in(config);
+    std::stringstream text;
+    text << in.rdbuf();
+    if (!in) UsageError("plan", "--config: cannot read " + config);
+    auto model = ParseModelConfig(text.str(), config);
+    if (!model.ok()) UsageError("plan", "--weights-from-config: " + model.status().message());
+    const DType dtype = model->torch_dtype == "float32"   ? DType::kF32
+                        : model->torch_dtype == "float16" ? DType::kF16
+                                                          : DType::kBF16;
+    weight_bytes = ConfigWeightBytes(*model, dtype);
+    req.weights_gib = static_cast<double>(weight_bytes) / (1ull << 30);
   }
   const bool gqa_flags = flags.WasSet("kv-heads") || flags.WasSet("head-dim");
   const bool mla_flags = flags.WasSet("kv-lora-rank") || flags.WasSet("qk-rope-head-dim");
@@ -117,6 +143,7 @@ int RunPlan(int argc, char** argv) {
     if (req.kv_dtype == DType::kFP8E4M3 || req.kv_dtype == DType::kFP8E5M2 ||
         req.kv_dtype == DType::kNvFp4)
       j["fp32_scale_bytes_per_block"] = req.shape.ScaleBytesPerBlock();
+    if (weight_bytes >= 0) j["weight_bytes"] = weight_bytes;
     std::printf("%s\n", j.dump().c_str());
     return 0;
   }
