@@ -2,7 +2,7 @@
 // cached vector (K and V of a GQA layer, the latent of an MLA layer) for a
 // scaled KV dtype (fp8, fp8_e5m2, nvfp4). A pool given them stores every
 // region of that layer at that scale instead of the power of two each block
-// sets and grows from what is written into it (kernels/backend.h); values
+// sets and grows from what is written into it (kernels/backend.h, WriteKv); values
 // past the scale's range saturate. The scale is still stored in every
 // block, so blocks read the same either way and workers with and without
 // calibration exchange KV freely. `pdserve eval --write-kv-scales FILE`

@@ -468,7 +468,8 @@ Status Model::Reserve(int64_t tokens, int64_t logits, int64_t seqs, int64_t bloc
   n.h = take(T * H, a);
   n.gathered = take(R * H, a);
   n.logits_at = take(R * c.vocab_size, 32);
-  int64_t width = std::max({H, 2 * I, c.vocab_size});
+  // The widest input of a Linear (what a backend may convert per call).
+  int64_t width = std::max(H, I);
   if (c.is_mla()) {
     const int64_t heads = c.num_heads, R_ = c.kv_lora_rank;
     n.q_a = take(T * c.q_lora_rank, a);
@@ -479,16 +480,18 @@ Status Model::Reserve(int64_t tokens, int64_t logits, int64_t seqs, int64_t bloc
     n.q_latent = take(T * heads * R_, a);
     n.out_latent = take(T * heads * R_, a);
     n.out_v = take(T * heads * c.v_head_dim, a);
-    width = std::max({width, heads * c.qk_nope_head_dim, heads * c.v_head_dim, c.q_lora_rank});
+    width = std::max({width, heads * c.v_head_dim, c.q_lora_rank});
   } else {
     n.qkv = take(T * (nh + 2 * kvh) * hd, a);
     n.attn = take(T * nh * hd, a);
-    width = std::max(width, (nh + 2 * kvh) * hd);
+    width = std::max(width, nh * hd);
   }
   // Sparse layers keep their own buffers in the backend.
   n.gate_up = take(T * 2 * I, a);
   n.act = take(T * I, a);
-  if (c.num_experts > 0) width = std::max(width, 2 * c.moe_intermediate_size);
+  if (c.num_experts > 0) {
+    width = std::max(width, c.moe_intermediate_size * std::max<int64_t>(c.num_shared_experts, 1));
+  }
   n.bytes = total;
   n.base = static_cast<uint8_t*>(backend_->Allocate(total));
   if (n.base == nullptr) {

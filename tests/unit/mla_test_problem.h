@@ -1,5 +1,5 @@
 // Random multi-head latent attention problems shared by the CPU op test
-// (engine/cpu_mla_attention_test) and the CUDA one (cuda_mla_attention_test):
+// (engine/cpu_mla_attention_test) and the op test of every backend (kernels/backend_ops_test):
 // an MLA pool layout, several sequences whose blocks are scattered over the
 // pool, each with an earlier context written in one call and this step's
 // tokens (a prefill chunk or one decode token) in a second, and the queries
