@@ -121,8 +121,20 @@ StatusOr<WeightMatrix> Model::Matrix(const WeightFiles& files, const std::string
   num_parameters_ += rows * cols;
   const TensorView& t = **found;
   WeightMatrix w{t.data, *t.dtype, rows, cols};
-  if (w.dtype != DType::kFP8E4M3) return w;
-  PDSERVE_RETURN_IF_ERROR(Fp8Scales(files, t, &w));
+  if (w.dtype == DType::kFP8E4M3) {
+    PDSERVE_RETURN_IF_ERROR(Fp8Scales(files, t, &w));
+    return w;
+  }
+  // A projection the config quantises must be stored quantised, as vLLM
+  // requires: an unquantised one there means the config and the weights
+  // disagree.
+  const WeightQuantConfig& q = config_.quant;
+  const std::string module = name.substr(0, name.rfind('.'));
+  if (q.quantized() && IsQuantizableLinear(name, config_.num_layers) && !q.Ignores(module)) {
+    return Status::InvalidArgument(t.file + ": tensor '" + name + "' is " + t.dtype_name +
+                                   " but quantization_config (" + q.Describe() +
+                                   ") quantises module '" + module + "': expected F8_E4M3");
+  }
   return w;
 }
 

@@ -200,7 +200,8 @@ class Model {
   StatusOr<const TensorView*> Tensor(const WeightFiles& files, const std::string& name,
                                      std::vector<int64_t> shape, bool allow_fp8 = false);
   // The checkpoint's matrix `name` in host memory (validated, counted); an
-  // F8_E4M3 one with its scales (Fp8Scales).
+  // F8_E4M3 one with its scales (Fp8Scales). InvalidArgument for a matrix
+  // the quantization_config quantises that is stored unquantised.
   StatusOr<kernels::WeightMatrix> Matrix(const WeightFiles& files, const std::string& name,
                                          int64_t rows, int64_t cols);
   // The scheme, scales (fp32, kept by the model) and activation scaling of

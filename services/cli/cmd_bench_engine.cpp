@@ -309,6 +309,7 @@ int RunBenchEngine(int argc, char** argv) {
                             decode_s / 1e9
                       : 0.0},
         {"weight_dtype", std::string(DTypeName((*model)->matrix_dtype()))},
+        {"weight_scheme", kernels::WeightSchemeName((*model)->weight_scheme())},
         {"machine",
          {{"cores", std::thread::hardware_concurrency()},
           {"cpu", CpuModel()},

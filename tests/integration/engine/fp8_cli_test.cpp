@@ -1,9 +1,9 @@
 // FP8 checkpoints through the real binary: make-model writes each format
 // (random, or quantising stories260K with --from) and generate and eval
-// serve them; a checkpoint whose config and tensors disagree exits 2 with
-// one line naming the tensor; bad --quant / --from invocations exit 2;
-// plan sizes FP8 weights at one byte plus their scales, from a config.json
-// alone (DeepSeek-V3's published one) or from the checkpoint.
+// serve them, bench engine --load-format dummy fills them; a checkpoint whose config and tensors
+// disagree exits 2 with one line naming the tensor; bad --quant / --from invocations exit 2; plan
+// sizes FP8 weights at one byte plus their scales, from a config.json alone (DeepSeek-V3's
+// published one) or from the checkpoint.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -50,6 +50,15 @@ TEST(Fp8CliTest, MakeModelFormatsGenerate) {
                               "--ignore-eos", "--json"});
     ASSERT_EQ(gen.exit_code, 0) << gen.err;
     EXPECT_EQ(json::parse(gen.out)["token_ids"].size(), 6u) << gen.out;
+    // --load-format dummy fills the config's format from config.json alone.
+    const auto bench =
+        Pdserve({"bench", "engine", "--model", dir, "--load-format", "dummy", "--batch", "1",
+                 "--prompt-tokens", "8", "--gen-tokens", "4", "--threads", "1", "--json"});
+    ASSERT_EQ(bench.exit_code, 0) << bench.err;
+    const json b = json::parse(bench.out);
+    EXPECT_EQ(b["load_format"], "dummy") << bench.out;
+    EXPECT_EQ(b["weight_dtype"], "fp8") << bench.out;
+    EXPECT_EQ(b["weight_scheme"], quant) << bench.out;
   }
 }
 

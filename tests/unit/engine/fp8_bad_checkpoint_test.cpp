@@ -2,10 +2,11 @@
 // tensor (InvalidArgument; the CLI turns it into exit 2): scales missing,
 // of the wrong shape or dtype, non-finite or not positive; a block grid
 // that does not match its weight; an FP8 tensor in a module the config
-// leaves unquantised, or without any quantization_config; the e4m3 NaN
-// code; static activations without their input_scale; a scale beside a
-// weight that is not fp8. Nothing stays loaded (the ASan build checks
-// that nothing leaks).
+// leaves unquantised, or without any quantization_config, and an
+// unquantised one in a module it quantises; the e4m3 NaN code; static
+// activations without their input_scale; a scale beside a weight that is
+// not fp8. Nothing stays loaded (the ASan build checks that nothing
+// leaks).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -152,6 +153,37 @@ TEST(Fp8BadCheckpointTest, Fp8WhereTheConfigSaysUnquantised) {
       "no-config", WeightScheme::kFp8Block, [](auto&) {},
       [](json& c) { c.erase("quantization_config"); });
   ExpectRefused(no_config, {"F8_E4M3", "no quantization_config"});
+}
+
+TEST(Fp8BadCheckpointTest, UnquantisedWhereTheConfigSaysQuantised) {
+  // o_proj stored in fp32 without its scale.
+  const std::string o = "model.layers.0.self_attn.o_proj";
+  auto unquantise = [&](std::vector<TensorToWrite>& t) {
+    SetFloats(Find(t, o + ".weight"), {64, 64}, std::vector<float>(64 * 64, 0.01f));
+    Erase(t, o + ".weight_scale");
+  };
+  const auto dir = EditedModel("unquantised", WeightScheme::kFp8Tensor, unquantise);
+  ExpectRefused(dir, {o + ".weight", "F32", "expected F8_E4M3"});
+  // The same checkpoint loads once the config leaves o_proj unquantised.
+  const auto ignored =
+      EditedModel("unquantised-ignored", WeightScheme::kFp8Tensor, unquantise, [&](json& c) {
+        c["quantization_config"]["ignored_layers"] = {"lm_head", o};
+      });
+  kernels::CpuBackend cpu(1);
+  auto m = Model::Load(ignored, &cpu);
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  EXPECT_EQ((*m)->matrix_dtype(), DType::kFP8E4M3);
+  // q, k and v are one product: one of them left unquantised is refused.
+  const auto partial = EditedModel(
+      "unquantised-q", WeightScheme::kFp8Tensor,
+      [](auto& t) {
+        SetFloats(Find(t, kQ + ".weight"), {64, 64}, std::vector<float>(64 * 64, 0.01f));
+        Erase(t, kQ + ".weight_scale");
+      },
+      [](json& c) {
+        c["quantization_config"]["ignored_layers"] = {"lm_head", kQ};
+      });
+  ExpectRefused(partial, {kQ + ".weight", "stacked weight matrices differ"});
 }
 
 TEST(Fp8BadCheckpointTest, NanCodes) {
