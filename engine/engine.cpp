@@ -54,9 +54,12 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(Model* model, const EngineOptio
   e->tokenizer_ = tokenizer;
   e->options_ = options;
   e->model_id_ = options.model_id.empty() ? model->model_id() : options.model_id;
-  const int64_t model_len = model->config().max_context();
+  int64_t model_len = model->config().max_context();
   // Full attention equals the model's sliding-window attention only up to
   // the window: a longer context would compute something else.
+  if (const auto& window = model->config().sliding_window; window) {
+    model_len = std::min(model_len, *window);
+  }
   if (const auto& window = model->config().sliding_window;
       window && options.max_model_len > *window) {
     return Status::Unsupported("max_model_len " + std::to_string(options.max_model_len) +

@@ -93,6 +93,10 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir, kernels::Ba
                                " backend attends over (" +
                                std::to_string(backend->MaxMlaLatentWidth()) + ")");
   }
+  if (m->config_.gemma) {
+    return Status::Unsupported(dir + ": " + m->config_.architecture +
+                               " is parsed but its forward pass is not implemented yet");
+  }
   m->files_ = std::move(*files);
   PDSERVE_RETURN_IF_ERROR(m->LoadWeights(*m->files_));
   m->scratch_ = std::make_unique<Scratch>();
