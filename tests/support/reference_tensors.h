@@ -88,6 +88,7 @@ class Tensors {
           return false;
         }
         values_[name] = std::move(v);
+        dtypes_[name] = dtype;
       }
     }
     return true;
@@ -103,6 +104,11 @@ class Tensors {
     return true;
   }
   bool Has(const std::string& name) const { return values_.count(name) > 0; }
+  // The stored dtype of a tensor ("F32", "BF16", "F16"), "" if unknown.
+  std::string DTypeOf(const std::string& name) const {
+    auto it = dtypes_.find(name);
+    return it == dtypes_.end() ? "" : it->second;
+  }
   // Forgets every tensor whose name starts with `prefix`; how many there were.
   int64_t Drop(const std::string& prefix) {
     int64_t n = 0;
@@ -118,6 +124,7 @@ class Tensors {
 
  private:
   std::map<std::string, std::vector<double>> values_;
+  std::map<std::string, std::string> dtypes_;
 };
 
 // y[rows_out] = W[rows_out, cols] x[cols] (+ b)
