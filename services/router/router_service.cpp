@@ -869,7 +869,7 @@ class RouterServiceImpl : public RouterService {
     for (const auto& [_, p] : order) {
       if (budget <= 0) break;
       const std::vector<BlockHash>& hashes = p->hashes;
-      core_->index().LeadingOverlap(hashes, 0, &overlap);
+      core_->Overlap(hashes, 0, &overlap);
       if (overlap[*leaving.id] < hashes.size()) continue;  // evicted meanwhile
       const WorkerLink& target = *survivors[turn++ % survivors.size()];
       const int64_t missing = static_cast<int64_t>(hashes.size() - overlap[*target.id]);
@@ -975,6 +975,23 @@ class RouterServiceImpl : public RouterService {
                                     " on the worker, " + std::to_string(kBlockHashVersion) +
                                     " on the router");
     }
+    std::vector<int64_t> group_windows;
+    {
+      // The KV layer groups: the first worker's are the model's; every
+      // other must have the same (the prefix prediction follows them).
+      std::vector<int64_t> windows(reg.kv_group_windows().begin(), reg.kv_group_windows().end());
+      if (windows.size() == 1 && windows[0] == 0) windows.clear();
+      auto describe = [](const std::vector<int64_t>& w) {
+        std::string s = "[";
+        for (size_t i = 0; i < w.size(); ++i) s += (i ? "," : "") + std::to_string(w[i]);
+        return s + "]";
+      };
+      if (const auto known = core_->KvGroupWindows(); kv_groups_known_ && known != windows) {
+        return RefuseLocked(link, "kv_group_windows: " + describe(windows) + " on the worker, " +
+                                      describe(known) + " on the router");
+      }
+      group_windows = std::move(windows);
+    }
     if (reg.kv_capacity_blocks() == 0 ||
         reg.kv_capacity_blocks() > static_cast<uint64_t>(opts_.max_snapshot_blocks)) {
       metrics_.control_rejected.Add({{"reason", "registration_invalid"}}).Increment();
@@ -988,6 +1005,10 @@ class RouterServiceImpl : public RouterService {
       // claiming it never evicts the first.
       metrics_.control_rejected.Add({{"reason", "duplicate_worker"}}).Increment();
       return RefuseLocked(link, id.status().message());
+    }
+    if (!kv_groups_known_) {
+      kv_groups_known_ = true;
+      core_->SetKvGroupWindows(std::move(group_windows));
     }
     link.id = *id;
     link.role = *role;
@@ -1331,6 +1352,9 @@ class RouterServiceImpl : public RouterService {
   std::unordered_map<std::string, uint64_t> wire_ids_;  // Inflight::wire_id → id
   std::unordered_map<WorkerId, std::unordered_map<BlockHash, HotPrompt>> hot_prompts_;
   uint64_t hot_clock_ = 0;
+  // Set by the first worker that registered: its KV layer groups are the
+  // model's (RouterCore::SetKvGroupWindows).
+  bool kv_groups_known_ = false;
   struct Push {
     uint64_t conn = 0;    // the survivor's connection
     bool copied = false;  // its first token came after the blocks were copied
