@@ -13,15 +13,16 @@
 //   "KV layout mismatch: kv_dtype: fp16 here, fp8 on peer"
 //
 // The layout hash is a stable 64-bit digest of the canonical encoding (format
-// version 3, below); it never changes between builds or machines, so it may be
+// version 4, below); it never changes between builds or machines, so it may be
 // logged, stored and compared across releases of the same format version.
 // (Version 2 added memory_type and transfer_backend, version 3 the attention
-// kind and the MLA latent widths.)
+// kind and the MLA latent widths, version 4 the KV layer groups' windows.)
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "common/dtype.h"
 #include "common/kv_block_order.h"
@@ -52,6 +53,11 @@ struct KvLayout {
   int64_t bytes_per_block = 0;
   MemoryType memory_type = MemoryType::kHost;
   std::string transfer_backend = "ucx";  // KvTransfer::backend() of the worker
+  // The KV layer groups (common/kv_groups.h): the window of each (0: full
+  // attention), a block then holding `layers` layers of one group; empty:
+  // one group of every layer, full attention. Peers with other windows keep
+  // other blocks, so they do not exchange any.
+  std::vector<int64_t> group_windows;
 
   // 2 x layers x kv_heads x head_dim x block_tokens x dtype bytes (no
   // scales); MLA: layers x (kv_lora_rank + qk_rope_head_dim) x block_tokens
@@ -66,7 +72,7 @@ struct KvLayout {
   // Stable digest of Encode() (XXH3-64).
   uint64_t Hash() const;
 
-  // Canonical little-endian encoding, format version 3. Decode rejects
+  // Canonical little-endian encoding, format version 4. Decode rejects
   // truncated, oversized or unknown-version input with a clear Status.
   std::string Encode() const;
   static StatusOr<KvLayout> Decode(std::string_view bytes);

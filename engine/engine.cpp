@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <optional>
 
+#include "common/kv_groups.h"
 #include "common/logging.h"
 #include "common/tokenizer/tokenizer.h"
 
@@ -27,9 +28,11 @@ struct Engine::Sequence {
   bool admitted_once = false;
   bool reported_cached = false;
   int64_t num_cached_tokens = 0;
-  size_t remote_first_block = 0;  // kRemote: the first block the peer fills
-  uint64_t load_ticket = 0;       // kLoading: the onload it waits for
-  size_t load_first_block = 0;    // kLoading: where the onloaded blocks start
+  size_t remote_first_block = 0;      // kRemote: the first block the peer fills
+  uint64_t load_ticket = 0;           // kLoading: the onload it waits for
+  size_t load_first_block = 0;        // kLoading: where the onloaded blocks start
+  size_t load_end_block = 0;          // kLoading: the prefix the onload completes
+  std::vector<BlockSlot> load_slots;  // kLoading: the blocks onloaded, in request order
   // kLoading: the prompt's block hashes up to the end of the onloaded run,
   // committed when the blocks are in (computed once, at admission).
   std::vector<BlockHash> load_hashes;
@@ -54,18 +57,7 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(Model* model, const EngineOptio
   e->tokenizer_ = tokenizer;
   e->options_ = options;
   e->model_id_ = options.model_id.empty() ? model->model_id() : options.model_id;
-  int64_t model_len = model->config().max_context();
-  // Full attention equals the model's sliding-window attention only up to
-  // the window: a longer context would compute something else.
-  if (const auto& window = model->config().sliding_window; window) {
-    model_len = std::min(model_len, *window);
-  }
-  if (const auto& window = model->config().sliding_window;
-      window && options.max_model_len > *window) {
-    return Status::Unsupported("max_model_len " + std::to_string(options.max_model_len) +
-                               " exceeds the model's 'sliding_window' " + std::to_string(*window) +
-                               " (sliding-window attention is not implemented)");
-  }
+  const int64_t model_len = model->config().max_context();
   e->max_model_len_ =
       options.max_model_len > 0 ? std::min(options.max_model_len, model_len) : model_len;
   auto pool = KvCachePool::Create(model->backend(), model->config(), options.kv_dtype,
@@ -78,6 +70,9 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(Model* model, const EngineOptio
   bm.block_size = static_cast<size_t>(options.block_size);
   bm.enable_prefix_caching = options.enable_prefix_caching;
   bm.record_kv_events = options.record_kv_events;
+  if (const KvGroups& g = e->pool_->groups(); g.size() > 1 || g.any_windowed()) {
+    bm.group_windows = g.windows;
+  }
   const bool tiers = options.kv_host_cache_bytes > 0 || !options.kv_disk_cache_dir.empty();
   if (tiers && options.enable_prefix_caching) {
     KvTierOptions to;
@@ -129,8 +124,8 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(Model* model, const EngineOptio
   }
   PDSERVE_LOG(INFO) << "engine: model " << model->model_id() << ", KV pool "
                     << e->pool_->num_blocks() << " blocks of " << e->pool_->bytes_per_block()
-                    << " bytes (" << e->pool_->Describe() << "), max_model_len "
-                    << e->max_model_len_;
+                    << " bytes (" << e->pool_->Describe() << "; " << e->pool_->groups().Describe()
+                    << "), max_model_len " << e->max_model_len_;
   return e;
 }
 
@@ -156,7 +151,8 @@ Status Engine::ValidateRequest(const EngineRequest& r) const {
   if (!r.params.stop.empty() && tokenizer_ == nullptr) {
     return Status::InvalidArgument("stop strings need a tokenizer");
   }
-  const int64_t blocks_needed = (len + options_.block_size) / options_.block_size;
+  const int64_t blocks_needed =
+      BlocksHeld(std::max<int64_t>(0, len + 1 - options_.max_num_batched_tokens), len + 1);
   if (blocks_needed > pool_->num_blocks()) {
     return Status::ResourceExhausted(
         "prompt of " + std::to_string(len) + " tokens needs " + std::to_string(blocks_needed) +
@@ -234,7 +230,10 @@ void Engine::FinishSequence(Sequence* s, FinishReason reason, RequestOutput* out
     auto pin = blocks_->Pin(s->id);
     if (pin.ok()) {
       out->kv_pin = *pin;
-      out->kv_blocks = blocks_->PinnedBlocks(*pin);
+      out->kv_slots = blocks_->PinnedSlots(*pin);
+      for (const BlockSlot& slot : out->kv_slots) {
+        if (slot.group == 0) out->kv_blocks.push_back(slot.block);
+      }
     }
   }
   if (blocks_->HasSequence(s->id)) (void)blocks_->Free(s->id);
@@ -281,9 +280,23 @@ void Engine::ProcessToken(Sequence* s, const SampledToken& sampled, RequestOutpu
   if (reason != FinishReason::kNone) FinishSequence(s, reason, out);
 }
 
-int64_t Engine::TierPrefix(std::span<const BlockHash> hashes, int64_t from, int64_t limit) const {
+int64_t Engine::TierPrefix(std::span<const BlockHash> hashes, int64_t cached) const {
+  const std::vector<int64_t>& windows = blocks_->group_windows();
+  // The pool's blocks count only within its cached prefix: Admit takes
+  // those, and allocates (to be filled from the tiers) the rest.
+  return static_cast<int64_t>(CachedPrefixBlocks(
+      windows, static_cast<size_t>(options_.block_size), hashes.size(), [&](size_t g, size_t i) {
+        return static_cast<int64_t>(i) < cached ||
+               tier_mover_->Holds(GroupBlockKey(hashes[i], static_cast<uint32_t>(g)));
+      }));
+}
+
+int64_t Engine::BlocksHeld(int64_t computed, int64_t tokens) const {
+  const int64_t B = options_.block_size, total = (tokens + B - 1) / B;
   int64_t n = 0;
-  while (from + n < limit && tier_mover_->Holds(hashes[from + n])) ++n;
+  for (int64_t w : blocks_->group_windows()) {
+    n += total - std::min(total, FirstBlockInReach(w, computed, B));
+  }
   return n;
 }
 
@@ -302,18 +315,36 @@ void Engine::ProcessTierWork() {
       continue;
     }
     Sequence* s = it->second.get();
-    const std::vector<BlockId>& table = blocks_->BlockTable(s->id);
     const size_t n = done.blocks.size();
+    const size_t groups = blocks_->num_groups();
+    if (groups > 1 && n < s->load_slots.size()) {
+      // Part of a grouped onload is missing: the blocks it has may not make
+      // a prefix every group can start from. Recompute from scratch (the
+      // tiers no longer claim what failed).
+      (void)blocks_->Free(s->id);
+      s->num_computed = 0;
+      s->hashes.clear();
+      s->load_slots.clear();
+      s->load_hashes = {};
+      s->state = Sequence::State::kWaiting;
+      Remove(&running_, s);
+      InsertSorted(&waiting_, s);
+      continue;
+    }
     for (size_t k = 0; k < n; ++k) {
-      model_->backend()->Upload(pool_->block(table[s->load_first_block + k]), done.blocks[k].data(),
+      model_->backend()->Upload(pool_->block(s->load_slots[k].block), done.blocks[k].data(),
                                 done.blocks[k].size());
-      (done.tiers[k] == KvTier::kDisk ? disk_hit_tokens_ : host_hit_tokens_) += B;
+      // Tokens brought back: a block of every group per prompt block.
+      if (s->load_slots[k].group == 0) {
+        (done.tiers[k] == KvTier::kDisk ? disk_hit_tokens_ : host_hit_tokens_) += B;
+      }
     }
     if (n > 0) {
+      const size_t end = groups > 1 ? s->load_end_block : s->load_first_block + n;
       s->hashes.assign(s->load_hashes.begin(),
-                       s->load_hashes.begin() + static_cast<ptrdiff_t>(s->load_first_block + n));
+                       s->load_hashes.begin() + static_cast<ptrdiff_t>(end));
       (void)blocks_->CommitBlocks(s->id, s->hashes);
-      s->num_computed = static_cast<int64_t>(s->load_first_block + n) * B;
+      s->num_computed = static_cast<int64_t>(end) * B;
       if (s->num_cached_tokens < s->num_computed) s->num_cached_tokens = s->num_computed;
       TierOnload record;
       record.blocks = static_cast<int64_t>(n);
@@ -324,6 +355,7 @@ void Engine::ProcessTierWork() {
       tier_onloads_.push_back(record);
     }
     s->load_hashes = {};
+    s->load_slots.clear();
     s->state = Sequence::State::kRunning;  // computes what the tiers did not hold
   }
   blocks_->RecordTierChanges(tier_mover_->TakeChanges());
@@ -355,12 +387,13 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
         std::min<int64_t>(static_cast<int64_t>(s->tokens.size()) - s->num_computed, budget);
     bool scheduled = true;
     for (;;) {
-      Status st = blocks_->AllocateSlots(s->id, static_cast<size_t>(s->num_computed + n));
+      Status st = blocks_->AllocateSlots(s->id, static_cast<size_t>(s->num_computed + n),
+                                         static_cast<size_t>(s->num_computed));
       if (st.ok()) break;
       if (st.code() != StatusCode::kResourceExhausted) return st;
       Sequence* victim = running_.back();
       if (victim == s) {
-        const int64_t needed = (s->num_computed + n + B - 1) / B;
+        const int64_t needed = BlocksHeld(s->num_computed, s->num_computed + n);
         if (i == 0 && needed > pool_->num_blocks()) {
           // Alone and still too big for the whole pool: it can never continue.
           RequestOutput out;
@@ -394,14 +427,14 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
     const int64_t cached = static_cast<int64_t>(blocks_->FindCachedPrefix(hashes)) * B;
     // The blocks that continue the cached prefix in a lower tier: admitted
     // now, copied back while the request waits.
-    const int64_t from_tiers =
-        tier_mover_ ? TierPrefix(hashes, cached / B, static_cast<int64_t>(hashes.size())) : 0;
+    const int64_t from_tiers = tier_mover_ ? TierPrefix(hashes, cached / B) - cached / B : 0;
     const int64_t planned = from_tiers > 0 ? from_tiers * B : std::min(total - cached, budget);
     AdmitRequest req;
     req.seq = s->id;
     req.prefix_hashes = hashes;
     req.num_tokens = static_cast<size_t>(cached + planned);
     req.prompt_tokens_for_stats = s->admitted_once ? 0 : static_cast<size_t>(s->prompt_len);
+    if (from_tiers > 0) req.computed_tokens = static_cast<size_t>(cached + planned);
     auto admitted = blocks_->Admit(req);
     if (!admitted.ok()) {
       if (admitted.status().code() == StatusCode::kResourceExhausted) break;
@@ -418,10 +451,16 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
       s->state = Sequence::State::kLoading;
       s->load_ticket = next_load_ticket_++;
       s->load_first_block = admitted->num_cached_blocks;
+      s->load_end_block = admitted->num_cached_blocks + static_cast<size_t>(from_tiers);
+      s->load_slots = admitted->to_fill;
       loads_[s->load_ticket] = s->id;
       const auto first = hashes.begin() + static_cast<ptrdiff_t>(admitted->num_cached_blocks);
       s->load_hashes.assign(hashes.begin(), first + from_tiers);
-      tier_mover_->Onload(s->load_ticket, std::vector<BlockHash>(first, first + from_tiers));
+      std::vector<BlockHash> keys;
+      for (const BlockSlot& slot : s->load_slots) {
+        keys.push_back(GroupBlockKey(hashes[slot.index], slot.group));
+      }
+      tier_mover_->Onload(s->load_ticket, std::move(keys));
       continue;
     }
     const int64_t covered = static_cast<int64_t>(blocks_->BlockTable(s->id).size()) * B;
@@ -430,7 +469,10 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
     sched.push_back({s, n});
     budget -= n;
   }
-  for (auto& out : finished_early) outputs.push_back(std::move(out));
+  for (auto& out : finished_early) {
+    requests_.erase(out.id);  // finished (it outgrew the pool): reported once, then gone
+    outputs.push_back(std::move(out));
+  }
   if (sched.empty()) return outputs;
 
   // 3. The batch.
@@ -438,6 +480,7 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
       block_tables;
   std::vector<int64_t> slots;
   std::vector<Sequence*> sampled_seqs;
+  const uint32_t groups = static_cast<uint32_t>(blocks_->num_groups());
   int64_t max_blocks = 0;
   for (const auto& sc : sched) {
     max_blocks =
@@ -445,22 +488,34 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
   }
   for (const auto& sc : sched) {
     Sequence* s = sc.seq;
-    const auto& table = blocks_->BlockTable(s->id);
     for (int64_t j = 0; j < sc.n; ++j) {
       const int64_t pos = s->num_computed + j;
       token_ids.push_back(s->tokens[pos]);
       positions.push_back(static_cast<int32_t>(pos));
-      slots.push_back(static_cast<int64_t>(table[pos / B]) * B + pos % B);
     }
     query_start.push_back(static_cast<int32_t>(token_ids.size()));
     context_lens.push_back(static_cast<int32_t>(s->num_computed + sc.n));
-    for (int64_t b = 0; b < max_blocks; ++b) {
-      block_tables.push_back(b < static_cast<int64_t>(table.size()) ? static_cast<int32_t>(table[b])
-                                                                    : 0);
-    }
     if (s->num_computed + sc.n == static_cast<int64_t>(s->tokens.size())) {
       logits_rows.push_back(static_cast<int32_t>(token_ids.size() - 1));
       sampled_seqs.push_back(s);
+    }
+  }
+  // Per layer group: every token's slot, then every sequence's table (a
+  // windowed group's released entries are never read: 0 stands in).
+  for (uint32_t g = 0; g < groups; ++g) {
+    for (const auto& sc : sched) {
+      const auto& table = blocks_->BlockTable(sc.seq->id, g);
+      for (int64_t j = 0; j < sc.n; ++j) {
+        const int64_t pos = sc.seq->num_computed + j;
+        slots.push_back(static_cast<int64_t>(table[pos / B]) * B + pos % B);
+      }
+    }
+    for (const auto& sc : sched) {
+      const auto& table = blocks_->BlockTable(sc.seq->id, g);
+      for (int64_t b = 0; b < max_blocks; ++b) {
+        const bool held = b < static_cast<int64_t>(table.size()) && table[b] != kNoBlock;
+        block_tables.push_back(held ? static_cast<int32_t>(table[b]) : 0);
+      }
     }
   }
   ForwardBatch fb;
@@ -475,6 +530,7 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
   fb.attention.max_blocks_per_seq = max_blocks;
   fb.num_logits = static_cast<int64_t>(logits_rows.size());
   fb.logits_rows = logits_rows.data();
+  fb.num_groups = groups;
   const int64_t vocab = model_->config().vocab_size;
   // Greedy rows without logprobs need only their argmax: when every row of
   // the step is one, the logits stay on the backend and token ids come back.
@@ -513,8 +569,11 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
     RequestOutput out;
     out.id = s->id;
     out.kv_pin = *pin;
-    out.kv_blocks = blocks_->PinnedBlocks(*pin);
-    out.kv_blocks.resize(static_cast<size_t>(full));
+    for (const BlockSlot& slot : blocks_->PinnedSlots(*pin)) {
+      if (slot.index >= static_cast<size_t>(full)) continue;
+      out.kv_slots.push_back(slot);
+      if (slot.group == 0) out.kv_blocks.push_back(slot.block);
+    }
     s->reported_full_blocks = full;
     outputs.push_back(std::move(out));
   }
@@ -579,6 +638,9 @@ StatusOr<RemotePrefillPlan> Engine::AddRemotePrefillRequest(EngineRequest reques
   req.prefix_hashes = hashes;
   req.num_tokens = static_cast<size_t>(s->prompt_len);
   req.prompt_tokens_for_stats = 0;  // blocks received by transfer are not hits
+  // The peer writes the whole prompt: windowed groups need only what the
+  // first decode query reaches.
+  req.computed_tokens = static_cast<size_t>(s->prompt_len);
   auto admitted = blocks_->Admit(req);
   if (!admitted.ok()) return admitted.status();
   s->num_computed = static_cast<int64_t>(admitted->num_cached_tokens);
@@ -591,6 +653,7 @@ StatusOr<RemotePrefillPlan> Engine::AddRemotePrefillRequest(EngineRequest reques
   plan.block_ids = blocks_->BlockTable(s->id);
   plan.first_block_to_fill = admitted->num_cached_blocks;
   plan.num_cached_tokens = s->num_computed;
+  plan.fill = admitted->to_fill;
   requests_.emplace(s->id, std::move(seq));
   return plan;
 }

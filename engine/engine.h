@@ -17,8 +17,9 @@
 // Disaggregated serving (ARCHITECTURE.md section 3):
 //  - decode worker: AddRemotePrefillRequest() admits a request and reserves
 //    blocks for its whole prompt, reusing the local cached prefix. It returns
-//    the block ids a peer must fill (blocks [first_block_to_fill, end) of the
-//    prompt's table). The request is parked (never scheduled, never
+//    the blocks a peer must fill (RemotePrefillPlan::fill: every layer
+//    group's blocks from first_block_to_fill on, a windowed group's only from
+//    the reach of the first decode query). The request is parked (never scheduled, never
 //    preempted) until CompleteRemotePrefill(id, first_token): the KV is then
 //    taken as computed, its full blocks enter the prefix cache, and the next
 //    Step() reports the first token and decoding goes on. FailRemotePrefill(id)
@@ -31,10 +32,18 @@
 //    would produce.
 //  - prefill worker: a request added with prefill_only = true is prefilled
 //    like any other (prefix cache included), samples its first token and
-//    finishes. Its output carries `kv_blocks` (the block ids holding the
-//    prompt's KV, in order) under a pin: they are neither reused nor evicted
-//    until ReleaseKvBlocks(pin), which the caller invokes once the transport
-//    has copied them. Block i holds prompt tokens [i*B, (i+1)*B).
+//    finishes. Its output carries `kv_slots` (the blocks holding the
+//    prompt's KV, with their layer group and index) under a pin: they are
+//    neither reused nor evicted until ReleaseKvBlocks(pin), which the caller
+//    invokes once the transport has copied them. Block i of a group holds
+//    prompt tokens [i*B, (i+1)*B); a windowed group's early blocks, which no
+//    later query reaches, may be missing.
+//
+// Sliding windows (common/kv_groups.h): a model with windowed layers keeps
+// one block table per layer group; each step first releases the windowed
+// groups' blocks its sequences' next queries no longer reach, so such a
+// sequence holds at most ceil((W - 1 + chunk) / B) + 1 blocks per windowed
+// group, and contexts are not capped at the window.
 //
 // Thread safety: none. One thread drives an engine (AddRequest, Step,
 // Cancel, ...); block_manager() is safe to read from other threads.
@@ -130,13 +139,17 @@ struct RequestOutput {
   // After a preemption the same prompt indices may be reported again, in
   // other blocks holding the same KV. Every pin must be released.
   std::vector<BlockId> kv_blocks;
+  // The same blocks with their layer group and index, for every group.
+  std::vector<BlockSlot> kv_slots;
   std::optional<PinId> kv_pin;
 };
 
 struct RemotePrefillPlan {
-  std::vector<BlockId> block_ids;  // the prompt's whole block table
+  std::vector<BlockId> block_ids;  // the prompt's whole block table (layer group 0)
   size_t first_block_to_fill = 0;  // blocks before it are cached locally
   int64_t num_cached_tokens = 0;   // = first_block_to_fill * block_size
+  // Every block the peer writes, by index then layer group.
+  std::vector<BlockSlot> fill;
 };
 
 // What the lower KV tiers did (all 0 without tiers).
@@ -238,8 +251,13 @@ class Engine {
   void InsertSorted(std::vector<Sequence*>* list, Sequence* seq);
   void Remove(std::vector<Sequence*>* list, Sequence* seq);
   std::vector<BlockHash> PrefixHashes(const Sequence& seq) const;
-  // Leading blocks of hashes[from, limit) the lower tiers hold.
-  int64_t TierPrefix(std::span<const BlockHash> hashes, int64_t from, int64_t limit) const;
+  // The prefix, in blocks, a prompt of `hashes` can start from with the
+  // lower tiers' blocks copied back after the `cached` leading blocks the
+  // pool holds (the windowed rule for layer groups).
+  int64_t TierPrefix(std::span<const BlockHash> hashes, int64_t cached) const;
+  // Blocks a sequence holds once its KV covers `tokens` positions, the next
+  // query at `computed` (its windowed groups keeping only their reach).
+  int64_t BlocksHeld(int64_t computed, int64_t tokens) const;
   // Copies finished onloads into the pool and records the tiers' changes.
   void ProcessTierWork();
 

@@ -93,10 +93,7 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir, kernels::Ba
                                " backend attends over (" +
                                std::to_string(backend->MaxMlaLatentWidth()) + ")");
   }
-  if (m->config_.gemma) {
-    return Status::Unsupported(dir + ": " + m->config_.architecture +
-                               " is parsed but its forward pass is not implemented yet");
-  }
+  m->kv_groups_ = m->config_.kv_groups();
   m->files_ = std::move(*files);
   PDSERVE_RETURN_IF_ERROR(m->LoadWeights(*m->files_));
   m->scratch_ = std::make_unique<Scratch>();
@@ -230,6 +227,22 @@ Status Model::LoadWeights(const WeightFiles& files) {
     bytes += n * 4;
     return Status::Ok();
   };
+  // A norm's weight; Gemma's RMSNorm multiplies by (1 + weight), so its
+  // vectors are stored with the 1 added, once, at load.
+  auto norm = [&](const std::string& name, int64_t n, const float** out) -> Status {
+    if (!c.gemma) return vector(name, n, out);
+    auto found = Tensor(files, name, {n});
+    if (!found.ok()) return found.status();
+    num_parameters_ += n;
+    std::vector<float> w(n);
+    ConvertToF32(**found, w.data());
+    for (float& x : w) x += 1.0f;
+    auto up = UploadFloats(w);
+    if (!up.ok()) return up.status();
+    *out = *up;
+    bytes += n * 4;
+    return Status::Ok();
+  };
 
   {
     // The embedding table is read by row, so it is fp32 on every backend.
@@ -237,6 +250,14 @@ Status Model::LoadWeights(const WeightFiles& files) {
     if (!found.ok()) return found.status();
     const auto& t = **found;
     num_parameters_ += c.vocab_size * H;
+    if (c.gemma) {
+      // sqrt(hidden_size) as a tensor of the embedding's dtype, as
+      // Gemma3TextScaledWordEmbedding (and Gemma2Model's normalizer) make it.
+      const float scale = std::sqrt(static_cast<float>(H));
+      embed_scale_ = *t.dtype == DType::kBF16  ? kernels::Bf16ToF32(kernels::F32ToBf16(scale))
+                     : *t.dtype == DType::kF16 ? kernels::F16ToF32(kernels::F32ToF16(scale))
+                                               : scale;
+    }
     if (*t.dtype == DType::kF32 && backend_->SharesHostMemory() &&
         reinterpret_cast<uintptr_t>(t.data) % 4 == 0) {
       embedding_ = reinterpret_cast<const float*>(t.data);
@@ -255,7 +276,7 @@ Status Model::LoadWeights(const WeightFiles& files) {
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const std::string p = "model.layers." + std::to_string(l) + ".";
     Layer& L = layers_[l];
-    PDSERVE_RETURN_IF_ERROR(vector(p + "input_layernorm.weight", H, &L.input_norm));
+    PDSERVE_RETURN_IF_ERROR(norm(p + "input_layernorm.weight", H, &L.input_norm));
     if (c.is_mla()) {
       PDSERVE_RETURN_IF_ERROR(LoadMlaAttention(files, p, &L, &bytes));
     } else {
@@ -270,11 +291,15 @@ Status Model::LoadWeights(const WeightFiles& files) {
       }
       if (c.o_bias) PDSERVE_RETURN_IF_ERROR(vector(p + "self_attn.o_proj.bias", H, &L.o_bias));
       if (c.qk_norm) {
-        PDSERVE_RETURN_IF_ERROR(vector(p + "self_attn.q_norm.weight", hd, &L.q_norm));
-        PDSERVE_RETURN_IF_ERROR(vector(p + "self_attn.k_norm.weight", hd, &L.k_norm));
+        PDSERVE_RETURN_IF_ERROR(norm(p + "self_attn.q_norm.weight", hd, &L.q_norm));
+        PDSERVE_RETURN_IF_ERROR(norm(p + "self_attn.k_norm.weight", hd, &L.k_norm));
       }
     }
-    PDSERVE_RETURN_IF_ERROR(vector(p + "post_attention_layernorm.weight", H, &L.post_norm));
+    PDSERVE_RETURN_IF_ERROR(norm(p + "post_attention_layernorm.weight", H, &L.post_norm));
+    if (c.gemma) {
+      PDSERVE_RETURN_IF_ERROR(norm(p + "pre_feedforward_layernorm.weight", H, &L.pre_ff_norm));
+      PDSERVE_RETURN_IF_ERROR(norm(p + "post_feedforward_layernorm.weight", H, &L.post_ff_norm));
+    }
     if (c.IsSparseLayer(l)) {
       // Qwen3MoeSparseMoeBlock and DeepSeek's MoE (`mlp.gate`,
       // `mlp.experts.N.{gate,up,down}_proj`) or MixtralSparseMoeBlock
@@ -325,7 +350,7 @@ Status Model::LoadWeights(const WeightFiles& files) {
       PDSERVE_RETURN_IF_ERROR(vector(p + "mlp.down_proj.bias", H, &L.down_bias));
     }
   }
-  PDSERVE_RETURN_IF_ERROR(vector("model.norm.weight", H, &final_norm_));
+  PDSERVE_RETURN_IF_ERROR(norm("model.norm.weight", H, &final_norm_));
   if (c.tie_word_embeddings) {
     lm_head_ = WeightMatrix{embedding_, DType::kF32, c.vocab_size, H};
     bytes += c.vocab_size * H * 4;
@@ -365,12 +390,19 @@ Status Model::LoadWeights(const WeightFiles& files) {
                       << first_mtp << " on (speculative decoding is not used)";
   }
 
-  const std::vector<float> inv = c.RopeInvFreq();
-  void* dst = backend_->Allocate(inv.size() * 4);
-  if (dst == nullptr) return Status::ResourceExhausted("out of memory");
-  backend_->Upload(dst, inv.data(), inv.size() * 4);
-  owned_.push_back(dst);
-  inv_freq_ = static_cast<const float*>(dst);
+  // Rotary frequencies are computed, not weights: not counted as converted.
+  auto upload = [&](const std::vector<float>& inv, const float** out) -> Status {
+    void* dst = backend_->Allocate(inv.size() * 4);
+    if (dst == nullptr) return Status::ResourceExhausted("out of memory");
+    backend_->Upload(dst, inv.data(), inv.size() * 4);
+    owned_.push_back(dst);
+    *out = static_cast<const float*>(dst);
+    return Status::Ok();
+  };
+  PDSERVE_RETURN_IF_ERROR(upload(c.RopeInvFreq(), &inv_freq_));
+  if (c.rope_local_theta > 0) {
+    PDSERVE_RETURN_IF_ERROR(upload(c.RopeInvFreq(/*local=*/true), &inv_freq_local_));
+  }
   return Status::Ok();
 }
 
@@ -402,13 +434,20 @@ Status Model::ComputeLogits(const ForwardBatch& batch, const kernels::KvCacheLay
   const int64_t H = c.hidden_size, I = c.intermediate_size, hd = c.head_dim;
   const int64_t nh = c.num_heads, kvh = c.num_kv_heads;
   if (T <= 0 || S <= 0) return Status::InvalidArgument("forward: empty batch");
+  // A block holds the layers of one group (all of them for one group).
+  const int64_t G = static_cast<int64_t>(kv_groups_.size());
   const bool layout_matches = c.is_mla() ? layout.is_mla() && layout.num_layers == c.num_layers &&
                                                layout.kv_lora_rank == c.kv_lora_rank &&
                                                layout.rope_dim() == c.qk_rope_head_dim
-                                         : !layout.is_mla() && layout.num_layers == c.num_layers &&
+                                         : !layout.is_mla() &&
+                                               layout.num_layers == kv_groups_.layers_per_group &&
                                                layout.num_kv_heads == kvh && layout.head_dim == hd;
   if (!layout_matches)
     return Status::InvalidArgument("forward: KV layout does not match the model");
+  if (batch.num_groups != G) {
+    return Status::InvalidArgument("forward: the batch has " + std::to_string(batch.num_groups) +
+                                   " layer groups, the model " + std::to_string(G));
+  }
   for (int64_t t = 0; t < T; ++t) {
     if (batch.token_ids[t] < 0 || batch.token_ids[t] >= c.vocab_size) {
       return Status::InvalidArgument("token id " + std::to_string(batch.token_ids[t]) +
@@ -439,7 +478,7 @@ Status Model::ComputeLogits(const ForwardBatch& batch, const kernels::KvCacheLay
     }
     s.logits_capacity = R;
   }
-  const int64_t table_entries = S * batch.attention.max_blocks_per_seq;
+  const int64_t table_entries = G * S * batch.attention.max_blocks_per_seq;
   size_t input_bytes = 0;
   // Offset of the next `bytes` in the packed inputs, each array 8-byte aligned.
   auto place = [&input_bytes](int64_t bytes) {
@@ -447,7 +486,7 @@ Status Model::ComputeLogits(const ForwardBatch& batch, const kernels::KvCacheLay
     input_bytes += (static_cast<size_t>(bytes) + 7) / 8 * 8;
     return at;
   };
-  const size_t at_slots = place(T * 8);
+  const size_t at_slots = place(G * T * 8);
   const size_t at_ids = place(T * 4);
   const size_t at_positions = place(T * 4);
   const size_t at_query_start = place((S + 1) * 4);
@@ -464,7 +503,7 @@ Status Model::ComputeLogits(const ForwardBatch& batch, const kernels::KvCacheLay
   auto stage = [&](size_t at, const void* src, size_t bytes) {
     if (bytes > 0) std::memcpy(s.staged_inputs.data() + at, src, bytes);
   };
-  stage(at_slots, batch.slots, T * 8);
+  stage(at_slots, batch.slots, G * T * 8);
   stage(at_ids, batch.token_ids, T * 4);
   stage(at_positions, batch.positions, T * 4);
   stage(at_query_start, batch.attention.query_start, (S + 1) * 4);
@@ -484,9 +523,18 @@ Status Model::ComputeLogits(const ForwardBatch& batch, const kernels::KvCacheLay
   att.num_tokens = T;
 
   const float eps = static_cast<float>(c.rms_norm_eps);
-  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
+  const float scale = static_cast<float>(c.AttentionScale());
   b.Embedding(embedding_, ids, T, H, s.x);
+  if (embed_scale_ != 1.0f) b.Scale(s.x, embed_scale_, T * H);
   b.RmsNorm(s.x, layers_[0].input_norm, s.h, T, H, eps);
+  // Each group's layers read its block tables and write its slots, into a
+  // block holding the group's layers (kernels see the block's layout).
+  const int64_t table_stride = S * batch.attention.max_blocks_per_seq;
+  std::vector<kernels::KvCacheLayout> group_layouts(G, layout);
+  for (int64_t g = 0; g < G && layout.fixed_scales != nullptr; ++g) {
+    group_layouts[g].fixed_scales =
+        layout.fixed_scales + g * kv_groups_.layers_per_group * layout.kv_sets();
+  }
   kernels::MoeStats moe;
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const Layer& L = layers_[l];
@@ -505,13 +553,26 @@ Status Model::ComputeLogits(const ForwardBatch& batch, const kernels::KvCacheLay
         b.RmsNorm(s.q, L.q_norm, s.q, T * nh, hd, eps);
         b.RmsNorm(s.k, L.k_norm, s.k, T * kvh, hd, eps);
       }
-      b.Rope(s.q, positions, T, nh, hd, inv_freq_);
-      b.Rope(s.k, positions, T, kvh, hd, inv_freq_);
-      b.WriteKv(layout, kv_pool, l, s.k, s.v, slots, T);
-      b.PagedAttention(layout, kv_pool, l, s.q, nh, att, scale, s.attn);
+      const float* inv_freq = c.UsesLocalRope(l) ? inv_freq_local_ : inv_freq_;
+      b.Rope(s.q, positions, T, nh, hd, inv_freq);
+      b.Rope(s.k, positions, T, kvh, hd, inv_freq);
+      const int64_t g = kv_groups_.group_of_layer[l], slot = kv_groups_.slot_of_layer[l];
+      kernels::AttentionBatch layer_att = att;
+      layer_att.block_tables = att.block_tables + g * table_stride;
+      layer_att.window = c.LayerWindow(l);
+      layer_att.softcap = static_cast<float>(c.attn_logit_softcapping);
+      b.WriteKv(group_layouts[g], kv_pool, slot, s.k, s.v, slots + g * T, T);
+      b.PagedAttention(group_layouts[g], kv_pool, slot, s.q, nh, layer_att, scale, s.attn);
       b.Linear(s.attn, T, L.o, L.o_bias, s.h);
     }
-    b.AddRmsNorm(s.x, s.h, L.post_norm, s.h, T, H, eps);
+    if (c.gemma) {
+      // Sandwich norms: the attention output is normed before the residual
+      // add, and the MLP's input by pre_feedforward_layernorm.
+      b.RmsNorm(s.h, L.post_norm, s.h, T, H, eps);
+      b.AddRmsNorm(s.x, s.h, L.pre_ff_norm, s.h, T, H, eps);
+    } else {
+      b.AddRmsNorm(s.x, s.h, L.post_norm, s.h, T, H, eps);
+    }
     if (L.sparse) {
       const kernels::MoeStats st = b.MoeFfn(s.h, T, L.moe, s.h);  // in place
       moe.active_experts += st.active_experts;
@@ -520,9 +581,14 @@ Status Model::ComputeLogits(const ForwardBatch& batch, const kernels::KvCacheLay
       const kernels::Backend::LinearOutput gate_up[] = {{&L.gate, L.gate_bias, s.gate},
                                                         {&L.up, L.up_bias, s.up}};
       b.LinearShared(s.h, T, gate_up, 2);
-      b.SwiGlu(s.gate, s.up, I, s.act, T, I);
+      if (c.gemma) {
+        b.GeluTanhGlu(s.gate, s.up, I, s.act, T, I);
+      } else {
+        b.SwiGlu(s.gate, s.up, I, s.act, T, I);
+      }
       b.Linear(s.act, T, L.down, L.down_bias, s.h);
     }
+    if (L.post_ff_norm != nullptr) b.RmsNorm(s.h, L.post_ff_norm, s.h, T, H, eps);
     if (l + 1 < c.num_layers) {
       b.AddRmsNorm(s.x, s.h, layers_[l + 1].input_norm, s.h, T, H, eps);
     } else {
@@ -534,6 +600,9 @@ Status Model::ComputeLogits(const ForwardBatch& batch, const kernels::KvCacheLay
     b.GatherRows(s.x, logits_rows, R, H, s.gathered);
     b.RmsNorm(s.gathered, final_norm_, s.gathered, R, H, eps);
     b.Linear(s.gathered, R, lm_head_, nullptr, s.logits);
+    if (c.final_logit_softcapping > 0) {
+      b.SoftCap(s.logits, static_cast<float>(c.final_logit_softcapping), R * c.vocab_size);
+    }
   }
   return Status::Ok();
 }

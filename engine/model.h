@@ -1,6 +1,7 @@
-// A loaded decoder-only transformer (Llama / Mistral / Qwen2 / Qwen3, the
-// mixture-of-experts Qwen3-MoE / Mixtral, and DeepSeek-V2/V3 with multi-head
-// latent attention) and its forward pass over a batch that mixes prefill
+// A loaded decoder-only transformer (Llama / Mistral / Qwen2 / Qwen3 /
+// Gemma-2 / Gemma-3, the mixture-of-experts Qwen3-MoE / Mixtral, and
+// DeepSeek-V2/V3 with multi-head latent attention), sliding-window layers
+// included, and its forward pass over a batch that mixes prefill
 // chunks and decode tokens. A sparse layer runs the
 // backend's MoeFfn (kernels/backend.h) where a dense one runs its MLP.
 //
@@ -44,6 +45,12 @@ std::optional<LoadFormat> ParseLoadFormat(std::string_view name);
 // positions[t] and its K/V goes to KV slot slots[t] (block * block_size +
 // offset). `attention` groups the tokens by sequence (kernels/backend.h).
 // Logits are produced for the rows listed in logits_rows, in that order.
+// A model whose KV has several layer groups (Model::kv_groups()) takes one
+// slot row and one set of block tables per group, group after group:
+// slots[g * num_tokens + t] and attention.block_tables[(g * num_seqs + s) *
+// max_blocks_per_seq + i]; a windowed group's entries before its reach may
+// be anything (they are not read). The attention's window and softcap are
+// the model's, per layer.
 struct ForwardBatch {
   int64_t num_tokens = 0;
   const int32_t* token_ids = nullptr;
@@ -52,6 +59,7 @@ struct ForwardBatch {
   kernels::AttentionBatch attention;
   int64_t num_logits = 0;
   const int32_t* logits_rows = nullptr;
+  int64_t num_groups = 1;  // must equal kv_groups().size()
 };
 
 class Model {
@@ -66,6 +74,8 @@ class Model {
   Model& operator=(const Model&) = delete;
 
   const ModelConfig& config() const { return config_; }
+  // The KV cache's layer groups (one block holds one group's layers).
+  const KvGroups& kv_groups() const { return kv_groups_; }
   // `_name_or_path` from config.json, else the folder's name.
   const std::string& model_id() const { return model_id_; }
   const std::string& dir() const { return dir_; }
@@ -134,6 +144,10 @@ class Model {
     const float* q_norm = nullptr;  // [head_dim], Qwen3
     const float* k_norm = nullptr;
     const float* post_norm = nullptr;
+    // Gemma: the norms around the MLP (post_norm is then the attention
+    // output's); every Gemma norm already holds 1 + weight.
+    const float* pre_ff_norm = nullptr;
+    const float* post_ff_norm = nullptr;
     kernels::WeightMatrix gate, up, down;
     const float* gate_bias = nullptr;
     const float* up_bias = nullptr;
@@ -194,6 +208,9 @@ class Model {
   const float* final_norm_ = nullptr;
   kernels::WeightMatrix lm_head_;
   const float* inv_freq_ = nullptr;
+  const float* inv_freq_local_ = nullptr;  // Gemma-3's sliding layers
+  float embed_scale_ = 1.0f;               // Gemma: sqrt(hidden) in the embedding's dtype
+  KvGroups kv_groups_;
   int64_t weight_bytes_per_step_ = 0;
   int64_t num_parameters_ = 0;
   int64_t converted_bytes_ = 0;

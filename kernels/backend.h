@@ -173,6 +173,14 @@ struct AttentionBatch {
   // Query rows in all: query_start[num_seqs], also given here so that a
   // device backend can size its launch without reading device memory back.
   int64_t num_tokens = 0;
+  // Sliding-window attention (common/kv_groups.h): with window > 0 the query
+  // at position p attends to positions p - window + 1 .. p only, and the
+  // blocks before the first of those are never read (a windowed layer
+  // group's table may hold no block there). 0: every position up to p.
+  int64_t window = 0;
+  // Gemma-2's attention logit soft-capping: each scaled score s becomes
+  // softcap * tanh(s / softcap) before the softmax. 0: none.
+  float softcap = 0;
 };
 
 // One expert of a sparse mixture-of-experts FFN:
@@ -268,6 +276,14 @@ class Backend {
   // are strided by `in_stride` floats (so one [rows, 2n] buffer can hold both).
   virtual void SwiGlu(const float* gate, const float* up, int64_t in_stride, float* out,
                       int64_t rows, int64_t n) = 0;
+  // out[i] = gelu_tanh(gate[i]) * up[i], laid out as SwiGlu (Gemma's MLP,
+  // transformers' gelu_pytorch_tanh: 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))).
+  virtual void GeluTanhGlu(const float* gate, const float* up, int64_t in_stride, float* out,
+                           int64_t rows, int64_t n) = 0;
+  // x[i] *= factor (Gemma's embedding scale).
+  virtual void Scale(float* x, float factor, int64_t n) = 0;
+  // x[i] = cap * tanh(x[i] / cap) (Gemma-2's final logit soft-capping).
+  virtual void SoftCap(float* x, float cap, int64_t n) = 0;
   // x[i] += y[i].
   virtual void Add(float* x, const float* y, int64_t n) = 0;
   // The residual add fused with the norm after it, one pass over each row:

@@ -90,6 +90,40 @@ void CpuBackend::SwiGlu(const float* gate, const float* up, int64_t in_stride, f
   });
 }
 
+void CpuBackend::GeluTanhGlu(const float* gate, const float* up, int64_t in_stride, float* out,
+                             int64_t rows, int64_t n) {
+  const float k = 0.7978845608028654f;  // sqrt(2 / pi)
+  pool_.ParallelFor(rows, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* g = gate + r * in_stride;
+      const float* u = up + r * in_stride;
+      float* o = out + r * n;
+      for (int64_t i = 0; i < n; ++i) {
+        const float x = g[i];
+        o[i] = 0.5f * x * (1.0f + std::tanh(k * (x + 0.044715f * x * x * x))) * u[i];
+      }
+    }
+  });
+}
+
+void CpuBackend::Scale(float* x, float factor, int64_t n) {
+  pool_.ParallelFor(
+      n,
+      [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) x[i] *= factor;
+      },
+      4096);
+}
+
+void CpuBackend::SoftCap(float* x, float cap, int64_t n) {
+  pool_.ParallelFor(
+      n,
+      [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) x[i] = cap * std::tanh(x[i] / cap);
+      },
+      4096);
+}
+
 void CpuBackend::Add(float* x, const float* y, int64_t n) {
   pool_.ParallelFor(
       n,

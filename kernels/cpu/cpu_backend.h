@@ -44,6 +44,10 @@ class CpuBackend final : public Backend {
             const float* inv_freq) override;
   void SwiGlu(const float* gate, const float* up, int64_t in_stride, float* out, int64_t rows,
               int64_t n) override;
+  void GeluTanhGlu(const float* gate, const float* up, int64_t in_stride, float* out, int64_t rows,
+                   int64_t n) override;
+  void Scale(float* x, float factor, int64_t n) override;
+  void SoftCap(float* x, float cap, int64_t n) override;
   void Add(float* x, const float* y, int64_t n) override;
   void AddRmsNorm(float* x, const float* y, const float* weight, float* out, int64_t rows,
                   int64_t dim, float eps) override;

@@ -111,6 +111,26 @@ __global__ void SwiGluKernel(const float* gate, const float* up, int64_t in_stri
   out[i] = g / (1.0f + expf(-g)) * up[r * in_stride + c];
 }
 
+__global__ void GeluTanhGluKernel(const float* gate, const float* up, int64_t in_stride, float* out,
+                                  int64_t rows, int64_t n) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= rows * n) return;
+  const int64_t r = i / n, c = i % n;
+  const float g = gate[r * in_stride + c];
+  const float k = 0.7978845608028654f;  // sqrt(2 / pi)
+  out[i] = 0.5f * g * (1.0f + tanhf(k * (g + 0.044715f * g * g * g))) * up[r * in_stride + c];
+}
+
+__global__ void ScaleKernel(float* x, float factor, int64_t n) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n) x[i] *= factor;
+}
+
+__global__ void SoftCapKernel(float* x, float cap, int64_t n) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n) x[i] = cap * tanhf(x[i] / cap);
+}
+
 __global__ void AddKernel(float* x, const float* y, int64_t n) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i < n) x[i] += y[i];
@@ -230,6 +250,11 @@ struct RowKeys {
   int64_t n_keys;
 };
 
+// Gemma-2's logit soft-capping (cap 0: none).
+__device__ __forceinline__ float SoftCap(float score, float cap) {
+  return cap > 0.0f ? cap * tanhf(score / cap) : score;
+}
+
 __device__ RowKeys KeysOfRow(const AttentionBatch& batch, int64_t row) {
   // The sequence of this row: the last s with query_start[s] <= row.
   int64_t lo = 0, hi = batch.num_seqs - 1;
@@ -291,7 +316,9 @@ __global__ void PagedAttentionKernel(DeviceLayout layout, const uint8_t* pool, i
     acc[j] = 0.0f;
   }
   float running_max = -INFINITY, denom = 0.0f;
-  for (int64_t key = 0; key < keys.n_keys; ++key) {
+  // A window starts the keys at n_keys - window: the blocks before are not read.
+  const int64_t first_key = batch.window > 0 ? max(int64_t{0}, keys.n_keys - batch.window) : 0;
+  for (int64_t key = first_key; key < keys.n_keys; ++key) {
     const KvAt kv = KvOfKey(layout, pool, layer, g, keys.table, key);
     float dot = 0.0f;
     for (int j = 0; j < kMaxHeadDimPerLane; ++j) {
@@ -300,7 +327,7 @@ __global__ void PagedAttentionKernel(DeviceLayout layout, const uint8_t* pool, i
         dot += qv[j] * LoadKv(kv.k, layout.dtype, kv.elem + d, kv.k_scale, layout.micro_at, hd);
     }
     for (int o = 16; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-    const float score = dot * scale;
+    const float score = SoftCap(dot * scale, batch.softcap);
     const float new_max = fmaxf(running_max, score);
     const float correction = expf(running_max - new_max);  // 0 on the first key
     const float p = expf(score - new_max);
@@ -353,8 +380,10 @@ __global__ void __launch_bounds__(32 * kSplitWarps)
   const int group = static_cast<int>(num_heads / layout.num_kv_heads);
   const int64_t hd = layout.head_dim;
   const RowKeys keys = KeysOfRow(batch, row);
-  const int64_t k_begin = static_cast<int64_t>(split) * kSplitKeys;
-  const int64_t k_end = min(keys.n_keys, k_begin + kSplitKeys);
+  // A window starts the keys at n_keys - window (splits before it stay empty).
+  const int64_t first_key = batch.window > 0 ? max(int64_t{0}, keys.n_keys - batch.window) : 0;
+  const int64_t k_begin = max(first_key, static_cast<int64_t>(split) * kSplitKeys);
+  const int64_t k_end = min(keys.n_keys, static_cast<int64_t>(split) * kSplitKeys + kSplitKeys);
 
   float qv[kMaxGroup][D], acc[kMaxGroup][D], m[kMaxGroup], l[kMaxGroup];
 #pragma unroll
@@ -387,7 +416,7 @@ __global__ void __launch_bounds__(32 * kSplitWarps)
 #pragma unroll
       for (int j = 0; j < D; ++j) dot += qv[i][j] * kv[j];
       for (int o = 16; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-      const float score = dot * scale;
+      const float score = SoftCap(dot * scale, batch.softcap);
       const float new_max = fmaxf(m[i], score);
       const float correction = expf(m[i] - new_max);  // 0 on the first key
       const float p = expf(score - new_max);
@@ -817,6 +846,29 @@ void CudaBackend::SwiGlu(const float* gate, const float* up, int64_t in_stride, 
   SwiGluKernel<<<Blocks(rows * n), kThreads, 0, state_->stream>>>(gate, up, in_stride, out, rows,
                                                                   n);
   Check(cudaGetLastError(), "SwiGlu");
+}
+
+void CudaBackend::GeluTanhGlu(const float* gate, const float* up, int64_t in_stride, float* out,
+                              int64_t rows, int64_t n) {
+  MakeCurrent();
+  if (rows * n == 0) return;
+  GeluTanhGluKernel<<<Blocks(rows * n), kThreads, 0, state_->stream>>>(gate, up, in_stride, out,
+                                                                       rows, n);
+  Check(cudaGetLastError(), "GeluTanhGlu");
+}
+
+void CudaBackend::Scale(float* x, float factor, int64_t n) {
+  MakeCurrent();
+  if (n == 0) return;
+  ScaleKernel<<<Blocks(n), kThreads, 0, state_->stream>>>(x, factor, n);
+  Check(cudaGetLastError(), "Scale");
+}
+
+void CudaBackend::SoftCap(float* x, float cap, int64_t n) {
+  MakeCurrent();
+  if (n == 0) return;
+  SoftCapKernel<<<Blocks(n), kThreads, 0, state_->stream>>>(x, cap, n);
+  Check(cudaGetLastError(), "SoftCap");
 }
 
 void CudaBackend::Add(float* x, const float* y, int64_t n) {

@@ -310,9 +310,13 @@ std::vector<std::vector<double>> ReferenceModel::Forward(const std::vector<int32
     auto cached = [&](const std::vector<std::vector<double>>& src, int64_t t, int64_t set) {
       if (kv.type == KvRounding::Type::kNone) return src;
       std::vector<std::vector<double>> out(src.begin(), src.begin() + t + 1);
-      if (kv.type == KvRounding::Type::kBF16) {
+      if (kv.type == KvRounding::Type::kBF16 || kv.type == KvRounding::Type::kF16) {
         for (auto& row : out) {
-          for (auto& x : row) x = RoundBf16(x);
+          for (auto& x : row) {
+            // As the engine does: the fp32 value, then the 16-bit type.
+            const double f = static_cast<float>(x);
+            x = kv.type == KvRounding::Type::kBF16 ? RoundBf16(f) : reference::RoundF16(f);
+          }
         }
         return out;
       }

@@ -36,8 +36,8 @@ namespace pdserve::testing {
 
 // How the reference rounds the keys and values it attends to, as a KV cache
 // of that dtype stores them (the format kernels/backend.h specifies): kNone
-// keeps them exact; kBF16 rounds each value to the nearest bf16 (ties to
-// even); kFP8E4M3 divides the values of each (block of block_size
+// keeps them exact; kBF16 (kF16) rounds each value to the nearest bf16
+// (fp16), ties to even; kFP8E4M3 divides the values of each (block of block_size
 // positions, head) by the smallest power of two that keeps them within
 // +-448, rounds to the nearest e4m3 and multiplies back; kFP8E5M2 the same
 // within +-57344 to e5m2; kNvFp4 takes the power of two for +-448 x 6 and
@@ -52,7 +52,7 @@ namespace pdserve::testing {
 // token and layer, the normalised latent then the roped key, which is what
 // gets rounded: fp8 with one scale per (block, layer) over whole rows.
 struct KvRounding {
-  enum class Type { kNone, kBF16, kFP8E4M3, kFP8E5M2, kNvFp4 };
+  enum class Type { kNone, kBF16, kFP8E4M3, kFP8E5M2, kNvFp4, kF16 };
   Type type = Type::kNone;
   int64_t block_size = 16;
   int64_t first_chunk = 1;

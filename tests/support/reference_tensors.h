@@ -162,6 +162,16 @@ inline double RoundBf16(double x) {
   return r;
 }
 
+// Nearest fp16 value (11 significant bits, subnormal step 2^-24), ties to
+// even; no overflow handling (K/V stay far below 65504).
+inline double RoundF16(double x) {
+  const double a = std::fabs(x);
+  if (a == 0) return x;
+  const int e = std::max(static_cast<int>(std::floor(std::log2(a))), -14);
+  const double step = std::ldexp(1.0, e - 10);
+  return std::copysign(std::nearbyint(a / step) * step, x);
+}
+
 // Nearest e4m3 value (1 sign, 4 exponent bits of bias 7, 3 mantissa bits,
 // largest 448, subnormal step 2^-9), ties to even, saturating at 448.
 inline double RoundE4M3(double x) {

@@ -38,7 +38,7 @@ TEST(KvLayoutTest, DenseBytesPerBlockMatchesTheFormula) {
 TEST(KvLayoutTest, EncodingIsTheDocumentedLittleEndianFormat) {
   const KvLayout l = Llama3_8B();
   std::string expected;
-  PutLe(&expected, 3, 2);  // format version
+  PutLe(&expected, 4, 2);  // format version
   PutLe(&expected, l.model_id.size(), 4);
   expected += l.model_id;
   PutLe(&expected, 2, 1);  // bf16 (DType enum order: f32, f16, bf16, fp8, fp4)
@@ -56,13 +56,26 @@ TEST(KvLayoutTest, EncodingIsTheDocumentedLittleEndianFormat) {
   PutLe(&expected, 0, 1);  // memory_type: host
   PutLe(&expected, 3, 4);
   expected += "ucx";
+  PutLe(&expected, 0, 4);  // layer groups: one, full attention
   EXPECT_EQ(l.Encode(), expected);
+  // Windowed groups follow as their count and windows.
+  KvLayout windowed = l;
+  windowed.group_windows = {4096, 0};
+  std::string grouped = expected.substr(0, expected.size() - 4);
+  PutLe(&grouped, 2, 4);
+  PutLe(&grouped, 4096, 8);
+  PutLe(&grouped, 0, 8);
+  EXPECT_EQ(windowed.Encode(), grouped);
+  auto back = KvLayout::Decode(grouped);
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(*back, windowed);
   EXPECT_EQ(l.Hash(), XXH3_64bits(expected.data(), expected.size()));
 }
 
 TEST(KvLayoutTest, EveryFieldChangesTheHash) {
   const KvLayout base = Llama3_8B();
-  std::vector<KvLayout> variants(12, base);
+  std::vector<KvLayout> variants(13, base);
+  variants[12].group_windows = {4096};
   variants[0].model_id = "other";
   variants[1].weight_dtype = DType::kF16;
   variants[2].kv_dtype = DType::kFP8E4M3;
