@@ -331,13 +331,18 @@ void Engine::ProcessTierWork() {
       InsertSorted(&waiting_, s);
       continue;
     }
+    // Tokens brought back: B per prompt block any of whose groups' blocks
+    // came back, counted at its slowest tier (slots are by index).
     for (size_t k = 0; k < n; ++k) {
       model_->backend()->Upload(pool_->block(s->load_slots[k].block), done.blocks[k].data(),
                                 done.blocks[k].size());
-      // Tokens brought back: a block of every group per prompt block.
-      if (s->load_slots[k].group == 0) {
-        (done.tiers[k] == KvTier::kDisk ? disk_hit_tokens_ : host_hit_tokens_) += B;
+      const bool last_of_index = k + 1 == n || s->load_slots[k + 1].index != s->load_slots[k].index;
+      if (!last_of_index) continue;
+      bool disk = false;
+      for (size_t j = k + 1; j-- > 0 && s->load_slots[j].index == s->load_slots[k].index;) {
+        disk |= done.tiers[j] == KvTier::kDisk;
       }
+      (disk ? disk_hit_tokens_ : host_hit_tokens_) += B;
     }
     if (n > 0) {
       const size_t end = groups > 1 ? s->load_end_block : s->load_first_block + n;

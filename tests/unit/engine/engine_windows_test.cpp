@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <thread>
 #include <unordered_set>
 
 #include "common/kv_groups.h"
@@ -453,6 +454,61 @@ TEST(EngineWindowsTest, DisaggregatedPrefillMovesOnlyWhatTheDecodeSideKeeps) {
         "\"kv_bytes_dense_layout\": %lld}\n",
         preset, static_cast<long long>(moved), static_cast<long long>(dense));
   }
+}
+
+// Lower tiers keep what the pool keeps: blocks of every layer group the pool
+// evicts go down under their group keys, and a prompt that comes back after
+// the pool lost them copies back exactly the blocks the windowed rule needs
+// (the full group's prefix, the windowed group's tail) and computes the same
+// tokens.
+TEST(EngineWindowsTest, LowerTiersHoldAndReturnEveryGroupsBlocks) {
+  Loaded l = Load("gemma2", *PresetModelSpec("gemma2"));
+  ASSERT_NE(l.model, nullptr);
+  EngineOptions o;
+  o.kv_cache_bytes = 40 * 16384;  // 40 blocks of the preset's groups
+  o.max_num_batched_tokens = 32;
+  o.kv_host_cache_bytes = 200 * 16384;
+  auto created = Engine::Create(l.model.get(), o);
+  ASSERT_TRUE(created.ok()) << created.status().ToString();
+  Engine& e = **created;
+  auto run = [&](RequestId id, const std::vector<int32_t>& prompt) {
+    EngineRequest r;
+    r.id = id;
+    r.prompt = prompt;
+    r.params.temperature = 0;
+    r.params.max_tokens = 4;
+    r.params.ignore_eos = true;
+    EXPECT_TRUE(e.AddRequest(std::move(r)).ok());
+    std::vector<TokenId> out;
+    int64_t cached = -1;
+    for (int guard = 0; e.HasUnfinished() && guard < 200000; ++guard) {
+      auto step = e.Step();
+      EXPECT_TRUE(step.ok());
+      if (!step.ok()) break;
+      for (const auto& x : *step) {
+        if (cached < 0 && !x.new_token_ids.empty()) cached = x.num_cached_tokens;
+        out.insert(out.end(), x.new_token_ids.begin(), x.new_token_ids.end());
+      }
+      if (step->empty()) std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+    return std::pair{out, cached};
+  };
+  const auto prompt = RandomTokens(150, l.model->config().vocab_size, 9);
+  const auto [first, none] = run(1, prompt);
+  EXPECT_EQ(none, 0);
+  // Other prompts push every block of the first one out of the pool.
+  for (RequestId id = 2; id < 6; ++id) run(id, RandomTokens(150, 512, 100 + id));
+  for (int i = 0; i < 1000 && e.GetStats().tiers.offloads_queued > 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  const auto hashes = HashPrompt(BlockHashSeed(l.model->model_id()),
+                                 std::span(prompt).first(prompt.size() - 1), 16);
+  EXPECT_FALSE(e.block_manager().IsCached(hashes[0], 1));
+  const int64_t host_before = e.GetStats().tiers.host_hit_tokens;
+  const auto [again, cached] = run(6, prompt);
+  EXPECT_EQ(again, first);
+  EXPECT_EQ(cached, 144);
+  EXPECT_EQ(e.GetStats().tiers.host_hit_tokens - host_before, 144);
 }
 
 }  // namespace
