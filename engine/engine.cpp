@@ -291,6 +291,21 @@ int64_t Engine::TierPrefix(std::span<const BlockHash> hashes, int64_t cached) co
       }));
 }
 
+int64_t Engine::ContextCapacityTokens() const {
+  const int64_t B = options_.block_size;
+  int64_t full = 0, windowed_blocks = 0;
+  for (int64_t w : blocks_->group_windows()) {
+    if (w > 0) {
+      windowed_blocks += (w - 1 + B - 1) / B + 1;
+    } else {
+      ++full;
+    }
+  }
+  const int64_t rest = pool_->num_blocks() - windowed_blocks;
+  if (rest < 0) return 0;
+  return full > 0 ? rest / full * B : max_model_len_;
+}
+
 int64_t Engine::BlocksHeld(int64_t computed, int64_t tokens) const {
   const int64_t B = options_.block_size, total = (tokens + B - 1) / B;
   int64_t n = 0;

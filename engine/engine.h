@@ -238,6 +238,13 @@ class Engine {
   // Onloads finished since the last call (lower tiers only).
   std::vector<TierOnload> TakeTierOnloads() { return std::exchange(tier_onloads_, {}); }
   int64_t max_model_len() const { return max_model_len_; }
+  // The longest context one sequence can hold in the pool: blocks x block
+  // size for a model without windows; with windowed layer groups, each
+  // windowed group keeps ceil((W-1)/B) + 1 blocks whatever the length, so
+  // the full groups share the rest (a model whose every group is windowed:
+  // max_model_len, when the pool holds those blocks). What `plan` counts a
+  // sequence as, the other way round.
+  int64_t ContextCapacityTokens() const;
   EngineStats GetStats() const;
 
  private:

@@ -117,12 +117,15 @@ void DecodeSide::OnGenerate(const ConnectionPtr& router, proto::Generate g) {
     for (TokenId t : req.prompt) p->add_prompt_token_ids(t);
     ToProto(req.params, p->mutable_sampling());
     p->set_cache_salt(req.cache_salt);
-    for (size_t i = plan->first_block_to_fill; i < plan->block_ids.size(); ++i) {
+    // Every layer group's blocks the engine reserved to be written (a
+    // windowed group's only within the first decode query's reach).
+    for (const BlockSlot& slot : plan->fill) {
       auto* w = p->add_blocks();
-      w->set_prompt_block_index(static_cast<uint32_t>(i));
-      w->set_remote_block_id(plan->block_ids[i]);
-      r->to_fill.push_back(plan->block_ids[i]);
-      r->unannounced.insert(plan->block_ids[i]);
+      w->set_prompt_block_index(static_cast<uint32_t>(slot.index));
+      w->set_remote_block_id(slot.block);
+      w->set_kv_group(slot.group);
+      r->to_fill.push_back(slot.block);
+      r->unannounced.insert(slot.block);
     }
     p->set_decode_worker_id(ctx_->opts->worker_id);
     p->set_prefix_copy(g.prefix_copy());

@@ -24,7 +24,8 @@ struct WorkerMetrics {
                                 "Fraction of KV blocks held by requests")),
         capacity(metrics::AddGaugeFamily(
             r, "pdserve_kv_cache_capacity_tokens",
-            "Tokens the KV pool holds (blocks x block size), labelled with its KV dtype")),
+            "Tokens of context one sequence can hold in the KV pool (blocks x block size; "
+            "windowed layers counted at their window), labelled with its KV dtype")),
         running(metrics::AddGauge(r, "pdserve_requests_running",
                                   "Requests being prefilled or decoded")),
         waiting(metrics::AddGauge(r, "pdserve_requests_waiting",

@@ -126,7 +126,7 @@ class WorkerServiceImpl : public WorkerService {
     // The KV transport: the whole pool, registered once, as what it is.
     const KvCachePool& pool = engine_->kv_pool();
     metrics_.capacity.Add({{"kv_dtype", std::string(DTypeName(opts_.kv_dtype))}})
-        .Set(static_cast<double>(pool.num_blocks() * opts_.block_size));
+        .Set(static_cast<double>(engine_->ContextCapacityTokens()));
     KvTransferOptions to;
     to.kind = opts_.kv_transfer;
     to.pool_memory = pool.memory_type();
@@ -330,6 +330,12 @@ class WorkerServiceImpl : public WorkerService {
     r->set_control_address(control_address_);
     r->set_metrics_port(static_cast<uint32_t>(std::max(0, metrics_port())));
     r->set_max_model_len(static_cast<uint64_t>(engine_->max_model_len()));
+    // The KV layer groups, when the model has windows (the router predicts
+    // prefixes by them).
+    if (const auto& groups = engine_->kv_pool().groups();
+        groups.size() > 1 || groups.any_windowed()) {
+      for (int64_t w : groups.windows) r->add_kv_group_windows(static_cast<uint32_t>(w));
+    }
     (void)c->Send(std::move(e));
     PDSERVE_LOG(INFO) << "registered with router " << c->remote_address();
     Post([this, c] {
