@@ -158,6 +158,24 @@ TEST_F(CudaBackendTest, ElementwiseOpsAndLinearMatchTheCpu) {
     float* out = Poisoned(r * n);
     gpu_->SwiGlu(dgu, dgu + n, 2 * n, out, r, n);
     ExpectClose(FromDevice(out, r * n), want, "SwiGlu");
+    // Gemma's GeLU (tanh) gating on the same rows.
+    cpu_.GeluTanhGlu(gate_up.data(), gate_up.data() + n, 2 * n, want.data(), r, n);
+    float* gelu = Poisoned(r * n);
+    gpu_->GeluTanhGlu(dgu, dgu + n, 2 * n, gelu, r, n);
+    ExpectClose(FromDevice(gelu, r * n), want, "GeluTanhGlu");
+  }
+  {
+    // Gemma's embedding scale and logit soft cap.
+    auto a = Random(1001, -80.f, 80.f);
+    std::vector<float> scaled = a, capped = a;
+    cpu_.Scale(scaled.data(), 55.5f, 1001);
+    cpu_.SoftCap(capped.data(), 30.0f, 1001);
+    float* ds = ToDevice(a);
+    float* dc = ToDevice(a);
+    gpu_->Scale(ds, 55.5f, 1001);
+    gpu_->SoftCap(dc, 30.0f, 1001);
+    ExpectClose(FromDevice(ds, 1001), scaled, "Scale");
+    ExpectClose(FromDevice(dc, 1001), capped, "SoftCap");
   }
   {
     auto a = Random(1001), b = Random(1001);
@@ -368,6 +386,30 @@ TEST_P(CudaKvTest, LongContextPagedAttentionMatchesTheCpu) {
     float* out = Poisoned(q.size());
     gpu_->PagedAttention(l, gpu_pool, 0, ToDevice(q), num_heads, gpu_batch, scale, out);
     ExpectClose(FromDevice(out, q.size()), want, "long-context PagedAttention");
+    // Sliding windows (700 keys: the 4100-key row's first splits empty, a
+    // window starting inside a split and a block) and soft-capping, on both
+    // kernels (20 query heads take the one-warp-per-row one); the blocks
+    // before every row's window are not read (their entries point past the
+    // pool, where a read would fault or poison the output).
+    for (const int64_t window : {700, 1, 5000}) {
+      SCOPED_TRACE("window " + std::to_string(window));
+      std::vector<int32_t> windowed_tables = tables;
+      for (size_t seq = 0; seq < context_lens.size(); ++seq) {
+        const int64_t first_query = context_lens[seq] - (query_start[seq + 1] - query_start[seq]);
+        const int64_t first_block = std::max<int64_t>(0, first_query - window + 1) / 16;
+        for (int64_t b = 0; b < first_block; ++b) windowed_tables[seq * max_blocks + b] = 1 << 30;
+      }
+      cpu_batch.block_tables = tables.data();
+      cpu_batch.window = window;
+      cpu_batch.softcap = 5.0f;
+      cpu_.PagedAttention(l, pool.data(), 0, q.data(), num_heads, cpu_batch, scale, want.data());
+      gpu_batch.block_tables = ToDevice(windowed_tables);
+      gpu_batch.window = window;
+      gpu_batch.softcap = 5.0f;
+      float* wout = Poisoned(q.size());
+      gpu_->PagedAttention(l, gpu_pool, 0, ToDevice(q), num_heads, gpu_batch, scale, wout);
+      ExpectClose(FromDevice(wout, q.size()), want, "windowed PagedAttention");
+    }
   }
 }
 
