@@ -331,6 +331,7 @@ Status KvTierStore::ReserveSlab(const std::string& path, int64_t allocated_bytes
   if (st.st_size > want && ::ftruncate(fd_, want) != 0) {
     return Status::Unavailable(Errno("cannot size " + path));
   }
+  if (st.st_size == want && allocated_bytes >= want) return Status::Ok();  // reserved before
   // The space the slab still needs must be free now: a sparse slab on a
   // full disk fails its writes later, one block at a time.
   const int64_t needed = std::max<int64_t>(0, want - allocated_bytes);
