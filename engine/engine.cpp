@@ -299,13 +299,17 @@ int64_t Engine::TierPrefix(std::span<const BlockHash> hashes, int64_t from, int6
 StatusOr<TierFlush> Engine::FlushTiersToDisk(std::chrono::steady_clock::time_point deadline) {
   TierFlush r;
   if (!tier_store_ || !tier_store_->has_disk()) return r;
-  const int64_t before = offloaded_blocks_;
+  auto disk_writes = [this] {
+    const KvTierStats s = tier_store_->stats();
+    return s.disk_writes_through + s.disk_writes_evict + s.disk_writes_flush;
+  };
+  const int64_t offloaded = offloaded_blocks_, written = disk_writes();
   blocks_->Evict(blocks_->num_blocks());  // on_evict copies each block down
-  r.evicted = offloaded_blocks_ - before;
+  r.evicted = offloaded_blocks_ - offloaded;
   auto flushed = tier_mover_->Flush(deadline);
   blocks_->RecordTierChanges(tier_mover_->TakeChanges());
   if (!flushed.ok()) return flushed.status();
-  r.written = flushed->written;
+  r.written = disk_writes() - written;  // the evicted blocks' way down included
   r.left = flushed->left;
   return r;
 }

@@ -164,7 +164,7 @@ struct EngineTierStats {
 // What FlushTiersToDisk did.
 struct TierFlush {
   int64_t evicted = 0;  // device blocks handed down to the tiers
-  int64_t written = 0;  // blocks written to disk
+  int64_t written = 0;  // blocks written to disk meanwhile, whatever the cause
   int64_t left = 0;     // blocks the deadline left without a disk copy
 };
 
