@@ -4,7 +4,9 @@
 // block the tiers do not hold; transfer buffers are recycled. With both
 // tiers, the writer thread copies host blocks to disk by itself
 // (write-through), no faster than its pace; a flush puts queued offloads
-// away and writes the host tier to disk (write-back).
+// away and writes the host tier to disk (write-back). Failed disk writes
+// (a full file system) are logged with their real cause once per interval
+// and counted.
 #include "engine/kv_tier_mover.h"
 
 #include <gtest/gtest.h>
@@ -15,6 +17,7 @@
 #include <random>
 
 #include "kernels/cpu/cpu_backend.h"
+#include "tests/support/file_size_limit.h"
 #include "tests/support/test_models.h"
 
 namespace pdserve {
@@ -204,6 +207,43 @@ TEST_F(KvTierMoverTest, AFlushPutsQueuedOffloadsAwayAndWritesTheHostTier) {
   EXPECT_EQ(store->Blocks(KvTier::kDisk).size(), 3u);
   EXPECT_EQ(store->Blocks(KvTier::kHost).size(), 3u);
   EXPECT_EQ(store->stats().disk_writes_flush, 3);
+}
+
+TEST_F(KvTierMoverTest, FailedDiskWritesAreLoggedOnceWithTheirCauseAndCounted) {
+  KvTierOptions o;
+  o.block_bytes = kBlock;
+  o.layout_hash = 3;
+  o.disk_dir = testing::NewTempDir("mover-full");
+  o.disk_bytes = 16 * 4096;
+  auto store = KvTierStore::Open(o);
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  {
+    KvTierMover mover(store->get(), &buffers_, {});
+    mover.Offload(1, Copy(buffers_, BlockBytes(1)));  // slot 0, whole
+    auto flushed = mover.Flush(std::chrono::steady_clock::now() + std::chrono::seconds(60));
+    ASSERT_TRUE(flushed.ok());
+    ASSERT_EQ((*store)->stats().disk.blocks, 1);
+    // Every later write stops 100 bytes into slot 1, as on a full disk.
+    testing::FileSizeLimit limit(4096 + 100);
+    ASSERT_TRUE(limit.ok());
+    ::testing::internal::CaptureStderr();
+    for (BlockHash h = 2; h < 22; ++h) mover.Offload(h, Copy(buffers_, BlockBytes(h)));
+    for (int i = 0; i < 10000 && mover.counters().offload_failures < 20; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    const std::string log = ::testing::internal::GetCapturedStderr();
+    EXPECT_EQ(mover.counters().offload_failures, 20);
+    EXPECT_EQ((*store)->stats().disk_write_errors, 20);
+    size_t lines = 0;
+    for (size_t at = log.find("could not be kept"); at != std::string::npos;
+         at = log.find("could not be kept", at + 1)) {
+      ++lines;
+    }
+    EXPECT_EQ(lines, 1u) << log;
+    EXPECT_NE(log.find(std::strerror(EFBIG)), std::string::npos) << log;
+    EXPECT_EQ(log.find("Success"), std::string::npos) << log;
+  }
+  EXPECT_EQ((*store)->stats().disk.blocks, 1);
 }
 
 TEST(HostBlockBuffersTest, BuffersAreRecycledUpToTheIdleLimit) {

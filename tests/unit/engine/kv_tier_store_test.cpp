@@ -11,8 +11,6 @@
 #include "engine/kv_tier_store.h"
 
 #include <fcntl.h>
-#include <signal.h>
-#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -25,6 +23,7 @@
 #include <fstream>
 #include <random>
 
+#include "tests/support/file_size_limit.h"
 #include "tests/support/test_models.h"
 
 namespace pdserve {
@@ -337,30 +336,6 @@ TEST(KvTierStoreTest, RefusesASlabLargerThanTheFreeSpace) {
   EXPECT_EQ(std::filesystem::file_size(dir + "/kv-tier.slab"), 0u) << "nothing was reserved";
 }
 
-// The file size limit (RLIMIT_FSIZE) makes a write that crosses it short and
-// the next one fail with EFBIG, as a full disk makes them short and ENOSPC:
-// the same real kernel paths, without root or a small file system.
-class FileSizeLimit {
- public:
-  explicit FileSizeLimit(rlim_t bytes) {
-    old_handler_ = ::signal(SIGXFSZ, SIG_IGN);  // the error, not the signal
-    ::getrlimit(RLIMIT_FSIZE, &old_);
-    rlimit l = old_;
-    l.rlim_cur = bytes;
-    ok_ = ::setrlimit(RLIMIT_FSIZE, &l) == 0;
-  }
-  ~FileSizeLimit() {
-    ::setrlimit(RLIMIT_FSIZE, &old_);
-    ::signal(SIGXFSZ, old_handler_);
-  }
-  bool ok() const { return ok_; }
-
- private:
-  rlimit old_{};
-  sighandler_t old_handler_;
-  bool ok_ = false;
-};
-
 TEST(KvTierStoreTest, AWriteCutShortReportsItsRealErrorAndIsNeverServed) {
   const std::string dir = testing::NewTempDir("tiers-short");
   std::vector<KvTierChange> changes;
@@ -371,7 +346,7 @@ TEST(KvTierStoreTest, AWriteCutShortReportsItsRealErrorAndIsNeverServed) {
     Status st;
     {
       // Slot 1 may take its header and 1,000 bytes of its payload, no more.
-      FileSizeLimit limit(4096 + 64 + 1000);
+      testing::FileSizeLimit limit(4096 + 64 + 1000);
       ASSERT_TRUE(limit.ok());
       st = (*s)->Put(2, BlockBytes(2).data(), &changes);
     }
