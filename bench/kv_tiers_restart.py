@@ -9,7 +9,8 @@ tokens came from the cache (`usage.prompt_tokens_details.cached_tokens`)
 and whether the text equals the first pass's.
 
   bench/kv_tiers_restart.py [--bin build/pdserve] [--model DIR] [--stop sigkill|sigterm]
-                            [--write through|back|none] [--prompts 12] [--words N]
+                            [--write through|back|none] [--prompts 12] [--words 205]
+                            [--label NAME]
 
 `--write none` passes no --kv-disk-write flag (for builds that lack it).
 Defaults: the issue's scenario on stories260K (1.25 MiB device pool, 16 MiB
@@ -86,6 +87,7 @@ def main():
     ap.add_argument("--pool", default="1310720")  # 1.25 MiB
     ap.add_argument("--host", default="16MiB")
     ap.add_argument("--disk", default="64MiB")
+    ap.add_argument("--label", default="", help="a name for the build, copied into the line")
     args = ap.parse_args()
 
     work = tempfile.mkdtemp(prefix="kv-restart-")
@@ -161,7 +163,7 @@ def main():
         prompt_tokens = sum(p for _, p, _ in third)
         cached = sum(c for _, _, c in third)
         print(json.dumps({
-            "bench": "kv_tiers_restart", "stop": args.stop, "write": args.write,
+            "bench": "kv_tiers_restart", "label": args.label, "stop": args.stop, "write": args.write,
             "model": os.path.basename(os.path.normpath(args.model)), "kv_cache_bytes": args.pool,
             "host_tier": args.host, "disk_tier": args.disk, "prompts": args.prompts,
             "prompt_tokens": prompt_tokens, "cached_tokens_after_restart": cached,
