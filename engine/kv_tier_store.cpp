@@ -420,8 +420,10 @@ Status KvTierStore::DemoteLocked(std::unique_lock<std::mutex>& lock,
   if (victim < 0) return Status::ResourceExhausted("every host KV tier slot is busy");
   const BlockHash hash = h.slots[victim].hash;
   UnqueueLocked(victim);
-  // Written through already: the disk copy stays, nothing to write.
+  // Written through already: the disk copy stays, nothing to write. It is
+  // as recent as a block written now would be.
   if (auto it = d.index.find(hash); it != d.index.end()) {
+    d.Touch(it->second);
     changes->push_back({hash, KvTier::kHost, false});
     h.Release(victim);
     return Status::Ok();
