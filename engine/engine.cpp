@@ -1,5 +1,7 @@
 #include "engine/engine.h"
 
+#include <xxhash.h>
+
 #include <algorithm>
 #include <optional>
 
@@ -73,6 +75,12 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(Model* model, const EngineOptio
   if (const KvGroups& g = e->pool_->groups(); g.size() > 1 || g.any_windowed()) {
     bm.group_windows = g.windows;
   }
+  e->kv_fingerprint_ = options.model_fingerprint;
+  if (options.kv_scales) {
+    const std::vector<float>& sc = options.kv_scales->scales;
+    e->kv_fingerprint_ =
+        XXH3_64bits_withSeed(sc.data(), sc.size() * sizeof(float), options.model_fingerprint);
+  }
   const bool tiers = options.kv_host_cache_bytes > 0 || !options.kv_disk_cache_dir.empty();
   if (tiers && options.enable_prefix_caching) {
     KvTierOptions to;
@@ -81,10 +89,13 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(Model* model, const EngineOptio
     // them: only the model and the pool's layout decide what a block means.
     KvLayout content = e->pool_->TransferLayout(e->model_id_, model->matrix_dtype(), "tiers");
     content.memory_type = MemoryType::kHost;
+    content.model_fingerprint = e->kv_fingerprint_;  // other weights: another slab key
     to.layout_hash = content.Hash();
     to.host_bytes = options.kv_host_cache_bytes;
     to.disk_dir = options.kv_disk_cache_dir;
     to.disk_bytes = options.kv_disk_cache_bytes;
+    to.disk_write = options.kv_disk_write;
+    to.write_queue_blocks = options.kv_disk_write_queue_blocks;
     to.host_memory_from = model->backend();
     auto store = KvTierStore::Open(to);
     if (!store.ok()) return store.status();
@@ -94,7 +105,8 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(Model* model, const EngineOptio
     e->tier_buffers_ = std::make_unique<HostBlockBuffers>(
         model->backend(), static_cast<size_t>(e->pool_->bytes_per_block()), 64);
     e->tier_mover_ = std::make_unique<KvTierMover>(e->tier_store_.get(), e->tier_buffers_.get(),
-                                                   options.on_tier_ready);
+                                                   options.on_tier_ready,
+                                                   options.kv_disk_write_bytes_per_second);
     // An evicted block's KV, copied while it is still intact (the block
     // manager hands it out right after).
     Engine* self = e.get();
@@ -313,6 +325,24 @@ int64_t Engine::BlocksHeld(int64_t computed, int64_t tokens) const {
     n += total - std::min(total, FirstBlockInReach(w, computed, B));
   }
   return n;
+}
+
+StatusOr<TierFlush> Engine::FlushTiersToDisk(std::chrono::steady_clock::time_point deadline) {
+  TierFlush r;
+  if (!tier_store_ || !tier_store_->has_disk()) return r;
+  auto disk_writes = [this] {
+    const KvTierStats s = tier_store_->stats();
+    return s.disk_writes_through + s.disk_writes_evict + s.disk_writes_flush;
+  };
+  const int64_t offloaded = offloaded_blocks_, written = disk_writes();
+  blocks_->Evict(blocks_->num_blocks());  // on_evict copies each block down
+  r.evicted = offloaded_blocks_ - offloaded;
+  auto flushed = tier_mover_->Flush(deadline);
+  blocks_->RecordTierChanges(tier_mover_->TakeChanges());
+  if (!flushed.ok()) return flushed.status();
+  r.written = disk_writes() - written;  // the evicted blocks' way down included
+  r.left = flushed->left;
+  return r;
 }
 
 void Engine::ProcessTierWork() {

@@ -99,6 +99,17 @@ struct EngineOptions {
   int64_t kv_host_cache_bytes = 0;
   std::string kv_disk_cache_dir;
   int64_t kv_disk_cache_bytes = 0;
+  // With both tiers: copy blocks entering the host tier to disk in the
+  // background (through), or only when the host tier evicts them (back);
+  // the write-through queue's bound and pace (0: unpaced). See
+  // engine/kv_tier_store.h and engine/kv_tier_mover.h.
+  KvDiskWrite kv_disk_write = KvDiskWrite::kThrough;
+  int64_t kv_disk_write_queue_blocks = 1024;
+  int64_t kv_disk_write_bytes_per_second = 0;
+  // ModelFingerprint() of the model's folder (engine/model_fingerprint.h):
+  // with the KV scales, it keys the disk tier's blocks, so that a folder
+  // written with other weights is discarded, not served. 0: unknown.
+  uint64_t model_fingerprint = 0;
   // Called from another thread when blocks a request waits for are read from
   // a lower tier: the engine's driver should call Step() soon.
   std::function<void()> on_tier_ready;
@@ -161,6 +172,13 @@ struct EngineTierStats {
   int64_t offload_failures = 0;
   int64_t onloads_in_flight = 0;
   int64_t offloads_queued = 0;  // evicted blocks not yet in a tier
+};
+
+// What FlushTiersToDisk did.
+struct TierFlush {
+  int64_t evicted = 0;  // device blocks handed down to the tiers
+  int64_t written = 0;  // blocks written to disk meanwhile, whatever the cause
+  int64_t left = 0;     // blocks the deadline left without a disk copy
 };
 
 // One copy back into the pool, for latency histograms.
@@ -246,6 +264,15 @@ class Engine {
   // sequence as, the other way round.
   int64_t ContextCapacityTokens() const;
   EngineStats GetStats() const;
+  // EngineOptions::model_fingerprint combined with the KV scales: what a
+  // block's bytes depend on beyond its layout (KvLayout::model_fingerprint).
+  uint64_t kv_fingerprint() const { return kv_fingerprint_; }
+
+  // For a stopping worker, once no request runs: hands the device pool's
+  // cached blocks down to the lower tiers and writes the host tier's blocks
+  // that have no disk copy to disk, until `deadline` (a warm restart finds
+  // them). Nothing without a disk tier.
+  StatusOr<TierFlush> FlushTiersToDisk(std::chrono::steady_clock::time_point deadline);
 
  private:
   struct Sequence;
@@ -273,6 +300,7 @@ class Engine {
   EngineOptions options_;
   int64_t max_model_len_ = 0;
   std::string model_id_;
+  uint64_t kv_fingerprint_ = 0;
   std::unique_ptr<KvCachePool> pool_;
   std::unique_ptr<BlockManager> blocks_;
   // Lower tiers: the store, and the thread that moves blocks to and from it

@@ -84,6 +84,25 @@ struct WorkerMetrics {
         tier_corrupt(metrics::AddCounter(
             r, "pdserve_kv_tier_corrupt_blocks_total",
             "Disk-tier blocks that failed their checksums: dropped, never served")),
+        disk_write_queue(
+            metrics::AddGauge(r, "pdserve_kv_tier_disk_write_queue_blocks",
+                              "Host-tier KV blocks waiting for their write-through copy on disk")),
+        disk_writes(metrics::AddCounterFamily(
+            r, "pdserve_kv_tier_disk_writes_total",
+            "KV blocks written to the disk tier (cause=through: a write-through copy of a "
+            "host-tier block; evict: a block written as it left the tier above; flush: at stop)")),
+        disk_writes_dropped(metrics::AddCounter(
+            r, "pdserve_kv_tier_disk_writes_dropped_total",
+            "Host-tier KV blocks that found the write-through queue full (they reach the disk "
+            "only when the host tier evicts them)")),
+        disk_write_errors(metrics::AddCounter(
+            r, "pdserve_kv_tier_disk_write_errors_total",
+            "Disk-tier writes that failed (a full disk, an I/O error; the cause is logged at "
+            "most every 10 s)")),
+        disk_discarded(metrics::AddCounter(
+            r, "pdserve_kv_tier_discarded_blocks_total",
+            "Disk-tier KV blocks found at start that another model (weights, config, "
+            "tokenizer) or KV configuration wrote: discarded, never served")),
         control_buffered_bytes(metrics::AddGauge(
             r, "pdserve_control_buffered_bytes",
             "Bytes held for control connections (routers and peer workers): incomplete "
@@ -123,6 +142,11 @@ struct WorkerMetrics {
   prometheus::Family<prometheus::Counter>& tier_onload_bytes;
   prometheus::Family<prometheus::Histogram>& tier_onload_seconds;
   prometheus::Counter& tier_corrupt;
+  prometheus::Gauge& disk_write_queue;
+  prometheus::Family<prometheus::Counter>& disk_writes;
+  prometheus::Counter& disk_writes_dropped;
+  prometheus::Counter& disk_write_errors;
+  prometheus::Counter& disk_discarded;
   prometheus::Gauge& control_buffered_bytes;
 };
 

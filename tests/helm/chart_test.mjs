@@ -241,9 +241,12 @@ function kvTiers(r, role) {
   const dir = pick('kv-disk-cache-dir');
   const mount = dir === undefined ? undefined : (mainContainer(d).volumeMounts || []).find((m) => m.mountPath === dir);
   const volume = mount && podSpec(d).volumes.find((v) => v.name === mount.name);
-  return { host: pick('kv-host-cache-bytes'), dir, bytes: pick('kv-disk-cache-bytes'), mount, volume };
+  return { host: pick('kv-host-cache-bytes'), dir, bytes: pick('kv-disk-cache-bytes'), mount, volume,
+    write: pick('kv-disk-write'), queue: pick('kv-disk-write-queue'), pace: pick('kv-disk-write-bytes-per-second'),
+    flush: pick('kv-disk-flush-timeout') };
 }
-const noKvTiers = { host: undefined, dir: undefined, bytes: undefined, mount: undefined, volume: undefined };
+const noKvTiers = { host: undefined, dir: undefined, bytes: undefined, mount: undefined, volume: undefined,
+  write: undefined, queue: undefined, pace: undefined, flush: undefined };
 
 describe('helm lint --strict', () => {
   for (const [label, files] of [['default values', []], ['values-cpu.yaml', [cpuValues]], ['values-full.yaml', [fullValues]]]) {
@@ -660,8 +663,11 @@ describe('values-full.yaml', () => {
     // A replaced pod on the node finds its blocks again.
     assert.deepEqual(prefill.volume.hostPath, { path: '/mnt/nvme0/pdserve-kv-prefill', type: 'DirectoryOrCreate' });
     assert.equal(prefill.volume.emptyDir, undefined);
+    // Write-through by default, unpaced, flushed for 30 s on SIGTERM.
+    assert.deepEqual([prefill.write, prefill.queue, prefill.pace, prefill.flush], ['through', '1024', undefined, '30']);
     const decode = kvTiers(r, 'decode');
     assert.deepEqual([decode.host, decode.dir, decode.bytes], ['16GiB', '/kv-disk', '200GiB']);
+    assert.deepEqual([decode.write, decode.queue, decode.pace, decode.flush], ['back', '256', '500MiB', '90']);
     assert.ok(!decode.mount.readOnly, 'the worker writes its disk tier');
     // 200GiB plus 5%.
     assert.deepEqual(decode.volume.emptyDir, { sizeLimit: '215040Mi' });
@@ -869,6 +875,16 @@ describe('targeted overrides', () => {
       fs.rmSync(dir, { recursive: true });
     }
   });
+  test('a disk tier\'s flush must fit in the grace period, with the drain before it', () => {
+    const base = ['decode.kvTiers.disk.enabled=true', 'decode.kvTiers.disk.sizeBytes=10GiB'];
+    const fits = render({ set: [...base, 'decode.terminationGracePeriodSeconds=60', 'decode.kvTiers.disk.flushTimeoutSeconds=30'] });
+    assert.equal(kvTiers(fits, 'decode').flush, '30');
+    const res = runHelm(['template', release, chart, ...[...base, 'decode.terminationGracePeriodSeconds=45'].flatMap((v) => ['--set', v])]);
+    assert.notEqual(res.status, 0);
+    assert.match(res.stderr, /decode\.terminationGracePeriodSeconds \(45\) must cover the drain \(30 s\) and decode\.kvTiers\.disk\.flushTimeoutSeconds \(30\): raise it to 60/);
+    // Without a disk tier there is nothing to flush, whatever the grace period.
+    assert.deepEqual(kvTiers(render({ set: ['decode.terminationGracePeriodSeconds=5'] }), 'decode'), noKvTiers);
+  });
   test('a disk tier without sizeBytes is refused with its message', () => {
     for (const role of ['prefill', 'decode']) {
       for (const extra of [[], ['--set', `${role}.kvTiers.disk.sizeBytes=0`]]) {
@@ -943,6 +959,10 @@ describe('values.schema.json rejects bad values with its message', () => {
     [['decode.kvTiers.disk.mountPath=kv'], /at '\/decode\/kvTiers\/disk\/mountPath': 'kv' does not match pattern/],
     [['prefill.kvTiers.disk.hostPath=nvme'], /at '\/prefill\/kvTiers\/disk\/hostPath': 'nvme' does not match pattern/],
     [['prefill.kvTiers.disk.enable=true'], /at '\/prefill\/kvTiers\/disk': additional properties 'enable' not allowed/],
+    [['decode.kvTiers.disk.write=around'], /at '\/decode\/kvTiers\/disk\/write'/],
+    [['prefill.kvTiers.disk.writeQueueBlocks=0'], /at '\/prefill\/kvTiers\/disk\/writeQueueBlocks'/],
+    [['decode.kvTiers.disk.writeBytesPerSecond=fast'], /at '\/decode\/kvTiers\/disk\/writeBytesPerSecond'/],
+    [['decode.kvTiers.disk.flushTimeoutSeconds=-1'], /at '\/decode\/kvTiers\/disk\/flushTimeoutSeconds'/],
   ];
   for (const [set, message] of cases) {
     test(set.join(' '), () => {
