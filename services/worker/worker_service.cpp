@@ -408,8 +408,16 @@ class WorkerServiceImpl : public WorkerService {
       if (HasRunnableWork()) {
         auto outputs = engine_->Step();
         if (!outputs.ok()) {
-          PDSERVE_LOG(ERROR) << "engine step failed: " << outputs.status().message();
-          std::this_thread::sleep_for(std::chrono::milliseconds(50));
+          // The next step would most likely fail the same way and the
+          // requests would never answer: every request the engine schedules
+          // fails now (the router retries elsewhere those with no token out;
+          // a prefill job's decode worker prefills locally).
+          PDSERVE_LOG(ERROR) << "engine step failed: " << outputs.status().message()
+                             << "; failing the requests it holds";
+          const Status failed =
+              Status::Internal("engine step failed: " + outputs.status().message());
+          decode_.FailComputing(failed);
+          prefill_.FailComputing(failed.message());
         } else {
           for (auto& out : *outputs) {
             if (!prefill_.HandleOutput(out)) decode_.HandleOutput(out);
