@@ -110,6 +110,9 @@ struct RouterMetrics {
         control_rejected(
             metrics::AddCounterFamily(r, "pdserve_router_control_rejected_total",
                                       "Control messages or connections refused, by reason")),
+        control_refused(metrics::AddCounterFamily(
+            r, "pdserve_control_refused_total",
+            "Control connections refused before completing their handshake, by reason")),
         replications(metrics::AddCounterFamily(
             r, "pdserve_router_replications_total",
             "Hot-prefix copies by outcome: started (a holder was asked to write the prefix's "
@@ -128,6 +131,7 @@ struct RouterMetrics {
     for (const char* reason :
          {"not_dispatched_here", "duplicate_worker", "snapshot_too_large", "registration_invalid"})
       control_rejected.Add({{"reason", reason}});
+    for (const char* reason : control::kRefusalReasons) control_refused.Add({{"reason", reason}});
     for (const char* outcome : {"started", "finished", "failed"}) {
       replications.Add({{"outcome", outcome}});
     }
@@ -151,6 +155,7 @@ struct RouterMetrics {
   prometheus::Gauge& control_buffered_bytes;
   prometheus::Gauge& snapshot_pending_bytes;
   prometheus::Family<prometheus::Counter>& control_rejected;
+  prometheus::Family<prometheus::Counter>& control_refused;
   prometheus::Family<prometheus::Counter>& replications;
   prometheus::Counter& replicated_blocks;
 };
@@ -259,7 +264,11 @@ class RouterServiceImpl : public RouterService {
     handlers.on_close = [this](const control::ConnectionPtr& c, const Status& s) {
       OnWorkerClosed(c, s);
     };
-    control_ = std::make_unique<control::Server>(loop_.get(), co, handlers);
+    control::ServerLimits limits;
+    limits.on_refused = [this](const char* reason) {
+      metrics_.control_refused.Add({{"reason", reason}}).Increment();
+    };
+    control_ = std::make_unique<control::Server>(loop_.get(), co, handlers, std::move(limits));
     PDSERVE_RETURN_IF_ERROR(
         control_->Listen(opts_.host, static_cast<uint16_t>(opts_.control_port)));
 

@@ -169,7 +169,12 @@ class WorkerServiceImpl : public WorkerService {
     peer_handlers.on_close = [this](const ConnectionPtr& c, const Status&) {
       prefill_.OnPeerClosed(c);
     };
-    peer_server_ = std::make_unique<control::Server>(loop_.get(), co, peer_handlers);
+    control::ServerLimits limits;
+    limits.on_refused = [this](const char* reason) {
+      metrics_.control_refused.Add({{"reason", reason}}).Increment();
+    };
+    peer_server_ =
+        std::make_unique<control::Server>(loop_.get(), co, peer_handlers, std::move(limits));
     PDSERVE_RETURN_IF_ERROR(peer_server_->Listen(opts_.host, static_cast<uint16_t>(opts_.port)));
     control_address_ = (opts_.advertise_host.empty() ? "127.0.0.1" : opts_.advertise_host) + ":" +
                        std::to_string(peer_server_->port());
