@@ -412,8 +412,7 @@ void Engine::ProcessTierWork() {
 }
 
 StatusOr<std::vector<RequestOutput>> Engine::Step() {
-  std::vector<RequestOutput> outputs = std::move(pending_outputs_);
-  pending_outputs_.clear();
+  std::vector<RequestOutput> outputs;
   ++num_steps_;
   ProcessTierWork();
   const int64_t B = options_.block_size;
@@ -663,15 +662,11 @@ Status Engine::Cancel(RequestId id) {
   if (blocks_->HasSequence(id)) PDSERVE_RETURN_IF_ERROR(blocks_->Free(id));
   Remove(&running_, s);
   Remove(&waiting_, s);
-  // Drop an undelivered output of this request too (a remote first token).
-  pending_outputs_.erase(std::remove_if(pending_outputs_.begin(), pending_outputs_.end(),
-                                        [&](const RequestOutput& o) { return o.id == id; }),
-                         pending_outputs_.end());
   requests_.erase(it);
   return Status::Ok();
 }
 
-bool Engine::HasUnfinished() const { return !requests_.empty() || !pending_outputs_.empty(); }
+bool Engine::HasUnfinished() const { return !requests_.empty(); }
 
 bool Engine::HasRequest(RequestId id) const { return requests_.count(id) > 0; }
 
@@ -708,8 +703,8 @@ StatusOr<RemotePrefillPlan> Engine::AddRemotePrefillRequest(EngineRequest reques
   return plan;
 }
 
-Status Engine::CompleteRemotePrefill(RequestId id, TokenId first_token,
-                                     std::optional<SampledToken> sampled) {
+StatusOr<RequestOutput> Engine::CompleteRemotePrefill(RequestId id, TokenId first_token,
+                                                      std::optional<SampledToken> sampled) {
   auto it = requests_.find(id);
   if (it == requests_.end() || it->second->state != Sequence::State::kRemote) {
     return Status::NotFound("request " + std::to_string(id) + " is not waiting for remote KV");
@@ -732,9 +727,12 @@ Status Engine::CompleteRemotePrefill(RequestId id, TokenId first_token,
   RequestOutput out;
   out.id = id;
   ProcessToken(s, token, &out);
+  // The first token goes back to the caller now rather than with the next
+  // Step(): a request it ends (max_tokens 1, a stop string or token, EOS, a
+  // full context) has nothing left to step, and a driver that steps only
+  // while requests run would never deliver it.
   if (s->finished) requests_.erase(id);
-  pending_outputs_.push_back(std::move(out));
-  return Status::Ok();
+  return out;
 }
 
 StatusOr<std::optional<PinId>> Engine::FailRemotePrefill(RequestId id, bool hold_unfilled) {

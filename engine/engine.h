@@ -21,8 +21,9 @@
 //    group's blocks from first_block_to_fill on, a windowed group's only from
 //    the reach of the first decode query). The request is parked (never scheduled, never
 //    preempted) until CompleteRemotePrefill(id, first_token): the KV is then
-//    taken as computed, its full blocks enter the prefix cache, and the next
-//    Step() reports the first token and decoding goes on. FailRemotePrefill(id)
+//    taken as computed, its full blocks enter the prefix cache, the first
+//    token's output is returned (finished if that token ends the request)
+//    and later Step()s decode the rest. FailRemotePrefill(id)
 //    instead queues the request for local prefill (its reserved blocks are
 //    released first; or, while the peer may still be writing into the blocks
 //    it was to fill, kept out of use under a pin the caller releases once
@@ -238,8 +239,10 @@ class Engine {
   StatusOr<RemotePrefillPlan> AddRemotePrefillRequest(EngineRequest request);
   // The KV of every block to fill has been written. `first_token` is the
   // token the prefill worker sampled (its logprobs, if any, in `sampled`).
-  Status CompleteRemotePrefill(RequestId id, TokenId first_token,
-                               std::optional<SampledToken> sampled = std::nullopt);
+  // Returns that token's output, as Step() would report it; when it is
+  // `finished` the request is gone and no Step() mentions it again.
+  StatusOr<RequestOutput> CompleteRemotePrefill(RequestId id, TokenId first_token,
+                                                std::optional<SampledToken> sampled = std::nullopt);
   // The hand-off failed: the request goes back to the queue for local
   // prefill. With `hold_unfilled` the blocks the peer was to fill are not
   // reused until ReleaseKvBlocks(returned pin), since a peer that was given
@@ -318,7 +321,6 @@ class Engine {
   uint64_t next_arrival_ = 0;
   uint64_t num_preemptions_ = 0;
   uint64_t num_steps_ = 0;
-  std::vector<RequestOutput> pending_outputs_;  // reported by the next Step()
   std::vector<float> logits_;
 };
 

@@ -8,6 +8,7 @@
 #include <prometheus/registry.h>
 
 #include "common/metrics/metrics.h"
+#include "transport/control/connection.h"
 
 namespace pdserve::worker {
 
@@ -106,7 +107,12 @@ struct WorkerMetrics {
         control_buffered_bytes(metrics::AddGauge(
             r, "pdserve_control_buffered_bytes",
             "Bytes held for control connections (routers and peer workers): incomplete "
-            "received frames and queued sends")) {
+            "received frames and queued sends")),
+        control_refused(metrics::AddCounterFamily(
+            r, "pdserve_control_refused_total",
+            "Connections to the peer port refused before completing their handshake, by "
+            "reason")) {
+    for (const char* reason : control::kRefusalReasons) control_refused.Add({{"reason", reason}});
     // Both directions exist from the start at 0: throughput panels and
     // alerts see a series on every worker before the first hand-off.
     for (const char* direction : {"in", "out"}) transfer_bytes.Add({{"direction", direction}});
@@ -148,6 +154,7 @@ struct WorkerMetrics {
   prometheus::Counter& disk_write_errors;
   prometheus::Counter& disk_discarded;
   prometheus::Gauge& control_buffered_bytes;
+  prometheus::Family<prometheus::Counter>& control_refused;
 };
 
 }  // namespace pdserve::worker

@@ -179,7 +179,12 @@ class WorkerServiceImpl : public WorkerService {
     peer_handlers.on_close = [this](const ConnectionPtr& c, const Status&) {
       prefill_.OnPeerClosed(c);
     };
-    peer_server_ = std::make_unique<control::Server>(loop_.get(), co, peer_handlers);
+    control::ServerLimits limits;
+    limits.on_refused = [this](const char* reason) {
+      metrics_.control_refused.Add({{"reason", reason}}).Increment();
+    };
+    peer_server_ =
+        std::make_unique<control::Server>(loop_.get(), co, peer_handlers, std::move(limits));
     PDSERVE_RETURN_IF_ERROR(peer_server_->Listen(opts_.host, static_cast<uint16_t>(opts_.port)));
     control_address_ = (opts_.advertise_host.empty() ? "127.0.0.1" : opts_.advertise_host) + ":" +
                        std::to_string(peer_server_->port());
@@ -425,8 +430,16 @@ class WorkerServiceImpl : public WorkerService {
       if (HasRunnableWork()) {
         auto outputs = engine_->Step();
         if (!outputs.ok()) {
-          PDSERVE_LOG(ERROR) << "engine step failed: " << outputs.status().message();
-          std::this_thread::sleep_for(std::chrono::milliseconds(50));
+          // The next step would most likely fail the same way and the
+          // requests would never answer: every request the engine schedules
+          // fails now (the router retries elsewhere those with no token out;
+          // a prefill job's decode worker prefills locally).
+          PDSERVE_LOG(ERROR) << "engine step failed: " << outputs.status().message()
+                             << "; failing the requests it holds";
+          const Status failed =
+              Status::Internal("engine step failed: " + outputs.status().message());
+          decode_.FailComputing(failed);
+          prefill_.FailComputing(failed.message());
         } else {
           for (auto& out : *outputs) {
             if (!prefill_.HandleOutput(out)) decode_.HandleOutput(out);

@@ -558,6 +558,60 @@ describe('control-plane TLS', () => {
   });
 });
 
+// Control-plane TLS does not encrypt KV blocks (UCX and NCCL carry them in
+// clear): the workers' NetworkPolicy is what keeps the KV transfer ports to
+// this release's workers, with TLS or without, and the install notes say so.
+describe('KV transfer stays among this release\'s workers', () => {
+  const notes = (set) => {
+    const args = ['install', release, chart, '--dry-run=client', '--namespace', namespace];
+    for (const v of set) args.push('--set', v);
+    const res = runHelm(args);
+    assert.equal(res.status, 0, res.stderr);
+    return res.stdout.slice(res.stdout.indexOf('NOTES:'));
+  };
+  for (const transfer of ['ucx', 'nccl']) {
+    test(`${transfer} with control-plane TLS: every worker port admits only this release's workers`, () => {
+      const set = ['controlPlane.tls.enabled=true', 'controlPlane.tls.existingSecret=control-tls',
+        `kvTransfer=${transfer}`];
+      const r = render({ set });
+      const policy = r.get('NetworkPolicy', `${release}-pdserve-workers`);
+      assert.deepEqual(policy.spec.policyTypes, ['Ingress']);
+      for (const c of ['prefill', 'decode']) {
+        assert.ok(selects(policy.spec.podSelector, podLabels(r.deployment(c))), `${c} is not covered`);
+      }
+      // The rule without ports (the ports UCX or NCCL pick at run time) lets
+      // in this release's workers and nobody else; every other rule names
+      // a port that is not a transfer port.
+      const anyPort = policy.spec.ingress.filter((i) => !i.ports);
+      assert.equal(anyPort.length, 1);
+      assert.ok(anyPort[0].from.length > 0 && anyPort[0].from.every((f) => f.podSelector && !f.namespaceSelector && !f.ipBlock));
+      const decode = podLabels(r.deployment('decode'));
+      const outsiders = {
+        router: podLabels(r.deployment('router')),
+        'another release': { ...decode, 'app.kubernetes.io/instance': 'other' },
+        'the model download': { ...decode, 'app.kubernetes.io/component': 'model-download' },
+        'an unlabelled pod': {},
+      };
+      for (const c of ['prefill', 'decode']) {
+        assert.ok(anyPort[0].from.some((f) => selects(f.podSelector, podLabels(r.deployment(c)))), c);
+      }
+      for (const [who, labels] of Object.entries(outsiders)) {
+        assert.ok(!anyPort[0].from.some((f) => selects(f.podSelector, labels)), `${who} reaches the KV transfer ports`);
+      }
+      for (const rule of policy.spec.ingress.filter((i) => i.ports)) {
+        assert.deepEqual(rule.ports.map((p) => p.port), ['metrics']);
+      }
+      assert.match(notes(set), /KV blocks cross between workers unencrypted \(control-plane TLS does not cover them\)/);
+    });
+  }
+  test('without the NetworkPolicy the install notes warn that KV transfer is open to every pod', () => {
+    assert.ok(!render({ set: ['networkPolicy.enabled=false'] }).has('NetworkPolicy'));
+    assert.match(notes(['networkPolicy.enabled=false']),
+      /WARNING: networkPolicy.enabled is false: the workers' KV transfer ports/);
+    assert.doesNotMatch(notes([]), /WARNING: networkPolicy/);
+  });
+});
+
 describe('metrics key and per-key cache salt', () => {
   test('/metrics key for every process; the monitor sends it', () => {
     for (const monitor of ['serviceMonitor', 'podMonitor']) {
