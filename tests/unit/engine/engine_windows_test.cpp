@@ -226,6 +226,22 @@ TEST(EngineWindowsTest, PresetsMatchTheReference) {
     ASSERT_EQ(g.sampled.size(), 60u);
     ExpectReferenceTokens(*l.reference, prompt, g);
   }
+  // Qwen3 (q/k norms, head_dim 32) with use_sliding_window on its second
+  // layer (max_window_layers 1), a window of 24 across blocks of 16.
+  ModelSpec qwen3 = *PresetModelSpec("qwen3");
+  qwen3.name = "qwen3-window";
+  qwen3.sliding_window = 24;
+  qwen3.max_window_layers = 1;
+  {
+    Loaded q = Load("qwen3-window", qwen3);
+    ASSERT_NE(q.model, nullptr);
+    ASSERT_EQ(q.model->config().layer_windows, (std::vector<int64_t>{0, 24}));
+    TextEvalOptions o;
+    o.block_size = 16;
+    o.prefill_tokens = 27;
+    o.decode_chunk = 5;
+    CheckNll(q, RandomTokens(80, q.model->config().vocab_size, 5), o, {}, kNllTolerance);
+  }
   // Gemma with bf16 weights (its embedding scale rounded to bf16: 8 is exact,
   // so hidden 48 gives sqrt(48) = 6.928... -> 6.9375) and tied embeddings,
   // the lm_head reading the unscaled table.
@@ -436,8 +452,10 @@ TEST(EngineWindowsTest, DisaggregatedPrefillMovesOnlyWhatTheDecodeSideKeeps) {
       moved += bytes;
     }
     ASSERT_TRUE(prefill->ReleaseKvBlocks(*done.kv_pin).ok());
-    ASSERT_TRUE(decode->CompleteRemotePrefill(1, done.new_token_ids[0]).ok());
-    std::vector<TokenId> got;
+    // The first token comes with the hand-off, the rest from the steps.
+    auto first = decode->CompleteRemotePrefill(1, done.new_token_ids[0]);
+    ASSERT_TRUE(first.ok()) << first.status().ToString();
+    std::vector<TokenId> got = first->new_token_ids;
     while (decode->HasUnfinished()) {
       auto step = decode->Step();
       ASSERT_TRUE(step.ok());
