@@ -258,6 +258,38 @@ TEST(EngineWindowsTest, PresetsMatchTheReference) {
   CheckNll(l, RandomTokens(70, l.model->config().vocab_size, 4), o, {}, kNllTolerance);
 }
 
+// The capacity gauge (ContextCapacityTokens): a pool of N blocks of 16
+// holds N x 16 tokens of a dense model; with windows, each windowed group
+// sets aside ceil((W-1)/16) + 1 blocks and the full groups share the rest;
+// a model whose every layer is windowed holds max_model_len.
+TEST(EngineWindowsTest, CapacityCountsWindowedGroupsAtTheirWindow) {
+  ModelSpec dense_spec = *PresetModelSpec("mistral-window");
+  dense_spec.sliding_window = 0;
+  dense_spec.name = "mistral-dense";
+  struct Case {
+    const char* name;
+    ModelSpec spec;
+    int64_t set_aside, full_groups;  // blocks; 0 full groups: every layer windowed
+  };
+  // gemma2: layers 0, 2 at 32 (3 blocks), 1 and 3 full; gemma3: layers
+  // 0, 1, 3, 4 at 24 in two groups (3 blocks each), 2 and 5 full.
+  const Case cases[] = {{"mistral-dense", dense_spec, 0, 1},
+                        {"gemma2", *PresetModelSpec("gemma2"), 3, 1},
+                        {"gemma3", *PresetModelSpec("gemma3"), 6, 1},
+                        {"mistral-window", *PresetModelSpec("mistral-window"), 3, 0}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    Loaded l = Load(c.name, c.spec);
+    ASSERT_NE(l.model, nullptr);
+    auto e = MakeEngine(l.model.get(), 1 << 20);
+    ASSERT_NE(e, nullptr);
+    const int64_t n = e->kv_pool().num_blocks();
+    ASSERT_GT(n, c.set_aside);
+    EXPECT_EQ(e->ContextCapacityTokens(),
+              c.full_groups == 0 ? e->max_model_len() : (n - c.set_aside) * 16);
+  }
+}
+
 // Held blocks of a sequence's layer group.
 size_t Held(const Engine& e, RequestId id, uint32_t group) {
   const auto& t = const_cast<Engine&>(e).block_manager().BlockTable(id, group);
