@@ -33,10 +33,19 @@ enum class KvTier : uint8_t { kDevice = 0, kHost = 1, kDisk = 2 };
 // prompt order: block_hashes[0]'s parent is `parent_hash` (nullopt for the
 // first block of a prompt), and each later hash's parent is the hash before
 // it; lower-tier blocks come in no particular order, without a parent.
+//
+// Layer groups (common/kv_groups.h): the blocks of a model with several
+// groups are announced per group, under their keys GroupBlockKey(hash,
+// group) (the hash itself for group 0), with `group` saying which layer group
+// they belong to; a stored run's parent is then the previous block's key in
+// the same group. Lower-tier events carry keys too (group 0: the tiers hold
+// blocks by key). Applying events and snapshots needs no group: a router
+// indexes keys.
 struct KvStored {
   std::vector<BlockHash> block_hashes;
   std::optional<BlockHash> parent_hash;
   KvTier tier = KvTier::kDevice;
+  uint32_t group = 0;
   bool operator==(const KvStored&) const = default;
 };
 
@@ -45,6 +54,7 @@ struct KvStored {
 struct KvRemoved {
   std::vector<BlockHash> block_hashes;
   KvTier tier = KvTier::kDevice;
+  uint32_t group = 0;
   bool operator==(const KvRemoved&) const = default;
 };
 
@@ -63,9 +73,9 @@ struct KvEventBatch {
   bool operator==(const KvEventBatch&) const = default;
 };
 
-// Every hash cached at the moment the batch numbered `last_sequence_number`
-// was recorded (0: before any batch), in no particular order: in the device
-// pool, and in the lower tiers.
+// Every hash (key, for several layer groups) cached at the moment the batch
+// numbered `last_sequence_number` was recorded (0: before any batch), in no
+// particular order: in the device pool, and in the lower tiers.
 struct KvCacheSnapshot {
   uint64_t last_sequence_number = 0;
   std::vector<BlockHash> block_hashes;  // device

@@ -2,6 +2,7 @@
 
 #include <xxhash.h>
 
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -13,12 +14,26 @@ namespace {
 using codec::ByteReader;
 using codec::ByteWriter;
 
-constexpr uint16_t kLayoutFormatVersion = 3;
+constexpr uint16_t kLayoutFormatVersion = 5;
+constexpr uint32_t kMaxGroups = 1024;
 constexpr size_t kMaxNameBytes = 4096;
 
 bool KnownDType(uint8_t v) { return v <= static_cast<uint8_t>(DType::kFP8E5M2); }
 
 std::string Name(DType t) { return std::string(DTypeName(t)); }
+
+std::string Hex(uint64_t v) {
+  char buf[17];
+  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+// "[4096,0]"; "[]" for one full-attention group.
+std::string Windows(const std::vector<int64_t>& windows) {
+  std::string s = "[";
+  for (size_t i = 0; i < windows.size(); ++i) s += (i ? "," : "") + std::to_string(windows[i]);
+  return s + "]";
+}
 
 }  // namespace
 
@@ -84,6 +99,9 @@ std::string KvLayout::Encode() const {
   w.U64(static_cast<uint64_t>(bytes_per_block));
   w.U8(static_cast<uint8_t>(memory_type));
   w.Bytes(transfer_backend);
+  w.U64(model_fingerprint);
+  w.U32(static_cast<uint32_t>(group_windows.size()));
+  for (int64_t window : group_windows) w.U64(static_cast<uint64_t>(window));
   return w.Take();
 }
 
@@ -135,6 +153,15 @@ StatusOr<KvLayout> KvLayout::Decode(std::string_view bytes) {
   l.memory_type = static_cast<MemoryType>(memory);
   PDSERVE_RETURN_IF_ERROR(r.Bytes("transfer_backend", kMaxNameBytes, &s));
   l.transfer_backend = std::string(s);
+  PDSERVE_RETURN_IF_ERROR(r.U64("model_fingerprint", &l.model_fingerprint));
+  uint32_t groups = 0;
+  PDSERVE_RETURN_IF_ERROR(r.U32("group count", &groups));
+  if (groups > kMaxGroups)
+    return r.Error("group count " + std::to_string(groups) + " is too large");
+  for (uint32_t g = 0; g < groups; ++g) {
+    PDSERVE_RETURN_IF_ERROR(r.U64("group window", &v));
+    l.group_windows.push_back(static_cast<int64_t>(v));
+  }
   if (r.remaining() != 0) {
     return r.Error(std::to_string(r.remaining()) + " unexpected trailing bytes");
   }
@@ -157,7 +184,9 @@ std::string KvLayout::ToString() const {
               : std::string()) +
          " block_tokens=" + std::to_string(block_tokens) + " block_layout=" + block_layout +
          " bytes_per_block=" + std::to_string(bytes_per_block) +
-         " memory=" + std::string(MemoryTypeName(memory_type)) + " transfer=" + transfer_backend;
+         " memory=" + std::string(MemoryTypeName(memory_type)) + " transfer=" + transfer_backend +
+         " model_fingerprint=" + Hex(model_fingerprint) +
+         (group_windows.empty() ? std::string() : " groups=" + Windows(group_windows));
 }
 
 std::string DescribeLayoutDifferences(const KvLayout& here, const KvLayout& peer) {
@@ -183,6 +212,11 @@ std::string DescribeLayoutDifferences(const KvLayout& here, const KvLayout& peer
   cmp("memory_type", std::string(MemoryTypeName(here.memory_type)),
       std::string(MemoryTypeName(peer.memory_type)));
   cmp("transfer_backend", here.transfer_backend, peer.transfer_backend);
+  // Same name and shapes, other weights (or config, tokenizer, KV scales):
+  // the peer's KV would be another model's.
+  cmp("model_fingerprint (weights, config, tokenizer, KV scales)", Hex(here.model_fingerprint),
+      Hex(peer.model_fingerprint));
+  cmp("group_windows", Windows(here.group_windows), Windows(peer.group_windows));
   std::string out;
   for (const auto& d : diffs) {
     if (!out.empty()) out += "; ";

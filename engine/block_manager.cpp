@@ -8,6 +8,8 @@
 #include <unordered_set>
 #include <utility>
 
+#include "common/kv_groups.h"
+
 namespace pdserve {
 namespace {
 
@@ -19,7 +21,8 @@ struct Block {
   uint32_t ref = 0;
   bool has_hash = false;
   bool on_free_list = false;
-  BlockHash hash = 0;
+  BlockHash hash = 0;  // the cache key (GroupBlockKey of the token-run hash)
+  uint32_t group = 0;  // the layer group of a cached block
   // Links of the LRU list of evictable blocks (kNil when not on it).
   BlockId lru_prev = kNil;
   BlockId lru_next = kNil;
@@ -27,32 +30,37 @@ struct Block {
 };
 
 struct Sequence {
-  std::vector<BlockId> table;
-  // Hashes of the leading committed blocks (cache hits included); kept even
-  // when a block stays private as a duplicate or loses its hash to a reset,
-  // so that later commits can be checked against them.
+  // One table per layer group, all of the same length; kNoBlock where a
+  // windowed group holds nothing.
+  std::vector<std::vector<BlockId>> tables;
+  // Token-run hashes of the leading committed entries (cache hits
+  // included); kept even when a block stays private as a duplicate or loses
+  // its hash to a reset, so that later commits can be checked against them.
   std::vector<BlockHash> committed_hashes;
+  size_t size() const { return tables[0].size(); }
 };
 
 // Collects the events of one public call; becomes one numbered batch.
 class BatchBuilder {
  public:
-  void Stored(BlockHash hash, std::optional<BlockHash> parent) {
-    // Extends the current run when `hash` directly follows the last stored one.
+  void Stored(BlockHash key, std::optional<BlockHash> parent, uint32_t group) {
+    // Extends the current run when `key` directly follows the last stored one.
     if (!events_.empty()) {
       if (auto* run = std::get_if<KvStored>(&events_.back());
-          run != nullptr && parent.has_value() && run->block_hashes.back() == *parent) {
-        run->block_hashes.push_back(hash);
+          run != nullptr && run->group == group && parent.has_value() &&
+          run->block_hashes.back() == *parent) {
+        run->block_hashes.push_back(key);
         return;
       }
     }
-    events_.emplace_back(std::in_place_type<KvStored>, std::vector<BlockHash>{hash}, parent);
+    events_.emplace_back(KvStored{{key}, parent, KvTier::kDevice, group});
   }
-  void Removed(BlockHash hash) {
-    if (events_.empty() || !std::holds_alternative<KvRemoved>(events_.back())) {
-      events_.emplace_back(std::in_place_type<KvRemoved>);
+  void Removed(BlockHash key, uint32_t group) {
+    auto* last = events_.empty() ? nullptr : std::get_if<KvRemoved>(&events_.back());
+    if (last == nullptr || last->group != group) {
+      events_.emplace_back(KvRemoved{{}, KvTier::kDevice, group});
     }
-    std::get<KvRemoved>(events_.back()).block_hashes.push_back(hash);
+    std::get<KvRemoved>(events_.back()).block_hashes.push_back(key);
   }
   void Cleared() { events_.emplace_back(std::in_place_type<KvCleared>); }
   bool empty() const { return events_.empty(); }
@@ -65,7 +73,10 @@ class BatchBuilder {
 }  // namespace
 
 struct BlockManager::Impl {
-  explicit Impl(const BlockManagerOptions& o) : options(o), blocks(o.num_blocks) {
+  explicit Impl(const BlockManagerOptions& o)
+      : options(o),
+        windows(o.group_windows.empty() ? std::vector<int64_t>{0} : o.group_windows),
+        blocks(o.num_blocks) {
     free_list.reserve(o.num_blocks);
     // Popped from the back, so block 0 is handed out first.
     for (size_t i = o.num_blocks; i-- > 0;) {
@@ -115,7 +126,7 @@ struct BlockManager::Impl {
     Block& b = blocks[id];
     if (options.on_evict) options.on_evict(id, b.hash);
     cached.erase(b.hash);
-    batch->Removed(b.hash);
+    batch->Removed(b.hash, b.group);
     b.has_hash = false;
     ++evicted_total;
     return id;
@@ -158,6 +169,36 @@ struct BlockManager::Impl {
   void ReleaseAll(const std::vector<BlockId>& table) {
     for (auto it = table.rbegin(); it != table.rend(); ++it) Release(*it);
   }
+  // Every group's entries, the last index first.
+  void ReleaseAll(const Sequence& seq) {
+    for (size_t i = seq.size(); i-- > 0;) {
+      for (const auto& table : seq.tables) {
+        if (table[i] != kNil) Release(table[i]);
+      }
+    }
+  }
+
+  size_t groups() const { return windows.size(); }
+  BlockHash Key(BlockHash hash, size_t group) const {
+    return GroupBlockKey(hash, static_cast<uint32_t>(group));
+  }
+  // Entries a windowed group holds for a query at `pos` start here.
+  size_t FirstInReach(size_t group, size_t pos) const {
+    return static_cast<size_t>(FirstBlockInReach(windows[group], static_cast<int64_t>(pos),
+                                                 static_cast<int64_t>(options.block_size)));
+  }
+  // Releases the entries of windowed groups below the reach of a query at `pos`.
+  void ReleaseOutOfReach(Sequence* seq, size_t pos) {
+    for (size_t g = 0; g < groups(); ++g) {
+      if (windows[g] <= 0) continue;
+      const size_t first = std::min(FirstInReach(g, pos), seq->size());
+      for (size_t i = first; i-- > 0;) {
+        if (seq->tables[g][i] == kNil) break;  // released earlier, with those before it
+        Release(seq->tables[g][i]);
+        seq->tables[g][i] = kNil;
+      }
+    }
+  }
 
   void Finish(BatchBuilder* batch) {
     if (batch->empty()) return;
@@ -167,13 +208,19 @@ struct BlockManager::Impl {
 
   size_t MatchPrefix(std::span<const BlockHash> hashes, size_t limit) const {
     if (!options.enable_prefix_caching) return 0;
-    size_t n = std::min(hashes.size(), limit);
-    size_t k = 0;
-    while (k < n && cached.count(hashes[k]) > 0) ++k;
-    return k;
+    const size_t n = std::min(hashes.size(), limit);
+    if (groups() == 1 && windows[0] <= 0) {
+      size_t k = 0;
+      while (k < n && cached.count(hashes[k]) > 0) ++k;
+      return k;
+    }
+    return CachedPrefixBlocks(windows, options.block_size, n, [&](size_t g, size_t i) {
+      return cached.count(Key(hashes[i], g)) > 0;
+    });
   }
 
   const BlockManagerOptions options;
+  std::vector<int64_t> windows;  // per group; options.group_windows or {0}
   mutable std::mutex mu;
   std::vector<Block> blocks;
   std::vector<BlockId> free_list;
@@ -182,7 +229,7 @@ struct BlockManager::Impl {
   size_t lru_size = 0;
   std::unordered_map<BlockHash, BlockId> cached;
   std::unordered_map<SeqId, Sequence> sequences;
-  std::unordered_map<PinId, std::vector<BlockId>> pins;
+  std::unordered_map<PinId, std::vector<BlockSlot>> pins;
   PinId next_pin = 1;
   std::vector<KvEventBatch> pending_events;
   uint64_t last_sequence_number = 0;
@@ -200,6 +247,9 @@ StatusOr<std::unique_ptr<BlockManager>> BlockManager::Create(const BlockManagerO
   if (options.block_size == 0) {
     return Status::InvalidArgument("block manager: block_size must be at least 1");
   }
+  for (int64_t w : options.group_windows) {
+    if (w < 0) return Status::InvalidArgument("block manager: a group window is negative");
+  }
   if (options.num_blocks >= kNil) {
     return Status::InvalidArgument("block manager: num_blocks " +
                                    std::to_string(options.num_blocks) + " exceeds the id range");
@@ -213,9 +263,17 @@ BlockManager::~BlockManager() = default;
 size_t BlockManager::block_size() const { return impl_->options.block_size; }
 size_t BlockManager::num_blocks() const { return impl_->options.num_blocks; }
 
+size_t BlockManager::num_groups() const { return impl_->windows.size(); }
+const std::vector<int64_t>& BlockManager::group_windows() const { return impl_->windows; }
+
 size_t BlockManager::FindCachedPrefix(std::span<const BlockHash> hashes) const {
   std::lock_guard lock(impl_->mu);
   return impl_->MatchPrefix(hashes, hashes.size());
+}
+
+bool BlockManager::IsCached(BlockHash hash, uint32_t group) const {
+  std::lock_guard lock(impl_->mu);
+  return impl_->cached.count(impl_->Key(hash, group)) > 0;
 }
 
 StatusOr<AdmitResult> BlockManager::Admit(const AdmitRequest& request) {
@@ -228,17 +286,33 @@ StatusOr<AdmitResult> BlockManager::Admit(const AdmitRequest& request) {
   const size_t bs = m.options.block_size;
   const size_t k = m.MatchPrefix(request.prefix_hashes, request.num_tokens / bs);
   const size_t total = CeilDiv(request.num_tokens, bs);
-  const size_t fresh = total - k;
+  const size_t computed = request.computed_tokens.value_or(k * bs);
+  if (computed < k * bs || computed > request.num_tokens) {
+    return Status::InvalidArgument("block manager: computed_tokens " + std::to_string(computed) +
+                                   " is outside [" + std::to_string(k * bs) + ", " +
+                                   std::to_string(request.num_tokens) + "]");
+  }
+  const size_t filled = CeilDiv(computed, bs);  // entries the cache or the caller fill
+  // Per group, the entries to hold: from the first query's reach on.
+  std::vector<size_t> first(m.groups());
+  for (size_t g = 0; g < m.groups(); ++g) first[g] = std::min(m.FirstInReach(g, computed), total);
 
+  // Cached entries to take (below k and in reach), and how many fresh ones.
   // Matched blocks that are evictable now stop being allocatable once taken.
-  std::vector<BlockId> matched(k);
   std::vector<BlockId> matched_evictable;
-  for (size_t i = 0; i < k; ++i) {
-    matched[i] = m.cached.at(request.prefix_hashes[i]);
-    if (m.blocks[matched[i]].ref == 0) matched_evictable.push_back(matched[i]);
+  size_t fresh = 0;
+  for (size_t g = 0; g < m.groups(); ++g) {
+    for (size_t i = first[g]; i < total; ++i) {
+      if (i >= k) {
+        ++fresh;
+        continue;
+      }
+      const BlockId id = m.cached.at(m.Key(request.prefix_hashes[i], g));
+      if (m.blocks[id].ref == 0) matched_evictable.push_back(id);
+    }
   }
   std::sort(matched_evictable.begin(), matched_evictable.end());
-  size_t taken = static_cast<size_t>(
+  const size_t taken = static_cast<size_t>(
       std::unique(matched_evictable.begin(), matched_evictable.end()) - matched_evictable.begin());
   if (fresh > m.Allocatable() - taken) {
     return Status::ResourceExhausted("block manager: sequence " + std::to_string(request.seq) +
@@ -247,16 +321,25 @@ StatusOr<AdmitResult> BlockManager::Admit(const AdmitRequest& request) {
   }
 
   Sequence seq;
-  seq.table.reserve(total);
+  seq.tables.assign(m.groups(), std::vector<BlockId>(total, kNil));
+  seq.committed_hashes.assign(request.prefix_hashes.begin(), request.prefix_hashes.begin() + k);
   // Matched blocks are acquired before allocating, so that the allocation
   // below cannot evict them.
-  for (size_t i = 0; i < k; ++i) {
-    m.Acquire(matched[i]);
-    seq.table.push_back(matched[i]);
-    seq.committed_hashes.push_back(request.prefix_hashes[i]);
+  for (size_t g = 0; g < m.groups(); ++g) {
+    for (size_t i = first[g]; i < std::min(k, total); ++i) {
+      seq.tables[g][i] = m.cached.at(m.Key(request.prefix_hashes[i], g));
+      m.Acquire(seq.tables[g][i]);
+    }
   }
+  AdmitResult result{k, k * bs, {}};
   BatchBuilder batch;
-  for (size_t i = 0; i < fresh; ++i) seq.table.push_back(m.AllocateOne(&batch));
+  for (size_t i = k; i < total; ++i) {
+    for (size_t g = 0; g < m.groups(); ++g) {
+      if (i < first[g]) continue;
+      seq.tables[g][i] = m.AllocateOne(&batch);
+      if (i < filled) result.to_fill.push_back({static_cast<uint32_t>(g), i, seq.tables[g][i]});
+    }
+  }
   m.sequences.emplace(request.seq, std::move(seq));
   m.Finish(&batch);
 
@@ -264,27 +347,31 @@ StatusOr<AdmitResult> BlockManager::Admit(const AdmitRequest& request) {
     m.query_tokens += request.prompt_tokens_for_stats;
     m.hit_tokens += std::min(k * bs, request.prompt_tokens_for_stats);
   }
-  return AdmitResult{k, k * bs};
+  return result;
 }
 
-Status BlockManager::AllocateSlots(SeqId seq_id, size_t num_tokens) {
+Status BlockManager::AllocateSlots(SeqId seq_id, size_t num_tokens,
+                                   std::optional<size_t> num_computed) {
   Impl& m = *impl_;
   std::lock_guard lock(m.mu);
   auto it = m.sequences.find(seq_id);
   if (it == m.sequences.end()) {
     return Status::NotFound("block manager: unknown sequence " + std::to_string(seq_id));
   }
-  std::vector<BlockId>& table = it->second.table;
+  Sequence& seq = it->second;
+  if (num_computed) m.ReleaseOutOfReach(&seq, *num_computed);
   const size_t total = CeilDiv(num_tokens, m.options.block_size);
-  if (total <= table.size()) return Status::Ok();
-  const size_t fresh = total - table.size();
+  if (total <= seq.size()) return Status::Ok();
+  const size_t fresh = (total - seq.size()) * m.groups();
   if (fresh > m.Allocatable()) {
     return Status::ResourceExhausted("block manager: sequence " + std::to_string(seq_id) +
                                      " needs " + std::to_string(fresh) + " new blocks, " +
                                      std::to_string(m.Allocatable()) + " available");
   }
   BatchBuilder batch;
-  for (size_t i = 0; i < fresh; ++i) table.push_back(m.AllocateOne(&batch));
+  for (size_t i = seq.size(); i < total; ++i) {
+    for (auto& table : seq.tables) table.push_back(m.AllocateOne(&batch));
+  }
   m.Finish(&batch);
   return Status::Ok();
 }
@@ -296,8 +383,8 @@ StatusOr<size_t> BlockManager::BlocksNeeded(SeqId seq_id, size_t num_tokens) con
     return Status::NotFound("block manager: unknown sequence " + std::to_string(seq_id));
   }
   const size_t total = CeilDiv(num_tokens, impl_->options.block_size);
-  const size_t have = it->second.table.size();
-  return total > have ? total - have : 0;
+  const size_t have = it->second.size();
+  return total > have ? (total - have) * impl_->groups() : 0;
 }
 
 Status BlockManager::CommitBlocks(SeqId seq_id, std::span<const BlockHash> block_hashes) {
@@ -309,11 +396,11 @@ Status BlockManager::CommitBlocks(SeqId seq_id, std::span<const BlockHash> block
   }
   if (!m.options.enable_prefix_caching) return Status::Ok();
   Sequence& seq = it->second;
-  if (block_hashes.size() > seq.table.size()) {
+  if (block_hashes.size() > seq.size()) {
     return Status::InvalidArgument("block manager: commit of " +
                                    std::to_string(block_hashes.size()) + " blocks for sequence " +
                                    std::to_string(seq_id) + " which has only " +
-                                   std::to_string(seq.table.size()));
+                                   std::to_string(seq.size()));
   }
   const size_t done = seq.committed_hashes.size();
   for (size_t i = 0; i < std::min(done, block_hashes.size()); ++i) {
@@ -323,33 +410,47 @@ Status BlockManager::CommitBlocks(SeqId seq_id, std::span<const BlockHash> block
                                      " was committed under another hash");
     }
   }
-  for (size_t i = done; i < block_hashes.size(); ++i) {
-    if (m.blocks[seq.table[i]].has_hash) {
-      return Status::Internal("block manager: uncommitted block " + std::to_string(seq.table[i]) +
-                              " already carries a hash");
+  for (const auto& table : seq.tables) {
+    for (size_t i = done; i < block_hashes.size(); ++i) {
+      if (table[i] != kNil && m.blocks[table[i]].has_hash) {
+        return Status::Internal("block manager: uncommitted block " + std::to_string(table[i]) +
+                                " already carries a hash");
+      }
     }
   }
   BatchBuilder batch;
-  for (size_t i = done; i < block_hashes.size(); ++i) {
-    const BlockHash hash = block_hashes[i];
-    seq.committed_hashes.push_back(hash);
-    Block& b = m.blocks[seq.table[i]];
-    // Another block already holds this content: keep ours private rather
-    // than announce a duplicate.
-    if (!m.cached.emplace(hash, seq.table[i]).second) continue;
-    b.has_hash = true;
-    b.hash = hash;
-    batch.Stored(hash, i > 0 ? std::optional<BlockHash>(block_hashes[i - 1]) : std::nullopt);
+  // Group by group, so that each group's run is one event.
+  for (size_t g = 0; g < m.groups(); ++g) {
+    for (size_t i = done; i < block_hashes.size(); ++i) {
+      const BlockId id = seq.tables[g][i];
+      if (id == kNil) continue;  // a windowed group holds nothing there
+      const BlockHash key = m.Key(block_hashes[i], g);
+      // Another block already holds this content: keep ours private rather
+      // than announce a duplicate.
+      if (!m.cached.emplace(key, id).second) continue;
+      Block& b = m.blocks[id];
+      b.has_hash = true;
+      b.hash = key;
+      b.group = static_cast<uint32_t>(g);
+      batch.Stored(key,
+                   i > 0 ? std::optional<BlockHash>(m.Key(block_hashes[i - 1], g)) : std::nullopt,
+                   static_cast<uint32_t>(g));
+    }
+  }
+  if (block_hashes.size() > done) {
+    seq.committed_hashes.insert(seq.committed_hashes.end(), block_hashes.begin() + done,
+                                block_hashes.end());
   }
   m.Finish(&batch);
   return Status::Ok();
 }
 
-const std::vector<BlockId>& BlockManager::BlockTable(SeqId seq_id) const {
+const std::vector<BlockId>& BlockManager::BlockTable(SeqId seq_id, uint32_t group) const {
   static const std::vector<BlockId> kEmpty;
   std::lock_guard lock(impl_->mu);
   auto it = impl_->sequences.find(seq_id);
-  return it == impl_->sequences.end() ? kEmpty : it->second.table;
+  if (it == impl_->sequences.end() || group >= it->second.tables.size()) return kEmpty;
+  return it->second.tables[group];
 }
 
 bool BlockManager::HasSequence(SeqId seq_id) const {
@@ -375,7 +476,7 @@ Status BlockManager::Free(SeqId seq_id) {
   if (it == m.sequences.end()) {
     return Status::NotFound("block manager: unknown sequence " + std::to_string(seq_id));
   }
-  m.ReleaseAll(it->second.table);
+  m.ReleaseAll(it->second);
   m.sequences.erase(it);
   return Status::Ok();
 }
@@ -387,18 +488,30 @@ StatusOr<PinId> BlockManager::Pin(SeqId seq_id, size_t first_block) {
   if (it == m.sequences.end()) {
     return Status::NotFound("block manager: unknown sequence " + std::to_string(seq_id));
   }
-  const std::vector<BlockId>& table = it->second.table;
-  std::vector<BlockId> pinned(table.begin() + std::min(first_block, table.size()), table.end());
-  for (BlockId id : pinned) m.Acquire(id);
+  const Sequence& seq = it->second;
+  std::vector<BlockSlot> pinned;
+  for (size_t i = first_block; i < seq.size(); ++i) {
+    for (size_t g = 0; g < m.groups(); ++g) {
+      if (seq.tables[g][i] == kNil) continue;
+      pinned.push_back({static_cast<uint32_t>(g), i, seq.tables[g][i]});
+      m.Acquire(seq.tables[g][i]);
+    }
+  }
   const PinId pin = m.next_pin++;
   m.pins.emplace(pin, std::move(pinned));
   return pin;
 }
 
 std::vector<BlockId> BlockManager::PinnedBlocks(PinId pin) const {
+  std::vector<BlockId> blocks;
+  for (const BlockSlot& slot : PinnedSlots(pin)) blocks.push_back(slot.block);
+  return blocks;
+}
+
+std::vector<BlockSlot> BlockManager::PinnedSlots(PinId pin) const {
   std::lock_guard lock(impl_->mu);
   auto it = impl_->pins.find(pin);
-  return it == impl_->pins.end() ? std::vector<BlockId>{} : it->second;
+  return it == impl_->pins.end() ? std::vector<BlockSlot>{} : it->second;
 }
 
 Status BlockManager::Unpin(PinId pin) {
@@ -408,7 +521,7 @@ Status BlockManager::Unpin(PinId pin) {
   if (it == m.pins.end()) {
     return Status::NotFound("block manager: unknown pin " + std::to_string(pin));
   }
-  m.ReleaseAll(it->second);
+  for (auto slot = it->second.rbegin(); slot != it->second.rend(); ++slot) m.Release(slot->block);
   m.pins.erase(it);
   return Status::Ok();
 }
@@ -532,23 +645,43 @@ Status BlockManager::CheckInvariants() const {
   // Reference counts must equal the number of table and pin entries.
   std::vector<uint32_t> refs(n, 0);
   for (const auto& [id, seq] : m.sequences) {
-    if (seq.committed_hashes.size() > seq.table.size()) {
+    if (seq.tables.size() != m.groups()) {
+      return fail("sequence " + std::to_string(id) + " has the wrong number of tables");
+    }
+    if (seq.committed_hashes.size() > seq.size()) {
       return fail("sequence " + std::to_string(id) + " has more commits than blocks");
     }
-    for (size_t i = 0; i < seq.table.size(); ++i) {
-      BlockId b = seq.table[i];
-      if (b >= n) return fail("sequence " + std::to_string(id) + " holds bad block id");
-      ++refs[b];
-      // Reserved (uncommitted) blocks must never be matchable.
-      if (i >= seq.committed_hashes.size() && m.blocks[b].has_hash) {
-        return fail("uncommitted block " + std::to_string(b) + " carries a hash");
+    for (size_t g = 0; g < seq.tables.size(); ++g) {
+      const auto& table = seq.tables[g];
+      if (table.size() != seq.size()) {
+        return fail("sequence " + std::to_string(id) + " has tables of different lengths");
+      }
+      bool seen_held = false;
+      for (size_t i = 0; i < table.size(); ++i) {
+        const BlockId b = table[i];
+        if (b == kNil) {
+          // Only a windowed group leaves entries empty, and only before
+          // the ones it holds.
+          if (m.windows[g] <= 0 || seen_held) {
+            return fail("sequence " + std::to_string(id) + " group " + std::to_string(g) +
+                        " has an empty entry " + std::to_string(i));
+          }
+          continue;
+        }
+        seen_held = true;
+        if (b >= n) return fail("sequence " + std::to_string(id) + " holds bad block id");
+        ++refs[b];
+        // Reserved (uncommitted) blocks must never be matchable.
+        if (i >= seq.committed_hashes.size() && m.blocks[b].has_hash) {
+          return fail("uncommitted block " + std::to_string(b) + " carries a hash");
+        }
       }
     }
   }
-  for (const auto& [pin, table] : m.pins) {
-    for (BlockId b : table) {
-      if (b >= n) return fail("pin " + std::to_string(pin) + " holds bad block id");
-      ++refs[b];
+  for (const auto& [pin, slots] : m.pins) {
+    for (const BlockSlot& slot : slots) {
+      if (slot.block >= n) return fail("pin " + std::to_string(pin) + " holds bad block id");
+      ++refs[slot.block];
     }
   }
 

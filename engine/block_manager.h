@@ -15,6 +15,22 @@
 //    evictable; when the free list is empty, allocation takes the least
 //    recently released evictable block and drops its hash (KvRemoved).
 //
+// Layer groups (common/kv_groups.h): a model whose layers attend over
+// different spans has G > 1 groups, or one windowed group; a pool block
+// then holds one group's layers, and a sequence has one block table per
+// group, entry i of each covering positions [i*B, (i+1)*B). Entries of a
+// windowed group that no later query reaches hold no block (kNoBlock):
+// admission leaves out the blocks before the first query's window, and
+// AllocateSlots releases them as the sequence moves on (to the LRU list
+// when cached, so a released prefix stays matchable). A block of group g
+// with token-run hash h is cached under GroupBlockKey(h, g): that key is
+// what the prefix cache matches, what KV events and snapshots carry (with
+// the group) and what on_evict hands down. A prefix of k blocks is a hit
+// when every group holds what the query at position k*B reaches
+// (CachedPrefixBlocks: all k blocks of a full group, the blocks of the
+// last W-1 tokens of a windowed one). With one full group (every model
+// without windows) all of this is the plain single-table manager.
+//
 // Every block is in exactly one state at all times:
 //   free       (refcount 0, no hash)  - on the free list
 //   evictable  (refcount 0, hash)     - on the LRU list, still matchable
@@ -46,6 +62,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -60,6 +77,19 @@ using BlockId = uint32_t;  // index of a block in the KV pool
 using SeqId = uint64_t;    // chosen by the caller, unique among live sequences
 using PinId = uint64_t;    // returned by Pin, never reused
 
+// A block table entry that holds no block (a windowed group's released or
+// never needed positions).
+inline constexpr BlockId kNoBlock = 0xFFFFFFFFu;
+
+// One entry of a sequence's block tables: block `block` holds positions
+// [index*B, (index+1)*B) of layer group `group`.
+struct BlockSlot {
+  uint32_t group = 0;
+  size_t index = 0;
+  BlockId block = kNoBlock;
+  bool operator==(const BlockSlot&) const = default;
+};
+
 struct BlockManagerOptions {
   size_t num_blocks = 0;                  // > 0
   size_t block_size = kDefaultBlockSize;  // tokens per block, > 0
@@ -69,11 +99,14 @@ struct BlockManagerOptions {
   // Off: event batches still get sequence numbers and snapshots stay exact,
   // but nothing is queued for DrainEvents (offline use, where nobody drains).
   bool record_kv_events = true;
+  // The window of each layer group (0: full attention); empty: one group
+  // of full attention.
+  std::vector<int64_t> group_windows;
   // Called for every cached block an allocation evicts, before the block is
   // handed out again (its KV still intact): where a worker copies it down to
-  // its lower tiers. Runs under the block manager's lock: it must not call
-  // the block manager.
-  std::function<void(BlockId block, BlockHash hash)> on_evict;
+  // its lower tiers. `key` is the block's cache key (GroupBlockKey). Runs
+  // under the block manager's lock: it must not call the block manager.
+  std::function<void(BlockId block, BlockHash key)> on_evict;
 };
 
 struct BlockManagerStats {
@@ -111,11 +144,21 @@ struct AdmitRequest {
   // Adds this many query tokens, and the reused tokens (capped at it) as hit
   // tokens, to the prefix-cache counters. 0 = not a prefill lookup.
   size_t prompt_tokens_for_stats = 0;
+  // Tokens whose KV will be in the blocks before the first query runs:
+  // the cached prefix (the default), or more when the caller fills blocks
+  // itself (from a lower tier, or a peer writing a prompt's KV). Windowed
+  // groups get blocks from that query's reach on; every block below
+  // ceil(computed_tokens / B) that the cache does not give is returned in
+  // AdmitResult::to_fill. At least the cached prefix, at most num_tokens.
+  std::optional<size_t> computed_tokens;
 };
 
 struct AdmitResult {
   size_t num_cached_blocks = 0;  // leading blocks reused from the cache
   size_t num_cached_tokens = 0;  // num_cached_blocks * block_size
+  // Fresh blocks the caller must fill (computed_tokens beyond the cache),
+  // by index then group.
+  std::vector<BlockSlot> to_fill;
 };
 
 class BlockManager {
@@ -128,10 +171,16 @@ class BlockManager {
 
   size_t block_size() const;
   size_t num_blocks() const;
+  size_t num_groups() const;
+  // The windows of the layer groups (0: full attention).
+  const std::vector<int64_t>& group_windows() const;
 
   // Number of leading `hashes` that are cached now (committed, referenced or
-  // evictable). Changes nothing: no LRU touch, no counters.
+  // evictable) as a usable prefix: CachedPrefixBlocks over every group.
+  // Changes nothing: no LRU touch, no counters.
   size_t FindCachedPrefix(std::span<const BlockHash> hashes) const;
+  // Whether group `group`'s block of token-run hash `hash` is cached.
+  bool IsCached(BlockHash hash, uint32_t group) const;
 
   // Creates `request.seq`'s block table: the longest cached prefix of
   // request.prefix_hashes (refcount +1 each, taken off the LRU list if
@@ -140,9 +189,13 @@ class BlockManager {
   // state changed) if there are not enough allocatable blocks.
   StatusOr<AdmitResult> Admit(const AdmitRequest& request);
 
-  // Grows `seq`'s block table so that it covers `num_tokens` tokens (no-op if
-  // it already does). Errors: NotFound; ResourceExhausted (no state changed).
-  Status AllocateSlots(SeqId seq, size_t num_tokens);
+  // Grows `seq`'s block tables so that they cover `num_tokens` tokens (no-op
+  // if they already do). With `num_computed` (the position of the next query
+  // to run), the windowed groups' blocks no query from there on reaches are
+  // released first. Errors: NotFound; ResourceExhausted (nothing allocated,
+  // though the release stands).
+  Status AllocateSlots(SeqId seq, size_t num_tokens,
+                       std::optional<size_t> num_computed = std::nullopt);
 
   // Blocks AllocateSlots(seq, num_tokens) would need beyond what `seq` has.
   // NotFound for an unknown seq.
@@ -159,9 +212,10 @@ class BlockManager {
   // prompt). No-op when prefix caching is off.
   Status CommitBlocks(SeqId seq, std::span<const BlockHash> block_hashes);
 
-  // The sequence's block table (see the thread-safety note above). An
-  // unknown seq gives an empty table.
-  const std::vector<BlockId>& BlockTable(SeqId seq) const;
+  // The sequence's block table of `group` (see the thread-safety note
+  // above), kNoBlock where it holds nothing. An unknown seq gives an empty
+  // table.
+  const std::vector<BlockId>& BlockTable(SeqId seq, uint32_t group = 0) const;
   bool HasSequence(SeqId seq) const;
   // Leading blocks of `seq` that are committed (cache hits count).
   size_t NumCommittedBlocks(SeqId seq) const;
@@ -174,14 +228,15 @@ class BlockManager {
   // to the free list. NotFound for an unknown seq.
   Status Free(SeqId seq);
 
-  // Takes one extra reference on every block of `seq`'s table from
+  // Takes one extra reference on every block of `seq`'s tables from entry
   // `first_block` on, so they are neither reused nor evicted until Unpin,
   // even after Free(seq). For a prefill worker sending a prompt's KV, and a
   // decode worker holding blocks a peer may still write into. NotFound for
   // an unknown seq.
   StatusOr<PinId> Pin(SeqId seq, size_t first_block = 0);
-  // The blocks a pin holds, in table order (empty for an unknown pin).
+  // The blocks a pin holds, by index then group (empty for an unknown pin).
   std::vector<BlockId> PinnedBlocks(PinId pin) const;
+  std::vector<BlockSlot> PinnedSlots(PinId pin) const;
   // Drops the pin's references. NotFound for an unknown (or already
   // released) pin.
   Status Unpin(PinId pin);

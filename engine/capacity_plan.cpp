@@ -1,5 +1,6 @@
 #include "engine/capacity_plan.h"
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <sstream>
@@ -21,6 +22,13 @@ StatusOr<CapacityPlan> PlanCapacity(const CapacityRequest& r) {
     return Status::InvalidArgument("layers, kv heads and head dim must all be positive");
   }
   if (r.context_tokens <= 0) return Status::InvalidArgument("context must be positive");
+  if (r.block_size <= 0) return Status::InvalidArgument("block size must be positive");
+  if (r.shape.sliding_layers < 0 || r.shape.sliding_layers > r.shape.layers) {
+    return Status::InvalidArgument("sliding layers must be between 0 and the layers");
+  }
+  if (r.shape.sliding_layers > 0 && r.shape.sliding_window <= 0) {
+    return Status::InvalidArgument("sliding window must be positive");
+  }
   if (!(r.gpu_mem_gib > 0)) return Status::InvalidArgument("GPU memory must be positive");
   if (r.weights_gib < 0) return Status::InvalidArgument("weights size must not be negative");
   if (!(r.reserve_ratio >= 0 && r.reserve_ratio < 1)) {
@@ -42,7 +50,20 @@ StatusOr<CapacityPlan> PlanCapacity(const CapacityRequest& r) {
           : 2 * r.shape.layers * r.shape.kv_heads *
                 MicroScalesPerVector(r.kv_dtype, r.shape.head_dim);
   const int64_t stored_per_token = plan.kv_bytes_per_token + plan.kv_scale_bytes_per_token;
-  plan.kv_bytes_per_sequence = stored_per_token * r.context_tokens;
+  plan.kv_bytes_per_sequence_dense = stored_per_token * r.context_tokens;
+  plan.kv_bytes_per_sequence = plan.kv_bytes_per_sequence_dense;
+  if (r.shape.sliding_layers > 0) {
+    // A decoding sequence keeps, per sliding layer, the blocks of its last
+    // W-1 positions and the current one: ceil((W-1)/B) + 1 blocks at most.
+    const int64_t B = r.block_size;
+    const int64_t kept = ((r.shape.sliding_window - 1 + B - 1) / B + 1) * B;
+    plan.sliding_tokens_per_sequence = std::min(r.context_tokens, kept);
+    // Bytes per token of one layer (every layer has the same).
+    const int64_t per_layer_token = stored_per_token / r.shape.layers;
+    plan.kv_bytes_per_sequence =
+        per_layer_token * ((r.shape.layers - r.shape.sliding_layers) * r.context_tokens +
+                           r.shape.sliding_layers * plan.sliding_tokens_per_sequence);
+  }
   constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
   const double budget = r.gpu_mem_gib * kGiB * (1.0 - r.reserve_ratio) - r.weights_gib * kGiB;
   plan.kv_budget_bytes = budget > 0 ? static_cast<int64_t>(std::floor(budget)) : 0;
@@ -65,6 +86,8 @@ StatusOr<KvShape> KvShapeFromConfigFile(const std::string& path) {
   if (!config.ok()) return config.status();
   KvShape s;
   s.layers = config->num_layers;
+  for (int64_t w : config->layer_windows) s.sliding_layers += w > 0 ? 1 : 0;
+  if (s.sliding_layers > 0) s.sliding_window = *config->sliding_window;
   if (config->is_mla()) {
     s.kv_lora_rank = config->kv_lora_rank;
     s.qk_rope_head_dim = config->qk_rope_head_dim;

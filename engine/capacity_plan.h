@@ -26,6 +26,13 @@ struct KvShape {
   int64_t kv_lora_rank = 0;
   int64_t qk_rope_head_dim = 0;
 
+  // Sliding-window layers (Gemma-2/3, Mistral-7B-v0.1, windowed Qwen):
+  // how many of the layers attend over the last sliding_window positions
+  // only (0: none). The pool keeps their blocks only while a query reaches
+  // them (common/kv_groups.h).
+  int64_t sliding_layers = 0;
+  int64_t sliding_window = 0;
+
   bool is_mla() const { return kv_lora_rank > 0 || qk_rope_head_dim > 0; }
   // fp32 scales pdserve's fp8 and nvfp4 pools store per block: one per layer and
   // cached vector (GQA: K and V of each KV head; MLA: the latent).
@@ -39,18 +46,26 @@ struct CapacityRequest {
   double gpu_mem_gib = 80;     // memory of one device (or the pool it serves from)
   double weights_gib = 0;      // model weights resident on it
   double reserve_ratio = 0.1;  // fraction kept for activations, graphs and fragmentation
+  int64_t block_size = 16;     // tokens per KV block (what a windowed layer keeps is whole blocks)
 };
 
 struct CapacityPlan {
   int64_t kv_bytes_per_token = 0;        // the elements alone
   int64_t kv_scale_bytes_per_token = 0;  // nvfp4's micro-scales; 0 for other dtypes
-  int64_t kv_bytes_per_sequence = 0;     // at the requested context, micro-scales included
-  int64_t kv_budget_bytes = 0;           // memory left for the KV pool (never negative)
-  int64_t max_sequences = 0;             // concurrent full-context sequences that fit
-  int64_t max_tokens = 0;                // KV tokens that fit in the budget (micro-scales included)
+  // At the requested context, micro-scales included: full layers hold every
+  // token; sliding layers at most min(context, (ceil((W-1)/B) + 1) * B)
+  // tokens, the blocks the pool keeps for a decoding sequence.
+  int64_t kv_bytes_per_sequence = 0;
+  int64_t kv_bytes_per_sequence_dense = 0;  // the same with every layer full
+  int64_t sliding_tokens_per_sequence = 0;  // what each sliding layer keeps (0: none)
+  int64_t kv_budget_bytes = 0;              // memory left for the KV pool (never negative)
+  int64_t max_sequences =
+      0;                   // concurrent full-context sequences that fit (by kv_bytes_per_sequence)
+  int64_t max_tokens = 0;  // tokens of every layer's KV that fit (micro-scales included)
 };
 
-// Validates the request (all sizes positive, ratio in [0,1)) and computes the plan.
+// Validates the request (all sizes positive, ratio in [0,1), sliding layers
+// no more than the layers and with a positive window) and computes the plan.
 StatusOr<CapacityPlan> PlanCapacity(const CapacityRequest& request);
 
 // Reads the KV shape from a Hugging Face config.json of any architecture the

@@ -1,8 +1,11 @@
 #include "engine/engine.h"
 
+#include <xxhash.h>
+
 #include <algorithm>
 #include <optional>
 
+#include "common/kv_groups.h"
 #include "common/logging.h"
 #include "common/tokenizer/tokenizer.h"
 
@@ -27,9 +30,11 @@ struct Engine::Sequence {
   bool admitted_once = false;
   bool reported_cached = false;
   int64_t num_cached_tokens = 0;
-  size_t remote_first_block = 0;  // kRemote: the first block the peer fills
-  uint64_t load_ticket = 0;       // kLoading: the onload it waits for
-  size_t load_first_block = 0;    // kLoading: where the onloaded blocks start
+  size_t remote_first_block = 0;      // kRemote: the first block the peer fills
+  uint64_t load_ticket = 0;           // kLoading: the onload it waits for
+  size_t load_first_block = 0;        // kLoading: where the onloaded blocks start
+  size_t load_end_block = 0;          // kLoading: the prefix the onload completes
+  std::vector<BlockSlot> load_slots;  // kLoading: the blocks onloaded, in request order
   // kLoading: the prompt's block hashes up to the end of the onloaded run,
   // committed when the blocks are in (computed once, at admission).
   std::vector<BlockHash> load_hashes;
@@ -55,14 +60,6 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(Model* model, const EngineOptio
   e->options_ = options;
   e->model_id_ = options.model_id.empty() ? model->model_id() : options.model_id;
   const int64_t model_len = model->config().max_context();
-  // Full attention equals the model's sliding-window attention only up to
-  // the window: a longer context would compute something else.
-  if (const auto& window = model->config().sliding_window;
-      window && options.max_model_len > *window) {
-    return Status::Unsupported("max_model_len " + std::to_string(options.max_model_len) +
-                               " exceeds the model's 'sliding_window' " + std::to_string(*window) +
-                               " (sliding-window attention is not implemented)");
-  }
   e->max_model_len_ =
       options.max_model_len > 0 ? std::min(options.max_model_len, model_len) : model_len;
   auto pool = KvCachePool::Create(model->backend(), model->config(), options.kv_dtype,
@@ -75,6 +72,15 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(Model* model, const EngineOptio
   bm.block_size = static_cast<size_t>(options.block_size);
   bm.enable_prefix_caching = options.enable_prefix_caching;
   bm.record_kv_events = options.record_kv_events;
+  if (const KvGroups& g = e->pool_->groups(); g.size() > 1 || g.any_windowed()) {
+    bm.group_windows = g.windows;
+  }
+  e->kv_fingerprint_ = options.model_fingerprint;
+  if (options.kv_scales) {
+    const std::vector<float>& sc = options.kv_scales->scales;
+    e->kv_fingerprint_ =
+        XXH3_64bits_withSeed(sc.data(), sc.size() * sizeof(float), options.model_fingerprint);
+  }
   const bool tiers = options.kv_host_cache_bytes > 0 || !options.kv_disk_cache_dir.empty();
   if (tiers && options.enable_prefix_caching) {
     KvTierOptions to;
@@ -83,10 +89,13 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(Model* model, const EngineOptio
     // them: only the model and the pool's layout decide what a block means.
     KvLayout content = e->pool_->TransferLayout(e->model_id_, model->matrix_dtype(), "tiers");
     content.memory_type = MemoryType::kHost;
+    content.model_fingerprint = e->kv_fingerprint_;  // other weights: another slab key
     to.layout_hash = content.Hash();
     to.host_bytes = options.kv_host_cache_bytes;
     to.disk_dir = options.kv_disk_cache_dir;
     to.disk_bytes = options.kv_disk_cache_bytes;
+    to.disk_write = options.kv_disk_write;
+    to.write_queue_blocks = options.kv_disk_write_queue_blocks;
     to.host_memory_from = model->backend();
     auto store = KvTierStore::Open(to);
     if (!store.ok()) return store.status();
@@ -96,7 +105,8 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(Model* model, const EngineOptio
     e->tier_buffers_ = std::make_unique<HostBlockBuffers>(
         model->backend(), static_cast<size_t>(e->pool_->bytes_per_block()), 64);
     e->tier_mover_ = std::make_unique<KvTierMover>(e->tier_store_.get(), e->tier_buffers_.get(),
-                                                   options.on_tier_ready);
+                                                   options.on_tier_ready,
+                                                   options.kv_disk_write_bytes_per_second);
     // An evicted block's KV, copied while it is still intact (the block
     // manager hands it out right after).
     Engine* self = e.get();
@@ -134,8 +144,8 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(Model* model, const EngineOptio
   }
   PDSERVE_LOG(INFO) << "engine: model " << model->model_id() << ", KV pool "
                     << e->pool_->num_blocks() << " blocks of " << e->pool_->bytes_per_block()
-                    << " bytes (" << e->pool_->Describe() << "), max_model_len "
-                    << e->max_model_len_;
+                    << " bytes (" << e->pool_->Describe() << "; " << e->pool_->groups().Describe()
+                    << "), max_model_len " << e->max_model_len_;
   return e;
 }
 
@@ -161,7 +171,8 @@ Status Engine::ValidateRequest(const EngineRequest& r) const {
   if (!r.params.stop.empty() && tokenizer_ == nullptr) {
     return Status::InvalidArgument("stop strings need a tokenizer");
   }
-  const int64_t blocks_needed = (len + options_.block_size) / options_.block_size;
+  const int64_t blocks_needed =
+      BlocksHeld(std::max<int64_t>(0, len + 1 - options_.max_num_batched_tokens), len + 1);
   if (blocks_needed > pool_->num_blocks()) {
     return Status::ResourceExhausted(
         "prompt of " + std::to_string(len) + " tokens needs " + std::to_string(blocks_needed) +
@@ -239,7 +250,10 @@ void Engine::FinishSequence(Sequence* s, FinishReason reason, RequestOutput* out
     auto pin = blocks_->Pin(s->id);
     if (pin.ok()) {
       out->kv_pin = *pin;
-      out->kv_blocks = blocks_->PinnedBlocks(*pin);
+      out->kv_slots = blocks_->PinnedSlots(*pin);
+      for (const BlockSlot& slot : out->kv_slots) {
+        if (slot.group == 0) out->kv_blocks.push_back(slot.block);
+      }
     }
   }
   if (blocks_->HasSequence(s->id)) (void)blocks_->Free(s->id);
@@ -286,10 +300,57 @@ void Engine::ProcessToken(Sequence* s, const SampledToken& sampled, RequestOutpu
   if (reason != FinishReason::kNone) FinishSequence(s, reason, out);
 }
 
-int64_t Engine::TierPrefix(std::span<const BlockHash> hashes, int64_t from, int64_t limit) const {
+int64_t Engine::TierPrefix(std::span<const BlockHash> hashes, int64_t cached) const {
+  const std::vector<int64_t>& windows = blocks_->group_windows();
+  // The pool's blocks count only within its cached prefix: Admit takes
+  // those, and allocates (to be filled from the tiers) the rest.
+  return static_cast<int64_t>(CachedPrefixBlocks(
+      windows, static_cast<size_t>(options_.block_size), hashes.size(), [&](size_t g, size_t i) {
+        return static_cast<int64_t>(i) < cached ||
+               tier_mover_->Holds(GroupBlockKey(hashes[i], static_cast<uint32_t>(g)));
+      }));
+}
+
+int64_t Engine::ContextCapacityTokens() const {
+  const int64_t B = options_.block_size;
+  int64_t full = 0, windowed_blocks = 0;
+  for (int64_t w : blocks_->group_windows()) {
+    if (w > 0) {
+      windowed_blocks += (w - 1 + B - 1) / B + 1;
+    } else {
+      ++full;
+    }
+  }
+  const int64_t rest = pool_->num_blocks() - windowed_blocks;
+  if (rest < 0) return 0;
+  return full > 0 ? rest / full * B : max_model_len_;
+}
+
+int64_t Engine::BlocksHeld(int64_t computed, int64_t tokens) const {
+  const int64_t B = options_.block_size, total = (tokens + B - 1) / B;
   int64_t n = 0;
-  while (from + n < limit && tier_mover_->Holds(hashes[from + n])) ++n;
+  for (int64_t w : blocks_->group_windows()) {
+    n += total - std::min(total, FirstBlockInReach(w, computed, B));
+  }
   return n;
+}
+
+StatusOr<TierFlush> Engine::FlushTiersToDisk(std::chrono::steady_clock::time_point deadline) {
+  TierFlush r;
+  if (!tier_store_ || !tier_store_->has_disk()) return r;
+  auto disk_writes = [this] {
+    const KvTierStats s = tier_store_->stats();
+    return s.disk_writes_through + s.disk_writes_evict + s.disk_writes_flush;
+  };
+  const int64_t offloaded = offloaded_blocks_, written = disk_writes();
+  blocks_->Evict(blocks_->num_blocks());  // on_evict copies each block down
+  r.evicted = offloaded_blocks_ - offloaded;
+  auto flushed = tier_mover_->Flush(deadline);
+  blocks_->RecordTierChanges(tier_mover_->TakeChanges());
+  if (!flushed.ok()) return flushed.status();
+  r.written = disk_writes() - written;  // the evicted blocks' way down included
+  r.left = flushed->left;
+  return r;
 }
 
 void Engine::ProcessTierWork() {
@@ -307,18 +368,41 @@ void Engine::ProcessTierWork() {
       continue;
     }
     Sequence* s = it->second.get();
-    const std::vector<BlockId>& table = blocks_->BlockTable(s->id);
     const size_t n = done.blocks.size();
+    const size_t groups = blocks_->num_groups();
+    if (groups > 1 && n < s->load_slots.size()) {
+      // Part of a grouped onload is missing: the blocks it has may not make
+      // a prefix every group can start from. Recompute from scratch (the
+      // tiers no longer claim what failed).
+      (void)blocks_->Free(s->id);
+      s->num_computed = 0;
+      s->hashes.clear();
+      s->load_slots.clear();
+      s->load_hashes = {};
+      s->state = Sequence::State::kWaiting;
+      Remove(&running_, s);
+      InsertSorted(&waiting_, s);
+      continue;
+    }
+    // Tokens brought back: B per prompt block any of whose groups' blocks
+    // came back, counted at its slowest tier (slots are by index).
     for (size_t k = 0; k < n; ++k) {
-      model_->backend()->Upload(pool_->block(table[s->load_first_block + k]), done.blocks[k].data(),
+      model_->backend()->Upload(pool_->block(s->load_slots[k].block), done.blocks[k].data(),
                                 done.blocks[k].size());
-      (done.tiers[k] == KvTier::kDisk ? disk_hit_tokens_ : host_hit_tokens_) += B;
+      const bool last_of_index = k + 1 == n || s->load_slots[k + 1].index != s->load_slots[k].index;
+      if (!last_of_index) continue;
+      bool disk = false;
+      for (size_t j = k + 1; j-- > 0 && s->load_slots[j].index == s->load_slots[k].index;) {
+        disk |= done.tiers[j] == KvTier::kDisk;
+      }
+      (disk ? disk_hit_tokens_ : host_hit_tokens_) += B;
     }
     if (n > 0) {
+      const size_t end = groups > 1 ? s->load_end_block : s->load_first_block + n;
       s->hashes.assign(s->load_hashes.begin(),
-                       s->load_hashes.begin() + static_cast<ptrdiff_t>(s->load_first_block + n));
+                       s->load_hashes.begin() + static_cast<ptrdiff_t>(end));
       (void)blocks_->CommitBlocks(s->id, s->hashes);
-      s->num_computed = static_cast<int64_t>(s->load_first_block + n) * B;
+      s->num_computed = static_cast<int64_t>(end) * B;
       if (s->num_cached_tokens < s->num_computed) s->num_cached_tokens = s->num_computed;
       TierOnload record;
       record.blocks = static_cast<int64_t>(n);
@@ -329,14 +413,14 @@ void Engine::ProcessTierWork() {
       tier_onloads_.push_back(record);
     }
     s->load_hashes = {};
+    s->load_slots.clear();
     s->state = Sequence::State::kRunning;  // computes what the tiers did not hold
   }
   blocks_->RecordTierChanges(tier_mover_->TakeChanges());
 }
 
 StatusOr<std::vector<RequestOutput>> Engine::Step() {
-  std::vector<RequestOutput> outputs = std::move(pending_outputs_);
-  pending_outputs_.clear();
+  std::vector<RequestOutput> outputs;
   ++num_steps_;
   ProcessTierWork();
   const int64_t B = options_.block_size;
@@ -360,12 +444,13 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
         std::min<int64_t>(static_cast<int64_t>(s->tokens.size()) - s->num_computed, budget);
     bool scheduled = true;
     for (;;) {
-      Status st = blocks_->AllocateSlots(s->id, static_cast<size_t>(s->num_computed + n));
+      Status st = blocks_->AllocateSlots(s->id, static_cast<size_t>(s->num_computed + n),
+                                         static_cast<size_t>(s->num_computed));
       if (st.ok()) break;
       if (st.code() != StatusCode::kResourceExhausted) return st;
       Sequence* victim = running_.back();
       if (victim == s) {
-        const int64_t needed = (s->num_computed + n + B - 1) / B;
+        const int64_t needed = BlocksHeld(s->num_computed, s->num_computed + n);
         if (i == 0 && needed > pool_->num_blocks()) {
           // Alone and still too big for the whole pool: it can never continue.
           RequestOutput out;
@@ -399,14 +484,14 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
     const int64_t cached = static_cast<int64_t>(blocks_->FindCachedPrefix(hashes)) * B;
     // The blocks that continue the cached prefix in a lower tier: admitted
     // now, copied back while the request waits.
-    const int64_t from_tiers =
-        tier_mover_ ? TierPrefix(hashes, cached / B, static_cast<int64_t>(hashes.size())) : 0;
+    const int64_t from_tiers = tier_mover_ ? TierPrefix(hashes, cached / B) - cached / B : 0;
     const int64_t planned = from_tiers > 0 ? from_tiers * B : std::min(total - cached, budget);
     AdmitRequest req;
     req.seq = s->id;
     req.prefix_hashes = hashes;
     req.num_tokens = static_cast<size_t>(cached + planned);
     req.prompt_tokens_for_stats = s->admitted_once ? 0 : static_cast<size_t>(s->prompt_len);
+    if (from_tiers > 0) req.computed_tokens = static_cast<size_t>(cached + planned);
     auto admitted = blocks_->Admit(req);
     if (!admitted.ok()) {
       if (admitted.status().code() == StatusCode::kResourceExhausted) break;
@@ -423,10 +508,16 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
       s->state = Sequence::State::kLoading;
       s->load_ticket = next_load_ticket_++;
       s->load_first_block = admitted->num_cached_blocks;
+      s->load_end_block = admitted->num_cached_blocks + static_cast<size_t>(from_tiers);
+      s->load_slots = admitted->to_fill;
       loads_[s->load_ticket] = s->id;
       const auto first = hashes.begin() + static_cast<ptrdiff_t>(admitted->num_cached_blocks);
       s->load_hashes.assign(hashes.begin(), first + from_tiers);
-      tier_mover_->Onload(s->load_ticket, std::vector<BlockHash>(first, first + from_tiers));
+      std::vector<BlockHash> keys;
+      for (const BlockSlot& slot : s->load_slots) {
+        keys.push_back(GroupBlockKey(hashes[slot.index], slot.group));
+      }
+      tier_mover_->Onload(s->load_ticket, std::move(keys));
       continue;
     }
     const int64_t covered = static_cast<int64_t>(blocks_->BlockTable(s->id).size()) * B;
@@ -435,12 +526,16 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
     sched.push_back({s, n});
     budget -= n;
   }
-  for (auto& out : finished_early) outputs.push_back(std::move(out));
+  for (auto& out : finished_early) {
+    requests_.erase(out.id);  // finished (it outgrew the pool): reported once, then gone
+    outputs.push_back(std::move(out));
+  }
   if (sched.empty()) return outputs;
 
   // 3. The step: the executor runs it and samples.
   std::vector<ScheduledSeq> step;
   std::vector<Sequence*> sampled_seqs;
+  const auto groups = static_cast<uint32_t>(blocks_->num_groups());
   step.reserve(sched.size());
   for (const auto& sc : sched) {
     Sequence* s = sc.seq;
@@ -449,7 +544,9 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
     x.tokens = s->tokens;
     x.num_computed = s->num_computed;
     x.num_new = sc.n;
-    x.blocks = blocks_->BlockTable(s->id);
+    // One table per layer group; a windowed group's released entries are
+    // kNoBlock, never read.
+    for (uint32_t g = 0; g < groups; ++g) x.tables.push_back(blocks_->BlockTable(s->id, g));
     x.sample = s->num_computed + sc.n == static_cast<int64_t>(s->tokens.size());
     x.params = &s->params;
     x.seed = s->seed;
@@ -481,8 +578,11 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
     RequestOutput out;
     out.id = s->id;
     out.kv_pin = *pin;
-    out.kv_blocks = blocks_->PinnedBlocks(*pin);
-    out.kv_blocks.resize(static_cast<size_t>(full));
+    for (const BlockSlot& slot : blocks_->PinnedSlots(*pin)) {
+      if (slot.index >= static_cast<size_t>(full)) continue;
+      out.kv_slots.push_back(slot);
+      if (slot.group == 0) out.kv_blocks.push_back(slot.block);
+    }
     s->reported_full_blocks = full;
     outputs.push_back(std::move(out));
   }
@@ -515,15 +615,11 @@ Status Engine::Cancel(RequestId id) {
   if (blocks_->HasSequence(id)) PDSERVE_RETURN_IF_ERROR(blocks_->Free(id));
   Remove(&running_, s);
   Remove(&waiting_, s);
-  // Drop an undelivered output of this request too (a remote first token).
-  pending_outputs_.erase(std::remove_if(pending_outputs_.begin(), pending_outputs_.end(),
-                                        [&](const RequestOutput& o) { return o.id == id; }),
-                         pending_outputs_.end());
   requests_.erase(it);
   return Status::Ok();
 }
 
-bool Engine::HasUnfinished() const { return !requests_.empty() || !pending_outputs_.empty(); }
+bool Engine::HasUnfinished() const { return !requests_.empty(); }
 
 bool Engine::HasRequest(RequestId id) const { return requests_.count(id) > 0; }
 
@@ -540,6 +636,9 @@ StatusOr<RemotePrefillPlan> Engine::AddRemotePrefillRequest(EngineRequest reques
   req.prefix_hashes = hashes;
   req.num_tokens = static_cast<size_t>(s->prompt_len);
   req.prompt_tokens_for_stats = 0;  // blocks received by transfer are not hits
+  // The peer writes the whole prompt: windowed groups need only what the
+  // first decode query reaches.
+  req.computed_tokens = static_cast<size_t>(s->prompt_len);
   auto admitted = blocks_->Admit(req);
   if (!admitted.ok()) return admitted.status();
   s->num_computed = static_cast<int64_t>(admitted->num_cached_tokens);
@@ -552,12 +651,13 @@ StatusOr<RemotePrefillPlan> Engine::AddRemotePrefillRequest(EngineRequest reques
   plan.block_ids = blocks_->BlockTable(s->id);
   plan.first_block_to_fill = admitted->num_cached_blocks;
   plan.num_cached_tokens = s->num_computed;
+  plan.fill = admitted->to_fill;
   requests_.emplace(s->id, std::move(seq));
   return plan;
 }
 
-Status Engine::CompleteRemotePrefill(RequestId id, TokenId first_token,
-                                     std::optional<SampledToken> sampled) {
+StatusOr<RequestOutput> Engine::CompleteRemotePrefill(RequestId id, TokenId first_token,
+                                                      std::optional<SampledToken> sampled) {
   auto it = requests_.find(id);
   if (it == requests_.end() || it->second->state != Sequence::State::kRemote) {
     return Status::NotFound("request " + std::to_string(id) + " is not waiting for remote KV");
@@ -580,9 +680,12 @@ Status Engine::CompleteRemotePrefill(RequestId id, TokenId first_token,
   RequestOutput out;
   out.id = id;
   ProcessToken(s, token, &out);
+  // The first token goes back to the caller now rather than with the next
+  // Step(): a request it ends (max_tokens 1, a stop string or token, EOS, a
+  // full context) has nothing left to step, and a driver that steps only
+  // while requests run would never deliver it.
   if (s->finished) requests_.erase(id);
-  pending_outputs_.push_back(std::move(out));
-  return Status::Ok();
+  return out;
 }
 
 StatusOr<std::optional<PinId>> Engine::FailRemotePrefill(RequestId id, bool hold_unfilled) {

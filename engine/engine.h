@@ -23,11 +23,13 @@
 // Disaggregated serving (docs/architecture.md section 3):
 //  - decode worker: AddRemotePrefillRequest() admits a request and reserves
 //    blocks for its whole prompt, reusing the local cached prefix. It returns
-//    the block ids a peer must fill (blocks [first_block_to_fill, end) of the
-//    prompt's table). The request is parked (never scheduled, never
+//    the blocks a peer must fill (RemotePrefillPlan::fill: every layer
+//    group's blocks from first_block_to_fill on, a windowed group's only from
+//    the reach of the first decode query). The request is parked (never scheduled, never
 //    preempted) until CompleteRemotePrefill(id, first_token): the KV is then
-//    taken as computed, its full blocks enter the prefix cache, and the next
-//    Step() reports the first token and decoding goes on. FailRemotePrefill(id)
+//    taken as computed, its full blocks enter the prefix cache, the first
+//    token's output is returned (finished if that token ends the request)
+//    and later Step()s decode the rest. FailRemotePrefill(id)
 //    instead queues the request for local prefill (its reserved blocks are
 //    released first; or, while the peer may still be writing into the blocks
 //    it was to fill, kept out of use under a pin the caller releases once
@@ -37,10 +39,18 @@
 //    would produce.
 //  - prefill worker: a request added with prefill_only = true is prefilled
 //    like any other (prefix cache included), samples its first token and
-//    finishes. Its output carries `kv_blocks` (the block ids holding the
-//    prompt's KV, in order) under a pin: they are neither reused nor evicted
-//    until ReleaseKvBlocks(pin), which the caller invokes once the transport
-//    has copied them. Block i holds prompt tokens [i*B, (i+1)*B).
+//    finishes. Its output carries `kv_slots` (the blocks holding the
+//    prompt's KV, with their layer group and index) under a pin: they are
+//    neither reused nor evicted until ReleaseKvBlocks(pin), which the caller
+//    invokes once the transport has copied them. Block i of a group holds
+//    prompt tokens [i*B, (i+1)*B); a windowed group's early blocks, which no
+//    later query reaches, may be missing.
+//
+// Sliding windows (common/kv_groups.h): a model with windowed layers keeps
+// one block table per layer group; each step first releases the windowed
+// groups' blocks its sequences' next queries no longer reach, so such a
+// sequence holds at most ceil((W - 1 + chunk) / B) + 1 blocks per windowed
+// group, and contexts are not capped at the window.
 //
 // Thread safety: none. One thread drives an engine (AddRequest, Step,
 // Cancel, ...); block_manager() is safe to read from other threads.
@@ -97,6 +107,17 @@ struct EngineOptions {
   int64_t kv_host_cache_bytes = 0;
   std::string kv_disk_cache_dir;
   int64_t kv_disk_cache_bytes = 0;
+  // With both tiers: copy blocks entering the host tier to disk in the
+  // background (through), or only when the host tier evicts them (back);
+  // the write-through queue's bound and pace (0: unpaced). See
+  // engine/kv_tier_store.h and engine/kv_tier_mover.h.
+  KvDiskWrite kv_disk_write = KvDiskWrite::kThrough;
+  int64_t kv_disk_write_queue_blocks = 1024;
+  int64_t kv_disk_write_bytes_per_second = 0;
+  // ModelFingerprint() of the model's folder (engine/model_fingerprint.h):
+  // with the KV scales, it keys the disk tier's blocks, so that a folder
+  // written with other weights is discarded, not served. 0: unknown.
+  uint64_t model_fingerprint = 0;
   // Called from another thread when blocks a request waits for are read from
   // a lower tier: the engine's driver should call Step() soon.
   std::function<void()> on_tier_ready;
@@ -140,13 +161,17 @@ struct RequestOutput {
   // After a preemption the same prompt indices may be reported again, in
   // other blocks holding the same KV. Every pin must be released.
   std::vector<BlockId> kv_blocks;
+  // The same blocks with their layer group and index, for every group.
+  std::vector<BlockSlot> kv_slots;
   std::optional<PinId> kv_pin;
 };
 
 struct RemotePrefillPlan {
-  std::vector<BlockId> block_ids;  // the prompt's whole block table
+  std::vector<BlockId> block_ids;  // the prompt's whole block table (layer group 0)
   size_t first_block_to_fill = 0;  // blocks before it are cached locally
   int64_t num_cached_tokens = 0;   // = first_block_to_fill * block_size
+  // Every block the peer writes, by index then layer group.
+  std::vector<BlockSlot> fill;
 };
 
 // What the lower KV tiers did (all 0 without tiers).
@@ -158,6 +183,13 @@ struct EngineTierStats {
   int64_t offload_failures = 0;
   int64_t onloads_in_flight = 0;
   int64_t offloads_queued = 0;  // evicted blocks not yet in a tier
+};
+
+// What FlushTiersToDisk did.
+struct TierFlush {
+  int64_t evicted = 0;  // device blocks handed down to the tiers
+  int64_t written = 0;  // blocks written to disk meanwhile, whatever the cause
+  int64_t left = 0;     // blocks the deadline left without a disk copy
 };
 
 // One copy back into the pool, for latency histograms.
@@ -217,8 +249,10 @@ class Engine {
   StatusOr<RemotePrefillPlan> AddRemotePrefillRequest(EngineRequest request);
   // The KV of every block to fill has been written. `first_token` is the
   // token the prefill worker sampled (its logprobs, if any, in `sampled`).
-  Status CompleteRemotePrefill(RequestId id, TokenId first_token,
-                               std::optional<SampledToken> sampled = std::nullopt);
+  // Returns that token's output, as Step() would report it; when it is
+  // `finished` the request is gone and no Step() mentions it again.
+  StatusOr<RequestOutput> CompleteRemotePrefill(RequestId id, TokenId first_token,
+                                                std::optional<SampledToken> sampled = std::nullopt);
   // The hand-off failed: the request goes back to the queue for local
   // prefill. With `hold_unfilled` the blocks the peer was to fill are not
   // reused until ReleaseKvBlocks(returned pin), since a peer that was given
@@ -235,7 +269,23 @@ class Engine {
   // Onloads finished since the last call (lower tiers only).
   std::vector<TierOnload> TakeTierOnloads() { return std::exchange(tier_onloads_, {}); }
   int64_t max_model_len() const { return max_model_len_; }
+  // The longest context one sequence can hold in the pool: blocks x block
+  // size for a model without windows; with windowed layer groups, each
+  // windowed group keeps ceil((W-1)/B) + 1 blocks whatever the length, so
+  // the full groups share the rest (a model whose every group is windowed:
+  // max_model_len, when the pool holds those blocks). What `plan` counts a
+  // sequence as, the other way round.
+  int64_t ContextCapacityTokens() const;
   EngineStats GetStats() const;
+  // EngineOptions::model_fingerprint combined with the KV scales: what a
+  // block's bytes depend on beyond its layout (KvLayout::model_fingerprint).
+  uint64_t kv_fingerprint() const { return kv_fingerprint_; }
+
+  // For a stopping worker, once no request runs: hands the device pool's
+  // cached blocks down to the lower tiers and writes the host tier's blocks
+  // that have no disk copy to disk, until `deadline` (a warm restart finds
+  // them). Nothing without a disk tier.
+  StatusOr<TierFlush> FlushTiersToDisk(std::chrono::steady_clock::time_point deadline);
 
  private:
   struct Sequence;
@@ -248,8 +298,13 @@ class Engine {
   void InsertSorted(std::vector<Sequence*>* list, Sequence* seq);
   void Remove(std::vector<Sequence*>* list, Sequence* seq);
   std::vector<BlockHash> PrefixHashes(const Sequence& seq) const;
-  // Leading blocks of hashes[from, limit) the lower tiers hold.
-  int64_t TierPrefix(std::span<const BlockHash> hashes, int64_t from, int64_t limit) const;
+  // The prefix, in blocks, a prompt of `hashes` can start from with the
+  // lower tiers' blocks copied back after the `cached` leading blocks the
+  // pool holds (the windowed rule for layer groups).
+  int64_t TierPrefix(std::span<const BlockHash> hashes, int64_t cached) const;
+  // Blocks a sequence holds once its KV covers `tokens` positions, the next
+  // query at `computed` (its windowed groups keeping only their reach).
+  int64_t BlocksHeld(int64_t computed, int64_t tokens) const;
   // Copies finished onloads into the pool and records the tiers' changes.
   void ProcessTierWork();
 
@@ -258,6 +313,7 @@ class Engine {
   EngineOptions options_;
   int64_t max_model_len_ = 0;
   std::string model_id_;
+  uint64_t kv_fingerprint_ = 0;
   std::unique_ptr<KvCachePool> pool_;
   std::unique_ptr<BlockManager> blocks_;
   // Lower tiers: the store, and the thread that moves blocks to and from it

@@ -15,7 +15,8 @@ StatusOr<std::unique_ptr<KvCachePool>> KvCachePool::Create(kernels::Backend* bac
     layout = kernels::KvCacheLayout::Mla(config.num_layers, config.kv_lora_rank,
                                          config.qk_rope_head_dim);
   } else {
-    layout.num_layers = config.num_layers;
+    // A block holds one layer group's layers (all of them for one group).
+    layout.num_layers = config.kv_groups().layers_per_group;
     layout.num_kv_heads = config.num_kv_heads;
     layout.head_dim = config.head_dim;
   }
@@ -32,10 +33,10 @@ StatusOr<std::unique_ptr<KvCachePool>> KvCachePool::Create(kernels::Backend* bac
                                      std::string(DTypeName(scales->kv_dtype)) +
                                      " KV, this pool is " + std::string(DTypeName(dtype)));
     }
-    if (scales->kv_sets != layout.kv_sets() || scales->num_layers() != layout.num_layers) {
+    if (scales->kv_sets != layout.kv_sets() || scales->num_layers() != config.num_layers) {
       return Status::InvalidArgument(
           "KV scales hold " + std::to_string(scales->num_layers()) + " layers of " +
-          std::to_string(scales->kv_sets) + ", the model " + std::to_string(layout.num_layers) +
+          std::to_string(scales->kv_sets) + ", the model " + std::to_string(config.num_layers) +
           " of " + std::to_string(layout.kv_sets()) + (layout.is_mla() ? " (MLA)" : " (K, V)"));
     }
   }
@@ -49,8 +50,17 @@ StatusOr<std::unique_ptr<KvCachePool>> KvCachePool::Create(kernels::Backend* bac
   std::unique_ptr<KvCachePool> pool(new KvCachePool());
   pool->backend_ = backend;
   pool->layout_ = layout;
+  pool->groups_ = config.is_mla() ? KvGroups::Full(config.num_layers) : config.kv_groups();
   if (scales != nullptr) {
-    pool->fixed_scales_ = scales->scales;
+    // In group order: [group][layer of the group][set], what each group's
+    // blocks use (Model::Forward points every group at its own rows).
+    const int64_t sets = layout.kv_sets();
+    for (const auto& layers : pool->groups_.layers) {
+      for (int64_t l : layers) {
+        pool->fixed_scales_.insert(pool->fixed_scales_.end(), scales->scales.begin() + l * sets,
+                                   scales->scales.begin() + (l + 1) * sets);
+      }
+    }
     pool->layout_.fixed_scales = pool->fixed_scales_.data();
   }
   pool->base_ = backend->Allocate(static_cast<size_t>(layout.total_bytes()));
@@ -86,6 +96,7 @@ KvLayout KvCachePool::TransferLayout(std::string model_id, DType weight_dtype,
   l.bytes_per_block = layout_.bytes_per_block();
   l.memory_type = memory_type();
   l.transfer_backend = std::move(transfer_backend);
+  if (groups_.size() > 1 || groups_.any_windowed()) l.group_windows = groups_.windows;
   return l;
 }
 

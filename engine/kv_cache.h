@@ -2,7 +2,9 @@
 //
 // Contract: the region never moves or grows after Create, and its byte
 // layout is kernels::KvCacheLayout (block id b at b * bytes_per_block(), each
-// block holding every layer's K and V, or MLA latent, plus fp8 scales). The transport layer
+// block holding the K and V (or MLA latent) of the layers of one layer group,
+// common/kv_groups.h: every layer for a model without windows, plus fp8
+// scales). The transport layer
 // registers [base(), base() + total_bytes()) once and moves a block by id.
 // Which block holds what is the block manager's business, not the pool's.
 #pragma once
@@ -37,6 +39,8 @@ class KvCachePool {
   KvCachePool& operator=(const KvCachePool&) = delete;
 
   const kernels::KvCacheLayout& layout() const { return layout_; }
+  // The layer groups a block holds one of (layout().num_layers layers each).
+  const KvGroups& groups() const { return groups_; }
   void* base() const { return base_; }
   int64_t total_bytes() const { return layout_.total_bytes(); }
   int64_t bytes_per_block() const { return layout_.bytes_per_block(); }
@@ -57,6 +61,7 @@ class KvCachePool {
   KvCachePool() = default;
   kernels::Backend* backend_ = nullptr;
   kernels::KvCacheLayout layout_;
+  KvGroups groups_;
   std::vector<float> fixed_scales_;  // layout_.fixed_scales points here
   void* base_ = nullptr;
 };

@@ -155,22 +155,79 @@ Bpe LearnBpe(int64_t num_merges) {
   return bpe;
 }
 
-constexpr const char* kSpecialTokens[] = {"<|begin_of_text|>", "<|end_of_text|>",
-                                          "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"};
+// The special tokens, BOS, EOS and chat template of each chat format
+// (ModelSpec::chat_format), in the shape each family's tokenizer has them.
+struct ChatShape {
+  const char* specials[5];
+  int bos;                      // index into specials; -1: no BOS token (ChatML)
+  int eos;                      // tokenizer_config.json's eos_token
+  std::vector<int> config_eos;  // config.json and generation_config.json
+  const char* chat_template;
+};
 
-constexpr const char* kChatTemplate =
-    "{{ bos_token }}{% for message in messages %}"
-    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + "
-    "message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
-    "{% endif %}";
+const ChatShape& ShapeOf(ChatFormat format) {
+  static const ChatShape kLlama3{
+      {"<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+       "<|eot_id|>"},
+      0,
+      4,
+      {1, 4},
+      "{{ bos_token }}{% for message in messages %}"
+      "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + "
+      "message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+      "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+      "{% endif %}"};
+  // Gemma: turns of "user" and "model" (the assistant), no system turn of
+  // its own (it is sent as a user turn here).
+  static const ChatShape kGemma{
+      {"<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"},
+      2,
+      1,
+      {1, 4},
+      "{{ bos_token }}{% for message in messages %}"
+      "{% if message['role'] == 'assistant' %}{% set role = 'model' %}"
+      "{% else %}{% set role = 'user' %}{% endif %}"
+      "{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}"
+      "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"};
+  // Mistral: each user turn in [INST] ... [/INST], each answer closed by </s>.
+  static const ChatShape kMistral{
+      {"<unk>", "<s>", "</s>", "[INST]", "[/INST]"},
+      1,
+      2,
+      {2},
+      "{{ bos_token }}{% for message in messages %}"
+      "{% if message['role'] == 'assistant' %}{{ ' ' + message['content'] | trim + eos_token }}"
+      "{% else %}{{ '[INST] ' + message['content'] | trim + ' [/INST]' }}{% endif %}"
+      "{% endfor %}"};
+  // ChatML as Qwen writes it: no BOS, every turn between <|im_start|>role
+  // and <|im_end|>.
+  static const ChatShape kChatMl{
+      {"<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>"},
+      -1,
+      2,
+      {2, 0},
+      "{% for message in messages %}"
+      "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+      "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"};
+  switch (format) {
+    case ChatFormat::kGemma:
+      return kGemma;
+    case ChatFormat::kMistral:
+      return kMistral;
+    case ChatFormat::kChatMl:
+      return kChatMl;
+    case ChatFormat::kLlama3:
+      break;
+  }
+  return kLlama3;
+}
 
-ordered_json TokenizerJson(const Bpe& bpe) {
+ordered_json TokenizerJson(const Bpe& bpe, const ChatShape& shape) {
   const int base = static_cast<int>(bpe.vocab.size());
   ordered_json added = ordered_json::array();
   for (int i = 0; i < 5; ++i) {
     added.push_back({{"id", base + i},
-                     {"content", kSpecialTokens[i]},
+                     {"content", shape.specials[i]},
                      {"single_word", false},
                      {"lstrip", false},
                      {"rstrip", false},
@@ -185,7 +242,30 @@ ordered_json TokenizerJson(const Bpe& bpe) {
                              {"add_prefix_space", false},
                              {"trim_offsets", true},
                              {"use_regex", true}};
-  const std::string bos = kSpecialTokens[0];
+  if (shape.bos < 0) {
+    // No BOS: the post-processor only adjusts offsets, as Qwen's does.
+    return ordered_json{{"version", "1.0"},
+                        {"truncation", nullptr},
+                        {"padding", nullptr},
+                        {"added_tokens", added},
+                        {"normalizer", nullptr},
+                        {"pre_tokenizer", byte_level},
+                        {"post_processor", byte_level},
+                        {"decoder", byte_level},
+                        {"model",
+                         {{"type", "BPE"},
+                          {"dropout", nullptr},
+                          {"unk_token", nullptr},
+                          {"continuing_subword_prefix", nullptr},
+                          {"end_of_word_suffix", nullptr},
+                          {"fuse_unk", false},
+                          {"byte_fallback", false},
+                          {"ignore_merges", false},
+                          {"vocab", vocab},
+                          {"merges", merges}}}};
+  }
+  const std::string bos = shape.specials[shape.bos];
+  const int bos_id = base + shape.bos;
   ordered_json post = {
       {"type", "TemplateProcessing"},
       {"single",
@@ -196,7 +276,7 @@ ordered_json TokenizerJson(const Bpe& bpe) {
         {{"Sequence", {{"id", "A"}, {"type_id", 0}}}},
         {{"SpecialToken", {{"id", bos}, {"type_id", 1}}}},
         {{"Sequence", {{"id", "B"}, {"type_id", 1}}}}}},
-      {"special_tokens", {{bos, {{"id", bos}, {"ids", {base}}, {"tokens", {bos}}}}}}};
+      {"special_tokens", {{bos, {{"id", bos}, {"ids", {bos_id}}, {"tokens", {bos}}}}}}};
   return ordered_json{{"version", "1.0"},
                       {"truncation", nullptr},
                       {"padding", nullptr},
@@ -244,7 +324,8 @@ uint64_t NameHash(std::string_view s) {
 struct TensorPlan {
   std::string name;
   std::vector<int64_t> shape;
-  enum Kind { kUniform, kNorm } kind = kUniform;
+  // kNorm: 1 + 0.1 u; kNormOffset: 0.1 u (Gemma's norms add the 1).
+  enum Kind { kUniform, kNorm, kNormOffset } kind = kUniform;
   double std = 0;         // target standard deviation of the uniform values
   bool keep_f32 = false;  // stored fp32 whatever the model's dtype
 };
@@ -297,7 +378,12 @@ std::vector<TensorPlan> PlanTensors(const ModelConfig& c, bool with_mtp_layers) 
   const int64_t q_out = c.num_heads * hd, kv_out = c.num_kv_heads * hd;
   const double h_std = 1.0 / std::sqrt(static_cast<double>(H));
   std::vector<TensorPlan> plan;
-  plan.push_back({"model.embed_tokens.weight", {V, H}, TensorPlan::kUniform, 1.0});
+  // Gemma scales the embeddings by sqrt(hidden): rows of rms 1 / sqrt(hidden)
+  // come out of it at about 1, as in the other families.
+  plan.push_back(
+      {"model.embed_tokens.weight", {V, H}, TensorPlan::kUniform, c.gemma ? h_std : 1.0});
+  // Gemma's norms multiply by (1 + weight): their weights are offsets.
+  const TensorPlan::Kind norm = c.gemma ? TensorPlan::kNormOffset : TensorPlan::kNorm;
   // DeepSeek-V3 checkpoints store num_nextn_predict_layers multi-token-
   // prediction layers after the last one: a decoder layer plus its own
   // embedding, input norms, projection and head. The causal LM ignores them.
@@ -312,7 +398,7 @@ std::vector<TensorPlan> PlanTensors(const ModelConfig& c, bool with_mtp_layers) 
       plan.push_back({p + "shared_head.norm.weight", {H}, TensorPlan::kNorm, 0});
       plan.push_back({p + "shared_head.head.weight", {V, H}, TensorPlan::kUniform, 3 * h_std});
     }
-    plan.push_back({p + "input_layernorm.weight", {H}, TensorPlan::kNorm, 0});
+    plan.push_back({p + "input_layernorm.weight", {H}, norm, 0});
     if (c.is_mla()) {
       PlanMlaAttention(c, p, &plan);
     } else {
@@ -329,11 +415,15 @@ std::vector<TensorPlan> PlanTensors(const ModelConfig& c, bool with_mtp_layers) 
           {p + "self_attn.o_proj.weight", {H, q_out}, TensorPlan::kUniform, FanIn(q_out)});
       if (c.o_bias) plan.push_back({p + "self_attn.o_proj.bias", {H}, TensorPlan::kUniform, 0.1});
       if (c.qk_norm) {
-        plan.push_back({p + "self_attn.q_norm.weight", {hd}, TensorPlan::kNorm, 0});
-        plan.push_back({p + "self_attn.k_norm.weight", {hd}, TensorPlan::kNorm, 0});
+        plan.push_back({p + "self_attn.q_norm.weight", {hd}, norm, 0});
+        plan.push_back({p + "self_attn.k_norm.weight", {hd}, norm, 0});
       }
     }
-    plan.push_back({p + "post_attention_layernorm.weight", {H}, TensorPlan::kNorm, 0});
+    plan.push_back({p + "post_attention_layernorm.weight", {H}, norm, 0});
+    if (c.gemma) {
+      plan.push_back({p + "pre_feedforward_layernorm.weight", {H}, norm, 0});
+      plan.push_back({p + "post_feedforward_layernorm.weight", {H}, norm, 0});
+    }
     if (c.IsSparseLayer(l)) {
       const std::string b = p + (c.mixtral_names ? "block_sparse_moe." : "mlp.");
       const int64_t MI = c.moe_intermediate_size;
@@ -380,7 +470,7 @@ std::vector<TensorPlan> PlanTensors(const ModelConfig& c, bool with_mtp_layers) 
       plan.push_back({p + "mlp.down_proj.bias", {H}, TensorPlan::kUniform, 0.1});
     }
   }
-  plan.push_back({"model.norm.weight", {H}, TensorPlan::kNorm, 0});
+  plan.push_back({"model.norm.weight", {H}, norm, 0});
   if (!c.tie_word_embeddings) {
     // Logit spread of about 3: peaked enough to be a "model", not one token.
     plan.push_back({"lm_head.weight", {V, H}, TensorPlan::kUniform, 3 * h_std});
@@ -462,8 +552,9 @@ void MakeTensors(const TensorPlan& p, uint64_t seed, DType dtype, const ModelCon
   std::vector<float> values(n);
   const double a = std::sqrt(3.0) * p.std;  // uniform(-a, a) has std a / sqrt(3)
   for (auto& v : values) {
-    v = p.kind == TensorPlan::kNorm ? static_cast<float>(1.0 + 0.1 * rng.Uniform())
-                                    : static_cast<float>(a * rng.Uniform());
+    v = p.kind == TensorPlan::kNorm         ? static_cast<float>(1.0 + 0.1 * rng.Uniform())
+        : p.kind == TensorPlan::kNormOffset ? static_cast<float>(0.1 * rng.Uniform())
+                                            : static_cast<float>(a * rng.Uniform());
   }
   const WeightQuantConfig& q = c.quant;
   if (q.quantized() && p.shape.size() == 2 && IsQuantizableLinear(p.name, c.num_layers) &&
@@ -573,9 +664,59 @@ StatusOr<ModelSpec> PresetModelSpec(std::string_view preset) {
     }
     return s;
   }
+  if (preset == "gemma2") {
+    s.architecture = "Gemma2ForCausalLM";
+    s.name = "pdserve-tiny-gemma2";
+    s.chat_format = ChatFormat::kGemma;
+    s.num_layers = 4;
+    s.head_dim = 32;
+    s.intermediate_size = 128;
+    s.rms_norm_eps = 1e-6;
+    s.sliding_window = 32;
+    s.query_pre_attn_scalar = 24;
+    s.attn_logit_softcapping = 2;
+    s.final_logit_softcapping = 2;
+    return s;
+  }
+  if (preset == "gemma3") {
+    s.architecture = "Gemma3ForCausalLM";
+    s.name = "pdserve-tiny-gemma3";
+    s.chat_format = ChatFormat::kGemma;
+    s.num_layers = 6;
+    s.head_dim = 32;
+    s.intermediate_size = 128;
+    s.rms_norm_eps = 1e-6;
+    s.sliding_window = 24;
+    s.sliding_window_pattern = 3;
+    s.query_pre_attn_scalar = 16;
+    s.rope_theta = 1000000.0;
+    s.rope_local_base_freq = 10000.0;
+    s.rope_scaling.type = RopeScaling::Type::kLinear;
+    s.rope_scaling.factor = 2;
+    return s;
+  }
+  if (preset == "mistral-window") {
+    s.architecture = "MistralForCausalLM";
+    s.name = "pdserve-tiny-mistral-window";
+    s.chat_format = ChatFormat::kMistral;
+    s.sliding_window = 32;
+    return s;
+  }
+  if (preset == "qwen2-window") {
+    s.architecture = "Qwen2ForCausalLM";
+    s.name = "pdserve-tiny-qwen2-window";
+    s.chat_format = ChatFormat::kChatMl;
+    s.num_layers = 4;
+    s.rope_theta = 1000000.0;
+    s.rms_norm_eps = 1e-6;
+    s.sliding_window = 32;
+    s.max_window_layers = 2;
+    return s;
+  }
   return Status::InvalidArgument(
       "unknown preset '" + std::string(preset) +
-      "' (tiny, small, qwen3, qwen3-moe, mixtral, deepseek-v2-lite or deepseek-v3)");
+      "' (tiny, small, qwen3, qwen3-moe, mixtral, deepseek-v2-lite, deepseek-v3, gemma2, "
+      "gemma3, mistral-window or qwen2-window)");
 }
 
 Status WriteModel(const ModelSpec& spec, const std::string& dir) {
@@ -599,6 +740,9 @@ Status WriteModel(const ModelSpec& spec, const std::string& dir) {
   const bool deepseek_v2 = spec.architecture == "DeepseekV2ForCausalLM";
   const bool deepseek_v3 = spec.architecture == "DeepseekV3ForCausalLM";
   const bool deepseek = deepseek_v2 || deepseek_v3;
+  const bool gemma2 = spec.architecture == "Gemma2ForCausalLM";
+  const bool gemma3 = spec.architecture == "Gemma3ForCausalLM";
+  const bool gemma = gemma2 || gemma3;
   const int64_t H = spec.hidden_size, I = spec.intermediate_size;
   const int64_t hd = spec.head_dim > 0 ? spec.head_dim : H / spec.num_heads;
   const int64_t V = spec.vocab_size();
@@ -606,24 +750,29 @@ Status WriteModel(const ModelSpec& spec, const std::string& dir) {
   // Tokenizer first: the vocab fixes the special token ids.
   const Bpe bpe = LearnBpe(spec.num_merges);
   const int base = static_cast<int>(bpe.vocab.size());
-  const int bos_id = base, end_of_text_id = base + 1, eot_id = base + 4;
-  PDSERVE_RETURN_IF_ERROR(WriteJson(root / "tokenizer.json", TokenizerJson(bpe)));
+  const ChatShape& chat = ShapeOf(spec.chat_format);
+  // ChatML has no BOS; its config.json names <|endoftext|> as Qwen's does.
+  const int bos_id = base + std::max(chat.bos, 0);
+  ordered_json eos_ids = ordered_json::array();
+  for (int i : chat.config_eos) eos_ids.push_back(base + i);
+  PDSERVE_RETURN_IF_ERROR(WriteJson(root / "tokenizer.json", TokenizerJson(bpe, chat)));
   ordered_json added_decoder = ordered_json::object();
   for (int i = 0; i < 5; ++i) {
-    added_decoder[std::to_string(base + i)] = {{"content", kSpecialTokens[i]}, {"lstrip", false},
-                                               {"normalized", false},          {"rstrip", false},
-                                               {"single_word", false},         {"special", true}};
+    added_decoder[std::to_string(base + i)] = {{"content", chat.specials[i]}, {"lstrip", false},
+                                               {"normalized", false},         {"rstrip", false},
+                                               {"single_word", false},        {"special", true}};
   }
-  PDSERVE_RETURN_IF_ERROR(
-      WriteJson(root / "tokenizer_config.json", {{"add_bos_token", true},
-                                                 {"add_eos_token", false},
-                                                 {"added_tokens_decoder", added_decoder},
-                                                 {"bos_token", kSpecialTokens[0]},
-                                                 {"chat_template", kChatTemplate},
-                                                 {"clean_up_tokenization_spaces", false},
-                                                 {"eos_token", "<|eot_id|>"},
-                                                 {"model_max_length", spec.max_position_embeddings},
-                                                 {"tokenizer_class", "PreTrainedTokenizerFast"}}));
+  PDSERVE_RETURN_IF_ERROR(WriteJson(
+      root / "tokenizer_config.json",
+      {{"add_bos_token", chat.bos >= 0},
+       {"add_eos_token", false},
+       {"added_tokens_decoder", added_decoder},
+       {"bos_token", chat.bos >= 0 ? ordered_json(chat.specials[chat.bos]) : ordered_json()},
+       {"chat_template", chat.chat_template},
+       {"clean_up_tokenization_spaces", false},
+       {"eos_token", chat.specials[chat.eos]},
+       {"model_max_length", spec.max_position_embeddings},
+       {"tokenizer_class", "PreTrainedTokenizerFast"}}));
 
   ordered_json config = {{"_name_or_path", spec.name},
                          {"architectures", {spec.architecture}},
@@ -634,6 +783,8 @@ Status WriteModel(const ModelSpec& spec, const std::string& dir) {
                                         : mixtral     ? "mixtral"
                                         : deepseek_v2 ? "deepseek_v2"
                                         : deepseek_v3 ? "deepseek_v3"
+                                        : gemma2      ? "gemma2"
+                                        : gemma3      ? "gemma3_text"
                                                       : "llama"},
                          {"vocab_size", V},
                          {"hidden_size", H},
@@ -648,7 +799,7 @@ Status WriteModel(const ModelSpec& spec, const std::string& dir) {
                          {"rope_theta", spec.rope_theta},
                          {"tie_word_embeddings", spec.tie_word_embeddings},
                          {"bos_token_id", bos_id},
-                         {"eos_token_id", {end_of_text_id, eot_id}},
+                         {"eos_token_id", eos_ids},
                          {"torch_dtype", spec.dtype == DType::kBF16  ? "bfloat16"
                                          : spec.dtype == DType::kF16 ? "float16"
                                                                      : "float32"}};
@@ -682,12 +833,32 @@ Status WriteModel(const ModelSpec& spec, const std::string& dir) {
     config["seq_aux"] = true;          // training only
     if (deepseek_v3) config["num_nextn_predict_layers"] = spec.num_nextn_predict_layers;
   }
-  if (llama || qwen3 || qwen3_moe || deepseek) config["attention_bias"] = spec.attention_bias;
+  if (llama || qwen3 || qwen3_moe || deepseek || gemma) {
+    config["attention_bias"] = spec.attention_bias;
+  }
   if (llama) config["mlp_bias"] = spec.mlp_bias;
-  if (qwen2 || qwen3 || qwen3_moe || mistral || mixtral) config["sliding_window"] = nullptr;
+  const ordered_json window =
+      spec.sliding_window > 0 ? ordered_json(spec.sliding_window) : ordered_json();
+  if (qwen2 || qwen3 || qwen3_moe || mistral || mixtral || gemma) config["sliding_window"] = window;
   if (qwen2 || qwen3 || qwen3_moe) {
-    config["use_sliding_window"] = false;
-    config["max_window_layers"] = spec.num_layers;
+    config["use_sliding_window"] = spec.sliding_window > 0;
+    config["max_window_layers"] =
+        spec.sliding_window > 0 ? spec.max_window_layers : spec.num_layers;
+  }
+  if (gemma) {
+    // Gemma2MLP / Gemma3MLP read hidden_activation; the published configs
+    // repeat it as hidden_act.
+    config["hidden_act"] = "gelu_pytorch_tanh";
+    config["hidden_activation"] = "gelu_pytorch_tanh";
+    config["query_pre_attn_scalar"] = spec.query_pre_attn_scalar;
+    auto cap = [](double v) { return v > 0 ? ordered_json(v) : ordered_json(); };
+    config["attn_logit_softcapping"] = cap(spec.attn_logit_softcapping);
+    config["final_logit_softcapping"] = cap(spec.final_logit_softcapping);
+    config["cache_implementation"] = "hybrid";
+    if (gemma3) {
+      config["sliding_window_pattern"] = spec.sliding_window_pattern;
+      config["rope_local_base_freq"] = spec.rope_local_base_freq;
+    }
   }
   if (qwen3_moe) {
     config["num_experts"] = spec.num_experts;
@@ -737,9 +908,8 @@ Status WriteModel(const ModelSpec& spec, const std::string& dir) {
     config["quantization_config"] = ordered_json::parse(QuantizationConfigJson(spec.quant).dump());
   }
   PDSERVE_RETURN_IF_ERROR(WriteJson(root / "config.json", config));
-  PDSERVE_RETURN_IF_ERROR(
-      WriteJson(root / "generation_config.json",
-                {{"bos_token_id", bos_id}, {"eos_token_id", {end_of_text_id, eot_id}}}));
+  PDSERVE_RETURN_IF_ERROR(WriteJson(root / "generation_config.json",
+                                    {{"bos_token_id", bos_id}, {"eos_token_id", eos_ids}}));
 
   // The tensors follow from the config exactly as the loader reads it.
   auto shapes = ParseModelConfig(config.dump(), "make-model config");

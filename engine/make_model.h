@@ -9,8 +9,9 @@
 // decoding does not collapse onto one token). The tokenizer is a byte-level
 // BPE (GPT-2 byte mapping, ByteLevel pre-tokenizer and decoder) whose vocab is
 // the 256 byte symbols, merges learned deterministically from a built-in
-// English text, then Llama-3-style special tokens; tokenizer_config.json
-// carries a Llama-3-style chat template.
+// English text, then five special tokens of the spec's chat format (Llama-3
+// by default; Gemma, Mistral's [INST] or ChatML), whose chat template
+// tokenizer_config.json carries in that family's shape.
 #pragma once
 
 #include <cstdint>
@@ -25,11 +26,19 @@
 
 namespace pdserve {
 
+// The special tokens, BOS/EOS and chat template a tokenizer gets:
+// Llama-3's headers (<|begin_of_text|>, <|start_header_id|>, <|eot_id|>),
+// Gemma's turns (<bos>, <start_of_turn>model, <end_of_turn>), Mistral's
+// [INST] ... [/INST] between <s> and </s>, or ChatML (<|im_start|>,
+// <|im_end|>, no BOS) as Qwen uses it.
+enum class ChatFormat { kLlama3, kGemma, kMistral, kChatMl };
+
 struct ModelSpec {
   // or MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
   // Qwen3MoeForCausalLM, MixtralForCausalLM, DeepseekV2ForCausalLM,
-  // DeepseekV3ForCausalLM
+  // DeepseekV3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM
   std::string architecture = "LlamaForCausalLM";
+  ChatFormat chat_format = ChatFormat::kLlama3;
   std::string name = "pdserve-tiny";  // written as _name_or_path (the model id)
   int64_t num_merges = 251;           // vocab = 256 + merges + 5 special tokens
   int64_t hidden_size = 64;
@@ -83,6 +92,20 @@ struct ModelSpec {
   // DeepSeek-V3's multi-token-prediction layers, stored after the last
   // layer (the causal LM ignores them).
   int64_t num_nextn_predict_layers = 0;
+  // Sliding windows (0: none; written null where the family has the key):
+  // Mistral and Mixtral window every layer; Qwen2/Qwen3/Qwen3-MoE write
+  // use_sliding_window true and window the layers from max_window_layers
+  // on; Gemma-2 windows every other layer from layer 0 and Gemma-3 all but
+  // every sliding_window_pattern-th (both need a window).
+  int64_t sliding_window = 0;
+  int64_t max_window_layers = 0;
+  int64_t sliding_window_pattern = 6;
+  // Gemma-2/3: the softmax scale's query_pre_attn_scalar, the soft caps
+  // (0: written null) and Gemma-3's rotary base of its sliding layers.
+  double query_pre_attn_scalar = 256;
+  double attn_logit_softcapping = 0;
+  double final_logit_softcapping = 0;
+  double rope_local_base_freq = 10000.0;
   DType dtype = DType::kF32;  // weights: fp32, bf16 or fp16
   // An FP8 checkpoint (engine/weight_quant.h): the decoder's Linear weights
   // quantised from their `dtype` values, in the layout of
@@ -112,6 +135,18 @@ struct ModelSpec {
 // (noaux_tc), renormalised, scaled by 2.5, 1 shared expert, yarn rope
 // (factor 4 over 1024 positions), and one multi-token-prediction layer in
 // the checkpoint, as DeepSeek-V3 ships it.
+// "gemma2": Gemma2ForCausalLM like tiny with 4 layers, head_dim 32, layers
+// 0 and 2 windowed at 32 tokens, query_pre_attn_scalar 24, soft caps of 2
+// on attention and final logits (small enough to bend this model's
+// values), untied; Gemma's chat format.
+// "gemma3": Gemma3ForCausalLM with 6 layers, every third global
+// (sliding_window_pattern 3), window 24, q/k norms, rope_theta 1e6 with
+// linear scaling 2 on the global layers and 10000 on the local ones,
+// query_pre_attn_scalar 16, no caps, untied; Gemma's chat format.
+// "mistral-window": MistralForCausalLM like tiny with a 32-token window on
+// both layers; Mistral's [INST] format.
+// "qwen2-window": Qwen2ForCausalLM with 4 layers, use_sliding_window on
+// layers 2 and 3 (max_window_layers 2) at 32 tokens; ChatML.
 // InvalidArgument for other names.
 StatusOr<ModelSpec> PresetModelSpec(std::string_view preset);
 

@@ -53,6 +53,14 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir, kernels::Ba
                                " backend attends over (" +
                                std::to_string(backend->MaxMlaLatentWidth()) + ")");
   }
+  m->kv_groups_ = m->config_.kv_groups();
+  for (int64_t l = 0; l < m->config_.num_layers; ++l) {
+    kernels::LayerAttention& a = m->layer_attention_.emplace_back();
+    a.group = m->kv_groups_.group_of_layer[l];
+    a.kv_layer = m->kv_groups_.slot_of_layer[l];
+    a.window = m->config_.LayerWindow(l);
+    a.softcap = static_cast<float>(m->config_.attn_logit_softcapping);
+  }
   m->files_ = std::move(*files);
   m->store_ = std::make_unique<kernels::WeightStore>(backend);
   PDSERVE_RETURN_IF_ERROR(m->LoadWeights(*m->files_));
@@ -311,6 +319,22 @@ Status Model::LoadWeights(const WeightFiles& files) {
     bytes += n * 4;
     return Status::Ok();
   };
+  // A norm's weight; Gemma's RMSNorm multiplies by (1 + weight), so its
+  // vectors are stored with the 1 added, once, at load.
+  auto norm = [&](const std::string& name, int64_t n, const float** out) -> Status {
+    if (!c.gemma) return vector(name, n, out);
+    auto found = Tensor(files, name, {n});
+    if (!found.ok()) return found.status();
+    num_parameters_ += n;
+    std::vector<float> w(n);
+    ConvertToF32(**found, w.data());
+    for (float& x : w) x += 1.0f;
+    auto up = Floats(w);
+    if (!up.ok()) return up.status();
+    *out = *up;
+    bytes += n * 4;
+    return Status::Ok();
+  };
 
   {
     // The embedding table is read by row, so it is fp32 on every backend.
@@ -318,6 +342,14 @@ Status Model::LoadWeights(const WeightFiles& files) {
     if (!found.ok()) return found.status();
     const auto& t = **found;
     num_parameters_ += c.vocab_size * H;
+    if (c.gemma) {
+      // sqrt(hidden_size) as a tensor of the embedding's dtype, as
+      // Gemma3TextScaledWordEmbedding (and Gemma2Model's normalizer) make it.
+      const float scale = std::sqrt(static_cast<float>(H));
+      embed_scale_ = *t.dtype == DType::kBF16  ? kernels::Bf16ToF32(kernels::F32ToBf16(scale))
+                     : *t.dtype == DType::kF16 ? kernels::F16ToF32(kernels::F32ToF16(scale))
+                                               : scale;
+    }
     if (*t.dtype == DType::kF32 && backend_->SharesHostMemory() &&
         reinterpret_cast<uintptr_t>(t.data) % 4 == 0) {
       embedding_ = reinterpret_cast<const float*>(t.data);
@@ -334,7 +366,7 @@ Status Model::LoadWeights(const WeightFiles& files) {
     const std::string p = "model.layers." + std::to_string(l) + ".";
     const std::string a = p + "self_attn.";
     Layer& L = layers_[l];
-    PDSERVE_RETURN_IF_ERROR(vector(p + "input_layernorm.weight", H, &L.input_norm));
+    PDSERVE_RETURN_IF_ERROR(norm(p + "input_layernorm.weight", H, &L.input_norm));
     if (c.is_mla()) {
       PDSERVE_RETURN_IF_ERROR(LoadMlaAttention(files, p, &L, &bytes));
     } else {
@@ -347,11 +379,15 @@ Status Model::LoadWeights(const WeightFiles& files) {
       if (c.o_bias) o_bias = {a + "o_proj.bias"};
       PDSERVE_RETURN_IF_ERROR(linear({a + "o_proj.weight"}, {H}, q_out, o_bias, &L.o));
       if (c.qk_norm) {
-        PDSERVE_RETURN_IF_ERROR(vector(a + "q_norm.weight", hd, &L.q_norm));
-        PDSERVE_RETURN_IF_ERROR(vector(a + "k_norm.weight", hd, &L.k_norm));
+        PDSERVE_RETURN_IF_ERROR(norm(a + "q_norm.weight", hd, &L.q_norm));
+        PDSERVE_RETURN_IF_ERROR(norm(a + "k_norm.weight", hd, &L.k_norm));
       }
     }
-    PDSERVE_RETURN_IF_ERROR(vector(p + "post_attention_layernorm.weight", H, &L.post_norm));
+    PDSERVE_RETURN_IF_ERROR(norm(p + "post_attention_layernorm.weight", H, &L.post_norm));
+    if (c.gemma) {
+      PDSERVE_RETURN_IF_ERROR(norm(p + "pre_feedforward_layernorm.weight", H, &L.pre_ff_norm));
+      PDSERVE_RETURN_IF_ERROR(norm(p + "post_feedforward_layernorm.weight", H, &L.post_ff_norm));
+    }
     if (c.IsSparseLayer(l)) {
       // Qwen3MoeSparseMoeBlock and DeepSeek's MoE (`mlp.gate`,
       // `mlp.experts.N.{gate,up,down}_proj`) or MixtralSparseMoeBlock
@@ -404,7 +440,7 @@ Status Model::LoadWeights(const WeightFiles& files) {
                                    gate_up_bias, &L.gate_up));
     PDSERVE_RETURN_IF_ERROR(linear({m + "down_proj.weight"}, {H}, I, down_bias, &L.down));
   }
-  PDSERVE_RETURN_IF_ERROR(vector("model.norm.weight", H, &final_norm_));
+  PDSERVE_RETURN_IF_ERROR(norm("model.norm.weight", H, &final_norm_));
   if (c.tie_word_embeddings) {
     // The embedding table, already fp32 backend memory, as it is.
     lm_head_ = kernels::LinearWeights::Of(WeightMatrix{embedding_, DType::kF32, c.vocab_size, H});
@@ -445,9 +481,15 @@ Status Model::LoadWeights(const WeightFiles& files) {
                       << first_mtp << " on (speculative decoding is not used)";
   }
 
+  // Rotary frequencies are computed, not weights: not counted as converted.
   auto inv = Floats(c.RopeInvFreq());
   if (!inv.ok()) return inv.status();
   inv_freq_ = *inv;
+  if (c.rope_local_theta > 0) {
+    auto local = Floats(c.RopeInvFreq(/*local=*/true));
+    if (!local.ok()) return local.status();
+    inv_freq_local_ = *local;
+  }
   return Status::Ok();
 }
 
@@ -521,7 +563,7 @@ Status Model::Reserve(int64_t tokens, int64_t logits, int64_t seqs, int64_t bloc
   if (c.is_mla()) {
     limits.layout = kernels::KvCacheLayout::Mla(c.num_layers, c.kv_lora_rank, c.qk_rope_head_dim);
   } else {
-    limits.layout.num_layers = c.num_layers;
+    limits.layout.num_layers = kv_groups_.layers_per_group;
     limits.layout.num_kv_heads = kvh;
     limits.layout.head_dim = hd;
   }
@@ -550,8 +592,9 @@ void Model::Forward(const StepInputs& in, const kernels::AttentionPlan& plan) {
   auto F32 = [](const float* p, int64_t n) { return Tensor::Of(p, DType::kF32, {n}); };
   const Tensor x = A(s.x, T, H), h = A(s.h, T, H);
   const float eps = static_cast<float>(c.rms_norm_eps);
-  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
+  const float scale = static_cast<float>(c.AttentionScale());
   b.Embedding(Tensor::Of(embedding_, DType::kF32, {c.vocab_size, H}), in.token_ids, x);
+  if (embed_scale_ != 1.0f) b.Scale(x, embed_scale_);
   b.RmsNorm(x, F32(layers_[0].input_norm, H), eps, h);
   kernels::MoeStats moe;
   for (int64_t l = 0; l < c.num_layers; ++l) {
@@ -573,26 +616,42 @@ void Model::Forward(const StepInputs& in, const kernels::AttentionPlan& plan) {
         b.RmsNorm(q, F32(L.q_norm, hd), eps, q);
         b.RmsNorm(k, F32(L.k_norm, hd), eps, k);
       }
-      b.Rope(q, in.positions, inv_freq_);
-      b.Rope(k, in.positions, inv_freq_);
-      b.WriteKv(plan.layout, plan.pool, l, k, v, in.slots);
+      const float* inv_freq = c.UsesLocalRope(l) ? inv_freq_local_ : inv_freq_;
+      b.Rope(q, in.positions, inv_freq);
+      b.Rope(k, in.positions, inv_freq);
+      // The layer's KV group: its blocks hold the group's layers, its slots
+      // are the group's row of the step's slots.
+      const kernels::AttentionPlan::Layer at = plan.ForLayer(l);
+      b.WriteKv(at.layout, plan.pool, at.kv_layer, k, v, in.slots + at.group * in.num_tokens);
       const Tensor attn = A(s.attn, T, nh * hd);
       b.PagedAttention(plan, l, q, scale, attn.Split({nh, hd}));
       b.Linear(attn, L.o, h);
     }
-    b.AddRmsNorm(x, h, F32(L.post_norm, H), eps, h);
+    if (c.gemma) {
+      // Sandwich norms: the attention output is normed before the residual
+      // add, and the MLP's input by pre_feedforward_layernorm.
+      b.RmsNorm(h, F32(L.post_norm, H), eps, h);
+      b.AddRmsNorm(x, h, F32(L.pre_ff_norm, H), eps, h);
+    } else {
+      b.AddRmsNorm(x, h, F32(L.post_norm, H), eps, h);
+    }
     if (L.sparse) {
       kernels::MoeStats st;
       b.MoeFfn(h, L.moe, h, collect_moe_stats_ ? &st : nullptr);  // in place
       moe.active_experts += st.active_experts;
       moe.expert_bytes_read += st.expert_bytes_read;
     } else {
-      // One gate|up product, then SwiGLU over its two halves.
+      // One gate|up product, then the gated activation over its two halves.
       const Tensor gate_up = A(s.gate_up, T, 2 * I), actv = A(s.act, T, I);
       b.Linear(h, L.gate_up, gate_up);
-      b.SwiGlu(gate_up.Columns(0, I), gate_up.Columns(I, 2 * I), actv);
+      if (c.gemma) {
+        b.GeluTanhGlu(gate_up.Columns(0, I), gate_up.Columns(I, 2 * I), actv);
+      } else {
+        b.SwiGlu(gate_up.Columns(0, I), gate_up.Columns(I, 2 * I), actv);
+      }
       b.Linear(actv, L.down, h);
     }
+    if (L.post_ff_norm != nullptr) b.RmsNorm(h, F32(L.post_ff_norm, H), eps, h);
     if (l + 1 < c.num_layers) {
       b.AddRmsNorm(x, h, F32(layers_[l + 1].input_norm, H), eps, h);
     } else {
@@ -605,6 +664,9 @@ void Model::Forward(const StepInputs& in, const kernels::AttentionPlan& plan) {
     b.GatherRows(x, in.logits_rows, gathered);
     b.RmsNorm(gathered, F32(final_norm_, H), eps, gathered);
     b.Linear(gathered, lm_head_, logits(R));
+    if (c.final_logit_softcapping > 0) {
+      b.SoftCap(logits(R), static_cast<float>(c.final_logit_softcapping));
+    }
   }
 }
 

@@ -1,6 +1,7 @@
-// A loaded decoder-only transformer (Llama / Mistral / Qwen2 / Qwen3, the
-// mixture-of-experts Qwen3-MoE / Mixtral, and DeepSeek-V2/V3 with multi-head
-// latent attention) and its forward pass over a batch that mixes prefill
+// A loaded decoder-only transformer (Llama / Mistral / Qwen2 / Qwen3 /
+// Gemma-2 / Gemma-3, the mixture-of-experts Qwen3-MoE / Mixtral, and
+// DeepSeek-V2/V3 with multi-head latent attention), sliding-window layers
+// included, and its forward pass over a batch that mixes prefill
 // chunks and decode tokens. A sparse layer runs the
 // backend's MoeFfn (kernels/backend.h) where a dense one runs its MLP.
 //
@@ -42,8 +43,10 @@ std::optional<LoadFormat> ParseLoadFormat(std::string_view name);
 // One forward step's inputs, in backend memory (the model runner stages
 // them, engine/model_runner.h): token t has id token_ids[t] (in the
 // vocabulary), position positions[t], and its K/V goes to KV slot slots[t]
-// (block * block_size + offset; negative: nowhere, a padding row). Logits
-// are produced for the rows logits_rows[0, num_logits), in that order.
+// (block * block_size + offset; negative: nowhere, a padding row). A model
+// whose KV has several layer groups (kv_groups()) takes one row of slots
+// per group, group after group: slots[g * num_tokens + t]. Logits are
+// produced for the rows logits_rows[0, num_logits), in that order.
 struct StepInputs {
   int64_t num_tokens = 0;
   const int32_t* token_ids = nullptr;
@@ -65,6 +68,12 @@ class Model {
   Model& operator=(const Model&) = delete;
 
   const ModelConfig& config() const { return config_; }
+  // The KV cache's layer groups (one block holds one group's layers).
+  const KvGroups& kv_groups() const { return kv_groups_; }
+  // Each layer's attention (its KV group, its index in the group's blocks,
+  // its window and soft cap), which every step's plan carries
+  // (kernels::AttentionPlan::layers).
+  const std::vector<kernels::LayerAttention>& layer_attention() const { return layer_attention_; }
   // `_name_or_path` from config.json, else the folder's name.
   const std::string& model_id() const { return model_id_; }
   const std::string& dir() const { return dir_; }
@@ -145,6 +154,10 @@ class Model {
     const float* k_norm = nullptr;
     const float* post_norm = nullptr;
     kernels::LinearWeights gate_up, down;
+    // Gemma: the norms around the MLP (post_norm is then the attention
+    // output's); every Gemma norm already holds 1 + weight.
+    const float* pre_ff_norm = nullptr;
+    const float* post_ff_norm = nullptr;
     // Sparse layers: `moe.experts` points into `experts`, `moe.shared` (when
     // set) at `shared_expert`.
     bool sparse = false;
@@ -229,6 +242,10 @@ class Model {
   const float* final_norm_ = nullptr;
   kernels::LinearWeights lm_head_;
   const float* inv_freq_ = nullptr;
+  const float* inv_freq_local_ = nullptr;  // Gemma-3's sliding layers
+  float embed_scale_ = 1.0f;               // Gemma: sqrt(hidden) in the embedding's dtype
+  KvGroups kv_groups_;
+  std::vector<kernels::LayerAttention> layer_attention_;
   int64_t weight_bytes_per_step_ = 0;
   int64_t num_parameters_ = 0;
   int64_t expert_weight_bytes_ = 0;

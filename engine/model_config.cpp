@@ -134,6 +134,9 @@ Status ParseRopeScaling(const json& rope, const std::string& source, const char*
   Reader r(rope, where);
   RopeScaling s;
   if (type == "default") return Status::Ok();
+  // Read for every scaled type: DeepSeek's softmax correction applies to any
+  // of them (ModelConfig::AttentionScale).
+  PDSERVE_RETURN_IF_ERROR(r.Double("mscale_all_dim", &s.mscale_all_dim, -1e9, 1e9));
   if (type == "linear") {
     s.type = RopeScaling::Type::kLinear;
   } else if (type == "llama3") {
@@ -159,7 +162,6 @@ Status ParseRopeScaling(const json& rope, const std::string& source, const char*
     if (s.beta_fast == 0) s.beta_fast = 32;
     if (s.beta_slow == 0) s.beta_slow = 1;
     PDSERVE_RETURN_IF_ERROR(r.Double("mscale", &s.mscale, -1e9, 1e9));
-    PDSERVE_RETURN_IF_ERROR(r.Double("mscale_all_dim", &s.mscale_all_dim, -1e9, 1e9));
     if (auto a = rope.find("attention_factor"); a != rope.end() && !a->is_null()) {
       double factor = 1;
       PDSERVE_RETURN_IF_ERROR(r.Double("attention_factor", &factor, 0, 1e9));
@@ -188,7 +190,16 @@ Status RefuseUnimplementedKeys(const json& j, const std::string& source,
     auto it = j.find(key);
     return it != j.end() && !it->is_null() ? &*it : nullptr;
   };
-  if (const json* act = present("hidden_act")) {
+  const bool gemma = architecture == "Gemma2ForCausalLM" || architecture == "Gemma3ForCausalLM";
+  if (gemma) {
+    // Gemma2MLP / Gemma3MLP take ACT2FN[config.hidden_activation]; the
+    // hidden_act key, which the published configs repeat, is not read.
+    if (const json* act = present("hidden_activation");
+        act != nullptr && !(act->is_string() && *act == "gelu_pytorch_tanh")) {
+      return Status::Unsupported(source + ": 'hidden_activation' " + act->dump() +
+                                 " is not supported (gelu_pytorch_tanh is)");
+    }
+  } else if (const json* act = present("hidden_act")) {
     // SwiGLU's activation; "swish" is the same function in transformers.
     if (!act->is_string() || (*act != "silu" && *act != "swish")) {
       return Status::Unsupported(source + ": 'hidden_act' " + act->dump() +
@@ -200,29 +211,11 @@ Status RefuseUnimplementedKeys(const json& j, const std::string& source,
     return Status::Unsupported(source + ": 'partial_rotary_factor' " + f->dump() +
                                " is not supported (rotary over the whole head only)");
   }
-  // Qwen2/Qwen3 window some layers only when use_sliding_window is true.
-  const bool qwen = architecture == "Qwen2ForCausalLM" || architecture == "Qwen3ForCausalLM" ||
-                    architecture == "Qwen3MoeForCausalLM";
-  if (const json* w = present("use_sliding_window"); qwen && w != nullptr) {
-    if (!w->is_boolean()) {
-      return Status::InvalidArgument(source + ": 'use_sliding_window' must be true or false");
-    }
-    if (w->get<bool>()) {
-      return Status::Unsupported(source +
-                                 ": 'use_sliding_window' true is not supported (sliding-window "
-                                 "attention on layers from max_window_layers on)");
-    }
-  }
-  if (const json* types = present("layer_types")) {
-    if (!types->is_array()) {
-      return Status::InvalidArgument(source + ": 'layer_types' must be a list");
-    }
-    for (const auto& t : *types) {
-      if (t != "full_attention") {
-        return Status::Unsupported(source + ": 'layer_types' holds " + t.dump() +
-                                   " (only full_attention is supported)");
-      }
-    }
+  if (const json* b = present("use_bidirectional_attention");
+      architecture == "Gemma3ForCausalLM" && b != nullptr &&
+      !(b->is_boolean() && !b->get<bool>())) {
+    return Status::Unsupported(source + ": 'use_bidirectional_attention' " + b->dump() +
+                               " is not supported (causal attention only)");
   }
   return Status::Ok();
 }
@@ -352,14 +345,167 @@ Status ParseDeepseekAttention(const json& j, const std::string& source, bool v3,
   // The rotary width is the rope part of a head (config.head_dim =
   // qk_rope_head_dim in both configuration files).
   c->head_dim = c->qk_rope_head_dim;
-  c->mla_softmax_mscale =
-      v3 && c->rope_scaling.type != RopeScaling::Type::kNone && c->rope_scaling.mscale_all_dim != 0;
   // attention_bias: q_a_proj, kv_a_proj_with_mqa and o_proj (never q_proj,
   // q_b_proj or kv_b_proj).
   bool attention_bias = false;
   PDSERVE_RETURN_IF_ERROR(r.Bool("attention_bias", &attention_bias));
   c->qkv_bias = attention_bias;
   c->o_bias = attention_bias;
+  return Status::Ok();
+}
+
+// Which layers attend over a sliding window, as each family's configuration
+// class decides (ModelConfig::layer_windows), and the window's checks.
+// Needs num_layers and max_position_embeddings read.
+Status ParseWindows(const json& j, const std::string& source, ModelConfig* c) {
+  const std::string& arch = c->architecture;
+  const bool qwen =
+      arch == "Qwen2ForCausalLM" || arch == "Qwen3ForCausalLM" || arch == "Qwen3MoeForCausalLM";
+  const int64_t n = c->num_layers;
+  std::optional<int64_t> window;
+  // sliding_window as given; `fallback` when the key is absent, none when null.
+  auto read_window = [&](std::optional<int64_t> fallback) -> Status {
+    auto w = j.find("sliding_window");
+    if (w == j.end()) {
+      window = fallback;
+      return Status::Ok();
+    }
+    if (w->is_null()) return Status::Ok();
+    if (!w->is_number_integer()) {
+      return Status::InvalidArgument(source + ": 'sliding_window' must be an integer, got " +
+                                     w->dump());
+    }
+    if (w->get<int64_t>() < 1) {
+      return Status::InvalidArgument(source + ": 'sliding_window' = " + w->dump() +
+                                     " must be positive");
+    }
+    window = w->get<int64_t>();
+    return Status::Ok();
+  };
+  std::vector<bool> sliding(static_cast<size_t>(n), false);
+  if (arch == "MistralForCausalLM" || arch == "MixtralForCausalLM") {
+    // MistralConfig's default window is 4096, MixtralConfig's none; either
+    // windows every layer (MistralAttention, MixtralAttention).
+    PDSERVE_RETURN_IF_ERROR(
+        read_window(arch == "MistralForCausalLM" ? std::optional<int64_t>(4096) : std::nullopt));
+    sliding.assign(sliding.size(), window.has_value());
+  } else if (qwen) {
+    // Qwen2Config / Qwen3Config / Qwen3MoeConfig: sliding_window only when
+    // use_sliding_window (default 4096), on layers >= max_window_layers (28).
+    bool use = false;
+    Reader r(j, source);
+    PDSERVE_RETURN_IF_ERROR(r.Bool("use_sliding_window", &use));
+    if (use) {
+      PDSERVE_RETURN_IF_ERROR(read_window(4096));
+      int64_t from = 28;
+      PDSERVE_RETURN_IF_ERROR(r.Int("max_window_layers", &from, false, 0, kMaxLayers));
+      for (int64_t l = from; l < n; ++l) sliding[l] = window.has_value();
+    }
+  } else if (arch == "Gemma2ForCausalLM") {
+    // Gemma2Config: layers 0, 2, 4, ... slide ((i + 1) % 2 != 0).
+    PDSERVE_RETURN_IF_ERROR(read_window(4096));
+    for (int64_t l = 0; l < n; ++l) sliding[l] = (l + 1) % 2 != 0;
+  } else if (arch == "Gemma3ForCausalLM") {
+    // Gemma3TextConfig: five of every six layers slide ((i + 1) % pattern != 0).
+    PDSERVE_RETURN_IF_ERROR(read_window(4096));
+    int64_t pattern = 6;
+    Reader r(j, source);
+    PDSERVE_RETURN_IF_ERROR(r.Int("sliding_window_pattern", &pattern, false, 1, kMaxLayers));
+    for (int64_t l = 0; l < n; ++l) sliding[l] = (l + 1) % pattern != 0;
+  }
+  if (auto t = j.find("layer_types"); t != j.end() && !t->is_null()) {
+    if (!t->is_array()) {
+      return Status::InvalidArgument(source + ": 'layer_types' must be a list");
+    }
+    if (static_cast<int64_t>(t->size()) != n) {
+      return Status::InvalidArgument(source + ": 'layer_types' lists " + std::to_string(t->size()) +
+                                     " types for " + std::to_string(n) +
+                                     " layers (num_hidden_layers)");
+    }
+    for (int64_t l = 0; l < n; ++l) {
+      const json& type = (*t)[l];
+      if (type == "full_attention" || type == "sliding_attention") {
+        sliding[l] = type == "sliding_attention";
+        continue;
+      }
+      return Status::Unsupported(source + ": 'layer_types' holds " + type.dump() +
+                                 " (full_attention and sliding_attention are supported)");
+    }
+  }
+  const bool any = std::find(sliding.begin(), sliding.end(), true) != sliding.end();
+  if (!any) return Status::Ok();
+  if (!window) {
+    return Status::InvalidArgument(source +
+                                   ": 'layer_types' has sliding_attention layers but no "
+                                   "'sliding_window' is in effect");
+  }
+  if (*window > c->max_position_embeddings) {
+    return Status::InvalidArgument(source + ": 'sliding_window' " + std::to_string(*window) +
+                                   " is larger than the context (max_position_embeddings " +
+                                   std::to_string(c->max_position_embeddings) + ")");
+  }
+  c->sliding_window = window;
+  c->layer_windows.assign(static_cast<size_t>(n), 0);
+  for (int64_t l = 0; l < n; ++l) {
+    if (sliding[l]) c->layer_windows[l] = *window;
+  }
+  return Status::Ok();
+}
+
+// Gemma2Config / Gemma3TextConfig's keys beyond the shapes: the softmax
+// scale, the soft caps (Gemma-2 defaults 50 and 30; Gemma-3 none) and
+// Gemma-3's rotary base of its sliding layers.
+Status ParseGemma(const json& j, const std::string& source, bool gemma3, ModelConfig* c) {
+  Reader r(j, source);
+  c->gemma = true;
+  c->qk_norm = gemma3;
+  c->query_pre_attn_scalar = 256;
+  PDSERVE_RETURN_IF_ERROR(r.Double("query_pre_attn_scalar", &c->query_pre_attn_scalar, 0, 1e9));
+  auto cap = [&](const char* key, double fallback, double* out) -> Status {
+    *out = fallback;
+    auto it = j.find(key);
+    if (it == j.end()) return Status::Ok();
+    if (it->is_null()) {
+      *out = 0;
+      return Status::Ok();
+    }
+    return r.Double(key, out, 0, 1e9);
+  };
+  PDSERVE_RETURN_IF_ERROR(
+      cap("attn_logit_softcapping", gemma3 ? 0.0 : 50.0, &c->attn_logit_softcapping));
+  PDSERVE_RETURN_IF_ERROR(
+      cap("final_logit_softcapping", gemma3 ? 0.0 : 30.0, &c->final_logit_softcapping));
+  if (gemma3) {
+    c->rope_local_theta = 10000.0;
+    PDSERVE_RETURN_IF_ERROR(r.Double("rope_local_base_freq", &c->rope_local_theta, 1, 1e12));
+  }
+  return Status::Ok();
+}
+
+// Gemma-3 in transformers 5's form: rope_parameters holds one set per layer
+// type. The full layers' set is the model's rope (theta and scaling), the
+// sliding layers' must be unscaled and gives rope_local_theta.
+Status ParseGemma3RopeParameters(const json& rp, const std::string& source, ModelConfig* c) {
+  for (const auto& [type, params] : rp.items()) {
+    const std::string where = "rope_parameters." + type;
+    if (type == "full_attention") {
+      PDSERVE_RETURN_IF_ERROR(ParseRopeScaling(params, source, where.c_str(), &c->rope_scaling));
+      Reader rr(params, source + ": " + where);
+      PDSERVE_RETURN_IF_ERROR(rr.Double("rope_theta", &c->rope_theta, 1, 1e12));
+    } else if (type == "sliding_attention") {
+      RopeScaling local;
+      PDSERVE_RETURN_IF_ERROR(ParseRopeScaling(params, source, where.c_str(), &local));
+      if (local.type != RopeScaling::Type::kNone) {
+        return Status::Unsupported(source + ": " + where +
+                                   ": a scaled rope on the sliding layers is not supported");
+      }
+      Reader rr(params, source + ": " + where);
+      PDSERVE_RETURN_IF_ERROR(rr.Double("rope_theta", &c->rope_local_theta, 1, 1e12));
+    } else {
+      return Status::InvalidArgument(source + ": 'rope_parameters' holds a set for '" + type +
+                                     "', which is no layer type");
+    }
+  }
   return Status::Ok();
 }
 
@@ -390,18 +536,28 @@ kernels::MoeRouting ModelConfig::MoeRoutingRule() const {
   return r;
 }
 
-int64_t ModelConfig::max_context() const {
-  int64_t n = max_position_embeddings;
-  if (sliding_window && *sliding_window < n) n = *sliding_window;
-  return n;
+int64_t ModelConfig::max_context() const { return max_position_embeddings; }
+
+int64_t ModelConfig::LayerWindow(int64_t l) const {
+  return layer_windows.empty() ? 0 : layer_windows[static_cast<size_t>(l)];
 }
 
-std::vector<float> ModelConfig::RopeInvFreq() const {
+KvGroups ModelConfig::kv_groups() const {
+  if (layer_windows.empty()) return KvGroups::Full(num_layers);
+  return KvGroups::FromLayerWindows(layer_windows);
+}
+
+bool ModelConfig::UsesLocalRope(int64_t l) const {
+  return rope_local_theta > 0 && LayerWindow(l) > 0;
+}
+
+std::vector<float> ModelConfig::RopeInvFreq(bool local) const {
   const int64_t half = head_dim / 2;
   std::vector<float> inv(half);
+  const double theta = local ? rope_local_theta : rope_theta;
   for (int64_t i = 0; i < half; ++i) {
-    double f = 1.0 / std::pow(rope_theta, static_cast<double>(2 * i) / head_dim);
-    switch (rope_scaling.type) {
+    double f = 1.0 / std::pow(theta, static_cast<double>(2 * i) / head_dim);
+    switch (local ? RopeScaling::Type::kNone : rope_scaling.type) {
       case RopeScaling::Type::kNone:
         break;
       case RopeScaling::Type::kLinear:
@@ -457,6 +613,13 @@ double YarnMscale(double scale, double mscale) {
 }
 }  // namespace
 
+// transformers' _compute_yarn_parameters. deepseek-ai's
+// DeepseekV2YarnRotaryEmbedding always takes mscale(factor, mscale) /
+// mscale(factor, mscale_all_dim), absent keys read as 1 and 0, ignores
+// attention_factor and defaults original_max_position_embeddings to 4096.
+// The two agree whenever both mscales are non-zero, as in every published
+// DeepSeek-V2/V3 checkpoint; elsewhere transformers' reading is followed, as
+// for every key the loader reads.
 double ModelConfig::RopeAttentionFactor() const {
   const auto& s = rope_scaling;
   if (s.type != RopeScaling::Type::kYarn) return 1.0;
@@ -468,9 +631,17 @@ double ModelConfig::RopeAttentionFactor() const {
 }
 
 double ModelConfig::AttentionScale() const {
+  if (gemma) return 1.0 / std::sqrt(query_pre_attn_scalar > 0 ? query_pre_attn_scalar : head_dim);
   if (!is_mla()) return 1.0 / std::sqrt(static_cast<double>(head_dim));
   double scale = 1.0 / std::sqrt(static_cast<double>(qk_nope_head_dim + qk_rope_head_dim));
-  if (mla_softmax_mscale) {
+  // DeepSeek-V2 and V3 alike: deepseek-ai's DeepseekV2Attention and
+  // DeepseekV3Attention multiply the softmax scale by mscale(factor,
+  // mscale_all_dim)^2 whenever the rope is scaled and mscale_all_dim is
+  // non-zero. transformers' native V2 left it out until it was fixed to match
+  // (its V3 had it); the authors' code defines the models, so it is applied
+  // to both. It scales every logit, rope and non-rope part alike, on
+  // top of the attention factor on cos and sin.
+  if (rope_scaling.type != RopeScaling::Type::kNone && rope_scaling.mscale_all_dim != 0) {
     const double m = YarnMscale(rope_scaling.factor, rope_scaling.mscale_all_dim);
     scale *= m * m;
   }
@@ -496,13 +667,17 @@ StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std::strin
   const bool is_mixtral = c.architecture == "MixtralForCausalLM";
   const bool is_deepseek_v2 = c.architecture == "DeepseekV2ForCausalLM";
   const bool is_deepseek_v3 = c.architecture == "DeepseekV3ForCausalLM";
+  const bool is_gemma2 = c.architecture == "Gemma2ForCausalLM";
+  const bool is_gemma3 = c.architecture == "Gemma3ForCausalLM";
+  const bool is_gemma = is_gemma2 || is_gemma3;
   if (!is_llama && !is_mistral && !is_qwen2 && !is_qwen3 && !is_qwen3_moe && !is_mixtral &&
-      !is_deepseek_v2 && !is_deepseek_v3) {
+      !is_deepseek_v2 && !is_deepseek_v3 && !is_gemma) {
     return Status::Unsupported(source + ": architecture '" + c.architecture +
                                "' is not supported (LlamaForCausalLM, MistralForCausalLM, "
                                "Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, "
                                "MixtralForCausalLM, DeepseekV2ForCausalLM, "
-                               "DeepseekV3ForCausalLM are)");
+                               "DeepseekV3ForCausalLM, Gemma2ForCausalLM, "
+                               "Gemma3ForCausalLM are)");
   }
   PDSERVE_RETURN_IF_ERROR(RefuseUnimplementedKeys(j, source, c.architecture));
   if (auto q = j.find("quantization_config"); q != j.end()) {
@@ -525,11 +700,16 @@ StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std::strin
   PDSERVE_RETURN_IF_ERROR(r.Int("num_attention_heads", &c.num_heads, true, 1, kMaxHeads));
   c.num_kv_heads = c.num_heads;
   PDSERVE_RETURN_IF_ERROR(r.Int("num_key_value_heads", &c.num_kv_heads, false, 1, kMaxHeads));
-  // Qwen3Config defaults head_dim to 128; the others (Qwen3-MoE included:
-  // getattr(config, "head_dim", hidden_size // num_attention_heads)) derive it.
-  c.head_dim = is_qwen3 ? 128 : c.hidden_size / c.num_heads;
+  // Qwen3Config defaults head_dim to 128, Gemma2Config and Gemma3TextConfig
+  // to 256; the others (Qwen3-MoE included: getattr(config, "head_dim",
+  // hidden_size // num_attention_heads)) derive it.
+  c.head_dim = is_qwen3 ? 128 : is_gemma ? 256 : c.hidden_size / c.num_heads;
   PDSERVE_RETURN_IF_ERROR(r.Int("head_dim", &c.head_dim, false, 2, kMaxHeadDim));
-  c.max_position_embeddings = 2048;
+  // Gemma2Config: 8192 positions, rope_theta 10000; Gemma3TextConfig:
+  // 131072 and 1e6. Both tie the embeddings unless told otherwise.
+  c.max_position_embeddings = is_gemma2 ? 8192 : is_gemma3 ? 131072 : 2048;
+  if (is_gemma3) c.rope_theta = 1e6;
+  c.tie_word_embeddings = is_gemma;
   PDSERVE_RETURN_IF_ERROR(
       r.Int("max_position_embeddings", &c.max_position_embeddings, false, 1, kMaxPositions));
   c.rms_norm_eps = 1e-6;  // every family's default in transformers
@@ -541,8 +721,8 @@ StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std::strin
   bool mlp_bias = false;
   PDSERVE_RETURN_IF_ERROR(r.Bool("mlp_bias", &mlp_bias));
   // What each modeling file does with the flags (the others ignore them).
-  c.qkv_bias = is_qwen2 || ((is_llama || is_qwen3 || is_qwen3_moe) && attention_bias);
-  c.o_bias = (is_llama || is_qwen3 || is_qwen3_moe) && attention_bias;
+  c.qkv_bias = is_qwen2 || ((is_llama || is_qwen3 || is_qwen3_moe || is_gemma) && attention_bias);
+  c.o_bias = (is_llama || is_qwen3 || is_qwen3_moe || is_gemma) && attention_bias;
   c.mlp_bias = is_llama && mlp_bias;
   c.qk_norm = is_qwen3 || is_qwen3_moe;
   if (is_qwen3_moe) {
@@ -598,20 +778,15 @@ StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std::strin
         source + ": 'num_experts_per_tok' " + std::to_string(c.num_experts_per_tok) +
         " exceeds the number of experts " + std::to_string(c.num_experts));
   }
-  if (is_mistral || is_mixtral) {
-    // MistralConfig's default window is 4096, MixtralConfig's none; null
-    // means none.
-    auto w = j.find("sliding_window");
-    if (w == j.end()) {
-      if (is_mistral) c.sliding_window = 4096;
-    } else if (!w->is_null()) {
-      int64_t window = 0;
-      PDSERVE_RETURN_IF_ERROR(r.Int("sliding_window", &window, false, 1, kMaxPositions));
-      c.sliding_window = window;
-    }
-  }
+  PDSERVE_RETURN_IF_ERROR(ParseWindows(j, source, &c));
+  if (is_gemma) PDSERVE_RETURN_IF_ERROR(ParseGemma(j, source, is_gemma3, &c));
   const char* rope_key = "rope_scaling";
-  if (auto rp = j.find("rope_parameters"); rp != j.end() && !rp->is_null()) {
+  if (auto rp = j.find("rope_parameters");
+      is_gemma3 && rp != j.end() && rp->is_object() &&
+      (rp->contains("full_attention") || rp->contains("sliding_attention"))) {
+    rope_key = "rope_parameters";
+    PDSERVE_RETURN_IF_ERROR(ParseGemma3RopeParameters(*rp, source, &c));
+  } else if (rp != j.end() && !rp->is_null()) {
     rope_key = "rope_parameters";
     PDSERVE_RETURN_IF_ERROR(ParseRopeScaling(*rp, source, "rope_parameters", &c.rope_scaling));
     Reader rr(*rp, source + ": rope_parameters");

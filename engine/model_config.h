@@ -1,7 +1,8 @@
 // A decoder-only transformer's shape and hyper-parameters, read from a
 // Hugging Face `config.json` (LlamaForCausalLM, MistralForCausalLM,
 // Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM,
-// DeepseekV2ForCausalLM, DeepseekV3ForCausalLM),
+// DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, Gemma2ForCausalLM,
+// Gemma3ForCausalLM),
 // with the defaults and the meaning the `transformers` modeling code gives
 // each key.
 //
@@ -10,10 +11,12 @@
 // into KV-head groups, head_dim is even and the rope scaling is one pdserve
 // implements. Errors name the field and the value. A key that would change
 // the computation in a way pdserve does not implement (an unknown rope type,
-// a sliding window on some layers, an activation other than SiLU, a partial
-// rotary factor, a quantization config other than the FP8 formats of
-// engine/weight_quant.h) is refused as Unsupported naming the key; it is
-// never silently ignored.
+// a quantization config other than the FP8 formats of engine/weight_quant.h,
+// an activation other than the family's, a partial rotary factor, Gemma-3's
+// bidirectional attention) is refused as Unsupported naming the key; it is
+// never silently ignored. Windows are checked too: a window in effect must
+// be positive and no larger than max_position_embeddings, and layer_types
+// must list one known type per layer (InvalidArgument naming the key).
 #pragma once
 
 #include <cstdint>
@@ -22,6 +25,7 @@
 #include <vector>
 
 #include "common/block_hash.h"  // TokenId
+#include "common/kv_groups.h"
 #include "common/status.h"
 #include "engine/weight_quant.h"
 #include "kernels/moe_routing.h"
@@ -46,7 +50,7 @@ struct RopeScaling {
   double beta_fast = 32;
   double beta_slow = 1;
   double mscale = 0;          // 0: absent
-  double mscale_all_dim = 0;  // 0: absent
+  double mscale_all_dim = 0;  // 0: absent; read for every scaled type
   std::optional<double> attention_factor;
   bool truncate = true;
 };
@@ -76,10 +80,30 @@ struct ModelConfig {
   // Qwen3: RMSNorm over each head's head_dim values of the queries and keys
   // (self_attn.q_norm / k_norm, weight [head_dim]) before RoPE.
   bool qk_norm = false;
-  // Mistral's sliding window; pdserve attends to the full context, which is
-  // the windowed attention exactly while the context fits the window, so the
-  // usable context is capped at the window (nullopt: no window).
+  // Sliding-window attention (common/kv_groups.h has the rule): the
+  // window of the windowed layers (nullopt: none in effect) and each
+  // layer's window, 0 for a full-attention layer (empty: every layer full).
+  // Mistral and Mixtral window every layer when sliding_window is set;
+  // Qwen2/Qwen3/Qwen3-MoE with use_sliding_window true the layers from
+  // max_window_layers on; Gemma-2 every other layer from layer 0, Gemma-3
+  // five of six (sliding_window_pattern); an explicit layer_types list
+  // ("sliding_attention" / "full_attention") overrides the family's rule.
   std::optional<int64_t> sliding_window;
+  std::vector<int64_t> layer_windows;
+  // Gemma-2/3 (Gemma2DecoderLayer, Gemma3DecoderLayer): RMSNorm multiplies
+  // by (1 + weight); sandwich norms (post_attention_layernorm on the
+  // attention output, pre_ and post_feedforward_layernorm around the MLP);
+  // a GeLU (tanh approximation) MLP; embeddings scaled by sqrt(hidden_size)
+  // rounded to the embedding's dtype; the softmax scale
+  // query_pre_attn_scalar^-0.5; tanh soft-capping of attention logits and
+  // of final logits (cap * tanh(x / cap); 0: none). Gemma-3 adds q/k norms
+  // (qk_norm) and a second rotary base, rope_local_theta, with no scaling,
+  // on its sliding layers (rope_scaling then applies to the full layers).
+  bool gemma = false;
+  double query_pre_attn_scalar = 0;  // 0: head_dim
+  double attn_logit_softcapping = 0;
+  double final_logit_softcapping = 0;
+  double rope_local_theta = 0;  // 0: every layer uses rope_theta and rope_scaling
   // Sparse mixture-of-experts FFN (Qwen3MoeSparseMoeBlock, Mixtral's
   // block_sparse_moe): num_experts > 0 on MoE architectures only. Each
   // expert is a SwiGLU MLP of moe_intermediate_size (Mixtral: its
@@ -135,7 +159,6 @@ struct ModelConfig {
   int64_t qk_rope_head_dim = 0;
   int64_t v_head_dim = 0;
   bool rope_interleave = false;
-  bool mla_softmax_mscale = false;  // V3: scale *= mscale(factor, mscale_all_dim)^2
   int64_t num_nextn_predict_layers = 0;
   bool is_mla() const { return kv_lora_rank > 0; }
   std::optional<TokenId> bos_token_id;
@@ -152,14 +175,24 @@ struct ModelConfig {
 
   // The longest sequence (prompt + output) the engine may run.
   int64_t max_context() const;
+  // Layer l's window (0: full attention).
+  int64_t LayerWindow(int64_t l) const;
+  // The KV cache's layer groups (common/kv_groups.h).
+  KvGroups kv_groups() const;
+  // Whether layer l rotates with rope_local_theta (Gemma-3's sliding layers).
+  bool UsesLocalRope(int64_t l) const;
   // Rotary inverse frequencies, head_dim/2 entries, with scaling applied
-  // exactly as Hugging Face's rope initialisation does.
-  std::vector<float> RopeInvFreq() const;
+  // exactly as Hugging Face's rope initialisation does; `local`: the
+  // sliding layers' of Gemma-3 (rope_local_theta, unscaled).
+  std::vector<float> RopeInvFreq(bool local = false) const;
   // The factor Hugging Face multiplies cos and sin by (yarn's
   // attention_factor; 1 for the other rope types).
   double RopeAttentionFactor() const;
-  // The softmax scale of q . k: head_dim^-0.5, or for MLA
-  // (qk_nope_head_dim + qk_rope_head_dim)^-0.5 with V3's mscale correction.
+  // The softmax scale of q . k: head_dim^-0.5 (Gemma: query_pre_attn_scalar^-0.5),
+  // or for MLA (DeepSeek-V2/V3)
+  // (qk_nope_head_dim + qk_rope_head_dim)^-0.5, times
+  // mscale(factor, mscale_all_dim)^2 when the rope is scaled and
+  // mscale_all_dim is non-zero.
   double AttentionScale() const;
 };
 

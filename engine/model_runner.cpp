@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "common/logging.h"
+#include "engine/block_manager.h"  // kNoBlock
 
 namespace pdserve {
 
@@ -21,7 +22,7 @@ int64_t Bucket(int64_t seqs) {
 }  // namespace
 
 ModelRunner::Staged ModelRunner::StagedLayout(int64_t tokens, int64_t seqs, int64_t logits,
-                                              int64_t table_entries) {
+                                              int64_t groups, int64_t table_entries) {
   Staged s;
   size_t at = 0;
   auto place = [&at](int64_t bytes) {
@@ -29,7 +30,7 @@ ModelRunner::Staged ModelRunner::StagedLayout(int64_t tokens, int64_t seqs, int6
     at += (static_cast<size_t>(std::max<int64_t>(bytes, 1)) + 63) / 64 * 64;
     return here;
   };
-  s.slots = place(tokens * 8);
+  s.slots = place(groups * tokens * 8);
   s.ids = place(tokens * 4);
   s.positions = place(tokens * 4);
   s.query_start = place((seqs + 1) * 4);
@@ -58,12 +59,12 @@ StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(Model* model,
                                                            void* pool,
                                                            const RunnerOptions& options) {
   const ModelConfig& c = model->config();
-  const bool layout_matches = c.is_mla() ? layout.is_mla() && layout.num_layers == c.num_layers &&
-                                               layout.kv_lora_rank == c.kv_lora_rank &&
-                                               layout.rope_dim() == c.qk_rope_head_dim
-                                         : !layout.is_mla() && layout.num_layers == c.num_layers &&
-                                               layout.num_kv_heads == c.num_kv_heads &&
-                                               layout.head_dim == c.head_dim;
+  const bool layout_matches =
+      c.is_mla()
+          ? layout.is_mla() && layout.num_layers == c.num_layers &&
+                layout.kv_lora_rank == c.kv_lora_rank && layout.rope_dim() == c.qk_rope_head_dim
+          : !layout.is_mla() && layout.num_layers == model->kv_groups().layers_per_group &&
+                layout.num_kv_heads == c.num_kv_heads && layout.head_dim == c.head_dim;
   if (!layout_matches) return Status::InvalidArgument("KV layout does not match the model");
   if (options.max_num_batched_tokens < 1 || options.max_num_seqs < 1 || options.max_model_len < 1) {
     return Status::InvalidArgument("model runner limits must be >= 1");
@@ -76,6 +77,8 @@ StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(Model* model,
   r->options_ = options;
   r->table_width_ = (options.max_model_len + layout.block_size - 1) / layout.block_size;
   r->table_rows_ = options.max_num_seqs;
+  r->groups_ = c.is_mla() ? 1 : static_cast<int64_t>(model->kv_groups().size());
+  const int64_t G = r->groups_;
   const int64_t T = options.max_num_batched_tokens, S = options.max_num_seqs;
   // Token rows: the budget, or a decode batch padded to its bucket. Logits
   // rows: one per sequence (a padded decode batch has its bucket's), or
@@ -85,14 +88,15 @@ StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(Model* model,
   const int64_t R = r->max_logits_;
   PDSERVE_RETURN_IF_ERROR(
       model->Reserve(r->max_rows_, R, Bucket(S), r->table_width_, layout.block_size));
-  const Staged st = StagedLayout(r->max_rows_, Bucket(S), R, r->table_rows_ * r->table_width_);
+  const Staged st =
+      StagedLayout(r->max_rows_, Bucket(S), R, G, G * r->table_rows_ * r->table_width_);
   r->staged_ = st;
   r->bytes_ = st.end;
   kernels::Backend* b = r->backend_;
   r->host_ = static_cast<uint8_t*>(b->AllocateHost(st.end));
   r->device_ = static_cast<uint8_t*>(b->Allocate(st.inputs_end));
   r->device_tables_ =
-      static_cast<int32_t*>(b->Allocate(r->table_rows_ * r->table_width_ * sizeof(int32_t)));
+      static_cast<int32_t*>(b->Allocate(G * r->table_rows_ * r->table_width_ * sizeof(int32_t)));
   r->device_tokens_ = static_cast<int32_t*>(b->Allocate(R * sizeof(int32_t)));
   if (r->host_ == nullptr || r->device_ == nullptr || r->device_tables_ == nullptr ||
       r->device_tokens_ == nullptr) {
@@ -100,9 +104,9 @@ StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(Model* model,
   }
   // Every table entry valid from the start (block 0), so that a padding
   // row's table can be read whatever row it names.
-  std::vector<int32_t> zeros(r->table_rows_ * r->table_width_, 0);
+  std::vector<int32_t> zeros(G * r->table_rows_ * r->table_width_, 0);
   b->Upload(r->device_tables_, zeros.data(), zeros.size() * sizeof(int32_t));
-  r->sent_.assign(r->table_rows_, std::vector<int32_t>(r->table_width_, 0));
+  r->sent_.assign(r->table_rows_, std::vector<int32_t>(G * r->table_width_, 0));
   r->row_owner_.assign(r->table_rows_, 0);
   r->row_used_.assign(r->table_rows_, 0);
   r->row_taken_.assign(r->table_rows_, false);
@@ -147,20 +151,27 @@ Status ModelRunner::AssignTableRows(std::span<const ScheduledSeq> step, int32_t*
     }
     row_used_[row] = step_;
     rows[i] = row;
-    // Send the entries from the first that changed; the rest of the row
-    // keeps what it had (entries past the table are never read).
-    std::vector<int32_t>& sent = sent_[row];
-    const auto n = static_cast<int64_t>(s.blocks.size());
-    int64_t from = 0;
-    while (from < n && sent[from] == static_cast<int32_t>(s.blocks[from])) ++from;
-    if (from == n) continue;
-    for (int64_t j = from; j < n; ++j) {
-      sent[j] = static_cast<int32_t>(s.blocks[j]);
-      updates[staged + j - from] = sent[j];
+    // Per group, send the entries from the first that changed; the rest of
+    // the row keeps what it had (entries past the table are never read,
+    // nor are those a windowed group released: they keep what was sent).
+    for (int64_t g = 0; g < groups_; ++g) {
+      int32_t* sent = sent_[row].data() + g * table_width_;
+      const std::span<const uint32_t> blocks = s.tables[g];
+      const auto n = static_cast<int64_t>(blocks.size());
+      auto same = [&](int64_t j) {
+        return blocks[j] == kNoBlock || sent[j] == static_cast<int32_t>(blocks[j]);
+      };
+      int64_t from = 0;
+      while (from < n && same(from)) ++from;
+      if (from == n) continue;
+      for (int64_t j = from; j < n; ++j) {
+        if (blocks[j] != kNoBlock) sent[j] = static_cast<int32_t>(blocks[j]);
+        updates[staged + j - from] = sent[j];
+      }
+      backend_->UploadAsync(device_tables_ + (g * table_rows_ + row) * table_width_ + from,
+                            updates + staged, (n - from) * sizeof(int32_t));
+      staged += n - from;
     }
-    backend_->UploadAsync(device_tables_ + row * table_width_ + from, updates + staged,
-                          (n - from) * sizeof(int32_t));
-    staged += n - from;
   }
   return Status::Ok();
 }
@@ -171,10 +182,19 @@ StatusOr<std::vector<SampledToken>> ModelRunner::Execute(std::span<const Schedul
   int64_t T = 0, R = 0;
   bool decode = S > 0;
   for (const ScheduledSeq& s : step) {
-    if (s.num_new < 1 || s.num_computed + s.num_new > static_cast<int64_t>(s.tokens.size()) ||
-        (s.num_computed + s.num_new + layout_.block_size - 1) / layout_.block_size >
-            static_cast<int64_t>(s.blocks.size()) ||
-        static_cast<int64_t>(s.blocks.size()) > table_width_) {
+    bool fits = s.num_new >= 1 &&
+                s.num_computed + s.num_new <= static_cast<int64_t>(s.tokens.size()) &&
+                static_cast<int64_t>(s.tables.size()) == groups_;
+    for (int64_t g = 0; fits && g < groups_; ++g) {
+      const auto n = static_cast<int64_t>(s.tables[g].size());
+      const int64_t B = layout_.block_size;
+      fits = n <= table_width_ && (s.num_computed + s.num_new + B - 1) / B <= n;
+      // The new tokens' K/V goes to blocks the group holds.
+      for (int64_t b = s.num_computed / B; fits && b * B < s.num_computed + s.num_new; ++b) {
+        fits = s.tables[g][b] != kNoBlock;
+      }
+    }
+    if (!fits) {
       return Status::InvalidArgument("model runner: sequence " + std::to_string(s.id) +
                                      " does not fit its blocks or the runner's limits");
     }
@@ -215,7 +235,9 @@ StatusOr<std::vector<SampledToken>> ModelRunner::Execute(std::span<const Schedul
       }
       ids[t] = id;
       positions[t] = static_cast<int32_t>(pos);
-      slots[t] = static_cast<int64_t>(s.blocks[pos / B]) * B + pos % B;
+      for (int64_t g = 0; g < groups_; ++g) {
+        slots[g * rows + t] = static_cast<int64_t>(s.tables[g][pos / B]) * B + pos % B;
+      }
     }
     query_start[i + 1] = static_cast<int32_t>(t);
     context_lens[i] = static_cast<int32_t>(s.num_computed + s.num_new);
@@ -229,7 +251,7 @@ StatusOr<std::vector<SampledToken>> ModelRunner::Execute(std::span<const Schedul
     for (int64_t i = S; i < bucket; ++i) {
       ids[i] = 0;
       positions[i] = 0;
-      slots[i] = -1;
+      for (int64_t g = 0; g < groups_; ++g) slots[g * rows + i] = -1;
       query_start[i + 1] = static_cast<int32_t>(i + 1);
       context_lens[i] = 0;
       table_rows[i] = 0;
@@ -277,6 +299,10 @@ Status ModelRunner::Forward(const ForwardBatch& batch, float* logits) {
   const ModelConfig& c = model_->config();
   const int64_t T = batch.num_tokens, S = batch.attention.num_seqs, R = batch.num_logits;
   if (T <= 0 || S <= 0) return Status::InvalidArgument("forward: empty batch");
+  if (batch.num_groups != groups_) {
+    return Status::InvalidArgument("forward: the batch has " + std::to_string(batch.num_groups) +
+                                   " layer groups, the model " + std::to_string(groups_));
+  }
   if (T > options_.max_num_batched_tokens || S > table_rows_ || R > max_logits_ ||
       batch.attention.max_blocks_per_seq > table_width_) {
     return Status::InvalidArgument("forward: a batch of " + std::to_string(T) + " tokens and " +
@@ -297,7 +323,7 @@ Status ModelRunner::Forward(const ForwardBatch& batch, float* logits) {
   }
   ++step_;
   const Staged& st = staged_;
-  std::memcpy(host_ + st.slots, batch.slots, T * 8);
+  std::memcpy(host_ + st.slots, batch.slots, groups_ * T * 8);
   std::memcpy(host_ + st.ids, batch.token_ids, T * 4);
   std::memcpy(host_ + st.positions, batch.positions, T * 4);
   std::memcpy(host_ + st.query_start, batch.attention.query_start, (S + 1) * 4);
@@ -312,11 +338,14 @@ Status ModelRunner::Forward(const ForwardBatch& batch, float* logits) {
     rows[s] = static_cast<int32_t>(s);
     if (row_taken_[s]) row_of_.erase(row_owner_[s]);
     row_taken_[s] = false;
-    const int32_t* table = batch.attention.block_tables + s * width;
-    std::copy(table, table + width, sent_[s].begin());
-    std::copy(table, table + width, updates + s * width);
-    backend_->UploadAsync(device_tables_ + s * table_width_, updates + s * width,
-                          width * sizeof(int32_t));
+    for (int64_t g = 0; g < groups_; ++g) {
+      const int32_t* table = batch.attention.block_tables + (g * S + s) * width;
+      int32_t* staged = updates + (g * S + s) * width;
+      std::copy(table, table + width, sent_[s].begin() + g * table_width_);
+      std::copy(table, table + width, staged);
+      backend_->UploadAsync(device_tables_ + (g * table_rows_ + s) * table_width_, staged,
+                            width * sizeof(int32_t));
+    }
     max_context = std::max<int64_t>(max_context, batch.attention.context_lens[s]);
     max_query = std::max<int64_t>(
         max_query, batch.attention.query_start[s + 1] - batch.attention.query_start[s]);
@@ -344,6 +373,8 @@ void ModelRunner::Run(int64_t tokens, int64_t seqs, int64_t logits, int64_t max_
     plan.batch.block_tables = device_tables_;
     plan.batch.table_rows = reinterpret_cast<const int32_t*>(device_ + st.table_rows);
     plan.batch.max_blocks_per_seq = table_width_;
+    plan.layers = model_->layer_attention().data();
+    plan.group_table_stride = table_rows_ * table_width_;
     plan.batch.num_tokens = tokens;
     plan.max_query_len = max_query_len;
     plan.max_context_len = max_context_len;

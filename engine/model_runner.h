@@ -6,9 +6,10 @@
 //  - the step's inputs (token ids, positions, KV slots, sequence bounds,
 //    logits rows), staged in one page-locked host buffer and sent with one
 //    stream-ordered copy into static device buffers;
-//  - persistent block tables: one row per running sequence, of which a step
-//    sends only the entries that changed (a decode step: a new block now and
-//    then, not the whole table);
+//  - persistent block tables: one row per running sequence and KV layer
+//    group, of which a step sends only the entries that changed (a decode
+//    step: a new block now and then, not the whole table; a windowed
+//    group's released entries are not sent);
 //  - graphs (GraphMode): decode steps of a batch-size bucket (1, 2, 4, ...,
 //    up to max_num_seqs) are captured once and replayed, reading their
 //    inputs from the static buffers; a batch is padded up to its bucket with
@@ -53,12 +54,15 @@ struct RunnerOptions {
 // One sequence of a step, as the scheduler hands it over. The spans stay
 // valid until Execute returns.
 struct ScheduledSeq {
-  uint64_t id = 0;                   // request id: keys the persistent table row
-  std::span<const TokenId> tokens;   // prompt, then every generated token
-  int64_t num_computed = 0;          // tokens whose KV is in the pool
-  int64_t num_new = 0;               // this step computes [num_computed, + num_new)
-  std::span<const uint32_t> blocks;  // block table (BlockId), covering them all
-  bool sample = false;               // the last new token's logits give a token
+  uint64_t id = 0;                  // request id: keys the persistent table row
+  std::span<const TokenId> tokens;  // prompt, then every generated token
+  int64_t num_computed = 0;         // tokens whose KV is in the pool
+  int64_t num_new = 0;              // this step computes [num_computed, + num_new)
+  // One block table (BlockId) per KV layer group (Model::kv_groups()), in
+  // group order, each covering them all; a windowed group's entries before
+  // its reach may be kNoBlock (engine/block_manager.h): they are not read.
+  std::vector<std::span<const uint32_t>> tables;
+  bool sample = false;  // the last new token's logits give a token
   const SamplingParams* params = nullptr;
   uint64_t seed = 0;          // resolved seed (ResolveSeed)
   uint64_t output_index = 0;  // which output token this is, 0 first
@@ -68,7 +72,12 @@ struct ScheduledSeq {
 // token_ids[t], position positions[t] and its K/V goes to KV slot slots[t]
 // (block * block_size + offset). `attention` groups the tokens by sequence
 // (kernels/step.h; its arrays host memory). Logits are produced for the
-// rows listed in logits_rows, in that order.
+// rows listed in logits_rows, in that order. A model whose KV has several
+// layer groups (Model::kv_groups()) takes one row of slots and one set of
+// block tables per group, group after group: slots[g * num_tokens + t] and
+// attention.block_tables[(g * num_seqs + s) * max_blocks_per_seq + i]; a
+// windowed group's entries before its reach may be anything (they are not
+// read).
 struct ForwardBatch {
   int64_t num_tokens = 0;
   const int32_t* token_ids = nullptr;
@@ -77,6 +86,7 @@ struct ForwardBatch {
   kernels::AttentionBatch attention;
   int64_t num_logits = 0;
   const int32_t* logits_rows = nullptr;
+  int64_t num_groups = 1;  // must equal the model's kv_groups().size()
 };
 
 class ModelRunner {
@@ -116,7 +126,8 @@ class ModelRunner {
     size_t end = 0;
   };
   ModelRunner() = default;
-  static Staged StagedLayout(int64_t tokens, int64_t seqs, int64_t logits, int64_t table_entries);
+  static Staged StagedLayout(int64_t tokens, int64_t seqs, int64_t logits, int64_t groups,
+                             int64_t table_entries);
   // Rows of the persistent block table for this step's sequences, sending
   // the entries that changed; -1 when no row is free (cannot happen within
   // the limits).
@@ -137,15 +148,17 @@ class ModelRunner {
   int64_t max_logits_ = 0;   // logits rows of the largest step, padding included
   int64_t table_width_ = 0;  // max blocks per sequence
   int64_t table_rows_ = 0;   // rows of the persistent table
+  int64_t groups_ = 1;       // KV layer groups: one persistent table each
   // Host staging (page-locked where the backend has such memory) and the
   // static device buffers it is copied into, laid out alike.
   uint8_t* host_ = nullptr;
   uint8_t* device_ = nullptr;
   size_t bytes_ = 0;
-  int32_t* device_tables_ = nullptr;  // [table_rows_][table_width_]
+  int32_t* device_tables_ = nullptr;  // [groups_][table_rows_][table_width_]
   int32_t* device_tokens_ = nullptr;  // sampled ids [max rows]
-  // The persistent table on the host: row contents as sent, and which
-  // request holds each row (with the step it was last used in).
+  // The persistent table on the host: row contents as sent ([groups_]
+  // [table_width_] per row), and which request holds each row (with the
+  // step it was last used in).
   std::vector<std::vector<int32_t>> sent_;
   std::vector<uint64_t> row_owner_;
   std::vector<uint64_t> row_used_;

@@ -57,20 +57,24 @@ StatusOr<std::unique_ptr<PagedSequenceRunner>> PagedSequenceRunner::Create(
       c.num_layers *
       (c.is_mla() ? c.kv_lora_rank + c.qk_rope_head_dim : 2 * c.num_kv_heads * c.head_dim);
   const int64_t scale_bytes = c.num_layers * (2 * std::max<int64_t>(c.num_kv_heads, 1)) * 4;
-  const int64_t budget = blocks * (elements_per_token * 4 * block_size + scale_bytes);
+  const int64_t budget = blocks * (elements_per_token * 4 * block_size + scale_bytes) *
+                         static_cast<int64_t>(c.kv_groups().size());
   auto pool = KvCachePool::Create(model->backend(), c, kv_dtype, block_size, budget, scales);
   if (!pool.ok()) return pool.status();
   std::unique_ptr<PagedSequenceRunner> r(new PagedSequenceRunner());
   r->model_ = model;
   r->block_size_ = block_size;
   r->pool_ = std::move(*pool);
+  // One table per layer group, group after group (ForwardBatch), each of
+  // `blocks` blocks: a windowed group keeps every block here too.
   const int64_t n = r->pool_->num_blocks();
-  for (int64_t b = n - 1; b >= 0 && static_cast<int64_t>(r->block_table_.size()) < blocks; --b) {
+  const int64_t wanted = blocks * static_cast<int64_t>(r->pool_->groups().size());
+  for (int64_t b = n - 1; b >= 0 && static_cast<int64_t>(r->block_table_.size()) < wanted; --b) {
     r->block_table_.push_back(static_cast<int32_t>(b));
   }
-  if (static_cast<int64_t>(r->block_table_.size()) < blocks) {
+  if (static_cast<int64_t>(r->block_table_.size()) < wanted) {
     return Status::Internal("KV pool holds " + std::to_string(n) + " blocks, " +
-                            std::to_string(blocks) + " needed");
+                            std::to_string(wanted) + " needed");
   }
   RunnerOptions options;
   options.max_num_batched_tokens = max_step > 0 ? std::min(max_step, max_tokens) : max_tokens;
@@ -86,18 +90,24 @@ StatusOr<std::unique_ptr<PagedSequenceRunner>> PagedSequenceRunner::Create(
 
 Status PagedSequenceRunner::Run(const std::vector<TokenId>& tokens, int64_t start, int64_t n,
                                 std::vector<float>* logits) {
+  const int64_t groups = static_cast<int64_t>(pool_->groups().size());
+  const int64_t per_group = static_cast<int64_t>(block_table_.size()) / groups;
   if (start < 0 || n < 1 || start + n > static_cast<int64_t>(tokens.size()) ||
-      (start + n + block_size_ - 1) / block_size_ > static_cast<int64_t>(block_table_.size())) {
+      (start + n + block_size_ - 1) / block_size_ > per_group) {
     return Status::InvalidArgument("tokens [" + std::to_string(start) + ", " +
                                    std::to_string(start + n) + ") outside the runner's range");
   }
   std::vector<int32_t> ids(n), pos(n), rows(n);
-  std::vector<int64_t> slots(n);
+  std::vector<int64_t> slots(n * groups);
   for (int64_t j = 0; j < n; ++j) {
     const int64_t p = start + j;
     ids[j] = tokens[p];
     pos[j] = static_cast<int32_t>(p);
-    slots[j] = static_cast<int64_t>(block_table_[p / block_size_]) * block_size_ + p % block_size_;
+    for (int64_t g = 0; g < groups; ++g) {
+      slots[g * n + j] =
+          static_cast<int64_t>(block_table_[g * per_group + p / block_size_]) * block_size_ +
+          p % block_size_;
+    }
     rows[j] = static_cast<int32_t>(j);
   }
   const int32_t query_start[2] = {0, static_cast<int32_t>(n)};
@@ -111,8 +121,9 @@ Status PagedSequenceRunner::Run(const std::vector<TokenId>& tokens, int64_t star
   b.attention.query_start = query_start;
   b.attention.context_lens = &context_len;
   b.attention.block_tables = block_table_.data();
-  b.attention.max_blocks_per_seq = static_cast<int64_t>(block_table_.size());
+  b.attention.max_blocks_per_seq = per_group;
   b.attention.num_tokens = n;
+  b.num_groups = groups;
   b.num_logits = n;
   b.logits_rows = rows.data();
   logits->resize(n * model_->config().vocab_size);
@@ -199,16 +210,22 @@ StatusOr<KvScales> MeasureKvScales(Model* model, const std::vector<TokenId>& tok
   KvScales s;
   s.kv_dtype = kv_dtype;
   s.kv_sets = l.kv_sets();
-  s.scales.assign(l.num_layers * l.kv_sets(), 0.0f);
-  const std::vector<int32_t>& table = (*runner)->block_table();
-  for (int64_t layer = 0; layer < l.num_layers; ++layer) {
+  const KvGroups& groups = pool.groups();
+  const int64_t layers = static_cast<int64_t>(groups.group_of_layer.size());
+  s.scales.assign(layers * l.kv_sets(), 0.0f);
+  const std::vector<int32_t>& tables = (*runner)->block_table();
+  const int64_t per_group = static_cast<int64_t>(tables.size() / groups.size());
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    // The layer's blocks are its group's, the layer at its slot in them.
+    const int32_t* table = tables.data() + groups.group_of_layer[layer] * per_group;
+    const int64_t in_block = groups.slot_of_layer[layer];
     for (int64_t set = 0; set < l.kv_sets(); ++set) {
       float max_abs = 0;
       for (int64_t p = 0; p < n; ++p) {
         const int64_t block = table[p / block_size], slot = p % block_size;
         for (int64_t h = 0; h < l.num_kv_heads; ++h) {
           const int64_t at =
-              (set == 0 ? l.k_offset(block, layer, h) : l.v_offset(block, layer, h)) +
+              (set == 0 ? l.k_offset(block, in_block, h) : l.v_offset(block, in_block, h)) +
               slot * l.head_dim * 4;
           for (int64_t d = 0; d < l.head_dim; ++d) {
             float v;

@@ -52,7 +52,8 @@ class PagedSequenceRunner {
              std::vector<float>* logits);
 
   const KvCachePool& pool() const { return *pool_; }
-  // Position p's block is block_table()[p / block_size].
+  // Position p's block in layer group g is block_table()[g * n + p /
+  // block_size], n = block_table().size() / pool().groups().size().
   const std::vector<int32_t>& block_table() const { return block_table_; }
 
  private:

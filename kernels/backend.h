@@ -168,6 +168,14 @@ class Backend {
   // out [rows, n] = silu(gate) * up, gate and up [rows, n] (views of one
   // gate|up product, typically).
   virtual void SwiGlu(const Tensor& gate, const Tensor& up, const Tensor& out) = 0;
+  // out = gelu_tanh(gate) * up, shapes as SwiGlu (Gemma's MLP, transformers'
+  // gelu_pytorch_tanh: 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))).
+  virtual void GeluTanhGlu(const Tensor& gate, const Tensor& up, const Tensor& out) = 0;
+  // x *= factor, in place (Gemma's embedding scale).
+  virtual void Scale(const Tensor& x, float factor) = 0;
+  // x = cap * tanh(x / cap), in place (Gemma-2's final logit soft-capping;
+  // x in the activation dtype or fp32).
+  virtual void SoftCap(const Tensor& x, float cap) = 0;
   // x += y, both of one shape.
   virtual void Add(const Tensor& x, const Tensor& y) = 0;
   // out [tokens, dim] = table [vocab, dim] rows ids[t].
@@ -190,9 +198,10 @@ class Backend {
   virtual void WriteKv(const KvCacheLayout& layout, void* pool, int64_t layer, const Tensor& k,
                        const Tensor& v, const int64_t* slots) = 0;
   // GQA layouts. Causal attention of q ([tokens, num_heads, head_dim]) over
-  // the paged KV of `layer`, the pool and sequences as the step's plan
-  // gives them; out has q's shape and is packed. A row with no keys
-  // (context 0: padding) gives 0. num_heads is a
+  // the paged KV of model layer `layer`, the pool and sequences as the
+  // step's plan gives them, the layer's group tables, window and soft cap
+  // as plan.ForLayer(layer) does; out has q's shape and is packed. A row
+  // with no keys (context 0: padding) gives 0. num_heads is a
   // multiple of num_kv_heads (GQA; MQA and MHA are the extremes). scale
   // multiplies q.k.
   virtual void PagedAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q,

@@ -30,11 +30,29 @@ struct AttentionBatch {
   // step to step): sequence s's table is row table_rows[s] of block_tables,
   // rows max_blocks_per_seq entries apart. Null: row s.
   const int32_t* table_rows = nullptr;
+  // Sliding-window attention (common/kv_groups.h): with window > 0 the query
+  // at position p attends to positions p - window + 1 .. p only, and the
+  // blocks before the first of those are never read (a windowed layer
+  // group's table may hold anything there). 0: every position up to p.
+  int64_t window = 0;
+  // Gemma-2's attention logit soft-capping: each scaled score s becomes
+  // softcap * tanh(s / softcap) before the softmax. 0: none.
+  float softcap = 0;
 
   // The block table of sequence s.
   PDSERVE_HOST_DEVICE const int32_t* table(int64_t s) const {
     return block_tables + (table_rows != nullptr ? table_rows[s] : s) * max_blocks_per_seq;
   }
+};
+
+// One layer's attention: the KV layer group whose blocks it reads and
+// writes (common/kv_groups.h), its index among the layers a block of that
+// group holds, its window and soft cap (AttentionBatch).
+struct LayerAttention {
+  int32_t group = 0;
+  int32_t kv_layer = 0;
+  int64_t window = 0;
+  float softcap = 0;
 };
 
 // The attention of one step, built once per step and used by every layer:
@@ -52,12 +70,42 @@ struct AttentionPlan {
   // captured graph's plan holds for every replay, so it bounds them all.
   int64_t max_query_len = 0;
   int64_t max_context_len = 0;
+  // The model's layers, layers[l] for model layer l (host memory that
+  // outlives the plan), and the layer groups' block tables: group g's start
+  // g * group_table_stride entries after batch.block_tables. Null: layer l
+  // is KV layer l of the only group, full attention without soft cap.
+  const LayerAttention* layers = nullptr;
+  int64_t group_table_stride = 0;
 
   // Set by Backend::PlanAttention.
   bool planned = false;
   int32_t num_splits = 0;               // key splits per row (flash-decoding); 0: none
   void* workspace = nullptr;            // backend memory for the splits' partials
   const void* backend_state = nullptr;  // the backend's own plan (the CPU's work units)
+
+  // What the attention of model layer l reads and writes: its group's
+  // tables, its window and cap (batch), its group's fixed KV scales
+  // (layout) and its layer index in the group's blocks (kv_layer).
+  struct Layer {
+    AttentionBatch batch;
+    KvCacheLayout layout;
+    int64_t group = 0;
+    int64_t kv_layer = 0;
+  };
+  Layer ForLayer(int64_t l) const {
+    Layer at{batch, layout, 0, l};
+    if (layers == nullptr) return at;
+    const LayerAttention& a = layers[l];
+    at.group = a.group;
+    at.kv_layer = a.kv_layer;
+    at.batch.block_tables += a.group * group_table_stride;
+    at.batch.window = a.window;
+    at.batch.softcap = a.softcap;
+    if (layout.fixed_scales != nullptr) {
+      at.layout.fixed_scales += a.group * layout.num_layers * layout.kv_sets();
+    }
+    return at;
+  }
 };
 
 // The largest step a caller runs, so that a backend sizes its scratch once

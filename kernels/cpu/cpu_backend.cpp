@@ -113,6 +113,51 @@ void CpuBackend::SwiGlu(const Tensor& gate, const Tensor& up, const Tensor& out)
   });
 }
 
+void CpuBackend::GeluTanhGlu(const Tensor& gate, const Tensor& up, const Tensor& out) {
+  CheckF32(gate, "GeluTanhGlu");
+  CheckF32(up, "GeluTanhGlu");
+  CheckF32(out, "GeluTanhGlu");
+  const int64_t n = out.row_size();
+  OpCheck(gate.row_size() == n && up.row_size() == n && gate.rows() == out.rows() &&
+              up.rows() == out.rows(),
+          "GeluTanhGlu", "takes gate, up and out of one shape");
+  const RowLayout g = gate.row_layout(), u = up.row_layout(), o = out.row_layout();
+  const float k = 0.7978845608028654f;  // sqrt(2 / pi)
+  pool_.ParallelFor(out.rows(), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* gr = gate.as<const float>() + g.offset(r);
+      const float* ur = up.as<const float>() + u.offset(r);
+      float* orow = out.as<float>() + o.offset(r);
+      for (int64_t i = 0; i < n; ++i) {
+        const float x = gr[i];
+        orow[i] = 0.5f * x * (1.0f + std::tanh(k * (x + 0.044715f * x * x * x))) * ur[i];
+      }
+    }
+  });
+}
+
+void CpuBackend::Scale(const Tensor& x, float factor) {
+  CheckPackedF32(x, "Scale");
+  float* xp = x.as<float>();
+  pool_.ParallelFor(
+      x.numel(),
+      [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) xp[i] *= factor;
+      },
+      4096);
+}
+
+void CpuBackend::SoftCap(const Tensor& x, float cap) {
+  CheckPackedF32(x, "SoftCap");
+  float* xp = x.as<float>();
+  pool_.ParallelFor(
+      x.numel(),
+      [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) xp[i] = cap * std::tanh(xp[i] / cap);
+      },
+      4096);
+}
+
 void CpuBackend::Add(const Tensor& x, const Tensor& y) {
   CheckPackedF32(x, "Add");
   CheckPackedF32(y, "Add");
@@ -237,7 +282,8 @@ void CpuBackend::WriteKv(const KvCacheLayout& layout, void* pool, int64_t layer,
 
 void CpuBackend::PagedAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q,
                                 float scale, const Tensor& out) {
-  const KvCacheLayout& layout = plan.layout;
+  const AttentionPlan::Layer at = plan.ForLayer(layer);
+  const KvCacheLayout& layout = at.layout;
   CheckF32(q, "PagedAttention");
   CheckPackedF32(out, "PagedAttention");
   OpCheck(q.rank == 3 && q.shape[2] == layout.head_dim && q.shape[1] % layout.num_kv_heads == 0 &&
@@ -250,8 +296,8 @@ void CpuBackend::PagedAttention(const AttentionPlan& plan, int64_t layer, const 
     PlanAttentionUnits(layout, plan.batch, &own);
     units = &own;
   }
-  PagedAttentionCpu(simd_, pool_, layout, plan.pool, layer, q.as<const float>(), q.stride[0],
-                    q.shape[1], plan.batch, scale, out.as<float>(), *units);
+  PagedAttentionCpu(simd_, pool_, layout, plan.pool, at.kv_layer, q.as<const float>(), q.stride[0],
+                    q.shape[1], at.batch, scale, out.as<float>(), *units);
 }
 
 void CpuBackend::PlanAttention(AttentionPlan* plan) {

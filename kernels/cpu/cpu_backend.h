@@ -46,6 +46,9 @@ class CpuBackend final : public Backend {
                   const Tensor& out) override;
   void Rope(const Tensor& x, const int32_t* positions, const float* inv_freq) override;
   void SwiGlu(const Tensor& gate, const Tensor& up, const Tensor& out) override;
+  void GeluTanhGlu(const Tensor& gate, const Tensor& up, const Tensor& out) override;
+  void Scale(const Tensor& x, float factor) override;
+  void SoftCap(const Tensor& x, float cap) override;
   void Add(const Tensor& x, const Tensor& y) override;
   void Embedding(const Tensor& table, const int32_t* ids, const Tensor& out) override;
   void GatherRows(const Tensor& x, const int32_t* rows, const Tensor& out) override;

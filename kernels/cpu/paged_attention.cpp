@@ -348,8 +348,17 @@ void RunUnit(const AttentionKernels& k, const AttentionUnit& u, const KvCacheLay
   }
   s.scores.resize(std::max<size_t>(s.scores.size(), bs));
 
+  // A window hides the keys before pos - window + 1 from the query at pos:
+  // blocks that no row of the unit reaches are not read (a windowed group's
+  // table may hold no block there).
+  const int64_t window = batch.window;
+  const int64_t first_key =
+      window > 0
+          ? std::max<int64_t>(0, first_pos + (u.row_begin - batch.query_start[u.seq]) - window + 1)
+          : 0;
+  const float cap = batch.softcap;
   const int64_t n_blocks = (max_keys + bs - 1) / bs;
-  for (int64_t b = 0; b < n_blocks; ++b) {
+  for (int64_t b = first_key / bs; b < n_blocks; ++b) {
     const int64_t in_block = std::min(bs, max_keys - b * bs);
     const int64_t block = table[b];
     const uint8_t* kp = base + layout.k_offset(block, layer, u.kv_head);
@@ -380,12 +389,19 @@ void RunUnit(const AttentionKernels& k, const AttentionUnit& u, const KvCacheLay
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t row = u.row_begin + r;
       const int64_t n_keys = first_pos + (row - batch.query_start[u.seq]) + 1;
-      const int64_t visible = std::min(in_block, n_keys - b * bs);
-      if (visible <= 0) continue;  // this row's causal window ended in an earlier block
+      const int64_t end = std::min(in_block, n_keys - b * bs);
+      if (end <= 0) continue;  // this row's causal window ended in an earlier block
+      // The row's first key in this block (its window may start inside it).
+      const int64_t begin = window > 0 ? std::max<int64_t>(0, n_keys - window - b * bs) : 0;
+      if (begin >= end) continue;  // the block lies before this row's window
+      const int64_t visible = end - begin;
       for (int64_t j = 0; j < group; ++j) {
         const int64_t h = u.kv_head * group + j, i = r * group + j;
         float* sc = s.scores.data();
-        k.scores(q + row * q_stride + h * hd, keys, hd, visible, scale, sc);
+        k.scores(q + row * q_stride + h * hd, keys + begin * hd, hd, visible, scale, sc);
+        if (cap > 0) {
+          for (int64_t t = 0; t < visible; ++t) sc[t] = cap * std::tanh(sc[t] / cap);
+        }
         float block_max = sc[0];
         for (int64_t t = 1; t < visible; ++t) block_max = std::max(block_max, sc[t]);
         const float new_max = std::max(s.max[i], block_max);
@@ -393,7 +409,7 @@ void RunUnit(const AttentionKernels& k, const AttentionUnit& u, const KvCacheLay
         const float decay = std::exp(s.max[i] - new_max);
         s.sum[i] = s.sum[i] * decay + k.exp_sum(sc, visible, new_max);
         s.max[i] = new_max;
-        k.accumulate(s.acc.data() + i * hd, decay, values, sc, visible, hd);
+        k.accumulate(s.acc.data() + i * hd, decay, values + begin * hd, sc, visible, hd);
       }
     }
   }

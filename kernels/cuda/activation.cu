@@ -1,6 +1,7 @@
-// Element-wise activations and row gathers (kernels/cuda/ops.h): SwiGLU over
-// the two halves of a gate|up product, the residual add, and the gather
-// behind the embedding lookup and the logits rows.
+// Element-wise activations and row gathers (kernels/cuda/ops.h): SwiGLU and
+// GeLU-tanh GLU over the two halves of a gate|up product, the residual add,
+// scaling and soft-capping in place, and the gather behind the embedding
+// lookup and the logits rows.
 #include "kernels/cuda/ops.h"
 #include "kernels/op_check.h"
 
@@ -16,6 +17,27 @@ __global__ void SwiGluKernel(const float* gate, RowLayout gl, const float* up, R
   const int64_t r = i / n, c = i % n;
   const float g = gate[gl.offset(r) + c];
   out[ol.offset(r) + c] = g / (1.0f + expf(-g)) * up[ul.offset(r) + c];
+}
+
+__global__ void GeluTanhGluKernel(const float* gate, RowLayout gl, const float* up, RowLayout ul,
+                                  float* out, RowLayout ol, int64_t rows, int64_t n) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= rows * n) return;
+  const int64_t r = i / n, c = i % n;
+  const float g = gate[gl.offset(r) + c];
+  const float k = 0.7978845608028654f;  // sqrt(2 / pi)
+  out[ol.offset(r) + c] =
+      0.5f * g * (1.0f + tanhf(k * (g + 0.044715f * g * g * g))) * up[ul.offset(r) + c];
+}
+
+__global__ void ScaleKernel(float* x, float factor, int64_t n) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n) x[i] *= factor;
+}
+
+__global__ void SoftCapKernel(float* x, float cap, int64_t n) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n) x[i] = cap * tanhf(x[i] / cap);
 }
 
 __global__ void AddKernel(float* x, const float* y, int64_t n) {
@@ -46,6 +68,37 @@ void SwiGlu(const Tensor& gate, const Tensor& up, const Tensor& out, cudaStream_
       gate.as<const float>(), gate.row_layout(), up.as<const float>(), up.row_layout(),
       out.as<float>(), out.row_layout(), rows, n);
   Check(cudaGetLastError(), "SwiGlu");
+}
+
+void GeluTanhGlu(const Tensor& gate, const Tensor& up, const Tensor& out, cudaStream_t stream) {
+  kernels::CheckF32(gate, "GeluTanhGlu");
+  kernels::CheckF32(up, "GeluTanhGlu");
+  kernels::CheckF32(out, "GeluTanhGlu");
+  const int64_t rows = out.rows(), n = out.row_size();
+  kernels::OpCheck(
+      gate.row_size() == n && up.row_size() == n && gate.rows() == rows && up.rows() == rows,
+      "GeluTanhGlu", "takes gate, up and out of one shape");
+  if (rows * n == 0) return;
+  GeluTanhGluKernel<<<Blocks(rows * n), kThreads, 0, stream>>>(
+      gate.as<const float>(), gate.row_layout(), up.as<const float>(), up.row_layout(),
+      out.as<float>(), out.row_layout(), rows, n);
+  Check(cudaGetLastError(), "GeluTanhGlu");
+}
+
+void Scale(const Tensor& x, float factor, cudaStream_t stream) {
+  kernels::CheckPackedF32(x, "Scale");
+  const int64_t n = x.numel();
+  if (n == 0) return;
+  ScaleKernel<<<Blocks(n), kThreads, 0, stream>>>(x.as<float>(), factor, n);
+  Check(cudaGetLastError(), "Scale");
+}
+
+void SoftCap(const Tensor& x, float cap, cudaStream_t stream) {
+  kernels::CheckPackedF32(x, "SoftCap");
+  const int64_t n = x.numel();
+  if (n == 0) return;
+  SoftCapKernel<<<Blocks(n), kThreads, 0, stream>>>(x.as<float>(), cap, n);
+  Check(cudaGetLastError(), "SoftCap");
 }
 
 void Add(const Tensor& x, const Tensor& y, cudaStream_t stream) {

@@ -319,6 +319,21 @@ void CudaBackend::SwiGlu(const Tensor& gate, const Tensor& up, const Tensor& out
   cuda::SwiGlu(gate, up, out, state_->stream);
 }
 
+void CudaBackend::GeluTanhGlu(const Tensor& gate, const Tensor& up, const Tensor& out) {
+  MakeCurrent();
+  cuda::GeluTanhGlu(gate, up, out, state_->stream);
+}
+
+void CudaBackend::Scale(const Tensor& x, float factor) {
+  MakeCurrent();
+  cuda::Scale(x, factor, state_->stream);
+}
+
+void CudaBackend::SoftCap(const Tensor& x, float cap) {
+  MakeCurrent();
+  cuda::SoftCap(x, cap, state_->stream);
+}
+
 void CudaBackend::Add(const Tensor& x, const Tensor& y) {
   MakeCurrent();
   cuda::Add(x, y, state_->stream);
@@ -342,13 +357,18 @@ void CudaBackend::ArgMaxRows(const Tensor& x, int32_t* out) {
 void CudaBackend::PagedAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q,
                                  float scale, const Tensor& out) {
   MakeCurrent();
-  const int splits = cuda::DecodeSplits(plan);
+  // The layer's group tables, window and cap; the step's split choice.
+  const AttentionPlan::Layer at = plan.ForLayer(layer);
+  AttentionPlan lp = plan;
+  lp.batch = at.batch;
+  lp.layout = at.layout;
+  const int splits = cuda::DecodeSplits(lp);
   if (splits > 0) {
-    float* partials = state_->attention_partials.Get<float>(cuda::DecodePartialFloats(plan, splits),
+    float* partials = state_->attention_partials.Get<float>(cuda::DecodePartialFloats(lp, splits),
                                                             state_->stream);
-    cuda::DecodeAttention(plan, layer, q, scale, splits, partials, out, state_->stream);
+    cuda::DecodeAttention(lp, at.kv_layer, q, scale, splits, partials, out, state_->stream);
   } else {
-    cuda::PrefillAttention(plan, layer, q, scale, out, state_->stream);
+    cuda::PrefillAttention(lp, at.kv_layer, q, scale, out, state_->stream);
   }
 }
 

@@ -41,8 +41,10 @@ __global__ void __launch_bounds__(32 * kSplitWarps)
   const int group = static_cast<int>(num_heads / layout.num_kv_heads);
   const int64_t hd = layout.head_dim;
   const RowKeys keys = KeysOfRow(batch, row);
-  const int64_t k_begin = static_cast<int64_t>(split) * kSplitKeys;
-  const int64_t k_end = min(keys.n_keys, k_begin + kSplitKeys);
+  // A window starts the keys at FirstKeyOfRow (splits before it stay empty).
+  const int64_t k_begin =
+      max(FirstKeyOfRow(batch, keys.n_keys), static_cast<int64_t>(split) * kSplitKeys);
+  const int64_t k_end = min(keys.n_keys, static_cast<int64_t>(split) * kSplitKeys + kSplitKeys);
 
   float qv[kMaxGroup][D], acc[kMaxGroup][D], m[kMaxGroup], l[kMaxGroup];
 #pragma unroll
@@ -77,7 +79,7 @@ __global__ void __launch_bounds__(32 * kSplitWarps)
 #pragma unroll
       for (int j = 0; j < D; ++j) dot += qv[i][j] * kv[j];
       for (int o = 16; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-      const float score = dot * scale;
+      const float score = SoftCapScore(dot * scale, batch.softcap);
       const float new_max = fmaxf(m[i], score);
       const float correction = expf(m[i] - new_max);  // 0 on the first key
       const float p = expf(score - new_max);

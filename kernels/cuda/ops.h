@@ -66,6 +66,9 @@ void WriteKv(const KvCacheLayout& layout, void* pool, int64_t layer, const Tenso
 
 // ---- Element-wise activations and row gathers (activation.cu).
 void SwiGlu(const Tensor& gate, const Tensor& up, const Tensor& out, cudaStream_t stream);
+void GeluTanhGlu(const Tensor& gate, const Tensor& up, const Tensor& out, cudaStream_t stream);
+void Scale(const Tensor& x, float factor, cudaStream_t stream);
+void SoftCap(const Tensor& x, float cap, cudaStream_t stream);
 void Add(const Tensor& x, const Tensor& y, cudaStream_t stream);
 void GatherRows(const Tensor& x, const int32_t* rows, const Tensor& out, cudaStream_t stream);
 

@@ -53,6 +53,17 @@ struct RowKeys {
   int64_t n_keys;
 };
 
+// Gemma-2's logit soft-capping (cap 0: none).
+__device__ inline float SoftCapScore(float score, float cap) {
+  return cap > 0.0f ? cap * tanhf(score / cap) : score;
+}
+
+// The first key a row of n_keys keys attends to: n_keys - window under a
+// sliding window (the blocks before it are not read), else 0.
+__device__ inline int64_t FirstKeyOfRow(const kernels::AttentionBatch& batch, int64_t n_keys) {
+  return batch.window > 0 ? max(int64_t{0}, n_keys - batch.window) : 0;
+}
+
 __device__ inline RowKeys KeysOfRow(const kernels::AttentionBatch& batch, int64_t row) {
   // The sequence of this row: the last s with query_start[s] <= row.
   int64_t lo = 0, hi = batch.num_seqs - 1;

@@ -34,7 +34,7 @@ __global__ void PagedAttentionKernel(DeviceLayout layout, const uint8_t* pool, i
     acc[j] = 0.0f;
   }
   float running_max = -INFINITY, denom = 0.0f;
-  for (int64_t key = 0; key < keys.n_keys; ++key) {
+  for (int64_t key = FirstKeyOfRow(batch, keys.n_keys); key < keys.n_keys; ++key) {
     const KvAt kv = KvOfKey(layout, pool, layer, g, keys.table, key);
     float dot = 0.0f;
     for (int j = 0; j < kMaxHeadDimPerLane; ++j) {
@@ -44,7 +44,7 @@ __global__ void PagedAttentionKernel(DeviceLayout layout, const uint8_t* pool, i
                kernels::LoadKv(kv.k, layout.dtype, kv.elem + d, kv.k_scale, layout.micro_at, hd);
     }
     for (int o = 16; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-    const float score = dot * scale;
+    const float score = SoftCapScore(dot * scale, batch.softcap);
     const float new_max = fmaxf(running_max, score);
     const float correction = expf(running_max - new_max);  // 0 on the first key
     const float p = expf(score - new_max);

@@ -23,7 +23,12 @@ int RunMakeModel(int argc, char** argv) {
                   "MixtralForCausalLM: 8 experts, top-2), deepseek-v2-lite (tiny "
                   "DeepseekV2ForCausalLM: latent attention, 8 experts by softmax, 2 shared) or "
                   "deepseek-v3 (tiny DeepseekV3ForCausalLM: q LoRA, yarn rope, 8 experts in 4 "
-                  "groups by sigmoid with a correction bias, 1 shared)");
+                  "groups by sigmoid with a correction bias, 1 shared), gemma2 (tiny "
+                  "Gemma2ForCausalLM: alternating 32-token windows, soft caps, Gemma chat "
+                  "format), gemma3 (tiny Gemma3ForCausalLM: two 24-token local layers per "
+                  "global one, local rope base), mistral-window (tiny MistralForCausalLM with a "
+                  "32-token window, [INST] format) or qwen2-window (tiny Qwen2ForCausalLM "
+                  "windowing its last 2 layers, ChatML)");
   flags.AddString("out", &out, "folder to write (created if needed)");
   flags.AddInt("seed", &seed, "random seed of the weights");
   flags.AddString("dtype", &dtype_name, "weight dtype: fp32, bf16 or fp16");

@@ -41,6 +41,12 @@ int RunPlan(int argc, char** argv) {
                "multi-head latent attention (DeepSeek): width of the cached latent");
   flags.AddInt("qk-rope-head-dim", &req.shape.qk_rope_head_dim,
                "multi-head latent attention (DeepSeek): width of the cached rope key");
+  flags.AddInt("sliding-window", &req.shape.sliding_window,
+               "window of the sliding-window layers, in tokens (with --sliding-layers)");
+  flags.AddInt("sliding-layers", &req.shape.sliding_layers,
+               "how many of the layers attend over a sliding window (0: none)");
+  flags.AddInt("block-size", &req.block_size,
+               "tokens per KV block: a sliding layer keeps whole blocks");
   flags.AddString("kv-dtype", &kv_dtype, "KV cache element type: " + std::string(kKvDTypeChoices));
   flags.AddInt("context", &req.context_tokens, "tokens per sequence");
   flags.AddDouble("gpu-mem-gib", &req.gpu_mem_gib, "device memory in GiB");
@@ -58,7 +64,9 @@ int RunPlan(int argc, char** argv) {
       "Example: pdserve plan --layers 80 --kv-heads 8 --head-dim 128 --kv-dtype fp8 "
       "--context 131072\n"
       "MLA (DeepSeek-V3): pdserve plan --layers 61 --kv-lora-rank 512 --qk-rope-head-dim 64 "
-      "--kv-dtype bf16");
+      "--kv-dtype bf16\n"
+      "Sliding windows (Gemma-2-9B): pdserve plan --config bench/configs/gemma-2-9b/config.json "
+      "--kv-dtype bf16 --context 32768");
   ParseFlagsOrExit(flags, argc, argv);
 
   auto dtype = ParseDType(kv_dtype);
@@ -91,8 +99,12 @@ int RunPlan(int argc, char** argv) {
   }
   const bool gqa_flags = flags.WasSet("kv-heads") || flags.WasSet("head-dim");
   const bool mla_flags = flags.WasSet("kv-lora-rank") || flags.WasSet("qk-rope-head-dim");
+  const bool window_flags = flags.WasSet("sliding-window") || flags.WasSet("sliding-layers");
+  if (window_flags && !(flags.WasSet("sliding-window") && flags.WasSet("sliding-layers"))) {
+    UsageError("plan", "--sliding-window and --sliding-layers go together");
+  }
   if (!config.empty()) {
-    if (gqa_flags || mla_flags || flags.WasSet("layers")) {
+    if (gqa_flags || mla_flags || window_flags || flags.WasSet("layers")) {
       UsageError("plan", "give either --config or the shape flags (--layers, ...)");
     }
     auto shape = KvShapeFromConfigFile(config);
@@ -127,6 +139,8 @@ int RunPlan(int argc, char** argv) {
         {"reserve_ratio", req.reserve_ratio},
         {"kv_bytes_per_token", plan->kv_bytes_per_token},
         {"kv_bytes_per_sequence", plan->kv_bytes_per_sequence},
+        {"kv_bytes_per_sequence_dense", plan->kv_bytes_per_sequence_dense},
+        {"block_size", req.block_size},
         {"kv_budget_bytes", plan->kv_budget_bytes},
         {"max_tokens", plan->max_tokens},
         {"max_sequences", plan->max_sequences},
@@ -137,6 +151,11 @@ int RunPlan(int argc, char** argv) {
     } else {
       j["kv_heads"] = req.shape.kv_heads;
       j["head_dim"] = req.shape.head_dim;
+    }
+    if (req.shape.sliding_layers > 0) {
+      j["sliding_layers"] = req.shape.sliding_layers;
+      j["sliding_window"] = req.shape.sliding_window;
+      j["sliding_tokens_per_sequence"] = plan->sliding_tokens_per_sequence;
     }
     if (req.kv_dtype == DType::kNvFp4)
       j["kv_scale_bytes_per_token"] = plan->kv_scale_bytes_per_token;
@@ -174,10 +193,22 @@ int RunPlan(int argc, char** argv) {
         "not counted\n",
         static_cast<long long>(req.shape.ScaleBytesPerBlock()));
   }
+  if (req.shape.sliding_layers > 0) {
+    std::printf(
+        "sliding window      %lld of the layers see the last %lld tokens; each keeps %lld\n",
+        static_cast<long long>(req.shape.sliding_layers),
+        static_cast<long long>(req.shape.sliding_window),
+        static_cast<long long>(plan->sliding_tokens_per_sequence));
+  }
   std::printf("bytes per sequence  %lld (%s) at %lld tokens\n",
               static_cast<long long>(plan->kv_bytes_per_sequence),
               HumanBytes(static_cast<double>(plan->kv_bytes_per_sequence)).c_str(),
               static_cast<long long>(req.context_tokens));
+  if (req.shape.sliding_layers > 0) {
+    std::printf("  with every layer full: %lld (%s)\n",
+                static_cast<long long>(plan->kv_bytes_per_sequence_dense),
+                HumanBytes(static_cast<double>(plan->kv_bytes_per_sequence_dense)).c_str());
+  }
   std::printf("KV budget           %s of %.1f GiB (weights %.1f GiB, reserve %.0f%%)\n",
               HumanBytes(static_cast<double>(plan->kv_budget_bytes)).c_str(), req.gpu_mem_gib,
               req.weights_gib, req.reserve_ratio * 100);

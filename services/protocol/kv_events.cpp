@@ -43,10 +43,12 @@ void ToProto(const KvEventBatch& batch, proto::KvEvents* p) {
             s->mutable_block_hashes()->Add(e.block_hashes.begin(), e.block_hashes.end());
             if (e.parent_hash) s->set_parent_hash(*e.parent_hash);
             s->set_tier(ToProto(e.tier));
+            s->set_group(e.group);
           } else if constexpr (std::is_same_v<T, KvRemoved>) {
             auto* r = pe->mutable_removed();
             r->mutable_block_hashes()->Add(e.block_hashes.begin(), e.block_hashes.end());
             r->set_tier(ToProto(e.tier));
+            r->set_group(e.group);
           } else {
             static_assert(std::is_same_v<T, KvCleared>);
             pe->mutable_cleared();
@@ -69,6 +71,7 @@ KvEventBatch FromProto(const proto::KvEvents& p) {
         s.block_hashes.assign(pe.stored().block_hashes().begin(), pe.stored().block_hashes().end());
         if (pe.stored().has_parent_hash()) s.parent_hash = pe.stored().parent_hash();
         s.tier = *tier;
+        s.group = pe.stored().group();
         batch.events.emplace_back(std::move(s));
         break;
       }
@@ -76,7 +79,8 @@ KvEventBatch FromProto(const proto::KvEvents& p) {
         const auto tier = FromProto(pe.removed().tier());
         if (!tier) break;
         KvRemoved r{{pe.removed().block_hashes().begin(), pe.removed().block_hashes().end()},
-                    *tier};
+                    *tier,
+                    pe.removed().group()};
         batch.events.emplace_back(std::move(r));
         break;
       }

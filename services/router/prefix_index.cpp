@@ -6,6 +6,7 @@
 #include <mutex>
 #include <unordered_set>
 
+#include "common/kv_groups.h"
 #include "services/router/detail/block_table.h"
 
 namespace pdserve::router {
@@ -333,6 +334,55 @@ void PrefixIndex::LeadingOverlap(std::span<const BlockHash> hashes, int64_t now_
   for (size_t k = 0; k < words_; ++k) {
     for (uint64_t rest = alive[k]; rest != 0; rest &= rest - 1) {
       (*out)[k * 64 + std::countr_zero(rest)] = static_cast<uint32_t>(n);
+    }
+  }
+}
+
+void PrefixIndex::GroupedOverlap(std::span<const BlockHash> hashes,
+                                 std::span<const int64_t> windows, size_t block_size,
+                                 int64_t now_us, std::vector<uint32_t>* out) const {
+  if (windows.size() <= 1 && (windows.empty() || windows[0] <= 0)) {
+    return LeadingOverlap(hashes, now_us, out);
+  }
+  out->assign(workers_.size(), 0);
+  if (hashes.empty()) return;
+  const size_t n = hashes.size(), groups = windows.size();
+  // held[(g * n + i) * words_ + k]: the workers holding block i of group g.
+  std::vector<uint64_t> held(groups * n * words_, 0);
+  std::vector<uint64_t> any(words_, 0);
+  {
+    std::shared_lock lock(mu_);
+    const bool any_pending = pending_->size() != 0;
+    for (size_t g = 0; g < groups; ++g) {
+      for (size_t i = 0; i < n; ++i) {
+        const BlockHash key = GroupBlockKey(hashes[i], static_cast<uint32_t>(g));
+        uint64_t* dst = &held[(g * n + i) * words_];
+        if (const size_t slot = blocks_->Find(key); slot != BlockTable::kNotFound) {
+          const uint64_t* w = blocks_->words(slot);
+          for (size_t k = 0; k < words_; ++k) dst[k] |= w[k];
+        }
+        if (any_pending) {
+          const size_t p = pending_->Find(key);
+          if (p != BlockTable::kNotFound &&
+              static_cast<int64_t>(pending_->words(p)[words_]) > now_us) {
+            const uint64_t* w = pending_->words(p);
+            for (size_t k = 0; k < words_; ++k) dst[k] |= w[k];
+          }
+        }
+        for (size_t k = 0; k < words_; ++k) any[k] |= dst[k];
+      }
+    }
+  }
+  // Only workers holding some block can have a prefix.
+  for (size_t k = 0; k < words_; ++k) {
+    for (uint64_t rest = any[k]; rest != 0; rest &= rest - 1) {
+      const size_t w = k * 64 + static_cast<size_t>(std::countr_zero(rest));
+      if (w >= out->size()) break;
+      const uint64_t bit = uint64_t{1} << (w % 64);
+      (*out)[w] =
+          static_cast<uint32_t>(CachedPrefixBlocks(windows, block_size, n, [&](size_t g, size_t i) {
+            return (held[(g * n + i) * words_ + k] & bit) != 0;
+          }));
     }
   }
 }

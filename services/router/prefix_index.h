@@ -131,6 +131,14 @@ class PrefixIndex {
   void LeadingOverlap(std::span<const BlockHash> hashes, int64_t now_us,
                       std::vector<uint32_t>* out) const;
 
+  // The same for a model whose KV has layer groups (common/kv_groups.h)
+  // of these windows (0: full attention): out->at(w) = the longest prefix,
+  // in blocks, that worker w can start a prompt from by CachedPrefixBlocks,
+  // a block of group g being held when its key GroupBlockKey(hash, g) is
+  // indexed or pending. With one full group this is LeadingOverlap.
+  void GroupedOverlap(std::span<const BlockHash> hashes, std::span<const int64_t> windows,
+                      size_t block_size, int64_t now_us, std::vector<uint32_t>* out) const;
+
   // Blocks hashes[from], hashes[from + 1], ... that `worker` holds in its
   // lower tiers, up to the first it does not (0 for a closed slot).
   TierRun LowerTierRun(WorkerId worker, std::span<const BlockHash> hashes, size_t from) const;

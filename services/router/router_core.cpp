@@ -5,6 +5,8 @@
 #include <cmath>
 #include <deque>
 
+#include "common/kv_groups.h"
+
 namespace pdserve::router {
 
 struct RouterCore::Worker {
@@ -140,6 +142,42 @@ Status RouterCore::OnLoad(WorkerId worker, const WorkerLoad& load) {
   return Status::Ok();
 }
 
+void RouterCore::SetKvGroupWindows(std::vector<int64_t> windows) {
+  std::lock_guard lock(mu_);
+  group_windows_ = std::move(windows);
+}
+
+std::vector<int64_t> RouterCore::KvGroupWindows() const {
+  std::lock_guard lock(mu_);
+  return group_windows_;
+}
+
+void RouterCore::Overlap(std::span<const BlockHash> hashes, int64_t now_us,
+                         std::vector<uint32_t>* out) const {
+  std::lock_guard lock(mu_);
+  OverlapLocked(hashes, now_us, out);
+}
+
+void RouterCore::OverlapLocked(std::span<const BlockHash> hashes, int64_t now_us,
+                               std::vector<uint32_t>* out) const {
+  if (!GroupedLocked()) return index_.LeadingOverlap(hashes, now_us, out);
+  index_.GroupedOverlap(hashes, group_windows_, static_cast<size_t>(options_.block_tokens), now_us,
+                        out);
+}
+
+void RouterCore::AddPendingLocked(WorkerId worker, std::span<const BlockHash> hashes,
+                                  int64_t now_us, int64_t expires_us) {
+  if (!GroupedLocked()) return index_.AddPending(worker, hashes, now_us, expires_us);
+  // The worker will hold every group's block of each of them.
+  pending_keys_.clear();
+  for (BlockHash h : hashes) {
+    for (size_t g = 0; g < group_windows_.size(); ++g) {
+      pending_keys_.push_back(GroupBlockKey(h, static_cast<uint32_t>(g)));
+    }
+  }
+  index_.AddPending(worker, pending_keys_, now_us, expires_us);
+}
+
 Candidate RouterCore::MakeCandidateLocked(Worker& w, int64_t overlap_blocks,
                                           const RouteRequest& request, int64_t now_us) {
   const int64_t prompt_tokens = request.prompt_tokens;
@@ -147,8 +185,9 @@ Candidate RouterCore::MakeCandidateLocked(Worker& w, int64_t overlap_blocks,
   c.worker = w.id;
   c.prompt_tokens = prompt_tokens;
   c.overlap_blocks = overlap_blocks;
-  const TierRun run =
-      index_.LowerTierRun(w.id, request.block_hashes, static_cast<size_t>(overlap_blocks));
+  const TierRun run = GroupedLocked() ? TierRun{}
+                                      : index_.LowerTierRun(w.id, request.block_hashes,
+                                                            static_cast<size_t>(overlap_blocks));
   c.host_blocks = run.host_blocks;
   c.disk_blocks = run.disk_blocks;
   c.uncached_tokens =
@@ -193,7 +232,7 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
     return Status::InvalidArgument("request id " + std::to_string(request.request_id) +
                                    " is already in flight");
   }
-  index_.LeadingOverlap(request.block_hashes, now, &overlap_);
+  OverlapLocked(request.block_hashes, now, &overlap_);
 
   // Whether a worker's context holds `tokens` (an unknown one is assumed to).
   auto holds = [](const Worker& w, int64_t tokens) {
@@ -273,11 +312,11 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
   // them) will hold the whole prompt shortly.
   if (options_.pending_ttl_us > 0) {
     const int64_t expires = now + options_.pending_ttl_us;
-    index_.AddPending(r.prefiller, request.block_hashes.subspan(decision.prefill_overlap_blocks),
-                      now, expires);
+    AddPendingLocked(r.prefiller, request.block_hashes.subspan(decision.prefill_overlap_blocks),
+                     now, expires);
     if (decision.prefill) {
-      index_.AddPending(r.decode, request.block_hashes.subspan(decision.decode_overlap_blocks), now,
-                        expires);
+      AddPendingLocked(r.decode, request.block_hashes.subspan(decision.decode_overlap_blocks), now,
+                       expires);
     }
   }
 
@@ -320,6 +359,7 @@ void RouterCore::OfferCopiesLocked(const RouteRequest& request, int64_t now_us) 
   const int64_t prompt_tokens = request.prompt_tokens;
   copy_blocks_.clear();
   if (options_.copy_cost <= 0 || options_.copy_cost >= 1) return;  // >= 1: a copy never pays
+  if (GroupedLocked()) return;  // a copy moves one group's prefix; not offered with groups
   // The longest prefix any KV writer holds, and its least busy holder.
   int64_t best = 0;
   double best_work = 0;

@@ -171,6 +171,18 @@ class RouterCore {
   // blocks stay indexed. No-op for an unknown worker.
   void SetDraining(WorkerId worker, bool draining);
 
+  // The model's KV layer groups (common/kv_groups.h), as its workers
+  // register them: the window of each group (0: full attention). Empty or
+  // one full group (the default): prefixes are leading runs of block
+  // hashes. Otherwise a worker's prefix is CachedPrefixBlocks over its
+  // indexed keys (PrefixIndex::GroupedOverlap), pending entries cover every
+  // group, and the lower tiers and hot-prefix copies are not predicted.
+  void SetKvGroupWindows(std::vector<int64_t> windows);
+  std::vector<int64_t> KvGroupWindows() const;
+  // The prefix each worker slot can start `hashes` from (LeadingOverlap or
+  // GroupedOverlap per the groups), pending entries after now_us counted.
+  void Overlap(std::span<const BlockHash> hashes, int64_t now_us, std::vector<uint32_t>* out) const;
+
   ApplyOutcome OnKvEvents(WorkerId worker, const KvEventBatch& batch);
   // `host` and `disk`: what the worker holds in its lower tiers.
   Status OnSnapshot(WorkerId worker, uint64_t seq, std::span<const BlockHash> hashes,
@@ -217,6 +229,13 @@ class RouterCore {
   // Counts one more request reaching the prefix that ends with block
   // `last_block`; true when it is hot (see RouterOptions::copy_min_requests).
   bool NoteHotPrefixLocked(BlockHash last_block, int64_t now_us);
+  bool GroupedLocked() const {
+    return group_windows_.size() > 1 || (group_windows_.size() == 1 && group_windows_[0] > 0);
+  }
+  void OverlapLocked(std::span<const BlockHash> hashes, int64_t now_us,
+                     std::vector<uint32_t>* out) const;
+  void AddPendingLocked(WorkerId worker, std::span<const BlockHash> hashes, int64_t now_us,
+                        int64_t expires_us);
 
   RouterOptions options_;
   PrefixIndex index_;
@@ -228,6 +247,8 @@ class RouterCore {
   RouterStats counters_;
   // Scratch reused by Route() (under mu_) so a decision does not allocate.
   std::vector<uint32_t> overlap_;
+  std::vector<int64_t> group_windows_;
+  std::vector<BlockHash> pending_keys_;
   std::vector<Candidate> candidates_;
   std::vector<int64_t> copy_blocks_;  // per decode candidate: blocks a copy brings
   WorkerId copy_source_ = 0;

@@ -117,12 +117,15 @@ void DecodeSide::OnGenerate(const ConnectionPtr& router, proto::Generate g) {
     for (TokenId t : req.prompt) p->add_prompt_token_ids(t);
     ToProto(req.params, p->mutable_sampling());
     p->set_cache_salt(req.cache_salt);
-    for (size_t i = plan->first_block_to_fill; i < plan->block_ids.size(); ++i) {
+    // Every layer group's blocks the engine reserved to be written (a
+    // windowed group's only within the first decode query's reach).
+    for (const BlockSlot& slot : plan->fill) {
       auto* w = p->add_blocks();
-      w->set_prompt_block_index(static_cast<uint32_t>(i));
-      w->set_remote_block_id(plan->block_ids[i]);
-      r->to_fill.push_back(plan->block_ids[i]);
-      r->unannounced.insert(plan->block_ids[i]);
+      w->set_prompt_block_index(static_cast<uint32_t>(slot.index));
+      w->set_remote_block_id(slot.block);
+      w->set_kv_group(slot.group);
+      r->to_fill.push_back(slot.block);
+      r->unannounced.insert(slot.block);
     }
     p->set_decode_worker_id(ctx_->opts->worker_id);
     p->set_prefix_copy(g.prefix_copy());
@@ -169,6 +172,20 @@ void DecodeSide::CancelAll(const std::string& why) {
   for (auto& [rid, held] : held_for_peers_) (void)ctx_->engine->ReleaseKvBlocks(held.pin);
   held_for_peers_.clear();
   held_blocks_.store(0);
+}
+
+void DecodeSide::FailComputing(const Status& st) {
+  std::vector<RequestId> ids;
+  for (auto& [id, r] : requests_) {
+    if (!r->remote) ids.push_back(id);
+  }
+  for (RequestId id : ids) {
+    Request& r = *requests_.at(id);
+    (void)ctx_->engine->Cancel(id);
+    PDSERVE_LOG(WARN) << "request " << r.router_rid << " failed: " << st.message();
+    (void)r.router->Send(RequestError(r.router_rid, st.code(), st.message(), !r.first_token_sent));
+    EraseRequest(id, "failed");
+  }
 }
 
 // Frees everything a request holds (deferred while a peer may write).
@@ -387,13 +404,16 @@ void DecodeSide::CompleteRemote(RequestId id) {
     }
     sampled = std::move(s);
   }
-  if (Status st = ctx_->engine->CompleteRemotePrefill(id, done.first_token_id(), sampled);
-      !st.ok()) {
-    PDSERVE_LOG(ERROR) << "request " << r.router_rid << ": " << st.message();
+  auto first = ctx_->engine->CompleteRemotePrefill(id, done.first_token_id(), sampled);
+  if (!first.ok()) {
+    PDSERVE_LOG(ERROR) << "request " << r.router_rid << ": " << first.status().message();
     r.remote = true;
-    r.failure = st.message();
-    FallBackToLocal(id);
+    r.failure = first.status().message();
+    return FallBackToLocal(id);
   }
+  // Sent now, not with the next engine step: when this token ends the
+  // request (max_tokens 1, a stop, EOS) there is no next step for it.
+  HandleOutput(*first);
 }
 
 // The hand-off did not happen: prefill locally (or finish a pending cancel).

@@ -1,5 +1,7 @@
 #include "services/worker/prefill_side.h"
 
+#include <algorithm>
+
 #include "common/logging.h"
 #include "common/proto/protocol.h"
 #include "services/protocol/sampling.h"
@@ -29,7 +31,8 @@ struct PrefillSide::Job {
   std::string decode_rid;
   ConnectionPtr decode;
   PeerId transfer_peer = 0;
-  std::map<uint32_t, BlockId> unsent;  // prompt block index -> the decode worker's block
+  // (prompt block index, layer group) -> the decode worker's block.
+  std::map<std::pair<uint32_t, uint32_t>, BlockId> unsent;
   WorkerClock::time_point arrived;
   WorkerClock::time_point deadline;
   WorkerClock::time_point first_write;
@@ -140,8 +143,15 @@ void PrefillSide::OnPrefill(const ConnectionPtr& decode, PeerId peer, proto::Pre
   // a drain push of its hot prompts to a survivor, and Stop() waits for both.
   if (peer == 0) return refuse("no transfer handshake on this connection", false);
   auto job = std::make_unique<Job>();
+  const uint32_t groups = static_cast<uint32_t>(ctx_->engine->block_manager().num_groups());
   for (const auto& w : p.blocks()) {
-    if (!job->unsent.emplace(w.prompt_block_index(), w.remote_block_id()).second) {
+    if (w.kv_group() >= groups) {
+      return refuse("prompt block " + std::to_string(w.prompt_block_index()) + " of layer group " +
+                        std::to_string(w.kv_group()) + ", which this model does not have",
+                    false);
+    }
+    if (!job->unsent.emplace(std::pair{w.prompt_block_index(), w.kv_group()}, w.remote_block_id())
+             .second) {
       return refuse("prompt block " + std::to_string(w.prompt_block_index()) + " listed twice",
                     false);
     }
@@ -174,11 +184,23 @@ void PrefillSide::OnDecodeGone(uint64_t connection_id) {
   for (auto& [id, job] : jobs_) {
     if (job->decode->id() == connection_id && !job->computed) orphans.push_back(id);
   }
-  for (RequestId id : orphans) {
+  FailJobs(orphans, "decode worker disconnected");
+}
+
+void PrefillSide::FailComputing(const std::string& why) {
+  std::vector<RequestId> computing;
+  for (auto& [id, job] : jobs_) {
+    if (!job->computed) computing.push_back(id);
+  }
+  FailJobs(computing, why);
+}
+
+void PrefillSide::FailJobs(const std::vector<RequestId>& ids, const std::string& why) {
+  for (RequestId id : ids) {
     Job& job = *jobs_.at(id);
     (void)ctx_->engine->Cancel(id);
     job.computed = true;
-    if (job.failure.empty()) job.failure = "decode worker disconnected";
+    if (job.failure.empty()) job.failure = why;
     TryFinish(id);
   }
 }
@@ -190,7 +212,7 @@ bool PrefillSide::HandleOutput(RequestOutput& out) {
   if (!out.finished) {
     // A chunk's full blocks (streamed prefill).
     if (job.failure.empty()) {
-      WriteBlocks(job, out.kv_blocks, out.kv_pin);
+      WriteBlocks(job, out.kv_slots, out.kv_pin);
     } else {
       ReleasePin(out.kv_pin);
     }
@@ -198,10 +220,17 @@ bool PrefillSide::HandleOutput(RequestOutput& out) {
   }
   job.computed = true;
   if (out.new_token_ids.empty() && job.failure.empty()) job.failure = "prefill produced no token";
-  if (!job.unsent.empty() && job.unsent.rbegin()->first >= out.kv_blocks.size() &&
-      job.failure.empty()) {
-    job.failure =
-        "block index " + std::to_string(job.unsent.rbegin()->first) + " beyond the prompt";
+  // Every block asked for must be one this prefill holds.
+  for (const auto& [at, remote] : job.unsent) {
+    if (!job.failure.empty()) break;
+    const bool held = std::any_of(
+        out.kv_slots.begin(), out.kv_slots.end(),
+        [&](const BlockSlot& s) { return s.index == at.first && s.group == at.second; });
+    if (!held) {
+      job.failure = "block index " + std::to_string(at.first) +
+                    (at.second ? " of layer group " + std::to_string(at.second) : "") +
+                    " beyond the prompt";
+    }
   }
   if (job.failure.empty()) {
     auto* d = job.done.mutable_prefill_done();
@@ -216,7 +245,7 @@ bool PrefillSide::HandleOutput(RequestOutput& out) {
       }
     }
     d->set_cached_tokens(static_cast<uint32_t>(out.num_cached_tokens));
-    WriteBlocks(job, out.kv_blocks, out.kv_pin);
+    WriteBlocks(job, out.kv_slots, out.kv_pin);
   } else {
     ReleasePin(out.kv_pin);
   }
@@ -224,18 +253,20 @@ bool PrefillSide::HandleOutput(RequestOutput& out) {
   return true;
 }
 
-void PrefillSide::WriteBlocks(Job& job, const std::vector<BlockId>& kv_blocks,
+void PrefillSide::WriteBlocks(Job& job, const std::vector<BlockSlot>& kv_slots,
                               std::optional<PinId> pin) {
   std::vector<BlockCopy> copies;
   proto::Envelope announce;
   auto* w = announce.mutable_kv_write();
   w->set_request_id(job.decode_rid);
-  for (auto it = job.unsent.begin(); it != job.unsent.end() && it->first < kv_blocks.size();) {
-    copies.push_back({kv_blocks[it->first], it->second});
+  for (const BlockSlot& slot : kv_slots) {
+    auto it = job.unsent.find({static_cast<uint32_t>(slot.index), slot.group});
+    if (it == job.unsent.end()) continue;  // not asked for, or sent with an earlier chunk
+    copies.push_back({slot.block, it->second});
     auto* pair = w->add_pairs();
-    pair->set_local_block_id(kv_blocks[it->first]);
+    pair->set_local_block_id(slot.block);
     pair->set_remote_block_id(it->second);
-    it = job.unsent.erase(it);
+    job.unsent.erase(it);
   }
   if (copies.empty()) return ReleasePin(pin);
   // The receiver posts its Receive from this announcement, before or while

@@ -43,6 +43,8 @@ class PrefillSide {
   bool HandleOutput(RequestOutput& out);
   // At shutdown: every job is cancelled and every pin released.
   void CancelAll();
+  // After a failed engine step: every job still computing is reported failed.
+  void FailComputing(const std::string& why);
 
  private:
   struct Job;
@@ -55,9 +57,12 @@ class PrefillSide {
   // Engine thread.
   void OnPrefill(const control::ConnectionPtr& decode, PeerId peer, proto::Prefill p);
   void OnDecodeGone(uint64_t connection_id);
-  // Writes the job's still unsent blocks among the prompt's first
-  // kv_blocks.size() blocks, holding `pin` until the write completes.
-  void WriteBlocks(Job& job, const std::vector<BlockId>& kv_blocks, std::optional<PinId> pin);
+  // Stops the jobs still computing among `ids` and reports them failed.
+  void FailJobs(const std::vector<RequestId>& ids, const std::string& why);
+  // Writes the job's still unsent blocks among `kv_slots` (the prompt's
+  // blocks computed so far, of every layer group), holding `pin` until the
+  // write completes.
+  void WriteBlocks(Job& job, const std::vector<BlockSlot>& kv_slots, std::optional<PinId> pin);
   void OnWriteDone(RequestId id, const Status& st, uint64_t bytes, std::optional<PinId> pin);
   // Reports the job once it is computed and no write is pending.
   void TryFinish(RequestId id);

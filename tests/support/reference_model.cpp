@@ -41,8 +41,10 @@ std::unique_ptr<ReferenceModel> ReferenceModel::Load(const std::string& dir, std
   m->head_dim_ = c.contains("head_dim") && !c["head_dim"].is_null() ? c["head_dim"].get<int64_t>()
                                                                     : m->hidden_ / m->heads_;
   m->eps_ = c.value("rms_norm_eps", 1e-6);
-  const double theta = c.value("rope_theta", 10000.0);
-  const bool tied = c.value("tie_word_embeddings", false);
+  const bool gemma2 = arch == "Gemma2ForCausalLM", gemma3 = arch == "Gemma3ForCausalLM";
+  m->gemma_ = gemma2 || gemma3;
+  const double theta = c.value("rope_theta", gemma3 ? 1e6 : 10000.0);
+  const bool tied = c.value("tie_word_embeddings", m->gemma_);
   if (arch == "DeepseekV2ForCausalLM" || arch == "DeepseekV3ForCausalLM") {
     m->deepseek_ = true;
     m->ds_.v3 = arch == "DeepseekV3ForCausalLM";
@@ -55,19 +57,69 @@ std::unique_ptr<ReferenceModel> ReferenceModel::Load(const std::string& dir, std
   // Mistral's projections and the other MLPs have no bias.
   const bool llama = arch == "LlamaForCausalLM", qwen2 = arch == "Qwen2ForCausalLM",
              qwen3 = arch == "Qwen3ForCausalLM";
-  const bool attention_bias =
-      (llama || qwen3 || arch == "Qwen3MoeForCausalLM") && c.value("attention_bias", false);
+  const bool attention_bias = (llama || qwen3 || arch == "Qwen3MoeForCausalLM" ||
+                               arch == "Gemma2ForCausalLM" || arch == "Gemma3ForCausalLM") &&
+                              c.value("attention_bias", false);
   const bool qkv_bias = qwen2 || attention_bias;
   const bool o_bias = attention_bias;
   const bool mlp_bias = llama && c.value("mlp_bias", false);
   if (qwen3 && !(c.contains("head_dim") && !c["head_dim"].is_null())) m->head_dim_ = 128;
+  if (m->gemma_ && !(c.contains("head_dim") && !c["head_dim"].is_null())) m->head_dim_ = 256;
+  // Each layer's window, as the configuration classes assign them:
+  // MistralConfig (default 4096) and MixtralConfig (none) window every
+  // layer; Qwen2/Qwen3/Qwen3-MoE only with use_sliding_window, from
+  // max_window_layers (28) on; Gemma2Config every (l + 1) % 2 layer,
+  // Gemma3TextConfig every (l + 1) % sliding_window_pattern (6) one, both
+  // with a default of 4096; layer_types overrides the family's choice.
+  const int64_t num_layers = c["num_hidden_layers"];
+  std::vector<int64_t> windows(num_layers, 0);
+  {
+    auto window_or = [&](int64_t fallback) -> int64_t {
+      if (!c.contains("sliding_window")) return fallback;
+      return c["sliding_window"].is_null() ? 0 : c["sliding_window"].get<int64_t>();
+    };
+    const bool qwen = qwen2 || qwen3 || arch == "Qwen3MoeForCausalLM";
+    std::vector<bool> sliding(num_layers, false);
+    int64_t w = 0;
+    if (arch == "MistralForCausalLM" || arch == "MixtralForCausalLM") {
+      w = window_or(arch == "MistralForCausalLM" ? 4096 : 0);
+      sliding.assign(num_layers, true);
+    } else if (qwen && c.value("use_sliding_window", false)) {
+      w = window_or(4096);
+      for (int64_t l = c.value("max_window_layers", int64_t{28}); l < num_layers; ++l) {
+        sliding[l] = true;
+      }
+    } else if (gemma2 || gemma3) {
+      w = window_or(4096);
+      const int64_t pattern = gemma2 ? 2 : c.value("sliding_window_pattern", int64_t{6});
+      for (int64_t l = 0; l < num_layers; ++l) sliding[l] = (l + 1) % pattern != 0;
+    }
+    if (c.contains("layer_types") && c["layer_types"].is_array()) {
+      for (int64_t l = 0; l < num_layers; ++l)
+        sliding[l] = c["layer_types"][l] == "sliding_attention";
+    }
+    for (int64_t l = 0; l < num_layers; ++l) windows[l] = sliding[l] ? w : 0;
+  }
+  if (m->gemma_) {
+    // Gemma2Attention: scaling = query_pre_attn_scalar ** -0.5; the caps
+    // (Gemma2Config: 50 and 30; Gemma3TextConfig: none), null meaning none.
+    m->attn_scale_ = 1.0 / std::sqrt(c.value("query_pre_attn_scalar", 256.0));
+    auto cap = [&](const char* key, double fallback) {
+      if (!c.contains(key)) return fallback;
+      return c[key].is_null() ? 0.0 : c[key].get<double>();
+    };
+    m->attn_cap_ = cap("attn_logit_softcapping", gemma2 ? 50.0 : 0.0);
+    m->final_cap_ = cap("final_logit_softcapping", gemma2 ? 30.0 : 0.0);
+  } else {
+    m->attn_scale_ = 1.0 / std::sqrt(static_cast<double>(m->head_dim_));
+  }
   // Qwen3MoeDecoderLayer: Qwen3MoeSparseMoeBlock where
   // `layer_idx not in mlp_only_layers and num_experts > 0 and
   // (layer_idx + 1) % decoder_sparse_step == 0`, else Qwen3MoeMLP with
   // intermediate_size; MixtralDecoderLayer: block_sparse_moe on every layer,
   // experts of intermediate_size, routing weights always renormalised.
   const bool qwen3_moe = arch == "Qwen3MoeForCausalLM", mixtral = arch == "MixtralForCausalLM";
-  const bool qk_norm = qwen3 || qwen3_moe;
+  const bool qk_norm = qwen3 || qwen3_moe || gemma3;
   int64_t num_experts = 0, sparse_step = 1;
   std::vector<int64_t> mlp_only;
   if (qwen3_moe) {
@@ -109,13 +161,33 @@ std::unique_ptr<ReferenceModel> ReferenceModel::Load(const std::string& dir, std
       }
     }
     m->inv_freq_.push_back(static_cast<float>(f));
+    // Gemma3RotaryEmbedding's local_inv_freq: rope_local_base_freq, unscaled.
+    m->inv_freq_local_.push_back(static_cast<float>(
+        1.0 / std::pow(c.value("rope_local_base_freq", 10000.0), 2.0 * i / m->head_dim_)));
   }
 
   Tensors t;
   if (!t.Load(dir, error)) return nullptr;
+  if (m->gemma_) {
+    // sqrt(hidden_size) as a tensor of the embedding's dtype
+    // (Gemma3TextScaledWordEmbedding; Gemma2Model's normalizer in the
+    // hidden states' dtype, which is the embedding's).
+    const double scale = std::sqrt(static_cast<double>(m->hidden_));
+    const std::string dtype = t.DTypeOf("model.embed_tokens.weight");
+    auto round_to = [](double x, int bits) {  // nearest with `bits` significant bits
+      int e;
+      const double f = std::frexp(x, &e);
+      return std::ldexp(std::nearbyint(std::ldexp(f, bits)), e - bits);
+    };
+    m->embed_scale_ = dtype == "BF16"  ? round_to(scale, 8)
+                      : dtype == "F16" ? round_to(scale, 11)
+                                       : static_cast<double>(static_cast<float>(scale));
+  }
   if (!t.Take("model.embed_tokens.weight", &m->embed_, error)) return nullptr;
-  for (int64_t l = 0; l < c["num_hidden_layers"].get<int64_t>(); ++l) {
+  for (int64_t l = 0; l < num_layers; ++l) {
     Layer L;
+    L.window = windows[l];
+    L.local_rope = gemma3 && windows[l] > 0;
     const std::string p = "model.layers." + std::to_string(l) + ".";
     if (!t.Take(p + "input_layernorm.weight", &L.in_norm, error) ||
         !t.Take(p + "post_attention_layernorm.weight", &L.post_norm, error) ||
@@ -158,6 +230,17 @@ std::unique_ptr<ReferenceModel> ReferenceModel::Load(const std::string& dir, std
                     !t.Take(p + "self_attn.k_norm.weight", &L.k_norm, error))) {
       return nullptr;
     }
+    if (m->gemma_) {
+      if (!t.Take(p + "pre_feedforward_layernorm.weight", &L.pre_ff_norm, error) ||
+          !t.Take(p + "post_feedforward_layernorm.weight", &L.post_ff_norm, error)) {
+        return nullptr;
+      }
+      // Gemma2RMSNorm / Gemma3RMSNorm: x / rms(x) * (1 + weight).
+      for (auto* w :
+           {&L.in_norm, &L.post_norm, &L.pre_ff_norm, &L.post_ff_norm, &L.q_norm, &L.k_norm}) {
+        for (double& v : *w) v += 1.0;
+      }
+    }
     if (mlp_bias && (!t.Take(p + "mlp.gate_proj.bias", &L.gate_bias, error) ||
                      !t.Take(p + "mlp.up_proj.bias", &L.up_bias, error) ||
                      !t.Take(p + "mlp.down_proj.bias", &L.down_bias, error))) {
@@ -166,6 +249,9 @@ std::unique_ptr<ReferenceModel> ReferenceModel::Load(const std::string& dir, std
     m->layers_.push_back(std::move(L));
   }
   if (!t.Take("model.norm.weight", &m->final_norm_, error)) return nullptr;
+  if (m->gemma_) {
+    for (double& v : m->final_norm_) v += 1.0;
+  }
   if (tied) {
     m->lm_head_ = m->embed_;
   } else if (!t.Take("lm_head.weight", &m->lm_head_, error)) {
@@ -184,12 +270,13 @@ std::vector<std::vector<double>> ReferenceModel::Forward(const std::vector<int32
   const int64_t T = static_cast<int64_t>(tokens.size()), H = hidden_, hd = head_dim_;
   std::vector<std::vector<double>> x(T, std::vector<double>(H));
   for (int64_t t = 0; t < T; ++t) {
-    for (int64_t i = 0; i < H; ++i) x[t][i] = embed_[tokens[t] * H + i];
+    for (int64_t i = 0; i < H; ++i) x[t][i] = embed_[tokens[t] * H + i] * embed_scale_;
   }
-  auto rope = [&](std::vector<double>& v, int64_t heads, int64_t pos) {
+  auto rope = [&](std::vector<double>& v, int64_t heads, int64_t pos, bool local) {
+    const std::vector<double>& inv_freq = local ? inv_freq_local_ : inv_freq_;
     for (int64_t h = 0; h < heads; ++h) {
       for (int64_t i = 0; i < hd / 2; ++i) {
-        const double a = pos * inv_freq_[i];
+        const double a = pos * inv_freq[i];
         const double x1 = v[h * hd + i], x2 = v[h * hd + i + hd / 2];
         v[h * hd + i] = x1 * std::cos(a) - x2 * std::sin(a);
         v[h * hd + i + hd / 2] = x2 * std::cos(a) + x1 * std::sin(a);
@@ -215,17 +302,21 @@ std::vector<std::vector<double>> ReferenceModel::Forward(const std::vector<int32
         head_norm(q[t], heads_, L.q_norm);
         head_norm(k[t], kv_heads_, L.k_norm);
       }
-      rope(q[t], heads_, t);
-      rope(k[t], kv_heads_, t);
+      rope(q[t], heads_, t, L.local_rope);
+      rope(k[t], kv_heads_, t, L.local_rope);
     }
     // The keys and values query t sees: as the cache holds them then.
     const int64_t layer = &L - layers_.data();
     auto cached = [&](const std::vector<std::vector<double>>& src, int64_t t, int64_t set) {
       if (kv.type == KvRounding::Type::kNone) return src;
       std::vector<std::vector<double>> out(src.begin(), src.begin() + t + 1);
-      if (kv.type == KvRounding::Type::kBF16) {
+      if (kv.type == KvRounding::Type::kBF16 || kv.type == KvRounding::Type::kF16) {
         for (auto& row : out) {
-          for (auto& x : row) x = RoundBf16(x);
+          for (auto& x : row) {
+            // As the engine does: the fp32 value, then the 16-bit type.
+            const double f = static_cast<float>(x);
+            x = kv.type == KvRounding::Type::kBF16 ? RoundBf16(f) : reference::RoundF16(f);
+          }
         }
         return out;
       }
@@ -254,23 +345,45 @@ std::vector<std::vector<double>> ReferenceModel::Forward(const std::vector<int32
     for (int64_t t = 0; t < T; ++t) {
       std::vector<double> attn(heads_ * hd, 0.0);
       const auto kc = cached(k, t, 0), vc = cached(v, t, 1);
+      // The keys in the window: positions first..t (kv_idx > t - window).
+      const int64_t first = L.window > 0 ? std::max<int64_t>(0, t - L.window + 1) : 0;
       for (int64_t h = 0; h < heads_; ++h) {
         const int64_t g = h / (heads_ / kv_heads_);
-        std::vector<double> s(t + 1);
+        std::vector<double> s(t + 1, 0.0);
         double mx = -1e300;
-        for (int64_t j = 0; j <= t; ++j) {
+        for (int64_t j = first; j <= t; ++j) {
           double dot = 0;
           for (int64_t i = 0; i < hd; ++i) dot += q[t][h * hd + i] * kc[j][g * hd + i];
-          s[j] = dot / std::sqrt(static_cast<double>(hd));
+          s[j] = dot * attn_scale_;
+          if (attn_cap_ > 0) s[j] = attn_cap_ * std::tanh(s[j] / attn_cap_);
           mx = std::max(mx, s[j]);
         }
         double den = 0;
-        for (auto& e : s) den += (e = std::exp(e - mx));
-        for (int64_t j = 0; j <= t; ++j) {
+        for (int64_t j = first; j <= t; ++j) den += (s[j] = std::exp(s[j] - mx));
+        for (int64_t j = first; j <= t; ++j) {
           for (int64_t i = 0; i < hd; ++i) attn[h * hd + i] += s[j] / den * vc[j][g * hd + i];
         }
       }
-      const auto o = MatVec(L.o, attn, H, &L.o_bias);
+      auto o = MatVec(L.o, attn, H, &L.o_bias);
+      if (gemma_) {
+        // Gemma2DecoderLayer: post_attention_layernorm on the attention
+        // output, pre_feedforward_layernorm before the MLP, then
+        // post_feedforward_layernorm on its output; GeLU (tanh) gating.
+        o = RmsNorm(o, L.post_norm, eps_);
+        for (int64_t i = 0; i < H; ++i) x[t][i] += o[i];
+        const auto h2 = RmsNorm(x[t], L.pre_ff_norm, eps_);
+        const auto gate = MatVec(L.gate, h2, inter_, &L.gate_bias);
+        const auto up = MatVec(L.up, h2, inter_, &L.up_bias);
+        std::vector<double> act(inter_);
+        const double k = std::sqrt(2.0 / std::numbers::pi);
+        for (int64_t i = 0; i < inter_; ++i) {
+          const double g = gate[i];
+          act[i] = 0.5 * g * (1 + std::tanh(k * (g + 0.044715 * g * g * g))) * up[i];
+        }
+        const auto d = RmsNorm(MatVec(L.down, act, H, &L.down_bias), L.post_ff_norm, eps_);
+        for (int64_t i = 0; i < H; ++i) x[t][i] += d[i];
+        continue;
+      }
       for (int64_t i = 0; i < H; ++i) x[t][i] += o[i];
       const auto h2 = RmsNorm(x[t], L.post_norm, eps_);
       if (L.sparse) {
@@ -287,8 +400,12 @@ std::vector<std::vector<double>> ReferenceModel::Forward(const std::vector<int32
     }
   }
   std::vector<std::vector<double>> logits(T);
-  for (int64_t t = 0; t < T; ++t)
+  for (int64_t t = 0; t < T; ++t) {
     logits[t] = MatVec(lm_head_, RmsNorm(x[t], final_norm_, eps_), vocab_);
+    if (final_cap_ > 0) {
+      for (double& v : logits[t]) v = final_cap_ * std::tanh(v / final_cap_);
+    }
+  }
   return logits;
 }
 

@@ -1,8 +1,14 @@
 // A naive dense reference forward pass for the Llama family (Llama, Mistral,
-// Qwen2, Qwen3, and the mixture-of-experts Qwen3-MoE and Mixtral) and for
-// DeepSeek-V2/V3, written from the `transformers` modeling files
-// (modeling_llama/mistral/qwen2/qwen3/qwen3_moe/mixtral/deepseek_v2/
-// deepseek_v3.py) independently of the engine: which projections carry
+// Qwen2, Qwen3, and the mixture-of-experts Qwen3-MoE and Mixtral), for
+// Gemma-2/3 and for DeepSeek-V2/V3, written from the `transformers`
+// modeling files (modeling_llama/mistral/qwen2/qwen3/qwen3_moe/mixtral/
+// gemma2/gemma3/deepseek_v2/deepseek_v3.py) independently of the engine:
+// sliding windows per layer as each configuration class assigns them (a
+// query at t sees positions t-W+1..t, masking_utils.sliding_window_overlay),
+// Gemma's (1 + weight) RMSNorm, sandwich norms, GeLU-tanh MLP, embeddings
+// scaled by sqrt(hidden) in the embedding's dtype, query_pre_attn_scalar,
+// tanh soft-capping of attention and final logits, and Gemma-3's q/k norms
+// and local rotary base on its sliding layers; which projections carry
 // biases, Qwen3's per-head q_norm/k_norm before RoPE, the sparse MoE block
 // (softmax over all router logits, top-k, renormalised per norm_topk_prob,
 // every token through its experts one by one), and a refusal of any
@@ -30,8 +36,8 @@ namespace pdserve::testing {
 
 // How the reference rounds the keys and values it attends to, as a KV cache
 // of that dtype stores them (the format kernels/backend.h specifies): kNone
-// keeps them exact; kBF16 rounds each value to the nearest bf16 (ties to
-// even); kFP8E4M3 divides the values of each (block of block_size
+// keeps them exact; kBF16 (kF16) rounds each value to the nearest bf16
+// (fp16), ties to even; kFP8E4M3 divides the values of each (block of block_size
 // positions, head) by the smallest power of two that keeps them within
 // +-448, rounds to the nearest e4m3 and multiplies back; kFP8E5M2 the same
 // within +-57344 to e5m2; kNvFp4 takes the power of two for +-448 x 6 and
@@ -46,7 +52,7 @@ namespace pdserve::testing {
 // token and layer, the normalised latent then the roped key, which is what
 // gets rounded: fp8 with one scale per (block, layer) over whole rows.
 struct KvRounding {
-  enum class Type { kNone, kBF16, kFP8E4M3, kFP8E5M2, kNvFp4 };
+  enum class Type { kNone, kBF16, kFP8E4M3, kFP8E5M2, kNvFp4, kF16 };
   Type type = Type::kNone;
   int64_t block_size = 16;
   int64_t first_chunk = 1;
@@ -82,7 +88,12 @@ class ReferenceModel {
  private:
   struct Layer {
     std::vector<double> in_norm, post_norm, q, k, v, o, q_bias, k_bias, v_bias, o_bias;
-    std::vector<double> q_norm, k_norm;  // Qwen3, [head_dim]
+    std::vector<double> q_norm, k_norm;  // Qwen3, Gemma-3, [head_dim]
+    // Gemma: the norms around the MLP (post_norm is then the attention
+    // output's); the window (0: full attention) and which rotary base.
+    std::vector<double> pre_ff_norm, post_ff_norm;
+    int64_t window = 0;
+    bool local_rope = false;
     std::vector<double> gate, up, down, gate_bias, up_bias, down_bias;
     // Sparse MoE block: router [experts, hidden]; experts' gate/up/down.
     bool sparse = false;
@@ -116,7 +127,9 @@ class ReferenceModel {
   bool norm_topk_ = false;
   int64_t vocab_ = 0, hidden_ = 0, inter_ = 0, heads_ = 0, kv_heads_ = 0, head_dim_ = 0;
   double eps_ = 1e-5;
-  std::vector<double> inv_freq_;
+  std::vector<double> inv_freq_, inv_freq_local_;
+  bool gemma_ = false;
+  double attn_scale_ = 0, attn_cap_ = 0, final_cap_ = 0, embed_scale_ = 1;
   std::vector<double> embed_, final_norm_, lm_head_;
   std::vector<Layer> layers_;
 };

@@ -107,6 +107,7 @@ class Tensors {
           return false;
         }
         values_[name] = std::move(v);
+        dtypes_[name] = dtype;
       }
     }
     return Dequantize(dir, error);
@@ -122,6 +123,11 @@ class Tensors {
     return true;
   }
   bool Has(const std::string& name) const { return values_.count(name) > 0; }
+  // The stored dtype of a tensor ("F32", "BF16", "F16"), "" if unknown.
+  std::string DTypeOf(const std::string& name) const {
+    auto it = dtypes_.find(name);
+    return it == dtypes_.end() ? "" : it->second;
+  }
   // Forgets every tensor whose name starts with `prefix`; how many there were.
   int64_t Drop(const std::string& prefix) {
     int64_t n = 0;
@@ -188,6 +194,7 @@ class Tensors {
   std::map<std::string, std::vector<double>> values_;
   std::map<std::string, std::vector<int64_t>> shapes_;
   std::vector<std::string> fp8_;
+  std::map<std::string, std::string> dtypes_;
 };
 
 // y[rows_out] = W[rows_out, cols] x[cols] (+ b)
@@ -223,6 +230,16 @@ inline double RoundBf16(double x) {
   float r;
   std::memcpy(&r, &bits, 4);
   return r;
+}
+
+// Nearest fp16 value (11 significant bits, subnormal step 2^-24), ties to
+// even; no overflow handling (K/V stay far below 65504).
+inline double RoundF16(double x) {
+  const double a = std::fabs(x);
+  if (a == 0) return x;
+  const int e = std::max(static_cast<int>(std::floor(std::log2(a))), -14);
+  const double step = std::ldexp(1.0, e - 10);
+  return std::copysign(std::nearbyint(a / step) * step, x);
 }
 
 // Nearest e4m3 value (1 sign, 4 exponent bits of bias 7, 3 mantissa bits,

@@ -182,3 +182,68 @@ TEST(CapacityPlanTest, CheckpointWeightBytesAreTheStoredTensors) {
 
 }  // namespace
 }  // namespace pdserve
+
+namespace pdserve {
+namespace {
+
+// Sliding-window layers keep ceil((W-1)/B) + 1 blocks of a sequence: Gemma-2-9B
+// (21 of 42 layers at 4096), Gemma-3-12B (40 of 48 at 1024), Mistral-7B-v0.1
+// (all 32 at 4096), bf16, blocks of 16.
+TEST(CapacityPlanTest, SlidingWindowsBoundWhatASequenceKeeps) {
+  auto plan = [](KvShape shape, int64_t context) {
+    CapacityRequest r;
+    r.shape = shape;
+    r.kv_dtype = DType::kBF16;
+    r.context_tokens = context;
+    auto p = PlanCapacity(r);
+    EXPECT_TRUE(p.ok()) << p.status().ToString();
+    return *p;
+  };
+  KvShape gemma2{42, 8, 256};
+  gemma2.sliding_layers = 21;
+  gemma2.sliding_window = 4096;
+  const int64_t layer_token = 2 * 8 * 256 * 2;  // K and V of one layer, bf16
+  const CapacityPlan g = plan(gemma2, 32768);
+  EXPECT_EQ(g.sliding_tokens_per_sequence, 4096 + 16);  // 256 blocks for 4095 tokens, + 1
+  EXPECT_EQ(g.kv_bytes_per_sequence_dense, 42 * layer_token * 32768);
+  EXPECT_EQ(g.kv_bytes_per_sequence, layer_token * (21 * 32768 + 21 * 4112));
+  // Within the window the windowed layers keep what full ones do.
+  const CapacityPlan short_context = plan(gemma2, 4000);
+  EXPECT_EQ(short_context.kv_bytes_per_sequence, short_context.kv_bytes_per_sequence_dense);
+  KvShape mistral{32, 8, 128};
+  mistral.sliding_layers = 32;
+  mistral.sliding_window = 4096;
+  const CapacityPlan m4 = plan(mistral, 32768), m128 = plan(mistral, 131072);
+  EXPECT_EQ(m4.kv_bytes_per_sequence, m128.kv_bytes_per_sequence);  // bounded by the window
+  EXPECT_EQ(m128.kv_bytes_per_sequence, 32 * 2 * 8 * 128 * 2 * 4112);
+  EXPECT_GT(m128.max_sequences, 16 * plan(KvShape{32, 8, 128}, 131072).max_sequences);
+  // The shapes as the engine reads them from config.json.
+  auto from = [](const char* name) {
+    return KvShapeFromConfigFile(std::string(PDSERVE_SOURCE_DIR) + "/bench/configs/" + name +
+                                 "/config.json");
+  };
+  auto g2 = from("gemma-2-9b");
+  ASSERT_TRUE(g2.ok()) << g2.status().ToString();
+  EXPECT_EQ(g2->sliding_layers, 21);
+  EXPECT_EQ(g2->sliding_window, 4096);
+  auto g3 = from("gemma-3-12b");
+  ASSERT_TRUE(g3.ok());
+  EXPECT_EQ(g3->sliding_layers, 40);
+  EXPECT_EQ(g3->sliding_window, 1024);
+  EXPECT_EQ(g3->head_dim, 256);
+  auto m = from("mistral-7b-v0.1");
+  ASSERT_TRUE(m.ok());
+  EXPECT_EQ(m->sliding_layers, 32);
+  // Refusals.
+  CapacityRequest bad;
+  bad.shape = KvShape{4, 1, 8};
+  bad.shape.sliding_layers = 5;
+  bad.shape.sliding_window = 8;
+  EXPECT_FALSE(PlanCapacity(bad).ok());
+  bad.shape.sliding_layers = 2;
+  bad.shape.sliding_window = 0;
+  EXPECT_FALSE(PlanCapacity(bad).ok());
+}
+
+}  // namespace
+}  // namespace pdserve

@@ -4,7 +4,8 @@
 // them at once (greedy rows sample on the device); with bf16
 // weights (tensor-core products) the first token's log-probabilities stay
 // within 1e-2 relative of the CPU's on the same checkpoint. The Qwen3 and
-// DeepSeek presets' greedy tokens equal the CPU engine's too. With a host KV
+// DeepSeek presets' greedy tokens equal the CPU engine's too, and so do the
+// sliding-window presets' (Gemma-2/3, Mistral and Qwen2 windows). With a host KV
 // tier (page-locked memory), evicted prefixes come back with the CPU's tokens.
 #include <gtest/gtest.h>
 
@@ -123,6 +124,17 @@ TEST(CudaEngineTest, Qwen3GreedyTokensEqualTheCpuEngine) {
 TEST(CudaEngineTest, DeepSeekGreedyTokensEqualTheCpuEngine) {
   ExpectPresetGreedyTokensEqualTheCpu("deepseek-v2-lite", 400);
   ExpectPresetGreedyTokensEqualTheCpu("deepseek-v3", 400);
+}
+
+// Sliding windows (Gemma-2's alternating 32-token windows with soft caps,
+// Gemma-3's local layers with their own rope base, Mistral windowing every
+// layer, Qwen2 windowing its last layers): prompts and generations far
+// longer than the windows, the split-K path at 600 tokens included, blocks
+// released as the windows move.
+TEST(CudaEngineTest, WindowedPresetsGreedyTokensEqualTheCpuEngine) {
+  for (const char* preset : {"gemma2", "gemma3", "mistral-window", "qwen2-window"}) {
+    ExpectPresetGreedyTokensEqualTheCpu(preset, 500);
+  }
 }
 
 TEST(CudaEngineTest, Bf16WeightsStayCloseToTheCpu) {

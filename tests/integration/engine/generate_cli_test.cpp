@@ -208,13 +208,35 @@ TEST_F(GenerateCliTest, Qwen3PresetRunsAndUnimplementedKeysExitTwo) {
     std::ofstream(bad + "/config.json") << c.dump();
     return bad;
   };
+  auto with_patch = [&](const std::string& name, const nlohmann::json& patch) {
+    const std::string bad = testing::NewTempDir(name) + "/model";
+    fs::copy(dir, bad);
+    nlohmann::json c = nlohmann::json::parse(Slurp(dir + "/config.json"));
+    c.merge_patch(patch);
+    std::ofstream(bad + "/config.json") << c.dump();
+    return bad;
+  };
   struct Case {
     std::string dir, needle;
   };
   const Case cases[] = {
       {with_config("cli-yarn", "rope_scaling", {{"rope_type", "yarn"}, {"factor", 4.0}}),
        "rope_scaling"},
-      {with_config("cli-window", "use_sliding_window", true), "use_sliding_window"},
+      // Windows: refused naming the key (zero or negative, larger than the
+      // context, layer_types of the wrong length or an unknown type).
+      {with_patch("cli-window-zero",
+                  {{"use_sliding_window", true}, {"sliding_window", 0}, {"max_window_layers", 0}}),
+       "'sliding_window' = 0"},
+      {with_patch("cli-window-negative", {{"use_sliding_window", true}, {"sliding_window", -4}}),
+       "sliding_window"},
+      {with_patch(
+           "cli-window-large",
+           {{"use_sliding_window", true}, {"sliding_window", 5000}, {"max_window_layers", 1}}),
+       "'sliding_window' 5000 is larger than the context"},
+      {with_config("cli-layer-types-length", "layer_types", {"full_attention"}), "layer_types"},
+      {with_config("cli-layer-types-unknown", "layer_types",
+                   {"full_attention", "linear_attention"}),
+       "linear_attention"},
       {with_config("cli-quant", "quantization_config", {{"quant_method", "awq"}, {"bits", 4}}),
        "quantization_config"},
       {with_config("cli-act", "hidden_act", "gelu_pytorch_tanh"), "hidden_act"},

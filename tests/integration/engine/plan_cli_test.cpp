@@ -67,5 +67,37 @@ TEST(PlanCliTest, ExplicitMlaFlags) {
   }
 }
 
+// Sliding windows: Gemma-2-9B's config.json (21 of 42 layers at 4096) at
+// 32k, bf16: the windowed layers keep 4112 tokens (257 blocks of 16), the
+// dense figure beside it; the explicit flags go together.
+TEST(PlanCliTest, SlidingWindowsCountTheWindow) {
+  const auto r =
+      Plan({"--config", std::string(PDSERVE_SOURCE_DIR) + "/bench/configs/gemma-2-9b/config.json",
+            "--kv-dtype", "bf16", "--context", "32768", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  const int64_t layer_token = 2 * 8 * 256 * 2;
+  EXPECT_EQ(j["sliding_layers"], 21);
+  EXPECT_EQ(j["sliding_tokens_per_sequence"], 4112);
+  EXPECT_EQ(j["kv_bytes_per_sequence"], layer_token * (21 * 32768 + 21 * 4112));
+  EXPECT_EQ(j["kv_bytes_per_sequence_dense"], layer_token * 42 * 32768);
+  const auto flags =
+      Plan({"--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--sliding-window", "4096",
+            "--sliding-layers", "32", "--context", "131072", "--json"});
+  ASSERT_EQ(flags.exit_code, 0) << flags.err;
+  EXPECT_EQ(nlohmann::json::parse(flags.out)["kv_bytes_per_sequence"], 32 * 2 * 8 * 128 * 2 * 4112);
+  for (const std::vector<std::string>& bad :
+       {std::vector<std::string>{"--layers", "32", "--kv-heads", "8", "--head-dim", "128",
+                                 "--sliding-window", "4096"},
+        std::vector<std::string>{"--layers", "32", "--kv-heads", "8", "--head-dim", "128",
+                                 "--sliding-window", "0", "--sliding-layers", "4"},
+        std::vector<std::string>{"--layers", "32", "--kv-heads", "8", "--head-dim", "128",
+                                 "--sliding-window", "64", "--sliding-layers", "33"}}) {
+    const auto e = Plan(bad);
+    EXPECT_EQ(e.exit_code, 2) << e.out;
+    EXPECT_EQ(std::count(e.err.begin(), e.err.end(), '\n'), 1) << e.err;
+  }
+}
+
 }  // namespace
 }  // namespace pdserve

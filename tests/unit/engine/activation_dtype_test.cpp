@@ -116,6 +116,18 @@ class Bf16ActivationBackend final : public Backend {
     Widened f;
     cpu_.SwiGlu(f(gate), f(up), f(out));
   }
+  void GeluTanhGlu(const Tensor& gate, const Tensor& up, const Tensor& out) override {
+    Widened f;
+    cpu_.GeluTanhGlu(f(gate), f(up), f(out));
+  }
+  void Scale(const Tensor& x, float factor) override {
+    Widened f;
+    cpu_.Scale(f(x), factor);
+  }
+  void SoftCap(const Tensor& x, float cap) override {
+    Widened f;
+    cpu_.SoftCap(f(x), cap);
+  }
   void Add(const Tensor& x, const Tensor& y) override {
     Widened f;
     cpu_.Add(f(x), f(y));

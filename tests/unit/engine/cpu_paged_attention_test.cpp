@@ -68,11 +68,16 @@ struct Seq {
   int32_t context;
 };
 
+// `window` > 0: sliding-window attention (a query at p sees p-window+1..p),
+// with the table entries of blocks before each sequence's first query's
+// reach pointing at a block of NaNs, which must not be read. `softcap` > 0:
+// scores capped as cap * tanh(score / cap).
 void CheckAttention(SimdLevel level, DType dtype, int64_t kv_heads, int64_t group, int64_t head_dim,
-                    int64_t block_size, uint32_t seed) {
+                    int64_t block_size, uint32_t seed, int64_t window = 0, float softcap = 0) {
   SCOPED_TRACE(std::string(SimdLevelName(level)) + " " + std::string(DTypeName(dtype)) +
                " kv_heads=" + std::to_string(kv_heads) + " group=" + std::to_string(group) +
-               " head_dim=" + std::to_string(head_dim) + " block=" + std::to_string(block_size));
+               " head_dim=" + std::to_string(head_dim) + " block=" + std::to_string(block_size) +
+               " window=" + std::to_string(window) + " softcap=" + std::to_string(softcap));
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal(0.f, 1.f);
   CpuBackend cpu(3, level);
@@ -89,9 +94,11 @@ void CheckAttention(SimdLevel level, DType dtype, int64_t kv_heads, int64_t grou
   layout.head_dim = head_dim;
   layout.block_size = block_size;
   layout.dtype = dtype;
-  layout.num_blocks = S * max_blocks;
+  layout.num_blocks = S * max_blocks + 1;  // the last: NaNs, never to be read
   std::vector<uint8_t> pool(layout.total_bytes());
-  std::vector<int32_t> table(S * max_blocks);
+  const int32_t poison = static_cast<int32_t>(S * max_blocks);
+  std::fill(pool.begin() + layout.block_offset(poison), pool.end(), uint8_t{0xFF});
+  std::vector<int32_t> table(S * max_blocks);  // (the poison block stays out of it)
   std::iota(table.begin(), table.end(), 0);
   std::shuffle(table.begin(), table.end(), rng);
 
@@ -117,13 +124,22 @@ void CheckAttention(SimdLevel level, DType dtype, int64_t kv_heads, int64_t grou
   }
   std::vector<float> q(tokens * num_heads * head_dim);
   for (auto& x : q) x = normal(rng);
+  // What the kernel is given: the blocks out of every row's window replaced.
+  std::vector<int32_t> given = table;
+  for (int64_t s = 0; window > 0 && s < S; ++s) {
+    const int64_t first_pos = context[s] - seqs[s].q_len;
+    const int64_t first_key = std::max<int64_t>(0, first_pos - window + 1);
+    for (int64_t b = 0; b < first_key / block_size; ++b) given[s * max_blocks + b] = poison;
+  }
   AttentionBatch batch;
   batch.num_seqs = S;
   batch.query_start = query_start.data();
   batch.context_lens = context.data();
-  batch.block_tables = table.data();
+  batch.block_tables = given.data();
   batch.max_blocks_per_seq = max_blocks;
   batch.num_tokens = tokens;
+  batch.window = window;
+  batch.softcap = softcap;
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
   std::vector<float> out(q.size(), NAN);
   AttentionPlan plan;
@@ -156,19 +172,21 @@ void CheckAttention(SimdLevel level, DType dtype, int64_t kv_heads, int64_t grou
         const std::vector<double>& keys = kv[h / group][0];
         const std::vector<double>& values = kv[h / group][1];
         const float* qv = q.data() + (r * num_heads + h) * head_dim;
-        std::vector<double> score(pos + 1);
+        const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+        std::vector<double> score(pos + 1, 0.0);
         double max_score = -INFINITY;
-        for (int64_t p = 0; p <= pos; ++p) {
+        for (int64_t p = lo; p <= pos; ++p) {
           double dot = 0;
           for (int64_t i = 0; i < head_dim; ++i) dot += qv[i] * keys[p * head_dim + i];
           score[p] = dot * scale;
+          if (softcap > 0) score[p] = softcap * std::tanh(score[p] / softcap);
           max_score = std::max(max_score, score[p]);
         }
         double denom = 0;
-        for (auto& x : score) denom += (x = std::exp(x - max_score));
+        for (int64_t p = lo; p <= pos; ++p) denom += (score[p] = std::exp(score[p] - max_score));
         double max_abs_v = 0;
         std::vector<double> want(head_dim, 0.0);
-        for (int64_t p = 0; p <= pos; ++p) {
+        for (int64_t p = lo; p <= pos; ++p) {
           for (int64_t i = 0; i < head_dim; ++i) {
             const double v = values[p * head_dim + i];
             want[i] += score[p] / denom * v;
@@ -209,6 +227,24 @@ TEST(CpuPagedAttentionTest, MatchesDoublePrecisionAttention) {
       CheckAttention(level, dtype, 3, 2, /*head_dim=*/8, /*block=*/1, seed++);
       CheckAttention(level, dtype, 2, 4, /*head_dim=*/80, /*block=*/7, seed++);
       CheckAttention(level, dtype, 1, 1, /*head_dim=*/128, /*block=*/32, seed++);
+    }
+  }
+}
+
+// Sliding windows smaller than, equal to and larger than the contexts (1,
+// 37, 45 and 33 positions), starting inside blocks and at their edges, with
+// and without soft-capping, every dtype and SIMD level.
+TEST(CpuPagedAttentionTest, SlidingWindowAndSoftCap) {
+  uint32_t seed = 1000;
+  for (const SimdLevel level : Levels()) {
+    for (const DType dtype : {DType::kF32, DType::kBF16, DType::kF16, DType::kFP8E4M3,
+                              DType::kFP8E5M2, DType::kNvFp4}) {
+      for (const int64_t window : {1, 4, 16, 17, 33, 45, 100}) {
+        CheckAttention(level, dtype, /*kv_heads=*/2, /*group=*/3, /*head_dim=*/32, /*block=*/4,
+                       seed++, window, window == 17 ? 3.0f : 0.0f);
+      }
+      CheckAttention(level, dtype, 1, 8, /*head_dim=*/64, /*block=*/16, seed++, /*window=*/20,
+                     /*softcap=*/2.5f);
     }
   }
 }

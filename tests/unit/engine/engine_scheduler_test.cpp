@@ -182,6 +182,37 @@ TEST_F(EngineSchedulerTest, PreemptionAndRecomputeGiveSameTokens) {
   EXPECT_EQ(stats.free_blocks + stats.evictable_blocks, stats.num_blocks);
 }
 
+// Every request sampled with its own seed, so whichever is preempted (the
+// newest running one) is a seeded one: its recomputed prompt and outputs
+// continue the tokens it would have drawn alone (sampling is keyed by seed
+// and output index, not by step).
+TEST_F(EngineSchedulerTest, SeededSamplingIsUnchangedByPreemption) {
+  std::vector<EngineRequest> requests;
+  std::map<RequestId, std::vector<TokenId>> expected;
+  for (int i = 0; i < 4; ++i) {
+    requests.push_back(Greedy(i + 1, Prompt(40, 30 + i), 30));
+    requests.back().params.temperature = 0.8f;
+    requests.back().params.top_p = 0.95f;
+    requests.back().params.seed = 100 + i;
+    expected[i + 1] = Alone(requests.back());
+  }
+  EngineOptions o;
+  o.kv_cache_bytes = 9 * kBlockBytes;  // 9 blocks; each request grows to 5
+  auto e = MakeEngine(o);
+  for (const auto& r : requests) ASSERT_TRUE(e->AddRequest(r).ok());
+  auto out = RunAll(*e);
+  EXPECT_GT(e->GetStats().num_preemptions, 0u);
+  for (const auto& [id, tokens] : expected) {
+    EXPECT_EQ(out[id].size(), 30u);
+    EXPECT_EQ(out[id], tokens) << "request " << id;
+  }
+  // The seeds matter: two requests of one prompt and other seeds differ.
+  EngineRequest a = requests[0], b = requests[0];
+  b.id = 99;
+  b.params.seed = 101;
+  EXPECT_NE(Alone(a), Alone(b));
+}
+
 TEST_F(EngineSchedulerTest, MaxNumSeqsIsRespected) {
   EngineOptions o;
   o.max_num_seqs = 2;

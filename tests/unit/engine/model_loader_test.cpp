@@ -166,18 +166,11 @@ TEST(ModelLoaderTest, UnimplementedConfigKeysAreRefusedByName) {
        },
        {"quantization_config", "gptq"}},
       {"gelu", [](json& c) { c["hidden_act"] = "gelu"; }, {"hidden_act", "gelu"}},
-      {"qwen-window",
-       [](json& c) {
-         c["architectures"] = {"Qwen2ForCausalLM"};
-         c["use_sliding_window"] = true;
-         c["sliding_window"] = 4096;
-       },
-       {"use_sliding_window"}},
       {"layer-types",
        [](json& c) {
-         c["layer_types"] = {"full_attention", "sliding_attention"};
+         c["layer_types"] = {"full_attention", "chunked_attention"};
        },
-       {"layer_types", "sliding_attention"}},
+       {"layer_types", "chunked_attention"}},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.name);
@@ -207,10 +200,10 @@ TEST(ModelLoaderTest, UnimplementedConfigKeysAreRefusedByName) {
   EXPECT_EQ((*m)->config().rope_theta, 20000.0);
 }
 
-// A Mistral window shorter than the context asked for is refused by the
-// engine; within the window, full attention is exact and the context is
-// capped at the window.
-TEST(ModelLoaderTest, SlidingWindowCapsTheContextAndRefusesMore) {
+// A Mistral window no longer caps the context: windowed layers attend over
+// their window at any length (engine_windows_test holds them against the
+// reference), and MistralConfig's default window applies without the key.
+TEST(ModelLoaderTest, SlidingWindowDoesNotCapTheContext) {
   const std::string dir = CopyOfTiny("window");
   EditConfig(dir, [](json& c) {
     c["architectures"] = {"MistralForCausalLM"};
@@ -220,16 +213,17 @@ TEST(ModelLoaderTest, SlidingWindowCapsTheContextAndRefusesMore) {
   kernels::CpuBackend backend(1);
   auto m = Model::Load(dir, &backend);
   ASSERT_TRUE(m.ok()) << m.status().ToString();
-  EXPECT_EQ((*m)->config().max_context(), 256);
+  EXPECT_EQ((*m)->config().layer_windows, (std::vector<int64_t>{256, 256}));
+  EXPECT_EQ((*m)->kv_groups().size(), 1u);
   EngineOptions options;
   options.kv_cache_bytes = 1 << 20;
-  auto within = Engine::Create(m->get(), options);
-  ASSERT_TRUE(within.ok()) << within.status().ToString();
-  EXPECT_EQ((*within)->max_model_len(), 256);
+  auto engine = Engine::Create(m->get(), options);
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  EXPECT_EQ((*engine)->max_model_len(), 4096);
   options.max_model_len = 1024;
-  ExpectError(Engine::Create(m->get(), options).status(), StatusCode::kUnsupported,
-              {"sliding_window", "1024"});
-  // MistralConfig's default window applies when the key is absent.
+  auto longer = Engine::Create(m->get(), options);
+  ASSERT_TRUE(longer.ok()) << longer.status().ToString();
+  EXPECT_EQ((*longer)->max_model_len(), 1024);
   EditConfig(dir, [](json& c) { c.erase("sliding_window"); });
   auto by_default = Model::Load(dir, &backend);
   ASSERT_TRUE(by_default.ok()) << by_default.status().ToString();
@@ -339,10 +333,16 @@ TEST(ModelLoaderTest, MoePresetsLoadWithTheirKeys) {
   q["num_experts_per_tok"] = 5;
   EXPECT_FALSE(parse(q).ok());
   q["num_experts_per_tok"] = 2;
+  // Qwen3MoeConfig windows the layers from max_window_layers on, with
+  // use_sliding_window and a window.
   q["use_sliding_window"] = true;
-  EXPECT_EQ(parse(q).status().code(), StatusCode::kUnsupported);
+  q["sliding_window"] = 256;
+  q["max_window_layers"] = 1;
+  auto windowed = parse(q);
+  ASSERT_TRUE(windowed.ok()) << windowed.status().ToString();
+  EXPECT_EQ(windowed->layer_windows, (std::vector<int64_t>{0, 256, 256}));
   // Mixtral: norm_topk_prob is not a key of its (always renormalised);
-  // router_jitter_noise only perturbs training; a window caps the context.
+  // router_jitter_noise only perturbs training; a window covers every layer.
   json x = json::parse(
       Slurp(fs::path(testing::ModelDir("mixtral", *PresetModelSpec("mixtral"))) / "config.json"));
   x["norm_topk_prob"] = false;
@@ -351,7 +351,7 @@ TEST(ModelLoaderTest, MoePresetsLoadWithTheirKeys) {
   auto mixtral = parse(x);
   ASSERT_TRUE(mixtral.ok()) << mixtral.status().ToString();
   EXPECT_TRUE(mixtral->norm_topk_prob);
-  EXPECT_EQ(mixtral->max_context(), 256);
+  EXPECT_EQ(mixtral->layer_windows, (std::vector<int64_t>{256, 256}));
 }
 
 // DeepSeek's MoE keys as DeepseekV2Config / DeepseekV3Config read them: the

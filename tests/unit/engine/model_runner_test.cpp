@@ -71,7 +71,7 @@ struct Rig {
       x.tokens = s.tokens;
       x.num_computed = s.computed;
       x.num_new = n;
-      x.blocks = s.blocks;
+      x.tables = {s.blocks};
       x.sample = true;
       x.params = &s.params;
       x.seed = 1000 + s.id;
@@ -130,14 +130,14 @@ TEST(ModelRunnerTest, StepsPastTheLimitsAreRefused) {
     x.id = s.id;
     x.tokens = s.tokens;
     x.num_new = 2;
-    x.blocks = s.blocks;
+    x.tables = {s.blocks};
     step.push_back(x);
   }
   auto r = rig.runner->Execute(step);  // 9 sequences, 8 allowed
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
   step.resize(1);
-  step[0].blocks = {};  // no block for its tokens
+  step[0].tables = {{}};  // no block for its tokens
   r = rig.runner->Execute(step);
   EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
 }

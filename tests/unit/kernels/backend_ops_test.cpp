@@ -354,6 +354,25 @@ TEST_F(BackendOpsTest, SwiGluOverTheHalvesOfGateUp) {
   });
 }
 
+// Gemma's MLP gating (GeLU, tanh form) over the halves of gate|up, its
+// embedding scale and its logit soft cap (inputs past the cap's knee).
+TEST_F(BackendOpsTest, GeluTanhGluScaleAndSoftCap) {
+  const int64_t r = 4, n = 300;
+  const auto gate_up = Random(r * 2 * n, -6, 6);
+  Compare("GeluTanhGlu", 1e-6, [&](Backend& b, Mem& mem) -> Outputs {
+    const Tensor gu = mem.F32(gate_up, {r, 2 * n}), out = mem.Poisoned({r, n});
+    b.GeluTanhGlu(gu.Columns(0, n), gu.Columns(n, 2 * n), out);
+    return {mem.Down(out)};
+  });
+  const auto a = Random(1001, -80.f, 80.f);
+  Compare("Scale and SoftCap", 1e-6, [&](Backend& b, Mem& mem) -> Outputs {
+    const Tensor scaled = mem.F32(a, {7, 143}), capped = mem.F32(a, {1001});
+    b.Scale(scaled, 55.5f);
+    b.SoftCap(capped, 30.0f);
+    return {mem.Down(scaled), mem.Down(capped)};
+  });
+}
+
 TEST_F(BackendOpsTest, AddEmbeddingAndGatherRows) {
   const auto a = Random(1001), c = Random(1001);
   Compare("Add", 1e-7, [&](Backend& b, Mem& mem) -> Outputs {
@@ -529,6 +548,44 @@ TEST_P(BackendKvTest, PagedAttention) {
       b.PagedAttention(plan, 0, q.Split({s.num_heads, hd}), scale, out);
       return {mem.Down(out)};
     });
+    if (s.context_lens[0] < 4100) continue;
+    // A layer of a second, windowed layer group with a soft cap, as a step's
+    // plan gives it (AttentionPlan::layers): windows of 700 keys (the
+    // 4100-key row's first splits empty, a window starting inside a split
+    // and a block), 1 and past the context. The blocks before each
+    // sequence's window are never read: their entries, and all of group 0's
+    // (another layer's), point past the pool.
+    for (const int64_t window : {700, 1, 5000}) {
+      SCOPED_TRACE("window " + std::to_string(window));
+      std::vector<int32_t> grouped(2 * seqs * max_blocks, 1 << 30);
+      for (int64_t q = 0; q < seqs; ++q) {
+        const int64_t first_query = s.context_lens[q] - s.q_lens[q];
+        const int64_t first_block = std::max<int64_t>(0, first_query - window + 1) / 16;
+        for (int64_t b = first_block; b < max_blocks; ++b) {
+          grouped[(seqs + q) * max_blocks + b] = tables[q * max_blocks + b];
+        }
+      }
+      const LayerAttention layers[2] = {{0, 0, 0, 0.0f}, {1, 0, window, 5.0f}};
+      Compare("windowed PagedAttention", 1e-5, [&](Backend& b, Mem& mem) -> Outputs {
+        AttentionPlan plan;
+        plan.layout = l;
+        plan.pool = mem.Up(pool);
+        plan.num_heads = s.num_heads;
+        plan.batch.num_seqs = seqs;
+        plan.batch.query_start = mem.Up(query_start);
+        plan.batch.context_lens = mem.Up(s.context_lens);
+        plan.batch.block_tables = mem.Up(grouped);
+        plan.batch.max_blocks_per_seq = max_blocks;
+        plan.batch.num_tokens = rows;
+        plan.layers = layers;
+        plan.group_table_stride = seqs * max_blocks;
+        b.PlanAttention(&plan);
+        const Tensor q = mem.F32(qkv, {rows, width}).Columns(0, s.num_heads * hd);
+        const Tensor out = mem.Poisoned({rows, s.num_heads, hd});
+        b.PagedAttention(plan, 1, q.Split({s.num_heads, hd}), scale, out);
+        return {mem.Down(out)};
+      });
+    }
   }
 }
 

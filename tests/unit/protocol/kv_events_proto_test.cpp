@@ -26,7 +26,9 @@ TEST(KvEventsProtoTest, EveryKindRoundTrips) {
        KvStored{{0, ~BlockHash{0}}, BlockHash{0}},             // extreme hash values
        KvRemoved{{11, 99}}, KvCleared{},
        KvStored{{}, std::nullopt, KvTier::kDevice},  // empty lists stay empty
-       KvRemoved{{}}}};
+       KvRemoved{{}},
+       // Blocks of a layer group (their keys) keep their group.
+       KvStored{{21, 22}, BlockHash{20}, KvTier::kDevice, 2}, KvRemoved{{22}, KvTier::kDevice, 1}}};
   EXPECT_EQ(RoundTrip(batch), batch);
 }
 
@@ -44,6 +46,12 @@ TEST(KvEventsProtoTest, WireFieldsAreTheDocumentedOnes) {
   proto::KvEvents no_parent;
   ToProto({1, {KvStored{{5}, std::nullopt, KvTier::kDevice}}}, &no_parent);
   EXPECT_FALSE(no_parent.events(0).stored().has_parent_hash());
+  proto::KvEvents grouped;
+  ToProto(
+      {2, {KvStored{{1}, std::nullopt, KvTier::kDevice, 3}, KvRemoved{{1}, KvTier::kDevice, 4}}},
+      &grouped);
+  EXPECT_EQ(grouped.events(0).stored().group(), 3u);
+  EXPECT_EQ(grouped.events(1).removed().group(), 4u);
 }
 
 TEST(KvEventsProtoTest, EmptyAndUnknownEventsAreSkipped) {

@@ -9,6 +9,7 @@
 #include <set>
 #include <unordered_map>
 
+#include "common/kv_groups.h"
 #include "services/router/detail/block_table.h"
 
 namespace pdserve::router {
@@ -421,6 +422,65 @@ TEST(PrefixIndexTest, LowerTiersAreBoundedPerWorker) {
   ASSERT_TRUE(index.ApplySnapshot(0, 0, {}, std::vector<BlockHash>{1, 2, 3, 4, 5}, {}).ok());
   EXPECT_EQ(index.stats().lower_tier_blocks, 3u);
   EXPECT_EQ(index.stats().rejected_stores, 2u);
+}
+
+}  // namespace
+}  // namespace pdserve::router
+
+namespace pdserve::router {
+namespace {
+
+// GroupedOverlap against CachedPrefixBlocks evaluated on a plain model of
+// what each worker stored (keys per group), pending entries included.
+TEST(PrefixIndexGroupsTest, GroupedOverlapIsTheWindowedRulePerWorker) {
+  std::mt19937_64 rng(11);
+  for (int trial = 0; trial < 40; ++trial) {
+    const size_t B = 1 + rng() % 4, workers = 1 + rng() % 70;
+    std::vector<int64_t> windows{0, static_cast<int64_t>(1 + rng() % 10),
+                                 static_cast<int64_t>(1 + rng() % 10)};
+    PrefixIndex index;
+    std::vector<BlockHash> hashes(1 + rng() % 10);
+    for (auto& h : hashes) h = rng();
+    std::vector<std::set<BlockHash>> held(workers);
+    for (WorkerId w = 0; w < workers; ++w) {
+      ASSERT_TRUE(index.AddWorker(w).ok());
+      ASSERT_TRUE(index.ApplySnapshot(w, 0, {}).ok());
+      KvEventBatch b;
+      b.sequence_number = 1;
+      KvStored stored;
+      for (size_t g = 0; g < windows.size(); ++g) {
+        for (size_t i = 0; i < hashes.size(); ++i) {
+          if (rng() % 4 == 0) continue;
+          stored.block_hashes.push_back(GroupBlockKey(hashes[i], static_cast<uint32_t>(g)));
+          held[w].insert(stored.block_hashes.back());
+        }
+      }
+      b.events.push_back(stored);
+      ASSERT_EQ(index.ApplyEvents(w, b), ApplyOutcome::kApplied);
+      if (rng() % 3 == 0) {  // a pending block counts until it expires
+        const BlockHash key = GroupBlockKey(hashes[rng() % hashes.size()], 1);
+        index.AddPending(w, std::span(&key, 1), 0, 100);
+        held[w].insert(key);
+      }
+    }
+    std::vector<uint32_t> out;
+    index.GroupedOverlap(hashes, windows, B, 50, &out);
+    for (WorkerId w = 0; w < workers; ++w) {
+      const size_t expected =
+          CachedPrefixBlocks(windows, B, hashes.size(), [&](size_t g, size_t i) {
+            return held[w].count(GroupBlockKey(hashes[i], static_cast<uint32_t>(g))) > 0;
+          });
+      ASSERT_EQ(out[w], expected) << "trial " << trial << " worker " << w;
+    }
+  }
+  // One full group is the leading overlap.
+  PrefixIndex index;
+  ASSERT_TRUE(index.AddWorker(0).ok());
+  ASSERT_TRUE(index.ApplySnapshot(0, 0, std::vector<BlockHash>{1, 2}).ok());
+  std::vector<uint32_t> out;
+  const std::vector<int64_t> full{0};
+  index.GroupedOverlap(std::vector<BlockHash>{1, 2, 3}, full, 4, 0, &out);
+  EXPECT_EQ(out[0], 2u);
 }
 
 }  // namespace

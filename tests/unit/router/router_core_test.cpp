@@ -6,6 +6,8 @@
 
 #include <set>
 
+#include "common/kv_groups.h"
+
 namespace pdserve::router {
 namespace {
 
@@ -541,6 +543,43 @@ TEST(RouterCoreTest, AllSlotsInUse) {
   o.index.max_workers = 2;
   Fixture f(o, {Role::kBoth, Role::kBoth});
   EXPECT_EQ(f.core->AddWorker("w2", Role::kBoth).status().code(), StatusCode::kResourceExhausted);
+}
+
+}  // namespace
+}  // namespace pdserve::router
+
+namespace pdserve::router {
+namespace {
+
+// A model with a windowed layer group: a worker that still holds every full
+// block and only the windowed blocks of the prompt's tail is predicted to
+// hit the whole prompt; one that lost a windowed tail block is not, and
+// pending entries cover every group.
+TEST(RouterCoreTest, WindowedGroupsPredictByTheWindowedRule) {
+  RouterOptions o = Policy("kv");
+  o.pending_ttl_us = 1'000'000;
+  Fixture f(o, {Role::kBoth, Role::kBoth});
+  const int64_t W = 2 * kBlock + 1;  // the last query reaches back 2 blocks
+  f.core->SetKvGroupWindows({0, W});
+  const auto prompt = Prompt(500, 6);
+  std::vector<BlockHash> w0 = prompt, w1 = prompt;
+  for (size_t i = 4; i < 6; ++i) w0.push_back(GroupBlockKey(prompt[i], 1));  // tail only
+  for (size_t i = 0; i < 5; ++i) w1.push_back(GroupBlockKey(prompt[i], 1));  // no last one
+  f.Store(0, w0);
+  f.Store(1, w1);
+  std::vector<uint32_t> overlap;
+  f.core->Overlap(prompt, 0, &overlap);
+  EXPECT_EQ(overlap[f.ids[0]], 6u);
+  EXPECT_EQ(overlap[f.ids[1]], 5u);  // block 5's windowed block missing: 5 blocks
+  const RouteDecision d = f.Route(1, prompt, 3);
+  EXPECT_EQ(d.decode, f.ids[0]);
+  EXPECT_EQ(d.decode_overlap_blocks, 6);
+  EXPECT_EQ(d.prefill_tokens, 3);
+  // A new prompt routed to w1 becomes pending there in both groups.
+  const auto other = Prompt(900, 3);
+  const RouteDecision d2 = f.Route(2, other);
+  f.core->Overlap(other, 1, &overlap);
+  EXPECT_EQ(overlap[d2.decode], 3u);
 }
 
 }  // namespace

@@ -1,0 +1,565 @@
+// Sliding-window models in the engine: windowed attention against the
+// float64 reference (tests/support/reference_model) at windows smaller than,
+// equal to and larger than the context, across prefill chunks and block
+// boundaries, GQA groups and every KV dtype; each windowed preset (Gemma-2,
+// Gemma-3, Mistral with a window, Qwen2 windowing its last layers) against
+// the reference, greedy tokens and logprobs; the pool holding only the
+// window's blocks of windowed layers while a sequence runs to 8x its
+// window, in a pool too small for the dense model; prefix-cache hits of a
+// repeated prompt by the windowed rule, which the router's index predicts
+// from the engine's KV events; and disaggregated prefill moving only the
+// blocks the decode side keeps.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <thread>
+#include <unordered_set>
+
+#include "common/kv_groups.h"
+#include "engine/engine.h"
+#include "engine/text_eval.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "services/router/prefix_index.h"
+#include "tests/support/reference_model.h"
+#include "tests/support/test_models.h"
+
+namespace pdserve {
+namespace {
+
+using testing::KvRounding;
+using testing::ReferenceModel;
+
+constexpr double kNllTolerance = 1e-4;
+
+std::vector<int32_t> RandomTokens(int n, int64_t vocab, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> t(n);
+  for (auto& x : t) x = static_cast<int32_t>(rng() % vocab);
+  return t;
+}
+
+std::vector<double> LogSoftmax(const std::vector<double>& logits) {
+  const double max = *std::max_element(logits.begin(), logits.end());
+  double sum = 0;
+  for (double x : logits) sum += std::exp(x - max);
+  std::vector<double> out(logits.size());
+  for (size_t i = 0; i < logits.size(); ++i) out[i] = logits[i] - max - std::log(sum);
+  return out;
+}
+
+struct Loaded {
+  std::string dir;
+  std::unique_ptr<kernels::CpuBackend> backend;
+  std::unique_ptr<Model> model;
+  std::unique_ptr<ReferenceModel> reference;
+};
+
+Loaded Load(const std::string& name, const ModelSpec& spec) {
+  Loaded l;
+  l.dir = testing::ModelDir(name, spec);
+  l.backend = std::make_unique<kernels::CpuBackend>(2);
+  auto m = Model::Load(l.dir, l.backend.get());
+  EXPECT_TRUE(m.ok()) << m.status().ToString();
+  if (m.ok()) l.model = std::move(*m);
+  std::string error;
+  l.reference = ReferenceModel::Load(l.dir, &error);
+  EXPECT_NE(l.reference, nullptr) << error;
+  return l;
+}
+
+// A Mistral-shaped model windowing every layer at `window`.
+ModelSpec Mistral(int64_t window, int64_t kv_heads = 2) {
+  ModelSpec s = *PresetModelSpec("mistral-window");
+  s.sliding_window = window;
+  s.num_kv_heads = kv_heads;
+  s.name = "mistral-w" + std::to_string(window) + "-kv" + std::to_string(kv_heads);
+  return s;
+}
+
+// The engine's per-position NLL (EvaluateText: a paged pool, prefill then
+// chunks) against the reference's, K/V rounded as the cache stores them.
+void CheckNll(Loaded& l, const std::vector<int32_t>& tokens, const TextEvalOptions& o,
+              const KvRounding& kv, double tolerance) {
+  auto r = EvaluateText(l.model.get(), tokens, o);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  const auto logits = l.reference->Forward(tokens, kv);
+  ASSERT_EQ(r->token_nll.size(), tokens.size() - 1);
+  for (size_t t = 0; t + 1 < tokens.size(); ++t) {
+    const double expected = -LogSoftmax(logits[t])[tokens[t + 1]];
+    ASSERT_NEAR(r->token_nll[t], expected, tolerance) << "position " << t;
+  }
+}
+
+// Windows of 5 (inside a block), 16 (one block), 17, 90 (the whole text) and
+// 200 (longer than it), chunks that cross blocks and windows, GQA groups of
+// 2 and 4: every position's distribution is the reference's.
+TEST(EngineWindowsTest, WindowedAttentionMatchesTheReference) {
+  const auto tokens = RandomTokens(90, Mistral(5).vocab_size(), 1);
+  for (const int64_t window : {5, 16, 17, 90, 200}) {
+    for (const int64_t kv_heads : {2, 1}) {
+      if (kv_heads == 1 && window != 17) continue;
+      SCOPED_TRACE("window " + std::to_string(window) + " kv_heads " + std::to_string(kv_heads));
+      Loaded l = Load("w" + std::to_string(window) + "kv" + std::to_string(kv_heads),
+                      Mistral(window, kv_heads));
+      ASSERT_NE(l.model, nullptr);
+      for (auto [block, prefill, chunk] :
+           {std::tuple{16, 20, 1}, std::tuple{5, 13, 7}, std::tuple{4, 33, 16}}) {
+        SCOPED_TRACE("block " + std::to_string(block) + " prefill " + std::to_string(prefill) +
+                     " chunk " + std::to_string(chunk));
+        TextEvalOptions o;
+        o.block_size = block;
+        o.prefill_tokens = prefill;
+        o.decode_chunk = chunk;
+        CheckNll(l, tokens, o, {}, kNllTolerance);
+      }
+    }
+  }
+  // A window that changes nothing is full attention: window 200 agrees with
+  // the same weights without a window, while window 5 does not.
+  Loaded narrow = Load("w5kv2", Mistral(5)), wide = Load("w200kv2", Mistral(200));
+  const auto a = narrow.reference->Forward(tokens), b = wide.reference->Forward(tokens);
+  EXPECT_GT(std::fabs(a[60][3] - b[60][3]), 1e-3);
+}
+
+// Every KV dtype: fp16, bf16, fp8 (e4m3, e5m2) and nvfp4 against the
+// reference that rounds K/V as the cache does (one prefill chunk, then a
+// token per step).
+TEST(EngineWindowsTest, EveryKvDtype) {
+  Loaded l = Load("w17kv2", Mistral(17));
+  ASSERT_NE(l.model, nullptr);
+  const auto tokens = RandomTokens(60, l.model->config().vocab_size, 2);
+  for (auto [dtype, type] : {std::pair{DType::kBF16, KvRounding::Type::kBF16},
+                             std::pair{DType::kFP8E4M3, KvRounding::Type::kFP8E4M3},
+                             std::pair{DType::kFP8E5M2, KvRounding::Type::kFP8E5M2},
+                             std::pair{DType::kNvFp4, KvRounding::Type::kNvFp4},
+                             std::pair{DType::kF16, KvRounding::Type::kF16}}) {
+    SCOPED_TRACE(std::string(DTypeName(dtype)));
+    TextEvalOptions o;
+    o.kv_dtype = dtype;
+    o.block_size = 16;
+    o.prefill_tokens = 24;
+    o.decode_chunk = 1;
+    KvRounding kv;
+    kv.type = type;
+    kv.block_size = 16;
+    kv.first_chunk = 24;
+    CheckNll(l, tokens, o, kv, kNllTolerance);
+  }
+}
+
+// Greedy generation through the engine (chunked prefill, blocks released as
+// the windows move): every token is the reference's argmax given the same
+// history (up to near ties) and its logprob the reference's.
+struct Generated {
+  std::vector<SampledToken> sampled;
+  int64_t cached_tokens = 0;
+  FinishReason finish = FinishReason::kNone;
+};
+
+Generated Generate(Engine& e, RequestId id, const std::vector<int32_t>& prompt, int max_tokens,
+                   const std::function<void()>& after_step = {}) {
+  EngineRequest r;
+  r.id = id;
+  r.prompt = prompt;
+  r.params.temperature = 0;
+  r.params.max_tokens = max_tokens;
+  r.params.ignore_eos = true;
+  r.params.logprobs = 0;
+  EXPECT_TRUE(e.AddRequest(std::move(r)).ok());
+  Generated g;
+  while (e.HasUnfinished()) {
+    auto step = e.Step();
+    EXPECT_TRUE(step.ok()) << step.status().ToString();
+    if (!step.ok()) break;
+    for (const auto& o : *step) {
+      if (o.id != id) continue;
+      if (!o.new_token_ids.empty() && g.sampled.empty()) g.cached_tokens = o.num_cached_tokens;
+      g.sampled.insert(g.sampled.end(), o.logprobs.begin(), o.logprobs.end());
+      if (o.finished) g.finish = o.finish_reason;
+    }
+    if (after_step) after_step();
+  }
+  return g;
+}
+
+void ExpectReferenceTokens(const ReferenceModel& ref, const std::vector<int32_t>& prompt,
+                           const Generated& g) {
+  std::vector<int32_t> all = prompt;
+  for (const auto& s : g.sampled) all.push_back(s.token);
+  const auto logits = ref.Forward(all);
+  for (size_t i = 0; i < g.sampled.size(); ++i) {
+    const auto lp = LogSoftmax(logits[prompt.size() - 1 + i]);
+    const int32_t best = testing::ArgMax(lp);
+    const int32_t got = g.sampled[i].token;
+    EXPECT_TRUE(got == best || lp[best] - lp[got] < 1e-4) << "step " << i;
+    EXPECT_NEAR(g.sampled[i].logprob, lp[got], 1e-3) << "step " << i;
+  }
+}
+
+std::unique_ptr<Engine> MakeEngine(Model* model, int64_t kv_bytes, int64_t chunk = 16) {
+  EngineOptions o;
+  o.kv_cache_bytes = kv_bytes;
+  o.max_num_batched_tokens = chunk;
+  auto e = Engine::Create(model, o);
+  EXPECT_TRUE(e.ok()) << e.status().ToString();
+  return e.ok() ? std::move(*e) : nullptr;
+}
+
+TEST(EngineWindowsTest, PresetsMatchTheReference) {
+  for (const char* preset : {"gemma2", "gemma3", "mistral-window", "qwen2-window"}) {
+    SCOPED_TRACE(preset);
+    Loaded l = Load(preset, *PresetModelSpec(preset));
+    ASSERT_NE(l.model, nullptr);
+    const auto tokens = RandomTokens(80, l.model->config().vocab_size, 3);
+    TextEvalOptions o;
+    o.block_size = 16;
+    o.prefill_tokens = 27;
+    o.decode_chunk = 5;
+    CheckNll(l, tokens, o, {}, kNllTolerance);
+    auto e = MakeEngine(l.model.get(), 4 << 20, 11);
+    ASSERT_NE(e, nullptr);
+    const std::vector<int32_t> prompt(tokens.begin(), tokens.begin() + 45);
+    const Generated g = Generate(*e, 1, prompt, 60);
+    ASSERT_EQ(g.sampled.size(), 60u);
+    ExpectReferenceTokens(*l.reference, prompt, g);
+  }
+  // Qwen3 (q/k norms, head_dim 32) with use_sliding_window on its second
+  // layer (max_window_layers 1), a window of 24 across blocks of 16.
+  ModelSpec qwen3 = *PresetModelSpec("qwen3");
+  qwen3.name = "qwen3-window";
+  qwen3.sliding_window = 24;
+  qwen3.max_window_layers = 1;
+  {
+    Loaded q = Load("qwen3-window", qwen3);
+    ASSERT_NE(q.model, nullptr);
+    ASSERT_EQ(q.model->config().layer_windows, (std::vector<int64_t>{0, 24}));
+    TextEvalOptions o;
+    o.block_size = 16;
+    o.prefill_tokens = 27;
+    o.decode_chunk = 5;
+    CheckNll(q, RandomTokens(80, q.model->config().vocab_size, 5), o, {}, kNllTolerance);
+  }
+  // Gemma with bf16 weights (its embedding scale rounded to bf16: 8 is exact,
+  // so hidden 48 gives sqrt(48) = 6.928... -> 6.9375) and tied embeddings,
+  // the lm_head reading the unscaled table.
+  ModelSpec tied = *PresetModelSpec("gemma2");
+  tied.name = "gemma2-tied-bf16";
+  tied.hidden_size = 48;
+  tied.tie_word_embeddings = true;
+  tied.dtype = DType::kBF16;
+  Loaded l = Load("gemma2-tied-bf16", tied);
+  ASSERT_NE(l.model, nullptr);
+  TextEvalOptions o;
+  o.prefill_tokens = 30;
+  o.decode_chunk = 4;
+  CheckNll(l, RandomTokens(70, l.model->config().vocab_size, 4), o, {}, kNllTolerance);
+}
+
+// The capacity gauge (ContextCapacityTokens): a pool of N blocks of 16
+// holds N x 16 tokens of a dense model; with windows, each windowed group
+// sets aside ceil((W-1)/16) + 1 blocks and the full groups share the rest;
+// a model whose every layer is windowed holds max_model_len.
+TEST(EngineWindowsTest, CapacityCountsWindowedGroupsAtTheirWindow) {
+  ModelSpec dense_spec = *PresetModelSpec("mistral-window");
+  dense_spec.sliding_window = 0;
+  dense_spec.name = "mistral-dense";
+  struct Case {
+    const char* name;
+    ModelSpec spec;
+    int64_t set_aside, full_groups;  // blocks; 0 full groups: every layer windowed
+  };
+  // gemma2: layers 0, 2 at 32 (3 blocks), 1 and 3 full; gemma3: layers
+  // 0, 1, 3, 4 at 24 in two groups (3 blocks each), 2 and 5 full.
+  const Case cases[] = {{"mistral-dense", dense_spec, 0, 1},
+                        {"gemma2", *PresetModelSpec("gemma2"), 3, 1},
+                        {"gemma3", *PresetModelSpec("gemma3"), 6, 1},
+                        {"mistral-window", *PresetModelSpec("mistral-window"), 3, 0}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    Loaded l = Load(c.name, c.spec);
+    ASSERT_NE(l.model, nullptr);
+    auto e = MakeEngine(l.model.get(), 1 << 20);
+    ASSERT_NE(e, nullptr);
+    const int64_t n = e->kv_pool().num_blocks();
+    ASSERT_GT(n, c.set_aside);
+    EXPECT_EQ(e->ContextCapacityTokens(),
+              c.full_groups == 0 ? e->max_model_len() : (n - c.set_aside) * 16);
+  }
+}
+
+// Held blocks of a sequence's layer group.
+size_t Held(const Engine& e, RequestId id, uint32_t group) {
+  const auto& t = const_cast<Engine&>(e).block_manager().BlockTable(id, group);
+  return static_cast<size_t>(
+      std::count_if(t.begin(), t.end(), [](BlockId b) { return b != kNoBlock; }));
+}
+
+// A windowed model decoding 8x its window holds, per windowed group, at most
+// the window's blocks: ceil((W-1)/B) + 1 once decoding (a prefill chunk of
+// c tokens adds ceil(c/B)); full groups hold every block. A pool too small
+// for the dense model serves it to the end.
+TEST(EngineWindowsTest, WindowedLayersHoldOnlyTheWindow) {
+  for (const char* preset : {"mistral-window", "gemma2"}) {
+    SCOPED_TRACE(preset);
+    Loaded l = Load(preset, *PresetModelSpec(preset));
+    ASSERT_NE(l.model, nullptr);
+    const KvGroups& groups = l.model->kv_groups();
+    const int64_t W = *l.model->config().sliding_window, B = 16, chunk = 16;
+    const auto prompt = RandomTokens(20, l.model->config().vocab_size, 5);
+    const int generate = static_cast<int>(8 * W);
+    auto e = MakeEngine(l.model.get(), 8 << 20, chunk);
+    ASSERT_NE(e, nullptr);
+    size_t most_windowed = 0, most_full = 0;
+    const size_t bound = static_cast<size_t>((W - 1 + chunk - 1) / B + 1 + 1);
+    const Generated g = Generate(*e, 1, prompt, generate, [&] {
+      if (!e->block_manager().HasSequence(1)) return;
+      for (uint32_t grp = 0; grp < groups.size(); ++grp) {
+        const size_t held = Held(*e, 1, grp);
+        if (groups.windows[grp] > 0) {
+          most_windowed = std::max(most_windowed, held);
+          EXPECT_LE(held, bound);
+        } else {
+          most_full = std::max(most_full, held);
+        }
+      }
+    });
+    ASSERT_EQ(g.sampled.size(), static_cast<size_t>(generate));
+    ExpectReferenceTokens(*l.reference, prompt, g);
+    // Decoding: the blocks of the last W-1 positions and the current one.
+    EXPECT_EQ(most_windowed, static_cast<size_t>((W - 1 + B - 1) / B + 1));
+    if (groups.size() > 1) {
+      EXPECT_EQ(most_full, (prompt.size() + generate + B - 1) / B);
+    }
+  }
+  // The pool: 4 blocks. The windowed model needs 3 at a time; the same
+  // weights without the window (every layer full) need 18 and outgrow it.
+  Loaded windowed = Load("mistral-window", *PresetModelSpec("mistral-window"));
+  ModelSpec dense_spec = *PresetModelSpec("mistral-window");
+  dense_spec.sliding_window = 0;
+  dense_spec.name = "mistral-dense";
+  Loaded dense = Load("mistral-dense", dense_spec);
+  ASSERT_NE(windowed.model, nullptr);
+  ASSERT_NE(dense.model, nullptr);
+  const int64_t block_bytes = 2 * 2 * 2 * 16 * 16 * 4;  // K+V x layers x kv heads x B x dim x fp32
+  const auto prompt = RandomTokens(20, windowed.model->config().vocab_size, 6);
+  auto small = MakeEngine(windowed.model.get(), 4 * block_bytes, 16);
+  ASSERT_NE(small, nullptr);
+  EXPECT_EQ(small->kv_pool().num_blocks(), 4);
+  const Generated g = Generate(*small, 1, prompt, 256);
+  EXPECT_EQ(g.sampled.size(), 256u);
+  EXPECT_EQ(g.finish, FinishReason::kLength);
+  EXPECT_EQ(small->GetStats().num_preemptions, 0u);
+  ExpectReferenceTokens(*windowed.reference, prompt, g);
+  auto dense_small = MakeEngine(dense.model.get(), 4 * block_bytes, 16);
+  ASSERT_NE(dense_small, nullptr);
+  const Generated d = Generate(*dense_small, 1, prompt, 256);
+  EXPECT_LT(d.sampled.size(), 256u);  // outgrew the pool
+}
+
+// A repeated long prompt: the second request reuses every full block of it
+// (the windowed groups' early blocks, released as the first one ran, are
+// not needed); losing those early windowed blocks keeps the hit, losing a
+// block the last query reaches shortens it, both exactly as the windowed
+// rule over what the engine caches says; and a router index fed the
+// engine's KV events predicts each hit.
+TEST(EngineWindowsTest, RepeatedPromptHitsAndTheRouterPredictsIt) {
+  Loaded l = Load("gemma2", *PresetModelSpec("gemma2"));
+  ASSERT_NE(l.model, nullptr);
+  EngineOptions o;
+  o.kv_cache_bytes = 8 << 20;
+  o.max_num_batched_tokens = 32;
+  o.record_kv_events = true;
+  auto created = Engine::Create(l.model.get(), o);
+  ASSERT_TRUE(created.ok());
+  Engine& e = **created;
+  BlockManager& bm = e.block_manager();
+  const auto prompt = RandomTokens(150, l.model->config().vocab_size, 7);
+  const auto hashes = HashPrompt(BlockHashSeed(l.model->model_id()),
+                                 std::span(prompt).first(prompt.size() - 1), 16);
+  ASSERT_EQ(hashes.size(), 9u);
+  router::PrefixIndex index;
+  ASSERT_TRUE(index.AddWorker(0).ok());
+  ASSERT_TRUE(index.ApplySnapshot(0, 0, {}).ok());
+  auto predicted = [&] {
+    for (const auto& b : bm.DrainEvents()) {
+      EXPECT_EQ(index.ApplyEvents(0, b), router::ApplyOutcome::kApplied);
+    }
+    std::vector<uint32_t> out;
+    index.GroupedOverlap(hashes, bm.group_windows(), 16, 0, &out);
+    return static_cast<int64_t>(out[0]) * 16;
+  };
+  auto reference_hit = [&] {
+    return static_cast<int64_t>(CachedPrefixBlocks(bm.group_windows(), 16, hashes.size(),
+                                                   [&](size_t g, size_t i) {
+                                                     return bm.IsCached(hashes[i],
+                                                                        static_cast<uint32_t>(g));
+                                                   })) *
+           16;
+  };
+  const Generated first = Generate(e, 1, prompt, 3);
+  EXPECT_EQ(first.cached_tokens, 0);
+  EXPECT_EQ(reference_hit(), 144);
+  EXPECT_EQ(predicted(), 144);
+  const Generated second = Generate(e, 2, prompt, 3);
+  EXPECT_EQ(second.cached_tokens, 144);
+  ExpectReferenceTokens(*l.reference, prompt, second);
+  // Evict the windowed blocks the first request released while it ran:
+  // they are the least recently released.
+  const size_t early = static_cast<size_t>(FirstBlockInReach(32, 144, 16));
+  EXPECT_EQ(bm.Evict(early), early);
+  for (size_t i = 0; i < early; ++i) EXPECT_FALSE(bm.IsCached(hashes[i], 0)) << i;
+  EXPECT_EQ(reference_hit(), 144);
+  EXPECT_EQ(predicted(), 144);
+  const Generated third = Generate(e, 3, prompt, 3);
+  EXPECT_EQ(third.cached_tokens, 144);
+  // A windowed block the last query reaches: the hit falls back to the
+  // longest prefix whose own reach is still held.
+  while (bm.IsCached(hashes[8], 0)) ASSERT_EQ(bm.Evict(1), 1u);
+  const int64_t shorter = reference_hit();
+  EXPECT_LT(shorter, 144);
+  EXPECT_EQ(predicted(), shorter);
+  const Generated fourth = Generate(e, 4, prompt, 3);
+  EXPECT_EQ(fourth.cached_tokens, shorter);
+  ExpectReferenceTokens(*l.reference, prompt, fourth);
+  const auto stats = e.GetStats().blocks;
+  EXPECT_EQ(stats.prefix_cache_query_tokens, 4u * 150);
+  EXPECT_EQ(stats.prefix_cache_hit_tokens, static_cast<uint64_t>(144 + 144 + shorter));
+}
+
+// Disaggregated prefill on a windowed model: the decode engine reserves, and
+// the prefill engine's blocks fill, only what the decode side keeps; the
+// decode engine then generates exactly what one engine does, and fewer bytes
+// move than the dense layout would move.
+TEST(EngineWindowsTest, DisaggregatedPrefillMovesOnlyWhatTheDecodeSideKeeps) {
+  for (const char* preset : {"gemma2", "mistral-window"}) {
+    SCOPED_TRACE(preset);
+    Loaded l = Load(preset, *PresetModelSpec(preset));
+    ASSERT_NE(l.model, nullptr);
+    EngineRequest request;
+    request.id = 1;
+    request.prompt = RandomTokens(150, l.model->config().vocab_size, 8);
+    request.params.temperature = 0;
+    request.params.max_tokens = 20;
+    request.params.ignore_eos = true;
+    request.params.seed = 1;
+    auto alone = MakeEngine(l.model.get(), 8 << 20, 32);
+    ASSERT_TRUE(alone->AddRequest(request).ok());
+    std::vector<TokenId> expected;
+    while (alone->HasUnfinished()) {
+      auto step = alone->Step();
+      ASSERT_TRUE(step.ok());
+      for (const auto& o : *step) {
+        expected.insert(expected.end(), o.new_token_ids.begin(), o.new_token_ids.end());
+      }
+    }
+    ASSERT_EQ(expected.size(), 20u);
+
+    auto prefill = MakeEngine(l.model.get(), 8 << 20, 32);
+    auto decode = MakeEngine(l.model.get(), 8 << 20, 32);
+    auto plan = decode->AddRemotePrefillRequest(request);
+    ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+    EngineRequest p = request;
+    p.prefill_only = true;
+    ASSERT_TRUE(prefill->AddRequest(p).ok());
+    RequestOutput done;
+    while (prefill->HasUnfinished()) {
+      auto step = prefill->Step();
+      ASSERT_TRUE(step.ok());
+      for (const auto& o : *step) {
+        if (o.finished) done = o;
+      }
+    }
+    ASSERT_TRUE(done.kv_pin.has_value());
+    const int64_t bytes = decode->kv_pool().bytes_per_block();
+    int64_t moved = 0;
+    for (const BlockSlot& want : plan->fill) {
+      auto src = std::find_if(done.kv_slots.begin(), done.kv_slots.end(), [&](const BlockSlot& s) {
+        return s.group == want.group && s.index == want.index;
+      });
+      ASSERT_NE(src, done.kv_slots.end()) << "group " << want.group << " block " << want.index;
+      std::memcpy(decode->kv_pool().block(want.block), prefill->kv_pool().block(src->block), bytes);
+      moved += bytes;
+    }
+    ASSERT_TRUE(prefill->ReleaseKvBlocks(*done.kv_pin).ok());
+    // The first token comes with the hand-off, the rest from the steps.
+    auto first = decode->CompleteRemotePrefill(1, done.new_token_ids[0]);
+    ASSERT_TRUE(first.ok()) << first.status().ToString();
+    std::vector<TokenId> got = first->new_token_ids;
+    while (decode->HasUnfinished()) {
+      auto step = decode->Step();
+      ASSERT_TRUE(step.ok());
+      for (const auto& o : *step) {
+        got.insert(got.end(), o.new_token_ids.begin(), o.new_token_ids.end());
+      }
+    }
+    EXPECT_EQ(got, expected);
+    // The dense layout moves every group's every block: 10 blocks of 150 tokens.
+    const int64_t dense = 10 * static_cast<int64_t>(l.model->kv_groups().size()) * bytes;
+    EXPECT_LT(moved, dense);
+    std::printf(
+        "{\"model\": \"%s\", \"prompt_tokens\": 150, \"kv_bytes_moved\": %lld, "
+        "\"kv_bytes_dense_layout\": %lld}\n",
+        preset, static_cast<long long>(moved), static_cast<long long>(dense));
+  }
+}
+
+// Lower tiers keep what the pool keeps: blocks of every layer group the pool
+// evicts go down under their group keys, and a prompt that comes back after
+// the pool lost them copies back exactly the blocks the windowed rule needs
+// (the full group's prefix, the windowed group's tail) and computes the same
+// tokens.
+TEST(EngineWindowsTest, LowerTiersHoldAndReturnEveryGroupsBlocks) {
+  Loaded l = Load("gemma2", *PresetModelSpec("gemma2"));
+  ASSERT_NE(l.model, nullptr);
+  EngineOptions o;
+  o.kv_cache_bytes = 40 * 16384;  // 40 blocks of the preset's groups
+  o.max_num_batched_tokens = 32;
+  o.kv_host_cache_bytes = 200 * 16384;
+  auto created = Engine::Create(l.model.get(), o);
+  ASSERT_TRUE(created.ok()) << created.status().ToString();
+  Engine& e = **created;
+  auto run = [&](RequestId id, const std::vector<int32_t>& prompt) {
+    EngineRequest r;
+    r.id = id;
+    r.prompt = prompt;
+    r.params.temperature = 0;
+    r.params.max_tokens = 4;
+    r.params.ignore_eos = true;
+    EXPECT_TRUE(e.AddRequest(std::move(r)).ok());
+    std::vector<TokenId> out;
+    int64_t cached = -1;
+    for (int guard = 0; e.HasUnfinished() && guard < 200000; ++guard) {
+      auto step = e.Step();
+      EXPECT_TRUE(step.ok());
+      if (!step.ok()) break;
+      for (const auto& x : *step) {
+        if (cached < 0 && !x.new_token_ids.empty()) cached = x.num_cached_tokens;
+        out.insert(out.end(), x.new_token_ids.begin(), x.new_token_ids.end());
+      }
+      if (step->empty()) std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+    return std::pair{out, cached};
+  };
+  const auto prompt = RandomTokens(150, l.model->config().vocab_size, 9);
+  const auto [first, none] = run(1, prompt);
+  EXPECT_EQ(none, 0);
+  // Other prompts push every block of the first one out of the pool.
+  for (RequestId id = 2; id < 6; ++id) run(id, RandomTokens(150, 512, 100 + id));
+  for (int i = 0; i < 1000 && e.GetStats().tiers.offloads_queued > 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  const auto hashes = HashPrompt(BlockHashSeed(l.model->model_id()),
+                                 std::span(prompt).first(prompt.size() - 1), 16);
+  EXPECT_FALSE(e.block_manager().IsCached(hashes[0], 1));
+  const int64_t host_before = e.GetStats().tiers.host_hit_tokens;
+  const auto [again, cached] = run(6, prompt);
+  EXPECT_EQ(again, first);
+  EXPECT_EQ(cached, 144);
+  EXPECT_EQ(e.GetStats().tiers.host_hit_tokens - host_before, 144);
+}
+
+}  // namespace
+}  // namespace pdserve
