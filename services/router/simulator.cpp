@@ -84,6 +84,10 @@ class SimWorker {
   double tier_link_free_at = 0;  // when its tier mover is next idle
   bool draining = false;
   bool removed = false;
+  // Copied blocks no later request has hit yet (-> the copy's request), and
+  // blocks a copy's landing evicted that were not computed here again yet.
+  std::unordered_map<uint64_t, size_t> copied_unused;
+  std::unordered_set<uint64_t> evicted_by_copy;
   int64_t copies_out = 0;     // copies from it not landed yet
   int64_t loading = 0;        // requests waiting for their lower-tier blocks
   std::deque<size_t> recent;  // requests admitted, most recent last
@@ -172,6 +176,8 @@ class Simulation {
         core_(core),
         ttft_(trace.size(), 0),
         copied_of_(trace.size(), 0),
+        copy_end_of_(trace.size(), 0),
+        landed_at_(trace.size(), -1),
         hit_of_(trace.size(), 0),
         computed_of_(trace.size(), 0),
         worker_of_(trace.size(), 0),
@@ -291,6 +297,11 @@ class Simulation {
     r.replications_failed = replications_failed_;
     r.copied_tokens = copied_tokens_;
     r.copied_bytes = copied_bytes_;
+    r.copy = copy_stats_;
+    if (replications_started_ > 0) {
+      r.copy.holders_mean = holders_sum_ / static_cast<double>(replications_started_);
+    }
+    r.router = core_->stats();
     r.removed_at_s = removed_at_s_;
     r.drain_pushed_blocks = drain_pushed_blocks_;
     if (o_.remove_at_s >= 0) {
@@ -376,10 +387,52 @@ class Simulation {
       copied_bytes_ += bytes;
       copied_tokens_ += tokens;
       copied_of_[i] = tokens;
+      copy_end_of_[i] = blocks;
+      if (start > now_) {
+        ++copy_stats_.link_waits;
+        copy_stats_.link_wait_s += start - now_;
+      }
+      int64_t holders = 0;
+      for (size_t k = 0; k < workers_.size(); ++k) {
+        if (k != target && !workers_[k].removed && workers_[k].CachedPrefix(r) >= blocks) {
+          ++holders;
+        }
+      }
+      holders_sum_ += static_cast<double>(holders);
+      if (2 * holders >= static_cast<int64_t>(workers_.size()) - 1) ++copy_stats_.widely_held;
     }
     copies_.push_back({i, source, target, blocks, push});
     Push(end, EventType::kCopyDone, copies_.size() - 1);
     return true;
+  }
+
+  // Request i is admitted on w with `device` leading blocks in its pool:
+  // copied blocks among them are reused if another request copied them in.
+  void NoteCopyUse(SimWorker& w, size_t i, int64_t device) {
+    const TraceRequest& r = trace_[i];
+    if (landed_at_[i] >= 0) {
+      copy_stats_.receiver_wait_s += now_ - landed_at_[i];
+      if (device < copy_end_of_[i]) ++copy_stats_.lost_before_use;
+    }
+    if (w.copied_unused.empty()) return;
+    for (int64_t b = 0; b < device; ++b) {
+      auto it = w.copied_unused.find(r.hash_ids[static_cast<size_t>(b)]);
+      if (it == w.copied_unused.end() || it->second == i) continue;
+      ++copy_stats_.reused_blocks;
+      w.copied_unused.erase(it);
+    }
+  }
+
+  // Copied blocks among the device evictions in `changes` leave unused;
+  // returns the number of device evictions.
+  int64_t NoteEvictions(SimWorker& w, const std::vector<SimKvChange>& changes) {
+    int64_t evicted = 0;
+    for (const SimKvChange& ch : changes) {
+      if (ch.tier != KvTier::kDevice || ch.stored) continue;
+      ++evicted;
+      if (w.copied_unused.erase(ch.hash) > 0) ++copy_stats_.evicted_unused_blocks;
+    }
+    return evicted;
   }
 
   void Land(const Copy& c) {
@@ -389,11 +442,19 @@ class Simulation {
     std::vector<uint64_t> stored;
     dst.cache.Admit(std::span<const uint64_t>(r.hash_ids.data(), static_cast<size_t>(c.blocks)),
                     &changes, &stored);
+    const int64_t evicted = NoteEvictions(dst, changes);
     for (uint64_t h : stored) changes.push_back({h, KvTier::kDevice, true});
     Emit(dst, changes);
     --workers_[c.source].copies_out;
     TryLeave(workers_[c.source]);
     if (c.push) return;
+    copy_stats_.evicted_blocks += evicted;
+    for (const SimKvChange& ch : changes) {
+      if (ch.tier == KvTier::kDevice && !ch.stored) dst.evicted_by_copy.insert(ch.hash);
+    }
+    copy_stats_.landed_blocks += static_cast<int64_t>(stored.size());
+    for (uint64_t h : stored) dst.copied_unused[h] = c.request;
+    landed_at_[c.request] = now_;
     ++replications_finished_;
     dst.queue.push_back(c.request);
     Kick(dst);
@@ -469,8 +530,13 @@ class Simulation {
     const TraceRequest& r = trace_[i];
     const int64_t device = w.cache.DevicePrefix(r.hash_ids);
     const SimLowerRun lower = w.cache.LowerRun(r.hash_ids, device);
+    NoteCopyUse(w, i, device);
     std::vector<SimKvChange> changes;
     w.cache.Admit(r.hash_ids, &changes, &to_store_of_[i]);
+    NoteEvictions(w, changes);
+    for (uint64_t h : to_store_of_[i]) {
+      if (w.evicted_by_copy.erase(h) > 0) ++copy_stats_.evicted_recomputed_blocks;
+    }
     Emit(w, changes);
     const int64_t served_blocks = device + lower.blocks();
     const int64_t served = TokensOfLeadingBlocks(r, served_blocks, o_.block_tokens);
@@ -607,6 +673,10 @@ class Simulation {
   double onload_bytes_ = 0;
   double onload_wait_s_ = 0;
   std::vector<int64_t> copied_of_;    // per request: tokens copied in for it
+  std::vector<int64_t> copy_end_of_;  // per request: leading blocks held once its copy landed
+  std::vector<double> landed_at_;     // per request: when its copy landed (-1: none)
+  SimCopyStats copy_stats_;
+  double holders_sum_ = 0;
   std::vector<int64_t> hit_of_;       // per request: cache hit tokens (any tier)
   std::vector<int64_t> computed_of_;  // per request: prompt tokens its worker computes
   std::vector<size_t> worker_of_;     // per request: the worker it was routed to
