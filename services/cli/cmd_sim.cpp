@@ -36,7 +36,7 @@ std::vector<std::string> ParsePolicyList(const std::string& text, std::string* b
 }
 
 nlohmann::json ResultJson(const SimOptions& o, const std::string& trace, const SimResult& r) {
-  return {
+  nlohmann::json j = {
       {"policy", o.policy},
       {"hit_rate", r.hit_rate},
       {"oracle_hit_rate", r.oracle_hit_rate},
@@ -109,7 +109,18 @@ nlohmann::json ResultJson(const SimOptions& o, const std::string& trace, const S
       {"onloads", r.onloads},
       {"onload_bytes", r.onload_bytes},
       {"onload_wait_mean_s", r.onload_wait_mean_s},
+      {"copy_outcomes_reused", r.router.copy.reused},
+      {"copy_outcomes_unused", r.router.copy.unused},
+      {"copy_reuse_ratio", r.router.copy.reuse_ratio},
+      {"copy_breaker_trips", r.router.copy.breaker_trips},
+      {"copy_breaker", router::CopyBreakerName(r.router.copy.breaker)},
+      {"copy_budget_scale", r.router.copy.budget_scale},
   };
+  for (size_t k = 0; k < router::kCopyDeclineCount; ++k) {
+    j[std::string("copies_declined_") +
+      router::CopyDeclineName(static_cast<router::CopyDecline>(k))] = r.router.copy.declined[k];
+  }
+  return j;
 }
 
 int RunSim(int argc, char** argv) {

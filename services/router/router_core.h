@@ -43,6 +43,7 @@
 #include "common/block_hash.h"
 #include "common/status.h"
 #include "services/protocol/role.h"
+#include "services/router/copy_governor.h"
 #include "services/router/policy.h"
 #include "services/router/prefix_index.h"
 
@@ -87,6 +88,14 @@ struct RouterOptions {
   // shares is spread. 1: any prefix a copy pays for.
   int64_t copy_min_requests = 2;
   int64_t copy_window_us = 10'000'000;
+  // What a copy costs beyond its link time and the cluster's copy budget
+  // (services/router/copy_governor.h): copies in flight at full budget (0:
+  // one per two decode workers), copied tokens per second at full budget
+  // (0: no rate budget), and how long a copy may wait for another request
+  // to hit it before it counts as unused.
+  int64_t copy_max_inflight = 0;
+  double copy_max_tokens_per_s = 0;
+  int64_t copy_reuse_window_us = 30'000'000;
   PrefixIndexOptions index;
   // Microseconds on a monotonic clock; the simulator supplies simulated time.
   std::function<int64_t()> clock_us;
@@ -145,6 +154,7 @@ struct RouterStats {
   uint64_t predicted_disk_hit_tokens = 0;  // and in its disk tier
   uint64_t copies = 0;                     // decisions with a replication copy
   uint64_t copied_blocks = 0;
+  CopyGovernorStats copy;  // declines by reason, outcomes, breaker, budget (replication on)
   PrefixIndexStats index;
 };
 
@@ -187,6 +197,9 @@ class RouterCore {
   // (and might take any request).
   int64_t MaxModelLen() const;
   void OnPrefillDone(uint64_t request_id);
+  // The request's copy landed on its decode worker, or failed: its links
+  // are free again (also implied by OnPrefillDone and OnRequestFinished).
+  void OnCopyLanded(uint64_t request_id);
   void OnRequestFinished(uint64_t request_id);
 
   std::vector<WorkerView> Workers() const;
@@ -210,13 +223,19 @@ class RouterCore {
   Candidate MakeCandidateLocked(Worker& w, int64_t overlap_blocks, const RouteRequest& request,
                                 int64_t now_us);
   void ReleaseLocked(Inflight& r, bool prefill_only);
-  // With copy_cost > 0 and the longest held prefix hot: lowers each decode
-  // candidate's uncached tokens by what a copy from the best holder would
-  // save, recording the copy in copy_*_.
+  // With copy_cost > 0, the longest held prefix hot and the governor's
+  // budget open: lowers each decode candidate's uncached tokens by what a
+  // copy from the best holder would save at the governor's price, recording
+  // the copy in copy_*_.
   void OfferCopiesLocked(const RouteRequest& request, int64_t now_us);
+  // After the pick of candidate `chosen`: counts a decline when a copy the
+  // link price alone would have made did not happen.
+  void CountDeclineLocked(size_t chosen);
+  int64_t DecodeWorkerCountLocked() const;
   // Counts one more request reaching the prefix that ends with block
   // `last_block`; true when it is hot (see RouterOptions::copy_min_requests).
-  bool NoteHotPrefixLocked(BlockHash last_block, int64_t now_us);
+  // *share: its decayed request count over all requests' (its demand).
+  bool NoteHotPrefixLocked(BlockHash last_block, int64_t now_us, double* share);
 
   RouterOptions options_;
   PrefixIndex index_;
@@ -231,6 +250,12 @@ class RouterCore {
   std::vector<Candidate> candidates_;
   std::vector<int64_t> copy_blocks_;  // per decode candidate: blocks a copy brings
   WorkerId copy_source_ = 0;
+  // Per decode candidate offered nothing by the governor's price: its
+  // uncached tokens at the link price alone and why (for the decline count).
+  std::vector<CopyGovernor::Quote> quotes_;
+  std::vector<int64_t> base_uncached_;
+  std::vector<int8_t> price_decline_;       // -1: none, else a CopyDecline
+  std::unique_ptr<CopyGovernor> governor_;  // replication on only
   // The longest held prefixes requests reached, by their last block: the
   // times of the latest copy_min_requests of them (a ring).
   struct PrefixReach {
@@ -238,7 +263,10 @@ class RouterCore {
     uint32_t count = 0;  // times recorded, up to copy_min_requests
     uint32_t next = 0;   // ring position of the next one
     int64_t newest_us = 0;
+    double demand = 0;  // requests reaching it, decayed with time constant copy_window_us
   };
+  double traffic_ = 0;  // every request routed, decayed likewise
+  int64_t traffic_at_us_ = 0;
   std::unordered_map<BlockHash, PrefixReach> prefix_reach_;
 };
 

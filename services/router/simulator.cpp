@@ -84,10 +84,8 @@ class SimWorker {
   double tier_link_free_at = 0;  // when its tier mover is next idle
   bool draining = false;
   bool removed = false;
-  // Copied blocks no later request has hit yet (-> the copy's request), and
-  // blocks a copy's landing evicted that were not computed here again yet.
+  // Copied blocks no later request has hit yet (-> the copy's request).
   std::unordered_map<uint64_t, size_t> copied_unused;
-  std::unordered_set<uint64_t> evicted_by_copy;
   int64_t copies_out = 0;     // copies from it not landed yet
   int64_t loading = 0;        // requests waiting for their lower-tier blocks
   std::deque<size_t> recent;  // requests admitted, most recent last
@@ -370,7 +368,10 @@ class Simulation {
     const int64_t have = dst.CachedPrefix(r);
     blocks = std::min(blocks, src.CachedPrefix(r));
     if (blocks <= have) {
-      if (!push) ++replications_failed_;
+      if (!push) {
+        ++replications_failed_;
+        core_->OnCopyLanded(i);
+      }
       return false;
     }
     const int64_t tokens = TokensOfLeadingBlocks(r, blocks, o_.block_tokens) -
@@ -450,11 +451,12 @@ class Simulation {
     if (c.push) return;
     copy_stats_.evicted_blocks += evicted;
     for (const SimKvChange& ch : changes) {
-      if (ch.tier == KvTier::kDevice && !ch.stored) dst.evicted_by_copy.insert(ch.hash);
+      if (ch.tier == KvTier::kDevice && !ch.stored) evicted_by_copy_.insert(ch.hash);
     }
     copy_stats_.landed_blocks += static_cast<int64_t>(stored.size());
     for (uint64_t h : stored) dst.copied_unused[h] = c.request;
     landed_at_[c.request] = now_;
+    core_->OnCopyLanded(c.request);
     ++replications_finished_;
     dst.queue.push_back(c.request);
     Kick(dst);
@@ -535,7 +537,7 @@ class Simulation {
     w.cache.Admit(r.hash_ids, &changes, &to_store_of_[i]);
     NoteEvictions(w, changes);
     for (uint64_t h : to_store_of_[i]) {
-      if (w.evicted_by_copy.erase(h) > 0) ++copy_stats_.evicted_recomputed_blocks;
+      if (evicted_by_copy_.erase(h) > 0) ++copy_stats_.evicted_recomputed_blocks;
     }
     Emit(w, changes);
     const int64_t served_blocks = device + lower.blocks();
@@ -676,6 +678,7 @@ class Simulation {
   std::vector<int64_t> copy_end_of_;  // per request: leading blocks held once its copy landed
   std::vector<double> landed_at_;     // per request: when its copy landed (-1: none)
   SimCopyStats copy_stats_;
+  std::unordered_set<uint64_t> evicted_by_copy_;  // by a landing, not computed again since
   double holders_sum_ = 0;
   std::vector<int64_t> hit_of_;       // per request: cache hit tokens (any tier)
   std::vector<int64_t> computed_of_;  // per request: prompt tokens its worker computes

@@ -125,7 +125,7 @@ struct SimCopyStats {
   int64_t evicted_unused_blocks = 0;      // evicted from the target before any such hit
   int64_t lost_before_use = 0;            // copies whose request found part of them evicted already
   int64_t evicted_blocks = 0;             // blocks a landing evicted from the target's device pool
-  int64_t evicted_recomputed_blocks = 0;  // of those, computed again on that worker later
+  int64_t evicted_recomputed_blocks = 0;  // of those, computed again later (on any worker)
   int64_t link_waits = 0;                 // copies that waited for a busy source or target link
   double link_wait_s = 0;                 // their waits, summed
   double receiver_wait_s = 0;             // landing to the request's admission, summed
