@@ -72,6 +72,8 @@ nlohmann::json ResultJson(const SimOptions& o, const std::string& trace, const S
       {"copy_gbps", o.copy_gbps},
       {"replication_min_requests", o.replication_min_requests},
       {"replication_window_s", o.replication_window_s},
+      {"replication_max_inflight", o.replication_max_inflight},
+      {"replication_max_copy_tokens_per_s", o.replication_max_copy_tokens_per_s},
       {"replications_started", r.replications_started},
       {"replications_finished", r.replications_finished},
       {"replications_failed", r.replications_failed},
@@ -171,6 +173,10 @@ int RunSim(int argc, char** argv) {
                "reached it as their longest cached prefix within --replication-window-s");
   flags.AddDouble("replication-window-s", &o.replication_window_s,
                   "kv: the window of --replication-min-requests");
+  flags.AddInt("replication-max-inflight", &o.replication_max_inflight,
+               "kv: copies in flight at full budget (0: one per two workers)");
+  flags.AddDouble("replication-max-copy-tokens-per-s", &o.replication_max_copy_tokens_per_s,
+                  "kv: copied prompt tokens per second at full budget (0: no rate budget)");
   flags.AddDouble("kv-bytes-per-token", &o.kv_bytes_per_token,
                   "KV cache bytes of one token (all layers), for copy times");
   flags.AddDouble("copy-gbps", &o.copy_gbps, "GB/s of each worker's KV copy link");

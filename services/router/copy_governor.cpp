@@ -157,6 +157,16 @@ void CopyGovernor::Price(WorkerId source, std::span<Quote> quotes) const {
   }
 }
 
+bool CopyGovernor::PushFits(WorkerId source, Quote& quote, double keep) const {
+  Price(source, std::span<Quote>(&quote, 1));
+  const ReceiverView& r = quote.receiver;
+  const int64_t queued_blocks = (r.queued_tokens + o_.block_tokens - 1) / o_.block_tokens;
+  if (r.capacity_blocks > 0 && queued_blocks + quote.blocks >= r.capacity_blocks) return false;
+  const double pushed_value =
+      static_cast<double>(quote.blocks * o_.block_tokens) * std::clamp(keep, 0.0, 1.0);
+  return static_cast<double>(quote.price.pressure) <= pushed_value;
+}
+
 void CopyGovernor::OnStarted(uint64_t request_id, WorkerId source, WorkerId receiver,
                              std::span<const BlockHash> hashes, int64_t first_block, int64_t blocks,
                              int64_t tokens, int64_t now_us) {

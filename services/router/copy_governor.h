@@ -150,6 +150,15 @@ class CopyGovernor {
   };
   void Price(WorkerId source, std::span<Quote> quotes) const;
 
+  // Drain pushes (a leaving worker's prompts written to a survivor) pay the
+  // same receiver pressure: a push fits a receiver when the blocks it
+  // evicts there are worth less than the pushed blocks, evicted x v <=
+  // blocks x keep (keep: the chance the pushed prompt is used again), and
+  // the receiver's queue would not evict it first (its queued blocks and
+  // the push fill the pool). Prices quote.price (link wait and pressure)
+  // like Price.
+  bool PushFits(WorkerId source, Quote& quote, double keep) const;
+
   // A copy started: receiver gets blocks [first_block, first_block + blocks)
   // of `hashes` (a prompt's block hashes) from `source`.
   void OnStarted(uint64_t request_id, WorkerId source, WorkerId receiver,

@@ -67,7 +67,7 @@ StatusOr<std::unique_ptr<RouterCore>> RouterCore::Create(RouterOptions options) 
   core->decode_policy_ = std::move(*decode_policy);
   core->prefill_policy_ = std::move(*prefill_policy);
   const RouterOptions& o = core->options_;
-  if (o.copy_cost > 0 && o.copy_cost < 1) {
+  if ((o.copy_cost > 0 && o.copy_cost < 1) || o.drain_push) {
     CopyGovernorOptions g;
     g.copy_cost = o.copy_cost;
     g.block_tokens = o.block_tokens;
@@ -380,7 +380,8 @@ void RouterCore::OfferCopiesLocked(const RouteRequest& request, int64_t now_us) 
   const int64_t prompt_tokens = request.prompt_tokens;
   copy_blocks_.clear();
   price_decline_.clear();
-  if (!governor_) return;  // copy_cost 0, or >= 1: a copy never pays
+  // copy_cost 0, or >= 1: a copy never pays.
+  if (!governor_ || !(options_.copy_cost > 0 && options_.copy_cost < 1)) return;
   // Every request counts toward the traffic a prefix's demand is a share of.
   traffic_ = Decayed(traffic_, traffic_at_us_, now_us, options_.copy_window_us) + 1;
   traffic_at_us_ = now_us;
@@ -488,6 +489,68 @@ void RouterCore::CountDeclineLocked(size_t chosen) {
     }
   }
   if (reason >= 0) governor_->Declined(static_cast<CopyDecline>(reason));
+}
+
+std::vector<PushPlan> RouterCore::PlanDrainPush(WorkerId leaving,
+                                                std::span<const PushCandidate> candidates,
+                                                int64_t budget_blocks) {
+  std::vector<PushPlan> plan;
+  std::lock_guard lock(mu_);
+  if (leaving >= workers_.size() || !workers_[leaving]) return plan;
+  std::vector<WorkerId> survivors;
+  for (const auto& w : workers_) {
+    if (w && !w->draining && w->role != Role::kPrefill && w->id != leaving) {
+      survivors.push_back(w->id);
+    }
+  }
+  if (survivors.empty()) return plan;
+  const int64_t now = options_.clock_us();
+  std::vector<uint32_t> overlap;
+  // Blocks already promised to each survivor by this plan (they take room).
+  std::vector<int64_t> promised(workers_.size(), 0);
+  size_t turn = 0;
+  for (size_t i = 0; i < candidates.size() && budget_blocks > 0; ++i) {
+    const auto hashes = candidates[i].hashes;
+    if (hashes.empty()) continue;
+    index_.LeadingOverlap(hashes, now, &overlap);
+    if (overlap[leaving] < hashes.size()) continue;  // evicted meanwhile
+    std::optional<PushPlan> best;
+    int64_t best_price = 0;
+    const double keep =
+        static_cast<double>(candidates[i].uses) / static_cast<double>(candidates[i].uses + 1);
+    for (size_t k = 0; k < survivors.size(); ++k) {
+      const WorkerId t = survivors[(turn + k) % survivors.size()];
+      const int64_t missing = static_cast<int64_t>(hashes.size() - overlap[t]);
+      if (missing == 0 || missing > budget_blocks) continue;
+      const Worker& w = *workers_[t];
+      int64_t price = 0;
+      if (governor_) {
+        CopyGovernor::Quote q;
+        q.receiver.worker = t;
+        q.receiver.capacity_blocks = w.has_report ? w.reported.total_blocks : 0;
+        q.receiver.held_blocks = static_cast<int64_t>(index_.WorkerBlockCount(t)) + promised[t];
+        q.receiver.queued_tokens = std::max(w.inflight_prefill_tokens,
+                                            w.has_report ? w.reported.queued_prefill_tokens : 0);
+        q.blocks = missing;
+        q.tokens = missing * options_.block_tokens;
+        if (!governor_->PushFits(leaving, q, keep)) continue;
+        price = q.price.link_wait + q.price.pressure;
+      }
+      if (!best || price < best_price) {
+        best = PushPlan{i, t, missing};
+        best_price = price;
+      }
+    }
+    if (!best) continue;
+    turn = (turn + 1) % survivors.size();
+    promised[best->target] += best->blocks;
+    budget_blocks -= best->blocks;
+    if (options_.pending_ttl_us > 0) {
+      index_.AddPending(best->target, hashes, now, now + options_.pending_ttl_us);
+    }
+    plan.push_back(*best);
+  }
+  return plan;
 }
 
 void RouterCore::ReleaseLocked(Inflight& r, bool prefill_only) {

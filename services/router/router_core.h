@@ -96,6 +96,9 @@ struct RouterOptions {
   int64_t copy_max_inflight = 0;
   double copy_max_tokens_per_s = 0;
   int64_t copy_reuse_window_us = 30'000'000;
+  // Drain pushes are planned here (PlanDrainPush): keeps the eviction value
+  // up to date even with replication off.
+  bool drain_push = false;
   PrefixIndexOptions index;
   // Microseconds on a monotonic clock; the simulator supplies simulated time.
   std::function<int64_t()> clock_us;
@@ -110,6 +113,17 @@ struct RouteRequest {
 // Only workers whose max_model_len (when known) holds prompt_tokens +
 // max_new_tokens decode the request, and only those whose max_model_len holds
 // the prompt and its first token prefill it.
+
+// A leaving worker's prompt it could push to a survivor (PlanDrainPush).
+struct PushCandidate {
+  std::span<const BlockHash> hashes;  // the prompt's full blocks
+  int64_t uses = 1;                   // requests that used it lately
+};
+struct PushPlan {
+  size_t candidate = 0;  // index into the candidates
+  WorkerId target = 0;
+  int64_t blocks = 0;  // blocks the target lacks (what the push writes)
+};
 
 struct RouteDecision {
   WorkerId decode = 0;
@@ -191,6 +205,15 @@ class RouterCore {
   // requests and long enough for the request; InvalidArgument for a request
   // id already in flight or inconsistent sizes.
   StatusOr<RouteDecision> Route(const RouteRequest& request);
+  // Scale-down: which of the leaving worker's prompts (hottest first) go to
+  // which survivor (decode-capable, not draining), within budget_blocks. A
+  // prompt the leaver no longer holds whole, or that every survivor holds,
+  // is skipped. Each goes to the survivor where it fits under the copy
+  // pressure rule (CopyGovernor::PushFits; keep = uses / (uses + 1)) at
+  // the lowest price, spreading ties in turn; one that fits nowhere is not
+  // pushed. Records the pushes' blocks as pending on their targets.
+  std::vector<PushPlan> PlanDrainPush(WorkerId leaving, std::span<const PushCandidate> candidates,
+                                      int64_t budget_blocks);
   // The longest sequence (prompt + output tokens) a request may have: the
   // largest max_model_len of the decode-capable workers accepting requests.
   // 0 when unknown: none is registered, or one did not report its length

@@ -118,7 +118,34 @@ struct RouterMetrics {
         replicated_blocks(metrics::AddCounter(
             r, "pdserve_router_replicated_blocks_total",
             "KV blocks holders were asked to copy (the bytes are in the workers' "
-            "pdserve_kv_transfer_bytes_total)")) {
+            "pdserve_kv_transfer_bytes_total)")),
+        copies_declined(metrics::AddCounterFamily(
+            r, "pdserve_router_copies_declined_total",
+            "Hot-prefix copies a link-time price alone would have made, declined by reason "
+            "(breaker_open, inflight_budget, rate_budget, link_busy, receiver_queue, "
+            "receiver_pressure, enough_holders; docs/routing.md)")),
+        copy_outcomes(metrics::AddCounterFamily(
+            r, "pdserve_router_copy_outcomes_total",
+            "Copies by what became of them: reused (another request hit the copied blocks on "
+            "their receiver) or unused (evicted, or not hit within the reuse window)")),
+        copy_reuse_ratio(metrics::AddGauge(
+            r, "pdserve_router_copy_reuse_ratio",
+            "The copy breaker's moving average of reused / (reused + unused) outcomes")),
+        copy_breaker_state(metrics::AddGauge(
+            r, "pdserve_router_copy_breaker_state",
+            "Copy breaker: 0 closed (copies may start), 1 half-open (one probe at a time), 2 open "
+            "(none start)")),
+        copy_breaker_trips(metrics::AddCounter(r, "pdserve_router_copy_breaker_trips_total",
+                                               "Times the copy breaker opened")),
+        copy_budget_scale(metrics::AddGauge(
+            r, "pdserve_router_copy_budget_scale",
+            "Share (1/16 to 1) of the full copy budget open now: grows with reused copies, "
+            "shrinks with unused ones")),
+        copies_in_flight(metrics::AddGauge(r, "pdserve_router_copies_in_flight",
+                                           "Copies started whose blocks have not landed")),
+        copy_inflight_limit(metrics::AddGauge(
+            r, "pdserve_router_copy_inflight_limit",
+            "The most copies in flight the budget allows now (0: replication off)")) {
     // Every outcome and decision exists from the start at 0, so rate() and
     // ratios over them are defined before the first request of each kind.
     for (const char* status :
@@ -131,6 +158,9 @@ struct RouterMetrics {
     for (const char* outcome : {"started", "finished", "failed"}) {
       replications.Add({{"outcome", outcome}});
     }
+    for (size_t k = 0; k < kCopyDeclineCount; ++k)
+      copies_declined.Add({{"reason", CopyDeclineName(static_cast<CopyDecline>(k))}});
+    for (const char* outcome : {"reused", "unused"}) copy_outcomes.Add({{"outcome", outcome}});
     for (const char* tier : {"host", "disk"}) predicted_tier_hit_tokens.Add({{"tier", tier}});
   }
 
@@ -153,6 +183,14 @@ struct RouterMetrics {
   prometheus::Family<prometheus::Counter>& control_rejected;
   prometheus::Family<prometheus::Counter>& replications;
   prometheus::Counter& replicated_blocks;
+  prometheus::Family<prometheus::Counter>& copies_declined;
+  prometheus::Family<prometheus::Counter>& copy_outcomes;
+  prometheus::Gauge& copy_reuse_ratio;
+  prometheus::Gauge& copy_breaker_state;
+  prometheus::Counter& copy_breaker_trips;
+  prometheus::Gauge& copy_budget_scale;
+  prometheus::Gauge& copies_in_flight;
+  prometheus::Gauge& copy_inflight_limit;
 };
 
 // One connected worker.
@@ -237,6 +275,9 @@ class RouterServiceImpl : public RouterService {
     ro.copy_cost = opts_.replication_copy_cost;
     ro.copy_min_requests = opts_.replication_min_requests;
     ro.copy_window_us = static_cast<int64_t>(opts_.replication_window_s * 1e6);
+    ro.copy_max_inflight = opts_.replication_max_inflight;
+    ro.copy_max_tokens_per_s = opts_.replication_max_copy_tokens_per_s;
+    ro.drain_push = opts_.drain_push_blocks > 0;
     auto core = RouterCore::Create(ro);
     if (!core.ok()) return core.status();
     core_ = std::move(*core);
@@ -604,6 +645,7 @@ class RouterServiceImpl : public RouterService {
           metrics_.replicated_blocks.Increment(static_cast<double>(decision->copy_blocks));
         } else {
           metrics_.replications.Add({{"outcome", "failed"}}).Increment();
+          core_->OnCopyLanded(id);  // nothing travels: its links are free
         }
       }
       const auto left =
@@ -863,38 +905,35 @@ class RouterServiceImpl : public RouterService {
       return a.second->uses != b.second->uses ? a.second->uses > b.second->uses
                                               : a.second->last_use > b.second->last_use;
     });
-    int64_t budget = opts_.drain_push_blocks, pushed_blocks = 0;
-    size_t turn = 0, pushed = 0;
-    std::vector<uint32_t> overlap;
-    for (const auto& [_, p] : order) {
-      if (budget <= 0) break;
-      const std::vector<BlockHash>& hashes = p->hashes;
-      core_->index().LeadingOverlap(hashes, 0, &overlap);
-      if (overlap[*leaving.id] < hashes.size()) continue;  // evicted meanwhile
-      const WorkerLink& target = *survivors[turn++ % survivors.size()];
-      const int64_t missing = static_cast<int64_t>(hashes.size() - overlap[*target.id]);
-      if (missing == 0) continue;
+    std::vector<PushCandidate> candidates;
+    for (const auto& [_, p] : order) candidates.push_back({p->hashes, p->uses});
+    int64_t pushed_blocks = 0;
+    size_t pushed = 0;
+    for (const PushPlan& plan :
+         core_->PlanDrainPush(*leaving.id, candidates, opts_.drain_push_blocks)) {
+      const HotPrompt& p = *order[plan.candidate].second;
+      const WorkerLink* target = LinkOf(plan.target);
+      if (!target) continue;
       proto::Envelope env;
       proto::Generate* g = env.mutable_generate();
       const std::string wire_id = "drain-push-" + NewUnguessableId();
       g->set_request_id(wire_id);
-      for (TokenId t : p->tokens) g->add_prompt_token_ids(t);
+      for (TokenId t : p.tokens) g->add_prompt_token_ids(t);
       SamplingParams one_token;
       one_token.temperature = 0;
       one_token.max_tokens = 1;
       ToProto(one_token, g->mutable_sampling());
-      g->set_cache_salt(p->cache_salt);
+      g->set_cache_salt(p.cache_salt);
       g->set_prefill_worker_id(leaving.name);
       g->set_prefill_address(leaving.control_address);
       g->set_prefix_copy(true);
       g->set_deadline_ms(static_cast<uint32_t>(opts_.request_timeout_ms));
-      if (!target.conn->Send(std::move(env)).ok()) continue;
-      pushes_[wire_id] = Push{target.conn->id(), false};
-      budget -= missing;
-      pushed_blocks += missing;
+      if (!target->conn->Send(std::move(env)).ok()) continue;
+      pushes_[wire_id] = Push{target->conn->id(), false};
+      pushed_blocks += plan.blocks;
       ++pushed;
       metrics_.replications.Add({{"outcome", "started"}}).Increment();
-      metrics_.replicated_blocks.Increment(static_cast<double>(missing));
+      metrics_.replicated_blocks.Increment(static_cast<double>(plan.blocks));
     }
     hot_prompts_.erase(found);
     PDSERVE_LOG(INFO) << "worker " << leaving.name << " drains: " << pushed << " hot prompt(s), "
@@ -1254,12 +1293,42 @@ class RouterServiceImpl : public RouterService {
       for (uint64_t id : expired)
         FailLocked(id, 504, "the request exceeded its deadline", "timeout");
       const RouterStats s = core_->stats();
+      ExportCopyGovernorLocked(s.copy);
       metrics_.index_blocks.Set(static_cast<double>(s.index.entries));
       metrics_.index_bytes.Set(static_cast<double>(s.index.bytes));
       metrics_.snapshot_pending_bytes.Set(static_cast<double>(snapshot_pending_bytes_));
       if (control_)
         metrics_.control_buffered_bytes.Set(static_cast<double>(control_->buffered_bytes()));
     }
+  }
+
+  // The governor's counters, as increments since the last export.
+  void ExportCopyGovernorLocked(const CopyGovernorStats& c) {
+    for (size_t k = 0; k < kCopyDeclineCount; ++k) {
+      const uint64_t delta = c.declined[k] - exported_copy_.declined[k];
+      if (delta > 0) {
+        metrics_.copies_declined.Add({{"reason", CopyDeclineName(static_cast<CopyDecline>(k))}})
+            .Increment(static_cast<double>(delta));
+      }
+    }
+    if (c.reused > exported_copy_.reused) {
+      metrics_.copy_outcomes.Add({{"outcome", "reused"}})
+          .Increment(static_cast<double>(c.reused - exported_copy_.reused));
+    }
+    if (c.unused > exported_copy_.unused) {
+      metrics_.copy_outcomes.Add({{"outcome", "unused"}})
+          .Increment(static_cast<double>(c.unused - exported_copy_.unused));
+    }
+    if (c.breaker_trips > exported_copy_.breaker_trips) {
+      metrics_.copy_breaker_trips.Increment(
+          static_cast<double>(c.breaker_trips - exported_copy_.breaker_trips));
+    }
+    metrics_.copy_reuse_ratio.Set(c.reuse_ratio);
+    metrics_.copy_breaker_state.Set(static_cast<double>(static_cast<int>(c.breaker)));
+    metrics_.copy_budget_scale.Set(c.budget_scale);
+    metrics_.copies_in_flight.Set(static_cast<double>(c.inflight));
+    metrics_.copy_inflight_limit.Set(static_cast<double>(c.inflight_limit));
+    exported_copy_ = c;
   }
 
   // ------------------------------------------------------------ helpers
@@ -1336,6 +1405,7 @@ class RouterServiceImpl : public RouterService {
     bool copied = false;  // its first token came after the blocks were copied
   };
   std::unordered_map<std::string, Push> pushes_;  // by drain push wire id
+  CopyGovernorStats exported_copy_;               // what ExportCopyGovernorLocked last saw
   size_t snapshot_pending_bytes_ = 0;
 };
 

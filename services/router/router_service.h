@@ -52,6 +52,10 @@ struct RouterServiceOptions {
   // copy_window_us).
   int64_t replication_min_requests = 2;
   double replication_window_s = 10;
+  // The copy budget (RouterOptions::copy_max_inflight,
+  // copy_max_tokens_per_s; services/router/copy_governor.h).
+  int64_t replication_max_inflight = 0;
+  double replication_max_copy_tokens_per_s = 0;
   // Scale-down: when a worker of role both or prefill announces its drain
   // (SIGTERM), the router has it write its most used recent prompts, up to
   // this many blocks, to the surviving workers before it leaves (0: off).

@@ -136,6 +136,11 @@ Status CheckTimes(const SimOptions& o) {
   if (!(o.replication_window_s >= 1e-3) || !(o.replication_window_s <= 86400)) {
     return Status::InvalidArgument("replication-window-s must be in [0.001, 86400]");
   }
+  if (o.replication_max_inflight < 0 || !(o.replication_max_copy_tokens_per_s >= 0) ||
+      !std::isfinite(o.replication_max_copy_tokens_per_s)) {
+    return Status::InvalidArgument(
+        "replication-max-inflight and replication-max-copy-tokens-per-s must not be negative");
+  }
   if (!(o.time_scale > 0) || !std::isfinite(o.time_scale)) {
     return Status::InvalidArgument("time scale must be finite and positive");
   }
@@ -463,7 +468,8 @@ class Simulation {
   }
 
   // Scale-down: no new requests; with drain_push, the prompts of its most
-  // recent requests go to the survivors in turn, within the block budget.
+  // recent requests go to the survivors RouterCore::PlanDrainPush picks,
+  // within the block budget.
   void StartDrain(SimWorker& w) {
     w.draining = true;
     core_->SetDraining(w.id(), true);
@@ -473,19 +479,30 @@ class Simulation {
       if (!workers_[k].draining && !workers_[k].removed) survivors.push_back(k);
     }
     if (o_.drain_push && !survivors.empty()) {
-      int64_t budget = o_.drain_push_blocks > 0 ? o_.drain_push_blocks : o_.capacity_blocks;
-      std::unordered_set<uint64_t> pushed;  // last block of each pushed chain
-      size_t turn = 0;
-      for (auto it = w.recent.rbegin(); it != w.recent.rend() && budget > 0; ++it) {
+      // Its most recent prompts first, each once (by the last block it still
+      // holds), with how often they came lately; RouterCore picks the
+      // survivor of each under the copy pressure rule.
+      std::vector<size_t> requests;
+      std::vector<PushCandidate> candidates;
+      std::unordered_map<uint64_t, size_t> seen;  // last held block -> candidate
+      for (auto it = w.recent.rbegin(); it != w.recent.rend(); ++it) {
         const TraceRequest& r = trace_[*it];
-        const int64_t held = std::min(w.CachedPrefix(r), budget);
-        if (held == 0 || !pushed.insert(r.hash_ids[static_cast<size_t>(held - 1)]).second) {
+        const int64_t held = w.CachedPrefix(r);
+        if (held == 0) continue;
+        auto [found, fresh] =
+            seen.emplace(r.hash_ids[static_cast<size_t>(held - 1)], candidates.size());
+        if (!fresh) {
+          ++candidates[found->second].uses;
           continue;
         }
-        const size_t target = survivors[turn++ % survivors.size()];
-        const int64_t before = drain_pushed_blocks_;
-        StartCopy(*it, source, target, held, /*push=*/true);
-        budget -= drain_pushed_blocks_ - before;
+        requests.push_back(*it);
+        candidates.push_back(
+            {std::span<const BlockHash>(r.hash_ids.data(), static_cast<size_t>(held)), 1});
+      }
+      const int64_t budget = o_.drain_push_blocks > 0 ? o_.drain_push_blocks : o_.capacity_blocks;
+      for (const PushPlan& p : core_->PlanDrainPush(w.id(), candidates, budget)) {
+        StartCopy(requests[p.candidate], source, by_id_.at(p.target),
+                  static_cast<int64_t>(candidates[p.candidate].hashes.size()), /*push=*/true);
       }
     }
     TryLeave(w);
@@ -785,7 +802,10 @@ StatusOr<SimResult> RunSimulation(const std::vector<TraceRequest>& trace, const 
         options.prefill_tokens_per_s * options.kv_bytes_per_token / (options.copy_gbps * 1e9);
     ro.copy_min_requests = options.replication_min_requests;
     ro.copy_window_us = static_cast<int64_t>(options.replication_window_s * 1e6);
+    ro.copy_max_inflight = options.replication_max_inflight;
+    ro.copy_max_tokens_per_s = options.replication_max_copy_tokens_per_s;
   }
+  ro.drain_push = options.drain_push && options.remove_at_s >= 0;
   ro.index.max_workers = static_cast<size_t>(options.workers);
   // Room for every worker's cache plus the blocks announced while in flight.
   ro.index.max_entries = static_cast<size_t>(options.workers * options.capacity_blocks * 2);

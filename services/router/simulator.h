@@ -100,12 +100,14 @@ struct SimOptions {
   // matter most: on a 4-worker multi-turn trace 100 blocks already remove
   // the dip, while pushing all 2,000 held the copy links for seconds.
   int64_t drain_push_blocks = 1000;
-  double after_removal_s = 60;           // window of hit_rate_after_removal
-  bool replication = true;               // hot-prefix copies (policy kv only)
-  int64_t replication_min_requests = 2;  // RouterOptions::copy_min_requests
-  double replication_window_s = 10;      // RouterOptions::copy_window_us
-  double kv_bytes_per_token = 131072;    // Llama-3-8B, bf16 KV
-  double copy_gbps = 12.5;               // GB/s of a worker's KV copy link
+  double after_removal_s = 60;                   // window of hit_rate_after_removal
+  bool replication = true;                       // hot-prefix copies (policy kv only)
+  int64_t replication_min_requests = 2;          // RouterOptions::copy_min_requests
+  double replication_window_s = 10;              // RouterOptions::copy_window_us
+  int64_t replication_max_inflight = 0;          // RouterOptions::copy_max_inflight
+  double replication_max_copy_tokens_per_s = 0;  // RouterOptions::copy_max_tokens_per_s
+  double kv_bytes_per_token = 131072;            // Llama-3-8B, bf16 KV
+  double copy_gbps = 12.5;                       // GB/s of a worker's KV copy link
   // Lower tiers per worker, in blocks (0: none), and what an onload costs:
   // host memory over PCIe Gen4 x16 from pinned memory, one NVMe Gen4 drive.
   int64_t host_capacity_blocks = 0;

@@ -646,6 +646,72 @@ TEST(RouterCoreTest, CopiesEvictedUnusedOpenTheBreaker) {
   EXPECT_EQ(f.core->stats().copy.reused, 1u);
 }
 
+// Drain pushes pay the copy pressure rule: a leaving worker's prompt goes
+// to a survivor with free room, or to a full one only when the blocks it
+// evicts there are worth less than the prompt (evicted x v <= blocks x
+// uses / (uses + 1)); never to one whose queue would evict it first, and
+// not at all when it no longer holds the prompt or the budget is spent.
+TEST(RouterCoreTest, DrainPushesGoWhereTheyEvictLessThanTheyBring) {
+  RouterOptions o = Policy("kv");
+  o.drain_push = true;
+  Fixture f(o, {Role::kBoth, Role::kBoth, Role::kBoth});
+  auto report = [&](size_t w, int64_t total, int64_t queued) {
+    WorkerLoad load;
+    load.total_blocks = total;
+    load.free_blocks = total;
+    load.queued_prefill_tokens = queued;
+    EXPECT_TRUE(f.core->OnLoad(f.ids[w], load).ok());
+  };
+  report(0, 100, 0);
+  report(1, 20, 0);
+  report(2, 100, 0);
+  const auto hot = Prompt(100, 8), cold = Prompt(200, 8), gone = Prompt(300, 8);
+  f.Store(0, hot);
+  f.Store(0, cold);
+  f.Store(1, Prompt(1000, 20));  // worker 1's pool is full
+  f.Store(2, Prompt(2000, 95));  // worker 2 has 5 free blocks
+  // Evicted blocks come back (worker 1 evicts, worker 0 stores them
+  // again): an eviction is worth nearly a whole block.
+  for (BlockHash b = 5000; b < 5300; ++b) {
+    KvEventBatch rm;
+    rm.sequence_number = ++f.seqs[1];
+    rm.events.push_back(KvRemoved{{b}, KvTier::kDevice});
+    ASSERT_EQ(f.core->OnKvEvents(f.ids[1], rm), ApplyOutcome::kApplied);
+    f.Store(0, {b});
+  }
+  const std::vector<PushCandidate> candidates = {{hot, 9}, {cold, 1}, {gone, 5}};
+  f.core->SetDraining(f.ids[0], true);
+  std::vector<PushPlan> plan = f.core->PlanDrainPush(f.ids[0], candidates, 1000);
+  // hot (keep 0.9): to worker 2 (3 of its 8 blocks evict), never to the
+  // full worker 1 (8 evictions at about 1 block each are worth more).
+  // cold (keep 0.5): nowhere (worker 2 has no room left: 8 evictions).
+  // gone: worker 0 does not hold it.
+  ASSERT_EQ(plan.size(), 1u);
+  EXPECT_EQ(plan[0].candidate, 0u);
+  EXPECT_EQ(f.IndexOf(plan[0].target), 2u);
+  EXPECT_EQ(plan[0].blocks, 8);
+
+  // A survivor whose queue fills its pool gets nothing; one with room does.
+  Fixture g(o, {Role::kBoth, Role::kBoth, Role::kBoth});
+  g.Store(0, hot);
+  g.Store(0, cold);
+  WorkerLoad busy;
+  busy.total_blocks = 100;
+  busy.queued_prefill_tokens = 95 * kBlock;
+  EXPECT_TRUE(g.core->OnLoad(g.ids[1], busy).ok());
+  WorkerLoad idle;
+  idle.total_blocks = 100;
+  EXPECT_TRUE(g.core->OnLoad(g.ids[2], idle).ok());
+  g.core->SetDraining(g.ids[0], true);
+  plan = g.core->PlanDrainPush(g.ids[0], candidates, 1000);
+  ASSERT_EQ(plan.size(), 2u);
+  for (const PushPlan& p : plan) EXPECT_EQ(g.IndexOf(p.target), 2u);
+  // The budget: only the first fits in 10 blocks.
+  plan = g.core->PlanDrainPush(g.ids[0], candidates, 10);
+  ASSERT_EQ(plan.size(), 1u);
+  EXPECT_EQ(plan[0].candidate, 0u);
+}
+
 // Replication off: no governor, nothing counted.
 TEST(RouterCoreTest, NoCopyBookkeepingWithReplicationOff) {
   Fixture f(Policy("kv"), {Role::kBoth, Role::kBoth});
