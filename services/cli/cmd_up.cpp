@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <filesystem>
@@ -220,6 +221,7 @@ int RunUp(int argc, char** argv) {
   int64_t kv_host_cache_bytes = 0, kv_disk_cache_bytes = 0;
   std::string kv_disk_cache_dir;
   std::string model, model_id, dir = ".pdserve", host = "127.0.0.1", policy = "kv";
+  std::string copy_cost = "0";
   std::string log_level = "info", device = "auto", load_format = "safetensors";
   std::string kv_dtype = "fp32";
   bool stream_chunks = true;
@@ -242,6 +244,9 @@ int RunUp(int argc, char** argv) {
   flags.AddString("policy", &policy, "routing policy: kv|round_robin|least_loaded|random");
   flags.AddInt("max-local-prefill", &max_local_prefill,
                "prompt tokens a decode worker computes itself; more go to a prefill worker");
+  flags.AddString("replication-copy-cost", &copy_cost,
+                  "kv: hot-prefix replication's copy price, as the router's "
+                  "--replication-copy-cost (0: off)");
   flags.AddString("device", &device, "device of every worker: auto|cpu|cuda|cuda:N");
   flags.AddString("load-format", &load_format,
                   "workers' weights: safetensors|dummy (random, for benchmarks)");
@@ -280,6 +285,10 @@ int RunUp(int argc, char** argv) {
     UsageError("up", "--decode-metrics-port leaves no room for every decode worker");
   if (threads < 0) UsageError("up", "--threads must not be negative");
   if (max_local_prefill < 0) UsageError("up", "--max-local-prefill must not be negative");
+  if (char* end = nullptr;
+      copy_cost.empty() || !(std::strtod(copy_cost.c_str(), &end) >= 0) || *end != '\0') {
+    UsageError("up", "--replication-copy-cost must be a non-negative number");
+  }
   if (kv_cache_bytes <= 0) UsageError("up", "--kv-cache-bytes must be positive");
   if (kv_host_cache_bytes < 0) UsageError("up", "--kv-host-cache-bytes must not be negative");
   if (kv_disk_cache_dir.empty() != (kv_disk_cache_bytes <= 0)) {
@@ -362,6 +371,7 @@ int RunUp(int argc, char** argv) {
                                           log_level};
   if (!model_id.empty()) router_args.insert(router_args.end(), {"--model-id", model_id});
   router_args.insert(router_args.end(), {"--cluster-secret-file", secret_file});
+  router_args.insert(router_args.end(), {"--replication-copy-cost", copy_cost});
   if (!start(add("router"), router_args)) return 1;
 
   // Workers need the control port, which the router reports once it listens.

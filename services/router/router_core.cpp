@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <deque>
+#include <limits>
 
 namespace pdserve::router {
 
@@ -431,19 +432,16 @@ void RouterCore::OfferCopiesLocked(const RouteRequest& request, int64_t now_us) 
   // A prefix earns holders in proportion to the traffic it draws: with its
   // share of the requests times the decode workers already holding it, a
   // copy adds a duplicate that other prefixes pay for and that its own
-  // requests do not need.
-  // Until the window has seen a few requests per worker a share means
-  // little (the first request of all is 100% of the traffic): no copies yet.
+  // requests do not need. Until the window has seen a request per worker a
+  // share means little (the first request of all is 100% of the traffic):
+  // no copies yet.
   const double workers = static_cast<double>(DecodeWorkerCountLocked());
   const double deserved =
       traffic_ >= kMinTrafficPerWorker * workers ? std::ceil(share * workers) : 1.0;
-  if (static_cast<double>(holders) >= std::max(1.0, deserved)) {
-    governor_->Declined(CopyDecline::kEnoughHolders);
-    return;
-  }
-  CopyDecline gate{};
-  if (!governor_->MayStart(now_us, &gate)) {
-    governor_->Declined(gate);
+  CopyDecline gate = CopyDecline::kEnoughHolders;
+  if (static_cast<double>(holders) >= std::max(1.0, deserved) ||
+      !governor_->MayStart(now_us, &gate)) {
+    if (CopyWinsAtLinkPriceLocked()) governor_->Declined(gate);
     return;
   }
   governor_->Price(copy_source_, quotes_);
@@ -469,6 +467,26 @@ void RouterCore::OfferCopiesLocked(const RouteRequest& request, int64_t now_us) 
     c.uncached_tokens -= quote.tokens - price.total();
     copy_blocks_[i] = quote.blocks;
   }
+}
+
+bool RouterCore::CopyWinsAtLinkPriceLocked() const {
+  double plain = std::numeric_limits<double>::infinity();
+  for (const Candidate& c : candidates_) {
+    plain = std::min(plain, KvCost(c, options_.policy_options));
+  }
+  size_t q = 0;
+  for (const Candidate& candidate : candidates_) {
+    if (q == quotes_.size()) break;
+    if (quotes_[q].receiver.worker != candidate.worker) continue;
+    const CopyGovernor::Quote& quote = quotes_[q++];
+    const auto link =
+        static_cast<int64_t>(std::ceil(static_cast<double>(quote.tokens) * options_.copy_cost));
+    if (link >= quote.tokens) continue;
+    Candidate c = candidate;
+    c.uncached_tokens -= quote.tokens - link;
+    if (KvCost(c, options_.policy_options) < plain) return true;
+  }
+  return false;
 }
 
 void RouterCore::CountDeclineLocked(size_t chosen) {

@@ -73,12 +73,17 @@ struct RouterOptions {
   int64_t pending_ttl_us = 2'000'000;
   // Hot-prefix replication by KV copy. A decode candidate that lacks part of
   // the longest cached prefix any worker holds may have those blocks copied
-  // from a holder (any role: decode-only workers write KV for copies) instead of
-  // computing them; the policy then sees each copied token as copy_cost
-  // prompt tokens of work (copy time / prefill time per token). So when the
-  // holders' queues outgrow the price of a copy, the request goes to a
-  // less loaded worker with a copy, and the prefix's later requests spread
-  // over its holders. 0 (or >= 1, where recomputing is cheaper): no copies.
+  // from its least busy holder (any role: decode-only workers write KV for
+  // copies) instead of computing them; the policy then sees each copied
+  // token as copy_cost prompt tokens of work (copy time / prefill time per
+  // token) plus what services/router/copy_governor.h prices beyond that (the
+  // copies already on its links, the blocks it evicts). A copy is offered
+  // only for a hot prefix (below) that has fewer holders than its share of
+  // the requests (decayed over copy_window_us) times the decode workers
+  // earns, to a candidate with no more prefill queued than the copy's link
+  // time, while the governor's budget and breaker allow. So a busy holder's
+  // prefix spreads to idle workers as far as its traffic needs, and no
+  // further. 0 (or >= 1, where recomputing is cheaper): no copies.
   double copy_cost = 0;
   // Only a hot prefix is copied: one that at least copy_min_requests
   // requests (the one being routed included) reached as their longest cached
@@ -254,6 +259,9 @@ class RouterCore {
   // After the pick of candidate `chosen`: counts a decline when a copy the
   // link price alone would have made did not happen.
   void CountDeclineLocked(size_t chosen);
+  // Whether a copy at its link price alone would beat every candidate as
+  // it stands (what the rule before the governor would have done).
+  bool CopyWinsAtLinkPriceLocked() const;
   int64_t DecodeWorkerCountLocked() const;
   // Counts one more request reaching the prefix that ends with block
   // `last_block`; true when it is hot (see RouterOptions::copy_min_requests).

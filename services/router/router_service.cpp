@@ -121,9 +121,9 @@ struct RouterMetrics {
             "pdserve_kv_transfer_bytes_total)")),
         copies_declined(metrics::AddCounterFamily(
             r, "pdserve_router_copies_declined_total",
-            "Hot-prefix copies a link-time price alone would have made, declined by reason "
-            "(breaker_open, inflight_budget, rate_budget, link_busy, receiver_queue, "
-            "receiver_pressure, enough_holders; docs/routing.md)")),
+            "Hot-prefix copies that a price of link time alone would have made, declined by "
+            "the first rule against them (enough_holders, breaker_open, inflight_budget, "
+            "rate_budget, link_busy, receiver_queue, receiver_pressure; docs/routing.md)")),
         copy_outcomes(metrics::AddCounterFamily(
             r, "pdserve_router_copy_outcomes_total",
             "Copies by what became of them: reused (another request hit the copied blocks on "
