@@ -183,8 +183,7 @@ Candidate RouterCore::MakeCandidateLocked(Worker& w, int64_t overlap_blocks,
   c.worker = w.id;
   c.prompt_tokens = prompt_tokens;
   c.overlap_blocks = overlap_blocks;
-  const TierRun run =
-      index_.LowerTierRun(w.id, request.block_hashes, static_cast<size_t>(overlap_blocks));
+  const TierRun run = match_[w.id].lower;
   c.host_blocks = run.host_blocks;
   c.disk_blocks = run.disk_blocks;
   c.uncached_tokens =
@@ -211,7 +210,7 @@ Candidate RouterCore::MakeCandidateLocked(Worker& w, int64_t overlap_blocks,
     w.routed_at_us.pop_front();
   }
   c.recent_requests = static_cast<int64_t>(w.routed_at_us.size());
-  c.cached_blocks = static_cast<int64_t>(index_.WorkerBlockCount(w.id));
+  c.cached_blocks = static_cast<int64_t>(match_[w.id].blocks);
   return c;
 }
 
@@ -229,7 +228,7 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
     return Status::InvalidArgument("request id " + std::to_string(request.request_id) +
                                    " is already in flight");
   }
-  index_.LeadingOverlap(request.block_hashes, now, &overlap_);
+  index_.Match(request.block_hashes, now, &overlap_, &match_);
 
   // Whether a worker's context holds `tokens` (an unknown one is assumed to).
   auto holds = [](const Worker& w, int64_t tokens) {

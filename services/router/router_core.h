@@ -247,7 +247,8 @@ class RouterCore {
   };
   explicit RouterCore(RouterOptions options);
   // `w` as a candidate for `request`, whose leading overlap_blocks blocks it
-  // holds. Also forgets the worker's routing times older than the QPS window.
+  // holds (its tier run and block count from match_). Also forgets the
+  // worker's routing times older than the QPS window.
   Candidate MakeCandidateLocked(Worker& w, int64_t overlap_blocks, const RouteRequest& request,
                                 int64_t now_us);
   void ReleaseLocked(Inflight& r, bool prefill_only);
@@ -278,6 +279,7 @@ class RouterCore {
   RouterStats counters_;
   // Scratch reused by Route() (under mu_) so a decision does not allocate.
   std::vector<uint32_t> overlap_;
+  std::vector<PrefixIndex::WorkerMatch> match_;  // per worker slot, with overlap_
   std::vector<Candidate> candidates_;
   std::vector<int64_t> copy_blocks_;  // per decode candidate: blocks a copy brings
   WorkerId copy_source_ = 0;

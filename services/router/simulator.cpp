@@ -366,11 +366,14 @@ class Simulation {
   // Copies the prompt's blocks [target's cached prefix, `blocks`) that the
   // source still holds. False when it holds none of them (a failed copy: the
   // target computes them).
-  bool StartCopy(size_t i, size_t source, size_t target, int64_t blocks, bool push = false) {
+  // `arriving`: leading blocks the target is getting from an earlier push
+  // (a drain plan's, on the same links ahead of this one).
+  bool StartCopy(size_t i, size_t source, size_t target, int64_t blocks, bool push = false,
+                 int64_t arriving = 0) {
     const TraceRequest& r = trace_[i];
     SimWorker& src = workers_[source];
     SimWorker& dst = workers_[target];
-    const int64_t have = dst.CachedPrefix(r);
+    const int64_t have = std::max(dst.CachedPrefix(r), arriving);
     blocks = std::min(blocks, src.CachedPrefix(r));
     if (blocks <= have) {
       if (!push) {
@@ -501,8 +504,9 @@ class Simulation {
       }
       const int64_t budget = o_.drain_push_blocks > 0 ? o_.drain_push_blocks : o_.capacity_blocks;
       for (const PushPlan& p : core_->PlanDrainPush(w.id(), candidates, budget)) {
-        StartCopy(requests[p.candidate], source, by_id_.at(p.target),
-                  static_cast<int64_t>(candidates[p.candidate].hashes.size()), /*push=*/true);
+        const auto blocks = static_cast<int64_t>(candidates[p.candidate].hashes.size());
+        StartCopy(requests[p.candidate], source, by_id_.at(p.target), blocks, /*push=*/true,
+                  /*arriving=*/blocks - p.blocks);
       }
     }
     TryLeave(w);

@@ -317,6 +317,30 @@ TEST(SimulatorTest, DrainPushesTheLeavingWorkersPrefixesToTheSurvivors) {
   EXPECT_EQ(RunSimulation(trace, o).status().code(), StatusCode::kInvalidArgument);
 }
 
+// Prompts that share a prefix are pushed as one: the shared blocks once,
+// then each prompt's own (the plan counts what earlier pushes bring).
+TEST(SimulatorTest, DrainPushesSharedPrefixesOnce) {
+  const auto trace = Parse(
+      R"({"timestamp": 0, "input_length": 44, "output_length": 1, "hash_ids": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 100]}
+{"timestamp": 1000, "input_length": 44, "output_length": 1, "hash_ids": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 101]}
+{"timestamp": 2000, "input_length": 44, "output_length": 1, "hash_ids": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 102]}
+)",
+      4);
+  SimOptions o = SmallOptions("kv", 2, 100);
+  auto stay = RunSimulation(trace, o);
+  ASSERT_TRUE(stay.ok());
+  ASSERT_EQ(stay->routed, (std::vector<int64_t>{3, 0}));
+  o.remove_at_s = 5;
+  o.remove_worker = 0;
+  auto pushed = RunSimulation(trace, o);
+  ASSERT_TRUE(pushed.ok()) << pushed.status().ToString();
+  EXPECT_EQ(pushed->drain_pushed_blocks, 11 + 1 + 1);
+  o.drain_push_blocks = 12;  // the first prompt and one more block
+  pushed = RunSimulation(trace, o);
+  ASSERT_TRUE(pushed.ok());
+  EXPECT_EQ(pushed->drain_pushed_blocks, 12);
+}
+
 // One worker with room for 2 blocks: B pushes A's blocks out of the pool;
 // A again, with one more block, finds them in a lower tier (or nowhere).
 const char* kComeBack =
