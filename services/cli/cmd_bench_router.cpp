@@ -112,6 +112,7 @@ int RunBenchRouter(int argc, char** argv) {
   std::string policy = "kv";
   double pending_ttl_ms = 2000;
   double copy_cost = 0;
+  bool loads = false;
   bool json = false;
   flags.AddInt("workers", &workers, "workers registered with the router");
   flags.AddInt("indexed-blocks", &indexed_blocks, "distinct block hashes in the index");
@@ -123,9 +124,11 @@ int RunBenchRouter(int argc, char** argv) {
   flags.AddDouble("pending-ttl-ms", &pending_ttl_ms,
                   "burst-handling pending entries' lifetime (0 disables them)");
   flags.AddDouble("replication-copy-cost", &copy_cost,
-                  "kv: hot-prefix replication on with this copy price (0: off); workers then "
-                  "report loads (a third busy), so that decisions price copies and the copy "
-                  "bookkeeping (hotness, governor, eviction value) is in the figures");
+                  "kv: hot-prefix replication on with this copy price (0: off), its "
+                  "bookkeeping (hotness, demand, governor, eviction value) in the figures");
+  flags.AddBool("loads", &loads,
+                "workers report loads, a third of them busy, so that decisions price copies "
+                "(compare --replication-copy-cost 0 and > 0 both with --loads)");
   flags.AddInt("seed", &seed, "random seed");
   flags.AddBool("json", &json, "print one JSON line");
   flags.SetEpilog(
@@ -165,7 +168,7 @@ int RunBenchRouter(int argc, char** argv) {
     ids.push_back(*id);
   }
 
-  if (copy_cost > 0) {
+  if (loads) {
     // Pools of twice their share of the index; every third worker busy, so
     // that hot prefixes held there are priced for copies to the others.
     for (size_t w = 0; w < ids.size(); ++w) {
@@ -326,6 +329,7 @@ int RunBenchRouter(int argc, char** argv) {
       {"decide_p50_us", Percentile(decide_us, 0.50)},
       {"decide_p99_us", Percentile(decide_us, 0.99)},
       {"replication_copy_cost", copy_cost},
+      {"loads", loads},
       {"copies_started", stats.copy.started},
       {"copies_declined",
        std::accumulate(stats.copy.declined.begin(), stats.copy.declined.end(), uint64_t{0})},

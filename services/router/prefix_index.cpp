@@ -291,9 +291,12 @@ void PrefixIndex::Match(std::span<const BlockHash> hashes, int64_t now_us,
   std::shared_lock lock(mu_);
   if (!hashes.empty()) LeadingOverlapLocked(hashes, now_us, overlap);
   for (WorkerId w = 0; w < workers_.size(); ++w) {
-    if (!workers_[w].open) continue;
-    (*workers)[w].blocks = workers_[w].blocks->size();
-    (*workers)[w].lower = LowerTierRunLocked(w, hashes, (*overlap)[w]);
+    const WorkerState& state = workers_[w];
+    if (!state.open) continue;
+    (*workers)[w].blocks = state.blocks->size();
+    if (!state.host.empty() || !state.disk.empty()) {
+      (*workers)[w].lower = LowerTierRunLocked(w, hashes, (*overlap)[w]);
+    }
   }
 }
 

@@ -24,7 +24,10 @@ struct RouterCore::Worker {
 };
 
 RouterCore::RouterCore(RouterOptions options)
-    : options_(std::move(options)), index_(options_.index), workers_(options_.index.max_workers) {}
+    : options_(std::move(options)),
+      index_(options_.index),
+      track_qps_(options_.policy == "production-stack"),
+      workers_(options_.index.max_workers) {}
 
 RouterCore::~RouterCore() = default;
 
@@ -205,11 +208,13 @@ Candidate RouterCore::MakeCandidateLocked(Worker& w, int64_t overlap_blocks,
                             static_cast<double>(w.reported.total_blocks * options_.block_tokens));
     }
   }
-  const auto window_us = static_cast<int64_t>(options_.policy_options.qps_window_s * 1e6);
-  while (!w.routed_at_us.empty() && w.routed_at_us.front() <= now_us - window_us) {
-    w.routed_at_us.pop_front();
+  if (track_qps_) {
+    const auto window_us = static_cast<int64_t>(options_.policy_options.qps_window_s * 1e6);
+    while (!w.routed_at_us.empty() && w.routed_at_us.front() <= now_us - window_us) {
+      w.routed_at_us.pop_front();
+    }
+    c.recent_requests = static_cast<int64_t>(w.routed_at_us.size());
   }
-  c.recent_requests = static_cast<int64_t>(w.routed_at_us.size());
   c.cached_blocks = static_cast<int64_t>(match_[w.id].blocks);
   return c;
 }
@@ -298,11 +303,11 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
   Worker& dw = *workers_[r.decode];
   dw.inflight_requests += 1;
   dw.inflight_decode_tokens += r.decode_tokens;
-  dw.routed_at_us.push_back(now);
+  if (track_qps_) dw.routed_at_us.push_back(now);
   Worker& pw = *workers_[r.prefiller];
   pw.inflight_prefill_tokens += r.prefill_tokens;
   pw.inflight_prefill_requests += 1;
-  if (decision.prefill) pw.routed_at_us.push_back(now);
+  if (track_qps_ && decision.prefill) pw.routed_at_us.push_back(now);
   inflight_.emplace(request.request_id, r);
 
   // Both the prefiller (computes the blocks) and the decode worker (receives

@@ -271,6 +271,9 @@ class RouterCore {
 
   RouterOptions options_;
   PrefixIndex index_;
+  // Only production-stack reads recent_requests: the others skip the
+  // per-worker routing-time queues.
+  const bool track_qps_;
   mutable std::mutex mu_;
   std::unique_ptr<RoutingPolicy> decode_policy_;
   std::unique_ptr<RoutingPolicy> prefill_policy_;
