@@ -29,7 +29,8 @@ trap cleanup EXIT
 "$bin" trace generate --sessions "$requests" --prefixes 200 --zipf 1.1 --prefix-tokens 2560 \
   --prefix-tokens-max 15360 --question-tokens 512 --answer-tokens 8 --rate 1000 --seed 7 \
   --output "$dir/trace.jsonl" 2>/dev/null
-machine="$(uname -sm), $(nproc) cores, load $(cut -d' ' -f1 /proc/loadavg)"
+cpu="$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs || true)"
+machine() { echo "$(uname -sm), $(nproc) cores (${cpu:-unknown CPU}), load $(cut -d' ' -f1 /proc/loadavg), shared with other builds and tests"; }
 
 run() {  # name copy_cost
   local name="$1" cost="$2" http=$((18000 + RANDOM % 1000)) control=$((19000 + RANDOM % 1000))
@@ -42,7 +43,8 @@ run() {  # name copy_cost
     grep -q 'Ctrl-C stops the stack' "$dir/up-$name.log" && break
     sleep 0.2
   done
-  local result metrics
+  local result metrics load_before
+  load_before="$(machine)"
   result="$("$bin" bench serve --url "http://127.0.0.1:$http" --api completions --workload trace \
     --trace "$dir/trace.jsonl" --trace-block-words 12 --requests "$requests" --concurrency 16 \
     --max-tokens 4 --timeout 300 --json 2>/dev/null)"
@@ -65,7 +67,7 @@ print(json.dumps({"bench": "replication_serve", "run": sys.argv[3], "copy_cost":
                   "ok": r["ok"], "failed": r["failed"], "cached_fraction": r["cached_fraction"],
                   "ttft_ms": r["ttft_ms"], "e2e_ms": r["e2e_ms"], "requests_per_s": r["requests_per_s"], "duration_s": r["duration_s"], "prompt_tokens": r["prompt_tokens"],
                   "router": counters}))
-' "$result" "$metrics" "$name" "$cost" "$machine"
+' "$result" "$metrics" "$name" "$cost" "$load_before"
 }
 
 for i in $(seq "$runs"); do
