@@ -36,6 +36,7 @@ struct Engine::Sequence {
   bool finished = false;
   std::optional<IncrementalDetokenizer> detokenizer;
   std::optional<StopChecker> stop;
+  std::optional<structured::Matcher> matcher;  // structured outputs
 
   int64_t num_output() const { return static_cast<int64_t>(tokens.size()) - prompt_len; }
 };
@@ -153,6 +154,9 @@ Status Engine::ValidateRequest(const EngineRequest& r) const {
   if (!r.params.stop.empty() && tokenizer_ == nullptr) {
     return Status::InvalidArgument("stop strings need a tokenizer");
   }
+  if (r.params.constraint.has_value() && r.grammar == nullptr) {
+    return Status::InvalidArgument("a constrained request needs its compiled grammar");
+  }
   const int64_t blocks_needed = (len + options_.block_size) / options_.block_size;
   if (blocks_needed > pool_->num_blocks()) {
     return Status::ResourceExhausted(
@@ -173,6 +177,7 @@ std::unique_ptr<Engine::Sequence> Engine::NewSequence(EngineRequest r) {
   s->arrival = next_arrival_++;
   s->prefill_only = r.prefill_only;
   s->stream_kv_blocks = r.prefill_only && r.stream_kv_blocks;
+  if (r.grammar) s->matcher.emplace(std::move(r.grammar));
   if (tokenizer_ != nullptr) {
     std::vector<TokenId> eos = model_->config().eos_token_ids;
     for (TokenId id : tokenizer_->eos_token_ids()) {
@@ -254,6 +259,12 @@ void Engine::ProcessToken(Sequence* s, const SampledToken& sampled, RequestOutpu
     auto step = s->stop->OnToken(token, s->detokenizer->Push(token));
     out->text += step.text;
     reason = step.finish;
+    // Ended by a stop token or the length: text the detokenizer still holds
+    // (a byte token's run, which only the next token would have released)
+    // belongs to the output.
+    if (reason != FinishReason::kNone && !step.matched_stop_string) {
+      out->text += s->detokenizer->Flush();
+    }
   } else {
     const auto& p = s->params;
     const auto& eos = model_->config().eos_token_ids;
@@ -475,9 +486,10 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
   const int64_t vocab = model_->config().vocab_size;
   // Greedy rows without logprobs need only their argmax: when every row of
   // the step is one, the logits stay on the backend and token ids come back.
-  const bool greedy_step = std::all_of(
-      sampled_seqs.begin(), sampled_seqs.end(),
-      [](const Sequence* s) { return s->params.temperature == 0 && !s->params.logprobs; });
+  const bool greedy_step =
+      std::all_of(sampled_seqs.begin(), sampled_seqs.end(), [](const Sequence* s) {
+        return s->params.temperature == 0 && !s->params.logprobs && !s->matcher;
+      });
   std::vector<int32_t> greedy_tokens;
   if (greedy_step) {
     greedy_tokens.resize(sampled_seqs.size());
@@ -527,8 +539,31 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
     if (greedy_step) {
       sampled.token = greedy_tokens[r];  // what SampleToken gives at temperature 0
     } else {
-      const std::span<const float> row(logits_.data() + r * vocab, static_cast<size_t>(vocab));
+      const std::span<float> row(logits_.data() + r * vocab, static_cast<size_t>(vocab));
+      if (s->matcher) {
+        // Structured outputs: only tokens the constraint allows.
+        token_mask_.resize(s->matcher->compiled().mask_words());
+        if (!s->matcher->FillNextTokenBitmask(token_mask_)) {
+          RequestOutput out;
+          out.id = s->id;
+          if (s->stop) out.text = s->stop->Flush();
+          FinishSequence(s, FinishReason::kLength, &out);  // a dead end: nothing can follow
+          outputs.push_back(std::move(out));
+          continue;
+        }
+        ApplyTokenBitmask(row, token_mask_);
+      }
       sampled = SampleToken(row, s->params, s->seed, static_cast<uint64_t>(s->num_output()));
+      if (s->matcher && !s->matcher->AcceptToken(sampled.token)) {
+        // Only when every allowed logit is -inf or NaN: take the lowest allowed id.
+        for (size_t t = 0; t < row.size(); ++t) {
+          if ((token_mask_[t >> 6] >> (t & 63)) & 1) {
+            sampled.token = static_cast<TokenId>(t);
+            break;
+          }
+        }
+        (void)s->matcher->AcceptToken(sampled.token);
+      }
     }
     RequestOutput out;
     out.id = s->id;
@@ -603,6 +638,10 @@ Status Engine::CompleteRemotePrefill(RequestId id, TokenId first_token,
                                    " is outside the vocabulary");
   }
   Sequence* s = it->second.get();
+  if (s->matcher && !s->matcher->AcceptToken(first_token)) {
+    return Status::InvalidArgument("first token " + std::to_string(first_token) +
+                                   " is not allowed by the request's constraint");
+  }
   s->num_computed = s->prompt_len;
   if (options_.enable_prefix_caching) {
     ExtendPromptHashes(s->hash_seed, std::span<const TokenId>(s->tokens.data(), s->num_computed),

@@ -52,6 +52,7 @@
 #include "common/block_hash.h"
 #include "common/dtype.h"
 #include "common/status.h"
+#include "common/structured/matcher.h"
 #include "engine/block_manager.h"
 #include "engine/host_block_buffers.h"
 #include "engine/kv_cache.h"
@@ -105,6 +106,10 @@ struct EngineRequest {
   // it complete (see RequestOutput::kv_blocks), so that a prefill worker can
   // send them while it computes the next chunk.
   bool stream_kv_blocks = false;
+  // Structured outputs: params.constraint compiled for this engine's
+  // vocabulary (common/structured). Every sampled token is masked by it; a
+  // request whose constraint allows no token any more ends with kLength.
+  std::shared_ptr<const structured::CompiledGrammar> grammar;
 };
 
 // What one Step() did for one request.
@@ -182,8 +187,9 @@ class Engine {
   // Validates and queues a request. InvalidArgument (nothing queued) for an
   // empty prompt, a prompt that leaves no room for one output token in the
   // context, a token id outside the vocabulary, invalid sampling params
-  // (ValidateSamplingParams), stop strings without a tokenizer or a
-  // duplicate id; ResourceExhausted when the prompt needs more blocks than
+  // (ValidateSamplingParams), stop strings without a tokenizer, a
+  // constraint without its compiled grammar, or a duplicate id;
+  // ResourceExhausted when the prompt needs more blocks than
   // the whole pool.
   Status AddRequest(EngineRequest request);
 
@@ -206,7 +212,9 @@ class Engine {
   // --- disaggregation (see the header comment) ---
   StatusOr<RemotePrefillPlan> AddRemotePrefillRequest(EngineRequest request);
   // The KV of every block to fill has been written. `first_token` is the
-  // token the prefill worker sampled (its logprobs, if any, in `sampled`).
+  // token the prefill worker sampled (its logprobs, if any, in `sampled`);
+  // InvalidArgument (the request stays parked) when its constraint does not
+  // allow that token.
   Status CompleteRemotePrefill(RequestId id, TokenId first_token,
                                std::optional<SampledToken> sampled = std::nullopt);
   // The hand-off failed: the request goes back to the queue for local
@@ -267,6 +275,7 @@ class Engine {
   uint64_t num_steps_ = 0;
   std::vector<RequestOutput> pending_outputs_;  // reported by the next Step()
   std::vector<float> logits_;
+  std::vector<uint64_t> token_mask_;  // structured outputs' scratch
 };
 
 }  // namespace pdserve

@@ -305,9 +305,11 @@ std::string FormatRegex(const std::string& format) {
       "|"
       "02-(?:0[1-9]|1\\d|2[0-8]))|" +
       leap + "-02-29)";
+  // Fractions of a second: at most 9 digits (nanoseconds), so that a
+  // model cannot loop on digits.
   static const std::string time =
-      "(?:(?:[01]\\d|2[0-3]):[0-5]\\d:[0-5]\\d(?:\\.\\d+)?(?:[zZ]|[+-](?:[01]\\d|2[0-3]):[0-5]\\d)"
-      ")";
+      "(?:(?:[01]\\d|2[0-3]):[0-5]\\d:[0-5]\\d(?:\\.\\d{1,9})?(?:[zZ]|[+-](?:[01]\\d|2[0-3]):[0-5]"
+      "\\d))";
   if (format == "date") return date;
   if (format == "time") return time;
   if (format == "date-time") return date + "[tT]" + time;
@@ -897,13 +899,8 @@ class SchemaCompiler {
       std::vector<Expr> alts;
       for (size_t k = 0; k < it->size(); ++k) {
         const std::string where = ptr + "/" + key + "/" + std::to_string(k);
-        StatusOr<Expr> e = Status::Ok();
-        if (constrained) {
-          ojson both = {{"allOf", ojson::array({rest, (*it)[k]})}};
-          e = Compile(both, where, depth + 1);
-        } else {
-          e = Compile((*it)[k], where, depth + 1);
-        }
+        const ojson both = {{"allOf", ojson::array({rest, (*it)[k]})}};
+        auto e = Compile(constrained ? both : (*it)[k], where, depth + 1);
         if (!e.ok()) return e;
         alts.push_back(*e);
       }
@@ -983,20 +980,12 @@ class SchemaCompiler {
     }
     std::vector<Expr> alts;
     for (const std::string& t : types) {
-      StatusOr<Expr> e = Status::Ok();
-      if (t == "null") {
-        e = b_.Bytes("null");
-      } else if (t == "boolean") {
-        e = b_.Alt({b_.Bytes("true"), b_.Bytes("false")});
-      } else if (t == "integer" || t == "number") {
-        e = Number(s, t == "integer", ptr);
-      } else if (t == "string") {
-        e = String(s, ptr);
-      } else if (t == "array") {
-        e = Array(s, ptr, depth);
-      } else {
-        e = Object(s, ptr, depth);
-      }
+      auto e = t == "null"      ? StatusOr<Expr>(b_.Bytes("null"))
+               : t == "boolean" ? StatusOr<Expr>(b_.Alt({b_.Bytes("true"), b_.Bytes("false")}))
+               : t == "integer" || t == "number" ? Number(s, t == "integer", ptr)
+               : t == "string"                   ? String(s, ptr)
+               : t == "array"                    ? Array(s, ptr, depth)
+                                                 : Object(s, ptr, depth);
       if (!e.ok()) return e;
       alts.push_back(*e);
     }
@@ -1065,7 +1054,7 @@ StatusOr<std::shared_ptr<const Grammar>> JsonSchemaGrammar(const ojson& schema,
   SchemaCompiler c(&b, schema, options);
   auto value = c.CompileRoot();
   if (!value.ok()) return value.status();
-  b.DefineRule(root, b.Seq({c.Ws(), *value}));
+  b.DefineRule(root, *value);
   return b.Build(root, options.grammar);
 }
 

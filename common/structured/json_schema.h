@@ -21,8 +21,9 @@
 // The document is written in one canonical form, which is what a model is
 // constrained to produce:
 //  - object members in the order of `properties`, then any additional
-//    members; at most `max_whitespace` whitespace characters between tokens
-//    (and before the document), none after it;
+//    members; at most `max_whitespace` whitespace characters between tokens,
+//    none before or after the document (clients that parse streamed JSON,
+//    such as the openai library, fail on a whitespace-only prefix);
 //  - strings with a pattern, format or length bound, and additional member
 //    names, escape exactly what nlohmann::json escapes (other strings may use
 //    any JSON escape);
@@ -54,7 +55,7 @@ StatusOr<GrammarBuilder::Expr> AddJsonSchema(GrammarBuilder* b,
                                              const nlohmann::ordered_json& schema,
                                              const JsonSchemaOptions& options);
 
-// The grammar of one document: optional leading whitespace, then the value.
+// The grammar of one document: the value, nothing around it.
 StatusOr<std::shared_ptr<const Grammar>> JsonSchemaGrammar(const nlohmann::ordered_json& schema,
                                                            const JsonSchemaOptions& options);
 

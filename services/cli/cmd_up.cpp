@@ -222,6 +222,7 @@ int RunUp(int argc, char** argv) {
   std::string model, model_id, dir = ".pdserve", host = "127.0.0.1", policy = "kv";
   std::string log_level = "info", device = "auto", load_format = "safetensors";
   std::string kv_dtype = "fp32";
+  std::string tool_call_parser;
   bool stream_chunks = true;
   FlagSet flags("up",
                 "Start a local stack: the router plus prefill and decode workers as child "
@@ -258,6 +259,9 @@ int RunUp(int argc, char** argv) {
                   "that a restarted stack comes back warm (\"\": none)");
   flags.AddBytes("kv-disk-cache-bytes", &kv_disk_cache_bytes,
                  "disk KV tier per worker (with --kv-disk-cache-dir)");
+  flags.AddString("tool-call-parser", &tool_call_parser,
+                  "router: how the model writes tool calls (hermes|qwen3|mistral|llama3_json; "
+                  "default: from the chat template)");
   flags.AddString("dir", &dir, "folder for the logs (DIR/logs) and the default model");
   flags.AddInt("start-timeout", &start_timeout_s, "seconds to wait for the stack to be ready");
   flags.AddInt("stop-timeout", &stop_timeout_s,
@@ -361,6 +365,9 @@ int RunUp(int argc, char** argv) {
                                           "--log-level",
                                           log_level};
   if (!model_id.empty()) router_args.insert(router_args.end(), {"--model-id", model_id});
+  if (!tool_call_parser.empty()) {
+    router_args.insert(router_args.end(), {"--tool-call-parser", tool_call_parser});
+  }
   router_args.insert(router_args.end(), {"--cluster-secret-file", secret_file});
   if (!start(add("router"), router_args)) return 1;
 

@@ -12,6 +12,7 @@
 #include <mutex>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 
 #include <nlohmann/json.hpp>
 
@@ -164,6 +165,7 @@ struct WorkerLink {
   std::string control_address;
   int64_t kv_capacity_blocks = 0;                      // as registered
   int64_t host_tier_blocks = 0, disk_tier_blocks = 0;  // likewise, its lower KV tiers
+  bool structured_outputs = false;                     // honours SamplingParams.constraint
   bool synced = false;
   bool draining = false;
   // KvSnapshot chunks being assembled: device pool, host tier, disk tier.
@@ -198,6 +200,9 @@ struct Inflight {
   double ttft_s = 0;
   std::vector<TokenPiece> pieces;  // non-streaming: the whole output
   size_t completion_tokens = 0;
+  // Chat with tools (tool_choice not none): output parsed into calls.
+  std::unique_ptr<ToolCallStreamer> tool_stream;  // streaming
+  size_t tool_calls_sent = 0;
   std::unique_ptr<IncrementalDetokenizer> detok;  // when workers send ids only
 };
 
@@ -217,6 +222,13 @@ class RouterServiceImpl : public RouterService {
       } else {
         chat_template_.emplace(std::move(*tmpl));
       }
+    }
+    if (!opts_.tool_call_parser.empty()) {
+      auto parser = ParseToolParserName(opts_.tool_call_parser);
+      if (!parser.ok()) return parser.status();
+      tool_parser_ = *parser;
+    } else {
+      tool_parser_ = ToolParserForTemplate(tokenizer_->chat_template());
     }
     // The context length is not read here: workers report theirs (Register).
     auto model_id = ServedModelIdOfFolder(opts_.model_dir, opts_.model_id);
@@ -460,8 +472,9 @@ class RouterServiceImpl : public RouterService {
                        "invalid_request_error", "messages", ""},
                       "rejected");
       }
+      if (auto err = PrepareTools(api)) return reject(*err, "rejected");
       auto text = RenderChat(*chat_template_, api.messages, api.add_generation_prompt,
-                             tokenizer_->bos_token(), tokenizer_->eos_token());
+                             tokenizer_->bos_token(), tokenizer_->eos_token(), api.tools);
       if (!text.ok()) {
         return reject({400, "the chat template rejected the messages: " + text.status().message(),
                        "invalid_request_error", "messages", ""},
@@ -521,9 +534,19 @@ class RouterServiceImpl : public RouterService {
     if (Status st = ValidateSamplingParams(api.sampling, tokenizer_->vocab_size()); !st.ok()) {
       return reject({400, st.message(), "invalid_request_error", "", ""}, "rejected");
     }
+    if (api.sampling.constraint) {
+      if (Status st = CheckConstraint(*api.sampling.constraint); !st.ok()) {
+        return reject({400, "'" + api.constraint_param + "': " + st.message(),
+                       "invalid_request_error", api.constraint_param, ""},
+                      "rejected");
+      }
+    }
     const BlockHash seed = BlockHashSeed(model_id_, api.cache_salt);
     r->hashes = HashPrompt(seed, r->prompt_ids, static_cast<size_t>(opts_.block_size));
     r->formatter = std::make_unique<ResponseFormatter>(api, r->request_id, UnixSeconds());
+    if (ToolsActive(api) && api.stream) {
+      r->tool_stream = std::make_unique<ToolCallStreamer>(tool_parser_, ToolNames(api));
+    }
     metrics_.route_seconds.Observe(SecondsSince(arrived));
 
     const uint64_t id = r->id;
@@ -540,6 +563,66 @@ class RouterServiceImpl : public RouterService {
       std::lock_guard<std::mutex> lock(mu_);
       CancelLocked(id, "client disconnected");
     });
+  }
+
+  static bool ToolsActive(const ApiRequest& api) {
+    return !api.tools.is_null() && api.tool_choice != ApiRequest::ToolChoice::kNone;
+  }
+
+  static std::vector<std::string> ToolNames(const ApiRequest& api) {
+    std::vector<std::string> names;
+    for (const auto& t : api.tools) names.push_back(t["function"]["name"].get<std::string>());
+    return names;
+  }
+
+  // Tool calling: a parser must know the model's format; tool_choice
+  // required or named constrains the output to calls in that format, each
+  // function's parameters checked as a schema first so that an error names
+  // the function.
+  std::optional<ApiError> PrepareTools(ApiRequest& api) {
+    if (!ToolsActive(api)) return std::nullopt;
+    if (tool_parser_ == ToolParser::kNone) {
+      return ApiError{400,
+                      "this model's chat template writes no tool calls this server can parse; "
+                      "start the router with --tool-call-parser (hermes, qwen3, mistral, "
+                      "llama3_json)",
+                      "invalid_request_error", "tools", ""};
+    }
+    using TC = ApiRequest::ToolChoice;
+    if (api.tool_choice != TC::kRequired && api.tool_choice != TC::kNamed) return std::nullopt;
+    for (size_t k = 0; k < api.tools.size(); ++k) {
+      const auto& fn = api.tools[k]["function"];
+      if (api.tool_choice == TC::kNamed && fn["name"] != api.tool_choice_name) continue;
+      if (!fn.contains("parameters") || fn["parameters"].is_null()) continue;
+      const std::string param = "tools[" + std::to_string(k) + "].function.parameters";
+      Status st = CheckConstraint({OutputConstraint::Kind::kJsonSchema, fn["parameters"].dump()});
+      if (!st.ok())
+        return ApiError{400, "'" + param + "': " + st.message(), "invalid_request_error", param,
+                        ""};
+    }
+    std::optional<std::string> named;
+    if (api.tool_choice == TC::kNamed) named = api.tool_choice_name;
+    api.sampling.constraint =
+        OutputConstraint{OutputConstraint::Kind::kGrammar,
+                         ToolCallGrammar(tool_parser_, api.tools, named, api.parallel_tool_calls)};
+    api.constraint_param = "tools";
+    return std::nullopt;
+  }
+
+  // Compiles a constraint (without token masks) to refuse what would not
+  // compile on a worker; constraints that compiled are remembered by hash.
+  Status CheckConstraint(const OutputConstraint& c) {
+    const uint64_t h = structured::ConstraintHash(c);
+    {
+      std::lock_guard<std::mutex> lock(constraints_mu_);
+      if (good_constraints_.count(h)) return Status::Ok();
+    }
+    auto g = structured::ConstraintGrammar(c, opts_.structured);
+    if (!g.ok()) return g.status();
+    std::lock_guard<std::mutex> lock(constraints_mu_);
+    if (good_constraints_.size() >= 4096) good_constraints_.clear();
+    good_constraints_.insert(h);
+    return Status::Ok();
   }
 
   // Routes and sends Generate; on failure answers the client. Requires mu_.
@@ -569,6 +652,13 @@ class RouterServiceImpl : public RouterService {
       if (!decode_link) {
         core_->OnRequestFinished(id);
         continue;
+      }
+      if (r.api->sampling.constraint && !decode_link->structured_outputs) {
+        core_->OnRequestFinished(id);
+        return FailLocked(id, 503,
+                          "worker " + decode_link->name +
+                              " does not support structured outputs (an older version)",
+                          "server_error", /*retry_after=*/true, "unavailable");
       }
       SetWireIdLocked(r, NewUnguessableId());
       proto::Envelope env;
@@ -995,6 +1085,7 @@ class RouterServiceImpl : public RouterService {
     link.kv_capacity_blocks = static_cast<int64_t>(reg.kv_capacity_blocks());
     link.host_tier_blocks = static_cast<int64_t>(
         std::min<uint64_t>(reg.host_tier_capacity_blocks(), opts_.max_snapshot_blocks));
+    link.structured_outputs = reg.structured_outputs();
     link.disk_tier_blocks = static_cast<int64_t>(
         std::min<uint64_t>(reg.disk_tier_capacity_blocks(), opts_.max_snapshot_blocks));
     by_worker_[*id] = link.conn->id();
@@ -1118,12 +1209,27 @@ class RouterServiceImpl : public RouterService {
     }
     if (t.has_text() && !pieces.empty()) pieces.back().text = t.text();
     r.completion_tokens += pieces.size();
-    if (r.api->stream) {
+    if (r.api->stream && r.tool_stream) {
+      StreamToolText(r, pieces, /*final=*/false);
+    } else if (r.api->stream) {
       std::string event = r.formatter->StreamDelta(pieces);
       if (!event.empty()) r.exchange->Write(std::move(event));
     } else {
       for (auto& p : pieces) r.pieces.push_back(std::move(p));
     }
+  }
+
+  // Streaming chat with tools: content as it comes, each call once complete.
+  void StreamToolText(Inflight& r, const std::vector<TokenPiece>& pieces, bool final) {
+    std::string text, content;
+    for (const auto& p : pieces) text += p.text;
+    std::vector<ToolCall> calls;
+    r.tool_stream->Push(text, &content, &calls);
+    if (final) r.tool_stream->Finish(&content, &calls);
+    std::string events = r.formatter->StreamContent(content);
+    events += r.formatter->StreamToolCalls(calls, r.tool_calls_sent);
+    r.tool_calls_sent += calls.size();
+    if (!events.empty()) r.exchange->Write(std::move(events));
   }
 
   void OnFinishedLocked(WorkerLink& link, const proto::Finished& f) {
@@ -1136,18 +1242,15 @@ class RouterServiceImpl : public RouterService {
     usage.prompt_tokens = f.usage().prompt_tokens();
     usage.completion_tokens = f.usage().completion_tokens();
     usage.cached_tokens = f.usage().cached_tokens();
-    const char* finish = FinishName(f.reason());
+    std::string finish = FinishName(f.reason());
+    std::vector<TokenPiece> tail_pieces;
     if (r.detok) {
       // Text held back by the router-side detokenizer ends the output.
       std::string tail = r.detok->Flush();
       if (!tail.empty()) {
         TokenPiece p;
         p.text = std::move(tail);
-        if (r.api->stream) {
-          r.exchange->Write(r.formatter->StreamDelta({p}));
-        } else {
-          r.pieces.push_back(std::move(p));
-        }
+        tail_pieces.push_back(p);
       }
     }
     if (r.api->stream) {
@@ -1155,11 +1258,28 @@ class RouterServiceImpl : public RouterService {
         r.exchange->BeginStream(200, "text/event-stream", {{"x-request-id", r.http_request_id}});
         r.exchange->Write(r.formatter->StreamStart());
       }
+      if (r.tool_stream) {
+        StreamToolText(r, tail_pieces, /*final=*/true);
+        if (r.tool_calls_sent > 0) finish = "tool_calls";
+      } else if (!tail_pieces.empty()) {
+        r.exchange->Write(r.formatter->StreamDelta(tail_pieces));
+      }
       r.exchange->Write(r.formatter->StreamFinish(finish, usage));
       r.exchange->End();
     } else {
+      for (auto& p : tail_pieces) r.pieces.push_back(std::move(p));
+      std::optional<ToolOutcome> tools;
+      if (ToolsActive(*r.api)) {
+        std::string text;
+        for (const auto& p : r.pieces) text += p.text;
+        tools.emplace();
+        ParseToolCalls(tool_parser_, ToolNames(*r.api), text, &tools->content, &tools->calls);
+        if (!tools->calls.empty()) finish = "tool_calls";
+      }
       http::Response resp;
-      resp.body = r.formatter->Complete(r.prompt_text, r.pieces, finish, usage).dump();
+      resp.body =
+          r.formatter->Complete(r.prompt_text, r.pieces, finish, usage, tools ? &*tools : nullptr)
+              .dump();
       resp.headers.emplace_back("x-request-id", r.http_request_id);
       r.exchange->Reply(std::move(resp));
     }
@@ -1305,6 +1425,7 @@ class RouterServiceImpl : public RouterService {
   RouterServiceOptions opts_;
   std::unique_ptr<Tokenizer> tokenizer_;
   std::optional<ChatTemplate> chat_template_;
+  ToolParser tool_parser_ = ToolParser::kNone;
   std::string model_id_;
   std::vector<std::string> api_keys_;
   std::vector<std::string> metrics_keys_;  // empty: /metrics is open
@@ -1321,6 +1442,9 @@ class RouterServiceImpl : public RouterService {
   std::unique_ptr<http::Server> metrics_http_;
   std::thread watchdog_;
   std::condition_variable watchdog_cv_;
+
+  std::mutex constraints_mu_;
+  std::unordered_set<uint64_t> good_constraints_;  // constraints known to compile, by hash
 
   std::mutex mu_;  // everything below
   bool stopping_ = false;

@@ -70,27 +70,55 @@ DecodeSide::~DecodeSide() = default;
 // ------------------------------------------------------------- requests
 
 void DecodeSide::OnGenerate(const ConnectionPtr& router, proto::Generate g) {
-  auto reject = [&](const Status& st) {
-    PDSERVE_LOG(INFO) << "request " << g.request_id() << " refused: " << st.message();
-    const bool retryable =
-        st.code() == StatusCode::kResourceExhausted || st.code() == StatusCode::kUnavailable;
-    (void)router->Send(RequestError(g.request_id(), st.code(), st.message(), retryable));
-    ctx_->metrics->CountRequest("decode", "refused");
-  };
-  if (ctx_->draining->load()) return reject(Status::Unavailable("worker is draining"));
+  if (ctx_->draining->load()) return Refuse(router, g, Status::Unavailable("worker is draining"));
   if (ctx_->opts->role == Role::kPrefill) {
-    return reject(
+    return Refuse(
+        router, g,
         Status::Unsupported("this is a prefill worker; send Generate to a decode worker"));
   }
-  if (by_router_rid_.count({router->id(), g.request_id()})) {
-    return reject(Status::InvalidArgument("duplicate request id " + g.request_id()));
+  const std::pair<uint64_t, std::string> key{router->id(), g.request_id()};
+  if (by_router_rid_.count(key) || compiling_.count(key)) {
+    return Refuse(router, g, Status::InvalidArgument("duplicate request id " + g.request_id()));
   }
+  if (!g.sampling().has_constraint()) return Admit(router, std::move(g), nullptr);
+  // Structured outputs: the grammar first, off the engine thread; the
+  // request is admitted once it is there (unless cancelled meanwhile).
+  compiling_.insert(key);
+  const OutputConstraint constraint = FromProto(g.sampling()).constraint.value();
+  ctx_->grammars->Compile(
+      constraint, [this, router, key, g = std::move(g)](GrammarCompiler::Result grammar) mutable {
+        ctx_->post([this, router, key, g = std::move(g), grammar = std::move(grammar)]() mutable {
+          if (compiling_.erase(key) == 0) return;  // cancelled while compiling
+          if (!grammar.ok()) {
+            const Status& st = grammar.status();
+            return Refuse(router, g,
+                          Status(st.code() == StatusCode::kCancelled ? StatusCode::kUnavailable
+                                                                     : StatusCode::kInvalidArgument,
+                                 "constraint: " + st.message()));
+          }
+          Admit(router, std::move(g), std::move(*grammar));
+        });
+      });
+}
+
+void DecodeSide::Refuse(const ConnectionPtr& router, const proto::Generate& g, const Status& st) {
+  PDSERVE_LOG(INFO) << "request " << g.request_id() << " refused: " << st.message();
+  const bool retryable =
+      st.code() == StatusCode::kResourceExhausted || st.code() == StatusCode::kUnavailable;
+  (void)router->Send(RequestError(g.request_id(), st.code(), st.message(), retryable));
+  ctx_->metrics->CountRequest("decode", "refused");
+}
+
+void DecodeSide::Admit(const ConnectionPtr& router, proto::Generate g,
+                       std::shared_ptr<const structured::CompiledGrammar> grammar) {
+  auto reject = [&](const Status& st) { Refuse(router, g, st); };
   EngineRequest req;
   req.id = ctx_->next_id++;
   req.prompt.assign(g.prompt_token_ids().begin(), g.prompt_token_ids().end());
   req.params = FromProto(g.sampling());
   req.params.seed = ResolveSeed(req.params);  // the prefill peer must sample with the same seed
   req.cache_salt = g.cache_salt();
+  req.grammar = std::move(grammar);
   auto r = std::make_unique<Request>();
   r->id = req.id;
   r->router_rid = g.request_id();
@@ -145,11 +173,17 @@ void DecodeSide::OnGenerate(const ConnectionPtr& router, proto::Generate g) {
 }
 
 void DecodeSide::OnRouterCancel(const ConnectionPtr& router, const std::string& rid) {
+  if (compiling_.erase({router->id(), rid})) {
+    PDSERVE_LOG(INFO) << "request " << rid << " cancelled while its grammar compiled";
+    ctx_->metrics->CountRequest("decode", "cancelled");
+    return;
+  }
   auto it = by_router_rid_.find({router->id(), rid});
   if (it != by_router_rid_.end()) CancelRequest(it->second, "cancelled by the router");
 }
 
 void DecodeSide::OnRouterGone(const ConnectionPtr& router) {
+  std::erase_if(compiling_, [&](const auto& key) { return key.first == router->id(); });
   std::vector<RequestId> orphans;
   for (auto it = by_router_rid_.lower_bound({router->id(), std::string()});
        it != by_router_rid_.end() && it->first.first == router->id(); ++it) {
@@ -159,6 +193,7 @@ void DecodeSide::OnRouterGone(const ConnectionPtr& router) {
 }
 
 void DecodeSide::CancelAll(const std::string& why) {
+  compiling_.clear();
   std::vector<RequestId> ids;
   for (auto& [id, _] : requests_) ids.push_back(id);
   for (RequestId id : ids) {

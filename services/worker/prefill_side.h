@@ -54,6 +54,8 @@ class PrefillSide {
   void OnPeerTransferHello(const control::ConnectionPtr& c, const proto::TransferHello& hello);
   // Engine thread.
   void OnPrefill(const control::ConnectionPtr& decode, PeerId peer, proto::Prefill p);
+  void Start(const control::ConnectionPtr& decode, PeerId peer, proto::Prefill p,
+             std::shared_ptr<const structured::CompiledGrammar> grammar);
   void OnDecodeGone(uint64_t connection_id);
   // Writes the job's still unsent blocks among the prompt's first
   // kv_blocks.size() blocks, holding `pin` until the write completes.

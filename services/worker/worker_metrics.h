@@ -86,7 +86,16 @@ struct WorkerMetrics {
         control_buffered_bytes(metrics::AddGauge(
             r, "pdserve_control_buffered_bytes",
             "Bytes held for control connections (routers and peer workers): incomplete "
-            "received frames and queued sends")) {
+            "received frames and queued sends")),
+        grammar_compile_seconds(metrics::AddHistogram(
+            r, "pdserve_grammar_compile_seconds",
+            "Time to compile a structured-output constraint and its token masks (cache misses)",
+            metrics::TimeToFirstTokenBuckets())),
+        grammar_requests(metrics::AddCounterFamily(r, "pdserve_grammar_requests_total",
+                                                   "Constrained requests by how their grammar was "
+                                                   "found (result=cached|compiled|failed)")) {
+    for (const char* result : {"cached", "compiled", "failed"})
+      grammar_requests.Add({{"result", result}});
     // Both directions exist from the start at 0: throughput panels and
     // alerts see a series on every worker before the first hand-off.
     for (const char* direction : {"in", "out"}) transfer_bytes.Add({{"direction", direction}});
@@ -123,6 +132,8 @@ struct WorkerMetrics {
   prometheus::Family<prometheus::Histogram>& tier_onload_seconds;
   prometheus::Counter& tier_corrupt;
   prometheus::Gauge& control_buffered_bytes;
+  prometheus::Histogram& grammar_compile_seconds;
+  prometheus::Family<prometheus::Counter>& grammar_requests;
 };
 
 }  // namespace pdserve::worker

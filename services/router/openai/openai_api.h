@@ -29,6 +29,7 @@
 #include "common/http/http_server.h"
 #include "common/sampling_params.h"
 #include "services/router/openai/checked_json.h"
+#include "services/router/openai/tool_calls.h"
 
 namespace pdserve::router {
 
@@ -61,6 +62,17 @@ struct ApiRequest {
   bool chat_logprobs = false;  // chat: logprobs=true (top_logprobs in sampling.logprobs)
   std::string user;
   std::string cache_salt;
+  // The request parameter sampling.constraint came from ("response_format",
+  // "structured_outputs.json", ...), for errors about it.
+  std::string constraint_param;
+  // Chat tool calling: `tools` as given (null: none), each checked to be
+  // {"type": "function", "function": {"name", "description"?,
+  // "parameters"?}}; tool_choice (default auto with tools, none without)
+  // and, when it names a function, that name; parallel_tool_calls.
+  nlohmann::ordered_json tools;
+  enum class ToolChoice { kNone, kAuto, kRequired, kNamed } tool_choice = ToolChoice::kNone;
+  std::string tool_choice_name;
+  bool parallel_tool_calls = true;
 };
 
 // What the router accepts: the served model id(s) and size limits.
@@ -89,6 +101,12 @@ struct TokenPiece {
   std::vector<std::pair<std::string, float>> top_logprobs;  // token text, logprob
 };
 
+// A chat choice's output split into content and tool calls (tool_calls.h).
+struct ToolOutcome {
+  std::string content;
+  std::vector<ToolCall> calls;
+};
+
 // Builds the bodies for one request: non-streaming JSON, or SSE events.
 class ResponseFormatter {
  public:
@@ -100,14 +118,20 @@ class ResponseFormatter {
   std::string StreamStart() const;
   // Streaming: one event carrying `text` (and logprobs when requested).
   std::string StreamDelta(const std::vector<TokenPiece>& pieces) const;
+  // Streaming chat with tools: a content delta ("" when `text` is empty),
+  // and tool calls as OpenAI streams them (index, id, type, name, arguments).
+  std::string StreamContent(const std::string& text) const;
+  std::string StreamToolCalls(const std::vector<ToolCall>& calls, size_t first_index) const;
   // Streaming: the finish event, the usage event when requested, and [DONE].
   std::string StreamFinish(const std::string& finish_reason, const Usage& usage) const;
   // Streaming: an error event after the stream started, then [DONE].
   static std::string StreamError(const ApiError& error);
 
-  // Non-streaming: the whole response object.
+  // Non-streaming: the whole response object. `tools`: a chat choice's
+  // content and tool calls, which replace the text of `pieces`.
   nlohmann::json Complete(const std::string& prompt_text, const std::vector<TokenPiece>& pieces,
-                          const std::string& finish_reason, const Usage& usage) const;
+                          const std::string& finish_reason, const Usage& usage,
+                          const ToolOutcome* tools = nullptr) const;
 
  private:
   nlohmann::json Logprobs(const std::vector<TokenPiece>& pieces, size_t text_offset) const;

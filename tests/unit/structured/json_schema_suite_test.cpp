@@ -223,7 +223,32 @@ bool Accepts(const std::shared_ptr<const CompiledGrammar>& g, const Tokenizer& t
              const std::string& text, std::string* why) {
   Matcher m(g);
   std::vector<uint64_t> mask(g->mask_words());
-  const std::vector<TokenId> ids = tok.Encode(text, /*add_special_tokens=*/false);
+  std::vector<TokenId> ids = tok.Encode(text, /*add_special_tokens=*/false);
+  std::string spelled;
+  for (TokenId id : ids) spelled += tok.TokenBytes(id).value_or("");
+  if (spelled != text) {
+    // A tokenizer that prepends a space (SentencePiece) spells " " + text:
+    // then the longest token matching at each offset is used instead.
+    ids.clear();
+    const Vocabulary& v = g->vocab();
+    for (size_t i = 0; i < text.size();) {
+      TokenId best = -1;
+      size_t len = 0;
+      for (size_t t = 0; t < v.size(); ++t) {
+        const std::string* b = v.TokenBytes(static_cast<TokenId>(t));
+        if (b && b->size() > len && text.compare(i, b->size(), *b) == 0) {
+          best = static_cast<TokenId>(t);
+          len = b->size();
+        }
+      }
+      if (best < 0) {
+        *why = "no token spells offset " + std::to_string(i);
+        return false;
+      }
+      ids.push_back(best);
+      i += len;
+    }
+  }
   for (size_t i = 0; i < ids.size(); ++i) {
     m.FillNextTokenBitmask(mask);
     const bool in_mask = (mask[ids[i] >> 6] >> (ids[i] & 63)) & 1;

@@ -1,0 +1,41 @@
+#include "services/cli/structured_flags.h"
+
+#include <string>
+
+#include "common/flags.h"
+
+namespace pdserve::cli {
+
+void StructuredFlags::AddTo(FlagSet& flags, bool worker) {
+  flags.AddInt("grammar-max-states", &max_states_,
+               "structured outputs: most grammar states a constraint may compile to");
+  flags.AddInt("grammar-max-whitespace", &max_whitespace_,
+               "structured outputs: whitespace characters allowed between two JSON tokens");
+  flags.AddInt("grammar-max-schema-depth", &max_schema_depth_,
+               "structured outputs: deepest JSON Schema nesting accepted");
+  if (worker) {
+    flags.AddInt("grammar-mask-work", &mask_work_,
+                 "structured outputs: vocabulary-trie steps allowed to precompute one "
+                 "constraint's token masks");
+  }
+}
+
+structured::CompileOptions StructuredFlags::OptionsOrExit(std::string_view command) const {
+  const std::string_view cmd = command;
+  if (max_states_ < 16 || max_states_ > 10'000'000)
+    UsageError(cmd, "--grammar-max-states must be in [16, 10000000]");
+  if (max_whitespace_ < 0 || max_whitespace_ > 1000)
+    UsageError(cmd, "--grammar-max-whitespace must be in [0, 1000]");
+  if (max_schema_depth_ < 1 || max_schema_depth_ > 1000)
+    UsageError(cmd, "--grammar-max-schema-depth must be in [1, 1000]");
+  if (mask_work_ < 1) UsageError(cmd, "--grammar-mask-work must be positive");
+  structured::CompileOptions o;
+  o.json.grammar.max_dfa_states = static_cast<size_t>(max_states_);
+  o.json.grammar.max_nfa_states = static_cast<size_t>(max_states_) * 8;
+  o.json.max_whitespace = static_cast<int>(max_whitespace_);
+  o.json.max_depth = static_cast<int>(max_schema_depth_);
+  o.masks.max_work = mask_work_;
+  return o;
+}
+
+}  // namespace pdserve::cli

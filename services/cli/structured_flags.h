@@ -1,0 +1,27 @@
+// Structured-output limits of `pdserve router` and `pdserve worker`: the
+// router compiles every constraint to refuse bad ones, the worker compiles
+// it again with token masks for its vocabulary; both bound the work.
+#pragma once
+
+#include <string_view>
+
+#include "common/flags.h"
+#include "common/structured/structured.h"
+
+namespace pdserve::cli {
+
+class StructuredFlags {
+ public:
+  // `worker`: also the token-mask budget (routers build no masks).
+  void AddTo(FlagSet& flags, bool worker);
+  // Exits 2 with one line for values out of range.
+  structured::CompileOptions OptionsOrExit(std::string_view command) const;
+
+ private:
+  int64_t max_states_ = 50000;
+  int64_t max_whitespace_ = 16;
+  int64_t max_schema_depth_ = 64;
+  int64_t mask_work_ = 400'000'000;
+};
+
+}  // namespace pdserve::cli

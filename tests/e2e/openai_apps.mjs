@@ -1,0 +1,210 @@
+// What applications do with the official `openai` npm client, against a real
+// local stack (router + prefill + decode workers on the tiny model):
+// chat.completions.parse with a zod schema (streamed and not); tool calls
+// (tool_choice required, named, auto, none; streamed and not) with the call,
+// the tool's answer and the model's reply as a round trip, on a copy of the
+// tiny model whose chat template renders tools in the Hermes format.
+// Usage: node openai_apps.mjs PDSERVE_BIN NODE_MODULES_DIR
+import { spawn, execFileSync } from 'node:child_process';
+import { mkdtempSync, rmSync, openSync, readFileSync, writeFileSync } from 'node:fs';
+import { randomBytes } from 'node:crypto';
+import { createRequire } from 'node:module';
+import os from 'node:os';
+import path from 'node:path';
+import test, { after } from 'node:test';
+import assert from 'node:assert/strict';
+
+const [bin, nodeModules] = process.argv.slice(2);
+const require = createRequire(path.join(nodeModules, 'noop.js'));
+const OpenAI = require('openai').default ?? require('openai');
+const { zodResponseFormat } = require('openai/helpers/zod');
+const { z } = require('zod');
+
+const dir = mkdtempSync(path.join(os.tmpdir(), 'pdserve-apps-'));
+const model = path.join(dir, 'tiny');
+execFileSync(bin, ['make-model', '--preset', 'tiny', '--out', model]);
+const children = [];
+const secretFile = path.join(dir, 'cluster-secret');
+writeFileSync(secretFile, randomBytes(32).toString('hex') + '\n', { mode: 0o600 });
+after(() => {
+  for (const c of children) c.kill('SIGKILL');
+  rmSync(dir, { recursive: true, force: true });
+});
+
+function start(name, args) {
+  const log = path.join(dir, `${name}.log`);
+  children.push(spawn(bin, args, { stdio: ['ignore', openSync(log, 'w'), openSync(log, 'a')] }));
+  return log;
+}
+
+async function waitFor(fn, what, ms = 60000) {
+  const end = Date.now() + ms;
+  while (Date.now() < end) {
+    const v = await fn();
+    if (v) return v;
+    await new Promise((r) => setTimeout(r, 50));
+  }
+  throw new Error(`timed out waiting for ${what}`);
+}
+
+// The tiny model with a chat template that renders tools, calls and tool
+// answers (Hermes format: <tool_call>...</tool_call>).
+const toolModel = path.join(dir, 'tiny-tools');
+execFileSync('cp', ['-r', model, toolModel]);
+{
+  const configPath = path.join(toolModel, 'tokenizer_config.json');
+  const config = JSON.parse(readFileSync(configPath, 'utf8'));
+  config.chat_template =
+    "{{ bos_token }}{% if tools %}<|start_header_id|>system<|end_header_id|>\n\nTools:\n" +
+    "{% for t in tools %}{{ t | tojson }}\n{% endfor %}Call one as <tool_call>{\"name\": ..., " +
+    "\"arguments\": ...}</tool_call>.<|eot_id|>{% endif %}{% for message in messages %}" +
+    "{% if message.role == 'tool' %}<|start_header_id|>user<|end_header_id|>\n\n<tool_response>\n" +
+    "{{ message.content }}\n</tool_response><|eot_id|>{% elif message.tool_calls %}" +
+    "<|start_header_id|>assistant<|end_header_id|>\n\n{% for c in message.tool_calls %}" +
+    "<tool_call>\n{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}\n" +
+    "</tool_call>{% endfor %}<|eot_id|>{% else %}<|start_header_id|>{{ message.role }}" +
+    "<|end_header_id|>\n\n{{ message.content }}<|eot_id|>{% endif %}{% endfor %}" +
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}";
+  writeFileSync(configPath, JSON.stringify(config));
+}
+
+const routerLog = start('router', ['router', '--model', toolModel, '--host', '127.0.0.1', '--port', '0',
+  '--control-port', '0', '--max-local-prefill', '16', '--cluster-secret-file', secretFile]);
+const ports = await waitFor(() => readFileSync(routerLog, 'utf8').match(/on http :(\d+), control :(\d+)/),
+  'router ports');
+for (const role of ['prefill', 'decode']) {
+  start(role, ['worker', '--role', role, '--model', toolModel, '--router', `127.0.0.1:${ports[2]}`,
+    '--host', '127.0.0.1', '--port', '0', '--metrics-port', '0', '--worker-id', `${role}-0`, '--threads', '1',
+    '--transfer-tls', 'tcp', '--kv-cache-bytes', '16MiB', '--cluster-secret-file', secretFile,
+    '--grammar-max-whitespace', '2']);
+}
+const base = `http://127.0.0.1:${ports[1]}`;
+await waitFor(async () => {
+  try { return (await fetch(`${base}/ready`)).status === 200; } catch { return false; }
+}, 'router /ready');
+
+const client = new OpenAI({ baseURL: `${base}/v1`, apiKey: 'unused', maxRetries: 0 });
+const modelId = 'pdserve-tiny';
+
+const Event = z.object({
+  name: z.string().max(12),
+  date: z.string().regex(/^2024-0[1-9]-[0-2][0-9]$/),
+  attendees: z.array(z.string().max(8)).max(3),
+  kind: z.enum(['meeting', 'party', 'talk']),
+  seats: z.number().int().min(1).max(500),
+  online: z.boolean(),
+});
+
+test('chat.completions.parse with a zod schema', async () => {
+  for (const [temperature, seed] of [[0, 1], [1, 2], [1, 3]]) {
+    const completion = await client.chat.completions.parse({
+      model: modelId, temperature, seed, max_tokens: 500,
+      messages: [{ role: 'user', content: 'Describe an event.' }],
+      response_format: zodResponseFormat(Event, 'event'),
+    });
+    const message = completion.choices[0].message;
+    assert.equal(completion.choices[0].finish_reason, 'stop');
+    assert.ok(message.parsed, message.content);
+    assert.deepEqual(Event.parse(JSON.parse(message.content)), message.parsed);
+  }
+});
+
+test('chat.completions.stream with a zod schema', async () => {
+  const stream = client.chat.completions.stream({
+    model: modelId, temperature: 1, seed: 9, max_tokens: 500,
+    messages: [{ role: 'user', content: 'Describe an event.' }],
+    response_format: zodResponseFormat(Event, 'event'),
+  });
+  let chunks = 0;
+  for await (const chunk of stream) chunks += chunk.choices.length;
+  const final = await stream.finalChatCompletion();
+  assert.ok(chunks > 2, `chunks: ${chunks}`);
+  assert.equal(final.choices[0].finish_reason, 'stop');
+  assert.ok(final.choices[0].message.parsed);
+  Event.parse(final.choices[0].message.parsed);
+});
+
+const tools = [
+  { type: 'function', function: { name: 'get_weather', description: 'Weather in a city.',
+    parameters: { type: 'object', properties: { city: { type: 'string', maxLength: 12 },
+      unit: { type: 'string', enum: ['celsius', 'fahrenheit'] } }, required: ['city'],
+    additionalProperties: false } } },
+  { type: 'function', function: { name: 'get_time', description: 'Time in a zone.',
+    parameters: { type: 'object', properties: { zone: { type: 'string', enum: ['UTC', 'CET'] } },
+      required: ['zone'], additionalProperties: false } } },
+];
+const Weather = z.object({ city: z.string().max(12), unit: z.enum(['celsius', 'fahrenheit']).optional() }).strict();
+const Time = z.object({ zone: z.enum(['UTC', 'CET']) }).strict();
+const question = [{ role: 'user', content: 'What is the weather in Paris?' }];
+
+function checkCall(call) {
+  assert.equal(call.type, 'function');
+  assert.ok(call.id.length > 0);
+  const args = JSON.parse(call.function.arguments);
+  if (call.function.name === 'get_weather') Weather.parse(args);
+  else if (call.function.name === 'get_time') Time.parse(args);
+  else assert.fail(`unknown function ${call.function.name}`);
+}
+
+test('tool_choice required: every answer is a valid call; then the round trip', async () => {
+  for (const [temperature, seed] of [[0, 1], [1, 5], [1, 6]]) {
+    const first = await client.chat.completions.create({ model: modelId, messages: question, tools,
+      tool_choice: 'required', temperature, seed, max_tokens: 300 });
+    const choice = first.choices[0];
+    assert.equal(choice.finish_reason, 'tool_calls');
+    assert.ok(choice.message.tool_calls.length >= 1);
+    choice.message.tool_calls.forEach(checkCall);
+    // The call and the tool's answer go back; the model answers (auto).
+    const history = [...question, choice.message,
+      ...choice.message.tool_calls.map((c) => ({ role: 'tool', tool_call_id: c.id, content: '{"temp": 21}' }))];
+    const answer = await client.chat.completions.create({ model: modelId, messages: history, tools,
+      tool_choice: 'auto', temperature, seed, max_tokens: 20 });
+    assert.ok(['stop', 'length', 'tool_calls'].includes(answer.choices[0].finish_reason));
+    assert.ok(answer.usage.prompt_tokens > first.usage.prompt_tokens, 'the history was rendered');
+  }
+});
+
+test('tool_choice naming a function, parallel_tool_calls false', async () => {
+  const r = await client.chat.completions.create({ model: modelId, messages: question, tools,
+    tool_choice: { type: 'function', function: { name: 'get_time' } }, parallel_tool_calls: false,
+    temperature: 1, seed: 3, max_tokens: 300 });
+  const calls = r.choices[0].message.tool_calls;
+  assert.equal(calls.length, 1);
+  assert.equal(calls[0].function.name, 'get_time');
+  checkCall(calls[0]);
+});
+
+test('tool calls streamed as deltas', async () => {
+  const stream = await client.chat.completions.create({ model: modelId, messages: question, tools,
+    tool_choice: 'required', temperature: 1, seed: 11, max_tokens: 300, stream: true });
+  const calls = [];
+  let finish = null;
+  for await (const chunk of stream) {
+    for (const d of chunk.choices[0]?.delta?.tool_calls ?? []) {
+      calls[d.index] ??= { id: '', type: 'function', function: { name: '', arguments: '' } };
+      if (d.id) calls[d.index].id = d.id;
+      if (d.function?.name) calls[d.index].function.name += d.function.name;
+      if (d.function?.arguments) calls[d.index].function.arguments += d.function.arguments;
+    }
+    finish = chunk.choices[0]?.finish_reason ?? finish;
+  }
+  assert.equal(finish, 'tool_calls');
+  assert.ok(calls.length >= 1);
+  calls.forEach(checkCall);
+});
+
+test('tool_choice none and auto answer with content', async () => {
+  for (const tool_choice of ['none', 'auto']) {
+    const r = await client.chat.completions.create({ model: modelId, messages: question, tools, tool_choice,
+      temperature: 0, max_tokens: 16 });
+    assert.equal(typeof r.choices[0].message.content, 'string');
+  }
+});
+
+test('a function whose parameters the server cannot compile is a 400 naming it', async () => {
+  const bad = [{ type: 'function', function: { name: 'f', parameters: { type: 'object',
+    properties: { n: { type: 'integer', multipleOf: 3 } } } } }];
+  await assert.rejects(client.chat.completions.create({ model: modelId, messages: question, tools: bad,
+    tool_choice: 'required', max_tokens: 10 }), (e) => e.status === 400 &&
+    /tools\[0\]\.function\.parameters.*multipleOf.*\/properties\/n/.test(e.message));
+});
