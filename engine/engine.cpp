@@ -37,6 +37,7 @@ struct Engine::Sequence {
   std::optional<IncrementalDetokenizer> detokenizer;
   std::optional<StopChecker> stop;
   std::optional<structured::Matcher> matcher;  // structured outputs
+  RequestId share_prompt_with = 0;             // admitted once that prompt's KV is computed
 
   int64_t num_output() const { return static_cast<int64_t>(tokens.size()) - prompt_len; }
 };
@@ -178,6 +179,7 @@ std::unique_ptr<Engine::Sequence> Engine::NewSequence(EngineRequest r) {
   s->prefill_only = r.prefill_only;
   s->stream_kv_blocks = r.prefill_only && r.stream_kv_blocks;
   if (r.grammar) s->matcher.emplace(std::move(r.grammar));
+  s->share_prompt_with = r.share_prompt_with;
   if (tokenizer_ != nullptr) {
     std::vector<TokenId> eos = model_->config().eos_token_ids;
     for (TokenId id : tokenizer_->eos_token_ids()) {
@@ -394,9 +396,20 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
   }
 
   // 2. Waiting requests, in arrival order, unless this step had to preempt.
-  while (!preempted && !waiting_.empty() && budget > 0 &&
+  // A request sharing another's prompt waits (others pass it) until that
+  // prompt's KV is computed, then takes its blocks from the prefix cache.
+  size_t w = 0;
+  while (!preempted && w < waiting_.size() && budget > 0 &&
          static_cast<int64_t>(running_.size()) < options_.max_num_seqs) {
-    Sequence* s = waiting_.front();
+    Sequence* s = waiting_[w];
+    if (s->share_prompt_with != 0) {
+      auto leader = requests_.find(s->share_prompt_with);
+      if (leader != requests_.end() && leader->second->num_computed < leader->second->prompt_len) {
+        ++w;
+        continue;
+      }
+      s->share_prompt_with = 0;
+    }
     const int64_t total = static_cast<int64_t>(s->tokens.size());
     const std::vector<BlockHash> hashes = PrefixHashes(*s);
     const int64_t cached = static_cast<int64_t>(blocks_->FindCachedPrefix(hashes)) * B;
@@ -420,7 +433,7 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
     if (!s->admitted_once) s->num_cached_tokens = s->num_computed;
     s->admitted_once = true;
     s->state = Sequence::State::kRunning;
-    waiting_.erase(waiting_.begin());
+    waiting_.erase(waiting_.begin() + static_cast<ptrdiff_t>(w));
     InsertSorted(&running_, s);
     if (from_tiers > 0) {
       s->state = Sequence::State::kLoading;

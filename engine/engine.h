@@ -110,6 +110,12 @@ struct EngineRequest {
   // vocabulary (common/structured). Every sampled token is masked by it; a
   // request whose constraint allows no token any more ends with kLength.
   std::shared_ptr<const structured::CompiledGrammar> grammar;
+  // n > 1: another request with the same prompt (and cache salt). This one
+  // is admitted only once that one's prompt KV is computed (or it is gone),
+  // so that the prompt's full blocks are shared through the prefix cache
+  // (reference counts) rather than computed again; only the last, partial
+  // block is this request's own. Requests behind it in the queue pass it.
+  RequestId share_prompt_with = 0;
 };
 
 // What one Step() did for one request.

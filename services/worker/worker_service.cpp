@@ -336,6 +336,7 @@ class WorkerServiceImpl : public WorkerService {
     r->set_metrics_port(static_cast<uint32_t>(std::max(0, metrics_port())));
     r->set_max_model_len(static_cast<uint64_t>(engine_->max_model_len()));
     r->set_structured_outputs(true);
+    r->set_parallel_sampling(true);
     (void)c->Send(std::move(e));
     PDSERVE_LOG(INFO) << "registered with router " << c->remote_address();
     Post([this, c] {

@@ -3,7 +3,8 @@
 // chat.completions.parse with a zod schema (streamed and not); tool calls
 // (tool_choice required, named, auto, none; streamed and not) with the call,
 // the tool's answer and the model's reply as a round trip, on a copy of the
-// tiny model whose chat template renders tools in the Hermes format.
+// tiny model whose chat template renders tools in the Hermes format; n: 3
+// (distinct seeds per choice), streamed and not, and best_of.
 // Usage: node openai_apps.mjs PDSERVE_BIN NODE_MODULES_DIR
 import { spawn, execFileSync } from 'node:child_process';
 import { mkdtempSync, rmSync, openSync, readFileSync, writeFileSync } from 'node:fs';
@@ -207,4 +208,48 @@ test('a function whose parameters the server cannot compile is a 400 naming it',
   await assert.rejects(client.chat.completions.create({ model: modelId, messages: question, tools: bad,
     tool_choice: 'required', max_tokens: 10 }), (e) => e.status === 400 &&
     /tools\[0\]\.function\.parameters.*multipleOf.*\/properties\/n/.test(e.message));
+});
+
+test('n: 3 gives three choices with their own seeds; the prompt counts once', async () => {
+  const messages = [{ role: 'user', content: 'Tell me three different stories about a robot.' }];
+  const one = await client.chat.completions.create({ model: modelId, messages, temperature: 1, seed: 7,
+    max_tokens: 12, n: 1 });
+  const three = await client.chat.completions.create({ model: modelId, messages, temperature: 1, seed: 7,
+    max_tokens: 12, n: 3 });
+  assert.deepEqual(three.choices.map((c) => c.index), [0, 1, 2]);
+  assert.equal(three.choices[0].message.content, one.choices[0].message.content, 'choice 0 has the seed itself');
+  assert.equal(new Set(three.choices.map((c) => c.message.content)).size, 3, 'seed + i differ');
+  assert.equal(three.usage.prompt_tokens, one.usage.prompt_tokens);
+  assert.equal(three.usage.completion_tokens,
+    three.choices.length * one.usage.completion_tokens, 'every choice ran to max_tokens');
+  // Streamed: deltas of every index, each finished once.
+  const stream = await client.chat.completions.create({ model: modelId, messages, temperature: 1, seed: 7,
+    max_tokens: 12, n: 3, stream: true, stream_options: { include_usage: true } });
+  const text = ['', '', ''];
+  const finished = [0, 0, 0];
+  let usage = null;
+  for await (const chunk of stream) {
+    for (const c of chunk.choices) {
+      text[c.index] += c.delta?.content ?? '';
+      if (c.finish_reason) finished[c.index] += 1;
+    }
+    if (chunk.usage) usage = chunk.usage;
+  }
+  assert.deepEqual(finished, [1, 1, 1]);
+  assert.deepEqual(text, three.choices.map((c) => c.message.content));
+  assert.equal(usage.prompt_tokens, one.usage.prompt_tokens);
+});
+
+test('n: 3 under a schema, and best_of', async () => {
+  const r = await client.chat.completions.parse({ model: modelId, temperature: 1, seed: 4, max_tokens: 500, n: 3,
+    messages: [{ role: 'user', content: 'Describe an event.' }], response_format: zodResponseFormat(Event, 'event') });
+  assert.equal(r.choices.length, 3);
+  for (const c of r.choices) Event.parse(c.message.parsed);
+  const best = await client.completions.create({ model: modelId, prompt: 'Once upon a time', temperature: 1,
+    seed: 2, max_tokens: 8, n: 2, best_of: 4, logprobs: 0 });
+  assert.deepEqual(best.choices.map((c) => c.index), [0, 1]);
+  const sum = (c) => c.logprobs.token_logprobs.reduce((a, b) => a + b, 0);
+  assert.ok(sum(best.choices[0]) >= sum(best.choices[1]), 'the most likely first');
+  await assert.rejects(client.completions.create({ model: modelId, prompt: 'x', n: 2, best_of: 1 }),
+    (e) => e.status === 400);
 });

@@ -483,10 +483,29 @@ std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view body,
     PDSERVE_API_CHECK(Fields(*so).Bool("include_usage", &out->include_usage));
   }
 
-  // n: one choice per request.
-  std::optional<int64_t> n;
+  // n (and best_of): several choices of one prompt.
+  std::optional<int64_t> n, best_of;
   PDSERVE_API_CHECK(f.Int("n", &n));
-  if (n && *n != 1) return Bad("n", "only n=1 is supported; send several requests instead");
+  if (n) {
+    if (*n < 1 || *n > limits.max_n) {
+      return Bad("n", "'n' must be in [1, " + std::to_string(limits.max_n) + "], got " +
+                          std::to_string(*n));
+    }
+    out->n = static_cast<int>(*n);
+  }
+  PDSERVE_API_CHECK(f.Int("best_of", &best_of));
+  if (best_of) {
+    if (endpoint != Endpoint::kCompletions)
+      return Bad("best_of", "'best_of' is for /v1/completions");
+    if (*best_of < out->n || *best_of > limits.max_n) {
+      return Bad("best_of", "'best_of' must be in [n, " + std::to_string(limits.max_n) + "], got " +
+                                std::to_string(*best_of));
+    }
+    if (*best_of > out->n && out->stream) {
+      return Bad("best_of", "'best_of' greater than 'n' cannot be streamed");
+    }
+    out->best_of = static_cast<int>(*best_of);
+  }
 
   // Length.
   std::optional<int64_t> max_tokens, max_completion_tokens;
@@ -716,39 +735,43 @@ std::string JoinRaw(const std::vector<TokenPiece>& pieces) {
 std::string JoinText(const std::vector<TokenPiece>& pieces) { return Utf8Text(JoinRaw(pieces)); }
 }  // namespace
 
-std::string ResponseFormatter::StreamStart() const {
+std::string ResponseFormatter::StreamStart(int n) const {
   if (request_.endpoint != Endpoint::kChatCompletions) return "";
-  nlohmann::json j = Envelope("chat.completion.chunk");
-  j["choices"] = {{{"index", 0},
-                   {"delta", {{"role", "assistant"}, {"content", ""}}},
-                   {"logprobs", nullptr},
-                   {"finish_reason", nullptr}}};
-  return Sse(j);
+  std::string out;
+  for (int index = 0; index < n; ++index) {
+    nlohmann::json j = Envelope("chat.completion.chunk");
+    j["choices"] = {{{"index", index},
+                     {"delta", {{"role", "assistant"}, {"content", ""}}},
+                     {"logprobs", nullptr},
+                     {"finish_reason", nullptr}}};
+    out += Sse(j);
+  }
+  return out;
 }
 
-std::string ResponseFormatter::StreamDelta(const std::vector<TokenPiece>& pieces) const {
+std::string ResponseFormatter::StreamDelta(const std::vector<TokenPiece>& pieces, int index) const {
   const std::string text = JoinText(pieces);
   if (text.empty() && !request_.sampling.logprobs) return "";
   if (request_.endpoint == Endpoint::kChatCompletions) {
     nlohmann::json j = Envelope("chat.completion.chunk");
-    j["choices"] = {{{"index", 0},
+    j["choices"] = {{{"index", index},
                      {"delta", {{"content", text}}},
                      {"logprobs", Logprobs(pieces, 0)},
                      {"finish_reason", nullptr}}};
     return Sse(j);
   }
   nlohmann::json j = Envelope("text_completion");
-  j["choices"] = {{{"index", 0},
+  j["choices"] = {{{"index", index},
                    {"text", text},
                    {"logprobs", Logprobs(pieces, 0)},
                    {"finish_reason", nullptr}}};
   return Sse(j);
 }
 
-std::string ResponseFormatter::StreamContent(const std::string& text) const {
+std::string ResponseFormatter::StreamContent(const std::string& text, int index) const {
   if (text.empty()) return "";
   nlohmann::json j = Envelope("chat.completion.chunk");
-  j["choices"] = {{{"index", 0},
+  j["choices"] = {{{"index", index},
                    {"delta", {{"content", Utf8Text(text)}}},
                    {"logprobs", nullptr},
                    {"finish_reason", nullptr}}};
@@ -764,13 +787,13 @@ nlohmann::json ToolCallJson(const ToolCall& c) {
 }  // namespace
 
 std::string ResponseFormatter::StreamToolCalls(const std::vector<ToolCall>& calls,
-                                               size_t first_index) const {
+                                               size_t first_index, int index) const {
   std::string out;
   for (size_t k = 0; k < calls.size(); ++k) {
     nlohmann::json call = ToolCallJson(calls[k]);
     call["index"] = first_index + k;
     nlohmann::json j = Envelope("chat.completion.chunk");
-    j["choices"] = {{{"index", 0},
+    j["choices"] = {{{"index", index},
                      {"delta", {{"tool_calls", nlohmann::json::array({call})}}},
                      {"logprobs", nullptr},
                      {"finish_reason", nullptr}}};
@@ -779,22 +802,24 @@ std::string ResponseFormatter::StreamToolCalls(const std::vector<ToolCall>& call
   return out;
 }
 
-std::string ResponseFormatter::StreamFinish(const std::string& finish_reason,
-                                            const Usage& usage) const {
-  std::string out;
+std::string ResponseFormatter::StreamChoiceFinish(const std::string& finish_reason,
+                                                  int index) const {
   if (request_.endpoint == Endpoint::kChatCompletions) {
     nlohmann::json j = Envelope("chat.completion.chunk");
-    j["choices"] = {{{"index", 0},
+    j["choices"] = {{{"index", index},
                      {"delta", nlohmann::json::object()},
                      {"logprobs", nullptr},
                      {"finish_reason", finish_reason}}};
-    out += Sse(j);
-  } else {
-    nlohmann::json j = Envelope("text_completion");
-    j["choices"] = {
-        {{"index", 0}, {"text", ""}, {"logprobs", nullptr}, {"finish_reason", finish_reason}}};
-    out += Sse(j);
+    return Sse(j);
   }
+  nlohmann::json j = Envelope("text_completion");
+  j["choices"] = {
+      {{"index", index}, {"text", ""}, {"logprobs", nullptr}, {"finish_reason", finish_reason}}};
+  return Sse(j);
+}
+
+std::string ResponseFormatter::StreamEnd(const Usage& usage) const {
+  std::string out;
   if (request_.include_usage) {
     nlohmann::json j =
         Envelope(request_.endpoint == Endpoint::kChatCompletions ? "chat.completion.chunk"
@@ -807,6 +832,11 @@ std::string ResponseFormatter::StreamFinish(const std::string& finish_reason,
   return out;
 }
 
+std::string ResponseFormatter::StreamFinish(const std::string& finish_reason,
+                                            const Usage& usage) const {
+  return StreamChoiceFinish(finish_reason, 0) + StreamEnd(usage);
+}
+
 std::string ResponseFormatter::StreamError(const ApiError& error) {
   nlohmann::json err = {
       {"message", error.message},
@@ -816,35 +846,47 @@ std::string ResponseFormatter::StreamError(const ApiError& error) {
   return Sse({{"error", err}}) + "data: [DONE]\n\n";
 }
 
+nlohmann::json ResponseFormatter::Choice(const std::string& prompt_text,
+                                         const ChoiceOutput& c) const {
+  const std::vector<TokenPiece>& pieces = *c.pieces;
+  if (request_.endpoint == Endpoint::kChatCompletions) {
+    nlohmann::json message = {{"role", "assistant"}, {"content", JoinText(pieces)}};
+    if (c.tools && !c.tools->calls.empty()) {
+      const bool blank = c.tools->content.find_first_not_of(" \t\r\n") == std::string::npos;
+      message["content"] =
+          blank ? nlohmann::json(nullptr) : nlohmann::json(Utf8Text(c.tools->content));
+      message["tool_calls"] = nlohmann::json::array();
+      for (const ToolCall& call : c.tools->calls)
+        message["tool_calls"].push_back(ToolCallJson(call));
+    }
+    return {{"index", c.index},
+            {"message", message},
+            {"logprobs", Logprobs(pieces, 0)},
+            {"finish_reason", Utf8Text(c.finish_reason)}};
+  }
+  const std::string prefix = request_.echo ? prompt_text : "";
+  return {{"index", c.index},
+          {"text", Utf8Text(prefix + JoinRaw(pieces))},
+          {"logprobs", Logprobs(pieces, prefix.size())},
+          {"finish_reason", Utf8Text(c.finish_reason)}};
+}
+
+nlohmann::json ResponseFormatter::Complete(const std::string& prompt_text,
+                                           const std::vector<ChoiceOutput>& choices,
+                                           const Usage& usage) const {
+  nlohmann::json j = Envelope(request_.endpoint == Endpoint::kChatCompletions ? "chat.completion"
+                                                                              : "text_completion");
+  j["choices"] = nlohmann::json::array();
+  for (const ChoiceOutput& c : choices) j["choices"].push_back(Choice(prompt_text, c));
+  j["usage"] = UsageJson(usage);
+  return j;
+}
+
 nlohmann::json ResponseFormatter::Complete(const std::string& prompt_text,
                                            const std::vector<TokenPiece>& pieces,
                                            const std::string& finish_reason, const Usage& usage,
                                            const ToolOutcome* tools) const {
-  nlohmann::json j;
-  if (request_.endpoint == Endpoint::kChatCompletions) {
-    j = Envelope("chat.completion");
-    nlohmann::json message = {{"role", "assistant"}, {"content", JoinText(pieces)}};
-    if (tools && !tools->calls.empty()) {
-      const bool blank = tools->content.find_first_not_of(" \t\r\n") == std::string::npos;
-      message["content"] =
-          blank ? nlohmann::json(nullptr) : nlohmann::json(Utf8Text(tools->content));
-      message["tool_calls"] = nlohmann::json::array();
-      for (const ToolCall& c : tools->calls) message["tool_calls"].push_back(ToolCallJson(c));
-    }
-    j["choices"] = {{{"index", 0},
-                     {"message", message},
-                     {"logprobs", Logprobs(pieces, 0)},
-                     {"finish_reason", Utf8Text(finish_reason)}}};
-  } else {
-    const std::string prefix = request_.echo ? prompt_text : "";
-    j = Envelope("text_completion");
-    j["choices"] = {{{"index", 0},
-                     {"text", Utf8Text(prefix + JoinRaw(pieces))},
-                     {"logprobs", Logprobs(pieces, prefix.size())},
-                     {"finish_reason", Utf8Text(finish_reason)}}};
-  }
-  j["usage"] = UsageJson(usage);
-  return j;
+  return Complete(prompt_text, {ChoiceOutput{0, &pieces, finish_reason, tools}}, usage);
 }
 
 std::string TenantCacheSalt(std::string_view api_key, std::string_view client_salt) {

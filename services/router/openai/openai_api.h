@@ -56,6 +56,11 @@ struct ApiRequest {
   nlohmann::ordered_json messages;
   bool add_generation_prompt = true;
   bool echo = false;  // completions only: prepend the prompt to the output
+  // Choices to return (n), and (completions) how many to generate to pick
+  // them from by likelihood (best_of >= n; 0: n). Several choices share the
+  // prompt's KV on one decode worker.
+  int n = 1;
+  int best_of = 0;
   // max_tokens as given (nullopt: the router fills in the endpoint default).
   std::optional<int> max_tokens;
   SamplingParams sampling;     // max_tokens is filled by the router once the prompt length is known
@@ -79,6 +84,7 @@ struct ApiRequest {
 struct ApiLimits {
   std::vector<std::string> model_ids;  // empty model in a request = the first
   int max_stop_strings = 16;
+  int max_n = 16;                             // largest n (and best_of)
   int max_json_depth = kDefaultMaxJsonDepth;  // nesting of the request body
 };
 
@@ -114,15 +120,22 @@ class ResponseFormatter {
 
   const std::string& id() const { return id_; }
 
-  // Streaming: the first event(s) ("" when the endpoint has none; chat sends the role).
-  std::string StreamStart() const;
-  // Streaming: one event carrying `text` (and logprobs when requested).
-  std::string StreamDelta(const std::vector<TokenPiece>& pieces) const;
+  // Streaming: the first event(s) ("" when the endpoint has none; chat sends
+  // the role, once per choice).
+  std::string StreamStart(int n = 1) const;
+  // Streaming: one event carrying `text` (and logprobs when requested) for
+  // choice `index`.
+  std::string StreamDelta(const std::vector<TokenPiece>& pieces, int index = 0) const;
   // Streaming chat with tools: a content delta ("" when `text` is empty),
   // and tool calls as OpenAI streams them (index, id, type, name, arguments).
-  std::string StreamContent(const std::string& text) const;
-  std::string StreamToolCalls(const std::vector<ToolCall>& calls, size_t first_index) const;
-  // Streaming: the finish event, the usage event when requested, and [DONE].
+  std::string StreamContent(const std::string& text, int index = 0) const;
+  std::string StreamToolCalls(const std::vector<ToolCall>& calls, size_t first_index,
+                              int index = 0) const;
+  // Streaming: choice `index` finished.
+  std::string StreamChoiceFinish(const std::string& finish_reason, int index) const;
+  // Streaming: the usage event when requested, and [DONE].
+  std::string StreamEnd(const Usage& usage) const;
+  // One choice: its finish event, then StreamEnd.
   std::string StreamFinish(const std::string& finish_reason, const Usage& usage) const;
   // Streaming: an error event after the stream started, then [DONE].
   static std::string StreamError(const ApiError& error);
@@ -132,9 +145,19 @@ class ResponseFormatter {
   nlohmann::json Complete(const std::string& prompt_text, const std::vector<TokenPiece>& pieces,
                           const std::string& finish_reason, const Usage& usage,
                           const ToolOutcome* tools = nullptr) const;
+  // Several choices (n > 1), in the order given.
+  struct ChoiceOutput {
+    int index = 0;
+    const std::vector<TokenPiece>* pieces = nullptr;
+    std::string finish_reason;
+    const ToolOutcome* tools = nullptr;
+  };
+  nlohmann::json Complete(const std::string& prompt_text, const std::vector<ChoiceOutput>& choices,
+                          const Usage& usage) const;
 
  private:
   nlohmann::json Logprobs(const std::vector<TokenPiece>& pieces, size_t text_offset) const;
+  nlohmann::json Choice(const std::string& prompt_text, const ChoiceOutput& c) const;
   nlohmann::json UsageJson(const Usage& usage) const;
   nlohmann::json Envelope(const char* object) const;
 

@@ -59,6 +59,30 @@ TEST(OpenAiApiTest, PromptForms) {
   EXPECT_EQ(r.max_tokens, 9);
 }
 
+TEST(OpenAiApiTest, SeveralChoices) {
+  auto r = ParseOk(Endpoint::kCompletions, R"({"prompt":"x","n":3,"best_of":5})");
+  EXPECT_EQ(r.n, 3);
+  EXPECT_EQ(r.best_of, 5);
+  ResponseFormatter fmt(r, "cmpl-1", 1700000000);
+  const std::vector<TokenPiece> a = {{1, "A", "A", std::nullopt, {}}},
+                                b = {{2, "B", "B", std::nullopt, {}}};
+  const auto j =
+      fmt.Complete("", {{0, &a, "stop", nullptr}, {1, &b, "length", nullptr}}, {4, 7, 0});
+  ASSERT_EQ(j["choices"].size(), 2u);
+  EXPECT_EQ(j["choices"][1]["index"], 1);
+  EXPECT_EQ(j["choices"][1]["text"], "B");
+  EXPECT_EQ(j["choices"][1]["finish_reason"], "length");
+  EXPECT_EQ(j["usage"]["prompt_tokens"], 4);
+  const std::string start =
+      ResponseFormatter(ParseOk(Endpoint::kChatCompletions,
+                                R"({"messages":[{"role":"user","content":"x"}],"n":2})"),
+                        "c", 1)
+          .StreamStart(2);
+  EXPECT_NE(start.find("\"index\":1"), std::string::npos);
+  EXPECT_NE(fmt.StreamDelta(b, 2).find("\"index\":2"), std::string::npos);
+  EXPECT_EQ(fmt.StreamEnd({1, 1, 0}), "data: [DONE]\n\n");
+}
+
 TEST(OpenAiApiTest, StructuredOutputConstraints) {
   using Kind = OutputConstraint::Kind;
   auto r = ParseOk(Endpoint::kChatCompletions,
@@ -137,7 +161,11 @@ TEST(OpenAiApiTest, BadInputTable) {
       {C, R"({"prompt":"x","top_p":0})", 400, "top_p"},
       {C, R"({"prompt":"x","top_p":1.5})", 400, "top_p"},
       {C, R"({"prompt":"x","top_k":-5})", 400, "top_k"},
-      {C, R"({"prompt":"x","n":2})", 400, "n"},
+      {C, R"({"prompt":"x","n":17})", 400, "n"},
+      {C, R"({"prompt":"x","n":0})", 400, "n"},
+      {C, R"({"prompt":"x","n":3,"best_of":2})", 400, "best_of"},
+      {C, R"({"prompt":"x","n":1,"best_of":3,"stream":true})", 400, "best_of"},
+      {H, R"({"messages":[{"role":"user","content":"x"}],"best_of":2})", 400, "best_of"},
       {C, R"({"prompt":"x","stop":[""]})", 400, "stop"},
       {C, R"({"prompt":"x","stop":5})", 400, "stop"},
       {C, R"({"prompt":"x","stream":"yes"})", 400, "stream"},
