@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <deque>
 #include <map>
 #include <sstream>
 #include <unordered_map>
@@ -167,10 +168,12 @@ class GrammarCompiler {
       g->rule_call_start_[r] = clone;
     }
     PDSERVE_RETURN_IF_ERROR(CheckLeftRecursion());
-    // 5. Only what can still complete the document.
+    // 5. Only what can still complete the document, without duplicates.
     PDSERVE_RETURN_IF_ERROR(Prune(root));
+    MergeIdentical();
     // 6. Tables.
     Finish(root);
+    ComputeFollow();
     return std::shared_ptr<const Grammar>(std::move(g));
   }
 
@@ -676,18 +679,35 @@ class GrammarCompiler {
   void Finish(int root) {
     Grammar& g = *g_;
     const size_t n = dfa_accept_.size();
-    // Byte classes: bytes with identical columns share a class.
-    std::map<std::vector<int32_t>, uint8_t> columns;
-    std::vector<int32_t> column(n);
-    for (int b = 0; b < 256; ++b) {
-      for (size_t s = 0; s < n; ++s) column[s] = dfa_bytes_[s][b];
-      auto it = columns.find(column);
-      if (it == columns.end()) {
-        it = columns.emplace(column, static_cast<uint8_t>(columns.size())).first;
+    // Byte classes: bytes with identical columns share a class (columns
+    // hashed in one pass over the states, equal hashes checked).
+    std::array<uint64_t, 256> hash;
+    hash.fill(0x9e3779b97f4a7c15ULL);
+    for (size_t s = 0; s < n; ++s) {
+      for (int b = 0; b < 256; ++b) {
+        uint64_t x = hash[b] ^ (static_cast<uint64_t>(static_cast<uint32_t>(dfa_bytes_[s][b])) +
+                                s * 0x100000001b3ULL);
+        x *= 0xff51afd7ed558ccdULL;
+        hash[b] = x ^ (x >> 29);
       }
-      g.byte_class_[b] = it->second;
     }
-    g.num_classes_ = columns.size();
+    std::vector<int> reps;  // a byte of each class
+    for (int b = 0; b < 256; ++b) {
+      int cls = -1;
+      for (size_t c = 0; c < reps.size() && cls < 0; ++c) {
+        const int r = reps[c];
+        if (hash[r] != hash[b]) continue;
+        bool same = true;
+        for (size_t s = 0; s < n && same; ++s) same = dfa_bytes_[s][r] == dfa_bytes_[s][b];
+        if (same) cls = static_cast<int>(c);
+      }
+      if (cls < 0) {
+        cls = static_cast<int>(reps.size());
+        reps.push_back(b);
+      }
+      g.byte_class_[b] = static_cast<uint8_t>(cls);
+    }
+    g.num_classes_ = reps.size();
     g.next_.assign(n * g.num_classes_, -1);
     for (size_t s = 0; s < n; ++s) {
       for (int b = 0; b < 256; ++b)
@@ -726,6 +746,142 @@ class GrammarCompiler {
     }
   }
 
+  // States of one rule with the same acceptance, bytes and calls behave the
+  // same: each set becomes one state (repeated until nothing merges), so
+  // that the matcher precomputes each behaviour once. Only identical rows
+  // merge, so no two different behaviours ever do.
+  void MergeIdentical() {
+    size_t n = dfa_accept_.size();
+    std::vector<int32_t> map(n);
+    for (size_t s = 0; s < n; ++s) map[s] = static_cast<int32_t>(s);
+    for (bool merged = true; merged;) {
+      merged = false;
+      std::unordered_map<uint64_t, std::vector<int32_t>> by_hash;
+      for (size_t s = 0; s < n; ++s) {
+        if (map[s] != static_cast<int32_t>(s) || !live_[s]) continue;
+        uint64_t h = static_cast<uint64_t>(dfa_rule_[s]) * 0x9e3779b97f4a7c15ULL + dfa_accept_[s];
+        for (int b = 0; b < 256; ++b)
+          h = (h ^ static_cast<uint32_t>(dfa_bytes_[s][b])) * 0x100000001b3ULL;
+        for (const auto& c : dfa_calls_[s])
+          h = (h ^ (static_cast<uint64_t>(c.rule) << 32 | static_cast<uint32_t>(c.next))) *
+              0xff51afd7ed558ccdULL;
+        auto& same = by_hash[h];
+        int32_t into = -1;
+        for (int32_t t : same) {
+          if (dfa_rule_[t] == dfa_rule_[s] && dfa_accept_[t] == dfa_accept_[s] &&
+              dfa_bytes_[t] == dfa_bytes_[s] && dfa_calls_[t].size() == dfa_calls_[s].size() &&
+              std::equal(dfa_calls_[t].begin(), dfa_calls_[t].end(), dfa_calls_[s].begin(),
+                         [](const Grammar::CallEdge& a, const Grammar::CallEdge& b) {
+                           return a.rule == b.rule && a.next == b.next;
+                         })) {
+            into = t;
+            break;
+          }
+        }
+        if (into < 0) {
+          same.push_back(static_cast<int32_t>(s));
+        } else {
+          map[s] = into;
+          merged = true;
+        }
+      }
+      if (!merged) break;
+      auto find = [&](int32_t s) {
+        while (map[s] != s) s = map[s];
+        return s;
+      };
+      for (size_t s = 0; s < n; ++s) {
+        for (int32_t& t : dfa_bytes_[s]) {
+          if (t >= 0) t = find(t);
+        }
+        for (auto& c : dfa_calls_[s]) c.next = find(c.next);
+      }
+      for (auto& s : g_->rule_start_) s = find(s);
+      for (auto& s : g_->rule_call_start_) s = find(s);
+    }
+    // Renumber the survivors densely.
+    std::vector<int32_t> id(n, -1);
+    int32_t next_id = 0;
+    for (size_t s = 0; s < n; ++s) {
+      if (map[s] == static_cast<int32_t>(s)) id[s] = next_id++;
+    }
+    auto final_id = [&](int32_t s) {
+      while (map[s] != s) s = map[s];
+      return id[s];
+    };
+    std::deque<std::array<int32_t, 256>> bytes;
+    std::deque<std::vector<Grammar::CallEdge>> calls;
+    std::vector<uint8_t> accept, live;
+    std::vector<int32_t> rule;
+    for (size_t s = 0; s < n; ++s) {
+      if (id[s] < 0) continue;
+      std::array<int32_t, 256> row = dfa_bytes_[s];
+      for (int32_t& t : row) {
+        if (t >= 0) t = final_id(t);
+      }
+      bytes.push_back(row);
+      std::vector<Grammar::CallEdge> c = dfa_calls_[s];
+      for (auto& e : c) e.next = final_id(e.next);
+      calls.push_back(std::move(c));
+      accept.push_back(dfa_accept_[s]);
+      live.push_back(live_[s]);
+      rule.push_back(dfa_rule_[s]);
+    }
+    for (auto& s : g_->rule_start_) s = final_id(s);
+    for (auto& s : g_->rule_call_start_) s = final_id(s);
+    dfa_bytes_ = std::move(bytes);
+    dfa_calls_ = std::move(calls);
+    dfa_accept_ = std::move(accept);
+    live_ = std::move(live);
+    dfa_rule_ = std::move(rule);
+    n = dfa_accept_.size();
+  }
+
+  // FOLLOW sets: what a call site may read once the called rule returned
+  // (its continuation's first bytes, and the caller's own FOLLOW where the
+  // continuation can return too).
+  void ComputeFollow() {
+    Grammar& g = *g_;
+    const size_t num_rules = rule_nfa_.size();
+    g.follow_bytes_.assign(num_rules * 4, 0);
+    struct Site {
+      int32_t rule, next;
+    };
+    std::vector<Site> sites;
+    for (size_t s = 0; s < dfa_accept_.size(); ++s) {
+      for (const auto& c : dfa_calls_[s]) sites.push_back({c.rule, c.next});
+    }
+    // First bytes of each continuation state, through its calls.
+    std::vector<std::array<uint64_t, 4>> first(sites.size());
+    for (size_t k = 0; k < sites.size(); ++k) {
+      first[k] = {};
+      const int32_t t = sites[k].next;
+      for (int b = 0; b < 256; ++b) {
+        if (dfa_bytes_[t][b] >= 0) first[k][b >> 6] |= uint64_t{1} << (b & 63);
+      }
+      for (const auto& c : dfa_calls_[t]) {
+        for (int w = 0; w < 4; ++w) first[k][w] |= g.first_bytes_[c.rule * 4 + w];
+      }
+    }
+    for (bool changed = true; changed;) {
+      changed = false;
+      for (size_t k = 0; k < sites.size(); ++k) {
+        std::array<uint64_t, 4> add = first[k];
+        const int32_t t = sites[k].next;
+        if (dfa_accept_[t]) {
+          for (int w = 0; w < 4; ++w) add[w] |= g.follow_bytes_[dfa_rule_[t] * 4 + w];
+        }
+        for (int w = 0; w < 4; ++w) {
+          uint64_t& f = g.follow_bytes_[sites[k].rule * 4 + w];
+          if ((f | add[w]) != f) {
+            f |= add[w];
+            changed = true;
+          }
+        }
+      }
+    }
+  }
+
   const GrammarBuilder& b_;
   GrammarLimits limits_;
   std::vector<NState> nfa_;
@@ -735,8 +891,8 @@ class GrammarCompiler {
   uint32_t stamp_ = 0;
   Grammar* g_ = nullptr;
   std::vector<uint8_t> dfa_accept_;
-  std::vector<std::array<int32_t, 256>> dfa_bytes_;
-  std::vector<std::vector<Grammar::CallEdge>> dfa_calls_;
+  std::deque<std::array<int32_t, 256>> dfa_bytes_;  // a deque: growing never moves rows
+  std::deque<std::vector<Grammar::CallEdge>> dfa_calls_;
   std::vector<int32_t> dfa_rule_;
   std::vector<uint8_t> live_;
 };

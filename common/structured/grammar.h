@@ -146,6 +146,11 @@ class Grammar {
   bool FirstByte(int32_t rule, uint8_t byte) const {
     return (first_bytes_[static_cast<size_t>(rule) * 4 + (byte >> 6)] >> (byte & 63)) & 1;
   }
+  // Whether `byte` can come right after `rule` returns, at any of its call
+  // sites (a superset: a return followed by anything else is impossible).
+  bool FollowByte(int32_t rule, uint8_t byte) const {
+    return (follow_bytes_[static_cast<size_t>(rule) * 4 + (byte >> 6)] >> (byte & 63)) & 1;
+  }
   int32_t RuleOf(int32_t state) const { return state_rule_[state]; }
   const std::string& RuleName(int32_t rule) const { return rule_names_[rule]; }
   // The document: the root rule's start (accepting when the empty document is valid).
@@ -165,7 +170,8 @@ class Grammar {
   std::vector<CallEdge> calls_;
   std::vector<int32_t> rule_call_start_;
   std::vector<int32_t> rule_start_;
-  std::vector<uint64_t> first_bytes_;  // 4 words per rule
+  std::vector<uint64_t> first_bytes_;   // 4 words per rule
+  std::vector<uint64_t> follow_bytes_;  // 4 words per rule
   std::vector<int32_t> state_rule_;
   std::vector<std::string> rule_names_;
   int32_t start_ = 0;

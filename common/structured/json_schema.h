@@ -43,8 +43,12 @@
 namespace pdserve::structured {
 
 struct JsonSchemaOptions {
-  int max_whitespace = 16;  // whitespace characters allowed between two tokens
-  int max_depth = 64;       // schema nesting
+  // Whitespace characters allowed between two JSON tokens. Each allowed
+  // character is one more grammar state at every place whitespace may go,
+  // which the token masks are precomputed for: 4 keeps ", " and "\n  "
+  // and compiles a typical schema several times faster than 16.
+  int max_whitespace = 4;
+  int max_depth = 64;  // schema nesting
   RegexOptions regex;
   GrammarLimits grammar;
 };

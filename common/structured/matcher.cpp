@@ -1,7 +1,10 @@
 #include "common/structured/matcher.h"
 
 #include <algorithm>
+#include <array>
 #include <cstring>
+#include <mutex>
+#include <optional>
 #include <unordered_map>
 
 namespace pdserve::structured {
@@ -13,6 +16,62 @@ constexpr int kMaxLocalFrames = 16;
 constexpr int kMaxStackDepth = 1024;  // frames of one stack (JSON nesting and the like)
 constexpr size_t kMaxFrontier = 256;  // stacks followed at once (ambiguous grammars)
 constexpr int kSuffixCheckBudget = 4096;
+// Process-wide cache of positions' results (see MaskPrecomputer::Position).
+struct PositionKey {
+  uint64_t vocab, rule;
+  int32_t index;
+  std::array<uint64_t, 4> follow;
+  bool operator==(const PositionKey&) const = default;
+};
+struct PositionKeyHash {
+  size_t operator()(const PositionKey& k) const {
+    uint64_t h = k.vocab * 0x9e3779b97f4a7c15ULL ^ k.rule ^ (static_cast<uint64_t>(k.index) << 17);
+    for (uint64_t w : k.follow) h = (h ^ w) * 0xff51afd7ed558ccdULL;
+    return static_cast<size_t>(h ^ (h >> 31));
+  }
+};
+struct PositionResult {
+  std::vector<TokenId> accepted;
+  std::vector<std::pair<std::string, std::vector<TokenId>>> groups;
+  size_t Bytes() const {
+    size_t n = accepted.size() * sizeof(TokenId);
+    for (const auto& [s, ids] : groups) n += s.size() + ids.size() * sizeof(TokenId);
+    return n;
+  }
+};
+class PositionCache {
+ public:
+  std::shared_ptr<const PositionResult> Get(const PositionKey& k) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = map_.find(k);
+    return it == map_.end() ? nullptr : it->second;
+  }
+  void Clear() {
+    std::lock_guard<std::mutex> lock(mu_);
+    map_.clear();
+    bytes_ = 0;
+  }
+  void Put(const PositionKey& k, std::shared_ptr<const PositionResult> r) {
+    std::lock_guard<std::mutex> lock(mu_);
+    bytes_ += r->Bytes();
+    if (bytes_ > kMaxBytes) {  // bounded: start over rather than grow
+      map_.clear();
+      bytes_ = r->Bytes();
+    }
+    map_[k] = std::move(r);
+  }
+
+ private:
+  static constexpr size_t kMaxBytes = size_t{256} << 20;
+  std::mutex mu_;
+  std::unordered_map<PositionKey, std::shared_ptr<const PositionResult>, PositionKeyHash> map_;
+  size_t bytes_ = 0;
+};
+PositionCache& GlobalPositionCache() {
+  static PositionCache cache;
+  return cache;
+}
+
 }  // namespace
 
 class MaskPrecomputer {
@@ -24,6 +83,9 @@ class MaskPrecomputer {
     c_.words_ = (v_.size() + 63) / 64;
     c_.positions_.resize(static_cast<size_t>(g_.num_states()));
     levels_.resize(v_.max_token_bytes() + 2);
+    base_.assign(levels_.size(), 0);
+    frames_.assign(levels_.size(), 1);
+    CanonicalLeafRules();
     for (int32_t p = 0; p < g_.num_states(); ++p) PDSERVE_RETURN_IF_ERROR(Position(p));
     c_.stats_.bytes = static_cast<int64_t>(c_.dense_.size() * 8 + c_.ids_.size() * 4 +
                                            c_.groups_.size() * sizeof(CompiledGrammar::Group) +
@@ -45,6 +107,53 @@ class MaskPrecomputer {
       if (x == c) return;
     }
     out->push_back(c);
+  }
+
+  // Rules that call nothing and have at most kMaxCanonicalStates states,
+  // numbered in breadth-first order from their start: the same automaton
+  // built by two grammars gets the same hash and numbering.
+  void CanonicalLeafRules() {
+    constexpr size_t kMaxCanonicalStates = 4096;
+    rule_hash_.assign(static_cast<size_t>(g_.num_rules()), 0);
+    canon_.assign(static_cast<size_t>(g_.num_states()), -1);
+    for (int32_t r = 0; r < g_.num_rules(); ++r) {
+      std::vector<int32_t> order{g_.CallStart(r)};
+      std::unordered_map<int32_t, int32_t> index{{order[0], 0}};
+      uint64_t h = 0x6a09e667f3bcc909ULL;
+      auto mix = [&h](uint64_t x) {
+        h ^= x + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+        h *= 0xff51afd7ed558ccdULL;
+      };
+      bool leaf = true;
+      for (size_t i = 0; i < order.size() && leaf; ++i) {
+        const int32_t s = order[i];
+        if (g_.HasCalls(s) || order.size() > kMaxCanonicalStates) {
+          leaf = false;
+          break;
+        }
+        mix(g_.Accepting(s) ? 2 : 1);
+        int32_t last = -2;
+        for (int b = 0; b < 256; ++b) {
+          const int32_t t = g_.Next(s, static_cast<uint8_t>(b));
+          int64_t id = -1;
+          if (t >= 0) {
+            auto it = index.find(t);
+            if (it == index.end()) {
+              it = index.emplace(t, static_cast<int32_t>(order.size())).first;
+              order.push_back(t);
+            }
+            id = it->second;
+          }
+          if (id != last) {  // runs of equal targets, with where they start
+            mix(static_cast<uint64_t>(b) << 32 | static_cast<uint32_t>(id));
+            last = static_cast<int32_t>(id);
+          }
+        }
+      }
+      if (!leaf) continue;
+      rule_hash_[r] = h | 1;  // never 0
+      for (size_t i = 0; i < order.size(); ++i) canon_[order[i]] = static_cast<int32_t>(i);
+    }
   }
 
   // Every configuration after reading `b` from `c`, the bottom frame kept.
@@ -70,6 +179,16 @@ class MaskPrecomputer {
     }
   }
 
+  // The frames under the top of the single configuration stored at depth
+  // `base` all accept (with an accepting top, the bottom frame can return).
+  bool BelowAccept(int base) const {
+    const Cfg& c = levels_[base][0];
+    for (int i = 0; i + 1 < c.k; ++i) {
+      if (!g_.Accepting(c.s[i])) return false;
+    }
+    return true;
+  }
+
   // Some configuration can return from the bottom frame here.
   bool Escapes(const std::vector<Cfg>& set) const {
     for (const Cfg& c : set) {
@@ -80,40 +199,126 @@ class MaskPrecomputer {
     return false;
   }
 
+  // A position of a rule that calls nothing depends only on the part of
+  // that rule it can reach (and what may follow the rule): such positions
+  // are cached across grammars for the vocabulary, so that every schema's
+  // plain strings, say, are walked once per process.
   Status Position(int32_t p) {
+    const int32_t rule = g_.RuleOf(p);
+    // Suffix groups are kept for bytes that can follow the rule. Rules that
+    // JSON structure follows (its whitespace and , : ] }) all keep that
+    // set, so that they share their cache entries.
+    std::array<uint64_t, 4> follow{}, json{};
+    bool within_json = true;
+    for (int b = 0; b < 256; ++b) {
+      const bool structural = b == ' ' || b == '\t' || b == '\n' || b == '\r' || b == ',' ||
+                              b == ':' || b == ']' || b == '}';
+      if (structural) json[b >> 6] |= uint64_t{1} << (b & 63);
+      if (g_.FollowByte(rule, static_cast<uint8_t>(b))) {
+        follow[b >> 6] |= uint64_t{1} << (b & 63);
+        within_json = within_json && structural;
+      }
+    }
+    if (within_json) follow = json;
+    std::optional<PositionKey> key;
+    if (rule_hash_[rule] != 0 && canon_[p] >= 0) {
+      const PositionKey k{v_.hash(), rule_hash_[rule], canon_[p], follow};
+      key = k;
+      if (auto hit = GlobalPositionCache().Get(k)) {
+        ++c_.stats_.cached_positions;
+        return Commit(p, hit->accepted, hit->groups);
+      }
+    }
+    PDSERVE_RETURN_IF_ERROR(Walk(p, follow));
+    std::vector<std::pair<std::string, std::vector<TokenId>>> groups(groups_.begin(),
+                                                                     groups_.end());
+    std::sort(groups.begin(), groups.end());
+    if (key) {
+      auto r = std::make_shared<PositionResult>();
+      r->accepted = accepted_;
+      r->groups = groups;
+      GlobalPositionCache().Put(*key, r);
+    }
+    return Commit(p, accepted_, groups);
+  }
+
+  // Computes position p's accepted tokens and suffix groups, the latter
+  // only for suffixes whose first byte is in `follow`.
+  Status Walk(int32_t p, const std::array<uint64_t, 4>& follow) {
     const auto& trie = v_.trie();
     const auto& order = v_.order();
     accepted_.clear();
     groups_.clear();
     escapes_.clear();
+    // Each depth holds the configurations after that many bytes. The
+    // common case is one configuration whose top frame just follows its
+    // DFA (no call, no return to choose): then only that frame's state
+    // changes, `single_[d]` holds it and levels_[d] is not rebuilt.
     levels_[0].clear();
     Cfg root{};
     root.k = 1;
     root.s[0] = p;
     levels_[0].push_back(root);
+    single_.assign(levels_.size(), -1);
+    single_[0] = p;
     const int32_t n = static_cast<int32_t>(trie.size());
     for (int32_t i = 0; i < n;) {
       const auto& node = trie[i];
       const int d = node.depth;
       while (!escapes_.empty() && escapes_.back() >= d) escapes_.pop_back();
       ++c_.stats_.work;
-      std::vector<Cfg>& here = levels_[d];
-      here.clear();
-      for (const Cfg& c : levels_[d - 1]) Consume(c, node.byte, &here);
-      if (here.empty()) {
+      bool alive = false, escapes = false;
+      const int32_t top = single_[d - 1];
+      // single_[d - 1] >= 0: levels_ of the nearest depth below holding the
+      // frames, with `top` in place of its top frame.
+      if (top >= 0 && !g_.HasCalls(top) && !(frames_[d - 1] > 1 && g_.Accepting(top))) {
+        const int32_t t = g_.Next(top, node.byte);
+        alive = t >= 0;
+        if (alive) {
+          single_[d] = t;
+          base_[d] = base_[d - 1];
+          frames_[d] = frames_[d - 1];
+          escapes = g_.Accepting(t) && BelowAccept(base_[d]);
+        }
+      } else {
+        std::vector<Cfg>& here = levels_[d];
+        here.clear();
+        if (top >= 0) {
+          Cfg c = levels_[base_[d - 1]][0];
+          c.s[c.k - 1] = top;
+          Consume(c, node.byte, &here);
+        } else {
+          for (const Cfg& c : levels_[d - 1]) Consume(c, node.byte, &here);
+        }
+        alive = !here.empty();
+        if (here.size() == 1) {
+          single_[d] = here[0].s[here[0].k - 1];
+          base_[d] = d;
+          frames_[d] = here[0].k;
+        } else {
+          single_[d] = -1;
+        }
+        escapes = alive && Escapes(here);
+      }
+      if (!alive) {
         if (!escapes_.empty()) {
-          // The rule may return before this byte: what follows is up to its caller.
+          // The rule may return before this byte: what follows is up to its
+          // caller, and only bytes that can follow the rule are worth asking.
           for (int32_t k = node.tokens_begin; k < node.subtree_tokens_end; ++k) {
             const TokenId id = order[k];
             const std::string& bytes = *v_.TokenBytes(id);
-            for (int e : escapes_) groups_[bytes.substr(static_cast<size_t>(e))].push_back(id);
+            for (int e : escapes_) {
+              const auto b = static_cast<uint8_t>(bytes[static_cast<size_t>(e)]);
+              if ((follow[b >> 6] >> (b & 63)) & 1)
+                groups_[bytes.substr(static_cast<size_t>(e))].push_back(id);
+            }
           }
         }
         i = node.end;
         continue;
       }
       for (int32_t k = node.tokens_begin; k < node.tokens_end; ++k) accepted_.push_back(order[k]);
-      if (Escapes(here)) escapes_.push_back(d);
+      if (escapes) escapes_.push_back(d);
       ++i;
     }
     if (c_.stats_.work > limits_.max_work) {
@@ -122,20 +327,28 @@ class MaskPrecomputer {
           "more than " +
           std::to_string(limits_.max_work) + " trie nodes");
     }
+    return Status::Ok();
+  }
+
+  Status Commit(int32_t p, const std::vector<TokenId>& accepted,
+                const std::vector<std::pair<std::string, std::vector<TokenId>>>& groups) {
     CompiledGrammar::Position& pos = c_.positions_[p];
-    if (accepted_.size() > c_.words_ * 4) {
+    if (accepted.size() > c_.words_ * 4) {
       pos.dense = static_cast<int32_t>(c_.dense_.size() / c_.words_);
       c_.dense_.resize(c_.dense_.size() + c_.words_, 0);
       uint64_t* w = c_.dense_.data() + static_cast<size_t>(pos.dense) * c_.words_;
-      for (TokenId id : accepted_) w[id >> 6] |= uint64_t{1} << (id & 63);
+      for (TokenId id : accepted) w[id >> 6] |= uint64_t{1} << (id & 63);
       ++c_.stats_.dense_positions;
     } else {
       pos.ids_begin = static_cast<uint32_t>(c_.ids_.size());
-      c_.ids_.insert(c_.ids_.end(), accepted_.begin(), accepted_.end());
+      c_.ids_.insert(c_.ids_.end(), accepted.begin(), accepted.end());
       pos.ids_end = static_cast<uint32_t>(c_.ids_.size());
     }
     pos.groups_begin = static_cast<uint32_t>(c_.groups_.size());
-    for (auto& [suffix, ids] : groups_) {
+    const int32_t rule = g_.RuleOf(p);
+    for (const auto& [suffix, ids] : groups) {
+      // Only bytes that can follow the rule are worth asking the caller.
+      if (!g_.FollowByte(rule, static_cast<uint8_t>(suffix[0]))) continue;
       CompiledGrammar::Group grp;
       grp.suffix_begin = static_cast<uint32_t>(c_.suffixes_.size());
       grp.suffix_len = static_cast<uint32_t>(suffix.size());
@@ -147,7 +360,7 @@ class MaskPrecomputer {
       c_.stats_.uncertain_tokens += static_cast<int64_t>(ids.size());
     }
     pos.groups_end = static_cast<uint32_t>(c_.groups_.size());
-    c_.stats_.suffix_groups += static_cast<int64_t>(groups_.size());
+    c_.stats_.suffix_groups += static_cast<int64_t>(pos.groups_end - pos.groups_begin);
     const int64_t bytes =
         static_cast<int64_t>(c_.dense_.size() * 8 + c_.ids_.size() * 4 + c_.suffixes_.size());
     if (bytes > limits_.max_bytes) {
@@ -164,10 +377,17 @@ class MaskPrecomputer {
   const Vocabulary& v_;
   MaskLimits limits_;
   std::vector<std::vector<Cfg>> levels_;
+  // The single configuration's top state per depth (-1: several), the
+  // depth whose levels_ holds its other frames, and how many frames.
+  std::vector<int32_t> single_, base_, frames_;
+  std::vector<uint64_t> rule_hash_;  // 0: positions of that rule are not cached
+  std::vector<int32_t> canon_;
   std::vector<TokenId> accepted_;
   std::vector<int> escapes_;
   std::unordered_map<std::string, std::vector<TokenId>> groups_;
 };
+
+void ClearSharedPositionCache() { GlobalPositionCache().Clear(); }
 
 StatusOr<std::shared_ptr<const CompiledGrammar>> CompiledGrammar::Create(
     std::shared_ptr<const Grammar> grammar, std::shared_ptr<const Vocabulary> vocab,

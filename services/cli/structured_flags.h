@@ -19,7 +19,7 @@ class StructuredFlags {
 
  private:
   int64_t max_states_ = 50000;
-  int64_t max_whitespace_ = 16;
+  int64_t max_whitespace_ = 4;
   int64_t max_schema_depth_ = 64;
   int64_t mask_work_ = 400'000'000;
 };

@@ -2,7 +2,8 @@
 // vocabulary off the engine thread, so that a schema never stalls the
 // requests already decoding. One compiler thread; compiled grammars are
 // cached by content (common/structured/structured.h), so a schema's second
-// request starts at once.
+// request starts at once. At start the thread precomputes JSON's common
+// parts (strings, numbers, any value), which every schema then shares.
 #pragma once
 
 #include <condition_variable>
