@@ -9,11 +9,12 @@ UP_ARGS    ?=
 # ctest parallelism: tests start real processes on loopback, two per core is plenty.
 TEST_JOBS  ?= 2
 
-.PHONY: up test deps build build-asan test-unit-asan format clean
+.PHONY: up test deps configure build build-pdserve build-asan test-unit-asan format clean
 
 # The router on :8000 with one prefill and one decode worker on the tiny model;
-# ports match deploy/local/prometheus.sh. Ctrl-C stops it.
-up: deps build
+# ports match deploy/local/prometheus.sh. Ctrl-C stops it. Builds only the
+# binary it runs: the test programs are `make test`'s business.
+up: deps build-pdserve
 	$(BUILD)/pdserve up --dir .deps/up $(UP_ARGS)
 
 test: deps build build-asan
@@ -23,9 +24,17 @@ test: deps build build-asan
 deps:
 	./deploy/local/install-deps.sh
 
-build:
+configure:
+	@echo "== configuring $(BUILD)/ (CMake, Ninja)"
 	cmake -S . -B $(BUILD) -G Ninja $(CMAKE_ARGS)
+
+build: configure
+	@echo "== building everything in $(BUILD)/: the pdserve binary, tests and benchmarks"
 	cmake --build $(BUILD)
+
+build-pdserve: configure
+	@echo "== building the pdserve binary only ($(BUILD)/pdserve)"
+	cmake --build $(BUILD) --target pdserve
 
 # Unit tests again under AddressSanitizer + UndefinedBehaviorSanitizer.
 build-asan:

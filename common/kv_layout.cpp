@@ -2,6 +2,7 @@
 
 #include <xxhash.h>
 
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -13,12 +14,18 @@ namespace {
 using codec::ByteReader;
 using codec::ByteWriter;
 
-constexpr uint16_t kLayoutFormatVersion = 3;
+constexpr uint16_t kLayoutFormatVersion = 4;
 constexpr size_t kMaxNameBytes = 4096;
 
 bool KnownDType(uint8_t v) { return v <= static_cast<uint8_t>(DType::kFP8E5M2); }
 
 std::string Name(DType t) { return std::string(DTypeName(t)); }
+
+std::string Hex(uint64_t v) {
+  char buf[17];
+  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
 
 }  // namespace
 
@@ -84,6 +91,7 @@ std::string KvLayout::Encode() const {
   w.U64(static_cast<uint64_t>(bytes_per_block));
   w.U8(static_cast<uint8_t>(memory_type));
   w.Bytes(transfer_backend);
+  w.U64(model_fingerprint);
   return w.Take();
 }
 
@@ -135,6 +143,7 @@ StatusOr<KvLayout> KvLayout::Decode(std::string_view bytes) {
   l.memory_type = static_cast<MemoryType>(memory);
   PDSERVE_RETURN_IF_ERROR(r.Bytes("transfer_backend", kMaxNameBytes, &s));
   l.transfer_backend = std::string(s);
+  PDSERVE_RETURN_IF_ERROR(r.U64("model_fingerprint", &l.model_fingerprint));
   if (r.remaining() != 0) {
     return r.Error(std::to_string(r.remaining()) + " unexpected trailing bytes");
   }
@@ -157,7 +166,8 @@ std::string KvLayout::ToString() const {
               : std::string()) +
          " block_tokens=" + std::to_string(block_tokens) + " block_layout=" + block_layout +
          " bytes_per_block=" + std::to_string(bytes_per_block) +
-         " memory=" + std::string(MemoryTypeName(memory_type)) + " transfer=" + transfer_backend;
+         " memory=" + std::string(MemoryTypeName(memory_type)) + " transfer=" + transfer_backend +
+         " model_fingerprint=" + Hex(model_fingerprint);
 }
 
 std::string DescribeLayoutDifferences(const KvLayout& here, const KvLayout& peer) {
@@ -183,6 +193,10 @@ std::string DescribeLayoutDifferences(const KvLayout& here, const KvLayout& peer
   cmp("memory_type", std::string(MemoryTypeName(here.memory_type)),
       std::string(MemoryTypeName(peer.memory_type)));
   cmp("transfer_backend", here.transfer_backend, peer.transfer_backend);
+  // Same name and shapes, other weights (or config, tokenizer, KV scales):
+  // the peer's KV would be another model's.
+  cmp("model_fingerprint (weights, config, tokenizer, KV scales)", Hex(here.model_fingerprint),
+      Hex(peer.model_fingerprint));
   std::string out;
   for (const auto& d : diffs) {
     if (!out.empty()) out += "; ";

@@ -4,7 +4,8 @@
 // the layout a worker announces is the pool as it really is.
 //
 // Two workers may exchange KV blocks only when their layouts are identical:
-// same model, weight dtype, KV dtype, layer count, attention kind (GQA or
+// same model (name and fingerprint: its weights, config, tokenizer and KV
+// scales), weight dtype, KV dtype, layer count, attention kind (GQA or
 // MLA) and latent widths, KV heads, head dimension, tokens per block,
 // in-block layout, bytes per block, pool memory and transfer backend. A mismatch would not
 // crash anything; it would silently produce garbage attention. So the transfer
@@ -13,10 +14,10 @@
 //   "KV layout mismatch: kv_dtype: fp16 here, fp8 on peer"
 //
 // The layout hash is a stable 64-bit digest of the canonical encoding (format
-// version 3, below); it never changes between builds or machines, so it may be
+// version 4, below); it never changes between builds or machines, so it may be
 // logged, stored and compared across releases of the same format version.
 // (Version 2 added memory_type and transfer_backend, version 3 the attention
-// kind and the MLA latent widths.)
+// kind and the MLA latent widths, version 4 the model fingerprint.)
 #pragma once
 
 #include <cstdint>
@@ -52,6 +53,12 @@ struct KvLayout {
   int64_t bytes_per_block = 0;
   MemoryType memory_type = MemoryType::kHost;
   std::string transfer_backend = "ucx";  // KvTransfer::backend() of the worker
+  // Digest of everything beyond the shapes above that decides the bytes a
+  // block holds for its tokens: the weights, config.json (RoPE settings
+  // included), the tokenizer and the KV scales (engine/model_fingerprint.h).
+  // Two checkpoints of the same name and shapes (a fine-tune, a new
+  // revision) differ here; 0: not known (offline tools).
+  uint64_t model_fingerprint = 0;
 
   // 2 x layers x kv_heads x head_dim x block_tokens x dtype bytes (no
   // scales); MLA: layers x (kv_lora_rank + qk_rope_head_dim) x block_tokens
@@ -66,7 +73,7 @@ struct KvLayout {
   // Stable digest of Encode() (XXH3-64).
   uint64_t Hash() const;
 
-  // Canonical little-endian encoding, format version 3. Decode rejects
+  // Canonical little-endian encoding, format version 4. Decode rejects
   // truncated, oversized or unknown-version input with a clear Status.
   std::string Encode() const;
   static StatusOr<KvLayout> Decode(std::string_view bytes);

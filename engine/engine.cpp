@@ -1,5 +1,7 @@
 #include "engine/engine.h"
 
+#include <xxhash.h>
+
 #include <algorithm>
 #include <optional>
 
@@ -77,6 +79,12 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(Model* model, const EngineOptio
   bm.block_size = static_cast<size_t>(options.block_size);
   bm.enable_prefix_caching = options.enable_prefix_caching;
   bm.record_kv_events = options.record_kv_events;
+  e->kv_fingerprint_ = options.model_fingerprint;
+  if (options.kv_scales) {
+    const std::vector<float>& sc = options.kv_scales->scales;
+    e->kv_fingerprint_ =
+        XXH3_64bits_withSeed(sc.data(), sc.size() * sizeof(float), options.model_fingerprint);
+  }
   const bool tiers = options.kv_host_cache_bytes > 0 || !options.kv_disk_cache_dir.empty();
   if (tiers && options.enable_prefix_caching) {
     KvTierOptions to;
@@ -85,10 +93,13 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(Model* model, const EngineOptio
     // them: only the model and the pool's layout decide what a block means.
     KvLayout content = e->pool_->TransferLayout(e->model_id_, model->matrix_dtype(), "tiers");
     content.memory_type = MemoryType::kHost;
+    content.model_fingerprint = e->kv_fingerprint_;  // other weights: another slab key
     to.layout_hash = content.Hash();
     to.host_bytes = options.kv_host_cache_bytes;
     to.disk_dir = options.kv_disk_cache_dir;
     to.disk_bytes = options.kv_disk_cache_bytes;
+    to.disk_write = options.kv_disk_write;
+    to.write_queue_blocks = options.kv_disk_write_queue_blocks;
     to.host_memory_from = model->backend();
     auto store = KvTierStore::Open(to);
     if (!store.ok()) return store.status();
@@ -98,7 +109,8 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(Model* model, const EngineOptio
     e->tier_buffers_ = std::make_unique<HostBlockBuffers>(
         model->backend(), static_cast<size_t>(e->pool_->bytes_per_block()), 64);
     e->tier_mover_ = std::make_unique<KvTierMover>(e->tier_store_.get(), e->tier_buffers_.get(),
-                                                   options.on_tier_ready);
+                                                   options.on_tier_ready,
+                                                   options.kv_disk_write_bytes_per_second);
     // An evicted block's KV, copied while it is still intact (the block
     // manager hands it out right after).
     Engine* self = e.get();
@@ -297,6 +309,24 @@ int64_t Engine::TierPrefix(std::span<const BlockHash> hashes, int64_t from, int6
   return n;
 }
 
+StatusOr<TierFlush> Engine::FlushTiersToDisk(std::chrono::steady_clock::time_point deadline) {
+  TierFlush r;
+  if (!tier_store_ || !tier_store_->has_disk()) return r;
+  auto disk_writes = [this] {
+    const KvTierStats s = tier_store_->stats();
+    return s.disk_writes_through + s.disk_writes_evict + s.disk_writes_flush;
+  };
+  const int64_t offloaded = offloaded_blocks_, written = disk_writes();
+  blocks_->Evict(blocks_->num_blocks());  // on_evict copies each block down
+  r.evicted = offloaded_blocks_ - offloaded;
+  auto flushed = tier_mover_->Flush(deadline);
+  blocks_->RecordTierChanges(tier_mover_->TakeChanges());
+  if (!flushed.ok()) return flushed.status();
+  r.written = disk_writes() - written;  // the evicted blocks' way down included
+  r.left = flushed->left;
+  return r;
+}
+
 void Engine::ProcessTierWork() {
   if (!tier_mover_) return;
   const int64_t B = options_.block_size;
@@ -340,8 +370,7 @@ void Engine::ProcessTierWork() {
 }
 
 StatusOr<std::vector<RequestOutput>> Engine::Step() {
-  std::vector<RequestOutput> outputs = std::move(pending_outputs_);
-  pending_outputs_.clear();
+  std::vector<RequestOutput> outputs;
   ++num_steps_;
   ProcessTierWork();
   const int64_t B = options_.block_size;
@@ -599,15 +628,11 @@ Status Engine::Cancel(RequestId id) {
   if (blocks_->HasSequence(id)) PDSERVE_RETURN_IF_ERROR(blocks_->Free(id));
   Remove(&running_, s);
   Remove(&waiting_, s);
-  // Drop an undelivered output of this request too (a remote first token).
-  pending_outputs_.erase(std::remove_if(pending_outputs_.begin(), pending_outputs_.end(),
-                                        [&](const RequestOutput& o) { return o.id == id; }),
-                         pending_outputs_.end());
   requests_.erase(it);
   return Status::Ok();
 }
 
-bool Engine::HasUnfinished() const { return !requests_.empty() || !pending_outputs_.empty(); }
+bool Engine::HasUnfinished() const { return !requests_.empty(); }
 
 bool Engine::HasRequest(RequestId id) const { return requests_.count(id) > 0; }
 
@@ -640,8 +665,8 @@ StatusOr<RemotePrefillPlan> Engine::AddRemotePrefillRequest(EngineRequest reques
   return plan;
 }
 
-Status Engine::CompleteRemotePrefill(RequestId id, TokenId first_token,
-                                     std::optional<SampledToken> sampled) {
+StatusOr<RequestOutput> Engine::CompleteRemotePrefill(RequestId id, TokenId first_token,
+                                                      std::optional<SampledToken> sampled) {
   auto it = requests_.find(id);
   if (it == requests_.end() || it->second->state != Sequence::State::kRemote) {
     return Status::NotFound("request " + std::to_string(id) + " is not waiting for remote KV");
@@ -668,9 +693,12 @@ Status Engine::CompleteRemotePrefill(RequestId id, TokenId first_token,
   RequestOutput out;
   out.id = id;
   ProcessToken(s, token, &out);
+  // The first token goes back to the caller now rather than with the next
+  // Step(): a request it ends (max_tokens 1, a stop string or token, EOS, a
+  // full context) has nothing left to step, and a driver that steps only
+  // while requests run would never deliver it.
   if (s->finished) requests_.erase(id);
-  pending_outputs_.push_back(std::move(out));
-  return Status::Ok();
+  return out;
 }
 
 StatusOr<std::optional<PinId>> Engine::FailRemotePrefill(RequestId id, bool hold_unfilled) {

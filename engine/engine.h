@@ -20,8 +20,9 @@
 //    the block ids a peer must fill (blocks [first_block_to_fill, end) of the
 //    prompt's table). The request is parked (never scheduled, never
 //    preempted) until CompleteRemotePrefill(id, first_token): the KV is then
-//    taken as computed, its full blocks enter the prefix cache, and the next
-//    Step() reports the first token and decoding goes on. FailRemotePrefill(id)
+//    taken as computed, its full blocks enter the prefix cache, the first
+//    token's output is returned (finished if that token ends the request)
+//    and later Step()s decode the rest. FailRemotePrefill(id)
 //    instead queues the request for local prefill (its reserved blocks are
 //    released first; or, while the peer may still be writing into the blocks
 //    it was to fill, kept out of use under a pin the caller releases once
@@ -91,6 +92,17 @@ struct EngineOptions {
   int64_t kv_host_cache_bytes = 0;
   std::string kv_disk_cache_dir;
   int64_t kv_disk_cache_bytes = 0;
+  // With both tiers: copy blocks entering the host tier to disk in the
+  // background (through), or only when the host tier evicts them (back);
+  // the write-through queue's bound and pace (0: unpaced). See
+  // engine/kv_tier_store.h and engine/kv_tier_mover.h.
+  KvDiskWrite kv_disk_write = KvDiskWrite::kThrough;
+  int64_t kv_disk_write_queue_blocks = 1024;
+  int64_t kv_disk_write_bytes_per_second = 0;
+  // ModelFingerprint() of the model's folder (engine/model_fingerprint.h):
+  // with the KV scales, it keys the disk tier's blocks, so that a folder
+  // written with other weights is discarded, not served. 0: unknown.
+  uint64_t model_fingerprint = 0;
   // Called from another thread when blocks a request waits for are read from
   // a lower tier: the engine's driver should call Step() soon.
   std::function<void()> on_tier_ready;
@@ -161,6 +173,13 @@ struct EngineTierStats {
   int64_t offloads_queued = 0;  // evicted blocks not yet in a tier
 };
 
+// What FlushTiersToDisk did.
+struct TierFlush {
+  int64_t evicted = 0;  // device blocks handed down to the tiers
+  int64_t written = 0;  // blocks written to disk meanwhile, whatever the cause
+  int64_t left = 0;     // blocks the deadline left without a disk copy
+};
+
 // One copy back into the pool, for latency histograms.
 struct TierOnload {
   KvTier tier = KvTier::kHost;  // the slowest tier a block of it came from
@@ -218,11 +237,13 @@ class Engine {
   // --- disaggregation (see the header comment) ---
   StatusOr<RemotePrefillPlan> AddRemotePrefillRequest(EngineRequest request);
   // The KV of every block to fill has been written. `first_token` is the
-  // token the prefill worker sampled (its logprobs, if any, in `sampled`);
+  // token the prefill worker sampled (its logprobs, if any, in `sampled`).
+  // Returns that token's output, as Step() would report it; when it is
+  // `finished` the request is gone and no Step() mentions it again.
   // InvalidArgument (the request stays parked) when its constraint does not
   // allow that token.
-  Status CompleteRemotePrefill(RequestId id, TokenId first_token,
-                               std::optional<SampledToken> sampled = std::nullopt);
+  StatusOr<RequestOutput> CompleteRemotePrefill(RequestId id, TokenId first_token,
+                                                std::optional<SampledToken> sampled = std::nullopt);
   // The hand-off failed: the request goes back to the queue for local
   // prefill. With `hold_unfilled` the blocks the peer was to fill are not
   // reused until ReleaseKvBlocks(returned pin), since a peer that was given
@@ -240,6 +261,15 @@ class Engine {
   std::vector<TierOnload> TakeTierOnloads() { return std::exchange(tier_onloads_, {}); }
   int64_t max_model_len() const { return max_model_len_; }
   EngineStats GetStats() const;
+  // EngineOptions::model_fingerprint combined with the KV scales: what a
+  // block's bytes depend on beyond its layout (KvLayout::model_fingerprint).
+  uint64_t kv_fingerprint() const { return kv_fingerprint_; }
+
+  // For a stopping worker, once no request runs: hands the device pool's
+  // cached blocks down to the lower tiers and writes the host tier's blocks
+  // that have no disk copy to disk, until `deadline` (a warm restart finds
+  // them). Nothing without a disk tier.
+  StatusOr<TierFlush> FlushTiersToDisk(std::chrono::steady_clock::time_point deadline);
 
  private:
   struct Sequence;
@@ -262,6 +292,7 @@ class Engine {
   EngineOptions options_;
   int64_t max_model_len_ = 0;
   std::string model_id_;
+  uint64_t kv_fingerprint_ = 0;
   std::unique_ptr<KvCachePool> pool_;
   std::unique_ptr<BlockManager> blocks_;
   // Lower tiers: the store, and the thread that moves blocks to and from it
@@ -279,7 +310,6 @@ class Engine {
   uint64_t next_arrival_ = 0;
   uint64_t num_preemptions_ = 0;
   uint64_t num_steps_ = 0;
-  std::vector<RequestOutput> pending_outputs_;  // reported by the next Step()
   std::vector<float> logits_;
   std::vector<uint64_t> token_mask_;  // structured outputs' scratch
 };

@@ -1,5 +1,6 @@
 #include "engine/kv_tier_mover.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 
@@ -7,12 +8,19 @@
 
 namespace pdserve {
 
+namespace {
+constexpr auto kFailureLogInterval = std::chrono::seconds(10);
+}  // namespace
+
 KvTierMover::KvTierMover(KvTierStore* store, HostBlockBuffers* buffers,
-                         std::function<void()> on_ready)
+                         std::function<void()> on_ready, int64_t write_bytes_per_second)
     : store_(store),
       buffers_(buffers),
       on_ready_(std::move(on_ready)),
-      thread_([this] { Run(); }) {}
+      write_bytes_per_second_(write_bytes_per_second),
+      thread_([this] { Run(); }) {
+  if (store_->writes_through()) writer_ = std::thread([this] { WriteLoop(); });
+}
 
 KvTierMover::~KvTierMover() {
   {
@@ -20,7 +28,76 @@ KvTierMover::~KvTierMover() {
     stop_ = true;
   }
   cv_.notify_all();
+  writer_cv_.notify_all();
   thread_.join();
+  if (writer_.joinable()) writer_.join();
+}
+
+void KvTierMover::NoteFailureLocked(const Status& st) {
+  ++offload_failures_;
+  const auto now = std::chrono::steady_clock::now();
+  if (last_failure_log_ != std::chrono::steady_clock::time_point{} &&
+      now - last_failure_log_ < kFailureLogInterval) {
+    ++failures_unlogged_;
+    return;
+  }
+  PDSERVE_LOG(WARN) << "KV tiers: a block could not be kept: " << st.message()
+                    << (failures_unlogged_ > 0 ? " (and " + std::to_string(failures_unlogged_) +
+                                                     " more failures since the last report)"
+                                               : std::string());
+  failures_unlogged_ = 0;
+  last_failure_log_ = now;
+}
+
+void KvTierMover::WriteLoop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  auto next = std::chrono::steady_clock::now();
+  for (;;) {
+    writer_cv_.wait(lock, [this] { return stop_ || write_pending_; });
+    if (stop_) return;
+    if (write_bytes_per_second_ > 0) {
+      writer_cv_.wait_until(lock, next, [this] { return stop_; });
+      if (stop_) return;
+    }
+    // Cleared before the write: a Put meanwhile sets it again.
+    write_pending_ = false;
+    lock.unlock();
+    std::vector<KvTierChange> changes;
+    const StatusOr<int64_t> n = store_->WriteQueued(&changes);
+    lock.lock();
+    changes_.insert(changes_.end(), changes.begin(), changes.end());
+    if (!n.ok()) {
+      NoteFailureLocked(n.status());
+      write_pending_ = true;  // the next queued block may fare better
+    } else if (*n > 0) {
+      write_pending_ = true;
+      if (write_bytes_per_second_ > 0) {
+        next = std::max(next, std::chrono::steady_clock::now()) +
+               std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                   std::chrono::duration<double>(static_cast<double>(*n) /
+                                                 static_cast<double>(write_bytes_per_second_)));
+      }
+    }
+  }
+}
+
+StatusOr<KvTierMover::FlushResult> KvTierMover::Flush(
+    std::chrono::steady_clock::time_point deadline) {
+  FlushResult r;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    settled_cv_.wait_until(lock, deadline, [this] { return queued_.empty(); });
+    r.left = static_cast<int64_t>(queued_.size());
+  }
+  std::vector<KvTierChange> changes;
+  int64_t left = 0;
+  const StatusOr<int64_t> written = store_->FlushHostToDisk(deadline, &changes, &left);
+  std::lock_guard<std::mutex> lock(mu_);
+  changes_.insert(changes_.end(), changes.begin(), changes.end());
+  if (!written.ok()) return written.status();
+  r.written = *written;
+  r.left += left;
+  return r;
 }
 
 void KvTierMover::Offload(BlockHash hash, HostBlockBuffers::Buffer bytes) {
@@ -95,10 +172,12 @@ void KvTierMover::Run() {
       const Status st = store_->Put(job.hash, bytes->data(), &changes);
       lock.lock();
       queued_.erase(job.hash);
-      if (!st.ok()) {
-        ++offload_failures_;
-        PDSERVE_LOG(WARN) << "KV tiers: a block could not be kept: " << st.message();
+      if (!st.ok()) NoteFailureLocked(st);
+      if (store_->writes_through()) {
+        write_pending_ = true;
+        writer_cv_.notify_one();
       }
+      if (queued_.empty()) settled_cv_.notify_all();
     } else {
       Loaded out;
       out.ticket = job.ticket;

@@ -14,13 +14,23 @@
 //    reports them; the engine copies them into the pool and the request goes
 //    on.
 //
+//  - Write-through (KvTierStore::writes_through): a writer thread of its
+//    own copies host-tier blocks to disk as they arrive, at most
+//    `write_bytes_per_second` (0: as fast as the disk takes them), so that
+//    neither onloads nor the engine ever wait behind those writes.
+//  - Flush: a stopping worker puts every queued offload away and writes the
+//    host tier's blocks that have no disk copy yet, until a deadline.
+//
 // Every change of what the tiers hold is collected for the engine to record
-// as KV events (BlockManager::RecordTierChanges).
+// as KV events (BlockManager::RecordTierChanges). Failed disk writes (a full
+// disk, an I/O error) are logged with their cause at most once per 10 s,
+// the rest counted in the store's stats.
 //
 // Thread safety: every method may be called from any thread; `on_ready`
 // runs on the mover's thread after each onload completes.
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -48,8 +58,9 @@ class KvTierMover {
   };
 
   // Onloads read into buffers from `buffers` (of the store's block size).
-  KvTierMover(KvTierStore* store, HostBlockBuffers* buffers, std::function<void()> on_ready);
-  ~KvTierMover();  // finishes queued offloads, then joins
+  KvTierMover(KvTierStore* store, HostBlockBuffers* buffers, std::function<void()> on_ready,
+              int64_t write_bytes_per_second = 0);
+  ~KvTierMover();  // finishes queued offloads, then joins; queued write-through copies are left
   KvTierMover(const KvTierMover&) = delete;
   KvTierMover& operator=(const KvTierMover&) = delete;
 
@@ -60,6 +71,15 @@ class KvTierMover {
 
   std::vector<Loaded> TakeLoaded();
   std::vector<KvTierChange> TakeChanges();
+
+  struct FlushResult {
+    int64_t written = 0;  // host blocks written to disk
+    int64_t left = 0;     // blocks the deadline left without a disk copy
+  };
+  // Waits for the offloads queued so far, then writes the host tier's
+  // blocks that lack a disk copy (KvTierStore::FlushHostToDisk), all by
+  // `deadline`. An error: a write failed.
+  StatusOr<FlushResult> Flush(std::chrono::steady_clock::time_point deadline);
 
   struct Counters {
     int64_t offloads_queued = 0;  // now
@@ -77,12 +97,22 @@ class KvTierMover {
     std::chrono::steady_clock::time_point asked;  // onload
   };
   void Run();
+  void WriteLoop();
+  // Logs a failed offload or disk write: the first, then one line per 10 s
+  // saying how many more failed meanwhile. mu_ held.
+  void NoteFailureLocked(const Status& st);
 
   KvTierStore* store_;
   HostBlockBuffers* buffers_;
   std::function<void()> on_ready_;
+  int64_t write_bytes_per_second_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
+  std::condition_variable writer_cv_;   // write_pending_ or stop_
+  std::condition_variable settled_cv_;  // queued_ became empty
+  bool write_pending_ = false;          // the store may have queued write-through copies
+  std::chrono::steady_clock::time_point last_failure_log_{};
+  int64_t failures_unlogged_ = 0;
   std::deque<Job> jobs_;
   // Offloaded copies not yet in the store, by hash.
   std::unordered_map<BlockHash, std::shared_ptr<const HostBlockBuffers::Buffer>> queued_;
@@ -92,6 +122,7 @@ class KvTierMover {
   int64_t offload_failures_ = 0;
   bool stop_ = false;
   std::thread thread_;
+  std::thread writer_;  // write-through only
 };
 
 }  // namespace pdserve

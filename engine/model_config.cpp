@@ -134,6 +134,9 @@ Status ParseRopeScaling(const json& rope, const std::string& source, const char*
   Reader r(rope, where);
   RopeScaling s;
   if (type == "default") return Status::Ok();
+  // Read for every scaled type: DeepSeek's softmax correction applies to any
+  // of them (ModelConfig::AttentionScale).
+  PDSERVE_RETURN_IF_ERROR(r.Double("mscale_all_dim", &s.mscale_all_dim, -1e9, 1e9));
   if (type == "linear") {
     s.type = RopeScaling::Type::kLinear;
   } else if (type == "llama3") {
@@ -159,7 +162,6 @@ Status ParseRopeScaling(const json& rope, const std::string& source, const char*
     if (s.beta_fast == 0) s.beta_fast = 32;
     if (s.beta_slow == 0) s.beta_slow = 1;
     PDSERVE_RETURN_IF_ERROR(r.Double("mscale", &s.mscale, -1e9, 1e9));
-    PDSERVE_RETURN_IF_ERROR(r.Double("mscale_all_dim", &s.mscale_all_dim, -1e9, 1e9));
     if (auto a = rope.find("attention_factor"); a != rope.end() && !a->is_null()) {
       double factor = 1;
       PDSERVE_RETURN_IF_ERROR(r.Double("attention_factor", &factor, 0, 1e9));
@@ -363,8 +365,6 @@ Status ParseDeepseekAttention(const json& j, const std::string& source, bool v3,
   // The rotary width is the rope part of a head (config.head_dim =
   // qk_rope_head_dim in both configuration files).
   c->head_dim = c->qk_rope_head_dim;
-  c->mla_softmax_mscale =
-      v3 && c->rope_scaling.type != RopeScaling::Type::kNone && c->rope_scaling.mscale_all_dim != 0;
   // attention_bias: q_a_proj, kv_a_proj_with_mqa and o_proj (never q_proj,
   // q_b_proj or kv_b_proj).
   bool attention_bias = false;
@@ -468,6 +468,13 @@ double YarnMscale(double scale, double mscale) {
 }
 }  // namespace
 
+// transformers' _compute_yarn_parameters. deepseek-ai's
+// DeepseekV2YarnRotaryEmbedding always takes mscale(factor, mscale) /
+// mscale(factor, mscale_all_dim), absent keys read as 1 and 0, ignores
+// attention_factor and defaults original_max_position_embeddings to 4096.
+// The two agree whenever both mscales are non-zero, as in every published
+// DeepSeek-V2/V3 checkpoint; elsewhere transformers' reading is followed, as
+// for every key the loader reads.
 double ModelConfig::RopeAttentionFactor() const {
   const auto& s = rope_scaling;
   if (s.type != RopeScaling::Type::kYarn) return 1.0;
@@ -481,7 +488,14 @@ double ModelConfig::RopeAttentionFactor() const {
 double ModelConfig::AttentionScale() const {
   if (!is_mla()) return 1.0 / std::sqrt(static_cast<double>(head_dim));
   double scale = 1.0 / std::sqrt(static_cast<double>(qk_nope_head_dim + qk_rope_head_dim));
-  if (mla_softmax_mscale) {
+  // DeepSeek-V2 and V3 alike: deepseek-ai's DeepseekV2Attention and
+  // DeepseekV3Attention multiply the softmax scale by mscale(factor,
+  // mscale_all_dim)^2 whenever the rope is scaled and mscale_all_dim is
+  // non-zero. transformers' native V2 left it out until it was fixed to match
+  // (its V3 had it); the authors' code defines the models, so it is applied
+  // to both. It scales every logit, rope and non-rope part alike, on
+  // top of the attention factor on cos and sin.
+  if (rope_scaling.type != RopeScaling::Type::kNone && rope_scaling.mscale_all_dim != 0) {
     const double m = YarnMscale(rope_scaling.factor, rope_scaling.mscale_all_dim);
     scale *= m * m;
   }

@@ -44,7 +44,7 @@ struct RopeScaling {
   double beta_fast = 32;
   double beta_slow = 1;
   double mscale = 0;          // 0: absent
-  double mscale_all_dim = 0;  // 0: absent
+  double mscale_all_dim = 0;  // 0: absent; read for every scaled type
   std::optional<double> attention_factor;
   bool truncate = true;
 };
@@ -133,7 +133,6 @@ struct ModelConfig {
   int64_t qk_rope_head_dim = 0;
   int64_t v_head_dim = 0;
   bool rope_interleave = false;
-  bool mla_softmax_mscale = false;  // V3: scale *= mscale(factor, mscale_all_dim)^2
   int64_t num_nextn_predict_layers = 0;
   bool is_mla() const { return kv_lora_rank > 0; }
   std::optional<TokenId> bos_token_id;
@@ -154,8 +153,10 @@ struct ModelConfig {
   // The factor Hugging Face multiplies cos and sin by (yarn's
   // attention_factor; 1 for the other rope types).
   double RopeAttentionFactor() const;
-  // The softmax scale of q . k: head_dim^-0.5, or for MLA
-  // (qk_nope_head_dim + qk_rope_head_dim)^-0.5 with V3's mscale correction.
+  // The softmax scale of q . k: head_dim^-0.5, or for MLA (DeepSeek-V2/V3)
+  // (qk_nope_head_dim + qk_rope_head_dim)^-0.5, times
+  // mscale(factor, mscale_all_dim)^2 when the rope is scaled and
+  // mscale_all_dim is non-zero.
   double AttentionScale() const;
 };
 

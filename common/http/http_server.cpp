@@ -63,6 +63,27 @@ std::string ToLower(beast::string_view s) {
   return out;
 }
 
+// The first transfer coding of the request other than chunked (the only one
+// implemented), or "" when there is none. Beast frames "gzip, chunked" by its
+// final chunked and would hand over a body still gzipped as if it were plain.
+std::string UnimplementedTransferCoding(const bhttp::request<bhttp::string_body>& msg) {
+  for (const auto& field : msg) {
+    if (field.name() != bhttp::field::transfer_encoding) continue;
+    std::string_view list(field.value().data(), field.value().size());
+    while (!list.empty()) {
+      const size_t comma = list.find(',');
+      std::string_view coding = list.substr(0, comma);
+      list = comma == std::string_view::npos ? std::string_view() : list.substr(comma + 1);
+      coding = coding.substr(0, coding.find(';'));  // parameters
+      const size_t first = coding.find_first_not_of(" \t");
+      if (first == std::string_view::npos) continue;
+      coding = coding.substr(first, coding.find_last_not_of(" \t") - first + 1);
+      if (ToLower({coding.data(), coding.size()}) != "chunked") return std::string(coding);
+    }
+  }
+  return "";
+}
+
 // Client bytes for a log line: printable ASCII as is, the rest as \xNN, cut
 // at `max` bytes.
 std::string Printable(std::string_view s, size_t max = 160) {
@@ -289,6 +310,14 @@ class Session : public std::enable_shared_from_this<Session> {
       return WriteResponse(ErrorResponse(status, message));
     }
     auto& msg = parser_->get();
+    if (const std::string coding = UnimplementedTransferCoding(msg); !coding.empty()) {
+      const std::string message = "transfer coding '" + Printable(coding, 40) +
+                                  "' is not implemented; send the body as is (Content-Length) "
+                                  "or chunked";
+      PDSERVE_LOG(WARN) << "http " << remote_ << ": " << message << "; closing the connection";
+      keep_alive_ = false;
+      return WriteResponse(ErrorResponse(501, message));
+    }
     Request req;
     req.method = ToStd(msg.method_string());
     req.target = ToStd(msg.target());

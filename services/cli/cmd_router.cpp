@@ -70,9 +70,10 @@ int RunRouter(int argc, char** argv) {
                   "file of keys /metrics requires as 'Authorization: Bearer KEY' (/health and "
                   "/ready stay open)");
   flags.AddString("admin-key-file", &o.admin_key_file,
-                  "file of keys POST /admin/drain {\"worker\": NAME} requires as 'Authorization: "
-                  "Bearer KEY' (stop routing to a worker and push its hot prompts before you "
-                  "terminate it); without it there are no admin endpoints");
+                  "file of keys the admin endpoints require as 'Authorization: Bearer KEY': POST "
+                  "/admin/drain {\"worker\": NAME} stops routing to a worker and pushes its hot "
+                  "prompts, POST /admin/undrain {\"worker\": NAME} puts it back; without it "
+                  "there are no admin endpoints");
   int64_t max_json_depth = o.max_json_depth;
   flags.AddInt("max-json-depth", &max_json_depth, "deepest nesting accepted in a request body");
   flags.AddInt("http-threads", &http_threads, "HTTP I/O threads");

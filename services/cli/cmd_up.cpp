@@ -31,6 +31,7 @@
 #include "common/http/http_client.h"
 #include "common/logging.h"
 #include "common/signals.h"
+#include "engine/kv_tier_store.h"
 #include "engine/make_model.h"
 #include "services/cli/command.h"
 #include "transport/control/handshake.h"
@@ -218,7 +219,8 @@ int RunUp(int argc, char** argv) {
   int64_t kv_cache_bytes = 64ll << 20, start_timeout_s = 120, stop_timeout_s = 40;
   int64_t max_local_prefill = 512;
   int64_t kv_host_cache_bytes = 0, kv_disk_cache_bytes = 0;
-  std::string kv_disk_cache_dir;
+  std::string kv_disk_cache_dir, kv_disk_write;
+  int64_t kv_disk_write_queue = 1024, kv_disk_write_bps = 0;
   std::string model, model_id, dir = ".pdserve", host = "127.0.0.1", policy = "kv";
   std::string log_level = "info", device = "auto", load_format = "safetensors";
   std::string kv_dtype = "fp32";
@@ -259,6 +261,13 @@ int RunUp(int argc, char** argv) {
                   "that a restarted stack comes back warm (\"\": none)");
   flags.AddBytes("kv-disk-cache-bytes", &kv_disk_cache_bytes,
                  "disk KV tier per worker (with --kv-disk-cache-dir)");
+  flags.AddString("kv-disk-write", &kv_disk_write,
+                  "through|back: with both tiers, copy host-tier blocks to disk as they arrive, or "
+                  "only as the host tier evicts them (default: through)");
+  flags.AddInt("kv-disk-write-queue", &kv_disk_write_queue,
+               "through: host-tier blocks that may wait for their disk copy, per worker");
+  flags.AddBytes("kv-disk-write-bytes-per-second", &kv_disk_write_bps,
+                 "through: pace of each worker's background disk copies (0: unpaced)");
   flags.AddString("tool-call-parser", &tool_call_parser,
                   "router: how the model writes tool calls (hermes|qwen3|mistral|llama3_json; "
                   "default: from the chat template)");
@@ -288,6 +297,15 @@ int RunUp(int argc, char** argv) {
   if (kv_host_cache_bytes < 0) UsageError("up", "--kv-host-cache-bytes must not be negative");
   if (kv_disk_cache_dir.empty() != (kv_disk_cache_bytes <= 0)) {
     UsageError("up", "--kv-disk-cache-dir and a positive --kv-disk-cache-bytes go together");
+  }
+  if (!kv_disk_write.empty() && !ParseKvDiskWrite(kv_disk_write))
+    UsageError("up", "--kv-disk-write must be through or back, not '" + kv_disk_write + "'");
+  if (!kv_disk_write.empty() && kv_disk_cache_dir.empty())
+    UsageError("up", "--kv-disk-write needs a disk tier (--kv-disk-cache-dir)");
+  if (kv_disk_write_queue <= 0 || kv_disk_write_bps < 0) {
+    UsageError("up",
+               "--kv-disk-write-queue must be positive, --kv-disk-write-bytes-per-second not "
+               "negative");
   }
   if (!ParseDType(kv_dtype)) {
     UsageError("up",
@@ -427,8 +445,12 @@ int RunUp(int argc, char** argv) {
       args.insert(args.end(), {"--kv-host-cache-bytes", std::to_string(kv_host_cache_bytes)});
     }
     if (!kv_disk_cache_dir.empty()) {
-      args.insert(args.end(), {"--kv-disk-cache-dir", kv_disk_cache_dir + "/" + id,
-                               "--kv-disk-cache-bytes", std::to_string(kv_disk_cache_bytes)});
+      args.insert(args.end(),
+                  {"--kv-disk-cache-dir", kv_disk_cache_dir + "/" + id, "--kv-disk-cache-bytes",
+                   std::to_string(kv_disk_cache_bytes), "--kv-disk-write-queue",
+                   std::to_string(kv_disk_write_queue), "--kv-disk-write-bytes-per-second",
+                   std::to_string(kv_disk_write_bps)});
+      if (!kv_disk_write.empty()) args.insert(args.end(), {"--kv-disk-write", kv_disk_write});
     }
     args.insert(args.end(), {"--cluster-secret-file", secret_file});
     return args;

@@ -23,6 +23,8 @@ int RunWorker(int argc, char** argv) {
   std::string kv_transfer = "ucx", kv_staging = "auto", load_format = "safetensors";
   int64_t port = o.port, metrics_port = o.metrics_port, threads = o.threads;
   int64_t drain_s = o.drain_timeout_ms / 1000, prefill_timeout_ms = o.prefill_timeout_ms;
+  int64_t flush_s = o.kv_disk_flush_timeout_ms / 1000;
+  std::string kv_disk_write;
   FlagSet flags("worker", "Run an engine as a prefill, decode or co-located worker.");
   flags.SetEnvPrefix("PDSERVE_");
   flags.AddString("role", &role, "prefill|decode|both");
@@ -50,6 +52,18 @@ int RunWorker(int argc, char** argv) {
                   "folder of the local-disk KV tier (\"\": none); a restart on it comes back warm");
   flags.AddBytes("kv-disk-cache-bytes", &o.kv_disk_cache_bytes,
                  "size of the disk KV tier (with --kv-disk-cache-dir)");
+  flags.AddString("kv-disk-write", &kv_disk_write,
+                  "through|back: with a host tier, copy blocks to disk as they enter it "
+                  "(through: a crash loses only the blocks still queued) or only as it evicts "
+                  "them (back); both write the tiers to disk on SIGTERM (default: through)");
+  flags.AddInt("kv-disk-write-queue", &o.kv_disk_write_queue_blocks,
+               "through: host-tier blocks that may wait for their disk copy; more are written "
+               "only when evicted");
+  flags.AddBytes("kv-disk-write-bytes-per-second", &o.kv_disk_write_bytes_per_second,
+                 "through: pace of the background disk copies (0: as fast as the disk goes)");
+  flags.AddInt("kv-disk-flush-timeout", &flush_s,
+               "seconds SIGTERM spends, after the drain, writing the device pool's and host "
+               "tier's blocks to disk");
   flags.AddString("kv-dtype", &kv_dtype, "KV cache type: " + std::string(kKvDTypeChoices));
   flags.AddString("kv-scales", &kv_scales,
                   "calibrated KV scales (pdserve eval --write-kv-scales) for a scaled KV type");
@@ -114,6 +128,20 @@ int RunWorker(int argc, char** argv) {
   if (o.kv_disk_cache_dir.empty() != (o.kv_disk_cache_bytes == 0) || o.kv_disk_cache_bytes < 0) {
     UsageError("worker", "--kv-disk-cache-dir and a positive --kv-disk-cache-bytes go together");
   }
+  if (!kv_disk_write.empty()) {
+    auto write = ParseKvDiskWrite(kv_disk_write);
+    if (!write)
+      UsageError("worker", "--kv-disk-write must be through or back, not '" + kv_disk_write + "'");
+    if (o.kv_disk_cache_dir.empty())
+      UsageError("worker", "--kv-disk-write needs a disk tier (--kv-disk-cache-dir)");
+    o.kv_disk_write = *write;
+  }
+  if (o.kv_disk_write_queue_blocks <= 0 || o.kv_disk_write_bytes_per_second < 0 || flush_s < 0) {
+    UsageError("worker",
+               "--kv-disk-write-queue must be positive, --kv-disk-write-bytes-per-second and "
+               "--kv-disk-flush-timeout not negative");
+  }
+  o.kv_disk_flush_timeout_ms = flush_s * 1000;
   auto dtype = ParseDType(kv_dtype);
   if (!dtype) {
     UsageError("worker", "--kv-dtype: unknown KV type '" + kv_dtype + "' (" +

@@ -7,7 +7,8 @@ namespace pdserve::cli {
 void ControlSecurityFlags::AddTo(FlagSet& flags) {
   flags.AddString("cluster-secret-file", &secret_file_,
                   "file holding the cluster secret that every router and worker must prove "
-                  "on control connections (at least 16 bytes)");
+                  "on control connections (at least 128 bits: 32 hex digits, 22 base64 "
+                  "characters or 16 random bytes; readable by this user only)");
   flags.AddBool("insecure-control-plane", &insecure_,
                 "run the control plane without authentication: anything that reaches the "
                 "control ports can register as a worker, read prompts and inject output");

@@ -111,6 +111,9 @@ struct RouterMetrics {
         control_rejected(
             metrics::AddCounterFamily(r, "pdserve_router_control_rejected_total",
                                       "Control messages or connections refused, by reason")),
+        control_refused(metrics::AddCounterFamily(
+            r, "pdserve_control_refused_total",
+            "Control connections refused before completing their handshake, by reason")),
         replications(metrics::AddCounterFamily(
             r, "pdserve_router_replications_total",
             "Hot-prefix copies by outcome: started (a holder was asked to write the prefix's "
@@ -129,6 +132,7 @@ struct RouterMetrics {
     for (const char* reason :
          {"not_dispatched_here", "duplicate_worker", "snapshot_too_large", "registration_invalid"})
       control_rejected.Add({{"reason", reason}});
+    for (const char* reason : control::kRefusalReasons) control_refused.Add({{"reason", reason}});
     for (const char* outcome : {"started", "finished", "failed"}) {
       replications.Add({{"outcome", outcome}});
     }
@@ -152,6 +156,7 @@ struct RouterMetrics {
   prometheus::Gauge& control_buffered_bytes;
   prometheus::Gauge& snapshot_pending_bytes;
   prometheus::Family<prometheus::Counter>& control_rejected;
+  prometheus::Family<prometheus::Counter>& control_refused;
   prometheus::Family<prometheus::Counter>& replications;
   prometheus::Counter& replicated_blocks;
 };
@@ -168,7 +173,8 @@ struct WorkerLink {
   bool structured_outputs = false;                     // honours SamplingParams.constraint
   bool parallel_sampling = false;                      // honours Generate.n
   bool synced = false;
-  bool draining = false;
+  bool draining = false;  // no new requests (its own goodbye, or POST /admin/drain)
+  bool leaving = false;   // it said it is shutting down: never undrained
   // KvSnapshot chunks being assembled: device pool, host tier, disk tier.
   std::vector<BlockHash> snapshot, snapshot_host, snapshot_disk;
   uint64_t rejected_messages = 0;  // for rate-limited logging
@@ -280,7 +286,11 @@ class RouterServiceImpl : public RouterService {
     handlers.on_close = [this](const control::ConnectionPtr& c, const Status& s) {
       OnWorkerClosed(c, s);
     };
-    control_ = std::make_unique<control::Server>(loop_.get(), co, handlers);
+    control::ServerLimits limits;
+    limits.on_refused = [this](const char* reason) {
+      metrics_.control_refused.Add({{"reason", reason}}).Increment();
+    };
+    control_ = std::make_unique<control::Server>(loop_.get(), co, handlers, std::move(limits));
     PDSERVE_RETURN_IF_ERROR(
         control_->Listen(opts_.host, static_cast<uint16_t>(opts_.control_port)));
 
@@ -400,6 +410,7 @@ class RouterServiceImpl : public RouterService {
       const http::BearerCheck auth = http::CheckBearer(req, admin_keys_);
       if (!auth.accepted()) return ex->Reply(http::BearerRefusal(auth));
       if (req.path == "/admin/drain") return HandleAdminDrain(req, ex);
+      if (req.path == "/admin/undrain") return HandleAdminUndrain(req, ex);
       return ex->Reply(http::ErrorResponse(404, "no such endpoint: " + req.method + " " + req.path,
                                            "invalid_request_error", "", "not_found"));
     }
@@ -834,6 +845,7 @@ class RouterServiceImpl : public RouterService {
       case proto::Envelope::kGoodbye:
         if (e.goodbye().drain()) {
           PDSERVE_LOG(INFO) << "worker " << link.name << " is draining: " << e.goodbye().reason();
+          link.leaving = true;
           DrainLocked(link);
         }
         return;
@@ -891,35 +903,84 @@ class RouterServiceImpl : public RouterService {
     return pushed;
   }
 
+  // The worker an admin request's body {"worker": NAME} names, under mu_;
+  // null when it answered the request itself (bad body, no such worker).
+  WorkerLink* AdminTargetLocked(const http::Request& req, const std::shared_ptr<http::Exchange>& ex,
+                                const char* what) {
+    if (req.method != "POST") {
+      ex->Reply(http::ErrorResponse(405, "use POST"));
+      return nullptr;
+    }
+    const nlohmann::json body = nlohmann::json::parse(req.body, nullptr, false);
+    if (!body.is_object() || !body.contains("worker") || !body["worker"].is_string()) {
+      ex->Reply(http::ErrorResponse(400, "expected {\"worker\": NAME}", "invalid_request_error",
+                                    "worker", ""));
+      return nullptr;
+    }
+    const std::string name = body["worker"];
+    for (auto& [_, l] : links_) {
+      if (l.id && l.name == name) return &l;
+    }
+    PDSERVE_LOG(INFO) << "admin: " << what << " " << name << ": no such worker";
+    ex->Reply(http::ErrorResponse(404, "no registered worker '" + name + "'",
+                                  "invalid_request_error", "worker", "not_found"));
+    return nullptr;
+  }
+
   // POST /admin/drain {"worker": NAME}: the operator's scale-down before
   // terminating a worker (needs --admin-key-file).
   void HandleAdminDrain(const http::Request& req, const std::shared_ptr<http::Exchange>& ex) {
-    if (req.method != "POST") return ex->Reply(http::ErrorResponse(405, "use POST"));
-    const nlohmann::json body = nlohmann::json::parse(req.body, nullptr, false);
-    if (!body.is_object() || !body.contains("worker") || !body["worker"].is_string()) {
-      return ex->Reply(http::ErrorResponse(400, "expected {\"worker\": NAME}",
-                                           "invalid_request_error", "worker", ""));
-    }
-    const std::string name = body["worker"];
     std::lock_guard<std::mutex> lock(mu_);
-    for (auto& [_, l] : links_) {
-      if (!l.id || l.name != name) continue;
-      const bool already = l.draining;
-      const Pushed pushed = DrainLocked(l);
-      PDSERVE_LOG(INFO) << "admin: drain " << name << (already ? " (already draining)" : "") << ": "
-                        << pushed.prompts << " prompt(s), " << pushed.blocks << " block(s) pushed";
-      return ex->Reply({200,
-                        "application/json",
-                        {},
-                        nlohmann::json{{"worker", name},
-                                       {"draining", true},
-                                       {"pushed_prompts", pushed.prompts},
-                                       {"pushed_blocks", pushed.blocks}}
-                            .dump()});
+    WorkerLink* l = AdminTargetLocked(req, ex, "drain");
+    if (!l) return;
+    const bool already = l->draining;
+    const Pushed pushed = DrainLocked(*l);
+    PDSERVE_LOG(INFO) << "admin: drain " << l->name << (already ? " (already draining)" : "")
+                      << ": " << pushed.prompts << " prompt(s), " << pushed.blocks
+                      << " block(s) pushed";
+    ex->Reply({200,
+               "application/json",
+               {},
+               nlohmann::json{{"worker", l->name},
+                              {"draining", true},
+                              {"pushed_prompts", pushed.prompts},
+                              {"pushed_blocks", pushed.blocks}}
+                   .dump()});
+  }
+
+  // POST /admin/undrain {"worker": NAME}: puts a worker drained by
+  // /admin/drain back into service without restarting it: it is routed to
+  // at once, and its prefix index is rebuilt from a fresh snapshot (KV
+  // events of a drained worker are not checked for gaps; it counts as ready
+  // again once the snapshot is in, "worker NAME synced"). A worker that is
+  // shutting down itself (SIGTERM) cannot be put back: 409.
+  void HandleAdminUndrain(const http::Request& req, const std::shared_ptr<http::Exchange>& ex) {
+    std::lock_guard<std::mutex> lock(mu_);
+    WorkerLink* l = AdminTargetLocked(req, ex, "undrain");
+    if (!l) return;
+    if (l->leaving) {
+      PDSERVE_LOG(INFO) << "admin: undrain " << l->name << ": refused, it is shutting down";
+      return ex->Reply(http::ErrorResponse(
+          409, "worker '" + l->name + "' is shutting down and cannot be put back",
+          "invalid_request_error", "worker", "worker_leaving"));
     }
-    PDSERVE_LOG(INFO) << "admin: drain " << name << ": no such worker";
-    ex->Reply(http::ErrorResponse(404, "no registered worker '" + name + "'",
-                                  "invalid_request_error", "worker", "not_found"));
+    const bool was_draining = l->draining;
+    if (was_draining) {
+      l->draining = false;
+      core_->SetDraining(*l->id, false);
+      proto::Envelope env;
+      env.mutable_resync()->set_reason("undrained");
+      (void)l->conn->Send(std::move(env));
+      if (WritesKvForOthers(*l)) BroadcastPrefillWorkersLocked();
+      UpdateWorkerGaugesLocked();
+    }
+    PDSERVE_LOG(INFO) << "admin: undrain " << l->name
+                      << (was_draining ? ": routed to again; resyncing its prefix index"
+                                       : " (was not draining)");
+    ex->Reply({200,
+               "application/json",
+               {},
+               nlohmann::json{{"worker", l->name}, {"draining", false}}.dump()});
   }
 
   // The prompts each worker served most often lately, by the hash of their

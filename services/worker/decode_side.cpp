@@ -256,6 +256,20 @@ void DecodeSide::CancelAll(const std::string& why) {
   held_blocks_.store(0);
 }
 
+void DecodeSide::FailComputing(const Status& st) {
+  std::vector<RequestId> ids;
+  for (auto& [id, r] : requests_) {
+    if (!r->remote) ids.push_back(id);
+  }
+  for (RequestId id : ids) {
+    Request& r = *requests_.at(id);
+    (void)ctx_->engine->Cancel(id);
+    PDSERVE_LOG(WARN) << "request " << r.router_rid << " failed: " << st.message();
+    (void)r.router->Send(RequestError(r.router_rid, st.code(), st.message(), !r.first_token_sent));
+    EraseRequest(id, "failed");
+  }
+}
+
 // Frees everything a request holds (deferred while a peer may write).
 void DecodeSide::CancelRequest(RequestId id, const std::string& why) {
   auto it = requests_.find(id);
@@ -485,13 +499,16 @@ void DecodeSide::CompleteRemote(RequestId id) {
     }
     sampled = std::move(s);
   }
-  if (Status st = ctx_->engine->CompleteRemotePrefill(id, done.first_token_id(), sampled);
-      !st.ok()) {
-    PDSERVE_LOG(ERROR) << "request " << r.router_rid << ": " << st.message();
+  auto first = ctx_->engine->CompleteRemotePrefill(id, done.first_token_id(), sampled);
+  if (!first.ok()) {
+    PDSERVE_LOG(ERROR) << "request " << r.router_rid << ": " << first.status().message();
     r.remote = true;
-    r.failure = st.message();
-    FallBackToLocal(id);
+    r.failure = first.status().message();
+    return FallBackToLocal(id);
   }
+  // Sent now, not with the next engine step: when this token ends the
+  // request (max_tokens 1, a stop, EOS) there is no next step for it.
+  HandleOutput(*first);
 }
 
 // The hand-off did not happen: prefill locally (or finish a pending cancel).

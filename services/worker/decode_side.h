@@ -63,6 +63,10 @@ class DecodeSide {
   size_t HeldBlocks() const { return held_blocks_.load(); }
   // At shutdown: every request is cancelled, no block stays held.
   void CancelAll(const std::string& why);
+  // After a failed engine step: every request the engine schedules (not
+  // those parked for a prefill peer) ends with `st`, retryable elsewhere
+  // while it has sent no token.
+  void FailComputing(const Status& st);
 
   // --- control loop thread ---
   void OnPrefillWorkers(const control::ConnectionPtr& router, const proto::PrefillWorkers& list);

@@ -197,11 +197,23 @@ void PrefillSide::OnDecodeGone(uint64_t connection_id) {
   for (auto& [id, job] : jobs_) {
     if (job->decode->id() == connection_id && !job->computed) orphans.push_back(id);
   }
-  for (RequestId id : orphans) {
+  FailJobs(orphans, "decode worker disconnected");
+}
+
+void PrefillSide::FailComputing(const std::string& why) {
+  std::vector<RequestId> computing;
+  for (auto& [id, job] : jobs_) {
+    if (!job->computed) computing.push_back(id);
+  }
+  FailJobs(computing, why);
+}
+
+void PrefillSide::FailJobs(const std::vector<RequestId>& ids, const std::string& why) {
+  for (RequestId id : ids) {
     Job& job = *jobs_.at(id);
     (void)ctx_->engine->Cancel(id);
     job.computed = true;
-    if (job.failure.empty()) job.failure = "decode worker disconnected";
+    if (job.failure.empty()) job.failure = why;
     TryFinish(id);
   }
 }

@@ -43,6 +43,8 @@ class PrefillSide {
   bool HandleOutput(RequestOutput& out);
   // At shutdown: every job is cancelled and every pin released.
   void CancelAll();
+  // After a failed engine step: every job still computing is reported failed.
+  void FailComputing(const std::string& why);
 
  private:
   struct Job;
@@ -57,6 +59,8 @@ class PrefillSide {
   void Start(const control::ConnectionPtr& decode, PeerId peer, proto::Prefill p,
              std::shared_ptr<const structured::CompiledGrammar> grammar);
   void OnDecodeGone(uint64_t connection_id);
+  // Stops the jobs still computing among `ids` and reports them failed.
+  void FailJobs(const std::vector<RequestId>& ids, const std::string& why);
   // Writes the job's still unsent blocks among the prompt's first
   // kv_blocks.size() blocks, holding `pin` until the write completes.
   void WriteBlocks(Job& job, const std::vector<BlockId>& kv_blocks, std::optional<PinId> pin);

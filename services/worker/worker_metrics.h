@@ -8,6 +8,7 @@
 #include <prometheus/registry.h>
 
 #include "common/metrics/metrics.h"
+#include "transport/control/connection.h"
 
 namespace pdserve::worker {
 
@@ -83,10 +84,33 @@ struct WorkerMetrics {
         tier_corrupt(metrics::AddCounter(
             r, "pdserve_kv_tier_corrupt_blocks_total",
             "Disk-tier blocks that failed their checksums: dropped, never served")),
+        disk_write_queue(
+            metrics::AddGauge(r, "pdserve_kv_tier_disk_write_queue_blocks",
+                              "Host-tier KV blocks waiting for their write-through copy on disk")),
+        disk_writes(metrics::AddCounterFamily(
+            r, "pdserve_kv_tier_disk_writes_total",
+            "KV blocks written to the disk tier (cause=through: a write-through copy of a "
+            "host-tier block; evict: a block written as it left the tier above; flush: at stop)")),
+        disk_writes_dropped(metrics::AddCounter(
+            r, "pdserve_kv_tier_disk_writes_dropped_total",
+            "Host-tier KV blocks that found the write-through queue full (they reach the disk "
+            "only when the host tier evicts them)")),
+        disk_write_errors(metrics::AddCounter(
+            r, "pdserve_kv_tier_disk_write_errors_total",
+            "Disk-tier writes that failed (a full disk, an I/O error; the cause is logged at "
+            "most every 10 s)")),
+        disk_discarded(metrics::AddCounter(
+            r, "pdserve_kv_tier_discarded_blocks_total",
+            "Disk-tier KV blocks found at start that another model (weights, config, "
+            "tokenizer) or KV configuration wrote: discarded, never served")),
         control_buffered_bytes(metrics::AddGauge(
             r, "pdserve_control_buffered_bytes",
             "Bytes held for control connections (routers and peer workers): incomplete "
             "received frames and queued sends")),
+        control_refused(metrics::AddCounterFamily(
+            r, "pdserve_control_refused_total",
+            "Connections to the peer port refused before completing their handshake, by "
+            "reason")),
         grammar_compile_seconds(metrics::AddHistogram(
             r, "pdserve_grammar_compile_seconds",
             "Time to compile a structured-output constraint and its token masks (cache misses)",
@@ -96,6 +120,7 @@ struct WorkerMetrics {
                                                    "found (result=cached|compiled|failed)")) {
     for (const char* result : {"cached", "compiled", "failed"})
       grammar_requests.Add({{"result", result}});
+    for (const char* reason : control::kRefusalReasons) control_refused.Add({{"reason", reason}});
     // Both directions exist from the start at 0: throughput panels and
     // alerts see a series on every worker before the first hand-off.
     for (const char* direction : {"in", "out"}) transfer_bytes.Add({{"direction", direction}});
@@ -131,7 +156,13 @@ struct WorkerMetrics {
   prometheus::Family<prometheus::Counter>& tier_onload_bytes;
   prometheus::Family<prometheus::Histogram>& tier_onload_seconds;
   prometheus::Counter& tier_corrupt;
+  prometheus::Gauge& disk_write_queue;
+  prometheus::Family<prometheus::Counter>& disk_writes;
+  prometheus::Counter& disk_writes_dropped;
+  prometheus::Counter& disk_write_errors;
+  prometheus::Counter& disk_discarded;
   prometheus::Gauge& control_buffered_bytes;
+  prometheus::Family<prometheus::Counter>& control_refused;
   prometheus::Histogram& grammar_compile_seconds;
   prometheus::Family<prometheus::Counter>& grammar_requests;
 };

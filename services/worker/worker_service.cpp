@@ -21,6 +21,7 @@
 #include "common/tokenizer/tokenizer.h"
 #include "engine/engine.h"
 #include "engine/model.h"
+#include "engine/model_fingerprint.h"
 #include "kernels/backend_factory.h"
 #include "services/protocol/kv_events.h"
 #include "services/worker/decode_side.h"
@@ -106,6 +107,14 @@ class WorkerServiceImpl : public WorkerService {
     eo.kv_host_cache_bytes = opts_.kv_host_cache_bytes;
     eo.kv_disk_cache_dir = opts_.kv_disk_cache_dir;
     eo.kv_disk_cache_bytes = opts_.kv_disk_cache_bytes;
+    eo.kv_disk_write = opts_.kv_disk_write;
+    eo.kv_disk_write_queue_blocks = opts_.kv_disk_write_queue_blocks;
+    eo.kv_disk_write_bytes_per_second = opts_.kv_disk_write_bytes_per_second;
+    // Other weights of the same name and shapes must never meet this
+    // worker's KV: the fingerprint keys its disk tier and its transfers.
+    auto fingerprint = ModelFingerprint(opts_.model_dir, opts_.load_format);
+    if (!fingerprint.ok()) return fingerprint.status();
+    eo.model_fingerprint = *fingerprint;
     // Blocks a request waits for came back from a tier: step again now.
     eo.on_tier_ready = [this] {
       { std::lock_guard<std::mutex> lock(cmd_mu_); }
@@ -140,6 +149,7 @@ class WorkerServiceImpl : public WorkerService {
     transfer_ = std::move(*transfer);
     layout_ =
         pool.TransferLayout(model_id_, model_->matrix_dtype(), std::string(transfer_->backend()));
+    layout_.model_fingerprint = engine_->kv_fingerprint();
     MemoryRegion region{pool.base(), static_cast<size_t>(pool.total_bytes()),
                         static_cast<size_t>(pool.bytes_per_block()), pool.memory_type()};
     PDSERVE_RETURN_IF_ERROR(transfer_->RegisterPool(region, layout_));
@@ -174,7 +184,12 @@ class WorkerServiceImpl : public WorkerService {
     peer_handlers.on_close = [this](const ConnectionPtr& c, const Status&) {
       prefill_.OnPeerClosed(c);
     };
-    peer_server_ = std::make_unique<control::Server>(loop_.get(), co, peer_handlers);
+    control::ServerLimits limits;
+    limits.on_refused = [this](const char* reason) {
+      metrics_.control_refused.Add({{"reason", reason}}).Increment();
+    };
+    peer_server_ =
+        std::make_unique<control::Server>(loop_.get(), co, peer_handlers, std::move(limits));
     PDSERVE_RETURN_IF_ERROR(peer_server_->Listen(opts_.host, static_cast<uint16_t>(opts_.port)));
     control_address_ = (opts_.advertise_host.empty() ? "127.0.0.1" : opts_.advertise_host) + ":" +
                        std::to_string(peer_server_->port());
@@ -227,6 +242,7 @@ class WorkerServiceImpl : public WorkerService {
     stop_engine_ = true;
     cv_.notify_all();
     engine_thread_.join();
+    FlushTiers();
     dns_cv_.notify_all();
     if (dns_thread_.joinable()) dns_thread_.join();
     // Clients are stopped outside the locks: Stop() waits for their close
@@ -415,8 +431,16 @@ class WorkerServiceImpl : public WorkerService {
       if (HasRunnableWork()) {
         auto outputs = engine_->Step();
         if (!outputs.ok()) {
-          PDSERVE_LOG(ERROR) << "engine step failed: " << outputs.status().message();
-          std::this_thread::sleep_for(std::chrono::milliseconds(50));
+          // The next step would most likely fail the same way and the
+          // requests would never answer: every request the engine schedules
+          // fails now (the router retries elsewhere those with no token out;
+          // a prefill job's decode worker prefills locally).
+          PDSERVE_LOG(ERROR) << "engine step failed: " << outputs.status().message()
+                             << "; failing the requests it holds";
+          const Status failed =
+              Status::Internal("engine step failed: " + outputs.status().message());
+          decode_.FailComputing(failed);
+          prefill_.FailComputing(failed.message());
         } else {
           for (auto& out : *outputs) {
             if (!prefill_.HandleOutput(out)) decode_.HandleOutput(out);
@@ -432,6 +456,27 @@ class WorkerServiceImpl : public WorkerService {
     // Shutdown: cancel whatever is left so no block stays held.
     decode_.CancelAll("worker stopping");
     prefill_.CancelAll();
+  }
+
+  // After the drain, with the engine thread gone: what the device pool and
+  // the host tier hold goes to disk, for a warm restart.
+  void FlushTiers() {
+    if (opts_.kv_disk_cache_dir.empty()) return;
+    const auto start = Clock::now();
+    auto flushed =
+        engine_->FlushTiersToDisk(std::chrono::steady_clock::now() +
+                                  std::chrono::milliseconds(opts_.kv_disk_flush_timeout_ms));
+    const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+    if (!flushed.ok()) {
+      PDSERVE_LOG(WARN) << "worker: KV tiers: flush to disk failed after " << seconds
+                        << " s: " << flushed.status().message();
+      return;
+    }
+    PDSERVE_LOG(INFO) << "worker: KV tiers: " << flushed->evicted << " device blocks handed down, "
+                      << flushed->written << " blocks written to disk in " << seconds << " s"
+                      << (flushed->left > 0 ? ", " + std::to_string(flushed->left) +
+                                                  " left unwritten (--kv-disk-flush-timeout)"
+                                            : std::string());
   }
 
   // Requests parked for lower-tier blocks do not count: the tier thread
@@ -565,6 +610,22 @@ class WorkerServiceImpl : public WorkerService {
       metrics_.tier_corrupt.Increment(static_cast<double>(t.store.corrupt_dropped - last_corrupt_));
       last_corrupt_ = t.store.corrupt_dropped;
     }
+    if (t.store.disk.capacity_blocks > 0) {
+      auto bump = [](prometheus::Counter& c, int64_t now, int64_t& last) {
+        c.Increment(static_cast<double>(std::max<int64_t>(0, now - last)));
+        last = std::max(last, now);
+      };
+      metrics_.disk_write_queue.Set(static_cast<double>(t.store.write_queue_blocks));
+      bump(metrics_.disk_writes.Add({{"cause", "through"}}), t.store.disk_writes_through,
+           last_disk_writes_.through);
+      bump(metrics_.disk_writes.Add({{"cause", "evict"}}), t.store.disk_writes_evict,
+           last_disk_writes_.evict);
+      bump(metrics_.disk_writes.Add({{"cause", "flush"}}), t.store.disk_writes_flush,
+           last_disk_writes_.flush);
+      bump(metrics_.disk_writes_dropped, t.store.write_dropped, last_disk_writes_.dropped);
+      bump(metrics_.disk_write_errors, t.store.disk_write_errors, last_disk_writes_.errors);
+      bump(metrics_.disk_discarded, t.store.discarded_at_open, last_disk_writes_.discarded);
+    }
     for (const TierOnload& o : engine_->TakeTierOnloads()) {
       metrics_.tier_onload_seconds
           .Add({{"tier", o.tier == KvTier::kDisk ? "disk" : "host"}}, metrics::KvTransferBuckets())
@@ -589,6 +650,9 @@ class WorkerServiceImpl : public WorkerService {
     int64_t hit_tokens = 0, written = 0, read = 0;
   };
   LastTier last_host_, last_disk_;  // engine thread
+  struct {
+    int64_t through = 0, evict = 0, flush = 0, dropped = 0, errors = 0, discarded = 0;
+  } last_disk_writes_;  // engine thread
   int64_t host_tier_blocks_ = 0, disk_tier_blocks_ = 0;
   int64_t last_corrupt_ = 0;
   WorkerOptions opts_;

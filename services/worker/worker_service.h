@@ -32,6 +32,7 @@
 #include "common/status.h"
 #include "common/structured/structured.h"
 #include "engine/kv_scales.h"
+#include "engine/kv_tier_store.h"
 #include "engine/model.h"
 #include "services/protocol/role.h"
 #include "transport/control/handshake.h"
@@ -60,6 +61,14 @@ struct WorkerOptions {
   int64_t kv_host_cache_bytes = 0;
   std::string kv_disk_cache_dir;
   int64_t kv_disk_cache_bytes = 0;
+  // With both tiers: write-through (a crash loses only the blocks still
+  // queued) or write-back; the write-through queue's bound and pace (0:
+  // unpaced). On Stop(), after the drain, the device pool's and the host
+  // tier's blocks are written to disk for at most kv_disk_flush_timeout_ms.
+  KvDiskWrite kv_disk_write = KvDiskWrite::kThrough;
+  int64_t kv_disk_write_queue_blocks = 1024;
+  int64_t kv_disk_write_bytes_per_second = 0;
+  int64_t kv_disk_flush_timeout_ms = 30'000;
   DType kv_dtype = DType::kF32;
   std::optional<KvScales> kv_scales;  // calibrated scales for kv_dtype (engine/kv_scales.h)
   int64_t block_size = 16;

@@ -140,11 +140,13 @@ for (const v of variants) {
       assert.ok(recipes.deps.includes('./deploy/local/install-deps.sh'), 'Makefile deps recipe changed');
       assert.match(readme, /deploy\/local\/install-deps\.sh/);
       assert.ok(buildRuns.includes('./deploy/local/install-deps.sh'), `build stage RUNs: ${buildRuns}`);
-      // ... and build with the Makefile's build target (cmake + Ninja).
-      assert.ok(recipes.build.some((r) => /^cmake -S \. -B \$\(BUILD\) -G Ninja \$\(CMAKE_ARGS\)$/.test(r)), 'Makefile build recipe changed');
-      assert.ok(recipes.build.includes('cmake --build $(BUILD)'));
-      const make = buildRuns.find((r) => /^make build /.test(r));
-      assert.ok(make, 'build stage does not run `make build`');
+      // ... and build the binary with the Makefile's build-pdserve target
+      // (configure with cmake + Ninja, then the pdserve target alone, as
+      // `make up` does: an image has no use for the test programs).
+      assert.ok(recipes.configure.some((r) => /^cmake -S \. -B \$\(BUILD\) -G Ninja \$\(CMAKE_ARGS\)$/.test(r)), 'Makefile configure recipe changed');
+      assert.ok(recipes['build-pdserve'].includes('cmake --build $(BUILD) --target pdserve'), 'Makefile build-pdserve recipe changed');
+      const make = buildRuns.find((r) => /^make build-pdserve /.test(r));
+      assert.ok(make, 'build stage does not run `make build-pdserve`');
       assert.match(make, new RegExp(`CMAKE_ARGS="-DPDSERVE_CUDA=${v.cuda}\\b`));
       const buildDir = /BUILD=(\S+)/.exec(make)[1];
       const workdir = build.steps.filter((s) => s.instruction === 'WORKDIR').pop().args;

@@ -241,9 +241,12 @@ function kvTiers(r, role) {
   const dir = pick('kv-disk-cache-dir');
   const mount = dir === undefined ? undefined : (mainContainer(d).volumeMounts || []).find((m) => m.mountPath === dir);
   const volume = mount && podSpec(d).volumes.find((v) => v.name === mount.name);
-  return { host: pick('kv-host-cache-bytes'), dir, bytes: pick('kv-disk-cache-bytes'), mount, volume };
+  return { host: pick('kv-host-cache-bytes'), dir, bytes: pick('kv-disk-cache-bytes'), mount, volume,
+    write: pick('kv-disk-write'), queue: pick('kv-disk-write-queue'), pace: pick('kv-disk-write-bytes-per-second'),
+    flush: pick('kv-disk-flush-timeout') };
 }
-const noKvTiers = { host: undefined, dir: undefined, bytes: undefined, mount: undefined, volume: undefined };
+const noKvTiers = { host: undefined, dir: undefined, bytes: undefined, mount: undefined, volume: undefined,
+  write: undefined, queue: undefined, pace: undefined, flush: undefined };
 
 describe('helm lint --strict', () => {
   for (const [label, files] of [['default values', []], ['values-cpu.yaml', [cpuValues]], ['values-full.yaml', [fullValues]]]) {
@@ -555,6 +558,60 @@ describe('control-plane TLS', () => {
   });
 });
 
+// Control-plane TLS does not encrypt KV blocks (UCX and NCCL carry them in
+// clear): the workers' NetworkPolicy is what keeps the KV transfer ports to
+// this release's workers, with TLS or without, and the install notes say so.
+describe('KV transfer stays among this release\'s workers', () => {
+  const notes = (set) => {
+    const args = ['install', release, chart, '--dry-run=client', '--namespace', namespace];
+    for (const v of set) args.push('--set', v);
+    const res = runHelm(args);
+    assert.equal(res.status, 0, res.stderr);
+    return res.stdout.slice(res.stdout.indexOf('NOTES:'));
+  };
+  for (const transfer of ['ucx', 'nccl']) {
+    test(`${transfer} with control-plane TLS: every worker port admits only this release's workers`, () => {
+      const set = ['controlPlane.tls.enabled=true', 'controlPlane.tls.existingSecret=control-tls',
+        `kvTransfer=${transfer}`];
+      const r = render({ set });
+      const policy = r.get('NetworkPolicy', `${release}-pdserve-workers`);
+      assert.deepEqual(policy.spec.policyTypes, ['Ingress']);
+      for (const c of ['prefill', 'decode']) {
+        assert.ok(selects(policy.spec.podSelector, podLabels(r.deployment(c))), `${c} is not covered`);
+      }
+      // The rule without ports (the ports UCX or NCCL pick at run time) lets
+      // in this release's workers and nobody else; every other rule names
+      // a port that is not a transfer port.
+      const anyPort = policy.spec.ingress.filter((i) => !i.ports);
+      assert.equal(anyPort.length, 1);
+      assert.ok(anyPort[0].from.length > 0 && anyPort[0].from.every((f) => f.podSelector && !f.namespaceSelector && !f.ipBlock));
+      const decode = podLabels(r.deployment('decode'));
+      const outsiders = {
+        router: podLabels(r.deployment('router')),
+        'another release': { ...decode, 'app.kubernetes.io/instance': 'other' },
+        'the model download': { ...decode, 'app.kubernetes.io/component': 'model-download' },
+        'an unlabelled pod': {},
+      };
+      for (const c of ['prefill', 'decode']) {
+        assert.ok(anyPort[0].from.some((f) => selects(f.podSelector, podLabels(r.deployment(c)))), c);
+      }
+      for (const [who, labels] of Object.entries(outsiders)) {
+        assert.ok(!anyPort[0].from.some((f) => selects(f.podSelector, labels)), `${who} reaches the KV transfer ports`);
+      }
+      for (const rule of policy.spec.ingress.filter((i) => i.ports)) {
+        assert.deepEqual(rule.ports.map((p) => p.port), ['metrics']);
+      }
+      assert.match(notes(set), /KV blocks cross between workers unencrypted \(control-plane TLS does not cover them\)/);
+    });
+  }
+  test('without the NetworkPolicy the install notes warn that KV transfer is open to every pod', () => {
+    assert.ok(!render({ set: ['networkPolicy.enabled=false'] }).has('NetworkPolicy'));
+    assert.match(notes(['networkPolicy.enabled=false']),
+      /WARNING: networkPolicy.enabled is false: the workers' KV transfer ports/);
+    assert.doesNotMatch(notes([]), /WARNING: networkPolicy/);
+  });
+});
+
 describe('metrics key and per-key cache salt', () => {
   test('/metrics key for every process; the monitor sends it', () => {
     for (const monitor of ['serviceMonitor', 'podMonitor']) {
@@ -660,8 +717,11 @@ describe('values-full.yaml', () => {
     // A replaced pod on the node finds its blocks again.
     assert.deepEqual(prefill.volume.hostPath, { path: '/mnt/nvme0/pdserve-kv-prefill', type: 'DirectoryOrCreate' });
     assert.equal(prefill.volume.emptyDir, undefined);
+    // Write-through by default, unpaced, flushed for 30 s on SIGTERM.
+    assert.deepEqual([prefill.write, prefill.queue, prefill.pace, prefill.flush], ['through', '1024', undefined, '30']);
     const decode = kvTiers(r, 'decode');
     assert.deepEqual([decode.host, decode.dir, decode.bytes], ['16GiB', '/kv-disk', '200GiB']);
+    assert.deepEqual([decode.write, decode.queue, decode.pace, decode.flush], ['back', '256', '500MiB', '90']);
     assert.ok(!decode.mount.readOnly, 'the worker writes its disk tier');
     // 200GiB plus 5%.
     assert.deepEqual(decode.volume.emptyDir, { sizeLimit: '215040Mi' });
@@ -869,6 +929,16 @@ describe('targeted overrides', () => {
       fs.rmSync(dir, { recursive: true });
     }
   });
+  test('a disk tier\'s flush must fit in the grace period, with the drain before it', () => {
+    const base = ['decode.kvTiers.disk.enabled=true', 'decode.kvTiers.disk.sizeBytes=10GiB'];
+    const fits = render({ set: [...base, 'decode.terminationGracePeriodSeconds=60', 'decode.kvTiers.disk.flushTimeoutSeconds=30'] });
+    assert.equal(kvTiers(fits, 'decode').flush, '30');
+    const res = runHelm(['template', release, chart, ...[...base, 'decode.terminationGracePeriodSeconds=45'].flatMap((v) => ['--set', v])]);
+    assert.notEqual(res.status, 0);
+    assert.match(res.stderr, /decode\.terminationGracePeriodSeconds \(45\) must cover the drain \(30 s\) and decode\.kvTiers\.disk\.flushTimeoutSeconds \(30\): raise it to 60/);
+    // Without a disk tier there is nothing to flush, whatever the grace period.
+    assert.deepEqual(kvTiers(render({ set: ['decode.terminationGracePeriodSeconds=5'] }), 'decode'), noKvTiers);
+  });
   test('a disk tier without sizeBytes is refused with its message', () => {
     for (const role of ['prefill', 'decode']) {
       for (const extra of [[], ['--set', `${role}.kvTiers.disk.sizeBytes=0`]]) {
@@ -943,6 +1013,10 @@ describe('values.schema.json rejects bad values with its message', () => {
     [['decode.kvTiers.disk.mountPath=kv'], /at '\/decode\/kvTiers\/disk\/mountPath': 'kv' does not match pattern/],
     [['prefill.kvTiers.disk.hostPath=nvme'], /at '\/prefill\/kvTiers\/disk\/hostPath': 'nvme' does not match pattern/],
     [['prefill.kvTiers.disk.enable=true'], /at '\/prefill\/kvTiers\/disk': additional properties 'enable' not allowed/],
+    [['decode.kvTiers.disk.write=around'], /at '\/decode\/kvTiers\/disk\/write'/],
+    [['prefill.kvTiers.disk.writeQueueBlocks=0'], /at '\/prefill\/kvTiers\/disk\/writeQueueBlocks'/],
+    [['decode.kvTiers.disk.writeBytesPerSecond=fast'], /at '\/decode\/kvTiers\/disk\/writeBytesPerSecond'/],
+    [['decode.kvTiers.disk.flushTimeoutSeconds=-1'], /at '\/decode\/kvTiers\/disk\/flushTimeoutSeconds'/],
   ];
   for (const [set, message] of cases) {
     test(set.join(' '), () => {

@@ -37,6 +37,8 @@ const knownMetrics = new Set([
   'pdserve_kv_tier_blocks', 'pdserve_kv_tier_capacity_blocks', 'pdserve_kv_tier_hit_tokens_total',
   'pdserve_kv_tier_offload_bytes_total', 'pdserve_kv_tier_onload_bytes_total', 'pdserve_kv_tier_onload_seconds',
   'pdserve_kv_tier_corrupt_blocks_total', 'pdserve_router_predicted_tier_hit_tokens_total',
+  'pdserve_kv_tier_disk_writes_total', 'pdserve_kv_tier_disk_writes_dropped_total',
+  'pdserve_kv_tier_disk_write_errors_total', 'pdserve_kv_tier_disk_write_queue_blocks',
 ]);
 const metricsIn = (expr) => [...expr.matchAll(/\b(pdserve_[a-z_]+)/g)].map((m) => m[1]);
 const baseName = (m) => m.replace(/_bucket$/, '');
@@ -161,6 +163,13 @@ describe('required panels', () => {
     assert.match(offload, /rate\(pdserve_kv_tier_offload_bytes_total\{/);
     assert.match(onload, /rate\(pdserve_kv_tier_onload_bytes_total\{/);
     assert.match(exprsFor(/^KV tier corrupt blocks/)[0], /increase\(pdserve_kv_tier_corrupt_blocks_total\{/);
+  });
+  test('KV tiers: disk writes by cause, dropped and failed ones, the write-through queue', () => {
+    const [written, dropped, errors] = exprsFor(/^KV tier disk writes$/);
+    assert.match(written, /^sum by \(pool, cause\) \(rate\(pdserve_kv_tier_disk_writes_total\{[^}]*\}\[\$__rate_interval\]\)\)$/);
+    assert.match(dropped, /^sum by \(pool\) \(rate\(pdserve_kv_tier_disk_writes_dropped_total\{/);
+    assert.match(errors, /^sum by \(pool\) \(rate\(pdserve_kv_tier_disk_write_errors_total\{/);
+    assert.match(exprsFor(/^KV tier disk write queue/)[0], /^sum by \(pool\) \(max_over_time\(pdserve_kv_tier_disk_write_queue_blocks\{/);
   });
 });
 

@@ -1,6 +1,7 @@
 // The DeepSeek-V2/V3 part of the reference forward (tests/support/
 // reference_model.h), written from transformers' modeling_deepseek_v2.py and
-// modeling_deepseek_v3.py in their plain form, never from pdserve's engine:
+// modeling_deepseek_v3.py in their plain form and from deepseek-ai's own
+// modeling_deepseek.py, never from pdserve's engine:
 //   attention: q from q_proj, or q_b_proj(q_a_layernorm(q_a_proj(x)));
 //     [latent, k_pe] = kv_a_proj_with_mqa(x); every head's key
 //     [k_nope, k_pe] and value decompressed from kv_a_layernorm(latent)
@@ -8,9 +9,11 @@
 //     pairs (2i, 2i+1); V3: the same pairs de-interleaved when
 //     rope_interleave, else rotate_half pairs (i, i + d/2)); cos and sin
 //     times yarn's attention factor; softmax scale qk_head_dim^-0.5, times
-//     mscale(factor, mscale_all_dim)^2 for V3 under yarn (V2's transformers
-//     code has no such correction). The two inner norms use RMSNorm's
-//     default eps 1e-6, not rms_norm_eps.
+//     mscale(factor, mscale_all_dim)^2 under yarn when mscale_all_dim is
+//     non-zero, for V2 as for V3 (deepseek-ai's DeepseekV2Attention and
+//     DeepseekV3Attention both apply it; transformers' V2 lacked it until it
+//     was fixed to match). The two inner norms use RMSNorm's default eps
+//     1e-6, not rms_norm_eps.
 //   MoE (layers >= first_k_dense_replace with l % moe_layer_freq == 0):
 //     router logits in full precision; V2 softmax, greedy or
 //     group_limited_greedy (groups scored by their best expert, the other
@@ -139,7 +142,9 @@ bool ReferenceModel::LoadDeepseek(const json& c, const std::string& dir, std::st
       inv_freq_[i] =
           static_cast<float>(1.0 / (factor * pos_freq) * ramp + 1.0 / pos_freq * (1 - ramp));
     }
-    if (v3 && mscale_all_dim != 0) {
+    // The softmax temperature of the whole logit (DeepseekV2Attention's and
+    // DeepseekV3Attention's softmax_scale / scaling).
+    if (mscale_all_dim != 0) {
       const double m = YarnMscale(factor, mscale_all_dim);
       d.softmax_scale *= m * m;
     }

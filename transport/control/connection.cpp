@@ -8,11 +8,14 @@
 #include <condition_variable>
 #include <deque>
 #include <future>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <random>
 #include <set>
+#include <string_view>
 #include <thread>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -95,16 +98,31 @@ std::string Endpoint(const tcp::endpoint& ep) {
 
 int64_t Millis(Clock::duration d) { return duration_cast<milliseconds>(d).count(); }
 
+// Read sizes: a peer that has not completed its handshake sends frames of at
+// most kMaxHandshakeFrameBytes, so its connection gets a small buffer (a
+// flood of such connections must stay cheap); an open one reads in large
+// chunks.
+constexpr size_t kHandshakeReadBytes = 4096;
+constexpr size_t kOpenReadBytes = 64 * 1024;
+
 // ---- Connection ----------------------------------------------------------------
 
 class ConnectionImpl final : public Connection,
                              public std::enable_shared_from_this<ConnectionImpl> {
  public:
-  // Called after on_close, so that the owner (Server, Client) can forget it.
-  using FinalHook = std::function<void(const std::shared_ptr<ConnectionImpl>&)>;
+  // What the owner (Server, Client) learns besides the handlers.
+  struct Hooks {
+    // After on_close, so that the owner can forget the connection.
+    std::function<void(const std::shared_ptr<ConnectionImpl>&)> on_final;
+    // The handshake is done (before on_open).
+    std::function<void(const std::shared_ptr<ConnectionImpl>&)> on_handshake_done;
+    // Set by a Server: a connection closed before its handshake was done is
+    // reported here (a kRefusalReasons entry, a log line) instead of logged.
+    std::function<void(const char* reason, const std::string& line)> on_refused;
+  };
 
   ConnectionImpl(tcp::socket socket, HandshakeSide side, std::string remote,
-                 ConnectionOptions options, ConnectionHandlers handlers, FinalHook on_final)
+                 ConnectionOptions options, ConnectionHandlers handlers, Hooks hooks)
       : stream_(detail::MakeByteStream(std::move(socket), options.tls.get())),
         strand_(stream_->executor()),
         tick_timer_(strand_),
@@ -114,7 +132,7 @@ class ConnectionImpl final : public Connection,
         remote_(std::move(remote)),
         options_(std::move(options)),
         handlers_(std::move(handlers)),
-        on_final_(std::move(on_final)),
+        hooks_(std::move(hooks)),
         decoder_(options_.max_frame_bytes),
         handshake_(side, OwnHello(options_), options_.secret) {}
 
@@ -127,6 +145,7 @@ class ConnectionImpl final : public Connection,
       self->stream_->AsyncHandshake(self->side_, [self](const boost::system::error_code& ec) {
         if (self->closed()) return;
         if (ec) {
+          self->refusal_ = "tls";
           self->Finish(Status::Unauthenticated("TLS handshake failed: " + ec.message()));
           return;
         }
@@ -256,6 +275,8 @@ class ConnectionImpl final : public Connection,
   }
 
   void ReadMore() {
+    if (handshake_done_ && read_buffer_.size() < kOpenReadBytes)
+      read_buffer_.resize(kOpenReadBytes);
     stream_->AsyncReadSome(asio::buffer(read_buffer_),
                            [self = shared_from_this()](const boost::system::error_code& ec,
                                                        size_t n) { self->OnRead(ec, n); });
@@ -292,6 +313,7 @@ class ConnectionImpl final : public Connection,
     for (auto& envelope : incoming_) {
       if (closed()) return;
       if (!handshake_done_ && envelope.ByteSizeLong() > kMaxHandshakeFrameBytes) {
+        refusal_ = "bad_frame";
         Finish(Status::ResourceExhausted("frame of " + std::to_string(envelope.ByteSizeLong()) +
                                          " bytes before the handshake completed (at most " +
                                          std::to_string(kMaxHandshakeFrameBytes) + ")"));
@@ -301,10 +323,12 @@ class ConnectionImpl final : public Connection,
     }
     if (closed()) return;
     if (!decoded.ok()) {
+      refusal_ = "bad_frame";
       Finish(Status(decoded.code(), "bad frame from peer: " + decoded.message()));
       return;
     }
     if (!handshake_done_ && decoder_.pending_frame_bytes() > kMaxHandshakeFrameBytes) {
+      refusal_ = "bad_frame";
       Finish(Status::ResourceExhausted("frame of " +
                                        std::to_string(decoder_.pending_frame_bytes()) +
                                        " bytes announced before the handshake completed (at most " +
@@ -337,7 +361,10 @@ class ConnectionImpl final : public Connection,
       if (handshake_.state() == Handshake::State::kRefused) return;
       Handshake::Step step = handshake_.OnMessage(envelope);
       if (step.state == Handshake::State::kRefused) {
-        PDSERVE_LOG(WARN) << Describe() << " refused: " << step.refusal.message();
+        refusal_ = step.refusal.code() == StatusCode::kUnauthenticated ? "auth" : "protocol";
+        // A server reports it once, when the connection is closed.
+        if (!hooks_.on_refused)
+          PDSERVE_LOG(WARN) << Describe() << " refused: " << step.refusal.message();
         proto::Envelope last = std::move(step.to_send.back());
         step.to_send.pop_back();
         for (auto& e : step.to_send) (void)Enqueue(std::move(e), /*internal=*/true);
@@ -352,6 +379,7 @@ class ConnectionImpl final : public Connection,
         peer_hello_ = handshake_.peer_hello();
         handshake_done_ = true;
       }
+      if (hooks_.on_handshake_done) hooks_.on_handshake_done(shared_from_this());
       PDSERVE_LOG(INFO) << Describe() << " open"
                         << (handshake_.authenticated() ? ", authenticated" : ", NOT authenticated")
                         << (options_.tls ? ", TLS" : "");
@@ -425,6 +453,7 @@ class ConnectionImpl final : public Connection,
   void Tick() {
     const auto now = Clock::now();
     if (!handshake_done_ && now - opened_at_ > options_.handshake_timeout) {
+      refusal_ = "timeout";
       Finish(Status::DeadlineExceeded("handshake not completed within " +
                                       std::to_string(options_.handshake_timeout.count()) + " ms"));
       return;
@@ -488,14 +517,16 @@ class ConnectionImpl final : public Connection,
     tick_timer_.cancel();
     close_timer_.cancel();
     stream_->Close();
-    if (reason.ok()) {
+    if (!handshake_done_ && hooks_.on_refused) {
+      hooks_.on_refused(refusal_, Describe() + " refused (" + refusal_ + "): " + reason.message());
+    } else if (reason.ok()) {
       PDSERVE_LOG(INFO) << Describe() << " closed: " << reason.message();
     } else {
       PDSERVE_LOG(WARN) << Describe() << " closed: " << reason.ToString();
     }
     auto self = shared_from_this();
     if (handlers_.on_close) handlers_.on_close(self, reason);
-    if (on_final_) on_final_(self);
+    if (hooks_.on_final) hooks_.on_final(self);
   }
 
   std::unique_ptr<detail::ByteStream> stream_;
@@ -507,7 +538,7 @@ class ConnectionImpl final : public Connection,
   const std::string remote_;
   const ConnectionOptions options_;
   ConnectionHandlers handlers_;
-  FinalHook on_final_;
+  Hooks hooks_;
 
   // Strand-only state.
   FrameDecoder decoder_;
@@ -515,7 +546,10 @@ class ConnectionImpl final : public Connection,
   bool stream_ready_ = false;  // TLS (if any) established: frames may be written
   Clock::time_point opened_at_{};
   Clock::time_point partial_since_{};  // first byte of the incomplete frame
-  std::array<uint8_t, 64 * 1024> read_buffer_{};
+  std::vector<uint8_t> read_buffer_ = std::vector<uint8_t>(kHandshakeReadBytes);
+  // Why the handshake failed, for a server's refusal count: a
+  // kRefusalReasons entry; a peer that just goes away is "closed".
+  const char* refusal_ = "closed";
   std::vector<proto::Envelope> incoming_;
   std::vector<std::string> writing_;
   Clock::time_point last_receive_{};
@@ -538,18 +572,22 @@ class ConnectionImpl final : public Connection,
 // ---- Server ------------------------------------------------------------------
 
 struct Server::State : std::enable_shared_from_this<Server::State> {
-  State(EventLoop* loop, ConnectionOptions options, ConnectionHandlers handlers)
+  State(EventLoop* loop, ConnectionOptions options, ConnectionHandlers handlers,
+        ServerLimits limits)
       : loop(loop),
         acceptor(asio::make_strand(loop->impl().io)),
+        refusal_timer(acceptor.get_executor()),
         options(std::move(options)),
-        handlers(std::move(handlers)) {}
+        handlers(std::move(handlers)),
+        limits(std::move(limits)) {}
+
+  std::string Name() const { return "control server :" + std::to_string(port); }
 
   // `backoff` paces retries when accept() keeps failing (out of descriptors
   // the listener stays readable: retrying at once would spin); the first
   // call makes it, each later one passes it on.
   void Accept(std::shared_ptr<AcceptBackoff> backoff = nullptr) {
-    if (!backoff)
-      backoff = std::make_shared<AcceptBackoff>("control server :" + std::to_string(port));
+    if (!backoff) backoff = std::make_shared<AcceptBackoff>(Name());
     acceptor.async_accept(
         asio::make_strand(loop->impl().io),
         [self = shared_from_this(), backoff](boost::system::error_code ec, tcp::socket socket) {
@@ -573,39 +611,140 @@ struct Server::State : std::enable_shared_from_this<Server::State> {
     boost::system::error_code ec;
     const auto remote = socket.remote_endpoint(ec);
     if (ec) return;  // the peer is already gone
+    const std::string address = remote.address().to_string();
+    // Room for one more handshake, in all and from that address; otherwise
+    // the socket closes before anything is allocated for it.
+    std::string over;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (stopping) return;
+      auto by = pending_by_address.find(address);
+      if (pending.size() >= limits.max_pending_handshakes) {
+        over = "too_many_pending: " + std::to_string(pending.size()) + " handshakes in progress";
+      } else if (by != pending_by_address.end() && by->second >= limits.max_pending_per_address) {
+        over = "too_many_pending_from_address: " + std::to_string(by->second) +
+               " handshakes from " + address + " in progress";
+      }
+    }
+    if (!over.empty()) {
+      socket.close(ec);
+      const bool total = over.rfind("too_many_pending:", 0) == 0;
+      Refused(total ? "too_many_pending" : "too_many_pending_from_address",
+              Endpoint(remote) + " refused (" + over + ")");
+      return;
+    }
     socket.set_option(tcp::no_delay(true), ec);
     std::weak_ptr<State> weak = shared_from_this();
-    auto conn = std::make_shared<ConnectionImpl>(std::move(socket), HandshakeSide::kAcceptor,
-                                                 Endpoint(remote), options, handlers,
-                                                 [weak](const std::shared_ptr<ConnectionImpl>& c) {
-                                                   if (auto self = weak.lock()) {
-                                                     std::lock_guard<std::mutex> lock(self->mu);
-                                                     self->connections.erase(c);
-                                                     self->cv.notify_all();
-                                                   }
-                                                 });
+    ConnectionImpl::Hooks hooks;
+    hooks.on_handshake_done = [weak](const std::shared_ptr<ConnectionImpl>& c) {
+      if (auto self = weak.lock()) self->ForgetPending(c->id());
+    };
+    hooks.on_refused = [weak](const char* reason, const std::string& line) {
+      if (auto self = weak.lock()) self->Refused(reason, line);
+    };
+    hooks.on_final = [weak](const std::shared_ptr<ConnectionImpl>& c) {
+      if (auto self = weak.lock()) {
+        self->ForgetPending(c->id());
+        std::lock_guard<std::mutex> lock(self->mu);
+        self->connections.erase(c);
+        self->cv.notify_all();
+      }
+    };
+    auto conn =
+        std::make_shared<ConnectionImpl>(std::move(socket), HandshakeSide::kAcceptor,
+                                         Endpoint(remote), options, handlers, std::move(hooks));
     {
       std::lock_guard<std::mutex> lock(mu);
       if (stopping) return;  // socket closes with conn
       connections.insert(conn);
+      pending.emplace(conn->id(), address);
+      ++pending_by_address[address];
     }
-    PDSERVE_LOG(INFO) << "control server :" << port << " accepted " << conn->remote_address();
+    // Logged when its handshake is done ("open") or at its refusal.
+    PDSERVE_LOG(DEBUG) << Name() << " accepted " << conn->remote_address();
     conn->Start();
+  }
+
+  // A connection's handshake is over (done, or the connection closed).
+  void ForgetPending(uint64_t id) {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = pending.find(id);
+    if (it == pending.end()) return;
+    auto by = pending_by_address.find(it->second);
+    if (by != pending_by_address.end() && --by->second == 0) pending_by_address.erase(by);
+    pending.erase(it);
+  }
+
+  // One refused connection: counted, and logged through the limiter (see
+  // ServerLimits::refusal_log_interval).
+  void Refused(const char* reason, const std::string& line) {
+    if (limits.on_refused) limits.on_refused(reason);
+    const auto now = Clock::now();
+    std::lock_guard<std::mutex> lock(refusal_mu);
+    if (refusals_unreported == 0 && now >= refusal_quiet_until) {
+      PDSERVE_LOG(WARN) << Name() << ": " << line << " (further refusals within "
+                        << limits.refusal_log_interval.count() / 1000.0
+                        << " s are counted, not logged)";
+      refusal_quiet_until = now + limits.refusal_log_interval;
+      return;
+    }
+    ++refusals_unreported;
+    ++refusal_counts[reason];
+    if (refusal_report_armed) return;
+    refusal_report_armed = true;
+    asio::post(acceptor.get_executor(), [self = shared_from_this()] {
+      std::lock_guard<std::mutex> lock(self->refusal_mu);
+      self->refusal_timer.expires_at(self->refusal_quiet_until);
+      self->refusal_timer.async_wait([self](boost::system::error_code ec) {
+        if (!ec) self->ReportRefusals();
+      });
+    });
+  }
+
+  // The line for the refusals counted since the last one (any thread).
+  void ReportRefusals() {
+    std::lock_guard<std::mutex> lock(refusal_mu);
+    refusal_report_armed = false;
+    if (refusals_unreported == 0) return;
+    std::string by_reason;
+    for (const auto& [reason, n] : refusal_counts) {
+      by_reason += (by_reason.empty() ? "" : ", ") + std::string(reason) + " " + std::to_string(n);
+    }
+    PDSERVE_LOG(WARN) << Name() << ": " << refusals_unreported
+                      << " more connection(s) refused before completing the handshake ("
+                      << by_reason << ")";
+    refusals_unreported = 0;
+    refusal_counts.clear();
+    // The next line comes an interval later at the earliest.
+    refusal_quiet_until = Clock::now() + limits.refusal_log_interval;
   }
 
   EventLoop* loop;
   tcp::acceptor acceptor;
+  asio::steady_timer refusal_timer;  // on the acceptor's strand
   ConnectionOptions options;
   ConnectionHandlers handlers;
+  const ServerLimits limits;
   uint16_t port = 0;
   mutable std::mutex mu;
   std::condition_variable cv;
   bool stopping = false;
   std::set<std::shared_ptr<ConnectionImpl>> connections;
+  // Connections whose handshake is in progress: id -> peer address.
+  std::unordered_map<uint64_t, std::string> pending;
+  std::unordered_map<std::string, size_t> pending_by_address;
+
+  std::mutex refusal_mu;
+  Clock::time_point refusal_quiet_until{};
+  uint64_t refusals_unreported = 0;
+  std::map<std::string_view, uint64_t> refusal_counts;  // reasons are static strings
+  bool refusal_report_armed = false;
 };
 
-Server::Server(EventLoop* loop, ConnectionOptions options, ConnectionHandlers handlers)
-    : state_(std::make_shared<State>(loop, std::move(options), std::move(handlers))) {}
+Server::Server(EventLoop* loop, ConnectionOptions options, ConnectionHandlers handlers,
+               ServerLimits limits)
+    : state_(std::make_shared<State>(loop, std::move(options), std::move(handlers),
+                                     std::move(limits))) {}
 
 Server::~Server() { Stop(); }
 
@@ -654,18 +793,27 @@ void Server::Stop(const std::string& reason) {
   asio::dispatch(state_->acceptor.get_executor(), [s = state_, &acceptor_closed, may_wait] {
     boost::system::error_code ignored;
     s->acceptor.close(ignored);
+    s->refusal_timer.cancel();
     if (may_wait) acceptor_closed.set_value();
   });
   for (auto& c : to_close) c->Close(reason);
   if (!may_wait) return;
   closed.wait();
-  std::unique_lock<std::mutex> lock(state_->mu);
-  state_->cv.wait(lock, [&] { return state_->connections.empty(); });
+  {
+    std::unique_lock<std::mutex> lock(state_->mu);
+    state_->cv.wait(lock, [&] { return state_->connections.empty(); });
+  }
+  state_->ReportRefusals();  // what the limiter still held back
 }
 
 size_t Server::connection_count() const {
   std::lock_guard<std::mutex> lock(state_->mu);
   return state_->connections.size();
+}
+
+size_t Server::pending_count() const {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->pending.size();
 }
 
 size_t Server::buffered_bytes() const {
@@ -773,28 +921,30 @@ struct Client::State : std::enable_shared_from_this<Client::State> {
       }
       if (self->handlers.on_close) self->handlers.on_close(c, reason);
     };
-    auto conn = std::make_shared<ConnectionImpl>(
-        std::move(*socket), HandshakeSide::kInitiator, Endpoint(remote), options.connection,
-        std::move(wrapped), [weak](const std::shared_ptr<ConnectionImpl>&) {
-          auto self = weak.lock();
-          if (!self) return;
-          bool reconnect;
-          {
-            std::lock_guard<std::mutex> lock(self->mu);
-            self->current.reset();
-            reconnect = !self->stopping;
-            // Only a connection that lasted resets the backoff: one the owner
-            // or the peer closes right after the handshake (a refused
-            // registration, a KV layout mismatch) must not loop at full speed.
-            if (self->opened_at && Clock::now() - *self->opened_at >= self->options.max_backoff)
-              self->attempt = 0;
-            self->opened_at.reset();
-            self->cv.notify_all();
-          }
-          if (reconnect) {
-            asio::post(self->strand, [self] { self->Retry("connection closed"); });
-          }
-        });
+    ConnectionImpl::Hooks hooks;
+    hooks.on_final = [weak](const std::shared_ptr<ConnectionImpl>&) {
+      auto self = weak.lock();
+      if (!self) return;
+      bool reconnect;
+      {
+        std::lock_guard<std::mutex> lock(self->mu);
+        self->current.reset();
+        reconnect = !self->stopping;
+        // Only a connection that lasted resets the backoff: one the owner
+        // or the peer closes right after the handshake (a refused
+        // registration, a KV layout mismatch) must not loop at full speed.
+        if (self->opened_at && Clock::now() - *self->opened_at >= self->options.max_backoff)
+          self->attempt = 0;
+        self->opened_at.reset();
+        self->cv.notify_all();
+      }
+      if (reconnect) {
+        asio::post(self->strand, [self] { self->Retry("connection closed"); });
+      }
+    };
+    auto conn = std::make_shared<ConnectionImpl>(std::move(*socket), HandshakeSide::kInitiator,
+                                                 Endpoint(remote), options.connection,
+                                                 std::move(wrapped), std::move(hooks));
     {
       std::lock_guard<std::mutex> lock(mu);
       if (stopping) return;

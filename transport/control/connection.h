@@ -43,7 +43,10 @@
 //     with no body (a newer peer's unknown message type) are skipped.
 //
 // Every connection logs one line when it opens and one when it closes (with
-// the reason); nothing is logged per message.
+// the reason); nothing is logged per message. The exception is a server's
+// connection that never completed its handshake (anyone who reaches the port
+// can open those): it is refused, counted by reason (ServerLimits), and
+// logged through a per-server limiter, one line per interval at most.
 #pragma once
 
 #include <chrono>
@@ -148,9 +151,42 @@ struct ConnectionHandlers {
   std::function<void(const ConnectionPtr&, const Status& reason)> on_close;
 };
 
+// What a Server allows peers that have not proved who they are.
+struct ServerLimits {
+  // Connections whose handshake is in progress, in all and from one peer
+  // address (the IP, any port). A connection accepted beyond either limit is
+  // closed at once (reason too_many_pending or too_many_pending_from_address):
+  // a flood costs a bounded amount of memory, and one flooding address cannot
+  // take the room other addresses need.
+  size_t max_pending_handshakes = 256;
+  size_t max_pending_per_address = 32;
+  // A refused connection is logged in full when none was in the interval
+  // before; the refusals after it are counted, and one line per interval
+  // gives their number by reason.
+  std::chrono::milliseconds refusal_log_interval{10000};
+  // Called once per refused connection, from any loop thread, with one of
+  // kRefusalReasons (pdserve_control_refused_total{reason}).
+  std::function<void(const char* reason)> on_refused;
+};
+
+// Why a server refuses a connection that did not complete its handshake:
+// a pending limit, a wrong or missing cluster-secret proof (auth), another
+// protocol or a message out of order (protocol), a failed TLS handshake, a
+// frame too large or unparsable (bad_frame), no handshake within
+// handshake_timeout (timeout), or the peer leaving first (closed).
+inline constexpr const char* kRefusalReasons[] = {"too_many_pending",
+                                                  "too_many_pending_from_address",
+                                                  "auth",
+                                                  "protocol",
+                                                  "tls",
+                                                  "bad_frame",
+                                                  "timeout",
+                                                  "closed"};
+
 class Server {
  public:
-  Server(EventLoop* loop, ConnectionOptions options, ConnectionHandlers handlers);
+  Server(EventLoop* loop, ConnectionOptions options, ConnectionHandlers handlers,
+         ServerLimits limits = {});
   // Calls Stop().
   ~Server();
   Server(const Server&) = delete;
@@ -164,6 +200,8 @@ class Server {
   // outside the loop, returns after every on_close has run.
   void Stop(const std::string& reason = "server stopping");
   size_t connection_count() const;
+  // Of those, connections whose handshake is still in progress.
+  size_t pending_count() const;
   // Sum of buffered_bytes() over the open connections (a metric's source).
   size_t buffered_bytes() const;
 

@@ -5,24 +5,91 @@
 #include <openssl/hmac.h>
 #include <openssl/rand.h>
 
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <cctype>
+#include <cstdio>
 #include <fstream>
 #include <iterator>
+#include <vector>
 
+#include "common/logging.h"
 #include "common/proto/protocol.h"
 
 namespace pdserve::control {
 
 // ---- ClusterSecret -------------------------------------------------------------
 
+namespace {
+
+// The most entropy `bytes` can hold, judged by the characters it uses: 4
+// bits a character when all are hex digits, 6 when all are in the base64
+// alphabets, 8 otherwise. A simple bound that catches short and typed
+// secrets; it cannot tell a random string from a guessable one.
+double MaxEntropyBits(std::string_view bytes) {
+  auto all = [&](auto pred) {
+    return std::all_of(bytes.begin(), bytes.end(),
+                       [&](char c) { return pred(static_cast<unsigned char>(c)); });
+  };
+  const double per_byte =
+      all([](unsigned char c) { return std::isxdigit(c) != 0; }) ? 4
+      : all([](unsigned char c) {
+          return std::isalnum(c) || c == '+' || c == '/' || c == '-' || c == '_' || c == '=';
+        })
+          ? 6
+          : 8;
+  return per_byte * static_cast<double>(bytes.size());
+}
+
+// Whether this process runs in group `gid` (primary or supplementary).
+bool InOwnGroups(gid_t gid) {
+  if (getegid() == gid) return true;
+  std::vector<gid_t> groups(static_cast<size_t>(std::max(0, getgroups(0, nullptr))));
+  groups.resize(
+      static_cast<size_t>(std::max(0, getgroups(static_cast<int>(groups.size()), groups.data()))));
+  return std::find(groups.begin(), groups.end(), gid) != groups.end();
+}
+
+// Warns when users other than this process's own can read or write the
+// secret file. Group access is expected where it is how this process reads a
+// file it does not own (a Kubernetes Secret: owner root, group the pod's
+// fsGroup, mode 0440), and warned about otherwise.
+void WarnIfExposed(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) return;
+  const unsigned mode = st.st_mode & 0777;
+  std::string who;
+  if (mode & 0007) {
+    who = "every user of this machine";
+  } else if ((mode & 0070) && (st.st_uid == geteuid() || !InOwnGroups(st.st_gid))) {
+    who = "the users of group " + std::to_string(st.st_gid);
+  }
+  if (who.empty()) return;
+  char octal[8];
+  std::snprintf(octal, sizeof(octal), "0%03o", mode);
+  PDSERVE_LOG(WARN) << path << ": the cluster secret can be read or changed by " << who << " (mode "
+                    << octal << "); make it readable by this user only (chmod 600)";
+}
+
+}  // namespace
+
 StatusOr<std::shared_ptr<const ClusterSecret>> ClusterSecret::FromBytes(std::string bytes) {
   while (!bytes.empty() && std::isspace(static_cast<unsigned char>(bytes.back()))) bytes.pop_back();
-  if (bytes.size() < kMinBytes) {
-    const size_t n = bytes.size();
+  std::string why;
+  if (!bytes.empty() && bytes.find_first_not_of(bytes[0]) == std::string::npos) {
+    why = "the cluster secret is one byte repeated " + std::to_string(bytes.size()) + " times";
+  } else if (const double bits = MaxEntropyBits(bytes); bits < kMinEntropyBits) {
+    why = "the cluster secret has " + std::to_string(bytes.size()) + " bytes, at most " +
+          std::to_string(static_cast<int>(bits)) + " bits of entropy";
+  }
+  if (!why.empty()) {
     OPENSSL_cleanse(bytes.data(), bytes.size());
-    return Status::InvalidArgument("the cluster secret has " + std::to_string(n) +
-                                   " bytes; at least " + std::to_string(kMinBytes) +
-                                   " are required");
+    return Status::InvalidArgument(why + "; at least " + std::to_string(kMinEntropyBits) +
+                                   " bits are required (32 hex digits, 22 base64 characters or "
+                                   "16 random bytes; e.g. head -c 32 /dev/urandom | od -An -tx1 "
+                                   "| tr -d ' \\n')");
   }
   return std::shared_ptr<const ClusterSecret>(new ClusterSecret(std::move(bytes)));
 }
@@ -30,10 +97,19 @@ StatusOr<std::shared_ptr<const ClusterSecret>> ClusterSecret::FromBytes(std::str
 StatusOr<std::shared_ptr<const ClusterSecret>> ClusterSecret::Load(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return Status::InvalidArgument(path + ": cannot read the cluster secret file");
-  std::string bytes{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  // A secret is short: reading stops past kMaxFileBytes (a device, a wrong path).
+  std::string bytes(kMaxFileBytes + 1, '\0');
+  in.read(bytes.data(), static_cast<std::streamsize>(bytes.size()));
   if (in.bad()) return Status::InvalidArgument(path + ": cannot read the cluster secret file");
+  bytes.resize(static_cast<size_t>(in.gcount()));
+  if (bytes.size() > kMaxFileBytes) {
+    OPENSSL_cleanse(bytes.data(), bytes.size());
+    return Status::InvalidArgument(path + ": the cluster secret file is larger than " +
+                                   std::to_string(kMaxFileBytes) + " bytes");
+  }
   auto secret = FromBytes(std::move(bytes));
   if (!secret.ok()) return Status::InvalidArgument(path + ": " + secret.status().message());
+  WarnIfExposed(path);
   return secret;
 }
 

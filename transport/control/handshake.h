@@ -42,12 +42,18 @@ inline constexpr size_t kMaxHandshakeFrameBytes = 4096;
 // The secret every router and worker of one deployment shares.
 class ClusterSecret {
  public:
-  static constexpr size_t kMinBytes = 16;
+  static constexpr int kMinEntropyBits = 128;
+  static constexpr size_t kMaxFileBytes = 4096;
 
   // The file's bytes without trailing whitespace (a newline from an editor or
   // `echo` is not part of the secret). kInvalidArgument when the file cannot
-  // be read or holds fewer than kMinBytes.
+  // be read, is larger than kMaxFileBytes, or FromBytes refuses its bytes.
+  // Logs a warning when users other than this process's can read or write
+  // the file (group access that is how this process reads it excepted).
   static StatusOr<std::shared_ptr<const ClusterSecret>> Load(const std::string& path);
+  // kInvalidArgument for a secret that cannot hold kMinEntropyBits by a
+  // simple test: one byte repeated, or too short for the characters it uses
+  // (4 bits a hex digit, 6 a base64 character, 8 any other byte).
   static StatusOr<std::shared_ptr<const ClusterSecret>> FromBytes(std::string bytes);
   // A new secret: 32 random bytes as 64 hex characters.
   static std::string Generate();

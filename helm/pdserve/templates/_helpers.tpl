@@ -243,6 +243,20 @@ matchExpressions:
 {{- $b }}
 {{- end }}
 
+{{/* --kv-disk-flush-timeout of a pool with a disk tier. SIGTERM first drains
+     the worker's requests (up to 30 s, its --drain-timeout) and then writes
+     its tiers to disk for up to this long: a grace period shorter than both
+     would kill the pod in the middle of that. Takes (dict "role" name
+     "worker" .Values.<role>). */}}
+{{- define "pdserve.kvDiskFlushTimeout" -}}
+{{- $flush := int64 .worker.kvTiers.disk.flushTimeoutSeconds }}
+{{- $grace := int64 .worker.terminationGracePeriodSeconds }}
+{{- if lt $grace (add 30 $flush) }}
+{{- fail (printf "%s.terminationGracePeriodSeconds (%d) must cover the drain (30 s) and %s.kvTiers.disk.flushTimeoutSeconds (%d): raise it to %d or lower the flush timeout" .role $grace .role $flush (add 30 $flush)) }}
+{{- end }}
+{{- $flush }}
+{{- end }}
+
 {{/* Size limit of the emptyDir holding a pool's disk tier: disk.sizeLimit, or
      sizeBytes plus 5% in Mi (the worker's file never grows past sizeBytes).
      Takes the same dict as pdserve.kvDiskBytes. */}}

@@ -135,8 +135,15 @@ class RawSocket {
   RawSocket(const RawSocket&) = delete;
   RawSocket& operator=(const RawSocket&) = delete;
 
-  bool Connect(uint16_t port) {
+  bool Connect(uint16_t port) { return ConnectFrom("127.0.0.1", port); }
+  // From another loopback address (all of 127.0.0.0/8 is loopback on Linux),
+  // as a peer on another machine would.
+  bool ConnectFrom(const std::string& source, uint16_t port) {
     fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in from{};
+    from.sin_family = AF_INET;
+    if (::inet_pton(AF_INET, source.c_str(), &from.sin_addr) != 1) return false;
+    if (::bind(fd_, reinterpret_cast<sockaddr*>(&from), sizeof(from)) != 0) return false;
     sockaddr_in addr{};
     addr.sin_family = AF_INET;
     addr.sin_port = htons(port);

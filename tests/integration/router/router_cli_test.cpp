@@ -2,6 +2,7 @@
 // control-plane security flags of `pdserve router` and `pdserve worker`: exit
 // codes, one-line errors, and the JSON they print.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 
 #include <cstdlib>
@@ -58,6 +59,8 @@ std::string WriteTrace(const std::string& name, const std::string& text) {
 // Checked before the model is read: no model is needed to see the errors.
 TEST(ControlSecurityCliTest, RouterAndWorkerRefuseToStartWithoutAClusterSecret) {
   const std::string short_secret = WriteTrace("short-secret", "too short\n");
+  const std::string nul_secret = WriteTrace("nul-secret", std::string(32, '\0'));
+  const std::string hex_secret = WriteTrace("hex-secret", "0123456789abcdef0123\n");
   const std::string model = "--model /nonexistent-model";
   const std::string worker = "worker " + model + " --router 127.0.0.1:1 ";
   const struct {
@@ -66,7 +69,10 @@ TEST(ControlSecurityCliTest, RouterAndWorkerRefuseToStartWithoutAClusterSecret) 
       {"router " + model, "--cluster-secret-file is required"},
       {worker, "--cluster-secret-file is required"},
       {worker + "--cluster-secret-file /nonexistent-secret", "cannot read the cluster secret"},
-      {worker + "--cluster-secret-file " + short_secret, "at least 16 are required"},
+      {worker + "--cluster-secret-file " + short_secret, "at least 128 bits are required"},
+      {"router " + model + " --cluster-secret-file " + nul_secret,
+       "the cluster secret is one byte repeated 32 times"},
+      {worker + "--cluster-secret-file " + hex_secret, "at most 80 bits of entropy"},
       {"router " + model + " --insecure-control-plane --cluster-secret-file " + short_secret,
        "exclude each other"},
       {"router " + model + " --insecure-control-plane --control-tls-cert x.pem",
@@ -78,6 +84,24 @@ TEST(ControlSecurityCliTest, RouterAndWorkerRefuseToStartWithoutAClusterSecret) 
     ASSERT_EQ(Lines(r.err).size(), 1u) << c.args << "\n" << r.err;
     EXPECT_NE(r.err.find(c.message), std::string::npos) << c.args << "\n" << r.err;
   }
+}
+
+// A secret file that others can read is accepted with a warning (the model
+// is missing: the command fails after the secret was read).
+TEST(ControlSecurityCliTest, ASecretFileOthersCanReadIsWarnedAbout) {
+  const std::string secret = WriteTrace("open-secret", "0123456789abcdef0123456789abcdef\n");
+  const std::string args =
+      "router --model /nonexistent-model --port 0 --control-port 0 --cluster-secret-file " + secret;
+  ASSERT_EQ(::chmod(secret.c_str(), 0644), 0);
+  CliRun r = Pdserve(args);
+  EXPECT_NE(r.err.find(secret + ": the cluster secret can be read or changed by every user of "
+                                "this machine (mode 0644)"),
+            std::string::npos)
+      << r.err;
+  ASSERT_EQ(::chmod(secret.c_str(), 0600), 0);
+  r = Pdserve(args);
+  EXPECT_EQ(r.err.find("the cluster secret can be read"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("nonexistent-model"), std::string::npos) << r.err;
 }
 
 TEST(SimCliTest, MissingTraceFileIsAOneLineUsageError) {

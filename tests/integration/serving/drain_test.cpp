@@ -8,12 +8,16 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <map>
+#include <regex>
 #include <thread>
 
 #include "tests/integration/serving/stack.h"
 
 namespace pdserve::testing {
 namespace {
+
+using namespace std::chrono_literals;
 
 std::string Words(int n, int salt) {
   static const char* kWords[] = {"alpha", "bravo",   "charlie", "delta",
@@ -202,6 +206,79 @@ TEST(DrainTest, AdminDrainPushesTheHotPromptAndStopsRoutingThere) {
   EXPECT_GE(body["usage"]["prompt_tokens_details"]["cached_tokens"].get<int64_t>(), prefix - 16);
   EXPECT_EQ(decode_requests(holder), 3) << "a drained worker got a new request";
   EXPECT_TRUE(stack.workers()[holder]->proc.running());
+}
+
+// POST /admin/undrain puts a drained worker back without a restart; a
+// worker that is shutting down itself cannot be put back.
+TEST(DrainTest, AdminUndrainPutsADrainedWorkerBack) {
+  const std::string key_file = ::testing::TempDir() + "undrain_admin_keys";
+  std::ofstream(key_file) << "admin-secret-key\n";
+  LocalStack stack("undrain-admin");
+  stack.StartRouter({"--admin-key-file", key_file});
+  WorkerProc& a = stack.StartWorker("both");
+  WorkerProc& b = stack.StartWorker("both");
+  ASSERT_TRUE(stack.WaitReady());
+  const std::map<std::string, std::string> auth = {{"Authorization", "Bearer admin-secret-key"}};
+  auto admin = [&](const std::string& path, const std::string& worker,
+                   const std::map<std::string, std::string>& headers) {
+    return HttpRequest(stack.http_port(), "POST", path, nlohmann::json{{"worker", worker}}.dump(),
+                       headers);
+  };
+  auto served = [&](WorkerProc& w) {
+    return LocalStack::Metric(w.metrics_port, "pdserve_requests_total", "decode");
+  };
+  // Waits until `w` counted `n` decode requests (it counts just after answering).
+  auto wait_served = [&](WorkerProc& w, double n) {
+    for (int i = 0; i < 200 && served(w) < n; ++i) std::this_thread::sleep_for(20ms);
+    return served(w);
+  };
+  auto complete = [&](const std::string& prompt) {
+    auto [status, body] = stack.Post("/v1/completions", {{"prompt", prompt}, {"max_tokens", 2}});
+    EXPECT_EQ(status, 200) << body.dump();
+  };
+
+  EXPECT_EQ(admin("/admin/undrain", a.id, {}).status, 401);
+  EXPECT_EQ(admin("/admin/undrain", "nobody", auth).status, 404);
+  EXPECT_EQ(HttpRequest(stack.http_port(), "POST", "/admin/undrain", "[]", auth).status, 400);
+
+  // Drained, `a` gets nothing; undrained, it serves again once `b` is drained.
+  ASSERT_EQ(admin("/admin/drain", a.id, auth).status, 200);
+  for (int i = 0; i < 4; ++i) complete("while a is drained " + std::to_string(i));
+  EXPECT_EQ(wait_served(b, 4), 4);
+  EXPECT_EQ(served(a), 0);
+  const HttpResult undrained = admin("/admin/undrain", a.id, auth);
+  ASSERT_EQ(undrained.status, 200) << undrained.body;
+  EXPECT_EQ(nlohmann::json::parse(undrained.body)["draining"], false) << undrained.body;
+  // Its index is rebuilt from a fresh snapshot: a second "synced" line.
+  EXPECT_TRUE(stack.router().WaitForLog(
+      std::regex("worker " + a.id + " synced[^\\n]*\\n[\\s\\S]*worker " + a.id + " synced"), 10s))
+      << stack.router().Log();
+  ASSERT_EQ(admin("/admin/drain", b.id, auth).status, 200);
+  complete("after a came back");
+  EXPECT_EQ(wait_served(a, 1), 1);
+  EXPECT_EQ(served(b), 4);
+  // Undraining a worker that is not drained changes nothing.
+  EXPECT_EQ(admin("/admin/undrain", a.id, auth).status, 200);
+
+  // `a` shuts down (SIGTERM) while a stream runs on it: it stays connected
+  // while it drains, and cannot be put back.
+  bool checked = false;
+  HttpStream(
+      stack.http_port(), "/v1/completions",
+      nlohmann::json{
+          {"prompt", "a long stream"}, {"max_tokens", 3000}, {"ignore_eos", true}, {"stream", true}}
+          .dump(),
+      [&](const std::string&) {
+        if (checked) return false;
+        a.proc.Signal(SIGTERM);
+        EXPECT_TRUE(stack.router().WaitForLog(std::regex("worker " + a.id + " is draining"), 10s));
+        const HttpResult r = admin("/admin/undrain", a.id, auth);
+        EXPECT_EQ(r.status, 409) << r.body;
+        checked = true;
+        return false;  // hang up: the worker then leaves
+      });
+  EXPECT_TRUE(checked);
+  EXPECT_TRUE(a.proc.Wait(30s)) << a.proc.Log();
 }
 
 }  // namespace

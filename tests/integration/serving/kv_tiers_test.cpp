@@ -5,11 +5,17 @@
 // again on the same disk folder comes back warm (the router's index lists
 // its disk blocks after the resync and a repeated prompt is a tier hit);
 // a prefill worker onloads a prefix from its host tier and hands the KV to
-// the decode worker.
+// the decode worker. With both tiers, a working set that fits the host tier
+// survives a SIGKILL (write-through) and a SIGTERM (the flush, through and
+// back): the restarted worker serves the repeated prompts from its disk with
+// the text of `pdserve generate`. A worker killed in the middle of a disk
+// write (by the file size limit's SIGXFSZ) leaves a torn slot that the next
+// one finds, refuses and recomputes.
 #include <signal.h>
 
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <regex>
 #include <thread>
 
@@ -125,6 +131,157 @@ TEST(KvTiersTest, APrefillWorkerOnloadsFromItsHostTierAndHandsTheKvOver) {
   EXPECT_GT(LocalStack::Metric(decode.metrics_port, "pdserve_kv_transfer_bytes_total",
                                "direction=\"in\""),
             moved);
+}
+
+// One greedy completion through the router, checked against `want` (the
+// prompt's `pdserve generate`); returns the prompt tokens it got from the
+// cache.
+int64_t CachedTokens(LocalStack& stack, const std::string& prompt, const nlohmann::json& want,
+                     int max_tokens) {
+  auto [status, got] = stack.Post(
+      "/v1/completions",
+      {{"prompt", prompt}, {"max_tokens", max_tokens}, {"temperature", 0}, {"ignore_eos", true}});
+  EXPECT_EQ(status, 200) << got.dump();
+  if (status != 200) return 0;
+  EXPECT_EQ(got["choices"][0]["text"], want["text"]) << prompt.substr(0, 40);
+  return got["usage"]["prompt_tokens_details"]["cached_tokens"].get<int64_t>();
+}
+
+struct RestartCase {
+  const char* name;
+  int signal;
+  const char* write;  // --kv-disk-write
+};
+
+class KvTiersRestartTest : public ::testing::TestWithParam<RestartCase> {};
+
+TEST_P(KvTiersRestartTest, AWorkingSetInTheHostTierComesBackAfterTheRestart) {
+  const RestartCase c = GetParam();
+  LocalStack stack(std::string("kv-tiers-both-") + c.name);
+  stack.StartRouter();
+  // The pool holds 24 blocks, the host tier 512: eight prompts of about 23
+  // blocks live in the host tier, and nothing needs to go further down.
+  std::vector<std::string> flags = kSmallPool;
+  flags.insert(flags.end(), {"--kv-host-cache-bytes", "4MiB", "--kv-disk-cache-dir",
+                             NewTempDir("kv-tiers-both-disk"), "--kv-disk-cache-bytes", "8MiB",
+                             "--kv-disk-write", c.write});
+  WorkerProc& first = stack.StartWorker("both", flags);
+  ASSERT_TRUE(stack.WaitReady());
+  std::vector<std::string> prompts;
+  std::vector<nlohmann::json> want;
+  for (int i = 0; i < 8; ++i) {
+    prompts.push_back(Words(70, 30 + i));
+    want.push_back(Generate(prompts.back(), 4));
+  }
+  for (size_t i = 0; i < prompts.size(); ++i) (void)CachedTokens(stack, prompts[i], want[i], 4);
+  int64_t served = 0;  // the second pass: from the pool and the host tier
+  for (size_t i = 0; i < prompts.size(); ++i) served += CachedTokens(stack, prompts[i], want[i], 4);
+  ASSERT_GT(served, 8 * 4 * 16) << first.proc.Log();
+  double host = 0, disk = 0;
+  for (int i = 0; i < 100; ++i) {  // the gauges follow the load reports
+    host = LocalStack::Metric(first.metrics_port, "pdserve_kv_tier_blocks", "tier=\"host\"");
+    disk = LocalStack::Metric(first.metrics_port, "pdserve_kv_tier_blocks", "tier=\"disk\"");
+    // Write-through: a crash loses the blocks still queued; this test's
+    // crash comes once the queue is empty.
+    const bool written = std::string(c.write) == "back" || c.signal == SIGTERM ||
+                         (disk >= host && LocalStack::Metric(first.metrics_port,
+                                                             "pdserve_kv_tier_disk_write_queue_"
+                                                             "blocks") == 0);
+    if (host > 24 && written) break;
+    std::this_thread::sleep_for(50ms);
+  }
+  ASSERT_GT(host, 24) << "the working set should live in the host tier";
+  if (std::string(c.write) == "back") {
+    EXPECT_EQ(disk, 0) << "write-back wrote before the stop";
+  }
+
+  first.proc.Signal(c.signal);
+  auto code = first.proc.Wait(60s);
+  ASSERT_TRUE(code);
+  if (c.signal == SIGTERM) {
+    EXPECT_EQ(*code, 0) << first.proc.Log();
+    EXPECT_TRUE(std::regex_search(first.proc.Log(), std::regex("blocks written to disk")))
+        << first.proc.Log();
+  }
+  WorkerProc& second = stack.StartWorker("both", flags);
+  auto synced = stack.router().WaitForLog(
+      std::regex("worker " + second.id +
+                 " synced: .* \\(0 in its host tier, ([0-9]+) on its disk\\)"),
+      20s);
+  ASSERT_TRUE(synced) << stack.router().Log();
+  EXPECT_GE(std::stoi(*synced), host * 0.9) << "the host tier's blocks did not reach the disk";
+  ASSERT_TRUE(stack.WaitReady());
+  int64_t after = 0;
+  for (size_t i = 0; i < prompts.size(); ++i) after += CachedTokens(stack, prompts[i], want[i], 4);
+  EXPECT_GE(after, served * 0.9) << "served from the cache before the stop: " << served
+                                 << " tokens, after the restart: " << after << "\n"
+                                 << second.proc.Log();
+  double hits = 0;
+  for (int i = 0; i < 40 && hits == 0; ++i) {
+    std::this_thread::sleep_for(50ms);
+    hits = TierHits(second, "disk");
+  }
+  EXPECT_GE(hits, after * 0.5) << "the hits should come from the disk";
+}
+
+INSTANTIATE_TEST_SUITE_P(StopsAndWrites, KvTiersRestartTest,
+                         ::testing::Values(RestartCase{"sigkill_through", SIGKILL, "through"},
+                                           RestartCase{"sigterm_through", SIGTERM, "through"},
+                                           RestartCase{"sigterm_back", SIGTERM, "back"}),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+TEST(KvTiersTest, AWorkerKilledMidWriteLeavesATornSlotThatIsNeverServed) {
+  if (!std::filesystem::exists("/usr/bin/prlimit")) {
+    GTEST_SKIP() << "needs prlimit (util-linux) to start a worker under a file size limit";
+  }
+  LocalStack stack("kv-tiers-torn");
+  stack.StartRouter();
+  // A pool of 8 blocks and prompts of one full block each: every block the
+  // tiers get is a prompt's first, so every slot is read when they repeat.
+  std::vector<std::string> flags = {"--kv-cache-bytes",      "64KiB",
+                                    "--kv-host-cache-bytes", "1MiB",
+                                    "--kv-disk-cache-dir",   NewTempDir("kv-tiers-torn-disk"),
+                                    "--kv-disk-cache-bytes", "4MiB"};
+  // A first run makes the (empty) slab.
+  WorkerProc& maker = stack.StartWorker("both", flags);
+  maker.proc.Signal(SIGTERM);
+  ASSERT_TRUE(maker.proc.Wait(30s));
+  // The next one may write up to 1,000 bytes into the payload of the slab's
+  // sixth slot (slots of 12 KiB: a header and an 8 KiB block): its sixth
+  // block write stops there and the kernel kills it (SIGXFSZ) in the middle
+  // of the write, as a crash would.
+  const int64_t slot = 12 << 10;
+  stack.SetWorkerLauncher(
+      {"/usr/bin/prlimit", "--fsize=" + std::to_string(5 * slot + 64 + 1000), "--"});
+  WorkerProc& doomed = stack.StartWorker("both", flags);
+  stack.SetWorkerLauncher({});
+  ASSERT_TRUE(stack.WaitReady());
+  std::vector<std::string> prompts;
+  for (int i = 0; i < 40 && doomed.proc.running(); ++i) {
+    prompts.push_back(Words(4, 50 + i));  // 20 to 26 tokens
+    (void)stack.Post("/v1/completions",
+                     {{"prompt", prompts.back()}, {"max_tokens", 2}, {"temperature", 0}});
+  }
+  auto code = doomed.proc.Wait(30s);
+  ASSERT_TRUE(code) << "the worker was not stopped by its file size limit\n" << doomed.proc.Log();
+  ASSERT_EQ(*code, 128 + SIGXFSZ) << doomed.proc.Log();
+
+  WorkerProc& next = stack.StartWorker("both", flags);
+  auto synced = stack.router().WaitForLog(
+      std::regex("worker " + next.id +
+                 " synced: .* \\(0 in its host tier, ([0-9]+) on its disk\\)"),
+      20s);
+  ASSERT_TRUE(synced) << stack.router().Log();
+  EXPECT_EQ(std::stoi(*synced), 6) << "five whole blocks and the torn one";
+  ASSERT_TRUE(stack.WaitReady());
+  for (const auto& p : prompts) ExpectSameAsGenerate(stack, p, 2);
+  double corrupt = 0;
+  for (int i = 0; i < 40 && corrupt == 0; ++i) {
+    std::this_thread::sleep_for(50ms);
+    corrupt = LocalStack::Metric(next.metrics_port, "pdserve_kv_tier_corrupt_blocks_total");
+  }
+  EXPECT_EQ(corrupt, 1) << "the torn slot was not found and refused\n" << next.proc.Log();
+  EXPECT_GE(TierHits(next, "disk"), 16) << "the whole slots were not served";
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <regex>
 #include <sstream>
@@ -29,6 +30,8 @@ const std::string& LocalStack::SecretFile() {
   if (secret_file_.empty()) {
     secret_file_ = dir_ + "/cluster-secret";
     std::ofstream(secret_file_) << control::ClusterSecret::Generate() << "\n";
+    std::filesystem::permissions(
+        secret_file_, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
   }
   return secret_file_;
 }

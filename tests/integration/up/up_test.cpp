@@ -62,11 +62,12 @@ TEST(UpTest, ServesThePrintedCurlLineAndStopsEveryChildOnSigterm) {
   // Every prompt prefilled remotely: the decode workers hold connections to
   // the prefill worker when they are stopped.
   // With KV tiers: each worker gets its own disk tier folder.
-  ChildProcess up =
-      ChildProcess::Start(UpArgs(dir, {"--prefill", "1", "--decode", "2", "--max-local-prefill",
-                                       "0", "--kv-host-cache-bytes", "2MiB", "--kv-disk-cache-dir",
-                                       dir + "/kv", "--kv-disk-cache-bytes", "4MiB"}),
-                          dir + "/up.log");
+  ChildProcess up = ChildProcess::Start(
+      UpArgs(dir, {"--prefill", "1", "--decode", "2", "--max-local-prefill", "0",
+                   "--kv-host-cache-bytes", "2MiB", "--kv-disk-cache-dir", dir + "/kv",
+                   "--kv-disk-cache-bytes", "4MiB", "--kv-disk-write", "through",
+                   "--kv-disk-write-bytes-per-second", "64MiB"}),
+      dir + "/up.log");
   ASSERT_TRUE(up.WaitForLog(std::regex("Ctrl-C stops the stack"), 120s)) << up.Log();
   const std::string log = up.Log();
   EXPECT_NE(log.find("1 prefill, 2 decode workers, model pdserve-tiny"), std::string::npos) << log;
@@ -179,6 +180,10 @@ TEST(UpTest, BadFlagsAreUsageErrors) {
            {"--log-level", "loud"},
            {"--kv-disk-cache-dir", "kv"},
            {"--kv-host-cache-bytes", "-1"},
+           {"--kv-disk-write", "back"},
+           {"--kv-disk-cache-dir", "kv", "--kv-disk-cache-bytes", "4MiB", "--kv-disk-write", "up"},
+           {"--kv-disk-cache-dir", "kv", "--kv-disk-cache-bytes", "4MiB", "--kv-disk-write-queue",
+            "0"},
        }) {
     std::vector<std::string> argv = {kPdserve, "up"};
     argv.insert(argv.end(), args.begin(), args.end());

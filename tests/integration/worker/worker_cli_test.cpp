@@ -54,6 +54,19 @@ TEST(WorkerCliTest, KvTierFlagsThatDoNotAgreeAreRefused) {
   ExpectOneLineUsageError(Worker({"--kv-disk-cache-dir", "/tmp/x"}), "--kv-disk-cache-bytes");
   ExpectOneLineUsageError(Worker({"--kv-disk-cache-bytes", "1GiB"}), "--kv-disk-cache-dir");
   ExpectOneLineUsageError(Worker({"--kv-host-cache-bytes", "-5"}), "--kv-host-cache-bytes");
+  const std::vector<std::string> disk = {"--kv-disk-cache-dir", "/tmp/x", "--kv-disk-cache-bytes",
+                                         "1GiB"};
+  auto with_disk = [&](std::vector<std::string> extra) {
+    extra.insert(extra.begin(), disk.begin(), disk.end());
+    return Worker(extra);
+  };
+  ExpectOneLineUsageError(with_disk({"--kv-disk-write", "sideways"}),
+                          "--kv-disk-write must be through or back");
+  ExpectOneLineUsageError(Worker({"--kv-disk-write", "back"}), "needs a disk tier");
+  ExpectOneLineUsageError(with_disk({"--kv-disk-write-queue", "0"}), "--kv-disk-write-queue");
+  ExpectOneLineUsageError(with_disk({"--kv-disk-write-bytes-per-second", "-1"}),
+                          "--kv-disk-write-bytes-per-second");
+  ExpectOneLineUsageError(with_disk({"--kv-disk-flush-timeout", "-1"}), "--kv-disk-flush-timeout");
 }
 
 // Calibrated KV scales must be readable and of the worker's KV type.

@@ -203,19 +203,56 @@ TEST(HandshakeTest, ProofMatchesTheGoldenVector) {
 
 TEST(ClusterSecretTest, LoadTrimsTrailingWhitespaceAndRefusesShortSecrets) {
   const std::string dir = testing::NewTempDir("secret");
-  std::ofstream(dir + "/ok") << "0123456789abcdef0123\n\n";
+  std::ofstream(dir + "/ok") << "0123456789abcdef0123456789abcdef\n\n";
   auto ok = ClusterSecret::Load(dir + "/ok");
   ASSERT_TRUE(ok.ok()) << ok.status().ToString();
-  EXPECT_EQ((*ok)->bytes(), "0123456789abcdef0123");
+  EXPECT_EQ((*ok)->bytes(), "0123456789abcdef0123456789abcdef");
 
   std::ofstream(dir + "/short") << "too short\n";
   auto short_secret = ClusterSecret::Load(dir + "/short");
   EXPECT_EQ(short_secret.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(short_secret.status().message().find("at least 16"), std::string::npos);
+  EXPECT_NE(short_secret.status().message().find("at least 128 bits"), std::string::npos);
+
+  std::ofstream(dir + "/large") << std::string(ClusterSecret::kMaxFileBytes + 1, 'x');
+  auto large = ClusterSecret::Load(dir + "/large");
+  EXPECT_NE(large.status().message().find("larger than 4096 bytes"), std::string::npos)
+      << large.status().ToString();
 
   EXPECT_FALSE(ClusterSecret::Load(dir + "/missing").ok());
   EXPECT_EQ(ClusterSecret::Generate().size(), 64u);
   EXPECT_NE(ClusterSecret::Generate(), ClusterSecret::Generate());
+}
+
+// 128 bits at least, by a simple test: one byte repeated is refused at any
+// length; otherwise a hex digit counts 4 bits, a base64 character 6, any
+// other byte 8.
+TEST(ClusterSecretTest, SecretsThatCannotHold128BitsAreRefused) {
+  const struct {
+    std::string bytes;
+    const char* why;  // nullptr: accepted
+  } cases[] = {
+      {std::string(32, '\0'), "one byte repeated 32 times"},
+      {std::string(64, 'a'), "one byte repeated 64 times"},
+      {"0123456789abcdef0123456789abcde", "at most 124 bits"},  // 31 hex digits
+      {"0123456789abcdef0123456789abcdef", nullptr},
+      {"QUJDREVGR0hJSktMTU5PUFFS", nullptr},  // 24 base64 characters: 144 bits
+      {"QUJDREVGR0hJSktMTU5PU", "at most 126 bits"},
+      {"correct horse b", "at most 120 bits"},  // 15 bytes
+      {"correct horse ba", nullptr},
+      {ClusterSecret::Generate(), nullptr},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.bytes.size());
+    auto s = ClusterSecret::FromBytes(c.bytes);
+    if (!c.why) {
+      EXPECT_TRUE(s.ok()) << s.status().ToString();
+      continue;
+    }
+    ASSERT_FALSE(s.ok());
+    EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(s.status().message().find(c.why), std::string::npos) << s.status().message();
+    EXPECT_NE(s.status().message().find("at least 128 bits are required"), std::string::npos);
+  }
 }
 
 }  // namespace

@@ -57,6 +57,18 @@ class EngineDisaggTest : public ::testing::TestWithParam<DType> {
     return out;
   }
 
+  // The remote prefill is done: the first token's output, then the rest.
+  static std::vector<TokenId> CompleteAndDrain(Engine& e, RequestId id, TokenId first) {
+    auto out = e.CompleteRemotePrefill(id, first);
+    EXPECT_TRUE(out.ok()) << out.status().ToString();
+    if (!out.ok()) return {};
+    EXPECT_EQ(out->id, id);
+    std::vector<TokenId> tokens = out->new_token_ids;
+    const std::vector<TokenId> rest = Drain(e, id);
+    tokens.insert(tokens.end(), rest.begin(), rest.end());
+    return tokens;
+  }
+
   // The prefill side: runs the prompt, returns its first token and pinned blocks.
   static RequestOutput Prefill(Engine& p, EngineRequest r) {
     r.prefill_only = true;
@@ -115,8 +127,7 @@ TEST_P(EngineDisaggTest, RemotePrefillContinuesExactly) {
   EXPECT_EQ(prefill->GetStats().blocks.used_blocks, 0u);
   EXPECT_EQ(prefill->GetStats().blocks.cached_blocks, 3u);  // the full blocks stay cached
 
-  ASSERT_TRUE(decode->CompleteRemotePrefill(1, done.new_token_ids[0]).ok());
-  EXPECT_EQ(Drain(*decode, 1), expected);
+  EXPECT_EQ(CompleteAndDrain(*decode, 1, done.new_token_ids[0]), expected);
   EXPECT_EQ(decode->GetStats().blocks.used_blocks, 0u);
 
   // The received blocks are now in the decode engine's prefix cache: a
@@ -134,8 +145,7 @@ TEST_P(EngineDisaggTest, RemotePrefillContinuesExactly) {
   const RequestOutput done2 = Prefill(*prefill, again);
   CopyBlocks(*prefill, done2.kv_blocks, *decode, *plan2);
   ASSERT_TRUE(prefill->ReleaseKvBlocks(*done2.kv_pin).ok());
-  ASSERT_TRUE(decode->CompleteRemotePrefill(2, done2.new_token_ids[0]).ok());
-  EXPECT_EQ(Drain(*decode, 2), expected);
+  EXPECT_EQ(CompleteAndDrain(*decode, 2, done2.new_token_ids[0]), expected);
 }
 
 TEST_P(EngineDisaggTest, FailedRemotePrefillFallsBackToLocal) {
@@ -249,8 +259,7 @@ TEST_P(EngineDisaggTest, StreamedPrefillReportsFullBlocksChunkByChunk) {
   ASSERT_TRUE(prefill->ReleaseKvBlocks(*last.kv_pin).ok());
   EXPECT_EQ(prefill->GetStats().blocks.used_blocks, 0u);
   EXPECT_EQ(prefill->GetStats().blocks.num_pins, 0u);
-  ASSERT_TRUE(decode->CompleteRemotePrefill(1, last.new_token_ids[0]).ok());
-  EXPECT_EQ(Drain(*decode, 1), expected);
+  EXPECT_EQ(CompleteAndDrain(*decode, 1, last.new_token_ids[0]), expected);
 }
 
 TEST_P(EngineDisaggTest, CancelParkedRequestFreesReservation) {
@@ -260,7 +269,39 @@ TEST_P(EngineDisaggTest, CancelParkedRequestFreesReservation) {
   ASSERT_TRUE(decode->Cancel(1).ok());
   EXPECT_EQ(decode->GetStats().blocks.used_blocks, 0u);
   EXPECT_FALSE(decode->HasUnfinished());
-  EXPECT_EQ(decode->CompleteRemotePrefill(1, 0).code(), StatusCode::kNotFound);
+  EXPECT_EQ(decode->CompleteRemotePrefill(1, 0).status().code(), StatusCode::kNotFound);
+}
+
+// A first token that ends the request (max_tokens 1, a stop token) comes
+// back finished from CompleteRemotePrefill itself: nothing is left to step,
+// and every block is free at once.
+TEST_P(EngineDisaggTest, RemoteFirstTokenThatEndsTheRequestFinishesAtOnce) {
+  auto prefill = MakeEngine();
+  auto decode = MakeEngine();
+  EngineRequest one = Request(1, 40, 7, 1);
+  EngineRequest stop = Request(2, 45, 8, 10);
+  const RequestOutput first_of_stop = Prefill(*prefill, stop);
+  ASSERT_TRUE(prefill->ReleaseKvBlocks(*first_of_stop.kv_pin).ok());
+  stop.params.stop_token_ids = {first_of_stop.new_token_ids[0]};
+  for (const EngineRequest& r : {one, stop}) {
+    SCOPED_TRACE(r.id);
+    auto plan = decode->AddRemotePrefillRequest(r);
+    ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+    const RequestOutput done = Prefill(*prefill, r);
+    CopyBlocks(*prefill, done.kv_blocks, *decode, *plan);
+    ASSERT_TRUE(prefill->ReleaseKvBlocks(*done.kv_pin).ok());
+    auto out = decode->CompleteRemotePrefill(r.id, done.new_token_ids[0]);
+    ASSERT_TRUE(out.ok()) << out.status().ToString();
+    EXPECT_EQ(out->new_token_ids, done.new_token_ids);
+    EXPECT_TRUE(out->finished);
+    EXPECT_EQ(out->finish_reason, r.id == 1 ? FinishReason::kLength : FinishReason::kStop);
+    EXPECT_FALSE(decode->HasUnfinished());
+    EXPECT_EQ(decode->GetStats().blocks.used_blocks, 0u);
+    auto step = decode->Step();
+    ASSERT_TRUE(step.ok());
+    EXPECT_TRUE(step->empty()) << "a finished request was reported again";
+    EXPECT_EQ(decode->Cancel(r.id).code(), StatusCode::kNotFound);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(KvDtypes, EngineDisaggTest,

@@ -6,9 +6,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <memory>
 #include <numeric>
 #include <random>
+
+#include <nlohmann/json.hpp>
 
 #include "engine/engine.h"
 #include "engine/kv_cache.h"
@@ -269,7 +273,7 @@ std::vector<Variant> Variants() {
     s.attention_bias = true;
     s.dtype = DType::kBF16;
     // YaRN with mscale != mscale_all_dim: cos and sin scaled by their
-    // ratio; V2's softmax scale has no mscale correction.
+    // ratio, the softmax scale by mscale(factor, mscale_all_dim)^2.
     s.rope_scaling.type = RopeScaling::Type::kYarn;
     s.rope_scaling.factor = 8;
     s.rope_scaling.original_max_position_embeddings = 512;
@@ -444,6 +448,98 @@ TEST(EngineReferenceTest, DeepseekV3PresetMatchesReferenceForEachKvDtype) {
   EXPECT_TRUE(config->IsSparseLayer(2));
   EXPECT_TRUE(config->IsSparseLayer(3));
   CheckPresetForEachKvDtype("deepseek-v3", /*kv_rounding=*/true);
+}
+
+// Greedy decoding on the engine alone: `steps` tokens after `prompt`, with
+// the logits each was chosen from.
+struct Greedy {
+  std::vector<int32_t> tokens;
+  std::vector<std::vector<float>> logits;
+};
+Greedy RunGreedy(Model* model, kernels::Backend* backend, std::vector<int32_t> tokens, int steps) {
+  PagedRunner runner(model, backend);
+  Greedy g;
+  g.logits.push_back(runner.Run(tokens, 0, static_cast<int64_t>(tokens.size())).back());
+  for (int step = 0; step < steps; ++step) {
+    const auto& last = g.logits.back();
+    tokens.push_back(
+        static_cast<int32_t>(std::max_element(last.begin(), last.end()) - last.begin()));
+    g.logits.push_back(runner.Run(tokens, static_cast<int64_t>(tokens.size()) - 1, 1)[0]);
+  }
+  g.tokens = std::move(tokens);
+  return g;
+}
+
+// DeepSeek-V2 under YaRN as every published V2 checkpoint declares it
+// (mscale == mscale_all_dim == 0.707), here at factor 4: cos and sin are not
+// scaled, but deepseek-ai's DeepseekV2Attention multiplies the softmax scale
+// by (0.1 x 0.707 ln 4 + 1)^2 = 1.2056. The engine's greedy tokens and
+// logits must be those of the float64 reference, which applies it.
+//   Why this can fail: leaving the correction out (transformers' V2 before
+// it was fixed, and the engine before) changes every logit past the first
+// position, and with it the greedy text. The second half shows that on the
+// same weights: a config.json that asks for exactly the uncorrected
+// computation (attention_factor 1, no mscale_all_dim) gives logits far from
+// the reference's and other greedy tokens.
+TEST(EngineReferenceTest, DeepseekV2YarnSoftmaxMscaleMatchesReference) {
+  ModelSpec s = *PresetModelSpec("deepseek-v2-lite");
+  s.num_merges = 59;
+  s.rope_scaling.type = RopeScaling::Type::kYarn;
+  s.rope_scaling.factor = 4;
+  s.rope_scaling.original_max_position_embeddings = 1024;
+  s.max_position_embeddings = 4096;
+  s.rope_scaling.mscale = 0.707;
+  s.rope_scaling.mscale_all_dim = 0.707;
+  const std::string dir = testing::ModelDir("deepseek_v2_yarn_mscale", s);
+  Loaded l = LoadBoth(dir);
+  ASSERT_NE(l.model, nullptr);
+  ASSERT_NE(l.reference, nullptr);
+  const ModelConfig& c = l.model->config();
+  const double plain = 1 / std::sqrt(static_cast<double>(c.qk_nope_head_dim + c.qk_rope_head_dim));
+  ASSERT_DOUBLE_EQ(c.RopeAttentionFactor(), 1.0);
+  ASSERT_NEAR(c.AttentionScale() / plain, 1.2056281810045126, 1e-12);
+
+  CheckPrompt(l, 70, 16, 4);
+  constexpr int kSteps = 30;
+  const auto prompt = RandomTokens(5, c.vocab_size, 8);
+  const Greedy corrected = RunGreedy(l.model.get(), l.backend.get(), prompt, kSteps);
+  const auto ref = l.reference->Forward(corrected.tokens);
+  for (int step = 0; step <= kSteps; ++step) {
+    const size_t pos = prompt.size() - 1 + step;
+    ASSERT_LT(testing::RelativeError(corrected.logits[step], ref[pos]), kTolerance)
+        << "decode step " << step;
+    if (step < kSteps) {
+      ASSERT_EQ(corrected.tokens[pos + 1], testing::ArgMax(ref[pos])) << "greedy token " << step;
+    }
+  }
+
+  // The same weights without the correction.
+  namespace fs = std::filesystem;
+  const fs::path old_dir = testing::NewTempDir("deepseek_v2_yarn_uncorrected");
+  fs::copy(dir, old_dir, fs::copy_options::recursive | fs::copy_options::overwrite_existing);
+  nlohmann::json config;
+  std::ifstream(old_dir / "config.json") >> config;
+  config["rope_scaling"].erase("mscale_all_dim");
+  config["rope_scaling"]["attention_factor"] = 1.0;
+  std::ofstream(old_dir / "config.json") << config.dump(2);
+  auto uncorrected = Model::Load(old_dir.string(), l.backend.get());
+  ASSERT_TRUE(uncorrected.ok()) << uncorrected.status().ToString();
+  ASSERT_DOUBLE_EQ((*uncorrected)->config().RopeAttentionFactor(), 1.0);
+  ASSERT_DOUBLE_EQ((*uncorrected)->config().AttentionScale(), plain);
+  const Greedy old = RunGreedy(uncorrected->get(), l.backend.get(), prompt, kSteps);
+  const double old_error = testing::RelativeError(old.logits[0], ref[prompt.size() - 1]);
+  EXPECT_GT(old_error, 100 * kTolerance);
+  int first_difference = -1;
+  for (int step = 0; step < kSteps && first_difference < 0; ++step) {
+    if (old.tokens[prompt.size() + step] != corrected.tokens[prompt.size() + step]) {
+      first_difference = step;
+    }
+  }
+  std::printf(
+      "uncorrected softmax scale: logits error %.2e at the last prompt position, first "
+      "greedy token that differs at step %d of %d\n",
+      old_error, first_difference, kSteps);
+  EXPECT_GE(first_difference, 0) << "the uncorrected rule gave the same greedy tokens";
 }
 
 // The engine (scheduler + sampler) on top: a greedy run of 50 tokens gives

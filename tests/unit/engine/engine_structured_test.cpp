@@ -145,11 +145,12 @@ TEST_F(EngineStructuredTest, RefusesAConstraintWithoutGrammarAndAForbiddenRemote
   auto plan = e->AddRemotePrefillRequest(Request(2, c, 0, 1));
   ASSERT_TRUE(plan.ok());
   const TokenId no = tokenizer_->Encode("no", false)[0];
-  EXPECT_EQ(e->CompleteRemotePrefill(2, no).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(e->CompleteRemotePrefill(2, no).status().code(), StatusCode::kInvalidArgument);
   const TokenId y = tokenizer_->Encode("y", false)[0];
-  EXPECT_TRUE(e->CompleteRemotePrefill(2, y).ok());
+  auto first = e->CompleteRemotePrefill(2, y);
+  ASSERT_TRUE(first.ok());
   const auto out = Run(*e);
-  EXPECT_EQ(out.at(2).first, "yes");
+  EXPECT_EQ(first->text + out.at(2).first, "yes");
   EXPECT_EQ(out.at(2).second, FinishReason::kStop);
 }
 

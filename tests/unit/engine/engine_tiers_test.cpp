@@ -5,7 +5,9 @@
 // of an engine without tiers. A restarted engine on the same disk folder
 // comes back warm; a corrupt disk block is recomputed, never used; tenants
 // (cache salts) never share a lower-tier block; every tier change is a KV
-// event of its tier.
+// event of its tier. A disk folder written under another model fingerprint
+// is discarded, not served; a flush at stop leaves the device pool's and the
+// host tier's blocks on disk for the next engine.
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -33,8 +35,11 @@ class EngineTiersTest : public ::testing::Test {
 
   // A pool of 12 blocks: two 96-token prompts' worth.
   static std::unique_ptr<Engine> MakeEngine(int64_t host_blocks, const std::string& disk_dir,
-                                            int64_t disk_blocks) {
+                                            int64_t disk_blocks, uint64_t fingerprint = 0,
+                                            KvDiskWrite write = KvDiskWrite::kThrough) {
     EngineOptions o;
+    o.model_fingerprint = fingerprint;
+    o.kv_disk_write = write;
     o.kv_cache_bytes = 12 * kBlockBytes;
     o.record_kv_events = true;
     o.kv_host_cache_bytes = host_blocks * kBlockBytes;
@@ -243,6 +248,62 @@ TEST_F(EngineTiersTest, TenantsNeverShareALowerTierBlock) {
   // Tenant a's does.
   (void)Run(*e, 11, p, "tenant-a");
   EXPECT_GT(e->GetStats().tiers.host_hit_tokens + e->GetStats().tiers.disk_hit_tokens, 0);
+}
+
+TEST_F(EngineTiersTest, ADiskWrittenUnderAnotherModelFingerprintIsDiscarded) {
+  const std::string dir = testing::NewTempDir("engine-tiers-fingerprint");
+  const std::vector<TokenId> p = Prompt(97, 60);
+  const auto want = Reference(model_, {p});
+  {
+    auto e = MakeEngine(0, dir, 32, /*fingerprint=*/0x1111);
+    ASSERT_NE(e, nullptr);
+    (void)Run(*e, 1, p);
+    for (uint32_t i = 0; i < 3; ++i) (void)Run(*e, 2 + i, Prompt(97, 61 + i));  // push p down
+    Settle(*e);
+    ASSERT_GT(e->GetStats().tiers.store.disk.blocks, 0);
+  }
+  // Other weights of the same name and shapes: nothing comes back.
+  auto e = MakeEngine(0, dir, 32, /*fingerprint=*/0x2222);
+  ASSERT_NE(e, nullptr);
+  EXPECT_NE(e->kv_fingerprint(), 0x1111u);
+  EXPECT_TRUE(e->block_manager().Snapshot().disk_block_hashes.empty());
+  EXPECT_GT(e->GetStats().tiers.store.discarded_at_open, 0);
+  EXPECT_EQ(Run(*e, 1, p), want.at(0));
+  EXPECT_EQ(e->GetStats().tiers.disk_hit_tokens, 0) << "another model's KV was served";
+}
+
+TEST_F(EngineTiersTest, AFlushAtStopLeavesThePoolAndHostTierOnDisk) {
+  const std::string dir = testing::NewTempDir("engine-tiers-flush");
+  std::vector<std::vector<TokenId>> prompts;
+  for (uint32_t i = 0; i < 3; ++i) prompts.push_back(Prompt(97, 120 + i));
+  const auto want = Reference(model_, prompts);
+  {
+    // Write-back, and a host tier that holds everything the pool evicts:
+    // nothing reaches the disk until the flush.
+    auto e = MakeEngine(32, dir, 64, 0, KvDiskWrite::kBack);
+    ASSERT_NE(e, nullptr);
+    RequestId id = 1;
+    for (const auto& p : prompts) (void)Run(*e, id++, p);
+    Settle(*e);
+    ASSERT_EQ(e->GetStats().tiers.store.disk.blocks, 0);
+    ASSERT_GT(e->GetStats().tiers.store.host.blocks, 0);
+    auto flushed = e->FlushTiersToDisk(std::chrono::steady_clock::now() + std::chrono::seconds(60));
+    ASSERT_TRUE(flushed.ok()) << flushed.status().ToString();
+    EXPECT_GT(flushed->evicted, 0) << "the pool's own cached blocks";
+    EXPECT_GT(flushed->written, 0);
+    EXPECT_EQ(flushed->left, 0);
+    EXPECT_EQ(e->GetStats().blocks.used_blocks, 0u);
+  }
+  auto e = MakeEngine(32, dir, 64, 0, KvDiskWrite::kBack);
+  ASSERT_NE(e, nullptr);
+  // Every prompt comes back from the disk, the last one (which was still in
+  // the pool at the flush) included.
+  RequestId id = 1;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    const int64_t before = e->GetStats().tiers.disk_hit_tokens;
+    EXPECT_EQ(Run(*e, id++, prompts[i]), want.at(i)) << i;
+    EXPECT_GE(e->GetStats().tiers.disk_hit_tokens - before, 16 * 5) << i;
+  }
 }
 
 }  // namespace

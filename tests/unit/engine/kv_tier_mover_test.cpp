@@ -1,7 +1,12 @@
 // engine/kv_tier_mover.h and engine/host_block_buffers.h: an onload racing
 // the offload of the same block gets the queued copy (a write in flight is
 // not lost); onloads go ahead of queued offloads; a run ends at the first
-// block the tiers do not hold; transfer buffers are recycled.
+// block the tiers do not hold; transfer buffers are recycled. With both
+// tiers, the writer thread copies host blocks to disk by itself
+// (write-through), no faster than its pace; a flush puts queued offloads
+// away and writes the host tier to disk (write-back). Failed disk writes
+// (a full file system) are logged with their real cause once per interval
+// and counted.
 #include "engine/kv_tier_mover.h"
 
 #include <gtest/gtest.h>
@@ -12,6 +17,8 @@
 #include <random>
 
 #include "kernels/cpu/cpu_backend.h"
+#include "tests/support/file_size_limit.h"
+#include "tests/support/test_models.h"
 
 namespace pdserve {
 namespace {
@@ -133,6 +140,110 @@ TEST_F(KvTierMoverTest, ARunEndsAtTheFirstBlockTheTiersDoNotHold) {
               BlockBytes(static_cast<uint32_t>(k + 1)));
     EXPECT_EQ(loaded[0].tiers[k], KvTier::kHost);
   }
+}
+
+// Both tiers, for the disk writes.
+std::unique_ptr<KvTierStore> TwoTiers(kernels::Backend* backend, KvDiskWrite write) {
+  KvTierOptions o;
+  o.block_bytes = kBlock;
+  o.layout_hash = 2;
+  o.host_bytes = 8 * kBlock;
+  o.host_memory_from = backend;
+  o.disk_dir = testing::NewTempDir("mover-disk");
+  o.disk_bytes = 16 * 4096;
+  o.disk_write = write;
+  auto s = KvTierStore::Open(o);
+  EXPECT_TRUE(s.ok()) << s.status().ToString();
+  return s.ok() ? std::move(*s) : nullptr;
+}
+
+TEST_F(KvTierMoverTest, TheWriterCopiesHostBlocksToDiskByItself) {
+  auto store = TwoTiers(&backend_, KvDiskWrite::kThrough);
+  ASSERT_NE(store, nullptr);
+  KvTierMover mover(store.get(), &buffers_, {});
+  for (BlockHash h = 1; h <= 3; ++h) mover.Offload(h, Copy(buffers_, BlockBytes(h)));
+  for (int i = 0; i < 10000 && store->stats().disk_writes_through < 3; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  EXPECT_EQ(store->stats().disk_writes_through, 3);
+  EXPECT_EQ(store->stats().write_queue_blocks, 0);
+  EXPECT_EQ(store->Blocks(KvTier::kDisk).size(), 3u);
+  int disk_stored = 0, host_stored = 0;
+  for (const KvTierChange& c : mover.TakeChanges()) {
+    disk_stored += c.stored && c.tier == KvTier::kDisk;
+    host_stored += c.stored && c.tier == KvTier::kHost;
+  }
+  EXPECT_EQ(disk_stored, 3);
+  EXPECT_EQ(host_stored, 3);
+}
+
+TEST_F(KvTierMoverTest, TheWriterKeepsItsPaceAndStopsWithoutWaitingForIt) {
+  auto store = TwoTiers(&backend_, KvDiskWrite::kThrough);
+  ASSERT_NE(store, nullptr);
+  {
+    // One block's bytes a minute: the first write goes at once, the next
+    // not before a minute has passed.
+    KvTierMover mover(store.get(), &buffers_, {}, /*write_bytes_per_second=*/kBlock / 60);
+    for (BlockHash h = 1; h <= 3; ++h) mover.Offload(h, Copy(buffers_, BlockBytes(h)));
+    for (int i = 0; i < 10000 && store->stats().disk_writes_through < 1; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    EXPECT_EQ(store->stats().disk_writes_through, 1);
+    EXPECT_EQ(store->stats().write_queue_blocks, 2);
+  }  // the destructor does not wait out the pace
+  EXPECT_EQ(store->stats().disk_writes_through, 1);
+}
+
+TEST_F(KvTierMoverTest, AFlushPutsQueuedOffloadsAwayAndWritesTheHostTier) {
+  auto store = TwoTiers(&backend_, KvDiskWrite::kBack);
+  ASSERT_NE(store, nullptr);
+  KvTierMover mover(store.get(), &buffers_, {});
+  for (BlockHash h = 1; h <= 3; ++h) mover.Offload(h, Copy(buffers_, BlockBytes(h)));
+  auto r = mover.Flush(std::chrono::steady_clock::now() + std::chrono::seconds(60));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->written, 3);
+  EXPECT_EQ(r->left, 0);
+  EXPECT_EQ(store->Blocks(KvTier::kDisk).size(), 3u);
+  EXPECT_EQ(store->Blocks(KvTier::kHost).size(), 3u);
+  EXPECT_EQ(store->stats().disk_writes_flush, 3);
+}
+
+TEST_F(KvTierMoverTest, FailedDiskWritesAreLoggedOnceWithTheirCauseAndCounted) {
+  KvTierOptions o;
+  o.block_bytes = kBlock;
+  o.layout_hash = 3;
+  o.disk_dir = testing::NewTempDir("mover-full");
+  o.disk_bytes = 16 * 4096;
+  auto store = KvTierStore::Open(o);
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  {
+    KvTierMover mover(store->get(), &buffers_, {});
+    mover.Offload(1, Copy(buffers_, BlockBytes(1)));  // slot 0, whole
+    auto flushed = mover.Flush(std::chrono::steady_clock::now() + std::chrono::seconds(60));
+    ASSERT_TRUE(flushed.ok());
+    ASSERT_EQ((*store)->stats().disk.blocks, 1);
+    // Every later write stops 100 bytes into slot 1, as on a full disk.
+    testing::FileSizeLimit limit(4096 + 100);
+    ASSERT_TRUE(limit.ok());
+    ::testing::internal::CaptureStderr();
+    for (BlockHash h = 2; h < 22; ++h) mover.Offload(h, Copy(buffers_, BlockBytes(h)));
+    for (int i = 0; i < 10000 && mover.counters().offload_failures < 20; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    const std::string log = ::testing::internal::GetCapturedStderr();
+    EXPECT_EQ(mover.counters().offload_failures, 20);
+    EXPECT_EQ((*store)->stats().disk_write_errors, 20);
+    size_t lines = 0;
+    for (size_t at = log.find("could not be kept"); at != std::string::npos;
+         at = log.find("could not be kept", at + 1)) {
+      ++lines;
+    }
+    EXPECT_EQ(lines, 1u) << log;
+    EXPECT_NE(log.find(std::strerror(EFBIG)), std::string::npos) << log;
+    EXPECT_EQ(log.find("Success"), std::string::npos) << log;
+  }
+  EXPECT_EQ((*store)->stats().disk.blocks, 1);
 }
 
 TEST(HostBlockBuffersTest, BuffersAreRecycledUpToTheIdleLimit) {

@@ -1,18 +1,29 @@
 // engine/kv_tier_store.h: blocks cascade host -> disk -> gone, LRU in each
 // tier; a disk block comes back byte for byte; a torn or corrupted disk slot
 // is never served (dropped, counted); reopening the folder rebuilds the disk
-// index (a warm restart) and ignores a slab written by another layout.
+// index (a warm restart) and discards a slab written by another layout or
+// model. Write-through copies host blocks to disk as they arrive (a store
+// dropped without a flush, as in a crash, keeps them), within its queue's
+// bound; write-back's flush writes the host tier's most recent blocks. The
+// slab is refused when it is a symbolic link, has other hard links or
+// another owner; a slab the file system has no room for is refused at
+// open; a write cut short by a full file system reports its real error.
 #include "engine/kv_tier_store.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <random>
 
+#include "tests/support/file_size_limit.h"
 #include "tests/support/test_models.h"
 
 namespace pdserve {
@@ -28,13 +39,14 @@ std::vector<uint8_t> BlockBytes(uint32_t seed) {
 }
 
 KvTierOptions Options(int64_t host_blocks, const std::string& dir, int64_t disk_blocks,
-                      uint64_t layout = 0xabc) {
+                      uint64_t layout = 0xabc, KvDiskWrite write = KvDiskWrite::kThrough) {
   KvTierOptions o;
   o.block_bytes = kBlock;
   o.layout_hash = layout;
   o.host_bytes = host_blocks * kBlock;
   o.disk_dir = dir;
   o.disk_bytes = disk_blocks * 4096;  // one slot of header + 3000 bytes each
+  o.disk_write = write;
   return o;
 }
 
@@ -92,7 +104,7 @@ TEST(KvTierStoreTest, ACorruptDiskBlockIsDroppedAndCounted) {
   for (BlockHash h = 10; h < 13; ++h)
     ASSERT_TRUE((*s)->Put(h, BlockBytes(h).data(), &changes).ok());
   // Flip a byte in the middle of every slot's payload (a torn write looks the same).
-  const std::string slab = dir + "/kv-tier-0000000000000abc.slab";
+  const std::string slab = dir + "/kv-tier.slab";
   const int fd = ::open(slab.c_str(), O_RDWR);
   ASSERT_GE(fd, 0);
   uint8_t b;
@@ -149,10 +161,211 @@ TEST(KvTierStoreTest, ReopeningRebuildsTheDiskIndexOfTheSameLayoutOnly) {
     ASSERT_TRUE((*again)->Get(h, out.data(), &changes).ok()) << h;
     EXPECT_EQ(out, BlockBytes(h));
   }
-  // Another layout (another model, KV dtype or block size) reads nothing.
-  auto other = KvTierStore::Open(Options(1, dir, 8, /*layout=*/0xdef));
-  ASSERT_TRUE(other.ok());
-  EXPECT_TRUE((*other)->Blocks(KvTier::kDisk).empty());
+  EXPECT_EQ((*again)->stats().discarded_at_open, 0);
+  again->reset();  // releases the slab
+  // Another layout (another model, its weights, KV dtype or scales, block
+  // size) reads nothing: it discards the slab's blocks and counts them.
+  {
+    auto other = KvTierStore::Open(Options(1, dir, 8, /*layout=*/0xdef));
+    ASSERT_TRUE(other.ok()) << other.status().ToString();
+    EXPECT_TRUE((*other)->Blocks(KvTier::kDisk).empty());
+    EXPECT_EQ((*other)->stats().discarded_at_open, 3);
+  }
+  // Discarded for good: the first layout finds nothing either, and nothing
+  // is left to discard.
+  auto back = KvTierStore::Open(Options(1, dir, 8));
+  ASSERT_TRUE(back.ok());
+  EXPECT_TRUE((*back)->Blocks(KvTier::kDisk).empty());
+  EXPECT_EQ((*back)->stats().discarded_at_open, 0);
+}
+
+TEST(KvTierStoreTest, WriteThroughCopiesHostBlocksToDiskAndACrashKeepsThem) {
+  const std::string dir = testing::NewTempDir("tiers-through");
+  {
+    auto s = KvTierStore::Open(Options(4, dir, 8));
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    KvTierStore& t = **s;
+    ASSERT_TRUE(t.writes_through());
+    std::vector<KvTierChange> changes;
+    for (BlockHash h = 1; h <= 3; ++h) ASSERT_TRUE(t.Put(h, BlockBytes(h).data(), &changes).ok());
+    EXPECT_EQ(t.stats().write_queue_blocks, 3);
+    EXPECT_TRUE(t.Blocks(KvTier::kDisk).empty()) << "nothing is written before its turn";
+    changes.clear();
+    for (int i = 0; i < 3; ++i) {
+      auto n = t.WriteQueued(&changes);
+      ASSERT_TRUE(n.ok()) << n.status().ToString();
+      EXPECT_EQ(*n, kBlock);
+    }
+    EXPECT_EQ(*t.WriteQueued(&changes), 0) << "the queue is empty";
+    ASSERT_EQ(changes.size(), 3u);
+    for (const KvTierChange& c : changes) {
+      EXPECT_EQ(c.tier, KvTier::kDisk);
+      EXPECT_TRUE(c.stored);
+    }
+    // Both tiers hold them now; reads come from memory.
+    EXPECT_EQ(Sorted(t.Blocks(KvTier::kHost)), (std::vector<BlockHash>{1, 2, 3}));
+    EXPECT_EQ(Sorted(t.Blocks(KvTier::kDisk)), (std::vector<BlockHash>{1, 2, 3}));
+    EXPECT_EQ(t.Find(2), KvTier::kHost);
+    const KvTierStats st = t.stats();
+    EXPECT_EQ(st.disk_writes_through, 3);
+    EXPECT_EQ(st.write_queue_blocks, 0);
+    // The host tier evicts a block it already wrote without writing it again.
+    for (BlockHash h = 4; h <= 5; ++h) ASSERT_TRUE(t.Put(h, BlockBytes(h).data(), &changes).ok());
+    EXPECT_EQ(t.stats().disk_writes_evict, 0);
+    EXPECT_EQ(t.Find(1), KvTier::kDisk);
+    // 4 and 5 are still queued when the store goes away unflushed, as in a
+    // crash: only they are lost.
+  }
+  auto again = KvTierStore::Open(Options(4, dir, 8));
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_EQ(Sorted((*again)->Blocks(KvTier::kDisk)), (std::vector<BlockHash>{1, 2, 3}));
+  std::vector<uint8_t> out(kBlock);
+  std::vector<KvTierChange> changes;
+  for (BlockHash h = 1; h <= 3; ++h) {
+    ASSERT_TRUE((*again)->Get(h, out.data(), &changes).ok()) << h;
+    EXPECT_EQ(out, BlockBytes(h)) << h;
+  }
+}
+
+TEST(KvTierStoreTest, AFullWriteQueueDropsTheCopyNotTheBlock) {
+  const std::string dir = testing::NewTempDir("tiers-queue");
+  KvTierOptions o = Options(3, dir, 8);
+  o.write_queue_blocks = 2;
+  auto s = KvTierStore::Open(o);
+  ASSERT_TRUE(s.ok());
+  std::vector<KvTierChange> changes;
+  for (BlockHash h = 1; h <= 3; ++h) ASSERT_TRUE((*s)->Put(h, BlockBytes(h).data(), &changes).ok());
+  KvTierStats st = (*s)->stats();
+  EXPECT_EQ(st.write_queue_blocks, 2);
+  EXPECT_EQ(st.write_dropped, 1);
+  // The unqueued block still reaches the disk when the host tier evicts it.
+  ASSERT_TRUE((*s)->Put(4, BlockBytes(4).data(), &changes).ok());  // evicts 1 (queued, unwritten)
+  EXPECT_EQ((*s)->Find(1), KvTier::kDisk);
+  EXPECT_EQ((*s)->stats().disk_writes_evict, 1);
+  EXPECT_EQ((*s)->stats().write_queue_blocks, 2) << "2 is still queued, and now 4";
+  ASSERT_TRUE((*s)->WriteQueued(&changes).ok());
+  ASSERT_TRUE((*s)->WriteQueued(&changes).ok());
+  EXPECT_EQ((*s)->stats().disk_writes_through, 2);
+  EXPECT_EQ(Sorted((*s)->Blocks(KvTier::kDisk)), (std::vector<BlockHash>{1, 2, 4}));
+}
+
+TEST(KvTierStoreTest, WriteBackFlushWritesTheMostRecentHostBlocks) {
+  const std::string dir = testing::NewTempDir("tiers-flush");
+  {
+    auto s = KvTierStore::Open(Options(4, dir, 3, 0xabc, KvDiskWrite::kBack));
+    ASSERT_TRUE(s.ok());
+    ASSERT_FALSE((*s)->writes_through());
+    std::vector<KvTierChange> changes;
+    for (BlockHash h = 1; h <= 4; ++h)
+      ASSERT_TRUE((*s)->Put(h, BlockBytes(h).data(), &changes).ok());
+    EXPECT_EQ((*s)->stats().write_queue_blocks, 0);
+    EXPECT_TRUE((*s)->Blocks(KvTier::kDisk).empty());
+    // No time at all: nothing written, everything left.
+    int64_t left = 0;
+    auto none = (*s)->FlushHostToDisk(std::chrono::steady_clock::now(), &changes, &left);
+    ASSERT_TRUE(none.ok());
+    EXPECT_EQ(*none, 0);
+    EXPECT_EQ(left, 3) << "the disk holds 3 of the 4";
+    auto n = (*s)->FlushHostToDisk(std::chrono::steady_clock::now() + std::chrono::seconds(60),
+                                   &changes, &left);
+    ASSERT_TRUE(n.ok()) << n.status().ToString();
+    EXPECT_EQ(*n, 3);
+    EXPECT_EQ(left, 0);
+    EXPECT_EQ((*s)->stats().disk_writes_flush, 3);
+    EXPECT_EQ(Sorted((*s)->Blocks(KvTier::kHost)), (std::vector<BlockHash>{1, 2, 3, 4}));
+  }
+  auto again = KvTierStore::Open(Options(4, dir, 3, 0xabc, KvDiskWrite::kBack));
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(Sorted((*again)->Blocks(KvTier::kDisk)), (std::vector<BlockHash>{2, 3, 4}));
+}
+
+TEST(KvTierStoreTest, RefusesASlabThatIsALinkOrAnotherFile) {
+  const std::string dir = testing::NewTempDir("tiers-link");
+  // A symbolic link at the slab's name: its target is neither resized nor written.
+  const std::string target = testing::NewTempDir("tiers-link-target") + "/precious";
+  { std::ofstream(target) << "keep me"; }
+  ASSERT_EQ(::symlink(target.c_str(), (dir + "/kv-tier.slab").c_str()), 0);
+  auto s = KvTierStore::Open(Options(0, dir, 4));
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), StatusCode::kUnavailable);
+  EXPECT_NE(s.status().message().find("symbolic link"), std::string::npos) << s.status().message();
+  EXPECT_EQ(std::filesystem::file_size(target), 7u);
+  // A hard link: the same file is also elsewhere.
+  const std::string dir2 = testing::NewTempDir("tiers-hardlink");
+  { std::ofstream(target + "2") << "keep me too"; }
+  ASSERT_EQ(::link((target + "2").c_str(), (dir2 + "/kv-tier.slab").c_str()), 0);
+  s = KvTierStore::Open(Options(0, dir2, 4));
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.status().message().find("hard links"), std::string::npos) << s.status().message();
+  EXPECT_EQ(std::filesystem::file_size(target + "2"), 11u);
+  // A folder at the slab's name.
+  const std::string dir3 = testing::NewTempDir("tiers-notfile");
+  std::filesystem::create_directory(dir3 + "/kv-tier.slab");
+  s = KvTierStore::Open(Options(0, dir3, 4));
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), StatusCode::kUnavailable);
+}
+
+TEST(KvTierStoreTest, RefusesASlabOfAnotherUser) {
+  if (::geteuid() != 0) {
+    GTEST_SKIP() << "making a file of another user takes root (chown); the check itself is "
+                    "one comparison of st_uid with geteuid()";
+  }
+  const std::string dir = testing::NewTempDir("tiers-owner");
+  const std::string slab = dir + "/kv-tier.slab";
+  { std::ofstream(slab) << "not ours"; }
+  ASSERT_EQ(::chown(slab.c_str(), 65534, 65534), 0);
+  auto s = KvTierStore::Open(Options(0, dir, 4));
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.status().message().find("belongs to user id 65534"), std::string::npos)
+      << s.status().message();
+  EXPECT_EQ(std::filesystem::file_size(slab), 8u) << "resized anyway";
+}
+
+TEST(KvTierStoreTest, RefusesASlabLargerThanTheFreeSpace) {
+  const std::string dir = testing::NewTempDir("tiers-space");
+  struct statvfs vfs {};
+  ASSERT_EQ(::statvfs(dir.c_str(), &vfs), 0);
+  const int64_t free_bytes = static_cast<int64_t>(vfs.f_bavail) * vfs.f_frsize;
+  KvTierOptions o = Options(0, dir, 1);
+  o.disk_bytes = free_bytes + (int64_t{1} << 30);  // 1 GiB more than is free
+  auto s = KvTierStore::Open(o);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(s.status().message().find("are free"), std::string::npos) << s.status().message();
+  EXPECT_EQ(std::filesystem::file_size(dir + "/kv-tier.slab"), 0u) << "nothing was reserved";
+}
+
+TEST(KvTierStoreTest, AWriteCutShortReportsItsRealErrorAndIsNeverServed) {
+  const std::string dir = testing::NewTempDir("tiers-short");
+  std::vector<KvTierChange> changes;
+  {
+    auto s = KvTierStore::Open(Options(0, dir, 4));
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    ASSERT_TRUE((*s)->Put(1, BlockBytes(1).data(), &changes).ok());  // slot 0
+    Status st;
+    {
+      // Slot 1 may take its header and 1,000 bytes of its payload, no more.
+      testing::FileSizeLimit limit(4096 + 64 + 1000);
+      ASSERT_TRUE(limit.ok());
+      st = (*s)->Put(2, BlockBytes(2).data(), &changes);
+    }
+    ASSERT_FALSE(st.ok());
+    EXPECT_EQ(st.message().find("Success"), std::string::npos) << st.message();
+    EXPECT_NE(st.message().find(std::strerror(EFBIG)), std::string::npos) << st.message();
+    EXPECT_EQ((*s)->stats().disk_write_errors, 1);
+    EXPECT_FALSE((*s)->Find(2).has_value()) << "a failed write is not indexed";
+  }
+  // The torn slot has a valid header over a partial payload: found at open,
+  // refused when read.
+  auto again = KvTierStore::Open(Options(0, dir, 4));
+  ASSERT_TRUE(again.ok());
+  std::vector<uint8_t> out(kBlock);
+  EXPECT_TRUE((*again)->Get(1, out.data(), &changes).ok());
+  EXPECT_EQ(out, BlockBytes(1));
+  const Status torn = (*again)->Get(2, out.data(), &changes);
+  EXPECT_EQ(torn.code(), StatusCode::kNotFound);
+  EXPECT_NE(out, BlockBytes(2));
 }
 
 TEST(KvTierStoreTest, OneProcessAtATimeOwnsADiskFolder) {

@@ -2,8 +2,8 @@
 // DeepseekV3Config, DeepseekV2/V3Attention, _compute_yarn_parameters): the
 // defaults, q_lora_rank null, the rotary width, the interleaved pairs, YaRN
 // frequencies (golden values computed from transformers' formula in
-// float64), the attention factor and V3's softmax mscale correction, which
-// V2 does not have.
+// float64), the attention factor and the softmax mscale correction that
+// deepseek-ai's code applies to V2 and V3 alike.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -75,23 +75,54 @@ TEST(MlaConfigTest, DefaultsAndNullQLoraRank) {
   EXPECT_NEAR(c->AttentionScale(), 1 / std::sqrt(192.0), 1e-12);  // no rope scaling
 }
 
-TEST(MlaConfigTest, DeepSeekV2HasNoSoftmaxMscale) {
-  // DeepSeek-V2-Lite's attention: q_lora_rank null, yarn with mscale 0.707.
-  auto c = ParseModelConfig(R"({"architectures": ["DeepseekV2ForCausalLM"], "hidden_size": 64,
+// DeepSeek-V2-Lite's attention shape on a tiny body, with `rope` as its
+// rope_scaling.
+std::string V2Config(const std::string& rope) {
+  return R"({"architectures": ["DeepseekV2ForCausalLM"], "hidden_size": 64,
     "intermediate_size": 96, "moe_intermediate_size": 16, "num_hidden_layers": 2,
     "num_attention_heads": 4, "vocab_size": 300, "n_routed_experts": 8,
     "num_experts_per_tok": 2, "q_lora_rank": null, "kv_lora_rank": 512,
     "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-    "max_position_embeddings": 163840,
-    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707,
-                     "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096,
-                     "type": "yarn"}})",
+    "max_position_embeddings": 163840, "rope_scaling": )" +
+         rope + "}";
+}
+
+TEST(MlaConfigTest, DeepSeekV2SoftmaxScaleHasYarnMscale) {
+  // DeepSeek-V2-Lite's (and V2's, V2.5's) published rope_scaling. mscale ==
+  // mscale_all_dim: cos and sin are not scaled, but the softmax scale is
+  // 192^-0.5 x (0.1 x 0.707 ln 40 + 1)^2, as deepseek-ai's
+  // DeepseekV2Attention computes it (1.5896x the unscaled value).
+  auto c = ParseModelConfig(V2Config(R"({"beta_fast": 32, "beta_slow": 1, "factor": 40,
+    "mscale": 0.707, "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096,
+    "type": "yarn"})"),
                             "v2");
   ASSERT_TRUE(c.ok()) << c.status().ToString();
   EXPECT_EQ(c->q_lora_rank, 0);
   EXPECT_TRUE(c->rope_interleave);  // V2 always rotates complex (interleaved) pairs
-  EXPECT_NEAR(c->AttentionScale(), 1 / std::sqrt(192.0), 1e-12);
   EXPECT_DOUBLE_EQ(c->RopeAttentionFactor(), 1.0);
+  EXPECT_NEAR(c->AttentionScale(), 0.11472138679292611, 1e-12);
+  // Factor 4: (0.1 x 0.707 ln 4 + 1)^2 = 1.2056x.
+  c = ParseModelConfig(V2Config(R"({"factor": 4, "mscale": 0.707, "mscale_all_dim": 0.707,
+    "original_max_position_embeddings": 4096, "type": "yarn"})"),
+                       "v2");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_NEAR(c->AttentionScale() * std::sqrt(192.0), 1.2056281810045126, 1e-12);
+}
+
+TEST(MlaConfigTest, SoftmaxMscaleNeedsScaledRopeAndMscaleAllDim) {
+  // Any scaled rope type carries the correction (the authors' code tests
+  // only that rope_scaling is set, transformers that it is not default) ...
+  auto c =
+      ParseModelConfig(V2Config(R"({"type": "linear", "factor": 2, "mscale_all_dim": 0.5})"), "v2");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_NEAR(c->AttentionScale(), 0.07725782681379423, 1e-12);  // 192^-0.5 (0.05 ln 2 + 1)^2
+  // ... and none without mscale_all_dim, or at a factor of 1 or less.
+  c = ParseModelConfig(V2Config(R"({"type": "yarn", "factor": 4, "mscale": 0.707})"), "v2");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_NEAR(c->AttentionScale(), 1 / std::sqrt(192.0), 1e-12);
+  c = ParseModelConfig(V2Config(R"({"type": "yarn", "factor": 1, "mscale_all_dim": 0.707})"), "v2");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_NEAR(c->AttentionScale(), 1 / std::sqrt(192.0), 1e-12);
 }
 
 TEST(MlaConfigTest, YarnAttentionFactor) {

@@ -156,6 +156,42 @@ TEST(HttpServerTest, LimitsAndMalformedRequestsGetClearErrorsAndSpareOthers) {
   EXPECT_NE(r.find("HTTP/1.1 200"), std::string::npos) << r;
 }
 
+// A transfer coding the server does not implement (anything but chunked)
+// is 501, not a body read as if it were plain; chunked alone is served.
+TEST(HttpServerTest, TransferCodingsOtherThanChunkedAre501) {
+  std::atomic<int> handled{0};
+  Server server({.host = "127.0.0.1"}, [&](const Request& req, std::shared_ptr<Exchange> ex) {
+    ++handled;
+    Response r;
+    r.body = nlohmann::json{{"body", req.body}}.dump();
+    ex->Reply(std::move(r));
+  });
+  ASSERT_TRUE(server.Start().ok());
+  const std::string chunked_body = "5\r\nhello\r\n0\r\n\r\n";
+  auto post = [](const std::string& te_lines, const std::string& body) {
+    return "POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" + te_lines + "\r\n" +
+           body;
+  };
+  for (const std::string te :
+       {"Transfer-Encoding: gzip, chunked\r\n", "Transfer-Encoding: deflate,chunked\r\n",
+        "Transfer-Encoding: GZIP ,  Chunked\r\n",
+        "Transfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n",
+        "Transfer-Encoding: x-custom;q=1, chunked\r\n"}) {
+    SCOPED_TRACE(te);
+    const std::string r = Fetch(server.port(), post(te, chunked_body));
+    EXPECT_NE(r.find("HTTP/1.1 501"), std::string::npos) << r;
+    auto err = nlohmann::json::parse(BodyOf(r), nullptr, false);
+    ASSERT_TRUE(err.is_object()) << r;
+    EXPECT_NE(err["error"]["message"].get<std::string>().find("not implemented"), std::string::npos)
+        << r;
+  }
+  EXPECT_EQ(handled.load(), 0);
+  const std::string ok = Fetch(server.port(), post("Transfer-Encoding: chunked\r\n", chunked_body));
+  EXPECT_NE(ok.find("HTTP/1.1 200"), std::string::npos) << ok;
+  EXPECT_NE(ok.find("\"hello\""), std::string::npos) << ok;
+  EXPECT_EQ(handled.load(), 1);
+}
+
 TEST(HttpServerTest, ConcurrencyLimitAnswers503WithRetryAfter) {
   std::promise<std::shared_ptr<Exchange>> held;
   std::atomic<int> calls{0};

@@ -20,6 +20,7 @@ KvLayout Llama3_8B() {
   l.head_dim = 128;
   l.block_tokens = 16;
   l.bytes_per_block = l.DenseBytesPerBlock();
+  l.model_fingerprint = 0x0123456789abcdefull;
   return l;
 }
 
@@ -38,7 +39,7 @@ TEST(KvLayoutTest, DenseBytesPerBlockMatchesTheFormula) {
 TEST(KvLayoutTest, EncodingIsTheDocumentedLittleEndianFormat) {
   const KvLayout l = Llama3_8B();
   std::string expected;
-  PutLe(&expected, 3, 2);  // format version
+  PutLe(&expected, 4, 2);  // format version
   PutLe(&expected, l.model_id.size(), 4);
   expected += l.model_id;
   PutLe(&expected, 2, 1);  // bf16 (DType enum order: f32, f16, bf16, fp8, fp4)
@@ -56,13 +57,14 @@ TEST(KvLayoutTest, EncodingIsTheDocumentedLittleEndianFormat) {
   PutLe(&expected, 0, 1);  // memory_type: host
   PutLe(&expected, 3, 4);
   expected += "ucx";
+  PutLe(&expected, 0x0123456789abcdefull, 8);  // model_fingerprint
   EXPECT_EQ(l.Encode(), expected);
   EXPECT_EQ(l.Hash(), XXH3_64bits(expected.data(), expected.size()));
 }
 
 TEST(KvLayoutTest, EveryFieldChangesTheHash) {
   const KvLayout base = Llama3_8B();
-  std::vector<KvLayout> variants(12, base);
+  std::vector<KvLayout> variants(13, base);
   variants[0].model_id = "other";
   variants[1].weight_dtype = DType::kF16;
   variants[2].kv_dtype = DType::kFP8E4M3;
@@ -75,6 +77,7 @@ TEST(KvLayoutTest, EveryFieldChangesTheHash) {
   variants[9].memory_type = MemoryType::kCuda;
   variants[10].transfer_backend = "nccl";
   variants[11].attention = KvAttention::kMla;
+  variants[12].model_fingerprint ^= 1;  // same name and shapes, other weights
   for (const auto& v : variants) {
     EXPECT_NE(v.Hash(), base.Hash()) << v.ToString();
     EXPECT_FALSE(DescribeLayoutDifferences(base, v).empty()) << v.ToString();
@@ -128,6 +131,12 @@ TEST(KvLayoutTest, MismatchNamesEachDifferingField) {
   peer.transfer_backend = "nccl";
   EXPECT_EQ(DescribeLayoutDifferences(here, peer),
             "memory_type: host here, cuda on peer; transfer_backend: ucx here, nccl on peer");
+  // A fine-tune of the same model: every shape agrees, the weights do not.
+  peer = here;
+  peer.model_fingerprint = 0xfedcba9876543210ull;
+  EXPECT_EQ(CheckLayoutsMatch(here, peer).message(),
+            "KV layout mismatch: model_fingerprint (weights, config, tokenizer, KV scales): "
+            "0123456789abcdef here, fedcba9876543210 on peer");
 }
 
 // DeepSeek-V3's latent cache: 61 layers of one 512 + 64 vector per token.

@@ -1,0 +1,116 @@
+#include "engine/model_fingerprint.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <set>
+#include <vector>
+
+#include "engine/safetensors.h"
+
+namespace pdserve {
+namespace {
+
+constexpr size_t kWholeTensorBytes = 64 << 10;
+constexpr size_t kWindows = 16;
+constexpr size_t kWindowBytes = 256;
+
+class Digest {
+ public:
+  Digest() : state_(XXH3_createState()) { XXH3_64bits_reset(state_); }
+  ~Digest() { XXH3_freeState(state_); }
+  Digest(const Digest&) = delete;
+  Digest& operator=(const Digest&) = delete;
+
+  void Bytes(const void* p, size_t n) { XXH3_64bits_update(state_, p, n); }
+  void U64(uint64_t v) { Bytes(&v, sizeof(v)); }
+  // Length-prefixed, so that no two sequences of fields run together alike.
+  void String(const std::string& s) {
+    U64(s.size());
+    Bytes(s.data(), s.size());
+  }
+  uint64_t Value() const { return XXH3_64bits_digest(state_); }
+
+ private:
+  XXH3_state_t* state_;
+};
+
+// A small text file of the folder (absent ones count as absent).
+Status AddFile(Digest& d, const std::filesystem::path& path) {
+  d.String(path.filename().string());
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    d.U64(0);  // absent
+    return Status::Ok();
+  }
+  d.U64(1);
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (in.bad()) return Status::Unavailable("cannot read " + path.string());
+  d.String(bytes);
+  return Status::Ok();
+}
+
+// A safetensors file's name, size and raw header (length and JSON).
+Status AddSafetensorsHeader(Digest& d, const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return Status::NotFound(path + ": cannot open: " + std::strerror(errno));
+  struct stat st {};
+  uint64_t header_len = 0;
+  std::string header;
+  bool ok = ::fstat(fd, &st) == 0 && ::pread(fd, &header_len, 8, 0) == 8 &&
+            header_len <= static_cast<uint64_t>(st.st_size) - 8;
+  if (ok) {
+    header.resize(header_len);
+    ok = ::pread(fd, header.data(), header_len, 8) == static_cast<ssize_t>(header_len);
+  }
+  ::close(fd);
+  if (!ok) return Status::InvalidArgument(path + ": cannot read its safetensors header");
+  d.String(std::filesystem::path(path).filename().string());
+  d.U64(static_cast<uint64_t>(st.st_size));
+  d.String(header);
+  return Status::Ok();
+}
+
+void AddTensorSamples(Digest& d, const TensorView& t) {
+  d.String(t.name);
+  d.U64(t.bytes);
+  if (t.bytes <= kWholeTensorBytes) {
+    d.Bytes(t.data, t.bytes);
+    return;
+  }
+  const size_t last = t.bytes - kWindowBytes;
+  for (size_t i = 0; i < kWindows; ++i) d.Bytes(t.data + last * i / (kWindows - 1), kWindowBytes);
+}
+
+}  // namespace
+
+StatusOr<uint64_t> ModelFingerprint(const std::string& dir, LoadFormat format) {
+  namespace fs = std::filesystem;
+  Digest d;
+  d.String("pdserve model fingerprint v1");
+  for (const char* name :
+       {"config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model"}) {
+    PDSERVE_RETURN_IF_ERROR(AddFile(d, fs::path(dir) / name));
+  }
+  if (format == LoadFormat::kDummy) {
+    d.String("dummy weights");  // RandomWeights(config.json, seed 0)
+    return d.Value();
+  }
+  auto files = WeightFiles::Open(dir);
+  if (!files.ok()) return files.status();
+  std::set<std::string> paths;
+  for (const auto& [_, t] : (*files)->tensors()) paths.insert(t->file);
+  for (const std::string& p : paths) PDSERVE_RETURN_IF_ERROR(AddSafetensorsHeader(d, p));
+  for (const auto& [_, t] : (*files)->tensors()) AddTensorSamples(d, *t);
+  return d.Value();
+}
+
+}  // namespace pdserve

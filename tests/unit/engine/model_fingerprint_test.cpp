@@ -1,0 +1,103 @@
+// engine/model_fingerprint.h: a model folder's fingerprint follows what its
+// KV depends on and nothing else. Copies of a folder elsewhere agree; other
+// weights of the same name and shapes (another seed, one tensor rewritten),
+// another RoPE setting or another tokenizer differ; dummy weights differ
+// from the folder's real ones; a folder without weights is an error.
+#include "engine/model_fingerprint.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "engine/safetensors.h"
+#include "tests/support/test_models.h"
+
+namespace pdserve {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string Write(const std::string& name, const ModelSpec& spec) {
+  const std::string dir = testing::NewTempDir(name) + "/model";
+  const Status st = WriteModel(spec, dir);
+  EXPECT_TRUE(st.ok()) << st.ToString();
+  return dir;
+}
+
+uint64_t Fingerprint(const std::string& dir, LoadFormat format = LoadFormat::kSafetensors) {
+  auto f = ModelFingerprint(dir, format);
+  EXPECT_TRUE(f.ok()) << f.status().ToString();
+  return f.ok() ? *f : 0;
+}
+
+TEST(ModelFingerprintTest, FollowsWeightsConfigAndTokenizerNotThePath) {
+  const ModelSpec spec;
+  const std::string a = Write("fp-a", spec);
+  const uint64_t base = Fingerprint(a);
+  // The same files elsewhere: the same model.
+  const std::string copy = testing::NewTempDir("fp-copy") + "/elsewhere";
+  fs::copy(a, copy, fs::copy_options::recursive);
+  EXPECT_EQ(Fingerprint(copy), base);
+
+  // A fine-tune: same name, same shapes, other weights.
+  ModelSpec tuned = spec;
+  tuned.seed = 7;
+  EXPECT_NE(Fingerprint(Write("fp-seed", tuned)), base);
+
+  // Another RoPE base: the same weights compute other keys.
+  ModelSpec rope = spec;
+  rope.rope_theta = 500000.0;
+  EXPECT_NE(Fingerprint(Write("fp-rope", rope)), base);
+
+  // Another tokenizer: the same text gives other token ids.
+  const std::string tok = testing::NewTempDir("fp-tok") + "/model";
+  fs::copy(a, tok, fs::copy_options::recursive);
+  { std::ofstream(tok + "/tokenizer_config.json", std::ios::app) << " "; }
+  EXPECT_NE(Fingerprint(tok), base);
+
+  // Dummy weights are not the folder's weights.
+  EXPECT_NE(Fingerprint(a, LoadFormat::kDummy), base);
+  EXPECT_EQ(Fingerprint(a, LoadFormat::kDummy), Fingerprint(copy, LoadFormat::kDummy));
+}
+
+TEST(ModelFingerprintTest, OneRewrittenTensorChangesIt) {
+  const std::string a = Write("fp-tensor", ModelSpec{});
+  const uint64_t base = Fingerprint(a);
+  // Rewrite one tensor of the file (the largest, sampled rather than read
+  // whole) with other values of the same dtype and shape, as a fine-tune of
+  // that one matrix would.
+  auto files = WeightFiles::Open(a);
+  ASSERT_TRUE(files.ok()) << files.status().ToString();
+  std::vector<TensorToWrite> tensors;
+  std::string largest;
+  size_t largest_bytes = 0;
+  for (const auto& [name, t] : (*files)->tensors()) {
+    TensorToWrite w{name, t->dtype_name, t->shape,
+                    std::vector<uint8_t>(t->data, t->data + t->bytes)};
+    if (t->bytes > largest_bytes) {
+      largest_bytes = t->bytes;
+      largest = name;
+    }
+    tensors.push_back(std::move(w));
+  }
+  ASSERT_GT(largest_bytes, 64u << 10) << "the tensor should be sampled, not hashed whole";
+  files->reset();
+  for (auto& t : tensors) {
+    if (t.name != largest) continue;
+    for (size_t i = 0; i < t.data.size(); i += 4) t.data[i] ^= 0x01;  // each fp32's lowest bit
+  }
+  ASSERT_TRUE(WriteSafetensors(a + "/model.safetensors", tensors).ok());
+  EXPECT_NE(Fingerprint(a), base);
+}
+
+TEST(ModelFingerprintTest, AFolderWithoutWeightsIsAnError) {
+  const std::string dir = testing::NewTempDir("fp-empty");
+  { std::ofstream(dir + "/config.json") << "{}"; }
+  auto f = ModelFingerprint(dir);
+  ASSERT_FALSE(f.ok());
+  EXPECT_EQ(f.status().code(), StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace pdserve
