@@ -38,4 +38,12 @@ structured::CompileOptions StructuredFlags::OptionsOrExit(std::string_view comma
   return o;
 }
 
+std::vector<std::string> StructuredFlags::Args(bool worker) const {
+  std::vector<std::string> args = {"--grammar-max-states",       std::to_string(max_states_),
+                                   "--grammar-max-whitespace",   std::to_string(max_whitespace_),
+                                   "--grammar-max-schema-depth", std::to_string(max_schema_depth_)};
+  if (worker) args.insert(args.end(), {"--grammar-mask-work", std::to_string(mask_work_)});
+  return args;
+}
+
 }  // namespace pdserve::cli

@@ -3,7 +3,9 @@
 // it again with token masks for its vocabulary; both bound the work.
 #pragma once
 
+#include <string>
 #include <string_view>
+#include <vector>
 
 #include "common/flags.h"
 #include "common/structured/structured.h"
@@ -16,6 +18,8 @@ class StructuredFlags {
   void AddTo(FlagSet& flags, bool worker);
   // Exits 2 with one line for values out of range.
   structured::CompileOptions OptionsOrExit(std::string_view command) const;
+  // The same flags with their values, for a child process (`pdserve up`).
+  std::vector<std::string> Args(bool worker) const;
 
  private:
   int64_t max_states_ = 50000;

@@ -1,5 +1,5 @@
-// What applications do with the official `openai` npm client, against a real
-// local stack (router + prefill + decode workers on the tiny model):
+// What applications do with the official `openai` npm client, against
+// `pdserve up` (router + prefill + decode workers on the tiny model):
 // chat.completions.parse with a zod schema (streamed and not); tool calls
 // (tool_choice required, named, auto, none; streamed and not) with the call,
 // the tool's answer and the model's reply as a round trip, on a copy of the
@@ -8,7 +8,6 @@
 // Usage: node openai_apps.mjs PDSERVE_BIN NODE_MODULES_DIR
 import { spawn, execFileSync } from 'node:child_process';
 import { mkdtempSync, rmSync, openSync, readFileSync, writeFileSync } from 'node:fs';
-import { randomBytes } from 'node:crypto';
 import { createRequire } from 'node:module';
 import os from 'node:os';
 import path from 'node:path';
@@ -24,19 +23,17 @@ const { z } = require('zod');
 const dir = mkdtempSync(path.join(os.tmpdir(), 'pdserve-apps-'));
 const model = path.join(dir, 'tiny');
 execFileSync(bin, ['make-model', '--preset', 'tiny', '--out', model]);
-const children = [];
-const secretFile = path.join(dir, 'cluster-secret');
-writeFileSync(secretFile, randomBytes(32).toString('hex') + '\n', { mode: 0o600 });
-after(() => {
-  for (const c of children) c.kill('SIGKILL');
+let up = null;
+after(async () => {
+  if (up && up.exitCode === null) {
+    // SIGTERM: `pdserve up` stops its router and workers before it exits.
+    const exited = new Promise((r) => up.once('exit', r));
+    up.kill('SIGTERM');
+    await Promise.race([exited, new Promise((r) => setTimeout(r, 20000))]);
+    if (up.exitCode === null) up.kill('SIGKILL');
+  }
   rmSync(dir, { recursive: true, force: true });
 });
-
-function start(name, args) {
-  const log = path.join(dir, `${name}.log`);
-  children.push(spawn(bin, args, { stdio: ['ignore', openSync(log, 'w'), openSync(log, 'a')] }));
-  return log;
-}
 
 async function waitFor(fn, what, ms = 60000) {
   const end = Date.now() + ms;
@@ -69,20 +66,18 @@ execFileSync('cp', ['-r', model, toolModel]);
   writeFileSync(configPath, JSON.stringify(config));
 }
 
-const routerLog = start('router', ['router', '--model', toolModel, '--host', '127.0.0.1', '--port', '0',
-  '--control-port', '0', '--max-local-prefill', '16', '--cluster-secret-file', secretFile]);
-const ports = await waitFor(() => readFileSync(routerLog, 'utf8').match(/on http :(\d+), control :(\d+)/),
-  'router ports');
-for (const role of ['prefill', 'decode']) {
-  start(role, ['worker', '--role', role, '--model', toolModel, '--router', `127.0.0.1:${ports[2]}`,
-    '--host', '127.0.0.1', '--port', '0', '--metrics-port', '0', '--worker-id', `${role}-0`, '--threads', '1',
-    '--transfer-tls', 'tcp', '--kv-cache-bytes', '16MiB', '--cluster-secret-file', secretFile,
-    '--grammar-max-whitespace', '2']);
-}
-const base = `http://127.0.0.1:${ports[1]}`;
-await waitFor(async () => {
-  try { return (await fetch(`${base}/ready`)).status === 200; } catch { return false; }
-}, 'router /ready');
+// Prompts over 16 tokens are prefilled remotely, so the first token is
+// sampled under the grammar on the prefill worker; random models love
+// whitespace, so little of it keeps outputs inside max_tokens.
+const upLog = path.join(dir, 'up.log');
+up = spawn(bin, ['up', '--model', toolModel, '--dir', path.join(dir, 'up'), '--port', '0', '--control-port', '0',
+  '--prefill-metrics-port', '0', '--decode-metrics-port', '0', '--max-local-prefill', '16', '--threads', '1',
+  '--kv-cache-bytes', '16MiB', '--grammar-max-whitespace', '2'],
+{ stdio: ['ignore', openSync(upLog, 'w'), openSync(upLog, 'a')] });
+const base = (await waitFor(() => {
+  if (up.exitCode !== null) throw new Error(`pdserve up exited: ${readFileSync(upLog, 'utf8')}`);
+  return readFileSync(upLog, 'utf8').match(/ready at (http:\/\/\S+)/);
+}, 'pdserve up', 120000))[1];
 
 const client = new OpenAI({ baseURL: `${base}/v1`, apiKey: 'unused', maxRetries: 0 });
 const modelId = 'pdserve-tiny';
