@@ -13,6 +13,8 @@ void StructuredFlags::AddTo(FlagSet& flags, bool worker) {
                "structured outputs: whitespace characters allowed between two JSON tokens");
   flags.AddInt("grammar-max-schema-depth", &max_schema_depth_,
                "structured outputs: deepest JSON Schema nesting accepted");
+  flags.AddBytes("grammar-max-text-bytes", &max_text_bytes_,
+                 "structured outputs: largest schema, regular expression or grammar text");
   if (worker) {
     flags.AddInt("grammar-mask-work", &mask_work_,
                  "structured outputs: vocabulary-trie steps allowed to precompute one "
@@ -28,12 +30,15 @@ structured::CompileOptions StructuredFlags::OptionsOrExit(std::string_view comma
     UsageError(cmd, "--grammar-max-whitespace must be in [0, 1000]");
   if (max_schema_depth_ < 1 || max_schema_depth_ > 1000)
     UsageError(cmd, "--grammar-max-schema-depth must be in [1, 1000]");
+  if (max_text_bytes_ < 1 || max_text_bytes_ > (int64_t{64} << 20))
+    UsageError(cmd, "--grammar-max-text-bytes must be in [1, 64MiB]");
   if (mask_work_ < 1) UsageError(cmd, "--grammar-mask-work must be positive");
   structured::CompileOptions o;
   o.json.grammar.max_dfa_states = static_cast<size_t>(max_states_);
   o.json.grammar.max_nfa_states = static_cast<size_t>(max_states_) * 8;
   o.json.max_whitespace = static_cast<int>(max_whitespace_);
   o.json.max_depth = static_cast<int>(max_schema_depth_);
+  o.max_text_bytes = static_cast<size_t>(max_text_bytes_);
   o.masks.max_work = mask_work_;
   return o;
 }
@@ -41,7 +46,8 @@ structured::CompileOptions StructuredFlags::OptionsOrExit(std::string_view comma
 std::vector<std::string> StructuredFlags::Args(bool worker) const {
   std::vector<std::string> args = {"--grammar-max-states",       std::to_string(max_states_),
                                    "--grammar-max-whitespace",   std::to_string(max_whitespace_),
-                                   "--grammar-max-schema-depth", std::to_string(max_schema_depth_)};
+                                   "--grammar-max-schema-depth", std::to_string(max_schema_depth_),
+                                   "--grammar-max-text-bytes",   std::to_string(max_text_bytes_)};
   if (worker) args.insert(args.end(), {"--grammar-mask-work", std::to_string(mask_work_)});
   return args;
 }

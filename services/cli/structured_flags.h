@@ -25,6 +25,7 @@ class StructuredFlags {
   int64_t max_states_ = 50000;
   int64_t max_whitespace_ = 4;
   int64_t max_schema_depth_ = 64;
+  int64_t max_text_bytes_ = 1 << 20;
   int64_t mask_work_ = 400'000'000;
 };
 

@@ -50,7 +50,8 @@ async function waitFor(fn, what, ms = 60000) {
 // prefilled remotely.
 async function startStack(name, model) {
   const routerLog = start(`${name}-router`, ['router', '--model', model, '--host', '127.0.0.1',
-    '--port', '0', '--control-port', '0', '--max-local-prefill', '16', '--cluster-secret-file', secretFile]);
+    '--port', '0', '--control-port', '0', '--max-local-prefill', '16', '--cluster-secret-file', secretFile,
+    '--grammar-max-text-bytes', '64KiB']);
   const ports = await waitFor(() => readFileSync(routerLog, 'utf8').match(/on http :(\d+), control :(\d+)/),
     'router ports');
   for (const role of ['prefill', 'decode']) {
@@ -242,6 +243,9 @@ async function checkRefusals(base, route) {
     [{ structured_outputs: { regex: '(a|b)*a(a|b){40}' } }, 'too complex', ''],
     [{ structured_outputs: { grammar: 'root ::= root "a"' } }, 'left-recursive', ''],
     [{ structured_outputs: { json: { type: 'string', minLength: 3, maxLength: 1 } } }, 'accepts no output', ''],
+    // Over the router's --grammar-max-text-bytes.
+    [{ structured_outputs: { json: { enum: Array.from({ length: 8000 }, (_, i) => `value-${i}`) } } },
+      'larger than 65536 bytes', ''],
   ];
   for (const [extra, says, where] of bad) {
     const res = await fetch(`${base}/v1/${route}`, { method: 'POST', headers: { 'content-type': 'application/json' },
