@@ -160,7 +160,7 @@ test('tool_choice required: every answer is a valid call; then the round trip', 
   }
 });
 
-test('tool_choice naming a function, parallel_tool_calls false', async () => {
+test('tool_choice naming a function, parallel_tool_calls false; then the round trip', async () => {
   const r = await client.chat.completions.create({ model: modelId, messages: question, tools,
     tool_choice: { type: 'function', function: { name: 'get_time' } }, parallel_tool_calls: false,
     temperature: 1, seed: 3, max_tokens: 300 });
@@ -168,6 +168,16 @@ test('tool_choice naming a function, parallel_tool_calls false', async () => {
   assert.equal(calls.length, 1);
   assert.equal(calls[0].function.name, 'get_time');
   checkCall(calls[0]);
+  // The call and its answer go back; the next call is forced to the other function.
+  const history = [...question, r.choices[0].message,
+    { role: 'tool', tool_call_id: calls[0].id, content: '{"time": "12:00"}' }];
+  const next = await client.chat.completions.create({ model: modelId, messages: history, tools,
+    tool_choice: { type: 'function', function: { name: 'get_weather' } }, temperature: 1, seed: 4,
+    max_tokens: 300 });
+  assert.equal(next.choices[0].finish_reason, 'tool_calls');
+  assert.equal(next.choices[0].message.tool_calls[0].function.name, 'get_weather');
+  next.choices[0].message.tool_calls.forEach(checkCall);
+  assert.ok(next.usage.prompt_tokens > r.usage.prompt_tokens, 'the history was rendered');
 });
 
 test('tool calls streamed as deltas', async () => {
