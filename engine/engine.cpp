@@ -38,6 +38,8 @@ struct Engine::Sequence {
   bool finished = false;
   std::optional<IncrementalDetokenizer> detokenizer;
   std::optional<StopChecker> stop;
+  std::optional<structured::Matcher> matcher;  // structured outputs
+  RequestId share_prompt_with = 0;             // admitted once that prompt's KV is computed
 
   int64_t num_output() const { return static_cast<int64_t>(tokens.size()) - prompt_len; }
 };
@@ -165,6 +167,9 @@ Status Engine::ValidateRequest(const EngineRequest& r) const {
   if (!r.params.stop.empty() && tokenizer_ == nullptr) {
     return Status::InvalidArgument("stop strings need a tokenizer");
   }
+  if (r.params.constraint.has_value() && r.grammar == nullptr) {
+    return Status::InvalidArgument("a constrained request needs its compiled grammar");
+  }
   const int64_t blocks_needed = (len + options_.block_size) / options_.block_size;
   if (blocks_needed > pool_->num_blocks()) {
     return Status::ResourceExhausted(
@@ -185,6 +190,8 @@ std::unique_ptr<Engine::Sequence> Engine::NewSequence(EngineRequest r) {
   s->arrival = next_arrival_++;
   s->prefill_only = r.prefill_only;
   s->stream_kv_blocks = r.prefill_only && r.stream_kv_blocks;
+  if (r.grammar) s->matcher.emplace(std::move(r.grammar));
+  s->share_prompt_with = r.share_prompt_with;
   if (tokenizer_ != nullptr) {
     std::vector<TokenId> eos = model_->config().eos_token_ids;
     for (TokenId id : tokenizer_->eos_token_ids()) {
@@ -266,6 +273,12 @@ void Engine::ProcessToken(Sequence* s, const SampledToken& sampled, RequestOutpu
     auto step = s->stop->OnToken(token, s->detokenizer->Push(token));
     out->text += step.text;
     reason = step.finish;
+    // Ended by a stop token or the length: text the detokenizer still holds
+    // (a byte token's run, which only the next token would have released)
+    // belongs to the output.
+    if (reason != FinishReason::kNone && !step.matched_stop_string) {
+      out->text += s->detokenizer->Flush();
+    }
   } else {
     const auto& p = s->params;
     const auto& eos = model_->config().eos_token_ids;
@@ -412,9 +425,20 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
   }
 
   // 2. Waiting requests, in arrival order, unless this step had to preempt.
-  while (!preempted && !waiting_.empty() && budget > 0 &&
+  // A request sharing another's prompt waits (others pass it) until that
+  // prompt's KV is computed, then takes its blocks from the prefix cache.
+  size_t w = 0;
+  while (!preempted && w < waiting_.size() && budget > 0 &&
          static_cast<int64_t>(running_.size()) < options_.max_num_seqs) {
-    Sequence* s = waiting_.front();
+    Sequence* s = waiting_[w];
+    if (s->share_prompt_with != 0) {
+      auto leader = requests_.find(s->share_prompt_with);
+      if (leader != requests_.end() && leader->second->num_computed < leader->second->prompt_len) {
+        ++w;
+        continue;
+      }
+      s->share_prompt_with = 0;
+    }
     const int64_t total = static_cast<int64_t>(s->tokens.size());
     const std::vector<BlockHash> hashes = PrefixHashes(*s);
     const int64_t cached = static_cast<int64_t>(blocks_->FindCachedPrefix(hashes)) * B;
@@ -438,7 +462,7 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
     if (!s->admitted_once) s->num_cached_tokens = s->num_computed;
     s->admitted_once = true;
     s->state = Sequence::State::kRunning;
-    waiting_.erase(waiting_.begin());
+    waiting_.erase(waiting_.begin() + static_cast<ptrdiff_t>(w));
     InsertSorted(&running_, s);
     if (from_tiers > 0) {
       s->state = Sequence::State::kLoading;
@@ -504,9 +528,10 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
   const int64_t vocab = model_->config().vocab_size;
   // Greedy rows without logprobs need only their argmax: when every row of
   // the step is one, the logits stay on the backend and token ids come back.
-  const bool greedy_step = std::all_of(
-      sampled_seqs.begin(), sampled_seqs.end(),
-      [](const Sequence* s) { return s->params.temperature == 0 && !s->params.logprobs; });
+  const bool greedy_step =
+      std::all_of(sampled_seqs.begin(), sampled_seqs.end(), [](const Sequence* s) {
+        return s->params.temperature == 0 && !s->params.logprobs && !s->matcher;
+      });
   std::vector<int32_t> greedy_tokens;
   if (greedy_step) {
     greedy_tokens.resize(sampled_seqs.size());
@@ -556,8 +581,31 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
     if (greedy_step) {
       sampled.token = greedy_tokens[r];  // what SampleToken gives at temperature 0
     } else {
-      const std::span<const float> row(logits_.data() + r * vocab, static_cast<size_t>(vocab));
+      const std::span<float> row(logits_.data() + r * vocab, static_cast<size_t>(vocab));
+      if (s->matcher) {
+        // Structured outputs: only tokens the constraint allows.
+        token_mask_.resize(s->matcher->compiled().mask_words());
+        if (!s->matcher->FillNextTokenBitmask(token_mask_)) {
+          RequestOutput out;
+          out.id = s->id;
+          if (s->stop) out.text = s->stop->Flush();
+          FinishSequence(s, FinishReason::kLength, &out);  // a dead end: nothing can follow
+          outputs.push_back(std::move(out));
+          continue;
+        }
+        ApplyTokenBitmask(row, token_mask_);
+      }
       sampled = SampleToken(row, s->params, s->seed, static_cast<uint64_t>(s->num_output()));
+      if (s->matcher && !s->matcher->AcceptToken(sampled.token)) {
+        // Only when every allowed logit is -inf or NaN: take the lowest allowed id.
+        for (size_t t = 0; t < row.size(); ++t) {
+          if ((token_mask_[t >> 6] >> (t & 63)) & 1) {
+            sampled.token = static_cast<TokenId>(t);
+            break;
+          }
+        }
+        (void)s->matcher->AcceptToken(sampled.token);
+      }
     }
     RequestOutput out;
     out.id = s->id;
@@ -628,6 +676,10 @@ StatusOr<RequestOutput> Engine::CompleteRemotePrefill(RequestId id, TokenId firs
                                    " is outside the vocabulary");
   }
   Sequence* s = it->second.get();
+  if (s->matcher && !s->matcher->AcceptToken(first_token)) {
+    return Status::InvalidArgument("first token " + std::to_string(first_token) +
+                                   " is not allowed by the request's constraint");
+  }
   s->num_computed = s->prompt_len;
   if (options_.enable_prefix_caching) {
     ExtendPromptHashes(s->hash_seed, std::span<const TokenId>(s->tokens.data(), s->num_computed),

@@ -7,6 +7,8 @@
 #include "common/signals.h"
 #include "services/cli/command.h"
 #include "services/cli/control_security_flags.h"
+#include "services/cli/structured_flags.h"
+#include "services/router/openai/tool_calls.h"
 #include "services/router/router_service.h"
 
 namespace pdserve::cli {
@@ -91,8 +93,17 @@ int RunRouter(int argc, char** argv) {
                "largest KV capacity (and snapshot) a worker may register, in blocks");
   ControlSecurityFlags security;
   security.AddTo(flags);
+  StructuredFlags structured;
+  structured.AddTo(flags, /*worker=*/false);
+  flags.AddString("tool-call-parser", &o.tool_call_parser,
+                  "how the model writes tool calls: hermes|qwen3|mistral|llama3_json (default: "
+                  "from the chat template's markers)");
   flags.AddString("log-level", &log_level, "debug|info|warn|error");
   ParseFlagsOrExit(flags, argc, argv);
+  o.structured = structured.OptionsOrExit("router");
+  if (!o.tool_call_parser.empty() && !router::ParseToolParserName(o.tool_call_parser).ok())
+    UsageError("router", "--tool-call-parser: " +
+                             router::ParseToolParserName(o.tool_call_parser).status().message());
   for (auto [name, w] : {std::pair{"host-tier-weight", o.host_tier_weight},
                          {"disk-tier-weight", o.disk_tier_weight}}) {
     if (!(w >= 0 && w <= 1)) UsageError("router", std::string("--") + name + " must be in [0, 1]");

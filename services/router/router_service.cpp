@@ -12,6 +12,7 @@
 #include <mutex>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 
 #include <nlohmann/json.hpp>
 
@@ -207,6 +208,8 @@ struct WorkerLink {
   std::string control_address;
   int64_t kv_capacity_blocks = 0;                      // as registered
   int64_t host_tier_blocks = 0, disk_tier_blocks = 0;  // likewise, its lower KV tiers
+  bool structured_outputs = false;                     // honours SamplingParams.constraint
+  bool parallel_sampling = false;                      // honours Generate.n
   bool synced = false;
   bool draining = false;  // no new requests (its own goodbye, or POST /admin/drain)
   bool leaving = false;   // it said it is shutting down: never undrained
@@ -240,9 +243,20 @@ struct Inflight {
   bool started_stream = false;        // HTTP headers sent
   bool first_token_seen = false;
   double ttft_s = 0;
-  std::vector<TokenPiece> pieces;  // non-streaming: the whole output
-  size_t completion_tokens = 0;
-  std::unique_ptr<IncrementalDetokenizer> detok;  // when workers send ids only
+  // One per sequence the worker generates (n, or best_of), by Token.index.
+  struct Choice {
+    std::vector<TokenPiece> pieces;                 // non-streaming: the whole output
+    std::unique_ptr<IncrementalDetokenizer> detok;  // when workers send ids only
+    // Chat with tools (tool_choice not none), streaming: output parsed into calls.
+    std::unique_ptr<ToolCallStreamer> tool_stream;
+    size_t tool_calls_sent = 0;
+    bool finished = false;
+    std::string finish_reason;
+    double logprob_sum = 0;  // best_of: the sequence's likelihood
+  };
+  std::vector<Choice> choices;
+  size_t choices_finished = 0;
+  Usage usage;  // the prompt once, every sequence's completion tokens
 };
 
 class RouterServiceImpl : public RouterService {
@@ -261,6 +275,13 @@ class RouterServiceImpl : public RouterService {
       } else {
         chat_template_.emplace(std::move(*tmpl));
       }
+    }
+    if (!opts_.tool_call_parser.empty()) {
+      auto parser = ParseToolParserName(opts_.tool_call_parser);
+      if (!parser.ok()) return parser.status();
+      tool_parser_ = *parser;
+    } else {
+      tool_parser_ = ToolParserForTemplate(tokenizer_->chat_template());
     }
     // The context length is not read here: workers report theirs (Register).
     auto model_id = ServedModelIdOfFolder(opts_.model_dir, opts_.model_id);
@@ -512,8 +533,9 @@ class RouterServiceImpl : public RouterService {
                        "invalid_request_error", "messages", ""},
                       "rejected");
       }
+      if (auto err = PrepareTools(api)) return reject(*err, "rejected");
       auto text = RenderChat(*chat_template_, api.messages, api.add_generation_prompt,
-                             tokenizer_->bos_token(), tokenizer_->eos_token());
+                             tokenizer_->bos_token(), tokenizer_->eos_token(), api.tools);
       if (!text.ok()) {
         return reject({400, "the chat template rejected the messages: " + text.status().message(),
                        "invalid_request_error", "messages", ""},
@@ -573,9 +595,21 @@ class RouterServiceImpl : public RouterService {
     if (Status st = ValidateSamplingParams(api.sampling, tokenizer_->vocab_size()); !st.ok()) {
       return reject({400, st.message(), "invalid_request_error", "", ""}, "rejected");
     }
+    if (api.sampling.constraint) {
+      if (Status st = CheckConstraint(*api.sampling.constraint); !st.ok()) {
+        return reject({400, "'" + api.constraint_param + "': " + st.message(),
+                       "invalid_request_error", api.constraint_param, ""},
+                      "rejected");
+      }
+    }
     const BlockHash seed = BlockHashSeed(model_id_, api.cache_salt);
     r->hashes = HashPrompt(seed, r->prompt_ids, static_cast<size_t>(opts_.block_size));
     r->formatter = std::make_unique<ResponseFormatter>(api, r->request_id, UnixSeconds());
+    r->choices.resize(static_cast<size_t>(std::max(api.n, api.best_of)));
+    if (ToolsActive(api) && api.stream) {
+      for (auto& c : r->choices)
+        c.tool_stream = std::make_unique<ToolCallStreamer>(tool_parser_, ToolNames(api));
+    }
     metrics_.route_seconds.Observe(SecondsSince(arrived));
 
     const uint64_t id = r->id;
@@ -592,6 +626,66 @@ class RouterServiceImpl : public RouterService {
       std::lock_guard<std::mutex> lock(mu_);
       CancelLocked(id, "client disconnected");
     });
+  }
+
+  static bool ToolsActive(const ApiRequest& api) {
+    return !api.tools.is_null() && api.tool_choice != ApiRequest::ToolChoice::kNone;
+  }
+
+  static std::vector<std::string> ToolNames(const ApiRequest& api) {
+    std::vector<std::string> names;
+    for (const auto& t : api.tools) names.push_back(t["function"]["name"].get<std::string>());
+    return names;
+  }
+
+  // Tool calling: a parser must know the model's format; tool_choice
+  // required or named constrains the output to calls in that format, each
+  // function's parameters checked as a schema first so that an error names
+  // the function.
+  std::optional<ApiError> PrepareTools(ApiRequest& api) {
+    if (!ToolsActive(api)) return std::nullopt;
+    if (tool_parser_ == ToolParser::kNone) {
+      return ApiError{400,
+                      "this model's chat template writes no tool calls this server can parse; "
+                      "start the router with --tool-call-parser (hermes, qwen3, mistral, "
+                      "llama3_json)",
+                      "invalid_request_error", "tools", ""};
+    }
+    using TC = ApiRequest::ToolChoice;
+    if (api.tool_choice != TC::kRequired && api.tool_choice != TC::kNamed) return std::nullopt;
+    for (size_t k = 0; k < api.tools.size(); ++k) {
+      const auto& fn = api.tools[k]["function"];
+      if (api.tool_choice == TC::kNamed && fn["name"] != api.tool_choice_name) continue;
+      if (!fn.contains("parameters") || fn["parameters"].is_null()) continue;
+      const std::string param = "tools[" + std::to_string(k) + "].function.parameters";
+      Status st = CheckConstraint({OutputConstraint::Kind::kJsonSchema, fn["parameters"].dump()});
+      if (!st.ok())
+        return ApiError{400, "'" + param + "': " + st.message(), "invalid_request_error", param,
+                        ""};
+    }
+    std::optional<std::string> named;
+    if (api.tool_choice == TC::kNamed) named = api.tool_choice_name;
+    api.sampling.constraint =
+        OutputConstraint{OutputConstraint::Kind::kGrammar,
+                         ToolCallGrammar(tool_parser_, api.tools, named, api.parallel_tool_calls)};
+    api.constraint_param = "tools";
+    return std::nullopt;
+  }
+
+  // Compiles a constraint (without token masks) to refuse what would not
+  // compile on a worker; constraints that compiled are remembered by hash.
+  Status CheckConstraint(const OutputConstraint& c) {
+    const uint64_t h = structured::ConstraintHash(c);
+    {
+      std::lock_guard<std::mutex> lock(constraints_mu_);
+      if (good_constraints_.count(h)) return Status::Ok();
+    }
+    auto g = structured::ConstraintGrammar(c, opts_.structured);
+    if (!g.ok()) return g.status();
+    std::lock_guard<std::mutex> lock(constraints_mu_);
+    if (good_constraints_.size() >= 4096) good_constraints_.clear();
+    good_constraints_.insert(h);
+    return Status::Ok();
   }
 
   // Routes and sends Generate; on failure answers the client. Requires mu_.
@@ -622,12 +716,29 @@ class RouterServiceImpl : public RouterService {
         core_->OnRequestFinished(id);
         continue;
       }
+      if (r.choices.size() > 1 && !decode_link->parallel_sampling) {
+        core_->OnRequestFinished(id);
+        return FailLocked(
+            id, 503, "worker " + decode_link->name + " does not support n > 1 (an older version)",
+            "server_error", /*retry_after=*/true, "unavailable");
+      }
+      if (r.api->sampling.constraint && !decode_link->structured_outputs) {
+        core_->OnRequestFinished(id);
+        return FailLocked(id, 503,
+                          "worker " + decode_link->name +
+                              " does not support structured outputs (an older version)",
+                          "server_error", /*retry_after=*/true, "unavailable");
+      }
       SetWireIdLocked(r, NewUnguessableId());
       proto::Envelope env;
       proto::Generate* g = env.mutable_generate();
       g->set_request_id(r.wire_id);
       for (TokenId t : r.prompt_ids) g->add_prompt_token_ids(t);
-      ToProto(r.api->sampling, g->mutable_sampling());
+      SamplingParams sampling = r.api->sampling;
+      // best_of picks by likelihood: the chosen tokens' logprobs are needed.
+      if (r.api->best_of > r.api->n && !sampling.logprobs) sampling.logprobs = 0;
+      ToProto(sampling, g->mutable_sampling());
+      g->set_n(static_cast<uint32_t>(r.choices.size()));
       g->set_cache_salt(r.api->cache_salt);
       // The prefill decision travels with the request: an address means
       // "prefill remotely there", none means "prefill locally".
@@ -1095,6 +1206,8 @@ class RouterServiceImpl : public RouterService {
     link.kv_capacity_blocks = static_cast<int64_t>(reg.kv_capacity_blocks());
     link.host_tier_blocks = static_cast<int64_t>(
         std::min<uint64_t>(reg.host_tier_capacity_blocks(), opts_.max_snapshot_blocks));
+    link.structured_outputs = reg.structured_outputs();
+    link.parallel_sampling = reg.parallel_sampling();
     link.disk_tier_blocks = static_cast<int64_t>(
         std::min<uint64_t>(reg.disk_tier_capacity_blocks(), opts_.max_snapshot_blocks));
     by_worker_[*id] = link.conn->id();
@@ -1191,13 +1304,22 @@ class RouterServiceImpl : public RouterService {
       if (r.api->stream) {
         r.exchange->BeginStream(200, "text/event-stream", {{"x-request-id", r.http_request_id}});
         r.started_stream = true;
-        r.exchange->Write(r.formatter->StreamStart());
+        r.exchange->Write(r.formatter->StreamStart(r.api->n));
       }
     }
+    if (t.index() >= r.choices.size()) {
+      PDSERVE_LOG(WARN) << "worker " << link.name << ": token of sequence " << t.index()
+                        << " of request " << r.http_request_id << ", which has "
+                        << r.choices.size();
+      return;
+    }
+    const int index = static_cast<int>(t.index());
+    Inflight::Choice& c = r.choices[t.index()];
     std::vector<TokenPiece> pieces;
     for (int i = 0; i < t.token_ids_size(); ++i) {
       TokenPiece p;
       p.token = t.token_ids(i);
+      if (i < t.logprobs_size()) c.logprob_sum += t.logprobs(i);
       if (r.api->sampling.logprobs) {
         p.token_text = tokenizer_->Decode(std::span<const TokenId>(&p.token, 1), false);
         if (i < t.logprobs_size()) p.logprob = t.logprobs(i);
@@ -1211,19 +1333,34 @@ class RouterServiceImpl : public RouterService {
         }
       }
       if (!t.has_text()) {
-        if (!r.detok) r.detok = std::make_unique<IncrementalDetokenizer>(*tokenizer_, true);
-        p.text = r.detok->Push(p.token);
+        if (!c.detok) c.detok = std::make_unique<IncrementalDetokenizer>(*tokenizer_, true);
+        p.text = c.detok->Push(p.token);
       }
       pieces.push_back(std::move(p));
     }
     if (t.has_text() && !pieces.empty()) pieces.back().text = t.text();
-    r.completion_tokens += pieces.size();
-    if (r.api->stream) {
-      std::string event = r.formatter->StreamDelta(pieces);
+    if (r.api->stream && c.tool_stream) {
+      StreamToolText(r, index, pieces, /*final=*/false);
+    } else if (r.api->stream) {
+      std::string event = r.formatter->StreamDelta(pieces, index);
       if (!event.empty()) r.exchange->Write(std::move(event));
     } else {
-      for (auto& p : pieces) r.pieces.push_back(std::move(p));
+      for (auto& p : pieces) c.pieces.push_back(std::move(p));
     }
+  }
+
+  // Streaming chat with tools: content as it comes, each call once complete.
+  void StreamToolText(Inflight& r, int index, const std::vector<TokenPiece>& pieces, bool final) {
+    Inflight::Choice& c = r.choices[index];
+    std::string text, content;
+    for (const auto& p : pieces) text += p.text;
+    std::vector<ToolCall> calls;
+    c.tool_stream->Push(text, &content, &calls);
+    if (final) c.tool_stream->Finish(&content, &calls);
+    std::string events = r.formatter->StreamContent(content, index);
+    events += r.formatter->StreamToolCalls(calls, c.tool_calls_sent, index);
+    c.tool_calls_sent += calls.size();
+    if (!events.empty()) r.exchange->Write(std::move(events));
   }
 
   void OnFinishedLocked(WorkerLink& link, const proto::Finished& f) {
@@ -1232,41 +1369,83 @@ class RouterServiceImpl : public RouterService {
     if (!found) return;
     Inflight& r = *found;
     if (f.reason() == proto::FINISH_REASON_CANCELLED) return;  // our own Cancel echoed back
-    Usage usage;
-    usage.prompt_tokens = f.usage().prompt_tokens();
-    usage.completion_tokens = f.usage().completion_tokens();
-    usage.cached_tokens = f.usage().cached_tokens();
-    const char* finish = FinishName(f.reason());
-    if (r.detok) {
+    if (f.index() >= r.choices.size() || r.choices[f.index()].finished) return;
+    const int index = static_cast<int>(f.index());
+    Inflight::Choice& c = r.choices[index];
+    c.finished = true;
+    ++r.choices_finished;
+    // The prompt counts once; every sequence's tokens count.
+    r.usage.prompt_tokens = std::max<int64_t>(r.usage.prompt_tokens, f.usage().prompt_tokens());
+    r.usage.completion_tokens += f.usage().completion_tokens();
+    if (index == 0) r.usage.cached_tokens = f.usage().cached_tokens();
+    c.finish_reason = FinishName(f.reason());
+    std::vector<TokenPiece> tail_pieces;
+    if (c.detok) {
       // Text held back by the router-side detokenizer ends the output.
-      std::string tail = r.detok->Flush();
+      std::string tail = c.detok->Flush();
       if (!tail.empty()) {
         TokenPiece p;
         p.text = std::move(tail);
-        if (r.api->stream) {
-          r.exchange->Write(r.formatter->StreamDelta({p}));
-        } else {
-          r.pieces.push_back(std::move(p));
-        }
+        tail_pieces.push_back(p);
       }
     }
+    const bool last = r.choices_finished == r.choices.size();
     if (r.api->stream) {
       if (!r.started_stream) {
         r.exchange->BeginStream(200, "text/event-stream", {{"x-request-id", r.http_request_id}});
-        r.exchange->Write(r.formatter->StreamStart());
+        r.exchange->Write(r.formatter->StreamStart(r.api->n));
+        r.started_stream = true;
       }
-      r.exchange->Write(r.formatter->StreamFinish(finish, usage));
+      if (c.tool_stream) {
+        StreamToolText(r, index, tail_pieces, /*final=*/true);
+        if (c.tool_calls_sent > 0) c.finish_reason = "tool_calls";
+      } else if (!tail_pieces.empty()) {
+        r.exchange->Write(r.formatter->StreamDelta(tail_pieces, index));
+      }
+      r.exchange->Write(r.formatter->StreamChoiceFinish(c.finish_reason, index));
+      if (!last) return;
+      r.exchange->Write(r.formatter->StreamEnd(r.usage));
       r.exchange->End();
     } else {
+      for (auto& p : tail_pieces) c.pieces.push_back(std::move(p));
+      if (!last) return;
+      // best_of: the n most likely sequences, in that order.
+      std::vector<size_t> order(r.choices.size());
+      for (size_t k = 0; k < order.size(); ++k) order[k] = k;
+      if (r.api->best_of > r.api->n) {
+        std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+          return r.choices[a].logprob_sum > r.choices[b].logprob_sum;
+        });
+      }
+      order.resize(static_cast<size_t>(r.api->n));
+      std::vector<ToolOutcome> tools(order.size());
+      std::vector<ResponseFormatter::ChoiceOutput> out;
+      for (size_t k = 0; k < order.size(); ++k) {
+        Inflight::Choice& ch = r.choices[order[k]];
+        ResponseFormatter::ChoiceOutput o{static_cast<int>(k), &ch.pieces, ch.finish_reason,
+                                          nullptr};
+        if (ToolsActive(*r.api)) {
+          std::string text;
+          for (const auto& p : ch.pieces) text += p.text;
+          ParseToolCalls(tool_parser_, ToolNames(*r.api), text, &tools[k].content, &tools[k].calls);
+          if (!tools[k].calls.empty()) o.finish_reason = "tool_calls";
+          o.tools = &tools[k];
+        }
+        out.push_back(o);
+      }
       http::Response resp;
-      resp.body = r.formatter->Complete(r.prompt_text, r.pieces, finish, usage).dump();
+      resp.body = r.formatter->Complete(r.prompt_text, out, r.usage).dump();
       resp.headers.emplace_back("x-request-id", r.http_request_id);
       r.exchange->Reply(std::move(resp));
     }
+    const Usage& usage = r.usage;
     PDSERVE_LOG(INFO) << "request " << r.http_request_id << " ok: prompt " << usage.prompt_tokens
                       << " (cached " << usage.cached_tokens << "), completion "
-                      << usage.completion_tokens << ", finish " << finish << ", decode "
-                      << WorkerName(r.decode)
+                      << usage.completion_tokens << ", finish " << r.choices[0].finish_reason
+                      << (r.choices.size() > 1
+                              ? ", " + std::to_string(r.choices.size()) + " sequences"
+                              : std::string())
+                      << ", decode " << WorkerName(r.decode)
                       << (r.prefill     ? ", prefill " + WorkerName(r.prefill)
                           : r.copy_from ? ", prefix copied by " + WorkerName(r.copy_from)
                                         : std::string(", local prefill"))
@@ -1435,6 +1614,7 @@ class RouterServiceImpl : public RouterService {
   RouterServiceOptions opts_;
   std::unique_ptr<Tokenizer> tokenizer_;
   std::optional<ChatTemplate> chat_template_;
+  ToolParser tool_parser_ = ToolParser::kNone;
   std::string model_id_;
   std::vector<std::string> api_keys_;
   std::vector<std::string> metrics_keys_;  // empty: /metrics is open
@@ -1451,6 +1631,9 @@ class RouterServiceImpl : public RouterService {
   std::unique_ptr<http::Server> metrics_http_;
   std::thread watchdog_;
   std::condition_variable watchdog_cv_;
+
+  std::mutex constraints_mu_;
+  std::unordered_set<uint64_t> good_constraints_;  // constraints known to compile, by hash
 
   std::mutex mu_;  // everything below
   bool stopping_ = false;

@@ -21,6 +21,7 @@
 #include <string>
 
 #include "common/status.h"
+#include "common/structured/structured.h"
 #include "services/router/router_core.h"
 #include "transport/control/handshake.h"
 #include "transport/control/tls.h"
@@ -84,6 +85,13 @@ struct RouterServiceOptions {
   // Largest KV snapshot (cached block hashes) one worker may send; a worker
   // also may not announce more than its registered KV capacity.
   int64_t max_snapshot_blocks = int64_t{8} << 20;
+  // Structured outputs: every constraint is compiled with these limits
+  // before a request is routed; one that does not compile is a 400 naming
+  // the reason. Routed only to workers that announce structured outputs.
+  structured::CompileOptions structured;
+  // How the model writes tool calls (tool_calls.h: hermes, qwen3, mistral,
+  // llama3_json); "": chosen from the chat template's markers.
+  std::string tool_call_parser;
 };
 
 class RouterService {
