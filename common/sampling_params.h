@@ -17,6 +17,22 @@ namespace pdserve {
 
 inline constexpr int kMaxLogprobs = 20;  // OpenAI's top_logprobs cap
 
+// Structured outputs: a constraint the output text must satisfy, as the
+// client gave it (common/structured compiles it to a grammar; the router
+// checks it, every worker that samples for the request compiles it).
+struct OutputConstraint {
+  enum class Kind : uint8_t {
+    kJsonSchema,  // text: the schema (JSON)
+    kJsonObject,  // any JSON object; text unused
+    kRegex,       // text: a regular expression the whole output matches
+    kChoice,      // text: a JSON array of strings, the output being one of them
+    kGrammar,     // text: GBNF grammar (common/structured/ebnf.h)
+  };
+  Kind kind = Kind::kJsonObject;
+  std::string text;
+  bool operator==(const OutputConstraint&) const = default;
+};
+
 struct SamplingParams {
   float temperature = 1.0f;  // >= 0; 0 = greedy
   int top_k = -1;            // -1 or 0: off; otherwise >= 1
@@ -37,6 +53,10 @@ struct SamplingParams {
   // nullopt: no logprobs. n: the chosen token's logprob plus the n most
   // likely tokens' (0 <= n <= kMaxLogprobs).
   std::optional<int> logprobs;
+  // Structured outputs: only tokens that keep the output a prefix of a
+  // document the constraint accepts are sampled, and EOS only once it is
+  // complete.
+  std::optional<OutputConstraint> constraint;
 };
 
 // Checks every field; the message names the field and the accepted range

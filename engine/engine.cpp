@@ -41,6 +41,8 @@ struct Engine::Sequence {
   bool finished = false;
   std::optional<IncrementalDetokenizer> detokenizer;
   std::optional<StopChecker> stop;
+  std::optional<structured::Matcher> matcher;  // structured outputs
+  RequestId share_prompt_with = 0;             // admitted once that prompt's KV is computed
 
   int64_t num_output() const { return static_cast<int64_t>(tokens.size()) - prompt_len; }
 };
@@ -171,6 +173,9 @@ Status Engine::ValidateRequest(const EngineRequest& r) const {
   if (!r.params.stop.empty() && tokenizer_ == nullptr) {
     return Status::InvalidArgument("stop strings need a tokenizer");
   }
+  if (r.params.constraint.has_value() && r.grammar == nullptr) {
+    return Status::InvalidArgument("a constrained request needs its compiled grammar");
+  }
   const int64_t blocks_needed =
       BlocksHeld(std::max<int64_t>(0, len + 1 - options_.max_num_batched_tokens), len + 1);
   if (blocks_needed > pool_->num_blocks()) {
@@ -192,6 +197,8 @@ std::unique_ptr<Engine::Sequence> Engine::NewSequence(EngineRequest r) {
   s->arrival = next_arrival_++;
   s->prefill_only = r.prefill_only;
   s->stream_kv_blocks = r.prefill_only && r.stream_kv_blocks;
+  if (r.grammar) s->matcher.emplace(std::move(r.grammar));
+  s->share_prompt_with = r.share_prompt_with;
   if (tokenizer_ != nullptr) {
     std::vector<TokenId> eos = model_->config().eos_token_ids;
     for (TokenId id : tokenizer_->eos_token_ids()) {
@@ -276,6 +283,12 @@ void Engine::ProcessToken(Sequence* s, const SampledToken& sampled, RequestOutpu
     auto step = s->stop->OnToken(token, s->detokenizer->Push(token));
     out->text += step.text;
     reason = step.finish;
+    // Ended by a stop token or the length: text the detokenizer still holds
+    // (a byte token's run, which only the next token would have released)
+    // belongs to the output.
+    if (reason != FinishReason::kNone && !step.matched_stop_string) {
+      out->text += s->detokenizer->Flush();
+    }
   } else {
     const auto& p = s->params;
     const auto& eos = model_->config().eos_token_ids;
@@ -476,9 +489,20 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
   }
 
   // 2. Waiting requests, in arrival order, unless this step had to preempt.
-  while (!preempted && !waiting_.empty() && budget > 0 &&
+  // A request sharing another's prompt waits (others pass it) until that
+  // prompt's KV is computed, then takes its blocks from the prefix cache.
+  size_t w = 0;
+  while (!preempted && w < waiting_.size() && budget > 0 &&
          static_cast<int64_t>(running_.size()) < options_.max_num_seqs) {
-    Sequence* s = waiting_.front();
+    Sequence* s = waiting_[w];
+    if (s->share_prompt_with != 0) {
+      auto leader = requests_.find(s->share_prompt_with);
+      if (leader != requests_.end() && leader->second->num_computed < leader->second->prompt_len) {
+        ++w;
+        continue;
+      }
+      s->share_prompt_with = 0;
+    }
     const int64_t total = static_cast<int64_t>(s->tokens.size());
     const std::vector<BlockHash> hashes = PrefixHashes(*s);
     const int64_t cached = static_cast<int64_t>(blocks_->FindCachedPrefix(hashes)) * B;
@@ -502,7 +526,7 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
     if (!s->admitted_once) s->num_cached_tokens = s->num_computed;
     s->admitted_once = true;
     s->state = Sequence::State::kRunning;
-    waiting_.erase(waiting_.begin());
+    waiting_.erase(waiting_.begin() + static_cast<ptrdiff_t>(w));
     InsertSorted(&running_, s);
     if (from_tiers > 0) {
       s->state = Sequence::State::kLoading;
@@ -535,8 +559,14 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
   // 3. The step: the executor runs it and samples.
   std::vector<ScheduledSeq> step;
   std::vector<Sequence*> sampled_seqs;
+  std::vector<Sequence*> dead_ends;  // constrained rows no token can follow
   const auto groups = static_cast<uint32_t>(blocks_->num_groups());
   step.reserve(sched.size());
+  size_t mask_words = 0, mask_at = 0;
+  for (const auto& sc : sched) {
+    if (sc.seq->matcher) mask_words += sc.seq->matcher->compiled().mask_words();
+  }
+  token_masks_.resize(mask_words);  // spans into it stay valid through Execute
   for (const auto& sc : sched) {
     Sequence* s = sc.seq;
     ScheduledSeq& x = step.emplace_back();
@@ -551,6 +581,20 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
     x.params = &s->params;
     x.seed = s->seed;
     x.output_index = static_cast<uint64_t>(s->num_output());
+    if (x.sample && s->matcher) {
+      // Structured outputs: the tokens the constraint allows next (the
+      // matcher stands after the tokens so far). None: a dead end, which
+      // computes its KV but samples nothing and ends with kLength.
+      const size_t words = s->matcher->compiled().mask_words();
+      const std::span<uint64_t> mask(token_masks_.data() + mask_at, words);
+      if (s->matcher->FillNextTokenBitmask(mask)) {
+        x.allowed = mask;
+        mask_at += words;
+      } else {
+        x.sample = false;
+        dead_ends.push_back(s);
+      }
+    }
     if (x.sample) sampled_seqs.push_back(s);
   }
   auto sampled = executor_->Execute(step);
@@ -594,9 +638,19 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
   std::vector<RequestId> done;
   for (size_t r = 0; r < sampled_seqs.size(); ++r) {
     Sequence* s = sampled_seqs[r];
+    SampledToken& token = (*sampled)[r];
+    // The runner sampled inside the mask, so the matcher takes the token.
+    if (s->matcher) (void)s->matcher->AcceptToken(token.token);
     RequestOutput out;
     out.id = s->id;
-    ProcessToken(s, (*sampled)[r], &out);
+    ProcessToken(s, token, &out);
+    outputs.push_back(std::move(out));
+  }
+  for (Sequence* s : dead_ends) {
+    RequestOutput out;
+    out.id = s->id;
+    if (s->stop) out.text = s->stop->Flush();
+    FinishSequence(s, FinishReason::kLength, &out);  // nothing can follow
     outputs.push_back(std::move(out));
   }
   for (const auto& out : outputs) {
@@ -667,6 +721,10 @@ StatusOr<RequestOutput> Engine::CompleteRemotePrefill(RequestId id, TokenId firs
                                    " is outside the vocabulary");
   }
   Sequence* s = it->second.get();
+  if (s->matcher && !s->matcher->AcceptToken(first_token)) {
+    return Status::InvalidArgument("first token " + std::to_string(first_token) +
+                                   " is not allowed by the request's constraint");
+  }
   s->num_computed = s->prompt_len;
   if (options_.enable_prefix_caching) {
     ExtendPromptHashes(s->hash_seed, std::span<const TokenId>(s->tokens.data(), s->num_computed),

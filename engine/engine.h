@@ -68,6 +68,7 @@
 #include "common/block_hash.h"
 #include "common/dtype.h"
 #include "common/status.h"
+#include "common/structured/matcher.h"
 #include "engine/block_manager.h"
 #include "engine/executor.h"
 #include "engine/host_block_buffers.h"
@@ -136,6 +137,16 @@ struct EngineRequest {
   // it complete (see RequestOutput::kv_blocks), so that a prefill worker can
   // send them while it computes the next chunk.
   bool stream_kv_blocks = false;
+  // Structured outputs: params.constraint compiled for this engine's
+  // vocabulary (common/structured). Every sampled token is masked by it; a
+  // request whose constraint allows no token any more ends with kLength.
+  std::shared_ptr<const structured::CompiledGrammar> grammar;
+  // n > 1: another request with the same prompt (and cache salt). This one
+  // is admitted only once that one's prompt KV is computed (or it is gone),
+  // so that the prompt's full blocks are shared through the prefix cache
+  // (reference counts) rather than computed again; only the last, partial
+  // block is this request's own. Requests behind it in the queue pass it.
+  RequestId share_prompt_with = 0;
 };
 
 // What one Step() did for one request.
@@ -224,8 +235,9 @@ class Engine {
   // Validates and queues a request. InvalidArgument (nothing queued) for an
   // empty prompt, a prompt that leaves no room for one output token in the
   // context, a token id outside the vocabulary, invalid sampling params
-  // (ValidateSamplingParams), stop strings without a tokenizer or a
-  // duplicate id; ResourceExhausted when the prompt needs more blocks than
+  // (ValidateSamplingParams), stop strings without a tokenizer, a
+  // constraint without its compiled grammar, or a duplicate id;
+  // ResourceExhausted when the prompt needs more blocks than
   // the whole pool.
   Status AddRequest(EngineRequest request);
 
@@ -251,6 +263,8 @@ class Engine {
   // token the prefill worker sampled (its logprobs, if any, in `sampled`).
   // Returns that token's output, as Step() would report it; when it is
   // `finished` the request is gone and no Step() mentions it again.
+  // InvalidArgument (the request stays parked) when its constraint does not
+  // allow that token.
   StatusOr<RequestOutput> CompleteRemotePrefill(RequestId id, TokenId first_token,
                                                 std::optional<SampledToken> sampled = std::nullopt);
   // The hand-off failed: the request goes back to the queue for local
@@ -331,6 +345,7 @@ class Engine {
   uint64_t next_arrival_ = 0;
   uint64_t num_preemptions_ = 0;
   uint64_t num_steps_ = 0;
+  std::vector<uint64_t> token_masks_;           // structured outputs' masks of the step
   std::vector<RequestOutput> pending_outputs_;  // reported by the next Step()
   std::unique_ptr<Executor> executor_;          // runs each step (declared last: goes first)
 };

@@ -265,9 +265,12 @@ StatusOr<std::vector<SampledToken>> ModelRunner::Execute(std::span<const Schedul
   // graph, row i is sequence i).
   std::vector<SampledToken> out;
   const int64_t logit_rows = graph ? bucket : R;
-  const bool all_greedy = std::all_of(step.begin(), step.end(), [](const ScheduledSeq& s) {
-    return !s.sample || (s.params->temperature == 0 && !s.params->logprobs);
-  });
+  // A masked row is never greedy: its argmax may be a token the mask forbids.
+  auto greedy = [](const ScheduledSeq& s) {
+    return s.params->temperature == 0 && !s.params->logprobs && s.allowed.empty();
+  };
+  const bool all_greedy = std::all_of(
+      step.begin(), step.end(), [&](const ScheduledSeq& s) { return !s.sample || greedy(s); });
   std::vector<int32_t> argmax(logit_rows);
   backend_->DownloadAsync(argmax.data(), device_tokens_, logit_rows * sizeof(int32_t));
   const int64_t V = c.vocab_size;
@@ -283,14 +286,27 @@ StatusOr<std::vector<SampledToken>> ModelRunner::Execute(std::span<const Schedul
     if (!s.sample) continue;
     const int64_t row = graph ? i : k;
     ++k;
-    if (s.params->temperature == 0 && !s.params->logprobs) {
-      SampledToken greedy;
-      greedy.token = argmax[row];  // what SampleToken gives at temperature 0
-      out.push_back(std::move(greedy));
-    } else {
-      const std::span<const float> logits(logits_.data() + row * V, static_cast<size_t>(V));
-      out.push_back(SampleToken(logits, *s.params, s.seed, s.output_index));
+    if (greedy(s)) {
+      SampledToken token;
+      token.token = argmax[row];  // what SampleToken gives at temperature 0
+      out.push_back(std::move(token));
+      continue;
     }
+    const std::span<float> logits(logits_.data() + row * V, static_cast<size_t>(V));
+    if (s.allowed.empty()) {
+      out.push_back(SampleToken(logits, *s.params, s.seed, s.output_index));
+      continue;
+    }
+    ApplyTokenBitmask(logits, s.allowed);
+    SampledToken token = SampleToken(logits, *s.params, s.seed, s.output_index);
+    auto allowed = [&](int64_t t) {
+      return static_cast<size_t>(t >> 6) < s.allowed.size() &&
+             ((s.allowed[t >> 6] >> (t & 63)) & 1);
+    };
+    for (int64_t t = 0; !allowed(token.token) && t < V; ++t) {
+      if (allowed(t)) token.token = static_cast<TokenId>(t);
+    }
+    out.push_back(std::move(token));
   }
   return out;
 }

@@ -15,9 +15,11 @@
 //    inputs from the static buffers; a batch is padded up to its bucket with
 //    rows that write no KV and attend to nothing.
 // Sampling is a pure function of (logits, params, seed, output index)
-// (engine/sampler.h): greedy rows take their argmax on the backend, so only
-// token ids come back; the others download their logits rows and sample on
-// the host. So preemption, batching, padding and graphs never change tokens.
+// (engine/sampler.h) and, for structured outputs, the row's token mask:
+// greedy rows take their argmax on the backend, so only token ids come
+// back; the others (masked rows always) download their logits rows and
+// sample on the host. So preemption, batching, padding and graphs never
+// change tokens.
 //
 // Thread safety: none; one engine thread drives a runner.
 #pragma once
@@ -66,6 +68,10 @@ struct ScheduledSeq {
   const SamplingParams* params = nullptr;
   uint64_t seed = 0;          // resolved seed (ResolveSeed)
   uint64_t output_index = 0;  // which output token this is, 0 first
+  // Structured outputs: the tokens that may be sampled (bit t % 64 of word
+  // t / 64, at least one set); empty: any. The sampled token is always one
+  // of them (the lowest allowed id when every allowed logit is -inf or NaN).
+  std::span<const uint64_t> allowed;
 };
 
 // A batch given whole (text evaluation, tests): host arrays. Token t has id

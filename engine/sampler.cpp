@@ -246,6 +246,19 @@ SampledToken SampleToken(std::span<const float> logits, const SamplingParams& pa
   return out;
 }
 
+void ApplyTokenBitmask(std::span<float> logits, std::span<const uint64_t> allowed) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const size_t n = logits.size();
+  for (size_t w = 0; w * 64 < n; ++w) {
+    const uint64_t bits = w < allowed.size() ? allowed[w] : 0;
+    if (bits == ~uint64_t{0}) continue;
+    const size_t end = std::min(n, w * 64 + 64);
+    for (size_t t = w * 64; t < end; ++t) {
+      if (!((bits >> (t - w * 64)) & 1)) logits[t] = kNegInf;
+    }
+  }
+}
+
 const char* FinishReasonName(FinishReason reason) {
   switch (reason) {
     case FinishReason::kStop:

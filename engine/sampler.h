@@ -58,6 +58,12 @@ struct TokenProb {
 std::vector<TokenProb> SamplingDistribution(std::span<const float> logits,
                                             const SamplingParams& params);
 
+// Structured outputs' hook: leaves only the tokens set in `allowed` (bit
+// t % 64 of word t / 64) possible by setting every other logit to -inf
+// (tokens past the bitmask's end too). Sampling then proceeds as usual, so
+// the mask composes with temperature, top-k/p and seeds. Allocates nothing.
+void ApplyTokenBitmask(std::span<float> logits, std::span<const uint64_t> allowed);
+
 enum class FinishReason { kNone, kStop, kLength };
 // "stop", "length" (OpenAI's finish_reason), "" for kNone.
 const char* FinishReasonName(FinishReason reason);

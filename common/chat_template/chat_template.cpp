@@ -58,11 +58,15 @@ StatusOr<std::string> RenderJson(const chat_template_detail::Program& program,
 template <typename Json>
 StatusOr<std::string> RenderChatJson(const chat_template_detail::Program& program,
                                      const Json& messages, bool add_generation_prompt,
-                                     std::string_view bos_token, std::string_view eos_token) {
+                                     std::string_view bos_token, std::string_view eos_token,
+                                     const Json* tools = nullptr) {
   if (!messages.is_array()) return Status::InvalidArgument("'messages' must be an array");
   return RenderWith(program, [&] {
     Dict variables;
     variables.Set("messages", Value::FromJson(messages, /*depth=*/1));
+    if (tools != nullptr && tools->is_array() && !tools->empty()) {
+      variables.Set("tools", Value::FromJson(*tools, /*depth=*/1));
+    }
     variables.Set("add_generation_prompt", Value::Bool(add_generation_prompt));
     variables.Set("bos_token", Value::String(std::string(bos_token)));
     variables.Set("eos_token", Value::String(std::string(eos_token)));
@@ -88,8 +92,9 @@ StatusOr<std::string> RenderChat(const ChatTemplate& tmpl, const nlohmann::json&
 
 StatusOr<std::string> RenderChat(const ChatTemplate& tmpl, const nlohmann::ordered_json& messages,
                                  bool add_generation_prompt, std::string_view bos_token,
-                                 std::string_view eos_token) {
-  return RenderChatJson(*tmpl.program_, messages, add_generation_prompt, bos_token, eos_token);
+                                 std::string_view eos_token, const nlohmann::ordered_json& tools) {
+  return RenderChatJson(*tmpl.program_, messages, add_generation_prompt, bos_token, eos_token,
+                        &tools);
 }
 
 }  // namespace pdserve

@@ -64,20 +64,24 @@ class ChatTemplate {
   friend StatusOr<std::string> RenderChat(const ChatTemplate&, const nlohmann::json&, bool,
                                           std::string_view, std::string_view);
   friend StatusOr<std::string> RenderChat(const ChatTemplate&, const nlohmann::ordered_json&, bool,
-                                          std::string_view, std::string_view);
+                                          std::string_view, std::string_view,
+                                          const nlohmann::ordered_json&);
   explicit ChatTemplate(std::shared_ptr<const chat_template_detail::Program> program)
       : program_(std::move(program)) {}
   std::shared_ptr<const chat_template_detail::Program> program_;
 };
 
 // The router's /v1/chat/completions path: `messages` is the OpenAI messages
-// array. Renders with messages, add_generation_prompt, bos_token, eos_token.
-// A `messages` that is not an array is kInvalidArgument.
+// array. Renders with messages, add_generation_prompt, bos_token, eos_token,
+// and `tools` when `tools` is a non-empty array (the request's tool
+// definitions, as OpenAI's API gives them). A `messages` that is not an
+// array is kInvalidArgument.
 StatusOr<std::string> RenderChat(const ChatTemplate& tmpl, const nlohmann::json& messages,
                                  bool add_generation_prompt, std::string_view bos_token,
                                  std::string_view eos_token);
 StatusOr<std::string> RenderChat(const ChatTemplate& tmpl, const nlohmann::ordered_json& messages,
                                  bool add_generation_prompt, std::string_view bos_token,
-                                 std::string_view eos_token);
+                                 std::string_view eos_token,
+                                 const nlohmann::ordered_json& tools = nullptr);
 
 }  // namespace pdserve

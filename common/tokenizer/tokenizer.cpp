@@ -181,6 +181,7 @@ class HfBpeTokenizer final : public Tokenizer {
   bool IsByteToken(TokenId id) const override {
     return id >= 0 && static_cast<size_t>(id) < byte_token_.size() && byte_token_[id];
   }
+  std::optional<std::string> TokenBytes(TokenId id) const override;
   std::optional<TokenId> bos_token_id() const override { return bos_id_; }
   const std::vector<TokenId>& eos_token_ids() const override { return eos_ids_; }
   const std::string& bos_token() const override { return bos_token_; }
@@ -579,6 +580,23 @@ std::vector<TokenId> HfBpeTokenizer::Encode(std::string_view text, bool add_spec
   }
   if (add_special_tokens) ids.insert(ids.end(), template_.suffix.begin(), template_.suffix.end());
   return ids;
+}
+
+std::optional<std::string> HfBpeTokenizer::TokenBytes(TokenId id) const {
+  const std::string* s = TokenString(id);
+  if (s == nullptr || IsSpecial(id)) return std::nullopt;
+  if (!decoder_) return " " + *s;  // joined by spaces, as Decode does
+  // Decoded after an anchor, so that rules for the first token (a leading
+  // space stripped) do not apply; the anchor's own text is then cut off.
+  static const std::string kAnchor = "a";
+  std::vector<std::string> alone{kAnchor}, both{kAnchor, *s};
+  decoder_->ApplyRaw(&alone);
+  decoder_->ApplyRaw(&both);
+  std::string prefix, all;
+  for (const auto& t : alone) prefix += t;
+  for (const auto& t : both) all += t;
+  if (all.compare(0, prefix.size(), prefix) != 0) return std::nullopt;
+  return all.substr(prefix.size());
 }
 
 std::string HfBpeTokenizer::Decode(std::span<const TokenId> ids, bool skip_special_tokens) const {

@@ -57,6 +57,12 @@ class Tokenizer {
   // valid UTF-8 becomes one U+FFFD per byte), so the text of a byte token is
   // final only once a token of another kind follows it.
   virtual bool IsByteToken(TokenId id) const = 0;
+  // The exact bytes token `id` adds to the text when it follows other text
+  // (not first: no start-of-text rule applies), before any UTF-8 repair: a
+  // byte token is its byte, "▁hello" is " hello", a byte-level symbol its
+  // bytes. nullopt for special tokens and ids outside the vocabulary.
+  // (Structured outputs match grammars over these bytes.)
+  virtual std::optional<std::string> TokenBytes(TokenId id) const = 0;
 
   virtual std::optional<TokenId> bos_token_id() const = 0;
   // End-of-sequence ids: eos_token, then generation_config.json's

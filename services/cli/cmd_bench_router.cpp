@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <numeric>
 #include <random>
 #include <string>
 #include <thread>
@@ -110,6 +111,8 @@ int RunBenchRouter(int argc, char** argv) {
   int64_t decisions = 20000, events_per_batch = 16, seed = 1;
   std::string policy = "kv";
   double pending_ttl_ms = 2000;
+  double copy_cost = 0;
+  bool loads = false;
   bool json = false;
   flags.AddInt("workers", &workers, "workers registered with the router");
   flags.AddInt("indexed-blocks", &indexed_blocks, "distinct block hashes in the index");
@@ -120,6 +123,12 @@ int RunBenchRouter(int argc, char** argv) {
   flags.AddString("policy", &policy, "routing policy: kv|round_robin|least_loaded|random");
   flags.AddDouble("pending-ttl-ms", &pending_ttl_ms,
                   "burst-handling pending entries' lifetime (0 disables them)");
+  flags.AddDouble("replication-copy-cost", &copy_cost,
+                  "kv: hot-prefix replication on with this copy price (0: off), its "
+                  "bookkeeping (hotness, demand, governor, eviction value) in the figures");
+  flags.AddBool("loads", &loads,
+                "workers report loads, a third of them busy, so that decisions price copies "
+                "(compare --replication-copy-cost 0 and > 0 both with --loads)");
   flags.AddInt("seed", &seed, "random seed");
   flags.AddBool("json", &json, "print one JSON line");
   flags.SetEpilog(
@@ -143,6 +152,9 @@ int RunBenchRouter(int argc, char** argv) {
   ro.policy_options.seed = static_cast<uint64_t>(seed);
   if (!(pending_ttl_ms >= 0)) UsageError(cmd, "--pending-ttl-ms must not be negative");
   ro.pending_ttl_us = static_cast<int64_t>(pending_ttl_ms * 1e3);
+  if (!(copy_cost >= 0) || copy_cost >= 1)
+    UsageError(cmd, "--replication-copy-cost must be in [0, 1)");
+  ro.copy_cost = copy_cost;
   auto created = router::RouterCore::Create(ro);
   if (!created.ok()) UsageError(cmd, created.status().message());
   router::RouterCore& core = **created;
@@ -154,6 +166,18 @@ int RunBenchRouter(int argc, char** argv) {
       return 1;
     }
     ids.push_back(*id);
+  }
+
+  if (loads) {
+    // Pools of twice their share of the index; every third worker busy, so
+    // that hot prefixes held there are priced for copies to the others.
+    for (size_t w = 0; w < ids.size(); ++w) {
+      router::WorkerLoad load;
+      load.total_blocks = 2 * indexed_blocks / workers;
+      load.free_blocks = load.total_blocks / 2;
+      load.queued_prefill_tokens = w % 3 == 0 ? 20000 : 0;
+      (void)core.OnLoad(ids[w], load);
+    }
   }
 
   // Cached prompts ("families"): random tokens, hashed with spec v1, each
@@ -252,9 +276,12 @@ int RunBenchRouter(int argc, char** argv) {
     }
   }
   std::fprintf(stderr, "bench router: %lld routing decisions\n", static_cast<long long>(decisions));
-  std::vector<double> latency_us, hash_us;  // whole decision; its hashing part
+  // Whole decision (hashing the prompt, then Route), its hashing part, and
+  // Route alone (index walk, policy, accounting, copy bookkeeping).
+  std::vector<double> latency_us, hash_us, decide_us;
   latency_us.reserve(static_cast<size_t>(decisions));
   hash_us.reserve(static_cast<size_t>(decisions));
+  decide_us.reserve(static_cast<size_t>(decisions));
   int64_t overlap_blocks = 0;
   const int64_t warmup = std::min<int64_t>(1000, decisions);
   double route_cpu = 0;
@@ -280,6 +307,7 @@ int RunBenchRouter(int argc, char** argv) {
     if (i >= 0) {
       latency_us.push_back(Seconds(t0, t1) * 1e6);
       hash_us.push_back(Seconds(t0, t_hashed) * 1e6);
+      decide_us.push_back(Seconds(t_hashed, t1) * 1e6);
       overlap_blocks += d->decode_overlap_blocks;
     }
   }
@@ -298,6 +326,13 @@ int RunBenchRouter(int argc, char** argv) {
       {"route_mean_us", sum / static_cast<double>(latency_us.size())},
       {"route_max_us", *std::max_element(latency_us.begin(), latency_us.end())},
       {"hash_p50_us", Percentile(hash_us, 0.50)},
+      {"decide_p50_us", Percentile(decide_us, 0.50)},
+      {"decide_p99_us", Percentile(decide_us, 0.99)},
+      {"replication_copy_cost", copy_cost},
+      {"loads", loads},
+      {"copies_started", stats.copy.started},
+      {"copies_declined",
+       std::accumulate(stats.copy.declined.begin(), stats.copy.declined.end(), uint64_t{0})},
       {"route_cpu_mean_us", route_cpu * 1e6 / static_cast<double>(decisions)},
       {"events_per_s", events_per_s},
       {"store_events_per_s", store_rate},
@@ -334,6 +369,8 @@ int RunBenchRouter(int argc, char** argv) {
         j["route_p50_us"].get<double>(), j["route_p99_us"].get<double>(),
         j["route_mean_us"].get<double>(), static_cast<long long>(decisions),
         static_cast<long long>(prompt_blocks));
+    std::printf("route alone      p50 %.2f us, p99 %.2f us (hashing excluded)\n",
+                j["decide_p50_us"].get<double>(), j["decide_p99_us"].get<double>());
     std::printf("machine noise    %.2f gaps/ms of median %.1f us (%.1f%% of the time)\n",
                 noise.gaps_per_ms, noise.gap_p50_us, 100 * noise.time_lost_share);
     std::printf("event ingestion  %.2f M block events/s (store %.2f M/s, churn %.2f M/s)\n",

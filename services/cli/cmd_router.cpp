@@ -7,6 +7,8 @@
 #include "common/signals.h"
 #include "services/cli/command.h"
 #include "services/cli/control_security_flags.h"
+#include "services/cli/structured_flags.h"
+#include "services/router/openai/tool_calls.h"
 #include "services/router/router_service.h"
 
 namespace pdserve::cli {
@@ -52,6 +54,14 @@ int RunRouter(int argc, char** argv) {
                    std::to_string(router::kMaxCopyMinRequests) + ")");
   flags.AddDouble("replication-window-s", &o.replication_window_s,
                   "kv: the window of --replication-min-requests, in seconds");
+  flags.AddInt("replication-max-inflight", &o.replication_max_inflight,
+               "kv: copies in flight cluster-wide at full budget; the budget shrinks while "
+               "copies go unused and grows while they are reused (0: one per two decode "
+               "workers)");
+  flags.AddDouble("replication-max-copy-tokens-per-s", &o.replication_max_copy_tokens_per_s,
+                  "kv: copied prompt tokens per second cluster-wide at full budget (bytes per "
+                  "second / the model's KV bytes per token), scaled like the in-flight budget "
+                  "(0: no rate budget)");
   flags.AddInt("drain-push-blocks", &o.drain_push_blocks,
                "when a worker drains (SIGTERM), the most KV blocks of its most used recent "
                "prompts it writes to the surviving workers before it leaves (0: off)");
@@ -83,8 +93,17 @@ int RunRouter(int argc, char** argv) {
                "largest KV capacity (and snapshot) a worker may register, in blocks");
   ControlSecurityFlags security;
   security.AddTo(flags);
+  StructuredFlags structured;
+  structured.AddTo(flags, /*worker=*/false);
+  flags.AddString("tool-call-parser", &o.tool_call_parser,
+                  "how the model writes tool calls: hermes|qwen3|mistral|llama3_json (default: "
+                  "from the chat template's markers)");
   flags.AddString("log-level", &log_level, "debug|info|warn|error");
   ParseFlagsOrExit(flags, argc, argv);
+  o.structured = structured.OptionsOrExit("router");
+  if (!o.tool_call_parser.empty() && !router::ParseToolParserName(o.tool_call_parser).ok())
+    UsageError("router", "--tool-call-parser: " +
+                             router::ParseToolParserName(o.tool_call_parser).status().message());
   for (auto [name, w] : {std::pair{"host-tier-weight", o.host_tier_weight},
                          {"disk-tier-weight", o.disk_tier_weight}}) {
     if (!(w >= 0 && w <= 1)) UsageError("router", std::string("--") + name + " must be in [0, 1]");
@@ -111,6 +130,11 @@ int RunRouter(int argc, char** argv) {
   if (o.block_size <= 0) UsageError("router", "--block-size must be positive");
   if (o.max_local_prefill < 0) UsageError("router", "--max-local-prefill must not be negative");
   if (o.drain_push_blocks < 0) UsageError("router", "--drain-push-blocks must not be negative");
+  if (o.replication_max_inflight < 0 || !(o.replication_max_copy_tokens_per_s >= 0)) {
+    UsageError("router",
+               "--replication-max-inflight and --replication-max-copy-tokens-per-s "
+               "must not be negative");
+  }
   if (o.replication_copy_cost < 0) {
     UsageError("router", "--replication-copy-cost must not be negative");
   }

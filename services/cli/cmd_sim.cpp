@@ -36,7 +36,7 @@ std::vector<std::string> ParsePolicyList(const std::string& text, std::string* b
 }
 
 nlohmann::json ResultJson(const SimOptions& o, const std::string& trace, const SimResult& r) {
-  return {
+  nlohmann::json j = {
       {"policy", o.policy},
       {"hit_rate", r.hit_rate},
       {"oracle_hit_rate", r.oracle_hit_rate},
@@ -72,11 +72,24 @@ nlohmann::json ResultJson(const SimOptions& o, const std::string& trace, const S
       {"copy_gbps", o.copy_gbps},
       {"replication_min_requests", o.replication_min_requests},
       {"replication_window_s", o.replication_window_s},
+      {"replication_max_inflight", o.replication_max_inflight},
+      {"replication_max_copy_tokens_per_s", o.replication_max_copy_tokens_per_s},
       {"replications_started", r.replications_started},
       {"replications_finished", r.replications_finished},
       {"replications_failed", r.replications_failed},
       {"copied_tokens", r.copied_tokens},
       {"copied_bytes", r.copied_bytes},
+      {"copy_landed_blocks", r.copy.landed_blocks},
+      {"copy_reused_blocks", r.copy.reused_blocks},
+      {"copy_evicted_unused_blocks", r.copy.evicted_unused_blocks},
+      {"copy_lost_before_use", r.copy.lost_before_use},
+      {"copy_evicted_blocks", r.copy.evicted_blocks},
+      {"copy_evicted_recomputed_blocks", r.copy.evicted_recomputed_blocks},
+      {"copy_link_waits", r.copy.link_waits},
+      {"copy_link_wait_s", r.copy.link_wait_s},
+      {"copy_receiver_wait_s", r.copy.receiver_wait_s},
+      {"copies_widely_held", r.copy.widely_held},
+      {"copy_holders_mean", r.copy.holders_mean},
       {"remove_worker_at_s", o.remove_at_s},
       {"drain_push", o.drain_push},
       {"removed_at_s", r.removed_at_s},
@@ -98,7 +111,18 @@ nlohmann::json ResultJson(const SimOptions& o, const std::string& trace, const S
       {"onloads", r.onloads},
       {"onload_bytes", r.onload_bytes},
       {"onload_wait_mean_s", r.onload_wait_mean_s},
+      {"copy_outcomes_reused", r.router.copy.reused},
+      {"copy_outcomes_unused", r.router.copy.unused},
+      {"copy_reuse_ratio", r.router.copy.reuse_ratio},
+      {"copy_breaker_trips", r.router.copy.breaker_trips},
+      {"copy_breaker", router::CopyBreakerName(r.router.copy.breaker)},
+      {"copy_budget_scale", r.router.copy.budget_scale},
   };
+  for (size_t k = 0; k < router::kCopyDeclineCount; ++k) {
+    j[std::string("copies_declined_") +
+      router::CopyDeclineName(static_cast<router::CopyDecline>(k))] = r.router.copy.declined[k];
+  }
+  return j;
 }
 
 int RunSim(int argc, char** argv) {
@@ -149,6 +173,10 @@ int RunSim(int argc, char** argv) {
                "reached it as their longest cached prefix within --replication-window-s");
   flags.AddDouble("replication-window-s", &o.replication_window_s,
                   "kv: the window of --replication-min-requests");
+  flags.AddInt("replication-max-inflight", &o.replication_max_inflight,
+               "kv: copies in flight at full budget (0: one per two workers)");
+  flags.AddDouble("replication-max-copy-tokens-per-s", &o.replication_max_copy_tokens_per_s,
+                  "kv: copied prompt tokens per second at full budget (0: no rate budget)");
   flags.AddDouble("kv-bytes-per-token", &o.kv_bytes_per_token,
                   "KV cache bytes of one token (all layers), for copy times");
   flags.AddDouble("copy-gbps", &o.copy_gbps, "GB/s of each worker's KV copy link");

@@ -22,12 +22,21 @@ int RunTraceGenerate(int argc, char** argv) {
   int64_t seed = static_cast<int64_t>(o.seed);
   flags.AddString("output", &output, "file to write ('-': standard output)");
   flags.AddInt("sessions", &o.sessions, "sessions (conversations)");
-  flags.AddInt("turns", &o.turns, "turns per session; each turn's prompt holds the earlier turns");
+  flags.AddInt("turns", &o.turns,
+               "turns per session (with --turns-alpha: the most); each turn's prompt holds the "
+               "earlier turns");
+  flags.AddDouble("turns-alpha", &o.turns_alpha,
+                  "heavy-tailed turns per session: Pareto with minimum 1 and this tail exponent, "
+                  "P(turns > k) = (k+1)^-alpha, capped at --turns (0: every session has --turns)");
   flags.AddInt("block-tokens", &o.block_tokens, "tokens per hash_ids block");
   flags.AddInt("prefixes", &o.prefixes,
                "shared prefixes (system prompts) sessions start with; 0: none");
   flags.AddDouble("zipf", &o.zipf, "skew of the prefixes' popularity: P(rank k) ~ 1/k^zipf");
-  flags.AddInt("prefix-tokens", &o.prefix_tokens, "tokens of each shared prefix");
+  flags.AddInt("prefix-tokens", &o.prefix_tokens,
+               "tokens of each shared prefix (with --prefix-tokens-max: the fewest)");
+  flags.AddInt("prefix-tokens-max", &o.prefix_tokens_max,
+               "when above --prefix-tokens, each prefix's length is uniform in "
+               "[--prefix-tokens, --prefix-tokens-max]");
   flags.AddInt("question-tokens", &o.question_tokens,
                "mean new prompt tokens per turn (uniform in [mean/2, 3*mean/2])");
   flags.AddInt("answer-tokens", &o.answer_tokens,

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <filesystem>
@@ -34,6 +35,7 @@
 #include "engine/kv_tier_store.h"
 #include "engine/make_model.h"
 #include "services/cli/command.h"
+#include "services/cli/structured_flags.h"
 #include "transport/control/handshake.h"
 
 namespace pdserve::cli {
@@ -222,8 +224,10 @@ int RunUp(int argc, char** argv) {
   std::string kv_disk_cache_dir, kv_disk_write;
   int64_t kv_disk_write_queue = 1024, kv_disk_write_bps = 0;
   std::string model, model_id, dir = ".pdserve", host = "127.0.0.1", policy = "kv";
+  std::string copy_cost = "0";
   std::string log_level = "info", device = "auto", load_format = "safetensors";
   std::string kv_dtype = "fp32";
+  std::string tool_call_parser;
   bool stream_chunks = true;
   FlagSet flags("up",
                 "Start a local stack: the router plus prefill and decode workers as child "
@@ -244,6 +248,9 @@ int RunUp(int argc, char** argv) {
   flags.AddString("policy", &policy, "routing policy: kv|round_robin|least_loaded|random");
   flags.AddInt("max-local-prefill", &max_local_prefill,
                "prompt tokens a decode worker computes itself; more go to a prefill worker");
+  flags.AddString("replication-copy-cost", &copy_cost,
+                  "kv: hot-prefix replication's copy price, as the router's "
+                  "--replication-copy-cost (0: off)");
   flags.AddString("device", &device, "device of every worker: auto|cpu|cuda|cuda:N");
   flags.AddString("load-format", &load_format,
                   "workers' weights: safetensors|dummy (random, for benchmarks)");
@@ -267,6 +274,11 @@ int RunUp(int argc, char** argv) {
                "through: host-tier blocks that may wait for their disk copy, per worker");
   flags.AddBytes("kv-disk-write-bytes-per-second", &kv_disk_write_bps,
                  "through: pace of each worker's background disk copies (0: unpaced)");
+  flags.AddString("tool-call-parser", &tool_call_parser,
+                  "router: how the model writes tool calls (hermes|qwen3|mistral|llama3_json; "
+                  "default: from the chat template)");
+  StructuredFlags structured;  // passed on to the router and the workers
+  structured.AddTo(flags, /*worker=*/true);
   flags.AddString("dir", &dir, "folder for the logs (DIR/logs) and the default model");
   flags.AddInt("start-timeout", &start_timeout_s, "seconds to wait for the stack to be ready");
   flags.AddInt("stop-timeout", &stop_timeout_s,
@@ -287,8 +299,13 @@ int RunUp(int argc, char** argv) {
     UsageError("up", "--prefill-metrics-port leaves no room for every prefill worker");
   if (decode_metrics_port > 0 && decode_metrics_port + decode - 1 > 65535)
     UsageError("up", "--decode-metrics-port leaves no room for every decode worker");
+  (void)structured.OptionsOrExit("up");  // out-of-range values fail here, not in a child
   if (threads < 0) UsageError("up", "--threads must not be negative");
   if (max_local_prefill < 0) UsageError("up", "--max-local-prefill must not be negative");
+  if (char* end = nullptr;
+      copy_cost.empty() || !(std::strtod(copy_cost.c_str(), &end) >= 0) || *end != '\0') {
+    UsageError("up", "--replication-copy-cost must be a non-negative number");
+  }
   if (kv_cache_bytes <= 0) UsageError("up", "--kv-cache-bytes must be positive");
   if (kv_host_cache_bytes < 0) UsageError("up", "--kv-host-cache-bytes must not be negative");
   if (kv_disk_cache_dir.empty() != (kv_disk_cache_bytes <= 0)) {
@@ -379,7 +396,12 @@ int RunUp(int argc, char** argv) {
                                           "--log-level",
                                           log_level};
   if (!model_id.empty()) router_args.insert(router_args.end(), {"--model-id", model_id});
+  if (!tool_call_parser.empty()) {
+    router_args.insert(router_args.end(), {"--tool-call-parser", tool_call_parser});
+  }
+  for (std::string& a : structured.Args(/*worker=*/false)) router_args.push_back(std::move(a));
   router_args.insert(router_args.end(), {"--cluster-secret-file", secret_file});
+  router_args.insert(router_args.end(), {"--replication-copy-cost", copy_cost});
   if (!start(add("router"), router_args)) return 1;
 
   // Workers need the control port, which the router reports once it listens.
@@ -445,6 +467,7 @@ int RunUp(int argc, char** argv) {
                    std::to_string(kv_disk_write_bps)});
       if (!kv_disk_write.empty()) args.insert(args.end(), {"--kv-disk-write", kv_disk_write});
     }
+    for (std::string& a : structured.Args(/*worker=*/true)) args.push_back(std::move(a));
     args.insert(args.end(), {"--cluster-secret-file", secret_file});
     return args;
   };

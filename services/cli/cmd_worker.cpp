@@ -8,6 +8,7 @@
 #include "kernels/backend_factory.h"
 #include "services/cli/command.h"
 #include "services/cli/control_security_flags.h"
+#include "services/cli/structured_flags.h"
 #include "services/protocol/role.h"
 #include "services/worker/worker_service.h"
 #include "transport/kv_transfer_factory.h"
@@ -91,6 +92,8 @@ int RunWorker(int argc, char** argv) {
   flags.AddInt("drain-timeout", &drain_s, "seconds SIGTERM waits for running requests");
   ControlSecurityFlags security;
   security.AddTo(flags);
+  StructuredFlags structured;
+  structured.AddTo(flags, /*worker=*/true);
   flags.AddString("log-level", &log_level, "debug|info|warn|error");
   ParseFlagsOrExit(flags, argc, argv);
 
@@ -182,6 +185,7 @@ int RunWorker(int argc, char** argv) {
   o.threads = static_cast<int>(threads);
   o.prefill_timeout_ms = prefill_timeout_ms;
   o.drain_timeout_ms = drain_s * 1000;
+  o.structured = structured.OptionsOrExit("worker");
 
   auto service = worker::WorkerService::Create(o);
   if (!service.ok()) {

@@ -13,6 +13,12 @@ void ToProto(const SamplingParams& s, proto::SamplingParams* p) {
   p->set_ignore_eos(s.ignore_eos);
   p->set_logprobs(s.logprobs.has_value());
   p->set_top_logprobs(static_cast<uint32_t>(s.logprobs.value_or(0)));
+  p->set_min_p(s.min_p);
+  if (s.constraint) {
+    auto* c = p->mutable_constraint();
+    c->set_kind(static_cast<proto::OutputConstraint::Kind>(s.constraint->kind));
+    c->set_text(s.constraint->text);
+  }
 }
 
 SamplingParams FromProto(const proto::SamplingParams& p) {
@@ -26,6 +32,13 @@ SamplingParams FromProto(const proto::SamplingParams& p) {
   s.stop_token_ids.assign(p.stop_token_ids().begin(), p.stop_token_ids().end());
   s.ignore_eos = p.ignore_eos();
   if (p.logprobs()) s.logprobs = static_cast<int>(p.top_logprobs());
+  s.min_p = p.min_p();
+  if (p.has_constraint()) {
+    OutputConstraint c;
+    c.kind = static_cast<OutputConstraint::Kind>(p.constraint().kind());
+    c.text = p.constraint().text();
+    s.constraint = std::move(c);
+  }
   return s;
 }
 

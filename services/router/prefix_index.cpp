@@ -107,6 +107,11 @@ void PrefixIndex::StoreLowerLocked(WorkerId worker, KvTier tier,
 TierRun PrefixIndex::LowerTierRun(WorkerId worker, std::span<const BlockHash> hashes,
                                   size_t from) const {
   std::shared_lock lock(mu_);
+  return LowerTierRunLocked(worker, hashes, from);
+}
+
+TierRun PrefixIndex::LowerTierRunLocked(WorkerId worker, std::span<const BlockHash> hashes,
+                                        size_t from) const {
   TierRun run;
   if (worker >= workers_.size() || !workers_[worker].open) return run;
   const WorkerState& w = workers_[worker];
@@ -277,6 +282,27 @@ void PrefixIndex::LeadingOverlap(std::span<const BlockHash> hashes, int64_t now_
   out->assign(workers_.size(), 0);
   if (hashes.empty()) return;
   std::shared_lock lock(mu_);
+  LeadingOverlapLocked(hashes, now_us, out);
+}
+
+void PrefixIndex::Match(std::span<const BlockHash> hashes, int64_t now_us,
+                        std::vector<uint32_t>* overlap, std::vector<WorkerMatch>* workers) const {
+  overlap->assign(workers_.size(), 0);
+  workers->assign(workers_.size(), WorkerMatch{});
+  std::shared_lock lock(mu_);
+  if (!hashes.empty()) LeadingOverlapLocked(hashes, now_us, overlap);
+  for (WorkerId w = 0; w < workers_.size(); ++w) {
+    const WorkerState& state = workers_[w];
+    if (!state.open) continue;
+    (*workers)[w].blocks = state.blocks->size();
+    if (!state.host.empty() || !state.disk.empty()) {
+      (*workers)[w].lower = LowerTierRunLocked(w, hashes, (*overlap)[w]);
+    }
+  }
+}
+
+void PrefixIndex::LeadingOverlapLocked(std::span<const BlockHash> hashes, int64_t now_us,
+                                       std::vector<uint32_t>* out) const {
   const bool any_pending = pending_->size() != 0;
   const size_t n = hashes.size();
 

@@ -143,6 +143,16 @@ class PrefixIndex {
   // lower tiers, up to the first it does not (0 for a closed slot).
   TierRun LowerTierRun(WorkerId worker, std::span<const BlockHash> hashes, size_t from) const;
 
+  // LeadingOverlap, and under the same lock what a routing decision reads
+  // of every worker besides (one lock per decision rather than two per
+  // worker): its lower-tier run after its overlap and its device block count.
+  struct WorkerMatch {
+    TierRun lower;
+    size_t blocks = 0;
+  };
+  void Match(std::span<const BlockHash> hashes, int64_t now_us, std::vector<uint32_t>* overlap,
+             std::vector<WorkerMatch>* workers) const;
+
   // Marks `hashes` as about to be held by `worker` until expires_us.
   void AddPending(WorkerId worker, std::span<const BlockHash> hashes, int64_t now_us,
                   int64_t expires_us);
@@ -165,6 +175,10 @@ class PrefixIndex {
   void PurgePendingLocked(WorkerId worker);
   void ClearPendingBitLocked(BlockHash hash, WorkerId worker);
   void SweepPendingLocked(int64_t now_us);
+  // `out` already sized and zeroed; `hashes` not empty.
+  void LeadingOverlapLocked(std::span<const BlockHash> hashes, int64_t now_us,
+                            std::vector<uint32_t>* out) const;
+  TierRun LowerTierRunLocked(WorkerId worker, std::span<const BlockHash> hashes, size_t from) const;
 
   const PrefixIndexOptions options_;
   const size_t words_;  // 64-bit words per worker bitset

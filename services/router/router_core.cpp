@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <deque>
+#include <limits>
 
 #include "common/kv_groups.h"
 
@@ -25,7 +26,10 @@ struct RouterCore::Worker {
 };
 
 RouterCore::RouterCore(RouterOptions options)
-    : options_(std::move(options)), index_(options_.index), workers_(options_.index.max_workers) {}
+    : options_(std::move(options)),
+      index_(options_.index),
+      track_qps_(options_.policy == "production-stack"),
+      workers_(options_.index.max_workers) {}
 
 RouterCore::~RouterCore() = default;
 
@@ -60,9 +64,25 @@ StatusOr<std::unique_ptr<RouterCore>> RouterCore::Create(RouterOptions options) 
   if (!decode_policy.ok()) return decode_policy.status();
   auto prefill_policy = MakePolicy(options.policy, prefill_options);
   if (!prefill_policy.ok()) return prefill_policy.status();
+  if (options.copy_max_inflight < 0 || !(options.copy_max_tokens_per_s >= 0) ||
+      !std::isfinite(options.copy_max_tokens_per_s) || options.copy_reuse_window_us <= 0) {
+    return Status::InvalidArgument(
+        "copy budgets must not be negative and the reuse window must be positive");
+  }
   std::unique_ptr<RouterCore> core(new RouterCore(std::move(options)));
   core->decode_policy_ = std::move(*decode_policy);
   core->prefill_policy_ = std::move(*prefill_policy);
+  const RouterOptions& o = core->options_;
+  if ((o.copy_cost > 0 && o.copy_cost < 1) || o.drain_push) {
+    CopyGovernorOptions g;
+    g.copy_cost = o.copy_cost;
+    g.block_tokens = o.block_tokens;
+    g.max_inflight = o.copy_max_inflight;
+    g.max_tokens_per_s = o.copy_max_tokens_per_s;
+    g.cooldown_us = o.copy_window_us;
+    g.reuse_window_us = o.copy_reuse_window_us;
+    core->governor_ = std::make_unique<CopyGovernor>(g);
+  }
   return core;
 }
 
@@ -89,6 +109,10 @@ StatusOr<WorkerId> RouterCore::AddWorker(const std::string& name, Role role,
   w->role = role;
   w->max_model_len = max_model_len;
   workers_[*free_slot] = std::move(w);
+  if (governor_) {
+    governor_->AddWorker(*free_slot);
+    governor_->SetWorkerCount(DecodeWorkerCountLocked());
+  }
   return *free_slot;
 }
 
@@ -114,6 +138,10 @@ std::vector<uint64_t> RouterCore::RemoveWorker(WorkerId worker) {
   }
   workers_[worker].reset();
   index_.RemoveWorker(worker);
+  if (governor_) {
+    governor_->RemoveWorker(worker);
+    governor_->SetWorkerCount(DecodeWorkerCountLocked());
+  }
   std::sort(orphans.begin(), orphans.end());
   return orphans;
 }
@@ -123,8 +151,18 @@ void RouterCore::SetDraining(WorkerId worker, bool draining) {
   if (worker < workers_.size() && workers_[worker]) workers_[worker]->draining = draining;
 }
 
+int64_t RouterCore::DecodeWorkerCountLocked() const {
+  int64_t n = 0;
+  for (const auto& w : workers_) n += w && w->role != Role::kPrefill;
+  return n;
+}
+
 ApplyOutcome RouterCore::OnKvEvents(WorkerId worker, const KvEventBatch& batch) {
-  return index_.ApplyEvents(worker, batch);
+  const ApplyOutcome out = index_.ApplyEvents(worker, batch);
+  if (governor_ && out == ApplyOutcome::kApplied) {
+    governor_->OnKvEvents(worker, batch, options_.clock_us());
+  }
+  return out;
 }
 
 Status RouterCore::OnSnapshot(WorkerId worker, uint64_t seq, std::span<const BlockHash> hashes,
@@ -139,6 +177,7 @@ Status RouterCore::OnLoad(WorkerId worker, const WorkerLoad& load) {
   }
   workers_[worker]->reported = load;
   workers_[worker]->has_report = true;
+  if (governor_ && load.total_blocks > 0) governor_->SetCapacity(worker, load.total_blocks);
   return Status::Ok();
 }
 
@@ -185,9 +224,7 @@ Candidate RouterCore::MakeCandidateLocked(Worker& w, int64_t overlap_blocks,
   c.worker = w.id;
   c.prompt_tokens = prompt_tokens;
   c.overlap_blocks = overlap_blocks;
-  const TierRun run = GroupedLocked() ? TierRun{}
-                                      : index_.LowerTierRun(w.id, request.block_hashes,
-                                                            static_cast<size_t>(overlap_blocks));
+  const TierRun run = match_[w.id].lower;
   c.host_blocks = run.host_blocks;
   c.disk_blocks = run.disk_blocks;
   c.uncached_tokens =
@@ -209,12 +246,14 @@ Candidate RouterCore::MakeCandidateLocked(Worker& w, int64_t overlap_blocks,
                             static_cast<double>(w.reported.total_blocks * options_.block_tokens));
     }
   }
-  const auto window_us = static_cast<int64_t>(options_.policy_options.qps_window_s * 1e6);
-  while (!w.routed_at_us.empty() && w.routed_at_us.front() <= now_us - window_us) {
-    w.routed_at_us.pop_front();
+  if (track_qps_) {
+    const auto window_us = static_cast<int64_t>(options_.policy_options.qps_window_s * 1e6);
+    while (!w.routed_at_us.empty() && w.routed_at_us.front() <= now_us - window_us) {
+      w.routed_at_us.pop_front();
+    }
+    c.recent_requests = static_cast<int64_t>(w.routed_at_us.size());
   }
-  c.recent_requests = static_cast<int64_t>(w.routed_at_us.size());
-  c.cached_blocks = static_cast<int64_t>(index_.WorkerBlockCount(w.id));
+  c.cached_blocks = static_cast<int64_t>(match_[w.id].blocks);
   return c;
 }
 
@@ -232,7 +271,14 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
     return Status::InvalidArgument("request id " + std::to_string(request.request_id) +
                                    " is already in flight");
   }
-  OverlapLocked(request.block_hashes, now, &overlap_);
+  if (GroupedLocked()) {
+    // Layer groups: the overlap is by group keys (OverlapLocked); lower
+    // tiers are not predicted, so only the block counts are matched.
+    index_.Match({}, now, &overlap_, &match_);
+    OverlapLocked(request.block_hashes, now, &overlap_);
+  } else {
+    index_.Match(request.block_hashes, now, &overlap_, &match_);
+  }
 
   // Whether a worker's context holds `tokens` (an unknown one is assumed to).
   auto holds = [](const Worker& w, int64_t tokens) {
@@ -259,6 +305,7 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
   OfferCopiesLocked(request, now);
   const size_t d_index = decode_policy_->Pick(candidates_);
   const Candidate d = candidates_[d_index];
+  if (!price_decline_.empty()) CountDeclineLocked(d_index);
 
   RouteDecision decision;
   decision.decode = d.worker;
@@ -301,11 +348,11 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
   Worker& dw = *workers_[r.decode];
   dw.inflight_requests += 1;
   dw.inflight_decode_tokens += r.decode_tokens;
-  dw.routed_at_us.push_back(now);
+  if (track_qps_) dw.routed_at_us.push_back(now);
   Worker& pw = *workers_[r.prefiller];
   pw.inflight_prefill_tokens += r.prefill_tokens;
   pw.inflight_prefill_requests += 1;
-  if (decision.prefill) pw.routed_at_us.push_back(now);
+  if (track_qps_ && decision.prefill) pw.routed_at_us.push_back(now);
   inflight_.emplace(request.request_id, r);
 
   // Both the prefiller (computes the blocks) and the decode worker (receives
@@ -326,6 +373,19 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
     ++counters_.copies;
     counters_.copied_blocks += static_cast<uint64_t>(decision.copy_blocks);
   }
+  if (governor_) {
+    governor_->OnRouted(request.request_id, r.prefiller, request.block_hashes,
+                        decision.prefill_overlap_blocks, now);
+    if (decision.copy_from) {
+      const int64_t copied_tokens =
+          std::min((decision.decode_overlap_blocks + decision.copy_blocks) * options_.block_tokens,
+                   request.prompt_tokens) -
+          decision.decode_overlap_blocks * options_.block_tokens;
+      governor_->OnStarted(request.request_id, *decision.copy_from, decision.decode,
+                           request.block_hashes, decision.decode_overlap_blocks,
+                           decision.copy_blocks, copied_tokens, now);
+    }
+  }
   counters_.prompt_tokens += request.prompt_tokens;
   counters_.predicted_hit_tokens += request.prompt_tokens - decision.prefill_tokens;
   counters_.predicted_host_hit_tokens += decision.prefill_host_blocks * options_.block_tokens;
@@ -333,7 +393,16 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
   return decision;
 }
 
-bool RouterCore::NoteHotPrefixLocked(BlockHash last_block, int64_t now_us) {
+namespace {
+constexpr double kMinTrafficPerWorker = 1;
+// `value` decayed with time constant `tau_us` from `at_us` to `now_us`.
+double Decayed(double value, int64_t at_us, int64_t now_us, int64_t tau_us) {
+  if (now_us <= at_us) return value;
+  return value * std::exp(-static_cast<double>(now_us - at_us) / static_cast<double>(tau_us));
+}
+}  // namespace
+
+bool RouterCore::NoteHotPrefixLocked(BlockHash last_block, int64_t now_us, double* share) {
   // Bounded: past this many prefixes, those no request reached within the
   // window are forgotten (they could not be hot), and if the window itself
   // holds more, all of them (a copy then waits for the prefix to be reached
@@ -347,10 +416,12 @@ bool RouterCore::NoteHotPrefixLocked(BlockHash last_block, int64_t now_us) {
   }
   const auto needed = static_cast<uint32_t>(options_.copy_min_requests);
   PrefixReach& reach = prefix_reach_[last_block];
+  reach.demand = Decayed(reach.demand, reach.newest_us, now_us, options_.copy_window_us) + 1;
   reach.at_us[reach.next] = now_us;
   reach.next = (reach.next + 1) % needed;
   reach.count = std::min(reach.count + 1, needed);
   reach.newest_us = now_us;
+  *share = traffic_ > 0 ? std::min(1.0, reach.demand / traffic_) : 1.0;
   // The ring's next slot holds the oldest of the latest `needed` times.
   return reach.count == needed && reach.at_us[reach.next] > now_us - options_.copy_window_us;
 }
@@ -358,10 +429,17 @@ bool RouterCore::NoteHotPrefixLocked(BlockHash last_block, int64_t now_us) {
 void RouterCore::OfferCopiesLocked(const RouteRequest& request, int64_t now_us) {
   const int64_t prompt_tokens = request.prompt_tokens;
   copy_blocks_.clear();
-  if (options_.copy_cost <= 0 || options_.copy_cost >= 1) return;  // >= 1: a copy never pays
+  price_decline_.clear();
+  // copy_cost 0, or >= 1: a copy never pays.
+  if (!governor_ || !(options_.copy_cost > 0 && options_.copy_cost < 1)) return;
   if (GroupedLocked()) return;  // a copy moves one group's prefix; not offered with groups
-  // The longest prefix any KV writer holds, and its least busy holder.
+  // Every request counts toward the traffic a prefix's demand is a share of.
+  traffic_ = Decayed(traffic_, traffic_at_us_, now_us, options_.copy_window_us) + 1;
+  traffic_at_us_ = now_us;
+  // The longest prefix any KV writer holds, its least busy holder, and how
+  // many workers hold it.
   int64_t best = 0;
+  int64_t holders = 0;
   double best_work = 0;
   bool found = false;
   for (const auto& w : workers_) {
@@ -370,6 +448,8 @@ void RouterCore::OfferCopiesLocked(const RouteRequest& request, int64_t now_us) 
     if (overlap == 0 || overlap < best) continue;
     const double work = static_cast<double>(std::max(
         w->inflight_prefill_tokens, w->has_report ? w->reported.queued_prefill_tokens : 0));
+    if (overlap > best) holders = 0;
+    ++holders;
     if (!found || overlap > best || work < best_work) {
       best = overlap;
       best_work = work;
@@ -378,19 +458,167 @@ void RouterCore::OfferCopiesLocked(const RouteRequest& request, int64_t now_us) 
     }
   }
   if (!found) return;
-  if (!NoteHotPrefixLocked(request.block_hashes[static_cast<size_t>(best) - 1], now_us)) return;
+  double share = 0;
+  if (!NoteHotPrefixLocked(request.block_hashes[static_cast<size_t>(best) - 1], now_us, &share)) {
+    return;
+  }
   const int64_t best_tokens = std::min(best * options_.block_tokens, prompt_tokens);
+  // Candidates a copy could serve: those lacking part of the prefix (one
+  // with blocks in its lower tiers copies them back itself).
+  quotes_.clear();
+  for (const Candidate& c : candidates_) {
+    if (c.overlap_blocks >= best || c.host_blocks + c.disk_blocks > 0) continue;
+    CopyGovernor::Quote q;
+    q.receiver.worker = c.worker;
+    const Worker& w = *workers_[c.worker];
+    q.receiver.capacity_blocks = w.has_report ? w.reported.total_blocks : 0;
+    q.receiver.held_blocks = c.cached_blocks;
+    q.receiver.queued_tokens = c.queued_prefill_tokens;
+    q.blocks = best - c.overlap_blocks;
+    q.tokens = best_tokens - c.overlap_blocks * options_.block_tokens;
+    quotes_.push_back(q);
+  }
+  if (quotes_.empty()) return;
+  // A prefix earns holders in proportion to the traffic it draws: with its
+  // share of the requests times the decode workers already holding it, a
+  // copy adds a duplicate that other prefixes pay for and that its own
+  // requests do not need. Until the window has seen a request per worker a
+  // share means little (the first request of all is 100% of the traffic):
+  // no copies yet.
+  const double workers = static_cast<double>(DecodeWorkerCountLocked());
+  const double deserved =
+      traffic_ >= kMinTrafficPerWorker * workers ? std::ceil(share * workers) : 1.0;
+  CopyDecline gate = CopyDecline::kEnoughHolders;
+  if (static_cast<double>(holders) >= std::max(1.0, deserved) ||
+      !governor_->MayStart(now_us, &gate)) {
+    if (CopyWinsAtLinkPriceLocked()) governor_->Declined(gate);
+    return;
+  }
+  governor_->Price(copy_source_, quotes_);
   copy_blocks_.assign(candidates_.size(), 0);
+  base_uncached_.assign(candidates_.size(), 0);
+  price_decline_.assign(candidates_.size(), -1);
+  size_t q = 0;
   for (size_t i = 0; i < candidates_.size(); ++i) {
     Candidate& c = candidates_[i];
-    // A candidate with blocks in its lower tiers copies them back itself.
-    if (c.overlap_blocks >= best || c.host_blocks + c.disk_blocks > 0) continue;
-    const int64_t copied = best_tokens - c.overlap_blocks * options_.block_tokens;
-    // Rounded so that a copy never looks as cheap as holding the blocks.
-    c.uncached_tokens -=
-        copied - static_cast<int64_t>(std::ceil(static_cast<double>(copied) * options_.copy_cost));
-    copy_blocks_[i] = best - c.overlap_blocks;
+    if (q == quotes_.size() || quotes_[q].receiver.worker != c.worker) continue;
+    const CopyGovernor::Quote& quote = quotes_[q++];
+    const CopyPrice& price = quote.price;
+    if (price.link >= quote.tokens) continue;  // recomputing is cheaper even at the link price
+    base_uncached_[i] = c.uncached_tokens - (quote.tokens - price.link);
+    if (price.receiver_busy || price.extra() > 0) {
+      price_decline_[i] =
+          static_cast<int8_t>(price.receiver_busy                ? CopyDecline::kReceiverQueue
+                              : price.link_wait > price.pressure ? CopyDecline::kLinkBusy
+                                                                 : CopyDecline::kReceiverPressure);
+    }
+    if (price.receiver_busy || price.total() >= quote.tokens) continue;
+    // Never as cheap as holding the blocks (the link price is rounded up).
+    c.uncached_tokens -= quote.tokens - price.total();
+    copy_blocks_[i] = quote.blocks;
   }
+}
+
+bool RouterCore::CopyWinsAtLinkPriceLocked() const {
+  double plain = std::numeric_limits<double>::infinity();
+  for (const Candidate& c : candidates_) {
+    plain = std::min(plain, KvCost(c, options_.policy_options));
+  }
+  size_t q = 0;
+  for (const Candidate& candidate : candidates_) {
+    if (q == quotes_.size()) break;
+    if (quotes_[q].receiver.worker != candidate.worker) continue;
+    const CopyGovernor::Quote& quote = quotes_[q++];
+    const auto link =
+        static_cast<int64_t>(std::ceil(static_cast<double>(quote.tokens) * options_.copy_cost));
+    if (link >= quote.tokens) continue;
+    Candidate c = candidate;
+    c.uncached_tokens -= quote.tokens - link;
+    if (KvCost(c, options_.policy_options) < plain) return true;
+  }
+  return false;
+}
+
+void RouterCore::CountDeclineLocked(size_t chosen) {
+  if (copy_blocks_[chosen] > 0) return;  // a copy was made
+  // The cheapest candidate whose copy the governor priced out, at the link
+  // price alone: had it won the pick, the old rule would have copied.
+  const double chosen_cost = KvCost(candidates_[chosen], options_.policy_options);
+  double best = chosen_cost;
+  int8_t reason = -1;
+  for (size_t i = 0; i < candidates_.size(); ++i) {
+    if (price_decline_[i] < 0) continue;
+    Candidate c = candidates_[i];
+    c.uncached_tokens = base_uncached_[i];
+    const double cost = KvCost(c, options_.policy_options);
+    if (cost < best) {
+      best = cost;
+      reason = price_decline_[i];
+    }
+  }
+  if (reason >= 0) governor_->Declined(static_cast<CopyDecline>(reason));
+}
+
+std::vector<PushPlan> RouterCore::PlanDrainPush(WorkerId leaving,
+                                                std::span<const PushCandidate> candidates,
+                                                int64_t budget_blocks) {
+  std::vector<PushPlan> plan;
+  std::lock_guard lock(mu_);
+  if (leaving >= workers_.size() || !workers_[leaving]) return plan;
+  std::vector<WorkerId> survivors;
+  for (const auto& w : workers_) {
+    if (w && !w->draining && w->role != Role::kPrefill && w->id != leaving) {
+      survivors.push_back(w->id);
+    }
+  }
+  if (survivors.empty()) return plan;
+  const int64_t now = options_.clock_us();
+  std::vector<uint32_t> overlap;
+  // Blocks already promised to each survivor by this plan (they take room).
+  std::vector<int64_t> promised(workers_.size(), 0);
+  size_t turn = 0;
+  for (size_t i = 0; i < candidates.size() && budget_blocks > 0; ++i) {
+    const auto hashes = candidates[i].hashes;
+    if (hashes.empty()) continue;
+    OverlapLocked(hashes, now, &overlap);
+    if (overlap[leaving] < hashes.size()) continue;  // evicted meanwhile
+    std::optional<PushPlan> best;
+    int64_t best_price = 0;
+    const double keep =
+        static_cast<double>(candidates[i].uses) / static_cast<double>(candidates[i].uses + 1);
+    for (size_t k = 0; k < survivors.size(); ++k) {
+      const WorkerId t = survivors[(turn + k) % survivors.size()];
+      const int64_t missing = static_cast<int64_t>(hashes.size() - overlap[t]);
+      if (missing == 0 || missing > budget_blocks) continue;
+      const Worker& w = *workers_[t];
+      int64_t price = 0;
+      if (governor_) {
+        CopyGovernor::Quote q;
+        q.receiver.worker = t;
+        q.receiver.capacity_blocks = w.has_report ? w.reported.total_blocks : 0;
+        q.receiver.held_blocks = static_cast<int64_t>(index_.WorkerBlockCount(t)) + promised[t];
+        q.receiver.queued_tokens = std::max(w.inflight_prefill_tokens,
+                                            w.has_report ? w.reported.queued_prefill_tokens : 0);
+        q.blocks = missing;
+        q.tokens = missing * options_.block_tokens;
+        if (!governor_->PushFits(leaving, q, keep)) continue;
+        price = q.price.link_wait + q.price.pressure;
+      }
+      if (!best || price < best_price) {
+        best = PushPlan{i, t, missing};
+        best_price = price;
+      }
+    }
+    if (!best) continue;
+    turn = (turn + 1) % survivors.size();
+    promised[best->target] += best->blocks;
+    budget_blocks -= best->blocks;
+    if (options_.pending_ttl_us > 0) {
+      AddPendingLocked(best->target, hashes, now, now + options_.pending_ttl_us);
+    }
+    plan.push_back(*best);
+  }
+  return plan;
 }
 
 void RouterCore::ReleaseLocked(Inflight& r, bool prefill_only) {
@@ -408,13 +636,19 @@ void RouterCore::ReleaseLocked(Inflight& r, bool prefill_only) {
   }
 }
 
+void RouterCore::OnCopyLanded(uint64_t request_id) {
+  if (governor_) governor_->OnLanded(request_id);
+}
+
 void RouterCore::OnPrefillDone(uint64_t request_id) {
+  if (governor_) governor_->OnLanded(request_id);
   std::lock_guard lock(mu_);
   auto it = inflight_.find(request_id);
   if (it != inflight_.end()) ReleaseLocked(it->second, /*prefill_only=*/true);
 }
 
 void RouterCore::OnRequestFinished(uint64_t request_id) {
+  if (governor_) governor_->OnLanded(request_id);
   std::lock_guard lock(mu_);
   auto it = inflight_.find(request_id);
   if (it == inflight_.end()) return;
@@ -461,6 +695,7 @@ RouterStats RouterCore::stats() const {
     std::lock_guard lock(mu_);
     s = counters_;
   }
+  if (governor_) s.copy = governor_->stats();
   s.index = index_.stats();
   return s;
 }

@@ -43,6 +43,7 @@
 #include "common/block_hash.h"
 #include "common/status.h"
 #include "services/protocol/role.h"
+#include "services/router/copy_governor.h"
 #include "services/router/policy.h"
 #include "services/router/prefix_index.h"
 
@@ -72,12 +73,17 @@ struct RouterOptions {
   int64_t pending_ttl_us = 2'000'000;
   // Hot-prefix replication by KV copy. A decode candidate that lacks part of
   // the longest cached prefix any worker holds may have those blocks copied
-  // from a holder (any role: decode-only workers write KV for copies) instead of
-  // computing them; the policy then sees each copied token as copy_cost
-  // prompt tokens of work (copy time / prefill time per token). So when the
-  // holders' queues outgrow the price of a copy, the request goes to a
-  // less loaded worker with a copy, and the prefix's later requests spread
-  // over its holders. 0 (or >= 1, where recomputing is cheaper): no copies.
+  // from its least busy holder (any role: decode-only workers write KV for
+  // copies) instead of computing them; the policy then sees each copied
+  // token as copy_cost prompt tokens of work (copy time / prefill time per
+  // token) plus what services/router/copy_governor.h prices beyond that (the
+  // copies already on its links, the blocks it evicts). A copy is offered
+  // only for a hot prefix (below) that has fewer holders than its share of
+  // the requests (decayed over copy_window_us) times the decode workers
+  // earns, to a candidate with no more prefill queued than the copy's link
+  // time, while the governor's budget and breaker allow. So a busy holder's
+  // prefix spreads to idle workers as far as its traffic needs, and no
+  // further. 0 (or >= 1, where recomputing is cheaper): no copies.
   double copy_cost = 0;
   // Only a hot prefix is copied: one that at least copy_min_requests
   // requests (the one being routed included) reached as their longest cached
@@ -87,6 +93,17 @@ struct RouterOptions {
   // shares is spread. 1: any prefix a copy pays for.
   int64_t copy_min_requests = 2;
   int64_t copy_window_us = 10'000'000;
+  // What a copy costs beyond its link time and the cluster's copy budget
+  // (services/router/copy_governor.h): copies in flight at full budget (0:
+  // one per two decode workers), copied tokens per second at full budget
+  // (0: no rate budget), and how long a copy may wait for another request
+  // to hit it before it counts as unused.
+  int64_t copy_max_inflight = 0;
+  double copy_max_tokens_per_s = 0;
+  int64_t copy_reuse_window_us = 30'000'000;
+  // Drain pushes are planned here (PlanDrainPush): keeps the eviction value
+  // up to date even with replication off.
+  bool drain_push = false;
   PrefixIndexOptions index;
   // Microseconds on a monotonic clock; the simulator supplies simulated time.
   std::function<int64_t()> clock_us;
@@ -101,6 +118,17 @@ struct RouteRequest {
 // Only workers whose max_model_len (when known) holds prompt_tokens +
 // max_new_tokens decode the request, and only those whose max_model_len holds
 // the prompt and its first token prefill it.
+
+// A leaving worker's prompt it could push to a survivor (PlanDrainPush).
+struct PushCandidate {
+  std::span<const BlockHash> hashes;  // the prompt's full blocks
+  int64_t uses = 1;                   // requests that used it lately
+};
+struct PushPlan {
+  size_t candidate = 0;  // index into the candidates
+  WorkerId target = 0;
+  int64_t blocks = 0;  // blocks the target lacks (what the push writes)
+};
 
 struct RouteDecision {
   WorkerId decode = 0;
@@ -145,6 +173,7 @@ struct RouterStats {
   uint64_t predicted_disk_hit_tokens = 0;  // and in its disk tier
   uint64_t copies = 0;                     // decisions with a replication copy
   uint64_t copied_blocks = 0;
+  CopyGovernorStats copy;  // declines by reason, outcomes, breaker, budget (replication on)
   PrefixIndexStats index;
 };
 
@@ -193,12 +222,24 @@ class RouterCore {
   // requests and long enough for the request; InvalidArgument for a request
   // id already in flight or inconsistent sizes.
   StatusOr<RouteDecision> Route(const RouteRequest& request);
+  // Scale-down: which of the leaving worker's prompts (hottest first) go to
+  // which survivor (decode-capable, not draining), within budget_blocks. A
+  // prompt the leaver no longer holds whole, or that every survivor holds,
+  // is skipped. Each goes to the survivor where it fits under the copy
+  // pressure rule (CopyGovernor::PushFits; keep = uses / (uses + 1)) at
+  // the lowest price, spreading ties in turn; one that fits nowhere is not
+  // pushed. Records the pushes' blocks as pending on their targets.
+  std::vector<PushPlan> PlanDrainPush(WorkerId leaving, std::span<const PushCandidate> candidates,
+                                      int64_t budget_blocks);
   // The longest sequence (prompt + output tokens) a request may have: the
   // largest max_model_len of the decode-capable workers accepting requests.
   // 0 when unknown: none is registered, or one did not report its length
   // (and might take any request).
   int64_t MaxModelLen() const;
   void OnPrefillDone(uint64_t request_id);
+  // The request's copy landed on its decode worker, or failed: its links
+  // are free again (also implied by OnPrefillDone and OnRequestFinished).
+  void OnCopyLanded(uint64_t request_id);
   void OnRequestFinished(uint64_t request_id);
 
   std::vector<WorkerView> Workers() const;
@@ -218,17 +259,27 @@ class RouterCore {
   };
   explicit RouterCore(RouterOptions options);
   // `w` as a candidate for `request`, whose leading overlap_blocks blocks it
-  // holds. Also forgets the worker's routing times older than the QPS window.
+  // holds (its tier run and block count from match_). Also forgets the
+  // worker's routing times older than the QPS window.
   Candidate MakeCandidateLocked(Worker& w, int64_t overlap_blocks, const RouteRequest& request,
                                 int64_t now_us);
   void ReleaseLocked(Inflight& r, bool prefill_only);
-  // With copy_cost > 0 and the longest held prefix hot: lowers each decode
-  // candidate's uncached tokens by what a copy from the best holder would
-  // save, recording the copy in copy_*_.
+  // With copy_cost > 0, the longest held prefix hot and the governor's
+  // budget open: lowers each decode candidate's uncached tokens by what a
+  // copy from the best holder would save at the governor's price, recording
+  // the copy in copy_*_.
   void OfferCopiesLocked(const RouteRequest& request, int64_t now_us);
+  // After the pick of candidate `chosen`: counts a decline when a copy the
+  // link price alone would have made did not happen.
+  void CountDeclineLocked(size_t chosen);
+  // Whether a copy at its link price alone would beat every candidate as
+  // it stands (what the rule before the governor would have done).
+  bool CopyWinsAtLinkPriceLocked() const;
+  int64_t DecodeWorkerCountLocked() const;
   // Counts one more request reaching the prefix that ends with block
   // `last_block`; true when it is hot (see RouterOptions::copy_min_requests).
-  bool NoteHotPrefixLocked(BlockHash last_block, int64_t now_us);
+  // *share: its decayed request count over all requests' (its demand).
+  bool NoteHotPrefixLocked(BlockHash last_block, int64_t now_us, double* share);
   bool GroupedLocked() const {
     return group_windows_.size() > 1 || (group_windows_.size() == 1 && group_windows_[0] > 0);
   }
@@ -239,6 +290,9 @@ class RouterCore {
 
   RouterOptions options_;
   PrefixIndex index_;
+  // Only production-stack reads recent_requests: the others skip the
+  // per-worker routing-time queues.
+  const bool track_qps_;
   mutable std::mutex mu_;
   std::unique_ptr<RoutingPolicy> decode_policy_;
   std::unique_ptr<RoutingPolicy> prefill_policy_;
@@ -249,9 +303,16 @@ class RouterCore {
   std::vector<uint32_t> overlap_;
   std::vector<int64_t> group_windows_;
   std::vector<BlockHash> pending_keys_;
+  std::vector<PrefixIndex::WorkerMatch> match_;  // per worker slot, with overlap_
   std::vector<Candidate> candidates_;
   std::vector<int64_t> copy_blocks_;  // per decode candidate: blocks a copy brings
   WorkerId copy_source_ = 0;
+  // Per decode candidate offered nothing by the governor's price: its
+  // uncached tokens at the link price alone and why (for the decline count).
+  std::vector<CopyGovernor::Quote> quotes_;
+  std::vector<int64_t> base_uncached_;
+  std::vector<int8_t> price_decline_;       // -1: none, else a CopyDecline
+  std::unique_ptr<CopyGovernor> governor_;  // replication on only
   // The longest held prefixes requests reached, by their last block: the
   // times of the latest copy_min_requests of them (a ring).
   struct PrefixReach {
@@ -259,7 +320,10 @@ class RouterCore {
     uint32_t count = 0;  // times recorded, up to copy_min_requests
     uint32_t next = 0;   // ring position of the next one
     int64_t newest_us = 0;
+    double demand = 0;  // requests reaching it, decayed with time constant copy_window_us
   };
+  double traffic_ = 0;  // every request routed, decayed likewise
+  int64_t traffic_at_us_ = 0;
   std::unordered_map<BlockHash, PrefixReach> prefix_reach_;
 };
 

@@ -12,6 +12,7 @@
 #include <mutex>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 
 #include <nlohmann/json.hpp>
 
@@ -121,7 +122,34 @@ struct RouterMetrics {
         replicated_blocks(metrics::AddCounter(
             r, "pdserve_router_replicated_blocks_total",
             "KV blocks holders were asked to copy (the bytes are in the workers' "
-            "pdserve_kv_transfer_bytes_total)")) {
+            "pdserve_kv_transfer_bytes_total)")),
+        copies_declined(metrics::AddCounterFamily(
+            r, "pdserve_router_copies_declined_total",
+            "Hot-prefix copies that a price of link time alone would have made, declined by "
+            "the first rule against them (enough_holders, breaker_open, inflight_budget, "
+            "rate_budget, link_busy, receiver_queue, receiver_pressure; docs/routing.md)")),
+        copy_outcomes(metrics::AddCounterFamily(
+            r, "pdserve_router_copy_outcomes_total",
+            "Copies by what became of them: reused (another request hit the copied blocks on "
+            "their receiver) or unused (evicted, or not hit within the reuse window)")),
+        copy_reuse_ratio(metrics::AddGauge(
+            r, "pdserve_router_copy_reuse_ratio",
+            "The copy breaker's moving average of reused / (reused + unused) outcomes")),
+        copy_breaker_state(metrics::AddGauge(
+            r, "pdserve_router_copy_breaker_state",
+            "Copy breaker: 0 closed (copies may start), 1 half-open (one probe at a time), 2 open "
+            "(none start)")),
+        copy_breaker_trips(metrics::AddCounter(r, "pdserve_router_copy_breaker_trips_total",
+                                               "Times the copy breaker opened")),
+        copy_budget_scale(metrics::AddGauge(
+            r, "pdserve_router_copy_budget_scale",
+            "Share (1/16 to 1) of the full copy budget open now: grows with reused copies, "
+            "shrinks with unused ones")),
+        copies_in_flight(metrics::AddGauge(r, "pdserve_router_copies_in_flight",
+                                           "Copies started whose blocks have not landed")),
+        copy_inflight_limit(metrics::AddGauge(
+            r, "pdserve_router_copy_inflight_limit",
+            "The most copies in flight the budget allows now (0: replication off)")) {
     // Every outcome and decision exists from the start at 0, so rate() and
     // ratios over them are defined before the first request of each kind.
     for (const char* status :
@@ -135,6 +163,9 @@ struct RouterMetrics {
     for (const char* outcome : {"started", "finished", "failed"}) {
       replications.Add({{"outcome", outcome}});
     }
+    for (size_t k = 0; k < kCopyDeclineCount; ++k)
+      copies_declined.Add({{"reason", CopyDeclineName(static_cast<CopyDecline>(k))}});
+    for (const char* outcome : {"reused", "unused"}) copy_outcomes.Add({{"outcome", outcome}});
     for (const char* tier : {"host", "disk"}) predicted_tier_hit_tokens.Add({{"tier", tier}});
   }
 
@@ -158,6 +189,14 @@ struct RouterMetrics {
   prometheus::Family<prometheus::Counter>& control_refused;
   prometheus::Family<prometheus::Counter>& replications;
   prometheus::Counter& replicated_blocks;
+  prometheus::Family<prometheus::Counter>& copies_declined;
+  prometheus::Family<prometheus::Counter>& copy_outcomes;
+  prometheus::Gauge& copy_reuse_ratio;
+  prometheus::Gauge& copy_breaker_state;
+  prometheus::Counter& copy_breaker_trips;
+  prometheus::Gauge& copy_budget_scale;
+  prometheus::Gauge& copies_in_flight;
+  prometheus::Gauge& copy_inflight_limit;
 };
 
 // One connected worker.
@@ -169,6 +208,8 @@ struct WorkerLink {
   std::string control_address;
   int64_t kv_capacity_blocks = 0;                      // as registered
   int64_t host_tier_blocks = 0, disk_tier_blocks = 0;  // likewise, its lower KV tiers
+  bool structured_outputs = false;                     // honours SamplingParams.constraint
+  bool parallel_sampling = false;                      // honours Generate.n
   bool synced = false;
   bool draining = false;  // no new requests (its own goodbye, or POST /admin/drain)
   bool leaving = false;   // it said it is shutting down: never undrained
@@ -202,9 +243,20 @@ struct Inflight {
   bool started_stream = false;        // HTTP headers sent
   bool first_token_seen = false;
   double ttft_s = 0;
-  std::vector<TokenPiece> pieces;  // non-streaming: the whole output
-  size_t completion_tokens = 0;
-  std::unique_ptr<IncrementalDetokenizer> detok;  // when workers send ids only
+  // One per sequence the worker generates (n, or best_of), by Token.index.
+  struct Choice {
+    std::vector<TokenPiece> pieces;                 // non-streaming: the whole output
+    std::unique_ptr<IncrementalDetokenizer> detok;  // when workers send ids only
+    // Chat with tools (tool_choice not none), streaming: output parsed into calls.
+    std::unique_ptr<ToolCallStreamer> tool_stream;
+    size_t tool_calls_sent = 0;
+    bool finished = false;
+    std::string finish_reason;
+    double logprob_sum = 0;  // best_of: the sequence's likelihood
+  };
+  std::vector<Choice> choices;
+  size_t choices_finished = 0;
+  Usage usage;  // the prompt once, every sequence's completion tokens
 };
 
 class RouterServiceImpl : public RouterService {
@@ -223,6 +275,13 @@ class RouterServiceImpl : public RouterService {
       } else {
         chat_template_.emplace(std::move(*tmpl));
       }
+    }
+    if (!opts_.tool_call_parser.empty()) {
+      auto parser = ParseToolParserName(opts_.tool_call_parser);
+      if (!parser.ok()) return parser.status();
+      tool_parser_ = *parser;
+    } else {
+      tool_parser_ = ToolParserForTemplate(tokenizer_->chat_template());
     }
     // The context length is not read here: workers report theirs (Register).
     auto model_id = ServedModelIdOfFolder(opts_.model_dir, opts_.model_id);
@@ -243,6 +302,9 @@ class RouterServiceImpl : public RouterService {
     ro.copy_cost = opts_.replication_copy_cost;
     ro.copy_min_requests = opts_.replication_min_requests;
     ro.copy_window_us = static_cast<int64_t>(opts_.replication_window_s * 1e6);
+    ro.copy_max_inflight = opts_.replication_max_inflight;
+    ro.copy_max_tokens_per_s = opts_.replication_max_copy_tokens_per_s;
+    ro.drain_push = opts_.drain_push_blocks > 0;
     auto core = RouterCore::Create(ro);
     if (!core.ok()) return core.status();
     core_ = std::move(*core);
@@ -471,8 +533,9 @@ class RouterServiceImpl : public RouterService {
                        "invalid_request_error", "messages", ""},
                       "rejected");
       }
+      if (auto err = PrepareTools(api)) return reject(*err, "rejected");
       auto text = RenderChat(*chat_template_, api.messages, api.add_generation_prompt,
-                             tokenizer_->bos_token(), tokenizer_->eos_token());
+                             tokenizer_->bos_token(), tokenizer_->eos_token(), api.tools);
       if (!text.ok()) {
         return reject({400, "the chat template rejected the messages: " + text.status().message(),
                        "invalid_request_error", "messages", ""},
@@ -532,9 +595,21 @@ class RouterServiceImpl : public RouterService {
     if (Status st = ValidateSamplingParams(api.sampling, tokenizer_->vocab_size()); !st.ok()) {
       return reject({400, st.message(), "invalid_request_error", "", ""}, "rejected");
     }
+    if (api.sampling.constraint) {
+      if (Status st = CheckConstraint(*api.sampling.constraint); !st.ok()) {
+        return reject({400, "'" + api.constraint_param + "': " + st.message(),
+                       "invalid_request_error", api.constraint_param, ""},
+                      "rejected");
+      }
+    }
     const BlockHash seed = BlockHashSeed(model_id_, api.cache_salt);
     r->hashes = HashPrompt(seed, r->prompt_ids, static_cast<size_t>(opts_.block_size));
     r->formatter = std::make_unique<ResponseFormatter>(api, r->request_id, UnixSeconds());
+    r->choices.resize(static_cast<size_t>(std::max(api.n, api.best_of)));
+    if (ToolsActive(api) && api.stream) {
+      for (auto& c : r->choices)
+        c.tool_stream = std::make_unique<ToolCallStreamer>(tool_parser_, ToolNames(api));
+    }
     metrics_.route_seconds.Observe(SecondsSince(arrived));
 
     const uint64_t id = r->id;
@@ -551,6 +626,66 @@ class RouterServiceImpl : public RouterService {
       std::lock_guard<std::mutex> lock(mu_);
       CancelLocked(id, "client disconnected");
     });
+  }
+
+  static bool ToolsActive(const ApiRequest& api) {
+    return !api.tools.is_null() && api.tool_choice != ApiRequest::ToolChoice::kNone;
+  }
+
+  static std::vector<std::string> ToolNames(const ApiRequest& api) {
+    std::vector<std::string> names;
+    for (const auto& t : api.tools) names.push_back(t["function"]["name"].get<std::string>());
+    return names;
+  }
+
+  // Tool calling: a parser must know the model's format; tool_choice
+  // required or named constrains the output to calls in that format, each
+  // function's parameters checked as a schema first so that an error names
+  // the function.
+  std::optional<ApiError> PrepareTools(ApiRequest& api) {
+    if (!ToolsActive(api)) return std::nullopt;
+    if (tool_parser_ == ToolParser::kNone) {
+      return ApiError{400,
+                      "this model's chat template writes no tool calls this server can parse; "
+                      "start the router with --tool-call-parser (hermes, qwen3, mistral, "
+                      "llama3_json)",
+                      "invalid_request_error", "tools", ""};
+    }
+    using TC = ApiRequest::ToolChoice;
+    if (api.tool_choice != TC::kRequired && api.tool_choice != TC::kNamed) return std::nullopt;
+    for (size_t k = 0; k < api.tools.size(); ++k) {
+      const auto& fn = api.tools[k]["function"];
+      if (api.tool_choice == TC::kNamed && fn["name"] != api.tool_choice_name) continue;
+      if (!fn.contains("parameters") || fn["parameters"].is_null()) continue;
+      const std::string param = "tools[" + std::to_string(k) + "].function.parameters";
+      Status st = CheckConstraint({OutputConstraint::Kind::kJsonSchema, fn["parameters"].dump()});
+      if (!st.ok())
+        return ApiError{400, "'" + param + "': " + st.message(), "invalid_request_error", param,
+                        ""};
+    }
+    std::optional<std::string> named;
+    if (api.tool_choice == TC::kNamed) named = api.tool_choice_name;
+    api.sampling.constraint =
+        OutputConstraint{OutputConstraint::Kind::kGrammar,
+                         ToolCallGrammar(tool_parser_, api.tools, named, api.parallel_tool_calls)};
+    api.constraint_param = "tools";
+    return std::nullopt;
+  }
+
+  // Compiles a constraint (without token masks) to refuse what would not
+  // compile on a worker; constraints that compiled are remembered by hash.
+  Status CheckConstraint(const OutputConstraint& c) {
+    const uint64_t h = structured::ConstraintHash(c);
+    {
+      std::lock_guard<std::mutex> lock(constraints_mu_);
+      if (good_constraints_.count(h)) return Status::Ok();
+    }
+    auto g = structured::ConstraintGrammar(c, opts_.structured);
+    if (!g.ok()) return g.status();
+    std::lock_guard<std::mutex> lock(constraints_mu_);
+    if (good_constraints_.size() >= 4096) good_constraints_.clear();
+    good_constraints_.insert(h);
+    return Status::Ok();
   }
 
   // Routes and sends Generate; on failure answers the client. Requires mu_.
@@ -581,12 +716,29 @@ class RouterServiceImpl : public RouterService {
         core_->OnRequestFinished(id);
         continue;
       }
+      if (r.choices.size() > 1 && !decode_link->parallel_sampling) {
+        core_->OnRequestFinished(id);
+        return FailLocked(
+            id, 503, "worker " + decode_link->name + " does not support n > 1 (an older version)",
+            "server_error", /*retry_after=*/true, "unavailable");
+      }
+      if (r.api->sampling.constraint && !decode_link->structured_outputs) {
+        core_->OnRequestFinished(id);
+        return FailLocked(id, 503,
+                          "worker " + decode_link->name +
+                              " does not support structured outputs (an older version)",
+                          "server_error", /*retry_after=*/true, "unavailable");
+      }
       SetWireIdLocked(r, NewUnguessableId());
       proto::Envelope env;
       proto::Generate* g = env.mutable_generate();
       g->set_request_id(r.wire_id);
       for (TokenId t : r.prompt_ids) g->add_prompt_token_ids(t);
-      ToProto(r.api->sampling, g->mutable_sampling());
+      SamplingParams sampling = r.api->sampling;
+      // best_of picks by likelihood: the chosen tokens' logprobs are needed.
+      if (r.api->best_of > r.api->n && !sampling.logprobs) sampling.logprobs = 0;
+      ToProto(sampling, g->mutable_sampling());
+      g->set_n(static_cast<uint32_t>(r.choices.size()));
       g->set_cache_salt(r.api->cache_salt);
       // The prefill decision travels with the request: an address means
       // "prefill remotely there", none means "prefill locally".
@@ -615,6 +767,7 @@ class RouterServiceImpl : public RouterService {
           metrics_.replicated_blocks.Increment(static_cast<double>(decision->copy_blocks));
         } else {
           metrics_.replications.Add({{"outcome", "failed"}}).Increment();
+          core_->OnCopyLanded(id);  // nothing travels: its links are free
         }
       }
       const auto left =
@@ -924,38 +1077,35 @@ class RouterServiceImpl : public RouterService {
       return a.second->uses != b.second->uses ? a.second->uses > b.second->uses
                                               : a.second->last_use > b.second->last_use;
     });
-    int64_t budget = opts_.drain_push_blocks, pushed_blocks = 0;
-    size_t turn = 0, pushed = 0;
-    std::vector<uint32_t> overlap;
-    for (const auto& [_, p] : order) {
-      if (budget <= 0) break;
-      const std::vector<BlockHash>& hashes = p->hashes;
-      core_->Overlap(hashes, 0, &overlap);
-      if (overlap[*leaving.id] < hashes.size()) continue;  // evicted meanwhile
-      const WorkerLink& target = *survivors[turn++ % survivors.size()];
-      const int64_t missing = static_cast<int64_t>(hashes.size() - overlap[*target.id]);
-      if (missing == 0) continue;
+    std::vector<PushCandidate> candidates;
+    for (const auto& [_, p] : order) candidates.push_back({p->hashes, p->uses});
+    int64_t pushed_blocks = 0;
+    size_t pushed = 0;
+    for (const PushPlan& plan :
+         core_->PlanDrainPush(*leaving.id, candidates, opts_.drain_push_blocks)) {
+      const HotPrompt& p = *order[plan.candidate].second;
+      const WorkerLink* target = LinkOf(plan.target);
+      if (!target) continue;
       proto::Envelope env;
       proto::Generate* g = env.mutable_generate();
       const std::string wire_id = "drain-push-" + NewUnguessableId();
       g->set_request_id(wire_id);
-      for (TokenId t : p->tokens) g->add_prompt_token_ids(t);
+      for (TokenId t : p.tokens) g->add_prompt_token_ids(t);
       SamplingParams one_token;
       one_token.temperature = 0;
       one_token.max_tokens = 1;
       ToProto(one_token, g->mutable_sampling());
-      g->set_cache_salt(p->cache_salt);
+      g->set_cache_salt(p.cache_salt);
       g->set_prefill_worker_id(leaving.name);
       g->set_prefill_address(leaving.control_address);
       g->set_prefix_copy(true);
       g->set_deadline_ms(static_cast<uint32_t>(opts_.request_timeout_ms));
-      if (!target.conn->Send(std::move(env)).ok()) continue;
-      pushes_[wire_id] = Push{target.conn->id(), false};
-      budget -= missing;
-      pushed_blocks += missing;
+      if (!target->conn->Send(std::move(env)).ok()) continue;
+      pushes_[wire_id] = Push{target->conn->id(), false};
+      pushed_blocks += plan.blocks;
       ++pushed;
       metrics_.replications.Add({{"outcome", "started"}}).Increment();
-      metrics_.replicated_blocks.Increment(static_cast<double>(missing));
+      metrics_.replicated_blocks.Increment(static_cast<double>(plan.blocks));
     }
     hot_prompts_.erase(found);
     PDSERVE_LOG(INFO) << "worker " << leaving.name << " drains: " << pushed << " hot prompt(s), "
@@ -1077,6 +1227,8 @@ class RouterServiceImpl : public RouterService {
     link.kv_capacity_blocks = static_cast<int64_t>(reg.kv_capacity_blocks());
     link.host_tier_blocks = static_cast<int64_t>(
         std::min<uint64_t>(reg.host_tier_capacity_blocks(), opts_.max_snapshot_blocks));
+    link.structured_outputs = reg.structured_outputs();
+    link.parallel_sampling = reg.parallel_sampling();
     link.disk_tier_blocks = static_cast<int64_t>(
         std::min<uint64_t>(reg.disk_tier_capacity_blocks(), opts_.max_snapshot_blocks));
     by_worker_[*id] = link.conn->id();
@@ -1173,13 +1325,22 @@ class RouterServiceImpl : public RouterService {
       if (r.api->stream) {
         r.exchange->BeginStream(200, "text/event-stream", {{"x-request-id", r.http_request_id}});
         r.started_stream = true;
-        r.exchange->Write(r.formatter->StreamStart());
+        r.exchange->Write(r.formatter->StreamStart(r.api->n));
       }
     }
+    if (t.index() >= r.choices.size()) {
+      PDSERVE_LOG(WARN) << "worker " << link.name << ": token of sequence " << t.index()
+                        << " of request " << r.http_request_id << ", which has "
+                        << r.choices.size();
+      return;
+    }
+    const int index = static_cast<int>(t.index());
+    Inflight::Choice& c = r.choices[t.index()];
     std::vector<TokenPiece> pieces;
     for (int i = 0; i < t.token_ids_size(); ++i) {
       TokenPiece p;
       p.token = t.token_ids(i);
+      if (i < t.logprobs_size()) c.logprob_sum += t.logprobs(i);
       if (r.api->sampling.logprobs) {
         p.token_text = tokenizer_->Decode(std::span<const TokenId>(&p.token, 1), false);
         if (i < t.logprobs_size()) p.logprob = t.logprobs(i);
@@ -1193,19 +1354,34 @@ class RouterServiceImpl : public RouterService {
         }
       }
       if (!t.has_text()) {
-        if (!r.detok) r.detok = std::make_unique<IncrementalDetokenizer>(*tokenizer_, true);
-        p.text = r.detok->Push(p.token);
+        if (!c.detok) c.detok = std::make_unique<IncrementalDetokenizer>(*tokenizer_, true);
+        p.text = c.detok->Push(p.token);
       }
       pieces.push_back(std::move(p));
     }
     if (t.has_text() && !pieces.empty()) pieces.back().text = t.text();
-    r.completion_tokens += pieces.size();
-    if (r.api->stream) {
-      std::string event = r.formatter->StreamDelta(pieces);
+    if (r.api->stream && c.tool_stream) {
+      StreamToolText(r, index, pieces, /*final=*/false);
+    } else if (r.api->stream) {
+      std::string event = r.formatter->StreamDelta(pieces, index);
       if (!event.empty()) r.exchange->Write(std::move(event));
     } else {
-      for (auto& p : pieces) r.pieces.push_back(std::move(p));
+      for (auto& p : pieces) c.pieces.push_back(std::move(p));
     }
+  }
+
+  // Streaming chat with tools: content as it comes, each call once complete.
+  void StreamToolText(Inflight& r, int index, const std::vector<TokenPiece>& pieces, bool final) {
+    Inflight::Choice& c = r.choices[index];
+    std::string text, content;
+    for (const auto& p : pieces) text += p.text;
+    std::vector<ToolCall> calls;
+    c.tool_stream->Push(text, &content, &calls);
+    if (final) c.tool_stream->Finish(&content, &calls);
+    std::string events = r.formatter->StreamContent(content, index);
+    events += r.formatter->StreamToolCalls(calls, c.tool_calls_sent, index);
+    c.tool_calls_sent += calls.size();
+    if (!events.empty()) r.exchange->Write(std::move(events));
   }
 
   void OnFinishedLocked(WorkerLink& link, const proto::Finished& f) {
@@ -1214,41 +1390,83 @@ class RouterServiceImpl : public RouterService {
     if (!found) return;
     Inflight& r = *found;
     if (f.reason() == proto::FINISH_REASON_CANCELLED) return;  // our own Cancel echoed back
-    Usage usage;
-    usage.prompt_tokens = f.usage().prompt_tokens();
-    usage.completion_tokens = f.usage().completion_tokens();
-    usage.cached_tokens = f.usage().cached_tokens();
-    const char* finish = FinishName(f.reason());
-    if (r.detok) {
+    if (f.index() >= r.choices.size() || r.choices[f.index()].finished) return;
+    const int index = static_cast<int>(f.index());
+    Inflight::Choice& c = r.choices[index];
+    c.finished = true;
+    ++r.choices_finished;
+    // The prompt counts once; every sequence's tokens count.
+    r.usage.prompt_tokens = std::max<int64_t>(r.usage.prompt_tokens, f.usage().prompt_tokens());
+    r.usage.completion_tokens += f.usage().completion_tokens();
+    if (index == 0) r.usage.cached_tokens = f.usage().cached_tokens();
+    c.finish_reason = FinishName(f.reason());
+    std::vector<TokenPiece> tail_pieces;
+    if (c.detok) {
       // Text held back by the router-side detokenizer ends the output.
-      std::string tail = r.detok->Flush();
+      std::string tail = c.detok->Flush();
       if (!tail.empty()) {
         TokenPiece p;
         p.text = std::move(tail);
-        if (r.api->stream) {
-          r.exchange->Write(r.formatter->StreamDelta({p}));
-        } else {
-          r.pieces.push_back(std::move(p));
-        }
+        tail_pieces.push_back(p);
       }
     }
+    const bool last = r.choices_finished == r.choices.size();
     if (r.api->stream) {
       if (!r.started_stream) {
         r.exchange->BeginStream(200, "text/event-stream", {{"x-request-id", r.http_request_id}});
-        r.exchange->Write(r.formatter->StreamStart());
+        r.exchange->Write(r.formatter->StreamStart(r.api->n));
+        r.started_stream = true;
       }
-      r.exchange->Write(r.formatter->StreamFinish(finish, usage));
+      if (c.tool_stream) {
+        StreamToolText(r, index, tail_pieces, /*final=*/true);
+        if (c.tool_calls_sent > 0) c.finish_reason = "tool_calls";
+      } else if (!tail_pieces.empty()) {
+        r.exchange->Write(r.formatter->StreamDelta(tail_pieces, index));
+      }
+      r.exchange->Write(r.formatter->StreamChoiceFinish(c.finish_reason, index));
+      if (!last) return;
+      r.exchange->Write(r.formatter->StreamEnd(r.usage));
       r.exchange->End();
     } else {
+      for (auto& p : tail_pieces) c.pieces.push_back(std::move(p));
+      if (!last) return;
+      // best_of: the n most likely sequences, in that order.
+      std::vector<size_t> order(r.choices.size());
+      for (size_t k = 0; k < order.size(); ++k) order[k] = k;
+      if (r.api->best_of > r.api->n) {
+        std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+          return r.choices[a].logprob_sum > r.choices[b].logprob_sum;
+        });
+      }
+      order.resize(static_cast<size_t>(r.api->n));
+      std::vector<ToolOutcome> tools(order.size());
+      std::vector<ResponseFormatter::ChoiceOutput> out;
+      for (size_t k = 0; k < order.size(); ++k) {
+        Inflight::Choice& ch = r.choices[order[k]];
+        ResponseFormatter::ChoiceOutput o{static_cast<int>(k), &ch.pieces, ch.finish_reason,
+                                          nullptr};
+        if (ToolsActive(*r.api)) {
+          std::string text;
+          for (const auto& p : ch.pieces) text += p.text;
+          ParseToolCalls(tool_parser_, ToolNames(*r.api), text, &tools[k].content, &tools[k].calls);
+          if (!tools[k].calls.empty()) o.finish_reason = "tool_calls";
+          o.tools = &tools[k];
+        }
+        out.push_back(o);
+      }
       http::Response resp;
-      resp.body = r.formatter->Complete(r.prompt_text, r.pieces, finish, usage).dump();
+      resp.body = r.formatter->Complete(r.prompt_text, out, r.usage).dump();
       resp.headers.emplace_back("x-request-id", r.http_request_id);
       r.exchange->Reply(std::move(resp));
     }
+    const Usage& usage = r.usage;
     PDSERVE_LOG(INFO) << "request " << r.http_request_id << " ok: prompt " << usage.prompt_tokens
                       << " (cached " << usage.cached_tokens << "), completion "
-                      << usage.completion_tokens << ", finish " << finish << ", decode "
-                      << WorkerName(r.decode)
+                      << usage.completion_tokens << ", finish " << r.choices[0].finish_reason
+                      << (r.choices.size() > 1
+                              ? ", " + std::to_string(r.choices.size()) + " sequences"
+                              : std::string())
+                      << ", decode " << WorkerName(r.decode)
                       << (r.prefill     ? ", prefill " + WorkerName(r.prefill)
                           : r.copy_from ? ", prefix copied by " + WorkerName(r.copy_from)
                                         : std::string(", local prefill"))
@@ -1336,12 +1554,42 @@ class RouterServiceImpl : public RouterService {
       for (uint64_t id : expired)
         FailLocked(id, 504, "the request exceeded its deadline", "timeout");
       const RouterStats s = core_->stats();
+      ExportCopyGovernorLocked(s.copy);
       metrics_.index_blocks.Set(static_cast<double>(s.index.entries));
       metrics_.index_bytes.Set(static_cast<double>(s.index.bytes));
       metrics_.snapshot_pending_bytes.Set(static_cast<double>(snapshot_pending_bytes_));
       if (control_)
         metrics_.control_buffered_bytes.Set(static_cast<double>(control_->buffered_bytes()));
     }
+  }
+
+  // The governor's counters, as increments since the last export.
+  void ExportCopyGovernorLocked(const CopyGovernorStats& c) {
+    for (size_t k = 0; k < kCopyDeclineCount; ++k) {
+      const uint64_t delta = c.declined[k] - exported_copy_.declined[k];
+      if (delta > 0) {
+        metrics_.copies_declined.Add({{"reason", CopyDeclineName(static_cast<CopyDecline>(k))}})
+            .Increment(static_cast<double>(delta));
+      }
+    }
+    if (c.reused > exported_copy_.reused) {
+      metrics_.copy_outcomes.Add({{"outcome", "reused"}})
+          .Increment(static_cast<double>(c.reused - exported_copy_.reused));
+    }
+    if (c.unused > exported_copy_.unused) {
+      metrics_.copy_outcomes.Add({{"outcome", "unused"}})
+          .Increment(static_cast<double>(c.unused - exported_copy_.unused));
+    }
+    if (c.breaker_trips > exported_copy_.breaker_trips) {
+      metrics_.copy_breaker_trips.Increment(
+          static_cast<double>(c.breaker_trips - exported_copy_.breaker_trips));
+    }
+    metrics_.copy_reuse_ratio.Set(c.reuse_ratio);
+    metrics_.copy_breaker_state.Set(static_cast<double>(static_cast<int>(c.breaker)));
+    metrics_.copy_budget_scale.Set(c.budget_scale);
+    metrics_.copies_in_flight.Set(static_cast<double>(c.inflight));
+    metrics_.copy_inflight_limit.Set(static_cast<double>(c.inflight_limit));
+    exported_copy_ = c;
   }
 
   // ------------------------------------------------------------ helpers
@@ -1387,6 +1635,7 @@ class RouterServiceImpl : public RouterService {
   RouterServiceOptions opts_;
   std::unique_ptr<Tokenizer> tokenizer_;
   std::optional<ChatTemplate> chat_template_;
+  ToolParser tool_parser_ = ToolParser::kNone;
   std::string model_id_;
   std::vector<std::string> api_keys_;
   std::vector<std::string> metrics_keys_;  // empty: /metrics is open
@@ -1403,6 +1652,9 @@ class RouterServiceImpl : public RouterService {
   std::unique_ptr<http::Server> metrics_http_;
   std::thread watchdog_;
   std::condition_variable watchdog_cv_;
+
+  std::mutex constraints_mu_;
+  std::unordered_set<uint64_t> good_constraints_;  // constraints known to compile, by hash
 
   std::mutex mu_;  // everything below
   bool stopping_ = false;
@@ -1421,6 +1673,7 @@ class RouterServiceImpl : public RouterService {
     bool copied = false;  // its first token came after the blocks were copied
   };
   std::unordered_map<std::string, Push> pushes_;  // by drain push wire id
+  CopyGovernorStats exported_copy_;               // what ExportCopyGovernorLocked last saw
   size_t snapshot_pending_bytes_ = 0;
 };
 

@@ -21,6 +21,7 @@
 #include <string>
 
 #include "common/status.h"
+#include "common/structured/structured.h"
 #include "services/router/router_core.h"
 #include "transport/control/handshake.h"
 #include "transport/control/tls.h"
@@ -52,6 +53,10 @@ struct RouterServiceOptions {
   // copy_window_us).
   int64_t replication_min_requests = 2;
   double replication_window_s = 10;
+  // The copy budget (RouterOptions::copy_max_inflight,
+  // copy_max_tokens_per_s; services/router/copy_governor.h).
+  int64_t replication_max_inflight = 0;
+  double replication_max_copy_tokens_per_s = 0;
   // Scale-down: when a worker of role both or prefill announces its drain
   // (SIGTERM), the router has it write its most used recent prompts, up to
   // this many blocks, to the surviving workers before it leaves (0: off).
@@ -80,6 +85,13 @@ struct RouterServiceOptions {
   // Largest KV snapshot (cached block hashes) one worker may send; a worker
   // also may not announce more than its registered KV capacity.
   int64_t max_snapshot_blocks = int64_t{8} << 20;
+  // Structured outputs: every constraint is compiled with these limits
+  // before a request is routed; one that does not compile is a 400 naming
+  // the reason. Routed only to workers that announce structured outputs.
+  structured::CompileOptions structured;
+  // How the model writes tool calls (tool_calls.h: hermes, qwen3, mistral,
+  // llama3_json); "": chosen from the chat template's markers.
+  std::string tool_call_parser;
 };
 
 class RouterService {

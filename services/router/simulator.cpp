@@ -84,6 +84,8 @@ class SimWorker {
   double tier_link_free_at = 0;  // when its tier mover is next idle
   bool draining = false;
   bool removed = false;
+  // Copied blocks no later request has hit yet (-> the copy's request).
+  std::unordered_map<uint64_t, size_t> copied_unused;
   int64_t copies_out = 0;     // copies from it not landed yet
   int64_t loading = 0;        // requests waiting for their lower-tier blocks
   std::deque<size_t> recent;  // requests admitted, most recent last
@@ -134,6 +136,11 @@ Status CheckTimes(const SimOptions& o) {
   if (!(o.replication_window_s >= 1e-3) || !(o.replication_window_s <= 86400)) {
     return Status::InvalidArgument("replication-window-s must be in [0.001, 86400]");
   }
+  if (o.replication_max_inflight < 0 || !(o.replication_max_copy_tokens_per_s >= 0) ||
+      !std::isfinite(o.replication_max_copy_tokens_per_s)) {
+    return Status::InvalidArgument(
+        "replication-max-inflight and replication-max-copy-tokens-per-s must not be negative");
+  }
   if (!(o.time_scale > 0) || !std::isfinite(o.time_scale)) {
     return Status::InvalidArgument("time scale must be finite and positive");
   }
@@ -172,6 +179,8 @@ class Simulation {
         core_(core),
         ttft_(trace.size(), 0),
         copied_of_(trace.size(), 0),
+        copy_end_of_(trace.size(), 0),
+        landed_at_(trace.size(), -1),
         hit_of_(trace.size(), 0),
         computed_of_(trace.size(), 0),
         worker_of_(trace.size(), 0),
@@ -291,6 +300,11 @@ class Simulation {
     r.replications_failed = replications_failed_;
     r.copied_tokens = copied_tokens_;
     r.copied_bytes = copied_bytes_;
+    r.copy = copy_stats_;
+    if (replications_started_ > 0) {
+      r.copy.holders_mean = holders_sum_ / static_cast<double>(replications_started_);
+    }
+    r.router = core_->stats();
     r.removed_at_s = removed_at_s_;
     r.drain_pushed_blocks = drain_pushed_blocks_;
     if (o_.remove_at_s >= 0) {
@@ -352,14 +366,20 @@ class Simulation {
   // Copies the prompt's blocks [target's cached prefix, `blocks`) that the
   // source still holds. False when it holds none of them (a failed copy: the
   // target computes them).
-  bool StartCopy(size_t i, size_t source, size_t target, int64_t blocks, bool push = false) {
+  // `arriving`: leading blocks the target is getting from an earlier push
+  // (a drain plan's, on the same links ahead of this one).
+  bool StartCopy(size_t i, size_t source, size_t target, int64_t blocks, bool push = false,
+                 int64_t arriving = 0) {
     const TraceRequest& r = trace_[i];
     SimWorker& src = workers_[source];
     SimWorker& dst = workers_[target];
-    const int64_t have = dst.CachedPrefix(r);
+    const int64_t have = std::max(dst.CachedPrefix(r), arriving);
     blocks = std::min(blocks, src.CachedPrefix(r));
     if (blocks <= have) {
-      if (!push) ++replications_failed_;
+      if (!push) {
+        ++replications_failed_;
+        core_->OnCopyLanded(i);
+      }
       return false;
     }
     const int64_t tokens = TokensOfLeadingBlocks(r, blocks, o_.block_tokens) -
@@ -376,10 +396,52 @@ class Simulation {
       copied_bytes_ += bytes;
       copied_tokens_ += tokens;
       copied_of_[i] = tokens;
+      copy_end_of_[i] = blocks;
+      if (start > now_) {
+        ++copy_stats_.link_waits;
+        copy_stats_.link_wait_s += start - now_;
+      }
+      int64_t holders = 0;
+      for (size_t k = 0; k < workers_.size(); ++k) {
+        if (k != target && !workers_[k].removed && workers_[k].CachedPrefix(r) >= blocks) {
+          ++holders;
+        }
+      }
+      holders_sum_ += static_cast<double>(holders);
+      if (2 * holders >= static_cast<int64_t>(workers_.size()) - 1) ++copy_stats_.widely_held;
     }
     copies_.push_back({i, source, target, blocks, push});
     Push(end, EventType::kCopyDone, copies_.size() - 1);
     return true;
+  }
+
+  // Request i is admitted on w with `device` leading blocks in its pool:
+  // copied blocks among them are reused if another request copied them in.
+  void NoteCopyUse(SimWorker& w, size_t i, int64_t device) {
+    const TraceRequest& r = trace_[i];
+    if (landed_at_[i] >= 0) {
+      copy_stats_.receiver_wait_s += now_ - landed_at_[i];
+      if (device < copy_end_of_[i]) ++copy_stats_.lost_before_use;
+    }
+    if (w.copied_unused.empty()) return;
+    for (int64_t b = 0; b < device; ++b) {
+      auto it = w.copied_unused.find(r.hash_ids[static_cast<size_t>(b)]);
+      if (it == w.copied_unused.end() || it->second == i) continue;
+      ++copy_stats_.reused_blocks;
+      w.copied_unused.erase(it);
+    }
+  }
+
+  // Copied blocks among the device evictions in `changes` leave unused;
+  // returns the number of device evictions.
+  int64_t NoteEvictions(SimWorker& w, const std::vector<SimKvChange>& changes) {
+    int64_t evicted = 0;
+    for (const SimKvChange& ch : changes) {
+      if (ch.tier != KvTier::kDevice || ch.stored) continue;
+      ++evicted;
+      if (w.copied_unused.erase(ch.hash) > 0) ++copy_stats_.evicted_unused_blocks;
+    }
+    return evicted;
   }
 
   void Land(const Copy& c) {
@@ -389,18 +451,28 @@ class Simulation {
     std::vector<uint64_t> stored;
     dst.cache.Admit(std::span<const uint64_t>(r.hash_ids.data(), static_cast<size_t>(c.blocks)),
                     &changes, &stored);
+    const int64_t evicted = NoteEvictions(dst, changes);
     for (uint64_t h : stored) changes.push_back({h, KvTier::kDevice, true});
     Emit(dst, changes);
     --workers_[c.source].copies_out;
     TryLeave(workers_[c.source]);
     if (c.push) return;
+    copy_stats_.evicted_blocks += evicted;
+    for (const SimKvChange& ch : changes) {
+      if (ch.tier == KvTier::kDevice && !ch.stored) evicted_by_copy_.insert(ch.hash);
+    }
+    copy_stats_.landed_blocks += static_cast<int64_t>(stored.size());
+    for (uint64_t h : stored) dst.copied_unused[h] = c.request;
+    landed_at_[c.request] = now_;
+    core_->OnCopyLanded(c.request);
     ++replications_finished_;
     dst.queue.push_back(c.request);
     Kick(dst);
   }
 
   // Scale-down: no new requests; with drain_push, the prompts of its most
-  // recent requests go to the survivors in turn, within the block budget.
+  // recent requests go to the survivors RouterCore::PlanDrainPush picks,
+  // within the block budget.
   void StartDrain(SimWorker& w) {
     w.draining = true;
     core_->SetDraining(w.id(), true);
@@ -410,19 +482,31 @@ class Simulation {
       if (!workers_[k].draining && !workers_[k].removed) survivors.push_back(k);
     }
     if (o_.drain_push && !survivors.empty()) {
-      int64_t budget = o_.drain_push_blocks > 0 ? o_.drain_push_blocks : o_.capacity_blocks;
-      std::unordered_set<uint64_t> pushed;  // last block of each pushed chain
-      size_t turn = 0;
-      for (auto it = w.recent.rbegin(); it != w.recent.rend() && budget > 0; ++it) {
+      // Its most recent prompts first, each once (by the last block it still
+      // holds), with how often they came lately; RouterCore picks the
+      // survivor of each under the copy pressure rule.
+      std::vector<size_t> requests;
+      std::vector<PushCandidate> candidates;
+      std::unordered_map<uint64_t, size_t> seen;  // last held block -> candidate
+      for (auto it = w.recent.rbegin(); it != w.recent.rend(); ++it) {
         const TraceRequest& r = trace_[*it];
-        const int64_t held = std::min(w.CachedPrefix(r), budget);
-        if (held == 0 || !pushed.insert(r.hash_ids[static_cast<size_t>(held - 1)]).second) {
+        const int64_t held = w.CachedPrefix(r);
+        if (held == 0) continue;
+        auto [found, fresh] =
+            seen.emplace(r.hash_ids[static_cast<size_t>(held - 1)], candidates.size());
+        if (!fresh) {
+          ++candidates[found->second].uses;
           continue;
         }
-        const size_t target = survivors[turn++ % survivors.size()];
-        const int64_t before = drain_pushed_blocks_;
-        StartCopy(*it, source, target, held, /*push=*/true);
-        budget -= drain_pushed_blocks_ - before;
+        requests.push_back(*it);
+        candidates.push_back(
+            {std::span<const BlockHash>(r.hash_ids.data(), static_cast<size_t>(held)), 1});
+      }
+      const int64_t budget = o_.drain_push_blocks > 0 ? o_.drain_push_blocks : o_.capacity_blocks;
+      for (const PushPlan& p : core_->PlanDrainPush(w.id(), candidates, budget)) {
+        const auto blocks = static_cast<int64_t>(candidates[p.candidate].hashes.size());
+        StartCopy(requests[p.candidate], source, by_id_.at(p.target), blocks, /*push=*/true,
+                  /*arriving=*/blocks - p.blocks);
       }
     }
     TryLeave(w);
@@ -469,8 +553,13 @@ class Simulation {
     const TraceRequest& r = trace_[i];
     const int64_t device = w.cache.DevicePrefix(r.hash_ids);
     const SimLowerRun lower = w.cache.LowerRun(r.hash_ids, device);
+    NoteCopyUse(w, i, device);
     std::vector<SimKvChange> changes;
     w.cache.Admit(r.hash_ids, &changes, &to_store_of_[i]);
+    NoteEvictions(w, changes);
+    for (uint64_t h : to_store_of_[i]) {
+      if (evicted_by_copy_.erase(h) > 0) ++copy_stats_.evicted_recomputed_blocks;
+    }
     Emit(w, changes);
     const int64_t served_blocks = device + lower.blocks();
     const int64_t served = TokensOfLeadingBlocks(r, served_blocks, o_.block_tokens);
@@ -607,6 +696,11 @@ class Simulation {
   double onload_bytes_ = 0;
   double onload_wait_s_ = 0;
   std::vector<int64_t> copied_of_;    // per request: tokens copied in for it
+  std::vector<int64_t> copy_end_of_;  // per request: leading blocks held once its copy landed
+  std::vector<double> landed_at_;     // per request: when its copy landed (-1: none)
+  SimCopyStats copy_stats_;
+  std::unordered_set<uint64_t> evicted_by_copy_;  // by a landing, not computed again since
+  double holders_sum_ = 0;
   std::vector<int64_t> hit_of_;       // per request: cache hit tokens (any tier)
   std::vector<int64_t> computed_of_;  // per request: prompt tokens its worker computes
   std::vector<size_t> worker_of_;     // per request: the worker it was routed to
@@ -712,7 +806,10 @@ StatusOr<SimResult> RunSimulation(const std::vector<TraceRequest>& trace, const 
         options.prefill_tokens_per_s * options.kv_bytes_per_token / (options.copy_gbps * 1e9);
     ro.copy_min_requests = options.replication_min_requests;
     ro.copy_window_us = static_cast<int64_t>(options.replication_window_s * 1e6);
+    ro.copy_max_inflight = options.replication_max_inflight;
+    ro.copy_max_tokens_per_s = options.replication_max_copy_tokens_per_s;
   }
+  ro.drain_push = options.drain_push && options.remove_at_s >= 0;
   ro.index.max_workers = static_cast<size_t>(options.workers);
   // Room for every worker's cache plus the blocks announced while in flight.
   ro.index.max_entries = static_cast<size_t>(options.workers * options.capacity_blocks * 2);

@@ -100,12 +100,14 @@ struct SimOptions {
   // matter most: on a 4-worker multi-turn trace 100 blocks already remove
   // the dip, while pushing all 2,000 held the copy links for seconds.
   int64_t drain_push_blocks = 1000;
-  double after_removal_s = 60;           // window of hit_rate_after_removal
-  bool replication = true;               // hot-prefix copies (policy kv only)
-  int64_t replication_min_requests = 2;  // RouterOptions::copy_min_requests
-  double replication_window_s = 10;      // RouterOptions::copy_window_us
-  double kv_bytes_per_token = 131072;    // Llama-3-8B, bf16 KV
-  double copy_gbps = 12.5;               // GB/s of a worker's KV copy link
+  double after_removal_s = 60;                   // window of hit_rate_after_removal
+  bool replication = true;                       // hot-prefix copies (policy kv only)
+  int64_t replication_min_requests = 2;          // RouterOptions::copy_min_requests
+  double replication_window_s = 10;              // RouterOptions::copy_window_us
+  int64_t replication_max_inflight = 0;          // RouterOptions::copy_max_inflight
+  double replication_max_copy_tokens_per_s = 0;  // RouterOptions::copy_max_tokens_per_s
+  double kv_bytes_per_token = 131072;            // Llama-3-8B, bf16 KV
+  double copy_gbps = 12.5;                       // GB/s of a worker's KV copy link
   // Lower tiers per worker, in blocks (0: none), and what an onload costs:
   // host memory over PCIe Gen4 x16 from pinned memory, one NVMe Gen4 drive.
   int64_t host_capacity_blocks = 0;
@@ -114,6 +116,23 @@ struct SimOptions {
   double host_onload_latency_s = 10e-6;  // per block
   double disk_onload_gbps = 6;
   double disk_onload_latency_s = 100e-6;  // per block
+};
+
+// What hot-prefix copies did to the receivers' caches and links (the
+// mechanism behind a copy's price, docs/routing.md). Block counts are of
+// copies that asked for a request (drain pushes are not included).
+struct SimCopyStats {
+  int64_t landed_blocks = 0;              // blocks new to the target when a copy landed
+  int64_t reused_blocks = 0;              // of those, hit later by another request on the target
+  int64_t evicted_unused_blocks = 0;      // evicted from the target before any such hit
+  int64_t lost_before_use = 0;            // copies whose request found part of them evicted already
+  int64_t evicted_blocks = 0;             // blocks a landing evicted from the target's device pool
+  int64_t evicted_recomputed_blocks = 0;  // of those, computed again later (on any worker)
+  int64_t link_waits = 0;                 // copies that waited for a busy source or target link
+  double link_wait_s = 0;                 // their waits, summed
+  double receiver_wait_s = 0;             // landing to the request's admission, summed
+  int64_t widely_held = 0;  // copies of a prefix at least half the other workers held in full
+  double holders_mean = 0;  // workers holding the whole copied prefix at its start, mean
 };
 
 struct SimResult {
@@ -138,7 +157,9 @@ struct SimResult {
   int64_t replications_failed = 0;  // the source no longer held the blocks
   int64_t copied_tokens = 0;
   double copied_bytes = 0;
-  double removed_at_s = -1;           // when the leaving worker left
+  SimCopyStats copy;
+  RouterStats router;        // the RouterCore's own counters (copy decisions declined, by reason)
+  double removed_at_s = -1;  // when the leaving worker left
   int64_t drain_pushed_blocks = 0;    // blocks it pushed to survivors
   double hit_rate_after_removal = 0;  // of requests arriving in the window
   int64_t requests_after_removal = 0;

@@ -66,6 +66,12 @@ Status ValidateTraceGenOptions(const TraceGenOptions& o) {
   PDSERVE_RETURN_IF_ERROR(positive(o.answer_tokens, "answer-tokens"));
   if (o.prefixes < 0) return Status::InvalidArgument("prefixes must not be negative");
   if (o.prefixes > 0) PDSERVE_RETURN_IF_ERROR(positive(o.prefix_tokens, "prefix-tokens"));
+  if (o.prefix_tokens_max < 0 || o.prefix_tokens_max > 10'000'000) {
+    return Status::InvalidArgument("prefix-tokens-max must be in [0, 10000000]");
+  }
+  if (!(o.turns_alpha >= 0) || !std::isfinite(o.turns_alpha)) {
+    return Status::InvalidArgument("turns-alpha must be finite and non-negative");
+  }
   if (!(o.zipf >= 0) || !std::isfinite(o.zipf)) {
     return Status::InvalidArgument("zipf must be finite and non-negative");
   }
@@ -90,25 +96,43 @@ StatusOr<std::vector<TraceRequest>> GenerateTrace(const TraceGenOptions& o) {
   Sampler s(o.seed);
   Arrivals arrivals(o, &s);
   const int64_t B = o.block_tokens;
-  const int64_t prefix_tokens = o.prefixes > 0 ? o.prefix_tokens : 0;
-  const int64_t prefix_full_blocks = prefix_tokens / B;
+  // Each prefix's length and the id of its first block: ids
+  // [first_id[p], first_id[p] + full blocks of p) are prefix p's blocks.
+  // Lengths are drawn only when they vary, so fixed-length traces keep the
+  // draws (and the files) they always had.
+  std::vector<int64_t> prefix_len(static_cast<size_t>(o.prefixes), o.prefix_tokens);
+  std::vector<uint64_t> first_id(static_cast<size_t>(o.prefixes), 0);
+  uint64_t next_id = 0;
+  for (size_t p = 0; p < prefix_len.size(); ++p) {
+    if (o.prefix_tokens_max > o.prefix_tokens) {
+      const double span = static_cast<double>(o.prefix_tokens_max - o.prefix_tokens + 1);
+      prefix_len[p] = o.prefix_tokens + static_cast<int64_t>(std::floor(s.Uniform() * span));
+    }
+    first_id[p] = next_id;
+    next_id += static_cast<uint64_t>(prefix_len[p] / B);
+  }
   std::vector<double> zipf_cdf;
   for (int64_t k = 1; k <= o.prefixes; ++k) {
     const double w = 1.0 / std::pow(static_cast<double>(k), o.zipf);
     zipf_cdf.push_back((zipf_cdf.empty() ? 0.0 : zipf_cdf.back()) + w);
   }
-  // Ids [0, prefixes * prefix_full_blocks) are the shared prefixes' blocks.
-  uint64_t next_id = static_cast<uint64_t>(o.prefixes * prefix_full_blocks);
 
   std::vector<TraceRequest> trace;
-  trace.reserve(static_cast<size_t>(o.sessions * o.turns));
   std::vector<uint64_t> session_ids;  // ids of the session's full blocks past the prefix
   for (int64_t session = 0; session < o.sessions; ++session) {
-    const uint64_t prefix = o.prefixes > 0 ? static_cast<uint64_t>(s.Pick(zipf_cdf)) : uint64_t{0};
+    const size_t prefix = o.prefixes > 0 ? s.Pick(zipf_cdf) : 0;
+    const int64_t prefix_tokens = o.prefixes > 0 ? prefix_len[prefix] : 0;
+    const int64_t prefix_full_blocks = prefix_tokens / B;
     double t = arrivals.Next();
+    int64_t turns = o.turns;
+    if (o.turns_alpha > 0) {
+      // 1 - Uniform() is in (0, 1]: Pareto(x_m = 1, alpha), rounded down.
+      const double draw = std::floor(std::pow(1.0 - s.Uniform(), -1.0 / o.turns_alpha));
+      turns = draw >= static_cast<double>(o.turns) ? o.turns : static_cast<int64_t>(draw);
+    }
     session_ids.clear();
     int64_t history = prefix_tokens;  // tokens before this turn's question
-    for (int64_t turn = 0; turn < o.turns; ++turn) {
+    for (int64_t turn = 0; turn < turns; ++turn) {
       if (turn > 0) t += s.Exponential(o.think_s);
       TraceRequest r;
       r.timestamp_ms = std::llround(t * 1000.0);
@@ -117,8 +141,7 @@ StatusOr<std::vector<TraceRequest>> GenerateTrace(const TraceGenOptions& o) {
       const int64_t blocks = (r.input_length + B - 1) / B;
       for (int64_t j = 0; j < blocks; ++j) {
         if (j < prefix_full_blocks) {
-          r.hash_ids.push_back(prefix * static_cast<uint64_t>(prefix_full_blocks) +
-                               static_cast<uint64_t>(j));
+          r.hash_ids.push_back(first_id[prefix] + static_cast<uint64_t>(j));
         } else if ((j + 1) * B <= r.input_length) {
           const size_t k = static_cast<size_t>(j - prefix_full_blocks);
           if (k == session_ids.size()) session_ids.push_back(next_id++);

@@ -4,13 +4,18 @@
 // prompts grow by each turn's question and answer, and bursty arrivals.
 //
 // Model:
-// - `prefixes` shared prefixes of prefix_tokens tokens each (system prompts,
-//   documents); each session picks one with Zipf probability
-//   P(rank k) ~ 1 / k^zipf (zipf 0: uniform). prefixes 0: no shared prefix.
+// - `prefixes` shared prefixes (system prompts, documents) of prefix_tokens
+//   tokens each, or, with prefix_tokens_max > prefix_tokens, of a length
+//   drawn uniformly from [prefix_tokens, prefix_tokens_max] per prefix; each
+//   session picks one with Zipf probability P(rank k) ~ 1 / k^zipf (zipf 0:
+//   uniform). prefixes 0: no shared prefix.
 // - Sessions start as a Poisson process of rate `sessions_per_s`; with
 //   arrival kOnOff the process runs only during on_s of every on_s + off_s
 //   seconds, at the rate that keeps the same mean.
-// - A session has `turns` turns; turn k+1 arrives an exponential think time
+// - A session has `turns` turns, or with turns_alpha > 0 a heavy-tailed
+//   number: floor(U^(-1/turns_alpha)) for U uniform in (0, 1] (Pareto with
+//   minimum 1: P(turns > k) = (k+1)^-turns_alpha), at most `turns`. Turn k+1
+//   arrives an exponential think time
 //   (mean think_s) after turn k. Turn k's prompt is the prefix, then every
 //   earlier turn's question and answer, then its own question. Question and
 //   answer lengths are uniform in [mean/2, 3*mean/2].
@@ -36,11 +41,13 @@ enum class ArrivalProcess { kPoisson, kOnOff };
 
 struct TraceGenOptions {
   int64_t sessions = 1000;
-  int64_t turns = 1;  // per session
+  int64_t turns = 1;       // per session (with turns_alpha > 0: the most)
+  double turns_alpha = 0;  // > 0: heavy-tailed turns per session (see above)
   int64_t block_tokens = 512;
   int64_t prefixes = 8;
   double zipf = 1.0;
   int64_t prefix_tokens = 2048;
+  int64_t prefix_tokens_max = 0;  // > prefix_tokens: lengths uniform in between
   int64_t question_tokens = 512;  // mean per turn
   int64_t answer_tokens = 256;    // mean per turn (the request's output_length)
   double sessions_per_s = 2.0;

@@ -25,11 +25,18 @@ WorkerClock::duration RemoteWriteGrace(const control::ConnectionOptions& control
 // Prefill messages queued for a peer whose handshake is not done yet.
 constexpr size_t kMaxPendingPrefills = 4096;
 
+// Sequences one Generate may ask for (Generate.n).
+constexpr uint32_t kMaxSequences = 128;
+
 }  // namespace
 
 // A request this worker decodes.
 struct DecodeSide::Request {
   RequestId id = 0;
+  // Generate.n > 1: which sequence, and the group's first (its id names the
+  // group, by_router_rid_ and groups_); 0 for a single sequence.
+  uint32_t index = 0;
+  RequestId leader = 0;
   std::string router_rid;
   ConnectionPtr router;
   WorkerClock::time_point arrived;
@@ -70,20 +77,52 @@ DecodeSide::~DecodeSide() = default;
 // ------------------------------------------------------------- requests
 
 void DecodeSide::OnGenerate(const ConnectionPtr& router, proto::Generate g) {
-  auto reject = [&](const Status& st) {
-    PDSERVE_LOG(INFO) << "request " << g.request_id() << " refused: " << st.message();
-    const bool retryable =
-        st.code() == StatusCode::kResourceExhausted || st.code() == StatusCode::kUnavailable;
-    (void)router->Send(RequestError(g.request_id(), st.code(), st.message(), retryable));
-    ctx_->metrics->CountRequest("decode", "refused");
-  };
-  if (ctx_->draining->load()) return reject(Status::Unavailable("worker is draining"));
+  if (ctx_->draining->load()) return Refuse(router, g, Status::Unavailable("worker is draining"));
   if (ctx_->opts->role == Role::kPrefill) {
-    return reject(
+    return Refuse(
+        router, g,
         Status::Unsupported("this is a prefill worker; send Generate to a decode worker"));
   }
-  if (by_router_rid_.count({router->id(), g.request_id()})) {
-    return reject(Status::InvalidArgument("duplicate request id " + g.request_id()));
+  const std::pair<uint64_t, std::string> key{router->id(), g.request_id()};
+  if (by_router_rid_.count(key) || compiling_.count(key)) {
+    return Refuse(router, g, Status::InvalidArgument("duplicate request id " + g.request_id()));
+  }
+  if (!g.sampling().has_constraint()) return Admit(router, std::move(g), nullptr);
+  // Structured outputs: the grammar first, off the engine thread; the
+  // request is admitted once it is there (unless cancelled meanwhile).
+  compiling_.insert(key);
+  const OutputConstraint constraint = FromProto(g.sampling()).constraint.value();
+  ctx_->grammars->Compile(
+      constraint, [this, router, key, g = std::move(g)](GrammarCompiler::Result grammar) mutable {
+        ctx_->post([this, router, key, g = std::move(g), grammar = std::move(grammar)]() mutable {
+          if (compiling_.erase(key) == 0) return;  // cancelled while compiling
+          if (!grammar.ok()) {
+            const Status& st = grammar.status();
+            return Refuse(router, g,
+                          Status(st.code() == StatusCode::kCancelled ? StatusCode::kUnavailable
+                                                                     : StatusCode::kInvalidArgument,
+                                 "constraint: " + st.message()));
+          }
+          Admit(router, std::move(g), std::move(*grammar));
+        });
+      });
+}
+
+void DecodeSide::Refuse(const ConnectionPtr& router, const proto::Generate& g, const Status& st) {
+  PDSERVE_LOG(INFO) << "request " << g.request_id() << " refused: " << st.message();
+  const bool retryable =
+      st.code() == StatusCode::kResourceExhausted || st.code() == StatusCode::kUnavailable;
+  (void)router->Send(RequestError(g.request_id(), st.code(), st.message(), retryable));
+  ctx_->metrics->CountRequest("decode", "refused");
+}
+
+void DecodeSide::Admit(const ConnectionPtr& router, proto::Generate g,
+                       std::shared_ptr<const structured::CompiledGrammar> grammar) {
+  auto reject = [&](const Status& st) { Refuse(router, g, st); };
+  const uint32_t n = std::max<uint32_t>(1, g.n());
+  if (n > kMaxSequences) {
+    return reject(Status::InvalidArgument("n " + std::to_string(n) + " is over " +
+                                          std::to_string(kMaxSequences)));
   }
   EngineRequest req;
   req.id = ctx_->next_id++;
@@ -91,8 +130,11 @@ void DecodeSide::OnGenerate(const ConnectionPtr& router, proto::Generate g) {
   req.params = FromProto(g.sampling());
   req.params.seed = ResolveSeed(req.params);  // the prefill peer must sample with the same seed
   req.cache_salt = g.cache_salt();
+  req.grammar = std::move(grammar);
+  const EngineRequest base = req;  // n > 1: the other sequences' template
   auto r = std::make_unique<Request>();
   r->id = req.id;
+  r->leader = n > 1 ? req.id : 0;
   r->router_rid = g.request_id();
   r->router = router;
   r->arrived = WorkerClock::now();
@@ -141,6 +183,35 @@ void DecodeSide::OnGenerate(const ConnectionPtr& router, proto::Generate g) {
   const std::string address = r->prefill_address;
   requests_.emplace(id, std::move(r));
   ctx_->busy->fetch_add(1);
+  if (n > 1) {
+    // The other sequences: the same prompt, seeds seed + i, admitted once
+    // the first one's prompt KV is computed (here or by the prefill peer),
+    // sharing its blocks.
+    std::vector<RequestId>& members = groups_[id];
+    members.push_back(id);
+    for (uint32_t i = 1; i < n; ++i) {
+      EngineRequest sib = base;
+      sib.id = ctx_->next_id++;
+      sib.params.seed = *base.params.seed + i;
+      sib.share_prompt_with = id;
+      auto sr = std::make_unique<Request>();
+      sr->id = sib.id;
+      sr->index = i;
+      sr->leader = id;
+      sr->router_rid = g.request_id();
+      sr->router = router;
+      sr->arrived = requests_.at(id)->arrived;
+      sr->prompt_tokens = static_cast<int64_t>(sib.prompt.size());
+      if (Status st = ctx_->engine->AddRequest(std::move(sib)); !st.ok()) {
+        CancelGroup(id, "a sequence could not be added: " + st.message());
+        (void)router->Send(RequestError(g.request_id(), st.code(), st.message(), false));
+        return;
+      }
+      members.push_back(sr->id);
+      requests_.emplace(sr->id, std::move(sr));
+      ctx_->busy->fetch_add(1);
+    }
+  }
   if (prefill) {
     const auto send_by = requests_.at(id)->remote_give_up - RemoteWriteGrace(ctx_->control);
     SendToPrefillPeer(address, std::move(*prefill), id, send_by);
@@ -148,20 +219,34 @@ void DecodeSide::OnGenerate(const ConnectionPtr& router, proto::Generate g) {
 }
 
 void DecodeSide::OnRouterCancel(const ConnectionPtr& router, const std::string& rid) {
+  if (compiling_.erase({router->id(), rid})) {
+    PDSERVE_LOG(INFO) << "request " << rid << " cancelled while its grammar compiled";
+    ctx_->metrics->CountRequest("decode", "cancelled");
+    return;
+  }
   auto it = by_router_rid_.find({router->id(), rid});
-  if (it != by_router_rid_.end()) CancelRequest(it->second, "cancelled by the router");
+  if (it != by_router_rid_.end()) CancelGroup(it->second, "cancelled by the router");
+}
+
+void DecodeSide::CancelGroup(RequestId leader, const std::string& why) {
+  auto g = groups_.find(leader);
+  if (g == groups_.end()) return CancelRequest(leader, why);
+  const std::vector<RequestId> members = g->second;
+  for (RequestId id : members) CancelRequest(id, why);
 }
 
 void DecodeSide::OnRouterGone(const ConnectionPtr& router) {
+  std::erase_if(compiling_, [&](const auto& key) { return key.first == router->id(); });
   std::vector<RequestId> orphans;
   for (auto it = by_router_rid_.lower_bound({router->id(), std::string()});
        it != by_router_rid_.end() && it->first.first == router->id(); ++it) {
     orphans.push_back(it->second);
   }
-  for (RequestId id : orphans) CancelRequest(id, "router connection lost");
+  for (RequestId id : orphans) CancelGroup(id, "router connection lost");
 }
 
 void DecodeSide::CancelAll(const std::string& why) {
+  compiling_.clear();
   std::vector<RequestId> ids;
   for (auto& [id, _] : requests_) ids.push_back(id);
   for (RequestId id : ids) {
@@ -210,7 +295,16 @@ void DecodeSide::EraseRequest(RequestId id, const char* outcome) {
   if (it == requests_.end()) return;
   Request& r = *it->second;
   if (outcome) ctx_->metrics->CountRequest("decode", outcome);
-  by_router_rid_.erase({r.router->id(), r.router_rid});
+  auto g = r.leader ? groups_.find(r.leader) : groups_.end();
+  if (g != groups_.end()) {
+    std::erase(g->second, id);
+    if (g->second.empty()) {
+      groups_.erase(g);
+      by_router_rid_.erase({r.router->id(), r.router_rid});
+    }
+  } else {
+    by_router_rid_.erase({r.router->id(), r.router_rid});
+  }
   if (!r.prefill_rid.empty()) by_prefill_rid_.erase(r.prefill_rid);
   requests_.erase(it);
   ctx_->busy->fetch_sub(1);
@@ -238,6 +332,7 @@ bool DecodeSide::HandleOutput(RequestOutput& out) {
     proto::Envelope env;
     auto* t = env.mutable_token();
     t->set_request_id(r.router_rid);
+    t->set_index(r.index);
     if (first) t->set_prefilled_remotely(r.prefilled_remotely);
     for (TokenId id : out.new_token_ids) t->add_token_ids(id);
     for (const auto& lp : out.logprobs) {
@@ -255,15 +350,18 @@ bool DecodeSide::HandleOutput(RequestOutput& out) {
     proto::Envelope env;
     auto* f = env.mutable_finished();
     f->set_request_id(r.router_rid);
+    f->set_index(r.index);
     f->set_reason(out.finish_reason == FinishReason::kLength ? proto::FINISH_REASON_LENGTH
                                                              : proto::FINISH_REASON_STOP);
     f->mutable_usage()->set_prompt_tokens(static_cast<uint32_t>(r.prompt_tokens));
     f->mutable_usage()->set_completion_tokens(static_cast<uint32_t>(r.completion_tokens));
     f->mutable_usage()->set_cached_tokens(static_cast<uint32_t>(r.cached_tokens));
     (void)r.router->Send(std::move(env));
-    PDSERVE_LOG(INFO) << "request " << r.router_rid << " done: prompt " << r.prompt_tokens
-                      << " (cached " << r.cached_tokens << "), completion " << r.completion_tokens
-                      << ", " << (r.prefilled_remotely ? "remote" : "local") << " prefill, "
+    PDSERVE_LOG(INFO) << "request " << r.router_rid
+                      << (r.leader ? " [" + std::to_string(r.index) + "]" : std::string())
+                      << " done: prompt " << r.prompt_tokens << " (cached " << r.cached_tokens
+                      << "), completion " << r.completion_tokens << ", "
+                      << (r.prefilled_remotely ? "remote" : "local") << " prefill, "
                       << FinishReasonName(out.finish_reason) << ", " << Seconds(now - r.arrived)
                       << "s";
     EraseRequest(out.id, "ok");

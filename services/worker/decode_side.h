@@ -94,7 +94,12 @@ class DecodeSide {
   using HeldBlocksMap = std::unordered_map<std::string, HeldForPeer>;  // by prefill rid
 
   // Engine thread.
+  void Refuse(const control::ConnectionPtr& router, const proto::Generate& g, const Status& st);
+  void Admit(const control::ConnectionPtr& router, proto::Generate g,
+             std::shared_ptr<const structured::CompiledGrammar> grammar);
   void CancelRequest(RequestId id, const std::string& why);
+  // Every sequence of a Generate (n > 1), or the one request `leader`.
+  void CancelGroup(RequestId leader, const std::string& why);
   void EraseRequest(RequestId id, const char* outcome);
   void OnKvWrite(const std::string& address, PeerId transfer_peer, const proto::KvWrite& w);
   void OnReceiveDone(RequestId id, const std::string& prefill_rid, const Status& st);
@@ -126,6 +131,10 @@ class DecodeSide {
   std::unordered_map<RequestId, std::unique_ptr<Request>> requests_;
   // (router connection id, router's request id) -> request.
   std::map<std::pair<uint64_t, std::string>, RequestId> by_router_rid_;
+  // Generate.n > 1: the live sequences of each group, by its first's id.
+  std::unordered_map<RequestId, std::vector<RequestId>> groups_;
+  // Requests waiting for their grammar (router connection id, request id).
+  std::set<std::pair<uint64_t, std::string>> compiling_;
   // Id used with the prefill peer -> request (remote hand-offs in progress).
   std::unordered_map<std::string, RequestId> by_prefill_rid_;
   HeldBlocksMap held_for_peers_;

@@ -127,6 +127,28 @@ void PrefillSide::OnPeerClosed(const ConnectionPtr& c) {
 // ----------------------------------------------------------------- jobs
 
 void PrefillSide::OnPrefill(const ConnectionPtr& decode, PeerId peer, proto::Prefill p) {
+  if (!p.sampling().has_constraint()) return Start(decode, peer, std::move(p), nullptr);
+  // Structured outputs: the first token is sampled here, under the
+  // request's grammar, compiled off the engine thread.
+  const OutputConstraint constraint = FromProto(p.sampling()).constraint.value();
+  ctx_->grammars->Compile(
+      constraint, [this, decode, peer, p = std::move(p)](GrammarCompiler::Result grammar) mutable {
+        ctx_->post([this, decode, peer, p = std::move(p), grammar = std::move(grammar)]() mutable {
+          if (!grammar.ok()) {
+            (void)decode->Send(PrefillFailure(p.request_id(),
+                                              "constraint: " + grammar.status().message(),
+                                              /*retryable=*/false));
+            ctx_->metrics->transfer_failures.Increment();
+            ctx_->metrics->CountRequest("prefill", "failed");
+            return;
+          }
+          Start(decode, peer, std::move(p), std::move(*grammar));
+        });
+      });
+}
+
+void PrefillSide::Start(const ConnectionPtr& decode, PeerId peer, proto::Prefill p,
+                        std::shared_ptr<const structured::CompiledGrammar> grammar) {
   auto refuse = [&](const std::string& why, bool retryable) {
     (void)decode->Send(PrefillFailure(p.request_id(), why, retryable));
     ctx_->metrics->transfer_failures.Increment();
@@ -164,6 +186,7 @@ void PrefillSide::OnPrefill(const ConnectionPtr& decode, PeerId peer, proto::Pre
   req.cache_salt = p.cache_salt();
   req.prefill_only = true;
   req.stream_kv_blocks = ctx_->opts->stream_prefill_chunks;
+  req.grammar = std::move(grammar);
   const RequestId id = req.id;
   if (Status st = ctx_->engine->AddRequest(std::move(req)); !st.ok())
     return refuse(st.message(), false);

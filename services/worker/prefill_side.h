@@ -56,6 +56,8 @@ class PrefillSide {
   void OnPeerTransferHello(const control::ConnectionPtr& c, const proto::TransferHello& hello);
   // Engine thread.
   void OnPrefill(const control::ConnectionPtr& decode, PeerId peer, proto::Prefill p);
+  void Start(const control::ConnectionPtr& decode, PeerId peer, proto::Prefill p,
+             std::shared_ptr<const structured::CompiledGrammar> grammar);
   void OnDecodeGone(uint64_t connection_id);
   // Stops the jobs still computing among `ids` and reports them failed.
   void FailJobs(const std::vector<RequestId>& ids, const std::string& why);

@@ -12,6 +12,7 @@
 
 #include "common/kv_layout.h"
 #include "engine/engine.h"
+#include "services/worker/grammar_compiler.h"
 #include "services/worker/worker_metrics.h"
 #include "services/worker/worker_service.h"
 #include "transport/control/connection.h"
@@ -29,6 +30,7 @@ struct WorkerContext {
   KvTransfer* transfer = nullptr;
   const KvLayout* layout = nullptr;  // this worker's pool, as announced to peers
   WorkerMetrics* metrics = nullptr;
+  GrammarCompiler* grammars = nullptr;              // structured outputs (thread-safe)
   control::EventLoop* loop = nullptr;               // set by Start()
   control::ConnectionOptions control;               // every control connection's options
   std::function<void(std::function<void()>)> post;  // runs a task on the engine thread

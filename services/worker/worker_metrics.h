@@ -111,7 +111,16 @@ struct WorkerMetrics {
         control_refused(metrics::AddCounterFamily(
             r, "pdserve_control_refused_total",
             "Connections to the peer port refused before completing their handshake, by "
-            "reason")) {
+            "reason")),
+        grammar_compile_seconds(metrics::AddHistogram(
+            r, "pdserve_grammar_compile_seconds",
+            "Time to compile a structured-output constraint and its token masks (cache misses)",
+            metrics::TimeToFirstTokenBuckets())),
+        grammar_requests(metrics::AddCounterFamily(r, "pdserve_grammar_requests_total",
+                                                   "Constrained requests by how their grammar was "
+                                                   "found (result=cached|compiled|failed)")) {
+    for (const char* result : {"cached", "compiled", "failed"})
+      grammar_requests.Add({{"result", result}});
     for (const char* reason : control::kRefusalReasons) control_refused.Add({{"reason", reason}});
     // Both directions exist from the start at 0: throughput panels and
     // alerts see a series on every worker before the first hand-off.
@@ -155,6 +164,8 @@ struct WorkerMetrics {
   prometheus::Counter& disk_discarded;
   prometheus::Gauge& control_buffered_bytes;
   prometheus::Family<prometheus::Counter>& control_refused;
+  prometheus::Histogram& grammar_compile_seconds;
+  prometheus::Family<prometheus::Counter>& grammar_requests;
 };
 
 }  // namespace pdserve::worker

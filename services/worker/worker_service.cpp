@@ -156,6 +156,11 @@ class WorkerServiceImpl : public WorkerService {
     PDSERVE_RETURN_IF_ERROR(transfer_->RegisterPool(region, layout_));
     device_ = *device;
 
+    // Structured outputs: the vocabulary as bytes, and the compiler thread.
+    grammars_ = std::make_unique<GrammarCompiler>(
+        structured::Vocabulary::FromTokenizer(*tokenizer_, model_->config().eos_token_ids),
+        opts_.structured, &metrics_);
+    ctx_.grammars = grammars_.get();
     ctx_.opts = &opts_;
     ctx_.engine = engine_.get();
     ctx_.transfer = transfer_.get();
@@ -353,6 +358,8 @@ class WorkerServiceImpl : public WorkerService {
         groups.size() > 1 || groups.any_windowed()) {
       for (int64_t w : groups.windows) r->add_kv_group_windows(static_cast<uint32_t>(w));
     }
+    r->set_structured_outputs(true);
+    r->set_parallel_sampling(true);
     (void)c->Send(std::move(e));
     PDSERVE_LOG(INFO) << "registered with router " << c->remote_address();
     Post([this, c] {
@@ -699,6 +706,9 @@ class WorkerServiceImpl : public WorkerService {
   std::atomic<int> routers_connected_{0};
   std::mutex pub_mu_;
   std::set<ConnectionPtr> router_conns_;
+  // Last: destroyed first, answering queued compilations (their callbacks
+  // post to the engine queue, which is still there).
+  std::unique_ptr<GrammarCompiler> grammars_;
 };
 
 }  // namespace

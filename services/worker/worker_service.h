@@ -30,6 +30,7 @@
 
 #include "common/dtype.h"
 #include "common/status.h"
+#include "common/structured/structured.h"
 #include "engine/kv_scales.h"
 #include "engine/kv_tier_store.h"
 #include "engine/model.h"
@@ -97,6 +98,9 @@ struct WorkerOptions {
   // unauthenticated, --insecure-control-plane) and optional mutual TLS.
   std::shared_ptr<const control::ClusterSecret> cluster_secret;
   std::shared_ptr<const control::TlsContext> control_tls;
+  // Structured outputs: limits of compiling constraints and their token
+  // masks for this worker's vocabulary.
+  structured::CompileOptions structured;
 };
 
 class WorkerService {

@@ -302,6 +302,9 @@ describe('default values', () => {
     assert.equal(rf.get('replication-copy-cost'), '0.1');
     assert.equal(rf.get('replication-min-requests'), '2');
     assert.equal(rf.get('replication-window-s'), '10');
+    // The copy budget's defaults: one copy in flight per two decode workers, no rate cap.
+    assert.equal(rf.get('replication-max-inflight'), '0');
+    assert.equal(rf.get('replication-max-copy-tokens-per-s'), '0');
     assert.equal(rf.get('drain-push-blocks'), '4096');
   });
   test('no lower KV tiers: no tier flags, no disk tier volume', () => {
@@ -708,6 +711,8 @@ describe('values-full.yaml', () => {
     assert.equal(rf.get('replication-copy-cost'), '0');
     assert.equal(rf.get('replication-min-requests'), '3');
     assert.equal(rf.get('replication-window-s'), '2.5');
+    assert.equal(rf.get('replication-max-inflight'), '4');
+    assert.equal(rf.get('replication-max-copy-tokens-per-s'), '250000');
     assert.equal(rf.get('drain-push-blocks'), '0');
   });
   test('KV tiers: prefill\'s disk tier on a node directory, decode\'s on an emptyDir sized from it', () => {
@@ -979,6 +984,8 @@ describe('values.schema.json rejects bad values with its message', () => {
     [['routing.replicationMinRequests=0'], /at '\/routing\/replicationMinRequests': minimum: got 0, want 1/],
     [['routing.replicationWindowSeconds=0'], /at '\/routing\/replicationWindowSeconds'/],
     [['routing.drainPushBlocks=-5'], /at '\/routing\/drainPushBlocks': minimum: got -5, want 0/],
+    [['routing.replicationMaxInflight=-1'], /at '\/routing\/replicationMaxInflight': minimum: got -1, want 0/],
+    [['routing.replicationMaxCopyTokensPerS=-2'], /at '\/routing\/replicationMaxCopyTokensPerS': minimum: got -2, want 0/],
     [['prefill.kvCacheBytes=lots'], /at '\/prefill\/kvCacheBytes'/],
     [['router.httpPort=70000'], /at '\/router\/httpPort': maximum: got 70,000, want 65,535/],
     [['replica=2'], /additional properties 'replica' not allowed/],

@@ -39,6 +39,11 @@ const knownMetrics = new Set([
   'pdserve_kv_tier_corrupt_blocks_total', 'pdserve_router_predicted_tier_hit_tokens_total',
   'pdserve_kv_tier_disk_writes_total', 'pdserve_kv_tier_disk_writes_dropped_total',
   'pdserve_kv_tier_disk_write_errors_total', 'pdserve_kv_tier_disk_write_queue_blocks',
+  // Hot-prefix copies and the rule that prices them (docs/routing.md).
+  'pdserve_router_replications_total', 'pdserve_router_copies_declined_total',
+  'pdserve_router_copy_outcomes_total', 'pdserve_router_copy_reuse_ratio',
+  'pdserve_router_copy_breaker_state', 'pdserve_router_copy_budget_scale',
+  'pdserve_router_copies_in_flight', 'pdserve_router_copy_inflight_limit',
 ]);
 const metricsIn = (expr) => [...expr.matchAll(/\b(pdserve_[a-z_]+)/g)].map((m) => m[1]);
 const baseName = (m) => m.replace(/_bucket$/, '');
@@ -164,6 +169,19 @@ describe('required panels', () => {
     assert.match(onload, /rate\(pdserve_kv_tier_onload_bytes_total\{/);
     assert.match(exprsFor(/^KV tier corrupt blocks/)[0], /increase\(pdserve_kv_tier_corrupt_blocks_total\{/);
   });
+  test('hot-prefix copies: started by outcome, declined by reason, reuse, breaker and budget', () => {
+    const [started, declined] = exprsFor(/^Copies started and declined/);
+    assert.match(started, /^sum by \(outcome\) \(rate\(pdserve_router_replications_total\{[^}]*\}\[\$__rate_interval\]\)\)$/);
+    assert.match(declined, /^sum by \(reason\) \(rate\(pdserve_router_copies_declined_total\{[^}]*\}\[\$__rate_interval\]\)\)$/);
+    const [outcomes, ratio] = exprsFor(/^Copied-block reuse/);
+    assert.match(outcomes, /^sum by \(outcome\) \(rate\(pdserve_router_copy_outcomes_total\{/);
+    assert.match(ratio, /^max\(pdserve_router_copy_reuse_ratio\{/);
+    const [breaker, budget, inflight, limit] = exprsFor(/^Copy breaker and budget/);
+    assert.match(breaker, /^max by \(instance\) \(pdserve_router_copy_breaker_state\{/);
+    assert.match(budget, /^max by \(instance\) \(pdserve_router_copy_budget_scale\{/);
+    assert.match(inflight, /^sum\(pdserve_router_copies_in_flight\{/);
+    assert.match(limit, /^sum\(pdserve_router_copy_inflight_limit\{/);
+  });
   test('KV tiers: disk writes by cause, dropped and failed ones, the write-through queue', () => {
     const [written, dropped, errors] = exprsFor(/^KV tier disk writes$/);
     assert.match(written, /^sum by \(pool, cause\) \(rate\(pdserve_kv_tier_disk_writes_total\{[^}]*\}\[\$__rate_interval\]\)\)$/);
@@ -191,7 +209,7 @@ describe('dashboard-queries.sh', () => {
   test('--resolve leaves no dashboard variable', () => {
     for (const r of list('--resolve')) {
       assert.doesNotMatch(r.expr, /\$/, r.panel);
-      assert.match(r.expr, /\[1m\]|pdserve_(requests|kv_cache_usage|router_workers|kv_tier_blocks|kv_tier_capacity_blocks)/, r.panel);
+      assert.match(r.expr, /\[1m\]|pdserve_(requests|kv_cache_usage|router_workers|kv_tier_blocks|kv_tier_capacity_blocks|router_cop)/, r.panel);
     }
   });
   test('bad arguments: one-line error, exit 2', () => {

@@ -419,6 +419,9 @@ class SequenceDecoder : public Decoder {
   void Apply(std::vector<std::string>* tokens) const override {
     for (const auto& p : parts_) p->Apply(tokens);
   }
+  void ApplyRaw(std::vector<std::string>* tokens) const override {
+    for (const auto& p : parts_) p->ApplyRaw(tokens);
+  }
 
  private:
   std::vector<std::unique_ptr<Decoder>> parts_;
@@ -439,14 +442,18 @@ class ReplaceDecoder : public Decoder {
 // otherwise each byte becomes U+FFFD (the `tokenizers` rule).
 class ByteFallbackDecoder : public Decoder {
  public:
-  void Apply(std::vector<std::string>* tokens) const override {
+  void Apply(std::vector<std::string>* tokens) const override { Run(tokens, false); }
+  void ApplyRaw(std::vector<std::string>* tokens) const override { Run(tokens, true); }
+
+ private:
+  void Run(std::vector<std::string>* tokens, bool raw) const {
     std::vector<std::string> out;
     out.reserve(tokens->size());
     std::string bytes;
     size_t count = 0;
     auto flush = [&] {
       if (count == 0) return;
-      if (IsValidUtf8(bytes)) {
+      if (raw || IsValidUtf8(bytes)) {
         out.push_back(bytes);
       } else {
         std::string replacement;
@@ -471,7 +478,6 @@ class ByteFallbackDecoder : public Decoder {
     *tokens = std::move(out);
   }
 
- private:
   static int Hex(char c) {
     if (c >= '0' && c <= '9') return c - '0';
     if (c >= 'A' && c <= 'F') return c - 'A' + 10;
@@ -535,7 +541,11 @@ class StripDecoder : public Decoder {
 // the whole byte string leniently.
 class ByteLevelDecoder : public Decoder {
  public:
-  void Apply(std::vector<std::string>* tokens) const override {
+  void Apply(std::vector<std::string>* tokens) const override { Run(tokens, false); }
+  void ApplyRaw(std::vector<std::string>* tokens) const override { Run(tokens, true); }
+
+ private:
+  static void Run(std::vector<std::string>* tokens, bool raw) {
     std::string bytes;
     for (const auto& t : *tokens) {
       const size_t mark = bytes.size();
@@ -553,7 +563,7 @@ class ByteLevelDecoder : public Decoder {
         bytes += t;
       }
     }
-    tokens->assign(1, Utf8Lossy(bytes));
+    tokens->assign(1, raw ? bytes : Utf8Lossy(bytes));
   }
 };
 

@@ -48,6 +48,10 @@ class Decoder {
   virtual ~Decoder() = default;
   // Hugging Face `decode_chain`: tokens in, (possibly fewer) strings out.
   virtual void Apply(std::vector<std::string>* tokens) const = 0;
+  // The same, keeping the exact bytes: where Apply repairs bytes that are
+  // not valid UTF-8 (a byte token alone, half of a character), this keeps
+  // them (Tokenizer::TokenBytes).
+  virtual void ApplyRaw(std::vector<std::string>* tokens) const { Apply(tokens); }
 };
 StatusOr<std::unique_ptr<Decoder>> BuildDecoder(const nlohmann::json& j);
 

@@ -2,6 +2,7 @@
 
 #include <openssl/evp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -178,6 +179,31 @@ std::optional<ApiError> ParseMessages(const ojson& body, ApiRequest* out) {
                                       r + "'");
     }
     ojson copy = m;
+    if (auto calls = m.find("tool_calls"); calls != m.end() && !calls->is_null()) {
+      const std::string at = where + ".tool_calls";
+      if (r != "assistant") return Bad(at, "'" + at + "' is only allowed on assistant messages");
+      if (!calls->is_array()) return Bad(at, "'" + at + "' must be an array");
+      ojson rendered = ojson::array();
+      for (size_t k = 0; k < calls->size(); ++k) {
+        const ojson& c = (*calls)[k];
+        const std::string call_at = at + "[" + std::to_string(k) + "]";
+        auto fn = c.is_object() ? c.find("function") : c.end();
+        if (fn == c.end() || !fn->is_object() || !fn->contains("name") ||
+            !(*fn)["name"].is_string()) {
+          return Bad(call_at, "'" + call_at +
+                                  "' must be {\"type\": \"function\", \"function\": "
+                                  "{\"name\", \"arguments\"}}");
+        }
+        ojson call = c;
+        // Templates read the arguments as an object (as vLLM passes them).
+        if (auto args = fn->find("arguments"); args != fn->end() && args->is_string()) {
+          ojson parsed = ojson::parse(args->get<std::string>(), nullptr, false);
+          if (!parsed.is_discarded()) call["function"]["arguments"] = std::move(parsed);
+        }
+        rendered.push_back(std::move(call));
+      }
+      copy["tool_calls"] = std::move(rendered);
+    }
     auto content = m.find("content");
     if (content == m.end() || content->is_null()) {
       if (r != "assistant") return Bad(where + ".content", "'" + where + ".content' is required");
@@ -234,6 +260,187 @@ std::optional<ApiError> ParseStop(const ojson& body, const ApiLimits& limits, Ap
   return std::nullopt;
 }
 
+bool ValidFunctionName(const std::string& n) {
+  if (n.empty() || n.size() > 64) return false;
+  return std::all_of(n.begin(), n.end(), [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-';
+  });
+}
+
+// tools, tool_choice, parallel_tool_calls (chat only).
+std::optional<ApiError> ParseTools(const ojson& body, ApiRequest* out) {
+  Fields f(body);
+  const ojson* tools = f.Get("tools");
+  if (tools && !tools->is_array()) return Bad("tools", "'tools' must be an array");
+  if (tools && !tools->empty()) {
+    std::vector<std::string> names;
+    for (size_t k = 0; k < tools->size(); ++k) {
+      const ojson& t = (*tools)[k];
+      const std::string at = "tools[" + std::to_string(k) + "]";
+      if (!t.is_object() || !t.contains("type") || t["type"] != "function" ||
+          !t.contains("function") || !t["function"].is_object()) {
+        return Bad(at, "'" + at + "' must be {\"type\": \"function\", \"function\": {...}}");
+      }
+      const ojson& fn = t["function"];
+      if (!fn.contains("name") || !fn["name"].is_string() ||
+          !ValidFunctionName(fn["name"].get<std::string>())) {
+        return Bad(at + ".function.name", "'" + at +
+                                              ".function.name' must be 1 to 64 letters, digits, "
+                                              "'_' or '-'");
+      }
+      const std::string name = fn["name"].get<std::string>();
+      if (std::find(names.begin(), names.end(), name) != names.end()) {
+        return Bad(at + ".function.name",
+                   "'" + at + ".function.name': '" + name + "' is given twice");
+      }
+      names.push_back(name);
+      if (fn.contains("parameters") && !fn["parameters"].is_null() &&
+          !fn["parameters"].is_object()) {
+        return Bad(at + ".function.parameters",
+                   "'" + at + ".function.parameters' must be a JSON Schema object");
+      }
+      if (fn.contains("description") && !fn["description"].is_null() &&
+          !fn["description"].is_string()) {
+        return Bad(at + ".function.description",
+                   "'" + at + ".function.description' must be a string");
+      }
+    }
+    out->tools = *tools;
+    out->tool_choice = ApiRequest::ToolChoice::kAuto;
+  }
+  if (const ojson* choice = f.Get("tool_choice")) {
+    using TC = ApiRequest::ToolChoice;
+    if (choice->is_string()) {
+      const std::string c = choice->get<std::string>();
+      if (c == "none") {
+        out->tool_choice = TC::kNone;
+      } else if (c == "auto" || c == "required") {
+        if (out->tools.is_null())
+          return Bad("tool_choice", "'tool_choice' '" + c + "' needs 'tools'");
+        out->tool_choice = c == "auto" ? TC::kAuto : TC::kRequired;
+      } else {
+        return Bad("tool_choice", "'tool_choice' must be none, auto, required or a named function");
+      }
+    } else if (choice->is_object() && choice->contains("function") &&
+               (*choice)["function"].is_object() && (*choice)["function"].contains("name") &&
+               (*choice)["function"]["name"].is_string()) {
+      const std::string name = (*choice)["function"]["name"].get<std::string>();
+      bool known = false;
+      if (!out->tools.is_null()) {
+        for (const auto& t : out->tools) known = known || t["function"]["name"] == name;
+      }
+      if (!known)
+        return Bad("tool_choice", "'tool_choice' names '" + name + "', which is not in 'tools'");
+      out->tool_choice = TC::kNamed;
+      out->tool_choice_name = name;
+    } else {
+      return Bad("tool_choice",
+                 "'tool_choice' must be none, auto, required or "
+                 "{\"type\": \"function\", \"function\": {\"name\": ...}}");
+    }
+  }
+  return f.Bool("parallel_tool_calls", &out->parallel_tool_calls);
+}
+
+// Structured outputs: OpenAI's response_format, or vLLM's structured_outputs
+// (and its older guided_* spellings). One constraint per request.
+std::optional<ApiError> ParseConstraint(const ojson& body, ApiRequest* out) {
+  std::vector<std::pair<std::string, OutputConstraint>> found;
+  Fields f(body);
+  if (const ojson* rf = f.Get("response_format")) {
+    auto type = rf->is_object() ? rf->find("type") : rf->end();
+    if (!rf->is_object() || type == rf->end() || !type->is_string()) {
+      return Bad("response_format", "'response_format' must be an object with a 'type'");
+    }
+    const std::string t = type->get<std::string>();
+    if (t == "json_object") {
+      found.emplace_back("response_format",
+                         OutputConstraint{OutputConstraint::Kind::kJsonObject, ""});
+    } else if (t == "json_schema") {
+      auto js = rf->find("json_schema");
+      if (js == rf->end() || !js->is_object()) {
+        return Bad("response_format.json_schema",
+                   "'response_format.json_schema' must be an object with a 'schema'");
+      }
+      auto schema = js->find("schema");
+      if (schema == js->end() || !(schema->is_object() || schema->is_boolean())) {
+        return Bad("response_format.json_schema.schema",
+                   "'response_format.json_schema.schema' must be a JSON Schema (an object)");
+      }
+      if (auto name = js->find("name"); name != js->end() && !name->is_string()) {
+        return Bad("response_format.json_schema.name",
+                   "'response_format.json_schema.name' must be a string");
+      }
+      found.emplace_back("response_format",
+                         OutputConstraint{OutputConstraint::Kind::kJsonSchema, schema->dump()});
+    } else if (t != "text") {
+      return Bad(
+          "response_format.type",
+          "'response_format.type' must be text, json_object or json_schema, got '" + t + "'");
+    }
+  }
+  auto add = [&](const std::string& param, const ojson& v,
+                 const std::string& key) -> std::optional<ApiError> {
+    using Kind = OutputConstraint::Kind;
+    if (key == "json") {
+      if (v.is_string()) {
+        found.emplace_back(param, OutputConstraint{Kind::kJsonSchema, v.get<std::string>()});
+      } else if (v.is_object() || v.is_boolean()) {
+        found.emplace_back(param, OutputConstraint{Kind::kJsonSchema, v.dump()});
+      } else {
+        return Bad(param, "'" + param + "' must be a JSON Schema (an object or its text)");
+      }
+    } else if (key == "regex" || key == "grammar") {
+      if (!v.is_string() || v.get_ref<const std::string&>().empty())
+        return Bad(param, "'" + param + "' must be a non-empty string");
+      found.emplace_back(param, OutputConstraint{key == "regex" ? Kind::kRegex : Kind::kGrammar,
+                                                 v.get<std::string>()});
+    } else if (key == "choice") {
+      if (!v.is_array() || v.empty())
+        return Bad(param, "'" + param + "' must be a non-empty array of strings");
+      for (const auto& c : v) {
+        if (!c.is_string())
+          return Bad(param, "'" + param + "' must be a non-empty array of strings");
+      }
+      found.emplace_back(param, OutputConstraint{Kind::kChoice, v.dump()});
+    } else if (key == "json_object") {
+      if (!v.is_boolean()) return Bad(param, "'" + param + "' must be a boolean");
+      if (v.get<bool>()) found.emplace_back(param, OutputConstraint{Kind::kJsonObject, ""});
+    }
+    return std::nullopt;
+  };
+  if (const ojson* so = f.Get("structured_outputs")) {
+    if (!so->is_object())
+      return Bad("structured_outputs", "'structured_outputs' must be an object");
+    for (auto it = so->begin(); it != so->end(); ++it) {
+      const std::string& key = it.key();
+      const std::string param = "structured_outputs." + key;
+      if (it->is_null()) continue;
+      if (key == "json" || key == "regex" || key == "choice" || key == "grammar" ||
+          key == "json_object") {
+        if (auto err = add(param, *it, key)) return err;
+      } else if (key == "structural_tag") {
+        return Bad(param, "'" + param + "' is not supported");
+      }
+    }
+  }
+  for (const char* key : {"json", "regex", "choice", "grammar"}) {
+    const std::string param = std::string("guided_") + key;
+    if (const ojson* v = f.Get(param.c_str())) {
+      if (auto err = add(param, *v, key)) return err;
+    }
+  }
+  if (found.size() > 1) {
+    return Bad(found[1].first, "give one constraint: '" + found[0].first + "' and '" +
+                                   found[1].first + "' were both given");
+  }
+  if (!found.empty()) {
+    out->constraint_param = found[0].first;
+    out->sampling.constraint = std::move(found[0].second);
+  }
+  return std::nullopt;
+}
+
 }  // namespace
 
 std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view body,
@@ -276,10 +483,29 @@ std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view body,
     PDSERVE_API_CHECK(Fields(*so).Bool("include_usage", &out->include_usage));
   }
 
-  // n: one choice per request.
-  std::optional<int64_t> n;
+  // n (and best_of): several choices of one prompt.
+  std::optional<int64_t> n, best_of;
   PDSERVE_API_CHECK(f.Int("n", &n));
-  if (n && *n != 1) return Bad("n", "only n=1 is supported; send several requests instead");
+  if (n) {
+    if (*n < 1 || *n > limits.max_n) {
+      return Bad("n", "'n' must be in [1, " + std::to_string(limits.max_n) + "], got " +
+                          std::to_string(*n));
+    }
+    out->n = static_cast<int>(*n);
+  }
+  PDSERVE_API_CHECK(f.Int("best_of", &best_of));
+  if (best_of) {
+    if (endpoint != Endpoint::kCompletions)
+      return Bad("best_of", "'best_of' is for /v1/completions");
+    if (*best_of < out->n || *best_of > limits.max_n) {
+      return Bad("best_of", "'best_of' must be in [n, " + std::to_string(limits.max_n) + "], got " +
+                                std::to_string(*best_of));
+    }
+    if (*best_of > out->n && out->stream) {
+      return Bad("best_of", "'best_of' greater than 'n' cannot be streamed");
+    }
+    out->best_of = static_cast<int>(*best_of);
+  }
 
   // Length.
   std::optional<int64_t> max_tokens, max_completion_tokens;
@@ -333,14 +559,17 @@ std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view body,
   if (const ojson* bias = f.Get("logit_bias"); bias && !(bias->is_object() && bias->empty())) {
     return Bad("logit_bias", "'logit_bias' is not supported");
   }
-  if (const ojson* tools = f.Get("tools"); tools && !(tools->is_array() && tools->empty())) {
-    return Bad("tools", "'tools' is not supported by this server");
+  if (endpoint == Endpoint::kChatCompletions) {
+    PDSERVE_API_CHECK(ParseTools(j, out));
+  } else if (const ojson* tools = f.Get("tools"); tools && !(tools->is_array() && tools->empty())) {
+    return Bad("tools", "'tools' is for /v1/chat/completions");
   }
-  if (const ojson* rf = f.Get("response_format")) {
-    auto type = rf->is_object() ? rf->find("type") : rf->end();
-    if (!rf->is_object() || type == rf->end() || *type != "text") {
-      return Bad("response_format", "only 'response_format' {\"type\": \"text\"} is supported");
-    }
+  PDSERVE_API_CHECK(ParseConstraint(j, out));
+  if (out->sampling.constraint && (out->tool_choice == ApiRequest::ToolChoice::kRequired ||
+                                   out->tool_choice == ApiRequest::ToolChoice::kNamed)) {
+    return Bad(out->constraint_param, "'" + out->constraint_param +
+                                          "' cannot be combined with a 'tool_choice' that forces a "
+                                          "tool call");
   }
   PDSERVE_API_CHECK(ParseStop(j, limits, out));
   if (const ojson* ids = f.Get("stop_token_ids")) {
@@ -506,51 +735,91 @@ std::string JoinRaw(const std::vector<TokenPiece>& pieces) {
 std::string JoinText(const std::vector<TokenPiece>& pieces) { return Utf8Text(JoinRaw(pieces)); }
 }  // namespace
 
-std::string ResponseFormatter::StreamStart() const {
+std::string ResponseFormatter::StreamStart(int n) const {
   if (request_.endpoint != Endpoint::kChatCompletions) return "";
-  nlohmann::json j = Envelope("chat.completion.chunk");
-  j["choices"] = {{{"index", 0},
-                   {"delta", {{"role", "assistant"}, {"content", ""}}},
-                   {"logprobs", nullptr},
-                   {"finish_reason", nullptr}}};
-  return Sse(j);
+  std::string out;
+  for (int index = 0; index < n; ++index) {
+    nlohmann::json j = Envelope("chat.completion.chunk");
+    j["choices"] = {{{"index", index},
+                     {"delta", {{"role", "assistant"}, {"content", ""}}},
+                     {"logprobs", nullptr},
+                     {"finish_reason", nullptr}}};
+    out += Sse(j);
+  }
+  return out;
 }
 
-std::string ResponseFormatter::StreamDelta(const std::vector<TokenPiece>& pieces) const {
+std::string ResponseFormatter::StreamDelta(const std::vector<TokenPiece>& pieces, int index) const {
   const std::string text = JoinText(pieces);
   if (text.empty() && !request_.sampling.logprobs) return "";
   if (request_.endpoint == Endpoint::kChatCompletions) {
     nlohmann::json j = Envelope("chat.completion.chunk");
-    j["choices"] = {{{"index", 0},
+    j["choices"] = {{{"index", index},
                      {"delta", {{"content", text}}},
                      {"logprobs", Logprobs(pieces, 0)},
                      {"finish_reason", nullptr}}};
     return Sse(j);
   }
   nlohmann::json j = Envelope("text_completion");
-  j["choices"] = {{{"index", 0},
+  j["choices"] = {{{"index", index},
                    {"text", text},
                    {"logprobs", Logprobs(pieces, 0)},
                    {"finish_reason", nullptr}}};
   return Sse(j);
 }
 
-std::string ResponseFormatter::StreamFinish(const std::string& finish_reason,
-                                            const Usage& usage) const {
+std::string ResponseFormatter::StreamContent(const std::string& text, int index) const {
+  if (text.empty()) return "";
+  nlohmann::json j = Envelope("chat.completion.chunk");
+  j["choices"] = {{{"index", index},
+                   {"delta", {{"content", Utf8Text(text)}}},
+                   {"logprobs", nullptr},
+                   {"finish_reason", nullptr}}};
+  return Sse(j);
+}
+
+namespace {
+nlohmann::json ToolCallJson(const ToolCall& c) {
+  return {{"id", c.id},
+          {"type", "function"},
+          {"function", {{"name", Utf8Text(c.name)}, {"arguments", Utf8Text(c.arguments)}}}};
+}
+}  // namespace
+
+std::string ResponseFormatter::StreamToolCalls(const std::vector<ToolCall>& calls,
+                                               size_t first_index, int index) const {
   std::string out;
+  for (size_t k = 0; k < calls.size(); ++k) {
+    nlohmann::json call = ToolCallJson(calls[k]);
+    call["index"] = first_index + k;
+    nlohmann::json j = Envelope("chat.completion.chunk");
+    j["choices"] = {{{"index", index},
+                     {"delta", {{"tool_calls", nlohmann::json::array({call})}}},
+                     {"logprobs", nullptr},
+                     {"finish_reason", nullptr}}};
+    out += Sse(j);
+  }
+  return out;
+}
+
+std::string ResponseFormatter::StreamChoiceFinish(const std::string& finish_reason,
+                                                  int index) const {
   if (request_.endpoint == Endpoint::kChatCompletions) {
     nlohmann::json j = Envelope("chat.completion.chunk");
-    j["choices"] = {{{"index", 0},
+    j["choices"] = {{{"index", index},
                      {"delta", nlohmann::json::object()},
                      {"logprobs", nullptr},
                      {"finish_reason", finish_reason}}};
-    out += Sse(j);
-  } else {
-    nlohmann::json j = Envelope("text_completion");
-    j["choices"] = {
-        {{"index", 0}, {"text", ""}, {"logprobs", nullptr}, {"finish_reason", finish_reason}}};
-    out += Sse(j);
+    return Sse(j);
   }
+  nlohmann::json j = Envelope("text_completion");
+  j["choices"] = {
+      {{"index", index}, {"text", ""}, {"logprobs", nullptr}, {"finish_reason", finish_reason}}};
+  return Sse(j);
+}
+
+std::string ResponseFormatter::StreamEnd(const Usage& usage) const {
+  std::string out;
   if (request_.include_usage) {
     nlohmann::json j =
         Envelope(request_.endpoint == Endpoint::kChatCompletions ? "chat.completion.chunk"
@@ -563,6 +832,11 @@ std::string ResponseFormatter::StreamFinish(const std::string& finish_reason,
   return out;
 }
 
+std::string ResponseFormatter::StreamFinish(const std::string& finish_reason,
+                                            const Usage& usage) const {
+  return StreamChoiceFinish(finish_reason, 0) + StreamEnd(usage);
+}
+
 std::string ResponseFormatter::StreamError(const ApiError& error) {
   nlohmann::json err = {
       {"message", error.message},
@@ -572,27 +846,47 @@ std::string ResponseFormatter::StreamError(const ApiError& error) {
   return Sse({{"error", err}}) + "data: [DONE]\n\n";
 }
 
-nlohmann::json ResponseFormatter::Complete(const std::string& prompt_text,
-                                           const std::vector<TokenPiece>& pieces,
-                                           const std::string& finish_reason,
-                                           const Usage& usage) const {
-  nlohmann::json j;
+nlohmann::json ResponseFormatter::Choice(const std::string& prompt_text,
+                                         const ChoiceOutput& c) const {
+  const std::vector<TokenPiece>& pieces = *c.pieces;
   if (request_.endpoint == Endpoint::kChatCompletions) {
-    j = Envelope("chat.completion");
-    j["choices"] = {{{"index", 0},
-                     {"message", {{"role", "assistant"}, {"content", JoinText(pieces)}}},
-                     {"logprobs", Logprobs(pieces, 0)},
-                     {"finish_reason", Utf8Text(finish_reason)}}};
-  } else {
-    const std::string prefix = request_.echo ? prompt_text : "";
-    j = Envelope("text_completion");
-    j["choices"] = {{{"index", 0},
-                     {"text", Utf8Text(prefix + JoinRaw(pieces))},
-                     {"logprobs", Logprobs(pieces, prefix.size())},
-                     {"finish_reason", Utf8Text(finish_reason)}}};
+    nlohmann::json message = {{"role", "assistant"}, {"content", JoinText(pieces)}};
+    if (c.tools && !c.tools->calls.empty()) {
+      const bool blank = c.tools->content.find_first_not_of(" \t\r\n") == std::string::npos;
+      message["content"] =
+          blank ? nlohmann::json(nullptr) : nlohmann::json(Utf8Text(c.tools->content));
+      message["tool_calls"] = nlohmann::json::array();
+      for (const ToolCall& call : c.tools->calls)
+        message["tool_calls"].push_back(ToolCallJson(call));
+    }
+    return {{"index", c.index},
+            {"message", message},
+            {"logprobs", Logprobs(pieces, 0)},
+            {"finish_reason", Utf8Text(c.finish_reason)}};
   }
+  const std::string prefix = request_.echo ? prompt_text : "";
+  return {{"index", c.index},
+          {"text", Utf8Text(prefix + JoinRaw(pieces))},
+          {"logprobs", Logprobs(pieces, prefix.size())},
+          {"finish_reason", Utf8Text(c.finish_reason)}};
+}
+
+nlohmann::json ResponseFormatter::Complete(const std::string& prompt_text,
+                                           const std::vector<ChoiceOutput>& choices,
+                                           const Usage& usage) const {
+  nlohmann::json j = Envelope(request_.endpoint == Endpoint::kChatCompletions ? "chat.completion"
+                                                                              : "text_completion");
+  j["choices"] = nlohmann::json::array();
+  for (const ChoiceOutput& c : choices) j["choices"].push_back(Choice(prompt_text, c));
   j["usage"] = UsageJson(usage);
   return j;
+}
+
+nlohmann::json ResponseFormatter::Complete(const std::string& prompt_text,
+                                           const std::vector<TokenPiece>& pieces,
+                                           const std::string& finish_reason, const Usage& usage,
+                                           const ToolOutcome* tools) const {
+  return Complete(prompt_text, {ChoiceOutput{0, &pieces, finish_reason, tools}}, usage);
 }
 
 std::string TenantCacheSalt(std::string_view api_key, std::string_view client_salt) {

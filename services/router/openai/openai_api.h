@@ -29,6 +29,7 @@
 #include "common/http/http_server.h"
 #include "common/sampling_params.h"
 #include "services/router/openai/checked_json.h"
+#include "services/router/openai/tool_calls.h"
 
 namespace pdserve::router {
 
@@ -55,18 +56,35 @@ struct ApiRequest {
   nlohmann::ordered_json messages;
   bool add_generation_prompt = true;
   bool echo = false;  // completions only: prepend the prompt to the output
+  // Choices to return (n), and (completions) how many to generate to pick
+  // them from by likelihood (best_of >= n; 0: n). Several choices share the
+  // prompt's KV on one decode worker.
+  int n = 1;
+  int best_of = 0;
   // max_tokens as given (nullopt: the router fills in the endpoint default).
   std::optional<int> max_tokens;
   SamplingParams sampling;     // max_tokens is filled by the router once the prompt length is known
   bool chat_logprobs = false;  // chat: logprobs=true (top_logprobs in sampling.logprobs)
   std::string user;
   std::string cache_salt;
+  // The request parameter sampling.constraint came from ("response_format",
+  // "structured_outputs.json", ...), for errors about it.
+  std::string constraint_param;
+  // Chat tool calling: `tools` as given (null: none), each checked to be
+  // {"type": "function", "function": {"name", "description"?,
+  // "parameters"?}}; tool_choice (default auto with tools, none without)
+  // and, when it names a function, that name; parallel_tool_calls.
+  nlohmann::ordered_json tools;
+  enum class ToolChoice { kNone, kAuto, kRequired, kNamed } tool_choice = ToolChoice::kNone;
+  std::string tool_choice_name;
+  bool parallel_tool_calls = true;
 };
 
 // What the router accepts: the served model id(s) and size limits.
 struct ApiLimits {
   std::vector<std::string> model_ids;  // empty model in a request = the first
   int max_stop_strings = 16;
+  int max_n = 16;                             // largest n (and best_of)
   int max_json_depth = kDefaultMaxJsonDepth;  // nesting of the request body
 };
 
@@ -89,6 +107,12 @@ struct TokenPiece {
   std::vector<std::pair<std::string, float>> top_logprobs;  // token text, logprob
 };
 
+// A chat choice's output split into content and tool calls (tool_calls.h).
+struct ToolOutcome {
+  std::string content;
+  std::vector<ToolCall> calls;
+};
+
 // Builds the bodies for one request: non-streaming JSON, or SSE events.
 class ResponseFormatter {
  public:
@@ -96,21 +120,44 @@ class ResponseFormatter {
 
   const std::string& id() const { return id_; }
 
-  // Streaming: the first event(s) ("" when the endpoint has none; chat sends the role).
-  std::string StreamStart() const;
-  // Streaming: one event carrying `text` (and logprobs when requested).
-  std::string StreamDelta(const std::vector<TokenPiece>& pieces) const;
-  // Streaming: the finish event, the usage event when requested, and [DONE].
+  // Streaming: the first event(s) ("" when the endpoint has none; chat sends
+  // the role, once per choice).
+  std::string StreamStart(int n = 1) const;
+  // Streaming: one event carrying `text` (and logprobs when requested) for
+  // choice `index`.
+  std::string StreamDelta(const std::vector<TokenPiece>& pieces, int index = 0) const;
+  // Streaming chat with tools: a content delta ("" when `text` is empty),
+  // and tool calls as OpenAI streams them (index, id, type, name, arguments).
+  std::string StreamContent(const std::string& text, int index = 0) const;
+  std::string StreamToolCalls(const std::vector<ToolCall>& calls, size_t first_index,
+                              int index = 0) const;
+  // Streaming: choice `index` finished.
+  std::string StreamChoiceFinish(const std::string& finish_reason, int index) const;
+  // Streaming: the usage event when requested, and [DONE].
+  std::string StreamEnd(const Usage& usage) const;
+  // One choice: its finish event, then StreamEnd.
   std::string StreamFinish(const std::string& finish_reason, const Usage& usage) const;
   // Streaming: an error event after the stream started, then [DONE].
   static std::string StreamError(const ApiError& error);
 
-  // Non-streaming: the whole response object.
+  // Non-streaming: the whole response object. `tools`: a chat choice's
+  // content and tool calls, which replace the text of `pieces`.
   nlohmann::json Complete(const std::string& prompt_text, const std::vector<TokenPiece>& pieces,
-                          const std::string& finish_reason, const Usage& usage) const;
+                          const std::string& finish_reason, const Usage& usage,
+                          const ToolOutcome* tools = nullptr) const;
+  // Several choices (n > 1), in the order given.
+  struct ChoiceOutput {
+    int index = 0;
+    const std::vector<TokenPiece>* pieces = nullptr;
+    std::string finish_reason;
+    const ToolOutcome* tools = nullptr;
+  };
+  nlohmann::json Complete(const std::string& prompt_text, const std::vector<ChoiceOutput>& choices,
+                          const Usage& usage) const;
 
  private:
   nlohmann::json Logprobs(const std::vector<TokenPiece>& pieces, size_t text_offset) const;
+  nlohmann::json Choice(const std::string& prompt_text, const ChoiceOutput& c) const;
   nlohmann::json UsageJson(const Usage& usage) const;
   nlohmann::json Envelope(const char* object) const;
 

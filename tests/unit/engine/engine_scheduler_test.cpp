@@ -331,5 +331,76 @@ TEST_F(EngineSchedulerTest, KvPoolIsOneContiguousRegion) {
   EXPECT_NE(pool.Describe().find("dtype=fp8"), std::string::npos);
 }
 
+// n > 1: sequences sharing a prompt (share_prompt_with) wait for its KV,
+// take its full blocks from the prefix cache, and draw the same tokens as
+// requests run alone with their seeds.
+TEST_F(EngineSchedulerTest, SharedPromptIsComputedOnceAndSequencesKeepTheirSeeds) {
+  const std::vector<TokenId> prompt = Prompt(40, 9);  // two full blocks and 8 tokens
+  auto request = [&](RequestId id, uint64_t seed, RequestId share) {
+    EngineRequest r;
+    r.id = id;
+    r.prompt = prompt;
+    r.params.temperature = 1.0f;
+    r.params.seed = seed;
+    r.params.max_tokens = 8;
+    r.params.ignore_eos = true;
+    r.share_prompt_with = share;
+    return r;
+  };
+  auto e = MakeEngine();
+  ASSERT_TRUE(e->AddRequest(request(1, 100, 0)).ok());
+  ASSERT_TRUE(e->AddRequest(request(2, 101, 1)).ok());
+  ASSERT_TRUE(e->AddRequest(request(3, 102, 1)).ok());
+  std::map<RequestId, RequestOutput> last;
+  std::map<RequestId, int64_t> cached;
+  std::map<RequestId, std::vector<TokenId>> out;
+  while (e->HasUnfinished()) {
+    auto step = e->Step();
+    ASSERT_TRUE(step.ok());
+    for (const auto& o : *step) {
+      if (!o.new_token_ids.empty() && !cached.count(o.id)) cached[o.id] = o.num_cached_tokens;
+      out[o.id].insert(out[o.id].end(), o.new_token_ids.begin(), o.new_token_ids.end());
+    }
+  }
+  EXPECT_EQ(cached[1], 0);
+  EXPECT_EQ(cached[2], 32);  // both full blocks shared
+  EXPECT_EQ(cached[3], 32);
+  EXPECT_EQ(e->block_manager().GetStats().prefix_cache_hit_tokens, 64u);
+  for (auto [id, seed] : {std::pair<RequestId, uint64_t>{1, 100}, {2, 101}, {3, 102}}) {
+    EXPECT_EQ(out[id], Alone(request(id, seed, 0))) << "sequence " << id;
+  }
+  EXPECT_NE(out[2], out[3]);  // different seeds, different samples
+}
+
+TEST_F(EngineSchedulerTest, SharedPromptWaitsForARemotePrefill) {
+  const std::vector<TokenId> prompt = Prompt(40, 10);
+  auto e = MakeEngine();
+  EngineRequest leader = Greedy(1, prompt, 4);
+  ASSERT_TRUE(e->AddRemotePrefillRequest(leader).ok());
+  EngineRequest sibling = Greedy(2, prompt, 4);
+  sibling.share_prompt_with = 1;
+  ASSERT_TRUE(e->AddRequest(sibling).ok());
+  EngineRequest other = Greedy(3, Prompt(20, 11), 4);  // behind it in the queue: not held up
+  ASSERT_TRUE(e->AddRequest(other).ok());
+  std::map<RequestId, int> tokens;
+  for (int i = 0; i < 10; ++i) {
+    auto step = e->Step();
+    ASSERT_TRUE(step.ok());
+    for (const auto& o : *step) tokens[o.id] += static_cast<int>(o.new_token_ids.size());
+  }
+  EXPECT_EQ(tokens[2], 0) << "the sibling ran before the shared prompt was there";
+  EXPECT_EQ(tokens[3], 4);
+  auto first = e->CompleteRemotePrefill(1, 7);
+  ASSERT_TRUE(first.ok());
+  tokens[1] += static_cast<int>(first->new_token_ids.size());
+  while (e->HasUnfinished()) {
+    auto step = e->Step();
+    ASSERT_TRUE(step.ok());
+    for (const auto& o : *step) tokens[o.id] += static_cast<int>(o.new_token_ids.size());
+  }
+  EXPECT_EQ(tokens[1], 4);
+  EXPECT_EQ(tokens[2], 4);
+}
+
 }  // namespace
 }  // namespace pdserve

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <random>
 #include <thread>
 #include <unordered_set>
@@ -427,6 +428,46 @@ TEST(EngineWindowsTest, RepeatedPromptHitsAndTheRouterPredictsIt) {
   const auto stats = e.GetStats().blocks;
   EXPECT_EQ(stats.prefix_cache_query_tokens, 4u * 150);
   EXPECT_EQ(stats.prefix_cache_hit_tokens, static_cast<uint64_t>(144 + 144 + shorter));
+}
+
+// n > 1 on a model with windowed and full layer groups: sequences sharing
+// a prompt (share_prompt_with) wait for its KV, then take the blocks of every
+// group from the prefix cache (the windowed group's early blocks, released
+// while the prompt ran, included), and generate the reference's tokens.
+TEST(EngineWindowsTest, SharedPromptSequencesTakeEveryGroupsBlocks) {
+  Loaded l = Load("gemma2", *PresetModelSpec("gemma2"));
+  ASSERT_NE(l.model, nullptr);
+  auto e = MakeEngine(l.model.get(), 8 << 20, 32);
+  const auto prompt = RandomTokens(150, l.model->config().vocab_size, 8);
+  for (RequestId id : {1, 2, 3}) {
+    EngineRequest r;
+    r.id = id;
+    r.prompt = prompt;
+    r.params.temperature = 0;
+    r.params.max_tokens = 4;
+    r.params.ignore_eos = true;
+    r.params.logprobs = 0;
+    r.share_prompt_with = id == 1 ? 0 : 1;
+    ASSERT_TRUE(e->AddRequest(std::move(r)).ok());
+  }
+  std::map<RequestId, Generated> g;
+  while (e->HasUnfinished()) {
+    auto step = e->Step();
+    ASSERT_TRUE(step.ok()) << step.status().ToString();
+    for (const auto& o : *step) {
+      Generated& x = g[o.id];
+      if (!o.new_token_ids.empty() && x.sampled.empty()) x.cached_tokens = o.num_cached_tokens;
+      x.sampled.insert(x.sampled.end(), o.logprobs.begin(), o.logprobs.end());
+    }
+  }
+  for (RequestId id : {1, 2, 3}) {
+    SCOPED_TRACE(id);
+    // Nine full blocks of every group for the siblings.
+    EXPECT_EQ(g[id].cached_tokens, id == 1 ? 0 : 144);
+    ASSERT_EQ(g[id].sampled.size(), 4u);
+    ExpectReferenceTokens(*l.reference, prompt, g[id]);
+  }
+  EXPECT_EQ(e->GetStats().blocks.prefix_cache_hit_tokens, 2u * 144);
 }
 
 // Disaggregated prefill on a windowed model: the decode engine reserves, and

@@ -142,6 +142,77 @@ TEST(ModelRunnerTest, StepsPastTheLimitsAreRefused) {
   EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
 }
 
+// Structured outputs' masks: a masked row samples only allowed tokens, its
+// greedy pick the most likely allowed token (the unmasked row's ranking is
+// the reference), eagerly and from a graph alike, and never takes the
+// backend's argmax shortcut.
+TEST(ModelRunnerTest, MaskedRowsSampleOnlyAllowedTokens) {
+  for (GraphMode mode : {GraphMode::kOff, GraphMode::kAlways}) {
+    SCOPED_TRACE(mode == GraphMode::kOff ? "eager" : "graphs");
+    // The unmasked ranking of the step after a 9-token prompt.
+    Rig ref(mode);
+    std::vector<Seq> probe = {{1, Prompt(9, 7), 0, {}, {}}};
+    probe[0].params.temperature = 0;
+    probe[0].params.logprobs = 5;
+    probe[0].params.ignore_eos = true;
+    ref.Step(probe);  // prefill
+    std::vector<ScheduledSeq> step(1);
+    const auto decode = [&](Rig& rig, Seq& s, std::span<const uint64_t> allowed) {
+      step[0] = ScheduledSeq{};
+      step[0].id = s.id;
+      step[0].tokens = s.tokens;
+      step[0].num_computed = s.computed;
+      step[0].num_new = 1;
+      while (static_cast<int64_t>(s.blocks.size()) * 16 < s.computed + 1) {
+        s.blocks.push_back(rig.next_block++);
+      }
+      step[0].tables = {s.blocks};
+      step[0].sample = true;
+      step[0].params = &s.params;
+      step[0].seed = 3;
+      step[0].output_index = 1;
+      step[0].allowed = allowed;
+      auto sampled = rig.runner->Execute(step);
+      EXPECT_TRUE(sampled.ok()) << sampled.status().ToString();
+      return sampled.ok() ? (*sampled)[0] : SampledToken{};
+    };
+    const SampledToken top = decode(ref, probe[0], {});
+    ASSERT_EQ(top.top_logprobs.size(), 5u);
+    ASSERT_EQ(top.token, top.top_logprobs[0].token);
+
+    const int64_t vocab = testing::TinyCpuModel()->config().vocab_size;
+    std::vector<uint64_t> mask(static_cast<size_t>((vocab + 63) / 64), 0);
+    auto allow = [&](TokenId t) { mask[t >> 6] |= uint64_t{1} << (t & 63); };
+    // The two most likely tokens forbidden; the third and fifth allowed.
+    allow(top.top_logprobs[2].token);
+    allow(top.top_logprobs[4].token);
+    for (float temperature : {0.0f, 1.0f}) {
+      Rig rig(mode);
+      std::vector<Seq> seqs = {{1, Prompt(9, 7), 0, {}, {}}};
+      seqs[0].params.temperature = 0;  // the prefill's token is the reference's
+      seqs[0].params.ignore_eos = true;
+      rig.Step(seqs);
+      seqs[0].params.temperature = temperature;
+      const TokenId got = decode(rig, seqs[0], mask).token;
+      if (temperature == 0) {
+        EXPECT_EQ(got, top.top_logprobs[2].token);
+      } else {
+        EXPECT_TRUE(got == top.top_logprobs[2].token || got == top.top_logprobs[4].token) << got;
+      }
+    }
+    // One token allowed, however unlikely: that one.
+    std::fill(mask.begin(), mask.end(), 0);
+    const auto last = static_cast<TokenId>(top.token == vocab - 1 ? 0 : vocab - 1);
+    allow(last);
+    Rig rig(mode);
+    std::vector<Seq> seqs = {{1, Prompt(9, 7), 0, {}, {}}};
+    seqs[0].params.temperature = 0;
+    seqs[0].params.ignore_eos = true;
+    rig.Step(seqs);
+    EXPECT_EQ(decode(rig, seqs[0], mask).token, last);
+  }
+}
+
 // The whole engine with graphs against the same engine without: mixed
 // greedy and seeded requests of different lengths, batches that shrink as
 // requests finish, and a pool small enough to preempt.

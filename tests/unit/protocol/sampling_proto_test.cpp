@@ -18,6 +18,8 @@ TEST(SamplingProtoTest, RoundTripKeepsEveryField) {
   s.stop_token_ids = {2, 32000};
   s.ignore_eos = true;
   s.logprobs = 5;
+  s.min_p = 0.05f;
+  s.constraint = OutputConstraint{OutputConstraint::Kind::kRegex, "[a-z]+"};
   proto::SamplingParams wire;
   ToProto(s, &wire);
   const SamplingParams back = FromProto(wire);
@@ -30,6 +32,21 @@ TEST(SamplingProtoTest, RoundTripKeepsEveryField) {
   EXPECT_EQ(back.stop_token_ids, s.stop_token_ids);
   EXPECT_EQ(back.ignore_eos, s.ignore_eos);
   EXPECT_EQ(back.logprobs, s.logprobs);
+  EXPECT_EQ(back.min_p, s.min_p);
+  EXPECT_EQ(back.constraint, s.constraint);
+}
+
+TEST(SamplingProtoTest, EveryConstraintKindRoundTrips) {
+  for (auto kind : {OutputConstraint::Kind::kJsonSchema, OutputConstraint::Kind::kJsonObject,
+                    OutputConstraint::Kind::kRegex, OutputConstraint::Kind::kChoice,
+                    OutputConstraint::Kind::kGrammar}) {
+    SamplingParams s;
+    s.constraint = OutputConstraint{kind, "text"};
+    proto::SamplingParams wire;
+    ToProto(s, &wire);
+    EXPECT_EQ(FromProto(wire).constraint, s.constraint);
+  }
+  EXPECT_FALSE(FromProto(proto::SamplingParams{}).constraint.has_value());
 }
 
 TEST(SamplingProtoTest, UnsetKnobsMeanOff) {

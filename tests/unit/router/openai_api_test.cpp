@@ -59,6 +59,65 @@ TEST(OpenAiApiTest, PromptForms) {
   EXPECT_EQ(r.max_tokens, 9);
 }
 
+TEST(OpenAiApiTest, SeveralChoices) {
+  auto r = ParseOk(Endpoint::kCompletions, R"({"prompt":"x","n":3,"best_of":5})");
+  EXPECT_EQ(r.n, 3);
+  EXPECT_EQ(r.best_of, 5);
+  ResponseFormatter fmt(r, "cmpl-1", 1700000000);
+  const std::vector<TokenPiece> a = {{1, "A", "A", std::nullopt, {}}},
+                                b = {{2, "B", "B", std::nullopt, {}}};
+  const auto j =
+      fmt.Complete("", {{0, &a, "stop", nullptr}, {1, &b, "length", nullptr}}, {4, 7, 0});
+  ASSERT_EQ(j["choices"].size(), 2u);
+  EXPECT_EQ(j["choices"][1]["index"], 1);
+  EXPECT_EQ(j["choices"][1]["text"], "B");
+  EXPECT_EQ(j["choices"][1]["finish_reason"], "length");
+  EXPECT_EQ(j["usage"]["prompt_tokens"], 4);
+  const std::string start =
+      ResponseFormatter(ParseOk(Endpoint::kChatCompletions,
+                                R"({"messages":[{"role":"user","content":"x"}],"n":2})"),
+                        "c", 1)
+          .StreamStart(2);
+  EXPECT_NE(start.find("\"index\":1"), std::string::npos);
+  EXPECT_NE(fmt.StreamDelta(b, 2).find("\"index\":2"), std::string::npos);
+  EXPECT_EQ(fmt.StreamEnd({1, 1, 0}), "data: [DONE]\n\n");
+}
+
+TEST(OpenAiApiTest, StructuredOutputConstraints) {
+  using Kind = OutputConstraint::Kind;
+  auto r = ParseOk(Endpoint::kChatCompletions,
+                   R"({"messages":[{"role":"user","content":"x"}],"response_format":{
+                       "type":"json_schema","json_schema":{"name":"p","strict":true,
+                       "schema":{"type":"object","properties":{"b":{},"a":{}}}}}})");
+  ASSERT_TRUE(r.sampling.constraint);
+  EXPECT_EQ(r.sampling.constraint->kind, Kind::kJsonSchema);
+  // The schema's key order survives: it is the order members are written in.
+  EXPECT_EQ(r.sampling.constraint->text, R"({"type":"object","properties":{"b":{},"a":{}}})");
+  EXPECT_EQ(r.constraint_param, "response_format");
+  EXPECT_EQ(
+      ParseOk(Endpoint::kCompletions, R"({"prompt":"x","response_format":{"type":"json_object"}})")
+          .sampling.constraint->kind,
+      Kind::kJsonObject);
+  EXPECT_FALSE(
+      ParseOk(Endpoint::kCompletions, R"({"prompt":"x","response_format":{"type":"text"}})")
+          .sampling.constraint);
+  const std::pair<const char*, OutputConstraint> extras[] = {
+      {R"("structured_outputs":{"json":{"type":"integer"}})",
+       {Kind::kJsonSchema, R"({"type":"integer"})"}},
+      {R"("structured_outputs":{"json":"{\"type\":\"integer\"}"})",
+       {Kind::kJsonSchema, R"({"type":"integer"})"}},
+      {R"("structured_outputs":{"regex":"[a-z]+"})", {Kind::kRegex, "[a-z]+"}},
+      {R"("structured_outputs":{"choice":["yes","no"]})", {Kind::kChoice, R"(["yes","no"])"}},
+      {R"("structured_outputs":{"grammar":"root ::= \"a\""})", {Kind::kGrammar, "root ::= \"a\""}},
+      {R"("guided_choice":["x"])", {Kind::kChoice, R"(["x"])"}},
+  };
+  for (const auto& [extra, want] : extras) {
+    auto p = ParseOk(Endpoint::kCompletions, std::string(R"({"prompt":"x",)") + extra + "}");
+    ASSERT_TRUE(p.sampling.constraint) << extra;
+    EXPECT_EQ(*p.sampling.constraint, want) << extra;
+  }
+}
+
 TEST(OpenAiApiTest, ChatMessages) {
   auto r = ParseOk(Endpoint::kChatCompletions,
                    R"({"model":"tiny","messages":[{"role":"system","content":"be brief"},
@@ -102,7 +161,11 @@ TEST(OpenAiApiTest, BadInputTable) {
       {C, R"({"prompt":"x","top_p":0})", 400, "top_p"},
       {C, R"({"prompt":"x","top_p":1.5})", 400, "top_p"},
       {C, R"({"prompt":"x","top_k":-5})", 400, "top_k"},
-      {C, R"({"prompt":"x","n":2})", 400, "n"},
+      {C, R"({"prompt":"x","n":17})", 400, "n"},
+      {C, R"({"prompt":"x","n":0})", 400, "n"},
+      {C, R"({"prompt":"x","n":3,"best_of":2})", 400, "best_of"},
+      {C, R"({"prompt":"x","n":1,"best_of":3,"stream":true})", 400, "best_of"},
+      {H, R"({"messages":[{"role":"user","content":"x"}],"best_of":2})", 400, "best_of"},
       {C, R"({"prompt":"x","stop":[""]})", 400, "stop"},
       {C, R"({"prompt":"x","stop":5})", 400, "stop"},
       {C, R"({"prompt":"x","stream":"yes"})", 400, "stream"},
@@ -120,7 +183,23 @@ TEST(OpenAiApiTest, BadInputTable) {
        "messages[0].content"},
       {H, R"({"messages":[{"role":"user","content":"x"}],"top_logprobs":2})", 400, "top_logprobs"},
       {H, R"({"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function"}]})", 400,
-       "tools"},
+       "tools[0]"},
+      {H,
+       R"({"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"a b"}}]})",
+       400, "tools[0].function.name"},
+      {H, R"({"messages":[{"role":"user","content":"x"}],"tool_choice":"required"})", 400,
+       "tool_choice"},
+      {H,
+       R"({"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f"}}],
+          "tool_choice":{"type":"function","function":{"name":"g"}}})",
+       400, "tool_choice"},
+      {H,
+       R"({"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f"}}],
+          "tool_choice":"required","response_format":{"type":"json_object"}})",
+       400, "response_format"},
+      {H, R"({"messages":[{"role":"user","content":"x","tool_calls":[]}]})", 400,
+       "messages[0].tool_calls"},
+      {C, R"({"prompt":"x","tools":[{"type":"function","function":{"name":"f"}}]})", 400, "tools"},
   };
   for (const auto& c : cases) {
     ApiError e = ParseBad(c.endpoint, c.body);
@@ -212,8 +291,21 @@ TEST(OpenAiApiTest, HostileBodiesAre400sNamingTheField) {
       {C, "{\"pr\xffompt\":\"x\"}", "", "UTF-8"},
       // Known fields of the wrong type (.value() threw type_error).
       {C, R"({"prompt":"x","response_format":{"type":5}})", "response_format", "response_format"},
-      {C, R"({"prompt":"x","response_format":{"type":null}})", "response_format", "text"},
-      {C, R"({"prompt":"x","response_format":["text"]})", "response_format", "text"},
+      {C, R"({"prompt":"x","response_format":{"type":null}})", "response_format", "'type'"},
+      {C, R"({"prompt":"x","response_format":["text"]})", "response_format", "'type'"},
+      {C, R"({"prompt":"x","response_format":{"type":"xml"}})", "response_format.type", "xml"},
+      {C, R"({"prompt":"x","response_format":{"type":"json_schema"}})",
+       "response_format.json_schema", "schema"},
+      {C, R"({"prompt":"x","response_format":{"type":"json_schema","json_schema":{"schema":5}}})",
+       "response_format.json_schema.schema", "JSON Schema"},
+      {C, R"({"prompt":"x","structured_outputs":{"choice":[]}})", "structured_outputs.choice",
+       "non-empty"},
+      {C, R"({"prompt":"x","structured_outputs":{"regex":7}})", "structured_outputs.regex",
+       "string"},
+      {C, R"({"prompt":"x","structured_outputs":{"structural_tag":{}}})",
+       "structured_outputs.structural_tag", "not supported"},
+      {C, R"({"prompt":"x","response_format":{"type":"json_object"},"guided_regex":"a"})",
+       "guided_regex", "one constraint"},
       {H, R"({"messages":[{"role":"user","content":[{"type":7,"text":"a"}]}]})",
        "messages[0].content", "parts"},
       {H, R"({"messages":[{"role":"user","content":[{"type":["text"],"text":"a"}]}]})",

@@ -399,6 +399,18 @@ TEST(PrefixIndexTest, LowerTierRunsFollowTheirEventsAndSnapshots) {
   run = index.LowerTierRun(0, prompt, 2);
   EXPECT_EQ(run.host_blocks, 1);
   EXPECT_EQ(run.disk_blocks, 2);
+  // Match gives the same overlaps, runs and block counts under one lock.
+  std::vector<uint32_t> overlap;
+  std::vector<PrefixIndex::WorkerMatch> match;
+  index.Match(prompt, 0, &overlap, &match);
+  EXPECT_EQ(overlap, Overlap(index, prompt));
+  ASSERT_EQ(match.size(), overlap.size());
+  EXPECT_EQ(match[0].lower.host_blocks, 1);
+  EXPECT_EQ(match[0].lower.disk_blocks, 2);
+  EXPECT_EQ(match[0].blocks, index.WorkerBlockCount(0));
+  EXPECT_EQ(match[0].blocks, 2u);
+  EXPECT_EQ(match[1].lower.blocks(), 0);
+  EXPECT_EQ(match[1].blocks, 0u);
   // Block 3 is dropped: the run stops at once.
   ASSERT_EQ(index.ApplyEvents(0, {2, {KvRemoved{{3}, KvTier::kHost}}}), ApplyOutcome::kApplied);
   EXPECT_EQ(index.LowerTierRun(0, prompt, 2).blocks(), 0);

@@ -530,12 +530,200 @@ TEST(RouterCoreTest, ADecodeOnlyHolderIsACopySource) {
   Fixture f(o, {Role::kDecode, Role::kDecode});
   f.Store(0, Prompt(100, 8));
   f.Queue(0, 10000);
+  // The first request of all is too little traffic to give a prefix a
+  // share; the second (all of the traffic) earns it a second holder.
+  f.Route(50, Prompt(100, 9));
+  f.core->OnRequestFinished(50);
   const RouteDecision d = f.Route(1, Prompt(100, 9));
   EXPECT_EQ(f.IndexOf(d.decode), 1u);
   ASSERT_TRUE(d.copy_from.has_value());
   EXPECT_EQ(f.IndexOf(*d.copy_from), 0u);
   EXPECT_GT(d.copy_blocks, 0);
   EXPECT_FALSE(d.remote_prefill()) << "a copy is not a prefill worker's prefill";
+}
+
+size_t Declined(const RouterCore& core, CopyDecline reason) {
+  return core.stats().copy.declined[static_cast<size_t>(reason)];
+}
+
+// A prefix earns holders in proportion to its share of the traffic: one
+// prefix among many is not copied however busy its holder (the request is
+// recomputed elsewhere, as without replication); once it draws most of the
+// requests, it is.
+TEST(RouterCoreTest, APrefixIsCopiedOnlyBelowTheHoldersItsTrafficEarns) {
+  RouterOptions o = Policy("kv");
+  o.copy_cost = 0.1;
+  Fixture f(o, {Role::kBoth, Role::kBoth, Role::kBoth});
+  f.Store(0, Prompt(100, 8));
+  f.Queue(0, 10000);
+  uint64_t id = 1;
+  for (BlockHash p = 0; p < 20; ++p) {  // 20 other prompts, one request each
+    f.Route(id, Prompt(10000 + 100 * p, 4));
+    f.core->OnRequestFinished(id++);
+  }
+  std::vector<BlockHash> prompt = Prompt(100, 8);
+  prompt.push_back(999);
+  for (int i = 0; i < 2; ++i) {  // hot (2 requests), but 2 of 22
+    const RouteDecision d = f.Route(id, prompt);
+    f.core->OnRequestFinished(id++);
+    EXPECT_FALSE(d.copy_from.has_value());
+    EXPECT_NE(f.IndexOf(d.decode), 0u);  // recomputed off the busy holder
+  }
+  EXPECT_EQ(Declined(*f.core, CopyDecline::kEnoughHolders), 1u);
+  bool copied = false;
+  for (int i = 0; i < 30 && !copied; ++i) {
+    const RouteDecision d = f.Route(id, prompt);
+    f.core->OnRequestFinished(id++);
+    copied = d.copy_from.has_value();
+  }
+  EXPECT_TRUE(copied) << "a prefix drawing most requests earns a second holder";
+  EXPECT_EQ(f.core->stats().copy.started, 1u);
+}
+
+// A copy goes only to a receiver with no more prefill queued than the
+// copy's own link time: a busy one gets none (the request is recomputed
+// or waits, as without replication), and the decline is counted.
+TEST(RouterCoreTest, NoCopyToABusyReceiver) {
+  RouterOptions o = Policy("kv");
+  o.copy_cost = 0.1;
+  o.copy_min_requests = 1;
+  Fixture f(o, {Role::kBoth, Role::kBoth});
+  f.Store(0, Prompt(100, 8));
+  f.Queue(0, 10000);
+  f.Route(50, Prompt(100, 9));  // all of the traffic so far
+  f.core->OnRequestFinished(50);
+  f.Queue(1, 200);  // link time of the copy: 13 tokens
+  const RouteDecision d = f.Route(1, Prompt(100, 9));
+  EXPECT_FALSE(d.copy_from.has_value());
+  EXPECT_EQ(Declined(*f.core, CopyDecline::kReceiverQueue), 1u);
+  f.core->OnRequestFinished(1);
+  f.Queue(1, 10);
+  EXPECT_TRUE(f.Route(2, Prompt(100, 9)).copy_from.has_value());
+}
+
+// Copies whose receiver evicts them before another request uses them open
+// the breaker: the next copy opportunities are declined until a probe
+// after the cooldown is reused.
+TEST(RouterCoreTest, CopiesEvictedUnusedOpenTheBreaker) {
+  RouterOptions o = Policy("kv");
+  o.copy_cost = 0.1;
+  o.copy_min_requests = 1;
+  o.copy_window_us = 10'000'000;  // also the breaker's cooldown
+  Fixture f(o, {Role::kBoth, Role::kBoth});
+  f.Store(0, Prompt(100, 8));
+  f.Queue(0, 10000);
+  const std::vector<BlockHash> prompt = Prompt(100, 9);
+  f.Route(50, prompt);  // all of the traffic so far
+  f.core->OnRequestFinished(50);
+  uint64_t id = 1;
+  for (int i = 0; i < 5; ++i) {
+    const RouteDecision d = f.Route(id, prompt);
+    ASSERT_TRUE(d.copy_from.has_value()) << i;
+    f.core->OnCopyLanded(id);
+    f.core->OnRequestFinished(id++);
+    // The receiver evicts the copied blocks before anyone else uses them.
+    KvEventBatch b;
+    b.sequence_number = ++f.seqs[1];
+    b.events.push_back(KvRemoved{Prompt(100, 8), KvTier::kDevice});
+    EXPECT_EQ(f.core->OnKvEvents(f.ids[1], b), ApplyOutcome::kApplied);
+    f.now_us += 100'000;
+  }
+  CopyGovernorStats s = f.core->stats().copy;
+  EXPECT_EQ(s.breaker, CopyBreaker::kOpen);
+  EXPECT_EQ(s.unused, 5u);
+  const RouteDecision blocked = f.Route(id++, prompt);
+  EXPECT_FALSE(blocked.copy_from.has_value());
+  EXPECT_EQ(Declined(*f.core, CopyDecline::kBreakerOpen), 1u);
+  f.core->OnRequestFinished(id - 1);
+  // After the cooldown: a probe, reused by the next request routed there.
+  f.now_us += 10'000'000;
+  const RouteDecision probe = f.Route(id, prompt);
+  ASSERT_TRUE(probe.copy_from.has_value());
+  f.core->OnCopyLanded(id);
+  f.core->OnRequestFinished(id++);
+  f.Store(1, Prompt(100, 8));
+  const RouteDecision reuse = f.Route(id, prompt);
+  EXPECT_EQ(f.IndexOf(reuse.decode), 1u);
+  EXPECT_EQ(f.core->stats().copy.breaker, CopyBreaker::kClosed);
+  EXPECT_EQ(f.core->stats().copy.reused, 1u);
+}
+
+// Drain pushes pay the copy pressure rule: a leaving worker's prompt goes
+// to a survivor with free room, or to a full one only when the blocks it
+// evicts there are worth less than the prompt (evicted x v <= blocks x
+// uses / (uses + 1)); never to one whose queue would evict it first, and
+// not at all when it no longer holds the prompt or the budget is spent.
+TEST(RouterCoreTest, DrainPushesGoWhereTheyEvictLessThanTheyBring) {
+  RouterOptions o = Policy("kv");
+  o.drain_push = true;
+  Fixture f(o, {Role::kBoth, Role::kBoth, Role::kBoth});
+  auto report = [&](size_t w, int64_t total, int64_t queued) {
+    WorkerLoad load;
+    load.total_blocks = total;
+    load.free_blocks = total;
+    load.queued_prefill_tokens = queued;
+    EXPECT_TRUE(f.core->OnLoad(f.ids[w], load).ok());
+  };
+  report(0, 100, 0);
+  report(1, 20, 0);
+  report(2, 100, 0);
+  const auto hot = Prompt(100, 8), cold = Prompt(200, 8), gone = Prompt(300, 8);
+  f.Store(0, hot);
+  f.Store(0, cold);
+  f.Store(1, Prompt(1000, 20));  // worker 1's pool is full
+  f.Store(2, Prompt(2000, 95));  // worker 2 has 5 free blocks
+  // Evicted blocks come back (worker 1 evicts, worker 0 stores them
+  // again): an eviction is worth nearly a whole block.
+  for (BlockHash b = 5000; b < 5300; ++b) {
+    KvEventBatch rm;
+    rm.sequence_number = ++f.seqs[1];
+    rm.events.push_back(KvRemoved{{b}, KvTier::kDevice});
+    ASSERT_EQ(f.core->OnKvEvents(f.ids[1], rm), ApplyOutcome::kApplied);
+    f.Store(0, {b});
+  }
+  const std::vector<PushCandidate> candidates = {{hot, 9}, {cold, 1}, {gone, 5}};
+  f.core->SetDraining(f.ids[0], true);
+  std::vector<PushPlan> plan = f.core->PlanDrainPush(f.ids[0], candidates, 1000);
+  // hot (keep 0.9): to worker 2 (3 of its 8 blocks evict), never to the
+  // full worker 1 (8 evictions at about 1 block each are worth more).
+  // cold (keep 0.5): nowhere (worker 2 has no room left: 8 evictions).
+  // gone: worker 0 does not hold it.
+  ASSERT_EQ(plan.size(), 1u);
+  EXPECT_EQ(plan[0].candidate, 0u);
+  EXPECT_EQ(f.IndexOf(plan[0].target), 2u);
+  EXPECT_EQ(plan[0].blocks, 8);
+
+  // A survivor whose queue fills its pool gets nothing; one with room does.
+  Fixture g(o, {Role::kBoth, Role::kBoth, Role::kBoth});
+  g.Store(0, hot);
+  g.Store(0, cold);
+  WorkerLoad busy;
+  busy.total_blocks = 100;
+  busy.queued_prefill_tokens = 95 * kBlock;
+  EXPECT_TRUE(g.core->OnLoad(g.ids[1], busy).ok());
+  WorkerLoad idle;
+  idle.total_blocks = 100;
+  EXPECT_TRUE(g.core->OnLoad(g.ids[2], idle).ok());
+  g.core->SetDraining(g.ids[0], true);
+  plan = g.core->PlanDrainPush(g.ids[0], candidates, 1000);
+  ASSERT_EQ(plan.size(), 2u);
+  for (const PushPlan& p : plan) EXPECT_EQ(g.IndexOf(p.target), 2u);
+  // The budget: only the first fits in 10 blocks.
+  plan = g.core->PlanDrainPush(g.ids[0], candidates, 10);
+  ASSERT_EQ(plan.size(), 1u);
+  EXPECT_EQ(plan[0].candidate, 0u);
+}
+
+// Replication off: no governor, nothing counted.
+TEST(RouterCoreTest, NoCopyBookkeepingWithReplicationOff) {
+  Fixture f(Policy("kv"), {Role::kBoth, Role::kBoth});
+  f.Store(0, Prompt(100, 8));
+  f.Queue(0, 10000);
+  f.Route(1, Prompt(100, 9));
+  const CopyGovernorStats s = f.core->stats().copy;
+  EXPECT_EQ(s.started, 0u);
+  EXPECT_EQ(s.inflight_limit, 0);
+  for (uint64_t n : s.declined) EXPECT_EQ(n, 0u);
 }
 
 TEST(RouterCoreTest, AllSlotsInUse) {

@@ -2,6 +2,8 @@
 // can be computed by hand.
 #include "services/router/simulator.h"
 
+#include "services/router/trace_generator.h"
+
 #include <gtest/gtest.h>
 
 #include <sstream>
@@ -164,6 +166,15 @@ TEST(SimulatorTest, HotPrefixIsCopiedAndItsRequestsSpread) {
   EXPECT_GT(with->routed[1], 5);
   // Every prefix token after the first request was either a hit or copied.
   EXPECT_EQ(with->hit_tokens + with->copied_tokens, 40 * 100);
+  // Each copy landed the prefix's 25 blocks on an idle worker with room;
+  // later requests there hit them, nothing was evicted or lost.
+  EXPECT_EQ(with->copy.landed_blocks, 25 * with->replications_finished);
+  EXPECT_GT(with->copy.reused_blocks, 0);
+  EXPECT_EQ(with->copy.evicted_unused_blocks, 0);
+  EXPECT_EQ(with->copy.lost_before_use, 0);
+  EXPECT_EQ(with->copy.evicted_blocks, 0);
+  EXPECT_EQ(with->router.copy.unused, 0u);
+  EXPECT_GE(with->router.copy.reused, 1u);
 
   o.replication = false;
   auto without = RunSimulation(trace, o);
@@ -180,8 +191,7 @@ TEST(SimulatorTest, HotPrefixIsCopiedAndItsRequestsSpread) {
 // second turn extending its own first prompt, 5 ms apart, so those
 // conversations' holder is busy while the other worker idles. Each history
 // is reached by one request only: not hot, never copied (copying would
-// trade the holder's hit for a copy). With any prefix allowed
-// (copy_min_requests 1) the same trace copies.
+// trade the holder's hit for a copy).
 std::vector<TraceRequest> ConversationsBurst() {
   std::vector<TraceRequest> trace;
   for (int turn = 0; turn < 2; ++turn) {
@@ -208,11 +218,59 @@ TEST(SimulatorTest, AConversationsOwnHistoryIsNeverCopied) {
   auto gated = RunSimulation(trace, o);
   ASSERT_TRUE(gated.ok()) << gated.status().ToString();
   EXPECT_EQ(gated->replications_started, 0);
+  // With any prefix hot enough (copy_min_requests 1), each history is still
+  // 1 of 24 prefixes: the holder it has is all its share of the traffic
+  // earns.
   o.replication_min_requests = 1;
   auto any = RunSimulation(trace, o);
   ASSERT_TRUE(any.ok());
-  EXPECT_GT(any->replications_started, 0);
-  EXPECT_GT(gated->hit_tokens, any->hit_tokens);
+  EXPECT_EQ(any->replications_started, 0);
+  EXPECT_GT(any->router.copy.declined[static_cast<size_t>(CopyDecline::kEnoughHolders)], 0u);
+  EXPECT_EQ(gated->hit_tokens, any->hit_tokens);
+}
+
+// The collapse of docs/routing.md ("When copies lose") in small: 300
+// prefixes of 10-40 blocks at Zipf 1.1 arriving faster than 4 workers of
+// 100 blocks serve them. Priced by link time alone, copies went to busy
+// receivers that evicted them before their requests started (68 copies, 49
+// lost so, 1,064 copied blocks evicted unused, hit rate 0.225 against 0.238
+// without copies). Now every copy the link price would have made is
+// declined (its prefix has the holders its share of the traffic earns, or
+// the receiver is busy) and the run is the run without replication.
+TEST(SimulatorTest, OverloadWithManyLukewarmPrefixesCopiesNothing) {
+  TraceGenOptions g;
+  g.sessions = 1500;
+  g.prefixes = 300;
+  g.zipf = 1.1;
+  g.prefix_tokens = 160;
+  g.prefix_tokens_max = 640;
+  g.question_tokens = 32;
+  g.answer_tokens = 4;
+  g.sessions_per_s = 150;
+  g.block_tokens = 16;
+  g.seed = 3;
+  auto trace = GenerateTrace(g);
+  ASSERT_TRUE(trace.ok());
+  SimOptions o;
+  o.workers = 4;
+  o.capacity_blocks = 100;
+  o.block_tokens = 16;
+  o.kv_bytes_per_token = 1e6;
+  o.copy_gbps = 10;
+  auto on = RunSimulation(*trace, o);
+  ASSERT_TRUE(on.ok()) << on.status().ToString();
+  o.replication = false;
+  auto off = RunSimulation(*trace, o);
+  ASSERT_TRUE(off.ok());
+  EXPECT_GT(off->ttft_p50_s, 1.0) << "the trace overloads the cluster";
+  EXPECT_EQ(on->replications_started, 0);
+  const auto& declined = on->router.copy.declined;
+  EXPECT_GT(declined[static_cast<size_t>(CopyDecline::kEnoughHolders)] +
+                declined[static_cast<size_t>(CopyDecline::kReceiverQueue)],
+            10u);
+  EXPECT_EQ(on->hit_tokens, off->hit_tokens);
+  EXPECT_DOUBLE_EQ(on->ttft_mean_s, off->ttft_mean_s);
+  EXPECT_DOUBLE_EQ(on->ttft_p99_s, off->ttft_p99_s);
 }
 
 TEST(SimulatorTest, AnchorPoliciesNeverCopy) {
@@ -257,6 +315,30 @@ TEST(SimulatorTest, DrainPushesTheLeavingWorkersPrefixesToTheSurvivors) {
   EXPECT_DOUBLE_EQ(dropped->hit_rate_after_removal, 0);
   o.remove_worker = 2;
   EXPECT_EQ(RunSimulation(trace, o).status().code(), StatusCode::kInvalidArgument);
+}
+
+// Prompts that share a prefix are pushed as one: the shared blocks once,
+// then each prompt's own (the plan counts what earlier pushes bring).
+TEST(SimulatorTest, DrainPushesSharedPrefixesOnce) {
+  const auto trace = Parse(
+      R"({"timestamp": 0, "input_length": 44, "output_length": 1, "hash_ids": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 100]}
+{"timestamp": 1000, "input_length": 44, "output_length": 1, "hash_ids": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 101]}
+{"timestamp": 2000, "input_length": 44, "output_length": 1, "hash_ids": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 102]}
+)",
+      4);
+  SimOptions o = SmallOptions("kv", 2, 100);
+  auto stay = RunSimulation(trace, o);
+  ASSERT_TRUE(stay.ok());
+  ASSERT_EQ(stay->routed, (std::vector<int64_t>{3, 0}));
+  o.remove_at_s = 5;
+  o.remove_worker = 0;
+  auto pushed = RunSimulation(trace, o);
+  ASSERT_TRUE(pushed.ok()) << pushed.status().ToString();
+  EXPECT_EQ(pushed->drain_pushed_blocks, 11 + 1 + 1);
+  o.drain_push_blocks = 12;  // the first prompt and one more block
+  pushed = RunSimulation(trace, o);
+  ASSERT_TRUE(pushed.ok());
+  EXPECT_EQ(pushed->drain_pushed_blocks, 12);
 }
 
 // One worker with room for 2 blocks: B pushes A's blocks out of the pool;

@@ -129,6 +129,71 @@ TEST(TraceGeneratorTest, TurnsExtendTheirSession) {
   EXPECT_GT(OracleHitTokens(trace, 32), 0);
 }
 
+// With a length range each prefix keeps one length, drawn uniformly in the
+// range, and its blocks stay its own (no two prefixes share an id).
+TEST(TraceGeneratorTest, PrefixLengthsSpanTheirRange) {
+  TraceGenOptions o;
+  o.sessions = 4000;
+  o.prefixes = 300;
+  o.zipf = 0;
+  o.prefix_tokens = 5000;
+  o.prefix_tokens_max = 30000;
+  o.question_tokens = 100;
+  o.block_tokens = 512;
+  std::map<uint64_t, int64_t> shared_blocks;  // by first id: full blocks the prefix spans
+  std::map<uint64_t, uint64_t> owner;         // id -> first id of the prefix using it
+  for (const TraceRequest& r : Gen(o)) {
+    const int64_t question_max = 150;
+    const int64_t prefix_min = r.input_length - question_max;
+    EXPECT_GE(r.input_length, 5000 + 50);
+    EXPECT_LE(r.input_length, 30000 + question_max);
+    // Full blocks below the shortest possible prefix all belong to it.
+    for (int64_t j = 0; j < prefix_min / 512; ++j) {
+      auto [it, fresh] = owner.emplace(r.hash_ids[static_cast<size_t>(j)], r.hash_ids[0]);
+      EXPECT_EQ(it->second, r.hash_ids[0]) << "block id shared across prefixes";
+    }
+    shared_blocks[r.hash_ids[0]] = std::max(shared_blocks[r.hash_ids[0]], prefix_min / 512);
+  }
+  EXPECT_GT(shared_blocks.size(), 250u);
+  double mean = 0;
+  int64_t lo = 1 << 30, hi = 0;
+  for (const auto& [_, blocks] : shared_blocks) {
+    mean += static_cast<double>(blocks);
+    lo = std::min(lo, blocks);
+    hi = std::max(hi, blocks);
+  }
+  mean /= static_cast<double>(shared_blocks.size());
+  EXPECT_NEAR(mean, 17500.0 / 512, 2.0);  // uniform in [5000, 30000]
+  EXPECT_LT(lo, 12);
+  EXPECT_GT(hi, 55);
+}
+
+// Turns per session follow a Pareto tail: P(turns > k) = (k+1)^-alpha, capped.
+TEST(TraceGeneratorTest, HeavyTailedTurns) {
+  TraceGenOptions o;
+  o.sessions = 20000;
+  o.turns = 50;
+  o.turns_alpha = 1.5;
+  o.prefixes = 0;
+  o.block_tokens = 64;
+  o.question_tokens = 200;  // at least 100: the first block is full and the session's own
+  o.answer_tokens = 10;
+  std::map<uint64_t, int64_t> turns;  // by the session's first block id
+  for (const TraceRequest& r : Gen(o)) ++turns[r.hash_ids[0]];
+  ASSERT_EQ(turns.size(), 20000u);
+  int64_t above_1 = 0, above_4 = 0, at_cap = 0, most = 0;
+  for (const auto& [_, n] : turns) {
+    above_1 += n > 1;
+    above_4 += n > 4;
+    at_cap += n == 50;
+    most = std::max(most, n);
+  }
+  EXPECT_EQ(most, 50);
+  EXPECT_NEAR(static_cast<double>(above_1) / 20000, std::pow(2.0, -1.5), 0.01);
+  EXPECT_NEAR(static_cast<double>(above_4) / 20000, std::pow(5.0, -1.5), 0.006);
+  EXPECT_NEAR(static_cast<double>(at_cap) / 20000, std::pow(50.0, -1.5), 0.0015);
+}
+
 TEST(TraceGeneratorTest, ArrivalRateAndBursts) {
   TraceGenOptions o;
   o.sessions = 20000;
@@ -166,6 +231,8 @@ TEST(TraceGeneratorTest, BadOptionsAreRefused) {
   refused([](TraceGenOptions& o) { o.off_s = 0; }, "off-s");
   refused([](TraceGenOptions& o) { o.prefix_tokens = 0; }, "prefix-tokens");
   refused([](TraceGenOptions& o) { o.think_s = -1; }, "think-s");
+  refused([](TraceGenOptions& o) { o.turns_alpha = -1; }, "turns-alpha");
+  refused([](TraceGenOptions& o) { o.prefix_tokens_max = -5; }, "prefix-tokens-max");
 }
 
 }  // namespace

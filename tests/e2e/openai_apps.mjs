@@ -1,0 +1,260 @@
+// What applications do with the official `openai` npm client, against
+// `pdserve up` (router + prefill + decode workers on the tiny model):
+// chat.completions.parse with a zod schema (streamed and not); tool calls
+// (tool_choice required, named, auto, none; streamed and not) with the call,
+// the tool's answer and the model's reply as a round trip, on a copy of the
+// tiny model whose chat template renders tools in the Hermes format; n: 3
+// (distinct seeds per choice), streamed and not, and best_of.
+// Usage: node openai_apps.mjs PDSERVE_BIN NODE_MODULES_DIR
+import { spawn, execFileSync } from 'node:child_process';
+import { mkdtempSync, rmSync, openSync, readFileSync, writeFileSync } from 'node:fs';
+import { createRequire } from 'node:module';
+import os from 'node:os';
+import path from 'node:path';
+import test, { after } from 'node:test';
+import assert from 'node:assert/strict';
+
+const [bin, nodeModules] = process.argv.slice(2);
+const require = createRequire(path.join(nodeModules, 'noop.js'));
+const OpenAI = require('openai').default ?? require('openai');
+const { zodResponseFormat } = require('openai/helpers/zod');
+const { z } = require('zod');
+
+const dir = mkdtempSync(path.join(os.tmpdir(), 'pdserve-apps-'));
+const model = path.join(dir, 'tiny');
+execFileSync(bin, ['make-model', '--preset', 'tiny', '--out', model]);
+let up = null;
+after(async () => {
+  if (up && up.exitCode === null) {
+    // SIGTERM: `pdserve up` stops its router and workers before it exits.
+    const exited = new Promise((r) => up.once('exit', r));
+    up.kill('SIGTERM');
+    await Promise.race([exited, new Promise((r) => setTimeout(r, 20000))]);
+    if (up.exitCode === null) up.kill('SIGKILL');
+  }
+  rmSync(dir, { recursive: true, force: true });
+});
+
+async function waitFor(fn, what, ms = 60000) {
+  const end = Date.now() + ms;
+  while (Date.now() < end) {
+    const v = await fn();
+    if (v) return v;
+    await new Promise((r) => setTimeout(r, 50));
+  }
+  throw new Error(`timed out waiting for ${what}`);
+}
+
+// The tiny model with a chat template that renders tools, calls and tool
+// answers (Hermes format: <tool_call>...</tool_call>).
+const toolModel = path.join(dir, 'tiny-tools');
+execFileSync('cp', ['-r', model, toolModel]);
+{
+  const configPath = path.join(toolModel, 'tokenizer_config.json');
+  const config = JSON.parse(readFileSync(configPath, 'utf8'));
+  config.chat_template =
+    "{{ bos_token }}{% if tools %}<|start_header_id|>system<|end_header_id|>\n\nTools:\n" +
+    "{% for t in tools %}{{ t | tojson }}\n{% endfor %}Call one as <tool_call>{\"name\": ..., " +
+    "\"arguments\": ...}</tool_call>.<|eot_id|>{% endif %}{% for message in messages %}" +
+    "{% if message.role == 'tool' %}<|start_header_id|>user<|end_header_id|>\n\n<tool_response>\n" +
+    "{{ message.content }}\n</tool_response><|eot_id|>{% elif message.tool_calls %}" +
+    "<|start_header_id|>assistant<|end_header_id|>\n\n{% for c in message.tool_calls %}" +
+    "<tool_call>\n{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}\n" +
+    "</tool_call>{% endfor %}<|eot_id|>{% else %}<|start_header_id|>{{ message.role }}" +
+    "<|end_header_id|>\n\n{{ message.content }}<|eot_id|>{% endif %}{% endfor %}" +
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}";
+  writeFileSync(configPath, JSON.stringify(config));
+}
+
+// Prompts over 16 tokens are prefilled remotely, so the first token is
+// sampled under the grammar on the prefill worker; random models love
+// whitespace, so little of it keeps outputs inside max_tokens.
+const upLog = path.join(dir, 'up.log');
+up = spawn(bin, ['up', '--model', toolModel, '--dir', path.join(dir, 'up'), '--port', '0', '--control-port', '0',
+  '--prefill-metrics-port', '0', '--decode-metrics-port', '0', '--max-local-prefill', '16', '--threads', '1',
+  '--kv-cache-bytes', '16MiB', '--grammar-max-whitespace', '2'],
+{ stdio: ['ignore', openSync(upLog, 'w'), openSync(upLog, 'a')] });
+const base = (await waitFor(() => {
+  if (up.exitCode !== null) throw new Error(`pdserve up exited: ${readFileSync(upLog, 'utf8')}`);
+  return readFileSync(upLog, 'utf8').match(/ready at (http:\/\/\S+)/);
+}, 'pdserve up', 120000))[1];
+
+const client = new OpenAI({ baseURL: `${base}/v1`, apiKey: 'unused', maxRetries: 0 });
+const modelId = 'pdserve-tiny';
+
+const Event = z.object({
+  name: z.string().max(12),
+  date: z.string().regex(/^2024-0[1-9]-[0-2][0-9]$/),
+  attendees: z.array(z.string().max(8)).max(3),
+  kind: z.enum(['meeting', 'party', 'talk']),
+  seats: z.number().int().min(1).max(500),
+  online: z.boolean(),
+});
+
+test('chat.completions.parse with a zod schema', async () => {
+  for (const [temperature, seed] of [[0, 1], [1, 2], [1, 3]]) {
+    const completion = await client.chat.completions.parse({
+      model: modelId, temperature, seed, max_tokens: 500,
+      messages: [{ role: 'user', content: 'Describe an event.' }],
+      response_format: zodResponseFormat(Event, 'event'),
+    });
+    const message = completion.choices[0].message;
+    assert.equal(completion.choices[0].finish_reason, 'stop');
+    assert.ok(message.parsed, message.content);
+    assert.deepEqual(Event.parse(JSON.parse(message.content)), message.parsed);
+  }
+});
+
+test('chat.completions.stream with a zod schema', async () => {
+  const stream = client.chat.completions.stream({
+    model: modelId, temperature: 1, seed: 9, max_tokens: 500,
+    messages: [{ role: 'user', content: 'Describe an event.' }],
+    response_format: zodResponseFormat(Event, 'event'),
+  });
+  let chunks = 0;
+  for await (const chunk of stream) chunks += chunk.choices.length;
+  const final = await stream.finalChatCompletion();
+  assert.ok(chunks > 2, `chunks: ${chunks}`);
+  assert.equal(final.choices[0].finish_reason, 'stop');
+  assert.ok(final.choices[0].message.parsed);
+  Event.parse(final.choices[0].message.parsed);
+});
+
+const tools = [
+  { type: 'function', function: { name: 'get_weather', description: 'Weather in a city.',
+    parameters: { type: 'object', properties: { city: { type: 'string', maxLength: 12 },
+      unit: { type: 'string', enum: ['celsius', 'fahrenheit'] } }, required: ['city'],
+    additionalProperties: false } } },
+  { type: 'function', function: { name: 'get_time', description: 'Time in a zone.',
+    parameters: { type: 'object', properties: { zone: { type: 'string', enum: ['UTC', 'CET'] } },
+      required: ['zone'], additionalProperties: false } } },
+];
+const Weather = z.object({ city: z.string().max(12), unit: z.enum(['celsius', 'fahrenheit']).optional() }).strict();
+const Time = z.object({ zone: z.enum(['UTC', 'CET']) }).strict();
+const question = [{ role: 'user', content: 'What is the weather in Paris?' }];
+
+function checkCall(call) {
+  assert.equal(call.type, 'function');
+  assert.ok(call.id.length > 0);
+  const args = JSON.parse(call.function.arguments);
+  if (call.function.name === 'get_weather') Weather.parse(args);
+  else if (call.function.name === 'get_time') Time.parse(args);
+  else assert.fail(`unknown function ${call.function.name}`);
+}
+
+test('tool_choice required: every answer is a valid call; then the round trip', async () => {
+  for (const [temperature, seed] of [[0, 1], [1, 5], [1, 6]]) {
+    const first = await client.chat.completions.create({ model: modelId, messages: question, tools,
+      tool_choice: 'required', temperature, seed, max_tokens: 300 });
+    const choice = first.choices[0];
+    assert.equal(choice.finish_reason, 'tool_calls');
+    assert.ok(choice.message.tool_calls.length >= 1);
+    choice.message.tool_calls.forEach(checkCall);
+    // The call and the tool's answer go back; the model answers (auto).
+    const history = [...question, choice.message,
+      ...choice.message.tool_calls.map((c) => ({ role: 'tool', tool_call_id: c.id, content: '{"temp": 21}' }))];
+    const answer = await client.chat.completions.create({ model: modelId, messages: history, tools,
+      tool_choice: 'auto', temperature, seed, max_tokens: 20 });
+    assert.ok(['stop', 'length', 'tool_calls'].includes(answer.choices[0].finish_reason));
+    assert.ok(answer.usage.prompt_tokens > first.usage.prompt_tokens, 'the history was rendered');
+  }
+});
+
+test('tool_choice naming a function, parallel_tool_calls false; then the round trip', async () => {
+  const r = await client.chat.completions.create({ model: modelId, messages: question, tools,
+    tool_choice: { type: 'function', function: { name: 'get_time' } }, parallel_tool_calls: false,
+    temperature: 1, seed: 3, max_tokens: 300 });
+  const calls = r.choices[0].message.tool_calls;
+  assert.equal(calls.length, 1);
+  assert.equal(calls[0].function.name, 'get_time');
+  checkCall(calls[0]);
+  // The call and its answer go back; the next call is forced to the other function.
+  const history = [...question, r.choices[0].message,
+    { role: 'tool', tool_call_id: calls[0].id, content: '{"time": "12:00"}' }];
+  const next = await client.chat.completions.create({ model: modelId, messages: history, tools,
+    tool_choice: { type: 'function', function: { name: 'get_weather' } }, temperature: 1, seed: 4,
+    max_tokens: 300 });
+  assert.equal(next.choices[0].finish_reason, 'tool_calls');
+  assert.equal(next.choices[0].message.tool_calls[0].function.name, 'get_weather');
+  next.choices[0].message.tool_calls.forEach(checkCall);
+  assert.ok(next.usage.prompt_tokens > r.usage.prompt_tokens, 'the history was rendered');
+});
+
+test('tool calls streamed as deltas', async () => {
+  const stream = await client.chat.completions.create({ model: modelId, messages: question, tools,
+    tool_choice: 'required', temperature: 1, seed: 11, max_tokens: 300, stream: true });
+  const calls = [];
+  let finish = null;
+  for await (const chunk of stream) {
+    for (const d of chunk.choices[0]?.delta?.tool_calls ?? []) {
+      calls[d.index] ??= { id: '', type: 'function', function: { name: '', arguments: '' } };
+      if (d.id) calls[d.index].id = d.id;
+      if (d.function?.name) calls[d.index].function.name += d.function.name;
+      if (d.function?.arguments) calls[d.index].function.arguments += d.function.arguments;
+    }
+    finish = chunk.choices[0]?.finish_reason ?? finish;
+  }
+  assert.equal(finish, 'tool_calls');
+  assert.ok(calls.length >= 1);
+  calls.forEach(checkCall);
+});
+
+test('tool_choice none and auto answer with content', async () => {
+  for (const tool_choice of ['none', 'auto']) {
+    const r = await client.chat.completions.create({ model: modelId, messages: question, tools, tool_choice,
+      temperature: 0, max_tokens: 16 });
+    assert.equal(typeof r.choices[0].message.content, 'string');
+  }
+});
+
+test('a function whose parameters the server cannot compile is a 400 naming it', async () => {
+  const bad = [{ type: 'function', function: { name: 'f', parameters: { type: 'object',
+    properties: { n: { type: 'integer', multipleOf: 3 } } } } }];
+  await assert.rejects(client.chat.completions.create({ model: modelId, messages: question, tools: bad,
+    tool_choice: 'required', max_tokens: 10 }), (e) => e.status === 400 &&
+    /tools\[0\]\.function\.parameters.*multipleOf.*\/properties\/n/.test(e.message));
+});
+
+test('n: 3 gives three choices with their own seeds; the prompt counts once', async () => {
+  const messages = [{ role: 'user', content: 'Tell me three different stories about a robot.' }];
+  const one = await client.chat.completions.create({ model: modelId, messages, temperature: 1, seed: 7,
+    max_tokens: 12, n: 1 });
+  const three = await client.chat.completions.create({ model: modelId, messages, temperature: 1, seed: 7,
+    max_tokens: 12, n: 3 });
+  assert.deepEqual(three.choices.map((c) => c.index), [0, 1, 2]);
+  assert.equal(three.choices[0].message.content, one.choices[0].message.content, 'choice 0 has the seed itself');
+  assert.equal(new Set(three.choices.map((c) => c.message.content)).size, 3, 'seed + i differ');
+  assert.equal(three.usage.prompt_tokens, one.usage.prompt_tokens);
+  assert.equal(three.usage.completion_tokens,
+    three.choices.length * one.usage.completion_tokens, 'every choice ran to max_tokens');
+  // Streamed: deltas of every index, each finished once.
+  const stream = await client.chat.completions.create({ model: modelId, messages, temperature: 1, seed: 7,
+    max_tokens: 12, n: 3, stream: true, stream_options: { include_usage: true } });
+  const text = ['', '', ''];
+  const finished = [0, 0, 0];
+  let usage = null;
+  for await (const chunk of stream) {
+    for (const c of chunk.choices) {
+      text[c.index] += c.delta?.content ?? '';
+      if (c.finish_reason) finished[c.index] += 1;
+    }
+    if (chunk.usage) usage = chunk.usage;
+  }
+  assert.deepEqual(finished, [1, 1, 1]);
+  assert.deepEqual(text, three.choices.map((c) => c.message.content));
+  assert.equal(usage.prompt_tokens, one.usage.prompt_tokens);
+});
+
+test('n: 3 under a schema, and best_of', async () => {
+  const r = await client.chat.completions.parse({ model: modelId, temperature: 1, seed: 4, max_tokens: 500, n: 3,
+    messages: [{ role: 'user', content: 'Describe an event.' }], response_format: zodResponseFormat(Event, 'event') });
+  assert.equal(r.choices.length, 3);
+  for (const c of r.choices) Event.parse(c.message.parsed);
+  const best = await client.completions.create({ model: modelId, prompt: 'Once upon a time', temperature: 1,
+    seed: 2, max_tokens: 8, n: 2, best_of: 4, logprobs: 0 });
+  assert.deepEqual(best.choices.map((c) => c.index), [0, 1]);
+  const sum = (c) => c.logprobs.token_logprobs.reduce((a, b) => a + b, 0);
+  assert.ok(sum(best.choices[0]) >= sum(best.choices[1]), 'the most likely first');
+  await assert.rejects(client.completions.create({ model: modelId, prompt: 'x', n: 2, best_of: 1 }),
+    (e) => e.status === 400);
+});
