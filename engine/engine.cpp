@@ -280,7 +280,10 @@ void Engine::ProcessToken(Sequence* s, const SampledToken& sampled, RequestOutpu
   }
   FinishReason reason = FinishReason::kNone;
   if (s->stop) {
-    auto step = s->stop->OnToken(token, s->detokenizer->Push(token));
+    // A stop token's own bytes never reach the detokenizer, so that what it
+    // still holds when generation ends is the earlier tokens' text alone.
+    const bool stop_token = s->stop->IsStopToken(token);
+    auto step = s->stop->OnToken(token, stop_token ? "" : s->detokenizer->Push(token));
     out->text += step.text;
     reason = step.finish;
     // Ended by a stop token or the length: text the detokenizer still holds

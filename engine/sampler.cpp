@@ -300,7 +300,7 @@ StopChecker::Step StopChecker::OnToken(TokenId token, std::string_view text) {
     return step;
   }
   ++num_tokens_;
-  if (std::find(stop_ids_.begin(), stop_ids_.end(), token) != stop_ids_.end()) {
+  if (IsStopToken(token)) {
     // What is held back cannot contain a whole stop string (it would have
     // matched already), so it is all released; the stop token's text is not.
     finish_ = step.finish = FinishReason::kStop;
@@ -336,5 +336,9 @@ StopChecker::Step StopChecker::OnToken(TokenId token, std::string_view text) {
 }
 
 std::string StopChecker::Flush() { return std::exchange(pending_, {}); }
+
+bool StopChecker::IsStopToken(TokenId token) const {
+  return std::find(stop_ids_.begin(), stop_ids_.end(), token) != stop_ids_.end();
+}
 
 }  // namespace pdserve

@@ -94,6 +94,10 @@ class StopChecker {
   // End of the stream by other means (cancel): releases held-back text.
   std::string Flush();
 
+  // True when `token` ends generation as a stop token (EOS included unless
+  // ignore_eos): its own text is never output.
+  bool IsStopToken(TokenId token) const;
+
   size_t num_tokens() const { return num_tokens_; }
   FinishReason finish() const { return finish_; }
 

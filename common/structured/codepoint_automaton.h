@@ -97,8 +97,4 @@ class CpDfa {
   bool Matches(const std::u32string& s) const;
 };
 
-// Decodes UTF-8 (valid input assumed; invalid bytes become U+FFFD).
-std::u32string DecodeUtf8(const std::string& s);
-void AppendUtf8(uint32_t cp, std::string* out);
-
 }  // namespace pdserve::structured

@@ -1,4 +1,5 @@
 #include "common/structured/ebnf.h"
+#include "common/utf8.h"
 
 #include <map>
 

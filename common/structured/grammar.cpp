@@ -1,4 +1,5 @@
 #include "common/structured/grammar.h"
+#include "common/utf8.h"
 
 #include <algorithm>
 #include <array>

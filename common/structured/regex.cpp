@@ -1,4 +1,5 @@
 #include "common/structured/regex.h"
+#include "common/utf8.h"
 
 #include <memory>
 #include <vector>

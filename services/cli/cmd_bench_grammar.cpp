@@ -28,6 +28,7 @@
 #include "common/logging.h"
 #include "common/structured/structured.h"
 #include "common/tokenizer/tokenizer.h"
+#include "common/utf8.h"
 #include "engine/engine.h"
 #include "engine/make_model.h"
 #include "kernels/backend_factory.h"
@@ -150,7 +151,7 @@ std::vector<std::optional<std::string>> SyntheticVocabulary(size_t size, uint64_
   // (4), and pieces of their UTF-8 sequences.
   auto utf8 = [](uint32_t cp) {
     std::string s;
-    structured::AppendUtf8(cp, &s);
+    AppendUtf8(cp, &s);
     return s;
   };
   while (out.size() + 256 < size * 97 / 100) {

@@ -516,13 +516,19 @@ class ConnectionImpl final : public Connection,
     }
     tick_timer_.cancel();
     close_timer_.cancel();
-    stream_->Close();
-    if (!handshake_done_ && hooks_.on_refused) {
+    // A refusal is counted before the socket closes, so that a peer that saw
+    // the close also sees it in the metrics.
+    const bool refused = !handshake_done_ && hooks_.on_refused;
+    if (refused) {
       hooks_.on_refused(refusal_, Describe() + " refused (" + refusal_ + "): " + reason.message());
-    } else if (reason.ok()) {
-      PDSERVE_LOG(INFO) << Describe() << " closed: " << reason.message();
-    } else {
-      PDSERVE_LOG(WARN) << Describe() << " closed: " << reason.ToString();
+    }
+    stream_->Close();
+    if (!refused) {
+      if (reason.ok()) {
+        PDSERVE_LOG(INFO) << Describe() << " closed: " << reason.message();
+      } else {
+        PDSERVE_LOG(WARN) << Describe() << " closed: " << reason.ToString();
+      }
     }
     auto self = shared_from_this();
     if (handlers_.on_close) handlers_.on_close(self, reason);

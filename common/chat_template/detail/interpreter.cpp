@@ -15,6 +15,7 @@
 #include <set>
 
 #include "common/chat_template/detail/ast.h"
+#include "common/utf8.h"
 
 namespace pdserve::chat_template_detail {
 namespace {
@@ -211,7 +212,7 @@ std::string Replace(const std::string& s, const std::string& old_s, const std::s
         ++done;
         CheckStringSize(out.size());
       }
-      AppendUtf8(&out, c);
+      AppendUtf8(c, &out);
     }
     if (count < 0 || done < count) out += new_s;
     return out;
@@ -256,7 +257,7 @@ List Iterate(const Value& v) {
       List chars;
       for (char32_t c : DecodeUtf8(v.str())) {
         std::string s;
-        AppendUtf8(&s, c);
+        AppendUtf8(c, &s);
         chars.push_back(Value::String(std::move(s)));
       }
       return chars;
@@ -479,7 +480,7 @@ class Interpreter {
           if (i < 0) i += n;
           if (i >= 0 && i < n) {
             std::string s;
-            AppendUtf8(&s, cps[i]);
+            AppendUtf8(cps[i], &s);
             return Value::String(std::move(s));
           }
           return Value::Undefined("str object has no element " + std::to_string(key.as_int()));

@@ -10,6 +10,7 @@
 #include <set>
 
 #include "common/chat_template/detail/ast.h"
+#include "common/utf8.h"
 
 namespace pdserve::chat_template_detail {
 namespace {
@@ -394,7 +395,7 @@ class Lexer {
                             : std::tolower(static_cast<unsigned char>(h)) - 'a' + 10);
         }
         i += n;
-        AppendUtf8(&out, v);
+        AppendUtf8(v, &out);
       };
       switch (e) {
         case '\n':
@@ -440,7 +441,7 @@ class Lexer {
             for (int k = 0; k < 2 && i < src_.size() && src_[i] >= '0' && src_[i] <= '7'; ++k) {
               v = v * 8 + (src_[i++] - '0');
             }
-            AppendUtf8(&out, v);
+            AppendUtf8(v, &out);
           } else {
             out.push_back('\\');
             out.push_back(e);

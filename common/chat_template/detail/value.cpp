@@ -1,4 +1,5 @@
 #include "common/chat_template/detail/value.h"
+#include "common/utf8.h"
 
 #include <algorithm>
 #include <charconv>
@@ -272,28 +273,10 @@ std::u32string DecodeUtf8(std::string_view s) {
   return out;
 }
 
-void AppendUtf8(std::string* out, char32_t c) {
-  if (c < 0x80) {
-    out->push_back(static_cast<char>(c));
-  } else if (c < 0x800) {
-    out->push_back(static_cast<char>(0xc0 | (c >> 6)));
-    out->push_back(static_cast<char>(0x80 | (c & 0x3f)));
-  } else if (c < 0x10000) {
-    out->push_back(static_cast<char>(0xe0 | (c >> 12)));
-    out->push_back(static_cast<char>(0x80 | ((c >> 6) & 0x3f)));
-    out->push_back(static_cast<char>(0x80 | (c & 0x3f)));
-  } else {
-    out->push_back(static_cast<char>(0xf0 | (c >> 18)));
-    out->push_back(static_cast<char>(0x80 | ((c >> 12) & 0x3f)));
-    out->push_back(static_cast<char>(0x80 | ((c >> 6) & 0x3f)));
-    out->push_back(static_cast<char>(0x80 | (c & 0x3f)));
-  }
-}
-
 std::string EncodeUtf8(std::u32string_view s) {
   std::string out;
   out.reserve(s.size());
-  for (char32_t c : s) AppendUtf8(&out, c);
+  for (char32_t c : s) AppendUtf8(c, &out);
   return out;
 }
 
@@ -378,7 +361,7 @@ std::string StringRepr(const std::string& s) {
       }
       out += buf;
     } else {
-      AppendUtf8(&out, c);
+      AppendUtf8(c, &out);
     }
   }
   out.push_back(quote);
@@ -577,7 +560,7 @@ void AppendJsonString(std::string* out, const std::string& s, bool ensure_ascii)
       }
       *out += buf;
     } else {
-      AppendUtf8(out, c);
+      AppendUtf8(c, out);
     }
   }
   out->push_back('"');

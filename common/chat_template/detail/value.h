@@ -198,7 +198,6 @@ std::string ToJson(const Value& v, const JsonOptions& options);
 // UTF-8 helpers (Python strings index by code point).
 std::u32string DecodeUtf8(std::string_view s);
 std::string EncodeUtf8(std::u32string_view s);
-void AppendUtf8(std::string* out, char32_t c);
 bool IsPySpace(char32_t c);
 
 template <typename Json>

@@ -7,23 +7,14 @@
 #include <string_view>
 
 #include "common/status.h"
+#include "common/utf8.h"
 
 namespace pdserve::tokenizer_detail {
 
-// Length in bytes of the UTF-8 sequence introduced by `lead` (1 for invalid
-// leads, so that scanning always advances).
-inline size_t Utf8SeqLen(unsigned char lead) {
-  if (lead < 0x80) return 1;
-  if ((lead >> 5) == 0x6) return 2;
-  if ((lead >> 4) == 0xE) return 3;
-  if ((lead >> 3) == 0x1E) return 4;
-  return 1;
-}
-
-// Decodes the code point at text[*pos] and advances *pos; invalid bytes
-// decode as U+FFFD and advance by one.
-char32_t NextCodepoint(std::string_view text, size_t* pos);
-void AppendUtf8(char32_t cp, std::string* out);
+// The codec itself is common/utf8.h.
+using ::pdserve::AppendUtf8;
+using ::pdserve::NextCodepoint;
+using ::pdserve::Utf8SeqLen;
 
 // Replaces every maximal ill-formed subsequence with U+FFFD (the WHATWG /
 // Rust `String::from_utf8_lossy` rule).

@@ -8,6 +8,7 @@
 
 #include "common/structured/structured.h"
 #include "common/tokenizer/tokenizer.h"
+#include "common/utf8.h"
 #include "engine/engine.h"
 #include "tests/support/test_models.h"
 
@@ -109,7 +110,7 @@ TEST_F(EngineStructuredTest, OutputsSatisfyTheSchemaAtAnyTemperature) {
     EXPECT_LE(j["id"].get<int>(), 99);
     EXPECT_TRUE(j["kind"] == "cat" || j["kind"] == "dog") << text;
     ASSERT_TRUE(j["name"].is_string()) << text;
-    EXPECT_LE(structured::DecodeUtf8(j["name"].get<std::string>()).size(), 8u) << text;
+    EXPECT_LE(DecodeUtf8(j["name"].get<std::string>()).size(), 8u) << text;
     for (auto it = j.begin(); it != j.end(); ++it) {
       EXPECT_TRUE(it.key() == "id" || it.key() == "kind" || it.key() == "name" || it.key() == "ok");
     }

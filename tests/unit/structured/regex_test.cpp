@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include "common/structured/codepoint_automaton.h"
+#include "common/utf8.h"
 
 namespace pdserve::structured {
 namespace {
