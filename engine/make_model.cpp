@@ -242,41 +242,22 @@ ordered_json TokenizerJson(const Bpe& bpe, const ChatShape& shape) {
                              {"add_prefix_space", false},
                              {"trim_offsets", true},
                              {"use_regex", true}};
-  if (shape.bos < 0) {
-    // No BOS: the post-processor only adjusts offsets, as Qwen's does.
-    return ordered_json{{"version", "1.0"},
-                        {"truncation", nullptr},
-                        {"padding", nullptr},
-                        {"added_tokens", added},
-                        {"normalizer", nullptr},
-                        {"pre_tokenizer", byte_level},
-                        {"post_processor", byte_level},
-                        {"decoder", byte_level},
-                        {"model",
-                         {{"type", "BPE"},
-                          {"dropout", nullptr},
-                          {"unk_token", nullptr},
-                          {"continuing_subword_prefix", nullptr},
-                          {"end_of_word_suffix", nullptr},
-                          {"fuse_unk", false},
-                          {"byte_fallback", false},
-                          {"ignore_merges", false},
-                          {"vocab", vocab},
-                          {"merges", merges}}}};
+  // No BOS: the post-processor only adjusts offsets, as Qwen's does.
+  ordered_json post = byte_level;
+  if (shape.bos >= 0) {
+    const std::string bos = shape.specials[shape.bos];
+    const int bos_id = base + shape.bos;
+    post = {{"type", "TemplateProcessing"},
+            {"single",
+             {{{"SpecialToken", {{"id", bos}, {"type_id", 0}}}},
+              {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}}},
+            {"pair",
+             {{{"SpecialToken", {{"id", bos}, {"type_id", 0}}}},
+              {{"Sequence", {{"id", "A"}, {"type_id", 0}}}},
+              {{"SpecialToken", {{"id", bos}, {"type_id", 1}}}},
+              {{"Sequence", {{"id", "B"}, {"type_id", 1}}}}}},
+            {"special_tokens", {{bos, {{"id", bos}, {"ids", {bos_id}}, {"tokens", {bos}}}}}}};
   }
-  const std::string bos = shape.specials[shape.bos];
-  const int bos_id = base + shape.bos;
-  ordered_json post = {
-      {"type", "TemplateProcessing"},
-      {"single",
-       {{{"SpecialToken", {{"id", bos}, {"type_id", 0}}}},
-        {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}}},
-      {"pair",
-       {{{"SpecialToken", {{"id", bos}, {"type_id", 0}}}},
-        {{"Sequence", {{"id", "A"}, {"type_id", 0}}}},
-        {{"SpecialToken", {{"id", bos}, {"type_id", 1}}}},
-        {{"Sequence", {{"id", "B"}, {"type_id", 1}}}}}},
-      {"special_tokens", {{bos, {{"id", bos}, {"ids", {bos_id}}, {"tokens", {bos}}}}}}};
   return ordered_json{{"version", "1.0"},
                       {"truncation", nullptr},
                       {"padding", nullptr},
