@@ -43,7 +43,8 @@ TEST(WindowPresetsTest, TokenizersAndChatTemplatesHaveTheFamilysShape) {
       {"gemma3", "Gemma3ForCausalLM", "<bos>", "<eos>",
        "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\nYo<end_of_turn>\n"
        "<start_of_turn>user\nMore<end_of_turn>\n<start_of_turn>model\n"},
-      {"mistral-window", "MistralForCausalLM", "<s>", "</s>", "<s>[INST] Hi [/INST] Yo</s>[INST] More [/INST]"},
+      {"mistral-window", "MistralForCausalLM", "<s>", "</s>",
+       "<s>[INST] Hi [/INST] Yo</s>[INST] More [/INST]"},
       {"qwen2-window", "Qwen2ForCausalLM", "", "<|im_end|>",
        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nYo<|im_end|>\n"
        "<|im_start|>user\nMore<|im_end|>\n<|im_start|>assistant\n"},

@@ -58,7 +58,7 @@ TEST(KvLayoutTest, EncodingIsTheDocumentedLittleEndianFormat) {
   PutLe(&expected, 3, 4);
   expected += "ucx";
   PutLe(&expected, 0x0123456789abcdefull, 8);  // model_fingerprint
-  PutLe(&expected, 0, 4);  // layer groups: one, full attention
+  PutLe(&expected, 0, 4);                      // layer groups: one, full attention
   EXPECT_EQ(l.Encode(), expected);
   // Windowed groups follow as their count and windows.
   KvLayout windowed = l;
