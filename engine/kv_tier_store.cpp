@@ -515,23 +515,23 @@ StatusOr<int64_t> KvTierStore::FlushHostToDisk(std::chrono::steady_clock::time_p
   if (!has_host() || !has_disk()) return int64_t{0};
   Tier& h = *host_;
   // (slot, hash) of the host blocks without a disk copy, least recently used first.
-  std::vector<std::pair<int64_t, BlockHash>> todo;
+  std::vector<std::pair<int64_t, BlockHash>> without_disk_copy;
   for (int64_t slot : h.lru) {
     const Slot& s = h.slots[slot];
     if (s.state == Slot::State::kHeld && !disk_->index.count(s.hash))
-      todo.push_back({slot, s.hash});
+      without_disk_copy.push_back({slot, s.hash});
   }
   // The disk keeps the most recently used of them.
-  if (static_cast<int64_t>(todo.size()) > disk_slots_) {
-    todo.erase(todo.begin(), todo.end() - disk_slots_);
+  if (static_cast<int64_t>(without_disk_copy.size()) > disk_slots_) {
+    without_disk_copy.erase(without_disk_copy.begin(), without_disk_copy.end() - disk_slots_);
   }
   int64_t written = 0;
-  for (size_t i = 0; i < todo.size(); ++i) {
+  for (size_t i = 0; i < without_disk_copy.size(); ++i) {
     if (std::chrono::steady_clock::now() >= deadline) {
-      if (left != nullptr) *left = static_cast<int64_t>(todo.size() - i);
+      if (left != nullptr) *left = static_cast<int64_t>(without_disk_copy.size() - i);
       break;
     }
-    const auto [slot, hash] = todo[i];
+    const auto [slot, hash] = without_disk_copy[i];
     Slot& s = h.slots[slot];
     // Changed while the lock was released for the previous write.
     if (s.state != Slot::State::kHeld || s.hash != hash || disk_->index.count(hash)) continue;
