@@ -694,10 +694,23 @@ StatusOr<ModelSpec> PresetModelSpec(std::string_view preset) {
     s.max_window_layers = 2;
     return s;
   }
+  if (preset == "qwen3-window") {
+    // Qwen3 (q/k norms, head_dim 32) windowing its layers from
+    // max_window_layers on, as Qwen2; a window that crosses blocks of 16.
+    s.architecture = "Qwen3ForCausalLM";
+    s.name = "pdserve-tiny-qwen3-window";
+    s.chat_format = ChatFormat::kChatMl;
+    s.head_dim = 32;
+    s.rope_theta = 1000000.0;
+    s.rms_norm_eps = 1e-6;
+    s.sliding_window = 24;
+    s.max_window_layers = 1;
+    return s;
+  }
   return Status::InvalidArgument(
       "unknown preset '" + std::string(preset) +
       "' (tiny, small, qwen3, qwen3-moe, mixtral, deepseek-v2-lite, deepseek-v3, gemma2, "
-      "gemma3, mistral-window or qwen2-window)");
+      "gemma3, mistral-window, qwen2-window or qwen3-window)");
 }
 
 Status WriteModel(const ModelSpec& spec, const std::string& dir) {

@@ -27,8 +27,9 @@ int RunMakeModel(int argc, char** argv) {
                   "Gemma2ForCausalLM: alternating 32-token windows, soft caps, Gemma chat "
                   "format), gemma3 (tiny Gemma3ForCausalLM: two 24-token local layers per "
                   "global one, local rope base), mistral-window (tiny MistralForCausalLM with a "
-                  "32-token window, [INST] format) or qwen2-window (tiny Qwen2ForCausalLM "
-                  "windowing its last 2 layers, ChatML)");
+                  "32-token window, [INST] format), qwen2-window (tiny Qwen2ForCausalLM "
+                  "windowing its last 2 layers, ChatML) or qwen3-window (tiny Qwen3ForCausalLM "
+                  "with a 24-token window from its second layer, ChatML)");
   flags.AddString("out", &out, "folder to write (created if needed)");
   flags.AddInt("seed", &seed, "random seed of the weights");
   flags.AddString("dtype", &dtype_name, "weight dtype: fp32, bf16 or fp16");

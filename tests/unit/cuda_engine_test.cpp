@@ -128,11 +128,12 @@ TEST(CudaEngineTest, DeepSeekGreedyTokensEqualTheCpuEngine) {
 
 // Sliding windows (Gemma-2's alternating 32-token windows with soft caps,
 // Gemma-3's local layers with their own rope base, Mistral windowing every
-// layer, Qwen2 windowing its last layers): prompts and generations far
+// layer, Qwen2 and Qwen3 windowing their last layers): prompts and generations far
 // longer than the windows, the split-K path at 600 tokens included, blocks
 // released as the windows move.
 TEST(CudaEngineTest, WindowedPresetsGreedyTokensEqualTheCpuEngine) {
-  for (const char* preset : {"gemma2", "gemma3", "mistral-window", "qwen2-window"}) {
+  for (const char* preset :
+       {"gemma2", "gemma3", "mistral-window", "qwen2-window", "qwen3-window"}) {
     ExpectPresetGreedyTokensEqualTheCpu(preset, 500);
   }
 }

@@ -48,6 +48,9 @@ TEST(WindowPresetsTest, TokenizersAndChatTemplatesHaveTheFamilysShape) {
       {"qwen2-window", "Qwen2ForCausalLM", "", "<|im_end|>",
        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nYo<|im_end|>\n"
        "<|im_start|>user\nMore<|im_end|>\n<|im_start|>assistant\n"},
+      {"qwen3-window", "Qwen3ForCausalLM", "", "<|im_end|>",
+       "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nYo<|im_end|>\n"
+       "<|im_start|>user\nMore<|im_end|>\n<|im_start|>assistant\n"},
   };
   const json messages = json::array({{{"role", "user"}, {"content", "Hi"}},
                                      {{"role", "assistant"}, {"content", "Yo"}},
