@@ -22,6 +22,14 @@ constexpr size_t kWarmChunk = 16;
 inline void SetBit(uint64_t* words, WorkerId w) { words[w >> 6] |= uint64_t{1} << (w & 63); }
 inline void ClearBit(uint64_t* words, WorkerId w) { words[w >> 6] &= ~(uint64_t{1} << (w & 63)); }
 inline bool TestBit(const uint64_t* words, WorkerId w) { return (words[w >> 6] >> (w & 63)) & 1; }
+// Whether `held` (null: nobody) has every bit of `alive`.
+inline bool Covers(const uint64_t* held, const uint64_t* alive, size_t n) {
+  if (held == nullptr) return false;
+  for (size_t i = 0; i < n; ++i) {
+    if ((alive[i] & ~held[i]) != 0) return false;
+  }
+  return true;
+}
 inline bool AllZero(const uint64_t* words, size_t n) {
   for (size_t i = 0; i < n; ++i) {
     if (words[i] != 0) return false;
@@ -318,32 +326,38 @@ void PrefixIndex::LeadingOverlapLocked(std::span<const BlockHash> hashes, int64_
   }
   std::fill_n(alive, words_, ~uint64_t{0});  // narrowed to block 0's holders first
 
-  // The walk goes a chunk of blocks at a time: the chunk's slots are warmed
-  // and looked up, then its bitsets combined in order. At most
-  // kWarmChunk - 1 lookups past the end of the overlap are wasted.
-  const uint64_t* held[kWarmChunk];
-  const uint64_t* pending[kWarmChunk];
+  // The walk goes a chunk of blocks at a time: the chunk's slots are warmed,
+  // then looked up and combined in order, stopping at the block where the
+  // last worker drops out. The pending table is consulted only for a block
+  // that some alive worker does not hold: along a cached prefix its holders
+  // hold every block and pending entries cannot change the answer, so a
+  // decision usually looks up two pending slots (block 0, where every worker
+  // is alive, and the block where the longest prefix ends) instead of one per
+  // block. Once a chunk's pending lookup finds a live entry, a burst is
+  // running on pending entries: the chunk's remaining pending slots are
+  // warmed together.
   for (size_t base = 0; base < n; base += kWarmChunk) {
     const size_t m = std::min(kWarmChunk, n - base);
     blocks_->Warm(hashes.subspan(base, m));
-    if (any_pending) pending_->Warm(hashes.subspan(base, m));
-    for (size_t j = 0; j < m; ++j) {
-      const size_t slot = blocks_->Find(hashes[base + j]);
-      held[j] = slot == BlockTable::kNotFound ? nullptr : blocks_->words(slot);
-      pending[j] = nullptr;
-      if (any_pending) {
-        const size_t p = pending_->Find(hashes[base + j]);
+    bool pending_warm = false;
+    for (size_t i = base; i < base + m; ++i) {
+      const size_t slot = blocks_->Find(hashes[i]);
+      const uint64_t* held = slot == BlockTable::kNotFound ? nullptr : blocks_->words(slot);
+      const uint64_t* pending = nullptr;
+      if (any_pending && !Covers(held, alive, words_)) {
+        const size_t p = pending_->Find(hashes[i]);
         if (p != BlockTable::kNotFound &&
             static_cast<int64_t>(pending_->words(p)[words_]) > now_us) {
-          pending[j] = pending_->words(p);
+          pending = pending_->words(p);
+          if (!pending_warm && i + 1 < base + m) {
+            pending_->Warm(hashes.subspan(i + 1, base + m - i - 1));
+            pending_warm = true;
+          }
         }
       }
-    }
-    for (size_t j = 0; j < m; ++j) {
-      const size_t i = base + j;
       bool any_alive = false;
       for (size_t k = 0; k < words_; ++k) {
-        const uint64_t here = (held[j] ? held[j][k] : 0) | (pending[j] ? pending[j][k] : 0);
+        const uint64_t here = (held ? held[k] : 0) | (pending ? pending[k] : 0);
         // Who drops out at block 0 keeps the 0 `out` already holds.
         uint64_t dropped = i == 0 ? 0 : alive[k] & ~here;
         while (dropped != 0) {

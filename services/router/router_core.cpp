@@ -395,6 +395,12 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
 
 namespace {
 constexpr double kMinTrafficPerWorker = 1;
+// Whether a copy of the longest held prefix (`best` blocks) could serve
+// candidate c: it lacks part of it, and has no lower-tier run (which it
+// copies back itself).
+bool CopyServes(const Candidate& c, int64_t best) {
+  return c.overlap_blocks < best && c.host_blocks + c.disk_blocks == 0;
+}
 // `value` decayed with time constant `tau_us` from `at_us` to `now_us`.
 double Decayed(double value, int64_t at_us, int64_t now_us, int64_t tau_us) {
   if (now_us <= at_us) return value;
@@ -463,22 +469,10 @@ void RouterCore::OfferCopiesLocked(const RouteRequest& request, int64_t now_us) 
     return;
   }
   const int64_t best_tokens = std::min(best * options_.block_tokens, prompt_tokens);
-  // Candidates a copy could serve: those lacking part of the prefix (one
-  // with blocks in its lower tiers copies them back itself).
-  quotes_.clear();
-  for (const Candidate& c : candidates_) {
-    if (c.overlap_blocks >= best || c.host_blocks + c.disk_blocks > 0) continue;
-    CopyGovernor::Quote q;
-    q.receiver.worker = c.worker;
-    const Worker& w = *workers_[c.worker];
-    q.receiver.capacity_blocks = w.has_report ? w.reported.total_blocks : 0;
-    q.receiver.held_blocks = c.cached_blocks;
-    q.receiver.queued_tokens = c.queued_prefill_tokens;
-    q.blocks = best - c.overlap_blocks;
-    q.tokens = best_tokens - c.overlap_blocks * options_.block_tokens;
-    quotes_.push_back(q);
+  if (std::none_of(candidates_.begin(), candidates_.end(),
+                   [&](const Candidate& c) { return CopyServes(c, best); })) {
+    return;
   }
-  if (quotes_.empty()) return;
   // A prefix earns holders in proportion to the traffic it draws: with its
   // share of the requests times the decode workers already holding it, a
   // copy adds a duplicate that other prefixes pay for and that its own
@@ -491,8 +485,23 @@ void RouterCore::OfferCopiesLocked(const RouteRequest& request, int64_t now_us) 
   CopyDecline gate = CopyDecline::kEnoughHolders;
   if (static_cast<double>(holders) >= std::max(1.0, deserved) ||
       !governor_->MayStart(now_us, &gate)) {
-    if (CopyWinsAtLinkPriceLocked()) governor_->Declined(gate);
+    if (CopyWinsAtLinkPriceLocked(best, best_tokens)) governor_->Declined(gate);
     return;
+  }
+  // The governor prices the copy to each candidate it could serve (built
+  // only here: most decisions end at the gate above).
+  quotes_.clear();
+  for (const Candidate& c : candidates_) {
+    if (!CopyServes(c, best)) continue;
+    CopyGovernor::Quote q;
+    q.receiver.worker = c.worker;
+    const Worker& w = *workers_[c.worker];
+    q.receiver.capacity_blocks = w.has_report ? w.reported.total_blocks : 0;
+    q.receiver.held_blocks = c.cached_blocks;
+    q.receiver.queued_tokens = c.queued_prefill_tokens;
+    q.blocks = best - c.overlap_blocks;
+    q.tokens = best_tokens - c.overlap_blocks * options_.block_tokens;
+    quotes_.push_back(q);
   }
   governor_->Price(copy_source_, quotes_);
   copy_blocks_.assign(candidates_.size(), 0);
@@ -519,21 +528,19 @@ void RouterCore::OfferCopiesLocked(const RouteRequest& request, int64_t now_us) 
   }
 }
 
-bool RouterCore::CopyWinsAtLinkPriceLocked() const {
+bool RouterCore::CopyWinsAtLinkPriceLocked(int64_t best, int64_t best_tokens) const {
   double plain = std::numeric_limits<double>::infinity();
   for (const Candidate& c : candidates_) {
     plain = std::min(plain, KvCost(c, options_.policy_options));
   }
-  size_t q = 0;
   for (const Candidate& candidate : candidates_) {
-    if (q == quotes_.size()) break;
-    if (quotes_[q].receiver.worker != candidate.worker) continue;
-    const CopyGovernor::Quote& quote = quotes_[q++];
+    if (!CopyServes(candidate, best)) continue;
+    const int64_t tokens = best_tokens - candidate.overlap_blocks * options_.block_tokens;
     const auto link =
-        static_cast<int64_t>(std::ceil(static_cast<double>(quote.tokens) * options_.copy_cost));
-    if (link >= quote.tokens) continue;
+        static_cast<int64_t>(std::ceil(static_cast<double>(tokens) * options_.copy_cost));
+    if (link >= tokens) continue;
     Candidate c = candidate;
-    c.uncached_tokens -= quote.tokens - link;
+    c.uncached_tokens -= tokens - link;
     if (KvCost(c, options_.policy_options) < plain) return true;
   }
   return false;

@@ -272,9 +272,10 @@ class RouterCore {
   // After the pick of candidate `chosen`: counts a decline when a copy the
   // link price alone would have made did not happen.
   void CountDeclineLocked(size_t chosen);
-  // Whether a copy at its link price alone would beat every candidate as
-  // it stands (what the rule before the governor would have done).
-  bool CopyWinsAtLinkPriceLocked() const;
+  // Whether a copy of the longest held prefix (best blocks, best_tokens
+  // tokens) at its link price alone would beat every candidate as it stands
+  // (what the rule before the governor would have done).
+  bool CopyWinsAtLinkPriceLocked(int64_t best, int64_t best_tokens) const;
   int64_t DecodeWorkerCountLocked() const;
   // Counts one more request reaching the prefix that ends with block
   // `last_block`; true when it is hot (see RouterOptions::copy_min_requests).

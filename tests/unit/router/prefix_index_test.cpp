@@ -374,6 +374,126 @@ TEST(PrefixIndexTest, MatchesReferenceUnderRandomEventStreams) {
   EXPECT_GT(longest_overlap, 32u);  // the walk went past two chunks of lookups
 }
 
+// Pending entries against a reference: per block, the workers about to hold
+// it and one expiry (the latest AddPending's); a worker's own Stored event
+// or a Cleared drops its part. A worker holds a block when it is indexed or
+// pending with an expiry after the query's time. The walk looks pending
+// entries up only where an alive worker lacks the block, so this drives
+// prompts where indexed and pending blocks alternate along long prefixes.
+TEST(PrefixIndexTest, PendingMatchesReferenceUnderRandomStreams) {
+  constexpr size_t kSlots = 70;  // two bitset words
+  std::mt19937_64 rng(777);
+  PrefixIndex index({.max_workers = kSlots});
+  struct Pending {
+    std::set<WorkerId> workers;
+    int64_t expires_us = 0;
+  };
+  std::vector<std::set<BlockHash>> held(kSlots);
+  std::vector<uint64_t> seq(kSlots, 0);
+  std::map<BlockHash, Pending> pending;
+  for (WorkerId w = 0; w < kSlots; ++w) {
+    ASSERT_TRUE(index.AddWorker(w).ok());
+    ASSERT_TRUE(index.ApplySnapshot(w, 0, {}).ok());
+  }
+  auto random_hash = [&] { return static_cast<BlockHash>(rng() % 64) * 0x100000001ull; };
+  auto random_hashes = [&](size_t max_n) {
+    std::vector<BlockHash> v(rng() % (max_n + 1));
+    for (auto& h : v) h = random_hash();
+    return v;
+  };
+  auto drop_pending = [&](WorkerId w, BlockHash h) {
+    auto it = pending.find(h);
+    if (it == pending.end()) return;
+    it->second.workers.erase(w);
+    if (it->second.workers.empty()) pending.erase(it);
+  };
+  auto reference = [&](const std::vector<BlockHash>& prompt, int64_t now, bool with_pending) {
+    std::vector<uint32_t> out(kSlots, 0);
+    for (WorkerId w = 0; w < kSlots; ++w) {
+      uint32_t n = 0;
+      for (; n < prompt.size(); ++n) {
+        if (held[w].contains(prompt[n])) continue;
+        const auto it = pending.find(prompt[n]);
+        if (!with_pending || it == pending.end() || it->second.expires_us <= now ||
+            !it->second.workers.contains(w)) {
+          break;
+        }
+      }
+      out[w] = n;
+    }
+    return out;
+  };
+  int64_t now = 0;
+  int queries_pending_changed = 0;
+  uint32_t longest_overlap = 0;
+  for (int step = 0; step < 20000; ++step) {
+    now += static_cast<int64_t>(rng() % 8);
+    // Few workers, so that each holds and is pending for many blocks.
+    const WorkerId w = static_cast<WorkerId>(rng() % 6 == 0 ? rng() % kSlots : rng() % 4);
+    const int op = static_cast<int>(rng() % 100);
+    if (op < 40) {
+      const std::vector<BlockHash> hashes = random_hashes(12);
+      const int64_t expires = now + 1 + static_cast<int64_t>(rng() % 60);
+      index.AddPending(w, hashes, now, expires);
+      for (BlockHash h : hashes) {
+        pending[h].workers.insert(w);
+        pending[h].expires_us = expires;
+      }
+    } else if (op < 42) {
+      index.ExpirePending(now);
+      std::erase_if(pending, [&](const auto& e) { return e.second.expires_us <= now; });
+    } else if (op < 44) {
+      const std::vector<BlockHash> snap = random_hashes(30);
+      seq[w] = rng() % 50;
+      ASSERT_TRUE(index.ApplySnapshot(w, seq[w], snap).ok());
+      held[w] = {snap.begin(), snap.end()};
+      for (BlockHash h : snap) drop_pending(w, h);
+    } else {
+      const int k = static_cast<int>(rng() % 20);
+      const Kind kind = k < 12 ? Kind::kStored : k < 19 ? Kind::kRemoved : Kind::kCleared;
+      std::vector<BlockHash> hashes;
+      if (kind != Kind::kCleared) hashes = random_hashes(8);
+      if (kind == Kind::kStored) {
+        held[w].insert(hashes.begin(), hashes.end());
+        for (BlockHash h : hashes) drop_pending(w, h);
+      } else if (kind == Kind::kRemoved) {
+        for (BlockHash h : hashes) held[w].erase(h);
+      } else {
+        held[w].clear();
+        std::vector<BlockHash> mine;
+        for (const auto& [h, p] : pending) {
+          if (p.workers.contains(w)) mine.push_back(h);
+        }
+        for (BlockHash h : mine) drop_pending(w, h);
+      }
+      ASSERT_EQ(index.ApplyEvents(w, Batch(++seq[w], kind, std::move(hashes))),
+                ApplyOutcome::kApplied);
+    }
+    if (step % 5 != 0) continue;
+    // A prompt of what one worker holds or is pending for, in random order,
+    // with a few foreign blocks: long prefixes that switch between the two.
+    std::vector<BlockHash> prompt(held[w].begin(), held[w].end());
+    for (const auto& [h, p] : pending) {
+      if (p.workers.contains(w) && !held[w].contains(h)) prompt.push_back(h);
+    }
+    std::shuffle(prompt.begin(), prompt.end(), rng);
+    for (int extra = static_cast<int>(rng() % 3); extra > 0; --extra) {
+      prompt.insert(prompt.begin() + static_cast<std::ptrdiff_t>(rng() % (prompt.size() + 1)),
+                    random_hash());
+    }
+    const int64_t at = now + static_cast<int64_t>(rng() % 40);
+    std::vector<uint32_t> got;
+    index.LeadingOverlap(prompt, at, &got);
+    const std::vector<uint32_t> want = reference(prompt, at, true);
+    ASSERT_EQ(got, want) << "step " << step;
+    queries_pending_changed += want != reference(prompt, at, false);
+    longest_overlap = std::max(longest_overlap, *std::max_element(want.begin(), want.end()));
+  }
+  // The pending entries decided many answers, and prefixes crossed chunks.
+  EXPECT_GT(queries_pending_changed, 500);
+  EXPECT_GT(longest_overlap, 32u);
+}
+
 // Lower tiers: Stored/Removed events of the host and disk tiers and the
 // snapshot's lists give each worker's run of blocks past its device prefix;
 // a device reset (Cleared) keeps them, removing the worker drops them.
