@@ -25,11 +25,12 @@
 // when cached, so a released prefix stays matchable). A block of group g
 // with token-run hash h is cached under GroupBlockKey(h, g): that key is
 // what the prefix cache matches, what KV events and snapshots carry (with
-// the group) and what on_evict hands down. A prefix of k blocks is a hit
-// when every group holds what the query at position k*B reaches
-// (CachedPrefixBlocks: all k blocks of a full group, the blocks of the
-// last W-1 tokens of a windowed one). With one full group (every model
-// without windows) all of this is the plain single-table manager.
+// the group) and what on_evict hands down. With attention sinks
+// (sink_tokens), windowed groups also keep the sink blocks at the start of
+// their tables and release only the entries between them and the window. A prefix of k blocks is a
+// hit when every group holds what the query at position k*B reaches (CachedPrefixBlocks: all k
+// blocks of a full group, the blocks of the last W-1 tokens of a windowed one). With one full group
+// (every model without windows) all of this is the plain single-table manager.
 //
 // Every block is in exactly one state at all times:
 //   free       (refcount 0, no hash)  - on the free list
@@ -102,6 +103,10 @@ struct BlockManagerOptions {
   // The window of each layer group (0: full attention); empty: one group
   // of full attention.
   std::vector<int64_t> group_windows;
+  // Attention sinks (common/kv_groups.h, KvGroups::sink_tokens): windowed
+  // groups also keep the blocks of the first sink_tokens positions, and
+  // release only those between them and the window.
+  size_t sink_tokens = 0;
   // Called for every cached block an allocation evicts, before the block is
   // handed out again (its KV still intact): where a worker copies it down to
   // its lower tiers. `key` is the block's cache key (GroupBlockKey). Runs
@@ -174,6 +179,7 @@ class BlockManager {
   size_t num_groups() const;
   // The windows of the layer groups (0: full attention).
   const std::vector<int64_t>& group_windows() const;
+  size_t sink_tokens() const;
 
   // Number of leading `hashes` that are cached now (committed, referenced or
   // evictable) as a usable prefix: CachedPrefixBlocks over every group.

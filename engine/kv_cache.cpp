@@ -51,6 +51,7 @@ StatusOr<std::unique_ptr<KvCachePool>> KvCachePool::Create(kernels::Backend* bac
   pool->backend_ = backend;
   pool->layout_ = layout;
   pool->groups_ = config.is_mla() ? KvGroups::Full(config.num_layers) : config.kv_groups();
+  pool->eviction_ = config.kv_eviction.Describe();
   if (scales != nullptr) {
     // In group order: [group][layer of the group][set], what each group's
     // blocks use (Model::Forward points every group at its own rows).
@@ -97,6 +98,7 @@ KvLayout KvCachePool::TransferLayout(std::string model_id, DType weight_dtype,
   l.memory_type = memory_type();
   l.transfer_backend = std::move(transfer_backend);
   if (groups_.size() > 1 || groups_.any_windowed()) l.group_windows = groups_.windows;
+  l.kv_eviction = eviction_;
   return l;
 }
 

@@ -62,6 +62,7 @@ class KvCachePool {
   kernels::Backend* backend_ = nullptr;
   kernels::KvCacheLayout layout_;
   KvGroups groups_;
+  std::string eviction_;             // KvEviction::Describe() of the model's mode
   std::vector<float> fixed_scales_;  // layout_.fixed_scales points here
   void* base_ = nullptr;
 };

@@ -206,6 +206,9 @@ class Backend {
   // multiplies q.k.
   virtual void PagedAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q,
                               float scale, const Tensor& out) = 0;
+  // Whether PagedAttention takes attention sinks (AttentionBatch::sinks);
+  // the engine refuses --kv-eviction streaming on a backend without them.
+  virtual bool SupportsAttentionSinks() const { return false; }
 
   // Multi-head latent attention (DeepSeek-V2/V3) ops. R = layout.kv_lora_rank,
   // P = layout.rope_dim(), on an MLA layout (KvCacheLayout::Mla).

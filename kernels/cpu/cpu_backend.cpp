@@ -289,6 +289,8 @@ void CpuBackend::PagedAttention(const AttentionPlan& plan, int64_t layer, const 
   OpCheck(q.rank == 3 && q.shape[2] == layout.head_dim && q.shape[1] % layout.num_kv_heads == 0 &&
               out.numel() == q.numel(),
           "PagedAttention", "takes q as [tokens, num_heads, head_dim] and out of q's shape");
+  OpCheck(at.batch.sinks == 0 || at.batch.rope_inv_freq != nullptr, "PagedAttention",
+          "takes attention sinks with the layer's RoPE frequencies");
   const std::vector<AttentionUnit>* units =
       static_cast<const std::vector<AttentionUnit>*>(plan.backend_state);
   thread_local std::vector<AttentionUnit> own;

@@ -59,6 +59,7 @@ class CpuBackend final : public Backend {
                const Tensor& v, const int64_t* slots) override;
   void PagedAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q, float scale,
                       const Tensor& out) override;
+  bool SupportsAttentionSinks() const override { return true; }
   // Multi-head latent attention: kernels/cpu/mla_attention.cpp.
   void HeadsLinear(const Tensor& x, const WeightMatrix& w, const Tensor& y) override;
   void WriteLatentKv(const KvCacheLayout& layout, void* pool, int64_t layer, const Tensor& c_kv,

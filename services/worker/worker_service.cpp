@@ -93,7 +93,7 @@ class WorkerServiceImpl : public WorkerService {
     auto backend = kernels::CreateBackend(*device, opts_.threads);
     if (!backend.ok()) return backend.status();
     backend_ = std::move(*backend);
-    auto model = Model::Load(opts_.model_dir, backend_.get(), opts_.load_format);
+    auto model = Model::Load(opts_.model_dir, backend_.get(), opts_.load_format, opts_.kv_eviction);
     if (!model.ok()) return model.status();
     model_ = std::move(*model);
     model_id_ = ServedModelId(opts_.model_dir, model_->config().name_or_path, opts_.model_id);
@@ -357,6 +357,7 @@ class WorkerServiceImpl : public WorkerService {
     if (const auto& groups = engine_->kv_pool().groups();
         groups.size() > 1 || groups.any_windowed()) {
       for (int64_t w : groups.windows) r->add_kv_group_windows(static_cast<uint32_t>(w));
+      r->set_kv_sink_tokens(static_cast<uint32_t>(groups.sink_tokens));
     }
     r->set_structured_outputs(true);
     r->set_parallel_sampling(true);
