@@ -3,9 +3,14 @@
 namespace pdserve {
 
 std::string KvEviction::Describe() const {
-  if (mode == Mode::kNone) return "";
-  return std::string(KvEvictionModeName(mode)) + " sinks=" + std::to_string(sink_tokens) +
-         " window=" + std::to_string(window_tokens);
+  std::string s;
+  if (mode != Mode::kNone) {
+    s = std::string(KvEvictionModeName(mode)) + " sinks=" + std::to_string(sink_tokens) +
+        " window=" + std::to_string(window_tokens);
+  }
+  if (quest_blocks > 0)
+    s += (s.empty() ? "" : " ") + ("quest blocks=" + std::to_string(quest_blocks));
+  return s;
 }
 
 std::optional<KvEviction::Mode> ParseKvEvictionMode(std::string_view name) {

@@ -9,6 +9,12 @@
 // the positions of the keys numbered by their rank in that cache
 // (kernels/step.h, AttentionBatch::sinks), so a sequence may run far past
 // the model's trained context. A plain window is streaming with 0 sinks.
+//
+// Quest (Tang et al. 2024; --kv-selection quest, quest_blocks = K) keeps
+// every token but has each decode query head read only the K blocks whose
+// keys can score highest, by per-channel key bounds, plus the newest block
+// (kernels/step.h, AttentionBatch::quest_blocks): it saves reads, not
+// memory.
 #pragma once
 
 #include <cstdint>
@@ -23,9 +29,11 @@ struct KvEviction {
   Mode mode = Mode::kNone;
   int64_t sink_tokens = 0;    // streaming: S >= 0
   int64_t window_tokens = 0;  // streaming: N > 0
+  int64_t quest_blocks = 0;   // Quest's K; 0: no selection
 
-  bool enabled() const { return mode != Mode::kNone; }
-  // "" for none; "streaming sinks=4 window=64" (logs, layouts, registration).
+  bool enabled() const { return mode != Mode::kNone || quest_blocks > 0; }
+  // "" for none; "streaming sinks=4 window=64", "quest blocks=8" (logs,
+  // layouts, registration).
   std::string Describe() const;
 };
 

@@ -55,6 +55,11 @@ namespace {
 // (the mode itself was checked by ModelConfig::ApplyKvEviction).
 Status CheckEvictionFits(const KvEviction& ev, const EngineOptions& options, int64_t pool_blocks) {
   const int64_t B = options.block_size;
+  if (options.kv_host_cache_bytes > 0 || !options.kv_disk_cache_dir.empty()) {
+    return Status::InvalidArgument("--kv-eviction/--kv-selection (" + ev.Describe() +
+                                   "): lower KV tiers do not take them yet");
+  }
+  if (ev.mode != KvEviction::Mode::kStreaming) return Status::Ok();
   if (ev.window_tokens < B) {
     return Status::InvalidArgument("--kv-window-tokens " + std::to_string(ev.window_tokens) +
                                    " is smaller than one block (" + std::to_string(B) + " tokens)");
@@ -66,10 +71,6 @@ Status CheckEvictionFits(const KvEviction& ev, const EngineOptions& options, int
         "--kv-window-tokens: sinks " + std::to_string(ev.sink_tokens) + " + window " +
         std::to_string(ev.window_tokens) + " need " + std::to_string(need) +
         " blocks per sequence, more than the KV pool's " + std::to_string(pool_blocks));
-  }
-  if (options.kv_host_cache_bytes > 0 || !options.kv_disk_cache_dir.empty()) {
-    return Status::InvalidArgument("--kv-eviction " + std::string(KvEvictionModeName(ev.mode)) +
-                                   ": lower KV tiers do not take an eviction mode yet");
   }
   return Status::Ok();
 }

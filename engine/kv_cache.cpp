@@ -69,11 +69,23 @@ StatusOr<std::unique_ptr<KvCachePool>> KvCachePool::Create(kernels::Backend* bac
     return Status::ResourceExhausted("cannot allocate a KV pool of " +
                                      std::to_string(layout.total_bytes()) + " bytes");
   }
+  if (config.kv_eviction.quest_blocks > 0) {
+    // Quest's key bounds beside the pool: 2 x head_dim floats per block,
+    // layer and KV head (1/block_size of the keys' fp32 bytes).
+    const auto bytes = static_cast<size_t>(layout.num_blocks * layout.num_layers *
+                                           layout.num_kv_heads * 2 * layout.head_dim * 4);
+    pool->key_bounds_ = static_cast<float*>(backend->Allocate(bytes));
+    if (pool->key_bounds_ == nullptr) {
+      return Status::ResourceExhausted("cannot allocate Quest's key bounds");
+    }
+    pool->layout_.key_bounds = pool->key_bounds_;
+  }
   return pool;
 }
 
 KvCachePool::~KvCachePool() {
   if (base_ != nullptr) backend_->Free(base_);
+  if (key_bounds_ != nullptr) backend_->Free(key_bounds_);
 }
 
 MemoryType KvCachePool::memory_type() const {

@@ -33,6 +33,10 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir, kernels::Ba
     return Status::InvalidArgument("--kv-sink-tokens: the " + backend->name() +
                                    " backend's attention does not take sinks yet");
   }
+  if (eviction.quest_blocks > 0 && !backend->SupportsKvSelection()) {
+    return Status::InvalidArgument("--kv-selection quest: the " + backend->name() +
+                                   " backend does not select blocks yet");
+  }
   auto files =
       format == LoadFormat::kDummy
           ? RandomWeights(*config,
@@ -73,6 +77,7 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir, kernels::Ba
     // Sinks re-index positions: the layer's RoPE frequencies rotate them.
     a.sinks = m->config_.kv_eviction.sink_tokens;
     a.rope_inv_freq = m->inv_freq_;
+    a.quest_blocks = m->config_.kv_eviction.quest_blocks;
   }
   if (m->config_.quant.quantized()) {
     PDSERVE_LOG(INFO) << "model: " << m->model_id_ << ": fp8 weights, "

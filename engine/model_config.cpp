@@ -542,6 +542,22 @@ int64_t ModelConfig::max_context() const {
 }
 
 Status ModelConfig::ApplyKvEviction(const KvEviction& e) {
+  if (e.quest_blocks < 0) {
+    return Status::InvalidArgument("--kv-selection-blocks must be >= 1, got " +
+                                   std::to_string(e.quest_blocks));
+  }
+  if (e.quest_blocks > 0) {
+    auto refuse = [](const std::string& why) {
+      return Status::InvalidArgument("--kv-selection quest: " + why);
+    };
+    if (e.mode != KvEviction::Mode::kNone) return refuse("does not combine with --kv-eviction");
+    if (is_mla()) {
+      return refuse("MLA's latent cache (DeepSeek) has no per-head keys to bound");
+    }
+    if (!layer_windows.empty()) return refuse("the model has sliding-window layers");
+    kv_eviction = e;
+    return Status::Ok();
+  }
   if (e.mode == KvEviction::Mode::kNone) return Status::Ok();
   const std::string mode(KvEvictionModeName(e.mode));
   auto refuse = [&](const std::string& why) {

@@ -209,6 +209,9 @@ class Backend {
   // Whether PagedAttention takes attention sinks (AttentionBatch::sinks);
   // the engine refuses --kv-eviction streaming on a backend without them.
   virtual bool SupportsAttentionSinks() const { return false; }
+  // Whether WriteKv keeps KvCacheLayout::key_bounds and PagedAttention
+  // selects blocks by them (AttentionBatch::quest_blocks).
+  virtual bool SupportsKvSelection() const { return false; }
 
   // Multi-head latent attention (DeepSeek-V2/V3) ops. R = layout.kv_lora_rank,
   // P = layout.rope_dim(), on an MLA layout (KvCacheLayout::Mla).

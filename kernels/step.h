@@ -46,6 +46,13 @@ struct AttentionBatch {
   // the window are never read. 0: none.
   int64_t sinks = 0;
   const float* rope_inv_freq = nullptr;
+  // Quest (Tang et al. 2024): a decode row (a sequence with one query row)
+  // whose full blocks before its newest number more than quest_blocks
+  // attends, per query head, only to the quest_blocks of them with the
+  // highest upper bound sum_i max(q_i min_i, q_i max_i) over the block's
+  // key bounds (KvCacheLayout::key_bounds; ties: the lower block index),
+  // plus its newest block. Prefill rows attend to everything. 0: off.
+  int64_t quest_blocks = 0;
   // Gemma-2's attention logit soft-capping: each scaled score s becomes
   // softcap * tanh(s / softcap) before the softmax. 0: none.
   float softcap = 0;
@@ -66,6 +73,7 @@ struct LayerAttention {
   float softcap = 0;
   int64_t sinks = 0;                     // AttentionBatch::sinks
   const float* rope_inv_freq = nullptr;  // AttentionBatch::rope_inv_freq
+  int64_t quest_blocks = 0;              // AttentionBatch::quest_blocks
 };
 
 // The attention of one step, built once per step and used by every layer:
@@ -116,6 +124,7 @@ struct AttentionPlan {
     at.batch.softcap = a.softcap;
     at.batch.sinks = a.sinks;
     at.batch.rope_inv_freq = a.rope_inv_freq;
+    at.batch.quest_blocks = a.quest_blocks;
     if (layout.fixed_scales != nullptr) {
       at.layout.fixed_scales += a.group * layout.num_layers * layout.kv_sets();
     }

@@ -269,6 +269,19 @@ void CpuBackend::WriteKv(const KvCacheLayout& layout, void* pool, int64_t layer,
                      offset, base + layout.k_offset(block, layer, h), &ks, fixed_k);
             StoreRun(v.as<const float>() + t * v.stride[0] + h * hd, v.stride[0], run, region,
                      offset, base + layout.v_offset(block, layer, h), &vs, fixed_v);
+            if (layout.key_bounds != nullptr) {
+              // Quest's bounds of the block's keys (offset 0 starts afresh).
+              float* lo = layout.key_bounds + layout.key_bounds_offset(block, layer, h);
+              float* hi = lo + hd;
+              for (int64_t r = 0; r < run; ++r) {
+                const float* key = k.as<const float>() + (t + r) * k.stride[0] + h * hd;
+                const bool fresh = offset == 0 && r == 0;
+                for (int64_t d = 0; d < hd; ++d) {
+                  lo[d] = fresh ? key[d] : std::min(lo[d], key[d]);
+                  hi[d] = fresh ? key[d] : std::max(hi[d], key[d]);
+                }
+              }
+            }
             if (layout.has_scales()) {
               std::memcpy(k_scale, &ks, 4);
               std::memcpy(v_scale, &vs, 4);
@@ -291,6 +304,8 @@ void CpuBackend::PagedAttention(const AttentionPlan& plan, int64_t layer, const 
           "PagedAttention", "takes q as [tokens, num_heads, head_dim] and out of q's shape");
   OpCheck(at.batch.sinks == 0 || at.batch.rope_inv_freq != nullptr, "PagedAttention",
           "takes attention sinks with the layer's RoPE frequencies");
+  OpCheck(at.batch.quest_blocks == 0 || layout.key_bounds != nullptr, "PagedAttention",
+          "selects blocks by the layout's key bounds");
   const std::vector<AttentionUnit>* units =
       static_cast<const std::vector<AttentionUnit>*>(plan.backend_state);
   thread_local std::vector<AttentionUnit> own;
@@ -299,7 +314,7 @@ void CpuBackend::PagedAttention(const AttentionPlan& plan, int64_t layer, const 
     units = &own;
   }
   PagedAttentionCpu(simd_, pool_, layout, plan.pool, at.kv_layer, q.as<const float>(), q.stride[0],
-                    q.shape[1], at.batch, scale, out.as<float>(), *units);
+                    q.shape[1], at.batch, scale, out.as<float>(), *units, &kv_bytes_read_);
 }
 
 void CpuBackend::PlanAttention(AttentionPlan* plan) {

@@ -1,6 +1,7 @@
 #include "kernels/cpu/paged_attention.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -318,12 +319,18 @@ AttentionKernels KernelsFor(SimdLevel level) {
 
 // Per-thread scratch, grown to the largest unit seen and then reused.
 struct Scratch {
-  std::vector<float> acc, max, sum, keys, values, scores, rotated;
+  std::vector<float> acc, max, sum, keys, values, scores, rotated, bounds;
+  std::vector<uint8_t> selected;
+  std::vector<int32_t> order;
 };
 
-void RunUnit(const AttentionKernels& k, const AttentionUnit& u, const KvCacheLayout& layout,
-             const uint8_t* base, int64_t layer, const float* q, int64_t q_stride,
-             int64_t num_heads, const AttentionBatch& batch, float scale, float* out, Scratch& s) {
+// Returns the KV bytes it read (keys and values of the blocks it loaded,
+// and Quest's key bounds).
+int64_t RunUnit(const AttentionKernels& k, const AttentionUnit& u, const KvCacheLayout& layout,
+                const uint8_t* base, int64_t layer, const float* q, int64_t q_stride,
+                int64_t num_heads, const AttentionBatch& batch, float scale, float* out,
+                Scratch& s) {
+  int64_t bytes_read = 0;
   const int64_t hd = layout.head_dim, bs = layout.block_size;
   const int64_t group = num_heads / layout.num_kv_heads;
   const int64_t q_len = batch.query_start[u.seq + 1] - batch.query_start[u.seq];
@@ -378,6 +385,7 @@ void RunUnit(const AttentionKernels& k, const AttentionUnit& u, const KvCacheLay
   const float* keys = nullptr;
   const float* values = nullptr;
   auto load = [&](int64_t b, int64_t in_block) {
+    bytes_read += 2 * in_block * hd * DTypeBits(layout.dtype) / 8;
     const int64_t block = table[b];
     const uint8_t* kp = base + layout.k_offset(block, layer, u.kv_head);
     const uint8_t* vp = base + layout.v_offset(block, layer, u.kv_head);
@@ -405,7 +413,43 @@ void RunUnit(const AttentionKernels& k, const AttentionUnit& u, const KvCacheLay
     values = s.values.data();
   };
   const int64_t n_blocks = (max_keys + bs - 1) / bs;
+  // Quest: a decode row keeps, per query head, the quest_blocks full blocks
+  // before its newest with the highest upper bound of q.k (AttentionBatch).
+  const int64_t newest = n_blocks - 1;
+  const bool quest = batch.quest_blocks > 0 && q_len == 1 && window == 0 &&
+                     layout.key_bounds != nullptr && newest > batch.quest_blocks;
+  if (quest) {
+    s.selected.assign(group * newest, 0);
+    s.bounds.resize(newest);
+    s.order.resize(newest);
+    bytes_read += newest * 2 * hd * 4;  // the bounds
+    for (int64_t j = 0; j < group; ++j) {
+      const float* qh = q + u.row_begin * q_stride + (u.kv_head * group + j) * hd;
+      for (int64_t b = 0; b < newest; ++b) {
+        const float* lo = layout.key_bounds + layout.key_bounds_offset(table[b], layer, u.kv_head);
+        const float* hi = lo + hd;
+        float ub = 0;
+        for (int64_t d = 0; d < hd; ++d) ub += std::max(qh[d] * lo[d], qh[d] * hi[d]);
+        s.bounds[b] = ub;
+        s.order[b] = static_cast<int32_t>(b);
+      }
+      std::nth_element(s.order.begin(), s.order.begin() + (batch.quest_blocks - 1), s.order.end(),
+                       [&](int32_t a, int32_t b) {
+                         return s.bounds[a] > s.bounds[b] || (s.bounds[a] == s.bounds[b] && a < b);
+                       });
+      for (int64_t i = 0; i < batch.quest_blocks; ++i) s.selected[j * newest + s.order[i]] = 1;
+    }
+  }
+  // Whether query head j of the group attends to block b.
+  auto attends = [&](int64_t j, int64_t b) {
+    return !quest || b == newest || s.selected[j * newest + b] != 0;
+  };
   for (int64_t b = first_key / bs; b < n_blocks; ++b) {
+    if (quest && b < newest) {
+      bool any = false;
+      for (int64_t j = 0; j < group && !any; ++j) any = attends(j, b);
+      if (!any) continue;  // no head of the group reads it
+    }
     const int64_t in_block = std::min(bs, max_keys - b * bs);
     load(b, in_block);
     for (int64_t r = 0; r < rows; ++r) {
@@ -417,6 +461,7 @@ void RunUnit(const AttentionKernels& k, const AttentionUnit& u, const KvCacheLay
       const int64_t begin = window > 0 ? std::max<int64_t>(0, n_keys - window - b * bs) : 0;
       if (begin >= end) continue;  // the block lies before this row's window
       for (int64_t j = 0; j < group; ++j) {
+        if (!attends(j, b)) continue;
         const int64_t h = u.kv_head * group + j;
         attend(r * group + j, q + row * q_stride + h * hd, keys + begin * hd, values + begin * hd,
                end - begin);
@@ -477,6 +522,7 @@ void RunUnit(const AttentionKernels& k, const AttentionUnit& u, const KvCacheLay
       for (int64_t d = 0; d < hd; ++d) o[d] = s.acc[i * hd + d] * inv;
     }
   }
+  return bytes_read;
 }
 
 }  // namespace
@@ -505,15 +551,17 @@ void PlanAttentionUnits(const KvCacheLayout& layout, const AttentionBatch& batch
 void PagedAttentionCpu(SimdLevel level, ThreadPool& threads, const KvCacheLayout& layout,
                        const void* pool, int64_t layer, const float* q, int64_t q_stride,
                        int64_t num_heads, const AttentionBatch& batch, float scale, float* out,
-                       const std::vector<AttentionUnit>& units) {
+                       const std::vector<AttentionUnit>& units, std::atomic<int64_t>* bytes_read) {
   const AttentionKernels kernels = KernelsFor(level);
   const auto* base = static_cast<const uint8_t*>(pool);
   threads.ParallelFor(static_cast<int64_t>(units.size()), [&](int64_t begin, int64_t end) {
     thread_local Scratch scratch;
+    int64_t read = 0;
     for (int64_t i = begin; i < end; ++i) {
-      RunUnit(kernels, units[i], layout, base, layer, q, q_stride, num_heads, batch, scale, out,
-              scratch);
+      read += RunUnit(kernels, units[i], layout, base, layer, q, q_stride, num_heads, batch, scale,
+                      out, scratch);
     }
+    if (bytes_read != nullptr) bytes_read->fetch_add(read, std::memory_order_relaxed);
   });
 }
 

@@ -98,7 +98,7 @@ int RunEval(int argc, char** argv) {
   }
   auto model = Model::Load(model_dir, backend->get(), LoadFormat::kSafetensors, eviction);
   if (!model.ok()) UsageError("eval", model.status().message());
-  if (eviction.enabled() && block_size > eviction.window_tokens) {
+  if (eviction.mode == KvEviction::Mode::kStreaming && block_size > eviction.window_tokens) {
     UsageError("eval", "--kv-window-tokens " + std::to_string(eviction.window_tokens) +
                            " is smaller than one block (" + std::to_string(block_size) +
                            " tokens)");

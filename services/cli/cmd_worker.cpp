@@ -96,7 +96,7 @@ int RunWorker(int argc, char** argv) {
   StructuredFlags structured;
   structured.AddTo(flags, /*worker=*/true);
   KvEvictionFlags eviction;
-  eviction.AddTo(flags);
+  eviction.AddTo(flags, /*selection=*/false);
   flags.AddString("log-level", &log_level, "debug|info|warn|error");
   ParseFlagsOrExit(flags, argc, argv);
 

@@ -1,6 +1,8 @@
-// Token eviction flags shared by `pdserve worker`, `generate` and `eval`
-// (common/kv_eviction.h; docs/kv-eviction.md): --kv-eviction,
-// --kv-sink-tokens, --kv-window-tokens.
+// Token eviction and selection flags shared by `pdserve worker`, `generate`
+// and `eval` (common/kv_eviction.h; docs/kv-eviction.md): --kv-eviction,
+// --kv-sink-tokens, --kv-window-tokens, and (not on workers yet: blocks
+// received by transfer carry no key bounds) --kv-selection,
+// --kv-selection-blocks.
 #pragma once
 
 #include <string>
@@ -14,7 +16,7 @@ namespace pdserve::cli {
 
 class KvEvictionFlags {
  public:
-  void AddTo(FlagSet& flags);
+  void AddTo(FlagSet& flags, bool selection = true);
   // Exits 2 with one line naming the flag for an unknown mode, budgets
   // given without a mode, or a mode without its budget. What depends on
   // the model and the pool is checked when they load (Model::Load,
@@ -28,6 +30,8 @@ class KvEvictionFlags {
   static constexpr int64_t kUnset = -(int64_t{1} << 62);
   int64_t sink_tokens_ = kUnset;  // 4 under streaming
   int64_t window_tokens_ = kUnset;
+  std::string selection_ = "none";
+  int64_t selection_blocks_ = kUnset;
 };
 
 }  // namespace pdserve::cli

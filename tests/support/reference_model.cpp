@@ -392,11 +392,37 @@ std::vector<std::vector<double>> ReferenceModel::Forward(const std::vector<int32
       const auto kc = dense ? cached(k, t, 0) : none, vc = dense ? cached(v, t, 1) : none;
       // The keys in the window: positions first..t (kv_idx > t - window).
       const int64_t first = L.window > 0 ? std::max<int64_t>(0, t - L.window + 1) : 0;
+      const int64_t B = eviction.block_size, newest = t / B;
+      const bool quest =
+          eviction.quest_blocks > 0 && t >= eviction.first_decode && newest > eviction.quest_blocks;
       for (int64_t h = 0; h < heads_ && dense; ++h) {
         const int64_t g = h / (heads_ / kv_heads_);
+        // Quest: the blocks this head reads (every block when off).
+        std::vector<bool> read(newest + 1, true);
+        if (quest) {
+          std::vector<std::pair<double, int64_t>> bound;
+          for (int64_t b = 0; b < newest; ++b) {
+            double ub = 0;
+            for (int64_t i = 0; i < hd; ++i) {
+              double lo = kc[b * B][g * hd + i], hi = lo;
+              for (int64_t j = b * B; j < (b + 1) * B; ++j) {
+                lo = std::min(lo, kc[j][g * hd + i]);
+                hi = std::max(hi, kc[j][g * hd + i]);
+              }
+              const double qi = q[t][h * hd + i];
+              ub += std::max(qi * lo, qi * hi);
+            }
+            bound.push_back({-ub, b});
+          }
+          std::sort(bound.begin(), bound.end());
+          read.assign(newest + 1, false);
+          read[newest] = true;
+          for (int64_t i = 0; i < eviction.quest_blocks; ++i) read[bound[i].second] = true;
+        }
         std::vector<double> s(t + 1, 0.0);
         double mx = -1e300;
         for (int64_t j = first; j <= t; ++j) {
+          if (!read[j / B]) continue;
           double dot = 0;
           for (int64_t i = 0; i < hd; ++i) dot += q[t][h * hd + i] * kc[j][g * hd + i];
           s[j] = dot * attn_scale_;
@@ -404,8 +430,11 @@ std::vector<std::vector<double>> ReferenceModel::Forward(const std::vector<int32
           mx = std::max(mx, s[j]);
         }
         double den = 0;
-        for (int64_t j = first; j <= t; ++j) den += (s[j] = std::exp(s[j] - mx));
         for (int64_t j = first; j <= t; ++j) {
+          if (read[j / B]) den += (s[j] = std::exp(s[j] - mx));
+        }
+        for (int64_t j = first; j <= t; ++j) {
+          if (!read[j / B]) continue;
           for (int64_t i = 0; i < hd; ++i) attn[h * hd + i] += s[j] / den * vc[j][g * hd + i];
         }
       }
