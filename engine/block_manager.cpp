@@ -37,6 +37,8 @@ struct Sequence {
   // included); kept even when a block stays private as a duplicate or loses
   // its hash to a reset, so that later commits can be checked against them.
   std::vector<BlockHash> committed_hashes;
+  // Entries released because no later query reaches them (windows, sinks).
+  size_t released = 0;
   size_t size() const { return tables[0].size(); }
 };
 
@@ -203,6 +205,8 @@ struct BlockManager::Impl {
         if (seq->tables[g][i] == kNil) break;  // released earlier, with those before it
         Release(seq->tables[g][i]);
         seq->tables[g][i] = kNil;
+        ++seq->released;
+        ++released_total;
       }
     }
   }
@@ -247,6 +251,7 @@ struct BlockManager::Impl {
   uint64_t query_tokens = 0;
   uint64_t hit_tokens = 0;
   uint64_t evicted_total = 0;
+  uint64_t released_total = 0;
 };
 
 StatusOr<std::unique_ptr<BlockManager>> BlockManager::Create(const BlockManagerOptions& options) {
@@ -275,6 +280,12 @@ size_t BlockManager::num_blocks() const { return impl_->options.num_blocks; }
 size_t BlockManager::num_groups() const { return impl_->windows.size(); }
 const std::vector<int64_t>& BlockManager::group_windows() const { return impl_->windows; }
 size_t BlockManager::sink_tokens() const { return impl_->options.sink_tokens; }
+
+size_t BlockManager::ReleasedBlocks(SeqId seq) const {
+  std::lock_guard lock(impl_->mu);
+  auto it = impl_->sequences.find(seq);
+  return it == impl_->sequences.end() ? 0 : it->second.released;
+}
 
 size_t BlockManager::FindCachedPrefix(std::span<const BlockHash> hashes) const {
   std::lock_guard lock(impl_->mu);
@@ -642,6 +653,7 @@ BlockManagerStats BlockManager::GetStats() const {
   s.prefix_cache_query_tokens = m.query_tokens;
   s.prefix_cache_hit_tokens = m.hit_tokens;
   s.evicted_blocks_total = m.evicted_total;
+  s.released_out_of_reach_blocks_total = m.released_total;
   s.num_sequences = m.sequences.size();
   s.num_pins = m.pins.size();
   return s;

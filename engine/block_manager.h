@@ -131,6 +131,11 @@ struct BlockManagerStats {
   uint64_t prefix_cache_query_tokens = 0;
   uint64_t prefix_cache_hit_tokens = 0;
   uint64_t evicted_blocks_total = 0;
+  // Table entries released because no later query of their sequence
+  // reaches them (sliding windows, attention sinks): the blocks a dense
+  // model would have kept. pdserve_kv_evicted_tokens_total counts them in
+  // tokens.
+  uint64_t released_out_of_reach_blocks_total = 0;
   size_t num_sequences = 0;
   size_t num_pins = 0;
 };
@@ -225,6 +230,9 @@ class BlockManager {
   bool HasSequence(SeqId seq) const;
   // Leading blocks of `seq` that are committed (cache hits count).
   size_t NumCommittedBlocks(SeqId seq) const;
+  // Entries of `seq`'s tables released so far because no later query
+  // reaches them (0 for an unknown seq): the blocks it saved.
+  size_t ReleasedBlocks(SeqId seq) const;
   // Current reference count of a block (0 for an id outside the pool).
   uint32_t RefCount(BlockId block) const;
 

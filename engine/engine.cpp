@@ -295,7 +295,10 @@ void Engine::FinishSequence(Sequence* s, FinishReason reason, RequestOutput* out
       }
     }
   }
-  if (blocks_->HasSequence(s->id)) (void)blocks_->Free(s->id);
+  if (blocks_->HasSequence(s->id)) {
+    out->kv_blocks_released = static_cast<int64_t>(blocks_->ReleasedBlocks(s->id));
+    (void)blocks_->Free(s->id);
+  }
   Remove(&running_, s);
   Remove(&waiting_, s);
   s->finished = true;

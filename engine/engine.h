@@ -164,6 +164,10 @@ struct RequestOutput {
   // Prompt tokens whose KV came from the local prefix cache at admission
   // (set on the request's first output).
   int64_t num_cached_tokens = 0;
+  // On the finishing output: the blocks the request released while it ran
+  // because no later query reached them (windows, attention sinks): what it
+  // saved against dense attention.
+  int64_t kv_blocks_released = 0;
   // prefill_only requests, on their last output: the pinned blocks holding
   // the prompt's KV, and the pin to release. With stream_kv_blocks, also on
   // every earlier step that completed new full prompt blocks (finished false):

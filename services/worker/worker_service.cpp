@@ -573,6 +573,14 @@ class WorkerServiceImpl : public WorkerService {
       metrics_.preemptions.Increment(static_cast<double>(s.num_preemptions - last_preemptions_));
     }
     last_preemptions_ = s.num_preemptions;
+    if (const uint64_t released = s.blocks.released_out_of_reach_blocks_total;
+        released > last_released_) {
+      const char* mode =
+          opts_.kv_eviction.mode == KvEviction::Mode::kStreaming ? "streaming" : "window";
+      metrics_.evicted_tokens.Add({{"mode", mode}})
+          .Increment(static_cast<double>((released - last_released_) * opts_.block_size));
+      last_released_ = released;
+    }
   }
 
   size_t ControlBufferedBytes() {
@@ -677,7 +685,7 @@ class WorkerServiceImpl : public WorkerService {
   std::shared_ptr<prometheus::Registry> registry_ = std::make_shared<prometheus::Registry>();
   WorkerMetrics metrics_{*registry_};
   std::mutex counters_mu_;
-  uint64_t last_queries_ = 0, last_hits_ = 0, last_preemptions_ = 0;
+  uint64_t last_queries_ = 0, last_hits_ = 0, last_preemptions_ = 0, last_released_ = 0;
 
   std::unique_ptr<control::EventLoop> loop_;
   std::unique_ptr<control::Server> peer_server_;

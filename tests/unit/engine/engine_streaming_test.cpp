@@ -122,6 +122,7 @@ struct Generated {
   std::vector<SampledToken> sampled;
   int64_t cached_tokens = 0;
   size_t most_held = 0;
+  int64_t blocks_released = 0;  // RequestOutput::kv_blocks_released
 };
 
 size_t Held(Engine& e, RequestId id) {
@@ -153,6 +154,7 @@ std::vector<Generated> Generate(Engine& e, const std::vector<std::vector<int32_t
       Generated& g = out[o.id - first_id];
       if (!o.new_token_ids.empty() && g.sampled.empty()) g.cached_tokens = o.num_cached_tokens;
       g.sampled.insert(g.sampled.end(), o.logprobs.begin(), o.logprobs.end());
+      if (o.finished) g.blocks_released = o.kv_blocks_released;
     }
     for (size_t i = 0; i < prompts.size(); ++i) {
       if (e.block_manager().HasSequence(first_id + i)) {
@@ -292,6 +294,13 @@ TEST(EngineStreamingTest, RealModelRunsFarPastItsContextInBoundedBlocks) {
   const size_t bound = SinkBlocks(S, B) + (N - 1 + B - 1) / B + 1;  // 1 + 16 + 1 = 18 blocks
   EXPECT_LE(g[0].most_held, bound);
   EXPECT_GE(g[0].most_held, bound - 1);
+  // What it saved: every entry of its table (the KV of its 6,002 tokens
+  // before the last) but the sink and window blocks it held at the end.
+  const auto entries = static_cast<int64_t>((3 + 6000 - 1 + B - 1) / B);
+  EXPECT_GE(g[0].blocks_released, entries - static_cast<int64_t>(bound));
+  EXPECT_LE(g[0].blocks_released, entries - static_cast<int64_t>(bound) + 1);
+  EXPECT_EQ((*e)->block_manager().GetStats().released_out_of_reach_blocks_total,
+            static_cast<uint64_t>(g[0].blocks_released));
 }
 
 // Bad modes and budgets are refused naming the flag.
