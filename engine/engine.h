@@ -50,7 +50,11 @@
 // one block table per layer group; each step first releases the windowed
 // groups' blocks its sequences' next queries no longer reach, so such a
 // sequence holds at most ceil((W - 1 + chunk) / B) + 1 blocks per windowed
-// group, and contexts are not capped at the window.
+// group, and contexts are not capped at the window. Attention sinks
+// (--kv-eviction streaming, docs/kv-eviction.md) window every layer and also
+// keep the sink blocks; the context is then not capped at the model's.
+// Engine::Create refuses a window below one block or beyond the pool, and
+// lower tiers with a mode.
 //
 // Thread safety: none. One thread drives an engine (AddRequest, Step,
 // Cancel, ...); block_manager() is safe to read from other threads.
