@@ -768,6 +768,20 @@ StatusOr<RequestOutput> Engine::CompleteRemotePrefill(RequestId id, TokenId firs
                                    " is not allowed by the request's constraint");
   }
   s->num_computed = s->prompt_len;
+  if (pool_->layout().key_bounds != nullptr) {
+    // Quest: the received blocks' key bounds, which no WriteKv here kept.
+    const int64_t B = options_.block_size;
+    const std::vector<BlockId>& table = blocks_->BlockTable(s->id);
+    std::vector<int32_t> ids, tokens;
+    for (size_t i = s->remote_first_block; i < table.size(); ++i) {
+      if (table[i] == kNoBlock) continue;
+      ids.push_back(static_cast<int32_t>(table[i]));
+      tokens.push_back(
+          static_cast<int32_t>(std::min<int64_t>(B, s->prompt_len - static_cast<int64_t>(i) * B)));
+    }
+    model_->backend()->ComputeKeyBounds(pool_->layout(), pool_->base(), ids.data(), tokens.data(),
+                                        static_cast<int64_t>(ids.size()));
+  }
   if (options_.enable_prefix_caching) {
     ExtendPromptHashes(s->hash_seed, std::span<const TokenId>(s->tokens.data(), s->num_computed),
                        static_cast<size_t>(options_.block_size), &s->hashes);

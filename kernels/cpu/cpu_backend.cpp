@@ -293,6 +293,36 @@ void CpuBackend::WriteKv(const KvCacheLayout& layout, void* pool, int64_t layer,
       min_heads_per_task);
 }
 
+void CpuBackend::ComputeKeyBounds(const KvCacheLayout& layout, const void* pool,
+                                  const int32_t* blocks, const int32_t* tokens, int64_t count) {
+  OpCheck(layout.key_bounds != nullptr, "ComputeKeyBounds", "needs the layout's key bounds");
+  const auto* base = static_cast<const uint8_t*>(pool);
+  const int64_t hd = layout.head_dim, bs = layout.block_size;
+  const KvRegion region{layout.dtype, bs, hd};
+  std::vector<float> keys(static_cast<size_t>(bs * hd));
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t n = std::min<int64_t>(tokens[i], bs);
+    if (n < 1) continue;
+    for (int64_t l = 0; l < layout.num_layers; ++l) {
+      for (int64_t h = 0; h < layout.num_kv_heads; ++h) {
+        float scale = 1.0f;
+        if (layout.has_scales())
+          std::memcpy(&scale, base + layout.k_scale_offset(blocks[i], l, h), 4);
+        LoadKv(base + layout.k_offset(blocks[i], l, h), region, scale, n * hd, keys.data());
+        float* lo = layout.key_bounds + layout.key_bounds_offset(blocks[i], l, h);
+        float* hi = lo + hd;
+        for (int64_t d = 0; d < hd; ++d) lo[d] = hi[d] = keys[d];
+        for (int64_t t = 1; t < n; ++t) {
+          for (int64_t d = 0; d < hd; ++d) {
+            lo[d] = std::min(lo[d], keys[t * hd + d]);
+            hi[d] = std::max(hi[d], keys[t * hd + d]);
+          }
+        }
+      }
+    }
+  }
+}
+
 void CpuBackend::PagedAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q,
                                 float scale, const Tensor& out) {
   const AttentionPlan::Layer at = plan.ForLayer(layer);

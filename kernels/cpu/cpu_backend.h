@@ -62,6 +62,8 @@ class CpuBackend final : public Backend {
                       const Tensor& out) override;
   bool SupportsAttentionSinks() const override { return true; }
   bool SupportsKvSelection() const override { return true; }
+  void ComputeKeyBounds(const KvCacheLayout& layout, const void* pool, const int32_t* blocks,
+                        const int32_t* tokens, int64_t count) override;
   // KV bytes PagedAttention has read so far (decoded keys and values of the
   // blocks it visited, Quest's key bounds): what a benchmark divides by
   // its steps.

@@ -96,7 +96,7 @@ int RunWorker(int argc, char** argv) {
   StructuredFlags structured;
   structured.AddTo(flags, /*worker=*/true);
   KvEvictionFlags eviction;
-  eviction.AddTo(flags, /*selection=*/false);
+  eviction.AddTo(flags);
   flags.AddString("log-level", &log_level, "debug|info|warn|error");
   ParseFlagsOrExit(flags, argc, argv);
 

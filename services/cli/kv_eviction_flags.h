@@ -1,7 +1,6 @@
-// Token eviction and selection flags shared by `pdserve worker`, `generate`
-// and `eval` (common/kv_eviction.h; docs/kv-eviction.md): --kv-eviction,
-// --kv-sink-tokens, --kv-window-tokens, and (not on workers yet: blocks
-// received by transfer carry no key bounds) --kv-selection,
+// Token eviction and selection flags shared by `pdserve worker`, `generate`,
+// `eval` and `bench engine` (common/kv_eviction.h; docs/kv-eviction.md):
+// --kv-eviction, --kv-sink-tokens, --kv-window-tokens, --kv-selection,
 // --kv-selection-blocks.
 #pragma once
 

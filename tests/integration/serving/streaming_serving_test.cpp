@@ -5,7 +5,8 @@
 // the sink and window blocks the decode side keeps; the decode worker
 // counts the tokens it released (pdserve_kv_evicted_tokens_total{mode}) and
 // the blocks the request saved; a repeated prompt is a prefix-cache hit the
-// router predicted token for token.
+// router predicted token for token. Quest's selection across a hand-off
+// likewise.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -93,6 +94,27 @@ TEST_F(StreamingServingTest, RepeatedPromptIsAHitTheRouterPredicts) {
   // predicted exactly what the worker found.
   EXPECT_GT(hits, 64);
   EXPECT_EQ(predicted, hits);
+}
+
+// Quest (--kv-selection quest) across a hand-off: the decode side computes
+// the key bounds of the blocks it received (no WriteKv of its own wrote
+// them) and selects the blocks `pdserve generate` selects, so a long decode
+// over a prompt of 10+ blocks gives the same text.
+TEST(QuestServingTest, DisaggregatedOutputEqualsGenerate) {
+  const std::vector<std::string> quest = {"--kv-selection", "quest", "--kv-selection-blocks", "2"};
+  LocalStack stack{"quest"};
+  stack.SetModel(ModelDir("quest-serving", *PresetModelSpec("tiny")));
+  stack.StartRouter({"--max-local-prefill", "32"});
+  stack.StartWorker("prefill", quest);
+  stack.StartWorker("decode", quest);
+  ASSERT_TRUE(stack.WaitReady());
+  const std::string prompt = Words(90);
+  ExpectSameAsGenerate(stack, prompt, 60, quest);
+  EXPECT_GT(
+      LocalStack::Metric(stack.http_port(), "pdserve_router_decisions_total", "remote_prefill"), 0);
+  // The selection matters here: dense attention generates other text.
+  EXPECT_NE(Generate(prompt, 60, stack.model(), quest)["text"],
+            Generate(prompt, 60, stack.model())["text"]);
 }
 
 }  // namespace
