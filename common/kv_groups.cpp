@@ -69,9 +69,19 @@ BlockHash GroupBlockKey(BlockHash hash, uint32_t group) {
 }
 
 size_t CachedPrefixBlocks(std::span<const int64_t> windows, size_t block_size, size_t limit,
-                          const std::function<bool(size_t group, size_t block)>& held) {
+                          const std::function<bool(size_t group, size_t block)>& held,
+                          int64_t sink_tokens) {
   const int64_t B = static_cast<int64_t>(block_size);
   size_t k = limit;
+  // Sink blocks are needed by every windowed group's query: a prefix holds
+  // no more than the run of them that is held.
+  const auto sinks = static_cast<size_t>(SinkBlocks(sink_tokens, B));
+  for (size_t g = 0; g < windows.size(); ++g) {
+    if (windows[g] <= 0) continue;
+    size_t n = 0;
+    while (n < std::min(k, sinks) && held(g, n)) ++n;
+    if (n < std::min(k, sinks)) k = n;
+  }
   // Per windowed group, whether each block below the first k is held, and
   // the run of held blocks ending at each index (computed once, for the
   // first limit blocks; k only shrinks).
@@ -96,8 +106,11 @@ size_t CachedPrefixBlocks(std::span<const int64_t> windows, size_t block_size, s
       if (windows[g] <= 0) continue;
       size_t best = k;
       while (best > 0) {
-        const int64_t need = static_cast<int64_t>(best) -
-                             FirstBlockInReach(windows[g], static_cast<int64_t>(best) * B, B);
+        // The window's blocks below best, not counting those the sinks hold.
+        const int64_t first =
+            std::max(FirstBlockInReach(windows[g], static_cast<int64_t>(best) * B, B),
+                     std::min<int64_t>(static_cast<int64_t>(sinks), static_cast<int64_t>(best)));
+        const int64_t need = static_cast<int64_t>(best) - first;
         if (static_cast<int64_t>(runs[g][best - 1]) >= need) break;
         --best;
       }

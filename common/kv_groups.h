@@ -46,6 +46,10 @@ struct KvGroups {
   // Per model layer: its group and its index inside the group's block.
   std::vector<int32_t> group_of_layer;
   std::vector<int32_t> slot_of_layer;
+  // Attention sinks (StreamingLLM, --kv-eviction streaming): every windowed
+  // group also keeps positions [0, sink_tokens), which each query attends
+  // to beside its window; their blocks are never released. 0: none.
+  int64_t sink_tokens = 0;
 
   // The groups of a model whose layer l attends over layer_windows[l]
   // positions (0: all). An empty list gives no groups.
@@ -69,13 +73,30 @@ inline int64_t FirstBlockInReach(int64_t window, int64_t pos, int64_t block_size
   return first <= 0 ? 0 : first / block_size;
 }
 
+// Blocks holding the first `sink_tokens` positions: kept by windowed groups
+// whatever the sequence's length.
+inline int64_t SinkBlocks(int64_t sink_tokens, int64_t block_size) {
+  return sink_tokens <= 0 ? 0 : (sink_tokens + block_size - 1) / block_size;
+}
+
+// Whether block `block` is reached by the query at `pos` in a group of
+// `window` with `sink_tokens` sinks: every block of a full group; the sink
+// blocks and those from FirstBlockInReach on of a windowed one.
+inline bool BlockInReach(int64_t window, int64_t sink_tokens, int64_t pos, int64_t block_size,
+                         int64_t block) {
+  return window <= 0 || block < SinkBlocks(sink_tokens, block_size) ||
+         block >= FirstBlockInReach(window, pos, block_size);
+}
+
 // The longest cached prefix a sequence can start from, in blocks: the
 // largest k <= limit such that for every group g the blocks the query at
-// position k * block_size reaches below it, [FirstBlockInReach(windows[g],
-// k * B, B), k), are all held (held(g, i)). For full-attention groups that is
-// every block before k; for windowed ones the blocks of the last W-1 tokens
-// (vLLM's rule for sliding windows). 0 is always a valid answer.
+// position k * block_size reaches below it (BlockInReach) are all held
+// (held(g, i)). For full-attention groups that is every block before k; for
+// windowed ones the blocks of the last W-1 tokens (vLLM's rule for sliding
+// windows), and the sink blocks when there are sinks. 0 is always a valid
+// answer.
 size_t CachedPrefixBlocks(std::span<const int64_t> windows, size_t block_size, size_t limit,
-                          const std::function<bool(size_t group, size_t block)>& held);
+                          const std::function<bool(size_t group, size_t block)>& held,
+                          int64_t sink_tokens = 0);
 
 }  // namespace pdserve

@@ -14,7 +14,7 @@ namespace {
 using codec::ByteReader;
 using codec::ByteWriter;
 
-constexpr uint16_t kLayoutFormatVersion = 5;
+constexpr uint16_t kLayoutFormatVersion = 6;
 constexpr uint32_t kMaxGroups = 1024;
 constexpr size_t kMaxNameBytes = 4096;
 
@@ -102,6 +102,7 @@ std::string KvLayout::Encode() const {
   w.U64(model_fingerprint);
   w.U32(static_cast<uint32_t>(group_windows.size()));
   for (int64_t window : group_windows) w.U64(static_cast<uint64_t>(window));
+  w.Bytes(kv_eviction);
   return w.Take();
 }
 
@@ -162,6 +163,8 @@ StatusOr<KvLayout> KvLayout::Decode(std::string_view bytes) {
     PDSERVE_RETURN_IF_ERROR(r.U64("group window", &v));
     l.group_windows.push_back(static_cast<int64_t>(v));
   }
+  PDSERVE_RETURN_IF_ERROR(r.Bytes("kv_eviction", kMaxNameBytes, &s));
+  l.kv_eviction = std::string(s);
   if (r.remaining() != 0) {
     return r.Error(std::to_string(r.remaining()) + " unexpected trailing bytes");
   }
@@ -186,7 +189,8 @@ std::string KvLayout::ToString() const {
          " bytes_per_block=" + std::to_string(bytes_per_block) +
          " memory=" + std::string(MemoryTypeName(memory_type)) + " transfer=" + transfer_backend +
          " model_fingerprint=" + Hex(model_fingerprint) +
-         (group_windows.empty() ? std::string() : " groups=" + Windows(group_windows));
+         (group_windows.empty() ? std::string() : " groups=" + Windows(group_windows)) +
+         (kv_eviction.empty() ? std::string() : " kv_eviction='" + kv_eviction + "'");
 }
 
 std::string DescribeLayoutDifferences(const KvLayout& here, const KvLayout& peer) {
@@ -217,6 +221,8 @@ std::string DescribeLayoutDifferences(const KvLayout& here, const KvLayout& peer
   cmp("model_fingerprint (weights, config, tokenizer, KV scales)", Hex(here.model_fingerprint),
       Hex(peer.model_fingerprint));
   cmp("group_windows", Windows(here.group_windows), Windows(peer.group_windows));
+  cmp("kv_eviction", "'" + (here.kv_eviction.empty() ? "none" : here.kv_eviction) + "'",
+      "'" + (peer.kv_eviction.empty() ? "none" : peer.kv_eviction) + "'");
   std::string out;
   for (const auto& d : diffs) {
     if (!out.empty()) out += "; ";

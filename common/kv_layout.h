@@ -14,11 +14,11 @@
 //   "KV layout mismatch: kv_dtype: fp16 here, fp8 on peer"
 //
 // The layout hash is a stable 64-bit digest of the canonical encoding (format
-// version 5, below); it never changes between builds or machines, so it may be
+// version 6, below); it never changes between builds or machines, so it may be
 // logged, stored and compared across releases of the same format version.
 // (Version 2 added memory_type and transfer_backend, version 3 the attention
 // kind and the MLA latent widths, version 4 the model fingerprint, version 5
-// the KV layer groups' windows.)
+// the KV layer groups' windows, version 6 the token eviction mode.)
 #pragma once
 
 #include <cstdint>
@@ -66,6 +66,10 @@ struct KvLayout {
   // one group of every layer, full attention. Peers with other windows keep
   // other blocks, so they do not exchange any.
   std::vector<int64_t> group_windows;
+  // The worker's token eviction mode (common/kv_eviction.h, Describe()):
+  // "" for none. A mode and a worker without it compute other KV for the
+  // same tokens, so they never pair.
+  std::string kv_eviction;
 
   // 2 x layers x kv_heads x head_dim x block_tokens x dtype bytes (no
   // scales); MLA: layers x (kv_lora_rank + qk_rope_head_dim) x block_tokens
@@ -80,7 +84,7 @@ struct KvLayout {
   // Stable digest of Encode() (XXH3-64).
   uint64_t Hash() const;
 
-  // Canonical little-endian encoding, format version 5. Decode rejects
+  // Canonical little-endian encoding, format version 6. Decode rejects
   // truncated, oversized or unknown-version input with a clear Status.
   std::string Encode() const;
   static StatusOr<KvLayout> Decode(std::string_view bytes);

@@ -37,6 +37,8 @@ struct Sequence {
   // included); kept even when a block stays private as a duplicate or loses
   // its hash to a reset, so that later commits can be checked against them.
   std::vector<BlockHash> committed_hashes;
+  // Entries released because no later query reaches them (windows, sinks).
+  size_t released = 0;
   size_t size() const { return tables[0].size(); }
 };
 
@@ -76,6 +78,8 @@ struct BlockManager::Impl {
   explicit Impl(const BlockManagerOptions& o)
       : options(o),
         windows(o.group_windows.empty() ? std::vector<int64_t>{0} : o.group_windows),
+        sink_blocks(static_cast<size_t>(
+            SinkBlocks(static_cast<int64_t>(o.sink_tokens), static_cast<int64_t>(o.block_size)))),
         blocks(o.num_blocks) {
     free_list.reserve(o.num_blocks);
     // Popped from the back, so block 0 is handed out first.
@@ -187,15 +191,22 @@ struct BlockManager::Impl {
     return static_cast<size_t>(FirstBlockInReach(windows[group], static_cast<int64_t>(pos),
                                                  static_cast<int64_t>(options.block_size)));
   }
-  // Releases the entries of windowed groups below the reach of a query at `pos`.
+  // Whether a group keeps entry i for a query at `pos` (sinks included).
+  bool InReach(size_t group, size_t pos, size_t i) const {
+    return windows[group] <= 0 || i < sink_blocks || i >= FirstInReach(group, pos);
+  }
+  // Releases the entries of windowed groups below the reach of a query at
+  // `pos`, the sink blocks excepted.
   void ReleaseOutOfReach(Sequence* seq, size_t pos) {
     for (size_t g = 0; g < groups(); ++g) {
       if (windows[g] <= 0) continue;
       const size_t first = std::min(FirstInReach(g, pos), seq->size());
-      for (size_t i = first; i-- > 0;) {
+      for (size_t i = first; i-- > sink_blocks;) {
         if (seq->tables[g][i] == kNil) break;  // released earlier, with those before it
         Release(seq->tables[g][i]);
         seq->tables[g][i] = kNil;
+        ++seq->released;
+        ++released_total;
       }
     }
   }
@@ -214,13 +225,15 @@ struct BlockManager::Impl {
       while (k < n && cached.count(hashes[k]) > 0) ++k;
       return k;
     }
-    return CachedPrefixBlocks(windows, options.block_size, n, [&](size_t g, size_t i) {
-      return cached.count(Key(hashes[i], g)) > 0;
-    });
+    return CachedPrefixBlocks(
+        windows, options.block_size, n,
+        [&](size_t g, size_t i) { return cached.count(Key(hashes[i], g)) > 0; },
+        static_cast<int64_t>(options.sink_tokens));
   }
 
   const BlockManagerOptions options;
   std::vector<int64_t> windows;  // per group; options.group_windows or {0}
+  size_t sink_blocks = 0;        // leading entries windowed groups keep (attention sinks)
   mutable std::mutex mu;
   std::vector<Block> blocks;
   std::vector<BlockId> free_list;
@@ -238,6 +251,7 @@ struct BlockManager::Impl {
   uint64_t query_tokens = 0;
   uint64_t hit_tokens = 0;
   uint64_t evicted_total = 0;
+  uint64_t released_total = 0;
 };
 
 StatusOr<std::unique_ptr<BlockManager>> BlockManager::Create(const BlockManagerOptions& options) {
@@ -265,6 +279,13 @@ size_t BlockManager::num_blocks() const { return impl_->options.num_blocks; }
 
 size_t BlockManager::num_groups() const { return impl_->windows.size(); }
 const std::vector<int64_t>& BlockManager::group_windows() const { return impl_->windows; }
+size_t BlockManager::sink_tokens() const { return impl_->options.sink_tokens; }
+
+size_t BlockManager::ReleasedBlocks(SeqId seq) const {
+  std::lock_guard lock(impl_->mu);
+  auto it = impl_->sequences.find(seq);
+  return it == impl_->sequences.end() ? 0 : it->second.released;
+}
 
 size_t BlockManager::FindCachedPrefix(std::span<const BlockHash> hashes) const {
   std::lock_guard lock(impl_->mu);
@@ -293,16 +314,16 @@ StatusOr<AdmitResult> BlockManager::Admit(const AdmitRequest& request) {
                                    std::to_string(request.num_tokens) + "]");
   }
   const size_t filled = CeilDiv(computed, bs);  // entries the cache or the caller fill
-  // Per group, the entries to hold: from the first query's reach on.
-  std::vector<size_t> first(m.groups());
-  for (size_t g = 0; g < m.groups(); ++g) first[g] = std::min(m.FirstInReach(g, computed), total);
+  // Per group, the entries to hold: those the first query reaches.
+  auto hold = [&](size_t g, size_t i) { return m.InReach(g, computed, i); };
 
   // Cached entries to take (below k and in reach), and how many fresh ones.
   // Matched blocks that are evictable now stop being allocatable once taken.
   std::vector<BlockId> matched_evictable;
   size_t fresh = 0;
   for (size_t g = 0; g < m.groups(); ++g) {
-    for (size_t i = first[g]; i < total; ++i) {
+    for (size_t i = 0; i < total; ++i) {
+      if (!hold(g, i)) continue;
       if (i >= k) {
         ++fresh;
         continue;
@@ -326,7 +347,8 @@ StatusOr<AdmitResult> BlockManager::Admit(const AdmitRequest& request) {
   // Matched blocks are acquired before allocating, so that the allocation
   // below cannot evict them.
   for (size_t g = 0; g < m.groups(); ++g) {
-    for (size_t i = first[g]; i < std::min(k, total); ++i) {
+    for (size_t i = 0; i < std::min(k, total); ++i) {
+      if (!hold(g, i)) continue;
       seq.tables[g][i] = m.cached.at(m.Key(request.prefix_hashes[i], g));
       m.Acquire(seq.tables[g][i]);
     }
@@ -335,7 +357,7 @@ StatusOr<AdmitResult> BlockManager::Admit(const AdmitRequest& request) {
   BatchBuilder batch;
   for (size_t i = k; i < total; ++i) {
     for (size_t g = 0; g < m.groups(); ++g) {
-      if (i < first[g]) continue;
+      if (!hold(g, i)) continue;
       seq.tables[g][i] = m.AllocateOne(&batch);
       if (i < filled) result.to_fill.push_back({static_cast<uint32_t>(g), i, seq.tables[g][i]});
     }
@@ -631,6 +653,7 @@ BlockManagerStats BlockManager::GetStats() const {
   s.prefix_cache_query_tokens = m.query_tokens;
   s.prefix_cache_hit_tokens = m.hit_tokens;
   s.evicted_blocks_total = m.evicted_total;
+  s.released_out_of_reach_blocks_total = m.released_total;
   s.num_sequences = m.sequences.size();
   s.num_pins = m.pins.size();
   return s;
@@ -660,15 +683,15 @@ Status BlockManager::CheckInvariants() const {
       for (size_t i = 0; i < table.size(); ++i) {
         const BlockId b = table[i];
         if (b == kNil) {
-          // Only a windowed group leaves entries empty, and only before
-          // the ones it holds.
-          if (m.windows[g] <= 0 || seen_held) {
+          // Only a windowed group leaves entries empty, and only between
+          // its sink blocks and the ones its window holds.
+          if (m.windows[g] <= 0 || seen_held || i < m.sink_blocks) {
             return fail("sequence " + std::to_string(id) + " group " + std::to_string(g) +
                         " has an empty entry " + std::to_string(i));
           }
           continue;
         }
-        seen_held = true;
+        if (i >= m.sink_blocks) seen_held = true;
         if (b >= n) return fail("sequence " + std::to_string(id) + " holds bad block id");
         ++refs[b];
         // Reserved (uncommitted) blocks must never be matchable.

@@ -25,11 +25,12 @@
 // when cached, so a released prefix stays matchable). A block of group g
 // with token-run hash h is cached under GroupBlockKey(h, g): that key is
 // what the prefix cache matches, what KV events and snapshots carry (with
-// the group) and what on_evict hands down. A prefix of k blocks is a hit
-// when every group holds what the query at position k*B reaches
-// (CachedPrefixBlocks: all k blocks of a full group, the blocks of the
-// last W-1 tokens of a windowed one). With one full group (every model
-// without windows) all of this is the plain single-table manager.
+// the group) and what on_evict hands down. With attention sinks
+// (sink_tokens), windowed groups also keep the sink blocks at the start of
+// their tables and release only the entries between them and the window. A prefix of k blocks is a
+// hit when every group holds what the query at position k*B reaches (CachedPrefixBlocks: all k
+// blocks of a full group, the blocks of the last W-1 tokens of a windowed one). With one full group
+// (every model without windows) all of this is the plain single-table manager.
 //
 // Every block is in exactly one state at all times:
 //   free       (refcount 0, no hash)  - on the free list
@@ -102,6 +103,10 @@ struct BlockManagerOptions {
   // The window of each layer group (0: full attention); empty: one group
   // of full attention.
   std::vector<int64_t> group_windows;
+  // Attention sinks (common/kv_groups.h, KvGroups::sink_tokens): windowed
+  // groups also keep the blocks of the first sink_tokens positions, and
+  // release only those between them and the window.
+  size_t sink_tokens = 0;
   // Called for every cached block an allocation evicts, before the block is
   // handed out again (its KV still intact): where a worker copies it down to
   // its lower tiers. `key` is the block's cache key (GroupBlockKey). Runs
@@ -126,6 +131,11 @@ struct BlockManagerStats {
   uint64_t prefix_cache_query_tokens = 0;
   uint64_t prefix_cache_hit_tokens = 0;
   uint64_t evicted_blocks_total = 0;
+  // Table entries released because no later query of their sequence
+  // reaches them (sliding windows, attention sinks): the blocks a dense
+  // model would have kept. pdserve_kv_evicted_tokens_total counts them in
+  // tokens.
+  uint64_t released_out_of_reach_blocks_total = 0;
   size_t num_sequences = 0;
   size_t num_pins = 0;
 };
@@ -174,6 +184,7 @@ class BlockManager {
   size_t num_groups() const;
   // The windows of the layer groups (0: full attention).
   const std::vector<int64_t>& group_windows() const;
+  size_t sink_tokens() const;
 
   // Number of leading `hashes` that are cached now (committed, referenced or
   // evictable) as a usable prefix: CachedPrefixBlocks over every group.
@@ -219,6 +230,9 @@ class BlockManager {
   bool HasSequence(SeqId seq) const;
   // Leading blocks of `seq` that are committed (cache hits count).
   size_t NumCommittedBlocks(SeqId seq) const;
+  // Entries of `seq`'s tables released so far because no later query
+  // reaches them (0 for an unknown seq): the blocks it saved.
+  size_t ReleasedBlocks(SeqId seq) const;
   // Current reference count of a block (0 for an id outside the pool).
   uint32_t RefCount(BlockId block) const;
 

@@ -56,7 +56,8 @@ StatusOr<CapacityPlan> PlanCapacity(const CapacityRequest& r) {
     // A decoding sequence keeps, per sliding layer, the blocks of its last
     // W-1 positions and the current one: ceil((W-1)/B) + 1 blocks at most.
     const int64_t B = r.block_size;
-    const int64_t kept = ((r.shape.sliding_window - 1 + B - 1) / B + 1) * B;
+    const int64_t sinks = r.shape.sink_tokens > 0 ? (r.shape.sink_tokens + B - 1) / B : 0;
+    const int64_t kept = ((r.shape.sliding_window - 1 + B - 1) / B + 1 + sinks) * B;
     plan.sliding_tokens_per_sequence = std::min(r.context_tokens, kept);
     // Bytes per token of one layer (every layer has the same).
     const int64_t per_layer_token = stored_per_token / r.shape.layers;
@@ -64,6 +65,11 @@ StatusOr<CapacityPlan> PlanCapacity(const CapacityRequest& r) {
         per_layer_token * ((r.shape.layers - r.shape.sliding_layers) * r.context_tokens +
                            r.shape.sliding_layers * plan.sliding_tokens_per_sequence);
   }
+  plan.blocks_per_sequence_dense = (r.context_tokens + r.block_size - 1) / r.block_size;
+  plan.blocks_per_sequence =
+      r.shape.sliding_layers == r.shape.layers && r.shape.sliding_layers > 0
+          ? (plan.sliding_tokens_per_sequence + r.block_size - 1) / r.block_size
+          : plan.blocks_per_sequence_dense;
   constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
   const double budget = r.gpu_mem_gib * kGiB * (1.0 - r.reserve_ratio) - r.weights_gib * kGiB;
   plan.kv_budget_bytes = budget > 0 ? static_cast<int64_t>(std::floor(budget)) : 0;

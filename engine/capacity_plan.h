@@ -32,6 +32,9 @@ struct KvShape {
   // them (common/kv_groups.h).
   int64_t sliding_layers = 0;
   int64_t sliding_window = 0;
+  // Attention sinks (--kv-eviction streaming, every layer sliding): the
+  // sliding layers also keep the blocks of the first sink_tokens positions.
+  int64_t sink_tokens = 0;
 
   bool is_mla() const { return kv_lora_rank > 0 || qk_rope_head_dim > 0; }
   // fp32 scales pdserve's fp8 and nvfp4 pools store per block: one per layer and
@@ -58,7 +61,12 @@ struct CapacityPlan {
   int64_t kv_bytes_per_sequence = 0;
   int64_t kv_bytes_per_sequence_dense = 0;  // the same with every layer full
   int64_t sliding_tokens_per_sequence = 0;  // what each sliding layer keeps (0: none)
-  int64_t kv_budget_bytes = 0;              // memory left for the KV pool (never negative)
+  // Blocks of block_size tokens one layer holds for a decoding sequence at
+  // the context: ceil(context / B) for a full layer, a sliding layer's
+  // sliding_tokens_per_sequence / B (the most any layer holds).
+  int64_t blocks_per_sequence = 0;
+  int64_t blocks_per_sequence_dense = 0;
+  int64_t kv_budget_bytes = 0;  // memory left for the KV pool (never negative)
   int64_t max_sequences =
       0;                   // concurrent full-context sequences that fit (by kv_bytes_per_sequence)
   int64_t max_tokens = 0;  // tokens of every layer's KV that fit (micro-scales included)

@@ -49,6 +49,34 @@ struct Engine::Sequence {
 
 Engine::~Engine() = default;
 
+namespace {
+
+// The budgets of a token eviction mode against the block size and the pool
+// (the mode itself was checked by ModelConfig::ApplyKvEviction).
+Status CheckEvictionFits(const KvEviction& ev, const EngineOptions& options, int64_t pool_blocks) {
+  const int64_t B = options.block_size;
+  if (options.kv_host_cache_bytes > 0 || !options.kv_disk_cache_dir.empty()) {
+    return Status::InvalidArgument("--kv-eviction/--kv-selection (" + ev.Describe() +
+                                   "): lower KV tiers do not take them yet");
+  }
+  if (ev.mode != KvEviction::Mode::kStreaming) return Status::Ok();
+  if (ev.window_tokens < B) {
+    return Status::InvalidArgument("--kv-window-tokens " + std::to_string(ev.window_tokens) +
+                                   " is smaller than one block (" + std::to_string(B) + " tokens)");
+  }
+  // What one decoding sequence holds: the sink blocks and the window's.
+  const int64_t need = SinkBlocks(ev.sink_tokens, B) + (ev.window_tokens - 1 + B - 1) / B + 1;
+  if (need > pool_blocks) {
+    return Status::InvalidArgument(
+        "--kv-window-tokens: sinks " + std::to_string(ev.sink_tokens) + " + window " +
+        std::to_string(ev.window_tokens) + " need " + std::to_string(need) +
+        " blocks per sequence, more than the KV pool's " + std::to_string(pool_blocks));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 StatusOr<std::unique_ptr<Engine>> Engine::Create(Model* model, const EngineOptions& options,
                                                  const Tokenizer* tokenizer) {
   if (options.max_num_seqs < 1) return Status::InvalidArgument("max_num_seqs must be >= 1");
@@ -69,6 +97,9 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(Model* model, const EngineOptio
                                   options.kv_scales ? &*options.kv_scales : nullptr);
   if (!pool.ok()) return pool.status();
   e->pool_ = std::move(*pool);
+  if (const KvEviction& ev = model->config().kv_eviction; ev.enabled()) {
+    PDSERVE_RETURN_IF_ERROR(CheckEvictionFits(ev, options, e->pool_->num_blocks()));
+  }
   BlockManagerOptions bm;
   bm.num_blocks = static_cast<size_t>(e->pool_->num_blocks());
   bm.block_size = static_cast<size_t>(options.block_size);
@@ -76,6 +107,7 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(Model* model, const EngineOptio
   bm.record_kv_events = options.record_kv_events;
   if (const KvGroups& g = e->pool_->groups(); g.size() > 1 || g.any_windowed()) {
     bm.group_windows = g.windows;
+    bm.sink_tokens = static_cast<size_t>(g.sink_tokens);
   }
   e->kv_fingerprint_ = options.model_fingerprint;
   if (options.kv_scales) {
@@ -263,7 +295,10 @@ void Engine::FinishSequence(Sequence* s, FinishReason reason, RequestOutput* out
       }
     }
   }
-  if (blocks_->HasSequence(s->id)) (void)blocks_->Free(s->id);
+  if (blocks_->HasSequence(s->id)) {
+    out->kv_blocks_released = static_cast<int64_t>(blocks_->ReleasedBlocks(s->id));
+    (void)blocks_->Free(s->id);
+  }
   Remove(&running_, s);
   Remove(&waiting_, s);
   s->finished = true;
@@ -321,18 +356,21 @@ int64_t Engine::TierPrefix(std::span<const BlockHash> hashes, int64_t cached) co
   // The pool's blocks count only within its cached prefix: Admit takes
   // those, and allocates (to be filled from the tiers) the rest.
   return static_cast<int64_t>(CachedPrefixBlocks(
-      windows, static_cast<size_t>(options_.block_size), hashes.size(), [&](size_t g, size_t i) {
+      windows, static_cast<size_t>(options_.block_size), hashes.size(),
+      [&](size_t g, size_t i) {
         return static_cast<int64_t>(i) < cached ||
                tier_mover_->Holds(GroupBlockKey(hashes[i], static_cast<uint32_t>(g)));
-      }));
+      },
+      static_cast<int64_t>(blocks_->sink_tokens())));
 }
 
 int64_t Engine::ContextCapacityTokens() const {
   const int64_t B = options_.block_size;
   int64_t full = 0, windowed_blocks = 0;
+  const int64_t sinks = SinkBlocks(static_cast<int64_t>(blocks_->sink_tokens()), B);
   for (int64_t w : blocks_->group_windows()) {
     if (w > 0) {
-      windowed_blocks += (w - 1 + B - 1) / B + 1;
+      windowed_blocks += (w - 1 + B - 1) / B + 1 + sinks;
     } else {
       ++full;
     }
@@ -345,8 +383,9 @@ int64_t Engine::ContextCapacityTokens() const {
 int64_t Engine::BlocksHeld(int64_t computed, int64_t tokens) const {
   const int64_t B = options_.block_size, total = (tokens + B - 1) / B;
   int64_t n = 0;
+  const auto sinks = static_cast<int64_t>(blocks_->sink_tokens());
   for (int64_t w : blocks_->group_windows()) {
-    n += total - std::min(total, FirstBlockInReach(w, computed, B));
+    for (int64_t i = 0; i < total; ++i) n += BlockInReach(w, sinks, computed, B, i) ? 1 : 0;
   }
   return n;
 }
@@ -729,6 +768,20 @@ StatusOr<RequestOutput> Engine::CompleteRemotePrefill(RequestId id, TokenId firs
                                    " is not allowed by the request's constraint");
   }
   s->num_computed = s->prompt_len;
+  if (pool_->layout().key_bounds != nullptr) {
+    // Quest: the received blocks' key bounds, which no WriteKv here kept.
+    const int64_t B = options_.block_size;
+    const std::vector<BlockId>& table = blocks_->BlockTable(s->id);
+    std::vector<int32_t> ids, tokens;
+    for (size_t i = s->remote_first_block; i < table.size(); ++i) {
+      if (table[i] == kNoBlock) continue;
+      ids.push_back(static_cast<int32_t>(table[i]));
+      tokens.push_back(
+          static_cast<int32_t>(std::min<int64_t>(B, s->prompt_len - static_cast<int64_t>(i) * B)));
+    }
+    model_->backend()->ComputeKeyBounds(pool_->layout(), pool_->base(), ids.data(), tokens.data(),
+                                        static_cast<int64_t>(ids.size()));
+  }
   if (options_.enable_prefix_caching) {
     ExtendPromptHashes(s->hash_seed, std::span<const TokenId>(s->tokens.data(), s->num_computed),
                        static_cast<size_t>(options_.block_size), &s->hashes);

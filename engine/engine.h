@@ -50,7 +50,11 @@
 // one block table per layer group; each step first releases the windowed
 // groups' blocks its sequences' next queries no longer reach, so such a
 // sequence holds at most ceil((W - 1 + chunk) / B) + 1 blocks per windowed
-// group, and contexts are not capped at the window.
+// group, and contexts are not capped at the window. Attention sinks
+// (--kv-eviction streaming, docs/kv-eviction.md) window every layer and also
+// keep the sink blocks; the context is then not capped at the model's.
+// Engine::Create refuses a window below one block or beyond the pool, and
+// lower tiers with a mode.
 //
 // Thread safety: none. One thread drives an engine (AddRequest, Step,
 // Cancel, ...); block_manager() is safe to read from other threads.
@@ -164,6 +168,10 @@ struct RequestOutput {
   // Prompt tokens whose KV came from the local prefix cache at admission
   // (set on the request's first output).
   int64_t num_cached_tokens = 0;
+  // On the finishing output: the blocks the request released while it ran
+  // because no later query reached them (windows, attention sinks): what it
+  // saved against dense attention.
+  int64_t kv_blocks_released = 0;
   // prefill_only requests, on their last output: the pinned blocks holding
   // the prompt's KV, and the pin to release. With stream_kv_blocks, also on
   // every earlier step that completed new full prompt blocks (finished false):

@@ -51,6 +51,7 @@ StatusOr<std::unique_ptr<KvCachePool>> KvCachePool::Create(kernels::Backend* bac
   pool->backend_ = backend;
   pool->layout_ = layout;
   pool->groups_ = config.is_mla() ? KvGroups::Full(config.num_layers) : config.kv_groups();
+  pool->eviction_ = config.kv_eviction.Describe();
   if (scales != nullptr) {
     // In group order: [group][layer of the group][set], what each group's
     // blocks use (Model::Forward points every group at its own rows).
@@ -68,11 +69,23 @@ StatusOr<std::unique_ptr<KvCachePool>> KvCachePool::Create(kernels::Backend* bac
     return Status::ResourceExhausted("cannot allocate a KV pool of " +
                                      std::to_string(layout.total_bytes()) + " bytes");
   }
+  if (config.kv_eviction.quest_blocks > 0) {
+    // Quest's key bounds beside the pool: 2 x head_dim floats per block,
+    // layer and KV head (1/block_size of the keys' fp32 bytes).
+    const auto bytes = static_cast<size_t>(layout.num_blocks * layout.num_layers *
+                                           layout.num_kv_heads * 2 * layout.head_dim * 4);
+    pool->key_bounds_ = static_cast<float*>(backend->Allocate(bytes));
+    if (pool->key_bounds_ == nullptr) {
+      return Status::ResourceExhausted("cannot allocate Quest's key bounds");
+    }
+    pool->layout_.key_bounds = pool->key_bounds_;
+  }
   return pool;
 }
 
 KvCachePool::~KvCachePool() {
   if (base_ != nullptr) backend_->Free(base_);
+  if (key_bounds_ != nullptr) backend_->Free(key_bounds_);
 }
 
 MemoryType KvCachePool::memory_type() const {
@@ -97,6 +110,7 @@ KvLayout KvCachePool::TransferLayout(std::string model_id, DType weight_dtype,
   l.memory_type = memory_type();
   l.transfer_backend = std::move(transfer_backend);
   if (groups_.size() > 1 || groups_.any_windowed()) l.group_windows = groups_.windows;
+  l.kv_eviction = eviction_;
   return l;
 }
 

@@ -62,6 +62,8 @@ class KvCachePool {
   kernels::Backend* backend_ = nullptr;
   kernels::KvCacheLayout layout_;
   KvGroups groups_;
+  std::string eviction_;             // KvEviction::Describe() of the model's mode
+  float* key_bounds_ = nullptr;      // Quest's (KvCacheLayout::key_bounds)
   std::vector<float> fixed_scales_;  // layout_.fixed_scales points here
   void* base_ = nullptr;
 };

@@ -25,9 +25,18 @@ std::optional<LoadFormat> ParseLoadFormat(std::string_view name) {
 }
 
 StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir, kernels::Backend* backend,
-                                             LoadFormat format) {
+                                             LoadFormat format, const KvEviction& eviction) {
   auto config = LoadModelConfig(dir);
   if (!config.ok()) return config.status();
+  PDSERVE_RETURN_IF_ERROR(config->ApplyKvEviction(eviction));
+  if (eviction.sink_tokens > 0 && !backend->SupportsAttentionSinks()) {
+    return Status::InvalidArgument("--kv-sink-tokens: the " + backend->name() +
+                                   " backend's attention does not take sinks yet");
+  }
+  if (eviction.quest_blocks > 0 && !backend->SupportsKvSelection()) {
+    return Status::InvalidArgument("--kv-selection quest: the " + backend->name() +
+                                   " backend does not select blocks yet");
+  }
   auto files =
       format == LoadFormat::kDummy
           ? RandomWeights(*config,
@@ -64,6 +73,12 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir, kernels::Ba
   m->files_ = std::move(*files);
   m->store_ = std::make_unique<kernels::WeightStore>(backend);
   PDSERVE_RETURN_IF_ERROR(m->LoadWeights(*m->files_));
+  for (kernels::LayerAttention& a : m->layer_attention_) {
+    // Sinks re-index positions: the layer's RoPE frequencies rotate them.
+    a.sinks = m->config_.kv_eviction.sink_tokens;
+    a.rope_inv_freq = m->inv_freq_;
+    a.quest_blocks = m->config_.kv_eviction.quest_blocks;
+  }
   if (m->config_.quant.quantized()) {
     PDSERVE_LOG(INFO) << "model: " << m->model_id_ << ": fp8 weights, "
                       << m->config_.quant.Describe() << " (" << backend->name() << " backend)";

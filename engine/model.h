@@ -61,8 +61,12 @@ class Model {
   // Loads DIR (config.json + safetensors) onto `backend`, which must outlive
   // the model. kDummy reads only config.json; its weights are bf16 where the
   // backend takes bf16 matrices, fp32 otherwise, the same on every load.
+  // `eviction`: the worker's token eviction mode (ModelConfig::
+  // ApplyKvEviction, whose refusals name the flag; sinks also need a
+  // backend whose attention takes them).
   static StatusOr<std::unique_ptr<Model>> Load(const std::string& dir, kernels::Backend* backend,
-                                               LoadFormat format = LoadFormat::kSafetensors);
+                                               LoadFormat format = LoadFormat::kSafetensors,
+                                               const KvEviction& eviction = {});
   ~Model();
   Model(const Model&) = delete;
   Model& operator=(const Model&) = delete;

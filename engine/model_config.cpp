@@ -536,7 +536,62 @@ kernels::MoeRouting ModelConfig::MoeRoutingRule() const {
   return r;
 }
 
-int64_t ModelConfig::max_context() const { return max_position_embeddings; }
+int64_t ModelConfig::max_context() const {
+  if (kv_eviction.mode == KvEviction::Mode::kStreaming) return kStreamingMaxContext;
+  return max_position_embeddings;
+}
+
+Status ModelConfig::ApplyKvEviction(const KvEviction& e) {
+  if (e.quest_blocks < 0) {
+    return Status::InvalidArgument("--kv-selection-blocks must be >= 1, got " +
+                                   std::to_string(e.quest_blocks));
+  }
+  if (e.quest_blocks > 0) {
+    auto refuse = [](const std::string& why) {
+      return Status::InvalidArgument("--kv-selection quest: " + why);
+    };
+    if (e.mode != KvEviction::Mode::kNone) return refuse("does not combine with --kv-eviction");
+    if (is_mla()) {
+      return refuse("MLA's latent cache (DeepSeek) has no per-head keys to bound");
+    }
+    if (!layer_windows.empty()) return refuse("the model has sliding-window layers");
+    kv_eviction = e;
+    return Status::Ok();
+  }
+  if (e.mode == KvEviction::Mode::kNone) return Status::Ok();
+  const std::string mode(KvEvictionModeName(e.mode));
+  auto refuse = [&](const std::string& why) {
+    return Status::InvalidArgument("--kv-eviction " + mode + ": " + why);
+  };
+  if (is_mla()) {
+    return refuse(
+        "MLA's latent cache (DeepSeek) holds one latent per token, not per-head keys whose "
+        "positions sinks re-index");
+  }
+  if (rope_theta <= 0) return refuse("the model has no RoPE position to re-index");
+  if (RopeAttentionFactor() != 1.0) {
+    return refuse("the model's RoPE scales cos and sin (yarn), not a pure rotation");
+  }
+  if (!layer_windows.empty()) {
+    return refuse("the model has sliding-window layers of its own");
+  }
+  if (e.window_tokens < 1) {
+    return Status::InvalidArgument("--kv-window-tokens must be >= 1, got " +
+                                   std::to_string(e.window_tokens));
+  }
+  if (e.sink_tokens < 0) {
+    return Status::InvalidArgument("--kv-sink-tokens must be >= 0, got " +
+                                   std::to_string(e.sink_tokens));
+  }
+  if (e.sink_tokens + e.window_tokens > max_position_embeddings) {
+    return Status::InvalidArgument(
+        "--kv-window-tokens: sinks + window = " + std::to_string(e.sink_tokens + e.window_tokens) +
+        " exceeds the model's max_position_embeddings " + std::to_string(max_position_embeddings));
+  }
+  kv_eviction = e;
+  layer_windows.assign(static_cast<size_t>(num_layers), e.window_tokens);
+  return Status::Ok();
+}
 
 int64_t ModelConfig::LayerWindow(int64_t l) const {
   return layer_windows.empty() ? 0 : layer_windows[static_cast<size_t>(l)];
@@ -544,7 +599,9 @@ int64_t ModelConfig::LayerWindow(int64_t l) const {
 
 KvGroups ModelConfig::kv_groups() const {
   if (layer_windows.empty()) return KvGroups::Full(num_layers);
-  return KvGroups::FromLayerWindows(layer_windows);
+  KvGroups g = KvGroups::FromLayerWindows(layer_windows);
+  g.sink_tokens = kv_eviction.sink_tokens;
+  return g;
 }
 
 bool ModelConfig::UsesLocalRope(int64_t l) const {

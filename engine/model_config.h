@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "common/block_hash.h"  // TokenId
+#include "common/kv_eviction.h"
 #include "common/kv_groups.h"
 #include "common/status.h"
 #include "engine/weight_quant.h"
@@ -90,6 +91,10 @@ struct ModelConfig {
   // ("sliding_attention" / "full_attention") overrides the family's rule.
   std::optional<int64_t> sliding_window;
   std::vector<int64_t> layer_windows;
+  // Token eviction of the worker (common/kv_eviction.h), set by
+  // ApplyKvEviction, not by config.json: streaming windows every layer at
+  // window_tokens with sink_tokens sinks, and lifts the context limit.
+  KvEviction kv_eviction;
   // Gemma-2/3 (Gemma2DecoderLayer, Gemma3DecoderLayer): RMSNorm multiplies
   // by (1 + weight); sandwich norms (post_attention_layernorm on the
   // attention output, pre_ and post_feedforward_layernorm around the MLP);
@@ -173,8 +178,20 @@ struct ModelConfig {
   // model points it at each layer's e_score_correction_bias).
   kernels::MoeRouting MoeRoutingRule() const;
 
-  // The longest sequence (prompt + output) the engine may run.
+  // The longest sequence (prompt + output) the engine may run:
+  // max_position_embeddings, or kStreamingMaxContext under streaming
+  // eviction (attention then sees positions below sinks + window only).
   int64_t max_context() const;
+  static constexpr int64_t kStreamingMaxContext = int64_t{1} << 20;
+  // Applies a worker's token eviction mode. InvalidArgument naming the flag
+  // for a mode this model's attention cannot run: streaming with MLA's
+  // latent cache (its keys carry no per-head position to re-index), a model
+  // whose RoPE is not a pure rotation (yarn's attention factor), a model
+  // with sliding-window layers of its own, a window below 1 or sinks below
+  // 0, or sinks + window beyond max_position_embeddings (the positions the
+  // cache numbers must stay within the trained ones); Quest with MLA, with
+  // sliding windows, with an eviction mode, or with K < 0.
+  Status ApplyKvEviction(const KvEviction& eviction);
   // Layer l's window (0: full attention).
   int64_t LayerWindow(int64_t l) const;
   // The KV cache's layer groups (common/kv_groups.h).

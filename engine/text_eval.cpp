@@ -25,11 +25,12 @@ int64_t ArgMax(const std::vector<double>& v) {
   return std::max_element(v.begin(), v.end()) - v.begin();  // first (lowest id) of equals
 }
 
-// At least 2 tokens, within the context and the vocabulary.
-Status CheckText(const ModelConfig& c, const std::vector<TokenId>& tokens) {
+// At least 2 tokens, within the context (unless `past_context`) and the
+// vocabulary.
+Status CheckText(const ModelConfig& c, const std::vector<TokenId>& tokens, bool past_context) {
   const int64_t n = static_cast<int64_t>(tokens.size());
   if (n < 2) return Status::InvalidArgument("the text must have at least 2 tokens");
-  if (n > c.max_context()) {
+  if (n > c.max_context() && !past_context) {
     return Status::InvalidArgument("the text has " + std::to_string(n) +
                                    " tokens, more than the model's context of " +
                                    std::to_string(c.max_context()));
@@ -134,7 +135,7 @@ StatusOr<TextEvalResult> EvaluateText(Model* model, const std::vector<TokenId>& 
                                       const TextEvalOptions& options) {
   const ModelConfig& c = model->config();
   const int64_t n = static_cast<int64_t>(tokens.size());
-  PDSERVE_RETURN_IF_ERROR(CheckText(c, tokens));
+  PDSERVE_RETURN_IF_ERROR(CheckText(c, tokens, options.past_context));
   if (options.prefill_tokens < 1 || options.decode_chunk < 1) {
     return Status::InvalidArgument("prefill tokens and decode chunk must be >= 1");
   }
@@ -144,7 +145,7 @@ StatusOr<TextEvalResult> EvaluateText(Model* model, const std::vector<TokenId>& 
         "the baseline model's vocabulary (" + std::to_string(baseline->config().vocab_size) +
         " tokens) is not the model's (" + std::to_string(c.vocab_size) + ")");
   }
-  PDSERVE_RETURN_IF_ERROR(CheckText(baseline->config(), tokens));
+  PDSERVE_RETURN_IF_ERROR(CheckText(baseline->config(), tokens, options.past_context));
   const int64_t step = std::max(options.prefill_tokens, options.decode_chunk);
   auto base =
       PagedSequenceRunner::Create(baseline, DType::kF32, options.block_size, n, nullptr, step);
@@ -195,7 +196,7 @@ StatusOr<KvScales> MeasureKvScales(Model* model, const std::vector<TokenId>& tok
     return Status::InvalidArgument("KV scales are calibrated for fp8, fp8_e5m2 or nvfp4, not " +
                                    std::string(DTypeName(kv_dtype)));
   }
-  PDSERVE_RETURN_IF_ERROR(CheckText(model->config(), tokens));
+  PDSERVE_RETURN_IF_ERROR(CheckText(model->config(), tokens, false));
   const int64_t n = static_cast<int64_t>(tokens.size());
   auto runner = PagedSequenceRunner::Create(model, DType::kF32, block_size, n);
   if (!runner.ok()) return runner.status();

@@ -75,6 +75,10 @@ struct TextEvalOptions {
   // The model of the baseline run (fp32 KV); null: the model under test.
   // Its vocabulary must be the model's.
   Model* baseline = nullptr;
+  // Score a text longer than the model's context (max_position_embeddings)
+  // anyway, RoPE extrapolating past its trained positions: the dense
+  // baseline of docs/kv-eviction.md. The engine never serves that.
+  bool past_context = false;
 };
 
 struct TextEvalResult {

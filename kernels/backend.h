@@ -206,6 +206,19 @@ class Backend {
   // multiplies q.k.
   virtual void PagedAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q,
                               float scale, const Tensor& out) = 0;
+  // Whether PagedAttention takes attention sinks (AttentionBatch::sinks);
+  // the engine refuses --kv-eviction streaming on a backend without them.
+  virtual bool SupportsAttentionSinks() const { return false; }
+  // Whether WriteKv keeps KvCacheLayout::key_bounds and PagedAttention
+  // selects blocks by them (AttentionBatch::quest_blocks).
+  virtual bool SupportsKvSelection() const { return false; }
+  // Sets layout.key_bounds of blocks[i] (every layer and KV head) from the
+  // first tokens[i] keys the pool holds there: for KV that arrived without
+  // WriteKv (a peer's transfer). Only where SupportsKvSelection().
+  virtual void ComputeKeyBounds(const KvCacheLayout& layout, const void* pool,
+                                const int32_t* blocks, const int32_t* tokens, int64_t count) {
+    (void)layout, (void)pool, (void)blocks, (void)tokens, (void)count;
+  }
 
   // Multi-head latent attention (DeepSeek-V2/V3) ops. R = layout.kv_lora_rank,
   // P = layout.rope_dim(), on an MLA layout (KvCacheLayout::Mla).

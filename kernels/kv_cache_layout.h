@@ -51,6 +51,15 @@ struct KvCacheLayout {
   // [num_layers][kv_sets()] region scales that every write of that layer
   // uses instead of setting and growing its own; null for dynamic scales.
   const float* fixed_scales = nullptr;
+  // Quest (--kv-selection quest): per block, layer and KV head, the
+  // per-channel minima then maxima of the keys written into the block so
+  // far (2 x head_dim floats at key_bounds_offset), kept by WriteKv beside
+  // the pool (not part of a block's bytes; a backend that keeps them says
+  // so, Backend::SupportsKvSelection). Null: none kept.
+  float* key_bounds = nullptr;
+  int64_t key_bounds_offset(int64_t block, int64_t layer, int64_t kv_head) const {
+    return ((block * num_layers + layer) * num_kv_heads + kv_head) * 2 * head_dim;
+  }
 
   // The MLA pool of `layers` layers caching kv_lora_rank + rope_dim values per token.
   static KvCacheLayout Mla(int64_t layers, int64_t kv_lora_rank, int64_t rope_dim) {

@@ -35,6 +35,24 @@ struct AttentionBatch {
   // blocks before the first of those are never read (a windowed layer
   // group's table may hold anything there). 0: every position up to p.
   int64_t window = 0;
+  // Attention sinks (StreamingLLM; with window > 0): the query at position p
+  // also attends to positions [0, sinks) when its window has left them, and
+  // the cache then numbers its keys by their rank in it (sinks 0..S-1, the
+  // window S..S+W-1). The keys are stored rotated by their own positions, so
+  // a window key keeps its distance to the query; a sink key sees the query
+  // rotated back by shift = p - W + 1 - S (rope_inv_freq: the layer's RoPE
+  // frequencies, head_dim/2 floats in backend memory), which gives each
+  // score the paper's re-rotated value. The blocks between the sinks and
+  // the window are never read. 0: none.
+  int64_t sinks = 0;
+  const float* rope_inv_freq = nullptr;
+  // Quest (Tang et al. 2024): a decode row (a sequence with one query row)
+  // whose full blocks before its newest number more than quest_blocks
+  // attends, per query head, only to the quest_blocks of them with the
+  // highest upper bound sum_i max(q_i min_i, q_i max_i) over the block's
+  // key bounds (KvCacheLayout::key_bounds; ties: the lower block index),
+  // plus its newest block. Prefill rows attend to everything. 0: off.
+  int64_t quest_blocks = 0;
   // Gemma-2's attention logit soft-capping: each scaled score s becomes
   // softcap * tanh(s / softcap) before the softmax. 0: none.
   float softcap = 0;
@@ -53,6 +71,9 @@ struct LayerAttention {
   int32_t kv_layer = 0;
   int64_t window = 0;
   float softcap = 0;
+  int64_t sinks = 0;                     // AttentionBatch::sinks
+  const float* rope_inv_freq = nullptr;  // AttentionBatch::rope_inv_freq
+  int64_t quest_blocks = 0;              // AttentionBatch::quest_blocks
 };
 
 // The attention of one step, built once per step and used by every layer:
@@ -101,6 +122,9 @@ struct AttentionPlan {
     at.batch.block_tables += a.group * group_table_stride;
     at.batch.window = a.window;
     at.batch.softcap = a.softcap;
+    at.batch.sinks = a.sinks;
+    at.batch.rope_inv_freq = a.rope_inv_freq;
+    at.batch.quest_blocks = a.quest_blocks;
     if (layout.fixed_scales != nullptr) {
       at.layout.fixed_scales += a.group * layout.num_layers * layout.kv_sets();
     }

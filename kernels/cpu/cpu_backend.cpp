@@ -269,6 +269,19 @@ void CpuBackend::WriteKv(const KvCacheLayout& layout, void* pool, int64_t layer,
                      offset, base + layout.k_offset(block, layer, h), &ks, fixed_k);
             StoreRun(v.as<const float>() + t * v.stride[0] + h * hd, v.stride[0], run, region,
                      offset, base + layout.v_offset(block, layer, h), &vs, fixed_v);
+            if (layout.key_bounds != nullptr) {
+              // Quest's bounds of the block's keys (offset 0 starts afresh).
+              float* lo = layout.key_bounds + layout.key_bounds_offset(block, layer, h);
+              float* hi = lo + hd;
+              for (int64_t r = 0; r < run; ++r) {
+                const float* key = k.as<const float>() + (t + r) * k.stride[0] + h * hd;
+                const bool fresh = offset == 0 && r == 0;
+                for (int64_t d = 0; d < hd; ++d) {
+                  lo[d] = fresh ? key[d] : std::min(lo[d], key[d]);
+                  hi[d] = fresh ? key[d] : std::max(hi[d], key[d]);
+                }
+              }
+            }
             if (layout.has_scales()) {
               std::memcpy(k_scale, &ks, 4);
               std::memcpy(v_scale, &vs, 4);
@@ -280,6 +293,36 @@ void CpuBackend::WriteKv(const KvCacheLayout& layout, void* pool, int64_t layer,
       min_heads_per_task);
 }
 
+void CpuBackend::ComputeKeyBounds(const KvCacheLayout& layout, const void* pool,
+                                  const int32_t* blocks, const int32_t* tokens, int64_t count) {
+  OpCheck(layout.key_bounds != nullptr, "ComputeKeyBounds", "needs the layout's key bounds");
+  const auto* base = static_cast<const uint8_t*>(pool);
+  const int64_t hd = layout.head_dim, bs = layout.block_size;
+  const KvRegion region{layout.dtype, bs, hd};
+  std::vector<float> keys(static_cast<size_t>(bs * hd));
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t n = std::min<int64_t>(tokens[i], bs);
+    if (n < 1) continue;
+    for (int64_t l = 0; l < layout.num_layers; ++l) {
+      for (int64_t h = 0; h < layout.num_kv_heads; ++h) {
+        float scale = 1.0f;
+        if (layout.has_scales())
+          std::memcpy(&scale, base + layout.k_scale_offset(blocks[i], l, h), 4);
+        LoadKv(base + layout.k_offset(blocks[i], l, h), region, scale, n * hd, keys.data());
+        float* lo = layout.key_bounds + layout.key_bounds_offset(blocks[i], l, h);
+        float* hi = lo + hd;
+        for (int64_t d = 0; d < hd; ++d) lo[d] = hi[d] = keys[d];
+        for (int64_t t = 1; t < n; ++t) {
+          for (int64_t d = 0; d < hd; ++d) {
+            lo[d] = std::min(lo[d], keys[t * hd + d]);
+            hi[d] = std::max(hi[d], keys[t * hd + d]);
+          }
+        }
+      }
+    }
+  }
+}
+
 void CpuBackend::PagedAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q,
                                 float scale, const Tensor& out) {
   const AttentionPlan::Layer at = plan.ForLayer(layer);
@@ -289,6 +332,10 @@ void CpuBackend::PagedAttention(const AttentionPlan& plan, int64_t layer, const 
   OpCheck(q.rank == 3 && q.shape[2] == layout.head_dim && q.shape[1] % layout.num_kv_heads == 0 &&
               out.numel() == q.numel(),
           "PagedAttention", "takes q as [tokens, num_heads, head_dim] and out of q's shape");
+  OpCheck(at.batch.sinks == 0 || at.batch.rope_inv_freq != nullptr, "PagedAttention",
+          "takes attention sinks with the layer's RoPE frequencies");
+  OpCheck(at.batch.quest_blocks == 0 || layout.key_bounds != nullptr, "PagedAttention",
+          "selects blocks by the layout's key bounds");
   const std::vector<AttentionUnit>* units =
       static_cast<const std::vector<AttentionUnit>*>(plan.backend_state);
   thread_local std::vector<AttentionUnit> own;
@@ -297,7 +344,7 @@ void CpuBackend::PagedAttention(const AttentionPlan& plan, int64_t layer, const 
     units = &own;
   }
   PagedAttentionCpu(simd_, pool_, layout, plan.pool, at.kv_layer, q.as<const float>(), q.stride[0],
-                    q.shape[1], at.batch, scale, out.as<float>(), *units);
+                    q.shape[1], at.batch, scale, out.as<float>(), *units, &kv_bytes_read_);
 }
 
 void CpuBackend::PlanAttention(AttentionPlan* plan) {

@@ -4,6 +4,7 @@
 // (cpu_features.h). Reference semantics for every op of kernels/backend.h.
 #pragma once
 
+#include <atomic>
 #include <memory>
 #include <vector>
 
@@ -59,6 +60,14 @@ class CpuBackend final : public Backend {
                const Tensor& v, const int64_t* slots) override;
   void PagedAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q, float scale,
                       const Tensor& out) override;
+  bool SupportsAttentionSinks() const override { return true; }
+  bool SupportsKvSelection() const override { return true; }
+  void ComputeKeyBounds(const KvCacheLayout& layout, const void* pool, const int32_t* blocks,
+                        const int32_t* tokens, int64_t count) override;
+  // KV bytes PagedAttention has read so far (decoded keys and values of the
+  // blocks it visited, Quest's key bounds): what a benchmark divides by
+  // its steps.
+  int64_t kv_bytes_read() const { return kv_bytes_read_.load(std::memory_order_relaxed); }
   // Multi-head latent attention: kernels/cpu/mla_attention.cpp.
   void HeadsLinear(const Tensor& x, const WeightMatrix& w, const Tensor& y) override;
   void WriteLatentKv(const KvCacheLayout& layout, void* pool, int64_t layer, const Tensor& c_kv,
@@ -74,6 +83,7 @@ class CpuBackend final : public Backend {
   ThreadPool pool_;
   SimdLevel simd_;
   std::vector<AttentionUnit> planned_units_;  // the last PlanAttention's
+  std::atomic<int64_t> kv_bytes_read_{0};
 };
 
 }  // namespace pdserve::kernels

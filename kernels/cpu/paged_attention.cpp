@@ -1,6 +1,7 @@
 #include "kernels/cpu/paged_attention.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -318,12 +319,18 @@ AttentionKernels KernelsFor(SimdLevel level) {
 
 // Per-thread scratch, grown to the largest unit seen and then reused.
 struct Scratch {
-  std::vector<float> acc, max, sum, keys, values, scores;
+  std::vector<float> acc, max, sum, keys, values, scores, rotated, bounds;
+  std::vector<uint8_t> selected;
+  std::vector<int32_t> order;
 };
 
-void RunUnit(const AttentionKernels& k, const AttentionUnit& u, const KvCacheLayout& layout,
-             const uint8_t* base, int64_t layer, const float* q, int64_t q_stride,
-             int64_t num_heads, const AttentionBatch& batch, float scale, float* out, Scratch& s) {
+// Returns the KV bytes it read (keys and values of the blocks it loaded,
+// and Quest's key bounds).
+int64_t RunUnit(const AttentionKernels& k, const AttentionUnit& u, const KvCacheLayout& layout,
+                const uint8_t* base, int64_t layer, const float* q, int64_t q_stride,
+                int64_t num_heads, const AttentionBatch& batch, float scale, float* out,
+                Scratch& s) {
+  int64_t bytes_read = 0;
   const int64_t hd = layout.head_dim, bs = layout.block_size;
   const int64_t group = num_heads / layout.num_kv_heads;
   const int64_t q_len = batch.query_start[u.seq + 1] - batch.query_start[u.seq];
@@ -357,35 +364,94 @@ void RunUnit(const AttentionKernels& k, const AttentionUnit& u, const KvCacheLay
           ? std::max<int64_t>(0, first_pos + (u.row_begin - batch.query_start[u.seq]) - window + 1)
           : 0;
   const float cap = batch.softcap;
-  const int64_t n_blocks = (max_keys + bs - 1) / bs;
-  for (int64_t b = first_key / bs; b < n_blocks; ++b) {
-    const int64_t in_block = std::min(bs, max_keys - b * bs);
+  // Folds `visible` keys (and their values) into query i's online softmax.
+  auto attend = [&](int64_t i, const float* query, const float* key, const float* value,
+                    int64_t visible) {
+    float* sc = s.scores.data();
+    k.scores(query, key, hd, visible, scale, sc);
+    if (cap > 0) {
+      for (int64_t t = 0; t < visible; ++t) sc[t] = cap * std::tanh(sc[t] / cap);
+    }
+    float block_max = sc[0];
+    for (int64_t t = 1; t < visible; ++t) block_max = std::max(block_max, sc[t]);
+    const float new_max = std::max(s.max[i], block_max);
+    // exp(-inf) = 0 wipes the empty initial state.
+    const float decay = std::exp(s.max[i] - new_max);
+    s.sum[i] = s.sum[i] * decay + k.exp_sum(sc, visible, new_max);
+    s.max[i] = new_max;
+    k.accumulate(s.acc.data() + i * hd, decay, value, sc, visible, hd);
+  };
+  // Decodes block b's first `in_block` keys and values (in place for fp32).
+  const float* keys = nullptr;
+  const float* values = nullptr;
+  auto load = [&](int64_t b, int64_t in_block) {
+    bytes_read += 2 * in_block * hd * DTypeBits(layout.dtype) / 8;
     const int64_t block = table[b];
     const uint8_t* kp = base + layout.k_offset(block, layer, u.kv_head);
     const uint8_t* vp = base + layout.v_offset(block, layer, u.kv_head);
-    const float* keys = reinterpret_cast<const float*>(kp);
-    const float* values = reinterpret_cast<const float*>(vp);
-    if (!in_place) {
-      // Scales by memcpy: odd head or block sizes leave them unaligned.
-      float k_factor = 1.0f, v_factor = 1.0f;
-      if (layout.has_scales()) {
-        std::memcpy(&k_factor, base + layout.k_scale_offset(block, layer, u.kv_head), 4);
-        std::memcpy(&v_factor, base + layout.v_scale_offset(block, layer, u.kv_head), 4);
-      }
-      if (codec) {
-        LoadKv(kp, region, k_factor, in_block * hd, s.keys.data());
-        LoadKv(vp, region, v_factor, in_block * hd, s.values.data());
-      } else {
-        if (layout.dtype == DType::kFP8E4M3) {
-          k_factor *= simd::kE4M3LoadFactor;
-          v_factor *= simd::kE4M3LoadFactor;
-        }
-        k.widen(layout.dtype, kp, in_block * hd, k_factor, s.keys.data());
-        k.widen(layout.dtype, vp, in_block * hd, v_factor, s.values.data());
-      }
-      keys = s.keys.data();
-      values = s.values.data();
+    keys = reinterpret_cast<const float*>(kp);
+    values = reinterpret_cast<const float*>(vp);
+    if (in_place) return;
+    // Scales by memcpy: odd head or block sizes leave them unaligned.
+    float k_factor = 1.0f, v_factor = 1.0f;
+    if (layout.has_scales()) {
+      std::memcpy(&k_factor, base + layout.k_scale_offset(block, layer, u.kv_head), 4);
+      std::memcpy(&v_factor, base + layout.v_scale_offset(block, layer, u.kv_head), 4);
     }
+    if (codec) {
+      LoadKv(kp, region, k_factor, in_block * hd, s.keys.data());
+      LoadKv(vp, region, v_factor, in_block * hd, s.values.data());
+    } else {
+      if (layout.dtype == DType::kFP8E4M3) {
+        k_factor *= simd::kE4M3LoadFactor;
+        v_factor *= simd::kE4M3LoadFactor;
+      }
+      k.widen(layout.dtype, kp, in_block * hd, k_factor, s.keys.data());
+      k.widen(layout.dtype, vp, in_block * hd, v_factor, s.values.data());
+    }
+    keys = s.keys.data();
+    values = s.values.data();
+  };
+  const int64_t n_blocks = (max_keys + bs - 1) / bs;
+  // Quest: a decode row keeps, per query head, the quest_blocks full blocks
+  // before its newest with the highest upper bound of q.k (AttentionBatch).
+  const int64_t newest = n_blocks - 1;
+  const bool quest = batch.quest_blocks > 0 && q_len == 1 && window == 0 &&
+                     layout.key_bounds != nullptr && newest > batch.quest_blocks;
+  if (quest) {
+    s.selected.assign(group * newest, 0);
+    s.bounds.resize(newest);
+    s.order.resize(newest);
+    bytes_read += newest * 2 * hd * 4;  // the bounds
+    for (int64_t j = 0; j < group; ++j) {
+      const float* qh = q + u.row_begin * q_stride + (u.kv_head * group + j) * hd;
+      for (int64_t b = 0; b < newest; ++b) {
+        const float* lo = layout.key_bounds + layout.key_bounds_offset(table[b], layer, u.kv_head);
+        const float* hi = lo + hd;
+        float ub = 0;
+        for (int64_t d = 0; d < hd; ++d) ub += std::max(qh[d] * lo[d], qh[d] * hi[d]);
+        s.bounds[b] = ub;
+        s.order[b] = static_cast<int32_t>(b);
+      }
+      std::nth_element(s.order.begin(), s.order.begin() + (batch.quest_blocks - 1), s.order.end(),
+                       [&](int32_t a, int32_t b) {
+                         return s.bounds[a] > s.bounds[b] || (s.bounds[a] == s.bounds[b] && a < b);
+                       });
+      for (int64_t i = 0; i < batch.quest_blocks; ++i) s.selected[j * newest + s.order[i]] = 1;
+    }
+  }
+  // Whether query head j of the group attends to block b.
+  auto attends = [&](int64_t j, int64_t b) {
+    return !quest || b == newest || s.selected[j * newest + b] != 0;
+  };
+  for (int64_t b = first_key / bs; b < n_blocks; ++b) {
+    if (quest && b < newest) {
+      bool any = false;
+      for (int64_t j = 0; j < group && !any; ++j) any = attends(j, b);
+      if (!any) continue;  // no head of the group reads it
+    }
+    const int64_t in_block = std::min(bs, max_keys - b * bs);
+    load(b, in_block);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t row = u.row_begin + r;
       const int64_t n_keys = first_pos + (row - batch.query_start[u.seq]) + 1;
@@ -394,22 +460,57 @@ void RunUnit(const AttentionKernels& k, const AttentionUnit& u, const KvCacheLay
       // The row's first key in this block (its window may start inside it).
       const int64_t begin = window > 0 ? std::max<int64_t>(0, n_keys - window - b * bs) : 0;
       if (begin >= end) continue;  // the block lies before this row's window
-      const int64_t visible = end - begin;
       for (int64_t j = 0; j < group; ++j) {
-        const int64_t h = u.kv_head * group + j, i = r * group + j;
-        float* sc = s.scores.data();
-        k.scores(q + row * q_stride + h * hd, keys + begin * hd, hd, visible, scale, sc);
-        if (cap > 0) {
-          for (int64_t t = 0; t < visible; ++t) sc[t] = cap * std::tanh(sc[t] / cap);
+        if (!attends(j, b)) continue;
+        const int64_t h = u.kv_head * group + j;
+        attend(r * group + j, q + row * q_stride + h * hd, keys + begin * hd, values + begin * hd,
+               end - begin);
+      }
+    }
+  }
+  // Attention sinks: the keys [0, sinks) a row's window has left, scored
+  // against the row's query rotated back by its shift (AttentionBatch::sinks).
+  const int64_t sinks = window > 0 ? batch.sinks : 0;
+  if (sinks > 0) {
+    const int64_t half = hd / 2;
+    s.rotated.resize(std::max<size_t>(s.rotated.size(), queries * hd));
+    // Per row: the sink keys it sees, [0, sink_end).
+    auto sink_end = [&](int64_t r) {
+      const int64_t n_keys = first_pos + (u.row_begin + r - batch.query_start[u.seq]) + 1;
+      return std::min(sinks, std::max<int64_t>(0, n_keys - window));
+    };
+    for (int64_t r = 0; r < rows; ++r) {
+      if (sink_end(r) == 0) continue;
+      const int64_t n_keys = first_pos + (u.row_begin + r - batch.query_start[u.seq]) + 1;
+      const int64_t shift = n_keys - window - sinks;  // > 0 exactly when sink_end(r) == sinks
+      for (int64_t j = 0; j < group; ++j) {
+        const float* src = q + (u.row_begin + r) * q_stride + (u.kv_head * group + j) * hd;
+        float* dst = s.rotated.data() + (r * group + j) * hd;
+        if (shift <= 0) {
+          std::copy(src, src + hd, dst);
+          continue;
         }
-        float block_max = sc[0];
-        for (int64_t t = 1; t < visible; ++t) block_max = std::max(block_max, sc[t]);
-        const float new_max = std::max(s.max[i], block_max);
-        // exp(-inf) = 0 wipes the empty initial state.
-        const float decay = std::exp(s.max[i] - new_max);
-        s.sum[i] = s.sum[i] * decay + k.exp_sum(sc, visible, new_max);
-        s.max[i] = new_max;
-        k.accumulate(s.acc.data() + i * hd, decay, values + begin * hd, sc, visible, hd);
+        for (int64_t i = 0; i < half; ++i) {
+          // The angle in double, as Rope takes it: a rotation by -shift.
+          const double angle = -static_cast<double>(shift) * batch.rope_inv_freq[i];
+          const auto c = static_cast<float>(std::cos(angle));
+          const auto sn = static_cast<float>(std::sin(angle));
+          dst[i] = src[i] * c - src[i + half] * sn;
+          dst[i + half] = src[i + half] * c + src[i] * sn;
+        }
+      }
+    }
+    const int64_t sink_keys = sink_end(rows - 1);
+    for (int64_t b = 0; b * bs < sink_keys; ++b) {
+      const int64_t in_block = std::min(bs, sink_keys - b * bs);
+      load(b, in_block);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t end = std::min(in_block, sink_end(r) - b * bs);
+        if (end <= 0) continue;
+        for (int64_t j = 0; j < group; ++j) {
+          const int64_t i = r * group + j;
+          attend(i, s.rotated.data() + i * hd, keys, values, end);
+        }
       }
     }
   }
@@ -421,6 +522,7 @@ void RunUnit(const AttentionKernels& k, const AttentionUnit& u, const KvCacheLay
       for (int64_t d = 0; d < hd; ++d) o[d] = s.acc[i * hd + d] * inv;
     }
   }
+  return bytes_read;
 }
 
 }  // namespace
@@ -449,15 +551,17 @@ void PlanAttentionUnits(const KvCacheLayout& layout, const AttentionBatch& batch
 void PagedAttentionCpu(SimdLevel level, ThreadPool& threads, const KvCacheLayout& layout,
                        const void* pool, int64_t layer, const float* q, int64_t q_stride,
                        int64_t num_heads, const AttentionBatch& batch, float scale, float* out,
-                       const std::vector<AttentionUnit>& units) {
+                       const std::vector<AttentionUnit>& units, std::atomic<int64_t>* bytes_read) {
   const AttentionKernels kernels = KernelsFor(level);
   const auto* base = static_cast<const uint8_t*>(pool);
   threads.ParallelFor(static_cast<int64_t>(units.size()), [&](int64_t begin, int64_t end) {
     thread_local Scratch scratch;
+    int64_t read = 0;
     for (int64_t i = begin; i < end; ++i) {
-      RunUnit(kernels, units[i], layout, base, layer, q, q_stride, num_heads, batch, scale, out,
-              scratch);
+      read += RunUnit(kernels, units[i], layout, base, layer, q, q_stride, num_heads, batch, scale,
+                      out, scratch);
     }
+    if (bytes_read != nullptr) bytes_read->fetch_add(read, std::memory_order_relaxed);
   });
 }
 

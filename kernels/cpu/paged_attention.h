@@ -9,9 +9,11 @@
 // it holds, and keeps an online softmax per query (running max, sum and
 // weighted sum of values), so nothing grows with the context and a unit
 // allocates nothing: its scratch is per thread, grown to the largest unit
-// seen.
+// seen. `bytes_read`, when given, receives the KV bytes the call read
+// (decoded blocks' keys and values, Quest's key bounds).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -37,6 +39,7 @@ void PlanAttentionUnits(const KvCacheLayout& layout, const AttentionBatch& batch
 void PagedAttentionCpu(SimdLevel level, ThreadPool& threads, const KvCacheLayout& layout,
                        const void* pool, int64_t layer, const float* q, int64_t q_stride,
                        int64_t num_heads, const AttentionBatch& batch, float scale, float* out,
-                       const std::vector<AttentionUnit>& units);
+                       const std::vector<AttentionUnit>& units,
+                       std::atomic<int64_t>* bytes_read = nullptr);
 
 }  // namespace pdserve::kernels

@@ -14,6 +14,7 @@
 #include "kernels/backend_factory.h"
 #include "services/cli/bench_util.h"
 #include "services/cli/command.h"
+#include "services/cli/kv_eviction_flags.h"
 
 namespace pdserve::cli {
 namespace {
@@ -45,6 +46,15 @@ int RunEval(int argc, char** argv) {
   flags.AddInt("decode-chunk", &decode_chunk, "tokens per later step (1: one decode step each)");
   flags.AddInt("threads", &threads, "CPU threads (0: one per core)");
   flags.AddString("device", &device, "compute backend: cpu, cuda or cuda:N");
+  KvEvictionFlags eviction_flags;
+  eviction_flags.AddTo(flags);
+  int64_t nll_buckets = 0;
+  bool past_context = false;
+  flags.AddBool("past-context", &past_context,
+                "score a text longer than the model's context anyway (RoPE extrapolating; "
+                "the dense baseline of an eviction mode)");
+  flags.AddInt("nll-buckets", &nll_buckets,
+               "also report the mean NLL of each run of this many positions (0: off)");
   flags.AddBool("json", &json,
                 "print one JSON line: model, kv_dtype, tokens, nll, perplexity, top1_agreement, "
                 "kl_mean, machine");
@@ -64,6 +74,8 @@ int RunEval(int argc, char** argv) {
   if (prefill_tokens < 1) UsageError("eval", "--prefill-tokens must be >= 1");
   if (decode_chunk < 1) UsageError("eval", "--decode-chunk must be >= 1");
   if (threads < 0) UsageError("eval", "--threads must be >= 0");
+  if (nll_buckets < 0) UsageError("eval", "--nll-buckets must be >= 0");
+  const KvEviction eviction = eviction_flags.EvictionOrExit("eval");
   if (!kv_scales_path.empty() && !write_kv_scales_path.empty())
     UsageError("eval", "--kv-scales and --write-kv-scales exclude each other");
   std::optional<KvScales> kv_scales;
@@ -84,8 +96,13 @@ int RunEval(int argc, char** argv) {
     std::fprintf(stderr, "pdserve eval: %s\n", backend.status().message().c_str());
     return 1;
   }
-  auto model = Model::Load(model_dir, backend->get());
+  auto model = Model::Load(model_dir, backend->get(), LoadFormat::kSafetensors, eviction);
   if (!model.ok()) UsageError("eval", model.status().message());
+  if (eviction.mode == KvEviction::Mode::kStreaming && block_size > eviction.window_tokens) {
+    UsageError("eval", "--kv-window-tokens " + std::to_string(eviction.window_tokens) +
+                           " is smaller than one block (" + std::to_string(block_size) +
+                           " tokens)");
+  }
   std::unique_ptr<Model> baseline;
   if (!baseline_dir.empty()) {
     auto loaded = Model::Load(baseline_dir, backend->get());
@@ -113,6 +130,7 @@ int RunEval(int argc, char** argv) {
   options.prefill_tokens = prefill_tokens;
   options.decode_chunk = decode_chunk;
   options.baseline = baseline.get();
+  options.past_context = past_context;
   auto result = EvaluateText(model->get(), tokens, options);
   if (!result.ok()) {
     if (result.status().code() == StatusCode::kInvalidArgument)
@@ -136,11 +154,24 @@ int RunEval(int argc, char** argv) {
                         {"decode_chunk", decode_chunk},
                         {"block_size", block_size},
                         {"kv_scales", kv_scales ? "calibrated" : "dynamic"},
+                        {"kv_eviction", eviction.enabled() ? eviction.Describe() : "none"},
                         {"weight_dtype", DTypeName((*model)->matrix_dtype())},
                         {"weight_scheme", kernels::WeightSchemeName((*model)->weight_scheme())},
                         {"weight_bytes_per_step", (*model)->weight_bytes_per_step()},
                         {"parameters", (*model)->num_parameters()},
                         {"machine", machine}};
+    if (nll_buckets > 0) {
+      // Mean NLL of positions [i * n, (i + 1) * n) (position t scores token t + 1).
+      nlohmann::json buckets = nlohmann::json::array();
+      for (size_t at = 0; at < r.token_nll.size(); at += static_cast<size_t>(nll_buckets)) {
+        const size_t end = std::min(r.token_nll.size(), at + static_cast<size_t>(nll_buckets));
+        double sum = 0;
+        for (size_t t = at; t < end; ++t) sum += r.token_nll[t];
+        buckets.push_back(sum / static_cast<double>(end - at));
+      }
+      j["nll_buckets"] = buckets;
+      j["nll_bucket_tokens"] = nll_buckets;
+    }
     if (baseline) {
       j["baseline"] = baseline_dir;
       j["baseline_weight_dtype"] = DTypeName(baseline->matrix_dtype());

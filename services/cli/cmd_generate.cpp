@@ -10,6 +10,7 @@
 #include "engine/engine.h"
 #include "kernels/backend_factory.h"
 #include "services/cli/command.h"
+#include "services/cli/kv_eviction_flags.h"
 
 namespace pdserve::cli {
 namespace {
@@ -40,6 +41,8 @@ int RunGenerate(int argc, char** argv) {
   flags.AddString("device", &device, "compute backend: cpu, cuda or cuda:N");
   flags.AddBool("cuda-graphs", &cuda_graphs,
                 "replay decode steps from CUDA graphs (=false: launch every op)");
+  KvEvictionFlags eviction_flags;
+  eviction_flags.AddTo(flags);
   flags.AddBool("json", &json,
                 "print one JSON object: prompt_token_ids, token_ids, text, finish_reason");
   flags.SetEnvPrefix("PDSERVE_");
@@ -54,6 +57,7 @@ int RunGenerate(int argc, char** argv) {
                                kv_dtype_name + "'");
   }
   if (threads < 0) UsageError("generate", "--threads must be >= 0");
+  const KvEviction eviction = eviction_flags.EvictionOrExit("generate");
   SamplingParams params;
   params.max_tokens = static_cast<int>(std::min<int64_t>(max_tokens, 1 << 30));
   if (max_tokens < 1) UsageError("generate", "--max-tokens must be >= 1");
@@ -72,7 +76,7 @@ int RunGenerate(int argc, char** argv) {
     std::fprintf(stderr, "pdserve generate: %s\n", backend.status().message().c_str());
     return 1;
   }
-  auto model = Model::Load(model_dir, backend->get());
+  auto model = Model::Load(model_dir, backend->get(), LoadFormat::kSafetensors, eviction);
   if (!model.ok()) UsageError("generate", model.status().message());
   auto tokenizer = Tokenizer::Load(model_dir);
   if (!tokenizer.ok()) UsageError("generate", tokenizer.status().message());

@@ -45,6 +45,13 @@ int RunPlan(int argc, char** argv) {
                "window of the sliding-window layers, in tokens (with --sliding-layers)");
   flags.AddInt("sliding-layers", &req.shape.sliding_layers,
                "how many of the layers attend over a sliding window (0: none)");
+  std::string eviction = "none";
+  int64_t sink_tokens = 4, window_tokens = 0;
+  flags.AddString("kv-eviction", &eviction,
+                  "none, or streaming: every layer keeps --kv-sink-tokens sinks and the last "
+                  "--kv-window-tokens (attention sinks, docs/kv-eviction.md)");
+  flags.AddInt("kv-sink-tokens", &sink_tokens, "streaming: sink tokens kept at the start");
+  flags.AddInt("kv-window-tokens", &window_tokens, "streaming: most recent tokens kept");
   flags.AddInt("block-size", &req.block_size,
                "tokens per KV block: a sliding layer keeps whole blocks");
   flags.AddString("kv-dtype", &kv_dtype, "KV cache element type: " + std::string(kKvDTypeChoices));
@@ -125,6 +132,24 @@ int RunPlan(int argc, char** argv) {
                "need --config, or all of --layers, --kv-heads and --head-dim (or, for MLA, "
                "--layers, --kv-lora-rank and --qk-rope-head-dim)");
   }
+  if (eviction != "none" && eviction != "streaming") {
+    UsageError("plan", "--kv-eviction: expected none or streaming, got '" + eviction + "'");
+  }
+  if (eviction == "streaming") {
+    if (req.shape.sliding_layers > 0) {
+      UsageError("plan", "--kv-eviction streaming: the model has sliding-window layers");
+    }
+    if (req.shape.is_mla()) UsageError("plan", "--kv-eviction streaming: MLA's latent cache");
+    if (window_tokens < req.block_size) {
+      UsageError("plan", "--kv-window-tokens must be at least one block (--block-size)");
+    }
+    if (sink_tokens < 0) UsageError("plan", "--kv-sink-tokens must be >= 0");
+    req.shape.sliding_layers = req.shape.layers;
+    req.shape.sliding_window = window_tokens;
+    req.shape.sink_tokens = sink_tokens;
+  } else if (flags.WasSet("kv-sink-tokens") || flags.WasSet("kv-window-tokens")) {
+    UsageError("plan", "--kv-sink-tokens and --kv-window-tokens need --kv-eviction streaming");
+  }
   auto plan = PlanCapacity(req);
   if (!plan.ok()) UsageError("plan", plan.status().message());
 
@@ -141,6 +166,11 @@ int RunPlan(int argc, char** argv) {
         {"kv_bytes_per_sequence", plan->kv_bytes_per_sequence},
         {"kv_bytes_per_sequence_dense", plan->kv_bytes_per_sequence_dense},
         {"block_size", req.block_size},
+        {"blocks_per_sequence", plan->blocks_per_sequence},
+        {"blocks_per_sequence_dense", plan->blocks_per_sequence_dense},
+        {"kv_eviction", eviction == "streaming" ? "streaming sinks=" + std::to_string(sink_tokens) +
+                                                      " window=" + std::to_string(window_tokens)
+                                                : std::string("none")},
         {"kv_budget_bytes", plan->kv_budget_bytes},
         {"max_tokens", plan->max_tokens},
         {"max_sequences", plan->max_sequences},

@@ -8,6 +8,7 @@
 #include "kernels/backend_factory.h"
 #include "services/cli/command.h"
 #include "services/cli/control_security_flags.h"
+#include "services/cli/kv_eviction_flags.h"
 #include "services/cli/structured_flags.h"
 #include "services/protocol/role.h"
 #include "services/worker/worker_service.h"
@@ -94,6 +95,8 @@ int RunWorker(int argc, char** argv) {
   security.AddTo(flags);
   StructuredFlags structured;
   structured.AddTo(flags, /*worker=*/true);
+  KvEvictionFlags eviction;
+  eviction.AddTo(flags);
   flags.AddString("log-level", &log_level, "debug|info|warn|error");
   ParseFlagsOrExit(flags, argc, argv);
 
@@ -186,6 +189,7 @@ int RunWorker(int argc, char** argv) {
   o.prefill_timeout_ms = prefill_timeout_ms;
   o.drain_timeout_ms = drain_s * 1000;
   o.structured = structured.OptionsOrExit("worker");
+  o.kv_eviction = eviction.EvictionOrExit("worker");
 
   auto service = worker::WorkerService::Create(o);
   if (!service.ok()) {

@@ -380,7 +380,8 @@ void PrefixIndex::LeadingOverlapLocked(std::span<const BlockHash> hashes, int64_
 
 void PrefixIndex::GroupedOverlap(std::span<const BlockHash> hashes,
                                  std::span<const int64_t> windows, size_t block_size,
-                                 int64_t now_us, std::vector<uint32_t>* out) const {
+                                 int64_t now_us, std::vector<uint32_t>* out,
+                                 int64_t sink_tokens) const {
   if (windows.size() <= 1 && (windows.empty() || windows[0] <= 0)) {
     return LeadingOverlap(hashes, now_us, out);
   }
@@ -419,10 +420,10 @@ void PrefixIndex::GroupedOverlap(std::span<const BlockHash> hashes,
       const size_t w = k * 64 + static_cast<size_t>(std::countr_zero(rest));
       if (w >= out->size()) break;
       const uint64_t bit = uint64_t{1} << (w % 64);
-      (*out)[w] =
-          static_cast<uint32_t>(CachedPrefixBlocks(windows, block_size, n, [&](size_t g, size_t i) {
-            return (held[(g * n + i) * words_ + k] & bit) != 0;
-          }));
+      (*out)[w] = static_cast<uint32_t>(CachedPrefixBlocks(
+          windows, block_size, n,
+          [&](size_t g, size_t i) { return (held[(g * n + i) * words_ + k] & bit) != 0; },
+          sink_tokens));
     }
   }
 }

@@ -136,8 +136,11 @@ class PrefixIndex {
   // in blocks, that worker w can start a prompt from by CachedPrefixBlocks,
   // a block of group g being held when its key GroupBlockKey(hash, g) is
   // indexed or pending. With one full group this is LeadingOverlap.
+  // `sink_tokens`: a worker with attention sinks (--kv-eviction streaming),
+  // whose windowed groups also need the sink blocks.
   void GroupedOverlap(std::span<const BlockHash> hashes, std::span<const int64_t> windows,
-                      size_t block_size, int64_t now_us, std::vector<uint32_t>* out) const;
+                      size_t block_size, int64_t now_us, std::vector<uint32_t>* out,
+                      int64_t sink_tokens = 0) const;
 
   // Blocks hashes[from], hashes[from + 1], ... that `worker` holds in its
   // lower tiers, up to the first it does not (0 for a closed slot).

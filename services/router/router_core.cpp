@@ -181,9 +181,15 @@ Status RouterCore::OnLoad(WorkerId worker, const WorkerLoad& load) {
   return Status::Ok();
 }
 
-void RouterCore::SetKvGroupWindows(std::vector<int64_t> windows) {
+void RouterCore::SetKvGroupWindows(std::vector<int64_t> windows, int64_t sink_tokens) {
   std::lock_guard lock(mu_);
   group_windows_ = std::move(windows);
+  sink_tokens_ = sink_tokens;
+}
+
+int64_t RouterCore::KvSinkTokens() const {
+  std::lock_guard lock(mu_);
+  return sink_tokens_;
 }
 
 std::vector<int64_t> RouterCore::KvGroupWindows() const {
@@ -201,7 +207,7 @@ void RouterCore::OverlapLocked(std::span<const BlockHash> hashes, int64_t now_us
                                std::vector<uint32_t>* out) const {
   if (!GroupedLocked()) return index_.LeadingOverlap(hashes, now_us, out);
   index_.GroupedOverlap(hashes, group_windows_, static_cast<size_t>(options_.block_tokens), now_us,
-                        out);
+                        out, sink_tokens_);
 }
 
 void RouterCore::AddPendingLocked(WorkerId worker, std::span<const BlockHash> hashes,

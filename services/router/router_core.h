@@ -206,8 +206,11 @@ class RouterCore {
   // hashes. Otherwise a worker's prefix is CachedPrefixBlocks over its
   // indexed keys (PrefixIndex::GroupedOverlap), pending entries cover every
   // group, and the lower tiers and hot-prefix copies are not predicted.
-  void SetKvGroupWindows(std::vector<int64_t> windows);
+  // `sink_tokens`: the windowed groups' attention sinks (--kv-eviction
+  // streaming), whose blocks a prefix needs too.
+  void SetKvGroupWindows(std::vector<int64_t> windows, int64_t sink_tokens = 0);
   std::vector<int64_t> KvGroupWindows() const;
+  int64_t KvSinkTokens() const;
   // The prefix each worker slot can start `hashes` from (LeadingOverlap or
   // GroupedOverlap per the groups), pending entries after now_us counted.
   void Overlap(std::span<const BlockHash> hashes, int64_t now_us, std::vector<uint32_t>* out) const;
@@ -303,6 +306,7 @@ class RouterCore {
   // Scratch reused by Route() (under mu_) so a decision does not allocate.
   std::vector<uint32_t> overlap_;
   std::vector<int64_t> group_windows_;
+  int64_t sink_tokens_ = 0;
   std::vector<BlockHash> pending_keys_;
   std::vector<PrefixIndex::WorkerMatch> match_;  // per worker slot, with overlap_
   std::vector<Candidate> candidates_;

@@ -1201,6 +1201,12 @@ class RouterServiceImpl : public RouterService {
         return RefuseLocked(link, "kv_group_windows: " + describe(windows) + " on the worker, " +
                                       describe(known) + " on the router");
       }
+      if (const int64_t known = core_->KvSinkTokens();
+          kv_groups_known_ && known != static_cast<int64_t>(reg.kv_sink_tokens())) {
+        return RefuseLocked(link, "kv_sink_tokens: " + std::to_string(reg.kv_sink_tokens()) +
+                                      " on the worker, " + std::to_string(known) +
+                                      " on the router");
+      }
       group_windows = std::move(windows);
     }
     if (reg.kv_capacity_blocks() == 0 ||
@@ -1219,7 +1225,7 @@ class RouterServiceImpl : public RouterService {
     }
     if (!kv_groups_known_) {
       kv_groups_known_ = true;
-      core_->SetKvGroupWindows(std::move(group_windows));
+      core_->SetKvGroupWindows(std::move(group_windows), reg.kv_sink_tokens());
     }
     link.id = *id;
     link.role = *role;

@@ -347,6 +347,7 @@ bool DecodeSide::HandleOutput(RequestOutput& out) {
     (void)r.router->Send(std::move(env));
   }
   if (out.finished) {
+    ctx_->metrics->blocks_saved.Observe(static_cast<double>(out.kv_blocks_released));
     proto::Envelope env;
     auto* f = env.mutable_finished();
     f->set_request_id(r.router_rid);

@@ -57,6 +57,15 @@ struct WorkerMetrics {
         staging_bytes_reserved(metrics::AddGauge(
             r, "pdserve_kv_staging_bytes_reserved",
             "Bytes the KV transport reserved for bounce buffers (--kv-staging-bytes at most)")),
+        evicted_tokens(metrics::AddCounterFamily(
+            r, "pdserve_kv_evicted_tokens_total",
+            "Tokens whose KV blocks were released because no later query reaches them, by mode "
+            "(streaming: attention sinks; window: the model's sliding windows)")),
+        blocks_saved(metrics::AddHistogram(
+            r, "pdserve_kv_blocks_saved_per_request",
+            "KV blocks a finished request released while it ran (windows, attention sinks): "
+            "what it saved against dense attention",
+            {0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384, 65536})),
         preemptions(
             metrics::AddCounter(r, "pdserve_preemptions_total",
                                 "Sequences preempted for lack of KV blocks (recomputed later)")),
@@ -146,6 +155,8 @@ struct WorkerMetrics {
   prometheus::Gauge& staging_bytes_in_use;
   prometheus::Gauge& blocks_held_for_peers;
   prometheus::Gauge& staging_bytes_reserved;
+  prometheus::Family<prometheus::Counter>& evicted_tokens;
+  prometheus::Histogram& blocks_saved;
   prometheus::Counter& preemptions;
   prometheus::Family<prometheus::Counter>& requests;
   prometheus::Counter& prefill_tokens;

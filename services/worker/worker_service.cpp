@@ -93,7 +93,7 @@ class WorkerServiceImpl : public WorkerService {
     auto backend = kernels::CreateBackend(*device, opts_.threads);
     if (!backend.ok()) return backend.status();
     backend_ = std::move(*backend);
-    auto model = Model::Load(opts_.model_dir, backend_.get(), opts_.load_format);
+    auto model = Model::Load(opts_.model_dir, backend_.get(), opts_.load_format, opts_.kv_eviction);
     if (!model.ok()) return model.status();
     model_ = std::move(*model);
     model_id_ = ServedModelId(opts_.model_dir, model_->config().name_or_path, opts_.model_id);
@@ -357,6 +357,7 @@ class WorkerServiceImpl : public WorkerService {
     if (const auto& groups = engine_->kv_pool().groups();
         groups.size() > 1 || groups.any_windowed()) {
       for (int64_t w : groups.windows) r->add_kv_group_windows(static_cast<uint32_t>(w));
+      r->set_kv_sink_tokens(static_cast<uint32_t>(groups.sink_tokens));
     }
     r->set_structured_outputs(true);
     r->set_parallel_sampling(true);
@@ -572,6 +573,14 @@ class WorkerServiceImpl : public WorkerService {
       metrics_.preemptions.Increment(static_cast<double>(s.num_preemptions - last_preemptions_));
     }
     last_preemptions_ = s.num_preemptions;
+    if (const uint64_t released = s.blocks.released_out_of_reach_blocks_total;
+        released > last_released_) {
+      const char* mode =
+          opts_.kv_eviction.mode == KvEviction::Mode::kStreaming ? "streaming" : "window";
+      metrics_.evicted_tokens.Add({{"mode", mode}})
+          .Increment(static_cast<double>((released - last_released_) * opts_.block_size));
+      last_released_ = released;
+    }
   }
 
   size_t ControlBufferedBytes() {
@@ -676,7 +685,7 @@ class WorkerServiceImpl : public WorkerService {
   std::shared_ptr<prometheus::Registry> registry_ = std::make_shared<prometheus::Registry>();
   WorkerMetrics metrics_{*registry_};
   std::mutex counters_mu_;
-  uint64_t last_queries_ = 0, last_hits_ = 0, last_preemptions_ = 0;
+  uint64_t last_queries_ = 0, last_hits_ = 0, last_preemptions_ = 0, last_released_ = 0;
 
   std::unique_ptr<control::EventLoop> loop_;
   std::unique_ptr<control::Server> peer_server_;

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "common/dtype.h"
+#include "common/kv_eviction.h"
 #include "common/status.h"
 #include "common/structured/structured.h"
 #include "engine/kv_scales.h"
@@ -101,6 +102,9 @@ struct WorkerOptions {
   // Structured outputs: limits of compiling constraints and their token
   // masks for this worker's vocabulary.
   structured::CompileOptions structured;
+  // Token eviction (--kv-eviction; common/kv_eviction.h), announced to the
+  // routers at registration and part of the KV layout peers compare.
+  KvEviction kv_eviction;
 };
 
 class WorkerService {

@@ -44,6 +44,8 @@ const knownMetrics = new Set([
   'pdserve_router_copy_outcomes_total', 'pdserve_router_copy_reuse_ratio',
   'pdserve_router_copy_breaker_state', 'pdserve_router_copy_budget_scale',
   'pdserve_router_copies_in_flight', 'pdserve_router_copy_inflight_limit',
+  // Token eviction (docs/kv-eviction.md).
+  'pdserve_kv_evicted_tokens_total', 'pdserve_kv_blocks_saved_per_request',
 ]);
 const metricsIn = (expr) => [...expr.matchAll(/\b(pdserve_[a-z_]+)/g)].map((m) => m[1]);
 const baseName = (m) => m.replace(/_bucket$/, '');

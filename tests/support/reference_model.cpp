@@ -265,7 +265,8 @@ std::unique_ptr<ReferenceModel> ReferenceModel::Load(const std::string& dir, std
 }
 
 std::vector<std::vector<double>> ReferenceModel::Forward(const std::vector<int32_t>& tokens,
-                                                         const KvRounding& kv) const {
+                                                         const KvRounding& kv,
+                                                         const KvEvictionRule& eviction) const {
   if (deepseek_) return ForwardDeepseek(tokens, kv);
   const int64_t T = static_cast<int64_t>(tokens.size()), H = hidden_, hd = head_dim_;
   std::vector<std::vector<double>> x(T, std::vector<double>(H));
@@ -302,8 +303,49 @@ std::vector<std::vector<double>> ReferenceModel::Forward(const std::vector<int32
         head_norm(q[t], heads_, L.q_norm);
         head_norm(k[t], kv_heads_, L.k_norm);
       }
+      if (eviction.window_tokens > 0) continue;  // rotated by cache rank below
       rope(q[t], heads_, t, L.local_rope);
       rope(k[t], kv_heads_, t, L.local_rope);
+    }
+    std::vector<std::vector<double>> evicted_attn;  // per query: the attention output
+    if (eviction.window_tokens > 0) {
+      // StreamingLLM: per query, the kept keys rotated by their rank.
+      std::vector<std::vector<double>> out(T);
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t first = std::max<int64_t>(0, t - eviction.window_tokens + 1);
+        const int64_t sinks = std::min(eviction.sink_tokens, first);
+        std::vector<int64_t> kept;
+        for (int64_t j = 0; j < sinks; ++j) kept.push_back(j);
+        for (int64_t j = first; j <= t; ++j) kept.push_back(j);
+        std::vector<double> qt = q[t];
+        rope(qt, heads_, static_cast<int64_t>(kept.size()) - 1, L.local_rope);
+        std::vector<std::vector<double>> kr;
+        for (size_t r = 0; r < kept.size(); ++r) {
+          kr.push_back(k[kept[r]]);
+          rope(kr.back(), kv_heads_, static_cast<int64_t>(r), L.local_rope);
+        }
+        std::vector<double> attn(heads_ * hd, 0.0);
+        for (int64_t h = 0; h < heads_; ++h) {
+          const int64_t g = h / (heads_ / kv_heads_);
+          std::vector<double> sc(kept.size());
+          double mx = -1e300;
+          for (size_t r = 0; r < kept.size(); ++r) {
+            double dot = 0;
+            for (int64_t i = 0; i < hd; ++i) dot += qt[h * hd + i] * kr[r][g * hd + i];
+            sc[r] = dot * attn_scale_;
+            if (attn_cap_ > 0) sc[r] = attn_cap_ * std::tanh(sc[r] / attn_cap_);
+            mx = std::max(mx, sc[r]);
+          }
+          double den = 0;
+          for (double& x : sc) den += (x = std::exp(x - mx));
+          for (size_t r = 0; r < kept.size(); ++r) {
+            for (int64_t i = 0; i < hd; ++i)
+              attn[h * hd + i] += sc[r] / den * v[kept[r]][g * hd + i];
+          }
+        }
+        out[t] = std::move(attn);
+      }
+      evicted_attn.swap(out);  // replaces the dense attention below
     }
     // The keys and values query t sees: as the cache holds them then.
     const int64_t layer = &L - layers_.data();
@@ -344,14 +386,43 @@ std::vector<std::vector<double>> ReferenceModel::Forward(const std::vector<int32
     };
     for (int64_t t = 0; t < T; ++t) {
       std::vector<double> attn(heads_ * hd, 0.0);
-      const auto kc = cached(k, t, 0), vc = cached(v, t, 1);
+      const bool dense = evicted_attn.empty();
+      if (!dense) attn = evicted_attn[t];
+      const std::vector<std::vector<double>> none;
+      const auto kc = dense ? cached(k, t, 0) : none, vc = dense ? cached(v, t, 1) : none;
       // The keys in the window: positions first..t (kv_idx > t - window).
       const int64_t first = L.window > 0 ? std::max<int64_t>(0, t - L.window + 1) : 0;
-      for (int64_t h = 0; h < heads_; ++h) {
+      const int64_t B = eviction.block_size, newest = t / B;
+      const bool quest =
+          eviction.quest_blocks > 0 && t >= eviction.first_decode && newest > eviction.quest_blocks;
+      for (int64_t h = 0; h < heads_ && dense; ++h) {
         const int64_t g = h / (heads_ / kv_heads_);
+        // Quest: the blocks this head reads (every block when off).
+        std::vector<bool> read(newest + 1, true);
+        if (quest) {
+          std::vector<std::pair<double, int64_t>> bound;
+          for (int64_t b = 0; b < newest; ++b) {
+            double ub = 0;
+            for (int64_t i = 0; i < hd; ++i) {
+              double lo = kc[b * B][g * hd + i], hi = lo;
+              for (int64_t j = b * B; j < (b + 1) * B; ++j) {
+                lo = std::min(lo, kc[j][g * hd + i]);
+                hi = std::max(hi, kc[j][g * hd + i]);
+              }
+              const double qi = q[t][h * hd + i];
+              ub += std::max(qi * lo, qi * hi);
+            }
+            bound.push_back({-ub, b});
+          }
+          std::sort(bound.begin(), bound.end());
+          read.assign(newest + 1, false);
+          read[newest] = true;
+          for (int64_t i = 0; i < eviction.quest_blocks; ++i) read[bound[i].second] = true;
+        }
         std::vector<double> s(t + 1, 0.0);
         double mx = -1e300;
         for (int64_t j = first; j <= t; ++j) {
+          if (!read[j / B]) continue;
           double dot = 0;
           for (int64_t i = 0; i < hd; ++i) dot += q[t][h * hd + i] * kc[j][g * hd + i];
           s[j] = dot * attn_scale_;
@@ -359,8 +430,11 @@ std::vector<std::vector<double>> ReferenceModel::Forward(const std::vector<int32
           mx = std::max(mx, s[j]);
         }
         double den = 0;
-        for (int64_t j = first; j <= t; ++j) den += (s[j] = std::exp(s[j] - mx));
         for (int64_t j = first; j <= t; ++j) {
+          if (read[j / B]) den += (s[j] = std::exp(s[j] - mx));
+        }
+        for (int64_t j = first; j <= t; ++j) {
+          if (!read[j / B]) continue;
           for (int64_t i = 0; i < hd; ++i) attn[h * hd + i] += s[j] / den * vc[j][g * hd + i];
         }
       }

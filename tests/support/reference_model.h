@@ -69,6 +69,25 @@ inline reference::ScaledKv ScaledKvOf(KvRounding::Type t) {
                                          : reference::ScaledKv::kE4M3;
 }
 
+// StreamingLLM's rule (Xiao et al. 2023), as the paper states it: every
+// layer caches keys before RoPE; the query at t keeps positions [0, sinks)
+// and t-window+1 .. t, and the keys and the query are rotated by their rank
+// in that cache (the sinks 0..S-1, the window from S on). window 0: off.
+//
+// Quest's rule (Tang et al. 2024; quest_blocks > 0, window 0): a query at
+// t >= first_decode whose full blocks of block_size positions before its
+// own number more than quest_blocks attends, per head, to the
+// quest_blocks of them with the highest sum_i max(q_i min_i, q_i max_i)
+// over each block's per-channel key minima and maxima (ties: the lower
+// block), and to its own block's positions up to t.
+struct KvEvictionRule {
+  int64_t sink_tokens = 0;
+  int64_t window_tokens = 0;
+  int64_t quest_blocks = 0;
+  int64_t block_size = 16;
+  int64_t first_decode = 0;
+};
+
 class ReferenceModel {
  public:
   // Loads DIR; on failure returns nullptr and sets *error.
@@ -76,8 +95,10 @@ class ReferenceModel {
 
   // Logits for every position of `tokens`: result[t] is the distribution of
   // the token after tokens[0..t].
+  // With `eviction` (no KV rounding then): StreamingLLM's rule above.
   std::vector<std::vector<double>> Forward(const std::vector<int32_t>& tokens,
-                                           const KvRounding& kv = {}) const;
+                                           const KvRounding& kv = {},
+                                           const KvEvictionRule& eviction = {}) const;
   std::vector<double> LastLogits(const std::vector<int32_t>& tokens) const;
 
   // Greedy continuation of `prompt` (argmax, lowest id on ties), n tokens.

@@ -217,6 +217,21 @@ TEST(CapacityPlanTest, SlidingWindowsBoundWhatASequenceKeeps) {
   EXPECT_EQ(m4.kv_bytes_per_sequence, m128.kv_bytes_per_sequence);  // bounded by the window
   EXPECT_EQ(m128.kv_bytes_per_sequence, 32 * 2 * 8 * 128 * 2 * 4112);
   EXPECT_GT(m128.max_sequences, 16 * plan(KvShape{32, 8, 128}, 131072).max_sequences);
+  EXPECT_EQ(m128.blocks_per_sequence, 257);
+  EXPECT_EQ(m128.blocks_per_sequence_dense, 8192);
+  // Attention sinks on Llama-3.1-8B's shape (every layer streaming, 4 sinks
+  // + 4,096): one sink block beside the window's 257, at any context past it.
+  KvShape llama{32, 8, 128};
+  llama.sliding_layers = 32;
+  llama.sliding_window = 4096;
+  llama.sink_tokens = 4;
+  for (const int64_t context : {16384, 65536}) {
+    const CapacityPlan p = plan(llama, context);
+    EXPECT_EQ(p.blocks_per_sequence, 258);
+    EXPECT_EQ(p.blocks_per_sequence_dense, context / 16);
+    EXPECT_EQ(p.kv_bytes_per_sequence, 32 * 2 * 8 * 128 * 2 * 258 * 16);
+  }
+  EXPECT_EQ(plan(llama, 4096).blocks_per_sequence, 256);  // the window holds it all
   // The shapes as the engine reads them from config.json.
   auto from = [](const char* name) {
     return KvShapeFromConfigFile(std::string(PDSERVE_SOURCE_DIR) + "/bench/configs/" + name +

@@ -28,8 +28,11 @@ constexpr auto kWait = std::chrono::seconds(20);
 // every Generate at once, remembering it.
 class FakeWorker {
  public:
+  // `windows` and `sinks`: the KV layer groups it registers (a windowed
+  // model, attention sinks).
   FakeWorker(control::EventLoop* loop, int router_port, const std::string& model_id,
-             const std::string& name, proto::Role role, uint32_t max_model_len)
+             const std::string& name, proto::Role role, uint32_t max_model_len,
+             std::vector<uint32_t> windows = {}, uint32_t sinks = 0)
       : name_(name) {
     control::ClientOptions co;
     co.connection.role = role;
@@ -46,6 +49,8 @@ class FakeWorker {
       r->set_kv_capacity_blocks(100);
       r->set_control_address(address());
       r->set_max_model_len(max_model_len);
+      for (uint32_t w : windows) r->add_kv_group_windows(w);
+      r->set_kv_sink_tokens(sinks);
       (void)c->Send(std::move(env));
     };
     h.on_message = [this](const control::ConnectionPtr& c, proto::Envelope& e) {
@@ -76,9 +81,9 @@ class FakeWorker {
   std::string address() const { return name_ + ".test:9000"; }
 
   // The router answered Register (with a Resync).
-  bool WaitRegistered() {
+  bool WaitRegistered(std::chrono::milliseconds wait = kWait) {
     std::unique_lock lock(mu_);
-    return cv_.wait_for(lock, kWait, [this] { return registered_; });
+    return cv_.wait_for(lock, wait, [this] { return registered_; });
   }
   std::vector<proto::Generate> generates() {
     std::lock_guard lock(mu_);
@@ -174,6 +179,27 @@ TEST_F(RouterServiceTest, TheContextLimitIsTheRegisteredWorkersOne) {
   AddWorker("decode-old", proto::ROLE_DECODE, 0);
   EXPECT_TRUE(Models()["max_model_len"].is_null());
   EXPECT_EQ(Complete(200, 1).status, 200);
+}
+
+// Workers with attention sinks (--kv-eviction streaming) register their
+// sinks beside their windows; a worker whose sinks differ from the first's
+// would be predicted by the wrong rule, so the router refuses it.
+TEST_F(RouterServiceTest, WorkersWithOtherSinksAreRefused) {
+  workers_.push_back(std::make_unique<FakeWorker>(&loop_, service_->control_port(), model_id_,
+                                                  "sinks-4", proto::ROLE_BOTH, 1 << 20,
+                                                  std::vector<uint32_t>{32}, 4));
+  ASSERT_TRUE(workers_.back()->WaitRegistered());
+  workers_.push_back(std::make_unique<FakeWorker>(&loop_, service_->control_port(), model_id_,
+                                                  "no-sinks", proto::ROLE_BOTH, 1 << 20,
+                                                  std::vector<uint32_t>{32}, 0));
+  EXPECT_FALSE(workers_.back()->WaitRegistered(std::chrono::milliseconds(1500)));
+  workers_.push_back(std::make_unique<FakeWorker>(&loop_, service_->control_port(), model_id_,
+                                                  "dense", proto::ROLE_BOTH, 4096));
+  EXPECT_FALSE(workers_.back()->WaitRegistered(std::chrono::milliseconds(1500)));
+  workers_.push_back(std::make_unique<FakeWorker>(&loop_, service_->control_port(), model_id_,
+                                                  "sinks-4-again", proto::ROLE_BOTH, 1 << 20,
+                                                  std::vector<uint32_t>{32}, 4));
+  EXPECT_TRUE(workers_.back()->WaitRegistered());
 }
 
 TEST_F(RouterServiceTest, PrefillAddressOnlyForTheRoutersRemoteDecision) {

@@ -39,7 +39,7 @@ TEST(KvLayoutTest, DenseBytesPerBlockMatchesTheFormula) {
 TEST(KvLayoutTest, EncodingIsTheDocumentedLittleEndianFormat) {
   const KvLayout l = Llama3_8B();
   std::string expected;
-  PutLe(&expected, 5, 2);  // format version
+  PutLe(&expected, 6, 2);  // format version
   PutLe(&expected, l.model_id.size(), 4);
   expected += l.model_id;
   PutLe(&expected, 2, 1);  // bf16 (DType enum order: f32, f16, bf16, fp8, fp4)
@@ -59,14 +59,18 @@ TEST(KvLayoutTest, EncodingIsTheDocumentedLittleEndianFormat) {
   expected += "ucx";
   PutLe(&expected, 0x0123456789abcdefull, 8);  // model_fingerprint
   PutLe(&expected, 0, 4);                      // layer groups: one, full attention
+  PutLe(&expected, 0, 4);                      // kv_eviction: none
   EXPECT_EQ(l.Encode(), expected);
-  // Windowed groups follow as their count and windows.
+  // Windowed groups follow as their count and windows, then the eviction mode.
   KvLayout windowed = l;
   windowed.group_windows = {4096, 0};
-  std::string grouped = expected.substr(0, expected.size() - 4);
+  windowed.kv_eviction = "streaming sinks=4 window=64";
+  std::string grouped = expected.substr(0, expected.size() - 8);
   PutLe(&grouped, 2, 4);
   PutLe(&grouped, 4096, 8);
   PutLe(&grouped, 0, 8);
+  PutLe(&grouped, windowed.kv_eviction.size(), 4);
+  grouped += windowed.kv_eviction;
   EXPECT_EQ(windowed.Encode(), grouped);
   auto back = KvLayout::Decode(grouped);
   ASSERT_TRUE(back.ok()) << back.status().ToString();
@@ -76,8 +80,9 @@ TEST(KvLayoutTest, EncodingIsTheDocumentedLittleEndianFormat) {
 
 TEST(KvLayoutTest, EveryFieldChangesTheHash) {
   const KvLayout base = Llama3_8B();
-  std::vector<KvLayout> variants(14, base);
+  std::vector<KvLayout> variants(15, base);
   variants[13].group_windows = {4096};
+  variants[14].kv_eviction = "streaming sinks=4 window=64";  // a mode and a worker without it
   variants[0].model_id = "other";
   variants[1].weight_dtype = DType::kF16;
   variants[2].kv_dtype = DType::kFP8E4M3;

@@ -1,0 +1,73 @@
+#include "services/cli/kv_eviction_flags.h"
+
+namespace pdserve::cli {
+
+void KvEvictionFlags::AddTo(FlagSet& flags, bool selection) {
+  if (selection) {
+    flags.AddString("kv-selection", &selection_,
+                    "KV block selection: none, or quest (each decode query head reads only the "
+                    "--kv-selection-blocks blocks whose keys can score highest, plus the newest)");
+    flags.AddInt("kv-selection-blocks", &selection_blocks_, "quest: blocks read per query head");
+  }
+  flags.AddString("kv-eviction", &mode_,
+                  "token eviction: none, or streaming (attention sinks: keep the first "
+                  "--kv-sink-tokens and the last --kv-window-tokens of each sequence)");
+  flags.AddInt("kv-sink-tokens", &sink_tokens_,
+               "streaming: attention sink tokens kept at the start (default 4; 0: a plain window)");
+  flags.AddInt("kv-window-tokens", &window_tokens_,
+               "streaming: most recent tokens kept (at least one block)");
+}
+
+KvEviction KvEvictionFlags::EvictionOrExit(std::string_view command) const {
+  const std::string cmd(command);
+  KvEviction e;
+  const auto mode = ParseKvEvictionMode(mode_);
+  if (!mode) UsageError(cmd, "--kv-eviction: expected none or streaming, got '" + mode_ + "'");
+  e.mode = *mode;
+  if (selection_ != "none" && selection_ != "quest") {
+    UsageError(cmd, "--kv-selection: expected none or quest, got '" + selection_ + "'");
+  }
+  if (selection_ == "none" && selection_blocks_ != kUnset) {
+    UsageError(cmd, "--kv-selection-blocks needs --kv-selection quest");
+  }
+  if (selection_ == "quest") {
+    if (selection_blocks_ == kUnset) {
+      UsageError(cmd, "--kv-selection-blocks is required with --kv-selection quest");
+    }
+    if (selection_blocks_ < 1) UsageError(cmd, "--kv-selection-blocks must be >= 1");
+    if (e.mode != KvEviction::Mode::kNone) {
+      UsageError(cmd, "--kv-selection quest does not combine with --kv-eviction");
+    }
+    e.quest_blocks = selection_blocks_;
+  }
+  if (e.mode == KvEviction::Mode::kNone) {
+    if (sink_tokens_ != kUnset) UsageError(cmd, "--kv-sink-tokens needs --kv-eviction streaming");
+    if (window_tokens_ != kUnset) {
+      UsageError(cmd, "--kv-window-tokens needs --kv-eviction streaming");
+    }
+    return e;
+  }
+  if (window_tokens_ == kUnset) {
+    UsageError(cmd, "--kv-window-tokens is required with --kv-eviction streaming");
+  }
+  if (window_tokens_ < 1) UsageError(cmd, "--kv-window-tokens must be >= 1");
+  if (sink_tokens_ != kUnset && sink_tokens_ < 0) UsageError(cmd, "--kv-sink-tokens must be >= 0");
+  e.window_tokens = window_tokens_;
+  e.sink_tokens = sink_tokens_ == kUnset ? 4 : sink_tokens_;
+  return e;
+}
+
+std::vector<std::string> KvEvictionFlags::Args() const {
+  std::vector<std::string> a = {"--kv-eviction", mode_};
+  if (selection_ != "none") a.insert(a.end(), {"--kv-selection", selection_});
+  if (selection_blocks_ != kUnset) {
+    a.insert(a.end(), {"--kv-selection-blocks", std::to_string(selection_blocks_)});
+  }
+  if (sink_tokens_ != kUnset) a.insert(a.end(), {"--kv-sink-tokens", std::to_string(sink_tokens_)});
+  if (window_tokens_ != kUnset) {
+    a.insert(a.end(), {"--kv-window-tokens", std::to_string(window_tokens_)});
+  }
+  return a;
+}
+
+}  // namespace pdserve::cli

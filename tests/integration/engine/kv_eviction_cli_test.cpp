@@ -1,0 +1,124 @@
+// The real binary with --kv-eviction streaming: `generate` runs past the
+// model's context, `eval` reports NLL by position, and every bad mode or
+// budget exits 2 with one line naming its flag.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "tests/support/test_models.h"
+
+namespace pdserve {
+namespace {
+
+struct Result {
+  int exit_code = -1;
+  std::string out;  // stdout
+  std::string err;  // stderr
+};
+
+Result RunPdserve(const std::string& args) {
+  const std::string err_file = testing::NewTempDir("eviction-cli") + "/stderr";
+  const std::string cmd = std::string(PDSERVE_BIN_PATH) + " " + args + " 2>" + err_file;
+  Result r;
+  FILE* p = popen(cmd.c_str(), "r");
+  if (p == nullptr) return r;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
+  const int status = pclose(p);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  std::ifstream in(err_file);
+  r.err.assign(std::istreambuf_iterator<char>(in), {});
+  return r;
+}
+
+// The tiny preset with a trained context of 64 positions.
+const std::string& ShortModel() {
+  static const std::string dir = [] {
+    ModelSpec s = *PresetModelSpec("tiny");
+    s.max_position_embeddings = 64;
+    s.name = "eviction-cli-tiny";
+    return testing::ModelDir("eviction-cli-tiny", s);
+  }();
+  return dir;
+}
+
+TEST(KvEvictionCliTest, GenerateRunsPastTheContextOnlyWithStreaming) {
+  const std::string base = "generate --model " + ShortModel() +
+                           " --prompt 'Once upon a time' --max-tokens 300 --temperature 0"
+                           " --ignore-eos --json";
+  const Result dense = RunPdserve(base);
+  ASSERT_EQ(dense.exit_code, 0) << dense.err;
+  const auto d = nlohmann::json::parse(dense.out);
+  EXPECT_LT(d["token_ids"].size(), 64u);  // the context is full
+  const Result streaming =
+      RunPdserve(base + " --kv-eviction streaming --kv-sink-tokens 4 --kv-window-tokens 32");
+  ASSERT_EQ(streaming.exit_code, 0) << streaming.err;
+  const auto s = nlohmann::json::parse(streaming.out);
+  EXPECT_EQ(s["token_ids"].size(), 300u);
+  EXPECT_EQ(s["finish_reason"], "length");
+}
+
+TEST(KvEvictionCliTest, EvalReportsNllByPosition) {
+  const std::string text = testing::NewTempDir("eviction-eval") + "/text.txt";
+  {
+    std::ofstream out(text);
+    for (int i = 0; i < 40; ++i) out << "The cat sat on the mat and looked at the dog. ";
+  }
+  const Result r = RunPdserve("eval --model " + ShortModel() + " --text " + text +
+                              " --kv-eviction streaming --kv-window-tokens 32"
+                              " --nll-buckets 100 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["kv_eviction"], "streaming sinks=4 window=32");
+  ASSERT_GT(j["tokens"].get<int64_t>(), 64);
+  EXPECT_EQ(j["nll_buckets"].size(), (j["tokens"].get<size_t>() + 99) / 100);
+  for (const auto& b : j["nll_buckets"]) EXPECT_TRUE(std::isfinite(b.get<double>()));
+  // Without a mode the same text is longer than the context: refused.
+  const Result dense = RunPdserve("eval --model " + ShortModel() + " --text " + text + " --json");
+  EXPECT_EQ(dense.exit_code, 2) << dense.err;
+  const Result past =
+      RunPdserve("eval --model " + ShortModel() + " --text " + text + " --past-context --json");
+  EXPECT_EQ(past.exit_code, 0) << past.err;
+}
+
+TEST(KvEvictionCliTest, BadModesAndBudgetsExitTwoNamingTheFlag) {
+  const std::string gen = "generate --model " + ShortModel() + " --prompt hi --max-tokens 2";
+  const std::string mla =
+      testing::ModelDir("eviction-cli-mla", *PresetModelSpec("deepseek-v2-lite"));
+  const std::string windowed =
+      testing::ModelDir("eviction-cli-window", *PresetModelSpec("mistral-window"));
+  const std::pair<std::string, std::string> cases[] = {
+      {gen + " --kv-eviction sideways --kv-window-tokens 32", "--kv-eviction"},
+      {gen + " --kv-sink-tokens 4", "--kv-sink-tokens"},
+      {gen + " --kv-eviction streaming", "--kv-window-tokens"},
+      {gen + " --kv-eviction streaming --kv-window-tokens 0", "--kv-window-tokens"},
+      {gen + " --kv-eviction streaming --kv-window-tokens 32 --kv-sink-tokens -1",
+       "--kv-sink-tokens"},
+      {gen + " --kv-eviction streaming --kv-window-tokens 8", "--kv-window-tokens"},   // < a block
+      {gen + " --kv-eviction streaming --kv-window-tokens 61", "--kv-window-tokens"},  // > context
+      {gen + " --kv-eviction streaming --kv-window-tokens 48 --kv-cache-bytes 16384",
+       "--kv-window-tokens"},  // more blocks than the pool
+      {"generate --model " + mla + " --prompt hi --kv-eviction streaming --kv-window-tokens 32",
+       "MLA"},
+      {"generate --model " + windowed +
+           " --prompt hi --kv-eviction streaming --kv-window-tokens 32",
+       "sliding-window"},
+  };
+  for (const auto& [args, needle] : cases) {
+    SCOPED_TRACE(args);
+    const Result r = RunPdserve(args);
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_NE(r.err.find(needle), std::string::npos) << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  }
+}
+
+}  // namespace
+}  // namespace pdserve
