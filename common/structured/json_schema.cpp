@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <optional>
 #include <set>
 
 namespace pdserve::structured {
@@ -718,6 +719,166 @@ class SchemaCompiler {
     return b_.Call(rule);
   }
 
+  // oneOf: a value must match exactly one branch. A grammar cannot subtract
+  // one branch's language from another's in general (objects nest), so
+  // oneOf compiles to the union of its branches only where no value can
+  // match two of them; then the union is exact. Branches that match nothing
+  // (false) are dropped; two that match everything (true, {}) leave no
+  // value at all. Any other pair that cannot be proven exclusive (by JSON
+  // type, by const/enum values, or by a property both require whose
+  // schemas are exclusive, as in tagged unions) is refused, naming the
+  // branches, rather than accepting values the schema rejects. Returns the
+  // branches to join.
+  StatusOr<std::vector<size_t>> ExclusiveBranches(const ojson& one_of, const ojson& rest,
+                                                  const std::string& ptr) {
+    std::vector<size_t> kept;
+    std::vector<ValueFacts> facts;
+    int universal = 0;
+    for (size_t k = 0; k < one_of.size(); ++k) {
+      const ojson& b = one_of[k];
+      if (b.is_boolean() && !b.get<bool>()) continue;
+      if ((b.is_boolean() && b.get<bool>()) || (b.is_object() && b.empty())) ++universal;
+      ValueFacts f;
+      Gather(rest, &f, 0);
+      Gather(b, &f, 0);
+      if (f.never) continue;
+      kept.push_back(k);
+      facts.push_back(std::move(f));
+    }
+    if (universal >= 2) return std::vector<size_t>{};  // every value matches two
+    for (size_t a = 0; a < kept.size(); ++a) {
+      for (size_t b = a + 1; b < kept.size(); ++b) {
+        if (!Exclusive(facts[a], facts[b], 0)) {
+          return Error(ptr, "'oneOf' whose branches " + std::to_string(kept[a]) + " and " +
+                                std::to_string(kept[b]) +
+                                " may both match one value is not supported (branches must "
+                                "differ in type, in const/enum values or in a required "
+                                "property's schema; 'anyOf' accepts the union)");
+        }
+      }
+    }
+    return kept;
+  }
+
+  // What a schema says about the values it admits, enough to prove two
+  // branches exclusive. Conservative: what is not derived stays possible
+  // (anyOf, oneOf, bounds and patterns inside are ignored: they only narrow).
+  struct ValueFacts {
+    bool never = false;
+    // JSON types; "integer" stands for integral numbers, "number" for the rest.
+    std::set<std::string> types = {"null",   "boolean", "object", "array",
+                                   "number", "integer", "string"};
+    std::optional<std::vector<ojson>> values;                   // from const / enum
+    std::map<std::string, std::vector<const ojson*>> required;  // schemas of required members
+  };
+
+  static std::string TypeOfValue(const ojson& v) {
+    if (v.is_null()) return "null";
+    if (v.is_boolean()) return "boolean";
+    if (v.is_object()) return "object";
+    if (v.is_array()) return "array";
+    if (v.is_string()) return "string";
+    if (v.is_number_integer() || v.is_number_unsigned()) return "integer";
+    const double d = v.get<double>();
+    return std::isfinite(d) && d == std::floor(d) ? "integer" : "number";
+  }
+
+  void Gather(const ojson& s, ValueFacts* f, int depth) {
+    if (depth > 16) return;
+    if (s.is_boolean()) {
+      f->never = f->never || !s.get<bool>();
+      return;
+    }
+    if (!s.is_object()) return;
+    if (auto r = s.find("$ref"); r != s.end() && r->is_string()) {
+      const std::string target = r->get<std::string>();
+      if (target.rfind("#/", 0) == 0 || target == "#") {
+        if (const ojson* at = Resolve(target.substr(1))) Gather(*at, f, depth + 1);
+      }
+      return;  // keywords beside $ref are refused when compiled
+    }
+    if (auto t = s.find("type"); t != s.end()) {
+      std::set<std::string> allowed;
+      for (const ojson& name : t->is_array() ? *t : ojson::array({*t})) {
+        if (!name.is_string()) continue;
+        allowed.insert(name.get<std::string>());
+        if (name == "number") allowed.insert("integer");
+      }
+      std::set<std::string> both;
+      for (const std::string& x : f->types) {
+        if (allowed.count(x)) both.insert(x);
+      }
+      f->types = both;
+    }
+    auto narrow = [&](std::vector<ojson> vs) {
+      if (f->values) {
+        std::vector<ojson> common;
+        for (const ojson& v : vs) {
+          if (std::find(f->values->begin(), f->values->end(), v) != f->values->end())
+            common.push_back(v);
+        }
+        vs = common;
+      }
+      f->values = std::move(vs);
+    };
+    if (auto c = s.find("const"); c != s.end()) narrow({*c});
+    if (auto e = s.find("enum"); e != s.end() && e->is_array()) {
+      narrow(std::vector<ojson>(e->begin(), e->end()));
+    }
+    if (auto all = s.find("allOf"); all != s.end() && all->is_array()) {
+      for (const ojson& part : *all) Gather(part, f, depth + 1);
+    }
+    auto req = s.find("required");
+    if (req != s.end() && req->is_array()) {
+      auto props = s.find("properties");
+      for (const ojson& name : *req) {
+        if (!name.is_string()) continue;
+        auto& schemas = f->required[name.get<std::string>()];
+        if (props != s.end() && props->is_object() && props->contains(name.get<std::string>())) {
+          schemas.push_back(&(*props)[name.get<std::string>()]);
+        }
+      }
+    }
+    if (f->values) {
+      std::vector<ojson> typed;
+      for (const ojson& v : *f->values) {
+        if (f->types.count(TypeOfValue(v))) typed.push_back(v);
+      }
+      f->values = typed;
+      if (typed.empty()) f->never = true;
+    }
+    if (f->types.empty()) f->never = true;
+  }
+
+  // True when no value can satisfy both.
+  bool Exclusive(const ValueFacts& a, const ValueFacts& b, int depth) {
+    if (a.never || b.never) return true;
+    bool shared_type = false;
+    for (const std::string& t : a.types) shared_type = shared_type || b.types.count(t) > 0;
+    if (!shared_type) return true;
+    if (a.values && b.values) {
+      bool shared_value = false;
+      for (const ojson& v : *a.values) {
+        shared_value =
+            shared_value || std::find(b.values->begin(), b.values->end(), v) != b.values->end();
+      }
+      if (!shared_value) return true;
+    }
+    const bool only_objects = std::all_of(a.types.begin(), a.types.end(), [&](const auto& t) {
+      return t == "object" || !b.types.count(t);
+    });
+    if (!only_objects || depth > 8) return false;
+    for (const auto& [name, sa] : a.required) {
+      auto other = b.required.find(name);
+      if (other == b.required.end()) continue;
+      ValueFacts fa, fb;
+      for (const ojson* x : sa) Gather(*x, &fa, 0);
+      for (const ojson* x : other->second) Gather(*x, &fb, 0);
+      if (Exclusive(fa, fb, depth + 1)) return true;
+    }
+    return false;
+  }
+
   // The schema a pointer ("" or "/a/b", unescaped on the way) names.
   const ojson* Resolve(const std::string& pointer) const {
     const ojson* at = &root_;
@@ -896,15 +1057,22 @@ class SchemaCompiler {
         rest[k.key()] = k.value();
         constrained = true;
       }
+      std::vector<size_t> branches(it->size());
+      for (size_t k = 0; k < it->size(); ++k) branches[k] = k;
+      if (std::string(key) == "oneOf") {
+        auto exclusive = ExclusiveBranches(*it, rest, ptr);
+        if (!exclusive.ok()) return exclusive.status();
+        branches = *exclusive;
+      }
       std::vector<Expr> alts;
-      for (size_t k = 0; k < it->size(); ++k) {
+      for (size_t k : branches) {
         const std::string where = ptr + "/" + key + "/" + std::to_string(k);
         const ojson both = {{"allOf", ojson::array({rest, (*it)[k]})}};
         auto e = Compile(constrained ? both : (*it)[k], where, depth + 1);
         if (!e.ok()) return e;
         alts.push_back(*e);
       }
-      return b_.Alt(alts);
+      return alts.empty() ? b_.Never() : b_.Alt(alts);
     }
     // Types.
     std::set<std::string> types;

@@ -202,6 +202,60 @@ TEST(Matcher, RandomWalksAgreeWithTokenChecks) {
   }
 }
 
+// oneOf admits a value that matches exactly one branch. Unions whose
+// branches no value can share (by type, const/enum values, or a tag both
+// require, through $ref as generated schemas write them) compile, and the
+// union is then exact; a union whose branches may overlap is refused naming
+// them rather than accepting what the schema rejects.
+TEST(Grammar, OneOfCompilesExclusiveBranchesAndRefusesOverlappingOnes) {
+  struct Case {
+    const char* schema;
+    std::vector<std::string> accepted, rejected;
+  };
+  const std::vector<Case> exclusive = {
+      {R"({"oneOf":[{"type":"string"},{"type":"null"}]})", {"\"a\"", "null"}, {"1"}},
+      {R"({"oneOf":[{"type":"integer"},{"type":"string","maxLength":2}]})",
+       {"12", "\"ab\""},
+       {"1.5", "\"abc\""}},
+      {R"({"oneOf":[{"enum":["a","b"]},{"const":"c"}]})", {"\"a\"", "\"c\""}, {"\"d\""}},
+      {R"({"$defs":{
+           "cat":{"type":"object","properties":{"kind":{"const":"cat"},"lives":{"type":"integer"}},
+                  "required":["kind","lives"],"additionalProperties":false},
+           "dog":{"type":"object","properties":{"kind":{"const":"dog"},"name":{"type":"string"}},
+                  "required":["kind","name"],"additionalProperties":false}},
+          "oneOf":[{"$ref":"#/$defs/cat"},{"$ref":"#/$defs/dog"}]})",
+       {R"({"kind":"cat","lives":9})", R"({"kind":"dog","name":"rex"})"},
+       {R"({"kind":"cat","name":"rex"})", R"({"kind":"fox","name":"rex"})"}},
+      // false branches match nothing; with one true left, everything matches.
+      {R"({"oneOf":[false,true,false]})", {"1", "\"x\"", "[]"}, {}},
+  };
+  for (const Case& c : exclusive) {
+    SCOPED_TRACE(c.schema);
+    auto g = Compile(Schema(c.schema));
+    ASSERT_NE(g, nullptr);
+    for (const auto& text : c.accepted) EXPECT_TRUE(CheckWalk(g, text)) << text;
+    for (const auto& text : c.rejected) EXPECT_FALSE(CheckWalk(g, text)) << text;
+  }
+  // Two branches that match everything leave no value matching exactly one.
+  auto never = ConstraintGrammar(Schema(R"({"oneOf":[true,{},false]})"), CompileOptions{});
+  ASSERT_FALSE(never.ok());
+  EXPECT_NE(never.status().message().find("accepts no output"), std::string::npos)
+      << never.status().message();
+  for (const auto& [schema, branches] : std::vector<std::pair<std::string, std::string>>{
+           {R"({"oneOf":[{"type":"integer"},{"minimum":2}]})", "branches 0 and 1"},
+           {R"({"type":"string","oneOf":[{"minLength":2},{"maxLength":4}]})", "branches 0 and 1"},
+           {R"({"oneOf":[{"type":"null"},{"type":"object","required":["a"]},
+                          {"type":"object","required":["b"]}]})",
+            "branches 1 and 2"},
+           {R"({"oneOf":[{"enum":["a","b"]},{"const":"b"}]})", "branches 0 and 1"},
+       }) {
+    auto g = ConstraintGrammar(Schema(schema), CompileOptions{});
+    ASSERT_FALSE(g.ok()) << schema;
+    EXPECT_NE(g.status().message().find("'oneOf' whose " + branches), std::string::npos)
+        << g.status().message();
+  }
+}
+
 TEST(Grammar, RefusesWithReasons) {
   struct Case {
     OutputConstraint c;
