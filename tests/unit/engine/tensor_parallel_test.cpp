@@ -4,7 +4,8 @@
 // communicator. Every rank's logits of a prompt equal the single-rank
 // model's within 1e-4 relative (per position), with the same argmax, for
 // the make-model presets (dense, Qwen3, Qwen3-MoE with experts sliced
-// along their intermediate dimension, Mixtral) and stories260K (8 heads,
+// along their intermediate dimension, Mixtral), fp8 checkpoints (per
+// channel, per tensor) and stories260K (8 heads,
 // 4 KV heads: TP 8 replicates each KV head on two ranks). Sizes that do
 // not divide the heads are refused naming the numbers.
 #include <gtest/gtest.h>
@@ -126,6 +127,20 @@ TEST(TensorParallelTest, PresetsEqualOneRank) {
     const std::string dir = testing::ModelDir(preset, *PresetModelSpec(preset));
     // tiny has 2 KV heads: TP 4 replicates each on two ranks.
     ExpectSameAsOneRank(dir, {2, 4});
+  }
+}
+
+// fp8 checkpoints: each shard keeps its rows' per-channel scales, or the
+// one per-tensor scale; its codes are read in place (rows) or copied
+// (columns).
+TEST(TensorParallelTest, Fp8CheckpointsEqualOneRank) {
+  for (auto scheme : {kernels::WeightScheme::kFp8Channel, kernels::WeightScheme::kFp8Tensor}) {
+    SCOPED_TRACE(kernels::WeightSchemeName(scheme));
+    ModelSpec spec = *PresetModelSpec("tiny");
+    spec.quant = scheme;
+    ExpectSameAsOneRank(
+        testing::ModelDir(std::string("tp-tiny-") + kernels::WeightSchemeName(scheme), spec),
+        {2, 4});
   }
 }
 
