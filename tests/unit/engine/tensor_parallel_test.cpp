@@ -15,6 +15,7 @@
 #include <random>
 #include <thread>
 
+#include "engine/engine.h"
 #include "engine/kv_cache.h"
 #include "engine/make_model.h"
 #include "engine/model.h"
@@ -150,6 +151,87 @@ TEST(TensorParallelTest, Stories260KEqualsOneRank) {
     GTEST_SKIP() << "stories260K not found beside the sources";
   }
   ExpectSameAsOneRank(dir, {2, 4, 8});
+}
+
+// Greedy tokens of `prompts`, all at once, prefilled in chunks of 8, from
+// an engine over `size` ranks (engine/executor.h: a thread per rank).
+std::vector<std::vector<TokenId>> EngineGreedy(const std::string& dir, int size,
+                                               const std::vector<std::vector<TokenId>>& prompts,
+                                               int max_tokens) {
+  auto group = kernels::CreateSharedMemoryGroup(size);
+  std::vector<std::unique_ptr<kernels::CpuBackend>> backends;
+  std::vector<std::unique_ptr<Model>> models;
+  std::vector<Model*> ranks;
+  for (int r = 0; r < size; ++r) {
+    backends.push_back(std::make_unique<kernels::CpuBackend>(1));
+    auto m = Model::Load(dir, backends[r].get(), LoadFormat::kSafetensors,
+                         TensorParallelRank{r, size, size > 1 ? group[r].get() : nullptr});
+    EXPECT_TRUE(m.ok()) << m.status().ToString();
+    if (!m.ok()) return {};
+    ranks.push_back(m->get());
+    models.push_back(std::move(*m));
+  }
+  EngineOptions options;
+  options.max_num_batched_tokens = 8;
+  options.kv_cache_bytes = 2 << 20;
+  auto engine = Engine::Create(ranks, options);
+  EXPECT_TRUE(engine.ok()) << engine.status().ToString();
+  if (!engine.ok()) return {};
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    EngineRequest req;
+    req.id = static_cast<RequestId>(i + 1);
+    req.prompt = prompts[i];
+    req.params.temperature = 0;
+    req.params.max_tokens = max_tokens;
+    req.params.ignore_eos = true;
+    EXPECT_TRUE((*engine)->AddRequest(std::move(req)).ok());
+  }
+  std::vector<std::vector<TokenId>> out(prompts.size());
+  while ((*engine)->HasUnfinished()) {
+    auto step = (*engine)->Step();
+    EXPECT_TRUE(step.ok()) << step.status().ToString();
+    if (!step.ok()) break;
+    for (const auto& o : *step) {
+      auto& seq = out[o.id - 1];
+      seq.insert(seq.end(), o.new_token_ids.begin(), o.new_token_ids.end());
+    }
+  }
+  return out;
+}
+
+TEST(TensorParallelTest, EngineGreedyTokensEqualOneRank) {
+  for (const char* preset : {"tiny", "qwen3-moe"}) {
+    SCOPED_TRACE(preset);
+    const std::string dir = testing::ModelDir(preset, *PresetModelSpec(preset));
+    std::mt19937 rng(3);
+    std::vector<std::vector<TokenId>> prompts(3);
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      prompts[i].resize(5 + 9 * i);
+      for (auto& t : prompts[i]) t = static_cast<TokenId>(rng() % 512);
+    }
+    const auto want = EngineGreedy(dir, 1, prompts, 12);
+    ASSERT_EQ(want.size(), prompts.size());
+    EXPECT_EQ(want[0].size(), 12u);
+    for (int size : {2, 4}) EXPECT_EQ(EngineGreedy(dir, size, prompts, 12), want) << size;
+  }
+}
+
+// stories260K's published greedy continuation of its prompt, from every
+// group size: an independent reference, not only TP 1.
+TEST(TensorParallelTest, Stories260KEngineWritesThePublishedStory) {
+  const std::string dir = testing::RealModelDir();
+  if (dir.empty() || !std::filesystem::exists(dir + "/config.json")) {
+    GTEST_SKIP() << "stories260K not found beside the sources";
+  }
+  const std::vector<TokenId> prompt = {1, 403, 407, 261, 378};
+  const std::vector<TokenId> story = {432, 383, 286, 261, 376, 298, 315, 421, 395,
+                                      317, 426, 338, 401, 396, 267, 337, 410, 408,
+                                      419, 292, 411, 322, 265, 282, 295};
+  for (int size : {1, 2, 4, 8}) {
+    const auto got = EngineGreedy(dir, size, {prompt}, static_cast<int>(story.size()));
+    ASSERT_EQ(got.size(), 1u);
+    EXPECT_EQ(got[0], story) << "tensor parallel " << size;
+  }
 }
 
 TEST(TensorParallelTest, RefusesSizesThatDoNotSplitTheModel) {
