@@ -79,6 +79,17 @@ Status CheckEvictionFits(const KvEviction& ev, const EngineOptions& options, int
 
 StatusOr<std::unique_ptr<Engine>> Engine::Create(Model* model, const EngineOptions& options,
                                                  const Tokenizer* tokenizer) {
+  return Create(std::vector<Model*>{model}, options, tokenizer);
+}
+
+StatusOr<std::unique_ptr<Engine>> Engine::Create(const std::vector<Model*>& ranks,
+                                                 const EngineOptions& options,
+                                                 const Tokenizer* tokenizer) {
+  if (ranks.empty()) return Status::InvalidArgument("an engine needs a model");
+  Model* model = ranks[0];
+  if (ranks.size() > 1 && (options.kv_host_cache_bytes > 0 || !options.kv_disk_cache_dir.empty())) {
+    return Status::Unsupported("KV tiers with tensor parallelism are not built yet");
+  }
   if (options.max_num_seqs < 1) return Status::InvalidArgument("max_num_seqs must be >= 1");
   if (options.max_num_batched_tokens < 1) {
     return Status::InvalidArgument("max_num_batched_tokens must be >= 1");
@@ -99,6 +110,21 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(Model* model, const EngineOptio
   e->pool_ = std::move(*pool);
   if (const KvEviction& ev = model->config().kv_eviction; ev.enabled()) {
     PDSERVE_RETURN_IF_ERROR(CheckEvictionFits(ev, options, e->pool_->num_blocks()));
+  }
+  std::vector<KvCachePool*> pools = {e->pool_.get()};
+  for (size_t r = 1; r < ranks.size(); ++r) {
+    auto shard = KvCachePool::Create(ranks[r]->backend(), ranks[r]->config(), options.kv_dtype,
+                                     options.block_size, options.kv_cache_bytes,
+                                     options.kv_scales ? &*options.kv_scales : nullptr);
+    if (!shard.ok()) return shard.status();
+    // Replicated KV heads give ranks equal shards; split ones too.
+    if ((*shard)->num_blocks() != e->pool_->num_blocks()) {
+      return Status::Internal("tensor-parallel rank " + std::to_string(r) + " has " +
+                              std::to_string((*shard)->num_blocks()) + " KV blocks, rank 0 " +
+                              std::to_string(e->pool_->num_blocks()));
+    }
+    pools.push_back(shard->get());
+    e->rank_pools_.push_back(std::move(*shard));
   }
   BlockManagerOptions bm;
   bm.num_blocks = static_cast<size_t>(e->pool_->num_blocks());
@@ -160,7 +186,7 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(Model* model, const EngineOptio
   runner.max_num_seqs = options.max_num_seqs;
   runner.max_model_len = e->max_model_len_;
   runner.graphs = options.graphs;
-  auto executor = Executor::Create(model, e->pool_.get(), runner);
+  auto executor = Executor::Create(ranks, pools, runner);
   if (!executor.ok()) return executor.status();
   e->executor_ = std::move(*executor);
   if (e->tier_store_) {

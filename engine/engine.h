@@ -236,6 +236,15 @@ class Engine {
   // engines may share one model if one thread drives them all.
   static StatusOr<std::unique_ptr<Engine>> Create(Model* model, const EngineOptions& options,
                                                   const Tokenizer* tokenizer = nullptr);
+  // A tensor-parallel engine: `ranks` are the shards of one model, rank r
+  // loaded with TensorParallelRank{r, ranks.size(), ...} (engine/model.h).
+  // One scheduler and block manager; each rank gets its KV pool shard of
+  // kv_cache_bytes (the same number of blocks on every rank) and a thread
+  // (engine/executor.h). model() and kv_pool() are rank 0's. Unsupported
+  // with KV tiers (not built for shards yet).
+  static StatusOr<std::unique_ptr<Engine>> Create(const std::vector<Model*>& ranks,
+                                                  const EngineOptions& options,
+                                                  const Tokenizer* tokenizer = nullptr);
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -337,6 +346,7 @@ class Engine {
   std::string model_id_;
   uint64_t kv_fingerprint_ = 0;
   std::unique_ptr<KvCachePool> pool_;
+  std::vector<std::unique_ptr<KvCachePool>> rank_pools_;  // ranks 1.. of a tensor-parallel engine
   std::unique_ptr<BlockManager> blocks_;
   // Lower tiers: the store, and the thread that moves blocks to and from it
   // (declared after the store: it goes first).

@@ -5,8 +5,11 @@
 // returns rank 0's tokens. The scheduler (engine.h) sees none of that.
 #pragma once
 
+#include <condition_variable>
 #include <memory>
+#include <mutex>
 #include <span>
+#include <thread>
 #include <vector>
 
 #include "common/status.h"
@@ -18,23 +21,38 @@ namespace pdserve {
 
 class Executor {
  public:
-  // Runs `model` over `pool`; both outlive the executor.
-  static StatusOr<std::unique_ptr<Executor>> Create(Model* model, KvCachePool* pool,
-                                                    const RunnerOptions& options);
+  // Runs `models[r]` over `pools[r]`, one per tensor-parallel rank (one
+  // entry: a single device, run on the caller's thread as ever); all
+  // outlive the executor. Ranks 1.. run on threads of their own, eagerly
+  // (the collectives are not captured in graphs).
+  static StatusOr<std::unique_ptr<Executor>> Create(const std::vector<Model*>& models,
+                                                    const std::vector<KvCachePool*>& pools,
+                                                    RunnerOptions options);
+  ~Executor();
 
-  // One step of the scheduler's sequences: their sampled tokens, in order
-  // (ModelRunner::Execute).
-  StatusOr<std::vector<SampledToken>> Execute(std::span<const ScheduledSeq> step) {
-    return runner_->Execute(step);
-  }
+  // One step of the scheduler's sequences on every rank: rank 0's sampled
+  // tokens, in order (ModelRunner::Execute). Every rank computes the same
+  // logits (replicated LM head), so rank 0's tokens are every rank's.
+  StatusOr<std::vector<SampledToken>> Execute(std::span<const ScheduledSeq> step);
   // Returns once every device has written the KV of the steps so far, so
   // that a transfer reading the pool sees it.
-  void Synchronize() { backend_->Synchronize(); }
+  void Synchronize();
 
  private:
   Executor() = default;
-  kernels::Backend* backend_ = nullptr;
-  std::unique_ptr<ModelRunner> runner_;
+  void RankLoop(int rank);
+
+  std::vector<kernels::Backend*> backends_;
+  std::vector<std::unique_ptr<ModelRunner>> runners_;
+  // Ranks 1..: the step under way, handed over by generation number.
+  std::vector<std::thread> threads_;
+  std::mutex mu_;
+  std::condition_variable start_, done_;
+  uint64_t generation_ = 0;
+  int pending_ = 0;
+  bool stop_ = false;
+  std::span<const ScheduledSeq> step_;
+  std::vector<Status> rank_status_;
 };
 
 }  // namespace pdserve

@@ -24,10 +24,56 @@ std::optional<LoadFormat> ParseLoadFormat(std::string_view name) {
   return std::nullopt;
 }
 
+Status CheckTensorParallel(const ModelConfig& c, int size) {
+  const std::string tp = "tensor parallel size " + std::to_string(size);
+  if (size < 1) return Status::InvalidArgument(tp + ": must be at least 1");
+  if (size == 1) return Status::Ok();
+  if (c.is_mla()) {
+    return Status::InvalidArgument(tp + ": " + c.architecture +
+                                   " uses multi-head latent attention, which is not split across "
+                                   "ranks yet (docs/tensor-parallel.md)");
+  }
+  if (c.num_heads % size != 0) {
+    return Status::InvalidArgument(tp + " does not divide the model's " +
+                                   std::to_string(c.num_heads) + " attention heads");
+  }
+  if (c.num_kv_heads >= size ? c.num_kv_heads % size != 0 : size % c.num_kv_heads != 0) {
+    return Status::InvalidArgument(
+        tp + " and the model's " + std::to_string(c.num_kv_heads) +
+        " KV heads: one must divide the other (KV heads are split across ranks, or replicated "
+        "when there are fewer than ranks)");
+  }
+  bool dense = false;
+  for (int64_t l = 0; l < c.num_layers; ++l) dense = dense || !c.IsSparseLayer(l);
+  // The intermediate dimensions need not divide: ranks' slices differ by
+  // one column at most. Each rank needs one.
+  if (dense && c.intermediate_size < size) {
+    return Status::InvalidArgument(tp + " exceeds the model's intermediate_size " +
+                                   std::to_string(c.intermediate_size));
+  }
+  if (c.num_experts > 0 && c.moe_intermediate_size < size) {
+    return Status::InvalidArgument(tp + " exceeds the model's moe_intermediate_size " +
+                                   std::to_string(c.moe_intermediate_size));
+  }
+  return Status::Ok();
+}
+
 StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir, kernels::Backend* backend,
-                                             LoadFormat format, const KvEviction& eviction) {
+                                             LoadFormat format, const KvEviction& eviction,
+                                             const TensorParallelRank& tp) {
   auto config = LoadModelConfig(dir);
   if (!config.ok()) return config.status();
+  if (tp.size > 1 && (tp.comm == nullptr || tp.rank < 0 || tp.rank >= tp.size)) {
+    return Status::InvalidArgument("tensor parallel rank " + std::to_string(tp.rank) + " of " +
+                                   std::to_string(tp.size) + " without a communicator");
+  }
+  if (Status ok = CheckTensorParallel(*config, tp.size); !ok.ok()) {
+    return Status(ok.code(), dir + ": " + ok.message());
+  }
+  if (tp.size > 1 && eviction.enabled()) {
+    return Status::InvalidArgument(
+        "--kv-eviction/--kv-selection with tensor parallelism are not built together yet");
+  }
   PDSERVE_RETURN_IF_ERROR(config->ApplyKvEviction(eviction));
   if (eviction.sink_tokens > 0 && !backend->SupportsAttentionSinks()) {
     return Status::InvalidArgument("--kv-sink-tokens: the " + backend->name() +
@@ -46,6 +92,7 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir, kernels::Ba
   if (!files.ok()) return files.status();
   std::unique_ptr<Model> m(new Model());
   m->config_ = std::move(*config);
+  m->tp_ = tp;
   m->dir_ = dir;
   m->backend_ = backend;
   m->model_id_ = m->config_.name_or_path;
@@ -78,6 +125,17 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir, kernels::Ba
     a.sinks = m->config_.kv_eviction.sink_tokens;
     a.rope_inv_freq = m->inv_freq_;
     a.quest_blocks = m->config_.kv_eviction.quest_blocks;
+  }
+  if (tp.size > 1) {
+    // From here on the model is the rank's shard (config()).
+    ModelConfig& c = m->config_;
+    c.num_heads /= tp.size;
+    c.num_kv_heads = std::max<int64_t>(1, c.num_kv_heads / tp.size);
+    auto share = [&](int64_t width) {
+      return (tp.rank + 1) * width / tp.size - tp.rank * width / tp.size;
+    };
+    c.intermediate_size = share(c.intermediate_size);
+    c.moe_intermediate_size = share(c.moe_intermediate_size);
   }
   if (m->config_.quant.quantized()) {
     PDSERVE_LOG(INFO) << "model: " << m->model_id_ << ": fp8 weights, "
@@ -138,14 +196,35 @@ void ConvertToF32(const TensorView& t, float* out) {
 }  // namespace
 
 StatusOr<WeightMatrix> Model::Matrix(const WeightFiles& files, const std::string& name,
-                                     int64_t rows, int64_t cols) {
+                                     int64_t rows, int64_t cols, Cut row_cut, Cut col_cut) {
   auto found = Tensor(files, name, {rows, cols}, /*allow_fp8=*/true);
   if (!found.ok()) return found.status();
   num_parameters_ += rows * cols;
   const TensorView& t = **found;
   WeightMatrix w{t.data, *t.dtype, rows, cols};
+  if (w.dtype == DType::kFP8E4M3) PDSERVE_RETURN_IF_ERROR(Fp8Scales(files, t, &w));
+  if (!row_cut.all()) {
+    auto cut = SliceRows(w, name, row_cut.begin, row_cut.count);
+    if (!cut.ok()) return cut.status();
+    w = *cut;
+  }
+  if (!col_cut.all()) {
+    auto cut = SliceColumns(w, name, col_cut.begin, col_cut.count);
+    if (!cut.ok()) return cut.status();
+    w = *cut;
+  }
   if (w.dtype == DType::kFP8E4M3) {
-    PDSERVE_RETURN_IF_ERROR(Fp8Scales(files, t, &w));
+    // The e4m3 NaN codes (0x7f, 0xff) are no weight; the kernels read the
+    // codes without checking for them (kernels/weights.h). Only the rows
+    // and columns kept are read.
+    const uint8_t* codes = static_cast<const uint8_t*>(w.data);
+    for (int64_t i = 0; i < w.rows * w.cols; ++i) {
+      if ((codes[i] & 0x7f) == 0x7f) {
+        return Status::InvalidArgument(t.file + ": tensor '" + name +
+                                       "' holds the e4m3 NaN code at element " + std::to_string(i) +
+                                       " of the rows and columns loaded");
+      }
+    }
     return w;
   }
   // A projection the config quantises must be stored quantised, as vLLM
@@ -171,14 +250,6 @@ Status Model::Fp8Scales(const WeightFiles& files, const TensorView& t, WeightMat
   if (q.Ignores(module)) {
     return Status::InvalidArgument(where + "is F8_E4M3 but quantization_config leaves module '" +
                                    module + "' unquantised");
-  }
-  // The e4m3 NaN codes (0x7f, 0xff) are no weight; the kernels read the
-  // codes without checking for them (kernels/weights.h).
-  for (size_t i = 0; i < t.bytes; ++i) {
-    if ((t.data[i] & 0x7f) == 0x7f) {
-      return Status::InvalidArgument(where + "holds the e4m3 NaN code at element " +
-                                     std::to_string(i));
-    }
   }
   const int64_t rows = w->rows, cols = w->cols;
   std::vector<int64_t> expected = ScaleShape(q, rows, cols);
@@ -245,6 +316,54 @@ Status Model::Fp8Scales(const WeightFiles& files, const TensorView& t, WeightMat
   return Status::Ok();
 }
 
+StatusOr<WeightMatrix> Model::SliceRows(const WeightMatrix& w, const std::string& name,
+                                        int64_t begin, int64_t count) {
+  WeightMatrix out = w;
+  out.data = static_cast<const uint8_t*>(w.data) + begin * w.cols * DTypeBits(w.dtype) / 8;
+  out.rows = count;
+  if (w.scheme == kernels::WeightScheme::kFp8Channel) out.scales = w.scales + begin;
+  if (w.scheme == kernels::WeightScheme::kFp8Block) {
+    if (begin % w.block_rows != 0 || (count % w.block_rows != 0 && begin + count != w.rows)) {
+      return Status::InvalidArgument("'" + name + "': a tensor-parallel shard of rows [" +
+                                     std::to_string(begin) + ", " + std::to_string(begin + count) +
+                                     ") cuts its " + std::to_string(w.block_rows) + "x" +
+                                     std::to_string(w.block_cols) + " fp8 scale blocks");
+    }
+    out.scales = w.scales + begin / w.block_rows * w.scale_cols();
+  }
+  return out;
+}
+
+StatusOr<WeightMatrix> Model::SliceColumns(const WeightMatrix& w, const std::string& name,
+                                           int64_t begin, int64_t count) {
+  const int64_t elem = DTypeBits(w.dtype) / 8;
+  WeightMatrix out = w;
+  out.cols = count;
+  if (w.scheme == kernels::WeightScheme::kFp8Block) {
+    if (begin % w.block_cols != 0 || (count % w.block_cols != 0 && begin + count != w.cols)) {
+      return Status::InvalidArgument("'" + name + "': a tensor-parallel shard of columns [" +
+                                     std::to_string(begin) + ", " + std::to_string(begin + count) +
+                                     ") cuts its " + std::to_string(w.block_rows) + "x" +
+                                     std::to_string(w.block_cols) + " fp8 scale blocks");
+    }
+    // The scale columns of the blocks kept, for every row of blocks.
+    const int64_t block_rows = (w.rows + w.block_rows - 1) / w.block_rows;
+    const int64_t first = begin / w.block_cols, kept = out.scale_cols();
+    std::vector<float> scales(block_rows * kept);
+    for (int64_t r = 0; r < block_rows; ++r) {
+      std::memcpy(&scales[r * kept], w.scales + r * w.scale_cols() + first, kept * 4);
+    }
+    out.scales = KeepFloats(std::move(scales));
+  }
+  std::vector<uint8_t>& copy = host_bytes_.emplace_back(w.rows * count * elem);
+  const uint8_t* src = static_cast<const uint8_t*>(w.data);
+  for (int64_t r = 0; r < w.rows; ++r) {
+    std::memcpy(&copy[r * count * elem], src + (r * w.cols + begin) * elem, count * elem);
+  }
+  out.data = copy.data();
+  return out;
+}
+
 void Model::NoteMatrix(const kernels::LinearWeights& w) {
   // An fp8 matrix anywhere makes the model an fp8 one, whatever the
   // matrices left unquantised (lm_head, routers) are stored in.
@@ -294,18 +413,35 @@ StatusOr<const float*> Model::Vector(const WeightFiles& files, const std::string
 Status Model::LoadWeights(const WeightFiles& files) {
   const auto& c = config_;
   const int64_t H = c.hidden_size, I = c.intermediate_size, hd = c.head_dim;
-  const int64_t q_out = c.num_heads * hd, kv_out = c.num_kv_heads * hd;
+  // A tensor-parallel rank's cuts (none without TP). Its query heads are
+  // a range, and so are its KV heads, or the one KV head its query heads
+  // read when there are fewer KV heads than ranks (replicated).
+  const int n = tp_.size, rank = tp_.rank;
+  const int64_t heads = c.num_heads / n, kv_heads = std::max<int64_t>(1, c.num_kv_heads / n);
+  const int64_t first_kv = c.num_kv_heads >= n ? rank * kv_heads : rank / (n / c.num_kv_heads);
+  const int64_t q_out = c.num_heads * hd, kv_out = c.num_kv_heads * hd;  // whole
+  const Cut q_rows = n == 1 ? Cut{} : Cut{rank * heads * hd, heads * hd};
+  const Cut kv_rows = n == 1 ? Cut{} : Cut{first_kv * hd, kv_heads * hd};
+  const Cut o_cols = q_rows;
+  // This rank's slice of an intermediate dimension `inter` wide.
+  // Ranks' slices differ by at most one column where n does not divide it.
+  auto inter = [&](int64_t width) {
+    return n == 1 ? Cut{} : Cut{rank * width / n, (rank + 1) * width / n - rank * width / n};
+  };
   int64_t bytes = 0;
-  // The checkpoint's matrices `names` (each [rows[i], cols]) stacked into
-  // one prepared Linear product, with their biases `bias_names` (none when
-  // empty), adding the bytes a step reads.
+  // The checkpoint's matrices `names` (each [rows[i], cols], whole) stacked
+  // into one prepared Linear product, with their biases `bias_names` (none
+  // when empty), adding the bytes a step reads. A shard keeps rows
+  // row_cuts[i] of part i (column-parallel) or columns col_cut of every
+  // part (row-parallel: the bias then goes on rank 0 only, which adds it
+  // once to the all-reduced sum).
   auto linear = [&](std::initializer_list<std::string> names, std::vector<int64_t> rows,
-                    int64_t cols, std::vector<std::string> bias_names,
-                    kernels::LinearWeights* out) -> Status {
+                    int64_t cols, std::vector<std::string> bias_names, kernels::LinearWeights* out,
+                    std::vector<Cut> row_cuts = {}, Cut col_cut = {}) -> Status {
     WeightMatrix parts[kernels::kMaxLinearParts];
     size_t i = 0;
     for (const std::string& name : names) {
-      auto m = Matrix(files, name, rows[i], cols);
+      auto m = Matrix(files, name, rows[i], cols, row_cuts.empty() ? Cut{} : row_cuts[i], col_cut);
       if (!m.ok()) return m.status();
       parts[i++] = *m;
     }
@@ -315,9 +451,11 @@ Status Model::LoadWeights(const WeightFiles& files) {
       for (size_t j = 0; j < bias_names.size(); ++j) {
         auto v = HostVector(files, bias_names[j], rows[j]);
         if (!v.ok()) return v.status();
-        all.insert(all.end(), v->begin(), v->end());
+        const Cut cut = row_cuts.empty() ? Cut{} : row_cuts[j];
+        auto from = v->begin() + cut.begin;
+        all.insert(all.end(), from, cut.all() ? v->end() : from + cut.count);
       }
-      bias = KeepFloats(std::move(all));
+      if (col_cut.all() || rank == 0) bias = KeepFloats(std::move(all));
     }
     auto w =
         backend_->PrepareLinear(parts, static_cast<int>(i), bias, /*in_place=*/true, store_.get());
@@ -389,10 +527,10 @@ Status Model::LoadWeights(const WeightFiles& files) {
       if (c.qkv_bias) qkv_bias = {a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"};
       PDSERVE_RETURN_IF_ERROR(
           linear({a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"},
-                 {q_out, kv_out, kv_out}, H, qkv_bias, &L.qkv));
+                 {q_out, kv_out, kv_out}, H, qkv_bias, &L.qkv, {q_rows, kv_rows, kv_rows}));
       std::vector<std::string> o_bias;
       if (c.o_bias) o_bias = {a + "o_proj.bias"};
-      PDSERVE_RETURN_IF_ERROR(linear({a + "o_proj.weight"}, {H}, q_out, o_bias, &L.o));
+      PDSERVE_RETURN_IF_ERROR(linear({a + "o_proj.weight"}, {H}, q_out, o_bias, &L.o, {}, o_cols));
       if (c.qk_norm) {
         PDSERVE_RETURN_IF_ERROR(norm(a + "q_norm.weight", hd, &L.q_norm));
         PDSERVE_RETURN_IF_ERROR(norm(a + "k_norm.weight", hd, &L.k_norm));
@@ -418,11 +556,12 @@ Status Model::LoadWeights(const WeightFiles& files) {
       for (int64_t e = 0; e < E; ++e) {
         const std::string x = b + "experts." + std::to_string(e) + ".";
         auto& X = L.experts[e];
+        // Sliced along the intermediate dimension like a dense MLP.
         PDSERVE_RETURN_IF_ERROR(linear({x + (c.mixtral_names ? "w1" : "gate_proj") + ".weight",
                                         x + (c.mixtral_names ? "w3" : "up_proj") + ".weight"},
-                                       {MI, MI}, H, {}, &X.gate_up));
-        PDSERVE_RETURN_IF_ERROR(
-            linear({x + (c.mixtral_names ? "w2" : "down_proj") + ".weight"}, {H}, MI, {}, &X.down));
+                                       {MI, MI}, H, {}, &X.gate_up, {inter(MI), inter(MI)}));
+        PDSERVE_RETURN_IF_ERROR(linear({x + (c.mixtral_names ? "w2" : "down_proj") + ".weight"},
+                                       {H}, MI, {}, &X.down, {}, inter(MI)));
       }
       expert_weight_bytes_ += bytes - before;
       bytes = before;  // experts are counted per step by MoeFfn
@@ -438,9 +577,9 @@ Status Model::LoadWeights(const WeightFiles& files) {
         const std::string x = b + "shared_experts.";
         const int64_t SI = MI * c.num_shared_experts;
         PDSERVE_RETURN_IF_ERROR(linear({x + "gate_proj.weight", x + "up_proj.weight"}, {SI, SI}, H,
-                                       {}, &L.shared_expert.gate_up));
+                                       {}, &L.shared_expert.gate_up, {inter(SI), inter(SI)}));
         PDSERVE_RETURN_IF_ERROR(
-            linear({x + "down_proj.weight"}, {H}, SI, {}, &L.shared_expert.down));
+            linear({x + "down_proj.weight"}, {H}, SI, {}, &L.shared_expert.down, {}, inter(SI)));
         L.moe.shared = &L.shared_expert;
       }
       continue;
@@ -452,8 +591,9 @@ Status Model::LoadWeights(const WeightFiles& files) {
       down_bias = {m + "down_proj.bias"};
     }
     PDSERVE_RETURN_IF_ERROR(linear({m + "gate_proj.weight", m + "up_proj.weight"}, {I, I}, H,
-                                   gate_up_bias, &L.gate_up));
-    PDSERVE_RETURN_IF_ERROR(linear({m + "down_proj.weight"}, {H}, I, down_bias, &L.down));
+                                   gate_up_bias, &L.gate_up, {inter(I), inter(I)}));
+    PDSERVE_RETURN_IF_ERROR(
+        linear({m + "down_proj.weight"}, {H}, I, down_bias, &L.down, {}, inter(I)));
   }
   PDSERVE_RETURN_IF_ERROR(norm("model.norm.weight", H, &final_norm_));
   if (c.tie_word_embeddings) {
@@ -641,6 +781,9 @@ void Model::Forward(const StepInputs& in, const kernels::AttentionPlan& plan) {
       const Tensor attn = A(s.attn, T, nh * hd);
       b.PagedAttention(plan, l, q, scale, attn.Split({nh, hd}));
       b.Linear(attn, L.o, h);
+      // Row-parallel o_proj: each rank's product over its heads is a
+      // partial sum of the layer's output.
+      if (tp_.comm != nullptr) tp_.comm->AllReduceSum(h);
     }
     if (c.gemma) {
       // Sandwich norms: the attention output is normed before the residual
@@ -666,6 +809,9 @@ void Model::Forward(const StepInputs& in, const kernels::AttentionPlan& plan) {
       }
       b.Linear(actv, L.down, h);
     }
+    // Row-parallel down (every expert's, in a sparse layer): partial sums
+    // over the rank's slice of the intermediate dimension.
+    if (tp_.comm != nullptr) tp_.comm->AllReduceSum(h);
     if (L.post_ff_norm != nullptr) b.RmsNorm(h, F32(L.post_ff_norm, H), eps, h);
     if (l + 1 < c.num_layers) {
       b.AddRmsNorm(x, h, F32(layers_[l + 1].input_norm, H), eps, h);

@@ -27,11 +27,34 @@
 #include "common/status.h"
 #include "engine/model_config.h"
 #include "kernels/backend.h"
+#include "kernels/communicator.h"
 
 namespace pdserve {
 
 class WeightFiles;
 struct TensorView;
+
+// A model's place in a tensor-parallel group (docs/tensor-parallel.md):
+// rank `rank` of `size`, its all-reduces on `comm` (null when size is 1).
+// The rank loads only its shard of each matrix, Megatron's split: q/k/v and
+// gate/up by output rows (its heads, its slice of the intermediate
+// dimension; every expert's too), o_proj and down by input columns, with
+// one all-reduce after each; KV heads split, or replicated when there are
+// fewer than ranks; embedding, LM head, norms and routers replicated.
+struct TensorParallelRank {
+  int rank = 0;
+  int size = 1;
+  kernels::Communicator* comm = nullptr;
+};
+
+// Ok when `size` ranks can split `config`: size divides the attention
+// heads, the KV heads (or the KV heads divide size: each rank keeps one,
+// replicated), and each rank gets at least one column of the MLP's and the
+// experts' intermediate dimensions (slices differ by one where size does
+// not divide them: stories260K's 172 over 8 ranks); MLA models
+// are refused for size > 1 (not built yet). InvalidArgument naming the
+// numbers otherwise.
+Status CheckTensorParallel(const ModelConfig& config, int size);
 
 // Where the weights come from: the folder's safetensors files, or random
 // values of the right shapes generated at load (`--load-format dummy`, for
@@ -64,14 +87,22 @@ class Model {
   // `eviction`: the worker's token eviction mode (ModelConfig::
   // ApplyKvEviction, whose refusals name the flag; sinks also need a
   // backend whose attention takes them).
+  // With `tp` of size > 1, loads rank tp.rank's shard only (reading just
+  // its slices of the checkpoint's matrices), and Forward all-reduces on
+  // tp.comm: every rank of the group must run the same steps.
   static StatusOr<std::unique_ptr<Model>> Load(const std::string& dir, kernels::Backend* backend,
                                                LoadFormat format = LoadFormat::kSafetensors,
-                                               const KvEviction& eviction = {});
+                                               const KvEviction& eviction = {},
+                                               const TensorParallelRank& tp = {});
   ~Model();
   Model(const Model&) = delete;
   Model& operator=(const Model&) = delete;
 
+  // The rank's shard under tensor parallelism: num_heads, num_kv_heads,
+  // intermediate_size and moe_intermediate_size are this rank's; the rest
+  // is config.json's.
   const ModelConfig& config() const { return config_; }
+  const TensorParallelRank& tensor_parallel() const { return tp_; }
   // The KV cache's layer groups (one block holds one group's layers).
   const KvGroups& kv_groups() const { return kv_groups_; }
   // Each layer's attention (its KV group, its index in the group's blocks,
@@ -200,6 +231,14 @@ class Model {
                                                const float* bias);
   // Records a prepared matrix's dtype and scheme (matrix_dtype()).
   void NoteMatrix(const kernels::LinearWeights& w);
+  // Rows [begin, begin + count) of w, in place (their scales with them);
+  // columns likewise, copied into host memory the model keeps. A shard
+  // edge inside an fp8 scale block is InvalidArgument naming `name`.
+  StatusOr<kernels::WeightMatrix> SliceRows(const kernels::WeightMatrix& w, const std::string& name,
+                                            int64_t begin, int64_t count);
+  StatusOr<kernels::WeightMatrix> SliceColumns(const kernels::WeightMatrix& w,
+                                               const std::string& name, int64_t begin,
+                                               int64_t count);
   // Host fp32 values the model keeps for its life; their address.
   const float* KeepFloats(std::vector<float> values);
   // `values` where the backend reads them: kept in place on a backend that
@@ -219,8 +258,19 @@ class Model {
   // The checkpoint's matrix `name` in host memory (validated, counted); an
   // F8_E4M3 one with its scales (Fp8Scales). InvalidArgument for a matrix
   // the quantization_config quantises that is stored unquantised.
+  // With cuts (a rank's shard): rows row_cut and columns col_cut of it
+  // only (SliceRows, SliceColumns), the only part read.
+  struct Cut {
+    int64_t begin = 0;
+    int64_t count = -1;  // -1: all
+    bool all() const { return count < 0; }
+  };
   StatusOr<kernels::WeightMatrix> Matrix(const WeightFiles& files, const std::string& name,
-                                         int64_t rows, int64_t cols);
+                                         int64_t rows, int64_t cols, Cut row_cut, Cut col_cut);
+  StatusOr<kernels::WeightMatrix> Matrix(const WeightFiles& files, const std::string& name,
+                                         int64_t rows, int64_t cols) {
+    return Matrix(files, name, rows, cols, Cut{}, Cut{});
+  }
   // The scheme, scales (fp32, kept by the model) and activation scaling of
   // the F8_E4M3 matrix `t`, from config.json's quantization_config and the
   // checkpoint's scale tensors, each validated (engine/weight_quant.h).
@@ -238,9 +288,11 @@ class Model {
   std::string dir_;
   kernels::Backend* backend_ = nullptr;
   std::unique_ptr<WeightFiles> files_;
-  std::set<std::string> used_tensors_;           // filled by Tensor() during Load
-  std::unique_ptr<kernels::WeightStore> store_;  // backend memory of the weights
-  std::vector<std::vector<float>> host_floats_;  // KeepFloats
+  std::set<std::string> used_tensors_;            // filled by Tensor() during Load
+  std::unique_ptr<kernels::WeightStore> store_;   // backend memory of the weights
+  std::vector<std::vector<float>> host_floats_;   // KeepFloats
+  std::vector<std::vector<uint8_t>> host_bytes_;  // SliceColumns' copies
+  TensorParallelRank tp_;
   const float* embedding_ = nullptr;
   std::vector<Layer> layers_;
   const float* final_norm_ = nullptr;

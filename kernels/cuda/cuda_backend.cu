@@ -160,6 +160,9 @@ void CudaBackend::DownloadAsync(void* host_dst, const void* src, size_t bytes) {
   Check(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, state_->stream), "download");
 }
 
+int CudaBackend::device() const { return state_->device; }
+void* CudaBackend::stream() const { return state_->stream; }
+
 void CudaBackend::Synchronize() {
   MakeCurrent();
   Check(cudaStreamSynchronize(state_->stream), "cudaStreamSynchronize");

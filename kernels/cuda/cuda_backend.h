@@ -91,6 +91,11 @@ class CudaBackend final : public Backend {
   // Waits for every queued op.
   void Synchronize() override;
 
+  // The device, and the stream (a cudaStream_t) every op is queued on: what
+  // a communicator orders its collectives on (kernels/cuda/local_communicator.h).
+  int device() const;
+  void* stream() const;
+
   struct State;  // CUDA handles, defined in the .cu file
 
  private:
