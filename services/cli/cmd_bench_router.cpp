@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <map>
 #include <numeric>
 #include <random>
 #include <string>
@@ -112,6 +113,7 @@ int RunBenchRouter(int argc, char** argv) {
   std::string policy = "kv";
   double pending_ttl_ms = 2000;
   double copy_cost = 0;
+  int64_t stored_after = 0, evicted_after = 2000;
   bool loads = false;
   bool json = false;
   flags.AddInt("workers", &workers, "workers registered with the router");
@@ -129,6 +131,15 @@ int RunBenchRouter(int argc, char** argv) {
   flags.AddBool("loads", &loads,
                 "workers report loads, a third of them busy, so that decisions price copies "
                 "(compare --replication-copy-cost 0 and > 0 both with --loads)");
+  flags.AddInt("stored-events-after", &stored_after,
+               "deliver each routed prompt's computed blocks as a stored KV event from its "
+               "prefilling worker this many decisions later, as a worker announces them when "
+               "its prefill ends (arrival rate x prefill time; 0: never, the index only ever "
+               "holds the pre-loaded prompts and pending entries pile up)");
+  flags.AddInt("evicted-after", &evicted_after,
+               "with --stored-events-after: the worker evicts those blocks (a removed KV "
+               "event) this many decisions after storing them, as a busy cache drops a one-off "
+               "prompt's tail, so the index stays near --indexed-blocks (0: never)");
   flags.AddInt("seed", &seed, "random seed");
   flags.AddBool("json", &json, "print one JSON line");
   flags.SetEpilog(
@@ -138,6 +149,9 @@ int RunBenchRouter(int argc, char** argv) {
   const char* cmd = "bench router";
   if (workers < 1 || workers > 1024) UsageError(cmd, "--workers must be in [1, 1024]");
   if (prompt_blocks < 1) UsageError(cmd, "--prompt-blocks must be positive");
+  if (stored_after < 0 || evicted_after < 0) {
+    UsageError(cmd, "--stored-events-after and --evicted-after must not be negative");
+  }
   if (indexed_blocks < prompt_blocks)
     UsageError(cmd, "--indexed-blocks must be >= --prompt-blocks");
   if (block_tokens < 1) UsageError(cmd, "--block-tokens must be positive");
@@ -285,8 +299,33 @@ int RunBenchRouter(int argc, char** argv) {
   int64_t overlap_blocks = 0;
   const int64_t warmup = std::min<int64_t>(1000, decisions);
   double route_cpu = 0;
+  // --stored-events-after: the KV events of earlier decisions' prefills (and
+  // --evicted-after: of their eviction), by the decision before which they
+  // arrive; delivered outside the decisions' timing. Sequence numbers are
+  // given on delivery, in the order a worker would send them.
+  std::multimap<int64_t, std::pair<size_t, KvEvent>> due;
+  int64_t delivered_events = 0;
+  double delivery_cpu = 0;
   for (int64_t i = -warmup; i < decisions; ++i) {
-    if (i == 0) route_cpu = -ThreadCpuSeconds();
+    if (i == 0) {
+      route_cpu = -ThreadCpuSeconds();
+      delivery_cpu = 0;
+    }
+    if (!due.empty() && due.begin()->first <= i) {
+      const double c0 = ThreadCpuSeconds();
+      for (; !due.empty() && due.begin()->first <= i; due.erase(due.begin())) {
+        auto& [wi, event] = due.begin()->second;
+        KvEventBatch b;
+        b.sequence_number = ++seq[wi];
+        b.events.push_back(std::move(event));
+        if (core.OnKvEvents(ids[wi], b) != router::ApplyOutcome::kApplied) {
+          std::fprintf(stderr, "pdserve bench router: event batch refused\n");
+          return 1;
+        }
+        ++delivered_events;
+      }
+      delivery_cpu += ThreadCpuSeconds() - c0;
+    }
     const auto& q = queries[static_cast<size_t>(i + warmup) % pool];
     const auto t0 = Clock::now();
     const std::vector<BlockHash> hashes =
@@ -304,6 +343,24 @@ int RunBenchRouter(int argc, char** argv) {
       return 1;
     }
     core.OnRequestFinished(req.request_id);
+    const auto overlap = static_cast<size_t>(d->prefill_overlap_blocks);
+    if (stored_after > 0 && overlap < hashes.size()) {
+      // The blocks its prefill computed, announced by the worker that prefilled them.
+      const double c0 = ThreadCpuSeconds();
+      const router::WorkerId w = d->prefill.value_or(d->decode);
+      const size_t wi = static_cast<size_t>(std::find(ids.begin(), ids.end(), w) - ids.begin());
+      std::vector<BlockHash> computed(hashes.begin() + static_cast<std::ptrdiff_t>(overlap),
+                                      hashes.end());
+      if (evicted_after > 0) {
+        due.emplace(i + stored_after + evicted_after,
+                    std::pair{wi, KvEvent{KvRemoved{computed, KvTier::kDevice}}});
+      }
+      KvStored e;
+      if (overlap > 0) e.parent_hash = hashes[overlap - 1];
+      e.block_hashes = std::move(computed);
+      due.emplace(i + stored_after, std::pair{wi, KvEvent{std::move(e)}});
+      delivery_cpu += ThreadCpuSeconds() - c0;
+    }
     if (i >= 0) {
       latency_us.push_back(Seconds(t0, t1) * 1e6);
       hash_us.push_back(Seconds(t0, t_hashed) * 1e6);
@@ -311,7 +368,7 @@ int RunBenchRouter(int argc, char** argv) {
       overlap_blocks += d->decode_overlap_blocks;
     }
   }
-  route_cpu += ThreadCpuSeconds();
+  route_cpu += ThreadCpuSeconds() - delivery_cpu;
   std::fprintf(stderr, "bench router: measuring the machine's own interruptions\n");
   const MachineNoise noise = MeasureMachineNoise(0.5);
   double sum = 0;
@@ -330,6 +387,9 @@ int RunBenchRouter(int argc, char** argv) {
       {"decide_p99_us", Percentile(decide_us, 0.99)},
       {"replication_copy_cost", copy_cost},
       {"loads", loads},
+      {"stored_events_after", stored_after},
+      {"evicted_after", evicted_after},
+      {"stored_batches_delivered", delivered_events},
       {"copies_started", stats.copy.started},
       {"copies_declined",
        std::accumulate(stats.copy.declined.begin(), stats.copy.declined.end(), uint64_t{0})},

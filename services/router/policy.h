@@ -73,11 +73,19 @@ struct Candidate {
 struct PolicyOptions {
   // kv: weight of queued work against uncached tokens. 1 would minimise this
   // request's own TTFT; below 1 also counts what recomputing a prefix costs
-  // the requests queued behind it. In the simulator (bench/results) TTFT moves
-  // by under 2% between 0.1 and 1 while the hit rate falls from 98% to 90% of
-  // the oracle; 0.25 keeps load imbalance near 1.1.
-  double load_weight = 0.25;
-  double decode_weight = 0.05;  // kv, least_loaded: decode tokens' share of queued work
+  // the requests queued behind it: every token prefilled here delays each
+  // request that queues behind it, so the further a cluster is past capacity
+  // the more a cache miss costs against a longer queue. On the routing
+  // table's overload traces (docs/routing.md) mean TTFT and p99 fall by up
+  // to a third from 0.25 to 0.1 (with decode_weight 0.05 to 0.01), hit rate
+  // up; the other traces stay below every anchor but some move up (skew p99
+  // 0.15 to 0.23 s, conversation mean up to 5%). 0.5 and above let hit rate
+  // and TTFT collapse under overload (hot-z1.1-a: mean 11 s at 0.25, 41 s at
+  // 0.5, 93 s at 1).
+  double load_weight = 0.1;
+  // kv, least_loaded: decode tokens' share of queued work. Decode costs a
+  // request's prefill far less per token than queued prefill does.
+  double decode_weight = 0.01;
   // kv, dynamo: what a prompt token found in a lower tier is worth against
   // one in the device pool (1) and one to compute (0): copying it back costs
   // time too. Dynamo's KVBM defaults (its router credits host blocks at 0.75

@@ -273,4 +273,29 @@ TEST(BenchRouterCliTest, PrintsItsFigures) {
   EXPECT_EQ(j["index_entries"].get<int64_t>(), 4096);
 }
 
+TEST(BenchRouterCliTest, DeliveredStoredEventsClearPendingEntries) {
+  const std::string base =
+      "bench router --workers 4 --indexed-blocks 4096 --prompt-blocks 16 --decisions 200 --json";
+  auto run = [&](const std::string& extra) {
+    const CliRun r = Pdserve(base + extra);
+    EXPECT_EQ(r.exit_code, 0) << extra << ": " << r.err;
+    return nlohmann::json::parse(Lines(r.out).at(0));
+  };
+  const auto never = run("");
+  const auto delivered = run(" --stored-events-after 5 --evicted-after 0");
+  EXPECT_EQ(never["stored_batches_delivered"].get<int64_t>(), 0);
+  EXPECT_GT(delivered["stored_batches_delivered"].get<int64_t>(), 0);
+  // Announced blocks replace the decisions' pending entries in the index.
+  EXPECT_GT(never["index_pending_entries"].get<int64_t>(), 0);
+  EXPECT_LT(delivered["index_pending_entries"].get<int64_t>(),
+            never["index_pending_entries"].get<int64_t>());
+  EXPECT_GT(delivered["index_entries"].get<int64_t>(), 4096);
+  // Evicted again, they leave the index.
+  const auto evicted = run(" --stored-events-after 5 --evicted-after 50");
+  EXPECT_LT(evicted["index_entries"].get<int64_t>(), delivered["index_entries"].get<int64_t>());
+  const CliRun bad = Pdserve(base + " --stored-events-after -1");
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_EQ(Lines(bad.err).size(), 1u) << bad.err;
+}
+
 }  // namespace

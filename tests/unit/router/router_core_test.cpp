@@ -68,6 +68,9 @@ RouterOptions Policy(const std::string& name) {
   RouterOptions o;
   o.policy = name;
   o.pending_ttl_us = 0;  // isolate the policy from burst handling
+  // The weights these cases' arithmetic is written for (not the defaults).
+  o.policy_options.load_weight = 0.25;
+  o.policy_options.decode_weight = 0.05;
   return o;
 }
 
@@ -306,7 +309,7 @@ TEST(RouterCoreTest, PendingEntriesCoLocateABurstUntilTheyExpire) {
   const RouteDecision first = f.Route(1, prompt);
   EXPECT_EQ(first.decode_overlap_blocks, 0);
   // The 4th copy in a row still prefers the warm worker: 0 uncached tokens +
-  // 0.25 * (3 * 512 queued + decode share) < 512 on an idle cold worker.
+  // 0.1 * (3 * 512 queued + decode share) < 512 on an idle cold worker.
   for (uint64_t i = 2; i <= 4; ++i) {
     const RouteDecision d = f.Route(i, prompt);
     EXPECT_EQ(d.decode, first.decode) << "request " << i;
