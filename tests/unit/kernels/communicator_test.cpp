@@ -2,7 +2,8 @@
 // serial computation: all-reduce, all-gather and broadcast of random data
 // in place, from 1 element to 64 MiB per rank, over 2, 3, 4 and 8 ranks,
 // each rank on its own thread. The shared-memory group (CPU ranks) always;
-// (the broadcast of 16-bit elements), the device-local group (ranks sharing one GPU) where a device exists.
+// (the broadcast of 16-bit elements), the device-local group (ranks sharing one GPU) where a device
+// exists.
 #include <gtest/gtest.h>
 
 #include <cstring>
