@@ -134,6 +134,9 @@ struct WorkerMetrics {
     // Both directions exist from the start at 0: throughput panels and
     // alerts see a series on every worker before the first hand-off.
     for (const char* direction : {"in", "out"}) transfer_bytes.Add({{"direction", direction}});
+    // Every release mode at 0 too, so that the dashboard's eviction panel
+    // reads 0, not "no data", on workers of dense models.
+    for (const char* mode : {"streaming", "window"}) evicted_tokens.Add({{"mode", mode}});
   }
 
   // One finished request of `kind` ("decode" or "prefill") with `outcome`.

@@ -19,22 +19,18 @@
 #include "engine/model.h"
 #include "engine/model_runner.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "tests/support/numerics.h"
 #include "tests/support/reference_model.h"
 #include "tests/support/test_models.h"
 
 namespace pdserve {
 namespace {
 
+using testing::RandomTokens;
+
 using testing::ReferenceModel;
 
 constexpr double kTolerance = 1e-4;
-
-std::vector<int32_t> RandomTokens(int n, int64_t vocab, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<int32_t> t(n);
-  for (auto& x : t) x = static_cast<int32_t>(rng() % vocab);
-  return t;
-}
 
 // Drives Model::Forward by hand over a paged pool whose block table is a
 // scrambled permutation, so any paging mistake shows up.

@@ -19,30 +19,18 @@
 #include "engine/text_eval.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "services/router/prefix_index.h"
+#include "tests/support/numerics.h"
 #include "tests/support/reference_model.h"
 #include "tests/support/test_models.h"
 
 namespace pdserve {
 namespace {
 
+using testing::LogSoftmax;
+using testing::RandomTokens;
+
 using testing::KvEvictionRule;
 using testing::ReferenceModel;
-
-std::vector<int32_t> RandomTokens(int n, int64_t vocab, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<int32_t> t(n);
-  for (auto& x : t) x = static_cast<int32_t>(rng() % vocab);
-  return t;
-}
-
-std::vector<double> LogSoftmax(const std::vector<double>& logits) {
-  const double max = *std::max_element(logits.begin(), logits.end());
-  double sum = 0;
-  for (double x : logits) sum += std::exp(x - max);
-  std::vector<double> out(logits.size());
-  for (size_t i = 0; i < logits.size(); ++i) out[i] = logits[i] - max - std::log(sum);
-  return out;
-}
 
 KvEviction Streaming(int64_t sinks, int64_t window) {
   KvEviction e;

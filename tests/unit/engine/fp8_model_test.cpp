@@ -27,12 +27,15 @@
 #include "engine/text_eval.h"
 #include "engine/weight_quant.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "tests/support/numerics.h"
 #include "tests/support/reference_model.h"
 #include "tests/support/reference_tensors.h"
 #include "tests/support/test_models.h"
 
 namespace pdserve {
 namespace {
+
+using testing::RandomTokens;
 
 namespace fs = std::filesystem;
 using kernels::WeightScheme;
@@ -146,13 +149,6 @@ Loaded LoadBoth(const std::string& dir) {
   l.reference = testing::ReferenceModel::Load(dir, &error);
   EXPECT_NE(l.reference, nullptr) << error;
   return l;
-}
-
-std::vector<int32_t> RandomTokens(int n, int64_t vocab, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<int32_t> t(n);
-  for (auto& x : t) x = static_cast<int32_t>(rng() % vocab);
-  return t;
 }
 
 // A prompt in chunks (prefill, then chunks of decode_chunk), every

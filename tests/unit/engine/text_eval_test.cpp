@@ -15,11 +15,15 @@
 #include "engine/model.h"
 #include "engine/text_eval.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "tests/support/numerics.h"
 #include "tests/support/reference_model.h"
 #include "tests/support/test_models.h"
 
 namespace pdserve {
 namespace {
+
+using testing::LogSoftmax;
+using testing::RandomTokens;
 
 using testing::KvRounding;
 using testing::ReferenceModel;
@@ -27,22 +31,6 @@ using testing::ReferenceModel;
 // Per-token NLL, nats. The engine computes in fp32, the reference in double;
 // the largest difference measured on these texts was 6e-6.
 constexpr double kNllTolerance = 1e-4;
-
-std::vector<int32_t> RandomTokens(int n, int64_t vocab, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<int32_t> t(n);
-  for (auto& x : t) x = static_cast<int32_t>(rng() % vocab);
-  return t;
-}
-
-std::vector<double> LogSoftmax(const std::vector<double>& logits) {
-  double max = *std::max_element(logits.begin(), logits.end());
-  double sum = 0;
-  for (double x : logits) sum += std::exp(x - max);
-  std::vector<double> out(logits.size());
-  for (size_t i = 0; i < logits.size(); ++i) out[i] = logits[i] - max - std::log(sum);
-  return out;
-}
 
 // -log p(tokens[t+1] | tokens[..t]) for every t, from the reference.
 std::vector<double> ReferenceNll(const ReferenceModel& ref, const std::vector<int32_t>& tokens,
