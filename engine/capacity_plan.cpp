@@ -34,44 +34,61 @@ StatusOr<CapacityPlan> PlanCapacity(const CapacityRequest& r) {
   if (!(r.reserve_ratio >= 0 && r.reserve_ratio < 1)) {
     return Status::InvalidArgument("reserve ratio must be in [0, 1)");
   }
+  const int64_t tp = r.tensor_parallel;
+  if (tp < 1 || tp > 8) return Status::InvalidArgument("tensor parallel size must be 1 to 8");
+  if (r.replicated_weights_gib < 0 || r.replicated_weights_gib > r.weights_gib) {
+    return Status::InvalidArgument("replicated weights must be between 0 and the weights");
+  }
+  const int64_t kv_heads = r.shape.is_mla() ? 0 : r.shape.kv_heads;
+  if (tp > 1 && !r.shape.is_mla() && (kv_heads >= tp ? kv_heads % tp != 0 : tp % kv_heads != 0)) {
+    return Status::InvalidArgument("tensor parallel size " + std::to_string(tp) + " and " +
+                                   std::to_string(kv_heads) +
+                                   " KV heads: one must divide the other");
+  }
   CapacityPlan plan;
+  plan.kv_heads_per_device = r.shape.is_mla() ? 0 : std::max<int64_t>(1, kv_heads / tp);
+  plan.weights_gib_per_device =
+      r.replicated_weights_gib +
+      (r.weights_gib - r.replicated_weights_gib) / static_cast<double>(tp);
+  KvShape shape = r.shape;  // one device's
+  if (!shape.is_mla()) shape.kv_heads = plan.kv_heads_per_device;
   // 2 x L x H x D elements per token, each DTypeBits/8 bytes; the element count
   // is even, so nvfp4's half byte still gives whole bytes.
   // (MLA: L x (kv_lora_rank + qk_rope_head_dim), one latent and no separate V.)
-  const int64_t elements = r.shape.is_mla()
-                               ? r.shape.layers * (r.shape.kv_lora_rank + r.shape.qk_rope_head_dim)
-                               : 2 * r.shape.layers * r.shape.kv_heads * r.shape.head_dim;
+  const int64_t elements = shape.is_mla()
+                               ? shape.layers * (shape.kv_lora_rank + shape.qk_rope_head_dim)
+                               : 2 * shape.layers * shape.kv_heads * shape.head_dim;
   plan.kv_bytes_per_token = elements * DTypeBits(r.kv_dtype) / 8;
   // nvfp4: a micro-scale per 16 values of each cached vector.
   plan.kv_scale_bytes_per_token =
-      r.shape.is_mla()
-          ? r.shape.layers *
-                MicroScalesPerVector(r.kv_dtype, r.shape.kv_lora_rank + r.shape.qk_rope_head_dim)
-          : 2 * r.shape.layers * r.shape.kv_heads *
-                MicroScalesPerVector(r.kv_dtype, r.shape.head_dim);
+      shape.is_mla()
+          ? shape.layers *
+                MicroScalesPerVector(r.kv_dtype, shape.kv_lora_rank + shape.qk_rope_head_dim)
+          : 2 * shape.layers * shape.kv_heads * MicroScalesPerVector(r.kv_dtype, shape.head_dim);
   const int64_t stored_per_token = plan.kv_bytes_per_token + plan.kv_scale_bytes_per_token;
   plan.kv_bytes_per_sequence_dense = stored_per_token * r.context_tokens;
   plan.kv_bytes_per_sequence = plan.kv_bytes_per_sequence_dense;
-  if (r.shape.sliding_layers > 0) {
+  if (shape.sliding_layers > 0) {
     // A decoding sequence keeps, per sliding layer, the blocks of its last
     // W-1 positions and the current one: ceil((W-1)/B) + 1 blocks at most.
     const int64_t B = r.block_size;
-    const int64_t sinks = r.shape.sink_tokens > 0 ? (r.shape.sink_tokens + B - 1) / B : 0;
-    const int64_t kept = ((r.shape.sliding_window - 1 + B - 1) / B + 1 + sinks) * B;
+    const int64_t sinks = shape.sink_tokens > 0 ? (shape.sink_tokens + B - 1) / B : 0;
+    const int64_t kept = ((shape.sliding_window - 1 + B - 1) / B + 1 + sinks) * B;
     plan.sliding_tokens_per_sequence = std::min(r.context_tokens, kept);
     // Bytes per token of one layer (every layer has the same).
-    const int64_t per_layer_token = stored_per_token / r.shape.layers;
+    const int64_t per_layer_token = stored_per_token / shape.layers;
     plan.kv_bytes_per_sequence =
-        per_layer_token * ((r.shape.layers - r.shape.sliding_layers) * r.context_tokens +
-                           r.shape.sliding_layers * plan.sliding_tokens_per_sequence);
+        per_layer_token * ((shape.layers - shape.sliding_layers) * r.context_tokens +
+                           shape.sliding_layers * plan.sliding_tokens_per_sequence);
   }
   plan.blocks_per_sequence_dense = (r.context_tokens + r.block_size - 1) / r.block_size;
   plan.blocks_per_sequence =
-      r.shape.sliding_layers == r.shape.layers && r.shape.sliding_layers > 0
+      shape.sliding_layers == shape.layers && shape.sliding_layers > 0
           ? (plan.sliding_tokens_per_sequence + r.block_size - 1) / r.block_size
           : plan.blocks_per_sequence_dense;
   constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
-  const double budget = r.gpu_mem_gib * kGiB * (1.0 - r.reserve_ratio) - r.weights_gib * kGiB;
+  const double budget =
+      r.gpu_mem_gib * kGiB * (1.0 - r.reserve_ratio) - plan.weights_gib_per_device * kGiB;
   plan.kv_budget_bytes = budget > 0 ? static_cast<int64_t>(std::floor(budget)) : 0;
   plan.max_sequences = plan.kv_budget_bytes / plan.kv_bytes_per_sequence;
   plan.max_tokens = plan.kv_budget_bytes / stored_per_token;

@@ -50,6 +50,13 @@ struct CapacityRequest {
   double weights_gib = 0;      // model weights resident on it
   double reserve_ratio = 0.1;  // fraction kept for activations, graphs and fragmentation
   int64_t block_size = 16;     // tokens per KV block (what a windowed layer keeps is whole blocks)
+  // Tensor parallelism (docs/tensor-parallel.md): a worker of this many
+  // devices, each with gpu_mem_gib. Each holds replicated_weights_gib of the
+  // weights whole (embedding, LM head) and its 1/N share of the rest; KV
+  // heads are split across the devices, or replicated (one per device) when
+  // there are fewer than devices; MLA's latent is cached on every device.
+  int64_t tensor_parallel = 1;
+  double replicated_weights_gib = 0;
 };
 
 struct CapacityPlan {
@@ -70,10 +77,16 @@ struct CapacityPlan {
   int64_t max_sequences =
       0;                   // concurrent full-context sequences that fit (by kv_bytes_per_sequence)
   int64_t max_tokens = 0;  // tokens of every layer's KV that fit (micro-scales included)
+  // With tensor_parallel N > 1 every figure above is one device's (bytes per
+  // token, budget), and max_sequences / max_tokens are the worker's: each
+  // device holds its shard of the same blocks.
+  int64_t kv_heads_per_device = 0;    // GQA: the KV heads one device caches
+  double weights_gib_per_device = 0;  // what one device holds of the weights
 };
 
 // Validates the request (all sizes positive, ratio in [0,1), sliding layers
-// no more than the layers and with a positive window) and computes the plan.
+// no more than the layers and with a positive window, a tensor-parallel size
+// of 1 to 8 whose KV heads and it divide one another) and computes the plan.
 StatusOr<CapacityPlan> PlanCapacity(const CapacityRequest& request);
 
 // Reads the KV shape from a Hugging Face config.json of any architecture the

@@ -1,4 +1,5 @@
 // pdserve plan: KV memory / capacity planner.
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -66,6 +67,9 @@ int RunPlan(int argc, char** argv) {
                 "quantization_config quantises");
   flags.AddDouble("reserve-ratio", &req.reserve_ratio,
                   "fraction of device memory kept for activations and fragmentation");
+  flags.AddInt("tensor-parallel", &req.tensor_parallel,
+               "devices one worker spans (1-8): weights and KV heads split across them, the "
+               "embedding and LM head replicated (docs/tensor-parallel.md); figures per device");
   flags.AddBool("json", &json, "print one JSON object");
   flags.SetEpilog(
       "Example: pdserve plan --layers 80 --kv-heads 8 --head-dim 128 --kv-dtype fp8 "
@@ -150,6 +154,21 @@ int RunPlan(int argc, char** argv) {
   } else if (flags.WasSet("kv-sink-tokens") || flags.WasSet("kv-window-tokens")) {
     UsageError("plan", "--kv-sink-tokens and --kv-window-tokens need --kv-eviction streaming");
   }
+  // What every tensor-parallel rank holds whole: the embedding and the LM
+  // head (pdserve replicates both), from the model's config when given.
+  if (req.tensor_parallel > 1 && !config.empty() && req.weights_gib > 0) {
+    std::ifstream in(config);
+    std::stringstream text;
+    text << in.rdbuf();
+    auto model = ParseModelConfig(text.str(), config);
+    if (!model.ok()) UsageError("plan", "--config: " + model.status().message());
+    const int64_t element_bytes = model->torch_dtype == "float32" ? 4 : 2;
+    const int64_t tables = model->tie_word_embeddings ? 1 : 2;
+    req.replicated_weights_gib = std::min(
+        req.weights_gib,
+        static_cast<double>(tables * model->vocab_size * model->hidden_size * element_bytes) /
+            (1ull << 30));
+  }
   auto plan = PlanCapacity(req);
   if (!plan.ok()) UsageError("plan", plan.status().message());
 
@@ -193,6 +212,13 @@ int RunPlan(int argc, char** argv) {
         req.kv_dtype == DType::kNvFp4)
       j["fp32_scale_bytes_per_block"] = req.shape.ScaleBytesPerBlock();
     if (weight_bytes >= 0) j["weight_bytes"] = weight_bytes;
+    if (req.tensor_parallel > 1) {
+      j["tensor_parallel"] = req.tensor_parallel;
+      j["weights_gib_per_device"] = plan->weights_gib_per_device;
+      j["replicated_weights_gib"] = req.replicated_weights_gib;
+      if (!req.shape.is_mla()) j["kv_heads_per_device"] = plan->kv_heads_per_device;
+      j["kv_budget_bytes_worker"] = plan->kv_budget_bytes * req.tensor_parallel;
+    }
     std::printf("%s\n", j.dump().c_str());
     return 0;
   }
@@ -239,9 +265,20 @@ int RunPlan(int argc, char** argv) {
                 static_cast<long long>(plan->kv_bytes_per_sequence_dense),
                 HumanBytes(static_cast<double>(plan->kv_bytes_per_sequence_dense)).c_str());
   }
+  if (req.tensor_parallel > 1) {
+    std::printf(
+        "tensor parallel     %lld devices: %.1f GiB of weights each (%.1f GiB replicated), %s\n",
+        static_cast<long long>(req.tensor_parallel), plan->weights_gib_per_device,
+        req.replicated_weights_gib,
+        req.shape.is_mla() ? "the latent cached on every device"
+                           : (std::to_string(plan->kv_heads_per_device) + " KV heads each" +
+                              (req.shape.kv_heads < req.tensor_parallel ? " (replicated)" : ""))
+                                 .c_str());
+    std::printf("                    (bytes and budget below are one device's)\n");
+  }
   std::printf("KV budget           %s of %.1f GiB (weights %.1f GiB, reserve %.0f%%)\n",
               HumanBytes(static_cast<double>(plan->kv_budget_bytes)).c_str(), req.gpu_mem_gib,
-              req.weights_gib, req.reserve_ratio * 100);
+              plan->weights_gib_per_device, req.reserve_ratio * 100);
   std::printf("fits                %lld sequences (%lld tokens)\n",
               static_cast<long long>(plan->max_sequences),
               static_cast<long long>(plan->max_tokens));

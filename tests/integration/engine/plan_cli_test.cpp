@@ -101,3 +101,48 @@ TEST(PlanCliTest, SlidingWindowsCountTheWindow) {
 
 }  // namespace
 }  // namespace pdserve
+
+namespace pdserve {
+namespace {
+
+// --tensor-parallel N: one device's figures. Llama-3.1-8B (8 KV heads of
+// 128, 32 layers, bf16 KV: 131,072 bytes per token on one device) splits its
+// KV heads over the devices, down to one each at 8; its embedding and LM
+// head (2 x 128,256 x 4,096 bf16 = 1.957 GiB) stay whole on every device and
+// the rest of the weights splits evenly. MLA's latent is cached on every
+// device. A size the KV heads and it do not divide is refused.
+TEST(PlanCliTest, TensorParallelGivesOneDevicesShare) {
+  const std::string llama =
+      std::string(PDSERVE_SOURCE_DIR) + "/bench/configs/llama-3.1-8b/config.json";
+  auto plan = [&](const std::string& config, int tp) {
+    const auto r = Plan({"--config", config, "--weights-from-config", "--kv-dtype", "bf16",
+                         "--gpu-mem-gib", "24", "--tensor-parallel", std::to_string(tp), "--json"});
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    return nlohmann::json::parse(r.out);
+  };
+  const auto one = plan(llama, 1);
+  const double weights = one["weights_gib"].get<double>();
+  const double replicated = 2.0 * 128256 * 4096 * 2 / (1ull << 30);
+  for (int tp : {2, 4, 8}) {
+    SCOPED_TRACE(tp);
+    const auto j = plan(llama, tp);
+    EXPECT_EQ(j["tensor_parallel"], tp);
+    EXPECT_EQ(j["kv_heads_per_device"], 8 / tp);
+    EXPECT_EQ(j["kv_bytes_per_token"], 131072 / tp);
+    EXPECT_NEAR(j["replicated_weights_gib"].get<double>(), replicated, 1e-9);
+    EXPECT_NEAR(j["weights_gib_per_device"].get<double>(),
+                replicated + (weights - replicated) / tp, 1e-9);
+    // Less of the weights and smaller tokens per device: more sequences fit.
+    EXPECT_GT(j["max_sequences"].get<int64_t>(), one["max_sequences"].get<int64_t>() * tp / 2);
+  }
+  const auto v3 = plan(kDeepSeekV3, 8);
+  EXPECT_EQ(v3["kv_bytes_per_token"], 70272);  // the latent on every device
+  EXPECT_FALSE(v3.contains("kv_heads_per_device"));
+  const auto three = Plan({"--config", llama, "--tensor-parallel", "3"});
+  EXPECT_EQ(three.exit_code, 2);
+  EXPECT_NE(three.err.find("tensor parallel size 3 and 8 KV heads"), std::string::npos)
+      << three.err;
+}
+
+}  // namespace
+}  // namespace pdserve
