@@ -2,40 +2,41 @@
 // model's context, `eval` reports NLL by position, and every bad mode or
 // budget exits 2 with one line naming its flag.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 
-#include <array>
-#include <cstdio>
+#include <algorithm>
 #include <fstream>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "tests/support/process.h"
 #include "tests/support/test_models.h"
 
 namespace pdserve {
 namespace {
 
-struct Result {
-  int exit_code = -1;
-  std::string out;  // stdout
-  std::string err;  // stderr
-};
+using Result = testing::CommandResult;
 
+// `pdserve ARGS`, ARGS split at spaces outside single quotes, as a shell would.
 Result RunPdserve(const std::string& args) {
-  const std::string err_file = testing::NewTempDir("eviction-cli") + "/stderr";
-  const std::string cmd = std::string(PDSERVE_BIN_PATH) + " " + args + " 2>" + err_file;
-  Result r;
-  FILE* p = popen(cmd.c_str(), "r");
-  if (p == nullptr) return r;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
-  const int status = pclose(p);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  std::ifstream in(err_file);
-  r.err.assign(std::istreambuf_iterator<char>(in), {});
-  return r;
+  std::vector<std::string> argv = {PDSERVE_BIN_PATH};
+  std::string word;
+  bool quoted = false, any = false;
+  for (char c : args + " ") {
+    if (c == '\'') {
+      quoted = !quoted;
+      any = true;
+    } else if (c == ' ' && !quoted) {
+      if (any) argv.push_back(word);
+      word.clear();
+      any = false;
+    } else {
+      word += c;
+      any = true;
+    }
+  }
+  return testing::RunCommand(argv);
 }
 
 // The tiny preset with a trained context of 64 positions.
