@@ -35,6 +35,7 @@
 #include "engine/kv_tier_store.h"
 #include "engine/make_model.h"
 #include "services/cli/command.h"
+#include "services/cli/kv_eviction_flags.h"
 #include "services/cli/structured_flags.h"
 #include "transport/control/handshake.h"
 
@@ -279,6 +280,8 @@ int RunUp(int argc, char** argv) {
                   "default: from the chat template)");
   StructuredFlags structured;  // passed on to the router and the workers
   structured.AddTo(flags, /*worker=*/true);
+  KvEvictionFlags eviction;  // passed on to the workers
+  eviction.AddTo(flags);
   flags.AddString("dir", &dir, "folder for the logs (DIR/logs) and the default model");
   flags.AddInt("start-timeout", &start_timeout_s, "seconds to wait for the stack to be ready");
   flags.AddInt("stop-timeout", &stop_timeout_s,
@@ -300,6 +303,7 @@ int RunUp(int argc, char** argv) {
   if (decode_metrics_port > 0 && decode_metrics_port + decode - 1 > 65535)
     UsageError("up", "--decode-metrics-port leaves no room for every decode worker");
   (void)structured.OptionsOrExit("up");  // out-of-range values fail here, not in a child
+  (void)eviction.EvictionOrExit("up");
   if (threads < 0) UsageError("up", "--threads must not be negative");
   if (max_local_prefill < 0) UsageError("up", "--max-local-prefill must not be negative");
   if (char* end = nullptr;
@@ -468,6 +472,7 @@ int RunUp(int argc, char** argv) {
       if (!kv_disk_write.empty()) args.insert(args.end(), {"--kv-disk-write", kv_disk_write});
     }
     for (std::string& a : structured.Args(/*worker=*/true)) args.push_back(std::move(a));
+    for (std::string& a : eviction.Args()) args.push_back(std::move(a));
     args.insert(args.end(), {"--cluster-secret-file", secret_file});
     return args;
   };

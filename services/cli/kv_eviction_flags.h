@@ -1,5 +1,5 @@
 // Token eviction and selection flags shared by `pdserve worker`, `generate`,
-// `eval` and `bench engine` (common/kv_eviction.h; docs/kv-eviction.md):
+// `eval`, `bench engine` and `up` (common/kv_eviction.h; docs/kv-eviction.md):
 // --kv-eviction, --kv-sink-tokens, --kv-window-tokens, --kv-selection,
 // --kv-selection-blocks.
 #pragma once

@@ -171,6 +171,43 @@ TEST(UpTest, WorkerKilledLaterTakesTheStackDown) {
   EXPECT_FALSE(Alive(pids[0])) << "the router outlived pdserve up";
 }
 
+// The token eviction flags reach the workers: with attention sinks a long
+// request releases the blocks between its sinks and its window on the
+// worker that decodes it.
+TEST(UpTest, EvictionFlagsReachTheWorkers) {
+  const std::string dir = NewTempDir("up-eviction");
+  ChildProcess up = ChildProcess::Start(
+      UpArgs(dir, {"--prefill", "0", "--decode", "1", "--kv-eviction", "streaming",
+                   "--kv-sink-tokens", "4", "--kv-window-tokens", "32"}),
+      dir + "/up.log");
+  ASSERT_TRUE(up.WaitForLog(std::regex("Ctrl-C stops the stack"), 120s)) << up.Log();
+  const std::string log = up.Log();
+  std::smatch port;
+  ASSERT_TRUE(std::regex_search(log, port, std::regex(R"(http://127\.0\.0\.1:(\d+)/v1)"))) << log;
+  const nlohmann::json req = {
+      {"prompt", "once upon a time"}, {"max_tokens", 120}, {"ignore_eos", true}};
+  HttpResult r =
+      HttpRequest(std::stoi(port[1].str()), "POST", "/v1/completions", req.dump(), {}, 60s);
+  ASSERT_EQ(r.status, 200) << r.body;
+  // Workers publish the counter with their load reports: poll for it.
+  static const std::regex metrics(R"(http://127\.0\.0\.1:(\d+)/metrics)");
+  static const std::regex streaming(
+      R"(pdserve_kv_evicted_tokens_total\{[^}]*mode="streaming"[^}]*\} ([0-9.e+]+))");
+  double evicted = 0;
+  for (int i = 0; i < 50 && evicted == 0; ++i) {
+    for (std::sregex_iterator it(log.begin(), log.end(), metrics), end; it != end; ++it) {
+      HttpResult m = HttpRequest(std::stoi((*it)[1].str()), "GET", "/metrics");
+      std::smatch v;
+      if (std::regex_search(m.body, v, streaming)) evicted += std::stod(v[1].str());
+    }
+    if (evicted == 0) std::this_thread::sleep_for(200ms);
+  }
+  std::ifstream decode_log(dir + "/logs/decode-0.log");
+  EXPECT_GT(evicted, 0) << std::string(std::istreambuf_iterator<char>(decode_log), {});
+  up.Signal(SIGTERM);
+  EXPECT_TRUE(up.Wait(60s)) << up.Log();
+}
+
 TEST(UpTest, BadFlagsAreUsageErrors) {
   for (const auto& args : std::vector<std::vector<std::string>>{
            {"--decode", "0"},
@@ -184,6 +221,8 @@ TEST(UpTest, BadFlagsAreUsageErrors) {
            {"--kv-disk-cache-dir", "kv", "--kv-disk-cache-bytes", "4MiB", "--kv-disk-write", "up"},
            {"--kv-disk-cache-dir", "kv", "--kv-disk-cache-bytes", "4MiB", "--kv-disk-write-queue",
             "0"},
+           {"--kv-eviction", "sinks"},
+           {"--kv-window-tokens", "32"},
        }) {
     std::vector<std::string> argv = {kPdserve, "up"};
     argv.insert(argv.end(), args.begin(), args.end());
