@@ -55,8 +55,8 @@ nlohmann::json ResultJson(const SimOptions& o, const std::string& trace, const S
       {"workers", o.workers},
       {"capacity_blocks", o.capacity_blocks},
       {"block_tokens", o.block_tokens},
-      {"load_weight", o.policy_options.load_weight},
-      {"decode_weight", o.policy_options.decode_weight},
+      {"load_weight", r.load_weight},
+      {"decode_weight", r.decode_weight},
       {"temperature", o.policy_options.temperature},
       {"seed", o.policy_options.seed},
       {"pending_ttl_s", o.pending_ttl_s},
@@ -148,10 +148,15 @@ int RunSim(int argc, char** argv) {
   flags.AddInt("block-tokens", &o.block_tokens, "tokens per block of the trace's hash_ids");
   flags.AddString("policy", &policies,
                   "routing policy: " + router::PolicyChoices() + ", a comma list, or all");
-  flags.AddDouble("load-weight", &o.policy_options.load_weight,
-                  "kv: weight of queued work against uncached prompt tokens");
-  flags.AddDouble("decode-weight", &o.policy_options.decode_weight,
-                  "kv, least_loaded: weight of running requests' KV tokens in queued work");
+  // Unset, these follow --replication (router::WithKvWeights).
+  double load_weight = 0;
+  double decode_weight = 0;
+  flags.AddDouble("load-weight", &load_weight,
+                  "kv: weight of queued work against uncached prompt tokens "
+                  "(unset: 0.1 with replication, 0.25 without)");
+  flags.AddDouble("decode-weight", &decode_weight,
+                  "kv, least_loaded: weight of running requests' KV tokens in queued work "
+                  "(unset: 0.01 with replication, 0.05 without)");
   flags.AddDouble("temperature", &o.policy_options.temperature,
                   "kv: softmax temperature for a randomised choice (0 = cheapest)");
   flags.AddInt("seed", &seed, "random seed (random policy, kv with temperature)");
@@ -212,6 +217,8 @@ int RunSim(int argc, char** argv) {
       "Example: pdserve sim --trace conversation_trace.jsonl --workers 16 --capacity-blocks 8000 "
       "--block-tokens 512 --policy all --json");
   ParseFlagsOrExit(flags, argc, argv);
+  if (flags.WasSet("load-weight")) o.policy_options.load_weight = load_weight;
+  if (flags.WasSet("decode-weight")) o.policy_options.decode_weight = decode_weight;
 
   if (trace_path.empty()) UsageError("sim", "--trace is required");
   std::string bad;
