@@ -74,13 +74,13 @@ struct Candidate {
 struct PolicyOptions {
   // kv: weight of queued work against uncached tokens. 1 would minimise this
   // request's own TTFT; below 1 also counts what recomputing a prefix costs
-  // the requests queued behind it. Unset: KvWeights below picks it. 0.5 and
+  // the requests queued behind it. Unset: WithKvWeights picks it. 0.5 and
   // above let hit rate and TTFT collapse under overload (hot-z1.1-a: mean
   // 11 s at 0.25, 41 s at 0.5, 93 s at 1).
   std::optional<double> load_weight;
   // kv, least_loaded: decode tokens' share of queued work (decode costs a
   // request's prefill far less per token than queued prefill does). Unset:
-  // KvWeights below picks it.
+  // WithKvWeights picks it.
   std::optional<double> decode_weight;
   // kv, dynamo: what a prompt token found in a lower tier is worth against
   // one in the device pool (1) and one to compute (0): copying it back costs
@@ -116,7 +116,6 @@ class RoutingPolicy {
 const std::vector<std::string>& PolicyNames();
 // The same, joined by '|' (for --help and errors).
 std::string PolicyChoices();
-// InvalidArgument naming the valid choices for an unknown name.
 // The kv weights (load_weight, decode_weight) left unset, by whether the
 // router replicates hot prefixes. Every token prefilled on a worker delays
 // each request queued behind it, so under overload a cache miss costs more
@@ -130,6 +129,7 @@ std::string PolicyChoices();
 // as copies off. Weights the caller set are kept.
 PolicyOptions WithKvWeights(PolicyOptions options, bool replication);
 
+// InvalidArgument naming the valid choices for an unknown name.
 StatusOr<std::unique_ptr<RoutingPolicy>> MakePolicy(std::string_view name,
                                                     const PolicyOptions& options);
 
