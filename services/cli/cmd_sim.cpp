@@ -1,7 +1,10 @@
 // pdserve sim: replays a request trace through the router's real index and
 // policy code against simulated workers (services/router/simulator.h).
 #include <cstdio>
+#include <cstdlib>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -149,14 +152,24 @@ int RunSim(int argc, char** argv) {
   flags.AddString("policy", &policies,
                   "routing policy: " + router::PolicyChoices() + ", a comma list, or all");
   // Unset, these follow --replication (router::WithKvWeights).
-  double load_weight = 0;
-  double decode_weight = 0;
-  flags.AddDouble("load-weight", &load_weight,
-                  "kv: weight of queued work against uncached prompt tokens "
-                  "(unset: 0.1 with replication, 0.25 without)");
-  flags.AddDouble("decode-weight", &decode_weight,
-                  "kv, least_loaded: weight of running requests' KV tokens in queued work "
-                  "(unset: 0.01 with replication, 0.05 without)");
+  auto optional_double = [](std::optional<double>* out) {
+    return [out](std::string_view text) {
+      const std::string t(text);
+      char* end = nullptr;
+      const double v = std::strtod(t.c_str(), &end);
+      if (t.empty() || end != t.c_str() + t.size()) {
+        return Status::InvalidArgument("not a number: '" + t + "'");
+      }
+      *out = v;
+      return Status::Ok();
+    };
+  };
+  flags.AddCustom("load-weight", "X", "0.1 with replication, 0.25 without",
+                  optional_double(&o.policy_options.load_weight),
+                  "kv: weight of queued work against uncached prompt tokens");
+  flags.AddCustom("decode-weight", "X", "0.01 with replication, 0.05 without",
+                  optional_double(&o.policy_options.decode_weight),
+                  "kv, least_loaded: weight of running requests' KV tokens in queued work");
   flags.AddDouble("temperature", &o.policy_options.temperature,
                   "kv: softmax temperature for a randomised choice (0 = cheapest)");
   flags.AddInt("seed", &seed, "random seed (random policy, kv with temperature)");
@@ -217,8 +230,6 @@ int RunSim(int argc, char** argv) {
       "Example: pdserve sim --trace conversation_trace.jsonl --workers 16 --capacity-blocks 8000 "
       "--block-tokens 512 --policy all --json");
   ParseFlagsOrExit(flags, argc, argv);
-  if (flags.WasSet("load-weight")) o.policy_options.load_weight = load_weight;
-  if (flags.WasSet("decode-weight")) o.policy_options.decode_weight = decode_weight;
 
   if (trace_path.empty()) UsageError("sim", "--trace is required");
   std::string bad;
