@@ -1,7 +1,10 @@
 // pdserve sim: replays a request trace through the router's real index and
 // policy code against simulated workers (services/router/simulator.h).
 #include <cstdio>
+#include <cstdlib>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -55,8 +58,8 @@ nlohmann::json ResultJson(const SimOptions& o, const std::string& trace, const S
       {"workers", o.workers},
       {"capacity_blocks", o.capacity_blocks},
       {"block_tokens", o.block_tokens},
-      {"load_weight", o.policy_options.load_weight},
-      {"decode_weight", o.policy_options.decode_weight},
+      {"load_weight", r.load_weight},
+      {"decode_weight", r.decode_weight},
       {"temperature", o.policy_options.temperature},
       {"seed", o.policy_options.seed},
       {"pending_ttl_s", o.pending_ttl_s},
@@ -148,9 +151,24 @@ int RunSim(int argc, char** argv) {
   flags.AddInt("block-tokens", &o.block_tokens, "tokens per block of the trace's hash_ids");
   flags.AddString("policy", &policies,
                   "routing policy: " + router::PolicyChoices() + ", a comma list, or all");
-  flags.AddDouble("load-weight", &o.policy_options.load_weight,
+  // Unset, these follow --replication (router::WithKvWeights).
+  auto optional_double = [](std::optional<double>* out) {
+    return [out](std::string_view text) {
+      const std::string t(text);
+      char* end = nullptr;
+      const double v = std::strtod(t.c_str(), &end);
+      if (t.empty() || end != t.c_str() + t.size()) {
+        return Status::InvalidArgument("not a number: '" + t + "'");
+      }
+      *out = v;
+      return Status::Ok();
+    };
+  };
+  flags.AddCustom("load-weight", "X", "0.1 with replication, 0.25 without",
+                  optional_double(&o.policy_options.load_weight),
                   "kv: weight of queued work against uncached prompt tokens");
-  flags.AddDouble("decode-weight", &o.policy_options.decode_weight,
+  flags.AddCustom("decode-weight", "X", "0.01 with replication, 0.05 without",
+                  optional_double(&o.policy_options.decode_weight),
                   "kv, least_loaded: weight of running requests' KV tokens in queued work");
   flags.AddDouble("temperature", &o.policy_options.temperature,
                   "kv: softmax temperature for a randomised choice (0 = cheapest)");

@@ -8,6 +8,10 @@
 namespace pdserve::router {
 namespace {
 
+// The kv weights without copies (policy.h: WithKvWeights).
+constexpr double kLoadWeightAlone = 0.25;
+constexpr double kDecodeWeightAlone = 0.05;
+
 // Picks among the candidates whose score is within a hair of the minimum,
 // then (optionally) those with the smallest tie-break key, rotating through
 // the remaining ones from one decision to the next.
@@ -233,10 +237,17 @@ const std::vector<std::string>& PolicyNames() {
   return names;
 }
 
+PolicyOptions WithKvWeights(PolicyOptions options, bool replication) {
+  if (!options.load_weight) options.load_weight = replication ? 0.1 : kLoadWeightAlone;
+  if (!options.decode_weight) options.decode_weight = replication ? 0.01 : kDecodeWeightAlone;
+  return options;
+}
+
 StatusOr<std::unique_ptr<RoutingPolicy>> MakePolicy(std::string_view name,
                                                     const PolicyOptions& options) {
-  if (options.load_weight < 0 || options.decode_weight < 0 || options.temperature < 0 ||
-      !std::isfinite(options.load_weight) || !std::isfinite(options.decode_weight) ||
+  const PolicyOptions w = WithKvWeights(options, false);
+  if (*w.load_weight < 0 || *w.decode_weight < 0 || options.temperature < 0 ||
+      !std::isfinite(*w.load_weight) || !std::isfinite(*w.decode_weight) ||
       !std::isfinite(options.temperature)) {
     return Status::InvalidArgument(
         "policy weights and temperature must be finite and non-negative");
@@ -280,7 +291,7 @@ std::string PolicyChoices() {
 
 double QueuedWork(const Candidate& c, const PolicyOptions& options) {
   return static_cast<double>(c.queued_prefill_tokens) +
-         options.decode_weight * static_cast<double>(c.decode_tokens);
+         options.decode_weight.value_or(kDecodeWeightAlone) * static_cast<double>(c.decode_tokens);
 }
 
 double TieredUncachedTokens(const Candidate& c, const PolicyOptions& options) {
@@ -291,7 +302,8 @@ double TieredUncachedTokens(const Candidate& c, const PolicyOptions& options) {
 }
 
 double KvCost(const Candidate& c, const PolicyOptions& options) {
-  return TieredUncachedTokens(c, options) + options.load_weight * QueuedWork(c, options);
+  return TieredUncachedTokens(c, options) +
+         options.load_weight.value_or(kLoadWeightAlone) * QueuedWork(c, options);
 }
 
 double DynamoCost(const Candidate& c, const PolicyOptions& options) {

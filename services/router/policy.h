@@ -42,6 +42,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -73,19 +74,14 @@ struct Candidate {
 struct PolicyOptions {
   // kv: weight of queued work against uncached tokens. 1 would minimise this
   // request's own TTFT; below 1 also counts what recomputing a prefix costs
-  // the requests queued behind it: every token prefilled here delays each
-  // request that queues behind it, so the further a cluster is past capacity
-  // the more a cache miss costs against a longer queue. On the routing
-  // table's overload traces (docs/routing.md) mean TTFT and p99 fall by up
-  // to a third from 0.25 to 0.1 (with decode_weight 0.05 to 0.01), hit rate
-  // up; the other traces stay below every anchor but some move up (skew p99
-  // 0.15 to 0.23 s, conversation mean up to 5%). 0.5 and above let hit rate
-  // and TTFT collapse under overload (hot-z1.1-a: mean 11 s at 0.25, 41 s at
-  // 0.5, 93 s at 1).
-  double load_weight = 0.1;
-  // kv, least_loaded: decode tokens' share of queued work. Decode costs a
-  // request's prefill far less per token than queued prefill does.
-  double decode_weight = 0.01;
+  // the requests queued behind it. Unset: WithKvWeights picks it. 0.5 and
+  // above let hit rate and TTFT collapse under overload (hot-z1.1-a: mean
+  // 11 s at 0.25, 41 s at 0.5, 93 s at 1).
+  std::optional<double> load_weight;
+  // kv, least_loaded: decode tokens' share of queued work (decode costs a
+  // request's prefill far less per token than queued prefill does). Unset:
+  // WithKvWeights picks it.
+  std::optional<double> decode_weight;
   // kv, dynamo: what a prompt token found in a lower tier is worth against
   // one in the device pool (1) and one to compute (0): copying it back costs
   // time too. Dynamo's KVBM defaults (its router credits host blocks at 0.75
@@ -120,6 +116,19 @@ class RoutingPolicy {
 const std::vector<std::string>& PolicyNames();
 // The same, joined by '|' (for --help and errors).
 std::string PolicyChoices();
+// The kv weights (load_weight, decode_weight) left unset, by whether the
+// router replicates hot prefixes. Every token prefilled on a worker delays
+// each request queued behind it, so under overload a cache miss costs more
+// than an even queue saves: with copies on, 0.1 / 0.01 (copies relieve a hot
+// prefix's holder, so the policy can favour hits; on the routing table's
+// overload traces mean TTFT and p99 fall by up to a third against 0.25 /
+// 0.05). Without copies, load balancing is the only relief for a hot
+// prefix's holder: 0.1 / 0.01 piles a skewed trace's hottest prompt on its
+// holders (skew: p99 1.2 s -> 5.1 s), so 0.25 / 0.05. RouterCore::Create
+// applies this (router and simulator alike); MakePolicy alone treats unset
+// as copies off. Weights the caller set are kept.
+PolicyOptions WithKvWeights(PolicyOptions options, bool replication);
+
 // InvalidArgument naming the valid choices for an unknown name.
 StatusOr<std::unique_ptr<RoutingPolicy>> MakePolicy(std::string_view name,
                                                     const PolicyOptions& options);

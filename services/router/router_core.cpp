@@ -58,6 +58,8 @@ StatusOr<std::unique_ptr<RouterCore>> RouterCore::Create(RouterOptions options) 
     };
   }
   options.policy_options.block_tokens = options.block_tokens;
+  options.policy_options = WithKvWeights(std::move(options.policy_options),
+                                         options.copy_cost > 0 && options.copy_cost < 1);
   PolicyOptions prefill_options = options.policy_options;
   prefill_options.seed = options.policy_options.seed * 0x9E3779B97F4A7C15ull + 1;
   auto decode_policy = MakePolicy(options.policy, options.policy_options);

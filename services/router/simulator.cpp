@@ -823,7 +823,11 @@ StatusOr<SimResult> RunSimulation(const std::vector<TraceRequest>& trace, const 
   clock_source = &sim;
   PDSERVE_RETURN_IF_ERROR(sim.Init());
   PDSERVE_RETURN_IF_ERROR(sim.Run(progress));
-  return sim.Result();
+  SimResult result = sim.Result();
+  const PolicyOptions& used = (*core)->options().policy_options;
+  result.load_weight = *used.load_weight;
+  result.decode_weight = *used.decode_weight;
+  return result;
 }
 
 }  // namespace pdserve::router

@@ -136,6 +136,8 @@ struct SimCopyStats {
 };
 
 struct SimResult {
+  double load_weight = 0;  // the kv weights the router used (router::WithKvWeights)
+  double decode_weight = 0;
   int64_t requests = 0;
   int64_t prompt_tokens = 0;
   int64_t hit_tokens = 0;            // served from the workers' caches, any tier

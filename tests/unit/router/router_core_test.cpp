@@ -392,6 +392,36 @@ TEST(RouterCoreTest, DrainingWorkersGetNoNewRequests) {
   EXPECT_EQ(f.core->Route(r).status().code(), StatusCode::kUnavailable);
 }
 
+// Without copies the kv policy balances load harder (0.25 / 0.05: the only
+// relief for a hot prefix's holder); with copies it favours hits (0.1 /
+// 0.01). Weights the caller sets are kept either way.
+TEST(RouterCoreTest, KvWeightsFollowReplication) {
+  RouterOptions off;
+  auto alone = RouterCore::Create(off);
+  ASSERT_TRUE(alone.ok());
+  EXPECT_EQ((*alone)->options().policy_options.load_weight, 0.25);
+  EXPECT_EQ((*alone)->options().policy_options.decode_weight, 0.05);
+
+  RouterOptions on;
+  on.copy_cost = 0.1;
+  auto copies = RouterCore::Create(on);
+  ASSERT_TRUE(copies.ok());
+  EXPECT_EQ((*copies)->options().policy_options.load_weight, 0.1);
+  EXPECT_EQ((*copies)->options().policy_options.decode_weight, 0.01);
+
+  on.copy_cost = 1;  // a copy never pays: replication is off
+  auto never = RouterCore::Create(on);
+  ASSERT_TRUE(never.ok());
+  EXPECT_EQ((*never)->options().policy_options.load_weight, 0.25);
+
+  on.copy_cost = 0.1;
+  on.policy_options.load_weight = 0.5;
+  auto set = RouterCore::Create(on);
+  ASSERT_TRUE(set.ok());
+  EXPECT_EQ((*set)->options().policy_options.load_weight, 0.5);
+  EXPECT_EQ((*set)->options().policy_options.decode_weight, 0.01);
+}
+
 TEST(RouterCoreTest, Errors) {
   RouterOptions bad;
   bad.policy = "fastest";
@@ -399,7 +429,7 @@ TEST(RouterCoreTest, Errors) {
   ASSERT_FALSE(c.ok());
   EXPECT_NE(c.status().message().find("round_robin"), std::string::npos);
   RouterOptions neg;
-  neg.policy_options.load_weight = -1;
+  neg.policy_options.load_weight = -1.0;
   EXPECT_FALSE(RouterCore::Create(neg).ok());
 
   Fixture none(Policy("kv"), {});

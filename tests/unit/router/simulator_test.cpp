@@ -257,6 +257,10 @@ TEST(SimulatorTest, OverloadWithManyLukewarmPrefixesCopiesNothing) {
   o.block_tokens = 16;
   o.kv_bytes_per_token = 1e6;
   o.copy_gbps = 10;
+  // The same weights both ways (unset, they follow replication): with no
+  // copy made the runs must then match exactly.
+  o.policy_options.load_weight = 0.1;
+  o.policy_options.decode_weight = 0.01;
   auto on = RunSimulation(*trace, o);
   ASSERT_TRUE(on.ok()) << on.status().ToString();
   o.replication = false;
