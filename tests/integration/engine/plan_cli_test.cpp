@@ -130,8 +130,8 @@ TEST(PlanCliTest, TensorParallelGivesOneDevicesShare) {
     EXPECT_EQ(j["kv_heads_per_device"], 8 / tp);
     EXPECT_EQ(j["kv_bytes_per_token"], 131072 / tp);
     EXPECT_NEAR(j["replicated_weights_gib"].get<double>(), replicated, 1e-9);
-    EXPECT_NEAR(j["weights_gib_per_device"].get<double>(),
-                replicated + (weights - replicated) / tp, 1e-9);
+    EXPECT_NEAR(j["weights_gib_per_device"].get<double>(), replicated + (weights - replicated) / tp,
+                1e-9);
     // Less of the weights and smaller tokens per device: more sequences fit.
     EXPECT_GT(j["max_sequences"].get<int64_t>(), one["max_sequences"].get<int64_t>() * tp / 2);
   }
