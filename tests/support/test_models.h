@@ -3,6 +3,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "engine/make_model.h"
 
@@ -18,6 +19,11 @@ const std::string& TinyModelDir();
 // The `tiny` preset loaded on a 2-thread CPU backend, once per test process
 // (the engine tests share it; it lives until the process exits).
 Model* TinyCpuModel();
+
+// Logits of every position of `prompt` (at most 64 tokens), from one
+// prefill step of a fresh runner and fp32 KV pool on `model`; empty (with a
+// test failure) when they cannot be made.
+std::vector<float> PromptLogits(Model* model, const std::vector<int32_t>& prompt);
 
 // A model for `spec`, written under `name` (one folder per distinct name).
 std::string ModelDir(const std::string& name, const ModelSpec& spec);

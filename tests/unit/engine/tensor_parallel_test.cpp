@@ -27,43 +27,7 @@
 namespace pdserve {
 namespace {
 
-// Logits of every position of `prompt`, one prefill step on `model`.
-std::vector<float> PromptLogits(Model* model, const std::vector<TokenId>& prompt) {
-  auto pool = KvCachePool::Create(model->backend(), model->config(), DType::kF32, 16, 4 << 20);
-  EXPECT_TRUE(pool.ok()) << pool.status().ToString();
-  if (!pool.ok()) return {};
-  RunnerOptions o;
-  o.max_num_batched_tokens = 64;
-  o.max_logits = 64;
-  o.max_num_seqs = 1;
-  o.max_model_len = 64;
-  o.graphs = GraphMode::kOff;
-  auto runner = ModelRunner::Create(model, (*pool)->layout(), (*pool)->base(), o);
-  EXPECT_TRUE(runner.ok()) << runner.status().ToString();
-  if (!runner.ok()) return {};
-  const auto n = static_cast<int64_t>(prompt.size());
-  std::vector<int32_t> positions(n), rows(n), table = {0, 1, 2, 3};
-  std::vector<int64_t> slots(n);
-  for (int64_t i = 0; i < n; ++i) positions[i] = rows[i] = static_cast<int32_t>(slots[i] = i);
-  const int32_t query_start[2] = {0, static_cast<int32_t>(n)}, context = static_cast<int32_t>(n);
-  ForwardBatch b;
-  b.num_tokens = n;
-  b.token_ids = prompt.data();
-  b.positions = positions.data();
-  b.slots = slots.data();
-  b.attention.num_seqs = 1;
-  b.attention.query_start = query_start;
-  b.attention.context_lens = &context;
-  b.attention.block_tables = table.data();
-  b.attention.max_blocks_per_seq = 4;
-  b.attention.num_tokens = n;
-  b.num_logits = n;
-  b.logits_rows = rows.data();
-  std::vector<float> logits(n * model->config().vocab_size);
-  const Status s = (*runner)->Forward(b, logits.data());
-  EXPECT_TRUE(s.ok()) << s.ToString();
-  return logits;
-}
+using testing::PromptLogits;
 
 // Every rank's logits with `size` ranks, each rank on its own thread.
 std::vector<std::vector<float>> ShardedLogits(const std::string& dir, int size,
