@@ -25,7 +25,6 @@
 #include "engine/model.h"
 #include "engine/model_fingerprint.h"
 #include "engine/model_group.h"
-#include "kernels/backend_factory.h"
 #include "services/protocol/kv_events.h"
 #include "services/worker/decode_side.h"
 #include "services/worker/host_port.h"

@@ -1,9 +1,10 @@
 // Tensor-parallel workers (docs/tensor-parallel.md) serving through the
 // real router: a worker of 2 CPU ranks writes the text `pdserve generate`
 // writes at TP 1 (greedy), registers as one worker whose capacity is its
-// ranks' shared block count, reports its ranks on /metrics, and a rank that
-// fails takes the whole worker down (exit 1, no hang) while its request
-// fails over to another worker.
+// ranks' shared block count, reports its ranks on /metrics, prefills
+// locally beside a prefill worker (no KV hand-off with TP workers yet), and
+// a rank that fails takes the whole worker down (exit 1, no hang) while its
+// request fails over to another worker.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -96,6 +97,25 @@ TEST(TensorParallelServingTest, Stories260KTp2WorkerWritesWhatGenerateWritesAtTp
   const std::string real = RealModelDir();
   if (real.empty()) GTEST_SKIP() << "the shared stories260K model is absent";
   ExpectTp2ServesAsTp1(real, "tp-stories");
+}
+
+// KV hand-off with a tensor-parallel worker is not built: the handshake
+// refuses it naming the sizes, no KV moves, and the decode worker prefills
+// the prompt itself, writing what generate writes.
+TEST(TensorParallelServingTest, ATp2DecodeWorkerBesideATp1PrefillWorkerPrefillsLocally) {
+  const std::string real = RealModelDir();
+  if (real.empty()) GTEST_SKIP() << "the shared stories260K model is absent";
+  LocalStack stack("tp-mixed");
+  stack.SetModel(real);
+  stack.StartRouter({"--max-local-prefill", "4"});
+  WorkerProc& prefill = stack.StartWorker("prefill");
+  WorkerProc& decode = stack.StartWorker("decode", {"--tensor-parallel", "2"});
+  ASSERT_TRUE(stack.WaitReady());
+  ExpectSameAsGenerate(stack, "Once upon a time there was a little girl who loved", 8);
+  EXPECT_TRUE(prefill.proc.WaitForLog(std::regex("tensor_parallel: 1 here, 2 on peer"), 10s))
+      << prefill.proc.Log();
+  EXPECT_EQ(LocalStack::Metric(decode.metrics_port, "pdserve_kv_transfer_bytes_total"), 0);
+  EXPECT_EQ(LocalStack::Metric(prefill.metrics_port, "pdserve_kv_transfer_bytes_total"), 0);
 }
 
 TEST(TensorParallelServingTest, AFailingRankTakesTheWorkerDownAndItsRequestFailsOver) {
