@@ -58,14 +58,34 @@ StatusOr<std::unique_ptr<RouterCore>> RouterCore::Create(RouterOptions options) 
     };
   }
   options.policy_options.block_tokens = options.block_tokens;
-  options.policy_options = WithKvWeights(std::move(options.policy_options),
-                                         options.copy_cost > 0 && options.copy_cost < 1);
+  const bool kv = options.policy == "kv";
+  const PolicyOptions configured = options.policy_options;
+  // kv: affinity weights, relief weights per decision (WithKvWeights). The
+  // others read only the decode weight (least_loaded): the relief one
+  // without copies, as before the rule.
+  options.policy_options =
+      WithKvWeights(configured, !kv && !(options.copy_cost > 0 && options.copy_cost < 1));
   PolicyOptions prefill_options = options.policy_options;
   prefill_options.seed = options.policy_options.seed * 0x9E3779B97F4A7C15ull + 1;
   auto decode_policy = MakePolicy(options.policy, options.policy_options);
   if (!decode_policy.ok()) return decode_policy.status();
   auto prefill_policy = MakePolicy(options.policy, prefill_options);
   if (!prefill_policy.ok()) return prefill_policy.status();
+  // Only when they differ (weights set by the caller are kept): relief
+  // decisions then need their own pair of policies.
+  const PolicyOptions relief = WithKvWeights(configured, true);
+  std::unique_ptr<RoutingPolicy> decode_relief, prefill_relief;
+  if (kv && (*relief.load_weight != *options.policy_options.load_weight ||
+             *relief.decode_weight != *options.policy_options.decode_weight)) {
+    PolicyOptions prefill_relief_options = relief;
+    prefill_relief_options.seed = prefill_options.seed;
+    auto d = MakePolicy(options.policy, relief);
+    if (!d.ok()) return d.status();
+    auto p = MakePolicy(options.policy, prefill_relief_options);
+    if (!p.ok()) return p.status();
+    decode_relief = std::move(*d);
+    prefill_relief = std::move(*p);
+  }
   if (options.copy_max_inflight < 0 || !(options.copy_max_tokens_per_s >= 0) ||
       !std::isfinite(options.copy_max_tokens_per_s) || options.copy_reuse_window_us <= 0) {
     return Status::InvalidArgument(
@@ -74,6 +94,10 @@ StatusOr<std::unique_ptr<RouterCore>> RouterCore::Create(RouterOptions options) 
   std::unique_ptr<RouterCore> core(new RouterCore(std::move(options)));
   core->decode_policy_ = std::move(*decode_policy);
   core->prefill_policy_ = std::move(*prefill_policy);
+  core->decode_relief_policy_ = std::move(decode_relief);
+  core->prefill_relief_policy_ = std::move(prefill_relief);
+  core->relief_weights_ = relief;
+  core->weights_ = &core->options_.policy_options;
   const RouterOptions& o = core->options_;
   if ((o.copy_cost > 0 && o.copy_cost < 1) || o.drain_push) {
     CopyGovernorOptions g;
@@ -310,8 +334,15 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
                         std::to_string(sequence_tokens) + " tokens"
                   : std::string("no decode worker is registered and accepting requests"));
   }
+  weights_ = &options_.policy_options;
   OfferCopiesLocked(request, now);
-  const size_t d_index = decode_policy_->Pick(candidates_);
+  // Relief (WithKvWeights): the prefix needs more holders and no copy can
+  // bring one, so load balancing spreads it.
+  const bool relief = relief_ && decode_relief_policy_;
+  if (relief) weights_ = &relief_weights_;
+  RoutingPolicy& decode_policy = relief ? *decode_relief_policy_ : *decode_policy_;
+  RoutingPolicy& prefill_policy = relief ? *prefill_relief_policy_ : *prefill_policy_;
+  const size_t d_index = decode_policy.Pick(candidates_);
   const Candidate d = candidates_[d_index];
   if (!price_decline_.empty()) CountDeclineLocked(d_index);
 
@@ -337,7 +368,7 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
       }
     }
     if (!candidates_.empty()) {
-      const Candidate p = candidates_[prefill_policy_->Pick(candidates_)];
+      const Candidate p = candidates_[prefill_policy.Pick(candidates_)];
       decision.copy_from.reset();  // the prefill worker writes every missing block
       decision.copy_blocks = 0;
       decision.prefill = p.worker;
@@ -376,6 +407,7 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
   }
 
   ++counters_.routed;
+  counters_.relief_decisions += relief;
   ++(decision.prefill ? counters_.remote_prefill : counters_.local_prefill);
   if (decision.copy_from) {
     ++counters_.copies;
@@ -444,8 +476,11 @@ void RouterCore::OfferCopiesLocked(const RouteRequest& request, int64_t now_us) 
   const int64_t prompt_tokens = request.prompt_tokens;
   copy_blocks_.clear();
   price_decline_.clear();
+  relief_ = false;
   // copy_cost 0, or >= 1: a copy never pays.
-  if (!governor_ || !(options_.copy_cost > 0 && options_.copy_cost < 1)) return;
+  const bool copies = governor_ && options_.copy_cost > 0 && options_.copy_cost < 1;
+  // Without copies the hot prefix is still tracked, for relief.
+  if (!copies && !decode_relief_policy_) return;
   if (GroupedLocked()) return;  // a copy moves one group's prefix; not offered with groups
   // Every request counts toward the traffic a prefix's demand is a share of.
   traffic_ = Decayed(traffic_, traffic_at_us_, now_us, options_.copy_window_us) + 1;
@@ -479,7 +514,7 @@ void RouterCore::OfferCopiesLocked(const RouteRequest& request, int64_t now_us) 
   const int64_t best_tokens = std::min(best * options_.block_tokens, prompt_tokens);
   if (std::none_of(candidates_.begin(), candidates_.end(),
                    [&](const Candidate& c) { return CopyServes(c, best); })) {
-    return;
+    return;  // every candidate holds it (or has its own lower-tier copy)
   }
   // A prefix earns holders in proportion to the traffic it draws: with its
   // share of the requests times the decode workers already holding it, a
@@ -490,9 +525,18 @@ void RouterCore::OfferCopiesLocked(const RouteRequest& request, int64_t now_us) 
   const double workers = static_cast<double>(DecodeWorkerCountLocked());
   const double deserved =
       traffic_ >= kMinTrafficPerWorker * workers ? std::ceil(share * workers) : 1.0;
+  const bool under_held = static_cast<double>(holders) < std::max(1.0, deserved);
+  if (!copies) {
+    relief_ = under_held;
+    return;
+  }
   CopyDecline gate = CopyDecline::kEnoughHolders;
-  if (static_cast<double>(holders) >= std::max(1.0, deserved) ||
-      !governor_->MayStart(now_us, &gate)) {
+  if (!under_held || !governor_->MayStart(now_us, &gate)) {
+    // An open breaker (or a probe out) is no copies at all, as if off; a
+    // budget or price that declines this one leaves the spreading to the
+    // copies it allows (relieving by recompute then lost on the overload
+    // traces: docs/routing.md).
+    relief_ = under_held && gate == CopyDecline::kBreakerOpen;
     if (CopyWinsAtLinkPriceLocked(best, best_tokens)) governor_->Declined(gate);
     return;
   }
@@ -539,7 +583,7 @@ void RouterCore::OfferCopiesLocked(const RouteRequest& request, int64_t now_us) 
 bool RouterCore::CopyWinsAtLinkPriceLocked(int64_t best, int64_t best_tokens) const {
   double plain = std::numeric_limits<double>::infinity();
   for (const Candidate& c : candidates_) {
-    plain = std::min(plain, KvCost(c, options_.policy_options));
+    plain = std::min(plain, KvCost(c, *weights_));
   }
   for (const Candidate& candidate : candidates_) {
     if (!CopyServes(candidate, best)) continue;
@@ -549,7 +593,7 @@ bool RouterCore::CopyWinsAtLinkPriceLocked(int64_t best, int64_t best_tokens) co
     if (link >= tokens) continue;
     Candidate c = candidate;
     c.uncached_tokens -= tokens - link;
-    if (KvCost(c, options_.policy_options) < plain) return true;
+    if (KvCost(c, *weights_) < plain) return true;
   }
   return false;
 }
@@ -558,14 +602,14 @@ void RouterCore::CountDeclineLocked(size_t chosen) {
   if (copy_blocks_[chosen] > 0) return;  // a copy was made
   // The cheapest candidate whose copy the governor priced out, at the link
   // price alone: had it won the pick, the old rule would have copied.
-  const double chosen_cost = KvCost(candidates_[chosen], options_.policy_options);
+  const double chosen_cost = KvCost(candidates_[chosen], *weights_);
   double best = chosen_cost;
   int8_t reason = -1;
   for (size_t i = 0; i < candidates_.size(); ++i) {
     if (price_decline_[i] < 0) continue;
     Candidate c = candidates_[i];
     c.uncached_tokens = base_uncached_[i];
-    const double cost = KvCost(c, options_.policy_options);
+    const double cost = KvCost(c, *weights_);
     if (cost < best) {
       best = cost;
       reason = price_decline_[i];

@@ -171,6 +171,7 @@ struct RouterStats {
   uint64_t predicted_hit_tokens = 0;  // overlap of the prefilling worker, in tokens (tiers too)
   uint64_t predicted_host_hit_tokens = 0;  // of those, in its host tier
   uint64_t predicted_disk_hit_tokens = 0;  // and in its disk tier
+  uint64_t relief_decisions = 0;           // kv decisions at the relief weights (WithKvWeights)
   uint64_t copies = 0;                     // decisions with a replication copy
   uint64_t copied_blocks = 0;
   CopyGovernorStats copy;  // declines by reason, outcomes, breaker, budget (replication on)
@@ -270,7 +271,9 @@ class RouterCore {
   // With copy_cost > 0, the longest held prefix hot and the governor's
   // budget open: lowers each decode candidate's uncached tokens by what a
   // copy from the best holder would save at the governor's price, recording
-  // the copy in copy_*_.
+  // the copy in copy_*_. Sets relief_ when that prefix is hot, has fewer
+  // holders than its traffic earns and no copy can spread it (no copies,
+  // or the breaker open): the decision then takes the relief weights.
   void OfferCopiesLocked(const RouteRequest& request, int64_t now_us);
   // After the pick of candidate `chosen`: counts a decline when a copy the
   // link price alone would have made did not happen.
@@ -300,6 +303,13 @@ class RouterCore {
   mutable std::mutex mu_;
   std::unique_ptr<RoutingPolicy> decode_policy_;
   std::unique_ptr<RoutingPolicy> prefill_policy_;
+  // kv with default weights: the same policies at the relief weights
+  // (WithKvWeights), for decisions OfferCopiesLocked marks relief_.
+  std::unique_ptr<RoutingPolicy> decode_relief_policy_;
+  std::unique_ptr<RoutingPolicy> prefill_relief_policy_;
+  PolicyOptions relief_weights_;
+  const PolicyOptions* weights_ = nullptr;  // this decision's, for KvCost
+  bool relief_ = false;
   std::vector<std::unique_ptr<Worker>> workers_;  // by slot; null when free
   std::unordered_map<uint64_t, Inflight> inflight_;
   RouterStats counters_;
