@@ -1,12 +1,14 @@
 #include "services/router/router_core.h"
 
 #include <algorithm>
+#include <bit>
 #include <chrono>
 #include <cmath>
 #include <deque>
 #include <limits>
 
 #include "common/kv_groups.h"
+#include "services/router/detail/block_table.h"
 
 namespace pdserve::router {
 
@@ -108,6 +110,12 @@ StatusOr<std::unique_ptr<RouterCore>> RouterCore::Create(RouterOptions options) 
     g.cooldown_us = o.copy_window_us;
     g.reuse_window_us = o.copy_reuse_window_us;
     core->governor_ = std::make_unique<CopyGovernor>(g);
+  }
+  if (core->governor_ || core->decode_relief_policy_) {
+    // Allocated once (lazily zeroed): no rehash on the routing path.
+    core->prefix_reach_ = std::make_unique<detail::BlockTable>(
+        kReachTimes + static_cast<size_t>(core->options_.copy_min_requests), kMaxTrackedPrefixes);
+    core->prefix_reach_->Reserve(kMaxTrackedPrefixes);
   }
   return core;
 }
@@ -453,23 +461,37 @@ bool RouterCore::NoteHotPrefixLocked(BlockHash last_block, int64_t now_us, doubl
   // window are forgotten (they could not be hot), and if the window itself
   // holds more, all of them (a copy then waits for the prefix to be reached
   // again).
-  constexpr size_t kMaxTrackedPrefixes = 1 << 16;
-  if (prefix_reach_.size() >= kMaxTrackedPrefixes) {
-    std::erase_if(prefix_reach_, [&](const auto& entry) {
-      return entry.second.newest_us <= now_us - options_.copy_window_us;
+  detail::BlockTable& table = *prefix_reach_;
+  if (table.size() >= kMaxTrackedPrefixes) {
+    stale_prefixes_.clear();
+    table.ForEach([&](uint64_t key, const uint64_t* words) {
+      if (static_cast<int64_t>(words[kReachNewest]) <= now_us - options_.copy_window_us) {
+        stale_prefixes_.push_back(key);
+      }
     });
-    if (prefix_reach_.size() >= kMaxTrackedPrefixes / 2) prefix_reach_.clear();
+    for (uint64_t key : stale_prefixes_) table.Erase(key);
+    if (table.size() >= kMaxTrackedPrefixes / 2) table.ClearKeepCapacity();
   }
-  const auto needed = static_cast<uint32_t>(options_.copy_min_requests);
-  PrefixReach& reach = prefix_reach_[last_block];
-  reach.demand = Decayed(reach.demand, reach.newest_us, now_us, options_.copy_window_us) + 1;
-  reach.at_us[reach.next] = now_us;
-  reach.next = (reach.next + 1) % needed;
-  reach.count = std::min(reach.count + 1, needed);
-  reach.newest_us = now_us;
-  *share = traffic_ > 0 ? std::min(1.0, reach.demand / traffic_) : 1.0;
+  const auto needed = static_cast<uint64_t>(options_.copy_min_requests);
+  bool inserted = false;
+  uint64_t* reach = table.words(table.FindOrInsert(last_block, &inserted));
+  // Words: [count | next << 32, newest_us, demand (double bits), times ring].
+  uint64_t count = reach[kReachRing] & 0xFFFFFFFFu;
+  uint64_t next = reach[kReachRing] >> 32;
+  const double demand =
+      Decayed(std::bit_cast<double>(reach[kReachDemand]), static_cast<int64_t>(reach[kReachNewest]),
+              now_us, options_.copy_window_us) +
+      1;
+  reach[kReachDemand] = std::bit_cast<uint64_t>(demand);
+  reach[kReachTimes + next] = static_cast<uint64_t>(now_us);
+  next = (next + 1) % needed;
+  count = std::min(count + 1, needed);
+  reach[kReachRing] = count | (next << 32);
+  reach[kReachNewest] = static_cast<uint64_t>(now_us);
+  *share = traffic_ > 0 ? std::min(1.0, demand / traffic_) : 1.0;
   // The ring's next slot holds the oldest of the latest `needed` times.
-  return reach.count == needed && reach.at_us[reach.next] > now_us - options_.copy_window_us;
+  return count == needed &&
+         static_cast<int64_t>(reach[kReachTimes + next]) > now_us - options_.copy_window_us;
 }
 
 void RouterCore::OfferCopiesLocked(const RouteRequest& request, int64_t now_us) {

@@ -49,6 +49,10 @@
 
 namespace pdserve::router {
 
+namespace detail {
+class BlockTable;
+}
+
 // A worker's periodic Load report.
 struct WorkerLoad {
   int64_t queued_prefill_tokens = 0;  // prompt tokens waiting for prefill (after its cache)
@@ -328,18 +332,18 @@ class RouterCore {
   std::vector<int64_t> base_uncached_;
   std::vector<int8_t> price_decline_;       // -1: none, else a CopyDecline
   std::unique_ptr<CopyGovernor> governor_;  // replication on only
-  // The longest held prefixes requests reached, by their last block: the
-  // times of the latest copy_min_requests of them (a ring).
-  struct PrefixReach {
-    std::array<int64_t, kMaxCopyMinRequests> at_us{};
-    uint32_t count = 0;  // times recorded, up to copy_min_requests
-    uint32_t next = 0;   // ring position of the next one
-    int64_t newest_us = 0;
-    double demand = 0;  // requests reaching it, decayed with time constant copy_window_us
-  };
-  double traffic_ = 0;  // every request routed, decayed likewise
+  double traffic_ = 0;  // every request routed, decayed with time constant copy_window_us
   int64_t traffic_at_us_ = 0;
-  std::unordered_map<BlockHash, PrefixReach> prefix_reach_;
+  // The longest held prefixes requests reached, by their last block (an
+  // open-addressing table: one miss and no allocation per decision): words
+  // kReachRing (count of times recorded up to copy_min_requests | ring
+  // position of the next << 32), kReachNewest (latest time), kReachDemand
+  // (requests reaching it, decayed like traffic_; double bits) and from
+  // kReachTimes the times of the latest copy_min_requests of them (a ring).
+  static constexpr size_t kReachRing = 0, kReachNewest = 1, kReachDemand = 2, kReachTimes = 3;
+  static constexpr size_t kMaxTrackedPrefixes = 1 << 16;
+  std::unique_ptr<detail::BlockTable> prefix_reach_;  // with copies or relief only
+  std::vector<uint64_t> stale_prefixes_;
 };
 
 }  // namespace pdserve::router
