@@ -12,19 +12,21 @@
 
 namespace pdserve::router {
 
-struct RouterCore::Worker {
+// What every decision reads of every worker comes first, in two cache lines
+// (a decision builds 64 candidates: a third line each cost about 0.1 us).
+struct alignas(64) RouterCore::Worker {
   WorkerId id = 0;
-  std::string name;
   Role role = Role::kBoth;
-  int64_t max_model_len = 0;  // 0: unknown
-  WorkerLoad reported;
   bool has_report = false;
   bool draining = false;
+  int64_t max_model_len = 0;  // 0: unknown
+  WorkerLoad reported;
   int64_t inflight_requests = 0;
   int64_t inflight_prefill_tokens = 0;    // charged to the prefilling worker
   int64_t inflight_prefill_requests = 0;  // requests it has not prefilled yet
   int64_t inflight_decode_tokens = 0;     // charged to the decode worker
-  std::deque<int64_t> routed_at_us;       // within the QPS window (production-stack)
+  std::string name;
+  std::deque<int64_t> routed_at_us;  // within the QPS window (production-stack)
 };
 
 RouterCore::RouterCore(RouterOptions options)
