@@ -28,16 +28,14 @@ Status CheckTensorParallel(const ModelConfig& c, int size) {
   const std::string tp = "tensor parallel size " + std::to_string(size);
   if (size < 1) return Status::InvalidArgument(tp + ": must be at least 1");
   if (size == 1) return Status::Ok();
-  if (c.is_mla()) {
-    return Status::InvalidArgument(tp + ": " + c.architecture +
-                                   " uses multi-head latent attention, which is not split across "
-                                   "ranks yet (docs/tensor-parallel.md)");
-  }
   if (c.num_heads % size != 0) {
     return Status::InvalidArgument(tp + " does not divide the model's " +
                                    std::to_string(c.num_heads) + " attention heads");
   }
-  if (c.num_kv_heads >= size ? c.num_kv_heads % size != 0 : size % c.num_kv_heads != 0) {
+  // MLA caches one latent per token, which every rank keeps whole: no KV
+  // heads to split.
+  if (!c.is_mla() &&
+      (c.num_kv_heads >= size ? c.num_kv_heads % size != 0 : size % c.num_kv_heads != 0)) {
     return Status::InvalidArgument(
         tp + " and the model's " + std::to_string(c.num_kv_heads) +
         " KV heads: one must divide the other (KV heads are split across ranks, or replicated "
@@ -781,10 +779,10 @@ void Model::Forward(const StepInputs& in, const kernels::AttentionPlan& plan) {
       const Tensor attn = A(s.attn, T, nh * hd);
       b.PagedAttention(plan, l, q, scale, attn.Split({nh, hd}));
       b.Linear(attn, L.o, h);
-      // Row-parallel o_proj: each rank's product over its heads is a
-      // partial sum of the layer's output.
-      if (tp_.comm != nullptr) tp_.comm->AllReduceSum(h);
     }
+    // Row-parallel o_proj (GQA and MLA alike): each rank's product over its
+    // heads is a partial sum of the layer's output.
+    if (tp_.comm != nullptr) tp_.comm->AllReduceSum(h);
     if (c.gemma) {
       // Sandwich norms: the attention output is normed before the residual
       // add, and the MLP's input by pre_feedforward_layernorm.

@@ -41,6 +41,9 @@ struct TensorView;
 // dimension; every expert's too), o_proj and down by input columns, with
 // one all-reduce after each; KV heads split, or replicated when there are
 // fewer than ranks; embedding, LM head, norms and routers replicated.
+// MLA (DeepSeek-V2/V3): q_(b_)proj and kv_b_proj by the rank's query heads,
+// o_proj by their columns; q_a_proj, kv_a_proj_with_mqa and the latent
+// cache replicated (every rank caches every token's latent).
 struct TensorParallelRank {
   int rank = 0;
   int size = 1;
@@ -49,11 +52,10 @@ struct TensorParallelRank {
 
 // Ok when `size` ranks can split `config`: size divides the attention
 // heads, the KV heads (or the KV heads divide size: each rank keeps one,
-// replicated), and each rank gets at least one column of the MLP's and the
-// experts' intermediate dimensions (slices differ by one where size does
-// not divide them: stories260K's 172 over 8 ranks); MLA models
-// are refused for size > 1 (not built yet). InvalidArgument naming the
-// numbers otherwise.
+// replicated; MLA has none to split), and each rank gets at least one
+// column of the MLP's and the experts' intermediate dimensions (slices
+// differ by one where size does not divide them: stories260K's 172 over 8
+// ranks). InvalidArgument naming the numbers otherwise.
 Status CheckTensorParallel(const ModelConfig& config, int size);
 
 // Where the weights come from: the folder's safetensors files, or random

@@ -4,10 +4,13 @@
 // communicator. Every rank's logits of a prompt equal the single-rank
 // model's within 1e-4 relative (per position), with the same argmax, for
 // the make-model presets (dense, Qwen3, Qwen3-MoE with experts sliced
-// along their intermediate dimension, Mixtral), fp8 checkpoints (per
-// channel, per tensor) and stories260K (8 heads,
+// along their intermediate dimension, Mixtral, DeepSeek-V2-Lite and V3 with
+// multi-head latent attention split by query heads and their routed and
+// shared experts sliced), fp8 checkpoints (per channel, per tensor, and
+// 128x128 blocks for DeepSeek-V3) and stories260K (8 heads,
 // 4 KV heads: TP 8 replicates each KV head on two ranks). Sizes that do
-// not divide the heads are refused naming the numbers.
+// not divide the heads, and shards that cut an fp8 scale block, are
+// refused naming the numbers.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -87,12 +90,19 @@ void ExpectSameAsOneRank(const std::string& dir, std::vector<int> sizes) {
 }
 
 TEST(TensorParallelTest, PresetsEqualOneRank) {
-  for (const char* preset : {"tiny", "qwen3", "qwen3-moe", "mixtral"}) {
+  for (const char* preset :
+       {"tiny", "qwen3", "qwen3-moe", "mixtral", "deepseek-v2-lite", "deepseek-v3"}) {
     SCOPED_TRACE(preset);
     const std::string dir = testing::ModelDir(preset, *PresetModelSpec(preset));
-    // tiny has 2 KV heads: TP 4 replicates each on two ranks.
+    // tiny has 2 KV heads: TP 4 replicates each on two ranks. The DeepSeek
+    // presets' 4 heads go 2 or 1 to a rank, each rank caching the latent.
     ExpectSameAsOneRank(dir, {2, 4});
   }
+  // With attention_bias, o_proj's bias goes on rank 0 only (the
+  // all-reduce adds it once); q_a_proj's and kv_a_proj's are replicated.
+  ModelSpec biased = *PresetModelSpec("deepseek-v3");
+  biased.attention_bias = true;
+  ExpectSameAsOneRank(testing::ModelDir("tp-deepseek-v3-bias", biased), {2, 4});
 }
 
 // fp8 checkpoints: each shard keeps its rows' per-channel scales, or the
@@ -107,6 +117,34 @@ TEST(TensorParallelTest, Fp8CheckpointsEqualOneRank) {
         testing::ModelDir(std::string("tp-tiny-") + kernels::WeightSchemeName(scheme), spec),
         {2, 4});
   }
+}
+
+// DeepSeek-V3 in fp8 with 128x128 scale blocks, wide enough that TP 2
+// cuts every split matrix on block edges: each head's 128 rows of q_b_proj
+// (64 nope + 64 rope) and of kv_b_proj (64 key + 64 value), 2 heads' 128
+// columns of o_proj, 128 of the experts' 256 intermediate columns. At TP 4
+// a rank's one head has 64 columns of o_proj, inside a block: refused by
+// name.
+TEST(TensorParallelTest, Fp8BlockMlaOnBlockEdgesEqualsOneRank) {
+  ModelSpec spec = *PresetModelSpec("deepseek-v3");
+  spec.qk_nope_head_dim = 64;
+  spec.qk_rope_head_dim = 64;
+  spec.v_head_dim = 64;
+  spec.intermediate_size = 256;
+  spec.moe_intermediate_size = 256;
+  spec.quant = kernels::WeightScheme::kFp8Block;
+  const std::string dir = testing::ModelDir("tp-deepseek-v3-fp8-block", spec);
+  ExpectSameAsOneRank(dir, {2});
+  auto group = kernels::CreateSharedMemoryGroup(4);
+  kernels::CpuBackend cpu(1);
+  auto m = Model::Load(dir, &cpu, LoadFormat::kSafetensors, KvEviction{},
+                       TensorParallelRank{1, 4, group[1].get()});
+  ASSERT_FALSE(m.ok());
+  EXPECT_NE(m.status().message().find("'model.layers.0.self_attn.o_proj.weight': a "
+                                      "tensor-parallel shard of columns [64, 128) cuts its "
+                                      "128x128 fp8 scale blocks"),
+            std::string::npos)
+      << m.status().ToString();
 }
 
 TEST(TensorParallelTest, Stories260KEqualsOneRank) {
@@ -164,7 +202,7 @@ std::vector<std::vector<TokenId>> EngineGreedy(const std::string& dir, int size,
 }
 
 TEST(TensorParallelTest, EngineGreedyTokensEqualOneRank) {
-  for (const char* preset : {"tiny", "qwen3-moe"}) {
+  for (const char* preset : {"tiny", "qwen3-moe", "deepseek-v3"}) {
     SCOPED_TRACE(preset);
     const std::string dir = testing::ModelDir(preset, *PresetModelSpec(preset));
     std::mt19937 rng(3);
@@ -211,9 +249,12 @@ TEST(TensorParallelTest, RefusesSizesThatDoNotSplitTheModel) {
       << m.status().ToString();
   const std::string v3 = testing::ModelDir("deepseek-v3", *PresetModelSpec("deepseek-v3"));
   auto mla = Model::Load(v3, &cpu, LoadFormat::kSafetensors, KvEviction{},
-                         TensorParallelRank{0, 2, group[0].get()});
+                         TensorParallelRank{0, 3, group[0].get()});
   ASSERT_FALSE(mla.ok());
-  EXPECT_NE(mla.status().message().find("multi-head latent attention"), std::string::npos);
+  EXPECT_NE(mla.status().message().find("tensor parallel size 3 does not divide the model's 4 "
+                                        "attention heads"),
+            std::string::npos)
+      << mla.status().ToString();
 }
 
 }  // namespace
