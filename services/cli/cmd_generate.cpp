@@ -24,7 +24,7 @@ int RunGenerate(int argc, char** argv) {
   int64_t tensor_parallel = 1;
   int64_t kv_cache_bytes = 64ll << 20, max_batched_tokens = 512;
   double temperature = 1.0, top_p = 1.0;
-  bool json = false, ignore_eos = false, cuda_graphs = true;
+  bool json = false, ignore_eos = false, cuda_graphs = true, expert_parallel = false;
   flags.AddString("model", &model_dir, "model folder (Hugging Face layout)");
   flags.AddString("prompt", &prompt, "prompt text (a BOS token is added as the tokenizer says)");
   flags.AddInt("max-tokens", &max_tokens, "most tokens to generate");
@@ -44,6 +44,9 @@ int RunGenerate(int argc, char** argv) {
   flags.AddString("device", &device, "compute backend: cpu, cuda or cuda:N");
   flags.AddInt("tensor-parallel", &tensor_parallel,
                "ranks the model is split across (CPU ranks; docs/tensor-parallel.md)");
+  flags.AddBool("expert-parallel", &expert_parallel,
+                "with --tensor-parallel N: whole experts per rank (expert e on rank e mod N) "
+                "instead of every expert sliced");
   flags.AddBool("cuda-graphs", &cuda_graphs,
                 "replay decode steps from CUDA graphs (=false: launch every op)");
   KvEvictionFlags eviction_flags;
@@ -65,6 +68,9 @@ int RunGenerate(int argc, char** argv) {
   const KvEviction eviction = eviction_flags.EvictionOrExit("generate");
   if (tensor_parallel < 1 || tensor_parallel > 8) {
     UsageError("generate", "--tensor-parallel must be 1 to 8");
+  }
+  if (expert_parallel && tensor_parallel == 1) {
+    UsageError("generate", "--expert-parallel needs --tensor-parallel 2 or more");
   }
   if (tensor_parallel > 1 && device != "cpu") {
     UsageError("generate", "--tensor-parallel " + std::to_string(tensor_parallel) + " on " +
@@ -103,8 +109,9 @@ int RunGenerate(int argc, char** argv) {
       std::fprintf(stderr, "pdserve generate: %s\n", backend.status().message().c_str());
       return 1;
     }
-    auto model = Model::Load(model_dir, backend->get(), LoadFormat::kSafetensors, eviction,
-                             TensorParallelRank{r, ranks, ranks > 1 ? group[r].get() : nullptr});
+    auto model = Model::Load(
+        model_dir, backend->get(), LoadFormat::kSafetensors, eviction,
+        TensorParallelRank{r, ranks, ranks > 1 ? group[r].get() : nullptr, expert_parallel});
     if (!model.ok()) UsageError("generate", model.status().message());
     backends.push_back(std::move(*backend));
     shards.push_back(model->get());

@@ -34,14 +34,15 @@ using testing::PromptLogits;
 
 // Every rank's logits with `size` ranks, each rank on its own thread.
 std::vector<std::vector<float>> ShardedLogits(const std::string& dir, int size,
-                                              const std::vector<TokenId>& prompt) {
+                                              const std::vector<TokenId>& prompt,
+                                              bool expert_parallel) {
   auto group = kernels::CreateSharedMemoryGroup(size);
   std::vector<std::unique_ptr<kernels::CpuBackend>> backends;
   std::vector<std::unique_ptr<Model>> models(size);
   for (int r = 0; r < size; ++r) backends.push_back(std::make_unique<kernels::CpuBackend>(1));
   for (int r = 0; r < size; ++r) {
     auto m = Model::Load(dir, backends[r].get(), LoadFormat::kSafetensors, KvEviction{},
-                         TensorParallelRank{r, size, group[r].get()});
+                         TensorParallelRank{r, size, group[r].get(), expert_parallel});
     EXPECT_TRUE(m.ok()) << m.status().ToString();
     if (!m.ok()) return {};
     models[r] = std::move(*m);
@@ -57,7 +58,8 @@ std::vector<std::vector<float>> ShardedLogits(const std::string& dir, int size,
 
 // Each rank's logits against the single-rank model's: per position,
 // ||got - want|| / ||want|| <= 1e-4 and the same argmax.
-void ExpectSameAsOneRank(const std::string& dir, std::vector<int> sizes) {
+void ExpectSameAsOneRank(const std::string& dir, std::vector<int> sizes,
+                         bool expert_parallel = false) {
   kernels::CpuBackend cpu(1);
   auto one = Model::Load(dir, &cpu);
   ASSERT_TRUE(one.ok()) << one.status().ToString();
@@ -69,7 +71,7 @@ void ExpectSameAsOneRank(const std::string& dir, std::vector<int> sizes) {
   ASSERT_FALSE(want.empty());
   for (int size : sizes) {
     SCOPED_TRACE("tensor parallel " + std::to_string(size));
-    const auto got = ShardedLogits(dir, size, prompt);
+    const auto got = ShardedLogits(dir, size, prompt, expert_parallel);
     ASSERT_EQ(static_cast<int>(got.size()), size);
     for (int r = 0; r < size; ++r) {
       ASSERT_EQ(got[r].size(), want.size()) << "rank " << r;
@@ -103,6 +105,58 @@ TEST(TensorParallelTest, PresetsEqualOneRank) {
   ModelSpec biased = *PresetModelSpec("deepseek-v3");
   biased.attention_bias = true;
   ExpectSameAsOneRank(testing::ModelDir("tp-deepseek-v3-bias", biased), {2, 4});
+}
+
+// Expert parallelism: each rank holds 8 / N whole experts (e mod N) and
+// reads no other expert's tensors; shared experts and dense layers stay
+// sliced. A token's experts are spread over the ranks, so most ranks
+// compute only some of its experts: the all-reduce sums them.
+TEST(TensorParallelTest, ExpertParallelPresetsEqualOneRank) {
+  for (const char* preset : {"qwen3-moe", "mixtral", "deepseek-v2-lite", "deepseek-v3"}) {
+    SCOPED_TRACE(preset);
+    ExpectSameAsOneRank(testing::ModelDir(preset, *PresetModelSpec(preset)), {2, 4},
+                        /*expert_parallel=*/true);
+  }
+}
+
+// A rank holds its experts whole and no others: its MoE blocks' expert
+// bytes are 1/N of one rank's (sliced or not, every expert's bytes add up
+// to the model's).
+TEST(TensorParallelTest, ExpertParallelRankHoldsItsExpertsOnly) {
+  const std::string dir = testing::ModelDir("deepseek-v3", *PresetModelSpec("deepseek-v3"));
+  kernels::CpuBackend cpu(1);
+  auto one = Model::Load(dir, &cpu);
+  ASSERT_TRUE(one.ok()) << one.status().ToString();
+  auto group = kernels::CreateSharedMemoryGroup(4);
+  for (int r = 0; r < 4; ++r) {
+    kernels::CpuBackend backend(1);
+    auto m = Model::Load(dir, &backend, LoadFormat::kSafetensors, KvEviction{},
+                         TensorParallelRank{r, 4, group[r].get(), /*expert_parallel=*/true});
+    ASSERT_TRUE(m.ok()) << m.status().ToString();
+    EXPECT_EQ((*m)->expert_weight_bytes() * 4, (*one)->expert_weight_bytes()) << "rank " << r;
+    // Experts whole; the shared expert (32 wide) sliced.
+    EXPECT_EQ((*m)->config().moe_intermediate_size, 32);
+    EXPECT_EQ((*m)->num_parameters(), (*one)->num_parameters());
+  }
+}
+
+TEST(TensorParallelTest, ExpertParallelRefusesExpertsThatDoNotSplit) {
+  kernels::CpuBackend cpu(1);
+  auto group = kernels::CreateSharedMemoryGroup(4);
+  ModelSpec six = *PresetModelSpec("qwen3-moe");
+  six.num_experts = 6;
+  auto m = Model::Load(testing::ModelDir("tp-qwen3-moe-6", six), &cpu, LoadFormat::kSafetensors,
+                       KvEviction{}, TensorParallelRank{0, 4, group[0].get(), true});
+  ASSERT_FALSE(m.ok());
+  EXPECT_NE(m.status().message().find("tensor parallel size 4 does not divide the model's 6 "
+                                      "experts"),
+            std::string::npos)
+      << m.status().ToString();
+  auto dense = Model::Load(testing::TinyModelDir(), &cpu, LoadFormat::kSafetensors, KvEviction{},
+                           TensorParallelRank{0, 2, group[0].get(), true});
+  ASSERT_FALSE(dense.ok());
+  EXPECT_NE(dense.status().message().find("has no experts"), std::string::npos)
+      << dense.status().ToString();
 }
 
 // fp8 checkpoints: each shard keeps its rows' per-channel scales, or the
@@ -159,7 +213,7 @@ TEST(TensorParallelTest, Stories260KEqualsOneRank) {
 // an engine over `size` ranks (engine/executor.h: a thread per rank).
 std::vector<std::vector<TokenId>> EngineGreedy(const std::string& dir, int size,
                                                const std::vector<std::vector<TokenId>>& prompts,
-                                               int max_tokens) {
+                                               int max_tokens, bool expert_parallel = false) {
   auto group = kernels::CreateSharedMemoryGroup(size);
   std::vector<std::unique_ptr<kernels::CpuBackend>> backends;
   std::vector<std::unique_ptr<Model>> models;
@@ -167,7 +221,8 @@ std::vector<std::vector<TokenId>> EngineGreedy(const std::string& dir, int size,
   for (int r = 0; r < size; ++r) {
     backends.push_back(std::make_unique<kernels::CpuBackend>(1));
     auto m = Model::Load(dir, backends[r].get(), LoadFormat::kSafetensors, KvEviction{},
-                         TensorParallelRank{r, size, size > 1 ? group[r].get() : nullptr});
+                         TensorParallelRank{r, size, size > 1 ? group[r].get() : nullptr,
+                                            expert_parallel && size > 1});
     EXPECT_TRUE(m.ok()) << m.status().ToString();
     if (!m.ok()) return {};
     ranks.push_back(m->get());
@@ -215,6 +270,12 @@ TEST(TensorParallelTest, EngineGreedyTokensEqualOneRank) {
     ASSERT_EQ(want.size(), prompts.size());
     EXPECT_EQ(want[0].size(), 12u);
     for (int size : {2, 4}) EXPECT_EQ(EngineGreedy(dir, size, prompts, 12), want) << size;
+    if (std::string(preset) != "tiny") {
+      for (int size : {2, 4}) {
+        EXPECT_EQ(EngineGreedy(dir, size, prompts, 12, /*expert_parallel=*/true), want)
+            << size << " expert-parallel";
+      }
+    }
   }
 }
 
