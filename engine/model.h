@@ -131,7 +131,9 @@ class Model {
   // and shared experts are counted): which experts a step reads depends on
   // its tokens, see last_moe_stats().
   int64_t weight_bytes_per_step() const { return weight_bytes_per_step_; }
-  // Bytes of all experts' weights (0 for a dense model).
+  // Bytes of all experts' weights this rank holds (0 for a dense model):
+  // their slices under tensor parallelism, its whole experts under expert
+  // parallelism.
   int64_t expert_weight_bytes() const { return expert_weight_bytes_; }
   // What the sparse layers of the last Forward did, summed over the layers:
   // experts active per layer, added up, and the expert weight bytes read
