@@ -6,11 +6,12 @@
 // the make-model presets (dense, Qwen3, Qwen3-MoE with experts sliced
 // along their intermediate dimension, Mixtral, DeepSeek-V2-Lite and V3 with
 // multi-head latent attention split by query heads and their routed and
-// shared experts sliced), fp8 checkpoints (per channel, per tensor, and
-// 128x128 blocks for DeepSeek-V3) and stories260K (8 heads,
+// shared experts sliced), the MoE presets again with expert parallelism
+// (whole experts dealt to the ranks), fp8 checkpoints (per channel, per
+// tensor, and 128x128 blocks for DeepSeek-V3) and stories260K (8 heads,
 // 4 KV heads: TP 8 replicates each KV head on two ranks). Sizes that do
-// not divide the heads, and shards that cut an fp8 scale block, are
-// refused naming the numbers.
+// not divide the heads (or, expert-parallel, the experts), and shards that
+// cut an fp8 scale block, are refused naming the numbers.
 #include <gtest/gtest.h>
 
 #include <cmath>
