@@ -106,8 +106,9 @@ int RunBenchEngine(int argc, char** argv) {
   const KvEviction eviction = eviction_flags.EvictionOrExit("bench engine");
   // One shard per rank; the figures below are rank 0's (its weights, its
   // KV pool shard), the times the group's.
-  const std::unique_ptr<ModelGroup> group = LoadModelGroupOrExit(
-      "bench engine", model_dir, devices, static_cast<int>(threads), *load_format, eviction);
+  const std::unique_ptr<ModelGroup> group =
+      LoadModelGroupOrExit("bench engine", model_dir, devices, static_cast<int>(threads),
+                           tensor_parallel.expert_parallel(), *load_format, eviction);
   Model* const model = group->models[0].get();
   kernels::Backend& backend = *group->backends[0];
   // CPU-time shares only mean something for the CPU backends' threads.

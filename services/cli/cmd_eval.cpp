@@ -96,8 +96,9 @@ int RunEval(int argc, char** argv) {
   if (devices.size() > 1 && !write_kv_scales_path.empty()) {
     UsageError("eval", "--write-kv-scales calibrates on one rank: use --tensor-parallel 1");
   }
-  const std::unique_ptr<ModelGroup> group = LoadModelGroupOrExit(
-      "eval", model_dir, devices, static_cast<int>(threads), LoadFormat::kSafetensors, eviction);
+  const std::unique_ptr<ModelGroup> group =
+      LoadModelGroupOrExit("eval", model_dir, devices, static_cast<int>(threads),
+                           tensor_parallel.expert_parallel(), LoadFormat::kSafetensors, eviction);
   Model* const model = group->models[0].get();
   kernels::Backend* const backend = group->backends[0].get();
   if (eviction.mode == KvEviction::Mode::kStreaming && block_size > eviction.window_tokens) {

@@ -229,7 +229,7 @@ int RunUp(int argc, char** argv) {
   std::string log_level = "info", device = "auto", load_format = "safetensors";
   std::string kv_dtype = "fp32";
   std::string tool_call_parser;
-  bool stream_chunks = true;
+  bool stream_chunks = true, expert_parallel = false;
   FlagSet flags("up",
                 "Start a local stack: the router plus prefill and decode workers as child "
                 "processes. Ctrl-C or SIGTERM stops them all.");
@@ -256,6 +256,8 @@ int RunUp(int argc, char** argv) {
   flags.AddString("load-format", &load_format,
                   "workers' weights: safetensors|dummy (random, for benchmarks)");
   flags.AddInt("threads", &threads, "compute threads per CPU worker (0: the cores shared out)");
+  flags.AddBool("expert-parallel", &expert_parallel,
+                "with --tensor-parallel N: whole experts per rank (docs/tensor-parallel.md)");
   flags.AddInt("tensor-parallel", &tensor_parallel,
                "ranks of every worker, 1 to 8 (docs/tensor-parallel.md); above 1 needs "
                "--prefill 0: KV hand-off between tensor-parallel workers is not built yet");
@@ -310,6 +312,9 @@ int RunUp(int argc, char** argv) {
   if (threads < 0) UsageError("up", "--threads must not be negative");
   if (tensor_parallel < 1 || tensor_parallel > 8)
     UsageError("up", "--tensor-parallel must be 1 to 8, got " + std::to_string(tensor_parallel));
+  if (expert_parallel && tensor_parallel == 1) {
+    UsageError("up", "--expert-parallel needs --tensor-parallel 2 or more");
+  }
   if (tensor_parallel > 1 && prefill > 0) {
     UsageError("up", "--tensor-parallel " + std::to_string(tensor_parallel) +
                          " needs --prefill 0: KV hand-off between tensor-parallel workers is not "
@@ -469,6 +474,7 @@ int RunUp(int argc, char** argv) {
         "--load-format",
         load_format,
         std::string("--kv-stream-chunks=") + (stream_chunks ? "true" : "false"),
+        std::string("--expert-parallel=") + (expert_parallel ? "true" : "false"),
         "--log-level",
         log_level};
     if (!model_id.empty()) args.insert(args.end(), {"--model-id", model_id});

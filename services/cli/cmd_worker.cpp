@@ -125,6 +125,7 @@ int RunWorker(int argc, char** argv) {
   (void)tensor_parallel.DevicesOrExit("worker", o.device);
   o.tensor_parallel = tensor_parallel.size();
   o.devices = tensor_parallel.devices();
+  o.expert_parallel = tensor_parallel.expert_parallel();
   auto transfer_kind = ParseKvTransferKind(kv_transfer);
   if (!transfer_kind.ok())
     UsageError("worker", "--kv-transfer: " + transfer_kind.status().message());

@@ -103,7 +103,7 @@ class WorkerServiceImpl : public WorkerService {
     if (!devices.ok()) return devices.status();
     const std::string device = (*devices)[0];
     auto group = LoadModelGroup(opts_.model_dir, *devices, opts_.threads, opts_.load_format,
-                                opts_.kv_eviction,
+                                opts_.kv_eviction, opts_.expert_parallel,
                                 [this](double s) { metrics_.all_reduce_seconds.Observe(s); });
     if (!group.ok()) return group.status();
     group_ = std::move(*group);

@@ -307,6 +307,40 @@ TEST_F(GenerateCliTest, MoePresetsRunAndMismatchedExpertsExitTwo) {
   }
 }
 
+// --tensor-parallel N (CPU ranks) with and without --expert-parallel writes
+// TP 1's greedy tokens for DeepSeek-V3 (latent attention split by heads,
+// experts sliced or dealt whole); --expert-parallel without ranks to deal
+// to, or on a model without experts, exits 2 with one line.
+TEST_F(GenerateCliTest, TensorAndExpertParallelGenerateTheSameTokens) {
+  const std::string dir = testing::NewTempDir("cli-tp") + "/model";
+  ASSERT_EQ(RunPdserve("make-model --preset deepseek-v3 --out " + dir).exit_code, 0);
+  const std::string gen = "generate --model " + dir +
+                          " --prompt hello --max-tokens 8 --temperature 0 --ignore-eos --json";
+  const Result one = RunPdserve(gen);
+  ASSERT_EQ(one.exit_code, 0) << one.out;
+  const auto want = nlohmann::json::parse(one.out)["token_ids"];
+  EXPECT_EQ(want.size(), 8u);
+  for (const char* flags :
+       {" --tensor-parallel 2", " --tensor-parallel 4", " --tensor-parallel 4 --expert-parallel"}) {
+    const Result r = RunPdserve(gen + flags);
+    ASSERT_EQ(r.exit_code, 0) << flags << ": " << r.out;
+    EXPECT_EQ(nlohmann::json::parse(r.out)["token_ids"], want) << flags;
+  }
+  const std::string err = testing::NewTempDir("cli-tp-err") + "/stderr";
+  const std::pair<std::string, std::string> bad[] = {
+      {gen + " --expert-parallel", "--expert-parallel needs --tensor-parallel 2 or more"},
+      {"generate --model " + *dir_ + " --prompt hi --tensor-parallel 2 --expert-parallel",
+       "has no experts"},
+  };
+  for (const auto& [args, needle] : bad) {
+    const Result r = RunPdserve(args, err);
+    EXPECT_EQ(r.exit_code, 2) << args;
+    const std::string e = Slurp(err);
+    EXPECT_EQ(std::count(e.begin(), e.end(), '\n'), 1) << e;
+    EXPECT_NE(e.find(needle), std::string::npos) << e;
+  }
+}
+
 // `pdserve plan` reads any supported family's config.json and sizes the
 // weights from a checkpoint's safetensors.
 TEST_F(GenerateCliTest, PlanReadsEveryFamilyAndSizesWeightsFromTheCheckpoint) {
