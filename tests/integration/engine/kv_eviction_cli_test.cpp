@@ -149,7 +149,8 @@ TEST(KvEvictionCliTest, BadModesAndBudgetsExitTwoNamingTheFlag) {
       {"generate --model " + mla + " --prompt hi --kv-eviction snapkv --kv-budget-tokens 32",
        "MLA"},
       {"worker --model " + ShortModel() +
-           " --role prefill --router 127.0.0.1:1 --kv-eviction snapkv --kv-budget-tokens 32",
+           " --role prefill --router 127.0.0.1:1 --insecure-control-plane --kv-eviction snapkv "
+           "--kv-budget-tokens 32",
        "hand-off"},
   };
   for (const auto& [args, needle] : cases) {
