@@ -789,6 +789,7 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
                            captured.data());
   }
   auto sampled = executor_->Execute(step);
+  if (!capture_rows.empty()) model_->CaptureQueries(nullptr, 0, nullptr);  // even on failure
   if (!sampled.ok()) return sampled.status();
 
   // 4. Bookkeeping: computed tokens, prefix-cache commits, sampling.

@@ -151,7 +151,9 @@ Status PagedSequenceRunner::Run(const std::vector<TokenId>& tokens, int64_t star
   b.num_logits = n;
   b.logits_rows = rows.data();
   logits->resize(n * model_->config().vocab_size);
-  PDSERVE_RETURN_IF_ERROR(runner_->Forward(b, logits->data()));
+  const Status ran = runner_->Forward(b, logits->data());
+  if (compress) model_->CaptureQueries(nullptr, 0, nullptr);  // even on failure
+  PDSERVE_RETURN_IF_ERROR(ran);
   if (compress) {
     const auto kept =
         SnapKvSelect(c, pool_->layout(), pool_->base(), block_table_, n, queries.data());
