@@ -534,6 +534,8 @@ void Engine::ProcessTierWork() {
   blocks_->RecordTierChanges(tier_mover_->TakeChanges());
 }
 
+bool Engine::ranks_failed() const { return executor_->failed(); }
+
 int64_t Engine::snapkv_window() const { return model_->config().kv_eviction.observation_window; }
 
 bool Engine::SnapKvPending(const Sequence& s) const {
