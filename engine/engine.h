@@ -54,7 +54,10 @@
 // (--kv-eviction streaming, docs/kv-eviction.md) window every layer and also
 // keep the sink blocks; the context is then not capped at the model's.
 // Engine::Create refuses a window below one block or beyond the pool, and
-// lower tiers with a mode.
+// lower tiers with a mode. SnapKV (--kv-eviction snapkv, engine/snapkv.h)
+// runs a prompt over the budget with its last W tokens in one chunk, then
+// gathers the positions each layer and KV head keeps into blocks of the
+// request's own (its prompt blocks stay cached); remote prefill is refused.
 //
 // Thread safety: none. One thread drives an engine (AddRequest, Step,
 // Cancel, ...); block_manager() is safe to read from other threads.
