@@ -91,6 +91,11 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir, kernels::Ba
     return Status::InvalidArgument("--kv-sink-tokens: the " + backend->name() +
                                    " backend's attention does not take sinks yet");
   }
+  if (eviction.mode == KvEviction::Mode::kSnapKv && !backend->SharesHostMemory()) {
+    // The selection reads the keys and gathers the kept ones on the host.
+    return Status::InvalidArgument("--kv-eviction snapkv: the " + backend->name() +
+                                   " backend does not compress prompts yet (CPU only)");
+  }
   if (eviction.quest_blocks > 0 && !backend->SupportsKvSelection()) {
     return Status::InvalidArgument("--kv-selection quest: the " + backend->name() +
                                    " backend does not select blocks yet");
@@ -800,6 +805,14 @@ void Model::Forward(const StepInputs& in, const kernels::AttentionPlan& plan) {
       const float* inv_freq = c.UsesLocalRope(l) ? inv_freq_local_ : inv_freq_;
       b.Rope(q, in.positions, inv_freq);
       b.Rope(k, in.positions, inv_freq);
+      if (capture_n_ > 0) {
+        const int64_t width = nh * hd;
+        const auto bytes = static_cast<int64_t>(DTypeBits(act) / 8);
+        b.GatherRows(
+            qkv.Columns(0, width), capture_rows_,
+            Tensor::Of(static_cast<uint8_t*>(capture_out_) + l * capture_n_ * width * bytes, act,
+                       {capture_n_, width}));
+      }
       // The layer's KV group: its blocks hold the group's layers, its slots
       // are the group's row of the step's slots.
       const kernels::AttentionPlan::Layer at = plan.ForLayer(l);
@@ -846,6 +859,7 @@ void Model::Forward(const StepInputs& in, const kernels::AttentionPlan& plan) {
     }
   }
   last_moe_stats_ = moe;
+  capture_n_ = 0;
   if (R > 0) {
     const Tensor gathered = A(s.gathered, R, H);
     b.GatherRows(x, in.logits_rows, gathered);

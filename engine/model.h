@@ -172,6 +172,16 @@ class Model {
   void Forward(const StepInputs& in, const kernels::AttentionPlan& plan);
   // The logits of the last Forward (backend memory), its first `rows` rows.
   kernels::Tensor logits(int64_t rows) const;
+  // SnapKV's observation window (engine/snapkv.h): the next Forward also
+  // copies the queries of token rows rows[0, n), after RoPE, of every layer
+  // into `out` ([num_layers][n][num_heads * head_dim] in the activation
+  // dtype; `rows` and `out` backend memory that outlives that Forward),
+  // then forgets the request. GQA models only.
+  void CaptureQueries(const int32_t* rows, int64_t n, void* out) {
+    capture_rows_ = rows;
+    capture_n_ = n;
+    capture_out_ = out;
+  }
 
  private:
   // DeepSeek's multi-head latent attention of one layer, in the shapes the
@@ -328,6 +338,9 @@ class Model {
   uint64_t scratch_generation_ = 0;
   bool has_sparse_layers_ = false;
   bool collect_moe_stats_ = false;
+  const int32_t* capture_rows_ = nullptr;  // CaptureQueries, for the next Forward
+  int64_t capture_n_ = 0;
+  void* capture_out_ = nullptr;
 };
 
 }  // namespace pdserve

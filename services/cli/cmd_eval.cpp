@@ -106,6 +106,19 @@ int RunEval(int argc, char** argv) {
                            " is smaller than one block (" + std::to_string(block_size) +
                            " tokens)");
   }
+  if (eviction.mode == KvEviction::Mode::kSnapKv) {
+    // SnapKV compresses a prompt once: here the first step's tokens.
+    if (prefill_tokens <= eviction.budget_tokens) {
+      UsageError("eval",
+                 "--kv-eviction snapkv compresses the first step's prompt: "
+                 "--prefill-tokens " +
+                     std::to_string(prefill_tokens) + " must exceed --kv-budget-tokens " +
+                     std::to_string(eviction.budget_tokens));
+    }
+    if (*kv_dtype != DType::kF32 && *kv_dtype != DType::kF16 && *kv_dtype != DType::kBF16) {
+      UsageError("eval", "--kv-eviction snapkv: --kv-dtype fp32, fp16 or bf16");
+    }
+  }
   std::unique_ptr<Model> baseline;
   if (!baseline_dir.empty()) {
     auto loaded = Model::Load(baseline_dir, backend);

@@ -605,8 +605,13 @@ class WorkerServiceImpl : public WorkerService {
       metrics_.preemptions.Increment(static_cast<double>(s.num_preemptions - last_preemptions_));
     }
     last_preemptions_ = s.num_preemptions;
+    if (s.snapkv_evicted_tokens > last_snapkv_evicted_) {
+      metrics_.evicted_tokens.Add({{"mode", "snapkv"}})
+          .Increment(static_cast<double>(s.snapkv_evicted_tokens - last_snapkv_evicted_));
+      last_snapkv_evicted_ = s.snapkv_evicted_tokens;
+    }
     if (const uint64_t released = s.blocks.released_out_of_reach_blocks_total;
-        released > last_released_) {
+        released > last_released_ && opts_.kv_eviction.mode != KvEviction::Mode::kSnapKv) {
       const char* mode =
           opts_.kv_eviction.mode == KvEviction::Mode::kStreaming ? "streaming" : "window";
       metrics_.evicted_tokens.Add({{"mode", mode}})
@@ -718,6 +723,7 @@ class WorkerServiceImpl : public WorkerService {
   WorkerMetrics metrics_{*registry_};
   std::mutex counters_mu_;
   uint64_t last_queries_ = 0, last_hits_ = 0, last_preemptions_ = 0, last_released_ = 0;
+  uint64_t last_snapkv_evicted_ = 0;
 
   std::unique_ptr<control::EventLoop> loop_;
   std::unique_ptr<control::Server> peer_server_;
