@@ -741,25 +741,36 @@ class GrammarCompiler {
     for (const auto& r : b_.rules_) g.rule_names_.push_back(r.name);
     g.start_ = g.rule_start_[root];
     // First bytes of each rule's non-empty part (through leading calls).
+    // The rules a call start calls form a DAG (left recursion is refused),
+    // so one depth-first pass computes callees first: passes until nothing
+    // changes would take one per rule along a chain of them.
     const size_t num_rules = rule_nfa_.size();
     g.first_bytes_.assign(num_rules * 4, 0);
-    for (bool changed = true; changed;) {
-      changed = false;
-      for (size_t r = 0; r < num_rules; ++r) {
+    std::vector<uint8_t> seen(num_rules, 0);
+    std::vector<std::pair<size_t, size_t>> stack;  // rule, calls looked at
+    for (size_t root = 0; root < num_rules; ++root) {
+      if (seen[root]) continue;
+      seen[root] = 1;
+      stack.push_back({root, 0});
+      while (!stack.empty()) {
+        const size_t r = stack.back().first;
         const int32_t s = g.rule_call_start_[r];
-        uint64_t w[4] = {};
+        if (stack.back().second < dfa_calls_[s].size()) {
+          const auto c = static_cast<size_t>(dfa_calls_[s][stack.back().second++].rule);
+          if (!seen[c]) {
+            seen[c] = 1;
+            stack.push_back({c, 0});
+          }
+          continue;
+        }
+        uint64_t* w = &g.first_bytes_[r * 4];
         for (int b = 0; b < 256; ++b) {
           if (dfa_bytes_[s][b] >= 0) w[b >> 6] |= uint64_t{1} << (b & 63);
         }
         for (const auto& c : dfa_calls_[s]) {
           for (int k = 0; k < 4; ++k) w[k] |= g.first_bytes_[c.rule * 4 + k];
         }
-        for (int k = 0; k < 4; ++k) {
-          if ((g.first_bytes_[r * 4 + k] | w[k]) != g.first_bytes_[r * 4 + k]) {
-            g.first_bytes_[r * 4 + k] |= w[k];
-            changed = true;
-          }
-        }
+        stack.pop_back();
       }
     }
   }

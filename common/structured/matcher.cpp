@@ -118,17 +118,29 @@ class MaskPrecomputer {
   // entering a string costs a few suffix checks, not a walk of every token
   // that starts with a quote). Left recursion is refused by the grammar, so
   // the order exists; a cycle would only fall back to the plain walk.
-  Status Resolve(int32_t p) {
-    if (state_[p] != kTodo) return Status::Ok();
-    state_[p] = kBusy;
-    bool compose = true;
-    for (const auto& call : g_.Calls(p)) {
-      const int32_t q = g_.CallStart(call.rule);
-      PDSERVE_RETURN_IF_ERROR(Resolve(q));
-      compose = compose && state_[q] == kDone;
+  Status Resolve(int32_t root) {
+    if (state_[root] != kTodo) return Status::Ok();
+    // Depth first with an explicit stack: a chain of rules each called at
+    // the next one's first byte may be as long as the rule limit.
+    std::vector<std::pair<int32_t, size_t>> stack{{root, 0}};  // position, calls looked at
+    state_[root] = kBusy;
+    while (!stack.empty()) {
+      const int32_t p = stack.back().first;
+      const auto calls = g_.Calls(p);
+      if (stack.back().second < calls.size()) {
+        const int32_t q = g_.CallStart(calls[stack.back().second++].rule);
+        if (state_[q] == kTodo) {
+          state_[q] = kBusy;
+          stack.push_back({q, 0});
+        }
+        continue;
+      }
+      bool compose = true;
+      for (const auto& call : calls) compose = compose && state_[g_.CallStart(call.rule)] == kDone;
+      PDSERVE_RETURN_IF_ERROR(Position(p, compose));
+      state_[p] = kDone;
+      stack.pop_back();
     }
-    PDSERVE_RETURN_IF_ERROR(Position(p, compose));
-    state_[p] = kDone;
     return Status::Ok();
   }
 
