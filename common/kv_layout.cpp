@@ -14,7 +14,7 @@ namespace {
 using codec::ByteReader;
 using codec::ByteWriter;
 
-constexpr uint16_t kLayoutFormatVersion = 6;
+constexpr uint16_t kLayoutFormatVersion = 7;
 constexpr uint32_t kMaxGroups = 1024;
 constexpr size_t kMaxNameBytes = 4096;
 
@@ -60,6 +60,7 @@ Status KvLayout::Validate() const {
   PDSERVE_RETURN_IF_ERROR(positive("head_dim", head_dim));
   PDSERVE_RETURN_IF_ERROR(positive("block_tokens", block_tokens));
   PDSERVE_RETURN_IF_ERROR(positive("bytes_per_block", bytes_per_block));
+  PDSERVE_RETURN_IF_ERROR(positive("tensor_parallel", tensor_parallel));
   if (attention == KvAttention::kMla) {
     PDSERVE_RETURN_IF_ERROR(positive("kv_lora_rank", kv_lora_rank));
     PDSERVE_RETURN_IF_ERROR(positive("qk_rope_head_dim", qk_rope_head_dim));
@@ -103,6 +104,7 @@ std::string KvLayout::Encode() const {
   w.U32(static_cast<uint32_t>(group_windows.size()));
   for (int64_t window : group_windows) w.U64(static_cast<uint64_t>(window));
   w.Bytes(kv_eviction);
+  w.U32(static_cast<uint32_t>(tensor_parallel));
   return w.Take();
 }
 
@@ -165,6 +167,9 @@ StatusOr<KvLayout> KvLayout::Decode(std::string_view bytes) {
   }
   PDSERVE_RETURN_IF_ERROR(r.Bytes("kv_eviction", kMaxNameBytes, &s));
   l.kv_eviction = std::string(s);
+  uint32_t ranks = 0;
+  PDSERVE_RETURN_IF_ERROR(r.U32("tensor_parallel", &ranks));
+  l.tensor_parallel = ranks;
   if (r.remaining() != 0) {
     return r.Error(std::to_string(r.remaining()) + " unexpected trailing bytes");
   }
@@ -190,7 +195,9 @@ std::string KvLayout::ToString() const {
          " memory=" + std::string(MemoryTypeName(memory_type)) + " transfer=" + transfer_backend +
          " model_fingerprint=" + Hex(model_fingerprint) +
          (group_windows.empty() ? std::string() : " groups=" + Windows(group_windows)) +
-         (kv_eviction.empty() ? std::string() : " kv_eviction='" + kv_eviction + "'");
+         (kv_eviction.empty() ? std::string() : " kv_eviction='" + kv_eviction + "'") +
+         (tensor_parallel == 1 ? std::string()
+                               : " tensor_parallel=" + std::to_string(tensor_parallel));
 }
 
 std::string DescribeLayoutDifferences(const KvLayout& here, const KvLayout& peer) {
@@ -223,6 +230,8 @@ std::string DescribeLayoutDifferences(const KvLayout& here, const KvLayout& peer
   cmp("group_windows", Windows(here.group_windows), Windows(peer.group_windows));
   cmp("kv_eviction", "'" + (here.kv_eviction.empty() ? "none" : here.kv_eviction) + "'",
       "'" + (peer.kv_eviction.empty() ? "none" : peer.kv_eviction) + "'");
+  cmp("tensor_parallel", std::to_string(here.tensor_parallel),
+      std::to_string(peer.tensor_parallel));
   std::string out;
   for (const auto& d : diffs) {
     if (!out.empty()) out += "; ";

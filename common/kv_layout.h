@@ -14,11 +14,12 @@
 //   "KV layout mismatch: kv_dtype: fp16 here, fp8 on peer"
 //
 // The layout hash is a stable 64-bit digest of the canonical encoding (format
-// version 6, below); it never changes between builds or machines, so it may be
+// version 7, below); it never changes between builds or machines, so it may be
 // logged, stored and compared across releases of the same format version.
 // (Version 2 added memory_type and transfer_backend, version 3 the attention
 // kind and the MLA latent widths, version 4 the model fingerprint, version 5
-// the KV layer groups' windows, version 6 the token eviction mode.)
+// the KV layer groups' windows, version 6 the token eviction mode, version
+// 7 the tensor-parallel size.)
 #pragma once
 
 #include <cstdint>
@@ -70,6 +71,11 @@ struct KvLayout {
   // "" for none. A mode and a worker without it compute other KV for the
   // same tokens, so they never pair.
   std::string kv_eviction;
+  // Tensor parallelism (docs/tensor-parallel.md): a block of a worker of
+  // `tensor_parallel` ranks is that many shards, one per rank, each a range
+  // of its KV heads; the fields above describe one rank's shard (kv_heads:
+  // a rank's). Workers of other sizes keep other shards.
+  int64_t tensor_parallel = 1;
 
   // 2 x layers x kv_heads x head_dim x block_tokens x dtype bytes (no
   // scales); MLA: layers x (kv_lora_rank + qk_rope_head_dim) x block_tokens
@@ -84,7 +90,7 @@ struct KvLayout {
   // Stable digest of Encode() (XXH3-64).
   uint64_t Hash() const;
 
-  // Canonical little-endian encoding, format version 6. Decode rejects
+  // Canonical little-endian encoding, format version 7. Decode rejects
   // truncated, oversized or unknown-version input with a clear Status.
   std::string Encode() const;
   static StatusOr<KvLayout> Decode(std::string_view bytes);

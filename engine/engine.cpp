@@ -500,6 +500,8 @@ void Engine::ProcessTierWork() {
   blocks_->RecordTierChanges(tier_mover_->TakeChanges());
 }
 
+bool Engine::ranks_failed() const { return executor_->failed(); }
+
 StatusOr<std::vector<RequestOutput>> Engine::Step() {
   std::vector<RequestOutput> outputs;
   ++num_steps_;

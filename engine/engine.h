@@ -293,6 +293,9 @@ class Engine {
   Status ReleaseKvBlocks(PinId pin);
 
   const Model& model() const { return *model_; }
+  // True once a tensor-parallel rank failed (engine/executor.h): the group
+  // is aborted and every later Step fails.
+  bool ranks_failed() const;
   const KvCachePool& kv_pool() const { return *pool_; }
   KvCachePool& kv_pool() { return *pool_; }
   BlockManager& block_manager() { return *blocks_; }

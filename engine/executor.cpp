@@ -1,5 +1,11 @@
 #include "engine/executor.h"
 
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include "common/logging.h"
+
 namespace pdserve {
 
 StatusOr<std::unique_ptr<Executor>> Executor::Create(const std::vector<Model*>& models,
@@ -17,6 +23,21 @@ StatusOr<std::unique_ptr<Executor>> Executor::Create(const std::vector<Model*>& 
     e->runners_.push_back(std::move(*runner));
   }
   e->rank_status_.resize(models.size());
+  e->steps_.assign(models.size(), 0);
+  if (models.size() > 1) {
+    e->comm_ = models[0]->tensor_parallel().comm;
+    if (const char* fault = std::getenv("PDSERVE_TEST_FAIL_RANK"); fault != nullptr) {
+      int rank = -1;
+      unsigned long long step = 0;
+      if (std::sscanf(fault, "%d:%llu", &rank, &step) == 2 && rank >= 0 &&
+          rank < static_cast<int>(models.size()) && step > 0) {
+        e->fail_rank_ = rank;
+        e->fail_at_step_ = step;
+        PDSERVE_LOG(WARN) << "executor: PDSERVE_TEST_FAIL_RANK: rank " << rank
+                          << " will fail its step " << step;
+      }
+    }
+  }
   for (int r = 1; r < static_cast<int>(models.size()); ++r) {
     e->threads_.emplace_back(&Executor::RankLoop, e.get(), r);
   }
@@ -43,15 +64,32 @@ void Executor::RankLoop(int rank) {
       seen = generation_;
       step = step_;
     }
-    auto out = runners_[rank]->Execute(step);
+    auto out = RunRank(rank, step);
     std::lock_guard lock(mu_);
     rank_status_[rank] = out.status();
     if (--pending_ == 0) done_.notify_all();
   }
 }
 
+StatusOr<std::vector<SampledToken>> Executor::RunRank(int rank,
+                                                      std::span<const ScheduledSeq> step) {
+  StatusOr<std::vector<SampledToken>> out =
+      ++steps_[rank] == fail_at_step_ && rank == fail_rank_
+          ? Status::Internal("injected fault (PDSERVE_TEST_FAIL_RANK)")
+          : runners_[rank]->Execute(step);
+  if (!out.ok() && comm_ != nullptr) {
+    // The other ranks may be waiting for this one in a collective.
+    failed_ = true;
+    comm_->Abort();
+  }
+  return out;
+}
+
 StatusOr<std::vector<SampledToken>> Executor::Execute(std::span<const ScheduledSeq> step) {
   if (runners_.size() == 1) return runners_[0]->Execute(step);
+  if (failed_) {
+    return Status::Internal("a tensor-parallel rank failed earlier: the group is aborted");
+  }
   {
     std::lock_guard lock(mu_);
     step_ = step;
@@ -59,13 +97,17 @@ StatusOr<std::vector<SampledToken>> Executor::Execute(std::span<const ScheduledS
     ++generation_;
   }
   start_.notify_all();
-  auto tokens = runners_[0]->Execute(step);
+  auto tokens = RunRank(0, step);
   std::unique_lock lock(mu_);
   done_.wait(lock, [&] { return pending_ == 0; });
-  for (size_t r = 1; r < runners_.size(); ++r) {
-    if (!rank_status_[r].ok()) return rank_status_[r];
+  for (size_t r = 0; r < runners_.size(); ++r) {
+    const Status& st = r == 0 ? tokens.status() : rank_status_[r];
+    if (!st.ok()) {
+      return Status(st.code(),
+                    "tensor-parallel rank " + std::to_string(r) + " failed: " + st.message());
+    }
   }
-  return tokens;
+  return tokens;  // the ranks an abort released computed garbage only if one failed
 }
 
 void Executor::Synchronize() {

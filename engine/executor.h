@@ -3,8 +3,17 @@
 // one runner per rank, each with its own backend, weight shards and KV pool
 // shard, on a thread of its own, their all-reduces on a Communicator, and
 // returns rank 0's tokens. The scheduler (engine.h) sees none of that.
+//
+// A rank that fails (its step returns an error) aborts the group's
+// communicator, so that the ranks waiting for it in a collective are
+// released, and the executor is failed() for good: that step and every
+// later one return an error, and the worker goes down as a whole
+// (services/worker). For tests, PDSERVE_TEST_FAIL_RANK=R:K makes rank R of
+// a tensor-parallel executor fail its K-th step (1-based) before it runs,
+// leaving the others waiting in their first collective.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <memory>
 #include <mutex>
@@ -37,12 +46,22 @@ class Executor {
   // Returns once every device has written the KV of the steps so far, so
   // that a transfer reading the pool sees it.
   void Synchronize();
+  // True once a rank of a tensor-parallel group failed (above).
+  bool failed() const { return failed_; }
 
  private:
   Executor() = default;
   void RankLoop(int rank);
+  // A rank's step: the injected fault, else its runner's; a failure aborts
+  // the group.
+  StatusOr<std::vector<SampledToken>> RunRank(int rank, std::span<const ScheduledSeq> step);
 
   std::vector<kernels::Backend*> backends_;
+  kernels::Communicator* comm_ = nullptr;  // rank 0's, to abort the group
+  std::atomic<bool> failed_{false};
+  int fail_rank_ = -1;           // PDSERVE_TEST_FAIL_RANK
+  uint64_t fail_at_step_ = 0;    // ... at this step of that rank
+  std::vector<uint64_t> steps_;  // steps run by each rank
   std::vector<std::unique_ptr<ModelRunner>> runners_;
   // Ranks 1..: the step under way, handed over by generation number.
   std::vector<std::thread> threads_;

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <thread>
 
 #include "kernels/kv_quant.h"
 
@@ -48,28 +49,38 @@ Status CheckText(const ModelConfig& c, const std::vector<TokenId>& tokens, bool 
 StatusOr<std::unique_ptr<PagedSequenceRunner>> PagedSequenceRunner::Create(
     Model* model, DType kv_dtype, int64_t block_size, int64_t max_tokens, const KvScales* scales,
     int64_t max_step) {
+  return Create(std::vector<Model*>{model}, kv_dtype, block_size, max_tokens, scales, max_step);
+}
+
+StatusOr<std::unique_ptr<PagedSequenceRunner>> PagedSequenceRunner::Create(
+    const std::vector<Model*>& ranks, DType kv_dtype, int64_t block_size, int64_t max_tokens,
+    const KvScales* scales, int64_t max_step) {
   if (block_size < 1) return Status::InvalidArgument("block size must be >= 1");
-  const ModelConfig& c = model->config();
-  const int64_t blocks = (max_tokens + block_size - 1) / block_size;
-  // A budget of at least `blocks` blocks of any dtype: 4 bytes per cached
-  // element (fp32, the widest) plus one 4-byte scale per (layer, K/V, head),
-  // the most any layout adds per block.
-  const int64_t elements_per_token =
-      c.num_layers *
-      (c.is_mla() ? c.kv_lora_rank + c.qk_rope_head_dim : 2 * c.num_kv_heads * c.head_dim);
-  const int64_t scale_bytes = c.num_layers * (2 * std::max<int64_t>(c.num_kv_heads, 1)) * 4;
-  const int64_t budget = blocks * (elements_per_token * 4 * block_size + scale_bytes) *
-                         static_cast<int64_t>(c.kv_groups().size());
-  auto pool = KvCachePool::Create(model->backend(), c, kv_dtype, block_size, budget, scales);
-  if (!pool.ok()) return pool.status();
+  if (ranks.empty()) return Status::InvalidArgument("a sequence runner needs a model");
   std::unique_ptr<PagedSequenceRunner> r(new PagedSequenceRunner());
-  r->model_ = model;
+  r->models_ = ranks;
   r->block_size_ = block_size;
-  r->pool_ = std::move(*pool);
+  const int64_t blocks = (max_tokens + block_size - 1) / block_size;
+  int64_t n = INT64_MAX;  // blocks of the smallest rank's pool
+  for (Model* model : ranks) {
+    const ModelConfig& c = model->config();  // the rank's shard
+    // A budget of at least `blocks` blocks of any dtype: 4 bytes per cached
+    // element (fp32, the widest) plus one 4-byte scale per (layer, K/V, head),
+    // the most any layout adds per block.
+    const int64_t elements_per_token =
+        c.num_layers *
+        (c.is_mla() ? c.kv_lora_rank + c.qk_rope_head_dim : 2 * c.num_kv_heads * c.head_dim);
+    const int64_t scale_bytes = c.num_layers * (2 * std::max<int64_t>(c.num_kv_heads, 1)) * 4;
+    const int64_t budget = blocks * (elements_per_token * 4 * block_size + scale_bytes) *
+                           static_cast<int64_t>(c.kv_groups().size());
+    auto pool = KvCachePool::Create(model->backend(), c, kv_dtype, block_size, budget, scales);
+    if (!pool.ok()) return pool.status();
+    n = std::min(n, (*pool)->num_blocks());
+    r->pools_.push_back(std::move(*pool));
+  }
   // One table per layer group, group after group (ForwardBatch), each of
   // `blocks` blocks: a windowed group keeps every block here too.
-  const int64_t n = r->pool_->num_blocks();
-  const int64_t wanted = blocks * static_cast<int64_t>(r->pool_->groups().size());
+  const int64_t wanted = blocks * static_cast<int64_t>(r->pools_[0]->groups().size());
   for (int64_t b = n - 1; b >= 0 && static_cast<int64_t>(r->block_table_.size()) < wanted; --b) {
     r->block_table_.push_back(static_cast<int32_t>(b));
   }
@@ -83,15 +94,18 @@ StatusOr<std::unique_ptr<PagedSequenceRunner>> PagedSequenceRunner::Create(
   options.max_num_seqs = 1;
   options.max_model_len = blocks * block_size;
   options.graphs = GraphMode::kOff;
-  auto runner = ModelRunner::Create(model, r->pool_->layout(), r->pool_->base(), options);
-  if (!runner.ok()) return runner.status();
-  r->runner_ = std::move(*runner);
+  for (size_t rank = 0; rank < ranks.size(); ++rank) {
+    auto runner = ModelRunner::Create(ranks[rank], r->pools_[rank]->layout(),
+                                      r->pools_[rank]->base(), options);
+    if (!runner.ok()) return runner.status();
+    r->runners_.push_back(std::move(*runner));
+  }
   return r;
 }
 
 Status PagedSequenceRunner::Run(const std::vector<TokenId>& tokens, int64_t start, int64_t n,
                                 std::vector<float>* logits) {
-  const int64_t groups = static_cast<int64_t>(pool_->groups().size());
+  const int64_t groups = static_cast<int64_t>(pools_[0]->groups().size());
   const int64_t per_group = static_cast<int64_t>(block_table_.size()) / groups;
   if (start < 0 || n < 1 || start + n > static_cast<int64_t>(tokens.size()) ||
       (start + n + block_size_ - 1) / block_size_ > per_group) {
@@ -127,19 +141,46 @@ Status PagedSequenceRunner::Run(const std::vector<TokenId>& tokens, int64_t star
   b.num_groups = groups;
   b.num_logits = n;
   b.logits_rows = rows.data();
-  logits->resize(n * model_->config().vocab_size);
-  return runner_->Forward(b, logits->data());
+  logits->resize(n * models_[0]->config().vocab_size);
+  if (runners_.size() == 1) return runners_[0]->Forward(b, logits->data());
+  // Ranks 1.. on threads of their own; their logits equal rank 0's.
+  std::vector<std::vector<float>> rank_logits(runners_.size());
+  std::vector<Status> status(runners_.size());
+  // A rank that fails aborts the group, so that none waits for it.
+  auto run = [&](size_t r, float* out) {
+    status[r] = runners_[r]->Forward(b, out);
+    if (!status[r].ok()) models_[r]->tensor_parallel().comm->Abort();
+  };
+  std::vector<std::thread> threads;
+  for (size_t r = 1; r < runners_.size(); ++r) {
+    rank_logits[r].resize(logits->size());
+    threads.emplace_back(run, r, rank_logits[r].data());
+  }
+  run(0, logits->data());
+  for (auto& t : threads) t.join();
+  for (const Status& st : status) PDSERVE_RETURN_IF_ERROR(st);
+  return Status::Ok();
 }
 
 StatusOr<TextEvalResult> EvaluateText(Model* model, const std::vector<TokenId>& tokens,
                                       const TextEvalOptions& options) {
+  return EvaluateText(std::vector<Model*>{model}, tokens, options);
+}
+
+StatusOr<TextEvalResult> EvaluateText(const std::vector<Model*>& ranks,
+                                      const std::vector<TokenId>& tokens,
+                                      const TextEvalOptions& options) {
+  if (ranks.empty()) return Status::InvalidArgument("an evaluation needs a model");
+  Model* model = ranks[0];
   const ModelConfig& c = model->config();
   const int64_t n = static_cast<int64_t>(tokens.size());
   PDSERVE_RETURN_IF_ERROR(CheckText(c, tokens, options.past_context));
   if (options.prefill_tokens < 1 || options.decode_chunk < 1) {
     return Status::InvalidArgument("prefill tokens and decode chunk must be >= 1");
   }
-  Model* baseline = options.baseline != nullptr ? options.baseline : model;
+  const std::vector<Model*> baseline_ranks =
+      options.baseline != nullptr ? std::vector<Model*>{options.baseline} : ranks;
+  Model* baseline = baseline_ranks[0];
   if (baseline->config().vocab_size != c.vocab_size) {
     return Status::InvalidArgument(
         "the baseline model's vocabulary (" + std::to_string(baseline->config().vocab_size) +
@@ -147,10 +188,10 @@ StatusOr<TextEvalResult> EvaluateText(Model* model, const std::vector<TokenId>& 
   }
   PDSERVE_RETURN_IF_ERROR(CheckText(baseline->config(), tokens, options.past_context));
   const int64_t step = std::max(options.prefill_tokens, options.decode_chunk);
-  auto base =
-      PagedSequenceRunner::Create(baseline, DType::kF32, options.block_size, n, nullptr, step);
+  auto base = PagedSequenceRunner::Create(baseline_ranks, DType::kF32, options.block_size, n,
+                                          nullptr, step);
   if (!base.ok()) return base.status();
-  auto test = PagedSequenceRunner::Create(model, options.kv_dtype, options.block_size, n,
+  auto test = PagedSequenceRunner::Create(ranks, options.kv_dtype, options.block_size, n,
                                           options.kv_scales ? &*options.kv_scales : nullptr, step);
   if (!test.ok()) return test.status();
 

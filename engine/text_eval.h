@@ -44,6 +44,15 @@ class PagedSequenceRunner {
                                                                int64_t max_tokens,
                                                                const KvScales* scales = nullptr,
                                                                int64_t max_step = 0);
+  // The same over the shards of a tensor-parallel group (engine/model.h),
+  // a pool shard each with the same block table; every Run runs rank 0 on
+  // the caller's thread and the others on threads of their own, and gives
+  // rank 0's logits (every rank's are the same).
+  static StatusOr<std::unique_ptr<PagedSequenceRunner>> Create(const std::vector<Model*>& ranks,
+                                                               DType kv_dtype, int64_t block_size,
+                                                               int64_t max_tokens,
+                                                               const KvScales* scales = nullptr,
+                                                               int64_t max_step = 0);
 
   // Feeds tokens[start, start + n) at positions start..start+n-1 (every
   // earlier position must have been fed) and writes their logits,
@@ -51,17 +60,17 @@ class PagedSequenceRunner {
   Status Run(const std::vector<TokenId>& tokens, int64_t start, int64_t n,
              std::vector<float>* logits);
 
-  const KvCachePool& pool() const { return *pool_; }
+  const KvCachePool& pool() const { return *pools_[0]; }  // rank 0's
   // Position p's block in layer group g is block_table()[g * n + p /
   // block_size], n = block_table().size() / pool().groups().size().
   const std::vector<int32_t>& block_table() const { return block_table_; }
 
  private:
   PagedSequenceRunner() = default;
-  Model* model_ = nullptr;
+  std::vector<Model*> models_;  // one per rank
   int64_t block_size_ = 0;
-  std::unique_ptr<KvCachePool> pool_;
-  std::unique_ptr<ModelRunner> runner_;  // after the pool: goes first
+  std::vector<std::unique_ptr<KvCachePool>> pools_;
+  std::vector<std::unique_ptr<ModelRunner>> runners_;  // after the pools: go first
   std::vector<int32_t> block_table_;
 };
 
@@ -102,6 +111,12 @@ struct TextEvalResult {
 // prefill_tokens / decode_chunk below 1, or a baseline of another
 // vocabulary size. Log-softmax is computed in double.
 StatusOr<TextEvalResult> EvaluateText(Model* model, const std::vector<TokenId>& tokens,
+                                      const TextEvalOptions& options);
+// The same with the model under test split over a tensor-parallel group
+// (its shards, rank by rank); the baseline run uses the same group unless
+// options.baseline names another model (run whole).
+StatusOr<TextEvalResult> EvaluateText(const std::vector<Model*>& ranks,
+                                      const std::vector<TokenId>& tokens,
                                       const TextEvalOptions& options);
 
 // Calibration for a scaled `kv_dtype` (fp8, fp8_e5m2, nvfp4): runs the text

@@ -11,7 +11,8 @@
 // rank's stream and the call returns without waiting for them). Every rank
 // gets bit-identical results: sums add the ranks' values in rank order.
 // A collective a rank never joins blocks the others: a rank that fails
-// must take the whole group down (engine/executor.h), not return early.
+// aborts the group (Abort) so that none waits for it, and the whole group
+// goes down (engine/executor.h).
 #pragma once
 
 #include <memory>
@@ -34,6 +35,12 @@ class Communicator {
   virtual void AllGather(const Tensor& x) = 0;
   // x = rank root's x. Any dtype.
   virtual void Broadcast(const Tensor& x, int root) = 0;
+  // For a rank that failed: releases every rank of the group waiting in a
+  // collective, now and later. Their collectives return at once, leaving x
+  // undefined, and the group is of no use after; aborted() tells. Any
+  // thread may call it, on any rank's communicator, any number of times.
+  virtual void Abort() = 0;
+  virtual bool aborted() const = 0;
 };
 
 // A group of `size` ranks that are threads of this process and share host

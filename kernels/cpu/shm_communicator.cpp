@@ -21,11 +21,13 @@ class SharedMemoryCommunicator final : public Communicator {
       : state_(std::move(state)), rank_(rank), size_(size) {}
   int rank() const override { return rank_; }
   int size() const override { return size_; }
+  void Abort() override { state_->barrier.Abort(); }
+  bool aborted() const override { return state_->barrier.aborted(); }
 
   void AllReduceSum(const Tensor& x) override {
     CheckPackedF32(x, "AllReduceSum");
     const int64_t n = x.numel();
-    Publish(x);
+    if (!Publish(x)) return;
     // Phase 1: the sum of this rank's slice, in rank order, into its own
     // buffer. Only this rank touches that slice of any buffer now.
     const auto [begin, end] = Slice(n, rank_);
@@ -35,7 +37,7 @@ class SharedMemoryCommunicator final : public Communicator {
       for (int q = 1; q < size_; ++q) s += static_cast<const float*>(state_->buffers[q])[i];
       own[i] = s;
     }
-    state_->barrier.ArriveAndWait();
+    if (!state_->barrier.ArriveAndWait()) return;
     // Phase 2: the other slices from the ranks that summed them.
     CopyOthers(x, n, 4);
     state_->barrier.ArriveAndWait();  // nobody reads this buffer any more
@@ -44,14 +46,14 @@ class SharedMemoryCommunicator final : public Communicator {
   void AllGather(const Tensor& x) override {
     const int64_t n = x.numel();
     OpCheck(n % size_ == 0, "AllGather", "takes a whole number of elements per rank");
-    Publish(x);
+    if (!Publish(x)) return;
     CopyOthers(x, n, DTypeBits(x.dtype) / 8);
     state_->barrier.ArriveAndWait();
   }
 
   void Broadcast(const Tensor& x, int root) override {
     OpCheck(root >= 0 && root < size_, "Broadcast", "takes a root rank of the group");
-    Publish(x);
+    if (!Publish(x)) return;
     if (rank_ != root) std::memcpy(x.data, state_->buffers[root], x.bytes());
     state_->barrier.ArriveAndWait();
   }
@@ -61,10 +63,12 @@ class SharedMemoryCommunicator final : public Communicator {
   std::pair<int64_t, int64_t> Slice(int64_t n, int r) const {
     return {n * r / size_, n * (r + 1) / size_};
   }
-  void Publish(const Tensor& x) {
+  // False when the group was aborted: the other buffers are not this
+  // collective's.
+  bool Publish(const Tensor& x) {
     OpCheck(x.packed(), "collectives", "take packed tensors");
     state_->buffers[rank_] = x.data;
-    state_->barrier.ArriveAndWait();
+    return state_->barrier.ArriveAndWait();
   }
   // Every slice but this rank's, from the rank that owns it.
   void CopyOthers(const Tensor& x, int64_t n, int64_t elem_bytes) {

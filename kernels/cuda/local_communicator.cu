@@ -51,11 +51,14 @@ class DeviceLocalCommunicator final : public Communicator {
   }
   int rank() const override { return rank_; }
   int size() const override { return size_; }
+  void Abort() override { state_->barrier.Abort(); }
+  bool aborted() const override { return state_->barrier.aborted(); }
 
   void AllReduceSum(const Tensor& x) override {
     CheckPackedF32(x, "AllReduceSum");
     const int64_t n = x.numel();
-    cudaStream_t s = Begin(x);
+    cudaStream_t s = nullptr;
+    if (!Begin(x, &s)) return;
     float* sum = scratch_.Get<float>(n, s);
     // The ranks' buffers, as device pointers for the kernel.
     std::vector<const float*> in(size_);
@@ -65,7 +68,7 @@ class DeviceLocalCommunicator final : public Communicator {
     const unsigned blocks = std::min<unsigned>(cuda::Blocks(n), 1024);
     SumRanks<<<blocks, cuda::kThreads, 0, s>>>(pointers_, size_, n, sum);
     Check(cudaGetLastError(), "SumRanks");
-    Finish(s);
+    if (!Finish(s)) return;
     Check(cudaMemcpyAsync(x.data, sum, n * 4, cudaMemcpyDeviceToDevice, s), "all-reduce copy");
   }
 
@@ -73,7 +76,8 @@ class DeviceLocalCommunicator final : public Communicator {
     const int64_t n = x.numel();
     OpCheck(n % size_ == 0, "AllGather", "takes a whole number of elements per rank");
     const int64_t chunk = n / size_ * (DTypeBits(x.dtype) / 8);
-    cudaStream_t s = Begin(x);
+    cudaStream_t s = nullptr;
+    if (!Begin(x, &s)) return;
     // Chunk q of every buffer is written by rank q only (its input): a
     // rank copies the others' chunks straight into its own buffer.
     for (int q = 0; q < size_; ++q) {
@@ -88,7 +92,8 @@ class DeviceLocalCommunicator final : public Communicator {
 
   void Broadcast(const Tensor& x, int root) override {
     OpCheck(root >= 0 && root < size_, "Broadcast", "takes a root rank of the group");
-    cudaStream_t s = Begin(x);
+    cudaStream_t s = nullptr;
+    if (!Begin(x, &s)) return;
     if (rank_ != root) {
       Check(cudaMemcpyAsync(x.data, state_->buffers[root], x.bytes(), cudaMemcpyDeviceToDevice, s),
             "broadcast copy");
@@ -97,28 +102,30 @@ class DeviceLocalCommunicator final : public Communicator {
   }
 
  private:
-  // Publishes x and its ready event; returns this rank's stream, made to
-  // wait for every rank's input.
-  cudaStream_t Begin(const Tensor& x) {
+  // Publishes x and its ready event; sets *s to this rank's stream, made to
+  // wait for every rank's input. False when the group was aborted.
+  bool Begin(const Tensor& x, cudaStream_t* out) {
     OpCheck(x.packed(), "collectives", "take packed tensors");
     Check(cudaSetDevice(backend_->device()), "cudaSetDevice");
     cudaStream_t s = static_cast<cudaStream_t>(backend_->stream());
     Check(cudaEventRecord(state_->ready[rank_], s), "cudaEventRecord");
     state_->buffers[rank_] = x.data;
-    state_->barrier.ArriveAndWait();
+    if (!state_->barrier.ArriveAndWait()) return false;
     for (int q = 0; q < size_; ++q) {
       if (q != rank_) Check(cudaStreamWaitEvent(s, state_->ready[q], 0), "cudaStreamWaitEvent");
     }
-    return s;
+    *out = s;
+    return true;
   }
   // After this rank's reads: publishes them done and makes its stream wait
-  // until every rank has read its buffer.
-  void Finish(cudaStream_t s) {
+  // until every rank has read its buffer. False when the group was aborted.
+  bool Finish(cudaStream_t s) {
     Check(cudaEventRecord(state_->done[rank_], s), "cudaEventRecord");
-    state_->barrier.ArriveAndWait();
+    if (!state_->barrier.ArriveAndWait()) return false;
     for (int q = 0; q < size_; ++q) {
       if (q != rank_) Check(cudaStreamWaitEvent(s, state_->done[q], 0), "cudaStreamWaitEvent");
     }
+    return true;
   }
 
   std::shared_ptr<SharedState> state_;

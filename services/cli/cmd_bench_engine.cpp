@@ -28,6 +28,7 @@
 #include "services/cli/bench_util.h"
 #include "services/cli/command.h"
 #include "services/cli/kv_eviction_flags.h"
+#include "services/cli/tensor_parallel_flags.h"
 
 #if PDSERVE_WITH_CUDA
 #include "kernels/cuda/roofline.h"
@@ -91,6 +92,8 @@ int RunBenchEngine(int argc, char** argv) {
                "machine may be shared)");
   KvEvictionFlags eviction_flags;
   eviction_flags.AddTo(flags);
+  TensorParallelFlags tensor_parallel;
+  tensor_parallel.AddTo(flags);
   flags.SetEpilog(
       "Example: pdserve bench engine --model models/small --batch 1,8,32 --prompt-tokens 256 "
       "--gen-tokens 128 --json\n"
@@ -120,25 +123,22 @@ int RunBenchEngine(int argc, char** argv) {
   if (!kv_dtype) UsageError("bench engine", "--kv-dtype: expected " + std::string(kKvDTypeChoices));
   const auto load_format = ParseLoadFormat(load_format_name);
   if (!load_format) UsageError("bench engine", "--load-format: expected safetensors or dummy");
-  auto created = kernels::CreateBackend(device, static_cast<int>(threads));
-  if (!created.ok()) {
-    if (created.status().code() == StatusCode::kInvalidArgument)
-      UsageError("bench engine", "--device: " + created.status().message());
-    std::fprintf(stderr, "pdserve bench engine: %s\n", created.status().message().c_str());
-    return 1;
-  }
-  kernels::Backend& backend = **created;
-  // CPU-time shares only mean something for the CPU backend's threads.
-  const auto* cpu_backend = dynamic_cast<const kernels::CpuBackend*>(&backend);
-  const int backend_threads = cpu_backend ? cpu_backend->threads() : 1;
+  const std::vector<std::string> devices = tensor_parallel.DevicesOrExit("bench engine", device);
   if (*load_format == LoadFormat::kDummy) {
     std::fprintf(stderr, "bench engine: generating dummy weights for %s...\n", model_dir.c_str());
   }
   const KvEviction eviction = eviction_flags.EvictionOrExit("bench engine");
-  auto model = Model::Load(model_dir, &backend, *load_format, eviction);
-  if (!model.ok()) UsageError("bench engine", model.status().message());
-  const auto& cfg = (*model)->config();
-  (*model)->set_collect_moe_stats(true);  // expert bytes read, per step
+  // One shard per rank; the figures below are rank 0's (its weights, its
+  // KV pool shard), the times the group's.
+  const std::unique_ptr<ModelGroup> group = LoadModelGroupOrExit(
+      "bench engine", model_dir, devices, static_cast<int>(threads), *load_format, eviction);
+  Model* const model = group->models[0].get();
+  kernels::Backend& backend = *group->backends[0];
+  // CPU-time shares only mean something for the CPU backends' threads.
+  const auto* cpu_backend = dynamic_cast<const kernels::CpuBackend*>(&backend);
+  const int backend_threads = cpu_backend ? cpu_backend->threads() * group->size() : 1;
+  const auto& cfg = model->config();
+  model->set_collect_moe_stats(true);  // expert bytes read, per step
   // The schema's grammar for the model's vocabulary, compiled once (as a
   // worker's grammar cache would).
   std::shared_ptr<const structured::CompiledGrammar> grammar;
@@ -249,7 +249,7 @@ int RunBenchEngine(int argc, char** argv) {
     options.enable_prefix_caching = false;  // distinct prompts anyway: measure compute
     const int64_t blocks_per_seq = (prompt_tokens + gen_tokens) / block_size + 2;
     options.kv_cache_bytes = (batch * blocks_per_seq + 4) * sizing.bytes_per_block() + (1 << 20);
-    auto engine = Engine::Create(model->get(), options);
+    auto engine = Engine::Create(group->shards(), options);
     if (!engine.ok()) UsageError("bench engine", engine.status().message());
     uint64_t rng = 0x9e3779b97f4a7c15ull * static_cast<uint64_t>(batch);
     for (int64_t r = 0; r < batch; ++r) {
@@ -306,8 +306,8 @@ int RunBenchEngine(int argc, char** argv) {
         ++decode_steps;
         decode_tokens += produced;
         if (cpu_backend != nullptr) kv_read_decode += cpu_backend->kv_bytes_read() - read_before;
-        expert_bytes += (*model)->last_moe_stats().expert_bytes_read;
-        active_experts += (*model)->last_moe_stats().active_experts;
+        expert_bytes += model->last_moe_stats().expert_bytes_read;
+        active_experts += model->last_moe_stats().active_experts;
       }
     }
     const auto t_end = std::chrono::steady_clock::now();
@@ -325,8 +325,9 @@ int RunBenchEngine(int argc, char** argv) {
     const double prefill_tflops = batch * prefill_flops(prompt_tokens) / prefill_s / 1e12;
     nlohmann::json j = {
         {"bench", "engine"},
-        {"model", (*model)->model_id()},
-        {"parameters", (*model)->num_parameters()},
+        {"model", model->model_id()},
+        {"tensor_parallel", group->size()},
+        {"parameters", model->num_parameters()},
         {"load_format", load_format_name},
         {"batch", batch},
         {"prompt_tokens", prompt_tokens},
@@ -348,12 +349,12 @@ int RunBenchEngine(int argc, char** argv) {
         // included) and, beside them, the experts' weights a decode step read
         // on average: each active expert of a sparse layer once, whatever
         // the batch (MoeStats.expert_bytes_read summed over the layers).
-        {"weight_bytes_per_decode_step", (*model)->weight_bytes_per_step()},
+        {"weight_bytes_per_decode_step", model->weight_bytes_per_step()},
         {"expert_bytes_per_decode_step",
          decode_steps ? static_cast<double>(expert_bytes) / decode_steps : 0.0},
         {"active_experts_per_decode_step",
          decode_steps ? static_cast<double>(active_experts) / decode_steps : 0.0},
-        {"expert_weight_bytes", (*model)->expert_weight_bytes()},
+        {"expert_weight_bytes", model->expert_weight_bytes()},
         {"attention", cfg.is_mla() ? "mla" : "gqa"},
         {"kv_bytes_per_token", pool_bytes_per_token},
         {"kv_bytes_per_block", sizing.bytes_per_block()},
@@ -363,12 +364,12 @@ int RunBenchEngine(int argc, char** argv) {
         {"kv_selection", eviction.enabled() ? eviction.Describe() : "none"},
         {"prefill_tflops", prefill_tflops},
         {"weight_read_gb_per_s",
-         decode_steps ? static_cast<double>((*model)->weight_bytes_per_step() * decode_steps +
-                                            expert_bytes) /
-                            decode_s / 1e9
-                      : 0.0},
-        {"weight_dtype", std::string(DTypeName((*model)->matrix_dtype()))},
-        {"weight_scheme", kernels::WeightSchemeName((*model)->weight_scheme())},
+         decode_steps
+             ? static_cast<double>(model->weight_bytes_per_step() * decode_steps + expert_bytes) /
+                   decode_s / 1e9
+             : 0.0},
+        {"weight_dtype", std::string(DTypeName(model->matrix_dtype()))},
+        {"weight_scheme", kernels::WeightSchemeName(model->weight_scheme())},
         {"machine",
          {{"cores", std::thread::hardware_concurrency()},
           {"cpu", CpuModel()},
@@ -376,7 +377,7 @@ int RunBenchEngine(int argc, char** argv) {
           {"backend", backend.name()}}}};
     // Weights + mean KV read per decode step, over the step time.
     const double decode_bytes_per_s =
-        step_s > 0 ? ((*model)->weight_bytes_per_step() +
+        step_s > 0 ? (model->weight_bytes_per_step() +
                       static_cast<double>(expert_bytes) / decode_steps + kv_read_per_step) /
                          step_s
                    : 0.0;
@@ -431,7 +432,7 @@ int RunBenchEngine(int argc, char** argv) {
     const nlohmann::json summary = {
         {"bench", "engine"},
         {"kind", "json_schema_summary"},
-        {"model", (*model)->model_id()},
+        {"model", model->model_id()},
         {"batch", batch},
         {"rounds", rounds},
         {"grammar_states", grammar->grammar().num_states()},

@@ -15,6 +15,7 @@
 #include "services/cli/bench_util.h"
 #include "services/cli/command.h"
 #include "services/cli/kv_eviction_flags.h"
+#include "services/cli/tensor_parallel_flags.h"
 
 namespace pdserve::cli {
 namespace {
@@ -48,6 +49,8 @@ int RunEval(int argc, char** argv) {
   flags.AddString("device", &device, "compute backend: cpu, cuda or cuda:N");
   KvEvictionFlags eviction_flags;
   eviction_flags.AddTo(flags);
+  TensorParallelFlags tensor_parallel;
+  tensor_parallel.AddTo(flags);
   int64_t nll_buckets = 0;
   bool past_context = false;
   flags.AddBool("past-context", &past_context,
@@ -89,15 +92,14 @@ int RunEval(int argc, char** argv) {
   std::stringstream text;
   text << in.rdbuf();
 
-  auto backend = kernels::CreateBackend(device, static_cast<int>(threads));
-  if (!backend.ok()) {
-    if (backend.status().code() == StatusCode::kInvalidArgument)
-      UsageError("eval", "--device: " + backend.status().message());
-    std::fprintf(stderr, "pdserve eval: %s\n", backend.status().message().c_str());
-    return 1;
+  const std::vector<std::string> devices = tensor_parallel.DevicesOrExit("eval", device);
+  if (devices.size() > 1 && !write_kv_scales_path.empty()) {
+    UsageError("eval", "--write-kv-scales calibrates on one rank: use --tensor-parallel 1");
   }
-  auto model = Model::Load(model_dir, backend->get(), LoadFormat::kSafetensors, eviction);
-  if (!model.ok()) UsageError("eval", model.status().message());
+  const std::unique_ptr<ModelGroup> group = LoadModelGroupOrExit(
+      "eval", model_dir, devices, static_cast<int>(threads), LoadFormat::kSafetensors, eviction);
+  Model* const model = group->models[0].get();
+  kernels::Backend* const backend = group->backends[0].get();
   if (eviction.mode == KvEviction::Mode::kStreaming && block_size > eviction.window_tokens) {
     UsageError("eval", "--kv-window-tokens " + std::to_string(eviction.window_tokens) +
                            " is smaller than one block (" + std::to_string(block_size) +
@@ -105,7 +107,7 @@ int RunEval(int argc, char** argv) {
   }
   std::unique_ptr<Model> baseline;
   if (!baseline_dir.empty()) {
-    auto loaded = Model::Load(baseline_dir, backend->get());
+    auto loaded = Model::Load(baseline_dir, backend);
     if (!loaded.ok()) UsageError("eval", "--baseline: " + loaded.status().message());
     baseline = std::move(*loaded);
   }
@@ -114,7 +116,7 @@ int RunEval(int argc, char** argv) {
   const std::vector<TokenId> tokens = (*tokenizer)->Encode(text.str(), /*add_special_tokens=*/true);
 
   if (!write_kv_scales_path.empty()) {
-    auto measured = MeasureKvScales(model->get(), tokens, *kv_dtype, block_size);
+    auto measured = MeasureKvScales(model, tokens, *kv_dtype, block_size);
     if (!measured.ok()) UsageError("eval", "--write-kv-scales: " + measured.status().message());
     if (Status st = WriteKvScales(write_kv_scales_path, *measured); !st.ok()) {
       std::fprintf(stderr, "pdserve eval: %s\n", st.message().c_str());
@@ -131,7 +133,7 @@ int RunEval(int argc, char** argv) {
   options.decode_chunk = decode_chunk;
   options.baseline = baseline.get();
   options.past_context = past_context;
-  auto result = EvaluateText(model->get(), tokens, options);
+  auto result = EvaluateText(group->shards(), tokens, options);
   if (!result.ok()) {
     if (result.status().code() == StatusCode::kInvalidArgument)
       UsageError("eval", result.status().message());
@@ -141,8 +143,8 @@ int RunEval(int argc, char** argv) {
   const TextEvalResult& r = *result;
   if (json) {
     nlohmann::json machine = MachineJson();
-    machine["backend"] = (*backend)->name();
-    nlohmann::json j = {{"model", (*model)->model_id()},
+    machine["backend"] = backend->name();
+    nlohmann::json j = {{"model", model->model_id()},
                         {"kv_dtype", DTypeName(*kv_dtype)},
                         {"tokens", r.tokens},
                         {"nll", r.nll},
@@ -155,10 +157,11 @@ int RunEval(int argc, char** argv) {
                         {"block_size", block_size},
                         {"kv_scales", kv_scales ? "calibrated" : "dynamic"},
                         {"kv_eviction", eviction.enabled() ? eviction.Describe() : "none"},
-                        {"weight_dtype", DTypeName((*model)->matrix_dtype())},
-                        {"weight_scheme", kernels::WeightSchemeName((*model)->weight_scheme())},
-                        {"weight_bytes_per_step", (*model)->weight_bytes_per_step()},
-                        {"parameters", (*model)->num_parameters()},
+                        {"tensor_parallel", group->size()},
+                        {"weight_dtype", DTypeName(model->matrix_dtype())},
+                        {"weight_scheme", kernels::WeightSchemeName(model->weight_scheme())},
+                        {"weight_bytes_per_step", model->weight_bytes_per_step()},
+                        {"parameters", model->num_parameters()},
                         {"machine", machine}};
     if (nll_buckets > 0) {
       // Mean NLL of positions [i * n, (i + 1) * n) (position t scores token t + 1).
@@ -183,7 +186,7 @@ int RunEval(int argc, char** argv) {
     std::printf(
         "model %s, kv %s: %lld tokens, nll %.6f nats/token, perplexity %.4f, "
         "top-1 agreement with %s %.4f, mean KL %.3g nats\n",
-        (*model)->model_id().c_str(), std::string(DTypeName(*kv_dtype)).c_str(),
+        model->model_id().c_str(), std::string(DTypeName(*kv_dtype)).c_str(),
         static_cast<long long>(r.tokens), r.nll, r.perplexity,
         baseline ? "the baseline" : "fp32 KV", r.top1_agreement, r.kl_mean);
   }

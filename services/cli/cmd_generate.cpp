@@ -1,7 +1,6 @@
 // pdserve generate: offline generation in one process (model + engine, no server).
 #include <cstdio>
 #include <string>
-#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -9,10 +8,9 @@
 #include "common/logging.h"
 #include "common/tokenizer/tokenizer.h"
 #include "engine/engine.h"
-#include "kernels/backend_factory.h"
-#include "kernels/communicator.h"
 #include "services/cli/command.h"
 #include "services/cli/kv_eviction_flags.h"
+#include "services/cli/tensor_parallel_flags.h"
 
 namespace pdserve::cli {
 namespace {
@@ -21,7 +19,6 @@ int RunGenerate(int argc, char** argv) {
   FlagSet flags("generate", "Generate text for one prompt, offline.");
   std::string model_dir, prompt, kv_dtype_name = "fp32", stop, device = "cpu", kv_scales_path;
   int64_t max_tokens = 16, top_k = -1, seed = -1, threads = 0, block_size = 16;
-  int64_t tensor_parallel = 1;
   int64_t kv_cache_bytes = 64ll << 20, max_batched_tokens = 512;
   double temperature = 1.0, top_p = 1.0;
   bool json = false, ignore_eos = false, cuda_graphs = true;
@@ -42,8 +39,8 @@ int RunGenerate(int argc, char** argv) {
   flags.AddInt("max-batched-tokens", &max_batched_tokens, "tokens per step (prefill chunk)");
   flags.AddInt("threads", &threads, "CPU threads (0: one per core)");
   flags.AddString("device", &device, "compute backend: cpu, cuda or cuda:N");
-  flags.AddInt("tensor-parallel", &tensor_parallel,
-               "ranks the model is split across (CPU ranks; docs/tensor-parallel.md)");
+  TensorParallelFlags tensor_parallel;
+  tensor_parallel.AddTo(flags);
   flags.AddBool("cuda-graphs", &cuda_graphs,
                 "replay decode steps from CUDA graphs (=false: launch every op)");
   KvEvictionFlags eviction_flags;
@@ -63,13 +60,7 @@ int RunGenerate(int argc, char** argv) {
   }
   if (threads < 0) UsageError("generate", "--threads must be >= 0");
   const KvEviction eviction = eviction_flags.EvictionOrExit("generate");
-  if (tensor_parallel < 1 || tensor_parallel > 8) {
-    UsageError("generate", "--tensor-parallel must be 1 to 8");
-  }
-  if (tensor_parallel > 1 && device != "cpu") {
-    UsageError("generate", "--tensor-parallel " + std::to_string(tensor_parallel) + " on " +
-                               device + ": only CPU ranks are built yet (--device cpu)");
-  }
+  const std::vector<std::string> devices = tensor_parallel.DevicesOrExit("generate", device);
   SamplingParams params;
   params.max_tokens = static_cast<int>(std::min<int64_t>(max_tokens, 1 << 30));
   if (max_tokens < 1) UsageError("generate", "--max-tokens must be >= 1");
@@ -81,35 +72,10 @@ int RunGenerate(int argc, char** argv) {
   params.ignore_eos = ignore_eos;
   if (Status st = ValidateSamplingParams(params); !st.ok()) UsageError("generate", st.message());
 
-  // One backend, communicator and model shard per rank; the ranks share
-  // the CPU threads.
-  const int ranks = static_cast<int>(tensor_parallel);
-  const int rank_threads =
-      threads == 0 && ranks == 1
-          ? 0
-          : std::max(1,
-                     static_cast<int>(threads > 0 ? threads : std::thread::hardware_concurrency()) /
-                         ranks);
-  auto group = ranks > 1 ? kernels::CreateSharedMemoryGroup(ranks)
-                         : std::vector<std::unique_ptr<kernels::Communicator>>();
-  std::vector<std::unique_ptr<kernels::Backend>> backends;
-  std::vector<std::unique_ptr<Model>> models;
-  std::vector<Model*> shards;
-  for (int r = 0; r < ranks; ++r) {
-    auto backend = kernels::CreateBackend(device, rank_threads);
-    if (!backend.ok()) {
-      if (backend.status().code() == StatusCode::kInvalidArgument)
-        UsageError("generate", "--device: " + backend.status().message());
-      std::fprintf(stderr, "pdserve generate: %s\n", backend.status().message().c_str());
-      return 1;
-    }
-    auto model = Model::Load(model_dir, backend->get(), LoadFormat::kSafetensors, eviction,
-                             TensorParallelRank{r, ranks, ranks > 1 ? group[r].get() : nullptr});
-    if (!model.ok()) UsageError("generate", model.status().message());
-    backends.push_back(std::move(*backend));
-    shards.push_back(model->get());
-    models.push_back(std::move(*model));
-  }
+  // One backend, communicator and model shard per rank.
+  const std::unique_ptr<ModelGroup> group =
+      LoadModelGroupOrExit("generate", model_dir, devices, static_cast<int>(threads),
+                           LoadFormat::kSafetensors, eviction);
   auto tokenizer = Tokenizer::Load(model_dir);
   if (!tokenizer.ok()) UsageError("generate", tokenizer.status().message());
   EngineOptions options;
@@ -123,7 +89,7 @@ int RunGenerate(int argc, char** argv) {
   options.block_size = block_size;
   options.max_num_batched_tokens = max_batched_tokens;
   options.graphs = cuda_graphs ? GraphMode::kAuto : GraphMode::kOff;
-  auto engine = Engine::Create(shards, options, tokenizer->get());
+  auto engine = Engine::Create(group->shards(), options, tokenizer->get());
   if (!engine.ok()) UsageError("generate", engine.status().message());
 
   EngineRequest request;

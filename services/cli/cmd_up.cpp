@@ -220,7 +220,7 @@ int RunUp(int argc, char** argv) {
   int64_t prefill = 1, decode = 1, port = 8000, control_port = 9000;
   int64_t prefill_metrics_port = 9100, decode_metrics_port = 9200, threads = 0;
   int64_t kv_cache_bytes = 64ll << 20, start_timeout_s = 120, stop_timeout_s = 40;
-  int64_t max_local_prefill = 512;
+  int64_t max_local_prefill = 512, tensor_parallel = 1;
   int64_t kv_host_cache_bytes = 0, kv_disk_cache_bytes = 0;
   std::string kv_disk_cache_dir, kv_disk_write;
   int64_t kv_disk_write_queue = 1024, kv_disk_write_bps = 0;
@@ -256,6 +256,9 @@ int RunUp(int argc, char** argv) {
   flags.AddString("load-format", &load_format,
                   "workers' weights: safetensors|dummy (random, for benchmarks)");
   flags.AddInt("threads", &threads, "compute threads per CPU worker (0: the cores shared out)");
+  flags.AddInt("tensor-parallel", &tensor_parallel,
+               "ranks of every worker, 1 to 8 (docs/tensor-parallel.md); above 1 needs "
+               "--prefill 0: KV hand-off between tensor-parallel workers is not built yet");
   flags.AddBool("kv-stream-chunks", &stream_chunks,
                 "prefill workers send each finished chunk's KV while the next computes");
   flags.AddBytes("kv-cache-bytes", &kv_cache_bytes, "KV cache memory per worker");
@@ -305,6 +308,13 @@ int RunUp(int argc, char** argv) {
   (void)structured.OptionsOrExit("up");  // out-of-range values fail here, not in a child
   (void)eviction.EvictionOrExit("up");
   if (threads < 0) UsageError("up", "--threads must not be negative");
+  if (tensor_parallel < 1 || tensor_parallel > 8)
+    UsageError("up", "--tensor-parallel must be 1 to 8, got " + std::to_string(tensor_parallel));
+  if (tensor_parallel > 1 && prefill > 0) {
+    UsageError("up", "--tensor-parallel " + std::to_string(tensor_parallel) +
+                         " needs --prefill 0: KV hand-off between tensor-parallel workers is not "
+                         "built yet (decode workers prefill locally)");
+  }
   if (max_local_prefill < 0) UsageError("up", "--max-local-prefill must not be negative");
   if (char* end = nullptr;
       copy_cost.empty() || !(std::strtod(copy_cost.c_str(), &end) >= 0) || *end != '\0') {
@@ -454,6 +464,8 @@ int RunUp(int argc, char** argv) {
         kv_dtype,
         "--device",
         device,
+        "--tensor-parallel",
+        std::to_string(tensor_parallel),
         "--load-format",
         load_format,
         std::string("--kv-stream-chunks=") + (stream_chunks ? "true" : "false"),

@@ -10,6 +10,7 @@
 #include "services/cli/control_security_flags.h"
 #include "services/cli/kv_eviction_flags.h"
 #include "services/cli/structured_flags.h"
+#include "services/cli/tensor_parallel_flags.h"
 #include "services/protocol/role.h"
 #include "services/worker/worker_service.h"
 #include "transport/kv_transfer_factory.h"
@@ -74,7 +75,10 @@ int RunWorker(int argc, char** argv) {
                "tokens per engine step (prefill chunk)");
   flags.AddString("device", &o.device,
                   "auto|cpu|cuda|cuda:N (auto: the first CUDA device, else the CPU)");
-  flags.AddInt("threads", &threads, "compute threads of the CPU device (0: all cores)");
+  flags.AddInt("threads", &threads,
+               "compute threads of the CPU device, shared by the ranks (0: all cores)");
+  TensorParallelFlags tensor_parallel;
+  tensor_parallel.AddTo(flags);
   flags.AddBool("cuda-graphs", &o.cuda_graphs,
                 "replay decode steps from CUDA graphs (=false: launch every op)");
   flags.AddString("kv-transfer", &kv_transfer,
@@ -116,6 +120,11 @@ int RunWorker(int argc, char** argv) {
   auto device = kernels::ResolveDevice(o.device);
   if (!device.ok()) UsageError("worker", "--device: " + device.status().message());
   o.device = *device;
+  // The ranks' devices too, before anything binds a port (the model's
+  // heads are checked when it loads).
+  (void)tensor_parallel.DevicesOrExit("worker", o.device);
+  o.tensor_parallel = tensor_parallel.size();
+  o.devices = tensor_parallel.devices();
   auto transfer_kind = ParseKvTransferKind(kv_transfer);
   if (!transfer_kind.ok())
     UsageError("worker", "--kv-transfer: " + transfer_kind.status().message());

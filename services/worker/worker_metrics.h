@@ -127,7 +127,22 @@ struct WorkerMetrics {
             metrics::TimeToFirstTokenBuckets())),
         grammar_requests(metrics::AddCounterFamily(r, "pdserve_grammar_requests_total",
                                                    "Constrained requests by how their grammar was "
-                                                   "found (result=cached|compiled|failed)")) {
+                                                   "found (result=cached|compiled|failed)")),
+        tensor_parallel_size(metrics::AddGauge(
+            r, "pdserve_worker_tensor_parallel_size",
+            "Ranks the worker's model is split across (docs/tensor-parallel.md); 1: one device")),
+        rank_kv_usage(metrics::AddGaugeFamily(
+            r, "pdserve_kv_cache_rank_usage_ratio",
+            "Fraction of each tensor-parallel rank's KV pool shard held by requests, by rank (a "
+            "block is a shard on every rank: the ranks fill alike)")),
+        rank_kv_bytes(
+            metrics::AddGaugeFamily(r, "pdserve_kv_cache_rank_bytes",
+                                    "Bytes of each tensor-parallel rank's KV pool shard, by rank")),
+        all_reduce_seconds(metrics::AddHistogram(
+            r, "pdserve_worker_all_reduce_seconds",
+            "Wall time of rank 0's tensor-parallel all-reduces (two per layer and step), the wait "
+            "for the slowest rank included",
+            {1e-6, 3e-6, 1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1})) {
     for (const char* result : {"cached", "compiled", "failed"})
       grammar_requests.Add({{"result", result}});
     for (const char* reason : control::kRefusalReasons) control_refused.Add({{"reason", reason}});
@@ -180,6 +195,10 @@ struct WorkerMetrics {
   prometheus::Family<prometheus::Counter>& control_refused;
   prometheus::Histogram& grammar_compile_seconds;
   prometheus::Family<prometheus::Counter>& grammar_requests;
+  prometheus::Gauge& tensor_parallel_size;
+  prometheus::Family<prometheus::Gauge>& rank_kv_usage;
+  prometheus::Family<prometheus::Gauge>& rank_kv_bytes;
+  prometheus::Histogram& all_reduce_seconds;
 };
 
 }  // namespace pdserve::worker

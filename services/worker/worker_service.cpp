@@ -4,6 +4,8 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
 #include <deque>
 #include <functional>
 #include <map>
@@ -22,7 +24,7 @@
 #include "engine/engine.h"
 #include "engine/model.h"
 #include "engine/model_fingerprint.h"
-#include "kernels/backend_factory.h"
+#include "engine/model_group.h"
 #include "services/protocol/kv_events.h"
 #include "services/worker/decode_side.h"
 #include "services/worker/host_port.h"
@@ -57,7 +59,15 @@ Status CheckPeerLayout(const WorkerContext& ctx, const proto::TransferHello& hel
   auto peer_layout = KvLayout::Decode(hello.kv_layout());
   if (!peer_layout.ok())
     return Status::InvalidArgument("bad KV layout from peer: " + peer_layout.status().message());
-  return CheckLayoutsMatch(*ctx.layout, *peer_layout);
+  PDSERVE_RETURN_IF_ERROR(CheckLayoutsMatch(*ctx.layout, *peer_layout));
+  // The transport holds rank 0's pool shard only: a hand-off between
+  // tensor-parallel workers would move one shard of each block.
+  if (ctx.layout->tensor_parallel > 1) {
+    return Status::Unsupported("KV hand-off between tensor-parallel workers (tensor_parallel " +
+                               std::to_string(ctx.layout->tensor_parallel) +
+                               " on both) is not built yet");
+  }
+  return Status::Ok();
 }
 
 namespace {
@@ -88,14 +98,16 @@ class WorkerServiceImpl : public WorkerService {
       opts_.worker_id =
           std::string(RoleName(opts_.role)) + "-" + host + "-" + std::to_string(getpid());
     }
-    auto device = kernels::ResolveDevice(opts_.device);
-    if (!device.ok()) return device.status();
-    auto backend = kernels::CreateBackend(*device, opts_.threads);
-    if (!backend.ok()) return backend.status();
-    backend_ = std::move(*backend);
-    auto model = Model::Load(opts_.model_dir, backend_.get(), opts_.load_format, opts_.kv_eviction);
-    if (!model.ok()) return model.status();
-    model_ = std::move(*model);
+    // The ranks' devices: --devices, else --tensor-parallel of --device.
+    auto devices = ResolveRankDevices(opts_.device, opts_.devices, opts_.tensor_parallel);
+    if (!devices.ok()) return devices.status();
+    const std::string device = (*devices)[0];
+    auto group = LoadModelGroup(opts_.model_dir, *devices, opts_.threads, opts_.load_format,
+                                opts_.kv_eviction,
+                                [this](double s) { metrics_.all_reduce_seconds.Observe(s); });
+    if (!group.ok()) return group.status();
+    group_ = std::move(*group);
+    model_ = group_->models[0].get();
     model_id_ = ServedModelId(opts_.model_dir, model_->config().name_or_path, opts_.model_id);
     auto tok = Tokenizer::Load(opts_.model_dir);
     if (!tok.ok()) return tok.status();
@@ -126,7 +138,7 @@ class WorkerServiceImpl : public WorkerService {
     eo.max_num_batched_tokens = opts_.max_num_batched_tokens;
     eo.graphs = opts_.cuda_graphs ? GraphMode::kAuto : GraphMode::kOff;
     eo.record_kv_events = true;
-    auto engine = Engine::Create(model_.get(), eo, tokenizer_.get());
+    auto engine = Engine::Create(group_->shards(), eo, tokenizer_.get());
     if (!engine.ok()) return engine.status();
     engine_ = std::move(*engine);
     // Fixed for the engine's life; read by the control thread at Register.
@@ -137,10 +149,18 @@ class WorkerServiceImpl : public WorkerService {
     const KvCachePool& pool = engine_->kv_pool();
     metrics_.capacity.Add({{"kv_dtype", std::string(DTypeName(opts_.kv_dtype))}})
         .Set(static_cast<double>(engine_->ContextCapacityTokens()));
+    // Every rank's pool shard has the same blocks of the same size
+    // (Engine::Create checks the count; the heads split evenly).
+    metrics_.tensor_parallel_size.Set(group_->size());
+    for (int r = 0; r < group_->size(); ++r) {
+      metrics_.rank_kv_bytes.Add({{"rank", std::to_string(r)}})
+          .Set(static_cast<double>(pool.total_bytes()));
+      metrics_.rank_kv_usage.Add({{"rank", std::to_string(r)}});
+    }
     KvTransferOptions to;
     to.kind = opts_.kv_transfer;
     to.pool_memory = pool.memory_type();
-    to.cuda_device = CudaIndex(*device);
+    to.cuda_device = CudaIndex(device);
     to.staging = opts_.kv_staging;
     to.staging_bytes = static_cast<size_t>(opts_.kv_staging_bytes);
     to.tls = opts_.transfer_tls;
@@ -151,10 +171,11 @@ class WorkerServiceImpl : public WorkerService {
     layout_ =
         pool.TransferLayout(model_id_, model_->matrix_dtype(), std::string(transfer_->backend()));
     layout_.model_fingerprint = engine_->kv_fingerprint();
+    layout_.tensor_parallel = group_->size();
     MemoryRegion region{pool.base(), static_cast<size_t>(pool.total_bytes()),
                         static_cast<size_t>(pool.bytes_per_block()), pool.memory_type()};
     PDSERVE_RETURN_IF_ERROR(transfer_->RegisterPool(region, layout_));
-    device_ = *device;
+    for (const std::string& d : *devices) device_ += (device_.empty() ? "" : ",") + d;
 
     // Structured outputs: the vocabulary as bytes, and the compiler thread.
     grammars_ = std::make_unique<GrammarCompiler>(
@@ -438,6 +459,15 @@ class WorkerServiceImpl : public WorkerService {
       decode_.CheckDeadlines();
       if (HasRunnableWork()) {
         auto outputs = engine_->Step();
+        if (!outputs.ok() && engine_->ranks_failed()) {
+          // A tensor-parallel rank failed and the group is aborted: the
+          // worker goes down as a whole, and the routers fail its requests
+          // over as a dead worker's.
+          PDSERVE_LOG(ERROR) << "worker " << opts_.worker_id << ": " << outputs.status().message()
+                             << "; exiting";
+          std::fflush(stderr);
+          std::_Exit(1);
+        }
         if (!outputs.ok()) {
           // The next step would most likely fail the same way and the
           // requests would never answer: every request the engine schedules
@@ -564,6 +594,8 @@ class WorkerServiceImpl : public WorkerService {
     metrics_.staging_bytes_reserved.Set(static_cast<double>(ts.staging_bytes_reserved));
     metrics_.blocks_held_for_peers.Set(static_cast<double>(decode_.HeldBlocks()));
     metrics_.usage.Set(s.blocks.usage_ratio);
+    for (int r = 0; r < group_->size(); ++r)
+      metrics_.rank_kv_usage.Add({{"rank", std::to_string(r)}}).Set(s.blocks.usage_ratio);
     metrics_.running.Set(static_cast<double>(s.num_running));
     metrics_.waiting.Set(static_cast<double>(s.num_waiting + s.num_remote_waiting));
     RefreshCacheCounters();
@@ -672,8 +704,8 @@ class WorkerServiceImpl : public WorkerService {
   int64_t host_tier_blocks_ = 0, disk_tier_blocks_ = 0;
   int64_t last_corrupt_ = 0;
   WorkerOptions opts_;
-  std::unique_ptr<kernels::Backend> backend_;
-  std::unique_ptr<Model> model_;
+  std::unique_ptr<ModelGroup> group_;  // a shard, backend and communicator per rank
+  Model* model_ = nullptr;             // rank 0's shard
   std::unique_ptr<Tokenizer> tokenizer_;
   std::unique_ptr<Engine> engine_;
   std::unique_ptr<KvTransfer> transfer_;

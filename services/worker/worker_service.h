@@ -78,7 +78,14 @@ struct WorkerOptions {
   // "auto" (the first CUDA device, else the CPU), "cpu", "cuda" or "cuda:N";
   // see kernels::ResolveDevice.
   std::string device = "auto";
-  int threads = 0;          // compute threads of the CPU backend (0: all cores)
+  // Tensor parallelism (docs/tensor-parallel.md): the model split over this
+  // many ranks, a thread each with its own backend, weight shard and KV
+  // pool shard; `devices` names each rank's device (engine/model_group.h,
+  // ResolveRankDevices; "": from `device`). The routers see one worker
+  // with one capacity.
+  int tensor_parallel = 1;
+  std::string devices;
+  int threads = 0;  // compute threads of the CPU backend (0: all cores; shared by the ranks)
   bool cuda_graphs = true;  // decode steps replayed from CUDA graphs where the device has them
   KvTransferKind kv_transfer = KvTransferKind::kUcx;
   KvStagingMode kv_staging = KvStagingMode::kAuto;

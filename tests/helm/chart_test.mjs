@@ -972,6 +972,36 @@ describe('targeted overrides', () => {
   });
 });
 
+describe('tensor parallelism (prefill.tensorParallel, decode.tensorParallel)', () => {
+  test('default: --tensor-parallel=1 and one GPU per worker', () => {
+    const r = render();
+    for (const role of ['prefill', 'decode']) {
+      assert.equal(flags(mainContainer(r.deployment(role))).get('tensor-parallel'), '1', role);
+      assert.equal(workerResources(r, role).limits['nvidia.com/gpu'], 1, role);
+    }
+  });
+  test('decode.tensorParallel=4: four GPUs, --tensor-parallel=4, a memory-backed /dev/shm', () => {
+    const r = render({ set: ['prefill.replicas=0', 'decode.tensorParallel=4'] });
+    const res = workerResources(r, 'decode');
+    assert.equal(res.limits['nvidia.com/gpu'], 4);
+    assert.equal(res.requests['nvidia.com/gpu'], 4);
+    assert.equal(flags(mainContainer(r.deployment('decode'))).get('tensor-parallel'), '4');
+    assert.equal(flags(mainContainer(r.deployment('prefill'))).get('tensor-parallel'), '1');
+    assert.equal(workerResources(r, 'prefill').limits['nvidia.com/gpu'], 1);
+    const mount = mainContainer(r.deployment('decode')).volumeMounts.find((m) => m.mountPath === '/dev/shm');
+    assert.ok(mount);
+    const vol = podSpec(r.deployment('decode')).volumes.find((v) => v.name === mount.name);
+    assert.equal(vol.emptyDir.medium, 'Memory');
+  });
+  test('more GPUs than ranks keep their count; CPU ranks get no GPU', () => {
+    const r = render({ set: ['prefill.replicas=0', 'decode.tensorParallel=2', 'decode.gpus=4'] });
+    assert.equal(workerResources(r, 'decode').limits['nvidia.com/gpu'], 4);
+    const cpu = render({ set: ['prefill.replicas=0', 'decode.tensorParallel=2', 'decode.gpus=0', 'decode.device=cpu'] });
+    assert.equal(workerResources(cpu, 'decode').limits['nvidia.com/gpu'], undefined);
+    assert.equal(flags(mainContainer(cpu.deployment('decode'))).get('tensor-parallel'), '2');
+  });
+});
+
 describe('values.schema.json rejects bad values with its message', () => {
   const cases = [
     [['prefill.replicas=-1'], /at '\/prefill\/replicas': minimum: got -1, want 0/],
@@ -1010,6 +1040,11 @@ describe('values.schema.json rejects bad values with its message', () => {
     [['decode.device=cuda:1', 'decode.gpus=0'], /at '\/decode\/gpus': minimum: got 0, want 1/],
     [['prefill.device=cpu'], /at '\/prefill\/gpus': maximum: got 1, want 0/],
     [['prefill.threads=-1'], /at '\/prefill\/threads': minimum: got -1, want 0/],
+    // Tensor parallelism: 1 to 8 ranks, and no prefill pool above 1 yet.
+    [['decode.tensorParallel=0'], /at '\/decode\/tensorParallel': minimum: got 0, want 1/],
+    [['prefill.tensorParallel=16'], /at '\/prefill\/tensorParallel': maximum: got 16, want 8/],
+    [['decode.tensorParallel=all'], /at '\/decode\/tensorParallel': got string, want integer/],
+    [['decode.tensorParallel=2'], /at '\/decode\/tensorParallel': maximum: got 2, want 1/],
     [['kvTransfer=rdma'], /at '\/kvTransfer': value must be one of 'ucx', 'nccl'/],
     [['kvTransfer=nccl', 'decode.device=cpu', 'decode.gpus=0'], /at '\/decode\/device': 'cpu' does not match pattern '\^\(auto\|cuda/],
     [['kvStaging.mode=sometimes'], /at '\/kvStaging\/mode': value must be one of 'auto', 'always', 'never'/],

@@ -46,6 +46,9 @@ const knownMetrics = new Set([
   'pdserve_router_copies_in_flight', 'pdserve_router_copy_inflight_limit',
   // Token eviction (docs/kv-eviction.md).
   'pdserve_kv_evicted_tokens_total', 'pdserve_kv_blocks_saved_per_request',
+  // Tensor-parallel workers (docs/tensor-parallel.md).
+  'pdserve_worker_tensor_parallel_size', 'pdserve_kv_cache_rank_usage_ratio',
+  'pdserve_worker_all_reduce_seconds_sum', 'pdserve_worker_all_reduce_seconds_count',
 ]);
 const metricsIn = (expr) => [...expr.matchAll(/\b(pdserve_[a-z_]+)/g)].map((m) => m[1]);
 const baseName = (m) => m.replace(/_bucket$/, '');
@@ -211,7 +214,7 @@ describe('dashboard-queries.sh', () => {
   test('--resolve leaves no dashboard variable', () => {
     for (const r of list('--resolve')) {
       assert.doesNotMatch(r.expr, /\$/, r.panel);
-      assert.match(r.expr, /\[1m\]|pdserve_(requests|kv_cache_usage|router_workers|kv_tier_blocks|kv_tier_capacity_blocks|router_cop)/, r.panel);
+      assert.match(r.expr, /\[1m\]|pdserve_(requests|kv_cache_usage|kv_cache_rank_usage|router_workers|kv_tier_blocks|kv_tier_capacity_blocks|router_cop)/, r.panel);
     }
   });
   test('bad arguments: one-line error, exit 2', () => {

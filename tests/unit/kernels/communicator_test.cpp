@@ -6,6 +6,7 @@
 // exists.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstring>
 #include <functional>
 #include <random>
@@ -90,6 +91,32 @@ TEST_P(SharedMemoryTest, AllGatherAndBroadcastEqualSerialCopies) {
       wrong += std::memcmp(ints[r].data(), ints[root].data(), per * 2) != 0;
     }
     EXPECT_EQ(wrong, 0) << per << " elements per rank over " << size << " ranks";
+  }
+}
+
+// A rank that fails never joins the collective the others wait in: its
+// Abort releases them (no hang; the test would time out), and every later
+// collective returns at once on every rank.
+TEST_P(SharedMemoryTest, AbortReleasesTheRanksWaitingInACollective) {
+  const int size = GetParam();
+  auto group = CreateSharedMemoryGroup(size);
+  std::vector<std::vector<float>> bufs(size,
+                                       std::vector<float>(840, 1.0f));  // 840: any size divides it
+  OnRanks(size, [&](int r) {
+    const Tensor x = Tensor::Of(bufs[r].data(), DType::kF32, {840});
+    group[r]->AllReduceSum(x);  // every rank: a whole collective first
+    if (r == size - 1) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the others wait by now
+      group[r]->Abort();
+      return;
+    }
+    group[r]->AllReduceSum(x);
+    group[r]->AllGather(x);
+    group[r]->Broadcast(x, 0);
+  });
+  for (int r = 0; r < size; ++r) {
+    EXPECT_TRUE(group[r]->aborted());
+    EXPECT_EQ(bufs[r][0], static_cast<float>(size));  // the first sum, before the abort
   }
 }
 

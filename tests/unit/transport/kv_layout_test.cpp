@@ -39,7 +39,7 @@ TEST(KvLayoutTest, DenseBytesPerBlockMatchesTheFormula) {
 TEST(KvLayoutTest, EncodingIsTheDocumentedLittleEndianFormat) {
   const KvLayout l = Llama3_8B();
   std::string expected;
-  PutLe(&expected, 6, 2);  // format version
+  PutLe(&expected, 7, 2);  // format version
   PutLe(&expected, l.model_id.size(), 4);
   expected += l.model_id;
   PutLe(&expected, 2, 1);  // bf16 (DType enum order: f32, f16, bf16, fp8, fp4)
@@ -60,17 +60,19 @@ TEST(KvLayoutTest, EncodingIsTheDocumentedLittleEndianFormat) {
   PutLe(&expected, 0x0123456789abcdefull, 8);  // model_fingerprint
   PutLe(&expected, 0, 4);                      // layer groups: one, full attention
   PutLe(&expected, 0, 4);                      // kv_eviction: none
+  PutLe(&expected, 1, 4);                      // tensor_parallel
   EXPECT_EQ(l.Encode(), expected);
   // Windowed groups follow as their count and windows, then the eviction mode.
   KvLayout windowed = l;
   windowed.group_windows = {4096, 0};
   windowed.kv_eviction = "streaming sinks=4 window=64";
-  std::string grouped = expected.substr(0, expected.size() - 8);
+  std::string grouped = expected.substr(0, expected.size() - 12);
   PutLe(&grouped, 2, 4);
   PutLe(&grouped, 4096, 8);
   PutLe(&grouped, 0, 8);
   PutLe(&grouped, windowed.kv_eviction.size(), 4);
   grouped += windowed.kv_eviction;
+  PutLe(&grouped, 1, 4);
   EXPECT_EQ(windowed.Encode(), grouped);
   auto back = KvLayout::Decode(grouped);
   ASSERT_TRUE(back.ok()) << back.status().ToString();
@@ -80,7 +82,8 @@ TEST(KvLayoutTest, EncodingIsTheDocumentedLittleEndianFormat) {
 
 TEST(KvLayoutTest, EveryFieldChangesTheHash) {
   const KvLayout base = Llama3_8B();
-  std::vector<KvLayout> variants(15, base);
+  std::vector<KvLayout> variants(16, base);
+  variants[15].tensor_parallel = 2;  // a rank's shard of a block, not the block
   variants[13].group_windows = {4096};
   variants[14].kv_eviction = "streaming sinks=4 window=64";  // a mode and a worker without it
   variants[0].model_id = "other";

@@ -1,0 +1,149 @@
+// --tensor-parallel and --devices on the commands (docs/tensor-parallel.md):
+// eval at TP 2 scores a text as TP 1 does, generate on two named CPU ranks
+// writes TP 1's tokens, and every command refuses with one line and exit 2
+// a size that does not split the model's heads (naming the numbers), fewer
+// or more devices than ranks, unknown devices, and sizes out of range.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "tests/support/process.h"
+#include "tests/support/test_models.h"
+
+namespace pdserve::testing {
+namespace {
+
+const std::string kStoryText = std::string(PDSERVE_SOURCE_DIR) + "/bench/eval/tinystories.txt";
+
+CommandResult Pdserve(std::vector<std::string> args) {
+  args.insert(args.begin(), PDSERVE_BIN_PATH);
+  return RunCommand(args, std::chrono::seconds(120));
+}
+
+void ExpectOneLineUsageError(const CommandResult& r, const std::string& needle) {
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find(needle), std::string::npos) << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << "not one line: " << r.err;
+}
+
+nlohmann::json JsonOf(const CommandResult& r) {
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  auto j = nlohmann::json::parse(r.out, nullptr, false);
+  return j.is_discarded() ? nlohmann::json::object() : j;
+}
+
+nlohmann::json Eval(const std::string& model, int tp) {
+  return JsonOf(Pdserve({"eval", "--model", model, "--text", kStoryText, "--tensor-parallel",
+                         std::to_string(tp), "--threads", "2", "--json"}));
+}
+
+// The same mean NLL (the logits agree within 1e-4 relative; summed in
+// another order per rank, so not bit for bit) and every position's top
+// token as TP 1's.
+void ExpectEvalAtTp2AsAtTp1(const std::string& model) {
+  const nlohmann::json tp1 = Eval(model, 1), tp2 = Eval(model, 2);
+  ASSERT_TRUE(tp1.contains("nll") && tp2.contains("nll")) << tp1 << tp2;
+  EXPECT_EQ(tp2["tensor_parallel"], 2);
+  EXPECT_EQ(tp2["tokens"], tp1["tokens"]);
+  EXPECT_NEAR(tp2["nll"].get<double>(), tp1["nll"].get<double>(), 1e-4 * tp1["nll"].get<double>());
+  EXPECT_GT(tp1["tokens"].get<int64_t>(), 100);
+  EXPECT_EQ(tp2["top1_agreement"], 1.0);  // against TP 2's own fp32 run
+}
+
+TEST(TensorParallelCliTest, EvalAtTp2ScoresTheTinyModelAsTp1) {
+  ExpectEvalAtTp2AsAtTp1(TinyModelDir());
+}
+
+TEST(TensorParallelCliTest, EvalAtTp2ScoresStories260KAsTp1) {
+  const std::string real = RealModelDir();
+  if (real.empty()) GTEST_SKIP() << "the shared stories260K model is absent";
+  ExpectEvalAtTp2AsAtTp1(real);
+}
+
+TEST(TensorParallelCliTest, GenerateOnTwoNamedCpuRanksWritesTp1Tokens) {
+  auto generate = [](std::vector<std::string> extra) {
+    std::vector<std::string> args = {
+        "generate", "--model",      TinyModelDir(), "--prompt",     "Hello world", "--temperature",
+        "0",        "--max-tokens", "12",           "--ignore-eos", "--json"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return JsonOf(Pdserve(args));
+  };
+  const nlohmann::json tp1 = generate({});
+  const nlohmann::json tp2 = generate({"--tensor-parallel", "2", "--devices", "cpu,cpu"});
+  ASSERT_TRUE(tp1.contains("token_ids")) << tp1;
+  EXPECT_EQ(tp1["token_ids"].size(), 12u);
+  EXPECT_EQ(tp2["token_ids"], tp1["token_ids"]);
+}
+
+TEST(TensorParallelCliTest, ASizeThatDoesNotSplitTheHeadsIsRefusedNamingTheNumbers) {
+  const std::string tiny = TinyModelDir();  // 4 attention heads, 2 KV heads
+  const std::string heads = "tensor parallel size 3 does not divide the model's 4 attention heads";
+  ExpectOneLineUsageError(
+      Pdserve({"generate", "--model", tiny, "--prompt", "Hi", "--tensor-parallel", "3"}), heads);
+  ExpectOneLineUsageError(
+      Pdserve({"eval", "--model", tiny, "--text", kStoryText, "--tensor-parallel", "3"}), heads);
+  ExpectOneLineUsageError(
+      Pdserve({"bench", "engine", "--model", tiny, "--batch", "1", "--prompt-tokens", "8",
+               "--gen-tokens", "2", "--tensor-parallel", "3"}),
+      heads);
+  // The worker refuses it at start, before it registers anywhere.
+  CommandResult worker =
+      Pdserve({"worker", "--model", tiny, "--router", "127.0.0.1:1", "--insecure-control-plane",
+               "--metrics-port", "-1", "--tensor-parallel", "3"});
+  EXPECT_EQ(worker.exit_code, 2) << worker.err;
+  EXPECT_NE(worker.err.find(heads), std::string::npos) << worker.err;
+}
+
+TEST(TensorParallelCliTest, BadDeviceListsAndSizesAreOneLineBeforeTheModelIsRead) {
+  // The model folder does not exist: reaching it would be another error.
+  for (const char* command : {"worker", "generate", "eval", "bench engine"}) {
+    SCOPED_TRACE(command);
+    auto run = [&](std::vector<std::string> extra) {
+      std::vector<std::string> args;
+      if (std::string(command) == "bench engine") {
+        args = {"bench", "engine"};
+      } else {
+        args = {command};
+      }
+      args.insert(args.end(), {"--model", "/nonexistent-model"});
+      if (std::string(command) == "worker") {
+        args.insert(args.end(), {"--router", "127.0.0.1:1", "--insecure-control-plane"});
+      }
+      if (std::string(command) == "generate") args.insert(args.end(), {"--prompt", "Hi"});
+      if (std::string(command) == "eval") args.insert(args.end(), {"--text", kStoryText});
+      args.insert(args.end(), extra.begin(), extra.end());
+      CommandResult r = Pdserve(args);
+      EXPECT_EQ(r.err.find("nonexistent-model"), std::string::npos) << "model read: " << r.err;
+      return r;
+    };
+    ExpectOneLineUsageError(run({"--tensor-parallel", "0"}), "--tensor-parallel must be 1 to 8");
+    ExpectOneLineUsageError(run({"--tensor-parallel", "16"}), "--tensor-parallel must be 1 to 8");
+    ExpectOneLineUsageError(run({"--tensor-parallel", "2", "--devices", "cpu"}),
+                            "--devices names 1 device for --tensor-parallel 2");
+    ExpectOneLineUsageError(run({"--tensor-parallel", "2", "--devices", "cpu,cpu,cpu"}),
+                            "--devices names 3 devices for --tensor-parallel 2");
+    ExpectOneLineUsageError(run({"--tensor-parallel", "2", "--devices", "cpu,tpu0"}),
+                            "unknown device 'tpu0'");
+    ExpectOneLineUsageError(run({"--tensor-parallel", "2", "--devices", "cpu,"}),
+                            "'' is not a device");
+    // The same GPU twice (or, on a machine without one, a GPU that is not
+    // there): either way one line naming it.
+    ExpectOneLineUsageError(run({"--tensor-parallel", "2", "--devices", "cuda:0,cuda:0"}),
+                            "cuda:0");
+  }
+}
+
+TEST(TensorParallelCliTest, UpForwardsTheSizeButRefusesItWithPrefillWorkers) {
+  ExpectOneLineUsageError(Pdserve({"up", "--tensor-parallel", "2"}),
+                          "--tensor-parallel 2 needs --prefill 0");
+  ExpectOneLineUsageError(Pdserve({"up", "--tensor-parallel", "9", "--prefill", "0"}),
+                          "--tensor-parallel must be 1 to 8");
+}
+
+}  // namespace
+}  // namespace pdserve::testing

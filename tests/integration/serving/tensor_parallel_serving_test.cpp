@@ -1,0 +1,149 @@
+// Tensor-parallel workers (docs/tensor-parallel.md) serving through the
+// real router: a worker of 2 CPU ranks writes the text `pdserve generate`
+// writes at TP 1 (greedy), registers as one worker whose capacity is its
+// ranks' shared block count, reports its ranks on /metrics, prefills
+// locally beside a prefill worker (no KV hand-off with TP workers yet), and
+// a rank that fails takes the whole worker down (exit 1, no hang) while its
+// request fails over to another worker.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <fstream>
+#include <regex>
+#include <thread>
+
+#include "tests/integration/serving/stack.h"
+
+namespace pdserve::testing {
+namespace {
+
+using namespace std::chrono_literals;
+
+// The KV blocks `worker_id` registered with at the router (its log line).
+int64_t RegisteredBlocks(LocalStack& stack, const std::string& worker_id) {
+  auto blocks = stack.router().WaitForLog(
+      std::regex("worker " + worker_id + " registered: role [a-z]+, (\\d+) KV blocks"), 10s);
+  EXPECT_TRUE(blocks) << stack.router().Log();
+  return blocks ? std::stoll(*blocks) : -1;
+}
+
+// /metrics of a TP-2 worker that has served requests: its size, both
+// ranks' KV shards (of the same bytes, filled alike) and no third, and its
+// all-reduces, two per layer in every forward.
+void ExpectTensorParallelMetrics(const WorkerProc& w, const std::string& model) {
+  const int port = w.metrics_port;
+  EXPECT_EQ(LocalStack::Metric(port, "pdserve_worker_tensor_parallel_size"), 2);
+  const double bytes0 = LocalStack::Metric(port, "pdserve_kv_cache_rank_bytes", "rank=\"0\"");
+  EXPECT_GT(bytes0, 0);
+  EXPECT_EQ(LocalStack::Metric(port, "pdserve_kv_cache_rank_bytes", "rank=\"1\""), bytes0);
+  EXPECT_EQ(LocalStack::Metric(port, "pdserve_kv_cache_rank_bytes", "rank=\"2\""), 0);
+  const std::string text = HttpRequest(port, "GET", "/metrics").body;
+  EXPECT_NE(text.find("pdserve_kv_cache_rank_usage_ratio{rank=\"1\"}"), std::string::npos) << text;
+  std::ifstream config(model + "/config.json");
+  const nlohmann::json c = nlohmann::json::parse(config, nullptr, false);
+  ASSERT_TRUE(c.is_object());
+  const int64_t layers = c.value("num_hidden_layers", 0);
+  ASSERT_GT(layers, 0);
+  const double count = LocalStack::Metric(port, "pdserve_worker_all_reduce_seconds_count");
+  EXPECT_GT(count, 0);
+  EXPECT_EQ(std::fmod(count, 2.0 * static_cast<double>(layers)), 0) << count << " all-reduces";
+  EXPECT_GT(LocalStack::Metric(port, "pdserve_worker_all_reduce_seconds_sum"), 0);
+}
+
+// The worker's pdserve_requests_total once it reaches `want` (it counts a
+// request just after its last token went out), or after 5 s.
+double RequestsServed(const WorkerProc& w, double want) {
+  double served = 0;
+  for (int i = 0; i < 100; ++i) {
+    served = LocalStack::Metric(w.metrics_port, "pdserve_requests_total");
+    if (served >= want) break;
+    std::this_thread::sleep_for(50ms);
+  }
+  return served;
+}
+
+void ExpectTp2ServesAsTp1(const std::string& model, const std::string& name) {
+  LocalStack stack(name);
+  stack.SetModel(model);
+  stack.StartRouter();
+  WorkerProc& tp2 = stack.StartWorker("both", {"--tensor-parallel", "2", "--threads", "2"});
+  ASSERT_TRUE(stack.WaitReady());
+  EXPECT_NE(tp2.proc.Log().find("device cpu,cpu"), std::string::npos) << tp2.proc.Log();
+  // generate runs at TP 1: the reference of the split forward.
+  ExpectSameAsGenerate(stack, "Once upon a time there was a little", 24);
+  ExpectSameAsGenerate(stack, "The dog ran to the park and", 16);
+  // Both requests went to the one TP-2 worker, which the router counts once
+  // (the worker counts a request just after its last token went out).
+  EXPECT_EQ(RequestsServed(tp2, 2), 2);
+  ExpectTensorParallelMetrics(tp2, model);
+  const auto ready = HttpRequest(stack.http_port(), "GET", "/ready");
+  EXPECT_EQ(nlohmann::json::parse(ready.body, nullptr, false).value("decode_workers", -1), 1)
+      << ready.body;
+  // Its capacity is one rank's block count: each rank holds half of every
+  // block's KV heads in the same --kv-cache-bytes, so twice a TP-1 worker's.
+  WorkerProc& tp1 = stack.StartWorker("both");
+  const int64_t blocks_tp2 = RegisteredBlocks(stack, tp2.id);
+  const int64_t blocks_tp1 = RegisteredBlocks(stack, tp1.id);
+  EXPECT_GE(blocks_tp2, 2 * blocks_tp1 - 1);
+  EXPECT_LE(blocks_tp2, 2 * blocks_tp1 + 1);
+}
+
+TEST(TensorParallelServingTest, TinyTp2WorkerWritesWhatGenerateWritesAtTp1) {
+  ExpectTp2ServesAsTp1(LocalStack::Model(), "tp-tiny");
+}
+
+TEST(TensorParallelServingTest, Stories260KTp2WorkerWritesWhatGenerateWritesAtTp1) {
+  const std::string real = RealModelDir();
+  if (real.empty()) GTEST_SKIP() << "the shared stories260K model is absent";
+  ExpectTp2ServesAsTp1(real, "tp-stories");
+}
+
+// KV hand-off with a tensor-parallel worker is not built: the handshake
+// refuses it naming the sizes, no KV moves, and the decode worker prefills
+// the prompt itself, writing what generate writes.
+TEST(TensorParallelServingTest, ATp2DecodeWorkerBesideATp1PrefillWorkerPrefillsLocally) {
+  const std::string real = RealModelDir();
+  if (real.empty()) GTEST_SKIP() << "the shared stories260K model is absent";
+  LocalStack stack("tp-mixed");
+  stack.SetModel(real);
+  stack.StartRouter({"--max-local-prefill", "4"});
+  WorkerProc& prefill = stack.StartWorker("prefill");
+  WorkerProc& decode = stack.StartWorker("decode", {"--tensor-parallel", "2"});
+  ASSERT_TRUE(stack.WaitReady());
+  ExpectSameAsGenerate(stack, "Once upon a time there was a little girl who loved", 8);
+  EXPECT_TRUE(prefill.proc.WaitForLog(std::regex("tensor_parallel: 1 here, 2 on peer"), 10s))
+      << prefill.proc.Log();
+  EXPECT_EQ(LocalStack::Metric(decode.metrics_port, "pdserve_kv_transfer_bytes_total"), 0);
+  EXPECT_EQ(LocalStack::Metric(prefill.metrics_port, "pdserve_kv_transfer_bytes_total"), 0);
+}
+
+TEST(TensorParallelServingTest, AFailingRankTakesTheWorkerDownAndItsRequestFailsOver) {
+  LocalStack stack("tp-fault");
+  stack.StartRouter({"--policy", "round_robin"});
+  // Rank 1 fails its first step (before it joins a collective, so rank 0
+  // waits in one until the abort releases it).
+  ::setenv("PDSERVE_TEST_FAIL_RANK", "1:1", 1);
+  WorkerProc& doomed = stack.StartWorker("both", {"--tensor-parallel", "2"});
+  ::unsetenv("PDSERVE_TEST_FAIL_RANK");
+  WorkerProc& healthy = stack.StartWorker("both");
+  ASSERT_TRUE(stack.WaitReady());
+  // Round robin sends one of the first two requests to the doomed worker;
+  // it dies before any token, so the router retries it on the healthy one.
+  for (int i = 0; i < 2; ++i) {
+    auto [status, body] = stack.Post(
+        "/v1/completions",
+        {{"prompt", "Hello number " + std::to_string(i)}, {"max_tokens", 4}, {"temperature", 0}});
+    EXPECT_EQ(status, 200) << body.dump() << "\n" << stack.router().Log();
+  }
+  const std::optional<int> code = doomed.proc.Wait(30s);
+  ASSERT_TRUE(code) << "the worker with a failed rank is still running\n" << doomed.proc.Log();
+  EXPECT_EQ(*code, 1) << doomed.proc.Log();
+  EXPECT_NE(doomed.proc.Log().find("tensor-parallel rank 1 failed"), std::string::npos)
+      << doomed.proc.Log();
+  EXPECT_TRUE(healthy.proc.running());
+  EXPECT_EQ(RequestsServed(healthy, 2), 2);
+}
+
+}  // namespace
+}  // namespace pdserve::testing

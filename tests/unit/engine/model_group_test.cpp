@@ -1,0 +1,132 @@
+// The tensor-parallel group of a worker (engine/model_group.h) and what
+// happens when one of its ranks fails (engine/executor.h): the ranks'
+// devices from --tensor-parallel, --devices and --device; a loaded group
+// generates TP 1's tokens; a rank failing at step K (the test-only
+// PDSERVE_TEST_FAIL_RANK: a rank error cannot be made to happen for real
+// on the CPU) fails that step without leaving the others waiting in their
+// collective, and every later step too.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "engine/engine.h"
+#include "engine/make_model.h"
+#include "engine/model_group.h"
+#include "tests/support/test_models.h"
+
+namespace pdserve {
+namespace {
+
+TEST(ModelGroupTest, RankDevicesDefaultToCpuRanksAndFollowTheList) {
+  auto four = ResolveRankDevices("cpu", "", 4);
+  ASSERT_TRUE(four.ok()) << four.status().ToString();
+  EXPECT_EQ(*four, std::vector<std::string>(4, "cpu"));
+  auto listed = ResolveRankDevices("auto", "cpu,cpu", 2);
+  ASSERT_TRUE(listed.ok()) << listed.status().ToString();
+  EXPECT_EQ(*listed, std::vector<std::string>(2, "cpu"));
+  auto one = ResolveRankDevices("cpu", "", 1);
+  ASSERT_TRUE(one.ok());
+  EXPECT_EQ(*one, std::vector<std::string>{"cpu"});
+}
+
+TEST(ModelGroupTest, RankDeviceRefusalsNameTheProblem) {
+  auto refused = [](std::string_view device, std::string_view devices, int ranks) {
+    auto r = ResolveRankDevices(device, devices, ranks);
+    EXPECT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+    return r.status().message();
+  };
+  EXPECT_EQ(refused("cpu", "", 0), "--tensor-parallel must be 1 to 8, got 0");
+  EXPECT_EQ(refused("cpu", "", 9), "--tensor-parallel must be 1 to 8, got 9");
+  EXPECT_EQ(refused("cpu", "cpu", 2),
+            "--devices names 1 device for --tensor-parallel 2 (one per rank)");
+  EXPECT_NE(refused("cpu", "cpu,gpu", 2).find("unknown device 'gpu'"), std::string::npos);
+  EXPECT_NE(refused("cpu", "cpu,auto", 2).find("'auto' is not a device"), std::string::npos);
+  // Not on this machine, or named twice: either way it is named.
+  EXPECT_NE(refused("cpu", "cuda:0,cuda:0", 2).find("cuda:0"), std::string::npos);
+}
+
+// Greedy tokens of one prompt from an engine over the group.
+StatusOr<std::vector<TokenId>> Greedy(ModelGroup& group, int max_tokens) {
+  EngineOptions options;
+  options.kv_cache_bytes = 2 << 20;
+  auto engine = Engine::Create(group.shards(), options);
+  if (!engine.ok()) return engine.status();
+  EngineRequest req;
+  req.id = 1;
+  req.prompt = {1, 17, 42, 99, 7, 300};
+  req.params.temperature = 0;
+  req.params.max_tokens = max_tokens;
+  req.params.ignore_eos = true;
+  PDSERVE_RETURN_IF_ERROR((*engine)->AddRequest(std::move(req)));
+  std::vector<TokenId> out;
+  while ((*engine)->HasUnfinished()) {
+    auto step = (*engine)->Step();
+    if (!step.ok()) {
+      EXPECT_TRUE((*engine)->ranks_failed());
+      // The group is gone: every later step fails at once.
+      auto again = (*engine)->Step();
+      EXPECT_FALSE(again.ok());
+      return step.status();
+    }
+    for (const auto& o : *step)
+      out.insert(out.end(), o.new_token_ids.begin(), o.new_token_ids.end());
+  }
+  EXPECT_FALSE((*engine)->ranks_failed());
+  return out;
+}
+
+TEST(ModelGroupTest, AGroupOfCpuRanksGeneratesOneRanksTokens) {
+  const std::string dir = testing::ModelDir("tiny", *PresetModelSpec("tiny"));
+  auto one = LoadModelGroup(dir, {"cpu"}, 1);
+  auto two = LoadModelGroup(dir, {"cpu", "cpu"}, 2);
+  ASSERT_TRUE(one.ok() && two.ok());
+  EXPECT_EQ((*two)->size(), 2);
+  EXPECT_EQ((*two)->comms.size(), 2u);
+  auto want = Greedy(**one, 10);
+  auto got = Greedy(**two, 10);
+  ASSERT_TRUE(want.ok() && got.ok());
+  EXPECT_EQ(want->size(), 10u);
+  EXPECT_EQ(*got, *want);
+}
+
+TEST(ModelGroupTest, ASizeThatDoesNotSplitTheHeadsIsRefused) {
+  const std::string dir = testing::ModelDir("tiny", *PresetModelSpec("tiny"));
+  auto three = LoadModelGroup(dir, {"cpu", "cpu", "cpu"}, 3);
+  ASSERT_FALSE(three.ok());
+  EXPECT_EQ(three.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(three.status().message().find("4 attention heads"), std::string::npos)
+      << three.status().message();
+}
+
+// Rank `rank` fails its step `step`; the others are then in (or about to
+// enter) their first all-reduce of that step.
+void ExpectRankFailureFailsTheStep(int size, int rank, int step) {
+  SCOPED_TRACE("size " + std::to_string(size) + ", rank " + std::to_string(rank) + ", step " +
+               std::to_string(step));
+  const std::string dir = testing::ModelDir("tiny", *PresetModelSpec("tiny"));
+  const std::string fault = std::to_string(rank) + ":" + std::to_string(step);
+  auto group = LoadModelGroup(dir, std::vector<std::string>(size, "cpu"), size);
+  ASSERT_TRUE(group.ok()) << group.status().ToString();
+  ::setenv("PDSERVE_TEST_FAIL_RANK", fault.c_str(), 1);
+  auto got = Greedy(**group, 10);  // returns: no rank is left waiting
+  ::unsetenv("PDSERVE_TEST_FAIL_RANK");
+  ASSERT_FALSE(got.ok());
+  EXPECT_NE(got.status().message().find("tensor-parallel rank " + std::to_string(rank) +
+                                        " failed: injected fault"),
+            std::string::npos)
+      << got.status().message();
+  for (const auto& comm : (*group)->comms) EXPECT_TRUE(comm->aborted());
+}
+
+TEST(ModelGroupTest, AFailingRankFailsTheStepAndAbortsTheGroup) {
+  ExpectRankFailureFailsTheStep(2, 1, 1);  // during the prefill
+  ExpectRankFailureFailsTheStep(2, 1, 4);  // during decode
+  ExpectRankFailureFailsTheStep(2, 0, 3);  // rank 0, on the engine's thread
+  ExpectRankFailureFailsTheStep(4, 2, 2);
+}
+
+}  // namespace
+}  // namespace pdserve
