@@ -168,6 +168,7 @@ TEST_F(GenerateCliTest, BenchEngineMeasuresDecodeWithAndWithoutAJsonSchema) {
     EXPECT_EQ(results[i]["json_schema"], i % 2 == 1);
     EXPECT_EQ(results[i]["round"], i / 2);
     EXPECT_GT(results[i]["decode_tokens"].get<int64_t>(), 0);
+    EXPECT_GT(results[i]["decode_tokens_per_cpu_s"].get<double>(), 0);
     // Unconstrained requests ignore EOS and run to --gen-tokens.
     if (i % 2 == 0) {
       EXPECT_EQ(results[i]["decode_tokens"], 11);
@@ -176,6 +177,7 @@ TEST_F(GenerateCliTest, BenchEngineMeasuresDecodeWithAndWithoutAJsonSchema) {
   EXPECT_EQ(results[4]["kind"], "json_schema_summary");
   EXPECT_EQ(results[4]["rounds"], 2);
   EXPECT_GT(results[4]["decode_constrained_over_unconstrained_median"].get<double>(), 0);
+  EXPECT_GT(results[4]["decode_per_cpu_s_constrained_over_unconstrained_median"].get<double>(), 0);
 
   const std::string err = dir + "/stderr";
   const Result bad = RunPdserve(
