@@ -839,10 +839,17 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
   for (size_t r = 0; r < sampled_seqs.size(); ++r) {
     Sequence* s = sampled_seqs[r];
     SampledToken& token = (*sampled)[r];
-    // The runner sampled inside the mask, so the matcher takes the token.
-    if (s->matcher) (void)s->matcher->AcceptToken(token.token);
     RequestOutput out;
     out.id = s->id;
+    // The runner sampled inside the mask, so the matcher takes the token,
+    // except past its stack limits (matcher.h): then the request ends there
+    // rather than emit text its constraint refuses.
+    if (s->matcher && !s->matcher->AcceptToken(token.token)) {
+      if (s->stop) out.text = s->stop->Flush();
+      FinishSequence(s, FinishReason::kLength, &out);
+      outputs.push_back(std::move(out));
+      continue;
+    }
     ProcessToken(s, token, &out);
     outputs.push_back(std::move(out));
   }
