@@ -26,6 +26,13 @@ uint64_t NextOf(uint64_t claim) { return claim & kRangeMask; }
 // the gap between two ops of a forward pass, far shorter than the gap
 // between requests.
 constexpr auto kSpin = std::chrono::microseconds(100);
+// How much of it is a busy spin; after that the waiting thread yields its
+// core at each check. On a quiet machine the event comes within this.
+// Where the kernel shares the cores with other processes (it splits them
+// between sessions, not threads, so two threads can have one core's worth
+// between them) the thread awaited is often runnable on the waiter's own
+// core: a busy spin holds it off for the whole spin, a yield lets it run.
+constexpr auto kBusySpin = std::chrono::microseconds(5);
 
 inline void CpuRelax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -36,11 +43,15 @@ inline void CpuRelax() {
 // Spins until done() or kSpin has passed; returns done().
 template <typename Done>
 bool SpinUntil(const Done& done) {
-  const auto deadline = std::chrono::steady_clock::now() + kSpin;
+  const auto start = std::chrono::steady_clock::now();
+  const auto busy_until = start + kBusySpin, deadline = start + kSpin;
   for (int i = 0;; ++i) {
     if (done()) return true;
     CpuRelax();
-    if ((i & 63) == 63 && std::chrono::steady_clock::now() > deadline) return done();
+    if ((i & 63) != 63) continue;
+    const auto now = std::chrono::steady_clock::now();
+    if (now > deadline) return done();
+    if (now > busy_until) std::this_thread::yield();
   }
 }
 

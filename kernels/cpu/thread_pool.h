@@ -9,7 +9,9 @@
 // A forward pass issues a few parallel loops per layer, microseconds apart:
 // workers spin for a short while after each loop (and the caller while it
 // waits for the last ranges) before they sleep on a condition variable, so
-// a loop that follows soon after another starts without a wake-up.
+// a loop that follows soon after another starts without a wake-up. Past
+// the first microseconds the spin yields the core at each check, so that a
+// thread it waits for that shares its core can run.
 #pragma once
 
 #include <atomic>

@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <optional>
@@ -47,6 +48,26 @@ double CpuSeconds() {
   getrusage(RUSAGE_SELF, &ru);
   return ru.ru_utime.tv_sec + ru.ru_stime.tv_sec +
          1e-6 * (ru.ru_utime.tv_usec + ru.ru_stime.tv_usec);
+}
+
+// Seconds this process's threads have spent runnable but waiting for a
+// CPU (the second field of Linux's /proc/<pid>/task/<tid>/schedstat), -1
+// where unknown. Beside the CPU time it splits a run's wall time into
+// computing, waiting for a core (other processes: the kernel shares the
+// cores between sessions, not threads) and sleeping (the pool's idle waits).
+double RunQueueSeconds() {
+  std::error_code ec;
+  double total = 0;
+  bool any = false;
+  for (const auto& task : std::filesystem::directory_iterator("/proc/self/task", ec)) {
+    std::ifstream in(task.path() / "schedstat");
+    double run_ns = 0, wait_ns = 0;
+    if (in >> run_ns >> wait_ns) {
+      total += wait_ns * 1e-9;
+      any = true;
+    }
+  }
+  return any ? total : -1;
 }
 
 // The 1-minute load average (Linux), -1 where unknown: CPU figures taken
@@ -279,8 +300,8 @@ int RunBenchEngine(int argc, char** argv) {
                  static_cast<long long>(batch), static_cast<long long>(batch),
                  static_cast<long long>(prompt_tokens));
     const auto t0 = std::chrono::steady_clock::now();
-    const double cpu0 = CpuSeconds();
-    double cpu_prefill_end = cpu0;
+    const double cpu0 = CpuSeconds(), wait0 = RunQueueSeconds();
+    double cpu_prefill_end = cpu0, wait_prefill_end = wait0;
     int64_t first_tokens = 0, decode_steps = 0, decode_tokens = 0;
     // Sparse layers' expert weights read over the decode steps (MoeStats).
     int64_t expert_bytes = 0, active_experts = 0;
@@ -302,6 +323,7 @@ int RunBenchEngine(int argc, char** argv) {
         if (first_tokens >= batch) {
           t_prefill_end = std::chrono::steady_clock::now();
           cpu_prefill_end = CpuSeconds();
+          wait_prefill_end = RunQueueSeconds();
           std::fprintf(stderr, "bench engine: batch %lld: decoding %lld tokens each...\n",
                        static_cast<long long>(batch), static_cast<long long>(gen_tokens - 1));
         }
@@ -314,7 +336,11 @@ int RunBenchEngine(int argc, char** argv) {
       }
     }
     const auto t_end = std::chrono::steady_clock::now();
-    const double cpu_end = CpuSeconds();
+    const double cpu_end = CpuSeconds(), wait_end = RunQueueSeconds();
+    // Time the threads waited for a core over wall time x threads (-1 unknown).
+    auto wait_share = [&](double from, double to, double wall) {
+      return from < 0 || to < 0 ? -1.0 : (to - from) / (wall * backend_threads);
+    };
     const double prefill_s = Seconds(t0, t_prefill_end), decode_s = Seconds(t_prefill_end, t_end);
     // Mean KV read per decode step: every sequence's context, which grows
     // from prompt + 1 to prompt + gen - 1 tokens over the decode steps.
@@ -343,10 +369,12 @@ int RunBenchEngine(int argc, char** argv) {
         // CPU time used over wall time x threads: below 1 when other processes
         // share the cores (the figures are then lower than the machine can do).
         {"prefill_cpu_share", (cpu_prefill_end - cpu0) / (prefill_s * backend_threads)},
+        {"prefill_run_queue_share", wait_share(wait0, wait_prefill_end, prefill_s)},
         {"decode_seconds", decode_s},
         {"decode_steps", decode_steps},
         {"decode_tokens_per_s", decode_tokens / decode_s},
         {"decode_cpu_share", (cpu_end - cpu_prefill_end) / (decode_s * backend_threads)},
+        {"decode_run_queue_share", wait_share(wait_prefill_end, wait_end, decode_s)},
         {"decode_step_ms", decode_steps ? 1000.0 * decode_s / decode_steps : 0.0},
         // Dense weights (for MoE models: all but the experts, routers
         // included) and, beside them, the experts' weights a decode step read

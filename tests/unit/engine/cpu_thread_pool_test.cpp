@@ -5,6 +5,9 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
+#include <mutex>
+#include <set>
 #include <thread>
 #include <vector>
 
@@ -46,6 +49,33 @@ TEST(ThreadPoolTest, ConcurrentCallersAreSerializedCorrectly) {
   }
   for (auto& t : callers) t.join();
   EXPECT_EQ(total.load(), 4 * 200 * 97);
+}
+
+// The work of a loop is shared: with two threads and two ranges, each range
+// waits until the other has started, which only a second thread can do (the
+// caller alone would wait forever on its first range). The wait gives up
+// after a minute so that a pool that leaves its worker idle fails, not hangs.
+TEST(ThreadPoolTest, TheWorkerTakesPartInEveryLoop) {
+  ThreadPool pool(2);
+  for (int loop = 0; loop < 200; ++loop) {
+    std::atomic<int> started{0};
+    std::mutex mu;
+    std::set<std::thread::id> ran_on;
+    pool.ParallelFor(2, [&](int64_t b, int64_t e) {
+      ASSERT_EQ(e, b + 1);
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        ran_on.insert(std::this_thread::get_id());
+      }
+      ++started;
+      const auto give_up = std::chrono::steady_clock::now() + std::chrono::minutes(1);
+      while (started.load() < 2 && std::chrono::steady_clock::now() < give_up) {
+        std::this_thread::yield();
+      }
+    });
+    ASSERT_EQ(started.load(), 2);
+    ASSERT_EQ(ran_on.size(), 2u) << "loop " << loop;
+  }
 }
 
 }  // namespace
