@@ -91,6 +91,33 @@ Model* TinyCpuModel() {
   return model;
 }
 
+LoadedCpuModel::LoadedCpuModel() = default;
+LoadedCpuModel::~LoadedCpuModel() = default;
+LoadedCpuModel::LoadedCpuModel(LoadedCpuModel&&) noexcept = default;
+LoadedCpuModel& LoadedCpuModel::operator=(LoadedCpuModel&&) noexcept = default;
+
+LoadedCpuModel LoadCpuModel(const std::string& dir, const KvEviction& eviction) {
+  LoadedCpuModel l;
+  l.backend = std::make_unique<kernels::CpuBackend>(2);
+  auto m = Model::Load(dir, l.backend.get(), LoadFormat::kSafetensors, eviction);
+  EXPECT_TRUE(m.ok()) << m.status().ToString();
+  if (m.ok()) l.model = std::move(*m);
+  return l;
+}
+
+LoadedCpuModel LoadCpuModelAndReference(const std::string& dir, const KvEviction& eviction) {
+  LoadedCpuModel l = LoadCpuModel(dir, eviction);
+  l.reference = LoadReference(dir);
+  return l;
+}
+
+std::unique_ptr<ReferenceModel> LoadReference(const std::string& dir) {
+  std::string error;
+  auto r = ReferenceModel::Load(dir, &error);
+  EXPECT_NE(r, nullptr) << error;
+  return r;
+}
+
 std::vector<float> PromptLogits(Model* model, const std::vector<int32_t>& prompt) {
   auto pool = KvCachePool::Create(model->backend(), model->config(), DType::kF32, 16, 8 << 20);
   EXPECT_TRUE(pool.ok()) << pool.status().ToString();

@@ -2,10 +2,14 @@
 // process, into a private temporary folder that is removed at exit.
 #pragma once
 
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "common/kv_eviction.h"
 #include "engine/make_model.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "tests/support/reference_model.h"
 
 namespace pdserve {
 class Model;
@@ -19,6 +23,24 @@ const std::string& TinyModelDir();
 // The `tiny` preset loaded on a 2-thread CPU backend, once per test process
 // (the engine tests share it; it lives until the process exits).
 Model* TinyCpuModel();
+
+// A model on a CPU backend of its own (2 threads), and optionally the
+// float64 reference of the same folder. The backend is declared first, so
+// that the model it runs goes first.
+struct LoadedCpuModel {
+  std::unique_ptr<kernels::CpuBackend> backend;
+  std::unique_ptr<Model> model;               // null (with a test failure) when it cannot load
+  std::unique_ptr<ReferenceModel> reference;  // LoadCpuModelAndReference only
+  ~LoadedCpuModel();
+  LoadedCpuModel();
+  LoadedCpuModel(LoadedCpuModel&&) noexcept;
+  LoadedCpuModel& operator=(LoadedCpuModel&&) noexcept;
+};
+LoadedCpuModel LoadCpuModel(const std::string& dir, const KvEviction& eviction = {});
+LoadedCpuModel LoadCpuModelAndReference(const std::string& dir, const KvEviction& eviction = {});
+
+// The float64 reference of `dir`, null with a test failure naming the error.
+std::unique_ptr<ReferenceModel> LoadReference(const std::string& dir);
 
 // Logits of every position of `prompt` (at most 64 tokens), from one
 // prefill step of a fresh runner and fp32 KV pool on `model`; empty (with a

@@ -42,25 +42,11 @@ const std::string& Dir() {
   return dir;
 }
 
-struct Loaded {
-  std::unique_ptr<kernels::CpuBackend> backend = std::make_unique<kernels::CpuBackend>(2);
-  std::unique_ptr<Model> model;
-};
+using Loaded = testing::LoadedCpuModel;
 
-Loaded Load(const KvEviction& e) {
-  Loaded l;
-  auto m = Model::Load(Dir(), l.backend.get(), LoadFormat::kSafetensors, e);
-  EXPECT_TRUE(m.ok()) << m.status().ToString();
-  if (m.ok()) l.model = std::move(*m);
-  return l;
-}
+Loaded Load(const KvEviction& e) { return testing::LoadCpuModel(Dir(), e); }
 
-std::unique_ptr<ReferenceModel> Reference() {
-  std::string error;
-  auto r = ReferenceModel::Load(Dir(), &error);
-  EXPECT_NE(r, nullptr) << error;
-  return r;
-}
+std::unique_ptr<ReferenceModel> Reference() { return testing::LoadReference(Dir()); }
 
 // A 40-token prefill, then 200 one-token decode steps: every position's NLL
 // is the reference's under the same selection, at K = 2 and 5 and blocks of

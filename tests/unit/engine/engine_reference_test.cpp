@@ -102,23 +102,9 @@ class PagedRunner {
   std::vector<int32_t> table_;
 };
 
-struct Loaded {
-  std::unique_ptr<kernels::CpuBackend> backend;
-  std::unique_ptr<Model> model;
-  std::unique_ptr<ReferenceModel> reference;
-};
+using Loaded = testing::LoadedCpuModel;
 
-Loaded LoadBoth(const std::string& dir) {
-  Loaded l;
-  l.backend = std::make_unique<kernels::CpuBackend>(2);
-  auto m = Model::Load(dir, l.backend.get());
-  EXPECT_TRUE(m.ok()) << m.status().ToString();
-  if (m.ok()) l.model = std::move(*m);
-  std::string error;
-  l.reference = ReferenceModel::Load(dir, &error);
-  EXPECT_NE(l.reference, nullptr) << error;
-  return l;
-}
+Loaded LoadBoth(const std::string& dir) { return testing::LoadCpuModelAndReference(dir); }
 
 // Prefill in chunks of `chunk`, comparing every position's logits.
 void CheckPrompt(Loaded& l, int length, int64_t chunk, uint32_t seed) {

@@ -48,24 +48,14 @@ KvEvictionRule Rule(int64_t budget, int64_t window, int64_t prompt,
 
 ModelSpec Spec() { return *PresetModelSpec("tiny"); }  // 4 query heads over 2 KV heads
 
-struct Loaded {
-  std::unique_ptr<kernels::CpuBackend> backend = std::make_unique<kernels::CpuBackend>(2);
-  std::unique_ptr<Model> model;
-};
+using Loaded = testing::LoadedCpuModel;
 
 Loaded Load(const KvEviction& e, const std::string& dir = testing::ModelDir("snapkv", Spec())) {
-  Loaded l;
-  auto m = Model::Load(dir, l.backend.get(), LoadFormat::kSafetensors, e);
-  EXPECT_TRUE(m.ok()) << m.status().ToString();
-  if (m.ok()) l.model = std::move(*m);
-  return l;
+  return testing::LoadCpuModel(dir, e);
 }
 
 std::unique_ptr<ReferenceModel> Reference(const std::string& dir) {
-  std::string error;
-  auto r = ReferenceModel::Load(dir, &error);
-  EXPECT_NE(r, nullptr) << error;
-  return r;
+  return testing::LoadReference(dir);
 }
 
 struct Generated {

@@ -48,24 +48,14 @@ ModelSpec Spec() {
   return s;
 }
 
-struct Loaded {
-  std::unique_ptr<kernels::CpuBackend> backend = std::make_unique<kernels::CpuBackend>(2);
-  std::unique_ptr<Model> model;
-};
+using Loaded = testing::LoadedCpuModel;
 
 Loaded Load(const KvEviction& e, const std::string& dir = testing::ModelDir("streaming", Spec())) {
-  Loaded l;
-  auto m = Model::Load(dir, l.backend.get(), LoadFormat::kSafetensors, e);
-  EXPECT_TRUE(m.ok()) << m.status().ToString();
-  if (m.ok()) l.model = std::move(*m);
-  return l;
+  return testing::LoadCpuModel(dir, e);
 }
 
 std::unique_ptr<ReferenceModel> Reference() {
-  std::string error;
-  auto r = ReferenceModel::Load(testing::ModelDir("streaming", Spec()), &error);
-  EXPECT_NE(r, nullptr) << error;
-  return r;
+  return testing::LoadReference(testing::ModelDir("streaming", Spec()));
 }
 
 // Every position's NLL through the paged pool (a prefill chunk, then chunks)

@@ -39,24 +39,10 @@ using testing::ReferenceModel;
 
 constexpr double kNllTolerance = 1e-4;
 
-struct Loaded {
-  std::string dir;
-  std::unique_ptr<kernels::CpuBackend> backend;
-  std::unique_ptr<Model> model;
-  std::unique_ptr<ReferenceModel> reference;
-};
+using Loaded = testing::LoadedCpuModel;
 
 Loaded Load(const std::string& name, const ModelSpec& spec) {
-  Loaded l;
-  l.dir = testing::ModelDir(name, spec);
-  l.backend = std::make_unique<kernels::CpuBackend>(2);
-  auto m = Model::Load(l.dir, l.backend.get());
-  EXPECT_TRUE(m.ok()) << m.status().ToString();
-  if (m.ok()) l.model = std::move(*m);
-  std::string error;
-  l.reference = ReferenceModel::Load(l.dir, &error);
-  EXPECT_NE(l.reference, nullptr) << error;
-  return l;
+  return testing::LoadCpuModelAndReference(testing::ModelDir(name, spec));
 }
 
 // A Mistral-shaped model windowing every layer at `window`.

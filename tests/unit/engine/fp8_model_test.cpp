@@ -133,23 +133,9 @@ TEST(Fp8ModelTest, MakeModelWritesTheFormatsBytesAndScales) {
   }
 }
 
-struct Loaded {
-  std::unique_ptr<kernels::CpuBackend> backend;
-  std::unique_ptr<Model> model;
-  std::unique_ptr<testing::ReferenceModel> reference;
-};
+using Loaded = testing::LoadedCpuModel;
 
-Loaded LoadBoth(const std::string& dir) {
-  Loaded l;
-  l.backend = std::make_unique<kernels::CpuBackend>(2);
-  auto m = Model::Load(dir, l.backend.get());
-  EXPECT_TRUE(m.ok()) << m.status().ToString();
-  if (m.ok()) l.model = std::move(*m);
-  std::string error;
-  l.reference = testing::ReferenceModel::Load(dir, &error);
-  EXPECT_NE(l.reference, nullptr) << error;
-  return l;
-}
+Loaded LoadBoth(const std::string& dir) { return testing::LoadCpuModelAndReference(dir); }
 
 // A prompt in chunks (prefill, then chunks of decode_chunk), every
 // position's logits within `tolerance` of the reference; then greedy steps
