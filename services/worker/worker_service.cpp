@@ -31,6 +31,7 @@
 #include "services/worker/prefill_side.h"
 #include "services/worker/worker_context.h"
 #include "transport/control/connection.h"
+#include "transport/ranked_transfer.h"
 
 namespace pdserve::worker {
 
@@ -59,15 +60,9 @@ Status CheckPeerLayout(const WorkerContext& ctx, const proto::TransferHello& hel
   auto peer_layout = KvLayout::Decode(hello.kv_layout());
   if (!peer_layout.ok())
     return Status::InvalidArgument("bad KV layout from peer: " + peer_layout.status().message());
-  PDSERVE_RETURN_IF_ERROR(CheckLayoutsMatch(*ctx.layout, *peer_layout));
-  // The transport holds rank 0's pool shard only: a hand-off between
-  // tensor-parallel workers would move one shard of each block.
-  if (ctx.layout->tensor_parallel > 1) {
-    return Status::Unsupported("KV hand-off between tensor-parallel workers (tensor_parallel " +
-                               std::to_string(ctx.layout->tensor_parallel) +
-                               " on both) is not built yet");
-  }
-  return Status::Ok();
+  // The layouts include tensor_parallel: both ends split the heads alike,
+  // and the transfer moves rank r's shard of each block to the peer's rank r.
+  return CheckLayoutsMatch(*ctx.layout, *peer_layout);
 }
 
 namespace {
@@ -101,7 +96,6 @@ class WorkerServiceImpl : public WorkerService {
     // The ranks' devices: --devices, else --tensor-parallel of --device.
     auto devices = ResolveRankDevices(opts_.device, opts_.devices, opts_.tensor_parallel);
     if (!devices.ok()) return devices.status();
-    const std::string device = (*devices)[0];
     auto group = LoadModelGroup(opts_.model_dir, *devices, opts_.threads, opts_.load_format,
                                 opts_.kv_eviction,
                                 [this](double s) { metrics_.all_reduce_seconds.Observe(s); });
@@ -145,7 +139,6 @@ class WorkerServiceImpl : public WorkerService {
     host_tier_blocks_ = engine_->GetStats().tiers.store.host.capacity_blocks;
     disk_tier_blocks_ = engine_->GetStats().tiers.store.disk.capacity_blocks;
 
-    // The KV transport: the whole pool, registered once, as what it is.
     const KvCachePool& pool = engine_->kv_pool();
     metrics_.capacity.Add({{"kv_dtype", std::string(DTypeName(opts_.kv_dtype))}})
         .Set(static_cast<double>(engine_->ContextCapacityTokens()));
@@ -157,24 +150,43 @@ class WorkerServiceImpl : public WorkerService {
           .Set(static_cast<double>(pool.total_bytes()));
       metrics_.rank_kv_usage.Add({{"rank", std::to_string(r)}});
     }
-    KvTransferOptions to;
-    to.kind = opts_.kv_transfer;
-    to.pool_memory = pool.memory_type();
-    to.cuda_device = CudaIndex(device);
-    to.staging = opts_.kv_staging;
-    to.staging_bytes = static_cast<size_t>(opts_.kv_staging_bytes);
-    to.tls = opts_.transfer_tls;
-    to.name = opts_.worker_id;
-    auto transfer = CreateKvTransfer(to);
-    if (!transfer.ok()) return transfer.status();
-    transfer_ = std::move(*transfer);
-    layout_ =
-        pool.TransferLayout(model_id_, model_->matrix_dtype(), std::string(transfer_->backend()));
+    // The KV transport: one backend transfer per rank, each with its rank's
+    // pool shard; rank r's shard of a block goes to the peer's rank r.
+    std::vector<std::unique_ptr<KvTransfer>> rank_transfers;
+    for (int r = 0; r < group_->size(); ++r) {
+      KvTransferOptions to;
+      to.kind = opts_.kv_transfer;
+      to.pool_memory = pool.memory_type();
+      to.cuda_device = CudaIndex((*devices)[static_cast<size_t>(r)]);
+      to.staging = opts_.kv_staging;
+      to.staging_bytes = static_cast<size_t>(opts_.kv_staging_bytes);
+      to.tls = opts_.transfer_tls;
+      to.name =
+          group_->size() == 1 ? opts_.worker_id : opts_.worker_id + "-rank" + std::to_string(r);
+      auto transfer = CreateKvTransfer(to);
+      if (!transfer.ok()) return transfer.status();
+      rank_transfers.push_back(std::move(*transfer));
+    }
+    layout_ = pool.TransferLayout(model_id_, model_->matrix_dtype(),
+                                  std::string(rank_transfers[0]->backend()));
     layout_.model_fingerprint = engine_->kv_fingerprint();
     layout_.tensor_parallel = group_->size();
-    MemoryRegion region{pool.base(), static_cast<size_t>(pool.total_bytes()),
-                        static_cast<size_t>(pool.bytes_per_block()), pool.memory_type()};
-    PDSERVE_RETURN_IF_ERROR(transfer_->RegisterPool(region, layout_));
+    auto region = [](const KvCachePool& shard) {
+      return MemoryRegion{shard.base(), static_cast<size_t>(shard.total_bytes()),
+                          static_cast<size_t>(shard.bytes_per_block()), shard.memory_type()};
+    };
+    if (group_->size() == 1) {
+      transfer_ = std::move(rank_transfers[0]);
+      PDSERVE_RETURN_IF_ERROR(transfer_->RegisterPool(region(pool), layout_));
+    } else {
+      auto ranked = RankedKvTransfer::Create(std::move(rank_transfers));
+      if (!ranked.ok()) return ranked.status();
+      for (int r = 0; r < group_->size(); ++r) {
+        PDSERVE_RETURN_IF_ERROR(
+            (*ranked)->RegisterRankPool(r, region(engine_->kv_pool(r)), layout_));
+      }
+      transfer_ = std::move(*ranked);
+    }
     for (const std::string& d : *devices) device_ += (device_.empty() ? "" : ",") + d;
 
     // Structured outputs: the vocabulary as bytes, and the compiler thread.

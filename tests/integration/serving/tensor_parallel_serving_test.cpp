@@ -1,8 +1,9 @@
 // Tensor-parallel workers (docs/tensor-parallel.md) serving through the
 // real router: a worker of 2 CPU ranks writes the text `pdserve generate`
 // writes at TP 1 (greedy), registers as one worker whose capacity is its
-// ranks' shared block count, reports its ranks on /metrics, prefills
-// locally beside a prefill worker (no KV hand-off with TP workers yet), and
+// ranks' shared block count, reports its ranks on /metrics, hands KV off
+// between a TP-2 prefill and a TP-2 decode worker (rank to rank), prefills
+// locally beside a prefill worker of another TP size, and
 // a rank that fails takes the whole worker down (exit 1, no hang) while its
 // request fails over to another worker.
 #include <gtest/gtest.h>
@@ -99,9 +100,9 @@ TEST(TensorParallelServingTest, Stories260KTp2WorkerWritesWhatGenerateWritesAtTp
   ExpectTp2ServesAsTp1(real, "tp-stories");
 }
 
-// KV hand-off with a tensor-parallel worker is not built: the handshake
-// refuses it naming the sizes, no KV moves, and the decode worker prefills
-// the prompt itself, writing what generate writes.
+// A hand-off needs the same split of the KV heads on both ends: between
+// TP 1 and TP 2 the handshake refuses it naming the sizes, no KV moves, and
+// the decode worker prefills the prompt itself, writing what generate writes.
 TEST(TensorParallelServingTest, ATp2DecodeWorkerBesideATp1PrefillWorkerPrefillsLocally) {
   const std::string real = RealModelDir();
   if (real.empty()) GTEST_SKIP() << "the shared stories260K model is absent";
@@ -116,6 +117,56 @@ TEST(TensorParallelServingTest, ATp2DecodeWorkerBesideATp1PrefillWorkerPrefillsL
       << prefill.proc.Log();
   EXPECT_EQ(LocalStack::Metric(decode.metrics_port, "pdserve_kv_transfer_bytes_total"), 0);
   EXPECT_EQ(LocalStack::Metric(prefill.metrics_port, "pdserve_kv_transfer_bytes_total"), 0);
+}
+
+// Long enough (> --max-local-prefill, several blocks) to be prefilled remotely.
+constexpr const char* kHandoffPrompt =
+    "Once upon a time there was a little girl who loved to play in the park with her dog. "
+    "One day the dog ran away and the girl was very sad. She looked for him";
+
+// One disaggregated request, prefill and decode workers both of `tp` ranks:
+// the text equals generate's (at TP 1), and the KV bytes the prefill worker
+// sent, which the decode worker received; -1 when the stack did not start.
+double HandOffBytes(const std::string& model, const std::string& name, const std::string& tp) {
+  LocalStack stack(name);
+  stack.SetModel(model);
+  stack.StartRouter({"--max-local-prefill", "4"});
+  WorkerProc& prefill = stack.StartWorker("prefill", {"--tensor-parallel", tp});
+  WorkerProc& decode = stack.StartWorker("decode", {"--tensor-parallel", tp});
+  if (!stack.WaitReady()) {
+    ADD_FAILURE() << "the stack did not start";
+    return -1;
+  }
+  ExpectSameAsGenerate(stack, kHandoffPrompt, 12);
+  const double out = LocalStack::Metric(prefill.metrics_port, "pdserve_kv_transfer_bytes_total",
+                                        "direction=\"out\"");
+  const double in = LocalStack::Metric(decode.metrics_port, "pdserve_kv_transfer_bytes_total",
+                                       "direction=\"in\"");
+  EXPECT_EQ(out, in);
+  EXPECT_GT(
+      LocalStack::Metric(stack.http_port(), "pdserve_router_decisions_total", "remote_prefill"), 0);
+  return out;
+}
+
+// TP 2 to TP 2: each rank's shard of every block goes to the peer's same
+// rank. Every head's KV must arrive (a missing shard changes the text), and
+// the bytes are one copy of the blocks: what a TP-1 pair moves for the same
+// prompt, since a TP-1 block holds every head.
+void ExpectTp2HandOffAsTp1(const std::string& model, const std::string& name) {
+  const double tp2 = HandOffBytes(model, name + "-2", "2");
+  const double tp1 = HandOffBytes(model, name + "-1", "1");
+  EXPECT_GT(tp1, 0);
+  EXPECT_EQ(tp2, tp1);
+}
+
+TEST(TensorParallelServingTest, TinyTp2PrefillHandsKvToTp2Decode) {
+  ExpectTp2HandOffAsTp1(LocalStack::Model(), "tp-handoff-tiny");
+}
+
+TEST(TensorParallelServingTest, Stories260KTp2PrefillHandsKvToTp2Decode) {
+  const std::string real = RealModelDir();
+  if (real.empty()) GTEST_SKIP() << "the shared stories260K model is absent";
+  ExpectTp2HandOffAsTp1(real, "tp-handoff-stories");
 }
 
 TEST(TensorParallelServingTest, AFailingRankTakesTheWorkerDownAndItsRequestFailsOver) {
