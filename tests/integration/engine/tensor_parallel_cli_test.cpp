@@ -138,9 +138,8 @@ TEST(TensorParallelCliTest, BadDeviceListsAndSizesAreOneLineBeforeTheModelIsRead
   }
 }
 
-TEST(TensorParallelCliTest, UpForwardsTheSizeButRefusesItWithPrefillWorkers) {
-  ExpectOneLineUsageError(Pdserve({"up", "--tensor-parallel", "2"}),
-                          "--tensor-parallel 2 needs --prefill 0");
+// A stack of tensor-parallel workers runs in tests/integration/up/up_test.cpp.
+TEST(TensorParallelCliTest, UpRefusesASizeOutOfRange) {
   ExpectOneLineUsageError(Pdserve({"up", "--tensor-parallel", "9", "--prefill", "0"}),
                           "--tensor-parallel must be 1 to 8");
 }
