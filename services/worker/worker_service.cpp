@@ -23,6 +23,7 @@
 #include "common/tokenizer/tokenizer.h"
 #include "engine/engine.h"
 #include "engine/model.h"
+#include "engine/model_config.h"
 #include "engine/model_fingerprint.h"
 #include "engine/model_group.h"
 #include "services/protocol/kv_events.h"
@@ -60,9 +61,9 @@ Status CheckPeerLayout(const WorkerContext& ctx, const proto::TransferHello& hel
   auto peer_layout = KvLayout::Decode(hello.kv_layout());
   if (!peer_layout.ok())
     return Status::InvalidArgument("bad KV layout from peer: " + peer_layout.status().message());
-  // The layouts include tensor_parallel: both ends split the heads alike,
-  // and the transfer moves rank r's shard of each block to the peer's rank r.
-  return CheckLayoutsMatch(*ctx.layout, *peer_layout);
+  // Workers of other tensor-parallel sizes exchange blocks head range by
+  // head range (transport/ranked_transfer.h); all else must match.
+  return CheckLayoutsMatchExceptSplit(*ctx.layout, *peer_layout);
 }
 
 namespace {
@@ -171,22 +172,22 @@ class WorkerServiceImpl : public WorkerService {
                                   std::string(rank_transfers[0]->backend()));
     layout_.model_fingerprint = engine_->kv_fingerprint();
     layout_.tensor_parallel = group_->size();
-    auto region = [](const KvCachePool& shard) {
-      return MemoryRegion{shard.base(), static_cast<size_t>(shard.total_bytes()),
-                          static_cast<size_t>(shard.bytes_per_block()), shard.memory_type()};
-    };
-    if (group_->size() == 1) {
-      transfer_ = std::move(rank_transfers[0]);
-      PDSERVE_RETURN_IF_ERROR(transfer_->RegisterPool(region(pool), layout_));
-    } else {
-      auto ranked = RankedKvTransfer::Create(std::move(rank_transfers));
-      if (!ranked.ok()) return ranked.status();
-      for (int r = 0; r < group_->size(); ++r) {
-        PDSERVE_RETURN_IF_ERROR(
-            (*ranked)->RegisterRankPool(r, region(engine_->kv_pool(r)), layout_));
-      }
-      transfer_ = std::move(*ranked);
+    // The model's KV heads, all ranks together: a rank's layout holds its share.
+    int64_t kv_heads = layout_.kv_heads;
+    if (group_->size() > 1) {
+      auto config = LoadModelConfig(opts_.model_dir);
+      if (!config.ok()) return config.status();
+      kv_heads = config->num_kv_heads;
     }
+    auto ranked = RankedKvTransfer::Create(std::move(rank_transfers), kv_heads);
+    if (!ranked.ok()) return ranked.status();
+    for (int r = 0; r < group_->size(); ++r) {
+      const KvCachePool& shard = engine_->kv_pool(r);
+      MemoryRegion region{shard.base(), static_cast<size_t>(shard.total_bytes()),
+                          static_cast<size_t>(shard.bytes_per_block()), shard.memory_type()};
+      PDSERVE_RETURN_IF_ERROR((*ranked)->RegisterRankPool(r, region, layout_));
+    }
+    transfer_ = std::move(*ranked);
     for (const std::string& d : *devices) device_ += (device_.empty() ? "" : ",") + d;
 
     // Structured outputs: the vocabulary as bytes, and the compiler thread.
@@ -720,7 +721,7 @@ class WorkerServiceImpl : public WorkerService {
   Model* model_ = nullptr;             // rank 0's shard
   std::unique_ptr<Tokenizer> tokenizer_;
   std::unique_ptr<Engine> engine_;
-  std::unique_ptr<KvTransfer> transfer_;
+  std::unique_ptr<RankedKvTransfer> transfer_;
   KvLayout layout_;
   std::string device_;
   std::string model_id_;
