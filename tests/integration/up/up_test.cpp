@@ -191,8 +191,13 @@ TEST(UpTest, TensorParallelWorkersHandKvOff) {
   HttpResult r =
       HttpRequest(std::stoi(port[1].str()), "POST", "/v1/completions", req.dump(), {}, 60s);
   ASSERT_EQ(r.status, 200) << r.body;
-  std::ifstream decode_log(dir + "/logs/decode-0.log");
-  const std::string decode(std::istreambuf_iterator<char>(decode_log), {});
+  // The worker logs a request just after its last token went out.
+  std::string decode;
+  for (int i = 0; i < 100 && decode.find("remote prefill") == std::string::npos; ++i) {
+    if (i > 0) std::this_thread::sleep_for(100ms);
+    std::ifstream decode_log(dir + "/logs/decode-0.log");
+    decode.assign(std::istreambuf_iterator<char>(decode_log), {});
+  }
   EXPECT_NE(decode.find("remote prefill"), std::string::npos) << decode;
   EXPECT_NE(decode.find("tensor_parallel=2"), std::string::npos) << decode;
   up.Signal(SIGTERM);
