@@ -132,34 +132,39 @@ double HandOffBytes(const std::string& model, const std::string& name, int prefi
   return out;
 }
 
+// A prefill worker of `a` ranks handing off to a decode worker of `b`; a
+// block moves `copies` copies of its bytes (above 1 where the decode worker
+// replicates KV heads, each sent to every rank that holds it).
+struct HandOff {
+  int a, b;
+  double copies = 1;
+};
+
 // Every head's KV must arrive in the right place (a shard missing or
-// misplaced changes the text); the bytes are one copy of the blocks, what a
-// TP-1 pair moves for the same prompt (a TP-1 block holds every head), times
-// the receiving ranks per KV head where heads are replicated.
-void ExpectHandOff(const std::string& model, const std::string& name,
-                   std::vector<std::pair<int, int>> sizes, double one_copy_factor_for_last = 1) {
+// misplaced changes the text); the bytes are those a TP-1 pair moves for the
+// same prompt (a TP-1 block holds every head), times `copies`.
+void ExpectHandOffs(const std::string& model, const std::string& name,
+                    const std::vector<HandOff>& cases) {
   const double tp1 = HandOffBytes(model, name + "-1-1", 1, 1);
   ASSERT_GT(tp1, 0);
-  for (size_t i = 0; i < sizes.size(); ++i) {
-    const auto [a, b] = sizes[i];
-    SCOPED_TRACE("prefill TP " + std::to_string(a) + ", decode TP " + std::to_string(b));
-    const double factor = i + 1 == sizes.size() ? one_copy_factor_for_last : 1;
-    EXPECT_EQ(HandOffBytes(model, name + "-" + std::to_string(a) + "-" + std::to_string(b), a, b),
-              tp1 * factor);
+  for (const HandOff& c : cases) {
+    const std::string sizes = std::to_string(c.a) + "-" + std::to_string(c.b);
+    SCOPED_TRACE("prefill TP " + std::to_string(c.a) + ", decode TP " + std::to_string(c.b));
+    EXPECT_EQ(HandOffBytes(model, name + "-" + sizes, c.a, c.b), tp1 * c.copies);
   }
 }
 
 // The tiny preset has 2 KV heads: at decode TP 4 each is replicated on 2
 // ranks and sent to both (twice one copy).
 TEST(TensorParallelServingTest, TinyHandsKvOffBetweenTpSizes) {
-  ExpectHandOff(LocalStack::Model(), "tp-handoff-tiny", {{2, 2}, {2, 1}, {1, 2}, {1, 4}}, 2);
+  ExpectHandOffs(LocalStack::Model(), "tp-handoff-tiny", {{2, 2}, {2, 1}, {1, 2}, {1, 4, 2}});
 }
 
 // stories260K has 4 KV heads: TP 1, 2 and 4 split them without replication.
 TEST(TensorParallelServingTest, Stories260KHandsKvOffBetweenTpSizes) {
   const std::string real = RealModelDir();
   if (real.empty()) GTEST_SKIP() << "the shared stories260K model is absent";
-  ExpectHandOff(real, "tp-handoff-stories", {{2, 2}, {2, 1}, {1, 2}, {2, 4}, {4, 2}});
+  ExpectHandOffs(real, "tp-handoff-stories", {{2, 2}, {2, 1}, {1, 2}, {2, 4}, {4, 2}});
 }
 
 TEST(TensorParallelServingTest, AFailingRankTakesTheWorkerDownAndItsRequestFailsOver) {
