@@ -4,7 +4,10 @@ namespace pdserve {
 
 std::string KvEviction::Describe() const {
   std::string s;
-  if (mode != Mode::kNone) {
+  if (mode == Mode::kSnapKv) {
+    s = "snapkv budget=" + std::to_string(budget_tokens) +
+        " window=" + std::to_string(observation_window);
+  } else if (mode != Mode::kNone) {
     s = std::string(KvEvictionModeName(mode)) + " sinks=" + std::to_string(sink_tokens) +
         " window=" + std::to_string(window_tokens);
   }
@@ -16,11 +19,19 @@ std::string KvEviction::Describe() const {
 std::optional<KvEviction::Mode> ParseKvEvictionMode(std::string_view name) {
   if (name == "none") return KvEviction::Mode::kNone;
   if (name == "streaming") return KvEviction::Mode::kStreaming;
+  if (name == "snapkv") return KvEviction::Mode::kSnapKv;
   return std::nullopt;
 }
 
 std::string_view KvEvictionModeName(KvEviction::Mode mode) {
-  return mode == KvEviction::Mode::kStreaming ? "streaming" : "none";
+  switch (mode) {
+    case KvEviction::Mode::kStreaming:
+      return "streaming";
+    case KvEviction::Mode::kSnapKv:
+      return "snapkv";
+    default:
+      return "none";
+  }
 }
 
 }  // namespace pdserve

@@ -503,6 +503,31 @@ Status BlockManager::Free(SeqId seq_id) {
   return Status::Ok();
 }
 
+Status BlockManager::AdoptBlocks(SeqId seq_id, SeqId from_id) {
+  Impl& m = *impl_;
+  std::lock_guard lock(m.mu);
+  auto it = m.sequences.find(seq_id), from = m.sequences.find(from_id);
+  if (it == m.sequences.end() || from == m.sequences.end()) {
+    return Status::NotFound("block manager: unknown sequence " +
+                            std::to_string(it == m.sequences.end() ? seq_id : from_id));
+  }
+  if (seq_id == from_id) return Status::InvalidArgument("block manager: a sequence adopts itself");
+  auto held = [](const Sequence& s) {
+    size_t n = 0;
+    for (const auto& table : s.tables)
+      n += std::count_if(table.begin(), table.end(), [](BlockId b) { return b != kNil; });
+    return n;
+  };
+  const size_t before = held(it->second), after = held(from->second);
+  const size_t released = it->second.released + (before > after ? before - after : 0);
+  m.released_total += before > after ? before - after : 0;
+  m.ReleaseAll(it->second);
+  it->second = std::move(from->second);
+  it->second.released = released;
+  m.sequences.erase(from);
+  return Status::Ok();
+}
+
 StatusOr<PinId> BlockManager::Pin(SeqId seq_id, size_t first_block) {
   Impl& m = *impl_;
   std::lock_guard lock(m.mu);

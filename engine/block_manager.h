@@ -242,6 +242,14 @@ class BlockManager {
   // to the free list. NotFound for an unknown seq.
   Status Free(SeqId seq);
 
+  // SnapKV's compaction: `seq` releases every block it holds, as Free does
+  // (committed ones go to the LRU list, still matchable; no events), and
+  // takes `from`'s tables, blocks and committed prefix instead; `from` is
+  // gone. The entries `seq` had beyond `from`'s count as released
+  // (ReleasedBlocks). NotFound for either unknown; InvalidArgument for
+  // seq == from.
+  Status AdoptBlocks(SeqId seq, SeqId from);
+
   // Takes one extra reference on every block of `seq`'s tables from entry
   // `first_block` on, so they are neither reused nor evicted until Unpin,
   // even after Free(seq). For a prefill worker sending a prompt's KV, and a

@@ -26,6 +26,13 @@ StatusOr<CapacityPlan> PlanCapacity(const CapacityRequest& r) {
   if (r.shape.sliding_layers < 0 || r.shape.sliding_layers > r.shape.layers) {
     return Status::InvalidArgument("sliding layers must be between 0 and the layers");
   }
+  if (r.snapkv_budget < 0 || r.output_tokens < 0 || r.output_tokens >= r.context_tokens) {
+    return Status::InvalidArgument(
+        "output tokens must be within 0 .. context - 1, the budget >= 0");
+  }
+  if (r.snapkv_budget > 0 && (r.shape.sliding_layers > 0 || r.shape.is_mla())) {
+    return Status::InvalidArgument("snapkv: the model has sliding-window layers or MLA");
+  }
   if (r.shape.sliding_layers > 0 && r.shape.sliding_window <= 0) {
     return Status::InvalidArgument("sliding window must be positive");
   }
@@ -86,6 +93,13 @@ StatusOr<CapacityPlan> PlanCapacity(const CapacityRequest& r) {
       shape.sliding_layers == shape.layers && shape.sliding_layers > 0
           ? (plan.sliding_tokens_per_sequence + r.block_size - 1) / r.block_size
           : plan.blocks_per_sequence_dense;
+  if (r.snapkv_budget > 0) {
+    // The kept prompt tokens sit in blocks of their own, the output after them.
+    const int64_t prompt = r.context_tokens - r.output_tokens;
+    const int64_t kept = std::min(prompt, r.snapkv_budget) + r.output_tokens;
+    plan.kv_bytes_per_sequence = stored_per_token * kept;
+    plan.blocks_per_sequence = (kept + r.block_size - 1) / r.block_size;
+  }
   constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
   const double budget =
       r.gpu_mem_gib * kGiB * (1.0 - r.reserve_ratio) - plan.weights_gib_per_device * kGiB;

@@ -57,6 +57,12 @@ struct CapacityRequest {
   // there are fewer than devices; MLA's latent is cached on every device.
   int64_t tensor_parallel = 1;
   double replicated_weights_gib = 0;
+  // SnapKV (--kv-eviction snapkv, docs/kv-eviction.md): the context is a
+  // prompt then output_tokens generated ones, and a prompt longer than
+  // snapkv_budget keeps that many tokens per layer; a decoding sequence
+  // then holds min(prompt, budget) + output tokens. 0: no compression.
+  int64_t snapkv_budget = 0;
+  int64_t output_tokens = 0;
 };
 
 struct CapacityPlan {

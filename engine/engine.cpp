@@ -8,6 +8,7 @@
 #include "common/kv_groups.h"
 #include "common/logging.h"
 #include "common/tokenizer/tokenizer.h"
+#include "engine/snapkv.h"
 
 namespace pdserve {
 
@@ -43,6 +44,13 @@ struct Engine::Sequence {
   std::optional<StopChecker> stop;
   std::optional<structured::Matcher> matcher;  // structured outputs
   RequestId share_prompt_with = 0;             // admitted once that prompt's KV is computed
+  // SnapKV: the prompt tokens its compression removed (position p is at
+  // cache index p - kv_shift; the block manager counts cache indices), and
+  // whether the prompt is compressed (its blocks are then its own: nothing
+  // more is committed to the prefix cache).
+  int64_t kv_shift = 0;
+  bool compressed = false;
+  std::vector<std::vector<int32_t>> snapkv_kept;  // per layer and KV head (SnapKvKept)
 
   int64_t num_output() const { return static_cast<int64_t>(tokens.size()) - prompt_len; }
 };
@@ -58,6 +66,29 @@ Status CheckEvictionFits(const KvEviction& ev, const EngineOptions& options, int
   if (options.kv_host_cache_bytes > 0 || !options.kv_disk_cache_dir.empty()) {
     return Status::InvalidArgument("--kv-eviction/--kv-selection (" + ev.Describe() +
                                    "): lower KV tiers do not take them yet");
+  }
+  if (ev.mode == KvEviction::Mode::kSnapKv) {
+    // The gather copies token rows between blocks: a scaled dtype's rows
+    // would change scale on the way.
+    if (options.kv_dtype != DType::kF32 && options.kv_dtype != DType::kF16 &&
+        options.kv_dtype != DType::kBF16) {
+      return Status::InvalidArgument("--kv-eviction snapkv: --kv-dtype " +
+                                     std::string(DTypeName(options.kv_dtype)) +
+                                     " is not taken yet (fp32, fp16 or bf16)");
+    }
+    // The observation window's queries are those of one prefill chunk.
+    if (ev.observation_window > options.max_num_batched_tokens) {
+      return Status::InvalidArgument(
+          "--kv-observation-window " + std::to_string(ev.observation_window) +
+          " is longer than a prefill chunk (" + std::to_string(options.max_num_batched_tokens) +
+          " tokens per step)");
+    }
+    if ((ev.budget_tokens + 1 + B - 1) / B > pool_blocks) {
+      return Status::InvalidArgument("--kv-budget-tokens " + std::to_string(ev.budget_tokens) +
+                                     " needs more blocks than the KV pool's " +
+                                     std::to_string(pool_blocks));
+    }
+    return Status::Ok();
   }
   if (ev.mode != KvEviction::Mode::kStreaming) return Status::Ok();
   if (ev.window_tokens < B) {
@@ -300,6 +331,9 @@ void Engine::Preempt(Sequence* s) {
   s->num_computed = 0;
   s->reported_full_blocks = 0;  // recomputed blocks are reported again
   s->hashes.clear();
+  s->kv_shift = 0;  // the prompt is prefilled and compressed again
+  s->compressed = false;
+  s->snapkv_kept.clear();
   s->state = Sequence::State::kWaiting;
   Remove(&running_, s);
   InsertSorted(&waiting_, s);
@@ -502,6 +536,64 @@ void Engine::ProcessTierWork() {
 
 bool Engine::ranks_failed() const { return executor_->failed(); }
 
+int64_t Engine::snapkv_window() const { return model_->config().kv_eviction.observation_window; }
+
+bool Engine::SnapKvPending(const Sequence& s) const {
+  const KvEviction& ev = model_->config().kv_eviction;
+  return ev.mode == KvEviction::Mode::kSnapKv && !s.compressed && !s.prefill_only &&
+         s.prompt_len > ev.budget_tokens && s.num_computed < s.prompt_len;
+}
+
+int64_t Engine::SnapKvChunk(const Sequence& s, int64_t n) const {
+  if (!SnapKvPending(s)) return n;
+  const int64_t end = s.num_computed + n, P = s.prompt_len;
+  // The prompt is compressed before anything after it is computed (a
+  // recomputed sequence's generated tokens), and its last W tokens are one
+  // chunk's, whose queries are captured.
+  if (end >= P) return P - s.num_computed;
+  if (P - end < snapkv_window()) return P - snapkv_window() - s.num_computed;
+  return n;
+}
+
+Status Engine::CompressPrompt(Sequence* s, const std::vector<float>& captured, int64_t k,
+                              int64_t count) {
+  const ModelConfig& c = model_->config();
+  const int64_t W = snapkv_window(), B = c.kv_eviction.budget_tokens, P = s->prompt_len;
+  const int64_t width = c.num_heads * c.head_dim;
+  std::vector<float> queries(static_cast<size_t>(c.num_layers * W * width));
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    const float* from = captured.data() + ((l * count + k) * W) * width;
+    std::copy(from, from + W * width, queries.begin() + l * W * width);
+  }
+  std::vector<int32_t> from;
+  for (BlockId b : blocks_->BlockTable(s->id)) from.push_back(static_cast<int32_t>(b));
+  executor_->Synchronize();
+  const auto kept = SnapKvSelect(c, pool_->layout(), pool_->base(), from, P, queries.data());
+  // Fresh private blocks for the B kept tokens, taken before the prompt's
+  // are let go (a fixed id: the compaction completes within this call).
+  constexpr SeqId kCompacted = ~SeqId{0};
+  AdmitRequest req;
+  req.seq = kCompacted;
+  req.num_tokens = static_cast<size_t>(B);
+  auto fresh = blocks_->Admit(req);
+  if (!fresh.ok()) {
+    // No room beside the full prompt: the request stays dense.
+    PDSERVE_LOG(WARN) << "engine: request " << s->id << ": no KV blocks to compress its prompt of "
+                      << P << " tokens into; it keeps them all";
+    s->compressed = true;  // never tried again; the cache indices stay the positions
+    return Status::Ok();
+  }
+  std::vector<int32_t> to;
+  for (BlockId b : blocks_->BlockTable(kCompacted)) to.push_back(static_cast<int32_t>(b));
+  SnapKvGather(pool_->layout(), pool_->base(), from, to, kept);
+  PDSERVE_RETURN_IF_ERROR(blocks_->AdoptBlocks(s->id, kCompacted));
+  s->kv_shift = P - B;
+  s->compressed = true;
+  s->snapkv_kept = kept;
+  snapkv_evicted_tokens_ += static_cast<uint64_t>(P - B);
+  return Status::Ok();
+}
+
 StatusOr<std::vector<RequestOutput>> Engine::Step() {
   std::vector<RequestOutput> outputs;
   ++num_steps_;
@@ -523,17 +615,22 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
       ++i;
       continue;
     }
-    const int64_t n =
-        std::min<int64_t>(static_cast<int64_t>(s->tokens.size()) - s->num_computed, budget);
+    const int64_t n = SnapKvChunk(
+        *s, std::min<int64_t>(static_cast<int64_t>(s->tokens.size()) - s->num_computed, budget));
+    if (n <= 0) {  // the observation window waits for a step with room for all of it
+      ++i;
+      continue;
+    }
+    const int64_t at = s->num_computed - s->kv_shift;  // cache index of the first new token
     bool scheduled = true;
     for (;;) {
-      Status st = blocks_->AllocateSlots(s->id, static_cast<size_t>(s->num_computed + n),
-                                         static_cast<size_t>(s->num_computed));
+      Status st =
+          blocks_->AllocateSlots(s->id, static_cast<size_t>(at + n), static_cast<size_t>(at));
       if (st.ok()) break;
       if (st.code() != StatusCode::kResourceExhausted) return st;
       Sequence* victim = running_.back();
       if (victim == s) {
-        const int64_t needed = BlocksHeld(s->num_computed, s->num_computed + n);
+        const int64_t needed = BlocksHeld(at, at + n);
         if (i == 0 && needed > pool_->num_blocks()) {
           // Alone and still too big for the whole pool: it can never continue.
           RequestOutput out;
@@ -574,7 +671,12 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
       s->share_prompt_with = 0;
     }
     const int64_t total = static_cast<int64_t>(s->tokens.size());
-    const std::vector<BlockHash> hashes = PrefixHashes(*s);
+    std::vector<BlockHash> hashes = PrefixHashes(*s);
+    if (SnapKvPending(*s)) {
+      // The observation window's queries are computed here, never cached.
+      const auto limit = static_cast<size_t>((s->prompt_len - snapkv_window()) / B);
+      if (hashes.size() > limit) hashes.resize(limit);
+    }
     const int64_t cached = static_cast<int64_t>(blocks_->FindCachedPrefix(hashes)) * B;
     // The blocks that continue the cached prefix in a lower tier: admitted
     // now, copied back while the request waits.
@@ -615,7 +717,8 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
       continue;
     }
     const int64_t covered = static_cast<int64_t>(blocks_->BlockTable(s->id).size()) * B;
-    const int64_t n = std::min({total - s->num_computed, budget, covered - s->num_computed});
+    const int64_t n =
+        SnapKvChunk(*s, std::min({total - s->num_computed, budget, covered - s->num_computed}));
     if (n <= 0) continue;  // nothing covered yet; it runs next step
     sched.push_back({s, n});
     budget -= n;
@@ -629,7 +732,11 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
   // 3. The step: the executor runs it and samples.
   std::vector<ScheduledSeq> step;
   std::vector<Sequence*> sampled_seqs;
-  std::vector<Sequence*> dead_ends;  // constrained rows no token can follow
+  std::vector<Sequence*> dead_ends;   // constrained rows no token can follow
+  std::vector<Sequence*> observing;   // SnapKV: prompts this step ends, to compress
+  std::vector<int32_t> capture_rows;  // their observation windows' token rows
+  std::vector<float> captured;        // the rows' queries, [layers][rows][heads * head_dim]
+  int64_t row = 0;
   const auto groups = static_cast<uint32_t>(blocks_->num_groups());
   step.reserve(sched.size());
   size_t mask_words = 0, mask_at = 0;
@@ -644,6 +751,7 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
     x.tokens = s->tokens;
     x.num_computed = s->num_computed;
     x.num_new = sc.n;
+    x.kv_offset = s->kv_shift;
     // One table per layer group; a windowed group's released entries are
     // kNoBlock, never read.
     for (uint32_t g = 0; g < groups; ++g) x.tables.push_back(blocks_->BlockTable(s->id, g));
@@ -666,19 +774,41 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
       }
     }
     if (x.sample) sampled_seqs.push_back(s);
+    if (SnapKvPending(*s) && s->num_computed + sc.n == s->prompt_len) {
+      // This chunk ends the prompt: its last W queries choose what is kept.
+      observing.push_back(s);
+      for (int64_t j = sc.n - snapkv_window(); j < sc.n; ++j) {
+        capture_rows.push_back(static_cast<int32_t>(row + j));
+      }
+    }
+    row += sc.n;
+  }
+  if (!capture_rows.empty()) {
+    const ModelConfig& c = model_->config();
+    captured.resize(static_cast<size_t>(c.num_layers) * capture_rows.size() * c.num_heads *
+                    c.head_dim);
+    model_->CaptureQueries(capture_rows.data(), static_cast<int64_t>(capture_rows.size()),
+                           captured.data());
   }
   auto sampled = executor_->Execute(step);
+  if (!capture_rows.empty()) model_->CaptureQueries(nullptr, 0, nullptr);  // even on failure
   if (!sampled.ok()) return sampled.status();
 
   // 4. Bookkeeping: computed tokens, prefix-cache commits, sampling.
   for (const auto& sc : sched) {
     Sequence* s = sc.seq;
     s->num_computed += sc.n;
-    if (options_.enable_prefix_caching) {
+    if (options_.enable_prefix_caching && !s->compressed) {
       ExtendPromptHashes(s->hash_seed, std::span<const TokenId>(s->tokens.data(), s->num_computed),
                          static_cast<size_t>(B), &s->hashes);
       PDSERVE_RETURN_IF_ERROR(blocks_->CommitBlocks(s->id, s->hashes));
     }
+  }
+  // SnapKV: the prompts this step completed keep their chosen tokens in
+  // blocks of their own; the full prompt's blocks stay in the prefix cache.
+  for (size_t k = 0; k < observing.size(); ++k) {
+    PDSERVE_RETURN_IF_ERROR(
+        CompressPrompt(observing[k], captured, k, static_cast<int64_t>(observing.size())));
   }
   // Streamed prefills: full prompt blocks that this step completed, for
   // sequences not sampled (finished) this step; their last output has them all.
@@ -709,10 +839,17 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
   for (size_t r = 0; r < sampled_seqs.size(); ++r) {
     Sequence* s = sampled_seqs[r];
     SampledToken& token = (*sampled)[r];
-    // The runner sampled inside the mask, so the matcher takes the token.
-    if (s->matcher) (void)s->matcher->AcceptToken(token.token);
     RequestOutput out;
     out.id = s->id;
+    // The runner sampled inside the mask, so the matcher takes the token,
+    // except past its stack limits (matcher.h): then the request ends there
+    // rather than emit text its constraint refuses.
+    if (s->matcher && !s->matcher->AcceptToken(token.token)) {
+      if (s->stop) out.text = s->stop->Flush();
+      FinishSequence(s, FinishReason::kLength, &out);
+      outputs.push_back(std::move(out));
+      continue;
+    }
     ProcessToken(s, token, &out);
     outputs.push_back(std::move(out));
   }
@@ -747,10 +884,19 @@ bool Engine::HasUnfinished() const { return !requests_.empty(); }
 
 bool Engine::HasRequest(RequestId id) const { return requests_.count(id) > 0; }
 
+std::vector<std::vector<int32_t>> Engine::SnapKvKept(RequestId id) const {
+  auto it = requests_.find(id);
+  return it == requests_.end() ? std::vector<std::vector<int32_t>>{} : it->second->snapkv_kept;
+}
+
 StatusOr<RemotePrefillPlan> Engine::AddRemotePrefillRequest(EngineRequest request) {
   PDSERVE_RETURN_IF_ERROR(ValidateRequest(request));
   if (request.prefill_only) {
     return Status::InvalidArgument("a remote-prefill request cannot be prefill_only");
+  }
+  if (model_->config().kv_eviction.mode == KvEviction::Mode::kSnapKv) {
+    return Status::Unsupported(
+        "--kv-eviction snapkv: a compressed prompt does not cross a disaggregated hand-off yet");
   }
   auto seq = NewSequence(std::move(request));
   Sequence* s = seq.get();
@@ -876,6 +1022,7 @@ EngineStats Engine::GetStats() const {
   }
   st.num_preemptions = num_preemptions_;
   st.num_steps = num_steps_;
+  st.snapkv_evicted_tokens = snapkv_evicted_tokens_;
   st.blocks = blocks_->GetStats();
   return st;
 }

@@ -54,7 +54,10 @@
 // (--kv-eviction streaming, docs/kv-eviction.md) window every layer and also
 // keep the sink blocks; the context is then not capped at the model's.
 // Engine::Create refuses a window below one block or beyond the pool, and
-// lower tiers with a mode.
+// lower tiers with a mode. SnapKV (--kv-eviction snapkv, engine/snapkv.h)
+// runs a prompt over the budget with its last W tokens in one chunk, then
+// gathers the positions each layer and KV head keeps into blocks of the
+// request's own (its prompt blocks stay cached); remote prefill is refused.
 //
 // Thread safety: none. One thread drives an engine (AddRequest, Step,
 // Cancel, ...); block_manager() is safe to read from other threads.
@@ -225,6 +228,9 @@ struct EngineStats {
   int64_t num_remote_waiting = 0;  // parked for remote KV
   uint64_t num_preemptions = 0;    // pdserve_preemptions_total
   uint64_t num_steps = 0;
+  // SnapKV: prompt tokens its compressions released (per layer and KV head,
+  // P - B for each compressed prompt): pdserve_kv_evicted_tokens_total{mode="snapkv"}.
+  uint64_t snapkv_evicted_tokens = 0;
   BlockManagerStats blocks;
   EngineTierStats tiers;
 };
@@ -273,6 +279,10 @@ class Engine {
   // True while any request is queued, running or parked.
   bool HasUnfinished() const;
   bool HasRequest(RequestId id) const;
+  // SnapKV: the prompt positions request `id` kept, per layer and KV head
+  // (kept[layer * kv_heads + head], ascending), once its prompt is
+  // compressed; empty before, or for a prompt within the budget.
+  std::vector<std::vector<int32_t>> SnapKvKept(RequestId id) const;
 
   // --- disaggregation (see the header comment) ---
   StatusOr<RemotePrefillPlan> AddRemotePrefillRequest(EngineRequest request);
@@ -346,6 +356,15 @@ class Engine {
   int64_t BlocksHeld(int64_t computed, int64_t tokens) const;
   // Copies finished onloads into the pool and records the tiers' changes.
   void ProcessTierWork();
+  // SnapKV (engine/snapkv.h): whether `s` has a prompt over the budget yet
+  // to compress; the chunk of n tokens it may run now (its observation
+  // window whole in one chunk that ends the prompt; 0: wait); the
+  // compression of a prompt whose queries are sequence k of `count` in
+  // `captured` ([layers][count][W][heads * head_dim]).
+  bool SnapKvPending(const Sequence& s) const;
+  int64_t SnapKvChunk(const Sequence& s, int64_t n) const;
+  int64_t snapkv_window() const;
+  Status CompressPrompt(Sequence* s, const std::vector<float>& captured, int64_t k, int64_t count);
 
   Model* model_ = nullptr;
   const Tokenizer* tokenizer_ = nullptr;
@@ -371,6 +390,7 @@ class Engine {
   uint64_t next_arrival_ = 0;
   uint64_t num_preemptions_ = 0;
   uint64_t num_steps_ = 0;
+  uint64_t snapkv_evicted_tokens_ = 0;
   std::vector<uint64_t> token_masks_;           // structured outputs' masks of the step
   std::vector<RequestOutput> pending_outputs_;  // reported by the next Step()
   std::unique_ptr<Executor> executor_;          // runs each step (declared last: goes first)

@@ -134,8 +134,17 @@ Status Model::LoadMlaAttention(const WeightFiles& files, const std::string& pref
                                int64_t* step_bytes) {
   const ModelConfig& c = config_;
   MlaWeights& M = layer->mla;
-  const int64_t H = c.hidden_size, heads = c.num_heads, nope = c.qk_nope_head_dim;
+  // Under tensor parallelism the rank keeps its query heads' rows of
+  // q_(b_)proj and kv_b_proj and their columns of o_proj (row-parallel, one
+  // all-reduce after it); q_a_proj and kv_a_proj_with_mqa, which make the
+  // latent every head reads, are replicated, and so is the latent cache.
+  const int n = tp_.size;
+  const int64_t H = c.hidden_size, heads = c.num_heads / n, nope = c.qk_nope_head_dim;
   const int64_t rope = c.qk_rope_head_dim, R = c.kv_lora_rank, vd = c.v_head_dim;
+  const int64_t first_head = tp_.rank * heads;
+  auto head_rows = [&](int64_t per_head) {
+    return n == 1 ? Cut{} : Cut{first_head * per_head, heads * per_head};
+  };
   const std::string a = prefix + "self_attn.";
   int64_t bytes = 0;
   auto take = [&](StatusOr<kernels::LinearWeights> w, kernels::LinearWeights* out) -> Status {
@@ -182,7 +191,7 @@ Status Model::LoadMlaAttention(const WeightFiles& files, const std::string& pref
     q_name = a + "q_b_proj.weight";
   }
   {
-    auto q = Matrix(files, q_name, heads * (nope + rope), q_in);
+    auto q = Matrix(files, q_name, c.num_heads * (nope + rope), q_in, head_rows(nope + rope), {});
     if (!q.ok()) return q.status();
     std::vector<int64_t> nope_rows, pe_rows;
     for (int64_t h = 0; h < heads; ++h) {
@@ -224,7 +233,8 @@ Status Model::LoadMlaAttention(const WeightFiles& files, const std::string& pref
   // kv_b_proj: head h's rows are its nope key rows, then its value rows.
   {
     // fp32, dequantised where the checkpoint is fp8.
-    auto kv_b = Matrix(files, a + "kv_b_proj.weight", heads * (nope + vd), R);
+    auto kv_b = Matrix(files, a + "kv_b_proj.weight", c.num_heads * (nope + vd), R,
+                       head_rows(nope + vd), {});
     if (!kv_b.ok()) return kv_b.status();
     std::vector<float> uk_t(heads * R * nope), uv(heads * vd * R);
     for (int64_t h = 0; h < heads; ++h) {
@@ -251,15 +261,15 @@ Status Model::LoadMlaAttention(const WeightFiles& files, const std::string& pref
     bytes += M.uk_t.stored_bytes() + M.uv.stored_bytes();
   }
 
-  std::vector<std::string> no_bias;
   const float* o_bias = nullptr;
   if (c.o_bias) {
     auto bias = HostVector(files, a + "o_proj.bias", H);
     if (!bias.ok()) return bias.status();
-    o_bias = KeepFloats(std::move(*bias));
+    // Added once to the all-reduced sum: on rank 0 only.
+    if (tp_.rank == 0) o_bias = KeepFloats(std::move(*bias));
   }
   {
-    auto o = Matrix(files, a + "o_proj.weight", H, heads * vd);
+    auto o = Matrix(files, a + "o_proj.weight", H, c.num_heads * vd, {}, head_rows(vd));
     if (!o.ok()) return o.status();
     auto w = backend_->PrepareLinear(&*o, 1, o_bias, /*in_place=*/true, store_.get());
     if (!w.ok()) return w.status();

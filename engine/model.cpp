@@ -24,20 +24,27 @@ std::optional<LoadFormat> ParseLoadFormat(std::string_view name) {
   return std::nullopt;
 }
 
-Status CheckTensorParallel(const ModelConfig& c, int size) {
+Status CheckTensorParallel(const ModelConfig& c, int size, bool expert_parallel) {
   const std::string tp = "tensor parallel size " + std::to_string(size);
   if (size < 1) return Status::InvalidArgument(tp + ": must be at least 1");
   if (size == 1) return Status::Ok();
-  if (c.is_mla()) {
-    return Status::InvalidArgument(tp + ": " + c.architecture +
-                                   " uses multi-head latent attention, which is not split across "
-                                   "ranks yet (docs/tensor-parallel.md)");
+  if (expert_parallel && c.num_experts == 0) {
+    return Status::InvalidArgument("expert parallelism: " + c.architecture +
+                                   " with this config.json has no experts");
+  }
+  if (expert_parallel && c.num_experts % size != 0) {
+    return Status::InvalidArgument(tp + " does not divide the model's " +
+                                   std::to_string(c.num_experts) +
+                                   " experts (expert parallelism deals each rank as many)");
   }
   if (c.num_heads % size != 0) {
     return Status::InvalidArgument(tp + " does not divide the model's " +
                                    std::to_string(c.num_heads) + " attention heads");
   }
-  if (c.num_kv_heads >= size ? c.num_kv_heads % size != 0 : size % c.num_kv_heads != 0) {
+  // MLA caches one latent per token, which every rank keeps whole: no KV
+  // heads to split.
+  if (!c.is_mla() &&
+      (c.num_kv_heads >= size ? c.num_kv_heads % size != 0 : size % c.num_kv_heads != 0)) {
     return Status::InvalidArgument(
         tp + " and the model's " + std::to_string(c.num_kv_heads) +
         " KV heads: one must divide the other (KV heads are split across ranks, or replicated "
@@ -51,9 +58,14 @@ Status CheckTensorParallel(const ModelConfig& c, int size) {
     return Status::InvalidArgument(tp + " exceeds the model's intermediate_size " +
                                    std::to_string(c.intermediate_size));
   }
-  if (c.num_experts > 0 && c.moe_intermediate_size < size) {
-    return Status::InvalidArgument(tp + " exceeds the model's moe_intermediate_size " +
-                                   std::to_string(c.moe_intermediate_size));
+  // Sliced experts: the routed ones unless expert-parallel, the shared ones.
+  const int64_t sliced =
+      expert_parallel ? c.moe_intermediate_size * c.num_shared_experts : c.moe_intermediate_size;
+  if (c.num_experts > 0 && sliced > 0 && sliced < size) {
+    return Status::InvalidArgument(tp + " exceeds the model's " +
+                                   (expert_parallel
+                                        ? "shared experts' width " + std::to_string(sliced)
+                                        : "moe_intermediate_size " + std::to_string(sliced)));
   }
   return Status::Ok();
 }
@@ -67,7 +79,7 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir, kernels::Ba
     return Status::InvalidArgument("tensor parallel rank " + std::to_string(tp.rank) + " of " +
                                    std::to_string(tp.size) + " without a communicator");
   }
-  if (Status ok = CheckTensorParallel(*config, tp.size); !ok.ok()) {
+  if (Status ok = CheckTensorParallel(*config, tp.size, tp.expert_parallel); !ok.ok()) {
     return Status(ok.code(), dir + ": " + ok.message());
   }
   if (tp.size > 1 && eviction.enabled()) {
@@ -78,6 +90,11 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir, kernels::Ba
   if (eviction.sink_tokens > 0 && !backend->SupportsAttentionSinks()) {
     return Status::InvalidArgument("--kv-sink-tokens: the " + backend->name() +
                                    " backend's attention does not take sinks yet");
+  }
+  if (eviction.mode == KvEviction::Mode::kSnapKv && !backend->SharesHostMemory()) {
+    // The selection reads the keys and gathers the kept ones on the host.
+    return Status::InvalidArgument("--kv-eviction snapkv: the " + backend->name() +
+                                   " backend does not compress prompts yet (CPU only)");
   }
   if (eviction.quest_blocks > 0 && !backend->SupportsKvSelection()) {
     return Status::InvalidArgument("--kv-selection quest: the " + backend->name() +
@@ -135,7 +152,7 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir, kernels::Ba
       return (tp.rank + 1) * width / tp.size - tp.rank * width / tp.size;
     };
     c.intermediate_size = share(c.intermediate_size);
-    c.moe_intermediate_size = share(c.moe_intermediate_size);
+    if (!tp.expert_parallel) c.moe_intermediate_size = share(c.moe_intermediate_size);
   }
   if (m->config_.quant.quantized()) {
     PDSERVE_LOG(INFO) << "model: " << m->model_id_ << ": fp8 weights, "
@@ -553,15 +570,24 @@ Status Model::LoadWeights(const WeightFiles& files) {
       PDSERVE_RETURN_IF_ERROR(linear({b + "gate.weight"}, {E}, H, {}, &L.moe.router));
       L.experts.resize(E);
       const int64_t before = bytes;
+      const bool whole = tp_.expert_parallel && n > 1;
       for (int64_t e = 0; e < E; ++e) {
         const std::string x = b + "experts." + std::to_string(e) + ".";
         auto& X = L.experts[e];
-        // Sliced along the intermediate dimension like a dense MLP.
+        if (whole && e % n != rank) {
+          // Another rank's: left unread (X not held).
+          experts_elsewhere_.insert(x);
+          num_parameters_ += 3 * MI * H;
+          continue;
+        }
+        // Whole (expert-parallel), or sliced along the intermediate
+        // dimension like a dense MLP.
+        const Cut cut = whole ? Cut{} : inter(MI);
         PDSERVE_RETURN_IF_ERROR(linear({x + (c.mixtral_names ? "w1" : "gate_proj") + ".weight",
                                         x + (c.mixtral_names ? "w3" : "up_proj") + ".weight"},
-                                       {MI, MI}, H, {}, &X.gate_up, {inter(MI), inter(MI)}));
+                                       {MI, MI}, H, {}, &X.gate_up, {cut, cut}));
         PDSERVE_RETURN_IF_ERROR(linear({x + (c.mixtral_names ? "w2" : "down_proj") + ".weight"},
-                                       {H}, MI, {}, &X.down, {}, inter(MI)));
+                                       {H}, MI, {}, &X.down, {}, cut));
       }
       expert_weight_bytes_ += bytes - before;
       bytes = before;  // experts are counted per step by MoeFfn
@@ -623,6 +649,10 @@ Status Model::LoadWeights(const WeightFiles& files) {
       continue;
     }
     if (used_tensors_.count(name) || name.ends_with(".rotary_emb.inv_freq")) continue;
+    if (const size_t at = name.find(".experts."); at != std::string::npos) {
+      const size_t end = name.find('.', at + std::strlen(".experts."));
+      if (end != std::string::npos && experts_elsewhere_.count(name.substr(0, end + 1))) continue;
+    }
     return Status::InvalidArgument(view->file + ": tensor '" + name + "' is not used by " +
                                    c.architecture + " with this config.json" +
                                    (name == "lm_head.weight" && c.tie_word_embeddings
@@ -630,6 +660,7 @@ Status Model::LoadWeights(const WeightFiles& files) {
                                         : ""));
   }
   used_tensors_.clear();
+  experts_elsewhere_.clear();
   if (mtp_tensors > 0) {
     PDSERVE_LOG(INFO) << "model: ignoring " << mtp_tensors << " tensors of "
                       << c.num_nextn_predict_layers << " multi-token-prediction layer(s) from "
@@ -774,6 +805,14 @@ void Model::Forward(const StepInputs& in, const kernels::AttentionPlan& plan) {
       const float* inv_freq = c.UsesLocalRope(l) ? inv_freq_local_ : inv_freq_;
       b.Rope(q, in.positions, inv_freq);
       b.Rope(k, in.positions, inv_freq);
+      if (capture_n_ > 0) {
+        const int64_t width = nh * hd;
+        const auto bytes = static_cast<int64_t>(DTypeBits(act) / 8);
+        b.GatherRows(
+            qkv.Columns(0, width), capture_rows_,
+            Tensor::Of(static_cast<uint8_t*>(capture_out_) + l * capture_n_ * width * bytes, act,
+                       {capture_n_, width}));
+      }
       // The layer's KV group: its blocks hold the group's layers, its slots
       // are the group's row of the step's slots.
       const kernels::AttentionPlan::Layer at = plan.ForLayer(l);
@@ -781,10 +820,10 @@ void Model::Forward(const StepInputs& in, const kernels::AttentionPlan& plan) {
       const Tensor attn = A(s.attn, T, nh * hd);
       b.PagedAttention(plan, l, q, scale, attn.Split({nh, hd}));
       b.Linear(attn, L.o, h);
-      // Row-parallel o_proj: each rank's product over its heads is a
-      // partial sum of the layer's output.
-      if (tp_.comm != nullptr) tp_.comm->AllReduceSum(h);
     }
+    // Row-parallel o_proj (GQA and MLA alike): each rank's product over its
+    // heads is a partial sum of the layer's output.
+    if (tp_.comm != nullptr) tp_.comm->AllReduceSum(h);
     if (c.gemma) {
       // Sandwich norms: the attention output is normed before the residual
       // add, and the MLP's input by pre_feedforward_layernorm.
@@ -820,6 +859,7 @@ void Model::Forward(const StepInputs& in, const kernels::AttentionPlan& plan) {
     }
   }
   last_moe_stats_ = moe;
+  capture_n_ = 0;
   if (R > 0) {
     const Tensor gathered = A(s.gathered, R, H);
     b.GatherRows(x, in.logits_rows, gathered);

@@ -41,20 +41,31 @@ struct TensorView;
 // dimension; every expert's too), o_proj and down by input columns, with
 // one all-reduce after each; KV heads split, or replicated when there are
 // fewer than ranks; embedding, LM head, norms and routers replicated.
+// MLA (DeepSeek-V2/V3): q_(b_)proj and kv_b_proj by the rank's query heads,
+// o_proj by their columns; q_a_proj, kv_a_proj_with_mqa and the latent
+// cache replicated (every rank caches every token's latent).
+// Expert parallelism (`expert_parallel`, size > 1): the routed experts are
+// not sliced but dealt whole, expert e to rank e mod size (round-robin, so
+// that DeepSeek's groups of consecutive experts spread over every rank);
+// a rank reads and computes only its experts, for the tokens routed to
+// them, and the all-reduce after the MoE block sums the ranks' parts.
+// Shared experts and dense MLPs stay sliced.
 struct TensorParallelRank {
   int rank = 0;
   int size = 1;
   kernels::Communicator* comm = nullptr;
+  bool expert_parallel = false;
 };
 
 // Ok when `size` ranks can split `config`: size divides the attention
 // heads, the KV heads (or the KV heads divide size: each rank keeps one,
-// replicated), and each rank gets at least one column of the MLP's and the
-// experts' intermediate dimensions (slices differ by one where size does
-// not divide them: stories260K's 172 over 8 ranks); MLA models
-// are refused for size > 1 (not built yet). InvalidArgument naming the
+// replicated; MLA has none to split), and each rank gets at least one
+// column of the MLP's and the experts' intermediate dimensions (slices
+// differ by one where size does not divide them: stories260K's 172 over 8
+// ranks). With `expert_parallel`, the model must have experts and size
+// must divide them (every rank holds as many). InvalidArgument naming the
 // numbers otherwise.
-Status CheckTensorParallel(const ModelConfig& config, int size);
+Status CheckTensorParallel(const ModelConfig& config, int size, bool expert_parallel = false);
 
 // Where the weights come from: the folder's safetensors files, or random
 // values of the right shapes generated at load (`--load-format dummy`, for
@@ -99,8 +110,9 @@ class Model {
   Model& operator=(const Model&) = delete;
 
   // The rank's shard under tensor parallelism: num_heads, num_kv_heads,
-  // intermediate_size and moe_intermediate_size are this rank's; the rest
-  // is config.json's.
+  // intermediate_size and moe_intermediate_size (config.json's under
+  // expert parallelism: experts are whole) are this rank's; the rest is
+  // config.json's.
   const ModelConfig& config() const { return config_; }
   const TensorParallelRank& tensor_parallel() const { return tp_; }
   // The KV cache's layer groups (one block holds one group's layers).
@@ -119,7 +131,9 @@ class Model {
   // and shared experts are counted): which experts a step reads depends on
   // its tokens, see last_moe_stats().
   int64_t weight_bytes_per_step() const { return weight_bytes_per_step_; }
-  // Bytes of all experts' weights (0 for a dense model).
+  // Bytes of all experts' weights this rank holds (0 for a dense model):
+  // their slices under tensor parallelism, its whole experts under expert
+  // parallelism.
   int64_t expert_weight_bytes() const { return expert_weight_bytes_; }
   // What the sparse layers of the last Forward did, summed over the layers:
   // experts active per layer, added up, and the expert weight bytes read
@@ -158,6 +172,16 @@ class Model {
   void Forward(const StepInputs& in, const kernels::AttentionPlan& plan);
   // The logits of the last Forward (backend memory), its first `rows` rows.
   kernels::Tensor logits(int64_t rows) const;
+  // SnapKV's observation window (engine/snapkv.h): the next Forward also
+  // copies the queries of token rows rows[0, n), after RoPE, of every layer
+  // into `out` ([num_layers][n][num_heads * head_dim] in the activation
+  // dtype; `rows` and `out` backend memory that outlives that Forward),
+  // then forgets the request. GQA models only.
+  void CaptureQueries(const int32_t* rows, int64_t n, void* out) {
+    capture_rows_ = rows;
+    capture_n_ = n;
+    capture_out_ = out;
+  }
 
  private:
   // DeepSeek's multi-head latent attention of one layer, in the shapes the
@@ -288,7 +312,11 @@ class Model {
   std::string dir_;
   kernels::Backend* backend_ = nullptr;
   std::unique_ptr<WeightFiles> files_;
-  std::set<std::string> used_tensors_;            // filled by Tensor() during Load
+  std::set<std::string> used_tensors_;  // filled by Tensor() during Load
+  // Under expert parallelism, the experts other ranks hold
+  // ("model.layers.L.mlp.experts.E."): their tensors are those ranks' to
+  // read and check.
+  std::set<std::string> experts_elsewhere_;
   std::unique_ptr<kernels::WeightStore> store_;   // backend memory of the weights
   std::vector<std::vector<float>> host_floats_;   // KeepFloats
   std::vector<std::vector<uint8_t>> host_bytes_;  // SliceColumns' copies
@@ -310,6 +338,9 @@ class Model {
   uint64_t scratch_generation_ = 0;
   bool has_sparse_layers_ = false;
   bool collect_moe_stats_ = false;
+  const int32_t* capture_rows_ = nullptr;  // CaptureQueries, for the next Forward
+  int64_t capture_n_ = 0;
+  void* capture_out_ = nullptr;
 };
 
 }  // namespace pdserve

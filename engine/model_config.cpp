@@ -563,6 +563,25 @@ Status ModelConfig::ApplyKvEviction(const KvEviction& e) {
   auto refuse = [&](const std::string& why) {
     return Status::InvalidArgument("--kv-eviction " + mode + ": " + why);
   };
+  if (e.mode == KvEviction::Mode::kSnapKv) {
+    if (is_mla()) {
+      return refuse(
+          "MLA's latent cache (DeepSeek) holds one latent per token, not per-head keys "
+          "to keep head by head");
+    }
+    if (!layer_windows.empty()) return refuse("the model has sliding-window layers of its own");
+    if (e.budget_tokens < 1) {
+      return Status::InvalidArgument("--kv-budget-tokens must be >= 1, got " +
+                                     std::to_string(e.budget_tokens));
+    }
+    if (e.observation_window < 1 || e.observation_window > e.budget_tokens) {
+      return Status::InvalidArgument(
+          "--kv-observation-window must be within 1.." + std::to_string(e.budget_tokens) +
+          " (--kv-budget-tokens), got " + std::to_string(e.observation_window));
+    }
+    kv_eviction = e;
+    return Status::Ok();
+  }
   if (is_mla()) {
     return refuse(
         "MLA's latent cache (DeepSeek) holds one latent per token, not per-head keys whose "

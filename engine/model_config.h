@@ -190,7 +190,8 @@ struct ModelConfig {
   // with sliding-window layers of its own, a window below 1 or sinks below
   // 0, or sinks + window beyond max_position_embeddings (the positions the
   // cache numbers must stay within the trained ones); Quest with MLA, with
-  // sliding windows, with an eviction mode, or with K < 0.
+  // sliding windows, with an eviction mode, or with K < 0; SnapKV with MLA,
+  // with sliding windows, a budget below 1 or a window outside 1..budget.
   Status ApplyKvEviction(const KvEviction& eviction);
   // Layer l's window (0: full attention).
   int64_t LayerWindow(int64_t l) const;

@@ -106,11 +106,9 @@ std::vector<Model*> ModelGroup::shards() const {
   return out;
 }
 
-StatusOr<std::unique_ptr<ModelGroup>> LoadModelGroup(const std::string& dir,
-                                                     const std::vector<std::string>& devices,
-                                                     int threads, LoadFormat format,
-                                                     const KvEviction& eviction,
-                                                     std::function<void(double)> on_all_reduce) {
+StatusOr<std::unique_ptr<ModelGroup>> LoadModelGroup(
+    const std::string& dir, const std::vector<std::string>& devices, int threads, LoadFormat format,
+    const KvEviction& eviction, bool expert_parallel, std::function<void(double)> on_all_reduce) {
   const int ranks = static_cast<int>(devices.size());
   if (ranks < 1) return Status::InvalidArgument("a model group needs a device");
   if (ranks > 1 && devices[0] != "cpu") {
@@ -133,7 +131,7 @@ StatusOr<std::unique_ptr<ModelGroup>> LoadModelGroup(const std::string& dir,
     auto backend = kernels::CreateBackend(devices[r], rank_threads);
     if (!backend.ok()) return backend.status();
     group->backends.push_back(std::move(*backend));
-    TensorParallelRank tp{r, ranks, ranks > 1 ? group->comms[r].get() : nullptr};
+    TensorParallelRank tp{r, ranks, ranks > 1 ? group->comms[r].get() : nullptr, expert_parallel};
     auto model = Model::Load(dir, group->backends.back().get(), format, eviction, tp);
     if (!model.ok()) return model.status();
     group->models.push_back(std::move(*model));

@@ -43,13 +43,14 @@ struct ModelGroup {
 // ranks sharing `threads` CPU threads (0: one per core). One device: the
 // model whole, as Model::Load. `on_all_reduce`, when set, gets the wall
 // time of each of rank 0's all-reduces, on rank 0's thread (the wait for
-// the slowest rank included). CPU ranks talk over shared memory;
+// the slowest rank included). `expert_parallel`: whole experts per rank
+// (TensorParallelRank). CPU ranks talk over shared memory;
 // Unsupported for several CUDA ranks (no CUDA communicator is wired into
 // the commands yet). Model::Load's errors otherwise: InvalidArgument naming
 // the numbers for a size that does not split the model's heads.
 StatusOr<std::unique_ptr<ModelGroup>> LoadModelGroup(
     const std::string& dir, const std::vector<std::string>& devices, int threads,
     LoadFormat format = LoadFormat::kSafetensors, const KvEviction& eviction = {},
-    std::function<void(double)> on_all_reduce = {});
+    bool expert_parallel = false, std::function<void(double)> on_all_reduce = {});
 
 }  // namespace pdserve

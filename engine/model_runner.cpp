@@ -182,15 +182,16 @@ StatusOr<std::vector<SampledToken>> ModelRunner::Execute(std::span<const Schedul
   int64_t T = 0, R = 0;
   bool decode = S > 0;
   for (const ScheduledSeq& s : step) {
-    bool fits = s.num_new >= 1 &&
+    const int64_t cached = s.num_computed - s.kv_offset;  // cache index of the first new token
+    bool fits = s.num_new >= 1 && s.kv_offset >= 0 && cached >= 0 &&
                 s.num_computed + s.num_new <= static_cast<int64_t>(s.tokens.size()) &&
                 static_cast<int64_t>(s.tables.size()) == groups_;
     for (int64_t g = 0; fits && g < groups_; ++g) {
       const auto n = static_cast<int64_t>(s.tables[g].size());
       const int64_t B = layout_.block_size;
-      fits = n <= table_width_ && (s.num_computed + s.num_new + B - 1) / B <= n;
+      fits = n <= table_width_ && (cached + s.num_new + B - 1) / B <= n;
       // The new tokens' K/V goes to blocks the group holds.
-      for (int64_t b = s.num_computed / B; fits && b * B < s.num_computed + s.num_new; ++b) {
+      for (int64_t b = cached / B; fits && b * B < cached + s.num_new; ++b) {
         fits = s.tables[g][b] != kNoBlock;
       }
     }
@@ -235,13 +236,14 @@ StatusOr<std::vector<SampledToken>> ModelRunner::Execute(std::span<const Schedul
       }
       ids[t] = id;
       positions[t] = static_cast<int32_t>(pos);
+      const int64_t at = pos - s.kv_offset;
       for (int64_t g = 0; g < groups_; ++g) {
-        slots[g * rows + t] = static_cast<int64_t>(s.tables[g][pos / B]) * B + pos % B;
+        slots[g * rows + t] = static_cast<int64_t>(s.tables[g][at / B]) * B + at % B;
       }
     }
     query_start[i + 1] = static_cast<int32_t>(t);
-    context_lens[i] = static_cast<int32_t>(s.num_computed + s.num_new);
-    max_context = std::max(max_context, s.num_computed + s.num_new);
+    context_lens[i] = static_cast<int32_t>(s.num_computed + s.num_new - s.kv_offset);
+    max_context = std::max(max_context, s.num_computed + s.num_new - s.kv_offset);
     max_query = std::max(max_query, s.num_new);
     if (!graph && s.sample) logits_rows[r++] = static_cast<int32_t>(t - 1);
   }

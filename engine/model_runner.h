@@ -60,8 +60,12 @@ struct ScheduledSeq {
   std::span<const TokenId> tokens;  // prompt, then every generated token
   int64_t num_computed = 0;         // tokens whose KV is in the pool
   int64_t num_new = 0;              // this step computes [num_computed, + num_new)
+  // SnapKV (engine/snapkv.h): the tokens its compression removed. The KV of
+  // position p is at cache index p - kv_offset (tables and context length
+  // count cache indices); RoPE still takes p. 0: every position cached.
+  int64_t kv_offset = 0;
   // One block table (BlockId) per KV layer group (Model::kv_groups()), in
-  // group order, each covering them all; a windowed group's entries before
+  // group order, each covering them all (in cache indices); a windowed group's entries before
   // its reach may be kNoBlock (engine/block_manager.h): they are not read.
   std::vector<std::span<const uint32_t>> tables;
   bool sample = false;  // the last new token's logits give a token

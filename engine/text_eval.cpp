@@ -6,6 +6,7 @@
 #include <string>
 #include <thread>
 
+#include "engine/snapkv.h"
 #include "kernels/kv_quant.h"
 
 namespace pdserve {
@@ -61,6 +62,10 @@ StatusOr<std::unique_ptr<PagedSequenceRunner>> PagedSequenceRunner::Create(
   r->models_ = ranks;
   r->block_size_ = block_size;
   const int64_t blocks = (max_tokens + block_size - 1) / block_size;
+  // SnapKV (a single rank): the blocks a compressed prompt is gathered into.
+  const KvEviction& ev = ranks[0]->config().kv_eviction;
+  const int64_t extra =
+      ev.mode == KvEviction::Mode::kSnapKv ? (ev.budget_tokens + block_size - 1) / block_size : 0;
   int64_t n = INT64_MAX;  // blocks of the smallest rank's pool
   for (Model* model : ranks) {
     const ModelConfig& c = model->config();  // the rank's shard
@@ -71,7 +76,7 @@ StatusOr<std::unique_ptr<PagedSequenceRunner>> PagedSequenceRunner::Create(
         c.num_layers *
         (c.is_mla() ? c.kv_lora_rank + c.qk_rope_head_dim : 2 * c.num_kv_heads * c.head_dim);
     const int64_t scale_bytes = c.num_layers * (2 * std::max<int64_t>(c.num_kv_heads, 1)) * 4;
-    const int64_t budget = blocks * (elements_per_token * 4 * block_size + scale_bytes) *
+    const int64_t budget = (blocks + extra) * (elements_per_token * 4 * block_size + scale_bytes) *
                            static_cast<int64_t>(c.kv_groups().size());
     auto pool = KvCachePool::Create(model->backend(), c, kv_dtype, block_size, budget, scales);
     if (!pool.ok()) return pool.status();
@@ -80,7 +85,7 @@ StatusOr<std::unique_ptr<PagedSequenceRunner>> PagedSequenceRunner::Create(
   }
   // One table per layer group, group after group (ForwardBatch), each of
   // `blocks` blocks: a windowed group keeps every block here too.
-  const int64_t wanted = blocks * static_cast<int64_t>(r->pools_[0]->groups().size());
+  const int64_t wanted = blocks * static_cast<int64_t>(r->pools_[0]->groups().size()) + extra;
   for (int64_t b = n - 1; b >= 0 && static_cast<int64_t>(r->block_table_.size()) < wanted; --b) {
     r->block_table_.push_back(static_cast<int32_t>(b));
   }
@@ -88,6 +93,8 @@ StatusOr<std::unique_ptr<PagedSequenceRunner>> PagedSequenceRunner::Create(
     return Status::Internal("KV pool holds " + std::to_string(n) + " blocks, " +
                             std::to_string(wanted) + " needed");
   }
+  r->spare_.assign(r->block_table_.end() - extra, r->block_table_.end());
+  r->block_table_.resize(r->block_table_.size() - extra);
   RunnerOptions options;
   options.max_num_batched_tokens = max_step > 0 ? std::min(max_step, max_tokens) : max_tokens;
   options.max_logits = options.max_num_batched_tokens;  // every token's
@@ -115,18 +122,36 @@ Status PagedSequenceRunner::Run(const std::vector<TokenId>& tokens, int64_t star
   std::vector<int32_t> ids(n), pos(n), rows(n);
   std::vector<int64_t> slots(n * groups);
   for (int64_t j = 0; j < n; ++j) {
-    const int64_t p = start + j;
+    const int64_t p = start + j, at = p - kv_shift_;  // its cache index
     ids[j] = tokens[p];
     pos[j] = static_cast<int32_t>(p);
     for (int64_t g = 0; g < groups; ++g) {
       slots[g * n + j] =
-          static_cast<int64_t>(block_table_[g * per_group + p / block_size_]) * block_size_ +
-          p % block_size_;
+          static_cast<int64_t>(block_table_[g * per_group + at / block_size_]) * block_size_ +
+          at % block_size_;
     }
     rows[j] = static_cast<int32_t>(j);
   }
   const int32_t query_start[2] = {0, static_cast<int32_t>(n)};
-  const int32_t context_len = static_cast<int32_t>(start + n);
+  const int32_t context_len = static_cast<int32_t>(start + n - kv_shift_);
+  // SnapKV: a first step longer than the budget is the prompt, compressed
+  // once after it runs (engine/snapkv.h), as the engine does. Refused with
+  // tensor parallelism (Model::Load), so rank 0 is the only one.
+  Model* model = models_[0];
+  const ModelConfig& c = model->config();
+  const KvEviction& ev = c.kv_eviction;
+  const bool compress =
+      ev.mode == KvEviction::Mode::kSnapKv && start == 0 && n > ev.budget_tokens && !spare_.empty();
+  std::vector<int32_t> window_rows;
+  std::vector<float> queries;
+  if (compress) {
+    for (int64_t j = n - ev.observation_window; j < n; ++j) {
+      window_rows.push_back(static_cast<int32_t>(j));
+    }
+    queries.resize(
+        static_cast<size_t>(c.num_layers * ev.observation_window * c.num_heads * c.head_dim));
+    model->CaptureQueries(window_rows.data(), ev.observation_window, queries.data());
+  }
   ForwardBatch b;
   b.num_tokens = n;
   b.token_ids = ids.data();
@@ -142,7 +167,25 @@ Status PagedSequenceRunner::Run(const std::vector<TokenId>& tokens, int64_t star
   b.num_logits = n;
   b.logits_rows = rows.data();
   logits->resize(n * models_[0]->config().vocab_size);
-  if (runners_.size() == 1) return runners_[0]->Forward(b, logits->data());
+  if (runners_.size() == 1) {
+    const Status ran = runners_[0]->Forward(b, logits->data());
+    if (compress) model->CaptureQueries(nullptr, 0, nullptr);  // even on failure
+    PDSERVE_RETURN_IF_ERROR(ran);
+    if (compress) {
+      const KvCachePool& pool = *pools_[0];
+      const auto kept =
+          SnapKvSelect(c, pool.layout(), pool.base(), block_table_, n, queries.data());
+      SnapKvGather(pool.layout(), pools_[0]->base(), block_table_, spare_, kept);
+      // The kept tokens at cache indices [0, B), the prompt's blocks after them.
+      std::vector<int32_t> table = spare_;
+      table.insert(table.end(), block_table_.begin(), block_table_.end());
+      table.resize(block_table_.size());
+      block_table_ = std::move(table);
+      spare_.clear();
+      kv_shift_ = n - ev.budget_tokens;
+    }
+    return Status::Ok();
+  }
   // Ranks 1.. on threads of their own; their logits equal rank 0's.
   std::vector<std::vector<float>> rank_logits(runners_.size());
   std::vector<Status> status(runners_.size());

@@ -56,7 +56,9 @@ class PagedSequenceRunner {
 
   // Feeds tokens[start, start + n) at positions start..start+n-1 (every
   // earlier position must have been fed) and writes their logits,
-  // [n, vocab_size] row-major, into `logits` (resized).
+  // [n, vocab_size] row-major, into `logits` (resized). Under SnapKV a
+  // first run (start 0) longer than the budget is a prompt, compressed
+  // after it runs: later runs attend to its kept tokens and their own.
   Status Run(const std::vector<TokenId>& tokens, int64_t start, int64_t n,
              std::vector<float>* logits);
 
@@ -72,6 +74,10 @@ class PagedSequenceRunner {
   std::vector<std::unique_ptr<KvCachePool>> pools_;
   std::vector<std::unique_ptr<ModelRunner>> runners_;  // after the pools: go first
   std::vector<int32_t> block_table_;
+  // SnapKV: the blocks a compressed prompt goes to (until it does), and the
+  // tokens it removed (position p is at cache index p - kv_shift_).
+  std::vector<int32_t> spare_;
+  int64_t kv_shift_ = 0;
 };
 
 struct TextEvalOptions {

@@ -158,10 +158,12 @@ struct LinearWeights {
 // Mixtral `block_sparse_moe.experts.N.{w1 = gate, w3 = up, w2 = down}`,
 // Qwen3-MoE `mlp.experts.N.{gate_proj, up_proj, down_proj}`. gate_up stacks
 // gate and up ([2 * intermediate, hidden]), down is [hidden, intermediate];
-// every expert of a block has the same shapes.
+// every expert of a block has the same shapes. An expert with no parts is
+// not held here: another expert-parallel rank computes it.
 struct MoeExpertWeights {
   LinearWeights gate_up;
   LinearWeights down;
+  bool held() const { return down.num_parts > 0; }
   int64_t stored_bytes() const { return gate_up.stored_bytes() + down.stored_bytes(); }
 };
 
@@ -171,7 +173,10 @@ struct MoeWeights {
   // The router (`gate` in every checkpoint): [num_experts, hidden], no bias.
   LinearWeights router;
   // routing.num_experts entries. The ARRAY is host memory; the matrices it
-  // points to live in the backend's memory like every other weight.
+  // points to live in the backend's memory like every other weight. Under
+  // expert parallelism (engine/model.h) only some are held(), at least
+  // one: the others' outputs count as zero here, and the all-reduce after
+  // the block adds the ranks' partial sums.
   const MoeExpertWeights* experts = nullptr;
   // How tokens pick experts (kernels/moe_routing.h).
   MoeRouting routing;

@@ -537,24 +537,41 @@ class GrammarCompiler {
     const int32_t start = intern(init);
     if (start < 0) return TooManyStates();
     g_->rule_start_[rule] = start;
-    std::vector<std::vector<int>> by_byte(256);
+    // The set's byte edges, swept in order of their first byte: between two
+    // consecutive edge ends the targets do not change, so each such run of
+    // bytes is resolved once rather than byte by byte.
+    std::vector<ByteEdge> edges, active;
+    std::vector<int> bounds, t;
     while (!work.empty()) {
       auto [set, id] = std::move(work.back());
       work.pop_back();
-      for (auto& v : by_byte) v.clear();
       std::map<int, std::vector<int>> by_rule;
+      edges.clear();
+      bounds.clear();
       for (int s : set) {
         for (const auto& e : nfa_[s].bytes) {
-          for (int b = e.lo; b <= e.hi; ++b) by_byte[b].push_back(e.to);
+          edges.push_back(e);
+          bounds.push_back(e.lo);
+          bounds.push_back(e.hi + 1);
         }
         for (const auto& c : nfa_[s].calls) by_rule[c.rule].push_back(c.to);
       }
+      std::sort(edges.begin(), edges.end(),
+                [](const ByteEdge& a, const ByteEdge& b) { return a.lo < b.lo; });
+      std::sort(bounds.begin(), bounds.end());
+      bounds.erase(std::unique(bounds.begin(), bounds.end()), bounds.end());
       std::map<std::vector<int>, int32_t> targets;  // closed set -> dfa state
       std::array<int32_t, 256> next;
       next.fill(-1);
-      for (int b = 0; b < 256; ++b) {
-        if (by_byte[b].empty()) continue;
-        std::vector<int> t = by_byte[b];
+      active.clear();
+      size_t e = 0;
+      for (size_t k = 0; k + 1 < bounds.size(); ++k) {
+        const int lo = bounds[k], hi = bounds[k + 1] - 1;  // one run: bytes [lo, hi]
+        std::erase_if(active, [lo](const ByteEdge& a) { return a.hi < lo; });
+        while (e < edges.size() && edges[e].lo <= lo) active.push_back(edges[e++]);
+        if (active.empty()) continue;
+        t.clear();
+        for (const ByteEdge& a : active) t.push_back(a.to);
         std::sort(t.begin(), t.end());
         t.erase(std::unique(t.begin(), t.end()), t.end());
         auto it = targets.find(t);
@@ -563,9 +580,9 @@ class GrammarCompiler {
           Closure(&closed);
           const int32_t to = intern(std::move(closed));
           if (to < 0) return TooManyStates();
-          it = targets.emplace(std::move(t), to).first;
+          it = targets.emplace(t, to).first;
         }
-        next[b] = it->second;
+        std::fill(next.begin() + lo, next.begin() + hi + 1, it->second);
       }
       dfa_bytes_[id] = next;
       for (auto& [r, t] : by_rule) {
@@ -724,82 +741,131 @@ class GrammarCompiler {
     for (const auto& r : b_.rules_) g.rule_names_.push_back(r.name);
     g.start_ = g.rule_start_[root];
     // First bytes of each rule's non-empty part (through leading calls).
+    // The rules a call start calls form a DAG (left recursion is refused),
+    // so one depth-first pass computes callees first: passes until nothing
+    // changes would take one per rule along a chain of them.
     const size_t num_rules = rule_nfa_.size();
     g.first_bytes_.assign(num_rules * 4, 0);
-    for (bool changed = true; changed;) {
-      changed = false;
-      for (size_t r = 0; r < num_rules; ++r) {
+    std::vector<uint8_t> seen(num_rules, 0);
+    std::vector<std::pair<size_t, size_t>> stack;  // rule, calls looked at
+    for (size_t root = 0; root < num_rules; ++root) {
+      if (seen[root]) continue;
+      seen[root] = 1;
+      stack.push_back({root, 0});
+      while (!stack.empty()) {
+        const size_t r = stack.back().first;
         const int32_t s = g.rule_call_start_[r];
-        uint64_t w[4] = {};
+        if (stack.back().second < dfa_calls_[s].size()) {
+          const auto c = static_cast<size_t>(dfa_calls_[s][stack.back().second++].rule);
+          if (!seen[c]) {
+            seen[c] = 1;
+            stack.push_back({c, 0});
+          }
+          continue;
+        }
+        uint64_t* w = &g.first_bytes_[r * 4];
         for (int b = 0; b < 256; ++b) {
           if (dfa_bytes_[s][b] >= 0) w[b >> 6] |= uint64_t{1} << (b & 63);
         }
         for (const auto& c : dfa_calls_[s]) {
           for (int k = 0; k < 4; ++k) w[k] |= g.first_bytes_[c.rule * 4 + k];
         }
-        for (int k = 0; k < 4; ++k) {
-          if ((g.first_bytes_[r * 4 + k] | w[k]) != g.first_bytes_[r * 4 + k]) {
-            g.first_bytes_[r * 4 + k] |= w[k];
-            changed = true;
-          }
-        }
+        stack.pop_back();
       }
     }
   }
 
   // States of one rule with the same acceptance, bytes and calls behave the
-  // same: each set becomes one state (repeated until nothing merges), so
+  // same: each set becomes one state (until nothing merges any more), so
   // that the matcher precomputes each behaviour once. Only identical rows
   // merge, so no two different behaviours ever do.
   void MergeIdentical() {
     size_t n = dfa_accept_.size();
     std::vector<int32_t> map(n);
     for (size_t s = 0; s < n; ++s) map[s] = static_cast<int32_t>(s);
-    for (bool merged = true; merged;) {
-      merged = false;
-      std::unordered_map<uint64_t, std::vector<int32_t>> by_hash;
-      for (size_t s = 0; s < n; ++s) {
-        if (map[s] != static_cast<int32_t>(s) || !live_[s]) continue;
-        uint64_t h = static_cast<uint64_t>(dfa_rule_[s]) * 0x9e3779b97f4a7c15ULL + dfa_accept_[s];
-        for (int b = 0; b < 256; ++b)
-          h = (h ^ static_cast<uint32_t>(dfa_bytes_[s][b])) * 0x100000001b3ULL;
-        for (const auto& c : dfa_calls_[s])
-          h = (h ^ (static_cast<uint64_t>(c.rule) << 32 | static_cast<uint32_t>(c.next))) *
-              0xff51afd7ed558ccdULL;
-        auto& same = by_hash[h];
-        int32_t into = -1;
-        for (int32_t t : same) {
-          if (dfa_rule_[t] == dfa_rule_[s] && dfa_accept_[t] == dfa_accept_[s] &&
-              dfa_bytes_[t] == dfa_bytes_[s] && dfa_calls_[t].size() == dfa_calls_[s].size() &&
-              std::equal(dfa_calls_[t].begin(), dfa_calls_[t].end(), dfa_calls_[s].begin(),
-                         [](const Grammar::CallEdge& a, const Grammar::CallEdge& b) {
-                           return a.rule == b.rule && a.next == b.next;
-                         })) {
-            into = t;
-            break;
-          }
+    // A worklist rather than passes over every state: when s merges, only
+    // the states whose rows name s change, and only they are looked at again.
+    std::vector<std::vector<int32_t>> preds(n);
+    std::vector<uint32_t> stamp(n, 0);
+    for (size_t s = 0; s < n; ++s) {
+      if (!live_[s]) continue;
+      const auto mark = static_cast<uint32_t>(s + 1);
+      auto add = [&](int32_t t) {
+        if (t >= 0 && stamp[t] != mark) {
+          stamp[t] = mark;
+          preds[t].push_back(static_cast<int32_t>(s));
         }
-        if (into < 0) {
-          same.push_back(static_cast<int32_t>(s));
-        } else {
-          map[s] = into;
-          merged = true;
-        }
-      }
-      if (!merged) break;
-      auto find = [&](int32_t s) {
-        while (map[s] != s) s = map[s];
-        return s;
       };
-      for (size_t s = 0; s < n; ++s) {
-        for (int32_t& t : dfa_bytes_[s]) {
-          if (t >= 0) t = find(t);
-        }
-        for (auto& c : dfa_calls_[s]) c.next = find(c.next);
-      }
-      for (auto& s : g_->rule_start_) s = find(s);
-      for (auto& s : g_->rule_call_start_) s = find(s);
+      for (int32_t t : dfa_bytes_[s]) add(t);
+      for (const auto& c : dfa_calls_[s]) add(c.next);
     }
+    auto row_hash = [&](size_t s) {
+      uint64_t h = static_cast<uint64_t>(dfa_rule_[s]) * 0x9e3779b97f4a7c15ULL + dfa_accept_[s];
+      for (int b = 0; b < 256; ++b)
+        h = (h ^ static_cast<uint32_t>(dfa_bytes_[s][b])) * 0x100000001b3ULL;
+      for (const auto& c : dfa_calls_[s])
+        h = (h ^ (static_cast<uint64_t>(c.rule) << 32 | static_cast<uint32_t>(c.next))) *
+            0xff51afd7ed558ccdULL;
+      return h;
+    };
+    auto same_row = [&](size_t t, size_t s) {
+      return dfa_rule_[t] == dfa_rule_[s] && dfa_accept_[t] == dfa_accept_[s] &&
+             dfa_bytes_[t] == dfa_bytes_[s] && dfa_calls_[t].size() == dfa_calls_[s].size() &&
+             std::equal(dfa_calls_[t].begin(), dfa_calls_[t].end(), dfa_calls_[s].begin(),
+                        [](const Grammar::CallEdge& a, const Grammar::CallEdge& b) {
+                          return a.rule == b.rule && a.next == b.next;
+                        });
+    };
+    std::unordered_map<uint64_t, std::vector<int32_t>> table;  // distinct rows by hash
+    std::vector<uint64_t> key(n);
+    std::vector<uint8_t> listed(n, 0);
+    std::vector<int32_t> work;
+    for (size_t s = n; s-- > 0;) {
+      if (live_[s]) work.push_back(static_cast<int32_t>(s));
+    }
+    while (!work.empty()) {
+      const int32_t s = work.back();
+      work.pop_back();
+      if (map[s] != s || listed[s]) continue;
+      const uint64_t h = row_hash(static_cast<size_t>(s));
+      auto& bucket = table[h];
+      int32_t into = -1;
+      for (int32_t t : bucket) {
+        if (same_row(static_cast<size_t>(t), static_cast<size_t>(s))) {
+          into = t;
+          break;
+        }
+      }
+      if (into < 0) {
+        bucket.push_back(s);
+        key[s] = h;
+        listed[s] = 1;
+        continue;
+      }
+      map[s] = into;
+      for (int32_t p : preds[s]) {
+        if (map[p] != p) continue;
+        for (int32_t& t : dfa_bytes_[p]) {
+          if (t == s) t = into;
+        }
+        for (auto& c : dfa_calls_[p]) {
+          if (c.next == s) c.next = into;
+        }
+        if (listed[p]) {
+          std::erase(table[key[p]], p);
+          listed[p] = 0;
+        }
+        work.push_back(p);
+      }
+      std::vector<int32_t> moved = std::move(preds[s]);
+      preds[into].insert(preds[into].end(), moved.begin(), moved.end());
+    }
+    auto find = [&](int32_t s) {
+      while (map[s] != s) s = map[s];
+      return s;
+    };
+    for (auto& s : g_->rule_start_) s = find(s);
+    for (auto& s : g_->rule_call_start_) s = find(s);
     // Renumber the survivors densely.
     std::vector<int32_t> id(n, -1);
     int32_t next_id = 0;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <iterator>
 #include <mutex>
 #include <optional>
 #include <unordered_map>
@@ -86,7 +87,14 @@ class MaskPrecomputer {
     base_.assign(levels_.size(), 0);
     frames_.assign(levels_.size(), 1);
     CanonicalLeafRules();
-    for (int32_t p = 0; p < g_.num_states(); ++p) PDSERVE_RETURN_IF_ERROR(Position(p));
+    // The trie's first level, by byte: a walk starts only at the bytes its
+    // position can read.
+    root_child_.fill(-1);
+    for (int32_t i = 0, n = static_cast<int32_t>(v_.trie().size()); i < n; i = v_.trie()[i].end)
+      root_child_[v_.trie()[i].byte] = i;
+    acc_bits_.assign(c_.words_, 0);
+    state_.assign(static_cast<size_t>(g_.num_states()), kTodo);
+    for (int32_t p = 0; p < g_.num_states(); ++p) PDSERVE_RETURN_IF_ERROR(Resolve(p));
     c_.stats_.bytes = static_cast<int64_t>(c_.dense_.size() * 8 + c_.ids_.size() * 4 +
                                            c_.groups_.size() * sizeof(CompiledGrammar::Group) +
                                            c_.suffixes_.size());
@@ -101,6 +109,40 @@ class MaskPrecomputer {
       return k == o.k && std::memcmp(s, o.s, sizeof(int32_t) * static_cast<size_t>(k)) == 0;
     }
   };
+
+  enum : uint8_t { kTodo, kBusy, kDone };
+
+  // Computes p after the rules it calls before reading a byte: a call at
+  // p's first byte is then composed from the callee's own position instead
+  // of walking the callee's part of the trie again (a JSON value position
+  // entering a string costs a few suffix checks, not a walk of every token
+  // that starts with a quote). Left recursion is refused by the grammar, so
+  // the order exists; a cycle would only fall back to the plain walk.
+  Status Resolve(int32_t root) {
+    if (state_[root] != kTodo) return Status::Ok();
+    // Depth first with an explicit stack: a chain of rules each called at
+    // the next one's first byte may be as long as the rule limit.
+    std::vector<std::pair<int32_t, size_t>> stack{{root, 0}};  // position, calls looked at
+    state_[root] = kBusy;
+    while (!stack.empty()) {
+      const int32_t p = stack.back().first;
+      const auto calls = g_.Calls(p);
+      if (stack.back().second < calls.size()) {
+        const int32_t q = g_.CallStart(calls[stack.back().second++].rule);
+        if (state_[q] == kTodo) {
+          state_[q] = kBusy;
+          stack.push_back({q, 0});
+        }
+        continue;
+      }
+      bool compose = true;
+      for (const auto& call : calls) compose = compose && state_[g_.CallStart(call.rule)] == kDone;
+      PDSERVE_RETURN_IF_ERROR(Position(p, compose));
+      state_[p] = kDone;
+      stack.pop_back();
+    }
+    return Status::Ok();
+  }
 
   static void AddUnique(std::vector<Cfg>* out, const Cfg& c) {
     for (const Cfg& x : *out) {
@@ -203,7 +245,7 @@ class MaskPrecomputer {
   // that rule it can reach (and what may follow the rule): such positions
   // are cached across grammars for the vocabulary, so that every schema's
   // plain strings, say, are walked once per process.
-  Status Position(int32_t p) {
+  Status Position(int32_t p, bool compose) {
     const int32_t rule = g_.RuleOf(p);
     // Suffix groups are kept for bytes that can follow the rule. Rules that
     // JSON structure follows (its whitespace and , : ] }) all keep that
@@ -229,10 +271,13 @@ class MaskPrecomputer {
         return Commit(p, hit->accepted, hit->groups);
       }
     }
-    PDSERVE_RETURN_IF_ERROR(Walk(p, follow));
-    std::vector<std::pair<std::string, std::vector<TokenId>>> groups(groups_.begin(),
-                                                                     groups_.end());
-    std::sort(groups.begin(), groups.end());
+    compose = compose && g_.HasCalls(p);
+    PDSERVE_RETURN_IF_ERROR(Walk(p, follow, compose));
+    if (compose) {
+      ComposeCalls(p);
+      return Commit(p, accepted_, SortedGroups(), includes_);
+    }
+    auto groups = SortedGroups();
     if (key) {
       auto r = std::make_shared<PositionResult>();
       r->accepted = accepted_;
@@ -242,11 +287,85 @@ class MaskPrecomputer {
     return Commit(p, accepted_, groups);
   }
 
+  std::vector<std::pair<std::string, std::vector<TokenId>>> SortedGroups() const {
+    std::vector<std::pair<std::string, std::vector<TokenId>>> groups(groups_.begin(),
+                                                                     groups_.end());
+    std::sort(groups.begin(), groups.end());
+    return groups;
+  }
+
+  // Adds to the walk's result (accepted_, groups_) the tokens that start
+  // with a call at p: for the call of rule R continuing at `next`, R's
+  // position accepts them, or returns from R partway (R's suffix groups)
+  // and the suffix continues from `next`: accepted if it is read to its
+  // end, a suffix group of p's own where p's rule can return in turn.
+  void ComposeCalls(int32_t p) {
+    std::fill(acc_bits_.begin(), acc_bits_.end(), 0);
+    uint64_t* bits = acc_bits_.data();
+    auto set = [bits](TokenId id) { bits[id >> 6] |= uint64_t{1} << (id & 63); };
+    for (TokenId id : accepted_) set(id);
+    const size_t words = c_.words_;
+    includes_.clear();
+    for (const auto& call : g_.Calls(p)) {
+      const int32_t start = g_.CallStart(call.rule);
+      const CompiledGrammar::Position& q = c_.positions_[start];
+      // The callee's accepted tokens are referred to, not copied.
+      includes_.push_back(start);
+      includes_.insert(includes_.end(), c_.includes_.begin() + q.includes_begin,
+                       c_.includes_.begin() + q.includes_end);
+      for (uint32_t gi = q.groups_begin; gi < q.groups_end; ++gi) {
+        const CompiledGrammar::Group& grp = c_.groups_[gi];
+        const std::string_view suffix(c_.suffixes_.data() + grp.suffix_begin, grp.suffix_len);
+        const bool alive = SuffixFate(call.next, suffix);
+        for (uint32_t k = grp.tokens_begin; k < grp.tokens_end; ++k) {
+          const TokenId id = c_.ids_[k];
+          if (alive) set(id);
+          for (size_t e : suffix_escapes_) groups_[std::string(suffix.substr(e))].push_back(id);
+        }
+      }
+    }
+    std::sort(includes_.begin(), includes_.end());
+    includes_.erase(std::unique(includes_.begin(), includes_.end()), includes_.end());
+    accepted_.clear();
+    for (size_t k = 0; k < words; ++k) {
+      for (uint64_t w = bits[k]; w; w &= w - 1)
+        accepted_.push_back(static_cast<TokenId>(k * 64 + static_cast<size_t>(__builtin_ctzll(w))));
+    }
+    // Accepted tokens need no check; a token met on two paths is listed once.
+    for (auto it = groups_.begin(); it != groups_.end();) {
+      auto& ids = it->second;
+      std::erase_if(ids, [bits](TokenId id) { return (bits[id >> 6] >> (id & 63)) & 1; });
+      std::sort(ids.begin(), ids.end());
+      ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+      it = ids.empty() ? groups_.erase(it) : std::next(it);
+    }
+  }
+
+  // Reads `suffix` from the single frame `state` (the bottom: p's rule):
+  // whether some path reads all of it, and in suffix_escapes_ the offsets
+  // where the bottom frame can return with bytes left.
+  bool SuffixFate(int32_t state, std::string_view suffix) {
+    suffix_escapes_.clear();
+    Cfg start{};
+    start.k = 1;
+    start.s[0] = state;
+    cur_.assign(1, start);
+    for (size_t i = 0; i < suffix.size(); ++i) {
+      if (Escapes(cur_)) suffix_escapes_.push_back(i);
+      nxt_.clear();
+      for (const Cfg& c : cur_) Consume(c, static_cast<uint8_t>(suffix[i]), &nxt_);
+      c_.stats_.work += static_cast<int64_t>(cur_.size());
+      cur_.swap(nxt_);
+      if (cur_.empty()) return false;
+    }
+    return true;
+  }
+
   // Computes position p's accepted tokens and suffix groups, the latter
-  // only for suffixes whose first byte is in `follow`.
-  Status Walk(int32_t p, const std::array<uint64_t, 4>& follow) {
+  // only for suffixes whose first byte is in `follow`. With `compose`, a
+  // call at p's first byte is left to ComposeCalls.
+  Status Walk(int32_t p, const std::array<uint64_t, 4>& follow, bool compose) {
     const auto& trie = v_.trie();
-    const auto& order = v_.order();
     accepted_.clear();
     groups_.clear();
     escapes_.clear();
@@ -261,8 +380,28 @@ class MaskPrecomputer {
     levels_[0].push_back(root);
     single_.assign(levels_.size(), -1);
     single_[0] = p;
-    const int32_t n = static_cast<int32_t>(trie.size());
-    for (int32_t i = 0; i < n;) {
+    // Only the first bytes p can read are walked (all of them where p
+    // calls a rule and the call is walked too).
+    const bool any_first = g_.HasCalls(p) && !compose;
+    for (int b = 0; b < 256; ++b) {
+      const int32_t first = root_child_[b];
+      if (first < 0 || (!any_first && g_.Next(p, static_cast<uint8_t>(b)) < 0)) continue;
+      WalkSubtree(first, trie[first].end, follow, compose);
+    }
+    if (c_.stats_.work > limits_.max_work) {
+      return Status::ResourceExhausted(
+          "grammar is too large for this vocabulary: precomputing its token masks would visit "
+          "more than " +
+          std::to_string(limits_.max_work) + " trie nodes");
+    }
+    return Status::Ok();
+  }
+
+  // The walk over trie nodes [i, n), a first-level node's subtree.
+  void WalkSubtree(int32_t i, int32_t n, const std::array<uint64_t, 4>& follow, bool compose) {
+    const auto& trie = v_.trie();
+    const auto& order = v_.order();
+    while (i < n) {
       const auto& node = trie[i];
       const int d = node.depth;
       while (!escapes_.empty() && escapes_.back() >= d) escapes_.pop_back();
@@ -270,8 +409,10 @@ class MaskPrecomputer {
       bool alive = false, escapes = false;
       const int32_t top = single_[d - 1];
       // single_[d - 1] >= 0: levels_ of the nearest depth below holding the
-      // frames, with `top` in place of its top frame.
-      if (top >= 0 && !g_.HasCalls(top) && !(frames_[d - 1] > 1 && g_.Accepting(top))) {
+      // frames, with `top` in place of its top frame. The first byte of a
+      // composed position only follows p's own edges.
+      if (top >= 0 && ((compose && d == 1) ||
+                       (!g_.HasCalls(top) && !(frames_[d - 1] > 1 && g_.Accepting(top))))) {
         const int32_t t = g_.Next(top, node.byte);
         alive = t >= 0;
         if (alive) {
@@ -321,17 +462,11 @@ class MaskPrecomputer {
       if (escapes) escapes_.push_back(d);
       ++i;
     }
-    if (c_.stats_.work > limits_.max_work) {
-      return Status::ResourceExhausted(
-          "grammar is too large for this vocabulary: precomputing its token masks would visit "
-          "more than " +
-          std::to_string(limits_.max_work) + " trie nodes");
-    }
-    return Status::Ok();
   }
 
   Status Commit(int32_t p, const std::vector<TokenId>& accepted,
-                const std::vector<std::pair<std::string, std::vector<TokenId>>>& groups) {
+                const std::vector<std::pair<std::string, std::vector<TokenId>>>& groups,
+                std::span<const int32_t> includes = {}) {
     CompiledGrammar::Position& pos = c_.positions_[p];
     if (accepted.size() > c_.words_ * 4) {
       pos.dense = static_cast<int32_t>(c_.dense_.size() / c_.words_);
@@ -344,6 +479,9 @@ class MaskPrecomputer {
       c_.ids_.insert(c_.ids_.end(), accepted.begin(), accepted.end());
       pos.ids_end = static_cast<uint32_t>(c_.ids_.size());
     }
+    pos.includes_begin = static_cast<uint32_t>(c_.includes_.size());
+    c_.includes_.insert(c_.includes_.end(), includes.begin(), includes.end());
+    pos.includes_end = static_cast<uint32_t>(c_.includes_.size());
     pos.groups_begin = static_cast<uint32_t>(c_.groups_.size());
     const int32_t rule = g_.RuleOf(p);
     for (const auto& [suffix, ids] : groups) {
@@ -384,6 +522,12 @@ class MaskPrecomputer {
   std::vector<int32_t> canon_;
   std::vector<TokenId> accepted_;
   std::vector<int> escapes_;
+  std::array<int32_t, 256> root_child_;
+  std::vector<uint8_t> state_;      // kTodo, kBusy, kDone per position
+  std::vector<uint64_t> acc_bits_;  // ComposeCalls' accepted tokens
+  std::vector<Cfg> cur_, nxt_;      // SuffixFate's configurations
+  std::vector<size_t> suffix_escapes_;
+  std::vector<int32_t> includes_;  // ComposeCalls' callee positions
   std::unordered_map<std::string, std::vector<TokenId>> groups_;
 };
 
@@ -600,8 +744,7 @@ bool Matcher::FillNextTokenBitmask(std::span<uint64_t> mask) {
   std::fill(w, w + words, 0);
   const auto& positions = g_->positions_;
   const int32_t* ids = g_->ids_.data();
-  for (int32_t n : closure_) {
-    const CompiledGrammar::Position& pos = positions[nodes_[n].state];
+  auto add_accepted = [&](const CompiledGrammar::Position& pos) {
     if (pos.dense >= 0) {
       const uint64_t* d = g_->dense_.data() + static_cast<size_t>(pos.dense) * words;
       for (size_t k = 0; k < words; ++k) w[k] |= d[k];
@@ -609,6 +752,12 @@ bool Matcher::FillNextTokenBitmask(std::span<uint64_t> mask) {
       for (uint32_t k = pos.ids_begin; k < pos.ids_end; ++k)
         w[ids[k] >> 6] |= uint64_t{1} << (ids[k] & 63);
     }
+  };
+  for (int32_t n : closure_) {
+    const CompiledGrammar::Position& pos = positions[nodes_[n].state];
+    add_accepted(pos);
+    for (uint32_t k = pos.includes_begin; k < pos.includes_end; ++k)
+      add_accepted(positions[g_->includes_[k]]);
     const int32_t parent = nodes_[n].parent;
     if (parent < 0) continue;
     for (uint32_t gi = pos.groups_begin; gi < pos.groups_end; ++gi) {

@@ -12,8 +12,13 @@
 // This is the idea xgrammar calls context-independent tokens: almost every
 // token is settled ahead of time, so a decode step costs a bitset copy plus
 // a few suffix checks. Precomputation visits the vocabulary's trie once per
-// position and is bounded (MaskLimits): a grammar too large for the budget
-// is refused, never half-built.
+// position, only below the first bytes the position can read, and is
+// bounded (MaskLimits): a grammar too large for the budget is refused,
+// never half-built. A call at a position's first byte is not walked again:
+// the callee's position is computed first, its accepted tokens are
+// referred to, and only its suffix groups are read on from the caller (a
+// JSON value entering a string costs tens of suffix checks, not a walk of
+// every token that starts with a quote).
 //
 // Matcher is one request's state: a set of stacks (rules may be
 // ambiguous), stored as hash-consed persistent frames. Contracts:
@@ -79,6 +84,9 @@ class CompiledGrammar {
   struct Position {
     int32_t dense = -1;  // index into dense_ (in words_ units), or -1: sparse
     uint32_t ids_begin = 0, ids_end = 0;
+    // Positions whose accepted tokens this one accepts too (the rules it
+    // calls at its first byte): includes_[includes_begin, includes_end).
+    uint32_t includes_begin = 0, includes_end = 0;
     uint32_t groups_begin = 0, groups_end = 0;
   };
   struct Group {
@@ -91,6 +99,7 @@ class CompiledGrammar {
   std::vector<Position> positions_;
   std::vector<uint64_t> dense_;
   std::vector<int32_t> ids_;  // sparse accepted ids, and group token ids
+  std::vector<int32_t> includes_;
   std::vector<Group> groups_;
   std::string suffixes_;
   Stats stats_;

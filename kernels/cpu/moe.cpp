@@ -126,7 +126,9 @@ void CpuBackend::MoeFfn(const Tensor& xt, const MoeWeights& w, const Tensor& out
   if (tokens <= 0) return;
   float* out = out_t.as<float>();
   const int64_t num_experts = w.routing.num_experts, k = w.routing.top_k;
-  const int64_t hidden = w.router.cols, inter = w.experts[0].down.cols;
+  const MoeExpertWeights* held = w.experts;
+  while (!held->held()) ++held;
+  const int64_t hidden = w.router.cols, inter = held->down.cols;
   const int64_t n = tokens * k;  // (token, choice) assignments, a = t * k + j
 
   auto f32 = [](std::vector<float>& v, int64_t rows, int64_t cols) {
@@ -154,11 +156,12 @@ void CpuBackend::MoeFfn(const Tensor& xt, const MoeWeights& w, const Tensor& out
     }
   }
 
-  // Each expert's gate|up product over its rows, SwiGLU, then down.
+  // Each expert's gate|up product over its rows, SwiGLU, then down. The
+  // rows of experts held elsewhere keep y's zeros.
   std::vector<float> xg(n * hidden), gate_up(n * 2 * inter), act(n * inter), y(n * hidden);
   GatherRows(xt, src_row.data(), f32(xg, n, hidden));
   for (int64_t e = 0; e < num_experts; ++e) {
-    if (start[e + 1] == start[e]) continue;
+    if (start[e + 1] == start[e] || !w.experts[e].held()) continue;
     Linear(f32(xg, n, hidden).Rows(start[e], start[e + 1]), w.experts[e].gate_up,
            f32(gate_up, n, 2 * inter).Rows(start[e], start[e + 1]));
     if (stats != nullptr) {
@@ -169,7 +172,7 @@ void CpuBackend::MoeFfn(const Tensor& xt, const MoeWeights& w, const Tensor& out
   const Tensor gu = f32(gate_up, n, 2 * inter);
   SwiGlu(gu.Columns(0, inter), gu.Columns(inter, 2 * inter), f32(act, n, inter));
   for (int64_t e = 0; e < num_experts; ++e) {
-    if (start[e + 1] == start[e]) continue;
+    if (start[e + 1] == start[e] || !w.experts[e].held()) continue;
     Linear(f32(act, n, inter).Rows(start[e], start[e + 1]), w.experts[e].down,
            f32(y, n, hidden).Rows(start[e], start[e + 1]));
   }

@@ -212,7 +212,9 @@ void MoeFfn(const Gemm& g, MoeScratch& scratch, const Tensor& x, const MoeWeight
   if (tokens <= 0) return;
   const cudaStream_t stream = g.stream;
   const int64_t num_experts = w.routing.num_experts, k = w.routing.top_k, hidden = w.router.cols;
-  const int64_t inter = w.experts[0].down.cols;
+  const kernels::MoeExpertWeights* held = w.experts;
+  while (!held->held()) ++held;
+  const int64_t inter = held->down.cols;
   const int64_t n = tokens * k;  // (token, choice) assignments, a = t * k + j
   kernels::OpCheck(num_experts <= kMoeMaxExperts, "MoeFfn", "takes at most 4096 experts");
 
@@ -266,6 +268,13 @@ void MoeFfn(const Gemm& g, MoeScratch& scratch, const Tensor& x, const MoeWeight
   for (int64_t e = 0; e < num_experts; ++e) {
     const int64_t rows = host_counts[e];
     if (rows == 0) continue;
+    if (!w.experts[e].held()) {
+      // Held by another expert-parallel rank: its rows of y count as zero.
+      Check(cudaMemsetAsync(base + y_at + start * hidden * 4, 0, rows * hidden * 4, stream),
+            "MoeFfn");
+      start += rows;
+      continue;
+    }
     Linear(g, f32(xg_at, n, hidden).Rows(start, start + rows), w.experts[e].gate_up,
            f32(gate_up_at, n, 2 * inter).Rows(start, start + rows));
     if (stats != nullptr) {
@@ -281,6 +290,10 @@ void MoeFfn(const Gemm& g, MoeScratch& scratch, const Tensor& x, const MoeWeight
   for (int64_t e = 0; e < num_experts; ++e) {
     const int64_t rows = host_counts[e];
     if (rows == 0) continue;
+    if (!w.experts[e].held()) {
+      start += rows;
+      continue;
+    }
     Linear(g, f32(act_at, n, inter).Rows(start, start + rows), w.experts[e].down,
            f32(y_at, n, hidden).Rows(start, start + rows));
     start += rows;

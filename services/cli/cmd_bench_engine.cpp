@@ -10,6 +10,8 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <iterator>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -17,6 +19,8 @@
 
 #include "common/flags.h"
 #include "common/logging.h"
+#include "common/structured/structured.h"
+#include "common/tokenizer/tokenizer.h"
 #include "engine/engine.h"
 #include "kernels/backend_factory.h"
 #include "kernels/cpu/cpu_backend.h"
@@ -77,6 +81,15 @@ int RunBenchEngine(int argc, char** argv) {
   flags.AddBool("cuda-graphs", &cuda_graphs,
                 "replay decode steps from CUDA graphs (=false: launch every op)");
   flags.AddBool("json", &json, "one JSON line per batch size");
+  std::string json_schema_file;
+  int64_t rounds = 1;
+  flags.AddString("json-schema", &json_schema_file,
+                  "a JSON Schema file: every batch size is measured without and then with every "
+                  "request constrained by it (structured outputs), --rounds times, and a summary "
+                  "gives the median ratio of decode tokens/s");
+  flags.AddInt("rounds", &rounds,
+               "with --json-schema: measurements without and with the schema, interleaved (the "
+               "machine may be shared)");
   KvEvictionFlags eviction_flags;
   eviction_flags.AddTo(flags);
   TensorParallelFlags tensor_parallel;
@@ -85,7 +98,9 @@ int RunBenchEngine(int argc, char** argv) {
       "Example: pdserve bench engine --model models/small --batch 1,8,32 --prompt-tokens 256 "
       "--gen-tokens 128 --json\n"
       "         pdserve bench engine --model bench/configs/llama-3.1-8b --load-format dummy "
-      "--device cuda --kv-dtype bf16 --batch 1 --json");
+      "--device cuda --kv-dtype bf16 --batch 1 --json\n"
+      "         pdserve bench engine --model models/small --batch 1 --json-schema schema.json "
+      "--rounds 5 --json");
   ParseFlagsOrExit(flags, argc, argv);
   if (model_dir.empty()) UsageError("bench engine", "--model is required");
   if (batches.empty()) UsageError("bench engine", "--batch needs at least one size");
@@ -94,6 +109,15 @@ int RunBenchEngine(int argc, char** argv) {
   }
   if (prompt_tokens < 1 || gen_tokens < 2) {
     UsageError("bench engine", "--prompt-tokens must be >= 1 and --gen-tokens >= 2");
+  }
+  if (rounds < 1) UsageError("bench engine", "--rounds must be >= 1");
+  std::optional<OutputConstraint> schema;
+  if (!json_schema_file.empty()) {
+    std::ifstream in(json_schema_file, std::ios::binary);
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (!in && !in.eof())
+      UsageError("bench engine", "--json-schema: cannot read " + json_schema_file);
+    schema = OutputConstraint{OutputConstraint::Kind::kJsonSchema, std::move(text)};
   }
   auto kv_dtype = ParseDType(kv_dtype_name);
   if (!kv_dtype) UsageError("bench engine", "--kv-dtype: expected " + std::string(kKvDTypeChoices));
@@ -106,8 +130,9 @@ int RunBenchEngine(int argc, char** argv) {
   const KvEviction eviction = eviction_flags.EvictionOrExit("bench engine");
   // One shard per rank; the figures below are rank 0's (its weights, its
   // KV pool shard), the times the group's.
-  const std::unique_ptr<ModelGroup> group = LoadModelGroupOrExit(
-      "bench engine", model_dir, devices, static_cast<int>(threads), *load_format, eviction);
+  const std::unique_ptr<ModelGroup> group =
+      LoadModelGroupOrExit("bench engine", model_dir, devices, static_cast<int>(threads),
+                           tensor_parallel.expert_parallel(), *load_format, eviction);
   Model* const model = group->models[0].get();
   kernels::Backend& backend = *group->backends[0];
   // CPU-time shares only mean something for the CPU backends' threads.
@@ -115,6 +140,22 @@ int RunBenchEngine(int argc, char** argv) {
   const int backend_threads = cpu_backend ? cpu_backend->threads() * group->size() : 1;
   const auto& cfg = model->config();
   model->set_collect_moe_stats(true);  // expert bytes read, per step
+  // The schema's grammar for the model's vocabulary, compiled once (as a
+  // worker's grammar cache would).
+  std::shared_ptr<const structured::CompiledGrammar> grammar;
+  if (schema) {
+    auto tokenizer = Tokenizer::Load(model_dir);
+    if (!tokenizer.ok()) {
+      UsageError("bench engine",
+                 "--json-schema needs the model's tokenizer: " + tokenizer.status().message());
+    }
+    structured::GrammarCache cache(
+        structured::Vocabulary::FromTokenizer(**tokenizer, cfg.eos_token_ids),
+        structured::CompileOptions{});
+    auto compiled = cache.Get(*schema);
+    if (!compiled.ok()) UsageError("bench engine", "--json-schema: " + compiled.status().message());
+    grammar = *compiled;
+  }
   if (prompt_tokens + gen_tokens > cfg.max_context()) {
     UsageError("bench engine", "--prompt-tokens + --gen-tokens exceed the model context");
   }
@@ -195,7 +236,13 @@ int RunBenchEngine(int argc, char** argv) {
   }
 #endif
 
-  for (int64_t batch : batches) {
+  // One measurement of `batch` concurrent requests, constrained by
+  // `grammar` when set; decode tokens per second of wall time in
+  // *decode_rate, and per second of this process's CPU time in *decode_cpu
+  // (with one thread, the figure a shared machine's load leaves alone).
+  auto measure = [&](int64_t batch,
+                     const std::shared_ptr<const structured::CompiledGrammar>& grammar,
+                     int64_t round, double* decode_rate, double* decode_cpu) -> int {
     EngineOptions options;
     options.kv_dtype = *kv_dtype;
     options.block_size = block_size;
@@ -218,6 +265,12 @@ int RunBenchEngine(int argc, char** argv) {
       req.params.temperature = 0;
       req.params.max_tokens = static_cast<int>(gen_tokens);
       req.params.ignore_eos = true;
+      if (grammar) {
+        // A constrained request ends when its document does (EOS, then no
+        // token is allowed), so it may decode fewer than --gen-tokens.
+        req.params.constraint = schema;
+        req.grammar = grammar;
+      }
       if (Status st = (*engine)->AddRequest(std::move(req)); !st.ok()) {
         UsageError("bench engine", st.message());
       }
@@ -346,12 +399,69 @@ int RunBenchEngine(int argc, char** argv) {
       j["decode_bandwidth_fraction"] = decode_bytes_per_s / (copy_gbytes_per_s * 1e9);
       j["prefill_matrix_fraction"] = prefill_tflops / bf16_tflops;
     }
+    if (schema) {
+      j["json_schema"] = grammar != nullptr;
+      j["round"] = round;
+      j["decode_tokens"] = decode_tokens;
+      j["decode_tokens_per_cpu_s"] = decode_tokens / (cpu_end - cpu_prefill_end);
+    }
     if (json) {
       std::printf("%s\n", j.dump().c_str());
     } else {
-      std::printf("batch %3lld  prefill %9.1f tok/s  decode %9.1f tok/s  (%.2f ms/step)\n",
+      std::printf("batch %3lld  prefill %9.1f tok/s  decode %9.1f tok/s  (%.2f ms/step)%s\n",
                   static_cast<long long>(batch), batch * prompt_tokens / prefill_s,
-                  decode_tokens / decode_s, decode_steps ? 1000.0 * decode_s / decode_steps : 0.0);
+                  decode_tokens / decode_s, decode_steps ? 1000.0 * decode_s / decode_steps : 0.0,
+                  grammar ? "  with the schema" : "");
+    }
+    std::fflush(stdout);
+    *decode_rate = decode_s > 0 ? decode_tokens / decode_s : 0.0;
+    *decode_cpu = cpu_end > cpu_prefill_end ? decode_tokens / (cpu_end - cpu_prefill_end) : 0.0;
+    return 0;
+  };
+
+  for (int64_t batch : batches) {
+    if (!schema) {
+      double rate = 0, cpu = 0;
+      if (int rc = measure(batch, nullptr, 0, &rate, &cpu); rc != 0) return rc;
+      continue;
+    }
+    // Without and with the schema, back to back, --rounds times: the ratio
+    // of each pair, so that a shared machine's drift cancels out.
+    std::vector<double> ratios, cpu_ratios;
+    for (int64_t round = 0; round < rounds; ++round) {
+      double plain = 0, constrained = 0, plain_cpu = 0, constrained_cpu = 0;
+      if (int rc = measure(batch, nullptr, round, &plain, &plain_cpu); rc != 0) return rc;
+      if (int rc = measure(batch, grammar, round, &constrained, &constrained_cpu); rc != 0)
+        return rc;
+      if (plain > 0) ratios.push_back(constrained / plain);
+      if (plain_cpu > 0) cpu_ratios.push_back(constrained_cpu / plain_cpu);
+    }
+    const nlohmann::json summary = {
+        {"bench", "engine"},
+        {"kind", "json_schema_summary"},
+        {"model", model->model_id()},
+        {"batch", batch},
+        {"rounds", rounds},
+        {"grammar_states", grammar->grammar().num_states()},
+        {"load_average", LoadAverage()},
+        {"decode_constrained_over_unconstrained_median", Percentile(ratios, 0.5)},
+        {"decode_constrained_over_unconstrained_min", Percentile(ratios, 0.0)},
+        {"decode_constrained_over_unconstrained_max", Percentile(ratios, 1.0)},
+        // Tokens per CPU second, with over without: what the constraint
+        // costs a step, whatever share of the cores the process got (exact
+        // with --threads 1; more threads add their pool's waiting).
+        {"decode_per_cpu_s_constrained_over_unconstrained_median", Percentile(cpu_ratios, 0.5)},
+        {"decode_per_cpu_s_constrained_over_unconstrained_min", Percentile(cpu_ratios, 0.0)},
+        {"decode_per_cpu_s_constrained_over_unconstrained_max", Percentile(cpu_ratios, 1.0)}};
+    if (json) {
+      std::printf("%s\n", summary.dump().c_str());
+    } else {
+      std::printf(
+          "batch %3lld  decode with the schema / without: median %.3f (%.3f to %.3f); per CPU "
+          "second %.3f (%.3f to %.3f)\n",
+          static_cast<long long>(batch), Percentile(ratios, 0.5), Percentile(ratios, 0.0),
+          Percentile(ratios, 1.0), Percentile(cpu_ratios, 0.5), Percentile(cpu_ratios, 0.0),
+          Percentile(cpu_ratios, 1.0));
     }
     std::fflush(stdout);
   }

@@ -96,14 +96,28 @@ int RunEval(int argc, char** argv) {
   if (devices.size() > 1 && !write_kv_scales_path.empty()) {
     UsageError("eval", "--write-kv-scales calibrates on one rank: use --tensor-parallel 1");
   }
-  const std::unique_ptr<ModelGroup> group = LoadModelGroupOrExit(
-      "eval", model_dir, devices, static_cast<int>(threads), LoadFormat::kSafetensors, eviction);
+  const std::unique_ptr<ModelGroup> group =
+      LoadModelGroupOrExit("eval", model_dir, devices, static_cast<int>(threads),
+                           tensor_parallel.expert_parallel(), LoadFormat::kSafetensors, eviction);
   Model* const model = group->models[0].get();
   kernels::Backend* const backend = group->backends[0].get();
   if (eviction.mode == KvEviction::Mode::kStreaming && block_size > eviction.window_tokens) {
     UsageError("eval", "--kv-window-tokens " + std::to_string(eviction.window_tokens) +
                            " is smaller than one block (" + std::to_string(block_size) +
                            " tokens)");
+  }
+  if (eviction.mode == KvEviction::Mode::kSnapKv) {
+    // SnapKV compresses a prompt once: here the first step's tokens.
+    if (prefill_tokens <= eviction.budget_tokens) {
+      UsageError("eval",
+                 "--kv-eviction snapkv compresses the first step's prompt: "
+                 "--prefill-tokens " +
+                     std::to_string(prefill_tokens) + " must exceed --kv-budget-tokens " +
+                     std::to_string(eviction.budget_tokens));
+    }
+    if (*kv_dtype != DType::kF32 && *kv_dtype != DType::kF16 && *kv_dtype != DType::kBF16) {
+      UsageError("eval", "--kv-eviction snapkv: --kv-dtype fp32, fp16 or bf16");
+    }
   }
   std::unique_ptr<Model> baseline;
   if (!baseline_dir.empty()) {

@@ -75,7 +75,7 @@ int RunGenerate(int argc, char** argv) {
   // One backend, communicator and model shard per rank.
   const std::unique_ptr<ModelGroup> group =
       LoadModelGroupOrExit("generate", model_dir, devices, static_cast<int>(threads),
-                           LoadFormat::kSafetensors, eviction);
+                           tensor_parallel.expert_parallel(), LoadFormat::kSafetensors, eviction);
   auto tokenizer = Tokenizer::Load(model_dir);
   if (!tokenizer.ok()) UsageError("generate", tokenizer.status().message());
   EngineOptions options;

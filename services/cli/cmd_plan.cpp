@@ -49,10 +49,17 @@ int RunPlan(int argc, char** argv) {
   std::string eviction = "none";
   int64_t sink_tokens = 4, window_tokens = 0;
   flags.AddString("kv-eviction", &eviction,
-                  "none, or streaming: every layer keeps --kv-sink-tokens sinks and the last "
-                  "--kv-window-tokens (attention sinks, docs/kv-eviction.md)");
+                  "none; streaming: every layer keeps --kv-sink-tokens sinks and the last "
+                  "--kv-window-tokens (attention sinks); snapkv: the prompt keeps "
+                  "--kv-budget-tokens per layer (docs/kv-eviction.md)");
   flags.AddInt("kv-sink-tokens", &sink_tokens, "streaming: sink tokens kept at the start");
   flags.AddInt("kv-window-tokens", &window_tokens, "streaming: most recent tokens kept");
+  int64_t budget_tokens = 0, output_tokens = 0;
+  flags.AddInt("kv-budget-tokens", &budget_tokens,
+               "snapkv: prompt tokens kept per layer (the context is the prompt then "
+               "--output-tokens)");
+  flags.AddInt("output-tokens", &output_tokens,
+               "snapkv: tokens of the context generated after the prompt");
   flags.AddInt("block-size", &req.block_size,
                "tokens per KV block: a sliding layer keeps whole blocks");
   flags.AddString("kv-dtype", &kv_dtype, "KV cache element type: " + std::string(kKvDTypeChoices));
@@ -136,8 +143,22 @@ int RunPlan(int argc, char** argv) {
                "need --config, or all of --layers, --kv-heads and --head-dim (or, for MLA, "
                "--layers, --kv-lora-rank and --qk-rope-head-dim)");
   }
-  if (eviction != "none" && eviction != "streaming") {
-    UsageError("plan", "--kv-eviction: expected none or streaming, got '" + eviction + "'");
+  if (eviction != "none" && eviction != "streaming" && eviction != "snapkv") {
+    UsageError("plan", "--kv-eviction: expected none, streaming or snapkv, got '" + eviction + "'");
+  }
+  if (eviction == "snapkv") {
+    if (budget_tokens < 1) UsageError("plan", "--kv-budget-tokens must be >= 1 with snapkv");
+    if (req.shape.sliding_layers > 0) {
+      UsageError("plan", "--kv-eviction snapkv: the model has sliding-window layers");
+    }
+    if (req.shape.is_mla()) UsageError("plan", "--kv-eviction snapkv: MLA's latent cache");
+    if (output_tokens < 0 || output_tokens >= req.context_tokens) {
+      UsageError("plan", "--output-tokens must be within 0 .. --context - 1");
+    }
+    req.snapkv_budget = budget_tokens;
+    req.output_tokens = output_tokens;
+  } else if (flags.WasSet("kv-budget-tokens") || flags.WasSet("output-tokens")) {
+    UsageError("plan", "--kv-budget-tokens and --output-tokens need --kv-eviction snapkv");
   }
   if (eviction == "streaming") {
     if (req.shape.sliding_layers > 0) {
@@ -189,7 +210,9 @@ int RunPlan(int argc, char** argv) {
         {"blocks_per_sequence_dense", plan->blocks_per_sequence_dense},
         {"kv_eviction", eviction == "streaming" ? "streaming sinks=" + std::to_string(sink_tokens) +
                                                       " window=" + std::to_string(window_tokens)
-                                                : std::string("none")},
+                        : eviction == "snapkv" ? "snapkv budget=" + std::to_string(budget_tokens) +
+                                                     " output=" + std::to_string(output_tokens)
+                                               : std::string("none")},
         {"kv_budget_bytes", plan->kv_budget_bytes},
         {"max_tokens", plan->max_tokens},
         {"max_sequences", plan->max_sequences},

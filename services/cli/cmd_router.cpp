@@ -50,7 +50,8 @@ int RunRouter(int argc, char** argv) {
   flags.AddInt("replication-min-requests", &o.replication_min_requests,
                "kv: a prefix is copied only once this many requests (the one routed included) "
                "reached it as their longest cached prefix within --replication-window-s, so a "
-               "conversation's own history stays with its holder (1-" +
+               "conversation's own history stays with its holder; the same test marks the hot "
+               "prefixes whose holders kv relieves by load where no copy can spread them (1-" +
                    std::to_string(router::kMaxCopyMinRequests) + ")");
   flags.AddDouble("replication-window-s", &o.replication_window_s,
                   "kv: the window of --replication-min-requests, in seconds");

@@ -60,6 +60,7 @@ nlohmann::json ResultJson(const SimOptions& o, const std::string& trace, const S
       {"block_tokens", o.block_tokens},
       {"load_weight", r.load_weight},
       {"decode_weight", r.decode_weight},
+      {"relief_decisions", r.relief_decisions},
       {"temperature", o.policy_options.temperature},
       {"seed", o.policy_options.seed},
       {"pending_ttl_s", o.pending_ttl_s},
@@ -151,7 +152,7 @@ int RunSim(int argc, char** argv) {
   flags.AddInt("block-tokens", &o.block_tokens, "tokens per block of the trace's hash_ids");
   flags.AddString("policy", &policies,
                   "routing policy: " + router::PolicyChoices() + ", a comma list, or all");
-  // Unset, these follow --replication (router::WithKvWeights).
+  // Unset, kv's follow router::WithKvWeights (per decision).
   auto optional_double = [](std::optional<double>* out) {
     return [out](std::string_view text) {
       const std::string t(text);
@@ -164,10 +165,10 @@ int RunSim(int argc, char** argv) {
       return Status::Ok();
     };
   };
-  flags.AddCustom("load-weight", "X", "0.1 with replication, 0.25 without",
+  flags.AddCustom("load-weight", "X", "0.1, 0.25 to relieve a hot prefix no copy spreads",
                   optional_double(&o.policy_options.load_weight),
                   "kv: weight of queued work against uncached prompt tokens");
-  flags.AddCustom("decode-weight", "X", "0.01 with replication, 0.05 without",
+  flags.AddCustom("decode-weight", "X", "kv 0.01 (0.05 to relieve), least_loaded 0.05",
                   optional_double(&o.policy_options.decode_weight),
                   "kv, least_loaded: weight of running requests' KV tokens in queued work");
   flags.AddDouble("temperature", &o.policy_options.temperature,

@@ -229,7 +229,7 @@ int RunUp(int argc, char** argv) {
   std::string log_level = "info", device = "auto", load_format = "safetensors";
   std::string kv_dtype = "fp32";
   std::string tool_call_parser;
-  bool stream_chunks = true;
+  bool stream_chunks = true, expert_parallel = false;
   FlagSet flags("up",
                 "Start a local stack: the router plus prefill and decode workers as child "
                 "processes. Ctrl-C or SIGTERM stops them all.");
@@ -256,6 +256,8 @@ int RunUp(int argc, char** argv) {
   flags.AddString("load-format", &load_format,
                   "workers' weights: safetensors|dummy (random, for benchmarks)");
   flags.AddInt("threads", &threads, "compute threads per CPU worker (0: the cores shared out)");
+  flags.AddBool("expert-parallel", &expert_parallel,
+                "with --tensor-parallel N: whole experts per rank (docs/tensor-parallel.md)");
   flags.AddInt("tensor-parallel", &tensor_parallel,
                "ranks of every worker, 1 to 8 (docs/tensor-parallel.md); prefill workers "
                "hand KV to decode workers rank to rank");
@@ -306,10 +308,17 @@ int RunUp(int argc, char** argv) {
   if (decode_metrics_port > 0 && decode_metrics_port + decode - 1 > 65535)
     UsageError("up", "--decode-metrics-port leaves no room for every decode worker");
   (void)structured.OptionsOrExit("up");  // out-of-range values fail here, not in a child
-  (void)eviction.EvictionOrExit("up");
+  if (eviction.EvictionOrExit("up").mode == KvEviction::Mode::kSnapKv && prefill > 0) {
+    UsageError("up",
+               "--kv-eviction snapkv: a compressed prompt does not cross a disaggregated "
+               "hand-off yet; run it with --prefill 0 (decode workers prefill locally)");
+  }
   if (threads < 0) UsageError("up", "--threads must not be negative");
   if (tensor_parallel < 1 || tensor_parallel > 8)
     UsageError("up", "--tensor-parallel must be 1 to 8, got " + std::to_string(tensor_parallel));
+  if (expert_parallel && tensor_parallel == 1) {
+    UsageError("up", "--expert-parallel needs --tensor-parallel 2 or more");
+  }
   if (max_local_prefill < 0) UsageError("up", "--max-local-prefill must not be negative");
   if (char* end = nullptr;
       copy_cost.empty() || !(std::strtod(copy_cost.c_str(), &end) >= 0) || *end != '\0') {
@@ -464,6 +473,7 @@ int RunUp(int argc, char** argv) {
         "--load-format",
         load_format,
         std::string("--kv-stream-chunks=") + (stream_chunks ? "true" : "false"),
+        std::string("--expert-parallel=") + (expert_parallel ? "true" : "false"),
         "--log-level",
         log_level};
     if (!model_id.empty()) args.insert(args.end(), {"--model-id", model_id});

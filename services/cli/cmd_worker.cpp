@@ -111,6 +111,13 @@ int RunWorker(int argc, char** argv) {
   auto parsed_role = ParseRole(role);
   if (!parsed_role.ok()) UsageError("worker", "--role: " + parsed_role.status().message());
   o.role = *parsed_role;
+  if (o.role == Role::kPrefill &&
+      eviction.EvictionOrExit("worker").mode == KvEviction::Mode::kSnapKv) {
+    // A decode worker with the mode prefills locally instead.
+    UsageError("worker",
+               "--kv-eviction snapkv: a compressed prompt does not cross a disaggregated "
+               "hand-off yet; run it on decode or both workers (they prefill locally)");
+  }
   if (o.model_dir.empty()) UsageError("worker", "--model is required");
   auto format = ParseLoadFormat(load_format);
   if (!format)
@@ -125,6 +132,7 @@ int RunWorker(int argc, char** argv) {
   (void)tensor_parallel.DevicesOrExit("worker", o.device);
   o.tensor_parallel = tensor_parallel.size();
   o.devices = tensor_parallel.devices();
+  o.expert_parallel = tensor_parallel.expert_parallel();
   auto transfer_kind = ParseKvTransferKind(kv_transfer);
   if (!transfer_kind.ok())
     UsageError("worker", "--kv-transfer: " + transfer_kind.status().message());

@@ -1,7 +1,7 @@
 // Token eviction and selection flags shared by `pdserve worker`, `generate`,
 // `eval`, `bench engine` and `up` (common/kv_eviction.h; docs/kv-eviction.md):
-// --kv-eviction, --kv-sink-tokens, --kv-window-tokens, --kv-selection,
-// --kv-selection-blocks.
+// --kv-eviction, --kv-sink-tokens, --kv-window-tokens, --kv-budget-tokens,
+// --kv-observation-window, --kv-selection, --kv-selection-blocks.
 #pragma once
 
 #include <string>
@@ -29,6 +29,8 @@ class KvEvictionFlags {
   static constexpr int64_t kUnset = -(int64_t{1} << 62);
   int64_t sink_tokens_ = kUnset;  // 4 under streaming
   int64_t window_tokens_ = kUnset;
+  int64_t budget_tokens_ = kUnset;
+  int64_t observation_window_ = kUnset;
   std::string selection_ = "none";
   int64_t selection_blocks_ = kUnset;
 };

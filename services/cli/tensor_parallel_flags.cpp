@@ -12,12 +12,18 @@ void TensorParallelFlags::AddTo(FlagSet& flags) {
   flags.AddString("devices", &devices_,
                   "device of each rank, comma-separated (cpu,cpu or cuda:0,cuda:1; default: N "
                   "CPU ranks on the CPU, else the first N CUDA devices)");
+  flags.AddBool("expert-parallel", &expert_parallel_,
+                "with --tensor-parallel N: whole experts per rank (expert e on rank e mod N) "
+                "instead of every expert sliced");
 }
 
 std::vector<std::string> TensorParallelFlags::DevicesOrExit(std::string_view command,
                                                             std::string_view device) const {
   if (size_ < 1 || size_ > 8) {
     UsageError(command, "--tensor-parallel must be 1 to 8, got " + std::to_string(size_));
+  }
+  if (expert_parallel_ && size_ == 1) {
+    UsageError(command, "--expert-parallel needs --tensor-parallel 2 or more");
   }
   auto devices = ResolveRankDevices(device, devices_, static_cast<int>(size_));
   if (!devices.ok()) UsageError(command, devices.status().message());
@@ -27,14 +33,15 @@ std::vector<std::string> TensorParallelFlags::DevicesOrExit(std::string_view com
 std::vector<std::string> TensorParallelFlags::Args() const {
   std::vector<std::string> args = {"--tensor-parallel", std::to_string(size_)};
   if (!devices_.empty()) args.insert(args.end(), {"--devices", devices_});
+  if (expert_parallel_) args.push_back("--expert-parallel");
   return args;
 }
 
 std::unique_ptr<ModelGroup> LoadModelGroupOrExit(std::string_view command, const std::string& dir,
                                                  const std::vector<std::string>& devices,
-                                                 int threads, LoadFormat format,
-                                                 const KvEviction& eviction) {
-  auto group = LoadModelGroup(dir, devices, threads, format, eviction);
+                                                 int threads, bool expert_parallel,
+                                                 LoadFormat format, const KvEviction& eviction) {
+  auto group = LoadModelGroup(dir, devices, threads, format, eviction, expert_parallel);
   if (group.ok()) return std::move(*group);
   const StatusCode c = group.status().code();
   if (c == StatusCode::kInvalidArgument || c == StatusCode::kNotFound ||

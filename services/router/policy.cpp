@@ -8,9 +8,11 @@
 namespace pdserve::router {
 namespace {
 
-// The kv weights without copies (policy.h: WithKvWeights).
-constexpr double kLoadWeightAlone = 0.25;
-constexpr double kDecodeWeightAlone = 0.05;
+// The kv weights (policy.h: WithKvWeights).
+constexpr double kLoadWeight = 0.1;
+constexpr double kDecodeWeight = 0.01;
+constexpr double kLoadWeightRelief = 0.25;
+constexpr double kDecodeWeightRelief = 0.05;
 
 // Picks among the candidates whose score is within a hair of the minimum,
 // then (optionally) those with the smallest tie-break key, rotating through
@@ -237,9 +239,9 @@ const std::vector<std::string>& PolicyNames() {
   return names;
 }
 
-PolicyOptions WithKvWeights(PolicyOptions options, bool replication) {
-  if (!options.load_weight) options.load_weight = replication ? 0.1 : kLoadWeightAlone;
-  if (!options.decode_weight) options.decode_weight = replication ? 0.01 : kDecodeWeightAlone;
+PolicyOptions WithKvWeights(PolicyOptions options, bool relief) {
+  if (!options.load_weight) options.load_weight = relief ? kLoadWeightRelief : kLoadWeight;
+  if (!options.decode_weight) options.decode_weight = relief ? kDecodeWeightRelief : kDecodeWeight;
   return options;
 }
 
@@ -291,7 +293,7 @@ std::string PolicyChoices() {
 
 double QueuedWork(const Candidate& c, const PolicyOptions& options) {
   return static_cast<double>(c.queued_prefill_tokens) +
-         options.decode_weight.value_or(kDecodeWeightAlone) * static_cast<double>(c.decode_tokens);
+         options.decode_weight.value_or(kDecodeWeight) * static_cast<double>(c.decode_tokens);
 }
 
 double TieredUncachedTokens(const Candidate& c, const PolicyOptions& options) {
@@ -303,7 +305,7 @@ double TieredUncachedTokens(const Candidate& c, const PolicyOptions& options) {
 
 double KvCost(const Candidate& c, const PolicyOptions& options) {
   return TieredUncachedTokens(c, options) +
-         options.load_weight.value_or(kLoadWeightAlone) * QueuedWork(c, options);
+         options.load_weight.value_or(kLoadWeight) * QueuedWork(c, options);
 }
 
 double DynamoCost(const Candidate& c, const PolicyOptions& options) {

@@ -116,18 +116,17 @@ class RoutingPolicy {
 const std::vector<std::string>& PolicyNames();
 // The same, joined by '|' (for --help and errors).
 std::string PolicyChoices();
-// The kv weights (load_weight, decode_weight) left unset, by whether the
-// router replicates hot prefixes. Every token prefilled on a worker delays
-// each request queued behind it, so under overload a cache miss costs more
-// than an even queue saves: with copies on, 0.1 / 0.01 (copies relieve a hot
-// prefix's holder, so the policy can favour hits; on the routing table's
-// overload traces mean TTFT and p99 fall by up to a third against 0.25 /
-// 0.05). Without copies, load balancing is the only relief for a hot
-// prefix's holder: 0.1 / 0.01 piles a skewed trace's hottest prompt on its
-// holders (skew: p99 1.2 s -> 5.1 s), so 0.25 / 0.05. RouterCore::Create
-// applies this (router and simulator alike); MakePolicy alone treats unset
-// as copies off. Weights the caller set are kept.
-PolicyOptions WithKvWeights(PolicyOptions options, bool replication);
+// The kv weights (load_weight, decode_weight) left unset. Every token
+// prefilled on a worker delays each request queued behind it, so under
+// overload a cache miss costs more than an even queue saves: 0.1 / 0.01
+// (affinity) for most decisions. A hot prefix with fewer holders than its
+// traffic earns needs relief for its holders, and where no copy can bring
+// it (replication off, or its breaker open) load balancing is the only
+// relief: such a decision weighs load at 0.25 / 0.05 (relief; skew without
+// copies: p99 1.2 s against 5.1 s at 0.1 / 0.01). RouterCore applies this
+// per decision (router and simulator alike); MakePolicy alone treats unset
+// as affinity. Weights the caller set are kept either way.
+PolicyOptions WithKvWeights(PolicyOptions options, bool relief);
 
 // InvalidArgument naming the valid choices for an unknown name.
 StatusOr<std::unique_ptr<RoutingPolicy>> MakePolicy(std::string_view name,

@@ -1,28 +1,32 @@
 #include "services/router/router_core.h"
 
 #include <algorithm>
+#include <bit>
 #include <chrono>
 #include <cmath>
 #include <deque>
 #include <limits>
 
 #include "common/kv_groups.h"
+#include "services/router/detail/block_table.h"
 
 namespace pdserve::router {
 
-struct RouterCore::Worker {
+// What every decision reads of every worker comes first, in two cache lines
+// (a decision builds 64 candidates: a third line each cost about 0.1 us).
+struct alignas(64) RouterCore::Worker {
   WorkerId id = 0;
-  std::string name;
   Role role = Role::kBoth;
-  int64_t max_model_len = 0;  // 0: unknown
-  WorkerLoad reported;
   bool has_report = false;
   bool draining = false;
+  int64_t max_model_len = 0;  // 0: unknown
+  WorkerLoad reported;
   int64_t inflight_requests = 0;
   int64_t inflight_prefill_tokens = 0;    // charged to the prefilling worker
   int64_t inflight_prefill_requests = 0;  // requests it has not prefilled yet
   int64_t inflight_decode_tokens = 0;     // charged to the decode worker
-  std::deque<int64_t> routed_at_us;       // within the QPS window (production-stack)
+  std::string name;
+  std::deque<int64_t> routed_at_us;  // within the QPS window (production-stack)
 };
 
 RouterCore::RouterCore(RouterOptions options)
@@ -58,14 +62,34 @@ StatusOr<std::unique_ptr<RouterCore>> RouterCore::Create(RouterOptions options) 
     };
   }
   options.policy_options.block_tokens = options.block_tokens;
-  options.policy_options = WithKvWeights(std::move(options.policy_options),
-                                         options.copy_cost > 0 && options.copy_cost < 1);
+  const bool kv = options.policy == "kv";
+  const PolicyOptions configured = options.policy_options;
+  // kv: affinity weights, relief weights per decision (WithKvWeights). The
+  // others read only the decode weight (least_loaded): the relief one
+  // without copies, as before the rule.
+  options.policy_options =
+      WithKvWeights(configured, !kv && !(options.copy_cost > 0 && options.copy_cost < 1));
   PolicyOptions prefill_options = options.policy_options;
   prefill_options.seed = options.policy_options.seed * 0x9E3779B97F4A7C15ull + 1;
   auto decode_policy = MakePolicy(options.policy, options.policy_options);
   if (!decode_policy.ok()) return decode_policy.status();
   auto prefill_policy = MakePolicy(options.policy, prefill_options);
   if (!prefill_policy.ok()) return prefill_policy.status();
+  // Only when they differ (weights set by the caller are kept): relief
+  // decisions then need their own pair of policies.
+  const PolicyOptions relief = WithKvWeights(configured, true);
+  std::unique_ptr<RoutingPolicy> decode_relief, prefill_relief;
+  if (kv && (*relief.load_weight != *options.policy_options.load_weight ||
+             *relief.decode_weight != *options.policy_options.decode_weight)) {
+    PolicyOptions prefill_relief_options = relief;
+    prefill_relief_options.seed = prefill_options.seed;
+    auto d = MakePolicy(options.policy, relief);
+    if (!d.ok()) return d.status();
+    auto p = MakePolicy(options.policy, prefill_relief_options);
+    if (!p.ok()) return p.status();
+    decode_relief = std::move(*d);
+    prefill_relief = std::move(*p);
+  }
   if (options.copy_max_inflight < 0 || !(options.copy_max_tokens_per_s >= 0) ||
       !std::isfinite(options.copy_max_tokens_per_s) || options.copy_reuse_window_us <= 0) {
     return Status::InvalidArgument(
@@ -74,6 +98,10 @@ StatusOr<std::unique_ptr<RouterCore>> RouterCore::Create(RouterOptions options) 
   std::unique_ptr<RouterCore> core(new RouterCore(std::move(options)));
   core->decode_policy_ = std::move(*decode_policy);
   core->prefill_policy_ = std::move(*prefill_policy);
+  core->decode_relief_policy_ = std::move(decode_relief);
+  core->prefill_relief_policy_ = std::move(prefill_relief);
+  core->relief_weights_ = relief;
+  core->weights_ = &core->options_.policy_options;
   const RouterOptions& o = core->options_;
   if ((o.copy_cost > 0 && o.copy_cost < 1) || o.drain_push) {
     CopyGovernorOptions g;
@@ -84,6 +112,12 @@ StatusOr<std::unique_ptr<RouterCore>> RouterCore::Create(RouterOptions options) 
     g.cooldown_us = o.copy_window_us;
     g.reuse_window_us = o.copy_reuse_window_us;
     core->governor_ = std::make_unique<CopyGovernor>(g);
+  }
+  if (core->governor_ || core->decode_relief_policy_) {
+    // Allocated once (lazily zeroed): no rehash on the routing path.
+    core->prefix_reach_ = std::make_unique<detail::BlockTable>(
+        kReachTimes + static_cast<size_t>(core->options_.copy_min_requests), kMaxTrackedPrefixes);
+    core->prefix_reach_->Reserve(kMaxTrackedPrefixes);
   }
   return core;
 }
@@ -310,8 +344,15 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
                         std::to_string(sequence_tokens) + " tokens"
                   : std::string("no decode worker is registered and accepting requests"));
   }
+  weights_ = &options_.policy_options;
   OfferCopiesLocked(request, now);
-  const size_t d_index = decode_policy_->Pick(candidates_);
+  // Relief (WithKvWeights): the prefix needs more holders and no copy can
+  // bring one, so load balancing spreads it.
+  const bool relief = relief_ && decode_relief_policy_;
+  if (relief) weights_ = &relief_weights_;
+  RoutingPolicy& decode_policy = relief ? *decode_relief_policy_ : *decode_policy_;
+  RoutingPolicy& prefill_policy = relief ? *prefill_relief_policy_ : *prefill_policy_;
+  const size_t d_index = decode_policy.Pick(candidates_);
   const Candidate d = candidates_[d_index];
   if (!price_decline_.empty()) CountDeclineLocked(d_index);
 
@@ -337,7 +378,7 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
       }
     }
     if (!candidates_.empty()) {
-      const Candidate p = candidates_[prefill_policy_->Pick(candidates_)];
+      const Candidate p = candidates_[prefill_policy.Pick(candidates_)];
       decision.copy_from.reset();  // the prefill worker writes every missing block
       decision.copy_blocks = 0;
       decision.prefill = p.worker;
@@ -376,6 +417,7 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
   }
 
   ++counters_.routed;
+  counters_.relief_decisions += relief;
   ++(decision.prefill ? counters_.remote_prefill : counters_.local_prefill);
   if (decision.copy_from) {
     ++counters_.copies;
@@ -421,31 +463,48 @@ bool RouterCore::NoteHotPrefixLocked(BlockHash last_block, int64_t now_us, doubl
   // window are forgotten (they could not be hot), and if the window itself
   // holds more, all of them (a copy then waits for the prefix to be reached
   // again).
-  constexpr size_t kMaxTrackedPrefixes = 1 << 16;
-  if (prefix_reach_.size() >= kMaxTrackedPrefixes) {
-    std::erase_if(prefix_reach_, [&](const auto& entry) {
-      return entry.second.newest_us <= now_us - options_.copy_window_us;
+  detail::BlockTable& table = *prefix_reach_;
+  if (table.size() >= kMaxTrackedPrefixes) {
+    stale_prefixes_.clear();
+    table.ForEach([&](uint64_t key, const uint64_t* words) {
+      if (static_cast<int64_t>(words[kReachNewest]) <= now_us - options_.copy_window_us) {
+        stale_prefixes_.push_back(key);
+      }
     });
-    if (prefix_reach_.size() >= kMaxTrackedPrefixes / 2) prefix_reach_.clear();
+    for (uint64_t key : stale_prefixes_) table.Erase(key);
+    if (table.size() >= kMaxTrackedPrefixes / 2) table.ClearKeepCapacity();
   }
-  const auto needed = static_cast<uint32_t>(options_.copy_min_requests);
-  PrefixReach& reach = prefix_reach_[last_block];
-  reach.demand = Decayed(reach.demand, reach.newest_us, now_us, options_.copy_window_us) + 1;
-  reach.at_us[reach.next] = now_us;
-  reach.next = (reach.next + 1) % needed;
-  reach.count = std::min(reach.count + 1, needed);
-  reach.newest_us = now_us;
-  *share = traffic_ > 0 ? std::min(1.0, reach.demand / traffic_) : 1.0;
+  const auto needed = static_cast<uint64_t>(options_.copy_min_requests);
+  bool inserted = false;
+  uint64_t* reach = table.words(table.FindOrInsert(last_block, &inserted));
+  // Words: [count | next << 32, newest_us, demand (double bits), times ring].
+  uint64_t count = reach[kReachRing] & 0xFFFFFFFFu;
+  uint64_t next = reach[kReachRing] >> 32;
+  const double demand =
+      Decayed(std::bit_cast<double>(reach[kReachDemand]), static_cast<int64_t>(reach[kReachNewest]),
+              now_us, options_.copy_window_us) +
+      1;
+  reach[kReachDemand] = std::bit_cast<uint64_t>(demand);
+  reach[kReachTimes + next] = static_cast<uint64_t>(now_us);
+  next = (next + 1) % needed;
+  count = std::min(count + 1, needed);
+  reach[kReachRing] = count | (next << 32);
+  reach[kReachNewest] = static_cast<uint64_t>(now_us);
+  *share = traffic_ > 0 ? std::min(1.0, demand / traffic_) : 1.0;
   // The ring's next slot holds the oldest of the latest `needed` times.
-  return reach.count == needed && reach.at_us[reach.next] > now_us - options_.copy_window_us;
+  return count == needed &&
+         static_cast<int64_t>(reach[kReachTimes + next]) > now_us - options_.copy_window_us;
 }
 
 void RouterCore::OfferCopiesLocked(const RouteRequest& request, int64_t now_us) {
   const int64_t prompt_tokens = request.prompt_tokens;
   copy_blocks_.clear();
   price_decline_.clear();
+  relief_ = false;
   // copy_cost 0, or >= 1: a copy never pays.
-  if (!governor_ || !(options_.copy_cost > 0 && options_.copy_cost < 1)) return;
+  const bool copies = governor_ && options_.copy_cost > 0 && options_.copy_cost < 1;
+  // Without copies the hot prefix is still tracked, for relief.
+  if (!copies && !decode_relief_policy_) return;
   if (GroupedLocked()) return;  // a copy moves one group's prefix; not offered with groups
   // Every request counts toward the traffic a prefix's demand is a share of.
   traffic_ = Decayed(traffic_, traffic_at_us_, now_us, options_.copy_window_us) + 1;
@@ -479,7 +538,7 @@ void RouterCore::OfferCopiesLocked(const RouteRequest& request, int64_t now_us) 
   const int64_t best_tokens = std::min(best * options_.block_tokens, prompt_tokens);
   if (std::none_of(candidates_.begin(), candidates_.end(),
                    [&](const Candidate& c) { return CopyServes(c, best); })) {
-    return;
+    return;  // every candidate holds it (or has its own lower-tier copy)
   }
   // A prefix earns holders in proportion to the traffic it draws: with its
   // share of the requests times the decode workers already holding it, a
@@ -490,9 +549,18 @@ void RouterCore::OfferCopiesLocked(const RouteRequest& request, int64_t now_us) 
   const double workers = static_cast<double>(DecodeWorkerCountLocked());
   const double deserved =
       traffic_ >= kMinTrafficPerWorker * workers ? std::ceil(share * workers) : 1.0;
+  const bool under_held = static_cast<double>(holders) < std::max(1.0, deserved);
+  if (!copies) {
+    relief_ = under_held;
+    return;
+  }
   CopyDecline gate = CopyDecline::kEnoughHolders;
-  if (static_cast<double>(holders) >= std::max(1.0, deserved) ||
-      !governor_->MayStart(now_us, &gate)) {
+  if (!under_held || !governor_->MayStart(now_us, &gate)) {
+    // An open breaker (or a probe out) is no copies at all, as if off; a
+    // budget or price that declines this one leaves the spreading to the
+    // copies it allows (relieving by recompute then lost on the overload
+    // traces: docs/routing.md).
+    relief_ = under_held && gate == CopyDecline::kBreakerOpen;
     if (CopyWinsAtLinkPriceLocked(best, best_tokens)) governor_->Declined(gate);
     return;
   }
@@ -539,7 +607,7 @@ void RouterCore::OfferCopiesLocked(const RouteRequest& request, int64_t now_us) 
 bool RouterCore::CopyWinsAtLinkPriceLocked(int64_t best, int64_t best_tokens) const {
   double plain = std::numeric_limits<double>::infinity();
   for (const Candidate& c : candidates_) {
-    plain = std::min(plain, KvCost(c, options_.policy_options));
+    plain = std::min(plain, KvCost(c, *weights_));
   }
   for (const Candidate& candidate : candidates_) {
     if (!CopyServes(candidate, best)) continue;
@@ -549,7 +617,7 @@ bool RouterCore::CopyWinsAtLinkPriceLocked(int64_t best, int64_t best_tokens) co
     if (link >= tokens) continue;
     Candidate c = candidate;
     c.uncached_tokens -= tokens - link;
-    if (KvCost(c, options_.policy_options) < plain) return true;
+    if (KvCost(c, *weights_) < plain) return true;
   }
   return false;
 }
@@ -558,14 +626,14 @@ void RouterCore::CountDeclineLocked(size_t chosen) {
   if (copy_blocks_[chosen] > 0) return;  // a copy was made
   // The cheapest candidate whose copy the governor priced out, at the link
   // price alone: had it won the pick, the old rule would have copied.
-  const double chosen_cost = KvCost(candidates_[chosen], options_.policy_options);
+  const double chosen_cost = KvCost(candidates_[chosen], *weights_);
   double best = chosen_cost;
   int8_t reason = -1;
   for (size_t i = 0; i < candidates_.size(); ++i) {
     if (price_decline_[i] < 0) continue;
     Candidate c = candidates_[i];
     c.uncached_tokens = base_uncached_[i];
-    const double cost = KvCost(c, options_.policy_options);
+    const double cost = KvCost(c, *weights_);
     if (cost < best) {
       best = cost;
       reason = price_decline_[i];

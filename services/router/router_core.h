@@ -49,6 +49,10 @@
 
 namespace pdserve::router {
 
+namespace detail {
+class BlockTable;
+}
+
 // A worker's periodic Load report.
 struct WorkerLoad {
   int64_t queued_prefill_tokens = 0;  // prompt tokens waiting for prefill (after its cache)
@@ -171,6 +175,7 @@ struct RouterStats {
   uint64_t predicted_hit_tokens = 0;  // overlap of the prefilling worker, in tokens (tiers too)
   uint64_t predicted_host_hit_tokens = 0;  // of those, in its host tier
   uint64_t predicted_disk_hit_tokens = 0;  // and in its disk tier
+  uint64_t relief_decisions = 0;           // kv decisions at the relief weights (WithKvWeights)
   uint64_t copies = 0;                     // decisions with a replication copy
   uint64_t copied_blocks = 0;
   CopyGovernorStats copy;  // declines by reason, outcomes, breaker, budget (replication on)
@@ -270,7 +275,9 @@ class RouterCore {
   // With copy_cost > 0, the longest held prefix hot and the governor's
   // budget open: lowers each decode candidate's uncached tokens by what a
   // copy from the best holder would save at the governor's price, recording
-  // the copy in copy_*_.
+  // the copy in copy_*_. Sets relief_ when that prefix is hot, has fewer
+  // holders than its traffic earns and no copy can spread it (no copies,
+  // or the breaker open): the decision then takes the relief weights.
   void OfferCopiesLocked(const RouteRequest& request, int64_t now_us);
   // After the pick of candidate `chosen`: counts a decline when a copy the
   // link price alone would have made did not happen.
@@ -300,6 +307,13 @@ class RouterCore {
   mutable std::mutex mu_;
   std::unique_ptr<RoutingPolicy> decode_policy_;
   std::unique_ptr<RoutingPolicy> prefill_policy_;
+  // kv with default weights: the same policies at the relief weights
+  // (WithKvWeights), for decisions OfferCopiesLocked marks relief_.
+  std::unique_ptr<RoutingPolicy> decode_relief_policy_;
+  std::unique_ptr<RoutingPolicy> prefill_relief_policy_;
+  PolicyOptions relief_weights_;
+  const PolicyOptions* weights_ = nullptr;  // this decision's, for KvCost
+  bool relief_ = false;
   std::vector<std::unique_ptr<Worker>> workers_;  // by slot; null when free
   std::unordered_map<uint64_t, Inflight> inflight_;
   RouterStats counters_;
@@ -318,18 +332,18 @@ class RouterCore {
   std::vector<int64_t> base_uncached_;
   std::vector<int8_t> price_decline_;       // -1: none, else a CopyDecline
   std::unique_ptr<CopyGovernor> governor_;  // replication on only
-  // The longest held prefixes requests reached, by their last block: the
-  // times of the latest copy_min_requests of them (a ring).
-  struct PrefixReach {
-    std::array<int64_t, kMaxCopyMinRequests> at_us{};
-    uint32_t count = 0;  // times recorded, up to copy_min_requests
-    uint32_t next = 0;   // ring position of the next one
-    int64_t newest_us = 0;
-    double demand = 0;  // requests reaching it, decayed with time constant copy_window_us
-  };
-  double traffic_ = 0;  // every request routed, decayed likewise
+  double traffic_ = 0;  // every request routed, decayed with time constant copy_window_us
   int64_t traffic_at_us_ = 0;
-  std::unordered_map<BlockHash, PrefixReach> prefix_reach_;
+  // The longest held prefixes requests reached, by their last block (an
+  // open-addressing table: one miss and no allocation per decision): words
+  // kReachRing (count of times recorded up to copy_min_requests | ring
+  // position of the next << 32), kReachNewest (latest time), kReachDemand
+  // (requests reaching it, decayed like traffic_; double bits) and from
+  // kReachTimes the times of the latest copy_min_requests of them (a ring).
+  static constexpr size_t kReachRing = 0, kReachNewest = 1, kReachDemand = 2, kReachTimes = 3;
+  static constexpr size_t kMaxTrackedPrefixes = 1 << 16;
+  std::unique_ptr<detail::BlockTable> prefix_reach_;  // with copies or relief only
+  std::vector<uint64_t> stale_prefixes_;
 };
 
 }  // namespace pdserve::router

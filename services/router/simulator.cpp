@@ -827,6 +827,7 @@ StatusOr<SimResult> RunSimulation(const std::vector<TraceRequest>& trace, const 
   const PolicyOptions& used = (*core)->options().policy_options;
   result.load_weight = *used.load_weight;
   result.decode_weight = *used.decode_weight;
+  result.relief_decisions = static_cast<int64_t>((*core)->stats().relief_decisions);
   return result;
 }
 

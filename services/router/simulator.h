@@ -138,6 +138,7 @@ struct SimCopyStats {
 struct SimResult {
   double load_weight = 0;  // the kv weights the router used (router::WithKvWeights)
   double decode_weight = 0;
+  int64_t relief_decisions = 0;  // kv: decisions at the relief weights instead
   int64_t requests = 0;
   int64_t prompt_tokens = 0;
   int64_t hit_tokens = 0;            // served from the workers' caches, any tier

@@ -142,7 +142,9 @@ void DecodeSide::Admit(const ConnectionPtr& router, proto::Generate g,
 
   // The router decided: a named prefill worker means remote prefill.
   std::optional<proto::Envelope> prefill;
-  if (!g.prefill_address().empty()) {
+  // SnapKV: a compressed prompt does not cross a hand-off yet, so such a
+  // worker prefills locally whatever the router chose.
+  if (!g.prefill_address().empty() && ctx_->opts->kv_eviction.mode != KvEviction::Mode::kSnapKv) {
     EngineRequest copy = req;
     auto plan = ctx_->engine->AddRemotePrefillRequest(std::move(copy));
     if (!plan.ok()) return reject(plan.status());

@@ -151,7 +151,7 @@ struct WorkerMetrics {
     for (const char* direction : {"in", "out"}) transfer_bytes.Add({{"direction", direction}});
     // Every release mode at 0 too, so that the dashboard's eviction panel
     // reads 0, not "no data", on workers of dense models.
-    for (const char* mode : {"streaming", "window"}) evicted_tokens.Add({{"mode", mode}});
+    for (const char* mode : {"streaming", "window", "snapkv"}) evicted_tokens.Add({{"mode", mode}});
   }
 
   // One finished request of `kind` ("decode" or "prefill") with `outcome`.

@@ -98,7 +98,7 @@ class WorkerServiceImpl : public WorkerService {
     auto devices = ResolveRankDevices(opts_.device, opts_.devices, opts_.tensor_parallel);
     if (!devices.ok()) return devices.status();
     auto group = LoadModelGroup(opts_.model_dir, *devices, opts_.threads, opts_.load_format,
-                                opts_.kv_eviction,
+                                opts_.kv_eviction, opts_.expert_parallel,
                                 [this](double s) { metrics_.all_reduce_seconds.Observe(s); });
     if (!group.ok()) return group.status();
     group_ = std::move(*group);
@@ -173,8 +173,9 @@ class WorkerServiceImpl : public WorkerService {
     layout_.model_fingerprint = engine_->kv_fingerprint();
     layout_.tensor_parallel = group_->size();
     // The model's KV heads, all ranks together: a rank's layout holds its share.
+    // (MLA's one latent is on every rank: one head, replicated.)
     int64_t kv_heads = layout_.kv_heads;
-    if (group_->size() > 1) {
+    if (group_->size() > 1 && layout_.attention == KvAttention::kGqa) {
       auto config = LoadModelConfig(opts_.model_dir);
       if (!config.ok()) return config.status();
       kv_heads = config->num_kv_heads;
@@ -618,8 +619,13 @@ class WorkerServiceImpl : public WorkerService {
       metrics_.preemptions.Increment(static_cast<double>(s.num_preemptions - last_preemptions_));
     }
     last_preemptions_ = s.num_preemptions;
+    if (s.snapkv_evicted_tokens > last_snapkv_evicted_) {
+      metrics_.evicted_tokens.Add({{"mode", "snapkv"}})
+          .Increment(static_cast<double>(s.snapkv_evicted_tokens - last_snapkv_evicted_));
+      last_snapkv_evicted_ = s.snapkv_evicted_tokens;
+    }
     if (const uint64_t released = s.blocks.released_out_of_reach_blocks_total;
-        released > last_released_) {
+        released > last_released_ && opts_.kv_eviction.mode != KvEviction::Mode::kSnapKv) {
       const char* mode =
           opts_.kv_eviction.mode == KvEviction::Mode::kStreaming ? "streaming" : "window";
       metrics_.evicted_tokens.Add({{"mode", mode}})
@@ -731,6 +737,7 @@ class WorkerServiceImpl : public WorkerService {
   WorkerMetrics metrics_{*registry_};
   std::mutex counters_mu_;
   uint64_t last_queries_ = 0, last_hits_ = 0, last_preemptions_ = 0, last_released_ = 0;
+  uint64_t last_snapkv_evicted_ = 0;
 
   std::unique_ptr<control::EventLoop> loop_;
   std::unique_ptr<control::Server> peer_server_;

@@ -85,6 +85,7 @@ struct WorkerOptions {
   // with one capacity.
   int tensor_parallel = 1;
   std::string devices;
+  bool expert_parallel = false;  // whole experts per rank (engine/model.h)
   int threads = 0;  // compute threads of the CPU backend (0: all cores; shared by the ranks)
   bool cuda_graphs = true;  // decode steps replayed from CUDA graphs where the device has them
   KvTransferKind kv_transfer = KvTransferKind::kUcx;

@@ -384,6 +384,49 @@ std::vector<std::vector<double>> ReferenceModel::Forward(const std::vector<int32
       }
       return out;
     };
+    // SnapKV: which prompt positions each KV head keeps, from the last W
+    // prompt queries' own attention weights.
+    const int64_t P = eviction.snapkv_prompt;
+    const bool snap = eviction.snapkv_budget > 0 && P > eviction.snapkv_budget;
+    std::vector<std::vector<bool>> keep(kv_heads_);
+    if (snap) {
+      const int64_t W = eviction.snapkv_window, prefix = P - W, group = heads_ / kv_heads_;
+      std::vector<std::vector<int64_t>> layer_kept(kv_heads_);
+      for (int64_t g = 0; g < kv_heads_; ++g) {
+        std::vector<double> vote(prefix, 0.0);
+        for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+          for (int64_t t = prefix; t < P; ++t) {
+            std::vector<double> w(t + 1);
+            double mx = -1e300, den = 0;
+            for (int64_t j = 0; j <= t; ++j) {
+              double dot = 0;
+              for (int64_t i = 0; i < hd; ++i) dot += q[t][h * hd + i] * k[j][g * hd + i];
+              w[j] = dot * attn_scale_;
+              if (attn_cap_ > 0) w[j] = attn_cap_ * std::tanh(w[j] / attn_cap_);
+              mx = std::max(mx, w[j]);
+            }
+            for (double& x : w) den += (x = std::exp(x - mx));
+            for (int64_t j = 0; j < prefix; ++j) vote[j] += w[j] / den;
+          }
+        }
+        std::vector<std::pair<double, int64_t>> pooled(prefix);
+        for (int64_t j = 0; j < prefix; ++j) {
+          double m = -1e300;
+          for (int64_t d = std::max<int64_t>(0, j - 3); d <= std::min(prefix - 1, j + 3); ++d) {
+            m = std::max(m, vote[d]);
+          }
+          pooled[j] = {-m, j};  // highest first, then the lower position
+        }
+        std::sort(pooled.begin(), pooled.end());
+        keep[g].assign(P, false);
+        for (int64_t i = 0; i < eviction.snapkv_budget - W; ++i) keep[g][pooled[i].second] = true;
+        for (int64_t j = prefix; j < P; ++j) keep[g][j] = true;
+        for (int64_t j = 0; j < P; ++j) {
+          if (keep[g][j]) layer_kept[g].push_back(j);
+        }
+      }
+      if (eviction.snapkv_kept != nullptr) eviction.snapkv_kept->push_back(std::move(layer_kept));
+    }
     for (int64_t t = 0; t < T; ++t) {
       std::vector<double> attn(heads_ * hd, 0.0);
       const bool dense = evicted_attn.empty();
@@ -419,10 +462,13 @@ std::vector<std::vector<double>> ReferenceModel::Forward(const std::vector<int32
           read[newest] = true;
           for (int64_t i = 0; i < eviction.quest_blocks; ++i) read[bound[i].second] = true;
         }
+        // SnapKV: a query past the prompt sees the kept prompt positions.
+        const bool compressed = snap && t >= P;
+        auto seen = [&](int64_t j) { return read[j / B] && (!compressed || j >= P || keep[g][j]); };
         std::vector<double> s(t + 1, 0.0);
         double mx = -1e300;
         for (int64_t j = first; j <= t; ++j) {
-          if (!read[j / B]) continue;
+          if (!seen(j)) continue;
           double dot = 0;
           for (int64_t i = 0; i < hd; ++i) dot += q[t][h * hd + i] * kc[j][g * hd + i];
           s[j] = dot * attn_scale_;
@@ -431,10 +477,10 @@ std::vector<std::vector<double>> ReferenceModel::Forward(const std::vector<int32
         }
         double den = 0;
         for (int64_t j = first; j <= t; ++j) {
-          if (read[j / B]) den += (s[j] = std::exp(s[j] - mx));
+          if (seen(j)) den += (s[j] = std::exp(s[j] - mx));
         }
         for (int64_t j = first; j <= t; ++j) {
-          if (!read[j / B]) continue;
+          if (!seen(j)) continue;
           for (int64_t i = 0; i < hd; ++i) attn[h * hd + i] += s[j] / den * vc[j][g * hd + i];
         }
       }

@@ -80,12 +80,27 @@ inline reference::ScaledKv ScaledKvOf(KvRounding::Type t) {
 // quest_blocks of them with the highest sum_i max(q_i min_i, q_i max_i)
 // over each block's per-channel key minima and maxima (ties: the lower
 // block), and to its own block's positions up to t.
+//
+// SnapKV's rule (Li et al. 2024; snapkv_budget B > 0, window 0): positions
+// [0, snapkv_prompt) are the prompt. When it is longer than B, every layer
+// and KV head keeps the B - W prompt positions (W = snapkv_window) that the
+// prompt's last W queries attended to most, and those W: position j of the
+// prefix [0, P - W) scores the sum, over those queries and the query heads
+// of the KV head's group, of its softmax weight (dense causal attention,
+// keys rotated by their own positions), max-pooled over the prefix
+// positions j-3 .. j+3; the B - W highest are kept (ties: the lower
+// position). Queries at t >= P attend to the kept positions and P..t.
+// The kept sets go to *snapkv_kept ([layer][KV head], ascending) when set.
 struct KvEvictionRule {
   int64_t sink_tokens = 0;
   int64_t window_tokens = 0;
   int64_t quest_blocks = 0;
   int64_t block_size = 16;
   int64_t first_decode = 0;
+  int64_t snapkv_budget = 0;
+  int64_t snapkv_window = 0;
+  int64_t snapkv_prompt = 0;
+  std::vector<std::vector<std::vector<int64_t>>>* snapkv_kept = nullptr;
 };
 
 class ReferenceModel {

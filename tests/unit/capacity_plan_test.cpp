@@ -189,6 +189,38 @@ namespace {
 // Sliding-window layers keep ceil((W-1)/B) + 1 blocks of a sequence: Gemma-2-9B
 // (21 of 42 layers at 4096), Gemma-3-12B (40 of 48 at 1024), Mistral-7B-v0.1
 // (all 32 at 4096), bf16, blocks of 16.
+// SnapKV on Llama-3.1-8B's shape: a prompt compressed to 1,024 tokens then
+// 128 generated holds 72 blocks whatever the prompt's length; a prompt
+// within the budget holds what dense does.
+TEST(CapacityPlanTest, SnapKvHoldsTheBudgetAndTheOutput) {
+  auto plan = [](int64_t context, int64_t budget, int64_t output) {
+    CapacityRequest r;
+    r.shape = KvShape{32, 8, 128};
+    r.kv_dtype = DType::kBF16;
+    r.context_tokens = context;
+    r.snapkv_budget = budget;
+    r.output_tokens = output;
+    auto p = PlanCapacity(r);
+    EXPECT_TRUE(p.ok()) << p.status().ToString();
+    return p.ok() ? *p : CapacityPlan{};
+  };
+  const int64_t token = 32 * 2 * 8 * 128 * 2;
+  for (const int64_t prompt : {4096, 16384, 65536}) {
+    const CapacityPlan p = plan(prompt + 128, 1024, 128);
+    EXPECT_EQ(p.blocks_per_sequence, 72);
+    EXPECT_EQ(p.blocks_per_sequence_dense, (prompt + 128) / 16);
+    EXPECT_EQ(p.kv_bytes_per_sequence, token * (1024 + 128));
+  }
+  const CapacityPlan within = plan(900, 1024, 100);
+  EXPECT_EQ(within.kv_bytes_per_sequence, within.kv_bytes_per_sequence_dense);
+  CapacityRequest bad;
+  bad.shape = KvShape{32, 8, 128};
+  bad.context_tokens = 100;
+  bad.snapkv_budget = 64;
+  bad.output_tokens = 100;  // no prompt left
+  EXPECT_FALSE(PlanCapacity(bad).ok());
+}
+
 TEST(CapacityPlanTest, SlidingWindowsBoundWhatASequenceKeeps) {
   auto plan = [](KvShape shape, int64_t context) {
     CapacityRequest r;

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -143,6 +144,51 @@ TEST_F(GenerateCliTest, BenchEngineReportsExpertBytesPerDecodeStep) {
     ++results;
   }
   EXPECT_EQ(results, 2);
+}
+
+// --json-schema: each batch size measured without and then with every
+// request constrained by the schema, --rounds times, then the median ratio;
+// a schema that does not compile is a one-line error with exit 2.
+TEST_F(GenerateCliTest, BenchEngineMeasuresDecodeWithAndWithoutAJsonSchema) {
+  const std::string dir = testing::NewTempDir("cli-schema");
+  std::ofstream(dir + "/schema.json")
+      << R"({"type":"object","properties":{"n":{"type":"array","items":{"type":"integer"}}},)"
+         R"("required":["n"],"additionalProperties":false})";
+  std::ofstream(dir + "/bad.json") << R"({"type":"string","multipleOf":2})";
+  const Result r = RunPdserve("bench engine --model " + *dir_ +
+                              " --batch 1 --prompt-tokens 8 --gen-tokens 12 --json-schema " + dir +
+                              "/schema.json --rounds 2 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  std::istringstream lines(r.out);
+  std::vector<nlohmann::json> results;
+  for (std::string line; std::getline(lines, line);) results.push_back(nlohmann::json::parse(line));
+  ASSERT_EQ(results.size(), 5u) << r.out;
+  for (size_t i = 0; i < 4; ++i) {
+    SCOPED_TRACE(results[i].dump());
+    EXPECT_EQ(results[i]["json_schema"], i % 2 == 1);
+    EXPECT_EQ(results[i]["round"], i / 2);
+    EXPECT_GT(results[i]["decode_tokens"].get<int64_t>(), 0);
+    EXPECT_GT(results[i]["decode_tokens_per_cpu_s"].get<double>(), 0);
+    // Unconstrained requests ignore EOS and run to --gen-tokens.
+    if (i % 2 == 0) {
+      EXPECT_EQ(results[i]["decode_tokens"], 11);
+    }
+  }
+  EXPECT_EQ(results[4]["kind"], "json_schema_summary");
+  EXPECT_EQ(results[4]["rounds"], 2);
+  EXPECT_GT(results[4]["decode_constrained_over_unconstrained_median"].get<double>(), 0);
+  EXPECT_GT(results[4]["decode_per_cpu_s_constrained_over_unconstrained_median"].get<double>(), 0);
+
+  const std::string err = dir + "/stderr";
+  const Result bad = RunPdserve(
+      "bench engine --model " + *dir_ + " --batch 1 --json-schema " + dir + "/bad.json", err);
+  EXPECT_EQ(bad.exit_code, 2);
+  const std::string e = Slurp(err);
+  EXPECT_EQ(std::count(e.begin(), e.end(), '\n'), 1) << e;
+  EXPECT_NE(e.find("multipleOf"), std::string::npos) << e;
+  EXPECT_EQ(RunPdserve("bench engine --model " + *dir_ + " --json-schema " + dir + "/none.json")
+                .exit_code,
+            2);
 }
 
 TEST_F(GenerateCliTest, BadFlagsExitTwoWithOneLine) {
@@ -304,6 +350,40 @@ TEST_F(GenerateCliTest, MoePresetsRunAndMismatchedExpertsExitTwo) {
     const std::string e = Slurp(err);
     EXPECT_EQ(std::count(e.begin(), e.end(), '\n'), 1) << e;
     EXPECT_NE(e.find(c.needle), std::string::npos) << e;
+  }
+}
+
+// --tensor-parallel N (CPU ranks) with and without --expert-parallel writes
+// TP 1's greedy tokens for DeepSeek-V3 (latent attention split by heads,
+// experts sliced or dealt whole); --expert-parallel without ranks to deal
+// to, or on a model without experts, exits 2 with one line.
+TEST_F(GenerateCliTest, TensorAndExpertParallelGenerateTheSameTokens) {
+  const std::string dir = testing::NewTempDir("cli-tp") + "/model";
+  ASSERT_EQ(RunPdserve("make-model --preset deepseek-v3 --out " + dir).exit_code, 0);
+  const std::string gen = "generate --model " + dir +
+                          " --prompt hello --max-tokens 8 --temperature 0 --ignore-eos --json";
+  const Result one = RunPdserve(gen);
+  ASSERT_EQ(one.exit_code, 0) << one.out;
+  const auto want = nlohmann::json::parse(one.out)["token_ids"];
+  EXPECT_EQ(want.size(), 8u);
+  for (const char* flags :
+       {" --tensor-parallel 2", " --tensor-parallel 4", " --tensor-parallel 4 --expert-parallel"}) {
+    const Result r = RunPdserve(gen + flags);
+    ASSERT_EQ(r.exit_code, 0) << flags << ": " << r.out;
+    EXPECT_EQ(nlohmann::json::parse(r.out)["token_ids"], want) << flags;
+  }
+  const std::string err = testing::NewTempDir("cli-tp-err") + "/stderr";
+  const std::pair<std::string, std::string> bad[] = {
+      {gen + " --expert-parallel", "--expert-parallel needs --tensor-parallel 2 or more"},
+      {"generate --model " + *dir_ + " --prompt hi --tensor-parallel 2 --expert-parallel",
+       "has no experts"},
+  };
+  for (const auto& [args, needle] : bad) {
+    const Result r = RunPdserve(args, err);
+    EXPECT_EQ(r.exit_code, 2) << args;
+    const std::string e = Slurp(err);
+    EXPECT_EQ(std::count(e.begin(), e.end(), '\n'), 1) << e;
+    EXPECT_NE(e.find(needle), std::string::npos) << e;
   }
 }
 

@@ -1,6 +1,7 @@
 // The real binary with --kv-eviction streaming: `generate` runs past the
-// model's context, `eval` reports NLL by position, and every bad mode or
-// budget exits 2 with one line naming its flag.
+// model's context, `eval` reports NLL by position; with --kv-eviction
+// snapkv `eval` compresses its prompt; every bad mode or budget exits 2
+// with one line naming its flag.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -89,6 +90,31 @@ TEST(KvEvictionCliTest, EvalReportsNllByPosition) {
   EXPECT_EQ(past.exit_code, 0) << past.err;
 }
 
+TEST(KvEvictionCliTest, EvalCompressesThePromptWithSnapKv) {
+  const std::string text = testing::NewTempDir("eviction-eval-snapkv") + "/text.txt";
+  {
+    std::ofstream out(text);
+    for (int i = 0; i < 10; ++i) out << "The cat sat on the mat and looked at the dog. ";
+  }
+  const std::string base = "eval --model " + ShortModel() + " --text " + text +
+                           " --prefill-tokens 48 --past-context --json";
+  const Result dense = RunPdserve(base);
+  ASSERT_EQ(dense.exit_code, 0) << dense.err;
+  const Result snap =
+      RunPdserve(base + " --kv-eviction snapkv --kv-budget-tokens 16 --kv-observation-window 4");
+  ASSERT_EQ(snap.exit_code, 0) << snap.err;
+  const auto d = nlohmann::json::parse(dense.out), s = nlohmann::json::parse(snap.out);
+  EXPECT_EQ(s["kv_eviction"], "snapkv budget=16 window=4");
+  EXPECT_EQ(s["tokens"], d["tokens"]);
+  EXPECT_TRUE(std::isfinite(s["nll"].get<double>()));
+  EXPECT_NE(s["nll"], d["nll"]);  // the tokens after the prompt saw 16 of its 48
+  // A prompt within the budget is never compressed.
+  const Result within =
+      RunPdserve(base + " --kv-eviction snapkv --kv-budget-tokens 48 --kv-observation-window 4");
+  EXPECT_EQ(within.exit_code, 2) << within.err;
+  EXPECT_NE(within.err.find("--prefill-tokens"), std::string::npos) << within.err;
+}
+
 TEST(KvEvictionCliTest, BadModesAndBudgetsExitTwoNamingTheFlag) {
   const std::string gen = "generate --model " + ShortModel() + " --prompt hi --max-tokens 2";
   const std::string mla =
@@ -111,6 +137,21 @@ TEST(KvEvictionCliTest, BadModesAndBudgetsExitTwoNamingTheFlag) {
       {"generate --model " + windowed +
            " --prompt hi --kv-eviction streaming --kv-window-tokens 32",
        "sliding-window"},
+      {gen + " --kv-budget-tokens 32", "--kv-budget-tokens"},
+      {gen + " --kv-observation-window 8", "--kv-observation-window"},
+      {gen + " --kv-eviction snapkv", "--kv-budget-tokens"},
+      {gen + " --kv-eviction snapkv --kv-budget-tokens 0", "--kv-budget-tokens"},
+      {gen + " --kv-eviction snapkv --kv-budget-tokens 16 --kv-observation-window 32",
+       "--kv-observation-window"},
+      {gen + " --kv-eviction snapkv --kv-budget-tokens 32 --kv-dtype fp8", "--kv-dtype"},
+      {gen + " --kv-eviction streaming --kv-window-tokens 32 --kv-budget-tokens 32",
+       "--kv-budget-tokens"},
+      {"generate --model " + mla + " --prompt hi --kv-eviction snapkv --kv-budget-tokens 32",
+       "MLA"},
+      {"worker --model " + ShortModel() +
+           " --role prefill --router 127.0.0.1:1 --insecure-control-plane --kv-eviction snapkv "
+           "--kv-budget-tokens 32",
+       "hand-off"},
   };
   for (const auto& [args, needle] : cases) {
     SCOPED_TRACE(args);

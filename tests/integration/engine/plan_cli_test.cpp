@@ -99,6 +99,32 @@ TEST(PlanCliTest, SlidingWindowsCountTheWindow) {
   }
 }
 
+// SnapKV on Llama-3.1-8B's shape: the prompt keeps the budget, the output
+// follows; a budget without the mode, or an output filling the context, is
+// a usage error.
+TEST(PlanCliTest, SnapKvCountsTheBudgetAndTheOutput) {
+  const std::string config =
+      std::string(PDSERVE_SOURCE_DIR) + "/bench/configs/llama-3.1-8b/config.json";
+  const auto r =
+      Plan({"--config", config, "--kv-dtype", "bf16", "--context", "16512", "--json",
+            "--kv-eviction", "snapkv", "--kv-budget-tokens", "1024", "--output-tokens", "128"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["kv_eviction"], "snapkv budget=1024 output=128");
+  EXPECT_EQ(j["blocks_per_sequence"], 72);
+  EXPECT_EQ(j["blocks_per_sequence_dense"], 1032);
+  EXPECT_EQ(j["kv_bytes_per_sequence"], 32 * 2 * 8 * 128 * 2 * (1024 + 128));
+  for (const std::vector<std::string>& bad :
+       {std::vector<std::string>{"--config", config, "--kv-budget-tokens", "1024"},
+        std::vector<std::string>{"--config", config, "--kv-eviction", "snapkv"},
+        std::vector<std::string>{"--config", config, "--context", "100", "--kv-eviction", "snapkv",
+                                 "--kv-budget-tokens", "64", "--output-tokens", "100"}}) {
+    const auto e = Plan(bad);
+    EXPECT_EQ(e.exit_code, 2) << e.out;
+    EXPECT_EQ(std::count(e.err.begin(), e.err.end(), '\n'), 1) << e.err;
+  }
+}
+
 }  // namespace
 }  // namespace pdserve
 

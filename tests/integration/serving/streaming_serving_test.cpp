@@ -6,7 +6,8 @@
 // counts the tokens it released (pdserve_kv_evicted_tokens_total{mode}) and
 // the blocks the request saved; a repeated prompt is a prefix-cache hit the
 // router predicted token for token. Quest's selection across a hand-off
-// likewise.
+// likewise. SnapKV does not cross a hand-off: its decode worker prefills
+// locally what the router sent to a prefill worker.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -115,6 +116,45 @@ TEST(QuestServingTest, DisaggregatedOutputEqualsGenerate) {
   // The selection matters here: dense attention generates other text.
   EXPECT_NE(Generate(prompt, 60, stack.model(), quest)["text"],
             Generate(prompt, 60, stack.model())["text"]);
+}
+
+// SnapKV (--kv-eviction snapkv) on a decode worker beside a prefill worker
+// without it: the router chooses remote prefill for a long prompt, the
+// decode worker prefills and compresses it itself (no KV moves), and the
+// text is `pdserve generate`'s with the same flags, not dense attention's.
+TEST(SnapKvServingTest, DecodeWorkerPrefillsLocallyAndEqualsGenerate) {
+  const std::vector<std::string> snapkv = {
+      "--kv-eviction", "snapkv", "--kv-budget-tokens", "32", "--kv-observation-window", "8"};
+  LocalStack stack{"snapkv"};
+  stack.SetModel(ModelDir("snapkv-serving", *PresetModelSpec("tiny")));
+  stack.StartRouter({"--max-local-prefill", "32"});
+  stack.StartWorker("prefill", {});
+  stack.StartWorker("decode", snapkv);
+  ASSERT_TRUE(stack.WaitReady());
+  const std::string prompt = Words(90);
+  ExpectSameAsGenerate(stack, prompt, 40, snapkv);
+  EXPECT_GT(
+      LocalStack::Metric(stack.http_port(), "pdserve_router_decisions_total", "remote_prefill"), 0);
+  double moved = 0, evicted = 0;
+  for (auto& w : stack.workers()) {
+    if (w->role == "prefill") {
+      moved += LocalStack::Metric(w->metrics_port, "pdserve_kv_transfer_bytes_total",
+                                  "direction=\"out\"");
+    }
+  }
+  EXPECT_EQ(moved, 0);
+  for (int i = 0; i < 50 && evicted == 0; ++i) {
+    for (auto& w : stack.workers()) {
+      if (w->role == "decode") {
+        evicted += LocalStack::Metric(w->metrics_port, "pdserve_kv_evicted_tokens_total",
+                                      "mode=\"snapkv\"");
+      }
+    }
+    if (evicted == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_GT(evicted, 0);
+  EXPECT_NE(Generate(prompt, 40, stack.model(), snapkv)["text"],
+            Generate(prompt, 40, stack.model())["text"]);
 }
 
 }  // namespace

@@ -240,6 +240,42 @@ TEST(UpTest, EvictionFlagsReachTheWorkers) {
   EXPECT_TRUE(up.Wait(60s)) << up.Log();
 }
 
+// SnapKV on a decode worker that prefills locally: a prompt over the budget
+// is compressed, and the worker counts the tokens it released.
+TEST(UpTest, SnapKvFlagsReachTheWorkers) {
+  const std::string dir = NewTempDir("up-snapkv");
+  ChildProcess up =
+      ChildProcess::Start(UpArgs(dir, {"--prefill", "0", "--decode", "1", "--kv-eviction", "snapkv",
+                                       "--kv-budget-tokens", "16", "--kv-observation-window", "4"}),
+                          dir + "/up.log");
+  ASSERT_TRUE(up.WaitForLog(std::regex("Ctrl-C stops the stack"), 120s)) << up.Log();
+  const std::string log = up.Log();
+  std::smatch port;
+  ASSERT_TRUE(std::regex_search(log, port, std::regex(R"(http://127\.0\.0\.1:(\d+)/v1)"))) << log;
+  std::string prompt;
+  for (int i = 0; i < 8; ++i) prompt += "once upon a time there was a cat. ";
+  const nlohmann::json req = {{"prompt", prompt}, {"max_tokens", 20}, {"ignore_eos", true}};
+  HttpResult r =
+      HttpRequest(std::stoi(port[1].str()), "POST", "/v1/completions", req.dump(), {}, 60s);
+  ASSERT_EQ(r.status, 200) << r.body;
+  static const std::regex metrics(R"(http://127\.0\.0\.1:(\d+)/metrics)");
+  static const std::regex snapkv(
+      R"(pdserve_kv_evicted_tokens_total\{[^}]*mode="snapkv"[^}]*\} ([0-9.e+]+))");
+  double evicted = 0;
+  for (int i = 0; i < 50 && evicted == 0; ++i) {
+    for (std::sregex_iterator it(log.begin(), log.end(), metrics), end; it != end; ++it) {
+      HttpResult m = HttpRequest(std::stoi((*it)[1].str()), "GET", "/metrics");
+      std::smatch v;
+      if (std::regex_search(m.body, v, snapkv)) evicted += std::stod(v[1].str());
+    }
+    if (evicted == 0) std::this_thread::sleep_for(200ms);
+  }
+  std::ifstream decode_log(dir + "/logs/decode-0.log");
+  EXPECT_GT(evicted, 0) << std::string(std::istreambuf_iterator<char>(decode_log), {});
+  up.Signal(SIGTERM);
+  EXPECT_TRUE(up.Wait(60s)) << up.Log();
+}
+
 TEST(UpTest, BadFlagsAreUsageErrors) {
   for (const auto& args : std::vector<std::vector<std::string>>{
            {"--decode", "0"},
@@ -255,6 +291,7 @@ TEST(UpTest, BadFlagsAreUsageErrors) {
             "0"},
            {"--kv-eviction", "sinks"},
            {"--kv-window-tokens", "32"},
+           {"--kv-eviction", "snapkv", "--kv-budget-tokens", "32"},  // with a prefill worker
        }) {
     std::vector<std::string> argv = {kPdserve, "up"};
     argv.insert(argv.end(), args.begin(), args.end());

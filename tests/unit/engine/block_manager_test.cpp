@@ -155,6 +155,36 @@ TEST(BlockManagerTest, SharedPrefixBetweenTwoLiveSequences) {
   ASSERT_TRUE(bm->CheckInvariants().ok());
 }
 
+// SnapKV's compaction: a sequence adopts another's fresh blocks; its own
+// committed blocks stay cached (evictable, matchable, no events), its
+// uncommitted tail is freed, and the entries it gave up count as released.
+TEST(BlockManagerTest, AdoptBlocksKeepsTheCachedPromptAndCountsTheRelease) {
+  auto bm = Make(16);
+  const auto t = Tokens(18);  // 4 full blocks + 2 tokens: 5 blocks
+  const auto h = Hashes(t);
+  AdmitOk(*bm, 1, h, t.size());
+  ASSERT_TRUE(bm->CommitBlocks(1, h).ok());
+  (void)bm->DrainEvents();
+  const std::vector<BlockId> prompt = bm->BlockTable(1);
+  AdmitOk(*bm, 99, {}, 8);  // 2 fresh blocks
+  const std::vector<BlockId> fresh = bm->BlockTable(99);
+  ASSERT_TRUE(bm->AdoptBlocks(1, 99).ok());
+  EXPECT_EQ(bm->BlockTable(1), fresh);
+  EXPECT_FALSE(bm->HasSequence(99));
+  EXPECT_EQ(bm->ReleasedBlocks(1), 3u);
+  EXPECT_EQ(bm->GetStats().released_out_of_reach_blocks_total, 3u);
+  EXPECT_EQ(bm->NumCommittedBlocks(1), 0u);
+  EXPECT_EQ(bm->GetStats().evictable_blocks, 4u);  // the committed prompt blocks
+  EXPECT_EQ(bm->RefCount(prompt[4]), 0u);
+  EXPECT_EQ(bm->FindCachedPrefix(h), 4u);
+  EXPECT_TRUE(bm->DrainEvents().empty());
+  EXPECT_EQ(bm->AdoptBlocks(1, 99).code(), StatusCode::kNotFound);
+  EXPECT_EQ(bm->AdoptBlocks(1, 1).code(), StatusCode::kInvalidArgument);
+  ASSERT_TRUE(bm->Free(1).ok());
+  EXPECT_EQ(bm->GetStats().used_blocks, 0u);
+  ASSERT_TRUE(bm->CheckInvariants().ok());
+}
+
 TEST(BlockManagerTest, ReuseIsCappedByNumTokens) {
   auto bm = Make(16);
   auto t = Tokens(16);

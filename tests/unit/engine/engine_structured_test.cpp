@@ -137,6 +137,22 @@ TEST_F(EngineStructuredTest, DeadEndFinishesWithLength) {
   EXPECT_EQ(out.at(1).second, FinishReason::kLength);
 }
 
+TEST_F(EngineStructuredTest, TokenPastTheMatchersStackLimitEndsTheRequest) {
+  // "a" then 1,100 "x": reading the "a" takes 1,101 frames, past the
+  // matcher's 1,024, while the mask (computed per position, whatever the
+  // stack) allows it. The request ends there, emitting nothing invalid.
+  std::string text = "root ::= r1\n";
+  for (int i = 1; i < 1100; ++i)
+    text += "r" + std::to_string(i) + " ::= r" + std::to_string(i + 1) + " \"x\"\n";
+  text += "r1100 ::= \"a\"\n";
+  const OutputConstraint c{OutputConstraint::Kind::kGrammar, text};
+  auto e = MakeEngine();
+  ASSERT_TRUE(e->AddRequest(Request(1, c, 1.0f, 3)).ok());
+  const auto out = Run(*e);
+  EXPECT_EQ(out.at(1).first, "");
+  EXPECT_EQ(out.at(1).second, FinishReason::kLength);
+}
+
 TEST_F(EngineStructuredTest, RefusesAConstraintWithoutGrammarAndAForbiddenRemoteToken) {
   const OutputConstraint c{OutputConstraint::Kind::kChoice, R"(["yes"])"};
   auto e = MakeEngine();

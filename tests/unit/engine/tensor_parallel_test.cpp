@@ -4,10 +4,14 @@
 // communicator. Every rank's logits of a prompt equal the single-rank
 // model's within 1e-4 relative (per position), with the same argmax, for
 // the make-model presets (dense, Qwen3, Qwen3-MoE with experts sliced
-// along their intermediate dimension, Mixtral), fp8 checkpoints (per
-// channel, per tensor) and stories260K (8 heads,
+// along their intermediate dimension, Mixtral, DeepSeek-V2-Lite and V3 with
+// multi-head latent attention split by query heads and their routed and
+// shared experts sliced), the MoE presets again with expert parallelism
+// (whole experts dealt to the ranks), fp8 checkpoints (per channel, per
+// tensor, and 128x128 blocks for DeepSeek-V3) and stories260K (8 heads,
 // 4 KV heads: TP 8 replicates each KV head on two ranks). Sizes that do
-// not divide the heads are refused naming the numbers.
+// not divide the heads (or, expert-parallel, the experts), and shards that
+// cut an fp8 scale block, are refused naming the numbers.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -31,14 +35,15 @@ using testing::PromptLogits;
 
 // Every rank's logits with `size` ranks, each rank on its own thread.
 std::vector<std::vector<float>> ShardedLogits(const std::string& dir, int size,
-                                              const std::vector<TokenId>& prompt) {
+                                              const std::vector<TokenId>& prompt,
+                                              bool expert_parallel) {
   auto group = kernels::CreateSharedMemoryGroup(size);
   std::vector<std::unique_ptr<kernels::CpuBackend>> backends;
   std::vector<std::unique_ptr<Model>> models(size);
   for (int r = 0; r < size; ++r) backends.push_back(std::make_unique<kernels::CpuBackend>(1));
   for (int r = 0; r < size; ++r) {
     auto m = Model::Load(dir, backends[r].get(), LoadFormat::kSafetensors, KvEviction{},
-                         TensorParallelRank{r, size, group[r].get()});
+                         TensorParallelRank{r, size, group[r].get(), expert_parallel});
     EXPECT_TRUE(m.ok()) << m.status().ToString();
     if (!m.ok()) return {};
     models[r] = std::move(*m);
@@ -54,7 +59,8 @@ std::vector<std::vector<float>> ShardedLogits(const std::string& dir, int size,
 
 // Each rank's logits against the single-rank model's: per position,
 // ||got - want|| / ||want|| <= 1e-4 and the same argmax.
-void ExpectSameAsOneRank(const std::string& dir, std::vector<int> sizes) {
+void ExpectSameAsOneRank(const std::string& dir, std::vector<int> sizes,
+                         bool expert_parallel = false) {
   kernels::CpuBackend cpu(1);
   auto one = Model::Load(dir, &cpu);
   ASSERT_TRUE(one.ok()) << one.status().ToString();
@@ -66,7 +72,7 @@ void ExpectSameAsOneRank(const std::string& dir, std::vector<int> sizes) {
   ASSERT_FALSE(want.empty());
   for (int size : sizes) {
     SCOPED_TRACE("tensor parallel " + std::to_string(size));
-    const auto got = ShardedLogits(dir, size, prompt);
+    const auto got = ShardedLogits(dir, size, prompt, expert_parallel);
     ASSERT_EQ(static_cast<int>(got.size()), size);
     for (int r = 0; r < size; ++r) {
       ASSERT_EQ(got[r].size(), want.size()) << "rank " << r;
@@ -87,12 +93,71 @@ void ExpectSameAsOneRank(const std::string& dir, std::vector<int> sizes) {
 }
 
 TEST(TensorParallelTest, PresetsEqualOneRank) {
-  for (const char* preset : {"tiny", "qwen3", "qwen3-moe", "mixtral"}) {
+  for (const char* preset :
+       {"tiny", "qwen3", "qwen3-moe", "mixtral", "deepseek-v2-lite", "deepseek-v3"}) {
     SCOPED_TRACE(preset);
     const std::string dir = testing::ModelDir(preset, *PresetModelSpec(preset));
-    // tiny has 2 KV heads: TP 4 replicates each on two ranks.
+    // tiny has 2 KV heads: TP 4 replicates each on two ranks. The DeepSeek
+    // presets' 4 heads go 2 or 1 to a rank, each rank caching the latent.
     ExpectSameAsOneRank(dir, {2, 4});
   }
+  // With attention_bias, o_proj's bias goes on rank 0 only (the
+  // all-reduce adds it once); q_a_proj's and kv_a_proj's are replicated.
+  ModelSpec biased = *PresetModelSpec("deepseek-v3");
+  biased.attention_bias = true;
+  ExpectSameAsOneRank(testing::ModelDir("tp-deepseek-v3-bias", biased), {2, 4});
+}
+
+// Expert parallelism: each rank holds 8 / N whole experts (e mod N) and
+// reads no other expert's tensors; shared experts and dense layers stay
+// sliced. A token's experts are spread over the ranks, so most ranks
+// compute only some of its experts: the all-reduce sums them.
+TEST(TensorParallelTest, ExpertParallelPresetsEqualOneRank) {
+  for (const char* preset : {"qwen3-moe", "mixtral", "deepseek-v2-lite", "deepseek-v3"}) {
+    SCOPED_TRACE(preset);
+    ExpectSameAsOneRank(testing::ModelDir(preset, *PresetModelSpec(preset)), {2, 4},
+                        /*expert_parallel=*/true);
+  }
+}
+
+// A rank holds its experts whole and no others: its MoE blocks' expert
+// bytes are 1/N of one rank's (sliced or not, every expert's bytes add up
+// to the model's).
+TEST(TensorParallelTest, ExpertParallelRankHoldsItsExpertsOnly) {
+  const std::string dir = testing::ModelDir("deepseek-v3", *PresetModelSpec("deepseek-v3"));
+  kernels::CpuBackend cpu(1);
+  auto one = Model::Load(dir, &cpu);
+  ASSERT_TRUE(one.ok()) << one.status().ToString();
+  auto group = kernels::CreateSharedMemoryGroup(4);
+  for (int r = 0; r < 4; ++r) {
+    kernels::CpuBackend backend(1);
+    auto m = Model::Load(dir, &backend, LoadFormat::kSafetensors, KvEviction{},
+                         TensorParallelRank{r, 4, group[r].get(), /*expert_parallel=*/true});
+    ASSERT_TRUE(m.ok()) << m.status().ToString();
+    EXPECT_EQ((*m)->expert_weight_bytes() * 4, (*one)->expert_weight_bytes()) << "rank " << r;
+    // Experts whole; the shared expert (32 wide) sliced.
+    EXPECT_EQ((*m)->config().moe_intermediate_size, 32);
+    EXPECT_EQ((*m)->num_parameters(), (*one)->num_parameters());
+  }
+}
+
+TEST(TensorParallelTest, ExpertParallelRefusesExpertsThatDoNotSplit) {
+  kernels::CpuBackend cpu(1);
+  auto group = kernels::CreateSharedMemoryGroup(4);
+  ModelSpec six = *PresetModelSpec("qwen3-moe");
+  six.num_experts = 6;
+  auto m = Model::Load(testing::ModelDir("tp-qwen3-moe-6", six), &cpu, LoadFormat::kSafetensors,
+                       KvEviction{}, TensorParallelRank{0, 4, group[0].get(), true});
+  ASSERT_FALSE(m.ok());
+  EXPECT_NE(m.status().message().find("tensor parallel size 4 does not divide the model's 6 "
+                                      "experts"),
+            std::string::npos)
+      << m.status().ToString();
+  auto dense = Model::Load(testing::TinyModelDir(), &cpu, LoadFormat::kSafetensors, KvEviction{},
+                           TensorParallelRank{0, 2, group[0].get(), true});
+  ASSERT_FALSE(dense.ok());
+  EXPECT_NE(dense.status().message().find("has no experts"), std::string::npos)
+      << dense.status().ToString();
 }
 
 // fp8 checkpoints: each shard keeps its rows' per-channel scales, or the
@@ -109,6 +174,34 @@ TEST(TensorParallelTest, Fp8CheckpointsEqualOneRank) {
   }
 }
 
+// DeepSeek-V3 in fp8 with 128x128 scale blocks, wide enough that TP 2
+// cuts every split matrix on block edges: each head's 128 rows of q_b_proj
+// (64 nope + 64 rope) and of kv_b_proj (64 key + 64 value), 2 heads' 128
+// columns of o_proj, 128 of the experts' 256 intermediate columns. At TP 4
+// a rank's one head has 64 columns of o_proj, inside a block: refused by
+// name.
+TEST(TensorParallelTest, Fp8BlockMlaOnBlockEdgesEqualsOneRank) {
+  ModelSpec spec = *PresetModelSpec("deepseek-v3");
+  spec.qk_nope_head_dim = 64;
+  spec.qk_rope_head_dim = 64;
+  spec.v_head_dim = 64;
+  spec.intermediate_size = 256;
+  spec.moe_intermediate_size = 256;
+  spec.quant = kernels::WeightScheme::kFp8Block;
+  const std::string dir = testing::ModelDir("tp-deepseek-v3-fp8-block", spec);
+  ExpectSameAsOneRank(dir, {2});
+  auto group = kernels::CreateSharedMemoryGroup(4);
+  kernels::CpuBackend cpu(1);
+  auto m = Model::Load(dir, &cpu, LoadFormat::kSafetensors, KvEviction{},
+                       TensorParallelRank{1, 4, group[1].get()});
+  ASSERT_FALSE(m.ok());
+  EXPECT_NE(m.status().message().find("'model.layers.0.self_attn.o_proj.weight': a "
+                                      "tensor-parallel shard of columns [64, 128) cuts its "
+                                      "128x128 fp8 scale blocks"),
+            std::string::npos)
+      << m.status().ToString();
+}
+
 TEST(TensorParallelTest, Stories260KEqualsOneRank) {
   const std::string dir = testing::RealModelDir();
   if (dir.empty() || !std::filesystem::exists(dir + "/config.json")) {
@@ -121,7 +214,7 @@ TEST(TensorParallelTest, Stories260KEqualsOneRank) {
 // an engine over `size` ranks (engine/executor.h: a thread per rank).
 std::vector<std::vector<TokenId>> EngineGreedy(const std::string& dir, int size,
                                                const std::vector<std::vector<TokenId>>& prompts,
-                                               int max_tokens) {
+                                               int max_tokens, bool expert_parallel = false) {
   auto group = kernels::CreateSharedMemoryGroup(size);
   std::vector<std::unique_ptr<kernels::CpuBackend>> backends;
   std::vector<std::unique_ptr<Model>> models;
@@ -129,7 +222,8 @@ std::vector<std::vector<TokenId>> EngineGreedy(const std::string& dir, int size,
   for (int r = 0; r < size; ++r) {
     backends.push_back(std::make_unique<kernels::CpuBackend>(1));
     auto m = Model::Load(dir, backends[r].get(), LoadFormat::kSafetensors, KvEviction{},
-                         TensorParallelRank{r, size, size > 1 ? group[r].get() : nullptr});
+                         TensorParallelRank{r, size, size > 1 ? group[r].get() : nullptr,
+                                            expert_parallel && size > 1});
     EXPECT_TRUE(m.ok()) << m.status().ToString();
     if (!m.ok()) return {};
     ranks.push_back(m->get());
@@ -164,7 +258,7 @@ std::vector<std::vector<TokenId>> EngineGreedy(const std::string& dir, int size,
 }
 
 TEST(TensorParallelTest, EngineGreedyTokensEqualOneRank) {
-  for (const char* preset : {"tiny", "qwen3-moe"}) {
+  for (const char* preset : {"tiny", "qwen3-moe", "deepseek-v3"}) {
     SCOPED_TRACE(preset);
     const std::string dir = testing::ModelDir(preset, *PresetModelSpec(preset));
     std::mt19937 rng(3);
@@ -177,6 +271,12 @@ TEST(TensorParallelTest, EngineGreedyTokensEqualOneRank) {
     ASSERT_EQ(want.size(), prompts.size());
     EXPECT_EQ(want[0].size(), 12u);
     for (int size : {2, 4}) EXPECT_EQ(EngineGreedy(dir, size, prompts, 12), want) << size;
+    if (std::string(preset) != "tiny") {
+      for (int size : {2, 4}) {
+        EXPECT_EQ(EngineGreedy(dir, size, prompts, 12, /*expert_parallel=*/true), want)
+            << size << " expert-parallel";
+      }
+    }
   }
 }
 
@@ -211,9 +311,12 @@ TEST(TensorParallelTest, RefusesSizesThatDoNotSplitTheModel) {
       << m.status().ToString();
   const std::string v3 = testing::ModelDir("deepseek-v3", *PresetModelSpec("deepseek-v3"));
   auto mla = Model::Load(v3, &cpu, LoadFormat::kSafetensors, KvEviction{},
-                         TensorParallelRank{0, 2, group[0].get()});
+                         TensorParallelRank{0, 3, group[0].get()});
   ASSERT_FALSE(mla.ok());
-  EXPECT_NE(mla.status().message().find("multi-head latent attention"), std::string::npos);
+  EXPECT_NE(mla.status().message().find("tensor parallel size 3 does not divide the model's 4 "
+                                        "attention heads"),
+            std::string::npos)
+      << mla.status().ToString();
 }
 
 }  // namespace

@@ -797,5 +797,58 @@ TEST_F(BackendOpsTest, MoeFfn) {
   }
 }
 
+// Expert parallelism (kernels/weights.h MoeWeights): with only some experts
+// held, MoeFfn adds the held experts' weighted outputs and counts the
+// others as zero, so the outputs over a partition of the experts (the
+// shared expert in one part) add up to the output with every expert held.
+TEST_F(BackendOpsTest, MoeFfnOverPartsOfTheExpertsAddsUpToAllOfThem) {
+  const int64_t tokens = 37, hidden = 32, inter = 16, experts = 9, top_k = 3, parts = 3;
+  const moe_test::Problem p =
+      moe_test::MakeProblem(rng_, tokens, hidden, inter, experts, top_k, true);
+  const int64_t si = 24;
+  const auto sg = moe_test::Uniform(rng_, si * hidden, 0.2f);
+  const auto su = moe_test::Uniform(rng_, si * hidden, 0.2f);
+  const auto sd = moe_test::Uniform(rng_, hidden * si, 0.2f);
+  auto run = [&](Backend& b, Mem& mem) -> Outputs {
+    auto prepare = [&](std::initializer_list<WeightMatrix> m) {
+      auto w = b.PrepareLinear(m.begin(), static_cast<int>(m.size()), nullptr, false, mem.store());
+      EXPECT_TRUE(w.ok()) << w.status().ToString();
+      return *w;
+    };
+    std::vector<MoeExpertWeights> all(experts);
+    for (int64_t e = 0; e < experts; ++e) {
+      all[e].gate_up = prepare({{p.gate[e].data(), DType::kF32, inter, hidden},
+                                {p.up[e].data(), DType::kF32, inter, hidden}});
+      all[e].down = prepare({{p.down[e].data(), DType::kF32, hidden, inter}});
+    }
+    MoeExpertWeights shared;
+    shared.gate_up =
+        prepare({{sg.data(), DType::kF32, si, hidden}, {su.data(), DType::kF32, si, hidden}});
+    shared.down = prepare({{sd.data(), DType::kF32, hidden, si}});
+    MoeWeights w;
+    w.router = prepare({{p.router.data(), DType::kF32, experts, hidden}});
+    w.routing = MoeRouting::Softmax(experts, top_k, true);
+    w.experts = all.data();
+    w.shared = &shared;
+    const Tensor whole = mem.Poisoned({tokens, hidden});
+    b.MoeFfn(mem.F32(p.x, {tokens, hidden}), w, whole, nullptr);
+    std::vector<float> sum(tokens * hidden, 0.0f);
+    for (int64_t part = 0; part < parts; ++part) {
+      std::vector<MoeExpertWeights> held(experts);
+      for (int64_t e = part; e < experts; e += parts) held[e] = all[e];
+      w.experts = held.data();
+      w.shared = part == 0 ? &shared : nullptr;
+      const Tensor out = mem.Poisoned({tokens, hidden});
+      b.MoeFfn(mem.F32(p.x, {tokens, hidden}), w, out, nullptr);
+      const std::vector<float> got = mem.Down(out);
+      for (size_t i = 0; i < sum.size(); ++i) sum[i] += got[i];
+    }
+    const std::vector<float> want = mem.Down(whole);
+    ExpectClose("parts against all experts", sum, want, 1e-5);
+    return {sum, want};
+  };
+  Compare("MoeFfn over parts", 1e-5, run);
+}
+
 }  // namespace
 }  // namespace pdserve::kernels

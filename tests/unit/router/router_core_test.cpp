@@ -392,15 +392,15 @@ TEST(RouterCoreTest, DrainingWorkersGetNoNewRequests) {
   EXPECT_EQ(f.core->Route(r).status().code(), StatusCode::kUnavailable);
 }
 
-// Without copies the kv policy balances load harder (0.25 / 0.05: the only
-// relief for a hot prefix's holder); with copies it favours hits (0.1 /
-// 0.01). Weights the caller sets are kept either way.
-TEST(RouterCoreTest, KvWeightsFollowReplication) {
+// The kv policy's weights left unset are 0.1 / 0.01 with or without copies
+// (least_loaded's decode share stays 0.05 without them); weights the caller
+// sets are kept.
+TEST(RouterCoreTest, KvWeightsDefaults) {
   RouterOptions off;
   auto alone = RouterCore::Create(off);
   ASSERT_TRUE(alone.ok());
-  EXPECT_EQ((*alone)->options().policy_options.load_weight, 0.25);
-  EXPECT_EQ((*alone)->options().policy_options.decode_weight, 0.05);
+  EXPECT_EQ((*alone)->options().policy_options.load_weight, 0.1);
+  EXPECT_EQ((*alone)->options().policy_options.decode_weight, 0.01);
 
   RouterOptions on;
   on.copy_cost = 0.1;
@@ -409,17 +409,90 @@ TEST(RouterCoreTest, KvWeightsFollowReplication) {
   EXPECT_EQ((*copies)->options().policy_options.load_weight, 0.1);
   EXPECT_EQ((*copies)->options().policy_options.decode_weight, 0.01);
 
-  on.copy_cost = 1;  // a copy never pays: replication is off
-  auto never = RouterCore::Create(on);
-  ASSERT_TRUE(never.ok());
-  EXPECT_EQ((*never)->options().policy_options.load_weight, 0.25);
-
-  on.copy_cost = 0.1;
   on.policy_options.load_weight = 0.5;
   auto set = RouterCore::Create(on);
   ASSERT_TRUE(set.ok());
   EXPECT_EQ((*set)->options().policy_options.load_weight, 0.5);
   EXPECT_EQ((*set)->options().policy_options.decode_weight, 0.01);
+
+  RouterOptions ll;
+  ll.policy = "least_loaded";
+  auto least = RouterCore::Create(ll);
+  ASSERT_TRUE(least.ok());
+  EXPECT_EQ((*least)->options().policy_options.decode_weight, 0.05);
+}
+
+// Relief: without copies, a hot prefix with fewer holders than its traffic
+// earns is spread by load at 0.25 / 0.05. w0 holds a 1,600-token prompt and
+// has 10,000 tokens queued: at 0.1 its queue costs 1,000 < 1,600 to
+// recompute on idle w1, at 0.25 it costs 2,500 > 1,600.
+TEST(RouterCoreTest, KvReliefSpreadsAnUnderHeldHotPrefixWithoutCopies) {
+  RouterOptions o;
+  o.pending_ttl_us = 0;
+  Fixture f(o, {Role::kBoth, Role::kBoth});
+  const auto prompt = Prompt(500, 100);
+  f.Store(0, prompt);
+  f.Queue(0, 10000);
+  // Some other traffic first: until the window has seen a request per
+  // worker, no prefix earns more than one holder.
+  f.Route(10, Prompt(9000, 4));
+  f.core->OnRequestFinished(10);
+  // First request: the prefix is not hot yet (one request reached it), so
+  // the affinity weights keep it on its holder.
+  EXPECT_EQ(f.IndexOf(f.Route(1, prompt).decode), 0u);
+  f.core->OnRequestFinished(1);
+  EXPECT_EQ(f.core->stats().relief_decisions, 0u);
+  // Second: hot (2 requests within the window), 2/3 of the traffic (so it
+  // earns both workers) and one holder: relieved by load.
+  f.now_us += 1000;
+  EXPECT_EQ(f.IndexOf(f.Route(2, prompt).decode), 1u);
+  EXPECT_EQ(f.core->stats().relief_decisions, 1u);
+  f.core->OnRequestFinished(2);
+  // Once both hold it, it has the holders it earns: affinity again, and the
+  // idle holder wins on load.
+  f.Store(1, prompt);
+  f.now_us += 1000;
+  EXPECT_EQ(f.IndexOf(f.Route(3, prompt).decode), 1u);
+  EXPECT_EQ(f.core->stats().relief_decisions, 1u);
+
+  // Weights the caller sets are kept: no relief pair.
+  RouterOptions set = o;
+  set.policy_options.load_weight = 0.1;
+  set.policy_options.decode_weight = 0.01;
+  Fixture g(set, {Role::kBoth, Role::kBoth});
+  g.Store(0, prompt);
+  g.Queue(0, 10000);
+  g.Route(10, Prompt(9000, 4));
+  g.core->OnRequestFinished(10);
+  EXPECT_EQ(g.IndexOf(g.Route(1, prompt).decode), 0u);
+  g.core->OnRequestFinished(1);
+  g.now_us += 1000;
+  EXPECT_EQ(g.IndexOf(g.Route(2, prompt).decode), 0u);
+  EXPECT_EQ(g.core->stats().relief_decisions, 0u);
+}
+
+// With copies and the breaker closed, spreading a hot prefix is the copy
+// rule's job, also when it declines: w1's queue (500 tokens) is longer than
+// the copy's link time (160), so no copy, and no relief either (at 0.25 w1
+// would cost 1,725 against w0's 2,500); w0 keeps it at 1,000 against 1,650.
+TEST(RouterCoreTest, KvReliefLeavesSpreadingToCopiesWhenTheyCanStart) {
+  RouterOptions o;
+  o.pending_ttl_us = 0;
+  o.copy_cost = 0.1;
+  Fixture f(o, {Role::kBoth, Role::kBoth});
+  const auto prompt = Prompt(500, 100);
+  f.Store(0, prompt);
+  f.Queue(0, 10000);
+  f.Route(10, Prompt(9000, 4));
+  f.core->OnRequestFinished(10);
+  f.Queue(1, 500);
+  f.Route(1, prompt);
+  f.core->OnRequestFinished(1);
+  f.now_us += 1000;
+  const RouteDecision d = f.Route(2, prompt);
+  EXPECT_EQ(f.IndexOf(d.decode), 0u);
+  EXPECT_FALSE(d.copy_from.has_value());
+  EXPECT_EQ(f.core->stats().relief_decisions, 0u);
 }
 
 TEST(RouterCoreTest, Errors) {

@@ -151,6 +151,43 @@ TEST(Matcher, RegexChoiceAndEbnf) {
   EXPECT_FALSE(CheckWalk(list, "a[a"));
 }
 
+// Each rule calls the next at its first byte, so every position's mask is
+// composed from its callee's: the masks must still be the token-by-token
+// ones, and a chain as long as thousands of rules must compile.
+TEST(Matcher, ChainsOfRulesCalledAtTheFirstByte) {
+  auto chain = [](int n) {
+    std::string text = "root ::= r1 \"x\" | \"b\"\n";
+    for (int i = 1; i < n; ++i) {
+      text += "r" + std::to_string(i) + " ::= r" + std::to_string(i + 1) + " \"x\" | \"b\"\n";
+    }
+    text += "r" + std::to_string(n) + " ::= \"a\" | \"{\\\"\"\n";
+    return OutputConstraint{OutputConstraint::Kind::kGrammar, text};
+  };
+  auto shallow = Compile(chain(150));
+  ASSERT_TRUE(shallow);
+  EXPECT_TRUE(CheckWalk(shallow, "a" + std::string(150, 'x')));
+  EXPECT_TRUE(CheckWalk(shallow, "{\"" + std::string(150, 'x')));
+  EXPECT_TRUE(CheckWalk(shallow, "bxxx"));
+  EXPECT_FALSE(CheckWalk(shallow, "a" + std::string(149, 'x')));
+  // Past the matcher's 1,024 frames a stack is dropped (see matcher.h), so
+  // chains of 5,000 are only compiled: positions resolved without recursion,
+  // first bytes and FOLLOW sets without a pass per rule of the chain; calls
+  // in first, in last (tail) and in optional (nullable) place.
+  auto deep = Compile(chain(5000));
+  ASSERT_TRUE(deep);
+  EXPECT_EQ(deep->grammar().num_rules(), 5001);
+  for (const char* form : {"t%d ::= \"y\" t%d | \"b\"\n", "t%d ::= t%d? \"y\"\n"}) {
+    std::string text = "root ::= t1\n";
+    char line[128];
+    for (int i = 1; i < 5000; ++i) {
+      std::snprintf(line, sizeof(line), form, i, i + 1);
+      text += line;
+    }
+    text += "t5000 ::= \"a\"?\n";
+    EXPECT_TRUE(Compile({OutputConstraint::Kind::kGrammar, text})) << form;
+  }
+}
+
 TEST(Matcher, EosOnlyWhenCompleteAndNothingAfterEos) {
   auto g = Compile({OutputConstraint::Kind::kChoice, R"(["ab"])"});
   ASSERT_TRUE(g);

@@ -1,0 +1,47 @@
+// SnapKV (Li et al. 2024; --kv-eviction snapkv, common/kv_eviction.h): which
+// prompt positions each layer and KV head keeps once a prompt longer than
+// the budget has been prefilled, and the gather that packs them into blocks
+// of the sequence's own. The engine (engine.h) and the text evaluation
+// (text_eval.h) both compress through these two functions.
+//
+// The rule, for a prompt of P > B tokens, window W, per layer and KV head:
+//  - every query head h of the KV head's group and every observation query
+//    t in [P - W, P) (its queries after RoPE, as the prefill computed them)
+//    gives each key j <= t the softmax weight of q_t.k_j * scale over
+//    keys 0..t (tanh soft-capped where the model caps scores);
+//  - vote[j] for j < P - W sums those weights over the W queries and the
+//    group's heads;
+//  - pooled[j] = max of vote over j-3 .. j+3 within [0, P - W) (SnapKV's
+//    1-D pooling along positions, kernel 7; this is its max pool);
+//  - the B - W positions of highest pooled value (ties: the lower position)
+//    are kept, with the window [P - W, P).
+// Keys stay rotated by their own positions, so the kept ones need no
+// re-rotation and decoding continues at the true positions.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "engine/model_config.h"
+#include "kernels/kv_cache_layout.h"
+
+namespace pdserve {
+
+// The positions kept by every layer and KV head, kept[layer * kv_heads +
+// head], ascending, min(B, P) each (all of [0, P) when P <= B). `pool` is the
+// KV pool in host memory (fp32, fp16 or bf16 elements), position p of the
+// prompt in block table[p / block_size]; `queries` the roped queries of the
+// last W prompt positions, [layers][W][heads * head_dim] fp32.
+std::vector<std::vector<int32_t>> SnapKvSelect(const ModelConfig& config,
+                                               const kernels::KvCacheLayout& layout,
+                                               const void* pool, std::span<const int32_t> table,
+                                               int64_t prompt_len, const float* queries);
+
+// For every layer and KV head, copies the K and V of position kept[..][i]
+// (in blocks `from`) to cache index i (in blocks `to`), both tables indexed
+// by position / block_size. `to`'s blocks must not be `from`'s.
+void SnapKvGather(const kernels::KvCacheLayout& layout, void* pool, std::span<const int32_t> from,
+                  std::span<const int32_t> to, const std::vector<std::vector<int32_t>>& kept);
+
+}  // namespace pdserve

@@ -1,0 +1,324 @@
+// SnapKV (--kv-eviction snapkv): the engine against the float64 reference
+// implementing the same rule, which chooses the kept tokens from its own
+// attention weights (tests/support/reference_model.h, KvEvictionRule): the
+// same kept positions per layer and KV head, and the same tokens and
+// logprobs after the prompt is compressed, on the tiny preset and the real
+// model stories260K; the text evaluation's compressed prompt against the
+// reference's NLL; a prompt within the budget exactly as dense; the blocks a
+// compressed request holds; the full prompt left in the prefix cache; and
+// every refusal, naming its flag.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "common/kv_eviction.h"
+#include "engine/engine.h"
+#include "engine/text_eval.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "tests/support/numerics.h"
+#include "tests/support/reference_model.h"
+#include "tests/support/test_models.h"
+
+namespace pdserve {
+namespace {
+
+using testing::KvEvictionRule;
+using testing::LogSoftmax;
+using testing::RandomTokens;
+using testing::ReferenceModel;
+
+KvEviction SnapKv(int64_t budget, int64_t window) {
+  KvEviction e;
+  e.mode = KvEviction::Mode::kSnapKv;
+  e.budget_tokens = budget;
+  e.observation_window = window;
+  return e;
+}
+
+KvEvictionRule Rule(int64_t budget, int64_t window, int64_t prompt,
+                    std::vector<std::vector<std::vector<int64_t>>>* kept = nullptr) {
+  KvEvictionRule r;
+  r.snapkv_budget = budget;
+  r.snapkv_window = window;
+  r.snapkv_prompt = prompt;
+  r.snapkv_kept = kept;
+  return r;
+}
+
+ModelSpec Spec() { return *PresetModelSpec("tiny"); }  // 4 query heads over 2 KV heads
+
+struct Loaded {
+  std::unique_ptr<kernels::CpuBackend> backend = std::make_unique<kernels::CpuBackend>(2);
+  std::unique_ptr<Model> model;
+};
+
+Loaded Load(const KvEviction& e, const std::string& dir = testing::ModelDir("snapkv", Spec())) {
+  Loaded l;
+  auto m = Model::Load(dir, l.backend.get(), LoadFormat::kSafetensors, e);
+  EXPECT_TRUE(m.ok()) << m.status().ToString();
+  if (m.ok()) l.model = std::move(*m);
+  return l;
+}
+
+std::unique_ptr<ReferenceModel> Reference(const std::string& dir) {
+  std::string error;
+  auto r = ReferenceModel::Load(dir, &error);
+  EXPECT_NE(r, nullptr) << error;
+  return r;
+}
+
+struct Generated {
+  std::vector<SampledToken> sampled;
+  int64_t cached_tokens = 0;
+  std::vector<std::vector<int32_t>> kept;  // Engine::SnapKvKept once compressed
+  size_t held_after_prompt = 0;            // blocks held after the prompt's step
+  int64_t blocks_released = 0;
+};
+
+size_t Held(Engine& e, RequestId id) {
+  const auto& t = e.block_manager().BlockTable(id);
+  return static_cast<size_t>(
+      std::count_if(t.begin(), t.end(), [](BlockId b) { return b != kNoBlock; }));
+}
+
+// One greedy request with logprobs, stepped to the end.
+Generated Generate(Engine& e, RequestId id, const std::vector<int32_t>& prompt, int max_tokens) {
+  EngineRequest r;
+  r.id = id;
+  r.prompt = prompt;
+  r.params.temperature = 0;
+  r.params.max_tokens = max_tokens;
+  r.params.ignore_eos = true;
+  r.params.logprobs = 0;
+  EXPECT_TRUE(e.AddRequest(std::move(r)).ok());
+  Generated g;
+  while (e.HasUnfinished()) {
+    auto step = e.Step();
+    EXPECT_TRUE(step.ok()) << step.status().ToString();
+    if (!step.ok()) break;
+    for (const auto& o : *step) {
+      if (!o.new_token_ids.empty() && g.sampled.empty()) {
+        g.cached_tokens = o.num_cached_tokens;
+        g.kept = e.SnapKvKept(id);
+        if (e.block_manager().HasSequence(id)) g.held_after_prompt = Held(e, id);
+      }
+      g.sampled.insert(g.sampled.end(), o.logprobs.begin(), o.logprobs.end());
+      if (o.finished) g.blocks_released = o.kv_blocks_released;
+    }
+  }
+  return g;
+}
+
+// The engine's tokens and logprobs are the reference's under `rule`.
+void ExpectReferenceTokens(const ReferenceModel& ref, const KvEvictionRule& rule,
+                           const std::vector<int32_t>& prompt, const Generated& g,
+                           double tolerance = 1e-3) {
+  std::vector<int32_t> all = prompt;
+  for (const auto& s : g.sampled) all.push_back(s.token);
+  const auto logits = ref.Forward(all, {}, rule);
+  for (size_t i = 0; i < g.sampled.size(); ++i) {
+    const auto lp = LogSoftmax(logits[prompt.size() - 1 + i]);
+    const int32_t best = testing::ArgMax(lp);
+    const int32_t got = g.sampled[i].token;
+    EXPECT_TRUE(got == best || lp[best] - lp[got] < 1e-4) << "step " << i;
+    ASSERT_NEAR(g.sampled[i].logprob, lp[got], tolerance) << "step " << i;
+  }
+}
+
+// The reference's kept sets, [layer][KV head], as the engine lists them.
+std::vector<std::vector<int32_t>> Flatten(
+    const std::vector<std::vector<std::vector<int64_t>>>& kept) {
+  std::vector<std::vector<int32_t>> out;
+  for (const auto& layer : kept) {
+    for (const auto& head : layer) out.emplace_back(head.begin(), head.end());
+  }
+  return out;
+}
+
+// The text evaluation compresses its first step (the prompt) as the engine
+// does: every later position's NLL is the reference's under the rule, for
+// budgets on and off block boundaries, windows of 1 to 16, blocks of 16 and
+// 5, and later chunks of 1 and 7; the prompt's own positions are dense.
+TEST(EngineSnapKvTest, TextEvaluationMatchesTheReferenceRule) {
+  const std::string dir = testing::ModelDir("snapkv", Spec());
+  const auto ref = Reference(dir);
+  ASSERT_NE(ref, nullptr);
+  const auto tokens = RandomTokens(140, Spec().vocab_size(), 1);
+  const int64_t P = 90;
+  for (auto [budget, window] : {std::pair{32, 8}, std::pair{45, 16}, std::pair{20, 1}}) {
+    SCOPED_TRACE("budget " + std::to_string(budget) + " window " + std::to_string(window));
+    Loaded l = Load(SnapKv(budget, window));
+    ASSERT_NE(l.model, nullptr);
+    const auto logits = ref->Forward(tokens, {}, Rule(budget, window, P));
+    for (auto [block, chunk] : {std::pair{16, 1}, std::pair{5, 7}}) {
+      SCOPED_TRACE("block " + std::to_string(block) + " chunk " + std::to_string(chunk));
+      TextEvalOptions o;
+      o.block_size = block;
+      o.prefill_tokens = P;
+      o.decode_chunk = chunk;
+      auto r = EvaluateText(l.model.get(), tokens, o);
+      ASSERT_TRUE(r.ok()) << r.status().ToString();
+      ASSERT_EQ(r->token_nll.size(), tokens.size() - 1);
+      for (size_t t = 0; t + 1 < tokens.size(); ++t) {
+        ASSERT_NEAR(r->token_nll[t], -LogSoftmax(logits[t])[tokens[t + 1]], 1e-4)
+            << "position " << t;
+      }
+    }
+  }
+  // The rule matters: the compressed prompt changes what follows it, and
+  // nothing before it.
+  const auto dense = ref->Forward(tokens, {}, {});
+  const auto snap = ref->Forward(tokens, {}, Rule(32, 8, P));
+  EXPECT_GT(std::fabs(dense[120][3] - snap[120][3]), 1e-4);
+  EXPECT_EQ(dense[P - 1][3], snap[P - 1][3]);
+}
+
+// Generation through the engine, the prompt prefilled in chunks of 16 (its
+// observation window whole in the last): the positions kept per layer and
+// KV head are the reference's, and so are the tokens and logprobs of 40
+// decode steps. The request then holds the budget's blocks, not the
+// prompt's; a repeated prompt reuses the cached full prompt up to its
+// observation window and compresses to the same tokens.
+TEST(EngineSnapKvTest, GenerationKeepsTheReferenceTokensAndHoldsTheBudget) {
+  const std::string dir = testing::ModelDir("snapkv", Spec());
+  const auto ref = Reference(dir);
+  ASSERT_NE(ref, nullptr);
+  const int64_t B = 32, W = 8, bs = 8;
+  Loaded l = Load(SnapKv(B, W));
+  ASSERT_NE(l.model, nullptr);
+  EngineOptions o;
+  o.block_size = bs;
+  o.max_num_batched_tokens = 16;
+  o.kv_cache_bytes = 8 << 20;
+  auto created = Engine::Create(l.model.get(), o);
+  ASSERT_TRUE(created.ok()) << created.status().ToString();
+  Engine& e = **created;
+  for (int64_t P : {70, 77}) {  // the window inside one chunk, and across two chunks' edge
+    SCOPED_TRACE("prompt " + std::to_string(P));
+    const auto prompt = RandomTokens(P, Spec().vocab_size(), 2 + P);
+    const auto g = Generate(e, 10 + P, prompt, 40);
+    ASSERT_EQ(g.sampled.size(), 40u);
+    std::vector<std::vector<std::vector<int64_t>>> kept;
+    ExpectReferenceTokens(*ref, Rule(B, W, P, &kept), prompt, g);
+    ASSERT_EQ(kept.size(), static_cast<size_t>(l.model->config().num_layers));
+    EXPECT_EQ(g.kept, Flatten(kept));
+    for (const auto& k : g.kept) ASSERT_EQ(k.size(), static_cast<size_t>(B));
+    // The kept sets differ between heads: each keeps its own tokens.
+    EXPECT_NE(g.kept[0], g.kept[1]);
+    // Held: the budget's blocks, not the prompt's.
+    EXPECT_EQ(g.held_after_prompt, static_cast<size_t>((B + bs - 1) / bs));
+    EXPECT_EQ(g.blocks_released, (P + bs - 1) / bs - (B + bs - 1) / bs);
+  }
+  EXPECT_EQ(e.GetStats().snapkv_evicted_tokens, static_cast<uint64_t>((70 - B) + (77 - B)));
+  // The full prompt stays cached: a repeat hits up to its observation
+  // window (whole blocks), recomputes the rest and keeps the same tokens.
+  const auto prompt = RandomTokens(70, Spec().vocab_size(), 72);
+  const auto again = Generate(e, 100, prompt, 40);
+  EXPECT_EQ(again.cached_tokens, (70 - W) / bs * bs);
+  std::vector<std::vector<std::vector<int64_t>>> kept;
+  ExpectReferenceTokens(*ref, Rule(B, W, 70, &kept), prompt, again);
+  EXPECT_EQ(again.kept, Flatten(kept));
+  ASSERT_TRUE(e.block_manager().CheckInvariants().ok());
+}
+
+// A prompt within the budget is never compressed: tokens and logprobs are
+// those of an engine without the mode, exactly.
+TEST(EngineSnapKvTest, PromptWithinTheBudgetIsDense) {
+  const auto prompt = RandomTokens(40, Spec().vocab_size(), 5);
+  Loaded snap = Load(SnapKv(40, 8)), dense = Load({});
+  ASSERT_NE(snap.model, nullptr);
+  ASSERT_NE(dense.model, nullptr);
+  EngineOptions o;
+  o.block_size = 8;
+  auto a = Engine::Create(snap.model.get(), o), b = Engine::Create(dense.model.get(), o);
+  ASSERT_TRUE(a.ok() && b.ok());
+  const auto ga = Generate(**a, 1, prompt, 30), gb = Generate(**b, 1, prompt, 30);
+  ASSERT_EQ(ga.sampled.size(), 30u);
+  EXPECT_TRUE(ga.kept.empty());
+  for (size_t i = 0; i < ga.sampled.size(); ++i) {
+    EXPECT_EQ(ga.sampled[i].token, gb.sampled[i].token) << i;
+    EXPECT_EQ(ga.sampled[i].logprob, gb.sampled[i].logprob) << i;
+  }
+  EXPECT_EQ((*a)->GetStats().snapkv_evicted_tokens, 0u);
+}
+
+// The real model: a 300-token prompt (its own greedy continuation of a
+// story start) compressed to 64 and to 128 tokens keeps the reference's
+// positions in every layer and KV head, and decodes its tokens and logprobs.
+TEST(EngineSnapKvTest, RealModelKeepsTheReferenceTokens) {
+  const std::string dir = testing::RealModelDir();
+  if (dir.empty()) GTEST_SKIP() << "the real model stories260K is absent";
+  const auto ref = Reference(dir);
+  ASSERT_NE(ref, nullptr);
+  std::vector<int32_t> prompt = {1, 403, 407};
+  {
+    Loaded dense = Load({}, dir);
+    ASSERT_NE(dense.model, nullptr);
+    auto e = Engine::Create(dense.model.get(), EngineOptions{});
+    ASSERT_TRUE(e.ok()) << e.status().ToString();
+    for (const auto& s : Generate(**e, 1, prompt, 297).sampled) prompt.push_back(s.token);
+  }
+  ASSERT_EQ(prompt.size(), 300u);
+  for (int64_t B : {64, 128}) {
+    SCOPED_TRACE("budget " + std::to_string(B));
+    const int64_t W = 16;
+    Loaded l = Load(SnapKv(B, W), dir);
+    ASSERT_NE(l.model, nullptr);
+    EngineOptions o;
+    o.kv_cache_bytes = 16 << 20;
+    o.max_num_batched_tokens = 128;
+    auto e = Engine::Create(l.model.get(), o);
+    ASSERT_TRUE(e.ok()) << e.status().ToString();
+    const auto g = Generate(**e, 1, prompt, 60);
+    ASSERT_EQ(g.sampled.size(), 60u);
+    std::vector<std::vector<std::vector<int64_t>>> kept;
+    ExpectReferenceTokens(*ref, Rule(B, W, 300, &kept), prompt, g);
+    EXPECT_EQ(g.kept, Flatten(kept));
+  }
+}
+
+// Bad modes and budgets are refused naming the flag.
+TEST(EngineSnapKvTest, RefusesWhatItCannotRun) {
+  const std::string dir = testing::ModelDir("snapkv", Spec());
+  kernels::CpuBackend backend(1);
+  auto refused = [&](const std::string& model_dir, const KvEviction& e) {
+    auto m = Model::Load(model_dir, &backend, LoadFormat::kSafetensors, e);
+    EXPECT_FALSE(m.ok());
+    return m.ok() ? std::string() : m.status().message();
+  };
+  EXPECT_NE(refused(dir, SnapKv(0, 0)).find("--kv-budget-tokens"), std::string::npos);
+  EXPECT_NE(refused(dir, SnapKv(16, 17)).find("--kv-observation-window"), std::string::npos);
+  EXPECT_NE(refused(dir, SnapKv(16, 0)).find("--kv-observation-window"), std::string::npos);
+  EXPECT_NE(refused(testing::ModelDir("mla", *PresetModelSpec("deepseek-v2-lite")), SnapKv(64, 8))
+                .find("MLA"),
+            std::string::npos);
+  EXPECT_NE(refused(testing::ModelDir("mistral-window", *PresetModelSpec("mistral-window")),
+                    SnapKv(64, 8))
+                .find("sliding-window"),
+            std::string::npos);
+  Loaded l = Load(SnapKv(64, 32));
+  ASSERT_NE(l.model, nullptr);
+  EngineOptions o;
+  o.max_num_batched_tokens = 16;  // the observation window is one chunk's
+  auto small_chunk = Engine::Create(l.model.get(), o);
+  ASSERT_FALSE(small_chunk.ok());
+  EXPECT_NE(small_chunk.status().message().find("--kv-observation-window"), std::string::npos);
+  o.max_num_batched_tokens = 64;
+  o.kv_dtype = DType::kFP8E4M3;
+  auto scaled = Engine::Create(l.model.get(), o);
+  ASSERT_FALSE(scaled.ok());
+  EXPECT_NE(scaled.status().message().find("--kv-dtype"), std::string::npos);
+  o.kv_dtype = DType::kF32;
+  auto e = Engine::Create(l.model.get(), o);
+  ASSERT_TRUE(e.ok()) << e.status().ToString();
+  EngineRequest r;
+  r.id = 1;
+  r.prompt = RandomTokens(100, Spec().vocab_size(), 9);
+  auto remote = (*e)->AddRemotePrefillRequest(std::move(r));
+  ASSERT_FALSE(remote.ok());
+  EXPECT_NE(remote.status().message().find("hand-off"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace pdserve
