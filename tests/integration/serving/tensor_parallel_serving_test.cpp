@@ -13,7 +13,9 @@
 #include <regex>
 #include <thread>
 
+#include "engine/make_model.h"
 #include "tests/integration/serving/stack.h"
+#include "tests/support/test_models.h"
 
 namespace pdserve::testing {
 namespace {
@@ -165,6 +167,30 @@ TEST(TensorParallelServingTest, Stories260KHandsKvOffBetweenTpSizes) {
   const std::string real = RealModelDir();
   if (real.empty()) GTEST_SKIP() << "the shared stories260K model is absent";
   ExpectHandOffs(real, "tp-handoff-stories", {{2, 2}, {2, 1}, {1, 2}, {2, 4}, {4, 2}});
+}
+
+// MLA (the deepseek-v2-lite preset): every rank caches the whole latent, so
+// between equal sizes each rank's copy moves (TP 2: twice a TP-1 pair's
+// bytes); between other sizes the hand-off is refused by name and the
+// decode worker prefills locally, writing generate's text.
+TEST(TensorParallelServingTest, MlaHandsKvOffBetweenEqualTpSizesOnly) {
+  auto spec = PresetModelSpec("deepseek-v2-lite");
+  ASSERT_TRUE(spec.ok()) << spec.status().ToString();
+  const std::string model = ModelDir("deepseek-v2-lite", *spec);
+  ExpectHandOffs(model, "tp-handoff-mla", {{2, 2, 2}});
+
+  LocalStack stack("tp-handoff-mla-2-1");
+  stack.SetModel(model);
+  stack.StartRouter({"--max-local-prefill", "4"});
+  WorkerProc& prefill = stack.StartWorker("prefill", {"--tensor-parallel", "2"});
+  WorkerProc& decode = stack.StartWorker("decode");
+  ASSERT_TRUE(stack.WaitReady());
+  ExpectSameAsGenerate(stack, kHandoffPrompt, 8);
+  EXPECT_TRUE(prefill.proc.WaitForLog(
+      std::regex("tensor_parallel 2 and 1 needs a dense GQA KV layout"), 10s))
+      << prefill.proc.Log();
+  EXPECT_TRUE(decode.proc.WaitForLog(std::regex("local prefill"), 5s)) << decode.proc.Log();
+  EXPECT_EQ(LocalStack::Metric(decode.metrics_port, "pdserve_kv_transfer_bytes_total"), 0);
 }
 
 TEST(TensorParallelServingTest, AFailingRankTakesTheWorkerDownAndItsRequestFailsOver) {
