@@ -11,6 +11,7 @@
 // every block (2 x layers pieces a block, merged where contiguous; UCX only,
 // dense layouts only). A head replicated on several receiving ranks (more
 // ranks than KV heads) is sent to each of them: BlockBytesTo() counts it.
+// (MLA's latent is one head on every rank: equal sizes only.)
 //
 // Handshake blobs, framed (bytes: u32 length + content; each rank's own
 // blob checksums itself):
@@ -20,7 +21,8 @@
 //               | u32 pairs | pairs x (u32 writer rank | u32 receiver rank
 //               | u8 sliced | bytes reply)
 // A peer is refused by name, before any rank connects, for another kv_heads,
-// a rank count of 0 or above kMaxRanks, head ranges that are not the split
+// a rank count of 0, above kMaxRanks or not splitting the heads (neither
+// dividing nor divided by them), head ranges that are not the split
 // of its heads over its ranks, a pair naming a rank out of range or leaving
 // a receiving rank without one, another kind or version, truncation or
 // trailing bytes. A rank's own refusal (layout, backend) undoes the ranks
