@@ -246,4 +246,12 @@ Status CheckLayoutsMatch(const KvLayout& here, const KvLayout& peer) {
   return Status::InvalidArgument("KV layout mismatch: " + diffs);
 }
 
+Status CheckLayoutsMatchExceptSplit(const KvLayout& here, const KvLayout& peer) {
+  KvLayout split = peer;
+  split.tensor_parallel = here.tensor_parallel;
+  split.kv_heads = here.kv_heads;
+  split.bytes_per_block = here.bytes_per_block;
+  return CheckLayoutsMatch(here, split);
+}
+
 }  // namespace pdserve

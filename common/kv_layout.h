@@ -108,4 +108,9 @@ std::string DescribeLayoutDifferences(const KvLayout& here, const KvLayout& peer
 // OK, or InvalidArgument "KV layout mismatch: <differences>".
 Status CheckLayoutsMatch(const KvLayout& here, const KvLayout& peer);
 
+// The same, except for the tensor-parallel split (tensor_parallel, a rank's
+// kv_heads and bytes_per_block): workers of other TP sizes that may still
+// exchange blocks, shard by shard (transport/ranked_transfer.h).
+Status CheckLayoutsMatchExceptSplit(const KvLayout& here, const KvLayout& peer);
+
 }  // namespace pdserve

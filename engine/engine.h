@@ -308,6 +308,11 @@ class Engine {
   bool ranks_failed() const;
   const KvCachePool& kv_pool() const { return *pool_; }
   KvCachePool& kv_pool() { return *pool_; }
+  // Rank r's KV pool shard (rank 0's is kv_pool()); every shard has the
+  // same blocks. A KV transfer registers each (transport/ranked_transfer.h).
+  const KvCachePool& kv_pool(int rank) const {
+    return rank == 0 ? *pool_ : *rank_pools_.at(static_cast<size_t>(rank - 1));
+  }
   BlockManager& block_manager() { return *blocks_; }
   const EngineOptions& options() const { return options_; }
   // Onloads finished since the last call (lower tiers only).

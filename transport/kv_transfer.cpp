@@ -52,4 +52,17 @@ StatusOr<std::vector<BlockRun>> CoalesceBlockRuns(std::vector<BlockCopy> copies,
   return runs;
 }
 
+StatusOr<KvTransfer::Connection> KvTransfer::ConnectSlices(std::string_view,
+                                                           std::vector<BlockSlice>) {
+  return Status::Unsupported("the " + std::string(backend()) +
+                             " KV transfer moves whole blocks only: a hand-off between workers of "
+                             "different tensor-parallel sizes needs ucx");
+}
+
+StatusOr<PeerId> KvTransfer::AcceptSlices(std::string_view) {
+  return Status::Unsupported("the " + std::string(backend()) +
+                             " KV transfer moves whole blocks only: a hand-off between workers of "
+                             "different tensor-parallel sizes needs ucx");
+}
+
 }  // namespace pdserve

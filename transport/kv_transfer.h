@@ -92,6 +92,17 @@ struct BlockRun {
   friend bool operator==(const BlockRun&, const BlockRun&) = default;
 };
 
+// A piece of each block, for a pair whose pools hold other shards of the same
+// blocks (tensor-parallel workers of different sizes, ranked_transfer.h):
+// `bytes` at `local_offset` of a local block go to `remote_offset` of its
+// remote block.
+struct BlockSlice {
+  uint64_t local_offset = 0;
+  uint64_t remote_offset = 0;
+  uint64_t bytes = 0;
+  friend bool operator==(const BlockSlice&, const BlockSlice&) = default;
+};
+
 // How the UCX backend treats pools the network cannot reach directly.
 //   kAuto:   stage device pools when UCX lacks CUDA memory support; put directly otherwise.
 //   kAlways: stage every pool, host pools included (the device copy becomes a memcpy).
@@ -147,6 +158,15 @@ class KvTransfer {
   virtual StatusOr<Connection> Connect(std::string_view peer_descriptor) = 0;
   // Receiver side of the handshake.
   virtual StatusOr<PeerId> Accept(std::string_view reply) = 0;
+
+  // Connect and Accept for a peer whose layout differs from this pool's in
+  // the tensor-parallel split only (CheckLayoutsMatchExceptSplit): every
+  // Write to it moves `slices` of each block (within both block sizes), one
+  // put per slice and block. The default refuses (Unsupported): only UCX's
+  // direct puts move slices; a staged pair refuses them too.
+  virtual StatusOr<Connection> ConnectSlices(std::string_view peer_descriptor,
+                                             std::vector<BlockSlice> slices);
+  virtual StatusOr<PeerId> AcceptSlices(std::string_view reply);
 
   virtual void Write(PeerId peer, std::vector<BlockCopy> copies, TransferDeadline deadline,
                      TransferCallback done) = 0;

@@ -27,6 +27,7 @@
 #include "common/logging.h"
 #include "services/cli/bench_util.h"
 #include "services/cli/command.h"
+#include "transport/ranked_transfer.h"
 #include "transport/ucx/ucx_transfer.h"
 
 namespace pdserve::cli {
@@ -93,6 +94,63 @@ KvLayout BenchLayout(int64_t block_bytes) {
   return l;
 }
 
+// --split A:B: tensor-parallel workers of A and B ranks (8 KV heads, dense
+// fp16 blocks of `block_bytes` in all, each rank holding its heads' share).
+struct Split {
+  int writer = 0, receiver = 0;  // 0: one plain pool each (no split)
+};
+
+Split ParseSplit(const std::string& text) {
+  Split sp;
+  if (text.empty()) return sp;
+  const size_t colon = text.find(':');
+  if (colon == std::string::npos) UsageError(kCommand, "--split must be A:B, got '" + text + "'");
+  sp.writer = std::atoi(text.substr(0, colon).c_str());
+  sp.receiver = std::atoi(text.substr(colon + 1).c_str());
+  for (int n : {sp.writer, sp.receiver}) {
+    if (n < 1 || n > 8 || (8 % n != 0)) {
+      UsageError(kCommand, "--split sizes must be 1, 2, 4 or 8 (8 KV heads), got '" + text + "'");
+    }
+  }
+  return sp;
+}
+
+// A worker of `n` ranks over `blocks` blocks of `whole` (its layout whole):
+// the ranked transfer and each rank's pool shard.
+struct RankedSide {
+  std::unique_ptr<RankedKvTransfer> transfer;
+  std::vector<std::vector<char>> shards;
+};
+
+StatusOr<RankedSide> MakeRankedSide(int n, const std::string& tls, const KvLayout& whole,
+                                    int64_t blocks) {
+  std::vector<std::unique_ptr<KvTransfer>> ranks;
+  for (int r = 0; r < n; ++r) {
+    UcxTransferOptions opts;
+    opts.tls = UcxTlsFor(tls);
+    auto t = CreateUcxTransfer(opts);
+    if (!t.ok()) return t.status();
+    ranks.push_back(std::move(*t));
+  }
+  auto ranked = RankedKvTransfer::Create(std::move(ranks), whole.kv_heads);
+  if (!ranked.ok()) return ranked.status();
+  RankedSide side;
+  side.transfer = std::move(*ranked);
+  KvLayout shard = whole;
+  shard.kv_heads = KvHeadRange(whole.kv_heads, n, 0).count;
+  shard.bytes_per_block = shard.DenseBytesPerBlock();
+  shard.tensor_parallel = n;
+  for (int r = 0; r < n; ++r) {
+    side.shards.emplace_back(static_cast<size_t>(blocks * shard.bytes_per_block), 1);
+    PDSERVE_RETURN_IF_ERROR(side.transfer->RegisterRankPool(
+        r,
+        {side.shards.back().data(), side.shards.back().size(),
+         static_cast<size_t>(shard.bytes_per_block), MemoryType::kHost},
+        shard));
+  }
+  return side;
+}
+
 int Fail(const std::string& what, const Status& s) {
   std::fprintf(stderr, "pdserve %s: %s: %s\n", kCommand, what.c_str(), s.ToString().c_str());
   return 1;
@@ -100,9 +158,22 @@ int Fail(const std::string& what, const Status& s) {
 
 // The receiving process: allocates (or registers) the pool, hands over its
 // descriptor, accepts the writer's reply and waits until told to quit.
-int RunReceiver(int fd, const std::string& tls, int64_t block_bytes, int64_t blocks,
-                bool allocate) {
+int RunReceiver(int fd, const std::string& tls, int64_t block_bytes, int64_t blocks, bool allocate,
+                Split split) {
   SetLogComponent("bench transfer receiver");
+  if (split.receiver > 0) {
+    auto side = MakeRankedSide(split.receiver, tls, BenchLayout(block_bytes), blocks);
+    if (!side.ok()) return Fail("receiver", side.status());
+    auto desc = side->transfer->ExportDescriptor();
+    if (!desc.ok()) return Fail("descriptor", desc.status());
+    std::string reply;
+    if (!SendMessage(fd, *desc) || !ReceiveMessage(fd, &reply)) return 1;
+    auto peer = side->transfer->Accept(reply);
+    if (!peer.ok()) return Fail("accept", peer.status());
+    std::string quit;
+    ReceiveMessage(fd, &quit);
+    return 0;
+  }
   UcxTransferOptions opts;
   opts.tls = UcxTlsFor(tls);
   auto t = CreateUcxTransfer(opts);
@@ -145,6 +216,7 @@ int RunBenchTransferImpl(int argc, char** argv) {
   bool json = false;
   std::string receiver_pool = "allocate";
   int64_t receiver_fd = -1;
+  std::string split_text;
   flags.AddString("tls", &tls, "UCX transports: tcp | shm (or any UCX_TLS list)");
   flags.AddBytes("block-bytes", &block_bytes,
                  "bytes per KV block (64KiB = 16 tokens of one Llama-3-8B layer in fp16)");
@@ -158,6 +230,10 @@ int RunBenchTransferImpl(int argc, char** argv) {
   flags.AddString("receiver-pool", &receiver_pool,
                   "allocate (pool from AllocatePool: shared memory under shm) | register "
                   "(caller memory)");
+  flags.AddString("split", &split_text,
+                  "A:B: writer of A tensor-parallel ranks to a receiver of B (1, 2, 4 or 8; 8 KV "
+                  "heads, dense blocks of --block-bytes in all), head range by head range; "
+                  "pools registered, as a worker's");
   flags.AddBool("json", &json, "print one JSON line");
   flags.AddInt("receiver-fd", &receiver_fd, "internal: run as the receiving process on this fd");
   flags.SetEpilog(
@@ -174,22 +250,40 @@ int RunBenchTransferImpl(int argc, char** argv) {
     UsageError(kCommand, "pool of --blocks x --block-bytes exceeds 16 GiB");
   }
   const bool allocate = receiver_pool == "allocate";
+  const Split split = ParseSplit(split_text);
+  if (split.writer > 0 && BenchLayout(block_bytes).DenseBytesPerBlock() != block_bytes) {
+    UsageError(kCommand, "--split needs a --block-bytes of whole tokens (a multiple of 64KiB)");
+  }
   if (receiver_fd >= 0) {
-    return RunReceiver(static_cast<int>(receiver_fd), tls, block_bytes, blocks, allocate);
+    return RunReceiver(static_cast<int>(receiver_fd), tls, block_bytes, blocks, allocate, split);
   }
 
   // The writer first: a bad --tls fails here, before any process starts.
-  UcxTransferOptions opts;
-  opts.tls = UcxTlsFor(tls);
-  auto t = CreateUcxTransfer(opts);
-  if (!t.ok()) return Fail("writer", t.status());
-  const KvLayout layout = BenchLayout(block_bytes);
-  std::vector<char> pool(static_cast<size_t>(blocks * block_bytes));
+  std::unique_ptr<KvTransfer> writer;
+  RankedKvTransfer* ranked = nullptr;
+  std::vector<char> pool;
+  std::vector<std::vector<char>> shards;
   std::mt19937_64 rng(static_cast<uint64_t>(seed));
-  for (size_t i = 0; i < pool.size(); i += 4096) pool[i] = static_cast<char>(rng());
-  Status s = (*t)->RegisterPool(
-      {pool.data(), pool.size(), static_cast<size_t>(block_bytes), MemoryType::kHost}, layout);
-  if (!s.ok()) return Fail("writer pool", s);
+  Status s;
+  if (split.writer > 0) {
+    auto side = MakeRankedSide(split.writer, tls, BenchLayout(block_bytes), blocks);
+    if (!side.ok()) return Fail("writer", side.status());
+    ranked = side->transfer.get();
+    writer = std::move(side->transfer);
+    shards = std::move(side->shards);
+  } else {
+    UcxTransferOptions opts;
+    opts.tls = UcxTlsFor(tls);
+    auto t = CreateUcxTransfer(opts);
+    if (!t.ok()) return Fail("writer", t.status());
+    writer = std::move(*t);
+    pool.resize(static_cast<size_t>(blocks * block_bytes));
+    for (size_t i = 0; i < pool.size(); i += 4096) pool[i] = static_cast<char>(rng());
+    s = writer->RegisterPool(
+        {pool.data(), pool.size(), static_cast<size_t>(block_bytes), MemoryType::kHost},
+        BenchLayout(block_bytes));
+    if (!s.ok()) return Fail("writer pool", s);
+  }
   // Start the receiver: this binary again, sharing one end of a socketpair.
   int sv[2];
   if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0) {
@@ -215,7 +309,9 @@ int RunBenchTransferImpl(int argc, char** argv) {
                                      "--blocks",
                                      std::to_string(blocks),
                                      "--receiver-pool",
-                                     receiver_pool};
+                                     receiver_pool,
+                                     "--split",
+                                     split_text};
     std::vector<char*> cargv;
     for (auto& a : args) cargv.push_back(a.data());
     cargv.push_back(nullptr);
@@ -238,7 +334,7 @@ int RunBenchTransferImpl(int argc, char** argv) {
     std::fprintf(stderr, "pdserve %s: the receiver process did not start\n", kCommand);
     return 1;
   }
-  auto conn = (*t)->Connect(desc);
+  auto conn = writer->Connect(desc);
   if (!conn.ok()) {
     finish_child();
     return Fail("connect", conn.status());
@@ -262,13 +358,17 @@ int RunBenchTransferImpl(int argc, char** argv) {
   }
   auto runs = CoalesceBlockRuns(copies, blocks, blocks);
   const size_t puts = runs.ok() ? runs->size() : 0;
-  const uint64_t bytes_per_write = copies.size() * static_cast<uint64_t>(block_bytes);
+  // Split: the bytes every pair moves (one copy of each block here, as 8
+  // KV heads split over 1 to 8 ranks replicate none).
+  const uint64_t bytes_per_block =
+      ranked != nullptr ? ranked->BlockBytesTo(conn->peer) : static_cast<uint64_t>(block_bytes);
+  const uint64_t bytes_per_write = copies.size() * bytes_per_block;
 
   auto write_once = [&]() -> Status {
     std::promise<Status> done;
     auto f = done.get_future();
-    (*t)->Write(conn->peer, copies, TransferClock::now() + std::chrono::seconds(120),
-                [&](Status st) { done.set_value(std::move(st)); });
+    writer->Write(conn->peer, copies, TransferClock::now() + std::chrono::seconds(120),
+                  [&](Status st) { done.set_value(std::move(st)); });
     return f.get();
   };
   for (int i = 0; i < 2; ++i) {  // warm-up: wireup, registration caches
@@ -290,19 +390,19 @@ int RunBenchTransferImpl(int argc, char** argv) {
   submit = [&] {
     ++submitted;
     ++outstanding;
-    (*t)->Write(conn->peer, copies, TransferClock::now() + std::chrono::seconds(120),
-                [&](Status st) {
-                  std::lock_guard<std::mutex> lock(mu);
-                  --outstanding;
-                  if (st.ok()) {
-                    ++writes;
-                  } else if (failure.ok()) {
-                    failure = std::move(st);
-                  }
-                  if (!stopping && failure.ok() && (iters == 0 || submitted < iters)) submit();
-                  // Waking the main thread per transfer would steal a core.
-                  if (outstanding == 0 || !failure.ok()) cv.notify_all();
-                });
+    writer->Write(conn->peer, copies, TransferClock::now() + std::chrono::seconds(120),
+                  [&](Status st) {
+                    std::lock_guard<std::mutex> lock(mu);
+                    --outstanding;
+                    if (st.ok()) {
+                      ++writes;
+                    } else if (failure.ok()) {
+                      failure = std::move(st);
+                    }
+                    if (!stopping && failure.ok() && (iters == 0 || submitted < iters)) submit();
+                    // Waking the main thread per transfer would steal a core.
+                    if (outstanding == 0 || !failure.ok()) cv.notify_all();
+                  });
   };
   const auto start = std::chrono::steady_clock::now();
   {
@@ -330,22 +430,33 @@ int RunBenchTransferImpl(int argc, char** argv) {
     elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   }
   if (!failure.ok()) {
-    t->reset();
+    writer.reset();
     finish_child();
     return Fail("write", failure);
   }
-  t->reset();  // close the endpoint before the receiver leaves: no spurious peer-gone log
+  writer.reset();  // close the endpoint before the receiver leaves: no spurious peer-gone log
   finish_child();
 
   const double total_bytes = static_cast<double>(bytes_per_write) * static_cast<double>(writes);
   const double gbps = total_bytes / elapsed / 1e9;
   if (json) {
     nlohmann::json j = {
-        {"bench", "transfer"},        {"backend", "ucx"},         {"tls", tls},
-        {"block_bytes", block_bytes}, {"blocks", blocks},         {"run_blocks", run_blocks},
-        {"puts_per_transfer", puts},  {"inflight", inflight},     {"receiver_pool", receiver_pool},
-        {"transfers", writes},        {"bytes", total_bytes},     {"seconds", elapsed},
-        {"gbytes_per_s", gbps},       {"machine", MachineJson()},
+        {"bench", "transfer"},
+        {"backend", "ucx"},
+        {"tls", tls},
+        {"block_bytes", block_bytes},
+        {"blocks", blocks},
+        {"run_blocks", run_blocks},
+        {"puts_per_transfer", ranked != nullptr ? nlohmann::json() : nlohmann::json(puts)},
+        {"inflight", inflight},
+        {"receiver_pool", ranked != nullptr ? "register" : receiver_pool},
+        {"split", split_text.empty() ? "none" : split_text},
+        {"bytes_per_block_moved", bytes_per_block},
+        {"transfers", writes},
+        {"bytes", total_bytes},
+        {"seconds", elapsed},
+        {"gbytes_per_s", gbps},
+        {"machine", MachineJson()},
     };
     std::printf("%s\n", j.dump().c_str());
   } else {

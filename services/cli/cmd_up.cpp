@@ -259,8 +259,8 @@ int RunUp(int argc, char** argv) {
   flags.AddBool("expert-parallel", &expert_parallel,
                 "with --tensor-parallel N: whole experts per rank (docs/tensor-parallel.md)");
   flags.AddInt("tensor-parallel", &tensor_parallel,
-               "ranks of every worker, 1 to 8 (docs/tensor-parallel.md); above 1 needs "
-               "--prefill 0: KV hand-off between tensor-parallel workers is not built yet");
+               "ranks of every worker, 1 to 8 (docs/tensor-parallel.md); prefill workers "
+               "hand KV to decode workers rank to rank");
   flags.AddBool("kv-stream-chunks", &stream_chunks,
                 "prefill workers send each finished chunk's KV while the next computes");
   flags.AddBytes("kv-cache-bytes", &kv_cache_bytes, "KV cache memory per worker");
@@ -318,11 +318,6 @@ int RunUp(int argc, char** argv) {
     UsageError("up", "--tensor-parallel must be 1 to 8, got " + std::to_string(tensor_parallel));
   if (expert_parallel && tensor_parallel == 1) {
     UsageError("up", "--expert-parallel needs --tensor-parallel 2 or more");
-  }
-  if (tensor_parallel > 1 && prefill > 0) {
-    UsageError("up", "--tensor-parallel " + std::to_string(tensor_parallel) +
-                         " needs --prefill 0: KV hand-off between tensor-parallel workers is not "
-                         "built yet (decode workers prefill locally)");
   }
   if (max_local_prefill < 0) UsageError("up", "--max-local-prefill must not be negative");
   if (char* end = nullptr;

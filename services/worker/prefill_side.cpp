@@ -296,7 +296,9 @@ void PrefillSide::WriteBlocks(Job& job, const std::vector<BlockSlot>& kv_slots,
   // the bytes move.
   (void)job.decode->Send(std::move(announce));
   if (job.pending_writes++ == 0 && job.blocks_written == 0) job.first_write = WorkerClock::now();
-  const uint64_t bytes = copies.size() * static_cast<uint64_t>(ctx_->layout->bytes_per_block);
+  // A whole block, every rank's shard (and replicated heads once per
+  // receiving rank that holds them).
+  const uint64_t bytes = copies.size() * ctx_->transfer->BlockBytesTo(job.transfer_peer);
   job.blocks_written += static_cast<uint32_t>(copies.size());
   ctx_->transfer->Write(
       job.transfer_peer, std::move(copies), job.deadline,

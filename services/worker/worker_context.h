@@ -16,7 +16,7 @@
 #include "services/worker/worker_metrics.h"
 #include "services/worker/worker_service.h"
 #include "transport/control/connection.h"
-#include "transport/kv_transfer.h"
+#include "transport/ranked_transfer.h"
 
 namespace pdserve::worker {
 
@@ -27,7 +27,7 @@ inline double Seconds(WorkerClock::duration d) { return std::chrono::duration<do
 struct WorkerContext {
   const WorkerOptions* opts = nullptr;
   Engine* engine = nullptr;
-  KvTransfer* transfer = nullptr;
+  RankedKvTransfer* transfer = nullptr;
   const KvLayout* layout = nullptr;  // this worker's pool, as announced to peers
   WorkerMetrics* metrics = nullptr;
   GrammarCompiler* grammars = nullptr;              // structured outputs (thread-safe)

@@ -23,6 +23,7 @@
 #include "common/tokenizer/tokenizer.h"
 #include "engine/engine.h"
 #include "engine/model.h"
+#include "engine/model_config.h"
 #include "engine/model_fingerprint.h"
 #include "engine/model_group.h"
 #include "services/protocol/kv_events.h"
@@ -31,6 +32,7 @@
 #include "services/worker/prefill_side.h"
 #include "services/worker/worker_context.h"
 #include "transport/control/connection.h"
+#include "transport/ranked_transfer.h"
 
 namespace pdserve::worker {
 
@@ -59,15 +61,9 @@ Status CheckPeerLayout(const WorkerContext& ctx, const proto::TransferHello& hel
   auto peer_layout = KvLayout::Decode(hello.kv_layout());
   if (!peer_layout.ok())
     return Status::InvalidArgument("bad KV layout from peer: " + peer_layout.status().message());
-  PDSERVE_RETURN_IF_ERROR(CheckLayoutsMatch(*ctx.layout, *peer_layout));
-  // The transport holds rank 0's pool shard only: a hand-off between
-  // tensor-parallel workers would move one shard of each block.
-  if (ctx.layout->tensor_parallel > 1) {
-    return Status::Unsupported("KV hand-off between tensor-parallel workers (tensor_parallel " +
-                               std::to_string(ctx.layout->tensor_parallel) +
-                               " on both) is not built yet");
-  }
-  return Status::Ok();
+  // Workers of other tensor-parallel sizes exchange blocks head range by
+  // head range (transport/ranked_transfer.h); all else must match.
+  return CheckLayoutsMatchExceptSplit(*ctx.layout, *peer_layout);
 }
 
 namespace {
@@ -101,7 +97,6 @@ class WorkerServiceImpl : public WorkerService {
     // The ranks' devices: --devices, else --tensor-parallel of --device.
     auto devices = ResolveRankDevices(opts_.device, opts_.devices, opts_.tensor_parallel);
     if (!devices.ok()) return devices.status();
-    const std::string device = (*devices)[0];
     auto group = LoadModelGroup(opts_.model_dir, *devices, opts_.threads, opts_.load_format,
                                 opts_.kv_eviction, opts_.expert_parallel,
                                 [this](double s) { metrics_.all_reduce_seconds.Observe(s); });
@@ -145,7 +140,6 @@ class WorkerServiceImpl : public WorkerService {
     host_tier_blocks_ = engine_->GetStats().tiers.store.host.capacity_blocks;
     disk_tier_blocks_ = engine_->GetStats().tiers.store.disk.capacity_blocks;
 
-    // The KV transport: the whole pool, registered once, as what it is.
     const KvCachePool& pool = engine_->kv_pool();
     metrics_.capacity.Add({{"kv_dtype", std::string(DTypeName(opts_.kv_dtype))}})
         .Set(static_cast<double>(engine_->ContextCapacityTokens()));
@@ -157,24 +151,44 @@ class WorkerServiceImpl : public WorkerService {
           .Set(static_cast<double>(pool.total_bytes()));
       metrics_.rank_kv_usage.Add({{"rank", std::to_string(r)}});
     }
-    KvTransferOptions to;
-    to.kind = opts_.kv_transfer;
-    to.pool_memory = pool.memory_type();
-    to.cuda_device = CudaIndex(device);
-    to.staging = opts_.kv_staging;
-    to.staging_bytes = static_cast<size_t>(opts_.kv_staging_bytes);
-    to.tls = opts_.transfer_tls;
-    to.name = opts_.worker_id;
-    auto transfer = CreateKvTransfer(to);
-    if (!transfer.ok()) return transfer.status();
-    transfer_ = std::move(*transfer);
-    layout_ =
-        pool.TransferLayout(model_id_, model_->matrix_dtype(), std::string(transfer_->backend()));
+    // The KV transport: one backend transfer per rank, each with its rank's
+    // pool shard; rank r's shard of a block goes to the peer's rank r.
+    std::vector<std::unique_ptr<KvTransfer>> rank_transfers;
+    for (int r = 0; r < group_->size(); ++r) {
+      KvTransferOptions to;
+      to.kind = opts_.kv_transfer;
+      to.pool_memory = pool.memory_type();
+      to.cuda_device = CudaIndex((*devices)[static_cast<size_t>(r)]);
+      to.staging = opts_.kv_staging;
+      to.staging_bytes = static_cast<size_t>(opts_.kv_staging_bytes);
+      to.tls = opts_.transfer_tls;
+      to.name =
+          group_->size() == 1 ? opts_.worker_id : opts_.worker_id + "-rank" + std::to_string(r);
+      auto transfer = CreateKvTransfer(to);
+      if (!transfer.ok()) return transfer.status();
+      rank_transfers.push_back(std::move(*transfer));
+    }
+    layout_ = pool.TransferLayout(model_id_, model_->matrix_dtype(),
+                                  std::string(rank_transfers[0]->backend()));
     layout_.model_fingerprint = engine_->kv_fingerprint();
     layout_.tensor_parallel = group_->size();
-    MemoryRegion region{pool.base(), static_cast<size_t>(pool.total_bytes()),
-                        static_cast<size_t>(pool.bytes_per_block()), pool.memory_type()};
-    PDSERVE_RETURN_IF_ERROR(transfer_->RegisterPool(region, layout_));
+    // The model's KV heads, all ranks together: a rank's layout holds its share.
+    // (MLA's one latent is on every rank: one head, replicated.)
+    int64_t kv_heads = layout_.kv_heads;
+    if (group_->size() > 1 && layout_.attention == KvAttention::kGqa) {
+      auto config = LoadModelConfig(opts_.model_dir);
+      if (!config.ok()) return config.status();
+      kv_heads = config->num_kv_heads;
+    }
+    auto ranked = RankedKvTransfer::Create(std::move(rank_transfers), kv_heads);
+    if (!ranked.ok()) return ranked.status();
+    for (int r = 0; r < group_->size(); ++r) {
+      const KvCachePool& shard = engine_->kv_pool(r);
+      MemoryRegion region{shard.base(), static_cast<size_t>(shard.total_bytes()),
+                          static_cast<size_t>(shard.bytes_per_block()), shard.memory_type()};
+      PDSERVE_RETURN_IF_ERROR((*ranked)->RegisterRankPool(r, region, layout_));
+    }
+    transfer_ = std::move(*ranked);
     for (const std::string& d : *devices) device_ += (device_.empty() ? "" : ",") + d;
 
     // Structured outputs: the vocabulary as bytes, and the compiler thread.
@@ -713,7 +727,7 @@ class WorkerServiceImpl : public WorkerService {
   Model* model_ = nullptr;             // rank 0's shard
   std::unique_ptr<Tokenizer> tokenizer_;
   std::unique_ptr<Engine> engine_;
-  std::unique_ptr<KvTransfer> transfer_;
+  std::unique_ptr<RankedKvTransfer> transfer_;
   KvLayout layout_;
   std::string device_;
   std::string model_id_;

@@ -993,6 +993,26 @@ describe('tensor parallelism (prefill.tensorParallel, decode.tensorParallel)', (
     const vol = podSpec(r.deployment('decode')).volumes.find((v) => v.name === mount.name);
     assert.equal(vol.emptyDir.medium, 'Memory');
   });
+  test('a prefill pool of the decode pool\'s size: both --tensor-parallel=2', () => {
+    const r = render({ set: ['prefill.tensorParallel=2', 'decode.tensorParallel=2'] });
+    for (const role of ['prefill', 'decode']) {
+      assert.equal(flags(mainContainer(r.deployment(role))).get('tensor-parallel'), '2', role);
+      assert.equal(workerResources(r, role).limits['nvidia.com/gpu'], 2, role);
+    }
+  });
+  test('pools of different sizes: over ucx with a dense KV type only', () => {
+    const r = render({ set: ['prefill.tensorParallel=2', 'decode.tensorParallel=4'] });
+    assert.equal(flags(mainContainer(r.deployment('prefill'))).get('tensor-parallel'), '2');
+    assert.equal(flags(mainContainer(r.deployment('decode'))).get('tensor-parallel'), '4');
+    for (const set of [['kvTransfer=nccl'], ['kvCache.dtype=fp8'], ['kvCache.dtype=nvfp4']]) {
+      const res = runHelm(['template', release, chart, '--set', 'decode.tensorParallel=2', ...set.flatMap((s) => ['--set', s])]);
+      assert.notEqual(res.status, 0, set.join(' '));
+      assert.match(res.stderr, /prefill\.tensorParallel \(1\) differs from decode\.tensorParallel \(2\): KV moves between workers of different tensor-parallel sizes only over kvTransfer ucx/);
+    }
+    // Equal sizes, or no prefill pool: any transfer and KV type.
+    render({ set: ['prefill.tensorParallel=2', 'decode.tensorParallel=2', 'kvCache.dtype=fp8'] });
+    render({ set: ['prefill.replicas=0', 'decode.tensorParallel=2', 'kvCache.dtype=fp8'] });
+  });
   test('more GPUs than ranks keep their count; CPU ranks get no GPU', () => {
     const r = render({ set: ['prefill.replicas=0', 'decode.tensorParallel=2', 'decode.gpus=4'] });
     assert.equal(workerResources(r, 'decode').limits['nvidia.com/gpu'], 4);
@@ -1040,11 +1060,10 @@ describe('values.schema.json rejects bad values with its message', () => {
     [['decode.device=cuda:1', 'decode.gpus=0'], /at '\/decode\/gpus': minimum: got 0, want 1/],
     [['prefill.device=cpu'], /at '\/prefill\/gpus': maximum: got 1, want 0/],
     [['prefill.threads=-1'], /at '\/prefill\/threads': minimum: got -1, want 0/],
-    // Tensor parallelism: 1 to 8 ranks, and no prefill pool above 1 yet.
+    // Tensor parallelism: 1 to 8 ranks.
     [['decode.tensorParallel=0'], /at '\/decode\/tensorParallel': minimum: got 0, want 1/],
     [['prefill.tensorParallel=16'], /at '\/prefill\/tensorParallel': maximum: got 16, want 8/],
     [['decode.tensorParallel=all'], /at '\/decode\/tensorParallel': got string, want integer/],
-    [['decode.tensorParallel=2'], /at '\/decode\/tensorParallel': maximum: got 2, want 1/],
     [['kvTransfer=rdma'], /at '\/kvTransfer': value must be one of 'ucx', 'nccl'/],
     [['kvTransfer=nccl', 'decode.device=cpu', 'decode.gpus=0'], /at '\/decode\/device': 'cpu' does not match pattern '\^\(auto\|cuda/],
     [['kvStaging.mode=sometimes'], /at '\/kvStaging\/mode': value must be one of 'auto', 'always', 'never'/],

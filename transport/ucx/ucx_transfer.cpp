@@ -210,6 +210,9 @@ struct Peer {
   ucp_rkey_h rkey = nullptr;
   uint64_t remote_base = 0;
   uint64_t remote_blocks = 0;
+  uint64_t remote_block_bytes = 0;
+  // ConnectSlices: the pieces of each block this pair moves; empty: whole blocks.
+  std::vector<BlockSlice> slices;
   bool failed = false;
   Status failure;
   std::string process;  // watched for death when non-empty (same-host peer)
@@ -253,8 +256,15 @@ class UcxTransfer final : public KvTransfer {
   Status RegisterPool(const MemoryRegion& region, const KvLayout& layout) override;
   StatusOr<MemoryRegion> AllocatePool(size_t blocks, const KvLayout& layout) override;
   StatusOr<std::string> ExportDescriptor() override;
-  StatusOr<Connection> Connect(std::string_view peer_descriptor) override;
-  StatusOr<PeerId> Accept(std::string_view reply) override;
+  StatusOr<Connection> Connect(std::string_view peer_descriptor) override {
+    return ConnectImpl(peer_descriptor, nullptr);
+  }
+  StatusOr<PeerId> Accept(std::string_view reply) override { return AcceptImpl(reply, false); }
+  StatusOr<Connection> ConnectSlices(std::string_view peer_descriptor,
+                                     std::vector<BlockSlice> slices) override {
+    return ConnectImpl(peer_descriptor, &slices);
+  }
+  StatusOr<PeerId> AcceptSlices(std::string_view reply) override { return AcceptImpl(reply, true); }
   void Write(PeerId peer, std::vector<BlockCopy> copies, TransferDeadline deadline,
              TransferCallback done) override;
   void Receive(PeerId peer, std::vector<BlockCopy> copies, TransferDeadline deadline,
@@ -296,7 +306,9 @@ class UcxTransfer final : public KvTransfer {
   Status FinishRegistration(const MemoryRegion& region, const MemoryRegion& wire,
                             const KvLayout& layout);
   WireDescriptor OwnDescriptor(DescriptorKind kind) const;
-  StatusOr<Connection> ConnectLocked(std::string_view blob);
+  StatusOr<Connection> ConnectImpl(std::string_view blob, const std::vector<BlockSlice>* slices);
+  StatusOr<Connection> ConnectLocked(std::string_view blob, const std::vector<BlockSlice>* slices);
+  StatusOr<PeerId> AcceptImpl(std::string_view reply, bool sliced);
   void StartWrite(PeerId peer_id, std::vector<BlockCopy> copies, TransferDeadline deadline,
                   TransferCallback done);
   void IssueWrite(Peer* peer, WriteOp* op, const std::vector<BlockRun>& runs);
@@ -999,11 +1011,12 @@ void ConnectFlushed(void* request, ucs_status_t status, void* user_data) {
   ucp_request_free(request);
 }
 
-StatusOr<KvTransfer::Connection> UcxTransfer::Connect(std::string_view peer_descriptor) {
+StatusOr<KvTransfer::Connection> UcxTransfer::ConnectImpl(std::string_view peer_descriptor,
+                                                          const std::vector<BlockSlice>* slices) {
   auto waiter = std::make_shared<ConnectWaiter>();
   auto wired = waiter->done.get_future();
   auto conn = RunSync<StatusOr<Connection>>([&]() -> StatusOr<Connection> {
-    auto c = ConnectLocked(peer_descriptor);
+    auto c = ConnectLocked(peer_descriptor, slices);
     if (!c.ok()) return c;
     // Flushing the new endpoint completes UCX's wireup exchange with the peer,
     // so that Connect returns a working connection (or a clear error) and no
@@ -1038,11 +1051,27 @@ StatusOr<KvTransfer::Connection> UcxTransfer::Connect(std::string_view peer_desc
   return conn;
 }
 
-StatusOr<KvTransfer::Connection> UcxTransfer::ConnectLocked(std::string_view blob) {
+StatusOr<KvTransfer::Connection> UcxTransfer::ConnectLocked(std::string_view blob,
+                                                            const std::vector<BlockSlice>* slices) {
   if (!registered_) return Status::InvalidArgument("register the KV pool before connecting");
   auto d = DecodeDescriptor(blob, DescriptorKind::kDescriptor, BackendCode::kUcx);
   if (!d.ok()) return d.status();
-  PDSERVE_RETURN_IF_ERROR(CheckLayoutsMatch(layout_, d->layout));
+  if (slices == nullptr) {
+    PDSERVE_RETURN_IF_ERROR(CheckLayoutsMatch(layout_, d->layout));
+  } else {
+    PDSERVE_RETURN_IF_ERROR(CheckLayoutsMatchExceptSplit(layout_, d->layout));
+    if (slices->empty()) return Status::InvalidArgument("a sliced KV connection needs a slice");
+    for (const BlockSlice& sl : *slices) {
+      if (sl.bytes == 0 || sl.local_offset + sl.bytes > region_.block_bytes ||
+          sl.remote_offset + sl.bytes > d->block_bytes) {
+        return Status::InvalidArgument(
+            "KV block slice of " + std::to_string(sl.bytes) + " bytes at " +
+            std::to_string(sl.local_offset) + " -> " + std::to_string(sl.remote_offset) +
+            " does not fit blocks of " + std::to_string(region_.block_bytes) + " and " +
+            std::to_string(d->block_bytes) + " bytes");
+      }
+    }
+  }
   if (d->address.empty()) return Status::InvalidArgument("KV transfer descriptor has no address");
 
   auto peer = std::make_unique<Peer>();
@@ -1052,7 +1081,14 @@ StatusOr<KvTransfer::Connection> UcxTransfer::ConnectLocked(std::string_view blo
   peer->writer_side = true;
   peer->remote_base = d->base;
   peer->remote_blocks = d->block_count();
+  peer->remote_block_bytes = d->block_bytes;
+  if (slices != nullptr) peer->slices = *slices;
   PDSERVE_RETURN_IF_ERROR(AgreeStaging(peer.get(), d->channel, /*peer_is_receiver=*/true));
+  if (peer->staged && slices != nullptr) {
+    return Status::Unsupported(
+        "a staged KV pair moves whole blocks only (block slices need "
+        "direct puts)");
+  }
   if (!peer->staged && d->rkey.empty()) {
     return Status::InvalidArgument("KV transfer descriptor has no remote key");
   }
@@ -1098,18 +1134,24 @@ StatusOr<KvTransfer::Connection> UcxTransfer::ConnectLocked(std::string_view blo
   return c;
 }
 
-StatusOr<PeerId> UcxTransfer::Accept(std::string_view reply) {
+StatusOr<PeerId> UcxTransfer::AcceptImpl(std::string_view reply, bool sliced) {
   return RunSync<StatusOr<PeerId>>([&]() -> StatusOr<PeerId> {
     if (!registered_) return Status::InvalidArgument("register the KV pool before accepting");
     auto d = DecodeDescriptor(reply, DescriptorKind::kReply, BackendCode::kUcx);
     if (!d.ok()) return d.status();
-    PDSERVE_RETURN_IF_ERROR(CheckLayoutsMatch(layout_, d->layout));
+    PDSERVE_RETURN_IF_ERROR(sliced ? CheckLayoutsMatchExceptSplit(layout_, d->layout)
+                                   : CheckLayoutsMatch(layout_, d->layout));
     auto peer = std::make_unique<Peer>();
     peer->owner = this;
     peer->id = next_peer_.fetch_add(1);
     peer->instance = d->instance_id;
     peer->remote_blocks = d->block_count();
     PDSERVE_RETURN_IF_ERROR(AgreeStaging(peer.get(), d->channel, /*peer_is_receiver=*/false));
+    if (peer->staged && sliced) {
+      return Status::Unsupported(
+          "a staged KV pair moves whole blocks only (block slices need "
+          "direct puts)");
+    }
     if (peer->staged && transport_detail::ProcessIsVisible(d->process)) {
       // A staged receive waits for the writer: notice a same-host writer's death.
       peer->process = d->process;
@@ -1195,7 +1237,25 @@ void UcxTransfer::IssueWrite(Peer* peer, WriteOp* op, const std::vector<BlockRun
   param.user_data = op;
   param.memh = memh_;
   char* local = static_cast<char*>(region_.base);
+  // A sliced pair (another tensor-parallel split): one put per slice and
+  // block, as the slices of consecutive blocks are not contiguous.
+  const size_t rbb = peer->remote_block_bytes;
   for (const BlockRun& r : runs) {
+    for (uint32_t i = 0; !peer->slices.empty() && i < r.count; ++i) {
+      for (const BlockSlice& sl : peer->slices) {
+        op->bytes += sl.bytes;
+        ucs_status_ptr_t req = ucp_put_nbx(
+            peer->ep, local + (r.local + i) * bb + sl.local_offset, sl.bytes,
+            peer->remote_base + (r.remote + i) * rbb + sl.remote_offset, peer->rkey, &param);
+        if (UCS_PTR_IS_ERR(req)) {
+          Finish(op, Status::Unavailable(UcsError("ucp_put_nbx", UCS_PTR_STATUS(req))));
+          return;
+        }
+        if (req != nullptr) ++op->pending;
+        if (op->finished || peer->ep == nullptr) return;  // failed meanwhile
+      }
+    }
+    if (!peer->slices.empty()) continue;
     const size_t len = static_cast<size_t>(r.count) * bb;
     op->bytes += len;
     ucs_status_ptr_t req = ucp_put_nbx(peer->ep, local + r.local * bb, len,

@@ -138,9 +138,29 @@ TEST(TensorParallelCliTest, BadDeviceListsAndSizesAreOneLineBeforeTheModelIsRead
   }
 }
 
-TEST(TensorParallelCliTest, UpForwardsTheSizeButRefusesItWithPrefillWorkers) {
-  ExpectOneLineUsageError(Pdserve({"up", "--tensor-parallel", "2"}),
-                          "--tensor-parallel 2 needs --prefill 0");
+// bench transfer between two processes of 2 and 1 ranks (and 1 and 4): the
+// transfers all complete and a block moves one copy of its bytes (8 KV heads
+// over 1 to 8 ranks replicate none); sizes that do not split 8 heads and
+// padded blocks are usage errors.
+TEST(TensorParallelCliTest, BenchTransferBetweenTpSizes) {
+  for (const char* split : {"2:1", "1:4"}) {
+    CommandResult r = Pdserve({"bench", "transfer", "--split", split, "--block-bytes", "128KiB",
+                               "--blocks", "16", "--iters", "3", "--json"});
+    ASSERT_EQ(r.exit_code, 0) << split << ": " << r.err;
+    const nlohmann::json j = JsonOf(r);
+    EXPECT_EQ(j.value("split", ""), split);
+    EXPECT_EQ(j.value("transfers", -1), 3);
+    EXPECT_EQ(j.value("bytes_per_block_moved", -1), 128 * 1024);
+  }
+  ExpectOneLineUsageError(Pdserve({"bench", "transfer", "--split", "3:1"}),
+                          "--split sizes must be 1, 2, 4 or 8");
+  ExpectOneLineUsageError(
+      Pdserve({"bench", "transfer", "--split", "2:1", "--block-bytes", "100000"}),
+      "--split needs a --block-bytes of whole tokens");
+}
+
+// A stack of tensor-parallel workers runs in tests/integration/up/up_test.cpp.
+TEST(TensorParallelCliTest, UpRefusesASizeOutOfRange) {
   ExpectOneLineUsageError(Pdserve({"up", "--tensor-parallel", "9", "--prefill", "0"}),
                           "--tensor-parallel must be 1 to 8");
 }

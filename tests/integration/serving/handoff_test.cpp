@@ -19,11 +19,17 @@ using namespace std::chrono_literals;
 
 // Two KV dtypes that must never pair: fp16 against fp32, and nvfp4 against
 // fp8 (a prefix cached in one type is never served to a worker of another:
-// the hand-off is refused before a byte moves).
+// the hand-off is refused before a byte moves), also between workers of
+// different tensor-parallel sizes; and fp8, whose blocks carry per-head
+// scales, between TP 2 and TP 1: shards of other head ranges move only for
+// dense layouts, so that pair is refused at the descriptor step.
 struct Mismatch {
   const char* name;
   const char* prefill_dtype;
   const char* decode_dtype;
+  const char* prefill_tp = "1";
+  const char* decode_tp = "1";
+  const char* refusal = nullptr;  // null: "KV layout mismatch: kv_dtype: ..." on both
 };
 
 class HandoffLayoutTest : public ::testing::TestWithParam<Mismatch> {};
@@ -32,8 +38,10 @@ TEST_P(HandoffLayoutTest, MismatchIsRefusedClearlyAndServedCorrectlyByLocalPrefi
   const Mismatch m = GetParam();
   LocalStack stack(std::string("handoff-layout-") + m.name);
   stack.StartRouter({"--max-local-prefill", "0"});
-  WorkerProc& prefill = stack.StartWorker("prefill", {"--kv-dtype", m.prefill_dtype});
-  WorkerProc& decode = stack.StartWorker("decode", {"--kv-dtype", m.decode_dtype});
+  WorkerProc& prefill = stack.StartWorker(
+      "prefill", {"--kv-dtype", m.prefill_dtype, "--tensor-parallel", m.prefill_tp});
+  WorkerProc& decode =
+      stack.StartWorker("decode", {"--kv-dtype", m.decode_dtype, "--tensor-parallel", m.decode_tp});
   ASSERT_TRUE(stack.WaitReady());
 
   const std::string prompt = "the layouts of these two workers do not agree";
@@ -45,10 +53,14 @@ TEST_P(HandoffLayoutTest, MismatchIsRefusedClearlyAndServedCorrectlyByLocalPrefi
   ASSERT_EQ(status, 200) << got.dump();
   EXPECT_EQ(got["choices"][0]["text"], want["text"]);  // the decode worker's own KV type
 
-  const std::regex refused(std::string("KV layout mismatch: kv_dtype: ") + m.prefill_dtype +
-                           " here, " + m.decode_dtype + " on peer");
+  const std::regex refused(m.refusal != nullptr
+                               ? std::string(m.refusal)
+                               : std::string("KV layout mismatch: kv_dtype: ") + m.prefill_dtype +
+                                     " here, " + m.decode_dtype + " on peer");
   EXPECT_TRUE(prefill.proc.WaitForLog(refused, 10s)) << prefill.proc.Log();
-  EXPECT_TRUE(decode.proc.WaitForLog(refused, 10s)) << decode.proc.Log();
+  if (m.refusal == nullptr) {
+    EXPECT_TRUE(decode.proc.WaitForLog(refused, 10s)) << decode.proc.Log();
+  }
   EXPECT_TRUE(
       decode.proc.WaitForLog(std::regex(R"(request [0-9a-f]{32} done: .*local prefill)"), 10s))
       << decode.proc.Log();
@@ -59,12 +71,22 @@ TEST_P(HandoffLayoutTest, MismatchIsRefusedClearlyAndServedCorrectlyByLocalPrefi
   // own prefill computation: every prompt token was looked up.
   EXPECT_EQ(LocalStack::Metric(decode.metrics_port, "pdserve_prefix_cache_queries_tokens_total"),
             want["prompt_token_ids"].size());
+  // No block stays reserved for the refused peer.
+  double held = -1;
+  for (int i = 0; i < 50 && held != 0; ++i) {
+    held = LocalStack::Metric(decode.metrics_port, "pdserve_kv_blocks_held_for_peers");
+    if (held != 0) std::this_thread::sleep_for(100ms);
+  }
+  EXPECT_EQ(held, 0);
 }
 
-INSTANTIATE_TEST_SUITE_P(KvDtypes, HandoffLayoutTest,
-                         ::testing::Values(Mismatch{"fp16_fp32", "fp16", "fp32"},
-                                           Mismatch{"nvfp4_fp8", "nvfp4", "fp8"}),
-                         [](const auto& info) { return std::string(info.param.name); });
+INSTANTIATE_TEST_SUITE_P(
+    KvDtypes, HandoffLayoutTest,
+    ::testing::Values(Mismatch{"fp16_fp32", "fp16", "fp32"}, Mismatch{"nvfp4_fp8", "nvfp4", "fp8"},
+                      Mismatch{"fp16_tp2_fp32_tp1", "fp16", "fp32", "2", "1"},
+                      Mismatch{"fp8_tp2_fp8_tp1", "fp8", "fp8", "2", "1",
+                               "tensor_parallel 2 and 1 needs a dense GQA KV layout"}),
+    [](const auto& info) { return std::string(info.param.name); });
 
 TEST(HandoffTest, SigtermDrainsTheRunningStreamAndExitsZero) {
   LocalStack stack("handoff-drain");

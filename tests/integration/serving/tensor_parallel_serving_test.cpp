@@ -1,8 +1,8 @@
 // Tensor-parallel workers (docs/tensor-parallel.md) serving through the
 // real router: a worker of 2 CPU ranks writes the text `pdserve generate`
 // writes at TP 1 (greedy), registers as one worker whose capacity is its
-// ranks' shared block count, reports its ranks on /metrics, prefills
-// locally beside a prefill worker (no KV hand-off with TP workers yet), and
+// ranks' shared block count, reports its ranks on /metrics, hands KV off
+// between prefill and decode workers of the same or other TP sizes, and
 // a rank that fails takes the whole worker down (exit 1, no hang) while its
 // request fails over to another worker.
 #include <gtest/gtest.h>
@@ -13,7 +13,9 @@
 #include <regex>
 #include <thread>
 
+#include "engine/make_model.h"
 #include "tests/integration/serving/stack.h"
+#include "tests/support/test_models.h"
 
 namespace pdserve::testing {
 namespace {
@@ -99,23 +101,96 @@ TEST(TensorParallelServingTest, Stories260KTp2WorkerWritesWhatGenerateWritesAtTp
   ExpectTp2ServesAsTp1(real, "tp-stories");
 }
 
-// KV hand-off with a tensor-parallel worker is not built: the handshake
-// refuses it naming the sizes, no KV moves, and the decode worker prefills
-// the prompt itself, writing what generate writes.
-TEST(TensorParallelServingTest, ATp2DecodeWorkerBesideATp1PrefillWorkerPrefillsLocally) {
+// Long enough (> --max-local-prefill, several blocks) to be prefilled remotely.
+constexpr const char* kHandoffPrompt =
+    "Once upon a time there was a little girl who loved to play in the park with her dog. "
+    "One day the dog ran away and the girl was very sad. She looked for him";
+
+// One disaggregated request from a prefill worker of `prefill_tp` ranks to a
+// decode worker of `decode_tp`: the text equals generate's (at TP 1), the
+// decode worker prefilled nothing itself, and the KV bytes the prefill worker
+// sent are those the decode worker received; returns them (-1: no stack).
+double HandOffBytes(const std::string& model, const std::string& name, int prefill_tp,
+                    int decode_tp) {
+  LocalStack stack(name);
+  stack.SetModel(model);
+  stack.StartRouter({"--max-local-prefill", "4"});
+  WorkerProc& prefill =
+      stack.StartWorker("prefill", {"--tensor-parallel", std::to_string(prefill_tp)});
+  WorkerProc& decode =
+      stack.StartWorker("decode", {"--tensor-parallel", std::to_string(decode_tp)});
+  if (!stack.WaitReady()) {
+    ADD_FAILURE() << "the stack did not start";
+    return -1;
+  }
+  ExpectSameAsGenerate(stack, kHandoffPrompt, 12);
+  const double out = LocalStack::Metric(prefill.metrics_port, "pdserve_kv_transfer_bytes_total",
+                                        "direction=\"out\"");
+  const double in = LocalStack::Metric(decode.metrics_port, "pdserve_kv_transfer_bytes_total",
+                                       "direction=\"in\"");
+  EXPECT_EQ(out, in);
+  EXPECT_TRUE(decode.proc.WaitForLog(std::regex("remote prefill"), 5s)) << decode.proc.Log();
+  EXPECT_EQ(decode.proc.Log().find("local prefill"), std::string::npos) << decode.proc.Log();
+  return out;
+}
+
+// A prefill worker of `a` ranks handing off to a decode worker of `b`; a
+// block moves `copies` copies of its bytes (above 1 where the decode worker
+// replicates KV heads, each sent to every rank that holds it).
+struct HandOff {
+  int a, b;
+  double copies = 1;
+};
+
+// Every head's KV must arrive in the right place (a shard missing or
+// misplaced changes the text); the bytes are those a TP-1 pair moves for the
+// same prompt (a TP-1 block holds every head), times `copies`.
+void ExpectHandOffs(const std::string& model, const std::string& name,
+                    const std::vector<HandOff>& cases) {
+  const double tp1 = HandOffBytes(model, name + "-1-1", 1, 1);
+  ASSERT_GT(tp1, 0);
+  for (const HandOff& c : cases) {
+    const std::string sizes = std::to_string(c.a) + "-" + std::to_string(c.b);
+    SCOPED_TRACE("prefill TP " + std::to_string(c.a) + ", decode TP " + std::to_string(c.b));
+    EXPECT_EQ(HandOffBytes(model, name + "-" + sizes, c.a, c.b), tp1 * c.copies);
+  }
+}
+
+// The tiny preset has 2 KV heads: at decode TP 4 each is replicated on 2
+// ranks and sent to both (twice one copy).
+TEST(TensorParallelServingTest, TinyHandsKvOffBetweenTpSizes) {
+  ExpectHandOffs(LocalStack::Model(), "tp-handoff-tiny", {{2, 2}, {2, 1}, {1, 2}, {1, 4, 2}});
+}
+
+// stories260K has 4 KV heads: TP 1, 2 and 4 split them without replication.
+TEST(TensorParallelServingTest, Stories260KHandsKvOffBetweenTpSizes) {
   const std::string real = RealModelDir();
   if (real.empty()) GTEST_SKIP() << "the shared stories260K model is absent";
-  LocalStack stack("tp-mixed");
-  stack.SetModel(real);
+  ExpectHandOffs(real, "tp-handoff-stories", {{2, 2}, {2, 1}, {1, 2}, {2, 4}, {4, 2}});
+}
+
+// MLA (the deepseek-v2-lite preset): every rank caches the whole latent, so
+// between equal sizes each rank's copy moves (TP 2: twice a TP-1 pair's
+// bytes); between other sizes the hand-off is refused by name and the
+// decode worker prefills locally, writing generate's text.
+TEST(TensorParallelServingTest, MlaHandsKvOffBetweenEqualTpSizesOnly) {
+  auto spec = PresetModelSpec("deepseek-v2-lite");
+  ASSERT_TRUE(spec.ok()) << spec.status().ToString();
+  const std::string model = ModelDir("deepseek-v2-lite", *spec);
+  ExpectHandOffs(model, "tp-handoff-mla", {{2, 2, 2}});
+
+  LocalStack stack("tp-handoff-mla-2-1");
+  stack.SetModel(model);
   stack.StartRouter({"--max-local-prefill", "4"});
-  WorkerProc& prefill = stack.StartWorker("prefill");
-  WorkerProc& decode = stack.StartWorker("decode", {"--tensor-parallel", "2"});
+  WorkerProc& prefill = stack.StartWorker("prefill", {"--tensor-parallel", "2"});
+  WorkerProc& decode = stack.StartWorker("decode");
   ASSERT_TRUE(stack.WaitReady());
-  ExpectSameAsGenerate(stack, "Once upon a time there was a little girl who loved", 8);
-  EXPECT_TRUE(prefill.proc.WaitForLog(std::regex("tensor_parallel: 1 here, 2 on peer"), 10s))
+  ExpectSameAsGenerate(stack, kHandoffPrompt, 8);
+  EXPECT_TRUE(prefill.proc.WaitForLog(
+      std::regex("tensor_parallel 2 and 1 needs a dense GQA KV layout"), 10s))
       << prefill.proc.Log();
+  EXPECT_TRUE(decode.proc.WaitForLog(std::regex("local prefill"), 5s)) << decode.proc.Log();
   EXPECT_EQ(LocalStack::Metric(decode.metrics_port, "pdserve_kv_transfer_bytes_total"), 0);
-  EXPECT_EQ(LocalStack::Metric(prefill.metrics_port, "pdserve_kv_transfer_bytes_total"), 0);
 }
 
 TEST(TensorParallelServingTest, AFailingRankTakesTheWorkerDownAndItsRequestFailsOver) {

@@ -174,6 +174,38 @@ TEST(UpTest, WorkerKilledLaterTakesTheStackDown) {
 // The token eviction flags reach the workers: with attention sinks a long
 // request releases the blocks between its sinks and its window on the
 // worker that decodes it.
+// Every worker of two CPU ranks, every prompt prefilled remotely: the
+// prefill worker hands each rank's KV shard to the decode worker's same rank.
+TEST(UpTest, TensorParallelWorkersHandKvOff) {
+  const std::string dir = NewTempDir("up-tp");
+  ChildProcess up =
+      ChildProcess::Start(UpArgs(dir, {"--prefill", "1", "--decode", "1", "--max-local-prefill",
+                                       "0", "--tensor-parallel", "2"}),
+                          dir + "/up.log");
+  ASSERT_TRUE(up.WaitForLog(std::regex("Ctrl-C stops the stack"), 120s)) << up.Log();
+  const std::string log = up.Log();
+  std::smatch port;
+  ASSERT_TRUE(std::regex_search(log, port, std::regex(R"(http://127\.0\.0\.1:(\d+)/v1)"))) << log;
+  const nlohmann::json req = {{"prompt", "once upon a time there was a little girl"},
+                              {"max_tokens", 8}};
+  HttpResult r =
+      HttpRequest(std::stoi(port[1].str()), "POST", "/v1/completions", req.dump(), {}, 60s);
+  ASSERT_EQ(r.status, 200) << r.body;
+  // The worker logs a request just after its last token went out.
+  std::string decode;
+  for (int i = 0; i < 100 && decode.find("remote prefill") == std::string::npos; ++i) {
+    if (i > 0) std::this_thread::sleep_for(100ms);
+    std::ifstream decode_log(dir + "/logs/decode-0.log");
+    decode.assign(std::istreambuf_iterator<char>(decode_log), {});
+  }
+  EXPECT_NE(decode.find("remote prefill"), std::string::npos) << decode;
+  EXPECT_NE(decode.find("tensor_parallel=2"), std::string::npos) << decode;
+  up.Signal(SIGTERM);
+  auto code = up.Wait(60s);
+  ASSERT_TRUE(code) << up.Log();
+  EXPECT_EQ(*code, 0) << up.Log();
+}
+
 TEST(UpTest, EvictionFlagsReachTheWorkers) {
   const std::string dir = NewTempDir("up-eviction");
   ChildProcess up = ChildProcess::Start(

@@ -160,6 +160,27 @@ TEST(KvLayoutTest, MismatchNamesEachDifferingField) {
             "0123456789abcdef here, fedcba9876543210 on peer");
 }
 
+// A TP-1 worker and a TP-4 one of the same model: only the split differs
+// (a rank's heads and block bytes, and the size), which
+// CheckLayoutsMatchExceptSplit allows and CheckLayoutsMatch does not; any
+// other field still refuses.
+TEST(KvLayoutTest, OnlyTheTensorParallelSplitMayDifferAcrossTpSizes) {
+  const KvLayout here = Llama3_8B();
+  KvLayout peer = here;
+  peer.tensor_parallel = 4;
+  peer.kv_heads = here.kv_heads / 4;
+  peer.bytes_per_block = peer.DenseBytesPerBlock();
+  EXPECT_TRUE(CheckLayoutsMatchExceptSplit(here, peer).ok());
+  EXPECT_FALSE(CheckLayoutsMatch(here, peer).ok());
+  peer.head_dim = 64;
+  EXPECT_EQ(CheckLayoutsMatchExceptSplit(here, peer).message(),
+            "KV layout mismatch: head_dim: 128 here, 64 on peer");
+  peer.head_dim = here.head_dim;
+  peer.kv_dtype = DType::kFP8E4M3;
+  EXPECT_EQ(CheckLayoutsMatchExceptSplit(here, peer).message(),
+            "KV layout mismatch: kv_dtype: fp16 here, fp8 on peer");
+}
+
 // DeepSeek-V3's latent cache: 61 layers of one 512 + 64 vector per token.
 KvLayout DeepSeekV3() {
   KvLayout l;
