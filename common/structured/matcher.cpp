@@ -93,7 +93,7 @@ class MaskPrecomputer {
     for (int32_t i = 0, n = static_cast<int32_t>(v_.trie().size()); i < n; i = v_.trie()[i].end)
       root_child_[v_.trie()[i].byte] = i;
     acc_bits_.assign(c_.words_, 0);
-    state_.assign(static_cast<size_t>(g_.num_states()), kTodo);
+    state_.assign(static_cast<size_t>(g_.num_states()), kUnresolved);
     for (int32_t p = 0; p < g_.num_states(); ++p) PDSERVE_RETURN_IF_ERROR(Resolve(p));
     c_.stats_.bytes = static_cast<int64_t>(c_.dense_.size() * 8 + c_.ids_.size() * 4 +
                                            c_.groups_.size() * sizeof(CompiledGrammar::Group) +
@@ -110,7 +110,7 @@ class MaskPrecomputer {
     }
   };
 
-  enum : uint8_t { kTodo, kBusy, kDone };
+  enum : uint8_t { kUnresolved, kResolving, kResolved };
 
   // Computes p after the rules it calls before reading a byte: a call at
   // p's first byte is then composed from the callee's own position instead
@@ -119,26 +119,27 @@ class MaskPrecomputer {
   // that starts with a quote). Left recursion is refused by the grammar, so
   // the order exists; a cycle would only fall back to the plain walk.
   Status Resolve(int32_t root) {
-    if (state_[root] != kTodo) return Status::Ok();
+    if (state_[root] != kUnresolved) return Status::Ok();
     // Depth first with an explicit stack: a chain of rules each called at
     // the next one's first byte may be as long as the rule limit.
     std::vector<std::pair<int32_t, size_t>> stack{{root, 0}};  // position, calls looked at
-    state_[root] = kBusy;
+    state_[root] = kResolving;
     while (!stack.empty()) {
       const int32_t p = stack.back().first;
       const auto calls = g_.Calls(p);
       if (stack.back().second < calls.size()) {
         const int32_t q = g_.CallStart(calls[stack.back().second++].rule);
-        if (state_[q] == kTodo) {
-          state_[q] = kBusy;
+        if (state_[q] == kUnresolved) {
+          state_[q] = kResolving;
           stack.push_back({q, 0});
         }
         continue;
       }
       bool compose = true;
-      for (const auto& call : calls) compose = compose && state_[g_.CallStart(call.rule)] == kDone;
+      for (const auto& call : calls)
+        compose = compose && state_[g_.CallStart(call.rule)] == kResolved;
       PDSERVE_RETURN_IF_ERROR(Position(p, compose));
-      state_[p] = kDone;
+      state_[p] = kResolved;
       stack.pop_back();
     }
     return Status::Ok();
@@ -523,7 +524,7 @@ class MaskPrecomputer {
   std::vector<TokenId> accepted_;
   std::vector<int> escapes_;
   std::array<int32_t, 256> root_child_;
-  std::vector<uint8_t> state_;      // kTodo, kBusy, kDone per position
+  std::vector<uint8_t> state_;      // kUnresolved, kResolving, kResolved per position
   std::vector<uint64_t> acc_bits_;  // ComposeCalls' accepted tokens
   std::vector<Cfg> cur_, nxt_;      // SuffixFate's configurations
   std::vector<size_t> suffix_escapes_;
