@@ -165,10 +165,11 @@ int RunSim(int argc, char** argv) {
       return Status::Ok();
     };
   };
-  flags.AddCustom("load-weight", "X", "0.1, 0.25 to relieve a hot prefix no copy spreads",
+  flags.AddCustom("load-weight", "X", "1/6, 1 to relieve a hot prefix no copy spreads",
                   optional_double(&o.policy_options.load_weight),
-                  "kv: weight of queued work against uncached prompt tokens");
-  flags.AddCustom("decode-weight", "X", "kv 0.01 (0.05 to relieve), least_loaded 0.05",
+                  "kv: weight of the predicted delay (queued work, requests waiting behind) "
+                  "against uncached prompt tokens");
+  flags.AddCustom("decode-weight", "X", "kv 0.01 (0.1 to relieve), least_loaded 0.05",
                   optional_double(&o.policy_options.decode_weight),
                   "kv, least_loaded: weight of running requests' KV tokens in queued work");
   flags.AddDouble("temperature", &o.policy_options.temperature,

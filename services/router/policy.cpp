@@ -9,10 +9,10 @@ namespace pdserve::router {
 namespace {
 
 // The kv weights (policy.h: WithKvWeights).
-constexpr double kLoadWeight = 0.1;
+constexpr double kLoadWeight = 1.0 / 6;
 constexpr double kDecodeWeight = 0.01;
-constexpr double kLoadWeightRelief = 0.25;
-constexpr double kDecodeWeightRelief = 0.05;
+constexpr double kLoadWeightRelief = 1.0;
+constexpr double kDecodeWeightRelief = 0.1;
 
 // Picks among the candidates whose score is within a hair of the minimum,
 // then (optionally) those with the smallest tie-break key, rotating through
@@ -304,8 +304,13 @@ double TieredUncachedTokens(const Candidate& c, const PolicyOptions& options) {
 }
 
 double KvCost(const Candidate& c, const PolicyOptions& options) {
-  return TieredUncachedTokens(c, options) +
-         options.load_weight.value_or(kLoadWeight) * QueuedWork(c, options);
+  // Each waiting request stands for one that will queue behind this prefill
+  // (Little's law: as many arrive while the queue drains as wait in it now),
+  // so this request's uncached tokens delay that many others too.
+  const double load_weight = options.load_weight.value_or(kLoadWeight);
+  return TieredUncachedTokens(c, options) *
+             (1.0 + load_weight * static_cast<double>(c.waiting_requests)) +
+         load_weight * QueuedWork(c, options);
 }
 
 double DynamoCost(const Candidate& c, const PolicyOptions& options) {

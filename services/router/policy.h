@@ -5,10 +5,15 @@
 // policy instance for decode workers and another for prefill workers, under
 // its own lock (policies are not thread-safe; they keep counters and an RNG).
 //
-//   kv            minimise  cost = uncached_tokens + load_weight * queued_work,
+//   kv            minimise  cost = uncached_tokens * (1 + load_weight * waiting_requests)
+//                                  + load_weight * queued_work,
 //                 queued_work = queued_prefill_tokens + decode_weight * decode_tokens:
-//                 the prefill the worker must do for this request plus the
-//                 work ahead of it. temperature > 0 samples with
+//                 at load_weight 1 the predicted prefill delay in tokens, this
+//                 request's (the work ahead of it plus its own prefill) and
+//                 the one its prefill adds to the requests that will queue
+//                 behind it (as many as wait there now, by Little's law);
+//                 below 1 a computed token also costs what it takes from the
+//                 cache's future hits. temperature > 0 samples with
 //                 p ~ exp(-(cost - min) / (temperature * (max - min)))
 //                 instead of taking the minimum.
 //   round_robin   next candidate in turn, ignoring cache and load.
@@ -72,11 +77,11 @@ struct Candidate {
 };
 
 struct PolicyOptions {
-  // kv: weight of queued work against uncached tokens. 1 would minimise this
-  // request's own TTFT; below 1 also counts what recomputing a prefix costs
-  // the requests queued behind it. Unset: WithKvWeights picks it. 0.5 and
-  // above let hit rate and TTFT collapse under overload (hot-z1.1-a: mean
-  // 11 s at 0.25, 41 s at 0.5, 93 s at 1).
+  // kv: weight of queued work (and of the requests waiting behind a
+  // prefill) against uncached tokens. 1 minimises the predicted prefill
+  // delay of this request and of those it delays; below 1 a recomputed
+  // prefix also costs the hits it would have given. Unset: WithKvWeights
+  // picks it.
   std::optional<double> load_weight;
   // kv, least_loaded: decode tokens' share of queued work (decode costs a
   // request's prefill far less per token than queued prefill does). Unset:
@@ -116,17 +121,20 @@ class RoutingPolicy {
 const std::vector<std::string>& PolicyNames();
 // The same, joined by '|' (for --help and errors).
 std::string PolicyChoices();
-// The kv weights (load_weight, decode_weight) left unset. Every token
-// prefilled on a worker delays each request queued behind it, so under
-// overload a cache miss costs more than an even queue saves: 0.1 / 0.01
-// (affinity) for most decisions. A hot prefix with fewer holders than its
-// traffic earns needs relief for its holders, and where no copy can bring
-// it (replication off, or its breaker open) load balancing is the only
-// relief: such a decision weighs load at 0.25 / 0.05 (relief; skew without
-// copies: p99 1.2 s against 5.1 s at 0.1 / 0.01). RouterCore applies this
-// per decision (router and simulator alike); MakePolicy alone treats unset
-// as affinity. Weights the caller set are kept either way.
+// The kv weights (load_weight, decode_weight) left unset. A recomputed
+// prefix costs the cache hits it would have given, so most decisions weigh
+// the predicted delay at 1/6 against uncached tokens, decode at 0.01
+// (affinity). A hot prefix with fewer holders than its traffic earns needs
+// relief for its holders, and where no copy brings it now (replication off,
+// or the copy governor's gate closed) a second holder is what it needs: such
+// a decision weighs the predicted delay alone, 1 / 0.1 (relief; skew at
+// time scale 0.5 without copies: p99 0.77 s against 1.60 s before the
+// waiting-request term). RouterCore applies this per decision (router and
+// simulator alike); MakePolicy alone treats unset as affinity. Weights the
+// caller set are kept either way.
 PolicyOptions WithKvWeights(PolicyOptions options, bool relief);
+// least_loaded's decode_weight when unset.
+inline constexpr double kLeastLoadedDecodeWeight = 0.05;
 
 // InvalidArgument naming the valid choices for an unknown name.
 StatusOr<std::unique_ptr<RoutingPolicy>> MakePolicy(std::string_view name,

@@ -65,10 +65,10 @@ StatusOr<std::unique_ptr<RouterCore>> RouterCore::Create(RouterOptions options) 
   const bool kv = options.policy == "kv";
   const PolicyOptions configured = options.policy_options;
   // kv: affinity weights, relief weights per decision (WithKvWeights). The
-  // others read only the decode weight (least_loaded): the relief one
-  // without copies, as before the rule.
-  options.policy_options =
-      WithKvWeights(configured, !kv && !(options.copy_cost > 0 && options.copy_cost < 1));
+  // others read only the decode weight (least_loaded's own default).
+  PolicyOptions base = configured;
+  if (!kv && !base.decode_weight) base.decode_weight = kLeastLoadedDecodeWeight;
+  options.policy_options = WithKvWeights(base, false);
   PolicyOptions prefill_options = options.policy_options;
   prefill_options.seed = options.policy_options.seed * 0x9E3779B97F4A7C15ull + 1;
   auto decode_policy = MakePolicy(options.policy, options.policy_options);
@@ -556,11 +556,9 @@ void RouterCore::OfferCopiesLocked(const RouteRequest& request, int64_t now_us) 
   }
   CopyDecline gate = CopyDecline::kEnoughHolders;
   if (!under_held || !governor_->MayStart(now_us, &gate)) {
-    // An open breaker (or a probe out) is no copies at all, as if off; a
-    // budget or price that declines this one leaves the spreading to the
-    // copies it allows (relieving by recompute then lost on the overload
-    // traces: docs/routing.md).
-    relief_ = under_held && gate == CopyDecline::kBreakerOpen;
+    // No copy spreads it now (breaker open, probe out or budget spent):
+    // the decision relieves the holders as without copies (docs/routing.md).
+    relief_ = under_held;
     if (CopyWinsAtLinkPriceLocked(best, best_tokens)) governor_->Declined(gate);
     return;
   }

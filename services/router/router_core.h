@@ -277,7 +277,8 @@ class RouterCore {
   // copy from the best holder would save at the governor's price, recording
   // the copy in copy_*_. Sets relief_ when that prefix is hot, has fewer
   // holders than its traffic earns and no copy can spread it (no copies,
-  // or the breaker open): the decision then takes the relief weights.
+  // or the governor's gate closed): the decision then takes the relief
+  // weights.
   void OfferCopiesLocked(const RouteRequest& request, int64_t now_us);
   // After the pick of candidate `chosen`: counts a decline when a copy the
   // link price alone would have made did not happen.

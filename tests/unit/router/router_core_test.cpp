@@ -304,12 +304,16 @@ TEST(RouterCoreTest, NoPrefillWorkerMeansLocalPrefill) {
 TEST(RouterCoreTest, PendingEntriesCoLocateABurstUntilTheyExpire) {
   RouterOptions o;
   o.pending_ttl_us = 1'000'000;
+  // The affinity weights, set (unset, the 4th request would be relieved:
+  // KvReliefSpreadsAnUnderHeldHotPrefixWithoutCopies).
+  o.policy_options.load_weight = 1.0 / 6;
+  o.policy_options.decode_weight = 0.01;
   Fixture f(o, {Role::kBoth, Role::kBoth, Role::kBoth, Role::kBoth});
   const auto prompt = Prompt(42, 32);  // 512 tokens, cached nowhere
   const RouteDecision first = f.Route(1, prompt);
   EXPECT_EQ(first.decode_overlap_blocks, 0);
   // The 4th copy in a row still prefers the warm worker: 0 uncached tokens +
-  // 0.1 * (3 * 512 queued + decode share) < 512 on an idle cold worker.
+  // (3 * 512 queued + decode share) / 6 < 512 on an idle cold worker.
   for (uint64_t i = 2; i <= 4; ++i) {
     const RouteDecision d = f.Route(i, prompt);
     EXPECT_EQ(d.decode, first.decode) << "request " << i;
@@ -392,21 +396,21 @@ TEST(RouterCoreTest, DrainingWorkersGetNoNewRequests) {
   EXPECT_EQ(f.core->Route(r).status().code(), StatusCode::kUnavailable);
 }
 
-// The kv policy's weights left unset are 0.1 / 0.01 with or without copies
-// (least_loaded's decode share stays 0.05 without them); weights the caller
-// sets are kept.
+// The kv policy's weights left unset are 1/6 / 0.01 with or without copies
+// (least_loaded's decode share is 0.05 either way); weights the caller sets
+// are kept.
 TEST(RouterCoreTest, KvWeightsDefaults) {
   RouterOptions off;
   auto alone = RouterCore::Create(off);
   ASSERT_TRUE(alone.ok());
-  EXPECT_EQ((*alone)->options().policy_options.load_weight, 0.1);
+  EXPECT_EQ((*alone)->options().policy_options.load_weight, 1.0 / 6);
   EXPECT_EQ((*alone)->options().policy_options.decode_weight, 0.01);
 
   RouterOptions on;
   on.copy_cost = 0.1;
   auto copies = RouterCore::Create(on);
   ASSERT_TRUE(copies.ok());
-  EXPECT_EQ((*copies)->options().policy_options.load_weight, 0.1);
+  EXPECT_EQ((*copies)->options().policy_options.load_weight, 1.0 / 6);
   EXPECT_EQ((*copies)->options().policy_options.decode_weight, 0.01);
 
   on.policy_options.load_weight = 0.5;
@@ -420,19 +424,23 @@ TEST(RouterCoreTest, KvWeightsDefaults) {
   auto least = RouterCore::Create(ll);
   ASSERT_TRUE(least.ok());
   EXPECT_EQ((*least)->options().policy_options.decode_weight, 0.05);
+  ll.copy_cost = 0.1;
+  auto least_copies = RouterCore::Create(ll);
+  ASSERT_TRUE(least_copies.ok());
+  EXPECT_EQ((*least_copies)->options().policy_options.decode_weight, 0.05);
 }
 
 // Relief: without copies, a hot prefix with fewer holders than its traffic
-// earns is spread by load at 0.25 / 0.05. w0 holds a 1,600-token prompt and
-// has 10,000 tokens queued: at 0.1 its queue costs 1,000 < 1,600 to
-// recompute on idle w1, at 0.25 it costs 2,500 > 1,600.
+// earns is spread by the predicted delay alone (1 / 0.1). w0 holds a
+// 1,600-token prompt and has 9,000 tokens queued: at 1/6 its queue costs
+// 1,500 < 1,600 to recompute on idle w1, at 1 it costs 9,000 > 1,600.
 TEST(RouterCoreTest, KvReliefSpreadsAnUnderHeldHotPrefixWithoutCopies) {
   RouterOptions o;
   o.pending_ttl_us = 0;
   Fixture f(o, {Role::kBoth, Role::kBoth});
   const auto prompt = Prompt(500, 100);
   f.Store(0, prompt);
-  f.Queue(0, 10000);
+  f.Queue(0, 9000);
   // Some other traffic first: until the window has seen a request per
   // worker, no prefix earns more than one holder.
   f.Route(10, Prompt(9000, 4));
@@ -461,7 +469,7 @@ TEST(RouterCoreTest, KvReliefSpreadsAnUnderHeldHotPrefixWithoutCopies) {
   set.policy_options.decode_weight = 0.01;
   Fixture g(set, {Role::kBoth, Role::kBoth});
   g.Store(0, prompt);
-  g.Queue(0, 10000);
+  g.Queue(0, 9000);
   g.Route(10, Prompt(9000, 4));
   g.core->OnRequestFinished(10);
   EXPECT_EQ(g.IndexOf(g.Route(1, prompt).decode), 0u);
@@ -471,10 +479,11 @@ TEST(RouterCoreTest, KvReliefSpreadsAnUnderHeldHotPrefixWithoutCopies) {
   EXPECT_EQ(g.core->stats().relief_decisions, 0u);
 }
 
-// With copies and the breaker closed, spreading a hot prefix is the copy
-// rule's job, also when it declines: w1's queue (500 tokens) is longer than
-// the copy's link time (160), so no copy, and no relief either (at 0.25 w1
-// would cost 1,725 against w0's 2,500); w0 keeps it at 1,000 against 1,650.
+// With copies and the governor's gate open, spreading a hot prefix is the
+// copy rule's job, also when its price declines: w1's queue (500 tokens) is
+// longer than the copy's link time (160), so no copy, and no relief either
+// (at 1 w1 would cost 2,100 against w0's 10,000); w0 keeps it at 1,667
+// against 1,683.
 TEST(RouterCoreTest, KvReliefLeavesSpreadingToCopiesWhenTheyCanStart) {
   RouterOptions o;
   o.pending_ttl_us = 0;
@@ -493,6 +502,39 @@ TEST(RouterCoreTest, KvReliefLeavesSpreadingToCopiesWhenTheyCanStart) {
   EXPECT_EQ(f.IndexOf(d.decode), 0u);
   EXPECT_FALSE(d.copy_from.has_value());
   EXPECT_EQ(f.core->stats().relief_decisions, 0u);
+}
+
+// With the gate closed (here the in-flight budget, one copy, spent by the
+// copy of the second request) no copy can bring the prefix a second holder
+// now: the decision is relieved as without copies, and the third request is
+// computed on idle w2 (1,600) instead of waiting behind w0's 9,000 tokens
+// (1,500 at the affinity weights, which would keep it on w0).
+TEST(RouterCoreTest, KvReliefWhenTheCopyBudgetIsSpent) {
+  RouterOptions o;
+  o.pending_ttl_us = 0;
+  o.copy_cost = 0.1;
+  o.copy_max_inflight = 1;
+  Fixture f(o, {Role::kBoth, Role::kBoth, Role::kBoth});
+  const auto prompt = Prompt(500, 100);
+  f.Store(0, prompt);
+  f.Queue(0, 9000);
+  for (uint64_t i = 10; i < 13; ++i) {
+    f.Route(i, Prompt(9000 + 10 * i, 4));
+    f.core->OnRequestFinished(i);
+  }
+  EXPECT_EQ(f.IndexOf(f.Route(1, prompt).decode), 0u);  // not hot yet
+  f.core->OnRequestFinished(1);
+  f.now_us += 1000;
+  const RouteDecision copied = f.Route(2, prompt);  // hot: copied, and in flight
+  ASSERT_TRUE(copied.copy_from.has_value());
+  EXPECT_EQ(f.IndexOf(*copied.copy_from), 0u);
+  EXPECT_EQ(f.core->stats().relief_decisions, 0u);
+  f.now_us += 1000;
+  const RouteDecision d = f.Route(3, prompt);
+  EXPECT_FALSE(d.copy_from.has_value());
+  EXPECT_EQ(f.IndexOf(d.decode), 2u);
+  EXPECT_EQ(f.core->stats().relief_decisions, 1u);
+  EXPECT_GT(f.core->stats().copy.declined[static_cast<size_t>(CopyDecline::kInflightBudget)], 0u);
 }
 
 TEST(RouterCoreTest, Errors) {

@@ -234,9 +234,10 @@ TEST(SimulatorTest, AConversationsOwnHistoryIsNeverCopied) {
 // 100 blocks serve them. Priced by link time alone, copies went to busy
 // receivers that evicted them before their requests started (68 copies, 49
 // lost so, 1,064 copied blocks evicted unused, hit rate 0.225 against 0.238
-// without copies). Now every copy the link price would have made is
-// declined (its prefix has the holders its share of the traffic earns, or
-// the receiver is busy) and the run is the run without replication.
+// without copies). Now the kv cost counts the requests waiting at each
+// receiver, so at the link price a copy wins once in this run, and that one
+// is declined (its prefix has the holders its share of the traffic earns,
+// or the receiver is busy): the run is the run without replication.
 TEST(SimulatorTest, OverloadWithManyLukewarmPrefixesCopiesNothing) {
   TraceGenOptions g;
   g.sessions = 1500;
@@ -271,7 +272,7 @@ TEST(SimulatorTest, OverloadWithManyLukewarmPrefixesCopiesNothing) {
   const auto& declined = on->router.copy.declined;
   EXPECT_GT(declined[static_cast<size_t>(CopyDecline::kEnoughHolders)] +
                 declined[static_cast<size_t>(CopyDecline::kReceiverQueue)],
-            10u);
+            0u);
   EXPECT_EQ(on->hit_tokens, off->hit_tokens);
   EXPECT_DOUBLE_EQ(on->ttft_mean_s, off->ttft_mean_s);
   EXPECT_DOUBLE_EQ(on->ttft_p99_s, off->ttft_p99_s);
