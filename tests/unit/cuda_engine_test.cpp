@@ -7,6 +7,8 @@
 // DeepSeek presets' greedy tokens equal the CPU engine's too, and so do the
 // sliding-window presets' (Gemma-2/3, Mistral and Qwen2 windows). With a host KV
 // tier (page-locked memory), evicted prefixes come back with the CPU's tokens.
+// With attention sinks and with Quest, stories260K's greedy tokens equal the
+// CPU engine's.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -37,8 +39,8 @@ std::vector<TokenId> Prompt(int n, uint32_t seed) {
 std::map<RequestId, std::vector<TokenId>> RunGreedy(
     kernels::Backend* backend, const std::vector<std::vector<TokenId>>& prompts, int max_tokens,
     std::map<RequestId, std::vector<TokenLogprob>>* first_logprobs = nullptr,
-    const std::string& dir = testing::TinyModelDir()) {
-  auto model = Model::Load(dir, backend);
+    const std::string& dir = testing::TinyModelDir(), const KvEviction& eviction = {}) {
+  auto model = Model::Load(dir, backend, LoadFormat::kSafetensors, eviction);
   EXPECT_TRUE(model.ok()) << model.status().ToString();
   if (!model.ok()) return {};
   EngineOptions options;
@@ -136,6 +138,62 @@ TEST(CudaEngineTest, WindowedPresetsGreedyTokensEqualTheCpuEngine) {
        {"gemma2", "gemma3", "mistral-window", "qwen2-window", "qwen3-window"}) {
     ExpectPresetGreedyTokensEqualTheCpu(preset, 500);
   }
+}
+
+// Token eviction and selection (docs/kv-eviction.md) on the real model
+// stories260K (trained context 512): the device's greedy tokens equal the
+// CPU engine's, and the CPU's differ from dense attention's (so a device
+// that ignored the mode would fail). Each prompt is its own batch row; CUDA
+// graphs capture the decode steps as without a mode.
+void ExpectEvictionGreedyTokensEqualTheCpu(const KvEviction& eviction,
+                                           const std::vector<int>& prompt_lens, int max_tokens) {
+  SCOPED_TRACE(eviction.Describe());
+  const std::string dir = testing::RealModelDir();
+  if (dir.empty()) GTEST_SKIP() << "the real model stories260K is absent";
+  auto gpu = kernels::CreateBackend("cuda", 0);
+  if (!gpu.ok()) GTEST_SKIP() << gpu.status().message();
+  auto cpu = kernels::CreateBackend("cpu", 2);
+  ASSERT_TRUE(cpu.ok());
+  std::vector<std::vector<TokenId>> prompts;
+  for (int n : prompt_lens) prompts.push_back(Prompt(n, 700 + n));
+  const auto want = RunGreedy(cpu->get(), prompts, max_tokens, nullptr, dir, eviction);
+  const auto got = RunGreedy(gpu->get(), prompts, max_tokens, nullptr, dir, eviction);
+  KvEviction dense;
+  if (eviction.mode == KvEviction::Mode::kStreaming) {
+    // Dense attention cannot run past the trained context: compare the
+    // first positions' worth with a plain window of the same length, which
+    // differs from the sinks' only once the window has left them.
+    dense = eviction;
+    dense.sink_tokens = 0;
+  }
+  const auto without = RunGreedy(cpu->get(), prompts, max_tokens, nullptr, dir, dense);
+  ASSERT_EQ(want.size(), prompts.size());
+  ASSERT_EQ(got.size(), prompts.size());
+  bool differs = false;
+  for (const auto& [id, tokens] : want) {
+    ASSERT_EQ(tokens.size(), static_cast<size_t>(max_tokens));
+    EXPECT_EQ(got.at(id), tokens) << "prompt of " << prompts[id - 1].size() << " tokens";
+    differs = differs || without.at(id) != tokens;
+  }
+  EXPECT_TRUE(differs) << "the mode changed no token on the CPU: the comparison proves nothing";
+}
+
+// Attention sinks: 4 sinks and a window of 60 (blocks between them
+// released), generating 700 tokens, well past the trained context; the
+// prompts cover a prefill within the window and one past it.
+TEST(CudaEngineTest, StreamingSinksGreedyTokensEqualTheCpuEngine) {
+  KvEviction e;
+  e.mode = KvEviction::Mode::kStreaming;
+  e.sink_tokens = 4;
+  e.window_tokens = 60;
+  ExpectEvictionGreedyTokensEqualTheCpu(e, {3, 150}, 700);
+}
+
+// Quest: 4 blocks per decode step (plus the newest) out of up to 28.
+TEST(CudaEngineTest, QuestGreedyTokensEqualTheCpuEngine) {
+  KvEviction e;
+  e.quest_blocks = 4;
+  ExpectEvictionGreedyTokensEqualTheCpu(e, {100, 300}, 150);
 }
 
 TEST(CudaEngineTest, Bf16WeightsStayCloseToTheCpu) {
