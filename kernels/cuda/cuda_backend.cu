@@ -228,6 +228,15 @@ Status CudaBackend::Reserve(const StepLimits& limits) {
           static_cast<size_t>(cuda::DecodePartialFloats(widest, splits)) * 4, state_->stream);
     }
     if (limits.kv_selection) {
+      const int64_t group = limits.num_heads / std::max<int64_t>(1, limits.layout.num_kv_heads);
+      const int64_t shared = cuda::QuestSharedBytes(group, limits.max_blocks_per_seq);
+      if (shared > cuda::QuestMaxSharedBytes()) {
+        return Status::InvalidArgument(
+            "--kv-selection quest: a context of " + std::to_string(limits.max_blocks_per_seq) +
+            " blocks needs " + std::to_string(shared) + " bytes of shared memory per thread " +
+            "block to select among them; this device gives " +
+            std::to_string(cuda::QuestMaxSharedBytes()));
+      }
       state_->quest_selection.Reserve(
           static_cast<size_t>(limits.max_seqs * limits.num_heads *
                               cuda::QuestWordsPerHead(limits.max_blocks_per_seq)) *

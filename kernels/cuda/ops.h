@@ -106,9 +106,11 @@ void ComputeKeyBounds(const KvCacheLayout& layout, const void* pool, const int32
                       const int32_t* tokens, int64_t count, cudaStream_t stream);
 // The selection workspace: QuestWordsPerHead(max_blocks_per_seq) uint32
 // words per sequence and query head; the selection kernel's shared memory
-// per thread block (a 4-byte key per block of the table).
+// per thread block (a 4-byte key per query head of a GQA group and block of
+// the table), and the most the current device gives one.
 int64_t QuestWordsPerHead(int64_t max_blocks_per_seq);
-int64_t QuestSharedBytes(int64_t max_blocks_per_seq);
+int64_t QuestSharedBytes(int64_t group, int64_t max_blocks_per_seq);
+int64_t QuestMaxSharedBytes();
 // Selects and attends for the plan's Quest rows (QuestRow), writing their
 // rows of out; `selection` holds num_seqs x num_heads x words words.
 void QuestAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q, float scale,

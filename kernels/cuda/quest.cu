@@ -6,12 +6,13 @@
 //  - bound(b) = sum over d, in order, of max(q_d lo_d, q_d hi_d), in fp32;
 //  - the quest_blocks blocks of highest bound among the full blocks before
 //    the newest (ties: the lower block), plus the newest block.
-// Selection: one thread block per (row, query head) holds the row's bounds
-// in shared memory as order-preserving integer keys, finds the K-th largest
-// by a bitwise search from the top bit (32 counting passes), then takes
-// every key above it and the lowest-numbered ties below K; the result is a
-// bit per block (one ballot per 32 blocks), in a workspace indexed by
-// sequence (a Quest row is its sequence's only row). Attention: one thread
+// Selection: one thread block per (row, KV head) reads each block's bounds
+// once, holds the group's heads' bounds in shared memory as
+// order-preserving integer keys, and for each head finds the K-th largest by
+// a bitwise search from the top bit (32 counting passes), then takes every
+// key above it and the lowest-numbered ties below K; the result is a bit per
+// block (one ballot per 32 blocks), in a workspace indexed by sequence (a
+// Quest row is its sequence's only row). Attention: one thread
 // block of kAttendWarps warps per (row, query head) over its selected
 // blocks, the warps taking blocks in turn, merged through shared memory.
 // Dense rows (prefill, short contexts) stay with the other kernels, which
@@ -26,6 +27,7 @@ namespace {
 constexpr int kSelectThreads = 256;
 constexpr int kSelectWarps = kSelectThreads / 32;
 constexpr int kAttendWarps = 4;
+constexpr int kBoundHeads = 8;  // query heads whose bounds one pass over a block's bounds sums
 constexpr int64_t kDefaultSharedBytes = 48 << 10;  // without opting in
 
 // Keys whose unsigned order is the floats' order (-0 made +0 first, so that
@@ -99,64 +101,83 @@ __global__ void ComputeKeyBoundsKernel(DeviceLayout layout, const uint8_t* pool,
   lo[hd + d] = mx;
 }
 
-// Selection bits of (sequence, head): `words` words, bit b of the row's
-// selection set when block b is selected (blocks before the newest only).
+// Selection bits of (sequence, query head): `words` words, bit b set when
+// block b is selected (blocks before the newest only). One thread block per
+// (row, KV head): each block's bounds are read once for the group's heads,
+// then each head selects in turn.
 __global__ void __launch_bounds__(kSelectThreads)
     QuestSelectKernel(DeviceLayout layout, int64_t layer, const float* q, int64_t q_stride,
                       int64_t num_heads, kernels::AttentionBatch batch, int64_t words,
                       uint32_t* selection) {
-  extern __shared__ uint32_t keys_of[];  // one per block before the newest
+  extern __shared__ uint32_t keys_of[];  // [group][newest]
   __shared__ int partial[kSelectWarps];
-  const int64_t row = blockIdx.x / num_heads, h = blockIdx.x % num_heads;
+  const int64_t kvh = layout.num_kv_heads, group = num_heads / kvh;
+  const int64_t row = blockIdx.x / kvh, g = blockIdx.x % kvh;
   const RowKeys keys = KeysOfRow(batch, row);
   if (!QuestRow(batch, layout, keys)) return;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int64_t hd = layout.head_dim, bs = layout.block_size;
-  const int64_t g = h / (num_heads / layout.num_kv_heads);
   const int64_t newest = (keys.n_keys + bs - 1) / bs - 1;
-  const float* qh = q + row * q_stride + h * hd;
+  const float* q_group = q + row * q_stride + g * group * hd;
   for (int64_t b = tid; b < newest; b += kSelectThreads) {
     const float* lo = layout.bounds_of(keys.table[b], layer, g);
     const float* hi = lo + hd;
-    float bound = 0.0f;
-    for (int64_t d = 0; d < hd; ++d) bound += fmaxf(qh[d] * lo[d], qh[d] * hi[d]);
-    keys_of[b] = OrderedKey(bound);
+    for (int64_t i0 = 0; i0 < group; i0 += kBoundHeads) {
+      float bound[kBoundHeads] = {};
+      for (int64_t d = 0; d < hd; ++d) {
+        const float lo_d = lo[d], hi_d = hi[d];
+#pragma unroll
+        for (int j = 0; j < kBoundHeads; ++j) {
+          if (i0 + j < group) {
+            const float qd = q_group[(i0 + j) * hd + d];
+            bound[j] += fmaxf(qd * lo_d, qd * hi_d);
+          }
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kBoundHeads; ++j) {
+        if (i0 + j < group) keys_of[(i0 + j) * newest + b] = OrderedKey(bound[j]);
+      }
+    }
   }
   __syncthreads();
-  // The K-th largest key: the largest t with at least K keys >= t.
   const int64_t want = batch.quest_blocks;
-  uint32_t t = 0;
-  for (int bit = 31; bit >= 0; --bit) {
-    const uint32_t c = t | (1u << bit);
-    int n = 0;
-    for (int64_t b = tid; b < newest; b += kSelectThreads) n += keys_of[b] >= c ? 1 : 0;
-    if (BlockSum(n, partial) >= want) t = c;
-  }
-  int above = 0;
-  for (int64_t b = tid; b < newest; b += kSelectThreads) above += keys_of[b] > t ? 1 : 0;
-  const int64_t ties_wanted = want - BlockSum(above, partial);  // >= 1
-  // In block order: every key above t, and ties while fewer than wanted.
-  uint32_t* out = selection + (keys.seq * num_heads + h) * words;
-  int64_t ties_before = 0;
-  for (int64_t base = 0; base < newest; base += kSelectThreads) {
-    const int64_t b = base + tid;
-    const uint32_t key = b < newest ? keys_of[b] : 0u;
-    const bool tie = b < newest && key == t;
-    const uint32_t tie_bits = __ballot_sync(0xffffffffu, tie);
-    __syncthreads();
-    if (lane == 0) partial[warp] = __popc(tie_bits);
-    __syncthreads();
-    int64_t rank = ties_before + __popc(tie_bits & ((1u << lane) - 1u));
-    int64_t chunk_ties = 0;
-    for (int w = 0; w < kSelectWarps; ++w) {
-      if (w < warp) rank += partial[w];
-      chunk_ties += partial[w];
+  for (int64_t i = 0; i < group; ++i) {
+    const uint32_t* head_keys = keys_of + i * newest;
+    // The K-th largest key: the largest t with at least K keys >= t.
+    uint32_t t = 0;
+    for (int bit = 31; bit >= 0; --bit) {
+      const uint32_t c = t | (1u << bit);
+      int n = 0;
+      for (int64_t b = tid; b < newest; b += kSelectThreads) n += head_keys[b] >= c ? 1 : 0;
+      if (BlockSum(n, partial) >= want) t = c;
     }
-    const bool selected = b < newest && (key > t || (tie && rank < ties_wanted));
-    const uint32_t word = __ballot_sync(0xffffffffu, selected);
-    const int64_t w = base / 32 + warp;
-    if (lane == 0 && w * 32 < newest) out[w] = word;
-    ties_before += chunk_ties;
+    int above = 0;
+    for (int64_t b = tid; b < newest; b += kSelectThreads) above += head_keys[b] > t ? 1 : 0;
+    const int64_t ties_wanted = want - BlockSum(above, partial);  // >= 1
+    // In block order: every key above t, and ties while fewer than wanted.
+    uint32_t* out = selection + (keys.seq * num_heads + g * group + i) * words;
+    int64_t ties_before = 0;
+    for (int64_t base = 0; base < newest; base += kSelectThreads) {
+      const int64_t b = base + tid;
+      const uint32_t key = b < newest ? head_keys[b] : 0u;
+      const bool tie = b < newest && key == t;
+      const uint32_t tie_bits = __ballot_sync(0xffffffffu, tie);
+      __syncthreads();
+      if (lane == 0) partial[warp] = __popc(tie_bits);
+      __syncthreads();
+      int64_t rank = ties_before + __popc(tie_bits & ((1u << lane) - 1u));
+      int64_t chunk_ties = 0;
+      for (int w = 0; w < kSelectWarps; ++w) {
+        if (w < warp) rank += partial[w];
+        chunk_ties += partial[w];
+      }
+      const bool selected = b < newest && (key > t || (tie && rank < ties_wanted));
+      const uint32_t word = __ballot_sync(0xffffffffu, selected);
+      const int64_t w = base / 32 + warp;
+      if (lane == 0 && w * 32 < newest) out[w] = word;
+      ties_before += chunk_ties;
+    }
   }
 }
 
@@ -278,7 +299,17 @@ void ComputeKeyBounds(const KvCacheLayout& layout, const void* pool, const int32
 
 int64_t QuestWordsPerHead(int64_t max_blocks_per_seq) { return (max_blocks_per_seq + 31) / 32; }
 
-int64_t QuestSharedBytes(int64_t max_blocks_per_seq) { return max_blocks_per_seq * 4; }
+int64_t QuestSharedBytes(int64_t group, int64_t max_blocks_per_seq) {
+  return group * max_blocks_per_seq * 4;
+}
+
+int64_t QuestMaxSharedBytes() {
+  int device = 0, bytes = 0;
+  Check(cudaGetDevice(&device), "cudaGetDevice");
+  Check(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+        "cudaDeviceGetAttribute");
+  return bytes;
+}
 
 void QuestAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q, float scale,
                     uint32_t* selection, const Tensor& out, cudaStream_t stream) {
@@ -287,11 +318,12 @@ void QuestAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q, f
   if (layout.key_bounds == nullptr || batch.quest_blocks <= 0 || batch.num_seqs == 0) return;
   kernels::OpCheck(layout.head_dim <= 256, "PagedAttention", "selects blocks for head_dim <= 256");
   const int64_t words = QuestWordsPerHead(batch.max_blocks_per_seq);
-  const int64_t shared = QuestSharedBytes(batch.max_blocks_per_seq);
+  const int64_t group = plan.num_heads / layout.num_kv_heads;
+  const int64_t shared = QuestSharedBytes(group, batch.max_blocks_per_seq);
   if (shared > kDefaultSharedBytes) {
-    // More than the default 48 KiB of bounds: opt in (a host-side setting,
-    // allowed while a stream is captured). A table wider than the device's
-    // opt-in limit (about 57,000 blocks on sm_90) is refused by the launch.
+    // More than the default 48 KiB of keys: opt in (a host-side setting,
+    // allowed while a stream is captured). Past the device's opt-in limit
+    // Reserve refuses the step limits (QuestMaxSharedBytes).
     Check(cudaFuncSetAttribute(QuestSelectKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                static_cast<int>(shared)),
           "Quest selection: shared memory for the block bounds");
@@ -299,7 +331,8 @@ void QuestAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q, f
   const auto tasks = static_cast<unsigned>(batch.num_tokens * plan.num_heads);
   const DeviceLayout dl(layout);
   const float* qp = q.as<const float>();
-  QuestSelectKernel<<<tasks, kSelectThreads, static_cast<size_t>(shared), stream>>>(
+  const auto select_tasks = static_cast<unsigned>(batch.num_tokens * layout.num_kv_heads);
+  QuestSelectKernel<<<select_tasks, kSelectThreads, static_cast<size_t>(shared), stream>>>(
       dl, layer, qp, q.stride[0], plan.num_heads, batch, words, selection);
   Check(cudaGetLastError(), "QuestSelect");
   const auto* p = static_cast<const uint8_t*>(plan.pool);
