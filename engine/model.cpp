@@ -91,11 +91,6 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir, kernels::Ba
     return Status::InvalidArgument("--kv-sink-tokens: the " + backend->name() +
                                    " backend's attention does not take sinks yet");
   }
-  if (eviction.mode == KvEviction::Mode::kSnapKv && !backend->SharesHostMemory()) {
-    // The selection reads the keys and gathers the kept ones on the host.
-    return Status::InvalidArgument("--kv-eviction snapkv: the " + backend->name() +
-                                   " backend does not compress prompts yet (CPU only)");
-  }
   if (eviction.quest_blocks > 0 && !backend->SupportsKvSelection()) {
     return Status::InvalidArgument("--kv-selection quest: the " + backend->name() +
                                    " backend does not select blocks yet");

@@ -8,7 +8,7 @@
 // sliding-window presets' (Gemma-2/3, Mistral and Qwen2 windows). With a host KV
 // tier (page-locked memory), evicted prefixes come back with the CPU's tokens.
 // With attention sinks and with Quest, stories260K's greedy tokens equal the
-// CPU engine's.
+// CPU engine's; with SnapKV its kept positions and tokens do too.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -194,6 +194,77 @@ TEST(CudaEngineTest, QuestGreedyTokensEqualTheCpuEngine) {
   KvEviction e;
   e.quest_blocks = 4;
   ExpectEvictionGreedyTokensEqualTheCpu(e, {100, 300}, 150);
+}
+
+// SnapKV (budget 64, observation window 16) through the host copy of the
+// device's pool (engine/snapkv.h SnapKvHostCopy): stories260K's prompts of
+// 300 and 200 tokens keep the CPU's positions in every layer and KV head,
+// and decode the CPU's greedy tokens with log-probabilities within 1e-3.
+struct SnapKvRun {
+  std::map<RequestId, std::vector<std::vector<int32_t>>> kept;
+  std::map<RequestId, std::vector<TokenId>> tokens;
+  std::map<RequestId, std::vector<float>> logprobs;
+};
+SnapKvRun RunSnapKv(kernels::Backend* backend, const std::string& dir,
+                    const std::vector<std::vector<TokenId>>& prompts, int max_tokens) {
+  KvEviction e;
+  e.mode = KvEviction::Mode::kSnapKv;
+  e.budget_tokens = 64;
+  e.observation_window = 16;
+  SnapKvRun run;
+  auto model = Model::Load(dir, backend, LoadFormat::kSafetensors, e);
+  EXPECT_TRUE(model.ok()) << model.status().ToString();
+  if (!model.ok()) return run;
+  EngineOptions options;
+  options.kv_cache_bytes = 4 << 20;
+  auto engine = Engine::Create(model->get(), options);
+  EXPECT_TRUE(engine.ok()) << engine.status().ToString();
+  if (!engine.ok()) return run;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    EngineRequest r;
+    r.id = static_cast<RequestId>(i + 1);
+    r.prompt = prompts[i];
+    r.params.temperature = 0;
+    r.params.max_tokens = max_tokens;
+    r.params.ignore_eos = true;
+    r.params.logprobs = 1;
+    EXPECT_TRUE((*engine)->AddRequest(std::move(r)).ok());
+  }
+  while ((*engine)->HasUnfinished()) {
+    auto step = (*engine)->Step();
+    EXPECT_TRUE(step.ok()) << step.status().ToString();
+    if (!step.ok()) break;
+    for (const auto& o : *step) {
+      if (run.kept[o.id].empty()) run.kept[o.id] = (*engine)->SnapKvKept(o.id);
+      run.tokens[o.id].insert(run.tokens[o.id].end(), o.new_token_ids.begin(),
+                              o.new_token_ids.end());
+      for (const auto& lp : o.logprobs) run.logprobs[o.id].push_back(lp.logprob);
+    }
+  }
+  return run;
+}
+
+TEST(CudaEngineTest, SnapKvKeepsTheCpuPositionsAndDecodesItsTokens) {
+  const std::string dir = testing::RealModelDir();
+  if (dir.empty()) GTEST_SKIP() << "the real model stories260K is absent";
+  auto gpu = kernels::CreateBackend("cuda", 0);
+  if (!gpu.ok()) GTEST_SKIP() << gpu.status().message();
+  auto cpu = kernels::CreateBackend("cpu", 2);
+  ASSERT_TRUE(cpu.ok());
+  const std::vector<std::vector<TokenId>> prompts = {Prompt(300, 801), Prompt(200, 802)};
+  const SnapKvRun want = RunSnapKv(cpu->get(), dir, prompts, 60);
+  const SnapKvRun got = RunSnapKv(gpu->get(), dir, prompts, 60);
+  for (RequestId id : {RequestId{1}, RequestId{2}}) {
+    SCOPED_TRACE("prompt of " + std::to_string(prompts[id - 1].size()) + " tokens");
+    ASSERT_FALSE(want.kept.at(id).empty());
+    ASSERT_EQ(want.kept.at(id)[0].size(), 64u);  // compressed
+    EXPECT_EQ(got.kept.at(id), want.kept.at(id));
+    EXPECT_EQ(got.tokens.at(id), want.tokens.at(id));
+    ASSERT_EQ(got.logprobs.at(id).size(), want.logprobs.at(id).size());
+    for (size_t i = 0; i < want.logprobs.at(id).size(); ++i) {
+      EXPECT_NEAR(got.logprobs.at(id)[i], want.logprobs.at(id)[i], 1e-3) << "token " << i;
+    }
+  }
 }
 
 TEST(CudaEngineTest, Bf16WeightsStayCloseToTheCpu) {
