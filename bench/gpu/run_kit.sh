@@ -18,10 +18,10 @@
 # CPU, and `bench engine` on Llama-3.1-8B shapes (decode and prefill, tokens
 # per GiB of KV).
 #
-# And (eviction): attention sinks and Quest on the device (issue 33): their
-# op and engine tests alone (backend_ops_test's PagedAttention and Quest
-# cases, under memcheck too; cuda_engine_test's stories260K streaming and
-# Quest greedy tokens against the CPU), then Quest's decode speed against
+# And (eviction): attention sinks, Quest and SnapKV on the device (issue
+# 33): their op and engine tests alone (backend_ops_test's PagedAttention
+# and Quest cases, under memcheck too; cuda_engine_test's stories260K
+# streaming, Quest and SnapKV runs against the CPU), then Quest's decode speed against
 # dense attention on Llama-3.1-8B shapes (dummy weights, bf16 KV, batch 8,
 # 8,192-token prompts) with K = 16 and 64, each line given the attention
 # bytes a step reads at most (selected blocks per query head plus the key
@@ -167,7 +167,7 @@ if [[ $WHAT == all || $WHAT == eviction ]]; then
   }
   run_filtered eviction-ops backend_ops_test '*PagedAttention*:*Quest*'
   run_filtered eviction-ops-memcheck backend_ops_test '*PagedAttention*:*Quest*' memcheck
-  run_filtered eviction-engine cuda_engine_test '*Streaming*:*Quest*'
+  run_filtered eviction-engine cuda_engine_test '*Streaming*:*Quest*:*SnapKv*'
   for sel in none 16 64; do
     step "bench engine, Llama-3.1-8B shapes, bf16 KV, batch 8 after 8192 tokens, Quest: $sel"
     flags=()
