@@ -568,7 +568,14 @@ Status Engine::CompressPrompt(Sequence* s, const std::vector<float>& captured, i
   std::vector<int32_t> from;
   for (BlockId b : blocks_->BlockTable(s->id)) from.push_back(static_cast<int32_t>(b));
   executor_->Synchronize();
-  const auto kept = SnapKvSelect(c, pool_->layout(), pool_->base(), from, P, queries.data());
+  // A device's pool is read through a host copy of the prompt's blocks.
+  std::optional<SnapKvHostCopy> copy;
+  if (!model_->backend()->SharesHostMemory()) {
+    copy.emplace(model_->backend(), pool_->layout(), pool_->base(), from);
+  }
+  const auto kept =
+      copy ? SnapKvSelect(c, pool_->layout(), copy->pool(), copy->from(), P, queries.data())
+           : SnapKvSelect(c, pool_->layout(), pool_->base(), from, P, queries.data());
   // Fresh private blocks for the B kept tokens, taken before the prompt's
   // are let go (a fixed id: the compaction completes within this call).
   constexpr SeqId kCompacted = ~SeqId{0};
@@ -585,7 +592,11 @@ Status Engine::CompressPrompt(Sequence* s, const std::vector<float>& captured, i
   }
   std::vector<int32_t> to;
   for (BlockId b : blocks_->BlockTable(kCompacted)) to.push_back(static_cast<int32_t>(b));
-  SnapKvGather(pool_->layout(), pool_->base(), from, to, kept);
+  if (copy) {
+    copy->Gather(pool_->base(), to, kept);
+  } else {
+    SnapKvGather(pool_->layout(), pool_->base(), from, to, kept);
+  }
   PDSERVE_RETURN_IF_ERROR(blocks_->AdoptBlocks(s->id, kCompacted));
   s->kv_shift = P - B;
   s->compressed = true;
@@ -783,15 +794,37 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
     }
     row += sc.n;
   }
+  // The capture's rows and queries live in backend memory: on a device, a
+  // buffer of its own, copied in before the step and out after it.
+  kernels::Backend* backend = model_->backend();
+  void* capture_buffer = nullptr;
+  const size_t rows_bytes = capture_rows.size() * sizeof(int32_t);
   if (!capture_rows.empty()) {
     const ModelConfig& c = model_->config();
     captured.resize(static_cast<size_t>(c.num_layers) * capture_rows.size() * c.num_heads *
                     c.head_dim);
-    model_->CaptureQueries(capture_rows.data(), static_cast<int64_t>(capture_rows.size()),
-                           captured.data());
+    const int32_t* rows = capture_rows.data();
+    void* out = captured.data();
+    if (!backend->SharesHostMemory()) {
+      capture_buffer = backend->Allocate(rows_bytes + captured.size() * sizeof(float));
+      if (capture_buffer == nullptr) {
+        return Status::ResourceExhausted("no device memory for SnapKV's observation queries");
+      }
+      backend->Upload(capture_buffer, capture_rows.data(), rows_bytes);
+      rows = static_cast<const int32_t*>(capture_buffer);
+      out = static_cast<uint8_t*>(capture_buffer) + rows_bytes;
+    }
+    model_->CaptureQueries(rows, static_cast<int64_t>(capture_rows.size()), out);
   }
   auto sampled = executor_->Execute(step);
   if (!capture_rows.empty()) model_->CaptureQueries(nullptr, 0, nullptr);  // even on failure
+  if (capture_buffer != nullptr) {
+    if (sampled.ok()) {
+      backend->Download(captured.data(), static_cast<uint8_t*>(capture_buffer) + rows_bytes,
+                        captured.size() * sizeof(float));
+    }
+    backend->Free(capture_buffer);
+  }
   if (!sampled.ok()) return sampled.status();
 
   // 4. Bookkeeping: computed tokens, prefix-cache commits, sampling.

@@ -91,11 +91,6 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir, kernels::Ba
     return Status::InvalidArgument("--kv-sink-tokens: the " + backend->name() +
                                    " backend's attention does not take sinks yet");
   }
-  if (eviction.mode == KvEviction::Mode::kSnapKv && !backend->SharesHostMemory()) {
-    // The selection reads the keys and gathers the kept ones on the host.
-    return Status::InvalidArgument("--kv-eviction snapkv: the " + backend->name() +
-                                   " backend does not compress prompts yet (CPU only)");
-  }
   if (eviction.quest_blocks > 0 && !backend->SupportsKvSelection()) {
     return Status::InvalidArgument("--kv-selection quest: the " + backend->name() +
                                    " backend does not select blocks yet");
@@ -755,6 +750,7 @@ Status Model::Reserve(int64_t tokens, int64_t logits, int64_t seqs, int64_t bloc
   }
   limits.layout.block_size = block_size;
   limits.max_blocks_per_seq = (n.keys + block_size - 1) / block_size;
+  limits.kv_selection = c.kv_eviction.quest_blocks > 0;
   return backend_->Reserve(limits);
 }
 

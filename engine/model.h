@@ -182,6 +182,8 @@ class Model {
     capture_n_ = n;
     capture_out_ = out;
   }
+  // Whether the next Forward captures queries (a graph replay would not).
+  bool capturing_queries() const { return capture_n_ > 0; }
 
  private:
   // DeepSeek's multi-head latent attention of one layer, in the shapes the

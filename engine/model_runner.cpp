@@ -210,7 +210,9 @@ StatusOr<std::vector<SampledToken>> ModelRunner::Execute(std::span<const Schedul
   }
   ++step_;
   const int64_t bucket = Bucket(S);
-  const bool graph = graphs_enabled_ && decode;
+  // A step that captures SnapKV's queries (a window of 1 ending a prompt
+  // among decode rows) runs eagerly: a replayed graph would not copy them.
+  const bool graph = graphs_enabled_ && decode && !model_->capturing_queries();
   const int64_t rows = graph ? bucket : T, seqs = graph ? bucket : S;
   const Staged& st = staged_;
   auto* slots = reinterpret_cast<int64_t*>(host_ + st.slots);

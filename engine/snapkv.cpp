@@ -123,4 +123,30 @@ void SnapKvGather(const kernels::KvCacheLayout& layout, void* pool, std::span<co
   }
 }
 
+SnapKvHostCopy::SnapKvHostCopy(kernels::Backend* backend, const kernels::KvCacheLayout& layout,
+                               const void* pool, std::span<const int32_t> from)
+    : backend_(backend), layout_(layout) {
+  const auto bpb = static_cast<size_t>(layout.bytes_per_block());
+  bytes_.resize(from.size() * bpb);
+  for (size_t i = 0; i < from.size(); ++i) {
+    backend->Download(bytes_.data() + i * bpb,
+                      static_cast<const uint8_t*>(pool) + layout.block_offset(from[i]), bpb);
+    from_.push_back(static_cast<int32_t>(i));
+  }
+}
+
+void SnapKvHostCopy::Gather(void* pool, std::span<const int32_t> to,
+                            const std::vector<std::vector<int32_t>>& kept) {
+  const auto bpb = static_cast<size_t>(layout_.bytes_per_block());
+  const size_t first = from_.size();
+  bytes_.resize((first + to.size()) * bpb, 0);
+  std::vector<int32_t> staged(to.size());
+  std::iota(staged.begin(), staged.end(), static_cast<int32_t>(first));
+  SnapKvGather(layout_, bytes_.data(), from_, staged, kept);
+  for (size_t i = 0; i < to.size(); ++i) {
+    backend_->Upload(static_cast<uint8_t*>(pool) + layout_.block_offset(to[i]),
+                     bytes_.data() + (first + i) * bpb, bpb);
+  }
+}
+
 }  // namespace pdserve

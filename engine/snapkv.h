@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "engine/model_config.h"
+#include "kernels/backend.h"
 #include "kernels/kv_cache_layout.h"
 
 namespace pdserve {
@@ -43,5 +44,28 @@ std::vector<std::vector<int32_t>> SnapKvSelect(const ModelConfig& config,
 // by position / block_size. `to`'s blocks must not be `from`'s.
 void SnapKvGather(const kernels::KvCacheLayout& layout, void* pool, std::span<const int32_t> from,
                   std::span<const int32_t> to, const std::vector<std::vector<int32_t>>& kept);
+
+// SnapKvSelect and SnapKvGather for a pool the host cannot read (a device
+// backend's): the prompt's blocks are downloaded into a host copy (renumbered
+// 0..n-1 in `from`'s order), the selection reads the copy, and Gather packs
+// the kept rows into host blocks and uploads them whole into the pool's `to`
+// blocks (fresh blocks, whose rows past the budget are written later). It
+// costs one download of the prompt's KV (P tokens, every layer, K and V)
+// and one upload of ceil(B / block_size) blocks, once per compressed prompt.
+class SnapKvHostCopy {
+ public:
+  SnapKvHostCopy(kernels::Backend* backend, const kernels::KvCacheLayout& layout, const void* pool,
+                 std::span<const int32_t> from);
+  const void* pool() const { return bytes_.data(); }
+  std::span<const int32_t> from() const { return from_; }
+  void Gather(void* pool, std::span<const int32_t> to,
+              const std::vector<std::vector<int32_t>>& kept);
+
+ private:
+  kernels::Backend* backend_;
+  kernels::KvCacheLayout layout_;
+  std::vector<uint8_t> bytes_;  // the copied blocks, then the gathered ones
+  std::vector<int32_t> from_;
+};
 
 }  // namespace pdserve

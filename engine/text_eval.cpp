@@ -64,6 +64,10 @@ StatusOr<std::unique_ptr<PagedSequenceRunner>> PagedSequenceRunner::Create(
   const int64_t blocks = (max_tokens + block_size - 1) / block_size;
   // SnapKV (a single rank): the blocks a compressed prompt is gathered into.
   const KvEviction& ev = ranks[0]->config().kv_eviction;
+  if (ev.mode == KvEviction::Mode::kSnapKv && !ranks[0]->backend()->SharesHostMemory()) {
+    // The evaluation compresses on the host's view of the pool.
+    return Status::InvalidArgument("--kv-eviction snapkv: eval runs it on the CPU backend only");
+  }
   const int64_t extra =
       ev.mode == KvEviction::Mode::kSnapKv ? (ev.budget_tokens + block_size - 1) / block_size : 0;
   int64_t n = INT64_MAX;  // blocks of the smallest rank's pool

@@ -141,6 +141,7 @@ struct StepLimits {
   int64_t max_width = 0;           // the widest input row of a Linear
   int64_t num_heads = 0;           // attention query heads
   KvCacheLayout layout;            // the KV pool's
+  bool kv_selection = false;       // Quest selects blocks (AttentionBatch::quest_blocks)
 };
 
 }  // namespace pdserve::kernels

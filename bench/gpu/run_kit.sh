@@ -18,7 +18,16 @@
 # CPU, and `bench engine` on Llama-3.1-8B shapes (decode and prefill, tokens
 # per GiB of KV).
 #
-# Usage: bench/gpu/run_kit.sh [all|tests|bench|serve|families|kv]
+# And (eviction): attention sinks, Quest and SnapKV on the device (issue
+# 33): their op and engine tests alone (backend_ops_test's PagedAttention
+# and Quest cases, under memcheck too; cuda_engine_test's stories260K
+# streaming, Quest and SnapKV runs against the CPU), then Quest's decode speed against
+# dense attention on Llama-3.1-8B shapes (dummy weights, bf16 KV, batch 8,
+# 8,192-token prompts) with K = 16 and 64, each line given the attention
+# bytes a step reads at most (selected blocks per query head plus the key
+# bounds; bench/gpu/NOTES.md).
+#
+# Usage: bench/gpu/run_kit.sh [all|tests|bench|serve|families|kv|eviction]
 set -uo pipefail
 
 WHAT=${1:-all}
@@ -138,6 +147,57 @@ if [[ $WHAT == all || $WHAT == kv ]]; then
   done
   rm -rf "$OUT"/model-*
   summary+=("kv: $(grep -c . "$OUT/kv.jsonl") JSON lines in kv.jsonl")
+fi
+
+if [[ $WHAT == all || $WHAT == eviction ]]; then
+  : > "$OUT/eviction.jsonl"
+  run_filtered() {  # NAME BINARY FILTER [memcheck]
+    local name=$1 bin=$2 filter=$3 r
+    step "$name"
+    if [[ ${4:-} == memcheck ]]; then
+      compute-sanitizer --tool memcheck --error-exitcode 3 "$KIT/bin/$bin" --gtest_brief=1 \
+        --gtest_filter="$filter" > "$OUT/$name.log" 2>&1 && r=clean || r=ERRORS
+    else
+      PDSERVE_REAL_MODEL_DIR=$KIT/models/stories260K "$KIT/bin/$bin" --gtest_brief=1 \
+        --gtest_filter="$filter" > "$OUT/$name.log" 2>&1 && r=pass || r=FAIL
+    fi
+    local skipped
+    skipped=$(sed -n 's/^\[  SKIPPED \] \([0-9]*\) tests\?[.,].*/\1/p' "$OUT/$name.log" | head -1)
+    summary+=("$name: $r, ${skipped:-0} skipped")
+  }
+  run_filtered eviction-ops backend_ops_test '*PagedAttention*:*Quest*'
+  run_filtered eviction-ops-memcheck backend_ops_test '*PagedAttention*:*Quest*' memcheck
+  run_filtered eviction-engine cuda_engine_test '*Streaming*:*Quest*:*SnapKv*'
+  for sel in none 16 64; do
+    step "bench engine, Llama-3.1-8B shapes, bf16 KV, batch 8 after 8192 tokens, Quest: $sel"
+    flags=()
+    [[ $sel == none ]] || flags=(--kv-selection quest --kv-selection-blocks "$sel")
+    "$PDSERVE" bench engine --model bench/configs/llama-3.1-8b --load-format dummy --device cuda \
+      --kv-dtype bf16 --batch 8 --prompt-tokens 8192 --gen-tokens 64 --max-batched-tokens 8192 \
+      "${flags[@]}" --json 2>>"$OUT/bench.err" |
+      K=$sel CONFIG=bench/configs/llama-3.1-8b/config.json python3 -c '
+import json, os, sys
+# At most what a decode step of the attention reads per sequence: dense, every
+# key and value; Quest, per query head its K selected blocks and its newest
+# (no sharing within the GQA group assumed), plus every full block'"'"'s fp32
+# key bounds once per KV head (the selection reads them once per group).
+c = json.load(open(os.environ["CONFIG"]))
+layers, heads, kvh = c["num_hidden_layers"], c["num_attention_heads"], c["num_key_value_heads"]
+hd = c.get("head_dim", c["hidden_size"] // heads)
+for line in sys.stdin:
+    r = json.loads(line)
+    k, bs = os.environ["K"], r.get("block_size", 16)
+    block_head = r["kv_bytes_per_block"] / (layers * kvh)  # K and V of one layer and KV head
+    context = 8192 + 32
+    if k == "none":
+        bound = r["kv_bytes_per_decode_step"]
+    else:
+        newest = (context + bs - 1) // bs - 1
+        bound = r["batch"] * layers * (heads * (int(k) + 1) * block_head + kvh * newest * 2 * hd * 4)
+    r["attention_bytes_per_decode_step_bound"] = bound
+    print(json.dumps(r), flush=True)' | tee -a "$OUT/eviction.jsonl"
+  done
+  summary+=("eviction: $(grep -c . "$OUT/eviction.jsonl") JSON lines in eviction.jsonl")
 fi
 
 # A GPU stack (router + 1 prefill + 1 decode worker, every prompt prefilled

@@ -19,6 +19,7 @@ struct CudaBackend::State {
   cublasHandle_t cublas_bf16 = nullptr;  // bf16 products on the tensor cores, fp32 accumulation
   cuda::Workspace bf16_activations{"bf16 activations"};      // converted for bf16 products
   cuda::Workspace attention_partials{"attention partials"};  // split-K partials
+  cuda::Workspace quest_selection{"Quest selection"};        // selected blocks, a bit each
   cuda::MoeScratch moe;
   void* cublas_workspace = nullptr;  // fixed, so that cuBLAS allocates nothing in a graph
   // fp8 products (kernels/cuda/gemm_fp8.cu).
@@ -88,6 +89,7 @@ CudaBackend::~CudaBackend() {
   cudaStreamSynchronize(state_->stream);
   state_->bf16_activations.Release();
   state_->attention_partials.Release();
+  state_->quest_selection.Release();
   state_->moe.Release();
   state_->fp8_activations.Release();
   state_->fp8_widened.Release();
@@ -225,6 +227,22 @@ Status CudaBackend::Reserve(const StepLimits& limits) {
       state_->attention_partials.Reserve(
           static_cast<size_t>(cuda::DecodePartialFloats(widest, splits)) * 4, state_->stream);
     }
+    if (limits.kv_selection) {
+      const int64_t group = limits.num_heads / std::max<int64_t>(1, limits.layout.num_kv_heads);
+      const int64_t shared = cuda::QuestSharedBytes(group, limits.max_blocks_per_seq);
+      if (shared > cuda::QuestMaxSharedBytes()) {
+        return Status::InvalidArgument(
+            "--kv-selection quest: a context of " + std::to_string(limits.max_blocks_per_seq) +
+            " blocks needs " + std::to_string(shared) + " bytes of shared memory per thread " +
+            "block to select among them; this device gives " +
+            std::to_string(cuda::QuestMaxSharedBytes()));
+      }
+      state_->quest_selection.Reserve(
+          static_cast<size_t>(limits.max_seqs * limits.num_heads *
+                              cuda::QuestWordsPerHead(limits.max_blocks_per_seq)) *
+              4,
+          state_->stream);
+    }
   }
   return Status::Ok();
 }
@@ -315,6 +333,7 @@ void CudaBackend::WriteKv(const KvCacheLayout& layout, void* pool, int64_t layer
                           const Tensor& v, const int64_t* slots) {
   MakeCurrent();
   cuda::WriteKv(layout, pool, layer, k, v, slots, state_->stream);
+  cuda::WriteKeyBounds(layout, layer, k, slots, state_->stream);
 }
 
 void CudaBackend::SwiGlu(const Tensor& gate, const Tensor& up, const Tensor& out) {
@@ -373,6 +392,32 @@ void CudaBackend::PagedAttention(const AttentionPlan& plan, int64_t layer, const
   } else {
     cuda::PrefillAttention(lp, at.kv_layer, q, scale, out, state_->stream);
   }
+  if (lp.batch.quest_blocks > 0 && lp.layout.key_bounds != nullptr) {
+    // The rows the kernels above left: Quest's decode rows.
+    uint32_t* selection = state_->quest_selection.Get<uint32_t>(
+        lp.batch.num_seqs * lp.num_heads * cuda::QuestWordsPerHead(lp.batch.max_blocks_per_seq),
+        state_->stream);
+    cuda::QuestAttention(lp, at.kv_layer, q, scale, selection, out, state_->stream);
+  }
+}
+
+void CudaBackend::ComputeKeyBounds(const KvCacheLayout& layout, const void* pool,
+                                   const int32_t* blocks, const int32_t* tokens, int64_t count) {
+  MakeCurrent();
+  if (count <= 0) return;
+  // The lists are the caller's host memory: staged through device memory
+  // of their own (once per received prompt, outside any graph).
+  const auto bytes = static_cast<size_t>(count) * sizeof(int32_t);
+  int32_t* lists = nullptr;
+  Check(cudaMallocAsync(&lists, 2 * bytes, state_->stream), "cudaMallocAsync");
+  Check(cudaMemcpyAsync(lists, blocks, bytes, cudaMemcpyHostToDevice, state_->stream),
+        "cudaMemcpyAsync");
+  Check(cudaMemcpyAsync(lists + count, tokens, bytes, cudaMemcpyHostToDevice, state_->stream),
+        "cudaMemcpyAsync");
+  cuda::ComputeKeyBounds(layout, pool, lists, lists + count, count, state_->stream);
+  Check(cudaFreeAsync(lists, state_->stream), "cudaFreeAsync");
+  // The host lists may go as soon as this returns.
+  Check(cudaStreamSynchronize(state_->stream), "cudaStreamSynchronize");
 }
 
 void CudaBackend::WriteLatentKv(const KvCacheLayout& layout, void* pool, int64_t layer,

@@ -77,6 +77,13 @@ class CudaBackend final : public Backend {
                const Tensor& v, const int64_t* slots) override;
   void PagedAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q, float scale,
                       const Tensor& out) override;
+  // Attention sinks in both attention kernels (the query rotated back for
+  // the sink keys, as on the CPU); Quest's key bounds kept by WriteKv and
+  // its selection on the device (kernels/cuda/quest.cu).
+  bool SupportsAttentionSinks() const override { return true; }
+  bool SupportsKvSelection() const override { return true; }
+  void ComputeKeyBounds(const KvCacheLayout& layout, const void* pool, const int32_t* blocks,
+                        const int32_t* tokens, int64_t count) override;
   void HeadsLinear(const Tensor& x, const WeightMatrix& w, const Tensor& y) override;
   void WriteLatentKv(const KvCacheLayout& layout, void* pool, int64_t layer, const Tensor& c_kv,
                      const Tensor& k_pe, const int64_t* slots) override;

@@ -41,6 +41,8 @@ __global__ void __launch_bounds__(32 * kSplitWarps)
   const int group = static_cast<int>(num_heads / layout.num_kv_heads);
   const int64_t hd = layout.head_dim;
   const RowKeys keys = KeysOfRow(batch, row);
+  // Quest's decode rows are the Quest kernels' (quest.cu); the merge skips them too.
+  if (QuestRow(batch, layout, keys)) return;
   // A window starts the keys at FirstKeyOfRow (splits before it stay empty).
   const int64_t k_begin =
       max(FirstKeyOfRow(batch, keys.n_keys), static_cast<int64_t>(split) * kSplitKeys);
@@ -59,7 +61,8 @@ __global__ void __launch_bounds__(32 * kSplitWarps)
     m[i] = -INFINITY;
     l[i] = 0.0f;
   }
-  for (int64_t key = k_begin + warp; key < k_end; key += kSplitWarps) {
+  // Folds key `key` into the online softmax of every query head of the group.
+  auto attend = [&](int64_t key) {
     const KvAt at = KvOfKey(layout, pool, layer, g, keys.table, key);
     float kv[D], vv[D];
 #pragma unroll
@@ -88,6 +91,23 @@ __global__ void __launch_bounds__(32 * kSplitWarps)
       for (int j = 0; j < D; ++j) acc[i][j] = acc[i][j] * correction + p * vv[j];
       m[i] = new_max;
     }
+  };
+  for (int64_t key = k_begin + warp; key < k_end; key += kSplitWarps) attend(key);
+  // Attention sinks: split 0 also takes the keys [0, SinkEnd) the window has
+  // left, against the queries rotated back (SinkQuery); they lie before the
+  // window's first key, so no key is counted twice.
+  const int64_t sink_end = split == 0 ? SinkEnd(batch, keys.n_keys) : 0;
+  if (sink_end > 0) {
+#pragma unroll
+    for (int i = 0; i < kMaxGroup; ++i) {
+      const float* qrow = q + row * q_stride + (g * group + i) * hd;
+#pragma unroll
+      for (int j = 0; j < D; ++j) {
+        const int64_t d = lane + 32 * j;
+        qv[i][j] = i < group && d < hd ? SinkQuery(batch, qrow, hd, keys.n_keys, d) : 0.0f;
+      }
+    }
+    for (int64_t key = warp; key < sink_end; key += kSplitWarps) attend(key);
   }
 
   // Merge the warps of the block.
@@ -124,10 +144,14 @@ __global__ void __launch_bounds__(32 * kSplitWarps)
 
 // One warp per (row, head): merges the splits' partials into the output row.
 __global__ void MergeSplitsKernel(const float* partial_acc, const float* partial_ml, int64_t tasks,
-                                  int64_t head_dim, int splits, float* out) {
+                                  int64_t head_dim, int splits, DeviceLayout layout,
+                                  kernels::AttentionBatch batch, int64_t num_heads, float* out) {
   const int64_t task = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (task >= tasks) return;
+  if (layout.key_bounds != nullptr && QuestRow(batch, layout, KeysOfRow(batch, task / num_heads))) {
+    return;  // written by the Quest kernels
+  }
   const float* ml = partial_ml + task * splits * 2;
   float mx = -INFINITY;
   for (int sp = 0; sp < splits; ++sp) mx = fmaxf(mx, ml[2 * sp]);
@@ -189,6 +213,8 @@ void DecodeAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q, 
   const auto* p = static_cast<const uint8_t*>(plan.pool);
   const int64_t hd = layout.head_dim;
   const float* qp = q.as<const float>();
+  kernels::OpCheck(plan.batch.sinks == 0 || plan.batch.rope_inv_freq != nullptr, "PagedAttention",
+                   "takes attention sinks with the layer's RoPE frequencies");
   if (hd <= 32) {
     SplitAttentionKernel<1>
         <<<grid, 32 * kSplitWarps, 0, stream>>>(dl, p, layer, qp, q.stride[0], plan.num_heads,
@@ -209,7 +235,7 @@ void DecodeAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q, 
   Check(cudaGetLastError(), "SplitAttention");
   const auto merge_blocks = static_cast<unsigned>((tasks + kWarpsPerBlock - 1) / kWarpsPerBlock);
   MergeSplitsKernel<<<merge_blocks, 32 * kWarpsPerBlock, 0, stream>>>(
-      partial_acc, partial_ml, tasks, hd, splits, out.as<float>());
+      partial_acc, partial_ml, tasks, hd, splits, dl, plan.batch, plan.num_heads, out.as<float>());
   Check(cudaGetLastError(), "MergeSplits");
 }
 

@@ -93,6 +93,29 @@ void DecodeAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q, 
 void PrefillAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q, float scale,
                       const Tensor& out, cudaStream_t stream);
 
+// ---- Quest (quest.cu; AttentionBatch::quest_blocks): the key bounds
+// kept beside the pool, and the selection and attention of decode rows.
+// The dense kernels above skip the rows Quest takes, so a step calls
+// DecodeAttention or PrefillAttention, then QuestAttention.
+// WriteKv's part: the bounds of the keys k writes at slots (none without
+// layout.key_bounds).
+void WriteKeyBounds(const KvCacheLayout& layout, int64_t layer, const Tensor& k,
+                    const int64_t* slots, cudaStream_t stream);
+// Backend::ComputeKeyBounds, `blocks` and `tokens` in device memory.
+void ComputeKeyBounds(const KvCacheLayout& layout, const void* pool, const int32_t* blocks,
+                      const int32_t* tokens, int64_t count, cudaStream_t stream);
+// The selection workspace: QuestWordsPerHead(max_blocks_per_seq) uint32
+// words per sequence and query head; the selection kernel's shared memory
+// per thread block (a 4-byte key per query head of a GQA group and block of
+// the table), and the most the current device gives one.
+int64_t QuestWordsPerHead(int64_t max_blocks_per_seq);
+int64_t QuestSharedBytes(int64_t group, int64_t max_blocks_per_seq);
+int64_t QuestMaxSharedBytes();
+// Selects and attends for the plan's Quest rows (QuestRow), writing their
+// rows of out; `selection` holds num_seqs x num_heads x words words.
+void QuestAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q, float scale,
+                    uint32_t* selection, const Tensor& out, cudaStream_t stream);
+
 // ---- Mixture of experts (moe.cu).
 void MoeRoute(const Tensor& logits, const MoeRouting& routing, int32_t* expert_ids, float* weights,
               cudaStream_t stream);

@@ -19,6 +19,8 @@ struct DeviceLayout {
   int64_t micro_at;  // nvfp4: the micro-scales' offset in a head region
   DType dtype;
   bool has_scales;
+  int64_t num_layers;
+  float* key_bounds;  // Quest's (KvCacheLayout::key_bounds); null: none kept
 
   explicit DeviceLayout(const kernels::KvCacheLayout& l)
       : num_kv_heads(l.num_kv_heads),
@@ -30,7 +32,9 @@ struct DeviceLayout {
         bytes_per_block(l.bytes_per_block()),
         micro_at(l.head_value_bytes()),
         dtype(l.dtype),
-        has_scales(l.has_scales()) {}
+        has_scales(l.has_scales()),
+        num_layers(l.num_layers),
+        key_bounds(l.key_bounds) {}
 
   __device__ int64_t k_offset(int64_t block, int64_t layer, int64_t head) const {
     return block * bytes_per_block + layer * layer_stride + head * head_bytes;
@@ -44,6 +48,10 @@ struct DeviceLayout {
   __device__ int64_t v_scale_offset(int64_t block, int64_t layer, int64_t head) const {
     return k_scale_offset(block, layer, head) + num_kv_heads * 4;
   }
+  // KvCacheLayout::key_bounds_offset: the minima, then the maxima.
+  __device__ float* bounds_of(int64_t block, int64_t layer, int64_t head) const {
+    return key_bounds + ((block * num_layers + layer) * num_kv_heads + head) * 2 * head_dim;
+  }
 };
 
 // The keys query row `row` attends to: its sequence's block table and how
@@ -51,6 +59,8 @@ struct DeviceLayout {
 struct RowKeys {
   const int32_t* table;
   int64_t n_keys;
+  int64_t q_len;  // query rows of the row's sequence in this step
+  int64_t seq;    // the row's sequence
 };
 
 // Gemma-2's logit soft-capping (cap 0: none).
@@ -75,7 +85,43 @@ __device__ inline RowKeys KeysOfRow(const kernels::AttentionBatch& batch, int64_
       hi = mid - 1;
   }
   const int64_t q_len = batch.query_start[lo + 1] - batch.query_start[lo];
-  return {batch.table(lo), batch.context_lens[lo] - q_len + (row - batch.query_start[lo]) + 1};
+  return {batch.table(lo), batch.context_lens[lo] - q_len + (row - batch.query_start[lo]) + 1,
+          q_len, lo};
+}
+
+// Attention sinks (AttentionBatch::sinks): the sink keys a row of n_keys
+// keys attends to besides its window, [0, SinkEnd) (0 without sinks, or
+// while the window still holds them).
+__device__ inline int64_t SinkEnd(const kernels::AttentionBatch& batch, int64_t n_keys) {
+  if (batch.window <= 0 || batch.sinks <= 0) return 0;
+  return min(batch.sinks, max(int64_t{0}, n_keys - batch.window));
+}
+
+// Element d of query row `qrow` (head_dim hd) as a sink key sees it: rotated
+// back by shift = n_keys - window - sinks positions when that is positive
+// (the window has left the sinks), else unchanged. The angle in double, as
+// Rope and the CPU backend take it.
+__device__ inline float SinkQuery(const kernels::AttentionBatch& batch, const float* qrow,
+                                  int64_t hd, int64_t n_keys, int64_t d) {
+  const int64_t shift = n_keys - batch.window - batch.sinks;
+  if (shift <= 0) return qrow[d];
+  const int64_t half = hd / 2, i = d % half;
+  double sd, cd;
+  sincos(-static_cast<double>(shift) * batch.rope_inv_freq[i], &sd, &cd);
+  const float c = static_cast<float>(cd), s = static_cast<float>(sd);
+  return d < half ? qrow[d] * c - qrow[d + half] * s : qrow[d] * c + qrow[d - half] * s;
+}
+
+// Quest (AttentionBatch::quest_blocks): whether a row of n_keys keys selects
+// blocks, as the CPU backend decides it: a decode row (its sequence has one
+// query row) without a window whose full blocks before its newest number
+// more than quest_blocks, with the pool's key bounds kept. Such rows are
+// left to the Quest kernels (kernels/cuda/quest.cu) by the dense ones.
+__device__ inline bool QuestRow(const kernels::AttentionBatch& batch, const DeviceLayout& layout,
+                                const RowKeys& keys) {
+  return layout.key_bounds != nullptr && batch.quest_blocks > 0 && keys.q_len == 1 &&
+         batch.window == 0 &&
+         (keys.n_keys + layout.block_size - 1) / layout.block_size - 1 > batch.quest_blocks;
 }
 
 // Where key `key` of KV head g sits in the pool: its K and V rows (element

@@ -1,5 +1,6 @@
 // Prefill attention (kernels/cuda/ops.h): one warp per (query row, head)
-// over the paged KV, for rows of any sequence and any number of them. The
+// over the paged KV, for rows of any sequence and any number of them, a
+// window's keys then its sinks' (AttentionBatch). The
 // FlashAttention-2-style kernel (Q tiles against K/V tiles in shared memory,
 // tensor cores, causal tiles skipped) replaces it (issue 29).
 #include "kernels/cuda/ops.h"
@@ -25,6 +26,7 @@ __global__ void PagedAttentionKernel(DeviceLayout layout, const uint8_t* pool, i
   const int64_t hd = layout.head_dim;
   const int64_t g = h / (num_heads / layout.num_kv_heads);
   const RowKeys keys = KeysOfRow(batch, row);
+  if (QuestRow(batch, layout, keys)) return;  // the Quest kernels'
 
   float qv[kMaxHeadDimPerLane], acc[kMaxHeadDimPerLane];
   const float* qrow = q + row * q_stride + h * hd;
@@ -34,7 +36,8 @@ __global__ void PagedAttentionKernel(DeviceLayout layout, const uint8_t* pool, i
     acc[j] = 0.0f;
   }
   float running_max = -INFINITY, denom = 0.0f;
-  for (int64_t key = FirstKeyOfRow(batch, keys.n_keys); key < keys.n_keys; ++key) {
+  // Folds key `key` into the online softmax against the query qv.
+  auto attend = [&](int64_t key) {
     const KvAt kv = KvOfKey(layout, pool, layer, g, keys.table, key);
     float dot = 0.0f;
     for (int j = 0; j < kMaxHeadDimPerLane; ++j) {
@@ -57,6 +60,17 @@ __global__ void PagedAttentionKernel(DeviceLayout layout, const uint8_t* pool, i
       }
     }
     running_max = new_max;
+  };
+  for (int64_t key = FirstKeyOfRow(batch, keys.n_keys); key < keys.n_keys; ++key) attend(key);
+  // Attention sinks: the keys [0, SinkEnd) the window has left, against the
+  // query rotated back (SinkQuery).
+  const int64_t sink_end = SinkEnd(batch, keys.n_keys);
+  if (sink_end > 0) {
+    for (int j = 0; j < kMaxHeadDimPerLane; ++j) {
+      const int64_t d = lane + 32 * j;
+      qv[j] = d < hd ? SinkQuery(batch, qrow, hd, keys.n_keys, d) : 0.0f;
+    }
+    for (int64_t key = 0; key < sink_end; ++key) attend(key);
   }
   float* orow = out + (row * num_heads + h) * hd;
   for (int j = 0; j < kMaxHeadDimPerLane; ++j) {
@@ -78,6 +92,8 @@ void PrefillAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q,
                    "takes q as [tokens, num_heads, head_dim] and out of q's shape");
   kernels::OpCheck(layout.head_dim <= 32 * kMaxHeadDimPerLane, "PagedAttention",
                    "takes head_dim up to 256");
+  kernels::OpCheck(plan.batch.sinks == 0 || plan.batch.rope_inv_freq != nullptr, "PagedAttention",
+                   "takes attention sinks with the layer's RoPE frequencies");
   const int64_t num_heads = q.shape[1];
   const int64_t tasks = plan.batch.num_tokens * num_heads;
   if (plan.batch.num_seqs == 0 || tasks == 0) return;

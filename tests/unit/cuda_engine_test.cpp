@@ -7,6 +7,8 @@
 // DeepSeek presets' greedy tokens equal the CPU engine's too, and so do the
 // sliding-window presets' (Gemma-2/3, Mistral and Qwen2 windows). With a host KV
 // tier (page-locked memory), evicted prefixes come back with the CPU's tokens.
+// With attention sinks and with Quest, stories260K's greedy tokens equal the
+// CPU engine's; with SnapKV its kept positions and tokens do too.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -37,8 +39,8 @@ std::vector<TokenId> Prompt(int n, uint32_t seed) {
 std::map<RequestId, std::vector<TokenId>> RunGreedy(
     kernels::Backend* backend, const std::vector<std::vector<TokenId>>& prompts, int max_tokens,
     std::map<RequestId, std::vector<TokenLogprob>>* first_logprobs = nullptr,
-    const std::string& dir = testing::TinyModelDir()) {
-  auto model = Model::Load(dir, backend);
+    const std::string& dir = testing::TinyModelDir(), const KvEviction& eviction = {}) {
+  auto model = Model::Load(dir, backend, LoadFormat::kSafetensors, eviction);
   EXPECT_TRUE(model.ok()) << model.status().ToString();
   if (!model.ok()) return {};
   EngineOptions options;
@@ -135,6 +137,139 @@ TEST(CudaEngineTest, WindowedPresetsGreedyTokensEqualTheCpuEngine) {
   for (const char* preset :
        {"gemma2", "gemma3", "mistral-window", "qwen2-window", "qwen3-window"}) {
     ExpectPresetGreedyTokensEqualTheCpu(preset, 500);
+  }
+}
+
+// Token eviction and selection (docs/kv-eviction.md) on the real model
+// stories260K (trained context 512): the device's greedy tokens equal the
+// CPU engine's, and the CPU's differ from dense attention's (so a device
+// that ignored the mode would fail). Each prompt is its own batch row; CUDA
+// graphs capture the decode steps as without a mode.
+void ExpectEvictionGreedyTokensEqualTheCpu(const KvEviction& eviction,
+                                           const std::vector<int>& prompt_lens, int max_tokens) {
+  SCOPED_TRACE(eviction.Describe());
+  const std::string dir = testing::RealModelDir();
+  if (dir.empty()) GTEST_SKIP() << "the real model stories260K is absent";
+  auto gpu = kernels::CreateBackend("cuda", 0);
+  if (!gpu.ok()) GTEST_SKIP() << gpu.status().message();
+  auto cpu = kernels::CreateBackend("cpu", 2);
+  ASSERT_TRUE(cpu.ok());
+  std::vector<std::vector<TokenId>> prompts;
+  for (int n : prompt_lens) prompts.push_back(Prompt(n, 700 + n));
+  const auto want = RunGreedy(cpu->get(), prompts, max_tokens, nullptr, dir, eviction);
+  const auto got = RunGreedy(gpu->get(), prompts, max_tokens, nullptr, dir, eviction);
+  KvEviction dense;
+  if (eviction.mode == KvEviction::Mode::kStreaming) {
+    // Dense attention cannot run past the trained context: compare the
+    // first positions' worth with a plain window of the same length, which
+    // differs from the sinks' only once the window has left them.
+    dense = eviction;
+    dense.sink_tokens = 0;
+  }
+  const auto without = RunGreedy(cpu->get(), prompts, max_tokens, nullptr, dir, dense);
+  ASSERT_EQ(want.size(), prompts.size());
+  ASSERT_EQ(got.size(), prompts.size());
+  bool differs = false;
+  for (const auto& [id, tokens] : want) {
+    ASSERT_EQ(tokens.size(), static_cast<size_t>(max_tokens));
+    EXPECT_EQ(got.at(id), tokens) << "prompt of " << prompts[id - 1].size() << " tokens";
+    differs = differs || without.at(id) != tokens;
+  }
+  EXPECT_TRUE(differs) << "the mode changed no token on the CPU: the comparison proves nothing";
+}
+
+// Attention sinks: 4 sinks and a window of 60 (blocks between them
+// released), generating 700 tokens, well past the trained context; the
+// prompts cover a prefill within the window and one past it.
+TEST(CudaEngineTest, StreamingSinksGreedyTokensEqualTheCpuEngine) {
+  KvEviction e;
+  e.mode = KvEviction::Mode::kStreaming;
+  e.sink_tokens = 4;
+  e.window_tokens = 60;
+  ExpectEvictionGreedyTokensEqualTheCpu(e, {3, 150}, 700);
+}
+
+// Quest: 4 blocks per decode step (plus the newest) out of up to 28.
+TEST(CudaEngineTest, QuestGreedyTokensEqualTheCpuEngine) {
+  KvEviction e;
+  e.quest_blocks = 4;
+  ExpectEvictionGreedyTokensEqualTheCpu(e, {100, 300}, 150);
+}
+
+// SnapKV (budget 64, observation windows 16 and 1) through the host copy of
+// the device's pool (engine/snapkv.h SnapKvHostCopy): stories260K's prompts
+// of 300 and 200 tokens keep the CPU's positions in every layer and KV
+// head, and decode the CPU's greedy tokens with log-probabilities within
+// 1e-3. With a window of 1 both prompts end in a step of one-token rows,
+// which must run eagerly (a replayed graph would not capture the queries).
+struct SnapKvRun {
+  std::map<RequestId, std::vector<std::vector<int32_t>>> kept;
+  std::map<RequestId, std::vector<TokenId>> tokens;
+  std::map<RequestId, std::vector<float>> logprobs;
+};
+SnapKvRun RunSnapKv(kernels::Backend* backend, const std::string& dir,
+                    const std::vector<std::vector<TokenId>>& prompts, int max_tokens,
+                    int64_t window) {
+  KvEviction e;
+  e.mode = KvEviction::Mode::kSnapKv;
+  e.budget_tokens = 64;
+  e.observation_window = window;
+  SnapKvRun run;
+  auto model = Model::Load(dir, backend, LoadFormat::kSafetensors, e);
+  EXPECT_TRUE(model.ok()) << model.status().ToString();
+  if (!model.ok()) return run;
+  EngineOptions options;
+  options.kv_cache_bytes = 4 << 20;
+  auto engine = Engine::Create(model->get(), options);
+  EXPECT_TRUE(engine.ok()) << engine.status().ToString();
+  if (!engine.ok()) return run;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    EngineRequest r;
+    r.id = static_cast<RequestId>(i + 1);
+    r.prompt = prompts[i];
+    r.params.temperature = 0;
+    r.params.max_tokens = max_tokens;
+    r.params.ignore_eos = true;
+    r.params.logprobs = 1;
+    EXPECT_TRUE((*engine)->AddRequest(std::move(r)).ok());
+  }
+  while ((*engine)->HasUnfinished()) {
+    auto step = (*engine)->Step();
+    EXPECT_TRUE(step.ok()) << step.status().ToString();
+    if (!step.ok()) break;
+    for (const auto& o : *step) {
+      if (run.kept[o.id].empty()) run.kept[o.id] = (*engine)->SnapKvKept(o.id);
+      run.tokens[o.id].insert(run.tokens[o.id].end(), o.new_token_ids.begin(),
+                              o.new_token_ids.end());
+      for (const auto& lp : o.logprobs) run.logprobs[o.id].push_back(lp.logprob);
+    }
+  }
+  return run;
+}
+
+TEST(CudaEngineTest, SnapKvKeepsTheCpuPositionsAndDecodesItsTokens) {
+  const std::string dir = testing::RealModelDir();
+  if (dir.empty()) GTEST_SKIP() << "the real model stories260K is absent";
+  auto gpu = kernels::CreateBackend("cuda", 0);
+  if (!gpu.ok()) GTEST_SKIP() << gpu.status().message();
+  auto cpu = kernels::CreateBackend("cpu", 2);
+  ASSERT_TRUE(cpu.ok());
+  const std::vector<std::vector<TokenId>> prompts = {Prompt(300, 801), Prompt(200, 802)};
+  for (const int64_t window : {16, 1}) {
+    SCOPED_TRACE("observation window " + std::to_string(window));
+    const SnapKvRun want = RunSnapKv(cpu->get(), dir, prompts, 60, window);
+    const SnapKvRun got = RunSnapKv(gpu->get(), dir, prompts, 60, window);
+    for (RequestId id : {RequestId{1}, RequestId{2}}) {
+      SCOPED_TRACE("prompt of " + std::to_string(prompts[id - 1].size()) + " tokens");
+      ASSERT_FALSE(want.kept.at(id).empty());
+      ASSERT_EQ(want.kept.at(id)[0].size(), 64u);  // compressed
+      EXPECT_EQ(got.kept.at(id), want.kept.at(id));
+      EXPECT_EQ(got.tokens.at(id), want.tokens.at(id));
+      ASSERT_EQ(got.logprobs.at(id).size(), want.logprobs.at(id).size());
+      for (size_t i = 0; i < want.logprobs.at(id).size(); ++i) {
+        EXPECT_NEAR(got.logprobs.at(id)[i], want.logprobs.at(id)[i], 1e-3) << "token " << i;
+      }
+    }
   }
 }
 

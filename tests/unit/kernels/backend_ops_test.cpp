@@ -586,6 +586,192 @@ TEST_P(BackendKvTest, PagedAttention) {
         return {mem.Down(out)};
       });
     }
+    // Attention sinks (StreamingLLM) on the windowed layer: the keys
+    // [0, sinks) besides the window, scored against the query rotated back
+    // once the window has left them. Sinks within a block and across one,
+    // sinks the window still partly holds (998), a window of 1 with one
+    // sink, a window past the context (no sink seen apart). Entries between
+    // the sink blocks and the window point past the pool.
+    std::vector<float> inv_freq(hd / 2);
+    for (int64_t i = 0; i < hd / 2; ++i) {
+      inv_freq[i] = std::pow(10000.0f, -2.0f * static_cast<float>(i) / static_cast<float>(hd));
+    }
+    const std::pair<int64_t, int64_t> windows_sinks[] = {
+        {700, 4}, {700, 20}, {998, 4}, {1, 1}, {5000, 4}};
+    for (const auto& [window, sinks] : windows_sinks) {
+      SCOPED_TRACE("window " + std::to_string(window) + ", sinks " + std::to_string(sinks));
+      std::vector<int32_t> grouped(2 * seqs * max_blocks, 1 << 30);
+      for (int64_t q = 0; q < seqs; ++q) {
+        const int64_t first_query = s.context_lens[q] - s.q_lens[q];
+        const int64_t first_block = std::max<int64_t>(0, first_query - window + 1) / 16;
+        for (int64_t b = 0; b < max_blocks; ++b) {
+          if (b >= first_block || b * 16 < sinks) {
+            grouped[(seqs + q) * max_blocks + b] = tables[q * max_blocks + b];
+          }
+        }
+      }
+      Compare("PagedAttention with sinks", 1e-5, [&](Backend& b, Mem& mem) -> Outputs {
+        const LayerAttention layers[2] = {{0, 0, 0, 0.0f},
+                                          {1, 0, window, 0.0f, sinks, mem.Up(inv_freq)}};
+        AttentionPlan plan;
+        plan.layout = l;
+        plan.pool = mem.Up(pool);
+        plan.num_heads = s.num_heads;
+        plan.batch.num_seqs = seqs;
+        plan.batch.query_start = mem.Up(query_start);
+        plan.batch.context_lens = mem.Up(s.context_lens);
+        plan.batch.block_tables = mem.Up(grouped);
+        plan.batch.max_blocks_per_seq = max_blocks;
+        plan.batch.num_tokens = rows;
+        plan.layers = layers;
+        plan.group_table_stride = seqs * max_blocks;
+        b.PlanAttention(&plan);
+        const Tensor q = mem.F32(qkv, {rows, width}).Columns(0, s.num_heads * hd);
+        const Tensor out = mem.Poisoned({rows, s.num_heads, hd});
+        b.PagedAttention(plan, 1, q.Split({s.num_heads, hd}), scale, out);
+        return {mem.Down(out)};
+      });
+    }
+  }
+}
+
+// Quest (AttentionBatch::quest_blocks). WriteKv keeps the reference's key
+// bounds value for value (a prefill chunk with a padding row, then decode
+// tokens one at a time, over stale bounds that writing offset 0 resets);
+// ComputeKeyBounds recomputes them from the pool alone (for fp32 KV equal
+// to WriteKv's); PagedAttention selects the reference's blocks: a decode
+// row of 4100 keys (256 full blocks before its newest) and one of 300 (18),
+// beside a 3-row chunk and a 1-key row that attend densely, for K = 1, 8
+// and 17. Two blocks of the long row hold identical keys three times larger
+// than the rest, so their bounds tie above every other block's: at K = 1
+// every head must take the lower one (their values differ, so taking the
+// other changes the output). 8 query heads over 2 KV heads (the split-K
+// kernel for the dense rows) and 20 (the one-warp-per-row kernel).
+TEST_P(BackendKvTest, QuestKeyBoundsAndSelection) {
+  const std::vector<int32_t> context_lens = {4100, 1000, 300, 1}, q_lens = {1, 3, 1, 1};
+  const int64_t seqs = 4, hd = 64, layer = 1;
+  int64_t max_blocks = 0, blocks = 0;
+  for (int32_t c : context_lens) {
+    max_blocks = std::max<int64_t>(max_blocks, (c + 15) / 16);
+    blocks += (c + 15) / 16;
+  }
+  const KvCacheLayout l = Layout(2, hd, blocks + 3);
+  const int64_t bound_floats = l.num_blocks * l.num_layers * l.num_kv_heads * 2 * hd;
+  std::vector<int32_t> free_blocks(l.num_blocks);
+  for (int32_t b = 0; b < l.num_blocks; ++b) free_blocks[b] = b;
+  std::shuffle(free_blocks.begin(), free_blocks.end(), rng_);
+  std::vector<int32_t> tables(seqs * max_blocks, 0), query_start = {0};
+  std::vector<std::vector<float>> keys, values;
+  size_t next = 0;
+  for (int64_t q = 0; q < seqs; ++q) {
+    const int64_t n = context_lens[q];
+    for (int64_t b = 0; b < (n + 15) / 16; ++b) tables[q * max_blocks + b] = free_blocks[next++];
+    keys.push_back(Random(n * 2 * hd));
+    values.push_back(Random(n * 2 * hd));
+    query_start.push_back(query_start.back() + q_lens[q]);
+  }
+  for (int64_t i = 0; i < 16 * 2 * hd; ++i) {  // blocks 3 and 7 of sequence 0: the tie
+    keys[0][3 * 16 * 2 * hd + i] *= 3.0f;
+    keys[0][7 * 16 * 2 * hd + i] = keys[0][3 * 16 * 2 * hd + i];
+  }
+  const auto stale_bounds = Random(bound_floats);
+  const int64_t rows = query_start.back();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  auto run = [&](Backend& b, int64_t num_heads, const std::vector<float>& qs) -> Outputs {
+    Mem mem(&b);
+    KvCacheLayout kl = l;
+    kl.key_bounds = mem.Up(stale_bounds);
+    auto* pool = mem.Up(std::vector<uint8_t>(l.total_bytes(), 0));
+    for (int64_t q = 0; q < seqs; ++q) {
+      // All but the last 3 tokens in one call with a padding row after
+      // them, then one call per token.
+      const int64_t n = context_lens[q], chunk = std::max<int64_t>(0, n - 3);
+      int64_t pos = 0;
+      for (const int64_t count : {chunk, n - chunk}) {
+        const bool decode = pos > 0 || chunk == 0;
+        for (int64_t t = 0; t < (decode ? count : 1); ++t) {
+          const int64_t len = decode ? 1 : count;
+          if (len == 0) continue;
+          std::vector<int64_t> slots;
+          for (int64_t p = pos; p < pos + len; ++p) {
+            slots.push_back(tables[q * max_blocks + p / 16] * 16 + p % 16);
+          }
+          std::vector<float> k(keys[q].begin() + pos * 2 * hd,
+                               keys[q].begin() + (pos + len) * 2 * hd);
+          std::vector<float> v(values[q].begin() + pos * 2 * hd,
+                               values[q].begin() + (pos + len) * 2 * hd);
+          if (!decode) {  // a padding row
+            slots.push_back(-1);
+            const auto junk = Random(2 * hd, -100.f, 100.f);
+            k.insert(k.end(), junk.begin(), junk.end());
+            v.insert(v.end(), junk.begin(), junk.end());
+          }
+          const auto n_rows = static_cast<int64_t>(slots.size());
+          b.WriteKv(kl, pool, layer, mem.F32(k, {n_rows, 2, hd}), mem.F32(v, {n_rows, 2, hd}),
+                    mem.Up(slots));
+          pos += len;
+        }
+      }
+    }
+    Outputs outs = {mem.Down(kl.key_bounds, bound_floats)};
+    for (const int64_t k : {1, 8, 17, 0}) {
+      AttentionPlan plan;
+      plan.layout = kl;
+      plan.pool = pool;
+      plan.num_heads = num_heads;
+      plan.batch.num_seqs = seqs;
+      plan.batch.query_start = mem.Up(query_start);
+      plan.batch.context_lens = mem.Up(context_lens);
+      plan.batch.block_tables = mem.Up(tables);
+      plan.batch.max_blocks_per_seq = max_blocks;
+      plan.batch.num_tokens = rows;
+      plan.batch.quest_blocks = k;
+      b.PlanAttention(&plan);
+      const Tensor out = mem.Poisoned({rows, num_heads, hd});
+      b.PagedAttention(plan, layer, mem.F32(qs, {rows, num_heads, hd}), scale, out);
+      outs.push_back(mem.Down(out));
+    }
+    // The bounds again, from the pool's keys alone.
+    b.Upload(kl.key_bounds, std::vector<float>(bound_floats, NAN).data(), bound_floats * 4);
+    std::vector<int32_t> ids, counts;
+    for (int64_t q = 0; q < seqs; ++q) {
+      for (int64_t blk = 0; blk * 16 < context_lens[q]; ++blk) {
+        ids.push_back(tables[q * max_blocks + blk]);
+        counts.push_back(static_cast<int32_t>(std::min<int64_t>(16, context_lens[q] - blk * 16)));
+      }
+    }
+    b.ComputeKeyBounds(kl, pool, ids.data(), counts.data(), static_cast<int64_t>(ids.size()));
+    std::vector<float> recomputed = mem.Down(kl.key_bounds, bound_floats);
+    for (float& x : recomputed) x = std::isnan(x) ? 0.0f : x;  // blocks no sequence holds
+    outs.push_back(recomputed);
+    return outs;
+  };
+  for (const int64_t num_heads : {8, 20}) {
+    SCOPED_TRACE(std::to_string(num_heads) + " query heads");
+    const auto qs = Random(rows * num_heads * hd);
+    const Outputs want = run(reference_, num_heads, qs);
+    // The reference itself: K = 1, 8, 17 each differ from dense attention
+    // (index 4) on the Quest rows, and fp32 bounds recomputed from the pool
+    // equal those WriteKv kept.
+    for (int i = 1; i <= 3; ++i) EXPECT_NE(want[i], want[4]) << "output " << i;
+    if (GetParam() == DType::kF32) {
+      for (int64_t q = 0; q < seqs; ++q) {
+        for (int64_t blk = 0; blk * 16 < context_lens[q]; ++blk) {
+          const int64_t at = l.key_bounds_offset(tables[q * max_blocks + blk], layer, 1);
+          for (int64_t d = 0; d < 2 * hd; ++d) ASSERT_EQ(want[5][at + d], want[0][at + d]);
+        }
+      }
+    }
+    for (Target& t : targets_) {
+      SCOPED_TRACE(t.name);
+      const Outputs got = run(*t.backend, num_heads, qs);
+      ASSERT_EQ(got.size(), want.size());
+      ExpectClose("key bounds kept by WriteKv", got[0], want[0], 0);
+      for (int i = 1; i <= 4; ++i) {
+        ExpectClose("PagedAttention, Quest output " + std::to_string(i), got[i], want[i], 1e-5);
+      }
+      ExpectClose("ComputeKeyBounds", got[5], want[5], 0);
+    }
   }
 }
 
