@@ -271,7 +271,9 @@ TEST(UpTest, SnapKvFlagsReachTheWorkers) {
     if (evicted == 0) std::this_thread::sleep_for(200ms);
   }
   std::ifstream decode_log(dir + "/logs/decode-0.log");
-  EXPECT_GT(evicted, 0) << std::string(std::istreambuf_iterator<char>(decode_log), {});
+  const std::string decode(std::istreambuf_iterator<char>(decode_log), {});
+  EXPECT_NE(decode.find(", remote prefill,"), std::string::npos) << decode;
+  EXPECT_GT(evicted, 0) << decode;
   up.Signal(SIGTERM);
   EXPECT_TRUE(up.Wait(60s)) << up.Log();
 }
