@@ -21,6 +21,8 @@
 namespace pdserve::testing {
 namespace {
 
+using namespace std::chrono_literals;
+
 std::string Words(int n) {
   static const char* kWords[] = {"river", "stone", "light", "green", "north", "paper", "music"};
   std::string s;
@@ -246,6 +248,44 @@ TEST_F(SnapKvServingTest, RepeatedPromptIsAHitTheRouterPredicts) {
   EXPECT_EQ(
       LocalStack::Metric(stack_.http_port(), "pdserve_router_decisions_total", "remote_prefill"),
       2);
+}
+
+// A prefill worker whose pool has no room to compress into (11 blocks: the
+// prompt takes 10 or 11, the budget 2 more) keeps the prompt dense and says
+// so (PrefillDone.snapkv_dropped_tokens 0); the decode worker, which
+// reserved blocks for the compressed prompt only, does not take that KV:
+// it prefills and compresses the prompt itself, the text is still
+// `generate`'s, and no block stays held.
+TEST(SnapKvFallbackTest, UncompressedKvIsRefusedAndPrefilledLocally) {
+  LocalStack stack{"snapkv-fallback"};
+  stack.SetModel(ModelDir("snapkv-serving", *PresetModelSpec("tiny")));
+  stack.StartRouter({"--max-local-prefill", "16"});
+  std::vector<std::string> small = kSnapKv;
+  small.insert(small.end(),
+               {"--kv-cache-bytes", std::to_string(11 * static_cast<int>(kBlockBytes))});
+  WorkerProc& prefill = stack.StartWorker("prefill", small);
+  WorkerProc& decode = stack.StartWorker("decode", kSnapKv);
+  ASSERT_TRUE(stack.WaitReady());
+  const std::string prompt =
+      PromptWhere(30, stack.model(), [](int64_t p) { return p > 144 && p < 176; });
+  ExpectSameAsGenerate(stack, prompt, 20, kSnapKv);
+  EXPECT_TRUE(prefill.proc.WaitForLog(std::regex("no KV blocks to compress"), 10s))
+      << prefill.proc.Log();
+  EXPECT_TRUE(decode.proc.WaitForLog(
+      std::regex("prefill worker dropped 0 prompt tokens \\(SnapKV\\), [0-9]+ expected; "
+                 "prefilling locally"),
+      10s))
+      << decode.proc.Log();
+  EXPECT_TRUE(decode.proc.WaitForLog(std::regex(R"(done: .*local prefill)"), 10s))
+      << decode.proc.Log();
+  double held = -1, used = -1;
+  for (int i = 0; i < 50 && (held != 0 || used != 0); ++i) {
+    held = LocalStack::Metric(decode.metrics_port, "pdserve_kv_blocks_held_for_peers");
+    used = LocalStack::Metric(decode.metrics_port, "pdserve_kv_cache_usage_ratio");
+    if (held != 0 || used != 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_EQ(held, 0);
+  EXPECT_EQ(used, 0);
 }
 
 // A worker without the mode never pairs with one with it: the router
