@@ -285,7 +285,11 @@ std::unique_ptr<Engine::Sequence> Engine::NewSequence(EngineRequest r) {
   s->hash_seed = BlockHashSeed(model_id_, r.cache_salt);
   s->arrival = next_arrival_++;
   s->prefill_only = r.prefill_only;
-  s->stream_kv_blocks = r.prefill_only && r.stream_kv_blocks;
+  // A prompt SnapKV compresses hands off only its compressed blocks, which
+  // exist once the prompt is done: none of its full blocks is streamed.
+  const KvEviction& ev = model_->config().kv_eviction;
+  const bool compresses = ev.mode == KvEviction::Mode::kSnapKv && s->prompt_len > ev.budget_tokens;
+  s->stream_kv_blocks = r.prefill_only && r.stream_kv_blocks && !compresses;
   if (r.grammar) s->matcher.emplace(std::move(r.grammar));
   s->share_prompt_with = r.share_prompt_with;
   if (tokenizer_ != nullptr) {
@@ -353,6 +357,7 @@ void Engine::FinishSequence(Sequence* s, FinishReason reason, RequestOutput* out
       for (const BlockSlot& slot : out->kv_slots) {
         if (slot.group == 0) out->kv_blocks.push_back(slot.block);
       }
+      out->snapkv_dropped_tokens = s->kv_shift;
     }
   }
   if (blocks_->HasSequence(s->id)) {
@@ -540,8 +545,8 @@ int64_t Engine::snapkv_window() const { return model_->config().kv_eviction.obse
 
 bool Engine::SnapKvPending(const Sequence& s) const {
   const KvEviction& ev = model_->config().kv_eviction;
-  return ev.mode == KvEviction::Mode::kSnapKv && !s.compressed && !s.prefill_only &&
-         s.prompt_len > ev.budget_tokens && s.num_computed < s.prompt_len;
+  return ev.mode == KvEviction::Mode::kSnapKv && !s.compressed && s.prompt_len > ev.budget_tokens &&
+         s.num_computed < s.prompt_len;
 }
 
 int64_t Engine::SnapKvChunk(const Sequence& s, int64_t n) const {
@@ -927,21 +932,25 @@ StatusOr<RemotePrefillPlan> Engine::AddRemotePrefillRequest(EngineRequest reques
   if (request.prefill_only) {
     return Status::InvalidArgument("a remote-prefill request cannot be prefill_only");
   }
-  if (model_->config().kv_eviction.mode == KvEviction::Mode::kSnapKv) {
-    return Status::Unsupported(
-        "--kv-eviction snapkv: a compressed prompt does not cross a disaggregated hand-off yet");
-  }
   auto seq = NewSequence(std::move(request));
   Sequence* s = seq.get();
-  const std::vector<BlockHash> hashes = PrefixHashes(*s);
+  std::vector<BlockHash> hashes = PrefixHashes(*s);
+  // SnapKV: a prompt over the budget arrives compressed, B cache indices in
+  // blocks of the request's own (nothing cached here can stand for them).
+  const KvEviction& ev = model_->config().kv_eviction;
+  if (ev.mode == KvEviction::Mode::kSnapKv && s->prompt_len > ev.budget_tokens) {
+    hashes.clear();
+    s->kv_shift = s->prompt_len - ev.budget_tokens;
+  }
+  const auto kv_tokens = static_cast<size_t>(s->prompt_len - s->kv_shift);
   AdmitRequest req;
   req.seq = s->id;
   req.prefix_hashes = hashes;
-  req.num_tokens = static_cast<size_t>(s->prompt_len);
+  req.num_tokens = kv_tokens;
   req.prompt_tokens_for_stats = 0;  // blocks received by transfer are not hits
   // The peer writes the whole prompt: windowed groups need only what the
   // first decode query reaches.
-  req.computed_tokens = static_cast<size_t>(s->prompt_len);
+  req.computed_tokens = kv_tokens;
   auto admitted = blocks_->Admit(req);
   if (!admitted.ok()) return admitted.status();
   s->num_computed = static_cast<int64_t>(admitted->num_cached_tokens);
@@ -955,6 +964,7 @@ StatusOr<RemotePrefillPlan> Engine::AddRemotePrefillRequest(EngineRequest reques
   plan.first_block_to_fill = admitted->num_cached_blocks;
   plan.num_cached_tokens = s->num_computed;
   plan.fill = admitted->to_fill;
+  plan.snapkv_dropped_tokens = s->kv_shift;
   requests_.emplace(s->id, std::move(seq));
   return plan;
 }
@@ -989,7 +999,9 @@ StatusOr<RequestOutput> Engine::CompleteRemotePrefill(RequestId id, TokenId firs
     model_->backend()->ComputeKeyBounds(pool_->layout(), pool_->base(), ids.data(), tokens.data(),
                                         static_cast<int64_t>(ids.size()));
   }
-  if (options_.enable_prefix_caching) {
+  // A compressed prompt's blocks are private: never committed.
+  s->compressed = s->kv_shift > 0;
+  if (options_.enable_prefix_caching && !s->compressed) {
     ExtendPromptHashes(s->hash_seed, std::span<const TokenId>(s->tokens.data(), s->num_computed),
                        static_cast<size_t>(options_.block_size), &s->hashes);
     PDSERVE_RETURN_IF_ERROR(blocks_->CommitBlocks(s->id, s->hashes));
@@ -1024,6 +1036,7 @@ StatusOr<std::optional<PinId>> Engine::FailRemotePrefill(RequestId id, bool hold
   PDSERVE_RETURN_IF_ERROR(blocks_->Free(id));
   s->num_computed = 0;
   s->hashes.clear();
+  s->kv_shift = 0;  // a local prefill compresses the prompt itself
   // Its local prefill is its first admission for the prefix-cache counters
   // (the remote attempt counted nothing: received blocks are not hits).
   s->admitted_once = false;

@@ -57,7 +57,12 @@
 // lower tiers with a mode. SnapKV (--kv-eviction snapkv, engine/snapkv.h)
 // runs a prompt over the budget with its last W tokens in one chunk, then
 // gathers the positions each layer and KV head keeps into blocks of the
-// request's own (its prompt blocks stay cached); remote prefill is refused.
+// request's own (its prompt blocks stay cached). Across a hand-off a prompt
+// over the budget travels compressed: the prefill side compresses it as a
+// local request would and sends only the B cache indices' blocks
+// (RequestOutput::snapkv_dropped_tokens), the decode side reserves that many
+// fresh blocks (RemotePrefillPlan::snapkv_dropped_tokens) and continues
+// from them; neither streams nor caches the compressed blocks.
 //
 // Thread safety: none. One thread drives an engine (AddRequest, Step,
 // Cancel, ...); block_manager() is safe to read from other threads.
@@ -186,6 +191,13 @@ struct RequestOutput {
   // The same blocks with their layer group and index, for every group.
   std::vector<BlockSlot> kv_slots;
   std::optional<PinId> kv_pin;
+  // SnapKV, prefill_only requests, on their last output: the prompt tokens
+  // the compression dropped (P - B; the kv_slots then hold cache indices
+  // 0..B-1, each layer and KV head its own kept positions in order, and
+  // position p decodes at cache index p - snapkv_dropped_tokens). 0: the
+  // slots hold the whole prompt by position (within the budget, or no
+  // blocks were free to compress into).
+  int64_t snapkv_dropped_tokens = 0;
 };
 
 struct RemotePrefillPlan {
@@ -194,6 +206,10 @@ struct RemotePrefillPlan {
   int64_t num_cached_tokens = 0;   // = first_block_to_fill * block_size
   // Every block the peer writes, by index then layer group.
   std::vector<BlockSlot> fill;
+  // SnapKV, a prompt over the budget: the peer must send it compressed
+  // (RequestOutput::snapkv_dropped_tokens equal to this, P - B), into
+  // ceil(B / block_size) fresh blocks; 0: the prompt's KV by position.
+  int64_t snapkv_dropped_tokens = 0;
 };
 
 // What the lower KV tiers did (all 0 without tiers).

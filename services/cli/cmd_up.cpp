@@ -308,11 +308,7 @@ int RunUp(int argc, char** argv) {
   if (decode_metrics_port > 0 && decode_metrics_port + decode - 1 > 65535)
     UsageError("up", "--decode-metrics-port leaves no room for every decode worker");
   (void)structured.OptionsOrExit("up");  // out-of-range values fail here, not in a child
-  if (eviction.EvictionOrExit("up").mode == KvEviction::Mode::kSnapKv && prefill > 0) {
-    UsageError("up",
-               "--kv-eviction snapkv: a compressed prompt does not cross a disaggregated "
-               "hand-off yet; run it with --prefill 0 (decode workers prefill locally)");
-  }
+  (void)eviction.EvictionOrExit("up");   // bad budgets fail here, not in a child
   if (threads < 0) UsageError("up", "--threads must not be negative");
   if (tensor_parallel < 1 || tensor_parallel > 8)
     UsageError("up", "--tensor-parallel must be 1 to 8, got " + std::to_string(tensor_parallel));

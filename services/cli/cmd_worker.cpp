@@ -111,13 +111,6 @@ int RunWorker(int argc, char** argv) {
   auto parsed_role = ParseRole(role);
   if (!parsed_role.ok()) UsageError("worker", "--role: " + parsed_role.status().message());
   o.role = *parsed_role;
-  if (o.role == Role::kPrefill &&
-      eviction.EvictionOrExit("worker").mode == KvEviction::Mode::kSnapKv) {
-    // A decode worker with the mode prefills locally instead.
-    UsageError("worker",
-               "--kv-eviction snapkv: a compressed prompt does not cross a disaggregated "
-               "hand-off yet; run it on decode or both workers (they prefill locally)");
-  }
   if (o.model_dir.empty()) UsageError("worker", "--model is required");
   auto format = ParseLoadFormat(load_format);
   if (!format)

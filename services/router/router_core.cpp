@@ -228,6 +228,17 @@ int64_t RouterCore::KvSinkTokens() const {
   return sink_tokens_;
 }
 
+void RouterCore::SetSnapKv(int64_t budget_tokens, int64_t observation_window) {
+  std::lock_guard lock(mu_);
+  snapkv_budget_ = budget_tokens;
+  snapkv_window_ = observation_window;
+}
+
+std::pair<int64_t, int64_t> RouterCore::SnapKv() const {
+  std::lock_guard lock(mu_);
+  return {snapkv_budget_, snapkv_window_};
+}
+
 std::vector<int64_t> RouterCore::KvGroupWindows() const {
   std::lock_guard lock(mu_);
   return group_windows_;
@@ -313,13 +324,24 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
     return Status::InvalidArgument("request id " + std::to_string(request.request_id) +
                                    " is already in flight");
   }
+  // SnapKV: a prompt over the budget computes its observation window's
+  // queries whatever is cached, so no worker reuses the blocks from there
+  // on; the decode worker of a remote prefill receives the compressed
+  // prompt into blocks of the request's own, which it never caches.
+  std::span<const BlockHash> reusable = request.block_hashes;
+  const bool compresses = snapkv_budget_ > 0 && request.prompt_tokens > snapkv_budget_;
+  if (compresses) {
+    const auto cap =
+        static_cast<size_t>((request.prompt_tokens - snapkv_window_) / options_.block_tokens);
+    reusable = reusable.first(std::min(reusable.size(), cap));
+  }
   if (GroupedLocked()) {
     // Layer groups: the overlap is by group keys (OverlapLocked); lower
     // tiers are not predicted, so only the block counts are matched.
     index_.Match({}, now, &overlap_, &match_);
-    OverlapLocked(request.block_hashes, now, &overlap_);
+    OverlapLocked(reusable, now, &overlap_);
   } else {
-    index_.Match(request.block_hashes, now, &overlap_, &match_);
+    index_.Match(reusable, now, &overlap_, &match_);
   }
 
   // Whether a worker's context holds `tokens` (an unknown one is assumed to).
@@ -410,7 +432,7 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
     const int64_t expires = now + options_.pending_ttl_us;
     AddPendingLocked(r.prefiller, request.block_hashes.subspan(decision.prefill_overlap_blocks),
                      now, expires);
-    if (decision.prefill) {
+    if (decision.prefill && !compresses) {
       AddPendingLocked(r.decode, request.block_hashes.subspan(decision.decode_overlap_blocks), now,
                        expires);
     }

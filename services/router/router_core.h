@@ -216,6 +216,11 @@ class RouterCore {
   void SetKvGroupWindows(std::vector<int64_t> windows, int64_t sink_tokens = 0);
   std::vector<int64_t> KvGroupWindows() const;
   int64_t KvSinkTokens() const;
+  // SnapKV (--kv-eviction snapkv), as its workers register it: a prompt of
+  // P > budget tokens reuses at most (P - window) / block_tokens cached
+  // blocks, so its predicted prefix stops there. 0, 0: no SnapKV.
+  void SetSnapKv(int64_t budget_tokens, int64_t observation_window);
+  std::pair<int64_t, int64_t> SnapKv() const;
   // The prefix each worker slot can start `hashes` from (LeadingOverlap or
   // GroupedOverlap per the groups), pending entries after now_us counted.
   void Overlap(std::span<const BlockHash> hashes, int64_t now_us, std::vector<uint32_t>* out) const;
@@ -322,6 +327,7 @@ class RouterCore {
   std::vector<uint32_t> overlap_;
   std::vector<int64_t> group_windows_;
   int64_t sink_tokens_ = 0;
+  int64_t snapkv_budget_ = 0, snapkv_window_ = 0;
   std::vector<BlockHash> pending_keys_;
   std::vector<PrefixIndex::WorkerMatch> match_;  // per worker slot, with overlap_
   std::vector<Candidate> candidates_;

@@ -47,6 +47,11 @@ double SecondsSince(Clock::time_point t) {
 // own limit, with finish_reason "length".
 constexpr int64_t kMaxTokensWhenContextUnknown = 4096;
 
+// A registered SnapKV budget above this is refused: past any context an
+// engine runs (2^20 tokens with attention sinks), so only a broken or
+// hostile worker sends it.
+constexpr int64_t kMaxSnapKvBudgetTokens = int64_t{1} << 24;
+
 int64_t UnixSeconds() {
   return std::chrono::duration_cast<std::chrono::seconds>(
              std::chrono::system_clock::now().time_since_epoch())
@@ -1209,6 +1214,27 @@ class RouterServiceImpl : public RouterService {
       }
       group_windows = std::move(windows);
     }
+    // SnapKV's budget and window decide which cached prefix a long prompt
+    // reuses: one rule per router, and a budget that can hold its window.
+    const int64_t snapkv_budget = reg.kv_snapkv_budget_tokens(),
+                  snapkv_window = reg.kv_snapkv_observation_window();
+    if (snapkv_budget > kMaxSnapKvBudgetTokens ||
+        (snapkv_budget == 0 ? snapkv_window != 0
+                            : snapkv_window < 1 || snapkv_window > snapkv_budget)) {
+      metrics_.control_rejected.Add({{"reason", "registration_invalid"}}).Increment();
+      return RefuseLocked(
+          link, "kv_snapkv_budget_tokens " + std::to_string(snapkv_budget) +
+                    " with kv_snapkv_observation_window " + std::to_string(snapkv_window) +
+                    ": the window must be in [1, budget] and the budget at most " +
+                    std::to_string(kMaxSnapKvBudgetTokens) + " (both 0 without SnapKV)");
+    }
+    if (const auto known = core_->SnapKv();
+        kv_groups_known_ && known != std::pair{snapkv_budget, snapkv_window}) {
+      return RefuseLocked(link, "SnapKV budget/window: " + std::to_string(snapkv_budget) + "/" +
+                                    std::to_string(snapkv_window) + " on the worker, " +
+                                    std::to_string(known.first) + "/" +
+                                    std::to_string(known.second) + " on the router");
+    }
     if (reg.kv_capacity_blocks() == 0 ||
         reg.kv_capacity_blocks() > static_cast<uint64_t>(opts_.max_snapshot_blocks)) {
       metrics_.control_rejected.Add({{"reason", "registration_invalid"}}).Increment();
@@ -1226,6 +1252,7 @@ class RouterServiceImpl : public RouterService {
     if (!kv_groups_known_) {
       kv_groups_known_ = true;
       core_->SetKvGroupWindows(std::move(group_windows), reg.kv_sink_tokens());
+      core_->SetSnapKv(snapkv_budget, snapkv_window);
     }
     link.id = *id;
     link.role = *role;

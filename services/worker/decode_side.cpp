@@ -53,6 +53,7 @@ struct DecodeSide::Request {
   std::string prefill_rid;                  // id used with the prefill peer
   WorkerClock::time_point remote_give_up;   // transfer deadline + grace
   std::vector<BlockId> to_fill;             // reserved blocks the peer must write, in order
+  int64_t snapkv_dropped_tokens = 0;        // the compression the peer must send (SnapKV)
   std::unordered_set<BlockId> unannounced;  // of to_fill, not yet in a KvWrite of the peer
   int pending_receives = 0;
   std::string failure;                     // first reason the hand-off cannot succeed
@@ -142,15 +143,14 @@ void DecodeSide::Admit(const ConnectionPtr& router, proto::Generate g,
 
   // The router decided: a named prefill worker means remote prefill.
   std::optional<proto::Envelope> prefill;
-  // SnapKV: a compressed prompt does not cross a hand-off yet, so such a
-  // worker prefills locally whatever the router chose.
-  if (!g.prefill_address().empty() && ctx_->opts->kv_eviction.mode != KvEviction::Mode::kSnapKv) {
+  if (!g.prefill_address().empty()) {
     EngineRequest copy = req;
     auto plan = ctx_->engine->AddRemotePrefillRequest(std::move(copy));
     if (!plan.ok()) return reject(plan.status());
     r->remote = true;
     r->prefill_address = g.prefill_address();
     r->cached_tokens = plan->num_cached_tokens;
+    r->snapkv_dropped_tokens = plan->snapkv_dropped_tokens;
     r->prefill_rid = NewUnguessableId();
     const int64_t timeout_ms = ctx_->opts->prefill_timeout_ms;
     r->remote_give_up = WorkerClock::now() + std::chrono::milliseconds(timeout_ms) +
@@ -473,6 +473,13 @@ void DecodeSide::TrySettleRemote(RequestId id) {
   if (r.failure.empty() && !r.unannounced.empty()) {
     r.failure = "prefill worker wrote " + std::to_string(r.to_fill.size() - r.unannounced.size()) +
                 " of " + std::to_string(r.to_fill.size()) + " blocks";
+  }
+  // SnapKV: the blocks reserved hold the compressed prompt only; a peer that
+  // could not compress (no blocks free) sent something else.
+  if (r.failure.empty() && r.done->ok() &&
+      static_cast<int64_t>(r.done->snapkv_dropped_tokens()) != r.snapkv_dropped_tokens) {
+    r.failure = "prefill worker dropped " + std::to_string(r.done->snapkv_dropped_tokens()) +
+                " prompt tokens (SnapKV), " + std::to_string(r.snapkv_dropped_tokens) + " expected";
   }
   if (r.failure.empty() && r.done->ok()) return CompleteRemote(id);
   FallBackToLocal(id);

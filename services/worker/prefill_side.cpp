@@ -268,6 +268,7 @@ bool PrefillSide::HandleOutput(RequestOutput& out) {
       }
     }
     d->set_cached_tokens(static_cast<uint32_t>(out.num_cached_tokens));
+    d->set_snapkv_dropped_tokens(static_cast<uint32_t>(out.snapkv_dropped_tokens));
     WriteBlocks(job, out.kv_slots, out.kv_pin);
   } else {
     ReleasePin(out.kv_pin);

@@ -394,6 +394,11 @@ class WorkerServiceImpl : public WorkerService {
       for (int64_t w : groups.windows) r->add_kv_group_windows(static_cast<uint32_t>(w));
       r->set_kv_sink_tokens(static_cast<uint32_t>(groups.sink_tokens));
     }
+    if (opts_.kv_eviction.mode == KvEviction::Mode::kSnapKv) {
+      r->set_kv_snapkv_budget_tokens(static_cast<uint32_t>(opts_.kv_eviction.budget_tokens));
+      r->set_kv_snapkv_observation_window(
+          static_cast<uint32_t>(opts_.kv_eviction.observation_window));
+    }
     r->set_structured_outputs(true);
     r->set_parallel_sampling(true);
     (void)c->Send(std::move(e));

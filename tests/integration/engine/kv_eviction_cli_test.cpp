@@ -148,10 +148,6 @@ TEST(KvEvictionCliTest, BadModesAndBudgetsExitTwoNamingTheFlag) {
        "--kv-budget-tokens"},
       {"generate --model " + mla + " --prompt hi --kv-eviction snapkv --kv-budget-tokens 32",
        "MLA"},
-      {"worker --model " + ShortModel() +
-           " --role prefill --router 127.0.0.1:1 --insecure-control-plane --kv-eviction snapkv "
-           "--kv-budget-tokens 32",
-       "hand-off"},
   };
   for (const auto& [args, needle] : cases) {
     SCOPED_TRACE(args);

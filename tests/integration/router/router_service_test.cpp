@@ -29,10 +29,11 @@ constexpr auto kWait = std::chrono::seconds(20);
 class FakeWorker {
  public:
   // `windows` and `sinks`: the KV layer groups it registers (a windowed
-  // model, attention sinks).
+  // model, attention sinks); `snapkv`: its SnapKV budget and window.
   FakeWorker(control::EventLoop* loop, int router_port, const std::string& model_id,
              const std::string& name, proto::Role role, uint32_t max_model_len,
-             std::vector<uint32_t> windows = {}, uint32_t sinks = 0)
+             std::vector<uint32_t> windows = {}, uint32_t sinks = 0,
+             std::pair<uint32_t, uint32_t> snapkv = {0, 0})
       : name_(name) {
     control::ClientOptions co;
     co.connection.role = role;
@@ -51,6 +52,8 @@ class FakeWorker {
       r->set_max_model_len(max_model_len);
       for (uint32_t w : windows) r->add_kv_group_windows(w);
       r->set_kv_sink_tokens(sinks);
+      r->set_kv_snapkv_budget_tokens(snapkv.first);
+      r->set_kv_snapkv_observation_window(snapkv.second);
       (void)c->Send(std::move(env));
     };
     h.on_message = [this](const control::ConnectionPtr& c, proto::Envelope& e) {
@@ -200,6 +203,32 @@ TEST_F(RouterServiceTest, WorkersWithOtherSinksAreRefused) {
                                                   "sinks-4-again", proto::ROLE_BOTH, 1 << 20,
                                                   std::vector<uint32_t>{32}, 4));
   EXPECT_TRUE(workers_.back()->WaitRegistered());
+}
+
+// Workers with SnapKV (--kv-eviction snapkv) register its budget and
+// window, which decide the cached prefix a long prompt reuses: a worker
+// whose pair differs from the first's (or that has none) is refused, so
+// one router's pool never mixes them, and so is a pair no worker can run.
+TEST_F(RouterServiceTest, WorkersWithOtherSnapKvBudgetsAreRefused) {
+  auto add = [&](const std::string& name, std::pair<uint32_t, uint32_t> snapkv) {
+    workers_.push_back(std::make_unique<FakeWorker>(&loop_, service_->control_port(), model_id_,
+                                                    name, proto::ROLE_BOTH, 4096,
+                                                    std::vector<uint32_t>{}, 0, snapkv));
+    return workers_.back().get();
+  };
+  ASSERT_TRUE(add("snapkv-32-8", {32, 8})->WaitRegistered());
+  // Refused whatever came first: hostile or impossible pairs.
+  std::vector<FakeWorker*> refused = {add("window-0", {32, 0}),    add("window-over", {32, 33}),
+                                      add("no-budget", {0, 8}),    add("huge", {1u << 30, 8}),
+                                      add("snapkv-64-8", {64, 8}), add("snapkv-32-4", {32, 4}),
+                                      add("dense", {0, 0})};
+  // They all connected at once: once the first has waited, the rest have had as long.
+  auto wait = std::chrono::milliseconds(1500);
+  for (FakeWorker* w : refused) {
+    EXPECT_FALSE(w->WaitRegistered(wait));
+    wait = std::chrono::milliseconds(50);
+  }
+  EXPECT_TRUE(add("snapkv-32-8-again", {32, 8})->WaitRegistered());
 }
 
 TEST_F(RouterServiceTest, PrefillAddressOnlyForTheRoutersRemoteDecision) {

@@ -67,8 +67,8 @@ void LocalStack::RestartRouter(const std::vector<std::string>& extra) {
   StartRouter(extra, control_port_);
 }
 
-WorkerProc& LocalStack::StartWorker(const std::string& role,
-                                    const std::vector<std::string>& extra) {
+WorkerProc& LocalStack::StartWorker(const std::string& role, const std::vector<std::string>& extra,
+                                    bool expect_synced) {
   auto w = std::make_unique<WorkerProc>();
   w->id = role + std::to_string(workers_.size());
   w->role = role;
@@ -90,9 +90,11 @@ WorkerProc& LocalStack::StartWorker(const std::string& role,
   EXPECT_TRUE(port) << w->proc.Log();
   if (port) w->metrics_port = std::stoi(*port);
   // Registered and synced at the router.
-  EXPECT_TRUE(
-      router_.WaitForLog(std::regex("worker " + w->id + " synced"), std::chrono::seconds(30)))
-      << router_.Log() << w->proc.Log();
+  if (expect_synced) {
+    EXPECT_TRUE(
+        router_.WaitForLog(std::regex("worker " + w->id + " synced"), std::chrono::seconds(30)))
+        << router_.Log() << w->proc.Log();
+  }
   workers_.push_back(std::move(w));
   return *workers_.back();
 }

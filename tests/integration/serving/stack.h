@@ -48,8 +48,11 @@ class LocalStack {
   // SIGKILLs the router and starts a new one on the same control port (the
   // workers reconnect to it on their own); `extra` as for StartRouter.
   void RestartRouter(const std::vector<std::string>& extra = {});
-  // Starts a worker and waits until the router lists it as synced.
-  WorkerProc& StartWorker(const std::string& role, const std::vector<std::string>& extra = {});
+  // Starts a worker and waits until the router lists it as synced (with
+  // `expect_synced` false: only until it serves metrics, for a worker the
+  // router is to refuse).
+  WorkerProc& StartWorker(const std::string& role, const std::vector<std::string>& extra = {},
+                          bool expect_synced = true);
   // Workers started from now on run under `prefix`, e.g. `ip netns exec NAME`
   // to place them in a network namespace (empty: run directly).
   void SetWorkerLauncher(std::vector<std::string> prefix) { worker_launcher_ = std::move(prefix); }

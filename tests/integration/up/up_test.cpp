@@ -240,14 +240,14 @@ TEST(UpTest, EvictionFlagsReachTheWorkers) {
   EXPECT_TRUE(up.Wait(60s)) << up.Log();
 }
 
-// SnapKV on a decode worker that prefills locally: a prompt over the budget
-// is compressed, and the worker counts the tokens it released.
+// SnapKV with a prefill and a decode worker: a prompt over the budget is
+// compressed by the prefill worker, which counts the tokens it released.
 TEST(UpTest, SnapKvFlagsReachTheWorkers) {
   const std::string dir = NewTempDir("up-snapkv");
-  ChildProcess up =
-      ChildProcess::Start(UpArgs(dir, {"--prefill", "0", "--decode", "1", "--kv-eviction", "snapkv",
-                                       "--kv-budget-tokens", "16", "--kv-observation-window", "4"}),
-                          dir + "/up.log");
+  ChildProcess up = ChildProcess::Start(
+      UpArgs(dir, {"--prefill", "1", "--decode", "1", "--max-local-prefill", "0", "--kv-eviction",
+                   "snapkv", "--kv-budget-tokens", "16", "--kv-observation-window", "4"}),
+      dir + "/up.log");
   ASSERT_TRUE(up.WaitForLog(std::regex("Ctrl-C stops the stack"), 120s)) << up.Log();
   const std::string log = up.Log();
   std::smatch port;
@@ -271,7 +271,9 @@ TEST(UpTest, SnapKvFlagsReachTheWorkers) {
     if (evicted == 0) std::this_thread::sleep_for(200ms);
   }
   std::ifstream decode_log(dir + "/logs/decode-0.log");
-  EXPECT_GT(evicted, 0) << std::string(std::istreambuf_iterator<char>(decode_log), {});
+  const std::string decode(std::istreambuf_iterator<char>(decode_log), {});
+  EXPECT_NE(decode.find(", remote prefill,"), std::string::npos) << decode;
+  EXPECT_GT(evicted, 0) << decode;
   up.Signal(SIGTERM);
   EXPECT_TRUE(up.Wait(60s)) << up.Log();
 }
@@ -291,7 +293,7 @@ TEST(UpTest, BadFlagsAreUsageErrors) {
             "0"},
            {"--kv-eviction", "sinks"},
            {"--kv-window-tokens", "32"},
-           {"--kv-eviction", "snapkv", "--kv-budget-tokens", "32"},  // with a prefill worker
+           {"--kv-eviction", "snapkv", "--kv-budget-tokens", "16", "--kv-observation-window", "32"},
        }) {
     std::vector<std::string> argv = {kPdserve, "up"};
     argv.insert(argv.end(), args.begin(), args.end());

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "common/kv_eviction.h"
 #include "engine/engine.h"
@@ -299,15 +300,107 @@ TEST(EngineSnapKvTest, RefusesWhatItCannotRun) {
   auto scaled = Engine::Create(l.model.get(), o);
   ASSERT_FALSE(scaled.ok());
   EXPECT_NE(scaled.status().message().find("--kv-dtype"), std::string::npos);
-  o.kv_dtype = DType::kF32;
-  auto e = Engine::Create(l.model.get(), o);
-  ASSERT_TRUE(e.ok()) << e.status().ToString();
-  EngineRequest r;
-  r.id = 1;
-  r.prompt = RandomTokens(100, Spec().vocab_size(), 9);
-  auto remote = (*e)->AddRemotePrefillRequest(std::move(r));
-  ASSERT_FALSE(remote.ok());
-  EXPECT_NE(remote.status().message().find("hand-off"), std::string::npos);
+}
+
+// Disaggregated: a prefill engine compresses the prompt as a local one
+// would and hands out only the budget's blocks (never streaming the full
+// ones); the decode engine reserves that many blocks, takes the copied
+// bytes (a memcpy standing in for the transport) and decodes exactly what
+// one engine alone decodes. The full prompt stays in the prefill engine's
+// prefix cache; nothing of the compressed prompt is cached on either side.
+// A prompt within the budget crosses as dense.
+TEST(EngineSnapKvTest, RemotePrefillHandsOffOnlyTheCompressedBlocks) {
+  const int64_t B = 32, W = 8, bs = 8;
+  Loaded l = Load(SnapKv(B, W));
+  ASSERT_NE(l.model, nullptr);
+  EngineOptions o;
+  o.block_size = bs;
+  o.max_num_batched_tokens = 16;
+  o.kv_cache_bytes = 8 << 20;
+  auto make = [&] {
+    auto e = Engine::Create(l.model.get(), o);
+    EXPECT_TRUE(e.ok()) << e.status().ToString();
+    return std::move(*e);
+  };
+  for (int64_t P : {70, 24}) {
+    SCOPED_TRACE("prompt " + std::to_string(P));
+    const auto prompt = RandomTokens(P, Spec().vocab_size(), 40 + P);
+    auto alone = make();
+    const auto expected = Generate(*alone, 1, prompt, 30);
+    ASSERT_EQ(expected.sampled.size(), 30u);
+    const int64_t dropped = P > B ? P - B : 0, kv_tokens = P - dropped;
+
+    auto prefill = make(), decode = make();
+    EngineRequest r;
+    r.id = 1;
+    r.prompt = prompt;
+    r.params.temperature = 0;
+    r.params.max_tokens = 30;
+    r.params.ignore_eos = true;
+    r.params.logprobs = 0;
+    auto plan = decode->AddRemotePrefillRequest(r);
+    ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+    EXPECT_EQ(plan->snapkv_dropped_tokens, dropped);
+    EXPECT_EQ(plan->first_block_to_fill, 0u);
+    ASSERT_EQ(plan->fill.size(), static_cast<size_t>((kv_tokens + bs - 1) / bs));
+
+    r.prefill_only = true;
+    r.stream_kv_blocks = true;  // asked for, yet a compressed prompt streams nothing
+    ASSERT_TRUE(prefill->AddRequest(r).ok());
+    RequestOutput done;
+    while (prefill->HasUnfinished()) {
+      auto step = prefill->Step();
+      ASSERT_TRUE(step.ok()) << step.status().ToString();
+      for (auto& out : *step) {
+        if (out.finished) {
+          done = std::move(out);
+        } else if (out.kv_pin) {
+          EXPECT_EQ(dropped, 0) << "a compressed prompt streamed its full blocks";
+          ASSERT_TRUE(prefill->ReleaseKvBlocks(*out.kv_pin).ok());
+        }
+      }
+    }
+    ASSERT_EQ(done.new_token_ids.size(), 1u);
+    EXPECT_EQ(done.new_token_ids[0], expected.sampled[0].token);
+    EXPECT_EQ(done.snapkv_dropped_tokens, dropped);
+    ASSERT_TRUE(done.kv_pin.has_value());
+    ASSERT_EQ(done.kv_slots.size(), plan->fill.size());
+    const int64_t bytes = prefill->kv_pool().bytes_per_block();
+    for (const BlockSlot& to : plan->fill) {
+      auto from = std::find_if(done.kv_slots.begin(), done.kv_slots.end(),
+                               [&](const BlockSlot& s) { return s.index == to.index; });
+      ASSERT_NE(from, done.kv_slots.end());
+      std::memcpy(decode->kv_pool().block(to.block), prefill->kv_pool().block(from->block),
+                  static_cast<size_t>(bytes));
+    }
+    ASSERT_TRUE(prefill->ReleaseKvBlocks(*done.kv_pin).ok());
+    const BlockManagerStats ps = prefill->GetStats().blocks;
+    EXPECT_EQ(ps.used_blocks, 0u);
+    EXPECT_EQ(ps.cached_blocks, static_cast<size_t>(P / bs));  // the full prompt's blocks
+    EXPECT_EQ(prefill->GetStats().snapkv_evicted_tokens, static_cast<uint64_t>(dropped));
+
+    auto first = decode->CompleteRemotePrefill(1, done.new_token_ids[0], done.logprobs[0]);
+    ASSERT_TRUE(first.ok()) << first.status().ToString();
+    std::vector<SampledToken> got = first->logprobs;
+    while (decode->HasUnfinished()) {
+      auto step = decode->Step();
+      ASSERT_TRUE(step.ok()) << step.status().ToString();
+      for (const auto& out : *step) got.insert(got.end(), out.logprobs.begin(), out.logprobs.end());
+    }
+    ASSERT_EQ(got.size(), expected.sampled.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_EQ(got[i].token, expected.sampled[i].token) << i;
+      EXPECT_NEAR(got[i].logprob, expected.sampled[i].logprob, 1e-5) << i;
+    }
+    const BlockManagerStats ds = decode->GetStats().blocks;
+    EXPECT_EQ(ds.used_blocks, 0u);
+    // A compressed prompt is private: nothing of it enters the cache.
+    if (dropped > 0) {
+      EXPECT_EQ(ds.cached_blocks, 0u);
+    }
+    ASSERT_TRUE(decode->block_manager().CheckInvariants().ok());
+    ASSERT_TRUE(prefill->block_manager().CheckInvariants().ok());
+  }
 }
 
 }  // namespace

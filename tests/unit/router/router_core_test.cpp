@@ -216,6 +216,34 @@ TEST(RouterCoreTest, ConditionalDisaggregation) {
   EXPECT_EQ(s.local_prefill, 2u);
 }
 
+// SnapKV: a prompt over the budget computes its observation window's
+// queries whatever is cached, so the predicted prefix stops at
+// (P - W) / block blocks; a prompt within the budget reuses the whole
+// cached prefix as without the mode.
+TEST(RouterCoreTest, SnapKvPredictsOnlyThePrefixBeforeTheObservationWindow) {
+  RouterOptions o = Policy("kv");
+  o.max_local_prefill = 1000;
+  Fixture f(o, {Role::kDecode});
+  f.core->SetSnapKv(64, 24);
+  EXPECT_EQ(f.core->SnapKv(), (std::pair<int64_t, int64_t>{64, 24}));
+  f.Store(0, Prompt(500, 10));
+  // 165 tokens, 10 blocks cached: (165 - 24) / 16 = 8 of them reusable.
+  RouteDecision d = f.Route(1, Prompt(500, 10), /*extra=*/5);
+  EXPECT_EQ(d.decode_overlap_blocks, 8);
+  EXPECT_EQ(d.prefill_tokens, 165 - 8 * kBlock);
+  // 176 tokens: (176 - 24) / 16 = 9.
+  d = f.Route(2, Prompt(500, 10), /*extra=*/16);
+  EXPECT_EQ(d.decode_overlap_blocks, 9);
+  // Within the budget (63 tokens): every cached block.
+  f.Store(0, Prompt(900, 3));
+  d = f.Route(3, Prompt(900, 3), /*extra=*/15);
+  EXPECT_EQ(d.decode_overlap_blocks, 3);
+  EXPECT_EQ(f.core->stats().predicted_hit_tokens, static_cast<uint64_t>((8 + 9 + 3) * kBlock));
+  // Without the mode the same prompt reuses all 10.
+  f.core->SetSnapKv(0, 0);
+  EXPECT_EQ(f.Route(4, Prompt(500, 10), /*extra=*/5).decode_overlap_blocks, 10);
+}
+
 TEST(RouterCoreTest, OneRemotePrefillThresholdWithOneDefault) {
   // The router's decision is the only one: 512 uncached tokens by default,
   // counted after the decode worker's own cached prefix.
