@@ -117,7 +117,7 @@ TEST(TensorParallelTest, LmHeadVocabParallelOrReplicatedEqualsOneRank) {
   ModelSpec tied = *PresetModelSpec("tiny");
   tied.tie_word_embeddings = true;
   ModelSpec odd = *PresetModelSpec("qwen3");
-  odd.num_merges -= 1;  // vocab 511: no size above 1 divides it
+  odd.num_merges -= 1;  // vocab 511: neither 2 nor 4 divides it
   struct Case {
     std::string dir;
     int64_t vocab;
