@@ -52,9 +52,10 @@ struct CapacityRequest {
   int64_t block_size = 16;     // tokens per KV block (what a windowed layer keeps is whole blocks)
   // Tensor parallelism (docs/tensor-parallel.md): a worker of this many
   // devices, each with gpu_mem_gib. Each holds replicated_weights_gib of the
-  // weights whole (embedding, LM head) and its 1/N share of the rest; KV
-  // heads are split across the devices, or replicated (one per device) when
-  // there are fewer than devices; MLA's latent is cached on every device.
+  // weights whole (the embedding; the LM head where N does not divide the
+  // vocabulary) and its 1/N share of the rest; KV heads are split across
+  // the devices, or replicated (one per device) when there are fewer than
+  // devices; MLA's latent is cached on every device.
   int64_t tensor_parallel = 1;
   double replicated_weights_gib = 0;
   // SnapKV (--kv-eviction snapkv, docs/kv-eviction.md): the context is a

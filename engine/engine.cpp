@@ -3,6 +3,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <map>
 #include <optional>
 
 #include "common/kv_groups.h"
@@ -106,6 +107,30 @@ Status CheckEvictionFits(const KvEviction& ev, const EngineOptions& options, int
   return Status::Ok();
 }
 
+// Every rank's KV pool against the free memory of its device (ranks on one
+// device add up), before any is allocated: a device that falls short is
+// named, with what it has and what its ranks need, in one line.
+Status CheckPoolsFit(const std::vector<Model*>& ranks, int64_t pool_bytes) {
+  std::map<std::string, std::pair<int64_t, int>> devices;  // free bytes, ranks
+  for (Model* m : ranks) {
+    const int64_t free = m->backend()->FreeDeviceBytes();
+    if (free < 0) continue;
+    auto [it, added] = devices.try_emplace(m->backend()->device_name(), free, 0);
+    ++it->second.second;
+  }
+  std::string short_of;
+  for (const auto& [name, d] : devices) {
+    const int64_t need = pool_bytes * d.second;
+    if (need <= d.first) continue;
+    short_of += (short_of.empty() ? "" : ", ") + name + " has " + std::to_string(d.first) +
+                " bytes free, its " + std::to_string(d.second) +
+                (d.second == 1 ? " rank needs " : " ranks need ") + std::to_string(need);
+  }
+  if (short_of.empty()) return Status::Ok();
+  return Status::InvalidArgument("the KV pool (--kv-cache-bytes " + std::to_string(pool_bytes) +
+                                 " per rank) does not fit: " + short_of);
+}
+
 }  // namespace
 
 StatusOr<std::unique_ptr<Engine>> Engine::Create(Model* model, const EngineOptions& options,
@@ -134,6 +159,7 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(const std::vector<Model*>& rank
   const int64_t model_len = model->config().max_context();
   e->max_model_len_ =
       options.max_model_len > 0 ? std::min(options.max_model_len, model_len) : model_len;
+  PDSERVE_RETURN_IF_ERROR(CheckPoolsFit(ranks, options.kv_cache_bytes));
   auto pool = KvCachePool::Create(model->backend(), model->config(), options.kv_dtype,
                                   options.block_size, options.kv_cache_bytes,
                                   options.kv_scales ? &*options.kv_scales : nullptr);

@@ -40,8 +40,9 @@ class Executor {
   ~Executor();
 
   // One step of the scheduler's sequences on every rank: rank 0's sampled
-  // tokens, in order (ModelRunner::Execute). Every rank computes the same
-  // logits (replicated LM head), so rank 0's tokens are every rank's.
+  // tokens, in order (ModelRunner::Execute). Every rank holds the same
+  // logits (gathered from the ranks' vocabulary slices, or from a
+  // replicated LM head), so rank 0's tokens are every rank's.
   StatusOr<std::vector<SampledToken>> Execute(std::span<const ScheduledSeq> step);
   // Returns once every device has written the KV of the steps so far, so
   // that a transfer reading the pool sees it.

@@ -617,12 +617,19 @@ Status Model::LoadWeights(const WeightFiles& files) {
         linear({m + "down_proj.weight"}, {H}, I, down_bias, &L.down, {}, inter(I)));
   }
   PDSERVE_RETURN_IF_ERROR(norm("model.norm.weight", H, &final_norm_));
+  // Vocab-parallel: rank r computes the logits of vocabulary rows
+  // [r * V / n, (r + 1) * V / n) and the ranks gather them (Forward).
+  vocab_slice_ = n > 1 && !tp_.replicate_lm_head && c.vocab_size % n == 0 ? c.vocab_size / n : 0;
+  const Cut vocab_cut = vocab_slice_ > 0 ? Cut{rank * vocab_slice_, vocab_slice_} : Cut{};
+  const int64_t head_rows = vocab_slice_ > 0 ? vocab_slice_ : c.vocab_size;
   if (c.tie_word_embeddings) {
-    // The embedding table, already fp32 backend memory, as it is.
-    lm_head_ = kernels::LinearWeights::Of(WeightMatrix{embedding_, DType::kF32, c.vocab_size, H});
-    bytes += c.vocab_size * H * 4;
+    // The embedding table (or its rows), already fp32 backend memory, as it is.
+    lm_head_ = kernels::LinearWeights::Of(
+        WeightMatrix{embedding_ + vocab_cut.begin * H, DType::kF32, head_rows, H});
+    bytes += head_rows * H * 4;
   } else {
-    PDSERVE_RETURN_IF_ERROR(linear({"lm_head.weight"}, {c.vocab_size}, H, {}, &lm_head_));
+    PDSERVE_RETURN_IF_ERROR(
+        linear({"lm_head.weight"}, {c.vocab_size}, H, {}, &lm_head_, {vocab_cut}));
   }
   weight_bytes_per_step_ = bytes;
   // Strict: every tensor of the checkpoint is one the architecture uses.
@@ -703,6 +710,10 @@ Status Model::Reserve(int64_t tokens, int64_t logits, int64_t seqs, int64_t bloc
   n.h = take(T * H, a);
   n.gathered = take(R * H, a);
   n.logits_at = take(R * c.vocab_size, 32);
+  if (vocab_slice_ > 0) {
+    n.vocab_slices = take(R * c.vocab_size, 32);
+    n.identity_rows = take(R, 32);
+  }
   // The widest input of a Linear (what a backend may convert per call).
   int64_t width = std::max(H, I);
   if (c.is_mla()) {
@@ -735,6 +746,11 @@ Status Model::Reserve(int64_t tokens, int64_t logits, int64_t seqs, int64_t bloc
   }
   if (s.base != nullptr) backend_->Free(s.base);
   s = n;
+  if (vocab_slice_ > 0) {
+    std::vector<int32_t> rows(static_cast<size_t>(R));
+    for (int64_t i = 0; i < R; ++i) rows[i] = static_cast<int32_t>(i);
+    backend_->Upload(s.base + s.identity_rows, rows.data(), rows.size() * 4);
+  }
   ++scratch_generation_;
   kernels::StepLimits limits;
   limits.max_tokens = T;
@@ -860,7 +876,23 @@ void Model::Forward(const StepInputs& in, const kernels::AttentionPlan& plan) {
     const Tensor gathered = A(s.gathered, R, H);
     b.GatherRows(x, in.logits_rows, gathered);
     b.RmsNorm(gathered, F32(final_norm_, H), eps, gathered);
-    b.Linear(gathered, lm_head_, logits(R));
+    if (vocab_slice_ > 0) {
+      // Each rank its slice of the logits into its chunk of vocab_slices
+      // (rank-major: what AllGather takes), then every slice into its
+      // columns of the logits.
+      const int64_t V = vocab_slice_;
+      auto slice = [&](int q) {
+        return Tensor::Of(s.base + s.vocab_slices + q * R * V * 4, DType::kF32, {R, V});
+      };
+      b.Linear(gathered, lm_head_, slice(tp_.rank));
+      tp_.comm->AllGather(Tensor::Of(s.base + s.vocab_slices, DType::kF32, {tp_.size * R * V}));
+      const auto* rows = reinterpret_cast<const int32_t*>(s.base + s.identity_rows);
+      for (int q = 0; q < tp_.size; ++q) {
+        b.GatherRows(slice(q), rows, logits(R).Columns(q * V, (q + 1) * V));
+      }
+    } else {
+      b.Linear(gathered, lm_head_, logits(R));
+    }
     if (c.final_logit_softcapping > 0) {
       b.SoftCap(logits(R), static_cast<float>(c.final_logit_softcapping));
     }

@@ -55,6 +55,11 @@ struct TensorParallelRank {
   int size = 1;
   kernels::Communicator* comm = nullptr;
   bool expert_parallel = false;
+  // The LM head whole on every rank, instead of each rank its 1/size of
+  // the vocabulary's rows and an all-gather of the logits (which needs
+  // size to divide the vocabulary; replicated otherwise).
+  // docs/tensor-parallel.md compares the two.
+  bool replicate_lm_head = false;
 };
 
 // Ok when `size` ranks can split `config`: size divides the attention
@@ -115,6 +120,9 @@ class Model {
   // config.json's.
   const ModelConfig& config() const { return config_; }
   const TensorParallelRank& tensor_parallel() const { return tp_; }
+  // True when this rank holds its slice of the LM head's vocabulary rows
+  // (TensorParallelRank::replicate_lm_head).
+  bool vocab_parallel_lm_head() const { return vocab_slice_ > 0; }
   // The KV cache's layer groups (one block holds one group's layers).
   const KvGroups& kv_groups() const { return kv_groups_; }
   // Each layer's attention (its KV group, its index in the group's blocks,
@@ -236,6 +244,9 @@ class Model {
     size_t bytes = 0;
     size_t x = 0, h = 0, qkv = 0, attn = 0, gate_up = 0, act = 0;
     size_t gathered = 0, logits_at = 0;
+    // Vocab-parallel LM head: every rank's logits slice, rank after rank,
+    // and the row numbers 0..logits-1 that copy a slice into its columns.
+    size_t vocab_slices = 0, identity_rows = 0;
     // MLA
     size_t q_a = 0, q_nope = 0, q_pe = 0, latent = 0, k_pe = 0, q_latent = 0, out_latent = 0,
            out_v = 0;
@@ -327,6 +338,9 @@ class Model {
   std::vector<Layer> layers_;
   const float* final_norm_ = nullptr;
   kernels::LinearWeights lm_head_;
+  // Vocab-parallel: the rows of the LM head this rank holds, vocab / size;
+  // 0 when it holds all (one rank, or replicated).
+  int64_t vocab_slice_ = 0;
   const float* inv_freq_ = nullptr;
   const float* inv_freq_local_ = nullptr;  // Gemma-3's sliding layers
   float embed_scale_ = 1.0f;               // Gemma: sqrt(hidden) in the embedding's dtype

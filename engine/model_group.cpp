@@ -86,16 +86,19 @@ StatusOr<std::vector<std::string>> ResolveRankDevices(std::string_view device,
     if (!d.ok()) {
       return Status::InvalidArgument("--devices: '" + name + "': " + d.status().message());
     }
-    if (*d != "cpu" && !seen.insert(*d).second) {
-      return Status::InvalidArgument("--devices names " + *d +
-                                     " twice (one rank per device; several ranks on one "
-                                     "device are not built into the commands)");
-    }
     if (!out.empty() && (out[0] == "cpu") != (*d == "cpu")) {
       return Status::InvalidArgument("--devices mixes the CPU and CUDA devices (" + out[0] + ", " +
                                      *d + ")");
     }
+    seen.insert(*d);
     out.push_back(*d);
+  }
+  // CUDA ranks share one GPU (the device-local communicator) or have one
+  // each (NCCL, which refuses two ranks on a device).
+  if (out[0] != "cpu" && seen.size() != 1 && seen.size() != out.size()) {
+    return Status::InvalidArgument("--devices " + std::string(devices) +
+                                   " repeats some GPUs but not all: ranks share one GPU "
+                                   "(cuda:0,cuda:0) or have a GPU each (cuda:0,cuda:1)");
   }
   return out;
 }
@@ -108,31 +111,38 @@ std::vector<Model*> ModelGroup::shards() const {
 
 StatusOr<std::unique_ptr<ModelGroup>> LoadModelGroup(
     const std::string& dir, const std::vector<std::string>& devices, int threads, LoadFormat format,
-    const KvEviction& eviction, bool expert_parallel, std::function<void(double)> on_all_reduce) {
+    const KvEviction& eviction, bool expert_parallel, std::function<void(double)> on_all_reduce,
+    bool replicate_lm_head) {
   const int ranks = static_cast<int>(devices.size());
   if (ranks < 1) return Status::InvalidArgument("a model group needs a device");
-  if (ranks > 1 && devices[0] != "cpu") {
-    return Status::Unsupported("tensor parallelism on CUDA devices (" + devices[0] + ", ...) " +
-                               "is not built into the commands yet: CPU ranks only (--device cpu)");
-  }
   auto group = std::make_unique<ModelGroup>();
-  // The ranks share the CPU's threads: each gets its part of them.
+  // CPU ranks share the CPU's threads: each gets its part of them.
   int rank_threads = threads;
   if (ranks > 1) {
     const int total = threads > 0 ? threads : static_cast<int>(std::thread::hardware_concurrency());
     rank_threads = std::max(1, total / ranks);
-    group->comms = kernels::CreateSharedMemoryGroup(ranks);
+  }
+  // A backend (and stream) per rank, then the communicator that joins them.
+  std::vector<kernels::Backend*> backends;
+  for (int r = 0; r < ranks; ++r) {
+    auto backend = kernels::CreateBackend(devices[r], rank_threads);
+    if (!backend.ok()) return backend.status();
+    group->backends.push_back(std::move(*backend));
+    backends.push_back(group->backends.back().get());
+  }
+  if (ranks > 1) {
+    auto comms = kernels::CreateCommunicators(backends);
+    if (!comms.ok()) return comms.status();
+    group->comms = std::move(*comms);
     if (on_all_reduce) {
       group->comms[0] =
           std::make_unique<TimedCommunicator>(std::move(group->comms[0]), std::move(on_all_reduce));
     }
   }
   for (int r = 0; r < ranks; ++r) {
-    auto backend = kernels::CreateBackend(devices[r], rank_threads);
-    if (!backend.ok()) return backend.status();
-    group->backends.push_back(std::move(*backend));
-    TensorParallelRank tp{r, ranks, ranks > 1 ? group->comms[r].get() : nullptr, expert_parallel};
-    auto model = Model::Load(dir, group->backends.back().get(), format, eviction, tp);
+    TensorParallelRank tp{r, ranks, ranks > 1 ? group->comms[r].get() : nullptr, expert_parallel,
+                          replicate_lm_head};
+    auto model = Model::Load(dir, backends[r], format, eviction, tp);
     if (!model.ok()) return model.status();
     group->models.push_back(std::move(*model));
   }

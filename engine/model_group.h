@@ -24,7 +24,8 @@ namespace pdserve {
 // then `device` (a --device value, "auto" included) decides, N ranks on the
 // CPU or the first N CUDA devices. InvalidArgument naming the problem for
 // a size out of range, fewer or more devices than ranks, an unknown or
-// absent device, the same CUDA device twice, or CPU and CUDA mixed.
+// absent device, CPU and CUDA mixed, or some CUDA devices repeated but not
+// all (ranks share one GPU or have one each).
 StatusOr<std::vector<std::string>> ResolveRankDevices(std::string_view device,
                                                       std::string_view devices, int ranks);
 
@@ -44,13 +45,14 @@ struct ModelGroup {
 // model whole, as Model::Load. `on_all_reduce`, when set, gets the wall
 // time of each of rank 0's all-reduces, on rank 0's thread (the wait for
 // the slowest rank included). `expert_parallel`: whole experts per rank
-// (TensorParallelRank). CPU ranks talk over shared memory;
-// Unsupported for several CUDA ranks (no CUDA communicator is wired into
-// the commands yet). Model::Load's errors otherwise: InvalidArgument naming
-// the numbers for a size that does not split the model's heads.
+// (TensorParallelRank), and likewise `replicate_lm_head`. Each rank gets its own backend (on CUDA
+// its own stream); the ranks talk over kernels::CreateCommunicators' choice: shared memory on the
+// CPU, NCCL between distinct GPUs, the device-local communicator on one GPU. Model::Load's errors
+// otherwise: InvalidArgument naming the numbers for a size that does not split the model's heads.
 StatusOr<std::unique_ptr<ModelGroup>> LoadModelGroup(
     const std::string& dir, const std::vector<std::string>& devices, int threads,
     LoadFormat format = LoadFormat::kSafetensors, const KvEviction& eviction = {},
-    bool expert_parallel = false, std::function<void(double)> on_all_reduce = {});
+    bool expert_parallel = false, std::function<void(double)> on_all_reduce = {},
+    bool replicate_lm_head = false);
 
 }  // namespace pdserve

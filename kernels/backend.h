@@ -40,6 +40,11 @@ class Backend {
   virtual ~Backend() = default;
 
   virtual std::string name() const = 0;
+  // The device this backend runs on ("cpu", "cuda:1"), and the bytes free
+  // there now: -1 for host memory, which is not checked before a KV pool is
+  // made (engine.h); on a device a pool that does not fit is refused first.
+  virtual std::string device_name() const { return name(); }
+  virtual int64_t FreeDeviceBytes() const { return -1; }
   // The dtype of activations between ops: fp32 on the CPU; on CUDA the
   // checkpoint's 16-bit type is the target (kernels/cuda/cuda_backend.h).
   virtual DType activation_dtype() const { return DType::kF32; }

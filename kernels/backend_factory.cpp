@@ -2,12 +2,15 @@
 
 #include <charconv>
 #include <optional>
+#include <set>
 #include <string>
 
 #include "kernels/cpu/cpu_backend.h"
 #if PDSERVE_WITH_CUDA
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/device.h"
+#include "kernels/cuda/local_communicator.h"
+#include "kernels/cuda/nccl_communicator.h"
 #endif
 
 namespace pdserve::kernels {
@@ -80,6 +83,41 @@ StatusOr<std::unique_ptr<Backend>> CreateBackend(std::string_view device, int th
   return std::unique_ptr<Backend>(std::move(backend));
 #else
   return Status::Unavailable("this pdserve was built without CUDA (PDSERVE_CUDA=OFF or no nvcc)");
+#endif
+}
+
+StatusOr<std::vector<std::unique_ptr<Communicator>>> CreateCommunicators(
+    const std::vector<Backend*>& ranks) {
+  std::set<std::string> devices;
+  std::string names;
+  for (Backend* b : ranks) {
+    devices.insert(b->device_name());
+    names += (names.empty() ? "" : ",") + b->device_name();
+  }
+  if (ranks.front()->name() == "cpu") {
+    if (devices.size() > 1) {
+      return Status::InvalidArgument("tensor-parallel ranks mix the CPU and CUDA (" + names + ")");
+    }
+    return CreateSharedMemoryGroup(static_cast<int>(ranks.size()));
+  }
+#if PDSERVE_WITH_CUDA
+  std::vector<CudaBackend*> cuda;
+  for (Backend* b : ranks) {
+    auto* c = dynamic_cast<CudaBackend*>(b);
+    if (c == nullptr) {
+      return Status::InvalidArgument("tensor-parallel ranks mix the CPU and CUDA (" + names + ")");
+    }
+    cuda.push_back(c);
+  }
+  // NCCL refuses two ranks on one device; the device-local communicator
+  // sees one device's buffers only.
+  if (devices.size() == 1) return CreateDeviceLocalGroup(cuda);
+  if (devices.size() == ranks.size()) return CreateNcclGroup(cuda);
+  return Status::InvalidArgument("tensor-parallel ranks on " + names +
+                                 ": ranks share one GPU (the device-local communicator) or "
+                                 "have a GPU each (NCCL), not both");
+#else
+  return Status::Unavailable("this pdserve was built without CUDA (ranks on " + names + ")");
 #endif
 }
 

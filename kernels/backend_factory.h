@@ -7,6 +7,7 @@
 
 #include "common/status.h"
 #include "kernels/backend.h"
+#include "kernels/communicator.h"
 
 namespace pdserve::kernels {
 
@@ -21,6 +22,14 @@ StatusOr<std::unique_ptr<Backend>> CreateBackend(std::string_view device, int th
 // (NVIDIA H100 ...)") for a malformed name or a CUDA device that is not
 // there, so that a command can refuse it before it starts anything.
 StatusOr<std::string> ResolveDevice(std::string_view requested);
+
+// The communicators of a tensor-parallel group of two or more `ranks`
+// (index = rank): shared memory between CPU backends, NCCL between CUDA
+// backends on distinct devices, device-local between CUDA backends all on
+// one device. InvalidArgument naming the devices when they mix the CPU and
+// CUDA or repeat some devices but not all; NCCL's own errors otherwise.
+StatusOr<std::vector<std::unique_ptr<Communicator>>> CreateCommunicators(
+    const std::vector<Backend*>& ranks);
 
 // "cpu" and every CUDA device with its description, comma-separated.
 std::string DescribeAvailableDevices();

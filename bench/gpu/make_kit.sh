@@ -15,7 +15,7 @@ set -euo pipefail
 BUILD=${1:-build}
 KIT=.gpu-kit
 BINARIES=(pdserve tests/backend_ops_test tests/cuda_engine_test tests/cuda_kv_transfer_test
-          tests/cuda_serving_test)
+          tests/cuda_serving_test tests/communicator_test)
 
 for b in "${BINARIES[@]}"; do
   [[ -x "$BUILD/$b" ]] || { echo "make_kit: $BUILD/$b is missing (build with CUDA first)" >&2; exit 2; }

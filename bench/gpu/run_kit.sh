@@ -27,7 +27,12 @@
 # bytes a step reads at most (selected blocks per query head plus the key
 # bounds; bench/gpu/NOTES.md).
 #
-# Usage: bench/gpu/run_kit.sh [all|tests|bench|serve|families|kv|eviction]
+# And (tp): the communicators' GPU tests (device-local on one GPU, NCCL where
+# two exist); stories260K's greedy tokens at TP 2 on one GPU (device-local)
+# and on two (NCCL) against the CPU's at TP 1; `bench engine` on Llama-3.1-8B
+# shapes at TP 1 and TP 2 on one GPU, and TP 2 on two GPUs where they exist.
+#
+# Usage: bench/gpu/run_kit.sh [all|tests|bench|serve|families|kv|eviction|tp]
 set -uo pipefail
 
 WHAT=${1:-all}
@@ -198,6 +203,45 @@ for line in sys.stdin:
     print(json.dumps(r), flush=True)' | tee -a "$OUT/eviction.jsonl"
   done
   summary+=("eviction: $(grep -c . "$OUT/eviction.jsonl") JSON lines in eviction.jsonl")
+fi
+
+if [[ $WHAT == all || $WHAT == tp ]]; then
+  : > "$OUT/tp.jsonl"
+  step "communicator_test (device-local, NCCL)"
+  if "$KIT/bin/communicator_test" --gtest_brief=1 > "$OUT/communicator_test.log" 2>&1; then
+    r=pass
+  else r=FAIL; fi
+  skipped=$(sed -n 's/^\[  SKIPPED \] \([0-9]*\) tests\?[.,].*/\1/p' "$OUT/communicator_test.log" | head -1)
+  summary+=("communicator_test: $r, ${skipped:-0} skipped")
+  gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -c .)
+  tp_devices=("cuda:0,cuda:0")
+  [[ $gpus -ge 2 ]] && tp_devices+=("cuda:0,cuda:1")
+  if [[ -f $KIT/models/stories260K/config.json ]]; then
+    tokens() {
+      "$PDSERVE" generate --model "$KIT/models/stories260K" "$@" --prompt "Once upon a time" \
+        --max-tokens 48 --temperature 0 --ignore-eos --json 2>>"$OUT/bench.err" |
+        python3 -c 'import json,sys; print(json.load(sys.stdin)["token_ids"])'
+    }
+    cpu=$(tokens --device cpu)
+    for d in "${tp_devices[@]}"; do
+      step "stories260K greedy tokens at TP 2 on $d against the CPU"
+      gpu=$(tokens --tensor-parallel 2 --devices "$d")
+      if [[ -n $cpu && $cpu == "$gpu" ]]; then r=equal; else r=DIFFERENT; fi
+      summary+=("stories260K TP 2 on $d greedy tokens vs CPU: $r")
+      [[ $r == equal ]] || printf '%s\ncpu %s\ngpu %s\n' "$d" "$cpu" "$gpu" >> "$OUT/tp-different.txt"
+    done
+  fi
+  for d in cuda:0 "${tp_devices[@]}"; do
+    n=$(tr ',' '\n' <<< "$d" | grep -c .)
+    for batch in 1 32; do
+      step "bench engine, Llama-3.1-8B shapes, TP $n on $d, batch $batch"
+      "$PDSERVE" bench engine --model bench/configs/llama-3.1-8b --load-format dummy \
+        --tensor-parallel "$n" --devices "$d" --kv-dtype bf16 --batch "$batch" \
+        --prompt-tokens 512 --gen-tokens 64 --json 2>>"$OUT/bench.err" |
+        tee -a "$OUT/tp.jsonl"
+    done
+  done
+  summary+=("tp: $(grep -c . "$OUT/tp.jsonl") JSON lines in tp.jsonl")
 fi
 
 # A GPU stack (router + 1 prefill + 1 decode worker, every prompt prefilled

@@ -163,6 +163,13 @@ void CudaBackend::DownloadAsync(void* host_dst, const void* src, size_t bytes) {
 }
 
 int CudaBackend::device() const { return state_->device; }
+std::string CudaBackend::device_name() const { return "cuda:" + std::to_string(state_->device); }
+int64_t CudaBackend::FreeDeviceBytes() const {
+  MakeCurrent();
+  size_t free = 0, total = 0;
+  Check(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
+  return static_cast<int64_t>(free);
+}
 void* CudaBackend::stream() const { return state_->stream; }
 
 void CudaBackend::Synchronize() {

@@ -30,6 +30,8 @@ class CudaBackend final : public Backend {
   ~CudaBackend() override;
 
   std::string name() const override { return "cuda"; }
+  std::string device_name() const override;
+  int64_t FreeDeviceBytes() const override;  // cudaMemGetInfo
   bool SharesHostMemory() const override { return false; }
   bool SupportsWeightDType(DType dtype) const override {
     return dtype == DType::kF32 || dtype == DType::kBF16;

@@ -86,7 +86,7 @@ int RunBenchEngine(int argc, char** argv) {
   std::vector<int64_t> batches = {1, 8, 32};
   int64_t prompt_tokens = 256, gen_tokens = 128, threads = 0, block_size = 16;
   int64_t max_batched_tokens = 2048;
-  bool json = false, cuda_graphs = true;
+  bool json = false, cuda_graphs = true, replicate_lm_head = false;
   flags.AddString("model", &model_dir, "model folder (e.g. from make-model --preset small)");
   flags.AddString("load-format", &load_format_name,
                   "safetensors, or dummy: random weights from the folder's config.json alone "
@@ -102,6 +102,9 @@ int RunBenchEngine(int argc, char** argv) {
   flags.AddBool("cuda-graphs", &cuda_graphs,
                 "replay decode steps from CUDA graphs (=false: launch every op)");
   flags.AddBool("json", &json, "one JSON line per batch size");
+  flags.AddBool("replicate-lm-head", &replicate_lm_head,
+                "with --tensor-parallel: the LM head whole on every rank instead of a vocabulary "
+                "slice per rank and an all-gather of the logits (to compare the two)");
   std::string json_schema_file;
   int64_t rounds = 1;
   flags.AddString("json-schema", &json_schema_file,
@@ -151,9 +154,9 @@ int RunBenchEngine(int argc, char** argv) {
   const KvEviction eviction = eviction_flags.EvictionOrExit("bench engine");
   // One shard per rank; the figures below are rank 0's (its weights, its
   // KV pool shard), the times the group's.
-  const std::unique_ptr<ModelGroup> group =
-      LoadModelGroupOrExit("bench engine", model_dir, devices, static_cast<int>(threads),
-                           tensor_parallel.expert_parallel(), *load_format, eviction);
+  const std::unique_ptr<ModelGroup> group = LoadModelGroupOrExit(
+      "bench engine", model_dir, devices, static_cast<int>(threads),
+      tensor_parallel.expert_parallel(), *load_format, eviction, replicate_lm_head);
   Model* const model = group->models[0].get();
   kernels::Backend& backend = *group->backends[0];
   // CPU-time shares only mean something for the CPU backends' threads.
@@ -356,6 +359,7 @@ int RunBenchEngine(int argc, char** argv) {
         {"bench", "engine"},
         {"model", model->model_id()},
         {"tensor_parallel", group->size()},
+        {"lm_head", model->vocab_parallel_lm_head() ? "vocab-parallel" : "replicated"},
         {"parameters", model->num_parameters()},
         {"load_format", load_format_name},
         {"batch", batch},

@@ -76,7 +76,7 @@ int RunPlan(int argc, char** argv) {
                   "fraction of device memory kept for activations and fragmentation");
   flags.AddInt("tensor-parallel", &req.tensor_parallel,
                "devices one worker spans (1-8): weights and KV heads split across them, the "
-               "embedding and LM head replicated (docs/tensor-parallel.md); figures per device");
+               "embedding replicated (docs/tensor-parallel.md); figures per device");
   flags.AddBool("json", &json, "print one JSON object");
   flags.SetEpilog(
       "Example: pdserve plan --layers 80 --kv-heads 8 --head-dim 128 --kv-dtype fp8 "
@@ -175,8 +175,10 @@ int RunPlan(int argc, char** argv) {
   } else if (flags.WasSet("kv-sink-tokens") || flags.WasSet("kv-window-tokens")) {
     UsageError("plan", "--kv-sink-tokens and --kv-window-tokens need --kv-eviction streaming");
   }
-  // What every tensor-parallel rank holds whole: the embedding and the LM
-  // head (pdserve replicates both), from the model's config when given.
+  // What every tensor-parallel rank holds whole, from the model's config
+  // when given: the embedding; the LM head too where N does not divide the
+  // vocabulary (else each rank holds vocab / N of its rows; tied, the
+  // embedding's own rows).
   if (req.tensor_parallel > 1 && !config.empty() && req.weights_gib > 0) {
     std::ifstream in(config);
     std::stringstream text;
@@ -184,7 +186,8 @@ int RunPlan(int argc, char** argv) {
     auto model = ParseModelConfig(text.str(), config);
     if (!model.ok()) UsageError("plan", "--config: " + model.status().message());
     const int64_t element_bytes = model->torch_dtype == "float32" ? 4 : 2;
-    const int64_t tables = model->tie_word_embeddings ? 1 : 2;
+    const bool vocab_parallel = model->vocab_size % req.tensor_parallel == 0;
+    const int64_t tables = model->tie_word_embeddings || vocab_parallel ? 1 : 2;
     req.replicated_weights_gib = std::min(
         req.weights_gib,
         static_cast<double>(tables * model->vocab_size * model->hidden_size * element_bytes) /

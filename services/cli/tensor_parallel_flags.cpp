@@ -40,8 +40,10 @@ std::vector<std::string> TensorParallelFlags::Args() const {
 std::unique_ptr<ModelGroup> LoadModelGroupOrExit(std::string_view command, const std::string& dir,
                                                  const std::vector<std::string>& devices,
                                                  int threads, bool expert_parallel,
-                                                 LoadFormat format, const KvEviction& eviction) {
-  auto group = LoadModelGroup(dir, devices, threads, format, eviction, expert_parallel);
+                                                 LoadFormat format, const KvEviction& eviction,
+                                                 bool replicate_lm_head) {
+  auto group = LoadModelGroup(dir, devices, threads, format, eviction, expert_parallel, {},
+                              replicate_lm_head);
   if (group.ok()) return std::move(*group);
   const StatusCode c = group.status().code();
   if (c == StatusCode::kInvalidArgument || c == StatusCode::kNotFound ||

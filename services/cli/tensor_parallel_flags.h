@@ -39,6 +39,7 @@ std::unique_ptr<ModelGroup> LoadModelGroupOrExit(std::string_view command, const
                                                  const std::vector<std::string>& devices,
                                                  int threads, bool expert_parallel = false,
                                                  LoadFormat format = LoadFormat::kSafetensors,
-                                                 const KvEviction& eviction = {});
+                                                 const KvEviction& eviction = {},
+                                                 bool replicate_lm_head = false);
 
 }  // namespace pdserve::cli

@@ -133,9 +133,10 @@ namespace {
 
 // --tensor-parallel N: one device's figures. Llama-3.1-8B (8 KV heads of
 // 128, 32 layers, bf16 KV: 131,072 bytes per token on one device) splits its
-// KV heads over the devices, down to one each at 8; its embedding and LM
-// head (2 x 128,256 x 4,096 bf16 = 1.957 GiB) stay whole on every device and
-// the rest of the weights splits evenly. MLA's latent is cached on every
+// KV heads over the devices, down to one each at 8; its embedding
+// (128,256 x 4,096 bf16 = 0.978 GiB) stays whole on every device and the
+// rest of the weights, the LM head included (vocab-parallel: N divides
+// 128,256), splits evenly. MLA's latent is cached on every
 // device. A size the KV heads and it do not divide is refused.
 TEST(PlanCliTest, TensorParallelGivesOneDevicesShare) {
   const std::string llama =
@@ -148,7 +149,7 @@ TEST(PlanCliTest, TensorParallelGivesOneDevicesShare) {
   };
   const auto one = plan(llama, 1);
   const double weights = one["weights_gib"].get<double>();
-  const double replicated = 2.0 * 128256 * 4096 * 2 / (1ull << 30);
+  const double replicated = 1.0 * 128256 * 4096 * 2 / (1ull << 30);
   for (int tp : {2, 4, 8}) {
     SCOPED_TRACE(tp);
     const auto j = plan(llama, tp);

@@ -12,6 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "kernels/backend_factory.h"
 #include "tests/support/process.h"
 #include "tests/support/test_models.h"
 
@@ -131,11 +132,54 @@ TEST(TensorParallelCliTest, BadDeviceListsAndSizesAreOneLineBeforeTheModelIsRead
                             "unknown device 'tpu0'");
     ExpectOneLineUsageError(run({"--tensor-parallel", "2", "--devices", "cpu,"}),
                             "'' is not a device");
-    // The same GPU twice (or, on a machine without one, a GPU that is not
-    // there): either way one line naming it.
-    ExpectOneLineUsageError(run({"--tensor-parallel", "2", "--devices", "cuda:0,cuda:0"}),
-                            "cuda:0");
+    // Some GPUs repeated but not all (or, on a machine without two, a GPU
+    // that is not there): either way one line naming it.
+    ExpectOneLineUsageError(
+        run({"--tensor-parallel", "4", "--devices", "cuda:0,cuda:0,cuda:1,cuda:1"}), "cuda:");
   }
+}
+
+// CUDA ranks (these skip without the GPUs; none has run on one yet):
+// stories260K's greedy tokens at TP 2 on one GPU (the device-local
+// communicator) and on two (NCCL) are the CPU's at TP 1, and a KV pool
+// larger than a GPU's free memory is one line naming the device.
+std::string GenerateStories(const std::string& model, std::vector<std::string> devices) {
+  std::vector<std::string> args = {"generate", "--model",          model,
+                                   "--prompt", "Once upon a time", "--max-tokens",
+                                   "48",       "--temperature",    "0"};
+  args.insert(args.end(), devices.begin(), devices.end());
+  const CommandResult r = Pdserve(args);
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  return r.out;
+}
+
+void ExpectCudaTp2WritesTheCpuTokens(const std::string& devices) {
+  const std::string real = RealModelDir();
+  if (real.empty()) GTEST_SKIP() << "the shared stories260K model is absent";
+  const std::string cpu = GenerateStories(real, {"--device", "cpu"});
+  EXPECT_GT(cpu.size(), 40u);
+  EXPECT_EQ(GenerateStories(real, {"--tensor-parallel", "2", "--devices", devices}), cpu);
+}
+
+TEST(TensorParallelCliTest, Tp2OnOneGpuWritesTheCpuTokens) {
+  if (!kernels::ResolveDevice("cuda:0").ok()) GTEST_SKIP() << "no CUDA device";
+  ExpectCudaTp2WritesTheCpuTokens("cuda:0,cuda:0");
+}
+
+TEST(TensorParallelCliTest, NcclTp2OnTwoGpusWritesTheCpuTokens) {
+  if (!kernels::ResolveDevice("cuda:1").ok()) GTEST_SKIP() << "NCCL needs two CUDA devices";
+  ExpectCudaTp2WritesTheCpuTokens("cuda:0,cuda:1");
+}
+
+TEST(TensorParallelCliTest, KvPoolsLargerThanTheGpuAreOneLine) {
+  if (!kernels::ResolveDevice("cuda:0").ok()) GTEST_SKIP() << "no CUDA device";
+  const std::string real = RealModelDir();
+  if (real.empty()) GTEST_SKIP() << "the shared stories260K model is absent";
+  // 1 TiB per rank: no GPU has it.
+  ExpectOneLineUsageError(
+      Pdserve({"generate", "--model", real, "--prompt", "Hi", "--tensor-parallel", "2", "--devices",
+               "cuda:0,cuda:0", "--kv-cache-bytes", "1024GiB"}),
+      "cuda:0 has");
 }
 
 // bench transfer between two processes of 2 and 1 ranks (and 1 and 4): the

@@ -36,14 +36,15 @@ using testing::PromptLogits;
 // Every rank's logits with `size` ranks, each rank on its own thread.
 std::vector<std::vector<float>> ShardedLogits(const std::string& dir, int size,
                                               const std::vector<TokenId>& prompt,
-                                              bool expert_parallel) {
+                                              bool expert_parallel, bool replicate_lm_head) {
   auto group = kernels::CreateSharedMemoryGroup(size);
   std::vector<std::unique_ptr<kernels::CpuBackend>> backends;
   std::vector<std::unique_ptr<Model>> models(size);
   for (int r = 0; r < size; ++r) backends.push_back(std::make_unique<kernels::CpuBackend>(1));
   for (int r = 0; r < size; ++r) {
-    auto m = Model::Load(dir, backends[r].get(), LoadFormat::kSafetensors, KvEviction{},
-                         TensorParallelRank{r, size, group[r].get(), expert_parallel});
+    auto m = Model::Load(
+        dir, backends[r].get(), LoadFormat::kSafetensors, KvEviction{},
+        TensorParallelRank{r, size, group[r].get(), expert_parallel, replicate_lm_head});
     EXPECT_TRUE(m.ok()) << m.status().ToString();
     if (!m.ok()) return {};
     models[r] = std::move(*m);
@@ -60,7 +61,7 @@ std::vector<std::vector<float>> ShardedLogits(const std::string& dir, int size,
 // Each rank's logits against the single-rank model's: per position,
 // ||got - want|| / ||want|| <= 1e-4 and the same argmax.
 void ExpectSameAsOneRank(const std::string& dir, std::vector<int> sizes,
-                         bool expert_parallel = false) {
+                         bool expert_parallel = false, bool replicate_lm_head = false) {
   kernels::CpuBackend cpu(1);
   auto one = Model::Load(dir, &cpu);
   ASSERT_TRUE(one.ok()) << one.status().ToString();
@@ -72,7 +73,7 @@ void ExpectSameAsOneRank(const std::string& dir, std::vector<int> sizes,
   ASSERT_FALSE(want.empty());
   for (int size : sizes) {
     SCOPED_TRACE("tensor parallel " + std::to_string(size));
-    const auto got = ShardedLogits(dir, size, prompt, expert_parallel);
+    const auto got = ShardedLogits(dir, size, prompt, expert_parallel, replicate_lm_head);
     ASSERT_EQ(static_cast<int>(got.size()), size);
     for (int r = 0; r < size; ++r) {
       ASSERT_EQ(got[r].size(), want.size()) << "rank " << r;
@@ -106,6 +107,39 @@ TEST(TensorParallelTest, PresetsEqualOneRank) {
   ModelSpec biased = *PresetModelSpec("deepseek-v3");
   biased.attention_bias = true;
   ExpectSameAsOneRank(testing::ModelDir("tp-deepseek-v3-bias", biased), {2, 4});
+}
+
+// The LM head: by default each rank computes the logits of its 1/N of the
+// vocabulary and the ranks gather them; replicated on request, and where N
+// does not divide the vocabulary. Tied (the embedding's rows) and untied
+// (lm_head.weight's rows), the logits equal one rank's either way.
+TEST(TensorParallelTest, LmHeadVocabParallelOrReplicatedEqualsOneRank) {
+  ModelSpec tied = *PresetModelSpec("tiny");
+  tied.tie_word_embeddings = true;
+  ModelSpec odd = *PresetModelSpec("qwen3");
+  odd.num_merges -= 1;  // vocab 511: neither 2 nor 4 divides it
+  struct Case {
+    std::string dir;
+    int64_t vocab;
+  };
+  const std::vector<Case> cases = {
+      {testing::ModelDir("tp-lm-head-tied", tied), tied.vocab_size()},
+      {testing::ModelDir("qwen3", *PresetModelSpec("qwen3")),
+       PresetModelSpec("qwen3")->vocab_size()},
+      {testing::ModelDir("tp-lm-head-odd-vocab", odd), odd.vocab_size()}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.dir);
+    for (bool replicate : {false, true}) {
+      SCOPED_TRACE(replicate ? "replicated" : "vocab-parallel");
+      ExpectSameAsOneRank(c.dir, {2, 4}, /*expert_parallel=*/false, replicate);
+      kernels::CpuBackend cpu(1);
+      auto group = kernels::CreateSharedMemoryGroup(4);
+      auto rank = Model::Load(c.dir, &cpu, LoadFormat::kSafetensors, KvEviction{},
+                              TensorParallelRank{1, 4, group[1].get(), false, replicate});
+      ASSERT_TRUE(rank.ok()) << rank.status().ToString();
+      EXPECT_EQ((*rank)->vocab_parallel_lm_head(), !replicate && c.vocab % 4 == 0);
+    }
+  }
 }
 
 // Expert parallelism: each rank holds 8 / N whole experts (e mod N) and

@@ -3,10 +3,12 @@
 // in place, from 1 element to 64 MiB per rank, over 2, 3, 4 and 8 ranks,
 // each rank on its own thread. The shared-memory group (CPU ranks) always;
 // (the broadcast of 16-bit elements), the device-local group (ranks sharing one GPU) where a device
-// exists.
+// exists, and the NCCL group (a rank per GPU) where two GPUs exist.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <random>
@@ -15,7 +17,9 @@
 #include "kernels/communicator.h"
 #if PDSERVE_WITH_CUDA
 #include "kernels/cuda/cuda_backend.h"
+#include "kernels/cuda/device.h"
 #include "kernels/cuda/local_communicator.h"
+#include "kernels/cuda/nccl_communicator.h"
 #endif
 
 namespace pdserve::kernels {
@@ -162,6 +166,71 @@ TEST(DeviceLocalTest, RanksOnOneGpuEqualSerialSum) {
         ranks[r]->Free(dev[r]);
       }
       EXPECT_EQ(wrong, 0) << m << " elements over " << size << " ranks on one GPU";
+    }
+  }
+}
+
+// A rank per GPU over NCCL: its sums are in NCCL's order, so they are
+// compared with the serial sum within rounding, and with rank 0's exactly
+// (every rank gets the same sums); gathers and broadcasts are copies.
+TEST(NcclTest, RanksOnSeveralGpusEqualSerialResults) {
+  const int gpus = cuda::DeviceCount();
+  if (gpus < 2) GTEST_SKIP() << "NCCL needs two CUDA devices; there are " << gpus;
+  for (int size = 2; size <= std::min(gpus, 8); size *= 2) {
+    std::vector<std::unique_ptr<CudaBackend>> owned;
+    std::vector<CudaBackend*> ranks;
+    for (int r = 0; r < size; ++r) {
+      owned.push_back(CudaBackend::Create(r));
+      ranks.push_back(owned.back().get());
+    }
+    auto group = CreateNcclGroup(ranks);
+    ASSERT_TRUE(group.ok()) << group.status().message();
+    for (int64_t n : kSizes) {
+      const int64_t per = (n + size - 1) / size, m = per * size;
+      std::vector<void*> dev(size), ints(size);
+      std::vector<std::vector<float>> host(size, std::vector<float>(m));
+      std::vector<std::vector<uint16_t>> host_ints(size, std::vector<uint16_t>(per, 0));
+      for (int64_t i = 0; i < per; ++i) host_ints[size - 1][i] = static_cast<uint16_t>(i * 7 + 1);
+      for (int r = 0; r < size; ++r) {
+        for (int64_t i = 0; i < m; ++i) host[r][i] = Input(r, i, 11);
+        dev[r] = ranks[r]->Allocate(m * 4);
+        ranks[r]->Upload(dev[r], host[r].data(), m * 4);
+        ints[r] = ranks[r]->Allocate(per * 2);
+        ranks[r]->Upload(ints[r], host_ints[r].data(), per * 2);
+      }
+      std::vector<std::vector<float>> sums(size, std::vector<float>(m)),
+          gathered(size, std::vector<float>(m));
+      OnRanks(size, [&](int r) {
+        const Tensor x = Tensor::Of(dev[r], DType::kF32, {m});
+        (*group)[r]->AllReduceSum(x);
+        ranks[r]->Download(sums[r].data(), dev[r], m * 4);
+        // Each rank's own chunk anew, then every chunk gathered.
+        ranks[r]->Upload(static_cast<float*>(dev[r]) + r * per, host[r].data() + r * per, per * 4);
+        (*group)[r]->AllGather(x);
+        (*group)[r]->Broadcast(Tensor::Of(ints[r], DType::kBF16, {per}), size - 1);
+        ranks[r]->Download(gathered[r].data(), dev[r], m * 4);
+        ranks[r]->Download(host_ints[r].data(), ints[r], per * 2);
+      });
+      int64_t wrong = 0;
+      for (int64_t i = 0; i < m; ++i) {
+        double s = 0, magnitude = 0;
+        for (int q = 0; q < size; ++q) {
+          s += Input(q, i, 11);
+          magnitude += std::abs(Input(q, i, 11));
+        }
+        const int owner = static_cast<int>(i / per);
+        for (int r = 0; r < size; ++r) {
+          wrong += std::abs(sums[r][i] - s) > 1e-6 * magnitude + 1e-30;
+          wrong += sums[r][i] != sums[0][i];
+          wrong += gathered[r][i] != Input(owner, i, 11);
+        }
+      }
+      for (int r = 0; r < size; ++r) {
+        wrong += std::memcmp(host_ints[r].data(), host_ints[size - 1].data(), per * 2) != 0;
+        ranks[r]->Free(dev[r]);
+        ranks[r]->Free(ints[r]);
+      }
+      EXPECT_EQ(wrong, 0) << m << " elements over " << size << " GPUs";
     }
   }
 }

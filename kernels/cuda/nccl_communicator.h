@@ -1,0 +1,30 @@
+// The NCCL communicator: one tensor-parallel rank per GPU of this process,
+// all of the worker's GPUs in one NCCL communicator (ncclCommInitAll), each
+// rank's collectives queued on its backend's stream.
+//
+// Contract: kernels/communicator.h, with two differences. The collectives
+// never wait on the host (no barrier, no sync), so they can be captured in
+// a CUDA graph with the rest of a step. And NCCL adds in its own order
+// (ring or tree), not rank order: every rank still gets the same sums
+// (each element is reduced once, then copied to every rank), but they may
+// differ from a serial sum in the last bits.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "common/status.h"
+#include "kernels/communicator.h"
+#include "kernels/cuda/cuda_backend.h"
+
+namespace pdserve::kernels {
+
+// One communicator per backend of `ranks` (index = rank), each on a device
+// of its own. InvalidArgument when a device repeats (NCCL refuses two
+// ranks on one device: kernels/cuda/local_communicator.h is for that);
+// Unavailable when NCCL was not built in or its initialisation fails,
+// with NCCL's message.
+StatusOr<std::vector<std::unique_ptr<Communicator>>> CreateNcclGroup(
+    const std::vector<CudaBackend*>& ranks);
+
+}  // namespace pdserve::kernels
