@@ -64,14 +64,6 @@ namespace {
 Status CheckEvictionFits(const KvEviction& ev, const EngineOptions& options, int64_t pool_blocks) {
   const int64_t B = options.block_size;
   if (ev.mode == KvEviction::Mode::kSnapKv) {
-    // The gather copies token rows between blocks: a scaled dtype's rows
-    // would change scale on the way.
-    if (options.kv_dtype != DType::kF32 && options.kv_dtype != DType::kF16 &&
-        options.kv_dtype != DType::kBF16) {
-      return Status::InvalidArgument("--kv-eviction snapkv: --kv-dtype " +
-                                     std::string(DTypeName(options.kv_dtype)) +
-                                     " is not taken yet (fp32, fp16 or bf16)");
-    }
     // The observation window's queries are those of one prefill chunk.
     if (ev.observation_window > options.max_num_batched_tokens) {
       return Status::InvalidArgument(

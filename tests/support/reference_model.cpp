@@ -391,6 +391,9 @@ std::vector<std::vector<double>> ReferenceModel::Forward(const std::vector<int32
     std::vector<std::vector<bool>> keep(kv_heads_);
     if (snap) {
       const int64_t W = eviction.snapkv_window, prefix = P - W, group = heads_ / kv_heads_;
+      // The keys as the cache holds them once the prompt is written: a
+      // rounded cache scores its rounded keys.
+      const auto ks = cached(k, P - 1, 0);
       std::vector<std::vector<int64_t>> layer_kept(kv_heads_);
       for (int64_t g = 0; g < kv_heads_; ++g) {
         std::vector<double> vote(prefix, 0.0);
@@ -400,7 +403,7 @@ std::vector<std::vector<double>> ReferenceModel::Forward(const std::vector<int32
             double mx = -1e300, den = 0;
             for (int64_t j = 0; j <= t; ++j) {
               double dot = 0;
-              for (int64_t i = 0; i < hd; ++i) dot += q[t][h * hd + i] * k[j][g * hd + i];
+              for (int64_t i = 0; i < hd; ++i) dot += q[t][h * hd + i] * ks[j][g * hd + i];
               w[j] = dot * attn_scale_;
               if (attn_cap_ > 0) w[j] = attn_cap_ * std::tanh(w[j] / attn_cap_);
               mx = std::max(mx, w[j]);

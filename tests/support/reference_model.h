@@ -87,7 +87,8 @@ inline reference::ScaledKv ScaledKvOf(KvRounding::Type t) {
 // prompt's last W queries attended to most, and those W: position j of the
 // prefix [0, P - W) scores the sum, over those queries and the query heads
 // of the KV head's group, of its softmax weight (dense causal attention,
-// keys rotated by their own positions), max-pooled over the prefix
+// keys rotated by their own positions and, with KV rounding, rounded as the
+// cache holds them), max-pooled over the prefix
 // positions j-3 .. j+3; the B - W highest are kept (ties: the lower
 // position). Queries at t >= P attend to the kept positions and P..t.
 // The kept sets go to *snapkv_kept ([layer][KV head], ascending) when set.
