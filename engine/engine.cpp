@@ -64,19 +64,7 @@ namespace {
 // (the mode itself was checked by ModelConfig::ApplyKvEviction).
 Status CheckEvictionFits(const KvEviction& ev, const EngineOptions& options, int64_t pool_blocks) {
   const int64_t B = options.block_size;
-  if (options.kv_host_cache_bytes > 0 || !options.kv_disk_cache_dir.empty()) {
-    return Status::InvalidArgument("--kv-eviction/--kv-selection (" + ev.Describe() +
-                                   "): lower KV tiers do not take them yet");
-  }
   if (ev.mode == KvEviction::Mode::kSnapKv) {
-    // The gather copies token rows between blocks: a scaled dtype's rows
-    // would change scale on the way.
-    if (options.kv_dtype != DType::kF32 && options.kv_dtype != DType::kF16 &&
-        options.kv_dtype != DType::kBF16) {
-      return Status::InvalidArgument("--kv-eviction snapkv: --kv-dtype " +
-                                     std::string(DTypeName(options.kv_dtype)) +
-                                     " is not taken yet (fp32, fp16 or bf16)");
-    }
     // The observation window's queries are those of one prefill chunk.
     if (ev.observation_window > options.max_num_batched_tokens) {
       return Status::InvalidArgument(
@@ -515,10 +503,13 @@ void Engine::ProcessTierWork() {
     }
     Sequence* s = it->second.get();
     const size_t n = done.blocks.size();
-    const size_t groups = blocks_->num_groups();
-    if (groups > 1 && n < s->load_slots.size()) {
-      // Part of a grouped onload is missing: the blocks it has may not make
-      // a prefix every group can start from. Recompute from scratch (the
+    // Several groups, or a windowed one (sinks included), onload the blocks
+    // the first query reaches, not one run from the cached prefix on: the
+    // prefix they complete is load_end_block's, whatever their count.
+    const bool runs = blocks_->num_groups() > 1 || blocks_->group_windows()[0] > 0;
+    if (runs && n < s->load_slots.size()) {
+      // Part of such an onload is missing: the blocks it has may not make a
+      // prefix every group can start from. Recompute from scratch (the
       // tiers no longer claim what failed).
       (void)blocks_->Free(s->id);
       s->num_computed = 0;
@@ -544,7 +535,20 @@ void Engine::ProcessTierWork() {
       (disk ? disk_hit_tokens_ : host_hit_tokens_) += B;
     }
     if (n > 0) {
-      const size_t end = groups > 1 ? s->load_end_block : s->load_first_block + n;
+      const size_t end = runs ? s->load_end_block : s->load_first_block + n;
+      if (pool_->layout().key_bounds != nullptr) {
+        // Quest: a tier carries a block's bytes, not the key bounds kept
+        // beside the pool; they are computed again from the keys, as for a
+        // peer's transfer (exact for fp32 KV; a rounded dtype bounds the
+        // stored keys where WriteKv bounded the unrounded ones).
+        std::vector<int32_t> ids, tokens;
+        for (size_t k = 0; k < n; ++k) {
+          ids.push_back(static_cast<int32_t>(s->load_slots[k].block));
+          tokens.push_back(static_cast<int32_t>(B));  // onloaded blocks are full
+        }
+        model_->backend()->ComputeKeyBounds(pool_->layout(), pool_->base(), ids.data(),
+                                            tokens.data(), static_cast<int64_t>(n));
+      }
       s->hashes.assign(s->load_hashes.begin(),
                        s->load_hashes.begin() + static_cast<ptrdiff_t>(end));
       (void)blocks_->CommitBlocks(s->id, s->hashes);

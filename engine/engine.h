@@ -53,16 +53,20 @@
 // group, and contexts are not capped at the window. Attention sinks
 // (--kv-eviction streaming, docs/kv-eviction.md) window every layer and also
 // keep the sink blocks; the context is then not capped at the model's.
-// Engine::Create refuses a window below one block or beyond the pool, and
-// lower tiers with a mode. SnapKV (--kv-eviction snapkv, engine/snapkv.h)
-// runs a prompt over the budget with its last W tokens in one chunk, then
-// gathers the positions each layer and KV head keeps into blocks of the
-// request's own (its prompt blocks stay cached). Across a hand-off a prompt
-// over the budget travels compressed: the prefill side compresses it as a
-// local request would and sends only the B cache indices' blocks
-// (RequestOutput::snapkv_dropped_tokens), the decode side reserves that many
-// fresh blocks (RemotePrefillPlan::snapkv_dropped_tokens) and continues
-// from them; neither streams nor caches the compressed blocks.
+// Engine::Create refuses a window below one block or beyond the pool. SnapKV
+// (--kv-eviction snapkv, engine/snapkv.h) runs a prompt over the budget
+// with its last W tokens in one chunk, then gathers the positions each
+// layer and KV head keeps into blocks of the request's own (its prompt
+// blocks stay cached; the private ones are never committed, so never
+// offloaded). Across a hand-off a prompt over the budget travels
+// compressed: the prefill side compresses it as a local request would and
+// sends only the B cache indices' blocks (RequestOutput::snapkv_dropped_tokens),
+// the decode side reserves that many fresh blocks
+// (RemotePrefillPlan::snapkv_dropped_tokens) and continues from them;
+// neither streams nor caches the compressed blocks. Lower tiers hold what
+// the pool evicts of its cached blocks, and an onload brings back only the
+// blocks the first query reaches (sinks and window for streaming); Quest's
+// key bounds of onloaded blocks are computed from their keys.
 //
 // Thread safety: none. One thread drives an engine (AddRequest, Step,
 // Cancel, ...); block_manager() is safe to read from other threads.

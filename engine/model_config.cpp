@@ -550,13 +550,20 @@ Status ModelConfig::ApplyKvEviction(const KvEviction& e) {
     auto refuse = [](const std::string& why) {
       return Status::InvalidArgument("--kv-selection quest: " + why);
     };
-    if (e.mode != KvEviction::Mode::kNone) return refuse("does not combine with --kv-eviction");
+    // With attention sinks it selects among the window's blocks (the sinks
+    // are always read); SnapKV's compacted blocks would need their bounds
+    // after the gather and a reference numbering blocks by cache index.
+    if (e.mode == KvEviction::Mode::kSnapKv) {
+      return refuse("does not combine with --kv-eviction snapkv");
+    }
     if (is_mla()) {
       return refuse("MLA's latent cache (DeepSeek) has no per-head keys to bound");
     }
     if (!layer_windows.empty()) return refuse("the model has sliding-window layers");
-    kv_eviction = e;
-    return Status::Ok();
+    if (e.mode == KvEviction::Mode::kNone) {
+      kv_eviction = e;
+      return Status::Ok();
+    }
   }
   if (e.mode == KvEviction::Mode::kNone) return Status::Ok();
   const std::string mode(KvEvictionModeName(e.mode));

@@ -5,30 +5,36 @@
 #include <cstring>
 #include <numeric>
 
-#include "kernels/float_convert.h"
+#include "kernels/cpu/kv_codec.h"
 
 namespace pdserve {
 
 namespace {
 
-// Element i of a head region's token row, as fp32.
-float LoadElement(const uint8_t* row, DType dtype, int64_t i) {
-  switch (dtype) {
-    case DType::kBF16: {
-      uint16_t h;
-      std::memcpy(&h, row + i * 2, 2);
-      return kernels::Bf16ToF32(h);
-    }
-    case DType::kF16: {
-      uint16_t h;
-      std::memcpy(&h, row + i * 2, 2);
-      return kernels::F16ToF32(h);
-    }
-    default: {
-      float f;
-      std::memcpy(&f, row + i * 4, 4);
-      return f;
-    }
+// The scale of a (block, layer, K|V, head) region (1 for unscaled dtypes);
+// copied out, since the layout may leave it unaligned.
+float RegionScale(const kernels::KvCacheLayout& layout, const uint8_t* base, int64_t at) {
+  if (!layout.has_scales()) return 1.0f;
+  float s;
+  std::memcpy(&s, base + at, 4);
+  return s;
+}
+
+// The K (or V) of positions [0, n) of one layer and KV head, as fp32
+// [n][head_dim], decoded block by block with each block's own scale.
+void LoadHead(const kernels::KvCacheLayout& layout, const uint8_t* base,
+              std::span<const int32_t> table, int64_t layer, int64_t head, bool values, int64_t n,
+              float* out) {
+  const int64_t bs = layout.block_size, hd = layout.head_dim;
+  const kernels::KvRegion region{layout.dtype, bs, hd};
+  for (int64_t b = 0; b * bs < n; ++b) {
+    const int64_t block = table[b];
+    const int64_t at =
+        values ? layout.v_offset(block, layer, head) : layout.k_offset(block, layer, head);
+    const int64_t scale_at = values ? layout.v_scale_offset(block, layer, head)
+                                    : layout.k_scale_offset(block, layer, head);
+    kernels::LoadKv(base + at, region, RegionScale(layout, base, scale_at),
+                    std::min(bs, n - b * bs) * hd, out + b * bs * hd);
   }
 }
 
@@ -42,7 +48,6 @@ std::vector<std::vector<int32_t>> SnapKvSelect(const ModelConfig& c,
                                                int64_t P, const float* queries) {
   const int64_t L = c.num_layers, kvh = c.num_kv_heads, nh = c.num_heads, hd = c.head_dim;
   const int64_t B = c.kv_eviction.budget_tokens, W = c.kv_eviction.observation_window;
-  const int64_t bs = layout.block_size, elem = DTypeBits(layout.dtype) / 8;
   const auto* base = static_cast<const uint8_t*>(pool);
   std::vector<std::vector<int32_t>> kept(static_cast<size_t>(L * kvh));
   if (P <= B) {
@@ -54,15 +59,13 @@ std::vector<std::vector<int32_t>> SnapKvSelect(const ModelConfig& c,
   }
   const int64_t prefix = P - W, group = nh / kvh;
   const double scale = c.AttentionScale(), cap = c.attn_logit_softcapping;
-  std::vector<double> keys(static_cast<size_t>(P * hd)), scores(static_cast<size_t>(P));
+  std::vector<float> keys(static_cast<size_t>(P * hd));
+  std::vector<double> scores(static_cast<size_t>(P));
   std::vector<double> vote(static_cast<size_t>(prefix)), pooled(static_cast<size_t>(prefix));
   std::vector<int32_t> order(static_cast<size_t>(prefix));
   for (int64_t l = 0; l < L; ++l) {
     for (int64_t g = 0; g < kvh; ++g) {
-      for (int64_t p = 0; p < P; ++p) {
-        const uint8_t* row = base + layout.k_offset(table[p / bs], l, g) + (p % bs) * hd * elem;
-        for (int64_t i = 0; i < hd; ++i) keys[p * hd + i] = LoadElement(row, layout.dtype, i);
-      }
+      LoadHead(layout, base, table, l, g, /*values=*/false, P, keys.data());
       std::fill(vote.begin(), vote.end(), 0.0);
       for (int64_t h = g * group; h < (g + 1) * group; ++h) {
         for (int64_t w = 0; w < W; ++w) {
@@ -71,7 +74,7 @@ std::vector<std::vector<int32_t>> SnapKvSelect(const ModelConfig& c,
           double mx = -HUGE_VAL;
           for (int64_t j = 0; j <= t; ++j) {
             double dot = 0;
-            for (int64_t i = 0; i < hd; ++i) dot += q[i] * keys[j * hd + i];
+            for (int64_t i = 0; i < hd; ++i) dot += static_cast<double>(q[i]) * keys[j * hd + i];
             double s = dot * scale;
             if (cap > 0) s = cap * std::tanh(s / cap);
             scores[j] = s;
@@ -104,20 +107,39 @@ std::vector<std::vector<int32_t>> SnapKvSelect(const ModelConfig& c,
 
 void SnapKvGather(const kernels::KvCacheLayout& layout, void* pool, std::span<const int32_t> from,
                   std::span<const int32_t> to, const std::vector<std::vector<int32_t>>& kept) {
-  const int64_t kvh = layout.num_kv_heads, bs = layout.block_size;
-  const int64_t row = layout.head_dim * DTypeBits(layout.dtype) / 8;
+  const int64_t kvh = layout.num_kv_heads, bs = layout.block_size, hd = layout.head_dim;
+  const kernels::KvRegion region{layout.dtype, bs, hd};
   auto* base = static_cast<uint8_t*>(pool);
+  std::vector<float> src, rows(static_cast<size_t>(bs * hd));
   for (int64_t l = 0; l < layout.num_layers; ++l) {
     for (int64_t h = 0; h < kvh; ++h) {
       const std::vector<int32_t>& k = kept[l * kvh + h];
-      for (size_t i = 0; i < k.size(); ++i) {
-        const int64_t p = k[i], at = static_cast<int64_t>(i);
-        const int64_t src_k = layout.k_offset(from[p / bs], l, h) + (p % bs) * row;
-        const int64_t dst_k = layout.k_offset(to[at / bs], l, h) + (at % bs) * row;
-        const int64_t src_v = layout.v_offset(from[p / bs], l, h) + (p % bs) * row;
-        const int64_t dst_v = layout.v_offset(to[at / bs], l, h) + (at % bs) * row;
-        std::memcpy(base + dst_k, base + src_k, static_cast<size_t>(row));
-        std::memcpy(base + dst_v, base + src_v, static_cast<size_t>(row));
+      if (k.empty()) continue;
+      const int64_t n = k.back() + 1, count = static_cast<int64_t>(k.size());
+      src.resize(static_cast<size_t>(n * hd));
+      for (const bool values : {false, true}) {
+        // Kept rows come from blocks of different scales: each is decoded
+        // with its own and the destination block is written afresh, as a
+        // prefill chunk would write it (one scale per block and head, set
+        // by its rows; calibrated scales stay fixed). Scales are powers of
+        // two, so a row whose block had the same scale keeps its codes.
+        LoadHead(layout, base, from, l, h, values, n, src.data());
+        const float fixed =
+            layout.fixed_scales ? layout.fixed_scales[2 * l + (values ? 1 : 0)] : 0.0f;
+        for (int64_t b = 0; b * bs < count; ++b) {
+          const int64_t m = std::min(bs, count - b * bs);
+          for (int64_t r = 0; r < m; ++r) {
+            const float* row = src.data() + k[static_cast<size_t>(b * bs + r)] * hd;
+            std::copy(row, row + hd, rows.begin() + r * hd);
+          }
+          const int64_t block = to[b];
+          const int64_t at = values ? layout.v_offset(block, l, h) : layout.k_offset(block, l, h);
+          const int64_t scale_at =
+              values ? layout.v_scale_offset(block, l, h) : layout.k_scale_offset(block, l, h);
+          float scale = 0;
+          kernels::StoreRun(rows.data(), hd, m, region, 0, base + at, &scale, fixed);
+          if (layout.has_scales()) std::memcpy(base + scale_at, &scale, 4);
+        }
       }
     }
   }

@@ -31,9 +31,10 @@ namespace pdserve {
 
 // The positions kept by every layer and KV head, kept[layer * kv_heads +
 // head], ascending, min(B, P) each (all of [0, P) when P <= B). `pool` is the
-// KV pool in host memory (fp32, fp16 or bf16 elements), position p of the
-// prompt in block table[p / block_size]; `queries` the roped queries of the
-// last W prompt positions, [layers][W][heads * head_dim] fp32.
+// KV pool in host memory (any GQA KV dtype: keys are decoded with their
+// block's scales), position p of the prompt in block table[p / block_size];
+// `queries` the roped queries of the last W prompt positions,
+// [layers][W][heads * head_dim] fp32.
 std::vector<std::vector<int32_t>> SnapKvSelect(const ModelConfig& config,
                                                const kernels::KvCacheLayout& layout,
                                                const void* pool, std::span<const int32_t> table,
@@ -41,7 +42,17 @@ std::vector<std::vector<int32_t>> SnapKvSelect(const ModelConfig& config,
 
 // For every layer and KV head, copies the K and V of position kept[..][i]
 // (in blocks `from`) to cache index i (in blocks `to`), both tables indexed
-// by position / block_size. `to`'s blocks must not be `from`'s.
+// by position / block_size. `to`'s blocks must not be `from`'s. Scaled KV
+// dtypes (fp8, nvfp4) hold one scale per block, layer, K|V and head, and
+// the kept rows of one destination block come from source blocks of
+// different scales: each row is decoded with its source block's scale and
+// every destination block is quantised afresh, with the scale its rows
+// need, as a prefill chunk writes a block (calibrated scales stay fixed).
+// Per-row scales would keep every code but need another pool layout,
+// kernels and transfer layout; with power-of-two scales a row whose source
+// block had the destination's scale keeps its values exactly, and a row
+// from a block of smaller scale loses only what the larger scale cannot
+// hold (engine_snapkv_scaled_test).
 void SnapKvGather(const kernels::KvCacheLayout& layout, void* pool, std::span<const int32_t> from,
                   std::span<const int32_t> to, const std::vector<std::vector<int32_t>>& kept);
 

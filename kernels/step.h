@@ -51,7 +51,10 @@ struct AttentionBatch {
   // attends, per query head, only to the quest_blocks of them with the
   // highest upper bound sum_i max(q_i min_i, q_i max_i) over the block's
   // key bounds (KvCacheLayout::key_bounds; ties: the lower block index),
-  // plus its newest block. Prefill rows attend to everything. 0: off.
+  // plus its newest block. With a window (attention sinks) the candidates
+  // are the window's blocks before the newest, from the first it reaches,
+  // and the sink blocks are always read. Prefill rows attend to everything.
+  // 0: off.
   int64_t quest_blocks = 0;
   // Gemma-2's attention logit soft-capping: each scaled score s becomes
   // softcap * tanh(s / softcap) before the softmax. 0: none.

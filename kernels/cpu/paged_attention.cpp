@@ -414,35 +414,41 @@ int64_t RunUnit(const AttentionKernels& k, const AttentionUnit& u, const KvCache
   };
   const int64_t n_blocks = (max_keys + bs - 1) / bs;
   // Quest: a decode row keeps, per query head, the quest_blocks full blocks
-  // before its newest with the highest upper bound of q.k (AttentionBatch).
-  const int64_t newest = n_blocks - 1;
-  const bool quest = batch.quest_blocks > 0 && q_len == 1 && window == 0 &&
-                     layout.key_bounds != nullptr && newest > batch.quest_blocks;
+  // before its newest with the highest upper bound of q.k (AttentionBatch):
+  // of every block, or with a window (attention sinks) of the window's
+  // blocks from the first, which it may reach in part (the sink blocks are
+  // read whatever the selection, below).
+  const int64_t newest = n_blocks - 1, from = first_key / bs, candidates = newest - from;
+  const bool quest = batch.quest_blocks > 0 && q_len == 1 && layout.key_bounds != nullptr &&
+                     candidates > batch.quest_blocks;
   if (quest) {
-    s.selected.assign(group * newest, 0);
-    s.bounds.resize(newest);
-    s.order.resize(newest);
-    bytes_read += newest * 2 * hd * 4;  // the bounds
+    s.selected.assign(group * candidates, 0);
+    s.bounds.resize(candidates);
+    s.order.resize(candidates);
+    bytes_read += candidates * 2 * hd * 4;  // the bounds
     for (int64_t j = 0; j < group; ++j) {
       const float* qh = q + u.row_begin * q_stride + (u.kv_head * group + j) * hd;
-      for (int64_t b = 0; b < newest; ++b) {
-        const float* lo = layout.key_bounds + layout.key_bounds_offset(table[b], layer, u.kv_head);
+      for (int64_t c = 0; c < candidates; ++c) {
+        const float* lo =
+            layout.key_bounds + layout.key_bounds_offset(table[from + c], layer, u.kv_head);
         const float* hi = lo + hd;
         float ub = 0;
         for (int64_t d = 0; d < hd; ++d) ub += std::max(qh[d] * lo[d], qh[d] * hi[d]);
-        s.bounds[b] = ub;
-        s.order[b] = static_cast<int32_t>(b);
+        s.bounds[c] = ub;
+        s.order[c] = static_cast<int32_t>(c);
       }
       std::nth_element(s.order.begin(), s.order.begin() + (batch.quest_blocks - 1), s.order.end(),
                        [&](int32_t a, int32_t b) {
                          return s.bounds[a] > s.bounds[b] || (s.bounds[a] == s.bounds[b] && a < b);
                        });
-      for (int64_t i = 0; i < batch.quest_blocks; ++i) s.selected[j * newest + s.order[i]] = 1;
+      for (int64_t i = 0; i < batch.quest_blocks; ++i) {
+        s.selected[j * candidates + s.order[i]] = 1;
+      }
     }
   }
   // Whether query head j of the group attends to block b.
   auto attends = [&](int64_t j, int64_t b) {
-    return !quest || b == newest || s.selected[j * newest + b] != 0;
+    return !quest || b == newest || s.selected[j * candidates + (b - from)] != 0;
   };
   for (int64_t b = first_key / bs; b < n_blocks; ++b) {
     if (quest && b < newest) {

@@ -115,9 +115,6 @@ int RunEval(int argc, char** argv) {
                      std::to_string(prefill_tokens) + " must exceed --kv-budget-tokens " +
                      std::to_string(eviction.budget_tokens));
     }
-    if (*kv_dtype != DType::kF32 && *kv_dtype != DType::kF16 && *kv_dtype != DType::kBF16) {
-      UsageError("eval", "--kv-eviction snapkv: --kv-dtype fp32, fp16 or bf16");
-    }
   }
   std::unique_ptr<Model> baseline;
   if (!baseline_dir.empty()) {

@@ -324,12 +324,55 @@ std::vector<std::vector<double>> ReferenceModel::Forward(const std::vector<int32
           kr.push_back(k[kept[r]]);
           rope(kr.back(), kv_heads_, static_cast<int64_t>(r), L.local_rope);
         }
+        // Quest with sinks: per head, the window's quest_blocks blocks
+        // before the newest (from the first it reaches) with the highest
+        // bound over their keys as the cache stores them (rotated by their
+        // own positions) against the query rotated by its own; the sinks
+        // and the newest block are always read.
+        const int64_t QB = eviction.block_size, newest = t / QB, from = first / QB;
+        const bool quest = eviction.quest_blocks > 0 && t >= eviction.first_decode &&
+                           newest - from > eviction.quest_blocks;
+        std::vector<std::vector<bool>> read(heads_, std::vector<bool>(newest + 1, true));
+        if (quest) {
+          std::vector<double> qp = q[t];
+          rope(qp, heads_, t, L.local_rope);
+          std::vector<std::vector<double>> kp(newest * QB);
+          for (int64_t j = from * QB; j < newest * QB; ++j) {
+            kp[j] = k[j];
+            rope(kp[j], kv_heads_, j, L.local_rope);
+          }
+          for (int64_t h = 0; h < heads_; ++h) {
+            const int64_t g = h / (heads_ / kv_heads_);
+            std::vector<std::pair<double, int64_t>> bound;
+            for (int64_t b = from; b < newest; ++b) {
+              double ub = 0;
+              for (int64_t i = 0; i < hd; ++i) {
+                double lo = kp[b * QB][g * hd + i], hi = lo;
+                for (int64_t j = b * QB; j < (b + 1) * QB; ++j) {
+                  lo = std::min(lo, kp[j][g * hd + i]);
+                  hi = std::max(hi, kp[j][g * hd + i]);
+                }
+                ub += std::max(qp[h * hd + i] * lo, qp[h * hd + i] * hi);
+              }
+              bound.push_back({-ub, b});
+            }
+            std::sort(bound.begin(), bound.end());
+            read[h].assign(newest + 1, false);
+            read[h][newest] = true;
+            for (int64_t i = 0; i < eviction.quest_blocks; ++i) read[h][bound[i].second] = true;
+          }
+        }
         std::vector<double> attn(heads_ * hd, 0.0);
         for (int64_t h = 0; h < heads_; ++h) {
           const int64_t g = h / (heads_ / kv_heads_);
+          // A sink, or a window key of a block this head reads.
+          auto seen = [&](size_t r) {
+            return static_cast<int64_t>(r) < sinks || read[h][kept[r] / QB];
+          };
           std::vector<double> sc(kept.size());
           double mx = -1e300;
           for (size_t r = 0; r < kept.size(); ++r) {
+            if (!seen(r)) continue;
             double dot = 0;
             for (int64_t i = 0; i < hd; ++i) dot += qt[h * hd + i] * kr[r][g * hd + i];
             sc[r] = dot * attn_scale_;
@@ -337,8 +380,11 @@ std::vector<std::vector<double>> ReferenceModel::Forward(const std::vector<int32
             mx = std::max(mx, sc[r]);
           }
           double den = 0;
-          for (double& x : sc) den += (x = std::exp(x - mx));
           for (size_t r = 0; r < kept.size(); ++r) {
+            if (seen(r)) den += (sc[r] = std::exp(sc[r] - mx));
+          }
+          for (size_t r = 0; r < kept.size(); ++r) {
+            if (!seen(r)) continue;
             for (int64_t i = 0; i < hd; ++i)
               attn[h * hd + i] += sc[r] / den * v[kept[r]][g * hd + i];
           }
@@ -391,6 +437,9 @@ std::vector<std::vector<double>> ReferenceModel::Forward(const std::vector<int32
     std::vector<std::vector<bool>> keep(kv_heads_);
     if (snap) {
       const int64_t W = eviction.snapkv_window, prefix = P - W, group = heads_ / kv_heads_;
+      // The keys as the cache holds them once the prompt is written: a
+      // rounded cache scores its rounded keys.
+      const auto ks = cached(k, P - 1, 0);
       std::vector<std::vector<int64_t>> layer_kept(kv_heads_);
       for (int64_t g = 0; g < kv_heads_; ++g) {
         std::vector<double> vote(prefix, 0.0);
@@ -400,7 +449,7 @@ std::vector<std::vector<double>> ReferenceModel::Forward(const std::vector<int32
             double mx = -1e300, den = 0;
             for (int64_t j = 0; j <= t; ++j) {
               double dot = 0;
-              for (int64_t i = 0; i < hd; ++i) dot += q[t][h * hd + i] * k[j][g * hd + i];
+              for (int64_t i = 0; i < hd; ++i) dot += q[t][h * hd + i] * ks[j][g * hd + i];
               w[j] = dot * attn_scale_;
               if (attn_cap_ > 0) w[j] = attn_cap_ * std::tanh(w[j] / attn_cap_);
               mx = std::max(mx, w[j]);

@@ -79,7 +79,10 @@ inline reference::ScaledKv ScaledKvOf(KvRounding::Type t) {
 // own number more than quest_blocks attends, per head, to the
 // quest_blocks of them with the highest sum_i max(q_i min_i, q_i max_i)
 // over each block's per-channel key minima and maxima (ties: the lower
-// block), and to its own block's positions up to t.
+// block), and to its own block's positions up to t. With StreamingLLM's
+// rule as well, the candidates are the window's blocks before t's, from
+// the first it reaches (bounds over their keys rotated by their own
+// positions, the query by t), and the sinks are always attended.
 //
 // SnapKV's rule (Li et al. 2024; snapkv_budget B > 0, window 0): positions
 // [0, snapkv_prompt) are the prompt. When it is longer than B, every layer
@@ -87,7 +90,8 @@ inline reference::ScaledKv ScaledKvOf(KvRounding::Type t) {
 // prompt's last W queries attended to most, and those W: position j of the
 // prefix [0, P - W) scores the sum, over those queries and the query heads
 // of the KV head's group, of its softmax weight (dense causal attention,
-// keys rotated by their own positions), max-pooled over the prefix
+// keys rotated by their own positions and, with KV rounding, rounded as the
+// cache holds them), max-pooled over the prefix
 // positions j-3 .. j+3; the B - W highest are kept (ties: the lower
 // position). Queries at t >= P attend to the kept positions and P..t.
 // The kept sets go to *snapkv_kept ([layer][KV head], ascending) when set.

@@ -143,7 +143,9 @@ TEST(KvEvictionCliTest, BadModesAndBudgetsExitTwoNamingTheFlag) {
       {gen + " --kv-eviction snapkv --kv-budget-tokens 0", "--kv-budget-tokens"},
       {gen + " --kv-eviction snapkv --kv-budget-tokens 16 --kv-observation-window 32",
        "--kv-observation-window"},
-      {gen + " --kv-eviction snapkv --kv-budget-tokens 32 --kv-dtype fp8", "--kv-dtype"},
+      {gen + " --kv-eviction snapkv --kv-budget-tokens 32 --kv-selection quest "
+             "--kv-selection-blocks 2",
+       "--kv-selection"},
       {gen + " --kv-eviction streaming --kv-window-tokens 32 --kv-budget-tokens 32",
        "--kv-budget-tokens"},
       {"generate --model " + mla + " --prompt hi --kv-eviction snapkv --kv-budget-tokens 32",

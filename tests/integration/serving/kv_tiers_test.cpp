@@ -10,7 +10,9 @@
 // back): the restarted worker serves the repeated prompts from its disk with
 // the text of `pdserve generate`. A worker killed in the middle of a disk
 // write (by the file size limit's SIGXFSZ) leaves a torn slot that the next
-// one finds, refuses and recomputes.
+// one finds, refuses and recomputes. With a token eviction or selection mode
+// (streaming, SnapKV, Quest) the tiers serve the same way, a streaming
+// prompt onloading only its sink and window blocks.
 #include <signal.h>
 
 #include <gtest/gtest.h>
@@ -131,6 +133,95 @@ TEST(KvTiersTest, APrefillWorkerOnloadsFromItsHostTierAndHandsTheKvOver) {
   EXPECT_GT(LocalStack::Metric(decode.metrics_port, "pdserve_kv_transfer_bytes_total",
                                "direction=\"in\""),
             moved);
+}
+
+// A token eviction or selection mode with a host tier (docs/kv-eviction.md):
+// the second pass over a working set twice the pool comes back from the
+// tier with the text of `pdserve generate` in the same mode. A streaming
+// prompt onloads only its sink and window blocks (3 of its 13 here), never
+// the middle blocks it released.
+struct ModeCase {
+  const char* name;
+  std::vector<std::string> flags;
+  int64_t max_hit_blocks_per_prompt;  // what one prompt may onload
+};
+
+class KvTiersModeTest : public ::testing::TestWithParam<ModeCase> {};
+
+TEST_P(KvTiersModeTest, TheSecondPassComesFromTheHostTierAsGenerateDecodes) {
+  const ModeCase& c = GetParam();
+  LocalStack stack(std::string("kv-tiers-mode-") + c.name);
+  stack.StartRouter();
+  std::vector<std::string> flags = kSmallPool;
+  flags.insert(flags.end(), {"--kv-host-cache-bytes", "1MiB"});
+  flags.insert(flags.end(), c.flags.begin(), c.flags.end());
+  WorkerProc& worker = stack.StartWorker("both", flags);
+  ASSERT_TRUE(stack.WaitReady());
+  // Six prompts of about 13 blocks: three times what the pool holds.
+  std::vector<std::string> prompts;
+  for (int i = 0; i < 6; ++i) prompts.push_back(Words(40, 60 + i));
+  for (const auto& p : prompts) ExpectSameAsGenerate(stack, p, 8, c.flags);
+  const double before = TierHits(worker, "host");
+  for (const auto& p : prompts) ExpectSameAsGenerate(stack, p, 8, c.flags);
+  double hits = before;
+  for (int i = 0; i < 40 && hits <= before; ++i) {  // the counter follows the load reports
+    std::this_thread::sleep_for(50ms);
+    hits = TierHits(worker, "host");
+  }
+  EXPECT_GE(hits - before, 16) << worker.proc.Log();
+  EXPECT_LE(hits, 2 * 6 * c.max_hit_blocks_per_prompt * 16) << "more blocks came back than held";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Modes, KvTiersModeTest,
+    ::testing::Values(ModeCase{"streaming",
+                               {"--kv-eviction", "streaming", "--kv-sink-tokens", "4",
+                                "--kv-window-tokens", "32"},
+                               3},
+                      ModeCase{"snapkv",
+                               {"--kv-eviction", "snapkv", "--kv-budget-tokens", "48",
+                                "--kv-observation-window", "8"},
+                               13},
+                      ModeCase{
+                          "quest", {"--kv-selection", "quest", "--kv-selection-blocks", "2"}, 13}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+// Streaming with a disk tier alone: a worker SIGKILLed and started again on
+// its folder serves a repeated prompt's sink and window blocks from disk,
+// with `pdserve generate`'s text in the same mode.
+TEST(KvTiersTest, AStreamingWorkerRestartedOnItsDiskFolderComesBackWarm) {
+  const std::vector<std::string> mode = {"--kv-eviction",      "streaming", "--kv-sink-tokens", "4",
+                                         "--kv-window-tokens", "32"};
+  LocalStack stack("kv-tiers-streaming-restart");
+  stack.StartRouter();
+  std::vector<std::string> flags = kSmallPool;
+  flags.insert(flags.end(), {"--kv-disk-cache-dir", NewTempDir("kv-tiers-streaming-disk"),
+                             "--kv-disk-cache-bytes", "4MiB"});
+  flags.insert(flags.end(), mode.begin(), mode.end());
+  WorkerProc& first = stack.StartWorker("both", flags);
+  ASSERT_TRUE(stack.WaitReady());
+  const std::string hot = Words(40, 1);
+  ExpectSameAsGenerate(stack, hot, 8, mode);
+  for (int i = 0; i < 4; ++i) ExpectSameAsGenerate(stack, Words(40, 10 + i), 2, mode);
+  std::this_thread::sleep_for(300ms);  // the mover writes the last evictions
+  first.proc.Signal(SIGKILL);
+  (void)first.proc.Wait(10s);
+  WorkerProc& second = stack.StartWorker("both", flags);
+  auto synced = stack.router().WaitForLog(
+      std::regex("worker " + second.id +
+                 " synced: .* \\(0 in its host tier, ([0-9]+) on its disk\\)"),
+      20s);
+  ASSERT_TRUE(synced) << stack.router().Log();
+  EXPECT_GT(std::stoi(*synced), 0) << "no disk block announced";
+  ASSERT_TRUE(stack.WaitReady());
+  ExpectSameAsGenerate(stack, hot, 8, mode);
+  double hits = 0;
+  for (int i = 0; i < 40 && hits == 0; ++i) {
+    std::this_thread::sleep_for(50ms);
+    hits = TierHits(second, "disk");
+  }
+  // The sink block and the window's two: the middle blocks stay on disk.
+  EXPECT_EQ(hits, 3 * 16) << second.proc.Log();
 }
 
 // One greedy completion through the router, checked against `want` (the

@@ -5,7 +5,8 @@
 // at two budgets and block sizes, a budget that covers every block equal to
 // dense attention, and greedy generation through the engine with prefix
 // caching (the bounds of reused blocks come from the request that wrote
-// them); the kernel reads fewer bytes than dense; refusals.
+// them); the kernel reads fewer bytes than dense; with attention sinks, the
+// selection among the window's blocks; refusals.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -165,6 +166,60 @@ TEST(EngineQuestTest, GenerationWithPrefixCachingMatchesTheReference) {
   EXPECT_LT(read, dense * 3 / 4);
 }
 
+// Quest with attention sinks (--kv-eviction streaming, 4 sinks + a window
+// of 56 on a model trained to 64 positions): a decode query selects K of
+// the window's blocks before its newest and always reads its sinks. Every
+// position's NLL over 240 tokens (3.75x the context) is the reference's
+// under both rules, at K = 2 and 4 with blocks of 8 (the window spans 7 or
+// 8 of them); the selection changes what streaming alone gives, and a K
+// covering the window's blocks is streaming alone.
+TEST(EngineQuestTest, WithAttentionSinksMatchesTheReference) {
+  ModelSpec spec = *PresetModelSpec("tiny");
+  spec.max_position_embeddings = 64;
+  spec.name = "quest-streaming";
+  const std::string dir = testing::ModelDir("quest-streaming", spec);
+  const auto ref = testing::LoadReference(dir);
+  ASSERT_NE(ref, nullptr);
+  const auto tokens = RandomTokens(240, spec.vocab_size(), 6);
+  const int64_t S = 4, N = 56, bs = 8, prefill = 20;
+  KvEvictionRule streaming;
+  streaming.sink_tokens = S;
+  streaming.window_tokens = N;
+  const auto plain = ref->Forward(tokens, {}, streaming);
+  for (const int64_t k : {2, 4, 8}) {
+    SCOPED_TRACE("K " + std::to_string(k));
+    KvEviction e = Quest(k);
+    e.mode = KvEviction::Mode::kStreaming;
+    e.sink_tokens = S;
+    e.window_tokens = N;
+    Loaded l = testing::LoadCpuModel(dir, e);
+    ASSERT_NE(l.model, nullptr);
+    TextEvalOptions o;
+    o.block_size = bs;
+    o.prefill_tokens = prefill;
+    o.decode_chunk = 1;
+    auto r = EvaluateText(l.model.get(), tokens, o);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    KvEvictionRule rule = streaming;
+    rule.quest_blocks = k;
+    rule.block_size = bs;
+    rule.first_decode = prefill;
+    const auto logits = ref->Forward(tokens, {}, rule);
+    double most_from_plain = 0;
+    for (size_t t = 0; t + 1 < tokens.size(); ++t) {
+      const double expected = -LogSoftmax(logits[t])[tokens[t + 1]];
+      ASSERT_NEAR(r->token_nll[t], expected, 1e-4) << "position " << t;
+      most_from_plain =
+          std::max(most_from_plain, std::fabs(expected + LogSoftmax(plain[t])[tokens[t + 1]]));
+    }
+    if (k < 7) {
+      EXPECT_GT(most_from_plain, 1e-3);  // the selection changed something
+    } else {
+      EXPECT_LT(most_from_plain, 1e-9);  // K covers the window's blocks: streaming alone
+    }
+  }
+}
+
 TEST(EngineQuestTest, RefusesWhatItCannotRun) {
   kernels::CpuBackend backend(1);
   auto refused = [&](const std::string& dir, const KvEviction& e) {
@@ -173,8 +228,9 @@ TEST(EngineQuestTest, RefusesWhatItCannotRun) {
     return m.ok() ? std::string() : m.status().message();
   };
   KvEviction both = Quest(4);
-  both.mode = KvEviction::Mode::kStreaming;
-  both.window_tokens = 32;
+  both.mode = KvEviction::Mode::kSnapKv;
+  both.budget_tokens = 32;
+  both.observation_window = 8;
   EXPECT_NE(refused(Dir(), both).find("--kv-selection"), std::string::npos);
   EXPECT_NE(refused(Dir(), Quest(-1)).find("--kv-selection-blocks"), std::string::npos);
   EXPECT_NE(
