@@ -95,6 +95,11 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir, kernels::Ba
     return Status::InvalidArgument("--kv-selection quest: the " + backend->name() +
                                    " backend does not select blocks yet");
   }
+  if (eviction.quest_blocks > 0 && eviction.mode == KvEviction::Mode::kStreaming &&
+      !backend->SupportsKvSelectionInWindow()) {
+    return Status::InvalidArgument("--kv-selection quest: the " + backend->name() +
+                                   " backend does not select blocks beside attention sinks yet");
+  }
   auto files =
       format == LoadFormat::kDummy
           ? RandomWeights(*config,

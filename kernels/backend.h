@@ -217,6 +217,9 @@ class Backend {
   // Whether WriteKv keeps KvCacheLayout::key_bounds and PagedAttention
   // selects blocks by them (AttentionBatch::quest_blocks).
   virtual bool SupportsKvSelection() const { return false; }
+  // Whether that selection also runs beside a window with sinks (Quest with
+  // --kv-eviction streaming: it chooses among the window's blocks).
+  virtual bool SupportsKvSelectionInWindow() const { return false; }
   // Sets layout.key_bounds of blocks[i] (every layer and KV head) from the
   // first tokens[i] keys the pool holds there: for KV that arrived without
   // WriteKv (a peer's transfer). Only where SupportsKvSelection().

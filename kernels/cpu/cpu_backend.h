@@ -62,6 +62,7 @@ class CpuBackend final : public Backend {
                       const Tensor& out) override;
   bool SupportsAttentionSinks() const override { return true; }
   bool SupportsKvSelection() const override { return true; }
+  bool SupportsKvSelectionInWindow() const override { return true; }
   void ComputeKeyBounds(const KvCacheLayout& layout, const void* pool, const int32_t* blocks,
                         const int32_t* tokens, int64_t count) override;
   // KV bytes PagedAttention has read so far (decoded keys and values of the
