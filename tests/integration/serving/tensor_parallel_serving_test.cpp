@@ -141,6 +141,22 @@ double HandOffBytes(const std::string& model, const std::string& name, int prefi
     EXPECT_EQ(prefill.proc.Log().find("gathered in chunks") != std::string::npos, sliced)
         << prefill.proc.Log();
   }
+  if (prefill_tp != decode_tp && sliced) {
+    // Gathered: the prompt's blocks fit one chunk, one message per rank pair.
+    auto pairs = prefill.proc.WaitForLog(
+        std::regex("KV hand-off from tensor_parallel " + std::to_string(prefill_tp) + " to " +
+                   std::to_string(decode_tp) + ": ([0-9]+) rank pairs"),
+        5s);
+    EXPECT_TRUE(pairs) << prefill.proc.Log();
+    double writes = 0;
+    for (int i = 0; i < 100 && pairs && writes < std::stod(*pairs); ++i) {
+      writes = LocalStack::Metric(prefill.metrics_port, "pdserve_kv_transfer_network_writes_total");
+      if (writes < std::stod(*pairs)) std::this_thread::sleep_for(50ms);
+    }
+    if (pairs) {
+      EXPECT_EQ(writes, std::stod(*pairs));
+    }
+  }
   return out;
 }
 
