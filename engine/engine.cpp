@@ -131,9 +131,6 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(const std::vector<Model*>& rank
                                                  const Tokenizer* tokenizer) {
   if (ranks.empty()) return Status::InvalidArgument("an engine needs a model");
   Model* model = ranks[0];
-  if (ranks.size() > 1 && (options.kv_host_cache_bytes > 0 || !options.kv_disk_cache_dir.empty())) {
-    return Status::Unsupported("KV tiers with tensor parallelism are not built yet");
-  }
   if (options.max_num_seqs < 1) return Status::InvalidArgument("max_num_seqs must be >= 1");
   if (options.max_num_batched_tokens < 1) {
     return Status::InvalidArgument("max_num_batched_tokens must be >= 1");
@@ -141,6 +138,7 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(const std::vector<Model*>& rank
   if (options.max_model_len < 0) return Status::InvalidArgument("max_model_len must be >= 0");
   std::unique_ptr<Engine> e(new Engine());
   e->model_ = model;
+  e->ranks_ = ranks;
   e->tokenizer_ = tokenizer;
   e->options_ = options;
   e->model_id_ = options.model_id.empty() ? model->model_id() : options.model_id;
@@ -189,11 +187,17 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(const std::vector<Model*>& rank
   const bool tiers = options.kv_host_cache_bytes > 0 || !options.kv_disk_cache_dir.empty();
   if (tiers && options.enable_prefix_caching) {
     KvTierOptions to;
-    to.block_bytes = e->pool_->bytes_per_block();
+    // A tier entry holds a block's shard of every rank, rank by rank (equal
+    // shards): a tensor-parallel block stays one unit in the tiers too.
+    const int64_t shard_bytes = e->pool_->bytes_per_block();
+    to.block_bytes = shard_bytes * static_cast<int64_t>(ranks.size());
     // Blocks are the same bytes in host and device pools and whatever moves
     // them: only the model and the pool's layout decide what a block means.
+    // The split is part of it: a tier written at another TP size holds other
+    // shards, so its layout hash differs and its disk entries are not served.
     KvLayout content = e->pool_->TransferLayout(e->model_id_, model->matrix_dtype(), "tiers");
     content.memory_type = MemoryType::kHost;
+    content.tensor_parallel = static_cast<int64_t>(ranks.size());
     content.model_fingerprint = e->kv_fingerprint_;  // other weights: another slab key
     to.layout_hash = content.Hash();
     to.host_bytes = options.kv_host_cache_bytes;
@@ -207,8 +211,8 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(const std::vector<Model*>& rank
     e->tier_store_ = std::move(*store);
     // Up to 64 idle transfer buffers are kept: an eviction burst of a long
     // prompt reuses them rather than allocating page-locked memory again.
-    e->tier_buffers_ = std::make_unique<HostBlockBuffers>(
-        model->backend(), static_cast<size_t>(e->pool_->bytes_per_block()), 64);
+    e->tier_buffers_ = std::make_unique<HostBlockBuffers>(model->backend(),
+                                                          static_cast<size_t>(to.block_bytes), 64);
     e->tier_mover_ = std::make_unique<KvTierMover>(e->tier_store_.get(), e->tier_buffers_.get(),
                                                    options.on_tier_ready,
                                                    options.kv_disk_write_bytes_per_second);
@@ -218,7 +222,11 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(const std::vector<Model*>& rank
     bm.on_evict = [self](BlockId block, BlockHash hash) {
       HostBlockBuffers::Buffer copy = self->tier_buffers_->Take();
       if (!copy) return;  // no host memory left: the block is dropped, as without tiers
-      self->model_->backend()->Download(copy.data(), self->pool_->block(block), copy.size());
+      const size_t shard = copy.size() / self->ranks_.size();
+      for (size_t r = 0; r < self->ranks_.size(); ++r) {
+        self->ranks_[r]->backend()->Download(
+            copy.data() + r * shard, self->kv_pool(static_cast<int>(r)).block(block), shard);
+      }
       self->tier_mover_->Offload(hash, std::move(copy));
       ++self->offloaded_blocks_;
     };
@@ -524,8 +532,11 @@ void Engine::ProcessTierWork() {
     // Tokens brought back: B per prompt block any of whose groups' blocks
     // came back, counted at its slowest tier (slots are by index).
     for (size_t k = 0; k < n; ++k) {
-      model_->backend()->Upload(pool_->block(s->load_slots[k].block), done.blocks[k].data(),
-                                done.blocks[k].size());
+      const size_t shard = done.blocks[k].size() / ranks_.size();
+      for (size_t r = 0; r < ranks_.size(); ++r) {
+        ranks_[r]->backend()->Upload(kv_pool(static_cast<int>(r)).block(s->load_slots[k].block),
+                                     done.blocks[k].data() + r * shard, shard);
+      }
       const bool last_of_index = k + 1 == n || s->load_slots[k + 1].index != s->load_slots[k].index;
       if (!last_of_index) continue;
       bool disk = false;

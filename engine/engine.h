@@ -387,6 +387,7 @@ class Engine {
   Status CompressPrompt(Sequence* s, const std::vector<float>& captured, int64_t k, int64_t count);
 
   Model* model_ = nullptr;
+  std::vector<Model*> ranks_;  // model_ first; a tensor-parallel engine's shards
   const Tokenizer* tokenizer_ = nullptr;
   EngineOptions options_;
   int64_t max_model_len_ = 0;

@@ -299,10 +299,10 @@ Status KvTierStore::OpenDisk() {
       (void)::pwrite(fd_, &cleared, sizeof(cleared), static_cast<off_t>(slot * slot_stride_));
     }
     discarded_ = static_cast<int64_t>(foreign.size());
-    PDSERVE_LOG(WARN) << "disk KV tier: discarded " << foreign.size() << " cached blocks of "
-                      << path
-                      << " written by another model or KV configuration (its weights, config, "
-                         "tokenizer, KV dtype or scales, or block size differ)";
+    PDSERVE_LOG(WARN)
+        << "disk KV tier: discarded " << foreign.size() << " cached blocks of " << path
+        << " written by another model or KV configuration (its weights, config, "
+           "tokenizer, KV dtype or scales, block size or tensor-parallel size differ)";
   }
   std::vector<std::pair<uint64_t, int64_t>> order;  // oldest first: the LRU order
   for (const auto& [hash, gs] : newest) order.push_back(gs);

@@ -110,7 +110,8 @@ struct BlockSlice {
 //            is a peer that needs staging.
 enum class KvStagingMode : uint8_t { kAuto = 0, kAlways = 1, kNever = 2 };
 
-// What a KvTransfer holds right now; all zero when idle and nothing is staged.
+// What a KvTransfer holds right now (all zero when idle and nothing is
+// staged), and one running count.
 struct KvTransferStats {
   // Bounce-buffer memory allocated (stays allocated once a staged pair exists).
   size_t staging_bytes_reserved = 0;
@@ -119,6 +120,9 @@ struct KvTransferStats {
   size_t staging_bytes_in_use = 0;
   // Writes and Receives whose `done` has not been called yet.
   size_t transfers_in_flight = 0;
+  // Network writes issued since creation (UCX: puts and staged chunk sends):
+  // what coalescing saves.
+  uint64_t network_writes = 0;
 };
 
 // Merges pairs into maximal runs (local AND remote ids consecutive), ordered
@@ -161,9 +165,10 @@ class KvTransfer {
 
   // Connect and Accept for a peer whose layout differs from this pool's in
   // the tensor-parallel split only (CheckLayoutsMatchExceptSplit): every
-  // Write to it moves `slices` of each block (within both block sizes), one
-  // put per slice and block. The default refuses (Unsupported): only UCX's
-  // direct puts move slices; a staged pair refuses them too.
+  // Write to it moves `slices` of each block (within both block sizes). UCX
+  // gathers a chunk of blocks' slices into one message when both sides can
+  // stage (two-sided: post the Receive), else puts each slice of each block.
+  // The default refuses (Unsupported).
   virtual StatusOr<Connection> ConnectSlices(std::string_view peer_descriptor,
                                              std::vector<BlockSlice> slices);
   virtual StatusOr<PeerId> AcceptSlices(std::string_view reply);

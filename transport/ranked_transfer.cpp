@@ -229,23 +229,68 @@ StatusOr<std::string> RankedKvTransfer::ExportDescriptor() {
 
 namespace {
 
+// What a GQA shard's block holds (kernels/kv_cache_layout.h): per layer, K
+// then V, each [heads][tokens][dim] with nvfp4's micro-scales after each
+// head's codes, then, for scaled KV types, a float32 scale per head for K
+// then for V.
+struct GqaShape {
+  uint64_t head_bytes = 0;   // one head's K (or V) of one layer
+  uint64_t scale_bytes = 0;  // 4 for scaled KV types, else 0
+};
+
+StatusOr<GqaShape> ShapeOf(const KvLayout& l) {
+  const bool scaled =
+      l.kv_dtype == DType::kFP8E4M3 || l.kv_dtype == DType::kFP8E5M2 || l.kv_dtype == DType::kNvFp4;
+  GqaShape g;
+  g.head_bytes =
+      static_cast<uint64_t>(l.block_tokens * l.head_dim * DTypeBits(l.kv_dtype) / 8 +
+                            l.block_tokens * MicroScalesPerVector(l.kv_dtype, l.head_dim));
+  g.scale_bytes = scaled ? 4 : 0;
+  const std::string order = std::string(kKvBlockOrder) +
+                            (l.kv_dtype == DType::kNvFp4 ? std::string(kMicroScalesInfix) : "") +
+                            (scaled ? std::string(kKvScalesSuffix) : "");
+  const uint64_t bytes =
+      static_cast<uint64_t>(l.layers * 2 * l.kv_heads) * (g.head_bytes + g.scale_bytes);
+  if (l.block_layout != order || static_cast<uint64_t>(l.bytes_per_block) != bytes) {
+    return Status::Unsupported("a KV block of layout '" + l.block_layout + "' and " +
+                               std::to_string(l.bytes_per_block) +
+                               " bytes cannot be cut by KV head (expected '" + order + "', " +
+                               std::to_string(bytes) + " bytes)");
+  }
+  return g;
+}
+
 // The slices of a block that carry heads [lo, hi) from a shard holding
-// `from` to one holding `to` (layout "layer/kv/head/token/dim": per layer,
-// K then V, each head's tokens contiguous), merged where contiguous on both.
-std::vector<BlockSlice> HeadSlices(const KvLayout& l, HeadRange from, HeadRange to, int64_t lo,
-                                   int64_t hi) {
-  const uint64_t head_bytes =
-      static_cast<uint64_t>(l.block_tokens * l.head_dim * DTypeBits(l.kv_dtype) / 8);
+// `from` to one holding `to`: per layer K and V heads, then their scales;
+// merged where contiguous on both sides.
+std::vector<BlockSlice> HeadSlices(const KvLayout& l, const GqaShape& g, HeadRange from,
+                                   HeadRange to, int64_t lo, int64_t hi) {
+  const uint64_t n = static_cast<uint64_t>(hi - lo);
   std::vector<BlockSlice> out;
-  for (int64_t seg = 0; seg < 2 * l.layers; ++seg) {
-    BlockSlice s{static_cast<uint64_t>(seg * from.count + (lo - from.first)) * head_bytes,
-                 static_cast<uint64_t>(seg * to.count + (lo - to.first)) * head_bytes,
-                 static_cast<uint64_t>(hi - lo) * head_bytes};
+  auto add = [&](BlockSlice s) {
     if (!out.empty() && out.back().local_offset + out.back().bytes == s.local_offset &&
         out.back().remote_offset + out.back().bytes == s.remote_offset) {
       out.back().bytes += s.bytes;
     } else {
       out.push_back(s);
+    }
+  };
+  // Bytes a layer takes in a shard of `count` heads, and where in it the
+  // part `part` (0: K heads, 1: V heads, 2: K scales, 3: V scales) of head
+  // `h` starts.
+  auto at = [&](HeadRange r, int64_t layer, int part, int64_t h) {
+    const uint64_t c = static_cast<uint64_t>(r.count);
+    const uint64_t stride = 2 * c * (g.head_bytes + g.scale_bytes);
+    const uint64_t i = static_cast<uint64_t>(h - r.first);
+    const uint64_t in_layer = part < 2
+                                  ? (part * c + i) * g.head_bytes
+                                  : 2 * c * g.head_bytes + ((part - 2) * c + i) * g.scale_bytes;
+    return static_cast<uint64_t>(layer) * stride + in_layer;
+  };
+  for (int64_t layer = 0; layer < l.layers; ++layer) {
+    for (int part = 0; part < (g.scale_bytes > 0 ? 4 : 2); ++part) {
+      add({at(from, layer, part, lo), at(to, layer, part, lo),
+           n * (part < 2 ? g.head_bytes : g.scale_bytes)});
     }
   }
   return out;
@@ -282,13 +327,18 @@ StatusOr<KvTransfer::Connection> RankedKvTransfer::Connect(std::string_view peer
     layout = state_->layout;
   }
   if (!layout) return Status::InvalidArgument("register the KV pool shards before connecting");
-  if (!same_split &&
-      (layout->attention != KvAttention::kGqa || layout->block_layout != kKvBlockOrder ||
-       layout->bytes_per_block != layout->DenseBytesPerBlock())) {
-    return Status::Unsupported("a KV hand-off between tensor_parallel " + std::to_string(ranks()) +
-                               " and " + std::to_string(theirs) +
-                               " needs a dense GQA KV layout ('" + std::string(kKvBlockOrder) +
-                               "', no per-block scales), not '" + layout->block_layout + "'");
+  // Between other splits a GQA block is cut by head (its scales with their
+  // heads); MLA's latent, the same on every rank, goes whole from our rank 0.
+  const bool mla = layout->attention == KvAttention::kMla;
+  GqaShape shape;
+  if (!same_split && !mla) {
+    auto g = ShapeOf(*layout);
+    if (!g.ok()) {
+      return Status(g.status().code(), "a KV hand-off between tensor_parallel " +
+                                           std::to_string(ranks()) + " and " +
+                                           std::to_string(theirs) + ": " + g.status().message());
+    }
+    shape = *g;
   }
 
   // Every receiving rank gets each of its heads from our first rank that
@@ -305,13 +355,18 @@ StatusOr<KvTransfer::Connection> RankedKvTransfer::Connect(std::string_view peer
       pairs.push_back({d, d, false, {}});
       continue;
     }
+    if (mla) {
+      const uint64_t bb = static_cast<uint64_t>(layout->bytes_per_block);
+      pairs.push_back({0, d, true, {{0, 0, bb}}});
+      continue;
+    }
     int64_t next = to.first;  // the heads before it are covered
     for (int s = 0; s < ranks() && next < to.first + to.count; ++s) {
       const HeadRange from = KvHeadRange(state_->kv_heads, ranks(), s);
       const int64_t lo = std::max(next, from.first);
       const int64_t hi = std::min(to.first + to.count, from.first + from.count);
       if (lo >= hi) continue;
-      pairs.push_back({s, d, true, HeadSlices(*layout, from, to, lo, hi)});
+      pairs.push_back({s, d, true, HeadSlices(*layout, shape, from, to, lo, hi)});
       next = hi;
     }
   }
@@ -446,6 +501,7 @@ KvTransferStats RankedKvTransfer::stats() const {
     sum.staging_bytes_reserved += s.staging_bytes_reserved;
     sum.staging_bytes_in_use += s.staging_bytes_in_use;
     sum.transfers_in_flight += s.transfers_in_flight;
+    sum.network_writes += s.network_writes;
   }
   return sum;
 }

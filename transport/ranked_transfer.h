@@ -8,10 +8,15 @@
 // Between workers of different sizes a and b, every receiving rank gets each
 // of its heads from the first writing rank that holds it: one connection per
 // such (writer rank, receiver rank) pair, each moving its heads' slices of
-// every block (2 x layers pieces a block, merged where contiguous; UCX only,
-// dense layouts only). A head replicated on several receiving ranks (more
-// ranks than KV heads) is sent to each of them: BlockBytesTo() counts it.
-// (MLA's latent is one head on every rank: equal sizes only.)
+// every block: per layer its K and V heads and, for scaled KV types (fp8,
+// nvfp4), their per-head scales (merged where contiguous; UCX only; an
+// in-block order other than kernels/kv_cache_layout.h's GQA one is
+// refused). UCX gathers a pair's slices of a chunk of blocks into one
+// message when both sides can stage (two-sided: the receiver's Receive is
+// required, as always), else puts each slice of each block. A head
+// replicated on several receiving ranks (more ranks than KV heads) is sent
+// to each of them: BlockBytesTo() counts it. MLA's latent is one head on
+// every rank: each receiving rank gets the whole block from our rank 0.
 //
 // Handshake blobs, framed (bytes: u32 length + content; each rank's own
 // blob checksums itself):

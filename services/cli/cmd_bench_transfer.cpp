@@ -122,12 +122,13 @@ struct RankedSide {
   std::vector<std::vector<char>> shards;
 };
 
-StatusOr<RankedSide> MakeRankedSide(int n, const std::string& tls, const KvLayout& whole,
-                                    int64_t blocks) {
+StatusOr<RankedSide> MakeRankedSide(int n, const std::string& tls, KvStagingMode staging,
+                                    const KvLayout& whole, int64_t blocks) {
   std::vector<std::unique_ptr<KvTransfer>> ranks;
   for (int r = 0; r < n; ++r) {
     UcxTransferOptions opts;
     opts.tls = UcxTlsFor(tls);
+    opts.staging = staging;
     auto t = CreateUcxTransfer(opts);
     if (!t.ok()) return t.status();
     ranks.push_back(std::move(*t));
@@ -158,20 +159,32 @@ int Fail(const std::string& what, const Status& s) {
 
 // The receiving process: allocates (or registers) the pool, hands over its
 // descriptor, accepts the writer's reply and waits until told to quit.
-int RunReceiver(int fd, const std::string& tls, int64_t block_bytes, int64_t blocks, bool allocate,
-                Split split) {
+// Between splits it also posts a Receive for each Write the writer announces
+// (a gathered pair is two-sided), with the block pairs it was sent once.
+int RunReceiver(int fd, const std::string& tls, KvStagingMode staging, int64_t block_bytes,
+                int64_t blocks, bool allocate, Split split) {
   SetLogComponent("bench transfer receiver");
   if (split.receiver > 0) {
-    auto side = MakeRankedSide(split.receiver, tls, BenchLayout(block_bytes), blocks);
+    auto side = MakeRankedSide(split.receiver, tls, staging, BenchLayout(block_bytes), blocks);
     if (!side.ok()) return Fail("receiver", side.status());
     auto desc = side->transfer->ExportDescriptor();
     if (!desc.ok()) return Fail("descriptor", desc.status());
-    std::string reply;
+    std::string reply, pairs, m;
     if (!SendMessage(fd, *desc) || !ReceiveMessage(fd, &reply)) return 1;
     auto peer = side->transfer->Accept(reply);
     if (!peer.ok()) return Fail("accept", peer.status());
-    std::string quit;
-    ReceiveMessage(fd, &quit);
+    if (!ReceiveMessage(fd, &pairs)) return 1;
+    std::vector<BlockCopy> copies(pairs.size() / sizeof(BlockCopy));
+    std::memcpy(copies.data(), pairs.data(), copies.size() * sizeof(BlockCopy));
+    while (ReceiveMessage(fd, &m) && m == "receive") {
+      side->transfer->Receive(*peer, copies, TransferClock::now() + std::chrono::seconds(120),
+                              [](Status st) {
+                                // Cancelled: the writer quit as the last chunk landed.
+                                if (!st.ok() && st.code() != StatusCode::kCancelled) {
+                                  Fail("receive", st);
+                                }
+                              });
+    }
     return 0;
   }
   UcxTransferOptions opts;
@@ -217,6 +230,7 @@ int RunBenchTransferImpl(int argc, char** argv) {
   std::string receiver_pool = "allocate";
   int64_t receiver_fd = -1;
   std::string split_text;
+  std::string staging_text = "auto";
   flags.AddString("tls", &tls, "UCX transports: tcp | shm (or any UCX_TLS list)");
   flags.AddBytes("block-bytes", &block_bytes,
                  "bytes per KV block (64KiB = 16 tokens of one Llama-3-8B layer in fp16)");
@@ -234,6 +248,9 @@ int RunBenchTransferImpl(int argc, char** argv) {
                   "A:B: writer of A tensor-parallel ranks to a receiver of B (1, 2, 4 or 8; 8 KV "
                   "heads, dense blocks of --block-bytes in all), head range by head range; "
                   "pools registered, as a worker's");
+  flags.AddString("staging", &staging_text,
+                  "auto | never: with --split, never puts each head slice of each block "
+                  "directly instead of gathering a chunk of blocks' slices per message");
   flags.AddBool("json", &json, "print one JSON line");
   flags.AddInt("receiver-fd", &receiver_fd, "internal: run as the receiving process on this fd");
   flags.SetEpilog(
@@ -250,12 +267,18 @@ int RunBenchTransferImpl(int argc, char** argv) {
     UsageError(kCommand, "pool of --blocks x --block-bytes exceeds 16 GiB");
   }
   const bool allocate = receiver_pool == "allocate";
+  if (staging_text != "auto" && staging_text != "never") {
+    UsageError(kCommand, "--staging must be auto or never");
+  }
+  const KvStagingMode staging =
+      staging_text == "never" ? KvStagingMode::kNever : KvStagingMode::kAuto;
   const Split split = ParseSplit(split_text);
   if (split.writer > 0 && BenchLayout(block_bytes).DenseBytesPerBlock() != block_bytes) {
     UsageError(kCommand, "--split needs a --block-bytes of whole tokens (a multiple of 64KiB)");
   }
   if (receiver_fd >= 0) {
-    return RunReceiver(static_cast<int>(receiver_fd), tls, block_bytes, blocks, allocate, split);
+    return RunReceiver(static_cast<int>(receiver_fd), tls, staging, block_bytes, blocks, allocate,
+                       split);
   }
 
   // The writer first: a bad --tls fails here, before any process starts.
@@ -266,7 +289,7 @@ int RunBenchTransferImpl(int argc, char** argv) {
   std::mt19937_64 rng(static_cast<uint64_t>(seed));
   Status s;
   if (split.writer > 0) {
-    auto side = MakeRankedSide(split.writer, tls, BenchLayout(block_bytes), blocks);
+    auto side = MakeRankedSide(split.writer, tls, staging, BenchLayout(block_bytes), blocks);
     if (!side.ok()) return Fail("writer", side.status());
     ranked = side->transfer.get();
     writer = std::move(side->transfer);
@@ -311,7 +334,9 @@ int RunBenchTransferImpl(int argc, char** argv) {
                                      "--receiver-pool",
                                      receiver_pool,
                                      "--split",
-                                     split_text};
+                                     split_text,
+                                     "--staging",
+                                     staging_text};
     std::vector<char*> cargv;
     for (auto& a : args) cargv.push_back(a.data());
     cargv.push_back(nullptr);
@@ -356,15 +381,23 @@ int RunBenchTransferImpl(int argc, char** argv) {
                         static_cast<BlockId>(dst_runs[r] * run_blocks + k)});
     }
   }
-  auto runs = CoalesceBlockRuns(copies, blocks, blocks);
-  const size_t puts = runs.ok() ? runs->size() : 0;
+  if (ranked != nullptr) {
+    SendMessage(fd, std::string(reinterpret_cast<const char*>(copies.data()),
+                                copies.size() * sizeof(BlockCopy)));
+  }
   // Split: the bytes every pair moves (one copy of each block here, as 8
   // KV heads split over 1 to 8 ranks replicate none).
   const uint64_t bytes_per_block =
       ranked != nullptr ? ranked->BlockBytesTo(conn->peer) : static_cast<uint64_t>(block_bytes);
   const uint64_t bytes_per_write = copies.size() * bytes_per_block;
 
+  // Between splits the receiver posts a Receive per Write (before it, or
+  // after: either order works).
+  auto announce = [&] {
+    if (ranked != nullptr) SendMessage(fd, "receive");
+  };
   auto write_once = [&]() -> Status {
+    announce();
     std::promise<Status> done;
     auto f = done.get_future();
     writer->Write(conn->peer, copies, TransferClock::now() + std::chrono::seconds(120),
@@ -390,6 +423,7 @@ int RunBenchTransferImpl(int argc, char** argv) {
   submit = [&] {
     ++submitted;
     ++outstanding;
+    announce();
     writer->Write(conn->peer, copies, TransferClock::now() + std::chrono::seconds(120),
                   [&](Status st) {
                     std::lock_guard<std::mutex> lock(mu);
@@ -404,6 +438,7 @@ int RunBenchTransferImpl(int argc, char** argv) {
                     if (outstanding == 0 || !failure.ok()) cv.notify_all();
                   });
   };
+  const uint64_t writes_before = writer->stats().network_writes;
   const auto start = std::chrono::steady_clock::now();
   {
     std::lock_guard<std::mutex> lock(mu);
@@ -429,6 +464,8 @@ int RunBenchTransferImpl(int argc, char** argv) {
     cv.wait(lock, [&] { return outstanding == 0; });
     elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   }
+  const uint64_t network_writes = writer->stats().network_writes - writes_before;
+  const double puts = writes > 0 ? static_cast<double>(network_writes) / writes : 0;
   if (!failure.ok()) {
     writer.reset();
     finish_child();
@@ -447,7 +484,8 @@ int RunBenchTransferImpl(int argc, char** argv) {
         {"block_bytes", block_bytes},
         {"blocks", blocks},
         {"run_blocks", run_blocks},
-        {"puts_per_transfer", ranked != nullptr ? nlohmann::json() : nlohmann::json(puts)},
+        {"puts_per_transfer", puts},
+        {"staging", ranked != nullptr ? staging_text : "n/a"},
         {"inflight", inflight},
         {"receiver_pool", ranked != nullptr ? "register" : receiver_pool},
         {"split", split_text.empty() ? "none" : split_text},
@@ -461,7 +499,7 @@ int RunBenchTransferImpl(int argc, char** argv) {
     std::printf("%s\n", j.dump().c_str());
   } else {
     std::printf(
-        "tls %s, %lld blocks of %lld bytes (%zu puts per transfer): %.3f GB/s over %lld "
+        "tls %s, %lld blocks of %lld bytes (%.0f puts per transfer): %.3f GB/s over %lld "
         "transfers in %.2f s\n",
         tls.c_str(), static_cast<long long>(blocks), static_cast<long long>(block_bytes), puts,
         gbps, static_cast<long long>(writes), elapsed);

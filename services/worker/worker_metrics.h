@@ -44,6 +44,9 @@ struct WorkerMetrics {
             metrics::KvTransferBuckets())),
         transfer_bytes(metrics::AddCounterFamily(r, "pdserve_kv_transfer_bytes_total",
                                                  "KV bytes moved between workers")),
+        transfer_network_writes(metrics::AddCounter(
+            r, "pdserve_kv_transfer_network_writes_total",
+            "Network writes the KV transport issued (UCX puts and gathered chunk messages)")),
         transfer_failures(
             metrics::AddCounter(r, "pdserve_kv_transfer_failures_total",
                                 "KV hand-offs that failed (transfer error, timeout, lost peer)")),
@@ -169,6 +172,7 @@ struct WorkerMetrics {
   prometheus::Histogram& itl;
   prometheus::Histogram& transfer_seconds;
   prometheus::Family<prometheus::Counter>& transfer_bytes;
+  prometheus::Counter& transfer_network_writes;
   prometheus::Counter& transfer_failures;
   prometheus::Gauge& staging_bytes_in_use;
   prometheus::Gauge& blocks_held_for_peers;

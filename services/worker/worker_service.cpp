@@ -611,6 +611,9 @@ class WorkerServiceImpl : public WorkerService {
     const KvTransferStats ts = transfer_->stats();
     metrics_.staging_bytes_in_use.Set(static_cast<double>(ts.staging_bytes_in_use));
     metrics_.staging_bytes_reserved.Set(static_cast<double>(ts.staging_bytes_reserved));
+    metrics_.transfer_network_writes.Increment(
+        static_cast<double>(ts.network_writes - reported_network_writes_));
+    reported_network_writes_ = ts.network_writes;
     metrics_.blocks_held_for_peers.Set(static_cast<double>(decode_.HeldBlocks()));
     metrics_.usage.Set(s.blocks.usage_ratio);
     for (int r = 0; r < group_->size(); ++r)
@@ -726,6 +729,7 @@ class WorkerServiceImpl : public WorkerService {
     int64_t through = 0, evict = 0, flush = 0, dropped = 0, errors = 0, discarded = 0;
   } last_disk_writes_;  // engine thread
   int64_t host_tier_blocks_ = 0, disk_tier_blocks_ = 0;
+  uint64_t reported_network_writes_ = 0;  // of transfer_->stats(), on the metrics
   int64_t last_corrupt_ = 0;
   WorkerOptions opts_;
   std::unique_ptr<ModelGroup> group_;  // a shard, backend and communicator per rank

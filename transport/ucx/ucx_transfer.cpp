@@ -104,13 +104,19 @@ struct WriteOp {
 
 // The UCX part of the descriptor's "channel" field: u8 version | u8 needs
 // staging | u32 chunk blocks (0: this side cannot stage) | u64 connection
-// nonce (reply only).
+// nonce (reply only) | u32 slices | slices x (u64 writer offset | u64
+// receiver offset | u64 bytes). A sliced pair's reply carries its slices
+// (writer's view) and, when the pair is gathered (staged), the pair's chunk
+// in blocks rather than the writer's own.
 struct StagingWire {
   bool staged = false;
   uint32_t chunk_blocks = 0;
   uint64_t nonce = 0;
+  std::vector<BlockSlice> slices;
 };
-constexpr uint8_t kStagingWireVersion = 1;
+constexpr uint8_t kStagingWireVersion = 2;
+// 2 x layers slices a block at most; bounds what a peer may make us decode.
+constexpr uint32_t kMaxSlices = 1 << 16;
 
 std::string EncodeStaging(const StagingWire& w) {
   codec::ByteWriter b;
@@ -118,6 +124,12 @@ std::string EncodeStaging(const StagingWire& w) {
   b.U8(w.staged ? 1 : 0);
   b.U32(w.chunk_blocks);
   b.U64(w.nonce);
+  b.U32(static_cast<uint32_t>(w.slices.size()));
+  for (const BlockSlice& sl : w.slices) {
+    b.U64(sl.local_offset);
+    b.U64(sl.remote_offset);
+    b.U64(sl.bytes);
+  }
   return b.Take();
 }
 
@@ -132,8 +144,23 @@ StatusOr<StagingWire> DecodeStaging(std::string_view bytes) {
   PDSERVE_RETURN_IF_ERROR(r.U8("staged", &staged));
   PDSERVE_RETURN_IF_ERROR(r.U32("chunk_blocks", &w.chunk_blocks));
   PDSERVE_RETURN_IF_ERROR(r.U64("nonce", &w.nonce));
+  uint32_t slices = 0;
+  PDSERVE_RETURN_IF_ERROR(r.U32("slices", &slices));
+  if (slices > kMaxSlices) return r.Error(std::to_string(slices) + " block slices");
+  w.slices.resize(slices);
+  for (BlockSlice& sl : w.slices) {
+    PDSERVE_RETURN_IF_ERROR(r.U64("slice writer offset", &sl.local_offset));
+    PDSERVE_RETURN_IF_ERROR(r.U64("slice receiver offset", &sl.remote_offset));
+    PDSERVE_RETURN_IF_ERROR(r.U64("slice bytes", &sl.bytes));
+  }
+  if (r.remaining() != 0) return r.Error(std::to_string(r.remaining()) + " trailing bytes");
   w.staged = staged != 0;
   return w;
+}
+
+// Slices that are one whole block, of the same size on both sides.
+bool IsWholeBlock(const std::vector<BlockSlice>& slices, uint64_t here, uint64_t there) {
+  return slices.size() == 1 && here == there && slices[0] == BlockSlice{0, 0, here};
 }
 
 constexpr size_t kChunkHeaderBytes = 64;
@@ -163,6 +190,10 @@ struct StagedOp {
   TransferCallback done;
   TransferDeadline deadline;
   std::vector<BlockCopy> seq;  // block by block, in the order both sides agree on
+  // A sliced pair's pieces of each block (this side's offsets as local_offset),
+  // packed back to back in a chunk; empty: whole blocks.
+  std::vector<BlockSlice> slices;
+  uint64_t unit = 0;  // bytes a block fills in a chunk
   uint32_t chunk_blocks = 0;
   uint32_t chunks = 0;
   uint32_t next_chunk = 0;   // next to stage (writer) / to match (receiver)
@@ -211,8 +242,12 @@ struct Peer {
   uint64_t remote_base = 0;
   uint64_t remote_blocks = 0;
   uint64_t remote_block_bytes = 0;
-  // ConnectSlices: the pieces of each block this pair moves; empty: whole blocks.
+  // ConnectSlices/AcceptSlices: the pieces of each block this pair moves,
+  // this side's offset as local_offset; empty: whole blocks. A sliced pair is
+  // gathered (staged: a chunk of blocks' slices per message) when both sides
+  // can stage, else one direct put per slice and block.
   std::vector<BlockSlice> slices;
+  uint64_t slice_bytes = 0;  // the slices' sum
   bool failed = false;
   Status failure;
   std::string process;  // watched for death when non-empty (same-host peer)
@@ -276,6 +311,7 @@ class UcxTransfer final : public KvTransfer {
     s.staging_bytes_reserved = stat_reserved_.load();
     s.staging_bytes_in_use = stat_in_use_.load();
     s.transfers_in_flight = stat_in_flight_.load();
+    s.network_writes = stat_ops_.load();
     return s;
   }
 
@@ -328,7 +364,8 @@ class UcxTransfer final : public KvTransfer {
   // Staging (progress thread).
   Status PlanStaging(const MemoryRegion& region);
   StatusOr<StagingWire> OwnStaging() const;
-  Status AgreeStaging(Peer* peer, const std::string& peer_channel, bool peer_is_receiver);
+  Status AgreeStaging(Peer* peer, const StagingWire& theirs, bool peer_is_receiver,
+                      uint64_t peer_block_bytes);
   Status EnsureArena();
   void StartStaged(Peer* peer, bool writer, const std::vector<BlockRun>& runs,
                    TransferDeadline deadline, TransferCallback done);
@@ -412,6 +449,7 @@ class UcxTransfer final : public KvTransfer {
   std::atomic<size_t> stat_reserved_{0};
   std::atomic<size_t> stat_in_use_{0};
   std::atomic<size_t> stat_in_flight_{0};
+  std::atomic<uint64_t> stat_ops_{0};
 };
 
 void PutDone(void* request, ucs_status_t status, void* user_data) {
@@ -1082,13 +1120,20 @@ StatusOr<KvTransfer::Connection> UcxTransfer::ConnectLocked(std::string_view blo
   peer->remote_base = d->base;
   peer->remote_blocks = d->block_count();
   peer->remote_block_bytes = d->block_bytes;
-  if (slices != nullptr) peer->slices = *slices;
-  PDSERVE_RETURN_IF_ERROR(AgreeStaging(peer.get(), d->channel, /*peer_is_receiver=*/true));
-  if (peer->staged && slices != nullptr) {
-    return Status::Unsupported(
-        "a staged KV pair moves whole blocks only (block slices need "
-        "direct puts)");
+  // One slice of the whole block (MLA's latent between splits) moves as
+  // whole blocks do.
+  if (slices != nullptr && !IsWholeBlock(*slices, region_.block_bytes, d->block_bytes)) {
+    peer->slices = *slices;
+    for (const BlockSlice& sl : *slices) peer->slice_bytes += sl.bytes;
   }
+  StagingWire theirs;
+  if (!d->channel.empty()) {
+    auto w = DecodeStaging(d->channel);
+    if (!w.ok()) return w.status();
+    theirs = std::move(*w);
+  }
+  PDSERVE_RETURN_IF_ERROR(
+      AgreeStaging(peer.get(), theirs, /*peer_is_receiver=*/true, d->block_bytes));
   if (!peer->staged && d->rkey.empty()) {
     return Status::InvalidArgument("KV transfer descriptor has no remote key");
   }
@@ -1120,16 +1165,24 @@ StatusOr<KvTransfer::Connection> UcxTransfer::ConnectLocked(std::string_view blo
   c.peer = peer->id;
   WireDescriptor own = OwnDescriptor(DescriptorKind::kReply);
   StagingWire w;
-  w.staged = own_staged_;
-  w.chunk_blocks = own_chunk_blocks_;
+  const bool sliced = !peer->slices.empty();
+  // A sliced pair's receiver takes the writer's decision and chunk.
+  w.staged = sliced ? peer->staged : own_staged_;
+  w.chunk_blocks = sliced && peer->staged ? peer->chunk_blocks : own_chunk_blocks_;
   w.nonce = peer->nonce;
+  if (slices != nullptr) w.slices = *slices;
   own.channel = EncodeStaging(w);
   c.reply = EncodeDescriptor(own);
   PDSERVE_LOG(INFO) << "UCX KV transfer connected to " << PeerName(peer->id, peer->instance) << ": "
                     << peer->remote_blocks << " remote blocks"
-                    << (peer->staged ? ", staged in chunks of " +
-                                           std::to_string(peer->chunk_blocks) + " blocks"
-                                     : ", direct puts");
+                    << (sliced ? ", " + std::to_string(peer->slices.size()) + " slices (" +
+                                     std::to_string(peer->slice_bytes) + " bytes) a block"
+                               : "")
+                    << (peer->staged
+                            ? (sliced ? ", gathered" : ", staged") + std::string(" in chunks of ") +
+                                  std::to_string(peer->chunk_blocks) + " blocks"
+                        : sliced ? ", one direct put per slice"
+                                 : ", direct puts");
   peers_.emplace(peer->id, std::move(peer));
   return c;
 }
@@ -1146,19 +1199,43 @@ StatusOr<PeerId> UcxTransfer::AcceptImpl(std::string_view reply, bool sliced) {
     peer->id = next_peer_.fetch_add(1);
     peer->instance = d->instance_id;
     peer->remote_blocks = d->block_count();
-    PDSERVE_RETURN_IF_ERROR(AgreeStaging(peer.get(), d->channel, /*peer_is_receiver=*/false));
-    if (peer->staged && sliced) {
-      return Status::Unsupported(
-          "a staged KV pair moves whole blocks only (block slices need "
-          "direct puts)");
+    StagingWire theirs;
+    if (!d->channel.empty()) {
+      auto w = DecodeStaging(d->channel);
+      if (!w.ok()) return w.status();
+      theirs = std::move(*w);
     }
+    if (sliced == theirs.slices.empty()) {
+      return Status::InvalidArgument(
+          sliced ? "the writer's reply names no block slices, but this pair joins two "
+                   "tensor-parallel splits"
+                 : "the writer's reply names block slices, but this pair's layouts match whole");
+    }
+    for (const BlockSlice& sl : theirs.slices) {  // the writer's view: swap the offsets
+      if (sl.bytes == 0 || sl.local_offset + sl.bytes > d->block_bytes ||
+          sl.remote_offset + sl.bytes > region_.block_bytes) {
+        return Status::InvalidArgument(
+            "the writer's KV block slice of " + std::to_string(sl.bytes) + " bytes at " +
+            std::to_string(sl.local_offset) + " -> " + std::to_string(sl.remote_offset) +
+            " does not fit blocks of " + std::to_string(d->block_bytes) + " and " +
+            std::to_string(region_.block_bytes) + " bytes");
+      }
+      peer->slices.push_back({sl.remote_offset, sl.local_offset, sl.bytes});
+      peer->slice_bytes += sl.bytes;
+    }
+    if (IsWholeBlock(peer->slices, region_.block_bytes, d->block_bytes)) {
+      peer->slices.clear();  // as the writer does
+      peer->slice_bytes = 0;
+    }
+    PDSERVE_RETURN_IF_ERROR(
+        AgreeStaging(peer.get(), theirs, /*peer_is_receiver=*/false, d->block_bytes));
     if (peer->staged && transport_detail::ProcessIsVisible(d->process)) {
       // A staged receive waits for the writer: notice a same-host writer's death.
       peer->process = d->process;
       peer->pidfd = transport_detail::OpenProcessWatch(d->process);
     }
     PDSERVE_LOG(INFO) << "UCX KV transfer accepted writer " << PeerName(peer->id, peer->instance)
-                      << (peer->staged ? " (staged)" : "");
+                      << (peer->staged ? (sliced ? " (gathered slices)" : " (staged)") : "");
     const PeerId id = peer->id;
     peers_.emplace(id, std::move(peer));
     return id;
@@ -1237,13 +1314,15 @@ void UcxTransfer::IssueWrite(Peer* peer, WriteOp* op, const std::vector<BlockRun
   param.user_data = op;
   param.memh = memh_;
   char* local = static_cast<char*>(region_.base);
-  // A sliced pair (another tensor-parallel split): one put per slice and
-  // block, as the slices of consecutive blocks are not contiguous.
+  // A sliced pair that cannot be gathered (a side that cannot stage): one
+  // put per slice and block, as the slices of consecutive blocks are not
+  // contiguous.
   const size_t rbb = peer->remote_block_bytes;
   for (const BlockRun& r : runs) {
     for (uint32_t i = 0; !peer->slices.empty() && i < r.count; ++i) {
       for (const BlockSlice& sl : peer->slices) {
         op->bytes += sl.bytes;
+        ++stat_ops_;
         ucs_status_ptr_t req = ucp_put_nbx(
             peer->ep, local + (r.local + i) * bb + sl.local_offset, sl.bytes,
             peer->remote_base + (r.remote + i) * rbb + sl.remote_offset, peer->rkey, &param);
@@ -1258,6 +1337,7 @@ void UcxTransfer::IssueWrite(Peer* peer, WriteOp* op, const std::vector<BlockRun
     if (!peer->slices.empty()) continue;
     const size_t len = static_cast<size_t>(r.count) * bb;
     op->bytes += len;
+    ++stat_ops_;
     ucs_status_ptr_t req = ucp_put_nbx(peer->ep, local + r.local * bb, len,
                                        peer->remote_base + r.remote * bb, peer->rkey, &param);
     if (UCS_PTR_IS_ERR(req)) {
@@ -1350,27 +1430,63 @@ Status UcxTransfer::PlanStaging(const MemoryRegion& region) {
   return Status::Ok();
 }
 
-Status UcxTransfer::AgreeStaging(Peer* peer, const std::string& peer_channel,
-                                 bool peer_is_receiver) {
-  StagingWire theirs;
-  if (!peer_channel.empty()) {
-    auto w = DecodeStaging(peer_channel);
-    if (!w.ok()) return w.status();
-    theirs = *w;
+Status UcxTransfer::AgreeStaging(Peer* peer, const StagingWire& theirs, bool peer_is_receiver,
+                                 uint64_t peer_block_bytes) {
+  const bool sliced = !peer->slices.empty();
+  if (sliced && peer_is_receiver) {
+    // Writer of a sliced pair: gather a chunk of blocks' slices into one
+    // message when both sides can stage (a block's slices are 2 x layers
+    // short runs, which direct puts would move one by one).
+    if (own_chunk_blocks_ == 0 || theirs.chunk_blocks == 0) {
+      if (own_staged_ || theirs.staged) {
+        return Status::Unsupported(
+            "a KV pair of two tensor-parallel splits through staging buffers needs both "
+            "sides able to stage (staging 'never', or a budget below 3 blocks, on one side)");
+      }
+      peer->staged = false;  // one direct put per slice and block
+      return Status::Ok();
+    }
+    peer->staged = true;
+    const uint64_t room = std::min(uint64_t{own_chunk_blocks_} * region_.block_bytes,
+                                   uint64_t{theirs.chunk_blocks} * peer_block_bytes);
+    peer->chunk_blocks = static_cast<uint32_t>(
+        std::clamp<uint64_t>(room / peer->slice_bytes, 1, std::numeric_limits<uint32_t>::max()));
+  } else if (sliced) {
+    // Receiver of a sliced pair: the writer chose, within our slots.
+    peer->staged = theirs.staged;
+    if (!peer->staged) {
+      if (own_staged_) {
+        return Status::InvalidArgument(
+            "this worker's KV pool moves through staging buffers, but the writer puts the "
+            "slices of another tensor-parallel split directly");
+      }
+      return Status::Ok();
+    }
+    if (theirs.chunk_blocks == 0 || own_chunk_blocks_ == 0 ||
+        uint64_t{theirs.chunk_blocks} * peer->slice_bytes >
+            uint64_t{own_chunk_blocks_} * region_.block_bytes) {
+      return Status::InvalidArgument(
+          "the writer gathers chunks of " + std::to_string(theirs.chunk_blocks) + " blocks of " +
+          std::to_string(peer->slice_bytes) + " slice bytes, which this worker's staging slots (" +
+          std::to_string(own_chunk_blocks_) + " blocks of " + std::to_string(region_.block_bytes) +
+          " bytes) cannot hold");
+    }
+    peer->chunk_blocks = theirs.chunk_blocks;
+  } else {
+    peer->staged = own_staged_ || theirs.staged;
+    if (!peer->staged) return Status::Ok();
+    if (own_chunk_blocks_ == 0) {
+      return Status::InvalidArgument(
+          "the peer's KV pool moves through staging buffers, but this worker cannot stage "
+          "(staging 'never', or a staging budget below 3 blocks)");
+    }
+    if (theirs.chunk_blocks == 0) {
+      return Status::InvalidArgument(
+          "this worker's KV pool moves through staging buffers, but the peer cannot stage "
+          "(staging 'never' there, or a staging budget below 3 blocks)");
+    }
+    peer->chunk_blocks = std::min(own_chunk_blocks_, theirs.chunk_blocks);
   }
-  peer->staged = own_staged_ || theirs.staged;
-  if (!peer->staged) return Status::Ok();
-  if (own_chunk_blocks_ == 0) {
-    return Status::InvalidArgument(
-        "the peer's KV pool moves through staging buffers, but this worker cannot stage "
-        "(staging 'never', or a staging budget below 3 blocks)");
-  }
-  if (theirs.chunk_blocks == 0) {
-    return Status::InvalidArgument(
-        "this worker's KV pool moves through staging buffers, but the peer cannot stage "
-        "(staging 'never' there, or a staging budget below 3 blocks)");
-  }
-  peer->chunk_blocks = std::min(own_chunk_blocks_, theirs.chunk_blocks);
   if (peer_is_receiver) {
     std::random_device rd;
     do {
@@ -1464,7 +1580,9 @@ void UcxTransfer::StartStaged(Peer* peer, bool writer, const std::vector<BlockRu
     min_remote = std::min(min_remote, r.remote);
   }
   op->chunks = static_cast<uint32_t>((op->seq.size() + op->chunk_blocks - 1) / op->chunk_blocks);
-  op->bytes = op->seq.size() * region_.block_bytes;
+  op->slices = peer->slices;
+  op->unit = op->slices.empty() ? region_.block_bytes : peer->slice_bytes;
+  op->bytes = op->seq.size() * op->unit;
   op->hash = XXH3_64bits_withSeed(op->seq.data(), op->seq.size() * sizeof(BlockCopy), peer->nonce);
   op->tag_base = kTagPrefix | ((peer->nonce & 0xFFFF) << 40) |
                  ((static_cast<uint64_t>(min_remote) & 0xFFFFFF) << 16);
@@ -1528,27 +1646,31 @@ void UcxTransfer::ReleaseSlot(Slot* slot) {
 }
 
 namespace {
-// The copies of one chunk between the pool and its slot, merging blocks that
-// are consecutive in the pool.
+// The copies of one chunk between the pool and its slot: whole blocks, or
+// each block's slices packed back to back; merged where contiguous on both.
 std::vector<ucx_detail::CopySegment> ChunkSegments(const StagedOp& op, const Slot& slot, char* pool,
                                                    size_t bb, bool to_pool) {
+  static const std::vector<BlockSlice> kWhole(1);
+  const std::vector<BlockSlice>& pieces = op.slices.empty() ? kWhole : op.slices;
   std::vector<ucx_detail::CopySegment> segs;
   const size_t first = static_cast<size_t>(slot.chunk) * op.chunk_blocks;
-  char* data = slot.buf + kChunkHeaderBytes;
-  BlockId prev = 0;
+  char* in_slot = slot.buf + kChunkHeaderBytes;
   for (size_t k = 0; k < slot.blocks; ++k) {
     const BlockCopy& c = op.seq[first + k];
-    const BlockId b = op.writer ? c.local : c.remote;
-    char* in_pool = pool + static_cast<size_t>(b) * bb;
-    char* in_slot = data + k * bb;
-    if (k > 0 && b == prev + 1) {
-      segs.back().bytes += bb;
-    } else if (to_pool) {
-      segs.push_back({in_pool, in_slot, bb});
-    } else {
-      segs.push_back({in_slot, in_pool, bb});
+    char* block = pool + static_cast<size_t>(op.writer ? c.local : c.remote) * bb;
+    for (const BlockSlice& sl : pieces) {
+      char* in_pool = block + sl.local_offset;
+      const size_t bytes = op.slices.empty() ? bb : sl.bytes;
+      char* dst = to_pool ? in_pool : in_slot;
+      const char* src = to_pool ? in_slot : in_pool;
+      if (!segs.empty() && static_cast<char*>(segs.back().dst) + segs.back().bytes == dst &&
+          static_cast<const char*>(segs.back().src) + segs.back().bytes == src) {
+        segs.back().bytes += bytes;
+      } else {
+        segs.push_back({dst, src, bytes});
+      }
+      in_slot += bytes;
     }
-    prev = b;
   }
   return segs;
 }
@@ -1606,8 +1728,9 @@ void UcxTransfer::SendSlot(Slot* slot) {
   param.cb.send = SlotSent;
   param.user_data = slot;
   slot->state = SlotState::kSending;
-  const size_t len = kChunkHeaderBytes + static_cast<size_t>(slot->blocks) * region_.block_bytes;
+  const size_t len = kChunkHeaderBytes + static_cast<size_t>(slot->blocks) * op->unit;
   // The callback may run inside this call: touch nothing after it but errors.
+  ++stat_ops_;
   ucs_status_ptr_t req =
       ucp_tag_send_nbx(peer->ep, slot->buf, len, op->tag_base | (slot->chunk & 0xFFFF), &param);
   if (UCS_PTR_IS_ERR(req)) {
@@ -1705,8 +1828,7 @@ void UcxTransfer::OnSlotReceived(Slot* slot, ucs_status_t status, size_t length)
   }
   ChunkHeader h{};
   std::memcpy(&h, slot->buf, sizeof(h));
-  const size_t expected =
-      kChunkHeaderBytes + static_cast<size_t>(slot->blocks) * region_.block_bytes;
+  const size_t expected = kChunkHeaderBytes + static_cast<size_t>(slot->blocks) * op->unit;
   if (length != expected || h.magic != kChunkMagic || h.transfer_hash != op->hash ||
       h.chunk != slot->chunk || h.chunks != op->chunks || h.blocks != slot->blocks) {
     FinishStaged(op, Status::InvalidArgument(

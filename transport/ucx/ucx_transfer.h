@@ -79,6 +79,16 @@
 //     any writer through its deadline.
 // `staging` = kNever: no bounce buffers; a device pool UCX cannot map is
 // refused at RegisterPool, and so is a peer that needs staging.
+//
+// Sliced pairs (ConnectSlices, tensor-parallel workers of different sizes):
+// a block's share is 2 x layers short pieces, not contiguous from one block
+// to the next, and UCX 1.13 puts only contiguous memory. So when both sides
+// can stage, the pair is GATHERED through the same pipeline: a chunk holds
+// each of its blocks' slices back to back (as many blocks as fit the smaller
+// side's slot), one tagged message a chunk; the writer picks the chunk and
+// sends it and the slices in its reply. Otherwise (a side with staging
+// kNever) each slice of each block is one put. stats().network_writes counts
+// puts and chunk sends.
 #pragma once
 
 #include <chrono>

@@ -109,6 +109,94 @@ TEST(KvTiersTest, AWorkerRestartedOnItsDiskFolderComesBackWarm) {
             0);
 }
 
+// A tensor-parallel worker's tier entry holds every rank's shard of a
+// block. TP 2 with 96 KiB per rank: the same 24 blocks as kSmallPool at TP 1.
+const std::vector<std::string> kSmallPoolTp2 = {"--kv-cache-bytes", "96KiB", "--tensor-parallel",
+                                                "2"};
+
+TEST(KvTiersTest, ATensorParallelWorkerOnloadsEveryRanksShardFromItsHostTier) {
+  LocalStack stack("kv-tiers-tp2");
+  stack.StartRouter();
+  std::vector<std::string> flags = kSmallPoolTp2;
+  flags.insert(flags.end(), {"--kv-host-cache-bytes", "2MiB"});  // the whole working set
+  WorkerProc& worker = stack.StartWorker("both", flags);
+  ASSERT_TRUE(stack.WaitReady());
+  std::vector<std::string> prompts;
+  for (int i = 0; i < 8; ++i) prompts.push_back(Words(70, i));
+  for (const auto& p : prompts) ExpectSameAsGenerate(stack, p, 4);
+  const double before = TierHits(worker, "host");
+  // Generate's text again: a rank whose shard came back wrong (or not at
+  // all) attends to other KV and writes another text.
+  for (const auto& p : prompts) ExpectSameAsGenerate(stack, p, 4);
+  double after = 0;
+  for (int i = 0; i < 40 && after <= before; ++i) {
+    std::this_thread::sleep_for(50ms);
+    after = TierHits(worker, "host");
+  }
+  EXPECT_GE(after - before, 8 * 3 * 16) << worker.proc.Log();
+  EXPECT_GT(LocalStack::Metric(worker.metrics_port, "pdserve_kv_tier_offload_bytes_total"), 0);
+}
+
+// A TP-2 worker killed and started again on its disk folder comes back warm
+// (both ranks' shards); a TP-1 worker on that folder serves none of it (its
+// layout differs: the TP-2 entries are discarded) and recomputes.
+TEST(KvTiersTest, ATensorParallelDiskTierComesBackWarmAtItsSizeOnly) {
+  LocalStack stack("kv-tiers-tp2-restart");
+  stack.StartRouter();
+  const std::vector<std::string> disk = {"--kv-disk-cache-dir", NewTempDir("kv-tiers-tp2-disk"),
+                                         "--kv-disk-cache-bytes", "4MiB"};
+  std::vector<std::string> tp2 = kSmallPoolTp2;
+  tp2.insert(tp2.end(), disk.begin(), disk.end());
+  const std::string hot = Words(60, 1);
+  auto fill_and_kill = [&](WorkerProc& w) {
+    ExpectSameAsGenerate(stack, hot, 4);
+    for (int i = 0; i < 6; ++i) ExpectSameAsGenerate(stack, Words(70, 10 + i), 2);
+    std::this_thread::sleep_for(300ms);  // the mover writes the last evictions
+    w.proc.Signal(SIGKILL);
+    (void)w.proc.Wait(10s);
+  };
+  auto disk_hits = [&](WorkerProc& w) {
+    double hits = 0;
+    for (int i = 0; i < 40 && hits == 0; ++i) {
+      std::this_thread::sleep_for(50ms);
+      hits = TierHits(w, "disk");
+    }
+    return hits;
+  };
+  WorkerProc& first = stack.StartWorker("both", tp2);
+  ASSERT_TRUE(stack.WaitReady());
+  fill_and_kill(first);
+
+  WorkerProc& second = stack.StartWorker("both", tp2);
+  auto synced = stack.router().WaitForLog(
+      std::regex("worker " + second.id +
+                 " synced: .* \\(0 in its host tier, ([0-9]+) on its disk\\)"),
+      20s);
+  ASSERT_TRUE(synced) << stack.router().Log();
+  EXPECT_GT(std::stoi(*synced), 0) << "no disk block announced";
+  ASSERT_TRUE(stack.WaitReady());
+  ExpectSameAsGenerate(stack, hot, 4);
+  EXPECT_GE(disk_hits(second), 16) << "the restarted worker recomputed its warm prefix\n"
+                                   << second.proc.Log();
+  fill_and_kill(second);
+
+  std::vector<std::string> tp1 = kSmallPool;
+  tp1.insert(tp1.end(), disk.begin(), disk.end());
+  WorkerProc& third = stack.StartWorker("both", tp1);
+  auto none = stack.router().WaitForLog(
+      std::regex("worker " + third.id +
+                 " synced: .* \\(0 in its host tier, ([0-9]+) on its disk\\)"),
+      20s);
+  ASSERT_TRUE(none) << stack.router().Log();
+  EXPECT_EQ(std::stoi(*none), 0) << "TP-2 entries announced by a TP-1 worker";
+  EXPECT_TRUE(third.proc.WaitForLog(std::regex("disk KV tier: discarded [0-9]+ cached blocks"), 5s))
+      << third.proc.Log();
+  ASSERT_TRUE(stack.WaitReady());
+  ExpectSameAsGenerate(stack, hot, 4);
+  std::this_thread::sleep_for(300ms);
+  EXPECT_EQ(TierHits(third, "disk"), 0) << third.proc.Log();
+}
+
 TEST(KvTiersTest, APrefillWorkerOnloadsFromItsHostTierAndHandsTheKvOver) {
   LocalStack stack("kv-tiers-disagg");
   stack.StartRouter({"--max-local-prefill", "0"});

@@ -110,20 +110,26 @@ constexpr const char* kHandoffPrompt =
 // decode worker of `decode_tp`: the text equals generate's (at TP 1), the
 // decode worker prefilled nothing itself, and the KV bytes the prefill worker
 // sent are those the decode worker received; returns them (-1: no stack).
+// `flags` go to both workers and to generate (a KV type). Between other
+// sizes, a pair that cuts heads gathers a chunk of blocks' slices per
+// message (`sliced`; MLA's whole latent blocks move as whole blocks).
 double HandOffBytes(const std::string& model, const std::string& name, int prefill_tp,
-                    int decode_tp) {
+                    int decode_tp, const std::vector<std::string>& flags = {}, bool sliced = true) {
   LocalStack stack(name);
   stack.SetModel(model);
   stack.StartRouter({"--max-local-prefill", "4"});
-  WorkerProc& prefill =
-      stack.StartWorker("prefill", {"--tensor-parallel", std::to_string(prefill_tp)});
-  WorkerProc& decode =
-      stack.StartWorker("decode", {"--tensor-parallel", std::to_string(decode_tp)});
+  auto with = [&](int tp) {
+    std::vector<std::string> args = {"--tensor-parallel", std::to_string(tp)};
+    args.insert(args.end(), flags.begin(), flags.end());
+    return args;
+  };
+  WorkerProc& prefill = stack.StartWorker("prefill", with(prefill_tp));
+  WorkerProc& decode = stack.StartWorker("decode", with(decode_tp));
   if (!stack.WaitReady()) {
     ADD_FAILURE() << "the stack did not start";
     return -1;
   }
-  ExpectSameAsGenerate(stack, kHandoffPrompt, 12);
+  ExpectSameAsGenerate(stack, kHandoffPrompt, 12, flags);
   const double out = LocalStack::Metric(prefill.metrics_port, "pdserve_kv_transfer_bytes_total",
                                         "direction=\"out\"");
   const double in = LocalStack::Metric(decode.metrics_port, "pdserve_kv_transfer_bytes_total",
@@ -131,6 +137,26 @@ double HandOffBytes(const std::string& model, const std::string& name, int prefi
   EXPECT_EQ(out, in);
   EXPECT_TRUE(decode.proc.WaitForLog(std::regex("remote prefill"), 5s)) << decode.proc.Log();
   EXPECT_EQ(decode.proc.Log().find("local prefill"), std::string::npos) << decode.proc.Log();
+  if (prefill_tp != decode_tp) {
+    EXPECT_EQ(prefill.proc.Log().find("gathered in chunks") != std::string::npos, sliced)
+        << prefill.proc.Log();
+  }
+  if (prefill_tp != decode_tp && sliced) {
+    // Gathered: the prompt's blocks fit one chunk, one message per rank pair.
+    auto pairs = prefill.proc.WaitForLog(
+        std::regex("KV hand-off from tensor_parallel " + std::to_string(prefill_tp) + " to " +
+                   std::to_string(decode_tp) + ": ([0-9]+) rank pairs"),
+        5s);
+    EXPECT_TRUE(pairs) << prefill.proc.Log();
+    double writes = 0;
+    for (int i = 0; i < 100 && pairs && writes < std::stod(*pairs); ++i) {
+      writes = LocalStack::Metric(prefill.metrics_port, "pdserve_kv_transfer_network_writes_total");
+      if (writes < std::stod(*pairs)) std::this_thread::sleep_for(50ms);
+    }
+    if (pairs) {
+      EXPECT_EQ(writes, std::stod(*pairs));
+    }
+  }
   return out;
 }
 
@@ -146,13 +172,14 @@ struct HandOff {
 // misplaced changes the text); the bytes are those a TP-1 pair moves for the
 // same prompt (a TP-1 block holds every head), times `copies`.
 void ExpectHandOffs(const std::string& model, const std::string& name,
-                    const std::vector<HandOff>& cases) {
-  const double tp1 = HandOffBytes(model, name + "-1-1", 1, 1);
+                    const std::vector<HandOff>& cases, const std::vector<std::string>& flags = {},
+                    bool sliced = true) {
+  const double tp1 = HandOffBytes(model, name + "-1-1", 1, 1, flags);
   ASSERT_GT(tp1, 0);
   for (const HandOff& c : cases) {
     const std::string sizes = std::to_string(c.a) + "-" + std::to_string(c.b);
     SCOPED_TRACE("prefill TP " + std::to_string(c.a) + ", decode TP " + std::to_string(c.b));
-    EXPECT_EQ(HandOffBytes(model, name + "-" + sizes, c.a, c.b), tp1 * c.copies);
+    EXPECT_EQ(HandOffBytes(model, name + "-" + sizes, c.a, c.b, flags, sliced), tp1 * c.copies);
   }
 }
 
@@ -169,28 +196,21 @@ TEST(TensorParallelServingTest, Stories260KHandsKvOffBetweenTpSizes) {
   ExpectHandOffs(real, "tp-handoff-stories", {{2, 2}, {2, 1}, {1, 2}, {2, 4}, {4, 2}});
 }
 
-// MLA (the deepseek-v2-lite preset): every rank caches the whole latent, so
-// between equal sizes each rank's copy moves (TP 2: twice a TP-1 pair's
-// bytes); between other sizes the hand-off is refused by name and the
-// decode worker prefills locally, writing generate's text.
-TEST(TensorParallelServingTest, MlaHandsKvOffBetweenEqualTpSizesOnly) {
+// fp8 KV: each block carries a scale per layer, K|V and head, which moves
+// with its head (one copy of the block, scales included, as a TP-1 pair).
+TEST(TensorParallelServingTest, Fp8KvHandsOffBetweenTpSizes) {
+  ExpectHandOffs(LocalStack::Model(), "tp-handoff-fp8", {{2, 1}, {1, 2}}, {"--kv-dtype", "fp8"});
+}
+
+// MLA (the deepseek-v2-lite preset): every rank caches the whole latent.
+// Between equal sizes each rank's copy moves (TP 2: twice a TP-1 pair's
+// bytes); between other sizes every receiving rank gets it whole from the
+// prefill worker's rank 0 (TP 2 -> 1: one copy; 1 -> 2: two).
+TEST(TensorParallelServingTest, MlaHandsKvOffBetweenTpSizes) {
   auto spec = PresetModelSpec("deepseek-v2-lite");
   ASSERT_TRUE(spec.ok()) << spec.status().ToString();
   const std::string model = ModelDir("deepseek-v2-lite", *spec);
-  ExpectHandOffs(model, "tp-handoff-mla", {{2, 2, 2}});
-
-  LocalStack stack("tp-handoff-mla-2-1");
-  stack.SetModel(model);
-  stack.StartRouter({"--max-local-prefill", "4"});
-  WorkerProc& prefill = stack.StartWorker("prefill", {"--tensor-parallel", "2"});
-  WorkerProc& decode = stack.StartWorker("decode");
-  ASSERT_TRUE(stack.WaitReady());
-  ExpectSameAsGenerate(stack, kHandoffPrompt, 8);
-  EXPECT_TRUE(prefill.proc.WaitForLog(
-      std::regex("tensor_parallel 2 and 1 needs a dense GQA KV layout"), 10s))
-      << prefill.proc.Log();
-  EXPECT_TRUE(decode.proc.WaitForLog(std::regex("local prefill"), 5s)) << decode.proc.Log();
-  EXPECT_EQ(LocalStack::Metric(decode.metrics_port, "pdserve_kv_transfer_bytes_total"), 0);
+  ExpectHandOffs(model, "tp-handoff-mla", {{2, 2, 2}, {2, 1, 1}, {1, 2, 2}}, {}, /*sliced=*/false);
 }
 
 TEST(TensorParallelServingTest, AFailingRankTakesTheWorkerDownAndItsRequestFailsOver) {

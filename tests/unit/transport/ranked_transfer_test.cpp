@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "common/byte_codec.h"
+#include "kernels/kv_cache_layout.h"
 #include "tests/support/transfer_pair.h"
 #include "transport/ucx/ucx_transfer.h"
 
@@ -21,27 +22,51 @@ using testing::Completion;
 using testing::Pool;
 
 constexpr int64_t kLayers = 2, kTokens = 4, kHeadDim = 8;
-constexpr size_t kHeadBytes = kTokens * kHeadDim * 2;  // fp16
+constexpr int64_t kLoraRank = 16, kRopeDim = 8;  // MLA: a latent of 24 values
+
+// What a block of a rank's pool holds, as the engine's pool defines it
+// (kernels/kv_cache_layout.h): the reference the transfer's cuts are
+// checked against. MLA: `kv_heads` is 1, the latent on every rank.
+kernels::KvCacheLayout PoolShape(int64_t kv_heads, int ranks, DType dtype, bool mla) {
+  kernels::KvCacheLayout k =
+      mla ? kernels::KvCacheLayout::Mla(kLayers, kLoraRank, kRopeDim) : kernels::KvCacheLayout{};
+  if (!mla) {
+    k.num_layers = kLayers;
+    k.num_kv_heads = KvHeadRange(kv_heads, ranks, 0).count;
+    k.head_dim = kHeadDim;
+  }
+  k.block_size = kTokens;
+  k.dtype = dtype;
+  return k;
+}
 
 // A rank's shard layout for `kv_heads` heads over `ranks` ranks.
-KvLayout ShardLayout(int64_t kv_heads, int ranks) {
+KvLayout ShardLayout(int64_t kv_heads, int ranks, DType dtype = DType::kF16, bool mla = false) {
+  const kernels::KvCacheLayout k = PoolShape(kv_heads, ranks, dtype, mla);
   KvLayout l;
   l.model_id = "ranked-test";
-  l.layers = kLayers;
-  l.kv_heads = KvHeadRange(kv_heads, ranks, 0).count;
-  l.head_dim = kHeadDim;
-  l.block_tokens = kTokens;
-  l.kv_dtype = DType::kF16;
-  l.bytes_per_block = l.DenseBytesPerBlock();
+  l.layers = k.num_layers;
+  l.kv_heads = k.num_kv_heads;
+  l.head_dim = k.head_dim;
+  l.attention = k.attention;
+  l.kv_lora_rank = k.kv_lora_rank;
+  l.qk_rope_head_dim = k.rope_dim();
+  l.block_tokens = k.block_size;
+  l.kv_dtype = dtype;
+  l.block_layout = k.BlockOrder();
+  l.bytes_per_block = k.bytes_per_block();
   l.tensor_parallel = ranks;
   return l;
 }
 
-std::unique_ptr<RankedKvTransfer> MakeRanked(int ranks, int64_t kv_heads) {
+std::unique_ptr<RankedKvTransfer> MakeRanked(int ranks, int64_t kv_heads,
+                                             KvStagingMode staging = KvStagingMode::kAuto) {
   std::vector<std::unique_ptr<KvTransfer>> t;
   for (int r = 0; r < ranks; ++r) {
     UcxTransferOptions opts;
     opts.tls = "tcp";
+    opts.staging = staging;
+    opts.staging_bytes = size_t{1} << 20;
     auto u = CreateUcxTransfer(opts);
     EXPECT_TRUE(u.ok()) << u.status().ToString();
     if (!u.ok()) return nullptr;
@@ -58,9 +83,12 @@ struct Worker {
   int n;
   std::unique_ptr<RankedKvTransfer> transfer;
   std::vector<Pool> shards;
-  Worker(int64_t heads, int ranks, size_t blocks, uint32_t seed) : kv_heads(heads), n(ranks) {
-    const KvLayout layout = ShardLayout(heads, ranks);
-    transfer = MakeRanked(ranks, heads);
+  kernels::KvCacheLayout shape;
+  Worker(int64_t heads, int ranks, size_t blocks, uint32_t seed,
+         KvStagingMode staging = KvStagingMode::kAuto, DType dtype = DType::kF16, bool mla = false)
+      : kv_heads(heads), n(ranks), shape(PoolShape(heads, ranks, dtype, mla)) {
+    const KvLayout layout = ShardLayout(heads, ranks, dtype, mla);
+    transfer = MakeRanked(ranks, heads, staging);
     for (int r = 0; r < ranks; ++r) shards.emplace_back(blocks, layout.bytes_per_block, seed + r);
     if (!transfer) return;
     for (int r = 0; r < ranks; ++r) {
@@ -68,10 +96,17 @@ struct Worker {
       EXPECT_TRUE(st.ok()) << st.ToString();
     }
   }
-  // Head h of layer/kv segment `seg` of block b, as rank r holds it.
-  const uint8_t* Head(int r, size_t b, int64_t seg, int64_t h) const {
-    const HeadRange range = KvHeadRange(kv_heads, n, r);
-    return shards[r].block(b) + (seg * range.count + (h - range.first)) * kHeadBytes;
+  // Head h's K (kv 0) or V (kv 1) of `layer` in block b, as rank r holds it;
+  // Scale: its float32 scale (scaled KV types).
+  const uint8_t* Head(int r, size_t b, int64_t layer, int kv, int64_t h) const {
+    const int64_t i = h - KvHeadRange(kv_heads, n, r).first;
+    return shards[r].block(b) +
+           (kv == 0 ? shape.k_offset(0, layer, i) : shape.v_offset(0, layer, i));
+  }
+  const uint8_t* Scale(int r, size_t b, int64_t layer, int kv, int64_t h) const {
+    const int64_t i = h - KvHeadRange(kv_heads, n, r).first;
+    return shards[r].block(b) +
+           (kv == 0 ? shape.k_scale_offset(0, layer, i) : shape.v_scale_offset(0, layer, i));
   }
   // The rank that holds head h first.
   int Holder(int64_t h) const {
@@ -102,14 +137,53 @@ Linked Link(Worker& writer, Worker& receiver) {
   return l;
 }
 
+// The network writes one Write of `copies` (4 runs of blocks) takes from a
+// worker of `a` ranks to one of `b`: equal splits one put per run and rank;
+// other splits, per (writer rank, receiving rank) pair, one gathered message
+// (gathered) or a put per block and slice, except a pair that moves both
+// ranks' whole shards (a put per run).
+uint64_t ExpectedWrites(int64_t kv_heads, int a, int b, bool gathered, bool scaled, bool mla) {
+  constexpr uint64_t kRuns = 4, kBlocks = 6;
+  if (a == b) return kRuns * a;
+  if (mla) return kRuns * b;  // rank 0's latent, whole, to each receiving rank
+  uint64_t writes = 0;
+  for (int d = 0; d < b; ++d) {
+    const HeadRange to = KvHeadRange(kv_heads, b, d);
+    for (int s = 0; s < a; ++s) {
+      const HeadRange from = KvHeadRange(kv_heads, a, s);
+      // Heads of `to` this writer holds and no earlier writer does.
+      int64_t first_new = std::max(to.first, from.first);
+      for (int e = 0; e < s; ++e) {
+        const HeadRange prior = KvHeadRange(kv_heads, a, e);
+        first_new = std::max(first_new, prior.first + prior.count);
+      }
+      const int64_t end = std::min(to.first + to.count, from.first + from.count);
+      if (first_new >= end) continue;
+      const bool whole = first_new == to.first && end == to.first + to.count &&
+                         first_new == from.first && end == from.first + from.count;
+      // A pair of whole shards moves as whole blocks do: a put per run.
+      // Otherwise a layer's K heads, V heads (and their K and V scales) are
+      // apart.
+      writes += whole ? kRuns : gathered ? 1 : kBlocks * (scaled ? 4 : 2) * kLayers;
+    }
+  }
+  return writes;
+}
+
 // Writes scattered blocks from a worker of `a` ranks to one of `b` over
-// `kv_heads` heads; checks every head of every target block on every
-// receiving rank, that other blocks kept their bytes, and the bytes a
-// block moves (one copy, times the receiving ranks per head when replicated).
-void CheckHandOff(int64_t kv_heads, int a, int b) {
+// `kv_heads` heads, gathered (staging allowed) or one put per slice
+// (staging never); checks every head of every target block on every
+// receiving rank, that other blocks kept their bytes, the bytes a block
+// moves (one copy, times the receiving ranks per head when replicated) and
+// the network writes it took.
+void CheckHandOff(int64_t kv_heads, int a, int b, KvStagingMode staging = KvStagingMode::kAuto,
+                  DType dtype = DType::kF16, bool mla = false) {
+  const bool gathered = staging != KvStagingMode::kNever;
   SCOPED_TRACE(std::to_string(kv_heads) + " heads, TP " + std::to_string(a) + " -> " +
-               std::to_string(b));
-  Worker writer(kv_heads, a, 24, 100), receiver(kv_heads, b, 40, 200);
+               std::to_string(b) + (gathered ? ", gathered, " : ", direct, ") +
+               std::string(DTypeName(dtype)) + (mla ? ", mla" : ""));
+  Worker writer(kv_heads, a, 24, 100, staging, dtype, mla),
+      receiver(kv_heads, b, 40, 200, staging, dtype, mla);
   ASSERT_TRUE(writer.transfer && receiver.transfer);
   const std::vector<Pool> before = receiver.shards;
   const Linked link = Link(writer, receiver);
@@ -126,15 +200,35 @@ void CheckHandOff(int64_t kv_heads, int a, int b) {
 
   std::vector<bool> target(40, false);
   for (const BlockCopy& c : copies) target[c.remote] = true;
+  const bool scaled = writer.shape.has_scales();
   for (int d = 0; d < b; ++d) {
     const HeadRange range = KvHeadRange(kv_heads, b, d);
     for (const BlockCopy& c : copies) {
-      for (int64_t seg = 0; seg < 2 * kLayers; ++seg) {
-        for (int64_t h = range.first; h < range.first + range.count; ++h) {
-          EXPECT_EQ(std::memcmp(receiver.Head(d, c.remote, seg, h),
-                                writer.Head(writer.Holder(h), c.local, seg, h), kHeadBytes),
-                    0)
-              << "rank " << d << " block " << c.remote << " segment " << seg << " head " << h;
+      if (mla) {  // the whole latent block, from the writer's rank 0 (equal sizes: rank d)
+        EXPECT_EQ(std::memcmp(receiver.shards[d].block(c.remote),
+                              writer.shards[a == b ? d : 0].block(c.local),
+                              receiver.shards[d].block_bytes),
+                  0)
+            << "rank " << d << " block " << c.remote;
+        continue;
+      }
+      for (int64_t layer = 0; layer < kLayers; ++layer) {
+        for (int kv = 0; kv < 2; ++kv) {
+          for (int64_t h = range.first; h < range.first + range.count; ++h) {
+            const int s = writer.Holder(h);
+            EXPECT_EQ(std::memcmp(receiver.Head(d, c.remote, layer, kv, h),
+                                  writer.Head(s, c.local, layer, kv, h), writer.shape.head_bytes()),
+                      0)
+                << "rank " << d << " block " << c.remote << " layer " << layer << " kv " << kv
+                << " head " << h;
+            if (scaled) {
+              EXPECT_EQ(std::memcmp(receiver.Scale(d, c.remote, layer, kv, h),
+                                    writer.Scale(s, c.local, layer, kv, h), 4),
+                        0)
+                  << "scale of rank " << d << " block " << c.remote << " layer " << layer << " kv "
+                  << kv << " head " << h;
+            }
+          }
         }
       }
     }
@@ -146,27 +240,120 @@ void CheckHandOff(int64_t kv_heads, int a, int b) {
           << "rank " << d << " block " << blk << " was not a target";
     }
   }
-  const uint64_t one_copy = 2 * kLayers * kv_heads * kHeadBytes;
+  // One copy of the block (every head with its scales), times the
+  // receiving ranks per head when replicated (MLA: every receiving rank).
+  const uint64_t one_copy =
+      static_cast<uint64_t>(PoolShape(kv_heads, 1, dtype, mla).bytes_per_block());
   const uint64_t copies_per_head = b > kv_heads ? b / kv_heads : 1;
   EXPECT_EQ(writer.transfer->BlockBytesTo(link.writer_peer), one_copy * copies_per_head);
+  EXPECT_EQ(writer.transfer->stats().network_writes,
+            ExpectedWrites(kv_heads, a, b, gathered, scaled, mla));
   EXPECT_EQ(writer.transfer->stats().transfers_in_flight, 0u);
   EXPECT_EQ(receiver.transfer->stats().transfers_in_flight, 0u);
 }
 
-TEST(RankedTransferTest, EqualSplitMovesEachRanksShardToTheSameRank) { CheckHandOff(4, 2, 2); }
+TEST(RankedTransferTest, EqualSplitMovesEachRanksShardToTheSameRank) {
+  CheckHandOff(4, 2, 2);
+  CheckHandOff(4, 2, 2, KvStagingMode::kNever);
+}
 
 TEST(RankedTransferTest, OtherSplitsMoveEachHeadToTheRanksThatHoldIt) {
-  CheckHandOff(4, 2, 1);
-  CheckHandOff(4, 1, 2);
-  CheckHandOff(4, 2, 4);
-  CheckHandOff(4, 4, 2);
-  CheckHandOff(4, 4, 1);
+  for (KvStagingMode staging : {KvStagingMode::kAuto, KvStagingMode::kNever}) {
+    CheckHandOff(4, 2, 1, staging);
+    CheckHandOff(4, 1, 2, staging);
+    CheckHandOff(4, 2, 4, staging);
+    CheckHandOff(4, 4, 2, staging);
+    CheckHandOff(4, 4, 1, staging);
+  }
 }
 
 TEST(RankedTransferTest, ReplicatedHeadsGoToEveryRankThatHoldsThem) {
-  CheckHandOff(2, 1, 4);  // each head on two receiving ranks
-  CheckHandOff(2, 4, 2);  // the writer's replicas sent once
-  CheckHandOff(2, 4, 8);
+  for (KvStagingMode staging : {KvStagingMode::kAuto, KvStagingMode::kNever}) {
+    CheckHandOff(2, 1, 4, staging);  // each head on two receiving ranks
+    CheckHandOff(2, 4, 2, staging);  // the writer's replicas sent once
+    CheckHandOff(2, 4, 8, staging);
+  }
+}
+
+// fp8 and nvfp4 blocks carry a float32 scale per layer, K|V and head after
+// the heads: each goes with its head. Direct and gathered.
+TEST(RankedTransferTest, ScaledKvTypesMoveEachHeadWithItsScales) {
+  for (DType dtype : {DType::kFP8E4M3, DType::kNvFp4}) {
+    for (KvStagingMode staging : {KvStagingMode::kAuto, KvStagingMode::kNever}) {
+      CheckHandOff(4, 2, 1, staging, dtype);
+      CheckHandOff(4, 1, 2, staging, dtype);
+      CheckHandOff(4, 4, 2, staging, dtype);
+      CheckHandOff(2, 1, 4, staging, dtype);  // replicated heads and their scales
+    }
+  }
+  CheckHandOff(4, 2, 2, KvStagingMode::kAuto, DType::kFP8E4M3);
+}
+
+// MLA: every rank caches the whole latent; between other sizes each
+// receiving rank gets it whole from the writer's rank 0 (fp8 with its
+// per-layer scale too).
+TEST(RankedTransferTest, MlaLatentGoesWholeFromRankZeroToEveryReceivingRank) {
+  for (DType dtype : {DType::kF16, DType::kFP8E4M3}) {
+    CheckHandOff(1, 2, 1, KvStagingMode::kAuto, dtype, /*mla=*/true);
+    CheckHandOff(1, 1, 2, KvStagingMode::kAuto, dtype, /*mla=*/true);
+    CheckHandOff(1, 4, 2, KvStagingMode::kNever, dtype, /*mla=*/true);
+    CheckHandOff(1, 2, 2, KvStagingMode::kAuto, dtype, /*mla=*/true);
+  }
+}
+
+// A block the transfer cannot cut by head (an in-block order it does not
+// know) is refused by name between other splits.
+TEST(RankedTransferTest, UnknownBlockOrdersAreRefusedBetweenSplits) {
+  KvLayout odd1 = ShardLayout(4, 1), odd2 = ShardLayout(4, 2);
+  odd1.block_layout = odd2.block_layout = "token/head/dim";
+  auto writer = MakeRanked(2, 4);
+  auto receiver = MakeRanked(1, 4);
+  ASSERT_TRUE(writer && receiver);
+  Pool w0(4, odd2.bytes_per_block, 1), w1(4, odd2.bytes_per_block, 2),
+      r0(4, odd1.bytes_per_block, 3);
+  ASSERT_TRUE(writer->RegisterRankPool(0, w0.region(), odd2).ok());
+  ASSERT_TRUE(writer->RegisterRankPool(1, w1.region(), odd2).ok());
+  ASSERT_TRUE(receiver->RegisterRankPool(0, r0.region(), odd1).ok());
+  auto desc = receiver->ExportDescriptor();
+  ASSERT_TRUE(desc.ok());
+  auto c = writer->Connect(*desc);
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("cannot be cut by KV head"), std::string::npos)
+      << c.status().ToString();
+}
+
+// Staging "always" on one side (a device pool UCX cannot map stages the same
+// way) still gathers the other split's slices.
+TEST(RankedTransferTest, AStagedSideGathersTooAndADirectOnlySideIsRefused) {
+  {
+    Worker writer(4, 2, 8, 1, KvStagingMode::kAlways), receiver(4, 1, 8, 2);
+    ASSERT_TRUE(writer.transfer && receiver.transfer);
+    const Linked link = Link(writer, receiver);
+    ASSERT_NE(link.writer_peer, 0u);
+    Completion wrote, received;
+    const auto deadline = TransferClock::now() + std::chrono::seconds(20);
+    receiver.transfer->Receive(link.receiver_peer, {{1, 2}, {2, 3}}, deadline, received.callback());
+    writer.transfer->Write(link.writer_peer, {{1, 2}, {2, 3}}, deadline, wrote.callback());
+    ASSERT_TRUE(wrote.Wait().ok());
+    ASSERT_TRUE(received.Wait().ok());
+    for (int64_t seg = 0; seg < 2 * kLayers; ++seg) {
+      for (int64_t h = 0; h < 4; ++h) {
+        EXPECT_EQ(std::memcmp(receiver.Head(0, 3, seg / 2, seg % 2, h),
+                              writer.Head(writer.Holder(h), 2, seg / 2, seg % 2, h),
+                              writer.shape.head_bytes()),
+                  0);
+      }
+    }
+    EXPECT_EQ(writer.transfer->stats().network_writes, 2u);  // one chunk per writer rank
+  }
+  Worker writer(4, 2, 8, 1, KvStagingMode::kAlways), receiver(4, 1, 8, 2, KvStagingMode::kNever);
+  ASSERT_TRUE(writer.transfer && receiver.transfer);
+  auto desc = receiver.transfer->ExportDescriptor();
+  ASSERT_TRUE(desc.ok());
+  auto conn = writer.transfer->Connect(*desc);
+  ASSERT_FALSE(conn.ok());
+  EXPECT_NE(conn.status().message().find("needs both sides able to stage"), std::string::npos)
+      << conn.status().ToString();
 }
 
 // The descriptor's rank 0 head fields start after magic, version, kind,
