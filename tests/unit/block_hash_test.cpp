@@ -92,5 +92,28 @@ TEST(BlockHashTest, ExtendMatchesFullHash) {
   EXPECT_EQ(h[1], HashBlock(seed, &h[0], std::span<const TokenId>(big).subspan(512)));
 }
 
+TEST(BlockHashTest, SixteenTokenPromptsMatchBlockByBlockChaining) {
+  // HashPrompt's 16-token path splits XXH3 in two passes; HashBlock calls
+  // XXH3_64bits_withSeed on the whole 72-byte input. Long random prompts
+  // (ids over the whole int32 range, negative ones included), several seeds,
+  // and extension from every length: each hash must be XXH3's.
+  std::mt19937_64 rng(11);
+  for (const BlockHash seed : {BlockHash{0}, BlockHashSeed("m"), BlockHashSeed("m", "salt")}) {
+    std::vector<TokenId> tokens(16 * 300 + 7);
+    for (auto& t : tokens) t = static_cast<TokenId>(rng());
+    std::vector<BlockHash> chained;
+    for (size_t i = 0; i < 300; ++i) {
+      chained.push_back(HashBlock(seed, i == 0 ? nullptr : &chained.back(),
+                                  std::span<const TokenId>(tokens).subspan(16 * i, 16)));
+    }
+    EXPECT_EQ(HashPrompt(seed, tokens, 16), chained);
+    std::vector<BlockHash> grown;
+    for (size_t n = 0; n <= tokens.size(); n += 1 + rng() % 40) {
+      ExtendPromptHashes(seed, std::span<const TokenId>(tokens).first(n), 16, &grown);
+      ASSERT_EQ(grown, std::vector<BlockHash>(chained.begin(), chained.begin() + n / 16)) << n;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace pdserve
