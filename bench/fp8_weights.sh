@@ -9,14 +9,18 @@
 # model and format.
 # speed: `pdserve bench engine` on the small preset, batch-1 decode after a
 # 256-token prompt, bf16 against each FP8 format, fp32 KV, ROUNDS times.
+# With BEFORE (another pdserve binary) each run is paired with one of BEFORE
+# on the same model, back to back, the order alternating from round to
+# round; each line then has `variant` (before or after).
 #
-# Usage: bench/fp8_weights.sh quality|speed [BUILD_DIR] [THREADS] [STORIES260K_DIR] [ROUNDS] > bench/results/...jsonl
+# Usage: bench/fp8_weights.sh quality|speed [BUILD_DIR] [THREADS] [STORIES260K_DIR] [ROUNDS] [BEFORE] > bench/results/...jsonl
 set -eu
 what=$1
 build=${2:-build}
 threads=${3:-2}
 stories=${4:-../shared/models/stories260K}
 rounds=${5:-1}
+before=${6:-}
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 text=bench/eval/tinystories.txt
@@ -57,14 +61,27 @@ elif [ "$what" = speed ]; then
   done
   # The formats interleaved, round after round, so that a change in the
   # machine's load falls on all of them.
+  # run BINARY FORMAT ROUND [VARIANT]: one JSON line.
+  run() {
+    tag="\"format\":\"$2\",\"round\":$3,"
+    [ -n "${4:-}" ] && tag="$tag\"variant\":\"$4\","
+    "$1" bench engine --model "$dir/$2" --threads "$threads" --batch 1 \
+      --prompt-tokens 256 --gen-tokens 128 --kv-dtype fp32 --json | sed "s/^{/{$tag/"
+  }
   for round in $(seq "$rounds"); do
     for q in bf16 fp8-tensor fp8-channel fp8-block; do
-      "$build/pdserve" bench engine --model "$dir/$q" --threads "$threads" --batch 1 \
-        --prompt-tokens 256 --gen-tokens 128 --kv-dtype fp32 --json |
-        sed "s/^{/{\"format\":\"$q\",\"round\":$round,/"
+      if [ -z "$before" ]; then
+        run "$build/pdserve" "$q" "$round"
+      elif [ $((round % 2)) = 1 ]; then
+        run "$before" "$q" "$round" before
+        run "$build/pdserve" "$q" "$round" after
+      else
+        run "$build/pdserve" "$q" "$round" after
+        run "$before" "$q" "$round" before
+      fi
     done
   done
 else
-  echo "usage: $0 quality|speed [BUILD_DIR] [THREADS] [STORIES260K_DIR] [ROUNDS]" >&2
+  echo "usage: $0 quality|speed [BUILD_DIR] [THREADS] [STORIES260K_DIR] [ROUNDS] [BEFORE]" >&2
   exit 2
 fi

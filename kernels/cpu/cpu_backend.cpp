@@ -73,7 +73,10 @@ void CpuBackend::Rope(const Tensor& x, const int32_t* positions, const float* in
   const int64_t tokens = x.shape[0], heads = x.shape[1], head_dim = x.shape[2];
   const int64_t half = head_dim / 2;
   pool_.ParallelFor(tokens, [&](int64_t begin, int64_t end) {
-    std::vector<float> cs(half), sn(half);
+    // Grown once per thread, then reused: no allocation per step.
+    thread_local std::vector<float> cs, sn;
+    cs.resize(half);
+    sn.resize(half);
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t i = 0; i < half; ++i) {
         // The angle in double: large positions times small frequencies lose

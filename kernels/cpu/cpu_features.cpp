@@ -35,6 +35,18 @@ bool HasAvx512Bf16() {
 #endif
 }
 
+bool HasAvx512Vbmi() {
+#if defined(__x86_64__) || defined(__i386__)
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vbmi");
+  }();
+  return has;
+#else
+  return false;
+#endif
+}
+
 SimdLevel DefaultSimdLevel() {
   SimdLevel level = DetectedSimdLevel();
   if (const char* env = std::getenv("PDSERVE_CPU_SIMD")) {

@@ -21,6 +21,11 @@ SimdLevel DetectedSimdLevel();
 // AVX-512 level uses it (kernels/cpu/gemm_bf16.h).
 bool HasAvx512Bf16();
 
+// Whether this processor has AVX-512 VBMI (byte permutes across a whole
+// register, vpermi2b): the AVX-512 level's fp8 decode GEMV widens codes
+// with it (kernels/cpu/gemv_fp8.h).
+bool HasAvx512Vbmi();
+
 // The level a CpuBackend uses by default: DetectedSimdLevel(), lowered by the
 // environment variable PDSERVE_CPU_SIMD=portable|avx2 (to compare paths on
 // one machine); it is never raised above what the processor supports.

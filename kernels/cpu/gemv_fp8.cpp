@@ -164,6 +164,79 @@ PDSERVE_TARGET_AVX2 void TileAvx2(const float* x, int64_t ldx, const uint8_t* w,
           simd::ReduceAdd(total[r][j]) * (kBlocked ? 1.0f : simd::kE4M3LoadFactor) + tail[r][j];
 }
 
+// The AVX-512 tiles' steps over 32 columns and over a segment's last
+// left < 32 columns (under masks): acc[r][j] += x[r] . the values / 2^8
+// of row j's codes, lanes 0-15 then 16-31.
+template <int MR, int NR>
+PDSERVE_TARGET_AVX512 inline void Step32(const float* x, int64_t ldx, const uint8_t* w, int64_t ldw,
+                                         int64_t i, __m512 (&acc)[MR][NR]) {
+  __m512 lo[NR], hi[NR];
+#pragma GCC unroll 16
+  for (int j = 0; j < NR; ++j) {
+    const char* here = reinterpret_cast<const char*>(w + j * ldw + i);
+    _mm_prefetch(here + kPrefetchBytes, _MM_HINT_T0);
+    _mm_prefetch(here + kPrefetchL2Bytes, _MM_HINT_T1);
+    Widen32(w + j * ldw + i, &lo[j], &hi[j]);
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) {
+    const __m512 xlo = _mm512_loadu_ps(x + r * ldx + i);
+    const __m512 xhi = _mm512_loadu_ps(x + r * ldx + i + 16);
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j) {
+      acc[r][j] = _mm512_fmadd_ps(xlo, lo[j], acc[r][j]);
+      acc[r][j] = _mm512_fmadd_ps(xhi, hi[j], acc[r][j]);
+    }
+  }
+}
+template <int MR, int NR>
+PDSERVE_TARGET_AVX512 inline void StepTail(const float* x, int64_t ldx, const uint8_t* w,
+                                           int64_t ldw, int64_t i, int64_t left,
+                                           __m512 (&acc)[MR][NR]) {
+  const __mmask32 mask = static_cast<__mmask32>((uint64_t{1} << left) - 1);
+  const __mmask16 mlo = static_cast<__mmask16>(mask), mhi = static_cast<__mmask16>(mask >> 16);
+  __m512 lo[NR], hi[NR];
+#pragma GCC unroll 16
+  for (int j = 0; j < NR; ++j) Widen32(w + j * ldw + i, mask, &lo[j], &hi[j]);
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) {
+    const __m512 xlo = _mm512_maskz_loadu_ps(mlo, x + r * ldx + i);
+    const __m512 xhi = _mm512_maskz_loadu_ps(mhi, x + r * ldx + i + 16);
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j) {
+      acc[r][j] = _mm512_fmadd_ps(xlo, lo[j], acc[r][j]);
+      acc[r][j] = _mm512_fmadd_ps(xhi, hi[j], acc[r][j]);
+    }
+  }
+}
+// A segment's sums into the tile's totals: scaled per block (kBlocked), or
+// the whole row's (one segment) kept for the caller's scale.
+template <int MR, int NR, bool kBlocked>
+PDSERVE_TARGET_AVX512 inline void EndSegment(const float* const* row_scales, int64_t segment,
+                                             const __m512 (&acc)[MR][NR], __m512 (&total)[MR][NR]) {
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) {
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j) {
+      if constexpr (kBlocked) {
+        total[r][j] = _mm512_fmadd_ps(
+            acc[r][j], _mm512_set1_ps(row_scales[j][segment] * simd::kE4M3LoadFactor), total[r][j]);
+      } else {
+        total[r][j] = acc[r][j];
+      }
+    }
+  }
+}
+template <int MR, int NR, bool kBlocked>
+PDSERVE_TARGET_AVX512 inline void StoreTotals(const __m512 (&total)[MR][NR], float* out) {
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j)
+      out[r * NR + j] =
+          _mm512_reduce_add_ps(total[r][j]) * (kBlocked ? 1.0f : simd::kE4M3LoadFactor);
+}
+
 template <int MR, int NR, bool kBlocked>
 PDSERVE_TARGET_AVX512 void TileAvx512(const float* x, int64_t ldx, const uint8_t* w, int64_t ldw,
                                       int64_t k, int64_t seg, const float* const* row_scales,
@@ -181,95 +254,154 @@ PDSERVE_TARGET_AVX512 void TileAvx512(const float* x, int64_t ldx, const uint8_t
 #pragma GCC unroll 16
       for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_setzero_ps();
     int64_t i = c0;
-    for (; i + 32 <= c1; i += 32) {
-      __m512 lo[NR], hi[NR];
+    for (; i + 32 <= c1; i += 32) Step32<MR, NR>(x, ldx, w, ldw, i, acc);
+    if (i < c1) StepTail<MR, NR>(x, ldx, w, ldw, i, c1 - i, acc);
+    EndSegment<MR, NR, kBlocked>(row_scales, c0 / seg, acc, total);
+  }
+  StoreTotals<MR, NR, kBlocked>(total, out);
+}
+
+// The byte lookup (AVX-512 VBMI): one vpermi2b per 64 codes finds the high
+// bytes of the bf16 patterns of their values / 2^8 (the sign ored in),
+// another the low bytes, and one masked vpermi2b per 16 places a pair of
+// them in the upper half of each fp32 lane (bf16 is fp32's upper half, and
+// holds every e4m3 value / 2^8 exactly). Four byte permutes per 16 codes'
+// worth of work fewer than sign-extend, shift, mask, vcvtph2ps and the
+// extract; the values are those of Widen32, in the same lanes.
+#define PDSERVE_TARGET_AVX512_VBMI \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx2,fma,f16c")))
+
+// bf16 bits of E4M3Decode(magnitude code c) / 2^8.
+constexpr uint16_t Bf16OfE4M3Over256(int c) {
+  const int e = c >> 3, m = c & 7;
+  if (e != 0) return static_cast<uint16_t>((e + 112) << 7 | m << 4);  // 2^(e-15) (1 + m/8)
+  if (m == 0) return 0;
+  const int p = m >= 4 ? 2 : m >= 2 ? 1 : 0;  // m * 2^-17 = (m / 2^p) * 2^(p-17)
+  return static_cast<uint16_t>((110 + p) << 7 | (m - (1 << p)) << (7 - p));
+}
+struct ByteTables {
+  alignas(64) uint8_t hi[128];
+  alignas(64) uint8_t lo[128];
+  alignas(64) uint8_t spread[4][64];  // lane l of register q: lo[16q+l], hi[16q+l] (+64)
+};
+constexpr ByteTables MakeByteTables() {
+  ByteTables t{};
+  for (int c = 0; c < 128; ++c) {
+    t.hi[c] = static_cast<uint8_t>(Bf16OfE4M3Over256(c) >> 8);
+    t.lo[c] = static_cast<uint8_t>(Bf16OfE4M3Over256(c) & 0xff);
+  }
+  for (int q = 0; q < 4; ++q) {
+    for (int l = 0; l < 16; ++l) {
+      t.spread[q][4 * l + 2] = static_cast<uint8_t>(16 * q + l);
+      t.spread[q][4 * l + 3] = static_cast<uint8_t>(64 + 16 * q + l);
+    }
+  }
+  return t;
+}
+constexpr ByteTables kByteTables = MakeByteTables();
+
+struct ByteLookup {
+  __m512i hi0, hi1, lo0, lo1, spread[4];
+};
+PDSERVE_TARGET_AVX512_VBMI inline ByteLookup LoadByteLookup() {
+  ByteLookup t;
+  t.hi0 = _mm512_load_si512(kByteTables.hi);
+  t.hi1 = _mm512_load_si512(kByteTables.hi + 64);
+  t.lo0 = _mm512_load_si512(kByteTables.lo);
+  t.lo1 = _mm512_load_si512(kByteTables.lo + 64);
+  for (int q = 0; q < 4; ++q) t.spread[q] = _mm512_load_si512(kByteTables.spread[q]);
+  return t;
+}
+// 64 codes from p: the values / 2^8 of Widen32(p) and Widen32(p + 32).
+PDSERVE_TARGET_AVX512_VBMI inline void Widen64(const ByteLookup& t, const uint8_t* p,
+                                               __m512 (&v)[4]) {
+  const __m512i codes = _mm512_loadu_si512(p);
+  // hi | (codes & 0x80): the sign, which the 7-bit index ignores.
+  const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t.hi0, codes, t.hi1), codes,
+                                               _mm512_set1_epi8(-128), 0xf8);
+  const __m512i lo = _mm512_permutex2var_epi8(t.lo0, codes, t.lo1);
+  constexpr __mmask64 kUpperHalves = 0xccccccccccccccccull;
+#pragma GCC unroll 4
+  for (int q = 0; q < 4; ++q) {
+    v[q] = _mm512_castsi512_ps(_mm512_maskz_permutex2var_epi8(kUpperHalves, lo, t.spread[q], hi));
+  }
+}
+
+// TileAvx512 for one activation row (decode), 64 columns at a time through
+// the byte lookup: the same products summed in the same order, so the same
+// result bit for bit.
+template <int NR, bool kBlocked>
+PDSERVE_TARGET_AVX512_VBMI void TileAvx512Lookup(const float* x, int64_t ldx, const uint8_t* w,
+                                                 int64_t ldw, int64_t k, int64_t seg,
+                                                 const float* const* row_scales, float* out) {
+  const ByteLookup t = LoadByteLookup();
+  __m512 total[1][NR];
+#pragma GCC unroll 16
+  for (int j = 0; j < NR; ++j) total[0][j] = _mm512_setzero_ps();
+  for (int64_t c0 = 0; c0 < k; c0 += seg) {
+    const int64_t c1 = std::min(k, c0 + seg);
+    __m512 acc[1][NR];
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j) acc[0][j] = _mm512_setzero_ps();
+    int64_t i = c0;
+    for (; i + 64 <= c1; i += 64) {
+      __m512 xv[4];
+#pragma GCC unroll 4
+      for (int q = 0; q < 4; ++q) xv[q] = _mm512_loadu_ps(x + i + 16 * q);
 #pragma GCC unroll 16
       for (int j = 0; j < NR; ++j) {
         const char* here = reinterpret_cast<const char*>(w + j * ldw + i);
         _mm_prefetch(here + kPrefetchBytes, _MM_HINT_T0);
         _mm_prefetch(here + kPrefetchL2Bytes, _MM_HINT_T1);
-        Widen32(w + j * ldw + i, &lo[j], &hi[j]);
-      }
-#pragma GCC unroll 16
-      for (int r = 0; r < MR; ++r) {
-        const __m512 xlo = _mm512_loadu_ps(x + r * ldx + i);
-        const __m512 xhi = _mm512_loadu_ps(x + r * ldx + i + 16);
-#pragma GCC unroll 16
-        for (int j = 0; j < NR; ++j) {
-          acc[r][j] = _mm512_fmadd_ps(xlo, lo[j], acc[r][j]);
-          acc[r][j] = _mm512_fmadd_ps(xhi, hi[j], acc[r][j]);
-        }
+        __m512 v[4];
+        Widen64(t, w + j * ldw + i, v);
+#pragma GCC unroll 4
+        for (int q = 0; q < 4; ++q) acc[0][j] = _mm512_fmadd_ps(xv[q], v[q], acc[0][j]);
       }
     }
-    if (i < c1) {  // the segment's last c1 - i < 32 columns, under masks
-      const int64_t left = c1 - i;
-      const __mmask32 mask = static_cast<__mmask32>((uint64_t{1} << left) - 1);
-      const __mmask16 mlo = static_cast<__mmask16>(mask), mhi = static_cast<__mmask16>(mask >> 16);
-      __m512 lo[NR], hi[NR];
-#pragma GCC unroll 16
-      for (int j = 0; j < NR; ++j) Widen32(w + j * ldw + i, mask, &lo[j], &hi[j]);
-#pragma GCC unroll 16
-      for (int r = 0; r < MR; ++r) {
-        const __m512 xlo = _mm512_maskz_loadu_ps(mlo, x + r * ldx + i);
-        const __m512 xhi = _mm512_maskz_loadu_ps(mhi, x + r * ldx + i + 16);
-#pragma GCC unroll 16
-        for (int j = 0; j < NR; ++j) {
-          acc[r][j] = _mm512_fmadd_ps(xlo, lo[j], acc[r][j]);
-          acc[r][j] = _mm512_fmadd_ps(xhi, hi[j], acc[r][j]);
-        }
-      }
-    }
-#pragma GCC unroll 16
-    for (int r = 0; r < MR; ++r) {
-#pragma GCC unroll 16
-      for (int j = 0; j < NR; ++j) {
-        if constexpr (kBlocked) {
-          total[r][j] = _mm512_fmadd_ps(
-              acc[r][j], _mm512_set1_ps(row_scales[j][c0 / seg] * simd::kE4M3LoadFactor),
-              total[r][j]);
-        } else {
-          total[r][j] = acc[r][j];
-        }
-      }
-    }
+    for (; i + 32 <= c1; i += 32) Step32<1, NR>(x, ldx, w, ldw, i, acc);
+    if (i < c1) StepTail<1, NR>(x, ldx, w, ldw, i, c1 - i, acc);
+    EndSegment<1, NR, kBlocked>(row_scales, c0 / seg, acc, total);
   }
-#pragma GCC unroll 16
-  for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 16
-    for (int j = 0; j < NR; ++j)
-      out[r * NR + j] =
-          _mm512_reduce_add_ps(total[r][j]) * (kBlocked ? 1.0f : simd::kE4M3LoadFactor);
+  StoreTotals<1, NR, kBlocked>(total, out);
 }
 
 #endif  // PDSERVE_HAVE_X86_SIMD
 
 template <int MR, int NR, bool kBlocked>
-TileFn TileFor(SimdLevel level) {
+TileFn TileFor(SimdLevel level, bool byte_lookup) {
 #if PDSERVE_HAVE_X86_SIMD
-  if (level == SimdLevel::kAvx512) return &TileAvx512<MR, NR, kBlocked>;
+  if (level == SimdLevel::kAvx512) {
+    if constexpr (MR == 1) {
+      if (byte_lookup && HasAvx512Vbmi()) return &TileAvx512Lookup<NR, kBlocked>;
+    }
+    return &TileAvx512<MR, NR, kBlocked>;
+  }
   if (level == SimdLevel::kAvx2) return &TileAvx2<MR, NR, kBlocked>;
 #endif
   (void)level;
+  (void)byte_lookup;
   return &TilePortable<MR, NR, kBlocked>;
 }
 
 template <int NR, bool kBlocked>
-TileFn TileForRows(SimdLevel level, int64_t mr) {
+TileFn TileForRows(SimdLevel level, bool byte_lookup, int64_t mr) {
   switch (mr) {
     case 1:
-      return TileFor<1, NR, kBlocked>(level);
+      return TileFor<1, NR, kBlocked>(level, byte_lookup);
     case 2:
-      return TileFor<2, NR, kBlocked>(level);
+      return TileFor<2, NR, kBlocked>(level, byte_lookup);
     case 3:
-      return TileFor<3, NR, kBlocked>(level);
+      return TileFor<3, NR, kBlocked>(level, byte_lookup);
     default:
-      return TileFor<4, NR, kBlocked>(level);
+      return TileFor<4, NR, kBlocked>(level, byte_lookup);
   }
 }
 
 template <bool kBlocked>
-void LinearRowsOf(SimdLevel level, const float* x, int64_t m, const WeightMatrix& w,
-                  const float* bias, int64_t j_begin, int64_t j_end, float* y, int64_t ldy) {
+void LinearRowsOf(SimdLevel level, bool byte_lookup, const float* x, int64_t m,
+                  const WeightMatrix& w, const float* bias, int64_t j_begin, int64_t j_end,
+                  float* y, int64_t ldy) {
   const int64_t k = w.cols, n = ldy;
   const int64_t seg = kBlocked ? w.block_cols : k;
   const auto* base = static_cast<const uint8_t*>(w.data);
@@ -282,15 +414,15 @@ void LinearRowsOf(SimdLevel level, const float* x, int64_t m, const WeightMatrix
     y[row * n + j] = (kBlocked ? sum : sum * row_scale(j)) + (bias != nullptr ? bias[j] : 0.0f);
   };
   const int64_t last_mr = (m - 1) % kTileRows + 1;
-  const TileFn full4 = TileForRows<kTileRows, kBlocked>(level, kTileRows),
-               full1 = TileForRows<1, kBlocked>(level, kTileRows);
-  const TileFn last4 = TileForRows<kTileRows, kBlocked>(level, last_mr),
-               last1 = TileForRows<1, kBlocked>(level, last_mr);
+  const TileFn full4 = TileForRows<kTileRows, kBlocked>(level, byte_lookup, kTileRows),
+               full1 = TileForRows<1, kBlocked>(level, byte_lookup, kTileRows);
+  const TileFn last4 = TileForRows<kTileRows, kBlocked>(level, byte_lookup, last_mr),
+               last1 = TileForRows<1, kBlocked>(level, byte_lookup, last_mr);
   float out[2 * kTileRows * kTileRows];
   const float* scales[2 * kTileRows] = {};
   // One activation row (batch-1 decode): tiles of 8 weight rows.
   if (m == 1) {
-    const TileFn wide = TileFor<1, 2 * kTileRows, kBlocked>(level);
+    const TileFn wide = TileFor<1, 2 * kTileRows, kBlocked>(level, byte_lookup);
     for (; j_begin + 2 * kTileRows <= j_end; j_begin += 2 * kTileRows) {
       if constexpr (kBlocked) {
         for (int c = 0; c < 2 * kTileRows; ++c) scales[c] = row_scales(j_begin + c);
@@ -346,12 +478,13 @@ void WidenScaled(SimdLevel level, const uint8_t* codes, int64_t count, float sca
 }  // namespace
 
 void LinearRowsFp8(SimdLevel level, const float* x, int64_t m, const WeightMatrix& w,
-                   const float* bias, int64_t j_begin, int64_t j_end, float* y, int64_t ldy) {
+                   const float* bias, int64_t j_begin, int64_t j_end, float* y, int64_t ldy,
+                   bool byte_lookup) {
   if (m <= 0 || j_begin >= j_end) return;
   if (w.scheme == WeightScheme::kFp8Block) {
-    return LinearRowsOf<true>(level, x, m, w, bias, j_begin, j_end, y, ldy);
+    return LinearRowsOf<true>(level, byte_lookup, x, m, w, bias, j_begin, j_end, y, ldy);
   }
-  LinearRowsOf<false>(level, x, m, w, bias, j_begin, j_end, y, ldy);
+  LinearRowsOf<false>(level, byte_lookup, x, m, w, bias, j_begin, j_end, y, ldy);
 }
 
 void Fp8RowsToF32(SimdLevel level, const WeightMatrix& w, int64_t begin, int64_t end, float* out) {

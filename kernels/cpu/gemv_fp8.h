@@ -11,9 +11,14 @@
 
 namespace pdserve::kernels {
 
-// LinearRows (gemv.h) for a matrix of a scaled scheme.
+// LinearRows (gemv.h) for a matrix of a scaled scheme. At the AVX-512 level
+// a single activation row's codes are widened by byte lookups where the
+// processor has VBMI (HasAvx512Vbmi), otherwise by arithmetic; both give the
+// same result bit for bit, and byte_lookup = false (for the tests that
+// check it) always takes the arithmetic.
 void LinearRowsFp8(SimdLevel level, const float* x, int64_t m, const WeightMatrix& w,
-                   const float* bias, int64_t j_begin, int64_t j_end, float* y, int64_t ldy);
+                   const float* bias, int64_t j_begin, int64_t j_end, float* y, int64_t ldy,
+                   bool byte_lookup = true);
 
 // WeightRowsToF32 (gemv.h) for a matrix of a scaled scheme: each element
 // E4M3Decode(code) * scale_at(r, c), rounded once to fp32.

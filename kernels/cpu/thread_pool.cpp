@@ -110,8 +110,7 @@ void ThreadPool::WorkerLoop() {
   }
 }
 
-void ThreadPool::ParallelFor(int64_t n, const std::function<void(int64_t, int64_t)>& fn,
-                             int64_t min_chunk) {
+void ThreadPool::ParallelFor(int64_t n, RangeFn fn, int64_t min_chunk) {
   if (n <= 0) return;
   const int64_t pieces = static_cast<int64_t>(threads()) * 4;
   const int64_t chunk =

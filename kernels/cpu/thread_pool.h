@@ -17,12 +17,29 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
-#include <functional>
 #include <mutex>
 #include <thread>
 #include <vector>
 
 namespace pdserve::kernels {
+
+// What ParallelFor runs: a reference to a callable fn(begin, end) that
+// outlives the call. Unlike a std::function it never copies the callable,
+// so a lambda with many captures costs no allocation per loop (a decode step
+// runs dozens of loops).
+class RangeFn {
+ public:
+  template <typename Fn>
+  RangeFn(const Fn& fn)  // NOLINT: converts any callable, as std::function does
+      : fn_(&fn), call_([](const void* f, int64_t begin, int64_t end) {
+          (*static_cast<const Fn*>(f))(begin, end);
+        }) {}
+  void operator()(int64_t begin, int64_t end) const { call_(fn_, begin, end); }
+
+ private:
+  const void* fn_;
+  void (*call_)(const void*, int64_t, int64_t);
+};
 
 class ThreadPool {
  public:
@@ -35,8 +52,7 @@ class ThreadPool {
   int threads() const { return static_cast<int>(workers_.size()) + 1; }
 
   // Splits [0, n) into at most threads() * 4 ranges of at least `min_chunk` items.
-  void ParallelFor(int64_t n, const std::function<void(int64_t, int64_t)>& fn,
-                   int64_t min_chunk = 1);
+  void ParallelFor(int64_t n, RangeFn fn, int64_t min_chunk = 1);
 
  private:
   void WorkerLoop();
@@ -54,7 +70,7 @@ class ThreadPool {
   // claimed range is done.
   std::atomic<uint64_t> claim_{0};
   std::atomic<int64_t> chunks_done_{0};
-  const std::function<void(int64_t, int64_t)>* fn_ = nullptr;
+  const RangeFn* fn_ = nullptr;
   int64_t n_ = 0;
   int64_t chunk_ = 1;
   uint64_t generation_ = 0;  // of the last call (written by callers only)

@@ -15,6 +15,7 @@
 
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/gemv.h"
+#include "kernels/cpu/gemv_fp8.h"
 
 namespace pdserve::kernels {
 namespace {
@@ -201,6 +202,40 @@ TEST(CpuFp8LinearTest, WidenedRowsAreTheValuesRoundedOnce) {
         ASSERT_EQ(out[r * 300 + c], static_cast<float>(w.Value(31 + r, c)))
             << SimdLevelName(level) << " " << r << "," << c;
       }
+    }
+  }
+}
+
+// The AVX-512 decode GEMV's two ways of widening the codes (byte lookups
+// where the processor has VBMI, arithmetic otherwise) give the same result
+// bit for bit: the same values in the same lanes, summed in the same order.
+// Every code occurs; the column counts leave tails of 32 and fewer columns.
+TEST(CpuFp8LinearTest, ByteLookupIsTheArithmeticWideningBitForBit) {
+  if (DetectedSimdLevel() < SimdLevel::kAvx512 || !HasAvx512Vbmi()) {
+    GTEST_SKIP() << "no AVX-512 VBMI: the byte lookup does not run here";
+  }
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> dist(-2.f, 2.f);
+  const Case cases[] = {
+      {WeightScheme::kFp8Tensor, 37, 512, 0, 0},     {WeightScheme::kFp8Tensor, 9, 97, 0, 0},
+      {WeightScheme::kFp8Channel, 20, 1536, 0, 0},   {WeightScheme::kFp8Channel, 8, 63, 0, 0},
+      {WeightScheme::kFp8Block, 300, 260, 128, 128}, {WeightScheme::kFp8Block, 33, 300, 1, 128},
+      {WeightScheme::kFp8Block, 40, 100, 16, 48},
+  };
+  for (const Case& c : cases) {
+    const Fp8Weights w = Random(rng, c.scheme, c.n, c.k, c.br, c.bc);
+    std::vector<float> x(c.k), bias(c.n);
+    for (auto& v : x) v = dist(rng);
+    for (auto& v : bias) v = dist(rng);
+    std::vector<float> lookup(c.n, NAN), arithmetic(c.n, NAN);
+    LinearRowsFp8(SimdLevel::kAvx512, x.data(), 1, w.matrix, bias.data(), 0, c.n, lookup.data(),
+                  c.n, /*byte_lookup=*/true);
+    LinearRowsFp8(SimdLevel::kAvx512, x.data(), 1, w.matrix, bias.data(), 0, c.n, arithmetic.data(),
+                  c.n, /*byte_lookup=*/false);
+    for (int64_t j = 0; j < c.n; ++j) {
+      ASSERT_EQ(std::memcmp(&lookup[j], &arithmetic[j], sizeof(float)), 0)
+          << WeightSchemeName(c.scheme) << " " << c.n << "x" << c.k << " row " << j << ": "
+          << lookup[j] << " vs " << arithmetic[j];
     }
   }
 }
