@@ -550,15 +550,16 @@ void RouterCore::OfferCopiesLocked(const RouteRequest& request, int64_t now_us) 
   const double deserved =
       traffic_ >= kMinTrafficPerWorker * workers ? std::ceil(share * workers) : 1.0;
   const bool under_held = static_cast<double>(holders) < std::max(1.0, deserved);
-  if (!copies) {
-    relief_ = under_held;
-    return;
-  }
+  // An under-held prefix's decision relieves its holders whether or not a
+  // copy is offered (and whether or not copies are on): a copy is one more
+  // way to spread it, priced at the relief weights like every other choice,
+  // so with copies the router does at least what it does without
+  // (docs/routing.md).
+  relief_ = under_held;
+  if (relief_ && decode_relief_policy_) weights_ = &relief_weights_;
+  if (!copies) return;
   CopyDecline gate = CopyDecline::kEnoughHolders;
   if (!under_held || !governor_->MayStart(now_us, &gate)) {
-    // No copy spreads it now (breaker open, probe out or budget spent):
-    // the decision relieves the holders as without copies (docs/routing.md).
-    relief_ = under_held;
     if (CopyWinsAtLinkPriceLocked(best, best_tokens)) governor_->Declined(gate);
     return;
   }
