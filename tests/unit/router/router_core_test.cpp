@@ -479,12 +479,13 @@ TEST(RouterCoreTest, KvReliefSpreadsAnUnderHeldHotPrefixWithoutCopies) {
   EXPECT_EQ(g.core->stats().relief_decisions, 0u);
 }
 
-// With copies and the governor's gate open, spreading a hot prefix is the
-// copy rule's job, also when its price declines: w1's queue (500 tokens) is
-// longer than the copy's link time (160), so no copy, and no relief either
-// (at 1 w1 would cost 2,100 against w0's 10,000); w0 keeps it at 1,667
-// against 1,683.
-TEST(RouterCoreTest, KvReliefLeavesSpreadingToCopiesWhenTheyCanStart) {
+// With copies and the governor's gate open, a copy the price declines does
+// not take the relief away: w1's queue (500 tokens) is longer than the copy's
+// link time (160), so no copy, and the decision is relieved as without
+// copies: w1 computes the prompt (2,100 at the relief weights) instead of it
+// waiting behind w0's 10,000 tokens (which the affinity weights, 1,667
+// against 1,683, would choose).
+TEST(RouterCoreTest, KvReliefStaysWhenACopyIsOffered) {
   RouterOptions o;
   o.pending_ttl_us = 0;
   o.copy_cost = 0.1;
@@ -499,9 +500,9 @@ TEST(RouterCoreTest, KvReliefLeavesSpreadingToCopiesWhenTheyCanStart) {
   f.core->OnRequestFinished(1);
   f.now_us += 1000;
   const RouteDecision d = f.Route(2, prompt);
-  EXPECT_EQ(f.IndexOf(d.decode), 0u);
+  EXPECT_EQ(f.IndexOf(d.decode), 1u);
   EXPECT_FALSE(d.copy_from.has_value());
-  EXPECT_EQ(f.core->stats().relief_decisions, 0u);
+  EXPECT_EQ(f.core->stats().relief_decisions, 1u);
 }
 
 // With the gate closed (here the in-flight budget, one copy, spent by the
@@ -525,15 +526,16 @@ TEST(RouterCoreTest, KvReliefWhenTheCopyBudgetIsSpent) {
   EXPECT_EQ(f.IndexOf(f.Route(1, prompt).decode), 0u);  // not hot yet
   f.core->OnRequestFinished(1);
   f.now_us += 1000;
-  const RouteDecision copied = f.Route(2, prompt);  // hot: copied, and in flight
+  // Hot: copied (a relieved decision too), and in flight.
+  const RouteDecision copied = f.Route(2, prompt);
   ASSERT_TRUE(copied.copy_from.has_value());
   EXPECT_EQ(f.IndexOf(*copied.copy_from), 0u);
-  EXPECT_EQ(f.core->stats().relief_decisions, 0u);
+  EXPECT_EQ(f.core->stats().relief_decisions, 1u);
   f.now_us += 1000;
   const RouteDecision d = f.Route(3, prompt);
   EXPECT_FALSE(d.copy_from.has_value());
   EXPECT_EQ(f.IndexOf(d.decode), 2u);
-  EXPECT_EQ(f.core->stats().relief_decisions, 1u);
+  EXPECT_EQ(f.core->stats().relief_decisions, 2u);
   EXPECT_GT(f.core->stats().copy.declined[static_cast<size_t>(CopyDecline::kInflightBudget)], 0u);
 }
 
