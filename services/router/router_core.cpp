@@ -346,13 +346,15 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
   }
   weights_ = &options_.policy_options;
   OfferCopiesLocked(request, now);
-  // Relief (WithKvWeights): the prefix needs more holders and no copy can
-  // bring one, so load balancing spreads it.
-  const bool relief = relief_ && decode_relief_policy_;
+  // Relief (WithKvWeights): the prefix needs more holders, so load
+  // balancing spreads it, unless a copy spreads it at no more delay.
+  std::optional<size_t> copy_pick;
+  if (relief_ && !copy_blocks_.empty()) copy_pick = ChooseCopyLocked();
+  const bool relief = relief_ && decode_relief_policy_ && !copy_pick;
   if (relief) weights_ = &relief_weights_;
   RoutingPolicy& decode_policy = relief ? *decode_relief_policy_ : *decode_policy_;
   RoutingPolicy& prefill_policy = relief ? *prefill_relief_policy_ : *prefill_policy_;
-  const size_t d_index = decode_policy.Pick(candidates_);
+  const size_t d_index = copy_pick ? *copy_pick : decode_policy.Pick(candidates_);
   const Candidate d = candidates_[d_index];
   if (!price_decline_.empty()) CountDeclineLocked(d_index);
 
@@ -550,16 +552,13 @@ void RouterCore::OfferCopiesLocked(const RouteRequest& request, int64_t now_us) 
   const double deserved =
       traffic_ >= kMinTrafficPerWorker * workers ? std::ceil(share * workers) : 1.0;
   const bool under_held = static_cast<double>(holders) < std::max(1.0, deserved);
-  // An under-held prefix's decision relieves its holders whether or not a
-  // copy is offered (and whether or not copies are on): a copy is one more
-  // way to spread it, priced at the relief weights like every other choice,
-  // so with copies the router does at least what it does without
-  // (docs/routing.md).
+  // An under-held prefix's decision is relieved, copies on or off; with the
+  // gate open a copy competes with that relief (Route: ChooseCopyLocked).
   relief_ = under_held;
-  if (relief_ && decode_relief_policy_) weights_ = &relief_weights_;
   if (!copies) return;
   CopyDecline gate = CopyDecline::kEnoughHolders;
   if (!under_held || !governor_->MayStart(now_us, &gate)) {
+    // No copy spreads it now (breaker open, probe out or budget spent).
     if (CopyWinsAtLinkPriceLocked(best, best_tokens)) governor_->Declined(gate);
     return;
   }
@@ -580,6 +579,7 @@ void RouterCore::OfferCopiesLocked(const RouteRequest& request, int64_t now_us) 
   }
   governor_->Price(copy_source_, quotes_);
   copy_blocks_.assign(candidates_.size(), 0);
+  copy_saving_.assign(candidates_.size(), 0);
   base_uncached_.assign(candidates_.size(), 0);
   price_decline_.assign(candidates_.size(), -1);
   size_t q = 0;
@@ -598,9 +598,31 @@ void RouterCore::OfferCopiesLocked(const RouteRequest& request, int64_t now_us) 
     }
     if (price.receiver_busy || price.total() >= quote.tokens) continue;
     // Never as cheap as holding the blocks (the link price is rounded up).
-    c.uncached_tokens -= quote.tokens - price.total();
+    copy_saving_[i] = quote.tokens - price.total();
+    c.uncached_tokens -= copy_saving_[i];
     copy_blocks_[i] = quote.blocks;
   }
+}
+
+std::optional<size_t> RouterCore::ChooseCopyLocked() {
+  // The copy the affinity rule would start, if any ...
+  const size_t a = decode_policy_->Pick(candidates_);
+  if (copy_blocks_[a] > 0) {
+    // ... starts when its predicted delay (the relief weights' cost) is no
+    // more than that of the best choice relief makes without it: with copies
+    // the router then does at least what it does without.
+    double relief_best = std::numeric_limits<double>::infinity();
+    for (size_t i = 0; i < candidates_.size(); ++i) {
+      Candidate c = candidates_[i];
+      c.uncached_tokens += copy_saving_[i];
+      relief_best = std::min(relief_best, KvCost(c, relief_weights_));
+    }
+    if (KvCost(candidates_[a], relief_weights_) <= relief_best) return a;
+  }
+  // Otherwise no copy: the candidates as they stand, for the relief pick.
+  for (size_t i = 0; i < candidates_.size(); ++i) candidates_[i].uncached_tokens += copy_saving_[i];
+  copy_blocks_.assign(candidates_.size(), 0);
+  return std::nullopt;
 }
 
 bool RouterCore::CopyWinsAtLinkPriceLocked(int64_t best, int64_t best_tokens) const {
