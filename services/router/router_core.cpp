@@ -605,8 +605,17 @@ void RouterCore::OfferCopiesLocked(const RouteRequest& request, int64_t now_us) 
 }
 
 std::optional<size_t> RouterCore::ChooseCopyLocked() {
-  // The copy the affinity rule would start, if any ...
-  const size_t a = decode_policy_->Pick(candidates_);
+  // The copy the affinity weights would start, if any (their argmin, not
+  // the policy's Pick: that would move its tie rotation) ...
+  size_t a = 0;
+  double affinity_best = std::numeric_limits<double>::infinity();
+  for (size_t i = 0; i < candidates_.size(); ++i) {
+    const double cost = KvCost(candidates_[i], options_.policy_options);
+    if (cost < affinity_best) {
+      affinity_best = cost;
+      a = i;
+    }
+  }
   if (copy_blocks_[a] > 0) {
     // ... starts when its predicted delay (the relief weights' cost) is no
     // more than that of the best choice relief makes without it: with copies
