@@ -165,7 +165,7 @@ int RunSim(int argc, char** argv) {
       return Status::Ok();
     };
   };
-  flags.AddCustom("load-weight", "X", "1/6, 1 to relieve a hot prefix no copy spreads",
+  flags.AddCustom("load-weight", "X", "1/6, 1 to relieve an under-held hot prefix",
                   optional_double(&o.policy_options.load_weight),
                   "kv: weight of the predicted delay (queued work, requests waiting behind) "
                   "against uncached prompt tokens");

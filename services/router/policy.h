@@ -125,13 +125,13 @@ std::string PolicyChoices();
 // prefix costs the cache hits it would have given, so most decisions weigh
 // the predicted delay at 1/6 against uncached tokens, decode at 0.01
 // (affinity). A hot prefix with fewer holders than its traffic earns needs
-// relief for its holders, and where no copy brings it now (replication off,
-// or the copy governor's gate closed) a second holder is what it needs: such
-// a decision weighs the predicted delay alone, 1 / 0.1 (relief; skew at
-// time scale 0.5 without copies: p99 0.77 s against 1.60 s before the
-// waiting-request term). RouterCore applies this per decision (router and
-// simulator alike); MakePolicy alone treats unset as affinity. Weights the
-// caller set are kept either way.
+// relief for its holders, a second holder more than its cache hits: such a
+// decision weighs the predicted delay alone, 1 / 0.1 (relief; skew at time
+// scale 0.5 without copies: p99 0.77 s against 1.60 s before the
+// waiting-request term), copies on or off (a copy starts instead only where
+// it predicts no more delay than relief: RouterCore). RouterCore applies
+// this per decision (router and simulator alike); MakePolicy alone treats
+// unset as affinity. Weights the caller set are kept either way.
 PolicyOptions WithKvWeights(PolicyOptions options, bool relief);
 // least_loaded's decode_weight when unset.
 inline constexpr double kLeastLoadedDecodeWeight = 0.05;

@@ -368,13 +368,15 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
   }
   weights_ = &options_.policy_options;
   OfferCopiesLocked(request, now);
-  // Relief (WithKvWeights): the prefix needs more holders and no copy can
-  // bring one, so load balancing spreads it.
-  const bool relief = relief_ && decode_relief_policy_;
+  // Relief (WithKvWeights): the prefix needs more holders, so load
+  // balancing spreads it, unless a copy spreads it at no more delay.
+  std::optional<size_t> copy_pick;
+  if (relief_ && !copy_blocks_.empty()) copy_pick = ChooseCopyLocked();
+  const bool relief = relief_ && decode_relief_policy_ && !copy_pick;
   if (relief) weights_ = &relief_weights_;
   RoutingPolicy& decode_policy = relief ? *decode_relief_policy_ : *decode_policy_;
   RoutingPolicy& prefill_policy = relief ? *prefill_relief_policy_ : *prefill_policy_;
-  const size_t d_index = decode_policy.Pick(candidates_);
+  const size_t d_index = copy_pick ? *copy_pick : decode_policy.Pick(candidates_);
   const Candidate d = candidates_[d_index];
   if (!price_decline_.empty()) CountDeclineLocked(d_index);
 
@@ -572,15 +574,13 @@ void RouterCore::OfferCopiesLocked(const RouteRequest& request, int64_t now_us) 
   const double deserved =
       traffic_ >= kMinTrafficPerWorker * workers ? std::ceil(share * workers) : 1.0;
   const bool under_held = static_cast<double>(holders) < std::max(1.0, deserved);
-  if (!copies) {
-    relief_ = under_held;
-    return;
-  }
+  // An under-held prefix's decision is relieved, copies on or off; with the
+  // gate open a copy competes with that relief (Route: ChooseCopyLocked).
+  relief_ = under_held;
+  if (!copies) return;
   CopyDecline gate = CopyDecline::kEnoughHolders;
   if (!under_held || !governor_->MayStart(now_us, &gate)) {
-    // No copy spreads it now (breaker open, probe out or budget spent):
-    // the decision relieves the holders as without copies (docs/routing.md).
-    relief_ = under_held;
+    // No copy spreads it now (breaker open, probe out or budget spent).
     if (CopyWinsAtLinkPriceLocked(best, best_tokens)) governor_->Declined(gate);
     return;
   }
@@ -601,6 +601,7 @@ void RouterCore::OfferCopiesLocked(const RouteRequest& request, int64_t now_us) 
   }
   governor_->Price(copy_source_, quotes_);
   copy_blocks_.assign(candidates_.size(), 0);
+  copy_saving_.assign(candidates_.size(), 0);
   base_uncached_.assign(candidates_.size(), 0);
   price_decline_.assign(candidates_.size(), -1);
   size_t q = 0;
@@ -619,9 +620,40 @@ void RouterCore::OfferCopiesLocked(const RouteRequest& request, int64_t now_us) 
     }
     if (price.receiver_busy || price.total() >= quote.tokens) continue;
     // Never as cheap as holding the blocks (the link price is rounded up).
-    c.uncached_tokens -= quote.tokens - price.total();
+    copy_saving_[i] = quote.tokens - price.total();
+    c.uncached_tokens -= copy_saving_[i];
     copy_blocks_[i] = quote.blocks;
   }
+}
+
+std::optional<size_t> RouterCore::ChooseCopyLocked() {
+  // The copy the affinity weights would start, if any (their argmin, not
+  // the policy's Pick: that would move its tie rotation) ...
+  size_t a = 0;
+  double affinity_best = std::numeric_limits<double>::infinity();
+  for (size_t i = 0; i < candidates_.size(); ++i) {
+    const double cost = KvCost(candidates_[i], options_.policy_options);
+    if (cost < affinity_best) {
+      affinity_best = cost;
+      a = i;
+    }
+  }
+  if (copy_blocks_[a] > 0) {
+    // ... starts when its predicted delay (the relief weights' cost) is no
+    // more than that of the best choice relief makes without it: with copies
+    // the router then does at least what it does without.
+    double relief_best = std::numeric_limits<double>::infinity();
+    for (size_t i = 0; i < candidates_.size(); ++i) {
+      Candidate c = candidates_[i];
+      c.uncached_tokens += copy_saving_[i];
+      relief_best = std::min(relief_best, KvCost(c, relief_weights_));
+    }
+    if (KvCost(candidates_[a], relief_weights_) <= relief_best) return a;
+  }
+  // Otherwise no copy: the candidates as they stand, for the relief pick.
+  for (size_t i = 0; i < candidates_.size(); ++i) candidates_[i].uncached_tokens += copy_saving_[i];
+  copy_blocks_.assign(candidates_.size(), 0);
+  return std::nullopt;
 }
 
 bool RouterCore::CopyWinsAtLinkPriceLocked(int64_t best, int64_t best_tokens) const {

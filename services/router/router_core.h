@@ -280,11 +280,16 @@ class RouterCore {
   // With copy_cost > 0, the longest held prefix hot and the governor's
   // budget open: lowers each decode candidate's uncached tokens by what a
   // copy from the best holder would save at the governor's price, recording
-  // the copy in copy_*_. Sets relief_ when that prefix is hot, has fewer
-  // holders than its traffic earns and no copy can spread it (no copies,
-  // or the governor's gate closed): the decision then takes the relief
-  // weights.
+  // the copy in copy_*_. Sets relief_ when that prefix is hot and has fewer
+  // holders than its traffic earns: the decision then takes the relief
+  // weights, unless ChooseCopyLocked starts a copy.
   void OfferCopiesLocked(const RouteRequest& request, int64_t now_us);
+  // For a relieved decision with copies offered: the candidate whose copy
+  // the affinity weights pick, when its predicted delay (the relief
+  // weights' cost) is at most the best relief choice's without copies;
+  // else withdraws the offers (candidates back as they stand) and returns
+  // nothing, for the relief pick.
+  std::optional<size_t> ChooseCopyLocked();
   // After the pick of candidate `chosen`: counts a decline when a copy the
   // link price alone would have made did not happen.
   void CountDeclineLocked(size_t chosen);
@@ -332,6 +337,7 @@ class RouterCore {
   std::vector<PrefixIndex::WorkerMatch> match_;  // per worker slot, with overlap_
   std::vector<Candidate> candidates_;
   std::vector<int64_t> copy_blocks_;  // per decode candidate: blocks a copy brings
+  std::vector<int64_t> copy_saving_;  // ... and the uncached tokens it takes off
   WorkerId copy_source_ = 0;
   // Per decode candidate offered nothing by the governor's price: its
   // uncached tokens at the link price alone and why (for the decline count).

@@ -299,7 +299,7 @@ describe('default values', () => {
   test('kv routing with hot-prefix replication and drain pushes on', () => {
     const rf = flags(mainContainer(r.deployment('router')));
     assert.equal(rf.get('policy'), 'kv');
-    assert.equal(rf.get('replication-copy-cost'), '0.1');
+    assert.equal(rf.get('replication-copy-cost'), '0.084');
     assert.equal(rf.get('replication-min-requests'), '2');
     assert.equal(rf.get('replication-window-s'), '10');
     // The copy budget's defaults: one copy in flight per two decode workers, no rate cap.

@@ -507,12 +507,13 @@ TEST(RouterCoreTest, KvReliefSpreadsAnUnderHeldHotPrefixWithoutCopies) {
   EXPECT_EQ(g.core->stats().relief_decisions, 0u);
 }
 
-// With copies and the governor's gate open, spreading a hot prefix is the
-// copy rule's job, also when its price declines: w1's queue (500 tokens) is
-// longer than the copy's link time (160), so no copy, and no relief either
-// (at 1 w1 would cost 2,100 against w0's 10,000); w0 keeps it at 1,667
-// against 1,683.
-TEST(RouterCoreTest, KvReliefLeavesSpreadingToCopiesWhenTheyCanStart) {
+// With copies and the governor's gate open, a copy the price declines does
+// not take the relief away: w1's queue (500 tokens) is longer than the copy's
+// link time (160), so no copy, and the decision is relieved as without
+// copies: w1 computes the prompt (2,100 at the relief weights) instead of it
+// waiting behind w0's 10,000 tokens (which the affinity weights, 1,667
+// against 1,683, would choose).
+TEST(RouterCoreTest, KvReliefStaysWhenACopyIsOffered) {
   RouterOptions o;
   o.pending_ttl_us = 0;
   o.copy_cost = 0.1;
@@ -527,9 +528,47 @@ TEST(RouterCoreTest, KvReliefLeavesSpreadingToCopiesWhenTheyCanStart) {
   f.core->OnRequestFinished(1);
   f.now_us += 1000;
   const RouteDecision d = f.Route(2, prompt);
-  EXPECT_EQ(f.IndexOf(d.decode), 0u);
+  EXPECT_EQ(f.IndexOf(d.decode), 1u);
   EXPECT_FALSE(d.copy_from.has_value());
-  EXPECT_EQ(f.core->stats().relief_decisions, 0u);
+  EXPECT_EQ(f.core->stats().relief_decisions, 1u);
+}
+
+// A copy the affinity weights would start, but that predicts more delay
+// than relief without it, does not start: w1 (20 requests waiting, no
+// queue) would get the prompt copied from w0 (link 160 tokens) at 160 x
+// (1 + 20/6) = 693 against w0's 9,000 / 6 = 1,500 and w2's 1,600 + 400 / 6
+// = 1,667; at the relief weights that copy costs 160 x 21 = 3,360 against
+// w2 computing the prompt at 1,600 + 400 = 2,000 (w2's queue, longer than
+// the link time, prices its own copy out). Relieved: w2, no copy.
+TEST(RouterCoreTest, KvCopyStartsOnlyWhereItBeatsRelief) {
+  RouterOptions o;
+  o.pending_ttl_us = 0;
+  o.copy_cost = 0.1;
+  Fixture f(o, {Role::kBoth, Role::kBoth, Role::kBoth});
+  auto report = [&](size_t worker, int64_t queued, int64_t waiting) {
+    WorkerLoad load;
+    load.queued_prefill_tokens = queued;
+    load.waiting = waiting;
+    load.total_blocks = load.free_blocks = 100000;  // room: a copy evicts nothing
+    ASSERT_TRUE(f.core->OnLoad(f.ids[worker], load).ok());
+  };
+  const auto prompt = Prompt(500, 100);
+  f.Store(0, prompt);
+  for (uint64_t i = 10; i < 13; ++i) {
+    f.Route(i, Prompt(9000 + 10 * i, 4));
+    f.core->OnRequestFinished(i);
+  }
+  report(0, 9000, 0);
+  report(1, 0, 20);
+  report(2, 400, 0);
+  EXPECT_EQ(f.IndexOf(f.Route(1, prompt).decode), 0u);  // not hot yet
+  f.core->OnRequestFinished(1);
+  f.now_us += 1000;
+  const RouteDecision d = f.Route(2, prompt);
+  EXPECT_FALSE(d.copy_from.has_value());
+  EXPECT_EQ(f.IndexOf(d.decode), 2u);
+  EXPECT_EQ(f.core->stats().relief_decisions, 1u);
+  EXPECT_EQ(f.core->stats().copies, 0u);
 }
 
 // With the gate closed (here the in-flight budget, one copy, spent by the
