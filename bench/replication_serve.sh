@@ -4,10 +4,10 @@
 # pools far smaller than the prefixes' working set) driven by `pdserve bench
 # serve` replaying a trace of many long Zipf-popular prefixes with more
 # clients than the workers can serve, once with the router's copies on
-# (--replication-copy-cost 0.1) and once off, RUNS times each in turn. Prints
-# one JSON line per run: TTFT, failures, the prefix-cache share, and the
-# router's copy counters (started/finished/failed, declined by reason,
-# reused/unused).
+# (--replication-copy-cost: the chart's 0.084, or COPY_COST) and once off,
+# RUNS times each in turn. Prints one JSON line per run: TTFT, failures,
+# the prefix-cache share, and the router's copy counters
+# (started/finished/failed, declined by reason, reused/unused).
 #   bench/replication_serve.sh PDSERVE_BIN [RUNS] [REQUESTS]
 set -euo pipefail
 bin="$(realpath "${1:?usage: $0 PDSERVE_BIN [RUNS] [REQUESTS]}")"
@@ -71,6 +71,6 @@ print(json.dumps({"bench": "replication_serve", "run": sys.argv[3], "copy_cost":
 }
 
 for i in $(seq "$runs"); do
-  run "copies_on_$i" 0.1
+  run "copies_on_$i" "${COPY_COST:-0.084}"
   run "copies_off_$i" 0
 done
