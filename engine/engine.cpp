@@ -557,8 +557,7 @@ void Engine::ProcessTierWork() {
           ids.push_back(static_cast<int32_t>(s->load_slots[k].block));
           tokens.push_back(static_cast<int32_t>(B));  // onloaded blocks are full
         }
-        model_->backend()->ComputeKeyBounds(pool_->layout(), pool_->base(), ids.data(),
-                                            tokens.data(), static_cast<int64_t>(n));
+        ComputeKeyBounds(ids, tokens);
       }
       s->hashes.assign(s->load_hashes.begin(),
                        s->load_hashes.begin() + static_cast<ptrdiff_t>(end));
@@ -582,6 +581,15 @@ void Engine::ProcessTierWork() {
 
 bool Engine::ranks_failed() const { return executor_->failed(); }
 
+void Engine::ComputeKeyBounds(const std::vector<int32_t>& ids, const std::vector<int32_t>& tokens) {
+  // Each rank bounds the keys of its own KV heads, in its own shard.
+  for (size_t r = 0; r < ranks_.size(); ++r) {
+    const KvCachePool& pool = kv_pool(static_cast<int>(r));
+    ranks_[r]->backend()->ComputeKeyBounds(pool.layout(), pool.base(), ids.data(), tokens.data(),
+                                           static_cast<int64_t>(ids.size()));
+  }
+}
+
 int64_t Engine::snapkv_window() const { return model_->config().kv_eviction.observation_window; }
 
 bool Engine::SnapKvPending(const Sequence& s) const {
@@ -601,27 +609,36 @@ int64_t Engine::SnapKvChunk(const Sequence& s, int64_t n) const {
   return n;
 }
 
-Status Engine::CompressPrompt(Sequence* s, const std::vector<float>& captured, int64_t k,
-                              int64_t count) {
-  const ModelConfig& c = model_->config();
-  const int64_t W = snapkv_window(), B = c.kv_eviction.budget_tokens, P = s->prompt_len;
-  const int64_t width = c.num_heads * c.head_dim;
-  std::vector<float> queries(static_cast<size_t>(c.num_layers * W * width));
-  for (int64_t l = 0; l < c.num_layers; ++l) {
-    const float* from = captured.data() + ((l * count + k) * W) * width;
-    std::copy(from, from + W * width, queries.begin() + l * W * width);
-  }
+Status Engine::CompressPrompt(Sequence* s, const std::vector<std::vector<float>>& captured,
+                              int64_t k, int64_t count) {
+  const int64_t W = snapkv_window(), B = model_->config().kv_eviction.budget_tokens,
+                P = s->prompt_len;
   std::vector<int32_t> from;
   for (BlockId b : blocks_->BlockTable(s->id)) from.push_back(static_cast<int32_t>(b));
   executor_->Synchronize();
+  // Each rank chooses for its own KV heads from its own query heads (a GQA
+  // group stays on one rank; Model::Load refuses SnapKV where KV heads are
+  // replicated): per rank kept[layer * rank_kv_heads + head].
+  std::vector<std::vector<std::vector<int32_t>>> rank_kept(ranks_.size());
   // A device's pool is read through a host copy of the prompt's blocks.
-  std::optional<SnapKvHostCopy> copy;
-  if (!model_->backend()->SharesHostMemory()) {
-    copy.emplace(model_->backend(), pool_->layout(), pool_->base(), from);
+  std::vector<std::optional<SnapKvHostCopy>> copies(ranks_.size());
+  for (size_t r = 0; r < ranks_.size(); ++r) {
+    const ModelConfig& c = ranks_[r]->config();
+    const KvCachePool& pool = kv_pool(static_cast<int>(r));
+    const int64_t width = c.num_heads * c.head_dim;
+    std::vector<float> queries(static_cast<size_t>(c.num_layers * W * width));
+    for (int64_t l = 0; l < c.num_layers; ++l) {
+      const float* at = captured[r].data() + ((l * count + k) * W) * width;
+      std::copy(at, at + W * width, queries.begin() + l * W * width);
+    }
+    std::optional<SnapKvHostCopy>& copy = copies[r];
+    if (!ranks_[r]->backend()->SharesHostMemory()) {
+      copy.emplace(ranks_[r]->backend(), pool.layout(), pool.base(), from);
+    }
+    rank_kept[r] =
+        copy ? SnapKvSelect(c, pool.layout(), copy->pool(), copy->from(), P, queries.data())
+             : SnapKvSelect(c, pool.layout(), pool.base(), from, P, queries.data());
   }
-  const auto kept =
-      copy ? SnapKvSelect(c, pool_->layout(), copy->pool(), copy->from(), P, queries.data())
-           : SnapKvSelect(c, pool_->layout(), pool_->base(), from, P, queries.data());
   // Fresh private blocks for the B kept tokens, taken before the prompt's
   // are let go (a fixed id: the compaction completes within this call).
   constexpr SeqId kCompacted = ~SeqId{0};
@@ -638,15 +655,29 @@ Status Engine::CompressPrompt(Sequence* s, const std::vector<float>& captured, i
   }
   std::vector<int32_t> to;
   for (BlockId b : blocks_->BlockTable(kCompacted)) to.push_back(static_cast<int32_t>(b));
-  if (copy) {
-    copy->Gather(pool_->base(), to, kept);
-  } else {
-    SnapKvGather(pool_->layout(), pool_->base(), from, to, kept);
+  for (size_t r = 0; r < ranks_.size(); ++r) {
+    const KvCachePool& pool = kv_pool(static_cast<int>(r));
+    if (copies[r]) {
+      copies[r]->Gather(pool.base(), to, rank_kept[r]);
+    } else {
+      SnapKvGather(pool.layout(), pool.base(), from, to, rank_kept[r]);
+    }
   }
   PDSERVE_RETURN_IF_ERROR(blocks_->AdoptBlocks(s->id, kCompacted));
   s->kv_shift = P - B;
   s->compressed = true;
-  s->snapkv_kept = kept;
+  // The whole model's kept sets, kept[layer * kv_heads + head]: rank r's
+  // KV heads are the r-th range.
+  const int64_t layers = model_->config().num_layers;
+  s->snapkv_kept.clear();
+  for (int64_t l = 0; l < layers; ++l) {
+    for (size_t r = 0; r < ranks_.size(); ++r) {
+      const int64_t heads = ranks_[r]->config().num_kv_heads;
+      for (int64_t h = 0; h < heads; ++h) {
+        s->snapkv_kept.push_back(std::move(rank_kept[r][static_cast<size_t>(l * heads + h)]));
+      }
+    }
+  }
   snapkv_evicted_tokens_ += static_cast<uint64_t>(P - B);
   return Status::Ok();
 }
@@ -792,7 +823,6 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
   std::vector<Sequence*> dead_ends;   // constrained rows no token can follow
   std::vector<Sequence*> observing;   // SnapKV: prompts this step ends, to compress
   std::vector<int32_t> capture_rows;  // their observation windows' token rows
-  std::vector<float> captured;        // the rows' queries, [layers][rows][heads * head_dim]
   int64_t row = 0;
   const auto groups = static_cast<uint32_t>(blocks_->num_groups());
   step.reserve(sched.size());
@@ -841,36 +871,50 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
     row += sc.n;
   }
   // The capture's rows and queries live in backend memory: on a device, a
-  // buffer of its own, copied in before the step and out after it.
-  kernels::Backend* backend = model_->backend();
-  void* capture_buffer = nullptr;
+  // buffer of its own, copied in before the step and out after it. Each
+  // rank captures its own query heads.
+  const size_t num_ranks = ranks_.size();
+  std::vector<std::vector<float>> captured(num_ranks);  // per rank
+  std::vector<void*> capture_buffers(num_ranks, nullptr);
   const size_t rows_bytes = capture_rows.size() * sizeof(int32_t);
-  if (!capture_rows.empty()) {
-    const ModelConfig& c = model_->config();
-    captured.resize(static_cast<size_t>(c.num_layers) * capture_rows.size() * c.num_heads *
-                    c.head_dim);
-    const int32_t* rows = capture_rows.data();
-    void* out = captured.data();
-    if (!backend->SharesHostMemory()) {
-      capture_buffer = backend->Allocate(rows_bytes + captured.size() * sizeof(float));
-      if (capture_buffer == nullptr) {
-        return Status::ResourceExhausted("no device memory for SnapKV's observation queries");
-      }
-      backend->Upload(capture_buffer, capture_rows.data(), rows_bytes);
-      rows = static_cast<const int32_t*>(capture_buffer);
-      out = static_cast<uint8_t*>(capture_buffer) + rows_bytes;
+  auto free_buffers = [&] {
+    for (size_t r = 0; r < num_ranks; ++r) {
+      if (capture_buffers[r] != nullptr) ranks_[r]->backend()->Free(capture_buffers[r]);
     }
-    model_->CaptureQueries(rows, static_cast<int64_t>(capture_rows.size()), out);
+  };
+  if (!capture_rows.empty()) {
+    for (size_t r = 0; r < num_ranks; ++r) {
+      kernels::Backend* backend = ranks_[r]->backend();
+      const ModelConfig& c = ranks_[r]->config();
+      captured[r].resize(static_cast<size_t>(c.num_layers) * capture_rows.size() * c.num_heads *
+                         c.head_dim);
+      const int32_t* rows = capture_rows.data();
+      void* out = captured[r].data();
+      if (!backend->SharesHostMemory()) {
+        capture_buffers[r] = backend->Allocate(rows_bytes + captured[r].size() * sizeof(float));
+        if (capture_buffers[r] == nullptr) {
+          free_buffers();
+          return Status::ResourceExhausted("no device memory for SnapKV's observation queries");
+        }
+        backend->Upload(capture_buffers[r], capture_rows.data(), rows_bytes);
+        rows = static_cast<const int32_t*>(capture_buffers[r]);
+        out = static_cast<uint8_t*>(capture_buffers[r]) + rows_bytes;
+      }
+      ranks_[r]->CaptureQueries(rows, static_cast<int64_t>(capture_rows.size()), out);
+    }
   }
   auto sampled = executor_->Execute(step);
-  if (!capture_rows.empty()) model_->CaptureQueries(nullptr, 0, nullptr);  // even on failure
-  if (capture_buffer != nullptr) {
-    if (sampled.ok()) {
-      backend->Download(captured.data(), static_cast<uint8_t*>(capture_buffer) + rows_bytes,
-                        captured.size() * sizeof(float));
-    }
-    backend->Free(capture_buffer);
+  if (!capture_rows.empty()) {
+    for (Model* m : ranks_) m->CaptureQueries(nullptr, 0, nullptr);  // even on failure
   }
+  for (size_t r = 0; r < num_ranks; ++r) {
+    if (capture_buffers[r] != nullptr && sampled.ok()) {
+      ranks_[r]->backend()->Download(captured[r].data(),
+                                     static_cast<uint8_t*>(capture_buffers[r]) + rows_bytes,
+                                     captured[r].size() * sizeof(float));
+    }
+  }
+  free_buffers();
   if (!sampled.ok()) return sampled.status();
 
   // 4. Bookkeeping: computed tokens, prefix-cache commits, sampling.
@@ -1037,8 +1081,7 @@ StatusOr<RequestOutput> Engine::CompleteRemotePrefill(RequestId id, TokenId firs
       tokens.push_back(
           static_cast<int32_t>(std::min<int64_t>(B, s->prompt_len - static_cast<int64_t>(i) * B)));
     }
-    model_->backend()->ComputeKeyBounds(pool_->layout(), pool_->base(), ids.data(), tokens.data(),
-                                        static_cast<int64_t>(ids.size()));
+    ComputeKeyBounds(ids, tokens);
   }
   // A compressed prompt's blocks are private: never committed.
   s->compressed = s->kv_shift > 0;

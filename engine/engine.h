@@ -380,11 +380,15 @@ class Engine {
   // to compress; the chunk of n tokens it may run now (its observation
   // window whole in one chunk that ends the prompt; 0: wait); the
   // compression of a prompt whose queries are sequence k of `count` in
-  // `captured` ([layers][count][W][heads * head_dim]).
+  // `captured` (per rank, [layers][count][W][rank's heads * head_dim]).
   bool SnapKvPending(const Sequence& s) const;
   int64_t SnapKvChunk(const Sequence& s, int64_t n) const;
   int64_t snapkv_window() const;
-  Status CompressPrompt(Sequence* s, const std::vector<float>& captured, int64_t k, int64_t count);
+  Status CompressPrompt(Sequence* s, const std::vector<std::vector<float>>& captured, int64_t k,
+                        int64_t count);
+  // Quest: the key bounds of blocks `ids` (their first `tokens` keys) on
+  // every rank, for KV that arrived without the ranks' WriteKv.
+  void ComputeKeyBounds(const std::vector<int32_t>& ids, const std::vector<int32_t>& tokens);
 
   Model* model_ = nullptr;
   std::vector<Model*> ranks_;  // model_ first; a tensor-parallel engine's shards

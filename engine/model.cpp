@@ -82,9 +82,16 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir, kernels::Ba
   if (Status ok = CheckTensorParallel(*config, tp.size, tp.expert_parallel); !ok.ok()) {
     return Status(ok.code(), dir + ": " + ok.message());
   }
-  if (tp.size > 1 && eviction.enabled()) {
+  // SnapKV pools each KV head's choice over its group's query heads; with
+  // fewer KV heads than ranks a group's heads sit on several ranks, whose
+  // choices would differ for one replicated head.
+  if (tp.size > 1 && eviction.mode == KvEviction::Mode::kSnapKv && !config->is_mla() &&
+      config->num_kv_heads < tp.size) {
     return Status::InvalidArgument(
-        "--kv-eviction/--kv-selection with tensor parallelism are not built together yet");
+        "--kv-eviction snapkv with --tensor-parallel " + std::to_string(tp.size) +
+        ": the model's " + std::to_string(config->num_kv_heads) +
+        " KV heads would be replicated across ranks, and SnapKV chooses a KV head's tokens from "
+        "its whole query group (use a size that divides the KV heads)");
   }
   PDSERVE_RETURN_IF_ERROR(config->ApplyKvEviction(eviction));
   if (eviction.sink_tokens > 0 && !backend->SupportsAttentionSinks()) {

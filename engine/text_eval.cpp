@@ -62,7 +62,7 @@ StatusOr<std::unique_ptr<PagedSequenceRunner>> PagedSequenceRunner::Create(
   r->models_ = ranks;
   r->block_size_ = block_size;
   const int64_t blocks = (max_tokens + block_size - 1) / block_size;
-  // SnapKV (a single rank): the blocks a compressed prompt is gathered into.
+  // SnapKV: the blocks a compressed prompt is gathered into (on every rank).
   const KvEviction& ev = ranks[0]->config().kv_eviction;
   if (ev.mode == KvEviction::Mode::kSnapKv && !ranks[0]->backend()->SharesHostMemory()) {
     // The evaluation compresses on the host's view of the pool.
@@ -139,22 +139,23 @@ Status PagedSequenceRunner::Run(const std::vector<TokenId>& tokens, int64_t star
   const int32_t query_start[2] = {0, static_cast<int32_t>(n)};
   const int32_t context_len = static_cast<int32_t>(start + n - kv_shift_);
   // SnapKV: a first step longer than the budget is the prompt, compressed
-  // once after it runs (engine/snapkv.h), as the engine does. Refused with
-  // tensor parallelism (Model::Load), so rank 0 is the only one.
-  Model* model = models_[0];
-  const ModelConfig& c = model->config();
-  const KvEviction& ev = c.kv_eviction;
+  // once after it runs (engine/snapkv.h), as the engine does: each rank
+  // chooses for its own KV heads from its own query heads.
+  const KvEviction& ev = models_[0]->config().kv_eviction;
   const bool compress =
       ev.mode == KvEviction::Mode::kSnapKv && start == 0 && n > ev.budget_tokens && !spare_.empty();
   std::vector<int32_t> window_rows;
-  std::vector<float> queries;
+  std::vector<std::vector<float>> queries(models_.size());  // per rank
   if (compress) {
     for (int64_t j = n - ev.observation_window; j < n; ++j) {
       window_rows.push_back(static_cast<int32_t>(j));
     }
-    queries.resize(
-        static_cast<size_t>(c.num_layers * ev.observation_window * c.num_heads * c.head_dim));
-    model->CaptureQueries(window_rows.data(), ev.observation_window, queries.data());
+    for (size_t r = 0; r < models_.size(); ++r) {
+      const ModelConfig& c = models_[r]->config();
+      queries[r].resize(
+          static_cast<size_t>(c.num_layers * ev.observation_window * c.num_heads * c.head_dim));
+      models_[r]->CaptureQueries(window_rows.data(), ev.observation_window, queries[r].data());
+    }
   }
   ForwardBatch b;
   b.num_tokens = n;
@@ -171,41 +172,44 @@ Status PagedSequenceRunner::Run(const std::vector<TokenId>& tokens, int64_t star
   b.num_logits = n;
   b.logits_rows = rows.data();
   logits->resize(n * models_[0]->config().vocab_size);
-  if (runners_.size() == 1) {
-    const Status ran = runners_[0]->Forward(b, logits->data());
-    if (compress) model->CaptureQueries(nullptr, 0, nullptr);  // even on failure
-    PDSERVE_RETURN_IF_ERROR(ran);
-    if (compress) {
-      const KvCachePool& pool = *pools_[0];
-      const auto kept =
-          SnapKvSelect(c, pool.layout(), pool.base(), block_table_, n, queries.data());
-      SnapKvGather(pool.layout(), pools_[0]->base(), block_table_, spare_, kept);
-      // The kept tokens at cache indices [0, B), the prompt's blocks after them.
-      std::vector<int32_t> table = spare_;
-      table.insert(table.end(), block_table_.begin(), block_table_.end());
-      table.resize(block_table_.size());
-      block_table_ = std::move(table);
-      spare_.clear();
-      kv_shift_ = n - ev.budget_tokens;
-    }
-    return Status::Ok();
-  }
-  // Ranks 1.. on threads of their own; their logits equal rank 0's.
-  std::vector<std::vector<float>> rank_logits(runners_.size());
   std::vector<Status> status(runners_.size());
-  // A rank that fails aborts the group, so that none waits for it.
-  auto run = [&](size_t r, float* out) {
-    status[r] = runners_[r]->Forward(b, out);
-    if (!status[r].ok()) models_[r]->tensor_parallel().comm->Abort();
-  };
-  std::vector<std::thread> threads;
-  for (size_t r = 1; r < runners_.size(); ++r) {
-    rank_logits[r].resize(logits->size());
-    threads.emplace_back(run, r, rank_logits[r].data());
+  if (runners_.size() == 1) {
+    status[0] = runners_[0]->Forward(b, logits->data());
+  } else {
+    // Ranks 1.. on threads of their own; their logits equal rank 0's.
+    std::vector<std::vector<float>> rank_logits(runners_.size());
+    // A rank that fails aborts the group, so that none waits for it.
+    auto run = [&](size_t r, float* out) {
+      status[r] = runners_[r]->Forward(b, out);
+      if (!status[r].ok()) models_[r]->tensor_parallel().comm->Abort();
+    };
+    std::vector<std::thread> threads;
+    for (size_t r = 1; r < runners_.size(); ++r) {
+      rank_logits[r].resize(logits->size());
+      threads.emplace_back(run, r, rank_logits[r].data());
+    }
+    run(0, logits->data());
+    for (auto& t : threads) t.join();
   }
-  run(0, logits->data());
-  for (auto& t : threads) t.join();
+  if (compress) {
+    for (Model* m : models_) m->CaptureQueries(nullptr, 0, nullptr);  // even on failure
+  }
   for (const Status& st : status) PDSERVE_RETURN_IF_ERROR(st);
+  if (compress) {
+    for (size_t r = 0; r < models_.size(); ++r) {
+      const KvCachePool& pool = *pools_[r];
+      const auto kept = SnapKvSelect(models_[r]->config(), pool.layout(), pool.base(), block_table_,
+                                     n, queries[r].data());
+      SnapKvGather(pool.layout(), pool.base(), block_table_, spare_, kept);
+    }
+    // The kept tokens at cache indices [0, B), the prompt's blocks after them.
+    std::vector<int32_t> table = spare_;
+    table.insert(table.end(), block_table_.begin(), block_table_.end());
+    table.resize(block_table_.size());
+    block_table_ = std::move(table);
+    spare_.clear();
+    kv_shift_ = n - ev.budget_tokens;
+  }
   return Status::Ok();
 }
 

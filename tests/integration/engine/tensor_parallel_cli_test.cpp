@@ -81,6 +81,86 @@ TEST(TensorParallelCliTest, GenerateOnTwoNamedCpuRanksWritesTp1Tokens) {
   EXPECT_EQ(tp2["token_ids"], tp1["token_ids"]);
 }
 
+// Each eviction mode on stories260K at TP 2 (and 4, 8 where the mode
+// allows) writes TP 1's text in the same mode, through the real binary;
+// SnapKV with more ranks than KV heads is one line, exit 2.
+TEST(TensorParallelCliTest, GenerateWithEvictionModesWritesTp1Text) {
+  const std::string real = RealModelDir();
+  if (real.empty()) GTEST_SKIP() << "the shared stories260K model is absent";
+  auto generate = [&](int tp, std::vector<std::string> mode) {
+    std::vector<std::string> args = {"generate",
+                                     "--model",
+                                     real,
+                                     "--prompt",
+                                     "Once upon a time, there was a little girl named Lily. She "
+                                     "loved to play outside in the park with her friends.",
+                                     "--temperature",
+                                     "0",
+                                     "--max-tokens",
+                                     "60",
+                                     "--ignore-eos",
+                                     "--block-size",
+                                     "8",
+                                     "--tensor-parallel",
+                                     std::to_string(tp),
+                                     "--json"};
+    args.insert(args.end(), mode.begin(), mode.end());
+    return Pdserve(args);
+  };
+  const std::vector<std::pair<std::vector<std::string>, std::vector<int>>> modes = {
+      {{"--kv-eviction", "streaming", "--kv-sink-tokens", "4", "--kv-window-tokens", "24"},
+       {2, 4, 8}},
+      {{"--kv-selection", "quest", "--kv-selection-blocks", "2"}, {2, 4, 8}},
+      {{"--kv-eviction", "snapkv", "--kv-budget-tokens", "16", "--kv-observation-window", "4"},
+       {2, 4}},
+  };
+  for (const auto& [mode, sizes] : modes) {
+    SCOPED_TRACE(mode[1]);
+    const nlohmann::json tp1 = JsonOf(generate(1, mode));
+    ASSERT_TRUE(tp1.contains("text")) << tp1;
+    EXPECT_EQ(tp1["token_ids"].size(), 60u);
+    for (int tp : sizes) {
+      const nlohmann::json got = JsonOf(generate(tp, mode));
+      EXPECT_EQ(got["text"], tp1["text"]) << "tensor parallel " << tp;
+      EXPECT_EQ(got["token_ids"], tp1["token_ids"]) << "tensor parallel " << tp;
+    }
+  }
+  ExpectOneLineUsageError(
+      generate(8, {"--kv-eviction", "snapkv", "--kv-budget-tokens", "16", "--kv-observation-window",
+                   "4"}),
+      "--kv-eviction snapkv with --tensor-parallel 8: the model's 4 KV heads would be replicated");
+}
+
+// eval with SnapKV compresses the prompt on every rank: TP 2's and TP 4's
+// NLL are TP 1's in that mode (and differ from dense).
+TEST(TensorParallelCliTest, EvalWithSnapKvAtTp2ScoresAsTp1) {
+  const std::string real = RealModelDir();
+  if (real.empty()) GTEST_SKIP() << "the shared stories260K model is absent";
+  auto eval = [&](int tp, bool snapkv) {
+    std::vector<std::string> args = {"eval",   "--model",           real,
+                                     "--text", kStoryText,          "--prefill-tokens",
+                                     "48",     "--tensor-parallel", std::to_string(tp),
+                                     "--json"};
+    if (snapkv) {
+      for (const char* a : {"--kv-eviction", "snapkv", "--kv-budget-tokens", "16",
+                            "--kv-observation-window", "4"}) {
+        args.push_back(a);
+      }
+    }
+    return JsonOf(Pdserve(args));
+  };
+  const nlohmann::json tp1 = eval(1, true), dense = eval(1, false);
+  ASSERT_TRUE(tp1.contains("nll") && dense.contains("nll")) << tp1 << dense;
+  EXPECT_NE(tp1["nll"], dense["nll"]);
+  for (int tp : {2, 4}) {
+    const nlohmann::json got = eval(tp, true);
+    ASSERT_TRUE(got.contains("nll")) << got;
+    EXPECT_EQ(got["tokens"], tp1["tokens"]);
+    EXPECT_NEAR(got["nll"].get<double>(), tp1["nll"].get<double>(), 1e-4 * tp1["nll"].get<double>())
+        << "tensor parallel " << tp;
+  }
+}
+
 TEST(TensorParallelCliTest, ASizeThatDoesNotSplitTheHeadsIsRefusedNamingTheNumbers) {
   const std::string tiny = TinyModelDir();  // 4 attention heads, 2 KV heads
   const std::string heads = "tensor parallel size 3 does not divide the model's 4 attention heads";

@@ -196,6 +196,23 @@ TEST(TensorParallelServingTest, Stories260KHandsKvOffBetweenTpSizes) {
   ExpectHandOffs(real, "tp-handoff-stories", {{2, 2}, {2, 1}, {1, 2}, {2, 4}, {4, 2}});
 }
 
+// Eviction modes on stories260K: the compressed set a SnapKV prefill
+// worker hands off is each rank's shard of its private blocks (the bytes of
+// a TP-1 pair's compressed set), and streaming and Quest workers hand off
+// between sizes as dense ones do; each text is generate's in that mode.
+TEST(TensorParallelServingTest, Stories260KEvictionModesHandOffBetweenTpSizes) {
+  const std::string real = RealModelDir();
+  if (real.empty()) GTEST_SKIP() << "the shared stories260K model is absent";
+  ExpectHandOffs(
+      real, "tp-handoff-snapkv", {{2, 2}, {2, 1}, {1, 2}, {4, 2}},
+      {"--kv-eviction", "snapkv", "--kv-budget-tokens", "16", "--kv-observation-window", "4"});
+  ExpectHandOffs(
+      real, "tp-handoff-streaming", {{2, 1}, {1, 2}},
+      {"--kv-eviction", "streaming", "--kv-sink-tokens", "4", "--kv-window-tokens", "16"});
+  ExpectHandOffs(real, "tp-handoff-quest", {{2, 1}, {1, 2}},
+                 {"--kv-selection", "quest", "--kv-selection-blocks", "2"});
+}
+
 // fp8 KV: each block carries a scale per layer, K|V and head, which moves
 // with its head (one copy of the block, scales included, as a TP-1 pair).
 TEST(TensorParallelServingTest, Fp8KvHandsOffBetweenTpSizes) {

@@ -9,9 +9,12 @@
 // shared experts sliced), the MoE presets again with expert parallelism
 // (whole experts dealt to the ranks), fp8 checkpoints (per channel, per
 // tensor, and 128x128 blocks for DeepSeek-V3) and stories260K (8 heads,
-// 4 KV heads: TP 8 replicates each KV head on two ranks). Sizes that do
-// not divide the heads (or, expert-parallel, the experts), and shards that
-// cut an fp8 scale block, are refused naming the numbers.
+// 4 KV heads: TP 8 replicates each KV head on two ranks). The token
+// eviction modes (streaming, Quest, SnapKV) give TP 1's greedy tokens,
+// logprobs and SnapKV kept sets through the engine. Sizes that do not
+// divide the heads (or, expert-parallel, the experts), shards that cut an
+// fp8 scale block, and SnapKV over replicated KV heads are refused naming
+// the numbers.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -26,6 +29,7 @@
 #include "engine/model_runner.h"
 #include "kernels/communicator.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "tests/support/numerics.h"
 #include "tests/support/test_models.h"
 
 namespace pdserve {
@@ -246,16 +250,22 @@ TEST(TensorParallelTest, Stories260KEqualsOneRank) {
 
 // Greedy tokens of `prompts`, all at once, prefilled in chunks of 8, from
 // an engine over `size` ranks (engine/executor.h: a thread per rank).
-std::vector<std::vector<TokenId>> EngineGreedy(const std::string& dir, int size,
-                                               const std::vector<std::vector<TokenId>>& prompts,
-                                               int max_tokens, bool expert_parallel = false) {
+struct EngineRun {
+  std::vector<std::vector<TokenId>> tokens;             // per prompt
+  std::vector<std::vector<float>> logprobs;             // of each token chosen
+  std::vector<std::vector<std::vector<int32_t>>> kept;  // SnapKV's kept sets, per prompt
+};
+
+EngineRun EngineGreedyRun(const std::string& dir, int size,
+                          const std::vector<std::vector<TokenId>>& prompts, int max_tokens,
+                          bool expert_parallel, const KvEviction& eviction, int block_size) {
   auto group = kernels::CreateSharedMemoryGroup(size);
   std::vector<std::unique_ptr<kernels::CpuBackend>> backends;
   std::vector<std::unique_ptr<Model>> models;
   std::vector<Model*> ranks;
   for (int r = 0; r < size; ++r) {
     backends.push_back(std::make_unique<kernels::CpuBackend>(1));
-    auto m = Model::Load(dir, backends[r].get(), LoadFormat::kSafetensors, KvEviction{},
+    auto m = Model::Load(dir, backends[r].get(), LoadFormat::kSafetensors, eviction,
                          TensorParallelRank{r, size, size > 1 ? group[r].get() : nullptr,
                                             expert_parallel && size > 1});
     EXPECT_TRUE(m.ok()) << m.status().ToString();
@@ -266,6 +276,7 @@ std::vector<std::vector<TokenId>> EngineGreedy(const std::string& dir, int size,
   EngineOptions options;
   options.max_num_batched_tokens = 8;
   options.kv_cache_bytes = 2 << 20;
+  if (block_size > 0) options.block_size = block_size;
   auto engine = Engine::Create(ranks, options);
   EXPECT_TRUE(engine.ok()) << engine.status().ToString();
   if (!engine.ok()) return {};
@@ -276,19 +287,87 @@ std::vector<std::vector<TokenId>> EngineGreedy(const std::string& dir, int size,
     req.params.temperature = 0;
     req.params.max_tokens = max_tokens;
     req.params.ignore_eos = true;
+    req.params.logprobs = 0;
     EXPECT_TRUE((*engine)->AddRequest(std::move(req)).ok());
   }
-  std::vector<std::vector<TokenId>> out(prompts.size());
+  EngineRun out;
+  out.tokens.resize(prompts.size());
+  out.logprobs.resize(prompts.size());
+  out.kept.resize(prompts.size());
   while ((*engine)->HasUnfinished()) {
     auto step = (*engine)->Step();
     EXPECT_TRUE(step.ok()) << step.status().ToString();
     if (!step.ok()) break;
     for (const auto& o : *step) {
-      auto& seq = out[o.id - 1];
+      auto& seq = out.tokens[o.id - 1];
       seq.insert(seq.end(), o.new_token_ids.begin(), o.new_token_ids.end());
+      for (const SampledToken& t : o.logprobs) out.logprobs[o.id - 1].push_back(t.logprob);
+      if (out.kept[o.id - 1].empty()) out.kept[o.id - 1] = (*engine)->SnapKvKept(o.id);
     }
   }
   return out;
+}
+
+std::vector<std::vector<TokenId>> EngineGreedy(const std::string& dir, int size,
+                                               const std::vector<std::vector<TokenId>>& prompts,
+                                               int max_tokens, bool expert_parallel = false) {
+  return EngineGreedyRun(dir, size, prompts, max_tokens, expert_parallel, KvEviction{}, 0).tokens;
+}
+
+// Each eviction mode at `sizes` against TP 1 in the same mode: the same
+// greedy tokens, each chosen token's logprob within 1e-4 relative, and
+// (SnapKV) the same kept positions per layer and KV head.
+void ExpectEvictionSameAsOneRank(const std::string& dir, const KvEviction& eviction,
+                                 std::vector<int> sizes, int64_t vocab) {
+  std::mt19937 rng(5);
+  std::vector<std::vector<TokenId>> prompts(3);
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    prompts[i].resize(30 + 13 * i);
+    for (auto& t : prompts[i]) t = static_cast<TokenId>(rng() % vocab);
+  }
+  const EngineRun want = EngineGreedyRun(dir, 1, prompts, 24, false, eviction, 8);
+  ASSERT_EQ(want.tokens.size(), prompts.size());
+  ASSERT_EQ(want.tokens[0].size(), 24u);
+  // The mode changes what TP 1 writes, so agreeing with it says something.
+  EXPECT_NE(want.tokens, EngineGreedyRun(dir, 1, prompts, 24, false, KvEviction{}, 8).tokens);
+  if (eviction.mode == KvEviction::Mode::kSnapKv) {
+    for (const auto& kept : want.kept) EXPECT_FALSE(kept.empty());
+  }
+  for (int size : sizes) {
+    SCOPED_TRACE("tensor parallel " + std::to_string(size));
+    const EngineRun got = EngineGreedyRun(dir, size, prompts, 24, false, eviction, 8);
+    EXPECT_EQ(got.tokens, want.tokens);
+    EXPECT_EQ(got.kept, want.kept);
+    ASSERT_EQ(got.logprobs.size(), want.logprobs.size());
+    for (size_t i = 0; i < want.logprobs.size(); ++i) {
+      ASSERT_EQ(got.logprobs[i].size(), want.logprobs[i].size());
+      for (size_t j = 0; j < want.logprobs[i].size(); ++j) {
+        const float w = want.logprobs[i][j];
+        EXPECT_LE(std::abs(got.logprobs[i][j] - w), 1e-4 * std::max(1.0f, std::abs(w)))
+            << "prompt " << i << " token " << j;
+      }
+    }
+  }
+}
+
+KvEviction StreamingEviction() {
+  KvEviction e;
+  e.mode = KvEviction::Mode::kStreaming;
+  e.sink_tokens = 4;
+  e.window_tokens = 16;
+  return e;
+}
+
+// Sinks 4 + window 16 in blocks of 8: every prompt outgrows the window, so
+// blocks are released and sink keys re-rotated on every rank.
+TEST(TensorParallelTest, StreamingEqualsOneRank) {
+  const std::string tiny = testing::ModelDir("tiny", *PresetModelSpec("tiny"));
+  ExpectEvictionSameAsOneRank(tiny, StreamingEviction(), {2, 4}, 512);
+  const std::string dir = testing::RealModelDir();
+  if (dir.empty() || !std::filesystem::exists(dir + "/config.json")) {
+    GTEST_SKIP() << "stories260K not found beside the sources";
+  }
+  ExpectEvictionSameAsOneRank(dir, StreamingEviction(), {2, 4, 8}, 512);
 }
 
 TEST(TensorParallelTest, EngineGreedyTokensEqualOneRank) {
@@ -330,6 +409,134 @@ TEST(TensorParallelTest, Stories260KEngineWritesThePublishedStory) {
     ASSERT_EQ(got.size(), 1u);
     EXPECT_EQ(got[0], story) << "tensor parallel " << size;
   }
+}
+
+KvEviction QuestSelection() {
+  KvEviction e;
+  e.quest_blocks = 2;
+  return e;
+}
+
+// Quest reading 2 blocks of 8 plus the newest: each rank bounds and selects
+// over its own KV heads' keys (TP 4 of the tiny preset and TP 8 of
+// stories260K replicate KV heads).
+TEST(TensorParallelTest, QuestEqualsOneRank) {
+  const std::string tiny = testing::ModelDir("tiny", *PresetModelSpec("tiny"));
+  ExpectEvictionSameAsOneRank(tiny, QuestSelection(), {2, 4}, 512);
+  const std::string dir = testing::RealModelDir();
+  if (dir.empty() || !std::filesystem::exists(dir + "/config.json")) {
+    GTEST_SKIP() << "stories260K not found beside the sources";
+  }
+  ExpectEvictionSameAsOneRank(dir, QuestSelection(), {2, 4, 8}, 512);
+}
+
+// Quest on TP 2 with a host tier: a 150-token prompt evicted to the tier
+// comes back with key bounds recomputed on every rank's shard, so its
+// selection, tokens and logprobs are those of TP 1 in Quest without tiers.
+TEST(TensorParallelTest, QuestAfterATierOnloadEqualsOneRank) {
+  const std::string dir = testing::ModelDir("tiny", *PresetModelSpec("tiny"));
+  const auto prompt = testing::RandomTokens(150, 512, 9);
+  const EngineRun want = EngineGreedyRun(dir, 1, {prompt}, 40, false, QuestSelection(), 16);
+  ASSERT_EQ(want.tokens.size(), 1u);
+  EXPECT_NE(want.tokens, EngineGreedyRun(dir, 1, {prompt}, 40, false, KvEviction{}, 16).tokens)
+      << "the selection should matter for this prompt";
+  constexpr int kSize = 2;
+  auto group = kernels::CreateSharedMemoryGroup(kSize);
+  std::vector<std::unique_ptr<kernels::CpuBackend>> backends;
+  std::vector<std::unique_ptr<Model>> models;
+  std::vector<Model*> ranks;
+  for (int r = 0; r < kSize; ++r) {
+    backends.push_back(std::make_unique<kernels::CpuBackend>(1));
+    auto m = Model::Load(dir, backends[r].get(), LoadFormat::kSafetensors, QuestSelection(),
+                         TensorParallelRank{r, kSize, group[r].get()});
+    ASSERT_TRUE(m.ok()) << m.status().ToString();
+    ranks.push_back(m->get());
+    models.push_back(std::move(*m));
+  }
+  // A rank's shard of a block: 2 layers x K|V x 1 KV head x 16 tokens x 16 x 4 bytes.
+  constexpr int64_t kShard = 4096;
+  EngineOptions o;
+  o.kv_cache_bytes = 16 * kShard;
+  o.kv_host_cache_bytes = 64 * kSize * kShard;
+  auto engine = Engine::Create(ranks, o);
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  Engine& e = **engine;
+  ASSERT_EQ(e.kv_pool(1).bytes_per_block(), kShard);
+  auto run = [&](RequestId id, const std::vector<TokenId>& tokens) {
+    EngineRequest r;
+    r.id = id;
+    r.prompt = tokens;
+    r.params.temperature = 0;
+    r.params.max_tokens = 40;
+    r.params.ignore_eos = true;
+    r.params.logprobs = 0;
+    EXPECT_TRUE(e.AddRequest(std::move(r)).ok());
+    std::pair<std::vector<TokenId>, std::vector<float>> out;
+    for (int guard = 0; e.HasUnfinished() && guard < 100000; ++guard) {
+      auto step = e.Step();
+      EXPECT_TRUE(step.ok()) << step.status().ToString();
+      if (!step.ok()) break;
+      for (const auto& o : *step) {
+        out.first.insert(out.first.end(), o.new_token_ids.begin(), o.new_token_ids.end());
+        for (const auto& lp : o.logprobs) out.second.push_back(lp.logprob);
+      }
+      if (step->empty()) std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+    return out;
+  };
+  EXPECT_EQ(run(1, prompt).first, want.tokens[0]);
+  for (uint32_t i = 0; i < 3; ++i) (void)run(2 + i, testing::RandomTokens(150, 512, 40 + i));
+  for (int i = 0; i < 2000 && e.GetStats().tiers.offloads_queued > 0; ++i) {
+    (void)e.Step();
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  (void)e.Step();
+  const int64_t hits_before = e.GetStats().tiers.host_hit_tokens;
+  const auto again = run(9, prompt);
+  EXPECT_EQ(e.GetStats().tiers.host_hit_tokens - hits_before, 144);
+  EXPECT_EQ(again.first, want.tokens[0]);
+  ASSERT_EQ(again.second.size(), want.logprobs[0].size());
+  for (size_t j = 0; j < again.second.size(); ++j) {
+    EXPECT_LE(std::abs(again.second[j] - want.logprobs[0][j]),
+              1e-4 * std::max(1.0f, std::abs(want.logprobs[0][j])))
+        << "token " << j;
+  }
+}
+
+KvEviction SnapKv() {
+  KvEviction e;
+  e.mode = KvEviction::Mode::kSnapKv;
+  e.budget_tokens = 20;
+  e.observation_window = 6;
+  return e;
+}
+
+// SnapKV with a budget of 20 of prompts of 30 to 56 tokens: each rank
+// chooses its KV heads' tokens from its query heads and gathers them in its
+// shard; the kept sets, tokens and logprobs are TP 1's.
+TEST(TensorParallelTest, SnapKvEqualsOneRank) {
+  const std::string tiny = testing::ModelDir("tiny", *PresetModelSpec("tiny"));
+  ExpectEvictionSameAsOneRank(tiny, SnapKv(), {2}, 512);
+  const std::string dir = testing::RealModelDir();
+  if (dir.empty() || !std::filesystem::exists(dir + "/config.json")) {
+    GTEST_SKIP() << "stories260K not found beside the sources";
+  }
+  ExpectEvictionSameAsOneRank(dir, SnapKv(), {2, 4}, 512);
+}
+
+// More ranks than KV heads replicate a KV head whose query group then spans
+// ranks: SnapKV is refused there, naming the numbers.
+TEST(TensorParallelTest, SnapKvRefusesReplicatedKvHeads) {
+  const std::string dir = testing::ModelDir("tiny", *PresetModelSpec("tiny"));  // 2 KV heads
+  auto group = kernels::CreateSharedMemoryGroup(4);
+  kernels::CpuBackend cpu(1);
+  auto m = Model::Load(dir, &cpu, LoadFormat::kSafetensors, SnapKv(),
+                       TensorParallelRank{0, 4, group[0].get()});
+  ASSERT_FALSE(m.ok());
+  EXPECT_NE(m.status().message().find("--kv-eviction snapkv with --tensor-parallel 4: the "
+                                      "model's 2 KV heads would be replicated"),
+            std::string::npos)
+      << m.status().ToString();
 }
 
 TEST(TensorParallelTest, RefusesSizesThatDoNotSplitTheModel) {
