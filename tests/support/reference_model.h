@@ -105,6 +105,16 @@ struct KvEvictionRule {
   int64_t snapkv_window = 0;
   int64_t snapkv_prompt = 0;
   std::vector<std::vector<std::vector<int64_t>>>* snapkv_kept = nullptr;
+
+  static KvEvictionRule SnapKv(int64_t budget, int64_t window, int64_t prompt,
+                               std::vector<std::vector<std::vector<int64_t>>>* kept = nullptr) {
+    KvEvictionRule r;
+    r.snapkv_budget = budget;
+    r.snapkv_window = window;
+    r.snapkv_prompt = prompt;
+    r.snapkv_kept = kept;
+    return r;
+  }
 };
 
 class ReferenceModel {

@@ -18,6 +18,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <optional>
 #include <regex>
 #include <thread>
 
@@ -41,6 +42,34 @@ std::string Words(int n, int salt) {
 double TierHits(const WorkerProc& w, const char* tier) {
   return LocalStack::Metric(w.metrics_port, "pdserve_kv_tier_hit_tokens_total",
                             std::string("tier=\"") + tier + "\"");
+}
+
+// Tier hit tokens once `w` has counted its first (it counts after
+// answering), or 0 after 2 s.
+double AwaitTierHits(const WorkerProc& w, const char* tier) {
+  double hits = 0;
+  for (int i = 0; i < 40 && hits == 0; ++i) {
+    std::this_thread::sleep_for(50ms);
+    hits = TierHits(w, tier);
+  }
+  return hits;
+}
+
+// Blocks a (re)started worker announced on its disk when it synced with the
+// router, or nothing when it did not sync within 20 s.
+std::optional<int> DiskBlocksAnnounced(LocalStack& stack, const WorkerProc& w) {
+  auto synced = stack.router().WaitForLog(
+      std::regex("worker " + w.id + " synced: .* \\(0 in its host tier, ([0-9]+) on its disk\\)"),
+      20s);
+  if (!synced) return std::nullopt;
+  return std::stoi(*synced);
+}
+
+// Lets the tier mover write the last evictions, then kills `w` outright.
+void KillAfterTheLastWrites(WorkerProc& w) {
+  std::this_thread::sleep_for(300ms);
+  w.proc.Signal(SIGKILL);
+  (void)w.proc.Wait(10s);
 }
 
 // 24 blocks of the tiny model's fp32 KV (8 KiB a block); a 70-word prompt
@@ -85,24 +114,15 @@ TEST(KvTiersTest, AWorkerRestartedOnItsDiskFolderComesBackWarm) {
   const std::string hot = Words(60, 1);
   ExpectSameAsGenerate(stack, hot, 4);
   for (int i = 0; i < 6; ++i) ExpectSameAsGenerate(stack, Words(70, 10 + i), 2);  // push it down
-  std::this_thread::sleep_for(300ms);  // the mover writes the last evictions
-  first.proc.Signal(SIGKILL);
-  (void)first.proc.Wait(10s);
+  KillAfterTheLastWrites(first);
   WorkerProc& second = stack.StartWorker("both", flags);
   // The router's index gets the disk's blocks with the new worker's resync.
-  auto synced = stack.router().WaitForLog(
-      std::regex("worker " + second.id +
-                 " synced: .* \\(0 in its host tier, ([0-9]+) on its disk\\)"),
-      20s);
+  const std::optional<int> synced = DiskBlocksAnnounced(stack, second);
   ASSERT_TRUE(synced) << stack.router().Log();
-  EXPECT_GT(std::stoi(*synced), 0) << "no disk block announced";
+  EXPECT_GT(*synced, 0) << "no disk block announced";
   ASSERT_TRUE(stack.WaitReady());
   ExpectSameAsGenerate(stack, hot, 4);
-  double hits = 0;
-  for (int i = 0; i < 40 && hits == 0; ++i) {
-    std::this_thread::sleep_for(50ms);
-    hits = TierHits(second, "disk");
-  }
+  const double hits = AwaitTierHits(second, "disk");
   EXPECT_GE(hits, 16) << "the restarted worker recomputed its warm prefix\n" << second.proc.Log();
   EXPECT_GT(LocalStack::Metric(stack.http_port(), "pdserve_router_predicted_tier_hit_tokens_total",
                                "tier=\"disk\""),
@@ -151,44 +171,29 @@ TEST(KvTiersTest, ATensorParallelDiskTierComesBackWarmAtItsSizeOnly) {
   auto fill_and_kill = [&](WorkerProc& w) {
     ExpectSameAsGenerate(stack, hot, 4);
     for (int i = 0; i < 6; ++i) ExpectSameAsGenerate(stack, Words(70, 10 + i), 2);
-    std::this_thread::sleep_for(300ms);  // the mover writes the last evictions
-    w.proc.Signal(SIGKILL);
-    (void)w.proc.Wait(10s);
-  };
-  auto disk_hits = [&](WorkerProc& w) {
-    double hits = 0;
-    for (int i = 0; i < 40 && hits == 0; ++i) {
-      std::this_thread::sleep_for(50ms);
-      hits = TierHits(w, "disk");
-    }
-    return hits;
+    KillAfterTheLastWrites(w);
   };
   WorkerProc& first = stack.StartWorker("both", tp2);
   ASSERT_TRUE(stack.WaitReady());
   fill_and_kill(first);
 
   WorkerProc& second = stack.StartWorker("both", tp2);
-  auto synced = stack.router().WaitForLog(
-      std::regex("worker " + second.id +
-                 " synced: .* \\(0 in its host tier, ([0-9]+) on its disk\\)"),
-      20s);
+  const std::optional<int> synced = DiskBlocksAnnounced(stack, second);
   ASSERT_TRUE(synced) << stack.router().Log();
-  EXPECT_GT(std::stoi(*synced), 0) << "no disk block announced";
+  EXPECT_GT(*synced, 0) << "no disk block announced";
   ASSERT_TRUE(stack.WaitReady());
   ExpectSameAsGenerate(stack, hot, 4);
-  EXPECT_GE(disk_hits(second), 16) << "the restarted worker recomputed its warm prefix\n"
-                                   << second.proc.Log();
+  EXPECT_GE(AwaitTierHits(second, "disk"), 16)
+      << "the restarted worker recomputed its warm prefix\n"
+      << second.proc.Log();
   fill_and_kill(second);
 
   std::vector<std::string> tp1 = kSmallPool;
   tp1.insert(tp1.end(), disk.begin(), disk.end());
   WorkerProc& third = stack.StartWorker("both", tp1);
-  auto none = stack.router().WaitForLog(
-      std::regex("worker " + third.id +
-                 " synced: .* \\(0 in its host tier, ([0-9]+) on its disk\\)"),
-      20s);
+  const std::optional<int> none = DiskBlocksAnnounced(stack, third);
   ASSERT_TRUE(none) << stack.router().Log();
-  EXPECT_EQ(std::stoi(*none), 0) << "TP-2 entries announced by a TP-1 worker";
+  EXPECT_EQ(*none, 0) << "TP-2 entries announced by a TP-1 worker";
   EXPECT_TRUE(third.proc.WaitForLog(std::regex("disk KV tier: discarded [0-9]+ cached blocks"), 5s))
       << third.proc.Log();
   ASSERT_TRUE(stack.WaitReady());
@@ -211,11 +216,7 @@ TEST(KvTiersTest, APrefillWorkerOnloadsFromItsHostTierAndHandsTheKvOver) {
   const double moved = LocalStack::Metric(decode.metrics_port, "pdserve_kv_transfer_bytes_total",
                                           "direction=\"in\"");
   ExpectSameAsGenerate(stack, prefix + " second", 4);
-  double hits = 0;
-  for (int i = 0; i < 40 && hits == 0; ++i) {
-    std::this_thread::sleep_for(50ms);
-    hits = TierHits(prefill, "host");
-  }
+  const double hits = AwaitTierHits(prefill, "host");
   EXPECT_GE(hits, 4 * 16) << prefill.proc.Log() << "\n"
                           << HttpRequest(prefill.metrics_port, "GET", "/metrics", "").body;
   EXPECT_GT(LocalStack::Metric(decode.metrics_port, "pdserve_kv_transfer_bytes_total",
@@ -291,23 +292,14 @@ TEST(KvTiersTest, AStreamingWorkerRestartedOnItsDiskFolderComesBackWarm) {
   const std::string hot = Words(40, 1);
   ExpectSameAsGenerate(stack, hot, 8, mode);
   for (int i = 0; i < 4; ++i) ExpectSameAsGenerate(stack, Words(40, 10 + i), 2, mode);
-  std::this_thread::sleep_for(300ms);  // the mover writes the last evictions
-  first.proc.Signal(SIGKILL);
-  (void)first.proc.Wait(10s);
+  KillAfterTheLastWrites(first);
   WorkerProc& second = stack.StartWorker("both", flags);
-  auto synced = stack.router().WaitForLog(
-      std::regex("worker " + second.id +
-                 " synced: .* \\(0 in its host tier, ([0-9]+) on its disk\\)"),
-      20s);
+  const std::optional<int> synced = DiskBlocksAnnounced(stack, second);
   ASSERT_TRUE(synced) << stack.router().Log();
-  EXPECT_GT(std::stoi(*synced), 0) << "no disk block announced";
+  EXPECT_GT(*synced, 0) << "no disk block announced";
   ASSERT_TRUE(stack.WaitReady());
   ExpectSameAsGenerate(stack, hot, 8, mode);
-  double hits = 0;
-  for (int i = 0; i < 40 && hits == 0; ++i) {
-    std::this_thread::sleep_for(50ms);
-    hits = TierHits(second, "disk");
-  }
+  const double hits = AwaitTierHits(second, "disk");
   // The sink block and the window's two: the middle blocks stay on disk.
   EXPECT_EQ(hits, 3 * 16) << second.proc.Log();
 }
@@ -383,23 +375,16 @@ TEST_P(KvTiersRestartTest, AWorkingSetInTheHostTierComesBackAfterTheRestart) {
         << first.proc.Log();
   }
   WorkerProc& second = stack.StartWorker("both", flags);
-  auto synced = stack.router().WaitForLog(
-      std::regex("worker " + second.id +
-                 " synced: .* \\(0 in its host tier, ([0-9]+) on its disk\\)"),
-      20s);
+  const std::optional<int> synced = DiskBlocksAnnounced(stack, second);
   ASSERT_TRUE(synced) << stack.router().Log();
-  EXPECT_GE(std::stoi(*synced), host * 0.9) << "the host tier's blocks did not reach the disk";
+  EXPECT_GE(*synced, host * 0.9) << "the host tier's blocks did not reach the disk";
   ASSERT_TRUE(stack.WaitReady());
   int64_t after = 0;
   for (size_t i = 0; i < prompts.size(); ++i) after += CachedTokens(stack, prompts[i], want[i], 4);
   EXPECT_GE(after, served * 0.9) << "served from the cache before the stop: " << served
                                  << " tokens, after the restart: " << after << "\n"
                                  << second.proc.Log();
-  double hits = 0;
-  for (int i = 0; i < 40 && hits == 0; ++i) {
-    std::this_thread::sleep_for(50ms);
-    hits = TierHits(second, "disk");
-  }
+  const double hits = AwaitTierHits(second, "disk");
   EXPECT_GE(hits, after * 0.5) << "the hits should come from the disk";
 }
 
@@ -446,12 +431,9 @@ TEST(KvTiersTest, AWorkerKilledMidWriteLeavesATornSlotThatIsNeverServed) {
   ASSERT_EQ(*code, 128 + SIGXFSZ) << doomed.proc.Log();
 
   WorkerProc& next = stack.StartWorker("both", flags);
-  auto synced = stack.router().WaitForLog(
-      std::regex("worker " + next.id +
-                 " synced: .* \\(0 in its host tier, ([0-9]+) on its disk\\)"),
-      20s);
+  const std::optional<int> synced = DiskBlocksAnnounced(stack, next);
   ASSERT_TRUE(synced) << stack.router().Log();
-  EXPECT_EQ(std::stoi(*synced), 6) << "five whole blocks and the torn one";
+  EXPECT_EQ(*synced, 6) << "five whole blocks and the torn one";
   ASSERT_TRUE(stack.WaitReady());
   for (const auto& p : prompts) ExpectSameAsGenerate(stack, p, 2);
   double corrupt = 0;

@@ -17,6 +17,7 @@
 #include "engine/engine.h"
 #include "engine/text_eval.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "tests/support/kv_eviction_modes.h"
 #include "tests/support/numerics.h"
 #include "tests/support/reference_model.h"
 #include "tests/support/test_models.h"
@@ -29,12 +30,6 @@ using testing::RandomTokens;
 
 using testing::KvEvictionRule;
 using testing::ReferenceModel;
-
-KvEviction Quest(int64_t k) {
-  KvEviction e;
-  e.quest_blocks = k;
-  return e;
-}
 
 // The tiny preset, 4 query heads over 2 KV heads (GQA groups of 2: the
 // heads of a group select different blocks).
@@ -59,7 +54,7 @@ TEST(EngineQuestTest, MatchesTheReferenceSelection) {
   const auto tokens = RandomTokens(240, PresetModelSpec("tiny")->vocab_size(), 1);
   const auto dense = ref->Forward(tokens);
   for (const int64_t k : {2, 5, 40}) {
-    Loaded l = Load(Quest(k));
+    Loaded l = Load(testing::Quest(k));
     ASSERT_NE(l.model, nullptr);
     for (const int64_t block : {8, 16}) {
       SCOPED_TRACE("K " + std::to_string(k) + " block " + std::to_string(block));
@@ -122,7 +117,7 @@ TEST(EngineQuestTest, GenerationWithPrefixCachingMatchesTheReference) {
   const auto ref = Reference();
   ASSERT_NE(ref, nullptr);
   const int64_t K = 3, B = 8;
-  Loaded l = Load(Quest(K));
+  Loaded l = Load(testing::Quest(K));
   ASSERT_NE(l.model, nullptr);
   EngineOptions o;
   o.block_size = B;
@@ -188,7 +183,7 @@ TEST(EngineQuestTest, WithAttentionSinksMatchesTheReference) {
   const auto plain = ref->Forward(tokens, {}, streaming);
   for (const int64_t k : {2, 4, 8}) {
     SCOPED_TRACE("K " + std::to_string(k));
-    KvEviction e = Quest(k);
+    KvEviction e = testing::Quest(k);
     e.mode = KvEviction::Mode::kStreaming;
     e.sink_tokens = S;
     e.window_tokens = N;
@@ -227,14 +222,15 @@ TEST(EngineQuestTest, RefusesWhatItCannotRun) {
     EXPECT_FALSE(m.ok());
     return m.ok() ? std::string() : m.status().message();
   };
-  KvEviction both = Quest(4);
+  KvEviction both = testing::Quest(4);
   both.mode = KvEviction::Mode::kSnapKv;
   both.budget_tokens = 32;
   both.observation_window = 8;
   EXPECT_NE(refused(Dir(), both).find("--kv-selection"), std::string::npos);
-  EXPECT_NE(refused(Dir(), Quest(-1)).find("--kv-selection-blocks"), std::string::npos);
+  EXPECT_NE(refused(Dir(), testing::Quest(-1)).find("--kv-selection-blocks"), std::string::npos);
   EXPECT_NE(
-      refused(testing::ModelDir("mla", *PresetModelSpec("deepseek-v2-lite")), Quest(4)).find("MLA"),
+      refused(testing::ModelDir("mla", *PresetModelSpec("deepseek-v2-lite")), testing::Quest(4))
+          .find("MLA"),
       std::string::npos);
 }
 

@@ -22,6 +22,7 @@
 #include "engine/snapkv.h"
 #include "engine/text_eval.h"
 #include "kernels/cpu/kv_codec.h"
+#include "tests/support/kv_eviction_modes.h"
 #include "tests/support/numerics.h"
 #include "tests/support/reference_model.h"
 #include "tests/support/reference_tensors.h"
@@ -172,24 +173,6 @@ TEST(SnapKvScaledTest, GatherRequantisesEachDestinationBlockFromItsRowsOwnScales
   }
 }
 
-KvEviction SnapKv(int64_t budget, int64_t window) {
-  KvEviction e;
-  e.mode = KvEviction::Mode::kSnapKv;
-  e.budget_tokens = budget;
-  e.observation_window = window;
-  return e;
-}
-
-KvEvictionRule Rule(int64_t budget, int64_t window, int64_t prompt,
-                    std::vector<std::vector<std::vector<int64_t>>>* kept = nullptr) {
-  KvEvictionRule r;
-  r.snapkv_budget = budget;
-  r.snapkv_window = window;
-  r.snapkv_prompt = prompt;
-  r.snapkv_kept = kept;
-  return r;
-}
-
 std::string Dir() { return testing::ModelDir("snapkv", *PresetModelSpec("tiny")); }
 
 // The text evaluation (a prompt of 90 in one step, compressed to 32 or 45,
@@ -202,7 +185,7 @@ TEST(SnapKvScaledTest, TextEvaluationMatchesTheReferenceWithinTheDtypesTolerance
   const auto tokens = RandomTokens(140, PresetModelSpec("tiny")->vocab_size(), 1);
   const int64_t P = 90, W = 8;
   for (int64_t budget : {32, 45}) {
-    testing::LoadedCpuModel l = testing::LoadCpuModel(Dir(), SnapKv(budget, W));
+    testing::LoadedCpuModel l = testing::LoadCpuModel(Dir(), testing::SnapKv(budget, W));
     ASSERT_NE(l.model, nullptr);
     for (const Scaled& c : kScaled) {
       SCOPED_TRACE(std::string(DTypeName(c.dtype)) + " budget " + std::to_string(budget));
@@ -217,7 +200,7 @@ TEST(SnapKvScaledTest, TextEvaluationMatchesTheReferenceWithinTheDtypesTolerance
       kv.type = c.rounding;
       kv.block_size = 16;
       kv.first_chunk = P;
-      const auto logits = ref->Forward(tokens, kv, Rule(budget, W, P));
+      const auto logits = ref->Forward(tokens, kv, KvEvictionRule::SnapKv(budget, W, P));
       const auto dense = ref->Forward(tokens, kv);
       double worst = 0, rule_effect = 0;
       for (size_t t = 0; t + 1 < tokens.size(); ++t) {
@@ -275,7 +258,7 @@ TEST(SnapKvScaledTest, GenerationKeepsTheFp32RunsPositionsAndTheReferenceTokens)
   const auto ref = testing::LoadReference(Dir());
   ASSERT_NE(ref, nullptr);
   const int64_t B = 32, W = 8, bs = 8, P = 77;
-  testing::LoadedCpuModel l = testing::LoadCpuModel(Dir(), SnapKv(B, W));
+  testing::LoadedCpuModel l = testing::LoadCpuModel(Dir(), testing::SnapKv(B, W));
   ASSERT_NE(l.model, nullptr);
   const auto prompt = RandomTokens(P, PresetModelSpec("tiny")->vocab_size(), 2 + P);
   auto run = [&](DType dtype) {
@@ -313,7 +296,7 @@ TEST(SnapKvScaledTest, GenerationKeepsTheFp32RunsPositionsAndTheReferenceTokens)
     kv.block_size = bs;
     kv.first_chunk = 16;
     std::vector<std::vector<std::vector<int64_t>>> kept;
-    const auto logits = ref->Forward(all, kv, Rule(B, W, P, &kept));
+    const auto logits = ref->Forward(all, kv, KvEvictionRule::SnapKv(B, W, P, &kept));
     // The reference, scoring its keys rounded as the cache holds them,
     // keeps the same positions everywhere.
     std::vector<std::vector<int32_t>> want;

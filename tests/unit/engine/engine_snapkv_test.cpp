@@ -17,6 +17,7 @@
 #include "engine/engine.h"
 #include "engine/text_eval.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "tests/support/kv_eviction_modes.h"
 #include "tests/support/numerics.h"
 #include "tests/support/reference_model.h"
 #include "tests/support/test_models.h"
@@ -28,24 +29,6 @@ using testing::KvEvictionRule;
 using testing::LogSoftmax;
 using testing::RandomTokens;
 using testing::ReferenceModel;
-
-KvEviction SnapKv(int64_t budget, int64_t window) {
-  KvEviction e;
-  e.mode = KvEviction::Mode::kSnapKv;
-  e.budget_tokens = budget;
-  e.observation_window = window;
-  return e;
-}
-
-KvEvictionRule Rule(int64_t budget, int64_t window, int64_t prompt,
-                    std::vector<std::vector<std::vector<int64_t>>>* kept = nullptr) {
-  KvEvictionRule r;
-  r.snapkv_budget = budget;
-  r.snapkv_window = window;
-  r.snapkv_prompt = prompt;
-  r.snapkv_kept = kept;
-  return r;
-}
 
 ModelSpec Spec() { return *PresetModelSpec("tiny"); }  // 4 query heads over 2 KV heads
 
@@ -139,9 +122,9 @@ TEST(EngineSnapKvTest, TextEvaluationMatchesTheReferenceRule) {
   const int64_t P = 90;
   for (auto [budget, window] : {std::pair{32, 8}, std::pair{45, 16}, std::pair{20, 1}}) {
     SCOPED_TRACE("budget " + std::to_string(budget) + " window " + std::to_string(window));
-    Loaded l = Load(SnapKv(budget, window));
+    Loaded l = Load(testing::SnapKv(budget, window));
     ASSERT_NE(l.model, nullptr);
-    const auto logits = ref->Forward(tokens, {}, Rule(budget, window, P));
+    const auto logits = ref->Forward(tokens, {}, KvEvictionRule::SnapKv(budget, window, P));
     for (auto [block, chunk] : {std::pair{16, 1}, std::pair{5, 7}}) {
       SCOPED_TRACE("block " + std::to_string(block) + " chunk " + std::to_string(chunk));
       TextEvalOptions o;
@@ -160,7 +143,7 @@ TEST(EngineSnapKvTest, TextEvaluationMatchesTheReferenceRule) {
   // The rule matters: the compressed prompt changes what follows it, and
   // nothing before it.
   const auto dense = ref->Forward(tokens, {}, {});
-  const auto snap = ref->Forward(tokens, {}, Rule(32, 8, P));
+  const auto snap = ref->Forward(tokens, {}, KvEvictionRule::SnapKv(32, 8, P));
   EXPECT_GT(std::fabs(dense[120][3] - snap[120][3]), 1e-4);
   EXPECT_EQ(dense[P - 1][3], snap[P - 1][3]);
 }
@@ -176,7 +159,7 @@ TEST(EngineSnapKvTest, GenerationKeepsTheReferenceTokensAndHoldsTheBudget) {
   const auto ref = Reference(dir);
   ASSERT_NE(ref, nullptr);
   const int64_t B = 32, W = 8, bs = 8;
-  Loaded l = Load(SnapKv(B, W));
+  Loaded l = Load(testing::SnapKv(B, W));
   ASSERT_NE(l.model, nullptr);
   EngineOptions o;
   o.block_size = bs;
@@ -191,7 +174,7 @@ TEST(EngineSnapKvTest, GenerationKeepsTheReferenceTokensAndHoldsTheBudget) {
     const auto g = Generate(e, 10 + P, prompt, 40);
     ASSERT_EQ(g.sampled.size(), 40u);
     std::vector<std::vector<std::vector<int64_t>>> kept;
-    ExpectReferenceTokens(*ref, Rule(B, W, P, &kept), prompt, g);
+    ExpectReferenceTokens(*ref, KvEvictionRule::SnapKv(B, W, P, &kept), prompt, g);
     ASSERT_EQ(kept.size(), static_cast<size_t>(l.model->config().num_layers));
     EXPECT_EQ(g.kept, Flatten(kept));
     for (const auto& k : g.kept) ASSERT_EQ(k.size(), static_cast<size_t>(B));
@@ -208,7 +191,7 @@ TEST(EngineSnapKvTest, GenerationKeepsTheReferenceTokensAndHoldsTheBudget) {
   const auto again = Generate(e, 100, prompt, 40);
   EXPECT_EQ(again.cached_tokens, (70 - W) / bs * bs);
   std::vector<std::vector<std::vector<int64_t>>> kept;
-  ExpectReferenceTokens(*ref, Rule(B, W, 70, &kept), prompt, again);
+  ExpectReferenceTokens(*ref, KvEvictionRule::SnapKv(B, W, 70, &kept), prompt, again);
   EXPECT_EQ(again.kept, Flatten(kept));
   ASSERT_TRUE(e.block_manager().CheckInvariants().ok());
 }
@@ -217,7 +200,7 @@ TEST(EngineSnapKvTest, GenerationKeepsTheReferenceTokensAndHoldsTheBudget) {
 // those of an engine without the mode, exactly.
 TEST(EngineSnapKvTest, PromptWithinTheBudgetIsDense) {
   const auto prompt = RandomTokens(40, Spec().vocab_size(), 5);
-  Loaded snap = Load(SnapKv(40, 8)), dense = Load({});
+  Loaded snap = Load(testing::SnapKv(40, 8)), dense = Load({});
   ASSERT_NE(snap.model, nullptr);
   ASSERT_NE(dense.model, nullptr);
   EngineOptions o;
@@ -254,7 +237,7 @@ TEST(EngineSnapKvTest, RealModelKeepsTheReferenceTokens) {
   for (int64_t B : {64, 128}) {
     SCOPED_TRACE("budget " + std::to_string(B));
     const int64_t W = 16;
-    Loaded l = Load(SnapKv(B, W), dir);
+    Loaded l = Load(testing::SnapKv(B, W), dir);
     ASSERT_NE(l.model, nullptr);
     EngineOptions o;
     o.kv_cache_bytes = 16 << 20;
@@ -264,7 +247,7 @@ TEST(EngineSnapKvTest, RealModelKeepsTheReferenceTokens) {
     const auto g = Generate(**e, 1, prompt, 60);
     ASSERT_EQ(g.sampled.size(), 60u);
     std::vector<std::vector<std::vector<int64_t>>> kept;
-    ExpectReferenceTokens(*ref, Rule(B, W, 300, &kept), prompt, g);
+    ExpectReferenceTokens(*ref, KvEvictionRule::SnapKv(B, W, 300, &kept), prompt, g);
     EXPECT_EQ(g.kept, Flatten(kept));
   }
 }
@@ -278,17 +261,20 @@ TEST(EngineSnapKvTest, RefusesWhatItCannotRun) {
     EXPECT_FALSE(m.ok());
     return m.ok() ? std::string() : m.status().message();
   };
-  EXPECT_NE(refused(dir, SnapKv(0, 0)).find("--kv-budget-tokens"), std::string::npos);
-  EXPECT_NE(refused(dir, SnapKv(16, 17)).find("--kv-observation-window"), std::string::npos);
-  EXPECT_NE(refused(dir, SnapKv(16, 0)).find("--kv-observation-window"), std::string::npos);
-  EXPECT_NE(refused(testing::ModelDir("mla", *PresetModelSpec("deepseek-v2-lite")), SnapKv(64, 8))
+  EXPECT_NE(refused(dir, testing::SnapKv(0, 0)).find("--kv-budget-tokens"), std::string::npos);
+  EXPECT_NE(refused(dir, testing::SnapKv(16, 17)).find("--kv-observation-window"),
+            std::string::npos);
+  EXPECT_NE(refused(dir, testing::SnapKv(16, 0)).find("--kv-observation-window"),
+            std::string::npos);
+  EXPECT_NE(refused(testing::ModelDir("mla", *PresetModelSpec("deepseek-v2-lite")),
+                    testing::SnapKv(64, 8))
                 .find("MLA"),
             std::string::npos);
   EXPECT_NE(refused(testing::ModelDir("mistral-window", *PresetModelSpec("mistral-window")),
-                    SnapKv(64, 8))
+                    testing::SnapKv(64, 8))
                 .find("sliding-window"),
             std::string::npos);
-  Loaded l = Load(SnapKv(64, 32));
+  Loaded l = Load(testing::SnapKv(64, 32));
   ASSERT_NE(l.model, nullptr);
   EngineOptions o;
   o.max_num_batched_tokens = 16;  // the observation window is one chunk's
@@ -307,7 +293,7 @@ TEST(EngineSnapKvTest, RefusesWhatItCannotRun) {
 // A prompt within the budget crosses as dense.
 TEST(EngineSnapKvTest, RemotePrefillHandsOffOnlyTheCompressedBlocks) {
   const int64_t B = 32, W = 8, bs = 8;
-  Loaded l = Load(SnapKv(B, W));
+  Loaded l = Load(testing::SnapKv(B, W));
   ASSERT_NE(l.model, nullptr);
   EngineOptions o;
   o.block_size = bs;

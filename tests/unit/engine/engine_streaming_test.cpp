@@ -19,6 +19,7 @@
 #include "engine/text_eval.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "services/router/prefix_index.h"
+#include "tests/support/kv_eviction_modes.h"
 #include "tests/support/numerics.h"
 #include "tests/support/reference_model.h"
 #include "tests/support/test_models.h"
@@ -31,14 +32,6 @@ using testing::RandomTokens;
 
 using testing::KvEvictionRule;
 using testing::ReferenceModel;
-
-KvEviction Streaming(int64_t sinks, int64_t window) {
-  KvEviction e;
-  e.mode = KvEviction::Mode::kStreaming;
-  e.sink_tokens = sinks;
-  e.window_tokens = window;
-  return e;
-}
 
 // The tiny preset with a short trained context, so that the tests run past it.
 ModelSpec Spec() {
@@ -69,7 +62,7 @@ TEST(EngineStreamingTest, MatchesTheReferenceRule) {
   for (auto [sinks, window] : {std::pair{4, 16}, std::pair{4, 23}, std::pair{20, 17},
                                std::pair{0, 16}, std::pair{1, 40}}) {
     SCOPED_TRACE("sinks " + std::to_string(sinks) + " window " + std::to_string(window));
-    Loaded l = Load(Streaming(sinks, window));
+    Loaded l = Load(testing::Streaming(sinks, window));
     ASSERT_NE(l.model, nullptr);
     const auto logits = ref->Forward(tokens, {}, KvEvictionRule{sinks, window});
     for (auto [block, prefill, chunk] :
@@ -167,7 +160,7 @@ TEST(EngineStreamingTest, GenerationReleasesTheMiddleAndMatchesTheReference) {
   const auto ref = Reference();
   ASSERT_NE(ref, nullptr);
   const int64_t S = 4, N = 16, B = 4, chunk = 8;
-  Loaded l = Load(Streaming(S, N));
+  Loaded l = Load(testing::Streaming(S, N));
   ASSERT_NE(l.model, nullptr);
   EngineOptions o;
   o.block_size = B;
@@ -200,7 +193,7 @@ TEST(EngineStreamingTest, RepeatedPromptHitsAndTheRouterPredictsIt) {
   const auto ref = Reference();
   ASSERT_NE(ref, nullptr);
   const int64_t S = 4, N = 32, B = 16;
-  Loaded l = Load(Streaming(S, N));
+  Loaded l = Load(testing::Streaming(S, N));
   ASSERT_NE(l.model, nullptr);
   EngineOptions o;
   o.kv_cache_bytes = 8 << 20;
@@ -259,7 +252,7 @@ TEST(EngineStreamingTest, RealModelRunsFarPastItsContextInBoundedBlocks) {
   const std::string dir = testing::RealModelDir();
   if (dir.empty()) GTEST_SKIP() << "the real model stories260K is absent";
   const int64_t S = 4, N = 252, B = 16;
-  Loaded l = Load(Streaming(S, N), dir);
+  Loaded l = Load(testing::Streaming(S, N), dir);
   ASSERT_NE(l.model, nullptr);
   EngineOptions o;
   o.block_size = B;
@@ -290,25 +283,26 @@ TEST(EngineStreamingTest, RefusesWhatItCannotRun) {
     EXPECT_FALSE(m.ok());
     return m.ok() ? std::string() : m.status().message();
   };
-  EXPECT_NE(refused(dir, Streaming(4, 0)).find("--kv-window-tokens"), std::string::npos);
-  EXPECT_NE(refused(dir, Streaming(-1, 16)).find("--kv-sink-tokens"), std::string::npos);
-  EXPECT_NE(refused(dir, Streaming(4, 61)).find("max_position_embeddings"), std::string::npos);
-  EXPECT_NE(
-      refused(testing::ModelDir("mla", *PresetModelSpec("deepseek-v2-lite")), Streaming(4, 16))
-          .find("MLA"),
-      std::string::npos);
+  EXPECT_NE(refused(dir, testing::Streaming(4, 0)).find("--kv-window-tokens"), std::string::npos);
+  EXPECT_NE(refused(dir, testing::Streaming(-1, 16)).find("--kv-sink-tokens"), std::string::npos);
+  EXPECT_NE(refused(dir, testing::Streaming(4, 61)).find("max_position_embeddings"),
+            std::string::npos);
+  EXPECT_NE(refused(testing::ModelDir("mla", *PresetModelSpec("deepseek-v2-lite")),
+                    testing::Streaming(4, 16))
+                .find("MLA"),
+            std::string::npos);
   EXPECT_NE(refused(testing::ModelDir("mistral-window", *PresetModelSpec("mistral-window")),
-                    Streaming(4, 16))
+                    testing::Streaming(4, 16))
                 .find("sliding-window"),
             std::string::npos);
   // Budgets against the block size and the pool.
-  Loaded l = Load(Streaming(4, 12));
+  Loaded l = Load(testing::Streaming(4, 12));
   ASSERT_NE(l.model, nullptr);
   EngineOptions o;
   auto small_window = Engine::Create(l.model.get(), o);
   ASSERT_FALSE(small_window.ok());
   EXPECT_NE(small_window.status().message().find("smaller than one block"), std::string::npos);
-  Loaded big = Load(Streaming(4, 48));
+  Loaded big = Load(testing::Streaming(4, 48));
   ASSERT_NE(big.model, nullptr);
   o.kv_cache_bytes = 3 * big.model->config().num_layers * 2 * big.model->config().num_kv_heads *
                      big.model->config().head_dim * 16 * 4;

@@ -17,6 +17,7 @@
 
 #include "common/kv_eviction.h"
 #include "engine/engine.h"
+#include "tests/support/kv_eviction_modes.h"
 #include "tests/support/numerics.h"
 #include "tests/support/test_models.h"
 
@@ -27,27 +28,9 @@ using testing::RandomTokens;
 
 constexpr int64_t kBlockBytes = 8 << 10;  // the tiny preset, fp32 KV, 16 tokens per block
 
-KvEviction Streaming() {
-  KvEviction e;
-  e.mode = KvEviction::Mode::kStreaming;
-  e.sink_tokens = 4;
-  e.window_tokens = 32;
-  return e;
-}
-
-KvEviction SnapKv() {
-  KvEviction e;
-  e.mode = KvEviction::Mode::kSnapKv;
-  e.budget_tokens = 32;
-  e.observation_window = 8;
-  return e;
-}
-
-KvEviction Quest() {
-  KvEviction e;
-  e.quest_blocks = 2;
-  return e;
-}
+KvEviction Streaming() { return testing::Streaming(4, 32); }
+KvEviction SnapKv() { return testing::SnapKv(32, 8); }
+KvEviction Quest() { return testing::Quest(2); }
 
 // The tiny preset with a context of 64, which streaming runs past.
 std::string Dir() {

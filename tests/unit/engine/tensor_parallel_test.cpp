@@ -29,6 +29,7 @@
 #include "engine/model_runner.h"
 #include "kernels/communicator.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "tests/support/kv_eviction_modes.h"
 #include "tests/support/numerics.h"
 #include "tests/support/test_models.h"
 
@@ -350,13 +351,7 @@ void ExpectEvictionSameAsOneRank(const std::string& dir, const KvEviction& evict
   }
 }
 
-KvEviction StreamingEviction() {
-  KvEviction e;
-  e.mode = KvEviction::Mode::kStreaming;
-  e.sink_tokens = 4;
-  e.window_tokens = 16;
-  return e;
-}
+KvEviction StreamingEviction() { return testing::Streaming(4, 16); }
 
 // Sinks 4 + window 16 in blocks of 8: every prompt outgrows the window, so
 // blocks are released and sink keys re-rotated on every rank.
