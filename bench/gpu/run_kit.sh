@@ -32,7 +32,14 @@
 # and on two (NCCL) against the CPU's at TP 1; `bench engine` on Llama-3.1-8B
 # shapes at TP 1 and TP 2 on one GPU, and TP 2 on two GPUs where they exist.
 #
-# Usage: bench/gpu/run_kit.sh [all|tests|bench|serve|families|kv|eviction|tp]
+# And (quick): one short call for a first look at a tree that never ran on a
+# device: the headline benchmarks first on a quiet GPU (kernels with fp16
+# KV; Llama-3.1-8B shapes batch-1 decode after 512 tokens with graphs on and
+# off, batch 64, and a 4096-token prefill), then every GPU test binary at
+# once, each under a time limit, with memcheck over backend_ops_test; the
+# logs come back as one archive (the device tool returns at most 8 files).
+#
+# Usage: bench/gpu/run_kit.sh [all|quick|tests|bench|serve|families|kv|eviction|tp]
 set -uo pipefail
 
 WHAT=${1:-all}
@@ -242,6 +249,52 @@ if [[ $WHAT == all || $WHAT == tp ]]; then
     done
   done
   summary+=("tp: $(grep -c . "$OUT/tp.jsonl") JSON lines in tp.jsonl")
+fi
+
+if [[ $WHAT == quick ]]; then
+  : > "$OUT/quick.jsonl"
+  logs=$OUT/logs
+  mkdir -p "$logs"
+  engine() {  # LABEL SECONDS FLAGS...
+    local label=$1 limit=$2
+    shift 2
+    step "bench engine $label"
+    timeout "$limit" "$PDSERVE" bench engine --model bench/configs/llama-3.1-8b --load-format dummy \
+      --device cuda --json "$@" 2>>"$logs/bench.err" | tee -a "$OUT/quick.jsonl"
+    summary+=("bench engine $label: exit ${PIPESTATUS[0]}")
+  }
+  step "bench kernels, fp16 KV"
+  timeout 60 "$PDSERVE" bench kernels --batch 64 --context 4096 --kv-dtype fp16 \
+    2>>"$logs/bench.err" | tee -a "$OUT/quick.jsonl"
+  engine "decode b1 graphs" 75 --kv-dtype bf16 --batch 1 --prompt-tokens 512 --gen-tokens 64
+  engine "decode b1 eager" 75 --kv-dtype bf16 --batch 1 --prompt-tokens 512 --gen-tokens 64 \
+    --cuda-graphs=false
+  engine "decode b64 graphs" 75 --kv-dtype bf16 --batch 64 --prompt-tokens 1024 --gen-tokens 32 \
+    --max-batched-tokens 8192
+  engine "prefill 4096" 75 --kv-dtype bf16 --batch 1 --prompt-tokens 4096 --gen-tokens 2 \
+    --max-batched-tokens 4096
+  step "GPU tests, all at once"
+  pids=()
+  for t in backend_ops_test cuda_engine_test cuda_kv_transfer_test cuda_serving_test \
+    communicator_test; do
+    PDSERVE_BIN=$PDSERVE PDSERVE_REAL_MODEL_DIR=$KIT/models/stories260K \
+      timeout 120 "$KIT/bin/$t" --gtest_brief=1 > "$logs/$t.log" 2>&1 &
+    pids+=("$!:$t")
+  done
+  timeout 120 compute-sanitizer --tool memcheck --error-exitcode 3 "$KIT/bin/backend_ops_test" \
+    --gtest_brief=1 > "$logs/memcheck-backend_ops_test.log" 2>&1 &
+  pids+=("$!:memcheck backend_ops_test")
+  for p in "${pids[@]}"; do
+    wait "${p%%:*}"
+    rc=$?
+    name=${p#*:}
+    f=$logs/${name/memcheck /memcheck-}.log
+    failed=$(grep -c '^\[  FAILED  \]' "$f")
+    summary+=("$name: exit $rc, $(grep -c "^\[  PASSED" "$f") PASSED lines, $failed FAILED lines")
+  done
+  cp "$OUT/device.txt" "$logs/"
+  tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs
+  rm -rf "$logs"
 fi
 
 # A GPU stack (router + 1 prefill + 1 decode worker, every prompt prefilled
