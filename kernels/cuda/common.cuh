@@ -30,11 +30,18 @@ inline constexpr int kThreads = 256;
 
 inline unsigned Blocks(int64_t n) { return static_cast<unsigned>((n + kThreads - 1) / kThreads); }
 
+// Set when a Workspace would have had to grow while this thread's stream
+// was being captured (captures are thread-local: cudaStreamCaptureModeThreadLocal);
+// CudaBackend::CaptureGraph clears it before a capture and drops the graph if
+// it is set after, so the step runs eagerly instead.
+inline thread_local bool workspace_outgrown_in_capture = false;
+
 // Device scratch reused from call to call. Reserve sizes it before steps
 // run (stream-ordered, so no growth waits for the device); Get never
 // allocates while the stream is being captured into a graph, where an
 // allocation would not be replayed: a capture that needs more than was
-// reserved aborts, naming the buffer.
+// reserved is marked failed (workspace_outgrown_in_capture) and gets the
+// buffer as it is, which the discarded graph never uses.
 class Workspace {
  public:
   explicit Workspace(const char* name) : name_(name) {}
@@ -52,9 +59,11 @@ class Workspace {
       Check(cudaStreamIsCapturing(stream, &capturing), "cudaStreamIsCapturing");
       if (capturing != cudaStreamCaptureStatusNone) {
         std::fprintf(stderr,
-                     "pdserve cuda backend: %s scratch of %zu bytes outgrew %zu in a graph\n",
+                     "pdserve cuda backend: %s scratch of %zu bytes outgrew %zu in a graph "
+                     "capture; the capture is dropped\n",
                      name_, bytes, bytes_);
-        std::abort();
+        workspace_outgrown_in_capture = true;
+        return static_cast<T*>(data_);
       }
       Reserve(bytes, stream);
     }

@@ -284,10 +284,11 @@ std::unique_ptr<Backend::Graph> CudaBackend::CaptureGraph(const std::function<vo
     cudaGetLastError();
     return nullptr;
   }
+  cuda::workspace_outgrown_in_capture = false;
   body();
   cudaGraph_t graph = nullptr;
   cudaError_t err = cudaStreamEndCapture(state_->stream, &graph);
-  if (err != cudaSuccess || graph == nullptr) {
+  if (err != cudaSuccess || graph == nullptr || cuda::workspace_outgrown_in_capture) {
     cudaGetLastError();
     if (graph != nullptr) cudaGraphDestroy(graph);
     return nullptr;

@@ -19,6 +19,140 @@ __global__ void AddBiasKernel(float* y, const float* bias, int64_t m, int64_t n)
   if (i < m * n) y[i] += bias[i % n];
 }
 
+// Few-row products with bf16 weights (decode): y[r, j] = sum_c bf16(x[r, c])
+// W[j, c], the arithmetic of the bf16 GEMM below (activations rounded to
+// nearest even, fp32 accumulation) in another order. cuBLAS's kernels for
+// a handful of rows read the weights at a fraction of the copy bandwidth;
+// this one is built to stream them: a block takes kGemvRows rows of W, its
+// threads stride over the columns 8 at a time (16-byte loads, each row's
+// loads independent, so 4 x 16 bytes per thread are in flight), every x
+// element is rounded once per block and reused across the rows, and the
+// partial sums meet in shared memory.
+constexpr int kGemvThreads = 256;
+constexpr int kGemvRows = 4;
+constexpr int64_t kGemvMaxM = 8;
+
+// Two bf16 packed in a 32-bit word, widened exactly.
+__device__ __forceinline__ float Bf16Lo(uint32_t u) { return __uint_as_float(u << 16); }
+__device__ __forceinline__ float Bf16Hi(uint32_t u) { return __uint_as_float(u & 0xffff0000u); }
+__device__ __forceinline__ float RoundToBf16(float v) {
+  return __bfloat162float(__float2bfloat16_rn(v));
+}
+
+template <int M>
+__global__ void __launch_bounds__(kGemvThreads)
+    Bf16GemvKernel(const __nv_bfloat16* __restrict__ w, int64_t rows, int64_t cols,
+                   const float* __restrict__ x, float* __restrict__ y, int64_t ldy) {
+  __shared__ float partial[kGemvThreads / 32][kGemvRows * M];
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kGemvRows;
+  const int nrows = static_cast<int>(rows - row0 < kGemvRows ? rows - row0 : kGemvRows);
+  float acc[kGemvRows][M];
+#pragma unroll
+  for (int r = 0; r < kGemvRows; ++r) {
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
+  }
+  const int64_t chunks = cols / 8;
+  const uint4* wrow[kGemvRows];
+#pragma unroll
+  for (int r = 0; r < kGemvRows; ++r) {
+    // A missing row (the last block) re-reads row 0 of the block; its sums
+    // are never written.
+    wrow[r] = reinterpret_cast<const uint4*>(w + (row0 + (r < nrows ? r : 0)) * cols);
+  }
+#pragma unroll 2
+  for (int64_t c = threadIdx.x; c < chunks; c += kGemvThreads) {
+    uint4 wv[kGemvRows];
+#pragma unroll
+    for (int r = 0; r < kGemvRows; ++r) wv[r] = __ldcs(wrow[r] + c);  // streamed once
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const float4* xp = reinterpret_cast<const float4*>(x + m * cols) + 2 * c;
+      const float4 a = __ldg(xp), b = __ldg(xp + 1);
+      const float xv[8] = {RoundToBf16(a.x), RoundToBf16(a.y), RoundToBf16(a.z), RoundToBf16(a.w),
+                           RoundToBf16(b.x), RoundToBf16(b.y), RoundToBf16(b.z), RoundToBf16(b.w)};
+#pragma unroll
+      for (int r = 0; r < kGemvRows; ++r) {
+        float sum = acc[r][m];
+        sum = fmaf(Bf16Lo(wv[r].x), xv[0], sum);
+        sum = fmaf(Bf16Hi(wv[r].x), xv[1], sum);
+        sum = fmaf(Bf16Lo(wv[r].y), xv[2], sum);
+        sum = fmaf(Bf16Hi(wv[r].y), xv[3], sum);
+        sum = fmaf(Bf16Lo(wv[r].z), xv[4], sum);
+        sum = fmaf(Bf16Hi(wv[r].z), xv[5], sum);
+        sum = fmaf(Bf16Lo(wv[r].w), xv[6], sum);
+        sum = fmaf(Bf16Hi(wv[r].w), xv[7], sum);
+        acc[r][m] = sum;
+      }
+    }
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int r = 0; r < kGemvRows; ++r) {
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      float a = acc[r][m];
+#pragma unroll
+      for (int o = 16; o > 0; o /= 2) a += __shfl_xor_sync(0xffffffffu, a, o);
+      if (lane == 0) partial[warp][r * M + m] = a;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < kGemvRows * M) {
+    const int r = threadIdx.x / M, m = threadIdx.x % M;
+    float sum = 0.f;
+#pragma unroll
+    for (int v = 0; v < kGemvThreads / 32; ++v) sum += partial[v][threadIdx.x];
+    if (r < nrows) y[m * ldy + row0 + r] = sum;
+  }
+}
+
+// Whether Bf16GemvKernel takes this product: few rows, whole 16-byte chunks
+// of every row of W and x.
+bool GemvFits(int64_t m, const WeightMatrix& part, const float* x) {
+  return m <= kGemvMaxM && part.cols % 8 == 0 && reinterpret_cast<uintptr_t>(part.data) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(x) % 16 == 0;
+}
+
+template <int M>
+void LaunchBf16Gemv(const WeightMatrix& part, const float* x, float* y, int64_t ldy,
+                    cudaStream_t stream) {
+  const auto blocks = static_cast<unsigned>((part.rows + kGemvRows - 1) / kGemvRows);
+  Bf16GemvKernel<M><<<blocks, kGemvThreads, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(part.data), part.rows, part.cols, x, y, ldy);
+}
+
+void Bf16Gemv(int64_t m, const WeightMatrix& part, const float* x, float* y, int64_t ldy,
+              cudaStream_t stream) {
+  switch (m) {
+    case 1:
+      LaunchBf16Gemv<1>(part, x, y, ldy, stream);
+      break;
+    case 2:
+      LaunchBf16Gemv<2>(part, x, y, ldy, stream);
+      break;
+    case 3:
+      LaunchBf16Gemv<3>(part, x, y, ldy, stream);
+      break;
+    case 4:
+      LaunchBf16Gemv<4>(part, x, y, ldy, stream);
+      break;
+    case 5:
+      LaunchBf16Gemv<5>(part, x, y, ldy, stream);
+      break;
+    case 6:
+      LaunchBf16Gemv<6>(part, x, y, ldy, stream);
+      break;
+    case 7:
+      LaunchBf16Gemv<7>(part, x, y, ldy, stream);
+      break;
+    default:
+      LaunchBf16Gemv<8>(part, x, y, ldy, stream);
+      break;
+  }
+  Check(cudaGetLastError(), "Bf16Gemv");
+}
+
 }  // namespace
 
 void Linear(const Gemm& g, const Tensor& x, const LinearWeights& w, const Tensor& y) {
@@ -34,8 +168,12 @@ void Linear(const Gemm& g, const Tensor& x, const LinearWeights& w, const Tensor
   // part fills its column range of y (ldc = all the rows).
   const float one = 1.0f, zero = 0.0f;
   const int cols = static_cast<int>(w.cols), ldy = static_cast<int>(w.rows);
+  // Few rows take the GEMV kernel, which rounds x itself; the rest convert
+  // x once for cuBLAS.
+  bool gemv = w.dtype() == DType::kBF16;
+  for (int p = 0; p < w.num_parts; ++p) gemv = gemv && GemvFits(m, w.parts[p], x.as<const float>());
   const __nv_bfloat16* xb = nullptr;
-  if (w.dtype() == DType::kBF16) {
+  if (w.dtype() == DType::kBF16 && !gemv) {
     const int64_t n = m * w.cols;
     auto* converted = g.bf16_x->Get<__nv_bfloat16>(n, g.stream);
     F32ToBf16Kernel<<<Blocks(n), kThreads, 0, g.stream>>>(x.as<const float>(), converted, n);
@@ -55,6 +193,10 @@ void Linear(const Gemm& g, const Tensor& x, const LinearWeights& w, const Tensor
               "cublasSgemm");
         break;
       case DType::kBF16:
+        if (gemv) {
+          Bf16Gemv(m, part, x.as<const float>(), yp, ldy, g.stream);
+          break;
+        }
         Check(cublasGemmEx(g.bf16, CUBLAS_OP_T, CUBLAS_OP_N, rows, static_cast<int>(m), cols, &one,
                            part.data, CUDA_R_16BF, cols, xb, CUDA_R_16BF, cols, &zero, yp,
                            CUDA_R_32F, ldy, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),

@@ -204,6 +204,46 @@ TEST_F(BackendOpsTest, Linear) {
   }
 }
 
+// A step captured into a CUDA graph must not allocate: a capture during
+// which a workspace would have to grow (here the bf16 copy of x that a
+// 40-row bf16 product needs, on a fresh backend nothing reserved) is
+// dropped, never an abort, and the step runs eagerly; once the workspace
+// has grown, the next capture holds and its replay computes the product.
+TEST_F(BackendOpsTest, CaptureThatOutgrowsAWorkspaceIsDropped) {
+  if (!HasCuda()) GTEST_SKIP() << "no CUDA device";
+  const int64_t m = 40, k = 64, n = 48;
+  std::vector<uint8_t> stored(n * k * 2);
+  const auto values = Random(n * k);
+  for (int64_t i = 0; i < n * k; ++i) {
+    const uint16_t h = F32ToBf16(values[i]);
+    std::memcpy(&stored[2 * i], &h, 2);
+  }
+  const auto x = Random(m * k);
+  const auto run = [&](Backend& b, Mem& mem, bool capture) -> std::vector<float> {
+    WeightMatrix host{stored.data(), DType::kBF16, n, k};
+    auto w = b.PrepareLinear(&host, 1, nullptr, /*in_place=*/false, mem.store());
+    EXPECT_TRUE(w.ok()) << w.status().ToString();
+    const Tensor xt = mem.F32(x, {m, k});
+    const Tensor y = mem.Poisoned({m, n});
+    if (!capture) {
+      b.Linear(xt, *w, y);
+      return mem.Down(y);
+    }
+    EXPECT_EQ(b.CaptureGraph([&] { b.Linear(xt, *w, y); }), nullptr);
+    b.Linear(xt, *w, y);  // eagerly: the workspace grows
+    b.Upload(y.as<float>(), std::vector<float>(m * n, NAN).data(), m * n * sizeof(float));
+    auto graph = b.CaptureGraph([&] { b.Linear(xt, *w, y); });
+    EXPECT_NE(graph, nullptr);
+    if (graph != nullptr) b.ReplayGraph(*graph);
+    return mem.Down(y);
+  };
+  Mem ref_mem(&reference_);
+  const auto want = run(reference_, ref_mem, false);
+  Target& gpu = targets_.back();
+  Mem mem(gpu.backend.get());
+  ExpectClose("Linear replayed after a dropped capture", run(*gpu.backend, mem, true), want, 5e-3);
+}
+
 // fp8 weights, one scale per tensor, per channel or per block (DeepSeek's
 // 128 x 128, and the 1 x 128 of MLA's row subsets), one matrix and three
 // stacked ones with their own scales and a bias. The CPU levels compute the
