@@ -39,7 +39,15 @@
 # once, each under a time limit, with memcheck over backend_ops_test; the
 # logs come back as one archive (the device tool returns at most 8 files).
 #
-# Usage: bench/gpu/run_kit.sh [all|quick|tests|bench|serve|families|kv|eviction|tp]
+# And (perf): the kernels of issue 29 in one short call: the op and engine
+# tests (memcheck too) all at once under time limits, then on a quiet GPU
+# `bench kernels` for fp16, bf16 and fp8 KV, `bench engine` on Llama-3.1-8B
+# shapes (dummy bf16) at batch 1, 8, 32 and 64 after 1,024 tokens, a
+# 4,096-token prefill and batch-1 decode after it, and the FP8 checkpoint's
+# shapes (bench/configs/llama-3.1-8b-fp8) where that folder exists. JSON
+# lines in perf.jsonl; logs in logs.tar.gz.
+#
+# Usage: bench/gpu/run_kit.sh [all|quick|perf|tests|bench|serve|families|kv|eviction|tp]
 set -uo pipefail
 
 WHAT=${1:-all}
@@ -292,6 +300,53 @@ if [[ $WHAT == quick ]]; then
     failed=$(grep -c '^\[  FAILED  \]' "$f")
     summary+=("$name: exit $rc, $(grep -c "^\[  PASSED" "$f") PASSED lines, $failed FAILED lines")
   done
+  cp "$OUT/device.txt" "$logs/"
+  tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs
+  rm -rf "$logs"
+fi
+
+if [[ $WHAT == perf ]]; then
+  : > "$OUT/perf.jsonl"
+  logs=$OUT/logs
+  mkdir -p "$logs"
+  step "GPU tests, all at once"
+  pids=()
+  for t in backend_ops_test cuda_engine_test cuda_serving_test; do
+    PDSERVE_BIN=$PDSERVE PDSERVE_REAL_MODEL_DIR=$KIT/models/stories260K \
+      timeout 120 "$KIT/bin/$t" --gtest_brief=1 > "$logs/$t.log" 2>&1 &
+    pids+=("$!:$t")
+  done
+  timeout 120 compute-sanitizer --tool memcheck --error-exitcode 3 "$KIT/bin/backend_ops_test" \
+    --gtest_brief=1 > "$logs/memcheck-backend_ops_test.log" 2>&1 &
+  pids+=("$!:memcheck backend_ops_test")
+  for p in "${pids[@]}"; do
+    wait "${p%%:*}"
+    rc=$?
+    name=${p#*:}
+    f=$logs/${name/memcheck /memcheck-}.log
+    summary+=("$name: exit $rc, $(grep -c '^\[  FAILED  \]' "$f") FAILED lines")
+  done
+  for kv in fp16 bf16 fp8; do
+    step "bench kernels, $kv KV"
+    timeout 45 "$PDSERVE" bench kernels --batch 64 --context 4096 --kv-dtype "$kv" \
+      2>>"$logs/bench.err" | tee -a "$OUT/perf.jsonl"
+  done
+  engine() {  # LABEL SECONDS MODEL FLAGS...
+    local label=$1 limit=$2 model=$3
+    shift 3
+    step "bench engine $label"
+    timeout "$limit" "$PDSERVE" bench engine --model "$model" --load-format dummy \
+      --device cuda --json "$@" 2>>"$logs/bench.err" | tee -a "$OUT/perf.jsonl"
+    summary+=("bench engine $label: exit ${PIPESTATUS[0]}")
+  }
+  engine "decode b1-64 after 1024" 120 bench/configs/llama-3.1-8b --kv-dtype bf16 \
+    --batch 1,8,32,64 --prompt-tokens 1024 --gen-tokens 32 --max-batched-tokens 8192
+  engine "prefill 4096 + b1 decode" 60 bench/configs/llama-3.1-8b --kv-dtype bf16 --batch 1 \
+    --prompt-tokens 4096 --gen-tokens 32 --max-batched-tokens 4096
+  if [[ -f bench/configs/llama-3.1-8b-fp8/config.json ]]; then
+    engine "fp8 weights b1 decode" 60 bench/configs/llama-3.1-8b-fp8 --kv-dtype bf16 --batch 1 \
+      --prompt-tokens 512 --gen-tokens 32
+  fi
   cp "$OUT/device.txt" "$logs/"
   tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs
   rm -rf "$logs"
