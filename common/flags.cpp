@@ -83,13 +83,23 @@ void FlagSet::AddString(std::string name, std::string* value, std::string help) 
        }});
 }
 
+namespace {
+std::function<Status(std::string_view)> IntParser(int64_t* value) {
+  return [value](std::string_view v) {
+    auto parsed = ParseInt(v);
+    if (!parsed.ok()) return parsed.status();
+    *value = *parsed;
+    return Status::Ok();
+  };
+}
+}  // namespace
+
 void FlagSet::AddInt(std::string name, int64_t* value, std::string help) {
-  Add({std::move(name), "N", std::to_string(*value), std::move(help), [value](std::string_view v) {
-         auto parsed = ParseInt(v);
-         if (!parsed.ok()) return parsed.status();
-         *value = *parsed;
-         return Status::Ok();
-       }});
+  AddCustom(std::move(name), "N", std::to_string(*value), IntParser(value), std::move(help));
+}
+
+void FlagSet::AddUnsetInt(std::string name, int64_t* value, std::string help) {
+  AddCustom(std::move(name), "N", "", IntParser(value), std::move(help));
 }
 
 void FlagSet::AddBytes(std::string name, int64_t* value, std::string help) {

@@ -27,6 +27,9 @@ class FlagSet {
   // Each Add* records the current value of *value as the default shown in --help.
   void AddString(std::string name, std::string* value, std::string help);
   void AddInt(std::string name, int64_t* value, std::string help);
+  // An integer whose initial value only marks "not given" (its help says
+  // what applies then), so --help shows no default for it.
+  void AddUnsetInt(std::string name, int64_t* value, std::string help);
   // Integer with an optional binary suffix: 512, 64KiB, 2MiB, 8GiB (also K, M, G).
   void AddBytes(std::string name, int64_t* value, std::string help);
   void AddDouble(std::string name, double* value, std::string help);

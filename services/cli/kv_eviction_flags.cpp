@@ -9,23 +9,25 @@ void KvEvictionFlags::AddTo(FlagSet& flags, bool selection) {
     flags.AddString("kv-selection", &selection_,
                     "KV block selection: none, or quest (each decode query head reads only the "
                     "--kv-selection-blocks blocks whose keys can score highest, plus the newest)");
-    flags.AddInt("kv-selection-blocks", &selection_blocks_, "quest: blocks read per query head");
+    flags.AddUnsetInt("kv-selection-blocks", &selection_blocks_,
+                      "quest: blocks read per query head");
   }
   flags.AddString("kv-eviction", &mode_,
                   "token eviction: none, streaming (attention sinks: keep the first "
                   "--kv-sink-tokens and the last --kv-window-tokens of each sequence), or snapkv "
                   "(a prompt longer than --kv-budget-tokens keeps, per layer and KV head, the "
                   "tokens its last --kv-observation-window queries attended to most)");
-  flags.AddInt("kv-sink-tokens", &sink_tokens_,
-               "streaming: attention sink tokens kept at the start (default 4; 0: a plain window)");
-  flags.AddInt("kv-window-tokens", &window_tokens_,
-               "streaming: most recent tokens kept (at least one block)");
-  flags.AddInt(
+  flags.AddUnsetInt(
+      "kv-sink-tokens", &sink_tokens_,
+      "streaming: attention sink tokens kept at the start (default 4; 0: a plain window)");
+  flags.AddUnsetInt("kv-window-tokens", &window_tokens_,
+                    "streaming: most recent tokens kept (at least one block)");
+  flags.AddUnsetInt(
       "kv-budget-tokens", &budget_tokens_,
       "snapkv: prompt tokens kept per layer and KV head (the observation window included)");
-  flags.AddInt("kv-observation-window", &observation_window_,
-               "snapkv: the prompt's last queries that choose the kept tokens (default 32, at "
-               "most --kv-budget-tokens)");
+  flags.AddUnsetInt("kv-observation-window", &observation_window_,
+                    "snapkv: the prompt's last queries that choose the kept tokens (default 32, at "
+                    "most --kv-budget-tokens)");
 }
 
 KvEviction KvEvictionFlags::EvictionOrExit(std::string_view command) const {

@@ -65,6 +65,22 @@ TEST(FlagsTest, HelpListsFlagsWithDefaults) {
   EXPECT_NE(usage.find("(default: 16)"), std::string::npos);
 }
 
+// A flag whose initial value only marks "not given" shows no default, yet
+// parses like any integer.
+TEST(FlagsTest, UnsetIntShowsNoDefault) {
+  FlagSet flags("plan", "Plans things.");
+  int64_t window = -(int64_t{1} << 62);
+  flags.AddUnsetInt("window", &window, "tokens kept (default: the whole context)");
+  ASSERT_TRUE(ParseWords(flags, {"plan", "--help"}).ok());
+  const std::string usage = flags.Usage();
+  EXPECT_NE(usage.find("--window N"), std::string::npos);
+  EXPECT_EQ(usage.find("(default: -"), std::string::npos) << usage;
+  FlagSet given("plan", "Plans things.");
+  given.AddUnsetInt("window", &window, "tokens kept");
+  ASSERT_TRUE(ParseWords(given, {"plan", "--window", "512"}).ok());
+  EXPECT_EQ(window, 512);
+}
+
 TEST(FlagsTest, EnvironmentFallbackOnlyWhenFlagAbsent) {
   FlagSet flags("worker", "");
   int64_t port = 0, block = 16;
