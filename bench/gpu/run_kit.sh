@@ -319,13 +319,47 @@ if [[ $WHAT == perf ]]; then
   timeout 120 compute-sanitizer --tool memcheck --error-exitcode 3 "$KIT/bin/backend_ops_test" \
     --gtest_brief=1 > "$logs/memcheck-backend_ops_test.log" 2>&1 &
   pids+=("$!:memcheck backend_ops_test")
+  # Greedy tokens on the GPU against the CPU: every family preset, and
+  # stories260K at TP 2 on one GPU (device-local all-reduce).
+  (
+    gen() {  # MODEL FLAGS...
+      local model=$1
+      shift
+      timeout 60 "$PDSERVE" generate --model "$model" "$@" --prompt "Once upon a time" \
+        --max-tokens 32 --temperature 0 --ignore-eos --json 2>>"$logs/greedy.err" |
+        python3 -c 'import json,sys; print(json.load(sys.stdin)["token_ids"])'
+    }
+    # fp32 weights (cuBLAS's pedantic fp32 products, as the CPU), then bf16
+    # (the bf16 GEMV at decode, activations rounded as the CPU's AVX-512
+    # BF16 path rounds them; a near tie may still flip a token).
+    for spec in tiny:fp32 qwen3:fp32 qwen3-moe:fp32 mixtral:fp32 deepseek-v2-lite:fp32 \
+      deepseek-v3:fp32 gemma3:fp32 tiny:bf16 qwen3:bf16 gemma3:bf16 mistral-window:bf16; do
+      preset=${spec%:*} dtype=${spec#*:} model=$OUT/model-$preset-$dtype
+      "$PDSERVE" make-model --preset "$preset" --dtype "$dtype" --out "$model" > /dev/null 2>&1 ||
+        { echo "$spec: make-model failed"; continue; }
+      cpu=$(gen "$model" --device cpu) gpu=$(gen "$model" --device cuda)
+      [[ -n $cpu && $cpu == "$gpu" ]] && r=equal || r="DIFFERENT cpu $cpu gpu $gpu"
+      echo "$spec greedy tokens, GPU vs CPU: $r"
+      rm -rf "$model"
+    done
+    if [[ -f $KIT/models/stories260K/config.json ]]; then
+      cpu=$(gen "$KIT/models/stories260K" --device cpu)
+      gpu=$(gen "$KIT/models/stories260K" --tensor-parallel 2 --devices cuda:0,cuda:0)
+      [[ -n $cpu && $cpu == "$gpu" ]] && r=equal || r="DIFFERENT cpu $cpu gpu $gpu"
+      echo "stories260K TP 2 on cuda:0,cuda:0 vs CPU: $r"
+    fi
+  ) > "$logs/greedy.txt" 2>&1 &
+  pids+=("$!:greedy")
   for p in "${pids[@]}"; do
     wait "${p%%:*}"
     rc=$?
     name=${p#*:}
+    [[ $name == greedy ]] && continue
     f=$logs/${name/memcheck /memcheck-}.log
     summary+=("$name: exit $rc, $(grep -c '^\[  FAILED  \]' "$f") FAILED lines")
   done
+  mapfile -t greedy < "$logs/greedy.txt"
+  summary+=("${greedy[@]}")
   for kv in fp16 bf16 fp8; do
     step "bench kernels, $kv KV"
     timeout 45 "$PDSERVE" bench kernels --batch 64 --context 4096 --kv-dtype "$kv" \
