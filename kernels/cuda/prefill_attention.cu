@@ -200,7 +200,11 @@ __global__ void __launch_bounds__(32 * kTileWarps)
   // The warp's keys: from its first row's first to its last row's last.
   const bool warp_active = warp * 16 < rows;
   const int64_t warp_begin = first_key(warp * 16);
-  const int64_t warp_end = n_keys(min(int64_t{warp * 16 + 15}, rows - 1));
+  const int64_t warp_last = min(int64_t{warp * 16 + 15}, rows - 1);
+  const int64_t warp_end = n_keys(warp_last);
+  // A key tile within [warp_last_begin, warp_first_end) is seen whole by
+  // every row of the warp: no masking.
+  const int64_t warp_last_begin = first_key(warp_last), warp_first_end = n_keys(warp * 16);
 
   // Q as A fragments, rounded to the pool's type: row r0 / r1, columns
   // 16 ks + 2 tig (+1) and + 8.
@@ -212,10 +216,15 @@ __global__ void __launch_bounds__(32 * kTileWarps)
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
       const int c = ks * 16 + 2 * tig;
-      qa[ks][0] = ok0 ? Pack2<kBf16>(q0[c], q0[c + 1]) : 0u;
-      qa[ks][1] = ok1 ? Pack2<kBf16>(q1[c], q1[c + 1]) : 0u;
-      qa[ks][2] = ok0 ? Pack2<kBf16>(q0[c + 8], q0[c + 9]) : 0u;
-      qa[ks][3] = ok1 ? Pack2<kBf16>(q1[c + 8], q1[c + 9]) : 0u;
+      qa[ks][0] = qa[ks][1] = qa[ks][2] = qa[ks][3] = 0u;
+      if (ok0) {
+        qa[ks][0] = Pack2<kBf16>(q0[c], q0[c + 1]);
+        qa[ks][2] = Pack2<kBf16>(q0[c + 8], q0[c + 9]);
+      }
+      if (ok1) {
+        qa[ks][1] = Pack2<kBf16>(q1[c], q1[c + 1]);
+        qa[ks][3] = Pack2<kBf16>(q1[c + 8], q1[c + 9]);
+      }
     }
   }
 
@@ -223,16 +232,20 @@ __global__ void __launch_bounds__(32 * kTileWarps)
   // [kv_begin, kv_end) are zeros, their blocks never read (a window's
   // table may hold anything before it; a row past the context, no block).
   const int64_t kv_side = layout.kv_bytes_per_layer;
+  // Key arithmetic in 32 bits (contexts are int32): a 64-bit division per
+  // 16-byte chunk would cost more than the chunk's copy.
+  const int block_size = static_cast<int>(layout.block_size);
+  const uint8_t* head_base = pool + layout.k_offset(0, layer, g);
   auto load = [&](uint16_t(*dst)[kPad], int64_t k0, int64_t side) {
     for (int c = threadIdx.x; c < kTileKeys * kChunks; c += 32 * kTileWarps) {
       const int r = c / kChunks, ch = c % kChunks;
-      const int64_t key = k0 + r;
+      const int key = static_cast<int>(k0) + r;
       uint16_t* d = &dst[r][ch * 8];
       if (key >= kv_begin && key < kv_end) {
-        const int64_t block = table[key / layout.block_size];
+        const int b = key / block_size;
         const int64_t at =
-            layout.k_offset(block, layer, g) + side + ((key % layout.block_size) * D + ch * 8) * 2;
-        CpAsync16(d, pool + at);
+            table[b] * layout.bytes_per_block + side + ((key - b * block_size) * D + ch * 8) * 2;
+        CpAsync16(d, head_base + at);
       } else {
         *reinterpret_cast<uint4*>(d) = make_uint4(0, 0, 0, 0);
       }
@@ -282,6 +295,7 @@ __global__ void __launch_bounds__(32 * kTileWarps)
       // Scores (soft cap, scale, log2e), masked outside each row's keys;
       // accumulator (nt, e) is key k0 + 8 nt + 2 tig + (e & 1) of row r0
       // (e < 2) or r1.
+      const bool whole = k0 >= warp_last_begin && k0 + kTileKeys <= warp_first_end;
       float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
       for (int nt = 0; nt < kTileKeys / 8; ++nt) {
@@ -289,7 +303,8 @@ __global__ void __launch_bounds__(32 * kTileWarps)
         for (int e = 0; e < 4; ++e) {
           const int64_t key = k0 + nt * 8 + 2 * tig + (e & 1);
           const bool row1 = e >= 2;
-          const bool seen = row1 ? (key >= begin1 && key < end1) : (key >= begin0 && key < end0);
+          const bool seen =
+              whole || (row1 ? (key >= begin1 && key < end1) : (key >= begin0 && key < end0));
           const float x = SoftCapScore(s[nt][e] * scale, batch.softcap) * kLog2e;
           s[nt][e] = seen ? x : -INFINITY;
           if (row1)
