@@ -422,6 +422,16 @@ bool TiledPrefillFits(const AttentionPlan& plan, const Tensor& q) {
          l.bytes_per_block() % 16 == 0 && TiledGridRows(b) <= 65535;
 }
 
+}  // namespace
+
+bool TiledPrefillFirst(const AttentionPlan& plan, const Tensor& q) {
+  const kernels::AttentionBatch& b = plan.batch;
+  return plan.max_query_len >= kTileRows && b.num_tokens >= int64_t{32} * b.num_seqs &&
+         TiledPrefillFits(plan, q);
+}
+
+namespace {
+
 void LaunchTiled(const AttentionPlan& plan, int64_t layer, const Tensor& q, float scale,
                  const Tensor& out, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(q.shape[1]),

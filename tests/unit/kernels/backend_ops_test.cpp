@@ -651,13 +651,15 @@ TEST_P(BackendKvTest, PagedAttention) {
 }
 
 // Prefill chunks as CUDA's tiled kernel takes them (16-bit KV, head_dim 64
-// and 128, 64-row tiles of one sequence against 64-key tiles), contexts
-// within one split of keys so that DecodeSplits leaves them to the prefill
-// kernels: chunks of 1, 63, 64, 65, 129 and 200 rows, cached prefixes (keys
-// before the chunk), two and three sequences a step and one without rows,
-// GQA groups 1, 4 and 8; then windows of 1, 50 and past the context, with a
-// soft cap, whose blocks before each window point past the pool. Other
-// dtypes take the one-warp kernel, held to 1e-5 (TiledPrefillBound).
+// and 128, 64-row tiles of one sequence against 64-key tiles): contexts
+// within one split of keys, which DecodeSplits leaves to the prefill
+// kernels, and a 100-row chunk over 1,000 cached keys, which the plan's
+// bounds hand to them (TiledPrefillFirst): chunks of 1, 63, 64, 65, 100,
+// 129 and 200 rows, cached prefixes (keys before the chunk), two and three
+// sequences a step and one without rows, GQA groups 1, 2, 4 and 8; then
+// windows of 1, 50 and past the context, with a soft cap, whose blocks
+// before each window point past the pool. Other dtypes take the other
+// kernels, held to 1e-5 (TiledPrefillBound).
 TEST_P(BackendKvTest, PrefillAttentionTiles) {
   struct Shape {
     int64_t head_dim, num_heads;  // 2 KV heads
@@ -666,7 +668,8 @@ TEST_P(BackendKvTest, PrefillAttentionTiles) {
   const std::vector<Shape> shapes = {{64, 2, {200, 63}, {200, 63}},
                                      {128, 8, {300, 64, 1}, {200, 64, 1}},
                                      {64, 16, {65, 500, 10}, {65, 37, 0}},
-                                     {128, 2, {1, 130}, {1, 129}}};
+                                     {128, 2, {1, 130}, {1, 129}},
+                                     {128, 4, {1100, 40}, {100, 40}}};
   for (const Shape& s : shapes) {
     SCOPED_TRACE("head_dim " + std::to_string(s.head_dim) + ", " + std::to_string(s.num_heads) +
                  " query heads, q_len " + std::to_string(s.q_lens[0]));
@@ -726,6 +729,8 @@ TEST_P(BackendKvTest, PrefillAttentionTiles) {
             plan.batch.num_tokens = rows;
             plan.layers = layers;
             plan.group_table_stride = seqs * max_blocks;
+            plan.max_query_len = *std::max_element(s.q_lens.begin(), s.q_lens.end());
+            plan.max_context_len = *std::max_element(s.context_lens.begin(), s.context_lens.end());
             b.PlanAttention(&plan);
             const Tensor q = mem.F32(qkv, {rows, width}).Columns(0, s.num_heads * hd);
             const Tensor out = mem.Poisoned({rows, s.num_heads, hd});
