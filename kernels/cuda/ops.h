@@ -89,9 +89,9 @@ void DecodeAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q, 
                      int splits, float* partials, const Tensor& out, cudaStream_t stream);
 
 // ---- Prefill attention (prefill_attention.cu): FlashAttention-2-style
-// tiles (64 rows of one sequence against 64-key tiles on tensor cores) for
-// 16-bit KV of head_dim 64 or 128 without sinks or Quest; else one warp per
-// (row, head), an online softmax over the row's keys in order.
+// tiles (64 or 128 rows of one sequence against 64-key tiles on tensor
+// cores) for 16-bit KV of head_dim 64 or 128 without sinks or Quest; else
+// one warp per (row, head), an online softmax over the row's keys in order.
 void PrefillAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q, float scale,
                       const Tensor& out, cudaStream_t stream);
 // Whether a step of long prefill chunks takes the tiled kernel even where

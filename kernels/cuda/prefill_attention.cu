@@ -81,8 +81,8 @@ __global__ void PagedAttentionKernel(DeviceLayout layout, const uint8_t* pool, i
 }
 
 // ---- The tiled kernel (FlashAttention-2 style; issue 29): a thread block
-// takes up to kTileRows consecutive query rows of ONE sequence and one query
-// head, four warps of 16 rows each. K and V tiles of kTileKeys keys stream
+// takes up to TileRows(head_dim) consecutive query rows of ONE sequence and
+// one query head, a warp per 16 rows. K and V tiles of kTileKeys keys stream
 // from the paged pool into shared memory (cp.async, the next tile's K
 // loading while this tile's scores are softmaxed and summed into V);
 // S = Q K^T and O += P V run on tensor cores (mma.sync m16n8k16, 16-bit
@@ -93,9 +93,13 @@ __global__ void PagedAttentionKernel(DeviceLayout layout, const uint8_t* pool, i
 // or 128 without sinks or Quest (TiledPrefillFits); the kernel above
 // serves the rest.
 
-constexpr int kTileRows = 64;  // query rows per thread block, 16 per warp
 constexpr int kTileKeys = 64;  // keys per K/V tile
-constexpr int kTileWarps = kTileRows / 16;
+// Warps per thread block, 16 query rows each. head_dim 128: 8 warps (128
+// rows) halve the K/V tile traffic per flop against 4, at one block of 8
+// warps per SM either way (227 registers); head_dim 64 (165 registers): 4
+// warps, three blocks per SM.
+__host__ __device__ constexpr int TileWarps(int64_t head_dim) { return head_dim == 128 ? 8 : 4; }
+__host__ __device__ constexpr int TileRows(int64_t head_dim) { return 16 * TileWarps(head_dim); }
 
 // Two floats as a 16-bit pair, the first in the low half (the fragment
 // order of mma.sync).
@@ -154,10 +158,11 @@ __device__ inline void LdMatrixX4Trans(uint32_t (&r)[4], const void* row) {
 }
 
 template <int D, bool kBf16>
-__global__ void __launch_bounds__(32 * kTileWarps)
+__global__ void __launch_bounds__(32 * TileWarps(D))
     TiledPrefillKernel(DeviceLayout layout, const uint8_t* pool, int64_t layer, const float* q,
                        int64_t q_stride, int64_t num_heads, kernels::AttentionBatch batch,
                        float scale, float* out) {
+  constexpr int kTileWarps = TileWarps(D), kTileRows = TileRows(D);
   constexpr int kPad = D + 8;     // row stride in elements: conflict-free fragment reads
   constexpr int kChunks = D / 8;  // 16-byte chunks per key row
   __shared__ alignas(16) uint16_t k_tile[kTileKeys][kPad];
@@ -398,9 +403,10 @@ __global__ void __launch_bounds__(32 * kTileWarps)
 }
 
 // The grid's tile rows: a bound on the sum over sequences of
-// ceil(q_len / kTileRows) (the host does not read query_start back).
-int64_t TiledGridRows(const kernels::AttentionBatch& b) {
-  return (b.num_tokens + kTileRows - 1) / kTileRows + b.num_seqs;
+// ceil(q_len / TileRows) (the host does not read query_start back).
+int64_t TiledGridRows(const kernels::AttentionBatch& b, int64_t head_dim) {
+  const int64_t rows = TileRows(head_dim);
+  return (b.num_tokens + rows - 1) / rows + b.num_seqs;
 }
 
 // Whether the tiled kernel serves this layer's call: 16-bit KV without
@@ -419,14 +425,14 @@ bool TiledPrefillFits(const AttentionPlan& plan, const Tensor& q) {
          heads <= 65535 && q.stride[1] == l.head_dim &&
          reinterpret_cast<uintptr_t>(plan.pool) % 16 == 0 && l.head_bytes() % 16 == 0 &&
          l.kv_bytes_per_layer() % 16 == 0 && l.layer_stride_bytes() % 16 == 0 &&
-         l.bytes_per_block() % 16 == 0 && TiledGridRows(b) <= 65535;
+         l.bytes_per_block() % 16 == 0 && TiledGridRows(b, l.head_dim) <= 65535;
 }
 
 }  // namespace
 
 bool TiledPrefillFirst(const AttentionPlan& plan, const Tensor& q) {
   const kernels::AttentionBatch& b = plan.batch;
-  return plan.max_query_len >= kTileRows && b.num_tokens >= int64_t{32} * b.num_seqs &&
+  return plan.max_query_len >= 64 && b.num_tokens >= int64_t{32} * b.num_seqs &&
          TiledPrefillFits(plan, q);
 }
 
@@ -435,13 +441,14 @@ namespace {
 void LaunchTiled(const AttentionPlan& plan, int64_t layer, const Tensor& q, float scale,
                  const Tensor& out, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(q.shape[1]),
-                  static_cast<unsigned>(TiledGridRows(plan.batch)));
+                  static_cast<unsigned>(TiledGridRows(plan.batch, plan.layout.head_dim)));
   const DeviceLayout dl(plan.layout);
   const auto* pool = static_cast<const uint8_t*>(plan.pool);
   const bool bf16 = plan.layout.dtype == DType::kBF16;
   auto launch = [&](auto kernel) {
-    kernel<<<grid, 32 * kTileWarps, 0, stream>>>(dl, pool, layer, q.as<const float>(), q.stride[0],
-                                                 q.shape[1], plan.batch, scale, out.as<float>());
+    kernel<<<grid, 32 * TileWarps(plan.layout.head_dim), 0, stream>>>(
+        dl, pool, layer, q.as<const float>(), q.stride[0], q.shape[1], plan.batch, scale,
+        out.as<float>());
   };
   if (plan.layout.head_dim == 64 && bf16) {
     launch(TiledPrefillKernel<64, true>);

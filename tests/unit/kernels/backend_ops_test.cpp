@@ -650,23 +650,23 @@ TEST_P(BackendKvTest, PagedAttention) {
   }
 }
 
-// Prefill chunks as CUDA's tiled kernel takes them (16-bit KV, head_dim 64
-// and 128, 64-row tiles of one sequence against 64-key tiles): contexts
-// within one split of keys, which DecodeSplits leaves to the prefill
-// kernels, and a 100-row chunk over 1,000 cached keys, which the plan's
-// bounds hand to them (TiledPrefillFirst): chunks of 1, 63, 64, 65, 100,
-// 129 and 200 rows, cached prefixes (keys before the chunk), two and three
-// sequences a step and one without rows, GQA groups 1, 2, 4 and 8; then
-// windows of 1, 50 and past the context, with a soft cap, whose blocks
-// before each window point past the pool. Other dtypes take the other
-// kernels, held to 1e-5 (TiledPrefillBound).
+// Prefill chunks as CUDA's tiled kernel takes them (16-bit KV, tiles of 64
+// rows of one sequence at head_dim 64, 128 at head_dim 128, against 64-key
+// tiles): contexts within one split of keys, which DecodeSplits leaves to
+// the prefill kernels, and a 100-row chunk over 1,000 cached keys, which
+// the plan's bounds hand to them (TiledPrefillFirst): chunks of 1, 63, 64,
+// 65, 100, 128, 129 and 200 rows, cached prefixes (keys before the chunk),
+// two and three sequences a step and one without rows, GQA groups 1, 2, 4
+// and 8; then windows of 1, 50 and past the context, with a soft cap, whose
+// blocks before each window point past the pool. Other dtypes take the
+// other kernels, held to 1e-5 (TiledPrefillBound).
 TEST_P(BackendKvTest, PrefillAttentionTiles) {
   struct Shape {
     int64_t head_dim, num_heads;  // 2 KV heads
     std::vector<int32_t> context_lens, q_lens;
   };
-  const std::vector<Shape> shapes = {{64, 2, {200, 63}, {200, 63}},
-                                     {128, 8, {300, 64, 1}, {200, 64, 1}},
+  const std::vector<Shape> shapes = {{64, 2, {200, 63, 64}, {200, 63, 64}},
+                                     {128, 8, {300, 128, 1}, {200, 128, 1}},
                                      {64, 16, {65, 500, 10}, {65, 37, 0}},
                                      {128, 2, {1, 130}, {1, 129}},
                                      {128, 4, {1100, 40}, {100, 40}}};
