@@ -211,8 +211,9 @@ __global__ void __launch_bounds__(32 * TileWarps(D))
   // every row of the warp: no masking.
   const int64_t warp_last_begin = first_key(warp_last), warp_first_end = n_keys(warp * 16);
 
-  // Q as A fragments, rounded to the pool's type: row r0 / r1, columns
-  // 16 ks + 2 tig (+1) and + 8.
+  // Q times the softmax scale as A fragments, rounded to the pool's type
+  // (scaled first: fp16 keeps its range for the scores, not for q): row
+  // r0 / r1, columns 16 ks + 2 tig (+1) and + 8.
   uint32_t qa[D / 16][4];
   {
     const int64_t row0 = batch.query_start[seq] + first_row + r0;
@@ -223,12 +224,12 @@ __global__ void __launch_bounds__(32 * TileWarps(D))
       const int c = ks * 16 + 2 * tig;
       qa[ks][0] = qa[ks][1] = qa[ks][2] = qa[ks][3] = 0u;
       if (ok0) {
-        qa[ks][0] = Pack2<kBf16>(q0[c], q0[c + 1]);
-        qa[ks][2] = Pack2<kBf16>(q0[c + 8], q0[c + 9]);
+        qa[ks][0] = Pack2<kBf16>(q0[c] * scale, q0[c + 1] * scale);
+        qa[ks][2] = Pack2<kBf16>(q0[c + 8] * scale, q0[c + 9] * scale);
       }
       if (ok1) {
-        qa[ks][1] = Pack2<kBf16>(q1[c], q1[c + 1]);
-        qa[ks][3] = Pack2<kBf16>(q1[c + 8], q1[c + 9]);
+        qa[ks][1] = Pack2<kBf16>(q1[c] * scale, q1[c + 1] * scale);
+        qa[ks][3] = Pack2<kBf16>(q1[c + 8] * scale, q1[c + 9] * scale);
       }
     }
   }
@@ -297,7 +298,7 @@ __global__ void __launch_bounds__(32 * TileWarps(D))
     CpAsyncWaitAllButOne();  // this tile's V
     __syncthreads();
     if (compute) {
-      // Scores (soft cap, scale, log2e), masked outside each row's keys;
+      // Scores (q came scaled; soft cap, log2e), masked outside each row's keys;
       // accumulator (nt, e) is key k0 + 8 nt + 2 tig + (e & 1) of row r0
       // (e < 2) or r1.
       const bool whole = k0 >= warp_last_begin && k0 + kTileKeys <= warp_first_end;
@@ -310,7 +311,7 @@ __global__ void __launch_bounds__(32 * TileWarps(D))
           const bool row1 = e >= 2;
           const bool seen =
               whole || (row1 ? (key >= begin1 && key < end1) : (key >= begin0 && key < end0));
-          const float x = SoftCapScore(s[nt][e] * scale, batch.softcap) * kLog2e;
+          const float x = SoftCapScore(s[nt][e], batch.softcap) * kLog2e;
           s[nt][e] = seen ? x : -INFINITY;
           if (row1)
             mx1 = fmaxf(mx1, s[nt][e]);
