@@ -392,7 +392,7 @@ void CudaBackend::PagedAttention(const AttentionPlan& plan, int64_t layer, const
   AttentionPlan lp = plan;
   lp.batch = at.batch;
   lp.layout = at.layout;
-  const int splits = cuda::DecodeSplits(lp);
+  const int splits = cuda::TiledPrefillFirst(lp, q) ? 0 : cuda::DecodeSplits(lp);
   if (splits > 0) {
     float* partials = state_->attention_partials.Get<float>(cuda::DecodePartialFloats(lp, splits),
                                                             state_->stream);

@@ -88,10 +88,18 @@ int64_t DecodePartialFloats(const AttentionPlan& plan, int splits);
 void DecodeAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q, float scale,
                      int splits, float* partials, const Tensor& out, cudaStream_t stream);
 
-// ---- Prefill attention (prefill_attention.cu): one warp per (row, head),
-// an online softmax over the row's keys in order.
+// ---- Prefill attention (prefill_attention.cu): FlashAttention-2-style
+// tiles (64 or 128 rows of one sequence against 64-key tiles on tensor
+// cores) for 16-bit KV of head_dim 64 or 128 without sinks or Quest; else
+// one warp per (row, head), an online softmax over the row's keys in order.
 void PrefillAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q, float scale,
                       const Tensor& out, cudaStream_t stream);
+// Whether a step of long prefill chunks takes the tiled kernel even where
+// DecodeSplits would split it (contexts past one split): its longest chunk
+// (AttentionPlan::max_query_len) fills a tile, its sequences average 32
+// rows or more (a step of mostly decode rows keeps split-K), and the tiled
+// kernel covers its KV.
+bool TiledPrefillFirst(const AttentionPlan& plan, const Tensor& q);
 
 // ---- Quest (quest.cu; AttentionBatch::quest_blocks): the key bounds
 // kept beside the pool, and the selection and attention of decode rows.

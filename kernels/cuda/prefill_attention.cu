@@ -1,8 +1,9 @@
-// Prefill attention (kernels/cuda/ops.h): one warp per (query row, head)
-// over the paged KV, for rows of any sequence and any number of them, a
-// window's keys then its sinks' (AttentionBatch). The
-// FlashAttention-2-style kernel (Q tiles against K/V tiles in shared memory,
-// tensor cores, causal tiles skipped) replaces it (issue 29).
+// Prefill attention (kernels/cuda/ops.h): a FlashAttention-2-style tiled
+// kernel (Q tiles of one sequence against K/V tiles in shared memory, tensor
+// cores, causal tiles skipped) for 16-bit KV of head_dim 64 or 128, and one
+// warp per (query row, head) over the paged KV for everything else: rows of
+// any sequence and any number of them, a window's keys then its sinks'
+// (AttentionBatch), any KV dtype and head_dim up to 256.
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/paged_kv.cuh"
 #include "kernels/op_check.h"
@@ -79,6 +80,389 @@ __global__ void PagedAttentionKernel(DeviceLayout layout, const uint8_t* pool, i
   }
 }
 
+// ---- The tiled kernel (FlashAttention-2 style; issue 29): a thread block
+// takes up to TileRows(head_dim) consecutive query rows of ONE sequence and
+// one query head, a warp per 16 rows. K and V tiles of kTileKeys keys stream
+// from the paged pool into shared memory (cp.async, the next tile's K
+// loading while this tile's scores are softmaxed and summed into V);
+// S = Q K^T and O += P V run on tensor cores (mma.sync m16n8k16, 16-bit
+// operands as the pool stores them, fp32 accumulation) with the online
+// softmax in registers. Key tiles past the tile's last row, or before its
+// first row's window, are never visited; keys a row does not see inside a
+// visited tile are masked. It serves 16-bit KV (fp16, bf16) of head_dim 64
+// or 128 without sinks or Quest (TiledPrefillFits); the kernel above
+// serves the rest.
+
+constexpr int kTileKeys = 64;  // keys per K/V tile
+// Warps per thread block, 16 query rows each. head_dim 128: 8 warps (128
+// rows) halve the K/V tile traffic per flop against 4, at one block of 8
+// warps per SM either way (227 registers); head_dim 64 (165 registers): 4
+// warps, three blocks per SM.
+__host__ __device__ constexpr int TileWarps(int64_t head_dim) { return head_dim == 128 ? 8 : 4; }
+__host__ __device__ constexpr int TileRows(int64_t head_dim) { return 16 * TileWarps(head_dim); }
+
+// Two floats as a 16-bit pair, the first in the low half (the fragment
+// order of mma.sync).
+template <bool kBf16>
+__device__ inline uint32_t Pack2(float lo, float hi) {
+  if constexpr (kBf16) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  } else {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+}
+
+// c += a b for a 16x16 A (row-major fragment) and a 16x8 B (column
+// fragment), fp32 accumulators.
+template <bool kBf16>
+__device__ inline void Mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (kBf16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+#else
+  __trap();  // built for sm_80 and newer only (CMAKE_CUDA_ARCHITECTURES)
+#endif
+}
+
+__device__ inline uint32_t SharedAddress(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ inline void CpAsync16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(SharedAddress(dst)), "l"(src));
+}
+__device__ inline void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Waits until at most one committed group is still in flight.
+__device__ inline void CpAsyncWaitAllButOne() { asm volatile("cp.async.wait_group 1;\n" ::); }
+
+// Four 8x8 16-bit matrices, transposed: lane i gives the address of row
+// i % 8 of matrix i / 8; register j receives matrix j's elements (2t, g)
+// and (2t+1, g) for lane = 4g + t, the B fragment of mma.sync.
+__device__ inline void LdMatrixX4Trans(uint32_t (&r)[4], const void* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(SharedAddress(row)));
+}
+
+template <int D, bool kBf16>
+__global__ void __launch_bounds__(32 * TileWarps(D))
+    TiledPrefillKernel(DeviceLayout layout, const uint8_t* pool, int64_t layer, const float* q,
+                       int64_t q_stride, int64_t num_heads, kernels::AttentionBatch batch,
+                       float scale, float* out) {
+  constexpr int kTileWarps = TileWarps(D), kTileRows = TileRows(D);
+  constexpr int kPad = D + 8;     // row stride in elements: conflict-free fragment reads
+  constexpr int kChunks = D / 8;  // 16-byte chunks per key row
+  __shared__ alignas(16) uint16_t k_tile[kTileKeys][kPad];
+  __shared__ alignas(16) uint16_t v_tile[kTileKeys][kPad];
+
+  // This block's tile: tiles of each sequence in turn, a sequence's last
+  // (longest, causal) tile first.
+  const int64_t h = blockIdx.x;
+  int64_t tile = blockIdx.y, seq = -1, q_len = 0;
+  for (int64_t s = 0; s < batch.num_seqs; ++s) {
+    q_len = batch.query_start[s + 1] - batch.query_start[s];
+    const int64_t n = (q_len + kTileRows - 1) / kTileRows;
+    if (tile < n) {
+      seq = s;
+      tile = n - 1 - tile;
+      break;
+    }
+    tile -= n;
+  }
+  if (seq < 0) return;                         // the grid's bound on tiles exceeds their number
+  const int64_t first_row = tile * kTileRows;  // of the sequence's rows
+  const int64_t rows = min(int64_t{kTileRows}, q_len - first_row);
+  const int64_t past = batch.context_lens[seq] - q_len;  // keys before the sequence's rows
+  const int32_t* table = batch.table(seq);
+  const int64_t g = h / (num_heads / layout.num_kv_heads);
+  // Row j of the tile attends to keys [first_key(j), n_keys(j)).
+  auto n_keys = [&](int64_t j) { return past + first_row + j + 1; };
+  auto first_key = [&](int64_t j) {
+    return batch.window > 0 ? max(int64_t{0}, n_keys(j) - batch.window) : int64_t{0};
+  };
+  const int64_t kv_begin = first_key(0), kv_end = n_keys(rows - 1);
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int gid = lane / 4, tig = lane % 4;  // mma.sync's groupID, thread-in-group
+  // This thread's two rows (fragment rows gid and gid + 8 of its warp's 16).
+  const int64_t r0 = warp * 16 + gid, r1 = r0 + 8;
+  const bool ok0 = r0 < rows, ok1 = r1 < rows;
+  const int64_t end0 = n_keys(r0), end1 = n_keys(r1);
+  const int64_t begin0 = first_key(r0), begin1 = first_key(r1);
+  // The warp's keys: from its first row's first to its last row's last.
+  const bool warp_active = warp * 16 < rows;
+  const int64_t warp_begin = first_key(warp * 16);
+  const int64_t warp_last = min(int64_t{warp * 16 + 15}, rows - 1);
+  const int64_t warp_end = n_keys(warp_last);
+  // A key tile within [warp_last_begin, warp_first_end) is seen whole by
+  // every row of the warp: no masking.
+  const int64_t warp_last_begin = first_key(warp_last), warp_first_end = n_keys(warp * 16);
+
+  // Q times the softmax scale as A fragments, rounded to the pool's type
+  // (scaled first: fp16 keeps its range for the scores, not for q): row
+  // r0 / r1, columns 16 ks + 2 tig (+1) and + 8.
+  uint32_t qa[D / 16][4];
+  {
+    const int64_t row0 = batch.query_start[seq] + first_row + r0;
+    const float* q0 = q + row0 * q_stride + h * D;
+    const float* q1 = q0 + 8 * q_stride;
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      const int c = ks * 16 + 2 * tig;
+      qa[ks][0] = qa[ks][1] = qa[ks][2] = qa[ks][3] = 0u;
+      if (ok0) {
+        qa[ks][0] = Pack2<kBf16>(q0[c] * scale, q0[c + 1] * scale);
+        qa[ks][2] = Pack2<kBf16>(q0[c + 8] * scale, q0[c + 9] * scale);
+      }
+      if (ok1) {
+        qa[ks][1] = Pack2<kBf16>(q1[c] * scale, q1[c + 1] * scale);
+        qa[ks][3] = Pack2<kBf16>(q1[c + 8] * scale, q1[c + 9] * scale);
+      }
+    }
+  }
+
+  // Loads keys [k0, k0 + kTileKeys) of K or V into `dst`; keys outside
+  // [kv_begin, kv_end) are zeros, their blocks never read (a window's
+  // table may hold anything before it; a row past the context, no block).
+  const int64_t kv_side = layout.kv_bytes_per_layer;
+  // Key arithmetic in 32 bits (contexts are int32): a 64-bit division per
+  // 16-byte chunk would cost more than the chunk's copy.
+  const int block_size = static_cast<int>(layout.block_size);
+  const uint8_t* head_base = pool + layout.k_offset(0, layer, g);
+  auto load = [&](uint16_t(*dst)[kPad], int64_t k0, int64_t side) {
+    for (int c = threadIdx.x; c < kTileKeys * kChunks; c += 32 * kTileWarps) {
+      const int r = c / kChunks, ch = c % kChunks;
+      const int key = static_cast<int>(k0) + r;
+      uint16_t* d = &dst[r][ch * 8];
+      if (key >= kv_begin && key < kv_end) {
+        const int b = key / block_size;
+        const int64_t at =
+            table[b] * layout.bytes_per_block + side + ((key - b * block_size) * D + ch * 8) * 2;
+        CpAsync16(d, head_base + at);
+      } else {
+        *reinterpret_cast<uint4*>(d) = make_uint4(0, 0, 0, 0);
+      }
+    }
+    CpAsyncCommit();
+  };
+
+  // The log2-domain online softmax (scores times log2(e), exp2f).
+  constexpr float kLog2e = 1.4426950408889634f;
+  float o[D / 8][4];
+#pragma unroll
+  for (int nt = 0; nt < D / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;  // l: this thread's part
+
+  load(k_tile, kv_begin, 0);
+  load(v_tile, kv_begin, kv_side);
+  for (int64_t k0 = kv_begin; k0 < kv_end; k0 += kTileKeys) {
+    const bool has_next = k0 + kTileKeys < kv_end;
+    const bool compute = warp_active && k0 < warp_end && k0 + kTileKeys > warp_begin;
+    CpAsyncWaitAllButOne();  // this tile's K (its V may still be in flight)
+    __syncthreads();
+    float s[kTileKeys / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < kTileKeys / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+    if (compute) {
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) {
+#pragma unroll
+        for (int nt = 0; nt < kTileKeys / 8; ++nt) {
+          // B = K^T: element (d, key) = k_tile[key][d]; rows 2 tig (+1) and
+          // + 8 of column gid are two consecutive pairs of key nt*8 + gid.
+          const uint16_t* kp = &k_tile[nt * 8 + gid][ks * 16 + 2 * tig];
+          Mma16816<kBf16>(s[nt], qa[ks], *reinterpret_cast<const uint32_t*>(kp),
+                          *reinterpret_cast<const uint32_t*>(kp + 8));
+        }
+      }
+    }
+    __syncthreads();  // every warp done with K: the next tile's may load
+    if (has_next) {
+      load(k_tile, k0 + kTileKeys, 0);
+    } else {
+      CpAsyncCommit();  // an empty group keeps the count the waits expect
+    }
+    CpAsyncWaitAllButOne();  // this tile's V
+    __syncthreads();
+    if (compute) {
+      // Scores (q came scaled; soft cap, log2e), masked outside each row's keys;
+      // accumulator (nt, e) is key k0 + 8 nt + 2 tig + (e & 1) of row r0
+      // (e < 2) or r1.
+      const bool whole = k0 >= warp_last_begin && k0 + kTileKeys <= warp_first_end;
+      float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < kTileKeys / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int64_t key = k0 + nt * 8 + 2 * tig + (e & 1);
+          const bool row1 = e >= 2;
+          const bool seen =
+              whole || (row1 ? (key >= begin1 && key < end1) : (key >= begin0 && key < end0));
+          const float x = SoftCapScore(s[nt][e], batch.softcap) * kLog2e;
+          s[nt][e] = seen ? x : -INFINITY;
+          if (row1)
+            mx1 = fmaxf(mx1, s[nt][e]);
+          else
+            mx0 = fmaxf(mx0, s[nt][e]);
+        }
+      }
+      // The four threads of a quad hold one row's keys.
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+      const float new0 = fmaxf(m0, mx0), new1 = fmaxf(m1, mx1);
+      // A row with no key seen yet keeps max -inf: subtract 0 instead
+      // (its p are exp2(-inf) = 0, its correction 0 over a zero sum).
+      const float base0 = new0 == -INFINITY ? 0.0f : new0;
+      const float base1 = new1 == -INFINITY ? 0.0f : new1;
+      const float corr0 = exp2f(m0 - base0), corr1 = exp2f(m1 - base1);
+      m0 = new0;
+      m1 = new1;
+      float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+      for (int nt = 0; nt < kTileKeys / 8; ++nt) {
+        s[nt][0] = exp2f(s[nt][0] - base0);
+        s[nt][1] = exp2f(s[nt][1] - base0);
+        s[nt][2] = exp2f(s[nt][2] - base1);
+        s[nt][3] = exp2f(s[nt][3] - base1);
+        sum0 += s[nt][0] + s[nt][1];
+        sum1 += s[nt][2] + s[nt][3];
+      }
+      l0 = l0 * corr0 + sum0;
+      l1 = l1 * corr1 + sum1;
+#pragma unroll
+      for (int nt = 0; nt < D / 8; ++nt) {
+        o[nt][0] *= corr0;
+        o[nt][1] *= corr0;
+        o[nt][2] *= corr1;
+        o[nt][3] *= corr1;
+      }
+      // O += P V: P's accumulators of key tiles 2 ks and 2 ks + 1 are the
+      // A fragment of keys 16 ks..16 ks + 15; V's B fragments come
+      // transposed out of v_tile[key][d].
+#pragma unroll
+      for (int ks = 0; ks < kTileKeys / 16; ++ks) {
+        const uint32_t pa[4] = {Pack2<kBf16>(s[2 * ks][0], s[2 * ks][1]),
+                                Pack2<kBf16>(s[2 * ks][2], s[2 * ks][3]),
+                                Pack2<kBf16>(s[2 * ks + 1][0], s[2 * ks + 1][1]),
+                                Pack2<kBf16>(s[2 * ks + 1][2], s[2 * ks + 1][3])};
+        const int mat = lane / 8, mrow = lane % 8;
+#pragma unroll
+        for (int nt = 0; nt < D / 8; nt += 2) {
+          // Matrices: keys 16 ks (+8 for odd ones), dims 8 nt (+8 for the
+          // last two): b0b1, b2b3 of dims 8 nt, then of 8 (nt + 1).
+          uint32_t b[4];
+          LdMatrixX4Trans(b, &v_tile[ks * 16 + (mat & 1) * 8 + mrow][(nt + (mat >> 1)) * 8]);
+          Mma16816<kBf16>(o[nt], pa, b[0], b[1]);
+          Mma16816<kBf16>(o[nt + 1], pa, b[2], b[3]);
+        }
+      }
+    }
+    __syncthreads();  // every warp done with V: the next tile's may load
+    if (has_next) {
+      load(v_tile, k0 + kTileKeys, kv_side);
+    } else {
+      CpAsyncCommit();
+    }
+  }
+
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  const float inv0 = l0 > 0 ? 1.0f / l0 : 0.0f;  // a row without keys: 0
+  const float inv1 = l1 > 0 ? 1.0f / l1 : 0.0f;
+  const int64_t row0 = batch.query_start[seq] + first_row + r0;
+  float* out0 = out + (row0 * num_heads + h) * D;
+  float* out1 = out + ((row0 + 8) * num_heads + h) * D;
+#pragma unroll
+  for (int nt = 0; nt < D / 8; ++nt) {
+    const int d = nt * 8 + 2 * tig;
+    if (ok0) {
+      out0[d] = o[nt][0] * inv0;
+      out0[d + 1] = o[nt][1] * inv0;
+    }
+    if (ok1) {
+      out1[d] = o[nt][2] * inv1;
+      out1[d + 1] = o[nt][3] * inv1;
+    }
+  }
+}
+
+// The grid's tile rows: a bound on the sum over sequences of
+// ceil(q_len / TileRows) (the host does not read query_start back).
+int64_t TiledGridRows(const kernels::AttentionBatch& b, int64_t head_dim) {
+  const int64_t rows = TileRows(head_dim);
+  return (b.num_tokens + rows - 1) / rows + b.num_seqs;
+}
+
+// Whether the tiled kernel serves this layer's call: 16-bit KV without
+// scales, head_dim 64 or 128, no sinks, no Quest rows (those keep the
+// one-warp kernel), the pool's rows 16-byte aligned for cp.async, and a
+// grid within its limits. Decided per call on the host, never by guessing
+// inside the kernel.
+bool TiledPrefillFits(const AttentionPlan& plan, const Tensor& q) {
+  const KvCacheLayout& l = plan.layout;
+  const kernels::AttentionBatch& b = plan.batch;
+  const bool sixteen_bit = l.dtype == DType::kBF16 || l.dtype == DType::kF16;
+  const bool quest = b.quest_blocks > 0 && l.key_bounds != nullptr;
+  const int64_t heads = q.shape[1];
+  return sixteen_bit && !l.is_mla() && !l.has_scales() && (l.head_dim == 64 || l.head_dim == 128) &&
+         b.sinks == 0 && !quest && l.num_kv_heads > 0 && heads % l.num_kv_heads == 0 &&
+         heads <= 65535 && q.stride[1] == l.head_dim &&
+         reinterpret_cast<uintptr_t>(plan.pool) % 16 == 0 && l.head_bytes() % 16 == 0 &&
+         l.kv_bytes_per_layer() % 16 == 0 && l.layer_stride_bytes() % 16 == 0 &&
+         l.bytes_per_block() % 16 == 0 && TiledGridRows(b, l.head_dim) <= 65535;
+}
+
+}  // namespace
+
+bool TiledPrefillFirst(const AttentionPlan& plan, const Tensor& q) {
+  const kernels::AttentionBatch& b = plan.batch;
+  return plan.max_query_len >= 64 && b.num_tokens >= int64_t{32} * b.num_seqs &&
+         TiledPrefillFits(plan, q);
+}
+
+namespace {
+
+void LaunchTiled(const AttentionPlan& plan, int64_t layer, const Tensor& q, float scale,
+                 const Tensor& out, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(q.shape[1]),
+                  static_cast<unsigned>(TiledGridRows(plan.batch, plan.layout.head_dim)));
+  const DeviceLayout dl(plan.layout);
+  const auto* pool = static_cast<const uint8_t*>(plan.pool);
+  const bool bf16 = plan.layout.dtype == DType::kBF16;
+  auto launch = [&](auto kernel) {
+    kernel<<<grid, 32 * TileWarps(plan.layout.head_dim), 0, stream>>>(
+        dl, pool, layer, q.as<const float>(), q.stride[0], q.shape[1], plan.batch, scale,
+        out.as<float>());
+  };
+  if (plan.layout.head_dim == 64 && bf16) {
+    launch(TiledPrefillKernel<64, true>);
+  } else if (plan.layout.head_dim == 64) {
+    launch(TiledPrefillKernel<64, false>);
+  } else if (bf16) {
+    launch(TiledPrefillKernel<128, true>);
+  } else {
+    launch(TiledPrefillKernel<128, false>);
+  }
+  Check(cudaGetLastError(), "PagedAttention");
+}
+
 }  // namespace
 
 void PrefillAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q, float scale,
@@ -97,6 +481,10 @@ void PrefillAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q,
   const int64_t num_heads = q.shape[1];
   const int64_t tasks = plan.batch.num_tokens * num_heads;
   if (plan.batch.num_seqs == 0 || tasks == 0) return;
+  if (TiledPrefillFits(plan, q)) {
+    LaunchTiled(plan, layer, q, scale, out, stream);
+    return;
+  }
   const auto blocks = static_cast<unsigned>((tasks + kWarpsPerBlock - 1) / kWarpsPerBlock);
   PagedAttentionKernel<<<blocks, 32 * kWarpsPerBlock, 0, stream>>>(
       DeviceLayout(layout), static_cast<const uint8_t*>(plan.pool), layer, q.as<const float>(),

@@ -1,6 +1,8 @@
 // pdserve bench kernels: the device's own limits (copy bandwidth, fp32 and
 // bf16 GEMM rates) and, in the same run, paged decode attention of the CUDA
-// backend held against them. One JSON line.
+// backend held against them, then causal prefill attention (one sequence of
+// 4,096 and of 16,384 tokens, bf16 KV) against the bf16 GEMM rate. One JSON
+// line.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -24,12 +26,99 @@
 namespace pdserve::cli {
 namespace {
 
+#if PDSERVE_WITH_CUDA
+// The best of `runs` timed calls of PagedAttention (after one to warm up).
+double TimeAttention(kernels::Backend& backend, const kernels::AttentionPlan& plan, const float* q,
+                     float* out, int64_t rows, int64_t heads, int64_t head_dim, int runs) {
+  const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+  double best = 1e30;
+  for (int i = 0; i <= runs; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    backend.PagedAttention(plan, 0, kernels::Tensor::Of(q, DType::kF32, {rows, heads, head_dim}),
+                           scale, kernels::Tensor::Of(out, DType::kF32, {rows, heads, head_dim}));
+    backend.Synchronize();
+    const double s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (i > 0) best = std::min(best, s);
+  }
+  return best;
+}
+
+// Causal prefill attention of one sequence of `tokens` tokens, its whole
+// prompt in one chunk over bf16 KV (the tiled kernel's case): seconds and
+// TFLOPS, counting 4 * tokens^2 / 2 * head_dim flops per query head (Q K^T
+// and P V over the causal half). Null where the device lacks the memory.
+nlohmann::json MeasurePrefill(kernels::Backend& backend, int64_t tokens, int64_t heads,
+                              int64_t kv_heads, int64_t head_dim, double bf16_tflops) {
+  kernels::KvCacheLayout layout;
+  layout.num_layers = 1;
+  layout.num_kv_heads = kv_heads;
+  layout.head_dim = head_dim;
+  layout.block_size = 16;
+  layout.dtype = DType::kBF16;
+  const int64_t blocks = (tokens + 15) / 16;
+  layout.num_blocks = blocks;
+  std::mt19937 rng(2);
+  std::uniform_real_distribution<float> dist(-1.f, 1.f);
+  std::vector<float> kv(tokens * kv_heads * head_dim), q(tokens * heads * head_dim);
+  for (auto& x : kv) x = dist(rng);
+  for (auto& x : q) x = dist(rng);
+  std::vector<int32_t> table(blocks), query_start = {0, static_cast<int32_t>(tokens)},
+                                      context_lens = {static_cast<int32_t>(tokens)};
+  std::vector<int64_t> slots(tokens);
+  for (int64_t b = 0; b < blocks; ++b) table[b] = static_cast<int32_t>(b);
+  for (int64_t t = 0; t < tokens; ++t) slots[t] = t;
+  std::vector<void*> owned;
+  auto upload = [&](const auto& vec) {
+    void* p = backend.Allocate(vec.size() * sizeof(vec[0]));
+    if (p != nullptr) backend.Upload(p, vec.data(), vec.size() * sizeof(vec[0]));
+    owned.push_back(p);
+    return p;
+  };
+  void* pool = backend.Allocate(layout.total_bytes());
+  owned.push_back(pool);
+  auto* dkv = static_cast<float*>(upload(kv));
+  auto* dq = static_cast<float*>(upload(q));
+  auto* out = static_cast<float*>(backend.Allocate(q.size() * 4));
+  owned.push_back(out);
+  kernels::AttentionPlan plan;
+  plan.layout = layout;
+  plan.pool = pool;
+  plan.num_heads = heads;
+  plan.batch.num_seqs = 1;
+  plan.batch.query_start = static_cast<const int32_t*>(upload(query_start));
+  plan.batch.context_lens = static_cast<const int32_t*>(upload(context_lens));
+  plan.batch.block_tables = static_cast<const int32_t*>(upload(table));
+  plan.batch.max_blocks_per_seq = blocks;
+  plan.batch.num_tokens = tokens;
+  plan.max_query_len = tokens;
+  plan.max_context_len = tokens;
+  const auto* dslots = static_cast<const int64_t*>(upload(slots));
+  nlohmann::json result = nullptr;
+  if (std::find(owned.begin(), owned.end(), nullptr) == owned.end()) {
+    const kernels::Tensor t = kernels::Tensor::Of(dkv, DType::kF32, {tokens, kv_heads, head_dim});
+    backend.WriteKv(layout, pool, 0, t, t, dslots);
+    const double seconds = TimeAttention(backend, plan, dq, out, tokens, heads, head_dim, 3);
+    const double flops = 4.0 * tokens * tokens / 2 * head_dim * heads;
+    const double tflops = flops / seconds / 1e12;
+    result = {{"tokens", tokens},     {"heads", heads},
+              {"kv_heads", kv_heads}, {"head_dim", head_dim},
+              {"kv_dtype", "bf16"},   {"seconds", seconds},
+              {"tflops", tflops},     {"fraction_of_bf16_gemm", tflops / bf16_tflops}};
+  }
+  for (void* p : owned) {
+    if (p != nullptr) backend.Free(p);
+  }
+  return result;
+}
+#endif
+
 int RunBenchKernels(int argc, char** argv) {
   int64_t batch = 64, context = 4096, heads = 32, kv_heads = 8, head_dim = 128, device = 0;
   std::string kv_dtype_name = "fp16";
   FlagSet flags("bench kernels",
                 "Measure the GPU's copy bandwidth and GEMM rates, then paged decode attention "
-                "against them (one JSON line).");
+                "and causal prefill attention against them (one JSON line).");
   flags.AddInt("device", &device, "CUDA device index");
   flags.AddInt("batch", &batch, "sequences decoding at once");
   flags.AddInt("context", &context, "tokens of KV per sequence");
@@ -127,22 +216,19 @@ int RunBenchKernels(int argc, char** argv) {
   ab.num_tokens = batch;
   const auto* dq = static_cast<const float*>(upload(q));
   auto* out = static_cast<float*>(backend->Allocate(q.size() * 4));
-  const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
 
   std::fprintf(stderr, "bench kernels: paged decode attention...\n");
-  double best = 1e30;
-  for (int i = 0; i < 11; ++i) {  // the first run warms up
-    const auto start = std::chrono::steady_clock::now();
-    backend->PagedAttention(plan, 0, kernels::Tensor::Of(dq, DType::kF32, {batch, heads, head_dim}),
-                            scale, kernels::Tensor::Of(out, DType::kF32, {batch, heads, head_dim}));
-    backend->Synchronize();
-    const double s =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (i > 0) best = std::min(best, s);
-  }
+  const double best = TimeAttention(*backend, plan, dq, out, batch, heads, head_dim, 10);
   // K and V of every token, every KV head, read once (fp8 scales are noise).
   const double kv_bytes = 2.0 * batch * context * kv_heads * head_dim * DTypeBits(*kv_dtype) / 8;
   const double read_gbps = kv_bytes / best / 1e9;
+  nlohmann::json prefill = nlohmann::json::array();
+  for (const int64_t tokens : {4096, 16384}) {
+    std::fprintf(stderr, "bench kernels: prefill attention, %lld tokens...\n",
+                 static_cast<long long>(tokens));
+    prefill.push_back(
+        MeasurePrefill(*backend, tokens, heads, kv_heads, head_dim, roof.bf16_tflops));
+  }
   const nlohmann::json result = {
       {"bench", "kernels"},
       {"device", cuda::DeviceDescription(static_cast<int>(device))},
@@ -161,6 +247,7 @@ int RunBenchKernels(int argc, char** argv) {
         {"kv_read_gbytes_per_s", read_gbps},
         // The copy figure counts a read and a write per byte copied.
         {"fraction_of_copy_bandwidth", read_gbps / roof.copy_gbytes_per_s}}},
+      {"prefill_attention", prefill},
       {"machine", MachineJson()}};
   std::printf("%s\n", result.dump().c_str());
   return 0;

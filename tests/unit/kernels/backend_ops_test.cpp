@@ -472,6 +472,15 @@ class BackendKvTest : public BackendOpsTest, public ::testing::WithParamInterfac
     return l;
   }
 
+  // CUDA's bound where its tiled prefill kernel serves (16-bit KV): it
+  // rounds q and the softmax weights to the KV's type, fp32 accumulation.
+  // Modelled in float64 on PrefillAttentionTiles' shapes that gives about
+  // 2e-3 for bf16 (8-bit mantissa) and 2e-4 for fp16: the bounds are five
+  // and ten times those. 0: other dtypes keep the common bound.
+  double TiledPrefillBound() const {
+    return GetParam() == DType::kBF16 ? 1e-2 : GetParam() == DType::kF16 ? 2e-3 : 0;
+  }
+
   // One pool written by `b` as the engine writes it: a 37-token prefill
   // chunk over blocks 5, 2, 7, then decode tokens one at a time whose
   // magnitudes grow (scales must grow, earlier tokens be requantized). K
@@ -572,22 +581,28 @@ TEST_P(BackendKvTest, PagedAttention) {
     const int64_t rows = query_start.back(), width = (s.num_heads + 4) * hd;
     const auto qkv = Random(rows * width);
     const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-    Compare("PagedAttention", 1e-5, [&](Backend& b, Mem& mem) -> Outputs {
-      AttentionPlan plan;
-      plan.layout = l;
-      plan.pool = mem.Up(pool);
-      plan.num_heads = s.num_heads;
-      plan.batch.num_seqs = seqs;
-      plan.batch.query_start = mem.Up(query_start);
-      plan.batch.context_lens = mem.Up(s.context_lens);
-      plan.batch.block_tables = mem.Up(tables);
-      plan.batch.max_blocks_per_seq = max_blocks;
-      plan.batch.num_tokens = rows;
-      const Tensor q = mem.F32(qkv, {rows, width}).Columns(0, s.num_heads * hd);
-      const Tensor out = mem.Poisoned({rows, s.num_heads, hd});
-      b.PagedAttention(plan, 0, q.Split({s.num_heads, hd}), scale, out);
-      return {mem.Down(out)};
-    });
+    // Contexts within one split of keys take CUDA's prefill kernels, whose
+    // tiled one rounds q and the softmax weights to 16-bit KV's type.
+    const bool one_split = *std::max_element(s.context_lens.begin(), s.context_lens.end()) <= 512;
+    Compare(
+        "PagedAttention", 1e-5,
+        [&](Backend& b, Mem& mem) -> Outputs {
+          AttentionPlan plan;
+          plan.layout = l;
+          plan.pool = mem.Up(pool);
+          plan.num_heads = s.num_heads;
+          plan.batch.num_seqs = seqs;
+          plan.batch.query_start = mem.Up(query_start);
+          plan.batch.context_lens = mem.Up(s.context_lens);
+          plan.batch.block_tables = mem.Up(tables);
+          plan.batch.max_blocks_per_seq = max_blocks;
+          plan.batch.num_tokens = rows;
+          const Tensor q = mem.F32(qkv, {rows, width}).Columns(0, s.num_heads * hd);
+          const Tensor out = mem.Poisoned({rows, s.num_heads, hd});
+          b.PagedAttention(plan, 0, q.Split({s.num_heads, hd}), scale, out);
+          return {mem.Down(out)};
+        },
+        one_split ? TiledPrefillBound() : 0);
     if (s.context_lens[0] < 4100) continue;
     // A layer of a second, windowed layer group with a soft cap, as a step's
     // plan gives it (AttentionPlan::layers): windows of 700 keys (the
@@ -671,6 +686,98 @@ TEST_P(BackendKvTest, PagedAttention) {
         b.PagedAttention(plan, 1, q.Split({s.num_heads, hd}), scale, out);
         return {mem.Down(out)};
       });
+    }
+  }
+}
+
+// Prefill chunks as CUDA's tiled kernel takes them (16-bit KV, tiles of 64
+// rows of one sequence at head_dim 64, 128 at head_dim 128, against 64-key
+// tiles): contexts within one split of keys, which DecodeSplits leaves to
+// the prefill kernels, and a 100-row chunk over 1,000 cached keys, which
+// the plan's bounds hand to them (TiledPrefillFirst): chunks of 1, 63, 64,
+// 65, 100, 128, 129 and 200 rows, cached prefixes (keys before the chunk),
+// two and three sequences a step and one without rows, GQA groups 1, 2, 4
+// and 8; then windows of 1, 50 and past the context, with a soft cap, whose
+// blocks before each window point past the pool. Other dtypes take the
+// other kernels, held to 1e-5 (TiledPrefillBound).
+TEST_P(BackendKvTest, PrefillAttentionTiles) {
+  struct Shape {
+    int64_t head_dim, num_heads;  // 2 KV heads
+    std::vector<int32_t> context_lens, q_lens;
+  };
+  const std::vector<Shape> shapes = {{64, 2, {200, 63, 64}, {200, 63, 64}},
+                                     {128, 8, {300, 128, 1}, {200, 128, 1}},
+                                     {64, 16, {65, 500, 10}, {65, 37, 0}},
+                                     {128, 2, {1, 130}, {1, 129}},
+                                     {128, 4, {1100, 40}, {100, 40}}};
+  for (const Shape& s : shapes) {
+    SCOPED_TRACE("head_dim " + std::to_string(s.head_dim) + ", " + std::to_string(s.num_heads) +
+                 " query heads, q_len " + std::to_string(s.q_lens[0]));
+    const int64_t seqs = static_cast<int64_t>(s.context_lens.size()), hd = s.head_dim;
+    int64_t max_blocks = 0, blocks = 0;
+    for (int32_t c : s.context_lens) {
+      max_blocks = std::max<int64_t>(max_blocks, (c + 15) / 16);
+      blocks += (c + 15) / 16;
+    }
+    const KvCacheLayout l = Layout(1, hd, blocks + 3);
+    std::vector<int32_t> free_blocks(l.num_blocks);
+    for (int32_t b = 0; b < l.num_blocks; ++b) free_blocks[b] = b;
+    std::shuffle(free_blocks.begin(), free_blocks.end(), rng_);
+    std::vector<int32_t> tables(seqs * max_blocks, 0), query_start = {0};
+    std::vector<uint8_t> pool(l.total_bytes(), 0);
+    size_t next = 0;
+    for (int64_t q = 0; q < seqs; ++q) {
+      const int64_t n = s.context_lens[q];
+      for (int64_t b = 0; b < (n + 15) / 16; ++b) tables[q * max_blocks + b] = free_blocks[next++];
+      const auto k = Random(n * 2 * hd), v = Random(n * 2 * hd);
+      std::vector<int64_t> slots(n);
+      for (int64_t p = 0; p < n; ++p) slots[p] = tables[q * max_blocks + p / 16] * 16 + p % 16;
+      reference_.WriteKv(l, pool.data(), 0, Tensor::Of(k.data(), DType::kF32, {n, 2, hd}),
+                         Tensor::Of(v.data(), DType::kF32, {n, 2, hd}), slots.data());
+      query_start.push_back(query_start.back() + s.q_lens[q]);
+    }
+    const int64_t rows = query_start.back(), width = (s.num_heads + 4) * hd;
+    const auto qkv = Random(rows * width);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+    // Window 0: every key up to the row's (group 0); else group 1's layer
+    // with that window and a soft cap of 5.
+    for (const int64_t window : {0, 1, 50, 5000}) {
+      SCOPED_TRACE("window " + std::to_string(window));
+      std::vector<int32_t> grouped(2 * seqs * max_blocks, 1 << 30);
+      for (int64_t q = 0; q < seqs; ++q) {
+        const int64_t first_query = s.context_lens[q] - s.q_lens[q];
+        const int64_t first_block =
+            window > 0 ? std::max<int64_t>(0, first_query - window + 1) / 16 : 0;
+        for (int64_t b = 0; b < max_blocks; ++b) {
+          grouped[q * max_blocks + b] = tables[q * max_blocks + b];
+          if (b >= first_block) grouped[(seqs + q) * max_blocks + b] = tables[q * max_blocks + b];
+        }
+      }
+      const LayerAttention layers[2] = {{0, 0, 0, 0.0f}, {1, 0, window, 5.0f}};
+      Compare(
+          "prefill PagedAttention", 1e-5,
+          [&](Backend& b, Mem& mem) -> Outputs {
+            AttentionPlan plan;
+            plan.layout = l;
+            plan.pool = mem.Up(pool);
+            plan.num_heads = s.num_heads;
+            plan.batch.num_seqs = seqs;
+            plan.batch.query_start = mem.Up(query_start);
+            plan.batch.context_lens = mem.Up(s.context_lens);
+            plan.batch.block_tables = mem.Up(grouped);
+            plan.batch.max_blocks_per_seq = max_blocks;
+            plan.batch.num_tokens = rows;
+            plan.layers = layers;
+            plan.group_table_stride = seqs * max_blocks;
+            plan.max_query_len = *std::max_element(s.q_lens.begin(), s.q_lens.end());
+            plan.max_context_len = *std::max_element(s.context_lens.begin(), s.context_lens.end());
+            b.PlanAttention(&plan);
+            const Tensor q = mem.F32(qkv, {rows, width}).Columns(0, s.num_heads * hd);
+            const Tensor out = mem.Poisoned({rows, s.num_heads, hd});
+            b.PagedAttention(plan, window > 0 ? 1 : 0, q.Split({s.num_heads, hd}), scale, out);
+            return {mem.Down(out)};
+          },
+          TiledPrefillBound());
     }
   }
 }
