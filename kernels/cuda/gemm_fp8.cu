@@ -51,10 +51,10 @@ __device__ inline float Fp8ToFloat(uint8_t code) {
 constexpr int kGemvWarps = 4;  // output rows per block, one warp each
 
 // y[r][j] = sum_c x[r][c] * value(j, c) (+ bias[j]) for r < M: one warp
-// per output row j, each lane reading 16 codes at a time (kVec: cols and
-// block_cols multiples of 16, rows 16-byte aligned), the scale applied per
-// 16-column chunk (which lies in one block) or, per row, once at the end.
-template <int M, bool kVec>
+// per output row j, each lane reading one code at a time, the scale applied
+// per code or, per row, once at the end. The general case (any cols, any
+// alignment); Fp8StreamGemvKernel takes the usual one.
+template <int M>
 __global__ void Fp8GemvKernel(const float* __restrict__ x, const uint8_t* __restrict__ w,
                               Fp8Scales s, bool per_row, const float* __restrict__ bias,
                               float* __restrict__ y, int64_t n, int64_t k) {
@@ -65,36 +65,10 @@ __global__ void Fp8GemvKernel(const float* __restrict__ x, const uint8_t* __rest
   float acc[M];
 #pragma unroll
   for (int r = 0; r < M; ++r) acc[r] = 0.f;
-  if constexpr (kVec) {
-    for (int64_t c = lane * 16; c < k; c += 32 * 16) {
-      const uint4 codes = *reinterpret_cast<const uint4*>(row + c);
-      const uint16_t* pairs = reinterpret_cast<const uint16_t*>(&codes);
-      float v[16];
+  for (int64_t c = lane; c < k; c += 32) {
+    const float v = Fp8ToFloat(row[c]) * (per_row ? 1.f : s.at(j, c));
 #pragma unroll
-      for (int p = 0; p < 8; ++p) {
-        const float2 f = Fp8PairToFloat2(pairs[p]);
-        v[2 * p] = f.x;
-        v[2 * p + 1] = f.y;
-      }
-      const float scale = per_row ? 1.f : s.at(j, c);
-#pragma unroll
-      for (int r = 0; r < M; ++r) {
-        const float4* xr = reinterpret_cast<const float4*>(x + r * k + c);
-        float part = 0.f;
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const float4 xv = xr[q];
-          part += xv.x * v[4 * q] + xv.y * v[4 * q + 1] + xv.z * v[4 * q + 2] + xv.w * v[4 * q + 3];
-        }
-        acc[r] += part * scale;
-      }
-    }
-  } else {
-    for (int64_t c = lane; c < k; c += 32) {
-      const float v = Fp8ToFloat(row[c]) * (per_row ? 1.f : s.at(j, c));
-#pragma unroll
-      for (int r = 0; r < M; ++r) acc[r] += x[r * k + c] * v;
-    }
+    for (int r = 0; r < M; ++r) acc[r] += x[r * k + c] * v;
   }
 #pragma unroll
   for (int r = 0; r < M; ++r) {
@@ -107,23 +81,156 @@ __global__ void Fp8GemvKernel(const float* __restrict__ x, const uint8_t* __rest
   }
 }
 
+// Few-row products (decode) streaming the codes, built as Bf16GemvKernel
+// (gemm.cu) is: a block takes Fp8GemvRows(M) rows of W, its threads stride
+// over the columns 16 at a time (16-byte loads, every row's load issued
+// before any is used, so 4-8 x 16 bytes per thread are in flight), x is read
+// once per chunk and reused across the rows, and the partial sums meet in
+// shared memory. The weight-only product: codes widened exactly, fp32
+// activations, each 16-column chunk's products summed in fp32 and scaled by
+// its block's scale (kBlock), or per row the row's sum scaled once at the
+// end. Needs cols % 16 == 0 (and block_cols % 16 == 0 for kBlock, so that a
+// chunk lies in one block) and W and x 16-byte aligned; Fp8GemvKernel takes
+// the rest.
+constexpr int kStreamThreads = 256;
+constexpr int Fp8GemvRows(int m) { return m <= 2 ? 8 : 4; }
+
+// Four e4m3 codes (one 32-bit word, lowest byte first) widened exactly.
+__device__ __forceinline__ float4 Fp8QuadToFloat4(uint32_t quad) {
+  const float2 lo = Fp8PairToFloat2(static_cast<uint16_t>(quad & 0xffffu));
+  const float2 hi = Fp8PairToFloat2(static_cast<uint16_t>(quad >> 16));
+  return make_float4(lo.x, lo.y, hi.x, hi.y);
+}
+
+__device__ __forceinline__ uint32_t Word(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+template <int M, bool kBlock>
+__global__ void __launch_bounds__(kStreamThreads)
+    Fp8StreamGemvKernel(const float* __restrict__ x, const uint8_t* __restrict__ w, Fp8Scales s,
+                        const float* __restrict__ bias, float* __restrict__ y, int64_t n,
+                        int64_t k) {
+  constexpr int R = Fp8GemvRows(M);
+  __shared__ float partial[kStreamThreads / 32][R * M];
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * R;
+  const int nrows = static_cast<int>(n - row0 < R ? n - row0 : R);
+  const uint4* wrow[R];
+  const float* srow[R];  // kBlock: the row's block row of scales
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    // A missing row (the last block) re-reads the block's first row; its
+    // sums are never written.
+    const int64_t row = row0 + (r < nrows ? r : 0);
+    wrow[r] = reinterpret_cast<const uint4*>(w + row * k);
+    // 32-bit divisions: a matrix's rows and columns are far below 2^32.
+    srow[r] = kBlock ? s.scales + static_cast<uint32_t>(row) / static_cast<uint32_t>(s.block_rows) *
+                                      s.scale_cols
+                     : nullptr;
+  }
+  float acc[R][M];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
+  }
+  const int64_t chunks = k / 16;
+  for (int64_t c = threadIdx.x; c < chunks; c += kStreamThreads) {
+    uint4 wv[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) wv[r] = __ldcs(wrow[r] + c);  // streamed once
+    float scale[R];
+    if constexpr (kBlock) {
+      const uint32_t block_col =
+          static_cast<uint32_t>(c * 16) / static_cast<uint32_t>(s.block_cols);
+#pragma unroll
+      for (int r = 0; r < R; ++r) scale[r] = __ldg(srow[r] + block_col);
+    }
+    float part[R][M];  // kBlock: the chunk's sums, scaled once
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+      for (int m = 0; m < M; ++m) part[r][m] = 0.f;
+    }
+    // Four columns at a time: every row's x values loaded once, each row's
+    // codes widened once.
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      float4 xv[M];
+#pragma unroll
+      for (int m = 0; m < M; ++m)
+        xv[m] = __ldg(reinterpret_cast<const float4*>(x + m * k) + 4 * c + q);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const float4 v = Fp8QuadToFloat4(Word(wv[r], q));
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+          const float d = xv[m].x * v.x + xv[m].y * v.y + xv[m].z * v.z + xv[m].w * v.w;
+          // Per row the chunk's sum would be scaled by 1: straight into the
+          // row's sum, which saves a chunk's R x M registers.
+          if constexpr (kBlock) {
+            part[r][m] += d;
+          } else {
+            acc[r][m] += d;
+          }
+        }
+      }
+    }
+    if constexpr (kBlock) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+#pragma unroll
+        for (int m = 0; m < M; ++m) acc[r][m] += part[r][m] * scale[r];
+      }
+    }
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      float a = acc[r][m];
+#pragma unroll
+      for (int o = 16; o > 0; o /= 2) a += __shfl_xor_sync(0xffffffffu, a, o);
+      if (lane == 0) partial[warp][r * M + m] = a;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < R * M) {
+    const int r = threadIdx.x / M, m = threadIdx.x % M;
+    float sum = 0.f;
+#pragma unroll
+    for (int v = 0; v < kStreamThreads / 32; ++v) sum += partial[v][threadIdx.x];
+    if (r < nrows) {
+      const int64_t j = row0 + r;
+      // Per row, scale (j, any column) is scales[j].
+      y[m * n + j] = sum * (kBlock ? 1.f : s.scales[j]) + (bias != nullptr ? bias[j] : 0.f);
+    }
+  }
+}
+
 template <int M>
 void LaunchGemv(const float* x, const WeightMatrix& w, const float* bias, float* y, int64_t n,
                 cudaStream_t stream) {
   const int64_t k = w.cols;
   const Fp8Scales s = ScalesOf(w);
   const bool per_row = w.scheme != WeightScheme::kFp8Block;
-  const bool vec = k % 16 == 0 && (per_row || w.block_cols % 16 == 0) &&
-                   reinterpret_cast<uintptr_t>(w.data) % 16 == 0 &&
-                   reinterpret_cast<uintptr_t>(x) % 16 == 0;
-  const unsigned blocks = static_cast<unsigned>((n + kGemvWarps - 1) / kGemvWarps);
+  const bool stream_fits = k % 16 == 0 && (per_row || w.block_cols % 16 == 0) &&
+                           reinterpret_cast<uintptr_t>(w.data) % 16 == 0 &&
+                           reinterpret_cast<uintptr_t>(x) % 16 == 0;
   const auto* codes = static_cast<const uint8_t*>(w.data);
-  if (vec) {
-    Fp8GemvKernel<M, true>
-        <<<blocks, 32 * kGemvWarps, 0, stream>>>(x, codes, s, per_row, bias, y, n, k);
+  if (stream_fits) {
+    const auto blocks = static_cast<unsigned>((n + Fp8GemvRows(M) - 1) / Fp8GemvRows(M));
+    if (per_row) {
+      Fp8StreamGemvKernel<M, false>
+          <<<blocks, kStreamThreads, 0, stream>>>(x, codes, s, bias, y, n, k);
+    } else {
+      Fp8StreamGemvKernel<M, true>
+          <<<blocks, kStreamThreads, 0, stream>>>(x, codes, s, bias, y, n, k);
+    }
   } else {
-    Fp8GemvKernel<M, false>
-        <<<blocks, 32 * kGemvWarps, 0, stream>>>(x, codes, s, per_row, bias, y, n, k);
+    const auto blocks = static_cast<unsigned>((n + kGemvWarps - 1) / kGemvWarps);
+    Fp8GemvKernel<M><<<blocks, 32 * kGemvWarps, 0, stream>>>(x, codes, s, per_row, bias, y, n, k);
   }
   Check(cudaGetLastError(), "Fp8Gemv");
 }

@@ -7,11 +7,15 @@
 
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
 
 #include "engine/engine.h"
 #include "engine/make_model.h"
 #include "engine/model.h"
 #include "engine/safetensors.h"
+#include "engine/weight_quant.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "tests/support/test_models.h"
 
@@ -97,6 +101,55 @@ TEST(DummyWeightsTest, DummyLoadOfATinyConfigDecodesLikeItsFiles) {
 
   // The safetensors format still needs the files.
   EXPECT_EQ(Model::Load(dir, &backend).status().code(), StatusCode::kNotFound);
+}
+
+// bench/configs/llama-3.1-8b-fp8: Llama-3.1-8B with the quantization_config
+// of a compressed-tensors FP8_DYNAMIC checkpoint (per-channel e4m3 weights,
+// activations per token, lm_head left bf16). Same shapes as llama-3.1-8b;
+// its decoder's Linear weights one byte each plus a 4-byte scale per row.
+TEST(DummyWeightsTest, TheFp8BenchConfigIsLlamaWithPerChannelFp8Weights) {
+  const std::string configs = std::string(PDSERVE_SOURCE_DIR) + "/bench/configs/";
+  auto fp8 = LoadModelConfig(configs + "llama-3.1-8b-fp8");
+  auto bf16 = LoadModelConfig(configs + "llama-3.1-8b");
+  ASSERT_TRUE(fp8.ok()) << fp8.status().ToString();
+  ASSERT_TRUE(bf16.ok()) << bf16.status().ToString();
+  EXPECT_EQ(fp8->quant.scheme, kernels::WeightScheme::kFp8Channel);
+  EXPECT_EQ(fp8->quant.activations, kernels::ActivationScaling::kDynamicPerToken);
+  EXPECT_EQ(CountParameters(*fp8), 8'030'261'248);
+  // Per layer: q|k|v 6,144 x 4,096, o 4,096 x 4,096, gate|up 28,672 x 4,096,
+  // down 4,096 x 14,336: 218,103,808 weights in 43,008 rows.
+  const int64_t linear = 32 * int64_t{218'103'808}, rows = 32 * 43'008;
+  EXPECT_EQ(ConfigWeightBytes(*fp8, DType::kBF16),
+            ConfigWeightBytes(*bf16, DType::kBF16) - linear + 4 * rows);
+
+  // The same file shrunk to a tiny model: its quantization_config as
+  // shipped loads with dummy weights and decodes.
+  nlohmann::json j;
+  std::ifstream(configs + "llama-3.1-8b-fp8/config.json") >> j;
+  j["num_hidden_layers"] = 2;
+  j["hidden_size"] = 64;
+  j["intermediate_size"] = 96;
+  j["num_attention_heads"] = 4;
+  j["num_key_value_heads"] = 2;
+  j["head_dim"] = 16;
+  j["vocab_size"] = 320;
+  j["max_position_embeddings"] = 2048;
+  j["bos_token_id"] = 1;
+  j["eos_token_id"] = 2;
+  const std::string dir = testing::NewTempDir("dummy_fp8_bench_config");
+  std::ofstream(dir + "/config.json") << j.dump(2);
+  kernels::CpuBackend backend(1);
+  auto model = Model::Load(dir, &backend, LoadFormat::kDummy);
+  ASSERT_TRUE(model.ok()) << model.status().ToString();
+  EXPECT_EQ((*model)->matrix_dtype(), DType::kFP8E4M3);
+  EXPECT_EQ((*model)->weight_scheme(), kernels::WeightScheme::kFp8Channel);
+  // A step reads the codes and a scale per row, the bf16 lm_head and the
+  // fp32 norms (two a layer and the final one).
+  const int64_t tiny_linear = 2 * (64 * (4 + 2 * 2) * 16 + 4 * 16 * 64 + 3 * 64 * 96);
+  const int64_t tiny_rows = 2 * ((4 + 2 * 2) * 16 + 64 + 2 * 96 + 64);
+  EXPECT_EQ((*model)->weight_bytes_per_step(),
+            tiny_linear + 4 * tiny_rows + 2 * 320 * 64 + 4 * 64 * (2 * 2 + 1));
+  EXPECT_EQ(GreedyTokens(model->get()).size(), 24u);
 }
 
 TEST(DummyWeightsTest, ParsesLoadFormatNames) {

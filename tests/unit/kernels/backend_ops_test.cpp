@@ -308,6 +308,57 @@ TEST_F(BackendOpsTest, LinearFp8) {
   }
 }
 
+// The few-row fp8 products (CUDA's GEMV kernels) on shapes beyond
+// LinearFp8's: rows that do not fill a block of rows, columns that take
+// several 16-column chunks per thread (more than 256 x 16) and end inside a
+// 128-column block, every row count of x up to 8, and columns no multiple
+// of 16 (the general kernel). The weight-only product throughout: 1e-5.
+TEST_F(BackendOpsTest, LinearFp8FewRowsOnEveryGemvShape) {
+  struct Shape {
+    int64_t rows, k;
+  };
+  struct Scheme {
+    WeightScheme scheme;
+    int64_t br, bc;
+  };
+  std::uniform_int_distribution<int> code(0, 255);
+  std::uniform_real_distribution<float> exponent(-10.f, -5.f);
+  for (const Shape shape : {Shape{37, 4096 + 5 * 16}, Shape{13, 200}}) {
+    const int64_t rows = shape.rows, k = shape.k;
+    std::vector<uint8_t> codes(rows * k);
+    for (auto& b : codes) {
+      do b = static_cast<uint8_t>(code(rng_));
+      while ((b & 0x7f) == 0x7f);
+    }
+    const auto bias = Random(rows);
+    for (const Scheme& sc :
+         {Scheme{WeightScheme::kFp8Channel, 0, 0}, Scheme{WeightScheme::kFp8Block, 128, 128},
+          Scheme{WeightScheme::kFp8Block, 1, 128}}) {
+      const WeightScheme scheme = sc.scheme;
+      const int64_t br = sc.br, bc = sc.bc;
+      WeightMatrix shape_only{nullptr, DType::kFP8E4M3, rows, k, scheme, nullptr, br, bc};
+      std::vector<float> scales(shape_only.num_scales());
+      for (auto& v : scales) v = std::exp2(exponent(rng_));
+      for (int64_t m = 1; m <= 8; ++m) {
+        const auto x = Random(m * k);
+        Compare(std::string("Linear ") + WeightSchemeName(scheme) + " " + std::to_string(br) + "x" +
+                    std::to_string(bc) + " " + std::to_string(rows) + "x" + std::to_string(k) +
+                    " m " + std::to_string(m),
+                1e-5, [&](Backend& b, Mem& mem) -> Outputs {
+                  WeightMatrix host{codes.data(), DType::kFP8E4M3, rows, k,
+                                    scheme,       scales.data(),   br,   bc};
+                  host.activation_scaling = ActivationScaling::kDynamicPerToken;
+                  auto w = b.PrepareLinear(&host, 1, bias.data(), /*in_place=*/false, mem.store());
+                  EXPECT_TRUE(w.ok()) << w.status().ToString();
+                  const Tensor y = mem.Poisoned({m, rows});
+                  b.Linear(mem.F32(x, {m, k}), *w, y);
+                  return {mem.Down(y)};
+                });
+      }
+    }
+  }
+}
+
 TEST_F(BackendOpsTest, PrepareLinearRefusesMalformedScaledWeights) {
   const std::vector<uint8_t> codes(64 * 32, 0x38);
   const std::vector<uint16_t> bf16(64 * 32, 0x3f80);

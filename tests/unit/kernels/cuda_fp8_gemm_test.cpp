@@ -119,7 +119,9 @@ TEST_F(CudaFp8GemmTest, GemvIsTheWeightOnlyProduct) {
                                                                {WeightScheme::kFp8Block, 128, 128},
                                                                {WeightScheme::kFp8Block, 1, 128},
                                                                {WeightScheme::kFp8Block, 16, 24}}) {
-    for (const int64_t k : {4096, 1000}) {  // vectorised, and the per-element fallback
+    // Streamed 16 columns a load (one chunk per thread; some threads two,
+    // ending inside a 128-column block), and the per-element fallback.
+    for (const int64_t k : {4096, 4096 + 80, 1000}) {
       for (const int64_t m : {1, 3, 8}) {
         SCOPED_TRACE(std::string(WeightSchemeName(scheme)) + " k " + std::to_string(k) + " m " +
                      std::to_string(m));
