@@ -255,8 +255,9 @@ struct Chunk<uint8_t> {  // fp8 (e4m3 or e5m2), times the region's scale as the 
 // group of exactly kGroup query heads. Every lane of a warp runs the same
 // steps (the shuffles need all 32); a lane whose key is past the range
 // loads nothing and leaves its softmax unchanged.
+// Groups up to 4 fit 128 registers: 4 resident blocks (16 warps) per SM.
 template <typename T, int kTpk, int kGroup>
-__global__ void __launch_bounds__(32 * kSplitWarps)
+__global__ void __launch_bounds__(32 * kSplitWarps, kGroup <= 4 ? 4 : 2)
     FastSplitKernel(DeviceLayout layout, const uint8_t* pool, int64_t layer, const float* q,
                     int64_t q_stride, int64_t num_heads, kernels::AttentionBatch batch, float scale,
                     int splits, SplitOut result) {
