@@ -61,14 +61,17 @@ __device__ inline KeyRange KeysOfSplit(const kernels::AttentionBatch& batch, int
   return {max(first, b0 * block_size), min(n_keys, (b0 + per) * block_size)};
 }
 
-// Whether split `split` of a row leaves a partial: split 0 always (it also
-// takes the sink keys, and stands for a row without keys), the others when
-// their key range is not empty. The split kernels and the merge agree on it.
-__device__ inline bool SplitWritten(const kernels::AttentionBatch& batch, int64_t block_size,
-                                    int64_t n_keys, int split, int splits) {
-  if (split == 0) return true;
-  const KeyRange r = KeysOfSplit(batch, block_size, n_keys, split, splits);
-  return r.begin < r.end;
+// How many splits of a row leave a partial: split 0 always (it also takes
+// the sink keys, and stands for a row without keys), then those whose key
+// range is not empty, which are the first ones (KeysOfSplit cuts the
+// blocks in order). The split kernels and the merge agree on it.
+__device__ inline int SplitsWritten(const kernels::AttentionBatch& batch, int64_t block_size,
+                                    int64_t n_keys, int splits) {
+  const int64_t first_block = FirstKeyOfRow(batch, n_keys) / block_size;
+  const int64_t blocks = (n_keys + block_size - 1) / block_size - first_block;
+  if (blocks <= 0) return 1;
+  const int64_t per = (blocks + splits - 1) / splits;
+  return static_cast<int>((blocks + per - 1) / per);
 }
 
 // The block's result for query head i of the group, element d: merged over
@@ -130,7 +133,7 @@ __global__ void __launch_bounds__(32 * kSplitWarps)
   const RowKeys keys = KeysOfRow(batch, row);
   // Quest's decode rows are the Quest kernels' (quest.cu); the merge skips them too.
   if (QuestRow(batch, layout, keys)) return;
-  if (!SplitWritten(batch, layout.block_size, keys.n_keys, split, splits)) return;
+  if (split >= SplitsWritten(batch, layout.block_size, keys.n_keys, splits)) return;
   const KeyRange range = KeysOfSplit(batch, layout.block_size, keys.n_keys, split, splits);
 
   float qv[kMaxGroup][D], acc[kMaxGroup][D], m[kMaxGroup], l[kMaxGroup];
@@ -274,7 +277,7 @@ __global__ void __launch_bounds__(32 * kSplitWarps, kGroup <= 4 ? 4 : 2)
   const int stream = warp * kKeysPerWarp + lane / kTpk;  // which key of a block step
   const RowKeys keys = KeysOfRow(batch, row);
   if (QuestRow(batch, layout, keys)) return;
-  if (!SplitWritten(batch, layout.block_size, keys.n_keys, split, splits)) return;
+  if (split >= SplitsWritten(batch, layout.block_size, keys.n_keys, splits)) return;
   const KeyRange range = KeysOfSplit(batch, layout.block_size, keys.n_keys, split, splits);
   const bool scaled = sizeof(T) == 1 && layout.has_scales;  // fp8: a scale per block and head
   // This KV head's K rows in block 0 of the layer; V is kv_bytes_per_layer on.
@@ -417,23 +420,20 @@ __global__ void MergeSplitsKernel(const float* partial_acc, const float* partial
   const RowKeys keys = KeysOfRow(batch, task / num_heads);
   if (QuestRow(batch, layout, keys)) return;  // written by the Quest kernels
   const float* ml = partial_ml + task * splits * 2;
-  auto written = [&](int sp) {
-    return SplitWritten(batch, layout.block_size, keys.n_keys, sp, splits) &&
-           ml[2 * sp] != -INFINITY;
-  };
+  // Only the written splits (the others hold stale bytes); -inf: no key.
+  const int written = SplitsWritten(batch, layout.block_size, keys.n_keys, splits);
   float mx = -INFINITY;
-  for (int sp = 0; sp < splits; ++sp) {
-    if (written(sp)) mx = fmaxf(mx, ml[2 * sp]);
-  }
+  for (int sp = 0; sp < written; ++sp) mx = fmaxf(mx, ml[2 * sp]);
   float denom = 0.0f;
-  for (int sp = 0; sp < splits; ++sp) {
-    if (written(sp)) denom += ml[2 * sp + 1] * expf(ml[2 * sp] - mx);
+  for (int sp = 0; sp < written; ++sp) {
+    if (ml[2 * sp] != -INFINITY) denom += ml[2 * sp + 1] * expf(ml[2 * sp] - mx);
   }
   for (int64_t d = lane; d < head_dim; d += 32) {
     float sum = 0.0f;
-    for (int sp = 0; sp < splits; ++sp) {
-      if (written(sp))
+    for (int sp = 0; sp < written; ++sp) {
+      if (ml[2 * sp] != -INFINITY) {
         sum += partial_acc[(task * splits + sp) * head_dim + d] * expf(ml[2 * sp] - mx);
+      }
     }
     out[task * head_dim + d] = denom > 0 ? sum / denom : 0.0f;  // a row without keys: 0
   }
