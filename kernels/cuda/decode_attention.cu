@@ -16,7 +16,7 @@
 // graph captured for a bucket of rows is right for every context it
 // replays, and the merge reads only the splits that had keys.
 //
-// Two kernels do the splits. FastSplitKernel (fp16, bf16, fp8; head_dim
+// Two kernels do the splits. FastSplitKernel (fp16, bf16, fp8, nvfp4; head_dim
 // 64, 128, 256; groups of 1, 2, 4, 8; a pool whose offsets keep 16-byte K/V
 // rows aligned) gives each key to TPK = head_dim / 8 lanes loading 8
 // elements each in one vector load, several keys per warp and two per lane
@@ -24,6 +24,7 @@
 // step. Per key both do the dot, then the scale, then expf, as the prefill
 // kernel does, so the paths agree to rounding of the merge.
 #include <algorithm>
+#include <type_traits>
 
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/paged_kv.cuh"
@@ -215,13 +216,15 @@ __global__ void __launch_bounds__(32 * kSplitWarps)
 // ---- The fast split kernel: vector loads, several keys per warp.
 
 // Eight stored elements of one K or V row, loaded at once (16 bytes of
-// fp16/bf16, 8 of fp8), and their decoding.
+// fp16/bf16, 8 of fp8, 4 of nvfp4 codes plus their micro-scale byte), and
+// their decoding, value for value as kv_codec.cuh's LoadKv.
+struct Nvfp4 {};  // the nvfp4 instance's tag
 template <typename T>
 struct Chunk;
 template <>
 struct Chunk<__half> {
   using Vec = uint4;
-  __device__ static void Decode(const Vec& v, DType, float, float (&f)[8]) {
+  __device__ static void Decode(const Vec& v, DType, float, uint8_t, float (&f)[8]) {
     const auto* h = reinterpret_cast<const __half2*>(&v);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -234,7 +237,7 @@ struct Chunk<__half> {
 template <>
 struct Chunk<__nv_bfloat16> {
   using Vec = uint4;
-  __device__ static void Decode(const Vec& v, DType, float, float (&f)[8]) {
+  __device__ static void Decode(const Vec& v, DType, float, uint8_t, float (&f)[8]) {
     const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -247,10 +250,21 @@ struct Chunk<__nv_bfloat16> {
 template <>
 struct Chunk<uint8_t> {  // fp8 (e4m3 or e5m2), times the region's scale as the CPU decodes it
   using Vec = uint2;
-  __device__ static void Decode(const Vec& v, DType dtype, float scale, float (&f)[8]) {
+  __device__ static void Decode(const Vec& v, DType dtype, float scale, uint8_t, float (&f)[8]) {
     const auto* b = reinterpret_cast<const uint8_t*>(&v);
 #pragma unroll
     for (int j = 0; j < 8; ++j) f[j] = kernels::Fp8KvDecode(dtype, b[j], scale);
+  }
+};
+template <>
+struct Chunk<Nvfp4> {  // element 2i in the low nibble of byte i (Nvfp4KvDecode)
+  using Vec = uint32_t;
+  __device__ static void Decode(const Vec& v, DType, float scale, uint8_t micro, float (&f)[8]) {
+    const float m = kernels::E4M3Decode(micro);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      f[j] = kernels::E2M1Decode(static_cast<uint8_t>(v >> (4 * j))) * m * scale;
+    }
   }
 };
 
@@ -266,6 +280,7 @@ __global__ void __launch_bounds__(32 * kSplitWarps, kGroup <= 4 ? 4 : 2)
                     int splits, SplitOut result) {
   using Vec = typename Chunk<T>::Vec;
   constexpr int kHd = 8 * kTpk, kKeysPerWarp = 32 / kTpk;
+  constexpr bool kNvfp4 = std::is_same_v<T, Nvfp4>;
   constexpr int kStreams = kSplitWarps * kKeysPerWarp;  // keys a block step covers
   __shared__ float sm_m[kSplitWarps][kGroup];
   __shared__ float sm_l[kSplitWarps][kGroup];
@@ -279,10 +294,11 @@ __global__ void __launch_bounds__(32 * kSplitWarps, kGroup <= 4 ? 4 : 2)
   if (QuestRow(batch, layout, keys)) return;
   if (split >= SplitsWritten(batch, layout.block_size, keys.n_keys, splits)) return;
   const KeyRange range = KeysOfSplit(batch, layout.block_size, keys.n_keys, split, splits);
-  const bool scaled = sizeof(T) == 1 && layout.has_scales;  // fp8: a scale per block and head
+  // fp8 and nvfp4: a scale per block and head.
+  const bool scaled = (kNvfp4 || std::is_same_v<T, uint8_t>)&&layout.has_scales;
   // This KV head's K rows in block 0 of the layer; V is kv_bytes_per_layer on.
   const uint8_t* head_base = pool + layer * layout.layer_stride + g * layout.head_bytes;
-  const int64_t row_bytes = kHd * static_cast<int64_t>(sizeof(T));
+  const int64_t row_bytes = kTpk * static_cast<int64_t>(sizeof(Vec));
 
   float qv[kGroup][8], acc[kGroup][8], m[kGroup], l[kGroup];
   auto load_query = [&](bool sink) {
@@ -308,6 +324,7 @@ __global__ void __launch_bounds__(32 * kSplitWarps, kGroup <= 4 ? 4 : 2)
   struct Loaded {
     Vec k, v;
     float k_scale, v_scale;
+    uint8_t k_micro, v_micro;  // nvfp4's, of these 8 elements (a group holds 16)
   };
   // Block sizes are powers of two but for odd test layouts: a shift then,
   // a 32-bit division otherwise (contexts fit in int32, AttentionBatch).
@@ -317,10 +334,17 @@ __global__ void __launch_bounds__(32 * kSplitWarps, kGroup <= 4 ? 4 : 2)
     const int k = static_cast<int>(key);
     const int b = bs_shift >= 0 ? k >> bs_shift : k / bs;
     const int64_t block = keys.table[b];
-    const uint8_t* at = head_base + block * layout.bytes_per_block +
-                        static_cast<int64_t>(k - b * bs) * row_bytes + sub * 8 * sizeof(T);
+    const uint8_t* region = head_base + block * layout.bytes_per_block;
+    const int slot = k - b * bs;
+    const uint8_t* at = region + slot * row_bytes + sub * sizeof(Vec);
     x.k = *reinterpret_cast<const Vec*>(at);
     x.v = *reinterpret_cast<const Vec*>(at + layout.kv_bytes_per_layer);
+    x.k_micro = x.v_micro = 0;
+    if constexpr (kNvfp4) {  // Nvfp4MicroIndex of element slot * kHd + 8 * sub
+      const uint8_t* micro = region + layout.micro_at + slot * (kHd / 16) + sub / 2;
+      x.k_micro = *micro;
+      x.v_micro = micro[layout.kv_bytes_per_layer];
+    }
     x.k_scale = x.v_scale = 1.0f;
     if (scaled) {
       x.k_scale = kernels::LoadScaleBytes(pool + layout.k_scale_offset(block, layer, g));
@@ -332,10 +356,10 @@ __global__ void __launch_bounds__(32 * kSplitWarps, kGroup <= 4 ? 4 : 2)
   // later); invalid keys' chunks are zeros and weigh 0.
   auto fold2 = [&](const Loaded& x0, bool valid0, const Loaded& x1, bool valid1) {
     float k0[8], v0[8], k1[8], v1[8];
-    Chunk<T>::Decode(x0.k, layout.dtype, x0.k_scale, k0);
-    Chunk<T>::Decode(x0.v, layout.dtype, x0.v_scale, v0);
-    Chunk<T>::Decode(x1.k, layout.dtype, x1.k_scale, k1);
-    Chunk<T>::Decode(x1.v, layout.dtype, x1.v_scale, v1);
+    Chunk<T>::Decode(x0.k, layout.dtype, x0.k_scale, x0.k_micro, k0);
+    Chunk<T>::Decode(x0.v, layout.dtype, x0.v_scale, x0.v_micro, v0);
+    Chunk<T>::Decode(x1.k, layout.dtype, x1.k_scale, x1.k_micro, k1);
+    Chunk<T>::Decode(x1.v, layout.dtype, x1.v_scale, x1.v_micro, v1);
 #pragma unroll
     for (int i = 0; i < kGroup; ++i) {
       float dot0 = 0.0f, dot1 = 0.0f;
@@ -477,10 +501,9 @@ bool LaunchFastOfWidth(int64_t hd, int group, dim3 grid, cudaStream_t stream, Ar
 }
 
 // Whether every K/V row chunk FastSplitKernel loads sits at a multiple of
-// its load width (16 bytes for 2-byte dtypes, 8 for fp8): the pool's start
-// and every offset into it.
-bool FastAligned(const DeviceLayout& l, const void* pool, int64_t elem_bytes) {
-  const int64_t a = 8 * elem_bytes;
+// its load width `a` (16 bytes for 2-byte dtypes, 8 for fp8, 4 for nvfp4):
+// the pool's start and every offset into it.
+bool FastAligned(const DeviceLayout& l, const void* pool, int64_t a) {
   return reinterpret_cast<uintptr_t>(pool) % a == 0 && l.bytes_per_block % a == 0 &&
          l.layer_stride % a == 0 && l.head_bytes % a == 0 && l.kv_bytes_per_layer % a == 0;
 }
@@ -556,20 +579,25 @@ void DecodeAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q, 
   bool launched = false;
   switch (layout.dtype) {
     case DType::kF16:
-      launched = FastAligned(dl, p, 2) &&
+      launched = FastAligned(dl, p, 16) &&
                  LaunchFastOfWidth<__half>(hd, group, grid, stream, dl, p, layer, qp, qs,
                                            plan.num_heads, plan.batch, scale, splits, result);
       break;
     case DType::kBF16:
-      launched = FastAligned(dl, p, 2) && LaunchFastOfWidth<__nv_bfloat16>(
-                                              hd, group, grid, stream, dl, p, layer, qp, qs,
-                                              plan.num_heads, plan.batch, scale, splits, result);
+      launched = FastAligned(dl, p, 16) && LaunchFastOfWidth<__nv_bfloat16>(
+                                               hd, group, grid, stream, dl, p, layer, qp, qs,
+                                               plan.num_heads, plan.batch, scale, splits, result);
       break;
     case DType::kFP8E4M3:
     case DType::kFP8E5M2:
-      launched = FastAligned(dl, p, 1) &&
+      launched = FastAligned(dl, p, 8) &&
                  LaunchFastOfWidth<uint8_t>(hd, group, grid, stream, dl, p, layer, qp, qs,
                                             plan.num_heads, plan.batch, scale, splits, result);
+      break;
+    case DType::kNvFp4:
+      launched = FastAligned(dl, p, 4) &&
+                 LaunchFastOfWidth<Nvfp4>(hd, group, grid, stream, dl, p, layer, qp, qs,
+                                          plan.num_heads, plan.batch, scale, splits, result);
       break;
     default:
       break;
