@@ -79,10 +79,10 @@ fi
 
 if [[ $WHAT == all || $WHAT == bench ]]; then
   : > "$OUT/bench.jsonl"
-  for kv in fp16 bf16 fp8; do
+  for kv in fp16 bf16 fp8 nvfp4; do
     step "bench kernels, $kv KV"
-    "$PDSERVE" bench kernels --batch 64 --context 4096 --kv-dtype "$kv" 2>>"$OUT/bench.err" |
-      tee -a "$OUT/bench.jsonl"
+    "$PDSERVE" bench kernels --batch 64 --context 1024,4096,16384 --kv-dtype "$kv" \
+      2>>"$OUT/bench.err" | tee -a "$OUT/bench.jsonl"
   done
   for kv in bf16 fp8; do
     step "bench engine, Llama-3.1-8B shapes, batch-1 decode, $kv KV"

@@ -295,7 +295,7 @@ __global__ void __launch_bounds__(32 * kSplitWarps, kGroup <= 4 ? 4 : 2)
   if (split >= SplitsWritten(batch, layout.block_size, keys.n_keys, splits)) return;
   const KeyRange range = KeysOfSplit(batch, layout.block_size, keys.n_keys, split, splits);
   // fp8 and nvfp4: a scale per block and head.
-  const bool scaled = (kNvfp4 || std::is_same_v<T, uint8_t>)&&layout.has_scales;
+  const bool scaled = layout.has_scales && (kNvfp4 || std::is_same_v<T, uint8_t>);
   // This KV head's K rows in block 0 of the layer; V is kv_bytes_per_layer on.
   const uint8_t* head_base = pool + layer * layout.layer_stride + g * layout.head_bytes;
   const int64_t row_bytes = kTpk * static_cast<int64_t>(sizeof(Vec));
