@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/ops.h"
+#include "kernels/decode_splits.h"
 #include "kernels/fp8_gemm.h"
 
 namespace pdserve::kernels {
@@ -27,7 +28,7 @@ struct CudaBackend::State {
   cuda::Workspace fp8_activations{"fp8 activations"};  // quantised rows and their scales
   cuda::Workspace fp8_widened{"fp8 widened weights"};  // bf16 slices of fp8 weights
   int sm = 0;
-  int multiprocessors = 0;  // the split-K choice's (DecodeSplits)
+  int multiprocessors = 0;  // the split-K choice's (kernels/decode_splits.h)
 
   static constexpr size_t kCublasWorkspace = size_t{32} << 20;
   cuda::Gemm gemm() {
@@ -227,7 +228,7 @@ Status CudaBackend::Reserve(const StepLimits& limits) {
     // alone (never the contexts or the table width), so one size covers
     // every step a graph may capture.
     const int64_t floats =
-        cuda::DecodeMaxPartialFloats(limits.layout, limits.num_heads, state_->multiprocessors);
+        DecodeMaxPartialFloats(limits.layout, limits.num_heads, state_->multiprocessors);
     if (floats > 0) {
       state_->attention_partials.Reserve(static_cast<size_t>(floats) * 4, state_->stream);
     }
@@ -257,10 +258,10 @@ void CudaBackend::PlanAttention(AttentionPlan* plan) {
   plan->num_splits = 0;
   plan->workspace = nullptr;
   if (plan->layout.is_mla()) return;  // one kernel; nothing to choose yet
-  plan->num_splits = cuda::DecodeSplits(*plan, state_->multiprocessors);
+  plan->num_splits = DecodeSplits(*plan, state_->multiprocessors);
   if (plan->num_splits > 1) {
     plan->workspace = state_->attention_partials.Get<float>(
-        cuda::DecodePartialFloats(*plan, plan->num_splits), state_->stream);
+        DecodePartialFloats(*plan, plan->num_splits), state_->stream);
   }
 }
 
@@ -388,10 +389,10 @@ void CudaBackend::PagedAttention(const AttentionPlan& plan, int64_t layer, const
   AttentionPlan lp = plan;
   lp.batch = at.batch;
   lp.layout = at.layout;
-  const int splits = cuda::DecodeSplits(lp, state_->multiprocessors);
+  const int splits = DecodeSplits(lp, state_->multiprocessors);
   if (splits > 0) {
     float* partials = splits > 1 ? state_->attention_partials.Get<float>(
-                                       cuda::DecodePartialFloats(lp, splits), state_->stream)
+                                       DecodePartialFloats(lp, splits), state_->stream)
                                  : nullptr;
     cuda::DecodeAttention(lp, at.kv_layer, q, scale, splits, partials, out, state_->stream);
   } else {

@@ -10,11 +10,12 @@
 // sum of V); a second kernel merges the splits of each (row, head). With one
 // split the block writes the output itself and no partials exist.
 //
-// The split count is the step's (DecodeSplits: rows x KV heads against the
-// device's multiprocessors, never the table width); each split's key range
-// is computed on the device from the row's own context (KeysOfSplit), so a
-// graph captured for a bucket of rows is right for every context it
-// replays, and the merge reads only the splits that had keys.
+// The split count is the step's (kernels/decode_splits.h: rows x KV heads
+// against the device's multiprocessors, never the table width); each
+// split's key range is computed on the device from the row's own context
+// (KeysOfSplit), so a graph captured for a bucket of rows is right for
+// every context it replays, and the merge reads only the splits that had
+// keys.
 //
 // Two kernels do the splits. FastSplitKernel (fp16, bf16, fp8, nvfp4; head_dim
 // 64, 128, 256; groups of 1, 2, 4, 8; a pool whose offsets keep 16-byte K/V
@@ -28,6 +29,7 @@
 
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/paged_kv.cuh"
+#include "kernels/decode_splits.h"
 #include "kernels/op_check.h"
 
 namespace pdserve::cuda {
@@ -35,44 +37,18 @@ namespace {
 
 constexpr int kWarpsPerBlock = 4;  // of the merge
 constexpr int kSplitWarps = 4;     // of either split kernel
-constexpr int kMaxGroup = 8;       // query heads per KV head on this path
-constexpr int kMaxSplits = 64;
-// Thread blocks a step aims at per multiprocessor: several waves of the
-// 3 to 6 resident ones, so the last wave's tail is a small share.
-constexpr int64_t kBlocksPerSm = 16;
-// A plan whose longest context is known takes no split shorter than this.
-constexpr int64_t kMinSplitKeys = 256;
-// Steps of more rows than this that are not all decode rows are prefill
-// steps: the prefill kernel's.
-constexpr int64_t kMaxDecodeRows = 1024;
+constexpr int kMaxGroup = kernels::kDecodeMaxGroup;
 
-// The keys [begin, end) of split `split` of a row of n_keys keys: the
-// window's blocks (FirstKeyOfRow on) cut into `splits` runs of whole
-// blocks. Empty (begin >= end) for splits past the row's keys.
-struct KeyRange {
-  int64_t begin, end;
-};
-__device__ inline KeyRange KeysOfSplit(const kernels::AttentionBatch& batch, int64_t block_size,
-                                       int64_t n_keys, int split, int splits) {
-  const int64_t first = FirstKeyOfRow(batch, n_keys);
-  const int64_t first_block = first / block_size;
-  const int64_t end_block = (n_keys + block_size - 1) / block_size;
-  const int64_t per = max(int64_t{1}, (end_block - first_block + splits - 1) / splits);
-  const int64_t b0 = first_block + split * per;
-  return {max(first, b0 * block_size), min(n_keys, (b0 + per) * block_size)};
+// The row's keys of split `split` and how many of its splits leave a
+// result (kernels/decode_splits.h), from the row's own context and window.
+__device__ inline kernels::KeyRange KeysOfSplit(const kernels::AttentionBatch& batch,
+                                                int64_t block_size, int64_t n_keys, int split,
+                                                int splits) {
+  return kernels::KeysOfSplit(FirstKeyOfRow(batch, n_keys), n_keys, block_size, split, splits);
 }
-
-// How many splits of a row leave a partial: split 0 always (it also takes
-// the sink keys, and stands for a row without keys), then those whose key
-// range is not empty, which are the first ones (KeysOfSplit cuts the
-// blocks in order). The split kernels and the merge agree on it.
 __device__ inline int SplitsWritten(const kernels::AttentionBatch& batch, int64_t block_size,
                                     int64_t n_keys, int splits) {
-  const int64_t first_block = FirstKeyOfRow(batch, n_keys) / block_size;
-  const int64_t blocks = (n_keys + block_size - 1) / block_size - first_block;
-  if (blocks <= 0) return 1;
-  const int64_t per = (blocks + splits - 1) / splits;
-  return static_cast<int>((blocks + per - 1) / per);
+  return kernels::SplitsWritten(FirstKeyOfRow(batch, n_keys), n_keys, block_size, splits);
 }
 
 // The block's result for query head i of the group, element d: merged over
@@ -135,7 +111,7 @@ __global__ void __launch_bounds__(32 * kSplitWarps)
   // Quest's decode rows are the Quest kernels' (quest.cu); the merge skips them too.
   if (QuestRow(batch, layout, keys)) return;
   if (split >= SplitsWritten(batch, layout.block_size, keys.n_keys, splits)) return;
-  const KeyRange range = KeysOfSplit(batch, layout.block_size, keys.n_keys, split, splits);
+  const kernels::KeyRange range = KeysOfSplit(batch, layout.block_size, keys.n_keys, split, splits);
 
   float qv[kMaxGroup][D], acc[kMaxGroup][D], m[kMaxGroup], l[kMaxGroup];
 #pragma unroll
@@ -293,7 +269,7 @@ __global__ void __launch_bounds__(32 * kSplitWarps, kGroup <= 4 ? 4 : 2)
   const RowKeys keys = KeysOfRow(batch, row);
   if (QuestRow(batch, layout, keys)) return;
   if (split >= SplitsWritten(batch, layout.block_size, keys.n_keys, splits)) return;
-  const KeyRange range = KeysOfSplit(batch, layout.block_size, keys.n_keys, split, splits);
+  const kernels::KeyRange range = KeysOfSplit(batch, layout.block_size, keys.n_keys, split, splits);
   // fp8 and nvfp4: a scale per block and head.
   const bool scaled = layout.has_scales && (kNvfp4 || std::is_same_v<T, uint8_t>);
   // This KV head's K rows in block 0 of the layer; V is kv_bytes_per_layer on.
@@ -509,47 +485,6 @@ bool FastAligned(const DeviceLayout& l, const void* pool, int64_t a) {
 }
 
 }  // namespace
-
-int DecodeSplits(const AttentionPlan& plan, int multiprocessors) {
-  const KvCacheLayout& l = plan.layout;
-  const int64_t group = l.num_kv_heads > 0 ? plan.num_heads / l.num_kv_heads : 0;
-  const int64_t rows = plan.batch.num_tokens;
-  if (group < 1 || group > kMaxGroup || group * l.num_kv_heads != plan.num_heads ||
-      l.head_dim < 1 || l.head_dim > 256 || (plan.max_query_len != 1 && rows > kMaxDecodeRows)) {
-    return 0;
-  }
-  const int64_t units = std::max<int64_t>(1, rows * l.num_kv_heads);
-  const int64_t target = std::max(1, multiprocessors) * kBlocksPerSm;
-  int64_t splits = (target + units - 1) / units;
-  if (plan.max_context_len > 0) {
-    splits = std::min(splits, (plan.max_context_len + kMinSplitKeys - 1) / kMinSplitKeys);
-  }
-  return static_cast<int>(std::clamp<int64_t>(splits, 1, kMaxSplits));
-}
-
-int64_t DecodePartialFloats(const AttentionPlan& plan, int splits) {
-  if (splits <= 1) return 0;  // the split kernel writes the output itself
-  return plan.batch.num_tokens * plan.num_heads * splits * (plan.layout.head_dim + 2);
-}
-
-int64_t DecodeMaxPartialFloats(const KvCacheLayout& layout, int64_t num_heads,
-                               int multiprocessors) {
-  // More splits than one only while rows x KV heads < the target: every
-  // row count that splits is visited.
-  AttentionPlan plan;
-  plan.layout = layout;
-  plan.num_heads = num_heads;
-  plan.max_query_len = 1;
-  const int64_t last = std::max(1, multiprocessors) * kBlocksPerSm;
-  int64_t most = 0;
-  for (int64_t rows = 1; rows <= last; ++rows) {
-    plan.batch.num_tokens = rows;
-    const int splits = DecodeSplits(plan, multiprocessors);
-    if (splits <= 1) break;  // splits never grow with rows
-    most = std::max(most, DecodePartialFloats(plan, splits));
-  }
-  return most;
-}
 
 void DecodeAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q, float scale,
                      int splits, float* partials, const Tensor& out, cudaStream_t stream) {

@@ -77,21 +77,8 @@ void ArgMaxRows(const Tensor& x, int32_t* out, cudaStream_t stream);
 
 // ---- Decode attention (decode_attention.cu): split-K flash-decoding over
 // the paged blocks, a GQA group's query heads sharing each K/V read.
-// The number of key splits each row of a plan's step takes: enough thread
-// blocks (rows x KV heads x splits) to fill `multiprocessors` several times
-// over, at most 64, and no split under 256 keys of the plan's longest
-// context where known; never the table width, and each split's keys are
-// cut from the row's own context on the device, so a captured plan holds
-// for every context. 1: the split kernel writes the output directly. 0:
-// the plan does not take this path (a group too wide, or a prefill step of
-// more than 1,024 rows, the prefill kernel's).
-int DecodeSplits(const AttentionPlan& plan, int multiprocessors);
-// Floats of partials DecodeAttention needs for `splits` (0 for one).
-int64_t DecodePartialFloats(const AttentionPlan& plan, int splits);
-// The most partials any step of the layout can need (the largest
-// DecodePartialFloats of any row count's DecodeSplits), so that Reserve
-// sizes them once for every step, captured or not.
-int64_t DecodeMaxPartialFloats(const KvCacheLayout& layout, int64_t num_heads, int multiprocessors);
+// `splits` as kernels/decode_splits.h's DecodeSplits chose (at least 1);
+// `partials` of DecodePartialFloats floats where it is more than 1.
 void DecodeAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q, float scale,
                      int splits, float* partials, const Tensor& out, cudaStream_t stream);
 
