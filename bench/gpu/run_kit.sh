@@ -87,10 +87,10 @@ fi
 
 if [[ $WHAT == all || $WHAT == bench ]]; then
   : > "$OUT/bench.jsonl"
-  for kv in fp16 bf16 fp8; do
+  for kv in fp16 bf16 fp8 nvfp4; do
     step "bench kernels, $kv KV"
-    "$PDSERVE" bench kernels --batch 64 --context 4096 --kv-dtype "$kv" 2>>"$OUT/bench.err" |
-      tee -a "$OUT/bench.jsonl"
+    "$PDSERVE" bench kernels --batch 64 --context 1024,4096,16384 --kv-dtype "$kv" \
+      2>>"$OUT/bench.err" | tee -a "$OUT/bench.jsonl"
   done
   for kv in bf16 fp8; do
     step "bench engine, Llama-3.1-8B shapes, batch-1 decode, $kv KV"
@@ -360,10 +360,13 @@ if [[ $WHAT == perf ]]; then
   done
   mapfile -t greedy < "$logs/greedy.txt"
   summary+=("${greedy[@]}")
-  for kv in fp16 bf16 fp8; do
+  step "bench kernels, fp16 KV, decode at 1K/4K/16K, prefill at 4K and 16K"
+  timeout 60 "$PDSERVE" bench kernels --batch 64 --context 1024,4096,16384 --kv-dtype fp16 \
+    2>>"$logs/bench.err" | tee -a "$OUT/perf.jsonl"
+  for kv in bf16 fp8 nvfp4; do
     step "bench kernels, $kv KV"
-    timeout 45 "$PDSERVE" bench kernels --batch 64 --context 4096 --kv-dtype "$kv" \
-      2>>"$logs/bench.err" | tee -a "$OUT/perf.jsonl"
+    timeout 30 "$PDSERVE" bench kernels --batch 64 --context 4096 --kv-dtype "$kv" \
+      --prefill-tokens 0 2>>"$logs/bench.err" | tee -a "$OUT/perf.jsonl"
   done
   engine() {  # LABEL SECONDS MODEL FLAGS...
     local label=$1 limit=$2 model=$3

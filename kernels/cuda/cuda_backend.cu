@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/ops.h"
+#include "kernels/decode_splits.h"
 #include "kernels/fp8_gemm.h"
 
 namespace pdserve::kernels {
@@ -27,6 +28,7 @@ struct CudaBackend::State {
   cuda::Workspace fp8_activations{"fp8 activations"};  // quantised rows and their scales
   cuda::Workspace fp8_widened{"fp8 widened weights"};  // bf16 slices of fp8 weights
   int sm = 0;
+  int multiprocessors = 0;  // the split-K choice's (kernels/decode_splits.h)
 
   static constexpr size_t kCublasWorkspace = size_t{32} << 20;
   cuda::Gemm gemm() {
@@ -61,6 +63,7 @@ std::unique_ptr<CudaBackend> CudaBackend::Create(int device) {
   cudaDeviceProp prop{};
   Check(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
   state->sm = prop.major * 10 + prop.minor;
+  state->multiprocessors = prop.multiProcessorCount;
   // One workspace per handle (the third for cuBLASLt), set up front: inside
   // a captured graph cuBLAS must not allocate its own.
   constexpr size_t kCublasWorkspace = State::kCublasWorkspace;
@@ -221,18 +224,13 @@ Status CudaBackend::Reserve(const StepLimits& limits) {
   state_->bf16_activations.Reserve(static_cast<size_t>(limits.max_tokens * limits.max_width) * 2,
                                    state_->stream);
   if (!limits.layout.is_mla() && limits.num_heads > 0) {
-    // Split-K serves decode-sized batches: at most max_seqs rows (a
-    // captured step's), every context up to the table's width. A prefill
-    // step that splits grows the partials outside any graph.
-    AttentionPlan widest;
-    widest.layout = limits.layout;
-    widest.num_heads = limits.num_heads;
-    widest.batch.num_tokens = limits.max_seqs;
-    widest.batch.max_blocks_per_seq = limits.max_blocks_per_seq;
-    const int splits = cuda::DecodeSplits(widest);
-    if (splits > 0) {
-      state_->attention_partials.Reserve(
-          static_cast<size_t>(cuda::DecodePartialFloats(widest, splits)) * 4, state_->stream);
+    // Split-K partials for any step: the split count depends on the rows
+    // alone (never the contexts or the table width), so one size covers
+    // every step a graph may capture.
+    const int64_t floats =
+        DecodeMaxPartialFloats(limits.layout, limits.num_heads, state_->multiprocessors);
+    if (floats > 0) {
+      state_->attention_partials.Reserve(static_cast<size_t>(floats) * 4, state_->stream);
     }
     if (limits.kv_selection) {
       const int64_t group = limits.num_heads / std::max<int64_t>(1, limits.layout.num_kv_heads);
@@ -260,10 +258,10 @@ void CudaBackend::PlanAttention(AttentionPlan* plan) {
   plan->num_splits = 0;
   plan->workspace = nullptr;
   if (plan->layout.is_mla()) return;  // one kernel; nothing to choose yet
-  plan->num_splits = cuda::DecodeSplits(*plan);
-  if (plan->num_splits > 0) {
+  plan->num_splits = DecodeSplits(*plan, state_->multiprocessors);
+  if (plan->num_splits > 1) {
     plan->workspace = state_->attention_partials.Get<float>(
-        cuda::DecodePartialFloats(*plan, plan->num_splits), state_->stream);
+        DecodePartialFloats(*plan, plan->num_splits), state_->stream);
   }
 }
 
@@ -392,10 +390,13 @@ void CudaBackend::PagedAttention(const AttentionPlan& plan, int64_t layer, const
   AttentionPlan lp = plan;
   lp.batch = at.batch;
   lp.layout = at.layout;
-  const int splits = cuda::TiledPrefillFirst(lp, q) ? 0 : cuda::DecodeSplits(lp);
+  // Long prefill chunks take the tiled kernel even where splits would
+  // serve; the rest split by rows x KV heads (kernels/decode_splits.h).
+  const int splits = cuda::TiledPrefillFirst(lp, q) ? 0 : DecodeSplits(lp, state_->multiprocessors);
   if (splits > 0) {
-    float* partials = state_->attention_partials.Get<float>(cuda::DecodePartialFloats(lp, splits),
-                                                            state_->stream);
+    float* partials = splits > 1 ? state_->attention_partials.Get<float>(
+                                       DecodePartialFloats(lp, splits), state_->stream)
+                                 : nullptr;
     cuda::DecodeAttention(lp, at.kv_layer, q, scale, splits, partials, out, state_->stream);
   } else {
     cuda::PrefillAttention(lp, at.kv_layer, q, scale, out, state_->stream);

@@ -55,7 +55,7 @@ class CudaBackend final : public Backend {
 
   // The bf16 activation copies and split-K partials of the largest step.
   Status Reserve(const StepLimits& limits) override;
-  // The split-K choice (kernels/cuda/ops.h DecodeSplits) and its partials.
+  // The split-K choice (kernels/decode_splits.h) and its partials.
   void PlanAttention(AttentionPlan* plan) override;
   // CUDA graphs: the stream captured, instantiated, replayed in one launch.
   bool CapturesGraphs() const override { return true; }

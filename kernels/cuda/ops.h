@@ -77,14 +77,8 @@ void ArgMaxRows(const Tensor& x, int32_t* out, cudaStream_t stream);
 
 // ---- Decode attention (decode_attention.cu): split-K flash-decoding over
 // the paged blocks, a GQA group's query heads sharing each K/V read.
-// The number of key splits for a plan (its longest context, or its table
-// width, in splits of kDecodeSplitKeys), or 0 where the plan does not take this path (a group
-// too wide, or partials past their cap: a long prefill chunk, which has
-// rows enough to fill the device without splitting).
-inline constexpr int64_t kDecodeSplitKeys = 512;
-int DecodeSplits(const AttentionPlan& plan);
-// Floats of partials DecodeAttention needs for `splits`.
-int64_t DecodePartialFloats(const AttentionPlan& plan, int splits);
+// `splits` as kernels/decode_splits.h's DecodeSplits chose (at least 1);
+// `partials` of DecodePartialFloats floats where it is more than 1.
 void DecodeAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q, float scale,
                      int splits, float* partials, const Tensor& out, cudaStream_t stream);
 

@@ -1,8 +1,8 @@
 // pdserve bench kernels: the device's own limits (copy bandwidth, fp32 and
 // bf16 GEMM rates) and, in the same run, paged decode attention of the CUDA
-// backend held against them, then causal prefill attention (one sequence of
-// 4,096 and of 16,384 tokens, bf16 KV) against the bf16 GEMM rate. One JSON
-// line.
+// backend held against them (one JSON line per context), then causal
+// prefill attention (one sequence of 4,096 and of 16,384 tokens, bf16 KV)
+// against the bf16 GEMM rate (one more line).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -111,27 +111,161 @@ nlohmann::json MeasurePrefill(kernels::Backend& backend, int64_t tokens, int64_t
   }
   return result;
 }
+// Paged decode attention of `batch` sequences of `context` tokens each,
+// against the measured roofline: one JSON line on stdout. 0, or 1 (a
+// message on stderr) when the pool does not fit.
+int MeasureDecodeAttention(kernels::CudaBackend& backend, const cuda::Roofline& roof, int64_t batch,
+                           int64_t context, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                           DType kv_dtype, int64_t device) {
+  kernels::KvCacheLayout layout;
+  layout.num_layers = 1;
+  layout.num_kv_heads = kv_heads;
+  layout.head_dim = head_dim;
+  layout.block_size = 16;
+  layout.dtype = kv_dtype;
+  const int64_t blocks_per_seq = (context + 15) / 16;
+  layout.num_blocks = batch * blocks_per_seq;
+  std::vector<void*> owned;  // freed when this context is measured
+  auto allocate = [&](size_t bytes) {
+    void* p = backend.Allocate(bytes);
+    if (p != nullptr) owned.push_back(p);
+    return p;
+  };
+  struct FreeAll {
+    kernels::CudaBackend& backend;
+    std::vector<void*>& owned;
+    ~FreeAll() {
+      for (void* p : owned) backend.Free(p);
+    }
+  } free_all{backend, owned};
+  void* pool = allocate(layout.total_bytes());
+  if (pool == nullptr) {
+    std::fprintf(stderr, "pdserve bench kernels: cannot allocate a %.1f GiB KV pool\n",
+                 layout.total_bytes() / double(1 << 30));
+    return 1;
+  }
+  // Fill the pool the way the engine does, one sequence at a time.
+  std::fprintf(stderr, "bench kernels: writing %lld x %lld tokens of KV...\n",
+               static_cast<long long>(batch), static_cast<long long>(context));
+  std::mt19937 rng(1);
+  std::uniform_real_distribution<float> dist(-1.f, 1.f);
+  const int64_t width = kv_heads * head_dim;
+  std::vector<float> host(context * width);
+  for (auto& x : host) x = dist(rng);
+  auto* k = static_cast<float*>(allocate(host.size() * 4));
+  auto* v = static_cast<float*>(allocate(host.size() * 4));
+  auto* slots = static_cast<int64_t*>(allocate(context * 8));
+  backend.Upload(k, host.data(), host.size() * 4);
+  backend.Upload(v, host.data(), host.size() * 4);
+  std::vector<int32_t> tables(batch * blocks_per_seq);
+  std::vector<int64_t> host_slots(context);
+  for (int64_t s = 0; s < batch; ++s) {
+    for (int64_t b = 0; b < blocks_per_seq; ++b)
+      tables[s * blocks_per_seq + b] = static_cast<int32_t>(s * blocks_per_seq + b);
+    for (int64_t t = 0; t < context; ++t)
+      host_slots[t] = int64_t{tables[s * blocks_per_seq + t / 16]} * 16 + t % 16;
+    backend.Upload(slots, host_slots.data(), context * 8);
+    backend.WriteKv(layout, pool, 0,
+                    kernels::Tensor::Of(k, DType::kF32, {context, kv_heads, head_dim}),
+                    kernels::Tensor::Of(v, DType::kF32, {context, kv_heads, head_dim}), slots);
+  }
+
+  std::vector<int32_t> query_start(batch + 1), context_lens(batch, static_cast<int32_t>(context));
+  for (int64_t s = 0; s <= batch; ++s) query_start[s] = static_cast<int32_t>(s);
+  std::vector<float> q(batch * heads * head_dim);
+  for (auto& x : q) x = dist(rng);
+  auto upload = [&](const auto& vec) {
+    void* p = allocate(vec.size() * sizeof(vec[0]));
+    backend.Upload(p, vec.data(), vec.size() * sizeof(vec[0]));
+    return p;
+  };
+  kernels::AttentionPlan plan;
+  plan.layout = layout;
+  plan.pool = pool;
+  plan.num_heads = heads;
+  kernels::AttentionBatch& ab = plan.batch;
+  ab.num_seqs = batch;
+  ab.query_start = static_cast<const int32_t*>(upload(query_start));
+  ab.context_lens = static_cast<const int32_t*>(upload(context_lens));
+  ab.block_tables = static_cast<const int32_t*>(upload(tables));
+  ab.max_blocks_per_seq = blocks_per_seq;
+  ab.num_tokens = batch;
+  const auto* dq = static_cast<const float*>(upload(q));
+  auto* out = static_cast<float*>(allocate(q.size() * 4));
+  const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+
+  std::fprintf(stderr, "bench kernels: paged decode attention...\n");
+  // Ten calls back to back per timing, so that the launch and the
+  // synchronisation are a small share of a sub-millisecond call.
+  constexpr int kCalls = 10;
+  auto run = [&] {
+    backend.PagedAttention(plan, 0, kernels::Tensor::Of(dq, DType::kF32, {batch, heads, head_dim}),
+                           scale, kernels::Tensor::Of(out, DType::kF32, {batch, heads, head_dim}));
+  };
+  run();  // warms up
+  backend.Synchronize();
+  double best = 1e30;
+  for (int i = 0; i < 5; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    for (int c = 0; c < kCalls; ++c) run();
+    backend.Synchronize();
+    const double s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    best = std::min(best, s / kCalls);
+  }
+  // K and V of every token, every KV head, read once (fp8 scales are noise).
+  const double kv_bytes = 2.0 * batch * context * kv_heads * head_dim * DTypeBits(kv_dtype) / 8;
+  const double read_gbps = kv_bytes / best / 1e9;
+  const nlohmann::json result = {
+      {"bench", "kernels"},
+      {"device", cuda::DeviceDescription(static_cast<int>(device))},
+      {"copy_gbytes_per_s", roof.copy_gbytes_per_s},
+      {"fp32_gemm_tflops", roof.fp32_tflops},
+      {"bf16_gemm_tflops", roof.bf16_tflops},
+      {"paged_attention",
+       {{"batch", batch},
+        {"context", context},
+        {"heads", heads},
+        {"kv_heads", kv_heads},
+        {"head_dim", head_dim},
+        {"kv_dtype", std::string(DTypeName(kv_dtype))},
+        {"seconds", best},
+        {"kv_bytes", kv_bytes},
+        {"kv_read_gbytes_per_s", read_gbps},
+        // The copy figure counts a read and a write per byte copied.
+        {"fraction_of_copy_bandwidth", read_gbps / roof.copy_gbytes_per_s}}},
+      {"machine", MachineJson()}};
+  std::printf("%s\n", result.dump().c_str());
+  return 0;
+}
 #endif
 
 int RunBenchKernels(int argc, char** argv) {
-  int64_t batch = 64, context = 4096, heads = 32, kv_heads = 8, head_dim = 128, device = 0;
+  int64_t batch = 64, heads = 32, kv_heads = 8, head_dim = 128, device = 0;
+  std::vector<int64_t> contexts = {4096}, prefill_tokens = {4096, 16384};
   std::string kv_dtype_name = "fp16";
   FlagSet flags("bench kernels",
                 "Measure the GPU's copy bandwidth and GEMM rates, then paged decode attention "
-                "and causal prefill attention against them (one JSON line).");
+                "(one JSON line per context) and causal prefill attention (one line) against "
+                "them.");
   flags.AddInt("device", &device, "CUDA device index");
   flags.AddInt("batch", &batch, "sequences decoding at once");
-  flags.AddInt("context", &context, "tokens of KV per sequence");
+  flags.AddIntList("context", &contexts, "tokens of KV per sequence (a list sweeps them)");
+  flags.AddIntList("prefill-tokens", &prefill_tokens,
+                   "prompt lengths of the causal prefill attention measurement (bf16 KV; 0: none)");
   flags.AddInt("heads", &heads, "query heads");
   flags.AddInt("kv-heads", &kv_heads, "KV heads (GQA groups)");
   flags.AddInt("head-dim", &head_dim, "head dimension (at most 256)");
   flags.AddString("kv-dtype", &kv_dtype_name, "KV cache dtype: " + std::string(kKvDTypeChoices));
-  flags.SetEpilog("Example: pdserve bench kernels --batch 64 --context 4096 --kv-dtype fp16");
+  flags.SetEpilog(
+      "Example: pdserve bench kernels --batch 64 --context 1024,4096,16384 --kv-dtype fp16");
   ParseFlagsOrExit(flags, argc, argv);
   auto kv_dtype = ParseDType(kv_dtype_name);
   if (!kv_dtype)
     UsageError("bench kernels", "--kv-dtype: expected " + std::string(kKvDTypeChoices));
-  if (batch < 1 || context < 1 || heads < 1 || kv_heads < 1 || heads % kv_heads != 0 ||
+  const bool contexts_ok = !contexts.empty() && std::all_of(contexts.begin(), contexts.end(),
+                                                            [](int64_t c) { return c >= 1; });
+  if (batch < 1 || !contexts_ok || heads < 1 || kv_heads < 1 || heads % kv_heads != 0 ||
       head_dim < 2 || head_dim > 256 || head_dim % 2 != 0 || device < 0) {
     UsageError("bench kernels",
                "sizes must be positive, heads a multiple of kv-heads, head-dim even and <= 256");
@@ -154,101 +288,28 @@ int RunBenchKernels(int argc, char** argv) {
     return 1;
   }
 
-  kernels::KvCacheLayout layout;
-  layout.num_layers = 1;
-  layout.num_kv_heads = kv_heads;
-  layout.head_dim = head_dim;
-  layout.block_size = 16;
-  layout.dtype = *kv_dtype;
-  const int64_t blocks_per_seq = (context + 15) / 16;
-  layout.num_blocks = batch * blocks_per_seq;
-  void* pool = backend->Allocate(layout.total_bytes());
-  if (pool == nullptr) {
-    std::fprintf(stderr, "pdserve bench kernels: cannot allocate a %.1f GiB KV pool\n",
-                 layout.total_bytes() / double(1 << 30));
-    return 1;
+  for (const int64_t context : contexts) {
+    if (MeasureDecodeAttention(*backend, roof, batch, context, heads, kv_heads, head_dim, *kv_dtype,
+                               device) != 0) {
+      return 1;
+    }
   }
-  // Fill the pool the way the engine does, one sequence at a time.
-  std::fprintf(stderr, "bench kernels: writing %lld x %lld tokens of KV...\n",
-               static_cast<long long>(batch), static_cast<long long>(context));
-  std::mt19937 rng(1);
-  std::uniform_real_distribution<float> dist(-1.f, 1.f);
-  const int64_t width = kv_heads * head_dim;
-  std::vector<float> host(context * width);
-  for (auto& x : host) x = dist(rng);
-  auto* k = static_cast<float*>(backend->Allocate(host.size() * 4));
-  auto* v = static_cast<float*>(backend->Allocate(host.size() * 4));
-  auto* slots = static_cast<int64_t*>(backend->Allocate(context * 8));
-  backend->Upload(k, host.data(), host.size() * 4);
-  backend->Upload(v, host.data(), host.size() * 4);
-  std::vector<int32_t> tables(batch * blocks_per_seq);
-  std::vector<int64_t> host_slots(context);
-  for (int64_t s = 0; s < batch; ++s) {
-    for (int64_t b = 0; b < blocks_per_seq; ++b)
-      tables[s * blocks_per_seq + b] = static_cast<int32_t>(s * blocks_per_seq + b);
-    for (int64_t t = 0; t < context; ++t)
-      host_slots[t] = int64_t{tables[s * blocks_per_seq + t / 16]} * 16 + t % 16;
-    backend->Upload(slots, host_slots.data(), context * 8);
-    backend->WriteKv(layout, pool, 0,
-                     kernels::Tensor::Of(k, DType::kF32, {context, kv_heads, head_dim}),
-                     kernels::Tensor::Of(v, DType::kF32, {context, kv_heads, head_dim}), slots);
-  }
-
-  std::vector<int32_t> query_start(batch + 1), context_lens(batch, static_cast<int32_t>(context));
-  for (int64_t s = 0; s <= batch; ++s) query_start[s] = static_cast<int32_t>(s);
-  std::vector<float> q(batch * heads * head_dim);
-  for (auto& x : q) x = dist(rng);
-  auto upload = [&](const auto& vec) {
-    void* p = backend->Allocate(vec.size() * sizeof(vec[0]));
-    backend->Upload(p, vec.data(), vec.size() * sizeof(vec[0]));
-    return p;
-  };
-  kernels::AttentionPlan plan;
-  plan.layout = layout;
-  plan.pool = pool;
-  plan.num_heads = heads;
-  kernels::AttentionBatch& ab = plan.batch;
-  ab.num_seqs = batch;
-  ab.query_start = static_cast<const int32_t*>(upload(query_start));
-  ab.context_lens = static_cast<const int32_t*>(upload(context_lens));
-  ab.block_tables = static_cast<const int32_t*>(upload(tables));
-  ab.max_blocks_per_seq = blocks_per_seq;
-  ab.num_tokens = batch;
-  const auto* dq = static_cast<const float*>(upload(q));
-  auto* out = static_cast<float*>(backend->Allocate(q.size() * 4));
-
-  std::fprintf(stderr, "bench kernels: paged decode attention...\n");
-  const double best = TimeAttention(*backend, plan, dq, out, batch, heads, head_dim, 10);
-  // K and V of every token, every KV head, read once (fp8 scales are noise).
-  const double kv_bytes = 2.0 * batch * context * kv_heads * head_dim * DTypeBits(*kv_dtype) / 8;
-  const double read_gbps = kv_bytes / best / 1e9;
+  if (std::none_of(prefill_tokens.begin(), prefill_tokens.end(), [](int64_t t) { return t > 0; }))
+    return 0;
   nlohmann::json prefill = nlohmann::json::array();
-  for (const int64_t tokens : {4096, 16384}) {
+  for (const int64_t tokens : prefill_tokens) {
+    if (tokens < 1) continue;
     std::fprintf(stderr, "bench kernels: prefill attention, %lld tokens...\n",
                  static_cast<long long>(tokens));
     prefill.push_back(
         MeasurePrefill(*backend, tokens, heads, kv_heads, head_dim, roof.bf16_tflops));
   }
-  const nlohmann::json result = {
-      {"bench", "kernels"},
-      {"device", cuda::DeviceDescription(static_cast<int>(device))},
-      {"copy_gbytes_per_s", roof.copy_gbytes_per_s},
-      {"fp32_gemm_tflops", roof.fp32_tflops},
-      {"bf16_gemm_tflops", roof.bf16_tflops},
-      {"paged_attention",
-       {{"batch", batch},
-        {"context", context},
-        {"heads", heads},
-        {"kv_heads", kv_heads},
-        {"head_dim", head_dim},
-        {"kv_dtype", std::string(DTypeName(*kv_dtype))},
-        {"seconds", best},
-        {"kv_bytes", kv_bytes},
-        {"kv_read_gbytes_per_s", read_gbps},
-        // The copy figure counts a read and a write per byte copied.
-        {"fraction_of_copy_bandwidth", read_gbps / roof.copy_gbytes_per_s}}},
-      {"prefill_attention", prefill},
-      {"machine", MachineJson()}};
+  const nlohmann::json result = {{"bench", "kernels"},
+                                 {"device", cuda::DeviceDescription(static_cast<int>(device))},
+                                 {"copy_gbytes_per_s", roof.copy_gbytes_per_s},
+                                 {"bf16_gemm_tflops", roof.bf16_tflops},
+                                 {"prefill_attention", prefill},
+                                 {"machine", MachineJson()}};
   std::printf("%s\n", result.dump().c_str());
   return 0;
 #endif

@@ -23,6 +23,7 @@
 
 #include "kernels/backend.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/decode_splits.h"
 #include "kernels/float_convert.h"
 #include "tests/unit/mla_test_problem.h"
 #include "tests/unit/moe_test_problem.h"
@@ -587,23 +588,38 @@ TEST_P(BackendKvTest, WriteKvLeavesTheReferencesBytes) {
 }
 
 // Short contexts with GQA (3 query heads per KV head) and long ones, which
-// CUDA splits (keys in splits of 512, merged afterwards): a 4100-key decode
-// row, a 3-row chunk over 1000 keys, a 1-key row; head dims of every split
-// kernel instance and groups up to 10. q is a view of a q|k|v product.
+// CUDA splits (the device's split count, key ranges cut from each row's
+// context, merged afterwards): a 4100-key decode row, a 3-row chunk over
+// 1000 keys, a 1-key row; decode rows of very different contexts in one
+// step (1 and 3000, none a multiple of a block or a split); 1100 decode rows
+// (one split: written without partials); head dims and groups of every split
+// kernel instance (and of the general one: head dims 32 and 64 with a group
+// of 3, every dtype the fast one does not take), groups up to 10. Each runs
+// as an uncaptured step plans it and as a captured one does (all rows
+// decode rows planned for 131,072 keys). q is a view of a q|k|v product.
 TEST_P(BackendKvTest, PagedAttention) {
   struct Shape {
     int64_t head_dim, num_heads;  // 2 KV heads
     std::vector<int32_t> context_lens, q_lens;
   };
-  const std::vector<Shape> shapes = {{64, 6, {41, 20}, {3, 1}},
-                                     {128, 8, {4100, 1000, 1}, {1, 3, 1}},
-                                     {64, 16, {4100, 1000, 1}, {1, 3, 1}},
-                                     {256, 2, {4100, 1000, 1}, {1, 3, 1}},
-                                     {32, 4, {4100, 1000, 1}, {1, 3, 1}},
-                                     {128, 20, {4100, 1000, 1}, {1, 3, 1}}};
+  std::vector<Shape> shapes = {{64, 6, {41, 20}, {3, 1}},
+                               {128, 8, {4100, 1000, 1}, {1, 3, 1}},
+                               {64, 16, {4100, 1000, 1}, {1, 3, 1}},
+                               {256, 2, {4100, 1000, 1}, {1, 3, 1}},
+                               {32, 4, {4100, 1000, 1}, {1, 3, 1}},
+                               {128, 20, {4100, 1000, 1}, {1, 3, 1}},
+                               {128, 16, {3000, 1, 777, 2049}, {1, 1, 1, 1}},
+                               {64, 8, {1, 3000, 513, 47}, {1, 1, 1, 1}},
+                               {128, 4, {2500, 33}, {1, 1}},
+                               {64, 4, {}, {}}};
+  for (int32_t i = 0; i < 1100; ++i) {
+    shapes.back().context_lens.push_back(1 + i * 37 % 61);
+    shapes.back().q_lens.push_back(1);
+  }
   for (const Shape& s : shapes) {
     SCOPED_TRACE("head_dim " + std::to_string(s.head_dim) + ", " + std::to_string(s.num_heads) +
-                 " query heads, context " + std::to_string(s.context_lens[0]));
+                 " query heads, " + std::to_string(s.context_lens.size()) + " sequences, context " +
+                 std::to_string(s.context_lens[0]));
     const int64_t seqs = static_cast<int64_t>(s.context_lens.size()), hd = s.head_dim;
     int64_t max_blocks = 0, blocks = 0;
     for (int32_t c : s.context_lens) {
@@ -632,28 +648,39 @@ TEST_P(BackendKvTest, PagedAttention) {
     const int64_t rows = query_start.back(), width = (s.num_heads + 4) * hd;
     const auto qkv = Random(rows * width);
     const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-    // Contexts within one split of keys take CUDA's prefill kernels, whose
-    // tiled one rounds q and the softmax weights to 16-bit KV's type.
-    const bool one_split = *std::max_element(s.context_lens.begin(), s.context_lens.end()) <= 512;
-    Compare(
-        "PagedAttention", 1e-5,
-        [&](Backend& b, Mem& mem) -> Outputs {
-          AttentionPlan plan;
-          plan.layout = l;
-          plan.pool = mem.Up(pool);
-          plan.num_heads = s.num_heads;
-          plan.batch.num_seqs = seqs;
-          plan.batch.query_start = mem.Up(query_start);
-          plan.batch.context_lens = mem.Up(s.context_lens);
-          plan.batch.block_tables = mem.Up(tables);
-          plan.batch.max_blocks_per_seq = max_blocks;
-          plan.batch.num_tokens = rows;
-          const Tensor q = mem.F32(qkv, {rows, width}).Columns(0, s.num_heads * hd);
-          const Tensor out = mem.Poisoned({rows, s.num_heads, hd});
-          b.PagedAttention(plan, 0, q.Split({s.num_heads, hd}), scale, out);
-          return {mem.Down(out)};
-        },
-        one_split ? TiledPrefillBound() : 0);
+    const bool decode_rows = rows == seqs;
+    // Past kDecodeMaxRows rows of unknown query length, CUDA's prefill
+    // kernels serve, whose tiled one rounds q and the softmax weights to
+    // 16-bit KV's type.
+    const bool prefill_kernel = rows > kDecodeMaxRows;
+    for (const bool captured : {false, true}) {
+      if (captured && !decode_rows) continue;
+      Compare(
+          captured ? "PagedAttention planned as a captured step" : "PagedAttention", 1e-5,
+          [&](Backend& b, Mem& mem) -> Outputs {
+            AttentionPlan plan;
+            plan.layout = l;
+            plan.pool = mem.Up(pool);
+            plan.num_heads = s.num_heads;
+            plan.batch.num_seqs = seqs;
+            plan.batch.query_start = mem.Up(query_start);
+            plan.batch.context_lens = mem.Up(s.context_lens);
+            plan.batch.block_tables = mem.Up(tables);
+            plan.batch.max_blocks_per_seq = max_blocks;
+            plan.batch.num_tokens = rows;
+            if (captured) {
+              // As a graph's plan: bounds for every replay, far past these contexts.
+              plan.max_query_len = 1;
+              plan.max_context_len = 131072;
+              b.PlanAttention(&plan);
+            }
+            const Tensor q = mem.F32(qkv, {rows, width}).Columns(0, s.num_heads * hd);
+            const Tensor out = mem.Poisoned({rows, s.num_heads, hd});
+            b.PagedAttention(plan, 0, q.Split({s.num_heads, hd}), scale, out);
+            return {mem.Down(out)};
+          },
+          !captured && prefill_kernel ? TiledPrefillBound() : 0);
+    }
     if (s.context_lens[0] < 4100) continue;
     // A layer of a second, windowed layer group with a soft cap, as a step's
     // plan gives it (AttentionPlan::layers): windows of 700 keys (the
