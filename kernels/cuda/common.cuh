@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <vector>
 
 namespace pdserve::cuda {
 
@@ -30,56 +31,63 @@ inline constexpr int kThreads = 256;
 
 inline unsigned Blocks(int64_t n) { return static_cast<unsigned>((n + kThreads - 1) / kThreads); }
 
-// Set when a Workspace would have had to grow while this thread's stream
-// was being captured (captures are thread-local: cudaStreamCaptureModeThreadLocal);
-// CudaBackend::CaptureGraph clears it before a capture and drops the graph if
-// it is set after, so the step runs eagerly instead.
-inline thread_local bool workspace_outgrown_in_capture = false;
-
 // Device scratch reused from call to call. Reserve sizes it before steps
-// run (stream-ordered, so no growth waits for the device); Get never
-// allocates while the stream is being captured into a graph, where an
-// allocation would not be replayed: a capture that needs more than was
-// reserved is marked failed (workspace_outgrown_in_capture) and gets the
-// buffer as it is, which the discarded graph never uses.
+// run (stream-ordered, so no growth waits for the device). A captured CUDA
+// graph keeps the addresses it was captured with, so a buffer is never
+// freed while the backend lives: growing retires the old one (kept until
+// Release) and, inside a capture, allocates with cudaMalloc under the
+// relaxed capture mode (an allocation outside the graph, which replays
+// then read; a stream-ordered allocation would become a graph node).
+// Growth in Get rounds up to a power of two, so the retired buffers never
+// add up to more than the live one.
 class Workspace {
  public:
   explicit Workspace(const char* name) : name_(name) {}
   void Reserve(size_t bytes, cudaStream_t stream) {
-    if (bytes <= bytes_) return;
-    if (data_ != nullptr) Check(cudaFreeAsync(data_, stream), "cudaFreeAsync");
-    Check(cudaMallocAsync(&data_, bytes, stream), "cudaMallocAsync");
-    bytes_ = bytes;
+    if (bytes > bytes_) Grow(bytes, stream);
   }
   template <typename T>
   T* Get(int64_t elems, cudaStream_t stream) {
     const size_t bytes = static_cast<size_t>(elems) * sizeof(T);
     if (bytes > bytes_) {
-      cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-      Check(cudaStreamIsCapturing(stream, &capturing), "cudaStreamIsCapturing");
-      if (capturing != cudaStreamCaptureStatusNone) {
-        std::fprintf(stderr,
-                     "pdserve cuda backend: %s scratch of %zu bytes outgrew %zu in a graph "
-                     "capture; the capture is dropped\n",
-                     name_, bytes, bytes_);
-        workspace_outgrown_in_capture = true;
-        return static_cast<T*>(data_);
-      }
-      Reserve(bytes, stream);
+      size_t rounded = 256;
+      while (rounded < bytes) rounded *= 2;
+      Grow(rounded, stream);
     }
     return static_cast<T*>(data_);
   }
-  // After the stream is idle.
+  // After the stream is idle and every graph captured on it is destroyed.
   void Release() {
+    for (void* p : retired_) cudaFree(p);
+    retired_.clear();
     if (data_ != nullptr) cudaFree(data_);
     data_ = nullptr;
     bytes_ = 0;
   }
 
  private:
+  void Grow(size_t bytes, cudaStream_t stream) {
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    Check(cudaStreamIsCapturing(stream, &capturing), "cudaStreamIsCapturing");
+    void* grown = nullptr;
+    if (capturing == cudaStreamCaptureStatusNone) {
+      Check(cudaMallocAsync(&grown, bytes, stream), name_);
+    } else {
+      cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+      Check(cudaThreadExchangeStreamCaptureMode(&mode), "cudaThreadExchangeStreamCaptureMode");
+      const cudaError_t allocated = cudaMalloc(&grown, bytes);
+      Check(cudaThreadExchangeStreamCaptureMode(&mode), "cudaThreadExchangeStreamCaptureMode");
+      Check(allocated, name_);
+    }
+    if (data_ != nullptr) retired_.push_back(data_);
+    data_ = grown;
+    bytes_ = bytes;
+  }
+
   const char* name_;
   void* data_ = nullptr;
   size_t bytes_ = 0;
+  std::vector<void*> retired_;  // earlier buffers, which captured graphs may still use
 };
 
 }  // namespace pdserve::cuda

@@ -282,11 +282,10 @@ std::unique_ptr<Backend::Graph> CudaBackend::CaptureGraph(const std::function<vo
     cudaGetLastError();
     return nullptr;
   }
-  cuda::workspace_outgrown_in_capture = false;
   body();
   cudaGraph_t graph = nullptr;
   cudaError_t err = cudaStreamEndCapture(state_->stream, &graph);
-  if (err != cudaSuccess || graph == nullptr || cuda::workspace_outgrown_in_capture) {
+  if (err != cudaSuccess || graph == nullptr) {
     cudaGetLastError();
     if (graph != nullptr) cudaGraphDestroy(graph);
     return nullptr;

@@ -205,44 +205,53 @@ TEST_F(BackendOpsTest, Linear) {
   }
 }
 
-// A step captured into a CUDA graph must not allocate: a capture during
-// which a workspace would have to grow (here the bf16 copy of x that a
-// 40-row bf16 product needs, on a fresh backend nothing reserved) is
-// dropped, never an abort, and the step runs eagerly; once the workspace
-// has grown, the next capture holds and its replay computes the product.
-TEST_F(BackendOpsTest, CaptureThatOutgrowsAWorkspaceIsDropped) {
+// A captured CUDA graph keeps the scratch addresses it was captured with.
+// On a fresh backend (nothing reserved), a 40-row bf16 product grows the
+// bf16 copy of x inside the capture; the capture holds and its replay
+// computes the product. A larger product run eagerly afterwards grows the
+// scratch again, and the graph, replayed once more, must still compute it:
+// the buffer it was captured on stays alive (memcheck would flag a read of
+// a freed one).
+TEST_F(BackendOpsTest, CapturedGraphsSurviveScratchGrowth) {
   if (!HasCuda()) GTEST_SKIP() << "no CUDA device";
-  const int64_t m = 40, k = 64, n = 48;
+  const int64_t m = 40, big = 300, k = 64, n = 48;
   std::vector<uint8_t> stored(n * k * 2);
   const auto values = Random(n * k);
   for (int64_t i = 0; i < n * k; ++i) {
     const uint16_t h = F32ToBf16(values[i]);
     std::memcpy(&stored[2 * i], &h, 2);
   }
-  const auto x = Random(m * k);
-  const auto run = [&](Backend& b, Mem& mem, bool capture) -> std::vector<float> {
+  const auto x = Random(m * k), x_big = Random(big * k);
+  const auto run = [&](Backend& b, Mem& mem, bool capture) -> Outputs {
     WeightMatrix host{stored.data(), DType::kBF16, n, k};
     auto w = b.PrepareLinear(&host, 1, nullptr, /*in_place=*/false, mem.store());
     EXPECT_TRUE(w.ok()) << w.status().ToString();
-    const Tensor xt = mem.F32(x, {m, k});
-    const Tensor y = mem.Poisoned({m, n});
+    const Tensor xt = mem.F32(x, {m, k}), xt_big = mem.F32(x_big, {big, k});
+    const Tensor y = mem.Poisoned({m, n}), y_big = mem.Poisoned({big, n});
     if (!capture) {
       b.Linear(xt, *w, y);
-      return mem.Down(y);
+      b.Linear(xt_big, *w, y_big);
+      return {mem.Down(y), mem.Down(y_big), mem.Down(y)};
     }
-    EXPECT_EQ(b.CaptureGraph([&] { b.Linear(xt, *w, y); }), nullptr);
-    b.Linear(xt, *w, y);  // eagerly: the workspace grows
-    b.Upload(y.as<float>(), std::vector<float>(m * n, NAN).data(), m * n * sizeof(float));
     auto graph = b.CaptureGraph([&] { b.Linear(xt, *w, y); });
     EXPECT_NE(graph, nullptr);
-    if (graph != nullptr) b.ReplayGraph(*graph);
-    return mem.Down(y);
+    if (graph == nullptr) return {};
+    b.ReplayGraph(*graph);
+    const std::vector<float> first = mem.Down(y);
+    b.Linear(xt_big, *w, y_big);  // eagerly: the scratch grows again
+    b.Upload(y.as<float>(), std::vector<float>(m * n, NAN).data(), m * n * sizeof(float));
+    b.ReplayGraph(*graph);
+    return {first, mem.Down(y_big), mem.Down(y)};
   };
   Mem ref_mem(&reference_);
-  const auto want = run(reference_, ref_mem, false);
+  const Outputs want = run(reference_, ref_mem, false);
   Target& gpu = targets_.back();
   Mem mem(gpu.backend.get());
-  ExpectClose("Linear replayed after a dropped capture", run(*gpu.backend, mem, true), want, 5e-3);
+  const Outputs got = run(*gpu.backend, mem, true);
+  ASSERT_EQ(got.size(), want.size());
+  ExpectClose("Linear from a graph captured while its scratch grew", got[0], want[0], 5e-3);
+  ExpectClose("Linear of 300 rows after the capture", got[1], want[1], 5e-3);
+  ExpectClose("the same graph replayed after the scratch grew again", got[2], want[2], 5e-3);
 }
 
 // fp8 weights, one scale per tensor, per channel or per block (DeepSeek's
