@@ -47,7 +47,13 @@
 # shapes (bench/configs/llama-3.1-8b-fp8) where that folder exists. JSON
 # lines in perf.jsonl; logs in logs.tar.gz.
 #
-# Usage: bench/gpu/run_kit.sh [all|quick|perf|tests|bench|serve|families|kv|eviction|tp]
+# And (profile): perf's tests and benchmarks, then Nsight Compute's kernel
+# durations over whole `bench engine` runs without graphs (batch 1 and 64
+# after 1,024 tokens; --clock-control none), one CSV row per launch in
+# logs.tar.gz; bench/gpu/kernel_shares.py turns them into each kernel's
+# share of a decode step.
+#
+# Usage: bench/gpu/run_kit.sh [all|quick|perf|profile|tests|bench|serve|families|kv|eviction|tp]
 set -uo pipefail
 
 WHAT=${1:-all}
@@ -305,13 +311,13 @@ if [[ $WHAT == quick ]]; then
   rm -rf "$logs"
 fi
 
-if [[ $WHAT == perf ]]; then
+if [[ $WHAT == perf || $WHAT == profile ]]; then
   : > "$OUT/perf.jsonl"
   logs=$OUT/logs
   mkdir -p "$logs"
   step "GPU tests, all at once"
   pids=()
-  for t in backend_ops_test cuda_engine_test cuda_serving_test; do
+  for t in backend_ops_test cuda_engine_test cuda_serving_test communicator_test; do
     PDSERVE_BIN=$PDSERVE PDSERVE_REAL_MODEL_DIR=$KIT/models/stories260K \
       timeout 120 "$KIT/bin/$t" --gtest_brief=1 > "$logs/$t.log" 2>&1 &
     pids+=("$!:$t")
@@ -383,6 +389,17 @@ if [[ $WHAT == perf ]]; then
   if [[ -f bench/configs/llama-3.1-8b-fp8/config.json ]]; then
     engine "fp8 weights b1 decode" 60 bench/configs/llama-3.1-8b-fp8 --kv-dtype bf16 --batch 1 \
       --prompt-tokens 512 --gen-tokens 32
+  fi
+  if [[ $WHAT == profile ]]; then
+    for batch in 1 64; do
+      step "ncu kernel durations, batch $batch, eager"
+      timeout 120 ncu --metrics gpu__time_duration.sum --clock-control none --csv --page raw \
+        --log-file "$logs/ncu-b$batch.csv" "$PDSERVE" bench engine \
+        --model bench/configs/llama-3.1-8b --load-format dummy --device cuda --kv-dtype bf16 \
+        --batch "$batch" --prompt-tokens 1024 --gen-tokens 5 --max-batched-tokens 16384 \
+        --cuda-graphs=false --json >> "$logs/ncu.jsonl" 2>> "$logs/ncu.err"
+      summary+=("ncu batch $batch: exit $?, $(wc -l < "$logs/ncu-b$batch.csv" 2>/dev/null) rows")
+    done
   fi
   cp "$OUT/device.txt" "$logs/"
   tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs

@@ -2,7 +2,8 @@
 // bf16 GEMM rates) and, in the same run, paged decode attention of the CUDA
 // backend held against them (one JSON line per context), then causal
 // prefill attention (one sequence of 4,096 and of 16,384 tokens, bf16 KV)
-// against the bf16 GEMM rate (one more line).
+// against the bf16 GEMM rate and the bf16 GEMV of decode over Llama-3.1-8B
+// layers against the copy bandwidth (one more line).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -111,6 +112,69 @@ nlohmann::json MeasurePrefill(kernels::Backend& backend, int64_t tokens, int64_t
   }
   return result;
 }
+// Few-row products with bf16 weights, as batch-1 and batch-8 decode run
+// them: one layer of Llama-3.1-8B (q|k|v 6,144 x 4,096, o 4,096 x 4,096,
+// gate|up 28,672 x 4,096, down 4,096 x 14,336) in turn, over four copies of
+// the layer so that no weight is still in L2 when it is read again, 32
+// layers a timing. The weight bytes over the time: what the bf16 GEMV
+// streams, against the copy bandwidth.
+nlohmann::json MeasureGemv(kernels::Backend& backend, double copy_gbytes_per_s) {
+  struct Shape {
+    int64_t rows, cols;
+  };
+  const Shape shapes[] = {{6144, 4096}, {4096, 4096}, {28672, 4096}, {4096, 14336}};
+  constexpr int kCopies = 4, kLayers = 32;
+  kernels::WeightStore store(&backend);
+  std::mt19937 rng(3);
+  std::uniform_int_distribution<int> bits(0x3c00, 0x3f80);  // bf16 of magnitudes 2^-7 .. 1
+  std::vector<kernels::LinearWeights> weights;
+  double layer_bytes = 0;
+  for (const Shape& sh : shapes) {
+    std::vector<uint16_t> host(sh.rows * sh.cols);
+    for (auto& h : host) h = static_cast<uint16_t>(bits(rng) | (rng() & 1 ? 0x8000 : 0));
+    layer_bytes += 2.0 * sh.rows * sh.cols;
+    for (int c = 0; c < kCopies; ++c) {
+      const kernels::WeightMatrix w{host.data(), DType::kBF16, sh.rows, sh.cols};
+      auto prepared = backend.PrepareLinear(&w, 1, nullptr, /*in_place=*/false, &store);
+      if (!prepared.ok()) return nullptr;
+      weights.push_back(*prepared);
+    }
+  }
+  nlohmann::json result = nlohmann::json::array();
+  for (const int64_t m : {int64_t{1}, int64_t{8}}) {
+    std::vector<float> x(m * 14336);
+    for (auto& v : x) v = static_cast<float>(rng() % 2001) / 1000.f - 1.f;
+    auto* dx = static_cast<float*>(store.Upload(x.data(), x.size() * 4));
+    auto* dy = static_cast<float*>(store.Allocate(m * 28672 * 4));
+    if (dx == nullptr || dy == nullptr) return nullptr;
+    auto layers = [&] {
+      for (int l = 0; l < kLayers; ++l) {
+        for (size_t s = 0; s < std::size(shapes); ++s) {
+          const kernels::LinearWeights& w = weights[s * kCopies + l % kCopies];
+          backend.Linear(kernels::Tensor::Of(dx, DType::kF32, {m, shapes[s].cols}), w,
+                         kernels::Tensor::Of(dy, DType::kF32, {m, shapes[s].rows}));
+        }
+      }
+      backend.Synchronize();
+    };
+    double best = 1e30;
+    for (int i = 0; i < 6; ++i) {  // the first warms up
+      const auto start = std::chrono::steady_clock::now();
+      layers();
+      const double sec =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (i > 0) best = std::min(best, sec);
+    }
+    const double gbps = layer_bytes * kLayers / best / 1e9;
+    result.push_back({{"rows", m},
+                      {"weight_bytes", layer_bytes * kLayers},
+                      {"seconds", best},
+                      {"weight_read_gbytes_per_s", gbps},
+                      {"fraction_of_copy_bandwidth", gbps / copy_gbytes_per_s}});
+  }
+  return result;
+}
+
 // Paged decode attention of `batch` sequences of `context` tokens each,
 // against the measured roofline: one JSON line on stdout. 0, or 1 (a
 // message on stderr) when the pool does not fit.
@@ -304,11 +368,14 @@ int RunBenchKernels(int argc, char** argv) {
     prefill.push_back(
         MeasurePrefill(*backend, tokens, heads, kv_heads, head_dim, roof.bf16_tflops));
   }
+  std::fprintf(stderr, "bench kernels: bf16 GEMV over Llama-3.1-8B layers...\n");
+  const nlohmann::json gemv = MeasureGemv(*backend, roof.copy_gbytes_per_s);
   const nlohmann::json result = {{"bench", "kernels"},
                                  {"device", cuda::DeviceDescription(static_cast<int>(device))},
                                  {"copy_gbytes_per_s", roof.copy_gbytes_per_s},
                                  {"bf16_gemm_tflops", roof.bf16_tflops},
                                  {"prefill_attention", prefill},
+                                 {"bf16_gemv", gemv},
                                  {"machine", MachineJson()}};
   std::printf("%s\n", result.dump().c_str());
   return 0;
