@@ -100,6 +100,10 @@ constexpr int kTileKeys = 64;  // keys per K/V tile
 // warps, three blocks per SM.
 __host__ __device__ constexpr int TileWarps(int64_t head_dim) { return head_dim == 128 ? 8 : 4; }
 __host__ __device__ constexpr int TileRows(int64_t head_dim) { return 16 * TileWarps(head_dim); }
+// Blocks per SM the registers must allow (168 a thread at head_dim 64).
+__host__ __device__ constexpr int TileBlocksPerSm(int64_t head_dim) {
+  return head_dim == 128 ? 1 : 3;
+}
 
 // Two floats as a 16-bit pair, the first in the low half (the fragment
 // order of mma.sync).
@@ -157,8 +161,18 @@ __device__ inline void LdMatrixX4Trans(uint32_t (&r)[4], const void* row) {
                : "r"(SharedAddress(row)));
 }
 
+// Four 8x8 16-bit matrices as stored: lane i gives the address of row
+// i % 8 of matrix i / 8; register j receives matrix j's elements (g, 2t)
+// and (g, 2t+1) for lane = 4g + t, the B fragment of mma.sync when the
+// matrix's rows are B's columns (K's keys for S = Q K^T).
+__device__ inline void LdMatrixX4(uint32_t (&r)[4], const void* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(SharedAddress(row)));
+}
+
 template <int D, bool kBf16>
-__global__ void __launch_bounds__(32 * TileWarps(D))
+__global__ void __launch_bounds__(32 * TileWarps(D), TileBlocksPerSm(D))
     TiledPrefillKernel(DeviceLayout layout, const uint8_t* pool, int64_t layer, const float* q,
                        int64_t q_stride, int64_t num_heads, kernels::AttentionBatch batch,
                        float scale, float* out) {
@@ -211,11 +225,16 @@ __global__ void __launch_bounds__(32 * TileWarps(D))
   // every row of the warp: no masking.
   const int64_t warp_last_begin = first_key(warp_last), warp_first_end = n_keys(warp * 16);
 
-  // Q times the softmax scale as A fragments, rounded to the pool's type
-  // (scaled first: fp16 keeps its range for the scores, not for q): row
-  // r0 / r1, columns 16 ks + 2 tig (+1) and + 8.
+  // Q times the softmax scale and log2(e) as A fragments, rounded to the
+  // pool's type (scaled first: fp16 keeps its range for the scores, not
+  // for q), so S comes out in the log2 domain of the exp2 softmax: row
+  // r0 / r1, columns 16 ks + 2 tig (+1) and + 8. A soft cap c of the
+  // natural scores is c log2(e) of these: c tanh(s / c) log2(e) =
+  // cl tanh(s log2(e) / cl) for cl = c log2(e).
+  constexpr float kLog2e = 1.4426950408889634f;
   uint32_t qa[D / 16][4];
   {
+    scale *= kLog2e;
     const int64_t row0 = batch.query_start[seq] + first_row + r0;
     const float* q0 = q + row0 * q_stride + h * D;
     const float* q1 = q0 + 8 * q_stride;
@@ -242,8 +261,14 @@ __global__ void __launch_bounds__(32 * TileWarps(D))
   // 16-byte chunk would cost more than the chunk's copy.
   const int block_size = static_cast<int>(layout.block_size);
   const uint8_t* head_base = pool + layout.k_offset(0, layer, g);
+  // Each thread copies kLoads chunks, unrolled so that their block table
+  // reads are in flight together.
+  constexpr int kLoads = kTileKeys * kChunks / (32 * kTileWarps);
+  static_assert(kLoads * 32 * kTileWarps == kTileKeys * kChunks, "whole chunks per thread");
   auto load = [&](uint16_t(*dst)[kPad], int64_t k0, int64_t side) {
-    for (int c = threadIdx.x; c < kTileKeys * kChunks; c += 32 * kTileWarps) {
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i) {
+      const int c = threadIdx.x + i * 32 * kTileWarps;
       const int r = c / kChunks, ch = c % kChunks;
       const int key = static_cast<int>(k0) + r;
       uint16_t* d = &dst[r][ch * 8];
@@ -259,8 +284,8 @@ __global__ void __launch_bounds__(32 * TileWarps(D))
     CpAsyncCommit();
   };
 
-  // The log2-domain online softmax (scores times log2(e), exp2f).
-  constexpr float kLog2e = 1.4426950408889634f;
+  // The log2-domain online softmax (exp2f).
+  const float cap_log2 = batch.softcap * kLog2e;
   float o[D / 8][4];
 #pragma unroll
   for (int nt = 0; nt < D / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
@@ -277,15 +302,20 @@ __global__ void __launch_bounds__(32 * TileWarps(D))
 #pragma unroll
     for (int nt = 0; nt < kTileKeys / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
     if (compute) {
+      // B = K^T: element (d, key) = k_tile[key][d], so B's column gid is
+      // key nt*8 + gid's row as stored. One ldmatrix.x4 gives the B
+      // fragments of keys nt*8..+7 for dims 16 ks..+15 (matrices 0, 1)
+      // and 16 (ks+1)..+15 (matrices 2, 3): lane's row key nt*8 + lane % 8,
+      // dims 16 ks + 8 (lane / 8).
+      const int mrow = lane % 8, mcol = (lane / 8) * 8;
 #pragma unroll
-      for (int ks = 0; ks < D / 16; ++ks) {
+      for (int ks = 0; ks < D / 16; ks += 2) {
 #pragma unroll
         for (int nt = 0; nt < kTileKeys / 8; ++nt) {
-          // B = K^T: element (d, key) = k_tile[key][d]; rows 2 tig (+1) and
-          // + 8 of column gid are two consecutive pairs of key nt*8 + gid.
-          const uint16_t* kp = &k_tile[nt * 8 + gid][ks * 16 + 2 * tig];
-          Mma16816<kBf16>(s[nt], qa[ks], *reinterpret_cast<const uint32_t*>(kp),
-                          *reinterpret_cast<const uint32_t*>(kp + 8));
+          uint32_t b[4];
+          LdMatrixX4(b, &k_tile[nt * 8 + mrow][ks * 16 + mcol]);
+          Mma16816<kBf16>(s[nt], qa[ks], b[0], b[1]);
+          Mma16816<kBf16>(s[nt], qa[ks + 1], b[2], b[3]);
         }
       }
     }
@@ -298,26 +328,35 @@ __global__ void __launch_bounds__(32 * TileWarps(D))
     CpAsyncWaitAllButOne();  // this tile's V
     __syncthreads();
     if (compute) {
-      // Scores (q came scaled; soft cap, log2e), masked outside each row's keys;
+      // Scores (q came scaled into the log2 domain; soft cap), masked
+      // outside each row's keys unless the warp sees the tile whole;
       // accumulator (nt, e) is key k0 + 8 nt + 2 tig + (e & 1) of row r0
-      // (e < 2) or r1.
+      // (e < 2) or r1. The cap is uniform over the grid, `whole` over the warp.
+      if (cap_log2 > 0.0f) {
+#pragma unroll
+        for (int nt = 0; nt < kTileKeys / 8; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[nt][e] = SoftCapScore(s[nt][e], cap_log2);
+        }
+      }
       const bool whole = k0 >= warp_last_begin && k0 + kTileKeys <= warp_first_end;
+      if (!whole) {
+#pragma unroll
+        for (int nt = 0; nt < kTileKeys / 8; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int64_t key = k0 + nt * 8 + 2 * tig + (e & 1);
+            const bool seen =
+                e >= 2 ? (key >= begin1 && key < end1) : (key >= begin0 && key < end0);
+            if (!seen) s[nt][e] = -INFINITY;
+          }
+        }
+      }
       float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
       for (int nt = 0; nt < kTileKeys / 8; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int64_t key = k0 + nt * 8 + 2 * tig + (e & 1);
-          const bool row1 = e >= 2;
-          const bool seen =
-              whole || (row1 ? (key >= begin1 && key < end1) : (key >= begin0 && key < end0));
-          const float x = SoftCapScore(s[nt][e], batch.softcap) * kLog2e;
-          s[nt][e] = seen ? x : -INFINITY;
-          if (row1)
-            mx1 = fmaxf(mx1, s[nt][e]);
-          else
-            mx0 = fmaxf(mx0, s[nt][e]);
-        }
+        mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
+        mx1 = fmaxf(mx1, fmaxf(s[nt][2], s[nt][3]));
       }
       // The four threads of a quad hold one row's keys.
       mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
