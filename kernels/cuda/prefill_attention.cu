@@ -83,8 +83,8 @@ __global__ void PagedAttentionKernel(DeviceLayout layout, const uint8_t* pool, i
 // ---- The tiled kernel (FlashAttention-2 style; issue 29): a thread block
 // takes up to TileRows(head_dim) consecutive query rows of ONE sequence and
 // one query head, a warp per 16 rows. K and V tiles of kTileKeys keys stream
-// from the paged pool into shared memory (cp.async, the next tile's K
-// loading while this tile's scores are softmaxed and summed into V);
+// from the paged pool into shared memory (cp.async, two stages: the next
+// tile's K and V loading while this one is computed, one barrier a tile);
 // S = Q K^T and O += P V run on tensor cores (mma.sync m16n8k16, 16-bit
 // operands as the pool stores them, fp32 accumulation) with the online
 // softmax in registers. Key tiles past the tile's last row, or before its
@@ -96,10 +96,15 @@ __global__ void PagedAttentionKernel(DeviceLayout layout, const uint8_t* pool, i
 constexpr int kTileKeys = 64;  // keys per K/V tile
 // Warps per thread block, 16 query rows each. head_dim 128: 8 warps (128
 // rows) halve the K/V tile traffic per flop against 4, at one block of 8
-// warps per SM either way (227 registers); head_dim 64 (165 registers): 4
+// warps per SM either way (253 registers); head_dim 64 (168 registers): 4
 // warps, three blocks per SM.
 __host__ __device__ constexpr int TileWarps(int64_t head_dim) { return head_dim == 128 ? 8 : 4; }
 __host__ __device__ constexpr int TileRows(int64_t head_dim) { return 16 * TileWarps(head_dim); }
+// Dynamic shared memory of a block: K and V tiles of kTileKeys rows of
+// head_dim + 8 halves (the pad keeps ldmatrix conflict-free), two stages.
+__host__ __device__ constexpr int TileSmemBytes(int64_t head_dim) {
+  return 2 * 2 * kTileKeys * static_cast<int>(head_dim + 8) * 2;
+}
 // Blocks per SM the registers must allow (168 a thread at head_dim 64).
 __host__ __device__ constexpr int TileBlocksPerSm(int64_t head_dim) {
   return head_dim == 128 ? 1 : 3;
@@ -149,8 +154,8 @@ __device__ inline void CpAsync16(void* dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(SharedAddress(dst)), "l"(src));
 }
 __device__ inline void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
-// Waits until at most one committed group is still in flight.
-__device__ inline void CpAsyncWaitAllButOne() { asm volatile("cp.async.wait_group 1;\n" ::); }
+// Waits until every committed group of this thread has landed.
+__device__ inline void CpAsyncWaitAll() { asm volatile("cp.async.wait_group 0;\n" ::); }
 
 // Four 8x8 16-bit matrices, transposed: lane i gives the address of row
 // i % 8 of matrix i / 8; register j receives matrix j's elements (2t, g)
@@ -179,8 +184,12 @@ __global__ void __launch_bounds__(32 * TileWarps(D), TileBlocksPerSm(D))
   constexpr int kTileWarps = TileWarps(D), kTileRows = TileRows(D);
   constexpr int kPad = D + 8;     // row stride in elements: conflict-free fragment reads
   constexpr int kChunks = D / 8;  // 16-byte chunks per key row
-  __shared__ alignas(16) uint16_t k_tile[kTileKeys][kPad];
-  __shared__ alignas(16) uint16_t v_tile[kTileKeys][kPad];
+  // Stage st's K tile at [2 st], its V tile at [2 st + 1] (TileSmemBytes).
+  extern __shared__ uint4 tile_smem[];
+  auto tile_at = [&](int i) {
+    return reinterpret_cast<uint16_t(*)[kPad]>(reinterpret_cast<uint16_t*>(tile_smem) +
+                                               i * kTileKeys * kPad);
+  };
 
   // This block's tile: tiles of each sequence in turn, a sequence's last
   // (longest, causal) tile first.
@@ -261,12 +270,14 @@ __global__ void __launch_bounds__(32 * TileWarps(D), TileBlocksPerSm(D))
   // 16-byte chunk would cost more than the chunk's copy.
   const int block_size = static_cast<int>(layout.block_size);
   const uint8_t* head_base = pool + layout.k_offset(0, layer, g);
-  // Each thread copies kLoads chunks, unrolled so that their block table
-  // reads are in flight together.
+  // Each thread copies kLoads chunks, unrolled at head_dim 128 so that
+  // their block table reads are in flight together (at 64 the registers
+  // that takes would cost a block per SM).
   constexpr int kLoads = kTileKeys * kChunks / (32 * kTileWarps);
+  constexpr int kLoadUnroll = D == 128 ? kLoads : 1;
   static_assert(kLoads * 32 * kTileWarps == kTileKeys * kChunks, "whole chunks per thread");
   auto load = [&](uint16_t(*dst)[kPad], int64_t k0, int64_t side) {
-#pragma unroll
+#pragma unroll kLoadUnroll
     for (int i = 0; i < kLoads; ++i) {
       const int c = threadIdx.x + i * 32 * kTileWarps;
       const int r = c / kChunks, ch = c % kChunks;
@@ -291,13 +302,23 @@ __global__ void __launch_bounds__(32 * TileWarps(D), TileBlocksPerSm(D))
   for (int nt = 0; nt < D / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;  // l: this thread's part
 
-  load(k_tile, kv_begin, 0);
-  load(v_tile, kv_begin, kv_side);
-  for (int64_t k0 = kv_begin; k0 < kv_end; k0 += kTileKeys) {
-    const bool has_next = k0 + kTileKeys < kv_end;
+  // Two stages: tile t's K and V in stage t % 2, tile t + 1's loading into
+  // the other while t is computed. One barrier a tile: after it every
+  // thread's copies of tile t have landed and every warp is done with
+  // tile t - 1, whose stage the next loads overwrite.
+  load(tile_at(0), kv_begin, 0);
+  load(tile_at(1), kv_begin, kv_side);
+  int stage = 0;
+  for (int64_t k0 = kv_begin; k0 < kv_end; k0 += kTileKeys, stage ^= 1) {
     const bool compute = warp_active && k0 < warp_end && k0 + kTileKeys > warp_begin;
-    CpAsyncWaitAllButOne();  // this tile's K (its V may still be in flight)
+    CpAsyncWaitAll();  // this thread's copies of tile t
     __syncthreads();
+    if (k0 + kTileKeys < kv_end) {
+      load(tile_at(2 * (stage ^ 1)), k0 + kTileKeys, 0);
+      load(tile_at(2 * (stage ^ 1) + 1), k0 + kTileKeys, kv_side);
+    }
+    uint16_t(*const k_tile)[kPad] = tile_at(2 * stage);
+    uint16_t(*const v_tile)[kPad] = tile_at(2 * stage + 1);
     float s[kTileKeys / 8][4];
 #pragma unroll
     for (int nt = 0; nt < kTileKeys / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
@@ -319,14 +340,6 @@ __global__ void __launch_bounds__(32 * TileWarps(D), TileBlocksPerSm(D))
         }
       }
     }
-    __syncthreads();  // every warp done with K: the next tile's may load
-    if (has_next) {
-      load(k_tile, k0 + kTileKeys, 0);
-    } else {
-      CpAsyncCommit();  // an empty group keeps the count the waits expect
-    }
-    CpAsyncWaitAllButOne();  // this tile's V
-    __syncthreads();
     if (compute) {
       // Scores (q came scaled into the log2 domain; soft cap), masked
       // outside each row's keys unless the warp sees the tile whole;
@@ -411,12 +424,6 @@ __global__ void __launch_bounds__(32 * TileWarps(D), TileBlocksPerSm(D))
         }
       }
     }
-    __syncthreads();  // every warp done with V: the next tile's may load
-    if (has_next) {
-      load(v_tile, k0 + kTileKeys, kv_side);
-    } else {
-      CpAsyncCommit();
-    }
   }
 
   l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
@@ -485,8 +492,13 @@ void LaunchTiled(const AttentionPlan& plan, int64_t layer, const Tensor& q, floa
   const DeviceLayout dl(plan.layout);
   const auto* pool = static_cast<const uint8_t*>(plan.pool);
   const bool bf16 = plan.layout.dtype == DType::kBF16;
+  const int smem = TileSmemBytes(plan.layout.head_dim);
   auto launch = [&](auto kernel) {
-    kernel<<<grid, 32 * TileWarps(plan.layout.head_dim), 0, stream>>>(
+    // Above 48 KiB (head_dim 128) dynamic shared memory needs the opt-in,
+    // per device: set on every launch (a host call, legal in a capture).
+    Check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+          "PagedAttention");
+    kernel<<<grid, 32 * TileWarps(plan.layout.head_dim), smem, stream>>>(
         dl, pool, layer, q.as<const float>(), q.stride[0], q.shape[1], plan.batch, scale,
         out.as<float>());
   };
