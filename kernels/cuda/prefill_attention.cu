@@ -96,7 +96,7 @@ __global__ void PagedAttentionKernel(DeviceLayout layout, const uint8_t* pool, i
 constexpr int kTileKeys = 64;  // keys per K/V tile
 // Warps per thread block, 16 query rows each. head_dim 128: 8 warps (128
 // rows) halve the K/V tile traffic per flop against 4, at one block of 8
-// warps per SM either way (253 registers); head_dim 64 (168 registers): 4
+// warps per SM either way (254 registers); head_dim 64 (168 registers): 4
 // warps, three blocks per SM.
 __host__ __device__ constexpr int TileWarps(int64_t head_dim) { return head_dim == 128 ? 8 : 4; }
 __host__ __device__ constexpr int TileRows(int64_t head_dim) { return 16 * TileWarps(head_dim); }
