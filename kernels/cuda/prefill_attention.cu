@@ -83,8 +83,8 @@ __global__ void PagedAttentionKernel(DeviceLayout layout, const uint8_t* pool, i
 // ---- The tiled kernel (FlashAttention-2 style; issue 29): a thread block
 // takes up to TileRows(head_dim) consecutive query rows of ONE sequence and
 // one query head, a warp per 16 rows. K and V tiles of kTileKeys keys stream
-// from the paged pool into shared memory (cp.async, the next tile's K
-// loading while this tile's scores are softmaxed and summed into V);
+// from the paged pool into shared memory (cp.async, two stages: the next
+// tile's K and V loading while this one is computed, one barrier a tile);
 // S = Q K^T and O += P V run on tensor cores (mma.sync m16n8k16, 16-bit
 // operands as the pool stores them, fp32 accumulation) with the online
 // softmax in registers. Key tiles past the tile's last row, or before its
@@ -96,10 +96,19 @@ __global__ void PagedAttentionKernel(DeviceLayout layout, const uint8_t* pool, i
 constexpr int kTileKeys = 64;  // keys per K/V tile
 // Warps per thread block, 16 query rows each. head_dim 128: 8 warps (128
 // rows) halve the K/V tile traffic per flop against 4, at one block of 8
-// warps per SM either way (227 registers); head_dim 64 (165 registers): 4
+// warps per SM either way (254 registers); head_dim 64 (168 registers): 4
 // warps, three blocks per SM.
 __host__ __device__ constexpr int TileWarps(int64_t head_dim) { return head_dim == 128 ? 8 : 4; }
 __host__ __device__ constexpr int TileRows(int64_t head_dim) { return 16 * TileWarps(head_dim); }
+// Dynamic shared memory of a block: K and V tiles of kTileKeys rows of
+// head_dim + 8 halves (the pad keeps ldmatrix conflict-free), two stages.
+__host__ __device__ constexpr int TileSmemBytes(int64_t head_dim) {
+  return 2 * 2 * kTileKeys * static_cast<int>(head_dim + 8) * 2;
+}
+// Blocks per SM the registers must allow (168 a thread at head_dim 64).
+__host__ __device__ constexpr int TileBlocksPerSm(int64_t head_dim) {
+  return head_dim == 128 ? 1 : 3;
+}
 
 // Two floats as a 16-bit pair, the first in the low half (the fragment
 // order of mma.sync).
@@ -137,6 +146,14 @@ __device__ inline void Mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t 
 #endif
 }
 
+// 2^x by the SFU alone: exp2f's non-ftz form adds a rescale around it for
+// results below 2^-126, which weigh nothing in a softmax sum. -inf gives 0.
+__device__ inline float Exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ inline uint32_t SharedAddress(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -145,8 +162,8 @@ __device__ inline void CpAsync16(void* dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(SharedAddress(dst)), "l"(src));
 }
 __device__ inline void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
-// Waits until at most one committed group is still in flight.
-__device__ inline void CpAsyncWaitAllButOne() { asm volatile("cp.async.wait_group 1;\n" ::); }
+// Waits until every committed group of this thread has landed.
+__device__ inline void CpAsyncWaitAll() { asm volatile("cp.async.wait_group 0;\n" ::); }
 
 // Four 8x8 16-bit matrices, transposed: lane i gives the address of row
 // i % 8 of matrix i / 8; register j receives matrix j's elements (2t, g)
@@ -157,16 +174,30 @@ __device__ inline void LdMatrixX4Trans(uint32_t (&r)[4], const void* row) {
                : "r"(SharedAddress(row)));
 }
 
+// Four 8x8 16-bit matrices as stored: lane i gives the address of row
+// i % 8 of matrix i / 8; register j receives matrix j's elements (g, 2t)
+// and (g, 2t+1) for lane = 4g + t, the B fragment of mma.sync when the
+// matrix's rows are B's columns (K's keys for S = Q K^T).
+__device__ inline void LdMatrixX4(uint32_t (&r)[4], const void* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(SharedAddress(row)));
+}
+
 template <int D, bool kBf16>
-__global__ void __launch_bounds__(32 * TileWarps(D))
+__global__ void __launch_bounds__(32 * TileWarps(D), TileBlocksPerSm(D))
     TiledPrefillKernel(DeviceLayout layout, const uint8_t* pool, int64_t layer, const float* q,
                        int64_t q_stride, int64_t num_heads, kernels::AttentionBatch batch,
                        float scale, float* out) {
   constexpr int kTileWarps = TileWarps(D), kTileRows = TileRows(D);
   constexpr int kPad = D + 8;     // row stride in elements: conflict-free fragment reads
   constexpr int kChunks = D / 8;  // 16-byte chunks per key row
-  __shared__ alignas(16) uint16_t k_tile[kTileKeys][kPad];
-  __shared__ alignas(16) uint16_t v_tile[kTileKeys][kPad];
+  // Stage st's K tile at [2 st], its V tile at [2 st + 1] (TileSmemBytes).
+  extern __shared__ uint4 tile_smem[];
+  auto tile_at = [&](int i) {
+    return reinterpret_cast<uint16_t(*)[kPad]>(reinterpret_cast<uint16_t*>(tile_smem) +
+                                               i * kTileKeys * kPad);
+  };
 
   // This block's tile: tiles of each sequence in turn, a sequence's last
   // (longest, causal) tile first.
@@ -211,11 +242,16 @@ __global__ void __launch_bounds__(32 * TileWarps(D))
   // every row of the warp: no masking.
   const int64_t warp_last_begin = first_key(warp_last), warp_first_end = n_keys(warp * 16);
 
-  // Q times the softmax scale as A fragments, rounded to the pool's type
-  // (scaled first: fp16 keeps its range for the scores, not for q): row
-  // r0 / r1, columns 16 ks + 2 tig (+1) and + 8.
+  // Q times the softmax scale and log2(e) as A fragments, rounded to the
+  // pool's type (scaled first: fp16 keeps its range for the scores, not
+  // for q), so S comes out in the log2 domain of the exp2 softmax: row
+  // r0 / r1, columns 16 ks + 2 tig (+1) and + 8. A soft cap c of the
+  // natural scores is c log2(e) of these: c tanh(s / c) log2(e) =
+  // cl tanh(s log2(e) / cl) for cl = c log2(e).
+  constexpr float kLog2e = 1.4426950408889634f;
   uint32_t qa[D / 16][4];
   {
+    scale *= kLog2e;
     const int64_t row0 = batch.query_start[seq] + first_row + r0;
     const float* q0 = q + row0 * q_stride + h * D;
     const float* q1 = q0 + 8 * q_stride;
@@ -242,8 +278,16 @@ __global__ void __launch_bounds__(32 * TileWarps(D))
   // 16-byte chunk would cost more than the chunk's copy.
   const int block_size = static_cast<int>(layout.block_size);
   const uint8_t* head_base = pool + layout.k_offset(0, layer, g);
+  // Each thread copies kLoads chunks, unrolled at head_dim 128 so that
+  // their block table reads are in flight together (at 64 the registers
+  // that takes would cost a block per SM).
+  constexpr int kLoads = kTileKeys * kChunks / (32 * kTileWarps);
+  constexpr int kLoadUnroll = D == 128 ? kLoads : 1;
+  static_assert(kLoads * 32 * kTileWarps == kTileKeys * kChunks, "whole chunks per thread");
   auto load = [&](uint16_t(*dst)[kPad], int64_t k0, int64_t side) {
-    for (int c = threadIdx.x; c < kTileKeys * kChunks; c += 32 * kTileWarps) {
+#pragma unroll kLoadUnroll
+    for (int i = 0; i < kLoads; ++i) {
+      const int c = threadIdx.x + i * 32 * kTileWarps;
       const int r = c / kChunks, ch = c % kChunks;
       const int key = static_cast<int>(k0) + r;
       uint16_t* d = &dst[r][ch * 8];
@@ -259,65 +303,89 @@ __global__ void __launch_bounds__(32 * TileWarps(D))
     CpAsyncCommit();
   };
 
-  // The log2-domain online softmax (scores times log2(e), exp2f).
-  constexpr float kLog2e = 1.4426950408889634f;
+  // The log2-domain online softmax, pow2 = Exp2 at head_dim 128; exp2f at 64,
+  // where Exp2 leaves ptxas 8 bytes of spills under the 168-register bound.
+  auto pow2 = [](float x) {
+    if constexpr (D == 128) {
+      return Exp2(x);
+    } else {
+      return exp2f(x);
+    }
+  };
+  const float cap_log2 = batch.softcap * kLog2e;
   float o[D / 8][4];
 #pragma unroll
   for (int nt = 0; nt < D / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;  // l: this thread's part
 
-  load(k_tile, kv_begin, 0);
-  load(v_tile, kv_begin, kv_side);
-  for (int64_t k0 = kv_begin; k0 < kv_end; k0 += kTileKeys) {
-    const bool has_next = k0 + kTileKeys < kv_end;
+  // Two stages: tile t's K and V in stage t % 2, tile t + 1's loading into
+  // the other while t is computed. One barrier a tile: after it every
+  // thread's copies of tile t have landed and every warp is done with
+  // tile t - 1, whose stage the next loads overwrite.
+  load(tile_at(0), kv_begin, 0);
+  load(tile_at(1), kv_begin, kv_side);
+  int stage = 0;
+  for (int64_t k0 = kv_begin; k0 < kv_end; k0 += kTileKeys, stage ^= 1) {
     const bool compute = warp_active && k0 < warp_end && k0 + kTileKeys > warp_begin;
-    CpAsyncWaitAllButOne();  // this tile's K (its V may still be in flight)
+    CpAsyncWaitAll();  // this thread's copies of tile t
     __syncthreads();
+    if (k0 + kTileKeys < kv_end) {
+      load(tile_at(2 * (stage ^ 1)), k0 + kTileKeys, 0);
+      load(tile_at(2 * (stage ^ 1) + 1), k0 + kTileKeys, kv_side);
+    }
+    uint16_t(*const k_tile)[kPad] = tile_at(2 * stage);
+    uint16_t(*const v_tile)[kPad] = tile_at(2 * stage + 1);
     float s[kTileKeys / 8][4];
 #pragma unroll
     for (int nt = 0; nt < kTileKeys / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
     if (compute) {
+      // B = K^T: element (d, key) = k_tile[key][d], so B's column gid is
+      // key nt*8 + gid's row as stored. One ldmatrix.x4 gives the B
+      // fragments of keys nt*8..+7 for dims 16 ks..+15 (matrices 0, 1)
+      // and 16 (ks+1)..+15 (matrices 2, 3): lane's row key nt*8 + lane % 8,
+      // dims 16 ks + 8 (lane / 8).
+      const int mrow = lane % 8, mcol = (lane / 8) * 8;
 #pragma unroll
-      for (int ks = 0; ks < D / 16; ++ks) {
+      for (int ks = 0; ks < D / 16; ks += 2) {
 #pragma unroll
         for (int nt = 0; nt < kTileKeys / 8; ++nt) {
-          // B = K^T: element (d, key) = k_tile[key][d]; rows 2 tig (+1) and
-          // + 8 of column gid are two consecutive pairs of key nt*8 + gid.
-          const uint16_t* kp = &k_tile[nt * 8 + gid][ks * 16 + 2 * tig];
-          Mma16816<kBf16>(s[nt], qa[ks], *reinterpret_cast<const uint32_t*>(kp),
-                          *reinterpret_cast<const uint32_t*>(kp + 8));
+          uint32_t b[4];
+          LdMatrixX4(b, &k_tile[nt * 8 + mrow][ks * 16 + mcol]);
+          Mma16816<kBf16>(s[nt], qa[ks], b[0], b[1]);
+          Mma16816<kBf16>(s[nt], qa[ks + 1], b[2], b[3]);
         }
       }
     }
-    __syncthreads();  // every warp done with K: the next tile's may load
-    if (has_next) {
-      load(k_tile, k0 + kTileKeys, 0);
-    } else {
-      CpAsyncCommit();  // an empty group keeps the count the waits expect
-    }
-    CpAsyncWaitAllButOne();  // this tile's V
-    __syncthreads();
     if (compute) {
-      // Scores (q came scaled; soft cap, log2e), masked outside each row's keys;
+      // Scores (q came scaled into the log2 domain; soft cap), masked
+      // outside each row's keys unless the warp sees the tile whole;
       // accumulator (nt, e) is key k0 + 8 nt + 2 tig + (e & 1) of row r0
-      // (e < 2) or r1.
+      // (e < 2) or r1. The cap is uniform over the grid, `whole` over the warp.
+      if (cap_log2 > 0.0f) {
+#pragma unroll
+        for (int nt = 0; nt < kTileKeys / 8; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[nt][e] = SoftCapScore(s[nt][e], cap_log2);
+        }
+      }
       const bool whole = k0 >= warp_last_begin && k0 + kTileKeys <= warp_first_end;
+      if (!whole) {
+#pragma unroll
+        for (int nt = 0; nt < kTileKeys / 8; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int64_t key = k0 + nt * 8 + 2 * tig + (e & 1);
+            const bool seen =
+                e >= 2 ? (key >= begin1 && key < end1) : (key >= begin0 && key < end0);
+            if (!seen) s[nt][e] = -INFINITY;
+          }
+        }
+      }
       float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
       for (int nt = 0; nt < kTileKeys / 8; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int64_t key = k0 + nt * 8 + 2 * tig + (e & 1);
-          const bool row1 = e >= 2;
-          const bool seen =
-              whole || (row1 ? (key >= begin1 && key < end1) : (key >= begin0 && key < end0));
-          const float x = SoftCapScore(s[nt][e], batch.softcap) * kLog2e;
-          s[nt][e] = seen ? x : -INFINITY;
-          if (row1)
-            mx1 = fmaxf(mx1, s[nt][e]);
-          else
-            mx0 = fmaxf(mx0, s[nt][e]);
-        }
+        mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
+        mx1 = fmaxf(mx1, fmaxf(s[nt][2], s[nt][3]));
       }
       // The four threads of a quad hold one row's keys.
       mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
@@ -329,16 +397,16 @@ __global__ void __launch_bounds__(32 * TileWarps(D))
       // (its p are exp2(-inf) = 0, its correction 0 over a zero sum).
       const float base0 = new0 == -INFINITY ? 0.0f : new0;
       const float base1 = new1 == -INFINITY ? 0.0f : new1;
-      const float corr0 = exp2f(m0 - base0), corr1 = exp2f(m1 - base1);
+      const float corr0 = pow2(m0 - base0), corr1 = pow2(m1 - base1);
       m0 = new0;
       m1 = new1;
       float sum0 = 0.0f, sum1 = 0.0f;
 #pragma unroll
       for (int nt = 0; nt < kTileKeys / 8; ++nt) {
-        s[nt][0] = exp2f(s[nt][0] - base0);
-        s[nt][1] = exp2f(s[nt][1] - base0);
-        s[nt][2] = exp2f(s[nt][2] - base1);
-        s[nt][3] = exp2f(s[nt][3] - base1);
+        s[nt][0] = pow2(s[nt][0] - base0);
+        s[nt][1] = pow2(s[nt][1] - base0);
+        s[nt][2] = pow2(s[nt][2] - base1);
+        s[nt][3] = pow2(s[nt][3] - base1);
         sum0 += s[nt][0] + s[nt][1];
         sum1 += s[nt][2] + s[nt][3];
       }
@@ -371,12 +439,6 @@ __global__ void __launch_bounds__(32 * TileWarps(D))
           Mma16816<kBf16>(o[nt + 1], pa, b[2], b[3]);
         }
       }
-    }
-    __syncthreads();  // every warp done with V: the next tile's may load
-    if (has_next) {
-      load(v_tile, k0 + kTileKeys, kv_side);
-    } else {
-      CpAsyncCommit();
     }
   }
 
@@ -446,8 +508,13 @@ void LaunchTiled(const AttentionPlan& plan, int64_t layer, const Tensor& q, floa
   const DeviceLayout dl(plan.layout);
   const auto* pool = static_cast<const uint8_t*>(plan.pool);
   const bool bf16 = plan.layout.dtype == DType::kBF16;
+  const int smem = TileSmemBytes(plan.layout.head_dim);
   auto launch = [&](auto kernel) {
-    kernel<<<grid, 32 * TileWarps(plan.layout.head_dim), 0, stream>>>(
+    // Above 48 KiB (head_dim 128) dynamic shared memory needs the opt-in,
+    // per device: set on every launch (a host call, legal in a capture).
+    Check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+          "PagedAttention");
+    kernel<<<grid, 32 * TileWarps(plan.layout.head_dim), smem, stream>>>(
         dl, pool, layer, q.as<const float>(), q.stride[0], q.shape[1], plan.batch, scale,
         out.as<float>());
   };
