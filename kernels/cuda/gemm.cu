@@ -23,13 +23,18 @@ __global__ void AddBiasKernel(float* y, const float* bias, int64_t m, int64_t n)
 // W[j, c], the arithmetic of the bf16 GEMM below (activations rounded to
 // nearest even, fp32 accumulation) in another order. cuBLAS's kernels for
 // a handful of rows read the weights at a fraction of the copy bandwidth;
-// this one is built to stream them: a block takes kGemvRows rows of W, its
+// this one is built to stream them: a block takes GemvRows rows of W, its
 // threads stride over the columns 8 at a time (16-byte loads, each row's
-// loads independent, so 4 x 16 bytes per thread are in flight), every x
-// element is rounded once per block and reused across the rows, and the
-// partial sums meet in shared memory.
+// loads independent, so several 16-byte loads per thread are in flight),
+// each x element is read once per block and reused across its rows, and
+// the partial sums meet in shared memory.
 constexpr int kGemvThreads = 256;
-constexpr int kGemvRows = 4;
+// Rows of W a block: 4 while x has at most 4 rows, else 2, so that the
+// sums fit 128 registers and two blocks share an SM.
+template <int M>
+constexpr int GemvRows() {
+  return M <= 4 ? 4 : 2;
+}
 constexpr int64_t kGemvMaxM = 8;
 
 // Two bf16 packed in a 32-bit word, widened exactly.
@@ -39,10 +44,17 @@ __device__ __forceinline__ float RoundToBf16(float v) {
   return __bfloat162float(__float2bfloat16_rn(v));
 }
 
-template <int M>
-__global__ void __launch_bounds__(kGemvThreads)
+// x is fp32 (rounded here) for one row, whose rounding costs less than a
+// conversion launch; bf16, rounded once by F32ToBf16Kernel, for more, where
+// every block rounding every row of x again would cost more than the loads
+// (kBf16X).
+// Blocks an SM: 4 for one row of x (64 registers), else 2 (128 registers),
+// for more loads in flight.
+template <int M, bool kBf16X>
+__global__ void __launch_bounds__(kGemvThreads, M == 1 ? 4 : 2)
     Bf16GemvKernel(const __nv_bfloat16* __restrict__ w, int64_t rows, int64_t cols,
-                   const float* __restrict__ x, float* __restrict__ y, int64_t ldy) {
+                   const void* __restrict__ x, float* __restrict__ y, int64_t ldy) {
+  constexpr int kGemvRows = GemvRows<M>();
   __shared__ float partial[kGemvThreads / 32][kGemvRows * M];
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kGemvRows;
   const int nrows = static_cast<int>(rows - row0 < kGemvRows ? rows - row0 : kGemvRows);
@@ -67,10 +79,31 @@ __global__ void __launch_bounds__(kGemvThreads)
     for (int r = 0; r < kGemvRows; ++r) wv[r] = __ldcs(wrow[r] + c);  // streamed once
 #pragma unroll
     for (int m = 0; m < M; ++m) {
-      const float4* xp = reinterpret_cast<const float4*>(x + m * cols) + 2 * c;
-      const float4 a = __ldg(xp), b = __ldg(xp + 1);
-      const float xv[8] = {RoundToBf16(a.x), RoundToBf16(a.y), RoundToBf16(a.z), RoundToBf16(a.w),
-                           RoundToBf16(b.x), RoundToBf16(b.y), RoundToBf16(b.z), RoundToBf16(b.w)};
+      float xv[8];
+      if constexpr (kBf16X) {
+        const uint4 xr = __ldg(
+            reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(x) + m * cols) + c);
+        xv[0] = Bf16Lo(xr.x);
+        xv[1] = Bf16Hi(xr.x);
+        xv[2] = Bf16Lo(xr.y);
+        xv[3] = Bf16Hi(xr.y);
+        xv[4] = Bf16Lo(xr.z);
+        xv[5] = Bf16Hi(xr.z);
+        xv[6] = Bf16Lo(xr.w);
+        xv[7] = Bf16Hi(xr.w);
+      } else {
+        const float4* xp =
+            reinterpret_cast<const float4*>(static_cast<const float*>(x) + m * cols) + 2 * c;
+        const float4 a = __ldg(xp), b = __ldg(xp + 1);
+        xv[0] = RoundToBf16(a.x);
+        xv[1] = RoundToBf16(a.y);
+        xv[2] = RoundToBf16(a.z);
+        xv[3] = RoundToBf16(a.w);
+        xv[4] = RoundToBf16(b.x);
+        xv[5] = RoundToBf16(b.y);
+        xv[6] = RoundToBf16(b.z);
+        xv[7] = RoundToBf16(b.w);
+      }
 #pragma unroll
       for (int r = 0; r < kGemvRows; ++r) {
         float sum = acc[r][m];
@@ -115,14 +148,15 @@ bool GemvFits(int64_t m, const WeightMatrix& part, const float* x) {
 }
 
 template <int M>
-void LaunchBf16Gemv(const WeightMatrix& part, const float* x, float* y, int64_t ldy,
+void LaunchBf16Gemv(const WeightMatrix& part, const void* x, float* y, int64_t ldy,
                     cudaStream_t stream) {
-  const auto blocks = static_cast<unsigned>((part.rows + kGemvRows - 1) / kGemvRows);
-  Bf16GemvKernel<M><<<blocks, kGemvThreads, 0, stream>>>(
+  const auto blocks = static_cast<unsigned>((part.rows + GemvRows<M>() - 1) / GemvRows<M>());
+  Bf16GemvKernel<M, (M > 1)><<<blocks, kGemvThreads, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(part.data), part.rows, part.cols, x, y, ldy);
 }
 
-void Bf16Gemv(int64_t m, const WeightMatrix& part, const float* x, float* y, int64_t ldy,
+// x: fp32 for one row, the bf16 copy for more (Bf16GemvKernel).
+void Bf16Gemv(int64_t m, const WeightMatrix& part, const void* x, float* y, int64_t ldy,
               cudaStream_t stream) {
   switch (m) {
     case 1:
@@ -168,12 +202,12 @@ void Linear(const Gemm& g, const Tensor& x, const LinearWeights& w, const Tensor
   // part fills its column range of y (ldc = all the rows).
   const float one = 1.0f, zero = 0.0f;
   const int cols = static_cast<int>(w.cols), ldy = static_cast<int>(w.rows);
-  // Few rows take the GEMV kernel, which rounds x itself; the rest convert
-  // x once for cuBLAS.
+  // Few rows take the GEMV kernel, which rounds a single row of x itself;
+  // more rows (GEMV or cuBLAS) are converted once for every part.
   bool gemv = w.dtype() == DType::kBF16;
   for (int p = 0; p < w.num_parts; ++p) gemv = gemv && GemvFits(m, w.parts[p], x.as<const float>());
   const __nv_bfloat16* xb = nullptr;
-  if (w.dtype() == DType::kBF16 && !gemv) {
+  if (w.dtype() == DType::kBF16 && (!gemv || m > 1)) {
     const int64_t n = m * w.cols;
     auto* converted = g.bf16_x->Get<__nv_bfloat16>(n, g.stream);
     F32ToBf16Kernel<<<Blocks(n), kThreads, 0, g.stream>>>(x.as<const float>(), converted, n);
@@ -194,7 +228,8 @@ void Linear(const Gemm& g, const Tensor& x, const LinearWeights& w, const Tensor
         break;
       case DType::kBF16:
         if (gemv) {
-          Bf16Gemv(m, part, x.as<const float>(), yp, ldy, g.stream);
+          Bf16Gemv(m, part, m > 1 ? static_cast<const void*>(xb) : x.as<const float>(), yp, ldy,
+                   g.stream);
           break;
         }
         Check(cublasGemmEx(g.bf16, CUBLAS_OP_T, CUBLAS_OP_N, rows, static_cast<int>(m), cols, &one,
