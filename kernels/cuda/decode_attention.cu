@@ -21,7 +21,8 @@
 // 64, 128, 256; groups of 1, 2, 4, 8; a pool whose offsets keep 16-byte K/V
 // rows aligned) gives each key to TPK = head_dim / 8 lanes loading 8
 // elements each in one vector load, several keys per warp and two per lane
-// in flight (four for fp8 and nvfp4, whose loads are narrower). SplitAttentionKernel serves every
+// in flight (four for fp8 and nvfp4 with groups up to 4: their loads are
+// narrower). SplitAttentionKernel serves every
 // other case, one key per warp step. Per key both do the dot, then the scale, then expf, as the
 // prefill kernel does, so the paths agree to rounding of the merge.
 #include <algorithm>
