@@ -22,9 +22,9 @@
 // rows aligned) gives each key to TPK = head_dim / 8 lanes loading 8
 // elements each in one vector load, several keys per warp and two per lane
 // in flight (four for fp8 and nvfp4 with groups up to 4: their loads are
-// narrower). SplitAttentionKernel serves every
-// other case, one key per warp step. Per key both do the dot, then the scale, then expf, as the
-// prefill kernel does, so the paths agree to rounding of the merge.
+// narrower). SplitAttentionKernel serves every other case, one key per warp
+// step. Per key both do the dot, then the scale, then expf, as the prefill
+// kernel does, so the paths agree to rounding of the merge.
 #include <algorithm>
 #include <type_traits>
 
