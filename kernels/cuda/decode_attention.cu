@@ -21,11 +21,14 @@
 // 64, 128, 256; groups of 1, 2, 4, 8; a pool whose offsets keep 16-byte K/V
 // rows aligned) gives each key to TPK = head_dim / 8 lanes loading 8
 // elements each in one vector load, several keys per warp and two per lane
-// in flight. SplitAttentionKernel serves every other case, one key per warp
+// in flight (four for fp8 and nvfp4 with groups up to 4: their loads are
+// narrower). SplitAttentionKernel serves every other case, one key per warp
 // step. Per key both do the dot, then the scale, then expf, as the prefill
 // kernel does, so the paths agree to rounding of the merge.
 #include <algorithm>
 #include <type_traits>
+
+#include <cuda_fp8.h>
 
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/paged_kv.cuh"
@@ -193,14 +196,20 @@ __global__ void __launch_bounds__(32 * kSplitWarps)
 
 // Eight stored elements of one K or V row, loaded at once (16 bytes of
 // fp16/bf16, 8 of fp8, 4 of nvfp4 codes plus their micro-scale byte), and
-// their decoding, value for value as kv_codec.cuh's LoadKv.
+// their decoding, value for value as kv_codec.cuh's LoadKv. The 8-bit and
+// 4-bit codes are widened two at a time to fp16 (which holds every e4m3,
+// e5m2 and e2m1 value exactly) and then to float, rather than decoded
+// element by element with float arithmetic: the decode, not the bytes,
+// bounded these dtypes.
+struct Fp8E4M3 {};  // the fp8 instances' tags
+struct Fp8E5M2 {};
 struct Nvfp4 {};  // the nvfp4 instance's tag
 template <typename T>
 struct Chunk;
 template <>
 struct Chunk<__half> {
   using Vec = uint4;
-  __device__ static void Decode(const Vec& v, DType, float, uint8_t, float (&f)[8]) {
+  __device__ static void Decode(const Vec& v, float, uint8_t, float (&f)[8]) {
     const auto* h = reinterpret_cast<const __half2*>(&v);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -213,7 +222,7 @@ struct Chunk<__half> {
 template <>
 struct Chunk<__nv_bfloat16> {
   using Vec = uint4;
-  __device__ static void Decode(const Vec& v, DType, float, uint8_t, float (&f)[8]) {
+  __device__ static void Decode(const Vec& v, float, uint8_t, float (&f)[8]) {
     const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -223,23 +232,49 @@ struct Chunk<__nv_bfloat16> {
     }
   }
 };
-template <>
-struct Chunk<uint8_t> {  // fp8 (e4m3 or e5m2), times the region's scale as the CPU decodes it
+// fp8 (e4m3 or e5m2), times the region's scale as the CPU decodes it
+// (Fp8KvDecode: the exact value, then one rounding multiply). Byte 2j of
+// the chunk is element 2j: the low byte of a pair goes to the low half.
+template <__nv_fp8_interpretation_t kFormat>
+struct Fp8Chunk {
   using Vec = uint2;
-  __device__ static void Decode(const Vec& v, DType dtype, float scale, uint8_t, float (&f)[8]) {
-    const auto* b = reinterpret_cast<const uint8_t*>(&v);
+  __device__ static void Decode(const Vec& v, float scale, uint8_t, float (&f)[8]) {
+    const uint32_t words[2] = {v.x, v.y};
 #pragma unroll
-    for (int j = 0; j < 8; ++j) f[j] = kernels::Fp8KvDecode(dtype, b[j], scale);
+    for (int j = 0; j < 4; ++j) {
+      const auto pair = static_cast<__nv_fp8x2_storage_t>(words[j / 2] >> (16 * (j % 2)));
+      const float2 x = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, kFormat)));
+      f[2 * j] = x.x * scale;
+      f[2 * j + 1] = x.y * scale;
+    }
   }
 };
 template <>
-struct Chunk<Nvfp4> {  // element 2i in the low nibble of byte i (Nvfp4KvDecode)
+struct Chunk<Fp8E4M3> : Fp8Chunk<__NV_E4M3> {};
+template <>
+struct Chunk<Fp8E5M2> : Fp8Chunk<__NV_E5M2> {};
+// nvfp4: element 2i in the low nibble of byte i (Nvfp4KvDecode). A code
+// s|eem placed as the fp16 bits s00000eem000000000 reads e2m1's value
+// times 2^-14 (e = 0 lands on fp16's subnormals, as e2m1's does), so the
+// value is that half times 2^14. e2m1 x micro-scale is exact in float (2
+// and 4 significant bits), so folding 2^14 into the micro-scale and then
+// multiplying by the region's scale rounds once, as the CPU's
+// E2M1 x micro x scale does.
+template <>
+struct Chunk<Nvfp4> {
   using Vec = uint32_t;
-  __device__ static void Decode(const Vec& v, DType, float scale, uint8_t micro, float (&f)[8]) {
-    const float m = kernels::E4M3Decode(micro);
+  __device__ static void Decode(const Vec& v, float scale, uint8_t micro, float (&f)[8]) {
+    const float m = __half2float(__half(__nv_cvt_fp8_to_halfraw(micro, __NV_E4M3))) * 16384.0f;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      f[j] = kernels::E2M1Decode(static_cast<uint8_t>(v >> (4 * j))) * m * scale;
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t b = v >> (8 * j);  // byte j: elements 2j (low nibble), 2j + 1
+      const uint32_t bits =
+          ((b & 0x8u) << 12) | ((b & 0x7u) << 9) | ((b & 0x80u) << 24) | ((b & 0x70u) << 21);
+      __half2 h;
+      memcpy(&h, &bits, sizeof bits);
+      const float2 x = __half22float2(h);
+      f[2 * j] = x.x * m * scale;
+      f[2 * j + 1] = x.y * m * scale;
     }
   }
 };
@@ -248,15 +283,29 @@ struct Chunk<Nvfp4> {  // element 2i in the low nibble of byte i (Nvfp4KvDecode)
 // group of exactly kGroup query heads. Every lane of a warp runs the same
 // steps (the shuffles need all 32); a lane whose key is past the range
 // loads nothing and leaves its softmax unchanged.
-// Groups up to 4 fit 128 registers: 4 resident blocks (16 warps) per SM.
+//
+// Each lane issues the loads of kInFlight keys before folding any. With
+// 16-byte chunks two; the narrower fp8 and nvfp4 chunks four (for groups
+// up to 4), so a warp keeps as many bytes in flight as with fp16. Groups up
+// to 2, and 4 with two keys in flight, fit 128 registers: 4 resident blocks
+// (16 warps) per SM; a group of 4 with four keys in flight takes 3 blocks
+// (168 registers: at 128 it spills), a group of 8 2.
+template <typename T, int kGroup>
+constexpr int kInFlight = sizeof(typename Chunk<T>::Vec) < 16 && kGroup <= 4 ? 4 : 2;
+template <typename T, int kGroup>
+constexpr int kMinBlocks = kGroup <= 2                 ? 4
+                           : kGroup > 4                ? 2
+                           : kInFlight<T, kGroup> == 4 ? 3
+                                                       : 4;
 template <typename T, int kTpk, int kGroup>
-__global__ void __launch_bounds__(32 * kSplitWarps, kGroup <= 4 ? 4 : 2)
+__global__ void __launch_bounds__(32 * kSplitWarps, kMinBlocks<T, kGroup>)
     FastSplitKernel(DeviceLayout layout, const uint8_t* pool, int64_t layer, const float* q,
                     int64_t q_stride, int64_t num_heads, kernels::AttentionBatch batch, float scale,
                     int splits, SplitOut result) {
   using Vec = typename Chunk<T>::Vec;
   constexpr int kHd = 8 * kTpk, kKeysPerWarp = 32 / kTpk;
   constexpr bool kNvfp4 = std::is_same_v<T, Nvfp4>;
+  constexpr bool kScaledType = kNvfp4 || std::is_same_v<T, Fp8E4M3> || std::is_same_v<T, Fp8E5M2>;
   constexpr int kStreams = kSplitWarps * kKeysPerWarp;  // keys a block step covers
   __shared__ float sm_m[kSplitWarps][kGroup];
   __shared__ float sm_l[kSplitWarps][kGroup];
@@ -271,7 +320,7 @@ __global__ void __launch_bounds__(32 * kSplitWarps, kGroup <= 4 ? 4 : 2)
   if (split >= SplitsWritten(batch, layout.block_size, keys.n_keys, splits)) return;
   const kernels::KeyRange range = KeysOfSplit(batch, layout.block_size, keys.n_keys, split, splits);
   // fp8 and nvfp4: a scale per block and head.
-  const bool scaled = layout.has_scales && (kNvfp4 || std::is_same_v<T, uint8_t>);
+  const bool scaled = kScaledType && layout.has_scales;
   // This KV head's K rows in block 0 of the layer; V is kv_bytes_per_layer on.
   const uint8_t* head_base = pool + layer * layout.layer_stride + g * layout.head_bytes;
   const int64_t row_bytes = kTpk * static_cast<int64_t>(sizeof(Vec));
@@ -323,8 +372,9 @@ __global__ void __launch_bounds__(32 * kSplitWarps, kGroup <= 4 ? 4 : 2)
     }
     x.k_scale = x.v_scale = 1.0f;
     if (scaled) {
-      x.k_scale = kernels::LoadScaleBytes(pool + layout.k_scale_offset(block, layer, g));
-      x.v_scale = kernels::LoadScaleBytes(pool + layout.v_scale_offset(block, layer, g));
+      // 4-byte aligned here (FastAligned): one load each, not four.
+      x.k_scale = *reinterpret_cast<const float*>(pool + layout.k_scale_offset(block, layer, g));
+      x.v_scale = *reinterpret_cast<const float*>(pool + layout.v_scale_offset(block, layer, g));
     }
   };
   // Folds two keys of this lane into the online softmax of every query head
@@ -332,10 +382,10 @@ __global__ void __launch_bounds__(32 * kSplitWarps, kGroup <= 4 ? 4 : 2)
   // later); invalid keys' chunks are zeros and weigh 0.
   auto fold2 = [&](const Loaded& x0, bool valid0, const Loaded& x1, bool valid1) {
     float k0[8], v0[8], k1[8], v1[8];
-    Chunk<T>::Decode(x0.k, layout.dtype, x0.k_scale, x0.k_micro, k0);
-    Chunk<T>::Decode(x0.v, layout.dtype, x0.v_scale, x0.v_micro, v0);
-    Chunk<T>::Decode(x1.k, layout.dtype, x1.k_scale, x1.k_micro, k1);
-    Chunk<T>::Decode(x1.v, layout.dtype, x1.v_scale, x1.v_micro, v1);
+    Chunk<T>::Decode(x0.k, x0.k_scale, x0.k_micro, k0);
+    Chunk<T>::Decode(x0.v, x0.v_scale, x0.v_micro, v0);
+    Chunk<T>::Decode(x1.k, x1.k_scale, x1.k_micro, k1);
+    Chunk<T>::Decode(x1.v, x1.v_scale, x1.v_micro, v1);
 #pragma unroll
     for (int i = 0; i < kGroup; ++i) {
       float dot0 = 0.0f, dot1 = 0.0f;
@@ -363,16 +413,22 @@ __global__ void __launch_bounds__(32 * kSplitWarps, kGroup <= 4 ? 4 : 2)
       }
     }
   };
-  // Keys [begin, end): two block steps at a time, both keys' loads issued
-  // before they are folded.
+  // Keys [begin, end): kInFlight block steps at a time, all their loads
+  // issued before any is folded.
+  constexpr int kSteps = kInFlight<T, kGroup>;
   auto walk = [&](int64_t begin, int64_t end) {
-    for (int64_t base = begin; base < end; base += 2 * kStreams) {
-      const int64_t k0 = base + stream, k1 = k0 + kStreams;
-      const bool v0 = k0 < end, v1 = k1 < end;
-      Loaded x0{}, x1{};
-      if (v0) load(k0, x0);
-      if (v1) load(k1, x1);
-      fold2(x0, v0, x1, v1);
+    for (int64_t base = begin; base < end; base += kSteps * kStreams) {
+      Loaded x[kSteps];
+      bool valid[kSteps];
+#pragma unroll
+      for (int t = 0; t < kSteps; ++t) {
+        const int64_t key = base + stream + t * kStreams;
+        valid[t] = key < end;
+        x[t] = Loaded{};
+        if (valid[t]) load(key, x[t]);
+      }
+#pragma unroll
+      for (int t = 0; t < kSteps; t += 2) fold2(x[t], valid[t], x[t + 1], valid[t + 1]);
     }
   };
   walk(range.begin, range.end);
@@ -524,9 +580,13 @@ void DecodeAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q, 
                                                plan.num_heads, plan.batch, scale, splits, result);
       break;
     case DType::kFP8E4M3:
+      launched = FastAligned(dl, p, 8) &&
+                 LaunchFastOfWidth<Fp8E4M3>(hd, group, grid, stream, dl, p, layer, qp, qs,
+                                            plan.num_heads, plan.batch, scale, splits, result);
+      break;
     case DType::kFP8E5M2:
       launched = FastAligned(dl, p, 8) &&
-                 LaunchFastOfWidth<uint8_t>(hd, group, grid, stream, dl, p, layer, qp, qs,
+                 LaunchFastOfWidth<Fp8E5M2>(hd, group, grid, stream, dl, p, layer, qp, qs,
                                             plan.num_heads, plan.batch, scale, splits, result);
       break;
     case DType::kNvFp4:
