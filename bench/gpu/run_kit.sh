@@ -313,8 +313,12 @@ fi
 
 if [[ $WHAT == perf || $WHAT == profile ]]; then
   : > "$OUT/perf.jsonl"
-  logs=$OUT/logs
+  # Logs outside $OUT, packed into one archive after every phase: the device
+  # tool returns at most 8 files, and a run cut off at its time limit still
+  # returns the archive of the phases before.
+  logs=$(mktemp -d)/logs
   mkdir -p "$logs"
+  pack() { tar -czf "$OUT/logs.tar.gz" -C "$(dirname "$logs")" logs; }
   step "GPU tests, all at once"
   pids=()
   for t in backend_ops_test cuda_engine_test cuda_serving_test communicator_test; do
@@ -366,6 +370,8 @@ if [[ $WHAT == perf || $WHAT == profile ]]; then
   done
   mapfile -t greedy < "$logs/greedy.txt"
   summary+=("${greedy[@]}")
+  printf '%s\n' "${summary[@]}" > "$logs/summary.txt"
+  pack
   step "bench kernels, fp16 KV, decode at 1K/4K/16K, prefill at 4K and 16K"
   timeout 60 "$PDSERVE" bench kernels --batch 64 --context 1024,4096,16384 --kv-dtype fp16 \
     2>>"$logs/bench.err" | tee -a "$OUT/perf.jsonl"
@@ -381,29 +387,30 @@ if [[ $WHAT == perf || $WHAT == profile ]]; then
     timeout "$limit" "$PDSERVE" bench engine --model "$model" --load-format dummy \
       --device cuda --json "$@" 2>>"$logs/bench.err" | tee -a "$OUT/perf.jsonl"
     summary+=("bench engine $label: exit ${PIPESTATUS[0]}")
+    pack
   }
   engine "decode b1-64 after 1024" 120 bench/configs/llama-3.1-8b --kv-dtype bf16 \
     --batch 1,8,32,64 --prompt-tokens 1024 --gen-tokens 32 --max-batched-tokens 8192
   engine "prefill 4096 + b1 decode" 60 bench/configs/llama-3.1-8b --kv-dtype bf16 --batch 1 \
     --prompt-tokens 4096 --gen-tokens 32 --max-batched-tokens 4096
-  if [[ -f bench/configs/llama-3.1-8b-fp8/config.json ]]; then
-    engine "fp8 weights b1 decode" 60 bench/configs/llama-3.1-8b-fp8 --kv-dtype bf16 --batch 1 \
-      --prompt-tokens 512 --gen-tokens 32
-  fi
   if [[ $WHAT == profile ]]; then
     for batch in 1 64; do
       step "ncu kernel durations, batch $batch, eager"
-      timeout 120 ncu --metrics gpu__time_duration.sum --clock-control none --csv --page raw \
+      timeout 90 ncu --metrics gpu__time_duration.sum --clock-control none --csv --page raw \
         --log-file "$logs/ncu-b$batch.csv" "$PDSERVE" bench engine \
         --model bench/configs/llama-3.1-8b --load-format dummy --device cuda --kv-dtype bf16 \
         --batch "$batch" --prompt-tokens 1024 --gen-tokens 5 --max-batched-tokens 16384 \
         --cuda-graphs=false --json >> "$logs/ncu.jsonl" 2>> "$logs/ncu.err"
       summary+=("ncu batch $batch: exit $?, $(wc -l < "$logs/ncu-b$batch.csv" 2>/dev/null) rows")
+      pack
     done
   fi
+  if [[ -f bench/configs/llama-3.1-8b-fp8/config.json ]]; then
+    engine "fp8 weights b1 decode" 60 bench/configs/llama-3.1-8b-fp8 --kv-dtype bf16 --batch 1 \
+      --prompt-tokens 512 --gen-tokens 32
+  fi
   cp "$OUT/device.txt" "$logs/"
-  tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs
-  rm -rf "$logs"
+  pack
 fi
 
 # A GPU stack (router + 1 prefill + 1 decode worker, every prompt prefilled
