@@ -117,6 +117,7 @@ StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(Model* model,
     PDSERVE_LOG(INFO) << "model runner: decode steps of a sparse model run without graphs";
     r->graphs_enabled_ = false;
   }
+  r->CaptureDecodeGraphs();
   return r;
 }
 
@@ -250,18 +251,7 @@ StatusOr<std::vector<SampledToken>> ModelRunner::Execute(std::span<const Schedul
     if (!graph && s.sample) logits_rows[r++] = static_cast<int32_t>(t - 1);
   }
   PDSERVE_RETURN_IF_ERROR(AssignTableRows(step, table_rows));
-  if (graph) {
-    // Padding rows up to the bucket: no KV written (slot -1), no keys.
-    for (int64_t i = S; i < bucket; ++i) {
-      ids[i] = 0;
-      positions[i] = 0;
-      for (int64_t g = 0; g < groups_; ++g) slots[g * rows + i] = -1;
-      query_start[i + 1] = static_cast<int32_t>(i + 1);
-      context_lens[i] = 0;
-      table_rows[i] = 0;
-    }
-    for (int64_t i = 0; i < bucket; ++i) logits_rows[i] = static_cast<int32_t>(i);
-  }
+  if (graph) StagePadding(S, bucket);
   Run(rows, seqs, graph ? bucket : R, graph ? 1 : max_query, graph ? table_width_ * B : max_context,
       graph);
 
@@ -374,6 +364,41 @@ Status ModelRunner::Forward(const ForwardBatch& batch, float* logits) {
   if (R > 0) backend_->DownloadAsync(logits, model_->logits(R).data, R * c.vocab_size * 4);
   backend_->Synchronize();
   return Status::Ok();
+}
+
+void ModelRunner::StagePadding(int64_t from, int64_t bucket) {
+  const Staged& st = staged_;
+  auto* slots = reinterpret_cast<int64_t*>(host_ + st.slots);
+  auto* ids = reinterpret_cast<int32_t*>(host_ + st.ids);
+  auto* positions = reinterpret_cast<int32_t*>(host_ + st.positions);
+  auto* query_start = reinterpret_cast<int32_t*>(host_ + st.query_start);
+  auto* context_lens = reinterpret_cast<int32_t*>(host_ + st.context_lens);
+  auto* table_rows = reinterpret_cast<int32_t*>(host_ + st.table_rows);
+  auto* logits_rows = reinterpret_cast<int32_t*>(host_ + st.logits_rows);
+  query_start[0] = 0;
+  for (int64_t i = from; i < bucket; ++i) {
+    ids[i] = 0;
+    positions[i] = 0;
+    for (int64_t g = 0; g < groups_; ++g) slots[g * bucket + i] = -1;
+    query_start[i + 1] = static_cast<int32_t>(i + 1);
+    context_lens[i] = 0;
+    table_rows[i] = 0;
+  }
+  for (int64_t i = 0; i < bucket; ++i) logits_rows[i] = static_cast<int32_t>(i);
+}
+
+void ModelRunner::CaptureDecodeGraphs() {
+  const int64_t last = Bucket(options_.max_num_seqs);
+  for (int64_t bucket = 1; graphs_enabled_ && bucket <= last; bucket *= 2) {
+    StagePadding(0, bucket);
+    // Once eagerly first, so that whatever a library sets up on first use
+    // (handles, lazily loaded kernels) happens outside the capture.
+    for (const bool graph : {false, true}) {
+      Run(bucket, bucket, bucket, 1, table_width_ * layout_.block_size, graph);
+      backend_->Synchronize();  // the staged inputs are rewritten next
+    }
+  }
+  graph_replays_ = 0;  // replays of requests' steps only
 }
 
 void ModelRunner::Run(int64_t tokens, int64_t seqs, int64_t logits, int64_t max_query_len,

@@ -11,7 +11,8 @@
 //    step: a new block now and then, not the whole table; a windowed
 //    group's released entries are not sent);
 //  - graphs (GraphMode): decode steps of a batch-size bucket (1, 2, 4, ...,
-//    up to max_num_seqs) are captured once and replayed, reading their
+//    up to max_num_seqs) are captured when the runner is created and
+//    replayed, reading their
 //    inputs from the static buffers; a batch is padded up to its bucket with
 //    rows that write no KV and attend to nothing.
 // Sampling is a pure function of (logits, params, seed, output index)
@@ -147,6 +148,14 @@ class ModelRunner {
   // from a graph of its bucket when `graph`.
   void Run(int64_t tokens, int64_t seqs, int64_t logits, int64_t max_query_len,
            int64_t max_context_len, bool graph);
+  // Stages rows [from, bucket) of a decode step as padding: no KV written
+  // (slot -1), no keys, token 0; logits rows 0..bucket-1.
+  void StagePadding(int64_t from, int64_t bucket);
+  // Captures the decode graph of every bucket up to max_num_seqs on
+  // padding rows, at creation, so that no request's step waits for a
+  // capture (tens of milliseconds each on a GPU; vLLM captures at start
+  // too). A failed capture leaves graphs off, as in a step.
+  void CaptureDecodeGraphs();
 
   Model* model_ = nullptr;
   kernels::Backend* backend_ = nullptr;

@@ -36,7 +36,7 @@ def main():
     for r in body:
         if len(r) <= max(name_col, time_col) or not r[time_col]:
             continue
-        name = r[name_col].replace("(anonymous namespace)::", "")
+        name = r[name_col].replace("(anonymous namespace)::", "").replace("<unnamed>::", "")
         name = re.sub(r"^void ", "", name)
         name = re.split(r"[<(]", name)[0].split("::")[-1].strip()
         launches.append((name, float(r[time_col].replace(",", "")) * scale))

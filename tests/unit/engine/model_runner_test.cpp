@@ -8,6 +8,7 @@
 #include "engine/model_runner.h"
 
 #include <gtest/gtest.h>
+#include <algorithm>
 
 #include <map>
 #include <numeric>
@@ -92,6 +93,11 @@ struct Rig {
 
 TEST(ModelRunnerTest, DecodeStepsReplayedFromGraphsGiveTheEagerTokens) {
   Rig eager(GraphMode::kOff), graphs(GraphMode::kAlways);
+  // Every bucket up to max_num_seqs (8) is captured before any step, on
+  // padding rows that leave the pool as it was.
+  EXPECT_EQ(eager.runner->graphs_captured(), 0);
+  EXPECT_EQ(graphs.runner->graphs_captured(), 4);
+  EXPECT_EQ(graphs.runner->graph_replays(), 0);
   auto make = [](uint64_t id, int prompt, bool sampled) {
     Seq s{id, Prompt(prompt, static_cast<uint32_t>(id)), 0, {}, {}};
     s.params.temperature = sampled ? 0.8f : 0.0f;
@@ -114,9 +120,31 @@ TEST(ModelRunnerTest, DecodeStepsReplayedFromGraphsGiveTheEagerTokens) {
     ASSERT_EQ(graphs.Step(b), eager.Step(a)) << "step " << step;
   }
   EXPECT_EQ(eager.runner->graph_replays(), 0);
-  // Decode steps of buckets 4, 2 and 8; prefill steps run eagerly.
-  EXPECT_EQ(graphs.runner->graphs_captured(), 3);
+  // Decode steps of buckets 4, 2 and 8 replayed; prefill steps run eagerly.
+  EXPECT_EQ(graphs.runner->graphs_captured(), 4);
   EXPECT_EQ(graphs.runner->graph_replays(), 40 - 2);
+}
+
+// The captures at creation run their graphs once on padding rows: they
+// must write no KV (slot -1), so a pool shared with a running engine is
+// left as it was.
+TEST(ModelRunnerTest, CapturingAtCreationLeavesThePoolUntouched) {
+  Model* model = testing::TinyCpuModel();
+  auto pool = KvCachePool::Create(model->backend(), model->config(), DType::kF32, 16, 4 << 20);
+  ASSERT_TRUE(pool.ok()) << pool.status().ToString();
+  const size_t bytes = (*pool)->layout().total_bytes();
+  auto* base = static_cast<uint8_t*>((*pool)->base());
+  for (size_t i = 0; i < bytes; ++i) base[i] = static_cast<uint8_t>(i * 131 + 7);
+  const std::vector<uint8_t> before(base, base + bytes);
+  RunnerOptions o;
+  o.max_num_batched_tokens = 64;
+  o.max_num_seqs = 8;
+  o.max_model_len = 256;
+  o.graphs = GraphMode::kAlways;
+  auto runner = ModelRunner::Create(model, (*pool)->layout(), (*pool)->base(), o);
+  ASSERT_TRUE(runner.ok()) << runner.status().ToString();
+  EXPECT_EQ((*runner)->graphs_captured(), 4);
+  EXPECT_TRUE(std::equal(before.begin(), before.end(), base));
 }
 
 TEST(ModelRunnerTest, StepsPastTheLimitsAreRefused) {
