@@ -395,20 +395,23 @@ TEST_F(BackendOpsTest, PrepareLinearRefusesMalformedScaledWeights) {
 // ---- Norms, RoPE, activations, gathers, sampling -----------------------------
 
 TEST_F(BackendOpsTest, RmsNormOnRowsAndOnHeadsOfAPackedProduct) {
-  // Long rows (a block per row on CUDA), in place and not.
-  for (const bool in_place : {false, true}) {
-    const int64_t r = 37, dim = 4096 + 3;
-    const auto x = Random(r * dim, -2, 2), w = Random(dim, -2, 2);
-    Compare("RmsNorm", 1e-5, [&](Backend& b, Mem& mem) -> Outputs {
-      const Tensor in = mem.F32(x, {r, dim});
-      const Tensor out = in_place ? in : mem.Poisoned({r, dim});
-      b.RmsNorm(in, mem.F32(w, {dim}), 1e-5f, out);
-      return {mem.Down(out)};
-    });
+  // Long rows (a block per row on CUDA), in place and not: rows of whole
+  // float4s (CUDA's vector kernel, 1 to 8 float4s a thread) and not.
+  for (const int64_t dim : {4096 + 3, 4096, 5120 + 4, 8192}) {
+    for (const bool in_place : {false, true}) {
+      const int64_t r = 37;
+      const auto x = Random(r * dim, -2, 2), w = Random(dim, -2, 2);
+      Compare("RmsNorm " + std::to_string(dim), 1e-5, [&](Backend& b, Mem& mem) -> Outputs {
+        const Tensor in = mem.F32(x, {r, dim});
+        const Tensor out = in_place ? in : mem.Poisoned({r, dim});
+        b.RmsNorm(in, mem.F32(w, {dim}), 1e-5f, out);
+        return {mem.Down(out)};
+      });
+    }
   }
   // Per-head rows of q and k inside a q|k|v product (Qwen3's norm): views
   // whose tokens are the product's width apart, normed in place; v untouched.
-  for (const int64_t hd : {8, 64, 128, 256, 257}) {
+  for (const int64_t hd : {8, 64, 128, 256, 257, 512}) {
     const int64_t tokens = 29, nh = 4, kvh = 2, width = (nh + 2 * kvh) * hd;
     const auto qkv = Random(tokens * width, -2, 2), wq = Random(hd), wk = Random(hd);
     Compare("RmsNorm heads " + std::to_string(hd), 1e-5, [&](Backend& b, Mem& mem) -> Outputs {
@@ -423,13 +426,15 @@ TEST_F(BackendOpsTest, RmsNormOnRowsAndOnHeadsOfAPackedProduct) {
 }
 
 TEST_F(BackendOpsTest, AddRmsNormWithOutAliasingTheResidual) {
-  const int64_t r = 5, dim = 4096 + 3;
-  const auto x = Random(r * dim), y = Random(r * dim), w = Random(dim);
-  Compare("AddRmsNorm", 1e-5, [&](Backend& b, Mem& mem) -> Outputs {
-    const Tensor tx = mem.F32(x, {r, dim}), ty = mem.F32(y, {r, dim});
-    b.AddRmsNorm(tx, ty, mem.F32(w, {dim}), 1e-6f, ty);
-    return {mem.Down(tx), mem.Down(ty)};
-  });
+  for (const int64_t dim : {4096 + 3, 4096, 8192}) {
+    const int64_t r = 5;
+    const auto x = Random(r * dim), y = Random(r * dim), w = Random(dim);
+    Compare("AddRmsNorm " + std::to_string(dim), 1e-5, [&](Backend& b, Mem& mem) -> Outputs {
+      const Tensor tx = mem.F32(x, {r, dim}), ty = mem.F32(y, {r, dim});
+      b.AddRmsNorm(tx, ty, mem.F32(w, {dim}), 1e-6f, ty);
+      return {mem.Down(tx), mem.Down(ty)};
+    });
+  }
 }
 
 TEST_F(BackendOpsTest, RopeOnAViewOfAPackedProduct) {
