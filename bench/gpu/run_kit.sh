@@ -53,7 +53,12 @@
 # logs.tar.gz; bench/gpu/kernel_shares.py turns them into each kernel's
 # share of a decode step.
 #
-# Usage: bench/gpu/run_kit.sh [all|quick|perf|profile|tests|bench|serve|families|kv|eviction|tp]
+# And (verify): the shortest check of a change to kernels and graphs, most
+# important first, logs packed after each: backend_ops_test, then
+# cuda_engine_test, then `bench engine` batch 1 to 64 after 1,024 tokens,
+# then memcheck over backend_ops_test.
+#
+# Usage: bench/gpu/run_kit.sh [all|quick|perf|profile|verify|tests|bench|serve|families|kv|eviction|tp]
 set -uo pipefail
 
 WHAT=${1:-all}
@@ -410,6 +415,34 @@ if [[ $WHAT == perf || $WHAT == profile ]]; then
       --prompt-tokens 512 --gen-tokens 32
   fi
   cp "$OUT/device.txt" "$logs/"
+  pack
+fi
+
+if [[ $WHAT == verify ]]; then
+  : > "$OUT/perf.jsonl"
+  logs=$(mktemp -d)/logs
+  mkdir -p "$logs"
+  pack() {
+    printf '%s\n' "${summary[@]}" > "$logs/summary.txt"
+    tar -czf "$OUT/logs.tar.gz" -C "$(dirname "$logs")" logs
+  }
+  for t in backend_ops_test cuda_engine_test; do
+    step "$t"
+    PDSERVE_BIN=$PDSERVE PDSERVE_REAL_MODEL_DIR=$KIT/models/stories260K \
+      timeout 60 "$KIT/bin/$t" --gtest_brief=1 > "$logs/$t.log" 2>&1
+    summary+=("$t: exit $?, $(grep -c '^\[  FAILED  \]' "$logs/$t.log") FAILED lines")
+    pack
+  done
+  step "bench engine b1-64 after 1024"
+  timeout 90 "$PDSERVE" bench engine --model bench/configs/llama-3.1-8b --load-format dummy \
+    --device cuda --json --kv-dtype bf16 --batch 1,8,32,64 --prompt-tokens 1024 --gen-tokens 32 \
+    --max-batched-tokens 8192 2>>"$logs/bench.err" | tee -a "$OUT/perf.jsonl"
+  summary+=("bench engine: exit ${PIPESTATUS[0]}")
+  pack
+  step "memcheck backend_ops_test"
+  timeout 90 compute-sanitizer --tool memcheck --error-exitcode 3 "$KIT/bin/backend_ops_test" \
+    --gtest_brief=1 > "$logs/memcheck-backend_ops_test.log" 2>&1
+  summary+=("memcheck backend_ops_test: exit $?")
   pack
 fi
 
