@@ -404,7 +404,7 @@ if [[ $WHAT == perf || $WHAT == profile ]]; then
       timeout 90 ncu --metrics gpu__time_duration.sum --clock-control none --csv --page raw \
         --log-file "$logs/ncu-b$batch.csv" "$PDSERVE" bench engine \
         --model bench/configs/llama-3.1-8b --load-format dummy --device cuda --kv-dtype bf16 \
-        --batch "$batch" --prompt-tokens 1024 --gen-tokens 5 --max-batched-tokens 16384 \
+        --batch "$batch" --prompt-tokens 1024 --gen-tokens 5 --max-batched-tokens $((batch * 1024)) \
         --cuda-graphs=false --json >> "$logs/ncu.jsonl" 2>> "$logs/ncu.err"
       summary+=("ncu batch $batch: exit $?, $(wc -l < "$logs/ncu-b$batch.csv" 2>/dev/null) rows")
       pack
