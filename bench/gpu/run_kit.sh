@@ -136,6 +136,15 @@ if [[ $WHAT == all || $WHAT == families ]]; then
     "$PDSERVE" bench engine --model "$OUT/model-qwen3-moe" --device cuda --batch "$batch" \
       --prompt-tokens 256 --gen-tokens 64 --json 2>>"$OUT/bench.err" | tee -a "$OUT/families.jsonl"
   done
+  # The published shapes of Qwen3-30B-A3B (57 GiB of bf16) and
+  # DeepSeek-V2-Lite (29 GiB), dummy weights: batch-1 decode against the
+  # bytes it reads (active experts + KV; issue 29 goal 6).
+  for cfg in qwen3-30b-a3b deepseek-v2-lite; do
+    step "bench engine, $cfg shapes, batch 1"
+    "$PDSERVE" bench engine --model "bench/configs/$cfg" --load-format dummy --device cuda \
+      --kv-dtype bf16 --batch 1 --prompt-tokens 512 --gen-tokens 64 --json 2>>"$OUT/bench.err" |
+      tee -a "$OUT/families.jsonl"
+  done
   # Multi-head latent attention at a 4K context: kv_bytes_per_decode_step is
   # 4095 tokens x layers x (kv_lora_rank + qk_rope_head_dim) x 2 bytes.
   for batch in 1 32; do
