@@ -34,6 +34,14 @@ TEST(DummyWeightsTest, BenchConfigsHaveThePublishedParameterCounts) {
   // The totals the published safetensors index files add up to (bf16 bytes / 2).
   EXPECT_EQ(ParametersOf("llama-3.1-8b"), 8'030'261'248);
   EXPECT_EQ(ParametersOf("qwen2.5-7b"), 7'615'616'512);
+  // Summed by hand from the architectures' shapes (the model cards say
+  // 30.5B and 15.7B): Qwen3-30B-A3B's 48 layers of attention with Q/K
+  // norms, a 128-expert router and 128 experts of 3 x 2048 x 768, untied
+  // 151,936 x 2,048 embedding and head; DeepSeek-V2-Lite's MLA without a
+  // query LoRA, one dense layer (3 x 2048 x 10944), 26 layers of 64 routed
+  // experts (3 x 2048 x 1408) and 2 shared ones, untied 102,400 x 2,048.
+  EXPECT_EQ(ParametersOf("qwen3-30b-a3b"), 30'532'122'624);
+  EXPECT_EQ(ParametersOf("deepseek-v2-lite"), 15'706'484'224);
 }
 
 TEST(DummyWeightsTest, EqualTheWeightsWriteModelWritesForTheSameSeed) {
