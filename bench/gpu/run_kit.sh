@@ -505,3 +505,4 @@ fi
 
 echo
 printf '%s\n' "${summary[@]}"
+[[ -s $OUT/perf.jsonl ]] && { echo; python3 bench/gpu/summary.py "$OUT/perf.jsonl"; }

@@ -306,6 +306,7 @@ int RunBenchEngine(int argc, char** argv) {
     const double cpu0 = CpuSeconds(), wait0 = RunQueueSeconds();
     double cpu_prefill_end = cpu0, wait_prefill_end = wait0;
     int64_t first_tokens = 0, decode_steps = 0, decode_tokens = 0;
+    std::vector<bool> has_first(static_cast<size_t>(batch), false);
     // Sparse layers' expert weights read over the decode steps (MoeStats).
     int64_t expert_bytes = 0, active_experts = 0;
     auto t_prefill_end = t0;
@@ -320,9 +321,17 @@ int RunBenchEngine(int argc, char** argv) {
         return 1;
       }
       int64_t produced = 0;
-      for (const auto& o : *outputs) produced += static_cast<int64_t>(o.new_token_ids.size());
+      for (const auto& o : *outputs) {
+        produced += static_cast<int64_t>(o.new_token_ids.size());
+        // The prefill phase ends when every request has its first token;
+        // a request already decoding while others prefill adds no more.
+        if (prefilling && !o.new_token_ids.empty() && o.id >= 1 &&
+            o.id <= static_cast<RequestId>(batch) && !has_first[o.id - 1]) {
+          has_first[o.id - 1] = true;
+          ++first_tokens;
+        }
+      }
       if (prefilling) {
-        first_tokens += produced;
         if (first_tokens >= batch) {
           t_prefill_end = std::chrono::steady_clock::now();
           cpu_prefill_end = CpuSeconds();
