@@ -215,14 +215,8 @@ StatusOr<std::vector<SampledToken>> ModelRunner::Execute(std::span<const Schedul
   // among decode rows) runs eagerly: a replayed graph would not copy them.
   const bool graph = graphs_enabled_ && decode && !model_->capturing_queries();
   const int64_t rows = graph ? bucket : T, seqs = graph ? bucket : S;
-  const Staged& st = staged_;
-  auto* slots = reinterpret_cast<int64_t*>(host_ + st.slots);
-  auto* ids = reinterpret_cast<int32_t*>(host_ + st.ids);
-  auto* positions = reinterpret_cast<int32_t*>(host_ + st.positions);
-  auto* query_start = reinterpret_cast<int32_t*>(host_ + st.query_start);
-  auto* context_lens = reinterpret_cast<int32_t*>(host_ + st.context_lens);
-  auto* table_rows = reinterpret_cast<int32_t*>(host_ + st.table_rows);
-  auto* logits_rows = reinterpret_cast<int32_t*>(host_ + st.logits_rows);
+  const auto [slots, ids, positions, query_start, context_lens, table_rows, logits_rows] =
+      HostInputs();
   const int64_t B = layout_.block_size;
   int64_t t = 0, r = 0;
   query_start[0] = 0;
@@ -366,15 +360,20 @@ Status ModelRunner::Forward(const ForwardBatch& batch, float* logits) {
   return Status::Ok();
 }
 
-void ModelRunner::StagePadding(int64_t from, int64_t bucket) {
+ModelRunner::StagedInputs ModelRunner::HostInputs() const {
   const Staged& st = staged_;
-  auto* slots = reinterpret_cast<int64_t*>(host_ + st.slots);
-  auto* ids = reinterpret_cast<int32_t*>(host_ + st.ids);
-  auto* positions = reinterpret_cast<int32_t*>(host_ + st.positions);
-  auto* query_start = reinterpret_cast<int32_t*>(host_ + st.query_start);
-  auto* context_lens = reinterpret_cast<int32_t*>(host_ + st.context_lens);
-  auto* table_rows = reinterpret_cast<int32_t*>(host_ + st.table_rows);
-  auto* logits_rows = reinterpret_cast<int32_t*>(host_ + st.logits_rows);
+  return {reinterpret_cast<int64_t*>(host_ + st.slots),
+          reinterpret_cast<int32_t*>(host_ + st.ids),
+          reinterpret_cast<int32_t*>(host_ + st.positions),
+          reinterpret_cast<int32_t*>(host_ + st.query_start),
+          reinterpret_cast<int32_t*>(host_ + st.context_lens),
+          reinterpret_cast<int32_t*>(host_ + st.table_rows),
+          reinterpret_cast<int32_t*>(host_ + st.logits_rows)};
+}
+
+void ModelRunner::StagePadding(int64_t from, int64_t bucket) {
+  const auto [slots, ids, positions, query_start, context_lens, table_rows, logits_rows] =
+      HostInputs();
   query_start[0] = 0;
   for (int64_t i = from; i < bucket; ++i) {
     ids[i] = 0;

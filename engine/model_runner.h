@@ -148,6 +148,17 @@ class ModelRunner {
   // from a graph of its bucket when `graph`.
   void Run(int64_t tokens, int64_t seqs, int64_t logits, int64_t max_query_len,
            int64_t max_context_len, bool graph);
+  // The step's inputs in the page-locked staging buffer, as typed views.
+  struct StagedInputs {
+    int64_t* slots;
+    int32_t* ids;
+    int32_t* positions;
+    int32_t* query_start;
+    int32_t* context_lens;
+    int32_t* table_rows;
+    int32_t* logits_rows;
+  };
+  StagedInputs HostInputs() const;
   // Stages rows [from, bucket) of a decode step as padding: no KV written
   // (slot -1), no keys, token 0; logits rows 0..bucket-1.
   void StagePadding(int64_t from, int64_t bucket);

@@ -13,6 +13,24 @@ namespace {
 
 using kernels::RowLayout;
 
+// The sum of `v` over the block's threads (at most kThreads), returned to
+// every thread.
+__device__ float BlockSum(float v) {
+  __shared__ float warp_sums[kThreads / 32];
+  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (lane == 0) warp_sums[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < blockDim.x / 32 ? warp_sums[lane] : 0.f;
+    for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    if (lane == 0) warp_sums[0] = v;
+  }
+  __syncthreads();
+  return warp_sums[0];
+}
+
 // One block per row: a block-wide sum of squares, then the scaled write.
 // With kAddResidual the row is first x[r] += residual[r], stored back to x.
 // Each thread reads and writes only its own elements (i = threadIdx.x +
@@ -33,19 +51,7 @@ __global__ void RmsNormKernel(float* x, RowLayout xl, const float* residual, Row
     }
     sum += v * v;
   }
-  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-  __shared__ float warp_sums[kThreads / 32];
-  const int warp = threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (lane == 0) warp_sums[warp] = sum;
-  __syncthreads();
-  if (warp == 0) {
-    sum = lane < blockDim.x / 32 ? warp_sums[lane] : 0.f;
-    for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-    if (lane == 0) warp_sums[0] = sum;
-  }
-  __syncthreads();
-  const float scale = rsqrtf(warp_sums[0] / dim + eps);
+  const float scale = rsqrtf(BlockSum(sum) / dim + eps);
   for (int i = threadIdx.x; i < dim; i += blockDim.x) out_row[i] = row[i] * scale * weight[i];
 }
 
@@ -89,19 +95,7 @@ __global__ void RmsNormVecKernel(float* x, RowLayout xl, const float* residual, 
     const int i = threadIdx.x + k * blockDim.x;
     if (kAddResidual && i < n4) row[i] = v[k];
   }
-  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-  __shared__ float warp_sums[kThreads / 32];
-  const int warp = threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (lane == 0) warp_sums[warp] = sum;
-  __syncthreads();
-  if (warp == 0) {
-    sum = lane < blockDim.x / 32 ? warp_sums[lane] : 0.f;
-    for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-    if (lane == 0) warp_sums[0] = sum;
-  }
-  __syncthreads();
-  const float scale = rsqrtf(warp_sums[0] / dim + eps);
+  const float scale = rsqrtf(BlockSum(sum) / dim + eps);
   const auto* w4 = reinterpret_cast<const float4*>(weight);
 #pragma unroll
   for (int k = 0; k < kVecs; ++k) {
