@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <random>
 #include <vector>
 
@@ -28,19 +29,18 @@ namespace pdserve::cli {
 namespace {
 
 #if PDSERVE_WITH_CUDA
-// The best of `runs` timed calls of PagedAttention (after one to warm up).
-double TimeAttention(kernels::Backend& backend, const kernels::AttentionPlan& plan, const float* q,
-                     float* out, int64_t rows, int64_t heads, int64_t head_dim, int runs) {
-  const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+// The best of `runs` timings of `work` (after one untimed run), each
+// ending when the device is idle: seconds.
+double BestSeconds(kernels::Backend& backend, int runs, const std::function<void()>& work) {
+  work();
+  backend.Synchronize();
   double best = 1e30;
-  for (int i = 0; i <= runs; ++i) {
+  for (int i = 0; i < runs; ++i) {
     const auto start = std::chrono::steady_clock::now();
-    backend.PagedAttention(plan, 0, kernels::Tensor::Of(q, DType::kF32, {rows, heads, head_dim}),
-                           scale, kernels::Tensor::Of(out, DType::kF32, {rows, heads, head_dim}));
+    work();
     backend.Synchronize();
-    const double s =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (i > 0) best = std::min(best, s);
+    best = std::min(
+        best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
   return best;
 }
@@ -99,7 +99,12 @@ nlohmann::json MeasurePrefill(kernels::Backend& backend, int64_t tokens, int64_t
   if (std::find(owned.begin(), owned.end(), nullptr) == owned.end()) {
     const kernels::Tensor t = kernels::Tensor::Of(dkv, DType::kF32, {tokens, kv_heads, head_dim});
     backend.WriteKv(layout, pool, 0, t, t, dslots);
-    const double seconds = TimeAttention(backend, plan, dq, out, tokens, heads, head_dim, 3);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+    const double seconds = BestSeconds(backend, 3, [&] {
+      backend.PagedAttention(plan, 0,
+                             kernels::Tensor::Of(dq, DType::kF32, {tokens, heads, head_dim}), scale,
+                             kernels::Tensor::Of(out, DType::kF32, {tokens, heads, head_dim}));
+    });
     const double flops = 4.0 * tokens * tokens / 2 * head_dim * heads;
     const double tflops = flops / seconds / 1e12;
     result = {{"tokens", tokens},     {"heads", heads},
@@ -147,7 +152,7 @@ nlohmann::json MeasureGemv(kernels::Backend& backend, double copy_gbytes_per_s) 
     auto* dx = static_cast<float*>(store.Upload(x.data(), x.size() * 4));
     auto* dy = static_cast<float*>(store.Allocate(m * 28672 * 4));
     if (dx == nullptr || dy == nullptr) return nullptr;
-    auto layers = [&] {
+    const double best = BestSeconds(backend, 5, [&] {
       for (int l = 0; l < kLayers; ++l) {
         for (size_t s = 0; s < std::size(shapes); ++s) {
           const kernels::LinearWeights& w = weights[s * kCopies + l % kCopies];
@@ -155,16 +160,7 @@ nlohmann::json MeasureGemv(kernels::Backend& backend, double copy_gbytes_per_s) 
                          kernels::Tensor::Of(dy, DType::kF32, {m, shapes[s].rows}));
         }
       }
-      backend.Synchronize();
-    };
-    double best = 1e30;
-    for (int i = 0; i < 6; ++i) {  // the first warms up
-      const auto start = std::chrono::steady_clock::now();
-      layers();
-      const double sec =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      if (i > 0) best = std::min(best, sec);
-    }
+    });
     const double gbps = layer_bytes * kLayers / best / 1e9;
     result.push_back({{"rows", m},
                       {"weight_bytes", layer_bytes * kLayers},
@@ -266,17 +262,11 @@ int MeasureDecodeAttention(kernels::CudaBackend& backend, const cuda::Roofline& 
     backend.PagedAttention(plan, 0, kernels::Tensor::Of(dq, DType::kF32, {batch, heads, head_dim}),
                            scale, kernels::Tensor::Of(out, DType::kF32, {batch, heads, head_dim}));
   };
-  run();  // warms up
-  backend.Synchronize();
-  double best = 1e30;
-  for (int i = 0; i < 5; ++i) {
-    const auto start = std::chrono::steady_clock::now();
-    for (int c = 0; c < kCalls; ++c) run();
-    backend.Synchronize();
-    const double s =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    best = std::min(best, s / kCalls);
-  }
+  const double best = BestSeconds(backend, 5,
+                                  [&] {
+                                    for (int c = 0; c < kCalls; ++c) run();
+                                  }) /
+                      kCalls;
   // K and V of every token, every KV head, read once (fp8 scales are noise).
   const double kv_bytes = 2.0 * batch * context * kv_heads * head_dim * DTypeBits(kv_dtype) / 8;
   const double read_gbps = kv_bytes / best / 1e9;
