@@ -162,11 +162,14 @@ bool GemmBf16Takes(const WeightMatrix& w) {
 void GemmBf16(const uint16_t* xb, int64_t ldx, int64_t m, const WeightMatrix& w, const float* bias,
               int64_t j_begin, int64_t j_end, float* y, int64_t ldy, GemmBf16Scratch* scratch) {
   const int64_t pairs = (w.cols + 1) / 2;
-  // Runs of pairs that share a scale: the whole row but for blocks.
-  const int64_t run = w.scheme == WeightScheme::kFp8Block ? w.block_cols / 2 : pairs;
-  const int64_t runs = (pairs + run - 1) / run;
+  // Runs of pairs that share a scale: the whole row but for blocks (one
+  // run of no pairs when w.cols is 0, so that y still gets the bias).
+  const int64_t run =
+      std::max<int64_t>(1, w.scheme == WeightScheme::kFp8Block ? w.block_cols / 2 : pairs);
+  const int64_t runs = std::max<int64_t>(1, (pairs + run - 1) / run);
   const bool scaled = w.scheme != WeightScheme::kNone;
-  scratch->panel.resize(std::max<size_t>(scratch->panel.size(), pairs * 2 * kBf16PanelColumns));
+  scratch->panel.resize(
+      std::max<size_t>(scratch->panel.size(), std::max<int64_t>(pairs, 1) * 2 * kBf16PanelColumns));
   if (scaled) {
     scratch->scales.resize(std::max<size_t>(scratch->scales.size(), runs * kBf16PanelColumns));
   }
