@@ -175,10 +175,10 @@ TEST(CpuFp8LinearTest, MatchesDoublePrecisionProductOfTheDequantisedWeights) {
         std::vector<double> mag;
         const auto want = Reference(AsMultiplied(x, level, m, w.matrix), m, {&w}, bias, &mag);
         for (int64_t i = 0; i < m * c.n; ++i) {
-          // Products exact (of fp32 and an e4m3 value, or of two bf16
-          // values); fp32 sums of k products, then at most two roundings of
-          // scales and one of the bias: (k + 3) units of 2^-24 of the
-          // terms' magnitudes.
+          // fp32 sums of k products (exact for two bf16 values; a block's
+          // run summed alone, then scaled into the total by one fused
+          // multiply-add), at most two roundings of scales and one of the
+          // bias: (k + 3) units of 2^-24 of the terms' magnitudes.
           ASSERT_NEAR(y[i], want[i], (c.k + 3) * std::ldexp(1.0, -24) * mag[i] + 1e-30)
               << "element " << i;
         }
