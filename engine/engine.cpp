@@ -616,29 +616,32 @@ Status Engine::CompressPrompt(Sequence* s, const std::vector<std::vector<float>>
   std::vector<int32_t> from;
   for (BlockId b : blocks_->BlockTable(s->id)) from.push_back(static_cast<int32_t>(b));
   executor_->Synchronize();
-  // Each rank chooses for its own KV heads from its own query heads (a GQA
-  // group stays on one rank; Model::Load refuses SnapKV where KV heads are
-  // replicated): per rank kept[layer * rank_kv_heads + head].
-  std::vector<std::vector<std::vector<int32_t>>> rank_kept(ranks_.size());
+  // Each rank chooses for its own KV heads from its own query heads, or,
+  // where ranks share a replicated KV head, the group's ranks choose once
+  // from their joined queries (SnapKvSelectRanks): per rank
+  // kept[layer * rank_kv_heads + head].
   // A device's pool is read through a host copy of the prompt's blocks.
   std::vector<std::optional<SnapKvHostCopy>> copies(ranks_.size());
+  std::vector<std::vector<float>> queries(ranks_.size());
+  std::vector<SnapKvRank> inputs(ranks_.size());
   for (size_t r = 0; r < ranks_.size(); ++r) {
     const ModelConfig& c = ranks_[r]->config();
     const KvCachePool& pool = kv_pool(static_cast<int>(r));
     const int64_t width = c.num_heads * c.head_dim;
-    std::vector<float> queries(static_cast<size_t>(c.num_layers * W * width));
+    queries[r].resize(static_cast<size_t>(c.num_layers * W * width));
     for (int64_t l = 0; l < c.num_layers; ++l) {
       const float* at = captured[r].data() + ((l * count + k) * W) * width;
-      std::copy(at, at + W * width, queries.begin() + l * W * width);
+      std::copy(at, at + W * width, queries[r].begin() + l * W * width);
     }
     std::optional<SnapKvHostCopy>& copy = copies[r];
     if (!ranks_[r]->backend()->SharesHostMemory()) {
       copy.emplace(ranks_[r]->backend(), pool.layout(), pool.base(), from);
     }
-    rank_kept[r] =
-        copy ? SnapKvSelect(c, pool.layout(), copy->pool(), copy->from(), P, queries.data())
-             : SnapKvSelect(c, pool.layout(), pool.base(), from, P, queries.data());
+    inputs[r] = SnapKvRank{&c, &pool.layout(), copy ? copy->pool() : pool.base(),
+                           copy ? copy->from() : std::span<const int32_t>(from), queries[r].data()};
   }
+  const int replicas = ranks_[0]->kv_head_replicas();
+  std::vector<std::vector<std::vector<int32_t>>> rank_kept = SnapKvSelectRanks(inputs, replicas, P);
   // Fresh private blocks for the B kept tokens, taken before the prompt's
   // are let go (a fixed id: the compaction completes within this call).
   constexpr SeqId kCompacted = ~SeqId{0};
@@ -667,11 +670,12 @@ Status Engine::CompressPrompt(Sequence* s, const std::vector<std::vector<float>>
   s->kv_shift = P - B;
   s->compressed = true;
   // The whole model's kept sets, kept[layer * kv_heads + head]: rank r's
-  // KV heads are the r-th range.
+  // KV heads are the r-th range (a replicated head counted once, from the
+  // first rank that holds it).
   const int64_t layers = model_->config().num_layers;
   s->snapkv_kept.clear();
   for (int64_t l = 0; l < layers; ++l) {
-    for (size_t r = 0; r < ranks_.size(); ++r) {
+    for (size_t r = 0; r < ranks_.size(); r += static_cast<size_t>(replicas)) {
       const int64_t heads = ranks_[r]->config().num_kv_heads;
       for (int64_t h = 0; h < heads; ++h) {
         s->snapkv_kept.push_back(std::move(rank_kept[r][static_cast<size_t>(l * heads + h)]));
