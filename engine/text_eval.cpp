@@ -207,6 +207,7 @@ Status PagedSequenceRunner::Run(const std::vector<TokenId>& tokens, int64_t star
     for (size_t r = 0; r < models_.size(); ++r) {
       const KvCachePool& pool = *pools_[r];
       SnapKvGather(pool.layout(), pool.base(), block_table_, spare_, kept[r]);
+      SnapKvBoundKeys(models_[r]->backend(), pool.layout(), pool.base(), spare_, ev.budget_tokens);
     }
     // The kept tokens at cache indices [0, B), the prompt's blocks after them.
     std::vector<int32_t> table = spare_;
