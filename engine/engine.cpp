@@ -9,6 +9,7 @@
 #include "common/kv_groups.h"
 #include "common/logging.h"
 #include "common/tokenizer/tokenizer.h"
+#include "engine/kv_tier_reslice.h"
 #include "engine/snapkv.h"
 
 namespace pdserve {
@@ -187,19 +188,37 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(const std::vector<Model*>& rank
   const bool tiers = options.kv_host_cache_bytes > 0 || !options.kv_disk_cache_dir.empty();
   if (tiers && options.enable_prefix_caching) {
     KvTierOptions to;
-    // A tier entry holds a block's shard of every rank, rank by rank (equal
-    // shards): a tensor-parallel block stays one unit in the tiers too.
-    const int64_t shard_bytes = e->pool_->bytes_per_block();
-    to.block_bytes = shard_bytes * static_cast<int64_t>(ranks.size());
+    // A tier entry holds a block's shards, one per rank, or one per KV head
+    // where ranks replicate heads (kv_tier_reslice.h): a tensor-parallel
+    // block stays one unit in the tiers too, of the same bytes at any size.
+    const kernels::KvCacheLayout shard = e->pool_->layout();
+    const int n = static_cast<int>(ranks.size());
+    e->tier_kv_heads_ = shard.is_mla() ? 1 : shard.num_kv_heads * n / model->kv_head_replicas();
+    const int split = TierSplit(e->tier_kv_heads_, n);
+    to.block_bytes = e->pool_->bytes_per_block() * split;
     // Blocks are the same bytes in host and device pools and whatever moves
     // them: only the model and the pool's layout decide what a block means.
-    // The split is part of it: a tier written at another TP size holds other
-    // shards, so its layout hash differs and its disk entries are not served.
+    // The split is part of it: an entry written at another split holds other
+    // shards, so its layout hash differs; its disk entries are re-sliced
+    // into this split's at Open, never served as they are.
     KvLayout content = e->pool_->TransferLayout(e->model_id_, model->matrix_dtype(), "tiers");
     content.memory_type = MemoryType::kHost;
-    content.tensor_parallel = static_cast<int64_t>(ranks.size());
+    content.tensor_parallel = split;
     content.model_fingerprint = e->kv_fingerprint_;  // other weights: another slab key
     to.layout_hash = content.Hash();
+    for (int m = 1; m <= std::min<int64_t>(kMaxTensorParallel, e->tier_kv_heads_); ++m) {
+      if (m == split || e->tier_kv_heads_ % m != 0) continue;
+      const kernels::KvCacheLayout at = TierShardLayout(shard, e->tier_kv_heads_, m);
+      KvLayout theirs = content;
+      theirs.kv_heads = at.num_kv_heads;
+      theirs.bytes_per_block = at.bytes_per_block();
+      theirs.tensor_parallel = m;
+      to.reslice_from.push_back(
+          {theirs.Hash(), at.bytes_per_block() * m, "tensor-parallel size " + std::to_string(m),
+           [shard, kv_heads = e->tier_kv_heads_, m, split](const uint8_t* from, uint8_t* out) {
+             ResliceTierEntry(shard, kv_heads, m, from, split, out);
+           }});
+    }
     to.host_bytes = options.kv_host_cache_bytes;
     to.disk_dir = options.kv_disk_cache_dir;
     to.disk_bytes = options.kv_disk_cache_bytes;
@@ -222,10 +241,15 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(const std::vector<Model*>& rank
     bm.on_evict = [self](BlockId block, BlockHash hash) {
       HostBlockBuffers::Buffer copy = self->tier_buffers_->Take();
       if (!copy) return;  // no host memory left: the block is dropped, as without tiers
-      const size_t shard = copy.size() / self->ranks_.size();
-      for (size_t r = 0; r < self->ranks_.size(); ++r) {
-        self->ranks_[r]->backend()->Download(
-            copy.data() + r * shard, self->kv_pool(static_cast<int>(r)).block(block), shard);
+      // One copy of each shard: the first rank of those that hold it.
+      const int n = static_cast<int>(self->ranks_.size());
+      const size_t shard = copy.size() / static_cast<size_t>(TierSplit(self->tier_kv_heads_, n));
+      for (int r = 0, last = -1; r < n; ++r) {
+        const int at = TierShardOfRank(self->tier_kv_heads_, n, r);
+        if (at == last) continue;
+        last = at;
+        self->ranks_[r]->backend()->Download(copy.data() + at * shard,
+                                             self->kv_pool(r).block(block), shard);
       }
       self->tier_mover_->Offload(hash, std::move(copy));
       ++self->offloaded_blocks_;
@@ -532,10 +556,13 @@ void Engine::ProcessTierWork() {
     // Tokens brought back: B per prompt block any of whose groups' blocks
     // came back, counted at its slowest tier (slots are by index).
     for (size_t k = 0; k < n; ++k) {
-      const size_t shard = done.blocks[k].size() / ranks_.size();
-      for (size_t r = 0; r < ranks_.size(); ++r) {
-        ranks_[r]->backend()->Upload(kv_pool(static_cast<int>(r)).block(s->load_slots[k].block),
-                                     done.blocks[k].data() + r * shard, shard);
+      const int ranks = static_cast<int>(ranks_.size());
+      const size_t shard =
+          done.blocks[k].size() / static_cast<size_t>(TierSplit(tier_kv_heads_, ranks));
+      for (int r = 0; r < ranks; ++r) {
+        ranks_[r]->backend()->Upload(
+            kv_pool(r).block(s->load_slots[k].block),
+            done.blocks[k].data() + TierShardOfRank(tier_kv_heads_, ranks, r) * shard, shard);
       }
       const bool last_of_index = k + 1 == n || s->load_slots[k + 1].index != s->load_slots[k].index;
       if (!last_of_index) continue;
@@ -616,29 +643,32 @@ Status Engine::CompressPrompt(Sequence* s, const std::vector<std::vector<float>>
   std::vector<int32_t> from;
   for (BlockId b : blocks_->BlockTable(s->id)) from.push_back(static_cast<int32_t>(b));
   executor_->Synchronize();
-  // Each rank chooses for its own KV heads from its own query heads (a GQA
-  // group stays on one rank; Model::Load refuses SnapKV where KV heads are
-  // replicated): per rank kept[layer * rank_kv_heads + head].
-  std::vector<std::vector<std::vector<int32_t>>> rank_kept(ranks_.size());
+  // Each rank chooses for its own KV heads from its own query heads, or,
+  // where ranks share a replicated KV head, the group's ranks choose once
+  // from their joined queries (SnapKvSelectRanks): per rank
+  // kept[layer * rank_kv_heads + head].
   // A device's pool is read through a host copy of the prompt's blocks.
   std::vector<std::optional<SnapKvHostCopy>> copies(ranks_.size());
+  std::vector<std::vector<float>> queries(ranks_.size());
+  std::vector<SnapKvRank> inputs(ranks_.size());
   for (size_t r = 0; r < ranks_.size(); ++r) {
     const ModelConfig& c = ranks_[r]->config();
     const KvCachePool& pool = kv_pool(static_cast<int>(r));
     const int64_t width = c.num_heads * c.head_dim;
-    std::vector<float> queries(static_cast<size_t>(c.num_layers * W * width));
+    queries[r].resize(static_cast<size_t>(c.num_layers * W * width));
     for (int64_t l = 0; l < c.num_layers; ++l) {
       const float* at = captured[r].data() + ((l * count + k) * W) * width;
-      std::copy(at, at + W * width, queries.begin() + l * W * width);
+      std::copy(at, at + W * width, queries[r].begin() + l * W * width);
     }
     std::optional<SnapKvHostCopy>& copy = copies[r];
     if (!ranks_[r]->backend()->SharesHostMemory()) {
       copy.emplace(ranks_[r]->backend(), pool.layout(), pool.base(), from);
     }
-    rank_kept[r] =
-        copy ? SnapKvSelect(c, pool.layout(), copy->pool(), copy->from(), P, queries.data())
-             : SnapKvSelect(c, pool.layout(), pool.base(), from, P, queries.data());
+    inputs[r] = SnapKvRank{&c, &pool.layout(), copy ? copy->pool() : pool.base(),
+                           copy ? copy->from() : std::span<const int32_t>(from), queries[r].data()};
   }
+  const int replicas = ranks_[0]->kv_head_replicas();
+  std::vector<std::vector<std::vector<int32_t>>> rank_kept = SnapKvSelectRanks(inputs, replicas, P);
   // Fresh private blocks for the B kept tokens, taken before the prompt's
   // are let go (a fixed id: the compaction completes within this call).
   constexpr SeqId kCompacted = ~SeqId{0};
@@ -669,11 +699,12 @@ Status Engine::CompressPrompt(Sequence* s, const std::vector<std::vector<float>>
   s->kv_shift = P - B;
   s->compressed = true;
   // The whole model's kept sets, kept[layer * kv_heads + head]: rank r's
-  // KV heads are the r-th range.
+  // KV heads are the r-th range (a replicated head counted once, from the
+  // first rank that holds it).
   const int64_t layers = model_->config().num_layers;
   s->snapkv_kept.clear();
   for (int64_t l = 0; l < layers; ++l) {
-    for (size_t r = 0; r < ranks_.size(); ++r) {
+    for (size_t r = 0; r < ranks_.size(); r += static_cast<size_t>(replicas)) {
       const int64_t heads = ranks_[r]->config().num_kv_heads;
       for (int64_t h = 0; h < heads; ++h) {
         s->snapkv_kept.push_back(std::move(rank_kept[r][static_cast<size_t>(l * heads + h)]));

@@ -405,6 +405,9 @@ class Engine {
   std::unique_ptr<KvTierStore> tier_store_;
   std::unique_ptr<HostBlockBuffers> tier_buffers_;  // outlives the mover's buffers
   std::unique_ptr<KvTierMover> tier_mover_;
+  // The model's KV heads, all ranks together (MLA: 1), which say how a tier
+  // entry is split into shards (engine/kv_tier_reslice.h).
+  int64_t tier_kv_heads_ = 1;
   uint64_t next_load_ticket_ = 1;
   std::unordered_map<uint64_t, RequestId> loads_;  // onload ticket -> request
   int64_t host_hit_tokens_ = 0, disk_hit_tokens_ = 0, offloaded_blocks_ = 0;

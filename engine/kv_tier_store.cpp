@@ -14,6 +14,7 @@
 #include <cstring>
 #include <filesystem>
 #include <list>
+#include <map>
 #include <new>
 #include <unordered_map>
 
@@ -273,6 +274,7 @@ Status KvTierStore::OpenDisk() {
   // Rebuild the index from the headers: the newest valid copy of each hash.
   std::unordered_map<BlockHash, std::pair<uint64_t, int64_t>> newest;  // hash -> (generation, slot)
   std::vector<int64_t> foreign;
+  std::map<std::string, int64_t> resliced;  // by the layout they were written in
   for (int64_t slot = 0; slot < disk_slots_; ++slot) {
     SlotHeader h;
     if (::pread(fd_, &h, sizeof(h), static_cast<off_t>(slot * slot_stride_)) !=
@@ -280,6 +282,24 @@ Status KvTierStore::OpenDisk() {
       continue;
     }
     if (h.magic != kSlabMagic || h.header_checksum != h.Checksum()) continue;  // empty or torn
+    if (h.version == kSlabVersion && h.layout_hash != options_.layout_hash) {
+      // Another tensor-parallel size of this model and KV configuration:
+      // converted in place, then indexed like this layout's own.
+      const KvTierReslice* from = nullptr;
+      for (const KvTierReslice& r : options_.reslice_from) {
+        if (r.layout_hash == h.layout_hash &&
+            h.payload_bytes == static_cast<uint64_t>(r.payload_bytes)) {
+          from = &r;
+        }
+      }
+      if (from != nullptr &&
+          ResliceDiskSlot(slot, h.generation, h.block_hash, h.payload_checksum, *from)) {
+        ++resliced[from->name];
+        ++resliced_;
+        h.layout_hash = options_.layout_hash;
+        h.payload_bytes = static_cast<uint64_t>(options_.block_bytes);
+      }
+    }
     if (h.version != kSlabVersion || h.layout_hash != options_.layout_hash ||
         h.payload_bytes != static_cast<uint64_t>(options_.block_bytes)) {
       foreign.push_back(slot);
@@ -288,6 +308,10 @@ Status KvTierStore::OpenDisk() {
     next_generation_ = std::max(next_generation_, h.generation + 1);
     auto [it, inserted] = newest.try_emplace(h.block_hash, h.generation, slot);
     if (!inserted && h.generation > it->second.first) it->second = {h.generation, slot};
+  }
+  for (const auto& [name, count] : resliced) {
+    PDSERVE_LOG(INFO) << "disk KV tier: re-sliced " << count << " cached blocks of " << path
+                      << " written at " << name << " into this worker's layout";
   }
   // Another model (other weights, config or tokenizer), KV dtype or scales,
   // or block size wrote these: their KV means nothing to this one. Their
@@ -299,10 +323,10 @@ Status KvTierStore::OpenDisk() {
       (void)::pwrite(fd_, &cleared, sizeof(cleared), static_cast<off_t>(slot * slot_stride_));
     }
     discarded_ = static_cast<int64_t>(foreign.size());
-    PDSERVE_LOG(WARN)
-        << "disk KV tier: discarded " << foreign.size() << " cached blocks of " << path
-        << " written by another model or KV configuration (its weights, config, "
-           "tokenizer, KV dtype or scales, block size or tensor-parallel size differ)";
+    PDSERVE_LOG(WARN) << "disk KV tier: discarded " << foreign.size() << " cached blocks of "
+                      << path
+                      << " written by another model or KV configuration (its weights, config, "
+                         "tokenizer, KV dtype or scales or block size differ)";
   }
   std::vector<std::pair<uint64_t, int64_t>> order;  // oldest first: the LRU order
   for (const auto& [hash, gs] : newest) order.push_back(gs);
@@ -390,6 +414,20 @@ bool KvTierStore::ReadDiskSlot(int64_t slot, BlockHash hash, uint8_t* out) {
          h.layout_hash == options_.layout_hash && h.block_hash == hash &&
          h.payload_bytes == static_cast<uint64_t>(options_.block_bytes) &&
          h.payload_checksum == XXH3_64bits(out, static_cast<size_t>(options_.block_bytes));
+}
+
+bool KvTierStore::ResliceDiskSlot(int64_t slot, uint64_t generation, BlockHash hash,
+                                  uint64_t payload_checksum, const KvTierReslice& from) {
+  std::vector<uint8_t> in(static_cast<size_t>(from.payload_bytes));
+  iovec iov{in.data(), in.size()};
+  if (AllOf([this](iovec* v, int n, off_t o) { return ::preadv(fd_, v, n, o); }, &iov, 1,
+            static_cast<off_t>(slot * slot_stride_ + kHeaderBytes), /*write=*/false) != 0 ||
+      XXH3_64bits(in.data(), in.size()) != payload_checksum) {
+    return false;
+  }
+  std::vector<uint8_t> out(static_cast<size_t>(options_.block_bytes));
+  from.convert(in.data(), out.data());
+  return WriteDiskSlot(slot, hash, generation, out.data()).ok();
 }
 
 int64_t KvTierStore::TakeDiskSlotLocked(std::vector<KvTierChange>* changes) {
@@ -691,6 +729,7 @@ KvTierStats KvTierStore::stats() const {
   s.write_dropped = write_dropped_;
   s.disk_write_errors = write_errors_;
   s.discarded_at_open = discarded_;
+  s.resliced_at_open = resliced_;
   return s;
 }
 

@@ -38,7 +38,14 @@
 // rebuilds the disk index from the slot headers (a warm restart), keeping
 // the newest copy of each hash; slots written under another layout hash
 // (another model, weights, KV dtype or scales, block size) are discarded:
-// their headers are cleared, and they are counted and logged.
+// their headers are cleared, and they are counted and logged. Slots written
+// by the same model and KV configuration at another tensor-parallel size
+// (one of `reslice_from`) are re-sliced in place at Open instead: each is
+// read, checked, converted to this layout and written back under this
+// layout's hash, keeping its block hash and generation. Only slots found
+// at this slab's slot starts are seen, so a layout whose entries take
+// another slot size would be found in part (the engine's tensor-parallel
+// entries take a block's TP 1 bytes at every size: engine/kv_tier_reslice.h).
 //
 // Tenant isolation: blocks are keyed by the hash the block manager commits
 // them under, which folds in the cache salt (hash spec v1), so two tenants'
@@ -52,6 +59,7 @@
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -69,6 +77,17 @@ enum class KvDiskWrite : uint8_t { kThrough, kBack };
 std::optional<KvDiskWrite> ParseKvDiskWrite(std::string_view name);  // "through" | "back"
 std::string_view KvDiskWriteName(KvDiskWrite w);
 
+// Entries of another layout the disk tier converts at Open: the layout
+// hash their slots carry, their payload's bytes, and the conversion
+// (`from`: payload_bytes; `to`: block_bytes). `name` says which layout, in
+// the log line.
+struct KvTierReslice {
+  uint64_t layout_hash = 0;
+  int64_t payload_bytes = 0;
+  std::string name;
+  std::function<void(const uint8_t* from, uint8_t* to)> convert;
+};
+
 struct KvTierOptions {
   int64_t block_bytes = 0;   // the device pool's bytes per block (> 0)
   uint64_t layout_hash = 0;  // KvLayout::Hash() of the pool the blocks come from
@@ -81,6 +100,8 @@ struct KvTierOptions {
   // (AllocateHost: page-locked on CUDA, as the tier's copies to and from the
   // device want it); null: ordinary memory.
   kernels::Backend* host_memory_from = nullptr;
+  // Disk: the layouts whose slots Open re-slices into this one.
+  std::vector<KvTierReslice> reslice_from;
 };
 
 // Where the blocks of a Put or an eviction went, for KV events: a block
@@ -108,6 +129,7 @@ struct KvTierStats {
   int64_t write_dropped = 0;       // host blocks that found the write queue full
   int64_t disk_write_errors = 0;   // writes that failed (full disk, I/O error)
   int64_t discarded_at_open = 0;   // slab slots of another layout or model, cleared
+  int64_t resliced_at_open = 0;    // slab slots of a reslice_from layout, converted
 };
 
 class KvTierStore {
@@ -183,6 +205,10 @@ class KvTierStore {
   Status WriteDiskSlot(int64_t slot, BlockHash hash, uint64_t generation, const uint8_t* bytes);
   // Reads and verifies; false when the checksums fail.
   bool ReadDiskSlot(int64_t slot, BlockHash hash, uint8_t* out);
+  // Open: converts slot `slot`, whose header `from` wrote, into this
+  // layout in place; false when it cannot be read or its checksum fails.
+  bool ResliceDiskSlot(int64_t slot, uint64_t generation, BlockHash hash, uint64_t payload_checksum,
+                       const KvTierReslice& from);
   // Host slot `slot` was released or changed: forget its queued write.
   void UnqueueLocked(int64_t slot);
 
@@ -203,7 +229,7 @@ class KvTierStore {
   int64_t queued_ = 0;  // slots carrying the flag
   int64_t corrupt_dropped_ = 0;
   int64_t writes_through_ = 0, writes_evict_ = 0, writes_flush_ = 0;
-  int64_t write_dropped_ = 0, write_errors_ = 0, discarded_ = 0;
+  int64_t write_dropped_ = 0, write_errors_ = 0, discarded_ = 0, resliced_ = 0;
 };
 
 }  // namespace pdserve

@@ -82,17 +82,6 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir, kernels::Ba
   if (Status ok = CheckTensorParallel(*config, tp.size, tp.expert_parallel); !ok.ok()) {
     return Status(ok.code(), dir + ": " + ok.message());
   }
-  // SnapKV pools each KV head's choice over its group's query heads; with
-  // fewer KV heads than ranks a group's heads sit on several ranks, whose
-  // choices would differ for one replicated head.
-  if (tp.size > 1 && eviction.mode == KvEviction::Mode::kSnapKv && !config->is_mla() &&
-      config->num_kv_heads < tp.size) {
-    return Status::InvalidArgument(
-        "--kv-eviction snapkv with --tensor-parallel " + std::to_string(tp.size) +
-        ": the model's " + std::to_string(config->num_kv_heads) +
-        " KV heads would be replicated across ranks, and SnapKV chooses a KV head's tokens from "
-        "its whole query group (use a size that divides the KV heads)");
-  }
   PDSERVE_RETURN_IF_ERROR(config->ApplyKvEviction(eviction));
   if (eviction.sink_tokens > 0 && !backend->SupportsAttentionSinks()) {
     return Status::InvalidArgument("--kv-sink-tokens: the " + backend->name() +
@@ -153,6 +142,9 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir, kernels::Ba
   if (tp.size > 1) {
     // From here on the model is the rank's shard (config()).
     ModelConfig& c = m->config_;
+    if (!c.is_mla() && c.num_kv_heads < tp.size) {
+      m->kv_head_replicas_ = static_cast<int>(tp.size / c.num_kv_heads);
+    }
     c.num_heads /= tp.size;
     c.num_kv_heads = std::max<int64_t>(1, c.num_kv_heads / tp.size);
     auto share = [&](int64_t width) {

@@ -123,6 +123,10 @@ class Model {
   // True when this rank holds its slice of the LM head's vocabulary rows
   // (TensorParallelRank::replicate_lm_head).
   bool vocab_parallel_lm_head() const { return vocab_slice_ > 0; }
+  // How many consecutive ranks hold this rank's KV heads: size / KV heads
+  // where there are fewer KV heads than ranks (each rank keeps the one its
+  // query heads read, so its query group spans that many ranks), else 1.
+  int kv_head_replicas() const { return kv_head_replicas_; }
   // The KV cache's layer groups (one block holds one group's layers).
   const KvGroups& kv_groups() const { return kv_groups_; }
   // Each layer's attention (its KV group, its index in the group's blocks,
@@ -341,6 +345,7 @@ class Model {
   // Vocab-parallel: the rows of the LM head this rank holds, vocab / size;
   // 0 when it holds all (one rank, or replicated).
   int64_t vocab_slice_ = 0;
+  int kv_head_replicas_ = 1;
   const float* inv_freq_ = nullptr;
   const float* inv_freq_local_ = nullptr;  // Gemma-3's sliding layers
   float embed_scale_ = 1.0f;               // Gemma: sqrt(hidden) in the embedding's dtype

@@ -105,6 +105,42 @@ std::vector<std::vector<int32_t>> SnapKvSelect(const ModelConfig& c,
   return kept;
 }
 
+std::vector<std::vector<std::vector<int32_t>>> SnapKvSelectRanks(std::span<const SnapKvRank> ranks,
+                                                                 int replicas, int64_t P) {
+  std::vector<std::vector<std::vector<int32_t>>> kept(ranks.size());
+  if (replicas <= 1) {
+    for (size_t r = 0; r < ranks.size(); ++r) {
+      const SnapKvRank& x = ranks[r];
+      kept[r] = SnapKvSelect(*x.config, *x.layout, x.pool, x.table, P, x.queries);
+    }
+    return kept;
+  }
+  // Each group of `replicas` ranks holds one KV head and, together, its
+  // query heads: rank order is the heads' order, [layers][W][heads * hd]
+  // joined along the heads.
+  const auto share = static_cast<size_t>(replicas);
+  for (size_t first = 0; first < ranks.size(); first += share) {
+    const SnapKvRank& lead = ranks[first];
+    ModelConfig group = *lead.config;
+    const int64_t W = group.kv_eviction.observation_window,
+                  width = group.num_heads * group.head_dim;
+    group.num_heads *= replicas;
+    std::vector<float> queries(static_cast<size_t>(group.num_layers * W * width * replicas));
+    for (int64_t l = 0; l < group.num_layers; ++l) {
+      for (int64_t w = 0; w < W; ++w) {
+        float* out = queries.data() + ((l * W + w) * replicas) * width;
+        for (size_t i = 0; i < share; ++i) {
+          const float* in = ranks[first + i].queries + (l * W + w) * width;
+          std::copy(in, in + width, out + static_cast<int64_t>(i) * width);
+        }
+      }
+    }
+    kept[first] = SnapKvSelect(group, *lead.layout, lead.pool, lead.table, P, queries.data());
+    for (size_t i = 1; i < share && first + i < ranks.size(); ++i) kept[first + i] = kept[first];
+  }
+  return kept;
+}
+
 void SnapKvGather(const kernels::KvCacheLayout& layout, void* pool, std::span<const int32_t> from,
                   std::span<const int32_t> to, const std::vector<std::vector<int32_t>>& kept) {
   const int64_t kvh = layout.num_kv_heads, bs = layout.block_size, hd = layout.head_dim;

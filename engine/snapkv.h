@@ -40,6 +40,30 @@ std::vector<std::vector<int32_t>> SnapKvSelect(const ModelConfig& config,
                                                const void* pool, std::span<const int32_t> table,
                                                int64_t prompt_len, const float* queries);
 
+// One tensor-parallel rank's inputs to SnapKvSelect: its shard's config,
+// its pool shard (host-readable) and the prompt's table in it, and its
+// query heads' captured queries.
+struct SnapKvRank {
+  const ModelConfig* config = nullptr;
+  const kernels::KvCacheLayout* layout = nullptr;
+  const void* pool = nullptr;
+  std::span<const int32_t> table;
+  const float* queries = nullptr;
+};
+
+// SnapKvSelect for the ranks of a group, in rank order: rank r's kept sets,
+// kept[r][layer * its KV heads + head]. A rank holding whole GQA groups
+// (replicas 1) chooses from its own queries. Where `replicas` consecutive
+// ranks share one KV head (more ranks than KV heads, Model::
+// kv_head_replicas), its query group is split among them: the group's
+// queries are joined in rank order (its heads in the model's order) and
+// the positions are chosen once, from the first rank's keys (the others
+// hold the same), and every rank of the group gets them. The votes are
+// then summed in the order one rank holding the whole group sums them, so
+// the choice is TP 1's.
+std::vector<std::vector<std::vector<int32_t>>> SnapKvSelectRanks(std::span<const SnapKvRank> ranks,
+                                                                 int replicas, int64_t prompt_len);
+
 // For every layer and KV head, copies the K and V of position kept[..][i]
 // (in blocks `from`) to cache index i (in blocks `to`), both tables indexed
 // by position / block_size. `to`'s blocks must not be `from`'s. Scaled KV

@@ -140,7 +140,8 @@ Status PagedSequenceRunner::Run(const std::vector<TokenId>& tokens, int64_t star
   const int32_t context_len = static_cast<int32_t>(start + n - kv_shift_);
   // SnapKV: a first step longer than the budget is the prompt, compressed
   // once after it runs (engine/snapkv.h), as the engine does: each rank
-  // chooses for its own KV heads from its own query heads.
+  // chooses for its own KV heads from its own query heads (ranks sharing a
+  // replicated KV head choose once, from their joined queries).
   const KvEviction& ev = models_[0]->config().kv_eviction;
   const bool compress =
       ev.mode == KvEviction::Mode::kSnapKv && start == 0 && n > ev.budget_tokens && !spare_.empty();
@@ -196,11 +197,16 @@ Status PagedSequenceRunner::Run(const std::vector<TokenId>& tokens, int64_t star
   }
   for (const Status& st : status) PDSERVE_RETURN_IF_ERROR(st);
   if (compress) {
+    std::vector<SnapKvRank> inputs(models_.size());
     for (size_t r = 0; r < models_.size(); ++r) {
       const KvCachePool& pool = *pools_[r];
-      const auto kept = SnapKvSelect(models_[r]->config(), pool.layout(), pool.base(), block_table_,
-                                     n, queries[r].data());
-      SnapKvGather(pool.layout(), pool.base(), block_table_, spare_, kept);
+      inputs[r] = SnapKvRank{&models_[r]->config(), &pool.layout(), pool.base(), block_table_,
+                             queries[r].data()};
+    }
+    const auto kept = SnapKvSelectRanks(inputs, models_[0]->kv_head_replicas(), n);
+    for (size_t r = 0; r < models_.size(); ++r) {
+      const KvCachePool& pool = *pools_[r];
+      SnapKvGather(pool.layout(), pool.base(), block_table_, spare_, kept[r]);
       SnapKvBoundKeys(models_[r]->backend(), pool.layout(), pool.base(), spare_, ev.budget_tokens);
     }
     // The kept tokens at cache indices [0, B), the prompt's blocks after them.

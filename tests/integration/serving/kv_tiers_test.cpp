@@ -157,49 +157,132 @@ TEST(KvTiersTest, ATensorParallelWorkerOnloadsEveryRanksShardFromItsHostTier) {
   EXPECT_GT(LocalStack::Metric(worker.metrics_port, "pdserve_kv_tier_offload_bytes_total"), 0);
 }
 
+// The same working set at another tensor-parallel size. TP 4 with 96 KiB
+// per rank: the tiny model's 2 KV heads replicated, the same 24 blocks.
+const std::vector<std::string> kSmallPoolTp4 = {"--kv-cache-bytes", "96KiB", "--tensor-parallel",
+                                                "4"};
+
+// A disk folder restarted at another size: the new worker re-slices the
+// entries into its ranks' shards (a log line names the size they were
+// written at), announces them to the router and serves a warm prefix from
+// disk with generate's text (a shard re-sliced wrong attends to other KV
+// and writes another text, or a rank that loaded nothing); the router,
+// told of them under their block hashes, predicts the hit. `written_at`: the
+// size whose entries it re-slices, 0 for none (the same split).
+void ExpectWarmFromDisk(LocalStack& stack, WorkerProc& w, const std::string& hot, int written_at) {
+  const std::optional<int> synced = DiskBlocksAnnounced(stack, w);
+  ASSERT_TRUE(synced) << stack.router().Log();
+  EXPECT_GT(*synced, 0) << "no disk block announced\n" << w.proc.Log();
+  if (written_at > 0) {
+    EXPECT_TRUE(w.proc.WaitForLog(std::regex("disk KV tier: re-sliced [1-9][0-9]* cached blocks .* "
+                                             "written at tensor-parallel size " +
+                                             std::to_string(written_at)),
+                                  5s))
+        << w.proc.Log();
+  }
+  ASSERT_TRUE(stack.WaitReady());
+  // The router's index holds the blocks under the hashes the worker serves
+  // them by: it predicts the disk hit.
+  const double predicted = LocalStack::Metric(
+      stack.http_port(), "pdserve_router_predicted_tier_hit_tokens_total", "tier=\"disk\"");
+  ExpectSameAsGenerate(stack, hot, 4);
+  EXPECT_GT(LocalStack::Metric(stack.http_port(), "pdserve_router_predicted_tier_hit_tokens_total",
+                               "tier=\"disk\""),
+            predicted);
+  EXPECT_GE(AwaitTierHits(w, "disk"), 16) << "the restarted worker recomputed its warm prefix\n"
+                                          << w.proc.Log();
+}
+
 // A TP-2 worker killed and started again on its disk folder comes back warm
-// (both ranks' shards); a TP-1 worker on that folder serves none of it (its
-// layout differs: the TP-2 entries are discarded) and recomputes.
-TEST(KvTiersTest, ATensorParallelDiskTierComesBackWarmAtItsSizeOnly) {
+// (both ranks' shards); so do a TP-1 worker on that folder (the TP-2 entries
+// re-sliced), a TP-2 one on the TP-1 worker's, and a TP-4 one (whose ranks
+// share the tiny model's 2 KV heads: its entries are TP 2's, one copy of
+// each head). A worker of another KV dtype serves none of it: the entries
+// are discarded with a log line, and it recomputes generate's text.
+TEST(KvTiersTest, ATensorParallelDiskTierComesBackWarmAtAnySize) {
   LocalStack stack("kv-tiers-tp2-restart");
   stack.StartRouter();
   const std::vector<std::string> disk = {"--kv-disk-cache-dir", NewTempDir("kv-tiers-tp2-disk"),
                                          "--kv-disk-cache-bytes", "4MiB"};
-  std::vector<std::string> tp2 = kSmallPoolTp2;
-  tp2.insert(tp2.end(), disk.begin(), disk.end());
+  auto with_disk = [&](std::vector<std::string> pool) {
+    pool.insert(pool.end(), disk.begin(), disk.end());
+    return pool;
+  };
   const std::string hot = Words(60, 1);
   auto fill_and_kill = [&](WorkerProc& w) {
     ExpectSameAsGenerate(stack, hot, 4);
     for (int i = 0; i < 6; ++i) ExpectSameAsGenerate(stack, Words(70, 10 + i), 2);
     KillAfterTheLastWrites(w);
   };
-  WorkerProc& first = stack.StartWorker("both", tp2);
+  WorkerProc& first = stack.StartWorker("both", with_disk(kSmallPoolTp2));
   ASSERT_TRUE(stack.WaitReady());
   fill_and_kill(first);
 
-  WorkerProc& second = stack.StartWorker("both", tp2);
-  const std::optional<int> synced = DiskBlocksAnnounced(stack, second);
-  ASSERT_TRUE(synced) << stack.router().Log();
-  EXPECT_GT(*synced, 0) << "no disk block announced";
-  ASSERT_TRUE(stack.WaitReady());
-  ExpectSameAsGenerate(stack, hot, 4);
-  EXPECT_GE(AwaitTierHits(second, "disk"), 16)
-      << "the restarted worker recomputed its warm prefix\n"
-      << second.proc.Log();
+  WorkerProc& second = stack.StartWorker("both", with_disk(kSmallPoolTp2));
+  ExpectWarmFromDisk(stack, second, hot, 0);
   fill_and_kill(second);
 
-  std::vector<std::string> tp1 = kSmallPool;
-  tp1.insert(tp1.end(), disk.begin(), disk.end());
-  WorkerProc& third = stack.StartWorker("both", tp1);
-  const std::optional<int> none = DiskBlocksAnnounced(stack, third);
+  WorkerProc& third = stack.StartWorker("both", with_disk(kSmallPool));
+  ExpectWarmFromDisk(stack, third, hot, 2);
+  fill_and_kill(third);
+
+  WorkerProc& fourth = stack.StartWorker("both", with_disk(kSmallPoolTp2));
+  ExpectWarmFromDisk(stack, fourth, hot, 1);
+  fill_and_kill(fourth);
+
+  WorkerProc& fifth = stack.StartWorker("both", with_disk(kSmallPoolTp4));
+  ExpectWarmFromDisk(stack, fifth, hot, 0);
+  fill_and_kill(fifth);
+
+  std::vector<std::string> fp16 = with_disk(kSmallPool);
+  fp16.insert(fp16.end(), {"--kv-dtype", "fp16"});
+  WorkerProc& sixth = stack.StartWorker("both", fp16);
+  const std::optional<int> none = DiskBlocksAnnounced(stack, sixth);
   ASSERT_TRUE(none) << stack.router().Log();
-  EXPECT_EQ(*none, 0) << "TP-2 entries announced by a TP-1 worker";
-  EXPECT_TRUE(third.proc.WaitForLog(std::regex("disk KV tier: discarded [0-9]+ cached blocks"), 5s))
-      << third.proc.Log();
+  EXPECT_EQ(*none, 0) << "fp32 entries announced by an fp16 worker";
+  EXPECT_TRUE(sixth.proc.WaitForLog(std::regex("disk KV tier: discarded [0-9]+ cached blocks"), 5s))
+      << sixth.proc.Log();
   ASSERT_TRUE(stack.WaitReady());
-  ExpectSameAsGenerate(stack, hot, 4);
+  ExpectSameAsGenerate(stack, hot, 4, {"--kv-dtype", "fp16"});
   std::this_thread::sleep_for(300ms);
-  EXPECT_EQ(TierHits(third, "disk"), 0) << third.proc.Log();
+  EXPECT_EQ(TierHits(sixth, "disk"), 0) << sixth.proc.Log();
+}
+
+// stories260K's 4 KV heads: a TP-2 worker's entries (two heads a shard)
+// re-sliced for TP 4 (one a shard) and TP 8 (one a shard, each head on two
+// ranks) serve a warm prefix with generate's text.
+TEST(KvTiersTest, Stories260KDiskTierWrittenAtTp2ComesBackWarmAtTp4AndTp8) {
+  const std::string real = RealModelDir();
+  if (real.empty()) GTEST_SKIP() << "the shared stories260K model is absent";
+  LocalStack stack("kv-tiers-stories-restart");
+  stack.SetModel(real);
+  stack.StartRouter();
+  const std::vector<std::string> disk = {"--kv-disk-cache-dir", NewTempDir("kv-tiers-stories-disk"),
+                                         "--kv-disk-cache-bytes", "4MiB"};
+  // 16 blocks of 16 tokens at every size: 20 KiB a block at TP 1.
+  auto at = [&](int tp) {
+    std::vector<std::string> flags = {"--kv-cache-bytes",
+                                      std::to_string(320 / std::min(tp, 4)) + "KiB",
+                                      "--tensor-parallel", std::to_string(tp)};
+    flags.insert(flags.end(), disk.begin(), disk.end());
+    return flags;
+  };
+  const std::string hot =
+      "Once upon a time, there was a little girl named Lily. She loved to play outside in the "
+      "park with her friends. One day, she saw a big red ball under a tree.";
+  auto fill_and_kill = [&](WorkerProc& w) {
+    ExpectSameAsGenerate(stack, hot, 4);
+    for (int i = 0; i < 6; ++i) ExpectSameAsGenerate(stack, Words(40, 10 + i), 2);
+    KillAfterTheLastWrites(w);
+  };
+  WorkerProc& first = stack.StartWorker("both", at(2));
+  ASSERT_TRUE(stack.WaitReady());
+  fill_and_kill(first);
+  WorkerProc& second = stack.StartWorker("both", at(4));
+  ExpectWarmFromDisk(stack, second, hot, 2);
+  fill_and_kill(second);
+  WorkerProc& third = stack.StartWorker("both", at(8));
+  ExpectWarmFromDisk(stack, third, hot, 0);
 }
 
 TEST(KvTiersTest, APrefillWorkerOnloadsFromItsHostTierAndHandsTheKvOver) {

@@ -200,11 +200,14 @@ TEST(TensorParallelServingTest, Stories260KHandsKvOffBetweenTpSizes) {
 // worker hands off is each rank's shard of its private blocks (the bytes of
 // a TP-1 pair's compressed set), and streaming and Quest workers hand off
 // between sizes as dense ones do; each text is generate's in that mode.
+// SnapKV at TP 8 replicates the 4 KV heads: a TP-8 prefill worker's ranks
+// that share a head hold the same kept positions (one copy goes to a TP-2
+// decode worker), and a TP-8 decode worker gets each head twice.
 TEST(TensorParallelServingTest, Stories260KEvictionModesHandOffBetweenTpSizes) {
   const std::string real = RealModelDir();
   if (real.empty()) GTEST_SKIP() << "the shared stories260K model is absent";
   ExpectHandOffs(
-      real, "tp-handoff-snapkv", {{2, 2}, {2, 1}, {1, 2}, {4, 2}},
+      real, "tp-handoff-snapkv", {{2, 2}, {2, 1}, {1, 2}, {4, 2}, {8, 2}, {2, 8, 2}},
       {"--kv-eviction", "snapkv", "--kv-budget-tokens", "16", "--kv-observation-window", "4"});
   ExpectHandOffs(
       real, "tp-handoff-streaming", {{2, 1}, {1, 2}},

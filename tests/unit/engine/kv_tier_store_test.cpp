@@ -179,6 +179,73 @@ TEST(KvTierStoreTest, ReopeningRebuildsTheDiskIndexOfTheSameLayoutOnly) {
   EXPECT_EQ((*back)->stats().discarded_at_open, 0);
 }
 
+// A slab written under a layout in `reslice_from` (another tensor-parallel
+// size) is converted in place at Open: its blocks are found under their
+// hashes, read back converted (here: every byte reversed), and a later
+// Open finds them in this layout without converting again. A slot whose payload checksum fails is
+// not converted but discarded; one of a layout in no list is discarded as before.
+TEST(KvTierStoreTest, ASlabOfAnotherSplitIsReslicedInPlaceAtOpen) {
+  const std::string dir = testing::NewTempDir("tiers-reslice");
+  {
+    auto s = KvTierStore::Open(Options(0, dir, 8, /*layout=*/0x222));
+    ASSERT_TRUE(s.ok());
+    std::vector<KvTierChange> changes;
+    for (BlockHash h = 30; h <= 33; ++h)
+      ASSERT_TRUE((*s)->Put(h, BlockBytes(h).data(), &changes).ok());
+  }
+  {
+    // Block 33's slot torn: its payload's checksum fails (the header's
+    // block hash is at byte 24 of its header).
+    const int fd = ::open((dir + "/kv-tier.slab").c_str(), O_RDWR);
+    ASSERT_GE(fd, 0);
+    bool torn = false;
+    for (off_t slot = 0; slot < 8 && !torn; ++slot) {
+      uint64_t hash = 0;
+      ASSERT_EQ(::pread(fd, &hash, 8, slot * 4096 + 24), 8);
+      if (hash != 33) continue;
+      const uint8_t junk[16] = {1, 2, 3};
+      ASSERT_EQ(::pwrite(fd, junk, sizeof(junk), slot * 4096 + 64 + 100), 16);
+      torn = true;
+    }
+    ::close(fd);
+    ASSERT_TRUE(torn);
+  }
+  auto reversed = [](const uint8_t* from, uint8_t* to) {
+    std::reverse_copy(from, from + kBlock, to);
+  };
+  KvTierOptions o = Options(0, dir, 8, /*layout=*/0x111);
+  o.reslice_from.push_back({0x333, kBlock, "tensor-parallel size 3", reversed});
+  o.reslice_from.push_back({0x222, kBlock, "tensor-parallel size 2", reversed});
+  {
+    auto s = KvTierStore::Open(o);
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    EXPECT_EQ((*s)->stats().resliced_at_open, 3);
+    EXPECT_EQ((*s)->stats().discarded_at_open, 1);
+    EXPECT_EQ(Sorted((*s)->Blocks(KvTier::kDisk)), (std::vector<BlockHash>{30, 31, 32}));
+    std::vector<uint8_t> out(kBlock);
+    std::vector<KvTierChange> changes;
+    for (BlockHash h = 30; h <= 32; ++h) {
+      ASSERT_TRUE((*s)->Get(h, out.data(), &changes).ok()) << h;
+      std::vector<uint8_t> want = BlockBytes(h);
+      std::reverse(want.begin(), want.end());
+      EXPECT_EQ(out, want) << h;
+    }
+  }
+  auto again = KvTierStore::Open(o);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ((*again)->stats().resliced_at_open, 0);
+  EXPECT_EQ(Sorted((*again)->Blocks(KvTier::kDisk)), (std::vector<BlockHash>{30, 31, 32}));
+  again->reset();
+  // A payload of another size than the listed layout's is not converted.
+  KvTierOptions wrong = Options(0, dir, 8, /*layout=*/0x444);
+  wrong.reslice_from.push_back({0x111, kBlock - 4, "tensor-parallel size 1", reversed});
+  auto other = KvTierStore::Open(wrong);
+  ASSERT_TRUE(other.ok());
+  EXPECT_EQ((*other)->stats().resliced_at_open, 0);
+  EXPECT_EQ((*other)->stats().discarded_at_open, 3);
+  EXPECT_TRUE((*other)->Blocks(KvTier::kDisk).empty());
+}
+
 TEST(KvTierStoreTest, WriteThroughCopiesHostBlocksToDiskAndACrashKeepsThem) {
   const std::string dir = testing::NewTempDir("tiers-through");
   {
