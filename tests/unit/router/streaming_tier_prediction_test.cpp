@@ -4,7 +4,8 @@
 // tier, and a RouterCore fed with nothing but the engine's KV events
 // predicts the prompt's next admission. Predicted device hits, host hits
 // (only the sink and window blocks come back) and tokens left to compute
-// must equal what the engine then counts.
+// must equal what the engine then counts. The same for a model with
+// several layer groups (gemma2's full and sliding-window layers).
 #include <gtest/gtest.h>
 
 #include <thread>
@@ -71,16 +72,28 @@ struct Counts {
   int64_t device = 0, host = 0, computed = 0;
 };
 
-// `others` prompts of 150 tokens after `prompt` in a 12-block pool: none
-// leaves it all on the device, one a mix, three all of it in the host tier.
-void ExpectPredictedEqualsActual(int64_t prompt_tokens, int others, Counts* seen) {
+struct TierCase {
+  std::string dir;
+  KvEviction eviction;
+  int64_t pool_bytes = 0, host_bytes = 0;
+};
+
+// Streaming, 4 sinks + 32, a 12-block pool: after `prompt`, no other
+// prompt of 150 tokens leaves it all on the device, one a mix, three all
+// of it in the host tier.
+TierCase StreamingCase() {
+  return {Dir(), testing::Streaming(4, 32), 12 * kBlockBytes, 64 * kBlockBytes};
+}
+
+void ExpectPredictedEqualsActual(const TierCase& c, int64_t prompt_tokens, int others,
+                                 Counts* seen) {
   SCOPED_TRACE("prompt " + std::to_string(prompt_tokens) + ", " + std::to_string(others) +
                " other prompts");
-  testing::LoadedCpuModel l = testing::LoadCpuModel(Dir(), testing::Streaming(4, 32));
+  testing::LoadedCpuModel l = testing::LoadCpuModel(c.dir, c.eviction);
   ASSERT_NE(l.model, nullptr);
   EngineOptions o;
-  o.kv_cache_bytes = 12 * kBlockBytes;
-  o.kv_host_cache_bytes = 64 * kBlockBytes;
+  o.kv_cache_bytes = c.pool_bytes;
+  o.kv_host_cache_bytes = c.host_bytes;
   o.record_kv_events = true;
   auto created = Engine::Create(l.model.get(), o);
   ASSERT_TRUE(created.ok()) << created.status().ToString();
@@ -136,7 +149,7 @@ TEST(StreamingTierPredictionTest, PredictedHitsEqualTheEnginesWithBlocksInTheHos
   // 150 and 120 tokens: 9 and 7 full blocks, the window (32) reaching 2 or
   // 3 blocks back from the last full one, the sink block first.
   for (int64_t p : {150, 120}) {
-    for (int others : {0, 1, 2, 3}) ExpectPredictedEqualsActual(p, others, &seen);
+    for (int others : {0, 1, 2, 3}) ExpectPredictedEqualsActual(StreamingCase(), p, others, &seen);
   }
   // The runs covered device hits and host hits.
   EXPECT_GT(seen.device, 0);
@@ -148,10 +161,22 @@ TEST(StreamingTierPredictionTest, PredictedHitsEqualTheEnginesWithBlocksInTheHos
 // window's two) count as host hits, as the router predicts.
 TEST(StreamingTierPredictionTest, OnlyTheSinkAndWindowBlocksCountAsHostHits) {
   Counts seen;
-  ExpectPredictedEqualsActual(150, 3, &seen);
+  ExpectPredictedEqualsActual(StreamingCase(), 150, 3, &seen);
   EXPECT_EQ(seen.device, 0);
   EXPECT_EQ(seen.host, 3 * kB);
   EXPECT_EQ(seen.computed, 150 - 144);
+}
+
+// The same rule for a model with several layer groups (gemma2: full and
+// sliding-window layers, no sinks): every full group's block comes back,
+// the windowed group's only within the first query's reach.
+TEST(StreamingTierPredictionTest, PredictedHitsEqualTheEnginesForSlidingWindowGroups) {
+  const TierCase gemma{
+      testing::ModelDir("gemma2", *PresetModelSpec("gemma2")), {}, 40 * 16384, 200 * 16384};
+  Counts seen;
+  for (int others : {0, 1, 2, 4}) ExpectPredictedEqualsActual(gemma, 150, others, &seen);
+  EXPECT_GT(seen.device, 0);
+  EXPECT_GT(seen.host, 0);
 }
 
 }  // namespace
