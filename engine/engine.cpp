@@ -665,6 +665,8 @@ Status Engine::CompressPrompt(Sequence* s, const std::vector<std::vector<float>>
     } else {
       SnapKvGather(pool.layout(), pool.base(), from, to, rank_kept[r]);
     }
+    // Quest: the compacted blocks' bounds, from each head's kept keys.
+    SnapKvBoundKeys(ranks_[r]->backend(), pool.layout(), pool.base(), to, B);
   }
   PDSERVE_RETURN_IF_ERROR(blocks_->AdoptBlocks(s->id, kCompacted));
   s->kv_shift = P - B;
@@ -1097,15 +1099,16 @@ StatusOr<RequestOutput> Engine::CompleteRemotePrefill(RequestId id, TokenId firs
   }
   s->num_computed = s->prompt_len;
   if (pool_->layout().key_bounds != nullptr) {
-    // Quest: the received blocks' key bounds, which no WriteKv here kept.
-    const int64_t B = options_.block_size;
+    // Quest: the received blocks' key bounds, which no WriteKv here kept
+    // (a compressed prompt's: its B cache indices, each head's own keys).
+    const int64_t B = options_.block_size, kv_tokens = s->prompt_len - s->kv_shift;
     const std::vector<BlockId>& table = blocks_->BlockTable(s->id);
     std::vector<int32_t> ids, tokens;
     for (size_t i = s->remote_first_block; i < table.size(); ++i) {
       if (table[i] == kNoBlock) continue;
       ids.push_back(static_cast<int32_t>(table[i]));
       tokens.push_back(
-          static_cast<int32_t>(std::min<int64_t>(B, s->prompt_len - static_cast<int64_t>(i) * B)));
+          static_cast<int32_t>(std::min<int64_t>(B, kv_tokens - static_cast<int64_t>(i) * B)));
     }
     ComputeKeyBounds(ids, tokens);
   }

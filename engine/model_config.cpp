@@ -551,11 +551,8 @@ Status ModelConfig::ApplyKvEviction(const KvEviction& e) {
       return Status::InvalidArgument("--kv-selection quest: " + why);
     };
     // With attention sinks it selects among the window's blocks (the sinks
-    // are always read); SnapKV's compacted blocks would need their bounds
-    // after the gather and a reference numbering blocks by cache index.
-    if (e.mode == KvEviction::Mode::kSnapKv) {
-      return refuse("does not combine with --kv-eviction snapkv");
-    }
+    // are always read); with SnapKV among the compacted blocks, by cache
+    // index, bounded after the gather (engine/snapkv.h).
     if (is_mla()) {
       return refuse("MLA's latent cache (DeepSeek) has no per-head keys to bound");
     }

@@ -145,6 +145,19 @@ void SnapKvGather(const kernels::KvCacheLayout& layout, void* pool, std::span<co
   }
 }
 
+void SnapKvBoundKeys(kernels::Backend* backend, const kernels::KvCacheLayout& layout,
+                     const void* pool, std::span<const int32_t> to, int64_t budget) {
+  if (layout.key_bounds == nullptr) return;
+  const int64_t bs = layout.block_size;
+  std::vector<int32_t> tokens;
+  for (size_t b = 0; b < to.size(); ++b) {
+    tokens.push_back(
+        static_cast<int32_t>(std::clamp<int64_t>(budget - static_cast<int64_t>(b) * bs, 0, bs)));
+  }
+  backend->ComputeKeyBounds(layout, pool, to.data(), tokens.data(),
+                            static_cast<int64_t>(to.size()));
+}
+
 SnapKvHostCopy::SnapKvHostCopy(kernels::Backend* backend, const kernels::KvCacheLayout& layout,
                                const void* pool, std::span<const int32_t> from)
     : backend_(backend), layout_(layout) {

@@ -56,6 +56,16 @@ std::vector<std::vector<int32_t>> SnapKvSelect(const ModelConfig& config,
 void SnapKvGather(const kernels::KvCacheLayout& layout, void* pool, std::span<const int32_t> from,
                   std::span<const int32_t> to, const std::vector<std::vector<int32_t>>& kept);
 
+// Quest beside SnapKV (--kv-selection quest): sets the key bounds of the
+// compacted blocks `to` from the first `budget` cache indices' keys, as the
+// pool stores them, on the backend that holds the pool (every layer and KV
+// head; each head's own kept keys). A block holds different positions per
+// KV head, so no bound a prefill WriteKv kept applies to it. The last block
+// may be partly filled; decode writes continue its bounds. Nothing without
+// key bounds in the layout.
+void SnapKvBoundKeys(kernels::Backend* backend, const kernels::KvCacheLayout& layout,
+                     const void* pool, std::span<const int32_t> to, int64_t budget);
+
 // SnapKvSelect and SnapKvGather for a pool the host cannot read (a device
 // backend's): the prompt's blocks are downloaded into a host copy (renumbered
 // 0..n-1 in `from`'s order), the selection reads the copy, and Gather packs

@@ -201,6 +201,7 @@ Status PagedSequenceRunner::Run(const std::vector<TokenId>& tokens, int64_t star
       const auto kept = SnapKvSelect(models_[r]->config(), pool.layout(), pool.base(), block_table_,
                                      n, queries[r].data());
       SnapKvGather(pool.layout(), pool.base(), block_table_, spare_, kept);
+      SnapKvBoundKeys(models_[r]->backend(), pool.layout(), pool.base(), spare_, ev.budget_tokens);
     }
     // The kept tokens at cache indices [0, B), the prompt's blocks after them.
     std::vector<int32_t> table = spare_;

@@ -18,7 +18,8 @@ KIT=.gpu-kit
 # device tool carries at most 64 MiB with the tree, and each binary holds
 # its own copy of the CUDA kernels.
 read -r -a BINARIES <<< "${KIT_BINARIES:-pdserve tests/backend_ops_test tests/cuda_engine_test \
-tests/cuda_kv_transfer_test tests/cuda_serving_test tests/communicator_test}"
+tests/cuda_kv_transfer_test tests/cuda_serving_test tests/communicator_test \
+tests/cuda_fp8_gemm_test}"
 
 for b in "${BINARIES[@]}"; do
   [[ -x "$BUILD/$b" ]] || { echo "make_kit: $BUILD/$b is missing (build with CUDA first)" >&2; exit 2; }

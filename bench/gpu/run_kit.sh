@@ -81,7 +81,8 @@ step() { echo "== $*" >&2; }
 cat "$OUT/device.txt"
 
 if [[ $WHAT == all || $WHAT == tests ]]; then
-  for t in backend_ops_test cuda_engine_test cuda_kv_transfer_test cuda_serving_test; do
+  for t in backend_ops_test cuda_engine_test cuda_kv_transfer_test cuda_serving_test \
+    cuda_fp8_gemm_test; do
     step "$t"
     if PDSERVE_BIN=$PDSERVE PDSERVE_REAL_MODEL_DIR=$KIT/models/stories260K \
       "$KIT/bin/$t" --gtest_brief=1 > "$OUT/$t.log" 2>&1; then r=pass; else r=FAIL; fi
@@ -304,7 +305,7 @@ if [[ $WHAT == quick ]]; then
   step "GPU tests, all at once"
   pids=()
   for t in backend_ops_test cuda_engine_test cuda_kv_transfer_test cuda_serving_test \
-    communicator_test; do
+    communicator_test cuda_fp8_gemm_test; do
     PDSERVE_BIN=$PDSERVE PDSERVE_REAL_MODEL_DIR=$KIT/models/stories260K \
       timeout 120 "$KIT/bin/$t" --gtest_brief=1 > "$logs/$t.log" 2>&1 &
     pids+=("$!:$t")
@@ -435,7 +436,7 @@ if [[ $WHAT == verify ]]; then
     printf '%s\n' "${summary[@]}" > "$logs/summary.txt"
     tar -czf "$OUT/logs.tar.gz" -C "$(dirname "$logs")" logs
   }
-  for t in backend_ops_test cuda_engine_test; do
+  for t in backend_ops_test cuda_engine_test cuda_fp8_gemm_test; do
     step "$t"
     PDSERVE_BIN=$PDSERVE PDSERVE_REAL_MODEL_DIR=$KIT/models/stories260K \
       timeout 60 "$KIT/bin/$t" --gtest_brief=1 > "$logs/$t.log" 2>&1

@@ -1,7 +1,8 @@
 // CpuBackend::Linear: the weight-streaming kernels of gemv.h for few rows
-// (decode), BLAS for many (prefill; bf16 weights on AVX-512 BF16:
-// gemm_bf16.h; fp8 weights widened with their scales, kWidenRows rows at a
-// time), split over the pool by output features. The stacked parts
+// (decode); for many (prefill), bf16 dot products of the weights as stored
+// where the processor has AVX-512 BF16 (bf16 and fp8 weights: gemm_bf16.h),
+// else BLAS (narrower weights widened to fp32 with their scales, kWidenRows
+// rows at a time), split over the pool by output features. The stacked parts
 // of a LinearWeights (q|k|v, gate|up) stay where the checkpoint holds them:
 // the output features of all parts are laid end to end and split as one
 // range, so the pool forks and joins once per product.
@@ -18,7 +19,7 @@
 namespace pdserve::kernels {
 namespace {
 
-// Weight rows widened to fp32 per BLAS call for bf16/fp16 weights: enough
+// Weight rows widened to fp32 per BLAS call for narrow weights: enough
 // for BLAS to block well, few enough to stay in the L2 cache.
 constexpr int64_t kWidenRows = 64;
 
@@ -61,8 +62,9 @@ void CpuBackend::Linear(const Tensor& xt, const LinearWeights& w, const Tensor& 
         /*min_chunk=*/16);
     return;
   }
-  if (w.dtype() == DType::kBF16 && w.scheme() == WeightScheme::kNone &&
-      UsesBf16DotProducts(simd_)) {
+  bool dot_products = UsesBf16DotProducts(simd_);
+  for (int p = 0; p < w.num_parts; ++p) dot_products = dot_products && GemmBf16Takes(w.parts[p]);
+  if (dot_products) {
     // The activations rounded once (rows padded to whole pairs), then each
     // task computes whole panels of output features from them.
     const int64_t ldx = (k + 1) / 2 * 2;
@@ -85,8 +87,7 @@ void CpuBackend::Linear(const Tensor& xt, const LinearWeights& w, const Tensor& 
           first_panel[p] + (w.parts[p].rows + kBf16PanelColumns - 1) / kBf16PanelColumns;
     }
     pool_.ParallelFor(first_panel[w.num_parts], [&](int64_t begin, int64_t end) {
-      thread_local std::vector<uint16_t> panel;
-      panel.resize(std::max<size_t>(panel.size(), PackedPanelElements(k)));
+      thread_local GemmBf16Scratch scratch;
       int64_t first = 0;
       for (int p = 0; p < w.num_parts; ++p) {
         const WeightMatrix& part = w.parts[p];
@@ -94,7 +95,7 @@ void CpuBackend::Linear(const Tensor& xt, const LinearWeights& w, const Tensor& 
         if (b < e) {
           GemmBf16(xb, ldx, m, part, bias_at(first), (b - first_panel[p]) * kBf16PanelColumns,
                    std::min(part.rows, (e - first_panel[p]) * kBf16PanelColumns), y + first, n,
-                   panel.data());
+                   &scratch);
         }
         first += part.rows;
       }

@@ -122,7 +122,9 @@ nlohmann::json MeasurePrefill(kernels::Backend& backend, int64_t tokens, int64_t
 // gate|up 28,672 x 4,096, down 4,096 x 14,336) in turn, over four copies of
 // the layer so that no weight is still in L2 when it is read again, 32
 // layers a timing. The weight bytes over the time: what the bf16 GEMV
-// streams, against the copy bandwidth.
+// streams, against the copy bandwidth. The rows sweep past the GEMV's
+// last (8 on CUDA, kernels/cuda/gemm.cu) into cuBLAS's GEMM, so that one
+// run says at which row count each wins.
 nlohmann::json MeasureGemv(kernels::Backend& backend, double copy_gbytes_per_s) {
   struct Shape {
     int64_t rows, cols;
@@ -146,7 +148,7 @@ nlohmann::json MeasureGemv(kernels::Backend& backend, double copy_gbytes_per_s) 
     }
   }
   nlohmann::json result = nlohmann::json::array();
-  for (const int64_t m : {int64_t{1}, int64_t{8}}) {
+  for (const int64_t m : {1, 2, 4, 6, 8, 9, 12, 16, 32}) {
     std::vector<float> x(m * 14336);
     for (auto& v : x) v = static_cast<float>(rng() % 2001) / 1000.f - 1.f;
     auto* dx = static_cast<float*>(store.Upload(x.data(), x.size() * 4));

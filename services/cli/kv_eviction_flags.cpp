@@ -48,9 +48,6 @@ KvEviction KvEvictionFlags::EvictionOrExit(std::string_view command) const {
       UsageError(cmd, "--kv-selection-blocks is required with --kv-selection quest");
     }
     if (selection_blocks_ < 1) UsageError(cmd, "--kv-selection-blocks must be >= 1");
-    if (e.mode == KvEviction::Mode::kSnapKv) {
-      UsageError(cmd, "--kv-selection quest does not combine with --kv-eviction snapkv");
-    }
     e.quest_blocks = selection_blocks_;
   }
   const bool snapkv = e.mode == KvEviction::Mode::kSnapKv;

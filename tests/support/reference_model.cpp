@@ -484,22 +484,32 @@ std::vector<std::vector<double>> ReferenceModel::Forward(const std::vector<int32
       const auto kc = dense ? cached(k, t, 0) : none, vc = dense ? cached(v, t, 1) : none;
       // The keys in the window: positions first..t (kv_idx > t - window).
       const int64_t first = L.window > 0 ? std::max<int64_t>(0, t - L.window + 1) : 0;
-      const int64_t B = eviction.block_size, newest = t / B;
-      const bool quest =
-          eviction.quest_blocks > 0 && t >= eviction.first_decode && newest > eviction.quest_blocks;
+      const int64_t B = eviction.block_size;
+      // SnapKV: a query past the prompt sees the kept prompt positions.
+      const bool compressed = snap && t >= P;
       for (int64_t h = 0; h < heads_ && dense; ++h) {
         const int64_t g = h / (heads_ / kv_heads_);
-        // Quest: the blocks this head reads (every block when off).
+        // The position at each cache index of this head: 0..t, or once
+        // SnapKV compressed the prompt its kept positions, then P..t.
+        std::vector<int64_t> at;
+        for (int64_t j = 0; j <= t; ++j) {
+          if (!compressed || j >= P || keep[g][j]) at.push_back(j);
+        }
+        // Quest: the blocks of cache indices this head reads (every block
+        // when off), by bounds over the keys each block holds.
+        const int64_t newest = (static_cast<int64_t>(at.size()) - 1) / B;
+        const bool quest = eviction.quest_blocks > 0 && t >= eviction.first_decode &&
+                           newest > eviction.quest_blocks;
         std::vector<bool> read(newest + 1, true);
         if (quest) {
           std::vector<std::pair<double, int64_t>> bound;
           for (int64_t b = 0; b < newest; ++b) {
             double ub = 0;
             for (int64_t i = 0; i < hd; ++i) {
-              double lo = kc[b * B][g * hd + i], hi = lo;
-              for (int64_t j = b * B; j < (b + 1) * B; ++j) {
-                lo = std::min(lo, kc[j][g * hd + i]);
-                hi = std::max(hi, kc[j][g * hd + i]);
+              double lo = kc[at[b * B]][g * hd + i], hi = lo;
+              for (int64_t c = b * B; c < (b + 1) * B; ++c) {
+                lo = std::min(lo, kc[at[c]][g * hd + i]);
+                hi = std::max(hi, kc[at[c]][g * hd + i]);
               }
               const double qi = q[t][h * hd + i];
               ub += std::max(qi * lo, qi * hi);
@@ -511,9 +521,9 @@ std::vector<std::vector<double>> ReferenceModel::Forward(const std::vector<int32
           read[newest] = true;
           for (int64_t i = 0; i < eviction.quest_blocks; ++i) read[bound[i].second] = true;
         }
-        // SnapKV: a query past the prompt sees the kept prompt positions.
-        const bool compressed = snap && t >= P;
-        auto seen = [&](int64_t j) { return read[j / B] && (!compressed || j >= P || keep[g][j]); };
+        std::vector<bool> visible(t + 1, false);
+        for (size_t c = 0; c < at.size(); ++c) visible[at[c]] = read[c / B];
+        auto seen = [&](int64_t j) { return visible[j]; };
         std::vector<double> s(t + 1, 0.0);
         double mx = -1e300;
         for (int64_t j = first; j <= t; ++j) {

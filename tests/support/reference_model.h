@@ -95,6 +95,11 @@ inline reference::ScaledKv ScaledKvOf(KvRounding::Type t) {
 // positions j-3 .. j+3; the B - W highest are kept (ties: the lower
 // position). Queries at t >= P attend to the kept positions and P..t.
 // The kept sets go to *snapkv_kept ([layer][KV head], ascending) when set.
+// With Quest's rule as well, each KV head's cache numbers those by index
+// (its kept positions at 0..B-1 ascending, then P..t from B on), and
+// Quest's blocks are blocks of cache indices: bounds over the keys a block
+// holds for that head, the newest block the one holding t's index (fp32
+// KV: the bounds of keys re-rounded by the gather are not modelled).
 struct KvEvictionRule {
   int64_t sink_tokens = 0;
   int64_t window_tokens = 0;

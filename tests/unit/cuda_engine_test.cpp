@@ -8,7 +8,8 @@
 // sliding-window presets' (Gemma-2/3, Mistral and Qwen2 windows). With a host KV
 // tier (page-locked memory), evicted prefixes come back with the CPU's tokens.
 // With attention sinks and with Quest, stories260K's greedy tokens equal the
-// CPU engine's; with SnapKV its kept positions and tokens do too.
+// CPU engine's; with SnapKV (alone and with Quest) its kept positions and
+// tokens do too.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -209,11 +210,12 @@ struct SnapKvRun {
 };
 SnapKvRun RunSnapKv(kernels::Backend* backend, const std::string& dir,
                     const std::vector<std::vector<TokenId>>& prompts, int max_tokens,
-                    int64_t window) {
+                    int64_t window, int64_t quest_blocks = 0) {
   KvEviction e;
   e.mode = KvEviction::Mode::kSnapKv;
   e.budget_tokens = 64;
   e.observation_window = window;
+  e.quest_blocks = quest_blocks;
   SnapKvRun run;
   auto model = Model::Load(dir, backend, LoadFormat::kSafetensors, e);
   EXPECT_TRUE(model.ok()) << model.status().ToString();
@@ -269,6 +271,31 @@ TEST(CudaEngineTest, SnapKvKeepsTheCpuPositionsAndDecodesItsTokens) {
       for (size_t i = 0; i < want.logprobs.at(id).size(); ++i) {
         EXPECT_NEAR(got.logprobs.at(id)[i], want.logprobs.at(id)[i], 1e-3) << "token " << i;
       }
+    }
+  }
+}
+
+// Quest beside SnapKV (K = 2): the compacted blocks' bounds computed on the
+// device after the upload, the selection among them by cache index: the
+// CPU's kept positions, greedy tokens and log-probabilities within 1e-3.
+TEST(CudaEngineTest, QuestWithSnapKvDecodesTheCpuTokens) {
+  const std::string dir = testing::RealModelDir();
+  if (dir.empty()) GTEST_SKIP() << "the real model stories260K is absent";
+  auto gpu = kernels::CreateBackend("cuda", 0);
+  if (!gpu.ok()) GTEST_SKIP() << gpu.status().message();
+  auto cpu = kernels::CreateBackend("cpu", 2);
+  ASSERT_TRUE(cpu.ok());
+  const std::vector<std::vector<TokenId>> prompts = {Prompt(300, 803), Prompt(200, 804)};
+  const SnapKvRun want = RunSnapKv(cpu->get(), dir, prompts, 60, 16, 2);
+  const SnapKvRun got = RunSnapKv(gpu->get(), dir, prompts, 60, 16, 2);
+  for (RequestId id : {RequestId{1}, RequestId{2}}) {
+    SCOPED_TRACE("prompt of " + std::to_string(prompts[id - 1].size()) + " tokens");
+    ASSERT_FALSE(want.kept.at(id).empty());
+    EXPECT_EQ(got.kept.at(id), want.kept.at(id));
+    EXPECT_EQ(got.tokens.at(id), want.tokens.at(id));
+    ASSERT_EQ(got.logprobs.at(id).size(), want.logprobs.at(id).size());
+    for (size_t i = 0; i < want.logprobs.at(id).size(); ++i) {
+      EXPECT_NEAR(got.logprobs.at(id)[i], want.logprobs.at(id)[i], 1e-3) << "token " << i;
     }
   }
 }

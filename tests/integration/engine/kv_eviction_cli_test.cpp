@@ -1,6 +1,7 @@
 // The real binary with --kv-eviction streaming: `generate` runs past the
 // model's context, `eval` reports NLL by position; with --kv-eviction
-// snapkv `eval` compresses its prompt; every bad mode or budget exits 2
+// snapkv `eval` compresses its prompt (and with Quest beside it selects
+// among the compacted blocks); every bad mode or budget exits 2
 // with one line naming its flag.
 #include <gtest/gtest.h>
 
@@ -108,6 +109,21 @@ TEST(KvEvictionCliTest, EvalCompressesThePromptWithSnapKv) {
   EXPECT_EQ(s["tokens"], d["tokens"]);
   EXPECT_TRUE(std::isfinite(s["nll"].get<double>()));
   EXPECT_NE(s["nll"], d["nll"]);  // the tokens after the prompt saw 16 of its 48
+  // With Quest beside it, each decode step reads 1 of the compacted blocks
+  // (blocks of 4) before its newest: other NLL than SnapKV alone.
+  const std::string steps = " --block-size 4 --decode-chunk 1";
+  const std::string snap_flags =
+      " --kv-eviction snapkv --kv-budget-tokens 16"
+      " --kv-observation-window 4";
+  const Result alone = RunPdserve(base + steps + snap_flags);
+  const Result quest =
+      RunPdserve(base + steps + snap_flags + " --kv-selection quest --kv-selection-blocks 1");
+  ASSERT_EQ(alone.exit_code, 0) << alone.err;
+  ASSERT_EQ(quest.exit_code, 0) << quest.err;
+  const auto a = nlohmann::json::parse(alone.out), q = nlohmann::json::parse(quest.out);
+  EXPECT_EQ(q["kv_eviction"], "snapkv budget=16 window=4 quest blocks=1");
+  EXPECT_TRUE(std::isfinite(q["nll"].get<double>()));
+  EXPECT_NE(q["nll"], a["nll"]);
   // A prompt within the budget is never compressed.
   const Result within =
       RunPdserve(base + " --kv-eviction snapkv --kv-budget-tokens 48 --kv-observation-window 4");
@@ -143,8 +159,9 @@ TEST(KvEvictionCliTest, BadModesAndBudgetsExitTwoNamingTheFlag) {
       {gen + " --kv-eviction snapkv --kv-budget-tokens 0", "--kv-budget-tokens"},
       {gen + " --kv-eviction snapkv --kv-budget-tokens 16 --kv-observation-window 32",
        "--kv-observation-window"},
-      {gen + " --kv-eviction snapkv --kv-budget-tokens 32 --kv-selection quest "
-             "--kv-selection-blocks 2",
+      {"generate --model " + windowed +
+           " --prompt hi --kv-eviction snapkv --kv-budget-tokens 32 --kv-selection quest "
+           "--kv-selection-blocks 2",
        "--kv-selection"},
       {gen + " --kv-eviction streaming --kv-window-tokens 32 --kv-budget-tokens 32",
        "--kv-budget-tokens"},

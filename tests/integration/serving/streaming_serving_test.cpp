@@ -6,7 +6,7 @@
 // counts the tokens it released (pdserve_kv_evicted_tokens_total{mode}) and
 // the blocks the request saved; a repeated prompt is a prefix-cache hit the
 // router predicted token for token. Quest's selection across a hand-off
-// likewise. SnapKV crosses a hand-off compressed: only the budget's blocks
+// likewise, alone and beside SnapKV. SnapKV crosses a hand-off compressed: only the budget's blocks
 // move, the text is `generate`'s, a repeated prompt's hit is the router's
 // prediction, and a worker without the mode never pairs with one with it.
 #include <gtest/gtest.h>
@@ -121,6 +121,30 @@ TEST(QuestServingTest, DisaggregatedOutputEqualsGenerate) {
   // The selection matters here: dense attention generates other text.
   EXPECT_NE(Generate(prompt, 60, stack.model(), quest)["text"],
             Generate(prompt, 60, stack.model())["text"]);
+}
+
+// SnapKV with Quest across a hand-off (budget 40: the last of the 3
+// compressed blocks is partly filled; K = 1): the prefill worker compresses
+// the prompt and sends only the compressed blocks, the decode worker
+// computes their bounds over the 40 rows it received and selects what
+// `pdserve generate` selects, and the text differs from SnapKV alone's.
+TEST(QuestSnapKvServingTest, DisaggregatedOutputEqualsGenerate) {
+  const std::vector<std::string> both = {
+      "--kv-eviction",  "snapkv", "--kv-budget-tokens",    "40", "--kv-observation-window", "8",
+      "--kv-selection", "quest",  "--kv-selection-blocks", "1"};
+  LocalStack stack{"quest-snapkv"};
+  stack.SetModel(ModelDir("quest-snapkv-serving", *PresetModelSpec("tiny")));
+  stack.StartRouter({"--max-local-prefill", "16"});
+  stack.StartWorker("prefill", both);
+  stack.StartWorker("decode", both);
+  ASSERT_TRUE(stack.WaitReady());
+  const std::string prompt = Words(90);
+  ExpectSameAsGenerate(stack, prompt, 60, both);
+  EXPECT_EQ(
+      LocalStack::Metric(stack.http_port(), "pdserve_router_decisions_total", "remote_prefill"), 1);
+  const std::vector<std::string> snapkv(both.begin(), both.begin() + 6);
+  EXPECT_NE(Generate(prompt, 60, stack.model(), both)["text"],
+            Generate(prompt, 60, stack.model(), snapkv)["text"]);
 }
 
 // SnapKV (--kv-eviction snapkv, budget 32, window 8) on a prefill and a

@@ -4,8 +4,13 @@
 // scale layouts): per tensor, per channel, 128 x 128 blocks, odd block
 // shapes (1 x 128 as the MLA loader makes, 16 x 48), stacked parts with
 // different scales, row counts on both sides of the switch from the
-// streaming kernels to BLAS, every code of the format (subnormals and 448
-// included), sizes that leave tails in every loop.
+// streaming kernels to the many-row product, every code of the format
+// (subnormals and 448 included), sizes that leave tails in every loop. Past
+// the switch, on a processor with AVX-512 BF16, the AVX-512 level multiplies
+// activations rounded to bf16 (gemm_bf16.h) when blocks are an even number
+// of columns wide: the reference rounds them alike (its own rounding), and
+// elsewhere keeps them fp32; either reference is off by far more than the
+// bound if the kernel took the other path.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -14,6 +19,7 @@
 #include <vector>
 
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/gemm_bf16.h"
 #include "kernels/cpu/gemv.h"
 #include "kernels/cpu/gemv_fp8.h"
 
@@ -25,6 +31,15 @@ double Decode(uint8_t code) {
   const int e = (code >> 3) & 15, mant = code & 7;
   const double v = e == 0 ? std::ldexp(mant, -9) : std::ldexp(8 + mant, e - 10);
   return code & 0x80 ? -v : v;
+}
+
+// x rounded to bf16: to nearest, ties to even (x finite and normal here).
+float RoundToBf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+  std::memcpy(&x, &bits, 4);
+  return x;
 }
 
 struct Fp8Weights {
@@ -76,6 +91,24 @@ std::vector<SimdLevel> Levels() {
   return levels;
 }
 
+// Whether a product of m rows with w multiplies activations rounded to bf16
+// at `level`: past the streaming kernels, on AVX-512 with BF16, unless
+// blocks are an odd number of columns wide (a pair of inputs would straddle
+// two scales).
+bool RoundsActivations(SimdLevel level, int64_t m, const WeightMatrix& w) {
+  return m > kMaxStreamingRows && UsesBf16DotProducts(level) &&
+         (w.scheme != WeightScheme::kFp8Block || w.block_cols % 2 == 0);
+}
+
+// x as the product at `level` multiplies it.
+std::vector<float> AsMultiplied(std::vector<float> x, SimdLevel level, int64_t m,
+                                const WeightMatrix& w) {
+  if (RoundsActivations(level, m, w)) {
+    for (auto& v : x) v = RoundToBf16(v);
+  }
+  return x;
+}
+
 // y = x . W^T + bias in double, W the parts' values stacked.
 std::vector<double> Reference(const std::vector<float>& x, int64_t m,
                               const std::vector<const Fp8Weights*>& parts,
@@ -118,12 +151,15 @@ TEST(CpuFp8LinearTest, MatchesDoublePrecisionProductOfTheDequantisedWeights) {
       {WeightScheme::kFp8Block, 64, 512, 128, 128},   // one row of blocks
       {WeightScheme::kFp8Block, 33, 300, 1, 128},     // MLA's row subsets
       {WeightScheme::kFp8Block, 40, 100, 16, 48},     // blocks not multiples of a vector
+      {WeightScheme::kFp8Block, 50, 99, 16, 33},      // odd blocks: fp32 activations
+      {WeightScheme::kFp8Block, 45, 129, 128, 128},   // one column into the second block
+      {WeightScheme::kFp8Channel, 70, 1, 0, 0},       // a single, unpaired column
   };
   for (const SimdLevel level : Levels()) {
     CpuBackend cpu(3, level);
     for (const Case& c : cases) {
       const Fp8Weights w = Random(rng, c.scheme, c.n, c.k, c.br, c.bc);
-      for (const int64_t m : {1, 2, 3, 5, 8, 9, 65, 70}) {
+      for (const int64_t m : {1, 2, 3, 5, 8, 9, 65, 70, 131}) {
         SCOPED_TRACE(std::string(SimdLevelName(level)) + " " + WeightSchemeName(c.scheme) + " " +
                      std::to_string(c.n) + "x" + std::to_string(c.k) + " m " + std::to_string(m));
         std::vector<float> x(m * c.k), bias(c.n);
@@ -137,10 +173,12 @@ TEST(CpuFp8LinearTest, MatchesDoublePrecisionProductOfTheDequantisedWeights) {
         cpu.Linear(Tensor::Of(x.data(), DType::kF32, {m, c.k}), *prepared,
                    Tensor::Of(y.data(), DType::kF32, {m, c.n}));
         std::vector<double> mag;
-        const auto want = Reference(x, m, {&w}, bias, &mag);
+        const auto want = Reference(AsMultiplied(x, level, m, w.matrix), m, {&w}, bias, &mag);
         for (int64_t i = 0; i < m * c.n; ++i) {
-          // fp32 sums of k products, then at most two roundings of
-          // scales: (k + 3) units of 2^-24 of the terms' magnitudes.
+          // fp32 sums of k products (exact for two bf16 values; a block's
+          // run summed alone, then scaled into the total by one fused
+          // multiply-add), at most two roundings of scales and one of the
+          // bias: (k + 3) units of 2^-24 of the terms' magnitudes.
           ASSERT_NEAR(y[i], want[i], (c.k + 3) * std::ldexp(1.0, -24) * mag[i] + 1e-30)
               << "element " << i;
         }
@@ -173,13 +211,14 @@ TEST(CpuFp8LinearTest, StackedPartsKeepTheirOwnScales) {
                 (96 + 40 + 136) * k +
                     4 * (a.matrix.num_scales() + b.matrix.num_scales() + d.matrix.num_scales()) +
                     4 * (96 + 40 + 136));
-      for (const int64_t m : {1, 4, 80}) {
+      for (const int64_t m : {1, 4, 80, 150}) {
         std::vector<float> x(m * k), y(m * (96 + 40 + 136), NAN);
         for (auto& v : x) v = dist(rng);
         cpu.Linear(Tensor::Of(x.data(), DType::kF32, {m, k}), *w,
                    Tensor::Of(y.data(), DType::kF32, {m, 96 + 40 + 136}));
         std::vector<double> mag;
-        const auto want = Reference(x, m, {&a, &b, &d}, bias, &mag);
+        const auto want =
+            Reference(AsMultiplied(x, level, m, a.matrix), m, {&a, &b, &d}, bias, &mag);
         for (size_t i = 0; i < y.size(); ++i) {
           ASSERT_NEAR(y[i], want[i], (k + 3) * std::ldexp(1.0, -24) * mag[i])
               << SimdLevelName(level) << " m " << m << " " << i;

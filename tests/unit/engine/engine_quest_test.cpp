@@ -6,7 +6,8 @@
 // dense attention, and greedy generation through the engine with prefix
 // caching (the bounds of reused blocks come from the request that wrote
 // them); the kernel reads fewer bytes than dense; with attention sinks, the
-// selection among the window's blocks; refusals.
+// selection among the window's blocks; refusals. Quest with SnapKV:
+// engine_quest_snapkv_test.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -222,16 +223,18 @@ TEST(EngineQuestTest, RefusesWhatItCannotRun) {
     EXPECT_FALSE(m.ok());
     return m.ok() ? std::string() : m.status().message();
   };
-  KvEviction both = testing::Quest(4);
-  both.mode = KvEviction::Mode::kSnapKv;
-  both.budget_tokens = 32;
-  both.observation_window = 8;
-  EXPECT_NE(refused(Dir(), both).find("--kv-selection"), std::string::npos);
   EXPECT_NE(refused(Dir(), testing::Quest(-1)).find("--kv-selection-blocks"), std::string::npos);
   EXPECT_NE(
       refused(testing::ModelDir("mla", *PresetModelSpec("deepseek-v2-lite")), testing::Quest(4))
           .find("MLA"),
       std::string::npos);
+  // Beside SnapKV (engine_quest_snapkv_test), sliding-window layers are
+  // still refused, by Quest's flag.
+  KvEviction both = testing::SnapKv(32, 8);
+  both.quest_blocks = 4;
+  EXPECT_NE(refused(testing::ModelDir("mistral-window", *PresetModelSpec("mistral-window")), both)
+                .find("--kv-selection"),
+            std::string::npos);
 }
 
 }  // namespace
