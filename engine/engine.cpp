@@ -52,6 +52,7 @@ struct Engine::Sequence {
   // more is committed to the prefix cache).
   int64_t kv_shift = 0;
   bool compressed = false;
+  bool snapkv_dense = false;                      // EngineRequest::snapkv_dense
   std::vector<std::vector<int32_t>> snapkv_kept;  // per layer and KV head (SnapKvKept)
 
   int64_t num_output() const { return static_cast<int64_t>(tokens.size()) - prompt_len; }
@@ -334,7 +335,9 @@ std::unique_ptr<Engine::Sequence> Engine::NewSequence(EngineRequest r) {
   // A prompt SnapKV compresses hands off only its compressed blocks, which
   // exist once the prompt is done: none of its full blocks is streamed.
   const KvEviction& ev = model_->config().kv_eviction;
-  const bool compresses = ev.mode == KvEviction::Mode::kSnapKv && s->prompt_len > ev.budget_tokens;
+  s->snapkv_dense = r.snapkv_dense;
+  const bool compresses =
+      ev.mode == KvEviction::Mode::kSnapKv && s->prompt_len > ev.budget_tokens && !s->snapkv_dense;
   s->stream_kv_blocks = r.prefill_only && r.stream_kv_blocks && !compresses;
   if (r.grammar) s->matcher.emplace(std::move(r.grammar));
   s->share_prompt_with = r.share_prompt_with;
@@ -621,8 +624,8 @@ int64_t Engine::snapkv_window() const { return model_->config().kv_eviction.obse
 
 bool Engine::SnapKvPending(const Sequence& s) const {
   const KvEviction& ev = model_->config().kv_eviction;
-  return ev.mode == KvEviction::Mode::kSnapKv && !s.compressed && s.prompt_len > ev.budget_tokens &&
-         s.num_computed < s.prompt_len;
+  return ev.mode == KvEviction::Mode::kSnapKv && !s.compressed && !s.snapkv_dense &&
+         s.prompt_len > ev.budget_tokens && s.num_computed < s.prompt_len;
 }
 
 int64_t Engine::SnapKvChunk(const Sequence& s, int64_t n) const {
@@ -1056,7 +1059,8 @@ StatusOr<RemotePrefillPlan> Engine::AddRemotePrefillRequest(EngineRequest reques
   // SnapKV: a prompt over the budget arrives compressed, B cache indices in
   // blocks of the request's own (nothing cached here can stand for them).
   const KvEviction& ev = model_->config().kv_eviction;
-  if (ev.mode == KvEviction::Mode::kSnapKv && s->prompt_len > ev.budget_tokens) {
+  if (ev.mode == KvEviction::Mode::kSnapKv && s->prompt_len > ev.budget_tokens &&
+      !s->snapkv_dense) {
     hashes.clear();
     s->kv_shift = s->prompt_len - ev.budget_tokens;
   }
@@ -1098,6 +1102,28 @@ StatusOr<RequestOutput> Engine::CompleteRemotePrefill(RequestId id, TokenId firs
                                    " is outside the vocabulary");
   }
   Sequence* s = it->second.get();
+  const KvEviction& ev = model_->config().kv_eviction;
+  if (s->snapkv_dense && ev.mode == KvEviction::Mode::kSnapKv && s->prompt_len > ev.budget_tokens &&
+      s->params.max_tokens > 1) {
+    // A copied prompt SnapKV would compress: its blocks are cached here now,
+    // and the request prefills again from them (EngineRequest::snapkv_dense).
+    // The copy's own first token is dropped: the local prefill samples it
+    // from the same dense prefill.
+    if (options_.enable_prefix_caching) {
+      ExtendPromptHashes(s->hash_seed, std::span<const TokenId>(s->tokens.data(), s->prompt_len),
+                         static_cast<size_t>(options_.block_size), &s->hashes);
+      PDSERVE_RETURN_IF_ERROR(blocks_->CommitBlocks(s->id, s->hashes));
+    }
+    PDSERVE_RETURN_IF_ERROR(blocks_->Free(s->id));
+    s->num_computed = 0;
+    s->hashes.clear();
+    s->snapkv_dense = false;
+    s->state = Sequence::State::kWaiting;  // admitted_once: its hits are not counted again
+    InsertSorted(&waiting_, s);
+    RequestOutput out;
+    out.id = id;
+    return out;
+  }
   if (s->matcher && !s->matcher->AcceptToken(first_token)) {
     return Status::InvalidArgument("first token " + std::to_string(first_token) +
                                    " is not allowed by the request's constraint");
@@ -1155,6 +1181,7 @@ StatusOr<std::optional<PinId>> Engine::FailRemotePrefill(RequestId id, bool hold
   s->num_computed = 0;
   s->hashes.clear();
   s->kv_shift = 0;  // a local prefill compresses the prompt itself
+  s->snapkv_dense = false;
   // Its local prefill is its first admission for the prefix-cache counters
   // (the remote attempt counted nothing: received blocks are not hits).
   s->admitted_once = false;

@@ -163,6 +163,17 @@ struct EngineRequest {
   // (reference counts) rather than computed again; only the last, partial
   // block is this request's own. Requests behind it in the queue pass it.
   RequestId share_prompt_with = 0;
+  // SnapKV: keep this prompt's KV by position, never compressed. A hot-prefix
+  // copy or a drain push (Prefill.prefix_copy) moves the full prompt's
+  // blocks, which the receiver caches as the holder does, not a request's
+  // private compressed set. prefill_only: the prompt is computed (reusing
+  // every cached block) and sent dense. Remote prefill: the peer must send
+  // it dense; once it is in, its full blocks are committed, and a prompt
+  // over the budget whose request wants more than its first token goes back
+  // to the queue, to be prefilled locally from that cached prefix (its
+  // observation window computed and the prompt compressed, as any local
+  // request), so it decodes what it would have without the copy.
+  bool snapkv_dense = false;
 };
 
 // What one Step() did for one request.

@@ -78,11 +78,15 @@ struct PrefixIndexOptions {
 };
 
 // The blocks a worker holds past its device prefix: a run of the prompt's
-// following blocks, each in its host or disk tier.
+// following blocks, each in its host or disk tier. With windows or sinks
+// (GroupedTierRun) only the blocks the first query reaches come back; the
+// prefix also spans `skipped_blocks` between them that stay in the tiers.
 struct TierRun {
   int64_t host_blocks = 0;
   int64_t disk_blocks = 0;
-  int64_t blocks() const { return host_blocks + disk_blocks; }
+  int64_t skipped_blocks = 0;
+  int64_t blocks() const { return host_blocks + disk_blocks; }                 // copied back
+  int64_t span() const { return host_blocks + disk_blocks + skipped_blocks; }  // prefix gained
 };
 
 struct PrefixIndexStats {
@@ -145,6 +149,17 @@ class PrefixIndex {
   // Blocks hashes[from], hashes[from + 1], ... that `worker` holds in its
   // lower tiers, up to the first it does not (0 for a closed slot).
   TierRun LowerTierRun(WorkerId worker, std::span<const BlockHash> hashes, size_t from) const;
+  // The same for a model with layer groups or sinks (GroupedOverlap's
+  // windows and sink_tokens), by the engine's rule (Engine::TierPrefix):
+  // the prefix grows to the longest one CachedPrefixBlocks finds when the
+  // first `device_blocks` blocks count as held (the device prefix) and the
+  // others when a lower tier holds their group key; of the blocks past the
+  // device prefix only those its first query reaches (BlockInReach) are
+  // copied back, each prompt block counted once, at its slowest tier (host
+  // when a key is in both); the rest are skipped_blocks.
+  TierRun GroupedTierRun(WorkerId worker, std::span<const BlockHash> hashes,
+                         std::span<const int64_t> windows, size_t block_size, size_t device_blocks,
+                         int64_t sink_tokens = 0) const;
 
   // LeadingOverlap, and under the same lock what a routing decision reads
   // of every worker besides (one lock per decision rather than two per

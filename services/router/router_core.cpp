@@ -281,7 +281,7 @@ Candidate RouterCore::MakeCandidateLocked(Worker& w, int64_t overlap_blocks,
   c.host_blocks = run.host_blocks;
   c.disk_blocks = run.disk_blocks;
   c.uncached_tokens =
-      std::max<int64_t>(0, prompt_tokens - (overlap_blocks + run.blocks()) * options_.block_tokens);
+      std::max<int64_t>(0, prompt_tokens - (overlap_blocks + run.span()) * options_.block_tokens);
   c.queued_prefill_tokens = w.inflight_prefill_tokens;
   c.decode_tokens = w.inflight_decode_tokens;
   c.waiting_requests = w.inflight_prefill_requests;
@@ -336,10 +336,16 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
     reusable = reusable.first(std::min(reusable.size(), cap));
   }
   if (GroupedLocked()) {
-    // Layer groups: the overlap is by group keys (OverlapLocked); lower
-    // tiers are not predicted, so only the block counts are matched.
+    // Layer groups (windows, sinks): the overlap is by group keys
+    // (OverlapLocked), and a worker's lower-tier run by the same rule.
     index_.Match({}, now, &overlap_, &match_);
     OverlapLocked(reusable, now, &overlap_);
+    for (const auto& w : workers_) {
+      if (!w) continue;
+      match_[w->id].lower = index_.GroupedTierRun(w->id, reusable, group_windows_,
+                                                  static_cast<size_t>(options_.block_tokens),
+                                                  overlap_[w->id], sink_tokens_);
+    }
   } else {
     index_.Match(reusable, now, &overlap_, &match_);
   }

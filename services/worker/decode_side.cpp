@@ -145,6 +145,7 @@ void DecodeSide::Admit(const ConnectionPtr& router, proto::Generate g,
   std::optional<proto::Envelope> prefill;
   if (!g.prefill_address().empty()) {
     EngineRequest copy = req;
+    copy.snapkv_dense = g.prefix_copy();  // cached here, as on the holder
     auto plan = ctx_->engine->AddRemotePrefillRequest(std::move(copy));
     if (!plan.ok()) return reject(plan.status());
     r->remote = true;

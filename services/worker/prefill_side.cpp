@@ -185,6 +185,7 @@ void PrefillSide::Start(const ConnectionPtr& decode, PeerId peer, proto::Prefill
   req.params.max_tokens = 1;
   req.cache_salt = p.cache_salt();
   req.prefill_only = true;
+  req.snapkv_dense = p.prefix_copy();  // a copy moves the blocks the receiver caches
   req.stream_kv_blocks = ctx_->opts->stream_prefill_chunks;
   req.grammar = std::move(grammar);
   const RequestId id = req.id;

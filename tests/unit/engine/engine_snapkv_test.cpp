@@ -385,5 +385,106 @@ TEST(EngineSnapKvTest, RemotePrefillHandsOffOnlyTheCompressedBlocks) {
   }
 }
 
+// A hot-prefix copy or drain push (EngineRequest::snapkv_dense on both
+// sides): the holder sends the prompt dense, by position, and the receiver
+// caches its full blocks. A copy that wants one token ends with the
+// holder's (the dense prefill's) token; one that decodes on prefills again
+// from the blocks it now caches, compresses as a local request does, and
+// decodes what one engine alone decodes. A later request hits the copied
+// blocks up to the observation window.
+TEST(EngineSnapKvTest, PrefixCopyMovesTheDensePromptWhichTheReceiverCaches) {
+  const int64_t B = 32, W = 8, bs = 8, P = 70;
+  Loaded l = Load(testing::SnapKv(B, W));
+  ASSERT_NE(l.model, nullptr);
+  EngineOptions o;
+  o.block_size = bs;
+  o.max_num_batched_tokens = 16;
+  o.kv_cache_bytes = 8 << 20;
+  auto make = [&] {
+    auto e = Engine::Create(l.model.get(), o);
+    EXPECT_TRUE(e.ok()) << e.status().ToString();
+    return std::move(*e);
+  };
+  const auto prompt = RandomTokens(P, Spec().vocab_size(), 7);
+  auto alone = make();
+  const auto expected = Generate(*alone, 1, prompt, 30);
+  ASSERT_EQ(expected.sampled.size(), 30u);
+  for (int max_tokens : {30, 1}) {
+    SCOPED_TRACE("max_tokens " + std::to_string(max_tokens));
+    auto prefill = make(), decode = make();
+    EngineRequest r;
+    r.id = 1;
+    r.prompt = prompt;
+    r.params.temperature = 0;
+    r.params.max_tokens = max_tokens;
+    r.params.ignore_eos = true;
+    r.params.logprobs = 0;
+    r.snapkv_dense = true;
+    auto plan = decode->AddRemotePrefillRequest(r);
+    ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+    EXPECT_EQ(plan->snapkv_dropped_tokens, 0);
+    ASSERT_EQ(plan->fill.size(), static_cast<size_t>((P + bs - 1) / bs));  // every block
+
+    r.prefill_only = true;
+    ASSERT_TRUE(prefill->AddRequest(r).ok());
+    RequestOutput done;
+    while (prefill->HasUnfinished()) {
+      auto step = prefill->Step();
+      ASSERT_TRUE(step.ok()) << step.status().ToString();
+      for (auto& out : *step) {
+        if (out.finished) done = std::move(out);
+      }
+    }
+    ASSERT_EQ(done.new_token_ids.size(), 1u);
+    EXPECT_EQ(done.new_token_ids[0], expected.sampled[0].token);
+    EXPECT_EQ(done.snapkv_dropped_tokens, 0);
+    EXPECT_EQ(prefill->GetStats().snapkv_evicted_tokens, 0u);
+    ASSERT_TRUE(done.kv_pin.has_value());
+    ASSERT_EQ(done.kv_slots.size(), plan->fill.size());
+    const int64_t bytes = prefill->kv_pool().bytes_per_block();
+    for (const BlockSlot& to : plan->fill) {
+      auto from = std::find_if(done.kv_slots.begin(), done.kv_slots.end(),
+                               [&](const BlockSlot& s) { return s.index == to.index; });
+      ASSERT_NE(from, done.kv_slots.end());
+      std::memcpy(decode->kv_pool().block(to.block), prefill->kv_pool().block(from->block),
+                  static_cast<size_t>(bytes));
+    }
+    ASSERT_TRUE(prefill->ReleaseKvBlocks(*done.kv_pin).ok());
+
+    auto first = decode->CompleteRemotePrefill(1, done.new_token_ids[0], done.logprobs[0]);
+    ASSERT_TRUE(first.ok()) << first.status().ToString();
+    // The full prompt's blocks are cached on the receiver either way.
+    EXPECT_EQ(decode->GetStats().blocks.cached_blocks, static_cast<size_t>(P / bs));
+    std::vector<SampledToken> got = first->logprobs;
+    if (max_tokens == 1) {
+      EXPECT_TRUE(first->finished);
+    } else {
+      EXPECT_TRUE(first->new_token_ids.empty());  // sampled again by the local prefill
+      EXPECT_FALSE(first->finished);
+    }
+    while (decode->HasUnfinished()) {
+      auto step = decode->Step();
+      ASSERT_TRUE(step.ok()) << step.status().ToString();
+      for (const auto& out : *step) got.insert(got.end(), out.logprobs.begin(), out.logprobs.end());
+    }
+    ASSERT_EQ(got.size(), static_cast<size_t>(max_tokens));
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_EQ(got[i].token, expected.sampled[i].token) << i;
+      EXPECT_NEAR(got[i].logprob, expected.sampled[i].logprob, 1e-4) << i;
+    }
+    // Decoding on, the receiver compressed the prompt itself.
+    EXPECT_EQ(decode->GetStats().snapkv_evicted_tokens,
+              static_cast<uint64_t>(max_tokens > 1 ? P - B : 0));
+    EXPECT_EQ(decode->GetStats().blocks.used_blocks, 0u);
+    // The next request of the prompt hits the copied blocks up to the window.
+    const auto again = Generate(*decode, 2, prompt, 4);
+    EXPECT_EQ(again.cached_tokens, (P - W) / bs * bs);
+    ASSERT_EQ(again.sampled.size(), 4u);
+    for (size_t i = 0; i < 4; ++i) EXPECT_EQ(again.sampled[i].token, expected.sampled[i].token);
+    ASSERT_TRUE(decode->block_manager().CheckInvariants().ok());
+    ASSERT_TRUE(prefill->block_manager().CheckInvariants().ok());
+  }
+}
+
 }  // namespace
 }  // namespace pdserve
