@@ -83,7 +83,8 @@ TEST(TensorParallelCliTest, GenerateOnTwoNamedCpuRanksWritesTp1Tokens) {
 
 // Each eviction mode on stories260K at TP 2, 4 and 8 writes TP 1's text in
 // the same mode, through the real binary (SnapKV at TP 8: its 4 KV heads
-// replicated, each chosen once from the query group two ranks share).
+// replicated, each chosen once from the query group two ranks share; and
+// SnapKV with Quest).
 TEST(TensorParallelCliTest, GenerateWithEvictionModesWritesTp1Text) {
   const std::string real = RealModelDir();
   if (real.empty()) GTEST_SKIP() << "the shared stories260K model is absent";
@@ -112,6 +113,10 @@ TEST(TensorParallelCliTest, GenerateWithEvictionModesWritesTp1Text) {
        {2, 4, 8}},
       {{"--kv-selection", "quest", "--kv-selection-blocks", "2"}, {2, 4, 8}},
       {{"--kv-eviction", "snapkv", "--kv-budget-tokens", "16", "--kv-observation-window", "4"},
+       {2, 4, 8}},
+      // Quest over the compacted blocks, bounded by each rank on its own shard.
+      {{"--kv-eviction", "snapkv", "--kv-budget-tokens", "16", "--kv-observation-window", "4",
+        "--kv-selection", "quest", "--kv-selection-blocks", "2"},
        {2, 4, 8}},
   };
   for (const auto& [mode, sizes] : modes) {
