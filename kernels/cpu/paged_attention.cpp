@@ -150,26 +150,44 @@ PDSERVE_TARGET_AVX512 float ExpSumAvx512(float* x, int64_t count, float shift) {
 
 // AVX2 ----------------------------------------------------------------------
 
+// The dot products of q with keys [t, t + 8): eight partial-sum vectors,
+// one per key, are added pairwise across lanes (a transpose-add tree:
+// 6 horizontal adds, 2 lane swaps and 1 add) into one vector of eight sums,
+// instead of eight reductions of their own.
+PDSERVE_TARGET_AVX2 inline __m256 Dot8Avx2(const float* q, const float* k, int64_t hd) {
+  __m256 a[8];
+#pragma GCC unroll 16
+  for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= hd; i += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + i);
+#pragma GCC unroll 16
+    for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + j * hd + i), a[j]);
+  }
+  if (i < hd) {
+    // The head's last hd % 8 dimensions, as one zero-padded vector.
+    alignas(32) float qt[8] = {};
+    std::copy(q + i, q + hd, qt);
+    const __m256 qv = _mm256_load_ps(qt);
+#pragma GCC unroll 16
+    for (int j = 0; j < 8; ++j) {
+      alignas(32) float kt[8] = {};
+      std::copy(k + j * hd + i, k + j * hd + hd, kt);
+      a[j] = _mm256_fmadd_ps(qv, _mm256_load_ps(kt), a[j]);
+    }
+  }
+  // Per 128-bit half: keys 0-3 (lo) and 4-7 (hi), two halves' partials each.
+  const __m256 lo = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 hi = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+
 PDSERVE_TARGET_AVX2 void ScoresAvx2(const float* q, const float* keys, int64_t hd, int64_t count,
                                     float scale, float* out) {
+  const __m256 sv = _mm256_set1_ps(scale);
   int64_t t = 0;
-  // Four keys at a time share each load of q.
-  for (; t + 4 <= count; t += 4) {
-    const float* k = keys + t * hd;
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    int64_t i = 0;
-    for (; i + 8 <= hd; i += 8) {
-      const __m256 qv = _mm256_loadu_ps(q + i);
-      a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + i), a0);
-      a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + hd + i), a1);
-      a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 2 * hd + i), a2);
-      a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 3 * hd + i), a3);
-    }
-    float d[4] = {simd::ReduceAdd(a0), simd::ReduceAdd(a1), simd::ReduceAdd(a2),
-                  simd::ReduceAdd(a3)};
-    for (; i < hd; ++i)
-      for (int j = 0; j < 4; ++j) d[j] += q[i] * k[j * hd + i];
-    for (int j = 0; j < 4; ++j) out[t + j] = d[j] * scale;
+  for (; t + 8 <= count; t += 8) {
+    _mm256_storeu_ps(out + t, _mm256_mul_ps(Dot8Avx2(q, keys + t * hd, hd), sv));
   }
   for (; t < count; ++t) {
     const float* k = keys + t * hd;
@@ -183,10 +201,39 @@ PDSERVE_TARGET_AVX2 void ScoresAvx2(const float* q, const float* keys, int64_t h
   }
 }
 
+// Thirty-two dimensions at a time, each in two accumulators (even and odd
+// keys): eight independent FMA chains keep the FMA units busy where one
+// chain per vector would wait on each FMA's latency.
 PDSERVE_TARGET_AVX2 void AccumulateAvx2(float* acc, float decay, const float* values,
                                         const float* p, int64_t count, int64_t hd) {
-  int64_t i = 0;
   const __m256 dv = _mm256_set1_ps(decay);
+  int64_t i = 0;
+  for (; i + 32 <= hd; i += 32) {
+    __m256 e[4], o[4];
+#pragma GCC unroll 16
+    for (int c = 0; c < 4; ++c) {
+      e[c] = _mm256_mul_ps(_mm256_loadu_ps(acc + i + 8 * c), dv);
+      o[c] = _mm256_setzero_ps();
+    }
+    int64_t t = 0;
+    for (; t + 2 <= count; t += 2) {
+      const __m256 p0 = _mm256_broadcast_ss(p + t), p1 = _mm256_broadcast_ss(p + t + 1);
+      const float* v = values + t * hd + i;
+#pragma GCC unroll 16
+      for (int c = 0; c < 4; ++c) {
+        e[c] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v + 8 * c), e[c]);
+        o[c] = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v + hd + 8 * c), o[c]);
+      }
+    }
+    if (t < count) {
+      const __m256 p0 = _mm256_broadcast_ss(p + t);
+#pragma GCC unroll 16
+      for (int c = 0; c < 4; ++c)
+        e[c] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(values + t * hd + i + 8 * c), e[c]);
+    }
+#pragma GCC unroll 16
+    for (int c = 0; c < 4; ++c) _mm256_storeu_ps(acc + i + 8 * c, _mm256_add_ps(e[c], o[c]));
+  }
   for (; i + 8 <= hd; i += 8) {
     __m256 a = _mm256_mul_ps(_mm256_loadu_ps(acc + i), dv);
     for (int64_t t = 0; t < count; ++t)
@@ -226,33 +273,58 @@ PDSERVE_TARGET_AVX2 void WidenAvx2(DType dtype, const uint8_t* src, int64_t coun
 
 // AVX-512 -------------------------------------------------------------------
 
+// The dot products of q with keys [t, t + 16): sixteen partial-sum vectors,
+// one per key, are added pairwise across lanes (a transpose-add tree: 30
+// shuffles and 15 adds) into one vector of sixteen sums, where sixteen
+// reductions of their own would take about 150 instructions.
+PDSERVE_TARGET_AVX512 inline __m512 Dot16Avx512(const float* q, const float* k, int64_t hd) {
+  __m512 a[16];
+#pragma GCC unroll 16
+  for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < hd; i += 16) {
+    const __mmask16 m = hd - i >= 16 ? static_cast<__mmask16>(0xffff)
+                                     : static_cast<__mmask16>((1u << (hd - i)) - 1);
+    const __m512 qv = _mm512_maskz_loadu_ps(m, q + i);
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j)
+      a[j] = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k + j * hd + i), a[j]);
+  }
+  // Pairs of keys: per 128-bit lane, elements 0 and 2 hold key 2n's
+  // partials, 1 and 3 key 2n + 1's.
+  __m512 b[8];
+#pragma GCC unroll 16
+  for (int n = 0; n < 8; ++n)
+    b[n] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * n], a[2 * n + 1]),
+                         _mm512_unpackhi_ps(a[2 * n], a[2 * n + 1]));
+  // Fours: per 128-bit lane, element e holds key 4n + e's partial.
+  __m512 c[4];
+#pragma GCC unroll 16
+  for (int n = 0; n < 4; ++n) {
+    const __m512d x = _mm512_castps_pd(b[2 * n]), y = _mm512_castps_pd(b[2 * n + 1]);
+    c[n] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  // Lanes: d[n] holds keys 8n..8n+3 in lanes 0 and 1, 8n+4..8n+7 in 2 and 3
+  // (two partials each), then the sums in key order.
+  __m512 d[2];
+#pragma GCC unroll 16
+  for (int n = 0; n < 2; ++n)
+    d[n] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * n], c[2 * n + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * n], c[2 * n + 1], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88),
+                       _mm512_shuffle_f32x4(d[0], d[1], 0xdd));
+}
+
 PDSERVE_TARGET_AVX512 void ScoresAvx512(const float* q, const float* keys, int64_t hd,
                                         int64_t count, float scale, float* out) {
+  const __m512 sv = _mm512_set1_ps(scale);
+  int64_t t = 0;
+  for (; t + 16 <= count; t += 16) {
+    _mm512_storeu_ps(out + t, _mm512_mul_ps(Dot16Avx512(q, keys + t * hd, hd), sv));
+  }
+  // The last count % 16 keys (a block's part, a window's edge) one by one.
   const __mmask16 tail = static_cast<__mmask16>((1u << (hd % 16)) - 1);
   const int64_t full = hd / 16 * 16;
-  int64_t t = 0;
-  for (; t + 4 <= count; t += 4) {
-    const float* k = keys + t * hd;
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t i = 0; i < full; i += 16) {
-      const __m512 qv = _mm512_loadu_ps(q + i);
-      a0 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + i), a0);
-      a1 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + hd + i), a1);
-      a2 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + 2 * hd + i), a2);
-      a3 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + 3 * hd + i), a3);
-    }
-    if (tail) {
-      const __m512 qv = _mm512_maskz_loadu_ps(tail, q + full);
-      a0 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(tail, k + full), a0);
-      a1 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(tail, k + hd + full), a1);
-      a2 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(tail, k + 2 * hd + full), a2);
-      a3 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(tail, k + 3 * hd + full), a3);
-    }
-    out[t] = _mm512_reduce_add_ps(a0) * scale;
-    out[t + 1] = _mm512_reduce_add_ps(a1) * scale;
-    out[t + 2] = _mm512_reduce_add_ps(a2) * scale;
-    out[t + 3] = _mm512_reduce_add_ps(a3) * scale;
-  }
   for (; t < count; ++t) {
     const float* k = keys + t * hd;
     __m512 a = _mm512_setzero_ps();
@@ -265,17 +337,41 @@ PDSERVE_TARGET_AVX512 void ScoresAvx512(const float* q, const float* keys, int64
   }
 }
 
+// Sixty-four dimensions at a time, each in two accumulators (even and odd
+// keys): eight independent FMA chains keep the FMA units busy where one
+// chain per vector would wait on each FMA's latency.
 PDSERVE_TARGET_AVX512 void AccumulateAvx512(float* acc, float decay, const float* values,
                                             const float* p, int64_t count, int64_t hd) {
   const __m512 dv = _mm512_set1_ps(decay);
-  for (int64_t i = 0; i < hd; i += 16) {
-    const __mmask16 mask = hd - i >= 16 ? static_cast<__mmask16>(0xffff)
-                                        : static_cast<__mmask16>((1u << (hd - i)) - 1);
-    __m512 a = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, acc + i), dv);
-    for (int64_t t = 0; t < count; ++t)
-      a = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), _mm512_maskz_loadu_ps(mask, values + t * hd + i),
-                          a);
-    _mm512_mask_storeu_ps(acc + i, mask, a);
+  for (int64_t i = 0; i < hd; i += 64) {
+    __mmask16 m[4];
+    __m512 e[4], o[4];
+#pragma GCC unroll 16
+    for (int c = 0; c < 4; ++c) {
+      const int64_t left = std::clamp<int64_t>(hd - i - 16 * c, 0, 16);
+      m[c] = static_cast<__mmask16>((1u << left) - 1);
+      e[c] = _mm512_mul_ps(_mm512_maskz_loadu_ps(m[c], acc + i + 16 * c), dv);
+      o[c] = _mm512_setzero_ps();
+    }
+    int64_t t = 0;
+    for (; t + 2 <= count; t += 2) {
+      const __m512 p0 = _mm512_set1_ps(p[t]), p1 = _mm512_set1_ps(p[t + 1]);
+      const float* v = values + t * hd + i;
+#pragma GCC unroll 16
+      for (int c = 0; c < 4; ++c) {
+        e[c] = _mm512_fmadd_ps(p0, _mm512_maskz_loadu_ps(m[c], v + 16 * c), e[c]);
+        o[c] = _mm512_fmadd_ps(p1, _mm512_maskz_loadu_ps(m[c], v + hd + 16 * c), o[c]);
+      }
+    }
+    if (t < count) {
+      const __m512 p0 = _mm512_set1_ps(p[t]);
+#pragma GCC unroll 16
+      for (int c = 0; c < 4; ++c)
+        e[c] = _mm512_fmadd_ps(p0, _mm512_maskz_loadu_ps(m[c], values + t * hd + i + 16 * c), e[c]);
+    }
+#pragma GCC unroll 16
+    for (int c = 0; c < 4; ++c)
+      _mm512_mask_storeu_ps(acc + i + 16 * c, m[c], _mm512_add_ps(e[c], o[c]));
   }
 }
 
