@@ -23,6 +23,10 @@ struct AttentionKernels {
   // out[t] = scale * (q . keys[t]) for t < count; keys rows are head_dim apart.
   void (*scores)(const float* q, const float* keys, int64_t head_dim, int64_t count, float scale,
                  float* out);
+  // out[j * ld + t] = scale * (q[j] . keys[t]) for j < heads, t < count: a
+  // GQA group's query heads (rows head_dim apart) against the same keys.
+  void (*group_scores)(const float* q, int64_t heads, const float* keys, int64_t head_dim,
+                       int64_t count, float scale, float* out, int64_t ld);
   // acc = acc * decay + sum over t < count of p[t] * values[t].
   void (*accumulate)(float* acc, float decay, const float* values, const float* p, int64_t count,
                      int64_t head_dim);
@@ -81,6 +85,13 @@ float ExpSumPortable(float* x, int64_t count, float shift) {
   float sum = 0;
   for (int64_t t = 0; t < count; ++t) sum += (x[t] = std::exp(x[t] - shift));
   return sum;
+}
+
+// One head at a time, for the levels without a group kernel.
+template <void (*Scores)(const float*, const float*, int64_t, int64_t, float, float*)>
+void GroupScoresEach(const float* q, int64_t heads, const float* keys, int64_t hd, int64_t count,
+                     float scale, float* out, int64_t ld) {
+  for (int64_t j = 0; j < heads; ++j) Scores(q + j * hd, keys, hd, count, scale, out + j * ld);
 }
 
 #if PDSERVE_HAVE_X86_SIMD
@@ -273,22 +284,10 @@ PDSERVE_TARGET_AVX2 void WidenAvx2(DType dtype, const uint8_t* src, int64_t coun
 
 // AVX-512 -------------------------------------------------------------------
 
-// The dot products of q with keys [t, t + 16): sixteen partial-sum vectors,
-// one per key, are added pairwise across lanes (a transpose-add tree: 30
-// shuffles and 15 adds) into one vector of sixteen sums, where sixteen
-// reductions of their own would take about 150 instructions.
-PDSERVE_TARGET_AVX512 inline __m512 Dot16Avx512(const float* q, const float* k, int64_t hd) {
-  __m512 a[16];
-#pragma GCC unroll 16
-  for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < hd; i += 16) {
-    const __mmask16 m = hd - i >= 16 ? static_cast<__mmask16>(0xffff)
-                                     : static_cast<__mmask16>((1u << (hd - i)) - 1);
-    const __m512 qv = _mm512_maskz_loadu_ps(m, q + i);
-#pragma GCC unroll 16
-    for (int j = 0; j < 16; ++j)
-      a[j] = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k + j * hd + i), a[j]);
-  }
+// Lane n of the result: the sum of a[n]'s lanes (a transpose-add tree: 30
+// shuffles and 15 adds, where sixteen reductions of their own would take
+// about 150 instructions).
+PDSERVE_TARGET_AVX512 inline __m512 Sum16Avx512(const __m512* a) {
   // Pairs of keys: per 128-bit lane, elements 0 and 2 hold key 2n's
   // partials, 1 and 3 key 2n + 1's.
   __m512 b[8];
@@ -315,6 +314,22 @@ PDSERVE_TARGET_AVX512 inline __m512 Dot16Avx512(const float* q, const float* k, 
                        _mm512_shuffle_f32x4(d[0], d[1], 0xdd));
 }
 
+// The dot products of q with keys [t, t + 16), one accumulator per key.
+PDSERVE_TARGET_AVX512 inline __m512 Dot16Avx512(const float* q, const float* k, int64_t hd) {
+  __m512 a[16];
+#pragma GCC unroll 16
+  for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < hd; i += 16) {
+    const __mmask16 m = hd - i >= 16 ? static_cast<__mmask16>(0xffff)
+                                     : static_cast<__mmask16>((1u << (hd - i)) - 1);
+    const __m512 qv = _mm512_maskz_loadu_ps(m, q + i);
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j)
+      a[j] = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k + j * hd + i), a[j]);
+  }
+  return Sum16Avx512(a);
+}
+
 PDSERVE_TARGET_AVX512 void ScoresAvx512(const float* q, const float* keys, int64_t hd,
                                         int64_t count, float scale, float* out) {
   const __m512 sv = _mm512_set1_ps(scale);
@@ -335,6 +350,50 @@ PDSERVE_TARGET_AVX512 void ScoresAvx512(const float* q, const float* keys, int64
                           _mm512_maskz_loadu_ps(tail, k + full), a);
     out[t] = _mm512_reduce_add_ps(a) * scale;
   }
+}
+
+// Four query heads against four keys at a time, sixteen accumulators: each
+// key vector loaded serves four heads, and the tree sums them all at once
+// (lanes 4h..4h+3: head h's four keys). Other heads and keys go one by one.
+PDSERVE_TARGET_AVX512 void GroupScoresAvx512(const float* q, int64_t heads, const float* keys,
+                                             int64_t hd, int64_t count, float scale, float* out,
+                                             int64_t ld) {
+  const __m512 sv = _mm512_set1_ps(scale);
+  int64_t j = 0;
+  for (; j + 4 <= heads; j += 4) {
+    const float* qj = q + j * hd;
+    float* o = out + j * ld;
+    int64_t t = 0;
+    for (; t + 4 <= count; t += 4) {
+      const float* k = keys + t * hd;
+      __m512 a[16];
+#pragma GCC unroll 16
+      for (int n = 0; n < 16; ++n) a[n] = _mm512_setzero_ps();
+      for (int64_t i = 0; i < hd; i += 16) {
+        const __mmask16 m = hd - i >= 16 ? static_cast<__mmask16>(0xffff)
+                                         : static_cast<__mmask16>((1u << (hd - i)) - 1);
+        __m512 kv[4];
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) kv[c] = _mm512_maskz_loadu_ps(m, k + c * hd + i);
+#pragma GCC unroll 4
+        for (int h = 0; h < 4; ++h) {
+          const __m512 qv = _mm512_maskz_loadu_ps(m, qj + h * hd + i);
+#pragma GCC unroll 4
+          for (int c = 0; c < 4; ++c) a[4 * h + c] = _mm512_fmadd_ps(qv, kv[c], a[4 * h + c]);
+        }
+      }
+      const __m512 d = _mm512_mul_ps(Sum16Avx512(a), sv);
+      _mm_storeu_ps(o + t, _mm512_castps512_ps128(d));
+      _mm_storeu_ps(o + ld + t, _mm512_extractf32x4_ps(d, 1));
+      _mm_storeu_ps(o + 2 * ld + t, _mm512_extractf32x4_ps(d, 2));
+      _mm_storeu_ps(o + 3 * ld + t, _mm512_extractf32x4_ps(d, 3));
+    }
+    if (t < count) {
+      for (int h = 0; h < 4; ++h)
+        ScoresAvx512(qj + h * hd, keys + t * hd, hd, count - t, scale, o + h * ld + t);
+    }
+  }
+  for (; j < heads; ++j) ScoresAvx512(q + j * hd, keys, hd, count, scale, out + j * ld);
 }
 
 // Sixty-four dimensions at a time, each in two accumulators (even and odd
@@ -405,12 +464,14 @@ PDSERVE_TARGET_AVX512 void WidenAvx512(DType dtype, const uint8_t* src, int64_t 
 AttentionKernels KernelsFor(SimdLevel level) {
 #if PDSERVE_HAVE_X86_SIMD
   if (level == SimdLevel::kAvx512) {
-    return {&ScoresAvx512, &AccumulateAvx512, &WidenAvx512, &ExpSumAvx512};
+    return {&ScoresAvx512, &GroupScoresAvx512, &AccumulateAvx512, &WidenAvx512, &ExpSumAvx512};
   }
-  if (level == SimdLevel::kAvx2) return {&ScoresAvx2, &AccumulateAvx2, &WidenAvx2, &ExpSumAvx2};
+  if (level == SimdLevel::kAvx2)
+    return {&ScoresAvx2, &GroupScoresEach<&ScoresAvx2>, &AccumulateAvx2, &WidenAvx2, &ExpSumAvx2};
 #endif
   (void)level;
-  return {&ScoresPortable, &AccumulatePortable, &WidenPortable, &ExpSumPortable};
+  return {&ScoresPortable, &GroupScoresEach<&ScoresPortable>, &AccumulatePortable, &WidenPortable,
+          &ExpSumPortable};
 }
 
 // Per-thread scratch, grown to the largest unit seen and then reused.
@@ -449,7 +510,7 @@ int64_t RunUnit(const AttentionKernels& k, const AttentionUnit& u, const KvCache
     s.keys.resize(std::max<size_t>(s.keys.size(), bs * hd));
     s.values.resize(std::max<size_t>(s.values.size(), bs * hd));
   }
-  s.scores.resize(std::max<size_t>(s.scores.size(), bs));
+  s.scores.resize(std::max<size_t>(s.scores.size(), group * bs));
 
   // A window hides the keys before pos - window + 1 from the query at pos:
   // blocks that no row of the unit reaches are not read (a windowed group's
@@ -461,10 +522,9 @@ int64_t RunUnit(const AttentionKernels& k, const AttentionUnit& u, const KvCache
           : 0;
   const float cap = batch.softcap;
   // Folds `visible` keys (and their values) into query i's online softmax.
-  auto attend = [&](int64_t i, const float* query, const float* key, const float* value,
-                    int64_t visible) {
-    float* sc = s.scores.data();
-    k.scores(query, key, hd, visible, scale, sc);
+  // Folds `visible` scored keys (sc, overwritten) and their values into
+  // query i's online softmax.
+  auto fold = [&](int64_t i, float* sc, const float* value, int64_t visible) {
     if (cap > 0) {
       for (int64_t t = 0; t < visible; ++t) sc[t] = cap * std::tanh(sc[t] / cap);
     }
@@ -476,6 +536,11 @@ int64_t RunUnit(const AttentionKernels& k, const AttentionUnit& u, const KvCache
     s.sum[i] = s.sum[i] * decay + k.exp_sum(sc, visible, new_max);
     s.max[i] = new_max;
     k.accumulate(s.acc.data() + i * hd, decay, value, sc, visible, hd);
+  };
+  auto attend = [&](int64_t i, const float* query, const float* key, const float* value,
+                    int64_t visible) {
+    k.scores(query, key, hd, visible, scale, s.scores.data());
+    fold(i, s.scores.data(), value, visible);
   };
   // Decodes block b's first `in_block` keys and values (in place for fp32).
   const float* keys = nullptr;
@@ -562,6 +627,17 @@ int64_t RunUnit(const AttentionKernels& k, const AttentionUnit& u, const KvCache
       // The row's first key in this block (its window may start inside it).
       const int64_t begin = window > 0 ? std::max<int64_t>(0, n_keys - window - b * bs) : 0;
       if (begin >= end) continue;  // the block lies before this row's window
+      bool all = true;
+      for (int64_t j = 0; j < group && all; ++j) all = attends(j, b);
+      if (all) {
+        // Every head of the group reads the block: scored together.
+        k.group_scores(q + row * q_stride + u.kv_head * group * hd, group, keys + begin * hd, hd,
+                       end - begin, scale, s.scores.data(), bs);
+        for (int64_t j = 0; j < group; ++j) {
+          fold(r * group + j, s.scores.data() + j * bs, values + begin * hd, end - begin);
+        }
+        continue;
+      }
       for (int64_t j = 0; j < group; ++j) {
         if (!attends(j, b)) continue;
         const int64_t h = u.kv_head * group + j;
