@@ -30,6 +30,10 @@ struct AttentionKernels {
   // acc = acc * decay + sum over t < count of p[t] * values[t].
   void (*accumulate)(float* acc, float decay, const float* values, const float* p, int64_t count,
                      int64_t head_dim);
+  // accumulate for heads j < heads: acc + j * head_dim with decay[j] and
+  // p + j * ld, against the same values.
+  void (*group_accumulate)(float* acc, const float* decay, const float* values, const float* p,
+                           int64_t ld, int64_t count, int64_t head_dim, int64_t heads);
   // dst[i] = src[i] (stored as dtype, not fp32) * factor, for i < count. fp8
   // values arrive divided by 2^8 (simd_loads.h), which `factor` undoes.
   void (*widen)(DType dtype, const uint8_t* src, int64_t count, float factor, float* dst);
@@ -92,6 +96,13 @@ template <void (*Scores)(const float*, const float*, int64_t, int64_t, float, fl
 void GroupScoresEach(const float* q, int64_t heads, const float* keys, int64_t hd, int64_t count,
                      float scale, float* out, int64_t ld) {
   for (int64_t j = 0; j < heads; ++j) Scores(q + j * hd, keys, hd, count, scale, out + j * ld);
+}
+
+template <void (*Accumulate)(float*, float, const float*, const float*, int64_t, int64_t)>
+void GroupAccumulateEach(float* acc, const float* decay, const float* values, const float* p,
+                         int64_t ld, int64_t count, int64_t hd, int64_t heads) {
+  for (int64_t j = 0; j < heads; ++j)
+    Accumulate(acc + j * hd, decay[j], values, p + j * ld, count, hd);
 }
 
 #if PDSERVE_HAVE_X86_SIMD
@@ -434,6 +445,53 @@ PDSERVE_TARGET_AVX512 void AccumulateAvx512(float* acc, float decay, const float
   }
 }
 
+// Four heads by 64 dimensions at a time, sixteen accumulators: each value
+// vector loaded serves four heads. Other heads go one by one.
+PDSERVE_TARGET_AVX512 void GroupAccumulateAvx512(float* acc, const float* decay,
+                                                 const float* values, const float* p, int64_t ld,
+                                                 int64_t count, int64_t hd, int64_t heads) {
+  int64_t j = 0;
+  for (; j + 4 <= heads; j += 4) {
+    float* aj = acc + j * hd;
+    const float* pj = p + j * ld;
+    for (int64_t i = 0; i < hd; i += 64) {
+      __mmask16 m[4];
+      __m512 a[16];
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) {
+        const int64_t left = std::clamp<int64_t>(hd - i - 16 * c, 0, 16);
+        m[c] = static_cast<__mmask16>((1u << left) - 1);
+      }
+#pragma GCC unroll 4
+      for (int h = 0; h < 4; ++h) {
+        const __m512 dv = _mm512_set1_ps(decay[j + h]);
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c)
+          a[4 * h + c] = _mm512_mul_ps(_mm512_maskz_loadu_ps(m[c], aj + h * hd + i + 16 * c), dv);
+      }
+      for (int64_t t = 0; t < count; ++t) {
+        const float* v = values + t * hd + i;
+        __m512 vv[4];
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) vv[c] = _mm512_maskz_loadu_ps(m[c], v + 16 * c);
+#pragma GCC unroll 4
+        for (int h = 0; h < 4; ++h) {
+          const __m512 pv = _mm512_set1_ps(pj[h * ld + t]);
+#pragma GCC unroll 4
+          for (int c = 0; c < 4; ++c) a[4 * h + c] = _mm512_fmadd_ps(pv, vv[c], a[4 * h + c]);
+        }
+      }
+#pragma GCC unroll 4
+      for (int h = 0; h < 4; ++h) {
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c)
+          _mm512_mask_storeu_ps(aj + h * hd + i + 16 * c, m[c], a[4 * h + c]);
+      }
+    }
+  }
+  for (; j < heads; ++j) AccumulateAvx512(acc + j * hd, decay[j], values, p + j * ld, count, hd);
+}
+
 template <DType D>
 PDSERVE_TARGET_AVX512 void WidenAvx512Of(const uint8_t* src, int64_t count, float factor,
                                          float* dst) {
@@ -464,19 +522,23 @@ PDSERVE_TARGET_AVX512 void WidenAvx512(DType dtype, const uint8_t* src, int64_t 
 AttentionKernels KernelsFor(SimdLevel level) {
 #if PDSERVE_HAVE_X86_SIMD
   if (level == SimdLevel::kAvx512) {
-    return {&ScoresAvx512, &GroupScoresAvx512, &AccumulateAvx512, &WidenAvx512, &ExpSumAvx512};
+    return {&ScoresAvx512,          &GroupScoresAvx512, &AccumulateAvx512,
+            &GroupAccumulateAvx512, &WidenAvx512,       &ExpSumAvx512};
   }
   if (level == SimdLevel::kAvx2)
-    return {&ScoresAvx2, &GroupScoresEach<&ScoresAvx2>, &AccumulateAvx2, &WidenAvx2, &ExpSumAvx2};
+    return {&ScoresAvx2,     &GroupScoresEach<&ScoresAvx2>,
+            &AccumulateAvx2, &GroupAccumulateEach<&AccumulateAvx2>,
+            &WidenAvx2,      &ExpSumAvx2};
 #endif
   (void)level;
-  return {&ScoresPortable, &GroupScoresEach<&ScoresPortable>, &AccumulatePortable, &WidenPortable,
-          &ExpSumPortable};
+  return {&ScoresPortable,     &GroupScoresEach<&ScoresPortable>,
+          &AccumulatePortable, &GroupAccumulateEach<&AccumulatePortable>,
+          &WidenPortable,      &ExpSumPortable};
 }
 
 // Per-thread scratch, grown to the largest unit seen and then reused.
 struct Scratch {
-  std::vector<float> acc, max, sum, keys, values, scores, rotated, bounds;
+  std::vector<float> acc, max, sum, decay, keys, values, scores, rotated, bounds;
   std::vector<uint8_t> selected;
   std::vector<int32_t> order;
 };
@@ -506,6 +568,7 @@ int64_t RunUnit(const AttentionKernels& k, const AttentionUnit& u, const KvCache
   s.acc.assign(queries * hd, 0.0f);
   s.max.assign(queries, -INFINITY);
   s.sum.assign(queries, 0.0f);
+  s.decay.resize(std::max<size_t>(s.decay.size(), group));
   if (!in_place) {
     s.keys.resize(std::max<size_t>(s.keys.size(), bs * hd));
     s.values.resize(std::max<size_t>(s.values.size(), bs * hd));
@@ -522,9 +585,10 @@ int64_t RunUnit(const AttentionKernels& k, const AttentionUnit& u, const KvCache
           : 0;
   const float cap = batch.softcap;
   // Folds `visible` keys (and their values) into query i's online softmax.
-  // Folds `visible` scored keys (sc, overwritten) and their values into
-  // query i's online softmax.
-  auto fold = [&](int64_t i, float* sc, const float* value, int64_t visible) {
+  // Folds `visible` scored keys (sc, overwritten by their weights) into
+  // query i's running max and sum; returns the factor its accumulated
+  // values are to be scaled by before the block's are added.
+  auto rescale = [&](int64_t i, float* sc, int64_t visible) {
     if (cap > 0) {
       for (int64_t t = 0; t < visible; ++t) sc[t] = cap * std::tanh(sc[t] / cap);
     }
@@ -535,6 +599,11 @@ int64_t RunUnit(const AttentionKernels& k, const AttentionUnit& u, const KvCache
     const float decay = std::exp(s.max[i] - new_max);
     s.sum[i] = s.sum[i] * decay + k.exp_sum(sc, visible, new_max);
     s.max[i] = new_max;
+    return decay;
+  };
+  // The same, and the block's values into the query's weighted sum.
+  auto fold = [&](int64_t i, float* sc, const float* value, int64_t visible) {
+    const float decay = rescale(i, sc, visible);
     k.accumulate(s.acc.data() + i * hd, decay, value, sc, visible, hd);
   };
   auto attend = [&](int64_t i, const float* query, const float* key, const float* value,
@@ -634,8 +703,10 @@ int64_t RunUnit(const AttentionKernels& k, const AttentionUnit& u, const KvCache
         k.group_scores(q + row * q_stride + u.kv_head * group * hd, group, keys + begin * hd, hd,
                        end - begin, scale, s.scores.data(), bs);
         for (int64_t j = 0; j < group; ++j) {
-          fold(r * group + j, s.scores.data() + j * bs, values + begin * hd, end - begin);
+          s.decay[j] = rescale(r * group + j, s.scores.data() + j * bs, end - begin);
         }
+        k.group_accumulate(s.acc.data() + r * group * hd, s.decay.data(), values + begin * hd,
+                           s.scores.data(), bs, end - begin, hd, group);
         continue;
       }
       for (int64_t j = 0; j < group; ++j) {
