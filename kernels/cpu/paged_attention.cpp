@@ -23,9 +23,17 @@ struct AttentionKernels {
   // out[t] = scale * (q . keys[t]) for t < count; keys rows are head_dim apart.
   void (*scores)(const float* q, const float* keys, int64_t head_dim, int64_t count, float scale,
                  float* out);
+  // out[j * ld + t] = scale * (q[j] . keys[t]) for j < heads, t < count: a
+  // GQA group's query heads (rows head_dim apart) against the same keys.
+  void (*group_scores)(const float* q, int64_t heads, const float* keys, int64_t head_dim,
+                       int64_t count, float scale, float* out, int64_t ld);
   // acc = acc * decay + sum over t < count of p[t] * values[t].
   void (*accumulate)(float* acc, float decay, const float* values, const float* p, int64_t count,
                      int64_t head_dim);
+  // accumulate for heads j < heads: acc + j * head_dim with decay[j] and
+  // p + j * ld, against the same values.
+  void (*group_accumulate)(float* acc, const float* decay, const float* values, const float* p,
+                           int64_t ld, int64_t count, int64_t head_dim, int64_t heads);
   // dst[i] = src[i] (stored as dtype, not fp32) * factor, for i < count. fp8
   // values arrive divided by 2^8 (simd_loads.h), which `factor` undoes.
   void (*widen)(DType dtype, const uint8_t* src, int64_t count, float factor, float* dst);
@@ -81,6 +89,20 @@ float ExpSumPortable(float* x, int64_t count, float shift) {
   float sum = 0;
   for (int64_t t = 0; t < count; ++t) sum += (x[t] = std::exp(x[t] - shift));
   return sum;
+}
+
+// One head at a time, for the levels without a group kernel.
+template <void (*Scores)(const float*, const float*, int64_t, int64_t, float, float*)>
+void GroupScoresEach(const float* q, int64_t heads, const float* keys, int64_t hd, int64_t count,
+                     float scale, float* out, int64_t ld) {
+  for (int64_t j = 0; j < heads; ++j) Scores(q + j * hd, keys, hd, count, scale, out + j * ld);
+}
+
+template <void (*Accumulate)(float*, float, const float*, const float*, int64_t, int64_t)>
+void GroupAccumulateEach(float* acc, const float* decay, const float* values, const float* p,
+                         int64_t ld, int64_t count, int64_t hd, int64_t heads) {
+  for (int64_t j = 0; j < heads; ++j)
+    Accumulate(acc + j * hd, decay[j], values, p + j * ld, count, hd);
 }
 
 #if PDSERVE_HAVE_X86_SIMD
@@ -150,26 +172,44 @@ PDSERVE_TARGET_AVX512 float ExpSumAvx512(float* x, int64_t count, float shift) {
 
 // AVX2 ----------------------------------------------------------------------
 
+// The dot products of q with keys [t, t + 8): eight partial-sum vectors,
+// one per key, are added pairwise across lanes (a transpose-add tree:
+// 6 horizontal adds, 2 lane swaps and 1 add) into one vector of eight sums,
+// instead of eight reductions of their own.
+PDSERVE_TARGET_AVX2 inline __m256 Dot8Avx2(const float* q, const float* k, int64_t hd) {
+  __m256 a[8];
+#pragma GCC unroll 16
+  for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= hd; i += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + i);
+#pragma GCC unroll 16
+    for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + j * hd + i), a[j]);
+  }
+  if (i < hd) {
+    // The head's last hd % 8 dimensions, as one zero-padded vector.
+    alignas(32) float qt[8] = {};
+    std::copy(q + i, q + hd, qt);
+    const __m256 qv = _mm256_load_ps(qt);
+#pragma GCC unroll 16
+    for (int j = 0; j < 8; ++j) {
+      alignas(32) float kt[8] = {};
+      std::copy(k + j * hd + i, k + j * hd + hd, kt);
+      a[j] = _mm256_fmadd_ps(qv, _mm256_load_ps(kt), a[j]);
+    }
+  }
+  // Per 128-bit half: keys 0-3 (lo) and 4-7 (hi), two halves' partials each.
+  const __m256 lo = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 hi = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+
 PDSERVE_TARGET_AVX2 void ScoresAvx2(const float* q, const float* keys, int64_t hd, int64_t count,
                                     float scale, float* out) {
+  const __m256 sv = _mm256_set1_ps(scale);
   int64_t t = 0;
-  // Four keys at a time share each load of q.
-  for (; t + 4 <= count; t += 4) {
-    const float* k = keys + t * hd;
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    int64_t i = 0;
-    for (; i + 8 <= hd; i += 8) {
-      const __m256 qv = _mm256_loadu_ps(q + i);
-      a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + i), a0);
-      a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + hd + i), a1);
-      a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 2 * hd + i), a2);
-      a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 3 * hd + i), a3);
-    }
-    float d[4] = {simd::ReduceAdd(a0), simd::ReduceAdd(a1), simd::ReduceAdd(a2),
-                  simd::ReduceAdd(a3)};
-    for (; i < hd; ++i)
-      for (int j = 0; j < 4; ++j) d[j] += q[i] * k[j * hd + i];
-    for (int j = 0; j < 4; ++j) out[t + j] = d[j] * scale;
+  for (; t + 8 <= count; t += 8) {
+    _mm256_storeu_ps(out + t, _mm256_mul_ps(Dot8Avx2(q, keys + t * hd, hd), sv));
   }
   for (; t < count; ++t) {
     const float* k = keys + t * hd;
@@ -183,10 +223,39 @@ PDSERVE_TARGET_AVX2 void ScoresAvx2(const float* q, const float* keys, int64_t h
   }
 }
 
+// Thirty-two dimensions at a time, each in two accumulators (even and odd
+// keys): eight independent FMA chains keep the FMA units busy where one
+// chain per vector would wait on each FMA's latency.
 PDSERVE_TARGET_AVX2 void AccumulateAvx2(float* acc, float decay, const float* values,
                                         const float* p, int64_t count, int64_t hd) {
-  int64_t i = 0;
   const __m256 dv = _mm256_set1_ps(decay);
+  int64_t i = 0;
+  for (; i + 32 <= hd; i += 32) {
+    __m256 e[4], o[4];
+#pragma GCC unroll 16
+    for (int c = 0; c < 4; ++c) {
+      e[c] = _mm256_mul_ps(_mm256_loadu_ps(acc + i + 8 * c), dv);
+      o[c] = _mm256_setzero_ps();
+    }
+    int64_t t = 0;
+    for (; t + 2 <= count; t += 2) {
+      const __m256 p0 = _mm256_broadcast_ss(p + t), p1 = _mm256_broadcast_ss(p + t + 1);
+      const float* v = values + t * hd + i;
+#pragma GCC unroll 16
+      for (int c = 0; c < 4; ++c) {
+        e[c] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v + 8 * c), e[c]);
+        o[c] = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v + hd + 8 * c), o[c]);
+      }
+    }
+    if (t < count) {
+      const __m256 p0 = _mm256_broadcast_ss(p + t);
+#pragma GCC unroll 16
+      for (int c = 0; c < 4; ++c)
+        e[c] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(values + t * hd + i + 8 * c), e[c]);
+    }
+#pragma GCC unroll 16
+    for (int c = 0; c < 4; ++c) _mm256_storeu_ps(acc + i + 8 * c, _mm256_add_ps(e[c], o[c]));
+  }
   for (; i + 8 <= hd; i += 8) {
     __m256 a = _mm256_mul_ps(_mm256_loadu_ps(acc + i), dv);
     for (int64_t t = 0; t < count; ++t)
@@ -226,33 +295,62 @@ PDSERVE_TARGET_AVX2 void WidenAvx2(DType dtype, const uint8_t* src, int64_t coun
 
 // AVX-512 -------------------------------------------------------------------
 
+// Lane n of the result: the sum of a[n]'s lanes (a transpose-add tree: 30
+// shuffles and 15 adds, where sixteen reductions of their own would take
+// about 150 instructions).
+PDSERVE_TARGET_AVX512 inline __m512 Sum16Avx512(const __m512* a) {
+  // Pairs of keys: per 128-bit lane, elements 0 and 2 hold key 2n's
+  // partials, 1 and 3 key 2n + 1's.
+  __m512 b[8];
+#pragma GCC unroll 16
+  for (int n = 0; n < 8; ++n)
+    b[n] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * n], a[2 * n + 1]),
+                         _mm512_unpackhi_ps(a[2 * n], a[2 * n + 1]));
+  // Fours: per 128-bit lane, element e holds key 4n + e's partial.
+  __m512 c[4];
+#pragma GCC unroll 16
+  for (int n = 0; n < 4; ++n) {
+    const __m512d x = _mm512_castps_pd(b[2 * n]), y = _mm512_castps_pd(b[2 * n + 1]);
+    c[n] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  // Lanes: d[n] holds keys 8n..8n+3 in lanes 0 and 1, 8n+4..8n+7 in 2 and 3
+  // (two partials each), then the sums in key order.
+  __m512 d[2];
+#pragma GCC unroll 16
+  for (int n = 0; n < 2; ++n)
+    d[n] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * n], c[2 * n + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * n], c[2 * n + 1], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88),
+                       _mm512_shuffle_f32x4(d[0], d[1], 0xdd));
+}
+
+// The dot products of q with keys [t, t + 16), one accumulator per key.
+PDSERVE_TARGET_AVX512 inline __m512 Dot16Avx512(const float* q, const float* k, int64_t hd) {
+  __m512 a[16];
+#pragma GCC unroll 16
+  for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < hd; i += 16) {
+    const __mmask16 m = hd - i >= 16 ? static_cast<__mmask16>(0xffff)
+                                     : static_cast<__mmask16>((1u << (hd - i)) - 1);
+    const __m512 qv = _mm512_maskz_loadu_ps(m, q + i);
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j)
+      a[j] = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k + j * hd + i), a[j]);
+  }
+  return Sum16Avx512(a);
+}
+
 PDSERVE_TARGET_AVX512 void ScoresAvx512(const float* q, const float* keys, int64_t hd,
                                         int64_t count, float scale, float* out) {
+  const __m512 sv = _mm512_set1_ps(scale);
+  int64_t t = 0;
+  for (; t + 16 <= count; t += 16) {
+    _mm512_storeu_ps(out + t, _mm512_mul_ps(Dot16Avx512(q, keys + t * hd, hd), sv));
+  }
+  // The last count % 16 keys (a block's part, a window's edge) one by one.
   const __mmask16 tail = static_cast<__mmask16>((1u << (hd % 16)) - 1);
   const int64_t full = hd / 16 * 16;
-  int64_t t = 0;
-  for (; t + 4 <= count; t += 4) {
-    const float* k = keys + t * hd;
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t i = 0; i < full; i += 16) {
-      const __m512 qv = _mm512_loadu_ps(q + i);
-      a0 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + i), a0);
-      a1 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + hd + i), a1);
-      a2 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + 2 * hd + i), a2);
-      a3 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + 3 * hd + i), a3);
-    }
-    if (tail) {
-      const __m512 qv = _mm512_maskz_loadu_ps(tail, q + full);
-      a0 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(tail, k + full), a0);
-      a1 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(tail, k + hd + full), a1);
-      a2 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(tail, k + 2 * hd + full), a2);
-      a3 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(tail, k + 3 * hd + full), a3);
-    }
-    out[t] = _mm512_reduce_add_ps(a0) * scale;
-    out[t + 1] = _mm512_reduce_add_ps(a1) * scale;
-    out[t + 2] = _mm512_reduce_add_ps(a2) * scale;
-    out[t + 3] = _mm512_reduce_add_ps(a3) * scale;
-  }
   for (; t < count; ++t) {
     const float* k = keys + t * hd;
     __m512 a = _mm512_setzero_ps();
@@ -265,18 +363,133 @@ PDSERVE_TARGET_AVX512 void ScoresAvx512(const float* q, const float* keys, int64
   }
 }
 
+// Four query heads against four keys at a time, sixteen accumulators: each
+// key vector loaded serves four heads, and the tree sums them all at once
+// (lanes 4h..4h+3: head h's four keys). Other heads and keys go one by one.
+PDSERVE_TARGET_AVX512 void GroupScoresAvx512(const float* q, int64_t heads, const float* keys,
+                                             int64_t hd, int64_t count, float scale, float* out,
+                                             int64_t ld) {
+  const __m512 sv = _mm512_set1_ps(scale);
+  int64_t j = 0;
+  for (; j + 4 <= heads; j += 4) {
+    const float* qj = q + j * hd;
+    float* o = out + j * ld;
+    int64_t t = 0;
+    for (; t + 4 <= count; t += 4) {
+      const float* k = keys + t * hd;
+      __m512 a[16];
+#pragma GCC unroll 16
+      for (int n = 0; n < 16; ++n) a[n] = _mm512_setzero_ps();
+      for (int64_t i = 0; i < hd; i += 16) {
+        const __mmask16 m = hd - i >= 16 ? static_cast<__mmask16>(0xffff)
+                                         : static_cast<__mmask16>((1u << (hd - i)) - 1);
+        __m512 kv[4];
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) kv[c] = _mm512_maskz_loadu_ps(m, k + c * hd + i);
+#pragma GCC unroll 4
+        for (int h = 0; h < 4; ++h) {
+          const __m512 qv = _mm512_maskz_loadu_ps(m, qj + h * hd + i);
+#pragma GCC unroll 4
+          for (int c = 0; c < 4; ++c) a[4 * h + c] = _mm512_fmadd_ps(qv, kv[c], a[4 * h + c]);
+        }
+      }
+      const __m512 d = _mm512_mul_ps(Sum16Avx512(a), sv);
+      _mm_storeu_ps(o + t, _mm512_castps512_ps128(d));
+      _mm_storeu_ps(o + ld + t, _mm512_extractf32x4_ps(d, 1));
+      _mm_storeu_ps(o + 2 * ld + t, _mm512_extractf32x4_ps(d, 2));
+      _mm_storeu_ps(o + 3 * ld + t, _mm512_extractf32x4_ps(d, 3));
+    }
+    if (t < count) {
+      for (int h = 0; h < 4; ++h)
+        ScoresAvx512(qj + h * hd, keys + t * hd, hd, count - t, scale, o + h * ld + t);
+    }
+  }
+  for (; j < heads; ++j) ScoresAvx512(q + j * hd, keys, hd, count, scale, out + j * ld);
+}
+
+// Sixty-four dimensions at a time, each in two accumulators (even and odd
+// keys): eight independent FMA chains keep the FMA units busy where one
+// chain per vector would wait on each FMA's latency.
 PDSERVE_TARGET_AVX512 void AccumulateAvx512(float* acc, float decay, const float* values,
                                             const float* p, int64_t count, int64_t hd) {
   const __m512 dv = _mm512_set1_ps(decay);
-  for (int64_t i = 0; i < hd; i += 16) {
-    const __mmask16 mask = hd - i >= 16 ? static_cast<__mmask16>(0xffff)
-                                        : static_cast<__mmask16>((1u << (hd - i)) - 1);
-    __m512 a = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, acc + i), dv);
-    for (int64_t t = 0; t < count; ++t)
-      a = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), _mm512_maskz_loadu_ps(mask, values + t * hd + i),
-                          a);
-    _mm512_mask_storeu_ps(acc + i, mask, a);
+  for (int64_t i = 0; i < hd; i += 64) {
+    __mmask16 m[4];
+    __m512 e[4], o[4];
+#pragma GCC unroll 16
+    for (int c = 0; c < 4; ++c) {
+      const int64_t left = std::clamp<int64_t>(hd - i - 16 * c, 0, 16);
+      m[c] = static_cast<__mmask16>((1u << left) - 1);
+      e[c] = _mm512_mul_ps(_mm512_maskz_loadu_ps(m[c], acc + i + 16 * c), dv);
+      o[c] = _mm512_setzero_ps();
+    }
+    int64_t t = 0;
+    for (; t + 2 <= count; t += 2) {
+      const __m512 p0 = _mm512_set1_ps(p[t]), p1 = _mm512_set1_ps(p[t + 1]);
+      const float* v = values + t * hd + i;
+#pragma GCC unroll 16
+      for (int c = 0; c < 4; ++c) {
+        e[c] = _mm512_fmadd_ps(p0, _mm512_maskz_loadu_ps(m[c], v + 16 * c), e[c]);
+        o[c] = _mm512_fmadd_ps(p1, _mm512_maskz_loadu_ps(m[c], v + hd + 16 * c), o[c]);
+      }
+    }
+    if (t < count) {
+      const __m512 p0 = _mm512_set1_ps(p[t]);
+#pragma GCC unroll 16
+      for (int c = 0; c < 4; ++c)
+        e[c] = _mm512_fmadd_ps(p0, _mm512_maskz_loadu_ps(m[c], values + t * hd + i + 16 * c), e[c]);
+    }
+#pragma GCC unroll 16
+    for (int c = 0; c < 4; ++c)
+      _mm512_mask_storeu_ps(acc + i + 16 * c, m[c], _mm512_add_ps(e[c], o[c]));
   }
+}
+
+// Four heads by 64 dimensions at a time, sixteen accumulators: each value
+// vector loaded serves four heads. Other heads go one by one.
+PDSERVE_TARGET_AVX512 void GroupAccumulateAvx512(float* acc, const float* decay,
+                                                 const float* values, const float* p, int64_t ld,
+                                                 int64_t count, int64_t hd, int64_t heads) {
+  int64_t j = 0;
+  for (; j + 4 <= heads; j += 4) {
+    float* aj = acc + j * hd;
+    const float* pj = p + j * ld;
+    for (int64_t i = 0; i < hd; i += 64) {
+      __mmask16 m[4];
+      __m512 a[16];
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) {
+        const int64_t left = std::clamp<int64_t>(hd - i - 16 * c, 0, 16);
+        m[c] = static_cast<__mmask16>((1u << left) - 1);
+      }
+#pragma GCC unroll 4
+      for (int h = 0; h < 4; ++h) {
+        const __m512 dv = _mm512_set1_ps(decay[j + h]);
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c)
+          a[4 * h + c] = _mm512_mul_ps(_mm512_maskz_loadu_ps(m[c], aj + h * hd + i + 16 * c), dv);
+      }
+      for (int64_t t = 0; t < count; ++t) {
+        const float* v = values + t * hd + i;
+        __m512 vv[4];
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) vv[c] = _mm512_maskz_loadu_ps(m[c], v + 16 * c);
+#pragma GCC unroll 4
+        for (int h = 0; h < 4; ++h) {
+          const __m512 pv = _mm512_set1_ps(pj[h * ld + t]);
+#pragma GCC unroll 4
+          for (int c = 0; c < 4; ++c) a[4 * h + c] = _mm512_fmadd_ps(pv, vv[c], a[4 * h + c]);
+        }
+      }
+#pragma GCC unroll 4
+      for (int h = 0; h < 4; ++h) {
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c)
+          _mm512_mask_storeu_ps(aj + h * hd + i + 16 * c, m[c], a[4 * h + c]);
+      }
+    }
+  }
+  for (; j < heads; ++j) AccumulateAvx512(acc + j * hd, decay[j], values, p + j * ld, count, hd);
 }
 
 template <DType D>
@@ -309,17 +522,23 @@ PDSERVE_TARGET_AVX512 void WidenAvx512(DType dtype, const uint8_t* src, int64_t 
 AttentionKernels KernelsFor(SimdLevel level) {
 #if PDSERVE_HAVE_X86_SIMD
   if (level == SimdLevel::kAvx512) {
-    return {&ScoresAvx512, &AccumulateAvx512, &WidenAvx512, &ExpSumAvx512};
+    return {&ScoresAvx512,          &GroupScoresAvx512, &AccumulateAvx512,
+            &GroupAccumulateAvx512, &WidenAvx512,       &ExpSumAvx512};
   }
-  if (level == SimdLevel::kAvx2) return {&ScoresAvx2, &AccumulateAvx2, &WidenAvx2, &ExpSumAvx2};
+  if (level == SimdLevel::kAvx2)
+    return {&ScoresAvx2,     &GroupScoresEach<&ScoresAvx2>,
+            &AccumulateAvx2, &GroupAccumulateEach<&AccumulateAvx2>,
+            &WidenAvx2,      &ExpSumAvx2};
 #endif
   (void)level;
-  return {&ScoresPortable, &AccumulatePortable, &WidenPortable, &ExpSumPortable};
+  return {&ScoresPortable,     &GroupScoresEach<&ScoresPortable>,
+          &AccumulatePortable, &GroupAccumulateEach<&AccumulatePortable>,
+          &WidenPortable,      &ExpSumPortable};
 }
 
 // Per-thread scratch, grown to the largest unit seen and then reused.
 struct Scratch {
-  std::vector<float> acc, max, sum, keys, values, scores, rotated, bounds;
+  std::vector<float> acc, max, sum, decay, keys, values, scores, rotated, bounds;
   std::vector<uint8_t> selected;
   std::vector<int32_t> order;
 };
@@ -349,11 +568,12 @@ int64_t RunUnit(const AttentionKernels& k, const AttentionUnit& u, const KvCache
   s.acc.assign(queries * hd, 0.0f);
   s.max.assign(queries, -INFINITY);
   s.sum.assign(queries, 0.0f);
+  s.decay.resize(std::max<size_t>(s.decay.size(), group));
   if (!in_place) {
     s.keys.resize(std::max<size_t>(s.keys.size(), bs * hd));
     s.values.resize(std::max<size_t>(s.values.size(), bs * hd));
   }
-  s.scores.resize(std::max<size_t>(s.scores.size(), bs));
+  s.scores.resize(std::max<size_t>(s.scores.size(), group * bs));
 
   // A window hides the keys before pos - window + 1 from the query at pos:
   // blocks that no row of the unit reaches are not read (a windowed group's
@@ -365,10 +585,10 @@ int64_t RunUnit(const AttentionKernels& k, const AttentionUnit& u, const KvCache
           : 0;
   const float cap = batch.softcap;
   // Folds `visible` keys (and their values) into query i's online softmax.
-  auto attend = [&](int64_t i, const float* query, const float* key, const float* value,
-                    int64_t visible) {
-    float* sc = s.scores.data();
-    k.scores(query, key, hd, visible, scale, sc);
+  // Folds `visible` scored keys (sc, overwritten by their weights) into
+  // query i's running max and sum; returns the factor its accumulated
+  // values are to be scaled by before the block's are added.
+  auto rescale = [&](int64_t i, float* sc, int64_t visible) {
     if (cap > 0) {
       for (int64_t t = 0; t < visible; ++t) sc[t] = cap * std::tanh(sc[t] / cap);
     }
@@ -379,7 +599,17 @@ int64_t RunUnit(const AttentionKernels& k, const AttentionUnit& u, const KvCache
     const float decay = std::exp(s.max[i] - new_max);
     s.sum[i] = s.sum[i] * decay + k.exp_sum(sc, visible, new_max);
     s.max[i] = new_max;
+    return decay;
+  };
+  // The same, and the block's values into the query's weighted sum.
+  auto fold = [&](int64_t i, float* sc, const float* value, int64_t visible) {
+    const float decay = rescale(i, sc, visible);
     k.accumulate(s.acc.data() + i * hd, decay, value, sc, visible, hd);
+  };
+  auto attend = [&](int64_t i, const float* query, const float* key, const float* value,
+                    int64_t visible) {
+    k.scores(query, key, hd, visible, scale, s.scores.data());
+    fold(i, s.scores.data(), value, visible);
   };
   // Decodes block b's first `in_block` keys and values (in place for fp32).
   const float* keys = nullptr;
@@ -466,6 +696,19 @@ int64_t RunUnit(const AttentionKernels& k, const AttentionUnit& u, const KvCache
       // The row's first key in this block (its window may start inside it).
       const int64_t begin = window > 0 ? std::max<int64_t>(0, n_keys - window - b * bs) : 0;
       if (begin >= end) continue;  // the block lies before this row's window
+      bool all = true;
+      for (int64_t j = 0; j < group && all; ++j) all = attends(j, b);
+      if (all) {
+        // Every head of the group reads the block: scored together.
+        k.group_scores(q + row * q_stride + u.kv_head * group * hd, group, keys + begin * hd, hd,
+                       end - begin, scale, s.scores.data(), bs);
+        for (int64_t j = 0; j < group; ++j) {
+          s.decay[j] = rescale(r * group + j, s.scores.data() + j * bs, end - begin);
+        }
+        k.group_accumulate(s.acc.data() + r * group * hd, s.decay.data(), values + begin * hd,
+                           s.scores.data(), bs, end - begin, hd, group);
+        continue;
+      }
       for (int64_t j = 0; j < group; ++j) {
         if (!attends(j, b)) continue;
         const int64_t h = u.kv_head * group + j;

@@ -227,6 +227,9 @@ TEST(CpuPagedAttentionTest, MatchesDoublePrecisionAttention) {
       CheckAttention(level, dtype, 3, 2, /*head_dim=*/8, /*block=*/1, seed++);
       CheckAttention(level, dtype, 2, 4, /*head_dim=*/80, /*block=*/7, seed++);
       CheckAttention(level, dtype, 1, 1, /*head_dim=*/128, /*block=*/32, seed++);
+      // Blocks of 16-key (AVX-512) and 8-key (AVX2) runs and their tails,
+      // each key's dot product with a masked or scalar last part.
+      CheckAttention(level, dtype, 2, 2, /*head_dim=*/36, /*block=*/40, seed++);
     }
   }
 }
