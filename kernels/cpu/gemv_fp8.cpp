@@ -327,41 +327,76 @@ PDSERVE_TARGET_AVX512_VBMI inline void Widen64(const ByteLookup& t, const uint8_
   }
 }
 
+// acc[0][j] += x . the values / 2^8 of row j's codes, 64 columns from i.
+template <int NR>
+PDSERVE_TARGET_AVX512_VBMI inline void Step64(const ByteLookup& t, const float* x, const uint8_t* w,
+                                              int64_t ldw, int64_t i, __m512 (&acc)[1][NR]) {
+  __m512 xv[4];
+#pragma GCC unroll 4
+  for (int q = 0; q < 4; ++q) xv[q] = _mm512_loadu_ps(x + i + 16 * q);
+#pragma GCC unroll 16
+  for (int j = 0; j < NR; ++j) {
+    const char* here = reinterpret_cast<const char*>(w + j * ldw + i);
+    _mm_prefetch(here + kPrefetchBytes, _MM_HINT_T0);
+    _mm_prefetch(here + kPrefetchL2Bytes, _MM_HINT_T1);
+    __m512 v[4];
+    Widen64(t, w + j * ldw + i, v);
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; ++q) acc[0][j] = _mm512_fmadd_ps(xv[q], v[q], acc[0][j]);
+  }
+}
+
 // TileAvx512 for one activation row (decode), 64 columns at a time through
 // the byte lookup: the same products summed in the same order, so the same
-// result bit for bit.
-template <int NR, bool kBlocked>
+// result bit for bit. kSeg > 0 is a segment width known when compiled
+// (DeepSeek-V3's 128): its full segments run as straight-line code, without
+// the general loop's tests for remainder steps and its division per segment
+// (blocked weights' decode spent ~10% more time in this tile than per-tensor
+// ones before); the columns past the last full segment take the general way.
+template <int NR, bool kBlocked, int kSeg = 0>
 PDSERVE_TARGET_AVX512_VBMI void TileAvx512Lookup(const float* x, int64_t ldx, const uint8_t* w,
                                                  int64_t ldw, int64_t k, int64_t seg,
                                                  const float* const* row_scales, float* out) {
+  if constexpr (kBlocked && kSeg == 0) {
+    if (seg == 128)
+      return TileAvx512Lookup<NR, kBlocked, 128>(x, ldx, w, ldw, k, seg, row_scales, out);
+  }
   const ByteLookup t = LoadByteLookup();
   __m512 total[1][NR];
 #pragma GCC unroll 16
   for (int j = 0; j < NR; ++j) total[0][j] = _mm512_setzero_ps();
-  for (int64_t c0 = 0; c0 < k; c0 += seg) {
+  int64_t c0 = 0, segment = 0;
+  if constexpr (kSeg > 0) {
+    static_assert(kSeg % 64 == 0);
+    // The tile's rows nearly always lie in one row of blocks (blocks are
+    // 128 rows tall): then one scale per segment, not NR loads and multiplies.
+    bool shared = true;
+    for (int j = 1; j < NR; ++j) shared = shared && row_scales[j] == row_scales[0];
+    for (; c0 + kSeg <= k; c0 += kSeg, ++segment) {
+      __m512 acc[1][NR];
+#pragma GCC unroll 16
+      for (int j = 0; j < NR; ++j) acc[0][j] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+      for (int s = 0; s < kSeg / 64; ++s) Step64<NR>(t, x, w, ldw, c0 + 64 * s, acc);
+      if (shared) {
+        const __m512 scale = _mm512_set1_ps(row_scales[0][segment] * simd::kE4M3LoadFactor);
+#pragma GCC unroll 16
+        for (int j = 0; j < NR; ++j) total[0][j] = _mm512_fmadd_ps(acc[0][j], scale, total[0][j]);
+      } else {
+        EndSegment<1, NR, kBlocked>(row_scales, segment, acc, total);
+      }
+    }
+  }
+  for (; c0 < k; c0 += seg, ++segment) {
     const int64_t c1 = std::min(k, c0 + seg);
     __m512 acc[1][NR];
 #pragma GCC unroll 16
     for (int j = 0; j < NR; ++j) acc[0][j] = _mm512_setzero_ps();
     int64_t i = c0;
-    for (; i + 64 <= c1; i += 64) {
-      __m512 xv[4];
-#pragma GCC unroll 4
-      for (int q = 0; q < 4; ++q) xv[q] = _mm512_loadu_ps(x + i + 16 * q);
-#pragma GCC unroll 16
-      for (int j = 0; j < NR; ++j) {
-        const char* here = reinterpret_cast<const char*>(w + j * ldw + i);
-        _mm_prefetch(here + kPrefetchBytes, _MM_HINT_T0);
-        _mm_prefetch(here + kPrefetchL2Bytes, _MM_HINT_T1);
-        __m512 v[4];
-        Widen64(t, w + j * ldw + i, v);
-#pragma GCC unroll 4
-        for (int q = 0; q < 4; ++q) acc[0][j] = _mm512_fmadd_ps(xv[q], v[q], acc[0][j]);
-      }
-    }
+    for (; i + 64 <= c1; i += 64) Step64<NR>(t, x, w, ldw, i, acc);
     for (; i + 32 <= c1; i += 32) Step32<1, NR>(x, ldx, w, ldw, i, acc);
     if (i < c1) StepTail<1, NR>(x, ldx, w, ldw, i, c1 - i, acc);
-    EndSegment<1, NR, kBlocked>(row_scales, c0 / seg, acc, total);
+    EndSegment<1, NR, kBlocked>(row_scales, segment, acc, total);
   }
   StoreTotals<1, NR, kBlocked>(total, out);
 }
@@ -405,8 +440,21 @@ void LinearRowsOf(SimdLevel level, bool byte_lookup, const float* x, int64_t m,
   const int64_t k = w.cols, n = ldy;
   const int64_t seg = kBlocked ? w.block_cols : k;
   const auto* base = static_cast<const uint8_t*>(w.data);
-  // Row j's scales: its row of blocks (kBlocked), or its one scale.
-  auto row_scales = [&](int64_t j) { return w.scales + j / w.block_rows * w.scale_cols(); };
+  // Rows j to j + count - 1's rows of block scales (kBlocked) into scales:
+  // one division per tile, not two per row (they showed in decode profiles).
+  const int64_t scale_cols = kBlocked ? w.scale_cols() : 0;
+  const float* scales[2 * kTileRows] = {};
+  auto fill_scales = [&](int64_t j, int64_t count) {
+    int64_t block = j / w.block_rows, in_block = j - block * w.block_rows;
+    for (int64_t c = 0; c < count; ++c) {
+      scales[c] = w.scales + block * scale_cols;
+      if (++in_block == w.block_rows) {
+        in_block = 0;
+        ++block;
+      }
+    }
+  };
+  // Otherwise row j's one scale.
   auto row_scale = [&](int64_t j) {
     return w.scheme == WeightScheme::kFp8Tensor ? w.scales[0] : w.scales[j];
   };
@@ -419,23 +467,18 @@ void LinearRowsOf(SimdLevel level, bool byte_lookup, const float* x, int64_t m,
   const TileFn last4 = TileForRows<kTileRows, kBlocked>(level, byte_lookup, last_mr),
                last1 = TileForRows<1, kBlocked>(level, byte_lookup, last_mr);
   float out[2 * kTileRows * kTileRows];
-  const float* scales[2 * kTileRows] = {};
   // One activation row (batch-1 decode): tiles of 8 weight rows.
   if (m == 1) {
     const TileFn wide = TileFor<1, 2 * kTileRows, kBlocked>(level, byte_lookup);
     for (; j_begin + 2 * kTileRows <= j_end; j_begin += 2 * kTileRows) {
-      if constexpr (kBlocked) {
-        for (int c = 0; c < 2 * kTileRows; ++c) scales[c] = row_scales(j_begin + c);
-      }
+      if constexpr (kBlocked) fill_scales(j_begin, 2 * kTileRows);
       wide(x, k, base + j_begin * k, k, k, seg, scales, out);
       for (int c = 0; c < 2 * kTileRows; ++c) finish(0, j_begin + c, out[c]);
     }
   }
   for (int64_t j = j_begin; j < j_end;) {
     const int64_t nr = j_end - j >= kTileRows ? kTileRows : 1;
-    if constexpr (kBlocked) {
-      for (int64_t c = 0; c < nr; ++c) scales[c] = row_scales(j + c);
-    }
+    if constexpr (kBlocked) fill_scales(j, nr);
     for (int64_t r0 = 0; r0 < m; r0 += kTileRows) {
       const bool last = r0 + kTileRows >= m;
       const int64_t mr = last ? last_mr : kTileRows;
