@@ -136,35 +136,39 @@ TierRun PrefixIndex::LowerTierRunLocked(WorkerId worker, std::span<const BlockHa
   return run;
 }
 
-TierRun PrefixIndex::GroupedTierRun(WorkerId worker, std::span<const BlockHash> hashes,
-                                    std::span<const int64_t> windows, size_t block_size,
-                                    size_t device_blocks, int64_t sink_tokens) const {
-  TierRun run;
-  std::shared_lock lock(mu_);
-  if (worker >= workers_.size() || !workers_[worker].open) return run;
-  const WorkerState& w = workers_[worker];
-  if (w.host.empty() && w.disk.empty()) return run;
+void PrefixIndex::GroupedTierRuns(std::span<const BlockHash> hashes,
+                                  std::span<const int64_t> windows, size_t block_size,
+                                  std::span<const uint32_t> device_blocks, int64_t sink_tokens,
+                                  std::vector<WorkerMatch>* workers) const {
   auto key = [&](size_t g, size_t i) { return GroupBlockKey(hashes[i], static_cast<uint32_t>(g)); };
-  const size_t end = CachedPrefixBlocks(
-      windows, block_size, hashes.size(),
-      [&](size_t g, size_t i) {
-        return i < device_blocks || w.host.count(key(g, i)) > 0 || w.disk.count(key(g, i)) > 0;
-      },
-      sink_tokens);
-  const auto pos = static_cast<int64_t>(end * block_size);  // the first query's
-  for (size_t i = device_blocks; i < end; ++i) {
-    bool reached = false, disk = false;
-    for (size_t g = 0; g < windows.size(); ++g) {
-      if (!BlockInReach(windows[g], sink_tokens, pos, static_cast<int64_t>(block_size),
-                        static_cast<int64_t>(i))) {
-        continue;
+  std::shared_lock lock(mu_);
+  const size_t n = std::min({workers_.size(), device_blocks.size(), workers->size()});
+  for (WorkerId id = 0; id < n; ++id) {
+    const WorkerState& w = workers_[id];
+    if (!w.open || (w.host.empty() && w.disk.empty())) continue;
+    const size_t device = device_blocks[id];
+    TierRun& run = (*workers)[id].lower;
+    run = TierRun{};
+    const size_t end = CachedPrefixBlocks(
+        windows, block_size, hashes.size(),
+        [&](size_t g, size_t i) {
+          return i < device || w.host.count(key(g, i)) > 0 || w.disk.count(key(g, i)) > 0;
+        },
+        sink_tokens);
+    const auto pos = static_cast<int64_t>(end * block_size);  // the first query's
+    for (size_t i = device; i < end; ++i) {
+      bool reached = false, disk = false;
+      for (size_t g = 0; g < windows.size(); ++g) {
+        if (!BlockInReach(windows[g], sink_tokens, pos, static_cast<int64_t>(block_size),
+                          static_cast<int64_t>(i))) {
+          continue;
+        }
+        reached = true;
+        disk |= w.host.count(key(g, i)) == 0;
       }
-      reached = true;
-      disk |= w.host.count(key(g, i)) == 0;
+      ++(!reached ? run.skipped_blocks : disk ? run.disk_blocks : run.host_blocks);
     }
-    ++(!reached ? run.skipped_blocks : disk ? run.disk_blocks : run.host_blocks);
   }
-  return run;
 }
 
 void PrefixIndex::StoreLocked(WorkerId worker, std::span<const BlockHash> hashes) {

@@ -149,17 +149,6 @@ class PrefixIndex {
   // Blocks hashes[from], hashes[from + 1], ... that `worker` holds in its
   // lower tiers, up to the first it does not (0 for a closed slot).
   TierRun LowerTierRun(WorkerId worker, std::span<const BlockHash> hashes, size_t from) const;
-  // The same for a model with layer groups or sinks (GroupedOverlap's
-  // windows and sink_tokens), by the engine's rule (Engine::TierPrefix):
-  // the prefix grows to the longest one CachedPrefixBlocks finds when the
-  // first `device_blocks` blocks count as held (the device prefix) and the
-  // others when a lower tier holds their group key; of the blocks past the
-  // device prefix only those its first query reaches (BlockInReach) are
-  // copied back, each prompt block counted once, at its slowest tier (host
-  // when a key is in both); the rest are skipped_blocks.
-  TierRun GroupedTierRun(WorkerId worker, std::span<const BlockHash> hashes,
-                         std::span<const int64_t> windows, size_t block_size, size_t device_blocks,
-                         int64_t sink_tokens = 0) const;
 
   // LeadingOverlap, and under the same lock what a routing decision reads
   // of every worker besides (one lock per decision rather than two per
@@ -170,6 +159,19 @@ class PrefixIndex {
   };
   void Match(std::span<const BlockHash> hashes, int64_t now_us, std::vector<uint32_t>* overlap,
              std::vector<WorkerMatch>* workers) const;
+  // Match's lower-tier runs for a model with layer groups or sinks (GroupedOverlap's
+  // windows and sink_tokens), for every worker under one lock, into
+  // (*workers)[w].lower, by the engine's rule (Engine::TierPrefix): the
+  // prefix grows to the longest one CachedPrefixBlocks finds when worker
+  // w's first device_blocks[w] blocks count as held (its device prefix) and
+  // the others when a lower tier holds their group key; of the blocks past
+  // the device prefix only those its first query reaches (BlockInReach) are
+  // copied back, each prompt block counted once, at its slowest tier (host
+  // when a key is in both); the rest are skipped_blocks. `workers` has a
+  // slot per worker (Match's).
+  void GroupedTierRuns(std::span<const BlockHash> hashes, std::span<const int64_t> windows,
+                       size_t block_size, std::span<const uint32_t> device_blocks,
+                       int64_t sink_tokens, std::vector<WorkerMatch>* workers) const;
 
   // Marks `hashes` as about to be held by `worker` until expires_us.
   void AddPending(WorkerId worker, std::span<const BlockHash> hashes, int64_t now_us,

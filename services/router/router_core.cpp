@@ -340,12 +340,8 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
     // (OverlapLocked), and a worker's lower-tier run by the same rule.
     index_.Match({}, now, &overlap_, &match_);
     OverlapLocked(reusable, now, &overlap_);
-    for (const auto& w : workers_) {
-      if (!w) continue;
-      match_[w->id].lower = index_.GroupedTierRun(w->id, reusable, group_windows_,
-                                                  static_cast<size_t>(options_.block_tokens),
-                                                  overlap_[w->id], sink_tokens_);
-    }
+    index_.GroupedTierRuns(reusable, group_windows_, static_cast<size_t>(options_.block_tokens),
+                           overlap_, sink_tokens_, &match_);
   } else {
     index_.Match(reusable, now, &overlap_, &match_);
   }
