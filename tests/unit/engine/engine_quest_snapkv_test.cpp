@@ -21,11 +21,15 @@
 #include "tests/support/kv_eviction_modes.h"
 #include "tests/support/numerics.h"
 #include "tests/support/reference_model.h"
+#include "tests/support/snapkv_runs.h"
 #include "tests/support/test_models.h"
 
 namespace pdserve {
 namespace {
 
+using testing::Flatten;
+using testing::Generate;
+using testing::Generated;
 using testing::KvEvictionRule;
 using testing::LogSoftmax;
 using testing::RandomTokens;
@@ -52,16 +56,6 @@ KvEvictionRule Rule(int64_t budget, int64_t window, int64_t prompt, int64_t ques
   r.block_size = block_size;
   r.first_decode = prompt;
   return r;
-}
-
-// The reference's kept sets, [layer][KV head], as the engine lists them.
-std::vector<std::vector<int32_t>> Flatten(
-    const std::vector<std::vector<std::vector<int64_t>>>& kept) {
-  std::vector<std::vector<int32_t>> out;
-  for (const auto& layer : kept) {
-    for (const auto& head : layer) out.emplace_back(head.begin(), head.end());
-  }
-  return out;
 }
 
 // The text evaluation: a 90-token prompt compressed to B, then 110 one-token
@@ -106,33 +100,6 @@ TEST(EngineQuestSnapKvTest, TextEvaluationMatchesTheReferenceRules) {
       }
     }
   }
-}
-
-struct Generated {
-  std::vector<SampledToken> sampled;
-  std::vector<std::vector<int32_t>> kept;  // Engine::SnapKvKept once compressed
-};
-
-Generated Generate(Engine& e, RequestId id, const std::vector<int32_t>& prompt, int max_tokens) {
-  EngineRequest r;
-  r.id = id;
-  r.prompt = prompt;
-  r.params.temperature = 0;
-  r.params.max_tokens = max_tokens;
-  r.params.ignore_eos = true;
-  r.params.logprobs = 0;
-  EXPECT_TRUE(e.AddRequest(std::move(r)).ok());
-  Generated g;
-  while (e.HasUnfinished()) {
-    auto step = e.Step();
-    EXPECT_TRUE(step.ok()) << step.status().ToString();
-    if (!step.ok()) break;
-    for (const auto& o : *step) {
-      if (!o.new_token_ids.empty() && g.sampled.empty()) g.kept = e.SnapKvKept(id);
-      g.sampled.insert(g.sampled.end(), o.logprobs.begin(), o.logprobs.end());
-    }
-  }
-  return g;
 }
 
 // The engine's tokens and logprobs are the reference's under `rule`; returns

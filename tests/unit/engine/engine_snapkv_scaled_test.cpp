@@ -26,11 +26,14 @@
 #include "tests/support/numerics.h"
 #include "tests/support/reference_model.h"
 #include "tests/support/reference_tensors.h"
+#include "tests/support/snapkv_runs.h"
 #include "tests/support/test_models.h"
 
 namespace pdserve {
 namespace {
 
+using testing::Generate;
+using testing::Generated;
 using testing::KvEvictionRule;
 using testing::KvRounding;
 using testing::LogSoftmax;
@@ -217,32 +220,6 @@ TEST(SnapKvScaledTest, TextEvaluationMatchesTheReferenceWithinTheDtypesTolerance
       EXPECT_GT(rule_effect, 10 * c.nll_tolerance);
     }
   }
-}
-
-struct Generated {
-  std::vector<SampledToken> sampled;
-  std::vector<std::vector<int32_t>> kept;
-};
-
-Generated Generate(Engine& e, RequestId id, const std::vector<int32_t>& prompt, int max_tokens) {
-  EngineRequest r;
-  r.id = id;
-  r.prompt = prompt;
-  r.params.temperature = 0;
-  r.params.max_tokens = max_tokens;
-  r.params.ignore_eos = true;
-  r.params.logprobs = 0;
-  EXPECT_TRUE(e.AddRequest(std::move(r)).ok());
-  Generated g;
-  while (e.HasUnfinished()) {
-    auto step = e.Step();
-    EXPECT_TRUE(step.ok()) << step.status().ToString();
-    if (!step.ok()) break;
-    if (g.kept.empty()) g.kept = e.SnapKvKept(id);
-    for (const auto& o : *step)
-      g.sampled.insert(g.sampled.end(), o.logprobs.begin(), o.logprobs.end());
-  }
-  return g;
 }
 
 // The engine (a 77-token prompt in chunks of 16, blocks of 8, compressed

@@ -20,11 +20,15 @@
 #include "tests/support/kv_eviction_modes.h"
 #include "tests/support/numerics.h"
 #include "tests/support/reference_model.h"
+#include "tests/support/snapkv_runs.h"
 #include "tests/support/test_models.h"
 
 namespace pdserve {
 namespace {
 
+using testing::Flatten;
+using testing::Generate;
+using testing::Generated;
 using testing::KvEvictionRule;
 using testing::LogSoftmax;
 using testing::RandomTokens;
@@ -42,48 +46,6 @@ std::unique_ptr<ReferenceModel> Reference(const std::string& dir) {
   return testing::LoadReference(dir);
 }
 
-struct Generated {
-  std::vector<SampledToken> sampled;
-  int64_t cached_tokens = 0;
-  std::vector<std::vector<int32_t>> kept;  // Engine::SnapKvKept once compressed
-  size_t held_after_prompt = 0;            // blocks held after the prompt's step
-  int64_t blocks_released = 0;
-};
-
-size_t Held(Engine& e, RequestId id) {
-  const auto& t = e.block_manager().BlockTable(id);
-  return static_cast<size_t>(
-      std::count_if(t.begin(), t.end(), [](BlockId b) { return b != kNoBlock; }));
-}
-
-// One greedy request with logprobs, stepped to the end.
-Generated Generate(Engine& e, RequestId id, const std::vector<int32_t>& prompt, int max_tokens) {
-  EngineRequest r;
-  r.id = id;
-  r.prompt = prompt;
-  r.params.temperature = 0;
-  r.params.max_tokens = max_tokens;
-  r.params.ignore_eos = true;
-  r.params.logprobs = 0;
-  EXPECT_TRUE(e.AddRequest(std::move(r)).ok());
-  Generated g;
-  while (e.HasUnfinished()) {
-    auto step = e.Step();
-    EXPECT_TRUE(step.ok()) << step.status().ToString();
-    if (!step.ok()) break;
-    for (const auto& o : *step) {
-      if (!o.new_token_ids.empty() && g.sampled.empty()) {
-        g.cached_tokens = o.num_cached_tokens;
-        g.kept = e.SnapKvKept(id);
-        if (e.block_manager().HasSequence(id)) g.held_after_prompt = Held(e, id);
-      }
-      g.sampled.insert(g.sampled.end(), o.logprobs.begin(), o.logprobs.end());
-      if (o.finished) g.blocks_released = o.kv_blocks_released;
-    }
-  }
-  return g;
-}
-
 // The engine's tokens and logprobs are the reference's under `rule`.
 void ExpectReferenceTokens(const ReferenceModel& ref, const KvEvictionRule& rule,
                            const std::vector<int32_t>& prompt, const Generated& g,
@@ -98,16 +60,6 @@ void ExpectReferenceTokens(const ReferenceModel& ref, const KvEvictionRule& rule
     EXPECT_TRUE(got == best || lp[best] - lp[got] < 1e-4) << "step " << i;
     ASSERT_NEAR(g.sampled[i].logprob, lp[got], tolerance) << "step " << i;
   }
-}
-
-// The reference's kept sets, [layer][KV head], as the engine lists them.
-std::vector<std::vector<int32_t>> Flatten(
-    const std::vector<std::vector<std::vector<int64_t>>>& kept) {
-  std::vector<std::vector<int32_t>> out;
-  for (const auto& layer : kept) {
-    for (const auto& head : layer) out.emplace_back(head.begin(), head.end());
-  }
-  return out;
 }
 
 // The text evaluation compresses its first step (the prompt) as the engine
