@@ -1,11 +1,13 @@
 // Greedy requests through the engine as the SnapKV engine tests run them,
-// and the reference's kept sets in the engine's order.
+// a hand-off's blocks moved between two engines' pools as a KV transfer
+// would, and the reference's kept sets in the engine's order.
 #pragma once
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "engine/engine.h"
@@ -53,6 +55,23 @@ inline Generated Generate(Engine& e, RequestId id, const std::vector<int32_t>& p
     }
   }
   return g;
+}
+
+// Copies the blocks the prefill-only request `done` left in `prefill`'s
+// pool into those `plan` gave it in `decode`'s, matched by block index (what
+// a KV transfer moves), then releases the prefill side's pin.
+inline void MoveHandedOffBlocks(Engine& prefill, const RequestOutput& done,
+                                const RemotePrefillPlan& plan, Engine& decode) {
+  ASSERT_TRUE(done.kv_pin.has_value());
+  ASSERT_EQ(done.kv_slots.size(), plan.fill.size());
+  const auto bytes = static_cast<size_t>(prefill.kv_pool().bytes_per_block());
+  for (const BlockSlot& to : plan.fill) {
+    auto from = std::find_if(done.kv_slots.begin(), done.kv_slots.end(),
+                             [&](const BlockSlot& s) { return s.index == to.index; });
+    ASSERT_NE(from, done.kv_slots.end());
+    std::memcpy(decode.kv_pool().block(to.block), prefill.kv_pool().block(from->block), bytes);
+  }
+  ASSERT_TRUE(prefill.ReleaseKvBlocks(*done.kv_pin).ok());
 }
 
 // The reference's kept sets, [layer][KV head], as the engine lists them.

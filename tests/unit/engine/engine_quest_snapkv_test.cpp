@@ -263,17 +263,7 @@ TEST(EngineQuestSnapKvTest, RemotePrefillRecomputesTheBoundsOnTheReceiver) {
     }
   }
   ASSERT_EQ(done.new_token_ids.size(), 1u);
-  ASSERT_TRUE(done.kv_pin.has_value());
-  ASSERT_EQ(done.kv_slots.size(), plan->fill.size());
-  const int64_t bytes = prefill->kv_pool().bytes_per_block();
-  for (const BlockSlot& to : plan->fill) {
-    auto from = std::find_if(done.kv_slots.begin(), done.kv_slots.end(),
-                             [&](const BlockSlot& s) { return s.index == to.index; });
-    ASSERT_NE(from, done.kv_slots.end());
-    std::memcpy(decode->kv_pool().block(to.block), prefill->kv_pool().block(from->block),
-                static_cast<size_t>(bytes));
-  }
-  ASSERT_TRUE(prefill->ReleaseKvBlocks(*done.kv_pin).ok());
+  ASSERT_NO_FATAL_FAILURE(testing::MoveHandedOffBlocks(*prefill, done, *plan, *decode));
   auto first = decode->CompleteRemotePrefill(1, done.new_token_ids[0], done.logprobs[0]);
   ASSERT_TRUE(first.ok()) << first.status().ToString();
   std::vector<SampledToken> got = first->logprobs;

@@ -297,17 +297,7 @@ TEST(EngineSnapKvTest, RemotePrefillHandsOffOnlyTheCompressedBlocks) {
     ASSERT_EQ(done.new_token_ids.size(), 1u);
     EXPECT_EQ(done.new_token_ids[0], expected.sampled[0].token);
     EXPECT_EQ(done.snapkv_dropped_tokens, dropped);
-    ASSERT_TRUE(done.kv_pin.has_value());
-    ASSERT_EQ(done.kv_slots.size(), plan->fill.size());
-    const int64_t bytes = prefill->kv_pool().bytes_per_block();
-    for (const BlockSlot& to : plan->fill) {
-      auto from = std::find_if(done.kv_slots.begin(), done.kv_slots.end(),
-                               [&](const BlockSlot& s) { return s.index == to.index; });
-      ASSERT_NE(from, done.kv_slots.end());
-      std::memcpy(decode->kv_pool().block(to.block), prefill->kv_pool().block(from->block),
-                  static_cast<size_t>(bytes));
-    }
-    ASSERT_TRUE(prefill->ReleaseKvBlocks(*done.kv_pin).ok());
+    ASSERT_NO_FATAL_FAILURE(testing::MoveHandedOffBlocks(*prefill, done, *plan, *decode));
     const BlockManagerStats ps = prefill->GetStats().blocks;
     EXPECT_EQ(ps.used_blocks, 0u);
     EXPECT_EQ(ps.cached_blocks, static_cast<size_t>(P / bs));  // the full prompt's blocks
@@ -391,17 +381,7 @@ TEST(EngineSnapKvTest, PrefixCopyMovesTheDensePromptWhichTheReceiverCaches) {
     EXPECT_EQ(done.new_token_ids[0], expected.sampled[0].token);
     EXPECT_EQ(done.snapkv_dropped_tokens, 0);
     EXPECT_EQ(prefill->GetStats().snapkv_evicted_tokens, 0u);
-    ASSERT_TRUE(done.kv_pin.has_value());
-    ASSERT_EQ(done.kv_slots.size(), plan->fill.size());
-    const int64_t bytes = prefill->kv_pool().bytes_per_block();
-    for (const BlockSlot& to : plan->fill) {
-      auto from = std::find_if(done.kv_slots.begin(), done.kv_slots.end(),
-                               [&](const BlockSlot& s) { return s.index == to.index; });
-      ASSERT_NE(from, done.kv_slots.end());
-      std::memcpy(decode->kv_pool().block(to.block), prefill->kv_pool().block(from->block),
-                  static_cast<size_t>(bytes));
-    }
-    ASSERT_TRUE(prefill->ReleaseKvBlocks(*done.kv_pin).ok());
+    ASSERT_NO_FATAL_FAILURE(testing::MoveHandedOffBlocks(*prefill, done, *plan, *decode));
 
     auto first = decode->CompleteRemotePrefill(1, done.new_token_ids[0], done.logprobs[0]);
     ASSERT_TRUE(first.ok()) << first.status().ToString();
