@@ -18,6 +18,9 @@ namespace {
 // they are looked up one by one: enough misses in flight to cover memory
 // latency, few enough that a walk ending early wastes little.
 constexpr size_t kWarmChunk = 16;
+// The bisection of LeadingOverlapLocked handles up to this many bitset words
+// (1,024 workers); more take the walk.
+constexpr size_t kMaxSearchWords = 16;
 
 inline void SetBit(uint64_t* words, WorkerId w) { words[w >> 6] |= uint64_t{1} << (w & 63); }
 inline void ClearBit(uint64_t* words, WorkerId w) { words[w >> 6] &= ~(uint64_t{1} << (w & 63)); }
@@ -52,12 +55,30 @@ const char* ApplyOutcomeName(ApplyOutcome outcome) {
   return "?";
 }
 
+// A worker's own device blocks, for purges and for the chain bookkeeping
+// that lets a walk skip blocks (see LeadingOverlapLocked): per block its
+// parent (kParent) and state (kState: held and parent flags, and in the
+// high half how many of the worker's held blocks name it as their parent).
+// A block the worker does not hold stays as a "ghost" while held children
+// name it, so that its return (or a child's removal) finds their count.
 struct PrefixIndex::WorkerState {
+  static constexpr size_t kParent = 0, kState = 1, kWords = 2;
+  static constexpr uint64_t kHeld = 1, kHasParent = 2, kOrphan = 4;
+  static constexpr int kChildShift = 32;
+
   bool open = false;
   bool synced = false;  // a snapshot was applied and no gap seen since
   uint64_t last_seq = 0;
-  std::unique_ptr<BlockTable> blocks;        // the worker's own block set, for purges
+  std::unique_ptr<BlockTable> blocks;  // held blocks and ghosts (above)
+  size_t held = 0;                     // blocks held (ghosts not counted)
+  // Held blocks whose parent the worker does not hold, or does not say
+  // (snapshots): while there are none, the blocks it holds are closed
+  // under parents, so holding a prompt's block i means holding blocks 0..i.
+  size_t holes = 0;
+  bool untracked = false;                    // a ghost did not fit: holes unknown until a purge
   std::unordered_set<BlockHash> host, disk;  // its lower tiers
+
+  bool PrefixClosed() const { return holes == 0 && !untracked; }
 };
 
 PrefixIndex::PrefixIndex(PrefixIndexOptions options)
@@ -87,8 +108,9 @@ Status PrefixIndex::AddWorker(WorkerId worker) {
   w.open = true;
   w.synced = false;
   w.last_seq = 0;
-  // A worker never holds more distinct blocks than the index does.
-  w.blocks = std::make_unique<BlockTable>(0, options_.max_entries);
+  // A worker never holds more distinct blocks than the index does; its
+  // ghosts are at most as many again.
+  w.blocks = std::make_unique<BlockTable>(WorkerState::kWords, 2 * options_.max_entries);
   return Status::Ok();
 }
 
@@ -171,8 +193,10 @@ void PrefixIndex::GroupedTierRuns(std::span<const BlockHash> hashes,
   }
 }
 
-void PrefixIndex::StoreLocked(WorkerId worker, std::span<const BlockHash> hashes) {
-  BlockTable& mine = *workers_[worker].blocks;
+void PrefixIndex::StoreLocked(WorkerId worker, std::span<const BlockHash> hashes,
+                              StoredParents parents, std::optional<BlockHash> first_parent) {
+  WorkerState& w = workers_[worker];
+  BlockTable& mine = *w.blocks;
   const size_t n = hashes.size();
   for (size_t i = 0; i < n; ++i) {
     if (i % kWarmChunk == 0) {
@@ -185,18 +209,88 @@ void PrefixIndex::StoreLocked(WorkerId worker, std::span<const BlockHash> hashes
     const size_t slot = blocks_->FindOrInsert(h, &inserted);
     if (slot == BlockTable::kNotFound) {
       ++counters_.rejected_stores;
-      continue;
+      continue;  // not held, as far as the index knows: its children are holes
     }
     SetBit(blocks_->words(slot), worker);
-    bool mine_inserted = false;
-    mine.FindOrInsert(h, &mine_inserted);  // cannot fail: mine.size() <= blocks_->size()
     if (pending_->size() != 0) ClearPendingBitLocked(h, worker);  // the real event supersedes
+    std::optional<BlockHash> parent;
+    if (parents == StoredParents::kChain) parent = i == 0 ? first_parent : hashes[i - 1];
+    NoteHeldLocked(w, h, parents == StoredParents::kUnknown, parent);
   }
   counters_.events_applied += n;
 }
 
+void PrefixIndex::NoteHeldLocked(WorkerState& w, BlockHash h, bool orphan,
+                                 std::optional<BlockHash> parent) {
+  using WS = WorkerState;
+  BlockTable& mine = *w.blocks;
+  bool inserted = false;
+  const size_t slot = mine.FindOrInsert(h, &inserted);
+  if (slot == BlockTable::kNotFound) {
+    w.untracked = true;  // unreachable while ghosts fit (see AddWorker)
+    return;
+  }
+  uint64_t* e = mine.words(slot);
+  if ((e[WS::kState] & WS::kHeld) != 0) return;  // already held: nothing changes
+  const uint64_t children = e[WS::kState] >> WS::kChildShift;
+  w.holes -= children;  // they were holes (a ghost's children) and are not now
+  ++w.held;
+  e[WS::kState] = WS::kHeld | (children << WS::kChildShift);
+  if (orphan) {
+    e[WS::kState] |= WS::kOrphan;
+    ++w.holes;
+    return;
+  }
+  if (!parent) return;  // the first block of a prompt
+  e[WS::kState] |= WS::kHasParent;
+  e[WS::kParent] = *parent;
+  const size_t p = mine.FindOrInsert(*parent, &inserted);  // may move h's slot: done with it
+  if (p == BlockTable::kNotFound) {
+    w.untracked = true;
+    return;
+  }
+  uint64_t* pe = mine.words(p);
+  pe[WS::kState] += uint64_t{1} << WS::kChildShift;
+  if ((pe[WS::kState] & WS::kHeld) == 0) ++w.holes;  // a ghost parent: h is a hole
+}
+
+// Whether `h` was held (and is not now). Keeps the holes count: h's held
+// children become holes, and h stops being one.
+bool PrefixIndex::NoteRemovedLocked(WorkerState& w, BlockHash h) {
+  using WS = WorkerState;
+  BlockTable& mine = *w.blocks;
+  const size_t slot = mine.Find(h);
+  if (slot == BlockTable::kNotFound) return false;
+  uint64_t* e = mine.words(slot);
+  const uint64_t state = e[WS::kState];
+  if ((state & WS::kHeld) == 0) return false;  // a ghost
+  const BlockHash parent = e[WS::kParent];
+  const uint64_t children = state >> WS::kChildShift;
+  --w.held;
+  if (children != 0) {
+    w.holes += children;
+    e[WS::kState] = children << WS::kChildShift;  // a ghost
+  } else {
+    mine.EraseSlot(slot);
+  }
+  if ((state & WS::kOrphan) != 0) {
+    --w.holes;
+  } else if ((state & WS::kHasParent) != 0) {
+    const size_t p = mine.Find(parent);
+    if (p == BlockTable::kNotFound) return true;  // only after an untracked insert
+    uint64_t* pe = mine.words(p);
+    pe[WS::kState] -= uint64_t{1} << WS::kChildShift;
+    if ((pe[WS::kState] & WS::kHeld) == 0) {
+      --w.holes;  // h was a hole
+      if ((pe[WS::kState] >> WS::kChildShift) == 0) mine.EraseSlot(p);
+    }
+  }
+  return true;
+}
+
 void PrefixIndex::RemoveLocked(WorkerId worker, std::span<const BlockHash> hashes) {
-  BlockTable& mine = *workers_[worker].blocks;
+  WorkerState& w = workers_[worker];
+  BlockTable& mine = *w.blocks;
   const size_t n = hashes.size();
   for (size_t i = 0; i < n; ++i) {
     if (i % kWarmChunk == 0) {
@@ -205,12 +299,12 @@ void PrefixIndex::RemoveLocked(WorkerId worker, std::span<const BlockHash> hashe
       mine.Warm(chunk);
     }
     const BlockHash h = hashes[i];
-    if (!mine.Erase(h)) {
+    if (!NoteRemovedLocked(w, h)) {
       ++counters_.unknown_removes;
       continue;
     }
     const size_t slot = blocks_->Find(h);
-    if (slot == BlockTable::kNotFound) continue;  // unreachable: mine ⊆ blocks_
+    if (slot == BlockTable::kNotFound) continue;  // unreachable: held ⊆ blocks_
     uint64_t* words = blocks_->words(slot);
     ClearBit(words, worker);
     if (AllZero(words, words_)) blocks_->EraseSlot(slot);
@@ -219,15 +313,19 @@ void PrefixIndex::RemoveLocked(WorkerId worker, std::span<const BlockHash> hashe
 }
 
 void PrefixIndex::PurgeBlocksLocked(WorkerId worker) {
-  BlockTable& mine = *workers_[worker].blocks;
-  mine.ForEach([&](uint64_t h, const uint64_t*) {
+  WorkerState& w = workers_[worker];
+  w.blocks->ForEach([&](uint64_t h, const uint64_t* e) {
+    if ((e[WorkerState::kState] & WorkerState::kHeld) == 0) return;  // a ghost
     const size_t slot = blocks_->Find(h);
     if (slot == BlockTable::kNotFound) return;
     uint64_t* words = blocks_->words(slot);
     ClearBit(words, worker);
     if (AllZero(words, words_)) blocks_->EraseSlot(slot);
   });
-  mine.Clear();
+  w.blocks->Clear();
+  w.held = 0;
+  w.holes = 0;
+  w.untracked = false;
 }
 
 void PrefixIndex::ClearPendingBitLocked(BlockHash hash, WorkerId worker) {
@@ -273,7 +371,7 @@ ApplyOutcome PrefixIndex::ApplyEvents(WorkerId worker, const KvEventBatch& batch
   for (const KvEvent& event : batch.events) {
     if (const auto* e = std::get_if<KvStored>(&event)) {
       if (e->tier == KvTier::kDevice) {
-        StoreLocked(worker, e->block_hashes);
+        StoreLocked(worker, e->block_hashes, StoredParents::kChain, e->parent_hash);
       } else {
         StoreLowerLocked(worker, e->tier, e->block_hashes);
       }
@@ -306,8 +404,8 @@ Status PrefixIndex::ApplySnapshot(WorkerId worker, uint64_t seq, std::span<const
   StoreLowerLocked(worker, KvTier::kHost, host);
   StoreLowerLocked(worker, KvTier::kDisk, disk);
   const uint64_t applied_before = counters_.events_applied;
-  StoreLocked(worker, hashes);
-  counters_.events_applied = applied_before;  // a snapshot is not a stream of events
+  StoreLocked(worker, hashes, StoredParents::kUnknown);  // a set: no parents
+  counters_.events_applied = applied_before;             // a snapshot is not a stream of events
   WorkerState& w = workers_[worker];
   w.synced = true;
   w.last_seq = seq;
@@ -337,15 +435,99 @@ void PrefixIndex::Match(std::span<const BlockHash> hashes, int64_t now_us,
   for (WorkerId w = 0; w < workers_.size(); ++w) {
     const WorkerState& state = workers_[w];
     if (!state.open) continue;
-    (*workers)[w].blocks = state.blocks->size();
+    (*workers)[w].blocks = state.held;
     if (!state.host.empty() || !state.disk.empty()) {
       (*workers)[w].lower = LowerTierRunLocked(w, hashes, (*overlap)[w]);
     }
   }
 }
 
+bool PrefixIndex::ClosedPrefixOverlapLocked(std::span<const BlockHash> hashes, int64_t now_us,
+                                            std::vector<uint32_t>* out) const {
+  static constexpr uint64_t kNobody[kMaxSearchWords] = {};
+  if (!options_.chained_parents || words_ > kMaxSearchWords) return false;
+  const size_t n = hashes.size();
+  const bool any_pending = pending_->size() != 0;
+  auto held = [&](size_t i) {
+    const size_t slot = blocks_->Find(hashes[i]);
+    return slot == BlockTable::kNotFound ? kNobody : blocks_->words(slot);
+  };
+  // Whether a live pending entry names a worker of `who` at block i.
+  auto pending_for = [&](size_t i, auto&& who) {
+    if (!any_pending) return false;
+    const size_t p = pending_->Find(hashes[i]);
+    if (p == BlockTable::kNotFound) return false;
+    const uint64_t* words = pending_->words(p);
+    if (static_cast<int64_t>(words[words_]) <= now_us) return false;
+    for (size_t k = 0; k < words_; ++k) {
+      if ((words[k] & who(k)) != 0) return true;
+    }
+    return false;
+  };
+  blocks_->Warm(hashes.subspan(n - 1));  // its miss overlaps block 0's
+  const uint64_t* first = held(0);
+  // Every holder of block 0 must have its blocks closed under parents, and
+  // no worker may be pending there (the walk would follow pending entries).
+  for (size_t k = 0; k < words_; ++k) {
+    for (uint64_t rest = first[k]; rest != 0; rest &= rest - 1) {
+      if (!workers_[k * 64 + std::countr_zero(rest)].PrefixClosed()) return false;
+    }
+  }
+  if (pending_for(0, [](size_t) { return ~uint64_t{0}; })) return false;
+  const uint64_t* last = held(n - 1);
+  // Then, among them, who holds block i is a shrinking set as i grows: each
+  // step of it is found by bisection between two blocks whose holders differ.
+  struct Span {
+    size_t lo, hi;
+    const uint64_t *at_lo, *at_hi;
+  };
+  Span stack[64];
+  size_t depth = 0;
+  auto differ = [&](const uint64_t* a, const uint64_t* b) {
+    for (size_t k = 0; k < words_; ++k) {
+      if (((a[k] ^ b[k]) & first[k]) != 0) return true;
+    }
+    return false;
+  };
+  if (n > 1 && differ(first, last)) stack[depth++] = {0, n - 1, first, last};
+  while (depth > 0) {
+    const Span sp = stack[--depth];
+    if (sp.hi == sp.lo + 1) {
+      // Those holding block lo but not hi stop at hi, unless pending
+      // entries carry them further (then the walk answers).
+      auto stopping = [&](size_t k) { return sp.at_lo[k] & ~sp.at_hi[k] & first[k]; };
+      if (pending_for(sp.hi, stopping)) return false;
+      for (size_t k = 0; k < words_; ++k) {
+        for (uint64_t rest = stopping(k); rest != 0; rest &= rest - 1) {
+          (*out)[k * 64 + std::countr_zero(rest)] = static_cast<uint32_t>(sp.hi);
+        }
+      }
+      continue;
+    }
+    const size_t mid = sp.lo + (sp.hi - sp.lo) / 2;
+    // The next probe is the middle of one half or the other: both load
+    // while this one does, so the search waits on one miss a level, not two.
+    const BlockHash next[2] = {hashes[sp.lo + (mid - sp.lo) / 2], hashes[mid + (sp.hi - mid) / 2]};
+    blocks_->Warm(next);
+    const uint64_t* at_mid = held(mid);
+    if (depth + 2 > std::size(stack)) return false;
+    if (differ(at_mid, sp.at_hi)) stack[depth++] = {mid, sp.hi, at_mid, sp.at_hi};
+    if (differ(sp.at_lo, at_mid)) stack[depth++] = {sp.lo, mid, sp.at_lo, at_mid};
+  }
+  // Those holding the last block hold the whole prompt.
+  for (size_t k = 0; k < words_; ++k) {
+    for (uint64_t rest = first[k] & last[k]; rest != 0; rest &= rest - 1) {
+      (*out)[k * 64 + std::countr_zero(rest)] = static_cast<uint32_t>(n);
+    }
+  }
+  bisected_queries_.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
 void PrefixIndex::LeadingOverlapLocked(std::span<const BlockHash> hashes, int64_t now_us,
                                        std::vector<uint32_t>* out) const {
+  if (ClosedPrefixOverlapLocked(hashes, now_us, out)) return;
+  std::fill(out->begin(), out->end(), 0);  // what the search wrote before it gave up
   const bool any_pending = pending_->size() != 0;
   const size_t n = hashes.size();
 
@@ -505,19 +687,22 @@ std::vector<BlockHash> PrefixIndex::WorkerBlocks(WorkerId worker) const {
   std::shared_lock lock(mu_);
   std::vector<BlockHash> out;
   if (worker >= workers_.size() || !workers_[worker].open) return out;
-  workers_[worker].blocks->ForEach([&](uint64_t h, const uint64_t*) { out.push_back(h); });
+  workers_[worker].blocks->ForEach([&](uint64_t h, const uint64_t* e) {
+    if ((e[WorkerState::kState] & WorkerState::kHeld) != 0) out.push_back(h);
+  });
   return out;
 }
 
 size_t PrefixIndex::WorkerBlockCount(WorkerId worker) const {
   std::shared_lock lock(mu_);
   if (worker >= workers_.size() || !workers_[worker].open) return 0;
-  return workers_[worker].blocks->size();
+  return workers_[worker].held;
 }
 
 PrefixIndexStats PrefixIndex::stats() const {
   std::shared_lock lock(mu_);
   PrefixIndexStats s = counters_;
+  s.bisected_queries = bisected_queries_.load(std::memory_order_relaxed);
   s.entries = blocks_->size();
   s.bytes = blocks_->bytes() + pending_->bytes() + spare_pending_->bytes() +
             workers_.capacity() * sizeof(WorkerState);
@@ -525,7 +710,7 @@ PrefixIndexStats PrefixIndex::stats() const {
   s.lower_tier_blocks = 0;
   for (const WorkerState& w : workers_) {
     if (!w.open) continue;
-    s.worker_blocks += w.blocks->size();
+    s.worker_blocks += w.held;
     s.lower_tier_blocks += w.host.size() + w.disk.size();
     s.bytes += w.blocks->bytes();
   }

@@ -42,6 +42,7 @@
 //   batch size (or the worker's block count for a purge).
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -75,6 +76,12 @@ struct PrefixIndexOptions {
   size_t max_entries = 4u << 20;            // distinct block hashes
   size_t max_pending = 64u << 10;           // blocks with pending entries
   size_t max_lower_tier_blocks = 1u << 20;  // per worker and lower tier
+  // Whether device Stored runs name each block's real parent, as KvStored
+  // says (hash spec v1 chains a block's hash to its parent's, so an engine
+  // cannot name another). Then LeadingOverlap bisects the prompt for
+  // workers whose blocks are closed under parents (see there); off, every
+  // query walks block by block, whatever the events claim.
+  bool chained_parents = true;
 };
 
 // The blocks a worker holds past its device prefix: a run of the prompt's
@@ -102,6 +109,7 @@ struct PrefixIndexStats {
   uint64_t rejected_stores = 0;    // Stored hashes dropped at the memory bound
   uint64_t unknown_removes = 0;    // Removed hashes the worker was not known to hold
   uint64_t snapshots_applied = 0;  // Resyncs
+  uint64_t bisected_queries = 0;   // LeadingOverlap answers found by bisection (the rest walk)
 };
 
 class PrefixIndex {
@@ -132,6 +140,13 @@ class PrefixIndex {
   // out->at(w) = number of leading blocks of `hashes` worker w holds
   // (indexed, or pending with an expiry after now_us), for every slot
   // w < max_workers (0 for closed slots).
+  // Cost: one lookup per block up to the longest overlap (a walk), or, when
+  // every holder of the first block has its blocks closed under parents
+  // (it holds each held block's parent: no holes from evictions out of
+  // order, stores refused at the memory bound, or snapshots, which name no
+  // parents) and no pending entry takes part, about log2(blocks) lookups
+  // per distinct overlap (a bisection): holding block i then means holding
+  // blocks 0..i. The answer is the same either way.
   void LeadingOverlap(std::span<const BlockHash> hashes, int64_t now_us,
                       std::vector<uint32_t>* out) const;
 
@@ -188,7 +203,14 @@ class PrefixIndex {
  private:
   struct WorkerState;
 
-  void StoreLocked(WorkerId worker, std::span<const BlockHash> hashes);
+  // How a Stored run's blocks name their parents: kChain as KvStored does
+  // (the first's is first_parent, nullopt for a prompt's first block; each
+  // later one's the hash before it); kUnknown for a snapshot's set.
+  enum class StoredParents { kChain, kUnknown };
+  void StoreLocked(WorkerId worker, std::span<const BlockHash> hashes, StoredParents parents,
+                   std::optional<BlockHash> first_parent = std::nullopt);
+  void NoteHeldLocked(WorkerState& w, BlockHash h, bool orphan, std::optional<BlockHash> parent);
+  bool NoteRemovedLocked(WorkerState& w, BlockHash h);
   void StoreLowerLocked(WorkerId worker, KvTier tier, std::span<const BlockHash> hashes);
   void RemoveLocked(WorkerId worker, std::span<const BlockHash> hashes);
   void PurgeBlocksLocked(WorkerId worker);
@@ -196,6 +218,12 @@ class PrefixIndex {
   void ClearPendingBitLocked(BlockHash hash, WorkerId worker);
   void SweepPendingLocked(int64_t now_us);
   // `out` already sized and zeroed; `hashes` not empty.
+  // The same by bisection, in about log2(blocks) lookups per distinct
+  // overlap instead of one per block, when the answer is sure to be the
+  // walk's: false (out partly written) when a holder of block 0 may have a
+  // hole or a pending entry would carry a worker on.
+  bool ClosedPrefixOverlapLocked(std::span<const BlockHash> hashes, int64_t now_us,
+                                 std::vector<uint32_t>* out) const;
   void LeadingOverlapLocked(std::span<const BlockHash> hashes, int64_t now_us,
                             std::vector<uint32_t>* out) const;
   TierRun LowerTierRunLocked(WorkerId worker, std::span<const BlockHash> hashes, size_t from) const;
@@ -210,6 +238,8 @@ class PrefixIndex {
   std::unique_ptr<detail::BlockTable> spare_pending_;
   std::vector<WorkerState> workers_;
   PrefixIndexStats counters_;  // the counter fields; sizes are computed on demand
+  // Counted under the shared lock, by concurrent queries.
+  mutable std::atomic<uint64_t> bisected_queries_{0};
 };
 
 }  // namespace pdserve::router

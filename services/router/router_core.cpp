@@ -126,6 +126,7 @@ StatusOr<WorkerId> RouterCore::AddWorker(const std::string& name, Role role,
                                          int64_t max_model_len) {
   if (max_model_len < 0) return Status::InvalidArgument("max_model_len must not be negative");
   std::lock_guard lock(mu_);
+  FlushPendingLocked();  // a reused slot must not inherit the last holder's entries
   std::optional<WorkerId> free_slot;
   for (WorkerId i = 0; i < workers_.size(); ++i) {
     if (!workers_[i]) {
@@ -156,6 +157,7 @@ std::vector<uint64_t> RouterCore::RemoveWorker(WorkerId worker) {
   std::vector<uint64_t> orphans;
   std::lock_guard lock(mu_);
   if (worker >= workers_.size() || !workers_[worker]) return orphans;
+  FlushPendingLocked();
   for (auto it = inflight_.begin(); it != inflight_.end();) {
     Inflight& r = it->second;
     if (r.decode == worker) {
@@ -194,6 +196,9 @@ int64_t RouterCore::DecodeWorkerCountLocked() const {
 }
 
 ApplyOutcome RouterCore::OnKvEvents(WorkerId worker, const KvEventBatch& batch) {
+  // A Stored event supersedes the pending entry of its block: the entries
+  // of earlier decisions must be in before it.
+  if (has_deferred_.load(std::memory_order_acquire)) FlushPending();
   const ApplyOutcome out = index_.ApplyEvents(worker, batch);
   if (governor_ && out == ApplyOutcome::kApplied) {
     governor_->OnKvEvents(worker, batch, options_.clock_us());
@@ -203,6 +208,7 @@ ApplyOutcome RouterCore::OnKvEvents(WorkerId worker, const KvEventBatch& batch) 
 
 Status RouterCore::OnSnapshot(WorkerId worker, uint64_t seq, std::span<const BlockHash> hashes,
                               std::span<const BlockHash> host, std::span<const BlockHash> disk) {
+  if (has_deferred_.load(std::memory_order_acquire)) FlushPending();
   return index_.ApplySnapshot(worker, seq, hashes, host, disk);
 }
 
@@ -219,6 +225,7 @@ Status RouterCore::OnLoad(WorkerId worker, const WorkerLoad& load) {
 
 void RouterCore::SetKvGroupWindows(std::vector<int64_t> windows, int64_t sink_tokens) {
   std::lock_guard lock(mu_);
+  FlushPendingLocked();  // written under the groups they were decided with
   group_windows_ = std::move(windows);
   sink_tokens_ = sink_tokens;
 }
@@ -245,8 +252,9 @@ std::vector<int64_t> RouterCore::KvGroupWindows() const {
 }
 
 void RouterCore::Overlap(std::span<const BlockHash> hashes, int64_t now_us,
-                         std::vector<uint32_t>* out) const {
+                         std::vector<uint32_t>* out) {
   std::lock_guard lock(mu_);
+  FlushPendingLocked();
   OverlapLocked(hashes, now_us, out);
 }
 
@@ -268,6 +276,30 @@ void RouterCore::AddPendingLocked(WorkerId worker, std::span<const BlockHash> ha
     }
   }
   index_.AddPending(worker, pending_keys_, now_us, expires_us);
+}
+
+void RouterCore::DeferPendingLocked(WorkerId worker, std::span<const BlockHash> hashes,
+                                    int64_t now_us, int64_t expires_us) {
+  if (hashes.empty()) return;
+  deferred_.push_back({worker, deferred_hashes_.size(), hashes.size(), now_us, expires_us});
+  deferred_hashes_.insert(deferred_hashes_.end(), hashes.begin(), hashes.end());
+  has_deferred_.store(true, std::memory_order_release);
+}
+
+void RouterCore::FlushPendingLocked() {
+  if (deferred_.empty()) return;
+  for (const DeferredPending& d : deferred_) {
+    AddPendingLocked(d.worker, std::span(deferred_hashes_).subspan(d.first, d.count), d.now_us,
+                     d.expires_us);
+  }
+  deferred_.clear();
+  deferred_hashes_.clear();
+  has_deferred_.store(false, std::memory_order_release);
+}
+
+void RouterCore::FlushPending() {
+  std::lock_guard lock(mu_);
+  FlushPendingLocked();
 }
 
 Candidate RouterCore::MakeCandidateLocked(Worker& w, int64_t overlap_blocks,
@@ -320,6 +352,7 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
   const int64_t now = options_.clock_us();
 
   std::lock_guard lock(mu_);
+  FlushPendingLocked();  // the earlier decisions' entries, if their callers did not
   if (inflight_.contains(request.request_id)) {
     return Status::InvalidArgument("request id " + std::to_string(request.request_id) +
                                    " is already in flight");
@@ -434,11 +467,11 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
   // them) will hold the whole prompt shortly.
   if (options_.pending_ttl_us > 0) {
     const int64_t expires = now + options_.pending_ttl_us;
-    AddPendingLocked(r.prefiller, request.block_hashes.subspan(decision.prefill_overlap_blocks),
-                     now, expires);
+    DeferPendingLocked(r.prefiller, request.block_hashes.subspan(decision.prefill_overlap_blocks),
+                       now, expires);
     if (decision.prefill && !compresses) {
-      AddPendingLocked(r.decode, request.block_hashes.subspan(decision.decode_overlap_blocks), now,
-                       expires);
+      DeferPendingLocked(r.decode, request.block_hashes.subspan(decision.decode_overlap_blocks),
+                         now, expires);
     }
   }
 
@@ -702,6 +735,7 @@ std::vector<PushPlan> RouterCore::PlanDrainPush(WorkerId leaving,
   std::vector<PushPlan> plan;
   std::lock_guard lock(mu_);
   if (leaving >= workers_.size() || !workers_[leaving]) return plan;
+  FlushPendingLocked();
   std::vector<WorkerId> survivors;
   for (const auto& w : workers_) {
     if (w && !w->draining && w->role != Role::kPrefill && w->id != leaving) {

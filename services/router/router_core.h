@@ -22,6 +22,11 @@
 // Burst handling: after each decision the blocks the prefilling worker will
 // compute are recorded as pending for pending_ttl_us, so the next requests
 // sharing that new prefix land on the same worker before its KV events come.
+// Route() returns before it writes them (about one cache miss per block):
+// they are applied by FlushPending(), which the caller runs once the request
+// is on its way, or else by the next call that reads or changes the index
+// (Route, Overlap, PlanDrainPush, KV events, snapshots, worker changes), so
+// every decision and event still sees every earlier decision's entries.
 //
 // Thread safety: all methods may be called concurrently. Route() and the
 // accounting calls serialise on one mutex (a decision is a few microseconds);
@@ -30,6 +35,7 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -223,7 +229,7 @@ class RouterCore {
   std::pair<int64_t, int64_t> SnapKv() const;
   // The prefix each worker slot can start `hashes` from (LeadingOverlap or
   // GroupedOverlap per the groups), pending entries after now_us counted.
-  void Overlap(std::span<const BlockHash> hashes, int64_t now_us, std::vector<uint32_t>* out) const;
+  void Overlap(std::span<const BlockHash> hashes, int64_t now_us, std::vector<uint32_t>* out);
 
   ApplyOutcome OnKvEvents(WorkerId worker, const KvEventBatch& batch);
   // `host` and `disk`: what the worker holds in its lower tiers.
@@ -235,6 +241,9 @@ class RouterCore {
   // requests and long enough for the request; InvalidArgument for a request
   // id already in flight or inconsistent sizes.
   StatusOr<RouteDecision> Route(const RouteRequest& request);
+  // Writes the pending entries of the decisions Route() made since the last
+  // flush (see "Burst handling" above). Cheap when there are none.
+  void FlushPending();
   // Scale-down: which of the leaving worker's prompts (hottest first) go to
   // which survivor (decode-capable, not draining), within budget_blocks. A
   // prompt the leaver no longer holds whole, or that every survivor holds,
@@ -309,6 +318,10 @@ class RouterCore {
                      std::vector<uint32_t>* out) const;
   void AddPendingLocked(WorkerId worker, std::span<const BlockHash> hashes, int64_t now_us,
                         int64_t expires_us);
+  // Route's pending entries, kept until FlushPendingLocked writes them.
+  void DeferPendingLocked(WorkerId worker, std::span<const BlockHash> hashes, int64_t now_us,
+                          int64_t expires_us);
+  void FlushPendingLocked();
 
   RouterOptions options_;
   PrefixIndex index_;
@@ -334,6 +347,17 @@ class RouterCore {
   int64_t sink_tokens_ = 0;
   int64_t snapkv_budget_ = 0, snapkv_window_ = 0;
   std::vector<BlockHash> pending_keys_;
+  // Decisions' pending entries not yet written (DeferPendingLocked): each a
+  // range of deferred_hashes_. has_deferred_ lets the KV event path, which
+  // does not take mu_, skip the lock when there are none.
+  struct DeferredPending {
+    WorkerId worker = 0;
+    size_t first = 0, count = 0;
+    int64_t now_us = 0, expires_us = 0;
+  };
+  std::vector<DeferredPending> deferred_;
+  std::vector<BlockHash> deferred_hashes_;
+  std::atomic<bool> has_deferred_{false};
   std::vector<PrefixIndex::WorkerMatch> match_;  // per worker slot, with overlap_
   std::vector<Candidate> candidates_;
   std::vector<int64_t> copy_blocks_;  // per decode candidate: blocks a copy brings

@@ -784,6 +784,8 @@ class RouterServiceImpl : public RouterService {
         core_->OnRequestFinished(id);
         continue;
       }
+      // The decision's pending entries, now that the request is on its way.
+      core_->FlushPending();
       r.decode = decision->decode;
       r.decode_conn = decode_link->conn->id();
       r.prefill = decision->prefill;

@@ -342,6 +342,7 @@ class Simulation {
     req.max_new_tokens = r.output_length;
     auto decision = core_->Route(req);
     if (!decision.ok()) return decision.status();
+    core_->FlushPending();  // as the service does once the request is sent
     const int64_t device = decision->prefill_overlap_blocks;
     const int64_t host = device + decision->prefill_host_blocks;
     const int64_t disk = host + decision->prefill_disk_blocks;
@@ -813,6 +814,9 @@ StatusOr<SimResult> RunSimulation(const std::vector<TraceRequest>& trace, const 
   ro.index.max_workers = static_cast<size_t>(options.workers);
   // Room for every worker's cache plus the blocks announced while in flight.
   ro.index.max_entries = static_cast<size_t>(options.workers * options.capacity_blocks * 2);
+  // The simulated caches announce their stored blocks without parents (and
+  // runs of several requests as one): the index walks every prompt.
+  ro.index.chained_parents = false;
   const Simulation* clock_source = nullptr;
   ro.clock_us = [&clock_source] {
     return clock_source ? static_cast<int64_t>(clock_source->now() * 1e6) : 0;

@@ -101,14 +101,25 @@ TEST(PrefixIndexTest, LeadingOverlapStopsAtTheFirstMiss) {
     ASSERT_TRUE(index.AddWorker(w).ok());
     ASSERT_TRUE(index.ApplySnapshot(w, 0, {}).ok());
   }
-  // w0 holds 10,11,12; w1 holds 10 and 12 (not 11); w2 holds 11,12 only.
-  ASSERT_EQ(index.ApplyEvents(0, Batch(1, Kind::kStored, {10, 11, 12})), ApplyOutcome::kApplied);
-  ASSERT_EQ(index.ApplyEvents(1, Batch(1, Kind::kStored, {10, 12})), ApplyOutcome::kApplied);
-  ASSERT_EQ(index.ApplyEvents(2, Batch(1, Kind::kStored, {11, 12})), ApplyOutcome::kApplied);
+  // Each stores the prompt 10, 11, 12 (12's parent 11, 11's 10); then w1
+  // evicts 11 and w2 evicts 10, out of order: w0 holds 10,11,12, w1 holds
+  // 10 and 12 (not 11), w2 holds 11,12 only.
+  for (WorkerId w : {0u, 1u, 2u}) {
+    ASSERT_EQ(index.ApplyEvents(w, Batch(1, Kind::kStored, {10, 11, 12})), ApplyOutcome::kApplied);
+  }
+  ASSERT_EQ(index.ApplyEvents(1, Batch(2, Kind::kRemoved, {11})), ApplyOutcome::kApplied);
+  ASSERT_EQ(index.ApplyEvents(2, Batch(2, Kind::kRemoved, {10})), ApplyOutcome::kApplied);
   EXPECT_EQ(Overlap(index, {10, 11, 12, 13}), (std::vector<uint32_t>{3, 1, 0, 0}));
   EXPECT_EQ(Overlap(index, {10, 11}), (std::vector<uint32_t>{2, 1, 0, 0}));
   EXPECT_EQ(Overlap(index, {99, 10}), (std::vector<uint32_t>{0, 0, 0, 0}));
   EXPECT_EQ(Overlap(index, {}), (std::vector<uint32_t>{0, 0, 0, 0}));
+  // w1's hole made those answers walk; once 12 goes too, its blocks are
+  // closed under parents again and the answers bisect.
+  const uint64_t walked = index.stats().bisected_queries;
+  ASSERT_EQ(index.ApplyEvents(1, Batch(3, Kind::kRemoved, {12})), ApplyOutcome::kApplied);
+  ASSERT_EQ(index.ApplyEvents(2, Batch(3, Kind::kRemoved, {11, 12})), ApplyOutcome::kApplied);
+  EXPECT_EQ(Overlap(index, {10, 11, 12, 13}), (std::vector<uint32_t>{3, 1, 0, 0}));
+  EXPECT_EQ(index.stats().bisected_queries, walked + 1);
 }
 
 TEST(PrefixIndexTest, SequenceGapsDuplicatesAndResync) {
@@ -291,10 +302,13 @@ struct ReferenceIndex {
   }
 };
 
+// Random streams of any blocks in any order, as no engine's hash chains
+// could make them (a block named with two parents, prompts in any order):
+// the walk's answers, which assume nothing of parents.
 TEST(PrefixIndexTest, MatchesReferenceUnderRandomEventStreams) {
   constexpr size_t kSlots = 70;  // two bitset words
   std::mt19937_64 rng(12345);
-  PrefixIndex index({.max_workers = kSlots});
+  PrefixIndex index({.max_workers = kSlots, .chained_parents = false});
   ReferenceIndex ref;
   // A small universe (0 included) makes workers share blocks constantly.
   auto random_hash = [&] { return static_cast<BlockHash>(rng() % 64) * 0x100000001ull; };
@@ -383,7 +397,7 @@ TEST(PrefixIndexTest, MatchesReferenceUnderRandomEventStreams) {
 TEST(PrefixIndexTest, PendingMatchesReferenceUnderRandomStreams) {
   constexpr size_t kSlots = 70;  // two bitset words
   std::mt19937_64 rng(777);
-  PrefixIndex index({.max_workers = kSlots});
+  PrefixIndex index({.max_workers = kSlots, .chained_parents = false});  // as above
   struct Pending {
     std::set<WorkerId> workers;
     int64_t expires_us = 0;
@@ -492,6 +506,172 @@ TEST(PrefixIndexTest, PendingMatchesReferenceUnderRandomStreams) {
   // The pending entries decided many answers, and prefixes crossed chunks.
   EXPECT_GT(queries_pending_changed, 500);
   EXPECT_GT(longest_overlap, 32u);
+}
+
+// Streams an engine could send: blocks form a forest (each block's parent is
+// fixed, as hash chains make it), stored runs name their real parents, and
+// prompts are root-to-block paths. Most stores extend a prefix the worker
+// holds and most removals take a path's tail first, as an engine's cache
+// does; the rest leave holes (a run stored under an absent parent, a block
+// evicted before its children), as do snapshots (no parents) and stores
+// refused at the memory bound. The answers must be the naive walk's, and
+// most must come from the bisection.
+TEST(PrefixIndexTest, BisectionMatchesTheWalkOnChainedStreams) {
+  constexpr size_t kSlots = 70;  // two bitset words
+  constexpr size_t kBlocks = 400;
+  constexpr size_t kMaxEntries = 360;  // some stores are refused
+  std::mt19937_64 rng(2026);
+  PrefixIndex index({.max_workers = kSlots, .max_entries = kMaxEntries});
+  // The forest: block b's hash, its parent (or none) and its root-to-b path.
+  auto hash_of = [](size_t b) { return static_cast<BlockHash>(b) * 0x9E3779B97F4A7C15ull + 1; };
+  std::vector<std::optional<size_t>> parent(kBlocks);
+  std::vector<std::vector<BlockHash>> path(kBlocks);
+  std::map<BlockHash, std::vector<BlockHash>> children;
+  for (size_t b = 0; b < kBlocks; ++b) {
+    if (b > 0 && rng() % 12 != 0) parent[b] = b - 1 - rng() % std::min<size_t>(b, 8);
+    if (parent[b]) {
+      path[b] = path[*parent[b]];
+      children[hash_of(*parent[b])].push_back(hash_of(b));
+    }
+    path[b].push_back(hash_of(b));
+  }
+  std::vector<std::set<BlockHash>> held(kSlots);
+  std::vector<uint64_t> seq(kSlots, 0);
+  std::map<BlockHash, std::pair<std::set<WorkerId>, int64_t>> pending;  // workers, expiry
+  auto indexed = [&] {
+    std::set<BlockHash> all;
+    for (const auto& h : held) all.insert(h.begin(), h.end());
+    return all;
+  };
+  auto store = [&](WorkerId w, std::vector<BlockHash> run, std::optional<BlockHash> first_parent) {
+    std::set<BlockHash> all = indexed();
+    for (BlockHash h : run) {
+      if (!all.contains(h) && all.size() >= kMaxEntries) continue;  // refused
+      all.insert(h);
+      held[w].insert(h);
+      if (auto it = pending.find(h); it != pending.end()) it->second.first.erase(w);
+    }
+    KvEventBatch b;
+    b.sequence_number = ++seq[w];
+    b.events.push_back(KvStored{std::move(run), first_parent});
+    ASSERT_EQ(index.ApplyEvents(w, b), ApplyOutcome::kApplied);
+  };
+  auto reference = [&](const std::vector<BlockHash>& prompt, int64_t now) {
+    std::vector<uint32_t> out(kSlots, 0);
+    for (WorkerId w = 0; w < kSlots; ++w) {
+      uint32_t n = 0;
+      for (; n < prompt.size(); ++n) {
+        if (held[w].contains(prompt[n])) continue;
+        const auto it = pending.find(prompt[n]);
+        if (it == pending.end() || it->second.second <= now || !it->second.first.contains(w)) {
+          break;
+        }
+      }
+      out[w] = n;
+    }
+    return out;
+  };
+  for (WorkerId w = 0; w < kSlots; ++w) {
+    ASSERT_TRUE(index.AddWorker(w).ok());
+    ASSERT_TRUE(index.ApplySnapshot(w, 0, {}).ok());
+  }
+  int64_t now = 0;
+  int queries = 0, with_hole = 0, long_answers = 0;
+  for (int step = 0; step < 20000; ++step) {
+    now += static_cast<int64_t>(rng() % 4);
+    const WorkerId w = static_cast<WorkerId>(rng() % 8 == 0 ? rng() % kSlots : rng() % 6);
+    const std::vector<BlockHash>& p = path[rng() % kBlocks];
+    const int op = static_cast<int>(rng() % 100);
+    if (op < 40) {
+      // Store the path from the first block w lacks (an engine's prefill),
+      // or now and then from anywhere in it.
+      size_t from = 0;
+      while (from < p.size() && held[w].contains(p[from])) ++from;
+      if (op < 1) from = rng() % p.size();
+      if (from == p.size()) continue;
+      store(w, {p.begin() + static_cast<std::ptrdiff_t>(from), p.end()},
+            from == 0 ? std::nullopt : std::optional<BlockHash>(p[from - 1]));
+    } else if (op < 75) {
+      // Evict: the path's tail first, or now and then one block anywhere.
+      std::vector<BlockHash> gone;
+      if (op < 74) {
+        // An engine's cache evicts a block only after its children.
+        const size_t want = 1 + rng() % 6;
+        for (size_t i = p.size(); i-- > 0 && gone.size() < want;) {
+          const BlockHash h = p[i];
+          const bool leaf = std::none_of(children[h].begin(), children[h].end(),
+                                         [&](BlockHash c) { return held[w].contains(c); });
+          if (held[w].contains(h) && leaf) {
+            gone.push_back(h);
+            held[w].erase(h);
+          }
+        }
+      } else {
+        gone.push_back(p[rng() % p.size()]);
+      }
+      for (BlockHash h : gone) held[w].erase(h);
+      KvEventBatch b;
+      b.sequence_number = ++seq[w];
+      b.events.push_back(KvRemoved{std::move(gone)});
+      ASSERT_EQ(index.ApplyEvents(w, b), ApplyOutcome::kApplied);
+    } else if (op < 76 && rng() % 8 == 0) {
+      // A snapshot (rare, as resyncs are): what w holds, its parents
+      // unknown until those blocks go.
+      std::vector<BlockHash> snap(held[w].begin(), held[w].end());
+      if (rng() % 2) snap.resize(snap.size() / 2);
+      held[w] = {snap.begin(), snap.end()};
+      seq[w] = rng() % 50;
+      ASSERT_TRUE(index.ApplySnapshot(w, seq[w], snap).ok());
+      for (auto& [h, e] : pending) {
+        if (held[w].contains(h)) e.first.erase(w);
+      }
+    } else if (op < 77) {
+      KvEventBatch b;
+      b.sequence_number = ++seq[w];
+      b.events.push_back(KvCleared{});
+      ASSERT_EQ(index.ApplyEvents(w, b), ApplyOutcome::kApplied);
+      held[w].clear();
+      for (auto& [h, e] : pending) e.first.erase(w);
+    } else if (op < 80) {
+      // A routing decision's pending entries: the path past w's prefix.
+      size_t from = 0;
+      while (from < p.size() && held[w].contains(p[from])) ++from;
+      const std::vector<BlockHash> rest(p.begin() + static_cast<std::ptrdiff_t>(from), p.end());
+      const int64_t expires = now + 1 + static_cast<int64_t>(rng() % 30);
+      index.AddPending(w, rest, now, expires);
+      for (BlockHash h : rest) {
+        pending[h].first.insert(w);
+        pending[h].second = expires;
+      }
+    } else {
+      // A query: a path, sometimes with a block no one holds after it.
+      std::vector<BlockHash> prompt = p;
+      if (rng() % 3 == 0) prompt.push_back(hash_of(kBlocks + rng() % 100));
+      std::vector<uint32_t> got;
+      index.LeadingOverlap(prompt, now, &got);
+      const std::vector<uint32_t> want = reference(prompt, now);
+      ASSERT_EQ(got, want) << "step " << step;
+      ++queries;
+      long_answers += *std::max_element(want.begin(), want.end()) >= 4;
+      for (WorkerId v = 0; v < kSlots; ++v) {
+        for (size_t i = 1; i < p.size(); ++i) {
+          if (held[v].contains(p[i]) && !held[v].contains(p[i - 1]) && held[v].contains(p[0])) {
+            ++with_hole;
+            v = kSlots - 1;
+            break;
+          }
+        }
+      }
+    }
+  }
+  // Both paths answered many queries, with holes among their holders, and
+  // prefixes were long enough to bisect.
+  const PrefixIndexStats s = index.stats();
+  EXPECT_GT(s.rejected_stores, 0u);
+  EXPECT_GT(with_hole, queries / 20);
+  EXPECT_GT(long_answers, queries / 4);
+  EXPECT_GT(s.bisected_queries, static_cast<uint64_t>(queries) / 8);
+  EXPECT_LT(s.bisected_queries, static_cast<uint64_t>(queries));
 }
 
 // Lower tiers: Stored/Removed events of the host and disk tiers and the
