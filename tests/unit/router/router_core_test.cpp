@@ -352,6 +352,36 @@ TEST(RouterCoreTest, PendingEntriesCoLocateABurstUntilTheyExpire) {
   EXPECT_EQ(f.Route(6, prompt).decode_overlap_blocks, 0);
 }
 
+// Route writes its pending entries after it returns (FlushPending), yet in
+// the order of the calls: a decision's entries come before any later call,
+// here a KV event that stores and then evicts the blocks. Were the entries
+// written after that event, they would outlive the eviction and the prompt
+// would look cached on the worker until they expire.
+TEST(RouterCoreTest, PendingEntriesOfADecisionComeBeforeLaterEvents) {
+  RouterOptions o = Policy("kv");
+  o.pending_ttl_us = 1'000'000;
+  Fixture f(o, {Role::kBoth, Role::kBoth});
+  const auto prompt = Prompt(42, 8);
+  const RouteDecision d = f.Route(1, prompt);  // no FlushPending
+  const size_t w = f.IndexOf(d.decode);
+  std::vector<uint32_t> overlap;
+  f.Store(w, prompt);
+  KvEventBatch evicted;
+  evicted.sequence_number = ++f.seqs[w];
+  evicted.events.push_back(KvRemoved{prompt});
+  ASSERT_EQ(f.core->OnKvEvents(d.decode, evicted), ApplyOutcome::kApplied);
+  f.core->Overlap(prompt, 1, &overlap);
+  EXPECT_EQ(overlap[d.decode], 0u);
+  // A burst still co-locates with or without the caller's flush.
+  const RouteDecision d2 = f.Route(2, Prompt(500, 8));
+  EXPECT_EQ(f.Route(3, Prompt(500, 8)).decode, d2.decode);
+  f.core->FlushPending();
+  f.core->FlushPending();  // nothing left: no-op
+  EXPECT_EQ(f.Route(4, Prompt(500, 8)).decode, d2.decode);
+  f.core->Overlap(Prompt(500, 8), 1, &overlap);
+  EXPECT_EQ(overlap[d2.decode], 8u);
+}
+
 TEST(RouterCoreTest, WithoutPendingEntriesABurstSpreads) {
   Fixture f(Policy("kv"), {Role::kBoth, Role::kBoth});
   const auto prompt = Prompt(42, 32);
