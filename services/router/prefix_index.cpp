@@ -678,6 +678,30 @@ void PrefixIndex::AddPending(WorkerId worker, std::span<const BlockHash> hashes,
   }
 }
 
+void PrefixIndex::AdoptHeldPrefix(WorkerId worker, std::span<const BlockHash> prefix) {
+  using WS = WorkerState;
+  if (!options_.chained_parents || prefix.empty()) return;
+  std::unique_lock lock(mu_);
+  if (worker >= workers_.size() || !workers_[worker].open) return;
+  WorkerState& w = workers_[worker];
+  if (w.holes == 0) return;
+  BlockTable& mine = *w.blocks;
+  for (size_t i = 0; i < prefix.size() && w.holes > 0; ++i) {
+    const size_t slot = mine.Find(prefix[i]);
+    if (slot == BlockTable::kNotFound) return;
+    uint64_t* e = mine.words(slot);
+    if ((e[WS::kState] & WS::kHeld) == 0) return;
+    if ((e[WS::kState] & WS::kOrphan) == 0) continue;
+    e[WS::kState] &= ~WS::kOrphan;
+    --w.holes;
+    if (i == 0) continue;  // the prompt's first block: no parent
+    e[WS::kState] |= WS::kHasParent;
+    e[WS::kParent] = prefix[i - 1];
+    // Held (the loop got past it), so found, and Find moves nothing.
+    mine.words(mine.Find(prefix[i - 1]))[WS::kState] += uint64_t{1} << WS::kChildShift;
+  }
+}
+
 void PrefixIndex::ExpirePending(int64_t now_us) {
   std::unique_lock lock(mu_);
   SweepPendingLocked(now_us);

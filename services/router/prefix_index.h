@@ -191,6 +191,14 @@ class PrefixIndex {
   // Marks `hashes` as about to be held by `worker` until expires_us.
   void AddPending(WorkerId worker, std::span<const BlockHash> hashes, int64_t now_us,
                   int64_t expires_us);
+  // The caller found `worker` holding `prefix`, a prompt's leading blocks
+  // (the router hashed them, so each one's parent is the one before it):
+  // those of them the index holds without a parent (from a snapshot) get
+  // it, so that a worker's blocks can count as closed under parents again
+  // (see LeadingOverlap) without waiting for them to be evicted. Stops at
+  // the first block the worker does not hold. Cheap for a worker without
+  // such blocks.
+  void AdoptHeldPrefix(WorkerId worker, std::span<const BlockHash> prefix);
   // Removes pending entries whose expiry is <= now_us (queries already
   // ignore them; this returns their memory). O(max_pending).
   void ExpirePending(int64_t now_us);

@@ -278,19 +278,22 @@ void RouterCore::AddPendingLocked(WorkerId worker, std::span<const BlockHash> ha
   index_.AddPending(worker, pending_keys_, now_us, expires_us);
 }
 
-void RouterCore::DeferPendingLocked(WorkerId worker, std::span<const BlockHash> hashes,
-                                    int64_t now_us, int64_t expires_us) {
-  if (hashes.empty()) return;
-  deferred_.push_back({worker, deferred_hashes_.size(), hashes.size(), now_us, expires_us});
-  deferred_hashes_.insert(deferred_hashes_.end(), hashes.begin(), hashes.end());
+void RouterCore::DeferPendingLocked(WorkerId worker, std::span<const BlockHash> prompt,
+                                    int64_t held, int64_t now_us, int64_t expires_us) {
+  if (prompt.empty()) return;
+  deferred_.push_back({worker, deferred_hashes_.size(), prompt.size(), static_cast<size_t>(held),
+                       now_us, expires_us});
+  deferred_hashes_.insert(deferred_hashes_.end(), prompt.begin(), prompt.end());
   has_deferred_.store(true, std::memory_order_release);
 }
 
 void RouterCore::FlushPendingLocked() {
   if (deferred_.empty()) return;
   for (const DeferredPending& d : deferred_) {
-    AddPendingLocked(d.worker, std::span(deferred_hashes_).subspan(d.first, d.count), d.now_us,
-                     d.expires_us);
+    const auto prompt = std::span(deferred_hashes_).subspan(d.first, d.count);
+    AddPendingLocked(d.worker, prompt.subspan(d.held), d.now_us, d.expires_us);
+    // Group keys are not chained by the prompt's hashes alone.
+    if (d.held > 0 && !GroupedLocked()) index_.AdoptHeldPrefix(d.worker, prompt.first(d.held));
   }
   deferred_.clear();
   deferred_hashes_.clear();
@@ -467,11 +470,11 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
   // them) will hold the whole prompt shortly.
   if (options_.pending_ttl_us > 0) {
     const int64_t expires = now + options_.pending_ttl_us;
-    DeferPendingLocked(r.prefiller, request.block_hashes.subspan(decision.prefill_overlap_blocks),
-                       now, expires);
+    DeferPendingLocked(r.prefiller, request.block_hashes, decision.prefill_overlap_blocks, now,
+                       expires);
     if (decision.prefill && !compresses) {
-      DeferPendingLocked(r.decode, request.block_hashes.subspan(decision.decode_overlap_blocks),
-                         now, expires);
+      DeferPendingLocked(r.decode, request.block_hashes, decision.decode_overlap_blocks, now,
+                         expires);
     }
   }
 

@@ -318,9 +318,11 @@ class RouterCore {
                      std::vector<uint32_t>* out) const;
   void AddPendingLocked(WorkerId worker, std::span<const BlockHash> hashes, int64_t now_us,
                         int64_t expires_us);
-  // Route's pending entries, kept until FlushPendingLocked writes them.
-  void DeferPendingLocked(WorkerId worker, std::span<const BlockHash> hashes, int64_t now_us,
-                          int64_t expires_us);
+  // Route's pending entries (the prompt's blocks from `held` on), kept
+  // until FlushPendingLocked writes them; the worker's first `held` blocks
+  // are then confirmed to the index as a chain (PrefixIndex::AdoptHeldPrefix).
+  void DeferPendingLocked(WorkerId worker, std::span<const BlockHash> prompt, int64_t held,
+                          int64_t now_us, int64_t expires_us);
   void FlushPendingLocked();
 
   RouterOptions options_;
@@ -352,7 +354,8 @@ class RouterCore {
   // does not take mu_, skip the lock when there are none.
   struct DeferredPending {
     WorkerId worker = 0;
-    size_t first = 0, count = 0;
+    size_t first = 0, count = 0;  // the prompt
+    size_t held = 0;              // its blocks the worker held at the decision
     int64_t now_us = 0, expires_us = 0;
   };
   std::vector<DeferredPending> deferred_;

@@ -508,6 +508,32 @@ TEST(PrefixIndexTest, PendingMatchesReferenceUnderRandomStreams) {
   EXPECT_GT(longest_overlap, 32u);
 }
 
+// A snapshot names no parents, so its blocks count as holes and queries
+// walk, until the router confirms a prompt's blocks it found the worker
+// holding (AdoptHeldPrefix) or the blocks go.
+TEST(PrefixIndexTest, SnapshotBlocksBisectOnceAPromptConfirmsTheirParents) {
+  PrefixIndex index({.max_workers = 2});
+  ASSERT_TRUE(index.AddWorker(0).ok());
+  ASSERT_TRUE(index.ApplySnapshot(0, 0, std::vector<BlockHash>{30, 10, 20, 99}).ok());
+  const std::vector<BlockHash> prompt{10, 20, 30, 40};
+  EXPECT_EQ(Overlap(index, prompt)[0], 3u);
+  EXPECT_EQ(index.stats().bisected_queries, 0u);
+  index.AdoptHeldPrefix(0, std::span(prompt).first(2));  // 10 and 20 only
+  EXPECT_EQ(Overlap(index, prompt)[0], 3u);
+  EXPECT_EQ(index.stats().bisected_queries, 0u);  // 30 and 99 still without parents
+  index.AdoptHeldPrefix(0, prompt);               // stops at 40, which it lacks
+  ASSERT_EQ(index.ApplyEvents(0, Batch(1, Kind::kRemoved, {99})), ApplyOutcome::kApplied);
+  EXPECT_EQ(Overlap(index, prompt)[0], 3u);
+  EXPECT_EQ(index.stats().bisected_queries, 1u);
+  // Evicting 20 before 30 leaves a hole: the walk answers again, and right.
+  ASSERT_EQ(index.ApplyEvents(0, Batch(2, Kind::kRemoved, {20})), ApplyOutcome::kApplied);
+  EXPECT_EQ(Overlap(index, prompt)[0], 1u);
+  EXPECT_EQ(index.stats().bisected_queries, 1u);
+  ASSERT_EQ(index.ApplyEvents(0, Batch(3, Kind::kRemoved, {30})), ApplyOutcome::kApplied);
+  EXPECT_EQ(Overlap(index, prompt)[0], 1u);
+  EXPECT_EQ(index.stats().bisected_queries, 2u);
+}
+
 // Streams an engine could send: blocks form a forest (each block's parent is
 // fixed, as hash chains make it), stored runs name their real parents, and
 // prompts are root-to-block paths. Most stores extend a prefix the worker
@@ -653,6 +679,9 @@ TEST(PrefixIndexTest, BisectionMatchesTheWalkOnChainedStreams) {
       ASSERT_EQ(got, want) << "step " << step;
       ++queries;
       long_answers += *std::max_element(want.begin(), want.end()) >= 4;
+      // As the router does after routing the prompt to w: w's snapshot
+      // blocks along it learn their parents.
+      if (rng() % 2) index.AdoptHeldPrefix(w, std::span(prompt).first(want[w]));
       for (WorkerId v = 0; v < kSlots; ++v) {
         for (size_t i = 1; i < p.size(); ++i) {
           if (held[v].contains(p[i]) && !held[v].contains(p[i - 1]) && held[v].contains(p[0])) {

@@ -382,6 +382,22 @@ TEST(RouterCoreTest, PendingEntriesOfADecisionComeBeforeLaterEvents) {
   EXPECT_EQ(overlap[d2.decode], 8u);
 }
 
+// After a resync (a snapshot names no parents) the index walks prompts;
+// routing one confirms the chain of the blocks the worker was found
+// holding, and the next decisions on it bisect.
+TEST(RouterCoreTest, RoutingAPromptConfirmsASnapshotsChain) {
+  RouterOptions o = Policy("kv");
+  o.pending_ttl_us = 1'000'000;
+  Fixture f(o, {Role::kBoth});
+  const auto prompt = Prompt(42, 8);
+  ASSERT_TRUE(f.core->OnSnapshot(f.ids[0], 5, prompt).ok());
+  EXPECT_EQ(f.Route(1, prompt, 3).decode_overlap_blocks, 8);
+  EXPECT_EQ(f.core->stats().index.bisected_queries, 0u);
+  f.core->FlushPending();
+  EXPECT_EQ(f.Route(2, prompt, 3).decode_overlap_blocks, 8);
+  EXPECT_EQ(f.core->stats().index.bisected_queries, 1u);
+}
+
 TEST(RouterCoreTest, WithoutPendingEntriesABurstSpreads) {
   Fixture f(Policy("kv"), {Role::kBoth, Role::kBoth});
   const auto prompt = Prompt(42, 32);
