@@ -16,15 +16,15 @@
 // Sliced pairs (ConnectSlices, tensor-parallel workers of different sizes):
 // the pair's slices travel in the writer's reply, checked against both block
 // sizes on both sides (transport/detail/block_slices.h). Per chunk of at most
-// `chunk blocks` blocks (runs cut where a chunk is full; the writer picks the
-// chunk so that it fits both sides' `staging_bytes`, at least one block) the
-// writer gathers the blocks' slices into a device staging buffer with one
-// cudaMemcpy2DAsync per slice and run piece, and ncclSend's it; the receiver
-// ncclRecv's into its staging buffer and scatters it the same way; all on
-// the transfer's stream, in order. One staging buffer per KvTransfer (one
-// transfer runs at a time), allocated on the first sliced transfer, sized to
-// the largest chunk, freed when the last sliced pair disconnects; stats()
-// reports it. Equal splits move whole blocks pool to pool as above.
+// `chunk blocks` blocks (runs packed in order, cut where a chunk is full; the
+// writer picks the chunk so that it fits both sides' `staging_bytes`, at
+// least one block) the writer gathers the blocks' slices into a device
+// staging buffer with one cudaMemcpy2DAsync per slice and run piece, and
+// ncclSend's it; the receiver ncclRecv's into its staging buffer and
+// scatters it the same way; all on the transfer's stream, in order. One staging buffer per
+// KvTransfer (one transfer runs at a time), allocated on the first sliced transfer, sized to the
+// largest chunk, freed when the last sliced pair disconnects; stats() reports it. Equal splits move
+// whole blocks pool to pool as above.
 //
 // Pools are device memory (MemoryType::kCuda) on `device`. Work runs on one
 // thread per KvTransfer, which also runs the callbacks; a communicator's
