@@ -183,9 +183,9 @@ class NcclTransfer final : public KvTransfer {
   Status EnqueueSliced(const Job& job, const NcclPeer& peer, const std::vector<BlockRun>& runs,
                        const MemoryRegion& region);
   Status EnsureComm(NcclPeer* peer);
-  // Worker thread: a staging buffer of at least `bytes`; frees it once no
-  // sliced pair is left.
-  Status EnsureStaging(uint64_t bytes);
+  // Worker thread: a staging buffer of at least `need` bytes; frees it once
+  // no sliced pair is left.
+  Status EnsureStaging(uint64_t need);
   void ReleaseStagingIfUnused();
   void AbortPeer(NcclPeer* peer, Status why);
   WireDescriptor OwnDescriptor(DescriptorKind kind) const;
@@ -473,9 +473,14 @@ void NcclTransfer::AbortPeer(NcclPeer* peer, Status why) {
   peer->failure = std::move(why);
 }
 
-Status NcclTransfer::EnsureStaging(uint64_t bytes) {
-  if (staging_reserved_.load() >= bytes) return Status::Ok();
-  if (staging_ != nullptr) cudaFree(staging_);  // waits for the stream's copies
+Status NcclTransfer::EnsureStaging(uint64_t need) {
+  if (staging_reserved_.load() >= need) return Status::Ok();
+  // The whole budget at once: every pair's messages fit it (the writer chose
+  // them so), so the buffer never grows again unless one block's slices
+  // exceed the budget. cudaFree synchronizes the device, where another
+  // rank's transfer may be waiting for its peer.
+  const uint64_t bytes = std::max<uint64_t>(need, options_.staging_bytes);
+  if (staging_ != nullptr) cudaFree(staging_);
   staging_ = nullptr;
   staging_reserved_ = 0;
   cudaError_t e = cudaMalloc(&staging_, bytes);

@@ -21,10 +21,12 @@
 // least one block) the writer gathers the blocks' slices into a device
 // staging buffer with one cudaMemcpy2DAsync per slice and run piece, and
 // ncclSend's it; the receiver ncclRecv's into its staging buffer and
-// scatters it the same way; all on the transfer's stream, in order. One staging buffer per
-// KvTransfer (one transfer runs at a time), allocated on the first sliced transfer, sized to the
-// largest chunk, freed when the last sliced pair disconnects; stats() reports it. Equal splits move
-// whole blocks pool to pool as above.
+// scatters it the same way; all on the transfer's stream, in order. One
+// staging buffer per KvTransfer (one transfer runs at a time) of
+// `staging_bytes` (more only where one block's slices are larger),
+// allocated on the first sliced transfer and freed when the last sliced
+// pair disconnects; stats() reports it. Equal splits move whole blocks pool
+// to pool as above.
 //
 // Pools are device memory (MemoryType::kCuda) on `device`. Work runs on one
 // thread per KvTransfer, which also runs the callbacks; a communicator's

@@ -390,8 +390,9 @@ void NcclHandOff(int a, int b, DType dtype) {
     }
   }
   const KvTransferStats ws = writer.transfer->stats(), rst = receiver.transfer->stats();
-  EXPECT_GT(ws.staging_bytes_reserved, 0u);
-  EXPECT_LE(ws.staging_bytes_reserved, 2 * staging);  // a rank's buffer each
+  // Every rank of both sides has sliced pairs: a buffer of the budget each.
+  EXPECT_EQ(ws.staging_bytes_reserved, a * staging);
+  EXPECT_EQ(rst.staging_bytes_reserved, b * staging);
   // 2 pairs, each 7 blocks in messages of 2: 4 sends a pair.
   EXPECT_EQ(ws.network_writes, 8u);
   EXPECT_EQ(ws.staging_bytes_in_use, 0u);
