@@ -56,13 +56,13 @@ StatusOr<KvTransfer::Connection> KvTransfer::ConnectSlices(std::string_view,
                                                            std::vector<BlockSlice>) {
   return Status::Unsupported("the " + std::string(backend()) +
                              " KV transfer moves whole blocks only: a hand-off between workers of "
-                             "different tensor-parallel sizes needs ucx");
+                             "different tensor-parallel sizes needs ucx or nccl");
 }
 
 StatusOr<PeerId> KvTransfer::AcceptSlices(std::string_view) {
   return Status::Unsupported("the " + std::string(backend()) +
                              " KV transfer moves whole blocks only: a hand-off between workers of "
-                             "different tensor-parallel sizes needs ucx");
+                             "different tensor-parallel sizes needs ucx or nccl");
 }
 
 }  // namespace pdserve

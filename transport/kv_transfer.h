@@ -167,8 +167,9 @@ class KvTransfer {
   // the tensor-parallel split only (CheckLayoutsMatchExceptSplit): every
   // Write to it moves `slices` of each block (within both block sizes). UCX
   // gathers a chunk of blocks' slices into one message when both sides can
-  // stage (two-sided: post the Receive), else puts each slice of each block.
-  // The default refuses (Unsupported).
+  // stage (two-sided: post the Receive), else puts each slice of each block;
+  // NCCL gathers them into a device staging buffer. The default refuses
+  // (Unsupported).
   virtual StatusOr<Connection> ConnectSlices(std::string_view peer_descriptor,
                                              std::vector<BlockSlice> slices);
   virtual StatusOr<PeerId> AcceptSlices(std::string_view reply);

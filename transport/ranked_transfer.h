@@ -9,11 +9,13 @@
 // of its heads from the first writing rank that holds it: one connection per
 // such (writer rank, receiver rank) pair, each moving its heads' slices of
 // every block: per layer its K and V heads and, for scaled KV types (fp8,
-// nvfp4), their per-head scales (merged where contiguous; UCX only; an
-// in-block order other than kernels/kv_cache_layout.h's GQA one is
-// refused). UCX gathers a pair's slices of a chunk of blocks into one
-// message when both sides can stage (two-sided: the receiver's Receive is
-// required, as always), else puts each slice of each block. A head
+// nvfp4), their per-head scales (merged where contiguous; an in-block
+// order other than kernels/kv_cache_layout.h's GQA one is refused). UCX
+// gathers a pair's slices of a chunk of blocks into one message when both
+// sides can stage (two-sided: the receiver's Receive is required, as
+// always), else puts each slice of each block; NCCL always gathers, into a
+// device staging buffer, one ncclSend per chunk (nccl/nccl_transfer.h; it
+// has not run on a GPU pair). A head
 // replicated on several receiving ranks (more ranks than KV heads) is sent
 // to each of them: BlockBytesTo() counts it. MLA's latent is one head on
 // every rank: each receiving rank gets the whole block from our rank 0.

@@ -28,9 +28,10 @@
 # bounds; bench/gpu/NOTES.md).
 #
 # And (tp): the communicators' GPU tests (device-local on one GPU, NCCL where
-# two exist); stories260K's greedy tokens at TP 2 on one GPU (device-local)
-# and on two (NCCL) against the CPU's at TP 1; `bench engine` on Llama-3.1-8B
-# shapes at TP 1 and TP 2 on one GPU, and TP 2 on two GPUs where they exist.
+# two exist) and the NCCL KV transfer's (two GPUs); stories260K's greedy
+# tokens at TP 2 on one GPU (device-local) and on two (NCCL) against the
+# CPU's at TP 1; `bench engine` on Llama-3.1-8B shapes at TP 1 and TP 2 on
+# one GPU, and TP 2 on two GPUs where they exist.
 #
 # And (quick): one short call for a first look at a tree that never ran on a
 # device: the headline benchmarks first on a quiet GPU (kernels with fp16
@@ -249,6 +250,16 @@ if [[ $WHAT == all || $WHAT == tp ]]; then
   else r=FAIL; fi
   skipped=$(sed -n 's/^\[  SKIPPED \] \([0-9]*\) tests\?[.,].*/\1/p' "$OUT/communicator_test.log" | head -1)
   summary+=("communicator_test: $r, ${skipped:-0} skipped")
+  # The NCCL KV transfer (two GPUs: whole blocks, head slices between TP
+  # sizes); its log goes after the communicators' (no more files come back).
+  step "cuda_kv_transfer_test NCCL cases"
+  nccl_log=$(mktemp)
+  if "$KIT/bin/cuda_kv_transfer_test" --gtest_filter='CudaKvTransferTest.Nccl*' --gtest_brief=1 \
+    > "$nccl_log" 2>&1; then r=pass; else r=FAIL; fi
+  skipped=$(sed -n 's/^\[  SKIPPED \] \([0-9]*\) tests\?[.,].*/\1/p' "$nccl_log" | head -1)
+  summary+=("cuda_kv_transfer_test NCCL: $r, ${skipped:-0} skipped")
+  cat "$nccl_log" >> "$OUT/communicator_test.log"
+  rm -f "$nccl_log"
   gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -c .)
   tp_devices=("cuda:0,cuda:0")
   [[ $gpus -ge 2 ]] && tp_devices+=("cuda:0,cuda:1")

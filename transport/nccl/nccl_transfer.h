@@ -13,6 +13,21 @@
 // misses its deadline, or a communicator that reports an asynchronous error
 // (peer gone), aborts the communicator: the pair must handshake again.
 //
+// Sliced pairs (ConnectSlices, tensor-parallel workers of different sizes):
+// the pair's slices travel in the writer's reply, checked against both block
+// sizes on both sides (transport/detail/block_slices.h). Per chunk of at most
+// `chunk blocks` blocks (runs packed in order, cut where a chunk is full; the
+// writer picks the chunk so that it fits both sides' `staging_bytes`, at
+// least one block) the writer gathers the blocks' slices into a device
+// staging buffer with one cudaMemcpy2DAsync per slice and run piece, and
+// ncclSend's it; the receiver ncclRecv's into its staging buffer and
+// scatters it the same way; all on the transfer's stream, in order. One
+// staging buffer per KvTransfer (one transfer runs at a time) of
+// `staging_bytes` (more only where one block's slices are larger),
+// allocated on the first sliced transfer and freed when the last sliced
+// pair disconnects; stats() reports it. Equal splits move whole blocks pool
+// to pool as above.
+//
 // Pools are device memory (MemoryType::kCuda) on `device`. Work runs on one
 // thread per KvTransfer, which also runs the callbacks; a communicator's
 // lazy creation blocks that thread until the peer joins (bounded by the
@@ -20,6 +35,7 @@
 // close in time).
 #pragma once
 
+#include <cstddef>
 #include <memory>
 #include <string>
 
@@ -30,6 +46,9 @@ namespace pdserve {
 
 struct NcclTransferOptions {
   int device = 0;
+  // Bound on a sliced pair's staging buffer (device memory), unless one
+  // block's slices are larger.
+  size_t staging_bytes = size_t{64} << 20;
 };
 
 StatusOr<std::unique_ptr<KvTransfer>> CreateNcclTransfer(const NcclTransferOptions& options);

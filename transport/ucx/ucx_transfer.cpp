@@ -25,6 +25,7 @@
 
 #include "common/byte_codec.h"
 #include "common/logging.h"
+#include "transport/detail/block_slices.h"
 #include "transport/detail/descriptor.h"
 #include "transport/ucx/staging_copier.h"
 
@@ -36,9 +37,11 @@ namespace pdserve {
 namespace {
 
 using transport_detail::BackendCode;
+using transport_detail::CheckBlockSlices;
 using transport_detail::DecodeDescriptor;
 using transport_detail::DescriptorKind;
 using transport_detail::EncodeDescriptor;
+using transport_detail::IsWholeBlock;
 using transport_detail::WireDescriptor;
 
 std::string UcsError(const char* what, ucs_status_t s) {
@@ -115,8 +118,6 @@ struct StagingWire {
   std::vector<BlockSlice> slices;
 };
 constexpr uint8_t kStagingWireVersion = 2;
-// 2 x layers slices a block at most; bounds what a peer may make us decode.
-constexpr uint32_t kMaxSlices = 1 << 16;
 
 std::string EncodeStaging(const StagingWire& w) {
   codec::ByteWriter b;
@@ -124,12 +125,7 @@ std::string EncodeStaging(const StagingWire& w) {
   b.U8(w.staged ? 1 : 0);
   b.U32(w.chunk_blocks);
   b.U64(w.nonce);
-  b.U32(static_cast<uint32_t>(w.slices.size()));
-  for (const BlockSlice& sl : w.slices) {
-    b.U64(sl.local_offset);
-    b.U64(sl.remote_offset);
-    b.U64(sl.bytes);
-  }
+  transport_detail::EncodeBlockSlices(b, w.slices);
   return b.Take();
 }
 
@@ -144,23 +140,10 @@ StatusOr<StagingWire> DecodeStaging(std::string_view bytes) {
   PDSERVE_RETURN_IF_ERROR(r.U8("staged", &staged));
   PDSERVE_RETURN_IF_ERROR(r.U32("chunk_blocks", &w.chunk_blocks));
   PDSERVE_RETURN_IF_ERROR(r.U64("nonce", &w.nonce));
-  uint32_t slices = 0;
-  PDSERVE_RETURN_IF_ERROR(r.U32("slices", &slices));
-  if (slices > kMaxSlices) return r.Error(std::to_string(slices) + " block slices");
-  w.slices.resize(slices);
-  for (BlockSlice& sl : w.slices) {
-    PDSERVE_RETURN_IF_ERROR(r.U64("slice writer offset", &sl.local_offset));
-    PDSERVE_RETURN_IF_ERROR(r.U64("slice receiver offset", &sl.remote_offset));
-    PDSERVE_RETURN_IF_ERROR(r.U64("slice bytes", &sl.bytes));
-  }
+  PDSERVE_RETURN_IF_ERROR(transport_detail::DecodeBlockSlices(r, &w.slices));
   if (r.remaining() != 0) return r.Error(std::to_string(r.remaining()) + " trailing bytes");
   w.staged = staged != 0;
   return w;
-}
-
-// Slices that are one whole block, of the same size on both sides.
-bool IsWholeBlock(const std::vector<BlockSlice>& slices, uint64_t here, uint64_t there) {
-  return slices.size() == 1 && here == there && slices[0] == BlockSlice{0, 0, here};
 }
 
 constexpr size_t kChunkHeaderBytes = 64;
@@ -1098,17 +1081,8 @@ StatusOr<KvTransfer::Connection> UcxTransfer::ConnectLocked(std::string_view blo
     PDSERVE_RETURN_IF_ERROR(CheckLayoutsMatch(layout_, d->layout));
   } else {
     PDSERVE_RETURN_IF_ERROR(CheckLayoutsMatchExceptSplit(layout_, d->layout));
-    if (slices->empty()) return Status::InvalidArgument("a sliced KV connection needs a slice");
-    for (const BlockSlice& sl : *slices) {
-      if (sl.bytes == 0 || sl.local_offset + sl.bytes > region_.block_bytes ||
-          sl.remote_offset + sl.bytes > d->block_bytes) {
-        return Status::InvalidArgument(
-            "KV block slice of " + std::to_string(sl.bytes) + " bytes at " +
-            std::to_string(sl.local_offset) + " -> " + std::to_string(sl.remote_offset) +
-            " does not fit blocks of " + std::to_string(region_.block_bytes) + " and " +
-            std::to_string(d->block_bytes) + " bytes");
-      }
-    }
+    PDSERVE_RETURN_IF_ERROR(
+        CheckBlockSlices(*slices, region_.block_bytes, d->block_bytes, "a sliced KV connection"));
   }
   if (d->address.empty()) return Status::InvalidArgument("KV transfer descriptor has no address");
 
@@ -1124,7 +1098,7 @@ StatusOr<KvTransfer::Connection> UcxTransfer::ConnectLocked(std::string_view blo
   // whole blocks do.
   if (slices != nullptr && !IsWholeBlock(*slices, region_.block_bytes, d->block_bytes)) {
     peer->slices = *slices;
-    for (const BlockSlice& sl : *slices) peer->slice_bytes += sl.bytes;
+    peer->slice_bytes = transport_detail::SlicedBytes(*slices);
   }
   StagingWire theirs;
   if (!d->channel.empty()) {
@@ -1211,21 +1185,14 @@ StatusOr<PeerId> UcxTransfer::AcceptImpl(std::string_view reply, bool sliced) {
                    "tensor-parallel splits"
                  : "the writer's reply names block slices, but this pair's layouts match whole");
     }
-    for (const BlockSlice& sl : theirs.slices) {  // the writer's view: swap the offsets
-      if (sl.bytes == 0 || sl.local_offset + sl.bytes > d->block_bytes ||
-          sl.remote_offset + sl.bytes > region_.block_bytes) {
-        return Status::InvalidArgument(
-            "the writer's KV block slice of " + std::to_string(sl.bytes) + " bytes at " +
-            std::to_string(sl.local_offset) + " -> " + std::to_string(sl.remote_offset) +
-            " does not fit blocks of " + std::to_string(d->block_bytes) + " and " +
-            std::to_string(region_.block_bytes) + " bytes");
+    if (sliced) {
+      PDSERVE_RETURN_IF_ERROR(CheckBlockSlices(theirs.slices, d->block_bytes, region_.block_bytes,
+                                               "the writer's reply"));
+      // One slice of the whole block moves as whole blocks do, as the writer decided.
+      if (!IsWholeBlock(theirs.slices, d->block_bytes, region_.block_bytes)) {
+        peer->slices = transport_detail::OtherSide(theirs.slices);  // the writer's view, swapped
+        peer->slice_bytes = transport_detail::SlicedBytes(peer->slices);
       }
-      peer->slices.push_back({sl.remote_offset, sl.local_offset, sl.bytes});
-      peer->slice_bytes += sl.bytes;
-    }
-    if (IsWholeBlock(peer->slices, region_.block_bytes, d->block_bytes)) {
-      peer->slices.clear();  // as the writer does
-      peer->slice_bytes = 0;
     }
     PDSERVE_RETURN_IF_ERROR(
         AgreeStaging(peer.get(), theirs, /*peer_is_receiver=*/false, d->block_bytes));

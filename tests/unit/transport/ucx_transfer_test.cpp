@@ -13,13 +13,17 @@
 #include <condition_variable>
 #include <cstring>
 #include <future>
+#include <limits>
 #include <mutex>
 #include <numeric>
 #include <random>
 #include <set>
 #include <thread>
 
+#include "common/byte_codec.h"
 #include "common/kv_layout.h"
+#include "transport/detail/block_slices.h"
+#include "transport/detail/descriptor.h"
 
 namespace pdserve {
 namespace {
@@ -302,6 +306,79 @@ TEST_P(UcxTransferTest, RepeatedSetupAndTeardownLeaksNoThreadsOrDescriptors) {
   for (int i = 0; i < 5; ++i) cycle();
   EXPECT_EQ(CountDir("/proc/self/task"), threads) << "threads leaked";
   EXPECT_EQ(CountDir("/proc/self/fd"), fds) << "file descriptors leaked";
+}
+
+// A pair joining two tensor-parallel splits (ConnectSlices/AcceptSlices):
+// 2 KV heads over one rank writing into one rank of two (half the block).
+// A slice past either block is refused by name on the writer, and a reply
+// whose slices a hostile writer altered (re-encoded, so the checksum holds)
+// is refused by the receiver before any byte could move.
+TEST(UcxSlicedTransferTest, SlicesPastEitherBlockAreRefusedOnBothSides) {
+  const KvLayout whole = TinyLayout();  // 2 heads, 1 KiB
+  KvLayout half = whole;
+  half.kv_heads = 1;
+  half.tensor_parallel = 2;
+  half.bytes_per_block = half.DenseBytesPerBlock();  // 512 bytes
+  Pool src(8, whole.bytes_per_block, 1), dst(8, half.bytes_per_block, 2);
+  auto make = [] {
+    UcxTransferOptions opts;
+    opts.tls = "tcp";
+    opts.staging_bytes = size_t{1} << 20;
+    auto t = CreateUcxTransfer(opts);
+    EXPECT_TRUE(t.ok()) << t.status().ToString();
+    return t.ok() ? std::move(*t) : nullptr;
+  };
+  auto writer = make(), receiver = make();
+  ASSERT_TRUE(writer && receiver);
+  ASSERT_TRUE(writer->RegisterPool(src.region(), whole).ok());
+  ASSERT_TRUE(receiver->RegisterPool(dst.region(), half).ok());
+
+  auto refused = writer->ConnectSlices(*receiver->ExportDescriptor(), {{0, 0, 256}, {512, 0, 513}});
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find(
+                "block slice 1 (513 bytes at writer offset 512 -> receiver offset 0) does not fit "
+                "the writer's blocks of 1024 bytes and the receiver's of 512"),
+            std::string::npos)
+      << refused.status().ToString();
+
+  // Layer 0's K and V of head 0, then layer 1's: what the receiving rank holds.
+  const std::vector<BlockSlice> slices = {
+      {0, 0, 128}, {256, 128, 128}, {512, 256, 128}, {768, 384, 128}};
+  auto conn = writer->ConnectSlices(*receiver->ExportDescriptor(), slices);
+  ASSERT_TRUE(conn.ok()) << conn.status().ToString();
+  auto tamper = [&](std::vector<BlockSlice> hostile) {
+    auto d = transport_detail::DecodeDescriptor(
+        conn->reply, transport_detail::DescriptorKind::kReply, transport_detail::BackendCode::kUcx);
+    EXPECT_TRUE(d.ok()) << d.status().ToString();
+    // The UCX channel: u8 version | u8 staged | u32 chunk | u64 nonce | slices.
+    codec::ByteWriter w;
+    w.Raw(std::string_view(d->channel).substr(0, 14));
+    transport_detail::EncodeBlockSlices(w, hostile);
+    d->channel = w.Take();
+    return transport_detail::EncodeDescriptor(*d);
+  };
+  const uint64_t huge = std::numeric_limits<uint64_t>::max();
+  for (const auto& hostile : std::vector<std::vector<BlockSlice>>{
+           {{0, 400, 128}}, {{1000, 0, 128}}, {{0, huge - 64, 128}}, {{0, 0, 0}}}) {
+    auto acc = receiver->AcceptSlices(tamper(hostile));
+    EXPECT_EQ(acc.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(acc.status().message().find("the writer's reply: block slice 0"), std::string::npos)
+        << acc.status().ToString();
+  }
+  // The reply as the writer sent it is accepted, and moves the slices.
+  auto from = receiver->AcceptSlices(conn->reply);
+  ASSERT_TRUE(from.ok()) << from.status().ToString();
+  const Pool before = dst;
+  Completion wrote, received;
+  receiver->Receive(*from, {{3, 5}}, TransferClock::now() + 20s, received.callback());
+  writer->Write(conn->peer, {{3, 5}}, TransferClock::now() + 20s, wrote.callback());
+  ASSERT_TRUE(wrote.Wait().ok());
+  ASSERT_TRUE(received.Wait().ok());
+  std::vector<uint8_t> expected(before.block(5), before.block(5) + 512);
+  for (const BlockSlice& sl : slices) {
+    std::memcpy(&expected[sl.remote_offset], src.block(3) + sl.local_offset, sl.bytes);
+  }
+  EXPECT_EQ(std::memcmp(dst.block(5), expected.data(), 512), 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, UcxTransferTest, ::testing::Values("tcp", "shm"),
