@@ -75,6 +75,7 @@ struct PrefixIndex::WorkerState {
   // (snapshots): while there are none, the blocks it holds are closed
   // under parents, so holding a prompt's block i means holding blocks 0..i.
   size_t holes = 0;
+  size_t orphans = 0;                        // of them, snapshot blocks (parent unknown)
   bool untracked = false;                    // a ghost did not fit: holes unknown until a purge
   std::unordered_set<BlockHash> host, disk;  // its lower tiers
 
@@ -239,6 +240,7 @@ void PrefixIndex::NoteHeldLocked(WorkerState& w, BlockHash h, bool orphan,
   if (orphan) {
     e[WS::kState] |= WS::kOrphan;
     ++w.holes;
+    ++w.orphans;
     return;
   }
   if (!parent) return;  // the first block of a prompt
@@ -275,6 +277,7 @@ bool PrefixIndex::NoteRemovedLocked(WorkerState& w, BlockHash h) {
   }
   if ((state & WS::kOrphan) != 0) {
     --w.holes;
+    --w.orphans;
   } else if ((state & WS::kHasParent) != 0) {
     const size_t p = mine.Find(parent);
     if (p == BlockTable::kNotFound) return true;  // only after an untracked insert
@@ -325,6 +328,7 @@ void PrefixIndex::PurgeBlocksLocked(WorkerId worker) {
   w.blocks->Clear();
   w.held = 0;
   w.holes = 0;
+  w.orphans = 0;
   w.untracked = false;
 }
 
@@ -684,9 +688,9 @@ void PrefixIndex::AdoptHeldPrefix(WorkerId worker, std::span<const BlockHash> pr
   std::unique_lock lock(mu_);
   if (worker >= workers_.size() || !workers_[worker].open) return;
   WorkerState& w = workers_[worker];
-  if (w.holes == 0) return;
+  if (w.orphans == 0) return;  // other holes are not the chain's to mend
   BlockTable& mine = *w.blocks;
-  for (size_t i = 0; i < prefix.size() && w.holes > 0; ++i) {
+  for (size_t i = 0; i < prefix.size() && w.orphans > 0; ++i) {
     const size_t slot = mine.Find(prefix[i]);
     if (slot == BlockTable::kNotFound) return;
     uint64_t* e = mine.words(slot);
@@ -694,6 +698,7 @@ void PrefixIndex::AdoptHeldPrefix(WorkerId worker, std::span<const BlockHash> pr
     if ((e[WS::kState] & WS::kOrphan) == 0) continue;
     e[WS::kState] &= ~WS::kOrphan;
     --w.holes;
+    --w.orphans;
     if (i == 0) continue;  // the prompt's first block: no parent
     e[WS::kState] |= WS::kHasParent;
     e[WS::kParent] = prefix[i - 1];
