@@ -13,6 +13,8 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -137,9 +139,10 @@ int RunBenchRouter(int argc, char** argv) {
                "its prefill ends (arrival rate x prefill time; 0: never, the index only ever "
                "holds the pre-loaded prompts and pending entries pile up)");
   flags.AddInt("evicted-after", &evicted_after,
-               "with --stored-events-after: the worker evicts those blocks (a removed KV "
-               "event) this many decisions after storing them, as a busy cache drops a one-off "
-               "prompt's tail, so the index stays near --indexed-blocks (0: never)");
+               "with --stored-events-after: the worker evicts the blocks its prefills computed "
+               "(a removed KV event, children first) once no prompt routed to it in the last "
+               "this many decisions after their store used them, as a busy LRU cache drops a "
+               "one-off prompt's tail, so the index stays near --indexed-blocks (0: never)");
   flags.AddInt("seed", &seed, "random seed");
   flags.AddBool("json", &json, "print one JSON line");
   flags.SetEpilog(
@@ -312,12 +315,32 @@ int RunBenchRouter(int argc, char** argv) {
   // arrive; delivered outside the decisions' timing. Sequence numbers are
   // given on delivery, in the order a worker would send them.
   std::multimap<int64_t, std::pair<size_t, KvEvent>> due;
+  // --evicted-after, as an LRU cache evicts: each routed prompt uses all its
+  // blocks on its prefilling worker until its release; a block a prefill
+  // computed goes when its last user is released (so never before a child).
+  std::vector<std::unordered_map<BlockHash, int64_t>> users(static_cast<size_t>(workers));
+  std::vector<std::unordered_set<BlockHash>> computed_here(static_cast<size_t>(workers));
+  std::multimap<int64_t, std::pair<size_t, std::vector<BlockHash>>> releases;
   int64_t delivered_events = 0;
   double delivery_cpu = 0;
   for (int64_t i = -warmup; i < decisions; ++i) {
     if (i == 0) {
       route_cpu = -ThreadCpuSeconds();
       delivery_cpu = 0;
+    }
+    for (; !releases.empty() && releases.begin()->first <= i; releases.erase(releases.begin())) {
+      const double c0 = ThreadCpuSeconds();
+      const auto& [wi, used] = releases.begin()->second;
+      KvRemoved gone{{}, KvTier::kDevice};
+      for (auto h = used.rbegin(); h != used.rend(); ++h) {
+        auto u = users[wi].find(*h);
+        if (--u->second > 0) continue;
+        users[wi].erase(u);
+        if (computed_here[wi].erase(*h) > 0) gone.block_hashes.push_back(*h);
+      }
+      // Delivered with the stored events below, in decision order.
+      if (!gone.block_hashes.empty()) due.emplace(i, std::pair{wi, KvEvent{std::move(gone)}});
+      delivery_cpu += ThreadCpuSeconds() - c0;
     }
     if (!due.empty() && due.begin()->first <= i) {
       const double c0 = ThreadCpuSeconds();
@@ -354,7 +377,7 @@ int RunBenchRouter(int argc, char** argv) {
     const auto t2 = Clock::now();
     core.OnRequestFinished(req.request_id);
     const auto overlap = static_cast<size_t>(d->prefill_overlap_blocks);
-    if (stored_after > 0 && overlap < hashes.size()) {
+    if (stored_after > 0) {
       // The blocks its prefill computed, announced by the worker that prefilled them.
       const double c0 = ThreadCpuSeconds();
       const router::WorkerId w = d->prefill.value_or(d->decode);
@@ -362,13 +385,16 @@ int RunBenchRouter(int argc, char** argv) {
       std::vector<BlockHash> computed(hashes.begin() + static_cast<std::ptrdiff_t>(overlap),
                                       hashes.end());
       if (evicted_after > 0) {
-        due.emplace(i + stored_after + evicted_after,
-                    std::pair{wi, KvEvent{KvRemoved{computed, KvTier::kDevice}}});
+        for (BlockHash h : hashes) ++users[wi][h];
+        computed_here[wi].insert(computed.begin(), computed.end());
+        releases.emplace(i + stored_after + evicted_after, std::pair{wi, hashes});
       }
-      KvStored e;
-      if (overlap > 0) e.parent_hash = hashes[overlap - 1];
-      e.block_hashes = std::move(computed);
-      due.emplace(i + stored_after, std::pair{wi, KvEvent{std::move(e)}});
+      if (!computed.empty()) {
+        KvStored e;
+        if (overlap > 0) e.parent_hash = hashes[overlap - 1];
+        e.block_hashes = std::move(computed);
+        due.emplace(i + stored_after, std::pair{wi, KvEvent{std::move(e)}});
+      }
       delivery_cpu += ThreadCpuSeconds() - c0;
     }
     if (i >= 0) {
