@@ -43,6 +43,35 @@ std::vector<uint32_t> Overlap(const PrefixIndex& index, std::vector<BlockHash> h
   return out;
 }
 
+// Pending entries as the reference models keep them: by block, the workers
+// they name and when they expire.
+struct RefPending {
+  std::set<WorkerId> workers;
+  int64_t expires_us = 0;
+};
+using RefPendingMap = std::map<BlockHash, RefPending>;
+
+// LeadingOverlap by its definition: per worker, the leading blocks it holds
+// or (with `pending`) is pending for with an expiry after `now`.
+std::vector<uint32_t> NaiveOverlap(const std::vector<std::set<BlockHash>>& held,
+                                   const RefPendingMap* pending,
+                                   const std::vector<BlockHash>& prompt, int64_t now) {
+  std::vector<uint32_t> out(held.size(), 0);
+  for (WorkerId w = 0; w < held.size(); ++w) {
+    uint32_t n = 0;
+    for (; n < prompt.size(); ++n) {
+      if (held[w].contains(prompt[n])) continue;
+      if (pending == nullptr) break;
+      const auto it = pending->find(prompt[n]);
+      if (it == pending->end() || it->second.expires_us <= now || !it->second.workers.contains(w)) {
+        break;
+      }
+    }
+    out[w] = n;
+  }
+  return out;
+}
+
 TEST(BlockTableTest, MatchesUnorderedMapUnderChurn) {
   // Small key range (with 0) so inserts, hits and backward-shift erasures
   // interleave constantly; the table grows from 16 slots on the way.
@@ -398,13 +427,9 @@ TEST(PrefixIndexTest, PendingMatchesReferenceUnderRandomStreams) {
   constexpr size_t kSlots = 70;  // two bitset words
   std::mt19937_64 rng(777);
   PrefixIndex index({.max_workers = kSlots, .chained_parents = false});  // as above
-  struct Pending {
-    std::set<WorkerId> workers;
-    int64_t expires_us = 0;
-  };
   std::vector<std::set<BlockHash>> held(kSlots);
   std::vector<uint64_t> seq(kSlots, 0);
-  std::map<BlockHash, Pending> pending;
+  RefPendingMap pending;
   for (WorkerId w = 0; w < kSlots; ++w) {
     ASSERT_TRUE(index.AddWorker(w).ok());
     ASSERT_TRUE(index.ApplySnapshot(w, 0, {}).ok());
@@ -420,22 +445,6 @@ TEST(PrefixIndexTest, PendingMatchesReferenceUnderRandomStreams) {
     if (it == pending.end()) return;
     it->second.workers.erase(w);
     if (it->second.workers.empty()) pending.erase(it);
-  };
-  auto reference = [&](const std::vector<BlockHash>& prompt, int64_t now, bool with_pending) {
-    std::vector<uint32_t> out(kSlots, 0);
-    for (WorkerId w = 0; w < kSlots; ++w) {
-      uint32_t n = 0;
-      for (; n < prompt.size(); ++n) {
-        if (held[w].contains(prompt[n])) continue;
-        const auto it = pending.find(prompt[n]);
-        if (!with_pending || it == pending.end() || it->second.expires_us <= now ||
-            !it->second.workers.contains(w)) {
-          break;
-        }
-      }
-      out[w] = n;
-    }
-    return out;
   };
   int64_t now = 0;
   int queries_pending_changed = 0;
@@ -498,9 +507,9 @@ TEST(PrefixIndexTest, PendingMatchesReferenceUnderRandomStreams) {
     const int64_t at = now + static_cast<int64_t>(rng() % 40);
     std::vector<uint32_t> got;
     index.LeadingOverlap(prompt, at, &got);
-    const std::vector<uint32_t> want = reference(prompt, at, true);
+    const std::vector<uint32_t> want = NaiveOverlap(held, &pending, prompt, at);
     ASSERT_EQ(got, want) << "step " << step;
-    queries_pending_changed += want != reference(prompt, at, false);
+    queries_pending_changed += want != NaiveOverlap(held, nullptr, prompt, at);
     longest_overlap = std::max(longest_overlap, *std::max_element(want.begin(), want.end()));
   }
   // The pending entries decided many answers, and prefixes crossed chunks.
@@ -563,7 +572,7 @@ TEST(PrefixIndexTest, BisectionMatchesTheWalkOnChainedStreams) {
   }
   std::vector<std::set<BlockHash>> held(kSlots);
   std::vector<uint64_t> seq(kSlots, 0);
-  std::map<BlockHash, std::pair<std::set<WorkerId>, int64_t>> pending;  // workers, expiry
+  RefPendingMap pending;
   auto indexed = [&] {
     std::set<BlockHash> all;
     for (const auto& h : held) all.insert(h.begin(), h.end());
@@ -575,27 +584,12 @@ TEST(PrefixIndexTest, BisectionMatchesTheWalkOnChainedStreams) {
       if (!all.contains(h) && all.size() >= kMaxEntries) continue;  // refused
       all.insert(h);
       held[w].insert(h);
-      if (auto it = pending.find(h); it != pending.end()) it->second.first.erase(w);
+      if (auto it = pending.find(h); it != pending.end()) it->second.workers.erase(w);
     }
     KvEventBatch b;
     b.sequence_number = ++seq[w];
     b.events.push_back(KvStored{std::move(run), first_parent});
     ASSERT_EQ(index.ApplyEvents(w, b), ApplyOutcome::kApplied);
-  };
-  auto reference = [&](const std::vector<BlockHash>& prompt, int64_t now) {
-    std::vector<uint32_t> out(kSlots, 0);
-    for (WorkerId w = 0; w < kSlots; ++w) {
-      uint32_t n = 0;
-      for (; n < prompt.size(); ++n) {
-        if (held[w].contains(prompt[n])) continue;
-        const auto it = pending.find(prompt[n]);
-        if (it == pending.end() || it->second.second <= now || !it->second.first.contains(w)) {
-          break;
-        }
-      }
-      out[w] = n;
-    }
-    return out;
   };
   for (WorkerId w = 0; w < kSlots; ++w) {
     ASSERT_TRUE(index.AddWorker(w).ok());
@@ -649,7 +643,7 @@ TEST(PrefixIndexTest, BisectionMatchesTheWalkOnChainedStreams) {
       seq[w] = rng() % 50;
       ASSERT_TRUE(index.ApplySnapshot(w, seq[w], snap).ok());
       for (auto& [h, e] : pending) {
-        if (held[w].contains(h)) e.first.erase(w);
+        if (held[w].contains(h)) e.workers.erase(w);
       }
     } else if (op < 77) {
       KvEventBatch b;
@@ -657,7 +651,7 @@ TEST(PrefixIndexTest, BisectionMatchesTheWalkOnChainedStreams) {
       b.events.push_back(KvCleared{});
       ASSERT_EQ(index.ApplyEvents(w, b), ApplyOutcome::kApplied);
       held[w].clear();
-      for (auto& [h, e] : pending) e.first.erase(w);
+      for (auto& [h, e] : pending) e.workers.erase(w);
     } else if (op < 80) {
       // A routing decision's pending entries: the path past w's prefix.
       size_t from = 0;
@@ -666,8 +660,8 @@ TEST(PrefixIndexTest, BisectionMatchesTheWalkOnChainedStreams) {
       const int64_t expires = now + 1 + static_cast<int64_t>(rng() % 30);
       index.AddPending(w, rest, now, expires);
       for (BlockHash h : rest) {
-        pending[h].first.insert(w);
-        pending[h].second = expires;
+        pending[h].workers.insert(w);
+        pending[h].expires_us = expires;
       }
     } else {
       // A query: a path, sometimes with a block no one holds after it.
@@ -675,7 +669,7 @@ TEST(PrefixIndexTest, BisectionMatchesTheWalkOnChainedStreams) {
       if (rng() % 3 == 0) prompt.push_back(hash_of(kBlocks + rng() % 100));
       std::vector<uint32_t> got;
       index.LeadingOverlap(prompt, now, &got);
-      const std::vector<uint32_t> want = reference(prompt, now);
+      const std::vector<uint32_t> want = NaiveOverlap(held, &pending, prompt, now);
       ASSERT_EQ(got, want) << "step " << step;
       ++queries;
       long_answers += *std::max_element(want.begin(), want.end()) >= 4;
