@@ -1000,13 +1000,16 @@ describe('tensor parallelism (prefill.tensorParallel, decode.tensorParallel)', (
       assert.equal(workerResources(r, role).limits['nvidia.com/gpu'], 2, role);
     }
   });
-  test('pools of different sizes: over ucx only, any KV type', () => {
+  test('pools of different sizes: over ucx or nccl, any KV type', () => {
     const r = render({ set: ['prefill.tensorParallel=2', 'decode.tensorParallel=4'] });
     assert.equal(flags(mainContainer(r.deployment('prefill'))).get('tensor-parallel'), '2');
     assert.equal(flags(mainContainer(r.deployment('decode'))).get('tensor-parallel'), '4');
-    const res = runHelm(['template', release, chart, '--set', 'decode.tensorParallel=2', '--set', 'kvTransfer=nccl']);
-    assert.notEqual(res.status, 0);
-    assert.match(res.stderr, /prefill\.tensorParallel \(1\) differs from decode\.tensorParallel \(2\): KV moves between workers of different tensor-parallel sizes only over kvTransfer ucx, not nccl/);
+    const nccl = render({ set: ['decode.tensorParallel=2', 'kvTransfer=nccl'] });
+    for (const [role, tp] of [['prefill', '1'], ['decode', '2']]) {
+      const f = flags(mainContainer(nccl.deployment(role)));
+      assert.equal(f.get('tensor-parallel'), tp, role);
+      assert.equal(f.get('kv-transfer'), 'nccl', role);
+    }
     // Scaled KV types move with their heads' scales.
     render({ set: ['decode.tensorParallel=2', 'kvCache.dtype=fp8'] });
     render({ set: ['decode.tensorParallel=2', 'kvCache.dtype=nvfp4'] });
