@@ -624,7 +624,11 @@ TEST_P(BackendKvTest, WriteKvLeavesTheReferencesBytes) {
 // step (1 and 3000, none a multiple of a block or a split); 1100 decode rows
 // (one split: written without partials); head dims and groups of every split
 // kernel instance (and of the general one: head dims 32 and 64 with a group
-// of 3, every dtype the fast one does not take), groups up to 10. Each runs
+// of 3, every dtype the fast one does not take), groups up to 10: CUDA's
+// fast kernel gives fp8 and nvfp4 lanes of 16 and 32 elements where the
+// group allows (so 2 to 16 lanes a key), 8 or 16 where it does not, so
+// every (head dim, group) pair of 64/128/256 and 1/2/4/8 is here, most of
+// them over contexts that end inside a block. Each runs
 // as an uncaptured step plans it and as a captured one does (all rows
 // decode rows planned for 131,072 keys). q is a view of a q|k|v product.
 TEST_P(BackendKvTest, PagedAttention) {
@@ -641,6 +645,11 @@ TEST_P(BackendKvTest, PagedAttention) {
                                {128, 16, {3000, 1, 777, 2049}, {1, 1, 1, 1}},
                                {64, 8, {1, 3000, 513, 47}, {1, 1, 1, 1}},
                                {128, 4, {2500, 33}, {1, 1}},
+                               {64, 2, {4100, 1000, 1}, {1, 3, 1}},
+                               {128, 2, {3000, 1, 777, 2049}, {1, 1, 1, 1}},
+                               {256, 4, {1, 3000, 513, 47}, {1, 1, 1, 1}},
+                               {256, 8, {2500, 33}, {1, 1}},
+                               {256, 16, {3000, 1, 777, 2049}, {1, 1, 1, 1}},
                                {64, 4, {}, {}}};
   for (int32_t i = 0; i < 1100; ++i) {
     shapes.back().context_lens.push_back(1 + i * 37 % 61);
