@@ -213,8 +213,9 @@ template <>
 constexpr int kBitsOf<Nvfp4> = 4;
 template <typename T, int kGroup>
 constexpr int kLaneElems = std::min(128 / kBitsOf<T>, 64 / kGroup);
-template <typename T, int kGroup>
-constexpr int kLoadBytes = (kLaneElems<T, kGroup> * kBitsOf<T>) / 8;  // 16, 8 or 4
+// A lane's load of kN elements of T: 16, 8 or 4 bytes.
+template <typename T, int kN>
+constexpr int kLoadBytes = (kN * kBitsOf<T>) / 8;
 
 template <int kBytes>
 struct VecOf;
@@ -333,9 +334,10 @@ struct Chunk<Nvfp4, kN> {
 };
 
 // A group of exactly kGroup query heads of head_dim kHd; each key is taken
-// by kTpk = kHd / kN lanes of kN elements each (kN = kLaneElems: one
-// 16-byte load, e.g. 8 lanes a key for fp8 at head_dim 128 and 4 for
-// nvfp4), 32 / kTpk keys per warp step. Every lane of a warp runs the same
+// by kTpk = kHd / kN lanes of kN elements each (kN = kLaneElems, e.g. 8
+// lanes a key for fp8 at head_dim 128 and 4 for nvfp4; 8 in a pool that
+// does not keep 16-byte loads aligned, LaunchFast), 32 / kTpk keys per warp
+// step. Every lane of a warp runs the same
 // steps (the shuffles need all 32); a lane whose key is past the range
 // loads nothing and leaves its softmax unchanged.
 //
@@ -346,22 +348,22 @@ struct Chunk<Nvfp4, kN> {
 template <typename T>
 constexpr bool kPacked = kBitsOf<T> < 16;  // fp8 and nvfp4
 // Floats a lane keeps live in the fold: qv and acc (2 x group x N) and two
-// keys' decoded K (2 x N). Up to 80 fit 128 registers (4 resident blocks,
-// 16 warps, per SM: fp16's group of 4), up to 96 168 (3 blocks: fp8's group
-// of 2); more take 2 blocks (255 registers: fp16's group of 8, fp8's 4 and
-// 8, nvfp4's every group). Tighter bounds spilled.
-template <typename T, int kGroup>
-constexpr int kLive = 2 * (kGroup + 1) * kLaneElems<T, kGroup>;
-template <typename T, int kGroup>
-constexpr int kMinBlocks = kLive<T, kGroup> <= 80   ? 4
-                           : kLive<T, kGroup> <= 96 ? 3
-                                                    : 2;
-template <typename T, int kHd, int kGroup>
-__global__ void __launch_bounds__(32 * kSplitWarps, kMinBlocks<T, kGroup>)
+// keys' decoded K (2 x N). Up to 64 fit 128 registers (4 resident blocks,
+// 16 warps, per SM), and fp16's group of 4 (80) too, but fp8 and nvfp4,
+// which also hold the next keys' loads, spill there; up to 96 fit 168 (3
+// blocks: fp8's group of 2); more take 2 blocks (255 registers: fp16's
+// group of 8, fp8's 4 and 8, nvfp4's every group at its widest lanes).
+template <int kGroup, int kN>
+constexpr int kLive = 2 * (kGroup + 1) * kN;
+template <typename T, int kGroup, int kN>
+constexpr int kMinBlocks = kLive<kGroup, kN> <= (kPacked<T> ? 64 : 80) ? 4
+                           : kLive<kGroup, kN> <= 96                   ? 3
+                                                                       : 2;
+template <typename T, int kHd, int kGroup, int kN>
+__global__ void __launch_bounds__(32 * kSplitWarps, kMinBlocks<T, kGroup, kN>)
     FastSplitKernel(DeviceLayout layout, const uint8_t* pool, int64_t layer, const float* q,
                     int64_t q_stride, int64_t num_heads, kernels::AttentionBatch batch, float scale,
                     int splits, SplitOut result) {
-  constexpr int kN = kLaneElems<T, kGroup>;
   using C = Chunk<T, kN>;
   using Vec = typename C::Vec;
   constexpr int kTpk = kHd / kN, kKeysPerWarp = 32 / kTpk;
@@ -614,33 +616,49 @@ __global__ void MergeSplitsKernel(const float* partial_acc, const float* partial
 // Whether every K/V row chunk FastSplitKernel loads sits at a multiple of
 // its load width `a` (kLoadBytes: 16, 8 or 4): the pool's start and every
 // offset into it. nvfp4's two-byte micro-scale loads (a = 16) and the float
-// scales (4) then are aligned too.
+// scales (a >= 4) then are aligned too.
 bool FastAligned(const DeviceLayout& l, const void* pool, int64_t a) {
   return reinterpret_cast<uintptr_t>(pool) % a == 0 && l.bytes_per_block % a == 0 &&
          l.layer_stride % a == 0 && l.head_bytes % a == 0 && l.kv_bytes_per_layer % a == 0;
 }
 
-// Launches FastSplitKernel for a group of kGroup at head_dim hd, or returns
-// false (a head_dim it has no instance for, or a pool its loads would not
-// find aligned).
-template <typename T, int kGroup, typename... Args>
-bool LaunchFast(int64_t hd, dim3 grid, cudaStream_t stream, const DeviceLayout& dl,
-                const uint8_t* pool, Args... args) {
-  if (!FastAligned(dl, pool, kLoadBytes<T, kGroup>)) return false;
+// Launches FastSplitKernel with lanes of kN elements at head_dim hd, or
+// returns false (a head_dim it has no instance for).
+template <typename T, int kGroup, int kN, typename... Args>
+bool LaunchFastLanes(int64_t hd, dim3 grid, cudaStream_t stream, Args... args) {
   const unsigned threads = 32 * kSplitWarps;
   switch (hd) {
     case 64:
-      FastSplitKernel<T, 64, kGroup><<<grid, threads, 0, stream>>>(dl, pool, args...);
+      FastSplitKernel<T, 64, kGroup, kN><<<grid, threads, 0, stream>>>(args...);
       return true;
     case 128:
-      FastSplitKernel<T, 128, kGroup><<<grid, threads, 0, stream>>>(dl, pool, args...);
+      FastSplitKernel<T, 128, kGroup, kN><<<grid, threads, 0, stream>>>(args...);
       return true;
     case 256:
-      FastSplitKernel<T, 256, kGroup><<<grid, threads, 0, stream>>>(dl, pool, args...);
+      FastSplitKernel<T, 256, kGroup, kN><<<grid, threads, 0, stream>>>(args...);
       return true;
     default:
       return false;
   }
+}
+
+// Launches FastSplitKernel for a group of kGroup, or returns false. Lanes of
+// kLaneElems where the pool keeps their loads aligned; else, for fp8 and
+// nvfp4, lanes of 8 elements (8 and 4 bytes), which a pool of one KV head a
+// layer needs: its 8 bytes of scales leave every other layer 8 bytes off 16.
+template <typename T, int kGroup, typename... Args>
+bool LaunchFast(int64_t hd, dim3 grid, cudaStream_t stream, const DeviceLayout& dl,
+                const uint8_t* pool, Args... args) {
+  constexpr int kWide = kLaneElems<T, kGroup>;
+  if (FastAligned(dl, pool, kLoadBytes<T, kWide>)) {
+    return LaunchFastLanes<T, kGroup, kWide>(hd, grid, stream, dl, pool, args...);
+  }
+  if constexpr (kWide > 8) {
+    if (FastAligned(dl, pool, kLoadBytes<T, 8>)) {
+      return LaunchFastLanes<T, kGroup, 8>(hd, grid, stream, dl, pool, args...);
+    }
+  }
+  return false;
 }
 
 template <typename T, typename... Args>

@@ -806,6 +806,54 @@ TEST_P(BackendKvTest, PagedAttention) {
   }
 }
 
+// A pool of one KV head a layer (MQA, or a tensor-parallel rank's share):
+// fp8's and nvfp4's 8 bytes of scales a layer leave layer 1's K and V rows 8
+// bytes off a multiple of 16, so CUDA's fast decode kernel takes lanes of 8
+// elements there instead of its 16-byte ones. Decode rows over contexts
+// ending inside a block, head dims 64 and 128, groups 1, 2 and 4.
+TEST_P(BackendKvTest, PagedAttentionOneKvHeadOnAnOddLayer) {
+  const std::vector<int32_t> context_lens = {1000, 37, 2049};
+  const int64_t seqs = 3, max_blocks = (2049 + 15) / 16;
+  for (const int64_t hd : {64, 128}) {
+    KvCacheLayout l = Layout(2, hd, 3 * max_blocks);
+    l.num_kv_heads = 1;
+    std::vector<int32_t> tables(seqs * max_blocks), query_start = {0, 1, 2, 3};
+    for (int32_t i = 0; i < seqs * max_blocks; ++i) tables[i] = i;
+    std::shuffle(tables.begin(), tables.end(), rng_);
+    std::vector<uint8_t> pool(l.total_bytes(), 0);
+    for (int64_t q = 0; q < seqs; ++q) {
+      const int64_t n = context_lens[q];
+      const auto k = Random(n * hd), v = Random(n * hd);
+      std::vector<int64_t> slots(n);
+      for (int64_t p = 0; p < n; ++p) slots[p] = tables[q * max_blocks + p / 16] * 16 + p % 16;
+      reference_.WriteKv(l, pool.data(), 1, Tensor::Of(k.data(), DType::kF32, {n, 1, hd}),
+                         Tensor::Of(v.data(), DType::kF32, {n, 1, hd}), slots.data());
+    }
+    for (const int64_t num_heads : {1, 2, 4}) {
+      SCOPED_TRACE("head_dim " + std::to_string(hd) + ", " + std::to_string(num_heads) +
+                   " query heads");
+      const auto qs = Random(seqs * num_heads * hd);
+      Compare("PagedAttention, one KV head, layer 1", 1e-5, [&](Backend& b, Mem& mem) -> Outputs {
+        AttentionPlan plan;
+        plan.layout = l;
+        plan.pool = mem.Up(pool);
+        plan.num_heads = num_heads;
+        plan.batch.num_seqs = seqs;
+        plan.batch.query_start = mem.Up(query_start);
+        plan.batch.context_lens = mem.Up(context_lens);
+        plan.batch.block_tables = mem.Up(tables);
+        plan.batch.max_blocks_per_seq = max_blocks;
+        plan.batch.num_tokens = seqs;
+        b.PlanAttention(&plan);
+        const Tensor out = mem.Poisoned({seqs, num_heads, hd});
+        b.PagedAttention(plan, 1, mem.F32(qs, {seqs, num_heads, hd}), 1.0f / std::sqrt(float(hd)),
+                         out);
+        return {mem.Down(out)};
+      });
+    }
+  }
+}
+
 // Prefill chunks as CUDA's tiled kernel takes them (16-bit KV, tiles of 64
 // rows of one sequence at head_dim 64, 128 at head_dim 128, against 64-key
 // tiles): contexts within one split of keys, which DecodeSplits leaves to
