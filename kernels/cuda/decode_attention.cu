@@ -22,8 +22,9 @@
 // chunks aligned) gives each key to head_dim / N lanes loading N elements
 // each in one vector load: 16 bytes (8 fp16/bf16 values, 16 fp8 codes, 32
 // nvfp4 codes) where the group's registers allow, 8 or 4 bytes for fp8's
-// group of 8 and nvfp4's groups of 4 and 8; several keys per warp and two
-// per lane in flight. SplitAttentionKernel serves every other case, one key
+// group of 8 and nvfp4's groups of 4 and 8, and 8 elements wherever the
+// pool leaves 16-byte loads unaligned; several keys per warp and two per
+// lane in flight. SplitAttentionKernel serves every other case, one key
 // per warp step. Per key both do the dot, then the scale, then expf, as the
 // prefill kernel does, so the paths agree to rounding of the merge.
 #include <algorithm>
@@ -199,7 +200,7 @@ __global__ void __launch_bounds__(32 * kSplitWarps)
 // of the row (8 fp16/bf16 values, 16 fp8 codes, 32 nvfp4 codes), fewer where
 // its query and accumulator registers would not fit: a lane holds group x
 // elements of each, and 64 of each (fp16's group of 8) is the most that
-// stays below 255 registers.
+// fits 255 registers.
 template <typename T>
 constexpr int kBitsOf = sizeof(T) * 8;
 struct Fp8E4M3 {};  // the fp8 instances' tags
