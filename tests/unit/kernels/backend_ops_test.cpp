@@ -624,7 +624,11 @@ TEST_P(BackendKvTest, WriteKvLeavesTheReferencesBytes) {
 // step (1 and 3000, none a multiple of a block or a split); 1100 decode rows
 // (one split: written without partials); head dims and groups of every split
 // kernel instance (and of the general one: head dims 32 and 64 with a group
-// of 3, every dtype the fast one does not take), groups up to 10. Each runs
+// of 3, every dtype the fast one does not take), groups up to 10: CUDA's
+// fast kernel gives fp8 and nvfp4 lanes of 16 and 32 elements where the
+// group allows (so 2 to 16 lanes a key), 8 or 16 where it does not, so
+// every (head dim, group) pair of 64/128/256 and 1/2/4/8 is here, most of
+// them over contexts that end inside a block. Each runs
 // as an uncaptured step plans it and as a captured one does (all rows
 // decode rows planned for 131,072 keys). q is a view of a q|k|v product.
 TEST_P(BackendKvTest, PagedAttention) {
@@ -641,6 +645,11 @@ TEST_P(BackendKvTest, PagedAttention) {
                                {128, 16, {3000, 1, 777, 2049}, {1, 1, 1, 1}},
                                {64, 8, {1, 3000, 513, 47}, {1, 1, 1, 1}},
                                {128, 4, {2500, 33}, {1, 1}},
+                               {64, 2, {4100, 1000, 1}, {1, 3, 1}},
+                               {128, 2, {3000, 1, 777, 2049}, {1, 1, 1, 1}},
+                               {256, 4, {1, 3000, 513, 47}, {1, 1, 1, 1}},
+                               {256, 8, {2500, 33}, {1, 1}},
+                               {256, 16, {3000, 1, 777, 2049}, {1, 1, 1, 1}},
                                {64, 4, {}, {}}};
   for (int32_t i = 0; i < 1100; ++i) {
     shapes.back().context_lens.push_back(1 + i * 37 % 61);
@@ -791,6 +800,54 @@ TEST_P(BackendKvTest, PagedAttention) {
         const Tensor q = mem.F32(qkv, {rows, width}).Columns(0, s.num_heads * hd);
         const Tensor out = mem.Poisoned({rows, s.num_heads, hd});
         b.PagedAttention(plan, 1, q.Split({s.num_heads, hd}), scale, out);
+        return {mem.Down(out)};
+      });
+    }
+  }
+}
+
+// A pool of one KV head a layer (MQA, or a tensor-parallel rank's share):
+// fp8's and nvfp4's 8 bytes of scales a layer leave layer 1's K and V rows 8
+// bytes off a multiple of 16, so CUDA's fast decode kernel takes lanes of 8
+// elements there instead of its 16-byte ones. Decode rows over contexts
+// ending inside a block, head dims 64 and 128, groups 1, 2 and 4.
+TEST_P(BackendKvTest, PagedAttentionOneKvHeadOnAnOddLayer) {
+  const std::vector<int32_t> context_lens = {1000, 37, 2049};
+  const int64_t seqs = 3, max_blocks = (2049 + 15) / 16;
+  for (const int64_t hd : {64, 128}) {
+    KvCacheLayout l = Layout(2, hd, 3 * max_blocks);
+    l.num_kv_heads = 1;
+    std::vector<int32_t> tables(seqs * max_blocks), query_start = {0, 1, 2, 3};
+    for (int32_t i = 0; i < seqs * max_blocks; ++i) tables[i] = i;
+    std::shuffle(tables.begin(), tables.end(), rng_);
+    std::vector<uint8_t> pool(l.total_bytes(), 0);
+    for (int64_t q = 0; q < seqs; ++q) {
+      const int64_t n = context_lens[q];
+      const auto k = Random(n * hd), v = Random(n * hd);
+      std::vector<int64_t> slots(n);
+      for (int64_t p = 0; p < n; ++p) slots[p] = tables[q * max_blocks + p / 16] * 16 + p % 16;
+      reference_.WriteKv(l, pool.data(), 1, Tensor::Of(k.data(), DType::kF32, {n, 1, hd}),
+                         Tensor::Of(v.data(), DType::kF32, {n, 1, hd}), slots.data());
+    }
+    for (const int64_t num_heads : {1, 2, 4}) {
+      SCOPED_TRACE("head_dim " + std::to_string(hd) + ", " + std::to_string(num_heads) +
+                   " query heads");
+      const auto qs = Random(seqs * num_heads * hd);
+      Compare("PagedAttention, one KV head, layer 1", 1e-5, [&](Backend& b, Mem& mem) -> Outputs {
+        AttentionPlan plan;
+        plan.layout = l;
+        plan.pool = mem.Up(pool);
+        plan.num_heads = num_heads;
+        plan.batch.num_seqs = seqs;
+        plan.batch.query_start = mem.Up(query_start);
+        plan.batch.context_lens = mem.Up(context_lens);
+        plan.batch.block_tables = mem.Up(tables);
+        plan.batch.max_blocks_per_seq = max_blocks;
+        plan.batch.num_tokens = seqs;
+        b.PlanAttention(&plan);
+        const Tensor out = mem.Poisoned({seqs, num_heads, hd});
+        b.PagedAttention(plan, 1, mem.F32(qs, {seqs, num_heads, hd}), 1.0f / std::sqrt(float(hd)),
+                         out);
         return {mem.Down(out)};
       });
     }
