@@ -56,7 +56,7 @@ const char* ApplyOutcomeName(ApplyOutcome outcome) {
 }
 
 // A worker's own device blocks, for purges and for the chain bookkeeping
-// that lets a walk skip blocks (see LeadingOverlapLocked): per block its
+// that lets a query bisect (see LeadingOverlapLocked): per block its
 // parent (kParent) and state (kState: held and parent flags, and in the
 // high half how many of the worker's held blocks name it as their parent).
 // A block the worker does not hold stays as a "ghost" while held children

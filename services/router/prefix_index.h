@@ -225,15 +225,17 @@ class PrefixIndex {
   void PurgePendingLocked(WorkerId worker);
   void ClearPendingBitLocked(BlockHash hash, WorkerId worker);
   void SweepPendingLocked(int64_t now_us);
-  // `out` already sized and zeroed; `hashes` not empty.
-  // The same by bisection, in about log2(blocks) lookups per distinct
-  // overlap instead of one per block, when the answer is sure to be the
-  // walk's: false (out partly written) when a holder of block 0 may have a
-  // hole or a pending entry would carry a worker on.
-  bool ClosedPrefixOverlapLocked(std::span<const BlockHash> hashes, int64_t now_us,
-                                 std::vector<uint32_t>* out) const;
+  // For both: `out` already sized and zeroed; `hashes` not empty.
+  // LeadingOverlap's answer: by bisection when ClosedPrefixOverlapLocked
+  // can give it, else by the walk.
   void LeadingOverlapLocked(std::span<const BlockHash> hashes, int64_t now_us,
                             std::vector<uint32_t>* out) const;
+  // The bisection, in about log2(blocks) lookups per distinct overlap
+  // instead of one per block, when its answer is sure to be the walk's:
+  // false (out partly written) when a holder of block 0 may have a hole or
+  // a pending entry would carry a worker on.
+  bool ClosedPrefixOverlapLocked(std::span<const BlockHash> hashes, int64_t now_us,
+                                 std::vector<uint32_t>* out) const;
   TierRun LowerTierRunLocked(WorkerId worker, std::span<const BlockHash> hashes, size_t from) const;
 
   const PrefixIndexOptions options_;
