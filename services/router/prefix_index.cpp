@@ -456,28 +456,65 @@ bool PrefixIndex::ClosedPrefixOverlapLocked(std::span<const BlockHash> hashes, i
     const size_t slot = blocks_->Find(hashes[i]);
     return slot == BlockTable::kNotFound ? kNobody : blocks_->words(slot);
   };
-  // Whether a live pending entry names a worker of `who` at block i.
-  auto pending_for = [&](size_t i, auto&& who) {
-    if (!any_pending) return false;
+  // The workers a live pending entry names at block i (kNobody: none).
+  auto pending = [&](size_t i) {
+    if (!any_pending) return kNobody;
     const size_t p = pending_->Find(hashes[i]);
-    if (p == BlockTable::kNotFound) return false;
+    if (p == BlockTable::kNotFound) return kNobody;
     const uint64_t* words = pending_->words(p);
-    if (static_cast<int64_t>(words[words_]) <= now_us) return false;
+    return static_cast<int64_t>(words[words_]) > now_us ? words : kNobody;
+  };
+  auto all_closed = [&](const uint64_t* who) {
     for (size_t k = 0; k < words_; ++k) {
-      if ((words[k] & who(k)) != 0) return true;
+      for (uint64_t rest = who[k]; rest != 0; rest &= rest - 1) {
+        if (!workers_[k * 64 + std::countr_zero(rest)].PrefixClosed()) return false;
+      }
     }
-    return false;
+    return true;
+  };
+  // Workers `who` (closed under parents) hold nothing of the prompt from
+  // block `from` on: holding a later block would mean holding this one. So
+  // only pending entries can carry them on, and each stops at the first
+  // block from `from` whose live pending entry does not name it.
+  auto carry_on = [&](size_t from, uint64_t* who) {
+    for (size_t i = from; i < n; ++i) {
+      if ((i - from) % kWarmChunk == 0) {
+        pending_->Warm(hashes.subspan(i, std::min(kWarmChunk, n - i)));
+      }
+      const uint64_t* p = pending(i);
+      bool any = false;
+      for (size_t k = 0; k < words_; ++k) {
+        for (uint64_t stop = who[k] & ~p[k]; stop != 0; stop &= stop - 1) {
+          (*out)[k * 64 + std::countr_zero(stop)] = static_cast<uint32_t>(i);
+        }
+        who[k] &= p[k];
+        any |= who[k] != 0;
+      }
+      if (!any) return;
+    }
+    for (size_t k = 0; k < words_; ++k) {
+      for (uint64_t rest = who[k]; rest != 0; rest &= rest - 1) {
+        (*out)[k * 64 + std::countr_zero(rest)] = static_cast<uint32_t>(n);
+      }
+    }
   };
   blocks_->Warm(hashes.subspan(n - 1));  // its miss overlaps block 0's
   const uint64_t* first = held(0);
-  // Every holder of block 0 must have its blocks closed under parents, and
-  // no worker may be pending there (the walk would follow pending entries).
-  for (size_t k = 0; k < words_; ++k) {
-    for (uint64_t rest = first[k]; rest != 0; rest &= rest - 1) {
-      if (!workers_[k * 64 + std::countr_zero(rest)].PrefixClosed()) return false;
+  // Every holder of block 0 must have its blocks closed under parents; so
+  // must every worker pending there without holding it, whose overlap the
+  // pending entries alone then give.
+  if (!all_closed(first)) return false;
+  uint64_t who[kMaxSearchWords];
+  {
+    const uint64_t* p = pending(0);
+    bool any = false;
+    for (size_t k = 0; k < words_; ++k) {
+      who[k] = p[k] & ~first[k];
+      any |= who[k] != 0;
     }
+    if (any && !all_closed(who)) return false;
+    if (any) carry_on(0, who);
   }
-  if (pending_for(0, [](size_t) { return ~uint64_t{0}; })) return false;
   const uint64_t* last = held(n - 1);
   // Then, among them, who holds block i is a shrinking set as i grows: each
   // step of it is found by bisection between two blocks whose holders differ.
@@ -498,14 +535,9 @@ bool PrefixIndex::ClosedPrefixOverlapLocked(std::span<const BlockHash> hashes, i
     const Span sp = stack[--depth];
     if (sp.hi == sp.lo + 1) {
       // Those holding block lo but not hi stop at hi, unless pending
-      // entries carry them further (then the walk answers).
-      auto stopping = [&](size_t k) { return sp.at_lo[k] & ~sp.at_hi[k] & first[k]; };
-      if (pending_for(sp.hi, stopping)) return false;
-      for (size_t k = 0; k < words_; ++k) {
-        for (uint64_t rest = stopping(k); rest != 0; rest &= rest - 1) {
-          (*out)[k * 64 + std::countr_zero(rest)] = static_cast<uint32_t>(sp.hi);
-        }
-      }
+      // entries carry them further.
+      for (size_t k = 0; k < words_; ++k) who[k] = sp.at_lo[k] & ~sp.at_hi[k] & first[k];
+      carry_on(sp.hi, who);
       continue;
     }
     const size_t mid = sp.lo + (sp.hi - sp.lo) / 2;

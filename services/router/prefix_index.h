@@ -141,12 +141,14 @@ class PrefixIndex {
   // (indexed, or pending with an expiry after now_us), for every slot
   // w < max_workers (0 for closed slots).
   // Cost: one lookup per block up to the longest overlap (a walk), or, when
-  // every holder of the first block has its blocks closed under parents
-  // (it holds each held block's parent: no holes from evictions out of
-  // order, stores refused at the memory bound, or snapshots, which name no
-  // parents) and no pending entry takes part, about log2(blocks) lookups
-  // per distinct overlap (a bisection): holding block i then means holding
-  // blocks 0..i. The answer is the same either way.
+  // every holder of the first block, and every worker pending there, has
+  // its blocks closed under parents (it holds each held block's parent: no
+  // holes from evictions out of order, stores refused at the memory bound,
+  // or snapshots, which name no parents), about log2(blocks) lookups per
+  // distinct overlap (a bisection): holding block i then means holding
+  // blocks 0..i, and past its held blocks only pending entries carry a
+  // worker on (one pending lookup per block). The answer is the same
+  // either way.
   void LeadingOverlap(std::span<const BlockHash> hashes, int64_t now_us,
                       std::vector<uint32_t>* out) const;
 
@@ -231,9 +233,10 @@ class PrefixIndex {
   void LeadingOverlapLocked(std::span<const BlockHash> hashes, int64_t now_us,
                             std::vector<uint32_t>* out) const;
   // The bisection, in about log2(blocks) lookups per distinct overlap
-  // instead of one per block, when its answer is sure to be the walk's:
-  // false (out partly written) when a holder of block 0 may have a hole or
-  // a pending entry would carry a worker on.
+  // instead of one per block (and, for workers pending past their held
+  // blocks, one pending lookup per block they are pending for), when its
+  // answer is sure to be the walk's: false (out partly written) when a
+  // holder of block 0, or a worker pending there, may have a hole.
   bool ClosedPrefixOverlapLocked(std::span<const BlockHash> hashes, int64_t now_us,
                                  std::vector<uint32_t>* out) const;
   TierRun LowerTierRunLocked(WorkerId worker, std::span<const BlockHash> hashes, size_t from) const;

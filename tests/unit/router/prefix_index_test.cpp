@@ -596,7 +596,7 @@ TEST(PrefixIndexTest, BisectionMatchesTheWalkOnChainedStreams) {
     ASSERT_TRUE(index.ApplySnapshot(w, 0, {}).ok());
   }
   int64_t now = 0;
-  int queries = 0, with_hole = 0, long_answers = 0;
+  int queries = 0, with_hole = 0, long_answers = 0, pending_decided = 0, bisected_by_pending = 0;
   for (int step = 0; step < 20000; ++step) {
     now += static_cast<int64_t>(rng() % 4);
     const WorkerId w = static_cast<WorkerId>(rng() % 8 == 0 ? rng() % kSlots : rng() % 6);
@@ -652,12 +652,12 @@ TEST(PrefixIndexTest, BisectionMatchesTheWalkOnChainedStreams) {
       ASSERT_EQ(index.ApplyEvents(w, b), ApplyOutcome::kApplied);
       held[w].clear();
       for (auto& [h, e] : pending) e.workers.erase(w);
-    } else if (op < 80) {
+    } else if (op < 86) {
       // A routing decision's pending entries: the path past w's prefix.
       size_t from = 0;
       while (from < p.size() && held[w].contains(p[from])) ++from;
       const std::vector<BlockHash> rest(p.begin() + static_cast<std::ptrdiff_t>(from), p.end());
-      const int64_t expires = now + 1 + static_cast<int64_t>(rng() % 30);
+      const int64_t expires = now + 1 + static_cast<int64_t>(rng() % 60);
       index.AddPending(w, rest, now, expires);
       for (BlockHash h : rest) {
         pending[h].workers.insert(w);
@@ -668,10 +668,16 @@ TEST(PrefixIndexTest, BisectionMatchesTheWalkOnChainedStreams) {
       std::vector<BlockHash> prompt = p;
       if (rng() % 3 == 0) prompt.push_back(hash_of(kBlocks + rng() % 100));
       std::vector<uint32_t> got;
+      const uint64_t bisected_before = index.stats().bisected_queries;
       index.LeadingOverlap(prompt, now, &got);
       const std::vector<uint32_t> want = NaiveOverlap(held, &pending, prompt, now);
       ASSERT_EQ(got, want) << "step " << step;
       ++queries;
+      // Pending entries carried a worker past its held blocks, and the
+      // bisection answered.
+      const bool by_pending = want != NaiveOverlap(held, nullptr, prompt, now);
+      pending_decided += by_pending;
+      bisected_by_pending += by_pending && index.stats().bisected_queries > bisected_before;
       long_answers += *std::max_element(want.begin(), want.end()) >= 4;
       // As the router does after routing the prompt to w: w's snapshot
       // blocks along it learn their parents.
@@ -687,13 +693,16 @@ TEST(PrefixIndexTest, BisectionMatchesTheWalkOnChainedStreams) {
       }
     }
   }
-  // Both paths answered many queries, with holes among their holders, and
-  // prefixes were long enough to bisect.
+  // Both paths answered many queries, with holes among their holders;
+  // prefixes were long enough to bisect; pending entries decided answers,
+  // some of them bisected.
   const PrefixIndexStats s = index.stats();
   EXPECT_GT(s.rejected_stores, 0u);
   EXPECT_GT(with_hole, queries / 20);
   EXPECT_GT(long_answers, queries / 4);
   EXPECT_GT(s.bisected_queries, static_cast<uint64_t>(queries) / 8);
+  EXPECT_GT(pending_decided, queries / 20);
+  EXPECT_GT(bisected_by_pending, pending_decided / 10);
   EXPECT_LT(s.bisected_queries, static_cast<uint64_t>(queries));
 }
 
