@@ -31,7 +31,8 @@
 // Thread safety: all methods may be called concurrently. Route() and the
 // accounting calls serialise on one mutex (a decision is a few microseconds);
 // KV events go straight to the index, which has its own reader/writer lock,
-// so event ingestion only contends with the index walk of a decision.
+// so event ingestion only contends with the index query of a decision (and
+// takes the mutex only to write pending entries a caller left unwritten).
 #pragma once
 
 #include <array>
