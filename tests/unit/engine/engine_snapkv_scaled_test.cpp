@@ -26,6 +26,7 @@
 #include "tests/support/numerics.h"
 #include "tests/support/reference_model.h"
 #include "tests/support/reference_tensors.h"
+#include "tests/support/reference_tokens.h"
 #include "tests/support/snapkv_runs.h"
 #include "tests/support/test_models.h"
 
@@ -266,8 +267,7 @@ TEST(SnapKvScaledTest, GenerationKeepsTheFp32RunsPositionsAndTheReferenceTokens)
     }
     EXPECT_LE(differ * 4, g.kept.size()) << differ << " of " << g.kept.size() << " heads differ";
     EXPECT_LE(moved * 3, static_cast<size_t>(B - W)) << "positions swapped against fp32 KV";
-    std::vector<int32_t> all = prompt;
-    for (const auto& s : g.sampled) all.push_back(s.token);
+    const std::vector<int32_t> all = testing::WithSampled(prompt, g.sampled);
     KvRounding kv;
     kv.type = c.rounding;
     kv.block_size = bs;
@@ -281,13 +281,7 @@ TEST(SnapKvScaledTest, GenerationKeepsTheFp32RunsPositionsAndTheReferenceTokens)
       for (const auto& head : layer) want.emplace_back(head.begin(), head.end());
     }
     EXPECT_EQ(g.kept, want);
-    for (size_t i = 0; i < g.sampled.size(); ++i) {
-      const auto lp = LogSoftmax(logits[prompt.size() - 1 + i]);
-      const int32_t best = testing::ArgMax(lp);
-      const int32_t got = g.sampled[i].token;
-      EXPECT_TRUE(got == best || lp[best] - lp[got] < 1e-4) << "step " << i;
-      EXPECT_NEAR(g.sampled[i].logprob, lp[got], 1e-3) << "step " << i;
-    }
+    testing::ExpectReferenceTokens(logits, prompt.size(), g.sampled);
     std::printf(
         "{\"kv_dtype\": \"%s\", \"kept_sets_differing_from_fp32_kv\": %zu, \"of\": %zu, "
         "\"positions_swapped\": %zu}\n",

@@ -20,6 +20,7 @@
 #include "tests/support/kv_eviction_modes.h"
 #include "tests/support/numerics.h"
 #include "tests/support/reference_model.h"
+#include "tests/support/reference_tokens.h"
 #include "tests/support/snapkv_runs.h"
 #include "tests/support/test_models.h"
 
@@ -50,16 +51,8 @@ std::unique_ptr<ReferenceModel> Reference(const std::string& dir) {
 void ExpectReferenceTokens(const ReferenceModel& ref, const KvEvictionRule& rule,
                            const std::vector<int32_t>& prompt, const Generated& g,
                            double tolerance = 1e-3) {
-  std::vector<int32_t> all = prompt;
-  for (const auto& s : g.sampled) all.push_back(s.token);
-  const auto logits = ref.Forward(all, {}, rule);
-  for (size_t i = 0; i < g.sampled.size(); ++i) {
-    const auto lp = LogSoftmax(logits[prompt.size() - 1 + i]);
-    const int32_t best = testing::ArgMax(lp);
-    const int32_t got = g.sampled[i].token;
-    EXPECT_TRUE(got == best || lp[best] - lp[got] < 1e-4) << "step " << i;
-    ASSERT_NEAR(g.sampled[i].logprob, lp[got], tolerance) << "step " << i;
-  }
+  testing::ExpectReferenceTokens(ref.Forward(testing::WithSampled(prompt, g.sampled), {}, rule),
+                                 prompt.size(), g.sampled, tolerance);
 }
 
 // The text evaluation compresses its first step (the prompt) as the engine

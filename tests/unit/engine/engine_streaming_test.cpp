@@ -22,6 +22,7 @@
 #include "tests/support/kv_eviction_modes.h"
 #include "tests/support/numerics.h"
 #include "tests/support/reference_model.h"
+#include "tests/support/reference_tokens.h"
 #include "tests/support/test_models.h"
 
 namespace pdserve {
@@ -138,16 +139,8 @@ std::vector<Generated> Generate(Engine& e, const std::vector<std::vector<int32_t
 
 void ExpectReferenceTokens(const ReferenceModel& ref, const KvEvictionRule& rule,
                            const std::vector<int32_t>& prompt, const Generated& g) {
-  std::vector<int32_t> all = prompt;
-  for (const auto& s : g.sampled) all.push_back(s.token);
-  const auto logits = ref.Forward(all, {}, rule);
-  for (size_t i = 0; i < g.sampled.size(); ++i) {
-    const auto lp = LogSoftmax(logits[prompt.size() - 1 + i]);
-    const int32_t best = testing::ArgMax(lp);
-    const int32_t got = g.sampled[i].token;
-    EXPECT_TRUE(got == best || lp[best] - lp[got] < 1e-4) << "step " << i;
-    ASSERT_NEAR(g.sampled[i].logprob, lp[got], 1e-3) << "step " << i;
-  }
+  testing::ExpectReferenceTokens(ref.Forward(testing::WithSampled(prompt, g.sampled), {}, rule),
+                                 prompt.size(), g.sampled);
 }
 
 // Two sequences decode 200 tokens each (3x the model's context) in a pool

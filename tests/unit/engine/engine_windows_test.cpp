@@ -26,6 +26,7 @@
 #include "services/router/prefix_index.h"
 #include "tests/support/numerics.h"
 #include "tests/support/reference_model.h"
+#include "tests/support/reference_tokens.h"
 #include "tests/support/test_models.h"
 
 namespace pdserve {
@@ -162,16 +163,8 @@ Generated Generate(Engine& e, RequestId id, const std::vector<int32_t>& prompt, 
 
 void ExpectReferenceTokens(const ReferenceModel& ref, const std::vector<int32_t>& prompt,
                            const Generated& g) {
-  std::vector<int32_t> all = prompt;
-  for (const auto& s : g.sampled) all.push_back(s.token);
-  const auto logits = ref.Forward(all);
-  for (size_t i = 0; i < g.sampled.size(); ++i) {
-    const auto lp = LogSoftmax(logits[prompt.size() - 1 + i]);
-    const int32_t best = testing::ArgMax(lp);
-    const int32_t got = g.sampled[i].token;
-    EXPECT_TRUE(got == best || lp[best] - lp[got] < 1e-4) << "step " << i;
-    EXPECT_NEAR(g.sampled[i].logprob, lp[got], 1e-3) << "step " << i;
-  }
+  testing::ExpectReferenceTokens(ref.Forward(testing::WithSampled(prompt, g.sampled)),
+                                 prompt.size(), g.sampled);
 }
 
 std::unique_ptr<Engine> MakeEngine(Model* model, int64_t kv_bytes, int64_t chunk = 16) {
