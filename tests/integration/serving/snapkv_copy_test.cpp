@@ -183,16 +183,7 @@ TEST_P(SnapKvCopyTest, HotPrefixCopyMovesTheFullPromptAndDecodesAsGenerate) {
     prompts.push_back(prefix + " request " + std::to_string(i) + " " + Words(8, i + 2));
     expected.push_back(Generate(prompts.back(), 16, stack_.model(), kSnapKv));
   }
-  std::vector<std::pair<int, nlohmann::json>> results(kBurst);
-  std::vector<std::thread> clients;
-  for (int i = 0; i < kBurst; ++i) {
-    clients.emplace_back([&, i] {
-      results[i] = stack_.Post(
-          "/v1/completions",
-          {{"prompt", prompts[i]}, {"max_tokens", 16}, {"temperature", 0}, {"ignore_eos", true}});
-    });
-  }
-  for (auto& t : clients) t.join();
+  const auto results = stack_.CompleteTogether(prompts, 16);
   for (int i = 0; i < kBurst; ++i) {
     ASSERT_EQ(results[i].first, 200) << results[i].second.dump() << "\n" << stack_.router().Log();
     EXPECT_EQ(results[i].second["choices"][0]["text"], expected[i]["text"]) << i;

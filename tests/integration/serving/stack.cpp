@@ -9,6 +9,7 @@
 #include <fstream>
 #include <regex>
 #include <sstream>
+#include <thread>
 
 #include "tests/support/test_models.h"
 #include "transport/control/handshake.h"
@@ -109,6 +110,22 @@ std::pair<int, nlohmann::json> LocalStack::Post(const std::string& path,
   nlohmann::json j = nlohmann::json::parse(r.body, nullptr, false);
   if (j.is_discarded()) j = nullptr;
   return {r.status, j};
+}
+
+std::vector<std::pair<int, nlohmann::json>> LocalStack::CompleteTogether(
+    const std::vector<std::string>& prompts, int max_tokens) {
+  std::vector<std::pair<int, nlohmann::json>> results(prompts.size());
+  std::vector<std::thread> clients;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    clients.emplace_back([&, i] {
+      results[i] = Post("/v1/completions", {{"prompt", prompts[i]},
+                                            {"max_tokens", max_tokens},
+                                            {"temperature", 0},
+                                            {"ignore_eos", true}});
+    });
+  }
+  for (auto& t : clients) t.join();
+  return results;
 }
 
 double LocalStack::Metric(int port, const std::string& name, const std::string& labels) {

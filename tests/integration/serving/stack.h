@@ -70,6 +70,10 @@ class LocalStack {
 
   // POST helper: parsed JSON body (null when not JSON) plus the status.
   std::pair<int, nlohmann::json> Post(const std::string& path, const nlohmann::json& body);
+  // Greedy /v1/completions of `max_tokens` (EOS ignored) for every prompt,
+  // all in flight at once (a client thread each); results in prompt order.
+  std::vector<std::pair<int, nlohmann::json>> CompleteTogether(
+      const std::vector<std::string>& prompts, int max_tokens);
   // One metric value scraped from `port` (sum over label sets matching `labels`).
   static double Metric(int port, const std::string& name, const std::string& labels = "");
 
