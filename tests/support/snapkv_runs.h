@@ -1,4 +1,4 @@
-// Greedy requests through the engine as the SnapKV engine tests run them,
+// Greedy requests through the engine as the KV eviction and window tests run them,
 // a hand-off's blocks moved between two engines' pools as a KV transfer
 // would, and the reference's kept sets in the engine's order.
 #pragma once
@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <vector>
 
 #include "engine/engine.h"
@@ -22,11 +23,13 @@ struct Generated {
   int64_t cached_tokens = 0;               // the prompt's prefix-cache hits
   size_t held_after_prompt = 0;            // blocks the request held then
   int64_t blocks_released = 0;             // when it finished
+  FinishReason finish = FinishReason::kNone;
 };
 
-// One greedy request with logprobs (ignoring EOS), stepped to the end.
+// One greedy request with logprobs (ignoring EOS), stepped to the end;
+// `after_step` runs after every engine step.
 inline Generated Generate(Engine& e, RequestId id, const std::vector<int32_t>& prompt,
-                          int max_tokens) {
+                          int max_tokens, const std::function<void()>& after_step = {}) {
   EngineRequest r;
   r.id = id;
   r.prompt = prompt;
@@ -41,6 +44,7 @@ inline Generated Generate(Engine& e, RequestId id, const std::vector<int32_t>& p
     EXPECT_TRUE(step.ok()) << step.status().ToString();
     if (!step.ok()) break;
     for (const auto& o : *step) {
+      if (o.id != id) continue;
       if (!o.new_token_ids.empty() && g.sampled.empty()) {
         g.cached_tokens = o.num_cached_tokens;
         g.kept = e.SnapKvKept(id);
@@ -51,8 +55,12 @@ inline Generated Generate(Engine& e, RequestId id, const std::vector<int32_t>& p
         }
       }
       g.sampled.insert(g.sampled.end(), o.logprobs.begin(), o.logprobs.end());
-      if (o.finished) g.blocks_released = o.kv_blocks_released;
+      if (o.finished) {
+        g.blocks_released = o.kv_blocks_released;
+        g.finish = o.finish_reason;
+      }
     }
+    if (after_step) after_step();
   }
   return g;
 }

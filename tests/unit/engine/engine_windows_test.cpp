@@ -27,6 +27,7 @@
 #include "tests/support/numerics.h"
 #include "tests/support/reference_model.h"
 #include "tests/support/reference_tokens.h"
+#include "tests/support/snapkv_runs.h"
 #include "tests/support/test_models.h"
 
 namespace pdserve {
@@ -129,37 +130,8 @@ TEST(EngineWindowsTest, EveryKvDtype) {
 // Greedy generation through the engine (chunked prefill, blocks released as
 // the windows move): every token is the reference's argmax given the same
 // history (up to near ties) and its logprob the reference's.
-struct Generated {
-  std::vector<SampledToken> sampled;
-  int64_t cached_tokens = 0;
-  FinishReason finish = FinishReason::kNone;
-};
-
-Generated Generate(Engine& e, RequestId id, const std::vector<int32_t>& prompt, int max_tokens,
-                   const std::function<void()>& after_step = {}) {
-  EngineRequest r;
-  r.id = id;
-  r.prompt = prompt;
-  r.params.temperature = 0;
-  r.params.max_tokens = max_tokens;
-  r.params.ignore_eos = true;
-  r.params.logprobs = 0;
-  EXPECT_TRUE(e.AddRequest(std::move(r)).ok());
-  Generated g;
-  while (e.HasUnfinished()) {
-    auto step = e.Step();
-    EXPECT_TRUE(step.ok()) << step.status().ToString();
-    if (!step.ok()) break;
-    for (const auto& o : *step) {
-      if (o.id != id) continue;
-      if (!o.new_token_ids.empty() && g.sampled.empty()) g.cached_tokens = o.num_cached_tokens;
-      g.sampled.insert(g.sampled.end(), o.logprobs.begin(), o.logprobs.end());
-      if (o.finished) g.finish = o.finish_reason;
-    }
-    if (after_step) after_step();
-  }
-  return g;
-}
+using testing::Generate;
+using testing::Generated;
 
 void ExpectReferenceTokens(const ReferenceModel& ref, const std::vector<int32_t>& prompt,
                            const Generated& g) {
