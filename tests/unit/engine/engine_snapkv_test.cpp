@@ -47,6 +47,18 @@ std::unique_ptr<ReferenceModel> Reference(const std::string& dir) {
   return testing::LoadReference(dir);
 }
 
+// An engine over `model` with blocks of `block_size`, prefill chunks of 16
+// and 8 MiB of KV (null, with a test failure, when it cannot be made).
+std::unique_ptr<Engine> MakeEngine(Model* model, int64_t block_size) {
+  EngineOptions o;
+  o.block_size = block_size;
+  o.max_num_batched_tokens = 16;
+  o.kv_cache_bytes = 8 << 20;
+  auto e = Engine::Create(model, o);
+  EXPECT_TRUE(e.ok()) << e.status().ToString();
+  return e.ok() ? std::move(*e) : nullptr;
+}
+
 // The engine's tokens and logprobs are the reference's under `rule`.
 void ExpectReferenceTokens(const ReferenceModel& ref, const KvEvictionRule& rule,
                            const std::vector<int32_t>& prompt, const Generated& g,
@@ -106,13 +118,9 @@ TEST(EngineSnapKvTest, GenerationKeepsTheReferenceTokensAndHoldsTheBudget) {
   const int64_t B = 32, W = 8, bs = 8;
   Loaded l = Load(testing::SnapKv(B, W));
   ASSERT_NE(l.model, nullptr);
-  EngineOptions o;
-  o.block_size = bs;
-  o.max_num_batched_tokens = 16;
-  o.kv_cache_bytes = 8 << 20;
-  auto created = Engine::Create(l.model.get(), o);
-  ASSERT_TRUE(created.ok()) << created.status().ToString();
-  Engine& e = **created;
+  const auto engine = MakeEngine(l.model.get(), bs);
+  ASSERT_NE(engine, nullptr);
+  Engine& e = *engine;
   for (int64_t P : {70, 77}) {  // the window inside one chunk, and across two chunks' edge
     SCOPED_TRACE("prompt " + std::to_string(P));
     const auto prompt = RandomTokens(P, Spec().vocab_size(), 2 + P);
@@ -240,15 +248,7 @@ TEST(EngineSnapKvTest, RemotePrefillHandsOffOnlyTheCompressedBlocks) {
   const int64_t B = 32, W = 8, bs = 8;
   Loaded l = Load(testing::SnapKv(B, W));
   ASSERT_NE(l.model, nullptr);
-  EngineOptions o;
-  o.block_size = bs;
-  o.max_num_batched_tokens = 16;
-  o.kv_cache_bytes = 8 << 20;
-  auto make = [&] {
-    auto e = Engine::Create(l.model.get(), o);
-    EXPECT_TRUE(e.ok()) << e.status().ToString();
-    return std::move(*e);
-  };
+  auto make = [&] { return MakeEngine(l.model.get(), bs); };
   for (int64_t P : {70, 24}) {
     SCOPED_TRACE("prompt " + std::to_string(P));
     const auto prompt = RandomTokens(P, Spec().vocab_size(), 40 + P);
@@ -331,15 +331,7 @@ TEST(EngineSnapKvTest, PrefixCopyMovesTheDensePromptWhichTheReceiverCaches) {
   const int64_t B = 32, W = 8, bs = 8, P = 70;
   Loaded l = Load(testing::SnapKv(B, W));
   ASSERT_NE(l.model, nullptr);
-  EngineOptions o;
-  o.block_size = bs;
-  o.max_num_batched_tokens = 16;
-  o.kv_cache_bytes = 8 << 20;
-  auto make = [&] {
-    auto e = Engine::Create(l.model.get(), o);
-    EXPECT_TRUE(e.ok()) << e.status().ToString();
-    return std::move(*e);
-  };
+  auto make = [&] { return MakeEngine(l.model.get(), bs); };
   const auto prompt = RandomTokens(P, Spec().vocab_size(), 7);
   auto alone = make();
   const auto expected = Generate(*alone, 1, prompt, 30);
