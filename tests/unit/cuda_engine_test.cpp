@@ -249,6 +249,17 @@ SnapKvRun RunSnapKv(kernels::Backend* backend, const std::string& dir,
   return run;
 }
 
+// Request `id` kept the same positions and decoded the same tokens, with
+// log-probabilities within 1e-3, in both runs.
+void ExpectSameRequest(const SnapKvRun& got, const SnapKvRun& want, RequestId id) {
+  EXPECT_EQ(got.kept.at(id), want.kept.at(id));
+  EXPECT_EQ(got.tokens.at(id), want.tokens.at(id));
+  ASSERT_EQ(got.logprobs.at(id).size(), want.logprobs.at(id).size());
+  for (size_t i = 0; i < want.logprobs.at(id).size(); ++i) {
+    EXPECT_NEAR(got.logprobs.at(id)[i], want.logprobs.at(id)[i], 1e-3) << "token " << i;
+  }
+}
+
 TEST(CudaEngineTest, SnapKvKeepsTheCpuPositionsAndDecodesItsTokens) {
   const std::string dir = testing::RealModelDir();
   if (dir.empty()) GTEST_SKIP() << "the real model stories260K is absent";
@@ -265,12 +276,7 @@ TEST(CudaEngineTest, SnapKvKeepsTheCpuPositionsAndDecodesItsTokens) {
       SCOPED_TRACE("prompt of " + std::to_string(prompts[id - 1].size()) + " tokens");
       ASSERT_FALSE(want.kept.at(id).empty());
       ASSERT_EQ(want.kept.at(id)[0].size(), 64u);  // compressed
-      EXPECT_EQ(got.kept.at(id), want.kept.at(id));
-      EXPECT_EQ(got.tokens.at(id), want.tokens.at(id));
-      ASSERT_EQ(got.logprobs.at(id).size(), want.logprobs.at(id).size());
-      for (size_t i = 0; i < want.logprobs.at(id).size(); ++i) {
-        EXPECT_NEAR(got.logprobs.at(id)[i], want.logprobs.at(id)[i], 1e-3) << "token " << i;
-      }
+      ExpectSameRequest(got, want, id);
     }
   }
 }
@@ -291,12 +297,7 @@ TEST(CudaEngineTest, QuestWithSnapKvDecodesTheCpuTokens) {
   for (RequestId id : {RequestId{1}, RequestId{2}}) {
     SCOPED_TRACE("prompt of " + std::to_string(prompts[id - 1].size()) + " tokens");
     ASSERT_FALSE(want.kept.at(id).empty());
-    EXPECT_EQ(got.kept.at(id), want.kept.at(id));
-    EXPECT_EQ(got.tokens.at(id), want.tokens.at(id));
-    ASSERT_EQ(got.logprobs.at(id).size(), want.logprobs.at(id).size());
-    for (size_t i = 0; i < want.logprobs.at(id).size(); ++i) {
-      EXPECT_NEAR(got.logprobs.at(id)[i], want.logprobs.at(id)[i], 1e-3) << "token " << i;
-    }
+    ExpectSameRequest(got, want, id);
   }
 }
 
