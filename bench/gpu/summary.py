@@ -28,7 +28,8 @@ def main():
         if r.get("bench") == "kernels" and "prefill_attention" in r:
             for p in r["prefill_attention"] or []:
                 if p:
-                    out.append((f"prefill attention {p['tokens']} tokens", f"{p['tflops']:.0f} TFLOPS",
+                    out.append((f"prefill attention {p['tokens']} tokens {p.get('kv_dtype', 'bf16')}",
+                                f"{p['tflops']:.0f} TFLOPS",
                                 f"{p['fraction_of_bf16_gemm']:.2f} of GEMM"))
             for g in r.get("bf16_gemv") or []:
                 out.append((f"bf16 GEMV {g['rows']} rows", f"{g['weight_read_gbytes_per_s']:.0f} GB/s",

@@ -1,9 +1,13 @@
 // Prefill attention (kernels/cuda/ops.h): a FlashAttention-2-style tiled
 // kernel (Q tiles of one sequence against K/V tiles in shared memory, tensor
-// cores, causal tiles skipped) for 16-bit KV of head_dim 64 or 128, and one
+// cores, causal tiles skipped) for 16-bit and fp8 KV of head_dim 64 or 128, and one
 // warp per (query row, head) over the paged KV for everything else: rows of
 // any sequence and any number of them, a window's keys then its sinks'
 // (AttentionBatch), any KV dtype and head_dim up to 256.
+#include <cuda_fp8.h>
+
+#include <type_traits>
+
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/paged_kv.cuh"
 #include "kernels/op_check.h"
@@ -89,9 +93,19 @@ __global__ void PagedAttentionKernel(DeviceLayout layout, const uint8_t* pool, i
 // operands as the pool stores them, fp32 accumulation) with the online
 // softmax in registers. Key tiles past the tile's last row, or before its
 // first row's window, are never visited; keys a row does not see inside a
-// visited tile are masked. It serves 16-bit KV (fp16, bf16) of head_dim 64
-// or 128 without sinks or Quest (TiledPrefillFits); the kernel above
-// serves the rest.
+// visited tile are masked. It serves 16-bit KV (fp16, bf16) and fp8 KV
+// (e4m3, e5m2) of head_dim 64 or 128 without sinks or Quest
+// (TiledPrefillFits); the kernel above serves the rest.
+//
+// fp8 KV: the codes stream into shared memory as they are stored (cp.async,
+// two stages, half the bytes of 16-bit KV), and each thread widens the
+// chunks it copied into one bf16 K and V tile, times their block's scale,
+// between two barriers; the products then run as for bf16 KV. bf16 holds
+// every e4m3 and e5m2 value times a power-of-two scale exactly (3 and 2
+// mantissa bits against 8, and fp32's exponent range), so the tile is the
+// CPU's decoded KV value for value and only q and the softmax weights are
+// rounded, as for bf16 KV. The widening costs a barrier a tile and the
+// copies of tile t + 1 overlap it and tile t's products.
 
 constexpr int kTileKeys = 64;  // keys per K/V tile
 // Warps per thread block, 16 query rows each. head_dim 128: 8 warps (128
@@ -101,9 +115,15 @@ constexpr int kTileKeys = 64;  // keys per K/V tile
 __host__ __device__ constexpr int TileWarps(int64_t head_dim) { return head_dim == 128 ? 8 : 4; }
 __host__ __device__ constexpr int TileRows(int64_t head_dim) { return 16 * TileWarps(head_dim); }
 // Dynamic shared memory of a block: K and V tiles of kTileKeys rows of
-// head_dim + 8 halves (the pad keeps ldmatrix conflict-free), two stages.
-__host__ __device__ constexpr int TileSmemBytes(int64_t head_dim) {
-  return 2 * 2 * kTileKeys * static_cast<int>(head_dim + 8) * 2;
+// head_dim + 8 halves (the pad keeps ldmatrix conflict-free), two stages;
+// fp8 KV: one stage of them, then two stages of the K and V codes as
+// stored (kTileKeys rows of head_dim bytes).
+__host__ __device__ constexpr int TileSmemBytes(int64_t head_dim, bool fp8) {
+  const int tiles = 2 * kTileKeys * static_cast<int>(head_dim + 8) * 2;
+  return fp8 ? tiles + 2 * 2 * kTileKeys * static_cast<int>(head_dim) : 2 * tiles;
+}
+__host__ __device__ constexpr bool IsFp8(DType d) {
+  return d == DType::kFP8E4M3 || d == DType::kFP8E5M2;
 }
 // Blocks per SM the registers must allow (168 a thread at head_dim 64).
 __host__ __device__ constexpr int TileBlocksPerSm(int64_t head_dim) {
@@ -184,19 +204,48 @@ __device__ inline void LdMatrixX4(uint32_t (&r)[4], const void* row) {
                : "r"(SharedAddress(row)));
 }
 
-template <int D, bool kBf16>
+// 16 fp8 codes (kStored: e4m3 or e5m2, in memory order) times `scale` as
+// 16 bf16 values at dst (16-byte aligned): exact (the comment above). The
+// codes widen two at a time to fp16, which holds them exactly, as the
+// decode kernels widen them.
+template <DType kStored>
+__device__ inline void WidenFp8ToBf16(const uint4& codes, float scale, uint16_t* dst) {
+  constexpr __nv_fp8_interpretation_t kFormat = kStored == DType::kFP8E5M2 ? __NV_E5M2 : __NV_E4M3;
+  const uint32_t words[4] = {codes.x, codes.y, codes.z, codes.w};
+  uint32_t packed[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const auto pair = static_cast<__nv_fp8x2_storage_t>(words[j / 2] >> (16 * (j % 2)));
+    const float2 x = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, kFormat)));
+    packed[j] = Pack2<true>(x.x * scale, x.y * scale);
+  }
+  reinterpret_cast<uint4*>(dst)[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+  reinterpret_cast<uint4*>(dst)[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+}
+
+// kStored: the pool's dtype (fp16, bf16, fp8 e4m3 or e5m2); the products
+// run in fp16 for fp16 KV and in bf16 otherwise.
+template <int D, DType kStored>
 __global__ void __launch_bounds__(32 * TileWarps(D), TileBlocksPerSm(D))
     TiledPrefillKernel(DeviceLayout layout, const uint8_t* pool, int64_t layer, const float* q,
                        int64_t q_stride, int64_t num_heads, kernels::AttentionBatch batch,
                        float scale, float* out) {
+  constexpr bool kBf16 = kStored != DType::kF16, kFp8 = IsFp8(kStored);
   constexpr int kTileWarps = TileWarps(D), kTileRows = TileRows(D);
   constexpr int kPad = D + 8;     // row stride in elements: conflict-free fragment reads
-  constexpr int kChunks = D / 8;  // 16-byte chunks per key row
-  // Stage st's K tile at [2 st], its V tile at [2 st + 1] (TileSmemBytes).
+  constexpr int kChunks = D / 8;  // 16-byte chunks per key row of 16-bit values
+  // 16-bit KV: stage st's K tile at [2 st], its V tile at [2 st + 1]; fp8
+  // KV: the K tile at [0], the V tile at [1], then the codes (raw_at).
   extern __shared__ uint4 tile_smem[];
   auto tile_at = [&](int i) {
     return reinterpret_cast<uint16_t(*)[kPad]>(reinterpret_cast<uint16_t*>(tile_smem) +
                                                i * kTileKeys * kPad);
+  };
+  // fp8: stage st's K codes (side 0) or V codes (side 1), a row per key.
+  auto raw_at = [&](int st, int side) {
+    return reinterpret_cast<uint8_t(*)[D]>(reinterpret_cast<uint8_t*>(tile_smem) +
+                                           2 * kTileKeys * kPad * 2 +
+                                           (2 * st + side) * kTileKeys * D);
   };
 
   // This block's tile: tiles of each sequence in turn, a sequence's last
@@ -302,6 +351,62 @@ __global__ void __launch_bounds__(32 * TileWarps(D), TileBlocksPerSm(D))
     }
     CpAsyncCommit();
   };
+  // fp8: keys [k0, k0 + kTileKeys) of K and V as stored into stage st, 16
+  // codes a copy; each thread later widens exactly the chunks it copied
+  // (widen), so its own cp.async wait orders them, no barrier.
+  constexpr int kRawChunks = D / 16;  // 16-byte chunks per key row of codes
+  constexpr int kRawLoads = kTileKeys * kRawChunks / (32 * kTileWarps);
+  static_assert(kRawLoads * 32 * kTileWarps == kTileKeys * kRawChunks, "whole chunks per thread");
+  auto key_of_chunk = [&](int i, int* r, int* ch) {
+    const int c = threadIdx.x + i * 32 * kTileWarps;
+    *r = c / kRawChunks;
+    *ch = c % kRawChunks;
+  };
+  auto load_raw = [&](int st, int64_t k0) {
+#pragma unroll
+    for (int i = 0; i < kRawLoads; ++i) {
+      int r, ch;
+      key_of_chunk(i, &r, &ch);
+      const int key = static_cast<int>(k0) + r;
+      if (key >= kv_begin && key < kv_end) {
+        const int b = key / block_size;
+        const int64_t at = table[b] * layout.bytes_per_block + (key - b * block_size) * D + ch * 16;
+        CpAsync16(&raw_at(st, 0)[r][ch * 16], head_base + at);
+        CpAsync16(&raw_at(st, 1)[r][ch * 16], head_base + at + kv_side);
+      }
+    }
+    CpAsyncCommit();
+  };
+  // fp8: stage st's codes of keys [k0, k0 + kTileKeys), times their
+  // block's scales, into the bf16 K and V tiles; keys outside [kv_begin,
+  // kv_end) are zeros, as load leaves them.
+  // (At head_dim 64 ptxas spills 16 bytes under the 168-register bound;
+  // one chunk at a time, 40.)
+  auto widen = [&](int st, int64_t k0) {
+#pragma unroll
+    for (int i = 0; i < kRawLoads; ++i) {
+      int r, ch;
+      key_of_chunk(i, &r, &ch);
+      const int key = static_cast<int>(k0) + r;
+      uint16_t* k_dst = &tile_at(0)[r][ch * 16];
+      uint16_t* v_dst = &tile_at(1)[r][ch * 16];
+      if (key >= kv_begin && key < kv_end) {
+        const int64_t block = table[key / block_size];
+        const float k_scale =
+            kernels::LoadScaleBytes(pool + layout.k_scale_offset(block, layer, g));
+        const float v_scale =
+            kernels::LoadScaleBytes(pool + layout.v_scale_offset(block, layer, g));
+        WidenFp8ToBf16<kStored>(*reinterpret_cast<const uint4*>(&raw_at(st, 0)[r][ch * 16]),
+                                k_scale, k_dst);
+        WidenFp8ToBf16<kStored>(*reinterpret_cast<const uint4*>(&raw_at(st, 1)[r][ch * 16]),
+                                v_scale, v_dst);
+      } else {
+        const uint4 zero = make_uint4(0, 0, 0, 0);
+        reinterpret_cast<uint4*>(k_dst)[0] = reinterpret_cast<uint4*>(k_dst)[1] = zero;
+        reinterpret_cast<uint4*>(v_dst)[0] = reinterpret_cast<uint4*>(v_dst)[1] = zero;
+      }
+    }
+  };
 
   // The log2-domain online softmax, pow2 = Exp2 at head_dim 128; exp2f at 64,
   // where Exp2 leaves ptxas 8 bytes of spills under the 168-register bound.
@@ -321,20 +426,34 @@ __global__ void __launch_bounds__(32 * TileWarps(D), TileBlocksPerSm(D))
   // Two stages: tile t's K and V in stage t % 2, tile t + 1's loading into
   // the other while t is computed. One barrier a tile: after it every
   // thread's copies of tile t have landed and every warp is done with
-  // tile t - 1, whose stage the next loads overwrite.
-  load(tile_at(0), kv_begin, 0);
-  load(tile_at(1), kv_begin, kv_side);
+  // tile t - 1, whose stage the next loads overwrite. fp8: the stages hold
+  // the codes, and a second barrier follows the widening of tile t into
+  // the one bf16 stage (which the first barrier freed).
+  if constexpr (kFp8) {
+    load_raw(0, kv_begin);
+  } else {
+    load(tile_at(0), kv_begin, 0);
+    load(tile_at(1), kv_begin, kv_side);
+  }
   int stage = 0;
   for (int64_t k0 = kv_begin; k0 < kv_end; k0 += kTileKeys, stage ^= 1) {
     const bool compute = warp_active && k0 < warp_end && k0 + kTileKeys > warp_begin;
     CpAsyncWaitAll();  // this thread's copies of tile t
     __syncthreads();
     if (k0 + kTileKeys < kv_end) {
-      load(tile_at(2 * (stage ^ 1)), k0 + kTileKeys, 0);
-      load(tile_at(2 * (stage ^ 1) + 1), k0 + kTileKeys, kv_side);
+      if constexpr (kFp8) {
+        load_raw(stage ^ 1, k0 + kTileKeys);
+      } else {
+        load(tile_at(2 * (stage ^ 1)), k0 + kTileKeys, 0);
+        load(tile_at(2 * (stage ^ 1) + 1), k0 + kTileKeys, kv_side);
+      }
     }
-    uint16_t(*const k_tile)[kPad] = tile_at(2 * stage);
-    uint16_t(*const v_tile)[kPad] = tile_at(2 * stage + 1);
+    if constexpr (kFp8) {
+      widen(stage, k0);
+      __syncthreads();
+    }
+    uint16_t(*const k_tile)[kPad] = tile_at(kFp8 ? 0 : 2 * stage);
+    uint16_t(*const v_tile)[kPad] = tile_at(kFp8 ? 1 : 2 * stage + 1);
     float s[kTileKeys / 8][4];
 #pragma unroll
     for (int nt = 0; nt < kTileKeys / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
@@ -472,20 +591,21 @@ int64_t TiledGridRows(const kernels::AttentionBatch& b, int64_t head_dim) {
   return (b.num_tokens + rows - 1) / rows + b.num_seqs;
 }
 
-// Whether the tiled kernel serves this layer's call: 16-bit KV without
-// scales, head_dim 64 or 128, no sinks, no Quest rows (those keep the
-// one-warp kernel), the pool's rows 16-byte aligned for cp.async, and a
-// grid within its limits. Decided per call on the host, never by guessing
-// inside the kernel.
+// Whether the tiled kernel serves this layer's call: 16-bit or fp8 KV,
+// head_dim 64 or 128, no sinks, no Quest rows (those keep the one-warp
+// kernel), the pool's rows 16-byte aligned for cp.async (fp8 with an odd
+// number of KV heads leaves every other layer 8 bytes off: the one-warp
+// kernel then), and a grid within its limits. Decided per call on the
+// host, never by guessing inside the kernel.
 bool TiledPrefillFits(const AttentionPlan& plan, const Tensor& q) {
   const KvCacheLayout& l = plan.layout;
   const kernels::AttentionBatch& b = plan.batch;
   const bool sixteen_bit = l.dtype == DType::kBF16 || l.dtype == DType::kF16;
   const bool quest = b.quest_blocks > 0 && l.key_bounds != nullptr;
   const int64_t heads = q.shape[1];
-  return sixteen_bit && !l.is_mla() && !l.has_scales() && (l.head_dim == 64 || l.head_dim == 128) &&
-         b.sinks == 0 && !quest && l.num_kv_heads > 0 && heads % l.num_kv_heads == 0 &&
-         heads <= 65535 && q.stride[1] == l.head_dim &&
+  return (sixteen_bit || IsFp8(l.dtype)) && !l.is_mla() &&
+         (l.head_dim == 64 || l.head_dim == 128) && b.sinks == 0 && !quest && l.num_kv_heads > 0 &&
+         heads % l.num_kv_heads == 0 && heads <= 65535 && q.stride[1] == l.head_dim &&
          reinterpret_cast<uintptr_t>(plan.pool) % 16 == 0 && l.head_bytes() % 16 == 0 &&
          l.kv_bytes_per_layer() % 16 == 0 && l.layer_stride_bytes() % 16 == 0 &&
          l.bytes_per_block() % 16 == 0 && TiledGridRows(b, l.head_dim) <= 65535;
@@ -507,8 +627,8 @@ void LaunchTiled(const AttentionPlan& plan, int64_t layer, const Tensor& q, floa
                   static_cast<unsigned>(TiledGridRows(plan.batch, plan.layout.head_dim)));
   const DeviceLayout dl(plan.layout);
   const auto* pool = static_cast<const uint8_t*>(plan.pool);
-  const bool bf16 = plan.layout.dtype == DType::kBF16;
-  const int smem = TileSmemBytes(plan.layout.head_dim);
+  const DType stored = plan.layout.dtype;
+  const int smem = TileSmemBytes(plan.layout.head_dim, IsFp8(stored));
   auto launch = [&](auto kernel) {
     // Above 48 KiB (head_dim 128) dynamic shared memory needs the opt-in,
     // per device: set on every launch (a host call, legal in a capture).
@@ -518,14 +638,24 @@ void LaunchTiled(const AttentionPlan& plan, int64_t layer, const Tensor& q, floa
         dl, pool, layer, q.as<const float>(), q.stride[0], q.shape[1], plan.batch, scale,
         out.as<float>());
   };
-  if (plan.layout.head_dim == 64 && bf16) {
-    launch(TiledPrefillKernel<64, true>);
-  } else if (plan.layout.head_dim == 64) {
-    launch(TiledPrefillKernel<64, false>);
-  } else if (bf16) {
-    launch(TiledPrefillKernel<128, true>);
+  // One instance per (head_dim, stored dtype) that TiledPrefillFits takes.
+  auto for_dim = [&](auto dim) {
+    constexpr int D = decltype(dim)::value;
+    switch (stored) {
+      case DType::kBF16:
+        return launch(TiledPrefillKernel<D, DType::kBF16>);
+      case DType::kF16:
+        return launch(TiledPrefillKernel<D, DType::kF16>);
+      case DType::kFP8E4M3:
+        return launch(TiledPrefillKernel<D, DType::kFP8E4M3>);
+      default:
+        return launch(TiledPrefillKernel<D, DType::kFP8E5M2>);
+    }
+  };
+  if (plan.layout.head_dim == 64) {
+    for_dim(std::integral_constant<int, 64>{});
   } else {
-    launch(TiledPrefillKernel<128, false>);
+    for_dim(std::integral_constant<int, 128>{});
   }
   Check(cudaGetLastError(), "PagedAttention");
 }

@@ -1,7 +1,7 @@
 // pdserve bench kernels: the device's own limits (copy bandwidth, fp32 and
 // bf16 GEMM rates) and, in the same run, paged decode attention of the CUDA
 // backend held against them (one JSON line per context), then causal
-// prefill attention (one sequence of 4,096 and of 16,384 tokens, bf16 KV)
+// prefill attention (one sequence of 4,096 and of 16,384 tokens, bf16 and fp8 KV)
 // against the bf16 GEMM rate and the bf16 GEMV of decode over Llama-3.1-8B
 // layers against the copy bandwidth (one more line).
 #include <algorithm>
@@ -46,17 +46,19 @@ double BestSeconds(kernels::Backend& backend, int runs, const std::function<void
 }
 
 // Causal prefill attention of one sequence of `tokens` tokens, its whole
-// prompt in one chunk over bf16 KV (the tiled kernel's case): seconds and
-// TFLOPS, counting 4 * tokens^2 / 2 * head_dim flops per query head (Q K^T
-// and P V over the causal half). Null where the device lacks the memory.
+// prompt in one chunk over KV of `kv_dtype` (bf16 or fp8: the tiled
+// kernel's cases): seconds and TFLOPS, counting 4 * tokens^2 / 2 * head_dim
+// flops per query head (Q K^T and P V over the causal half). Null where the
+// device lacks the memory.
 nlohmann::json MeasurePrefill(kernels::Backend& backend, int64_t tokens, int64_t heads,
-                              int64_t kv_heads, int64_t head_dim, double bf16_tflops) {
+                              int64_t kv_heads, int64_t head_dim, DType kv_dtype,
+                              double bf16_tflops) {
   kernels::KvCacheLayout layout;
   layout.num_layers = 1;
   layout.num_kv_heads = kv_heads;
   layout.head_dim = head_dim;
   layout.block_size = 16;
-  layout.dtype = DType::kBF16;
+  layout.dtype = kv_dtype;
   const int64_t blocks = (tokens + 15) / 16;
   layout.num_blocks = blocks;
   std::mt19937 rng(2);
@@ -107,10 +109,14 @@ nlohmann::json MeasurePrefill(kernels::Backend& backend, int64_t tokens, int64_t
     });
     const double flops = 4.0 * tokens * tokens / 2 * head_dim * heads;
     const double tflops = flops / seconds / 1e12;
-    result = {{"tokens", tokens},     {"heads", heads},
-              {"kv_heads", kv_heads}, {"head_dim", head_dim},
-              {"kv_dtype", "bf16"},   {"seconds", seconds},
-              {"tflops", tflops},     {"fraction_of_bf16_gemm", tflops / bf16_tflops}};
+    result = {{"tokens", tokens},
+              {"heads", heads},
+              {"kv_heads", kv_heads},
+              {"head_dim", head_dim},
+              {"kv_dtype", std::string(DTypeName(kv_dtype))},
+              {"seconds", seconds},
+              {"tflops", tflops},
+              {"fraction_of_bf16_gemm", tflops / bf16_tflops}};
   }
   for (void* p : owned) {
     if (p != nullptr) backend.Free(p);
@@ -308,7 +314,8 @@ int RunBenchKernels(int argc, char** argv) {
   flags.AddInt("batch", &batch, "sequences decoding at once");
   flags.AddIntList("context", &contexts, "tokens of KV per sequence (a list sweeps them)");
   flags.AddIntList("prefill-tokens", &prefill_tokens,
-                   "prompt lengths of the causal prefill attention measurement (bf16 KV; 0: none)");
+                   "prompt lengths of the causal prefill attention measurement (bf16 and fp8 "
+                   "KV; 0: none)");
   flags.AddInt("heads", &heads, "query heads");
   flags.AddInt("kv-heads", &kv_heads, "KV heads (GQA groups)");
   flags.AddInt("head-dim", &head_dim, "head dimension (at most 256)");
@@ -355,10 +362,12 @@ int RunBenchKernels(int argc, char** argv) {
   nlohmann::json prefill = nlohmann::json::array();
   for (const int64_t tokens : prefill_tokens) {
     if (tokens < 1) continue;
-    std::fprintf(stderr, "bench kernels: prefill attention, %lld tokens...\n",
-                 static_cast<long long>(tokens));
-    prefill.push_back(
-        MeasurePrefill(*backend, tokens, heads, kv_heads, head_dim, roof.bf16_tflops));
+    for (const DType dtype : {DType::kBF16, DType::kFP8E4M3}) {
+      std::fprintf(stderr, "bench kernels: prefill attention, %lld tokens, %s KV...\n",
+                   static_cast<long long>(tokens), std::string(DTypeName(dtype)).c_str());
+      prefill.push_back(
+          MeasurePrefill(*backend, tokens, heads, kv_heads, head_dim, dtype, roof.bf16_tflops));
+    }
   }
   std::fprintf(stderr, "bench kernels: bf16 GEMV over Llama-3.1-8B layers...\n");
   const nlohmann::json gemv = MeasureGemv(*backend, roof.copy_gbytes_per_s);
