@@ -1,6 +1,7 @@
 // Prefill attention (kernels/cuda/ops.h): a FlashAttention-2-style tiled
 // kernel (Q tiles of one sequence against K/V tiles in shared memory, tensor
-// cores, causal tiles skipped) for 16-bit and fp8 KV of head_dim 64 or 128, and one
+// cores, causal tiles skipped) for 16-bit, fp8 and nvfp4 KV of head_dim 64
+// or 128, and one
 // warp per (query row, head) over the paged KV for everything else: rows of
 // any sequence and any number of them, a window's keys then its sinks'
 // (AttentionBatch), any KV dtype and head_dim up to 256.
@@ -93,19 +94,21 @@ __global__ void PagedAttentionKernel(DeviceLayout layout, const uint8_t* pool, i
 // operands as the pool stores them, fp32 accumulation) with the online
 // softmax in registers. Key tiles past the tile's last row, or before its
 // first row's window, are never visited; keys a row does not see inside a
-// visited tile are masked. It serves 16-bit KV (fp16, bf16) and fp8 KV
-// (e4m3, e5m2) of head_dim 64 or 128 without sinks or Quest
+// visited tile are masked. It serves 16-bit KV (fp16, bf16), fp8 KV (e4m3,
+// e5m2) and nvfp4 KV of head_dim 64 or 128 without sinks or Quest
 // (TiledPrefillFits); the kernel above serves the rest.
 //
-// fp8 KV: the codes stream into shared memory as they are stored (cp.async,
-// two stages, half the bytes of 16-bit KV), and each thread widens the
-// chunks it copied into one bf16 K and V tile, times their block's scale,
-// between two barriers; the products then run as for bf16 KV. bf16 holds
-// every e4m3 and e5m2 value times a power-of-two scale exactly (3 and 2
-// mantissa bits against 8, and fp32's exponent range), so the tile is the
-// CPU's decoded KV value for value and only q and the softmax weights are
-// rounded, as for bf16 KV. The widening costs a barrier a tile and the
-// copies of tile t + 1 overlap it and tile t's products.
+// Coded KV (fp8, nvfp4): the codes stream into shared memory as they are
+// stored (cp.async, two stages, a half or a quarter of 16-bit KV's bytes),
+// and each thread widens the chunks it copied into one bf16 K and V tile,
+// times their block's scale (and nvfp4's micro-scales), between two
+// barriers; the products then run as for bf16 KV. bf16 holds every such
+// value exactly (e4m3 and e5m2 carry 4 and 3 significant bits, e2m1 times
+// an e4m3 micro-scale at most 6, bf16 8, and scales are powers of two
+// within fp32's exponent range), so the tile is the CPU's decoded KV value
+// for value and only q and the softmax weights are rounded, as for bf16
+// KV. The widening costs a barrier a tile; the copies of tile t + 1 overlap
+// it and tile t's products.
 
 constexpr int kTileKeys = 64;  // keys per K/V tile
 // Warps per thread block, 16 query rows each. head_dim 128: 8 warps (128
@@ -114,16 +117,21 @@ constexpr int kTileKeys = 64;  // keys per K/V tile
 // warps, three blocks per SM.
 __host__ __device__ constexpr int TileWarps(int64_t head_dim) { return head_dim == 128 ? 8 : 4; }
 __host__ __device__ constexpr int TileRows(int64_t head_dim) { return 16 * TileWarps(head_dim); }
+// KV stored as codes that the tiled kernel widens (fp8, nvfp4), and the
+// bytes of one key's codes in a head region (nvfp4's micro-scales apart).
+__host__ __device__ constexpr bool IsCoded(DType d) {
+  return d == DType::kFP8E4M3 || d == DType::kFP8E5M2 || d == DType::kNvFp4;
+}
+__host__ __device__ constexpr int CodeBytes(DType d, int64_t head_dim) {
+  return static_cast<int>(d == DType::kNvFp4 ? head_dim / 2 : head_dim);
+}
 // Dynamic shared memory of a block: K and V tiles of kTileKeys rows of
 // head_dim + 8 halves (the pad keeps ldmatrix conflict-free), two stages;
-// fp8 KV: one stage of them, then two stages of the K and V codes as
-// stored (kTileKeys rows of head_dim bytes).
-__host__ __device__ constexpr int TileSmemBytes(int64_t head_dim, bool fp8) {
+// coded KV: one stage of them, then two stages of the K and V codes as
+// stored (kTileKeys rows of CodeBytes).
+__host__ __device__ constexpr int TileSmemBytes(int64_t head_dim, DType stored) {
   const int tiles = 2 * kTileKeys * static_cast<int>(head_dim + 8) * 2;
-  return fp8 ? tiles + 2 * 2 * kTileKeys * static_cast<int>(head_dim) : 2 * tiles;
-}
-__host__ __device__ constexpr bool IsFp8(DType d) {
-  return d == DType::kFP8E4M3 || d == DType::kFP8E5M2;
+  return IsCoded(stored) ? tiles + 2 * 2 * kTileKeys * CodeBytes(stored, head_dim) : 2 * tiles;
 }
 // Blocks per SM the registers must allow (168 a thread at head_dim 64).
 __host__ __device__ constexpr int TileBlocksPerSm(int64_t head_dim) {
@@ -223,29 +231,72 @@ __device__ inline void WidenFp8ToBf16(const uint4& codes, float scale, uint16_t*
   reinterpret_cast<uint4*>(dst)[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
 }
 
-// kStored: the pool's dtype (fp16, bf16, fp8 e4m3 or e5m2); the products
-// run in fp16 for fp16 KV and in bf16 otherwise.
+// 32 nvfp4 codes (element 2i in the low nibble of byte i) times their two
+// micro-scales (`micro`'s low byte for the first 16, the next byte for the
+// rest) and `scale` as 32 bf16 values at dst (16-byte aligned): exact. As
+// the decode kernels do, a code s|eem placed as the fp16 bits
+// s00000eem000000000 reads its value times 2^-14, the 2^14 folded into the
+// micro-scale; the nibbles of a 32-bit word move by whole-word shifts,
+// elements p and p + 4 of the word into one half2.
+__device__ inline void WidenNvfp4ToBf16(const uint4& codes, uint32_t micro, float scale,
+                                        uint16_t* dst) {
+  const uint32_t words[4] = {codes.x, codes.y, codes.z, codes.w};
+  uint32_t packed[16];
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    const auto micro_byte = static_cast<__nv_fp8_storage_t>(micro >> (8 * (w / 2)));
+    const float factor =
+        __half2float(__half(__nv_cvt_fp8_to_halfraw(micro_byte, __NV_E4M3))) * 16384.0f * scale;
+    const uint32_t c = words[w];
+    const uint32_t bits[4] = {((c << 9) & 0x0E000E00u) | ((c << 12) & 0x80008000u),
+                              ((c << 5) & 0x0E000E00u) | ((c << 8) & 0x80008000u),
+                              ((c << 1) & 0x0E000E00u) | ((c << 4) & 0x80008000u),
+                              ((c >> 3) & 0x0E000E00u) | (c & 0x80008000u)};
+    float f[8];
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      __half2 h;
+      memcpy(&h, &bits[p], sizeof h);
+      const float2 x = __half22float2(h);
+      f[p] = x.x * factor;
+      f[p + 4] = x.y * factor;
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) packed[4 * w + j] = Pack2<true>(f[2 * j], f[2 * j + 1]);
+  }
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    reinterpret_cast<uint4*>(dst)[q] =
+        make_uint4(packed[4 * q], packed[4 * q + 1], packed[4 * q + 2], packed[4 * q + 3]);
+  }
+}
+
+// kStored: the pool's dtype (fp16, bf16, fp8 e4m3 or e5m2, nvfp4); the
+// products run in fp16 for fp16 KV and in bf16 otherwise.
 template <int D, DType kStored>
 __global__ void __launch_bounds__(32 * TileWarps(D), TileBlocksPerSm(D))
     TiledPrefillKernel(DeviceLayout layout, const uint8_t* pool, int64_t layer, const float* q,
                        int64_t q_stride, int64_t num_heads, kernels::AttentionBatch batch,
                        float scale, float* out) {
-  constexpr bool kBf16 = kStored != DType::kF16, kFp8 = IsFp8(kStored);
+  constexpr bool kBf16 = kStored != DType::kF16, kCoded = IsCoded(kStored);
+  constexpr bool kFp4 = kStored == DType::kNvFp4;
+  constexpr int kCodeBytes = CodeBytes(kStored, D);  // a key's codes in a head region
+  constexpr int kCodesPerChunk = kFp4 ? 32 : 16;     // codes in 16 bytes
   constexpr int kTileWarps = TileWarps(D), kTileRows = TileRows(D);
   constexpr int kPad = D + 8;     // row stride in elements: conflict-free fragment reads
   constexpr int kChunks = D / 8;  // 16-byte chunks per key row of 16-bit values
-  // 16-bit KV: stage st's K tile at [2 st], its V tile at [2 st + 1]; fp8
+  // 16-bit KV: stage st's K tile at [2 st], its V tile at [2 st + 1]; coded
   // KV: the K tile at [0], the V tile at [1], then the codes (raw_at).
   extern __shared__ uint4 tile_smem[];
   auto tile_at = [&](int i) {
     return reinterpret_cast<uint16_t(*)[kPad]>(reinterpret_cast<uint16_t*>(tile_smem) +
                                                i * kTileKeys * kPad);
   };
-  // fp8: stage st's K codes (side 0) or V codes (side 1), a row per key.
+  // Coded KV: stage st's K codes (side 0) or V codes (side 1), a row per key.
   auto raw_at = [&](int st, int side) {
-    return reinterpret_cast<uint8_t(*)[D]>(reinterpret_cast<uint8_t*>(tile_smem) +
-                                           2 * kTileKeys * kPad * 2 +
-                                           (2 * st + side) * kTileKeys * D);
+    return reinterpret_cast<uint8_t(*)[kCodeBytes]>(reinterpret_cast<uint8_t*>(tile_smem) +
+                                                    2 * kTileKeys * kPad * 2 +
+                                                    (2 * st + side) * kTileKeys * kCodeBytes);
   };
 
   // This block's tile: tiles of each sequence in turn, a sequence's last
@@ -351,10 +402,10 @@ __global__ void __launch_bounds__(32 * TileWarps(D), TileBlocksPerSm(D))
     }
     CpAsyncCommit();
   };
-  // fp8: keys [k0, k0 + kTileKeys) of K and V as stored into stage st, 16
-  // codes a copy; each thread later widens exactly the chunks it copied
-  // (widen), so its own cp.async wait orders them, no barrier.
-  constexpr int kRawChunks = D / 16;  // 16-byte chunks per key row of codes
+  // Coded KV: keys [k0, k0 + kTileKeys) of K and V as stored into stage
+  // st, 16 bytes a copy; each thread later widens exactly the chunks it
+  // copied (widen), so its own cp.async wait orders them, no barrier.
+  constexpr int kRawChunks = kCodeBytes / 16;  // 16-byte chunks per key row of codes
   constexpr int kRawLoads = kTileKeys * kRawChunks / (32 * kTileWarps);
   static_assert(kRawLoads * 32 * kTileWarps == kTileKeys * kRawChunks, "whole chunks per thread");
   auto key_of_chunk = [&](int i, int* r, int* ch) {
@@ -370,15 +421,17 @@ __global__ void __launch_bounds__(32 * TileWarps(D), TileBlocksPerSm(D))
       const int key = static_cast<int>(k0) + r;
       if (key >= kv_begin && key < kv_end) {
         const int b = key / block_size;
-        const int64_t at = table[b] * layout.bytes_per_block + (key - b * block_size) * D + ch * 16;
+        const int64_t at =
+            table[b] * layout.bytes_per_block + (key - b * block_size) * kCodeBytes + ch * 16;
         CpAsync16(&raw_at(st, 0)[r][ch * 16], head_base + at);
         CpAsync16(&raw_at(st, 1)[r][ch * 16], head_base + at + kv_side);
       }
     }
     CpAsyncCommit();
   };
-  // fp8: stage st's codes of keys [k0, k0 + kTileKeys), times their
-  // block's scales, into the bf16 K and V tiles; keys outside [kv_begin,
+  // Coded KV: stage st's codes of keys [k0, k0 + kTileKeys), times their
+  // block's scales (and nvfp4's micro-scales, read from the pool here: two
+  // bytes a chunk), into the bf16 K and V tiles; keys outside [kv_begin,
   // kv_end) are zeros, as load leaves them.
   // (At head_dim 64 ptxas spills 16 bytes under the 168-register bound;
   // one chunk at a time, 40.)
@@ -388,22 +441,36 @@ __global__ void __launch_bounds__(32 * TileWarps(D), TileBlocksPerSm(D))
       int r, ch;
       key_of_chunk(i, &r, &ch);
       const int key = static_cast<int>(k0) + r;
-      uint16_t* k_dst = &tile_at(0)[r][ch * 16];
-      uint16_t* v_dst = &tile_at(1)[r][ch * 16];
+      uint16_t* k_dst = &tile_at(0)[r][ch * kCodesPerChunk];
+      uint16_t* v_dst = &tile_at(1)[r][ch * kCodesPerChunk];
       if (key >= kv_begin && key < kv_end) {
         const int64_t block = table[key / block_size];
         const float k_scale =
             kernels::LoadScaleBytes(pool + layout.k_scale_offset(block, layer, g));
         const float v_scale =
             kernels::LoadScaleBytes(pool + layout.v_scale_offset(block, layer, g));
-        WidenFp8ToBf16<kStored>(*reinterpret_cast<const uint4*>(&raw_at(st, 0)[r][ch * 16]),
-                                k_scale, k_dst);
-        WidenFp8ToBf16<kStored>(*reinterpret_cast<const uint4*>(&raw_at(st, 1)[r][ch * 16]),
-                                v_scale, v_dst);
+        const uint4 k_codes = *reinterpret_cast<const uint4*>(&raw_at(st, 0)[r][ch * 16]);
+        const uint4 v_codes = *reinterpret_cast<const uint4*>(&raw_at(st, 1)[r][ch * 16]);
+        if constexpr (kFp4) {
+          // The chunk's two micro-scales: dims ch * 32 .. + 31 of the key.
+          const int64_t micro = layout.micro_at + (key % block_size) * (D / 16) + ch * 2;
+          const uint32_t k_micro =
+              *reinterpret_cast<const uint16_t*>(pool + layout.k_offset(block, layer, g) + micro);
+          const uint32_t v_micro =
+              *reinterpret_cast<const uint16_t*>(pool + layout.v_offset(block, layer, g) + micro);
+          WidenNvfp4ToBf16(k_codes, k_micro, k_scale, k_dst);
+          WidenNvfp4ToBf16(v_codes, v_micro, v_scale, v_dst);
+        } else {
+          WidenFp8ToBf16<kStored>(k_codes, k_scale, k_dst);
+          WidenFp8ToBf16<kStored>(v_codes, v_scale, v_dst);
+        }
       } else {
         const uint4 zero = make_uint4(0, 0, 0, 0);
-        reinterpret_cast<uint4*>(k_dst)[0] = reinterpret_cast<uint4*>(k_dst)[1] = zero;
-        reinterpret_cast<uint4*>(v_dst)[0] = reinterpret_cast<uint4*>(v_dst)[1] = zero;
+#pragma unroll
+        for (int z = 0; z < kCodesPerChunk / 8; ++z) {
+          reinterpret_cast<uint4*>(k_dst)[z] = zero;
+          reinterpret_cast<uint4*>(v_dst)[z] = zero;
+        }
       }
     }
   };
@@ -426,10 +493,10 @@ __global__ void __launch_bounds__(32 * TileWarps(D), TileBlocksPerSm(D))
   // Two stages: tile t's K and V in stage t % 2, tile t + 1's loading into
   // the other while t is computed. One barrier a tile: after it every
   // thread's copies of tile t have landed and every warp is done with
-  // tile t - 1, whose stage the next loads overwrite. fp8: the stages hold
+  // tile t - 1, whose stage the next loads overwrite. Coded KV: the stages hold
   // the codes, and a second barrier follows the widening of tile t into
   // the one bf16 stage (which the first barrier freed).
-  if constexpr (kFp8) {
+  if constexpr (kCoded) {
     load_raw(0, kv_begin);
   } else {
     load(tile_at(0), kv_begin, 0);
@@ -441,19 +508,19 @@ __global__ void __launch_bounds__(32 * TileWarps(D), TileBlocksPerSm(D))
     CpAsyncWaitAll();  // this thread's copies of tile t
     __syncthreads();
     if (k0 + kTileKeys < kv_end) {
-      if constexpr (kFp8) {
+      if constexpr (kCoded) {
         load_raw(stage ^ 1, k0 + kTileKeys);
       } else {
         load(tile_at(2 * (stage ^ 1)), k0 + kTileKeys, 0);
         load(tile_at(2 * (stage ^ 1) + 1), k0 + kTileKeys, kv_side);
       }
     }
-    if constexpr (kFp8) {
+    if constexpr (kCoded) {
       widen(stage, k0);
       __syncthreads();
     }
-    uint16_t(*const k_tile)[kPad] = tile_at(kFp8 ? 0 : 2 * stage);
-    uint16_t(*const v_tile)[kPad] = tile_at(kFp8 ? 1 : 2 * stage + 1);
+    uint16_t(*const k_tile)[kPad] = tile_at(kCoded ? 0 : 2 * stage);
+    uint16_t(*const v_tile)[kPad] = tile_at(kCoded ? 1 : 2 * stage + 1);
     float s[kTileKeys / 8][4];
 #pragma unroll
     for (int nt = 0; nt < kTileKeys / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
@@ -591,11 +658,11 @@ int64_t TiledGridRows(const kernels::AttentionBatch& b, int64_t head_dim) {
   return (b.num_tokens + rows - 1) / rows + b.num_seqs;
 }
 
-// Whether the tiled kernel serves this layer's call: 16-bit or fp8 KV,
-// head_dim 64 or 128, no sinks, no Quest rows (those keep the one-warp
-// kernel), the pool's rows 16-byte aligned for cp.async (fp8 with an odd
-// number of KV heads leaves every other layer 8 bytes off: the one-warp
-// kernel then), and a grid within its limits. Decided per call on the
+// Whether the tiled kernel serves this layer's call: 16-bit, fp8 or nvfp4
+// KV, head_dim 64 or 128, no sinks, no Quest rows (those keep the one-warp
+// kernel), the pool's rows 16-byte aligned for cp.async (coded KV with an
+// odd number of KV heads leaves every other layer 8 bytes off: the
+// one-warp kernel then), and a grid within its limits. Decided per call on the
 // host, never by guessing inside the kernel.
 bool TiledPrefillFits(const AttentionPlan& plan, const Tensor& q) {
   const KvCacheLayout& l = plan.layout;
@@ -603,7 +670,7 @@ bool TiledPrefillFits(const AttentionPlan& plan, const Tensor& q) {
   const bool sixteen_bit = l.dtype == DType::kBF16 || l.dtype == DType::kF16;
   const bool quest = b.quest_blocks > 0 && l.key_bounds != nullptr;
   const int64_t heads = q.shape[1];
-  return (sixteen_bit || IsFp8(l.dtype)) && !l.is_mla() &&
+  return (sixteen_bit || IsCoded(l.dtype)) && !l.is_mla() &&
          (l.head_dim == 64 || l.head_dim == 128) && b.sinks == 0 && !quest && l.num_kv_heads > 0 &&
          heads % l.num_kv_heads == 0 && heads <= 65535 && q.stride[1] == l.head_dim &&
          reinterpret_cast<uintptr_t>(plan.pool) % 16 == 0 && l.head_bytes() % 16 == 0 &&
@@ -628,7 +695,7 @@ void LaunchTiled(const AttentionPlan& plan, int64_t layer, const Tensor& q, floa
   const DeviceLayout dl(plan.layout);
   const auto* pool = static_cast<const uint8_t*>(plan.pool);
   const DType stored = plan.layout.dtype;
-  const int smem = TileSmemBytes(plan.layout.head_dim, IsFp8(stored));
+  const int smem = TileSmemBytes(plan.layout.head_dim, stored);
   auto launch = [&](auto kernel) {
     // Above 48 KiB (head_dim 128) dynamic shared memory needs the opt-in,
     // per device: set on every launch (a host call, legal in a capture).
@@ -648,8 +715,10 @@ void LaunchTiled(const AttentionPlan& plan, int64_t layer, const Tensor& q, floa
         return launch(TiledPrefillKernel<D, DType::kF16>);
       case DType::kFP8E4M3:
         return launch(TiledPrefillKernel<D, DType::kFP8E4M3>);
-      default:
+      case DType::kFP8E5M2:
         return launch(TiledPrefillKernel<D, DType::kFP8E5M2>);
+      default:
+        return launch(TiledPrefillKernel<D, DType::kNvFp4>);
     }
   };
   if (plan.layout.head_dim == 64) {

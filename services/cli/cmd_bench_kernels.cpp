@@ -1,7 +1,7 @@
 // pdserve bench kernels: the device's own limits (copy bandwidth, fp32 and
 // bf16 GEMM rates) and, in the same run, paged decode attention of the CUDA
 // backend held against them (one JSON line per context), then causal
-// prefill attention (one sequence of 4,096 and of 16,384 tokens, bf16 and fp8 KV)
+// prefill attention (one sequence of 4,096 and of 16,384 tokens, bf16, fp8 and nvfp4 KV)
 // against the bf16 GEMM rate and the bf16 GEMV of decode over Llama-3.1-8B
 // layers against the copy bandwidth (one more line).
 #include <algorithm>
@@ -46,7 +46,7 @@ double BestSeconds(kernels::Backend& backend, int runs, const std::function<void
 }
 
 // Causal prefill attention of one sequence of `tokens` tokens, its whole
-// prompt in one chunk over KV of `kv_dtype` (bf16 or fp8: the tiled
+// prompt in one chunk over KV of `kv_dtype` (bf16, fp8 or nvfp4: the tiled
 // kernel's cases): seconds and TFLOPS, counting 4 * tokens^2 / 2 * head_dim
 // flops per query head (Q K^T and P V over the causal half). Null where the
 // device lacks the memory.
@@ -314,8 +314,8 @@ int RunBenchKernels(int argc, char** argv) {
   flags.AddInt("batch", &batch, "sequences decoding at once");
   flags.AddIntList("context", &contexts, "tokens of KV per sequence (a list sweeps them)");
   flags.AddIntList("prefill-tokens", &prefill_tokens,
-                   "prompt lengths of the causal prefill attention measurement (bf16 and fp8 "
-                   "KV; 0: none)");
+                   "prompt lengths of the causal prefill attention measurement (bf16, fp8 "
+                   "and nvfp4 KV; 0: none)");
   flags.AddInt("heads", &heads, "query heads");
   flags.AddInt("kv-heads", &kv_heads, "KV heads (GQA groups)");
   flags.AddInt("head-dim", &head_dim, "head dimension (at most 256)");
@@ -362,7 +362,7 @@ int RunBenchKernels(int argc, char** argv) {
   nlohmann::json prefill = nlohmann::json::array();
   for (const int64_t tokens : prefill_tokens) {
     if (tokens < 1) continue;
-    for (const DType dtype : {DType::kBF16, DType::kFP8E4M3}) {
+    for (const DType dtype : {DType::kBF16, DType::kFP8E4M3, DType::kNvFp4}) {
       std::fprintf(stderr, "bench kernels: prefill attention, %lld tokens, %s KV...\n",
                    static_cast<long long>(tokens), std::string(DTypeName(dtype)).c_str());
       prefill.push_back(

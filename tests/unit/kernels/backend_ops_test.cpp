@@ -540,9 +540,9 @@ class BackendKvTest : public BackendOpsTest, public ::testing::WithParamInterfac
     return l;
   }
 
-  // CUDA's bound where its tiled prefill kernel serves (16-bit and fp8
-  // KV): it rounds q and the softmax weights to fp16 for fp16 KV and to
-  // bf16 otherwise (fp8 KV widens exactly into bf16 tiles), fp32
+  // CUDA's bound where its tiled prefill kernel serves (16-bit, fp8 and
+  // nvfp4 KV): it rounds q and the softmax weights to fp16 for fp16 KV and
+  // to bf16 otherwise (coded KV widens exactly into bf16 tiles), fp32
   // accumulation. Modelled in float64 on PrefillAttentionTiles' shapes that
   // gives about 2e-3 for bf16 (8-bit mantissa) and 2e-4 for fp16: the
   // bounds are five and ten times those. 0: other dtypes keep the common
@@ -552,6 +552,7 @@ class BackendKvTest : public BackendOpsTest, public ::testing::WithParamInterfac
       case DType::kBF16:
       case DType::kFP8E4M3:
       case DType::kFP8E5M2:
+      case DType::kNvFp4:
         return 1e-2;
       case DType::kF16:
         return 2e-3;
@@ -563,7 +564,7 @@ class BackendKvTest : public BackendOpsTest, public ::testing::WithParamInterfac
   // CUDA's bound for rows its split-K decode kernels refuse (a GQA group
   // past kDecodeMaxGroup, or too many rows of unknown query length:
   // kernels/decode_splits.h), which its prefill kernels then serve: the
-  // tiled one's for 16-bit and fp8 KV, else none (the CPU's 1e-5 holds).
+  // tiled one's for 16-bit and coded KV, else none (the CPU's 1e-5 holds).
   double PrefillBoundFor(const KvCacheLayout& l, int64_t num_heads, int64_t rows,
                          int64_t max_query_len) const {
     AttentionPlan p;
@@ -865,7 +866,7 @@ TEST_P(BackendKvTest, PagedAttentionOneKvHeadOnAnOddLayer) {
   }
 }
 
-// Prefill chunks as CUDA's tiled kernel takes them (16-bit and fp8 KV, tiles of 64
+// Prefill chunks as CUDA's tiled kernel takes them (16-bit, fp8 and nvfp4 KV, tiles of 64
 // rows of one sequence at head_dim 64, 128 at head_dim 128, against 64-key
 // tiles): contexts within one split of keys, which DecodeSplits leaves to
 // the prefill kernels, and a 100-row chunk over 1,000 cached keys, which
