@@ -49,6 +49,32 @@ Status ValidateSamplingParams(const SamplingParams& p, size_t vocab_size) {
   for (const std::string& s : p.stop) {
     if (s.empty()) return Status::InvalidArgument("stop: stop strings must not be empty");
   }
+  for (const auto& [name, value] : {std::pair{"presence_penalty", p.presence_penalty},
+                                    {"frequency_penalty", p.frequency_penalty}}) {
+    if (!(value >= -2 && value <= 2)) {
+      return Status::InvalidArgument(std::string(name) + " must be in [-2, 2], got " + Num(value));
+    }
+  }
+  if (p.logit_bias.size() > kMaxLogitBias) {
+    return Status::InvalidArgument("logit_bias: at most " + std::to_string(kMaxLogitBias) +
+                                   " tokens, got " + std::to_string(p.logit_bias.size()));
+  }
+  for (size_t i = 0; i < p.logit_bias.size(); ++i) {
+    const auto [id, bias] = p.logit_bias[i];
+    if (id < 0 || (vocab_size > 0 && static_cast<size_t>(id) >= vocab_size)) {
+      return Status::InvalidArgument("logit_bias: " + std::to_string(id) +
+                                     " is not a token id of this model (vocabulary size " +
+                                     std::to_string(vocab_size) + ")");
+    }
+    if (i > 0 && id <= p.logit_bias[i - 1].first) {
+      return Status::InvalidArgument("logit_bias: token " + std::to_string(id) +
+                                     " is out of order or given twice");
+    }
+    if (!(bias >= -100 && bias <= 100)) {
+      return Status::InvalidArgument("logit_bias: the bias of token " + std::to_string(id) +
+                                     " must be in [-100, 100], got " + Num(bias));
+    }
+  }
   if (p.logprobs.has_value() && (*p.logprobs < 0 || *p.logprobs > kMaxLogprobs)) {
     return Status::InvalidArgument("logprobs must be in [0, " + std::to_string(kMaxLogprobs) +
                                    "], got " + std::to_string(*p.logprobs));

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/block_hash.h"  // TokenId
@@ -16,6 +17,9 @@
 namespace pdserve {
 
 inline constexpr int kMaxLogprobs = 20;  // OpenAI's top_logprobs cap
+// Entries of one request's logit_bias (OpenAI documents none; a bound keeps
+// a request's per-step work and its wire size small).
+inline constexpr size_t kMaxLogitBias = 1024;
 
 // Structured outputs: a constraint the output text must satisfy, as the
 // client gave it (common/structured compiles it to a grammar; the router
@@ -57,7 +61,22 @@ struct SamplingParams {
   // document the constraint accepts are sampled, and EOS only once it is
   // complete.
   std::optional<OutputConstraint> constraint;
+  // OpenAI's logit adjustments, added to the model's logits before anything
+  // else (greedy argmax, logprobs, temperature, top-k/p, min-p, masks):
+  // token t's logit gains logit_bias's value for t, and loses
+  // frequency_penalty times the number of times t was generated so far plus
+  // presence_penalty if it was generated at all (the prompt is not counted).
+  float presence_penalty = 0.0f;   // in [-2, 2]
+  float frequency_penalty = 0.0f;  // in [-2, 2]
+  // (token, bias): ids strictly increasing, biases in [-100, 100], at most
+  // kMaxLogitBias entries.
+  std::vector<std::pair<TokenId, float>> logit_bias;
 };
+
+// Whether params change the logits before sampling (logit_bias, penalties).
+inline bool AdjustsLogits(const SamplingParams& p) {
+  return p.presence_penalty != 0 || p.frequency_penalty != 0 || !p.logit_bias.empty();
+}
 
 // Checks every field; the message names the field and the accepted range
 // ("top_p must be in (0, 1], got 1.5"). `vocab_size` bounds stop_token_ids

@@ -48,8 +48,9 @@ ModelRunner::~ModelRunner() {
   if (backend_ == nullptr) return;
   backend_->Synchronize();
   if (host_ != nullptr) backend_->FreeHost(host_);
+  if (adjust_host_ != nullptr) backend_->FreeHost(adjust_host_);
   for (void* p : {static_cast<void*>(device_), static_cast<void*>(device_tables_),
-                  static_cast<void*>(device_tokens_)}) {
+                  static_cast<void*>(device_tokens_), static_cast<void*>(adjust_device_)}) {
     if (p != nullptr) backend_->Free(p);
   }
 }
@@ -248,11 +249,12 @@ StatusOr<std::vector<SampledToken>> ModelRunner::Execute(std::span<const Schedul
   if (graph) StagePadding(S, bucket);
   Run(rows, seqs, graph ? bucket : R, graph ? 1 : max_query, graph ? table_width_ * B : max_context,
       graph);
+  const int64_t logit_rows = graph ? bucket : R;
+  PDSERVE_RETURN_IF_ERROR(AdjustSampledLogits(step, graph, logit_rows));
 
   // Sampling. Row k of the logits is the k-th sampled sequence (with a
   // graph, row i is sequence i).
   std::vector<SampledToken> out;
-  const int64_t logit_rows = graph ? bucket : R;
   // A masked row is never greedy: its argmax may be a token the mask forbids.
   auto greedy = [](const ScheduledSeq& s) {
     return s.params->temperature == 0 && !s.params->logprobs && s.allowed.empty();
@@ -297,6 +299,68 @@ StatusOr<std::vector<SampledToken>> ModelRunner::Execute(std::span<const Schedul
     out.push_back(std::move(token));
   }
   return out;
+}
+
+Status ModelRunner::AdjustSampledLogits(std::span<const ScheduledSeq> step, bool graph,
+                                        int64_t logit_rows) {
+  adjustments_.clear();
+  int32_t k = 0;
+  for (size_t i = 0; i < step.size(); ++i) {
+    const ScheduledSeq& s = step[i];
+    if (!s.sample) continue;
+    const int32_t row = graph ? static_cast<int32_t>(i) : k;
+    ++k;
+    const SamplingParams& p = *s.params;
+    if (!AdjustsLogits(p)) continue;
+    // The tokens generated so far are the last output_index of the row's
+    // tokens; counted by sorting them (O(n log n) a step for n of them).
+    const size_t n = std::min<size_t>(s.output_index, s.tokens.size());
+    generated_.assign(s.tokens.end() - static_cast<std::ptrdiff_t>(n), s.tokens.end());
+    std::sort(generated_.begin(), generated_.end());
+    auto bias = p.logit_bias.begin();  // sorted by token (ValidateSamplingParams)
+    auto add = [&](TokenId token, float delta) {
+      if (delta != 0) adjustments_.push_back({row, token, delta});
+    };
+    for (size_t g = 0; g < generated_.size();) {
+      const TokenId token = generated_[g];
+      size_t count = 0;
+      for (; g < generated_.size() && generated_[g] == token; ++g) ++count;
+      for (; bias != p.logit_bias.end() && bias->first < token; ++bias)
+        add(bias->first, bias->second);
+      float delta = -p.frequency_penalty * static_cast<float>(count) - p.presence_penalty;
+      if (bias != p.logit_bias.end() && bias->first == token) delta += (bias++)->second;
+      add(token, delta);
+    }
+    for (; bias != p.logit_bias.end(); ++bias) add(bias->first, bias->second);
+  }
+  if (adjustments_.empty()) return Status::Ok();
+  const int64_t V = model_->config().vocab_size;
+  for (const kernels::LogitAdjustment& a : adjustments_) {
+    if (a.token < 0 || a.token >= V) {
+      return Status::InvalidArgument("logit adjustment for token " + std::to_string(a.token) +
+                                     " outside the vocabulary of " + std::to_string(V));
+    }
+  }
+  if (adjustments_.size() > adjust_capacity_) {
+    // The previous step's copy and kernel are done (Execute synchronised).
+    if (adjust_host_ != nullptr) backend_->FreeHost(adjust_host_);
+    if (adjust_device_ != nullptr) backend_->Free(adjust_device_);
+    adjust_capacity_ = std::max(adjustments_.size(), 2 * adjust_capacity_);
+    const size_t bytes = adjust_capacity_ * sizeof(kernels::LogitAdjustment);
+    adjust_host_ = static_cast<kernels::LogitAdjustment*>(backend_->AllocateHost(bytes));
+    adjust_device_ = static_cast<kernels::LogitAdjustment*>(backend_->Allocate(bytes));
+    if (adjust_host_ == nullptr || adjust_device_ == nullptr) {
+      adjust_capacity_ = 0;
+      return Status::ResourceExhausted("model runner: out of memory for logit adjustments");
+    }
+  }
+  const size_t bytes = adjustments_.size() * sizeof(kernels::LogitAdjustment);
+  std::memcpy(adjust_host_, adjustments_.data(), bytes);
+  backend_->UploadAsync(adjust_device_, adjust_host_, bytes);
+  const kernels::Tensor logits = model_->logits(logit_rows);
+  backend_->AdjustLogits(logits, adjust_device_, static_cast<int64_t>(adjustments_.size()));
+  backend_->ArgMaxRows(logits, device_tokens_);
+  return Status::Ok();
 }
 
 Status ModelRunner::Forward(const ForwardBatch& batch, float* logits) {

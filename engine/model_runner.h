@@ -15,6 +15,10 @@
 //    replayed, reading their
 //    inputs from the static buffers; a batch is padded up to its bucket with
 //    rows that write no KV and attend to nothing.
+// A request's logit_bias and penalties (common/sampling_params.h) move its
+// row's logits on the backend first (Backend::AdjustLogits: only the
+// (token, delta) pairs go up, counted from the tokens generated so far), and
+// the greedy ids are taken again over them.
 // Sampling is a pure function of (logits, params, seed, output index)
 // (engine/sampler.h) and, for structured outputs, the row's token mask:
 // greedy rows take their argmax on the backend, so only token ids come
@@ -162,6 +166,11 @@ class ModelRunner {
   // Stages rows [from, bucket) of a decode step as padding: no KV written
   // (slot -1), no keys, token 0; logits rows 0..bucket-1.
   void StagePadding(int64_t from, int64_t bucket);
+  // The logit_bias and penalties of the step's sampled rows (row k of the
+  // logits: the k-th sampled sequence, or sequence k of a graph's step) on
+  // the first `logit_rows` logits rows, then their greedy ids again. Does
+  // nothing when no row asks for them.
+  Status AdjustSampledLogits(std::span<const ScheduledSeq> step, bool graph, int64_t logit_rows);
   // Captures the decode graph of every bucket up to max_num_seqs on
   // padding rows, at creation, so that no request's step waits for a
   // capture (tens of milliseconds each on a GPU; vLLM captures at start
@@ -186,6 +195,13 @@ class ModelRunner {
   size_t bytes_ = 0;
   int32_t* device_tables_ = nullptr;  // [groups_][table_rows_][table_width_]
   int32_t* device_tokens_ = nullptr;  // sampled ids [max rows]
+  // Logit adjustments: built on the host, staged page-locked, sent to the
+  // device buffer (both grown to the largest step's count).
+  std::vector<kernels::LogitAdjustment> adjustments_;
+  std::vector<TokenId> generated_;  // a row's generated tokens, sorted
+  kernels::LogitAdjustment* adjust_host_ = nullptr;
+  kernels::LogitAdjustment* adjust_device_ = nullptr;
+  size_t adjust_capacity_ = 0;
   // The persistent table on the host: row contents as sent ([groups_]
   // [table_width_] per row), and which request holds each row (with the
   // step it was last used in).

@@ -191,6 +191,11 @@ class Backend {
   // sampling on the backend, so that only token ids leave it. The lowest
   // column wins ties, NaN counts as -inf, and a row of -inf gives 0.
   virtual void ArgMaxRows(const Tensor& x, int32_t* out) = 0;
+  // x[row][token] += delta for each of `count` adjustments (backend memory,
+  // no two naming the same element; rows and tokens inside x [rows, n],
+  // fp32): a request's logit_bias and penalties (common/sampling_params.h),
+  // applied before ArgMaxRows and sampling.
+  virtual void AdjustLogits(const Tensor& x, const LogitAdjustment* adjustments, int64_t count) = 0;
 
   // GQA layouts. Stores k and v ([tokens, num_kv_heads, head_dim]) of `layer`
   // into the pool at slots[t] = block_id * block_size + offset; a negative

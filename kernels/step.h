@@ -135,6 +135,14 @@ struct AttentionPlan {
   }
 };
 
+// One element of a step's logits to move: a request's logit_bias and
+// penalties (Backend::AdjustLogits).
+struct LogitAdjustment {
+  int32_t row = 0;
+  int32_t token = 0;
+  float delta = 0.0f;
+};
+
 // The largest step a caller runs, so that a backend sizes its scratch once
 // (Backend::Reserve) rather than growing it while a step runs.
 struct StepLimits {

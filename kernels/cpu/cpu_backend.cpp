@@ -229,6 +229,17 @@ void CpuBackend::ArgMaxRows(const Tensor& x, int32_t* out) {
   }
 }
 
+void CpuBackend::AdjustLogits(const Tensor& x, const LogitAdjustment* adjustments, int64_t count) {
+  CheckF32(x, "AdjustLogits");
+  const RowLayout l = x.row_layout();
+  for (int64_t i = 0; i < count; ++i) {
+    const LogitAdjustment& a = adjustments[i];
+    OpCheck(a.row >= 0 && a.row < x.rows() && a.token >= 0 && a.token < x.row_size(),
+            "AdjustLogits", "takes rows and tokens inside x");
+    x.as<float>()[l.offset(a.row) + a.token] += a.delta;
+  }
+}
+
 void CpuBackend::WriteKv(const KvCacheLayout& layout, void* pool, int64_t layer, const Tensor& k,
                          const Tensor& v, const int64_t* slots) {
   CheckF32(k, "WriteKv");

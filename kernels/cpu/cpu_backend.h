@@ -54,6 +54,7 @@ class CpuBackend final : public Backend {
   void Embedding(const Tensor& table, const int32_t* ids, const Tensor& out) override;
   void GatherRows(const Tensor& x, const int32_t* rows, const Tensor& out) override;
   void ArgMaxRows(const Tensor& x, int32_t* out) override;
+  void AdjustLogits(const Tensor& x, const LogitAdjustment* adjustments, int64_t count) override;
   // The work units of every layer's PagedAttention (kernels/cpu/paged_attention.h).
   void PlanAttention(AttentionPlan* plan) override;
   void WriteKv(const KvCacheLayout& layout, void* pool, int64_t layer, const Tensor& k,

@@ -381,6 +381,11 @@ void CudaBackend::ArgMaxRows(const Tensor& x, int32_t* out) {
   cuda::ArgMaxRows(x, out, state_->stream);
 }
 
+void CudaBackend::AdjustLogits(const Tensor& x, const LogitAdjustment* adjustments, int64_t count) {
+  MakeCurrent();
+  cuda::AdjustLogits(x, adjustments, count, state_->stream);
+}
+
 void CudaBackend::PagedAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q,
                                  float scale, const Tensor& out) {
   MakeCurrent();

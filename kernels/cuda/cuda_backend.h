@@ -75,6 +75,7 @@ class CudaBackend final : public Backend {
   void Embedding(const Tensor& table, const int32_t* ids, const Tensor& out) override;
   void GatherRows(const Tensor& x, const int32_t* rows, const Tensor& out) override;
   void ArgMaxRows(const Tensor& x, int32_t* out) override;
+  void AdjustLogits(const Tensor& x, const LogitAdjustment* adjustments, int64_t count) override;
   void WriteKv(const KvCacheLayout& layout, void* pool, int64_t layer, const Tensor& k,
                const Tensor& v, const int64_t* slots) override;
   void PagedAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q, float scale,

@@ -72,8 +72,11 @@ void SoftCap(const Tensor& x, float cap, cudaStream_t stream);
 void Add(const Tensor& x, const Tensor& y, cudaStream_t stream);
 void GatherRows(const Tensor& x, const int32_t* rows, const Tensor& out, cudaStream_t stream);
 
-// ---- Sampling (sampling.cu): greedy, one block per row.
+// ---- Sampling (sampling.cu): greedy, one block per row; logit adjustments,
+// one thread each.
 void ArgMaxRows(const Tensor& x, int32_t* out, cudaStream_t stream);
+void AdjustLogits(const Tensor& x, const kernels::LogitAdjustment* adjustments, int64_t count,
+                  cudaStream_t stream);
 
 // ---- Decode attention (decode_attention.cu): split-K flash-decoding over
 // the paged blocks, a GQA group's query heads sharing each K/V read.

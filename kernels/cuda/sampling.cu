@@ -58,7 +58,26 @@ __global__ void ArgMaxRowsKernel(const float* x, int64_t row_stride, int64_t n, 
   if (lane == 0) out[blockIdx.x] = static_cast<int32_t>(best_i < n ? best_i : 0);
 }
 
+// x[row][token] += delta, one thread an adjustment (no two share an element).
+__global__ void AdjustLogitsKernel(float* x, int64_t row_stride,
+                                   const kernels::LogitAdjustment* adjustments, int64_t count) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= count) return;
+  const kernels::LogitAdjustment a = adjustments[i];
+  x[a.row * row_stride + a.token] += a.delta;
+}
+
 }  // namespace
+
+void AdjustLogits(const Tensor& x, const kernels::LogitAdjustment* adjustments, int64_t count,
+                  cudaStream_t stream) {
+  kernels::CheckF32(x, "AdjustLogits");
+  kernels::OpCheck(x.rank == 2, "AdjustLogits", "takes x as [rows, n]");
+  if (count == 0) return;
+  AdjustLogitsKernel<<<static_cast<unsigned>((count + kThreads - 1) / kThreads), kThreads, 0,
+                       stream>>>(x.as<float>(), x.stride[0], adjustments, count);
+  Check(cudaGetLastError(), "AdjustLogits");
+}
 
 void ArgMaxRows(const Tensor& x, int32_t* out, cudaStream_t stream) {
   kernels::CheckF32(x, "ArgMaxRows");

@@ -14,6 +14,13 @@ void ToProto(const SamplingParams& s, proto::SamplingParams* p) {
   p->set_logprobs(s.logprobs.has_value());
   p->set_top_logprobs(static_cast<uint32_t>(s.logprobs.value_or(0)));
   p->set_min_p(s.min_p);
+  p->set_presence_penalty(s.presence_penalty);
+  p->set_frequency_penalty(s.frequency_penalty);
+  for (const auto& [token, bias] : s.logit_bias) {
+    proto::TokenBias* b = p->add_logit_bias();
+    b->set_token(token);
+    b->set_bias(bias);
+  }
   if (s.constraint) {
     auto* c = p->mutable_constraint();
     c->set_kind(static_cast<proto::OutputConstraint::Kind>(s.constraint->kind));
@@ -33,6 +40,11 @@ SamplingParams FromProto(const proto::SamplingParams& p) {
   s.ignore_eos = p.ignore_eos();
   if (p.logprobs()) s.logprobs = static_cast<int>(p.top_logprobs());
   s.min_p = p.min_p();
+  s.presence_penalty = p.presence_penalty();
+  s.frequency_penalty = p.frequency_penalty();
+  // As sent (the engine refuses ids out of order, repeated or outside the
+  // vocabulary: ValidateSamplingParams).
+  for (const proto::TokenBias& b : p.logit_bias()) s.logit_bias.emplace_back(b.token(), b.bias());
   if (p.has_constraint()) {
     OutputConstraint c;
     c.kind = static_cast<OutputConstraint::Kind>(p.constraint().kind());

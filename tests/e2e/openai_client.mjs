@@ -114,6 +114,29 @@ test('chat completions, streamed and not, agree', async () => {
   assert.ok(r.usage.prompt_tokens > 0);
 });
 
+test('logit_bias takes every token, prefilled remotely or not; penalties are accepted', async () => {
+  // The long prompt is prefilled by the prefill worker (--max-local-prefill
+  // 16), whose first token must honour the bias too; the short one locally.
+  for (const p of [prompt, 'Hi']) {
+    const r = await client.completions.create({ model: modelId, prompt: p, max_tokens: 4,
+      temperature: 0, ignore_eos: true, logprobs: 0, logit_bias: { '300': 100 } });
+    const tokens = r.choices[0].logprobs.tokens;
+    assert.equal(tokens.length, 4);
+    assert.ok(tokens.every((t) => t === tokens[0]), JSON.stringify(tokens));
+    assert.equal(r.choices[0].text, tokens.join(''));
+  }
+  const plain = await client.completions.create({ model: modelId, prompt, max_tokens: 12,
+    temperature: 0, ignore_eos: true, presence_penalty: 0, frequency_penalty: 0, logit_bias: {} });
+  assert.equal(plain.choices[0].text, offline.text);
+  const penalised = await client.chat.completions.create({ model: modelId,
+    messages: [{ role: 'user', content: 'Say hello.' }], max_tokens: 12, temperature: 0,
+    presence_penalty: 1.5, frequency_penalty: 2 });
+  assert.equal(penalised.usage.completion_tokens > 0, true);
+  await assert.rejects(
+    client.completions.create({ model: modelId, prompt: 'x', logit_bias: { '999999': 5 } }),
+    (e) => e.status === 400 && /logit_bias/.test(e.message));
+});
+
 test('bad requests surface as OpenAI errors', async () => {
   await assert.rejects(
     client.completions.create({ model: 'no-such-model', prompt: 'x' }),

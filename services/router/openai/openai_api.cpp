@@ -3,6 +3,7 @@
 #include <openssl/evp.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -125,6 +126,47 @@ std::optional<ApiError> ParseTokenArray(const ojson& v, const char* param,
       return Bad(param, std::string("'") + param + "' token ids must be non-negative integers");
     }
     out->push_back(static_cast<TokenId>(*id));
+  }
+  return std::nullopt;
+}
+
+// OpenAI's logit_bias: an object from token ids (as decimal strings) to
+// numbers in [-100, 100]; null or absent: none. Out: sorted by id.
+std::optional<ApiError> ParseLogitBias(const ojson* v,
+                                       std::vector<std::pair<TokenId, float>>* out) {
+  if (v == nullptr || v->is_null()) return std::nullopt;
+  if (!v->is_object()) {
+    return Bad("logit_bias", std::string("'logit_bias' must be an object from token ids to "
+                                         "numbers, got ") +
+                                 TypeName(*v));
+  }
+  if (v->size() > kMaxLogitBias) {
+    return Bad("logit_bias",
+               "'logit_bias' takes at most " + std::to_string(kMaxLogitBias) + " tokens");
+  }
+  for (auto it = v->begin(); it != v->end(); ++it) {
+    const std::string& key = it.key();
+    int64_t id = -1;
+    const auto [end, ec] = std::from_chars(key.data(), key.data() + key.size(), id);
+    if (ec != std::errc() || end != key.data() + key.size() || key.empty() || id < 0 ||
+        id > std::numeric_limits<TokenId>::max()) {
+      return Bad("logit_bias",
+                 "'logit_bias' keys must be token ids (non-negative integers), got '" +
+                     key.substr(0, 32) + "'");
+    }
+    const double bias = it->is_number() ? it->get<double>() : std::nan("");
+    if (!(bias >= -100 && bias <= 100)) {
+      return Bad("logit_bias", "'logit_bias' values must be numbers in [-100, 100] (token " +
+                                   std::to_string(id) + ")");
+    }
+    out->emplace_back(static_cast<TokenId>(id), static_cast<float>(bias));
+  }
+  std::sort(out->begin(), out->end());
+  for (size_t i = 1; i < out->size(); ++i) {
+    if ((*out)[i].first == (*out)[i - 1].first) {
+      return Bad("logit_bias",
+                 "'logit_bias' names token " + std::to_string((*out)[i].first) + " twice");
+    }
   }
   return std::nullopt;
 }
@@ -552,13 +594,17 @@ std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view body,
   if (seed) s.seed = static_cast<uint64_t>(*seed);
   PDSERVE_API_CHECK(f.Number("presence_penalty", &presence));
   PDSERVE_API_CHECK(f.Number("frequency_penalty", &frequency));
-  if (presence && *presence != 0)
-    return Bad("presence_penalty", "'presence_penalty' is not supported (only 0)");
-  if (frequency && *frequency != 0)
-    return Bad("frequency_penalty", "'frequency_penalty' is not supported (only 0)");
-  if (const ojson* bias = f.Get("logit_bias"); bias && !(bias->is_object() && bias->empty())) {
-    return Bad("logit_bias", "'logit_bias' is not supported");
+  if (presence) {
+    if (!(*presence >= -2 && *presence <= 2))
+      return Bad("presence_penalty", "'presence_penalty' must be in [-2, 2]");
+    s.presence_penalty = static_cast<float>(*presence);
   }
+  if (frequency) {
+    if (!(*frequency >= -2 && *frequency <= 2))
+      return Bad("frequency_penalty", "'frequency_penalty' must be in [-2, 2]");
+    s.frequency_penalty = static_cast<float>(*frequency);
+  }
+  PDSERVE_API_CHECK(ParseLogitBias(f.Get("logit_bias"), &s.logit_bias));
   if (endpoint == Endpoint::kChatCompletions) {
     PDSERVE_API_CHECK(ParseTools(j, out));
   } else if (const ojson* tools = f.Get("tools"); tools && !(tools->is_array() && tools->empty())) {

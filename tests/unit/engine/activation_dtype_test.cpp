@@ -143,6 +143,10 @@ class Bf16ActivationBackend final : public Backend {
     cpu_.GatherRows(f(x), rows, f(out));
   }
   void ArgMaxRows(const Tensor& x, int32_t* out) override { cpu_.ArgMaxRows(x, out); }
+  void AdjustLogits(const Tensor& x, const kernels::LogitAdjustment* adjustments,
+                    int64_t count) override {
+    cpu_.AdjustLogits(x, adjustments, count);
+  }
   void WriteKv(const KvCacheLayout& l, void* pool, int64_t layer, const Tensor& k, const Tensor& v,
                const int64_t* slots) override {
     Widened f;

@@ -119,6 +119,26 @@ TEST(SamplerValidationTest, AcceptsDefaultsAndRejectsEachBadField) {
   p = {};
   p.logprobs = 21;
   expect_bad(p, "logprobs");
+  p = {};
+  p.presence_penalty = 2.5f;
+  expect_bad(p, "presence_penalty");
+  p = {};
+  p.frequency_penalty = std::nanf("");
+  expect_bad(p, "frequency_penalty");
+  p = {};
+  p.logit_bias = {{1000, 1.0f}};  // past the vocabulary (a peer's message)
+  expect_bad(p, "logit_bias");
+  p.logit_bias = {{5, 1.0f}, {5, 2.0f}};  // twice
+  expect_bad(p, "logit_bias");
+  p.logit_bias = {{6, 1.0f}, {5, 2.0f}};  // out of order
+  expect_bad(p, "logit_bias");
+  p.logit_bias = {{5, -101.0f}};
+  expect_bad(p, "logit_bias");
+  p.logit_bias.assign(kMaxLogitBias + 1, {0, 1.0f});
+  for (size_t i = 0; i < p.logit_bias.size(); ++i) p.logit_bias[i].first = static_cast<TokenId>(i);
+  const Status too_many = ValidateSamplingParams(p, 100000);
+  EXPECT_NE(too_many.message().find("logit_bias: at most"), std::string::npos)
+      << too_many.message();
 
   // Edges that are valid.
   p = {};
@@ -129,6 +149,9 @@ TEST(SamplerValidationTest, AcceptsDefaultsAndRejectsEachBadField) {
   p.max_tokens = 1;
   p.logprobs = 0;
   p.stop_token_ids = {999};
+  p.presence_penalty = -2;
+  p.frequency_penalty = 2;
+  p.logit_bias = {{0, -100.0f}, {999, 100.0f}};
   EXPECT_TRUE(ValidateSamplingParams(p, 1000).ok());
 }
 

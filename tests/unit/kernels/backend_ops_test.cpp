@@ -524,6 +524,31 @@ TEST_F(BackendOpsTest, ArgMaxRows) {
   for (Target& t : targets_) EXPECT_EQ(run(*t.backend), want) << t.name;
 }
 
+// Logit adjustments (logit_bias, penalties): exactly the additions the
+// pairs name, on every row they name and nowhere else, byte for byte.
+TEST_F(BackendOpsTest, AdjustLogits) {
+  const int64_t rows = 5, n = 32000;
+  const auto logits = Random(rows * n, -30, 30);
+  std::vector<LogitAdjustment> adjustments;
+  std::vector<float> want = logits;
+  for (int32_t r = 0; r < rows; r += 2) {
+    for (int32_t token : {0, 7, 31999, 12345 + r}) {
+      const float delta = static_cast<float>(token % 13) - 6.5f;
+      adjustments.push_back({r, token, delta});
+      want[r * n + token] += delta;
+    }
+  }
+  auto run = [&](Backend& b) {
+    Mem mem(&b);
+    const Tensor x = mem.F32(logits, {rows, n});
+    b.AdjustLogits(x, mem.Up(adjustments), static_cast<int64_t>(adjustments.size()));
+    b.AdjustLogits(x, mem.Up(adjustments), 0);  // none: nothing moves
+    return mem.Down(x);
+  };
+  EXPECT_EQ(run(reference_), want);
+  for (Target& t : targets_) EXPECT_EQ(run(*t.backend), want) << t.name;
+}
+
 // ---- Paged KV write and attention ------------------------------------------
 
 class BackendKvTest : public BackendOpsTest, public ::testing::WithParamInterface<DType> {

@@ -20,9 +20,15 @@ TEST(SamplingProtoTest, RoundTripKeepsEveryField) {
   s.logprobs = 5;
   s.min_p = 0.05f;
   s.constraint = OutputConstraint{OutputConstraint::Kind::kRegex, "[a-z]+"};
+  s.presence_penalty = -1.25f;
+  s.frequency_penalty = 0.5f;
+  s.logit_bias = {{3, -100.0f}, {17, 2.5f}, {32000, 100.0f}};
   proto::SamplingParams wire;
   ToProto(s, &wire);
   const SamplingParams back = FromProto(wire);
+  EXPECT_EQ(back.presence_penalty, s.presence_penalty);
+  EXPECT_EQ(back.frequency_penalty, s.frequency_penalty);
+  EXPECT_EQ(back.logit_bias, s.logit_bias);
   EXPECT_EQ(back.temperature, s.temperature);
   EXPECT_EQ(back.top_p, s.top_p);
   EXPECT_EQ(back.top_k, s.top_k);

@@ -46,6 +46,31 @@ TEST(OpenAiApiTest, CompletionsHappyPath) {
   EXPECT_EQ(r.cache_salt, "tenant-a");
 }
 
+// OpenAI's penalties and logit_bias: kept as given, the bias sorted by
+// token; 0 and {} (what clients send by default) are no adjustment.
+TEST(OpenAiApiTest, PenaltiesAndLogitBias) {
+  auto r = ParseOk(Endpoint::kChatCompletions,
+                   R"({"messages":[{"role":"user","content":"x"}],"presence_penalty":-2,
+                       "frequency_penalty":1.5,"logit_bias":{"50256":-100,"7":2.5,"300":100}})");
+  EXPECT_FLOAT_EQ(r.sampling.presence_penalty, -2.0f);
+  EXPECT_FLOAT_EQ(r.sampling.frequency_penalty, 1.5f);
+  const std::vector<std::pair<TokenId, float>> want = {{7, 2.5f}, {300, 100.0f}, {50256, -100.0f}};
+  EXPECT_EQ(r.sampling.logit_bias, want);
+  EXPECT_TRUE(AdjustsLogits(r.sampling));
+  EXPECT_TRUE(ValidateSamplingParams(r.sampling, 50257).ok());
+  // The router's check with the model's vocabulary refuses ids past it.
+  const Status past = ValidateSamplingParams(r.sampling, 50000);
+  EXPECT_FALSE(past.ok());
+  EXPECT_NE(past.message().find("logit_bias: 50256"), std::string::npos) << past.message();
+
+  auto none =
+      ParseOk(Endpoint::kCompletions,
+              R"({"prompt":"x","presence_penalty":0,"frequency_penalty":0,"logit_bias":{}})");
+  EXPECT_FALSE(AdjustsLogits(none.sampling));
+  EXPECT_FALSE(AdjustsLogits(
+      ParseOk(Endpoint::kCompletions, R"({"prompt":"x","logit_bias":null})").sampling));
+}
+
 TEST(OpenAiApiTest, PromptForms) {
   EXPECT_EQ(ParseOk(Endpoint::kCompletions, R"({"prompt":[1,2,3]})").prompt_ids,
             (std::vector<TokenId>{1, 2, 3}));
@@ -171,7 +196,17 @@ TEST(OpenAiApiTest, BadInputTable) {
       {C, R"({"prompt":"x","stream":"yes"})", 400, "stream"},
       {C, R"({"prompt":"x","stream_options":{"include_usage":true}})", 400, "stream_options"},
       {C, R"({"prompt":"x","logprobs":21})", 400, "logprobs"},
-      {C, R"({"prompt":"x","presence_penalty":0.5})", 400, "presence_penalty"},
+      {C, R"({"prompt":"x","presence_penalty":2.5})", 400, "presence_penalty"},
+      {C, R"({"prompt":"x","frequency_penalty":-2.01})", 400, "frequency_penalty"},
+      {C, R"({"prompt":"x","frequency_penalty":"high"})", 400, "frequency_penalty"},
+      {C, R"({"prompt":"x","logit_bias":[1,2]})", 400, "logit_bias"},
+      {C, R"({"prompt":"x","logit_bias":{"abc":1}})", 400, "logit_bias"},
+      {C, R"({"prompt":"x","logit_bias":{"-3":1}})", 400, "logit_bias"},
+      {C, R"({"prompt":"x","logit_bias":{"1.5":1}})", 400, "logit_bias"},
+      {C, R"({"prompt":"x","logit_bias":{"99999999999":1}})", 400, "logit_bias"},
+      {C, R"({"prompt":"x","logit_bias":{"7":100.5}})", 400, "logit_bias"},
+      {C, R"({"prompt":"x","logit_bias":{"7":"up"}})", 400, "logit_bias"},
+      {C, R"({"prompt":"x","logit_bias":{"7":1,"07":2}})", 400, "logit_bias"},
       {C, R"({"prompt":"x","cache_salt":""})", 400, "cache_salt"},
       {C, R"({"prompt":"x","seed":1.5})", 400, "seed"},
       {H, R"({"messages":"hi"})", 400, "messages"},
