@@ -312,27 +312,49 @@ Status ModelRunner::AdjustSampledLogits(std::span<const ScheduledSeq> step, bool
     ++k;
     const SamplingParams& p = *s.params;
     if (!AdjustsLogits(p)) continue;
-    // The tokens generated so far are the last output_index of the row's
-    // tokens; counted by sorting them (O(n log n) a step for n of them).
-    const size_t n = std::min<size_t>(s.output_index, s.tokens.size());
-    generated_.assign(s.tokens.end() - static_cast<std::ptrdiff_t>(n), s.tokens.end());
-    std::sort(generated_.begin(), generated_.end());
-    auto bias = p.logit_bias.begin();  // sorted by token (ValidateSamplingParams)
+    touched_.push_back(s.id);
+    const auto& bias = p.logit_bias;  // sorted by token (ValidateSamplingParams)
+    auto bias_of = [&](TokenId token) -> const std::pair<TokenId, float>* {
+      auto it =
+          std::lower_bound(bias.begin(), bias.end(), std::pair<TokenId, float>{token, -1e30f});
+      return it != bias.end() && it->first == token ? &*it : nullptr;
+    };
     auto add = [&](TokenId token, float delta) {
       if (delta != 0) adjustments_.push_back({row, token, delta});
     };
-    for (size_t g = 0; g < generated_.size();) {
-      const TokenId token = generated_[g];
-      size_t count = 0;
-      for (; g < generated_.size() && generated_[g] == token; ++g) ++count;
-      for (; bias != p.logit_bias.end() && bias->first < token; ++bias)
-        add(bias->first, bias->second);
-      float delta = -p.frequency_penalty * static_cast<float>(count) - p.presence_penalty;
-      if (bias != p.logit_bias.end() && bias->first == token) delta += (bias++)->second;
-      add(token, delta);
+    if (p.presence_penalty == 0 && p.frequency_penalty == 0) {
+      for (const auto& [token, b] : bias) add(token, b);
+      continue;
     }
-    for (; bias != p.logit_bias.end(); ++bias) add(bias->first, bias->second);
+    // The tokens generated so far are the last output_index of the row's
+    // tokens: counted once each, as they come (a request seen afresh, or
+    // with fewer outputs than counted, is counted from the start).
+    GeneratedCounts& g = generated_[s.id];
+    const size_t n = std::min<size_t>(s.output_index, s.tokens.size());
+    if (n < g.counted) g = {};
+    for (size_t t = s.tokens.size() - n + g.counted; t < s.tokens.size(); ++t) {
+      const TokenId token = s.tokens[t];
+      auto [at, fresh] = g.index.try_emplace(token, static_cast<uint32_t>(g.counts.size()));
+      if (fresh) g.counts.emplace_back(token, 0);
+      ++g.counts[at->second].second;
+    }
+    g.counted = n;
+    for (const auto& [token, count] : g.counts) {
+      const auto* b = bias_of(token);
+      add(token, (b != nullptr ? b->second : 0.0f) -
+                     p.frequency_penalty * static_cast<float>(count) - p.presence_penalty);
+    }
+    for (const auto& [token, b] : bias) {
+      if (!g.index.contains(token)) add(token, b);
+    }
   }
+  // Counts of requests this step did not adjust are dropped (a request that
+  // comes back is counted afresh).
+  std::sort(touched_.begin(), touched_.end());
+  std::erase_if(generated_, [&](const auto& entry) {
+    return !std::binary_search(touched_.begin(), touched_.end(), entry.first);
+  });
+  touched_.clear();
   if (adjustments_.empty()) return Status::Ok();
   const int64_t V = model_->config().vocab_size;
   for (const kernels::LogitAdjustment& a : adjustments_) {

@@ -198,7 +198,16 @@ class ModelRunner {
   // Logit adjustments: built on the host, staged page-locked, sent to the
   // device buffer (both grown to the largest step's count).
   std::vector<kernels::LogitAdjustment> adjustments_;
-  std::vector<TokenId> generated_;  // a row's generated tokens, sorted
+  // Per request with penalties: how often each token was generated (in
+  // first-seen order), over the first `counted` outputs; dropped after a
+  // step that did not adjust the request.
+  struct GeneratedCounts {
+    size_t counted = 0;
+    std::vector<std::pair<TokenId, int32_t>> counts;
+    std::unordered_map<TokenId, uint32_t> index;  // token -> its entry in counts
+  };
+  std::unordered_map<uint64_t, GeneratedCounts> generated_;
+  std::vector<uint64_t> touched_;  // requests adjusted this step
   kernels::LogitAdjustment* adjust_host_ = nullptr;
   kernels::LogitAdjustment* adjust_device_ = nullptr;
   size_t adjust_capacity_ = 0;
