@@ -109,4 +109,48 @@ inline int64_t DecodeMaxPartialFloats(const KvCacheLayout& layout, int64_t num_h
   return most;
 }
 
+// Multi-head latent attention (kernels/cuda/mla_attention.cu): a thread
+// block per (row, query head) and key split, every head reading the row's
+// latents. The split count of a step as DecodeSplits counts it, its units
+// being rows x query heads, for steps of decode rows (or of at most
+// kDecodeMaxRows rows); 1 otherwise (prefill rows are many blocks already).
+inline int MlaDecodeSplits(const AttentionPlan& plan, int multiprocessors) {
+  const int64_t rows = plan.batch.num_tokens;
+  if (plan.num_heads < 1 || (plan.max_query_len != 1 && rows > kDecodeMaxRows)) return 1;
+  const int64_t units = rows * plan.num_heads > 1 ? rows * plan.num_heads : 1;
+  const int64_t target = (multiprocessors > 1 ? multiprocessors : 1) * kDecodeBlocksPerSm;
+  int64_t splits = (target + units - 1) / units;
+  if (plan.max_context_len > 0) {
+    const int64_t by_keys = (plan.max_context_len + kDecodeMinSplitKeys - 1) / kDecodeMinSplitKeys;
+    if (by_keys < splits) splits = by_keys;
+  }
+  if (splits > kDecodeMaxSplits) splits = kDecodeMaxSplits;
+  return splits < 1 ? 1 : static_cast<int>(splits);
+}
+
+// Floats of MLA partials: per (row, head, split) the kv_lora_rank outputs,
+// then a (max, sum) pair each (0 for one split: no partials).
+inline int64_t MlaPartialFloats(const AttentionPlan& plan, int splits) {
+  if (splits <= 1) return 0;
+  return plan.batch.num_tokens * plan.num_heads * splits * (plan.layout.kv_lora_rank + 2);
+}
+
+// The most MLA partials any step can need (DecodeMaxPartialFloats' rule).
+inline int64_t MlaMaxPartialFloats(const KvCacheLayout& layout, int64_t num_heads,
+                                   int multiprocessors) {
+  AttentionPlan plan;
+  plan.layout = layout;
+  plan.num_heads = num_heads;
+  plan.max_query_len = 1;
+  int64_t most = 0;
+  for (int64_t rows = 1;; ++rows) {
+    plan.batch.num_tokens = rows;
+    const int splits = MlaDecodeSplits(plan, multiprocessors);
+    if (splits <= 1) break;  // splits never grow with rows
+    const int64_t floats = MlaPartialFloats(plan, splits);
+    if (floats > most) most = floats;
+  }
+  return most;
+}
+
 }  // namespace pdserve::kernels

@@ -223,6 +223,14 @@ Status CudaBackend::Reserve(const StepLimits& limits) {
   MakeCurrent();
   state_->bf16_activations.Reserve(static_cast<size_t>(limits.max_tokens * limits.max_width) * 2,
                                    state_->stream);
+  if (limits.layout.is_mla() && limits.num_heads > 0) {
+    // MLA's split-K partials, by the same rule.
+    const int64_t floats =
+        MlaMaxPartialFloats(limits.layout, limits.num_heads, state_->multiprocessors);
+    if (floats > 0) {
+      state_->attention_partials.Reserve(static_cast<size_t>(floats) * 4, state_->stream);
+    }
+  }
   if (!limits.layout.is_mla() && limits.num_heads > 0) {
     // Split-K partials for any step: the split count depends on the rows
     // alone (never the contexts or the table width), so one size covers
@@ -257,11 +265,13 @@ void CudaBackend::PlanAttention(AttentionPlan* plan) {
   plan->planned = true;
   plan->num_splits = 0;
   plan->workspace = nullptr;
-  if (plan->layout.is_mla()) return;  // one kernel; nothing to choose yet
-  plan->num_splits = DecodeSplits(*plan, state_->multiprocessors);
+  const bool mla = plan->layout.is_mla();
+  plan->num_splits = mla ? MlaDecodeSplits(*plan, state_->multiprocessors)
+                         : DecodeSplits(*plan, state_->multiprocessors);
   if (plan->num_splits > 1) {
-    plan->workspace = state_->attention_partials.Get<float>(
-        DecodePartialFloats(*plan, plan->num_splits), state_->stream);
+    const int64_t floats = mla ? MlaPartialFloats(*plan, plan->num_splits)
+                               : DecodePartialFloats(*plan, plan->num_splits);
+    plan->workspace = state_->attention_partials.Get<float>(floats, state_->stream);
   }
 }
 

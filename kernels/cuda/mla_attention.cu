@@ -1,10 +1,17 @@
 // Multi-head latent attention on the device (kernels/cuda/ops.h): the
 // latent write and the absorbed-form attention, with the CPU backend's
-// semantics (kernels/cpu/mla_attention.cpp) and pool bytes.
+// semantics (kernels/cpu/mla_attention.cpp) and pool bytes. The attention
+// takes a thread block per (row, query head) and key split: a planned step
+// of few rows cuts each row's keys into the splits MlaDecodeSplits chose
+// (kernels/decode_splits.h), so that batch-1 decode of a model with 16
+// heads fills the device instead of 16 of its multiprocessors, and a merge
+// kernel combines the splits. Every head still reads the row's latents on
+// its own (sharing those reads across the heads is the next step).
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/kv_codec.cuh"
 #include "kernels/cuda/ops.h"
+#include "kernels/decode_splits.h"
 #include "kernels/op_check.h"
 
 namespace pdserve::cuda {
@@ -84,22 +91,39 @@ __global__ void WriteLatentScaledKernel(LatentLayout l, uint8_t* pool, int64_t l
   }
 }
 
+// The keys query row `row` attends to (causal), and its block table.
+struct MlaRowKeys {
+  int64_t n_keys;
+  const int32_t* table;
+};
+__device__ inline MlaRowKeys MlaKeysOfRow(const kernels::AttentionBatch& batch, int64_t row) {
+  int64_t s = 0;
+  while (s + 1 < batch.num_seqs && batch.query_start[s + 1] <= row) ++s;
+  const int64_t q_len = batch.query_start[s + 1] - batch.query_start[s];
+  return {batch.context_lens[s] - q_len + (row - batch.query_start[s]) + 1, batch.table(s)};
+}
+
 // C: latent values per lane (width <= 32 * C). Lane `lane` holds elements
 // lane + 32 c of the query, of each key it reads and of its accumulator.
+// Block (blockIdx.x = row * num_heads + head, blockIdx.y = split) takes
+// split `split` of the row's keys (kernels/decode_splits.h KeysOfSplit);
+// with one split it writes the output, else its unnormalised sums and their
+// (max, sum) into the partials for MlaMergeKernel.
 template <int C>
 __global__ void __launch_bounds__(32 * kWarps)
     MlaAttentionKernel(LatentLayout l, const uint8_t* pool, int64_t layer, const float* q_latent,
                        const float* q_pe, int64_t num_heads, kernels::AttentionBatch batch,
-                       float scale, float* out) {
+                       float scale, int splits, float* partial_acc, float* partial_ml, float* out) {
   __shared__ float warp_m[kWarps], warp_l[kWarps];
   __shared__ float warp_acc[kWarps][32 * C];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t row = blockIdx.x / num_heads, h = blockIdx.x % num_heads;
-  int64_t s = 0;
-  while (s + 1 < batch.num_seqs && batch.query_start[s + 1] <= row) ++s;
-  const int64_t q_len = batch.query_start[s + 1] - batch.query_start[s];
-  const int64_t n_keys = batch.context_lens[s] - q_len + (row - batch.query_start[s]) + 1;
-  const int32_t* table = batch.table(s);
+  const int64_t task = blockIdx.x, row = task / num_heads, h = task % num_heads;
+  const int split = static_cast<int>(blockIdx.y);
+  const MlaRowKeys keys = MlaKeysOfRow(batch, row);
+  // Splits past those written hold nothing the merge reads.
+  if (split >= kernels::SplitsWritten(0, keys.n_keys, l.block_size, splits)) return;
+  const kernels::KeyRange range = kernels::KeysOfSplit(0, keys.n_keys, l.block_size, split, splits);
+  const int32_t* table = keys.table;
   const int64_t R = l.rank, D = l.width;
 
   float q[C], acc[C];
@@ -111,7 +135,7 @@ __global__ void __launch_bounds__(32 * kWarps)
     acc[c] = 0.0f;
   }
   float m = -INFINITY, sum = 0.0f;
-  for (int64_t j = warp; j < n_keys; j += kWarps) {
+  for (int64_t j = range.begin + warp; j < range.end; j += kWarps) {
     const int64_t block = table[j / l.block_size], offset = j % l.block_size;
     const uint8_t* latent = pool + l.latent_offset(block, layer);
     const float k_scale =
@@ -148,23 +172,69 @@ __global__ void __launch_bounds__(32 * kWarps)
   for (int w = 0; w < kWarps; ++w) {
     if (warp_l[w] > 0) total += warp_l[w] * expf(warp_m[w] - total_m);
   }
+  const bool direct = splits == 1;
+  float* acc_out = direct ? out + task * R : partial_acc + (task * splits + split) * R;
   for (int64_t i = threadIdx.x; i < R; i += blockDim.x) {
     float o = 0.0f;
     for (int w = 0; w < kWarps; ++w) {
       if (warp_l[w] > 0) o += warp_acc[w][i] * expf(warp_m[w] - total_m);
     }
-    out[(row * num_heads + h) * R + i] = total > 0 ? o / total : 0.0f;  // no keys: 0
+    if (direct) {
+      acc_out[i] = total > 0 ? o / total : 0.0f;  // no keys: 0
+    } else {
+      acc_out[i] = o;
+    }
+  }
+  if (!direct && threadIdx.x == 0) {
+    partial_ml[(task * splits + split) * 2] = total > 0 ? total_m : -INFINITY;  // -inf: no key
+    partial_ml[(task * splits + split) * 2 + 1] = total;
+  }
+}
+
+// Out row (row, head) from its written splits: the sums rescaled to the
+// largest max, over the rescaled denominators (a warp per (row, head)).
+__global__ void MlaMergeKernel(const float* partial_acc, const float* partial_ml, int64_t tasks,
+                               int64_t num_heads, int64_t R, int splits, int64_t block_size,
+                               kernels::AttentionBatch batch, float* out) {
+  const int64_t task = blockIdx.x * static_cast<int64_t>(kWarps) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (task >= tasks) return;
+  const MlaRowKeys keys = MlaKeysOfRow(batch, task / num_heads);
+  const int written = kernels::SplitsWritten(0, keys.n_keys, block_size, splits);
+  const float* ml = partial_ml + task * splits * 2;
+  float mx = -INFINITY;
+  for (int sp = 0; sp < written; ++sp) mx = fmaxf(mx, ml[2 * sp]);
+  float denom = 0.0f;
+  for (int sp = 0; sp < written; ++sp) {
+    if (ml[2 * sp] != -INFINITY) denom += ml[2 * sp + 1] * expf(ml[2 * sp] - mx);
+  }
+  for (int64_t i = lane; i < R; i += 32) {
+    float sum = 0.0f;
+    for (int sp = 0; sp < written; ++sp) {
+      if (ml[2 * sp] != -INFINITY)
+        sum += partial_acc[(task * splits + sp) * R + i] * expf(ml[2 * sp] - mx);
+    }
+    out[task * R + i] = denom > 0 ? sum / denom : 0.0f;  // a row without keys: 0
   }
 }
 
 template <int C>
 void LaunchMla(const LatentLayout& l, const void* pool, int64_t layer, const float* q_latent,
                const float* q_pe, int64_t num_heads, const kernels::AttentionBatch& batch,
-               float scale, float* out, cudaStream_t stream) {
-  MlaAttentionKernel<C>
-      <<<static_cast<unsigned>(batch.num_tokens * num_heads), 32 * kWarps, 0, stream>>>(
-          l, static_cast<const uint8_t*>(pool), layer, q_latent, q_pe, num_heads, batch, scale,
-          out);
+               float scale, int splits, float* partials, float* out, cudaStream_t stream) {
+  const int64_t tasks = batch.num_tokens * num_heads;
+  // Partials: every (task, split)'s R sums, then their (max, sum) pairs.
+  float* partial_acc = partials;
+  float* partial_ml = splits > 1 ? partials + tasks * splits * l.rank : nullptr;
+  MlaAttentionKernel<C><<<dim3(static_cast<unsigned>(tasks), static_cast<unsigned>(splits)),
+                          32 * kWarps, 0, stream>>>(l, static_cast<const uint8_t*>(pool), layer,
+                                                    q_latent, q_pe, num_heads, batch, scale, splits,
+                                                    partial_acc, partial_ml, out);
+  if (splits > 1) {
+    MlaMergeKernel<<<static_cast<unsigned>((tasks + kWarps - 1) / kWarps), 32 * kWarps, 0,
+                     stream>>>(partial_acc, partial_ml, tasks, num_heads, l.rank, splits,
+                               l.block_size, batch, out);
+  }
 }
 
 }  // namespace
@@ -214,14 +284,20 @@ void MlaAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q_late
   const float* ql = q_latent.as<const float>();
   const float* qp = q_pe.as<const float>();
   float* o = out.as<float>();
+  // The plan's key splits (CudaBackend::PlanAttention: MlaDecodeSplits);
+  // an unplanned plan, or one without partials, runs one split a row.
+  const bool split = plan.planned && plan.num_splits > 1 && plan.workspace != nullptr;
+  const int splits = split ? plan.num_splits : 1;
+  auto* partials = split ? static_cast<float*>(plan.workspace) : nullptr;
   if (d <= 64) {
-    LaunchMla<2>(l, plan.pool, layer, ql, qp, num_heads, batch, scale, o, stream);
+    LaunchMla<2>(l, plan.pool, layer, ql, qp, num_heads, batch, scale, splits, partials, o, stream);
   } else if (d <= 128) {
-    LaunchMla<4>(l, plan.pool, layer, ql, qp, num_heads, batch, scale, o, stream);
+    LaunchMla<4>(l, plan.pool, layer, ql, qp, num_heads, batch, scale, splits, partials, o, stream);
   } else if (d <= 256) {
-    LaunchMla<8>(l, plan.pool, layer, ql, qp, num_heads, batch, scale, o, stream);
+    LaunchMla<8>(l, plan.pool, layer, ql, qp, num_heads, batch, scale, splits, partials, o, stream);
   } else {
-    LaunchMla<kMaxMlaLatent / 32>(l, plan.pool, layer, ql, qp, num_heads, batch, scale, o, stream);
+    LaunchMla<kMaxMlaLatent / 32>(l, plan.pool, layer, ql, qp, num_heads, batch, scale, splits,
+                                  partials, o, stream);
   }
   Check(cudaGetLastError(), "MlaAttention");
 }

@@ -1154,6 +1154,9 @@ TEST_F(BackendOpsTest, MlaWriteLatentKvAndAttention) {
                  std::to_string(p.layout.kv_lora_rank));
     const int64_t R = p.layout.kv_lora_rank, P = p.layout.rope_dim(), layer = 1;
     std::vector<uint8_t> pool_bytes;
+    // Unplanned (one key split a row on CUDA), then planned as a step is
+    // (CUDA cuts the keys into splits and merges them: MlaDecodeSplits).
+    bool planned = false;
     auto run = [&](Backend& b, Mem& mem) -> Outputs {
       auto* pool = mem.Up(std::vector<uint8_t>(p.layout.total_bytes(), 0));
       const auto before = static_cast<int64_t>(p.slots_before.size());
@@ -1163,10 +1166,17 @@ TEST_F(BackendOpsTest, MlaWriteLatentKvAndAttention) {
       b.WriteLatentKv(p.layout, pool, layer, mem.F32(p.c_kv_step, {step, R}),
                       mem.F32(p.k_pe_step, {step, P}), mem.Up(p.slots_step));
       const Tensor out = mem.Poisoned({p.tokens, p.heads, R});
-      b.MlaAttention(
-          p.Plan(pool, mem.Up(p.query_start), mem.Up(p.context_lens), mem.Up(p.block_tables)),
-          layer, mem.F32(p.q_latent, {p.tokens, p.heads, R}),
-          mem.F32(p.q_pe, {p.tokens, p.heads, P}), p.scale, out);
+      AttentionPlan plan =
+          p.Plan(pool, mem.Up(p.query_start), mem.Up(p.context_lens), mem.Up(p.block_tables));
+      if (planned) {
+        for (const auto& s : p.seqs) {
+          plan.max_query_len = std::max<int64_t>(plan.max_query_len, s.q_len);
+          plan.max_context_len = std::max<int64_t>(plan.max_context_len, s.context);
+        }
+        b.PlanAttention(&plan);
+      }
+      b.MlaAttention(plan, layer, mem.F32(p.q_latent, {p.tokens, p.heads, R}),
+                     mem.F32(p.q_pe, {p.tokens, p.heads, P}), p.scale, out);
       pool_bytes = mem.Down(pool, p.layout.total_bytes());
       return {mem.Down(out)};
     };
@@ -1174,13 +1184,17 @@ TEST_F(BackendOpsTest, MlaWriteLatentKvAndAttention) {
     const Outputs want = run(reference_, ref_mem);
     const std::vector<uint8_t> want_pool = pool_bytes;
     for (Target& t : targets_) {
-      SCOPED_TRACE(t.name);
-      Mem mem(t.backend.get());
-      const Outputs got = run(*t.backend, mem);
-      ASSERT_EQ(pool_bytes, want_pool) << "the pools differ";
-      // The device reduces the latent dot products in a warp tree, the CPU
-      // in one running sum.
-      ExpectClose("MlaAttention", got[0], want[0], 1e-5);
+      for (const bool plan_it : {false, true}) {
+        SCOPED_TRACE(t.name + (plan_it ? ", planned" : ", unplanned"));
+        planned = plan_it;
+        Mem mem(t.backend.get());
+        const Outputs got = run(*t.backend, mem);
+        ASSERT_EQ(pool_bytes, want_pool) << "the pools differ";
+        // The device reduces the latent dot products in a warp tree (and
+        // the splits' sums in a merge), the CPU in one running sum.
+        ExpectClose("MlaAttention", got[0], want[0], 1e-5);
+      }
+      planned = false;
     }
   }
 }

@@ -130,5 +130,48 @@ TEST(DecodeSplitsTest, ReserveCoversTheWidestStepAndNoMore) {
   }
 }
 
+// MLA: a thread block per (row, query head) and split, so the count
+// follows rows x query heads: DeepSeek-V2-Lite's 16 heads at batch 1 on 132
+// multiprocessors take 64 splits (16 heads alone would leave 116 idle), 16
+// once the context is known to be 4,096 keys, one at batch 256; prefill
+// steps past 1,024 rows take one. The reserve covers every step's partials.
+TEST(DecodeSplitsTest, MlaSplitsFollowRowsTimesQueryHeads) {
+  auto mla = [](int64_t rows, int64_t heads) {
+    AttentionPlan plan;
+    plan.layout = KvCacheLayout::Mla(27, 512, 64);
+    plan.num_heads = heads;
+    plan.batch.num_tokens = rows;
+    plan.max_query_len = 1;
+    return plan;
+  };
+  AttentionPlan one = mla(1, 16);
+  EXPECT_EQ(MlaDecodeSplits(one, 132), kDecodeMaxSplits);
+  one.max_context_len = 4096;
+  EXPECT_EQ(MlaDecodeSplits(one, 132), 16);
+  EXPECT_EQ(MlaPartialFloats(one, 16), 16 * 16 * (512 + 2));
+  EXPECT_EQ(MlaDecodeSplits(mla(8, 16), 132), 17);  // 128 blocks a split against 2,112
+  EXPECT_EQ(MlaDecodeSplits(mla(256, 16), 132), 1);
+  EXPECT_EQ(MlaPartialFloats(mla(256, 16), 1), 0);
+  AttentionPlan prefill = mla(2000, 16);
+  prefill.max_query_len = 512;
+  EXPECT_EQ(MlaDecodeSplits(prefill, 132), 1);
+  for (const int sms : {1, 108, 132}) {
+    for (const int64_t heads : {1, 16, 128}) {
+      const int64_t reserved = MlaMaxPartialFloats(mla(1, heads).layout, heads, sms);
+      int64_t widest = 0;
+      for (int64_t rows = 1; rows <= 2200; ++rows) {
+        for (const int64_t max_context_len : {0, 100, 131072}) {
+          AttentionPlan plan = mla(rows, heads);
+          plan.max_context_len = max_context_len;
+          const int64_t need = MlaPartialFloats(plan, MlaDecodeSplits(plan, sms));
+          ASSERT_LE(need, reserved) << rows << " rows, " << heads << " heads";
+          widest = std::max(widest, need);
+        }
+      }
+      EXPECT_EQ(widest, reserved) << heads << " heads on " << sms << " multiprocessors";
+    }
+  }
+}
+
 }  // namespace
 }  // namespace pdserve::kernels
