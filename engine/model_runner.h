@@ -16,11 +16,13 @@
 //    inputs from the static buffers; a batch is padded up to its bucket with
 //    rows that write no KV and attend to nothing.
 // Sampling is a pure function of (logits, params, seed, output index)
-// (engine/sampler.h) and, for structured outputs, the row's token mask:
-// greedy rows take their argmax on the backend, so only token ids come
-// back; the others (masked rows always) download their logits rows and
-// sample on the host. So preemption, batching, padding and graphs never
-// change tokens.
+// (engine/sampler.h) and, for structured outputs, the row's token mask, and
+// it happens on the backend: greedy rows take their argmax in the step
+// (ArgMaxRows), the others (masked rows always) go through SampleRows after
+// it, with their params and masks sent in one stream-ordered copy (the
+// random draws computed here). Only token ids and the logprobs a request
+// asked for come back; logits never do. So preemption, batching, padding
+// and graphs never change tokens.
 //
 // Thread safety: none; one engine thread drives a runner.
 #pragma once
@@ -125,6 +127,9 @@ class ModelRunner {
   // Steps replayed from a graph and graphs captured so far (for tests and logs).
   int64_t graph_replays() const { return graph_replays_; }
   int64_t graphs_captured() const { return static_cast<int64_t>(graphs_.size()); }
+  // Bytes Execute has read back from the backend so far: sampled ids and
+  // the logprobs asked for (tests check that no logits come back).
+  int64_t downloaded_bytes() const { return downloaded_bytes_; }
 
  private:
   // Offsets of the step's arrays in the staging buffer and in the static
@@ -200,7 +205,21 @@ class ModelRunner {
   uint64_t graphs_generation_ = 0;
   bool graphs_enabled_ = false;
   int64_t graph_replays_ = 0;
-  std::vector<float> logits_;  // host copy of sampled rows' logits
+  // SampleRows' rows: params then masks (words per masked row) staged on
+  // the host and sent in one copy; its outputs (tokens, logprobs, top ids at
+  // the offsets below) read back in one copy. Sized for max_logits_ rows.
+  struct SamplingBuffers {
+    int64_t words = 0;
+    size_t masks = 0, out = 0;         // offsets in host_in and device
+    size_t logprobs = 0, top_ids = 0;  // offsets in an output block
+    uint8_t* host_in = nullptr;
+    uint8_t* host_out = nullptr;
+    uint8_t* device = nullptr;  // the inputs' layout, then an output block at `out`
+    Status Allocate(kernels::Backend* b, int64_t rows, int64_t vocab);
+    kernels::SampleRowsOutput Output(uint8_t* base) const;
+  };
+  SamplingBuffers sampling_;
+  int64_t downloaded_bytes_ = 0;
 };
 
 }  // namespace pdserve
