@@ -666,6 +666,53 @@ TEST_F(BackendOpsTest, SampleRowsMatchesTheHostSampler) {
   }
 }
 
+// Backend::SampleRows' default (rows downloaded and sampled by the host
+// code, for a backend without its own) gives the CPU backend's outputs.
+TEST_F(BackendOpsTest, SampleRowsDefaultGivesTheCpuBackendsRows) {
+  const int64_t vocab = 1000, words = (vocab + 63) / 64;
+  std::vector<SampleRowParams> params(6);
+  std::vector<uint64_t> masks(static_cast<size_t>(words), 0x5555555555555555ull);
+  params[0].temperature = 1;
+  params[1].temperature = 0.8f;
+  params[1].top_k = 20;
+  params[1].top_p = 0.9f;
+  params[1].num_logprobs = 4;
+  params[2].temperature = 1;
+  params[2].min_p = 0.2f;
+  params[2].mask = 0;
+  params[3].num_logprobs = 0;  // greedy
+  params[4].temperature = 1.5f;
+  params[4].num_logprobs = kMaxTopLogprobs;
+  params[5].mask = 0;  // greedy, masked
+  std::uniform_real_distribution<double> uniform(0, 1);
+  for (size_t i = 0; i < params.size(); ++i) {
+    params[i].row = static_cast<int32_t>(params.size() - 1 - i);  // rows in any order
+    params[i].draw = uniform(rng_);
+  }
+  const auto rows = static_cast<int64_t>(params.size());
+  const auto logits = Random(rows * vocab, -6, 6);
+  auto run = [&](bool base) {
+    Mem mem(&reference_);
+    SampleRowsOutput out;
+    out.tokens = mem.Up(std::vector<int32_t>(rows, -1));
+    out.logprobs = mem.Up(std::vector<float>(rows * kLogprobStride, 7));
+    out.top_ids = mem.Up(std::vector<int32_t>(rows * kMaxTopLogprobs, -1));
+    const Tensor x = mem.F32(logits, {rows, vocab});
+    if (base) {
+      reference_.Backend::SampleRows(x, mem.Up(params), rows, mem.Up(masks), words, out);
+    } else {
+      reference_.SampleRows(x, mem.Up(params), rows, mem.Up(masks), words, out);
+    }
+    return std::tuple(mem.Down(out.tokens, rows), mem.Down(out.logprobs, rows * kLogprobStride),
+                      mem.Down(out.top_ids, rows * kMaxTopLogprobs));
+  };
+  const auto want = run(false);
+  EXPECT_EQ(run(true), want);
+  EXPECT_EQ(std::get<0>(want)[2] % 2, 0);  // masked: even ids only
+  EXPECT_EQ(std::get<0>(want)[5] % 2, 0);
+  EXPECT_EQ(std::get<1>(want)[0], 7);  // no logprobs asked: left as they were
+}
+
 // ---- Paged KV write and attention ------------------------------------------
 
 class BackendKvTest : public BackendOpsTest, public ::testing::WithParamInterface<DType> {
