@@ -47,10 +47,13 @@ ModelRunner::~ModelRunner() {
   graphs_.clear();
   if (backend_ == nullptr) return;
   backend_->Synchronize();
-  if (host_ != nullptr) backend_->FreeHost(host_);
-  if (adjust_host_ != nullptr) backend_->FreeHost(adjust_host_);
+  for (void* p : {static_cast<void*>(host_), static_cast<void*>(sampling_.host_in),
+                  static_cast<void*>(sampling_.host_out), static_cast<void*>(adjust_host_)}) {
+    if (p != nullptr) backend_->FreeHost(p);
+  }
   for (void* p : {static_cast<void*>(device_), static_cast<void*>(device_tables_),
-                  static_cast<void*>(device_tokens_), static_cast<void*>(adjust_device_)}) {
+                  static_cast<void*>(device_tokens_), static_cast<void*>(sampling_.device),
+                  static_cast<void*>(adjust_device_)}) {
     if (p != nullptr) backend_->Free(p);
   }
 }
@@ -99,6 +102,7 @@ StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(Model* model,
   r->device_tables_ =
       static_cast<int32_t*>(b->Allocate(G * r->table_rows_ * r->table_width_ * sizeof(int32_t)));
   r->device_tokens_ = static_cast<int32_t*>(b->Allocate(R * sizeof(int32_t)));
+  PDSERVE_RETURN_IF_ERROR(r->sampling_.Allocate(b, R, c.vocab_size));
   if (r->host_ == nullptr || r->device_ == nullptr || r->device_tables_ == nullptr ||
       r->device_tokens_ == nullptr) {
     return Status::ResourceExhausted("model runner: out of memory for the step's inputs");
@@ -253,25 +257,58 @@ StatusOr<std::vector<SampledToken>> ModelRunner::Execute(std::span<const Schedul
   PDSERVE_RETURN_IF_ERROR(AdjustSampledLogits(step, graph, logit_rows));
 
   // Sampling. Row k of the logits is the k-th sampled sequence (with a
-  // graph, row i is sequence i).
-  std::vector<SampledToken> out;
+  // graph, row i is sequence i). Greedy rows took their argmax in the step
+  // (again after any logit adjustments); the others go through the
+  // backend's SampleRows, so that only token ids and the logprobs asked for
+  // come back, never logits.
   // A masked row is never greedy: its argmax may be a token the mask forbids.
   auto greedy = [](const ScheduledSeq& s) {
     return s.params->temperature == 0 && !s.params->logprobs && s.allowed.empty();
   };
-  const bool all_greedy = std::all_of(
-      step.begin(), step.end(), [&](const ScheduledSeq& s) { return !s.sample || greedy(s); });
+  SamplingBuffers& sb = sampling_;
+  auto* params = reinterpret_cast<kernels::SampleRowParams*>(sb.host_in);
+  auto* masks = reinterpret_cast<uint64_t*>(sb.host_in + sb.masks);
+  int64_t n = 0, masked = 0;
+  bool logprobs = false;
+  for (int64_t i = 0, k = 0; i < S; ++i) {
+    const ScheduledSeq& s = step[i];
+    if (!s.sample) continue;
+    const int64_t row = graph ? i : k;
+    ++k;
+    if (greedy(s)) continue;
+    kernels::SampleRowParams& p = params[n++];
+    p = SampleRowParamsOf(*s.params, s.seed, s.output_index);
+    p.row = static_cast<int32_t>(row);
+    logprobs |= p.num_logprobs >= 0;
+    if (s.allowed.empty()) continue;
+    p.mask = static_cast<int32_t>(masked);
+    uint64_t* mask = masks + masked++ * sb.words;
+    const size_t given = std::min(s.allowed.size(), static_cast<size_t>(sb.words));
+    std::copy_n(s.allowed.begin(), given, mask);
+    std::fill(mask + given, mask + sb.words, 0);  // tokens past the mask's end: forbidden
+  }
   std::vector<int32_t> argmax(logit_rows);
   backend_->DownloadAsync(argmax.data(), device_tokens_, logit_rows * sizeof(int32_t));
-  const int64_t V = c.vocab_size;
-  if (!all_greedy) {
-    logits_.resize(static_cast<size_t>(logit_rows * V));
-    backend_->DownloadAsync(logits_.data(), model_->logits(logit_rows).data,
-                            logits_.size() * sizeof(float));
+  downloaded_bytes_ += logit_rows * static_cast<int64_t>(sizeof(int32_t));
+  if (n > 0) {
+    // One copy of the rows' params and masks; one copy back of their tokens
+    // (and logprobs where asked for), laid out alike on both sides.
+    const size_t in_bytes = masked > 0 ? sb.masks + masked * sb.words * sizeof(uint64_t)
+                                       : n * sizeof(kernels::SampleRowParams);
+    backend_->UploadAsync(sb.device, sb.host_in, in_bytes);
+    const kernels::SampleRowsOutput out = sb.Output(sb.device + sb.out);
+    backend_->SampleRows(model_->logits(logit_rows),
+                         reinterpret_cast<const kernels::SampleRowParams*>(sb.device), n,
+                         reinterpret_cast<const uint64_t*>(sb.device + sb.masks), sb.words, out);
+    const size_t out_bytes = logprobs ? sb.top_ids + n * kernels::kMaxTopLogprobs * sizeof(int32_t)
+                                      : n * sizeof(int32_t);
+    backend_->DownloadAsync(sb.host_out, sb.device + sb.out, out_bytes);
+    downloaded_bytes_ += static_cast<int64_t>(out_bytes);
   }
   backend_->Synchronize();
-  int64_t k = 0;
-  for (int64_t i = 0; i < S; ++i) {
+  const kernels::SampleRowsOutput got = sb.Output(sb.host_out);
+  std::vector<SampledToken> out;
+  for (int64_t i = 0, k = 0, j = 0; i < S; ++i) {
     const ScheduledSeq& s = step[i];
     if (!s.sample) continue;
     const int64_t row = graph ? i : k;
@@ -282,21 +319,10 @@ StatusOr<std::vector<SampledToken>> ModelRunner::Execute(std::span<const Schedul
       out.push_back(std::move(token));
       continue;
     }
-    const std::span<float> logits(logits_.data() + row * V, static_cast<size_t>(V));
-    if (s.allowed.empty()) {
-      out.push_back(SampleToken(logits, *s.params, s.seed, s.output_index));
-      continue;
-    }
-    ApplyTokenBitmask(logits, s.allowed);
-    SampledToken token = SampleToken(logits, *s.params, s.seed, s.output_index);
-    auto allowed = [&](int64_t t) {
-      return static_cast<size_t>(t >> 6) < s.allowed.size() &&
-             ((s.allowed[t >> 6] >> (t & 63)) & 1);
-    };
-    for (int64_t t = 0; !allowed(token.token) && t < V; ++t) {
-      if (allowed(t)) token.token = static_cast<TokenId>(t);
-    }
-    out.push_back(std::move(token));
+    out.push_back(SampledTokenOf(got.tokens[j], NumTopLogprobs(*s.params, c.vocab_size),
+                                 got.logprobs + j * kernels::kLogprobStride,
+                                 got.top_ids + j * kernels::kMaxTopLogprobs));
+    ++j;
   }
   return out;
 }
@@ -383,6 +409,28 @@ Status ModelRunner::AdjustSampledLogits(std::span<const ScheduledSeq> step, bool
   backend_->AdjustLogits(logits, adjust_device_, static_cast<int64_t>(adjustments_.size()));
   backend_->ArgMaxRows(logits, device_tokens_);
   return Status::Ok();
+}
+
+Status ModelRunner::SamplingBuffers::Allocate(kernels::Backend* b, int64_t rows, int64_t vocab) {
+  auto align = [](size_t bytes) { return (bytes + 63) / 64 * 64; };
+  words = (vocab + 63) / 64;
+  masks = align(rows * sizeof(kernels::SampleRowParams));
+  out = align(masks + rows * words * sizeof(uint64_t));
+  logprobs = align(rows * sizeof(int32_t));
+  top_ids = align(logprobs + rows * kernels::kLogprobStride * sizeof(float));
+  const size_t out_bytes = top_ids + rows * kernels::kMaxTopLogprobs * sizeof(int32_t);
+  host_in = static_cast<uint8_t*>(b->AllocateHost(out));
+  host_out = static_cast<uint8_t*>(b->AllocateHost(out_bytes));
+  device = static_cast<uint8_t*>(b->Allocate(out + out_bytes));
+  if (host_in == nullptr || host_out == nullptr || device == nullptr) {
+    return Status::ResourceExhausted("model runner: out of memory for sampling's buffers");
+  }
+  return Status::Ok();
+}
+
+kernels::SampleRowsOutput ModelRunner::SamplingBuffers::Output(uint8_t* base) const {
+  return {reinterpret_cast<int32_t*>(base), reinterpret_cast<float*>(base + logprobs),
+          reinterpret_cast<int32_t*>(base + top_ids)};
 }
 
 Status ModelRunner::Forward(const ForwardBatch& batch, float* logits) {

@@ -20,11 +20,13 @@
 // (token, delta) pairs go up, counted from the tokens generated so far), and
 // the greedy ids are taken again over them.
 // Sampling is a pure function of (logits, params, seed, output index)
-// (engine/sampler.h) and, for structured outputs, the row's token mask:
-// greedy rows take their argmax on the backend, so only token ids come
-// back; the others (masked rows always) download their logits rows and
-// sample on the host. So preemption, batching, padding and graphs never
-// change tokens.
+// (engine/sampler.h) and, for structured outputs, the row's token mask, and
+// it happens on the backend: greedy rows take their argmax in the step
+// (ArgMaxRows), the others (masked rows always) go through SampleRows after
+// it, with their params and masks sent in one stream-ordered copy (the
+// random draws computed here). Only token ids and the logprobs a request
+// asked for come back; logits never do. So preemption, batching, padding
+// and graphs never change tokens.
 //
 // Thread safety: none; one engine thread drives a runner.
 #pragma once
@@ -129,6 +131,9 @@ class ModelRunner {
   // Steps replayed from a graph and graphs captured so far (for tests and logs).
   int64_t graph_replays() const { return graph_replays_; }
   int64_t graphs_captured() const { return static_cast<int64_t>(graphs_.size()); }
+  // Bytes Execute has read back from the backend so far: sampled ids and
+  // the logprobs asked for (tests check that no logits come back).
+  int64_t downloaded_bytes() const { return downloaded_bytes_; }
 
  private:
   // Offsets of the step's arrays in the staging buffer and in the static
@@ -225,7 +230,21 @@ class ModelRunner {
   uint64_t graphs_generation_ = 0;
   bool graphs_enabled_ = false;
   int64_t graph_replays_ = 0;
-  std::vector<float> logits_;  // host copy of sampled rows' logits
+  // SampleRows' rows: params then masks (words per masked row) staged on
+  // the host and sent in one copy; its outputs (tokens, logprobs, top ids at
+  // the offsets below) read back in one copy. Sized for max_logits_ rows.
+  struct SamplingBuffers {
+    int64_t words = 0;
+    size_t masks = 0, out = 0;         // offsets in host_in and device
+    size_t logprobs = 0, top_ids = 0;  // offsets in an output block
+    uint8_t* host_in = nullptr;
+    uint8_t* host_out = nullptr;
+    uint8_t* device = nullptr;  // the inputs' layout, then an output block at `out`
+    Status Allocate(kernels::Backend* b, int64_t rows, int64_t vocab);
+    kernels::SampleRowsOutput Output(uint8_t* base) const;
+  };
+  SamplingBuffers sampling_;
+  int64_t downloaded_bytes_ = 0;
 };
 
 }  // namespace pdserve

@@ -1,6 +1,8 @@
 // Sampler: from one sequence's logits to its next token, and when to stop.
 //
-// Sampling is a pure function of (logits, params, seed, position): the random
+// Sampling is a pure function of (logits, params, seed, position) (the
+// algorithm's one home is kernels/sampling.h, which every backend's
+// SampleRows follows; this is its host entry point): the random
 // draw for output token number `position` of a request comes from a counter
 // based generator keyed by (seed, position). So the same seed and the same
 // logits give the same tokens whatever else is in the batch, in whatever
@@ -25,6 +27,7 @@
 #include "common/block_hash.h"  // TokenId
 #include "common/sampling_params.h"
 #include "common/status.h"
+#include "kernels/sampling.h"
 
 namespace pdserve {
 
@@ -40,6 +43,25 @@ struct SampledToken {
   float logprob = 0;                       // of `token`
   std::vector<TokenLogprob> top_logprobs;  // most likely first, ties by id
 };
+
+// Uniform in [0, 1) for output token number `position` of the request
+// seeded with `seed`: a counter-based draw (SplitMix64), so no generator
+// state is carried around. Always computed on the host; a backend's
+// SampleRows takes it per row.
+double UniformDraw(uint64_t seed, uint64_t position);
+
+// A request's row of a backend's SampleRows (kernels/sampling.h, whose
+// host code SampleToken runs): its knobs and the draw for (seed, position);
+// row and mask left for the caller.
+kernels::SampleRowParams SampleRowParamsOf(const SamplingParams& params, uint64_t seed,
+                                           uint64_t position);
+// How many top logprobs a row gives: params.logprobs capped at the
+// vocabulary, -1 for none.
+int NumTopLogprobs(const SamplingParams& params, size_t vocab);
+// A SampledToken from one row of SampleRowsOutput read back to the host
+// (logprobs[0] the token's, then num_logprobs of them, ids in top_ids).
+SampledToken SampledTokenOf(int32_t token, int num_logprobs, const float* logprobs,
+                            const int32_t* top_ids);
 
 // Draws output token number `position` (0 for the first output token) of a
 // request whose resolved seed is `seed`. Preconditions: params validated,

@@ -2,11 +2,13 @@
 // Linear layer's weights at load, and graphs that run eagerly.
 #include "kernels/backend.h"
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
 
 #include "kernels/float_convert.h"
+#include "kernels/op_check.h"
 
 namespace pdserve::kernels {
 namespace {
@@ -166,6 +168,37 @@ StatusOr<LinearWeights> Backend::PrepareLinear(const WeightMatrix* parts, int co
     if (w.bias == nullptr) return Status::ResourceExhausted("out of memory for a bias");
   }
   return w;
+}
+
+void Backend::SampleRows(const Tensor& logits, const SampleRowParams* params, int64_t count,
+                         const uint64_t* masks, int64_t mask_words, const SampleRowsOutput& out) {
+  CheckF32(logits, "SampleRows");
+  if (count <= 0) return;
+  std::vector<SampleRowParams> p(static_cast<size_t>(count));
+  Download(p.data(), params, p.size() * sizeof(SampleRowParams));
+  const int64_t vocab = logits.row_size();
+  const RowLayout layout = logits.row_layout();
+  std::vector<float> row(static_cast<size_t>(vocab));
+  std::vector<uint64_t> mask;
+  std::vector<int32_t> tokens(p.size());
+  float logprobs[kLogprobStride];
+  int32_t top_ids[kMaxTopLogprobs];
+  for (int64_t i = 0; i < count; ++i) {
+    const SampleRowParams& r = p[i];
+    Download(row.data(), logits.as<const float>() + layout.offset(r.row), vocab * sizeof(float));
+    if (r.mask >= 0) {
+      mask.resize(static_cast<size_t>(mask_words));
+      Download(mask.data(), masks + r.mask * mask_words, mask_words * sizeof(uint64_t));
+    }
+    SampleRow(row.data(), vocab, r, r.mask >= 0 ? mask.data() : nullptr, mask_words, &tokens[i],
+              logprobs, top_ids);
+    if (r.num_logprobs >= 0) {
+      const int64_t n = std::min<int64_t>(r.num_logprobs, vocab);
+      Upload(out.logprobs + i * kLogprobStride, logprobs, (1 + n) * sizeof(float));
+      Upload(out.top_ids + i * kMaxTopLogprobs, top_ids, n * sizeof(int32_t));
+    }
+  }
+  Upload(out.tokens, tokens.data(), tokens.size() * sizeof(int32_t));
 }
 
 }  // namespace pdserve::kernels

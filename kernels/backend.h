@@ -27,6 +27,7 @@
 #include "common/status.h"
 #include "kernels/kv_cache_layout.h"
 #include "kernels/moe_routing.h"
+#include "kernels/sampling.h"
 #include "kernels/step.h"
 #include "kernels/tensor.h"
 #include "kernels/weights.h"
@@ -196,6 +197,20 @@ class Backend {
   // fp32): a request's logit_bias and penalties (common/sampling_params.h),
   // applied before ArgMaxRows and sampling.
   virtual void AdjustLogits(const Tensor& x, const LogitAdjustment* adjustments, int64_t count) = 0;
+  // Sampling on the backend, so that only token ids and the logprobs asked
+  // for leave it: for each i < count, the algorithm of kernels/sampling.h
+  // on row params[i].row of logits ([rows, vocab], fp32) with params[i]'s
+  // knobs and draw, masked by masks + params[i].mask * mask_words when
+  // params[i].mask >= 0 (mask_words >= vocab / 64 rounded up), writing row
+  // i of out. params, masks and out are backend memory: the caller uploads
+  // the params and masks (one stream-ordered copy) and downloads out's
+  // tokens and the logprob rows it wants. Tokens are the host code's
+  // (SampleRow) up to the order of floating-point sums and exp's rounding:
+  // a draw within rounding of a cumulative boundary may pick the neighbour.
+  // The default runs the host code on downloaded rows (synchronously);
+  // backends override it.
+  virtual void SampleRows(const Tensor& logits, const SampleRowParams* params, int64_t count,
+                          const uint64_t* masks, int64_t mask_words, const SampleRowsOutput& out);
 
   // GQA layouts. Stores k and v ([tokens, num_kv_heads, head_dim]) of `layer`
   // into the pool at slots[t] = block_id * block_size + offset; a negative

@@ -240,6 +240,22 @@ void CpuBackend::AdjustLogits(const Tensor& x, const LogitAdjustment* adjustment
   }
 }
 
+void CpuBackend::SampleRows(const Tensor& logits, const SampleRowParams* params, int64_t count,
+                            const uint64_t* masks, int64_t mask_words,
+                            const SampleRowsOutput& out) {
+  CheckF32(logits, "SampleRows");
+  const int64_t vocab = logits.row_size();
+  const RowLayout l = logits.row_layout();
+  pool_.ParallelFor(count, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const SampleRowParams& p = params[i];
+      SampleRow(logits.as<const float>() + l.offset(p.row), vocab, p,
+                p.mask >= 0 ? masks + p.mask * mask_words : nullptr, mask_words, out.tokens + i,
+                out.logprobs + i * kLogprobStride, out.top_ids + i * kMaxTopLogprobs);
+    }
+  });
+}
+
 void CpuBackend::WriteKv(const KvCacheLayout& layout, void* pool, int64_t layer, const Tensor& k,
                          const Tensor& v, const int64_t* slots) {
   CheckF32(k, "WriteKv");

@@ -55,6 +55,9 @@ class CpuBackend final : public Backend {
   void GatherRows(const Tensor& x, const int32_t* rows, const Tensor& out) override;
   void ArgMaxRows(const Tensor& x, int32_t* out) override;
   void AdjustLogits(const Tensor& x, const LogitAdjustment* adjustments, int64_t count) override;
+  // The host code of kernels/sampling.h in place, a row per pool task.
+  void SampleRows(const Tensor& logits, const SampleRowParams* params, int64_t count,
+                  const uint64_t* masks, int64_t mask_words, const SampleRowsOutput& out) override;
   // The work units of every layer's PagedAttention (kernels/cpu/paged_attention.h).
   void PlanAttention(AttentionPlan* plan) override;
   void WriteKv(const KvCacheLayout& layout, void* pool, int64_t layer, const Tensor& k,

@@ -21,6 +21,7 @@ struct CudaBackend::State {
   cuda::Workspace bf16_activations{"bf16 activations"};      // converted for bf16 products
   cuda::Workspace attention_partials{"attention partials"};  // split-K partials
   cuda::Workspace quest_selection{"Quest selection"};        // selected blocks, a bit each
+  cuda::Workspace sample_overflow{"sampling overflow"};      // large crossing bins' ranks
   cuda::MoeScratch moe;
   void* cublas_workspace = nullptr;  // fixed, so that cuBLAS allocates nothing in a graph
   // fp8 products (kernels/cuda/gemm_fp8.cu).
@@ -93,6 +94,7 @@ CudaBackend::~CudaBackend() {
   state_->bf16_activations.Release();
   state_->attention_partials.Release();
   state_->quest_selection.Release();
+  state_->sample_overflow.Release();
   state_->moe.Release();
   state_->fp8_activations.Release();
   state_->fp8_widened.Release();
@@ -394,6 +396,15 @@ void CudaBackend::ArgMaxRows(const Tensor& x, int32_t* out) {
 void CudaBackend::AdjustLogits(const Tensor& x, const LogitAdjustment* adjustments, int64_t count) {
   MakeCurrent();
   cuda::AdjustLogits(x, adjustments, count, state_->stream);
+}
+
+void CudaBackend::SampleRows(const Tensor& logits, const SampleRowParams* params, int64_t count,
+                             const uint64_t* masks, int64_t mask_words,
+                             const SampleRowsOutput& out) {
+  MakeCurrent();
+  uint64_t* overflow = state_->sample_overflow.Get<uint64_t>(
+      count * cuda::SampleOverflowKeys(logits.row_size()), state_->stream);
+  cuda::SampleRows(logits, params, count, masks, mask_words, out, overflow, state_->stream);
 }
 
 void CudaBackend::PagedAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q,

@@ -76,6 +76,9 @@ class CudaBackend final : public Backend {
   void GatherRows(const Tensor& x, const int32_t* rows, const Tensor& out) override;
   void ArgMaxRows(const Tensor& x, int32_t* out) override;
   void AdjustLogits(const Tensor& x, const LogitAdjustment* adjustments, int64_t count) override;
+  // kernels/cuda/sampling.cu, one block per row.
+  void SampleRows(const Tensor& logits, const SampleRowParams* params, int64_t count,
+                  const uint64_t* masks, int64_t mask_words, const SampleRowsOutput& out) override;
   void WriteKv(const KvCacheLayout& layout, void* pool, int64_t layer, const Tensor& k,
                const Tensor& v, const int64_t* slots) override;
   void PagedAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q, float scale,

@@ -13,6 +13,7 @@
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/kv_cache_layout.h"
+#include "kernels/sampling.h"
 #include "kernels/step.h"
 #include "kernels/tensor.h"
 #include "kernels/weights.h"
@@ -72,11 +73,17 @@ void SoftCap(const Tensor& x, float cap, cudaStream_t stream);
 void Add(const Tensor& x, const Tensor& y, cudaStream_t stream);
 void GatherRows(const Tensor& x, const int32_t* rows, const Tensor& out, cudaStream_t stream);
 
-// ---- Sampling (sampling.cu): greedy, one block per row; logit adjustments,
-// one thread each.
+// ---- Sampling (sampling.cu): greedy and the whole algorithm of
+// kernels/sampling.h, one block per row; logit adjustments, one thread
+// each. SampleRows ranks a crossing bin of more than 4096 tokens in
+// `overflow`, SampleOverflowKeys(vocab) keys per row.
 void ArgMaxRows(const Tensor& x, int32_t* out, cudaStream_t stream);
 void AdjustLogits(const Tensor& x, const kernels::LogitAdjustment* adjustments, int64_t count,
                   cudaStream_t stream);
+int64_t SampleOverflowKeys(int64_t vocab);
+void SampleRows(const Tensor& logits, const kernels::SampleRowParams* params, int64_t count,
+                const uint64_t* masks, int64_t mask_words, const kernels::SampleRowsOutput& out,
+                uint64_t* overflow, cudaStream_t stream);
 
 // ---- Decode attention (decode_attention.cu): split-K flash-decoding over
 // the paged blocks, a GQA group's query heads sharing each K/V read.

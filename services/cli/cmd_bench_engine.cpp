@@ -107,6 +107,10 @@ int RunBenchEngine(int argc, char** argv) {
                 "slice per rank and an all-gather of the logits (to compare the two)");
   std::string json_schema_file;
   int64_t rounds = 1;
+  double temperature = 0;
+  flags.AddDouble("temperature", &temperature,
+                  "sampling temperature of every request (0: greedy); > 0 samples on the "
+                  "backend, each request seeded by its id, to time sampled decode against greedy");
   flags.AddString("json-schema", &json_schema_file,
                   "a JSON Schema file: every batch size is measured without and then with every "
                   "request constrained by it (structured outputs), --rounds times, and a summary "
@@ -131,6 +135,7 @@ int RunBenchEngine(int argc, char** argv) {
   for (int64_t b : batches) {
     if (b < 1 || b > 4096) UsageError("bench engine", "--batch sizes must be in [1, 4096]");
   }
+  if (!(temperature >= 0)) UsageError("bench engine", "--temperature must be >= 0");
   if (prompt_tokens < 1 || gen_tokens < 2) {
     UsageError("bench engine", "--prompt-tokens must be >= 1 and --gen-tokens >= 2");
   }
@@ -286,7 +291,8 @@ int RunBenchEngine(int argc, char** argv) {
         rng = rng * 6364136223846793005ull + 1442695040888963407ull;
         req.prompt.push_back(static_cast<TokenId>((rng >> 33) % cfg.vocab_size));
       }
-      req.params.temperature = 0;
+      req.params.temperature = static_cast<float>(temperature);
+      req.params.seed = static_cast<uint64_t>(r + 1);
       req.params.max_tokens = static_cast<int>(gen_tokens);
       req.params.ignore_eos = true;
       if (grammar) {
@@ -374,6 +380,7 @@ int RunBenchEngine(int argc, char** argv) {
         {"batch", batch},
         {"prompt_tokens", prompt_tokens},
         {"gen_tokens", gen_tokens},
+        {"temperature", temperature},
         {"kv_dtype", std::string(DTypeName(*kv_dtype))},
         {"block_size", block_size},
         {"max_batched_tokens", max_batched_tokens},

@@ -9,7 +9,8 @@
 // tier (page-locked memory), evicted prefixes come back with the CPU's tokens.
 // With attention sinks and with Quest, stories260K's greedy tokens equal the
 // CPU engine's; with SnapKV (alone and with Quest) its kept positions and
-// tokens do too.
+// tokens do too. A seeded sampled request (SampleRows on the device) gives
+// the CPU engine's tokens, alone and batched.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -91,6 +92,69 @@ TEST(CudaEngineTest, GreedyTokensEqualTheCpuEngine) {
     ASSERT_EQ(tokens.size(), 40u);
     EXPECT_EQ(got.at(id), tokens) << "prompt of " << prompts[id - 1].size() << " tokens";
   }
+}
+
+// Tokens of requests with the given params (seed i + 1 each), submitted at
+// once, on the tiny model.
+std::map<RequestId, std::vector<TokenId>> RunSampled(kernels::Backend* backend,
+                                                     const std::vector<SamplingParams>& params,
+                                                     int max_tokens) {
+  auto model = Model::Load(testing::TinyModelDir(), backend, LoadFormat::kSafetensors);
+  EXPECT_TRUE(model.ok()) << model.status().ToString();
+  if (!model.ok()) return {};
+  EngineOptions options;
+  options.kv_cache_bytes = 4 << 20;
+  auto engine = Engine::Create(model->get(), options);
+  EXPECT_TRUE(engine.ok()) << engine.status().ToString();
+  if (!engine.ok()) return {};
+  for (size_t i = 0; i < params.size(); ++i) {
+    EngineRequest r;
+    r.id = static_cast<RequestId>(i + 1);
+    r.prompt = Prompt(static_cast<int>(9 + 13 * i), static_cast<uint32_t>(300 + i));
+    r.params = params[i];
+    r.params.max_tokens = max_tokens;
+    r.params.ignore_eos = true;
+    EXPECT_TRUE((*engine)->AddRequest(std::move(r)).ok());
+  }
+  std::map<RequestId, std::vector<TokenId>> out;
+  while ((*engine)->HasUnfinished()) {
+    auto step = (*engine)->Step();
+    EXPECT_TRUE(step.ok()) << step.status().ToString();
+    if (!step.ok()) break;
+    for (const auto& o : *step) {
+      out[o.id].insert(out[o.id].end(), o.new_token_ids.begin(), o.new_token_ids.end());
+    }
+  }
+  return out;
+}
+
+// Sampling on the device (SampleRows): a seeded temperature request gives
+// the CPU engine's tokens, alone and batched with greedy, logprob and
+// differently seeded requests (each of those the CPU's too).
+TEST(CudaEngineTest, SeededSampledTokensEqualTheCpuEngine) {
+  auto gpu = kernels::CreateBackend("cuda", 0);
+  if (!gpu.ok()) GTEST_SKIP() << gpu.status().message();
+  auto cpu = kernels::CreateBackend("cpu", 2);
+  ASSERT_TRUE(cpu.ok());
+  SamplingParams sampled;
+  sampled.temperature = 0.9f;
+  sampled.top_k = 40;
+  sampled.top_p = 0.95f;
+  sampled.seed = 7;
+  SamplingParams greedy;
+  greedy.temperature = 0;
+  SamplingParams logprobs = sampled;
+  logprobs.temperature = 1.2f;
+  logprobs.min_p = 0.05f;
+  logprobs.logprobs = 5;
+  logprobs.seed = 8;
+  const std::vector<SamplingParams> batch = {sampled, greedy, logprobs, sampled};
+  const auto alone = RunSampled(cpu->get(), {sampled}, 32);
+  ASSERT_EQ(alone.size(), 1u);
+  EXPECT_EQ(RunSampled(gpu->get(), {sampled}, 32), alone);
+  const auto want = RunSampled(cpu->get(), batch, 32);
+  EXPECT_EQ(want.at(1), alone.at(1));  // batching changes no request's tokens
+  EXPECT_EQ(RunSampled(gpu->get(), batch, 32), want);
 }
 
 // The greedy tokens of a make-model preset, 40 per prompt for prompts of 1,

@@ -241,6 +241,117 @@ TEST(ModelRunnerTest, MaskedRowsSampleOnlyAllowedTokens) {
   }
 }
 
+// A step mixing every kind of row (greedy, temperature with each of top-k,
+// top-p and min-p and all three, logprobs, masked rows) samples on the
+// backend exactly what SampleToken gives row by row on the step's logits,
+// which a second runner's Forward of the same batch gives; and no logits
+// come back to the host, only ids and the logprobs asked for.
+TEST(ModelRunnerTest, MixedSamplingStepGivesTheHostSamplersTokensWithoutLogits) {
+  const int64_t vocab = testing::TinyCpuModel()->config().vocab_size;
+  std::vector<SamplingParams> params(8);
+  params[0].temperature = 0;
+  params[1].temperature = 0.8f;
+  params[2].top_k = 5;
+  params[3].top_p = 0.7f;
+  params[4].temperature = 1.5f;
+  params[4].top_k = 50;
+  params[4].top_p = 0.9f;
+  params[4].min_p = 0.05f;
+  params[4].logprobs = 5;
+  params[5].temperature = 0;
+  params[5].logprobs = 3;
+  params[6].temperature = 1.2f;
+  params[6].logprobs = 2;
+  params[7].temperature = 0;
+  // Rows 6 and 7 masked: every third token, and the mask one word short
+  // (the tokens past its end are forbidden).
+  std::vector<uint64_t> mask(static_cast<size_t>((vocab + 63) / 64) - 1, 0);
+  for (int64_t t = 0; t < static_cast<int64_t>(mask.size()) * 64; t += 3) {
+    mask[t >> 6] |= uint64_t{1} << (t & 63);
+  }
+  const auto S = static_cast<int64_t>(params.size());
+  std::vector<std::vector<TokenId>> prompts;
+  std::vector<std::vector<uint32_t>> tables;
+  std::vector<int32_t> ids, positions, query_start = {0}, context_lens, block_table, rows;
+  std::vector<int64_t> slots;
+  for (int64_t s = 0; s < S; ++s) {
+    prompts.push_back(Prompt(static_cast<int>(4 + s), static_cast<uint32_t>(90 + s)));
+    tables.push_back({static_cast<uint32_t>(s)});
+    for (size_t j = 0; j < prompts[s].size(); ++j) {
+      ids.push_back(prompts[s][j]);
+      positions.push_back(static_cast<int32_t>(j));
+      slots.push_back(s * 16 + static_cast<int64_t>(j));
+    }
+    query_start.push_back(static_cast<int32_t>(ids.size()));
+    context_lens.push_back(static_cast<int32_t>(prompts[s].size()));
+    block_table.push_back(static_cast<int32_t>(s));
+    rows.push_back(query_start.back() - 1);
+  }
+  // The step's logits, from the same batch given whole.
+  Rig ref(GraphMode::kOff);
+  ForwardBatch batch;
+  batch.num_tokens = static_cast<int64_t>(ids.size());
+  batch.token_ids = ids.data();
+  batch.positions = positions.data();
+  batch.slots = slots.data();
+  batch.attention.num_seqs = S;
+  batch.attention.num_tokens = batch.num_tokens;
+  batch.attention.query_start = query_start.data();
+  batch.attention.context_lens = context_lens.data();
+  batch.attention.block_tables = block_table.data();
+  batch.attention.max_blocks_per_seq = 1;
+  batch.num_logits = S;
+  batch.logits_rows = rows.data();
+  std::vector<float> logits(static_cast<size_t>(S * vocab));
+  ASSERT_TRUE(ref.runner->Forward(batch, logits.data()).ok());
+
+  Rig rig(GraphMode::kOff);
+  int sampled_tokens = 0;  // rows whose draw picked something other than the argmax
+  for (uint64_t index = 0; index < 12; ++index) {
+    SCOPED_TRACE(index);
+    std::vector<ScheduledSeq> step(static_cast<size_t>(S));
+    for (int64_t s = 0; s < S; ++s) {
+      ScheduledSeq& x = step[s];
+      x.id = static_cast<uint64_t>(s + 1);
+      x.tokens = prompts[s];
+      x.num_new = static_cast<int64_t>(prompts[s].size());
+      x.tables = {tables[s]};
+      x.sample = true;
+      x.params = &params[s];
+      x.seed = 77 + s;
+      x.output_index = index;
+      if (s >= 6) x.allowed = mask;
+    }
+    const int64_t before = rig.runner->downloaded_bytes();
+    auto got = rig.runner->Execute(step);
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    // Less than one row of logits read back for the whole step.
+    EXPECT_LT(rig.runner->downloaded_bytes() - before, vocab * 4);
+    for (int64_t s = 0; s < S; ++s) {
+      SCOPED_TRACE(s);
+      std::vector<float> row(logits.begin() + s * vocab, logits.begin() + (s + 1) * vocab);
+      const bool masked = !step[s].allowed.empty();
+      if (masked) ApplyTokenBitmask(row, mask);
+      SampledToken want = SampleToken(row, params[s], step[s].seed, index);
+      if (masked && want.token % 3 != 0) {  // nothing allowed is possible: the lowest allowed
+        want.token = 0;
+      }
+      const SampledToken& have = (*got)[s];
+      EXPECT_EQ(have.token, want.token);
+      EXPECT_EQ(have.logprob, want.logprob);
+      EXPECT_EQ(have.top_logprobs, want.top_logprobs);
+      if (masked) {
+        EXPECT_EQ(have.token % 3, 0);
+      }
+      if (params[s].logprobs) {
+        EXPECT_EQ(have.top_logprobs.size(), static_cast<size_t>(*params[s].logprobs));
+      }
+      sampled_tokens += have.token != kernels::ArgMaxRow(row.data(), vocab);
+    }
+  }
+  EXPECT_GT(sampled_tokens, 10);  // the draws did pick among several tokens
+}
+
 // The whole engine with graphs against the same engine without: mixed
 // greedy and seeded requests of different lengths, batches that shrink as
 // requests finish, and a pool small enough to preempt.

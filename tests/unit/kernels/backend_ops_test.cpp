@@ -549,6 +549,195 @@ TEST_F(BackendOpsTest, AdjustLogits) {
   for (Target& t : targets_) EXPECT_EQ(run(*t.backend), want) << t.name;
 }
 
+// SampleRows on CUDA against the CPU backend (kernels/sampling.h's host
+// code) on random logits: every knob alone and together, masks, NaN, -inf
+// and +inf rows, logprobs, and flat rows whose crossing bin outgrows the
+// kernel's shared memory. Top logprobs: the same ids, values within 1e-4.
+// Tokens: equal, except where the host's draw lies within 1e-4 (relative to
+// the kept mass) of a cumulative boundary, where exp's and the sums'
+// rounding may pick the neighbour; those rows are counted and must be few.
+TEST_F(BackendOpsTest, SampleRowsMatchesTheHostSampler) {
+  if (!HasCuda()) GTEST_SKIP() << "no CUDA device";
+  struct Knobs {
+    float temperature, top_p, min_p;
+    int top_k, logprobs;
+  };
+  const std::vector<Knobs> knobs = {{1, 1, 0, 0, -1},    {0.7f, 1, 0, 0, 2},
+                                    {1, 1, 0, 1, -1},    {1, 1, 0, 50, -1},
+                                    {1, 0.9f, 0, 0, -1}, {1, 0.5f, 0, 0, 5},
+                                    {1, 1, 0.1f, 0, -1}, {1.3f, 0.8f, 0.02f, 200, 20},
+                                    {0, 1, 0, 0, 5},     {0.5f, 0.95f, 0, 1000, 0}};
+  for (const int64_t vocab : {int64_t{1000}, int64_t{32000}, int64_t{151936}}) {
+    SCOPED_TRACE(vocab);
+    const int64_t words = (vocab + 63) / 64;
+    std::vector<float> logits;
+    std::vector<SampleRowParams> params;
+    std::vector<uint64_t> masks;
+    std::uniform_real_distribution<double> uniform(0, 1);
+    auto add_row = [&](std::vector<float> row, SampleRowParams p) {
+      p.row = static_cast<int32_t>(params.size());
+      p.draw = uniform(rng_);
+      logits.insert(logits.end(), row.begin(), row.end());
+      params.push_back(p);
+    };
+    auto add_mask = [&](int every) {
+      std::vector<uint64_t> m(static_cast<size_t>(words), 0);
+      for (int64_t t = 0; t < vocab; t += every) m[t >> 6] |= uint64_t{1} << (t & 63);
+      masks.insert(masks.end(), m.begin(), m.end());
+      return static_cast<int32_t>(masks.size() / words - 1);
+    };
+    for (const Knobs& k : knobs) {
+      for (int draw = 0; draw < 12; ++draw) {
+        SampleRowParams p;
+        p.temperature = k.temperature;
+        p.top_p = k.top_p;
+        p.min_p = k.min_p;
+        p.top_k = k.top_k;
+        p.num_logprobs = k.logprobs;
+        add_row(Random(vocab, -8, 8), p);
+      }
+    }
+    SampleRowParams plain;
+    plain.temperature = 1;
+    plain.num_logprobs = 3;
+    // Non-finite rows: NaNs sprinkled, all -inf, two +inf.
+    auto nan_row = Random(vocab, -8, 8);
+    for (int64_t i = 0; i < vocab; i += 7) nan_row[i] = NAN;
+    add_row(nan_row, plain);
+    add_row(std::vector<float>(vocab, -INFINITY), plain);
+    auto inf_row = Random(vocab, -8, 8);
+    inf_row[3] = inf_row[vocab - 2] = INFINITY;
+    add_row(inf_row, plain);
+    // Masked rows: sampled, greedy, and one whose allowed tokens are all -inf.
+    SampleRowParams masked = plain;
+    masked.mask = add_mask(10);
+    add_row(Random(vocab, -8, 8), masked);
+    masked.temperature = 0;
+    add_row(Random(vocab, -8, 8), masked);
+    masked.temperature = 1;
+    masked.top_k = 5;
+    masked.mask = add_mask(vocab / 3);
+    auto dead = Random(vocab, -8, 8);
+    for (int64_t t = 0; t < vocab; t += vocab / 3) dead[t] = -INFINITY;
+    add_row(dead, masked);
+    // Flat rows: thousands of tokens in the crossing bin.
+    for (int draw = 0; draw < 4; ++draw) {
+      SampleRowParams flat;
+      flat.temperature = 1;
+      flat.top_k = draw % 2 == 0 ? static_cast<int32_t>(vocab / 2) : 0;
+      flat.top_p = draw % 2 == 1 ? 0.5f : 1.0f;
+      add_row(Random(vocab, 0, 0.01f), flat);
+    }
+    const auto rows = static_cast<int64_t>(params.size());
+
+    auto run = [&](Backend& b) {
+      Mem mem(&b);
+      SampleRowsOutput out;
+      out.tokens = mem.Up(std::vector<int32_t>(rows, -1));
+      out.logprobs = mem.Up(std::vector<float>(rows * kLogprobStride, NAN));
+      out.top_ids = mem.Up(std::vector<int32_t>(rows * kMaxTopLogprobs, -1));
+      b.SampleRows(mem.F32(logits, {rows, vocab}), mem.Up(params), rows, mem.Up(masks), words, out);
+      return std::tuple(mem.Down(out.tokens, rows), mem.Down(out.logprobs, rows * kLogprobStride),
+                        mem.Down(out.top_ids, rows * kMaxTopLogprobs));
+    };
+    const auto [want_tokens, want_lp, want_ids] = run(reference_);
+    for (Target& t : targets_) {
+      if (t.name != "cuda") continue;
+      const auto [tokens, lp, ids] = run(*t.backend);
+      int near_boundary = 0;
+      for (int64_t r = 0; r < rows; ++r) {
+        SCOPED_TRACE(r);
+        const SampleRowParams& p = params[r];
+        if (p.num_logprobs >= 0) {
+          const int64_t n = std::min<int64_t>(p.num_logprobs, vocab);
+          for (int64_t j = 0; j <= n; ++j) {
+            const float w = want_lp[r * kLogprobStride + j], g = lp[r * kLogprobStride + j];
+            if (std::isinf(w)) {
+              EXPECT_EQ(g, w) << j;
+            } else {
+              EXPECT_NEAR(g, w, 1e-4) << j;
+            }
+            if (j < n) {
+              EXPECT_EQ(ids[r * kMaxTopLogprobs + j], want_ids[r * kMaxTopLogprobs + j]);
+            }
+          }
+        }
+        if (tokens[r] == want_tokens[r]) continue;
+        // Within rounding of a boundary of the host's inverse CDF?
+        std::vector<float> row(logits.begin() + r * vocab, logits.begin() + (r + 1) * vocab);
+        if (p.mask >= 0) ApplyTokenBitmask(row.data(), vocab, masks.data() + p.mask * words, words);
+        bool near = false;
+        if (p.temperature > 0) {
+          const KeptTokens kept = FilterRow(row.data(), vocab, p);
+          const double target = p.draw * kept.total;
+          double cum = 0;
+          for (int64_t i = 0; i < kept.count && !near; ++i) {
+            cum += kept.weight[kept.ids[i]];
+            near = std::abs(cum - target) <= 1e-4 * kept.total;
+          }
+        }
+        if (near) {
+          ++near_boundary;
+        } else {
+          ADD_FAILURE() << "token " << tokens[r] << ", the CPU's " << want_tokens[r];
+        }
+      }
+      EXPECT_LE(near_boundary, rows / 50) << "rows whose draw is within rounding of a boundary";
+      std::printf(
+          "[   INFO   ] vocab %lld: %d of %lld rows differ within "
+          "rounding of a boundary\n",
+          static_cast<long long>(vocab), near_boundary, static_cast<long long>(rows));
+    }
+  }
+}
+
+// Backend::SampleRows' default (rows downloaded and sampled by the host
+// code, for a backend without its own) gives the CPU backend's outputs.
+TEST_F(BackendOpsTest, SampleRowsDefaultGivesTheCpuBackendsRows) {
+  const int64_t vocab = 1000, words = (vocab + 63) / 64;
+  std::vector<SampleRowParams> params(6);
+  std::vector<uint64_t> masks(static_cast<size_t>(words), 0x5555555555555555ull);
+  params[0].temperature = 1;
+  params[1].temperature = 0.8f;
+  params[1].top_k = 20;
+  params[1].top_p = 0.9f;
+  params[1].num_logprobs = 4;
+  params[2].temperature = 1;
+  params[2].min_p = 0.2f;
+  params[2].mask = 0;
+  params[3].num_logprobs = 0;  // greedy
+  params[4].temperature = 1.5f;
+  params[4].num_logprobs = kMaxTopLogprobs;
+  params[5].mask = 0;  // greedy, masked
+  std::uniform_real_distribution<double> uniform(0, 1);
+  for (size_t i = 0; i < params.size(); ++i) {
+    params[i].row = static_cast<int32_t>(params.size() - 1 - i);  // rows in any order
+    params[i].draw = uniform(rng_);
+  }
+  const auto rows = static_cast<int64_t>(params.size());
+  const auto logits = Random(rows * vocab, -6, 6);
+  auto run = [&](bool base) {
+    Mem mem(&reference_);
+    SampleRowsOutput out;
+    out.tokens = mem.Up(std::vector<int32_t>(rows, -1));
+    out.logprobs = mem.Up(std::vector<float>(rows * kLogprobStride, 7));
+    out.top_ids = mem.Up(std::vector<int32_t>(rows * kMaxTopLogprobs, -1));
+    const Tensor x = mem.F32(logits, {rows, vocab});
+    if (base) {
+      reference_.Backend::SampleRows(x, mem.Up(params), rows, mem.Up(masks), words, out);
+    } else {
+      reference_.SampleRows(x, mem.Up(params), rows, mem.Up(masks), words, out);
+    }
+    return std::tuple(mem.Down(out.tokens, rows), mem.Down(out.logprobs, rows * kLogprobStride),
+                      mem.Down(out.top_ids, rows * kMaxTopLogprobs));
+  };
+  const auto want = run(false);
+  EXPECT_EQ(run(true), want);
+  EXPECT_EQ(std::get<0>(want)[2] % 2, 0);  // masked: even ids only
+  EXPECT_EQ(std::get<0>(want)[5] % 2, 0);
+  EXPECT_EQ(std::get<1>(want)[0], 7);  // no logprobs asked: left as they were
+}
+
 // ---- Paged KV write and attention ------------------------------------------
 
 class BackendKvTest : public BackendOpsTest, public ::testing::WithParamInterface<DType> {
