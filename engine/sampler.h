@@ -13,7 +13,9 @@
 // one is drawn. temperature == 0 is greedy (argmax, lowest id on ties) and
 // ignores the other knobs. Logprobs are those of the model's raw
 // distribution, log_softmax(logits), before any of the processing above
-// (vLLM's default "raw logprobs").
+// (vLLM's default "raw logprobs"). The logits are the model's after the
+// request's logit_bias and penalties (common/sampling_params.h), which the
+// model runner adds first.
 #pragma once
 
 #include <cstddef>
