@@ -3,8 +3,8 @@
 // rank's collectives queued on its backend's stream.
 //
 // Contract: kernels/communicator.h, with two differences. The collectives
-// never wait on the host (no barrier, no sync), so they can be captured in
-// a CUDA graph with the rest of a step. And NCCL adds in its own order
+// never wait on the host (no barrier, no sync), so they are captured in a
+// CUDA graph with the rest of a step (capturable() is true). And NCCL adds in its own order
 // (ring or tree), not rank order: every rank still gets the same sums
 // (each element is reduced once, then copied to every rank), but they may
 // differ from a serial sum in the last bits.
