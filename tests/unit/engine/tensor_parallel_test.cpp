@@ -13,10 +13,10 @@
 // eviction modes (streaming, Quest, SnapKV) give TP 1's greedy tokens,
 // logprobs and SnapKV kept sets through the engine, and so do decode steps
 // replayed from graphs on every rank (all ranks eager, with the same
-// tokens, when one rank's capture fails). Sizes that do not
-// divide the heads (or, expert-parallel, the experts), shards that cut an
-// fp8 scale block, and SnapKV over replicated KV heads are refused naming
-// the numbers.
+// tokens, when one rank's capture fails or the communicators cannot be
+// captured). Sizes that do not divide the heads (or, expert-parallel, the
+// experts), shards that cut an fp8 scale block, and SnapKV over replicated
+// KV heads are refused naming the numbers.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -400,10 +400,32 @@ struct GraphRun {
   std::vector<int64_t> replays;  // per rank
 };
 
+// A communicator that says it cannot be captured (as one with a host step
+// inside a collective would), delegating the collectives.
+class UncapturableCommunicator final : public kernels::Communicator {
+ public:
+  explicit UncapturableCommunicator(std::unique_ptr<kernels::Communicator> inner)
+      : inner_(std::move(inner)) {}
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  void AllReduceSum(const kernels::Tensor& x) override { inner_->AllReduceSum(x); }
+  void AllGather(const kernels::Tensor& x) override { inner_->AllGather(x); }
+  void Broadcast(const kernels::Tensor& x, int root) override { inner_->Broadcast(x, root); }
+  void Abort() override { inner_->Abort(); }
+  bool aborted() const override { return inner_->aborted(); }
+  bool capturable() const override { return false; }
+
+ private:
+  std::unique_ptr<kernels::Communicator> inner_;
+};
+
 GraphRun EngineGraphRun(const std::string& dir, int size, GraphMode mode,
                         const std::vector<std::vector<TokenId>>& prompts,
-                        const std::vector<int>& max_tokens) {
+                        const std::vector<int>& max_tokens, bool capturable = true) {
   auto group = kernels::CreateSharedMemoryGroup(size);
+  if (!capturable) {
+    for (auto& comm : group) comm = std::make_unique<UncapturableCommunicator>(std::move(comm));
+  }
   std::vector<std::unique_ptr<kernels::CpuBackend>> backends;
   std::vector<std::unique_ptr<Model>> models;
   std::vector<Model*> ranks;
@@ -471,6 +493,14 @@ void ExpectGraphsEqualOneRank(const std::string& dir, int64_t vocab) {
     // Every rank replayed, and the same steps: they took the same path.
     EXPECT_GT(got.replays[0], 0);
     for (int r = 1; r < size; ++r) EXPECT_EQ(got.replays[r], got.replays[0]) << "rank " << r;
+  }
+  // Communicators that cannot be captured: eager, the same tokens.
+  for (int size : {2, 4}) {
+    SCOPED_TRACE("tensor parallel " + std::to_string(size) + ", not capturable");
+    const GraphRun got =
+        EngineGraphRun(dir, size, GraphMode::kAlways, prompts, max_tokens, /*capturable=*/false);
+    EXPECT_EQ(got.tokens, want.tokens);
+    EXPECT_EQ(got.replays, std::vector<int64_t>(size, 0));
   }
   // One rank's captures fail: every rank runs eagerly, with the same tokens.
   for (int size : {2, 4}) {
