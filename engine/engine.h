@@ -337,6 +337,7 @@ class Engine {
   // True once a tensor-parallel rank failed (engine/executor.h): the group
   // is aborted and every later Step fails.
   bool ranks_failed() const;
+  const Executor& executor() const { return *executor_; }
   const KvCachePool& kv_pool() const { return *pool_; }
   KvCachePool& kv_pool() { return *pool_; }
   // Rank r's KV pool shard (rank 0's is kv_pool()); every shard has the

@@ -4,6 +4,17 @@
 // shard, on a thread of its own, their all-reduces on a Communicator, and
 // returns rank 0's tokens. The scheduler (engine.h) sees none of that.
 //
+// Graphs with tensor parallelism: used when every rank's communicator is
+// capturable (kernels/communicator.h; otherwise the steps run eagerly, with
+// one info line). The ranks' runners are created (and their decode graphs
+// captured) on the rank threads at once, since a capture and the eager run
+// before it call collectives; and every choice a runner makes about graphs
+// (on or off, a step from a graph or eager, graphs dropped after a scratch
+// move, a failed capture) is ANDed over the ranks (RunnerOptions::agree),
+// so the ranks always call the same collectives. A capture that fails on
+// one rank turns graphs off on all, with one warning. For tests,
+// PDSERVE_TEST_FAIL_CAPTURE=R makes rank R's captures fail.
+//
 // A rank that fails (its step returns an error) aborts the group's
 // communicator, so that the ranks waiting for it in a collective are
 // released, and the executor is failed() for good: that step and every
@@ -32,8 +43,7 @@ class Executor {
  public:
   // Runs `models[r]` over `pools[r]`, one per tensor-parallel rank (one
   // entry: a single device, run on the caller's thread as ever); all
-  // outlive the executor. Ranks 1.. run on threads of their own, eagerly
-  // (the collectives are not captured in graphs).
+  // outlive the executor. Ranks 1.. run on threads of their own.
   static StatusOr<std::unique_ptr<Executor>> Create(const std::vector<Model*>& models,
                                                     const std::vector<KvCachePool*>& pools,
                                                     RunnerOptions options);
@@ -49,10 +59,18 @@ class Executor {
   void Synchronize();
   // True once a rank of a tensor-parallel group failed (above).
   bool failed() const { return failed_; }
+  // Steps rank `rank`'s runner replayed from graphs (tests and logs); read
+  // between steps.
+  int64_t graph_replays(int rank) const { return runners_.at(rank)->graph_replays(); }
 
  private:
-  Executor() = default;
-  void RankLoop(int rank);
+  class Vote;
+  Executor();
+  // Creates rank `rank`'s runner; a failure aborts the group.
+  Status CreateRunner(int rank, Model* model, KvCachePool* pool, const RunnerOptions& options);
+  void RankLoop(int rank, Model* model, KvCachePool* pool, RunnerOptions options);
+  // Releases every rank waiting for another: in a collective or a vote.
+  void FailGroup();
   // A rank's step: the injected fault, else its runner's; a failure aborts
   // the group.
   StatusOr<std::vector<SampledToken>> RunRank(int rank, std::span<const ScheduledSeq> step);
@@ -64,6 +82,7 @@ class Executor {
   uint64_t fail_at_step_ = 0;    // ... at this step of that rank
   std::vector<uint64_t> steps_;  // steps run by each rank
   std::vector<std::unique_ptr<ModelRunner>> runners_;
+  std::unique_ptr<Vote> vote_;  // RunnerOptions::agree of a tensor-parallel group
   // Ranks 1..: the step under way, handed over by generation number.
   std::vector<std::thread> threads_;
   std::mutex mu_;

@@ -38,6 +38,9 @@ class TimedCommunicator final : public kernels::Communicator {
   void Broadcast(const kernels::Tensor& x, int root) override { inner_->Broadcast(x, root); }
   void Abort() override { inner_->Abort(); }
   bool aborted() const override { return inner_->aborted(); }
+  // Replays of a graph run its all-reduces without this wrapper: only eager
+  // ones are timed.
+  bool capturable() const override { return inner_->capturable(); }
 
  private:
   std::unique_ptr<kernels::Communicator> inner_;

@@ -122,6 +122,7 @@ StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(Model* model,
     PDSERVE_LOG(INFO) << "model runner: decode steps of a sparse model run without graphs";
     r->graphs_enabled_ = false;
   }
+  if (options.agree) r->graphs_enabled_ = options.agree(r->graphs_enabled_);
   r->CaptureDecodeGraphs();
   return r;
 }
@@ -218,7 +219,8 @@ StatusOr<std::vector<SampledToken>> ModelRunner::Execute(std::span<const Schedul
   const int64_t bucket = Bucket(S);
   // A step that captures SnapKV's queries (a window of 1 ending a prompt
   // among decode rows) runs eagerly: a replayed graph would not copy them.
-  const bool graph = graphs_enabled_ && decode && !model_->capturing_queries();
+  bool graph = graphs_enabled_ && decode && !model_->capturing_queries();
+  if (graphs_enabled_ && options_.agree) graph = options_.agree(graph);
   const int64_t rows = graph ? bucket : T, seqs = graph ? bucket : S;
   const auto [slots, ids, positions, query_start, context_lens, table_rows, logits_rows] =
       HostInputs();
@@ -571,22 +573,32 @@ void ModelRunner::Run(int64_t tokens, int64_t seqs, int64_t logits, int64_t max_
     queue();
     return;
   }
-  if (graphs_generation_ != model_->scratch_generation()) {
-    graphs_.clear();  // captured on scratch the model has since moved
-    graphs_generation_ = model_->scratch_generation();
-  }
+  // Each decision below is every rank's (options_.agree): a rank whose
+  // scratch moved or whose capture failed takes the others with it.
+  auto agree = [this](bool local) { return options_.agree ? options_.agree(local) : local; };
   auto found = graphs_.find(tokens);
-  if (found == graphs_.end()) {
+  const bool current = graphs_generation_ == model_->scratch_generation();
+  if (!agree(current && found != graphs_.end())) {
+    if (!agree(current)) {
+      graphs_.clear();  // captured on scratch the model has since moved
+      graphs_generation_ = model_->scratch_generation();
+    }
+    // Captured on every rank at once (a capture runs the collectives' host
+    // part), anew where a rank still had this bucket's graph.
     std::unique_ptr<kernels::Backend::Graph> g = backend_->CaptureGraph(queue);
-    if (g == nullptr) {
-      PDSERVE_LOG(WARN) << "model runner: capturing a decode step of " << tokens
-                        << " rows failed; decode steps run without graphs";
+    if (options_.fail_captures) g.reset();
+    if (!agree(g != nullptr)) {
+      if (model_->tensor_parallel().rank == 0) {
+        PDSERVE_LOG(WARN) << "model runner: capturing a decode step of " << tokens << " rows failed"
+                          << (g != nullptr ? " on another rank" : "")
+                          << "; decode steps run without graphs";
+      }
       graphs_enabled_ = false;
       graphs_.clear();
       queue();
       return;
     }
-    found = graphs_.emplace(tokens, std::move(g)).first;
+    found = graphs_.insert_or_assign(tokens, std::move(g)).first;
   }
   backend_->ReplayGraph(*found->second);
   ++graph_replays_;

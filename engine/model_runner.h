@@ -32,6 +32,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <unordered_map>
@@ -58,6 +59,15 @@ struct RunnerOptions {
   // given whole (Forward) may want one per token.
   int64_t max_logits = 0;
   GraphMode graphs = GraphMode::kAuto;
+  // Tensor parallelism (engine/executor.h): returns the AND of `local` over
+  // the group's ranks, whose runners call it at the same points in the
+  // same order, so that every rank takes the same path (graphs on or off,
+  // a step from a graph or eager, graphs kept or dropped) and so calls the
+  // same collectives. Unset for one rank.
+  std::function<bool(bool local)> agree;
+  // Tests (PDSERVE_TEST_FAIL_CAPTURE): every graph this runner captures is
+  // dropped as if the capture had failed.
+  bool fail_captures = false;
 };
 
 // One sequence of a step, as the scheduler hands it over. The spans stay

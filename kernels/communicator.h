@@ -41,6 +41,15 @@ class Communicator {
   // thread may call it, on any rank's communicator, any number of times.
   virtual void Abort() = 0;
   virtual bool aborted() const = 0;
+  // True when a collective queued inside the body of the rank's
+  // Backend::CaptureGraph becomes part of the graph: every replay runs it
+  // again, on the same buffers, in order with the graph's other ops, and
+  // no host step of it is left out of the graph. The ranks capture
+  // together (a collective's host part, such as publishing buffer
+  // addresses, runs at capture time and may wait for the other ranks) and
+  // then replay their graphs of the same step together, as they run eager
+  // collectives. False: a tensor-parallel group runs its steps eagerly.
+  virtual bool capturable() const = 0;
 };
 
 // A group of `size` ranks that are threads of this process and share host
@@ -48,6 +57,9 @@ class Communicator {
 // sums (or copies) its own 1/size of the elements straight from the other
 // ranks' buffers, then copies the other ranks' results, with a barrier
 // between the phases: no staging copy, and no rank does more than its share.
+// Capturable: a CPU backend's graph keeps its body and runs it again on each
+// replay (kernels/backend.h), so a collective in it runs again, barriers
+// and all, like an eager one.
 std::vector<std::unique_ptr<Communicator>> CreateSharedMemoryGroup(int size);
 
 }  // namespace pdserve::kernels

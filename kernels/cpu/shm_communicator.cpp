@@ -23,6 +23,8 @@ class SharedMemoryCommunicator final : public Communicator {
   int size() const override { return size_; }
   void Abort() override { state_->barrier.Abort(); }
   bool aborted() const override { return state_->barrier.aborted(); }
+  // A CPU graph re-runs its body on replay (kernels/backend.cpp EagerGraph).
+  bool capturable() const override { return true; }
 
   void AllReduceSum(const Tensor& x) override {
     CheckPackedF32(x, "AllReduceSum");

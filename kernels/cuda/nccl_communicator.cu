@@ -88,6 +88,9 @@ class NcclCommunicator final : public Communicator {
     std::shared_lock lock(group_->mu);
     return group_->aborted;
   }
+  // One NCCL call on the stream, no host wait: NCCL records it into the
+  // graph being captured on that stream (NCCL 2.9 and later).
+  bool capturable() const override { return true; }
 
  private:
   // Runs `call` with this rank's communicator and stream, on its device;

@@ -3,11 +3,15 @@
 // rank's collectives queued on its backend's stream.
 //
 // Contract: kernels/communicator.h, with two differences. The collectives
-// never wait on the host (no barrier, no sync), so they can be captured in
-// a CUDA graph with the rest of a step. And NCCL adds in its own order
-// (ring or tree), not rank order: every rank still gets the same sums
-// (each element is reduced once, then copied to every rank), but they may
-// differ from a serial sum in the last bits.
+// never wait on the host (no barrier, no sync), so they are captured in a
+// CUDA graph with the rest of a step (capturable() is true). And NCCL adds
+// in its own order (ring or tree), not rank order: every rank still gets
+// the same sums (each element is reduced once, then copied to every rank),
+// but they may differ from a serial sum in the last bits.
+//
+// A rank whose graph is already queued when another rank aborts the group
+// replays NCCL kernels of an aborted communicator; the group is of no use
+// then and the worker exits, but that path has not run on a GPU.
 #pragma once
 
 #include <memory>

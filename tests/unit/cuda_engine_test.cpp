@@ -10,7 +10,8 @@
 // With attention sinks and with Quest, stories260K's greedy tokens equal the
 // CPU engine's; with SnapKV (alone and with Quest) its kept positions and
 // tokens do too. A seeded sampled request (SampleRows on the device) gives
-// the CPU engine's tokens, alone and batched.
+// the CPU engine's tokens, alone and batched. Two tensor-parallel ranks on
+// one GPU replay decode steps from graphs and write the CPU's tokens.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -24,6 +25,7 @@
 
 #include "engine/engine.h"
 #include "engine/make_model.h"
+#include "engine/model_group.h"
 #include "kernels/backend_factory.h"
 #include "tests/support/test_models.h"
 
@@ -472,6 +474,44 @@ TEST(CudaEngineTest, EvictedPrefixesComeBackFromTheHostTierWithTheCpuTokens) {
   EXPECT_EQ(attributes.type, cudaMemoryTypeHost);
   (*gpu)->FreeHost(host);
 #endif
+}
+
+// Two tensor-parallel ranks on one GPU (the device-local communicator),
+// graphs on as by default: the CPU engine's greedy tokens at TP 1, and both
+// ranks replay their decode steps from graphs (collectives included).
+TEST(CudaEngineTest, TensorParallelGraphsOnOneGpuGiveTheCpuTokens) {
+  auto gpu = kernels::CreateBackend("cuda", 0);
+  if (!gpu.ok()) GTEST_SKIP() << gpu.status().message();
+  auto cpu = kernels::CreateBackend("cpu", 2);
+  ASSERT_TRUE(cpu.ok());
+  std::vector<std::vector<TokenId>> prompts;
+  for (int n : {1, 17, 300}) prompts.push_back(Prompt(n, 700 + n));
+  const auto want = RunGreedy(cpu->get(), prompts, 40);
+  auto group = LoadModelGroup(testing::TinyModelDir(), {"cuda:0", "cuda:0"}, 2);
+  ASSERT_TRUE(group.ok()) << group.status().ToString();
+  EngineOptions options;
+  options.kv_cache_bytes = 4 << 20;
+  auto engine = Engine::Create((*group)->shards(), options);
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    EngineRequest r;
+    r.id = static_cast<RequestId>(i + 1);
+    r.prompt = prompts[i];
+    r.params.temperature = 0;
+    r.params.max_tokens = 40;
+    r.params.ignore_eos = true;
+    ASSERT_TRUE((*engine)->AddRequest(std::move(r)).ok());
+  }
+  std::map<RequestId, std::vector<TokenId>> got;
+  while ((*engine)->HasUnfinished()) {
+    auto step = (*engine)->Step();
+    ASSERT_TRUE(step.ok()) << step.status().ToString();
+    for (const auto& o : *step) {
+      got[o.id].insert(got[o.id].end(), o.new_token_ids.begin(), o.new_token_ids.end());
+    }
+  }
+  EXPECT_EQ(got, want);
+  for (int r = 0; r < 2; ++r) EXPECT_GT((*engine)->executor().graph_replays(r), 0) << "rank " << r;
 }
 
 TEST(CudaEngineTest, UnknownOrMissingDevicesAreClearErrors) {

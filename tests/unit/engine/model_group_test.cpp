@@ -4,7 +4,8 @@
 // generates TP 1's tokens; a rank failing at step K (the test-only
 // PDSERVE_TEST_FAIL_RANK: a rank error cannot be made to happen for real
 // on the CPU) fails that step without leaving the others waiting in their
-// collective, and every later step too.
+// collective (or, with graphs, in the ranks' vote on them), and every later
+// step too.
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -49,9 +50,11 @@ TEST(ModelGroupTest, RankDeviceRefusalsNameTheProblem) {
 }
 
 // Greedy tokens of one prompt from an engine over the group.
-StatusOr<std::vector<TokenId>> Greedy(ModelGroup& group, int max_tokens) {
+StatusOr<std::vector<TokenId>> Greedy(ModelGroup& group, int max_tokens,
+                                      GraphMode graphs = GraphMode::kAuto) {
   EngineOptions options;
   options.kv_cache_bytes = 2 << 20;
+  options.graphs = graphs;
   auto engine = Engine::Create(group.shards(), options);
   if (!engine.ok()) return engine.status();
   EngineRequest req;
@@ -103,15 +106,18 @@ TEST(ModelGroupTest, ASizeThatDoesNotSplitTheHeadsIsRefused) {
 
 // Rank `rank` fails its step `step`; the others are then in (or about to
 // enter) their first all-reduce of that step.
-void ExpectRankFailureFailsTheStep(int size, int rank, int step) {
+// With graphs, the others may be waiting for it in a vote of the
+// runners' graph choices (RunnerOptions::agree) instead.
+void ExpectRankFailureFailsTheStep(int size, int rank, int step,
+                                   GraphMode graphs = GraphMode::kAuto) {
   SCOPED_TRACE("size " + std::to_string(size) + ", rank " + std::to_string(rank) + ", step " +
-               std::to_string(step));
+               std::to_string(step) + (graphs == GraphMode::kAlways ? ", graphs" : ""));
   const std::string dir = testing::ModelDir("tiny", *PresetModelSpec("tiny"));
   const std::string fault = std::to_string(rank) + ":" + std::to_string(step);
   auto group = LoadModelGroup(dir, std::vector<std::string>(size, "cpu"), size);
   ASSERT_TRUE(group.ok()) << group.status().ToString();
   ::setenv("PDSERVE_TEST_FAIL_RANK", fault.c_str(), 1);
-  auto got = Greedy(**group, 10);  // returns: no rank is left waiting
+  auto got = Greedy(**group, 10, graphs);  // returns: no rank is left waiting
   ::unsetenv("PDSERVE_TEST_FAIL_RANK");
   ASSERT_FALSE(got.ok());
   EXPECT_NE(got.status().message().find("tensor-parallel rank " + std::to_string(rank) +
@@ -126,6 +132,9 @@ TEST(ModelGroupTest, AFailingRankFailsTheStepAndAbortsTheGroup) {
   ExpectRankFailureFailsTheStep(2, 1, 4);  // during decode
   ExpectRankFailureFailsTheStep(2, 0, 3);  // rank 0, on the engine's thread
   ExpectRankFailureFailsTheStep(4, 2, 2);
+  ExpectRankFailureFailsTheStep(2, 1, 1, GraphMode::kAlways);  // prefill: eager
+  ExpectRankFailureFailsTheStep(2, 1, 4, GraphMode::kAlways);  // decode: from a graph
+  ExpectRankFailureFailsTheStep(4, 0, 3, GraphMode::kAlways);
 }
 
 }  // namespace

@@ -11,13 +11,16 @@
 // tensor, and 128x128 blocks for DeepSeek-V3) and stories260K (8 heads,
 // 4 KV heads: TP 8 replicates each KV head on two ranks). The token
 // eviction modes (streaming, Quest, SnapKV) give TP 1's greedy tokens,
-// logprobs and SnapKV kept sets through the engine. Sizes that do not
-// divide the heads (or, expert-parallel, the experts), shards that cut an
-// fp8 scale block, and SnapKV over replicated KV heads are refused naming
-// the numbers.
+// logprobs and SnapKV kept sets through the engine, and so do decode steps
+// replayed from graphs on every rank (all ranks eager, with the same
+// tokens, when one rank's capture fails or the communicators cannot be
+// captured). Sizes that do not divide the heads (or, expert-parallel, the
+// experts), shards that cut an fp8 scale block, and SnapKV over replicated
+// KV heads are refused naming the numbers.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <random>
 #include <thread>
@@ -386,6 +389,142 @@ TEST(TensorParallelTest, EngineGreedyTokensEqualOneRank) {
       }
     }
   }
+}
+
+// Greedy tokens of `prompts` (prompt i stops after max_tokens[i], so the
+// decode batch shrinks and several graph buckets are replayed) from an
+// engine over `size` ranks with graphs `mode`, and the steps each rank
+// replayed from graphs.
+struct GraphRun {
+  std::vector<std::vector<TokenId>> tokens;
+  std::vector<int64_t> replays;  // per rank
+};
+
+// A communicator that says it cannot be captured (as one with a host step
+// inside a collective would), delegating the collectives.
+class UncapturableCommunicator final : public kernels::Communicator {
+ public:
+  explicit UncapturableCommunicator(std::unique_ptr<kernels::Communicator> inner)
+      : inner_(std::move(inner)) {}
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  void AllReduceSum(const kernels::Tensor& x) override { inner_->AllReduceSum(x); }
+  void AllGather(const kernels::Tensor& x) override { inner_->AllGather(x); }
+  void Broadcast(const kernels::Tensor& x, int root) override { inner_->Broadcast(x, root); }
+  void Abort() override { inner_->Abort(); }
+  bool aborted() const override { return inner_->aborted(); }
+  bool capturable() const override { return false; }
+
+ private:
+  std::unique_ptr<kernels::Communicator> inner_;
+};
+
+GraphRun EngineGraphRun(const std::string& dir, int size, GraphMode mode,
+                        const std::vector<std::vector<TokenId>>& prompts,
+                        const std::vector<int>& max_tokens, bool capturable = true) {
+  auto group = kernels::CreateSharedMemoryGroup(size);
+  if (!capturable) {
+    for (auto& comm : group) comm = std::make_unique<UncapturableCommunicator>(std::move(comm));
+  }
+  std::vector<std::unique_ptr<kernels::CpuBackend>> backends;
+  std::vector<std::unique_ptr<Model>> models;
+  std::vector<Model*> ranks;
+  for (int r = 0; r < size; ++r) {
+    backends.push_back(std::make_unique<kernels::CpuBackend>(1));
+    auto m = Model::Load(dir, backends[r].get(), LoadFormat::kSafetensors, KvEviction{},
+                         TensorParallelRank{r, size, size > 1 ? group[r].get() : nullptr});
+    EXPECT_TRUE(m.ok()) << m.status().ToString();
+    if (!m.ok()) return {};
+    ranks.push_back(m->get());
+    models.push_back(std::move(*m));
+  }
+  EngineOptions options;
+  options.max_num_batched_tokens = 8;
+  options.max_num_seqs = 4;  // buckets 1, 2 and 4
+  options.kv_cache_bytes = 2 << 20;
+  options.graphs = mode;
+  auto engine = Engine::Create(ranks, options);
+  EXPECT_TRUE(engine.ok()) << engine.status().ToString();
+  if (!engine.ok()) return {};
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    EngineRequest req;
+    req.id = static_cast<RequestId>(i + 1);
+    req.prompt = prompts[i];
+    req.params.temperature = 0;
+    req.params.max_tokens = max_tokens[i];
+    req.params.ignore_eos = true;
+    EXPECT_TRUE((*engine)->AddRequest(std::move(req)).ok());
+  }
+  GraphRun out;
+  out.tokens.resize(prompts.size());
+  while ((*engine)->HasUnfinished()) {
+    auto step = (*engine)->Step();
+    EXPECT_TRUE(step.ok()) << step.status().ToString();
+    if (!step.ok()) break;
+    for (const auto& o : *step) {
+      auto& seq = out.tokens[o.id - 1];
+      seq.insert(seq.end(), o.new_token_ids.begin(), o.new_token_ids.end());
+    }
+  }
+  for (int r = 0; r < size; ++r) out.replays.push_back((*engine)->executor().graph_replays(r));
+  return out;
+}
+
+// Three prompts of 5, 14 and 23 tokens decoding 20, 12 and 6 tokens: a
+// batch of 3 (bucket 4) once all are prefilled, then 2, then 1.
+void ExpectGraphsEqualOneRank(const std::string& dir, int64_t vocab) {
+  std::mt19937 rng(9);
+  std::vector<std::vector<TokenId>> prompts(3);
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    prompts[i].resize(5 + 9 * i);
+    for (auto& t : prompts[i]) t = static_cast<TokenId>(rng() % vocab);
+  }
+  const std::vector<int> max_tokens = {20, 12, 6};
+  const GraphRun want = EngineGraphRun(dir, 1, GraphMode::kOff, prompts, max_tokens);
+  ASSERT_EQ(want.tokens.size(), prompts.size());
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    ASSERT_EQ(want.tokens[i].size(), static_cast<size_t>(max_tokens[i]));
+  }
+  for (int size : {2, 4}) {
+    SCOPED_TRACE("tensor parallel " + std::to_string(size));
+    const GraphRun got = EngineGraphRun(dir, size, GraphMode::kAlways, prompts, max_tokens);
+    EXPECT_EQ(got.tokens, want.tokens);
+    ASSERT_EQ(static_cast<int>(got.replays.size()), size);
+    // Every rank replayed, and the same steps: they took the same path.
+    EXPECT_GT(got.replays[0], 0);
+    for (int r = 1; r < size; ++r) EXPECT_EQ(got.replays[r], got.replays[0]) << "rank " << r;
+  }
+  // Communicators that cannot be captured: eager, the same tokens.
+  for (int size : {2, 4}) {
+    SCOPED_TRACE("tensor parallel " + std::to_string(size) + ", not capturable");
+    const GraphRun got =
+        EngineGraphRun(dir, size, GraphMode::kAlways, prompts, max_tokens, /*capturable=*/false);
+    EXPECT_EQ(got.tokens, want.tokens);
+    EXPECT_EQ(got.replays, std::vector<int64_t>(size, 0));
+  }
+  // One rank's captures fail: every rank runs eagerly, with the same tokens.
+  for (int size : {2, 4}) {
+    for (int rank : {0, size - 1}) {
+      SCOPED_TRACE("tensor parallel " + std::to_string(size) + ", rank " + std::to_string(rank) +
+                   "'s captures fail");
+      ::setenv("PDSERVE_TEST_FAIL_CAPTURE", std::to_string(rank).c_str(), 1);
+      const GraphRun got = EngineGraphRun(dir, size, GraphMode::kAlways, prompts, max_tokens);
+      ::unsetenv("PDSERVE_TEST_FAIL_CAPTURE");
+      EXPECT_EQ(got.tokens, want.tokens);
+      EXPECT_EQ(got.replays, std::vector<int64_t>(size, 0));
+    }
+  }
+}
+
+// Decode steps replayed from graphs at TP 2 and 4 (the CPU runs the graph
+// lifecycle with its collectives eagerly: kernels/communicator.h).
+TEST(TensorParallelTest, GraphsGiveOneRanksTokens) {
+  ExpectGraphsEqualOneRank(testing::ModelDir("tiny", *PresetModelSpec("tiny")), 512);
+  const std::string dir = testing::RealModelDir();
+  if (dir.empty() || !std::filesystem::exists(dir + "/config.json")) {
+    GTEST_SKIP() << "stories260K not found beside the sources";
+  }
+  ExpectGraphsEqualOneRank(dir, 512);
 }
 
 // stories260K's published greedy continuation of its prompt, from every
