@@ -55,6 +55,47 @@ PDSERVE_HOST_DEVICE inline int SplitsWritten(int64_t first, int64_t n_keys, int6
   return static_cast<int>((blocks + per - 1) / per);
 }
 
+namespace detail {
+
+// Splits that bring `units` thread blocks (each split a block) to
+// kDecodeBlocksPerSm per multiprocessor: none under kDecodeMinSplitKeys keys
+// of the longest context where known (max_context_len > 0), at most
+// kDecodeMaxSplits, at least 1.
+inline int SplitsForUnits(int64_t units, int64_t max_context_len, int multiprocessors) {
+  units = units > 1 ? units : 1;
+  const int64_t target = (multiprocessors > 1 ? multiprocessors : 1) * kDecodeBlocksPerSm;
+  int64_t splits = (target + units - 1) / units;
+  if (max_context_len > 0) {
+    const int64_t by_keys = (max_context_len + kDecodeMinSplitKeys - 1) / kDecodeMinSplitKeys;
+    if (by_keys < splits) splits = by_keys;
+  }
+  if (splits > kDecodeMaxSplits) splits = kDecodeMaxSplits;
+  return splits < 1 ? 1 : static_cast<int>(splits);
+}
+
+// The largest floats(plan, splits(plan)) over decode steps of any row count:
+// more than one split only while the units are under the target, and
+// splits never grow with rows, so every row count that matters is visited.
+template <typename Splits, typename Floats>
+int64_t MaxPartialFloats(const KvCacheLayout& layout, int64_t num_heads, Splits splits,
+                         Floats floats) {
+  AttentionPlan plan;
+  plan.layout = layout;
+  plan.num_heads = num_heads;
+  plan.max_query_len = 1;
+  int64_t most = 0;
+  for (int64_t rows = 1;; ++rows) {
+    plan.batch.num_tokens = rows;
+    const int n = splits(plan);
+    if (n <= 1) break;
+    const int64_t f = floats(plan, n);
+    if (f > most) most = f;
+  }
+  return most;
+}
+
+}  // namespace detail
+
 // The number of key splits each row of a plan's step takes: enough thread
 // blocks (rows x KV heads x splits) to fill `multiprocessors` several
 // times over, at most kDecodeMaxSplits, and no split under
@@ -70,15 +111,7 @@ inline int DecodeSplits(const AttentionPlan& plan, int multiprocessors) {
       l.head_dim < 1 || l.head_dim > 256 || (plan.max_query_len != 1 && rows > kDecodeMaxRows)) {
     return 0;
   }
-  const int64_t units = rows * l.num_kv_heads > 1 ? rows * l.num_kv_heads : 1;
-  const int64_t target = (multiprocessors > 1 ? multiprocessors : 1) * kDecodeBlocksPerSm;
-  int64_t splits = (target + units - 1) / units;
-  if (plan.max_context_len > 0) {
-    const int64_t by_keys = (plan.max_context_len + kDecodeMinSplitKeys - 1) / kDecodeMinSplitKeys;
-    if (by_keys < splits) splits = by_keys;
-  }
-  if (splits > kDecodeMaxSplits) splits = kDecodeMaxSplits;
-  return splits < 1 ? 1 : static_cast<int>(splits);
+  return detail::SplitsForUnits(rows * l.num_kv_heads, plan.max_context_len, multiprocessors);
 }
 
 // Floats of partials `splits` splits need (0 for one: no partials).
@@ -88,25 +121,13 @@ inline int64_t DecodePartialFloats(const AttentionPlan& plan, int splits) {
 }
 
 // The most partials any step of the layout can need: the largest
-// DecodePartialFloats of any row count's DecodeSplits (more than one split
-// only while rows x KV heads is under the target, so every such row count
-// is visited). Backend::Reserve sizes them once for every step, captured
-// or not.
+// DecodePartialFloats of any row count's DecodeSplits. Backend::Reserve
+// sizes them once for every step, captured or not.
 inline int64_t DecodeMaxPartialFloats(const KvCacheLayout& layout, int64_t num_heads,
                                       int multiprocessors) {
-  AttentionPlan plan;
-  plan.layout = layout;
-  plan.num_heads = num_heads;
-  plan.max_query_len = 1;
-  int64_t most = 0;
-  for (int64_t rows = 1;; ++rows) {
-    plan.batch.num_tokens = rows;
-    const int splits = DecodeSplits(plan, multiprocessors);
-    if (splits <= 1) break;  // splits never grow with rows
-    const int64_t floats = DecodePartialFloats(plan, splits);
-    if (floats > most) most = floats;
-  }
-  return most;
+  return detail::MaxPartialFloats(
+      layout, num_heads, [&](const AttentionPlan& p) { return DecodeSplits(p, multiprocessors); },
+      DecodePartialFloats);
 }
 
 // Multi-head latent attention (kernels/cuda/mla_attention.cu): a thread
@@ -117,15 +138,7 @@ inline int64_t DecodeMaxPartialFloats(const KvCacheLayout& layout, int64_t num_h
 inline int MlaDecodeSplits(const AttentionPlan& plan, int multiprocessors) {
   const int64_t rows = plan.batch.num_tokens;
   if (plan.num_heads < 1 || (plan.max_query_len != 1 && rows > kDecodeMaxRows)) return 1;
-  const int64_t units = rows * plan.num_heads > 1 ? rows * plan.num_heads : 1;
-  const int64_t target = (multiprocessors > 1 ? multiprocessors : 1) * kDecodeBlocksPerSm;
-  int64_t splits = (target + units - 1) / units;
-  if (plan.max_context_len > 0) {
-    const int64_t by_keys = (plan.max_context_len + kDecodeMinSplitKeys - 1) / kDecodeMinSplitKeys;
-    if (by_keys < splits) splits = by_keys;
-  }
-  if (splits > kDecodeMaxSplits) splits = kDecodeMaxSplits;
-  return splits < 1 ? 1 : static_cast<int>(splits);
+  return detail::SplitsForUnits(rows * plan.num_heads, plan.max_context_len, multiprocessors);
 }
 
 // Floats of MLA partials: per (row, head, split) the kv_lora_rank outputs,
@@ -138,19 +151,10 @@ inline int64_t MlaPartialFloats(const AttentionPlan& plan, int splits) {
 // The most MLA partials any step can need (DecodeMaxPartialFloats' rule).
 inline int64_t MlaMaxPartialFloats(const KvCacheLayout& layout, int64_t num_heads,
                                    int multiprocessors) {
-  AttentionPlan plan;
-  plan.layout = layout;
-  plan.num_heads = num_heads;
-  plan.max_query_len = 1;
-  int64_t most = 0;
-  for (int64_t rows = 1;; ++rows) {
-    plan.batch.num_tokens = rows;
-    const int splits = MlaDecodeSplits(plan, multiprocessors);
-    if (splits <= 1) break;  // splits never grow with rows
-    const int64_t floats = MlaPartialFloats(plan, splits);
-    if (floats > most) most = floats;
-  }
-  return most;
+  return detail::MaxPartialFloats(
+      layout, num_heads,
+      [&](const AttentionPlan& p) { return MlaDecodeSplits(p, multiprocessors); },
+      MlaPartialFloats);
 }
 
 }  // namespace pdserve::kernels
