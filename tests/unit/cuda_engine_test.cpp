@@ -39,9 +39,11 @@ std::vector<TokenId> Prompt(int n, uint32_t seed) {
   return p;
 }
 
-// Greedy tokens of every prompt, all submitted at once (one batch).
-std::map<RequestId, std::vector<TokenId>> RunGreedy(
-    kernels::Backend* backend, const std::vector<std::vector<TokenId>>& prompts, int max_tokens,
+// The tokens of `requests` (ids 1, 2, ... in order), all submitted at once
+// (one batch) to an engine over the model in `dir`; with first_logprobs,
+// each request's top logprobs at its first token.
+std::map<RequestId, std::vector<TokenId>> RunRequests(
+    kernels::Backend* backend, std::vector<EngineRequest> requests,
     std::map<RequestId, std::vector<TokenLogprob>>* first_logprobs = nullptr,
     const std::string& dir = testing::TinyModelDir(), const KvEviction& eviction = {}) {
   auto model = Model::Load(dir, backend, LoadFormat::kSafetensors, eviction);
@@ -52,15 +54,9 @@ std::map<RequestId, std::vector<TokenId>> RunGreedy(
   auto engine = Engine::Create(model->get(), options);
   EXPECT_TRUE(engine.ok()) << engine.status().ToString();
   if (!engine.ok()) return {};
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    EngineRequest r;
-    r.id = static_cast<RequestId>(i + 1);
-    r.prompt = prompts[i];
-    r.params.temperature = 0;
-    r.params.max_tokens = max_tokens;
-    r.params.ignore_eos = true;
-    if (first_logprobs != nullptr) r.params.logprobs = kMaxLogprobs;
-    EXPECT_TRUE((*engine)->AddRequest(std::move(r)).ok());
+  for (size_t i = 0; i < requests.size(); ++i) {
+    requests[i].id = static_cast<RequestId>(i + 1);
+    EXPECT_TRUE((*engine)->AddRequest(std::move(requests[i])).ok());
   }
   std::map<RequestId, std::vector<TokenId>> out;
   while ((*engine)->HasUnfinished()) {
@@ -75,6 +71,23 @@ std::map<RequestId, std::vector<TokenId>> RunGreedy(
     }
   }
   return out;
+}
+
+// Greedy tokens of every prompt, all submitted at once (one batch).
+std::map<RequestId, std::vector<TokenId>> RunGreedy(
+    kernels::Backend* backend, const std::vector<std::vector<TokenId>>& prompts, int max_tokens,
+    std::map<RequestId, std::vector<TokenLogprob>>* first_logprobs = nullptr,
+    const std::string& dir = testing::TinyModelDir(), const KvEviction& eviction = {}) {
+  std::vector<EngineRequest> requests(prompts.size());
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    EngineRequest& r = requests[i];
+    r.prompt = prompts[i];
+    r.params.temperature = 0;
+    r.params.max_tokens = max_tokens;
+    r.params.ignore_eos = true;
+    if (first_logprobs != nullptr) r.params.logprobs = kMaxLogprobs;
+  }
+  return RunRequests(backend, std::move(requests), first_logprobs, dir, eviction);
 }
 
 TEST(CudaEngineTest, GreedyTokensEqualTheCpuEngine) {
@@ -96,38 +109,20 @@ TEST(CudaEngineTest, GreedyTokensEqualTheCpuEngine) {
   }
 }
 
-// Tokens of requests with the given params (seed i + 1 each), submitted at
-// once, on the tiny model.
+// Tokens of requests with the given params, submitted at once, on the tiny
+// model: request i's prompt has 9 + 13 i tokens.
 std::map<RequestId, std::vector<TokenId>> RunSampled(kernels::Backend* backend,
                                                      const std::vector<SamplingParams>& params,
                                                      int max_tokens) {
-  auto model = Model::Load(testing::TinyModelDir(), backend, LoadFormat::kSafetensors);
-  EXPECT_TRUE(model.ok()) << model.status().ToString();
-  if (!model.ok()) return {};
-  EngineOptions options;
-  options.kv_cache_bytes = 4 << 20;
-  auto engine = Engine::Create(model->get(), options);
-  EXPECT_TRUE(engine.ok()) << engine.status().ToString();
-  if (!engine.ok()) return {};
+  std::vector<EngineRequest> requests(params.size());
   for (size_t i = 0; i < params.size(); ++i) {
-    EngineRequest r;
-    r.id = static_cast<RequestId>(i + 1);
+    EngineRequest& r = requests[i];
     r.prompt = Prompt(static_cast<int>(9 + 13 * i), static_cast<uint32_t>(300 + i));
     r.params = params[i];
     r.params.max_tokens = max_tokens;
     r.params.ignore_eos = true;
-    EXPECT_TRUE((*engine)->AddRequest(std::move(r)).ok());
   }
-  std::map<RequestId, std::vector<TokenId>> out;
-  while ((*engine)->HasUnfinished()) {
-    auto step = (*engine)->Step();
-    EXPECT_TRUE(step.ok()) << step.status().ToString();
-    if (!step.ok()) break;
-    for (const auto& o : *step) {
-      out[o.id].insert(out[o.id].end(), o.new_token_ids.begin(), o.new_token_ids.end());
-    }
-  }
-  return out;
+  return RunRequests(backend, std::move(requests));
 }
 
 // Sampling on the device (SampleRows): a seeded temperature request gives
