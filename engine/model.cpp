@@ -771,6 +771,7 @@ Status Model::Reserve(int64_t tokens, int64_t logits, int64_t seqs, int64_t bloc
   limits.layout.block_size = block_size;
   limits.max_blocks_per_seq = (n.keys + block_size - 1) / block_size;
   limits.kv_selection = c.kv_eviction.quest_blocks > 0;
+  limits.vocab_size = c.vocab_size;
   return backend_->Reserve(limits);
 }
 

@@ -153,6 +153,7 @@ struct StepLimits {
   int64_t num_heads = 0;           // attention query heads
   KvCacheLayout layout;            // the KV pool's
   bool kv_selection = false;       // Quest selects blocks (AttentionBatch::quest_blocks)
+  int64_t vocab_size = 0;          // logits row width (SampleRows' scratch per row)
 };
 
 }  // namespace pdserve::kernels

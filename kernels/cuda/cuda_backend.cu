@@ -225,6 +225,15 @@ Status CudaBackend::Reserve(const StepLimits& limits) {
   MakeCurrent();
   state_->bf16_activations.Reserve(static_cast<size_t>(limits.max_tokens * limits.max_width) * 2,
                                    state_->stream);
+  if (limits.vocab_size > 0 && limits.max_seqs > 0) {
+    // SampleRows' overflow keys for a step's every row, reserved with the
+    // rest at start rather than grown at the first sampled step, when the
+    // KV pool may have taken the memory.
+    state_->sample_overflow.Reserve(static_cast<size_t>(limits.max_seqs) *
+                                        cuda::SampleOverflowKeys(limits.vocab_size) *
+                                        sizeof(uint64_t),
+                                    state_->stream);
+  }
   if (limits.layout.is_mla() && limits.num_heads > 0) {
     // MLA's split-K partials, by the same rule.
     const int64_t floats =
