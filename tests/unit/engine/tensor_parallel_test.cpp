@@ -252,6 +252,32 @@ TEST(TensorParallelTest, Stories260KEqualsOneRank) {
   ExpectSameAsOneRank(dir, {2, 4, 8});
 }
 
+// One model per rank of `group` (size 1: no communicator), each on a CPU
+// backend of one thread; `ranks` are what Engine::Create takes. Empty
+// ranks, with a test failure, when a rank fails to load.
+struct RankModels {
+  std::vector<std::unique_ptr<kernels::CpuBackend>> backends;
+  std::vector<std::unique_ptr<Model>> models;
+  std::vector<Model*> ranks;
+};
+RankModels LoadRankModels(const std::string& dir,
+                          const std::vector<std::unique_ptr<kernels::Communicator>>& group,
+                          const KvEviction& eviction = {}, bool expert_parallel = false) {
+  const int size = static_cast<int>(group.size());
+  RankModels out;
+  for (int r = 0; r < size; ++r) {
+    out.backends.push_back(std::make_unique<kernels::CpuBackend>(1));
+    auto m = Model::Load(dir, out.backends[r].get(), LoadFormat::kSafetensors, eviction,
+                         TensorParallelRank{r, size, size > 1 ? group[r].get() : nullptr,
+                                            expert_parallel && size > 1});
+    EXPECT_TRUE(m.ok()) << m.status().ToString();
+    if (!m.ok()) return {};
+    out.ranks.push_back(m->get());
+    out.models.push_back(std::move(*m));
+  }
+  return out;
+}
+
 // Greedy tokens of `prompts`, all at once, prefilled in chunks of 8, from
 // an engine over `size` ranks (engine/executor.h: a thread per rank).
 struct EngineRun {
@@ -264,24 +290,13 @@ EngineRun EngineGreedyRun(const std::string& dir, int size,
                           const std::vector<std::vector<TokenId>>& prompts, int max_tokens,
                           bool expert_parallel, const KvEviction& eviction, int block_size) {
   auto group = kernels::CreateSharedMemoryGroup(size);
-  std::vector<std::unique_ptr<kernels::CpuBackend>> backends;
-  std::vector<std::unique_ptr<Model>> models;
-  std::vector<Model*> ranks;
-  for (int r = 0; r < size; ++r) {
-    backends.push_back(std::make_unique<kernels::CpuBackend>(1));
-    auto m = Model::Load(dir, backends[r].get(), LoadFormat::kSafetensors, eviction,
-                         TensorParallelRank{r, size, size > 1 ? group[r].get() : nullptr,
-                                            expert_parallel && size > 1});
-    EXPECT_TRUE(m.ok()) << m.status().ToString();
-    if (!m.ok()) return {};
-    ranks.push_back(m->get());
-    models.push_back(std::move(*m));
-  }
+  RankModels loaded = LoadRankModels(dir, group, eviction, expert_parallel);
+  if (loaded.ranks.empty()) return {};
   EngineOptions options;
   options.max_num_batched_tokens = 8;
   options.kv_cache_bytes = 2 << 20;
   if (block_size > 0) options.block_size = block_size;
-  auto engine = Engine::Create(ranks, options);
+  auto engine = Engine::Create(loaded.ranks, options);
   EXPECT_TRUE(engine.ok()) << engine.status().ToString();
   if (!engine.ok()) return {};
   for (size_t i = 0; i < prompts.size(); ++i) {
@@ -426,24 +441,14 @@ GraphRun EngineGraphRun(const std::string& dir, int size, GraphMode mode,
   if (!capturable) {
     for (auto& comm : group) comm = std::make_unique<UncapturableCommunicator>(std::move(comm));
   }
-  std::vector<std::unique_ptr<kernels::CpuBackend>> backends;
-  std::vector<std::unique_ptr<Model>> models;
-  std::vector<Model*> ranks;
-  for (int r = 0; r < size; ++r) {
-    backends.push_back(std::make_unique<kernels::CpuBackend>(1));
-    auto m = Model::Load(dir, backends[r].get(), LoadFormat::kSafetensors, KvEviction{},
-                         TensorParallelRank{r, size, size > 1 ? group[r].get() : nullptr});
-    EXPECT_TRUE(m.ok()) << m.status().ToString();
-    if (!m.ok()) return {};
-    ranks.push_back(m->get());
-    models.push_back(std::move(*m));
-  }
+  RankModels loaded = LoadRankModels(dir, group);
+  if (loaded.ranks.empty()) return {};
   EngineOptions options;
   options.max_num_batched_tokens = 8;
   options.max_num_seqs = 4;  // buckets 1, 2 and 4
   options.kv_cache_bytes = 2 << 20;
   options.graphs = mode;
-  auto engine = Engine::Create(ranks, options);
+  auto engine = Engine::Create(loaded.ranks, options);
   EXPECT_TRUE(engine.ok()) << engine.status().ToString();
   if (!engine.ok()) return {};
   for (size_t i = 0; i < prompts.size(); ++i) {
@@ -579,17 +584,9 @@ TEST(TensorParallelTest, QuestAfterATierOnloadEqualsOneRank) {
   for (const int kSize : {2, 4}) {
     SCOPED_TRACE("tensor parallel " + std::to_string(kSize));
     auto group = kernels::CreateSharedMemoryGroup(kSize);
-    std::vector<std::unique_ptr<kernels::CpuBackend>> backends;
-    std::vector<std::unique_ptr<Model>> models;
-    std::vector<Model*> ranks;
-    for (int r = 0; r < kSize; ++r) {
-      backends.push_back(std::make_unique<kernels::CpuBackend>(1));
-      auto m = Model::Load(dir, backends[r].get(), LoadFormat::kSafetensors, QuestSelection(),
-                           TensorParallelRank{r, kSize, group[r].get()});
-      ASSERT_TRUE(m.ok()) << m.status().ToString();
-      ranks.push_back(m->get());
-      models.push_back(std::move(*m));
-    }
+    RankModels loaded = LoadRankModels(dir, group, QuestSelection());
+    ASSERT_EQ(loaded.ranks.size(), static_cast<size_t>(kSize));
+    const std::vector<Model*>& ranks = loaded.ranks;
     // A rank's shard of a block: 2 layers x K|V x 1 KV head x 16 tokens x 16 x 4 bytes.
     constexpr int64_t kShard = 4096;
     EngineOptions o;
