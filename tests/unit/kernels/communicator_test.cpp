@@ -130,14 +130,27 @@ TEST_P(SharedMemoryTest, AbortReleasesTheRanksWaitingInACollective) {
 INSTANTIATE_TEST_SUITE_P(Ranks, SharedMemoryTest, ::testing::Values(2, 3, 4, 8));
 
 #if PDSERVE_WITH_CUDA
-TEST(DeviceLocalTest, RanksOnOneGpuEqualSerialSum) {
-  std::vector<std::unique_ptr<CudaBackend>> owned;
-  std::vector<CudaBackend*> backends;
-  for (int r = 0; r < 4; ++r) {
-    owned.push_back(CudaBackend::Create(0));
-    if (owned.back() == nullptr) GTEST_SKIP() << "no CUDA device";
-    backends.push_back(owned.back().get());
+// `n` backends (each its own stream) on device 0, as the device-local
+// group's ranks; none when there is no device.
+struct GpuZeroRanks {
+  explicit GpuZeroRanks(int n) {
+    for (int r = 0; r < n; ++r) {
+      owned.push_back(CudaBackend::Create(0));
+      if (owned.back() == nullptr) {
+        ranks.clear();
+        return;
+      }
+      ranks.push_back(owned.back().get());
+    }
   }
+  std::vector<std::unique_ptr<CudaBackend>> owned;
+  std::vector<CudaBackend*> ranks;
+};
+
+TEST(DeviceLocalTest, RanksOnOneGpuEqualSerialSum) {
+  GpuZeroRanks gpu(4);
+  if (gpu.ranks.empty()) GTEST_SKIP() << "no CUDA device";
+  const std::vector<CudaBackend*>& backends = gpu.ranks;
   for (int size : {2, 3, 4}) {
     std::vector<CudaBackend*> ranks(backends.begin(), backends.begin() + size);
     auto group = CreateDeviceLocalGroup(ranks);
@@ -179,13 +192,9 @@ TEST(DeviceLocalTest, RanksOnOneGpuEqualSerialSum) {
 // every replay gives the serial results. An all-reduce of 3 elements over
 // 4 ranks leaves one rank an empty slice.
 TEST(DeviceLocalTest, CapturedCollectivesReplayWithNewInputs) {
-  std::vector<std::unique_ptr<CudaBackend>> owned;
-  std::vector<CudaBackend*> backends;
-  for (int r = 0; r < 4; ++r) {
-    owned.push_back(CudaBackend::Create(0));
-    if (owned.back() == nullptr) GTEST_SKIP() << "no CUDA device";
-    backends.push_back(owned.back().get());
-  }
+  GpuZeroRanks gpu(4);
+  if (gpu.ranks.empty()) GTEST_SKIP() << "no CUDA device";
+  const std::vector<CudaBackend*>& backends = gpu.ranks;
   for (int size : {2, 3, 4}) {
     SCOPED_TRACE(std::to_string(size) + " ranks");
     std::vector<CudaBackend*> ranks(backends.begin(), backends.begin() + size);
@@ -257,13 +266,9 @@ TEST(DeviceLocalTest, CapturedCollectivesReplayWithNewInputs) {
 // device barrier until Abort, from the host, releases it (its
 // synchronisation returns).
 TEST(DeviceLocalTest, AbortReleasesAStreamWaitingForARankThatNeverArrives) {
-  std::vector<std::unique_ptr<CudaBackend>> owned;
-  std::vector<CudaBackend*> ranks;
-  for (int r = 0; r < 2; ++r) {
-    owned.push_back(CudaBackend::Create(0));
-    if (owned.back() == nullptr) GTEST_SKIP() << "no CUDA device";
-    ranks.push_back(owned.back().get());
-  }
+  GpuZeroRanks gpu(2);
+  if (gpu.ranks.empty()) GTEST_SKIP() << "no CUDA device";
+  const std::vector<CudaBackend*>& ranks = gpu.ranks;
   auto group = CreateDeviceLocalGroup(ranks);
   ASSERT_EQ(group.size(), 2u);
   const int64_t n = 1000;
