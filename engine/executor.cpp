@@ -8,20 +8,20 @@
 
 namespace pdserve {
 
-// An AND over the ranks' votes: each rank's n-th call returns once every
-// rank has made its n-th, with the AND of their values; false at once,
-// now and ever after, once aborted (a rank failed).
+// An AND over the ranks' votes, bit by bit: each rank's n-th call returns
+// once every rank has made its n-th, with the AND of their values; 0 at
+// once, now and ever after, once aborted (a rank failed).
 class Executor::Vote {
  public:
   explicit Vote(int count) : count_(count) {}
-  bool And(bool value) {
+  uint32_t And(uint32_t value) {
     std::unique_lock lock(mu_);
-    if (aborted_) return false;
-    all_ = all_ && value;
+    if (aborted_) return 0;
+    all_ &= value;
     const uint64_t round = round_;
     if (++arrived_ == count_) {
       result_ = all_;
-      all_ = true;
+      all_ = ~uint32_t{0};
       arrived_ = 0;
       ++round_;
       cv_.notify_all();
@@ -29,7 +29,7 @@ class Executor::Vote {
     }
     cv_.wait(lock, [&] { return round_ != round || aborted_; });
     // result_ is this round's until every rank, this one included, votes again.
-    return round_ != round && result_;
+    return round_ != round ? result_ : 0;
   }
   void Abort() {
     {
@@ -45,7 +45,8 @@ class Executor::Vote {
   const int count_;
   int arrived_ = 0;
   uint64_t round_ = 0;
-  bool all_ = true, result_ = true, aborted_ = false;
+  uint32_t all_ = ~uint32_t{0}, result_ = ~uint32_t{0};
+  bool aborted_ = false;
 };
 
 Executor::Executor() = default;
@@ -95,7 +96,7 @@ StatusOr<std::unique_ptr<Executor>> Executor::Create(const std::vector<Model*>& 
     }
   }
   e->vote_ = std::make_unique<Vote>(size);
-  options.agree = [vote = e->vote_.get()](bool local) { return vote->And(local); };
+  options.agree = [vote = e->vote_.get()](uint32_t local) { return vote->And(local); };
   // Every rank's runner at once, each on its rank's thread: creating one
   // runs collectives (the eager step before each capture, and the capture).
   {

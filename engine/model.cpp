@@ -607,6 +607,9 @@ Status Model::LoadWeights(const WeightFiles& files) {
             linear({x + "down_proj.weight"}, {H}, SI, {}, &L.shared_expert.down, {}, inter(SI)));
         L.moe.shared = &L.shared_expert;
       }
+      auto capturable = backend_->PrepareMoe(&L.moe, store_.get());
+      if (!capturable.ok()) return capturable.status();
+      sparse_layers_capturable_ = sparse_layers_capturable_ && *capturable;
       continue;
     }
     const std::string m = p + "mlp.";
@@ -799,7 +802,6 @@ void Model::Forward(const StepInputs& in, const kernels::AttentionPlan& plan) {
   b.Embedding(Tensor::Of(embedding_, DType::kF32, {c.vocab_size, H}), in.token_ids, x);
   if (embed_scale_ != 1.0f) b.Scale(x, embed_scale_);
   b.RmsNorm(x, F32(layers_[0].input_norm, H), eps, h);
-  kernels::MoeStats moe;
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const Layer& L = layers_[l];
     // h holds RmsNorm(x) with this layer's input norm here. Each residual
@@ -850,10 +852,7 @@ void Model::Forward(const StepInputs& in, const kernels::AttentionPlan& plan) {
       b.AddRmsNorm(x, h, F32(L.post_norm, H), eps, h);
     }
     if (L.sparse) {
-      kernels::MoeStats st;
-      b.MoeFfn(h, L.moe, h, collect_moe_stats_ ? &st : nullptr);  // in place
-      moe.active_experts += st.active_experts;
-      moe.expert_bytes_read += st.expert_bytes_read;
+      b.MoeFfn(h, L.moe, h);  // in place
     } else {
       // One gate|up product, then the gated activation over its two halves.
       const Tensor gate_up = A(s.gate_up, T, 2 * I), actv = A(s.act, T, I);
@@ -875,7 +874,6 @@ void Model::Forward(const StepInputs& in, const kernels::AttentionPlan& plan) {
       b.Add(x, h);  // the final norm runs on the logits rows alone
     }
   }
-  last_moe_stats_ = moe;
   capture_n_ = 0;
   if (R > 0) {
     const Tensor gathered = A(s.gathered, R, H);

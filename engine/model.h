@@ -141,17 +141,12 @@ class Model {
   // the LM head, not the embedding table (only rows are gathered), and not
   // the routed experts of sparse layers (their routers, correction biases
   // and shared experts are counted): which experts a step reads depends on
-  // its tokens, see last_moe_stats().
+  // its tokens (Backend::TakeMoeStats counts them).
   int64_t weight_bytes_per_step() const { return weight_bytes_per_step_; }
   // Bytes of all experts' weights this rank holds (0 for a dense model):
   // their slices under tensor parallelism, its whole experts under expert
   // parallelism.
   int64_t expert_weight_bytes() const { return expert_weight_bytes_; }
-  // What the sparse layers of the last Forward did, summed over the layers:
-  // experts active per layer, added up, and the expert weight bytes read
-  // (each active expert of a layer once). Zero for dense models, and unless
-  // set_collect_moe_stats(true).
-  const kernels::MoeStats& last_moe_stats() const { return last_moe_stats_; }
   int64_t num_parameters() const { return num_parameters_; }
   // Bytes of weights converted at load (0 when everything is zero-copy).
   int64_t converted_weight_bytes() const { return store_->bytes(); }
@@ -163,9 +158,9 @@ class Model {
   kernels::WeightScheme weight_scheme() const { return weight_scheme_; }
 
   bool has_sparse_layers() const { return has_sparse_layers_; }
-  // Sparse layers fill last_moe_stats() only when asked (benchmarks): on a
-  // device the stats need the routing back on the host.
-  void set_collect_moe_stats(bool collect) { collect_moe_stats_ = collect; }
+  // Whether every sparse layer's MoeFfn can be captured in a graph
+  // (Backend::PrepareMoe); true for a dense model.
+  bool sparse_layers_capturable() const { return sparse_layers_capturable_; }
 
   // Sizes the scratch of Forward, and the backend's (Backend::Reserve), for
   // steps of up to `tokens` token rows, `logits` logits rows and `seqs`
@@ -354,11 +349,10 @@ class Model {
   int64_t weight_bytes_per_step_ = 0;
   int64_t num_parameters_ = 0;
   int64_t expert_weight_bytes_ = 0;
-  kernels::MoeStats last_moe_stats_;
   std::unique_ptr<Scratch> scratch_;
   uint64_t scratch_generation_ = 0;
   bool has_sparse_layers_ = false;
-  bool collect_moe_stats_ = false;
+  bool sparse_layers_capturable_ = true;
   const int32_t* capture_rows_ = nullptr;  // CaptureQueries, for the next Forward
   int64_t capture_n_ = 0;
   void* capture_out_ = nullptr;

@@ -117,12 +117,13 @@ StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(Model* model,
   r->row_taken_.assign(r->table_rows_, false);
   r->graphs_enabled_ = options.graphs == GraphMode::kAlways ||
                        (options.graphs == GraphMode::kAuto && b->CapturesGraphs());
-  if (r->graphs_enabled_ && model->has_sparse_layers() && options.graphs != GraphMode::kAlways) {
-    // The sparse FFN reads its per-expert row counts back (kernels/backend.h).
-    PDSERVE_LOG(INFO) << "model runner: decode steps of a sparse model run without graphs";
+  if (r->graphs_enabled_ && !model->sparse_layers_capturable()) {
+    // Its sparse FFN reads per-expert row counts back to the host
+    // (Backend::PrepareMoe said so).
+    PDSERVE_LOG(INFO) << "model runner: decode steps of this sparse model run without graphs";
     r->graphs_enabled_ = false;
   }
-  if (options.agree) r->graphs_enabled_ = options.agree(r->graphs_enabled_);
+  if (options.agree) r->graphs_enabled_ = options.agree(r->graphs_enabled_ ? 1 : 0) != 0;
   r->CaptureDecodeGraphs();
   return r;
 }
@@ -220,7 +221,16 @@ StatusOr<std::vector<SampledToken>> ModelRunner::Execute(std::span<const Schedul
   // A step that captures SnapKV's queries (a window of 1 ending a prompt
   // among decode rows) runs eagerly: a replayed graph would not copy them.
   bool graph = graphs_enabled_ && decode && !model_->capturing_queries();
-  if (graphs_enabled_ && options_.agree) graph = options_.agree(graph);
+  // And whether this rank holds a graph of the bucket captured on the
+  // scratch as it is: when every rank does, one vote settles both and the
+  // step replays with no other.
+  bool ready =
+      graph && graphs_generation_ == model_->scratch_generation() && graphs_.count(bucket) > 0;
+  if (graphs_enabled_ && options_.agree) {
+    const uint32_t all = options_.agree((graph ? 1u : 0u) | (ready ? 2u : 0u));
+    graph = (all & 1u) != 0;
+    ready = graph && (all & 2u) != 0;
+  }
   const int64_t rows = graph ? bucket : T, seqs = graph ? bucket : S;
   const auto [slots, ids, positions, query_start, context_lens, table_rows, logits_rows] =
       HostInputs();
@@ -254,7 +264,7 @@ StatusOr<std::vector<SampledToken>> ModelRunner::Execute(std::span<const Schedul
   PDSERVE_RETURN_IF_ERROR(AssignTableRows(step, table_rows));
   if (graph) StagePadding(S, bucket);
   Run(rows, seqs, graph ? bucket : R, graph ? 1 : max_query, graph ? table_width_ * B : max_context,
-      graph);
+      graph, ready);
   const int64_t logit_rows = graph ? bucket : R;
   PDSERVE_RETURN_IF_ERROR(AdjustSampledLogits(step, graph, logit_rows));
 
@@ -537,7 +547,7 @@ void ModelRunner::CaptureDecodeGraphs() {
 }
 
 void ModelRunner::Run(int64_t tokens, int64_t seqs, int64_t logits, int64_t max_query_len,
-                      int64_t max_context_len, bool graph) {
+                      int64_t max_context_len, bool graph, bool ready) {
   const Staged& st = staged_;
   // One stream-ordered copy of every input; the host buffer is not touched
   // again before the step's results are read back (a synchronisation).
@@ -573,10 +583,17 @@ void ModelRunner::Run(int64_t tokens, int64_t seqs, int64_t logits, int64_t max_
     queue();
     return;
   }
+  auto found = graphs_.find(tokens);
+  if (ready) {  // every rank holds its current graph of this bucket
+    backend_->ReplayGraph(*found->second);
+    ++graph_replays_;
+    return;
+  }
   // Each decision below is every rank's (options_.agree): a rank whose
   // scratch moved or whose capture failed takes the others with it.
-  auto agree = [this](bool local) { return options_.agree ? options_.agree(local) : local; };
-  auto found = graphs_.find(tokens);
+  auto agree = [this](bool local) {
+    return options_.agree ? options_.agree(local ? 1u : 0u) != 0 : local;
+  };
   const bool current = graphs_generation_ == model_->scratch_generation();
   if (!agree(current && found != graphs_.end())) {
     if (!agree(current)) {

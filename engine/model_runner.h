@@ -59,12 +59,14 @@ struct RunnerOptions {
   // given whole (Forward) may want one per token.
   int64_t max_logits = 0;
   GraphMode graphs = GraphMode::kAuto;
-  // Tensor parallelism (engine/executor.h): returns the AND of `local` over
-  // the group's ranks, whose runners call it at the same points in the
-  // same order, so that every rank takes the same path (graphs on or off,
-  // a step from a graph or eager, graphs kept or dropped) and so calls the
-  // same collectives. Unset for one rank.
-  std::function<bool(bool local)> agree;
+  // Tensor parallelism (engine/executor.h): returns the bitwise AND of
+  // `local` over the group's ranks, whose runners call it at the same
+  // points in the same order, so that every rank takes the same path
+  // (graphs on or off, a step from a graph or eager, graphs kept or
+  // dropped) and so calls the same collectives. A call may carry several
+  // yes/no answers, one a bit: a decode step that replays a graph every
+  // rank holds takes one call. Unset for one rank.
+  std::function<uint32_t(uint32_t local)> agree;
   // Tests (PDSERVE_TEST_FAIL_CAPTURE): every graph this runner captures is
   // dropped as if the capture had failed.
   bool fail_captures = false;
@@ -164,9 +166,11 @@ class ModelRunner {
   Status AssignTableRows(std::span<const ScheduledSeq> step, int32_t* rows);
   // Sends the staged inputs and queues a step of `tokens` tokens, `seqs`
   // sequences and `logits` logits rows (greedy ids of every row included),
-  // from a graph of its bucket when `graph`.
+  // from a graph of its bucket when `graph`; `ready`: every rank holds a
+  // graph of the bucket captured on the current scratch (agreed), so it
+  // replays without asking again.
   void Run(int64_t tokens, int64_t seqs, int64_t logits, int64_t max_query_len,
-           int64_t max_context_len, bool graph);
+           int64_t max_context_len, bool graph, bool ready = false);
   // The step's inputs in the page-locked staging buffer, as typed views.
   struct StagedInputs {
     int64_t* slots;

@@ -99,6 +99,13 @@ std::unique_ptr<Backend::Graph> Backend::CaptureGraph(const std::function<void()
 
 void Backend::ReplayGraph(Graph& graph) { static_cast<EagerGraph&>(graph).body(); }
 
+// The host backends' MoeFfn waits for nothing and needs no table.
+StatusOr<bool> Backend::PrepareMoe(MoeWeights* w, WeightStore* /*store*/) {
+  w->prepared = nullptr;
+  w->prepared_for = w->experts;
+  return true;
+}
+
 StatusOr<LinearWeights> Backend::PrepareLinear(const WeightMatrix* parts, int count,
                                                const float* bias, bool in_place,
                                                WeightStore* store) {

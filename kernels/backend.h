@@ -144,6 +144,15 @@ class Backend {
   virtual StatusOr<LinearWeights> PrepareLinear(const WeightMatrix* parts, int count,
                                                 const float* bias, bool in_place,
                                                 WeightStore* store);
+  // A sparse block, after its experts, router and shared expert are
+  // prepared: whatever MoeFfn needs beyond them (CUDA: a device table of
+  // the experts' matrices, so that its kernels find an expert by id
+  // without the host), in `store`, recorded in w->prepared for the experts
+  // array w->experts holds now; prepare again after changing it. Returns
+  // whether MoeFfn on this block can be captured in a graph (never waits
+  // for the device); a block never prepared still computes, uncaptured.
+  // ResourceExhausted when memory runs out.
+  virtual StatusOr<bool> PrepareMoe(MoeWeights* w, WeightStore* store);
 
   // ---- Ops. Shapes in brackets; "rows" of a tensor are the runs of its last
   // dimension (Tensor::rows()). Inputs and outputs are packed_inner() unless
@@ -291,12 +300,15 @@ class Backend {
   // (summed in j order) + shared(x[t]) when w.shared is set. Tokens are
   // grouped by expert, so every active expert's weights are read once per
   // call, whatever the token count; inactive experts are not read (the
-  // shared expert is read always and not counted in the stats). out
+  // shared expert is read always and not counted in TakeMoeStats). out
   // ([tokens, hidden], packed) may alias x (x is read whole before out is
-  // written). `stats`, when not null, receives what the call did; they need
-  // the routing on the host, so a device backend waits for the device when
-  // asked for them (benchmarks ask, serving does not).
-  virtual void MoeFfn(const Tensor& x, const MoeWeights& w, const Tensor& out, MoeStats* stats) = 0;
+  // written). A block PrepareMoe called capturable can be captured in a
+  // graph: the call never waits for the device.
+  virtual void MoeFfn(const Tensor& x, const MoeWeights& w, const Tensor& out) = 0;
+  // What the MoeFfn calls since the last TakeMoeStats did, summed, and the
+  // sums reset: every call counts, graph replays included. A device
+  // backend counts on the device and waits for it here.
+  virtual MoeStats TakeMoeStats() = 0;
 };
 
 // Shared by the PrepareLinear implementations: InvalidArgument unless every

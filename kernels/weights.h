@@ -185,12 +185,18 @@ struct MoeWeights {
   // width may differ from the routed experts'. Host memory, like `experts`;
   // nullptr when the block has none.
   const MoeExpertWeights* shared = nullptr;
+  // What Backend::PrepareMoe built for the backend's kernels (its own
+  // layout, in its memory), and the experts array it describes: MoeFfn
+  // uses it only while `experts` is still that array. Null where the
+  // backend needs nothing or the block was not prepared.
+  const void* prepared = nullptr;
+  const MoeExpertWeights* prepared_for = nullptr;
 };
 
-// What one MoeFfn call did.
+// What MoeFfn calls did (Backend::TakeMoeStats).
 struct MoeStats {
-  int64_t active_experts = 0;     // experts that at least one token was routed to
-  int64_t expert_bytes_read = 0;  // gate + up + down bytes of those, each expert once
+  int64_t active_experts = 0;     // held experts that at least one token was routed to, per call
+  int64_t expert_bytes_read = 0;  // gate + up + down bytes of those, each once per call
 };
 
 }  // namespace pdserve::kernels

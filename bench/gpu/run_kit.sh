@@ -57,7 +57,8 @@
 # And (verify): the shortest check of a change to kernels and graphs, most
 # important first, logs packed after each: backend_ops_test, then
 # cuda_engine_test, then `bench engine` batch 1 to 64 after 1,024 tokens,
-# then memcheck over backend_ops_test.
+# Qwen3-30B-A3B shapes at batch 1 and 8 with graphs and without, then
+# memcheck over backend_ops_test.
 #
 # Usage: bench/gpu/run_kit.sh [all|quick|perf|profile|verify|tests|bench|serve|families|kv|eviction|tp]
 set -uo pipefail
@@ -459,6 +460,16 @@ if [[ $WHAT == verify ]]; then
     --device cuda --json --kv-dtype bf16 --batch 1,8,32,64 --prompt-tokens 1024 --gen-tokens 32 \
     --max-batched-tokens 8192 2>>"$logs/bench.err" | tee -a "$OUT/perf.jsonl"
   summary+=("bench engine: exit ${PIPESTATUS[0]}")
+  pack
+  # MoE decode with graphs (the grouped kernels) and without, Qwen3-30B-A3B
+  # shapes (57 GiB of dummy bf16; issue 29 goal 6).
+  for graphs in true false; do
+    step "bench engine qwen3-30b-a3b b1,8 graphs=$graphs"
+    timeout 120 "$PDSERVE" bench engine --model bench/configs/qwen3-30b-a3b --load-format dummy \
+      --device cuda --json --kv-dtype bf16 --batch 1,8 --prompt-tokens 512 --gen-tokens 32 \
+      --cuda-graphs=$graphs 2>>"$logs/bench.err" | tee -a "$OUT/perf.jsonl"
+    summary+=("bench engine qwen3-30b-a3b graphs=$graphs: exit ${PIPESTATUS[0]}")
+  done
   pack
   step "memcheck backend_ops_test"
   timeout 90 compute-sanitizer --tool memcheck --error-exitcode 3 "$KIT/bin/backend_ops_test" \

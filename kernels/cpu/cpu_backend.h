@@ -82,13 +82,15 @@ class CpuBackend final : public Backend {
   // Mixture of experts: kernels/cpu/moe.cpp.
   void MoeRoute(const Tensor& logits, const MoeRouting& routing, int32_t* expert_ids,
                 float* weights) override;
-  void MoeFfn(const Tensor& x, const MoeWeights& w, const Tensor& out, MoeStats* stats) override;
+  void MoeFfn(const Tensor& x, const MoeWeights& w, const Tensor& out) override;
+  MoeStats TakeMoeStats() override;
 
  private:
   ThreadPool pool_;
   SimdLevel simd_;
   std::vector<AttentionUnit> planned_units_;  // the last PlanAttention's
   std::atomic<int64_t> kv_bytes_read_{0};
+  MoeStats moe_stats_;  // since the last TakeMoeStats (MoeFfn runs on the caller's thread)
 };
 
 }  // namespace pdserve::kernels

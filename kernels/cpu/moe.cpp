@@ -3,6 +3,7 @@
 // thread pool, experts as Linear products over the rows routed to them.
 #include <algorithm>
 #include <cmath>
+#include <utility>
 #include <vector>
 
 #include "kernels/cpu/cpu_backend.h"
@@ -115,13 +116,11 @@ void CpuBackend::MoeRoute(const Tensor& logits_t, const MoeRouting& routing, int
   });
 }
 
-void CpuBackend::MoeFfn(const Tensor& xt, const MoeWeights& w, const Tensor& out_t,
-                        MoeStats* stats) {
+void CpuBackend::MoeFfn(const Tensor& xt, const MoeWeights& w, const Tensor& out_t) {
   CheckPackedF32(xt, "MoeFfn");
   CheckPackedF32(out_t, "MoeFfn");
   OpCheck(xt.row_size() == w.router.cols && out_t.numel() == xt.numel(), "MoeFfn",
           "takes x and out [tokens, hidden]");
-  if (stats != nullptr) *stats = MoeStats{};
   const int64_t tokens = xt.rows();
   if (tokens <= 0) return;
   float* out = out_t.as<float>();
@@ -164,10 +163,8 @@ void CpuBackend::MoeFfn(const Tensor& xt, const MoeWeights& w, const Tensor& out
     if (start[e + 1] == start[e] || !w.experts[e].held()) continue;
     Linear(f32(xg, n, hidden).Rows(start[e], start[e + 1]), w.experts[e].gate_up,
            f32(gate_up, n, 2 * inter).Rows(start[e], start[e + 1]));
-    if (stats != nullptr) {
-      ++stats->active_experts;
-      stats->expert_bytes_read += w.experts[e].stored_bytes();
-    }
+    ++moe_stats_.active_experts;
+    moe_stats_.expert_bytes_read += w.experts[e].stored_bytes();
   }
   const Tensor gu = f32(gate_up, n, 2 * inter);
   SwiGlu(gu.Columns(0, inter), gu.Columns(inter, 2 * inter), f32(act, n, inter));
@@ -208,5 +205,7 @@ void CpuBackend::MoeFfn(const Tensor& xt, const MoeWeights& w, const Tensor& out
     }
   });
 }
+
+MoeStats CpuBackend::TakeMoeStats() { return std::exchange(moe_stats_, MoeStats{}); }
 
 }  // namespace pdserve::kernels

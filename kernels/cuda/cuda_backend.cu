@@ -219,6 +219,24 @@ StatusOr<LinearWeights> CudaBackend::PrepareLinear(const WeightMatrix* parts, in
   return w;
 }
 
+StatusOr<bool> CudaBackend::PrepareMoe(MoeWeights* w, WeightStore* store) {
+  MakeCurrent();
+  w->prepared = nullptr;
+  w->prepared_for = w->experts;
+  bool grouped = false;
+  const std::vector<cuda::MoeExpertEntry> table = cuda::MoeTable(*w, &grouped);
+  if (!grouped) return false;
+  if (state_->moe.device_stats == nullptr) {
+    void* stats = nullptr;
+    Check(cudaMalloc(&stats, 2 * sizeof(unsigned long long)), "MoE stats");
+    Check(cudaMemset(stats, 0, 2 * sizeof(unsigned long long)), "MoE stats");
+    state_->moe.device_stats = static_cast<unsigned long long*>(stats);
+  }
+  w->prepared = store->Upload(table.data(), table.size() * sizeof(table[0]));
+  if (w->prepared == nullptr) return Status::ResourceExhausted("out of memory for an MoE table");
+  return true;
+}
+
 // ---- Steps.
 
 Status CudaBackend::Reserve(const StepLimits& limits) {
@@ -483,9 +501,14 @@ void CudaBackend::MoeRoute(const Tensor& logits, const MoeRouting& routing, int3
   cuda::MoeRoute(logits, routing, expert_ids, weights, state_->stream);
 }
 
-void CudaBackend::MoeFfn(const Tensor& x, const MoeWeights& w, const Tensor& out, MoeStats* stats) {
+void CudaBackend::MoeFfn(const Tensor& x, const MoeWeights& w, const Tensor& out) {
   MakeCurrent();
-  cuda::MoeFfn(state_->gemm(), state_->moe, x, w, out, stats);
+  cuda::MoeFfn(state_->gemm(), state_->moe, x, w, out);
+}
+
+MoeStats CudaBackend::TakeMoeStats() {
+  MakeCurrent();
+  return cuda::TakeMoeStats(state_->moe, state_->stream);
 }
 
 }  // namespace pdserve::kernels

@@ -43,6 +43,9 @@ class CudaBackend final : public Backend {
   // (PackFp8Parts); the others as Backend::PrepareLinear.
   StatusOr<LinearWeights> PrepareLinear(const WeightMatrix* parts, int count, const float* bias,
                                         bool in_place, WeightStore* store) override;
+  // The experts' table for the grouped kernels (kernels/cuda/ops.h MoeTable):
+  // capturable when they take the block.
+  StatusOr<bool> PrepareMoe(MoeWeights* w, WeightStore* store) override;
 
   void* Allocate(size_t bytes) override;
   void Free(void* ptr) override;
@@ -99,7 +102,8 @@ class CudaBackend final : public Backend {
   int64_t MaxMlaLatentWidth() const override { return 640; }
   void MoeRoute(const Tensor& logits, const MoeRouting& routing, int32_t* expert_ids,
                 float* weights) override;
-  void MoeFfn(const Tensor& x, const MoeWeights& w, const Tensor& out, MoeStats* stats) override;
+  void MoeFfn(const Tensor& x, const MoeWeights& w, const Tensor& out) override;
+  MoeStats TakeMoeStats() override;
 
   // Waits for every queued op.
   void Synchronize() override;

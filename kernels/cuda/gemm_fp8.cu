@@ -8,6 +8,7 @@
 
 #include <algorithm>
 
+#include "kernels/cuda/fp8_codes.cuh"
 #include "kernels/cuda/ops.h"
 #include "kernels/fp8_gemm.h"
 #include "kernels/op_check.h"
@@ -35,17 +36,6 @@ Fp8Scales ScalesOf(const WeightMatrix& w) {
     return {w.scales, w.block_rows, w.block_cols, w.scale_cols()};
   }
   return {w.scales, 1, w.cols, 1};
-}
-
-__device__ inline float2 Fp8PairToFloat2(uint16_t pair) {
-  const __half2_raw h =
-      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair), __NV_E4M3);
-  return __half22float2(*reinterpret_cast<const __half2*>(&h));
-}
-
-__device__ inline float Fp8ToFloat(uint8_t code) {
-  const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(code), __NV_E4M3);
-  return __half2float(*reinterpret_cast<const __half*>(&h));
 }
 
 constexpr int kGemvWarps = 4;  // output rows per block, one warp each
@@ -94,13 +84,6 @@ __global__ void Fp8GemvKernel(const float* __restrict__ x, const uint8_t* __rest
 // the rest.
 constexpr int kStreamThreads = 256;
 constexpr int Fp8GemvRows(int m) { return m <= 2 ? 8 : 4; }
-
-// Four e4m3 codes (one 32-bit word, lowest byte first) widened exactly.
-__device__ __forceinline__ float4 Fp8QuadToFloat4(uint32_t quad) {
-  const float2 lo = Fp8PairToFloat2(static_cast<uint16_t>(quad & 0xffffu));
-  const float2 hi = Fp8PairToFloat2(static_cast<uint16_t>(quad >> 16));
-  return make_float4(lo.x, lo.y, hi.x, hi.y);
-}
 
 __device__ __forceinline__ uint32_t Word(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;

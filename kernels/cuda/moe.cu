@@ -1,11 +1,16 @@
 // Mixture of experts (kernels/cuda/ops.h): routing on the device, the
-// assignments grouped by expert with a counting sort, per-expert cuBLAS
-// products over each expert's gathered rows, and the weighted combine.
-//
-// The per-expert row counts shape the products, so they are read back (the
-// stream is synchronized once per call): a step of a sparse model is not
-// captured into a graph. A grouped product that reads the counts on the
-// device removes that wait (issue 29's MoE kernel).
+// assignments grouped by expert with a counting sort, then either
+// per-expert products over each expert's gathered rows (shaped by the row
+// counts read back to the host) or grouped GEMV kernels that read the
+// counts and the experts' addresses on the device; then the weighted
+// combine.
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <type_traits>
+#include <utility>
+
+#include "kernels/cuda/fp8_codes.cuh"
 #include "kernels/cuda/ops.h"
 #include "kernels/moe_routing.h"
 #include "kernels/op_check.h"
@@ -125,9 +130,21 @@ constexpr int kMoeMaxExperts = 4096;  // keeps the shared memory under 48 KB
 // the token of gathered row r, row_of[a] the gathered row of assignment a.
 // Thread e % blockDim owns expert e, so its counters need no atomics; every
 // thread reads every id (from a shared tile, one broadcast per step).
+//
+// For the grouped kernels (slots not null) it also lists the active
+// experts in id order: slot s < *num_slots is expert slot_expert[s], its
+// rows [slot_start[s], slot_start[s] + slot_count[s]); and it adds the
+// held active experts and their bytes (table) to stats.
+struct MoeSlots {
+  int32_t* expert = nullptr;
+  int32_t* start = nullptr;
+  int32_t* count = nullptr;
+  int32_t* num = nullptr;
+};
 __global__ void __launch_bounds__(kMoeGroupThreads)
     MoeGroupKernel(const int32_t* ids, int64_t n, int64_t top_k, int64_t num_experts,
-                   int32_t* counts, int32_t* src_row, int32_t* row_of) {
+                   int32_t* counts, int32_t* src_row, int32_t* row_of, MoeSlots slots,
+                   const MoeExpertEntry* table, unsigned long long* stats) {
   extern __shared__ int32_t moe_shared[];
   int32_t* tile = moe_shared;               // kMoeTile
   int32_t* cursor = moe_shared + kMoeTile;  // num_experts
@@ -153,12 +170,28 @@ __global__ void __launch_bounds__(kMoeGroupThreads)
     __syncthreads();
     if (pass == 0 && threadIdx.x == 0) {
       // counts out, then each expert's cursor becomes its first row.
-      int32_t start = 0;
+      int32_t start = 0, used = 0;
+      unsigned long long active = 0, bytes = 0;
       for (int64_t e = 0; e < num_experts; ++e) {
         counts[e] = cursor[e];
         const int32_t c = cursor[e];
+        if (slots.num != nullptr && c > 0) {
+          slots.expert[used] = static_cast<int32_t>(e);
+          slots.start[used] = start;
+          slots.count[used] = c;
+          ++used;
+          if (table[e].bytes > 0) {
+            ++active;
+            bytes += table[e].bytes;
+          }
+        }
         cursor[e] = start;
         start += c;
+      }
+      if (slots.num != nullptr) {
+        *slots.num = used;
+        stats[0] += active;  // one thread, stream-ordered: no atomics
+        stats[1] += bytes;
       }
     }
   }
@@ -180,13 +213,229 @@ __global__ void MoeCombineKernel(const float* y, const int32_t* row_of, const fl
   out[i] = acc;
 }
 
+// The grouped products: y[r] = W_e x[r] for each gathered row r of each
+// active expert e (slot blockIdx.y), W_e the expert's gate|up (`down`
+// false) or down matrix from the table, [rows, cols] of W (fp32, bf16 or
+// fp8 codes), y [n, rows] fp32. A warp takes kGroupedRowsPerWarp rows of
+// W, its lanes striding over the columns 8 at a time (16-byte loads of
+// bf16, 8-byte of fp8), for up to kGroupedTokens of the expert's rows at
+// once. bf16 weights multiply x rounded to bf16, as Linear's products do;
+// fp8 ones are widened exactly and multiply fp32 x (the weight-only
+// product of the fp8 GEMV), scaled per row at the end or per block per
+// chunk. Slots past *num_slots exit: the grid is sized for the most
+// experts a call can reach, so the launch shape never depends on the
+// routing. An expert another rank holds gives zeros.
+constexpr int kGroupedWarps = 4;
+constexpr int kGroupedRowsPerWarp = 2;
+constexpr int kGroupedTokens = 4;
+constexpr int kGroupedRows = kGroupedWarps * kGroupedRowsPerWarp;
+
+// How fp8 scales apply: not at all, one per row, or one per block of
+// block_rows rows and block_chunks 8-column chunks (scale_cols blocks a
+// row of blocks).
+enum class GroupedScales { kNone, kRow, kBlock };
+struct ScaleGrid {
+  int32_t block_rows = 1, block_chunks = 1, scale_cols = 1;
+};
+
+__device__ __forceinline__ void Load8(const float* p, float (&v)[8]) {
+  const float4 a = __ldg(reinterpret_cast<const float4*>(p));
+  const float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+__device__ __forceinline__ void Load8(const __nv_bfloat16* p, float (&v)[8]) {
+  const uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
+  const uint32_t words[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    v[2 * i] = __uint_as_float(words[i] << 16);
+    v[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
+  }
+}
+__device__ __forceinline__ void Load8(const uint8_t* p, float (&v)[8]) {
+  const uint2 u = __ldg(reinterpret_cast<const uint2*>(p));
+  const float4 lo = Fp8QuadToFloat4(u.x), hi = Fp8QuadToFloat4(u.y);
+  v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w, v[4] = hi.x, v[5] = hi.y, v[6] = hi.z,
+  v[7] = hi.w;
+}
+
+template <typename W, GroupedScales kScales>
+__global__ void __launch_bounds__(kGroupedWarps * 32)
+    MoeGroupedGemvKernel(const MoeExpertEntry* table, bool down, MoeSlots slots, ScaleGrid grid,
+                         const float* __restrict__ x, int64_t rows, int64_t cols,
+                         float* __restrict__ y) {
+  const int s = blockIdx.y;
+  if (s >= *slots.num) return;
+  const int32_t e = slots.expert[s], start = slots.start[s], count = slots.count[s];
+  const MoeExpertEntry& entry = table[e];
+  const W* w = static_cast<const W*>(down ? entry.down : entry.gate_up);
+  const float* scales = down ? entry.down_scales : entry.gate_up_scales;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kGroupedRows + warp * kGroupedRowsPerWarp;
+  if (row0 >= rows) return;  // no block-wide barrier below
+  const int nrows =
+      static_cast<int>(rows - row0 < kGroupedRowsPerWarp ? rows - row0 : kGroupedRowsPerWarp);
+  if (w == nullptr) {
+    for (int i = lane; i < count * nrows; i += 32) {
+      y[(start + i / nrows) * rows + row0 + i % nrows] = 0.0f;
+    }
+    return;
+  }
+  // A missing row (the last warp) re-reads the first; never written.
+  int64_t row[kGroupedRowsPerWarp];
+#pragma unroll
+  for (int r = 0; r < kGroupedRowsPerWarp; ++r) row[r] = row0 + (r < nrows ? r : 0);
+  const int64_t chunks = cols / 8;
+  for (int t0 = 0; t0 < count; t0 += kGroupedTokens) {
+    const int nt = count - t0 < kGroupedTokens ? count - t0 : kGroupedTokens;
+    float acc[kGroupedRowsPerWarp][kGroupedTokens] = {};
+#pragma unroll 2
+    for (int64_t c = lane; c < chunks; c += 32) {
+      float wv[kGroupedRowsPerWarp][8];
+#pragma unroll
+      for (int r = 0; r < kGroupedRowsPerWarp; ++r) {
+        Load8(w + row[r] * cols + 8 * c, wv[r]);
+        if constexpr (kScales == GroupedScales::kBlock) {
+          const float scale = __ldg(scales + row[r] / grid.block_rows * grid.scale_cols +
+                                    static_cast<int32_t>(c) / grid.block_chunks);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) wv[r][i] *= scale;
+        }
+      }
+#pragma unroll
+      for (int m = 0; m < kGroupedTokens; ++m) {
+        if (m >= nt) break;
+        float xv[8];
+        Load8(x + static_cast<int64_t>(start + t0 + m) * cols + 8 * c, xv);
+        if constexpr (std::is_same_v<W, __nv_bfloat16>) {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) xv[i] = __bfloat162float(__float2bfloat16_rn(xv[i]));
+        }
+#pragma unroll
+        for (int r = 0; r < kGroupedRowsPerWarp; ++r) {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[r][m] = fmaf(wv[r][i], xv[i], acc[r][m]);
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kGroupedRowsPerWarp; ++r) {
+      const float scale = kScales == GroupedScales::kRow ? __ldg(scales + row[r]) : 1.0f;
+#pragma unroll
+      for (int m = 0; m < kGroupedTokens; ++m) {
+        float a = acc[r][m];
+#pragma unroll
+        for (int o = 16; o > 0; o /= 2) a += __shfl_xor_sync(0xffffffffu, a, o);
+        if (lane == 0 && r < nrows && m < nt) {
+          y[static_cast<int64_t>(start + t0 + m) * rows + row0 + r] = a * scale;
+        }
+      }
+    }
+  }
+}
+
+template <typename W, GroupedScales kScales>
+void LaunchGroupedGemv(const MoeExpertEntry* table, bool down, MoeSlots slots, int64_t max_slots,
+                       ScaleGrid scale_grid, const float* x, int64_t rows, int64_t cols, float* y,
+                       cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>((rows + kGroupedRows - 1) / kGroupedRows),
+                  static_cast<unsigned>(max_slots));
+  MoeGroupedGemvKernel<W, kScales>
+      <<<grid, kGroupedWarps * 32, 0, stream>>>(table, down, slots, scale_grid, x, rows, cols, y);
+  Check(cudaGetLastError(), "MoeGroupedGemv");
+}
+
+// The grouped product of every active expert's `down` or gate|up matrix,
+// whose shapes and element type are those of `m` (every expert's alike).
+void GroupedGemv(const MoeExpertEntry* table, bool down, const WeightMatrix& m, MoeSlots slots,
+                 int64_t max_slots, const float* x, float* y, cudaStream_t stream) {
+  ScaleGrid grid;
+  if (m.scheme == kernels::WeightScheme::kFp8Block) {
+    grid = {static_cast<int32_t>(m.block_rows), static_cast<int32_t>(m.block_cols / 8),
+            static_cast<int32_t>(m.scale_cols())};
+  }
+  switch (m.dtype) {
+    case DType::kBF16:
+      return LaunchGroupedGemv<__nv_bfloat16, GroupedScales::kNone>(
+          table, down, slots, max_slots, grid, x, m.rows, m.cols, y, stream);
+    case DType::kFP8E4M3:
+      if (m.scheme == kernels::WeightScheme::kFp8Block) {
+        return LaunchGroupedGemv<uint8_t, GroupedScales::kBlock>(
+            table, down, slots, max_slots, grid, x, m.rows, m.cols, y, stream);
+      }
+      return LaunchGroupedGemv<uint8_t, GroupedScales::kRow>(table, down, slots, max_slots, grid, x,
+                                                             m.rows, m.cols, y, stream);
+    default:
+      return LaunchGroupedGemv<float, GroupedScales::kNone>(table, down, slots, max_slots, grid, x,
+                                                            m.rows, m.cols, y, stream);
+  }
+}
+
+bool IsCapturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  Check(cudaStreamIsCapturing(stream, &capturing), "cudaStreamIsCapturing");
+  return capturing != cudaStreamCaptureStatusNone;
+}
+
+// Whether the grouped kernels take this matrix (MoeTable): fp32 or bf16,
+// or fp8 codes with per-row scales or blocks whole 8-column chunks wide
+// (CudaBackend::PrepareLinear packs every fp8 matrix so).
+bool GroupedFits(const LinearWeights& w) {
+  if (w.num_parts != 1 || w.bias != nullptr) return false;
+  const WeightMatrix& m = w.parts[0];
+  bool dtype_fits = false;
+  switch (m.scheme) {
+    case kernels::WeightScheme::kNone:
+      dtype_fits = m.dtype == DType::kBF16 || m.dtype == DType::kF32;
+      break;
+    case kernels::WeightScheme::kFp8Channel:
+      dtype_fits = m.dtype == DType::kFP8E4M3 && m.scales != nullptr;
+      break;
+    case kernels::WeightScheme::kFp8Block:
+      dtype_fits = m.dtype == DType::kFP8E4M3 && m.scales != nullptr && m.block_rows > 0 &&
+                   m.block_cols > 0 && m.block_cols % 8 == 0;
+      break;
+    default:
+      break;
+  }
+  return dtype_fits && m.cols % 8 == 0 && reinterpret_cast<uintptr_t>(m.data) % 16 == 0;
+}
+
+// Whether two experts' matrices are alike for one launch: element type,
+// scheme, shape and scale blocks.
+bool SameLayout(const WeightMatrix& a, const WeightMatrix& b) {
+  return a.dtype == b.dtype && a.scheme == b.scheme && a.rows == b.rows && a.cols == b.cols &&
+         a.block_rows == b.block_rows && a.block_cols == b.block_cols;
+}
+
 }  // namespace
+
+std::vector<MoeExpertEntry> MoeTable(const MoeWeights& w, bool* grouped) {
+  std::vector<MoeExpertEntry> table(static_cast<size_t>(w.routing.num_experts));
+  *grouped = true;
+  const kernels::MoeExpertWeights* first = nullptr;
+  for (int64_t e = 0; e < w.routing.num_experts; ++e) {
+    const kernels::MoeExpertWeights& x = w.experts[e];
+    if (!x.held()) continue;
+    const WeightMatrix &gate_up = x.gate_up.parts[0], &down = x.down.parts[0];
+    table[e] = {gate_up.data, down.data, gate_up.scales, down.scales,
+                static_cast<unsigned long long>(x.stored_bytes())};
+    if (first == nullptr) first = &x;
+    *grouped = *grouped && GroupedFits(x.gate_up) && GroupedFits(x.down) &&
+               gate_up.dtype == down.dtype && gate_up.rows == 2 * down.cols &&
+               SameLayout(gate_up, first->gate_up.parts[0]) &&
+               SameLayout(down, first->down.parts[0]);
+  }
+  return table;
+}
 
 void MoeScratch::Release() {
   device.Release();
   if (host_counts != nullptr) cudaFreeHost(host_counts);
   host_counts = nullptr;
   host_capacity = 0;
+  if (device_stats != nullptr) cudaFree(device_stats);
+  device_stats = nullptr;
 }
 
 void MoeRoute(const Tensor& logits, const MoeRouting& routing, int32_t* expert_ids, float* weights,
@@ -202,12 +451,11 @@ void MoeRoute(const Tensor& logits, const MoeRouting& routing, int32_t* expert_i
 }
 
 void MoeFfn(const Gemm& g, MoeScratch& scratch, const Tensor& x, const MoeWeights& w,
-            const Tensor& out, MoeStats* stats) {
+            const Tensor& out) {
   kernels::CheckPackedF32(x, "MoeFfn");
   kernels::CheckPackedF32(out, "MoeFfn");
   kernels::OpCheck(x.row_size() == w.router.cols && out.numel() == x.numel(), "MoeFfn",
                    "takes x and out [tokens, hidden]");
-  if (stats != nullptr) *stats = MoeStats{};
   const int64_t tokens = x.rows();
   if (tokens <= 0) return;
   const cudaStream_t stream = g.stream;
@@ -217,6 +465,14 @@ void MoeFfn(const Gemm& g, MoeScratch& scratch, const Tensor& x, const MoeWeight
   const int64_t inter = held->down.cols;
   const int64_t n = tokens * k;  // (token, choice) assignments, a = t * k + j
   kernels::OpCheck(num_experts <= kMoeMaxExperts, "MoeFfn", "takes at most 4096 experts");
+  const auto* table = w.prepared_for == w.experts && w.prepared != nullptr
+                          ? static_cast<const MoeExpertEntry*>(w.prepared)
+                          : nullptr;
+  const bool capturing = IsCapturing(stream);
+  kernels::OpCheck(table != nullptr || !capturing, "MoeFfn",
+                   "is captured only for a block PrepareMoe found capturable");
+  const bool grouped = table != nullptr && (capturing || tokens <= kMoeGroupedMaxTokens);
+  const int64_t max_slots = std::min(n, num_experts);
 
   // One scratch region, carved into 256-byte aligned pieces.
   size_t total = 0;
@@ -228,6 +484,7 @@ void MoeFfn(const Gemm& g, MoeScratch& scratch, const Tensor& x, const MoeWeight
   const size_t logits_at = carve(tokens * num_experts, 4), weights_at = carve(n, 4);
   const size_t ids_at = carve(n, 4), counts_at = carve(num_experts, 4);
   const size_t src_row_at = carve(n, 4), row_of_at = carve(n, 4);
+  const size_t slots_at = carve(grouped ? 3 * max_slots + 1 : 0, 4);
   const size_t xg_at = carve(n * hidden, 4), gate_up_at = carve(n * 2 * inter, 4);
   const size_t act_at = carve(n * inter, 4), y_at = carve(n * hidden, 4);
   const int64_t shared_inter = w.shared != nullptr ? w.shared->down.cols : 0;
@@ -243,60 +500,72 @@ void MoeFfn(const Gemm& g, MoeScratch& scratch, const Tensor& x, const MoeWeight
   auto* counts = reinterpret_cast<int32_t*>(base + counts_at);
   auto* src_row = reinterpret_cast<int32_t*>(base + src_row_at);
   auto* row_of = reinterpret_cast<int32_t*>(base + row_of_at);
+  MoeSlots slots;
+  if (grouped) {
+    auto* at = reinterpret_cast<int32_t*>(base + slots_at);
+    slots = {at, at + max_slots, at + 2 * max_slots, at + 3 * max_slots};
+  }
 
   Linear(g, x, w.router, f32(logits_at, tokens, num_experts));
   MoeRoute(f32(logits_at, tokens, num_experts), w.routing, ids, weights, stream);
   const size_t group_shared_bytes = (kMoeTile + num_experts) * sizeof(int32_t);
-  MoeGroupKernel<<<1, kMoeGroupThreads, group_shared_bytes, stream>>>(ids, n, k, num_experts,
-                                                                      counts, src_row, row_of);
+  MoeGroupKernel<<<1, kMoeGroupThreads, group_shared_bytes, stream>>>(
+      ids, n, k, num_experts, counts, src_row, row_of, slots, table, scratch.device_stats);
   Check(cudaGetLastError(), "MoeGroup");
-
-  // The per-expert row counts decide the products' shapes: read them back.
-  if (scratch.host_capacity < num_experts) {
-    if (scratch.host_counts != nullptr) Check(cudaFreeHost(scratch.host_counts), "cudaFreeHost");
-    Check(cudaMallocHost(&scratch.host_counts, num_experts * sizeof(int32_t)), "cudaMallocHost");
-    scratch.host_capacity = num_experts;
-  }
-  int32_t* host_counts = scratch.host_counts;
-  Check(cudaMemcpyAsync(host_counts, counts, num_experts * sizeof(int32_t), cudaMemcpyDeviceToHost,
-                        stream),
-        "MoeFfn counts");
-  Check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
-
   GatherRows(x, src_row, f32(xg_at, n, hidden), stream);
-  int64_t start = 0;
-  for (int64_t e = 0; e < num_experts; ++e) {
-    const int64_t rows = host_counts[e];
-    if (rows == 0) continue;
-    if (!w.experts[e].held()) {
-      // Held by another expert-parallel rank: its rows of y count as zero.
-      Check(cudaMemsetAsync(base + y_at + start * hidden * 4, 0, rows * hidden * 4, stream),
-            "MoeFfn");
-      start += rows;
-      continue;
-    }
-    Linear(g, f32(xg_at, n, hidden).Rows(start, start + rows), w.experts[e].gate_up,
-           f32(gate_up_at, n, 2 * inter).Rows(start, start + rows));
-    if (stats != nullptr) {
-      ++stats->active_experts;
-      stats->expert_bytes_read += w.experts[e].stored_bytes();
-    }
-    start += rows;
-  }
   const Tensor gate_up = f32(gate_up_at, n, 2 * inter);
-  SwiGlu(gate_up.Columns(0, inter), gate_up.Columns(inter, 2 * inter), f32(act_at, n, inter),
-         stream);
-  start = 0;
-  for (int64_t e = 0; e < num_experts; ++e) {
-    const int64_t rows = host_counts[e];
-    if (rows == 0) continue;
-    if (!w.experts[e].held()) {
-      start += rows;
-      continue;
+
+  if (grouped) {
+    GroupedGemv(table, /*down=*/false, held->gate_up.parts[0], slots, max_slots,
+                reinterpret_cast<const float*>(base + xg_at), gate_up.as<float>(), stream);
+    SwiGlu(gate_up.Columns(0, inter), gate_up.Columns(inter, 2 * inter), f32(act_at, n, inter),
+           stream);
+    GroupedGemv(table, /*down=*/true, held->down.parts[0], slots, max_slots,
+                reinterpret_cast<const float*>(base + act_at),
+                reinterpret_cast<float*>(base + y_at), stream);
+  } else {
+    // The per-expert row counts decide the products' shapes: read them back.
+    if (scratch.host_capacity < num_experts) {
+      if (scratch.host_counts != nullptr) Check(cudaFreeHost(scratch.host_counts), "cudaFreeHost");
+      Check(cudaMallocHost(&scratch.host_counts, num_experts * sizeof(int32_t)), "cudaMallocHost");
+      scratch.host_capacity = num_experts;
     }
-    Linear(g, f32(act_at, n, inter).Rows(start, start + rows), w.experts[e].down,
-           f32(y_at, n, hidden).Rows(start, start + rows));
-    start += rows;
+    int32_t* host_counts = scratch.host_counts;
+    Check(cudaMemcpyAsync(host_counts, counts, num_experts * sizeof(int32_t),
+                          cudaMemcpyDeviceToHost, stream),
+          "MoeFfn counts");
+    Check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+    int64_t start = 0;
+    for (int64_t e = 0; e < num_experts; ++e) {
+      const int64_t rows = host_counts[e];
+      if (rows == 0) continue;
+      if (!w.experts[e].held()) {
+        // Held by another expert-parallel rank: its rows of y count as zero.
+        Check(cudaMemsetAsync(base + y_at + start * hidden * 4, 0, rows * hidden * 4, stream),
+              "MoeFfn");
+        start += rows;
+        continue;
+      }
+      Linear(g, f32(xg_at, n, hidden).Rows(start, start + rows), w.experts[e].gate_up,
+             gate_up.Rows(start, start + rows));
+      ++scratch.host_stats.active_experts;
+      scratch.host_stats.expert_bytes_read += w.experts[e].stored_bytes();
+      start += rows;
+    }
+    SwiGlu(gate_up.Columns(0, inter), gate_up.Columns(inter, 2 * inter), f32(act_at, n, inter),
+           stream);
+    start = 0;
+    for (int64_t e = 0; e < num_experts; ++e) {
+      const int64_t rows = host_counts[e];
+      if (rows == 0) continue;
+      if (!w.experts[e].held()) {
+        start += rows;
+        continue;
+      }
+      Linear(g, f32(act_at, n, inter).Rows(start, start + rows), w.experts[e].down,
+             f32(y_at, n, hidden).Rows(start, start + rows));
+      start += rows;
+    }
   }
   // The shared expert sees every token; computed before out (which may
   // alias x) is written.
@@ -314,6 +583,20 @@ void MoeFfn(const Gemm& g, MoeScratch& scratch, const Tensor& x, const MoeWeight
       reinterpret_cast<const float*>(base + y_at), row_of, weights, shared, tokens, k, hidden,
       out.as<float>());
   Check(cudaGetLastError(), "MoeCombine");
+}
+
+MoeStats TakeMoeStats(MoeScratch& scratch, cudaStream_t stream) {
+  MoeStats stats = std::exchange(scratch.host_stats, MoeStats{});
+  if (scratch.device_stats == nullptr) return stats;
+  unsigned long long device[2] = {0, 0};
+  Check(
+      cudaMemcpyAsync(device, scratch.device_stats, sizeof(device), cudaMemcpyDeviceToHost, stream),
+      "MoE stats");
+  Check(cudaMemsetAsync(scratch.device_stats, 0, sizeof(device), stream), "MoE stats");
+  Check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  stats.active_experts += static_cast<int64_t>(device[0]);
+  stats.expert_bytes_read += static_cast<int64_t>(device[1]);
+  return stats;
 }
 
 }  // namespace pdserve::cuda

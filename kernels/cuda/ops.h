@@ -10,6 +10,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/kv_cache_layout.h"
@@ -128,19 +129,50 @@ int64_t QuestMaxSharedBytes();
 void QuestAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q, float scale,
                     uint32_t* selection, const Tensor& out, cudaStream_t stream);
 
-// ---- Mixture of experts (moe.cu).
+// ---- Mixture of experts (moe.cu). Two ways through a block: per-expert
+// products (cuBLAS or the GEMV, Linear) shaped by the row counts read back
+// to the host, which waits for the device once per call; and grouped GEMV
+// kernels that find each expert in the block's table on the device, never
+// wait, and so can be captured. The grouped way takes what a graph
+// captures and eager calls of up to kMoeGroupedMaxTokens tokens (decode);
+// longer ones (prefill) go per expert, where the products are GEMMs.
+inline constexpr int64_t kMoeGroupedMaxTokens = 64;
 void MoeRoute(const Tensor& logits, const MoeRouting& routing, int32_t* expert_ids, float* weights,
               cudaStream_t stream);
-// MoeFfn's device scratch and the page-locked host copy of the per-expert
-// row counts.
+// One entry per expert of a block's table (Backend::PrepareMoe): its gate|up
+// and down matrices, each packed in one part (fp8: with its scales, per
+// row or per block as PrepareLinear packed them), or nulls for an expert
+// another rank holds.
+struct MoeExpertEntry {
+  const void* gate_up = nullptr;
+  const void* down = nullptr;
+  const float* gate_up_scales = nullptr;
+  const float* down_scales = nullptr;
+  unsigned long long bytes = 0;  // stored bytes of both (0: not held)
+};
+// w's table, and whether the grouped kernels take its experts: fp32, bf16
+// or fp8 (per-row or block scales, blocks a multiple of 8 columns wide)
+// elements, the same on every expert; one part each, no bias, widths a
+// multiple of 8, 16-byte aligned. Where not, the block keeps the
+// per-expert way and no graph.
+std::vector<MoeExpertEntry> MoeTable(const MoeWeights& w, bool* grouped);
+// MoeFfn's device scratch, the page-locked host copy of the per-expert row
+// counts, and the stats of both ways: the grouped way counts on the
+// device (`device_stats`: active experts, then bytes), the other on the
+// host.
 struct MoeScratch {
   Workspace device{"MoE"};
   int32_t* host_counts = nullptr;
   int64_t host_capacity = 0;
+  unsigned long long* device_stats = nullptr;
+  MoeStats host_stats;
   void Release();
 };
+// The grouped way needs w.prepared, made for w.experts (PrepareMoe).
 void MoeFfn(const Gemm& g, MoeScratch& scratch, const Tensor& x, const MoeWeights& w,
-            const Tensor& out, MoeStats* stats);
+            const Tensor& out);
+// The stats since the last call, reset (waits for the stream).
+MoeStats TakeMoeStats(MoeScratch& scratch, cudaStream_t stream);
 
 // ---- Multi-head latent attention (mla_attention.cu).
 // The widest latent (kv_lora_rank + rope_dim) MlaAttention takes.

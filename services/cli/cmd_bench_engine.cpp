@@ -168,7 +168,6 @@ int RunBenchEngine(int argc, char** argv) {
   const auto* cpu_backend = dynamic_cast<const kernels::CpuBackend*>(&backend);
   const int backend_threads = cpu_backend ? cpu_backend->threads() * group->size() : 1;
   const auto& cfg = model->config();
-  model->set_collect_moe_stats(true);  // expert bytes read, per step
   // The schema's grammar for the model's vocabulary, compiled once (as a
   // worker's grammar cache would).
   std::shared_ptr<const structured::CompiledGrammar> grammar;
@@ -313,8 +312,6 @@ int RunBenchEngine(int argc, char** argv) {
     double cpu_prefill_end = cpu0, wait_prefill_end = wait0;
     int64_t first_tokens = 0, decode_steps = 0, decode_tokens = 0;
     std::vector<bool> has_first(static_cast<size_t>(batch), false);
-    // Sparse layers' expert weights read over the decode steps (MoeStats).
-    int64_t expert_bytes = 0, active_experts = 0;
     auto t_prefill_end = t0;
     // KV bytes the attention read over the decode steps (CPU backend).
     int64_t kv_read_decode = 0;
@@ -339,6 +336,7 @@ int RunBenchEngine(int argc, char** argv) {
       }
       if (prefilling) {
         if (first_tokens >= batch) {
+          backend.TakeMoeStats();  // the decode steps' counts start here
           t_prefill_end = std::chrono::steady_clock::now();
           cpu_prefill_end = CpuSeconds();
           wait_prefill_end = RunQueueSeconds();
@@ -349,12 +347,16 @@ int RunBenchEngine(int argc, char** argv) {
         ++decode_steps;
         decode_tokens += produced;
         if (cpu_backend != nullptr) kv_read_decode += cpu_backend->kv_bytes_read() - read_before;
-        expert_bytes += model->last_moe_stats().expert_bytes_read;
-        active_experts += model->last_moe_stats().active_experts;
       }
     }
     const auto t_end = std::chrono::steady_clock::now();
     const double cpu_end = CpuSeconds(), wait_end = RunQueueSeconds();
+    // Rank 0's experts (its slices, or under expert parallelism its whole
+    // experts), counted by its backend over every decode step, replays
+    // included.
+    const kernels::MoeStats moe_stats = backend.TakeMoeStats();
+    const int64_t expert_bytes = moe_stats.expert_bytes_read;
+    const int64_t active_experts = moe_stats.active_experts;
     // Time the threads waited for a core over wall time x threads (-1 unknown).
     auto wait_share = [&](double from, double to, double wall) {
       return from < 0 || to < 0 ? -1.0 : (to - from) / (wall * backend_threads);

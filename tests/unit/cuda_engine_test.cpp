@@ -11,7 +11,8 @@
 // CPU engine's; with SnapKV (alone and with Quest) its kept positions and
 // tokens do too. A seeded sampled request (SampleRows on the device) gives
 // the CPU engine's tokens, alone and batched. Two tensor-parallel ranks on
-// one GPU replay decode steps from graphs and write the CPU's tokens.
+// one GPU replay decode steps from graphs and write the CPU's tokens, and
+// so do the sparse presets (their MoE layers captured).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -40,27 +41,18 @@ std::vector<TokenId> Prompt(int n, uint32_t seed) {
 }
 
 // The tokens of `requests` (ids 1, 2, ... in order), all submitted at once
-// (one batch) to an engine over the model in `dir`; with first_logprobs,
-// each request's top logprobs at its first token.
-std::map<RequestId, std::vector<TokenId>> RunRequests(
-    kernels::Backend* backend, std::vector<EngineRequest> requests,
-    std::map<RequestId, std::vector<TokenLogprob>>* first_logprobs = nullptr,
-    const std::string& dir = testing::TinyModelDir(), const KvEviction& eviction = {}) {
-  auto model = Model::Load(dir, backend, LoadFormat::kSafetensors, eviction);
-  EXPECT_TRUE(model.ok()) << model.status().ToString();
-  if (!model.ok()) return {};
-  EngineOptions options;
-  options.kv_cache_bytes = 4 << 20;
-  auto engine = Engine::Create(model->get(), options);
-  EXPECT_TRUE(engine.ok()) << engine.status().ToString();
-  if (!engine.ok()) return {};
+// (one batch) to `engine`; with first_logprobs, each request's top
+// logprobs at its first token.
+std::map<RequestId, std::vector<TokenId>> RunOnEngine(
+    Engine& engine, std::vector<EngineRequest> requests,
+    std::map<RequestId, std::vector<TokenLogprob>>* first_logprobs = nullptr) {
   for (size_t i = 0; i < requests.size(); ++i) {
     requests[i].id = static_cast<RequestId>(i + 1);
-    EXPECT_TRUE((*engine)->AddRequest(std::move(requests[i])).ok());
+    EXPECT_TRUE(engine.AddRequest(std::move(requests[i])).ok());
   }
   std::map<RequestId, std::vector<TokenId>> out;
-  while ((*engine)->HasUnfinished()) {
-    auto step = (*engine)->Step();
+  while (engine.HasUnfinished()) {
+    auto step = engine.Step();
     EXPECT_TRUE(step.ok()) << step.status().ToString();
     if (!step.ok()) break;
     for (const auto& o : *step) {
@@ -73,11 +65,25 @@ std::map<RequestId, std::vector<TokenId>> RunRequests(
   return out;
 }
 
-// Greedy tokens of every prompt, all submitted at once (one batch).
-std::map<RequestId, std::vector<TokenId>> RunGreedy(
-    kernels::Backend* backend, const std::vector<std::vector<TokenId>>& prompts, int max_tokens,
+// RunOnEngine on an engine over the model in `dir`.
+std::map<RequestId, std::vector<TokenId>> RunRequests(
+    kernels::Backend* backend, std::vector<EngineRequest> requests,
     std::map<RequestId, std::vector<TokenLogprob>>* first_logprobs = nullptr,
     const std::string& dir = testing::TinyModelDir(), const KvEviction& eviction = {}) {
+  auto model = Model::Load(dir, backend, LoadFormat::kSafetensors, eviction);
+  EXPECT_TRUE(model.ok()) << model.status().ToString();
+  if (!model.ok()) return {};
+  EngineOptions options;
+  options.kv_cache_bytes = 4 << 20;
+  auto engine = Engine::Create(model->get(), options);
+  EXPECT_TRUE(engine.ok()) << engine.status().ToString();
+  if (!engine.ok()) return {};
+  return RunOnEngine(**engine, std::move(requests), first_logprobs);
+}
+
+// Greedy requests of max_tokens tokens for every prompt.
+std::vector<EngineRequest> GreedyRequests(const std::vector<std::vector<TokenId>>& prompts,
+                                          int max_tokens, bool logprobs = false) {
   std::vector<EngineRequest> requests(prompts.size());
   for (size_t i = 0; i < prompts.size(); ++i) {
     EngineRequest& r = requests[i];
@@ -85,9 +91,18 @@ std::map<RequestId, std::vector<TokenId>> RunGreedy(
     r.params.temperature = 0;
     r.params.max_tokens = max_tokens;
     r.params.ignore_eos = true;
-    if (first_logprobs != nullptr) r.params.logprobs = kMaxLogprobs;
+    if (logprobs) r.params.logprobs = kMaxLogprobs;
   }
-  return RunRequests(backend, std::move(requests), first_logprobs, dir, eviction);
+  return requests;
+}
+
+// Greedy tokens of every prompt, all submitted at once (one batch).
+std::map<RequestId, std::vector<TokenId>> RunGreedy(
+    kernels::Backend* backend, const std::vector<std::vector<TokenId>>& prompts, int max_tokens,
+    std::map<RequestId, std::vector<TokenLogprob>>* first_logprobs = nullptr,
+    const std::string& dir = testing::TinyModelDir(), const KvEviction& eviction = {}) {
+  return RunRequests(backend, GreedyRequests(prompts, max_tokens, first_logprobs != nullptr),
+                     first_logprobs, dir, eviction);
 }
 
 TEST(CudaEngineTest, GreedyTokensEqualTheCpuEngine) {
@@ -488,25 +503,37 @@ TEST(CudaEngineTest, TensorParallelGraphsOnOneGpuGiveTheCpuTokens) {
   options.kv_cache_bytes = 4 << 20;
   auto engine = Engine::Create((*group)->shards(), options);
   ASSERT_TRUE(engine.ok()) << engine.status().ToString();
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    EngineRequest r;
-    r.id = static_cast<RequestId>(i + 1);
-    r.prompt = prompts[i];
-    r.params.temperature = 0;
-    r.params.max_tokens = 40;
-    r.params.ignore_eos = true;
-    ASSERT_TRUE((*engine)->AddRequest(std::move(r)).ok());
-  }
-  std::map<RequestId, std::vector<TokenId>> got;
-  while ((*engine)->HasUnfinished()) {
-    auto step = (*engine)->Step();
-    ASSERT_TRUE(step.ok()) << step.status().ToString();
-    for (const auto& o : *step) {
-      got[o.id].insert(got[o.id].end(), o.new_token_ids.begin(), o.new_token_ids.end());
-    }
-  }
-  EXPECT_EQ(got, want);
+  EXPECT_EQ(RunOnEngine(**engine, GreedyRequests(prompts, 40)), want);
   for (int r = 0; r < 2; ++r) EXPECT_GT((*engine)->executor().graph_replays(r), 0) << "rank " << r;
+}
+
+// Sparse presets (Qwen3-MoE, Mixtral, DeepSeek-V3 with its shared expert)
+// with graphs on, as by default: their MoE layers take the grouped kernels,
+// which never wait for the host, so decode steps replay from graphs, and
+// the greedy tokens are the CPU engine's.
+TEST(CudaEngineTest, SparsePresetsReplayDecodeGraphsWithTheCpuTokens) {
+  auto gpu = kernels::CreateBackend("cuda", 0);
+  if (!gpu.ok()) GTEST_SKIP() << gpu.status().message();
+  auto cpu = kernels::CreateBackend("cpu", 2);
+  ASSERT_TRUE(cpu.ok());
+  for (const char* preset : {"qwen3-moe", "mixtral", "deepseek-v3"}) {
+    SCOPED_TRACE(preset);
+    auto spec = PresetModelSpec(preset);
+    ASSERT_TRUE(spec.ok());
+    const std::string dir = testing::ModelDir(std::string("cuda_") + preset, *spec);
+    std::vector<std::vector<TokenId>> prompts;
+    for (int n : {1, 17, 300}) prompts.push_back(Prompt(n, 800 + n));
+    const auto want = RunGreedy(cpu->get(), prompts, 40, nullptr, dir);
+    auto model = Model::Load(dir, gpu->get(), LoadFormat::kSafetensors);
+    ASSERT_TRUE(model.ok()) << model.status().ToString();
+    EXPECT_TRUE((*model)->sparse_layers_capturable());
+    EngineOptions options;
+    options.kv_cache_bytes = 4 << 20;
+    auto engine = Engine::Create(model->get(), options);
+    ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+    EXPECT_EQ(RunOnEngine(**engine, GreedyRequests(prompts, 40)), want);
+    EXPECT_GT((*engine)->executor().graph_replays(0), 0);
+  }
 }
 
 TEST(CudaEngineTest, UnknownOrMissingDevicesAreClearErrors) {

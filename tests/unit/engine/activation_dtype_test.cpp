@@ -174,10 +174,11 @@ class Bf16ActivationBackend final : public Backend {
   void MoeRoute(const Tensor& logits, const MoeRouting& r, int32_t* ids, float* w) override {
     cpu_.MoeRoute(logits, r, ids, w);
   }
-  void MoeFfn(const Tensor& x, const MoeWeights& w, const Tensor& out, MoeStats* s) override {
+  void MoeFfn(const Tensor& x, const MoeWeights& w, const Tensor& out) override {
     Widened f;
-    cpu_.MoeFfn(f(x), w, f(out), s);
+    cpu_.MoeFfn(f(x), w, f(out));
   }
+  MoeStats TakeMoeStats() override { return cpu_.TakeMoeStats(); }
 
  private:
   CpuBackend cpu_{2};

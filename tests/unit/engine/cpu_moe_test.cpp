@@ -58,8 +58,8 @@ TEST(CpuMoeTest, MoeFfnMatchesThePerTokenReference) {
         const HostBlock b = Weights(p);
 
         std::vector<float> out(tokens * p.hidden, NAN);
-        MoeStats stats;
-        cpu.MoeFfn(X(p.x, tokens, p.hidden), b.w, X(out, tokens, p.hidden), &stats);
+        cpu.MoeFfn(X(p.x, tokens, p.hidden), b.w, X(out, tokens, p.hidden));
+        const MoeStats stats = cpu.TakeMoeStats();
         EXPECT_LT(moe_test::RelativeError(out, want), 1e-5);
         const int64_t active = moe_test::ActiveExperts(routing);
         EXPECT_EQ(stats.active_experts, active);
@@ -68,8 +68,11 @@ TEST(CpuMoeTest, MoeFfnMatchesThePerTokenReference) {
 
         // In place (out aliasing x), as the engine calls it.
         std::vector<float> in_place = p.x;
-        cpu.MoeFfn(X(in_place, tokens, p.hidden), b.w, X(in_place, tokens, p.hidden), nullptr);
+        cpu.MoeFfn(X(in_place, tokens, p.hidden), b.w, X(in_place, tokens, p.hidden));
         EXPECT_EQ(in_place, out);
+        // Each call counts once, and taking the counts resets them.
+        EXPECT_EQ(cpu.TakeMoeStats().active_experts, active);
+        EXPECT_EQ(cpu.TakeMoeStats().active_experts, 0);
       }
     }
   }
@@ -275,13 +278,13 @@ TEST(CpuMoeTest, SharedExpertIsAddedToTheRoutedSum) {
     }
   }
   std::vector<float> out(tokens * hidden, NAN);
-  MoeStats stats;
-  cpu.MoeFfn(X(p.x, tokens, hidden), b.w, X(out, tokens, hidden), &stats);
+  cpu.MoeFfn(X(p.x, tokens, hidden), b.w, X(out, tokens, hidden));
+  const MoeStats stats = cpu.TakeMoeStats();
   EXPECT_LT(moe_test::RelativeError(out, want), 1e-5);
   // The shared expert is read every step and not counted with the routed ones.
   EXPECT_EQ(stats.expert_bytes_read, moe_test::ActiveExperts(routing) * p.ExpertBytes());
   std::vector<float> in_place = p.x;
-  cpu.MoeFfn(X(in_place, tokens, hidden), b.w, X(in_place, tokens, hidden), nullptr);
+  cpu.MoeFfn(X(in_place, tokens, hidden), b.w, X(in_place, tokens, hidden));
   EXPECT_EQ(in_place, out);
 }
 
@@ -290,8 +293,8 @@ TEST(CpuMoeTest, NoTokensReadsNothing) {
   const Problem p = moe_test::MakeProblem(rng, 1, 16, 8, 8, 2, true);
   const HostBlock b = Weights(p);
   CpuBackend cpu(1);
-  MoeStats stats{7, 7};
-  cpu.MoeFfn(X(p.x, 0, p.hidden), b.w, X(p.x, 0, p.hidden), &stats);
+  cpu.MoeFfn(X(p.x, 0, p.hidden), b.w, X(p.x, 0, p.hidden));
+  const MoeStats stats = cpu.TakeMoeStats();
   EXPECT_EQ(stats.active_experts, 0);
   EXPECT_EQ(stats.expert_bytes_read, 0);
 }

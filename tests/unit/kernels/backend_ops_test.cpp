@@ -1452,9 +1452,32 @@ TEST_F(BackendOpsTest, MoeRoute) {
   }
 }
 
+// Checkpoint matrices (host memory) prepared by `b` as one Linear product.
+LinearWeights Prepared(Backend& b, Mem& mem, std::initializer_list<WeightMatrix> parts) {
+  auto w = b.PrepareLinear(parts.begin(), static_cast<int>(parts.size()), nullptr,
+                           /*in_place=*/false, mem.store());
+  EXPECT_TRUE(w.ok()) << w.status().ToString();
+  return w.ok() ? *w : LinearWeights{};
+}
+
+// A problem's experts as fp32 weights prepared by `b`.
+std::vector<MoeExpertWeights> PreparedF32Experts(Backend& b, Mem& mem, const moe_test::Problem& p) {
+  std::vector<MoeExpertWeights> experts(p.experts);
+  for (int64_t e = 0; e < p.experts; ++e) {
+    experts[e].gate_up = Prepared(b, mem,
+                                  {{p.gate[e].data(), DType::kF32, p.inter, p.hidden},
+                                   {p.up[e].data(), DType::kF32, p.inter, p.hidden}});
+    experts[e].down = Prepared(b, mem, {{p.down[e].data(), DType::kF32, p.hidden, p.inter}});
+  }
+  return experts;
+}
+
 // Whole blocks, fp32 and bf16 experts (the router fp32 on both, so both
 // route from the same logits), one token to more than one grouping tile's
-// worth, top_k up to 4, a DeepSeek block with a shared expert, in place.
+// worth, top_k up to 4, a DeepSeek block with a shared expert, in place;
+// each block unprepared and prepared (PrepareMoe: on CUDA the grouped
+// kernels take the prepared blocks of up to 64 tokens, the per-expert
+// products the rest). The counts cover every call.
 TEST_F(BackendOpsTest, MoeFfn) {
   struct Case {
     int64_t tokens, hidden, inter, experts, top_k;
@@ -1496,11 +1519,9 @@ TEST_F(BackendOpsTest, MoeFfn) {
       }
       std::vector<MoeStats> stats;
       auto run = [&](Backend& b, Mem& mem) -> Outputs {
+        b.TakeMoeStats();
         auto prepare = [&](std::initializer_list<WeightMatrix> parts) {
-          auto w = b.PrepareLinear(parts.begin(), static_cast<int>(parts.size()), nullptr, false,
-                                   mem.store());
-          EXPECT_TRUE(w.ok()) << w.status().ToString();
-          return *w;
+          return Prepared(b, mem, parts);
         };
         std::vector<MoeExpertWeights> experts(c.experts);
         for (int64_t e = 0; e < c.experts; ++e) {
@@ -1519,13 +1540,21 @@ TEST_F(BackendOpsTest, MoeFfn) {
           shared.down = prepare({{sd.data(), DType::kF32, c.hidden, si}});
           w.shared = &shared;
         }
-        const Tensor out = mem.Poisoned({c.tokens, c.hidden});
-        MoeStats st;
-        b.MoeFfn(mem.F32(p.x, {c.tokens, c.hidden}), w, out, &st);
-        stats.push_back(st);
-        const Tensor in_place = mem.F32(p.x, {c.tokens, c.hidden});
-        b.MoeFfn(in_place, w, in_place, nullptr);
-        return {mem.Down(out), mem.Down(in_place)};
+        Outputs outputs;
+        for (const bool prepared : {false, true}) {
+          if (prepared) {
+            auto capturable = b.PrepareMoe(&w, mem.store());
+            EXPECT_TRUE(capturable.ok() && *capturable) << b.name();
+          }
+          const Tensor out = mem.Poisoned({c.tokens, c.hidden});
+          b.MoeFfn(mem.F32(p.x, {c.tokens, c.hidden}), w, out);
+          const Tensor in_place = mem.F32(p.x, {c.tokens, c.hidden});
+          b.MoeFfn(in_place, w, in_place);
+          outputs.push_back(mem.Down(out));
+          outputs.push_back(mem.Down(in_place));
+        }
+        stats.push_back(b.TakeMoeStats());
+        return outputs;
       };
       Compare("MoeFfn", dtype == DType::kF32 ? 1e-5 : 5e-3, run);
       for (const MoeStats& st : stats) {
@@ -1534,7 +1563,147 @@ TEST_F(BackendOpsTest, MoeFfn) {
       }
       EXPECT_EQ(stats[0].expert_bytes_read,
                 stats[0].active_experts * 3 * c.inter * c.hidden * DTypeBits(dtype) / 8);
+      EXPECT_EQ(stats[0].active_experts % 4, 0);  // four calls, each the same experts
+      EXPECT_GT(stats[0].active_experts, 0);
     }
+  }
+}
+
+// fp8 experts, scaled per tensor (per row once packed), per row and per
+// 128 x 128 or 1 x 128 block: one and six tokens, each block unprepared
+// and prepared (CUDA: the fp8 GEMV per expert, then the grouped kernels),
+// both the weight-only product of fp32 activations (1e-5, as LinearFp8's
+// few rows).
+TEST_F(BackendOpsTest, MoeFfnFp8Experts) {
+  struct Scheme {
+    WeightScheme scheme;
+    int64_t br, bc;
+  };
+  const int64_t hidden = 256, inter = 128, experts = 6, top_k = 2;
+  std::uniform_int_distribution<int> code(0, 255);
+  std::uniform_real_distribution<float> exponent(-10.f, -6.f);
+  const moe_test::Problem p = moe_test::MakeProblem(rng_, 6, hidden, inter, experts, top_k, true);
+  for (const Scheme& sc :
+       {Scheme{WeightScheme::kFp8Tensor, 0, 0}, Scheme{WeightScheme::kFp8Channel, 0, 0},
+        Scheme{WeightScheme::kFp8Block, 128, 128}, Scheme{WeightScheme::kFp8Block, 1, 128}}) {
+    SCOPED_TRACE(std::string(WeightSchemeName(sc.scheme)) + " " + std::to_string(sc.br) + "x" +
+                 std::to_string(sc.bc));
+    // Expert e's gate, up and down: codes (never NaN) and scales.
+    struct Stored {
+      std::vector<uint8_t> codes;
+      std::vector<float> scales;
+      WeightMatrix Matrix(int64_t rows, int64_t cols, Scheme s) const {
+        return {codes.data(), DType::kFP8E4M3, rows, cols, s.scheme, scales.data(), s.br, s.bc};
+      }
+    };
+    auto make = [&](int64_t rows, int64_t cols) {
+      Stored m;
+      m.codes.resize(rows * cols);
+      for (auto& b : m.codes) {
+        do b = static_cast<uint8_t>(code(rng_));
+        while ((b & 0x7f) == 0x7f);
+      }
+      const WeightMatrix shape{nullptr,   DType::kFP8E4M3, rows,  cols,
+                               sc.scheme, nullptr,         sc.br, sc.bc};
+      m.scales.resize(shape.num_scales());
+      for (auto& v : m.scales) v = std::exp2(exponent(rng_));
+      return m;
+    };
+    std::vector<Stored> gate, up, down;
+    for (int64_t e = 0; e < experts; ++e) {
+      gate.push_back(make(inter, hidden));
+      up.push_back(make(inter, hidden));
+      down.push_back(make(hidden, inter));
+    }
+    for (const int64_t tokens : {1, 6}) {
+      SCOPED_TRACE(std::to_string(tokens) + " tokens");
+      Compare("MoeFfn fp8", 1e-5, [&](Backend& b, Mem& mem) -> Outputs {
+        std::vector<MoeExpertWeights> all(experts);
+        for (int64_t e = 0; e < experts; ++e) {
+          all[e].gate_up = Prepared(
+              b, mem, {gate[e].Matrix(inter, hidden, sc), up[e].Matrix(inter, hidden, sc)});
+          all[e].down = Prepared(b, mem, {down[e].Matrix(hidden, inter, sc)});
+        }
+        MoeWeights w;
+        w.router = Prepared(b, mem, {{p.router.data(), DType::kF32, experts, hidden}});
+        w.routing = MoeRouting::Softmax(experts, top_k, true);
+        w.experts = all.data();
+        const std::vector<float> x(p.x.begin(), p.x.begin() + tokens * hidden);
+        Outputs outputs;
+        for (const bool prepared : {false, true}) {
+          if (prepared) {
+            auto capturable = b.PrepareMoe(&w, mem.store());
+            EXPECT_TRUE(capturable.ok() && *capturable) << b.name();
+          }
+          const Tensor out = mem.Poisoned({tokens, hidden});
+          b.MoeFfn(mem.F32(x, {tokens, hidden}), w, out);
+          outputs.push_back(mem.Down(out));
+        }
+        return outputs;
+      });
+    }
+  }
+}
+
+// A prepared block captured in a graph (CUDA: the grouped kernels, which
+// never wait for the host) and replayed on new inputs gives what eager
+// calls give, and its replays are counted. On the CPU the graph runs the
+// call again, so the test holds there too.
+TEST_F(BackendOpsTest, MoeFfnCapturedReplaysWithNewInputs) {
+  const int64_t tokens = 6, hidden = 64, inter = 48, experts = 10, top_k = 2;
+  const moe_test::Problem p =
+      moe_test::MakeProblem(rng_, tokens, hidden, inter, experts, top_k, true);
+  // New inputs: the rows in reverse order (each row's routing is clear of
+  // near ties, and its constant feature keeps the dead experts out).
+  std::vector<float> x2;
+  for (int64_t t = tokens - 1; t >= 0; --t) {
+    x2.insert(x2.end(), p.x.begin() + t * hidden, p.x.begin() + (t + 1) * hidden);
+  }
+  auto run = [&](Backend& b, Mem& mem, bool capture) -> Outputs {
+    std::vector<MoeExpertWeights> all = PreparedF32Experts(b, mem, p);
+    MoeWeights w;
+    w.router = Prepared(b, mem, {{p.router.data(), DType::kF32, experts, hidden}});
+    w.routing = MoeRouting::Softmax(experts, top_k, true);
+    w.experts = all.data();
+    auto capturable = b.PrepareMoe(&w, mem.store());
+    EXPECT_TRUE(capturable.ok() && *capturable) << b.name();
+    b.TakeMoeStats();
+    const Tensor x = mem.F32(p.x, {tokens, hidden});
+    const Tensor out = mem.Poisoned({tokens, hidden});
+    Outputs outputs;
+    if (!capture) {
+      b.MoeFfn(x, w, out);
+      outputs.push_back(mem.Down(out));
+      b.Upload(x.as<float>(), x2.data(), x2.size() * sizeof(float));
+      b.MoeFfn(x, w, out);
+      outputs.push_back(mem.Down(out));
+    } else {
+      auto graph = b.CaptureGraph([&] { b.MoeFfn(x, w, out); });
+      EXPECT_NE(graph, nullptr) << "the capture failed";
+      if (graph == nullptr) return {};
+      b.ReplayGraph(*graph);
+      outputs.push_back(mem.Down(out));
+      b.Upload(x.as<float>(), x2.data(), x2.size() * sizeof(float));
+      b.ReplayGraph(*graph);
+      outputs.push_back(mem.Down(out));
+    }
+    const MoeStats st = b.TakeMoeStats();
+    outputs.push_back(
+        {static_cast<float>(st.active_experts), static_cast<float>(st.expert_bytes_read)});
+    return outputs;
+  };
+  Mem ref_mem(&reference_);
+  const Outputs want = run(reference_, ref_mem, false);
+  ASSERT_EQ(want.size(), 3u);
+  EXPECT_GE(want[2][0], 2.0f);  // each call routed to some expert
+  for (Target& t : targets_) {
+    SCOPED_TRACE(t.name);
+    Mem mem(t.backend.get());
+    const Outputs got = run(*t.backend, mem, true);
+    ASSERT_EQ(got.size(), want.size());
+    ExpectClose("the first replay", got[0], want[0], 1e-5);
+    ExpectClose("the replay on new inputs", got[1], want[1], 1e-5);
+    EXPECT_EQ(got[2], want[2]) << "active experts and bytes over the two replays";
   }
 }
 
@@ -1551,42 +1720,42 @@ TEST_F(BackendOpsTest, MoeFfnOverPartsOfTheExpertsAddsUpToAllOfThem) {
   const auto su = moe_test::Uniform(rng_, si * hidden, 0.2f);
   const auto sd = moe_test::Uniform(rng_, hidden * si, 0.2f);
   auto run = [&](Backend& b, Mem& mem) -> Outputs {
-    auto prepare = [&](std::initializer_list<WeightMatrix> m) {
-      auto w = b.PrepareLinear(m.begin(), static_cast<int>(m.size()), nullptr, false, mem.store());
-      EXPECT_TRUE(w.ok()) << w.status().ToString();
-      return *w;
-    };
-    std::vector<MoeExpertWeights> all(experts);
-    for (int64_t e = 0; e < experts; ++e) {
-      all[e].gate_up = prepare({{p.gate[e].data(), DType::kF32, inter, hidden},
-                                {p.up[e].data(), DType::kF32, inter, hidden}});
-      all[e].down = prepare({{p.down[e].data(), DType::kF32, hidden, inter}});
-    }
+    std::vector<MoeExpertWeights> all = PreparedF32Experts(b, mem, p);
     MoeExpertWeights shared;
-    shared.gate_up =
-        prepare({{sg.data(), DType::kF32, si, hidden}, {su.data(), DType::kF32, si, hidden}});
-    shared.down = prepare({{sd.data(), DType::kF32, hidden, si}});
+    shared.gate_up = Prepared(
+        b, mem, {{sg.data(), DType::kF32, si, hidden}, {su.data(), DType::kF32, si, hidden}});
+    shared.down = Prepared(b, mem, {{sd.data(), DType::kF32, hidden, si}});
     MoeWeights w;
-    w.router = prepare({{p.router.data(), DType::kF32, experts, hidden}});
+    w.router = Prepared(b, mem, {{p.router.data(), DType::kF32, experts, hidden}});
     w.routing = MoeRouting::Softmax(experts, top_k, true);
     w.experts = all.data();
     w.shared = &shared;
     const Tensor whole = mem.Poisoned({tokens, hidden});
-    b.MoeFfn(mem.F32(p.x, {tokens, hidden}), w, whole, nullptr);
-    std::vector<float> sum(tokens * hidden, 0.0f);
-    for (int64_t part = 0; part < parts; ++part) {
-      std::vector<MoeExpertWeights> held(experts);
-      for (int64_t e = part; e < experts; e += parts) held[e] = all[e];
-      w.experts = held.data();
-      w.shared = part == 0 ? &shared : nullptr;
-      const Tensor out = mem.Poisoned({tokens, hidden});
-      b.MoeFfn(mem.F32(p.x, {tokens, hidden}), w, out, nullptr);
-      const std::vector<float> got = mem.Down(out);
-      for (size_t i = 0; i < sum.size(); ++i) sum[i] += got[i];
-    }
+    b.MoeFfn(mem.F32(p.x, {tokens, hidden}), w, whole);
     const std::vector<float> want = mem.Down(whole);
-    ExpectClose("parts against all experts", sum, want, 1e-5);
-    return {sum, want};
+    Outputs outputs = {want};
+    // Unprepared and prepared (CUDA: per-expert products, then the grouped
+    // kernels, which read a null table entry for each expert held elsewhere).
+    for (const bool prepared : {false, true}) {
+      std::vector<float> sum(tokens * hidden, 0.0f);
+      for (int64_t part = 0; part < parts; ++part) {
+        std::vector<MoeExpertWeights> held(experts);
+        for (int64_t e = part; e < experts; e += parts) held[e] = all[e];
+        w.experts = held.data();
+        w.shared = part == 0 ? &shared : nullptr;
+        if (prepared) {
+          EXPECT_TRUE(b.PrepareMoe(&w, mem.store()).ok());
+        }
+        const Tensor out = mem.Poisoned({tokens, hidden});
+        b.MoeFfn(mem.F32(p.x, {tokens, hidden}), w, out);
+        const std::vector<float> got = mem.Down(out);
+        for (size_t i = 0; i < sum.size(); ++i) sum[i] += got[i];
+      }
+      ExpectClose(prepared ? "prepared parts against all experts" : "parts against all experts",
+                  sum, want, 1e-5);
+      outputs.push_back(sum);
+    }
+    return outputs;
   };
   Compare("MoeFfn over parts", 1e-5, run);
 }
