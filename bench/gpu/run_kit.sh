@@ -451,7 +451,7 @@ if [[ $WHAT == verify ]]; then
   for t in backend_ops_test cuda_engine_test cuda_fp8_gemm_test; do
     step "$t"
     PDSERVE_BIN=$PDSERVE PDSERVE_REAL_MODEL_DIR=$KIT/models/stories260K \
-      timeout 60 "$KIT/bin/$t" --gtest_brief=1 > "$logs/$t.log" 2>&1
+      timeout 120 "$KIT/bin/$t" --gtest_brief=1 > "$logs/$t.log" 2>&1
     summary+=("$t: exit $?, $(grep -c '^\[  FAILED  \]' "$logs/$t.log") FAILED lines")
     pack
   done
