@@ -16,6 +16,7 @@
 
 #include "engine/engine.h"
 #include "engine/kv_cache.h"
+#include "engine/make_model.h"
 #include "tests/support/test_models.h"
 
 namespace pdserve {
@@ -43,8 +44,7 @@ struct Rig {
   std::unique_ptr<ModelRunner> runner;
   uint32_t next_block = 0;
 
-  explicit Rig(GraphMode graphs) {
-    Model* model = testing::TinyCpuModel();
+  explicit Rig(GraphMode graphs, Model* model = testing::TinyCpuModel()) {
     auto p = KvCachePool::Create(model->backend(), model->config(), DType::kF32, 16, 4 << 20);
     EXPECT_TRUE(p.ok()) << p.status().ToString();
     pool = std::move(*p);
@@ -123,6 +123,33 @@ TEST(ModelRunnerTest, DecodeStepsReplayedFromGraphsGiveTheEagerTokens) {
   // Decode steps of buckets 4, 2 and 8 replayed; prefill steps run eagerly.
   EXPECT_EQ(graphs.runner->graphs_captured(), 4);
   EXPECT_EQ(graphs.runner->graph_replays(), 40 - 2);
+}
+
+// A sparse model (the qwen3-moe preset: MoE layers, one dense layer):
+// PrepareMoe finds every block capturable, so its decode steps replay from
+// graphs too, with the eager tokens.
+TEST(ModelRunnerTest, SparseModelDecodeStepsReplayFromGraphs) {
+  auto spec = PresetModelSpec("qwen3-moe");
+  ASSERT_TRUE(spec.ok());
+  testing::LoadedCpuModel loaded =
+      testing::LoadCpuModel(testing::ModelDir("runner_qwen3_moe", *spec));
+  ASSERT_NE(loaded.model, nullptr);
+  Model* model = loaded.model.get();
+  ASSERT_TRUE(model->has_sparse_layers());
+  EXPECT_TRUE(model->sparse_layers_capturable());
+  Rig eager(GraphMode::kOff, model), graphs(GraphMode::kAlways, model);
+  EXPECT_EQ(graphs.runner->graphs_captured(), 4);
+  std::vector<Seq> a;
+  for (uint64_t id : {1, 2, 3}) {
+    Seq s{id, Prompt(4 + 5 * static_cast<int>(id), static_cast<uint32_t>(id)), 0, {}, {}};
+    s.params.ignore_eos = true;
+    a.push_back(s);
+  }
+  std::vector<Seq> b = a;
+  for (int step = 0; step < 12; ++step) {
+    ASSERT_EQ(graphs.Step(b), eager.Step(a)) << "step " << step;
+  }
+  EXPECT_EQ(graphs.runner->graph_replays(), 12 - 1);
 }
 
 // The captures at creation run their graphs once on padding rows: they
