@@ -286,6 +286,39 @@ struct EngineRun {
   std::vector<std::vector<std::vector<int32_t>>> kept;  // SnapKV's kept sets, per prompt
 };
 
+// Greedy requests of `prompts` (ids 1, 2, ...; prompt i decoding
+// max_tokens[i] tokens, with each chosen token's logprob when `logprobs`),
+// added to `engine` at once and run to the end.
+EngineRun RunGreedyOn(Engine& engine, const std::vector<std::vector<TokenId>>& prompts,
+                      const std::vector<int>& max_tokens, bool logprobs) {
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    EngineRequest req;
+    req.id = static_cast<RequestId>(i + 1);
+    req.prompt = prompts[i];
+    req.params.temperature = 0;
+    req.params.max_tokens = max_tokens[i];
+    req.params.ignore_eos = true;
+    if (logprobs) req.params.logprobs = 0;
+    EXPECT_TRUE(engine.AddRequest(std::move(req)).ok());
+  }
+  EngineRun out;
+  out.tokens.resize(prompts.size());
+  out.logprobs.resize(prompts.size());
+  out.kept.resize(prompts.size());
+  while (engine.HasUnfinished()) {
+    auto step = engine.Step();
+    EXPECT_TRUE(step.ok()) << step.status().ToString();
+    if (!step.ok()) break;
+    for (const auto& o : *step) {
+      auto& seq = out.tokens[o.id - 1];
+      seq.insert(seq.end(), o.new_token_ids.begin(), o.new_token_ids.end());
+      for (const SampledToken& t : o.logprobs) out.logprobs[o.id - 1].push_back(t.logprob);
+      if (out.kept[o.id - 1].empty()) out.kept[o.id - 1] = engine.SnapKvKept(o.id);
+    }
+  }
+  return out;
+}
+
 EngineRun EngineGreedyRun(const std::string& dir, int size,
                           const std::vector<std::vector<TokenId>>& prompts, int max_tokens,
                           bool expert_parallel, const KvEviction& eviction, int block_size) {
@@ -299,32 +332,8 @@ EngineRun EngineGreedyRun(const std::string& dir, int size,
   auto engine = Engine::Create(loaded.ranks, options);
   EXPECT_TRUE(engine.ok()) << engine.status().ToString();
   if (!engine.ok()) return {};
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    EngineRequest req;
-    req.id = static_cast<RequestId>(i + 1);
-    req.prompt = prompts[i];
-    req.params.temperature = 0;
-    req.params.max_tokens = max_tokens;
-    req.params.ignore_eos = true;
-    req.params.logprobs = 0;
-    EXPECT_TRUE((*engine)->AddRequest(std::move(req)).ok());
-  }
-  EngineRun out;
-  out.tokens.resize(prompts.size());
-  out.logprobs.resize(prompts.size());
-  out.kept.resize(prompts.size());
-  while ((*engine)->HasUnfinished()) {
-    auto step = (*engine)->Step();
-    EXPECT_TRUE(step.ok()) << step.status().ToString();
-    if (!step.ok()) break;
-    for (const auto& o : *step) {
-      auto& seq = out.tokens[o.id - 1];
-      seq.insert(seq.end(), o.new_token_ids.begin(), o.new_token_ids.end());
-      for (const SampledToken& t : o.logprobs) out.logprobs[o.id - 1].push_back(t.logprob);
-      if (out.kept[o.id - 1].empty()) out.kept[o.id - 1] = (*engine)->SnapKvKept(o.id);
-    }
-  }
-  return out;
+  return RunGreedyOn(**engine, prompts, std::vector<int>(prompts.size(), max_tokens),
+                     /*logprobs=*/true);
 }
 
 std::vector<std::vector<TokenId>> EngineGreedy(const std::string& dir, int size,
@@ -451,26 +460,8 @@ GraphRun EngineGraphRun(const std::string& dir, int size, GraphMode mode,
   auto engine = Engine::Create(loaded.ranks, options);
   EXPECT_TRUE(engine.ok()) << engine.status().ToString();
   if (!engine.ok()) return {};
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    EngineRequest req;
-    req.id = static_cast<RequestId>(i + 1);
-    req.prompt = prompts[i];
-    req.params.temperature = 0;
-    req.params.max_tokens = max_tokens[i];
-    req.params.ignore_eos = true;
-    EXPECT_TRUE((*engine)->AddRequest(std::move(req)).ok());
-  }
   GraphRun out;
-  out.tokens.resize(prompts.size());
-  while ((*engine)->HasUnfinished()) {
-    auto step = (*engine)->Step();
-    EXPECT_TRUE(step.ok()) << step.status().ToString();
-    if (!step.ok()) break;
-    for (const auto& o : *step) {
-      auto& seq = out.tokens[o.id - 1];
-      seq.insert(seq.end(), o.new_token_ids.begin(), o.new_token_ids.end());
-    }
-  }
+  out.tokens = RunGreedyOn(**engine, prompts, max_tokens, /*logprobs=*/false).tokens;
   for (int r = 0; r < size; ++r) out.replays.push_back((*engine)->executor().graph_replays(r));
   return out;
 }
