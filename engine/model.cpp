@@ -506,7 +506,9 @@ Status Model::LoadWeights(const WeightFiles& files) {
   };
 
   {
-    // The embedding table is read by row, so it is fp32 on every backend.
+    // The embedding table is kept as stored where the backend computes with
+    // that dtype (Embedding widens the rows it reads; a tied LM head is a
+    // Linear over it), else widened to fp32.
     auto found = Tensor(files, "model.embed_tokens.weight", {c.vocab_size, H});
     if (!found.ok()) return found.status();
     const auto& t = **found;
@@ -519,16 +521,23 @@ Status Model::LoadWeights(const WeightFiles& files) {
                      : *t.dtype == DType::kF16 ? kernels::F16ToF32(kernels::F32ToF16(scale))
                                                : scale;
     }
-    if (*t.dtype == DType::kF32 && backend_->SharesHostMemory() &&
-        reinterpret_cast<uintptr_t>(t.data) % 4 == 0) {
-      embedding_ = reinterpret_cast<const float*>(t.data);
+    const bool as_stored =
+        (*t.dtype == DType::kF32 || *t.dtype == DType::kBF16 || *t.dtype == DType::kF16) &&
+        backend_->SupportsWeightDType(*t.dtype);
+    embedding_dtype_ = as_stored ? *t.dtype : DType::kF32;
+    const size_t elem = DTypeBits(embedding_dtype_) / 8;
+    const size_t table_bytes = static_cast<size_t>(c.vocab_size * H) * elem;
+    if (as_stored && backend_->SharesHostMemory() &&
+        reinterpret_cast<uintptr_t>(t.data) % elem == 0) {
+      embedding_ = t.data;
+    } else if (as_stored) {
+      embedding_ = store_->Upload(t.data, table_bytes);
     } else {
       std::vector<float> tmp(c.vocab_size * H);
       ConvertToF32(t, tmp.data());
-      embedding_ = static_cast<const float*>(store_->Upload(tmp.data(), tmp.size() * 4));
-      if (embedding_ == nullptr)
-        return Status::ResourceExhausted("out of memory loading embeddings");
+      embedding_ = store_->Upload(tmp.data(), table_bytes);
     }
+    if (embedding_ == nullptr) return Status::ResourceExhausted("out of memory loading embeddings");
   }
   layers_.resize(c.num_layers);
   for (int64_t l = 0; l < c.num_layers; ++l) {
@@ -630,10 +639,13 @@ Status Model::LoadWeights(const WeightFiles& files) {
   const Cut vocab_cut = vocab_slice_ > 0 ? Cut{rank * vocab_slice_, vocab_slice_} : Cut{};
   const int64_t head_rows = vocab_slice_ > 0 ? vocab_slice_ : c.vocab_size;
   if (c.tie_word_embeddings) {
-    // The embedding table (or its rows), already fp32 backend memory, as it is.
+    // The embedding table (or its rows), already backend memory in a dtype
+    // the backend computes with, as it is.
+    const int64_t elem = DTypeBits(embedding_dtype_) / 8;
     lm_head_ = kernels::LinearWeights::Of(
-        WeightMatrix{embedding_ + vocab_cut.begin * H, DType::kF32, head_rows, H});
-    bytes += head_rows * H * 4;
+        WeightMatrix{static_cast<const uint8_t*>(embedding_) + vocab_cut.begin * H * elem,
+                     embedding_dtype_, head_rows, H});
+    bytes += head_rows * H * elem;
   } else {
     PDSERVE_RETURN_IF_ERROR(
         linear({"lm_head.weight"}, {c.vocab_size}, H, {}, &lm_head_, {vocab_cut}));
@@ -799,7 +811,7 @@ void Model::Forward(const StepInputs& in, const kernels::AttentionPlan& plan) {
   const Tensor x = A(s.x, T, H), h = A(s.h, T, H);
   const float eps = static_cast<float>(c.rms_norm_eps);
   const float scale = static_cast<float>(c.AttentionScale());
-  b.Embedding(Tensor::Of(embedding_, DType::kF32, {c.vocab_size, H}), in.token_ids, x);
+  b.Embedding(Tensor::Of(embedding_, embedding_dtype_, {c.vocab_size, H}), in.token_ids, x);
   if (embed_scale_ != 1.0f) b.Scale(x, embed_scale_);
   b.RmsNorm(x, F32(layers_[0].input_norm, H), eps, h);
   for (int64_t l = 0; l < c.num_layers; ++l) {

@@ -333,7 +333,12 @@ class Model {
   std::vector<std::vector<float>> host_floats_;   // KeepFloats
   std::vector<std::vector<uint8_t>> host_bytes_;  // SliceColumns' copies
   TensorParallelRank tp_;
-  const float* embedding_ = nullptr;
+  // The embedding table [vocab, hidden] in the checkpoint's dtype where the
+  // backend computes with it (Backend::SupportsWeightDType), else fp32; a
+  // tied LM head reads the same memory, so it streams 2 bytes a parameter
+  // for a 16-bit checkpoint, not 4.
+  const void* embedding_ = nullptr;
+  DType embedding_dtype_ = DType::kF32;
   std::vector<Layer> layers_;
   const float* final_norm_ = nullptr;
   kernels::LinearWeights lm_head_;

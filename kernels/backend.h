@@ -193,7 +193,7 @@ class Backend {
   virtual void SoftCap(const Tensor& x, float cap) = 0;
   // x += y, both of one shape.
   virtual void Add(const Tensor& x, const Tensor& y) = 0;
-  // out [tokens, dim] = table [vocab, dim] rows ids[t].
+  // out [tokens, dim] fp32 = table [vocab, dim] (fp32, bf16 or fp16) rows ids[t], widened.
   virtual void Embedding(const Tensor& table, const int32_t* ids, const Tensor& out) = 0;
   // out [count, dim]: row i is row rows[i] of x [*, dim].
   virtual void GatherRows(const Tensor& x, const int32_t* rows, const Tensor& out) = 0;

@@ -9,6 +9,7 @@
 #include <limits>
 #include <vector>
 
+#include "kernels/cpu/gemv.h"
 #include "kernels/cpu/kv_codec.h"
 #include "kernels/cpu/paged_attention.h"
 #include "kernels/float_convert.h"
@@ -197,7 +198,18 @@ void CpuBackend::AddRmsNorm(const Tensor& x, const Tensor& y, const Tensor& weig
 }
 
 void CpuBackend::Embedding(const Tensor& table, const int32_t* ids, const Tensor& out) {
-  GatherRows(table, ids, out);
+  if (table.dtype == DType::kF32) return GatherRows(table, ids, out);
+  OpCheck(table.dtype == DType::kBF16 || table.dtype == DType::kF16, "Embedding",
+          "takes an fp32, bf16 or fp16 table");
+  CheckF32(out, "Embedding");
+  const int64_t dim = out.row_size();
+  OpCheck(table.row_size() == dim && table.packed(), "Embedding",
+          "takes a packed table of out's row size");
+  const WeightMatrix rows{table.data, table.dtype, table.rows(), dim};
+  const RowLayout to = out.row_layout();
+  for (int64_t i = 0; i < out.rows(); ++i) {
+    WeightRowsToF32(simd_, rows, ids[i], ids[i] + 1, out.as<float>() + to.offset(i));
+  }
 }
 
 void CpuBackend::GatherRows(const Tensor& x, const int32_t* rows, const Tensor& out) {

@@ -1,7 +1,10 @@
 // Element-wise activations and row gathers (kernels/cuda/ops.h): SwiGLU and
 // GeLU-tanh GLU over the two halves of a gate|up product, the residual add,
 // scaling and soft-capping in place, and the gather behind the embedding
-// lookup and the logits rows.
+// lookup (from an fp32, bf16 or fp16 table) and the logits rows.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include "kernels/cuda/ops.h"
 #include "kernels/op_check.h"
 
@@ -45,12 +48,18 @@ __global__ void AddKernel(float* x, const float* y, int64_t n) {
   if (i < n) x[i] += y[i];
 }
 
-__global__ void GatherKernel(const float* x, RowLayout xl, const int32_t* rows, int64_t count,
+__device__ __forceinline__ float Widened(float v) { return v; }
+__device__ __forceinline__ float Widened(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float Widened(__half v) { return __half2float(v); }
+
+// out row r = x row rows[r], each element widened exactly to fp32.
+template <typename T>
+__global__ void GatherKernel(const T* x, RowLayout xl, const int32_t* rows, int64_t count,
                              int64_t dim, float* out, RowLayout ol) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= count * dim) return;
   const int64_t r = i / dim, c = i % dim;
-  out[ol.offset(r) + c] = x[xl.offset(rows[r]) + c];
+  out[ol.offset(r) + c] = Widened(x[xl.offset(rows[r]) + c]);
 }
 
 }  // namespace
@@ -120,6 +129,25 @@ void GatherRows(const Tensor& x, const int32_t* rows, const Tensor& out, cudaStr
   GatherKernel<<<Blocks(count * dim), kThreads, 0, stream>>>(
       x.as<const float>(), x.row_layout(), rows, count, dim, out.as<float>(), out.row_layout());
   Check(cudaGetLastError(), "GatherRows");
+}
+
+void Embedding(const Tensor& table, const int32_t* ids, const Tensor& out, cudaStream_t stream) {
+  if (table.dtype == DType::kF32) return GatherRows(table, ids, out, stream);
+  kernels::OpCheck(table.dtype == DType::kBF16 || table.dtype == DType::kF16, "Embedding",
+                   "takes an fp32, bf16 or fp16 table");
+  kernels::CheckF32(out, "Embedding");
+  const int64_t count = out.rows(), dim = out.row_size();
+  kernels::OpCheck(table.row_size() == dim, "Embedding", "takes table and out of one row size");
+  if (count * dim == 0) return;
+  const RowLayout tl = table.row_layout(), ol = out.row_layout();
+  if (table.dtype == DType::kBF16) {
+    GatherKernel<<<Blocks(count * dim), kThreads, 0, stream>>>(
+        table.as<const __nv_bfloat16>(), tl, ids, count, dim, out.as<float>(), ol);
+  } else {
+    GatherKernel<<<Blocks(count * dim), kThreads, 0, stream>>>(table.as<const __half>(), tl, ids,
+                                                               count, dim, out.as<float>(), ol);
+  }
+  Check(cudaGetLastError(), "Embedding");
 }
 
 }  // namespace pdserve::cuda

@@ -407,7 +407,7 @@ void CudaBackend::Add(const Tensor& x, const Tensor& y) {
 
 void CudaBackend::Embedding(const Tensor& table, const int32_t* ids, const Tensor& out) {
   MakeCurrent();
-  cuda::GatherRows(table, ids, out, state_->stream);
+  cuda::Embedding(table, ids, out, state_->stream);
 }
 
 void CudaBackend::GatherRows(const Tensor& x, const int32_t* rows, const Tensor& out) {

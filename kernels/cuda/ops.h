@@ -73,6 +73,8 @@ void Scale(const Tensor& x, float factor, cudaStream_t stream);
 void SoftCap(const Tensor& x, float cap, cudaStream_t stream);
 void Add(const Tensor& x, const Tensor& y, cudaStream_t stream);
 void GatherRows(const Tensor& x, const int32_t* rows, const Tensor& out, cudaStream_t stream);
+// Backend::Embedding: GatherRows from an fp32, bf16 or fp16 table.
+void Embedding(const Tensor& table, const int32_t* ids, const Tensor& out, cudaStream_t stream);
 
 // ---- Sampling (sampling.cu): greedy and the whole algorithm of
 // kernels/sampling.h, one block per row; logit adjustments, one thread

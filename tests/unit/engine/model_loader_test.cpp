@@ -102,6 +102,42 @@ TEST(ModelLoaderTest, Bf16WeightsAreConvertedAndModelIdFallsBackToFolder) {
   EXPECT_EQ((*m)->model_id(), "bf16-no-name");
 }
 
+// A tied LM head is the embedding table as stored: a bf16 or fp16 model
+// streams it at 2 bytes a parameter, as it would a separate lm_head.weight,
+// and computes the same logits as the untied copy whose lm_head.weight is
+// the embedding (bit for bit: the same matrix in the same dtype).
+TEST(ModelLoaderTest, TiedSixteenBitHeadIsTheStoredEmbedding) {
+  for (const DType dtype : {DType::kBF16, DType::kF16}) {
+    const std::string name(DTypeName(dtype));
+    SCOPED_TRACE(name);
+    ModelSpec spec = *PresetModelSpec("tiny");
+    spec.dtype = dtype;
+    spec.tie_word_embeddings = true;
+    const std::string tied = testing::ModelDir("tied-" + name, spec);
+    const std::string untied = testing::NewTempDir("untied-" + name);
+    for (const auto& e : fs::directory_iterator(tied)) {
+      fs::copy_file(e.path(), fs::path(untied) / e.path().filename());
+    }
+    EditConfig(untied, [](json& c) { c["tie_word_embeddings"] = false; });
+    EditTensors(untied, [](std::vector<TensorToWrite>& t) {
+      for (const TensorToWrite& x : std::vector<TensorToWrite>(t)) {
+        if (x.name != "model.embed_tokens.weight") continue;
+        TensorToWrite head = x;
+        head.name = "lm_head.weight";
+        t.push_back(head);
+      }
+    });
+    testing::LoadedCpuModel a = testing::LoadCpuModel(tied), b = testing::LoadCpuModel(untied);
+    ASSERT_TRUE(a.model && b.model);
+    EXPECT_EQ(a.model->weight_bytes_per_step(), b.model->weight_bytes_per_step());
+    const std::vector<int32_t> prompt = {1, 7, 300, 42, 5, 511, 0, 9};
+    const auto la = testing::PromptLogits(a.model.get(), prompt);
+    const auto lb = testing::PromptLogits(b.model.get(), prompt);
+    ASSERT_FALSE(la.empty());
+    EXPECT_EQ(la, lb);
+  }
+}
+
 TEST(ModelLoaderTest, MakeModelIsDeterministic) {
   const std::string a = testing::NewTempDir("det-a"), b = testing::NewTempDir("det-b");
   ModelSpec spec = *PresetModelSpec("tiny");

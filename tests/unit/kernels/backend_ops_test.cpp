@@ -501,6 +501,49 @@ TEST_F(BackendOpsTest, AddEmbeddingAndGatherRows) {
   });
 }
 
+// A 16-bit embedding table (the checkpoint's dtype, kept as stored where the
+// backend computes with it): each gathered row is the table's row widened
+// exactly, on every backend, checked against the scalar conversions; rows
+// written through a strided out keep the columns between them.
+TEST_F(BackendOpsTest, EmbeddingWidensSixteenBitTables) {
+  const int64_t vocab = 37, dim = 72;
+  const std::vector<int32_t> ids = {36, 0, 5, 5, 20, 1};
+  const auto count = static_cast<int64_t>(ids.size());
+  const auto values = Random(vocab * dim, -3.f, 3.f);
+  for (const DType dtype : {DType::kBF16, DType::kF16}) {
+    std::vector<uint16_t> bits(values.size());
+    std::vector<float> want(count * 2 * dim, NAN);  // out rows of 2 * dim, the first half written
+    for (size_t i = 0; i < values.size(); ++i) {
+      bits[i] = dtype == DType::kBF16 ? F32ToBf16(values[i]) : F32ToF16(values[i]);
+    }
+    for (int64_t t = 0; t < count; ++t) {
+      for (int64_t c = 0; c < dim; ++c) {
+        const uint16_t b = bits[ids[t] * dim + c];
+        want[t * 2 * dim + c] = dtype == DType::kBF16 ? Bf16ToF32(b) : F16ToF32(b);
+      }
+    }
+    std::vector<Backend*> backends = {&reference_};
+    for (Target& t : targets_) {
+      if (t.backend->SupportsWeightDType(dtype)) backends.push_back(t.backend.get());
+    }
+    for (Backend* b : backends) {
+      SCOPED_TRACE(b->name() + " " + std::string(DTypeName(dtype)));
+      Mem mem(b);
+      const Tensor table = Tensor::Of(mem.Up(bits), dtype, {vocab, dim});
+      const Tensor out = mem.Poisoned({count, 2 * dim});
+      b->Embedding(table, mem.Up(ids), out.Columns(0, dim));
+      const std::vector<float> got = mem.Down(out);
+      for (size_t i = 0; i < want.size(); ++i) {
+        if (std::isnan(want[i])) {
+          EXPECT_TRUE(std::isnan(got[i])) << "column " << i % (2 * dim) << " past the row written";
+        } else {
+          ASSERT_EQ(got[i], want[i]) << "element " << i;
+        }
+      }
+    }
+  }
+}
+
 // Greedy sampling on the backend: a Llama-3 sized vocabulary, ties (the
 // lowest column wins), NaN (never wins), a row of -inf (0), the last column.
 TEST_F(BackendOpsTest, ArgMaxRows) {
