@@ -120,10 +120,13 @@ TEST(TensorParallelTest, PresetsEqualOneRank) {
 // The LM head: by default each rank computes the logits of its 1/N of the
 // vocabulary and the ranks gather them; replicated on request, and where N
 // does not divide the vocabulary. Tied (the embedding's rows) and untied
-// (lm_head.weight's rows), the logits equal one rank's either way.
+// (lm_head.weight's rows; tied fp32 and bf16), the logits equal one rank's
+// either way.
 TEST(TensorParallelTest, LmHeadVocabParallelOrReplicatedEqualsOneRank) {
   ModelSpec tied = *PresetModelSpec("tiny");
   tied.tie_word_embeddings = true;
+  ModelSpec tied_bf16 = tied;  // each rank's slice of the table as stored, 2 bytes a value
+  tied_bf16.dtype = DType::kBF16;
   ModelSpec odd = *PresetModelSpec("qwen3");
   odd.num_merges -= 1;  // vocab 511: neither 2 nor 4 divides it
   struct Case {
@@ -132,6 +135,7 @@ TEST(TensorParallelTest, LmHeadVocabParallelOrReplicatedEqualsOneRank) {
   };
   const std::vector<Case> cases = {
       {testing::ModelDir("tp-lm-head-tied", tied), tied.vocab_size()},
+      {testing::ModelDir("tp-lm-head-tied-bf16", tied_bf16), tied_bf16.vocab_size()},
       {testing::ModelDir("qwen3", *PresetModelSpec("qwen3")),
        PresetModelSpec("qwen3")->vocab_size()},
       {testing::ModelDir("tp-lm-head-odd-vocab", odd), odd.vocab_size()}};
