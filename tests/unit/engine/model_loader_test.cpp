@@ -2,6 +2,7 @@
 // sharded), zero-copy, and a specific error for every kind of broken input.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -121,12 +122,13 @@ TEST(ModelLoaderTest, TiedSixteenBitHeadIsTheStoredEmbedding) {
     }
     EditConfig(untied, [](json& c) { c["tie_word_embeddings"] = false; });
     EditTensors(untied, [](std::vector<TensorToWrite>& t) {
-      for (const TensorToWrite& x : std::vector<TensorToWrite>(t)) {
-        if (x.name != "model.embed_tokens.weight") continue;
-        TensorToWrite head = x;
-        head.name = "lm_head.weight";
-        t.push_back(head);
-      }
+      const auto embedding = std::find_if(t.begin(), t.end(), [](const TensorToWrite& x) {
+        return x.name == "model.embed_tokens.weight";
+      });
+      ASSERT_NE(embedding, t.end());
+      TensorToWrite head = *embedding;
+      head.name = "lm_head.weight";
+      t.push_back(std::move(head));
     });
     testing::LoadedCpuModel a = testing::LoadCpuModel(tied), b = testing::LoadCpuModel(untied);
     ASSERT_TRUE(a.model && b.model);
