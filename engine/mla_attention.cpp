@@ -231,30 +231,40 @@ Status Model::LoadMlaAttention(const WeightFiles& files, const std::string& pref
   }
 
   // kv_b_proj: head h's rows are its nope key rows, then its value rows.
+  // Absorbed as uk_t (each head's key rows transposed) and uv: in the
+  // checkpoint's 16-bit dtype where the backend computes with it (the same
+  // values, half the bytes a step streams), else fp32, dequantised where
+  // the checkpoint is fp8.
   {
-    // fp32, dequantised where the checkpoint is fp8.
     auto kv_b = Matrix(files, a + "kv_b_proj.weight", c.num_heads * (nope + vd), R,
                        head_rows(nope + vd), {});
     if (!kv_b.ok()) return kv_b.status();
-    std::vector<float> uk_t(heads * R * nope), uv(heads * vd * R);
+    const bool sixteen_bit = (kv_b->dtype == DType::kBF16 || kv_b->dtype == DType::kF16) &&
+                             kv_b->scheme == kernels::WeightScheme::kNone &&
+                             backend_->SupportsWeightDType(kv_b->dtype);
+    const DType dtype = sixteen_bit ? kv_b->dtype : DType::kF32;
+    const int64_t size = DTypeBits(dtype) / 8;
+    std::vector<uint8_t> uk_t(heads * R * nope * size), uv(heads * vd * R * size);
+    // Element (row, col) of kv_b into element i of `to`, as stored or widened.
+    auto put = [&](std::vector<uint8_t>& to, int64_t i, int64_t row, int64_t col) {
+      if (sixteen_bit) {
+        std::memcpy(&to[i * 2], static_cast<const uint8_t*>(kv_b->data) + (row * R + col) * 2, 2);
+      } else {
+        const float v = ElementAsF32(*kv_b, row, col);
+        std::memcpy(&to[i * 4], &v, 4);
+      }
+    };
     for (int64_t h = 0; h < heads; ++h) {
       const int64_t base = h * (nope + vd);
       for (int64_t i = 0; i < nope; ++i) {
-        for (int64_t r = 0; r < R; ++r) {
-          uk_t[(h * R + r) * nope + i] = ElementAsF32(*kv_b, base + i, r);
-        }
+        for (int64_t r = 0; r < R; ++r) put(uk_t, (h * R + r) * nope + i, base + i, r);
       }
       for (int64_t d = 0; d < vd; ++d) {
-        for (int64_t r = 0; r < R; ++r) {
-          uv[(h * vd + d) * R + r] = ElementAsF32(*kv_b, base + nope + d, r);
-        }
+        for (int64_t r = 0; r < R; ++r) put(uv, (h * vd + d) * R + r, base + nope + d, r);
       }
     }
-    auto upload = [&](const std::vector<float>& v) {
-      return static_cast<const float*>(store_->Upload(v.data(), v.size() * 4));
-    };
-    M.uk_t = WeightMatrix{upload(uk_t), DType::kF32, heads * R, nope};
-    M.uv = WeightMatrix{upload(uv), DType::kF32, heads * vd, R};
+    M.uk_t = WeightMatrix{store_->Upload(uk_t.data(), uk_t.size()), dtype, heads * R, nope};
+    M.uv = WeightMatrix{store_->Upload(uv.data(), uv.size()), dtype, heads * vd, R};
     if (M.uk_t.data == nullptr || M.uv.data == nullptr) {
       return Status::ResourceExhausted("out of memory loading attention weights");
     }

@@ -208,7 +208,8 @@ class Model {
     kernels::LinearWeights kv_latent;  // [kv_lora_rank, hidden]
     kernels::LinearWeights k_pe;       // [qk_rope_head_dim, hidden]
     const float* kv_norm = nullptr;    // kv_a_layernorm
-    // kv_b_proj split for the absorbed form, fp32: each head's key part
+    // kv_b_proj split for the absorbed form (the checkpoint's 16-bit dtype
+    // where the backend takes it, else fp32): each head's key part
     // transposed (queries into the latent space) and its value part.
     kernels::WeightMatrix uk_t;  // [heads * kv_lora_rank, qk_nope_head_dim]
     kernels::WeightMatrix uv;    // [heads * v_head_dim, kv_lora_rank]

@@ -262,10 +262,11 @@ class Backend {
   //
   // Per-head products: for every token t and head h < heads,
   // y[t][h] = x[t][h] . W_h^T, where W_h is rows [h * out, (h + 1) * out) of
-  // w ([heads * out, in], fp32), out = w.rows / heads and in = w.cols; x is
-  // [tokens, heads, in], y [tokens, heads, out] packed. MLA absorbs
-  // kv_b_proj with it: each head's query into the latent space, its output
-  // back out of it.
+  // w ([heads * out, in]; fp32, or a 16-bit dtype SupportsWeightDType takes,
+  // computed as Linear computes that dtype), out = w.rows / heads and in =
+  // w.cols; x is [tokens, heads, in], y [tokens, heads, out] packed. MLA
+  // absorbs kv_b_proj with it: each head's query into the latent space, its
+  // output back out of it.
   virtual void HeadsLinear(const Tensor& x, const WeightMatrix& w, const Tensor& y) = 0;
   // Stores the latent of `layer`: c_kv ([tokens, R]) and k_pe ([tokens, P])
   // become one vector [c_kv | k_pe] per token at slots[t]. Slot order, the

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/gemv.h"
 #include "kernels/cpu/kv_codec.h"
 #include "kernels/op_check.h"
 
@@ -23,19 +24,46 @@ void CpuBackend::HeadsLinear(const Tensor& xt, const WeightMatrix& w, const Tens
           "HeadsLinear", "takes x [tokens, heads, in] and y [tokens, heads, out]");
   const int64_t tokens = xt.shape[0], heads = xt.shape[1];
   if (tokens <= 0 || heads <= 0) return;
-  OpCheck(w.dtype == DType::kF32 && w.rows % heads == 0 && w.rows / heads == yt.shape[2] &&
-              w.cols == xt.shape[2],
-          "HeadsLinear", "takes fp32 [heads * out, in] weights");
+  OpCheck(w.scheme == WeightScheme::kNone && SupportsWeightDType(w.dtype) && w.rows % heads == 0 &&
+              w.rows / heads == yt.shape[2] && w.cols == xt.shape[2],
+          "HeadsLinear", "takes fp32, bf16 or fp16 [heads * out, in] weights");
   const float* x = xt.as<const float>();
   float* y = yt.as<float>();
   const int64_t out = w.rows / heads, in = w.cols;
-  const auto* weights = static_cast<const float*>(w.data);
+  const int64_t row_bytes = in * DTypeBits(w.dtype) / 8;
   pool_.ParallelFor(heads, [&](int64_t begin, int64_t end) {
+    std::vector<float> gathered, widened;
     for (int64_t h = begin; h < end; ++h) {
+      const float* xh = x + h * in;
+      float* yh = y + h * out;
+      WeightMatrix wh = w;
+      wh.data = static_cast<const uint8_t*>(w.data) + h * out * row_bytes;
+      wh.rows = out;
+      // A 16-bit head's few rows (decode) stream its weights as stored, as
+      // Linear does; x_h's rows are heads * in apart, so more than one is
+      // gathered first.
+      if (w.dtype != DType::kF32 && tokens <= kMaxStreamingRows) {
+        if (tokens > 1) {
+          gathered.resize(tokens * in);
+          for (int64_t t = 0; t < tokens; ++t)
+            std::copy(xh + t * heads * in, xh + t * heads * in + in, gathered.begin() + t * in);
+          xh = gathered.data();
+        }
+        LinearRows(simd_, xh, tokens, wh, nullptr, 0, out, yh, heads * out);
+        continue;
+      }
+      // Otherwise one BLAS product, of the head's weights widened (exactly)
+      // where they are 16-bit.
+      const float* weights = static_cast<const float*>(wh.data);
+      if (w.dtype != DType::kF32) {
+        widened.resize(out * in);
+        WeightRowsToF32(simd_, wh, 0, out, widened.data());
+        weights = widened.data();
+      }
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<blasint>(tokens),
-                  static_cast<blasint>(out), static_cast<blasint>(in), 1.0f, x + h * in,
-                  static_cast<blasint>(heads * in), weights + h * out * in,
-                  static_cast<blasint>(in), 0.0f, y + h * out, static_cast<blasint>(heads * out));
+                  static_cast<blasint>(out), static_cast<blasint>(in), 1.0f, xh,
+                  static_cast<blasint>(heads * in), weights, static_cast<blasint>(in), 0.0f, yh,
+                  static_cast<blasint>(heads * out));
     }
   });
 }

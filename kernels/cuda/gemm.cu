@@ -256,20 +256,35 @@ void HeadsLinear(const Gemm& g, const Tensor& x, const WeightMatrix& w, const Te
       "HeadsLinear", "takes x [tokens, heads, in] and y [tokens, heads, out]");
   const int64_t tokens = x.shape[0], heads = x.shape[1];
   if (tokens == 0 || heads == 0) return;
-  kernels::OpCheck(w.dtype == DType::kF32 && w.rows % heads == 0 && w.rows / heads == y.shape[2] &&
-                       w.cols == x.shape[2],
-                   "HeadsLinear", "takes fp32 [heads * out, in] weights");
+  kernels::OpCheck(w.scheme == kernels::WeightScheme::kNone &&
+                       (w.dtype == DType::kF32 || w.dtype == DType::kBF16) && w.rows % heads == 0 &&
+                       w.rows / heads == y.shape[2] && w.cols == x.shape[2],
+                   "HeadsLinear", "takes fp32 or bf16 [heads * out, in] weights");
   // Head h: row-major y_h[tokens, out] = x_h[tokens, in] W_h^T, rows of x_h
   // heads * in apart and of y_h heads * out apart; column-major that is
   // y_h^T = W_h x_h^T, one batch entry per head.
   const float one = 1.0f, zero = 0.0f;
   const int64_t out = w.rows / heads, in = w.cols;
-  Check(cublasSgemmStridedBatched(
-            g.fp32, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(out), static_cast<int>(tokens),
-            static_cast<int>(in), &one, static_cast<const float*>(w.data), static_cast<int>(in),
-            out * in, x.as<const float>(), static_cast<int>(heads * in), in, &zero, y.as<float>(),
-            static_cast<int>(heads * out), out, static_cast<int>(heads)),
-        "cublasSgemmStridedBatched");
+  const int m = static_cast<int>(out), n = static_cast<int>(tokens), k = static_cast<int>(in);
+  const int ldx = static_cast<int>(heads * in), ldy = static_cast<int>(heads * out);
+  if (w.dtype == DType::kF32) {
+    Check(cublasSgemmStridedBatched(g.fp32, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &one,
+                                    static_cast<const float*>(w.data), k, out * in,
+                                    x.as<const float>(), ldx, in, &zero, y.as<float>(), ldy, out,
+                                    static_cast<int>(heads)),
+          "cublasSgemmStridedBatched");
+    return;
+  }
+  // bf16 weights multiply x rounded to bf16 (Linear's arithmetic), sums fp32.
+  const int64_t count = tokens * heads * in;
+  auto* xb = g.bf16_x->Get<__nv_bfloat16>(count, g.stream);
+  F32ToBf16Kernel<<<Blocks(count), kThreads, 0, g.stream>>>(x.as<const float>(), xb, count);
+  Check(cudaGetLastError(), "F32ToBf16");
+  Check(cublasGemmStridedBatchedEx(g.bf16, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &one, w.data,
+                                   CUDA_R_16BF, k, out * in, xb, CUDA_R_16BF, ldx, in, &zero,
+                                   y.as<float>(), CUDA_R_32F, ldy, out, static_cast<int>(heads),
+                                   CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+        "cublasGemmStridedBatchedEx bf16");
 }
 
 }  // namespace pdserve::cuda

@@ -52,7 +52,8 @@ struct Gemm {
 void Linear(const Gemm& g, const Tensor& x, const LinearWeights& w, const Tensor& y);
 // Linear for fp8 weights packed by CudaBackend::PrepareLinear (one part).
 void Fp8Linear(const Gemm& g, const Tensor& x, const LinearWeights& w, const Tensor& y);
-// Per-head products as one strided-batched SGEMM.
+// Per-head products as one strided-batched GEMM (fp32, or bf16 weights
+// with x rounded to bf16).
 void HeadsLinear(const Gemm& g, const Tensor& x, const WeightMatrix& w, const Tensor& y);
 
 // ---- Norm (norm.cu).

@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -14,6 +16,7 @@
 #include "engine/model.h"
 #include "engine/safetensors.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/float_convert.h"
 #include "tests/support/test_models.h"
 
 namespace pdserve {
@@ -142,6 +145,53 @@ TEST(ModelLoaderTest, TiedSixteenBitHeadIsTheStoredEmbedding) {
     ASSERT_FALSE(la.empty());
     EXPECT_EQ(la, lb);
   }
+}
+
+// MLA's absorbed kv_b_proj stays in the checkpoint's 16-bit dtype on the
+// CPU: a bf16 DeepSeek-V2-Lite preset streams 2 bytes less per kv_b_proj
+// parameter each step than the same model with kv_b_proj stored fp32 (the
+// same values widened), and computes the same logits up to summation order.
+TEST(ModelLoaderTest, MlaAbsorbedProjectionsKeepTheStoredSixteenBits) {
+  ModelSpec spec = *PresetModelSpec("deepseek-v2-lite");
+  spec.dtype = DType::kBF16;
+  const std::string bf16 = testing::ModelDir("mla-kv-b-bf16", spec);
+  const std::string wide = testing::NewTempDir("mla-kv-b-f32");
+  for (const auto& e : fs::directory_iterator(bf16)) {
+    fs::copy_file(e.path(), fs::path(wide) / e.path().filename());
+  }
+  int64_t kv_b_parameters = 0;
+  EditTensors(wide, [&](std::vector<TensorToWrite>& t) {
+    for (TensorToWrite& x : t) {
+      if (x.name.find("kv_b_proj.weight") == std::string::npos) continue;
+      ASSERT_EQ(x.dtype_name, "BF16");
+      std::vector<uint8_t> f32(x.data.size() * 2);
+      for (size_t i = 0; i < x.data.size() / 2; ++i) {
+        uint16_t h;
+        std::memcpy(&h, &x.data[2 * i], 2);
+        const float v = kernels::Bf16ToF32(h);
+        std::memcpy(&f32[4 * i], &v, 4);
+      }
+      x.data = std::move(f32);
+      x.dtype_name = "F32";
+      kv_b_parameters += static_cast<int64_t>(x.data.size() / 4);
+    }
+  });
+  ASSERT_GT(kv_b_parameters, 0);
+  testing::LoadedCpuModel a = testing::LoadCpuModel(bf16), b = testing::LoadCpuModel(wide);
+  ASSERT_TRUE(a.model && b.model);
+  EXPECT_EQ(b.model->weight_bytes_per_step() - a.model->weight_bytes_per_step(),
+            2 * kv_b_parameters);
+  const std::vector<int32_t> prompt = {1, 7, 300, 42, 5, 511, 0, 9};
+  const auto la = testing::PromptLogits(a.model.get(), prompt);
+  const auto lb = testing::PromptLogits(b.model.get(), prompt);
+  ASSERT_EQ(la.size(), lb.size());
+  ASSERT_FALSE(la.empty());
+  double num = 0, den = 0;
+  for (size_t i = 0; i < la.size(); ++i) {
+    num += (la[i] - lb[i]) * static_cast<double>(la[i] - lb[i]);
+    den += static_cast<double>(lb[i]) * lb[i];
+  }
+  EXPECT_LE(std::sqrt(num / den), 1e-5);
 }
 
 TEST(ModelLoaderTest, MakeModelIsDeterministic) {

@@ -1442,6 +1442,46 @@ TEST_F(BackendOpsTest, HeadsLinear) {
   });
 }
 
+// 16-bit weights (MLA's absorbed kv_b_proj in the checkpoint's dtype) on
+// every backend that takes the dtype, against the reference's fp32 product
+// of the same values widened: one token (decode), a few, and more than the
+// CPU streams (BLAS on the widened head). The CPU keeps x in fp32 (1e-5);
+// CUDA rounds it to bf16, as its Linear does.
+TEST_F(BackendOpsTest, HeadsLinearSixteenBitWeights) {
+  const int64_t heads = 5, in = 40, out = 24;
+  const auto values = Random(heads * out * in);
+  for (const DType dtype : {DType::kBF16, DType::kF16}) {
+    std::vector<uint16_t> bits(values.size());
+    std::vector<float> widened(values.size());
+    for (size_t i = 0; i < values.size(); ++i) {
+      bits[i] = dtype == DType::kBF16 ? F32ToBf16(values[i]) : F32ToF16(values[i]);
+      widened[i] = dtype == DType::kBF16 ? Bf16ToF32(bits[i]) : F16ToF32(bits[i]);
+    }
+    for (const int64_t tokens : {1, 7, 70}) {
+      const auto x = Random(tokens * heads * in);
+      Mem ref_mem(&reference_);
+      const Tensor want_y = ref_mem.Poisoned({tokens, heads, out});
+      reference_.HeadsLinear(ref_mem.F32(x, {tokens, heads, in}),
+                             WeightMatrix{ref_mem.Up(widened), DType::kF32, heads * out, in},
+                             want_y);
+      const std::vector<float> want = ref_mem.Down(want_y);
+      std::vector<std::pair<std::string, Backend*>> backends = {{"reference", &reference_}};
+      for (Target& t : targets_) {
+        if (t.backend->SupportsWeightDType(dtype)) backends.push_back({t.name, t.backend.get()});
+      }
+      for (const auto& [name, b] : backends) {
+        SCOPED_TRACE(name + " " + std::string(DTypeName(dtype)) + " tokens " +
+                     std::to_string(tokens));
+        Mem mem(b);
+        const Tensor y = mem.Poisoned({tokens, heads, out});
+        b->HeadsLinear(mem.F32(x, {tokens, heads, in}),
+                       WeightMatrix{mem.Up(bits), dtype, heads * out, in}, y);
+        ExpectClose("HeadsLinear", mem.Down(y), want, name == "cuda" ? 5e-3 : 1e-5);
+      }
+    }
+  }
+}
+
 // ---- Mixture of experts -----------------------------------------------------
 
 // Softmax top-k routing (top_k 1 to 32, ties in all-equal rows) and
