@@ -228,8 +228,14 @@ StatusOr<bool> CudaBackend::PrepareMoe(MoeWeights* w, WeightStore* store) {
   if (!grouped) return false;
   if (state_->moe.device_stats == nullptr) {
     void* stats = nullptr;
-    Check(cudaMalloc(&stats, 2 * sizeof(unsigned long long)), "MoE stats");
-    Check(cudaMemset(stats, 0, 2 * sizeof(unsigned long long)), "MoE stats");
+    if (cudaMalloc(&stats, 2 * sizeof(unsigned long long)) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return Status::ResourceExhausted("out of memory for the MoE counters");
+    }
+    // Zeroed on the backend's stream (which does not wait for the legacy
+    // default stream) before anything on it reads the counters.
+    Check(cudaMemsetAsync(stats, 0, 2 * sizeof(unsigned long long), state_->stream), "MoE stats");
+    Check(cudaStreamSynchronize(state_->stream), "MoE stats");
     state_->moe.device_stats = static_cast<unsigned long long*>(stats);
   }
   w->prepared = store->Upload(table.data(), table.size() * sizeof(table[0]));

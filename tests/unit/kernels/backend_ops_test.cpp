@@ -663,7 +663,12 @@ TEST_F(BackendOpsTest, SampleRowsMatchesTheHostSampler) {
     auto dead = Random(vocab, -8, 8);
     for (int64_t t = 0; t < vocab; t += vocab / 3) dead[t] = -INFINITY;
     add_row(dead, masked);
-    // Flat rows: thousands of tokens in the crossing bin.
+    // Flat rows: thousands of tokens in the crossing bin. Each token holds
+    // less of the mass than the boundary window (1e-4) at the larger
+    // vocabularies, so every draw lies within rounding of some boundary and
+    // the ulps in which the host's and device's exp differ can reorder the
+    // crossing bin: these rows' near-boundary differences are not limited.
+    const auto first_flat = static_cast<int64_t>(params.size());
     for (int draw = 0; draw < 4; ++draw) {
       SampleRowParams flat;
       flat.temperature = 1;
@@ -687,7 +692,7 @@ TEST_F(BackendOpsTest, SampleRowsMatchesTheHostSampler) {
     for (Target& t : targets_) {
       if (t.name != "cuda") continue;
       const auto [tokens, lp, ids] = run(*t.backend);
-      int near_boundary = 0;
+      int near_boundary = 0, flat_near_boundary = 0;
       for (int64_t r = 0; r < rows; ++r) {
         SCOPED_TRACE(r);
         const SampleRowParams& p = params[r];
@@ -720,16 +725,18 @@ TEST_F(BackendOpsTest, SampleRowsMatchesTheHostSampler) {
           }
         }
         if (near) {
-          ++near_boundary;
+          ++(r >= first_flat ? flat_near_boundary : near_boundary);
         } else {
           ADD_FAILURE() << "token " << tokens[r] << ", the CPU's " << want_tokens[r];
         }
       }
-      EXPECT_LE(near_boundary, rows / 50) << "rows whose draw is within rounding of a boundary";
+      EXPECT_LE(near_boundary, first_flat / 50)
+          << "rows whose draw is within rounding of a boundary";
       std::printf(
           "[   INFO   ] vocab %lld: %d of %lld rows differ within "
-          "rounding of a boundary\n",
-          static_cast<long long>(vocab), near_boundary, static_cast<long long>(rows));
+          "rounding of a boundary, and %d of the %lld flat ones\n",
+          static_cast<long long>(vocab), near_boundary, static_cast<long long>(first_flat),
+          flat_near_boundary, static_cast<long long>(rows - first_flat));
     }
   }
 }

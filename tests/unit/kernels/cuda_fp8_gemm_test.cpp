@@ -155,7 +155,11 @@ TEST_F(CudaFp8GemmTest, W8A8IsTheReferenceArithmetic) {
       const auto got = RunCuda(*cuda_, p, m);
       std::vector<float> ref(m * 512);
       W8A8Reference(p.x.data(), m, p.w, p.bias.data(), ref.data());
-      EXPECT_LT(RelativeError(got, std::vector<double>(ref.begin(), ref.end())), 1e-5);
+      // The reference sums the exact products in fp32; Hopper's fp8 tensor
+      // cores keep fewer mantissa bits in the partial sums of each
+      // instruction's k-block (promoted to fp32 between blocks), about 1e-4
+      // over k = 1024. A wrong layout, transpose or scale errs by ~1.
+      EXPECT_LT(RelativeError(got, std::vector<double>(ref.begin(), ref.end())), 1e-3);
     }
   }
 }
@@ -204,15 +208,22 @@ TEST_F(CudaFp8GemmTest, FormatsOnTheDeviceFollowTheCpu) {
     std::vector<float> la, lb;
     ASSERT_TRUE((*a)->Run(tokens, 0, 32, &la).ok());
     ASSERT_TRUE((*b)->Run(tokens, 0, 32, &lb).ok());
+    // A 32-row prompt takes W8A8 for the per-tensor and per-channel formats
+    // on fp8 tensor cores (every shape a multiple of 16): each product's
+    // input is rounded to e4m3 (about 3% a value), which the CPU's
+    // weight-only products do not do; modelled on the tiny preset's shapes
+    // that moves the logits by ~6%. The block format widens to bf16 (~0.3%).
+    const bool w8a8 = sm_ >= 89 && scheme != WeightScheme::kFp8Block;
+    const double bound = w8a8 ? 0.12 : 3e-2;
     std::vector<double> want(la.begin(), la.end());
-    EXPECT_LT(RelativeError(lb, want), 3e-2) << "prompt";
+    EXPECT_LT(RelativeError(lb, want), bound) << "prompt";
     for (int64_t p = 32; p < 40; ++p) {
       ASSERT_TRUE((*a)->Run(tokens, p, 1, &la).ok());
       ASSERT_TRUE((*b)->Run(tokens, p, 1, &lb).ok());
       want.assign(la.begin(), la.end());
       // The caches differ by the prompt's rounding; the step itself is
-      // exact: 3e-2 covers the first, not a broken GEMV.
-      EXPECT_LT(RelativeError(lb, want), 3e-2) << "decode " << p;
+      // exact (the GEMV): the bound covers the first, not a broken GEMV.
+      EXPECT_LT(RelativeError(lb, want), bound) << "decode " << p;
     }
   }
 }
