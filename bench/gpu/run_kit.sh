@@ -479,7 +479,9 @@ if [[ $WHAT == verify ]]; then
 fi
 
 # A GPU stack (router + 1 prefill + 1 decode worker, every prompt prefilled
-# remotely) under `bench serve`; one JSON line per model.
+# remotely) under `bench serve`; one JSON line per model and concurrency
+# (CONCURRENCY: the list, default 16; each run sends 4 requests per client,
+# at least 16).
 serve_bench() {  # NAME MODEL_DIR UP_FLAGS... -- BENCH_FLAGS...
   local name=$1 model=$2 up=() bench=()
   shift 2
@@ -498,14 +500,18 @@ serve_bench() {  # NAME MODEL_DIR UP_FLAGS... -- BENCH_FLAGS...
   local url
   url=$(grep -o 'ready at http://[0-9.:]*' "$OUT/up-$name.log" | cut -d' ' -f3)
   # python3 rather than jq: the GPU image has the one, not always the other.
-  "$PDSERVE" bench serve --json --url "$url" "${bench[@]}" 2>>"$OUT/bench.err" |
-    STACK=$name DEVICE=$(sed -n 3p "$OUT/device.txt") python3 -c '
+  local c
+  for c in ${CONCURRENCY:-16}; do
+    "$PDSERVE" bench serve --json --url "$url" "${bench[@]}" --concurrency "$c" \
+      --requests $((4 * c > 16 ? 4 * c : 16)) 2>>"$OUT/bench.err" |
+      STACK=$name DEVICE=$(sed -n 3p "$OUT/device.txt") python3 -c '
 import json, os, sys
 for line in sys.stdin:
     r = json.loads(line)
     r.update(stack=os.environ["STACK"], device=os.environ["DEVICE"], prefill_workers=1,
              decode_workers=1)
     print(json.dumps(r), flush=True)' | tee -a "$OUT/serve.jsonl"
+  done
   kill $pid
   wait $pid || true
 }
@@ -514,14 +520,16 @@ if [[ $WHAT == all || $WHAT == serve ]]; then
   : > "$OUT/serve.jsonl"
   if [[ -f $KIT/models/stories260K/config.json ]]; then
     step "bench serve, stories260K on the GPU"
-    serve_bench stories260K "$KIT/models/stories260K" --kv-cache-bytes 256MiB -- --api completions \
-      --requests 200 --concurrency 16 --groups 8 --prefix-words 60 --suffix-words 20 --max-tokens 32
+    CONCURRENCY=16 serve_bench stories260K "$KIT/models/stories260K" --kv-cache-bytes 256MiB -- \
+      --api completions --groups 8 --prefix-words 60 --suffix-words 20 --max-tokens 32
   fi
   if [[ -f $KIT/models/llama-3.1-8b/tokenizer.json ]]; then
     step "bench serve, Llama-3.1-8B shapes (dummy weights) on the GPU"
-    serve_bench llama-3.1-8b-dummy "$KIT/models/llama-3.1-8b" --load-format dummy \
-      --kv-cache-bytes 8GiB -- \
-      --requests 64 --concurrency 8 --groups 4 --prefix-words 600 --suffix-words 200 --max-tokens 32
+    # Issue 29 goal 7: concurrency 1, 16 and 64; at 1 the inter-token p50
+    # against the engine's batch-1 step (perf.jsonl) is the server's share.
+    CONCURRENCY="1 16 64" serve_bench llama-3.1-8b-dummy "$KIT/models/llama-3.1-8b" \
+      --load-format dummy --kv-cache-bytes 8GiB -- \
+      --groups 4 --prefix-words 600 --suffix-words 200 --max-tokens 64
   fi
   summary+=("serve: $(grep -c . "$OUT/serve.jsonl") JSON lines in serve.jsonl")
 fi
