@@ -746,6 +746,13 @@ Status Model::Reserve(int64_t tokens, int64_t logits, int64_t seqs, int64_t bloc
     n.out_latent = take(T * heads * R_, a);
     n.out_v = take(T * heads * c.v_head_dim, a);
     width = std::max({width, heads * c.v_head_dim, c.q_lora_rank});
+    // 16-bit absorbed matrices convert HeadsLinear's whole input too: each
+    // of the rank's heads' latent (uv) or nope query (uk_t).
+    for (const Layer& L : layers_) {
+      if (L.mla.uk_t.data == nullptr || L.mla.uk_t.dtype == DType::kF32) continue;
+      const int64_t local_heads = L.mla.uk_t.rows / R_;
+      width = std::max(width, local_heads * std::max(R_, c.qk_nope_head_dim));
+    }
   } else {
     n.qkv = take(T * (nh + 2 * kvh) * hd, a);
     n.attn = take(T * nh * hd, a);

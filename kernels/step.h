@@ -149,7 +149,7 @@ struct StepLimits {
   int64_t max_tokens = 0;          // rows of any activation
   int64_t max_seqs = 0;            // sequences (the rows of a captured decode step)
   int64_t max_blocks_per_seq = 0;  // block table width
-  int64_t max_width = 0;           // the widest input row of a Linear
+  int64_t max_width = 0;           // the widest input row of a Linear or HeadsLinear
   int64_t num_heads = 0;           // attention query heads
   KvCacheLayout layout;            // the KV pool's
   bool kv_selection = false;       // Quest selects blocks (AttentionBatch::quest_blocks)

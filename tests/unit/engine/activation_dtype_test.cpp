@@ -96,6 +96,11 @@ class Bf16ActivationBackend final : public Backend {
   void Upload(void* d, const void* s, size_t n) override { cpu_.Upload(d, s, n); }
   void Download(void* d, const void* s, size_t n) override { cpu_.Download(d, s, n); }
   void PlanAttention(AttentionPlan* plan) override { cpu_.PlanAttention(plan); }
+  Status Reserve(const kernels::StepLimits& limits) override {
+    reserved_ = limits;
+    return cpu_.Reserve(limits);
+  }
+  const kernels::StepLimits& reserved() const { return reserved_; }
 
   void Linear(const Tensor& x, const LinearWeights& w, const Tensor& y) override {
     Widened f;
@@ -182,6 +187,7 @@ class Bf16ActivationBackend final : public Backend {
 
  private:
   CpuBackend cpu_{2};
+  kernels::StepLimits reserved_;
 };
 
 TEST(ActivationDtypeTest, ModelRunsWithBf16Activations) {
@@ -221,6 +227,26 @@ TEST(ActivationDtypeTest, ModelRunsWithBf16Activations) {
     EXPECT_LT(err, 3e-2);
     EXPECT_GT(err, 1e-6) << "the activations were not bf16";
   }
+}
+
+// A backend that converts each product's input (CUDA: to bf16, into
+// scratch reserved at start) is told the widest one: with an MLA model's
+// absorbed matrices kept bf16, HeadsLinear's input of every head's latent
+// (heads x kv_lora_rank), wider than any Linear's on DeepSeek-V2/V3.
+TEST(ActivationDtypeTest, ReservedWidthCoversSixteenBitHeadsLinear) {
+  ModelSpec spec = *PresetModelSpec("deepseek-v3");
+  spec.dtype = DType::kBF16;
+  spec.num_heads = 32;  // 32 x 32 latent columns: wider than the preset's Linear inputs
+  const std::string dir = testing::ModelDir("deepseek-v3-bf16-32-heads", spec);
+  Bf16ActivationBackend bf16;
+  auto model = Model::Load(dir, &bf16);
+  ASSERT_TRUE(model.ok()) << model.status().ToString();
+  const ModelConfig& c = (*model)->config();
+  const std::vector<TokenId> prompt = {1, 2, 3, 4, 5, 6, 7, 8};
+  ASSERT_FALSE(PromptLogits(model->get(), prompt).empty());
+  EXPECT_GT(c.num_heads * c.kv_lora_rank,
+            std::max({c.hidden_size, c.intermediate_size, c.num_heads * c.v_head_dim}));
+  EXPECT_GE(bf16.reserved().max_width, c.num_heads * c.kv_lora_rank);
 }
 
 TEST(ActivationDtypeTest, EngineRunsWithBf16ActivationsAndGraphs) {
