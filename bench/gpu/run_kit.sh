@@ -87,13 +87,14 @@ if [[ $WHAT == all || $WHAT == tests ]]; then
     cuda_fp8_gemm_test; do
     step "$t"
     if PDSERVE_BIN=$PDSERVE PDSERVE_REAL_MODEL_DIR=$KIT/models/stories260K \
-      "$KIT/bin/$t" --gtest_brief=1 > "$OUT/$t.log" 2>&1; then r=pass; else r=FAIL; fi
+      timeout -k 10 180 "$KIT/bin/$t" --gtest_brief=1 > "$OUT/$t.log" 2>&1; then r=pass; else r=FAIL; fi
     skipped=$(sed -n 's/^\[  SKIPPED \] \([0-9]*\) tests\?[.,].*/\1/p' "$OUT/$t.log" | head -1)
     summary+=("$t: $r, ${skipped:-0} skipped")
   done
   for t in backend_ops_test; do
     step "compute-sanitizer memcheck $t"
-    if compute-sanitizer --tool memcheck --error-exitcode 3 "$KIT/bin/$t" --gtest_brief=1 \
+    if timeout -k 10 300 compute-sanitizer --tool memcheck --error-exitcode 3 "$KIT/bin/$t" \
+      --gtest_brief=1 \
       > "$OUT/memcheck-$t.log" 2>&1; then r=clean; else r=ERRORS; fi
     summary+=("memcheck $t: $r")
   done
@@ -246,7 +247,10 @@ fi
 if [[ $WHAT == all || $WHAT == tp ]]; then
   : > "$OUT/tp.jsonl"
   step "communicator_test (device-local, NCCL)"
-  if "$KIT/bin/communicator_test" --gtest_brief=1 > "$OUT/communicator_test.log" 2>&1; then
+  # Timeouts everywhere a collective may wait: a hang must not spend the
+  # whole device budget.
+  if timeout -k 10 120 "$KIT/bin/communicator_test" --gtest_brief=1 \
+    > "$OUT/communicator_test.log" 2>&1; then
     r=pass
   else r=FAIL; fi
   skipped=$(sed -n 's/^\[  SKIPPED \] \([0-9]*\) tests\?[.,].*/\1/p' "$OUT/communicator_test.log" | head -1)
@@ -255,7 +259,8 @@ if [[ $WHAT == all || $WHAT == tp ]]; then
   # sizes); its log goes after the communicators' (no more files come back).
   step "cuda_kv_transfer_test NCCL cases"
   nccl_log=$(mktemp)
-  if "$KIT/bin/cuda_kv_transfer_test" --gtest_filter='CudaKvTransferTest.Nccl*' --gtest_brief=1 \
+  if timeout -k 10 120 "$KIT/bin/cuda_kv_transfer_test" --gtest_filter='CudaKvTransferTest.Nccl*' \
+    --gtest_brief=1 \
     > "$nccl_log" 2>&1; then r=pass; else r=FAIL; fi
   skipped=$(sed -n 's/^\[  SKIPPED \] \([0-9]*\) tests\?[.,].*/\1/p' "$nccl_log" | head -1)
   summary+=("cuda_kv_transfer_test NCCL: $r, ${skipped:-0} skipped")
@@ -266,7 +271,8 @@ if [[ $WHAT == all || $WHAT == tp ]]; then
   [[ $gpus -ge 2 ]] && tp_devices+=("cuda:0,cuda:1")
   if [[ -f $KIT/models/stories260K/config.json ]]; then
     tokens() {
-      "$PDSERVE" generate --model "$KIT/models/stories260K" "$@" --prompt "Once upon a time" \
+      timeout -k 10 60 "$PDSERVE" generate --model "$KIT/models/stories260K" "$@" \
+        --prompt "Once upon a time" \
         --max-tokens 48 --temperature 0 --ignore-eos --json 2>>"$OUT/bench.err" |
         python3 -c 'import json,sys; print(json.load(sys.stdin)["token_ids"])'
     }
@@ -283,8 +289,8 @@ if [[ $WHAT == all || $WHAT == tp ]]; then
     n=$(tr ',' '\n' <<< "$d" | grep -c .)
     for batch in 1 32; do
       step "bench engine, Llama-3.1-8B shapes, TP $n on $d, batch $batch"
-      "$PDSERVE" bench engine --model bench/configs/llama-3.1-8b --load-format dummy \
-        --tensor-parallel "$n" --devices "$d" --kv-dtype bf16 --batch "$batch" \
+      timeout -k 10 120 "$PDSERVE" bench engine --model bench/configs/llama-3.1-8b \
+        --load-format dummy --tensor-parallel "$n" --devices "$d" --kv-dtype bf16 --batch "$batch" \
         --prompt-tokens 512 --gen-tokens 64 --json 2>>"$OUT/bench.err" |
         tee -a "$OUT/tp.jsonl"
     done

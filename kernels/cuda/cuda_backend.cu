@@ -323,10 +323,11 @@ struct CudaGraph final : Backend::Graph {
 
 std::unique_ptr<Backend::Graph> CudaBackend::CaptureGraph(const std::function<void()>& body) {
   MakeCurrent();
-  if (cudaStreamBeginCapture(state_->stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
-    cudaGetLastError();
-    return nullptr;
-  }
+  // A stream that cannot begin a capture is broken (a sticky error, or
+  // already capturing): fatal, since returning without running body would
+  // leave a tensor-parallel group's other ranks waiting in its collectives.
+  Check(cudaStreamBeginCapture(state_->stream, cudaStreamCaptureModeThreadLocal),
+        "cudaStreamBeginCapture");
   body();
   cudaGraph_t graph = nullptr;
   cudaError_t err = cudaStreamEndCapture(state_->stream, &graph);

@@ -147,10 +147,15 @@ struct GpuZeroRanks {
   std::vector<CudaBackend*> ranks;
 };
 
+// Each collective on its own inputs, distinct on every rank, so that a
+// chunk gathered from the wrong rank or a broadcast from the wrong root
+// shows: the all-reduce gives the serial sum, the all-gather chunk q of
+// rank q's input, the broadcast the root's input.
 TEST(DeviceLocalTest, RanksOnOneGpuEqualSerialSum) {
   GpuZeroRanks gpu(4);
   if (gpu.ranks.empty()) GTEST_SKIP() << "no CUDA device";
   const std::vector<CudaBackend*>& backends = gpu.ranks;
+  enum class Op { kAllReduce, kAllGather, kBroadcast };
   for (int size : {2, 3, 4}) {
     std::vector<CudaBackend*> ranks(backends.begin(), backends.begin() + size);
     auto group = CreateDeviceLocalGroup(ranks);
@@ -158,30 +163,40 @@ TEST(DeviceLocalTest, RanksOnOneGpuEqualSerialSum) {
     for (int64_t n : kSizes) {
       const int64_t per = (n + size - 1) / size, m = per * size;
       std::vector<void*> dev(size);
-      std::vector<std::vector<float>> host(size, std::vector<float>(m));
-      for (int r = 0; r < size; ++r) {
-        for (int64_t i = 0; i < m; ++i) host[r][i] = Input(r, i, 11);
-        dev[r] = ranks[r]->Allocate(m * 4);
-        ranks[r]->Upload(dev[r], host[r].data(), m * 4);
-      }
-      OnRanks(size, [&](int r) {
-        const Tensor x = Tensor::Of(dev[r], DType::kF32, {m});
-        group[r]->AllReduceSum(x);
-        group[r]->AllGather(x);  // every chunk already equal: unchanged
-        group[r]->Broadcast(x, size - 1);
-      });
-      int64_t wrong = 0;
-      std::vector<float> got(m);
-      for (int r = 0; r < size; ++r) {
-        ranks[r]->Download(got.data(), dev[r], m * 4);
-        for (int64_t i = 0; i < m; ++i) {
-          float s = Input(0, i, 11);
-          for (int q = 1; q < size; ++q) s += Input(q, i, 11);
-          wrong += got[i] != s;
+      for (int r = 0; r < size; ++r) dev[r] = ranks[r]->Allocate(m * 4);
+      for (const Op op : {Op::kAllReduce, Op::kAllGather, Op::kBroadcast}) {
+        std::vector<float> host(m);
+        for (int r = 0; r < size; ++r) {
+          for (int64_t i = 0; i < m; ++i) host[i] = Input(r, i, 11);
+          ranks[r]->Upload(dev[r], host.data(), m * 4);
         }
-        ranks[r]->Free(dev[r]);
+        OnRanks(size, [&](int r) {
+          const Tensor x = Tensor::Of(dev[r], DType::kF32, {m});
+          if (op == Op::kAllReduce) group[r]->AllReduceSum(x);
+          if (op == Op::kAllGather) group[r]->AllGather(x);
+          if (op == Op::kBroadcast) group[r]->Broadcast(x, size - 1);
+        });
+        int64_t wrong = 0;
+        std::vector<float> got(m);
+        for (int r = 0; r < size; ++r) {
+          ranks[r]->Download(got.data(), dev[r], m * 4);
+          for (int64_t i = 0; i < m; ++i) {
+            float want = 0;
+            if (op == Op::kAllReduce) {
+              want = Input(0, i, 11);
+              for (int q = 1; q < size; ++q) want += Input(q, i, 11);
+            } else if (op == Op::kAllGather) {
+              want = Input(static_cast<int>(i / per), i, 11);
+            } else {
+              want = Input(size - 1, i, 11);
+            }
+            wrong += got[i] != want;
+          }
+        }
+        EXPECT_EQ(wrong, 0) << "collective " << static_cast<int>(op) << ", " << m
+                            << " elements over " << size << " ranks on one GPU";
       }
-      EXPECT_EQ(wrong, 0) << m << " elements over " << size << " ranks on one GPU";
+      for (int r = 0; r < size; ++r) ranks[r]->Free(dev[r]);
     }
   }
 }
