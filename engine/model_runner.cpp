@@ -216,6 +216,7 @@ StatusOr<std::vector<SampledToken>> ModelRunner::Execute(std::span<const Schedul
     return Status::InvalidArgument("model runner: a step of " + std::to_string(T) + " tokens and " +
                                    std::to_string(S) + " sequences is past the runner's limits");
   }
+  PDSERVE_RETURN_IF_ERROR(PrepareLogitAdjustments(step));
   ++step_;
   const int64_t bucket = Bucket(S);
   // A step that captures SnapKV's queries (a window of 1 ending a prompt
@@ -266,7 +267,7 @@ StatusOr<std::vector<SampledToken>> ModelRunner::Execute(std::span<const Schedul
   Run(rows, seqs, graph ? bucket : R, graph ? 1 : max_query, graph ? table_width_ * B : max_context,
       graph, ready);
   const int64_t logit_rows = graph ? bucket : R;
-  PDSERVE_RETURN_IF_ERROR(AdjustSampledLogits(step, graph, logit_rows));
+  AdjustSampledLogits(step, graph, logit_rows);
 
   // Sampling. Row k of the logits is the k-th sampled sequence (with a
   // graph, row i is sequence i). Greedy rows took their argmax in the step
@@ -339,15 +340,12 @@ StatusOr<std::vector<SampledToken>> ModelRunner::Execute(std::span<const Schedul
   return out;
 }
 
-Status ModelRunner::AdjustSampledLogits(std::span<const ScheduledSeq> step, bool graph,
-                                        int64_t logit_rows) {
+Status ModelRunner::PrepareLogitAdjustments(std::span<const ScheduledSeq> step) {
   adjustments_.clear();
-  int32_t k = 0;
   for (size_t i = 0; i < step.size(); ++i) {
     const ScheduledSeq& s = step[i];
     if (!s.sample) continue;
-    const int32_t row = graph ? static_cast<int32_t>(i) : k;
-    ++k;
+    const auto row = static_cast<int32_t>(i);  // the sequence; its logits row is set later
     const SamplingParams& p = *s.params;
     if (!AdjustsLogits(p)) continue;
     touched_.push_back(s.id);
@@ -403,6 +401,9 @@ Status ModelRunner::AdjustSampledLogits(std::span<const ScheduledSeq> step, bool
   }
   if (adjustments_.size() > adjust_capacity_) {
     // The previous step's copy and kernel are done (Execute synchronised).
+    // Grown before the step's vote: a tensor-parallel rank that allocated
+    // (which waits for the device) while its peers' replayed collectives
+    // spin for its own would never see them finish.
     if (adjust_host_ != nullptr) backend_->FreeHost(adjust_host_);
     if (adjust_device_ != nullptr) backend_->Free(adjust_device_);
     adjust_capacity_ = std::max(adjustments_.size(), 2 * adjust_capacity_);
@@ -414,13 +415,26 @@ Status ModelRunner::AdjustSampledLogits(std::span<const ScheduledSeq> step, bool
       return Status::ResourceExhausted("model runner: out of memory for logit adjustments");
     }
   }
+  return Status::Ok();
+}
+
+void ModelRunner::AdjustSampledLogits(std::span<const ScheduledSeq> step, bool graph,
+                                      int64_t logit_rows) {
+  if (adjustments_.empty()) return;
+  if (!graph) {  // row k of the logits is the k-th sampled sequence
+    std::vector<int32_t> sampled_row(step.size(), -1);
+    int32_t k = 0;
+    for (size_t i = 0; i < step.size(); ++i) {
+      if (step[i].sample) sampled_row[i] = k++;
+    }
+    for (kernels::LogitAdjustment& a : adjustments_) a.row = sampled_row[a.row];
+  }
   const size_t bytes = adjustments_.size() * sizeof(kernels::LogitAdjustment);
   std::memcpy(adjust_host_, adjustments_.data(), bytes);
   backend_->UploadAsync(adjust_device_, adjust_host_, bytes);
   const kernels::Tensor logits = model_->logits(logit_rows);
   backend_->AdjustLogits(logits, adjust_device_, static_cast<int64_t>(adjustments_.size()));
   backend_->ArgMaxRows(logits, device_tokens_);
-  return Status::Ok();
 }
 
 Status ModelRunner::SamplingBuffers::Allocate(kernels::Backend* b, int64_t rows, int64_t vocab) {

@@ -185,11 +185,15 @@ class ModelRunner {
   // Stages rows [from, bucket) of a decode step as padding: no KV written
   // (slot -1), no keys, token 0; logits rows 0..bucket-1.
   void StagePadding(int64_t from, int64_t bucket);
-  // The logit_bias and penalties of the step's sampled rows (row k of the
-  // logits: the k-th sampled sequence, or sequence k of a graph's step) on
-  // the first `logit_rows` logits rows, then their greedy ids again. Does
-  // nothing when no row asks for them.
-  Status AdjustSampledLogits(std::span<const ScheduledSeq> step, bool graph, int64_t logit_rows);
+  // The logit_bias and penalties of the step's sampled sequences into
+  // adjustments_ (row: the sequence's index in the step), their tokens
+  // checked and the buffers that carry them grown: before the step's first
+  // collective, so that no rank allocates while its peers' kernels wait.
+  Status PrepareLogitAdjustments(std::span<const ScheduledSeq> step);
+  // Applies them to the first `logit_rows` logits rows (row k: the k-th
+  // sampled sequence, or sequence k of a graph's step), then takes the
+  // greedy ids again. Does nothing when no row asks for them.
+  void AdjustSampledLogits(std::span<const ScheduledSeq> step, bool graph, int64_t logit_rows);
   // Captures the decode graph of every bucket up to max_num_seqs on
   // padding rows, at creation, so that no request's step waits for a
   // capture (tens of milliseconds each on a GPU; vLLM captures at start

@@ -268,6 +268,49 @@ TEST(ModelRunnerTest, MaskedRowsSampleOnlyAllowedTokens) {
   }
 }
 
+// A row's logit_bias lands on its own logits row when rows before it are
+// not sampled (a prompt chunk that does not end its prompt): a bias of +100
+// on one token makes a greedy row take it, the chunk first in the step.
+TEST(ModelRunnerTest, LogitBiasFollowsItsRowPastUnsampledChunks) {
+  for (GraphMode mode : {GraphMode::kOff, GraphMode::kAlways}) {
+    SCOPED_TRACE(mode == GraphMode::kOff ? "eager" : "graphs");
+    Rig rig(mode);
+    std::vector<Seq> decoded = {{2, Prompt(9, 3), 0, {}, {}}};
+    decoded[0].params.temperature = 0;
+    decoded[0].params.ignore_eos = true;
+    rig.Step(decoded);  // its prompt; one token sampled
+    const TokenId natural = decoded[0].tokens.back();
+    const auto target = static_cast<TokenId>(natural == 100 ? 101 : 100);
+    decoded[0].params.logit_bias = {{target, 100.0f}};
+    Seq chunk{1, Prompt(40, 4), 0, {}, {}};
+    chunk.params.temperature = 0;
+    while (static_cast<int64_t>(chunk.blocks.size()) * 16 < 20)
+      chunk.blocks.push_back(rig.next_block++);
+    Seq& d = decoded[0];
+    while (static_cast<int64_t>(d.blocks.size()) * 16 < d.computed + 1)
+      d.blocks.push_back(rig.next_block++);
+    std::vector<ScheduledSeq> step(2);
+    step[0].id = chunk.id;
+    step[0].tokens = chunk.tokens;
+    step[0].num_new = 20;  // half the prompt: nothing sampled
+    step[0].tables = {chunk.blocks};
+    step[0].sample = false;
+    step[0].params = &chunk.params;
+    step[1].id = d.id;
+    step[1].tokens = d.tokens;
+    step[1].num_computed = d.computed;
+    step[1].num_new = 1;
+    step[1].tables = {d.blocks};
+    step[1].sample = true;
+    step[1].params = &d.params;
+    step[1].output_index = 1;
+    auto sampled = rig.runner->Execute(step);
+    ASSERT_TRUE(sampled.ok()) << sampled.status().ToString();
+    ASSERT_EQ(sampled->size(), 1u);
+    EXPECT_EQ((*sampled)[0].token, target);
+  }
+}
+
 // A step mixing every kind of row (greedy, temperature with each of top-k,
 // top-p and min-p and all three, logprobs, masked rows) samples on the
 // backend exactly what SampleToken gives row by row on the step's logits,
