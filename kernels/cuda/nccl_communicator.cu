@@ -2,12 +2,21 @@
 // one NCCL call in place on the rank's stream. Abort: NCCL kernels whose
 // peer never joins spin on the device, so a rank's stream (and any host
 // wait on it) would hang; ncclCommAbort on every rank's communicator stops
-// them. Collectives hold the group's lock shared while they queue, Abort
-// holds it alone, so no communicator is aborted under a call using it.
+// them. Collectives hold the group's lock shared while they queue, the
+// aborting thread holds it alone, so no communicator is aborted under a call
+// using it. Abort itself only raises the group's flag (every later call
+// returns at once) and leaves the aborts to a thread of their own: the last
+// ncclCommAbort of a group made by ncclCommInitAll waits until every CUDA
+// graph that captured the group's calls is destroyed, which the caller does
+// only after Abort has returned and its ranks have come back. A rank blocked
+// inside an NCCL call (a connection being made waits for its peers) keeps
+// the lock until the process exits, which a failed rank's worker does.
+#include <atomic>
 #include <mutex>
 #include <set>
 #include <shared_mutex>
 #include <string>
+#include <thread>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/nccl_communicator.h"
@@ -29,9 +38,9 @@ void CheckNccl(ncclResult_t result, const char* what) {
 }
 
 struct Group {
-  std::vector<ncclComm_t> comms;  // index = rank; null once aborted
+  std::vector<ncclComm_t> comms;  // index = rank; null once aborted or destroyed
   std::shared_mutex mu;
-  bool aborted = false;
+  std::atomic<bool> aborted{false};
 };
 
 class NcclCommunicator final : public Communicator {
@@ -39,6 +48,7 @@ class NcclCommunicator final : public Communicator {
   NcclCommunicator(std::shared_ptr<Group> group, CudaBackend* backend, int rank)
       : group_(std::move(group)), backend_(backend), rank_(rank) {}
   ~NcclCommunicator() override {
+    if (group_->aborted.load()) return;  // the aborting thread owns the communicators
     std::unique_lock lock(group_->mu);
     if (group_->comms[rank_] != nullptr) ncclCommDestroy(group_->comms[rank_]);
     group_->comms[rank_] = nullptr;
@@ -76,18 +86,16 @@ class NcclCommunicator final : public Communicator {
   }
 
   void Abort() override {
-    std::unique_lock lock(group_->mu);
-    if (group_->aborted) return;
-    group_->aborted = true;
-    for (ncclComm_t& comm : group_->comms) {
-      if (comm != nullptr) ncclCommAbort(comm);
-      comm = nullptr;
-    }
+    if (group_->aborted.exchange(true)) return;
+    std::thread([group = group_] {
+      std::unique_lock lock(group->mu);
+      for (ncclComm_t& comm : group->comms) {
+        if (comm != nullptr) ncclCommAbort(comm);
+        comm = nullptr;
+      }
+    }).detach();
   }
-  bool aborted() const override {
-    std::shared_lock lock(group_->mu);
-    return group_->aborted;
-  }
+  bool aborted() const override { return group_->aborted.load(); }
   // One NCCL call on the stream, no host wait: NCCL records it into the
   // graph being captured on that stream (NCCL 2.9 and later).
   bool capturable() const override { return true; }
@@ -97,8 +105,9 @@ class NcclCommunicator final : public Communicator {
   // nothing once the group was aborted.
   template <typename Call>
   void Queue(const Call& call) {
+    if (group_->aborted.load()) return;  // without the lock, which the aborting thread may hold
     std::shared_lock lock(group_->mu);
-    if (group_->aborted) return;
+    if (group_->aborted.load() || group_->comms[rank_] == nullptr) return;
     cuda::Check(cudaSetDevice(backend_->device()), "cudaSetDevice");
     call(group_->comms[rank_], static_cast<cudaStream_t>(backend_->stream()));
   }

@@ -7,7 +7,10 @@
 // CUDA graph with the rest of a step (capturable() is true). And NCCL adds
 // in its own order (ring or tree), not rank order: every rank still gets
 // the same sums (each element is reduced once, then copied to every rank),
-// but they may differ from a serial sum in the last bits.
+// but they may differ from a serial sum in the last bits. Abort returns at
+// once and aborts NCCL's communicators on a thread of its own (see the
+// source for why), so ranks waiting on the device are released soon after
+// it, not by the time it returns.
 //
 // A rank whose graph is already queued when another rank aborts the group
 // replays NCCL kernels of an aborted communicator; the group is of no use
