@@ -180,8 +180,13 @@ StatusOr<std::vector<SampledToken>> Executor::RunRank(int rank,
       ++steps_[rank] == fail_at_step_ && rank == fail_rank_
           ? Status::Internal("injected fault (PDSERVE_TEST_FAIL_RANK)")
           : runners_[rank]->Execute(step);
-  if (!out.ok() && comm_ != nullptr) {
-    FailGroup();  // the other ranks may be waiting for this one in a collective or vote
+  // The other ranks may be waiting for this one in a collective or vote.
+  // Not for a step the runner refused as given (InvalidArgument): it checks
+  // the step before any collective and every rank refuses the same step, so
+  // the group stays usable and only that step's requests fail, as with one
+  // rank.
+  if (!out.ok() && comm_ != nullptr && out.status().code() != StatusCode::kInvalidArgument) {
+    FailGroup();
   }
   return out;
 }

@@ -19,7 +19,9 @@
 // communicator, so that the ranks waiting for it in a collective are
 // released, and the executor is failed() for good: that step and every
 // later one return an error, and the worker goes down as a whole
-// (services/worker). For tests, PDSERVE_TEST_FAIL_RANK=R:K makes rank R of
+// (services/worker). A step the runners refuse as given (InvalidArgument,
+// checked before any collective, alike on every rank) is the exception: it
+// fails alone and the group stays usable. For tests, PDSERVE_TEST_FAIL_RANK=R:K makes rank R of
 // a tensor-parallel executor fail its K-th step (1-based) before it runs,
 // leaving the others waiting in their first collective.
 #pragma once

@@ -13,6 +13,8 @@
 #include <vector>
 
 #include "engine/engine.h"
+#include "engine/executor.h"
+#include "engine/kv_cache.h"
 #include "engine/make_model.h"
 #include "engine/model_group.h"
 #include "tests/support/test_models.h"
@@ -102,6 +104,60 @@ TEST(ModelGroupTest, ASizeThatDoesNotSplitTheHeadsIsRefused) {
   EXPECT_EQ(three.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(three.status().message().find("4 attention heads"), std::string::npos)
       << three.status().message();
+}
+
+// A step the runner refuses as given (a token outside the vocabulary:
+// InvalidArgument, found before any collective on every rank alike) fails
+// that step only: the group is not aborted and the next step runs, as with
+// one rank; with graphs too, whose vote comes before the check.
+TEST(ModelGroupTest, ARefusedStepLeavesTheGroupUsable) {
+  const std::string dir = testing::ModelDir("tiny", *PresetModelSpec("tiny"));
+  for (const GraphMode graphs : {GraphMode::kOff, GraphMode::kAlways}) {
+    SCOPED_TRACE(graphs == GraphMode::kOff ? "eager" : "graphs");
+    auto group = LoadModelGroup(dir, {"cpu", "cpu"}, 2);
+    ASSERT_TRUE(group.ok()) << group.status().ToString();
+    std::vector<std::unique_ptr<KvCachePool>> pools;
+    std::vector<KvCachePool*> pool_ptrs;
+    for (Model* m : (*group)->shards()) {
+      auto pool = KvCachePool::Create(m->backend(), m->config(), DType::kF32, 16, 1 << 20);
+      ASSERT_TRUE(pool.ok()) << pool.status().ToString();
+      pool_ptrs.push_back(pool->get());
+      pools.push_back(std::move(*pool));
+    }
+    RunnerOptions o;
+    o.max_num_batched_tokens = 32;
+    o.max_num_seqs = 4;
+    o.max_model_len = 64;
+    o.graphs = graphs;
+    auto executor = Executor::Create((*group)->shards(), pool_ptrs, o);
+    ASSERT_TRUE(executor.ok()) << executor.status().ToString();
+    SamplingParams params;
+    params.temperature = 0;
+    const int64_t vocab = (*group)->models[0]->config().vocab_size;
+    const std::vector<uint32_t> table = {0};
+    const std::vector<TokenId> bad_tokens = {1, 2, static_cast<TokenId>(vocab), 4},
+                               good_tokens = {1, 2, 3, 4};
+    auto step_of = [&](const std::vector<TokenId>& tokens) {
+      ScheduledSeq s;
+      s.id = 1;
+      s.tokens = tokens;
+      s.num_new = static_cast<int64_t>(s.tokens.size());
+      s.tables = {std::span<const uint32_t>(table)};
+      s.sample = true;
+      s.params = &params;
+      return s;
+    };
+    const ScheduledSeq bad = step_of(bad_tokens);
+    auto refused = (*executor)->Execute(std::span<const ScheduledSeq>(&bad, 1));
+    ASSERT_FALSE(refused.ok());
+    EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument) << refused.status().ToString();
+    EXPECT_FALSE((*executor)->failed());
+    for (const auto& comm : (*group)->comms) EXPECT_FALSE(comm->aborted());
+    const ScheduledSeq good = step_of(good_tokens);
+    auto ran = (*executor)->Execute(std::span<const ScheduledSeq>(&good, 1));
+    ASSERT_TRUE(ran.ok()) << ran.status().ToString();
+    EXPECT_EQ(ran->size(), 1u);
+  }
 }
 
 // Rank `rank` fails its step `step`; the others are then in (or about to
