@@ -79,6 +79,17 @@ StatusOr<std::vector<std::string>> ResolveRankDevices(std::string_view device,
                                    " for --tensor-parallel " + std::to_string(ranks) +
                                    " (one per rank)");
   }
+  // Ranks sharing one GPU wait for each other in kernels that spin
+  // (kernels/cuda/local_communicator.h), each on its own stream; CUDA maps
+  // streams to 8 hardware queues by default, and two ranks' streams on one
+  // queue would leave a waiting kernel in front of the one it waits for.
+  if (ranks > kMaxRanksPerGpu && names[0].starts_with("cuda") &&
+      std::all_of(names.begin(), names.end(),
+                  [&](const std::string& n) { return n == names[0]; })) {
+    return Status::InvalidArgument("--devices " + std::string(devices) + ": at most " +
+                                   std::to_string(kMaxRanksPerGpu) + " ranks share one GPU, not " +
+                                   std::to_string(ranks));
+  }
   std::set<std::string> seen;
   for (const std::string& name : names) {
     if (name.empty() || name == "auto") {

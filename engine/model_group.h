@@ -18,14 +18,19 @@
 
 namespace pdserve {
 
+// Tensor-parallel ranks that may share one GPU (the device-local
+// communicator's waits need a hardware queue per rank's stream).
+inline constexpr int kMaxRanksPerGpu = 4;
+
 // The device of each of `ranks` ranks (1 to 8). `devices` is a
 // comma-separated list naming exactly `ranks` devices ("cuda:0,cuda:1";
 // "cpu" may repeat: CPU ranks are threads sharing host memory), or empty:
 // then `device` (a --device value, "auto" included) decides, N ranks on the
 // CPU or the first N CUDA devices. InvalidArgument naming the problem for
 // a size out of range, fewer or more devices than ranks, an unknown or
-// absent device, CPU and CUDA mixed, or some CUDA devices repeated but not
-// all (ranks share one GPU or have one each).
+// absent device, CPU and CUDA mixed, some CUDA devices repeated but not
+// all (ranks share one GPU or have one each), or more than kMaxRanksPerGpu
+// ranks on one GPU.
 StatusOr<std::vector<std::string>> ResolveRankDevices(std::string_view device,
                                                       std::string_view devices, int ranks);
 

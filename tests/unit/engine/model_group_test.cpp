@@ -47,6 +47,8 @@ TEST(ModelGroupTest, RankDeviceRefusalsNameTheProblem) {
             "--devices names 1 device for --tensor-parallel 2 (one per rank)");
   EXPECT_NE(refused("cpu", "cpu,gpu", 2).find("unknown device 'gpu'"), std::string::npos);
   EXPECT_NE(refused("cpu", "cpu,auto", 2).find("'auto' is not a device"), std::string::npos);
+  EXPECT_EQ(refused("cpu", "cuda:0,cuda:0,cuda:0,cuda:0,cuda:0", 5),
+            "--devices cuda:0,cuda:0,cuda:0,cuda:0,cuda:0: at most 4 ranks share one GPU, not 5");
   // Not on this machine, or named twice: either way it is named.
   EXPECT_NE(refused("cpu", "cuda:0,cuda:0", 2).find("cuda:0"), std::string::npos);
 }
