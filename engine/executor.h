@@ -21,9 +21,10 @@
 // later one return an error, and the worker goes down as a whole
 // (services/worker). A step the runners refuse as given (InvalidArgument,
 // checked before any collective, alike on every rank) is the exception: it
-// fails alone and the group stays usable. For tests, PDSERVE_TEST_FAIL_RANK=R:K makes rank R of
-// a tensor-parallel executor fail its K-th step (1-based) before it runs,
-// leaving the others waiting in their first collective.
+// fails alone and the group stays usable. For tests,
+// PDSERVE_TEST_FAIL_RANK=R:K makes rank R of a tensor-parallel executor
+// fail its K-th step (1-based) before it runs, leaving the others waiting
+// in their first collective.
 #pragma once
 
 #include <atomic>
