@@ -120,16 +120,16 @@ if [[ $WHAT == all || $WHAT == bench ]]; then
   : > "$OUT/bench.jsonl"
   for kv in fp16 bf16 fp8 nvfp4; do
     step "bench kernels, $kv KV"
-    "$PDSERVE" bench kernels --batch 64 --context 1024,4096,16384 --kv-dtype "$kv" \
+    timeout -k 10 240 "$PDSERVE" bench kernels --batch 64 --context 1024,4096,16384 --kv-dtype "$kv" \
       2>>"$OUT/bench.err" | tee -a "$OUT/bench.jsonl"
   done
   for kv in bf16 fp8; do
     step "bench engine, Llama-3.1-8B shapes, batch-1 decode, $kv KV"
-    "$PDSERVE" bench engine --model bench/configs/llama-3.1-8b --load-format dummy --device cuda \
+    timeout -k 10 240 "$PDSERVE" bench engine --model bench/configs/llama-3.1-8b --load-format dummy --device cuda \
       --kv-dtype "$kv" --batch 1 --prompt-tokens 512 --gen-tokens 64 --json \
       2>>"$OUT/bench.err" | tee -a "$OUT/bench.jsonl"
     step "bench engine, Llama-3.1-8B shapes, 4096-token prefill, $kv KV"
-    "$PDSERVE" bench engine --model bench/configs/llama-3.1-8b --load-format dummy --device cuda \
+    timeout -k 10 240 "$PDSERVE" bench engine --model bench/configs/llama-3.1-8b --load-format dummy --device cuda \
       --kv-dtype "$kv" --batch 1 --prompt-tokens 4096 --gen-tokens 2 --max-batched-tokens 4096 \
       --json 2>>"$OUT/bench.err" | tee -a "$OUT/bench.jsonl"
   done
@@ -142,7 +142,7 @@ if [[ $WHAT == all || $WHAT == families ]]; then
     step "greedy tokens of the $preset preset, GPU against CPU"
     "$PDSERVE" make-model --preset "$preset" --out "$OUT/model-$preset" > /dev/null
     tokens() {
-      "$PDSERVE" generate --model "$OUT/model-$preset" --device "$1" --prompt "the quick brown fox" \
+      timeout -k 10 240 "$PDSERVE" generate --model "$OUT/model-$preset" --device "$1" --prompt "the quick brown fox" \
         --max-tokens 32 --temperature 0 --ignore-eos --json 2>>"$OUT/bench.err" |
         python3 -c 'import json,sys; print(json.load(sys.stdin)["token_ids"])'
     }
@@ -153,7 +153,7 @@ if [[ $WHAT == all || $WHAT == families ]]; then
   done
   for batch in 1 32; do
     step "bench engine, qwen3-moe preset, batch $batch"
-    "$PDSERVE" bench engine --model "$OUT/model-qwen3-moe" --device cuda --batch "$batch" \
+    timeout -k 10 240 "$PDSERVE" bench engine --model "$OUT/model-qwen3-moe" --device cuda --batch "$batch" \
       --prompt-tokens 256 --gen-tokens 64 --json 2>>"$OUT/bench.err" | tee -a "$OUT/families.jsonl"
   done
   # The published shapes of Qwen3-30B-A3B (57 GiB of bf16) and
@@ -161,7 +161,7 @@ if [[ $WHAT == all || $WHAT == families ]]; then
   # bytes it reads (active experts + KV; issue 29 goal 6).
   for cfg in qwen3-30b-a3b deepseek-v2-lite; do
     step "bench engine, $cfg shapes, batch 1"
-    "$PDSERVE" bench engine --model "bench/configs/$cfg" --load-format dummy --device cuda \
+    timeout -k 10 240 "$PDSERVE" bench engine --model "bench/configs/$cfg" --load-format dummy --device cuda \
       --kv-dtype bf16 --batch 1 --prompt-tokens 512 --gen-tokens 64 --json 2>>"$OUT/bench.err" |
       tee -a "$OUT/families.jsonl"
   done
@@ -169,7 +169,7 @@ if [[ $WHAT == all || $WHAT == families ]]; then
   # 4095 tokens x layers x (kv_lora_rank + qk_rope_head_dim) x 2 bytes.
   for batch in 1 32; do
     step "bench engine, deepseek-v3 preset, 4K context, batch $batch"
-    "$PDSERVE" bench engine --model "$OUT/model-deepseek-v3" --device cuda --batch "$batch" \
+    timeout -k 10 240 "$PDSERVE" bench engine --model "$OUT/model-deepseek-v3" --device cuda --batch "$batch" \
       --kv-dtype bf16 --prompt-tokens 4094 --gen-tokens 2 --json 2>>"$OUT/bench.err" |
       tee -a "$OUT/families.jsonl"
   done
@@ -188,7 +188,7 @@ if [[ $WHAT == all || $WHAT == kv ]]; then
     for kv in fp32 fp16 bf16 fp8 fp8_e5m2 nvfp4; do
       step "greedy tokens of $(basename "$model") with $kv KV, GPU against CPU"
       tokens() {
-        "$PDSERVE" generate --model "$model" --device "$1" --kv-dtype "$kv" \
+        timeout -k 10 240 "$PDSERVE" generate --model "$model" --device "$1" --kv-dtype "$kv" \
           --prompt "Once upon a time" --max-tokens 32 --temperature 0 --ignore-eos --json \
           2>>"$OUT/bench.err" | python3 -c 'import json,sys; print(json.load(sys.stdin)["token_ids"])'
       }
@@ -201,7 +201,7 @@ if [[ $WHAT == all || $WHAT == kv ]]; then
   done
   for kv in bf16 fp8 fp8_e5m2 nvfp4; do
     step "bench engine, Llama-3.1-8B shapes, $kv KV: batch-1 decode after 1024 tokens"
-    "$PDSERVE" bench engine --model bench/configs/llama-3.1-8b --load-format dummy --device cuda \
+    timeout -k 10 240 "$PDSERVE" bench engine --model bench/configs/llama-3.1-8b --load-format dummy --device cuda \
       --kv-dtype "$kv" --batch 1 --prompt-tokens 1024 --gen-tokens 32 --max-batched-tokens 1024 \
       --json 2>>"$OUT/bench.err" | tee -a "$OUT/kv.jsonl"
   done
@@ -215,10 +215,10 @@ if [[ $WHAT == all || $WHAT == eviction ]]; then
     local name=$1 bin=$2 filter=$3 r
     step "$name"
     if [[ ${4:-} == memcheck ]]; then
-      compute-sanitizer --tool memcheck --error-exitcode 3 "$KIT/bin/$bin" --gtest_brief=1 \
+      timeout -k 10 300 compute-sanitizer --tool memcheck --error-exitcode 3 "$KIT/bin/$bin" --gtest_brief=1 \
         --gtest_filter="$filter" > "$OUT/$name.log" 2>&1 && r=clean || r=ERRORS
     else
-      PDSERVE_REAL_MODEL_DIR=$KIT/models/stories260K "$KIT/bin/$bin" --gtest_brief=1 \
+      PDSERVE_REAL_MODEL_DIR=$KIT/models/stories260K timeout -k 10 180 "$KIT/bin/$bin" --gtest_brief=1 \
         --gtest_filter="$filter" > "$OUT/$name.log" 2>&1 && r=pass || r=FAIL
     fi
     local skipped
@@ -232,7 +232,7 @@ if [[ $WHAT == all || $WHAT == eviction ]]; then
     step "bench engine, Llama-3.1-8B shapes, bf16 KV, batch 8 after 8192 tokens, Quest: $sel"
     flags=()
     [[ $sel == none ]] || flags=(--kv-selection quest --kv-selection-blocks "$sel")
-    "$PDSERVE" bench engine --model bench/configs/llama-3.1-8b --load-format dummy --device cuda \
+    timeout -k 10 240 "$PDSERVE" bench engine --model bench/configs/llama-3.1-8b --load-format dummy --device cuda \
       --kv-dtype bf16 --batch 8 --prompt-tokens 8192 --gen-tokens 64 --max-batched-tokens 8192 \
       "${flags[@]}" --json 2>>"$OUT/bench.err" |
       K=$sel CONFIG=bench/configs/llama-3.1-8b/config.json python3 -c '
