@@ -451,6 +451,10 @@ if [[ $WHAT == perf || $WHAT == profile ]]; then
   }
   engine "decode b1-64 after 1024" 120 bench/configs/llama-3.1-8b --kv-dtype bf16 \
     --batch 1,8,32,64 --prompt-tokens 1024 --gen-tokens 32 --max-batched-tokens 8192
+  # Sampling on the device: batch 64 at temperature 1 against the greedy
+  # batch-64 row above (same settings); within a few percent is the goal.
+  engine "decode b64 sampled" 90 bench/configs/llama-3.1-8b --kv-dtype bf16 --batch 64 \
+    --prompt-tokens 1024 --gen-tokens 32 --max-batched-tokens 8192 --temperature 1
   engine "prefill 4096 + b1 decode" 60 bench/configs/llama-3.1-8b --kv-dtype bf16 --batch 1 \
     --prompt-tokens 4096 --gen-tokens 32 --max-batched-tokens 4096
   if [[ $WHAT == profile ]]; then
