@@ -34,6 +34,7 @@ TEST(DummyWeightsTest, BenchConfigsHaveThePublishedParameterCounts) {
   // The totals the published safetensors index files add up to (bf16 bytes / 2).
   EXPECT_EQ(ParametersOf("llama-3.1-8b"), 8'030'261'248);
   EXPECT_EQ(ParametersOf("qwen2.5-7b"), 7'615'616'512);
+  EXPECT_EQ(ParametersOf("mixtral-8x7b"), 46'702'792'704);
   // Summed by hand from the architectures' shapes (the model cards say
   // 30.5B and 15.7B): Qwen3-30B-A3B's 48 layers of attention with Q/K
   // norms, a 128-expert router and 128 experts of 3 x 2048 x 768, untied
