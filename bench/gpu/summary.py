@@ -35,11 +35,14 @@ def main():
                 out.append((f"bf16 GEMV {g['rows']} rows", f"{g['weight_read_gbytes_per_s']:.0f} GB/s",
                             f"{g['fraction_of_copy_bandwidth']:.2f} of copy"))
         if r.get("bench") == "engine":
-            what = f"engine b{r['batch']} after {r['prompt_tokens']} ({r['weight_dtype']})"
+            sampled = ", sampled" if r.get("temperature", 0) > 0 else ""
+            what = f"engine b{r['batch']} after {r['prompt_tokens']} ({r['weight_dtype']}{sampled})"
             out.append((what + " decode", f"{r['decode_step_ms']:.2f} ms, {r['decode_tokens_per_s']:.0f} tok/s",
                         f"{r['decode_bandwidth_fraction']:.2f} of copy"))
+            # A line without a GEMM ceiling (a CPU run) still gets its row.
+            gemm = r.get("prefill_matrix_fraction")
             out.append((what + " prefill", f"{r['prefill_tokens_per_s']:.0f} tok/s",
-                        f"{r['prefill_matrix_fraction']:.2f} of GEMM"))
+                        f"{gemm:.2f} of GEMM" if gemm is not None else "no GEMM ceiling"))
     width = max((len(w) for w, _, _ in out), default=0)
     for what, value, ceiling in out:
         print(f"{what:<{width}}  {value:>24}  {ceiling}")
