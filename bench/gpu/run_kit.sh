@@ -344,11 +344,9 @@ if [[ $WHAT == quick ]]; then
       timeout 120 "$KIT/bin/$t" --gtest_brief=1 > "$logs/$t.log" 2>&1 &
     pids+=("$!:$t")
   done
-  if [[ ${#tests[@]} -gt 0 ]]; then
-    timeout 120 compute-sanitizer --tool memcheck --error-exitcode 3 "$KIT/bin/backend_ops_test" \
-      --gtest_brief=1 > "$logs/memcheck-backend_ops_test.log" 2>&1 &
-    pids+=("$!:memcheck backend_ops_test")
-  fi
+  timeout 120 compute-sanitizer --tool memcheck --error-exitcode 3 "$KIT/bin/backend_ops_test" \
+    --gtest_brief=1 > "$logs/memcheck-backend_ops_test.log" 2>&1 &
+  pids+=("$!:memcheck backend_ops_test")
   for p in "${pids[@]}"; do
     wait "${p%%:*}"
     rc=$?
@@ -384,9 +382,11 @@ if [[ $WHAT == perf || $WHAT == profile ]]; then
       timeout 120 "$KIT/bin/$t" --gtest_brief=1 > "$logs/$t.log" 2>&1 &
     pids+=("$!:$t")
   done
-  timeout 120 compute-sanitizer --tool memcheck --error-exitcode 3 "$KIT/bin/backend_ops_test" \
-    --gtest_brief=1 > "$logs/memcheck-backend_ops_test.log" 2>&1 &
-  pids+=("$!:memcheck backend_ops_test")
+  if [[ ${#tests[@]} -gt 0 ]]; then
+    timeout 120 compute-sanitizer --tool memcheck --error-exitcode 3 "$KIT/bin/backend_ops_test" \
+      --gtest_brief=1 > "$logs/memcheck-backend_ops_test.log" 2>&1 &
+    pids+=("$!:memcheck backend_ops_test")
+  fi
   # Greedy tokens on the GPU against the CPU: every family preset, and
   # stories260K at TP 2 on one GPU (device-local all-reduce).
   (
