@@ -60,7 +60,7 @@
 # Qwen3-30B-A3B shapes at batch 1 and 8 with graphs and without, then
 # memcheck over backend_ops_test.
 #
-# Usage: bench/gpu/run_kit.sh [all|quick|perf|profile|verify|tests|bench|serve|families|kv|eviction|tp]
+# Usage: bench/gpu/run_kit.sh [all|quick|perf|profile|verify|check|tests|bench|serve|families|kv|eviction|tp]
 set -uo pipefail
 
 WHAT=${1:-all}
@@ -516,6 +516,105 @@ if [[ $WHAT == verify ]]; then
     --gtest_filter='*MoeFfn*:*HeadsLinear*:*Embedding*:*SampleRows*:*AdjustLogits*:*Mla*' \
     > "$logs/memcheck-backend_ops_test.log" 2>&1
   summary+=("memcheck backend_ops_test (new ops): exit $?")
+  pack
+fi
+
+# check: verify and perf in one call, for a session whose device minutes
+# fit one start: every test binary, memcheck over the ops never run on a
+# device and the greedy presets at once (each under a limit), then on a
+# quiet GPU the kernels and the engine, most wanted first, packed after
+# each step so that a call cut off at its limit still returns the rest.
+if [[ $WHAT == check ]]; then
+  : > "$OUT/perf.jsonl"
+  logs=$(mktemp -d)/logs
+  mkdir -p "$logs"
+  pack() {
+    printf '%s\n' "${summary[@]}" > "$logs/summary.txt"
+    tar -czf "$OUT/logs.tar.gz" -C "$(dirname "$logs")" logs
+  }
+  step "GPU tests, memcheck of the new ops and greedy presets, all at once"
+  pids=()
+  for t in backend_ops_test cuda_engine_test cuda_fp8_gemm_test cuda_serving_test \
+    communicator_test cuda_kv_transfer_test; do
+    PDSERVE_BIN=$PDSERVE PDSERVE_REAL_MODEL_DIR=$KIT/models/stories260K \
+      timeout -k 5 150 "$KIT/bin/$t" --gtest_brief=1 > "$logs/$t.log" 2>&1 &
+    pids+=("$!:$t")
+  done
+  timeout -k 5 150 compute-sanitizer --tool memcheck --error-exitcode 3 "$KIT/bin/backend_ops_test" \
+    --gtest_brief=1 \
+    --gtest_filter='*MoeFfn*:*HeadsLinear*:*Embedding*:*SampleRows*:*AdjustLogits*:*Mla*' \
+    > "$logs/memcheck-backend_ops_test.log" 2>&1 &
+  pids+=("$!:memcheck backend_ops_test")
+  (
+    gen() {  # MODEL FLAGS...
+      local model=$1
+      shift
+      timeout 60 "$PDSERVE" generate --model "$model" "$@" --prompt "Once upon a time" \
+        --max-tokens 32 --temperature 0 --ignore-eos --json 2>>"$logs/greedy.err" |
+        python3 -c 'import json,sys; print(json.load(sys.stdin)["token_ids"])'
+    }
+    for spec in tiny:fp32 qwen3:fp32 qwen3-moe:fp32 mixtral:fp32 deepseek-v2-lite:fp32 \
+      deepseek-v3:fp32 gemma3:fp32 tiny:bf16 qwen3:bf16 qwen3-moe:bf16 deepseek-v2-lite:bf16 \
+      gemma3:bf16 mistral-window:bf16; do
+      preset=${spec%:*} dtype=${spec#*:} model=$(dirname "$logs")/model-$preset-$dtype
+      "$PDSERVE" make-model --preset "$preset" --dtype "$dtype" --out "$model" > /dev/null 2>&1 ||
+        { echo "$spec: make-model failed"; continue; }
+      cpu=$(gen "$model" --device cpu) gpu=$(gen "$model" --device cuda)
+      [[ -n $cpu && $cpu == "$gpu" ]] && r=equal || r="DIFFERENT cpu $cpu gpu $gpu"
+      echo "$spec greedy tokens, GPU vs CPU: $r"
+      rm -rf "$model"
+    done
+    if [[ -f $KIT/models/stories260K/config.json ]]; then
+      cpu=$(gen "$KIT/models/stories260K" --device cpu)
+      gpu=$(gen "$KIT/models/stories260K" --tensor-parallel 2 --devices cuda:0,cuda:0)
+      [[ -n $cpu && $cpu == "$gpu" ]] && r=equal || r="DIFFERENT cpu $cpu gpu $gpu"
+      echo "stories260K TP 2 on cuda:0,cuda:0 vs CPU: $r"
+    fi
+  ) > "$logs/greedy.txt" 2>&1 &
+  pids+=("$!:greedy")
+  for p in "${pids[@]}"; do
+    wait "${p%%:*}"
+    rc=$?
+    name=${p#*:}
+    [[ $name == greedy ]] && continue
+    f=$logs/${name/memcheck /memcheck-}.log
+    summary+=("$name: exit $rc, $(outcome "$f")")
+  done
+  mapfile -t greedy < "$logs/greedy.txt"
+  summary+=("${greedy[@]}")
+  pack
+  kernels() {  # LABEL SECONDS FLAGS...
+    local label=$1 limit=$2
+    shift 2
+    step "bench kernels $label"
+    timeout -k 5 "$limit" "$PDSERVE" bench kernels --batch 64 "$@" 2>>"$logs/bench.err" |
+      tee -a "$OUT/perf.jsonl"
+    summary+=("bench kernels $label: exit ${PIPESTATUS[0]}")
+    pack
+  }
+  engine() {  # LABEL SECONDS MODEL FLAGS...
+    local label=$1 limit=$2 model=$3
+    shift 3
+    step "bench engine $label"
+    timeout -k 5 "$limit" "$PDSERVE" bench engine --model "$model" --load-format dummy \
+      --device cuda --json "$@" 2>>"$logs/bench.err" | tee -a "$OUT/perf.jsonl"
+    summary+=("bench engine $label: exit ${PIPESTATUS[0]}")
+    pack
+  }
+  engine "decode b1-64 after 1024" 100 bench/configs/llama-3.1-8b --kv-dtype bf16 \
+    --batch 1,8,32,64 --prompt-tokens 1024 --gen-tokens 32 --max-batched-tokens 8192
+  kernels "fp16 KV, 4K" 60 --context 4096 --kv-dtype fp16
+  kernels "fp8 KV" 30 --context 4096 --kv-dtype fp8 --prefill-tokens 0
+  kernels "nvfp4 KV" 30 --context 4096 --kv-dtype nvfp4 --prefill-tokens 0
+  engine "qwen3-30b-a3b b1,8 graphs" 120 bench/configs/qwen3-30b-a3b --kv-dtype bf16 \
+    --batch 1,8 --prompt-tokens 512 --gen-tokens 32
+  engine "decode b64 sampled" 80 bench/configs/llama-3.1-8b --kv-dtype bf16 --batch 64 \
+    --prompt-tokens 1024 --gen-tokens 32 --max-batched-tokens 8192 --temperature 1
+  engine "prefill 4096 + b1 decode" 60 bench/configs/llama-3.1-8b --kv-dtype bf16 --batch 1 \
+    --prompt-tokens 4096 --gen-tokens 32 --max-batched-tokens 4096
+  engine "fp8 weights b1 decode" 60 bench/configs/llama-3.1-8b-fp8 --kv-dtype bf16 --batch 1 \
+    --prompt-tokens 512 --gen-tokens 32
+  cp "$OUT/device.txt" "$logs/"
   pack
 fi
 
