@@ -1,6 +1,7 @@
 #include "kernels/backend_factory.h"
 
 #include <charconv>
+#include <cstdlib>
 #include <optional>
 #include <set>
 #include <string>
@@ -86,6 +87,20 @@ StatusOr<std::unique_ptr<Backend>> CreateBackend(std::string_view device, int th
 #endif
 }
 
+void PrepareKernelLoadingFor(std::string_view devices) {
+  std::set<int> seen;
+  size_t at = 0;
+  while (at <= devices.size()) {
+    const size_t comma = std::min(devices.find(',', at), devices.size());
+    const std::optional<int> index = CudaIndex(devices.substr(at, comma - at));
+    if (index && !seen.insert(*index).second) {
+      setenv("CUDA_MODULE_LOADING", "EAGER", 1);
+      return;
+    }
+    at = comma + 1;
+  }
+}
+
 StatusOr<std::vector<std::unique_ptr<Communicator>>> CreateCommunicators(
     const std::vector<Backend*>& ranks) {
   std::set<std::string> devices;
@@ -111,7 +126,16 @@ StatusOr<std::vector<std::unique_ptr<Communicator>>> CreateCommunicators(
   }
   // NCCL refuses two ranks on one device; the device-local communicator
   // sees one device's buffers only.
-  if (devices.size() == 1) return CreateDeviceLocalGroup(cuda);
+  if (devices.size() == 1) {
+    if (!cuda::EagerKernelLoading()) {
+      return Status::Unavailable(
+          "tensor-parallel ranks sharing " + *devices.begin() +
+          " need CUDA's eager kernel loading (CUDA_MODULE_LOADING=EAGER before the process "
+          "first calls CUDA; pdserve sets it when --devices repeats a GPU): with lazy loading a "
+          "rank's first launch of a kernel can wait for a peer that waits for it");
+    }
+    return CreateDeviceLocalGroup(cuda);
+  }
   if (devices.size() == ranks.size()) return CreateNcclGroup(cuda);
   return Status::InvalidArgument("tensor-parallel ranks on " + names +
                                  ": ranks share one GPU (the device-local communicator) or "

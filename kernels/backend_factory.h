@@ -27,9 +27,21 @@ StatusOr<std::string> ResolveDevice(std::string_view requested);
 // (index = rank): shared memory between CPU backends, NCCL between CUDA
 // backends on distinct devices, device-local between CUDA backends all on
 // one device. InvalidArgument naming the devices when they mix the CPU and
-// CUDA or repeat some devices but not all; NCCL's own errors otherwise.
+// CUDA or repeat some devices but not all; Unavailable for ranks
+// sharing a GPU in a process that loads kernels lazily
+// (PrepareKernelLoadingFor); NCCL's own errors otherwise.
 StatusOr<std::vector<std::unique_ptr<Communicator>>> CreateCommunicators(
     const std::vector<Backend*>& ranks);
+
+// Ranks sharing one GPU wait for each other in spinning kernels
+// (kernels/cuda/local_communicator.h), which CUDA's lazy kernel loading can
+// deadlock: the first launch of a kernel may wait for the whole device, a
+// peer's spinning kernel included. When the comma-separated --devices list
+// `devices` names one CUDA device more than once, sets CUDA_MODULE_LOADING
+// to EAGER, which the driver reads once, when the process first calls CUDA:
+// call it before anything else does. CreateCommunicators refuses such a
+// group in a process that loads kernels lazily.
+void PrepareKernelLoadingFor(std::string_view devices);
 
 // "cpu" and every CUDA device with its description, comma-separated.
 std::string DescribeAvailableDevices();

@@ -1,3 +1,4 @@
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <cstdio>
@@ -13,6 +14,22 @@ int DeviceCount() {
     return 0;
   }
   return count;
+}
+
+bool EagerKernelLoading() {
+  // The driver's own answer, through the runtime (no link to libcuda).
+  using GetLoadingMode = CUresult (*)(CUmoduleLoadingMode*);
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  if (cudaGetDriverEntryPointByVersion("cuModuleGetLoadingMode", &fn, 12000, cudaEnableDefault,
+                                       &found) != cudaSuccess ||
+      found != cudaDriverEntryPointSuccess || fn == nullptr) {
+    cudaGetLastError();
+    return false;
+  }
+  CUmoduleLoadingMode mode{};
+  return reinterpret_cast<GetLoadingMode>(fn)(&mode) == CUDA_SUCCESS &&
+         mode == CU_MODULE_EAGER_LOADING;
 }
 
 std::string DeviceDescription(int index) {

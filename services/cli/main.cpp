@@ -2,8 +2,10 @@
 #include <algorithm>
 #include <cstdio>
 #include <string>
+#include <string_view>
 
 #include "common/logging.h"
+#include "kernels/backend_factory.h"
 #include "services/cli/command.h"
 
 namespace pdserve::cli {
@@ -57,6 +59,16 @@ int main(int argc, char** argv) {
   if (argc < 2) {
     PrintUsage(stderr, "");
     return 2;
+  }
+  // Before anything calls CUDA: ranks sharing a GPU need its kernels loaded
+  // eagerly (kernels/backend_factory.h).
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view arg = argv[i];
+    if (arg == "--devices" && i + 1 < argc) {
+      pdserve::kernels::PrepareKernelLoadingFor(argv[i + 1]);
+    } else if (arg.starts_with("--devices=")) {
+      pdserve::kernels::PrepareKernelLoadingFor(arg.substr(std::string_view("--devices=").size()));
+    }
   }
   std::string first = argv[1];
   if (first == "--help" || first == "-h" || first == "help") {

@@ -33,6 +33,14 @@
 namespace pdserve {
 namespace {
 
+// Ranks share one GPU here: CUDA must load kernels eagerly, which it reads
+// when the process first calls it, so before any test runs
+// (kernels/backend_factory.h).
+const bool kEagerKernelLoading = [] {
+  kernels::PrepareKernelLoadingFor("cuda:0,cuda:0");
+  return true;
+}();
+
 std::vector<TokenId> Prompt(int n, uint32_t seed) {
   std::mt19937 rng(seed);
   std::vector<TokenId> p(n);

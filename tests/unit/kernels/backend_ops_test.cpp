@@ -97,6 +97,9 @@ class BackendOpsTest : public ::testing::Test {
     }
   }
 
+  // MoeRoute's checks for one expert count (below).
+  void MoeRouteCase(int64_t experts);
+
   bool HasCuda() const {
     return std::any_of(targets_.begin(), targets_.end(),
                        [](const Target& t) { return t.name == "cuda"; });
@@ -1497,8 +1500,17 @@ TEST_F(BackendOpsTest, HeadsLinearSixteenBitWeights) {
 // Softmax top-k routing (top_k 1 to 32, ties in all-equal rows) and
 // DeepSeek's rules (V2's scaled softmax, greedy and group-limited; V3's
 // sigmoid noaux_tc with a correction bias): ids equal, weights within 1e-6.
+// 32, 160 and 600 experts: CUDA routes a token with a warp holding up to 4,
+// 8 or 16 experts a lane, and past 512 with a thread.
 TEST_F(BackendOpsTest, MoeRoute) {
-  const int64_t tokens = 64, experts = 32;
+  for (const int64_t experts : {32, 160, 600}) {
+    SCOPED_TRACE(std::to_string(experts) + " experts");
+    MoeRouteCase(experts);
+  }
+}
+
+void BackendOpsTest::MoeRouteCase(int64_t experts) {
+  const int64_t tokens = 64;
   const std::vector<float> bias = moe_test::Uniform(rng_, experts, 0.6f);
   std::vector<MoeRouting> rules;
   for (const int64_t top_k : {1, 2, 8, 32})
@@ -1507,7 +1519,7 @@ TEST_F(BackendOpsTest, MoeRoute) {
   v2.routed_scaling_factor = 16.0f;
   MoeRouting grouped = v2;
   grouped.topk_method = MoeTopkMethod::kGroupLimitedGreedy;
-  grouped.n_group = 4;
+  grouped.n_group = experts == 160 ? 8 : 4;
   grouped.topk_group = 2;
   MoeRouting v3 = grouped;
   v3.scoring = MoeScoring::kSigmoid;

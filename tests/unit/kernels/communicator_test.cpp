@@ -17,6 +17,7 @@
 #include <random>
 #include <thread>
 
+#include "kernels/backend_factory.h"
 #include "kernels/communicator.h"
 #if PDSERVE_WITH_CUDA
 #include "kernels/cuda/cuda_backend.h"
@@ -27,6 +28,14 @@
 
 namespace pdserve::kernels {
 namespace {
+
+// Ranks share one GPU here: CUDA must load kernels eagerly, which it reads
+// when the process first calls it, so before any test runs
+// (kernels/backend_factory.h).
+const bool kEagerKernelLoading = [] {
+  PrepareKernelLoadingFor("cuda:0,cuda:0");
+  return true;
+}();
 
 // Rank r's input, element i: reproducible without keeping every rank's
 // copy, so that the 64 MiB cases hold one buffer per rank only.
