@@ -23,19 +23,21 @@ __global__ void AddBiasKernel(float* y, const float* bias, int64_t m, int64_t n)
 // W[j, c], the arithmetic of the bf16 GEMM below (activations rounded to
 // nearest even, fp32 accumulation) in another order. cuBLAS's kernels for
 // a handful of rows read the weights at a fraction of the copy bandwidth;
-// this one is built to stream them: a block takes GemvRows rows of W, its
+// this one is built to stream them: a block takes kGemvRows rows of W, its
 // threads stride over the columns 8 at a time (16-byte loads, each row's
 // loads independent, so several 16-byte loads per thread are in flight),
 // each x element is read once per block and reused across its rows, and
 // the partial sums meet in shared memory.
 constexpr int kGemvThreads = 256;
-// Rows of W a block: 4 while x has at most 4 rows, else 2, so that the
-// sums fit 128 registers and two blocks share an SM.
-template <int M>
-constexpr int GemvRows() {
-  return M <= 4 ? 4 : 2;
-}
-constexpr int64_t kGemvMaxM = 8;
+// Rows of W a block.
+constexpr int kGemvRows = 4;
+// More rows of x take cuBLAS: on an H100 (2026-11-28, `bench kernels`'
+// sweep over Llama-3.1-8B's layers) this kernel read the weights at 0.97,
+// 0.90 and 0.85 of the copy bandwidth for 1, 2 and 4 rows but 0.66 and
+// 0.56 for 6 and 8 (then with 2 rows of W a block: x's rows, read from L2
+// for every 2 rows of W, outweighed them), where cuBLAS read 0.79 at 9 to
+// 16 rows.
+constexpr int64_t kGemvMaxM = 4;
 
 // Two bf16 packed in a 32-bit word, widened exactly.
 __device__ __forceinline__ float Bf16Lo(uint32_t u) { return __uint_as_float(u << 16); }
@@ -54,7 +56,6 @@ template <int M, bool kBf16X>
 __global__ void __launch_bounds__(kGemvThreads, M == 1 ? 4 : 2)
     Bf16GemvKernel(const __nv_bfloat16* __restrict__ w, int64_t rows, int64_t cols,
                    const void* __restrict__ x, float* __restrict__ y, int64_t ldy) {
-  constexpr int kGemvRows = GemvRows<M>();
   __shared__ float partial[kGemvThreads / 32][kGemvRows * M];
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kGemvRows;
   const int nrows = static_cast<int>(rows - row0 < kGemvRows ? rows - row0 : kGemvRows);
@@ -150,7 +151,7 @@ bool GemvFits(int64_t m, const WeightMatrix& part, const float* x) {
 template <int M>
 void LaunchBf16Gemv(const WeightMatrix& part, const void* x, float* y, int64_t ldy,
                     cudaStream_t stream) {
-  const auto blocks = static_cast<unsigned>((part.rows + GemvRows<M>() - 1) / GemvRows<M>());
+  const auto blocks = static_cast<unsigned>((part.rows + kGemvRows - 1) / kGemvRows);
   Bf16GemvKernel<M, (M > 1)><<<blocks, kGemvThreads, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(part.data), part.rows, part.cols, x, y, ldy);
 }
@@ -168,20 +169,8 @@ void Bf16Gemv(int64_t m, const WeightMatrix& part, const void* x, float* y, int6
     case 3:
       LaunchBf16Gemv<3>(part, x, y, ldy, stream);
       break;
-    case 4:
-      LaunchBf16Gemv<4>(part, x, y, ldy, stream);
-      break;
-    case 5:
-      LaunchBf16Gemv<5>(part, x, y, ldy, stream);
-      break;
-    case 6:
-      LaunchBf16Gemv<6>(part, x, y, ldy, stream);
-      break;
-    case 7:
-      LaunchBf16Gemv<7>(part, x, y, ldy, stream);
-      break;
     default:
-      LaunchBf16Gemv<8>(part, x, y, ldy, stream);
+      LaunchBf16Gemv<4>(part, x, y, ldy, stream);
       break;
   }
   Check(cudaGetLastError(), "Bf16Gemv");

@@ -129,7 +129,7 @@ nlohmann::json MeasurePrefill(kernels::Backend& backend, int64_t tokens, int64_t
 // the layer so that no weight is still in L2 when it is read again, 32
 // layers a timing. The weight bytes over the time: what the bf16 GEMV
 // streams, against the copy bandwidth. The rows sweep past the GEMV's
-// last (8 on CUDA, kernels/cuda/gemm.cu) into cuBLAS's GEMM, so that one
+// last (4 on CUDA, kernels/cuda/gemm.cu) into cuBLAS's GEMM, so that one
 // run says at which row count each wins.
 nlohmann::json MeasureGemv(kernels::Backend& backend, double copy_gbytes_per_s) {
   struct Shape {
@@ -154,7 +154,7 @@ nlohmann::json MeasureGemv(kernels::Backend& backend, double copy_gbytes_per_s) 
     }
   }
   nlohmann::json result = nlohmann::json::array();
-  for (const int64_t m : {1, 2, 4, 6, 8, 9, 12, 16, 32}) {
+  for (const int64_t m : {1, 2, 4, 5, 6, 8, 9, 12, 16, 32}) {
     std::vector<float> x(m * 14336);
     for (auto& v : x) v = static_cast<float>(rng() % 2001) / 1000.f - 1.f;
     auto* dx = static_cast<float*>(store.Upload(x.data(), x.size() * 4));
