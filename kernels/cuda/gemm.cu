@@ -178,6 +178,12 @@ void Bf16Gemv(int64_t m, const WeightMatrix& part, const void* x, float* y, int6
 
 }  // namespace
 
+void RoundToBf16(const float* x, uint16_t* y, int64_t n, cudaStream_t stream) {
+  if (n <= 0) return;
+  F32ToBf16Kernel<<<Blocks(n), kThreads, 0, stream>>>(x, reinterpret_cast<__nv_bfloat16*>(y), n);
+  Check(cudaGetLastError(), "RoundToBf16");
+}
+
 void Linear(const Gemm& g, const Tensor& x, const LinearWeights& w, const Tensor& y) {
   kernels::CheckPackedF32(x, "Linear");
   kernels::CheckPackedF32(y, "Linear");

@@ -1,9 +1,10 @@
 // Mixture of experts (kernels/cuda/ops.h): routing on the device, the
-// assignments grouped by expert with a counting sort, then either
-// per-expert products over each expert's gathered rows (shaped by the row
-// counts read back to the host) or grouped GEMV kernels that read the
-// counts and the experts' addresses on the device; then the weighted
-// combine.
+// assignments grouped by expert with a counting sort, then per-expert
+// products over each expert's gathered rows (shaped by the row counts read
+// back to the host), grouped GEMV kernels that read the counts and the
+// experts' addresses on the device, or the grouped GEMM
+// (moe_grouped_gemm.cu) that does so on the tensor cores; then the
+// weighted combine.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -272,13 +273,17 @@ constexpr int kMoeMaxExperts = 4096;  // keeps the shared memory under 48 KB
 //
 // For the grouped kernels (slots not null) it also lists the active
 // experts in id order: slot s < *num_slots is expert slot_expert[s], its
-// rows [slot_start[s], slot_start[s] + slot_count[s]); and it adds the
-// held active experts and their bytes (table) to stats.
+// rows [slot_start[s], slot_start[s] + slot_count[s]), and for the grouped
+// GEMM (num_tiles not null) each slot's row tiles (MoeSlotList); and it
+// adds the held active experts and their bytes (table) to stats.
 struct MoeSlots {
   int32_t* expert = nullptr;
   int32_t* start = nullptr;
   int32_t* count = nullptr;
   int32_t* num = nullptr;
+  int32_t* tile_slot = nullptr;  // the grouped GEMM's row tiles (MoeSlotList)
+  int32_t* tile_row = nullptr;
+  int32_t* num_tiles = nullptr;
 };
 __global__ void __launch_bounds__(kMoeGroupThreads)
     MoeGroupKernel(const int32_t* ids, int64_t n, int64_t top_k, int64_t num_experts,
@@ -309,7 +314,7 @@ __global__ void __launch_bounds__(kMoeGroupThreads)
     __syncthreads();
     if (pass == 0 && threadIdx.x == 0) {
       // counts out, then each expert's cursor becomes its first row.
-      int32_t start = 0, used = 0;
+      int32_t start = 0, used = 0, tiles = 0;
       unsigned long long active = 0, bytes = 0;
       for (int64_t e = 0; e < num_experts; ++e) {
         counts[e] = cursor[e];
@@ -318,6 +323,13 @@ __global__ void __launch_bounds__(kMoeGroupThreads)
           slots.expert[used] = static_cast<int32_t>(e);
           slots.start[used] = start;
           slots.count[used] = c;
+          if (slots.num_tiles != nullptr) {
+            for (int32_t r = 0; r < c; r += kMoeGemmTileRows) {
+              slots.tile_slot[tiles] = used;
+              slots.tile_row[tiles] = r;
+              ++tiles;
+            }
+          }
           ++used;
           if (table[e].bytes > 0) {
             ++active;
@@ -329,6 +341,7 @@ __global__ void __launch_bounds__(kMoeGroupThreads)
       }
       if (slots.num != nullptr) {
         *slots.num = used;
+        if (slots.num_tiles != nullptr) *slots.num_tiles = tiles;
         stats[0] += active;  // one thread, stream-ordered: no atomics
         stats[1] += bytes;
       }
@@ -625,6 +638,12 @@ void MoeFfn(const Gemm& g, MoeScratch& scratch, const Tensor& x, const MoeWeight
                    "is captured only for a block PrepareMoe found capturable");
   const bool grouped = table != nullptr && (capturing || tokens <= kMoeGroupedMaxTokens);
   const int64_t max_slots = std::min(n, num_experts);
+  // Longer calls with bf16 experts in a table: the grouped GEMM.
+  const int64_t gemm_tiles = (n + kMoeGemmTileRows - 1) / kMoeGemmTileRows + max_slots;
+  const bool grouped_gemm =
+      table != nullptr && !grouped && held->gate_up.parts[0].dtype == DType::kBF16 &&
+      held->gate_up.parts[0].scheme == kernels::WeightScheme::kNone && gemm_tiles <= 65535;
+  const bool listed = grouped || grouped_gemm;  // MoeGroupKernel lists the slots
 
   // One scratch region, carved into 256-byte aligned pieces.
   size_t total = 0;
@@ -636,7 +655,9 @@ void MoeFfn(const Gemm& g, MoeScratch& scratch, const Tensor& x, const MoeWeight
   const size_t logits_at = carve(tokens * num_experts, 4), weights_at = carve(n, 4);
   const size_t ids_at = carve(n, 4), counts_at = carve(num_experts, 4);
   const size_t src_row_at = carve(n, 4), row_of_at = carve(n, 4);
-  const size_t slots_at = carve(grouped ? 3 * max_slots + 1 : 0, 4);
+  const size_t slots_at = carve(listed ? 3 * max_slots + 1 : 0, 4);
+  const size_t tiles_at = carve(grouped_gemm ? 2 * gemm_tiles + 1 : 0, 4);
+  const size_t x_bf16_at = carve(grouped_gemm ? n * std::max(hidden, inter) : 0, 2);
   const size_t xg_at = carve(n * hidden, 4), gate_up_at = carve(n * 2 * inter, 4);
   const size_t act_at = carve(n * inter, 4), y_at = carve(n * hidden, 4);
   const int64_t shared_inter = w.shared != nullptr ? w.shared->down.cols : 0;
@@ -653,9 +674,15 @@ void MoeFfn(const Gemm& g, MoeScratch& scratch, const Tensor& x, const MoeWeight
   auto* src_row = reinterpret_cast<int32_t*>(base + src_row_at);
   auto* row_of = reinterpret_cast<int32_t*>(base + row_of_at);
   MoeSlots slots;
-  if (grouped) {
+  if (listed) {
     auto* at = reinterpret_cast<int32_t*>(base + slots_at);
     slots = {at, at + max_slots, at + 2 * max_slots, at + 3 * max_slots};
+  }
+  if (grouped_gemm) {
+    auto* at = reinterpret_cast<int32_t*>(base + tiles_at);
+    slots.tile_slot = at;
+    slots.tile_row = at + gemm_tiles;
+    slots.num_tiles = at + 2 * gemm_tiles;
   }
 
   Linear(g, x, w.router, f32(logits_at, tokens, num_experts));
@@ -675,6 +702,18 @@ void MoeFfn(const Gemm& g, MoeScratch& scratch, const Tensor& x, const MoeWeight
     GroupedGemv(table, /*down=*/true, held->down.parts[0], slots, max_slots,
                 reinterpret_cast<const float*>(base + act_at),
                 reinterpret_cast<float*>(base + y_at), stream);
+  } else if (grouped_gemm) {
+    const MoeSlotList list{slots.expert,    slots.start,    slots.count,    slots.num,
+                           slots.tile_slot, slots.tile_row, slots.num_tiles};
+    auto* xb = reinterpret_cast<uint16_t*>(base + x_bf16_at);
+    RoundToBf16(reinterpret_cast<const float*>(base + xg_at), xb, n * hidden, stream);
+    MoeGroupedGemm(table, /*down=*/false, list, gemm_tiles, xb, 2 * inter, hidden,
+                   gate_up.as<float>(), stream);
+    SwiGlu(gate_up.Columns(0, inter), gate_up.Columns(inter, 2 * inter), f32(act_at, n, inter),
+           stream);
+    RoundToBf16(reinterpret_cast<const float*>(base + act_at), xb, n * inter, stream);
+    MoeGroupedGemm(table, /*down=*/true, list, gemm_tiles, xb, hidden, inter,
+                   reinterpret_cast<float*>(base + y_at), stream);
   } else {
     // The per-expert row counts decide the products' shapes: read them back.
     if (scratch.host_capacity < num_experts) {

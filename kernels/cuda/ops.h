@@ -49,6 +49,9 @@ struct Gemm {
   Workspace* fp8_widened = nullptr;
   int sm = 0;  // compute capability, major * 10 + minor
 };
+// y = x rounded to bf16 (to nearest even, as the CPU rounds), n elements:
+// the activations of the bf16 tensor-core products.
+void RoundToBf16(const float* x, uint16_t* y, int64_t n, cudaStream_t stream);
 void Linear(const Gemm& g, const Tensor& x, const LinearWeights& w, const Tensor& y);
 // Linear for fp8 weights packed by CudaBackend::PrepareLinear (one part).
 void Fp8Linear(const Gemm& g, const Tensor& x, const LinearWeights& w, const Tensor& y);
@@ -132,13 +135,15 @@ int64_t QuestMaxSharedBytes();
 void QuestAttention(const AttentionPlan& plan, int64_t layer, const Tensor& q, float scale,
                     uint32_t* selection, const Tensor& out, cudaStream_t stream);
 
-// ---- Mixture of experts (moe.cu). Two ways through a block: per-expert
-// products (cuBLAS or the GEMV, Linear) shaped by the row counts read back
-// to the host, which waits for the device once per call; and grouped GEMV
-// kernels that find each expert in the block's table on the device, never
-// wait, and so can be captured. The grouped way takes what a graph
-// captures and eager calls of up to kMoeGroupedMaxTokens tokens (decode);
-// longer ones (prefill) go per expert, where the products are GEMMs.
+// ---- Mixture of experts (moe.cu, moe_grouped_gemm.cu). Three ways
+// through a block. Grouped GEMV kernels that find each expert in the
+// block's table on the device, never wait, and so can be captured: what a
+// graph captures and eager calls of up to kMoeGroupedMaxTokens tokens
+// (decode). Longer calls (prefill) with bf16 experts in a table: one
+// grouped tensor-core GEMM a matrix (MoeGroupedGemm), which does not wait
+// either. Else per-expert products (cuBLAS or the GEMV, Linear) shaped by
+// the row counts read back to the host, which waits for the device once
+// per call.
 inline constexpr int64_t kMoeGroupedMaxTokens = 64;
 void MoeRoute(const Tensor& logits, const MoeRouting& routing, int32_t* expert_ids, float* weights,
               cudaStream_t stream);
@@ -171,7 +176,34 @@ struct MoeScratch {
   MoeStats host_stats;
   void Release();
 };
-// The grouped way needs w.prepared, made for w.experts (PrepareMoe).
+// The active experts of a call as MoeFfn's grouping lists them on the
+// device: slot s < *num is expert expert[s], its gathered rows [start[s],
+// start[s] + count[s]); for the grouped GEMM also its tiles of
+// kMoeGemmTileRows rows: tile i < *num_tiles is rows [tile_row[i],
+// tile_row[i] + kMoeGemmTileRows) of slot tile_slot[i] (its last tile
+// ragged).
+struct MoeSlotList {
+  const int32_t* expert = nullptr;
+  const int32_t* start = nullptr;
+  const int32_t* count = nullptr;
+  const int32_t* num = nullptr;
+  const int32_t* tile_slot = nullptr;
+  const int32_t* tile_row = nullptr;
+  const int32_t* num_tiles = nullptr;
+};
+// Gathered rows a tile of MoeGroupedGemm; a call of n gathered rows over
+// at most s slots has at most ceil(n / 64) + s tiles, and MoeGroupedGemm
+// takes up to 65,535 (max_tiles, its grid's rows).
+inline constexpr int kMoeGemmTileRows = 64;
+// y[r, :] = x[r, :] W_e^T for every gathered row r of every listed tile,
+// W_e the tile's expert's gate|up or down (`down`) bf16 matrix of the
+// table, [rows, cols], cols a multiple of 8; x [n, cols] bf16 (rounded by
+// RoundToBf16), y [n, rows] fp32, fp32 sums. An expert not held gives
+// zero rows.
+void MoeGroupedGemm(const MoeExpertEntry* table, bool down, const MoeSlotList& slots,
+                    int64_t max_tiles, const uint16_t* x, int64_t rows, int64_t cols, float* y,
+                    cudaStream_t stream);
+// The grouped ways need w.prepared, made for w.experts (PrepareMoe).
 void MoeFfn(const Gemm& g, MoeScratch& scratch, const Tensor& x, const MoeWeights& w,
             const Tensor& out);
 // The stats since the last call, reset (waits for the stream).
