@@ -31,9 +31,11 @@ def main():
                     out.append((f"prefill attention {p['tokens']} tokens {p.get('kv_dtype', 'bf16')}",
                                 f"{p['tflops']:.0f} TFLOPS",
                                 f"{p['fraction_of_bf16_gemm']:.2f} of GEMM"))
-            for g in r.get("bf16_gemv") or []:
-                out.append((f"bf16 GEMV {g['rows']} rows", f"{g['weight_read_gbytes_per_s']:.0f} GB/s",
-                            f"{g['fraction_of_copy_bandwidth']:.2f} of copy"))
+            for kind in ("bf16", "fp8"):
+                for g in r.get(f"{kind}_gemv") or []:
+                    out.append((f"{kind} GEMV {g['rows']} rows",
+                                f"{g['weight_read_gbytes_per_s']:.0f} GB/s",
+                                f"{g['fraction_of_copy_bandwidth']:.2f} of copy"))
         if r.get("bench") == "engine":
             sampled = ", sampled" if r.get("temperature", 0) > 0 else ""
             what = f"engine b{r['batch']} after {r['prompt_tokens']} ({r['weight_dtype']}{sampled})"

@@ -123,38 +123,57 @@ nlohmann::json MeasurePrefill(kernels::Backend& backend, int64_t tokens, int64_t
   }
   return result;
 }
-// Few-row products with bf16 weights, as batch-1 and batch-8 decode run
-// them: one layer of Llama-3.1-8B (q|k|v 6,144 x 4,096, o 4,096 x 4,096,
-// gate|up 28,672 x 4,096, down 4,096 x 14,336) in turn, over four copies of
-// the layer so that no weight is still in L2 when it is read again, 32
-// layers a timing. The weight bytes over the time: what the bf16 GEMV
-// streams, against the copy bandwidth. The rows sweep past the GEMV's
-// last (4 on CUDA, kernels/cuda/gemm.cu) into cuBLAS's GEMM, so that one
-// run says at which row count each wins.
-nlohmann::json MeasureGemv(kernels::Backend& backend, double copy_gbytes_per_s) {
+// Few-row products with bf16 or fp8 (per-channel scales, dynamic per-token
+// activations) weights, as batch-1 and batch-8 decode run them: one layer
+// of Llama-3.1-8B (q|k|v 6,144 x 4,096, o 4,096 x 4,096, gate|up 28,672 x
+// 4,096, down 4,096 x 14,336) in turn, over four copies of the layer so
+// that no weight is still in L2 when it is read again, 32 layers a timing.
+// The weight bytes (with fp8's scales) over the time: what the GEMV
+// streams, against the copy bandwidth. The rows sweep past the GEMV's last
+// (4 rows for bf16, 8 for fp8 on CUDA: kernels/cuda/gemm.cu, gemm_fp8.cu)
+// into cuBLAS's GEMM or cuBLASLt's W8A8, so that one run says at which row
+// count each wins.
+nlohmann::json MeasureGemv(kernels::Backend& backend, double copy_gbytes_per_s, DType dtype) {
   struct Shape {
     int64_t rows, cols;
   };
   const Shape shapes[] = {{6144, 4096}, {4096, 4096}, {28672, 4096}, {4096, 14336}};
   constexpr int kCopies = 4, kLayers = 32;
+  const bool fp8 = dtype == DType::kFP8E4M3;
   kernels::WeightStore store(&backend);
   std::mt19937 rng(3);
   std::uniform_int_distribution<int> bits(0x3c00, 0x3f80);  // bf16 of magnitudes 2^-7 .. 1
   std::vector<kernels::LinearWeights> weights;
   double layer_bytes = 0;
   for (const Shape& sh : shapes) {
-    std::vector<uint16_t> host(sh.rows * sh.cols);
-    for (auto& h : host) h = static_cast<uint16_t>(bits(rng) | (rng() & 1 ? 0x8000 : 0));
-    layer_bytes += 2.0 * sh.rows * sh.cols;
+    std::vector<uint8_t> host(sh.rows * sh.cols * (fp8 ? 1 : 2));
+    std::vector<float> scales(fp8 ? sh.rows : 0, 1.0f / 448.0f);
+    if (fp8) {
+      // e4m3 codes of either sign, NaN (0x7f, 0xff) left out.
+      for (auto& c : host) c = static_cast<uint8_t>(rng() % 0x7e | (rng() & 1 ? 0x80 : 0));
+    } else {
+      auto* h16 = reinterpret_cast<uint16_t*>(host.data());
+      for (int64_t i = 0; i < sh.rows * sh.cols; ++i)
+        h16[i] = static_cast<uint16_t>(bits(rng) | (rng() & 1 ? 0x8000 : 0));
+    }
+    layer_bytes += static_cast<double>(host.size()) + 4.0 * static_cast<double>(scales.size());
     for (int c = 0; c < kCopies; ++c) {
-      const kernels::WeightMatrix w{host.data(), DType::kBF16, sh.rows, sh.cols};
+      kernels::WeightMatrix w{host.data(), dtype, sh.rows, sh.cols};
+      if (fp8) {
+        w.scheme = kernels::WeightScheme::kFp8Channel;
+        w.scales = scales.data();
+        w.activation_scaling = kernels::ActivationScaling::kDynamicPerToken;
+      }
       auto prepared = backend.PrepareLinear(&w, 1, nullptr, /*in_place=*/false, &store);
       if (!prepared.ok()) return nullptr;
       weights.push_back(*prepared);
     }
   }
   nlohmann::json result = nlohmann::json::array();
-  for (const int64_t m : {1, 2, 4, 5, 6, 8, 9, 12, 16, 32}) {
+  const std::vector<int64_t> row_counts =
+      fp8 ? std::vector<int64_t>{1, 2, 4, 8, 9, 16, 32}
+          : std::vector<int64_t>{1, 2, 4, 5, 6, 8, 9, 12, 16, 32};
+  for (const int64_t m : row_counts) {
     std::vector<float> x(m * 14336);
     for (auto& v : x) v = static_cast<float>(rng() % 2001) / 1000.f - 1.f;
     auto* dx = static_cast<float*>(store.Upload(x.data(), x.size() * 4));
@@ -369,14 +388,16 @@ int RunBenchKernels(int argc, char** argv) {
           MeasurePrefill(*backend, tokens, heads, kv_heads, head_dim, dtype, roof.bf16_tflops));
     }
   }
-  std::fprintf(stderr, "bench kernels: bf16 GEMV over Llama-3.1-8B layers...\n");
-  const nlohmann::json gemv = MeasureGemv(*backend, roof.copy_gbytes_per_s);
+  std::fprintf(stderr, "bench kernels: bf16 and fp8 GEMV over Llama-3.1-8B layers...\n");
+  const nlohmann::json gemv = MeasureGemv(*backend, roof.copy_gbytes_per_s, DType::kBF16);
+  const nlohmann::json fp8_gemv = MeasureGemv(*backend, roof.copy_gbytes_per_s, DType::kFP8E4M3);
   const nlohmann::json result = {{"bench", "kernels"},
                                  {"device", cuda::DeviceDescription(static_cast<int>(device))},
                                  {"copy_gbytes_per_s", roof.copy_gbytes_per_s},
                                  {"bf16_gemm_tflops", roof.bf16_tflops},
                                  {"prefill_attention", prefill},
                                  {"bf16_gemv", gemv},
+                                 {"fp8_gemv", fp8_gemv},
                                  {"machine", MachineJson()}};
   std::printf("%s\n", result.dump().c_str());
   return 0;
