@@ -60,6 +60,9 @@
 # Qwen3-30B-A3B shapes at batch 1 and 8 with graphs and without, then
 # memcheck over backend_ops_test.
 #
+# And (check): verify and perf in one call, for a session whose device
+# minutes fit one start (below).
+#
 # Usage: bench/gpu/run_kit.sh [all|quick|perf|profile|verify|check|tests|bench|serve|families|kv|eviction|tp]
 set -uo pipefail
 
@@ -91,6 +94,97 @@ outcome() {
   skipped=$(sed -n 's/^\[  SKIPPED \] \([0-9]*\) tests\?[.,].*/\1/p' "$1" | head -1)
   echo "${passed:-0} passed, ${skipped:-0} skipped, $(grep -c '^\[  FAILED  \]' "$1") FAILED lines"
 }
+
+# The modes that run many steps (quick, perf, profile, verify, check): logs
+# outside $OUT, packed into one archive after every phase (the device tool
+# returns at most 8 files, and a run cut off at its time limit still
+# returns the archive of the phases before).
+logs=$(mktemp -d)/logs
+mkdir -p "$logs"
+pack() {
+  printf '%s\n' "${summary[@]}" > "$logs/summary.txt"
+  cp "$OUT/device.txt" "$logs/"
+  tar -czf "$OUT/logs.tar.gz" -C "$(dirname "$logs")" logs
+}
+# `bench engine` on MODEL with dummy weights, its JSON line into perf.jsonl.
+engine() {  # LABEL SECONDS MODEL FLAGS...
+  local label=$1 limit=$2 model=$3
+  shift 3
+  step "bench engine $label"
+  timeout -k 5 "$limit" "$PDSERVE" bench engine --model "$model" --load-format dummy \
+    --device cuda --json "$@" 2>>"$logs/bench.err" | tee -a "$OUT/perf.jsonl"
+  summary+=("bench engine $label: exit ${PIPESTATUS[0]}")
+  pack
+}
+# Starts each test binary named, and memcheck over backend_ops_test's
+# FILTER (empty: none), at once in the background, each under LIMIT
+# seconds; their "pid:name" entries go to the array `pids`.
+start_tests() {  # LIMIT MEMCHECK_FILTER BINARIES...
+  local limit=$1 filter=$2 t
+  shift 2
+  for t in "$@"; do
+    PDSERVE_BIN=$PDSERVE PDSERVE_REAL_MODEL_DIR=$KIT/models/stories260K \
+      timeout -k 5 "$limit" "$KIT/bin/$t" --gtest_brief=1 > "$logs/$t.log" 2>&1 &
+    pids+=("$!:$t")
+  done
+  if [[ -n $filter ]]; then
+    timeout -k 5 "$limit" compute-sanitizer --tool memcheck --error-exitcode 3 \
+      "$KIT/bin/backend_ops_test" --gtest_brief=1 --gtest_filter="$filter" \
+      > "$logs/memcheck-backend_ops_test.log" 2>&1 &
+    pids+=("$!:memcheck backend_ops_test")
+  fi
+}
+# Greedy tokens on the GPU against the CPU, one line each: every preset
+# spec (preset:dtype) given, then stories260K at TP 2 on one GPU (the
+# device-local communicator). fp32 weights take cuBLAS's pedantic fp32
+# products, as the CPU; bf16 ones round activations to bf16 where the
+# CPU's decode does not, so a near tie may flip a token (compare against a
+# CPU whose prefill rounds as CUDA does: bench/gpu/NOTES.md).
+greedy_presets() {  # SPECS...
+  local spec preset dtype model cpu gpu r
+  gen() {  # MODEL FLAGS...
+    local model=$1
+    shift
+    timeout 60 "$PDSERVE" generate --model "$model" "$@" --prompt "Once upon a time" \
+      --max-tokens 32 --temperature 0 --ignore-eos --json 2>>"$logs/greedy.err" |
+      python3 -c 'import json,sys; print(json.load(sys.stdin)["token_ids"])'
+  }
+  for spec in "$@"; do
+    preset=${spec%:*} dtype=${spec#*:} model=$(dirname "$logs")/model-$preset-$dtype
+    "$PDSERVE" make-model --preset "$preset" --dtype "$dtype" --out "$model" > /dev/null 2>&1 ||
+      { echo "$spec: make-model failed"; continue; }
+    cpu=$(gen "$model" --device cpu) gpu=$(gen "$model" --device cuda)
+    [[ -n $cpu && $cpu == "$gpu" ]] && r=equal || r="DIFFERENT cpu $cpu gpu $gpu"
+    echo "$spec greedy tokens, GPU vs CPU: $r"
+    rm -rf "$model"
+  done
+  if [[ -f $KIT/models/stories260K/config.json ]]; then
+    cpu=$(gen "$KIT/models/stories260K" --device cpu)
+    gpu=$(gen "$KIT/models/stories260K" --tensor-parallel 2 --devices cuda:0,cuda:0)
+    [[ -n $cpu && $cpu == "$gpu" ]] && r=equal || r="DIFFERENT cpu $cpu gpu $gpu"
+    echo "stories260K TP 2 on cuda:0,cuda:0 vs CPU: $r"
+  fi
+}
+# Waits for every entry of `pids`, adding each test's outcome to the
+# summary (and the greedy lines, from greedy.txt, when one was started).
+collect() {
+  local p rc name f
+  for p in "${pids[@]}"; do
+    wait "${p%%:*}"
+    rc=$?
+    name=${p#*:}
+    [[ $name == greedy ]] && continue
+    f=$logs/${name/memcheck /memcheck-}.log
+    summary+=("$name: exit $rc, $(outcome "$f")")
+  done
+  if [[ -f $logs/greedy.txt ]]; then
+    mapfile -t greedy < "$logs/greedy.txt"
+    summary+=("${greedy[@]}")
+  fi
+  pids=()
+  pack
+}
+pids=()
 
 {
   date -u
@@ -315,120 +409,37 @@ if [[ $WHAT == all || $WHAT == tp ]]; then
 fi
 
 if [[ $WHAT == quick ]]; then
-  : > "$OUT/quick.jsonl"
-  logs=$OUT/logs
-  mkdir -p "$logs"
-  engine() {  # LABEL SECONDS FLAGS...
-    local label=$1 limit=$2
-    shift 2
-    step "bench engine $label"
-    timeout "$limit" "$PDSERVE" bench engine --model bench/configs/llama-3.1-8b --load-format dummy \
-      --device cuda --json "$@" 2>>"$logs/bench.err" | tee -a "$OUT/quick.jsonl"
-    summary+=("bench engine $label: exit ${PIPESTATUS[0]}")
-  }
+  : > "$OUT/perf.jsonl"
   step "bench kernels, fp16 KV"
   timeout 60 "$PDSERVE" bench kernels --batch 64 --context 4096 --kv-dtype fp16 \
-    2>>"$logs/bench.err" | tee -a "$OUT/quick.jsonl"
-  engine "decode b1 graphs" 75 --kv-dtype bf16 --batch 1 --prompt-tokens 512 --gen-tokens 64
-  engine "decode b1 eager" 75 --kv-dtype bf16 --batch 1 --prompt-tokens 512 --gen-tokens 64 \
+    2>>"$logs/bench.err" | tee -a "$OUT/perf.jsonl"
+  m=bench/configs/llama-3.1-8b
+  engine "decode b1 graphs" 75 $m --kv-dtype bf16 --batch 1 --prompt-tokens 512 --gen-tokens 64
+  engine "decode b1 eager" 75 $m --kv-dtype bf16 --batch 1 --prompt-tokens 512 --gen-tokens 64 \
     --cuda-graphs=false
-  engine "decode b64 graphs" 75 --kv-dtype bf16 --batch 64 --prompt-tokens 1024 --gen-tokens 32 \
-    --max-batched-tokens 8192
-  engine "prefill 4096" 75 --kv-dtype bf16 --batch 1 --prompt-tokens 4096 --gen-tokens 2 \
+  engine "decode b64 graphs" 75 $m --kv-dtype bf16 --batch 64 --prompt-tokens 1024 \
+    --gen-tokens 32 --max-batched-tokens 8192
+  engine "prefill 4096" 75 $m --kv-dtype bf16 --batch 1 --prompt-tokens 4096 --gen-tokens 2 \
     --max-batched-tokens 4096
   step "GPU tests, all at once"
-  pids=()
-  for t in backend_ops_test cuda_engine_test cuda_kv_transfer_test cuda_serving_test \
-    communicator_test cuda_fp8_gemm_test; do
-    PDSERVE_BIN=$PDSERVE PDSERVE_REAL_MODEL_DIR=$KIT/models/stories260K \
-      timeout 120 "$KIT/bin/$t" --gtest_brief=1 > "$logs/$t.log" 2>&1 &
-    pids+=("$!:$t")
-  done
-  timeout 120 compute-sanitizer --tool memcheck --error-exitcode 3 "$KIT/bin/backend_ops_test" \
-    --gtest_brief=1 > "$logs/memcheck-backend_ops_test.log" 2>&1 &
-  pids+=("$!:memcheck backend_ops_test")
-  for p in "${pids[@]}"; do
-    wait "${p%%:*}"
-    rc=$?
-    name=${p#*:}
-    f=$logs/${name/memcheck /memcheck-}.log
-    failed=$(grep -c '^\[  FAILED  \]' "$f")
-    summary+=("$name: exit $rc, $(grep -c "^\[  PASSED" "$f") PASSED lines, $failed FAILED lines")
-  done
-  cp "$OUT/device.txt" "$logs/"
-  tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs
-  rm -rf "$logs"
+  start_tests 120 '*' backend_ops_test cuda_engine_test cuda_kv_transfer_test cuda_serving_test \
+    communicator_test cuda_fp8_gemm_test
+  collect
 fi
 
 if [[ $WHAT == perf || $WHAT == profile ]]; then
   : > "$OUT/perf.jsonl"
-  # Logs outside $OUT, packed into one archive after every phase: the device
-  # tool returns at most 8 files, and a run cut off at its time limit still
-  # returns the archive of the phases before.
-  logs=$(mktemp -d)/logs
-  mkdir -p "$logs"
-  pack() {
-    printf '%s\n' "${summary[@]}" > "$logs/summary.txt"
-    tar -czf "$OUT/logs.tar.gz" -C "$(dirname "$logs")" logs
-  }
   # PERF_TESTS=0 after a `verify` in the same session: its tests and
   # memcheck ran already, and the device minutes go to the benchmarks.
-  tests=(backend_ops_test cuda_engine_test cuda_serving_test communicator_test)
-  [[ ${PERF_TESTS:-1} == 0 ]] && tests=()
-  step "GPU tests, all at once (${#tests[@]} binaries)"
-  pids=()
-  for t in "${tests[@]}"; do
-    PDSERVE_BIN=$PDSERVE PDSERVE_REAL_MODEL_DIR=$KIT/models/stories260K \
-      timeout 120 "$KIT/bin/$t" --gtest_brief=1 > "$logs/$t.log" 2>&1 &
-    pids+=("$!:$t")
-  done
-  if [[ ${#tests[@]} -gt 0 ]]; then
-    timeout 120 compute-sanitizer --tool memcheck --error-exitcode 3 "$KIT/bin/backend_ops_test" \
-      --gtest_brief=1 > "$logs/memcheck-backend_ops_test.log" 2>&1 &
-    pids+=("$!:memcheck backend_ops_test")
+  step "GPU tests and greedy presets, all at once"
+  if [[ ${PERF_TESTS:-1} != 0 ]]; then
+    start_tests 120 '*' backend_ops_test cuda_engine_test cuda_serving_test communicator_test
   fi
-  # Greedy tokens on the GPU against the CPU: every family preset, and
-  # stories260K at TP 2 on one GPU (device-local all-reduce).
-  (
-    gen() {  # MODEL FLAGS...
-      local model=$1
-      shift
-      timeout 60 "$PDSERVE" generate --model "$model" "$@" --prompt "Once upon a time" \
-        --max-tokens 32 --temperature 0 --ignore-eos --json 2>>"$logs/greedy.err" |
-        python3 -c 'import json,sys; print(json.load(sys.stdin)["token_ids"])'
-    }
-    # fp32 weights (cuBLAS's pedantic fp32 products, as the CPU), then bf16
-    # (the bf16 GEMV at decode, activations rounded as the CPU's AVX-512
-    # BF16 path rounds them; a near tie may still flip a token).
-    for spec in tiny:fp32 qwen3:fp32 qwen3-moe:fp32 mixtral:fp32 deepseek-v2-lite:fp32 \
-      deepseek-v3:fp32 gemma3:fp32 tiny:bf16 qwen3:bf16 gemma3:bf16 mistral-window:bf16; do
-      preset=${spec%:*} dtype=${spec#*:} model=$(dirname "$logs")/model-$preset-$dtype
-      "$PDSERVE" make-model --preset "$preset" --dtype "$dtype" --out "$model" > /dev/null 2>&1 ||
-        { echo "$spec: make-model failed"; continue; }
-      cpu=$(gen "$model" --device cpu) gpu=$(gen "$model" --device cuda)
-      [[ -n $cpu && $cpu == "$gpu" ]] && r=equal || r="DIFFERENT cpu $cpu gpu $gpu"
-      echo "$spec greedy tokens, GPU vs CPU: $r"
-      rm -rf "$model"
-    done
-    if [[ -f $KIT/models/stories260K/config.json ]]; then
-      cpu=$(gen "$KIT/models/stories260K" --device cpu)
-      gpu=$(gen "$KIT/models/stories260K" --tensor-parallel 2 --devices cuda:0,cuda:0)
-      [[ -n $cpu && $cpu == "$gpu" ]] && r=equal || r="DIFFERENT cpu $cpu gpu $gpu"
-      echo "stories260K TP 2 on cuda:0,cuda:0 vs CPU: $r"
-    fi
-  ) > "$logs/greedy.txt" 2>&1 &
+  greedy_presets tiny:fp32 qwen3:fp32 qwen3-moe:fp32 mixtral:fp32 deepseek-v2-lite:fp32 \
+    deepseek-v3:fp32 gemma3:fp32 tiny:bf16 qwen3:bf16 gemma3:bf16 mistral-window:bf16 \
+    > "$logs/greedy.txt" 2>&1 &
   pids+=("$!:greedy")
-  for p in "${pids[@]}"; do
-    wait "${p%%:*}"
-    rc=$?
-    name=${p#*:}
-    [[ $name == greedy ]] && continue
-    f=$logs/${name/memcheck /memcheck-}.log
-    summary+=("$name: exit $rc, $(outcome "$f")")
-  done
-  mapfile -t greedy < "$logs/greedy.txt"
-  summary+=("${greedy[@]}")
-  pack
+  collect
   step "bench kernels, fp16 KV, decode at 1K/4K/16K, prefill at 4K and 16K"
   timeout 60 "$PDSERVE" bench kernels --batch 64 --context 1024,4096,16384 --kv-dtype fp16 \
     2>>"$logs/bench.err" | tee -a "$OUT/perf.jsonl"
@@ -440,15 +451,6 @@ if [[ $WHAT == perf || $WHAT == profile ]]; then
     summary+=("bench kernels $kv: exit ${PIPESTATUS[0]}")
   done
   pack
-  engine() {  # LABEL SECONDS MODEL FLAGS...
-    local label=$1 limit=$2 model=$3
-    shift 3
-    step "bench engine $label"
-    timeout "$limit" "$PDSERVE" bench engine --model "$model" --load-format dummy \
-      --device cuda --json "$@" 2>>"$logs/bench.err" | tee -a "$OUT/perf.jsonl"
-    summary+=("bench engine $label: exit ${PIPESTATUS[0]}")
-    pack
-  }
   engine "decode b1-64 after 1024" 120 bench/configs/llama-3.1-8b --kv-dtype bf16 \
     --batch 1,8,32,64 --prompt-tokens 1024 --gen-tokens 32 --max-batched-tokens 8192
   # Sampling on the device: batch 64 at temperature 1 against the greedy
@@ -473,18 +475,11 @@ if [[ $WHAT == perf || $WHAT == profile ]]; then
     engine "fp8 weights b1 decode" 60 bench/configs/llama-3.1-8b-fp8 --kv-dtype bf16 --batch 1 \
       --prompt-tokens 512 --gen-tokens 32
   fi
-  cp "$OUT/device.txt" "$logs/"
   pack
 fi
 
 if [[ $WHAT == verify ]]; then
   : > "$OUT/perf.jsonl"
-  logs=$(mktemp -d)/logs
-  mkdir -p "$logs"
-  pack() {
-    printf '%s\n' "${summary[@]}" > "$logs/summary.txt"
-    tar -czf "$OUT/logs.tar.gz" -C "$(dirname "$logs")" logs
-  }
   for t in backend_ops_test cuda_engine_test cuda_fp8_gemm_test; do
     step "$t"
     PDSERVE_BIN=$PDSERVE PDSERVE_REAL_MODEL_DIR=$KIT/models/stories260K \
@@ -526,63 +521,15 @@ fi
 # each step so that a call cut off at its limit still returns the rest.
 if [[ $WHAT == check ]]; then
   : > "$OUT/perf.jsonl"
-  logs=$(mktemp -d)/logs
-  mkdir -p "$logs"
-  pack() {
-    printf '%s\n' "${summary[@]}" > "$logs/summary.txt"
-    tar -czf "$OUT/logs.tar.gz" -C "$(dirname "$logs")" logs
-  }
   step "GPU tests, memcheck of the new ops and greedy presets, all at once"
-  pids=()
-  for t in backend_ops_test cuda_engine_test cuda_fp8_gemm_test cuda_serving_test \
-    communicator_test cuda_kv_transfer_test; do
-    PDSERVE_BIN=$PDSERVE PDSERVE_REAL_MODEL_DIR=$KIT/models/stories260K \
-      timeout -k 5 150 "$KIT/bin/$t" --gtest_brief=1 > "$logs/$t.log" 2>&1 &
-    pids+=("$!:$t")
-  done
-  timeout -k 5 150 compute-sanitizer --tool memcheck --error-exitcode 3 "$KIT/bin/backend_ops_test" \
-    --gtest_brief=1 \
-    --gtest_filter='*MoeFfn*:*HeadsLinear*:*Embedding*:*SampleRows*:*AdjustLogits*:*Mla*' \
-    > "$logs/memcheck-backend_ops_test.log" 2>&1 &
-  pids+=("$!:memcheck backend_ops_test")
-  (
-    gen() {  # MODEL FLAGS...
-      local model=$1
-      shift
-      timeout 60 "$PDSERVE" generate --model "$model" "$@" --prompt "Once upon a time" \
-        --max-tokens 32 --temperature 0 --ignore-eos --json 2>>"$logs/greedy.err" |
-        python3 -c 'import json,sys; print(json.load(sys.stdin)["token_ids"])'
-    }
-    for spec in tiny:fp32 qwen3:fp32 qwen3-moe:fp32 mixtral:fp32 deepseek-v2-lite:fp32 \
-      deepseek-v3:fp32 gemma3:fp32 tiny:bf16 qwen3:bf16 qwen3-moe:bf16 deepseek-v2-lite:bf16 \
-      gemma3:bf16 mistral-window:bf16; do
-      preset=${spec%:*} dtype=${spec#*:} model=$(dirname "$logs")/model-$preset-$dtype
-      "$PDSERVE" make-model --preset "$preset" --dtype "$dtype" --out "$model" > /dev/null 2>&1 ||
-        { echo "$spec: make-model failed"; continue; }
-      cpu=$(gen "$model" --device cpu) gpu=$(gen "$model" --device cuda)
-      [[ -n $cpu && $cpu == "$gpu" ]] && r=equal || r="DIFFERENT cpu $cpu gpu $gpu"
-      echo "$spec greedy tokens, GPU vs CPU: $r"
-      rm -rf "$model"
-    done
-    if [[ -f $KIT/models/stories260K/config.json ]]; then
-      cpu=$(gen "$KIT/models/stories260K" --device cpu)
-      gpu=$(gen "$KIT/models/stories260K" --tensor-parallel 2 --devices cuda:0,cuda:0)
-      [[ -n $cpu && $cpu == "$gpu" ]] && r=equal || r="DIFFERENT cpu $cpu gpu $gpu"
-      echo "stories260K TP 2 on cuda:0,cuda:0 vs CPU: $r"
-    fi
-  ) > "$logs/greedy.txt" 2>&1 &
+  start_tests 150 '*MoeFfn*:*MoeRoute*:*HeadsLinear*:*Embedding*:*SampleRows*:*AdjustLogits*:*Mla*' \
+    backend_ops_test cuda_engine_test cuda_fp8_gemm_test cuda_serving_test communicator_test \
+    cuda_kv_transfer_test
+  greedy_presets tiny:fp32 qwen3:fp32 qwen3-moe:fp32 mixtral:fp32 deepseek-v2-lite:fp32 \
+    deepseek-v3:fp32 gemma3:fp32 tiny:bf16 qwen3:bf16 qwen3-moe:bf16 deepseek-v2-lite:bf16 \
+    gemma3:bf16 mistral-window:bf16 > "$logs/greedy.txt" 2>&1 &
   pids+=("$!:greedy")
-  for p in "${pids[@]}"; do
-    wait "${p%%:*}"
-    rc=$?
-    name=${p#*:}
-    [[ $name == greedy ]] && continue
-    f=$logs/${name/memcheck /memcheck-}.log
-    summary+=("$name: exit $rc, $(outcome "$f")")
-  done
-  mapfile -t greedy < "$logs/greedy.txt"
-  summary+=("${greedy[@]}")
-  pack
+  collect
   kernels() {  # LABEL SECONDS FLAGS...
     local label=$1 limit=$2
     shift 2
@@ -592,30 +539,20 @@ if [[ $WHAT == check ]]; then
     summary+=("bench kernels $label: exit ${PIPESTATUS[0]}")
     pack
   }
-  engine() {  # LABEL SECONDS MODEL FLAGS...
-    local label=$1 limit=$2 model=$3
-    shift 3
-    step "bench engine $label"
-    timeout -k 5 "$limit" "$PDSERVE" bench engine --model "$model" --load-format dummy \
-      --device cuda --json "$@" 2>>"$logs/bench.err" | tee -a "$OUT/perf.jsonl"
-    summary+=("bench engine $label: exit ${PIPESTATUS[0]}")
-    pack
-  }
-  engine "decode b1-64 after 1024" 100 bench/configs/llama-3.1-8b --kv-dtype bf16 \
-    --batch 1,8,32,64 --prompt-tokens 1024 --gen-tokens 32 --max-batched-tokens 8192
+  m=bench/configs/llama-3.1-8b
+  engine "decode b1-64 after 1024" 100 $m --kv-dtype bf16 --batch 1,8,32,64 \
+    --prompt-tokens 1024 --gen-tokens 32 --max-batched-tokens 8192
   kernels "fp16 KV, 4K" 60 --context 4096 --kv-dtype fp16
   kernels "fp8 KV" 30 --context 4096 --kv-dtype fp8 --prefill-tokens 0
   kernels "nvfp4 KV" 30 --context 4096 --kv-dtype nvfp4 --prefill-tokens 0
   engine "qwen3-30b-a3b b1,8 graphs" 120 bench/configs/qwen3-30b-a3b --kv-dtype bf16 \
     --batch 1,8 --prompt-tokens 512 --gen-tokens 32
-  engine "decode b64 sampled" 80 bench/configs/llama-3.1-8b --kv-dtype bf16 --batch 64 \
-    --prompt-tokens 1024 --gen-tokens 32 --max-batched-tokens 8192 --temperature 1
-  engine "prefill 4096 + b1 decode" 60 bench/configs/llama-3.1-8b --kv-dtype bf16 --batch 1 \
-    --prompt-tokens 4096 --gen-tokens 32 --max-batched-tokens 4096
+  engine "decode b64 sampled" 80 $m --kv-dtype bf16 --batch 64 --prompt-tokens 1024 \
+    --gen-tokens 32 --max-batched-tokens 8192 --temperature 1
+  engine "prefill 4096 + b1 decode" 60 $m --kv-dtype bf16 --batch 1 --prompt-tokens 4096 \
+    --gen-tokens 32 --max-batched-tokens 4096
   engine "fp8 weights b1 decode" 60 bench/configs/llama-3.1-8b-fp8 --kv-dtype bf16 --batch 1 \
     --prompt-tokens 512 --gen-tokens 32
-  cp "$OUT/device.txt" "$logs/"
-  pack
 fi
 
 # A GPU stack (router + 1 prefill + 1 decode worker, every prompt prefilled
