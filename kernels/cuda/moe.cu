@@ -39,10 +39,11 @@ __device__ inline float MoeScore(const float* row, int64_t e, const kernels::Moe
   return isnan(s) ? -INFINITY : s;
 }
 
-// One thread per token, nothing kept per expert (more experts than
-// MoeRouteWarpKernel holds): scores are recomputed where needed. Grouped methods first score the
-// groups (at most kMaxMoeGroups, one bit each for the kept ones); then the top_k picks, each the
-// first expert strictly after the previous pick in the routing order of choice scores, so no
+// One thread per token, nothing kept per expert (for more experts than
+// MoeRouteWarpKernel holds): scores are recomputed where needed. Grouped
+// methods first score the groups (at most kMaxMoeGroups, one bit each for
+// the kept ones); then the top_k picks, each the first expert strictly
+// after the previous pick in the routing order of choice scores, so no
 // candidate list is kept.
 __global__ void MoeRouteKernel(const float* logits, int64_t tokens, kernels::MoeRouting r,
                                int32_t* ids, float* weights) {
