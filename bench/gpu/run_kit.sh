@@ -553,6 +553,17 @@ if [[ $WHAT == check ]]; then
     --gen-tokens 32 --max-batched-tokens 4096
   engine "fp8 weights b1 decode" 60 bench/configs/llama-3.1-8b-fp8 --kv-dtype bf16 --batch 1 \
     --prompt-tokens 512 --gen-tokens 32
+  # Issue 29's remaining shapes: batch 128 after 1,024, batches 8 to 64
+  # after 4,096 (batch 128 after 4,096 needs 68 GB of bf16 KV), and 16k and
+  # 32k-token prompts chunked at 8,192 (effective TFLOPS).
+  engine "decode b128 after 1024" 90 $m --kv-dtype bf16 --batch 128 --prompt-tokens 1024 \
+    --gen-tokens 32 --max-batched-tokens 16384
+  engine "decode b8-64 after 4096" 120 $m --kv-dtype bf16 --batch 8,32,64 --prompt-tokens 4096 \
+    --gen-tokens 32 --max-batched-tokens 16384
+  for tokens in 16384 32768; do
+    engine "prefill $tokens chunked" 60 $m --kv-dtype bf16 --batch 1 --prompt-tokens "$tokens" \
+      --gen-tokens 2 --max-batched-tokens 8192
+  done
 fi
 
 # A GPU stack (router + 1 prefill + 1 decode worker, every prompt prefilled
