@@ -28,6 +28,7 @@ struct CudaBackend::State {
   cublasLtHandle_t lt = nullptr;
   cuda::Workspace fp8_activations{"fp8 activations"};  // quantised rows and their scales
   cuda::Workspace fp8_widened{"fp8 widened weights"};  // bf16 slices of fp8 weights
+  cuda::LtPlans* lt_plans = nullptr;                   // cuBLASLt's fp8 GEMM plans
   int sm = 0;
   int multiprocessors = 0;  // the split-K choice's (kernels/decode_splits.h)
 
@@ -39,6 +40,7 @@ struct CudaBackend::State {
     g.lt_workspace_bytes = kCublasWorkspace;
     g.fp8_x = &fp8_activations;
     g.fp8_widened = &fp8_widened;
+    g.lt_plans = lt_plans;
     g.sm = sm;
     return g;
   }
@@ -61,6 +63,7 @@ std::unique_ptr<CudaBackend> CudaBackend::Create(int device) {
   Check(cublasCreate(&state->cublas_bf16), "cublasCreate");
   Check(cublasSetStream(state->cublas_bf16, state->stream), "cublasSetStream");
   Check(cublasLtCreate(&state->lt), "cublasLtCreate");
+  state->lt_plans = cuda::CreateLtPlans();
   cudaDeviceProp prop{};
   Check(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
   state->sm = prop.major * 10 + prop.minor;
@@ -98,6 +101,7 @@ CudaBackend::~CudaBackend() {
   state_->moe.Release();
   state_->fp8_activations.Release();
   state_->fp8_widened.Release();
+  cuda::DestroyLtPlans(state_->lt_plans);  // its descriptors before the handle
   cublasLtDestroy(state_->lt);
   cublasDestroy(state_->cublas_bf16);
   cublasDestroy(state_->cublas);

@@ -7,6 +7,9 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
+#include <array>
+#include <map>
+#include <memory>
 
 #include "kernels/cuda/fp8_codes.cuh"
 #include "kernels/cuda/ops.h"
@@ -345,11 +348,18 @@ __global__ void ScaleOutputKernel(float* y, const float* __restrict__ xs,
   y[i] = y[i] * xs[row] * ws[col] + (bias != nullptr ? bias[col] : 0.f);
 }
 
-struct LtDescriptors {
+// The cuBLASLt objects of one fp8 GEMM shape and the algorithm its
+// heuristic chose (found false: none, the caller widens instead).
+struct LtPlan {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
   cublasLtMatmulPreference_t pref = nullptr;
-  ~LtDescriptors() {
+  cublasLtMatmulHeuristicResult_t result = {};
+  bool found = false;
+  LtPlan() = default;
+  LtPlan(const LtPlan&) = delete;
+  LtPlan& operator=(const LtPlan&) = delete;
+  ~LtPlan() {
     if (pref != nullptr) cublasLtMatmulPreferenceDestroy(pref);
     if (d != nullptr) cublasLtMatrixLayoutDestroy(d);
     if (b != nullptr) cublasLtMatrixLayoutDestroy(b);
@@ -358,12 +368,11 @@ struct LtDescriptors {
   }
 };
 
-// acc (column-major [n, m] = row-major y [m, n]) = W xq^T on the fp8
-// tensor cores, fp32 out; false when cuBLASLt has no algorithm for it (the
-// caller widens instead).
-bool LtFp8Gemm(const Gemm& g, const uint8_t* w, const __nv_fp8_storage_t* xq, int64_t m, int64_t n,
-               int64_t k, float* y) {
-  LtDescriptors d;
+// acc (column-major [n, m] = row-major y [m, n]) = W xq^T: the
+// descriptors, and the heuristic's pick within the workspace.
+std::unique_ptr<LtPlan> BuildLtPlan(const Gemm& g, int64_t m, int64_t n, int64_t k) {
+  auto plan = std::make_unique<LtPlan>();
+  LtPlan& d = *plan;
   Check(cublasLtMatmulDescCreate(&d.op, CUBLAS_COMPUTE_32F, CUDA_R_32F),
         "cublasLtMatmulDescCreate");
   const cublasOperation_t t = CUBLAS_OP_T, nt = CUBLAS_OP_N;
@@ -383,16 +392,52 @@ bool LtFp8Gemm(const Gemm& g, const uint8_t* w, const __nv_fp8_storage_t* xq, in
   Check(cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
                                              sizeof(ws)),
         "MAX_WORKSPACE_BYTES");
-  cublasLtMatmulHeuristicResult_t result = {};
   int found = 0;
-  if (cublasLtMatmulAlgoGetHeuristic(g.lt, d.op, d.a, d.b, d.d, d.d, d.pref, 1, &result, &found) !=
-          CUBLAS_STATUS_SUCCESS ||
-      found == 0) {
-    return false;
+  d.found = cublasLtMatmulAlgoGetHeuristic(g.lt, d.op, d.a, d.b, d.d, d.d, d.pref, 1, &d.result,
+                                           &found) == CUBLAS_STATUS_SUCCESS &&
+            found > 0;
+  return plan;
+}
+
+}  // namespace
+
+// Plans by (m, n, k), up to kMaxPlans of them: a prefill step meets a
+// handful of shapes per layer and every layer repeats them, so the
+// heuristic (host time, tens of microseconds) runs once a shape rather
+// than once a call. Past the cap (many distinct chunk lengths) a shape's
+// plan is built for its call alone.
+struct LtPlans {
+  static constexpr size_t kMaxPlans = 1024;
+  std::map<std::array<int64_t, 3>, std::unique_ptr<LtPlan>> plans;
+};
+
+LtPlans* CreateLtPlans() { return new LtPlans; }
+void DestroyLtPlans(LtPlans* plans) { delete plans; }
+
+namespace {
+
+// acc = W xq^T on the fp8 tensor cores, fp32 out; false when cuBLASLt has
+// no algorithm for it (the caller widens instead).
+bool LtFp8Gemm(const Gemm& g, const uint8_t* w, const __nv_fp8_storage_t* xq, int64_t m, int64_t n,
+               int64_t k, float* y) {
+  const std::array<int64_t, 3> shape{m, n, k};
+  const LtPlan* plan = nullptr;
+  std::unique_ptr<LtPlan> uncached;
+  if (g.lt_plans != nullptr) {
+    auto it = g.lt_plans->plans.find(shape);
+    if (it == g.lt_plans->plans.end() && g.lt_plans->plans.size() < LtPlans::kMaxPlans) {
+      it = g.lt_plans->plans.emplace(shape, BuildLtPlan(g, m, n, k)).first;
+    }
+    if (it != g.lt_plans->plans.end()) plan = it->second.get();
   }
+  if (plan == nullptr) {
+    uncached = BuildLtPlan(g, m, n, k);
+    plan = uncached.get();
+  }
+  if (!plan->found) return false;
   const float one = 1.0f, zero = 0.0f;
-  Check(cublasLtMatmul(g.lt, d.op, &one, w, d.a, xq, d.b, &zero, y, d.d, y, d.d, &result.algo,
-                       g.lt_workspace, ws, g.stream),
+  Check(cublasLtMatmul(g.lt, plan->op, &one, w, plan->a, xq, plan->b, &zero, y, plan->d, y, plan->d,
+                       &plan->result.algo, g.lt_workspace, g.lt_workspace_bytes, g.stream),
         "cublasLtMatmul fp8");
   return true;
 }

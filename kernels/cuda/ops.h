@@ -37,6 +37,11 @@ using kernels::WeightMatrix;
 // for few rows, cuBLASLt's fp8 GEMM (W8A8, `lt`, activations quantised
 // into `fp8_x`) on compute capability 8.9+, else widened to bf16 a slice of
 // rows at a time into `fp8_widened`.
+// cuBLASLt's fp8 GEMM plans, by shape (gemm_fp8.cu); one per backend,
+// used from its thread.
+struct LtPlans;
+LtPlans* CreateLtPlans();
+void DestroyLtPlans(LtPlans* plans);
 struct Gemm {
   cublasHandle_t fp32 = nullptr;
   cublasHandle_t bf16 = nullptr;
@@ -47,7 +52,8 @@ struct Gemm {
   size_t lt_workspace_bytes = 0;
   Workspace* fp8_x = nullptr;
   Workspace* fp8_widened = nullptr;
-  int sm = 0;  // compute capability, major * 10 + minor
+  LtPlans* lt_plans = nullptr;  // null: every call plans anew
+  int sm = 0;                   // compute capability, major * 10 + minor
 };
 // y = x rounded to bf16 (to nearest even, as the CPU rounds), n elements:
 // the activations of the bf16 tensor-core products.
