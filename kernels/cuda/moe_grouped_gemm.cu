@@ -7,13 +7,12 @@
 //
 // The grid is (column tiles of W, an upper bound on the row tiles): a block
 // takes the row tile MoeGroupKernel listed at its grid row, and exits past
-// the last one listed. A block
-// computes 64 gathered rows x 64 rows of W: 4 warps of 32 x 32, K in steps
-// of 32 through two shared-memory stages filled by cp.async (rows past the
-// slot's or W's end and columns past K filled with zeros), fragments by
-// ldmatrix, products by mma.sync m16n8k16 with fp32 accumulators: the
-// arithmetic of Linear's bf16 products (x rounded to bf16, fp32 sums), in
-// another order.
+// the last one listed. A block computes 64 gathered rows x 64 rows of W:
+// 4 warps of 32 x 32, K in steps of 32 through two shared-memory stages
+// filled by cp.async (rows past the slot's or W's end and columns past K
+// filled with zeros), fragments by ldmatrix, products by mma.sync m16n8k16
+// with fp32 accumulators: the arithmetic of Linear's bf16 products (x
+// rounded to bf16, fp32 sums), in another order.
 #include <cuda_bf16.h>
 
 #include <algorithm>
