@@ -340,7 +340,11 @@ class UcxTransfer final : public KvTransfer {
   void CompleteOk(WriteOp* op);
   void MaybeRelease(WriteOp* op);
   void FailPeer(Peer* peer, Status status);
-  void CloseEndpoint(Peer* peer);
+  // Force-closes peer's endpoint; true while the close is still pending
+  // (its entry is closing_.back()).
+  bool CloseEndpoint(Peer* peer);
+  // The same for a Peer its owner drops: kept until the close completes.
+  void CloseAndRelease(std::unique_ptr<Peer> peer);
   void PollClosing();
   void CloseDeferred();
 
@@ -409,8 +413,15 @@ class UcxTransfer final : public KvTransfer {
   struct Closing {
     void* request;
     std::unique_ptr<Peer> peer;
+    // The Peer UCX's error handler was given, when its owner let go of it
+    // before the close completed: a late error callback then reads a live
+    // (failed) Peer, not freed memory.
+    std::unique_ptr<Peer> handler_arg;
   };
   std::vector<Closing> closing_;
+  // Handler arguments of closes abandoned at shutdown: they outlive
+  // ucp_worker_destroy, which ends those endpoints.
+  std::vector<std::unique_ptr<Peer>> abandoned_;
 
   // Staging (progress thread only, except the stats).
   bool own_staged_ = false;        // this side's pool moves through bounce buffers
@@ -687,7 +698,11 @@ void UcxTransfer::Shutdown() {
   for (auto& [id, p] : peers_) peers.push_back(p.get());
   for (Peer* p : peers) {
     FailPeer(p, Status::Cancelled("KV transfer shutting down"));
-    CloseEndpoint(p);
+    if (!CloseEndpoint(p)) continue;
+    auto it = peers_.find(p->id);
+    if (it != peers_.end() && it->second.get() == p) {
+      closing_.back().handler_arg = std::move(it->second);
+    }
   }
   peers_.clear();
   ShutdownStaging();
@@ -704,6 +719,7 @@ void UcxTransfer::Shutdown() {
   }
   for (auto& c : closing_) {
     if (c.peer->rkey != nullptr) ucp_rkey_destroy(c.peer->rkey);
+    if (c.handler_arg != nullptr) abandoned_.push_back(std::move(c.handler_arg));
   }
   closing_.clear();
   DeliverCompletions();
@@ -855,8 +871,12 @@ void UcxTransfer::FailPeer(Peer* peer, Status status) {
   }
 }
 
-void UcxTransfer::CloseEndpoint(Peer* peer) {
-  if (peer->ep == nullptr) return;
+void UcxTransfer::CloseAndRelease(std::unique_ptr<Peer> peer) {
+  if (CloseEndpoint(peer.get())) closing_.back().handler_arg = std::move(peer);
+}
+
+bool UcxTransfer::CloseEndpoint(Peer* peer) {
+  if (peer->ep == nullptr) return false;
   ucp_request_param_t param{};
   param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
   param.flags = UCP_EP_CLOSE_FLAG_FORCE;
@@ -875,10 +895,11 @@ void UcxTransfer::CloseEndpoint(Peer* peer) {
   peer->rkey = nullptr;
   peer->ops.clear();
   if (UCS_PTR_IS_PTR(req)) {
-    closing_.push_back({req, std::move(holder)});
-  } else {
-    if (holder->rkey != nullptr) ucp_rkey_destroy(holder->rkey);
+    closing_.push_back({req, std::move(holder), nullptr});
+    return true;
   }
+  if (holder->rkey != nullptr) ucp_rkey_destroy(holder->rkey);
+  return false;
 }
 
 void UcxTransfer::PollClosing() {
@@ -1130,7 +1151,8 @@ StatusOr<KvTransfer::Connection> UcxTransfer::ConnectLocked(std::string_view blo
   if (!peer->staged) {  // staged pairs never address the peer's pool
     s = ucp_ep_rkey_unpack(peer->ep, d->rkey.data(), &peer->rkey);
     if (s != UCS_OK) {
-      CloseEndpoint(peer.get());
+      peer->failed = true;  // a late error callback has nothing to do
+      CloseAndRelease(std::move(peer));
       return Status::InvalidArgument(
           UcsError("peer's remote key is unusable (ucp_ep_rkey_unpack)", s));
     }
@@ -1352,7 +1374,9 @@ void UcxTransfer::Disconnect(PeerId peer_id) {
     if (it == peers_.end()) return 0;
     FailPeer(it->second.get(), Status::Cancelled("connection to peer " + std::to_string(peer_id) +
                                                  " closed by Disconnect"));
-    CloseEndpoint(it->second.get());
+    // Closed while still listed, as ever; kept past the erase while the
+    // close is pending (CloseAndRelease's reason).
+    if (CloseEndpoint(it->second.get())) closing_.back().handler_arg = std::move(it->second);
     peers_.erase(it);
     return 0;
   });
