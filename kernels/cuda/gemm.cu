@@ -205,8 +205,7 @@ void Linear(const Gemm& g, const Tensor& x, const LinearWeights& w, const Tensor
   if (w.dtype() == DType::kBF16 && (!gemv || m > 1)) {
     const int64_t n = m * w.cols;
     auto* converted = g.bf16_x->Get<__nv_bfloat16>(n, g.stream);
-    F32ToBf16Kernel<<<Blocks(n), kThreads, 0, g.stream>>>(x.as<const float>(), converted, n);
-    Check(cudaGetLastError(), "F32ToBf16");
+    RoundToBf16(x.as<const float>(), reinterpret_cast<uint16_t*>(converted), n, g.stream);
     xb = converted;
   }
   int64_t first = 0;
@@ -273,8 +272,7 @@ void HeadsLinear(const Gemm& g, const Tensor& x, const WeightMatrix& w, const Te
   // bf16 weights multiply x rounded to bf16 (Linear's arithmetic), sums fp32.
   const int64_t count = tokens * heads * in;
   auto* xb = g.bf16_x->Get<__nv_bfloat16>(count, g.stream);
-  F32ToBf16Kernel<<<Blocks(count), kThreads, 0, g.stream>>>(x.as<const float>(), xb, count);
-  Check(cudaGetLastError(), "F32ToBf16");
+  RoundToBf16(x.as<const float>(), reinterpret_cast<uint16_t*>(xb), count, g.stream);
   Check(cublasGemmStridedBatchedEx(g.bf16, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &one, w.data,
                                    CUDA_R_16BF, k, out * in, xb, CUDA_R_16BF, ldx, in, &zero,
                                    y.as<float>(), CUDA_R_32F, ldy, out, static_cast<int>(heads),

@@ -253,11 +253,6 @@ __global__ void WidenRowsKernel(const uint8_t* __restrict__ w, Fp8Scales s, int6
   out[i] = __float2bfloat16_rn(Fp8ToFloat(w[r * k + c]) * s.at(r, c));
 }
 
-__global__ void ToBf16Kernel(const float* x, __nv_bfloat16* y, int64_t n) {
-  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i < n) y[i] = __float2bfloat16_rn(x[i]);
-}
-
 __global__ void AddBiasRowsKernel(float* y, const float* bias, int64_t m, int64_t n) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i < m * n) y[i] += bias[i % n];
@@ -270,8 +265,7 @@ void WidenBf16(const Gemm& g, const float* x, int64_t m, const WeightMatrix& w, 
                float* y) {
   const int64_t n = w.rows, k = w.cols;
   auto* xb = g.bf16_x->Get<__nv_bfloat16>(m * k, g.stream);
-  ToBf16Kernel<<<Blocks(m * k), kThreads, 0, g.stream>>>(x, xb, m * k);
-  Check(cudaGetLastError(), "ToBf16");
+  RoundToBf16(x, reinterpret_cast<uint16_t*>(xb), m * k, g.stream);
   const int64_t chunk = std::max<int64_t>(1, std::min(n, kWidenBytes / (2 * k)));
   auto* wb = g.fp8_widened->Get<__nv_bfloat16>(chunk * k, g.stream);
   const Fp8Scales s = ScalesOf(w);
