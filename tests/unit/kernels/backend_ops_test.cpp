@@ -167,25 +167,27 @@ class BackendOpsTest : public ::testing::Test {
 // both sides of the CPU's switch from streaming kernels to BLAS (64 rows).
 // bf16 products round activations to bf16 on AVX-512 BF16 and CUDA, not on
 // the portable path: 5e-3 covers that rounding.
+// Weights as `dtype` (fp32 or bf16, rounded to nearest even), host memory.
+std::vector<uint8_t> StoredAs(const std::vector<float>& m, DType dtype) {
+  std::vector<uint8_t> bytes(m.size() * DTypeBits(dtype) / 8);
+  for (size_t i = 0; i < m.size(); ++i) {
+    if (dtype == DType::kF32) {
+      std::memcpy(&bytes[4 * i], &m[i], 4);
+    } else {
+      const uint16_t h = F32ToBf16(m[i]);
+      std::memcpy(&bytes[2 * i], &h, 2);
+    }
+  }
+  return bytes;
+}
+
 TEST_F(BackendOpsTest, Linear) {
   const int64_t k = 200;
   const std::vector<int64_t> rows = {96, 17, 33};
   for (const DType dtype : {DType::kF32, DType::kBF16}) {
     // The weights in their stored dtype, host memory.
     std::vector<std::vector<uint8_t>> stored;
-    for (int64_t r : rows) {
-      const auto values = Random(r * k);
-      std::vector<uint8_t> bytes(values.size() * DTypeBits(dtype) / 8);
-      for (size_t i = 0; i < values.size(); ++i) {
-        if (dtype == DType::kF32) {
-          std::memcpy(&bytes[4 * i], &values[i], 4);
-        } else {
-          const uint16_t h = F32ToBf16(values[i]);
-          std::memcpy(&bytes[2 * i], &h, 2);
-        }
-      }
-      stored.push_back(std::move(bytes));
-    }
+    for (int64_t r : rows) stored.push_back(StoredAs(Random(r * k), dtype));
     const auto bias = Random(96 + 17 + 33);
     for (const int parts : {1, 3}) {
       for (const int64_t m : {1, 7, 70}) {
@@ -220,12 +222,7 @@ TEST_F(BackendOpsTest, Linear) {
 TEST_F(BackendOpsTest, CapturedGraphsSurviveScratchGrowth) {
   if (!HasCuda()) GTEST_SKIP() << "no CUDA device";
   const int64_t m = 40, big = 300, k = 64, n = 48;
-  std::vector<uint8_t> stored(n * k * 2);
-  const auto values = Random(n * k);
-  for (int64_t i = 0; i < n * k; ++i) {
-    const uint16_t h = F32ToBf16(values[i]);
-    std::memcpy(&stored[2 * i], &h, 2);
-  }
+  const std::vector<uint8_t> stored = StoredAs(Random(n * k), DType::kBF16);
   const auto x = Random(m * k), x_big = Random(big * k);
   const auto run = [&](Backend& b, Mem& mem, bool capture) -> Outputs {
     WeightMatrix host{stored.data(), DType::kBF16, n, k};
@@ -1567,20 +1564,6 @@ LinearWeights Prepared(Backend& b, Mem& mem, std::initializer_list<WeightMatrix>
   return w.ok() ? *w : LinearWeights{};
 }
 
-// Weights as `dtype` (fp32 or bf16, rounded to nearest even), host memory.
-std::vector<uint8_t> StoredAs(const std::vector<float>& m, DType dtype) {
-  std::vector<uint8_t> bytes(m.size() * DTypeBits(dtype) / 8);
-  for (size_t i = 0; i < m.size(); ++i) {
-    if (dtype == DType::kF32) {
-      std::memcpy(&bytes[4 * i], &m[i], 4);
-    } else {
-      const uint16_t h = F32ToBf16(m[i]);
-      std::memcpy(&bytes[2 * i], &h, 2);
-    }
-  }
-  return bytes;
-}
-
 // A problem's experts as `dtype` weights prepared by `b`.
 std::vector<MoeExpertWeights> PreparedExperts(Backend& b, Mem& mem, const moe_test::Problem& p,
                                               DType dtype = DType::kF32) {
@@ -1621,12 +1604,11 @@ TEST_F(BackendOpsTest, MoeFfn) {
     for (const DType dtype : {DType::kF32, DType::kBF16}) {
       SCOPED_TRACE(std::to_string(c.tokens) + " tokens, top_k " + std::to_string(c.top_k) + ", " +
                    std::string(DTypeName(dtype)) + (c.shared ? ", shared expert" : ""));
-      auto stored = [dtype](const std::vector<float>& m) { return StoredAs(m, dtype); };
       std::vector<std::vector<uint8_t>> gate, up, down;
       for (int64_t e = 0; e < c.experts; ++e) {
-        gate.push_back(stored(p.gate[e]));
-        up.push_back(stored(p.up[e]));
-        down.push_back(stored(p.down[e]));
+        gate.push_back(StoredAs(p.gate[e], dtype));
+        up.push_back(StoredAs(p.up[e], dtype));
+        down.push_back(StoredAs(p.down[e], dtype));
       }
       std::vector<MoeStats> stats;
       auto run = [&](Backend& b, Mem& mem) -> Outputs {
