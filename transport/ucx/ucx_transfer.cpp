@@ -875,6 +875,9 @@ void UcxTransfer::CloseAndRelease(std::unique_ptr<Peer> peer) {
   if (CloseEndpoint(peer.get())) closing_.back().handler_arg = std::move(peer);
 }
 
+// A force-close of an endpoint over TCP with bytes still queued in UCX can
+// crash this process later, inside ucp_worker_progress, when the link to the
+// peer comes back: a fault of UCX 1.13.1 (docs/architecture.md, section 6).
 bool UcxTransfer::CloseEndpoint(Peer* peer) {
   if (peer->ep == nullptr) return false;
   ucp_request_param_t param{};
