@@ -165,22 +165,51 @@ greedy_presets() {  # SPECS...
     echo "stories260K TP 2 on cuda:0,cuda:0 vs CPU: $r"
   fi
 }
+# The GPU engine against the CPU reference, teacher-forced over the
+# TinyStories text (`pdserve eval --device cuda --baseline-device cpu`, fp32
+# KV on both): one JSON line each into eval.jsonl and a summary line with the
+# NLL difference and top-1 agreement, issue 29's bounds being 0.01 nats and
+# 0.98. stories260K first, then every preset spec (preset:dtype) given.
+eval_presets() {  # SPECS...
+  local spec preset dtype model line
+  one() {  # NAME MODEL
+    line=$(timeout 120 "$PDSERVE" eval --model "$2" --text bench/eval/tinystories.txt \
+      --device cuda --baseline-device cpu --json 2>>"$logs/eval.err") ||
+      { echo "$1 eval GPU vs CPU: failed"; return; }
+    echo "$line" | sed "s/^{/{\"eval_model\":\"$1\",/" >> "$OUT/eval.jsonl"
+    echo "$line" | python3 -c 'import json,sys; j=json.load(sys.stdin)
+print("%s eval GPU vs CPU: nll %.4f vs %.4f (diff %.4f), top-1 agreement %.4f, mean KL %.3g" % (
+  sys.argv[1], j["nll"], j["baseline_nll"], j["nll"] - j["baseline_nll"], j["top1_agreement"],
+  j["kl_mean"]))' "$1"
+  }
+  [[ -f $KIT/models/stories260K/config.json ]] && one stories260K "$KIT/models/stories260K"
+  for spec in "$@"; do
+    preset=${spec%:*} dtype=${spec#*:} model=$(dirname "$logs")/eval-$preset-$dtype
+    "$PDSERVE" make-model --preset "$preset" --dtype "$dtype" --out "$model" > /dev/null 2>&1 ||
+      { echo "$spec: make-model failed"; continue; }
+    one "$spec" "$model"
+    rm -rf "$model"
+  done
+}
 # Waits for every entry of `pids`, adding each test's outcome to the
-# summary (and the greedy lines, from greedy.txt, when one was started).
+# summary (and the greedy and eval lines, from greedy.txt and eval.txt, when
+# those were started).
 collect() {
   local p rc name f
   for p in "${pids[@]}"; do
     wait "${p%%:*}"
     rc=$?
     name=${p#*:}
-    [[ $name == greedy ]] && continue
+    [[ $name == greedy || $name == eval ]] && continue
     f=$logs/${name/memcheck /memcheck-}.log
     summary+=("$name: exit $rc, $(outcome "$f")")
   done
-  if [[ -f $logs/greedy.txt ]]; then
-    mapfile -t greedy < "$logs/greedy.txt"
-    summary+=("${greedy[@]}")
-  fi
+  for f in greedy eval; do
+    if [[ -f $logs/$f.txt ]]; then
+      mapfile -t lines < "$logs/$f.txt"
+      summary+=("${lines[@]}")
+    fi
+  done
   pids=()
   pack
 }
@@ -529,6 +558,9 @@ if [[ $WHAT == check ]]; then
     deepseek-v3:fp32 gemma3:fp32 tiny:bf16 qwen3:bf16 qwen3-moe:bf16 deepseek-v2-lite:bf16 \
     gemma3:bf16 mistral-window:bf16 > "$logs/greedy.txt" 2>&1 &
   pids+=("$!:greedy")
+  eval_presets tiny:fp32 tiny:bf16 qwen3:bf16 qwen3-moe:bf16 gemma3:bf16 \
+    > "$logs/eval.txt" 2>&1 &
+  pids+=("$!:eval")
   collect
   kernels() {  # LABEL SECONDS FLAGS...
     local label=$1 limit=$2

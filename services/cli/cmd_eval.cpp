@@ -24,9 +24,9 @@ int RunEval(int argc, char** argv) {
   FlagSet flags("eval",
                 "Per-token NLL and perplexity of a text with prefill and paged decode, and "
                 "top-1 agreement and KL divergence against an fp32 KV cache (or a baseline "
-                "model: the cost of FP8 weights).");
+                "model: the cost of FP8 weights; or a baseline device: the GPU against the CPU).");
   std::string model_dir, text_path, kv_dtype_name = "fp32", device = "cpu";
-  std::string kv_scales_path, write_kv_scales_path, baseline_dir;
+  std::string kv_scales_path, write_kv_scales_path, baseline_dir, baseline_device;
   int64_t block_size = 16, prefill_tokens = 32, decode_chunk = 1, threads = 0;
   bool json = false;
   flags.AddString("model", &model_dir, "model folder (Hugging Face layout)");
@@ -42,6 +42,10 @@ int RunEval(int argc, char** argv) {
   flags.AddString("baseline", &baseline_dir,
                   "compare with this model (fp32 KV) instead of --model with fp32 KV: the "
                   "unquantised model of an FP8 checkpoint, say");
+  flags.AddString("baseline-device", &baseline_device,
+                  "run the baseline (--baseline, else --model; fp32 KV) on this backend instead: "
+                  "cpu, cuda or cuda:N (--device cuda --baseline-device cpu: the GPU engine "
+                  "against the CPU reference)");
   flags.AddInt("block-size", &block_size, "tokens per KV block");
   flags.AddInt("prefill-tokens", &prefill_tokens, "tokens of the first (prefill) step");
   flags.AddInt("decode-chunk", &decode_chunk, "tokens per later step (1: one decode step each)");
@@ -116,10 +120,25 @@ int RunEval(int argc, char** argv) {
                      std::to_string(eviction.budget_tokens));
     }
   }
+  // The baseline's own backend when --baseline-device names one (declared
+  // before the model that computes on it, so that it goes last).
+  std::unique_ptr<kernels::Backend> baseline_backend;
+  if (!baseline_device.empty()) {
+    auto resolved = kernels::ResolveDevice(baseline_device);
+    if (!resolved.ok()) UsageError("eval", "--baseline-device: " + resolved.status().message());
+    auto created = kernels::CreateBackend(*resolved, static_cast<int>(threads));
+    if (!created.ok()) UsageError("eval", "--baseline-device: " + created.status().message());
+    baseline_backend = std::move(*created);
+  }
   std::unique_ptr<Model> baseline;
-  if (!baseline_dir.empty()) {
-    auto loaded = Model::Load(baseline_dir, backend);
-    if (!loaded.ok()) UsageError("eval", "--baseline: " + loaded.status().message());
+  if (!baseline_dir.empty() || baseline_backend) {
+    const std::string& dir = baseline_dir.empty() ? model_dir : baseline_dir;
+    auto loaded = Model::Load(dir, baseline_backend ? baseline_backend.get() : backend);
+    if (!loaded.ok()) {
+      UsageError("eval",
+                 std::string(baseline_dir.empty() ? "--baseline-device: " : "--baseline: ") +
+                     loaded.status().message());
+    }
     baseline = std::move(*loaded);
   }
   auto tokenizer = Tokenizer::Load(model_dir);
@@ -187,7 +206,8 @@ int RunEval(int argc, char** argv) {
       j["nll_bucket_tokens"] = nll_buckets;
     }
     if (baseline) {
-      j["baseline"] = baseline_dir;
+      j["baseline"] = baseline_dir.empty() ? model_dir : baseline_dir;
+      j["baseline_backend"] = baseline_backend ? baseline_backend->name() : backend->name();
       j["baseline_weight_dtype"] = DTypeName(baseline->matrix_dtype());
       j["baseline_weight_bytes_per_step"] = baseline->weight_bytes_per_step();
       j["baseline_nll"] = r.baseline_nll;
@@ -199,7 +219,10 @@ int RunEval(int argc, char** argv) {
         "top-1 agreement with %s %.4f, mean KL %.3g nats\n",
         model->model_id().c_str(), std::string(DTypeName(*kv_dtype)).c_str(),
         static_cast<long long>(r.tokens), r.nll, r.perplexity,
-        baseline ? "the baseline" : "fp32 KV", r.top1_agreement, r.kl_mean);
+        baseline_backend ? ("the baseline on " + baseline_backend->name()).c_str()
+        : baseline       ? "the baseline"
+                         : "fp32 KV",
+        r.top1_agreement, r.kl_mean);
   }
   return 0;
 }
