@@ -168,7 +168,11 @@ TEST_F(EvalCliTest, BaselineDeviceRunsTheBaselineOnItsOwnBackend) {
     EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
     EXPECT_EQ(r.err.rfind("pdserve eval: ", 0), 0u) << r.err;
   }
+}
+
+TEST_F(EvalCliTest, GpuAgainstTheCpuReference) {
   if (!kernels::ResolveDevice("cuda:0").ok()) GTEST_SKIP() << "no CUDA device: GPU against CPU";
+  const std::string base = "eval --model " + *dir_ + " --text " + kStoryText + " --json";
   const Result gpu = RunPdserve(base + " --device cuda --baseline-device cpu");
   ASSERT_EQ(gpu.exit_code, 0) << gpu.err;
   const auto g = nlohmann::json::parse(gpu.out);
