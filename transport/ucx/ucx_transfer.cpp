@@ -87,6 +87,15 @@ constexpr auto kProcessWatchInterval = std::chrono::milliseconds(50);
 // dead peer's pool still takes puts). Checking at every completion would cost
 // a system call per write, a large share of a 256 KiB copy.
 constexpr auto kCompletionLivenessWindow = std::chrono::milliseconds(1);
+// A closed pair's worker lives on this long (see CloseEndpoint): the peer
+// may still be answering what reached it before the close, and UCX 1.13
+// aborts a receiver whose answer finds the writer's socket already gone
+// (ucp_put_handler: "unexpected error"). Then up to kPairWorkerRetireLimit
+// more for the requests the close cancelled to call back (they normally have
+// by then): bounded, since progressing the worker is what the UCX fault of
+// CloseEndpoint needs.
+constexpr auto kPairWorkerLinger = std::chrono::seconds(2);
+constexpr auto kPairWorkerRetireLimit = std::chrono::seconds(1);
 
 class UcxTransfer;
 
@@ -221,6 +230,8 @@ struct Peer {
   uint64_t instance = 0;
   bool writer_side = false;  // true: we write to it (Connect); false: Accept
   ucp_ep_h ep = nullptr;
+  // The UCP worker ep lives on (a writer pair's own: see CloseEndpoint).
+  ucp_worker_h worker = nullptr;
   ucp_rkey_h rkey = nullptr;
   uint64_t remote_base = 0;
   uint64_t remote_blocks = 0;
@@ -347,6 +358,20 @@ class UcxTransfer final : public KvTransfer {
   void CloseAndRelease(std::unique_ptr<Peer> peer);
   void PollClosing();
   void CloseDeferred();
+  // The worker of one writer pair (see CloseEndpoint), progressed and armed
+  // with the transfer's own.
+  StatusOr<ucp_worker_h> CreatePairWorker(PeerId peer);
+  void DestroyPairWorker(ucp_worker_h worker);
+  // Destroys the pair workers whose endpoint is closed once the close and
+  // every request on them have completed (or kPairWorkerRetireLimit after
+  // the close, whatever is left: `all` at shutdown, at once).
+  void ReapPairWorkers(bool all);
+  // ucp_worker_progress on every worker until each is idle; true if any
+  // had something to do.
+  bool ProgressWorkers();
+  // ucp_worker_arm on every worker: false if one has events already; lowers
+  // timeout_ms to 1 where a worker must be polled.
+  bool ArmWorkers(int* timeout_ms);
 
   // Staging (progress thread).
   Status PlanStaging(const MemoryRegion& region);
@@ -380,9 +405,18 @@ class UcxTransfer final : public KvTransfer {
   uint64_t instance_id_ = 0;
 
   ucp_context_h context_ = nullptr;
-  ucp_worker_h worker_ = nullptr;
+  ucp_worker_h worker_ = nullptr;  // receives; its address is in our descriptor
   std::string worker_address_;
   int worker_efd_ = -1;
+  struct PairWorker {
+    ucp_worker_h worker = nullptr;
+    int efd = -1;  // -1: polled
+    PeerId peer = 0;
+    bool retiring = false;    // its endpoint is closed
+    bool progressed = false;  // since then
+    TransferClock::time_point retire_by{};
+  };
+  std::vector<PairWorker> pair_workers_;  // progress thread only
   int wake_fd_ = -1;
   int epoll_fd_ = -1;
   bool cuda_memory_supported_ = false;
@@ -419,9 +453,6 @@ class UcxTransfer final : public KvTransfer {
     std::unique_ptr<Peer> handler_arg;
   };
   std::vector<Closing> closing_;
-  // Handler arguments of closes abandoned at shutdown: they outlive
-  // ucp_worker_destroy, which ends those endpoints.
-  std::vector<std::unique_ptr<Peer>> abandoned_;
 
   // Staging (progress thread only, except the stats).
   bool own_staged_ = false;        // this side's pool moves through bounce buffers
@@ -563,7 +594,9 @@ UcxTransfer::~UcxTransfer() {
     [[maybe_unused]] ssize_t n = write(wake_fd_, &one, sizeof(one));
     progress_.join();
   }
-  // The progress thread has closed every endpoint and unmapped the pool.
+  // The progress thread has closed every endpoint, destroyed their workers
+  // and unmapped the pool.
+  for (const PairWorker& p : pair_workers_) ucp_worker_destroy(p.worker);
   if (worker_ != nullptr) ucp_worker_destroy(worker_);
   // Requests that UCX never completed (error mode "none" after a peer died)
   // died with the worker; their ops already reported failure.
@@ -620,10 +653,11 @@ void UcxTransfer::ProgressLoop() {
   auto last_event = TransferClock::now();
   for (;;) {
     bool worked = RunPostedTasks();
-    while (ucp_worker_progress(worker_) != 0) worked = true;
+    if (ProgressWorkers()) worked = true;
     if (PumpStaging()) worked = true;
     CloseDeferred();
     PollClosing();
+    ReapPairWorkers(/*all=*/false);
     CheckDeadlines();
     CheckStagedDeadlines();
     WatchPeerProcesses();
@@ -652,6 +686,9 @@ void UcxTransfer::ProgressLoop() {
       timeout_ms = static_cast<int>(std::clamp<int64_t>(until, 0, timeout_ms));
     }
     if (!closing_.empty()) timeout_ms = std::min(timeout_ms, 1);
+    for (const PairWorker& p : pair_workers_) {
+      if (p.retiring) timeout_ms = std::min(timeout_ms, 1);
+    }
     if (watched_peers_ > 0) {
       timeout_ms = std::min<int>(timeout_ms, static_cast<int>(kProcessWatchInterval.count()));
     }
@@ -663,13 +700,11 @@ void UcxTransfer::ProgressLoop() {
       sleeping_ = true;
     }
     if (worker_efd_ >= 0) {
-      ucs_status_t s = ucp_worker_arm(worker_);
-      if (s == UCS_ERR_BUSY) {  // events arrived meanwhile: progress again
+      if (!ArmWorkers(&timeout_ms)) {  // events arrived meanwhile: progress again
         std::lock_guard<std::mutex> lock(mu_);
         sleeping_ = false;
         continue;
       }
-      if (s != UCS_OK) timeout_ms = std::min(timeout_ms, 1);
     } else {
       timeout_ms = std::min(timeout_ms, 1);
     }
@@ -710,18 +745,15 @@ void UcxTransfer::Shutdown() {
   // Force-closes normally finish at once; bound the wait anyway (error mode
   // "none" gives no guarantee), then abandon them to ucp_worker_destroy.
   const auto give_up = TransferClock::now() + std::chrono::milliseconds(200);
-  while (!closing_.empty() && TransferClock::now() < give_up) {
-    ucp_worker_progress(worker_);
+  while ((!closing_.empty() || !pair_workers_.empty()) && TransferClock::now() < give_up) {
+    ProgressWorkers();
     PollClosing();
+    ReapPairWorkers(/*all=*/false);
   }
   if (!closing_.empty()) {
     PDSERVE_LOG(WARN) << closing_.size() << " UCX endpoint(s) did not finish closing";
   }
-  for (auto& c : closing_) {
-    if (c.peer->rkey != nullptr) ucp_rkey_destroy(c.peer->rkey);
-    if (c.handler_arg != nullptr) abandoned_.push_back(std::move(c.handler_arg));
-  }
-  closing_.clear();
+  ReapPairWorkers(/*all=*/true);  // closing_ goes with them
   DeliverCompletions();
   if (memh_ != nullptr) {
     ucp_mem_unmap(context_, memh_);
@@ -875,9 +907,14 @@ void UcxTransfer::CloseAndRelease(std::unique_ptr<Peer> peer) {
   if (CloseEndpoint(peer.get())) closing_.back().handler_arg = std::move(peer);
 }
 
-// A force-close of an endpoint over TCP with bytes still queued in UCX can
-// crash this process later, inside ucp_worker_progress, when the link to the
-// peer comes back: a fault of UCX 1.13.1 (docs/architecture.md, section 6).
+// Every endpoint lives on a worker of its pair's own, which goes with it:
+// under UCX 1.13.1 a force-closed TCP endpoint with bytes still queued
+// leaves a receive-only endpoint behind in its worker, which crashes the
+// process if progressed when the link to the peer comes back
+// (docs/architecture.md, section 6); destroying the worker destroys it. The
+// worker lingers kPairWorkerLinger (the peer may still answer through that
+// leftover), then stays until the close and the requests it cancelled have
+// called back, so that ops and staging slots are released as elsewhere.
 bool UcxTransfer::CloseEndpoint(Peer* peer) {
   if (peer->ep == nullptr) return false;
   ucp_request_param_t param{};
@@ -895,8 +932,17 @@ bool UcxTransfer::CloseEndpoint(Peer* peer) {
   holder->rkey = peer->rkey;
   holder->ops = peer->ops;
   holder->failed = true;
+  holder->worker = peer->worker;
   peer->rkey = nullptr;
   peer->ops.clear();
+  peer->worker = nullptr;
+  for (PairWorker& p : pair_workers_) {
+    if (p.worker == holder->worker && !p.retiring) {
+      p.retiring = true;
+      p.progressed = false;
+      p.retire_by = TransferClock::now() + kPairWorkerLinger;
+    }
+  }
   if (UCS_PTR_IS_PTR(req)) {
     closing_.push_back({req, std::move(holder), nullptr});
     return true;
@@ -915,6 +961,97 @@ void UcxTransfer::PollClosing() {
     if (closing_[i].peer->rkey != nullptr) ucp_rkey_destroy(closing_[i].peer->rkey);
     closing_.erase(closing_.begin() + i);
   }
+}
+
+StatusOr<ucp_worker_h> UcxTransfer::CreatePairWorker(PeerId peer) {
+  ucp_worker_params_t wparams{};
+  wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wparams.thread_mode = UCS_THREAD_MODE_SINGLE;
+  PairWorker p;
+  p.peer = peer;
+  ucs_status_t s = ucp_worker_create(context_, &wparams, &p.worker);
+  if (s != UCS_OK) return Status::Unavailable(UcsError("ucp_worker_create", s));
+  if (worker_efd_ >= 0 && ucp_worker_get_efd(p.worker, &p.efd) == UCS_OK) {
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.fd = p.efd;
+    if (epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, p.efd, &ev) != 0) p.efd = -1;
+  } else {
+    p.efd = -1;
+  }
+  pair_workers_.push_back(p);
+  return p.worker;
+}
+
+void UcxTransfer::DestroyPairWorker(ucp_worker_h worker) {
+  auto it = std::find_if(pair_workers_.begin(), pair_workers_.end(),
+                         [&](const PairWorker& p) { return p.worker == worker; });
+  if (it == pair_workers_.end()) return;
+  if (it->efd >= 0) epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, it->efd, nullptr);
+  ucp_worker_destroy(worker);
+  pair_workers_.erase(it);
+}
+
+void UcxTransfer::ReapPairWorkers(bool all) {
+  const auto now = TransferClock::now();
+  std::vector<ucp_worker_h> done;
+  for (const PairWorker& p : pair_workers_) {
+    if (!all && (!p.retiring || now < p.retire_by)) continue;
+    bool busy = !p.progressed;
+    for (const Closing& c : closing_) busy = busy || c.peer->worker == p.worker;
+    for (const WriteOp* op : live_ops_) busy = busy || (op->peer == p.peer && op->pending > 0);
+    for (const StagedOp* op : staged_ops_) {
+      busy = busy || (op->peer == p.peer && (op->pending > 0 || op->slots_held > 0));
+    }
+    if (busy && !all && now < p.retire_by + kPairWorkerRetireLimit) continue;
+    if (busy) {
+      PDSERVE_LOG(WARN) << "UCX peer " << p.peer
+                        << ": requests still pending when its worker was destroyed";
+    }
+    done.push_back(p.worker);
+  }
+  for (ucp_worker_h w : done) {
+    // A close still pending ends with the worker (its request with it).
+    for (size_t i = 0; i < closing_.size();) {
+      if (closing_[i].peer->worker != w) {
+        ++i;
+        continue;
+      }
+      if (closing_[i].peer->rkey != nullptr) ucp_rkey_destroy(closing_[i].peer->rkey);
+      closing_.erase(closing_.begin() + i);
+    }
+    DestroyPairWorker(w);
+  }
+}
+
+bool UcxTransfer::ProgressWorkers() {
+  bool worked = false;
+  while (ucp_worker_progress(worker_) != 0) worked = true;
+  // By index: a callback may close an endpoint (marking its worker), never
+  // add or remove one.
+  for (size_t i = 0; i < pair_workers_.size(); ++i) {
+    const bool retiring = pair_workers_[i].retiring;
+    while (ucp_worker_progress(pair_workers_[i].worker) != 0) worked = true;
+    if (retiring) pair_workers_[i].progressed = true;
+  }
+  return worked;
+}
+
+bool UcxTransfer::ArmWorkers(int* timeout_ms) {
+  auto arm = [&](ucp_worker_h w) {
+    const ucs_status_t s = ucp_worker_arm(w);
+    if (s != UCS_OK && s != UCS_ERR_BUSY) *timeout_ms = std::min(*timeout_ms, 1);
+    return s != UCS_ERR_BUSY;
+  };
+  if (!arm(worker_)) return false;
+  for (const PairWorker& p : pair_workers_) {
+    if (p.efd < 0) {
+      *timeout_ms = std::min(*timeout_ms, 1);
+    } else if (!arm(p.worker)) {
+      return false;
+    }
+  }
+  return true;
 }
 
 // ---- Pool and descriptors ---------------------------------------------------
@@ -1147,8 +1284,12 @@ StatusOr<KvTransfer::Connection> UcxTransfer::ConnectLocked(std::string_view blo
   ep_params.err_mode = err_mode_peer_ ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
   ep_params.err_handler.cb = EndpointError;
   ep_params.err_handler.arg = peer.get();
-  ucs_status_t s = ucp_ep_create(worker_, &ep_params, &peer->ep);
+  auto worker = CreatePairWorker(peer->id);
+  if (!worker.ok()) return worker.status();
+  peer->worker = *worker;
+  ucs_status_t s = ucp_ep_create(peer->worker, &ep_params, &peer->ep);
   if (s != UCS_OK) {
+    DestroyPairWorker(peer->worker);
     return Status::Unavailable(UcsError("cannot reach the peer (ucp_ep_create)", s));
   }
   if (!peer->staged) {  // staged pairs never address the peer's pool

@@ -3,7 +3,9 @@
 // One ucp context and worker per KvTransfer; the pool is registered with
 // ucp_mem_map once; peers are reached through endpoints built from the worker
 // address in their descriptor, with error handling mode "peer" so that a dead
-// peer turns into kUnavailable instead of a hang. A Write coalesces contiguous
+// peer turns into kUnavailable instead of a hang. Each endpoint lives on a
+// UCP worker of its own, destroyed with it (a UCX 1.13 TCP fault outlives a
+// closed endpoint in its worker: docs/architecture.md, section 6). A Write coalesces contiguous
 // block runs, issues one ucp_put_nbx per run and one ucp_ep_flush_nbx, and
 // reports success only when the flush completes (the data is then in the
 // peer's memory). A missed deadline force-closes the endpoint, so that nothing

@@ -308,6 +308,46 @@ TEST_P(UcxTransferTest, RepeatedSetupAndTeardownLeaksNoThreadsOrDescriptors) {
   EXPECT_EQ(CountDir("/proc/self/fd"), fds) << "file descriptors leaked";
 }
 
+// Every connection's endpoint lives on a UCP worker of its own, destroyed
+// about 2 s after the endpoint is closed (transport/ucx/ucx_transfer.cpp:
+// kPairWorkerLinger): one writer connecting, writing and disconnecting again
+// and again (a write left in flight at each Disconnect, which the receiver
+// is still answering) ends with the file descriptors it had after the first
+// round (a couple more, transiently, on the receiver's side), every write
+// reported exactly once.
+TEST_P(UcxTransferTest, ReconnectingLeavesNoWorkerBehind) {
+  const KvLayout layout = TinyLayout();
+  Pool src(16, layout.bytes_per_block, 16), dst(16, layout.bytes_per_block, 17);
+  Pair p{MakeTransfer(GetParam()), MakeTransfer(GetParam())};
+  ASSERT_TRUE(p.writer->RegisterPool(src.region(), layout).ok());
+  ASSERT_TRUE(p.receiver->RegisterPool(dst.region(), layout).ok());
+  auto round = [&] {
+    Handshake(&p);
+    Completion c;
+    p.writer->Write(p.to_receiver, {{1, 2}}, TransferClock::now() + 20s, c.callback());
+    ASSERT_TRUE(c.Wait().ok());
+    EXPECT_EQ(std::memcmp(dst.block(2), src.block(1), layout.bytes_per_block), 0);
+    Completion pending;
+    p.writer->Write(p.to_receiver, {{3, 4}, {5, 6}}, TransferClock::now() + 20s,
+                    pending.callback());
+    p.writer->Disconnect(p.to_receiver);
+    p.receiver->Disconnect(p.from_writer);
+    (void)pending.Wait();  // OK or failed, but once
+    EXPECT_EQ(pending.calls(), 1);
+  };
+  auto settled = [](size_t at_most) {
+    for (int i = 0; i < 600 && CountDir("/proc/self/fd") > at_most; ++i) {
+      std::this_thread::sleep_for(10ms);
+    }
+    return CountDir("/proc/self/fd");
+  };
+  round();
+  std::this_thread::sleep_for(3500ms);  // the first pair's worker gone
+  const size_t fds = CountDir("/proc/self/fd");
+  for (int i = 0; i < 8; ++i) round();
+  EXPECT_LE(settled(fds), fds + 2) << "workers (their descriptors) left behind";
+}
+
 // A pair joining two tensor-parallel splits (ConnectSlices/AcceptSlices):
 // 2 KV heads over one rank writing into one rank of two (half the block).
 // A slice past either block is refused by name on the writer, and a reply
