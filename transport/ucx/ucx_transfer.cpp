@@ -87,14 +87,10 @@ constexpr auto kProcessWatchInterval = std::chrono::milliseconds(50);
 // dead peer's pool still takes puts). Checking at every completion would cost
 // a system call per write, a large share of a 256 KiB copy.
 constexpr auto kCompletionLivenessWindow = std::chrono::milliseconds(1);
-// A closed pair's worker lives on this long (see CloseEndpoint): the peer
-// may still be answering what reached it before the close, and UCX 1.13
-// aborts a receiver whose answer finds the writer's socket already gone
-// (ucp_put_handler: "unexpected error"). Then up to kPairWorkerRetireLimit
-// more for the requests the close cancelled to call back (they normally have
-// by then): bounded, since progressing the worker is what the UCX fault of
-// CloseEndpoint needs.
-constexpr auto kPairWorkerLinger = std::chrono::seconds(2);
+// After options_.closed_endpoint_linger, how long a closed pair's worker may
+// still wait for the requests its close cancelled to call back (they
+// normally have by then): bounded, since progressing the worker is what the
+// UCX fault of CloseEndpoint needs.
 constexpr auto kPairWorkerRetireLimit = std::chrono::seconds(1);
 
 class UcxTransfer;
@@ -912,9 +908,11 @@ void UcxTransfer::CloseAndRelease(std::unique_ptr<Peer> peer) {
 // leaves a receive-only endpoint behind in its worker, which crashes the
 // process if progressed when the link to the peer comes back
 // (docs/architecture.md, section 6); destroying the worker destroys it. The
-// worker lingers kPairWorkerLinger (the peer may still answer through that
-// leftover), then stays until the close and the requests it cancelled have
-// called back, so that ops and staging slots are released as elsewhere.
+// worker lingers options_.closed_endpoint_linger (the peer may still answer
+// through that leftover: UCX 1.13 aborts a receiver whose answer finds the
+// writer's socket gone, ucp_put_handler's "unexpected error"), then stays
+// until the close and the requests it cancelled have called back, so that
+// ops and staging slots are released as elsewhere.
 bool UcxTransfer::CloseEndpoint(Peer* peer) {
   if (peer->ep == nullptr) return false;
   ucp_request_param_t param{};
@@ -940,7 +938,7 @@ bool UcxTransfer::CloseEndpoint(Peer* peer) {
     if (p.worker == holder->worker && !p.retiring) {
       p.retiring = true;
       p.progressed = false;
-      p.retire_by = TransferClock::now() + kPairWorkerLinger;
+      p.retire_by = TransferClock::now() + options_.closed_endpoint_linger;
     }
   }
   if (UCS_PTR_IS_PTR(req)) {

@@ -116,6 +116,15 @@ struct UcxTransferOptions {
   size_t staging_bytes = size_t{256} << 20;
   // CUDA device of a kCuda pool; -1: the device that holds the pool.
   int cuda_device = -1;
+  // A closed endpoint's worker is destroyed this long after the close (then
+  // once the requests the close cancelled have called back, at most 1 s
+  // more). Two UCX 1.13 faults bound it (docs/architecture.md, section 6):
+  // a peer still answering what reached it before the close aborts if the
+  // worker is gone (a receiver that stalled longer than the peer timeout
+  // plus this), and the worker's leftover TCP endpoint crashes this process
+  // if the link returns after the peer has closed its socket while the
+  // worker lives.
+  std::chrono::milliseconds closed_endpoint_linger{5000};
 };
 
 StatusOr<std::unique_ptr<KvTransfer>> CreateUcxTransfer(const UcxTransferOptions& options);

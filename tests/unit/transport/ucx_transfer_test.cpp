@@ -309,16 +309,20 @@ TEST_P(UcxTransferTest, RepeatedSetupAndTeardownLeaksNoThreadsOrDescriptors) {
 }
 
 // Every connection's endpoint lives on a UCP worker of its own, destroyed
-// about 2 s after the endpoint is closed (transport/ucx/ucx_transfer.cpp:
-// kPairWorkerLinger): one writer connecting, writing and disconnecting again
-// and again (a write left in flight at each Disconnect, which the receiver
-// is still answering) ends with the file descriptors it had after the first
-// round (a couple more, transiently, on the receiver's side), every write
-// reported exactly once.
+// closed_endpoint_linger after the endpoint is closed (here 300 ms): one
+// writer connecting, writing and disconnecting again and again (a write left
+// in flight at each Disconnect, which the receiver is still answering) ends
+// with the file descriptors it had after the first round (a couple more,
+// transiently, on the receiver's side), every write reported exactly once.
 TEST_P(UcxTransferTest, ReconnectingLeavesNoWorkerBehind) {
   const KvLayout layout = TinyLayout();
   Pool src(16, layout.bytes_per_block, 16), dst(16, layout.bytes_per_block, 17);
-  Pair p{MakeTransfer(GetParam()), MakeTransfer(GetParam())};
+  UcxTransferOptions opts;
+  opts.tls = GetParam();
+  opts.closed_endpoint_linger = 300ms;
+  auto writer = CreateUcxTransfer(opts);
+  ASSERT_TRUE(writer.ok()) << writer.status().ToString();
+  Pair p{std::move(*writer), MakeTransfer(GetParam())};
   ASSERT_TRUE(p.writer->RegisterPool(src.region(), layout).ok());
   ASSERT_TRUE(p.receiver->RegisterPool(dst.region(), layout).ok());
   auto round = [&] {
@@ -336,13 +340,13 @@ TEST_P(UcxTransferTest, ReconnectingLeavesNoWorkerBehind) {
     EXPECT_EQ(pending.calls(), 1);
   };
   auto settled = [](size_t at_most) {
-    for (int i = 0; i < 600 && CountDir("/proc/self/fd") > at_most; ++i) {
+    for (int i = 0; i < 300 && CountDir("/proc/self/fd") > at_most; ++i) {
       std::this_thread::sleep_for(10ms);
     }
     return CountDir("/proc/self/fd");
   };
   round();
-  std::this_thread::sleep_for(3500ms);  // the first pair's worker gone
+  std::this_thread::sleep_for(1500ms);  // the first pair's worker gone
   const size_t fds = CountDir("/proc/self/fd");
   for (int i = 0; i < 8; ++i) round();
   EXPECT_LE(settled(fds), fds + 2) << "workers (their descriptors) left behind";
