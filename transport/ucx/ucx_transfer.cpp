@@ -682,8 +682,11 @@ void UcxTransfer::ProgressLoop() {
       timeout_ms = static_cast<int>(std::clamp<int64_t>(until, 0, timeout_ms));
     }
     if (!closing_.empty()) timeout_ms = std::min(timeout_ms, 1);
-    for (const PairWorker& p : pair_workers_) {
-      if (p.retiring) timeout_ms = std::min(timeout_ms, 1);
+    for (const PairWorker& p : pair_workers_) {  // wake for each retirement
+      if (!p.retiring) continue;
+      const auto until =
+          std::chrono::duration_cast<std::chrono::milliseconds>(p.retire_by - now).count() + 1;
+      timeout_ms = static_cast<int>(std::min<int64_t>(std::max<int64_t>(until, 1), timeout_ms));
     }
     if (watched_peers_ > 0) {
       timeout_ms = std::min<int>(timeout_ms, static_cast<int>(kProcessWatchInterval.count()));
@@ -739,12 +742,12 @@ void UcxTransfer::Shutdown() {
   ShutdownStaging();
   DeliverCompletions();
   // Force-closes normally finish at once; bound the wait anyway (error mode
-  // "none" gives no guarantee), then abandon them to ucp_worker_destroy.
+  // "none" gives no guarantee), then abandon them to their workers'
+  // destruction (no linger: the transfer is going).
   const auto give_up = TransferClock::now() + std::chrono::milliseconds(200);
-  while ((!closing_.empty() || !pair_workers_.empty()) && TransferClock::now() < give_up) {
+  while (!closing_.empty() && TransferClock::now() < give_up) {
     ProgressWorkers();
     PollClosing();
-    ReapPairWorkers(/*all=*/false);
   }
   if (!closing_.empty()) {
     PDSERVE_LOG(WARN) << closing_.size() << " UCX endpoint(s) did not finish closing";
@@ -994,17 +997,21 @@ void UcxTransfer::ReapPairWorkers(bool all) {
   const auto now = TransferClock::now();
   std::vector<ucp_worker_h> done;
   for (const PairWorker& p : pair_workers_) {
-    if (!all && (!p.retiring || now < p.retire_by)) continue;
-    bool busy = !p.progressed;
-    for (const Closing& c : closing_) busy = busy || c.peer->worker == p.worker;
-    for (const WriteOp* op : live_ops_) busy = busy || (op->peer == p.peer && op->pending > 0);
-    for (const StagedOp* op : staged_ops_) {
-      busy = busy || (op->peer == p.peer && (op->pending > 0 || op->slots_held > 0));
-    }
-    if (busy && !all && now < p.retire_by + kPairWorkerRetireLimit) continue;
-    if (busy) {
-      PDSERVE_LOG(WARN) << "UCX peer " << p.peer
-                        << ": requests still pending when its worker was destroyed";
+    if (!all) {
+      if (!p.retiring || now < p.retire_by) continue;
+      bool pending = false;
+      for (const Closing& c : closing_) pending = pending || c.peer->worker == p.worker;
+      for (const WriteOp* op : live_ops_) {
+        pending = pending || (op->peer == p.peer && op->pending > 0);
+      }
+      for (const StagedOp* op : staged_ops_) {
+        pending = pending || (op->peer == p.peer && (op->pending > 0 || op->slots_held > 0));
+      }
+      if ((pending || !p.progressed) && now < p.retire_by + kPairWorkerRetireLimit) continue;
+      if (pending) {
+        PDSERVE_LOG(WARN) << "UCX peer " << p.peer
+                          << ": requests still pending when its worker was destroyed";
+      }
     }
     done.push_back(p.worker);
   }
