@@ -1016,13 +1016,17 @@ void UcxTransfer::ReapPairWorkers(bool all) {
     done.push_back(p.worker);
   }
   for (ucp_worker_h w : done) {
-    // A close still pending ends with the worker (its request with it).
+    // A close still pending ends with the worker (its request with it); the
+    // Peers its callbacks could reach go after the worker.
+    std::vector<Closing> ended;
     for (size_t i = 0; i < closing_.size();) {
       if (closing_[i].peer->worker != w) {
         ++i;
         continue;
       }
       if (closing_[i].peer->rkey != nullptr) ucp_rkey_destroy(closing_[i].peer->rkey);
+      closing_[i].peer->rkey = nullptr;
+      ended.push_back(std::move(closing_[i]));
       closing_.erase(closing_.begin() + i);
     }
     DestroyPairWorker(w);
