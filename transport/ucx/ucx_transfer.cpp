@@ -48,6 +48,16 @@ std::string UcsError(const char* what, ucs_status_t s) {
   return std::string(what) + ": " + ucs_status_string(s);
 }
 
+// A worker only the progress thread touches (each UcxTransfer's own, and
+// each writer pair's).
+Status CreateWorker(ucp_context_h context, ucp_worker_h* worker) {
+  ucp_worker_params_t params{};
+  params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  params.thread_mode = UCS_THREAD_MODE_SINGLE;
+  const ucs_status_t s = ucp_worker_create(context, &params, worker);
+  return s == UCS_OK ? Status::Ok() : Status::Unavailable(UcsError("ucp_worker_create", s));
+}
+
 std::string PeerName(PeerId id, uint64_t instance) {
   char buf[64];
   std::snprintf(buf, sizeof(buf), "peer %llu (%016llx)", static_cast<unsigned long long>(id),
@@ -541,11 +551,7 @@ Status UcxTransfer::Init() {
     cuda_memory_supported_ = (cattr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
   }
 
-  ucp_worker_params_t wparams{};
-  wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-  wparams.thread_mode = UCS_THREAD_MODE_SINGLE;  // only the progress thread touches it
-  s = ucp_worker_create(context_, &wparams, &worker_);
-  if (s != UCS_OK) return Status::Unavailable(UcsError("ucp_worker_create", s));
+  PDSERVE_RETURN_IF_ERROR(CreateWorker(context_, &worker_));
 
   ucp_address_t* address = nullptr;
   size_t address_len = 0;
@@ -965,13 +971,9 @@ void UcxTransfer::PollClosing() {
 }
 
 StatusOr<ucp_worker_h> UcxTransfer::CreatePairWorker(PeerId peer) {
-  ucp_worker_params_t wparams{};
-  wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-  wparams.thread_mode = UCS_THREAD_MODE_SINGLE;
   PairWorker p;
   p.peer = peer;
-  ucs_status_t s = ucp_worker_create(context_, &wparams, &p.worker);
-  if (s != UCS_OK) return Status::Unavailable(UcsError("ucp_worker_create", s));
+  PDSERVE_RETURN_IF_ERROR(CreateWorker(context_, &p.worker));
   if (worker_efd_ >= 0 && ucp_worker_get_efd(p.worker, &p.efd) == UCS_OK) {
     epoll_event ev{};
     ev.events = EPOLLIN;
