@@ -281,6 +281,16 @@ void DecodeSide::CancelRequest(RequestId id, const std::string& why) {
   auto it = requests_.find(id);
   if (it == requests_.end()) return;
   Request& r = *it->second;
+  if (r.remote && !r.done && DropPendingPrefill(r)) {
+    // Its Prefill still waited for the handshake: the peer never heard of
+    // it and cannot write, so everything goes now.
+    r.remote = false;
+    by_prefill_rid_.erase(r.prefill_rid);
+    (void)ctx_->engine->Cancel(id);
+    PDSERVE_LOG(INFO) << "request " << r.router_rid << " cancelled: " << why
+                      << " before its prefill worker was asked";
+    return EraseRequest(id, "cancelled");
+  }
   if (r.remote) {
     r.cancel_after_remote = true;  // released when the peer is done with its blocks
     PDSERVE_LOG(INFO) << "request " << r.router_rid << " cancelled (" << why
@@ -533,6 +543,7 @@ void DecodeSide::CompleteRemote(RequestId id) {
 // into other blocks.
 void DecodeSide::FallBackToLocal(RequestId id) {
   Request& r = *requests_.at(id);
+  if (!r.writer_settled && DropPendingPrefill(r)) r.writer_settled = true;  // never sent
   r.remote = false;
   r.prefilled_remotely = false;
   by_prefill_rid_.erase(r.prefill_rid);
@@ -598,6 +609,44 @@ void DecodeSide::FallBackRequestsOf(const std::vector<std::string>& addresses,
   });
 }
 
+// Hand-offs whose Prefill message was dropped unsent (its peer's connection
+// closed, or its handshake ended after the message's time was up): nothing
+// can write into their blocks, so they fall back without holding any.
+// Posted before any FallBackRequestsOf of the same event, which holds the
+// blocks of those that were sent.
+void DecodeSide::GiveUpUnsent(std::vector<std::string> prefill_rids, const std::string& why) {
+  if (prefill_rids.empty()) return;
+  ctx_->post([this, prefill_rids = std::move(prefill_rids), why] {
+    for (const std::string& rid : prefill_rids) {
+      auto it = by_prefill_rid_.find(rid);
+      if (it == by_prefill_rid_.end()) continue;
+      auto r = requests_.find(it->second);
+      if (r == requests_.end() || !r->second->remote) continue;
+      r->second->writer_settled = true;
+      GiveUpRemote(r->first, why);
+    }
+  });
+}
+
+bool DecodeSide::DropPendingPrefill(const Request& r) {
+  std::lock_guard<std::mutex> lock(peers_mu_);
+  auto peer = prefill_peers_.find(r.prefill_address);
+  if (peer == prefill_peers_.end()) return false;
+  std::deque<PendingPrefill>& pending = peer->second->pending;
+  auto it = std::find_if(pending.begin(), pending.end(), [&](const PendingPrefill& p) {
+    return p.prefill.prefill().request_id() == r.prefill_rid;
+  });
+  if (it == pending.end()) return false;
+  pending.erase(it);
+  return true;
+}
+
+std::vector<std::string> DecodeSide::PrefillRids(const std::deque<PendingPrefill>& pending) {
+  std::vector<std::string> rids;
+  for (const PendingPrefill& p : pending) rids.push_back(p.prefill.prefill().request_id());
+  return rids;
+}
+
 // ---------------------------------------------------------- prefill peers
 
 DecodeSide::PrefillPeer& DecodeSide::EnsurePrefillPeerLocked(const std::string& address) {
@@ -644,7 +693,7 @@ void DecodeSide::OnPrefillWorkers(const ConnectionPtr& router, const proto::Pref
   for (const auto& w : list.workers()) {
     if (!w.control_address().empty()) announced.insert(w.control_address());
   }
-  std::vector<std::string> dropped;
+  std::vector<std::string> dropped, unsent;
   {
     std::lock_guard<std::mutex> lock(peers_mu_);
     std::set<std::string>& view = router_prefill_views_[router->id()];
@@ -657,27 +706,30 @@ void DecodeSide::OnPrefillWorkers(const ConnectionPtr& router, const proto::Pref
       if (new_here && !peer.ready) peer.client->ReconnectNow();
     }
     view = std::move(announced);
-    dropped = ReconcilePrefillPeersLocked();
+    dropped = ReconcilePrefillPeersLocked(&unsent);
   }
   StopRetiredClients();
+  GiveUpUnsent(std::move(unsent), "prefill worker removed by the router");
   FallBackRequestsOf(dropped, "prefill worker removed by the router");
 }
 
 void DecodeSide::ForgetRouterView(const ConnectionPtr& router) {
-  std::vector<std::string> dropped;
+  std::vector<std::string> dropped, unsent;
   {
     std::lock_guard<std::mutex> lock(peers_mu_);
     if (router_prefill_views_.erase(router->id()) == 0) return;
-    dropped = ReconcilePrefillPeersLocked();
+    dropped = ReconcilePrefillPeersLocked(&unsent);
   }
   StopRetiredClients();
+  GiveUpUnsent(std::move(unsent), "prefill worker no longer listed by any router");
   FallBackRequestsOf(dropped, "prefill worker no longer listed by any router");
 }
 
 // Stops reconnecting to prefill workers no router lists. A peer with an open
 // connection is only marked: it may still hold hand-offs, and goes when that
-// connection closes. Returns the addresses dropped now.
-std::vector<std::string> DecodeSide::ReconcilePrefillPeersLocked() {
+// connection closes. Returns the addresses dropped now; the ids of their
+// Prefill messages that waited for a handshake go to `unsent`.
+std::vector<std::string> DecodeSide::ReconcilePrefillPeersLocked(std::vector<std::string>* unsent) {
   std::set<std::string> listed;
   for (const auto& [_, view] : router_prefill_views_) listed.insert(view.begin(), view.end());
   std::vector<std::string> dropped;
@@ -694,6 +746,7 @@ std::vector<std::string> DecodeSide::ReconcilePrefillPeersLocked() {
     PDSERVE_LOG(INFO) << "prefill worker " << it->first << " is no longer listed by a router; "
                       << "not reconnecting";
     retired_clients_.push_back(std::move(it->second->client));
+    for (std::string& rid : PrefillRids(it->second->pending)) unsent->push_back(std::move(rid));
     dropped.push_back(it->first);
     it = prefill_peers_.erase(it);
   }
@@ -779,15 +832,23 @@ void DecodeSide::OnPrefillPeerMessage(const std::string& address, const Connecti
       flush.swap(it->second->pending);
     }
     // The peer's deadline must not outlast ours: it gets the time left, and
-    // a request whose time is up is not sent (it falls back on its own).
+    // a request whose time is up is not sent (it falls back now).
     const auto now = WorkerClock::now();
+    std::vector<std::string> expired, unsent;
     for (auto& p : flush) {
-      if (now >= p.send_by) continue;
+      std::string rid = p.prefill.prefill().request_id();
+      if (now >= p.send_by) {
+        expired.push_back(std::move(rid));
+        continue;
+      }
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(p.send_by - now);
       p.prefill.mutable_prefill()->set_deadline_ms(
           static_cast<uint32_t>(std::max<int64_t>(1, left.count())));
-      (void)c->Send(std::move(p.prefill));
+      if (!c->Send(std::move(p.prefill)).ok()) unsent.push_back(std::move(rid));
     }
+    GiveUpUnsent(std::move(expired), "the transfer handshake with prefill worker " + address +
+                                         " ended after the request's deadline");
+    GiveUpUnsent(std::move(unsent), "prefill peer " + address + " unavailable");
     return;
   }
   if (e.has_kv_write()) {
@@ -835,6 +896,7 @@ void DecodeSide::OnPrefillPeerClosed(const std::string& address, const Status& w
     }
   }
   StopRetiredClients();
+  GiveUpUnsent(PrefillRids(dropped), "prefill worker lost: " + why.message());
   // Its transfer pair goes too, which ends every Receive pending on it, and
   // every hand-off it held falls back. The peer itself may not have noticed
   // yet (a partition, a frozen process): FallBackToLocal holds the blocks

@@ -19,6 +19,9 @@
 // under a pin, the request prefilling into others) until the peer's late
 // report comes or the deadline plus a grace period has passed, and a
 // Prefill that waited for the handshake is sent with only the time left.
+// One that never left (its request cancelled, its peer closed or dropped,
+// its time up when the handshake ended) can write nothing: its request is
+// freed or falls back at once, holding no block.
 //
 // Prefill peers: one control client per prefill worker the routers list
 // (PrefillWorkers), connected ahead of the first request; the transfer
@@ -113,10 +116,15 @@ class DecodeSide {
   void ReleaseHeldBlocks(HeldBlocksMap::iterator it, const char* why);
   void FallBackRequestsOf(const std::vector<std::string>& addresses, const std::string& why);
   RequestId FindByPrefillRid(const std::string& address, const std::string& rid) const;
+  void GiveUpUnsent(std::vector<std::string> prefill_rids, const std::string& why);
+  // Takes the request's Prefill out of its peer's handshake queue; false
+  // when it is not there (sent, or dropped with its peer). Any thread.
+  bool DropPendingPrefill(const Request& r);
+  static std::vector<std::string> PrefillRids(const std::deque<PendingPrefill>& pending);
 
   // Peers (peers_mu_).
   PrefillPeer& EnsurePrefillPeerLocked(const std::string& address);
-  std::vector<std::string> ReconcilePrefillPeersLocked();
+  std::vector<std::string> ReconcilePrefillPeersLocked(std::vector<std::string>* unsent);
   void StopRetiredClients();
   void SendToPrefillPeer(const std::string& address, proto::Envelope prefill, RequestId id,
                          WorkerClock::time_point send_by);
