@@ -211,6 +211,11 @@ TEST_F(FirstTokenFinishTest, EveryFirstTokenFinishAnswersAndFreesItsSlot) {
 TEST_F(FirstTokenFinishTest, ACancelledRemoteRequestIsFreedWhenItsPrefillWorkerReports) {
   const Case& c = cases_.front();  // max_tokens 1, remote
   ASSERT_TRUE(c.remote);
+  // Stopped after the transfer handshake, so that the Prefill reaches it (a
+  // Prefill still queued behind the handshake goes with the request at
+  // once: prefill_handshake_test).
+  ASSERT_TRUE(prefill_->proc.WaitForLog(std::regex("connected for KV hand-off"), 30s))
+      << prefill_->proc.Log();
   prefill_->proc.Signal(SIGSTOP);
   HttpResult r = HttpStream(
       stack_.http_port(), "/v1/completions",
