@@ -162,7 +162,7 @@ int Fail(const std::string& what, const Status& s) {
 // Between splits it also posts a Receive for each Write the writer announces
 // (a gathered pair is two-sided), with the block pairs it was sent once.
 int RunReceiver(int fd, const std::string& tls, KvStagingMode staging, int64_t block_bytes,
-                int64_t blocks, bool allocate, Split split) {
+                int64_t blocks, bool allocate, Split split, int64_t idle_peers) {
   SetLogComponent("bench transfer receiver");
   if (split.receiver > 0) {
     auto side = MakeRankedSide(split.receiver, tls, staging, BenchLayout(block_bytes), blocks);
@@ -209,6 +209,22 @@ int RunReceiver(int fd, const std::string& tls, KvStagingMode staging, int64_t b
   if (!SendMessage(fd, *desc) || !ReceiveMessage(fd, &reply)) return 1;
   auto peer = (*t)->Accept(reply);
   if (!peer.ok()) return Fail("accept", peer.status());
+  // The idle peers: receivers of a one-block pool each, connected to the
+  // writer and written to once (so that their connections are wired up).
+  std::vector<std::unique_ptr<KvTransfer>> idle;
+  for (int64_t i = 0; i < idle_peers; ++i) {
+    auto it = CreateUcxTransfer(opts);
+    if (!it.ok()) return Fail("idle receiver", it.status());
+    auto region = (*it)->AllocatePool(1, layout);
+    if (!region.ok()) return Fail("idle receiver pool", region.status());
+    auto idle_desc = (*it)->ExportDescriptor();
+    if (!idle_desc.ok()) return Fail("descriptor", idle_desc.status());
+    std::string idle_reply;
+    if (!SendMessage(fd, *idle_desc) || !ReceiveMessage(fd, &idle_reply)) return 1;
+    auto idle_peer = (*it)->Accept(idle_reply);
+    if (!idle_peer.ok()) return Fail("accept", idle_peer.status());
+    idle.push_back(std::move(*it));
+  }
   std::string quit;
   ReceiveMessage(fd, &quit);  // blocks until the writer is done (or gone)
   return 0;
@@ -231,6 +247,7 @@ int RunBenchTransferImpl(int argc, char** argv) {
   int64_t receiver_fd = -1;
   std::string split_text;
   std::string staging_text = "auto";
+  int64_t idle_peers = 0;
   flags.AddString("tls", &tls, "UCX transports: tcp | shm (or any UCX_TLS list)");
   flags.AddBytes("block-bytes", &block_bytes,
                  "bytes per KV block (64KiB = 16 tokens of one Llama-3-8B layer in fp16)");
@@ -251,6 +268,9 @@ int RunBenchTransferImpl(int argc, char** argv) {
   flags.AddString("staging", &staging_text,
                   "auto | never: with --split, never puts each head slice of each block "
                   "directly instead of gathering a chunk of blocks' slices per message");
+  flags.AddInt("idle-peers", &idle_peers,
+               "further receivers the writer stays connected to (each its own UCP worker on the "
+               "writer, written once to wire it up, then idle): what many peers cost a transfer");
   flags.AddBool("json", &json, "print one JSON line");
   flags.AddInt("receiver-fd", &receiver_fd, "internal: run as the receiving process on this fd");
   flags.SetEpilog(
@@ -273,12 +293,16 @@ int RunBenchTransferImpl(int argc, char** argv) {
   const KvStagingMode staging =
       staging_text == "never" ? KvStagingMode::kNever : KvStagingMode::kAuto;
   const Split split = ParseSplit(split_text);
+  if (idle_peers < 0 || idle_peers > 256) UsageError(kCommand, "--idle-peers must be 0 to 256");
+  if (idle_peers > 0 && split.writer > 0) {
+    UsageError(kCommand, "--idle-peers does not combine with --split");
+  }
   if (split.writer > 0 && BenchLayout(block_bytes).DenseBytesPerBlock() != block_bytes) {
     UsageError(kCommand, "--split needs a --block-bytes of whole tokens (a multiple of 64KiB)");
   }
   if (receiver_fd >= 0) {
     return RunReceiver(static_cast<int>(receiver_fd), tls, staging, block_bytes, blocks, allocate,
-                       split);
+                       split, idle_peers);
   }
 
   // The writer first: a bad --tls fails here, before any process starts.
@@ -336,7 +360,9 @@ int RunBenchTransferImpl(int argc, char** argv) {
                                      "--split",
                                      split_text,
                                      "--staging",
-                                     staging_text};
+                                     staging_text,
+                                     "--idle-peers",
+                                     std::to_string(idle_peers)};
     std::vector<char*> cargv;
     for (auto& a : args) cargv.push_back(a.data());
     cargv.push_back(nullptr);
@@ -365,6 +391,19 @@ int RunBenchTransferImpl(int argc, char** argv) {
     return Fail("connect", conn.status());
   }
   SendMessage(fd, conn->reply);
+  std::vector<PeerId> idle;
+  for (int64_t i = 0; i < idle_peers; ++i) {
+    std::string idle_desc;
+    auto idle_conn = ReceiveMessage(fd, &idle_desc)
+                         ? writer->Connect(idle_desc)
+                         : StatusOr<KvTransfer::Connection>(Status::Unavailable("receiver gone"));
+    if (!idle_conn.ok()) {
+      finish_child();
+      return Fail("connect idle peer", idle_conn.status());
+    }
+    SendMessage(fd, idle_conn->reply);
+    idle.push_back(idle_conn->peer);
+  }
 
   // Scattered placement: runs of `run_blocks` blocks, sources and targets in
   // independent random orders, so that no two runs merge by accident... mostly.
@@ -409,6 +448,16 @@ int RunBenchTransferImpl(int argc, char** argv) {
     if (!s.ok()) {
       finish_child();
       return Fail("warm-up write", s);
+    }
+  }
+  for (PeerId p : idle) {  // one block each, to wire the connections up
+    std::promise<Status> done;
+    auto f = done.get_future();
+    writer->Write(p, {{0, 0}}, TransferClock::now() + std::chrono::seconds(120),
+                  [&](Status st) { done.set_value(std::move(st)); });
+    if (s = f.get(); !s.ok()) {
+      finish_child();
+      return Fail("idle peer write", s);
     }
   }
 
@@ -489,6 +538,8 @@ int RunBenchTransferImpl(int argc, char** argv) {
         {"inflight", inflight},
         {"receiver_pool", ranked != nullptr ? "register" : receiver_pool},
         {"split", split_text.empty() ? "none" : split_text},
+        {"idle_peers", idle_peers},
+        {"us_per_transfer", writes > 0 ? elapsed / static_cast<double>(writes) * 1e6 : 0.0},
         {"bytes_per_block_moved", bytes_per_block},
         {"transfers", writes},
         {"bytes", total_bytes},
