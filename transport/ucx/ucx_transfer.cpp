@@ -102,6 +102,11 @@ constexpr auto kCompletionLivenessWindow = std::chrono::milliseconds(1);
 // normally have by then): bounded, since progressing the worker is what the
 // UCX fault of CloseEndpoint needs.
 constexpr auto kPairWorkerRetireLimit = std::chrono::seconds(1);
+// A pair worker with nothing in flight is progressed on one turn of the
+// progress loop in this many: polling a connected TCP worker is a system
+// call, and a writer connected to 64 idle peers paid 0.5 us per peer on
+// every small transfer (bench/transfer_idle_peers.sh).
+constexpr uint64_t kIdlePairStride = 16;
 
 class UcxTransfer;
 
@@ -372,8 +377,9 @@ class UcxTransfer final : public KvTransfer {
   // every request on them have completed (or kPairWorkerRetireLimit after
   // the close, whatever is left: `all` at shutdown, at once).
   void ReapPairWorkers(bool all);
-  // ucp_worker_progress on every worker until each is idle; true if any
-  // had something to do.
+  // ucp_worker_progress until idle on the transfer's worker and on each
+  // pair worker that is due (kIdlePairStride); true if any had something
+  // to do.
   bool ProgressWorkers();
   // ucp_worker_arm on every worker: false if one has events already; lowers
   // timeout_ms to 1 where a worker must be polled.
@@ -420,9 +426,12 @@ class UcxTransfer final : public KvTransfer {
     PeerId peer = 0;
     bool retiring = false;    // its endpoint is closed
     bool progressed = false;  // since then
+    bool active = false;      // had events on its last progress, or woke the loop
     TransferClock::time_point retire_by{};
   };
   std::vector<PairWorker> pair_workers_;  // progress thread only
+  uint64_t progress_turns_ = 0;           // progress thread only
+  std::vector<PeerId> busy_peers_;        // ProgressWorkers' scratch
   int wake_fd_ = -1;
   int epoll_fd_ = -1;
   bool cuda_memory_supported_ = false;
@@ -724,6 +733,7 @@ void UcxTransfer::ProgressLoop() {
         uint64_t count;
         [[maybe_unused]] ssize_t r = read(wake_fd_, &count, sizeof(count));
       }
+      for (PairWorker& p : pair_workers_) p.active = p.active || events[i].data.fd == p.efd;
     }
     last_event = TransferClock::now();
   }
@@ -1038,12 +1048,29 @@ void UcxTransfer::ReapPairWorkers(bool all) {
 bool UcxTransfer::ProgressWorkers() {
   bool worked = false;
   while (ucp_worker_progress(worker_) != 0) worked = true;
+  // Every turn: the pair workers with a transfer in flight, a closed
+  // endpoint, recent events or no event fd (polled). The others in turn, one turn in
+  // kIdlePairStride each: what reaches an idle one (its peer leaving, a
+  // keepalive) waits that many turns at most, and none waits across a
+  // sleep, for which every worker is armed.
+  busy_peers_.clear();
+  for (const WriteOp* op : live_ops_) busy_peers_.push_back(op->peer);
+  for (const StagedOp* op : staged_ops_) busy_peers_.push_back(op->peer);
+  ++progress_turns_;
   // By index: a callback may close an endpoint (marking its worker), never
   // add or remove one.
   for (size_t i = 0; i < pair_workers_.size(); ++i) {
-    const bool retiring = pair_workers_[i].retiring;
-    while (ucp_worker_progress(pair_workers_[i].worker) != 0) worked = true;
-    if (retiring) pair_workers_[i].progressed = true;
+    PairWorker& p = pair_workers_[i];
+    const bool due = p.retiring || p.active || p.efd < 0 ||
+                     (progress_turns_ + i) % kIdlePairStride == 0 ||
+                     std::find(busy_peers_.begin(), busy_peers_.end(), p.peer) != busy_peers_.end();
+    if (!due) continue;
+    const bool retiring = p.retiring;
+    bool had_events = false;
+    while (ucp_worker_progress(p.worker) != 0) had_events = true;
+    p.active = had_events;
+    worked = worked || had_events;
+    if (retiring) p.progressed = true;
   }
   return worked;
 }
@@ -1055,10 +1082,11 @@ bool UcxTransfer::ArmWorkers(int* timeout_ms) {
     return s != UCS_ERR_BUSY;
   };
   if (!arm(worker_)) return false;
-  for (const PairWorker& p : pair_workers_) {
+  for (PairWorker& p : pair_workers_) {
     if (p.efd < 0) {
       *timeout_ms = std::min(*timeout_ms, 1);
     } else if (!arm(p.worker)) {
+      p.active = true;  // progressed on the next turn
       return false;
     }
   }
