@@ -86,7 +86,9 @@ WorkerProc& LocalStack::StartWorker(const std::string& role, const std::vector<s
                                    "--kv-cache-bytes", "8MiB"};
   argv = WithSecurity(std::move(argv), extra);
   argv.insert(argv.begin(), worker_launcher_.begin(), worker_launcher_.end());
-  w->proc = ChildProcess::Start(argv, dir_ + "/" + w->id + ".log");
+  std::map<std::string, std::string> env;
+  if (!every_interface_) env["UCX_NET_DEVICES"] = "lo";
+  w->proc = ChildProcess::Start(argv, dir_ + "/" + w->id + ".log", env);
   auto port = w->proc.WaitForLog(std::regex(R"(metrics :(\d+))"), std::chrono::seconds(60));
   EXPECT_TRUE(port) << w->proc.Log();
   if (port) w->metrics_port = std::stoi(*port);

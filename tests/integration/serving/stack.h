@@ -56,6 +56,12 @@ class LocalStack {
   // Workers started from now on run under `prefix`, e.g. `ip netns exec NAME`
   // to place them in a network namespace (empty: run directly).
   void SetWorkerLauncher(std::vector<std::string> prefix) { worker_launcher_ = std::move(prefix); }
+  // Workers move KV over loopback only (UCX_NET_DEVICES=lo) unless this was
+  // called: interfaces that parallel tests add and remove (the chaos tests'
+  // veth pairs) would otherwise enter every worker's UCX device list, where
+  // a cut one stalls the connections over it. For stacks that span network
+  // namespaces, and tests of interfaces that come and go.
+  void UseEveryNetworkInterface() { every_interface_ = true; }
   // Waits for /ready.
   bool WaitReady(std::chrono::milliseconds timeout = std::chrono::seconds(60));
 
@@ -91,6 +97,7 @@ class LocalStack {
   int control_port_ = 0;
   std::vector<std::unique_ptr<WorkerProc>> workers_;
   std::vector<std::string> worker_launcher_;
+  bool every_interface_ = false;
 };
 
 // `pdserve generate --json` for the same prompt, greedy (on the CPU), with
