@@ -130,6 +130,7 @@ class ChaosTest : public ::testing::Test {
       expected_.push_back(want["text"].get<std::string>());
     }
     stack_ = std::make_unique<LocalStack>(name);
+    if (ns) stack_->UseEveryNetworkInterface();  // the decode workers are reached over the link
     stack_->StartRouter(RouterFlags());
     std::vector<std::string> prefill_flags;
     if (ns) {
@@ -577,6 +578,29 @@ TEST_F(ChaosTest, PrefillWorkerPartitioned) {
   ExpectEveryRequestEnded();
   ExpectStackHealed(7);
   ExpectPrefillWorkerServesAgain();
+}
+
+// A network interface that the prefill worker's UCX listed at start goes
+// away (a veth pair here; a container's or a VPN's in production). UCX 1.13
+// then creates no worker ("No such device"), while each connection a writer
+// opens wants one of its own: a decode worker that connects afterwards must
+// still get its prompts prefilled remotely.
+TEST_F(ChaosTest, AnInterfaceRemovedAfterStartBreaksNoConnection) {
+  std::string why;
+  ns_ = NetworkNamespace::Create(&why);
+  if (!ns_) GTEST_SKIP() << "the interface comes from a network namespace's link: " << why;
+  stack_ = std::make_unique<LocalStack>("chaos-interface-removed");
+  stack_->UseEveryNetworkInterface();
+  stack_->StartRouter({"--max-local-prefill", "32"});
+  WorkerProc& prefill = stack_->StartWorker("prefill");
+  ns_.reset();  // its link goes with it
+  stack_->StartWorker("decode");
+  ASSERT_TRUE(stack_->WaitReady()) << Logs();
+  ExpectPrefillWorkerServesAgain();
+  // The case happened: its connection could not have a worker of its own.
+  EXPECT_NE(prefill.proc.Log().find("new connections share the transfer's worker"),
+            std::string::npos)
+      << prefill.proc.Log();
 }
 
 // 200 ms each way on the prefill worker's link for 10 s: below the peer

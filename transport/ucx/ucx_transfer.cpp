@@ -431,6 +431,7 @@ class UcxTransfer final : public KvTransfer {
   };
   std::vector<PairWorker> pair_workers_;  // progress thread only
   uint64_t progress_turns_ = 0;           // progress thread only
+  bool shared_worker_warned_ = false;     // progress thread only
   std::vector<PeerId> busy_peers_;        // ProgressWorkers' scratch
   int wake_fd_ = -1;
   int epoll_fd_ = -1;
@@ -1324,11 +1325,23 @@ StatusOr<KvTransfer::Connection> UcxTransfer::ConnectLocked(std::string_view blo
   ep_params.err_handler.cb = EndpointError;
   ep_params.err_handler.arg = peer.get();
   auto worker = CreatePairWorker(peer->id);
-  if (!worker.ok()) return worker.status();
-  peer->worker = *worker;
+  if (worker.ok()) {
+    peer->worker = *worker;
+  } else {
+    // UCX 1.13 creates no worker once a network interface it listed at
+    // start is gone (a container's veth, a VPN): "No such device". The pair
+    // then shares the transfer's own worker, without the isolation above,
+    // rather than refusing every connection until a restart.
+    if (!shared_worker_warned_) {
+      PDSERVE_LOG(WARN) << "UCX peer " << peer->id << ": " << worker.status().message()
+                        << "; new connections share the transfer's worker from now on";
+      shared_worker_warned_ = true;
+    }
+    peer->worker = worker_;
+  }
   ucs_status_t s = ucp_ep_create(peer->worker, &ep_params, &peer->ep);
   if (s != UCS_OK) {
-    DestroyPairWorker(peer->worker);
+    if (peer->worker != worker_) DestroyPairWorker(peer->worker);
     return Status::Unavailable(UcsError("cannot reach the peer (ucp_ep_create)", s));
   }
   if (!peer->staged) {  // staged pairs never address the peer's pool
