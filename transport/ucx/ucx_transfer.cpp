@@ -1050,10 +1050,10 @@ bool UcxTransfer::ProgressWorkers() {
   bool worked = false;
   while (ucp_worker_progress(worker_) != 0) worked = true;
   // Every turn: the pair workers with a transfer in flight, a closed
-  // endpoint, recent events or no event fd (polled). The others in turn, one turn in
-  // kIdlePairStride each: what reaches an idle one (its peer leaving, a
-  // keepalive) waits that many turns at most, and none waits across a
-  // sleep, for which every worker is armed.
+  // endpoint, recent events or no event fd (polled). The others in turn,
+  // one turn in kIdlePairStride each: what reaches an idle one (its peer
+  // leaving, a keepalive) waits that many turns at most, and none waits
+  // across a sleep, for which every worker is armed.
   busy_peers_.clear();
   for (const WriteOp* op : live_ops_) busy_peers_.push_back(op->peer);
   for (const StagedOp* op : staged_ops_) busy_peers_.push_back(op->peer);
@@ -1334,7 +1334,8 @@ StatusOr<KvTransfer::Connection> UcxTransfer::ConnectLocked(std::string_view blo
     // rather than refusing every connection until a restart.
     if (!shared_worker_warned_) {
       PDSERVE_LOG(WARN) << "UCX peer " << peer->id << ": " << worker.status().message()
-                        << "; new connections share the transfer's worker from now on";
+                        << "; connections that cannot have a worker of their own share the "
+                           "transfer's (logged once)";
       shared_worker_warned_ = true;
     }
     peer->worker = worker_;
