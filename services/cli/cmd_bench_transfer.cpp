@@ -157,6 +157,18 @@ int Fail(const std::string& what, const Status& s) {
   return 1;
 }
 
+// The receiving side of one pair's handshake: our descriptor to the writer,
+// its reply accepted.
+StatusOr<PeerId> AcceptWriter(int fd, KvTransfer& t) {
+  auto desc = t.ExportDescriptor();
+  if (!desc.ok()) return desc.status();
+  std::string reply;
+  if (!SendMessage(fd, *desc) || !ReceiveMessage(fd, &reply)) {
+    return Status::Unavailable("the writer process is gone");
+  }
+  return t.Accept(reply);
+}
+
 // The receiving process: allocates (or registers) the pool, hands over its
 // descriptor, accepts the writer's reply and waits until told to quit.
 // Between splits it also posts a Receive for each Write the writer announces
@@ -167,12 +179,9 @@ int RunReceiver(int fd, const std::string& tls, KvStagingMode staging, int64_t b
   if (split.receiver > 0) {
     auto side = MakeRankedSide(split.receiver, tls, staging, BenchLayout(block_bytes), blocks);
     if (!side.ok()) return Fail("receiver", side.status());
-    auto desc = side->transfer->ExportDescriptor();
-    if (!desc.ok()) return Fail("descriptor", desc.status());
-    std::string reply, pairs, m;
-    if (!SendMessage(fd, *desc) || !ReceiveMessage(fd, &reply)) return 1;
-    auto peer = side->transfer->Accept(reply);
+    auto peer = AcceptWriter(fd, *side->transfer);
     if (!peer.ok()) return Fail("accept", peer.status());
+    std::string pairs, m;
     if (!ReceiveMessage(fd, &pairs)) return 1;
     std::vector<BlockCopy> copies(pairs.size() / sizeof(BlockCopy));
     std::memcpy(copies.data(), pairs.data(), copies.size() * sizeof(BlockCopy));
@@ -203,11 +212,7 @@ int RunReceiver(int fd, const std::string& tls, KvStagingMode staging, int64_t b
         {own.data(), own.size(), static_cast<size_t>(block_bytes), MemoryType::kHost}, layout);
     if (!s.ok()) return Fail("receiver pool", s);
   }
-  auto desc = (*t)->ExportDescriptor();
-  if (!desc.ok()) return Fail("descriptor", desc.status());
-  std::string reply;
-  if (!SendMessage(fd, *desc) || !ReceiveMessage(fd, &reply)) return 1;
-  auto peer = (*t)->Accept(reply);
+  auto peer = AcceptWriter(fd, **t);
   if (!peer.ok()) return Fail("accept", peer.status());
   // The idle peers: receivers of a one-block pool each, connected to the
   // writer and written to once (so that their connections are wired up).
@@ -217,12 +222,8 @@ int RunReceiver(int fd, const std::string& tls, KvStagingMode staging, int64_t b
     if (!it.ok()) return Fail("idle receiver", it.status());
     auto region = (*it)->AllocatePool(1, layout);
     if (!region.ok()) return Fail("idle receiver pool", region.status());
-    auto idle_desc = (*it)->ExportDescriptor();
-    if (!idle_desc.ok()) return Fail("descriptor", idle_desc.status());
-    std::string idle_reply;
-    if (!SendMessage(fd, *idle_desc) || !ReceiveMessage(fd, &idle_reply)) return 1;
-    auto idle_peer = (*it)->Accept(idle_reply);
-    if (!idle_peer.ok()) return Fail("accept", idle_peer.status());
+    auto idle_peer = AcceptWriter(fd, **it);
+    if (!idle_peer.ok()) return Fail("accept idle peer", idle_peer.status());
     idle.push_back(std::move(*it));
   }
   std::string quit;
