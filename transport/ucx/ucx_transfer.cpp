@@ -1049,6 +1049,7 @@ void UcxTransfer::ReapPairWorkers(bool all) {
 bool UcxTransfer::ProgressWorkers() {
   bool worked = false;
   while (ucp_worker_progress(worker_) != 0) worked = true;
+  if (pair_workers_.empty()) return worked;  // a receiver's loop pays nothing here
   // Every turn: the pair workers with a transfer in flight, a closed
   // endpoint, recent events or no event fd (polled). The others in turn,
   // one turn in kIdlePairStride each: what reaches an idle one (its peer
@@ -1058,13 +1059,15 @@ bool UcxTransfer::ProgressWorkers() {
   for (const WriteOp* op : live_ops_) busy_peers_.push_back(op->peer);
   for (const StagedOp* op : staged_ops_) busy_peers_.push_back(op->peer);
   ++progress_turns_;
+  auto busy = [&](PeerId peer) {
+    return std::find(busy_peers_.begin(), busy_peers_.end(), peer) != busy_peers_.end();
+  };
   // By index: a callback may close an endpoint (marking its worker), never
   // add or remove one.
   for (size_t i = 0; i < pair_workers_.size(); ++i) {
     PairWorker& p = pair_workers_[i];
     const bool due = p.retiring || p.active || p.efd < 0 ||
-                     (progress_turns_ + i) % kIdlePairStride == 0 ||
-                     std::find(busy_peers_.begin(), busy_peers_.end(), p.peer) != busy_peers_.end();
+                     (progress_turns_ + i) % kIdlePairStride == 0 || busy(p.peer);
     if (!due) continue;
     const bool retiring = p.retiring;
     bool had_events = false;
