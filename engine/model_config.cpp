@@ -170,8 +170,7 @@ Status ParseRopeScaling(const json& rope, const std::string& source, const char*
     PDSERVE_RETURN_IF_ERROR(r.Bool("truncate", &s.truncate));
   } else {
     return Status::Unsupported(where + ": type '" + type +
-                               "' is not supported (default, linear, llama3, and yarn for "
-                               "DeepSeek, are)");
+                               "' is not supported (default, linear, llama3 and yarn are)");
   }
   if (rope.find("factor") == rope.end()) {
     return Status::InvalidArgument(where + ": missing 'factor'");
@@ -212,8 +211,7 @@ Status RefuseUnimplementedKeys(const json& j, const std::string& source,
                                " is not supported (rotary over the whole head only)");
   }
   if (const json* b = present("use_bidirectional_attention");
-      architecture == "Gemma3ForCausalLM" && b != nullptr &&
-      !(b->is_boolean() && !b->get<bool>())) {
+      gemma && b != nullptr && !(b->is_boolean() && !b->get<bool>())) {
     return Status::Unsupported(source + ": 'use_bidirectional_attention' " + b->dump() +
                                " is not supported (causal attention only)");
   }
@@ -391,14 +389,20 @@ Status ParseWindows(const json& j, const std::string& source, ModelConfig* c) {
     sliding.assign(sliding.size(), window.has_value());
   } else if (qwen) {
     // Qwen2Config / Qwen3Config / Qwen3MoeConfig: sliding_window only when
-    // use_sliding_window (default 4096), on layers >= max_window_layers (28).
+    // use_sliding_window (default 4096). Qwen2 and Qwen3 window the layers
+    // >= max_window_layers (28); Qwen3MoeConfig has neither
+    // max_window_layers nor layer_types, and every Qwen3MoeAttention takes
+    // config.sliding_window, so Qwen3-MoE windows every layer.
     bool use = false;
     Reader r(j, source);
     PDSERVE_RETURN_IF_ERROR(r.Bool("use_sliding_window", &use));
     if (use) {
       PDSERVE_RETURN_IF_ERROR(read_window(4096));
-      int64_t from = 28;
-      PDSERVE_RETURN_IF_ERROR(r.Int("max_window_layers", &from, false, 0, kMaxLayers));
+      int64_t from = 0;
+      if (arch != "Qwen3MoeForCausalLM") {
+        from = 28;
+        PDSERVE_RETURN_IF_ERROR(r.Int("max_window_layers", &from, false, 0, kMaxLayers));
+      }
       for (int64_t l = from; l < n; ++l) sliding[l] = window.has_value();
     }
   } else if (arch == "Gemma2ForCausalLM") {
@@ -413,7 +417,8 @@ Status ParseWindows(const json& j, const std::string& source, ModelConfig* c) {
     PDSERVE_RETURN_IF_ERROR(r.Int("sliding_window_pattern", &pattern, false, 1, kMaxLayers));
     for (int64_t l = 0; l < n; ++l) sliding[l] = (l + 1) % pattern != 0;
   }
-  if (auto t = j.find("layer_types"); t != j.end() && !t->is_null()) {
+  if (auto t = j.find("layer_types");
+      t != j.end() && !t->is_null() && arch != "Qwen3MoeForCausalLM") {
     if (!t->is_array()) {
       return Status::InvalidArgument(source + ": 'layer_types' must be a list");
     }
@@ -628,7 +633,11 @@ KvGroups ModelConfig::kv_groups() const {
 }
 
 bool ModelConfig::UsesLocalRope(int64_t l) const {
-  return rope_local_theta > 0 && LayerWindow(l) > 0;
+  // The model's own sliding layers only: streaming eviction windows every
+  // layer (it is refused where the model has windows of its own), and a
+  // global layer keeps its global rotary base under it.
+  return rope_local_theta > 0 && kv_eviction.mode != KvEviction::Mode::kStreaming &&
+         LayerWindow(l) > 0;
 }
 
 std::vector<float> ModelConfig::RopeInvFreq(bool local) const {
@@ -712,7 +721,14 @@ double ModelConfig::RopeAttentionFactor() const {
 
 double ModelConfig::AttentionScale() const {
   if (gemma) return 1.0 / std::sqrt(query_pre_attn_scalar > 0 ? query_pre_attn_scalar : head_dim);
-  if (!is_mla()) return 1.0 / std::sqrt(static_cast<double>(head_dim));
+  if (!is_mla()) {
+    // Yarn multiplies cos and sin by its attention factor (LlamaRotaryEmbedding's
+    // attention_scaling), so q and k, rotated over the whole head, each carry
+    // it: every logit is scaled by its square, which the softmax scale takes
+    // here while the rotation stays a pure one (1 for the other rope types).
+    const double factor = RopeAttentionFactor();
+    return factor * factor / std::sqrt(static_cast<double>(head_dim));
+  }
   double scale = 1.0 / std::sqrt(static_cast<double>(qk_nope_head_dim + qk_rope_head_dim));
   // DeepSeek-V2 and V3 alike: deepseek-ai's DeepseekV2Attention and
   // DeepseekV3Attention multiply the softmax scale by mscale(factor,
@@ -785,14 +801,28 @@ StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std::strin
   // hidden_size // num_attention_heads)) derive it.
   c.head_dim = is_qwen3 ? 128 : is_gemma ? 256 : c.hidden_size / c.num_heads;
   PDSERVE_RETURN_IF_ERROR(r.Int("head_dim", &c.head_dim, false, 2, kMaxHeadDim));
-  // Gemma2Config: 8192 positions, rope_theta 10000; Gemma3TextConfig:
-  // 131072 and 1e6. Both tie the embeddings unless told otherwise.
-  c.max_position_embeddings = is_gemma2 ? 8192 : is_gemma3 ? 131072 : 2048;
-  if (is_gemma3) c.rope_theta = 1e6;
+  if (c.head_dim < 2 || c.head_dim > kMaxHeadDim) {  // derived: hidden_size / heads
+    return Status::InvalidArgument(
+        source + ": head_dim " + std::to_string(c.head_dim) + " (hidden_size " +
+        std::to_string(c.hidden_size) + " / num_attention_heads " + std::to_string(c.num_heads) +
+        ") must be within 2.." + std::to_string(kMaxHeadDim) + "; set head_dim");
+  }
+  // Each configuration class's max_position_embeddings: LlamaConfig and
+  // DeepseekV2Config 2048, DeepseekV3Config 4096, Qwen2/Qwen3/Qwen3-MoE
+  // 32768, Mistral and Mixtral 131072 (4096 * 32), Gemma2Config 8192,
+  // Gemma3TextConfig 131072. rope_theta is 10000 but for Gemma-3 and Mixtral
+  // (1e6); rms_norm_eps 1e-6 but for Mixtral (1e-5). Gemma ties the
+  // embeddings unless told otherwise.
+  c.max_position_embeddings = is_gemma2                               ? 8192
+                              : is_gemma3 || is_mistral || is_mixtral ? 131072
+                              : is_qwen2 || is_qwen3 || is_qwen3_moe  ? 32768
+                              : is_deepseek_v3                        ? 4096
+                                                                      : 2048;
+  if (is_gemma3 || is_mixtral) c.rope_theta = 1e6;
   c.tie_word_embeddings = is_gemma;
   PDSERVE_RETURN_IF_ERROR(
       r.Int("max_position_embeddings", &c.max_position_embeddings, false, 1, kMaxPositions));
-  c.rms_norm_eps = 1e-6;  // every family's default in transformers
+  c.rms_norm_eps = is_mixtral ? 1e-5 : 1e-6;
   PDSERVE_RETURN_IF_ERROR(r.Double("rms_norm_eps", &c.rms_norm_eps, 0, 1));
   PDSERVE_RETURN_IF_ERROR(r.Double("rope_theta", &c.rope_theta, 1, 1e12));
   PDSERVE_RETURN_IF_ERROR(r.Bool("tie_word_embeddings", &c.tie_word_embeddings));
@@ -875,10 +905,11 @@ StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std::strin
     PDSERVE_RETURN_IF_ERROR(ParseRopeScaling(*rs, source, "rope_scaling", &c.rope_scaling));
   }
   if (c.rope_scaling.type == RopeScaling::Type::kYarn) {
-    if (!is_deepseek_v2 && !is_deepseek_v3) {
-      // The GQA path does not scale cos/sin by yarn's attention factor.
+    if (is_gemma) {
+      // Gemma-3 scales the global layers' rope only, so yarn's attention
+      // factor would differ layer by layer (AttentionScale is one value).
       return Status::Unsupported(source + ": " + rope_key +
-                                 ": type 'yarn' is supported for DeepSeek-V2/V3 only");
+                                 ": type 'yarn' is not supported for Gemma");
     }
     if (c.rope_scaling.original_max_position_embeddings == 0) {
       c.rope_scaling.original_max_position_embeddings = c.max_position_embeddings;

@@ -206,7 +206,8 @@ struct ModelConfig {
   // The factor Hugging Face multiplies cos and sin by (yarn's
   // attention_factor; 1 for the other rope types).
   double RopeAttentionFactor() const;
-  // The softmax scale of q . k: head_dim^-0.5 (Gemma: query_pre_attn_scalar^-0.5),
+  // The softmax scale of q . k: head_dim^-0.5 times RopeAttentionFactor()^2
+  // (the rotation itself stays unscaled; Gemma: query_pre_attn_scalar^-0.5),
   // or for MLA (DeepSeek-V2/V3)
   // (qk_nope_head_dim + qk_rope_head_dim)^-0.5, times
   // mscale(factor, mscale_all_dim)^2 when the rope is scaled and

@@ -112,8 +112,9 @@ bool ReferenceModel::LoadDeepseek(const json& c, const std::string& dir, std::st
   if (rope_type == "yarn") {
     // transformers' _compute_yarn_parameters.
     const double factor = Number(*rs, "factor", 1.0);
-    const double original = static_cast<double>(
-        Int(*rs, "original_max_position_embeddings", Int(c, "max_position_embeddings", 2048)));
+    const double original =
+        static_cast<double>(Int(*rs, "original_max_position_embeddings",
+                                Int(c, "max_position_embeddings", d.v3 ? 4096 : 2048)));
     const double mscale = Number(*rs, "mscale", 0),
                  mscale_all_dim = Number(*rs, "mscale_all_dim", 0);
     d.attention_factor = rs->contains("attention_factor") && !(*rs)["attention_factor"].is_null()

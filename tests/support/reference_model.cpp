@@ -40,10 +40,13 @@ std::unique_ptr<ReferenceModel> ReferenceModel::Load(const std::string& dir, std
   m->kv_heads_ = c.value("num_key_value_heads", m->heads_);
   m->head_dim_ = c.contains("head_dim") && !c["head_dim"].is_null() ? c["head_dim"].get<int64_t>()
                                                                     : m->hidden_ / m->heads_;
-  m->eps_ = c.value("rms_norm_eps", 1e-6);
+  // MixtralConfig's defaults are rms_norm_eps 1e-5 and rope_theta 1e6; the
+  // other families' 1e-6 and 10000 (Gemma-3: 1e6).
+  const bool mixtral = arch == "MixtralForCausalLM";
+  m->eps_ = c.value("rms_norm_eps", mixtral ? 1e-5 : 1e-6);
   const bool gemma2 = arch == "Gemma2ForCausalLM", gemma3 = arch == "Gemma3ForCausalLM";
   m->gemma_ = gemma2 || gemma3;
-  const double theta = c.value("rope_theta", gemma3 ? 1e6 : 10000.0);
+  const double theta = c.value("rope_theta", gemma3 || mixtral ? 1e6 : 10000.0);
   const bool tied = c.value("tie_word_embeddings", m->gemma_);
   if (arch == "DeepseekV2ForCausalLM" || arch == "DeepseekV3ForCausalLM") {
     m->deepseek_ = true;
@@ -67,10 +70,12 @@ std::unique_ptr<ReferenceModel> ReferenceModel::Load(const std::string& dir, std
   if (m->gemma_ && !(c.contains("head_dim") && !c["head_dim"].is_null())) m->head_dim_ = 256;
   // Each layer's window, as the configuration classes assign them:
   // MistralConfig (default 4096) and MixtralConfig (none) window every
-  // layer; Qwen2/Qwen3/Qwen3-MoE only with use_sliding_window, from
-  // max_window_layers (28) on; Gemma2Config every (l + 1) % 2 layer,
-  // Gemma3TextConfig every (l + 1) % sliding_window_pattern (6) one, both
-  // with a default of 4096; layer_types overrides the family's choice.
+  // layer; Qwen2/Qwen3 only with use_sliding_window, from max_window_layers
+  // (28) on; Qwen3-MoE with use_sliding_window on every layer (Qwen3MoeConfig
+  // has no max_window_layers and no layer_types); Gemma2Config every
+  // (l + 1) % 2 layer, Gemma3TextConfig every (l + 1) % sliding_window_pattern
+  // (6) one, both with a default of 4096; layer_types overrides the family's
+  // choice (Qwen3-MoE's aside).
   const int64_t num_layers = c["num_hidden_layers"];
   std::vector<int64_t> windows(num_layers, 0);
   {
@@ -86,15 +91,15 @@ std::unique_ptr<ReferenceModel> ReferenceModel::Load(const std::string& dir, std
       sliding.assign(num_layers, true);
     } else if (qwen && c.value("use_sliding_window", false)) {
       w = window_or(4096);
-      for (int64_t l = c.value("max_window_layers", int64_t{28}); l < num_layers; ++l) {
-        sliding[l] = true;
-      }
+      const int64_t first_windowed =
+          arch == "Qwen3MoeForCausalLM" ? 0 : c.value("max_window_layers", int64_t{28});
+      for (int64_t l = first_windowed; l < num_layers; ++l) sliding[l] = true;
     } else if (gemma2 || gemma3) {
       w = window_or(4096);
       const int64_t pattern = gemma2 ? 2 : c.value("sliding_window_pattern", int64_t{6});
       for (int64_t l = 0; l < num_layers; ++l) sliding[l] = (l + 1) % pattern != 0;
     }
-    if (c.contains("layer_types") && c["layer_types"].is_array()) {
+    if (c.contains("layer_types") && c["layer_types"].is_array() && arch != "Qwen3MoeForCausalLM") {
       for (int64_t l = 0; l < num_layers; ++l)
         sliding[l] = c["layer_types"][l] == "sliding_attention";
     }
@@ -118,7 +123,7 @@ std::unique_ptr<ReferenceModel> ReferenceModel::Load(const std::string& dir, std
   // (layer_idx + 1) % decoder_sparse_step == 0`, else Qwen3MoeMLP with
   // intermediate_size; MixtralDecoderLayer: block_sparse_moe on every layer,
   // experts of intermediate_size, routing weights always renormalised.
-  const bool qwen3_moe = arch == "Qwen3MoeForCausalLM", mixtral = arch == "MixtralForCausalLM";
+  const bool qwen3_moe = arch == "Qwen3MoeForCausalLM";
   const bool qk_norm = qwen3 || qwen3_moe || gemma3;
   int64_t num_experts = 0, sparse_step = 1;
   std::vector<int64_t> mlp_only;
@@ -140,13 +145,58 @@ std::unique_ptr<ReferenceModel> ReferenceModel::Load(const std::string& dir, std
 
   // Rotary frequencies as Hugging Face computes them, including rope_scaling,
   // then held as float32 (the dtype of HF's inv_freq buffer).
+  const json no_scaling = json::object();
+  const json& rs_or_none =
+      c.contains("rope_scaling") && c["rope_scaling"].is_object() ? c["rope_scaling"] : no_scaling;
+  const std::string rope_type =
+      rs_or_none.value("rope_type", rs_or_none.value("type", std::string("default")));
+  // _compute_yarn_parameters (transformers 5: `factor` as given): the
+  // correction range of beta_fast / beta_slow rotations over the original
+  // context, and the factor cos and sin are multiplied by.
+  double yarn_low = 0, yarn_high = 0;
+  if (rope_type == "yarn") {
+    const json& rs = rs_or_none;
+    auto number_or = [&](const char* key, double fallback) {
+      return rs.contains(key) && rs[key].is_number() && rs[key].get<double>() != 0
+                 ? rs[key].get<double>()
+                 : fallback;
+    };
+    const double factor = rs["factor"];
+    const double original =
+        number_or("original_max_position_embeddings", c["max_position_embeddings"].get<double>());
+    const double beta_fast = number_or("beta_fast", 32), beta_slow = number_or("beta_slow", 1);
+    const double dim = static_cast<double>(m->head_dim_);
+    auto correction_dim = [&](double rotations) {
+      return dim * std::log(original / (rotations * 2 * std::numbers::pi)) / (2 * std::log(theta));
+    };
+    yarn_low = correction_dim(beta_fast);
+    yarn_high = correction_dim(beta_slow);
+    if (rs.value("truncate", true)) {
+      yarn_low = std::floor(yarn_low);
+      yarn_high = std::ceil(yarn_high);
+    }
+    yarn_low = std::max(yarn_low, 0.0);
+    yarn_high = std::min(yarn_high, dim - 1);
+    if (yarn_low == yarn_high) yarn_high += 0.001;
+    auto mscale = [&](double m_) { return factor <= 1 ? 1.0 : 0.1 * m_ * std::log(factor) + 1.0; };
+    const double ms = number_or("mscale", 0), ms_all = number_or("mscale_all_dim", 0);
+    m->rope_attention_factor_ =
+        rs.contains("attention_factor") && rs["attention_factor"].is_number()
+            ? rs["attention_factor"].get<double>()
+        : ms != 0 && ms_all != 0 ? mscale(ms) / mscale(ms_all)
+                                 : mscale(1);
+  }
   for (int64_t i = 0; i < m->head_dim_ / 2; ++i) {
     double f = 1.0 / std::pow(theta, 2.0 * i / m->head_dim_);
-    if (c.contains("rope_scaling") && c["rope_scaling"].is_object()) {
-      const auto& rs = c["rope_scaling"];
-      const std::string type = rs.value("rope_type", rs.value("type", std::string("default")));
+    if (rope_type != "default") {
+      const auto& rs = rs_or_none;
+      const std::string& type = rope_type;
       const double factor = rs.value("factor", 1.0);
-      if (type == "linear") {
+      if (type == "yarn") {
+        const double ramp =
+            std::clamp((static_cast<double>(i) - yarn_low) / (yarn_high - yarn_low), 0.0, 1.0);
+        f = (f / factor) * ramp + f * (1 - ramp);
+      } else if (type == "linear") {
         f = f / factor;
       } else if (type == "llama3") {
         const double lo = rs["low_freq_factor"], hi = rs["high_freq_factor"];
@@ -277,10 +327,15 @@ std::vector<std::vector<double>> ReferenceModel::Forward(const std::vector<int32
     const std::vector<double>& inv_freq = local ? inv_freq_local_ : inv_freq_;
     for (int64_t h = 0; h < heads; ++h) {
       for (int64_t i = 0; i < hd / 2; ++i) {
+        // cos and sin times yarn's attention factor (1 otherwise), as
+        // LlamaRotaryEmbedding's attention_scaling; Gemma-3's local rope is
+        // never scaled.
         const double a = pos * inv_freq[i];
+        const double scaling = local ? 1.0 : rope_attention_factor_;
+        const double cos_a = std::cos(a) * scaling, sin_a = std::sin(a) * scaling;
         const double x1 = v[h * hd + i], x2 = v[h * hd + i + hd / 2];
-        v[h * hd + i] = x1 * std::cos(a) - x2 * std::sin(a);
-        v[h * hd + i + hd / 2] = x2 * std::cos(a) + x1 * std::sin(a);
+        v[h * hd + i] = x1 * cos_a - x2 * sin_a;
+        v[h * hd + i + hd / 2] = x2 * cos_a + x1 * sin_a;
       }
     }
   };

@@ -183,6 +183,7 @@ class ReferenceModel {
   int64_t vocab_ = 0, hidden_ = 0, inter_ = 0, heads_ = 0, kv_heads_ = 0, head_dim_ = 0;
   double eps_ = 1e-5;
   std::vector<double> inv_freq_, inv_freq_local_;
+  double rope_attention_factor_ = 1;  // yarn's factor on cos and sin
   bool gemma_ = false;
   double attn_scale_ = 0, attn_cap_ = 0, final_cap_ = 0, embed_scale_ = 1;
   std::vector<double> embed_, final_norm_, lm_head_;

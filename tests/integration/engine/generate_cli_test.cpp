@@ -266,7 +266,7 @@ TEST_F(GenerateCliTest, Qwen3PresetRunsAndUnimplementedKeysExitTwo) {
     std::string dir, needle;
   };
   const Case cases[] = {
-      {with_config("cli-yarn", "rope_scaling", {{"rope_type", "yarn"}, {"factor", 4.0}}),
+      {with_config("cli-longrope", "rope_scaling", {{"rope_type", "longrope"}, {"factor", 4.0}}),
        "rope_scaling"},
       // Windows: refused naming the key (zero or negative, larger than the
       // context, layer_types of the wrong length or an unknown type).

@@ -224,6 +224,28 @@ std::vector<Variant> Variants() {
     v.push_back({"qwen3_preset", s});
   }
   {
+    // Yarn on a GQA family (Qwen3's long-context setting): the engine folds
+    // the attention factor into the softmax scale, the reference multiplies
+    // cos and sin by it as transformers does. The 70-token prompt runs past
+    // the original context.
+    ModelSpec s = *PresetModelSpec("qwen3");
+    s.num_merges = 59;
+    s.rope_theta = 10000;
+    s.rope_scaling.type = RopeScaling::Type::kYarn;
+    s.rope_scaling.factor = 4;
+    s.rope_scaling.original_max_position_embeddings = 64;
+    v.push_back({"qwen3_yarn", s});
+  }
+  {
+    ModelSpec s = base;  // Llama, yarn with both mscales: their ratio is the factor
+    s.rope_scaling.type = RopeScaling::Type::kYarn;
+    s.rope_scaling.factor = 8;
+    s.rope_scaling.original_max_position_embeddings = 32;
+    s.rope_scaling.mscale = 1;
+    s.rope_scaling.mscale_all_dim = 0.5;
+    v.push_back({"llama_yarn_mscale", s});
+  }
+  {
     ModelSpec s = *PresetModelSpec("qwen3");
     s.num_merges = 59;
     s.tie_word_embeddings = true;

@@ -145,14 +145,36 @@ TEST(MlaConfigTest, OddRopeWidthIsRefusedByName) {
       << c.status().message();
 }
 
-TEST(MlaConfigTest, YarnIsRefusedOutsideDeepSeek) {
-  auto c = ParseModelConfig(R"({"architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+// Yarn on the GQA families (Qwen3's long-context setting): transformers
+// multiplies cos and sin by the attention factor, which pdserve folds into
+// the softmax scale (its square); Gemma, whose global and local layers
+// would need different scales, is refused.
+TEST(MlaConfigTest, YarnOnGqaScalesTheSoftmaxByTheAttentionFactorSquared) {
+  const std::string qwen3 = R"({"architectures": ["Qwen3ForCausalLM"], "hidden_size": 64,
+    "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 16,
+    "max_position_embeddings": 40960, "vocab_size": 300, "rope_theta": 1000000,
+    "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                     "original_max_position_embeddings": 32768}})";
+  auto c = ParseModelConfig(qwen3, "qwen3");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  const double factor = 0.1 * std::log(4.0) + 1;  // get_mscale(4)
+  EXPECT_NEAR(c->RopeAttentionFactor(), factor, 1e-12);
+  EXPECT_NEAR(c->AttentionScale(), factor * factor / 4.0, 1e-12);
+  // transformers 5 reads `factor` as given, not 40960 / 32768.
+  EXPECT_DOUBLE_EQ(c->rope_scaling.factor, 4.0);
+  EXPECT_EQ(c->rope_scaling.original_max_position_embeddings, 32768);
+  // The fastest dimensions extrapolate (unchanged), the slowest interpolate.
+  const auto inv = c->RopeInvFreq();
+  EXPECT_FLOAT_EQ(inv[0], 1.0f);
+  EXPECT_FLOAT_EQ(inv[7], static_cast<float>(1.0 / std::pow(1e6, 14.0 / 16) / 4));
+
+  auto gemma = ParseModelConfig(R"({"architectures": ["Gemma2ForCausalLM"], "hidden_size": 64,
     "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
     "vocab_size": 300, "rope_scaling": {"type": "yarn", "factor": 4}})",
-                            "llama");
-  ASSERT_FALSE(c.ok());
-  EXPECT_EQ(c.status().code(), StatusCode::kUnsupported);
-  EXPECT_NE(c.status().message().find("yarn"), std::string::npos) << c.status().message();
+                                "gemma");
+  ASSERT_FALSE(gemma.ok());
+  EXPECT_EQ(gemma.status().code(), StatusCode::kUnsupported);
+  EXPECT_NE(gemma.status().message().find("yarn"), std::string::npos) << gemma.status().message();
 }
 
 }  // namespace

@@ -225,9 +225,11 @@ TEST(ModelLoaderTest, UnsupportedArchitectureAndRopeScaling) {
   std::string dir = CopyOfTiny("gpt2");
   EditConfig(dir, [](json& c) { c["architectures"] = {"GPT2LMHeadModel"}; });
   ExpectError(LoadStatus(dir), StatusCode::kUnsupported, {"GPT2LMHeadModel"});
-  dir = CopyOfTiny("yarn");
-  EditConfig(dir, [](json& c) { c["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}}; });
-  ExpectError(LoadStatus(dir), StatusCode::kUnsupported, {"yarn"});
+  dir = CopyOfTiny("longrope");
+  EditConfig(dir, [](json& c) {
+    c["rope_scaling"] = {{"rope_type", "longrope"}, {"factor", 4.0}};
+  });
+  ExpectError(LoadStatus(dir), StatusCode::kUnsupported, {"longrope"});
 }
 
 // Each key that would change the computation in a way pdserve does not
@@ -244,11 +246,11 @@ TEST(ModelLoaderTest, UnimplementedConfigKeysAreRefusedByName) {
          c["rope_scaling"] = {{"type", "dynamic"}, {"factor", 2.0}};
        },
        {"rope_scaling", "dynamic"}},
-      {"rope-params-yarn",
+      {"rope-params-longrope",
        [](json& c) {
-         c["rope_parameters"] = {{"rope_type", "yarn"}, {"rope_theta", 1e6}, {"factor", 4.0}};
+         c["rope_parameters"] = {{"rope_type", "longrope"}, {"rope_theta", 1e6}, {"factor", 4.0}};
        },
-       {"rope_parameters", "yarn"}},
+       {"rope_parameters", "longrope"}},
       {"partial-rotary",
        [](json& c) { c["partial_rotary_factor"] = 0.5; },
        {"partial_rotary_factor"}},
@@ -425,14 +427,14 @@ TEST(ModelLoaderTest, MoePresetsLoadWithTheirKeys) {
   q["num_experts_per_tok"] = 5;
   EXPECT_FALSE(parse(q).ok());
   q["num_experts_per_tok"] = 2;
-  // Qwen3MoeConfig windows the layers from max_window_layers on, with
-  // use_sliding_window and a window.
+  // Qwen3MoeConfig has no max_window_layers: with use_sliding_window every
+  // layer takes the window.
   q["use_sliding_window"] = true;
   q["sliding_window"] = 256;
   q["max_window_layers"] = 1;
   auto windowed = parse(q);
   ASSERT_TRUE(windowed.ok()) << windowed.status().ToString();
-  EXPECT_EQ(windowed->layer_windows, (std::vector<int64_t>{0, 256, 256}));
+  EXPECT_EQ(windowed->layer_windows, (std::vector<int64_t>{256, 256, 256}));
   // Mixtral: norm_topk_prob is not a key of its (always renormalised);
   // router_jitter_noise only perturbs training; a window covers every layer.
   json x = json::parse(

@@ -179,6 +179,70 @@ TEST(WindowConfigTest, QwenWindowsTheLayersFromMaxWindowLayersOn) {
   EXPECT_TRUE(Parse(big).ok());
 }
 
+// Qwen3MoeConfig has no max_window_layers and no layer_types: with
+// use_sliding_window every Qwen3MoeAttention takes the window.
+TEST(WindowConfigTest, Qwen3MoeWindowsEveryLayer) {
+  json j = Small("Qwen3MoeForCausalLM");
+  j["sliding_window"] = 64;
+  j["max_window_layers"] = 4;
+  j["layer_types"] = {"full_attention", "full_attention", "full_attention",
+                      "full_attention", "full_attention", "full_attention"};
+  auto off = Parse(j);
+  ASSERT_TRUE(off.ok()) << off.status().ToString();
+  EXPECT_TRUE(off->layer_windows.empty());
+  j["use_sliding_window"] = true;
+  auto on = Parse(j);
+  ASSERT_TRUE(on.ok()) << on.status().ToString();
+  EXPECT_EQ(on->layer_windows, std::vector<int64_t>(6, 64));
+}
+
+// What each configuration class defaults when config.json leaves a key out.
+TEST(WindowConfigTest, FamilyDefaultsFollowTheirConfigurationClasses) {
+  struct Case {
+    const char* arch;
+    int64_t max_positions;
+    double rope_theta, rms_norm_eps;
+  };
+  for (const Case& c :
+       {Case{"LlamaForCausalLM", 2048, 1e4, 1e-6}, Case{"MistralForCausalLM", 131072, 1e4, 1e-6},
+        Case{"MixtralForCausalLM", 131072, 1e6, 1e-5}, Case{"Qwen2ForCausalLM", 32768, 1e4, 1e-6},
+        Case{"Qwen3ForCausalLM", 32768, 1e4, 1e-6}, Case{"Qwen3MoeForCausalLM", 32768, 1e4, 1e-6},
+        Case{"Gemma2ForCausalLM", 8192, 1e4, 1e-6}, Case{"Gemma3ForCausalLM", 131072, 1e6, 1e-6}}) {
+    SCOPED_TRACE(c.arch);
+    json j = Small(c.arch);
+    j.erase("max_position_embeddings");
+    auto parsed = Parse(j);
+    ASSERT_TRUE(parsed.ok()) << parsed.status().ToString();
+    EXPECT_EQ(parsed->max_position_embeddings, c.max_positions);
+    EXPECT_DOUBLE_EQ(parsed->rope_theta, c.rope_theta);
+    EXPECT_DOUBLE_EQ(parsed->rms_norm_eps, c.rms_norm_eps);
+  }
+  // Gemma-2 has use_bidirectional_attention too: refused like Gemma-3's.
+  json g2 = Small("Gemma2ForCausalLM");
+  g2["use_bidirectional_attention"] = true;
+  ExpectRefused(g2, StatusCode::kUnsupported, {"use_bidirectional_attention"});
+}
+
+// Streaming eviction windows every layer; a Gemma-3 model whose layers are
+// all global keeps their global rotary base under it (the local base is for
+// the model's own sliding layers).
+TEST(WindowConfigTest, StreamingKeepsGemma3GlobalLayersOnTheirRotaryBase) {
+  json j = BenchConfig("gemma-3-12b");
+  j["sliding_window_pattern"] = 1;  // no sliding layer
+  auto c = Parse(j);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  ASSERT_TRUE(c->layer_windows.empty());
+  KvEviction e;
+  e.mode = KvEviction::Mode::kStreaming;
+  e.sink_tokens = 4;
+  e.window_tokens = 256;
+  ASSERT_TRUE(c->ApplyKvEviction(e).ok());
+  for (int64_t l = 0; l < c->num_layers; ++l) {
+    EXPECT_EQ(c->LayerWindow(l), 256) << l;
+    EXPECT_FALSE(c->UsesLocalRope(l)) << l;
+  }
+}
+
 TEST(WindowConfigTest, BadWindowsAndLayerTypesAreRefusedByName) {
   for (int64_t w : {0, -3}) {
     json j = Small("MistralForCausalLM");
