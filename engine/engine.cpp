@@ -346,7 +346,10 @@ std::unique_ptr<Engine::Sequence> Engine::NewSequence(EngineRequest r) {
     for (TokenId id : tokenizer_->eos_token_ids()) {
       if (std::find(eos.begin(), eos.end(), id) == eos.end()) eos.push_back(id);
     }
-    s->detokenizer.emplace(*tokenizer_, /*skip_special_tokens=*/true);
+    // The prompt is the text's context: the output's first piece keeps the
+    // space SentencePiece would strip at the start of a text.
+    s->detokenizer.emplace(*tokenizer_, /*skip_special_tokens=*/true,
+                           std::span<const TokenId>(s->tokens));
     s->stop.emplace(s->params, eos);
   }
   return s;
@@ -732,8 +735,11 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
   std::vector<RequestOutput> finished_early;
   bool preempted = false;
 
-  // 1. Running sequences, oldest first.
-  for (size_t i = 0; i < running_.size() && budget > 0;) {
+  // 1. Running sequences, oldest first, at most max_num_seqs of them (the
+  // runner's limit): requests whose remote prefill completed join running_
+  // whatever its size, and wait here for a place.
+  for (size_t i = 0; i < running_.size() && budget > 0 &&
+                     static_cast<int64_t>(sched.size()) < options_.max_num_seqs;) {
     Sequence* s = running_[i];
     if (s->state == Sequence::State::kLoading) {  // its blocks are on their way back
       ++i;
@@ -746,6 +752,17 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
       continue;
     }
     const int64_t at = s->num_computed - s->kv_shift;  // cache index of the first new token
+    if (BlocksHeld(at, at + n) > pool_->num_blocks()) {
+      // Too big for the whole pool: it can never continue, and preempting
+      // others (or itself, to be recomputed) would not change that.
+      RequestOutput out;
+      out.id = s->id;
+      if (s->stop) out.text = s->stop->Flush();
+      PDSERVE_LOG(WARN) << "engine: request " << s->id << " outgrew the KV pool";
+      FinishSequence(s, FinishReason::kLength, &out);
+      finished_early.push_back(std::move(out));
+      continue;  // s left running_; index i now names the next one
+    }
     bool scheduled = true;
     for (;;) {
       Status st =
@@ -754,18 +771,7 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
       if (st.code() != StatusCode::kResourceExhausted) return st;
       Sequence* victim = running_.back();
       if (victim == s) {
-        const int64_t needed = BlocksHeld(at, at + n);
-        if (i == 0 && needed > pool_->num_blocks()) {
-          // Alone and still too big for the whole pool: it can never continue.
-          RequestOutput out;
-          out.id = s->id;
-          if (s->stop) out.text = s->stop->Flush();
-          PDSERVE_LOG(WARN) << "engine: request " << s->id << " outgrew the KV pool";
-          FinishSequence(s, FinishReason::kLength, &out);
-          finished_early.push_back(std::move(out));
-        } else {
-          Preempt(s);
-        }
+        Preempt(s);
         scheduled = false;
         break;
       }
@@ -851,7 +857,12 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
     requests_.erase(out.id);  // finished (it outgrew the pool): reported once, then gone
     outputs.push_back(std::move(out));
   }
-  if (sched.empty()) return outputs;
+  if (sched.empty()) {
+    // Nothing could move: the waiting requests wait on parked ones (a
+    // remote prefill, a prompt-sharing leader) or on blocks those hold.
+    if (outputs.empty() && !preempted) ++num_stalled_steps_;
+    return outputs;
+  }
 
   // 3. The step: the executor runs it and samples.
   std::vector<ScheduledSeq> step;
@@ -1213,6 +1224,7 @@ EngineStats Engine::GetStats() const {
   }
   st.num_preemptions = num_preemptions_;
   st.num_steps = num_steps_;
+  st.num_stalled_steps = num_stalled_steps_;
   st.snapkv_evicted_tokens = snapkv_evicted_tokens_;
   st.blocks = blocks_->GetStats();
   return st;

@@ -259,6 +259,11 @@ struct EngineStats {
   int64_t num_remote_waiting = 0;  // parked for remote KV
   uint64_t num_preemptions = 0;    // pdserve_preemptions_total
   uint64_t num_steps = 0;
+  // Steps that scheduled, finished and preempted nothing although requests
+  // were waiting: each waits on parked requests (remote prefills, the
+  // leader of a shared prompt) or on the blocks they hold. A caller that
+  // just got one waits for news (a completion, a cancel) before stepping.
+  uint64_t num_stalled_steps = 0;
   // SnapKV: prompt tokens its compressions released (per layer and KV head,
   // P - B for each compressed prompt): pdserve_kv_evicted_tokens_total{mode="snapkv"}.
   uint64_t snapkv_evicted_tokens = 0;
@@ -297,9 +302,12 @@ class Engine {
 
   // Runs one scheduling step and forward pass. Returns one output per
   // request that got a token or finished. An empty result with
-  // HasUnfinished() true cannot happen unless every unfinished request is
-  // parked for remote KV.
+  // HasUnfinished() true happens when every unfinished request is parked
+  // for remote KV, or waits on parked ones (EngineStats::num_stalled_steps
+  // counts those steps).
   StatusOr<std::vector<RequestOutput>> Step();
+  // EngineStats::num_stalled_steps, without the rest of GetStats().
+  uint64_t num_stalled_steps() const { return num_stalled_steps_; }
 
   // Stops a request wherever it is (queued, prefilling, decoding, parked for
   // remote KV) and frees every block it holds. NotFound for an unknown or
@@ -430,6 +438,7 @@ class Engine {
   uint64_t next_arrival_ = 0;
   uint64_t num_preemptions_ = 0;
   uint64_t num_steps_ = 0;
+  uint64_t num_stalled_steps_ = 0;
   uint64_t snapkv_evicted_tokens_ = 0;
   std::vector<uint64_t> token_masks_;           // structured outputs' masks of the step
   std::vector<RequestOutput> pending_outputs_;  // reported by the next Step()

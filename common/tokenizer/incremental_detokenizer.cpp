@@ -8,8 +8,33 @@ namespace {
 constexpr std::string_view kReplacementChar = "\xEF\xBF\xBD";
 }  // namespace
 
-IncrementalDetokenizer::IncrementalDetokenizer(const Tokenizer& tokenizer, bool skip_special_tokens)
-    : tokenizer_(tokenizer), skip_special_tokens_(skip_special_tokens) {}
+IncrementalDetokenizer::IncrementalDetokenizer(const Tokenizer& tokenizer, bool skip_special_tokens,
+                                               std::span<const TokenId> context)
+    : tokenizer_(tokenizer), skip_special_tokens_(skip_special_tokens) {
+  // A few ids are enough to take the start-of-text rules out of play (vLLM
+  // keeps 5); the window must start with an id that produces text.
+  constexpr size_t kContextIds = 6;
+  auto produces_text = [&](TokenId id) {
+    return !(skip_special_tokens_ && tokenizer_.IsSpecial(id)) && tokenizer_.IdToToken(id);
+  };
+  size_t end = context.size();
+  size_t begin = end > kContextIds ? end - kContextIds : 0;
+  while (begin < end && !produces_text(context[begin])) ++begin;
+  for (; end > begin; --end) {
+    ids_.assign(context.begin() + static_cast<ptrdiff_t>(begin),
+                context.begin() + static_cast<ptrdiff_t>(end));
+    prefix_text_ = DecodeWindow(0, ids_.size());
+    // Text ending in a repaired character may be a character cut short,
+    // whose bytes the stream would complete: not a settled prefix. (Whole
+    // characters stay as they are whatever bytes follow: UTF-8 resynchronises.)
+    if (!std::string_view(prefix_text_).ends_with(kReplacementChar) && !prefix_text_.empty()) {
+      read_offset_ = ids_.size();
+      return;
+    }
+  }
+  ids_.clear();
+  prefix_text_.clear();
+}
 
 std::string IncrementalDetokenizer::DecodeWindow(size_t begin, size_t end) const {
   return tokenizer_.Decode(std::span<const TokenId>(ids_).subspan(begin, end - begin),

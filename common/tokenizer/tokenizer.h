@@ -78,13 +78,21 @@ class Tokenizer {
 };
 
 // Streaming detokenizer: turns a token stream into text pieces that are safe
-// to send one by one. Never emits half a UTF-8 character; the concatenation
-// of all Push() results plus Flush() equals Decode(all ids). Text is held back
-// while it may still change: an incomplete character, or a run of byte tokens
-// (IsByteToken) that the next token may extend.
+// to send one by one. Never emits half a UTF-8 character; without context the
+// concatenation of all Push() results plus Flush() equals Decode(all ids).
+// Text is held back while it may still change: an incomplete character, or a
+// run of byte tokens (IsByteToken) that the next token may extend.
 class IncrementalDetokenizer {
  public:
-  IncrementalDetokenizer(const Tokenizer& tokenizer, bool skip_special_tokens);
+  // `context`: the ids the stream continues (a prompt's). Its last few ids
+  // are decoded ahead of the stream and never emitted, so that the stream's
+  // text is what it adds after them, as vLLM's detokenizer gives it: a
+  // completion's first "▁little" is " little", where decoding the output on
+  // its own would strip the space as SentencePiece does at the start of a
+  // text. Context whose text ends in an unfinished character is dropped
+  // back to where it ends cleanly.
+  IncrementalDetokenizer(const Tokenizer& tokenizer, bool skip_special_tokens,
+                         std::span<const TokenId> context = {});
   // Appends one token; returns the text that became final (possibly empty).
   std::string Push(TokenId id);
   // End of stream: returns whatever is still held back.

@@ -468,7 +468,10 @@ class WorkerServiceImpl : public WorkerService {
       std::deque<std::function<void()>> cmds;
       {
         std::unique_lock<std::mutex> lock(cmd_mu_);
-        if (commands_.empty() && !HasRunnableWork() && !stop_engine_) {
+        // A stalled step (EngineStats::num_stalled_steps) waits like an idle
+        // loop: what unblocks it arrives as a command (a remote prefill's
+        // completion, a cancel) or at a deadline checked each turn.
+        if (commands_.empty() && (!HasRunnableWork() || last_step_stalled_) && !stop_engine_) {
           cv_.wait_for(lock, std::chrono::milliseconds(20));
         }
         cmds.swap(commands_);
@@ -476,8 +479,11 @@ class WorkerServiceImpl : public WorkerService {
       for (auto& fn : cmds) fn();
       if (stop_engine_) break;
       decode_.CheckDeadlines();
+      last_step_stalled_ = false;
       if (HasRunnableWork()) {
+        const uint64_t stalled_before = engine_->num_stalled_steps();
         auto outputs = engine_->Step();
+        last_step_stalled_ = engine_->num_stalled_steps() != stalled_before;
         if (!outputs.ok() && engine_->ranks_failed()) {
           // A tensor-parallel rank failed and the group is aborted: the
           // worker goes down as a whole, and the routers fail its requests
@@ -758,6 +764,7 @@ class WorkerServiceImpl : public WorkerService {
   std::condition_variable cv_;
   std::deque<std::function<void()>> commands_;
   std::atomic<bool> stop_engine_{false};
+  bool last_step_stalled_ = false;  // engine thread only
   std::atomic<bool> stopped_{false};
   std::atomic<bool> draining_{false};
   std::atomic<int> busy_{0};  // decode requests + prefill jobs in flight

@@ -224,6 +224,60 @@ TEST_F(EngineSchedulerTest, MaxNumSeqsIsRespected) {
   }
 }
 
+// Remote prefills complete whenever their KV arrives, however many requests
+// run: those past max_num_seqs wait their turn in the step, never a step
+// past the runner's limits (which would fail every request the worker holds).
+TEST_F(EngineSchedulerTest, RemotePrefillsCompletingPastMaxNumSeqsWaitTheirTurn) {
+  EngineOptions o;
+  o.max_num_seqs = 2;
+  auto e = MakeEngine(o);
+  for (RequestId id = 1; id <= 3; ++id) {
+    ASSERT_TRUE(
+        e->AddRemotePrefillRequest(Greedy(id, Prompt(20, static_cast<uint32_t>(id)), 5)).ok());
+  }
+  std::map<RequestId, int> tokens;
+  for (RequestId id = 1; id <= 3; ++id) {
+    auto first = e->CompleteRemotePrefill(id, 7);
+    ASSERT_TRUE(first.ok()) << first.status().ToString();
+    tokens[id] += static_cast<int>(first->new_token_ids.size());
+  }
+  EXPECT_EQ(e->GetStats().num_running, 3);
+  int steps = 0;
+  while (e->HasUnfinished()) {
+    auto step = e->Step();
+    ASSERT_TRUE(step.ok()) << step.status().ToString();
+    ASSERT_LT(++steps, 100);
+    EXPECT_LE(step->size(), 2u);
+    for (const auto& out : *step) tokens[out.id] += static_cast<int>(out.new_token_ids.size());
+  }
+  for (RequestId id = 1; id <= 3; ++id) EXPECT_EQ(tokens[id], 5) << id;
+  EXPECT_TRUE(e->block_manager().CheckInvariants().ok());
+}
+
+// A queue that cannot move (a sibling waiting on its parked leader) steps
+// empty and says so (num_stalled_steps), so that a worker waits for news
+// instead of spinning; a step that runs something is not counted.
+TEST_F(EngineSchedulerTest, AStepThatCannotMoveCountsAsStalled) {
+  auto e = MakeEngine();
+  const std::vector<TokenId> prompt = Prompt(40, 10);
+  ASSERT_TRUE(e->AddRemotePrefillRequest(Greedy(1, prompt, 4)).ok());
+  EngineRequest sibling = Greedy(2, prompt, 4);
+  sibling.share_prompt_with = 1;
+  ASSERT_TRUE(e->AddRequest(sibling).ok());
+  for (int i = 0; i < 3; ++i) {
+    auto step = e->Step();
+    ASSERT_TRUE(step.ok());
+    EXPECT_TRUE(step->empty());
+  }
+  EXPECT_EQ(e->num_stalled_steps(), 3u);
+  EXPECT_EQ(e->GetStats().num_stalled_steps, 3u);
+  ASSERT_TRUE(e->CompleteRemotePrefill(1, 7).ok());
+  auto step = e->Step();
+  ASSERT_TRUE(step.ok());
+  EXPECT_FALSE(step->empty());
+  EXPECT_EQ(e->num_stalled_steps(), 3u);
+}
+
 TEST_F(EngineSchedulerTest, CancelAtAnyPointFreesEverything) {
   // Cancel after k steps, for every k through the life of the requests.
   for (int cancel_after = 0; cancel_after < 12; ++cancel_after) {

@@ -297,6 +297,37 @@ TEST(SentencePieceBpe, ByteFallbackForUnknownCharacters) {
   EXPECT_FALSE(t->IsByteToken(hi));
 }
 
+// A completion continues its prompt: decoded after the prompt's last ids, its
+// first "▁there" is " there" (the space a decode of the output alone strips,
+// as SentencePiece does at the start of a text), and the prompt's own text is
+// never emitted.
+TEST(SentencePieceBpe, StreamAfterAPromptKeepsTheLeadingSpace) {
+  TokenizerFiles files("sp-context");
+  files.Write("tokenizer.json", SentencePieceJson());
+  auto t = files.Load();
+  ASSERT_TRUE(t);
+  const TokenId hi = *t->TokenToId("\u2581hi"), there = *t->TokenToId("\u2581there");
+  const TokenId meta = *t->TokenToId("\u2581");
+  auto stream = [&](std::vector<TokenId> context, std::vector<TokenId> ids) {
+    IncrementalDetokenizer detok(*t, /*skip_special_tokens=*/true, context);
+    std::string all;
+    for (TokenId id : ids) all += detok.Push(id);
+    return all + detok.Flush();
+  };
+  EXPECT_EQ(stream({}, {there, hi}), "there hi");
+  EXPECT_EQ(stream({1, hi}, {there, hi}), " there hi");
+  EXPECT_EQ(stream({1, hi}, {}), "");
+  // A long prompt: only its tail is decoded, to the same effect.
+  EXPECT_EQ(stream({1, hi, there, hi, there, hi, there, hi, there}, {there}), " there");
+  // A prompt ending in a whole character of byte tokens ("é").
+  EXPECT_EQ(stream({1, meta, 3 + 0xC3, 3 + 0xA9}, {hi}), " hi");
+  // A prompt ending inside a character: its cut bytes are not context, and
+  // the output's stray byte decodes as U+FFFD, as on its own.
+  EXPECT_EQ(stream({1, hi, 3 + 0xC3}, {3 + 0xA9, there}), "\xEF\xBF\xBD there");
+  // A prompt of special tokens only gives no context.
+  EXPECT_EQ(stream({1}, {there}), "there");
+}
+
 TEST(SentencePieceBpe, UnknownTokenFusedWithoutByteFallback) {
   json j = SentencePieceJson();
   j["model"]["byte_fallback"] = false;
