@@ -52,6 +52,15 @@ constexpr int64_t kMaxTokensWhenContextUnknown = 4096;
 // hostile worker sends it.
 constexpr int64_t kMaxSnapKvBudgetTokens = int64_t{1} << 24;
 
+// A registration's KV layer groups: at most one a layer (the loader takes up
+// to 1,024 layers), each window within the same bound as a SnapKV budget.
+constexpr int kMaxKvGroups = 1024;
+constexpr int64_t kMaxKvWindowTokens = kMaxSnapKvBudgetTokens;
+
+// A worker's control address (host:port) is passed on to decode workers,
+// which connect to it; past any host name it is a broken worker's.
+constexpr size_t kMaxControlAddressBytes = 512;
+
 int64_t UnixSeconds() {
   return std::chrono::duration_cast<std::chrono::seconds>(
              std::chrono::system_clock::now().time_since_epoch())
@@ -255,6 +264,7 @@ struct Inflight {
     // Chat with tools (tool_choice not none), streaming: output parsed into calls.
     std::unique_ptr<ToolCallStreamer> tool_stream;
     size_t tool_calls_sent = 0;
+    size_t streamed_text_bytes = 0;  // completions' logprobs.text_offset in a stream
     bool finished = false;
     std::string finish_reason;
     double logprob_sum = 0;  // best_of: the sequence's likelihood
@@ -471,7 +481,9 @@ class RouterServiceImpl : public RouterService {
       }
       api_key = auth.key_index;
     }
-    if (req.path == "/v1/models") {
+    // GET /v1/models lists the model; GET /v1/models/{id} retrieves it.
+    constexpr std::string_view kModelsPath = "/v1/models";
+    if (req.path == kModelsPath || req.path.starts_with(std::string(kModelsPath) + "/")) {
       if (req.method != "GET") return ex->Reply(http::ErrorResponse(405, "use GET for /v1/models"));
       // max_model_len: what the registered workers run (null before one says).
       const int64_t max_len = core_->MaxModelLen();
@@ -479,10 +491,19 @@ class RouterServiceImpl : public RouterService {
                               {"created", started_unix_}, {"owned_by", "pdserve"},
                               {"root", model_id_},        {"max_model_len", nullptr}};
       if (max_len > 0) model["max_model_len"] = max_len;
-      ex->Reply({200,
-                 "application/json",
-                 {},
-                 nlohmann::json{{"object", "list"}, {"data", {model}}}.dump()});
+      if (req.path == kModelsPath) {
+        ex->Reply({200,
+                   "application/json",
+                   {},
+                   nlohmann::json{{"object", "list"}, {"data", {model}}}.dump()});
+        return;
+      }
+      const std::string id = req.path.substr(kModelsPath.size() + 1);
+      if (id != model_id_) {
+        return ex->Reply(http::ErrorResponse(404, "The model `" + id + "` does not exist.",
+                                             "invalid_request_error", "model", "model_not_found"));
+      }
+      ex->Reply({200, "application/json", {}, model.dump()});
       return;
     }
     if (req.path == "/v1/completions" || req.path == "/v1/chat/completions") {
@@ -598,7 +619,11 @@ class RouterServiceImpl : public RouterService {
     max_tokens = std::min(max_tokens, room);
     api.sampling.max_tokens = static_cast<int>(max_tokens);
     if (Status st = ValidateSamplingParams(api.sampling, tokenizer_->vocab_size()); !st.ok()) {
-      return reject({400, st.message(), "invalid_request_error", "", ""}, "rejected");
+      // Its messages start with the parameter's name ("logit_bias: ...",
+      // "top_p must be ..."): that is the error's param.
+      const std::string& m = st.message();
+      const size_t name_end = m.find_first_not_of("abcdefghijklmnopqrstuvwxyz_");
+      return reject({400, m, "invalid_request_error", m.substr(0, name_end), ""}, "rejected");
     }
     if (api.sampling.constraint) {
       if (Status st = CheckConstraint(*api.sampling.constraint); !st.ok()) {
@@ -670,9 +695,12 @@ class RouterServiceImpl : public RouterService {
     }
     std::optional<std::string> named;
     if (api.tool_choice == TC::kNamed) named = api.tool_choice_name;
+    // A named function is called once (OpenAI's forced call), whatever
+    // parallel_tool_calls says; `required` may call several unless it is false.
+    const bool parallel = api.parallel_tool_calls && !named;
     api.sampling.constraint =
         OutputConstraint{OutputConstraint::Kind::kGrammar,
-                         ToolCallGrammar(tool_parser_, api.tools, named, api.parallel_tool_calls)};
+                         ToolCallGrammar(tool_parser_, api.tools, named, parallel)};
     api.constraint_param = "tools";
     return std::nullopt;
   }
@@ -1196,13 +1224,35 @@ class RouterServiceImpl : public RouterService {
     std::vector<int64_t> group_windows;
     {
       // The KV layer groups: the first worker's are the model's; every
-      // other must have the same (the prefix prediction follows them).
+      // other must have the same (the prefix prediction follows them). With
+      // no worker registered any more the next one's are learnt afresh, so
+      // that no worker fixes them for the router's whole life. The prefix
+      // index works per group and prompt block: a worker claiming more
+      // groups than a model has layers, or windows past any context, is
+      // refused before it costs every request.
+      if (by_worker_.empty()) kv_groups_known_ = false;
+      if (reg.kv_group_windows_size() > kMaxKvGroups ||
+          reg.kv_sink_tokens() > static_cast<uint64_t>(kMaxKvWindowTokens)) {
+        metrics_.control_rejected.Add({{"reason", "registration_invalid"}}).Increment();
+        return RefuseLocked(
+            link, "kv_group_windows: " + std::to_string(reg.kv_group_windows_size()) +
+                      " groups (at most " + std::to_string(kMaxKvGroups) + "), kv_sink_tokens " +
+                      std::to_string(reg.kv_sink_tokens()));
+      }
       std::vector<int64_t> windows(reg.kv_group_windows().begin(), reg.kv_group_windows().end());
+      for (int64_t w : windows) {
+        if (w < 0 || w > kMaxKvWindowTokens) {
+          metrics_.control_rejected.Add({{"reason", "registration_invalid"}}).Increment();
+          return RefuseLocked(link, "kv_group_windows: a window of " + std::to_string(w) +
+                                        " tokens is outside [0, " +
+                                        std::to_string(kMaxKvWindowTokens) + "]");
+        }
+      }
       if (windows.size() == 1 && windows[0] == 0) windows.clear();
       auto describe = [](const std::vector<int64_t>& w) {
         std::string s = "[";
-        for (size_t i = 0; i < w.size(); ++i) s += (i ? "," : "") + std::to_string(w[i]);
-        return s + "]";
+        for (size_t i = 0; i < w.size() && i < 16; ++i) s += (i ? "," : "") + std::to_string(w[i]);
+        return s + (w.size() > 16 ? ",... " + std::to_string(w.size()) + " groups]" : "]");
       };
       if (const auto known = core_->KvGroupWindows(); kv_groups_known_ && known != windows) {
         return RefuseLocked(link, "kv_group_windows: " + describe(windows) + " on the worker, " +
@@ -1243,6 +1293,12 @@ class RouterServiceImpl : public RouterService {
       return RefuseLocked(link, "kv_capacity_blocks " + std::to_string(reg.kv_capacity_blocks()) +
                                     " is outside [1, " + std::to_string(opts_.max_snapshot_blocks) +
                                     "] (router --max-snapshot-blocks)");
+    }
+    if (reg.control_address().size() > kMaxControlAddressBytes) {
+      metrics_.control_rejected.Add({{"reason", "registration_invalid"}}).Increment();
+      return RefuseLocked(link,
+                          "control_address of " + std::to_string(reg.control_address().size()) +
+                              " bytes (at most " + std::to_string(kMaxControlAddressBytes) + ")");
     }
     auto id = core_->AddWorker(reg.worker_id(), *role, reg.max_model_len());
     if (!id.ok()) {
@@ -1304,7 +1360,10 @@ class RouterServiceImpl : public RouterService {
     if (it == links_.end()) return;
     WorkerLink link = std::move(it->second);
     links_.erase(it);
-    snapshot_pending_bytes_ -= link.snapshot.size() * sizeof(BlockHash);
+    // Every part of a snapshot still being received (device, host, disk).
+    for (const auto* part : {&link.snapshot, &link.snapshot_host, &link.snapshot_disk}) {
+      snapshot_pending_bytes_ -= part->size() * sizeof(BlockHash);
+    }
     if (!link.id) return;
     by_worker_.erase(*link.id);
     if (WritesKvForOthers(link)) BroadcastPrefillWorkersLocked();
@@ -1334,6 +1393,15 @@ class RouterServiceImpl : public RouterService {
       return DispatchLocked(id);
     }
     FailLocked(id, 503, why + " during generation", "server_error");
+  }
+
+  // A token's string for logprobs: the exact bytes it adds after other text
+  // (" there" for "▁there", a byte token's one byte), so that a choice's
+  // tokens join to its text and "bytes" are the token's own; a special token
+  // as its text ("<|im_end|>").
+  std::string TokenString(TokenId id) const {
+    if (auto bytes = tokenizer_->TokenBytes(id)) return *std::move(bytes);
+    return tokenizer_->Decode(std::span<const TokenId>(&id, 1), /*skip_special_tokens=*/false);
   }
 
   void OnTokenLocked(WorkerLink& link, const proto::Token& t) {
@@ -1377,19 +1445,20 @@ class RouterServiceImpl : public RouterService {
       p.token = t.token_ids(i);
       if (i < t.logprobs_size()) c.logprob_sum += t.logprobs(i);
       if (r.api->sampling.logprobs) {
-        p.token_text = tokenizer_->Decode(std::span<const TokenId>(&p.token, 1), false);
+        p.token_text = TokenString(p.token);
         if (i < t.logprobs_size()) p.logprob = t.logprobs(i);
         if (i < t.top_logprobs_size()) {
           const auto& top = t.top_logprobs(i);
           for (int k = 0; k < top.token_ids_size() && k < top.logprobs_size(); ++k) {
             TokenId tid = top.token_ids(k);
-            p.top_logprobs.emplace_back(
-                tokenizer_->Decode(std::span<const TokenId>(&tid, 1), false), top.logprobs(k));
+            p.top_logprobs.emplace_back(TokenString(tid), top.logprobs(k));
           }
         }
       }
       if (!t.has_text()) {
-        if (!c.detok) c.detok = std::make_unique<IncrementalDetokenizer>(*tokenizer_, true);
+        if (!c.detok) {
+          c.detok = std::make_unique<IncrementalDetokenizer>(*tokenizer_, true, r.prompt_ids);
+        }
         p.text = c.detok->Push(p.token);
       }
       pieces.push_back(std::move(p));
@@ -1398,7 +1467,8 @@ class RouterServiceImpl : public RouterService {
     if (r.api->stream && c.tool_stream) {
       StreamToolText(r, index, pieces, /*final=*/false);
     } else if (r.api->stream) {
-      std::string event = r.formatter->StreamDelta(pieces, index);
+      std::string event = r.formatter->StreamDelta(pieces, index, c.streamed_text_bytes);
+      for (const auto& p : pieces) c.streamed_text_bytes += p.text.size();
       if (!event.empty()) r.exchange->Write(std::move(event));
     } else {
       for (auto& p : pieces) c.pieces.push_back(std::move(p));
@@ -1454,9 +1524,10 @@ class RouterServiceImpl : public RouterService {
       }
       if (c.tool_stream) {
         StreamToolText(r, index, tail_pieces, /*final=*/true);
-        if (c.tool_calls_sent > 0) c.finish_reason = "tool_calls";
+        // A turn cut off by max_tokens stays "length", calls or not.
+        if (c.tool_calls_sent > 0 && c.finish_reason == "stop") c.finish_reason = "tool_calls";
       } else if (!tail_pieces.empty()) {
-        r.exchange->Write(r.formatter->StreamDelta(tail_pieces, index));
+        r.exchange->Write(r.formatter->StreamDelta(tail_pieces, index, c.streamed_text_bytes));
       }
       r.exchange->Write(r.formatter->StreamChoiceFinish(c.finish_reason, index));
       if (!last) return;
@@ -1484,7 +1555,7 @@ class RouterServiceImpl : public RouterService {
           std::string text;
           for (const auto& p : ch.pieces) text += p.text;
           ParseToolCalls(tool_parser_, ToolNames(*r.api), text, &tools[k].content, &tools[k].calls);
-          if (!tools[k].calls.empty()) o.finish_reason = "tool_calls";
+          if (!tools[k].calls.empty() && o.finish_reason == "stop") o.finish_reason = "tool_calls";
           o.tools = &tools[k];
         }
         out.push_back(o);

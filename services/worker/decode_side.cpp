@@ -27,6 +27,11 @@ constexpr size_t kMaxPendingPrefills = 4096;
 
 // Sequences one Generate may ask for (Generate.n).
 constexpr uint32_t kMaxSequences = 128;
+// A router's list of prefill workers: each becomes a connection of ours, so
+// a list past any real cluster, or an address past any host:port, is a
+// broken or hostile router's and is ignored whole.
+constexpr int kMaxPrefillWorkers = 4096;
+constexpr size_t kMaxControlAddressBytes = 512;
 
 }  // namespace
 
@@ -689,8 +694,18 @@ void DecodeSide::SendToPrefillPeer(const std::string& address, proto::Envelope p
 
 // A router's list of the prefill workers it admits (see the header).
 void DecodeSide::OnPrefillWorkers(const ConnectionPtr& router, const proto::PrefillWorkers& list) {
+  if (list.workers_size() > kMaxPrefillWorkers) {
+    PDSERVE_LOG(WARN) << "router " << router->id() << " listed " << list.workers_size()
+                      << " prefill workers (at most " << kMaxPrefillWorkers << "); list ignored";
+    return;
+  }
   std::set<std::string> announced;
   for (const auto& w : list.workers()) {
+    if (w.control_address().size() > kMaxControlAddressBytes) {
+      PDSERVE_LOG(WARN) << "router " << router->id() << " listed a prefill worker address of "
+                        << w.control_address().size() << " bytes; list ignored";
+      return;
+    }
     if (!w.control_address().empty()) announced.insert(w.control_address());
   }
   std::vector<std::string> dropped, unsent;

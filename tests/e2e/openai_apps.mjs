@@ -143,11 +143,19 @@ function checkCall(call) {
 }
 
 test('tool_choice required: every answer is a valid call; then the round trip', async () => {
-  for (const [temperature, seed] of [[0, 1], [1, 5], [1, 6]]) {
+  // One call without parallel_tool_calls: the grammar ends after it. With
+  // them the (random) model may go on calling until max_tokens, and a turn
+  // cut short says "length", its complete calls parsed all the same.
+  for (const [temperature, seed, parallel] of [[0, 1, false], [1, 5, false], [1, 6, true]]) {
     const first = await client.chat.completions.create({ model: modelId, messages: question, tools,
-      tool_choice: 'required', temperature, seed, max_tokens: 300 });
+      tool_choice: 'required', parallel_tool_calls: parallel, temperature, seed, max_tokens: 300 });
     const choice = first.choices[0];
-    assert.equal(choice.finish_reason, 'tool_calls');
+    if (parallel && choice.finish_reason === 'length') {
+      assert.equal(first.usage.completion_tokens, 300);
+    } else {
+      assert.equal(choice.finish_reason, 'tool_calls');
+    }
+    if (!parallel) assert.equal(choice.message.tool_calls.length, 1);
     assert.ok(choice.message.tool_calls.length >= 1);
     choice.message.tool_calls.forEach(checkCall);
     // The call and the tool's answer go back; the model answers (auto).
@@ -175,14 +183,32 @@ test('tool_choice naming a function, parallel_tool_calls false; then the round t
     tool_choice: { type: 'function', function: { name: 'get_weather' } }, temperature: 1, seed: 4,
     max_tokens: 300 });
   assert.equal(next.choices[0].finish_reason, 'tool_calls');
+  // A named function is called once, parallel_tool_calls or not.
+  assert.equal(next.choices[0].message.tool_calls.length, 1);
   assert.equal(next.choices[0].message.tool_calls[0].function.name, 'get_weather');
   next.choices[0].message.tool_calls.forEach(checkCall);
   assert.ok(next.usage.prompt_tokens > r.usage.prompt_tokens, 'the history was rendered');
 });
 
+test('a call cut off by max_tokens ends with length, not tool_calls', async () => {
+  for (const stream of [false, true]) {
+    const r = await client.chat.completions.create({ model: modelId, messages: question, tools,
+      tool_choice: 'required', temperature: 0, max_tokens: 6, stream });
+    let finish = null;
+    if (stream) {
+      for await (const chunk of r) finish = chunk.choices[0]?.finish_reason ?? finish;
+    } else {
+      finish = r.choices[0].finish_reason;
+      assert.equal(r.choices[0].message.tool_calls ?? undefined, undefined);
+    }
+    assert.equal(finish, 'length');
+  }
+});
+
 test('tool calls streamed as deltas', async () => {
   const stream = await client.chat.completions.create({ model: modelId, messages: question, tools,
-    tool_choice: 'required', temperature: 1, seed: 11, max_tokens: 300, stream: true });
+    tool_choice: 'required', parallel_tool_calls: false, temperature: 1, seed: 11, max_tokens: 300,
+    stream: true });
   const calls = [];
   let finish = null;
   for await (const chunk of stream) {

@@ -781,6 +781,13 @@ std::string JoinRaw(const std::vector<TokenPiece>& pieces) {
 std::string JoinText(const std::vector<TokenPiece>& pieces) { return Utf8Text(JoinRaw(pieces)); }
 }  // namespace
 
+// With stream_options.include_usage every chunk but the last carries
+// "usage": null, as OpenAI sends them.
+std::string ResponseFormatter::Chunk(nlohmann::json j) const {
+  if (request_.include_usage) j["usage"] = nullptr;
+  return Sse(j);
+}
+
 std::string ResponseFormatter::StreamStart(int n) const {
   if (request_.endpoint != Endpoint::kChatCompletions) return "";
   std::string out;
@@ -790,12 +797,13 @@ std::string ResponseFormatter::StreamStart(int n) const {
                      {"delta", {{"role", "assistant"}, {"content", ""}}},
                      {"logprobs", nullptr},
                      {"finish_reason", nullptr}}};
-    out += Sse(j);
+    out += Chunk(j);
   }
   return out;
 }
 
-std::string ResponseFormatter::StreamDelta(const std::vector<TokenPiece>& pieces, int index) const {
+std::string ResponseFormatter::StreamDelta(const std::vector<TokenPiece>& pieces, int index,
+                                           size_t text_offset) const {
   const std::string text = JoinText(pieces);
   if (text.empty() && !request_.sampling.logprobs) return "";
   if (request_.endpoint == Endpoint::kChatCompletions) {
@@ -804,14 +812,14 @@ std::string ResponseFormatter::StreamDelta(const std::vector<TokenPiece>& pieces
                      {"delta", {{"content", text}}},
                      {"logprobs", Logprobs(pieces, 0)},
                      {"finish_reason", nullptr}}};
-    return Sse(j);
+    return Chunk(j);
   }
   nlohmann::json j = Envelope("text_completion");
   j["choices"] = {{{"index", index},
                    {"text", text},
-                   {"logprobs", Logprobs(pieces, 0)},
+                   {"logprobs", Logprobs(pieces, text_offset)},
                    {"finish_reason", nullptr}}};
-  return Sse(j);
+  return Chunk(j);
 }
 
 std::string ResponseFormatter::StreamContent(const std::string& text, int index) const {
@@ -821,7 +829,7 @@ std::string ResponseFormatter::StreamContent(const std::string& text, int index)
                    {"delta", {{"content", Utf8Text(text)}}},
                    {"logprobs", nullptr},
                    {"finish_reason", nullptr}}};
-  return Sse(j);
+  return Chunk(j);
 }
 
 namespace {
@@ -843,7 +851,7 @@ std::string ResponseFormatter::StreamToolCalls(const std::vector<ToolCall>& call
                      {"delta", {{"tool_calls", nlohmann::json::array({call})}}},
                      {"logprobs", nullptr},
                      {"finish_reason", nullptr}}};
-    out += Sse(j);
+    out += Chunk(j);
   }
   return out;
 }
@@ -856,12 +864,12 @@ std::string ResponseFormatter::StreamChoiceFinish(const std::string& finish_reas
                      {"delta", nlohmann::json::object()},
                      {"logprobs", nullptr},
                      {"finish_reason", finish_reason}}};
-    return Sse(j);
+    return Chunk(j);
   }
   nlohmann::json j = Envelope("text_completion");
   j["choices"] = {
       {{"index", index}, {"text", ""}, {"logprobs", nullptr}, {"finish_reason", finish_reason}}};
-  return Sse(j);
+  return Chunk(j);
 }
 
 std::string ResponseFormatter::StreamEnd(const Usage& usage) const {

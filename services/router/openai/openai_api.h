@@ -124,8 +124,10 @@ class ResponseFormatter {
   // the role, once per choice).
   std::string StreamStart(int n = 1) const;
   // Streaming: one event carrying `text` (and logprobs when requested) for
-  // choice `index`.
-  std::string StreamDelta(const std::vector<TokenPiece>& pieces, int index = 0) const;
+  // choice `index`; `text_offset`: how many bytes of text the choice has
+  // streamed before (completions' logprobs.text_offset counts from there).
+  std::string StreamDelta(const std::vector<TokenPiece>& pieces, int index = 0,
+                          size_t text_offset = 0) const;
   // Streaming chat with tools: a content delta ("" when `text` is empty),
   // and tool calls as OpenAI streams them (index, id, type, name, arguments).
   std::string StreamContent(const std::string& text, int index = 0) const;
@@ -160,6 +162,7 @@ class ResponseFormatter {
   nlohmann::json Choice(const std::string& prompt_text, const ChoiceOutput& c) const;
   nlohmann::json UsageJson(const Usage& usage) const;
   nlohmann::json Envelope(const char* object) const;
+  std::string Chunk(nlohmann::json chunk) const;
 
   const ApiRequest& request_;
   std::string id_;

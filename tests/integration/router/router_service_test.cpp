@@ -231,6 +231,43 @@ TEST_F(RouterServiceTest, WorkersWithOtherSnapKvBudgetsAreRefused) {
   EXPECT_TRUE(add("snapkv-32-8-again", {32, 8})->WaitRegistered());
 }
 
+// A worker's KV layer groups cost the router per group and prompt block on
+// every request: more groups than a model has layers, or a window past any
+// context, are refused; and the first worker's groups hold only while a
+// worker is registered, so a model served again with other windows (or a
+// broken worker that came first) does not lock the router for its life.
+TEST_F(RouterServiceTest, KvGroupsAreBoundedAndLearntAfreshOnceNoWorkerIsLeft) {
+  auto add = [&](const std::string& name, std::vector<uint32_t> windows) {
+    workers_.push_back(std::make_unique<FakeWorker>(&loop_, service_->control_port(), model_id_,
+                                                    name, proto::ROLE_BOTH, 1 << 20,
+                                                    std::move(windows)));
+    return workers_.back().get();
+  };
+  EXPECT_FALSE(add("many-groups", std::vector<uint32_t>(2000, 1))
+                   ->WaitRegistered(std::chrono::milliseconds(1500)));
+  EXPECT_FALSE(add("huge-window", {1u << 30})->WaitRegistered(std::chrono::milliseconds(50)));
+  workers_.clear();
+  ASSERT_TRUE(add("windowed", {32})->WaitRegistered());
+  EXPECT_FALSE(add("dense", {})->WaitRegistered(std::chrono::milliseconds(1500)));
+  workers_.clear();  // no worker left: the next one's groups are the model's
+  EXPECT_TRUE(add("dense-again", {})->WaitRegistered());
+}
+
+// GET /v1/models/{id}: the model, or 404 model_not_found as OpenAI answers.
+TEST_F(RouterServiceTest, ModelsAreRetrievedById) {
+  auto found =
+      pdserve::testing::HttpRequest(service_->http_port(), "GET", "/v1/models/" + model_id_);
+  ASSERT_EQ(found.status, 200) << found.body;
+  auto model = nlohmann::json::parse(found.body);
+  EXPECT_EQ(model["id"], model_id_);
+  EXPECT_EQ(model["object"], "model");
+  auto missing = pdserve::testing::HttpRequest(service_->http_port(), "GET", "/v1/models/nope");
+  EXPECT_EQ(missing.status, 404);
+  auto error = nlohmann::json::parse(missing.body)["error"];
+  EXPECT_EQ(error["code"], "model_not_found");
+  EXPECT_EQ(error["param"], "model");
+}
+
 TEST_F(RouterServiceTest, PrefillAddressOnlyForTheRoutersRemoteDecision) {
   FakeWorker& decode = AddWorker("decode", proto::ROLE_DECODE, 1024);
   FakeWorker& prefill = AddWorker("prefill-worker", proto::ROLE_PREFILL, 1024);

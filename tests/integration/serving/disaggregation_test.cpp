@@ -217,6 +217,19 @@ TEST(RealModelDisaggregationTest, StagedHandOffMatchesTheOfflineEngine) {
                 ", there was a little girl named Lily", 0),
             0u)
       << first.dump();
+  // A completion continues its prompt: the first token's SentencePiece space
+  // stays (" little", not "little"), echo is the prompt then that text, and
+  // the logprobs' tokens are what each adds to the text, so they join to it.
+  const std::string prompt = "Once upon a time, there was a";
+  auto [status2, cont] = stack.Post(
+      "/v1/completions",
+      {{"prompt", prompt}, {"max_tokens", 6}, {"temperature", 0}, {"echo", true}, {"logprobs", 1}});
+  ASSERT_EQ(status2, 200);
+  const std::string echoed = cont["choices"][0]["text"].get<std::string>();
+  EXPECT_EQ(echoed.rfind(prompt + " little girl", 0), 0u) << cont.dump();
+  std::string joined;
+  for (const auto& t : cont["choices"][0]["logprobs"]["tokens"]) joined += t.get<std::string>();
+  EXPECT_EQ(prompt + joined, echoed) << cont.dump();
   ExpectKvMoved(prefill, decode);
   bool idle = false;  // the gauge follows the load reports (every 200 ms)
   for (int i = 0; i < 100 && !idle; ++i) {

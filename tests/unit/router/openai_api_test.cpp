@@ -284,6 +284,36 @@ TEST(OpenAiApiTest, ChatStreamEvents) {
   EXPECT_TRUE(end.ends_with("data: [DONE]\n\n"));
   std::string err = ResponseFormatter::StreamError({503, "worker lost", "server_error", "", ""});
   EXPECT_TRUE(err.starts_with("data: {\"error\""));
+  // With include_usage every chunk but the usage one says "usage": null.
+  EXPECT_TRUE(first.contains("usage") && first["usage"].is_null());
+  EXPECT_TRUE(d.contains("usage") && d["usage"].is_null());
+  auto finish = nlohmann::json::parse(end.substr(6, end.find("\n\n") - 6));
+  EXPECT_TRUE(finish.contains("usage") && finish["usage"].is_null());
+  const size_t usage_at = end.find("data: ", end.find("\n\n"));
+  auto usage =
+      nlohmann::json::parse(end.substr(usage_at + 6, end.find("\n\n", usage_at) - usage_at - 6));
+  EXPECT_EQ(usage["usage"]["total_tokens"], 4);
+  // Without it, no chunk has the key.
+  auto plain = ParseOk(Endpoint::kChatCompletions,
+                       R"({"messages":[{"role":"user","content":"x"}],"stream":true})");
+  ResponseFormatter plain_fmt(plain, "chatcmpl-2", 1700000000);
+  std::string plain_delta = plain_fmt.StreamDelta({{1, "Hel", "Hel", std::nullopt, {}}});
+  EXPECT_FALSE(nlohmann::json::parse(plain_delta.substr(6)).contains("usage"));
+}
+
+// A streamed completion's logprobs.text_offset counts from the text the
+// choice has already streamed, as the same request unstreamed does.
+TEST(OpenAiApiTest, StreamedTextOffsetsContinueAcrossChunks) {
+  auto req = ParseOk(Endpoint::kCompletions, R"({"prompt":"Hi","logprobs":0,"stream":true})");
+  ResponseFormatter fmt(req, "cmpl-1", 1700000000);
+  const std::string first = fmt.StreamDelta({{5, " he", " he", -0.5f, {}}}, 0, 0);
+  const std::string second =
+      fmt.StreamDelta({{6, "llo", "llo", -1.0f, {}}, {7, " x", " x", -2.0f, {}}}, 0, 3);
+  auto a = nlohmann::json::parse(first.substr(6));
+  auto b = nlohmann::json::parse(second.substr(6));
+  EXPECT_EQ(a["choices"][0]["logprobs"]["text_offset"], (nlohmann::json{0}));
+  EXPECT_EQ(b["choices"][0]["logprobs"]["text_offset"], (nlohmann::json{3, 6}));
+  EXPECT_EQ(b["choices"][0]["logprobs"]["tokens"], (nlohmann::json{"llo", " x"}));
 }
 
 // A message that can be echoed in any JSON and any log: printable ASCII.
