@@ -33,8 +33,12 @@ struct Engine::Sequence {
   bool admitted_once = false;
   bool reported_cached = false;
   int64_t num_cached_tokens = 0;
-  size_t remote_first_block = 0;      // kRemote: the first block the peer fills
-  uint64_t load_ticket = 0;           // kLoading: the onload it waits for
+  size_t remote_first_block = 0;  // kRemote: the first block the peer fills
+  uint64_t load_ticket = 0;       // kLoading: the onload it waits for
+  // A partial onload of several groups (or a window) sent it back to the
+  // queue: its next admission computes, so that a tier still claiming the
+  // blocks while host memory is short cannot send it round again and again.
+  bool skip_tiers_once = false;
   size_t load_first_block = 0;        // kLoading: where the onloaded blocks start
   size_t load_end_block = 0;          // kLoading: the prefix the onload completes
   std::vector<BlockSlot> load_slots;  // kLoading: the blocks onloaded, in request order
@@ -547,9 +551,11 @@ void Engine::ProcessTierWork() {
     const bool runs = blocks_->num_groups() > 1 || blocks_->group_windows()[0] > 0;
     if (runs && n < s->load_slots.size()) {
       // Part of such an onload is missing: the blocks it has may not make a
-      // prefix every group can start from. Recompute from scratch (the
-      // tiers no longer claim what failed).
+      // prefix every group can start from. Recompute from scratch, without
+      // the tiers this once (a block that failed for want of host memory is
+      // still claimed by its tier).
       (void)blocks_->Free(s->id);
+      s->skip_tiers_once = true;
       s->num_computed = 0;
       s->hashes.clear();
       s->load_slots.clear();
@@ -810,7 +816,8 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
     const int64_t cached = static_cast<int64_t>(blocks_->FindCachedPrefix(hashes)) * B;
     // The blocks that continue the cached prefix in a lower tier: admitted
     // now, copied back while the request waits.
-    const int64_t from_tiers = tier_mover_ ? TierPrefix(hashes, cached / B) - cached / B : 0;
+    const int64_t from_tiers =
+        tier_mover_ && !s->skip_tiers_once ? TierPrefix(hashes, cached / B) - cached / B : 0;
     const int64_t planned = from_tiers > 0 ? from_tiers * B : std::min(total - cached, budget);
     AdmitRequest req;
     req.seq = s->id;
@@ -827,6 +834,7 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
     s->hashes.assign(hashes.begin(), hashes.begin() + admitted->num_cached_blocks);
     if (!s->admitted_once) s->num_cached_tokens = s->num_computed;
     s->admitted_once = true;
+    s->skip_tiers_once = false;
     s->state = Sequence::State::kRunning;
     waiting_.erase(waiting_.begin() + static_cast<ptrdiff_t>(w));
     InsertSorted(&running_, s);

@@ -217,6 +217,12 @@ TEST(WindowConfigTest, FamilyDefaultsFollowTheirConfigurationClasses) {
     EXPECT_DOUBLE_EQ(parsed->rope_theta, c.rope_theta);
     EXPECT_DOUBLE_EQ(parsed->rms_norm_eps, c.rms_norm_eps);
   }
+  // A head_dim derived below 2 (hidden_size < heads, no head_dim key) is
+  // refused by name, not divided by later.
+  json narrow = Small("LlamaForCausalLM");
+  narrow.erase("head_dim");
+  narrow["hidden_size"] = 2;
+  ExpectRefused(narrow, StatusCode::kInvalidArgument, {"head_dim 0", "set head_dim"});
   // Gemma-2 has use_bidirectional_attention too: refused like Gemma-3's.
   json g2 = Small("Gemma2ForCausalLM");
   g2["use_bidirectional_attention"] = true;
