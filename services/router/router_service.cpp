@@ -30,6 +30,7 @@
 #include "services/protocol/role.h"
 #include "services/protocol/sampling.h"
 #include "services/router/openai/openai_api.h"
+#include "services/router/openai/prompt_batch.h"
 #include "services/router/router_core.h"
 #include "transport/control/connection.h"
 
@@ -509,6 +510,16 @@ class RouterServiceImpl : public RouterService {
     if (req.path == "/v1/completions" || req.path == "/v1/chat/completions") {
       if (req.method != "POST")
         return ex->Reply(http::ErrorResponse(405, "use POST for " + req.path));
+      if (req.path == "/v1/completions") {
+        ApiError batch_error;
+        if (auto split = SplitPromptBatch(req.body, &batch_error)) {
+          return ServeBatch(req, std::move(ex), *split, api_key);
+        }
+        if (!batch_error.message.empty()) {
+          CountRequest("rejected");
+          return ex->Reply(batch_error.ToResponse());
+        }
+      }
       HandleGenerate(
           req, std::move(ex),
           req.path == "/v1/completions" ? Endpoint::kCompletions : Endpoint::kChatCompletions,
@@ -517,6 +528,25 @@ class RouterServiceImpl : public RouterService {
     }
     ex->Reply(http::ErrorResponse(404, "no such endpoint: " + req.method + " " + req.path,
                                   "invalid_request_error", "", "not_found"));
+  }
+
+  // A batch of prompts (services/router/openai/prompt_batch.h): each prompt
+  // is a request of its own, its answer merged into the client's. Once a
+  // prompt's answer is an error, which is then the batch's, the prompts
+  // after it are not served.
+  void ServeBatch(const http::Request& req, std::shared_ptr<http::Exchange> ex,
+                  const PromptBatchSplit& split, std::optional<size_t> api_key) {
+    PromptBatch batch(std::move(ex), split);
+    for (size_t i = 0; i < split.bodies.size() && !batch.failed(); ++i) {
+      http::Request one;
+      one.method = req.method;
+      one.target = req.target;
+      one.path = req.path;
+      one.headers = req.headers;
+      one.remote = req.remote;
+      one.body = split.bodies[i];
+      HandleGenerate(one, batch.ExchangeFor(i), Endpoint::kCompletions, api_key);
+    }
   }
 
   // `api_key`: the index of the key that authorized the request, if any.

@@ -101,6 +101,28 @@ test('streamed completions concatenate to the same text, with usage', async () =
   assert.equal(usage.completion_tokens, 12);
 });
 
+test('models.retrieve and a batch of prompts', async () => {
+  assert.equal((await client.models.retrieve(modelId)).id, modelId);
+  // Each prompt of a batch answers as it would alone, in prompt order.
+  const r = await client.completions.create({ model: modelId, prompt: [prompt, 'x', prompt],
+    max_tokens: 12, temperature: 0, ignore_eos: true });
+  assert.deepEqual(r.choices.map((c) => c.index), [0, 1, 2]);
+  assert.equal(r.choices[0].text, offline.text);
+  assert.equal(r.choices[2].text, offline.text);
+  assert.equal(r.usage.completion_tokens, 36);
+  const stream = await client.completions.create({ model: modelId, prompt: [prompt, prompt],
+    max_tokens: 12, temperature: 0, ignore_eos: true, stream: true,
+    stream_options: { include_usage: true } });
+  const texts = ['', ''];
+  let usage = null;
+  for await (const chunk of stream) {
+    for (const c of chunk.choices) texts[c.index] += c.text;
+    if (chunk.usage) usage = chunk.usage;
+  }
+  assert.deepEqual(texts, [offline.text, offline.text]);
+  assert.equal(usage.completion_tokens, 24);
+});
+
 test('chat completions, streamed and not, agree', async () => {
   const messages = [{ role: 'system', content: 'You are terse.' }, { role: 'user', content: 'Say hello.' }];
   const r = await client.chat.completions.create({ model: modelId, messages, max_tokens: 10, temperature: 0 });

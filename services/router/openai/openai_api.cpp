@@ -175,7 +175,8 @@ std::optional<ApiError> ParsePrompt(const ojson& body, ApiRequest* out) {
   auto it = body.find("prompt");
   if (it == body.end() || it->is_null()) return Bad("prompt", "'prompt' is required");
   const ojson* p = &*it;
-  // A batch of exactly one prompt is the same request; larger batches are n>1 in disguise.
+  // A batch of exactly one prompt is the same request; the router splits
+  // larger batches into requests of one prompt each (prompt_batch.h).
   if (p->is_array() && p->size() == 1 && ((*p)[0].is_string() || (*p)[0].is_array())) p = &(*p)[0];
   if (p->is_string()) {
     if (p->get_ref<const std::string&>().empty())
@@ -187,8 +188,7 @@ std::optional<ApiError> ParsePrompt(const ojson& body, ApiRequest* out) {
     if (p->empty()) return Bad("prompt", "'prompt' must not be empty");
     if (!(*p)[0].is_number()) {
       return Bad("prompt",
-                 "'prompt' must be a string or an array of token ids; batches of several "
-                 "prompts are not supported, send one request per prompt");
+                 "'prompt' must be a string, an array of token ids, or a batch of either");
     }
     std::vector<TokenId> ids;
     PDSERVE_API_CHECK(ParseTokenArray(*p, "prompt", &ids));

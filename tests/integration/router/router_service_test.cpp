@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <mutex>
 #include <vector>
@@ -251,6 +252,49 @@ TEST_F(RouterServiceTest, KvGroupsAreBoundedAndLearntAfreshOnceNoWorkerIsLeft) {
   EXPECT_FALSE(add("dense", {})->WaitRegistered(std::chrono::milliseconds(1500)));
   workers_.clear();  // no worker left: the next one's groups are the model's
   EXPECT_TRUE(add("dense-again", {})->WaitRegistered());
+}
+
+// A batch of prompts is one request per prompt on the workers and one
+// answer to the client: choices in prompt order, usage summed; a batch one of
+// whose prompts is refused answers that refusal.
+TEST_F(RouterServiceTest, PromptBatchesAreServedPromptByPrompt) {
+  FakeWorker& w = AddWorker("w", proto::ROLE_BOTH, 4096);
+  nlohmann::json body = {{"model", model_id_},
+                         {"prompt", {std::vector<int>(3, 5), std::vector<int>(7, 6)}},
+                         {"max_tokens", 2}};
+  auto r =
+      pdserve::testing::HttpRequest(service_->http_port(), "POST", "/v1/completions", body.dump());
+  ASSERT_EQ(r.status, 200) << r.body;
+  auto j = nlohmann::json::parse(r.body);
+  ASSERT_EQ(j["choices"].size(), 2u);
+  EXPECT_EQ(j["choices"][0]["index"], 0);
+  EXPECT_EQ(j["choices"][1]["index"], 1);
+  EXPECT_EQ(j["usage"]["prompt_tokens"], 10);
+  const auto generates = w.generates();
+  ASSERT_EQ(generates.size(), 2u);
+  std::vector<int> sizes = {generates[0].prompt_token_ids_size(),
+                            generates[1].prompt_token_ids_size()};
+  std::sort(sizes.begin(), sizes.end());
+  EXPECT_EQ(sizes, (std::vector<int>{3, 7}));
+  // Streamed: one [DONE] for the batch.
+  body["stream"] = true;
+  auto s =
+      pdserve::testing::HttpRequest(service_->http_port(), "POST", "/v1/completions", body.dump());
+  ASSERT_EQ(s.status, 200) << s.body;
+  size_t dones = 0;
+  for (size_t at = s.body.find("[DONE]"); at != std::string::npos;
+       at = s.body.find("[DONE]", at + 1)) {
+    ++dones;
+  }
+  EXPECT_EQ(dones, 1u) << s.body;
+  EXPECT_TRUE(s.body.ends_with("data: [DONE]\n\n")) << s.body;
+  // A token id outside the vocabulary in the second prompt: that 400.
+  body["stream"] = false;
+  body["prompt"] = {std::vector<int>(3, 5), std::vector<int>{1 << 30}};
+  auto bad =
+      pdserve::testing::HttpRequest(service_->http_port(), "POST", "/v1/completions", body.dump());
+  EXPECT_EQ(bad.status, 400) << bad.body;
+  EXPECT_EQ(nlohmann::json::parse(bad.body)["error"]["param"], "prompt");
 }
 
 // GET /v1/models/{id}: the model, or 404 model_not_found as OpenAI answers.
