@@ -666,6 +666,10 @@ class RouterServiceImpl : public RouterService {
     r->hashes = HashPrompt(seed, r->prompt_ids, static_cast<size_t>(opts_.block_size));
     r->formatter = std::make_unique<ResponseFormatter>(api, r->request_id, UnixSeconds());
     r->choices.resize(static_cast<size_t>(std::max(api.n, api.best_of)));
+    // A streamed echo sends the prompt first: text offsets count from its end.
+    if (api.echo) {
+      for (auto& c : r->choices) c.streamed_text_bytes = r->prompt_text.size();
+    }
     if (ToolsActive(api) && api.stream) {
       for (auto& c : r->choices)
         c.tool_stream = std::make_unique<ToolCallStreamer>(tool_parser_, ToolNames(api));
@@ -1458,7 +1462,7 @@ class RouterServiceImpl : public RouterService {
       if (r.api->stream) {
         r.exchange->BeginStream(200, "text/event-stream", {{"x-request-id", r.http_request_id}});
         r.started_stream = true;
-        r.exchange->Write(r.formatter->StreamStart(r.api->n));
+        r.exchange->Write(r.formatter->StreamStart(r.api->n, r.prompt_text));
       }
     }
     if (t.index() >= r.choices.size()) {
@@ -1549,7 +1553,7 @@ class RouterServiceImpl : public RouterService {
     if (r.api->stream) {
       if (!r.started_stream) {
         r.exchange->BeginStream(200, "text/event-stream", {{"x-request-id", r.http_request_id}});
-        r.exchange->Write(r.formatter->StreamStart(r.api->n));
+        r.exchange->Write(r.formatter->StreamStart(r.api->n, r.prompt_text));
         r.started_stream = true;
       }
       if (c.tool_stream) {

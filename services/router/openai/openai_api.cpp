@@ -788,9 +788,21 @@ std::string ResponseFormatter::Chunk(nlohmann::json j) const {
   return Sse(j);
 }
 
-std::string ResponseFormatter::StreamStart(int n) const {
-  if (request_.endpoint != Endpoint::kChatCompletions) return "";
+std::string ResponseFormatter::StreamStart(int n, const std::string& prompt_text) const {
   std::string out;
+  if (request_.endpoint != Endpoint::kChatCompletions) {
+    if (!request_.echo || prompt_text.empty()) return "";
+    // echo: each choice's text starts with the prompt, as unstreamed.
+    for (int index = 0; index < n; ++index) {
+      nlohmann::json j = Envelope("text_completion");
+      j["choices"] = {{{"index", index},
+                       {"text", Utf8Text(prompt_text)},
+                       {"logprobs", nullptr},
+                       {"finish_reason", nullptr}}};
+      out += Chunk(j);
+    }
+    return out;
+  }
   for (int index = 0; index < n; ++index) {
     nlohmann::json j = Envelope("chat.completion.chunk");
     j["choices"] = {{{"index", index},

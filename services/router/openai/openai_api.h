@@ -121,8 +121,8 @@ class ResponseFormatter {
   const std::string& id() const { return id_; }
 
   // Streaming: the first event(s) ("" when the endpoint has none; chat sends
-  // the role, once per choice).
-  std::string StreamStart(int n = 1) const;
+  // the role, once per choice; completions with echo the prompt's text).
+  std::string StreamStart(int n = 1, const std::string& prompt_text = "") const;
   // Streaming: one event carrying `text` (and logprobs when requested) for
   // choice `index`; `text_offset`: how many bytes of text the choice has
   // streamed before (completions' logprobs.text_offset counts from there).

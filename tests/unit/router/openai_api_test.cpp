@@ -301,6 +301,23 @@ TEST(OpenAiApiTest, ChatStreamEvents) {
   EXPECT_FALSE(nlohmann::json::parse(plain_delta.substr(6)).contains("usage"));
 }
 
+// A streamed completion with echo starts each choice with the prompt, as
+// the unstreamed one's text does; without echo nothing comes first.
+TEST(OpenAiApiTest, StreamedEchoSendsThePromptFirst) {
+  auto req = ParseOk(Endpoint::kCompletions, R"({"prompt":"Hi","echo":true,"stream":true,"n":2})");
+  ResponseFormatter fmt(req, "cmpl-1", 1700000000);
+  const std::string start = fmt.StreamStart(2, "Hi");
+  const size_t second = start.find("data: ", 1);
+  ASSERT_NE(second, std::string::npos);
+  auto a = nlohmann::json::parse(start.substr(6, second - 8));
+  auto b = nlohmann::json::parse(start.substr(second + 6));
+  EXPECT_EQ(a["choices"][0]["text"], "Hi");
+  EXPECT_EQ(a["choices"][0]["index"], 0);
+  EXPECT_EQ(b["choices"][0]["index"], 1);
+  auto plain = ParseOk(Endpoint::kCompletions, R"({"prompt":"Hi","stream":true})");
+  EXPECT_EQ(ResponseFormatter(plain, "cmpl-2", 1700000000).StreamStart(1, "Hi"), "");
+}
+
 // A streamed completion's logprobs.text_offset counts from the text the
 // choice has already streamed, as the same request unstreamed does.
 TEST(OpenAiApiTest, StreamedTextOffsetsContinueAcrossChunks) {
