@@ -1143,9 +1143,17 @@ StatusOr<RequestOutput> Engine::CompleteRemotePrefill(RequestId id, TokenId firs
     out.id = id;
     return out;
   }
-  if (s->matcher && !s->matcher->AcceptToken(first_token)) {
-    return Status::InvalidArgument("first token " + std::to_string(first_token) +
-                                   " is not allowed by the request's constraint");
+  if (s->matcher) {
+    // Checked here, accepted once nothing below can fail: a request that
+    // falls back to local prefill samples its first token again, from a
+    // matcher that must not have moved.
+    std::vector<uint64_t> allowed(s->matcher->compiled().mask_words());
+    const auto t = static_cast<size_t>(first_token);
+    if (!s->matcher->FillNextTokenBitmask(allowed) || t / 64 >= allowed.size() ||
+        (allowed[t / 64] >> (t % 64) & 1) == 0) {
+      return Status::InvalidArgument("first token " + std::to_string(first_token) +
+                                     " is not allowed by the request's constraint");
+    }
   }
   s->num_computed = s->prompt_len;
   if (pool_->layout().key_bounds != nullptr) {
@@ -1168,6 +1176,9 @@ StatusOr<RequestOutput> Engine::CompleteRemotePrefill(RequestId id, TokenId firs
     ExtendPromptHashes(s->hash_seed, std::span<const TokenId>(s->tokens.data(), s->num_computed),
                        static_cast<size_t>(options_.block_size), &s->hashes);
     PDSERVE_RETURN_IF_ERROR(blocks_->CommitBlocks(s->id, s->hashes));
+  }
+  if (s->matcher && !s->matcher->AcceptToken(first_token)) {
+    return Status::Internal("the constraint refused a first token its mask allowed");
   }
   s->state = Sequence::State::kRunning;
   InsertSorted(&running_, s);
