@@ -179,6 +179,7 @@ struct Server::Impl {
   std::optional<tcp::acceptor> acceptor;     // on its own strand
   std::optional<net::steady_timer> backoff;  // the acceptor's strand
   AcceptBackoff accept_backoff{"http"};
+  uint64_t refused_connections = 0;  // past max_connections (the acceptor's strand)
   std::vector<std::thread> threads;
   int bound_port = 0;
   bool started = false;
@@ -568,6 +569,23 @@ void Server::Impl::Accept() {
       return;
     }
     accept_backoff.Succeeded();
+    size_t open_connections;
+    {
+      std::lock_guard<std::mutex> lock(sessions_mu);
+      open_connections = sessions.size();
+    }
+    if (open_connections >= static_cast<size_t>(options.max_connections)) {
+      // Logged the first time and every 1,000th after, not once a connection.
+      if (refused_connections++ % 1000 == 0) {
+        PDSERVE_LOG(WARN) << "http: " << open_connections << " connections open (at most "
+                          << options.max_connections << "): closing new ones ("
+                          << refused_connections << " so far)";
+      }
+      beast::error_code close_ec;
+      socket.close(close_ec);
+      Accept();
+      return;
+    }
     // Every streamed event and answer leaves at once. With Nagle's
     // algorithm a small write waits for the ACK of the one before, and a
     // client on a kept-alive connection delays its ACKs (40 ms on Linux):

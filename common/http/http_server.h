@@ -94,6 +94,11 @@ struct ServerOptions {
   size_t max_body_bytes = 8u << 20;
   size_t max_header_bytes = 16u << 10;
   int max_concurrent_requests = 1024;
+  // Open connections, reading or idle included: past it a new connection is
+  // closed at once (logged), so that clients holding connections open (slow
+  // headers, slow bodies, idle keep-alives) cannot hold every descriptor
+  // and the memory their buffers take.
+  int max_connections = 16384;
   std::chrono::seconds idle_timeout{120};
 };
 

@@ -217,6 +217,42 @@ TEST(HttpServerTest, ConcurrencyLimitAnswers503WithRetryAfter) {
   EXPECT_EQ(calls.load(), 1);
 }
 
+// Connections that only sit open (idle, slow headers) count too: past
+// max_connections a new one is closed at once, and one closing makes room.
+TEST(HttpServerTest, ConnectionsPastTheLimitAreClosedAtOnce) {
+  Server server({.host = "127.0.0.1", .max_connections = 2},
+                [](const Request&, std::shared_ptr<Exchange> ex) { ex->Reply({}); });
+  ASSERT_TRUE(server.Start().ok());
+  // A kept-alive connection, once one is served: a connection closed just
+  // before may not be gone from the server yet, and a new one is closed
+  // until it is.
+  auto served = [&] {
+    for (int i = 0; i < 500; ++i) {
+      int fd = Connect(server.port());
+      SendAll(fd, "GET /kept HTTP/1.1\r\nHost: x\r\n\r\n");
+      if (ReadUntil(fd, "\r\n\r\n").find("HTTP/1.1 200") != std::string::npos) return fd;
+      ::close(fd);
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return -1;
+  };
+  int slow = Connect(server.port());
+  SendAll(slow, "GET / HTTP/1.1\r\nHost:");  // headers that never end
+  int kept = served();
+  ASSERT_GE(kept, 0);
+  // `slow` and `kept` fill the server: the next one is closed unserved.
+  int refused = Connect(server.port());
+  SendAll(refused, Get("/refused"));
+  EXPECT_EQ(ReadAll(refused), "") << "a connection past the limit was served";
+  ::close(refused);
+  // One closing makes room again.
+  ::close(kept);
+  int again = served();
+  EXPECT_GE(again, 0);
+  if (again >= 0) ::close(again);
+  ::close(slow);
+}
+
 TEST(HttpServerTest, StreamsChunksAsTheyAreWritten) {
   std::promise<std::shared_ptr<Exchange>> started;
   Server server({.host = "127.0.0.1"}, [&](const Request&, std::shared_ptr<Exchange> ex) {
