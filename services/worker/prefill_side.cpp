@@ -166,6 +166,17 @@ void PrefillSide::Start(const ConnectionPtr& decode, PeerId peer, proto::Prefill
   if (peer == 0) return refuse("no transfer handshake on this connection", false);
   auto job = std::make_unique<Job>();
   const uint32_t groups = static_cast<uint32_t>(ctx_->engine->block_manager().num_groups());
+  // One write per prompt block and layer group at most: a longer list is a
+  // broken or hostile peer's, refused before any of it is kept.
+  const int64_t block_size = ctx_->engine->options().block_size;
+  const int64_t prompt_blocks =
+      (static_cast<int64_t>(p.prompt_token_ids_size()) + block_size - 1) / block_size;
+  if (static_cast<int64_t>(p.blocks_size()) > prompt_blocks * static_cast<int64_t>(groups)) {
+    return refuse(std::to_string(p.blocks_size()) + " block writes for a prompt of " +
+                      std::to_string(prompt_blocks) + " blocks in " + std::to_string(groups) +
+                      " layer group(s)",
+                  false);
+  }
   for (const auto& w : p.blocks()) {
     if (w.kv_group() >= groups) {
       return refuse("prompt block " + std::to_string(w.prompt_block_index()) + " of layer group " +
