@@ -758,23 +758,20 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
       continue;
     }
     const int64_t at = s->num_computed - s->kv_shift;  // cache index of the first new token
-    if (BlocksHeld(at, at + n) > pool_->num_blocks()) {
-      // Too big for the whole pool: it can never continue, and preempting
-      // others (or itself, to be recomputed) would not change that.
-      RequestOutput out;
-      out.id = s->id;
-      if (s->stop) out.text = s->stop->Flush();
-      PDSERVE_LOG(WARN) << "engine: request " << s->id << " outgrew the KV pool";
-      FinishSequence(s, FinishReason::kLength, &out);
-      finished_early.push_back(std::move(out));
-      continue;  // s left running_; index i now names the next one
-    }
-    bool scheduled = true;
+    bool scheduled = true, outgrew = false, sized = false;
     for (;;) {
       Status st =
           blocks_->AllocateSlots(s->id, static_cast<size_t>(at + n), static_cast<size_t>(at));
       if (st.ok()) break;
       if (st.code() != StatusCode::kResourceExhausted) return st;
+      if (!sized && BlocksHeld(at, at + n) > pool_->num_blocks()) {
+        // Too big for the whole pool (asked once, at the first shortage): it
+        // can never continue, and preempting others (or itself, to be
+        // recomputed) would not change that.
+        outgrew = true;
+        break;
+      }
+      sized = true;
       Sequence* victim = running_.back();
       if (victim == s) {
         Preempt(s);
@@ -783,6 +780,15 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
       }
       Preempt(victim);
       preempted = true;
+    }
+    if (outgrew) {
+      RequestOutput out;
+      out.id = s->id;
+      if (s->stop) out.text = s->stop->Flush();
+      PDSERVE_LOG(WARN) << "engine: request " << s->id << " outgrew the KV pool";
+      FinishSequence(s, FinishReason::kLength, &out);
+      finished_early.push_back(std::move(out));
+      continue;  // s left running_; index i now names the next one
     }
     preempted |= !scheduled;
     if (!scheduled) continue;  // s left running_; index i now names the next one
