@@ -543,6 +543,15 @@ kernels::MoeRouting ModelConfig::MoeRoutingRule() const {
 
 int64_t ModelConfig::max_context() const {
   if (kv_eviction.mode == KvEviction::Mode::kStreaming) return kStreamingMaxContext;
+  // Yarn stretches the original context by its factor (Qwen3: 32768 x 4),
+  // whatever max_position_embeddings says (40960 there), as vLLM serves it.
+  if (rope_scaling.type == RopeScaling::Type::kYarn &&
+      rope_scaling.original_max_position_embeddings > 0) {
+    const double stretched =
+        static_cast<double>(rope_scaling.original_max_position_embeddings) * rope_scaling.factor;
+    return std::max(max_position_embeddings,
+                    static_cast<int64_t>(std::min(stretched, static_cast<double>(kMaxPositions))));
+  }
   return max_position_embeddings;
 }
 

@@ -179,7 +179,8 @@ struct ModelConfig {
   kernels::MoeRouting MoeRoutingRule() const;
 
   // The longest sequence (prompt + output) the engine may run:
-  // max_position_embeddings, or kStreamingMaxContext under streaming
+  // max_position_embeddings (under yarn at least its original context times
+  // its factor, as vLLM serves it), or kStreamingMaxContext under streaming
   // eviction (attention then sees positions below sinks + window only).
   int64_t max_context() const;
   static constexpr int64_t kStreamingMaxContext = int64_t{1} << 20;

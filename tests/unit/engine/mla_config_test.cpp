@@ -163,6 +163,8 @@ TEST(MlaConfigTest, YarnOnGqaScalesTheSoftmaxByTheAttentionFactorSquared) {
   // transformers 5 reads `factor` as given, not 40960 / 32768.
   EXPECT_DOUBLE_EQ(c->rope_scaling.factor, 4.0);
   EXPECT_EQ(c->rope_scaling.original_max_position_embeddings, 32768);
+  // The context served is the original one stretched: 32768 x 4, not 40960.
+  EXPECT_EQ(c->max_context(), 131072);
   // The fastest dimensions extrapolate (unchanged), the slowest interpolate.
   const auto inv = c->RopeInvFreq();
   EXPECT_FLOAT_EQ(inv[0], 1.0f);
