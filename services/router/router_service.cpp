@@ -510,16 +510,6 @@ class RouterServiceImpl : public RouterService {
     if (req.path == "/v1/completions" || req.path == "/v1/chat/completions") {
       if (req.method != "POST")
         return ex->Reply(http::ErrorResponse(405, "use POST for " + req.path));
-      if (req.path == "/v1/completions") {
-        ApiError batch_error;
-        if (auto split = SplitPromptBatch(req.body, &batch_error)) {
-          return ServeBatch(req, std::move(ex), *split, api_key);
-        }
-        if (!batch_error.message.empty()) {
-          CountRequest("rejected");
-          return ex->Reply(batch_error.ToResponse());
-        }
-      }
       HandleGenerate(
           req, std::move(ex),
           req.path == "/v1/completions" ? Endpoint::kCompletions : Endpoint::kChatCompletions,
@@ -538,6 +528,8 @@ class RouterServiceImpl : public RouterService {
                   const PromptBatchSplit& split, std::optional<size_t> api_key) {
     PromptBatch batch(std::move(ex), split);
     for (size_t i = 0; i < split.bodies.size() && !batch.failed(); ++i) {
+      // Field by field, not a copy of `req`: that would copy the whole
+      // batch's body for every prompt.
       http::Request one;
       one.method = req.method;
       one.target = req.target;
@@ -575,8 +567,18 @@ class RouterServiceImpl : public RouterService {
       PDSERVE_LOG(INFO) << "request " << rid << " " << req.path << " rejected " << e.status << ": "
                         << e.message;
     };
-    if (auto err = ParseRequest(endpoint, req.body, limits_, r->api.get()))
+    if (auto err = ParseRequest(endpoint, req.body, limits_, r->api.get())) {
+      // A batch of prompts is split only when it is one: other requests
+      // parse their body once.
+      if (err->code == kPromptBatchCode) {
+        ApiError batch_error;
+        if (auto split = SplitPromptBatch(req.body, &batch_error)) {
+          return ServeBatch(req, std::move(ex), *split, api_key);
+        }
+        return reject(batch_error.message.empty() ? *err : batch_error, "rejected");
+      }
       return reject(*err, "rejected");
+    }
     ApiRequest& api = *r->api;
     // Tenancy: each key's requests share cache only among themselves.
     if (opts_.salt_per_api_key && api_key)

@@ -186,6 +186,12 @@ std::optional<ApiError> ParsePrompt(const ojson& body, ApiRequest* out) {
   }
   if (p->is_array()) {
     if (p->empty()) return Bad("prompt", "'prompt' must not be empty");
+    if ((*p)[0].is_string() || (*p)[0].is_array()) {
+      // Several prompts: the router serves them one by one (prompt_batch.h).
+      ApiError batch = Bad("prompt", "'prompt' is a batch of several prompts");
+      batch.code = std::string(kPromptBatchCode);
+      return batch;
+    }
     if (!(*p)[0].is_number()) {
       return Bad("prompt",
                  "'prompt' must be a string, an array of token ids, or a batch of either");

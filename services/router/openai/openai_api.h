@@ -44,6 +44,11 @@ struct ApiError {
   http::Response ToResponse() const;
 };
 
+// ApiError::code of a completions prompt that is a batch of two or more
+// prompts, which ParseRequest leaves to the router to split
+// (services/router/openai/prompt_batch.h).
+inline constexpr std::string_view kPromptBatchCode = "prompt_batch";
+
 struct ApiRequest {
   Endpoint endpoint = Endpoint::kCompletions;
   std::string model;

@@ -8,13 +8,17 @@
 
 #include <nlohmann/json.hpp>
 
+#include "services/router/openai/checked_json.h"
+
 namespace pdserve::router {
 
 using nlohmann::ordered_json;
 
 std::optional<PromptBatchSplit> SplitPromptBatch(const std::string& body, ApiError* error) {
-  ordered_json j = ordered_json::parse(body, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object()) return std::nullopt;
+  // The client's bytes, through the same limits as every request body; a
+  // body they refuse is left to ParseRequest, which says why.
+  ordered_json j;
+  if (ParseCheckedJson(body, kDefaultMaxJsonDepth, &j) || !j.is_object()) return std::nullopt;
   auto prompt = j.find("prompt");
   if (prompt == j.end() || !prompt->is_array() || prompt->size() < 2) return std::nullopt;
   // An array of numbers is one prompt of token ids.
@@ -29,7 +33,9 @@ std::optional<PromptBatchSplit> SplitPromptBatch(const std::string& body, ApiErr
   PromptBatchSplit split;
   for (size_t i = 0; i < prompt->size(); ++i) {
     const ordered_json& p = (*prompt)[i];
-    if (!p.is_string() && !p.is_array()) {
+    // An array entry is one prompt of token ids: a batch inside a batch
+    // would be split again and again.
+    if (!p.is_string() && !(p.is_array() && (p.empty() || p[0].is_number()))) {
       *error = {400,
                 "'prompt[" + std::to_string(i) +
                     "]': a batch holds strings or arrays of token ids, not both or others",

@@ -77,6 +77,9 @@ TEST(OpenAiApiTest, PromptForms) {
   EXPECT_EQ(ParseOk(Endpoint::kCompletions, R"({"prompt":["one"]})").prompt_text, "one");
   EXPECT_EQ(ParseOk(Endpoint::kCompletions, R"({"prompt":[[4,5]]})").prompt_ids,
             (std::vector<TokenId>{4, 5}));
+  // Several prompts: left to the router to split, marked by their code.
+  EXPECT_EQ(ParseBad(Endpoint::kCompletions, R"({"prompt":["a","b"]})").code, kPromptBatchCode);
+  EXPECT_EQ(ParseBad(Endpoint::kCompletions, R"({"prompt":[[1],[2]]})").code, kPromptBatchCode);
   // Missing model means the served one; max_completion_tokens wins over max_tokens.
   auto r =
       ParseOk(Endpoint::kCompletions, R"({"prompt":"x","max_tokens":3,"max_completion_tokens":9})");

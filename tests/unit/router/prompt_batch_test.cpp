@@ -68,6 +68,10 @@ TEST(PromptBatchTest, SplitsBatchesAndLeavesSinglePromptsAlone) {
   EXPECT_FALSE(SplitPromptBatch(R"({"prompt":["a",3]})", &error).has_value());
   EXPECT_EQ(error.param, "prompt");
   EXPECT_EQ(error.status, 400);
+  // A batch inside a batch is refused, not split again and again.
+  ApiError nested_error;
+  EXPECT_FALSE(SplitPromptBatch(R"({"prompt":[[[1],[2]],[3]]})", &nested_error).has_value());
+  EXPECT_EQ(nested_error.param, "prompt");
   ApiError big_error;
   json big = {{"prompt", std::vector<std::string>(kMaxBatchPrompts + 1, "x")}};
   EXPECT_FALSE(SplitPromptBatch(big.dump(), &big_error).has_value());
