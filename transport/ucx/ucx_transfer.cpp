@@ -223,6 +223,9 @@ struct Slot {
 };
 
 // A chunk of a failed Receive swallowed without a slot.
+// What a drained message is received into at most (DrainMessage).
+constexpr size_t kDrainBufferBytes = 4096;
+
 struct DrainRecv {
   UcxTransfer* owner = nullptr;
   std::vector<char> buf;
@@ -2035,9 +2038,14 @@ void UcxTransfer::OnSlotReceived(Slot* slot, ucs_status_t status, size_t length)
 }
 
 void UcxTransfer::DrainMessage(ucp_tag_message_h msg, size_t length) {
+  // The length is the peer's word and the bytes are thrown away, so the
+  // buffer stays small whatever it declares: a receive shorter than its
+  // message completes with UCS_ERR_MESSAGE_TRUNCATED, and UCX drops the
+  // rest (a rendezvous sender is told, so its send completes too).
   auto* d = new DrainRecv;
   d->owner = this;
-  d->buf.resize(std::max<size_t>(length, 1));
+  d->buf.resize(std::clamp<size_t>(length, 1, kDrainBufferBytes));
+  length = d->buf.size();
   drain_recvs_.insert(d);
   ucp_request_param_t param{};
   param.op_attr_mask =
