@@ -31,9 +31,15 @@ Status ValidateSamplingParams(const SamplingParams& p, size_t vocab_size) {
   if (!(p.min_p >= 0 && p.min_p <= 1)) {
     return Status::InvalidArgument("min_p must be in [0, 1], got " + Num(p.min_p));
   }
-  if (p.max_tokens < 1) {
-    return Status::InvalidArgument("max_tokens must be at least 1, got " +
-                                   std::to_string(p.max_tokens));
+  if (p.max_tokens < 1 && !(p.max_tokens == 0 && p.prompt_logprobs)) {
+    return Status::InvalidArgument(
+        "max_tokens must be at least 1 (0 only to score the prompt), got " +
+        std::to_string(p.max_tokens));
+  }
+  if (p.prompt_logprobs && (*p.prompt_logprobs < 0 || *p.prompt_logprobs > kMaxLogprobs)) {
+    return Status::InvalidArgument("prompt_logprobs must be in [0, " +
+                                   std::to_string(kMaxLogprobs) + "], got " +
+                                   std::to_string(*p.prompt_logprobs));
   }
   for (TokenId id : p.stop_token_ids) {
     if (id < 0 || (vocab_size > 0 && static_cast<size_t>(id) >= vocab_size)) {

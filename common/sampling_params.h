@@ -45,7 +45,9 @@ struct SamplingParams {
   // Same seed, same logits -> same tokens. nullopt: the request gets a seed
   // drawn at random (ResolveSeed), still fixed for its whole life.
   std::optional<uint64_t> seed;
-  int max_tokens = 16;  // >= 1: output tokens, stop tokens included
+  // Output tokens, stop tokens included: >= 1, or 0 to score the prompt
+  // alone (prompt_logprobs set).
+  int max_tokens = 16;
   // Generation stops after any of these (the token is part of the output ids
   // but its text is not part of the output text). EOS ids are added by the
   // caller (engine/sampler.h's StopChecker) unless ignore_eos.
@@ -57,6 +59,10 @@ struct SamplingParams {
   // nullopt: no logprobs. n: the chosen token's logprob plus the n most
   // likely tokens' (0 <= n <= kMaxLogprobs).
   std::optional<int> logprobs;
+  // Prompt logprobs (vLLM's prompt_logprobs; OpenAI's echo with logprobs):
+  // each prompt token after the first scored under the model, with the n
+  // most likely tokens beside it (0 <= n <= kMaxLogprobs). nullopt: none.
+  std::optional<int> prompt_logprobs;
   // Structured outputs: only tokens that keep the output a prefix of a
   // document the constraint accepts are sampled, and EOS only once it is
   // complete.

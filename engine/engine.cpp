@@ -56,7 +56,11 @@ struct Engine::Sequence {
   // more is committed to the prefix cache).
   int64_t kv_shift = 0;
   bool compressed = false;
-  bool snapkv_dense = false;                      // EngineRequest::snapkv_dense
+  bool snapkv_dense = false;  // EngineRequest::snapkv_dense
+  // params.prompt_logprobs: the prompt's scores by position (P - 1 of them),
+  // until they are reported; then empty.
+  std::vector<SampledToken> prompt_logprobs;
+  bool prompt_scored = false;                     // reported: later admissions may use the cache
   std::vector<std::vector<int32_t>> snapkv_kept;  // per layer and KV head (SnapKvKept)
 
   int64_t num_output() const { return static_cast<int64_t>(tokens.size()) - prompt_len; }
@@ -313,6 +317,10 @@ Status Engine::ValidateRequest(const EngineRequest& r) const {
   if (!r.params.stop.empty() && tokenizer_ == nullptr) {
     return Status::InvalidArgument("stop strings need a tokenizer");
   }
+  if (r.params.prompt_logprobs.has_value() && r.prefill_only) {
+    return Status::InvalidArgument(
+        "prompt logprobs are computed where the request is decoded, not by a prefill worker");
+  }
   if (r.params.constraint.has_value() && r.grammar == nullptr) {
     return Status::InvalidArgument("a constrained request needs its compiled grammar");
   }
@@ -339,7 +347,9 @@ std::unique_ptr<Engine::Sequence> Engine::NewSequence(EngineRequest r) {
   // A prompt SnapKV compresses hands off only its compressed blocks, which
   // exist once the prompt is done: none of its full blocks is streamed.
   const KvEviction& ev = model_->config().kv_eviction;
-  s->snapkv_dense = r.snapkv_dense;
+  // A scored prompt is kept whole: each position's logits are computed.
+  s->snapkv_dense = r.snapkv_dense || s->params.prompt_logprobs.has_value();
+  if (s->params.prompt_logprobs) s->prompt_logprobs.resize(s->prompt_len - 1);
   const bool compresses =
       ev.mode == KvEviction::Mode::kSnapKv && s->prompt_len > ev.budget_tokens && !s->snapkv_dense;
   s->stream_kv_blocks = r.prefill_only && r.stream_kv_blocks && !compresses;
@@ -379,7 +389,8 @@ void Engine::Remove(std::vector<Sequence*>* list, Sequence* seq) {
 }
 
 std::vector<BlockHash> Engine::PrefixHashes(const Sequence& s) const {
-  if (!options_.enable_prefix_caching) return {};
+  // A prompt to score is computed whole: a cached block has no logits.
+  if (!options_.enable_prefix_caching || (s.params.prompt_logprobs && !s.prompt_scored)) return {};
   // Without the last token: at least one token is always computed, since its
   // logits give the next output token.
   return HashPrompt(s.hash_seed, std::span<const TokenId>(s.tokens.data(), s.tokens.size() - 1),
@@ -637,6 +648,27 @@ bool Engine::SnapKvPending(const Sequence& s) const {
          s.prompt_len > ev.budget_tokens && s.num_computed < s.prompt_len;
 }
 
+int64_t Engine::PromptLogprobChunk(const Sequence& s, int64_t n, int64_t* rows_left) const {
+  if (!s.params.prompt_logprobs || s.prompt_scored) return n;
+  const int64_t end = s.prompt_len - 1;  // positions below it score a token
+  const int64_t rows = std::clamp<int64_t>(end - s.num_computed, 0, n);
+  if (rows <= *rows_left) {
+    *rows_left -= rows;
+    return n;
+  }
+  // Short of rows: a chunk of the rows left, none of it the prompt's end.
+  n = *rows_left;
+  *rows_left = 0;
+  return n;
+}
+
+void Engine::TakePromptLogprobs(Sequence* s, RequestOutput* out) {
+  if (!s->params.prompt_logprobs || s->prompt_scored || s->num_computed < s->prompt_len) return;
+  out->prompt_logprobs = std::move(s->prompt_logprobs);
+  s->prompt_logprobs = {};
+  s->prompt_scored = true;
+}
+
 int64_t Engine::SnapKvChunk(const Sequence& s, int64_t n) const {
   if (!SnapKvPending(s)) return n;
   const int64_t end = s.num_computed + n, P = s.prompt_len;
@@ -740,6 +772,7 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
   std::vector<Scheduled> sched;
   std::vector<RequestOutput> finished_early;
   bool preempted = false;
+  int64_t prompt_rows_left = kMaxPromptLogprobRows;
 
   // 1. Running sequences, oldest first, at most max_num_seqs of them (the
   // runner's limit): requests whose remote prefill completed join running_
@@ -751,9 +784,12 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
       ++i;
       continue;
     }
-    const int64_t n = SnapKvChunk(
-        *s, std::min<int64_t>(static_cast<int64_t>(s->tokens.size()) - s->num_computed, budget));
-    if (n <= 0) {  // the observation window waits for a step with room for all of it
+    const int64_t n = PromptLogprobChunk(
+        *s,
+        SnapKvChunk(*s, std::min<int64_t>(static_cast<int64_t>(s->tokens.size()) - s->num_computed,
+                                          budget)),
+        &prompt_rows_left);
+    if (n <= 0) {  // the observation window (or prompt-logprob rows) waits for a step with room
       ++i;
       continue;
     }
@@ -861,9 +897,10 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
       continue;
     }
     const int64_t covered = static_cast<int64_t>(blocks_->BlockTable(s->id).size()) * B;
-    const int64_t n =
-        SnapKvChunk(*s, std::min({total - s->num_computed, budget, covered - s->num_computed}));
-    if (n <= 0) continue;  // nothing covered yet; it runs next step
+    const int64_t n = PromptLogprobChunk(
+        *s, SnapKvChunk(*s, std::min({total - s->num_computed, budget, covered - s->num_computed})),
+        &prompt_rows_left);
+    if (n <= 0) continue;  // nothing covered yet (or no rows to score it); it runs next step
     sched.push_back({s, n});
     budget -= n;
   }
@@ -881,9 +918,10 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
   // 3. The step: the executor runs it and samples.
   std::vector<ScheduledSeq> step;
   std::vector<Sequence*> sampled_seqs;
-  std::vector<Sequence*> dead_ends;   // constrained rows no token can follow
-  std::vector<Sequence*> observing;   // SnapKV: prompts this step ends, to compress
-  std::vector<int32_t> capture_rows;  // their observation windows' token rows
+  std::vector<Sequence*> dead_ends;    // constrained rows no token can follow
+  std::vector<Sequence*> scored_only;  // prompts scored with max_tokens 0, done
+  std::vector<Sequence*> observing;    // SnapKV: prompts this step ends, to compress
+  std::vector<int32_t> capture_rows;   // their observation windows' token rows
   int64_t row = 0;
   const auto groups = static_cast<uint32_t>(blocks_->num_groups());
   step.reserve(sched.size());
@@ -905,6 +943,15 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
     for (uint32_t g = 0; g < groups; ++g) x.tables.push_back(blocks_->BlockTable(s->id, g));
     x.sample = s->num_computed + sc.n == static_cast<int64_t>(s->tokens.size());
     x.params = &s->params;
+    if (s->params.prompt_logprobs && !s->prompt_scored) {
+      x.prompt_logprob_end = s->prompt_len - 1;
+      x.num_prompt_logprobs = *s->params.prompt_logprobs;
+      // max_tokens 0 (scoring alone): the prompt is all there is.
+      if (x.sample && s->params.max_tokens == 0) {
+        x.sample = false;
+        scored_only.push_back(s);
+      }
+    }
     x.seed = s->seed;
     x.output_index = static_cast<uint64_t>(s->num_output());
     if (x.sample && s->matcher) {
@@ -978,7 +1025,16 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
   free_buffers();
   if (!sampled.ok()) return sampled.status();
 
-  // 4. Bookkeeping: computed tokens, prefix-cache commits, sampling.
+  // 4. Bookkeeping: prompt scores, computed tokens, prefix-cache commits,
+  // sampling. The runner gives the sampled tokens, then the prompt scores
+  // in step order.
+  for (size_t i = 0, q = sampled_seqs.size(); i < sched.size(); ++i) {
+    const ScheduledSeq& x = step[i];
+    for (int64_t p = x.num_computed; p < std::min(x.prompt_logprob_end, x.num_computed + x.num_new);
+         ++p) {
+      sched[i].seq->prompt_logprobs[static_cast<size_t>(p)] = std::move((*sampled)[q++]);
+    }
+  }
   for (const auto& sc : sched) {
     Sequence* s = sc.seq;
     s->num_computed += sc.n;
@@ -1028,6 +1084,7 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
     // The runner sampled inside the mask, so the matcher takes the token,
     // except past its stack limits (matcher.h): then the request ends there
     // rather than emit text its constraint refuses.
+    TakePromptLogprobs(s, &out);
     if (s->matcher && !s->matcher->AcceptToken(token.token)) {
       if (s->stop) out.text = s->stop->Flush();
       FinishSequence(s, FinishReason::kLength, &out);
@@ -1037,9 +1094,18 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
     ProcessToken(s, token, &out);
     outputs.push_back(std::move(out));
   }
+  for (Sequence* s : scored_only) {
+    RequestOutput out;
+    out.id = s->id;
+    TakePromptLogprobs(s, &out);
+    out.num_cached_tokens = s->num_cached_tokens;
+    FinishSequence(s, FinishReason::kLength, &out);
+    outputs.push_back(std::move(out));
+  }
   for (Sequence* s : dead_ends) {
     RequestOutput out;
     out.id = s->id;
+    TakePromptLogprobs(s, &out);
     if (s->stop) out.text = s->stop->Flush();
     FinishSequence(s, FinishReason::kLength, &out);  // nothing can follow
     outputs.push_back(std::move(out));
@@ -1077,6 +1143,9 @@ StatusOr<RemotePrefillPlan> Engine::AddRemotePrefillRequest(EngineRequest reques
   PDSERVE_RETURN_IF_ERROR(ValidateRequest(request));
   if (request.prefill_only) {
     return Status::InvalidArgument("a remote-prefill request cannot be prefill_only");
+  }
+  if (request.params.prompt_logprobs) {
+    return Status::InvalidArgument("a prompt to score is prefilled where it is decoded");
   }
   auto seq = NewSequence(std::move(request));
   Sequence* s = seq.get();

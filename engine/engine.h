@@ -182,6 +182,12 @@ struct RequestOutput {
   std::vector<TokenId> new_token_ids;  // usually one; empty for a partial prefill
   // With params.logprobs: one entry per new token.
   std::vector<SampledToken> logprobs;
+  // With params.prompt_logprobs, on the output of the step that completes
+  // the prompt (once): entry p scores prompt token p + 1 (its `token`) under
+  // the logits of position p, so a prompt of P tokens has P - 1 entries.
+  // Such a prompt is computed whole (no prefix-cache hit, never compressed),
+  // kMaxPromptLogprobRows positions a step at most.
+  std::vector<SampledToken> prompt_logprobs;
   // New text released for this step (only with a tokenizer; stop strings cut it).
   std::string text;
   // For prefill_only requests `finished` is set with their first token, and
@@ -402,6 +408,11 @@ class Engine {
   // compression of a prompt whose queries are sequence k of `count` in
   // `captured` (per rank, [layers][count][W][rank's heads * head_dim]).
   bool SnapKvPending(const Sequence& s) const;
+  // Prompt logprobs: the chunk of n tokens `s` may run with `rows_left` of
+  // the step's prompt-logprob rows (taking what it uses; 0: wait), and the
+  // scored prompt moved into `out` once it is complete.
+  int64_t PromptLogprobChunk(const Sequence& s, int64_t n, int64_t* rows_left) const;
+  void TakePromptLogprobs(Sequence* s, RequestOutput* out);
   int64_t SnapKvChunk(const Sequence& s, int64_t n) const;
   int64_t snapkv_window() const;
   Status CompressPrompt(Sequence* s, const std::vector<std::vector<float>>& captured, int64_t k,

@@ -12,6 +12,11 @@ using kernels::Tensor;
 
 namespace {
 
+// The new positions of `s` that score a prompt token (the first ones).
+int64_t PromptLogprobRows(const ScheduledSeq& s) {
+  return std::clamp<int64_t>(s.prompt_logprob_end - s.num_computed, 0, s.num_new);
+}
+
 // The smallest bucket (a power of two) that holds `seqs`.
 int64_t Bucket(int64_t seqs) {
   int64_t b = 1;
@@ -88,7 +93,8 @@ StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(Model* model,
   // rows: one per sequence (a padded decode batch has its bucket's), or
   // what the caller asks for.
   r->max_rows_ = std::max(T, Bucket(S));
-  r->max_logits_ = std::max(options.max_logits > 0 ? options.max_logits : S, Bucket(S));
+  r->max_logits_ =
+      std::max(options.max_logits > 0 ? options.max_logits : S, Bucket(S)) + kMaxPromptLogprobRows;
   const int64_t R = r->max_logits_;
   PDSERVE_RETURN_IF_ERROR(
       model->Reserve(r->max_rows_, R, Bucket(S), r->table_width_, layout.block_size));
@@ -102,7 +108,8 @@ StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(Model* model,
   r->device_tables_ =
       static_cast<int32_t*>(b->Allocate(G * r->table_rows_ * r->table_width_ * sizeof(int32_t)));
   r->device_tokens_ = static_cast<int32_t*>(b->Allocate(R * sizeof(int32_t)));
-  PDSERVE_RETURN_IF_ERROR(r->sampling_.Allocate(b, R, c.vocab_size));
+  // Only sampled rows are sampled: the prompt-logprob rows are read back whole.
+  PDSERVE_RETURN_IF_ERROR(r->sampling_.Allocate(b, R - kMaxPromptLogprobRows, c.vocab_size));
   if (r->host_ == nullptr || r->device_ == nullptr || r->device_tables_ == nullptr ||
       r->device_tokens_ == nullptr) {
     return Status::ResourceExhausted("model runner: out of memory for the step's inputs");
@@ -187,13 +194,15 @@ Status ModelRunner::AssignTableRows(std::span<const ScheduledSeq> step, int32_t*
 StatusOr<std::vector<SampledToken>> ModelRunner::Execute(std::span<const ScheduledSeq> step) {
   const ModelConfig& c = model_->config();
   const auto S = static_cast<int64_t>(step.size());
-  int64_t T = 0, R = 0;
+  int64_t T = 0, R = 0, Q = 0;  // token rows, sampled rows, prompt-logprob rows
   bool decode = S > 0;
   for (const ScheduledSeq& s : step) {
     const int64_t cached = s.num_computed - s.kv_offset;  // cache index of the first new token
     bool fits = s.num_new >= 1 && s.kv_offset >= 0 && cached >= 0 &&
                 s.num_computed + s.num_new <= static_cast<int64_t>(s.tokens.size()) &&
-                static_cast<int64_t>(s.tables.size()) == groups_;
+                static_cast<int64_t>(s.tables.size()) == groups_ &&
+                s.prompt_logprob_end < static_cast<int64_t>(s.tokens.size()) &&
+                s.num_prompt_logprobs >= 0 && s.num_prompt_logprobs <= kernels::kMaxTopLogprobs;
     for (int64_t g = 0; fits && g < groups_; ++g) {
       const auto n = static_cast<int64_t>(s.tables[g].size());
       const int64_t B = layout_.block_size;
@@ -209,10 +218,12 @@ StatusOr<std::vector<SampledToken>> ModelRunner::Execute(std::span<const Schedul
     }
     T += s.num_new;
     R += s.sample ? 1 : 0;
+    Q += PromptLogprobRows(s);
     decode &= s.num_new == 1;
   }
   if (S == 0) return std::vector<SampledToken>{};
-  if (S > options_.max_num_seqs || T > options_.max_num_batched_tokens) {
+  if (S > options_.max_num_seqs || T > options_.max_num_batched_tokens ||
+      Q > kMaxPromptLogprobRows) {
     return Status::InvalidArgument("model runner: a step of " + std::to_string(T) + " tokens and " +
                                    std::to_string(S) + " sequences is past the runner's limits");
   }
@@ -221,7 +232,8 @@ StatusOr<std::vector<SampledToken>> ModelRunner::Execute(std::span<const Schedul
   const int64_t bucket = Bucket(S);
   // A step that captures SnapKV's queries (a window of 1 ending a prompt
   // among decode rows) runs eagerly: a replayed graph would not copy them.
-  bool graph = graphs_enabled_ && decode && !model_->capturing_queries();
+  // So does one that scores prompt tokens: a graph computes sampled rows only.
+  bool graph = graphs_enabled_ && decode && !model_->capturing_queries() && Q == 0;
   // And whether this rank holds a graph of the bucket captured on the
   // scratch as it is: when every rank does, one vote settles both and the
   // step replays with no other.
@@ -262,10 +274,17 @@ StatusOr<std::vector<SampledToken>> ModelRunner::Execute(std::span<const Schedul
     max_query = std::max(max_query, s.num_new);
     if (!graph && s.sample) logits_rows[r++] = static_cast<int32_t>(t - 1);
   }
+  // Prompt-logprob rows after the sampled ones, so that row k is still the
+  // k-th sampled sequence's.
+  for (int64_t i = 0, t0 = 0, q = R; i < S; t0 += step[i].num_new, ++i) {
+    for (int64_t j = 0; j < PromptLogprobRows(step[i]); ++j) {
+      logits_rows[q++] = static_cast<int32_t>(t0 + j);
+    }
+  }
   PDSERVE_RETURN_IF_ERROR(AssignTableRows(step, table_rows));
   if (graph) StagePadding(S, bucket);
-  Run(rows, seqs, graph ? bucket : R, graph ? 1 : max_query, graph ? table_width_ * B : max_context,
-      graph, ready);
+  Run(rows, seqs, graph ? bucket : R + Q, graph ? 1 : max_query,
+      graph ? table_width_ * B : max_context, graph, ready);
   const int64_t logit_rows = graph ? bucket : R;
   AdjustSampledLogits(step, graph, logit_rows);
 
@@ -318,6 +337,15 @@ StatusOr<std::vector<SampledToken>> ModelRunner::Execute(std::span<const Schedul
     backend_->DownloadAsync(sb.host_out, sb.device + sb.out, out_bytes);
     downloaded_bytes_ += static_cast<int64_t>(out_bytes);
   }
+  // Prompt logprobs are scored on the host: a scoring request's rows are
+  // few (kMaxPromptLogprobRows a step) and read back whole.
+  std::vector<float> prompt_logits(static_cast<size_t>(Q * c.vocab_size));
+  if (Q > 0) {
+    const kernels::Tensor all = model_->logits(R + Q);
+    backend_->DownloadAsync(prompt_logits.data(), static_cast<float*>(all.data) + R * c.vocab_size,
+                            prompt_logits.size() * sizeof(float));
+    downloaded_bytes_ += static_cast<int64_t>(prompt_logits.size() * sizeof(float));
+  }
   backend_->Synchronize();
   const kernels::SampleRowsOutput got = sb.Output(sb.host_out);
   std::vector<SampledToken> out;
@@ -336,6 +364,14 @@ StatusOr<std::vector<SampledToken>> ModelRunner::Execute(std::span<const Schedul
                                  got.logprobs + j * kernels::kLogprobStride,
                                  got.top_ids + j * kernels::kMaxTopLogprobs));
     ++j;
+  }
+  for (int64_t i = 0, q = 0; i < S; ++i) {
+    const ScheduledSeq& s = step[i];
+    for (int64_t j = 0; j < PromptLogprobRows(s); ++j, ++q) {
+      const std::span<const float> row(prompt_logits.data() + q * c.vocab_size,
+                                       static_cast<size_t>(c.vocab_size));
+      out.push_back(ScoreToken(row, s.tokens[s.num_computed + j + 1], s.num_prompt_logprobs));
+    }
   }
   return out;
 }

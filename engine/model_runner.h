@@ -95,7 +95,17 @@ struct ScheduledSeq {
   // t / 64, at least one set); empty: any. The sampled token is always one
   // of them (the lowest allowed id when every allowed logit is -inf or NaN).
   std::span<const uint64_t> allowed;
+  // Prompt logprobs: every new position p below this scores token p + 1
+  // (tokens[p + 1]) under its logits, with the `num_prompt_logprobs` most
+  // likely tokens beside it (0: the token's alone). 0: none.
+  int64_t prompt_logprob_end = 0;
+  int num_prompt_logprobs = 0;
 };
+
+// Prompt-logprob rows a step may hold beside its sampled ones (each is a
+// row of logits, vocabulary-wide, read back to the host): the scheduler
+// splits a prompt that wants more into chunks.
+inline constexpr int64_t kMaxPromptLogprobRows = 64;
 
 // A batch given whole (text evaluation, tests): host arrays. Token t has id
 // token_ids[t], position positions[t] and its K/V goes to KV slot slots[t]
@@ -131,8 +141,13 @@ class ModelRunner {
   ModelRunner& operator=(const ModelRunner&) = delete;
 
   // Runs one step: the new tokens of every sequence, then a sampled token
-  // for each sequence with `sample` set, in order. InvalidArgument for a
-  // step past the runner's limits or a token outside the vocabulary.
+  // for each sequence with `sample` set, in order, then the prompt logprobs
+  // asked for (ScheduledSeq::prompt_logprob_end), sequence by sequence and
+  // position by position: token = the prompt token scored, its raw logprob
+  // (log_softmax of the model's logits, no adjustments) and the top ones,
+  // ranked as sampling ranks them. InvalidArgument for a step past the
+  // runner's limits (more than kMaxPromptLogprobRows prompt rows included)
+  // or a token outside the vocabulary.
   StatusOr<std::vector<SampledToken>> Execute(std::span<const ScheduledSeq> step);
 
   // Runs a batch given whole, its logits [num_logits, vocab] into host
@@ -207,7 +222,7 @@ class ModelRunner {
   RunnerOptions options_;
   Staged staged_;
   int64_t max_rows_ = 0;     // token rows of the largest step, padding included
-  int64_t max_logits_ = 0;   // logits rows of the largest step, padding included
+  int64_t max_logits_ = 0;   // logits rows of the largest step, padding and prompt rows included
   int64_t table_width_ = 0;  // max blocks per sequence
   int64_t table_rows_ = 0;   // rows of the persistent table
   int64_t groups_ = 1;       // KV layer groups: one persistent table each
@@ -250,7 +265,8 @@ class ModelRunner {
   int64_t graph_replays_ = 0;
   // SampleRows' rows: params then masks (words per masked row) staged on
   // the host and sent in one copy; its outputs (tokens, logprobs, top ids at
-  // the offsets below) read back in one copy. Sized for max_logits_ rows.
+  // the offsets below) read back in one copy. Sized for the sampled rows (max_logits_ less
+  // kMaxPromptLogprobRows).
   struct SamplingBuffers {
     int64_t words = 0;
     size_t masks = 0, out = 0;         // offsets in host_in and device

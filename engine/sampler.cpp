@@ -75,6 +75,15 @@ SampledToken SampleToken(std::span<const float> logits, const SamplingParams& pa
   return SampledTokenOf(token, NumTopLogprobs(params, logits.size()), logprobs, top_ids);
 }
 
+SampledToken ScoreToken(std::span<const float> logits, TokenId token, int num_logprobs) {
+  float logprobs[kernels::kLogprobStride];
+  int32_t top_ids[kernels::kMaxTopLogprobs];
+  const int n = static_cast<int>(std::min(static_cast<size_t>(num_logprobs), logits.size()));
+  kernels::RowLogprobs(logits.data(), static_cast<int64_t>(logits.size()), token, n, logprobs,
+                       top_ids);
+  return SampledTokenOf(token, n, logprobs, top_ids);
+}
+
 void ApplyTokenBitmask(std::span<float> logits, std::span<const uint64_t> allowed) {
   kernels::ApplyTokenBitmask(logits.data(), static_cast<int64_t>(logits.size()), allowed.data(),
                              static_cast<int64_t>(allowed.size()));

@@ -65,6 +65,11 @@ int NumTopLogprobs(const SamplingParams& params, size_t vocab);
 SampledToken SampledTokenOf(int32_t token, int num_logprobs, const float* logprobs,
                             const int32_t* top_ids);
 
+// Prompt logprobs: `token` scored under `logits` (its raw logprob) with the
+// `num_logprobs` most likely tokens beside it (0 to kernels::kMaxTopLogprobs),
+// as sampling reports a sampled token's.
+SampledToken ScoreToken(std::span<const float> logits, TokenId token, int num_logprobs);
+
 // Draws output token number `position` (0 for the first output token) of a
 // request whose resolved seed is `seed`. Preconditions: params validated,
 // logits non-empty. Non-finite logits: NaN counts as -inf; if every logit is

@@ -188,7 +188,12 @@ void SampleRow(const float* row, int64_t vocab, const SampleRowParams& p, const 
     }
   }
   if (p.num_logprobs < 0) return;
+  RowLogprobs(row, vocab, *token, p.num_logprobs, logprobs, top_ids);
+}
 
+void RowLogprobs(const float* row, int64_t vocab, int32_t token, int num_logprobs, float* logprobs,
+                 int32_t* top_ids) {
+  const std::span<const float> logits(row, static_cast<size_t>(vocab));
   // log_softmax of the raw logits; NaN counts as -inf.
   const float max_l = logits[ArgMaxRow(row, vocab)];
   double lse = max_l;
@@ -204,8 +209,8 @@ void SampleRow(const float* row, int64_t vocab, const SampleRowParams& p, const 
     if (std::isnan(l) || !std::isfinite(lse)) return kNegInf;
     return static_cast<float>(static_cast<double>(l) - lse);
   };
-  logprobs[0] = logprob(*token);
-  const size_t n = std::min(static_cast<size_t>(p.num_logprobs), logits.size());
+  logprobs[0] = logprob(token);
+  const size_t n = std::min(static_cast<size_t>(num_logprobs), logits.size());
   if (n == 0) return;
   // The n best by a bounded insertion: n <= 20, one pass over the vocabulary.
   auto value = [&](int32_t id) { return std::isnan(logits[id]) ? kNegInf : logits[id]; };

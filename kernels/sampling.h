@@ -73,6 +73,13 @@ KeptTokens FilterRow(const float* logits, int64_t vocab, const SampleRowParams& 
 void SampleRow(const float* logits, int64_t vocab, const SampleRowParams& p, const uint64_t* mask,
                int64_t mask_words, int32_t* token, float* logprobs, int32_t* top_ids);
 
+// The logprob part of SampleRow for `token` (in [0, vocab)) on its own:
+// logprobs[0] its raw logprob, then the top `num_logprobs` (0 to
+// kMaxTopLogprobs; ids in top_ids), as one row of SampleRowsOutput. Also what
+// scores a prompt token.
+void RowLogprobs(const float* row, int64_t vocab, int32_t token, int num_logprobs, float* logprobs,
+                 int32_t* top_ids);
+
 // Sets every logit whose token `allowed` does not hold to -inf.
 void ApplyTokenBitmask(float* logits, int64_t vocab, const uint64_t* allowed, int64_t words);
 

@@ -1,5 +1,7 @@
 #include "services/protocol/sampling.h"
 
+#include <algorithm>
+
 namespace pdserve {
 
 void ToProto(const SamplingParams& s, proto::SamplingParams* p) {
@@ -13,6 +15,7 @@ void ToProto(const SamplingParams& s, proto::SamplingParams* p) {
   p->set_ignore_eos(s.ignore_eos);
   p->set_logprobs(s.logprobs.has_value());
   p->set_top_logprobs(static_cast<uint32_t>(s.logprobs.value_or(0)));
+  if (s.prompt_logprobs) p->set_prompt_logprobs(static_cast<uint32_t>(*s.prompt_logprobs));
   p->set_min_p(s.min_p);
   p->set_presence_penalty(s.presence_penalty);
   p->set_frequency_penalty(s.frequency_penalty);
@@ -39,6 +42,10 @@ SamplingParams FromProto(const proto::SamplingParams& p) {
   s.stop_token_ids.assign(p.stop_token_ids().begin(), p.stop_token_ids().end());
   s.ignore_eos = p.ignore_eos();
   if (p.logprobs()) s.logprobs = static_cast<int>(p.top_logprobs());
+  if (p.has_prompt_logprobs()) {
+    // Clamped into int's range; the engine refuses anything past kMaxLogprobs.
+    s.prompt_logprobs = static_cast<int>(std::min<uint32_t>(p.prompt_logprobs(), 1u << 30));
+  }
   s.min_p = p.min_p();
   s.presence_penalty = p.presence_penalty();
   s.frequency_penalty = p.frequency_penalty();

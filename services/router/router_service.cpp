@@ -248,6 +248,8 @@ struct Inflight {
   std::unique_ptr<ResponseFormatter> formatter;
   std::string prompt_text;  // for echo
   std::vector<TokenId> prompt_ids;
+  // echo with logprobs: the prompt's tokens as the worker scored them.
+  std::vector<TokenPiece> prompt_pieces;
   std::vector<BlockHash> hashes;
   Clock::time_point arrived;
   Clock::time_point deadline;
@@ -810,7 +812,14 @@ class RouterServiceImpl : public RouterService {
       g->set_n(static_cast<uint32_t>(r.choices.size()));
       g->set_cache_salt(r.api->cache_salt);
       // The prefill decision travels with the request: an address means
-      // "prefill remotely there", none means "prefill locally".
+      // "prefill remotely there", none means "prefill locally". A prompt to
+      // score is prefilled where its logits are wanted: locally, no copy.
+      if (sampling.prompt_logprobs) {
+        if (decision->prefill) core_->OnPrefillDone(id);
+        decision->prefill.reset();
+        if (decision->copy_from) core_->OnCopyLanded(id);
+        decision->copy_from.reset();
+      }
       if (decision->prefill) {
         if (auto p = LinkOf(*decision->prefill)) {
           g->set_prefill_worker_id(p->name);
@@ -1450,6 +1459,7 @@ class RouterServiceImpl : public RouterService {
       return;  // cancelled or finished meanwhile, or not this worker's
     }
     Inflight& r = *found;
+    if (t.prompt_logprobs_size() > 0) TakePromptScoresLocked(link, r, t);
     if (!r.first_token_seen) {
       r.first_token_seen = true;
       r.ttft_s = SecondsSince(r.arrived);
@@ -1464,9 +1474,10 @@ class RouterServiceImpl : public RouterService {
       if (r.api->stream) {
         r.exchange->BeginStream(200, "text/event-stream", {{"x-request-id", r.http_request_id}});
         r.started_stream = true;
-        r.exchange->Write(r.formatter->StreamStart(r.api->n, r.prompt_text));
+        r.exchange->Write(r.formatter->StreamStart(r.api->n, r.prompt_text, &r.prompt_pieces));
       }
     }
+    if (t.token_ids_size() == 0) return;  // the prompt's scores alone
     if (t.index() >= r.choices.size()) {
       PDSERVE_LOG(WARN) << "worker " << link.name << ": token of sequence " << t.index()
                         << " of request " << r.http_request_id << ", which has "
@@ -1509,6 +1520,35 @@ class RouterServiceImpl : public RouterService {
     } else {
       for (auto& p : pieces) c.pieces.push_back(std::move(p));
     }
+  }
+
+  // echo with logprobs: the prompt's scores, one per token after the first
+  // (every sequence scores the same prompt: the first set to come is kept).
+  void TakePromptScoresLocked(const WorkerLink& link, Inflight& r, const proto::Token& t) {
+    const size_t n = r.prompt_ids.size();
+    if (!r.prompt_pieces.empty() || !r.api->echo || !r.api->sampling.logprobs) return;
+    if (static_cast<size_t>(t.prompt_logprobs_size()) + 1 != n ||
+        t.prompt_top_logprobs_size() != t.prompt_logprobs_size()) {
+      PDSERVE_LOG(WARN) << "worker " << link.name << ": " << t.prompt_logprobs_size()
+                        << " prompt scores for request " << r.http_request_id
+                        << ", whose prompt has " << n << " tokens; ignored";
+      return;
+    }
+    IncrementalDetokenizer detok(*tokenizer_, /*skip_special_tokens=*/true);
+    r.prompt_pieces.resize(n);
+    for (size_t i = 0; i < n; ++i) {
+      TokenPiece& p = r.prompt_pieces[i];
+      p.token = r.prompt_ids[i];
+      p.token_text = TokenString(p.token);
+      p.text = detok.Push(p.token);
+      if (i == 0) continue;  // nothing scores the first token
+      p.logprob = t.prompt_logprobs(static_cast<int>(i - 1));
+      const auto& top = t.prompt_top_logprobs(static_cast<int>(i - 1));
+      for (int k = 0; k < top.token_ids_size() && k < top.logprobs_size(); ++k) {
+        p.top_logprobs.emplace_back(TokenString(top.token_ids(k)), top.logprobs(k));
+      }
+    }
+    r.prompt_pieces.back().text += detok.Flush();
   }
 
   // Streaming chat with tools: content as it comes, each call once complete.
@@ -1555,7 +1595,7 @@ class RouterServiceImpl : public RouterService {
     if (r.api->stream) {
       if (!r.started_stream) {
         r.exchange->BeginStream(200, "text/event-stream", {{"x-request-id", r.http_request_id}});
-        r.exchange->Write(r.formatter->StreamStart(r.api->n, r.prompt_text));
+        r.exchange->Write(r.formatter->StreamStart(r.api->n, r.prompt_text, &r.prompt_pieces));
         r.started_stream = true;
       }
       if (c.tool_stream) {
@@ -1586,7 +1626,7 @@ class RouterServiceImpl : public RouterService {
       for (size_t k = 0; k < order.size(); ++k) {
         Inflight::Choice& ch = r.choices[order[k]];
         ResponseFormatter::ChoiceOutput o{static_cast<int>(k), &ch.pieces, ch.finish_reason,
-                                          nullptr};
+                                          nullptr, &r.prompt_pieces};
         if (ToolsActive(*r.api)) {
           std::string text;
           for (const auto& p : ch.pieces) text += p.text;

@@ -146,9 +146,10 @@ void DecodeSide::Admit(const ConnectionPtr& router, proto::Generate g,
   r->arrived = WorkerClock::now();
   r->prompt_tokens = static_cast<int64_t>(req.prompt.size());
 
-  // The router decided: a named prefill worker means remote prefill.
+  // The router decided: a named prefill worker means remote prefill; but a
+  // prompt to score is computed here, where its logits are.
   std::optional<proto::Envelope> prefill;
-  if (!g.prefill_address().empty()) {
+  if (!g.prefill_address().empty() && !req.params.prompt_logprobs) {
     EngineRequest copy = req;
     copy.snapkv_dense = g.prefix_copy();  // cached here, as on the holder
     auto plan = ctx_->engine->AddRemotePrefillRequest(std::move(copy));
@@ -202,6 +203,9 @@ void DecodeSide::Admit(const ConnectionPtr& router, proto::Generate g,
       sib.id = ctx_->next_id++;
       sib.params.seed = *base.params.seed + i;
       sib.share_prompt_with = id;
+      // The prompt is scored once, by the first sequence (the router gives
+      // every choice its scores); the others take its KV from the cache.
+      if (sib.params.max_tokens > 0) sib.params.prompt_logprobs.reset();
       auto sr = std::make_unique<Request>();
       sr->id = sib.id;
       sr->index = i;
@@ -333,6 +337,21 @@ bool DecodeSide::HandleOutput(RequestOutput& out) {
   if (it == requests_.end()) return false;
   Request& r = *it->second;
   const auto now = WorkerClock::now();
+  if (!out.prompt_logprobs.empty()) {
+    proto::Envelope env;
+    auto* t = env.mutable_token();
+    t->set_request_id(r.router_rid);
+    t->set_index(r.index);
+    for (const auto& lp : out.prompt_logprobs) {
+      t->add_prompt_logprobs(lp.logprob);
+      auto* top = t->add_prompt_top_logprobs();
+      for (const auto& alt : lp.top_logprobs) {
+        top->add_token_ids(alt.token);
+        top->add_logprobs(alt.logprob);
+      }
+    }
+    (void)r.router->Send(std::move(env));
+  }
   if (!out.new_token_ids.empty()) {
     const bool first = !r.first_token_sent;
     if (first) {

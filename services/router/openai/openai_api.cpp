@@ -562,8 +562,12 @@ std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view body,
   if (max_completion_tokens) max_tokens = max_completion_tokens;
   if (max_tokens) {
     const char* param = max_completion_tokens ? "max_completion_tokens" : "max_tokens";
-    if (*max_tokens < 1 || *max_tokens > std::numeric_limits<int>::max()) {
-      return Bad(param, std::string("'") + param + "' must be at least 1, got " +
+    // 0 with echo: the prompt alone, scored when logprobs are asked for
+    // (lm-evaluation-harness's loglikelihood requests).
+    const int64_t least = out->echo ? 0 : 1;
+    if (*max_tokens < least || *max_tokens > std::numeric_limits<int>::max()) {
+      return Bad(param, std::string("'") + param + "' must be at least " + std::to_string(least) +
+                            (out->echo ? "" : " (0 only with 'echo')") + ", got " +
                             std::to_string(*max_tokens));
     }
     out->max_tokens = static_cast<int>(*max_tokens);
@@ -640,6 +644,12 @@ std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view body,
                    "'logprobs' must be an integer in [0, " + std::to_string(kMaxLogprobs) + "]");
       }
       s.logprobs = static_cast<int>(*n);
+    }
+    // echo with logprobs: the prompt's tokens are scored too, as OpenAI's
+    // legacy completions and vLLM give them. max_tokens 0 needs the worker
+    // to compute the prompt only, which is what a prompt to score asks.
+    if (out->echo && (s.logprobs || out->max_tokens == 0)) {
+      s.prompt_logprobs = s.logprobs.value_or(0);
     }
   } else {
     PDSERVE_API_CHECK(f.Bool("logprobs", &out->chat_logprobs));
@@ -761,10 +771,15 @@ nlohmann::json ResponseFormatter::Logprobs(const std::vector<TokenPiece>& pieces
   size_t offset = text_offset;
   for (const auto& p : pieces) {
     tokens.push_back(Utf8Text(p.token_text));
-    token_logprobs.push_back(Logprob(p.logprob.value_or(0.f)));
-    nlohmann::json top = nlohmann::json::object();
-    for (const auto& [tok, lp] : p.top_logprobs) top[Utf8Text(tok)] = Logprob(lp);
-    top_logprobs.push_back(top);
+    if (!p.logprob) {  // a prompt's first token: nothing scores it
+      token_logprobs.push_back(nullptr);
+      top_logprobs.push_back(nullptr);
+    } else {
+      token_logprobs.push_back(Logprob(*p.logprob));
+      nlohmann::json top = nlohmann::json::object();
+      for (const auto& [tok, lp] : p.top_logprobs) top[Utf8Text(tok)] = Logprob(lp);
+      top_logprobs.push_back(top);
+    }
     offsets.push_back(offset);
     offset += p.text.size();
   }
@@ -794,16 +809,19 @@ std::string ResponseFormatter::Chunk(nlohmann::json j) const {
   return Sse(j);
 }
 
-std::string ResponseFormatter::StreamStart(int n, const std::string& prompt_text) const {
+std::string ResponseFormatter::StreamStart(int n, const std::string& prompt_text,
+                                           const std::vector<TokenPiece>* prompt_pieces) const {
   std::string out;
   if (request_.endpoint != Endpoint::kChatCompletions) {
     if (!request_.echo || prompt_text.empty()) return "";
-    // echo: each choice's text starts with the prompt, as unstreamed.
+    // echo: each choice's text starts with the prompt, as unstreamed, and
+    // its logprobs with the prompt's.
+    const bool scored = prompt_pieces != nullptr && !prompt_pieces->empty();
     for (int index = 0; index < n; ++index) {
       nlohmann::json j = Envelope("text_completion");
       j["choices"] = {{{"index", index},
                        {"text", Utf8Text(prompt_text)},
-                       {"logprobs", nullptr},
+                       {"logprobs", scored ? Logprobs(*prompt_pieces, 0) : nlohmann::json()},
                        {"finish_reason", nullptr}}};
       out += Chunk(j);
     }
@@ -937,9 +955,19 @@ nlohmann::json ResponseFormatter::Choice(const std::string& prompt_text,
             {"finish_reason", Utf8Text(c.finish_reason)}};
   }
   const std::string prefix = request_.echo ? prompt_text : "";
+  nlohmann::json logprobs;
+  if (request_.echo && c.prompt_pieces != nullptr && !c.prompt_pieces->empty()) {
+    // The prompt's scored tokens, then the output's: offsets run on from
+    // the prompt's pieces.
+    std::vector<TokenPiece> all = *c.prompt_pieces;
+    all.insert(all.end(), pieces.begin(), pieces.end());
+    logprobs = Logprobs(all, 0);
+  } else {
+    logprobs = Logprobs(pieces, prefix.size());
+  }
   return {{"index", c.index},
           {"text", Utf8Text(prefix + JoinRaw(pieces))},
-          {"logprobs", Logprobs(pieces, prefix.size())},
+          {"logprobs", logprobs},
           {"finish_reason", Utf8Text(c.finish_reason)}};
 }
 

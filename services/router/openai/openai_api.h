@@ -106,9 +106,9 @@ struct Usage {
 // One generated token as the response formats need it.
 struct TokenPiece {
   TokenId token = 0;
-  std::string text;        // detokenized text released with this token
-  std::string token_text;  // the token's own string (for logprobs)
-  std::optional<float> logprob;
+  std::string text;              // detokenized text released with this token
+  std::string token_text;        // the token's own string (for logprobs)
+  std::optional<float> logprob;  // none: a prompt's first token (JSON null)
   std::vector<std::pair<std::string, float>> top_logprobs;  // token text, logprob
 };
 
@@ -127,7 +127,10 @@ class ResponseFormatter {
 
   // Streaming: the first event(s) ("" when the endpoint has none; chat sends
   // the role, once per choice; completions with echo the prompt's text).
-  std::string StreamStart(int n = 1, const std::string& prompt_text = "") const;
+  // `prompt_pieces`: echo with logprobs, the prompt's tokens as scored
+  // (the first one has no logprob); null or empty: none came.
+  std::string StreamStart(int n = 1, const std::string& prompt_text = "",
+                          const std::vector<TokenPiece>* prompt_pieces = nullptr) const;
   // Streaming: one event carrying `text` (and logprobs when requested) for
   // choice `index`; `text_offset`: how many bytes of text the choice has
   // streamed before (completions' logprobs.text_offset counts from there).
@@ -158,6 +161,9 @@ class ResponseFormatter {
     const std::vector<TokenPiece>* pieces = nullptr;
     std::string finish_reason;
     const ToolOutcome* tools = nullptr;
+    // Completions with echo and logprobs: the prompt's tokens as scored,
+    // whose logprobs come first (null or empty: none came).
+    const std::vector<TokenPiece>* prompt_pieces = nullptr;
   };
   nlohmann::json Complete(const std::string& prompt_text, const std::vector<ChoiceOutput>& choices,
                           const Usage& usage) const;

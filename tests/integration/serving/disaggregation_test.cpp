@@ -219,7 +219,9 @@ TEST(RealModelDisaggregationTest, StagedHandOffMatchesTheOfflineEngine) {
       << first.dump();
   // A completion continues its prompt: the first token's SentencePiece space
   // stays (" little", not "little"), echo is the prompt then that text, and
-  // the logprobs' tokens are what each adds to the text, so they join to it.
+  // the logprobs' tokens are what each adds to the text, so the output's
+  // join to it (echo's logprobs start with the prompt's tokens, "<s>" first,
+  // unscored).
   const std::string prompt = "Once upon a time, there was a";
   auto [status2, cont] = stack.Post(
       "/v1/completions",
@@ -227,8 +229,13 @@ TEST(RealModelDisaggregationTest, StagedHandOffMatchesTheOfflineEngine) {
   ASSERT_EQ(status2, 200);
   const std::string echoed = cont["choices"][0]["text"].get<std::string>();
   EXPECT_EQ(echoed.rfind(prompt + " little girl", 0), 0u) << cont.dump();
+  const nlohmann::json& tokens = cont["choices"][0]["logprobs"]["tokens"];
+  const size_t prompt_tokens = cont["usage"]["prompt_tokens"];
+  ASSERT_EQ(tokens.size(), prompt_tokens + 6) << cont.dump();
+  EXPECT_EQ(tokens[0], "<s>");
+  EXPECT_TRUE(cont["choices"][0]["logprobs"]["token_logprobs"][0].is_null());
   std::string joined;
-  for (const auto& t : cont["choices"][0]["logprobs"]["tokens"]) joined += t.get<std::string>();
+  for (size_t i = prompt_tokens; i < tokens.size(); ++i) joined += tokens[i].get<std::string>();
   EXPECT_EQ(prompt + joined, echoed) << cont.dump();
   ExpectKvMoved(prefill, decode);
   bool idle = false;  // the gauge follows the load reports (every 200 ms)

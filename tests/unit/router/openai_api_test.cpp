@@ -266,6 +266,49 @@ TEST(OpenAiApiTest, CompletionResponseFormats) {
   EXPECT_EQ(j["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
 }
 
+// echo with logprobs scores the prompt (and max_tokens 0 asks for that
+// alone); its first token has no logprob, and offsets run over the prompt's
+// pieces, then the output's.
+TEST(OpenAiApiTest, EchoWithLogprobsScoresThePrompt) {
+  auto req =
+      ParseOk(Endpoint::kCompletions, R"({"prompt":"Hi","logprobs":1,"echo":true,"max_tokens":0})");
+  EXPECT_EQ(req.max_tokens, 0);
+  EXPECT_EQ(req.sampling.prompt_logprobs, 1);
+  EXPECT_EQ(ParseOk(Endpoint::kCompletions, R"({"prompt":"Hi","echo":true,"max_tokens":0})")
+                .sampling.prompt_logprobs,
+            0)
+      << "max_tokens 0 computes the prompt alone";
+  EXPECT_FALSE(ParseOk(Endpoint::kCompletions, R"({"prompt":"Hi","logprobs":1})")
+                   .sampling.prompt_logprobs.has_value());
+  EXPECT_FALSE(ParseOk(Endpoint::kCompletions, R"({"prompt":"Hi","echo":true})")
+                   .sampling.prompt_logprobs.has_value());
+  EXPECT_EQ(ParseBad(Endpoint::kCompletions, R"({"prompt":"Hi","max_tokens":0})").param,
+            "max_tokens");
+
+  ResponseFormatter fmt(req, "cmpl-1", 1700000000);
+  std::vector<TokenPiece> prompt = {{1, "H", "H", std::nullopt, {}},
+                                    {2, "i", "i", -2.0f, {{"i", -2.0f}}}};
+  std::vector<TokenPiece> pieces = {{5, "!", "!", -0.5f, {{"!", -0.5f}}}};
+  ResponseFormatter::ChoiceOutput c{0, &pieces, "length", nullptr, &prompt};
+  auto j = fmt.Complete("Hi", {c}, {2, 1, 0});
+  const auto& lp = j["choices"][0]["logprobs"];
+  EXPECT_EQ(j["choices"][0]["text"], "Hi!");
+  EXPECT_EQ(lp["tokens"], (nlohmann::json{"H", "i", "!"}));
+  EXPECT_EQ(lp["token_logprobs"], (nlohmann::json{nullptr, -2.0, -0.5}));
+  EXPECT_TRUE(lp["top_logprobs"][0].is_null());
+  EXPECT_EQ(lp["top_logprobs"][1], (nlohmann::json{{"i", -2.0}}));
+  EXPECT_EQ(lp["text_offset"], (nlohmann::json{0, 1, 2}));
+  // Streamed: the prompt's scores ride on its echo.
+  const std::string start = fmt.StreamStart(1, "Hi", &prompt);
+  auto event = nlohmann::json::parse(start.substr(6));
+  EXPECT_EQ(event["choices"][0]["text"], "Hi");
+  EXPECT_EQ(event["choices"][0]["logprobs"]["token_logprobs"], (nlohmann::json{nullptr, -2.0}));
+  // No scores came (an older worker): the output's logprobs alone, as before.
+  ResponseFormatter::ChoiceOutput bare{0, &pieces, "length", nullptr, nullptr};
+  EXPECT_EQ(fmt.Complete("Hi", {bare}, {2, 1, 0})["choices"][0]["logprobs"]["text_offset"],
+            (nlohmann::json{2}));
+}
+
 TEST(OpenAiApiTest, ChatStreamEvents) {
   auto req = ParseOk(Endpoint::kChatCompletions,
                      R"({"messages":[{"role":"user","content":"x"}],"stream":true,
