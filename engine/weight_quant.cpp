@@ -50,21 +50,44 @@ Status StringList(const json* j, const std::string& key, const std::string& sour
   return Status::Ok();
 }
 
+// `key` of `j` as a string ("" when absent); any other type is refused.
+StatusOr<std::string> OptionalString(const json& j, const std::string& key,
+                                     const std::string& prefix, const std::string& source) {
+  const json* v = Field(j, key.c_str());
+  if (v == nullptr) return std::string();
+  if (!v->is_string()) return Refuse(source, prefix + "." + key, v->dump());
+  return v->get<std::string>();
+}
+
 StatusOr<WeightQuantConfig> ParseFp8(const json& q, const std::string& source) {
-  PDSERVE_RETURN_IF_ERROR(OnlyKeys(q,
-                                   {"quant_method", "activation_scheme", "weight_block_size",
-                                    "ignored_layers", "modules_to_not_convert", "fmt"},
-                                   source, ""));
+  PDSERVE_RETURN_IF_ERROR(
+      OnlyKeys(q,
+               {"quant_method", "activation_scheme", "weight_block_size", "ignored_layers",
+                "modules_to_not_convert", "fmt", "scale_fmt", "dequantize"},
+               source, ""));
   WeightQuantConfig c;
   c.method = WeightQuantConfig::Method::kFp8;
   c.scheme = WeightScheme::kFp8Tensor;
   if (const json* f = Field(q, "fmt"); f != nullptr && *f != "e4m3") {
     return Refuse(source, "fmt", f->dump());
   }
+  // As transformers writes them: the scales' own format (DeepSeek's later
+  // releases store powers of two, "ue8m0", as the F32 values they are), and
+  // whether to dequantise at load (false: serve the FP8 weights).
+  if (const json* f = Field(q, "scale_fmt"); f != nullptr && *f != "float" && *f != "ue8m0") {
+    return Refuse(source, "scale_fmt", f->dump());
+  }
+  if (const json* d = Field(q, "dequantize"); d != nullptr && *d != false) {
+    return Refuse(source, "dequantize", d->dump());
+  }
+  // Case as transformers ignores it ("Dynamic").
   const json* act = Field(q, "activation_scheme");
-  if (act == nullptr || *act == "dynamic") {
+  std::string scheme = act != nullptr && act->is_string() ? act->get<std::string>() : "";
+  std::transform(scheme.begin(), scheme.end(), scheme.begin(),
+                 [](unsigned char ch) { return static_cast<char>(std::tolower(ch)); });
+  if (act == nullptr || scheme == "dynamic") {
     c.activations = kernels::ActivationScaling::kDynamicPerTensor;
-  } else if (*act == "static") {
+  } else if (scheme == "static") {
     c.activations = kernels::ActivationScaling::kStatic;
   } else {
     return Refuse(source, "activation_scheme", act->dump());
@@ -168,7 +191,9 @@ StatusOr<WeightQuantConfig> ParseCompressedTensors(const json& q, const std::str
   const json* w = Field(g, "weights");
   if (w == nullptr || !w->is_object()) return Refuse(source, gkey + ".weights", "null");
   PDSERVE_RETURN_IF_ERROR(CheckFloat8Args(*w, gkey + ".weights", source));
-  const std::string strategy = w->value("strategy", std::string());
+  auto weight_strategy = OptionalString(*w, "strategy", gkey + ".weights", source);
+  if (!weight_strategy.ok()) return weight_strategy.status();
+  const std::string strategy = *weight_strategy;
   if (strategy == "tensor") {
     c.scheme = WeightScheme::kFp8Tensor;
   } else if (strategy == "channel") {
@@ -182,7 +207,9 @@ StatusOr<WeightQuantConfig> ParseCompressedTensors(const json& q, const std::str
   if (const json* a = Field(g, "input_activations")) {
     if (!a->is_object()) return Refuse(source, gkey + ".input_activations", a->dump());
     PDSERVE_RETURN_IF_ERROR(CheckFloat8Args(*a, gkey + ".input_activations", source));
-    const std::string s = a->value("strategy", std::string());
+    auto input_strategy = OptionalString(*a, "strategy", gkey + ".input_activations", source);
+    if (!input_strategy.ok()) return input_strategy.status();
+    const std::string s = *input_strategy;
     const json* d = Field(*a, "dynamic");
     const bool dynamic = d != nullptr && *d == true;
     if (d != nullptr && !d->is_boolean()) {

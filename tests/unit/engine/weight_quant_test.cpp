@@ -106,6 +106,20 @@ TEST(WeightQuantTest, Fp8MethodPerTensorAndIgnoreLists) {
   EXPECT_TRUE(q->quant.Ignores("model.layers.3.mlp.gate"));
   EXPECT_TRUE(q->quant.Ignores("model.layers.3.mlp.gate_proj"));  // transformers' substring rule
   EXPECT_FALSE(q->quant.Ignores("model.layers.3.mlp.up_proj"));
+  // As transformers saves FineGrainedFP8Config, and DeepSeek's later
+  // releases (power-of-two scales stored as F32): served as FP8 blocks.
+  for (const char* fmt : {"float", "ue8m0"}) {
+    auto saved = WithQuant({{"quant_method", "fp8"},
+                            {"activation_scheme", "Dynamic"},
+                            {"fmt", "e4m3"},
+                            {"weight_block_size", {128, 128}},
+                            {"modules_to_not_convert", nullptr},
+                            {"dequantize", false},
+                            {"scale_fmt", fmt}});
+    ASSERT_TRUE(saved.ok()) << fmt << ": " << saved.status().ToString();
+    EXPECT_EQ(saved->quant.scheme, WeightScheme::kFp8Block);
+    EXPECT_EQ(saved->quant.activations, ActivationScaling::kDynamicPerToken);
+  }
   // No quantization_config, or null: unquantised.
   auto none = WithQuant(nullptr);
   ASSERT_TRUE(none.ok());
@@ -215,6 +229,23 @@ TEST(WeightQuantTest, EverythingElseIsRefusedNamingTheKey) {
       {"block-strategy",
        dyn([](json& q) { q["config_groups"]["group_0"]["weights"]["strategy"] = "block"; }),
        "weights.strategy"},
+      {"null-strategy",
+       dyn([](json& q) { q["config_groups"]["group_0"]["weights"]["strategy"] = 3; }),
+       "weights.strategy"},
+      {"numeric-input-strategy", dyn([](json& q) {
+         q["config_groups"]["group_0"]["input_activations"]["strategy"] = json::array();
+       }),
+       "input_activations.strategy"},
+      {"fp8-scale-format",
+       [] {
+         return json{{"quant_method", "fp8"}, {"scale_fmt", "e8m0fnu"}};
+       },
+       "scale_fmt"},
+      {"fp8-dequantize",
+       [] {
+         return json{{"quant_method", "fp8"}, {"dequantize", true}};
+       },
+       "dequantize"},
       {"dynamic-weights",
        dyn([](json& q) { q["config_groups"]["group_0"]["weights"]["dynamic"] = true; }),
        "weights.dynamic"},
