@@ -9,6 +9,10 @@
 namespace pdserve::structured {
 namespace {
 
+// Byte-level grammar states one counted code point of a string costs, about
+// (its UTF-8 paths and JSON escapes): what bounds minLength and maxLength.
+constexpr size_t kStatesPerCountedChar = 32;
+
 using ojson = nlohmann::ordered_json;
 using Expr = GrammarBuilder::Expr;
 
@@ -498,10 +502,18 @@ class SchemaCompiler {
     const std::string key =
         std::to_string(*min) + "/" + std::to_string(*max) + "/" + format + "/" + pattern;
     if (auto it = string_rules_.find(key); it != string_rules_.end()) return b_.Call(it->second);
-    if (*max >= 0 && *max > static_cast<int64_t>(o_.grammar.max_dfa_states)) {
-      return Status::ResourceExhausted(
-          "'maxLength' " + std::to_string(*max) + " is larger than this server compiles (" +
-          std::to_string(o_.grammar.max_dfa_states) + ") at '" + ptr + "/maxLength'");
+    // Each counted code point costs about 30 byte-level states (UTF-8 paths
+    // and \uXXXX escapes), so the bounds are checked against the states
+    // allowed before anything is built: a minLength of 10^8 would otherwise
+    // allocate that many states first.
+    const auto longest = static_cast<int64_t>(o_.grammar.max_dfa_states / kStatesPerCountedChar);
+    for (const auto& [name, bound] : {std::pair{"minLength", *min}, std::pair{"maxLength", *max}}) {
+      if (bound > longest) {
+        return Status::ResourceExhausted(
+            std::string("'") + name + "' " + std::to_string(bound) +
+            " is longer than this server compiles (" + std::to_string(longest) +
+            " characters; --grammar-max-states) at '" + ptr + "/" + name + "'");
+      }
     }
     std::shared_ptr<const CpDfa> dfa;
     if (*min > 0 || *max >= 0) {

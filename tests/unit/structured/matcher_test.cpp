@@ -359,6 +359,25 @@ TEST(Grammar, HostileSchemasAreBoundedInTime) {
   }
 }
 
+// String bounds past what compiles are refused naming the keyword, before
+// anything is built (a minLength of 10^8 once allocated its states first);
+// a bound under the limit compiles.
+TEST(Grammar, LongStringBoundsAreRefusedByName) {
+  for (const char* key : {"minLength", "maxLength"}) {
+    for (const char* n : {"100000000", "1000000000000000", "2000"}) {
+      auto g = ConstraintGrammar(
+          Schema(std::string(R"({"type":"string",")") + key + "\":" + n + "}"), CompileOptions{});
+      ASSERT_FALSE(g.ok()) << key << " " << n;
+      EXPECT_EQ(g.status().code(), StatusCode::kResourceExhausted);
+      EXPECT_NE(g.status().message().find(std::string("'") + key + "' " + n), std::string::npos)
+          << g.status().message();
+    }
+  }
+  auto ok = ConstraintGrammar(Schema(R"({"type":"string","minLength":3,"maxLength":1000})"),
+                              CompileOptions{});
+  EXPECT_TRUE(ok.ok()) << ok.status().message();
+}
+
 TEST(Grammar, MaskBudgetRefusesOversizedPrecomputation) {
   auto g = ConstraintGrammar(Schema(R"({"type":"string","maxLength":200})"), CompileOptions{});
   ASSERT_TRUE(g.ok()) << g.status().message();
