@@ -1551,6 +1551,14 @@ class RouterServiceImpl : public RouterService {
     r.prompt_pieces.back().text += detok.Flush();
   }
 
+  // parallel_tool_calls false: a turn makes one call at most, whatever the
+  // model wrote after it (as OpenAI answers; vLLM keeps the first too).
+  static void KeepOneCallUnlessParallel(const ApiRequest& api, size_t sent,
+                                        std::vector<ToolCall>* calls) {
+    if (api.parallel_tool_calls) return;
+    calls->resize(sent > 0 ? 0 : std::min<size_t>(calls->size(), 1));
+  }
+
   // Streaming chat with tools: content as it comes, each call once complete.
   void StreamToolText(Inflight& r, int index, const std::vector<TokenPiece>& pieces, bool final) {
     Inflight::Choice& c = r.choices[index];
@@ -1559,6 +1567,7 @@ class RouterServiceImpl : public RouterService {
     std::vector<ToolCall> calls;
     c.tool_stream->Push(text, &content, &calls);
     if (final) c.tool_stream->Finish(&content, &calls);
+    KeepOneCallUnlessParallel(*r.api, c.tool_calls_sent, &calls);
     std::string events = r.formatter->StreamContent(content, index);
     events += r.formatter->StreamToolCalls(calls, c.tool_calls_sent, index);
     c.tool_calls_sent += calls.size();
@@ -1631,6 +1640,7 @@ class RouterServiceImpl : public RouterService {
           std::string text;
           for (const auto& p : ch.pieces) text += p.text;
           ParseToolCalls(tool_parser_, ToolNames(*r.api), text, &tools[k].content, &tools[k].calls);
+          KeepOneCallUnlessParallel(*r.api, 0, &tools[k].calls);
           if (!tools[k].calls.empty() && o.finish_reason == "stop") o.finish_reason = "tool_calls";
           o.tools = &tools[k];
         }

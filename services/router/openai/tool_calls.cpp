@@ -298,32 +298,39 @@ void ParseToolCalls(ToolParser parser, const std::vector<std::string>& functions
 std::string ToolCallGrammar(ToolParser parser, const ojson& tools,
                             const std::optional<std::string>& named, bool parallel) {
   const char* args_key = parser == ToolParser::kLlama3Json ? "parameters" : "arguments";
-  ojson alternatives = ojson::array();
+  // Each call is written out as grammar text around its own %json: the
+  // function's parameters are a schema root of their own, so that their
+  // "$ref": "#/$defs/..." (and "#") resolve inside them, not against a
+  // wrapper. Names are letters, digits, '_' and '-' (ParseRequest), safe in
+  // a literal.
+  std::string rules, calls;
+  int k = 0;
   for (const auto& tool : tools) {
     const ojson& f = tool["function"];
     const std::string name = f["name"].get<std::string>();
     if (named && *named != name) continue;
-    ojson params = f.contains("parameters") && !f["parameters"].is_null()
-                       ? f["parameters"]
-                       : ojson{{"type", "object"}, {"properties", ojson::object()}};
-    alternatives.push_back({{"type", "object"},
-                            {"properties", {{"name", {{"const", name}}}, {args_key, params}}},
-                            {"required", {"name", args_key}},
-                            {"additionalProperties", false}});
+    // No parameters: the function takes none (OpenAI), so {} alone.
+    const ojson params = f.contains("parameters") && !f["parameters"].is_null()
+                             ? f["parameters"]
+                             : ojson{{"type", "object"},
+                                     {"properties", ojson::object()},
+                                     {"additionalProperties", false}};
+    const std::string rule = "call" + std::to_string(k++);
+    rules += rule + " ::= \"{\" ws \"\\\"name\\\"\" ws \":\" ws \"\\\"" + name +
+             "\\\"\" ws \",\" ws \"\\\"" + args_key + "\\\"\" ws \":\" ws %json " + params.dump() +
+             " ws \"}\"\n";
+    calls += (calls.empty() ? "" : " | ") + rule;
   }
-  const ojson call = alternatives.size() == 1 ? alternatives[0] : ojson{{"anyOf", alternatives}};
+  rules += "call ::= " + calls + "\nws ::= [ \\t\\n]{0,2}\n";
   switch (parser) {
-    case ToolParser::kMistral: {
-      ojson list = {{"type", "array"}, {"items", call}, {"minItems", 1}};
-      if (!parallel) list["maxItems"] = 1;
-      return "root ::= \"[TOOL_CALLS]\" %json " + list.dump() + "\n";
-    }
+    case ToolParser::kMistral:
+      return "root ::= \"[TOOL_CALLS]\" \"[\" ws call" +
+             std::string(parallel ? " (ws \",\" ws call)*" : "") + " ws \"]\"\n" + rules;
     case ToolParser::kLlama3Json:
-      return std::string("root ::= call") + (parallel ? " (\"; \" call)*" : "") +
-             "\ncall ::= %json " + call.dump() + "\n";
+      return std::string("root ::= call") + (parallel ? " (\"; \" call)*" : "") + "\n" + rules;
     default:
-      return std::string("root ::= call") + (parallel ? " (\"\\n\" call)*" : "") +
-             "\ncall ::= \"<tool_call>\\n\" %json " + call.dump() + " \"\\n</tool_call>\"\n";
+      return std::string("root ::= tagged") + (parallel ? " (\"\\n\" tagged)*" : "") +
+             "\ntagged ::= \"<tool_call>\\n\" call \"\\n</tool_call>\"\n" + rules;
   }
 }
 

@@ -62,6 +62,18 @@ class FakeWorker {
       if (e.has_resync()) {
         reply.mutable_kv_snapshot()->set_last_chunk(true);
       } else if (e.has_generate()) {
+        std::string text;
+        {
+          std::lock_guard lock(mu_);
+          text = reply_text_;
+        }
+        if (!text.empty()) {  // one token carrying the whole text
+          proto::Envelope token;
+          token.mutable_token()->set_request_id(e.generate().request_id());
+          token.mutable_token()->add_token_ids(5);
+          token.mutable_token()->set_text(text);
+          (void)c->Send(std::move(token));
+        }
         proto::Finished* f = reply.mutable_finished();
         f->set_request_id(e.generate().request_id());
         f->set_reason(proto::FINISH_REASON_LENGTH);
@@ -89,6 +101,11 @@ class FakeWorker {
     std::unique_lock lock(mu_);
     return cv_.wait_for(lock, wait, [this] { return registered_; });
   }
+  // Generates are answered with one token of this text ("": none).
+  void SetReplyText(std::string text) {
+    std::lock_guard lock(mu_);
+    reply_text_ = std::move(text);
+  }
   std::vector<proto::Generate> generates() {
     std::lock_guard lock(mu_);
     return generates_;
@@ -101,6 +118,7 @@ class FakeWorker {
   std::condition_variable cv_;
   bool registered_ = false;
   std::vector<proto::Generate> generates_;
+  std::string reply_text_;
 };
 
 class RouterServiceTest : public ::testing::Test {
@@ -113,6 +131,7 @@ class RouterServiceTest : public ::testing::Test {
     o.control_port = 0;
     o.max_local_prefill = 16;
     o.request_timeout_ms = 20'000;
+    o.tool_call_parser = "hermes";
     auto s = RouterService::Create(o);
     ASSERT_TRUE(s.ok()) << s.status().ToString();
     service_ = std::move(*s);
@@ -303,6 +322,41 @@ TEST_F(RouterServiceTest, PromptBatchesAreServedPromptByPrompt) {
       pdserve::testing::HttpRequest(service_->http_port(), "POST", "/v1/completions", body.dump());
   EXPECT_EQ(nested.status, 400) << nested.body;
   for (const auto& g : w.generates()) EXPECT_NE(g.prompt_token_ids_size(), 1);
+}
+
+// parallel_tool_calls false: one call at most, though the model wrote two
+// (tool_choice auto has no grammar to stop it), streamed and not.
+TEST_F(RouterServiceTest, ParallelToolCallsFalseKeepsTheFirstCall) {
+  FakeWorker& w = AddWorker("w", proto::ROLE_BOTH, 4096);
+  w.SetReplyText(
+      "<tool_call>\n{\"name\": \"a\", \"arguments\": {}}\n</tool_call>\n"
+      "<tool_call>\n{\"name\": \"b\", \"arguments\": {}}\n</tool_call>");
+  nlohmann::json body = {{"model", model_id_},
+                         {"messages", {{{"role", "user"}, {"content", "hi"}}}},
+                         {"tools",
+                          {{{"type", "function"}, {"function", {{"name", "a"}}}},
+                           {{"type", "function"}, {"function", {{"name", "b"}}}}}},
+                         {"max_tokens", 4}};
+  for (bool parallel : {true, false}) {
+    body["parallel_tool_calls"] = parallel;
+    body["stream"] = false;
+    auto r = pdserve::testing::HttpRequest(service_->http_port(), "POST", "/v1/chat/completions",
+                                           body.dump());
+    ASSERT_EQ(r.status, 200) << r.body;
+    const auto calls = nlohmann::json::parse(r.body)["choices"][0]["message"]["tool_calls"];
+    ASSERT_EQ(calls.size(), parallel ? 2u : 1u) << r.body;
+    EXPECT_EQ(calls[0]["function"]["name"], "a");
+    body["stream"] = true;
+    auto s = pdserve::testing::HttpRequest(service_->http_port(), "POST", "/v1/chat/completions",
+                                           body.dump());
+    ASSERT_EQ(s.status, 200) << s.body;
+    size_t named = 0;
+    for (size_t at = s.body.find("\"name\":"); at != std::string::npos;
+         at = s.body.find("\"name\":", at + 1)) {
+      ++named;
+    }
+    EXPECT_EQ(named, parallel ? 2u : 1u) << s.body;
+  }
 }
 
 // GET /v1/models/{id}: the model, or 404 model_not_found as OpenAI answers.

@@ -15,7 +15,7 @@ struct Expect {
   std::vector<std::pair<std::string, std::string>> calls;  // name, arguments
 };
 
-const std::vector<std::string> kFunctions = {"get_weather", "search"};
+const std::vector<std::string> kFunctions = {"get_weather", "search", "chain"};
 
 void Check(ToolParser p, const std::string& text, const Expect& want) {
   std::string content;
@@ -137,7 +137,13 @@ TEST(ToolCalls, ForcedCallGrammarOnlyAdmitsValidCalls) {
     {"type":"function","function":{"name":"get_weather","parameters":{"type":"object",
       "properties":{"city":{"type":"string"},"unit":{"enum":["c","f"]}},"required":["city"],
       "additionalProperties":false}}},
-    {"type":"function","function":{"name":"search"}}])");
+    {"type":"function","function":{"name":"search"}},
+    {"type":"function","function":{"name":"chain","parameters":{"type":"object",
+      "properties":{"v":{"type":"integer"},"next":{"$ref":"#"},
+        "tree":{"$ref":"#/$defs/node"}},
+      "required":["v"],"additionalProperties":false,
+      "$defs":{"node":{"type":"object","properties":{"kids":{"type":"array",
+        "items":{"$ref":"#/$defs/node"}}},"additionalProperties":false}}}}}])");
   struct Case {
     ToolParser parser;
     std::optional<std::string> named;
@@ -168,6 +174,24 @@ TEST(ToolCalls, ForcedCallGrammarOnlyAdmitsValidCalls) {
       {ToolParser::kLlama3Json, std::string("get_weather"), false,
        "{\"name\":\"get_weather\",\"parameters\":{\"city\":\"z\"}}", true},
       {ToolParser::kLlama3Json, std::nullopt, false, "Hello", false},
+      // A function without parameters takes none.
+      {ToolParser::kHermes, std::string("search"), false,
+       "<tool_call>\n{\"name\": \"search\", \"arguments\": {\"q\": 1}}\n</tool_call>", false},
+      {ToolParser::kHermes, std::string("search"), false,
+       "<tool_call>\n{\"name\": \"search\", \"arguments\": {}}\n</tool_call>", true},
+      // References inside parameters resolve against the parameters: "#"
+      // is the arguments object (not the call around it), "#/$defs/..." its
+      // own definitions.
+      {ToolParser::kHermes, std::nullopt, false,
+       "<tool_call>\n{\"name\": \"chain\", \"arguments\": {\"v\": 1, \"next\": {\"v\": 2}, "
+       "\"tree\": {\"kids\": [{\"kids\": []}]}}}\n</tool_call>",
+       true},
+      {ToolParser::kHermes, std::nullopt, false,
+       "<tool_call>\n{\"name\": \"chain\", \"arguments\": {\"v\": 1, \"next\": "
+       "{\"name\": \"chain\", \"arguments\": {\"v\": 6}}}}\n</tool_call>",
+       false},
+      {ToolParser::kMistral, std::string("chain"), false,
+       "[TOOL_CALLS][{\"name\":\"chain\",\"arguments\":{\"v\":3,\"next\":{\"v\":4}}}]", true},
   };
   for (const auto& c : cases) {
     const std::string g = ToolCallGrammar(c.parser, tools, c.named, c.parallel);
