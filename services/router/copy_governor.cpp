@@ -69,6 +69,7 @@ void CopyGovernor::AddWorker(WorkerId worker) {
 void CopyGovernor::RemoveWorker(WorkerId worker) {
   std::lock_guard lock(mu_);
   if (worker >= workers_.size()) return;
+  for (const Record& r : workers_[worker].open) DroppedLocked(r);
   workers_[worker] = Worker{};
   ResizeGhostsLocked();
   // Copies on its links no longer hold the budget.
@@ -182,10 +183,13 @@ void CopyGovernor::OnStarted(uint64_t request_id, WorkerId source, WorkerId rece
   inflight_[request_id] = c;
   if (o_.max_tokens_per_s > 0) bucket_ -= static_cast<double>(tokens);
   auto& open = workers_[receiver].open;
-  if (open.size() >= kMaxOpenRecords) open.erase(open.begin());
+  if (open.size() >= kMaxOpenRecords) {
+    DroppedLocked(open.front());
+    open.erase(open.begin());
+  }
   open.push_back({request_id, static_cast<uint32_t>(first_block),
                   hashes[static_cast<size_t>(first_block)],
-                  hashes[static_cast<size_t>(first_block + blocks - 1)], now_us});
+                  hashes[static_cast<size_t>(first_block + blocks - 1)], now_us, c.probe});
   ++counters_.started;
 }
 
@@ -220,8 +224,9 @@ void CopyGovernor::OnRouted(uint64_t request_id, WorkerId worker, std::span<cons
     const Record& rec = open[i];
     if (rec.request_id != request_id && static_cast<int64_t>(rec.first_block) < overlap &&
         hashes[rec.first_block] == rec.first_hash) {
+      const bool probe = rec.probe;
       open.erase(open.begin() + static_cast<std::ptrdiff_t>(i));
-      OutcomeLocked(/*reused=*/true, now_us);
+      OutcomeLocked(/*reused=*/true, probe, now_us);
     } else {
       ++i;
     }
@@ -239,8 +244,9 @@ void CopyGovernor::OnKvEvents(WorkerId worker, const KvEventBatch& batch, int64_
       for (BlockHash h : rm->block_hashes) {
         for (size_t i = 0; i < w.open.size(); ++i) {
           if (w.open[i].last_hash == h || w.open[i].first_hash == h) {
+            const bool probe = w.open[i].probe;
             w.open.erase(w.open.begin() + static_cast<std::ptrdiff_t>(i));
-            OutcomeLocked(/*reused=*/false, now_us);
+            OutcomeLocked(/*reused=*/false, probe, now_us);
             break;
           }
         }
@@ -267,8 +273,9 @@ void CopyGovernor::OnKvEvents(WorkerId worker, const KvEventBatch& batch, int64_
         g.value += kGhostWeight * (1.0 - g.value);
       }
     } else if (std::holds_alternative<KvCleared>(e)) {
-      for (size_t i = 0; i < w.open.size(); ++i) OutcomeLocked(/*reused=*/false, now_us);
+      const std::vector<Record> cleared = std::move(w.open);
       w.open.clear();
+      for (const Record& r : cleared) OutcomeLocked(/*reused=*/false, r.probe, now_us);
     }
   }
 }
@@ -307,11 +314,17 @@ bool CopyGovernor::Tracked(BlockHash h) const {
   return ghosts_.sample_shift >= 64 || ((h * kMix) >> ghosts_.sample_shift) == 0;
 }
 
-void CopyGovernor::OutcomeLocked(bool reused, int64_t now_us) {
+void CopyGovernor::DroppedLocked(const Record& record) {
+  if (!record.probe || breaker_ != CopyBreaker::kHalfOpen) return;
+  probe_out_ = false;  // half-open still: the next copy is the probe
+}
+
+void CopyGovernor::OutcomeLocked(bool reused, bool probe, int64_t now_us) {
   ++(reused ? counters_.reused : counters_.unused);
   ratio_ += kRatioWeight * ((reused ? 1.0 : 0.0) - ratio_);
   scale_ = reused ? std::min(1.0, scale_ + kScaleStep) : std::max(kScaleMin, scale_ * kScaleCut);
   if (breaker_ == CopyBreaker::kHalfOpen) {
+    if (!probe) return;  // an older copy: only the probe decides
     probe_out_ = false;
     if (reused) {
       breaker_ = CopyBreaker::kClosed;
@@ -336,8 +349,9 @@ void CopyGovernor::ExpireLocked(int64_t now_us) {
   for (Worker& w : workers_) {
     for (size_t i = 0; i < w.open.size();) {
       if (w.open[i].started_us + o_.reuse_window_us <= now_us) {
+        const bool probe = w.open[i].probe;
         w.open.erase(w.open.begin() + static_cast<std::ptrdiff_t>(i));
-        OutcomeLocked(/*reused=*/false, now_us);
+        OutcomeLocked(/*reused=*/false, probe, now_us);
       } else {
         ++i;
       }

@@ -41,7 +41,11 @@
 // starts for cooldown_us. Then it is half-open: one copy at a time (a
 // probe); a reused probe closes it (ratio restarts at reset_ratio, above
 // the trip point: hysteresis), an unused one opens it again for twice the
-// previous cooldown (at most 16 x cooldown_us).
+// previous cooldown (at most 16 x cooldown_us). Only the probe's outcome
+// decides: copies from before the trip that end meanwhile move the ratio and
+// the budget alone. A probe whose record goes without an outcome (its
+// receiver left, its record was pushed out) ends the half-open state as if
+// the cooldown had just run out: the next copy is a new probe.
 //
 // Thread safety: every method takes the governor's own mutex (RouterCore
 // calls it under its lock; KV events arrive on other threads).
@@ -189,6 +193,7 @@ class CopyGovernor {
     BlockHash first_hash = 0;
     BlockHash last_hash = 0;
     int64_t started_us = 0;
+    bool probe = false;  // the half-open breaker's one copy
   };
   struct Ghosts {
     int64_t window_blocks = 0;   // evictions the list spans (the pools' total)
@@ -211,7 +216,9 @@ class CopyGovernor {
     bool probe = false;
   };
 
-  void OutcomeLocked(bool reused, int64_t now_us);
+  void OutcomeLocked(bool reused, bool probe, int64_t now_us);
+  // A record dropped with no outcome: a probe's frees the half-open state.
+  void DroppedLocked(const Record& record);
   void ExpireLocked(int64_t now_us);
   void RefillLocked(int64_t now_us);
   int64_t InflightLimitLocked() const;

@@ -243,6 +243,56 @@ TEST(CopyGovernorTest, BreakerOpensOnLossesAndClosesOnlyAfterAReusedProbe) {
   EXPECT_EQ(h.g.stats().breaker, CopyBreaker::kClosed);
 }
 
+// Trips the breaker of `h` at `now` with five unused copies to worker 1.
+void Trip(Harness& h, int64_t now, BlockHash first = 100) {
+  for (BlockHash i = 0; i < 5; ++i) {
+    ASSERT_TRUE(h.MayStart(now)) << i;
+    h.Copy(1, first + 100 * i, now);
+    h.Evict(1, first + 100 * i, now);
+  }
+  ASSERT_EQ(h.g.stats().breaker, CopyBreaker::kOpen);
+}
+
+// A landed probe whose receiver leaves before its outcome does not leave the
+// breaker half-open with a probe out for good: the next copy probes.
+TEST(CopyGovernorTest, AProbeWhoseReceiverLeftIsReplacedByTheNextCopy) {
+  Harness h;
+  int64_t now = 0;
+  Trip(h, now);
+  now += 10 * kSecond;
+  ASSERT_TRUE(h.MayStart(now));
+  h.Copy(2, 5000, now);  // the probe lands at worker 2
+  EXPECT_FALSE(h.MayStart(now));
+  h.g.RemoveWorker(2);
+  h.g.AddWorker(2);
+  EXPECT_TRUE(h.MayStart(now + kSecond)) << "the probe's receiver left; another may probe";
+  EXPECT_EQ(h.g.stats().breaker, CopyBreaker::kHalfOpen);
+  h.Copy(3, 6000, now + kSecond);
+  h.Reuse(3, 6000, now + 2 * kSecond);
+  EXPECT_EQ(h.g.stats().breaker, CopyBreaker::kClosed);
+}
+
+// Only the probe decides a half-open breaker: a copy from before the trip
+// that ages out meanwhile neither reopens it nor keeps the reused probe from
+// closing it.
+TEST(CopyGovernorTest, OnlyTheProbesOutcomeDecidesAHalfOpenBreaker) {
+  Harness h;
+  int64_t now = 0;
+  ASSERT_TRUE(h.MayStart(now));
+  h.Copy(3, 9000, now);  // still open when the breaker trips 5 s later
+  now += 5 * kSecond;
+  Trip(h, now);
+  now += 10 * kSecond;
+  ASSERT_TRUE(h.MayStart(now));
+  h.Copy(2, 5000, now);  // the probe
+  now += 16 * kSecond;   // the old copy's reuse window ends: unused
+  EXPECT_FALSE(h.MayStart(now));
+  EXPECT_EQ(h.g.stats().breaker, CopyBreaker::kHalfOpen) << "an older copy's outcome";
+  h.Reuse(2, 5000, now);
+  EXPECT_EQ(h.g.stats().breaker, CopyBreaker::kClosed);
+  EXPECT_TRUE(h.MayStart(now));
+}
+
 TEST(CopyGovernorTest, RemovedWorkersCopiesFreeTheBudget) {
   CopyGovernorOptions o = Options();
   o.max_inflight = 4;
