@@ -1429,15 +1429,29 @@ class RouterServiceImpl : public RouterService {
     auto it = inflight_.find(id);
     if (it == inflight_.end()) return;
     Inflight& r = *it->second;
-    if (!r.first_token_seen && !stopping_) {
+    // Retried while nothing has reached the client: before the first token,
+    // or at any point of an unstreamed answer (its output is still here, and
+    // is dropped to start again).
+    if (!r.started_stream && !stopping_) {
       PDSERVE_LOG(INFO) << "request " << r.http_request_id << ": " << why
-                        << " before the first token; retrying";
-      if (r.copy_from) metrics_.replications.Add({{"outcome", "failed"}}).Increment();
+                        << (r.first_token_seen ? " during generation, nothing sent yet"
+                                               : " before the first token")
+                        << "; retrying";
+      if (r.copy_from && !r.first_token_seen) {
+        metrics_.replications.Add({{"outcome", "failed"}}).Increment();
+      }
       r.decode.reset();
       r.prefill.reset();
+      if (r.first_token_seen) {
+        for (auto& c : r.choices) c = Inflight::Choice{};
+        r.choices_finished = 0;
+        r.usage = Usage{};
+        r.prompt_pieces.clear();
+        r.first_token_seen = false;
+      }
       return DispatchLocked(id);
     }
-    FailLocked(id, 503, why + " during generation", "server_error");
+    FailLocked(id, 503, why + " during generation", "server_error", /*retry_after=*/true);
   }
 
   // A token's string for logprobs: the exact bytes it adds after other text

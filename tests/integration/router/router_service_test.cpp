@@ -6,6 +6,8 @@
 
 #include <gtest/gtest.h>
 
+#include <thread>
+
 #include <algorithm>
 #include <condition_variable>
 #include <mutex>
@@ -59,13 +61,16 @@ class FakeWorker {
     };
     h.on_message = [this](const control::ConnectionPtr& c, proto::Envelope& e) {
       proto::Envelope reply;
+      proto::Finished unsent;  // SetFinish(false): the Finished never sent
       if (e.has_resync()) {
         reply.mutable_kv_snapshot()->set_last_chunk(true);
       } else if (e.has_generate()) {
         std::string text;
+        bool finish = true;
         {
           std::lock_guard lock(mu_);
           text = reply_text_;
+          finish = finish_;
         }
         if (!text.empty()) {  // one token carrying the whole text
           proto::Envelope token;
@@ -74,7 +79,7 @@ class FakeWorker {
           token.mutable_token()->set_text(text);
           (void)c->Send(std::move(token));
         }
-        proto::Finished* f = reply.mutable_finished();
+        proto::Finished* f = finish ? reply.mutable_finished() : &unsent;
         f->set_request_id(e.generate().request_id());
         f->set_reason(proto::FINISH_REASON_LENGTH);
         f->mutable_usage()->set_prompt_tokens(
@@ -106,6 +111,12 @@ class FakeWorker {
     std::lock_guard lock(mu_);
     reply_text_ = std::move(text);
   }
+  // false: Generates get their token but never finish (a worker that
+  // dies or hangs mid-generation).
+  void SetFinish(bool finish) {
+    std::lock_guard lock(mu_);
+    finish_ = finish;
+  }
   std::vector<proto::Generate> generates() {
     std::lock_guard lock(mu_);
     return generates_;
@@ -119,6 +130,7 @@ class FakeWorker {
   bool registered_ = false;
   std::vector<proto::Generate> generates_;
   std::string reply_text_;
+  bool finish_ = true;
 };
 
 class RouterServiceTest : public ::testing::Test {
@@ -357,6 +369,31 @@ TEST_F(RouterServiceTest, ParallelToolCallsFalseKeepsTheFirstCall) {
     }
     EXPECT_EQ(named, parallel ? 2u : 1u) << s.body;
   }
+}
+
+// An unstreamed request whose worker dies mid-generation has sent the
+// client nothing yet: it is retried on another worker from the start, and
+// answers with that worker's output alone.
+TEST_F(RouterServiceTest, AnUnstreamedRequestIsRetriedWhenItsWorkerDiesMidGeneration) {
+  FakeWorker& first = AddWorker("first", proto::ROLE_BOTH, 4096);
+  first.SetReplyText("lost");
+  first.SetFinish(false);
+  std::thread client([&] {
+    auto r = Complete(20, 4);
+    EXPECT_EQ(r.status, 200) << r.body;
+    const auto j = nlohmann::json::parse(r.body, nullptr, false);
+    ASSERT_TRUE(j.is_object()) << r.body;
+    EXPECT_EQ(j["choices"][0]["text"], "kept") << r.body;
+  });
+  for (int i = 0; i < 500 && first.generates().empty(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_EQ(first.generates().size(), 1u);
+  AddWorker("second", proto::ROLE_BOTH, 4096).SetReplyText("kept");
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // its token reached the router
+  workers_.erase(workers_.begin());                             // "first" goes away
+  client.join();
+  EXPECT_EQ(workers_.front()->generates().size(), 1u);
 }
 
 // GET /v1/models/{id}: the model, or 404 model_not_found as OpenAI answers.
