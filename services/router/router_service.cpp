@@ -678,7 +678,6 @@ class RouterServiceImpl : public RouterService {
       for (auto& c : r->choices)
         c.tool_stream = std::make_unique<ToolCallStreamer>(tool_parser_, ToolNames(api));
     }
-    metrics_.route_seconds.Observe(SecondsSince(arrived));
 
     const uint64_t id = r->id;
     {
@@ -778,6 +777,8 @@ class RouterServiceImpl : public RouterService {
       rr.prompt_tokens = static_cast<int64_t>(r.prompt_ids.size());
       rr.max_new_tokens = r.api->sampling.max_tokens;
       auto decision = core_->Route(rr);
+      // Tokenizing, hashing and the first choice of workers, as its help says.
+      if (r.attempts == 1) metrics_.route_seconds.Observe(SecondsSince(r.arrived));
       if (!decision.ok()) {
         return FailLocked(id, 503, "no decode worker is available: " + decision.status().message(),
                           "server_error", /*retry_after=*/true, "unavailable");
@@ -1409,8 +1410,15 @@ class RouterServiceImpl : public RouterService {
     for (const auto* part : {&link.snapshot, &link.snapshot_host, &link.snapshot_disk}) {
       snapshot_pending_bytes_ -= part->size() * sizeof(BlockHash);
     }
+    // Drain pushes to it end here: failed, as they copied nothing it keeps.
+    std::erase_if(pushes_, [&](const auto& entry) {
+      if (entry.second.conn != link.conn->id()) return false;
+      metrics_.replications.Add({{"outcome", "failed"}}).Increment();
+      return true;
+    });
     if (!link.id) return;
     by_worker_.erase(*link.id);
+    hot_prompts_.erase(*link.id);  // its slot's next worker starts with none
     if (WritesKvForOthers(link)) BroadcastPrefillWorkersLocked();
     std::vector<uint64_t> orphans = core_->RemoveWorker(*link.id);
     PDSERVE_LOG(WARN) << "worker " << link.name << " disconnected (" << why.message()
@@ -1826,13 +1834,14 @@ class RouterServiceImpl : public RouterService {
 
   void UpdateWorkerGaugesLocked() {
     for (const char* role : {"prefill", "decode", "both"}) {
-      for (const char* state : {"ready", "syncing"})
+      for (const char* state : {"ready", "syncing", "draining"})
         metrics_.workers.Add({{"role", role}, {"state", state}}).Set(0);
     }
     for (auto& [_, l] : links_) {
       if (!l.id) continue;
-      metrics_.workers.Add({{"role", RoleName(l.role)}, {"state", l.synced ? "ready" : "syncing"}})
-          .Increment();
+      // A draining worker takes no requests, however its index stands.
+      const char* state = l.draining ? "draining" : l.synced ? "ready" : "syncing";
+      metrics_.workers.Add({{"role", RoleName(l.role)}, {"state", state}}).Increment();
     }
   }
 

@@ -206,6 +206,11 @@ TEST(DrainTest, AdminDrainPushesTheHotPromptAndStopsRoutingThere) {
   EXPECT_GE(body["usage"]["prompt_tokens_details"]["cached_tokens"].get<int64_t>(), prefix - 16);
   EXPECT_EQ(decode_requests(holder), 3) << "a drained worker got a new request";
   EXPECT_TRUE(stack.workers()[holder]->proc.running());
+  // Shown as draining, not as a worker whose index is syncing.
+  EXPECT_EQ(LocalStack::Metric(stack.http_port(), "pdserve_router_workers", "state=\"draining\""),
+            1);
+  EXPECT_EQ(LocalStack::Metric(stack.http_port(), "pdserve_router_workers", "state=\"syncing\""),
+            0);
 }
 
 // POST /admin/undrain puts a drained worker back without a restart; a
