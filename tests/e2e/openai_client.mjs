@@ -123,6 +123,25 @@ test('models.retrieve and a batch of prompts', async () => {
   assert.equal(usage.completion_tokens, 24);
 });
 
+test('echo with logprobs scores the prompt; a greedy continuation scores as generated', async () => {
+  // Generate, then score prompt + continuation (max_tokens 0), as
+  // lm-evaluation-harness's loglikelihood requests do.
+  const gen = await client.completions.create({ model: modelId, prompt: offline.prompt_token_ids,
+    max_tokens: 12, temperature: 0, ignore_eos: true, logprobs: 1 });
+  const ids = [...offline.prompt_token_ids, ...offline.token_ids];
+  const scored = await client.completions.create({ model: modelId, prompt: ids, max_tokens: 0,
+    echo: true, logprobs: 1 });
+  const lp = scored.choices[0].logprobs;
+  assert.equal(scored.usage.completion_tokens, 0);
+  assert.equal(lp.tokens.length, ids.length);
+  assert.equal(lp.token_logprobs[0], null);
+  assert.equal(lp.top_logprobs[0], null);
+  const tail = lp.token_logprobs.slice(offline.prompt_token_ids.length);
+  assert.equal(tail.length, 12);
+  tail.forEach((v, i) => assert.ok(Math.abs(v - gen.choices[0].logprobs.token_logprobs[i]) < 1e-3,
+    `token ${i}: scored ${v}, generated ${gen.choices[0].logprobs.token_logprobs[i]}`));
+});
+
 test('chat completions, streamed and not, agree', async () => {
   const messages = [{ role: 'system', content: 'You are terse.' }, { role: 'user', content: 'Say hello.' }];
   const r = await client.chat.completions.create({ model: modelId, messages, max_tokens: 10, temperature: 0 });
