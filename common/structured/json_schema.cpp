@@ -780,11 +780,15 @@ class SchemaCompiler {
     // JSON types; "integer" stands for integral numbers, "number" for the rest.
     std::set<std::string> types = {"null",   "boolean", "object", "array",
                                    "number", "integer", "string"};
-    std::optional<std::vector<ojson>> values;                   // from const / enum
+    // From const / enum, with object members sorted (nlohmann::json), so
+    // that values equal as JSON compare equal whatever their key order.
+    std::optional<std::vector<nlohmann::json>> values;
     std::map<std::string, std::vector<const ojson*>> required;  // schemas of required members
   };
 
-  static std::string TypeOfValue(const ojson& v) {
+  static nlohmann::json Canonical(const ojson& v) { return nlohmann::json::parse(v.dump()); }
+
+  static std::string TypeOfValue(const nlohmann::json& v) {
     if (v.is_null()) return "null";
     if (v.is_boolean()) return "boolean";
     if (v.is_object()) return "object";
@@ -822,10 +826,10 @@ class SchemaCompiler {
       }
       f->types = both;
     }
-    auto narrow = [&](std::vector<ojson> vs) {
+    auto narrow = [&](std::vector<nlohmann::json> vs) {
       if (f->values) {
-        std::vector<ojson> common;
-        for (const ojson& v : vs) {
+        std::vector<nlohmann::json> common;
+        for (const nlohmann::json& v : vs) {
           if (std::find(f->values->begin(), f->values->end(), v) != f->values->end())
             common.push_back(v);
         }
@@ -833,9 +837,12 @@ class SchemaCompiler {
       }
       f->values = std::move(vs);
     };
-    if (auto c = s.find("const"); c != s.end()) narrow({*c});
+    if (auto c = s.find("const"); c != s.end()) narrow({Canonical(*c)});
     if (auto e = s.find("enum"); e != s.end() && e->is_array()) {
-      narrow(std::vector<ojson>(e->begin(), e->end()));
+      std::vector<nlohmann::json> vs;
+      vs.reserve(e->size());
+      for (const ojson& v : *e) vs.push_back(Canonical(v));
+      narrow(std::move(vs));
     }
     if (auto all = s.find("allOf"); all != s.end() && all->is_array()) {
       for (const ojson& part : *all) Gather(part, f, depth + 1);
@@ -852,8 +859,8 @@ class SchemaCompiler {
       }
     }
     if (f->values) {
-      std::vector<ojson> typed;
-      for (const ojson& v : *f->values) {
+      std::vector<nlohmann::json> typed;
+      for (const nlohmann::json& v : *f->values) {
         if (f->types.count(TypeOfValue(v))) typed.push_back(v);
       }
       f->values = typed;
@@ -870,7 +877,7 @@ class SchemaCompiler {
     if (!shared_type) return true;
     if (a.values && b.values) {
       bool shared_value = false;
-      for (const ojson& v : *a.values) {
+      for (const nlohmann::json& v : *a.values) {
         shared_value =
             shared_value || std::find(b.values->begin(), b.values->end(), v) != b.values->end();
       }

@@ -285,6 +285,11 @@ TEST(Grammar, OneOfCompilesExclusiveBranchesAndRefusesOverlappingOnes) {
                           {"type":"object","required":["b"]}]})",
             "branches 1 and 2"},
            {R"({"oneOf":[{"enum":["a","b"]},{"const":"b"}]})", "branches 0 and 1"},
+           // The same object whatever its key order.
+           {R"({"oneOf":[{"const":{"a":1,"b":2}},{"const":{"b":2,"a":1}}]})", "branches 0 and 1"},
+           {R"({"oneOf":[{"enum":[{"x":[1,{"p":1,"q":2}]}]},
+                          {"allOf":[{"const":{"x":[1,{"q":2,"p":1}]}}]}]})",
+            "branches 0 and 1"},
        }) {
     auto g = ConstraintGrammar(Schema(schema), CompileOptions{});
     ASSERT_FALSE(g.ok()) << schema;
