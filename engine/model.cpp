@@ -459,6 +459,16 @@ Status Model::LoadWeights(const WeightFiles& files) {
     for (const std::string& name : names) {
       auto m = Matrix(files, name, rows[i], cols, row_cuts.empty() ? Cut{} : row_cuts[i], col_cut);
       if (!m.ok()) return m.status();
+      // One product's parts share a format: name the part that differs (a
+      // quantisation ignore list that names k_proj but not q_proj).
+      if (i > 0 && (m->dtype != parts[0].dtype || m->scheme != parts[0].scheme)) {
+        auto format = [](const WeightMatrix& w) {
+          return std::string(DTypeName(w.dtype)) + " (" + kernels::WeightSchemeName(w.scheme) + ")";
+        };
+        return Status::InvalidArgument(name + ": stored as " + format(*m) + ", but " +
+                                       *names.begin() + " as " + format(parts[0]) +
+                                       "; the parts of one fused product must share a format");
+      }
       parts[i++] = *m;
     }
     const float* bias = nullptr;
@@ -576,6 +586,13 @@ Status Model::LoadWeights(const WeightFiles& files) {
       L.sparse = true;
       has_sparse_layers_ = true;
       PDSERVE_RETURN_IF_ERROR(linear({b + "gate.weight"}, {E}, H, {}, &L.moe.router));
+      // Routers are served unquantised, as vLLM serves them (and `plan`
+      // counts them): a checkpoint quantises them only by mistake.
+      if (L.moe.router.dtype() == DType::kFP8E4M3) {
+        return Status::InvalidArgument(b +
+                                       "gate.weight: an FP8 MoE router is not served; its "
+                                       "quantization_config must leave it unquantised");
+      }
       L.experts.resize(E);
       const int64_t before = bytes;
       const bool whole = tp_.expert_parallel && n > 1;

@@ -35,8 +35,9 @@ const std::string kQ = "model.layers.0.self_attn.q_proj";
 // A copy of the tiny preset in `scheme`, its tensors and config.json edited.
 std::string EditedModel(const std::string& name, WeightScheme scheme,
                         const std::function<void(std::vector<TensorToWrite>&)>& edit_tensors,
-                        const std::function<void(json&)>& edit_config = nullptr) {
-  ModelSpec spec = *PresetModelSpec("tiny");
+                        const std::function<void(json&)>& edit_config = nullptr,
+                        const std::string& preset = "tiny") {
+  ModelSpec spec = *PresetModelSpec(preset);
   spec.quant = scheme;
   const std::string dir = testing::NewTempDir("bad-" + name);
   EXPECT_TRUE(WriteModel(spec, dir).ok());
@@ -183,7 +184,39 @@ TEST(Fp8BadCheckpointTest, UnquantisedWhereTheConfigSaysQuantised) {
       [](json& c) {
         c["quantization_config"]["ignored_layers"] = {"lm_head", kQ};
       });
-  ExpectRefused(partial, {kQ + ".weight", "stacked weight matrices differ"});
+  ExpectRefused(
+      partial, {"k_proj.weight: stored as fp8 (fp8-tensor), but " + kQ + ".weight as fp32 (none)"});
+  // The part that differs is named, wherever it stands in the product.
+  const std::string k = "model.layers.0.self_attn.k_proj";
+  const auto middle = EditedModel(
+      "unquantised-k", WeightScheme::kFp8Tensor,
+      [&](auto& t) {
+        SetFloats(Find(t, k + ".weight"), {32, 64}, std::vector<float>(32 * 64, 0.01f));
+        Erase(t, k + ".weight_scale");
+      },
+      [&](json& c) {
+        c["quantization_config"]["ignored_layers"] = {"lm_head", k};
+      });
+  ExpectRefused(middle, {k + ".weight: stored as fp32 (none)", "must share a format"});
+}
+
+// MoE routers are served unquantised (as vLLM serves them, and as `plan`
+// counts them): an FP8 one is refused, naming it.
+TEST(Fp8BadCheckpointTest, Fp8RoutersAreRefused) {
+  const std::string gate = "model.layers.0.mlp.gate";
+  const auto dir = EditedModel(
+      "fp8-router", WeightScheme::kFp8Tensor,
+      [&](auto& t) {
+        auto& w = Find(t, gate + ".weight");
+        const size_t n = w.data.size() / (w.dtype_name == "BF16" ? 2 : 4);
+        w.dtype_name = "F8_E4M3";
+        w.data.assign(n, 0x38);  // 1.0
+        t.push_back({gate + ".weight_scale", "F32", {}, std::vector<uint8_t>(4, 0)});
+        const float one = 1.0f;
+        std::memcpy(t.back().data.data(), &one, 4);
+      },
+      [&](json& c) { c["quantization_config"]["ignored_layers"] = {"lm_head"}; }, "qwen3-moe");
+  ExpectRefused(dir, {gate + ".weight", "FP8 MoE router"});
 }
 
 TEST(Fp8BadCheckpointTest, NanCodes) {
