@@ -247,7 +247,19 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(const std::vector<Model*>& rank
     // An evicted block's KV, copied while it is still intact (the block
     // manager hands it out right after).
     Engine* self = e.get();
+    e->max_queued_offloads_ = options.kv_offload_queue_blocks > 0
+                                  ? options.kv_offload_queue_blocks
+                                  : std::max<int64_t>(64, (int64_t{1} << 30) / to.block_bytes);
     bm.on_evict = [self](BlockId block, BlockHash hash) {
+      if (self->tier_mover_->counters().offloads_queued >= self->max_queued_offloads_) {
+        if (self->offloads_dropped_++ % 1000 == 0) {
+          PDSERVE_LOG(WARN) << "engine: " << self->max_queued_offloads_
+                            << " evicted blocks already wait for the KV tiers; evicted blocks "
+                               "are dropped until they drain ("
+                            << self->offloads_dropped_ << " so far)";
+        }
+        return;
+      }
       HostBlockBuffers::Buffer copy = self->tier_buffers_->Take();
       if (!copy) return;  // no host memory left: the block is dropped, as without tiers
       // One copy of each shard: the first rank of those that hold it.
@@ -530,13 +542,20 @@ StatusOr<TierFlush> Engine::FlushTiersToDisk(std::chrono::steady_clock::time_poi
     return s.disk_writes_through + s.disk_writes_evict + s.disk_writes_flush;
   };
   const int64_t offloaded = offloaded_blocks_, written = disk_writes();
-  blocks_->Evict(blocks_->num_blocks());  // on_evict copies each block down
+  // on_evict copies each block down; in batches of half the offload queue,
+  // each written before the next, so that none is dropped for a full queue
+  // and host memory holds one batch at a time.
+  const auto batch = static_cast<size_t>(std::max<int64_t>(1, max_queued_offloads_ / 2));
+  for (;;) {
+    const size_t evicted = blocks_->Evict(batch);
+    auto flushed = tier_mover_->Flush(deadline);
+    blocks_->RecordTierChanges(tier_mover_->TakeChanges());
+    if (!flushed.ok()) return flushed.status();
+    r.left = flushed->left;
+    if (evicted < batch || std::chrono::steady_clock::now() >= deadline) break;
+  }
   r.evicted = offloaded_blocks_ - offloaded;
-  auto flushed = tier_mover_->Flush(deadline);
-  blocks_->RecordTierChanges(tier_mover_->TakeChanges());
-  if (!flushed.ok()) return flushed.status();
   r.written = disk_writes() - written;  // the evicted blocks' way down included
-  r.left = flushed->left;
   return r;
 }
 
@@ -1315,6 +1334,7 @@ EngineStats Engine::GetStats() const {
     st.tiers.offload_failures = c.offload_failures;
     st.tiers.onloads_in_flight = c.onloads_in_flight;
     st.tiers.offloads_queued = c.offloads_queued;
+    st.tiers.offloads_dropped = offloads_dropped_;
   }
   st.num_preemptions = num_preemptions_;
   st.num_steps = num_steps_;

@@ -131,6 +131,10 @@ struct EngineOptions {
   KvDiskWrite kv_disk_write = KvDiskWrite::kThrough;
   int64_t kv_disk_write_queue_blocks = 1024;
   int64_t kv_disk_write_bytes_per_second = 0;
+  // Evicted blocks that may wait for a tier at once (0: 1 GiB of them, at
+  // least 64); past it evicted blocks are dropped, and a flush at stop goes
+  // in batches of half of it.
+  int64_t kv_offload_queue_blocks = 0;
   // ModelFingerprint() of the model's folder (engine/model_fingerprint.h):
   // with the KV scales, it keys the disk tier's blocks, so that a folder
   // written with other weights is discarded, not served. 0: unknown.
@@ -241,7 +245,8 @@ struct EngineTierStats {
   int64_t offloaded_blocks = 0;                      // evicted blocks handed down
   int64_t offload_failures = 0;
   int64_t onloads_in_flight = 0;
-  int64_t offloads_queued = 0;  // evicted blocks not yet in a tier
+  int64_t offloads_queued = 0;   // evicted blocks not yet in a tier
+  int64_t offloads_dropped = 0;  // evicted while that queue was full: lost
 };
 
 // What FlushTiersToDisk did.
@@ -442,6 +447,11 @@ class Engine {
   uint64_t next_load_ticket_ = 1;
   std::unordered_map<uint64_t, RequestId> loads_;  // onload ticket -> request
   int64_t host_hit_tokens_ = 0, disk_hit_tokens_ = 0, offloaded_blocks_ = 0;
+  // Evicted blocks waiting for a tier at most (kv_offload_queue_blocks):
+  // past it an evicted block is dropped (counted), as with no host memory
+  // left, so that a burst cannot take host memory without limit.
+  int64_t max_queued_offloads_ = 0;
+  int64_t offloads_dropped_ = 0;
   std::vector<TierOnload> tier_onloads_;
   std::unordered_map<RequestId, std::unique_ptr<Sequence>> requests_;
   std::vector<Sequence*> waiting_;  // arrival order

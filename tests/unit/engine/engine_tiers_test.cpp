@@ -36,8 +36,10 @@ class EngineTiersTest : public ::testing::Test {
   // A pool of 12 blocks: two 96-token prompts' worth.
   static std::unique_ptr<Engine> MakeEngine(int64_t host_blocks, const std::string& disk_dir,
                                             int64_t disk_blocks, uint64_t fingerprint = 0,
-                                            KvDiskWrite write = KvDiskWrite::kThrough) {
+                                            KvDiskWrite write = KvDiskWrite::kThrough,
+                                            int64_t offload_queue_blocks = 0) {
     EngineOptions o;
+    o.kv_offload_queue_blocks = offload_queue_blocks;
     o.model_fingerprint = fingerprint;
     o.kv_disk_write = write;
     o.kv_cache_bytes = 12 * kBlockBytes;
@@ -304,6 +306,29 @@ TEST_F(EngineTiersTest, AFlushAtStopLeavesThePoolAndHostTierOnDisk) {
     EXPECT_EQ(Run(*e, id++, prompts[i]), want.at(i)) << i;
     EXPECT_GE(e->GetStats().tiers.disk_hit_tokens - before, 16 * 5) << i;
   }
+}
+
+// The flush at stop evicts the pool in batches of half the offload queue,
+// each written before the next: a queue of 2 blocks drops none of them.
+TEST_F(EngineTiersTest, AFlushThroughASmallOffloadQueueDropsNothing) {
+  const std::string dir = testing::NewTempDir("engine-tiers-flush-queue");
+  const std::vector<TokenId> p = Prompt(150, 7);  // 9 full blocks cached
+  const auto want = Reference(model_, {p});
+  {
+    auto e = MakeEngine(0, dir, 64, 0, KvDiskWrite::kThrough, /*offload_queue_blocks=*/2);
+    ASSERT_NE(e, nullptr);
+    (void)Run(*e, 1, p);
+    auto flushed = e->FlushTiersToDisk(std::chrono::steady_clock::now() + std::chrono::seconds(60));
+    ASSERT_TRUE(flushed.ok()) << flushed.status().ToString();
+    EXPECT_GE(flushed->evicted, 9);
+    EXPECT_EQ(flushed->written, flushed->evicted);
+    EXPECT_EQ(e->GetStats().tiers.offloads_dropped, 0);
+    EXPECT_EQ(e->GetStats().blocks.used_blocks, 0u);
+  }
+  auto e = MakeEngine(0, dir, 64, 0, KvDiskWrite::kThrough, 2);
+  ASSERT_NE(e, nullptr);
+  EXPECT_EQ(Run(*e, 1, p), want.at(0));
+  EXPECT_GE(e->GetStats().tiers.disk_hit_tokens, 9 * 16);
 }
 
 }  // namespace
