@@ -430,6 +430,18 @@ bool KvTierStore::ResliceDiskSlot(int64_t slot, uint64_t generation, BlockHash h
   return WriteDiskSlot(slot, hash, generation, out.data()).ok();
 }
 
+bool KvTierStore::ReplaceDiskCopyLocked(BlockHash hash, int64_t fresh_slot) {
+  Tier& d = *disk_;
+  auto old = d.index.find(hash);
+  if (old == d.index.end()) return true;
+  if (d.slots[old->second].state == Slot::State::kBusy) {
+    d.free.push_back(fresh_slot);  // the same bytes: the fresh copy goes
+    return false;
+  }
+  d.Release(old->second);
+  return true;
+}
+
 int64_t KvTierStore::TakeDiskSlotLocked(std::vector<KvTierChange>* changes) {
   Tier& d = *disk_;
   if (d.free.empty()) {
@@ -489,8 +501,9 @@ Status KvTierStore::DemoteLocked(std::unique_lock<std::mutex>& lock,
     d.free.push_back(disk_slot);
     return written;
   }
-  auto old = d.index.find(hash);  // a copy written meanwhile: the newer one wins
-  if (old != d.index.end()) d.Release(old->second);
+  // A copy written meanwhile: the newer one wins, unless the older is being
+  // read (Get holds it busy), which then stays.
+  if (!ReplaceDiskCopyLocked(hash, disk_slot)) return Status::Ok();
   d.Hold(disk_slot, hash, generation);
   d.bytes_written += options_.block_bytes;
   ++writes_evict_;
@@ -521,8 +534,7 @@ Status KvTierStore::CopyHostToDiskLocked(std::unique_lock<std::mutex>& lock, int
     d.free.push_back(disk_slot);
     return written;
   }
-  auto old = d.index.find(hash);
-  if (old != d.index.end()) d.Release(old->second);
+  if (!ReplaceDiskCopyLocked(hash, disk_slot)) return Status::Ok();
   d.Hold(disk_slot, hash, generation);
   d.bytes_written += options_.block_bytes;
   ++*counter;
@@ -685,6 +697,8 @@ Status KvTierStore::Get(BlockHash hash, uint8_t* out, std::vector<KvTierChange>*
   lock.unlock();
   const bool ok = ReadDiskSlot(slot, hash, out);
   lock.lock();
+  // Busy slots are never released (ReplaceDiskCopyLocked), so the slot is
+  // still this block's.
   d.slots[slot].state = Slot::State::kHeld;
   if (!ok) {
     ++corrupt_dropped_;

@@ -201,6 +201,10 @@ class KvTierStore {
                               std::vector<KvTierChange>* changes);
   // A free disk slot, evicting the LRU one if needed; -1 when every slot is
   // busy with I/O.
+  // Before a fresh disk copy of `hash` (in `fresh_slot`) is kept: releases
+  // the older copy, or, while a read holds that one busy, frees the fresh
+  // slot instead and returns false.
+  bool ReplaceDiskCopyLocked(BlockHash hash, int64_t fresh_slot);
   int64_t TakeDiskSlotLocked(std::vector<KvTierChange>* changes);
   Status WriteDiskSlot(int64_t slot, BlockHash hash, uint64_t generation, const uint8_t* bytes);
   // Reads and verifies; false when the checksums fail.
