@@ -670,6 +670,14 @@ class RouterServiceImpl : public RouterService {
     r->hashes = HashPrompt(seed, r->prompt_ids, static_cast<size_t>(opts_.block_size));
     r->formatter = std::make_unique<ResponseFormatter>(api, r->request_id, UnixSeconds());
     r->choices.resize(static_cast<size_t>(std::max(api.n, api.best_of)));
+    // A one-token prompt has nothing to score: its one piece is known here.
+    if (api.echo && api.sampling.logprobs && r->prompt_ids.size() == 1) {
+      TokenPiece p;
+      p.token = r->prompt_ids[0];
+      p.token_text = TokenString(p.token);
+      p.text = r->prompt_text;
+      r->prompt_pieces.push_back(std::move(p));
+    }
     // A streamed echo sends the prompt first: text offsets count from its end.
     if (api.echo) {
       for (auto& c : r->choices) c.streamed_text_bytes = r->prompt_text.size();
@@ -1454,7 +1462,7 @@ class RouterServiceImpl : public RouterService {
         for (auto& c : r.choices) c = Inflight::Choice{};
         r.choices_finished = 0;
         r.usage = Usage{};
-        r.prompt_pieces.clear();
+        if (r.prompt_ids.size() > 1) r.prompt_pieces.clear();  // a one-token prompt's is not sent
         r.first_token_seen = false;
       }
       return DispatchLocked(id);

@@ -126,6 +126,15 @@ TEST(PromptLogprobsTest, AContinuationScoredInItsPromptHasTheLogprobsItWasGenera
     }
   }
 
+  // A one-token prompt: its token, unscored, and nothing else.
+  auto [status6, one] = stack.Post("/v1/completions", {{"prompt", std::vector<int>{prompt[1]}},
+                                                       {"max_tokens", 0},
+                                                       {"echo", true},
+                                                       {"logprobs", 1}});
+  ASSERT_EQ(status6, 200) << one.dump();
+  ASSERT_EQ(one["choices"][0]["logprobs"]["tokens"].size(), 1u) << one.dump();
+  EXPECT_TRUE(one["choices"][0]["logprobs"]["token_logprobs"][0].is_null());
+
   // max_tokens 0 without echo is still refused, naming the parameter.
   auto [status5, bad] = stack.Post("/v1/completions", {{"prompt", prompt}, {"max_tokens", 0}});
   EXPECT_EQ(status5, 400);
