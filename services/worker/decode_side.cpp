@@ -332,6 +332,15 @@ void DecodeSide::EraseRequest(RequestId id, const char* outcome) {
   ctx_->busy->fetch_sub(1);
 }
 
+namespace {
+void AddTopLogprobs(const SampledToken& token, proto::TopLogprobs* top) {
+  for (const auto& alt : token.top_logprobs) {
+    top->add_token_ids(alt.token);
+    top->add_logprobs(alt.logprob);
+  }
+}
+}  // namespace
+
 bool DecodeSide::HandleOutput(RequestOutput& out) {
   auto it = requests_.find(out.id);
   if (it == requests_.end()) return false;
@@ -344,11 +353,7 @@ bool DecodeSide::HandleOutput(RequestOutput& out) {
     t->set_index(r.index);
     for (const auto& lp : out.prompt_logprobs) {
       t->add_prompt_logprobs(lp.logprob);
-      auto* top = t->add_prompt_top_logprobs();
-      for (const auto& alt : lp.top_logprobs) {
-        top->add_token_ids(alt.token);
-        top->add_logprobs(alt.logprob);
-      }
+      AddTopLogprobs(lp, t->add_prompt_top_logprobs());
     }
     (void)r.router->Send(std::move(env));
   }
@@ -374,11 +379,7 @@ bool DecodeSide::HandleOutput(RequestOutput& out) {
     for (TokenId id : out.new_token_ids) t->add_token_ids(id);
     for (const auto& lp : out.logprobs) {
       t->add_logprobs(lp.logprob);
-      auto* top = t->add_top_logprobs();
-      for (const auto& alt : lp.top_logprobs) {
-        top->add_token_ids(alt.token);
-        top->add_logprobs(alt.logprob);
-      }
+      AddTopLogprobs(lp, t->add_top_logprobs());
     }
     t->set_text(out.text);
     (void)r.router->Send(std::move(env));

@@ -87,12 +87,17 @@ void ExpectMatchesReference(const std::vector<SampledToken>& got,
   }
 }
 
+StatusOr<std::unique_ptr<Engine>> TinyEngine(Model* model, bool prefix_caching = true) {
+  EngineOptions options;
+  options.kv_cache_bytes = 4 << 20;
+  options.enable_prefix_caching = prefix_caching;
+  return Engine::Create(model, options);
+}
+
 TEST(EnginePromptLogprobsTest, ALongPromptIsScoredOverSeveralStepsAsTheReferenceScoresIt) {
   auto l = testing::LoadCpuModelAndReference(testing::TinyModelDir());
   ASSERT_NE(l.model, nullptr);
-  EngineOptions options;
-  options.kv_cache_bytes = 4 << 20;
-  auto engine = Engine::Create(l.model.get(), options);
+  auto engine = TinyEngine(l.model.get());
   ASSERT_TRUE(engine.ok()) << engine.status().ToString();
   // 150 tokens: 149 scores, more than two steps' rows.
   const auto prompt = RandomTokens(150, l.model->config().vocab_size, 5);
@@ -111,9 +116,7 @@ TEST(EnginePromptLogprobsTest, ALongPromptIsScoredOverSeveralStepsAsTheReference
 TEST(EnginePromptLogprobsTest, ACachedPromptIsComputedAgainAndDecodesAsWithoutScores) {
   auto l = testing::LoadCpuModelAndReference(testing::TinyModelDir());
   ASSERT_NE(l.model, nullptr);
-  EngineOptions options;
-  options.kv_cache_bytes = 4 << 20;
-  auto engine = Engine::Create(l.model.get(), options);
+  auto engine = TinyEngine(l.model.get());
   ASSERT_TRUE(engine.ok()) << engine.status().ToString();
   const auto prompt = RandomTokens(70, l.model->config().vocab_size, 9);
   ASSERT_TRUE((*engine)->AddRequest(Request(1, prompt, 8, std::nullopt)).ok());
@@ -139,30 +142,25 @@ TEST(EnginePromptLogprobsTest, DecodingRequestsInTheSameStepsGetTheirOwnTokens) 
   auto l = testing::LoadCpuModelAndReference(testing::TinyModelDir());
   ASSERT_NE(l.model, nullptr);
   const int64_t vocab = l.model->config().vocab_size;
-  EngineOptions options;
-  options.kv_cache_bytes = 4 << 20;
-  options.enable_prefix_caching = false;
-  // Alone, each decoding request's tokens.
-  std::map<RequestId, std::vector<int32_t>> alone;
-  for (RequestId id = 1; id <= 3; ++id) {
-    auto engine = Engine::Create(l.model.get(), options);
-    ASSERT_TRUE(engine.ok());
+  auto decoding = [&](RequestId id) {
     EngineRequest r =
         Request(id, RandomTokens(10 + 7 * static_cast<int>(id), vocab, id), 20, std::nullopt);
     r.params.logprobs = 2;
-    ASSERT_TRUE((*engine)->AddRequest(r).ok());
+    return r;
+  };
+  // Alone, each decoding request's tokens.
+  std::map<RequestId, std::vector<int32_t>> alone;
+  for (RequestId id = 1; id <= 3; ++id) {
+    auto engine = TinyEngine(l.model.get(), /*prefix_caching=*/false);
+    ASSERT_TRUE(engine.ok());
+    ASSERT_TRUE((*engine)->AddRequest(decoding(id)).ok());
     alone[id] = RunAll(engine->get())[id].tokens;
   }
   // Together, with two prompts to score arriving while they decode (their
   // rows share steps with the sampled ones and with each other).
-  auto engine = Engine::Create(l.model.get(), options);
+  auto engine = TinyEngine(l.model.get(), /*prefix_caching=*/false);
   ASSERT_TRUE(engine.ok());
-  for (RequestId id = 1; id <= 3; ++id) {
-    EngineRequest r =
-        Request(id, RandomTokens(10 + 7 * static_cast<int>(id), vocab, id), 20, std::nullopt);
-    r.params.logprobs = 2;
-    ASSERT_TRUE((*engine)->AddRequest(r).ok());
-  }
+  for (RequestId id = 1; id <= 3; ++id) ASSERT_TRUE((*engine)->AddRequest(decoding(id)).ok());
   std::map<RequestId, Outcome> runs;
   for (int i = 0; i < 2; ++i) {
     auto outs = (*engine)->Step();
@@ -189,9 +187,7 @@ TEST(EnginePromptLogprobsTest, DecodingRequestsInTheSameStepsGetTheirOwnTokens) 
 TEST(EnginePromptLogprobsTest, RequestsThatCannotBeScoredAreRefused) {
   Model* model = testing::TinyCpuModel();
   ASSERT_NE(model, nullptr);
-  EngineOptions options;
-  options.kv_cache_bytes = 4 << 20;
-  auto engine = Engine::Create(model, options);
+  auto engine = TinyEngine(model);
   ASSERT_TRUE(engine.ok());
   const auto prompt = RandomTokens(20, model->config().vocab_size, 3);
   EXPECT_EQ((*engine)->AddRequest(Request(1, prompt, 0, std::nullopt)).code(),
