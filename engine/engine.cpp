@@ -314,7 +314,9 @@ Status Engine::ValidateRequest(const EngineRequest& r) const {
   }
   if (r.prompt.empty()) return Status::InvalidArgument("prompt is empty");
   const int64_t len = static_cast<int64_t>(r.prompt.size());
-  if (len >= max_model_len_) {
+  // A prompt scored alone (max_tokens 0) needs no room after it.
+  const bool scored_alone = r.params.max_tokens == 0 && r.params.prompt_logprobs.has_value();
+  if (len > max_model_len_ || (len == max_model_len_ && !scored_alone)) {
     return Status::InvalidArgument("prompt of " + std::to_string(len) +
                                    " tokens leaves no room for output in the context of " +
                                    std::to_string(max_model_len_) + " tokens");

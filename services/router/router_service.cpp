@@ -250,6 +250,7 @@ struct Inflight {
   std::vector<TokenId> prompt_ids;
   // echo with logprobs: the prompt's tokens as the worker scored them.
   std::vector<TokenPiece> prompt_pieces;
+  std::vector<TokenPiece> prompt_pieces_pending;  // scores come in, until all are here
   std::vector<BlockHash> hashes;
   Clock::time_point arrived;
   Clock::time_point deadline;
@@ -629,7 +630,9 @@ class RouterServiceImpl : public RouterService {
     // The longest sequence a registered decode worker runs (0: unknown, the
     // worker then stops generation at its own limit).
     const int64_t max_len = core_->MaxModelLen();
-    if (max_len > 0 && prompt_len >= max_len) {
+    // A prompt scored alone (echo, max_tokens 0) may fill the context.
+    const bool scored_alone = api.max_tokens == 0;
+    if (max_len > 0 && (prompt_len > max_len || (prompt_len == max_len && !scored_alone))) {
       return reject(
           {400,
            "This model's maximum context length is " + std::to_string(max_len) +
@@ -1463,6 +1466,7 @@ class RouterServiceImpl : public RouterService {
         r.choices_finished = 0;
         r.usage = Usage{};
         if (r.prompt_ids.size() > 1) r.prompt_pieces.clear();  // a one-token prompt's is not sent
+        r.prompt_pieces_pending.clear();
         r.first_token_seen = false;
       }
       return DispatchLocked(id);
@@ -1489,7 +1493,10 @@ class RouterServiceImpl : public RouterService {
       return;  // cancelled or finished meanwhile, or not this worker's
     }
     Inflight& r = *found;
-    if (t.prompt_logprobs_size() > 0) TakePromptScoresLocked(link, r, t);
+    if (t.prompt_logprobs_size() > 0) {
+      TakePromptScoresLocked(link, r, t);
+      if (!r.prompt_pieces_pending.empty()) return;  // more of them to come
+    }
     if (!r.first_token_seen) {
       r.first_token_seen = true;
       r.ttft_s = SecondsSince(r.arrived);
@@ -1557,28 +1564,45 @@ class RouterServiceImpl : public RouterService {
   void TakePromptScoresLocked(const WorkerLink& link, Inflight& r, const proto::Token& t) {
     const size_t n = r.prompt_ids.size();
     if (!r.prompt_pieces.empty() || !r.api->echo || !r.api->sampling.logprobs) return;
-    if (static_cast<size_t>(t.prompt_logprobs_size()) + 1 != n ||
-        t.prompt_top_logprobs_size() != t.prompt_logprobs_size()) {
+    // The first sequence's scores, in order, over one Token or several.
+    const size_t got = r.prompt_pieces_pending.size();
+    if (t.index() != 0 || t.prompt_top_logprobs_size() != t.prompt_logprobs_size() ||
+        got + static_cast<size_t>(t.prompt_logprobs_size()) + 1 > n) {
       PDSERVE_LOG(WARN) << "worker " << link.name << ": " << t.prompt_logprobs_size()
-                        << " prompt scores for request " << r.http_request_id
-                        << ", whose prompt has " << n << " tokens; ignored";
+                        << " more prompt scores for request " << r.http_request_id << " (sequence "
+                        << t.index() << ", " << got << " before), whose prompt has " << n
+                        << " tokens; ignored";
       return;
     }
-    IncrementalDetokenizer detok(*tokenizer_, /*skip_special_tokens=*/true);
-    r.prompt_pieces.resize(n);
-    for (size_t i = 0; i < n; ++i) {
-      TokenPiece& p = r.prompt_pieces[i];
-      p.token = r.prompt_ids[i];
-      p.token_text = TokenString(p.token);
-      p.text = detok.Push(p.token);
-      if (i == 0) continue;  // nothing scores the first token
-      p.logprob = t.prompt_logprobs(static_cast<int>(i - 1));
-      const auto& top = t.prompt_top_logprobs(static_cast<int>(i - 1));
+    for (int i = 0; i < t.prompt_logprobs_size(); ++i) {
+      TokenPiece p;
+      p.logprob = t.prompt_logprobs(i);
+      const auto& top = t.prompt_top_logprobs(i);
       for (int k = 0; k < top.token_ids_size() && k < top.logprobs_size(); ++k) {
         p.top_logprobs.emplace_back(TokenString(top.token_ids(k)), top.logprobs(k));
       }
+      r.prompt_pieces_pending.push_back(std::move(p));
     }
-    r.prompt_pieces.back().text += detok.Flush();
+    if (r.prompt_pieces_pending.size() + 1 < n) return;
+    // Complete. The pieces' text is the echoed text's: a text prompt's
+    // special tokens (BOS) were added by encoding it and are not in it; a
+    // token-id prompt's text is decoded with them.
+    IncrementalDetokenizer detok(*tokenizer_,
+                                 /*skip_special_tokens=*/r.api->prompt_text.has_value());
+    r.prompt_pieces.resize(n);
+    size_t bytes = 0;
+    for (size_t i = 0; i < n; ++i) {
+      TokenPiece& p = r.prompt_pieces[i];
+      if (i > 0) p = std::move(r.prompt_pieces_pending[i - 1]);  // nothing scores the first token
+      p.token = r.prompt_ids[i];
+      p.token_text = TokenString(p.token);
+      p.text = detok.Push(p.token);
+      if (i + 1 == n) p.text += detok.Flush();
+      bytes += p.text.size();
+    }
+    r.prompt_pieces_pending.clear();
+    // A streamed output's offsets continue from the prompt's pieces.
+    for (auto& c : r.choices) c.streamed_text_bytes = bytes;
   }
 
   // parallel_tool_calls false: a turn makes one call at most, whatever the

@@ -32,6 +32,8 @@ constexpr uint32_t kMaxSequences = 128;
 // broken or hostile router's and is ignored whole.
 constexpr int kMaxPrefillWorkers = 4096;
 constexpr size_t kMaxControlAddressBytes = 512;
+// Prompt scores sent in one Token (services/router reassembles them).
+constexpr size_t kPromptScoresPerMessage = 8192;
 
 }  // namespace
 
@@ -42,6 +44,9 @@ struct DecodeSide::Request {
   // group, by_router_rid_ and groups_); 0 for a single sequence.
   uint32_t index = 0;
   RequestId leader = 0;
+  // Scoring alone (max_tokens 0) with n > 1: one sequence stands for all n,
+  // whose answers are the same; it finishes each of them.
+  uint32_t finishes = 1;
   std::string router_rid;
   ConnectionPtr router;
   WorkerClock::time_point arrived;
@@ -134,13 +139,18 @@ void DecodeSide::Admit(const ConnectionPtr& router, proto::Generate g,
   req.id = ctx_->next_id++;
   req.prompt.assign(g.prompt_token_ids().begin(), g.prompt_token_ids().end());
   req.params = FromProto(g.sampling());
+  // Scoring alone samples nothing: n copies would score the prompt n times
+  // (and outside the prefix cache) to the same answer.
+  const uint32_t finishes = req.params.max_tokens == 0 ? n : 1;
+  const uint32_t sequences = n / finishes;
   req.params.seed = ResolveSeed(req.params);  // the prefill peer must sample with the same seed
   req.cache_salt = g.cache_salt();
   req.grammar = std::move(grammar);
   const EngineRequest base = req;  // n > 1: the other sequences' template
   auto r = std::make_unique<Request>();
   r->id = req.id;
-  r->leader = n > 1 ? req.id : 0;
+  r->leader = sequences > 1 ? req.id : 0;
+  r->finishes = finishes;
   r->router_rid = g.request_id();
   r->router = router;
   r->arrived = WorkerClock::now();
@@ -192,13 +202,13 @@ void DecodeSide::Admit(const ConnectionPtr& router, proto::Generate g,
   const std::string address = r->prefill_address;
   requests_.emplace(id, std::move(r));
   ctx_->busy->fetch_add(1);
-  if (n > 1) {
+  if (sequences > 1) {
     // The other sequences: the same prompt, seeds seed + i, admitted once
     // the first one's prompt KV is computed (here or by the prefill peer),
     // sharing its blocks.
     std::vector<RequestId>& members = groups_[id];
     members.push_back(id);
-    for (uint32_t i = 1; i < n; ++i) {
+    for (uint32_t i = 1; i < sequences; ++i) {
       EngineRequest sib = base;
       sib.id = ctx_->next_id++;
       sib.params.seed = *base.params.seed + i;
@@ -346,14 +356,18 @@ bool DecodeSide::HandleOutput(RequestOutput& out) {
   if (it == requests_.end()) return false;
   Request& r = *it->second;
   const auto now = WorkerClock::now();
-  if (!out.prompt_logprobs.empty()) {
+  // The prompt's scores, in order, over as many Tokens as keep each well
+  // under the control plane's message limit (20 alternatives a position:
+  // about 300 bytes).
+  for (size_t from = 0; from < out.prompt_logprobs.size(); from += kPromptScoresPerMessage) {
     proto::Envelope env;
     auto* t = env.mutable_token();
     t->set_request_id(r.router_rid);
     t->set_index(r.index);
-    for (const auto& lp : out.prompt_logprobs) {
-      t->add_prompt_logprobs(lp.logprob);
-      AddTopLogprobs(lp, t->add_prompt_top_logprobs());
+    const size_t to = std::min(out.prompt_logprobs.size(), from + kPromptScoresPerMessage);
+    for (size_t i = from; i < to; ++i) {
+      t->add_prompt_logprobs(out.prompt_logprobs[i].logprob);
+      AddTopLogprobs(out.prompt_logprobs[i], t->add_prompt_top_logprobs());
     }
     (void)r.router->Send(std::move(env));
   }
@@ -386,16 +400,18 @@ bool DecodeSide::HandleOutput(RequestOutput& out) {
   }
   if (out.finished) {
     ctx_->metrics->blocks_saved.Observe(static_cast<double>(out.kv_blocks_released));
-    proto::Envelope env;
-    auto* f = env.mutable_finished();
-    f->set_request_id(r.router_rid);
-    f->set_index(r.index);
-    f->set_reason(out.finish_reason == FinishReason::kLength ? proto::FINISH_REASON_LENGTH
-                                                             : proto::FINISH_REASON_STOP);
-    f->mutable_usage()->set_prompt_tokens(static_cast<uint32_t>(r.prompt_tokens));
-    f->mutable_usage()->set_completion_tokens(static_cast<uint32_t>(r.completion_tokens));
-    f->mutable_usage()->set_cached_tokens(static_cast<uint32_t>(r.cached_tokens));
-    (void)r.router->Send(std::move(env));
+    for (uint32_t k = 0; k < r.finishes; ++k) {
+      proto::Envelope env;
+      auto* f = env.mutable_finished();
+      f->set_request_id(r.router_rid);
+      f->set_index(r.index + k);
+      f->set_reason(out.finish_reason == FinishReason::kLength ? proto::FINISH_REASON_LENGTH
+                                                               : proto::FINISH_REASON_STOP);
+      f->mutable_usage()->set_prompt_tokens(static_cast<uint32_t>(r.prompt_tokens));
+      f->mutable_usage()->set_completion_tokens(static_cast<uint32_t>(r.completion_tokens));
+      f->mutable_usage()->set_cached_tokens(static_cast<uint32_t>(r.cached_tokens));
+      (void)r.router->Send(std::move(env));
+    }
     PDSERVE_LOG(INFO) << "request " << r.router_rid
                       << (r.leader ? " [" + std::to_string(r.index) + "]" : std::string())
                       << " done: prompt " << r.prompt_tokens << " (cached " << r.cached_tokens

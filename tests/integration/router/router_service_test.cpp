@@ -72,6 +72,20 @@ class FakeWorker {
           text = reply_text_;
           finish = finish_;
         }
+        const auto& g = e.generate();
+        if (g.sampling().has_prompt_logprobs()) {
+          // The prompt's scores in two Tokens (position p scores -(p + 1)).
+          const int scores = g.prompt_token_ids_size() - 1;
+          for (int from : {0, scores / 2}) {
+            proto::Envelope part;
+            part.mutable_token()->set_request_id(g.request_id());
+            for (int p = from; p < (from == 0 ? scores / 2 : scores); ++p) {
+              part.mutable_token()->add_prompt_logprobs(-static_cast<float>(p + 1));
+              part.mutable_token()->add_prompt_top_logprobs();
+            }
+            (void)c->Send(std::move(part));
+          }
+        }
         if (!text.empty()) {  // one token carrying the whole text
           proto::Envelope token;
           token.mutable_token()->set_request_id(e.generate().request_id());
@@ -394,6 +408,30 @@ TEST_F(RouterServiceTest, AnUnstreamedRequestIsRetriedWhenItsWorkerDiesMidGenera
   workers_.erase(workers_.begin());                             // "first" goes away
   client.join();
   EXPECT_EQ(workers_.front()->generates().size(), 1u);
+}
+
+// A prompt's scores may come over several Tokens: the router joins them, in
+// order, before it answers or streams the echoed prompt.
+TEST_F(RouterServiceTest, PromptScoresInSeveralMessagesAreJoined) {
+  AddWorker("w", proto::ROLE_BOTH, 4096);
+  nlohmann::json body = {{"model", model_id_},
+                         {"prompt", std::vector<int>{5, 6, 7, 8, 9, 10, 11}},
+                         {"max_tokens", 0},
+                         {"echo", true},
+                         {"logprobs", 0}};
+  const nlohmann::json want = {nullptr, -1.0, -2.0, -3.0, -4.0, -5.0, -6.0};
+  auto r =
+      pdserve::testing::HttpRequest(service_->http_port(), "POST", "/v1/completions", body.dump());
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(nlohmann::json::parse(r.body)["choices"][0]["logprobs"]["token_logprobs"], want)
+      << r.body;
+  body["stream"] = true;
+  auto s =
+      pdserve::testing::HttpRequest(service_->http_port(), "POST", "/v1/completions", body.dump());
+  ASSERT_EQ(s.status, 200) << s.body;
+  const std::string first = s.body.substr(6, s.body.find("\n\n") - 6);
+  EXPECT_EQ(nlohmann::json::parse(first)["choices"][0]["logprobs"]["token_logprobs"], want)
+      << s.body;
 }
 
 // GET /v1/models/{id}: the model, or 404 model_not_found as OpenAI answers.

@@ -126,6 +126,18 @@ TEST(PromptLogprobsTest, AContinuationScoredInItsPromptHasTheLogprobsItWasGenera
     }
   }
 
+  // n 3 scoring alone: three equal choices from one computation.
+  nlohmann::json three = request;
+  three["n"] = 3;
+  auto [status7, n3] = stack.Post("/v1/completions", three);
+  ASSERT_EQ(status7, 200) << n3.dump();
+  ASSERT_EQ(n3["choices"].size(), 3u);
+  for (const auto& c : n3["choices"]) {
+    EXPECT_EQ(c["logprobs"]["token_logprobs"].size(), scored.size());
+    EXPECT_EQ(c["finish_reason"], "length");
+    EXPECT_EQ(c["text"], choice["text"]);
+  }
+
   // A one-token prompt: its token, unscored, and nothing else.
   auto [status6, one] = stack.Post("/v1/completions", {{"prompt", std::vector<int>{prompt[1]}},
                                                        {"max_tokens", 0},

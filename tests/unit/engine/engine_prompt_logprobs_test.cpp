@@ -204,5 +204,24 @@ TEST(EnginePromptLogprobsTest, RequestsThatCannotBeScoredAreRefused) {
   EXPECT_FALSE((*engine)->HasUnfinished());
 }
 
+// A prompt that fills the context can be scored alone (max_tokens 0), as
+// rolling loglikelihood scores a text in windows of the context; asked to
+// generate after it, it is refused.
+TEST(EnginePromptLogprobsTest, APromptFillingTheContextIsScoredAlone) {
+  auto l = testing::LoadCpuModelAndReference(testing::TinyModelDir());
+  ASSERT_NE(l.model, nullptr);
+  EngineOptions options;
+  options.kv_cache_bytes = 4 << 20;
+  options.max_model_len = 96;
+  auto engine = Engine::Create(l.model.get(), options);
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  const auto prompt = RandomTokens(96, l.model->config().vocab_size, 13);
+  EXPECT_EQ((*engine)->AddRequest(Request(1, prompt, 1, 0)).code(), StatusCode::kInvalidArgument);
+  ASSERT_TRUE((*engine)->AddRequest(Request(2, prompt, 0, 0)).ok());
+  auto runs = RunAll(engine->get());
+  EXPECT_EQ(runs[2].finish, FinishReason::kLength);
+  ExpectMatchesReference(runs[2].prompt_logprobs, prompt, *l.reference, 0);
+}
+
 }  // namespace
 }  // namespace pdserve
