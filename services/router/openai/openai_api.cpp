@@ -566,9 +566,11 @@ std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view body,
     // (lm-evaluation-harness's loglikelihood requests).
     const int64_t least = out->echo ? 0 : 1;
     if (*max_tokens < least || *max_tokens > std::numeric_limits<int>::max()) {
-      return Bad(param, std::string("'") + param + "' must be at least " + std::to_string(least) +
-                            (out->echo ? "" : " (0 only with 'echo')") + ", got " +
-                            std::to_string(*max_tokens));
+      return Bad(
+          param,
+          std::string("'") + param + "' must be at least " + std::to_string(least) +
+              (out->echo || endpoint != Endpoint::kCompletions ? "" : " (0 only with 'echo')") +
+              ", got " + std::to_string(*max_tokens));
     }
     out->max_tokens = static_cast<int>(*max_tokens);
   }
