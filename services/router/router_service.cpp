@@ -1559,8 +1559,9 @@ class RouterServiceImpl : public RouterService {
     }
   }
 
-  // echo with logprobs: the prompt's scores, one per token after the first
-  // (every sequence scores the same prompt: the first set to come is kept).
+  // echo with logprobs: the prompt's scores, one per token after the first,
+  // from the first sequence (the worker scores the prompt once: every
+  // choice shows them).
   void TakePromptScoresLocked(const WorkerLink& link, Inflight& r, const proto::Token& t) {
     const size_t n = r.prompt_ids.size();
     if (!r.prompt_pieces.empty() || !r.api->echo || !r.api->sampling.logprobs) return;
