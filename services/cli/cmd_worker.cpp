@@ -95,6 +95,9 @@ int RunWorker(int argc, char** argv) {
   flags.AddInt("prefill-timeout-ms", &prefill_timeout_ms,
                "deadline of a remote prefill before local fallback");
   flags.AddInt("drain-timeout", &drain_s, "seconds SIGTERM waits for running requests");
+  int64_t stall_s = o.engine_stall_timeout_ms / 1000;
+  flags.AddInt("engine-stall-timeout", &stall_s,
+               "seconds one engine step may run before /health fails (0: never)");
   ControlSecurityFlags security;
   security.AddTo(flags);
   StructuredFlags structured;
@@ -190,7 +193,7 @@ int RunWorker(int argc, char** argv) {
     UsageError("worker", "--metrics-port must be -1 or in [0, 65535]");
   if (o.block_size <= 0 || o.kv_cache_bytes <= 0 || o.max_num_seqs <= 0 ||
       o.max_num_batched_tokens <= 0 || threads < 0 || o.kv_staging_bytes <= 0 ||
-      prefill_timeout_ms <= 0 || drain_s < 0) {
+      prefill_timeout_ms <= 0 || drain_s < 0 || stall_s < 0) {
     UsageError("worker", "sizes, limits and timeouts must be positive");
   }
   o.port = static_cast<int>(port);
@@ -198,6 +201,7 @@ int RunWorker(int argc, char** argv) {
   o.threads = static_cast<int>(threads);
   o.prefill_timeout_ms = prefill_timeout_ms;
   o.drain_timeout_ms = drain_s * 1000;
+  o.engine_stall_timeout_ms = stall_s * 1000;
   o.structured = structured.OptionsOrExit("worker");
   o.kv_eviction = eviction.EvictionOrExit("worker");
 

@@ -317,6 +317,17 @@ class WorkerServiceImpl : public WorkerService {
   metrics::Health Health() {
     if (stopped_) return {false, "stopping"};
     if (routers_connected_.load() == 0) return {false, "no router connection"};
+    if (const int64_t started = step_started_ns_.load();
+        started != 0 && opts_.engine_stall_timeout_ms > 0) {
+      const auto running =
+          WorkerClock::now() - WorkerClock::time_point(WorkerClock::duration(started));
+      if (running > std::chrono::milliseconds(opts_.engine_stall_timeout_ms)) {
+        return {false, "an engine step has run for " +
+                           std::to_string(
+                               std::chrono::duration_cast<std::chrono::seconds>(running).count()) +
+                           " s"};
+      }
+    }
     return {true, ""};
   }
 
@@ -482,7 +493,12 @@ class WorkerServiceImpl : public WorkerService {
       last_step_stalled_ = false;
       if (HasRunnableWork()) {
         const uint64_t stalled_before = engine_->num_stalled_steps();
+        step_started_ns_ = WorkerClock::now().time_since_epoch().count();
+        if (test_step_delay_ms_ > 0) {  // tests: a step that hangs for a while
+          std::this_thread::sleep_for(std::chrono::milliseconds(test_step_delay_ms_));
+        }
         auto outputs = engine_->Step();
+        step_started_ns_ = 0;
         last_step_stalled_ = engine_->num_stalled_steps() != stalled_before;
         if (!outputs.ok() && engine_->ranks_failed()) {
           // A tensor-parallel rank failed and the group is aborted: the
@@ -781,6 +797,13 @@ class WorkerServiceImpl : public WorkerService {
   std::mutex routers_mu_;
   std::map<std::string, std::unique_ptr<control::Client>> routers_;  // by resolved ip:port
   std::atomic<int> routers_connected_{0};
+  // When the engine step under way began (WorkerClock ticks; 0: none runs),
+  // for Health. Tests stretch each step by PDSERVE_TEST_STEP_DELAY_MS.
+  std::atomic<int64_t> step_started_ns_{0};
+  const int64_t test_step_delay_ms_ = [] {
+    const char* v = std::getenv("PDSERVE_TEST_STEP_DELAY_MS");
+    return v != nullptr ? std::atoll(v) : 0;
+  }();
   std::mutex pub_mu_;
   std::set<ConnectionPtr> router_conns_;
   // Last: destroyed first, answering queued compilations (their callbacks

@@ -96,6 +96,10 @@ struct WorkerOptions {
   // chunk computes (off: everything once the prompt is done).
   bool stream_prefill_chunks = true;
   int64_t prefill_timeout_ms = 30'000;  // transfer deadline given to the prefill peer
+  // /health fails while one engine step has run longer than this (a hung
+  // device or a deadlock: the network thread still answers the router's
+  // heartbeats, so only the liveness probe can tell). 0: never.
+  int64_t engine_stall_timeout_ms = 300'000;
   int64_t load_interval_ms = 200;
   int64_t dns_refresh_ms = 5'000;
   int64_t drain_timeout_ms = 30'000;

@@ -86,8 +86,8 @@ WorkerProc& LocalStack::StartWorker(const std::string& role, const std::vector<s
                                    "--kv-cache-bytes", "8MiB"};
   argv = WithSecurity(std::move(argv), extra);
   argv.insert(argv.begin(), worker_launcher_.begin(), worker_launcher_.end());
-  const std::map<std::string, std::string> env = {
-      {"UCX_NET_DEVICES", every_interface_ ? "all" : "lo"}};
+  std::map<std::string, std::string> env = worker_env_;
+  env["UCX_NET_DEVICES"] = every_interface_ ? "all" : "lo";
   w->proc = ChildProcess::Start(argv, dir_ + "/" + w->id + ".log", env);
   auto port = w->proc.WaitForLog(std::regex(R"(metrics :(\d+))"), std::chrono::seconds(60));
   EXPECT_TRUE(port) << w->proc.Log();

@@ -56,6 +56,8 @@ class LocalStack {
   // Workers started from now on run under `prefix`, e.g. `ip netns exec NAME`
   // to place them in a network namespace (empty: run directly).
   void SetWorkerLauncher(std::vector<std::string> prefix) { worker_launcher_ = std::move(prefix); }
+  // Environment entries of the workers started from now on (test hooks).
+  void SetWorkerEnv(std::map<std::string, std::string> env) { worker_env_ = std::move(env); }
   // Workers move KV over loopback only (UCX_NET_DEVICES=lo) unless this was
   // called: interfaces that parallel tests add and remove (the chaos tests'
   // veth pairs) would otherwise enter every worker's UCX device list, where
@@ -97,6 +99,7 @@ class LocalStack {
   int control_port_ = 0;
   std::vector<std::unique_ptr<WorkerProc>> workers_;
   std::vector<std::string> worker_launcher_;
+  std::map<std::string, std::string> worker_env_;
   bool every_interface_ = false;
 };
 
