@@ -215,7 +215,8 @@ void DecodeSide::Admit(const ConnectionPtr& router, proto::Generate g,
       sib.share_prompt_with = id;
       // The prompt is scored once, by the first sequence (the router gives
       // every choice its scores); the others take its KV from the cache.
-      if (sib.params.max_tokens > 0) sib.params.prompt_logprobs.reset();
+      // (Scoring alone runs one sequence: no others.)
+      sib.params.prompt_logprobs.reset();
       auto sr = std::make_unique<Request>();
       sr->id = sib.id;
       sr->index = i;

@@ -752,7 +752,8 @@ nlohmann::json ResponseFormatter::UsageJson(const Usage& u) const {
 }
 
 nlohmann::json ResponseFormatter::Logprobs(const std::vector<TokenPiece>& pieces,
-                                           size_t text_offset) const {
+                                           size_t text_offset,
+                                           const std::vector<TokenPiece>* prompt) const {
   if (!request_.sampling.logprobs) return nullptr;
   if (request_.endpoint == Endpoint::kChatCompletions) {
     nlohmann::json content = nlohmann::json::array();
@@ -771,7 +772,7 @@ nlohmann::json ResponseFormatter::Logprobs(const std::vector<TokenPiece>& pieces
   nlohmann::json tokens = nlohmann::json::array(), token_logprobs = nlohmann::json::array(),
                  top_logprobs = nlohmann::json::array(), offsets = nlohmann::json::array();
   size_t offset = text_offset;
-  for (const auto& p : pieces) {
+  auto add = [&](const TokenPiece& p) {
     tokens.push_back(Utf8Text(p.token_text));
     if (!p.logprob) {  // a prompt's first token: nothing scores it
       token_logprobs.push_back(nullptr);
@@ -784,7 +785,11 @@ nlohmann::json ResponseFormatter::Logprobs(const std::vector<TokenPiece>& pieces
     }
     offsets.push_back(offset);
     offset += p.text.size();
+  };
+  if (prompt != nullptr) {
+    for (const auto& p : *prompt) add(p);
   }
+  for (const auto& p : pieces) add(p);
   return {{"tokens", tokens},
           {"token_logprobs", token_logprobs},
           {"top_logprobs", top_logprobs},
@@ -961,9 +966,7 @@ nlohmann::json ResponseFormatter::Choice(const std::string& prompt_text,
   if (request_.echo && c.prompt_pieces != nullptr && !c.prompt_pieces->empty()) {
     // The prompt's scored tokens, then the output's: offsets run on from
     // the prompt's pieces.
-    std::vector<TokenPiece> all = *c.prompt_pieces;
-    all.insert(all.end(), pieces.begin(), pieces.end());
-    logprobs = Logprobs(all, 0);
+    logprobs = Logprobs(pieces, 0, c.prompt_pieces);
   } else {
     logprobs = Logprobs(pieces, prefix.size());
   }

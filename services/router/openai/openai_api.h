@@ -169,7 +169,10 @@ class ResponseFormatter {
                           const Usage& usage) const;
 
  private:
-  nlohmann::json Logprobs(const std::vector<TokenPiece>& pieces, size_t text_offset) const;
+  // `prompt` (completions with echo): the prompt's scored pieces, listed
+  // before `pieces`, offsets counted from the first of them.
+  nlohmann::json Logprobs(const std::vector<TokenPiece>& pieces, size_t text_offset,
+                          const std::vector<TokenPiece>* prompt = nullptr) const;
   nlohmann::json Choice(const std::string& prompt_text, const ChoiceOutput& c) const;
   nlohmann::json UsageJson(const Usage& usage) const;
   nlohmann::json Envelope(const char* object) const;
