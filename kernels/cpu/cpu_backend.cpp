@@ -9,6 +9,7 @@
 #include <limits>
 #include <vector>
 
+#include "kernels/cpu/activation.h"
 #include "kernels/cpu/gemv.h"
 #include "kernels/cpu/kv_codec.h"
 #include "kernels/cpu/paged_attention.h"
@@ -112,7 +113,7 @@ void CpuBackend::SwiGlu(const Tensor& gate, const Tensor& up, const Tensor& out)
       const float* gr = gate.as<const float>() + g.offset(r);
       const float* ur = up.as<const float>() + u.offset(r);
       float* orow = out.as<float>() + o.offset(r);
-      for (int64_t i = 0; i < n; ++i) orow[i] = gr[i] / (1.0f + std::exp(-gr[i])) * ur[i];
+      SiluMulRow(simd_, gr, ur, n, orow);
     }
   });
 }
@@ -126,16 +127,10 @@ void CpuBackend::GeluTanhGlu(const Tensor& gate, const Tensor& up, const Tensor&
               up.rows() == out.rows(),
           "GeluTanhGlu", "takes gate, up and out of one shape");
   const RowLayout g = gate.row_layout(), u = up.row_layout(), o = out.row_layout();
-  const float k = 0.7978845608028654f;  // sqrt(2 / pi)
   pool_.ParallelFor(out.rows(), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float* gr = gate.as<const float>() + g.offset(r);
-      const float* ur = up.as<const float>() + u.offset(r);
-      float* orow = out.as<float>() + o.offset(r);
-      for (int64_t i = 0; i < n; ++i) {
-        const float x = gr[i];
-        orow[i] = 0.5f * x * (1.0f + std::tanh(k * (x + 0.044715f * x * x * x))) * ur[i];
-      }
+      GeluTanhMulRow(simd_, gate.as<const float>() + g.offset(r),
+                     up.as<const float>() + u.offset(r), n, out.as<float>() + o.offset(r));
     }
   });
 }

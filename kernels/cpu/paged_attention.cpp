@@ -9,6 +9,7 @@
 
 #include "kernels/cpu/kv_codec.h"
 #include "kernels/cpu/simd_loads.h"
+#include "kernels/cpu/simd_math.h"
 
 namespace pdserve::kernels {
 namespace {
@@ -107,41 +108,8 @@ void GroupAccumulateEach(float* acc, const float* decay, const float* values, co
 
 #if PDSERVE_HAVE_X86_SIMD
 
-// exp on SIMD lanes, Cephes' single-precision method: x = n ln2 + r with
-// |r| <= ln2 / 2, a degree-7 polynomial for e^r (relative error about 1e-7,
-// as libm's expf within a couple of units in the last place), times 2^n.
-// Arguments below -87 give about 1e-38 instead of 0 (softmax weights are
-// summed with at least one 1, so the difference does not show).
-constexpr float kExpLow = -87.0f;
-constexpr float kLog2e = 1.44269504088896341f;
-constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
-constexpr float kExpP[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
-                            4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
-
-PDSERVE_TARGET_AVX2 inline __m256 ExpAvx2(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(kExpLow));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
-  __m256 p = _mm256_set1_ps(kExpP[0]);
-  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpP[i]));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
-  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
-}
-
-PDSERVE_TARGET_AVX512 inline __m512 ExpAvx512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(kExpLow));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
-  __m512 p = _mm512_set1_ps(kExpP[0]);
-  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpP[i]));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
+using simd::ExpAvx2;
+using simd::ExpAvx512;
 
 PDSERVE_TARGET_AVX2 float ExpSumAvx2(float* x, int64_t count, float shift) {
   const __m256 sv = _mm256_set1_ps(shift);

@@ -103,16 +103,28 @@ TEST(EngineWindowsTest, WindowedAttentionMatchesTheReference) {
 
 // Every KV dtype: fp16, bf16, fp8 (e4m3, e5m2) and nvfp4 against the
 // reference that rounds K/V as the cache does (one prefill chunk, then a
-// token per step).
+// token per step). fp16's steps are the finest (2^-11 relative): the
+// engine's fp32 arithmetic and the float64 reference can put a K or V
+// element on either side of a rounding boundary, which here moves a few
+// positions' NLL by up to 4e-4 (seen when the MLP's SiLU went from libm's
+// exp to a vectorised one, both within 3 units in the last place). The
+// coarser formats' boundaries are 8x to 256x farther apart and are not
+// crossed by this model.
 TEST(EngineWindowsTest, EveryKvDtype) {
   Loaded l = Load("w17kv2", Mistral(17));
   ASSERT_NE(l.model, nullptr);
   const auto tokens = RandomTokens(60, l.model->config().vocab_size, 2);
-  for (auto [dtype, type] : {std::pair{DType::kBF16, KvRounding::Type::kBF16},
-                             std::pair{DType::kFP8E4M3, KvRounding::Type::kFP8E4M3},
-                             std::pair{DType::kFP8E5M2, KvRounding::Type::kFP8E5M2},
-                             std::pair{DType::kNvFp4, KvRounding::Type::kNvFp4},
-                             std::pair{DType::kF16, KvRounding::Type::kF16}}) {
+  struct Case {
+    DType dtype;
+    KvRounding::Type type;
+    double tolerance;
+  };
+  for (auto [dtype, type, tolerance] :
+       {Case{DType::kBF16, KvRounding::Type::kBF16, kNllTolerance},
+        Case{DType::kFP8E4M3, KvRounding::Type::kFP8E4M3, kNllTolerance},
+        Case{DType::kFP8E5M2, KvRounding::Type::kFP8E5M2, kNllTolerance},
+        Case{DType::kNvFp4, KvRounding::Type::kNvFp4, kNllTolerance},
+        Case{DType::kF16, KvRounding::Type::kF16, 1e-3}}) {
     SCOPED_TRACE(std::string(DTypeName(dtype)));
     TextEvalOptions o;
     o.kv_dtype = dtype;
@@ -123,7 +135,7 @@ TEST(EngineWindowsTest, EveryKvDtype) {
     kv.type = type;
     kv.block_size = 16;
     kv.first_chunk = 24;
-    CheckNll(l, tokens, o, kv, kNllTolerance);
+    CheckNll(l, tokens, o, kv, tolerance);
   }
 }
 

@@ -456,24 +456,30 @@ TEST_F(BackendOpsTest, RopeOnAViewOfAPackedProduct) {
 
 TEST_F(BackendOpsTest, SwiGluOverTheHalvesOfGateUp) {
   const int64_t r = 4, n = 300;
-  const auto gate_up = Random(r * 2 * n, -6, 6);
-  Compare("SwiGlu", 1e-6, [&](Backend& b, Mem& mem) -> Outputs {
-    const Tensor gu = mem.F32(gate_up, {r, 2 * n}), out = mem.Poisoned({r, n});
-    b.SwiGlu(gu.Columns(0, n), gu.Columns(n, 2 * n), out);
-    return {mem.Down(out)};
-  });
+  // Also gates far past exp's range (|g| up to 200): silu is 0 or g there,
+  // and no vector path may overflow on the way.
+  for (const float range : {6.f, 200.f}) {
+    const auto gate_up = Random(r * 2 * n, -range, range);
+    Compare("SwiGlu", 1e-6, [&](Backend& b, Mem& mem) -> Outputs {
+      const Tensor gu = mem.F32(gate_up, {r, 2 * n}), out = mem.Poisoned({r, n});
+      b.SwiGlu(gu.Columns(0, n), gu.Columns(n, 2 * n), out);
+      return {mem.Down(out)};
+    });
+  }
 }
 
 // Gemma's MLP gating (GeLU, tanh form) over the halves of gate|up, its
 // embedding scale and its logit soft cap (inputs past the cap's knee).
 TEST_F(BackendOpsTest, GeluTanhGluScaleAndSoftCap) {
   const int64_t r = 4, n = 300;
-  const auto gate_up = Random(r * 2 * n, -6, 6);
-  Compare("GeluTanhGlu", 1e-6, [&](Backend& b, Mem& mem) -> Outputs {
-    const Tensor gu = mem.F32(gate_up, {r, 2 * n}), out = mem.Poisoned({r, n});
-    b.GeluTanhGlu(gu.Columns(0, n), gu.Columns(n, 2 * n), out);
-    return {mem.Down(out)};
-  });
+  for (const float range : {6.f, 200.f}) {
+    const auto gate_up = Random(r * 2 * n, -range, range);
+    Compare("GeluTanhGlu", 1e-6, [&](Backend& b, Mem& mem) -> Outputs {
+      const Tensor gu = mem.F32(gate_up, {r, 2 * n}), out = mem.Poisoned({r, n});
+      b.GeluTanhGlu(gu.Columns(0, n), gu.Columns(n, 2 * n), out);
+      return {mem.Down(out)};
+    });
+  }
   const auto a = Random(1001, -80.f, 80.f);
   Compare("Scale and SoftCap", 1e-6, [&](Backend& b, Mem& mem) -> Outputs {
     const Tensor scaled = mem.F32(a, {7, 143}), capped = mem.F32(a, {1001});
