@@ -6,6 +6,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "kernels/kv_quant.h"
+
 namespace pdserve {
 namespace {
 
@@ -50,9 +52,17 @@ StatusOr<KvScales> ReadKvScales(const std::string& path) {
         return bad("layer " + std::to_string(l) + " has a scale that is no number");
       const double x = v.get<double>();
       const auto f = static_cast<float>(x);
-      if (!(f > 0) || !std::isfinite(f)) {
+      // A power of two, as the pool's own scales are (kernels/kv_quant.h):
+      // the codecs re-express values exactly only across powers of two, and
+      // the bounds keep 1 / scale and the decoders' products finite.
+      int exponent = 0;
+      const bool power_of_two = f > 0 && std::isfinite(f) && std::frexp(f, &exponent) == 0.5f;
+      if (!power_of_two || exponent - 1 < kernels::kMinKvScaleExponent ||
+          exponent - 1 > kernels::kMaxKvScaleExponent) {
         return bad("layer " + std::to_string(l) + " has scale " + v.dump() +
-                   " (scales are positive and finite)");
+                   " (scales are powers of two from 2^" +
+                   std::to_string(kernels::kMinKvScaleExponent) + " to 2^" +
+                   std::to_string(kernels::kMaxKvScaleExponent) + ")");
       }
       s.scales.push_back(f);
     }

@@ -4,9 +4,11 @@
 // region of that layer at that scale instead of the power of two each block
 // sets and grows from what is written into it (kernels/backend.h, WriteKv); values
 // past the scale's range saturate. The scale is still stored in every
-// block, so blocks read the same either way and workers with and without
-// calibration exchange KV freely. `pdserve eval --write-kv-scales FILE`
-// measures them on a text (MeasureKvScales, engine/text_eval.h).
+// block, so blocks read the same either way; but the scales are part of the
+// model's KV fingerprint (Engine::kv_fingerprint), so workers with other
+// scales or none never exchange KV or share a disk tier: a block's values
+// depend on them. `pdserve eval --write-kv-scales FILE` measures them on a
+// text (MeasureKvScales, engine/text_eval.h).
 //
 // The file is JSON: {"kv_dtype": "nvfp4", "layers": [[k, v], ...]} ([[latent],
 // ...] for MLA), scales as decimal numbers.
@@ -24,14 +26,15 @@ namespace pdserve {
 struct KvScales {
   DType kv_dtype = DType::kFP8E4M3;
   int64_t kv_sets = 2;        // scales per layer: 2 (GQA: K, V) or 1 (MLA)
-  std::vector<float> scales;  // [layers][kv_sets], each positive and finite
+  std::vector<float> scales;  // [layers][kv_sets], each a power of two
 
   int64_t num_layers() const { return kv_sets ? static_cast<int64_t>(scales.size()) / kv_sets : 0; }
 };
 
 // InvalidArgument (naming the file and what is wrong) for unreadable or
 // malformed JSON, an unknown or unscaled dtype, rows of different or wrong
-// widths, or a scale that is not positive and finite.
+// widths, or a scale that is not a power of two within the pool's bounds
+// (kMinKvScaleExponent .. kMaxKvScaleExponent, kernels/kv_quant.h).
 StatusOr<KvScales> ReadKvScales(const std::string& path);
 Status WriteKvScales(const std::string& path, const KvScales& scales);
 

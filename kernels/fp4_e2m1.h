@@ -90,12 +90,19 @@ PDSERVE_HOST_DEVICE inline void Nvfp4QuantizeBlock(const float* x, float tensor_
     const float a = fabsf(x[i]);
     if (a > amax) amax = a;
   }
-  *scale = E4M3Encode(amax / kE2M1Max * tensor_scale);
+  // amax is brought to tensor units before the division: amax / 6 of a
+  // tiny block would be subnormal and lose digits (the two orders agree
+  // everywhere else).
+  *scale = E4M3Encode(amax * tensor_scale / kE2M1Max);
   const float block_scale = E4M3Decode(*scale);
   const float to_e2m1 = block_scale > 0.0f ? tensor_scale / block_scale : 0.0f;
+  // At the largest tensor scales (a KV region scale of 2^-126) that ratio
+  // overflows; the values are then brought to tensor units first.
+  const bool in_two_steps = to_e2m1 > __FLT_MAX__;
   for (int i = 0; i < kNvfp4BlockSize; i += 2) {
-    packed[i / 2] =
-        static_cast<uint8_t>(E2M1Encode(x[i] * to_e2m1) | (E2M1Encode(x[i + 1] * to_e2m1) << 4));
+    const float a = in_two_steps ? x[i] * tensor_scale / block_scale : x[i] * to_e2m1;
+    const float b = in_two_steps ? x[i + 1] * tensor_scale / block_scale : x[i + 1] * to_e2m1;
+    packed[i / 2] = static_cast<uint8_t>(E2M1Encode(a) | (E2M1Encode(b) << 4));
   }
 }
 

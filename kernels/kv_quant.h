@@ -36,13 +36,27 @@ PDSERVE_HOST_DEVICE inline float KvScaleRange(DType dtype) {
   }
 }
 
-// Smallest power of two s with max_abs / s <= KvScaleRange(dtype); 0 for an
-// all-zero (or NaN-only) region.
+// The bounds of a region scale's exponent. Below 2^-126 the reciprocal the
+// encoders multiply by would overflow to inf (and 0 * inf stores a zero as
+// NaN); above 2^119 the decoders' scale times the 2^8 of the fp8 widening
+// (simd_loads.h) would. Magnitudes under 2^-126 * range become zeros or
+// subnormal codes; over 2^119 * range (2.98e38 for e4m3) they saturate.
+constexpr int kMinKvScaleExponent = -126;
+constexpr int kMaxKvScaleExponent = 119;
+
+// Smallest power of two s with max_abs / s <= KvScaleRange(dtype), within
+// 2^kMinKvScaleExponent .. 2^kMaxKvScaleExponent; 0 for an all-zero (or
+// NaN-only) region. An infinite max_abs takes the largest scale (frexpf's
+// exponent of an infinity is unspecified, on the device as on the host).
 PDSERVE_HOST_DEVICE inline float KvScaleFor(DType dtype, float max_abs) {
   if (!(max_abs > 0)) return 0.0f;
+  if (max_abs > __FLT_MAX__) return ldexpf(1.0f, kMaxKvScaleExponent);
   int e;
   const float f = frexpf(max_abs / KvScaleRange(dtype), &e);  // = f * 2^e, f in [0.5, 1)
-  return ldexpf(1.0f, f == 0.5f ? e - 1 : e);
+  if (f == 0.0f) return ldexpf(1.0f, kMinKvScaleExponent);    // the quotient underflowed
+  e = f == 0.5f ? e - 1 : e;
+  e = e < kMinKvScaleExponent ? kMinKvScaleExponent : e;
+  return ldexpf(1.0f, e > kMaxKvScaleExponent ? kMaxKvScaleExponent : e);
 }
 
 // An fp8 element at scale `scale` (a power of two, or 0 for an empty region).

@@ -3,6 +3,8 @@
 // or shape.
 #include "engine/kv_scales.h"
 
+#include <cmath>
+
 #include <gtest/gtest.h>
 
 #include <fstream>
@@ -34,6 +36,13 @@ TEST(KvScalesTest, RoundTrips) {
   EXPECT_EQ(back->kv_sets, 2);
   EXPECT_EQ(back->num_layers(), 2);
   EXPECT_EQ(back->scales, s.scales);
+  // The extreme powers of two a pool takes.
+  auto bounds = ReadKvScales(
+      WriteText("bounds.json",
+                R"({"kv_dtype":"fp8","layers":[[1.1754943508222875e-38,6.646139978924579e35]]})"));
+  ASSERT_TRUE(bounds.ok()) << bounds.status().ToString();
+  EXPECT_EQ(bounds->scales[0], std::ldexp(1.0f, -126));
+  EXPECT_EQ(bounds->scales[1], std::ldexp(1.0f, 119));
   // MLA: one scale a layer.
   auto mla = ReadKvScales(WriteText("mla.json", R"({"kv_dtype":"fp8","layers":[[2],[0.5]]})"));
   ASSERT_TRUE(mla.ok()) << mla.status().ToString();
@@ -49,9 +58,15 @@ TEST(KvScalesTest, RefusesMalformedFilesNamingTheProblem) {
       {R"({"kv_dtype":"fp8","layers":[]})", "layers"},
       {R"({"kv_dtype":"fp8","layers":[[1,1],[1]]})", "layer 1 has 1 scales"},
       {R"({"kv_dtype":"fp8","layers":[[1,2,3]]})", "layer 0 must be"},
-      {R"({"kv_dtype":"fp8","layers":[[1,-2]]})", "positive and finite"},
-      {R"({"kv_dtype":"fp8","layers":[[1,0]]})", "positive and finite"},
-      {R"({"kv_dtype":"fp8","layers":[[1,1e300]]})", "positive and finite"},
+      {R"({"kv_dtype":"fp8","layers":[[1,-2]]})", "powers of two"},
+      {R"({"kv_dtype":"fp8","layers":[[1,0]]})", "powers of two"},
+      {R"({"kv_dtype":"fp8","layers":[[1,1e300]]})", "powers of two"},
+      // Not a power of two, or one whose reciprocal (2^-127, 2^-130) or
+      // decoding product (2^120 * 2^8) leaves fp32's range.
+      {R"({"kv_dtype":"fp8","layers":[[1,3.0]]})", "layer 0 has scale 3.0"},
+      {R"({"kv_dtype":"fp8","layers":[[1,5.877471754111438e-39]]})", "powers of two"},
+      {R"({"kv_dtype":"fp8","layers":[[1,7.346839692639297e-40]]})", "powers of two"},
+      {R"({"kv_dtype":"fp8","layers":[[1,1.329227995784916e36]]})", "2^-126 to 2^119"},
       {R"({"kv_dtype":"fp8","layers":[[1,"x"]]})", "no number"},
   };
   int i = 0;

@@ -44,11 +44,13 @@ double Range(DType d) {
   return d == DType::kFP8E5M2 ? 57344.0 : d == DType::kNvFp4 ? 448.0 * 6 : 448.0;
 }
 
+// The smallest power of two s from 2^-126 up with max_abs / s <= the range,
+// at most 2^119 (kernels/kv_quant.h: beyond those 1 / s or the decoders'
+// s * 2^8 would leave fp32's range).
 float ScaleByDoubling(DType d, float max_abs) {
   if (max_abs == 0) return 0;
-  float s = std::ldexp(1.0f, -40);
-  while (max_abs / s > Range(d)) s *= 2;
-  while (s / 2 > 0 && max_abs / (s / 2) <= Range(d)) s /= 2;
+  float s = std::ldexp(1.0f, -126);
+  while (static_cast<double>(max_abs) / s > Range(d) && s < std::ldexp(1.0f, 119)) s *= 2;
   return s;
 }
 
@@ -69,13 +71,15 @@ std::vector<uint8_t> ExpectedRegion(const KvCacheLayout& l, const std::vector<fl
     for (int64_t t = 0; t < n / hd; ++t) {
       for (int64_t g = t * hd; g < (t + 1) * hd; g += 16) {
         const int64_t end = std::min(g + 16, (t + 1) * hd);
+        // NVIDIA's recipe in the region's scaled units (values / s, exact
+        // for a power of two), where no intermediate is subnormal.
         float amax = 0;
-        for (int64_t i = g; i < end; ++i) amax = std::max(amax, std::fabs(values[i]));
-        const uint8_t micro = E4M3Encode(amax / 6.0f / s);
+        for (int64_t i = g; i < end; ++i) amax = std::max(amax, std::fabs(values[i] / s));
+        const uint8_t micro = E4M3Encode(amax / 6.0f);
         r[l.head_value_bytes() + MicroIndex(l, g)] = micro;
-        const float unit = s * E4M3Decode(micro);
+        const float unit = E4M3Decode(micro);
         for (int64_t i = g; i < end; ++i) {
-          const uint8_t code = unit > 0 ? E2M1Encode(values[i] / unit) : 0;
+          const uint8_t code = unit > 0 ? E2M1Encode(values[i] / s / unit) : 0;
           r[i / 2] |= static_cast<uint8_t>(code << (4 * (i % 2)));
         }
       }
@@ -129,7 +133,10 @@ TEST_P(KvQuantWriteTest, StoredBytesAreTheFormatsOwn) {
   std::normal_distribution<float> normal(0.f, 1.f);
   for (const int64_t hd : kHeadDims) {
     const KvCacheLayout l = OneHead(d, hd);
-    for (float magnitude : {1e-3f, 0.7f, 3.0f, 250.0f, 9e4f}) {
+    // Also magnitudes at the ends of fp32's range: regions whose scale would
+    // fall under 2^-126 (a reciprocal of inf stored zeros as NaN) or, for
+    // 1e-39, whose quotient by the range underflows to 0.
+    for (float magnitude : {1e-39f, 1e-37f, 1e-3f, 0.7f, 3.0f, 250.0f, 9e4f, 5e37f}) {
       SCOPED_TRACE(std::string(DTypeName(d)) + " head_dim " + std::to_string(hd) + " magnitude " +
                    std::to_string(magnitude));
       std::vector<float> k(5 * hd);
