@@ -331,14 +331,22 @@ class Session : public std::enable_shared_from_this<Session> {
     keep_alive_ = msg.keep_alive();
     version_ = msg.version();
 
-    if (server_->in_flight.load() >= server_->options.max_concurrent_requests) {
+    const auto& unlimited = server_->options.unlimited_paths;
+    const bool limited = std::find(unlimited.begin(), unlimited.end(), req.path) == unlimited.end();
+    if (limited && server_->in_flight.load() >= server_->options.max_concurrent_requests) {
+      PDSERVE_LOG(INFO) << "http " << remote_ << " " << Printable(req.method, 16) << " "
+                        << Printable(req.path) << ": 503, at the limit of "
+                        << server_->options.max_concurrent_requests << " concurrent requests";
+      if (server_->options.on_overload) server_->options.on_overload(req);
       Response r = ErrorResponse(503, "server is at its concurrent request limit; retry shortly",
                                  "server_overloaded");
       r.headers.emplace_back("Retry-After", "1");
       return WriteResponse(std::move(r));
     }
-    server_->in_flight.fetch_add(1);
-    counted_ = true;
+    if (limited) {
+      server_->in_flight.fetch_add(1);
+      counted_ = true;
+    }
     state_ = State::kHandling;
     ++seq_;
     what_ = Printable(req.method, 16) + " " + Printable(req.path);

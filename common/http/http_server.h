@@ -15,8 +15,8 @@
 // - Limits are enforced before the handler sees anything: a body over
 //   max_body_bytes gets 413, headers over max_header_bytes 431, a malformed
 //   request 400, and more than max_concurrent_requests in flight 503 with
-//   Retry-After. All error bodies are OpenAI-style JSON. Only the offending
-//   connection is affected.
+//   Retry-After (one info line each; unlimited_paths are exempt). All error
+//   bodies are OpenAI-style JSON. Only the offending connection is affected.
 // - Requests pipelined on one connection are answered one at a time, in
 //   order: the next is read once the current answer is written. Every
 //   request counted in in_flight() is uncounted when its exchange ends or its
@@ -94,6 +94,15 @@ struct ServerOptions {
   size_t max_body_bytes = 8u << 20;
   size_t max_header_bytes = 16u << 10;
   int max_concurrent_requests = 1024;
+  // Paths answered whatever the load (probes and scrapes: /health, /ready,
+  // /metrics): never refused at max_concurrent_requests and not counted in
+  // in_flight(), so that a saturated server still passes its liveness probe
+  // and shows its metrics.
+  std::vector<std::string> unlimited_paths = {};
+  // Called on the I/O thread for each request refused at
+  // max_concurrent_requests (after the server has logged it), so that its
+  // owner can count it; must not block.
+  std::function<void(const Request&)> on_overload = nullptr;
   // Open connections, reading or idle included: past it a new connection is
   // closed at once (logged), so that clients holding connections open (slow
   // headers, slow bodies, idle keep-alives) cannot hold every descriptor

@@ -100,11 +100,12 @@ bool ServeStandardEndpoints(const http::Request& request, http::Exchange& exchan
     exchange.Reply(std::move(r));
     return true;
   }
-  if (request.path == "/health") {
+  if (request.path == "/health" || request.path == "/live") {
     const Health h = health ? health() : Health{};
+    const bool ok = request.path == "/health" ? h.healthy : h.live;
     http::Response r;
-    r.status = h.healthy ? 200 : 503;
-    r.body = nlohmann::json{{"status", h.healthy ? "ok" : "unhealthy"}, {"detail", h.detail}}.dump(
+    r.status = ok ? 200 : 503;
+    r.body = nlohmann::json{{"status", ok ? "ok" : "unhealthy"}, {"detail", h.detail}}.dump(
         -1, ' ', false, nlohmann::json::error_handler_t::replace);
     exchange.Reply(std::move(r));
     return true;

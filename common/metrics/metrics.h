@@ -50,17 +50,22 @@ prometheus::Family<prometheus::Histogram>& AddHistogramFamily(prometheus::Regist
 // Prometheus text exposition format (version 0.0.4) of everything in `registry`.
 std::string Serialize(const prometheus::Registry& registry);
 
-// What /health reports: healthy → 200, otherwise 503; `detail` goes in the body.
+// What the probes report. /health: `healthy` (the process can serve now:
+// readiness) → 200, otherwise 503. /live: `live` (the process itself works;
+// a liveness probe that fails restarts it) → 200, otherwise 503. A worker
+// without a router is live but not healthy: restarting it would not bring
+// the router back. `detail` goes in both bodies.
 struct Health {
   bool healthy = true;
   std::string detail;
+  bool live = true;
 };
 
-// Answers GET /metrics and GET /health; returns false (and does nothing) for
-// any other path, so callers chain their own routes after it. With
+// Answers GET /metrics, /health and /live; returns false (and does nothing)
+// for any other path, so callers chain their own routes after it. With
 // `metrics_keys` (--metrics-key-file), /metrics answers only requests with
-// "Authorization: Bearer <one of them>" (http/bearer_auth.h); /health stays
-// open to probes.
+// "Authorization: Bearer <one of them>" (http/bearer_auth.h); the probes stay
+// open.
 bool ServeStandardEndpoints(const http::Request& request, http::Exchange& exchange,
                             const prometheus::Registry& registry,
                             const std::function<Health()>& health,

@@ -168,7 +168,7 @@ struct RouterMetrics {
     // Every outcome and decision exists from the start at 0, so rate() and
     // ratios over them are defined before the first request of each kind.
     for (const char* status :
-         {"ok", "rejected", "error", "cancelled", "unavailable", "unauthorized"})
+         {"ok", "rejected", "error", "cancelled", "unavailable", "unauthorized", "overloaded"})
       requests.Add({{"status", status}});
     for (const char* kind : {"remote_prefill", "local_prefill"}) decisions.Add({{"kind", kind}});
     for (const char* reason :
@@ -361,6 +361,10 @@ class RouterServiceImpl : public RouterService {
     ho.max_body_bytes = opts_.max_body_bytes;
     ho.max_header_bytes = opts_.max_header_bytes;
     ho.max_concurrent_requests = opts_.max_concurrent_requests;
+    // The probes and the scrape are answered however many API requests are
+    // open: a router at its limit is busy, not broken.
+    ho.unlimited_paths = {"/health", "/live", "/ready", "/metrics"};
+    ho.on_overload = [this](const http::Request&) { CountRequest("overloaded"); };
     http_ = std::make_unique<http::Server>(
         ho, [this](const http::Request& r, std::shared_ptr<http::Exchange> ex) {
           HandleHttp(r, std::move(ex));
@@ -446,7 +450,7 @@ class RouterServiceImpl : public RouterService {
             req, *ex, *registry_, [] { return metrics::Health{}; }, metrics_keys_)) {
       return;
     }
-    if (req.path == "/health") {  // metrics on their own port: health stays here too
+    if (req.path == "/health" || req.path == "/live") {  // metrics on their own port: probes stay
       ex->Reply({200, "application/json", {}, R"({"status":"ok"})"});
       return;
     }

@@ -240,7 +240,8 @@ class WorkerServiceImpl : public WorkerService {
             if (r.path == "/metrics") RefreshCacheCounters();
             if (!metrics::ServeStandardEndpoints(
                     r, *ex, *registry_, [this] { return Health(); }, metrics_keys_)) {
-              ex->Reply(http::ErrorResponse(404, "only /metrics and /health are served here"));
+              ex->Reply(
+                  http::ErrorResponse(404, "only /metrics, /health and /live are served here"));
             }
           });
       PDSERVE_RETURN_IF_ERROR(metrics_http_->Start());
@@ -322,10 +323,12 @@ class WorkerServiceImpl : public WorkerService {
       const auto running =
           WorkerClock::now() - WorkerClock::time_point(WorkerClock::duration(started));
       if (running > std::chrono::milliseconds(opts_.engine_stall_timeout_ms)) {
-        return {false, "an engine step has run for " +
-                           std::to_string(
-                               std::chrono::duration_cast<std::chrono::seconds>(running).count()) +
-                           " s"};
+        return {
+            false,
+            "an engine step has run for " +
+                std::to_string(std::chrono::duration_cast<std::chrono::seconds>(running).count()) +
+                " s",
+            /*live=*/false};
       }
     }
     return {true, ""};

@@ -137,8 +137,9 @@ function checkProbesAndPorts(r) {
   assert.equal(String(portByName(router, 'control')), rf.get('control-port'));
   if (rf.has('metrics-port')) assert.equal(String(portByName(router, 'metrics')), rf.get('metrics-port'));
   assert.deepEqual(router.readinessProbe.httpGet, { path: '/ready', port: 'http' });
-  assert.deepEqual(router.livenessProbe.httpGet, { path: '/health', port: 'http' });
-  assert.deepEqual(router.startupProbe.httpGet, { path: '/health', port: 'http' });
+  // Liveness reads /live, which only fails when the process itself is broken.
+  assert.deepEqual(router.livenessProbe.httpGet, { path: '/live', port: 'http' });
+  assert.deepEqual(router.startupProbe.httpGet, { path: '/live', port: 'http' });
   for (const role of ['prefill', 'decode']) {
     const w = mainContainer(r.deployment(role));
     const wf = flags(w);
@@ -151,9 +152,17 @@ function checkProbesAndPorts(r) {
     assert.equal(wf.get('advertise-host'), '$(POD_IP)');
     const podIp = w.env.find((e) => e.name === 'POD_IP');
     assert.equal(podIp?.valueFrom?.fieldRef?.fieldPath, 'status.podIP');
-    for (const probe of ['startupProbe', 'readinessProbe', 'livenessProbe']) {
-      assert.deepEqual(w[probe].httpGet, { path: '/health', port: 'metrics' }, `${role} ${probe}`);
+    // Readiness follows the router link (/health); liveness and startup do
+    // not (/live): a lost router must not restart every worker.
+    const paths = { startupProbe: '/live', readinessProbe: '/health', livenessProbe: '/live' };
+    for (const [probe, path] of Object.entries(paths)) {
+      assert.deepEqual(w[probe].httpGet, { path, port: 'metrics' }, `${role} ${probe}`);
     }
+    // SIGTERM drains running requests for the grace period less 10 s of
+    // shutdown and less the disk flush that follows the drain.
+    const grace = r.deployment(role).spec.template.spec.terminationGracePeriodSeconds;
+    const flush = Number(wf.get('kv-disk-flush-timeout') ?? 0);
+    assert.equal(wf.get('drain-timeout'), String(Math.max(1, grace - flush - 10)), `${role} drain`);
     // Model loading may take long: liveness only starts after a startup window
     // of at least ten minutes.
     const window = w.startupProbe.periodSeconds * w.startupProbe.failureThreshold;
@@ -938,11 +947,15 @@ describe('targeted overrides', () => {
     const base = ['decode.kvTiers.disk.enabled=true', 'decode.kvTiers.disk.sizeBytes=10GiB'];
     const fits = render({ set: [...base, 'decode.terminationGracePeriodSeconds=60', 'decode.kvTiers.disk.flushTimeoutSeconds=30'] });
     assert.equal(kvTiers(fits, 'decode').flush, '30');
-    const res = runHelm(['template', release, chart, ...[...base, 'decode.terminationGracePeriodSeconds=45'].flatMap((v) => ['--set', v])]);
+    // The drain gets what the flush and 10 s of shutdown leave.
+    assert.equal(flags(mainContainer(fits.deployment('decode'))).get('drain-timeout'), '20');
+    const res = runHelm(['template', release, chart, ...[...base, 'decode.terminationGracePeriodSeconds=40'].flatMap((v) => ['--set', v])]);
     assert.notEqual(res.status, 0);
-    assert.match(res.stderr, /decode\.terminationGracePeriodSeconds \(45\) must cover the drain \(30 s\) and decode\.kvTiers\.disk\.flushTimeoutSeconds \(30\): raise it to 60/);
+    assert.match(res.stderr, /decode\.terminationGracePeriodSeconds \(40\) must cover the drain \(at least 1 s\), decode\.kvTiers\.disk\.flushTimeoutSeconds \(30\) and 10 s of shutdown: raise it to 41/);
     // Without a disk tier there is nothing to flush, whatever the grace period.
-    assert.deepEqual(kvTiers(render({ set: ['decode.terminationGracePeriodSeconds=5'] }), 'decode'), noKvTiers);
+    const short = render({ set: ['decode.terminationGracePeriodSeconds=5'] });
+    assert.deepEqual(kvTiers(short, 'decode'), noKvTiers);
+    assert.equal(flags(mainContainer(short.deployment('decode'))).get('drain-timeout'), '1');
   });
   test('a disk tier without sizeBytes is refused with its message', () => {
     for (const role of ['prefill', 'decode']) {

@@ -243,18 +243,30 @@ matchExpressions:
 {{- $b }}
 {{- end }}
 
-{{/* --kv-disk-flush-timeout of a pool with a disk tier. SIGTERM first drains
-     the worker's requests (up to 30 s, its --drain-timeout) and then writes
-     its tiers to disk for up to this long: a grace period shorter than both
-     would kill the pod in the middle of that. Takes (dict "role" name
-     "worker" .Values.<role>). */}}
+{{/* --kv-disk-flush-timeout of a pool with a disk tier: SIGTERM first drains
+     the worker's requests (its --drain-timeout, pdserve.drainTimeout) and
+     then writes its tiers to disk for up to this long. Takes (dict "role"
+     name "worker" .Values.<role>). */}}
 {{- define "pdserve.kvDiskFlushTimeout" -}}
-{{- $flush := int64 .worker.kvTiers.disk.flushTimeoutSeconds }}
-{{- $grace := int64 .worker.terminationGracePeriodSeconds }}
-{{- if lt $grace (add 30 $flush) }}
-{{- fail (printf "%s.terminationGracePeriodSeconds (%d) must cover the drain (30 s) and %s.kvTiers.disk.flushTimeoutSeconds (%d): raise it to %d or lower the flush timeout" .role $grace .role $flush (add 30 $flush)) }}
+{{- int64 .worker.kvTiers.disk.flushTimeoutSeconds }}
 {{- end }}
-{{- $flush }}
+
+{{/* --drain-timeout of a pool: what terminationGracePeriodSeconds leaves
+     after the disk flush (when the pool has a disk tier) and 10 s for the
+     rest of the shutdown (at least 1 s), so that running requests get the
+     grace period the values give them and the kubelet never kills a pod
+     mid-flush. Takes the same dict as pdserve.kvDiskFlushTimeout. */}}
+{{- define "pdserve.drainTimeout" -}}
+{{- $grace := int64 .worker.terminationGracePeriodSeconds }}
+{{- $flush := 0 }}
+{{- if .worker.kvTiers.disk.enabled }}
+{{- $flush = int64 .worker.kvTiers.disk.flushTimeoutSeconds }}
+{{- end }}
+{{- $drain := sub (sub $grace $flush) 10 }}
+{{- if and (lt $drain 1) .worker.kvTiers.disk.enabled }}
+{{- fail (printf "%s.terminationGracePeriodSeconds (%d) must cover the drain (at least 1 s), %s.kvTiers.disk.flushTimeoutSeconds (%d) and 10 s of shutdown: raise it to %d or lower the flush timeout" .role $grace .role $flush (add 11 $flush)) }}
+{{- end }}
+{{- max $drain 1 }}
 {{- end }}
 
 {{/* Size limit of the emptyDir holding a pool's disk tier: disk.sizeLimit, or

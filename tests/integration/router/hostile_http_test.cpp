@@ -192,6 +192,63 @@ TEST_F(HostileHttpTest, RequestsThatUsedToKillTheRouterAreAnsweredAndItServesOn)
   }
 }
 
+// At --max-concurrent-requests (4) the API refuses more, but the probes and
+// the scrape still answer: a liveness probe must not restart a router that
+// is only busy. The refusals are counted.
+TEST_F(HostileHttpTest, ProbesAndMetricsAnswerAtTheConcurrencyLimit) {
+  // Four long streams nobody reads, on connections with a small receive
+  // buffer: their events fill the socket buffers and the exchanges stay open
+  // until the connections close.
+  const std::string body =
+      R"({"prompt":"hold","max_tokens":4000,"ignore_eos":true,"stream":true,"temperature":0})";
+  std::vector<int> held;
+  for (int i = 0; i < 4; ++i) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    ASSERT_GE(fd, 0);
+    const int small = 4096;
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof(small));
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(port()));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    const std::string req = Raw("POST", "/v1/completions", body);
+    ASSERT_EQ(::send(fd, req.data(), req.size(), MSG_NOSIGNAL), static_cast<ssize_t>(req.size()));
+    held.push_back(fd);
+  }
+  const std::string probe_body = R"({"prompt":"one more","max_tokens":1})";
+  Answer refused;
+  for (int i = 0; i < 200 && refused.status != 503; ++i) {
+    std::this_thread::sleep_for(50ms);
+    refused = Parse(Exchange(port(), Raw("POST", "/v1/completions", probe_body)));
+  }
+  EXPECT_EQ(refused.status, 503);
+  for (const char* path : {"/health", "/live", "/ready"}) {
+    EXPECT_EQ(Parse(Exchange(port(), Raw("GET", path, "", ""))).status, 200) << path;
+  }
+  const std::string metrics = Exchange(
+      port(),
+      Raw("GET", "/metrics", "", std::string("Authorization: Bearer ") + kMetricsKey + "\r\n"));
+  EXPECT_NE(metrics.find("HTTP/1.1 200"), std::string::npos) << metrics.substr(0, 300);
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(
+      metrics, m,
+      std::regex(R"(pdserve_router_requests_total\{status="overloaded"\} ([0-9.e+]+))")))
+      << metrics;
+  EXPECT_GE(std::stod(m[1]), 1.0);
+  // Still at the limit after the probes: they were answered during it.
+  EXPECT_EQ(Parse(Exchange(port(), Raw("POST", "/v1/completions", probe_body))).status, 503);
+  for (int fd : held) ::close(fd);
+  // The closed streams are cancelled and free their places.
+  Answer ok;
+  for (int i = 0; i < 200 && ok.status != 200; ++i) {
+    std::this_thread::sleep_for(50ms);
+    ok = Complete("after the limit");
+  }
+  EXPECT_EQ(ok.status, 200);
+  ExpectAliveAndServing("the concurrency limit");
+}
+
 TEST_F(HostileHttpTest, PipelinedRequestsAreAnsweredAndNeverWedgeTheRouter) {
   // A POST followed in the same write by more than 512 bytes of further
   // requests; more rounds than --max-concurrent-requests (4), so a lost count

@@ -34,9 +34,13 @@ TEST(EngineStallTest, HealthFailsWhileAStepRunsPastTheTimeoutAndRecovers) {
   }
   EXPECT_EQ(unhealthy.status, 503);
   EXPECT_NE(unhealthy.body.find("an engine step has run for"), std::string::npos) << unhealthy.body;
+  // What the liveness probe reads fails too (the step is still running: the
+  // timeout is 1 s, the step 4 s).
+  EXPECT_EQ(HttpRequest(worker.metrics_port, "GET", "/live").status, 503);
   client.join();
   EXPECT_EQ(status, 200);
   EXPECT_EQ(HttpRequest(worker.metrics_port, "GET", "/health").status, 200);
+  EXPECT_EQ(HttpRequest(worker.metrics_port, "GET", "/live").status, 200);
 }
 
 }  // namespace

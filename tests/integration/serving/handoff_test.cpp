@@ -190,6 +190,9 @@ TEST(HandoffTest, WorkerHealthFollowsItsRouterLink) {
   ASSERT_TRUE(WaitForHttpStatus(worker.metrics_port, "/health", 503, std::chrono::seconds(30)));
   EXPECT_NE(HttpRequest(worker.metrics_port, "GET", "/health").body.find("no router connection"),
             std::string::npos);
+  // Live all the while: a liveness probe must not restart every worker
+  // because their router went away.
+  EXPECT_EQ(HttpRequest(worker.metrics_port, "GET", "/live").status, 200);
   // A router on the same address again: the worker reconnects and is healthy.
   stack.StartRouter({}, control_port);
   EXPECT_TRUE(WaitForHttpStatus(worker.metrics_port, "/health", 200, std::chrono::seconds(30)));

@@ -193,11 +193,23 @@ TEST(HttpServerTest, TransferCodingsOtherThanChunkedAre501) {
   EXPECT_EQ(handled.load(), 1);
 }
 
+// At the limit a request is refused (and handed to on_overload), while the
+// unlimited paths (probes, scrapes) are still answered and do not count.
 TEST(HttpServerTest, ConcurrencyLimitAnswers503WithRetryAfter) {
   std::promise<std::shared_ptr<Exchange>> held;
   std::atomic<int> calls{0};
-  Server server({.host = "127.0.0.1", .max_concurrent_requests = 1},
-                [&](const Request&, std::shared_ptr<Exchange> ex) {
+  std::vector<std::string> refused;  // written on the I/O thread, read after the replies
+  std::mutex refused_mu;
+  Server server({.host = "127.0.0.1",
+                 .max_concurrent_requests = 1,
+                 .unlimited_paths = {"/health"},
+                 .on_overload =
+                     [&](const Request& r) {
+                       std::lock_guard<std::mutex> lock(refused_mu);
+                       refused.push_back(r.path);
+                     }},
+                [&](const Request& r, std::shared_ptr<Exchange> ex) {
+                  if (r.path == "/health") return ex->Reply({});
                   if (calls.fetch_add(1) == 0) held.set_value(ex);  // keep the first one open
                 });
   ASSERT_TRUE(server.Start().ok());
@@ -210,11 +222,21 @@ TEST(HttpServerTest, ConcurrencyLimitAnswers503WithRetryAfter) {
   ::close(second);
   EXPECT_NE(r.find("HTTP/1.1 503"), std::string::npos) << r;
   EXPECT_NE(r.find("Retry-After: 1"), std::string::npos) << r;
+  for (int i = 0; i < 3; ++i) {  // more than the limit, one after another
+    int probe = Connect(server.port());
+    SendAll(probe, Get("/health"));
+    r = ReadAll(probe);
+    ::close(probe);
+    EXPECT_NE(r.find("HTTP/1.1 200"), std::string::npos) << r;
+  }
+  EXPECT_EQ(server.in_flight(), 1);
   exchange->Reply({});
   r = ReadAll(first);
   ::close(first);
   EXPECT_NE(r.find("HTTP/1.1 200"), std::string::npos);
   EXPECT_EQ(calls.load(), 1);
+  std::lock_guard<std::mutex> lock(refused_mu);
+  EXPECT_EQ(refused, std::vector<std::string>{"/rejected"});
 }
 
 // Connections that only sit open (idle, slow headers) count too: past
