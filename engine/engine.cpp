@@ -82,7 +82,7 @@ Status CheckEvictionFits(const KvEviction& ev, const EngineOptions& options, int
           " is longer than a prefill chunk (" + std::to_string(options.max_num_batched_tokens) +
           " tokens per step)");
     }
-    if ((ev.budget_tokens + 1 + B - 1) / B > pool_blocks) {
+    if (ev.budget_tokens / B + 1 > pool_blocks) {  // ceil((budget + 1) / B), without overflow
       return Status::InvalidArgument("--kv-budget-tokens " + std::to_string(ev.budget_tokens) +
                                      " needs more blocks than the KV pool's " +
                                      std::to_string(pool_blocks));
@@ -958,6 +958,7 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
     x.tokens = s->tokens;
     x.num_computed = s->num_computed;
     x.num_new = sc.n;
+    x.prompt_len = s->prompt_len;
     x.kv_offset = s->kv_shift;
     // One table per layer group; a windowed group's released entries are
     // kNoBlock, never read.
@@ -1206,6 +1207,22 @@ StatusOr<RemotePrefillPlan> Engine::AddRemotePrefillRequest(EngineRequest reques
   return plan;
 }
 
+void Engine::ReceivedKeyBounds(const Sequence& s) {
+  if (pool_->layout().key_bounds == nullptr) return;
+  // Quest: the received blocks' key bounds, which no WriteKv here kept
+  // (a compressed prompt's: its B cache indices, each head's own keys).
+  const int64_t B = options_.block_size, kv_tokens = s.prompt_len - s.kv_shift;
+  const std::vector<BlockId>& table = blocks_->BlockTable(s.id);
+  std::vector<int32_t> ids, tokens;
+  for (size_t i = s.remote_first_block; i < table.size(); ++i) {
+    if (table[i] == kNoBlock) continue;
+    ids.push_back(static_cast<int32_t>(table[i]));
+    tokens.push_back(
+        static_cast<int32_t>(std::min<int64_t>(B, kv_tokens - static_cast<int64_t>(i) * B)));
+  }
+  ComputeKeyBounds(ids, tokens);
+}
+
 StatusOr<RequestOutput> Engine::CompleteRemotePrefill(RequestId id, TokenId first_token,
                                                       std::optional<SampledToken> sampled) {
   auto it = requests_.find(id);
@@ -1225,6 +1242,8 @@ StatusOr<RequestOutput> Engine::CompleteRemotePrefill(RequestId id, TokenId firs
     // The copy's own first token is dropped: the local prefill samples it
     // from the same dense prefill.
     if (options_.enable_prefix_caching) {
+      // Their key bounds first: a later request that hits them selects by them.
+      ReceivedKeyBounds(*s);
       ExtendPromptHashes(s->hash_seed, std::span<const TokenId>(s->tokens.data(), s->prompt_len),
                          static_cast<size_t>(options_.block_size), &s->hashes);
       PDSERVE_RETURN_IF_ERROR(blocks_->CommitBlocks(s->id, s->hashes));
@@ -1252,20 +1271,7 @@ StatusOr<RequestOutput> Engine::CompleteRemotePrefill(RequestId id, TokenId firs
     }
   }
   s->num_computed = s->prompt_len;
-  if (pool_->layout().key_bounds != nullptr) {
-    // Quest: the received blocks' key bounds, which no WriteKv here kept
-    // (a compressed prompt's: its B cache indices, each head's own keys).
-    const int64_t B = options_.block_size, kv_tokens = s->prompt_len - s->kv_shift;
-    const std::vector<BlockId>& table = blocks_->BlockTable(s->id);
-    std::vector<int32_t> ids, tokens;
-    for (size_t i = s->remote_first_block; i < table.size(); ++i) {
-      if (table[i] == kNoBlock) continue;
-      ids.push_back(static_cast<int32_t>(table[i]));
-      tokens.push_back(
-          static_cast<int32_t>(std::min<int64_t>(B, kv_tokens - static_cast<int64_t>(i) * B)));
-    }
-    ComputeKeyBounds(ids, tokens);
-  }
+  ReceivedKeyBounds(*s);
   // A compressed prompt's blocks are private: never committed.
   s->compressed = s->kv_shift > 0;
   if (options_.enable_prefix_caching && !s->compressed) {

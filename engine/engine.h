@@ -425,6 +425,9 @@ class Engine {
   // Quest: the key bounds of blocks `ids` (their first `tokens` keys) on
   // every rank, for KV that arrived without the ranks' WriteKv.
   void ComputeKeyBounds(const std::vector<int32_t>& ids, const std::vector<int32_t>& tokens);
+  // ComputeKeyBounds of the blocks a remote prefill or copy wrote into s's
+  // table (from s.remote_first_block); nothing without Quest.
+  void ReceivedKeyBounds(const Sequence& s);
 
   Model* model_ = nullptr;
   std::vector<Model*> ranks_;  // model_ first; a tensor-parallel engine's shards

@@ -620,10 +620,13 @@ Status ModelConfig::ApplyKvEviction(const KvEviction& e) {
     return Status::InvalidArgument("--kv-sink-tokens must be >= 0, got " +
                                    std::to_string(e.sink_tokens));
   }
-  if (e.sink_tokens + e.window_tokens > max_position_embeddings) {
-    return Status::InvalidArgument(
-        "--kv-window-tokens: sinks + window = " + std::to_string(e.sink_tokens + e.window_tokens) +
-        " exceeds the model's max_position_embeddings " + std::to_string(max_position_embeddings));
+  // Each bounded before the sum (which INT64_MAX flags would overflow).
+  if (e.sink_tokens > max_position_embeddings ||
+      e.window_tokens > max_position_embeddings - e.sink_tokens) {
+    return Status::InvalidArgument("--kv-window-tokens: sinks " + std::to_string(e.sink_tokens) +
+                                   " + window " + std::to_string(e.window_tokens) +
+                                   " exceeds the model's max_position_embeddings " +
+                                   std::to_string(max_position_embeddings));
   }
   kv_eviction = e;
   layer_windows.assign(static_cast<size_t>(num_layers), e.window_tokens);

@@ -40,6 +40,7 @@ ModelRunner::Staged ModelRunner::StagedLayout(int64_t tokens, int64_t seqs, int6
   s.positions = place(tokens * 4);
   s.query_start = place((seqs + 1) * 4);
   s.context_lens = place(seqs * 4);
+  s.prefilling = place(seqs * 4);
   s.table_rows = place(seqs * 4);
   s.logits_rows = place(logits * 4);
   s.inputs_end = at;
@@ -245,8 +246,8 @@ StatusOr<std::vector<SampledToken>> ModelRunner::Execute(std::span<const Schedul
     ready = graph && (all & 2u) != 0;
   }
   const int64_t rows = graph ? bucket : T, seqs = graph ? bucket : S;
-  const auto [slots, ids, positions, query_start, context_lens, table_rows, logits_rows] =
-      HostInputs();
+  const auto [slots, ids, positions, query_start, context_lens, prefilling, table_rows,
+              logits_rows] = HostInputs();
   const int64_t B = layout_.block_size;
   int64_t t = 0, r = 0;
   query_start[0] = 0;
@@ -270,6 +271,7 @@ StatusOr<std::vector<SampledToken>> ModelRunner::Execute(std::span<const Schedul
     }
     query_start[i + 1] = static_cast<int32_t>(t);
     context_lens[i] = static_cast<int32_t>(s.num_computed + s.num_new - s.kv_offset);
+    prefilling[i] = s.num_computed < s.prompt_len ? 1 : 0;
     max_context = std::max(max_context, s.num_computed + s.num_new - s.kv_offset);
     max_query = std::max(max_query, s.num_new);
     if (!graph && s.sample) logits_rows[r++] = static_cast<int32_t>(t - 1);
@@ -528,6 +530,8 @@ Status ModelRunner::Forward(const ForwardBatch& batch, float* logits) {
   std::memcpy(host_ + st.positions, batch.positions, T * 4);
   std::memcpy(host_ + st.query_start, batch.attention.query_start, (S + 1) * 4);
   std::memcpy(host_ + st.context_lens, batch.attention.context_lens, S * 4);
+  // A batch given whole has no prompts: a sequence of one row decodes.
+  std::memset(host_ + st.prefilling, 0, S * 4);
   if (R > 0) std::memcpy(host_ + st.logits_rows, batch.logits_rows, R * 4);
   // The batch's tables go to rows [0, S), which no request holds any more.
   auto* rows = reinterpret_cast<int32_t*>(host_ + st.table_rows);
@@ -563,13 +567,14 @@ ModelRunner::StagedInputs ModelRunner::HostInputs() const {
           reinterpret_cast<int32_t*>(host_ + st.positions),
           reinterpret_cast<int32_t*>(host_ + st.query_start),
           reinterpret_cast<int32_t*>(host_ + st.context_lens),
+          reinterpret_cast<int32_t*>(host_ + st.prefilling),
           reinterpret_cast<int32_t*>(host_ + st.table_rows),
           reinterpret_cast<int32_t*>(host_ + st.logits_rows)};
 }
 
 void ModelRunner::StagePadding(int64_t from, int64_t bucket) {
-  const auto [slots, ids, positions, query_start, context_lens, table_rows, logits_rows] =
-      HostInputs();
+  const auto [slots, ids, positions, query_start, context_lens, prefilling, table_rows,
+              logits_rows] = HostInputs();
   query_start[0] = 0;
   for (int64_t i = from; i < bucket; ++i) {
     ids[i] = 0;
@@ -577,6 +582,7 @@ void ModelRunner::StagePadding(int64_t from, int64_t bucket) {
     for (int64_t g = 0; g < groups_; ++g) slots[g * bucket + i] = -1;
     query_start[i + 1] = static_cast<int32_t>(i + 1);
     context_lens[i] = 0;
+    prefilling[i] = 0;
     table_rows[i] = 0;
   }
   for (int64_t i = 0; i < bucket; ++i) logits_rows[i] = static_cast<int32_t>(i);
@@ -610,6 +616,7 @@ void ModelRunner::Run(int64_t tokens, int64_t seqs, int64_t logits, int64_t max_
     plan.batch.num_seqs = seqs;
     plan.batch.query_start = reinterpret_cast<const int32_t*>(device_ + st.query_start);
     plan.batch.context_lens = reinterpret_cast<const int32_t*>(device_ + st.context_lens);
+    plan.batch.prefilling = reinterpret_cast<const int32_t*>(device_ + st.prefilling);
     plan.batch.block_tables = device_tables_;
     plan.batch.table_rows = reinterpret_cast<const int32_t*>(device_ + st.table_rows);
     plan.batch.max_blocks_per_seq = table_width_;

@@ -79,6 +79,9 @@ struct ScheduledSeq {
   std::span<const TokenId> tokens;  // prompt, then every generated token
   int64_t num_computed = 0;         // tokens whose KV is in the pool
   int64_t num_new = 0;              // this step computes [num_computed, + num_new)
+  // Tokens before it are the prompt: a step computing any of them computes
+  // prompt rows, which attend to everything (AttentionBatch::prefilling).
+  int64_t prompt_len = 0;
   // SnapKV (engine/snapkv.h): the tokens its compression removed. The KV of
   // position p is at cache index p - kv_offset (tables and context length
   // count cache indices); RoPE still takes p. 0: every position cached.
@@ -167,7 +170,7 @@ class ModelRunner {
   // device buffer (laid out alike, sized for the runner's limits).
   struct Staged {
     size_t slots = 0, ids = 0, positions = 0, query_start = 0, context_lens = 0;
-    size_t table_rows = 0, logits_rows = 0;
+    size_t prefilling = 0, table_rows = 0, logits_rows = 0;
     size_t inputs_end = 0;     // what one copy sends each step
     size_t table_updates = 0;  // host only: block table entries to send
     size_t end = 0;
@@ -193,6 +196,7 @@ class ModelRunner {
     int32_t* positions;
     int32_t* query_start;
     int32_t* context_lens;
+    int32_t* prefilling;
     int32_t* table_rows;
     int32_t* logits_rows;
   };

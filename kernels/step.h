@@ -46,8 +46,15 @@ struct AttentionBatch {
   // the window are never read. 0: none.
   int64_t sinks = 0;
   const float* rope_inv_freq = nullptr;
-  // Quest (Tang et al. 2024): a decode row (a sequence with one query row)
-  // whose full blocks before its newest number more than quest_blocks
+  // Sequences whose rows this step compute their prompt (num_seqs entries,
+  // 1: prompt rows, 0: decode rows). A prompt row attends to everything
+  // even when it is its sequence's only row in the step (the last prompt
+  // token after a prefix-cache hit, or a last chunk of one token), as it
+  // did when the prompt was computed whole. Null: a sequence with one query
+  // row decodes.
+  const int32_t* prefilling = nullptr;
+  // Quest (Tang et al. 2024): a decode row (a sequence with one query row,
+  // not prefilling) whose full blocks before its newest number more than quest_blocks
   // attends, per query head, only to the quest_blocks of them with the
   // highest upper bound sum_i max(q_i min_i, q_i max_i) over the block's
   // key bounds (KvCacheLayout::key_bounds; ties: the lower block index),

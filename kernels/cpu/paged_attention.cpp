@@ -617,8 +617,9 @@ int64_t RunUnit(const AttentionKernels& k, const AttentionUnit& u, const KvCache
   // blocks from the first, which it may reach in part (the sink blocks are
   // read whatever the selection, below).
   const int64_t newest = n_blocks - 1, from = first_key / bs, candidates = newest - from;
-  const bool quest = batch.quest_blocks > 0 && q_len == 1 && layout.key_bounds != nullptr &&
-                     candidates > batch.quest_blocks;
+  const bool quest = batch.quest_blocks > 0 && q_len == 1 &&
+                     (batch.prefilling == nullptr || batch.prefilling[u.seq] == 0) &&
+                     layout.key_bounds != nullptr && candidates > batch.quest_blocks;
   if (quest) {
     s.selected.assign(group * candidates, 0);
     s.bounds.resize(candidates);

@@ -114,13 +114,13 @@ __device__ inline float SinkQuery(const kernels::AttentionBatch& batch, const fl
 
 // Quest (AttentionBatch::quest_blocks): whether a row of n_keys keys selects
 // blocks, as the CPU backend decides it: a decode row (its sequence has one
-// query row) without a window whose full blocks before its newest number
+// query row and is not prefilling) without a window whose full blocks before its newest number
 // more than quest_blocks, with the pool's key bounds kept. Such rows are
 // left to the Quest kernels (kernels/cuda/quest.cu) by the dense ones.
 __device__ inline bool QuestRow(const kernels::AttentionBatch& batch, const DeviceLayout& layout,
                                 const RowKeys& keys) {
   return layout.key_bounds != nullptr && batch.quest_blocks > 0 && keys.q_len == 1 &&
-         batch.window == 0 &&
+         (batch.prefilling == nullptr || batch.prefilling[keys.seq] == 0) && batch.window == 0 &&
          (keys.n_keys + layout.block_size - 1) / layout.block_size - 1 > batch.quest_blocks;
 }
 

@@ -147,7 +147,9 @@ int RunPlan(int argc, char** argv) {
     UsageError("plan", "--kv-eviction: expected none, streaming or snapkv, got '" + eviction + "'");
   }
   if (eviction == "snapkv") {
-    if (budget_tokens < 1) UsageError("plan", "--kv-budget-tokens must be >= 1 with snapkv");
+    if (budget_tokens < 1 || budget_tokens > INT32_MAX) {
+      UsageError("plan", "--kv-budget-tokens must be from 1 to 2^31 - 1 with snapkv");
+    }
     if (req.shape.sliding_layers > 0) {
       UsageError("plan", "--kv-eviction snapkv: the model has sliding-window layers");
     }
@@ -169,6 +171,12 @@ int RunPlan(int argc, char** argv) {
       UsageError("plan", "--kv-window-tokens must be at least one block (--block-size)");
     }
     if (sink_tokens < 0) UsageError("plan", "--kv-sink-tokens must be >= 0");
+    // Positions are 32-bit: larger values would only overflow the sums below.
+    if (window_tokens > INT32_MAX || sink_tokens > INT32_MAX - window_tokens) {
+      UsageError("plan",
+                 "--kv-sink-tokens + --kv-window-tokens must be below 2^31 (positions are "
+                 "32-bit)");
+    }
     req.shape.sliding_layers = req.shape.layers;
     req.shape.sliding_window = window_tokens;
     req.shape.sink_tokens = sink_tokens;

@@ -146,6 +146,19 @@ TEST(KvEvictionCliTest, BadModesAndBudgetsExitTwoNamingTheFlag) {
        "--kv-sink-tokens"},
       {gen + " --kv-eviction streaming --kv-window-tokens 8", "--kv-window-tokens"},   // < a block
       {gen + " --kv-eviction streaming --kv-window-tokens 61", "--kv-window-tokens"},  // > context
+      // Values whose sums would overflow int64 (and used to slip through).
+      {gen + " --kv-eviction streaming --kv-window-tokens 9223372036854775807",
+       "--kv-window-tokens"},
+      {gen + " --kv-eviction streaming --kv-window-tokens 32 --kv-sink-tokens "
+             "9223372036854775807",
+       "--kv-window-tokens"},
+      {gen + " --kv-eviction snapkv --kv-budget-tokens 9223372036854775807", "--kv-budget-tokens"},
+      {"plan --layers 2 --kv-heads 1 --head-dim 64 --kv-eviction streaming "
+       "--kv-window-tokens 9223372036854775807",
+       "--kv-window-tokens"},
+      {"plan --layers 2 --kv-heads 1 --head-dim 64 --kv-eviction snapkv "
+       "--kv-budget-tokens 9223372036854775807",
+       "--kv-budget-tokens"},
       {gen + " --kv-eviction streaming --kv-window-tokens 48 --kv-cache-bytes 16384",
        "--kv-window-tokens"},  // more blocks than the pool
       {"generate --model " + mla + " --prompt hi --kv-eviction streaming --kv-window-tokens 32",

@@ -278,5 +278,63 @@ TEST(EngineQuestSnapKvTest, RemotePrefillRecomputesTheBoundsOnTheReceiver) {
   ASSERT_TRUE(decode->block_manager().CheckInvariants().ok());
 }
 
+// A hot-prefix copy of a prompt SnapKV would compress (EngineRequest::
+// snapkv_dense, a request that decodes on) caches the dense blocks it
+// received before prefilling again from them: their key bounds are computed
+// then, so a later request within the budget that hits them (28 tokens, 24
+// cached) decodes as it does on an engine of its own.
+TEST(EngineQuestSnapKvTest, CopiedDenseBlocksAreCachedWithTheirBounds) {
+  const int64_t B = 32, W = 8, bs = 8, K = 2, P = 70;
+  testing::LoadedCpuModel l = testing::LoadCpuModel(Dir(), Both(B, W, K));
+  ASSERT_NE(l.model, nullptr);
+  EngineOptions o;
+  o.block_size = bs;
+  o.max_num_batched_tokens = 16;
+  o.kv_cache_bytes = 8 << 20;
+  auto make = [&] {
+    auto e = Engine::Create(l.model.get(), o);
+    EXPECT_TRUE(e.ok()) << e.status().ToString();
+    return std::move(*e);
+  };
+  const auto prompt = RandomTokens(P, Spec().vocab_size(), 7);
+  const std::vector<int32_t> shorter(prompt.begin(), prompt.begin() + 28);
+  const auto expected = Generate(*make(), 5, shorter, 60).sampled;
+  ASSERT_EQ(expected.size(), 60u);
+
+  auto prefill = make(), decode = make();
+  EngineRequest r;
+  r.id = 1;
+  r.prompt = prompt;
+  r.params.temperature = 0;
+  r.params.max_tokens = 30;
+  r.params.ignore_eos = true;
+  r.params.logprobs = 0;
+  r.snapkv_dense = true;
+  auto plan = decode->AddRemotePrefillRequest(r);
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  r.prefill_only = true;
+  ASSERT_TRUE(prefill->AddRequest(r).ok());
+  RequestOutput done;
+  while (prefill->HasUnfinished()) {
+    auto step = prefill->Step();
+    ASSERT_TRUE(step.ok()) << step.status().ToString();
+    for (auto& out : *step) {
+      if (out.finished) done = std::move(out);
+    }
+  }
+  ASSERT_EQ(done.new_token_ids.size(), 1u);
+  ASSERT_NO_FATAL_FAILURE(testing::MoveHandedOffBlocks(*prefill, done, *plan, *decode));
+  ASSERT_TRUE(decode->CompleteRemotePrefill(1, done.new_token_ids[0], done.logprobs[0]).ok());
+  while (decode->HasUnfinished()) ASSERT_TRUE(decode->Step().ok());
+
+  const testing::Generated later = Generate(*decode, 2, shorter, 60);
+  EXPECT_EQ(later.cached_tokens, 24);
+  ASSERT_EQ(later.sampled.size(), expected.size());
+  for (size_t i = 0; i < expected.size(); ++i) {
+    ASSERT_EQ(later.sampled[i].token, expected[i].token) << i;
+    EXPECT_NEAR(later.sampled[i].logprob, expected[i].logprob, 1e-5) << i;
+  }
+}
+
 }  // namespace
 }  // namespace pdserve

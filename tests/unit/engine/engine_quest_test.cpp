@@ -162,6 +162,44 @@ TEST(EngineQuestTest, GenerationWithPrefixCachingMatchesTheReference) {
   EXPECT_LT(read, dense * 3 / 4);
 }
 
+// A prompt's last token is a prompt row even when a prefix-cache hit leaves
+// it alone in its step (41 tokens, 40 cached): it attends to every block, as
+// when the prompt was computed whole, so a repeated request generates the
+// same as the first and as the reference (whose Quest starts at the first
+// decode row).
+TEST(EngineQuestTest, ALastPromptTokenAloneAfterACacheHitAttendsToEverything) {
+  const auto ref = Reference();
+  ASSERT_NE(ref, nullptr);
+  const int64_t K = 2, B = 8;
+  Loaded l = Load(testing::Quest(K));
+  ASSERT_NE(l.model, nullptr);
+  EngineOptions o;
+  o.block_size = B;
+  o.max_num_batched_tokens = 64;
+  auto e = Engine::Create(l.model.get(), o);
+  ASSERT_TRUE(e.ok()) << e.status().ToString();
+  const auto prompt = RandomTokens(41, PresetModelSpec("tiny")->vocab_size(), 9);
+  KvEvictionRule rule;
+  rule.quest_blocks = K;
+  rule.block_size = B;
+  rule.first_decode = static_cast<int64_t>(prompt.size());
+  const auto first = Generate(**e, 1, prompt, 40);
+  int64_t cached = -1;
+  const auto second = Generate(**e, 2, prompt, 40, &cached);
+  EXPECT_EQ(cached, 40);
+  ASSERT_EQ(first.size(), 40u);
+  ASSERT_EQ(second.size(), 40u);
+  std::vector<int32_t> all = prompt;
+  for (const auto& s : first) all.push_back(s.token);
+  const auto logits = ref->Forward(all, {}, rule);
+  for (size_t i = 0; i < first.size(); ++i) {
+    const auto lp = LogSoftmax(logits[prompt.size() - 1 + i]);
+    ASSERT_NEAR(first[i].logprob, lp[first[i].token], 1e-3) << "first, step " << i;
+    ASSERT_EQ(second[i].token, first[i].token) << "step " << i;
+    ASSERT_NEAR(second[i].logprob, first[i].logprob, 1e-5) << "step " << i;
+  }
+}
+
 // Quest with attention sinks (--kv-eviction streaming, 4 sinks + a window
 // of 56 on a model trained to 64 positions): a decode query selects K of
 // the window's blocks before its newest and always reads its sinks. Every
