@@ -42,8 +42,9 @@ class Backend {
 
   virtual std::string name() const = 0;
   // The device this backend runs on ("cpu", "cuda:1"), and the bytes free
-  // there now: -1 for host memory, which is not checked before a KV pool is
-  // made (engine.h); on a device a pool that does not fit is refused first.
+  // there now (host memory for the CPU), against which the KV pools of its
+  // ranks are checked before any is made (engine.h): a pool that does not
+  // fit is refused first. -1: unknown, not checked.
   virtual std::string device_name() const { return name(); }
   virtual int64_t FreeDeviceBytes() const { return -1; }
   // The dtype of activations between ops: fp32 on the CPU; on CUDA the

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <limits>
 #include <vector>
 
@@ -34,6 +35,32 @@ void* CpuBackend::Allocate(size_t bytes) {
   return p;
 }
 void CpuBackend::Free(void* ptr) { std::free(ptr); }
+
+int64_t CpuBackend::FreeDeviceBytes() const {
+  int64_t available = -1;
+  {
+    std::ifstream meminfo("/proc/meminfo");
+    std::string key;
+    int64_t kib = 0;
+    std::string unit;
+    while (meminfo >> key >> kib >> unit) {
+      if (key == "MemAvailable:") {
+        available = kib * 1024;
+        break;
+      }
+    }
+  }
+  // cgroup v2: the limit less what the group uses now ("max": no limit).
+  std::ifstream max_file("/sys/fs/cgroup/memory.max"),
+      current_file("/sys/fs/cgroup/memory.current");
+  std::string max_text;
+  int64_t current = 0;
+  if (max_file >> max_text && max_text != "max" && current_file >> current) {
+    const int64_t left = std::max<int64_t>(0, std::atoll(max_text.c_str()) - current);
+    available = available < 0 ? left : std::min(available, left);
+  }
+  return available;
+}
 // Empty copies may come with null pointers (an empty vector's data()).
 void CpuBackend::Upload(void* dst, const void* src, size_t bytes) {
   if (bytes > 0) std::memcpy(dst, src, bytes);

@@ -24,6 +24,10 @@ class CpuBackend final : public Backend {
   explicit CpuBackend(int threads = 0, SimdLevel simd = DefaultSimdLevel());
 
   std::string name() const override { return "cpu"; }
+  // Host memory this process may still take: MemAvailable, or less where
+  // its cgroup's memory.max leaves less (a container's limit); -1 when
+  // neither can be read. Every CPU rank of a worker draws on it.
+  int64_t FreeDeviceBytes() const override;
   bool SharesHostMemory() const override { return true; }
   // fp32, bf16 and fp16 matrices are computed as stored (fp32 products and sums).
   bool SupportsWeightDType(DType dtype) const override {

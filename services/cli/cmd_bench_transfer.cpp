@@ -105,8 +105,12 @@ Split ParseSplit(const std::string& text) {
   if (text.empty()) return sp;
   const size_t colon = text.find(':');
   if (colon == std::string::npos) UsageError(kCommand, "--split must be A:B, got '" + text + "'");
-  sp.writer = std::atoi(text.substr(0, colon).c_str());
-  sp.receiver = std::atoi(text.substr(colon + 1).c_str());
+  // Whole sizes only: atoi would take "2:2:2" as 2:2 and "2x" as 2.
+  auto size = [&](const std::string& part) {
+    return part.size() == 1 && part[0] >= '1' && part[0] <= '8' ? part[0] - '0' : -1;
+  };
+  sp.writer = size(text.substr(0, colon));
+  sp.receiver = size(text.substr(colon + 1));
   for (int n : {sp.writer, sp.receiver}) {
     if (n < 1 || n > 8 || (8 % n != 0)) {
       UsageError(kCommand, "--split sizes must be 1, 2, 4 or 8 (8 KV heads), got '" + text + "'");

@@ -22,12 +22,16 @@ int RunRouter(int argc, char** argv) {
   int64_t max_body = static_cast<int64_t>(o.max_body_bytes);
   int64_t timeout_s = o.request_timeout_ms / 1000, max_attempts = o.max_attempts;
   std::string log_level = "info";
+  int64_t drain_s = 25;
   FlagSet flags("router", "Serve the OpenAI API and route requests to prefill/decode workers.");
   flags.SetEnvPrefix("PDSERVE_");
   flags.AddString("model", &o.model_dir,
                   "model folder (tokenizer, chat template; config.json for the served name)");
   flags.AddString("model-id", &o.model_id, "served model name (default: the model folder's name)");
   flags.AddString("host", &o.host, "address to listen on");
+  flags.AddInt("drain-timeout", &drain_s,
+               "seconds SIGTERM lets requests in flight finish (new ones get 503 and /ready "
+               "fails meanwhile) before failing the rest");
   flags.AddInt("port", &http_port, "HTTP port of the OpenAI API (0: any free port)");
   flags.AddInt("control-port", &control_port, "port workers connect to (0: any free port)");
   flags.AddInt("metrics-port", &metrics_port,
@@ -115,6 +119,7 @@ int RunRouter(int argc, char** argv) {
     UsageError("router", "--log-level: unknown level '" + log_level + "'");
   SetLogLevel(level);
   if (o.model_dir.empty()) UsageError("router", "--model is required");
+  if (drain_s < 0) UsageError("router", "--drain-timeout must not be negative");
   if (o.salt_per_api_key && o.api_key_file.empty())
     UsageError("router", "--salt-per-api-key needs --api-key-file (salts derive from the keys)");
   if (max_json_depth < 1 || max_json_depth > 1000)
@@ -179,6 +184,10 @@ int RunRouter(int argc, char** argv) {
   }
   const int sig = WaitForTerminationSignal();
   PDSERVE_LOG(INFO) << "router: signal " << sig << ", shutting down";
+  if (const int64_t left = (*service)->Drain(std::chrono::seconds(drain_s)); left > 0) {
+    PDSERVE_LOG(WARN) << "router: " << left << " requests still running after --drain-timeout "
+                      << drain_s << " s: failing them";
+  }
   (*service)->Stop();
   return 0;
 }

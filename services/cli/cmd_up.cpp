@@ -34,6 +34,8 @@
 #include "common/signals.h"
 #include "engine/kv_tier_store.h"
 #include "engine/make_model.h"
+#include "engine/model.h"
+#include "engine/model_config.h"
 #include "services/cli/command.h"
 #include "services/cli/kv_eviction_flags.h"
 #include "services/cli/structured_flags.h"
@@ -364,6 +366,17 @@ int RunUp(int argc, char** argv) {
   } else if (!fs::is_directory(model)) {
     UsageError("up", "--model: '" + model + "' is not a folder");
   }
+  // A size the model cannot split fails here, before any child starts.
+  if (tensor_parallel > 1) {
+    if (auto config = LoadModelConfig(model); config.ok()) {
+      if (Status split =
+              CheckTensorParallel(*config, static_cast<int>(tensor_parallel), expert_parallel);
+          !split.ok()) {
+        UsageError("up", "--tensor-parallel: " + split.message());
+      }
+    }
+  }
+
   const std::string secret_file = dir + "/cluster-secret";
   if (Status st = WriteClusterSecret(secret_file); !st.ok()) {
     std::fprintf(stderr, "pdserve up: %s\n", st.message().c_str());

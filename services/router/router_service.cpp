@@ -5,8 +5,10 @@
 #include <prometheus/histogram.h>
 #include <prometheus/registry.h>
 
+#include <algorithm>
 #include <atomic>
 #include <bit>
+#include <cctype>
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
@@ -393,6 +395,17 @@ class RouterServiceImpl : public RouterService {
     return Status::Ok();
   }
 
+  int64_t Drain(std::chrono::milliseconds timeout) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    draining_ = true;
+    if (!inflight_.empty()) {
+      PDSERVE_LOG(INFO) << "router: draining " << inflight_.size() << " requests (at most "
+                        << timeout.count() / 1000 << " s)";
+    }
+    drained_cv_.wait_for(lock, timeout, [&] { return inflight_.empty(); });
+    return static_cast<int64_t>(inflight_.size());
+  }
+
   void Stop() override {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -455,7 +468,12 @@ class RouterServiceImpl : public RouterService {
       return;
     }
     if (req.path == "/ready") {
-      const bool ready = HasDecodeWorker();
+      bool draining = false;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        draining = draining_;
+      }
+      const bool ready = !draining && HasDecodeWorker();
       http::Response r;
       r.status = ready ? 200 : 503;
       r.body = nlohmann::json{{"ready", ready},
@@ -562,7 +580,14 @@ class RouterServiceImpl : public RouterService {
       std::lock_guard<std::mutex> lock(mu_);
       r->id = next_id_++;
     }
-    if (rid.empty()) rid = NewUnguessableId();
+    // The client's id goes into every log line of the request and back in
+    // the response: only a bounded id of a plain alphabet is taken, so that
+    // no client can write fields of its own into the log.
+    const bool plain =
+        rid.size() <= 128 && std::all_of(rid.begin(), rid.end(), [](unsigned char c) {
+          return std::isalnum(c) != 0 || c == '-' || c == '_' || c == '.' || c == ':';
+        });
+    if (rid.empty() || !plain) rid = NewUnguessableId();
     r->request_id = (endpoint == Endpoint::kCompletions ? "cmpl-" : "chatcmpl-") +
                     NewUnguessableId().substr(0, 24);
     r->http_request_id = rid;
@@ -697,7 +722,7 @@ class RouterServiceImpl : public RouterService {
     const uint64_t id = r->id;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (stopping_)
+      if (stopping_ || draining_)
         return reject({503, "the router is shutting down", "server_error", "", ""}, "unavailable");
       inflight_.emplace(id, std::move(r));
       metrics_.inflight.Increment();
@@ -1789,6 +1814,7 @@ class RouterServiceImpl : public RouterService {
     inflight_.erase(it);
     metrics_.inflight.Decrement();
     CountRequest(status);
+    if (inflight_.empty()) drained_cv_.notify_all();
   }
 
   // Deadlines and periodic gauges.
@@ -1910,6 +1936,8 @@ class RouterServiceImpl : public RouterService {
 
   std::mutex mu_;  // everything below
   bool stopping_ = false;
+  bool draining_ = false;               // Drain: new requests refused, /ready fails
+  std::condition_variable drained_cv_;  // the last request in flight ended
   uint64_t next_id_ = 1;
   std::unordered_map<uint64_t, WorkerLink> links_;    // by connection id
   std::unordered_map<WorkerId, uint64_t> by_worker_;  // worker → connection id

@@ -16,6 +16,7 @@
 // every request also has a deadline.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -102,6 +103,11 @@ class RouterService {
   virtual Status Start() = 0;
   // Fails requests in flight with an error, closes worker connections, stops.
   virtual void Stop() = 0;
+  // Graceful shutdown's first half (SIGTERM): new requests are refused (503,
+  // /ready fails so that the Service stops sending them), while the ones
+  // in flight run to their end, for at most `timeout`. Stop() then fails
+  // whatever is left. Returns how many were left.
+  virtual int64_t Drain(std::chrono::milliseconds timeout) = 0;
   virtual int http_port() const = 0;
   virtual int control_port() const = 0;
   virtual int metrics_port() const = 0;  // == http_port() when shared

@@ -137,6 +137,9 @@ function checkProbesAndPorts(r) {
   assert.equal(String(portByName(router, 'control')), rf.get('control-port'));
   if (rf.has('metrics-port')) assert.equal(String(portByName(router, 'metrics')), rf.get('metrics-port'));
   assert.deepEqual(router.readinessProbe.httpGet, { path: '/ready', port: 'http' });
+  // SIGTERM drains the requests in flight for the grace period less 5 s.
+  const routerGrace = r.deployment('router').spec.template.spec.terminationGracePeriodSeconds;
+  assert.equal(rf.get('drain-timeout'), String(Math.max(0, routerGrace - 5)));
   // Liveness reads /live, which only fails when the process itself is broken.
   assert.deepEqual(router.livenessProbe.httpGet, { path: '/live', port: 'http' });
   assert.deepEqual(router.startupProbe.httpGet, { path: '/live', port: 'http' });

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -264,6 +265,18 @@ TEST(TensorParallelCliTest, KvPoolsLargerThanTheGpuAreOneLine) {
       "cuda:0 has");
 }
 
+// CPU ranks draw on one host's memory: pools that add up to more than it
+// has are refused in one line before any is allocated (the kernel's OOM
+// killer ended such a worker with no word before).
+TEST(TensorParallelCliTest, CpuKvPoolsLargerThanTheHostAreOneLine) {
+  const std::string real = RealModelDir();
+  if (real.empty()) GTEST_SKIP() << "the shared stories260K model is absent";
+  // 1 PiB per rank: no host has it.
+  ExpectOneLineUsageError(Pdserve({"generate", "--model", real, "--prompt", "Hi",
+                                   "--tensor-parallel", "2", "--kv-cache-bytes", "1048576GiB"}),
+                          "cpu has");
+}
+
 // bench transfer between two processes of 2 and 1 ranks (and 1 and 4): the
 // transfers all complete and a block moves one copy of its bytes (8 KV heads
 // over 1 to 8 ranks replicate none); sizes that do not split 8 heads and
@@ -280,6 +293,10 @@ TEST(TensorParallelCliTest, BenchTransferBetweenTpSizes) {
   }
   ExpectOneLineUsageError(Pdserve({"bench", "transfer", "--split", "3:1"}),
                           "--split sizes must be 1, 2, 4 or 8");
+  for (const char* junk : {"2:2:2", "2x:1", "1:4 ", "+2:1"}) {
+    ExpectOneLineUsageError(Pdserve({"bench", "transfer", "--split", junk}),
+                            "--split sizes must be 1, 2, 4 or 8");
+  }
   ExpectOneLineUsageError(
       Pdserve({"bench", "transfer", "--split", "2:1", "--block-bytes", "100000"}),
       "--split needs a --block-bytes of whole tokens");
@@ -289,6 +306,12 @@ TEST(TensorParallelCliTest, BenchTransferBetweenTpSizes) {
 TEST(TensorParallelCliTest, UpRefusesASizeOutOfRange) {
   ExpectOneLineUsageError(Pdserve({"up", "--tensor-parallel", "9", "--prefill", "0"}),
                           "--tensor-parallel must be 1 to 8");
+  // A size the model cannot split (the tiny model's 4 heads over 3 ranks)
+  // is refused before any router or worker starts.
+  const std::string dir = NewTempDir("up-tp3");
+  ExpectOneLineUsageError(Pdserve({"up", "--tensor-parallel", "3", "--prefill", "0", "--dir", dir}),
+                          "--tensor-parallel");
+  EXPECT_FALSE(std::filesystem::exists(dir + "/logs/router.log"));
 }
 
 }  // namespace

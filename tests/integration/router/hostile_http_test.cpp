@@ -249,6 +249,34 @@ TEST_F(HostileHttpTest, ProbesAndMetricsAnswerAtTheConcurrencyLimit) {
   ExpectAliveAndServing("the concurrency limit");
 }
 
+// A client's x-request-id goes into the router's log lines and back in the
+// response: a plain one is kept, one that could write fields into the log
+// (spaces, newlines) or is longer than 128 bytes is replaced by a fresh id.
+TEST_F(HostileHttpTest, OnlyPlainRequestIdsAreKept) {
+  const std::string body = R"({"prompt":"ids","max_tokens":1})";
+  auto echoed = [&](const std::string& id) {
+    const std::string all = Exchange(port(), Raw("POST", "/v1/completions", body,
+                                                 std::string("Authorization: Bearer ") + kKeyA +
+                                                     "\r\nx-request-id: " + id + "\r\n"));
+    std::smatch m;
+    EXPECT_NE(all.find("HTTP/1.1 200"), std::string::npos) << all.substr(0, 300);
+    if (!std::regex_search(all, m, std::regex("x-request-id: ([^\r]*)\r\n", std::regex::icase))) {
+      return std::string("(none)");
+    }
+    return m[1].str();
+  };
+  EXPECT_EQ(echoed("trace-42:a.b_c"), "trace-42:a.b_c");
+  const std::string forged = "abc ok: prompt 99999 (cached 99999), completion 1";
+  const std::string long_id(200, 'x');
+  for (const std::string& id : {forged, long_id}) {
+    const std::string got = echoed(id);
+    EXPECT_NE(got, id);
+    EXPECT_FALSE(got.empty());
+    EXPECT_EQ(got.find(' '), std::string::npos) << got;
+    EXPECT_LE(got.size(), 128u);
+  }
+}
+
 TEST_F(HostileHttpTest, PipelinedRequestsAreAnsweredAndNeverWedgeTheRouter) {
   // A POST followed in the same write by more than 512 bytes of further
   // requests; more rounds than --max-concurrent-requests (4), so a lost count

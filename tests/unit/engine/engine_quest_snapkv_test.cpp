@@ -59,6 +59,20 @@ KvEvictionRule Rule(int64_t budget, int64_t window, int64_t prompt, int64_t ques
   return r;
 }
 
+// `r` prefilled alone on `prefill` (EngineRequest::prefill_only): its
+// finished output, with the first token and the blocks to hand off.
+void PrefillOnly(Engine& prefill, EngineRequest r, RequestOutput* done) {
+  r.prefill_only = true;
+  ASSERT_TRUE(prefill.AddRequest(r).ok());
+  while (prefill.HasUnfinished()) {
+    auto step = prefill.Step();
+    ASSERT_TRUE(step.ok()) << step.status().ToString();
+    for (auto& out : *step) {
+      if (out.finished) *done = std::move(out);
+    }
+  }
+}
+
 // The text evaluation: a 90-token prompt compressed to B, then 110 one-token
 // decode steps, each selecting K blocks of cache indices. Every position's
 // NLL is the reference's under both rules, for budgets on and off a block
@@ -249,16 +263,8 @@ TEST(EngineQuestSnapKvTest, RemotePrefillRecomputesTheBoundsOnTheReceiver) {
   ASSERT_TRUE(plan.ok()) << plan.status().ToString();
   EXPECT_EQ(plan->snapkv_dropped_tokens, P - B);
   ASSERT_EQ(plan->fill.size(), static_cast<size_t>((B + bs - 1) / bs));
-  r.prefill_only = true;
-  ASSERT_TRUE(prefill->AddRequest(r).ok());
   RequestOutput done;
-  while (prefill->HasUnfinished()) {
-    auto step = prefill->Step();
-    ASSERT_TRUE(step.ok()) << step.status().ToString();
-    for (auto& out : *step) {
-      if (out.finished) done = std::move(out);
-    }
-  }
+  ASSERT_NO_FATAL_FAILURE(PrefillOnly(*prefill, r, &done));
   ASSERT_EQ(done.new_token_ids.size(), 1u);
   ASSERT_NO_FATAL_FAILURE(testing::MoveHandedOffBlocks(*prefill, done, *plan, *decode));
   auto first = decode->CompleteRemotePrefill(1, done.new_token_ids[0], done.logprobs[0]);
@@ -312,16 +318,8 @@ TEST(EngineQuestSnapKvTest, CopiedDenseBlocksAreCachedWithTheirBounds) {
   r.snapkv_dense = true;
   auto plan = decode->AddRemotePrefillRequest(r);
   ASSERT_TRUE(plan.ok()) << plan.status().ToString();
-  r.prefill_only = true;
-  ASSERT_TRUE(prefill->AddRequest(r).ok());
   RequestOutput done;
-  while (prefill->HasUnfinished()) {
-    auto step = prefill->Step();
-    ASSERT_TRUE(step.ok()) << step.status().ToString();
-    for (auto& out : *step) {
-      if (out.finished) done = std::move(out);
-    }
-  }
+  ASSERT_NO_FATAL_FAILURE(PrefillOnly(*prefill, r, &done));
   ASSERT_EQ(done.new_token_ids.size(), 1u);
   ASSERT_NO_FATAL_FAILURE(testing::MoveHandedOffBlocks(*prefill, done, *plan, *decode));
   ASSERT_TRUE(decode->CompleteRemotePrefill(1, done.new_token_ids[0], done.logprobs[0]).ok());

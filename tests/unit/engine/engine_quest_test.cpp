@@ -86,6 +86,28 @@ TEST(EngineQuestTest, MatchesTheReferenceSelection) {
   }
 }
 
+// A Quest engine of K blocks over blocks of B tokens (chunks of 64), and
+// the reference's rule for a prompt of `prompt_len` tokens.
+struct QuestRun {
+  Loaded l;
+  std::unique_ptr<Engine> engine;
+  KvEvictionRule rule;
+};
+QuestRun MakeQuestRun(int64_t K, int64_t B, int64_t prompt_len) {
+  QuestRun q{Load(testing::Quest(K)), nullptr, {}};
+  if (q.l.model == nullptr) return q;
+  EngineOptions o;
+  o.block_size = B;
+  o.max_num_batched_tokens = 64;
+  auto e = Engine::Create(q.l.model.get(), o);
+  EXPECT_TRUE(e.ok()) << e.status().ToString();
+  if (e.ok()) q.engine = std::move(*e);
+  q.rule.quest_blocks = K;
+  q.rule.block_size = B;
+  q.rule.first_decode = prompt_len;
+  return q;
+}
+
 std::vector<SampledToken> Generate(Engine& e, RequestId id, const std::vector<int32_t>& prompt,
                                    int n, int64_t* cached = nullptr) {
   EngineRequest r;
@@ -117,19 +139,13 @@ std::vector<SampledToken> Generate(Engine& e, RequestId id, const std::vector<in
 TEST(EngineQuestTest, GenerationWithPrefixCachingMatchesTheReference) {
   const auto ref = Reference();
   ASSERT_NE(ref, nullptr);
-  const int64_t K = 3, B = 8;
-  Loaded l = Load(testing::Quest(K));
-  ASSERT_NE(l.model, nullptr);
-  EngineOptions o;
-  o.block_size = B;
-  o.max_num_batched_tokens = 64;
-  auto e = Engine::Create(l.model.get(), o);
-  ASSERT_TRUE(e.ok()) << e.status().ToString();
+  const int64_t K = 3;
   const auto prompt = RandomTokens(30, PresetModelSpec("tiny")->vocab_size(), 4);
-  KvEvictionRule rule;
-  rule.quest_blocks = K;
-  rule.block_size = B;
-  rule.first_decode = static_cast<int64_t>(prompt.size());
+  QuestRun q = MakeQuestRun(K, 8, static_cast<int64_t>(prompt.size()));
+  ASSERT_NE(q.engine, nullptr);
+  Loaded& l = q.l;
+  Engine* e = q.engine.get();
+  const KvEvictionRule& rule = q.rule;
   auto check = [&](const std::vector<SampledToken>& g) {
     ASSERT_EQ(g.size(), 150u);
     std::vector<int32_t> all = prompt;
@@ -143,11 +159,11 @@ TEST(EngineQuestTest, GenerationWithPrefixCachingMatchesTheReference) {
     }
   };
   const int64_t before = l.backend->kv_bytes_read();
-  const auto first = Generate(**e, 1, prompt, 150);
+  const auto first = Generate(*e, 1, prompt, 150);
   check(first);
   const int64_t read = l.backend->kv_bytes_read() - before;
   int64_t cached = -1;
-  const auto second = Generate(**e, 2, prompt, 150, &cached);
+  const auto second = Generate(*e, 2, prompt, 150, &cached);
   EXPECT_EQ(cached, 24);
   check(second);
   for (size_t i = 0; i < first.size(); ++i) EXPECT_EQ(first[i].token, second[i].token);
@@ -170,22 +186,14 @@ TEST(EngineQuestTest, GenerationWithPrefixCachingMatchesTheReference) {
 TEST(EngineQuestTest, ALastPromptTokenAloneAfterACacheHitAttendsToEverything) {
   const auto ref = Reference();
   ASSERT_NE(ref, nullptr);
-  const int64_t K = 2, B = 8;
-  Loaded l = Load(testing::Quest(K));
-  ASSERT_NE(l.model, nullptr);
-  EngineOptions o;
-  o.block_size = B;
-  o.max_num_batched_tokens = 64;
-  auto e = Engine::Create(l.model.get(), o);
-  ASSERT_TRUE(e.ok()) << e.status().ToString();
   const auto prompt = RandomTokens(41, PresetModelSpec("tiny")->vocab_size(), 9);
-  KvEvictionRule rule;
-  rule.quest_blocks = K;
-  rule.block_size = B;
-  rule.first_decode = static_cast<int64_t>(prompt.size());
-  const auto first = Generate(**e, 1, prompt, 40);
+  QuestRun q = MakeQuestRun(2, 8, static_cast<int64_t>(prompt.size()));
+  ASSERT_NE(q.engine, nullptr);
+  Engine* e = q.engine.get();
+  const KvEvictionRule& rule = q.rule;
+  const auto first = Generate(*e, 1, prompt, 40);
   int64_t cached = -1;
-  const auto second = Generate(**e, 2, prompt, 40, &cached);
+  const auto second = Generate(*e, 2, prompt, 40, &cached);
   EXPECT_EQ(cached, 40);
   ASSERT_EQ(first.size(), 40u);
   ASSERT_EQ(second.size(), 40u);
