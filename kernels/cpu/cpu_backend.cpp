@@ -50,13 +50,22 @@ int64_t CpuBackend::FreeDeviceBytes() const {
       }
     }
   }
-  // cgroup v2: the limit less what the group uses now ("max": no limit).
+  // cgroup v2: the limit less what the group uses now ("max": no limit),
+  // its page cache counted as free (the kernel reclaims it first).
   std::ifstream max_file("/sys/fs/cgroup/memory.max"),
-      current_file("/sys/fs/cgroup/memory.current");
+      current_file("/sys/fs/cgroup/memory.current"), stat_file("/sys/fs/cgroup/memory.stat");
   std::string max_text;
   int64_t current = 0;
   if (max_file >> max_text && max_text != "max" && current_file >> current) {
-    const int64_t left = std::max<int64_t>(0, std::atoll(max_text.c_str()) - current);
+    std::string key;
+    int64_t value = 0, cache = 0;
+    while (stat_file >> key >> value) {
+      if (key == "file") {
+        cache = value;
+        break;
+      }
+    }
+    const int64_t left = std::max<int64_t>(0, std::atoll(max_text.c_str()) - current + cache);
     available = available < 0 ? left : std::min(available, left);
   }
   return available;
