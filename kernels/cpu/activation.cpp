@@ -65,8 +65,7 @@ PDSERVE_TARGET_AVX512 int64_t SiluMulAvx512(const float* gate, const float* up, 
                                             float* out) {
   const __m512 one = _mm512_set1_ps(1.0f);
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 mask =
-        n - i >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __mmask16 mask = simd::FirstLanes16(n - i);
     const __m512 g = _mm512_maskz_loadu_ps(mask, gate + i);
     const __m512 e = simd::ExpAvx512(_mm512_sub_ps(_mm512_setzero_ps(), g));  // inf below -88.7
     _mm512_mask_storeu_ps(out + i, mask,
@@ -80,8 +79,7 @@ PDSERVE_TARGET_AVX512 int64_t GeluTanhMulAvx512(const float* gate, const float* 
                                                 float* out) {
   const __m512 one = _mm512_set1_ps(1.0f), half = _mm512_set1_ps(0.5f);
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 mask =
-        n - i >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __mmask16 mask = simd::FirstLanes16(n - i);
     const __m512 x = _mm512_maskz_loadu_ps(mask, gate + i);
     const __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
     const __m512 y =

@@ -25,8 +25,9 @@ class CpuBackend final : public Backend {
 
   std::string name() const override { return "cpu"; }
   // Host memory this process may still take: MemAvailable, or less where
-  // its cgroup's memory.max leaves less (a container's limit); -1 when
-  // neither can be read. Every CPU rank of a worker draws on it.
+  // its cgroup's memory.max leaves less (a container's limit; its page
+  // cache counted as free); -1 when neither can be read. Every CPU rank of
+  // a worker draws on it.
   int64_t FreeDeviceBytes() const override;
   bool SharesHostMemory() const override { return true; }
   // fp32, bf16 and fp16 matrices are computed as stored (fp32 products and sums).

@@ -129,8 +129,7 @@ PDSERVE_TARGET_AVX512 float ExpSumAvx512(float* x, int64_t count, float shift) {
   const __m512 sv = _mm512_set1_ps(shift);
   __m512 acc = _mm512_setzero_ps();
   for (int64_t t = 0; t < count; t += 16) {
-    const __mmask16 mask = count - t >= 16 ? static_cast<__mmask16>(0xffff)
-                                           : static_cast<__mmask16>((1u << (count - t)) - 1);
+    const __mmask16 mask = simd::FirstLanes16(count - t);
     const __m512 e = ExpAvx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, x + t), sv));
     _mm512_mask_storeu_ps(x + t, mask, e);
     acc = _mm512_mask_add_ps(acc, mask, acc, e);
@@ -465,8 +464,7 @@ PDSERVE_TARGET_AVX512 void WidenAvx512Of(const uint8_t* src, int64_t count, floa
                                          float* dst) {
   const __m512 f = _mm512_set1_ps(factor);
   for (int64_t i = 0; i < count; i += 16) {
-    const __mmask16 mask = count - i >= 16 ? static_cast<__mmask16>(0xffff)
-                                           : static_cast<__mmask16>((1u << (count - i)) - 1);
+    const __mmask16 mask = simd::FirstLanes16(count - i);
     _mm512_mask_storeu_ps(dst + i, mask, _mm512_mul_ps(simd::Load16<D>(src, i, mask), f));
   }
 }

@@ -22,6 +22,12 @@ constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
 constexpr float kExpP[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
                             4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
 
+// The first min(left, 16) lanes: the mask of a loop's step over 16 floats
+// when `left` remain, so that its last step needs no scalar tail.
+inline __mmask16 FirstLanes16(int64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+}
+
 PDSERVE_TARGET_AVX2 inline __m256 ExpAvx2(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(kExpLow));
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
