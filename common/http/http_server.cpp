@@ -656,6 +656,15 @@ Status Server::Start() {
 int Server::port() const { return impl_->bound_port; }
 int Server::in_flight() const { return impl_->in_flight.load(); }
 
+bool Server::WaitIdle(std::chrono::steady_clock::time_point deadline) const {
+  // Polled: the count changes on I/O threads that must not block on a waiter.
+  while (impl_->in_flight.load() > 0) {
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return true;
+}
+
 void Server::Stop() {
   if (!impl_ || !impl_->started) return;
   impl_->started = false;

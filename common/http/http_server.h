@@ -124,6 +124,11 @@ class Server {
   // Closes the listener and all connections, joins the threads.
   void Stop();
   int in_flight() const;
+  // Waits until in_flight() is 0, so that every answer begun has been
+  // written to its socket (not only handed to its Exchange), or until the
+  // deadline; true when idle. A graceful stop calls it before Stop, which
+  // would cut answers still queued.
+  bool WaitIdle(std::chrono::steady_clock::time_point deadline) const;
 
   struct Impl;  // implementation detail, defined in the .cpp
 

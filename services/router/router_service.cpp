@@ -402,8 +402,16 @@ class RouterServiceImpl : public RouterService {
       PDSERVE_LOG(INFO) << "router: draining " << inflight_.size() << " requests (at most "
                         << timeout.count() / 1000 << " s)";
     }
-    drained_cv_.wait_for(lock, timeout, [&] { return inflight_.empty(); });
-    return static_cast<int64_t>(inflight_.size());
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    drained_cv_.wait_until(lock, deadline, [&] { return inflight_.empty(); });
+    const auto left = static_cast<int64_t>(inflight_.size());
+    lock.unlock();
+    // A request leaves inflight_ once its last chunk is handed to the HTTP
+    // server; Stop would cut that chunk if it were still queued.
+    if (left == 0 && http_ && !http_->WaitIdle(deadline)) {
+      return std::max<int64_t>(1, http_->in_flight());
+    }
+    return left;
   }
 
   void Stop() override {

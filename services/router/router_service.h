@@ -105,8 +105,9 @@ class RouterService {
   virtual void Stop() = 0;
   // Graceful shutdown's first half (SIGTERM): new requests are refused (503,
   // /ready fails so that the Service stops sending them), while the ones
-  // in flight run to their end, for at most `timeout`. Stop() then fails
-  // whatever is left. Returns how many were left.
+  // in flight run to their end and their last bytes reach the client's
+  // socket, for at most `timeout`. Stop() then fails whatever is left.
+  // Returns how many were left.
   virtual int64_t Drain(std::chrono::milliseconds timeout) = 0;
   virtual int http_port() const = 0;
   virtual int control_port() const = 0;

@@ -22,6 +22,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <thread>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -297,6 +298,39 @@ TEST(HttpServerTest, StreamsChunksAsTheyAreWritten) {
   ::close(fd);
   EXPECT_NE(rest.find("data: two\n\n"), std::string::npos);
   EXPECT_NE(rest.find("0\r\n\r\n"), std::string::npos);  // chunked terminator
+}
+
+// WaitIdle is what a graceful stop waits on: an answer handed to its
+// Exchange but not yet written (a client reading slowly, a loaded machine)
+// keeps the server busy, and Stop after WaitIdle cuts nothing.
+TEST(HttpServerTest, WaitIdleLastsUntilTheLastChunkIsWritten) {
+  const std::string big(32u << 20, 'x');  // more than loopback buffers hold
+  std::promise<void> answered;
+  Server server({.host = "127.0.0.1"}, [&](const Request&, std::shared_ptr<Exchange> ex) {
+    ex->BeginStream(200, "text/event-stream");
+    ex->Write(big);
+    ex->Write("data: last\n\n");
+    ex->End();
+    answered.set_value();
+  });
+  ASSERT_TRUE(server.Start().ok());
+  int fd = Connect(server.port());
+  SendAll(fd, Get("/stream"));
+  answered.get_future().wait();
+  // Unread, the answer cannot all leave the server.
+  EXPECT_FALSE(server.WaitIdle(std::chrono::steady_clock::now() + std::chrono::milliseconds(300)));
+  std::future<std::string> read = std::async(std::launch::async, [fd] {
+    std::string out;
+    std::vector<char> buf(1u << 20);
+    for (ssize_t n; (n = ::recv(fd, buf.data(), buf.size(), 0)) > 0;) out.append(buf.data(), n);
+    return out;
+  });
+  EXPECT_TRUE(server.WaitIdle(std::chrono::steady_clock::now() + std::chrono::seconds(60)));
+  server.Stop();
+  const std::string got = read.get();
+  ::close(fd);
+  EXPECT_NE(got.find("data: last\n\n"), std::string::npos);
+  EXPECT_NE(got.find("0\r\n\r\n"), std::string::npos);  // chunked terminator
 }
 
 // The server's end of a connection has Nagle's algorithm off. With it on, a
