@@ -1,5 +1,8 @@
 #include "common/flags.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -79,6 +82,23 @@ void FlagSet::Add(Flag flag) { flags_.push_back(std::move(flag)); }
 void FlagSet::AddString(std::string name, std::string* value, std::string help) {
   Add({std::move(name), "TEXT", *value, std::move(help), [value](std::string_view v) {
          *value = std::string(v);
+         return Status::Ok();
+       }});
+}
+
+void FlagSet::AddAddress(std::string name, std::string* value, std::string help) {
+  Add({std::move(name), "ADDRESS", *value, std::move(help), [value](std::string_view v) {
+         // What the listening sockets take: dotted-quad IPv4 (not inet_aton's
+         // shorthands such as "1.2.3") or IPv6 with an optional %scope.
+         const std::string text(v);
+         const std::string v6 = text.substr(0, text.find('%'));
+         in_addr a4;
+         in6_addr a6;
+         const bool ok = inet_pton(AF_INET, text.c_str(), &a4) == 1 ||
+                         (inet_pton(AF_INET6, v6.c_str(), &a6) == 1 &&
+                          (v6.size() == text.size() || v6.size() + 1 < text.size()));
+         if (!ok) return Status::InvalidArgument("'" + text + "' is not an IP address");
+         *value = text;
          return Status::Ok();
        }});
 }

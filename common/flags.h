@@ -26,6 +26,9 @@ class FlagSet {
 
   // Each Add* records the current value of *value as the default shown in --help.
   void AddString(std::string name, std::string* value, std::string help);
+  // A numeric IPv4 or IPv6 address to listen on ("0.0.0.0", "::1"; no host
+  // names), so that a bad one is a usage error before anything loads.
+  void AddAddress(std::string name, std::string* value, std::string help);
   void AddInt(std::string name, int64_t* value, std::string help);
   // An integer whose initial value only marks "not given" (its help says
   // what applies then), so --help shows no default for it.

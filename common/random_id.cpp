@@ -2,6 +2,8 @@
 
 #include <sys/random.h>
 
+#include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstdint>
 #include <cstdlib>
@@ -27,6 +29,12 @@ std::string NewUnguessableId() {
     id.push_back(kHex[b & 15]);
   }
   return id;
+}
+
+bool IsPlainTraceId(std::string_view id) {
+  return !id.empty() && id.size() <= 128 && std::all_of(id.begin(), id.end(), [](unsigned char c) {
+    return std::isalnum(c) != 0 || c == '-' || c == '_' || c == '.' || c == ':';
+  });
 }
 
 }  // namespace pdserve

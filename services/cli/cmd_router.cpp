@@ -28,7 +28,7 @@ int RunRouter(int argc, char** argv) {
   flags.AddString("model", &o.model_dir,
                   "model folder (tokenizer, chat template; config.json for the served name)");
   flags.AddString("model-id", &o.model_id, "served model name (default: the model folder's name)");
-  flags.AddString("host", &o.host, "address to listen on");
+  flags.AddAddress("host", &o.host, "address to listen on");
   flags.AddInt("drain-timeout", &drain_s,
                "seconds SIGTERM lets requests in flight finish (new ones get 503 and /ready "
                "fails meanwhile) before failing the rest");

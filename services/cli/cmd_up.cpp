@@ -36,9 +36,12 @@
 #include "engine/make_model.h"
 #include "engine/model.h"
 #include "engine/model_config.h"
+#include "kernels/backend_factory.h"
 #include "services/cli/command.h"
 #include "services/cli/kv_eviction_flags.h"
 #include "services/cli/structured_flags.h"
+#include "services/router/openai/tool_calls.h"
+#include "services/router/policy.h"
 #include "transport/control/handshake.h"
 
 namespace pdserve::cli {
@@ -247,8 +250,8 @@ int RunUp(int argc, char** argv) {
                "metrics port of the first prefill worker, the next ones count up (0: any)");
   flags.AddInt("decode-metrics-port", &decode_metrics_port,
                "metrics port of the first decode worker, the next ones count up (0: any)");
-  flags.AddString("host", &host, "address the router's HTTP port listens on");
-  flags.AddString("policy", &policy, "routing policy: kv|round_robin|least_loaded|random");
+  flags.AddAddress("host", &host, "address the router's HTTP port listens on");
+  flags.AddString("policy", &policy, "routing policy: " + router::PolicyChoices());
   flags.AddInt("max-local-prefill", &max_local_prefill,
                "prompt tokens a decode worker computes itself; more go to a prefill worker");
   flags.AddString("replication-copy-cost", &copy_cost,
@@ -336,6 +339,21 @@ int RunUp(int argc, char** argv) {
                "--kv-disk-write-queue must be positive, --kv-disk-write-bytes-per-second not "
                "negative");
   }
+  // What the router and the workers would refuse is refused here, before
+  // any child starts.
+  if (const auto& names = router::PolicyNames();
+      std::find(names.begin(), names.end(), policy) == names.end()) {
+    UsageError("up", "--policy: unknown routing policy '" + policy +
+                         "' (valid: " + router::PolicyChoices() + ")");
+  }
+  if (!tool_call_parser.empty()) {
+    if (auto parser = router::ParseToolParserName(tool_call_parser); !parser.ok())
+      UsageError("up", "--tool-call-parser: " + parser.status().message());
+  }
+  if (!ParseLoadFormat(load_format))
+    UsageError("up", "--load-format must be safetensors or dummy, not '" + load_format + "'");
+  if (auto resolved = kernels::ResolveDevice(device); !resolved.ok())
+    UsageError("up", "--device: " + resolved.status().message());
   if (!ParseDType(kv_dtype)) {
     UsageError("up",
                "--kv-dtype: expected " + std::string(kKvDTypeChoices) + ", got '" + kv_dtype + "'");

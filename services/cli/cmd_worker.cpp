@@ -38,7 +38,7 @@ int RunWorker(int argc, char** argv) {
       "safetensors|dummy (dummy: random weights of config.json's shapes, for benchmarks)");
   flags.AddString("router", &routers,
                   "router control address(es), HOST:PORT[,HOST:PORT...]; names are re-resolved");
-  flags.AddString("host", &o.host, "address to listen on");
+  flags.AddAddress("host", &o.host, "address to listen on");
   flags.AddString("advertise-host", &o.advertise_host,
                   "address other workers use to reach this one");
   flags.AddInt("port", &port, "control port for peer workers (0: any free port)");

@@ -509,8 +509,16 @@ class RouterServiceImpl : public RouterService {
     if (is_api && !api_keys_.empty()) {
       const http::BearerCheck auth = http::CheckBearer(req, api_keys_);
       if (!auth.accepted()) {
-        ex->Reply(http::BearerRefusal(auth));
+        http::Response refusal = http::BearerRefusal(auth);
+        const int status = refusal.status;
+        ex->Reply(std::move(refusal));
         CountRequest("unauthorized");
+        // No request id yet: the client is not trusted with one.
+        PDSERVE_LOG(INFO) << "request from " << req.remote << " " << req.method << " " << req.path
+                          << " refused " << status << ": "
+                          << (auth.outcome == http::BearerCheck::Outcome::kAmbiguous
+                                  ? "several Authorization headers"
+                                  : "no valid API key");
         return;
       }
       api_key = auth.key_index;
@@ -591,11 +599,7 @@ class RouterServiceImpl : public RouterService {
     // The client's id goes into every log line of the request and back in
     // the response: only a bounded id of a plain alphabet is taken, so that
     // no client can write fields of its own into the log.
-    const bool plain =
-        rid.size() <= 128 && std::all_of(rid.begin(), rid.end(), [](unsigned char c) {
-          return std::isalnum(c) != 0 || c == '-' || c == '_' || c == '.' || c == ':';
-        });
-    if (rid.empty() || !plain) rid = NewUnguessableId();
+    if (!IsPlainTraceId(rid)) rid = NewUnguessableId();
     r->request_id = (endpoint == Endpoint::kCompletions ? "cmpl-" : "chatcmpl-") +
                     NewUnguessableId().substr(0, 24);
     r->http_request_id = rid;
@@ -853,6 +857,7 @@ class RouterServiceImpl : public RouterService {
       proto::Envelope env;
       proto::Generate* g = env.mutable_generate();
       g->set_request_id(r.wire_id);
+      g->set_trace_id(r.http_request_id);
       for (TokenId t : r.prompt_ids) g->add_prompt_token_ids(t);
       SamplingParams sampling = r.api->sampling;
       // best_of picks by likelihood: the chosen tokens' logprobs are needed.

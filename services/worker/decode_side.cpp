@@ -35,6 +35,12 @@ constexpr size_t kMaxControlAddressBytes = 512;
 // Prompt scores sent in one Token (services/router reassembles them).
 constexpr size_t kPromptScoresPerMessage = 8192;
 
+// What the request's log lines call it: the router's trace id (the
+// client's x-request-id), or the wire id when the router sent none usable.
+std::string TraceIdOf(const proto::Generate& g) {
+  return IsPlainTraceId(g.trace_id()) ? g.trace_id() : g.request_id();
+}
+
 }  // namespace
 
 // A request this worker decodes.
@@ -48,6 +54,7 @@ struct DecodeSide::Request {
   // whose answers are the same; it finishes each of them.
   uint32_t finishes = 1;
   std::string router_rid;
+  std::string trace_id;  // for log lines (TraceIdOf)
   ConnectionPtr router;
   WorkerClock::time_point arrived;
   WorkerClock::time_point last_token;
@@ -101,7 +108,7 @@ void DecodeSide::OnGenerate(const ConnectionPtr& router, proto::Generate g) {
   if (!g.sampling().has_constraint()) return Admit(router, std::move(g), nullptr);
   // Structured outputs: the grammar first, off the engine thread; the
   // request is admitted once it is there (unless cancelled meanwhile).
-  compiling_.insert(key);
+  compiling_.emplace(key, TraceIdOf(g));
   const OutputConstraint constraint = FromProto(g.sampling()).constraint.value();
   ctx_->grammars->Compile(
       constraint, [this, router, key, g = std::move(g)](GrammarCompiler::Result grammar) mutable {
@@ -120,7 +127,7 @@ void DecodeSide::OnGenerate(const ConnectionPtr& router, proto::Generate g) {
 }
 
 void DecodeSide::Refuse(const ConnectionPtr& router, const proto::Generate& g, const Status& st) {
-  PDSERVE_LOG(INFO) << "request " << g.request_id() << " refused: " << st.message();
+  PDSERVE_LOG(INFO) << "request " << TraceIdOf(g) << " refused: " << st.message();
   const bool retryable =
       st.code() == StatusCode::kResourceExhausted || st.code() == StatusCode::kUnavailable;
   (void)router->Send(RequestError(g.request_id(), st.code(), st.message(), retryable));
@@ -152,6 +159,7 @@ void DecodeSide::Admit(const ConnectionPtr& router, proto::Generate g,
   r->leader = sequences > 1 ? req.id : 0;
   r->finishes = finishes;
   r->router_rid = g.request_id();
+  r->trace_id = TraceIdOf(g);
   r->router = router;
   r->arrived = WorkerClock::now();
   r->prompt_tokens = static_cast<int64_t>(req.prompt.size());
@@ -190,6 +198,7 @@ void DecodeSide::Admit(const ConnectionPtr& router, proto::Generate g,
     }
     p->set_decode_worker_id(ctx_->opts->worker_id);
     p->set_prefix_copy(g.prefix_copy());
+    p->set_trace_id(r->trace_id);
     p->set_deadline_ms(static_cast<uint32_t>(timeout_ms));
     prefill = std::move(env);
     by_prefill_rid_[r->prefill_rid] = r->id;
@@ -199,6 +208,7 @@ void DecodeSide::Admit(const ConnectionPtr& router, proto::Generate g,
   ctx_->metrics->prefill_tokens.Increment(static_cast<double>(r->prompt_tokens));
   by_router_rid_[{router->id(), r->router_rid}] = r->id;
   const RequestId id = r->id;
+  const std::string trace_id = r->trace_id;
   const std::string address = r->prefill_address;
   requests_.emplace(id, std::move(r));
   ctx_->busy->fetch_add(1);
@@ -206,7 +216,9 @@ void DecodeSide::Admit(const ConnectionPtr& router, proto::Generate g,
     // The other sequences: the same prompt, seeds seed + i, admitted once
     // the first one's prompt KV is computed (here or by the prefill peer),
     // sharing its blocks.
-    std::vector<RequestId>& members = groups_[id];
+    Group& group = groups_[id];
+    group.sequences = sequences;
+    std::vector<RequestId>& members = group.live;
     members.push_back(id);
     for (uint32_t i = 1; i < sequences; ++i) {
       EngineRequest sib = base;
@@ -222,6 +234,7 @@ void DecodeSide::Admit(const ConnectionPtr& router, proto::Generate g,
       sr->index = i;
       sr->leader = id;
       sr->router_rid = g.request_id();
+      sr->trace_id = trace_id;
       sr->router = router;
       sr->arrived = requests_.at(id)->arrived;
       sr->prompt_tokens = static_cast<int64_t>(sib.prompt.size());
@@ -242,8 +255,9 @@ void DecodeSide::Admit(const ConnectionPtr& router, proto::Generate g,
 }
 
 void DecodeSide::OnRouterCancel(const ConnectionPtr& router, const std::string& rid) {
-  if (compiling_.erase({router->id(), rid})) {
-    PDSERVE_LOG(INFO) << "request " << rid << " cancelled while its grammar compiled";
+  if (auto c = compiling_.find({router->id(), rid}); c != compiling_.end()) {
+    PDSERVE_LOG(INFO) << "request " << c->second << " cancelled while its grammar compiled";
+    compiling_.erase(c);
     ctx_->metrics->CountRequest("decode", "cancelled");
     return;
   }
@@ -254,12 +268,20 @@ void DecodeSide::OnRouterCancel(const ConnectionPtr& router, const std::string& 
 void DecodeSide::CancelGroup(RequestId leader, const std::string& why) {
   auto g = groups_.find(leader);
   if (g == groups_.end()) return CancelRequest(leader, why);
-  const std::vector<RequestId> members = g->second;
-  for (RequestId id : members) CancelRequest(id, why);
+  const std::vector<RequestId> members = g->second.live;
+  const auto first = requests_.find(leader);
+  if (first != requests_.end()) {
+    int64_t tokens = g->second.completion_tokens;
+    for (RequestId id : members) tokens += requests_.at(id)->completion_tokens;
+    PDSERVE_LOG(INFO) << "request " << first->second->trace_id << " cancelled: " << why
+                      << " (n " << g->second.sequences << ", " << members.size()
+                      << " sequences running) after " << tokens << " tokens";
+  }
+  for (RequestId id : members) CancelRequest(id, why, /*log=*/first == requests_.end());
 }
 
 void DecodeSide::OnRouterGone(const ConnectionPtr& router) {
-  std::erase_if(compiling_, [&](const auto& key) { return key.first == router->id(); });
+  std::erase_if(compiling_, [&](const auto& entry) { return entry.first.first == router->id(); });
   std::vector<RequestId> orphans;
   for (auto it = by_router_rid_.lower_bound({router->id(), std::string()});
        it != by_router_rid_.end() && it->first.first == router->id(); ++it) {
@@ -290,14 +312,14 @@ void DecodeSide::FailComputing(const Status& st) {
   for (RequestId id : ids) {
     Request& r = *requests_.at(id);
     (void)ctx_->engine->Cancel(id);
-    PDSERVE_LOG(WARN) << "request " << r.router_rid << " failed: " << st.message();
+    PDSERVE_LOG(WARN) << "request " << r.trace_id << " failed: " << st.message();
     (void)r.router->Send(RequestError(r.router_rid, st.code(), st.message(), !r.first_token_sent));
     EraseRequest(id, "failed");
   }
 }
 
 // Frees everything a request holds (deferred while a peer may write).
-void DecodeSide::CancelRequest(RequestId id, const std::string& why) {
+void DecodeSide::CancelRequest(RequestId id, const std::string& why, bool log) {
   auto it = requests_.find(id);
   if (it == requests_.end()) return;
   Request& r = *it->second;
@@ -307,19 +329,25 @@ void DecodeSide::CancelRequest(RequestId id, const std::string& why) {
     r.remote = false;
     by_prefill_rid_.erase(r.prefill_rid);
     (void)ctx_->engine->Cancel(id);
-    PDSERVE_LOG(INFO) << "request " << r.router_rid << " cancelled: " << why
-                      << " before its prefill worker was asked";
+    if (log) {
+      PDSERVE_LOG(INFO) << "request " << r.trace_id << " cancelled: " << why
+                        << " before its prefill worker was asked";
+    }
     return EraseRequest(id, "cancelled");
   }
   if (r.remote) {
     r.cancel_after_remote = true;  // released when the peer is done with its blocks
-    PDSERVE_LOG(INFO) << "request " << r.router_rid << " cancelled (" << why
-                      << "); its blocks are released once the prefill peer is done with them";
+    if (log) {
+      PDSERVE_LOG(INFO) << "request " << r.trace_id << " cancelled (" << why
+                        << "); its blocks are released once the prefill peer is done with them";
+    }
     return;
   }
   (void)ctx_->engine->Cancel(id);
-  PDSERVE_LOG(INFO) << "request " << r.router_rid << " cancelled: " << why << " after "
-                    << r.completion_tokens << " tokens";
+  if (log) {
+    PDSERVE_LOG(INFO) << "request " << r.trace_id << " cancelled: " << why << " after "
+                      << r.completion_tokens << " tokens";
+  }
   EraseRequest(id, "cancelled");
 }
 
@@ -330,8 +358,8 @@ void DecodeSide::EraseRequest(RequestId id, const char* outcome) {
   if (outcome) ctx_->metrics->CountRequest("decode", outcome);
   auto g = r.leader ? groups_.find(r.leader) : groups_.end();
   if (g != groups_.end()) {
-    std::erase(g->second, id);
-    if (g->second.empty()) {
+    std::erase(g->second.live, id);
+    if (g->second.live.empty()) {
       groups_.erase(g);
       by_router_rid_.erase({r.router->id(), r.router_rid});
     }
@@ -413,16 +441,39 @@ bool DecodeSide::HandleOutput(RequestOutput& out) {
       f->mutable_usage()->set_cached_tokens(static_cast<uint32_t>(r.cached_tokens));
       (void)r.router->Send(std::move(env));
     }
-    PDSERVE_LOG(INFO) << "request " << r.router_rid
-                      << (r.leader ? " [" + std::to_string(r.index) + "]" : std::string())
-                      << " done: prompt " << r.prompt_tokens << " (cached " << r.cached_tokens
-                      << "), completion " << r.completion_tokens << ", "
-                      << (r.prefilled_remotely ? "remote" : "local") << " prefill, "
-                      << FinishReasonName(out.finish_reason) << ", " << Seconds(now - r.arrived)
-                      << "s";
+    LogFinished(r, out.finish_reason, now);
     EraseRequest(out.id, "ok");
   }
   return true;
+}
+
+// One line per request: a group (n > 1) logs when its last sequence ends,
+// with the sequences' tokens summed.
+void DecodeSide::LogFinished(const Request& r, FinishReason reason, WorkerClock::time_point now) {
+  auto g = r.leader ? groups_.find(r.leader) : groups_.end();
+  if (g == groups_.end()) {
+    PDSERVE_LOG(INFO) << "request " << r.trace_id << " done: prompt " << r.prompt_tokens
+                      << " (cached " << r.cached_tokens << "), completion " << r.completion_tokens
+                      << ", " << (r.prefilled_remotely ? "remote" : "local") << " prefill, "
+                      << FinishReasonName(reason) << ", " << Seconds(now - r.arrived) << "s";
+    return;
+  }
+  Group& group = g->second;
+  group.finished += 1;
+  if (reason == FinishReason::kLength) group.finished_by_length += 1;
+  group.completion_tokens += r.completion_tokens;
+  if (r.index == 0) {
+    group.cached_tokens = r.cached_tokens;
+    group.prefilled_remotely = r.prefilled_remotely;
+  }
+  if (group.live.size() > 1) return;  // not the last one
+  PDSERVE_LOG(INFO) << "request " << r.trace_id << " done: n " << group.sequences << ", prompt "
+                    << r.prompt_tokens << " (cached " << group.cached_tokens << "), completion "
+                    << group.completion_tokens << ", "
+                    << (group.prefilled_remotely ? "remote" : "local") << " prefill, "
+                    << group.finished_by_length << " length, "
+                    << group.finished - group.finished_by_length << " stop, "
+                    << Seconds(now - r.arrived) << "s";
 }
 
 int64_t DecodeSide::QueuedPrefillTokens() const {
@@ -567,7 +618,7 @@ void DecodeSide::CompleteRemote(RequestId id) {
   }
   auto first = ctx_->engine->CompleteRemotePrefill(id, done.first_token_id(), sampled);
   if (!first.ok()) {
-    PDSERVE_LOG(ERROR) << "request " << r.router_rid << ": " << first.status().message();
+    PDSERVE_LOG(ERROR) << "request " << r.trace_id << ": " << first.status().message();
     r.remote = true;
     r.failure = first.status().message();
     return FallBackToLocal(id);
@@ -601,7 +652,7 @@ void DecodeSide::FallBackToLocal(RequestId id) {
     (void)ctx_->engine->Cancel(id);
     return EraseRequest(id, "cancelled");
   }
-  PDSERVE_LOG(WARN) << "request " << r.router_rid << ": " << r.failure << "; prefilling locally";
+  PDSERVE_LOG(WARN) << "request " << r.trace_id << ": " << r.failure << "; prefilling locally";
   if (!failed.ok()) {
     const Status& st = failed.status();
     (void)r.router->Send(RequestError(r.router_rid, st.code(), st.message(), !r.first_token_sent));

@@ -100,10 +100,12 @@ class DecodeSide {
   void Refuse(const control::ConnectionPtr& router, const proto::Generate& g, const Status& st);
   void Admit(const control::ConnectionPtr& router, proto::Generate g,
              std::shared_ptr<const structured::CompiledGrammar> grammar);
-  void CancelRequest(RequestId id, const std::string& why);
+  // `log`: false where the caller logs once for a whole group.
+  void CancelRequest(RequestId id, const std::string& why, bool log = true);
   // Every sequence of a Generate (n > 1), or the one request `leader`.
   void CancelGroup(RequestId leader, const std::string& why);
   void EraseRequest(RequestId id, const char* outcome);
+  void LogFinished(const Request& r, FinishReason reason, WorkerClock::time_point now);
   void OnKvWrite(const std::string& address, PeerId transfer_peer, const proto::KvWrite& w);
   void OnReceiveDone(RequestId id, const std::string& prefill_rid, const Status& st);
   void OnPrefillDone(const std::string& address, const proto::PrefillDone& done);
@@ -139,10 +141,21 @@ class DecodeSide {
   std::unordered_map<RequestId, std::unique_ptr<Request>> requests_;
   // (router connection id, router's request id) -> request.
   std::map<std::pair<uint64_t, std::string>, RequestId> by_router_rid_;
-  // Generate.n > 1: the live sequences of each group, by its first's id.
-  std::unordered_map<RequestId, std::vector<RequestId>> groups_;
-  // Requests waiting for their grammar (router connection id, request id).
-  std::set<std::pair<uint64_t, std::string>> compiling_;
+  // Generate.n > 1: the live sequences of each group, by its first's id,
+  // and what the finished ones did, for the group's one log line.
+  struct Group {
+    std::vector<RequestId> live;
+    uint32_t sequences = 0;
+    uint32_t finished = 0;
+    uint32_t finished_by_length = 0;
+    int64_t completion_tokens = 0;
+    int64_t cached_tokens = 0;        // the first sequence's, which prefilled
+    bool prefilled_remotely = false;  // for all
+  };
+  std::unordered_map<RequestId, Group> groups_;
+  // Requests waiting for their grammar (router connection id, request id),
+  // with their trace ids.
+  std::map<std::pair<uint64_t, std::string>, std::string> compiling_;
   // Id used with the prefill peer -> request (remote hand-offs in progress).
   std::unordered_map<std::string, RequestId> by_prefill_rid_;
   HeldBlocksMap held_for_peers_;

@@ -4,6 +4,7 @@
 
 #include "common/logging.h"
 #include "common/proto/protocol.h"
+#include "common/random_id.h"
 #include "services/protocol/sampling.h"
 
 namespace pdserve::worker {
@@ -29,6 +30,7 @@ proto::Envelope PrefillFailure(const std::string& rid, const std::string& why, b
 struct PrefillSide::Job {
   RequestId id = 0;
   std::string decode_rid;
+  std::string trace_id;  // for log lines
   ConnectionPtr decode;
   PeerId transfer_peer = 0;
   // (prompt block index, layer group) -> the decode worker's block.
@@ -135,6 +137,9 @@ void PrefillSide::OnPrefill(const ConnectionPtr& decode, PeerId peer, proto::Pre
       constraint, [this, decode, peer, p = std::move(p)](GrammarCompiler::Result grammar) mutable {
         ctx_->post([this, decode, peer, p = std::move(p), grammar = std::move(grammar)]() mutable {
           if (!grammar.ok()) {
+            PDSERVE_LOG(INFO) << "prefill "
+                              << (IsPlainTraceId(p.trace_id()) ? p.trace_id() : p.request_id())
+                              << " refused: constraint: " << grammar.status().message();
             (void)decode->Send(PrefillFailure(p.request_id(),
                                               "constraint: " + grammar.status().message(),
                                               /*retryable=*/false));
@@ -149,7 +154,10 @@ void PrefillSide::OnPrefill(const ConnectionPtr& decode, PeerId peer, proto::Pre
 
 void PrefillSide::Start(const ConnectionPtr& decode, PeerId peer, proto::Prefill p,
                         std::shared_ptr<const structured::CompiledGrammar> grammar) {
+  // Log lines carry the request's trace id (proto Generate.trace_id).
+  const std::string trace_id = IsPlainTraceId(p.trace_id()) ? p.trace_id() : p.request_id();
   auto refuse = [&](const std::string& why, bool retryable) {
+    PDSERVE_LOG(INFO) << "prefill " << trace_id << " refused: " << why;
     (void)decode->Send(PrefillFailure(p.request_id(), why, retryable));
     ctx_->metrics->transfer_failures.Increment();
     ctx_->metrics->CountRequest("prefill", "failed");
@@ -204,6 +212,7 @@ void PrefillSide::Start(const ConnectionPtr& decode, PeerId peer, proto::Prefill
     return refuse(st.message(), false);
   job->id = id;
   job->decode_rid = p.request_id();
+  job->trace_id = trace_id;
   job->decode = decode;
   job->transfer_peer = peer;
   job->arrived = WorkerClock::now();
@@ -350,14 +359,14 @@ void PrefillSide::TryFinish(RequestId id) {
     if (job.blocks_written > 0)
       ctx_->metrics->transfer_seconds.Observe(Seconds(now - job.first_write));
     ctx_->metrics->CountRequest("prefill", "ok");
-    PDSERVE_LOG(INFO) << "prefill " << job.decode_rid << " done: " << job.blocks_written
+    PDSERVE_LOG(INFO) << "prefill " << job.trace_id << " done: " << job.blocks_written
                       << " blocks (" << job.bytes_written << " bytes) written, "
                       << Seconds(now - job.arrived) << "s";
   } else {
     (void)job.decode->Send(PrefillFailure(job.decode_rid, job.failure, true));
     ctx_->metrics->transfer_failures.Increment();
     ctx_->metrics->CountRequest("prefill", "failed");
-    PDSERVE_LOG(WARN) << "prefill " << job.decode_rid << " failed: " << job.failure;
+    PDSERVE_LOG(WARN) << "prefill " << job.trace_id << " failed: " << job.failure;
   }
   jobs_.erase(id);
   ctx_->busy->fetch_sub(1);

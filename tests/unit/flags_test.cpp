@@ -102,6 +102,25 @@ TEST(FlagsTest, EnvironmentFallbackOnlyWhenFlagAbsent) {
   unsetenv("PDSERVE_TEST_BLOCK_SIZE");
 }
 
+TEST(FlagsTest, AddressesAreNumericIpv4OrIpv6) {
+  for (const char* good : {"0.0.0.0", "127.0.0.1", "::", "::1", "fe80::1", "fe80::1%eth0"}) {
+    FlagSet flags("test", "");
+    std::string host = "0.0.0.0";
+    flags.AddAddress("host", &host, "");
+    EXPECT_TRUE(ParseWords(flags, {"test", "--host", good}).ok()) << good;
+    EXPECT_EQ(host, good);
+  }
+  for (const char* bad : {"999.1.1.1", "localhost", "", "1.2.3", "::g", "127.0.0.1 ", "fe80::1%"}) {
+    FlagSet flags("test", "");
+    std::string host = "0.0.0.0";
+    flags.AddAddress("host", &host, "");
+    const Status st = ParseWords(flags, {"test", "--host", bad});
+    EXPECT_FALSE(st.ok()) << bad;
+    EXPECT_NE(st.message().find("not an IP address"), std::string::npos) << st.message();
+    EXPECT_EQ(host, "0.0.0.0");
+  }
+}
+
 TEST(FlagsTest, ParseBytes) {
   EXPECT_EQ(*ParseBytes("512"), 512);
   EXPECT_EQ(*ParseBytes("64KiB"), 64 * 1024);

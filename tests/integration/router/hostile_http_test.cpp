@@ -12,6 +12,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <regex>
@@ -312,6 +313,16 @@ TEST_F(HostileHttpTest, BearerInAnyCaseAndOneAuthorizationHeaderOnly) {
     if (a.status >= 400) ExpectOpenAiError(a, headers);
     return a.status;
   };
+  // Every refusal gets the router's one log line per request.
+  auto logged = [](const std::string& line) {
+    const std::string log = stack_->router().Log();
+    size_t n = 0;
+    for (size_t at = log.find(line); at != std::string::npos; at = log.find(line, at + 1)) ++n;
+    return n;
+  };
+  const std::string refused_401 = "POST /v1/completions refused 401: no valid API key";
+  const std::string refused_400 = "POST /v1/completions refused 400: several Authorization headers";
+  const size_t before_401 = logged(refused_401), before_400 = logged(refused_400);
   EXPECT_EQ(status(std::string("Authorization: bearer ") + kKeyB + "\r\n"), 200);
   EXPECT_EQ(status(std::string("authorization: BEARER ") + kKeyA + "\r\n"), 200);
   EXPECT_EQ(status(""), 401);
@@ -323,6 +334,13 @@ TEST_F(HostileHttpTest, BearerInAnyCaseAndOneAuthorizationHeaderOnly) {
   EXPECT_EQ(status("Authorization: Bearer sk-wrong\r\nAuthorization: Bearer " + std::string(kKeyA) +
                    "\r\n"),
             400);
+  for (int i = 0; i < 500 && (logged(refused_401) < before_401 + 2 ||
+                              logged(refused_400) < before_400 + 2);
+       ++i) {
+    std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_EQ(logged(refused_401), before_401 + 2) << stack_->router().Log();
+  EXPECT_EQ(logged(refused_400), before_400 + 2);
 }
 
 TEST_F(HostileHttpTest, MetricsNeedTheirKeyWhileProbesStayOpen) {
@@ -372,6 +390,16 @@ TEST(HostileHttpCliTest, SaltPerApiKeyWithoutKeysIsAUsageError) {
   for (std::string line; std::getline(lines, line);) ++count;
   EXPECT_EQ(count, 1) << r.err;
   EXPECT_NE(r.err.find("--salt-per-api-key needs --api-key-file"), std::string::npos) << r.err;
+}
+
+TEST(HostileHttpCliTest, AListenAddressThatIsNotAnIpIsAUsageError) {
+  for (const char* host : {"999.1.1.1", "localhost", ""}) {
+    const CommandResult r = RunCommand({kPdserve, "router", "--model", LocalStack::Model(),
+                                        "--insecure-control-plane", "--host", host});
+    EXPECT_EQ(r.exit_code, 2) << host << ": " << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+    EXPECT_NE(r.err.find("--host"), std::string::npos) << r.err;
+  }
 }
 
 int OpenDescriptors(pid_t pid) {

@@ -294,6 +294,14 @@ TEST(UpTest, BadFlagsAreUsageErrors) {
            {"--kv-eviction", "sinks"},
            {"--kv-window-tokens", "32"},
            {"--kv-eviction", "snapkv", "--kv-budget-tokens", "16", "--kv-observation-window", "32"},
+           // What only the children checked before: refused here, before
+           // any child starts (one line, not a child's last lines).
+           {"--device", "tpu"},
+           {"--policy", "bogus"},
+           {"--load-format", "gguf"},
+           {"--tool-call-parser", "foo"},
+           {"--host", "999.1.1.1"},
+           {"--host", "localhost"},
        }) {
     std::vector<std::string> argv = {kPdserve, "up"};
     argv.insert(argv.end(), args.begin(), args.end());

@@ -45,6 +45,11 @@ TEST(WorkerCliTest, UnknownDevicesTransportsAndStagingModesAreRefused) {
   ExpectOneLineUsageError(Worker({"--load-format", "gguf"}), "--load-format");
 }
 
+TEST(WorkerCliTest, AListenAddressThatIsNotAnIpIsRefused) {
+  ExpectOneLineUsageError(Worker({"--host", "999.1.1.1"}), "--host");
+  ExpectOneLineUsageError(Worker({"--host", "localhost"}), "not an IP address");
+}
+
 TEST(WorkerCliTest, NcclWithACpuDeviceIsRefused) {
   ExpectOneLineUsageError(Worker({"--device", "cpu", "--kv-transfer", "nccl"}),
                           "NCCL moves device memory only");
