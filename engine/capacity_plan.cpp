@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/model_config.h"
+#include "kernels/kv_cache_layout.h"
 #include "engine/safetensors.h"
 
 namespace pdserve {
@@ -51,6 +52,14 @@ StatusOr<CapacityPlan> PlanCapacity(const CapacityRequest& r) {
     return Status::InvalidArgument("tensor parallel size " + std::to_string(tp) + " and " +
                                    std::to_string(kv_heads) +
                                    " KV heads: one must divide the other");
+  }
+  // Two 4-bit values a byte: the engine refuses an odd vector (KvCacheLayout).
+  const int64_t vector_width = r.shape.is_mla() ? r.shape.kv_lora_rank + r.shape.qk_rope_head_dim
+                                                : r.shape.head_dim;
+  if (r.kv_dtype == DType::kNvFp4 && vector_width % 2 != 0) {
+    return Status::InvalidArgument("KV cache dtype nvfp4 needs an even head_dim (two 4-bit values "
+                                   "a byte); this one's is " +
+                                   std::to_string(vector_width));
   }
   CapacityPlan plan;
   plan.kv_heads_per_device = r.shape.is_mla() ? 0 : std::max<int64_t>(1, kv_heads / tp);
@@ -100,12 +109,32 @@ StatusOr<CapacityPlan> PlanCapacity(const CapacityRequest& r) {
     plan.kv_bytes_per_sequence = stored_per_token * kept;
     plan.blocks_per_sequence = (kept + r.block_size - 1) / r.block_size;
   }
+  // The fp32 scale of each block, layer and cached vector (fp8, nvfp4),
+  // over the blocks each layer holds.
+  kernels::KvCacheLayout pool;  // which dtypes the engine's pools scale per block
+  pool.dtype = r.kv_dtype;
+  plan.kv_block_scale_bytes =
+      pool.has_scales() ? shape.layers * (shape.is_mla() ? 1 : 2 * shape.kv_heads) * 4 : 0;
+  if (plan.kv_block_scale_bytes > 0) {
+    const int64_t B = r.block_size;
+    const int64_t per_layer = plan.kv_block_scale_bytes / shape.layers;
+    const int64_t layer_blocks =
+        r.snapkv_budget > 0
+            ? shape.layers * plan.blocks_per_sequence
+            : (shape.layers - shape.sliding_layers) * plan.blocks_per_sequence_dense +
+                  shape.sliding_layers * ((plan.sliding_tokens_per_sequence + B - 1) / B);
+    plan.kv_block_scale_bytes_per_sequence = per_layer * layer_blocks;
+  }
   constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
   const double budget =
       r.gpu_mem_gib * kGiB * (1.0 - r.reserve_ratio) - plan.weights_gib_per_device * kGiB;
   plan.kv_budget_bytes = budget > 0 ? static_cast<int64_t>(std::floor(budget)) : 0;
-  plan.max_sequences = plan.kv_budget_bytes / plan.kv_bytes_per_sequence;
-  plan.max_tokens = plan.kv_budget_bytes / stored_per_token;
+  plan.max_sequences = plan.kv_budget_bytes /
+                       (plan.kv_bytes_per_sequence + plan.kv_block_scale_bytes_per_sequence);
+  // The pool is whole blocks of every layer, each with its scales.
+  plan.max_tokens =
+      plan.kv_budget_bytes / (stored_per_token * r.block_size + plan.kv_block_scale_bytes) *
+      r.block_size;
   return plan;
 }
 

@@ -4,10 +4,10 @@
 // element; for multi-head latent attention (DeepSeek-V2/V3), which caches
 // one vector per token and layer, layers x (kv_lora_rank + qk_rope_head_dim)
 // x bytes per element. Scales of quantised caches are left out of it, as
-// published capacity tables do; nvfp4's E4M3 micro-scales (one byte per 16
-// elements, every token has them) are given apart and do count in the
-// capacity, while the fp32 scale per block, layer and cached vector of the
-// fp8 and nvfp4 pools (ScaleBytesPerBlock) does not.
+// published capacity tables do, and given apart: nvfp4's E4M3 micro-scales
+// (one byte per 16 elements, every token has them) and the fp32 scale per
+// block, layer and cached vector of the fp8 and nvfp4 pools. Both count in
+// what fits.
 #pragma once
 
 #include <cstdint>
@@ -37,9 +37,6 @@ struct KvShape {
   int64_t sink_tokens = 0;
 
   bool is_mla() const { return kv_lora_rank > 0 || qk_rope_head_dim > 0; }
-  // fp32 scales pdserve's fp8 and nvfp4 pools store per block: one per layer and
-  // cached vector (GQA: K and V of each KV head; MLA: the latent).
-  int64_t ScaleBytesPerBlock() const { return layers * (is_mla() ? 1 : 2 * kv_heads) * 4; }
 };
 
 struct CapacityRequest {
@@ -80,10 +77,17 @@ struct CapacityPlan {
   // sliding_tokens_per_sequence / B (the most any layer holds).
   int64_t blocks_per_sequence = 0;
   int64_t blocks_per_sequence_dense = 0;
+  // fp8 and nvfp4 pools: the fp32 scales of one block, one per layer and
+  // cached vector (GQA: K and V of each KV head; MLA: the latent), and those
+  // of the blocks a sequence holds at the context (0 for other dtypes).
+  int64_t kv_block_scale_bytes = 0;
+  int64_t kv_block_scale_bytes_per_sequence = 0;
   int64_t kv_budget_bytes = 0;  // memory left for the KV pool (never negative)
-  int64_t max_sequences =
-      0;                   // concurrent full-context sequences that fit (by kv_bytes_per_sequence)
-  int64_t max_tokens = 0;  // tokens of every layer's KV that fit (micro-scales included)
+  // Concurrent full-context sequences that fit (kv_bytes_per_sequence and
+  // their block scales).
+  int64_t max_sequences = 0;
+  // Tokens of every layer's KV that fit, in whole blocks with every scale.
+  int64_t max_tokens = 0;
   // With tensor_parallel N > 1 every figure above is one device's (bytes per
   // token, budget), and max_sequences / max_tokens are the worker's: each
   // device holds its shard of the same blocks.
@@ -93,7 +97,8 @@ struct CapacityPlan {
 
 // Validates the request (all sizes positive, ratio in [0,1), sliding layers
 // no more than the layers and with a positive window, a tensor-parallel size
-// of 1 to 8 whose KV heads and it divide one another) and computes the plan.
+// of 1 to 8 whose KV heads and it divide one another, an even head_dim for
+// nvfp4) and computes the plan.
 StatusOr<CapacityPlan> PlanCapacity(const CapacityRequest& request);
 
 // Reads the KV shape from a Hugging Face config.json of any architecture the

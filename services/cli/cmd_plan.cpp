@@ -242,9 +242,10 @@ int RunPlan(int argc, char** argv) {
     }
     if (req.kv_dtype == DType::kNvFp4)
       j["kv_scale_bytes_per_token"] = plan->kv_scale_bytes_per_token;
-    if (req.kv_dtype == DType::kFP8E4M3 || req.kv_dtype == DType::kFP8E5M2 ||
-        req.kv_dtype == DType::kNvFp4)
-      j["fp32_scale_bytes_per_block"] = req.shape.ScaleBytesPerBlock();
+    if (plan->kv_block_scale_bytes > 0) {
+      j["fp32_scale_bytes_per_block"] = plan->kv_block_scale_bytes;
+      j["fp32_scale_bytes_per_sequence"] = plan->kv_block_scale_bytes_per_sequence;
+    }
     if (weight_bytes >= 0) j["weight_bytes"] = weight_bytes;
     if (req.tensor_parallel > 1) {
       j["tensor_parallel"] = req.tensor_parallel;
@@ -276,12 +277,12 @@ int RunPlan(int argc, char** argv) {
         "nvfp4 micro-scales  +%lld bytes per token (one E4M3 per 16 values), counted below\n",
         static_cast<long long>(plan->kv_scale_bytes_per_token));
   }
-  if (req.kv_dtype == DType::kFP8E4M3 || req.kv_dtype == DType::kFP8E5M2 ||
-      req.kv_dtype == DType::kNvFp4) {
+  if (plan->kv_block_scale_bytes > 0) {
     std::printf(
         "block scales        +%lld bytes per block (one fp32 per layer and cached vector), "
-        "not counted\n",
-        static_cast<long long>(req.shape.ScaleBytesPerBlock()));
+        "+%lld per sequence, counted below\n",
+        static_cast<long long>(plan->kv_block_scale_bytes),
+        static_cast<long long>(plan->kv_block_scale_bytes_per_sequence));
   }
   if (req.shape.sliding_layers > 0) {
     std::printf(

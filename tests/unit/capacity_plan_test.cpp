@@ -77,6 +77,34 @@ TEST(CapacityPlanTest, SequencesThatFit) {
   EXPECT_EQ(p->max_sequences, 0);
 }
 
+// The fp32 scale of every block, layer and cached vector counts in what
+// fits, as the pool stores whole blocks: Llama-3.1-70B at nvfp4 on 80 GiB
+// of budget holds 932,067 tokens by the elements and micro-scales alone,
+// 928,832 with the scales of whole blocks of 16.
+TEST(CapacityPlanTest, BlockScalesCountInWhatFits) {
+  CapacityRequest r;
+  r.shape = {80, 8, 128};
+  r.kv_dtype = DType::kNvFp4;
+  r.context_tokens = 131072;
+  r.gpu_mem_gib = 100;
+  r.weights_gib = 10;
+  r.reserve_ratio = 0.1;
+  auto p = PlanCapacity(r);
+  ASSERT_TRUE(p.ok());
+  const int64_t per_block = 80 * 2 * 8 * 4;  // one fp32 per layer, K/V and head
+  EXPECT_EQ(p->kv_block_scale_bytes, per_block);
+  EXPECT_EQ(p->kv_block_scale_bytes_per_sequence, per_block * 131072 / 16);
+  const int64_t block_bytes = 16 * (80 * KiB + 10 * KiB) + per_block;
+  EXPECT_EQ(p->max_tokens, 80 * GiB / block_bytes * 16);
+  EXPECT_EQ(p->max_tokens, 928832);
+  EXPECT_EQ(p->max_sequences, 80 * GiB / (p->kv_bytes_per_sequence + per_block * 8192));
+  // A model whose head_dim the engine cannot pack in nvfp4 has no plan.
+  r.shape = {2, 1, 7};
+  EXPECT_EQ(PlanCapacity(r).status().code(), StatusCode::kInvalidArgument);
+  r.kv_dtype = DType::kFP8E4M3;
+  EXPECT_TRUE(PlanCapacity(r).ok());
+}
+
 TEST(CapacityPlanTest, RejectsBadInput) {
   CapacityRequest r;
   r.shape = {0, 8, 128};
@@ -143,7 +171,8 @@ TEST(CapacityPlanTest, MlaLatentBytesPerToken) {
   EXPECT_EQ(Plan(v3, DType::kBF16, 4096).kv_bytes_per_token, 70272);
   EXPECT_EQ(Plan(v3, DType::kFP8E4M3, 4096).kv_bytes_per_token, 35136);
   EXPECT_EQ(Plan(v3, DType::kBF16, 4096).kv_bytes_per_sequence, 70272 * 4096);
-  EXPECT_EQ(v3.ScaleBytesPerBlock(), 61 * 4);
+  EXPECT_EQ(Plan(v3, DType::kFP8E4M3, 4096).kv_block_scale_bytes, 61 * 4);
+  EXPECT_EQ(Plan(v3, DType::kBF16, 4096).kv_block_scale_bytes, 0);
   v3.qk_rope_head_dim = 0;
   CapacityRequest r;
   r.shape = v3;
