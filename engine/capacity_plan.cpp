@@ -8,8 +8,8 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/model_config.h"
-#include "kernels/kv_cache_layout.h"
 #include "engine/safetensors.h"
+#include "kernels/kv_cache_layout.h"
 
 namespace pdserve {
 
@@ -54,12 +54,13 @@ StatusOr<CapacityPlan> PlanCapacity(const CapacityRequest& r) {
                                    " KV heads: one must divide the other");
   }
   // Two 4-bit values a byte: the engine refuses an odd vector (KvCacheLayout).
-  const int64_t vector_width = r.shape.is_mla() ? r.shape.kv_lora_rank + r.shape.qk_rope_head_dim
-                                                : r.shape.head_dim;
+  const int64_t vector_width =
+      r.shape.is_mla() ? r.shape.kv_lora_rank + r.shape.qk_rope_head_dim : r.shape.head_dim;
   if (r.kv_dtype == DType::kNvFp4 && vector_width % 2 != 0) {
-    return Status::InvalidArgument("KV cache dtype nvfp4 needs an even head_dim (two 4-bit values "
-                                   "a byte); this one's is " +
-                                   std::to_string(vector_width));
+    return Status::InvalidArgument(
+        "KV cache dtype nvfp4 needs an even head_dim (two 4-bit values "
+        "a byte); this one's is " +
+        std::to_string(vector_width));
   }
   CapacityPlan plan;
   plan.kv_heads_per_device = r.shape.is_mla() ? 0 : std::max<int64_t>(1, kv_heads / tp);
@@ -129,12 +130,11 @@ StatusOr<CapacityPlan> PlanCapacity(const CapacityRequest& r) {
   const double budget =
       r.gpu_mem_gib * kGiB * (1.0 - r.reserve_ratio) - plan.weights_gib_per_device * kGiB;
   plan.kv_budget_bytes = budget > 0 ? static_cast<int64_t>(std::floor(budget)) : 0;
-  plan.max_sequences = plan.kv_budget_bytes /
-                       (plan.kv_bytes_per_sequence + plan.kv_block_scale_bytes_per_sequence);
+  plan.max_sequences =
+      plan.kv_budget_bytes / (plan.kv_bytes_per_sequence + plan.kv_block_scale_bytes_per_sequence);
   // The pool is whole blocks of every layer, each with its scales.
-  plan.max_tokens =
-      plan.kv_budget_bytes / (stored_per_token * r.block_size + plan.kv_block_scale_bytes) *
-      r.block_size;
+  plan.max_tokens = plan.kv_budget_bytes /
+                    (stored_per_token * r.block_size + plan.kv_block_scale_bytes) * r.block_size;
   return plan;
 }
 

@@ -273,8 +273,8 @@ void DecodeSide::CancelGroup(RequestId leader, const std::string& why) {
   if (first != requests_.end()) {
     int64_t tokens = g->second.completion_tokens;
     for (RequestId id : members) tokens += requests_.at(id)->completion_tokens;
-    PDSERVE_LOG(INFO) << "request " << first->second->trace_id << " cancelled: " << why
-                      << " (n " << g->second.sequences << ", " << members.size()
+    PDSERVE_LOG(INFO) << "request " << first->second->trace_id << " cancelled: " << why << " (n "
+                      << g->second.sequences << ", " << members.size()
                       << " sequences running) after " << tokens << " tokens";
   }
   for (RequestId id : members) CancelRequest(id, why, /*log=*/first == requests_.end());

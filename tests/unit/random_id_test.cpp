@@ -24,8 +24,8 @@ TEST(RandomIdTest, UnguessableIdsAre32HexCharactersAndDistinct) {
 // field of its own (spaces, newlines, quotes, control bytes) or is
 // unbounded is not plain.
 TEST(RandomIdTest, OnlyBoundedIdsOfAPlainAlphabetArePlainTraceIds) {
-  for (const std::string& good : std::vector<std::string>{
-           "a", "trace-42", "0b3f.9c:Z_x", std::string(128, 'x'), "A-Za-z0-9._:"}) {
+  for (const std::string& good : std::vector<std::string>{"a", "trace-42", "0b3f.9c:Z_x",
+                                                          std::string(128, 'x'), "A-Za-z0-9._:"}) {
     EXPECT_TRUE(IsPlainTraceId(good)) << good;
   }
   for (const std::string& bad :

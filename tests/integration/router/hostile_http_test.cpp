@@ -334,8 +334,8 @@ TEST_F(HostileHttpTest, BearerInAnyCaseAndOneAuthorizationHeaderOnly) {
   EXPECT_EQ(status("Authorization: Bearer sk-wrong\r\nAuthorization: Bearer " + std::string(kKeyA) +
                    "\r\n"),
             400);
-  for (int i = 0; i < 500 && (logged(refused_401) < before_401 + 2 ||
-                              logged(refused_400) < before_400 + 2);
+  for (int i = 0;
+       i < 500 && (logged(refused_401) < before_401 + 2 || logged(refused_400) < before_400 + 2);
        ++i) {
     std::this_thread::sleep_for(10ms);
   }

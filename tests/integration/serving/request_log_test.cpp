@@ -34,12 +34,8 @@ TEST(RequestLogTest, EveryProcessLogsARequestOnceUnderTheClientsId) {
 
   std::string prompt = "the trace";
   for (int i = 0; i < 20; ++i) prompt += " of request " + std::to_string(i);
-  const nlohmann::json body = {{"prompt", prompt},
-                               {"max_tokens", 4},
-                               {"ignore_eos", true},
-                               {"temperature", 1.0},
-                               {"seed", 7},
-                               {"n", 3}};
+  const nlohmann::json body = {{"prompt", prompt},   {"max_tokens", 4}, {"ignore_eos", true},
+                               {"temperature", 1.0}, {"seed", 7},       {"n", 3}};
   const HttpResult r = HttpRequest(stack.http_port(), "POST", "/v1/completions", body.dump(),
                                    {{"x-request-id", "trace-42"}});
   ASSERT_EQ(r.status, 200) << r.body;
@@ -63,8 +59,7 @@ TEST(RequestLogTest, EveryProcessLogsARequestOnceUnderTheClientsId) {
   // The decode worker's line sums the three sequences: 3 x 4 tokens.
   EXPECT_NE(decode_log.find("request trace-42 done: n 3, prompt "), std::string::npos)
       << decode_log;
-  EXPECT_NE(decode_log.find("completion 12, remote prefill, 3 length, 0 stop"),
-            std::string::npos)
+  EXPECT_NE(decode_log.find("completion 12, remote prefill, 3 length, 0 stop"), std::string::npos)
       << decode_log;
 
   // Without an id from the client, the router's own goes to the workers:
@@ -73,8 +68,8 @@ TEST(RequestLogTest, EveryProcessLogsARequestOnceUnderTheClientsId) {
       HttpRequest(stack.http_port(), "POST", "/v1/completions",
                   nlohmann::json{{"prompt", prompt + " again"}, {"max_tokens", 2}}.dump());
   ASSERT_EQ(plain.status, 200) << plain.body;
-  const std::string rid = plain.headers.count("x-request-id") ? plain.headers.at("x-request-id")
-                                                              : std::string();
+  const std::string rid =
+      plain.headers.count("x-request-id") ? plain.headers.at("x-request-id") : std::string();
   ASSERT_FALSE(rid.empty());
   EXPECT_TRUE(decode.proc.WaitForLog(std::regex("request " + rid + " done"), 10s))
       << decode.proc.Log();
