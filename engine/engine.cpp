@@ -74,7 +74,20 @@ namespace {
 // (the mode itself was checked by ModelConfig::ApplyKvEviction).
 Status CheckEvictionFits(const KvEviction& ev, const EngineOptions& options, int64_t pool_blocks) {
   const int64_t B = options.block_size;
+  // Quest selects among a sequence's blocks: K at least the pool's would
+  // never select anything, a setting that silently does nothing.
+  if (ev.quest_blocks >= pool_blocks) {
+    return Status::InvalidArgument("--kv-selection-blocks " + std::to_string(ev.quest_blocks) +
+                                   " is not fewer than the KV pool's " +
+                                   std::to_string(pool_blocks) +
+                                   " blocks: Quest would never select");
+  }
   if (ev.mode == KvEviction::Mode::kSnapKv) {
+    if (ev.budget_tokens < B) {
+      return Status::InvalidArgument("--kv-budget-tokens " + std::to_string(ev.budget_tokens) +
+                                     " is smaller than one block (" + std::to_string(B) +
+                                     " tokens)");
+    }
     // The observation window's queries are those of one prefill chunk.
     if (ev.observation_window > options.max_num_batched_tokens) {
       return Status::InvalidArgument(

@@ -170,6 +170,13 @@ TEST(KvEvictionCliTest, BadModesAndBudgetsExitTwoNamingTheFlag) {
       {gen + " --kv-observation-window 8", "--kv-observation-window"},
       {gen + " --kv-eviction snapkv", "--kv-budget-tokens"},
       {gen + " --kv-eviction snapkv --kv-budget-tokens 0", "--kv-budget-tokens"},
+      {gen + " --kv-eviction snapkv --kv-budget-tokens 4 --kv-observation-window 4",
+       "smaller than one block"},
+      // A K no sequence can exceed would make Quest a silent no-op.
+      {gen + " --kv-selection quest --kv-selection-blocks 9223372036854775807",
+       "--kv-selection-blocks"},
+      {gen + " --kv-selection quest --kv-selection-blocks 2 --kv-cache-bytes 16384",
+       "--kv-selection-blocks"},
       {gen + " --kv-eviction snapkv --kv-budget-tokens 16 --kv-observation-window 32",
        "--kv-observation-window"},
       {"generate --model " + windowed +
