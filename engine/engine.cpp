@@ -444,6 +444,12 @@ void Engine::FinishSequence(Sequence* s, FinishReason reason, RequestOutput* out
   out->finished = true;
   out->finish_reason = reason;
   if (s->prefill_only && blocks_->HasSequence(s->id)) {
+    // Windowed layers' blocks the first decode query does not reach are
+    // not handed off (the decode side reserves only those it reaches):
+    // released here, as a decoding sequence releases them, so that they
+    // count as evicted (pdserve_kv_evicted_tokens_total) on this worker.
+    const auto kv_tokens = static_cast<size_t>(s->prompt_len - s->kv_shift);
+    (void)blocks_->AllocateSlots(s->id, kv_tokens, kv_tokens);
     auto pin = blocks_->Pin(s->id);
     if (pin.ok()) {
       out->kv_pin = *pin;

@@ -177,6 +177,53 @@ TEST(EngineStreamingTest, GenerationReleasesTheMiddleAndMatchesTheReference) {
   ASSERT_TRUE((*e)->block_manager().CheckInvariants().ok());
 }
 
+// A prefill worker's job in one chunk: the blocks the first decode query
+// does not reach are released when the job ends and counted as evicted,
+// as a decoding sequence's are, and what it hands off is exactly what a
+// decode worker reserves for the prompt (its AddRemotePrefillRequest).
+TEST(EngineStreamingTest, APrefillJobReleasesAndCountsWhatItDoesNotHandOff) {
+  const int64_t S = 4, N = 16, B = 8, P = 100;
+  Loaded l = Load(testing::Streaming(S, N));
+  ASSERT_NE(l.model, nullptr);
+  EngineOptions o;
+  o.block_size = B;
+  o.max_num_batched_tokens = 128;  // the prompt in one chunk
+  auto prefill = Engine::Create(l.model.get(), o);
+  auto decode = Engine::Create(l.model.get(), o);
+  ASSERT_TRUE(prefill.ok() && decode.ok());
+  EngineRequest r;
+  r.id = 1;
+  r.prompt = RandomTokens(P, Spec().vocab_size(), 5);
+  r.params.max_tokens = 4;
+  r.params.temperature = 0;
+  auto plan = (*decode)->AddRemotePrefillRequest(r);
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  r.prefill_only = true;
+  ASSERT_TRUE((*prefill)->AddRequest(r).ok());
+  RequestOutput last;
+  while ((*prefill)->HasUnfinished()) {
+    auto step = (*prefill)->Step();
+    ASSERT_TRUE(step.ok());
+    for (const auto& out : *step) {
+      if (out.finished) last = out;
+    }
+  }
+  ASSERT_TRUE(last.kv_pin.has_value());
+  auto indices = [](const std::vector<BlockSlot>& slots) {
+    std::vector<size_t> i;
+    for (const BlockSlot& s : slots) i.push_back(s.index);
+    return i;
+  };
+  EXPECT_EQ(indices(last.kv_slots), indices(plan->fill));
+  const uint64_t table = (P + B - 1) / B;  // 13 blocks computed
+  EXPECT_LT(last.kv_slots.size(), table);
+  EXPECT_EQ((*prefill)->block_manager().GetStats().released_out_of_reach_blocks_total,
+            table - last.kv_slots.size());
+  ASSERT_TRUE((*prefill)->ReleaseKvBlocks(*last.kv_pin).ok());
+  EXPECT_EQ((*prefill)->GetStats().blocks.used_blocks, 0u);
+  ASSERT_TRUE((*prefill)->block_manager().CheckInvariants().ok());
+}
+
 // A repeated prompt longer than the window: the second request reuses the
 // prefix the sinks rule says is usable (the sink blocks and the window's,
 // the middle released but still cached), equal to CachedPrefixBlocks over
