@@ -15,8 +15,8 @@
 // replayed from graphs on every rank (all ranks eager, with the same
 // tokens, when one rank's capture fails or the communicators cannot be
 // captured). Sizes that do not divide the heads (or, expert-parallel, the
-// experts), shards that cut an fp8 scale block, and SnapKV over replicated
-// KV heads are refused naming the numbers.
+// experts) and shards that cut an fp8 scale block are refused naming the
+// numbers.
 #include <gtest/gtest.h>
 
 #include <cmath>
