@@ -268,16 +268,20 @@ void DecodeSide::OnRouterCancel(const ConnectionPtr& router, const std::string& 
 void DecodeSide::CancelGroup(RequestId leader, const std::string& why) {
   auto g = groups_.find(leader);
   if (g == groups_.end()) return CancelRequest(leader, why);
+  // One line for the group (its first sequence may have finished already).
   const std::vector<RequestId> members = g->second.live;
-  const auto first = requests_.find(leader);
-  if (first != requests_.end()) {
-    int64_t tokens = g->second.completion_tokens;
-    for (RequestId id : members) tokens += requests_.at(id)->completion_tokens;
-    PDSERVE_LOG(INFO) << "request " << first->second->trace_id << " cancelled: " << why << " (n "
-                      << g->second.sequences << ", " << members.size()
-                      << " sequences running) after " << tokens << " tokens";
+  int64_t tokens = g->second.completion_tokens;
+  std::string trace_id;
+  for (RequestId id : members) {
+    if (auto m = requests_.find(id); m != requests_.end()) {
+      tokens += m->second->completion_tokens;
+      trace_id = m->second->trace_id;
+    }
   }
-  for (RequestId id : members) CancelRequest(id, why, /*log=*/first == requests_.end());
+  PDSERVE_LOG(INFO) << "request " << trace_id << " cancelled: " << why << " (n "
+                    << g->second.sequences << ", " << members.size() << " sequences running) after "
+                    << tokens << " tokens";
+  for (RequestId id : members) CancelRequest(id, why, /*log=*/false);
 }
 
 void DecodeSide::OnRouterGone(const ConnectionPtr& router) {

@@ -75,5 +75,30 @@ TEST(RequestLogTest, EveryProcessLogsARequestOnceUnderTheClientsId) {
       << decode.proc.Log();
 }
 
+// A client that hangs up cancels every sequence of its request: the decode
+// worker logs that once, not once per sequence.
+TEST(RequestLogTest, ACancelledGroupIsOneLine) {
+  LocalStack stack("request-log-cancel");
+  stack.StartRouter();
+  stack.SetWorkerEnv({{"PDSERVE_TEST_STEP_DELAY_MS", "30"}});
+  WorkerProc& decode = stack.StartWorker("both");
+  ASSERT_TRUE(stack.WaitReady());
+  const nlohmann::json body = {{"prompt", "hang up"},
+                               {"max_tokens", 200},
+                               {"ignore_eos", true},
+                               {"temperature", 1.0},
+                               {"n", 3},
+                               {"stream", true}};
+  const HttpResult r = HttpStream(stack.http_port(), "/v1/completions", body.dump(),
+                                  [](const std::string&) { return false; });  // hang up at once
+  EXPECT_EQ(r.status, 200);
+  ASSERT_TRUE(decode.proc.WaitForLog(std::regex("request \\S+ cancelled: "), 10s))
+      << decode.proc.Log();
+  std::this_thread::sleep_for(300ms);
+  const std::string log = decode.proc.Log();
+  EXPECT_EQ(Count(log, " cancelled: "), 1u) << log;
+  EXPECT_NE(log.find("(n 3, 3 sequences running)"), std::string::npos) << log;
+}
+
 }  // namespace
 }  // namespace pdserve::testing
