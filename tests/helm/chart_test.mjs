@@ -946,6 +946,22 @@ describe('targeted overrides', () => {
       fs.rmSync(dir, { recursive: true });
     }
   });
+  test('a router PDB that keeps every router pod is refused', () => {
+    const refused = (set) => {
+      const res = runHelm(['template', release, chart, ...set.flatMap((v) => ['--set', v])]);
+      assert.notEqual(res.status, 0, set.join(' '));
+      return res.stderr;
+    };
+    assert.match(refused(['router.podDisruptionBudget.enabled=true']),
+      /router\.podDisruptionBudget\.minAvailable \(1\) must be below the router's replicas \(1\): no router pod could ever be evicted/);
+    assert.match(refused(['router.podDisruptionBudget.enabled=true', 'router.autoscaling.enabled=true',
+      'router.autoscaling.minReplicas=2', 'router.podDisruptionBudget.minAvailable=2']),
+      /must be below the router's autoscaling\.minReplicas \(2\)/);
+    const two = render({ set: ['router.podDisruptionBudget.enabled=true', 'router.replicas=2'] });
+    assert.equal(two.get('PodDisruptionBudget', `${release}-pdserve-router`).spec.minAvailable, 1);
+    const percent = render({ set: ['router.podDisruptionBudget.enabled=true', 'router.podDisruptionBudget.minAvailable=50%'] });
+    assert.equal(percent.get('PodDisruptionBudget', `${release}-pdserve-router`).spec.minAvailable, '50%');
+  });
   test('a disk tier\'s flush must fit in the grace period, with the drain before it', () => {
     const base = ['decode.kvTiers.disk.enabled=true', 'decode.kvTiers.disk.sizeBytes=10GiB'];
     const fits = render({ set: [...base, 'decode.terminationGracePeriodSeconds=60', 'decode.kvTiers.disk.flushTimeoutSeconds=30'] });
