@@ -822,7 +822,8 @@ describe('values-full.yaml', () => {
     assert.deepEqual(rule.spec.groups, file.groups);
     const alerts = rule.spec.groups.flatMap((g) => g.rules.map((x) => x.alert));
     assert.deepEqual(alerts.sort(), ['PdserveKvCacheNearlyFull', 'PdserveKvEventGaps', 'PdserveKvTransferFailures',
-      'PdserveNoReadyDecodeWorker', 'PdservePrefixCacheHitRateCollapse']);
+      'PdserveNoReadyDecodeWorker', 'PdservePrefixCacheHitRateCollapse', 'PdserveRouterDown',
+      'PdserveRouterOverloaded', 'PdserveWorkerDown']);
   });
   test('dashboard ConfigMap for the Grafana sidecar carries the dashboard JSON', () => {
     const cm = r.get('ConfigMap', `${release}-pdserve-dashboard`);

@@ -254,7 +254,8 @@ describe('deploy/local/prometheus.sh with the real Prometheus server', () => {
     const body = await (await fetch(`${base}/api/v1/rules`)).json();
     const rules = body.data.groups.flatMap((g) => g.rules);
     assert.deepEqual(rules.map((r) => r.name).sort(), ['PdserveKvCacheNearlyFull', 'PdserveKvEventGaps',
-      'PdserveKvTransferFailures', 'PdserveNoReadyDecodeWorker', 'PdservePrefixCacheHitRateCollapse']);
+      'PdserveKvTransferFailures', 'PdserveNoReadyDecodeWorker', 'PdservePrefixCacheHitRateCollapse',
+      'PdserveRouterDown', 'PdserveRouterOverloaded', 'PdserveWorkerDown']);
     for (const r of rules) assert.equal(r.health === 'err', false, `${r.name}: ${r.lastError}`);
   });
   test('scrapes the given targets with their pool labels', async () => {
