@@ -21,6 +21,7 @@ int RunRouter(int argc, char** argv) {
   int64_t http_threads = o.http_threads, max_concurrent = o.max_concurrent_requests;
   int64_t max_body = static_cast<int64_t>(o.max_body_bytes);
   int64_t timeout_s = o.request_timeout_ms / 1000, max_attempts = o.max_attempts;
+  int64_t worker_stall_s = o.worker_stall_timeout_ms / 1000;
   std::string log_level = "info";
   int64_t drain_s = 25;
   FlagSet flags("router", "Serve the OpenAI API and route requests to prefill/decode workers.");
@@ -94,6 +95,9 @@ int RunRouter(int argc, char** argv) {
   flags.AddBytes("max-body-bytes", &max_body, "largest accepted request body");
   flags.AddInt("request-timeout", &timeout_s, "seconds before a request fails with 504");
   flags.AddInt("max-attempts", &max_attempts, "workers tried per request before it fails");
+  flags.AddInt("worker-stall-timeout", &worker_stall_s,
+               "seconds without a worker's load report (its engine loop sends them between "
+               "steps) after which it gets no new requests until they resume (0: never)");
   flags.AddInt("max-snapshot-blocks", &o.max_snapshot_blocks,
                "largest KV capacity (and snapshot) a worker may register, in blocks");
   ControlSecurityFlags security;
@@ -168,6 +172,9 @@ int RunRouter(int argc, char** argv) {
   o.max_concurrent_requests = static_cast<int>(max_concurrent);
   o.max_body_bytes = static_cast<size_t>(max_body);
   o.request_timeout_ms = timeout_s * 1000;
+  if (worker_stall_s < 0 || worker_stall_s > 86400)
+    UsageError("router", "--worker-stall-timeout must be in [0, 86400]");
+  o.worker_stall_timeout_ms = worker_stall_s * 1000;
   o.max_attempts = static_cast<int>(max_attempts);
 
   auto service = router::RouterService::Create(o);

@@ -20,6 +20,7 @@ struct alignas(64) RouterCore::Worker {
   bool has_report = false;
   bool draining = false;
   int64_t max_model_len = 0;  // 0: unknown
+  int64_t last_report_us = 0;
   WorkerLoad reported;
   int64_t inflight_requests = 0;
   int64_t inflight_prefill_tokens = 0;    // charged to the prefilling worker
@@ -52,6 +53,8 @@ StatusOr<std::unique_ptr<RouterCore>> RouterCore::Create(RouterOptions options) 
   if (options.copy_window_us <= 0) return Status::InvalidArgument("copy window must be positive");
   if (options.pending_ttl_us < 0)
     return Status::InvalidArgument("pending TTL must not be negative");
+  if (options.worker_stall_us < 0)
+    return Status::InvalidArgument("worker stall timeout must not be negative");
   if (options.index.max_workers == 0)
     return Status::InvalidArgument("max_workers must be positive");
   if (!options.clock_us) {
@@ -219,6 +222,7 @@ Status RouterCore::OnLoad(WorkerId worker, const WorkerLoad& load) {
   }
   workers_[worker]->reported = load;
   workers_[worker]->has_report = true;
+  workers_[worker]->last_report_us = options_.clock_us();
   if (governor_ && load.total_blocks > 0) governor_->SetCapacity(worker, load.total_blocks);
   return Status::Ok();
 }
@@ -389,14 +393,20 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
   const int64_t sequence_tokens = request.prompt_tokens + request.max_new_tokens;
   candidates_.clear();
   bool too_short = false;
-  for (const auto& w : workers_) {
-    if (w && !w->draining && w->role != Role::kPrefill) {
-      if (!holds(*w, sequence_tokens)) {
-        too_short = true;
-        continue;
+  // Stalled workers (load reports stopped) only when no other can decode:
+  // a long step is then waited for, as before the check, not refused.
+  for (const bool take_stalled : {false, true}) {
+    for (const auto& w : workers_) {
+      if (w && !w->draining && w->role != Role::kPrefill &&
+          StalledLocked(*w, now) == take_stalled) {
+        if (!holds(*w, sequence_tokens)) {
+          too_short = true;
+          continue;
+        }
+        candidates_.push_back(MakeCandidateLocked(*w, overlap_[w->id], request, now));
       }
-      candidates_.push_back(MakeCandidateLocked(*w, overlap_[w->id], request, now));
     }
+    if (!candidates_.empty()) break;
   }
   if (candidates_.empty()) {
     return Status::Unavailable(
@@ -435,7 +445,8 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
   if (decision.prefill_tokens > options_.max_local_prefill) {
     candidates_.clear();
     for (const auto& w : workers_) {
-      if (w && !w->draining && w->role == Role::kPrefill && holds(*w, request.prompt_tokens + 1)) {
+      if (w && !w->draining && w->role == Role::kPrefill && !StalledLocked(*w, now) &&
+          holds(*w, request.prompt_tokens + 1)) {
         candidates_.push_back(MakeCandidateLocked(*w, overlap_[w->id], request, now));
       }
     }
@@ -741,7 +752,8 @@ std::vector<PushPlan> RouterCore::PlanDrainPush(WorkerId leaving,
   FlushPendingLocked();
   std::vector<WorkerId> survivors;
   for (const auto& w : workers_) {
-    if (w && !w->draining && w->role != Role::kPrefill && w->id != leaving) {
+    if (w && !w->draining && w->role != Role::kPrefill && w->id != leaving &&
+        !StalledLocked(*w, options_.clock_us())) {
       survivors.push_back(w->id);
     }
   }
@@ -830,9 +842,15 @@ void RouterCore::OnRequestFinished(uint64_t request_id) {
   inflight_.erase(it);
 }
 
+bool RouterCore::StalledLocked(const Worker& w, int64_t now_us) const {
+  return options_.worker_stall_us > 0 && w.has_report &&
+         now_us - w.last_report_us > options_.worker_stall_us;
+}
+
 std::vector<WorkerView> RouterCore::Workers() const {
   std::vector<WorkerView> out;
   std::lock_guard lock(mu_);
+  const int64_t now = options_.clock_us();
   for (const auto& w : workers_) {
     if (!w) continue;
     WorkerView v;
@@ -842,6 +860,7 @@ std::vector<WorkerView> RouterCore::Workers() const {
     v.max_model_len = w->max_model_len;
     v.needs_resync = index_.NeedsResync(w->id);
     v.draining = w->draining;
+    v.stalled = StalledLocked(*w, now);
     v.indexed_blocks = index_.WorkerBlockCount(w->id);
     v.reported = w->reported;
     v.inflight_requests = w->inflight_requests;

@@ -116,6 +116,12 @@ struct RouterOptions {
   // up to date even with replication off.
   bool drain_push = false;
   PrefixIndexOptions index;
+  // A worker sends its load from its engine loop, between steps: when its
+  // reports stop for this long while its connection stays up (heartbeats
+  // come from another thread), its engine is stuck in a step, and it gets
+  // no new requests while another worker can take them (a decode worker
+  // then prefills itself), until they resume (WorkerView::stalled). 0: never.
+  int64_t worker_stall_us = 0;
   // Microseconds on a monotonic clock; the simulator supplies simulated time.
   std::function<int64_t()> clock_us;
 };
@@ -167,6 +173,7 @@ struct WorkerView {
   int64_t max_model_len = 0;  // 0: not reported
   bool needs_resync = false;
   bool draining = false;
+  bool stalled = false;  // load reports stopped (RouterOptions::worker_stall_us)
   size_t indexed_blocks = 0;
   WorkerLoad reported;
   int64_t inflight_requests = 0;
@@ -286,6 +293,8 @@ class RouterCore {
   // worker's routing times older than the QPS window.
   Candidate MakeCandidateLocked(Worker& w, int64_t overlap_blocks, const RouteRequest& request,
                                 int64_t now_us);
+  // Its load reports stopped more than worker_stall_us before `now_us`.
+  bool StalledLocked(const Worker& w, int64_t now_us) const;
   void ReleaseLocked(Inflight& r, bool prefill_only);
   // With copy_cost > 0, the longest held prefix hot and the governor's
   // budget open: lowers each decode candidate's uncached tokens by what a

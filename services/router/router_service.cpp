@@ -230,6 +230,7 @@ struct WorkerLink {
   bool synced = false;
   bool draining = false;  // no new requests (its own goodbye, or POST /admin/drain)
   bool leaving = false;   // it said it is shutting down: never undrained
+  bool stalled = false;   // its load reports stopped (the watchdog's view, for logs and gauges)
   // KvSnapshot chunks being assembled: device pool, host tier, disk tier.
   std::vector<BlockHash> snapshot, snapshot_host, snapshot_disk;
   uint64_t rejected_messages = 0;  // for rate-limited logging
@@ -326,6 +327,7 @@ class RouterServiceImpl : public RouterService {
     ro.copy_max_inflight = opts_.replication_max_inflight;
     ro.copy_max_tokens_per_s = opts_.replication_max_copy_tokens_per_s;
     ro.drain_push = opts_.drain_push_blocks > 0;
+    ro.worker_stall_us = opts_.worker_stall_timeout_ms * 1000;
     auto core = RouterCore::Create(ro);
     if (!core.ok()) return core.status();
     core_ = std::move(*core);
@@ -1850,7 +1852,29 @@ class RouterServiceImpl : public RouterService {
       metrics_.snapshot_pending_bytes.Set(static_cast<double>(snapshot_pending_bytes_));
       if (control_)
         metrics_.control_buffered_bytes.Set(static_cast<double>(control_->buffered_bytes()));
+      WatchStallsLocked();
     }
+  }
+
+  // A worker's stall is time passing without its load reports: the
+  // watchdog logs each change and keeps the worker gauges current.
+  void WatchStallsLocked() {
+    bool changed = false;
+    for (const WorkerView& v : core_->Workers()) {
+      for (auto& [_, l] : links_) {
+        if (!l.id || *l.id != v.id || l.stalled == v.stalled) continue;
+        l.stalled = v.stalled;
+        changed = true;
+        if (v.stalled) {
+          PDSERVE_LOG(WARN) << "worker " << l.name << " sent no load report for "
+                            << opts_.worker_stall_timeout_ms / 1000
+                            << " s (its engine is stuck in a step): new requests go elsewhere";
+        } else {
+          PDSERVE_LOG(INFO) << "worker " << l.name << " reports again: it takes requests";
+        }
+      }
+    }
+    if (changed) UpdateWorkerGaugesLocked();
   }
 
   // The governor's counters, as increments since the last export.
@@ -1910,13 +1934,16 @@ class RouterServiceImpl : public RouterService {
 
   void UpdateWorkerGaugesLocked() {
     for (const char* role : {"prefill", "decode", "both"}) {
-      for (const char* state : {"ready", "syncing", "draining"})
+      for (const char* state : {"ready", "syncing", "draining", "stalled"})
         metrics_.workers.Add({{"role", role}, {"state", state}}).Set(0);
     }
     for (auto& [_, l] : links_) {
       if (!l.id) continue;
-      // A draining worker takes no requests, however its index stands.
-      const char* state = l.draining ? "draining" : l.synced ? "ready" : "syncing";
+      // A draining or stalled worker takes no requests, however its index stands.
+      const char* state = l.draining  ? "draining"
+                          : l.stalled ? "stalled"
+                          : l.synced  ? "ready"
+                                      : "syncing";
       metrics_.workers.Add({{"role", RoleName(l.role)}, {"state", state}}).Increment();
     }
   }

@@ -79,6 +79,12 @@ struct RouterServiceOptions {
   size_t max_header_bytes = 16u << 10;
   int max_attempts = 3;  // dispatches per request (1 + retries)
   int64_t request_timeout_ms = 600'000;
+  // A worker whose load reports (sent from its engine loop) stop this long
+  // while its connection lives is stuck in an engine step: it gets no new
+  // requests while another worker can take them, and counts as "stalled" in
+  // pdserve_router_workers, until they resume (RouterOptions::worker_stall_us).
+  // 0: never.
+  int64_t worker_stall_timeout_ms = 30'000;
   // Control plane: the secret workers must prove (null: unauthenticated,
   // --insecure-control-plane) and optional mutual TLS.
   std::shared_ptr<const control::ClusterSecret> cluster_secret;

@@ -1031,5 +1031,60 @@ TEST(RouterCoreTest, WindowedGroupsPredictByTheWindowedRule) {
   EXPECT_EQ(overlap[d2.decode], 3u);
 }
 
+// A worker whose load reports stop (its engine loop, which sends them, is
+// stuck in a step) gets no new requests once worker_stall_us passes, from
+// the decode or the prefill side, while another can take them, and gets
+// them again once it reports. With the check off, silence is no stall.
+TEST(RouterCoreTest, AWorkerWhoseLoadReportsStopGetsNoNewRequests) {
+  RouterOptions o = Policy("kv");
+  o.worker_stall_us = 30'000'000;
+  o.max_local_prefill = 0;  // every prompt goes to a prefill worker
+  Fixture f(o, {Role::kDecode, Role::kDecode, Role::kPrefill, Role::kPrefill});
+  const auto prompt = Prompt(100, 4);
+  f.Store(0, prompt);  // w0 holds the prompt: the kv policy's choice
+  f.Store(2, prompt);  // w2 too, on the prefill side
+  for (size_t w = 0; w < 4; ++w) f.Queue(w, 0);
+  RouteDecision d = f.Route(1, prompt, 1);
+  EXPECT_EQ(f.IndexOf(d.decode), 0u);
+  f.core->OnRequestFinished(1);
+
+  // w1 and w3 keep reporting; w0 and w2 fall silent past the timeout.
+  f.now_us = 31'000'000;
+  f.Queue(1, 0);
+  f.Queue(3, 0);
+  for (const WorkerView& v : f.core->Workers()) {
+    EXPECT_EQ(v.stalled, f.IndexOf(v.id) == 0 || f.IndexOf(v.id) == 2) << v.name;
+  }
+  d = f.Route(2, prompt, 1);
+  EXPECT_EQ(f.IndexOf(d.decode), 1u);
+  ASSERT_TRUE(d.prefill.has_value());
+  EXPECT_EQ(f.IndexOf(*d.prefill), 3u);
+  f.core->OnRequestFinished(2);
+
+  // Reports again: w0 is the cache's choice again.
+  f.Queue(0, 0);
+  f.Queue(2, 0);
+  d = f.Route(3, prompt, 1);
+  EXPECT_EQ(f.IndexOf(d.decode), 0u);
+  f.core->OnRequestFinished(3);
+
+  // Every worker silent: a long step is waited for (the kv policy's choice
+  // among them), not refused; no prefill worker is, so w0 prefills itself.
+  f.now_us = 62'000'000;
+  d = f.Route(4, prompt, 1);
+  EXPECT_EQ(f.IndexOf(d.decode), 0u);
+  EXPECT_FALSE(d.prefill.has_value());
+  f.core->OnRequestFinished(4);
+
+  // Off (0): silence is never a stall.
+  o.worker_stall_us = 0;
+  Fixture off(o, {Role::kDecode});
+  off.Queue(0, 0);
+  off.now_us = 1'000'000'000;
+  EXPECT_FALSE(off.core->Workers()[0].stalled);
+  o.worker_stall_us = -1;
+  EXPECT_FALSE(RouterCore::Create(o).ok());
+}
+
 }  // namespace
 }  // namespace pdserve::router
