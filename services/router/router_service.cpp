@@ -1859,19 +1859,21 @@ class RouterServiceImpl : public RouterService {
   // A worker's stall is time passing without its load reports: the
   // watchdog logs each change and keeps the worker gauges current.
   void WatchStallsLocked() {
+    std::unordered_map<WorkerId, bool> stalled;
+    for (const WorkerView& v : core_->Workers()) stalled[v.id] = v.stalled;
     bool changed = false;
-    for (const WorkerView& v : core_->Workers()) {
-      for (auto& [_, l] : links_) {
-        if (!l.id || *l.id != v.id || l.stalled == v.stalled) continue;
-        l.stalled = v.stalled;
-        changed = true;
-        if (v.stalled) {
-          PDSERVE_LOG(WARN) << "worker " << l.name << " sent no load report for "
-                            << opts_.worker_stall_timeout_ms / 1000
-                            << " s (its engine is stuck in a step): new requests go elsewhere";
-        } else {
-          PDSERVE_LOG(INFO) << "worker " << l.name << " reports again: it takes requests";
-        }
+    for (auto& [_, l] : links_) {
+      if (!l.id) continue;
+      const auto v = stalled.find(*l.id);
+      if (v == stalled.end() || l.stalled == v->second) continue;
+      l.stalled = v->second;
+      changed = true;
+      if (l.stalled) {
+        PDSERVE_LOG(WARN) << "worker " << l.name << " sent no load report for "
+                          << opts_.worker_stall_timeout_ms / 1000
+                          << " s (its engine is stuck in a step): new requests go elsewhere";
+      } else {
+        PDSERVE_LOG(INFO) << "worker " << l.name << " reports again: it takes requests";
       }
     }
     if (changed) UpdateWorkerGaugesLocked();
