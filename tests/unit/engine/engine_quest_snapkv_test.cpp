@@ -49,6 +49,18 @@ KvEviction Both(int64_t budget, int64_t window, int64_t quest_blocks) {
   return e;
 }
 
+// Request 1: greedy, EOS ignored, with the chosen tokens' logprobs.
+EngineRequest GreedyRequest(const std::vector<int32_t>& prompt, int64_t max_tokens) {
+  EngineRequest r;
+  r.id = 1;
+  r.prompt = prompt;
+  r.params.temperature = 0;
+  r.params.max_tokens = max_tokens;
+  r.params.ignore_eos = true;
+  r.params.logprobs = 0;
+  return r;
+}
+
 KvEvictionRule Rule(int64_t budget, int64_t window, int64_t prompt, int64_t quest_blocks,
                     int64_t block_size,
                     std::vector<std::vector<std::vector<int64_t>>>* kept = nullptr) {
@@ -252,13 +264,7 @@ TEST(EngineQuestSnapKvTest, RemotePrefillRecomputesTheBoundsOnTheReceiver) {
   EXPECT_TRUE(differs) << "Quest selected nothing that matters here";
 
   auto prefill = make(l.model.get()), decode = make(l.model.get());
-  EngineRequest r;
-  r.id = 1;
-  r.prompt = prompt;
-  r.params.temperature = 0;
-  r.params.max_tokens = 40;
-  r.params.ignore_eos = true;
-  r.params.logprobs = 0;
+  EngineRequest r = GreedyRequest(prompt, 40);
   auto plan = decode->AddRemotePrefillRequest(r);
   ASSERT_TRUE(plan.ok()) << plan.status().ToString();
   EXPECT_EQ(plan->snapkv_dropped_tokens, P - B);
@@ -308,13 +314,7 @@ TEST(EngineQuestSnapKvTest, CopiedDenseBlocksAreCachedWithTheirBounds) {
   ASSERT_EQ(expected.size(), 60u);
 
   auto prefill = make(), decode = make();
-  EngineRequest r;
-  r.id = 1;
-  r.prompt = prompt;
-  r.params.temperature = 0;
-  r.params.max_tokens = 30;
-  r.params.ignore_eos = true;
-  r.params.logprobs = 0;
+  EngineRequest r = GreedyRequest(prompt, 30);
   r.snapkv_dense = true;
   auto plan = decode->AddRemotePrefillRequest(r);
   ASSERT_TRUE(plan.ok()) << plan.status().ToString();
