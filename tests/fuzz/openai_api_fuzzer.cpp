@@ -156,7 +156,11 @@ void CheckAccepted(Endpoint endpoint, const ApiLimits& limits, std::string_view 
       }
     }
   }
-  if (r.max_tokens && *r.max_tokens < 1) Fail("accepted max_tokens < 1");
+  // 0 only with echo: the prompt alone (scored with logprobs).
+  if (r.max_tokens && *r.max_tokens < (r.echo ? 0 : 1)) {
+    Fail("accepted max_tokens " + std::to_string(*r.max_tokens) + (r.echo ? " with" : " without") +
+         " echo");
+  }
   const auto& s = r.sampling;
   if (!(s.temperature >= 0 && s.temperature <= 2)) Fail("accepted temperature out of range");
   if (!(s.top_p > 0 && s.top_p <= 1)) Fail("accepted top_p out of range");
