@@ -1537,6 +1537,10 @@ class RouterServiceImpl : public RouterService {
       return;  // cancelled or finished meanwhile, or not this worker's
     }
     Inflight& r = *found;
+    // Nobody reads this answer any more: the client left before its gone
+    // callback ran, or another prompt of its batch failed, which answered
+    // the client (prompt_batch.h) without cancelling the prompts running.
+    if (r.exchange->client_gone()) return CancelLocked(r.id, "its answer is no longer wanted");
     if (t.prompt_logprobs_size() > 0) {
       TakePromptScoresLocked(link, r, t);
       if (!r.prompt_pieces_pending.empty()) return;  // more of them to come
@@ -1558,7 +1562,10 @@ class RouterServiceImpl : public RouterService {
         r.exchange->Write(r.formatter->StreamStart(r.api->n, r.prompt_text, &r.prompt_pieces));
       }
     }
-    if (t.token_ids_size() == 0) return;  // the prompt's scores alone
+    if (t.token_ids_size() == 0) {  // the prompt's scores alone, or a sequence's last text
+      if (t.has_text()) TakeTailTextLocked(r, t);
+      return;
+    }
     if (t.index() >= r.choices.size()) {
       PDSERVE_LOG(WARN) << "worker " << link.name << ": token of sequence " << t.index()
                         << " of request " << r.http_request_id << ", which has "
@@ -1659,6 +1666,26 @@ class RouterServiceImpl : public RouterService {
   }
 
   // Streaming chat with tools: content as it comes, each call once complete.
+  // Text a worker released without a new token: what it held back for a
+  // possible stop string when the sequence ended without one (a structured
+  // output's dead end, the context outgrowing the KV pool).
+  void TakeTailTextLocked(Inflight& r, const proto::Token& t) {
+    if (t.text().empty() || t.index() >= r.choices.size()) return;
+    const int index = static_cast<int>(t.index());
+    Inflight::Choice& c = r.choices[index];
+    if (r.api->stream && c.tool_stream) {
+      TokenPiece tail;
+      tail.text = t.text();
+      StreamToolText(r, index, {tail}, /*final=*/false);
+    } else if (r.api->stream) {
+      std::string event = r.formatter->StreamText(t.text(), index);
+      c.streamed_text_bytes += t.text().size();
+      if (!event.empty()) r.exchange->Write(std::move(event));
+    } else if (!c.pieces.empty()) {
+      c.pieces.back().text += t.text();  // the text its last token left held back
+    }
+  }
+
   void StreamToolText(Inflight& r, int index, const std::vector<TokenPiece>& pieces, bool final) {
     Inflight::Choice& c = r.choices[index];
     std::string text, content;

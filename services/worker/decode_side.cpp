@@ -341,6 +341,7 @@ void DecodeSide::CancelRequest(RequestId id, const std::string& why, bool log) {
   }
   if (r.remote) {
     r.cancel_after_remote = true;  // released when the peer is done with its blocks
+    StopPrefillPeer(r);            // which it reports at once if still computing
     if (log) {
       PDSERVE_LOG(INFO) << "request " << r.trace_id << " cancelled (" << why
                         << "); its blocks are released once the prefill peer is done with them";
@@ -428,6 +429,15 @@ bool DecodeSide::HandleOutput(RequestOutput& out) {
       t->add_logprobs(lp.logprob);
       AddTopLogprobs(lp, t->add_top_logprobs());
     }
+    t->set_text(out.text);
+    (void)r.router->Send(std::move(env));
+  } else if (!out.text.empty()) {
+    // Text without a token: what the stop check held back, released as the
+    // sequence ends without a new token (pdserve.proto, Token.text).
+    proto::Envelope env;
+    auto* t = env.mutable_token();
+    t->set_request_id(r.router_rid);
+    t->set_index(r.index);
     t->set_text(out.text);
     (void)r.router->Send(std::move(env));
   }
@@ -569,6 +579,7 @@ void DecodeSide::GiveUpRemote(RequestId id, const std::string& why) {
   if (it == requests_.end() || !it->second->remote) return;
   Request& r = *it->second;
   if (r.failure.empty()) r.failure = why;
+  if (!r.writer_settled) StopPrefillPeer(r);
   // The peer may still be writing: FallBackToLocal holds the blocks it was
   // to fill until it cannot any more.
   if (!r.done) r.done.emplace();  // counts as a (failed) report
@@ -644,7 +655,7 @@ void DecodeSide::FallBackToLocal(RequestId id) {
   r.remote = false;
   r.prefilled_remotely = false;
   by_prefill_rid_.erase(r.prefill_rid);
-  ctx_->metrics->transfer_failures.Increment();
+  if (!r.cancel_after_remote) ctx_->metrics->transfer_failures.Increment();
   const bool hold = !r.writer_settled && WorkerClock::now() < r.remote_give_up;
   auto failed = ctx_->engine->FailRemotePrefill(id, hold);
   if (failed.ok() && failed->has_value()) {
@@ -723,6 +734,15 @@ void DecodeSide::GiveUpUnsent(std::vector<std::string> prefill_rids, const std::
       GiveUpRemote(r->first, why);
     }
   });
+}
+
+void DecodeSide::StopPrefillPeer(const Request& r) {
+  proto::Envelope cancel;
+  cancel.mutable_cancel()->set_request_id(r.prefill_rid);
+  std::lock_guard<std::mutex> lock(peers_mu_);
+  auto peer = prefill_peers_.find(r.prefill_address);
+  if (peer == prefill_peers_.end() || !peer->second->ready) return;
+  (void)peer->second->client->Send(std::move(cancel));
 }
 
 bool DecodeSide::DropPendingPrefill(const Request& r) {

@@ -122,6 +122,9 @@ class DecodeSide {
   // Takes the request's Prefill out of its peer's handshake queue; false
   // when it is not there (sent, or dropped with its peer). Any thread.
   bool DropPendingPrefill(const Request& r);
+  // Tells r's prefill worker to stop computing its prompt (Cancel): it
+  // reports the job failed at once when it had not finished computing it.
+  void StopPrefillPeer(const Request& r);
   static std::vector<std::string> PrefillRids(const std::deque<PendingPrefill>& pending);
 
   // Peers (peers_mu_).

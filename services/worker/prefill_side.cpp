@@ -41,9 +41,10 @@ struct PrefillSide::Job {
   int pending_writes = 0;
   uint32_t blocks_written = 0;
   uint64_t bytes_written = 0;
-  bool computed = false;  // the engine is done with it
-  std::string failure;    // first reason the job fails
-  proto::Envelope done;   // the success report, filled when computed
+  bool computed = false;   // the engine is done with it
+  bool cancelled = false;  // by its decode worker (Cancel)
+  std::string failure;     // first reason the job fails
+  proto::Envelope done;    // the success report, filled when computed
 };
 
 PrefillSide::PrefillSide(WorkerContext* ctx) : ctx_(ctx) {}
@@ -53,6 +54,11 @@ PrefillSide::~PrefillSide() = default;
 
 void PrefillSide::OnPeerMessage(const ConnectionPtr& c, proto::Envelope& e) {
   if (e.has_transfer_hello()) return OnPeerTransferHello(c, e.transfer_hello());
+  if (e.has_cancel()) {
+    ctx_->post(
+        [this, connection = c->id(), rid = e.cancel().request_id()] { OnCancel(connection, rid); });
+    return;
+  }
   if (e.has_prefill()) {
     PeerId peer = 0;
     {
@@ -223,6 +229,25 @@ void PrefillSide::Start(const ConnectionPtr& decode, PeerId peer, proto::Prefill
   ctx_->busy->fetch_add(1);
 }
 
+void PrefillSide::OnCancel(uint64_t connection_id, const std::string& decode_rid) {
+  for (auto& [id, job] : jobs_) {
+    if (job->decode->id() != connection_id || job->decode_rid != decode_rid) continue;
+    // Computed: its writes are under way and end on their own.
+    if (job->computed) return;
+    job->cancelled = true;
+    return FailJobs({id}, "cancelled by its decode worker");
+  }
+}
+
+void PrefillSide::CheckDeadlines() {
+  const auto now = WorkerClock::now();
+  std::vector<RequestId> late;
+  for (auto& [id, job] : jobs_) {
+    if (!job->computed && now >= job->deadline) late.push_back(id);
+  }
+  FailJobs(late, "its deadline passed before it was computed");
+}
+
 void PrefillSide::OnDecodeGone(uint64_t connection_id) {
   std::vector<RequestId> orphans;
   for (auto& [id, job] : jobs_) {
@@ -253,6 +278,18 @@ bool PrefillSide::HandleOutput(RequestOutput& out) {
   auto it = jobs_.find(out.id);
   if (it == jobs_.end()) return false;
   Job& job = *it->second;
+  // Too late for its decode worker, which has given up on it or is about to:
+  // the transport would refuse the write, and a refused write closes the
+  // connection, failing every other hand-off on it (OnWriteDone).
+  if (job.failure.empty() && WorkerClock::now() >= job.deadline) {
+    job.failure = "its deadline passed before its KV was written";
+  }
+  if (!out.finished && !job.failure.empty()) {
+    ReleasePin(out.kv_pin);
+    const std::string why = job.failure;
+    FailJobs({out.id}, why);  // stops computing it
+    return true;
+  }
   if (!out.finished) {
     // A chunk's full blocks (streamed prefill).
     if (job.failure.empty()) {
@@ -361,6 +398,11 @@ void PrefillSide::TryFinish(RequestId id) {
     ctx_->metrics->CountRequest("prefill", "ok");
     PDSERVE_LOG(INFO) << "prefill " << job.trace_id << " done: " << job.blocks_written
                       << " blocks (" << job.bytes_written << " bytes) written, "
+                      << Seconds(now - job.arrived) << "s";
+  } else if (job.cancelled) {
+    (void)job.decode->Send(PrefillFailure(job.decode_rid, job.failure, false));
+    ctx_->metrics->CountRequest("prefill", "cancelled");
+    PDSERVE_LOG(INFO) << "prefill " << job.trace_id << " cancelled by its decode worker after "
                       << Seconds(now - job.arrived) << "s";
   } else {
     (void)job.decode->Send(PrefillFailure(job.decode_rid, job.failure, true));

@@ -14,7 +14,11 @@
 //
 // A failed write leaves the transfer pair unusable (kv_transfer.h), so the
 // connection to that decode worker is closed: it reconnects and handshakes
-// a new pair.
+// a new pair. So a job is never written after its deadline (the transport
+// would refuse it): it fails as soon as the deadline passes, computed or
+// not, and so does one its decode worker cancels (Cancel, sent when its
+// client leaves or it gives up on the hand-off); both are reported, so the
+// decode worker frees the blocks it reserved at once.
 #pragma once
 
 #include <map>
@@ -45,6 +49,9 @@ class PrefillSide {
   void CancelAll();
   // After a failed engine step: every job still computing is reported failed.
   void FailComputing(const std::string& why);
+  // Each turn of the engine loop: jobs still computing past their deadline
+  // are stopped and reported failed.
+  void CheckDeadlines();
 
  private:
   struct Job;
@@ -59,6 +66,8 @@ class PrefillSide {
   void Start(const control::ConnectionPtr& decode, PeerId peer, proto::Prefill p,
              std::shared_ptr<const structured::CompiledGrammar> grammar);
   void OnDecodeGone(uint64_t connection_id);
+  // The decode worker on `connection_id` cancelled its request `decode_rid`.
+  void OnCancel(uint64_t connection_id, const std::string& decode_rid);
   // Stops the jobs still computing among `ids` and reports them failed.
   void FailJobs(const std::vector<RequestId>& ids, const std::string& why);
   // Writes the job's still unsent blocks among `kv_slots` (the prompt's

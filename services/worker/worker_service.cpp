@@ -493,6 +493,7 @@ class WorkerServiceImpl : public WorkerService {
       for (auto& fn : cmds) fn();
       if (stop_engine_) break;
       decode_.CheckDeadlines();
+      prefill_.CheckDeadlines();
       last_step_stalled_ = false;
       if (HasRunnableWork()) {
         const uint64_t stalled_before = engine_->num_stalled_steps();

@@ -865,6 +865,22 @@ std::string ResponseFormatter::StreamDelta(const std::vector<TokenPiece>& pieces
   return Chunk(j);
 }
 
+std::string ResponseFormatter::StreamText(const std::string& text, int index) const {
+  if (text.empty()) return "";
+  const bool chat = request_.endpoint == Endpoint::kChatCompletions;
+  nlohmann::json choice = {{"index", index}};
+  if (chat) {
+    choice["delta"] = {{"content", Utf8Text(text)}};
+  } else {
+    choice["text"] = Utf8Text(text);
+  }
+  choice["logprobs"] = Logprobs({}, 0);
+  choice["finish_reason"] = nullptr;
+  nlohmann::json j = Envelope(chat ? "chat.completion.chunk" : "text_completion");
+  j["choices"] = {choice};
+  return Chunk(j);
+}
+
 std::string ResponseFormatter::StreamContent(const std::string& text, int index) const {
   if (text.empty()) return "";
   nlohmann::json j = Envelope("chat.completion.chunk");

@@ -136,6 +136,10 @@ class ResponseFormatter {
   // streamed before (completions' logprobs.text_offset counts from there).
   std::string StreamDelta(const std::vector<TokenPiece>& pieces, int index = 0,
                           size_t text_offset = 0) const;
+  // Streaming: text of choice `index` that came without a token of its own
+  // (a sequence's held-back tail, released as it ends without a new token);
+  // "" when `text` is empty. Its logprobs, when requested, list no token.
+  std::string StreamText(const std::string& text, int index = 0) const;
   // Streaming chat with tools: a content delta ("" when `text` is empty),
   // and tool calls as OpenAI streams them (index, id, type, name, arguments).
   std::string StreamContent(const std::string& text, int index = 0) const;

@@ -12,7 +12,9 @@
 //  - Streamed: every prompt's events go to the client as they come, their
 //    choice indexes moved; one usage event (with include_usage) and one
 //    [DONE] end the stream once every prompt's stream ended.
-// A client that leaves cancels every prompt's request.
+// A client that leaves cancels every prompt's request. Once the batch has
+// failed, every prompt's exchange says client_gone(), so the router cancels
+// a prompt still running at its next token.
 //
 // Thread safety: the exchanges handed out may be called from any thread.
 #pragma once

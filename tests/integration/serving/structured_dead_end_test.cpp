@@ -5,7 +5,9 @@
 // blocks; the stack serves on. Vocabularies that spell every byte cannot
 // dead-end, so the model here is the tiny one with its token for byte 0x01
 // marked special (special tokens are never grammar text): after "a" the
-// grammar `"a" "\x01"` allows nothing.
+// grammar `"a" "\x01"` allows nothing. With a stop string that "a" begins,
+// the worker holds "a" back until the sequence ends, and releases it then,
+// without a token of its own.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -47,7 +49,7 @@ std::string Prompt(int salt, int words) {
   return s;
 }
 
-TEST(StructuredDeadEndTest, EndsWithLengthStreamedOrNotLocalOrRemote) {
+TEST(StructuredDeadEndTest, EndsWithLengthAndItsTextStreamedOrNotLocalOrRemote) {
   LocalStack stack("dead-end");
   stack.SetModel(ModelWithoutByte01());
   stack.StartRouter({"--max-local-prefill", "32"});
@@ -61,47 +63,51 @@ TEST(StructuredDeadEndTest, EndsWithLengthStreamedOrNotLocalOrRemote) {
   int salt = 0;
   for (bool long_prompt : {false, true}) {
     for (bool stream : {false, true}) {
-      SCOPED_TRACE(std::string(long_prompt ? "remote" : "local") + (stream ? " streamed" : ""));
-      const double remote_before = remote();
-      nlohmann::json req = {{"prompt", Prompt(++salt, long_prompt ? 60 : 2)},
-                            {"max_tokens", 8},
-                            {"temperature", 1.0},
-                            {"seed", salt},
-                            {"structured_outputs", {{"grammar", "root ::= \"a\" \"\\x01\""}}}};
-      if (stream) {
-        req["stream"] = true;
-        req["stream_options"] = {{"include_usage", true}};
-        std::string events;
-        HttpResult r = HttpStream(
-            stack.http_port(), "/v1/completions", req.dump(),
-            [&](const std::string& data) {
-              events += data;
-              return true;
-            },
-            kClientDeadline);
-        ASSERT_EQ(r.status, 200) << events;
-        ASSERT_NE(events.find("data: [DONE]"), std::string::npos) << "hung: " << events;
-        EXPECT_NE(events.find("\"finish_reason\":\"length\""), std::string::npos) << events;
-        EXPECT_NE(events.find("\"text\":\"a\""), std::string::npos) << events;
-        EXPECT_NE(events.find("\"completion_tokens\":1"), std::string::npos) << events;
-      } else {
-        HttpResult r = HttpRequest(stack.http_port(), "POST", "/v1/completions", req.dump(), {},
-                                   kClientDeadline);
-        ASSERT_EQ(r.status, 200) << "hung: " << r.body;
-        const nlohmann::json body = nlohmann::json::parse(r.body);
-        EXPECT_EQ(body["choices"][0]["text"], "a") << r.body;
-        EXPECT_EQ(body["choices"][0]["finish_reason"], "length") << r.body;
-        EXPECT_EQ(body["usage"]["completion_tokens"], 1) << r.body;
+      for (bool stop : {false, true}) {
+        SCOPED_TRACE(std::string(long_prompt ? "remote" : "local") + (stream ? " streamed" : "") +
+                     (stop ? " with a stop string" : ""));
+        const double remote_before = remote();
+        nlohmann::json req = {{"prompt", Prompt(++salt, long_prompt ? 60 : 2)},
+                              {"max_tokens", 8},
+                              {"temperature", 1.0},
+                              {"seed", salt},
+                              {"structured_outputs", {{"grammar", "root ::= \"a\" \"\\x01\""}}}};
+        if (stop) req["stop"] = {"az"};
+        if (stream) {
+          req["stream"] = true;
+          req["stream_options"] = {{"include_usage", true}};
+          std::string events;
+          HttpResult r = HttpStream(
+              stack.http_port(), "/v1/completions", req.dump(),
+              [&](const std::string& data) {
+                events += data;
+                return true;
+              },
+              kClientDeadline);
+          ASSERT_EQ(r.status, 200) << events;
+          ASSERT_NE(events.find("data: [DONE]"), std::string::npos) << "hung: " << events;
+          EXPECT_NE(events.find("\"finish_reason\":\"length\""), std::string::npos) << events;
+          EXPECT_NE(events.find("\"text\":\"a\""), std::string::npos) << events;
+          EXPECT_NE(events.find("\"completion_tokens\":1"), std::string::npos) << events;
+        } else {
+          HttpResult r = HttpRequest(stack.http_port(), "POST", "/v1/completions", req.dump(), {},
+                                     kClientDeadline);
+          ASSERT_EQ(r.status, 200) << "hung: " << r.body;
+          const nlohmann::json body = nlohmann::json::parse(r.body);
+          EXPECT_EQ(body["choices"][0]["text"], "a") << r.body;
+          EXPECT_EQ(body["choices"][0]["finish_reason"], "length") << r.body;
+          EXPECT_EQ(body["usage"]["completion_tokens"], 1) << r.body;
+        }
+        EXPECT_EQ(remote(), remote_before + (long_prompt ? 1 : 0));
+        bool idle = false;
+        for (int i = 0; i < 200 && !idle; ++i) {
+          idle = LocalStack::Metric(stack.http_port(), "pdserve_router_requests_in_flight") == 0 &&
+                 LocalStack::Metric(decode.metrics_port, "pdserve_requests_running") == 0 &&
+                 LocalStack::Metric(decode.metrics_port, "pdserve_kv_cache_usage_ratio") == 0;
+          if (!idle) std::this_thread::sleep_for(50ms);
+        }
+        EXPECT_TRUE(idle) << "the request kept its slot or its blocks";
       }
-      EXPECT_EQ(remote(), remote_before + (long_prompt ? 1 : 0));
-      bool idle = false;
-      for (int i = 0; i < 200 && !idle; ++i) {
-        idle = LocalStack::Metric(stack.http_port(), "pdserve_router_requests_in_flight") == 0 &&
-               LocalStack::Metric(decode.metrics_port, "pdserve_requests_running") == 0 &&
-               LocalStack::Metric(decode.metrics_port, "pdserve_kv_cache_usage_ratio") == 0;
-        if (!idle) std::this_thread::sleep_for(50ms);
-      }
-      EXPECT_TRUE(idle) << "the request kept its slot or its blocks";
     }
   }
   ExpectKvMoved(prefill, decode);

@@ -1,0 +1,128 @@
+// Work nobody waits for stops, on real processes: a prompt batch whose
+// answer is already an error, a prompt whose client left while a prefill
+// worker computes it, and a prefill job past its deadline. Each used to run
+// to its end (the last one also closed the prefill worker's link to its
+// decode worker, failing every other hand-off on it). Slow engine steps come
+// from the workers' test hook, PDSERVE_TEST_STEP_DELAY_MS.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <regex>
+#include <string>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "tests/integration/serving/stack.h"
+#include "tests/support/http_client.h"
+
+namespace pdserve::testing {
+namespace {
+
+using namespace std::chrono_literals;
+
+// A prompt of about `words` tokens, each test its own.
+std::string Prompt(const std::string& salt, int words) {
+  std::string s = salt;
+  for (int i = 0; i < words; ++i) s += " w" + std::to_string(i % 10);
+  return s;
+}
+
+// Polls `port`'s metric until it equals `want` or `timeout` passes.
+bool WaitForMetric(int port, const std::string& name, const std::string& labels, double want,
+                   std::chrono::milliseconds timeout) {
+  const auto until = std::chrono::steady_clock::now() + timeout;
+  while (std::chrono::steady_clock::now() < until) {
+    if (LocalStack::Metric(port, name, labels) == want) return true;
+    std::this_thread::sleep_for(50ms);
+  }
+  return LocalStack::Metric(port, name, labels) == want;
+}
+
+// One prompt of a batch is refused: the client gets the 400 at once, and
+// the prompt already running (200 tokens of 100 ms steps: 20 s) is cancelled
+// at its next token instead of running for nobody.
+TEST(AbandonedWorkTest, AFailedPromptBatchStopsItsOtherPrompts) {
+  LocalStack stack("abandoned-batch");
+  stack.StartRouter();
+  stack.SetWorkerEnv({{"PDSERVE_TEST_STEP_DELAY_MS", "100"}});
+  WorkerProc& worker = stack.StartWorker("both");
+  ASSERT_TRUE(stack.WaitReady());
+  auto [status, body] =
+      stack.Post("/v1/completions",
+                 {{"prompt", {{5, 6, 7}, {99999}}}, {"max_tokens", 200}, {"ignore_eos", true}});
+  EXPECT_EQ(status, 400) << body.dump();
+  EXPECT_TRUE(worker.proc.WaitForLog(std::regex("request \\S+ cancelled: "), 10s))
+      << worker.proc.Log();
+  EXPECT_TRUE(WaitForMetric(worker.metrics_port, "pdserve_requests_running", "", 0, 10s));
+  EXPECT_EQ(worker.proc.Log().find("completion 200"), std::string::npos) << worker.proc.Log();
+}
+
+// The client leaves while a prefill worker computes its prompt (five chunks
+// of one-second steps): the decode worker tells it to stop, it reports the
+// job cancelled, and the decode worker's blocks for it are free.
+TEST(AbandonedWorkTest, AClientWhoLeavesStopsTheRemotePrefill) {
+  LocalStack stack("abandoned-prefill");
+  stack.StartRouter({"--max-local-prefill", "32"});
+  stack.SetWorkerEnv({{"PDSERVE_TEST_STEP_DELAY_MS", "1000"}});
+  WorkerProc& prefill = stack.StartWorker("prefill", {"--max-num-batched-tokens", "64"});
+  stack.SetWorkerEnv({});
+  WorkerProc& decode = stack.StartWorker("decode");
+  ASSERT_TRUE(stack.WaitReady());
+
+  const nlohmann::json body = {{"prompt", Prompt("leave", 280)}, {"max_tokens", 4}};
+  const HttpResult gone =
+      HttpRequest(stack.http_port(), "POST", "/v1/completions", body.dump(), {}, 1500ms);
+  EXPECT_EQ(gone.status, 0) << "answered before the client left: " << gone.body;
+
+  ASSERT_TRUE(
+      prefill.proc.WaitForLog(std::regex("prefill \\S+ cancelled by its decode worker"), 10s))
+      << prefill.proc.Log();
+  EXPECT_EQ(LocalStack::Metric(prefill.metrics_port, "pdserve_requests_total",
+                               "kind=\"prefill\",outcome=\"cancelled\""),
+            1);
+  EXPECT_EQ(prefill.proc.Log().find("done:"), std::string::npos) << prefill.proc.Log();
+  EXPECT_TRUE(WaitForMetric(decode.metrics_port, "pdserve_kv_cache_usage_ratio", "", 0, 10s));
+  EXPECT_EQ(LocalStack::Metric(decode.metrics_port, "pdserve_kv_blocks_held_for_peers"), 0);
+}
+
+// A job still computing at its deadline (the decode worker's
+// --prefill-timeout-ms) is stopped and reported: the decode worker prefills
+// it itself at once, and the link between the two stays up, so the next
+// prompt is prefilled remotely as before.
+TEST(AbandonedWorkTest, ALateJobFailsAloneAndTheLinkServesOn) {
+  LocalStack stack("abandoned-late");
+  stack.StartRouter({"--max-local-prefill", "32"});
+  stack.SetWorkerEnv({{"PDSERVE_TEST_STEP_DELAY_MS", "1000"}});
+  WorkerProc& prefill = stack.StartWorker("prefill", {"--max-num-batched-tokens", "64"});
+  stack.SetWorkerEnv({});
+  WorkerProc& decode = stack.StartWorker("decode", {"--prefill-timeout-ms", "2500"});
+  ASSERT_TRUE(stack.WaitReady());
+
+  // Five one-second chunks against a 2.5 s deadline.
+  auto [late_status, late] =
+      stack.Post("/v1/completions", {{"prompt", Prompt("late", 280)}, {"max_tokens", 2}});
+  EXPECT_EQ(late_status, 200) << late.dump();
+  EXPECT_EQ(late["usage"]["completion_tokens"], 2) << late.dump();
+  ASSERT_TRUE(prefill.proc.WaitForLog(std::regex("its deadline passed"), 10s))
+      << prefill.proc.Log();
+  EXPECT_EQ(LocalStack::Metric(prefill.metrics_port, "pdserve_requests_total",
+                               "kind=\"prefill\",outcome=\"failed\""),
+            1);
+
+  // One chunk: in time.
+  auto [status, body] =
+      stack.Post("/v1/completions", {{"prompt", Prompt("in time", 40)}, {"max_tokens", 2}});
+  EXPECT_EQ(status, 200) << body.dump();
+  EXPECT_TRUE(prefill.proc.WaitForLog(std::regex("prefill \\S+ done: "), 10s))
+      << prefill.proc.Log();
+  ExpectKvMoved(prefill, decode);
+  const std::string decode_log = decode.proc.Log();
+  EXPECT_EQ(decode_log.find("prefill worker lost"), std::string::npos) << decode_log;
+  EXPECT_NE(decode_log.find("remote prefill"), std::string::npos) << decode_log;
+  EXPECT_EQ(prefill.proc.Log().find("closed locally"), std::string::npos) << prefill.proc.Log();
+  EXPECT_TRUE(WaitForMetric(decode.metrics_port, "pdserve_kv_blocks_held_for_peers", "", 0, 5s));
+}
+
+}  // namespace
+}  // namespace pdserve::testing
