@@ -14,7 +14,11 @@
 //     kNoAuxTc (DeepSeek-V3): c = s + correction_bias (e_score_correction_bias,
 //       which only steers the choice); a group's score is the sum of its two
 //       largest c; the topk_group best groups stay, every other expert's c
-//       becomes 0; w = s, unbiased and unmasked.
+//       becomes -inf (never chosen over a kept one, whose c may be negative:
+//       DeepSeek's own inference code, and transformers since it was aligned
+//       with it; a fill of 0 would rank dropped experts above kept ones of
+//       negative c, and a shift of every bias would change the choice);
+//       w = s, unbiased and unmasked.
 //   The top_k experts of largest c, in descending order, of equal c the lower
 //   expert id first (groups likewise: larger score, then lower group id).
 //   A picked expert's weight is w[e], divided by (the sum of the top_k w +

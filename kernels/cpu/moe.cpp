@@ -67,7 +67,9 @@ void RouteRow(const float* logits, const MoeRouting& r, RouteScratch& s, int32_t
         s.group_score[g] = first + second;
       }
     }
-    // The topk_group best groups stay; the experts of the others score 0.
+    // The topk_group best groups stay; the experts of the others are out
+    // (moe_routing.h: 0 is below every softmax score, -inf below every
+    // biased one).
     uint64_t kept = 0;
     for (int64_t k = 0; k < r.topk_group; ++k) {
       int64_t best = -1;
@@ -77,9 +79,10 @@ void RouteRow(const float* logits, const MoeRouting& r, RouteScratch& s, int32_t
       }
       kept |= uint64_t{1} << best;
     }
+    const float out = r.topk_method == MoeTopkMethod::kNoAuxTc ? -INFINITY : 0.0f;
     for (int64_t e = 0; e < n; ++e) {
       if (kept >> (e / size) & 1) continue;
-      choice[e] = 0.0f;
+      choice[e] = out;
       // group_limited_greedy weighs by the masked scores themselves.
       if (r.topk_method == MoeTopkMethod::kGroupLimitedGreedy) score[e] = 0.0f;
     }

@@ -88,9 +88,11 @@ __global__ void MoeRouteKernel(const float* logits, int64_t tokens, kernels::Moe
       kept |= uint64_t{1} << best;
     }
   }
-  // Experts of dropped groups choose (and, for group_limited_greedy, weigh) 0.
+  // Experts of dropped groups choose -inf (noaux_tc) or 0 (and, for
+  // group_limited_greedy, weigh 0): kernels/moe_routing.h.
+  const float dropped_choice = r.topk_method == MoeTopkMethod::kNoAuxTc ? -INFINITY : 0.0f;
   auto in_kept_group = [&](int64_t e) { return (kept >> (e / size) & 1) != 0; };
-  auto choice = [&](int64_t e) { return in_kept_group(e) ? raw_choice(e) : 0.0f; };
+  auto choice = [&](int64_t e) { return in_kept_group(e) ? raw_choice(e) : dropped_choice; };
   auto weight = [&](int64_t e) {
     if (r.topk_method == MoeTopkMethod::kGroupLimitedGreedy && !in_kept_group(e)) return 0.0f;
     return MoeScore(row, e, r, mx, sum);
@@ -213,11 +215,12 @@ __global__ void __launch_bounds__(32 * kRouteWarps)
     }
   }
   auto in_kept_group = [&](int e) { return (kept >> (e / size) & 1) != 0; };
+  const float dropped_choice = r.topk_method == MoeTopkMethod::kNoAuxTc ? -INFINITY : 0.0f;
   float choice[kPerLane];
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
     const int e = lane + 32 * i;
-    choice[i] = e < n && in_kept_group(e) ? raw[i] : 0.0f;
+    choice[i] = e < n && in_kept_group(e) ? raw[i] : dropped_choice;
   }
   float prev_c = INFINITY, chosen = 0.0f;
   int prev_e = -1;

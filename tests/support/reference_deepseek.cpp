@@ -392,7 +392,10 @@ std::vector<double> ReferenceModel::DeepseekMoe(const Layer& L,
     std::vector<bool> kept(d.n_group, false);
     for (int64_t g : TopK(group, d.topk_group)) kept[g] = true;
     for (int64_t e = 0; e < E; ++e) {
-      if (!kept[e / size]) choice[e] = 0.0;  // masked_fill(~mask, 0.0)
+      // V2 masked_fill(~mask, 0.0) under its softmax scores; V3's biased
+      // choices may be negative, so its groups' dropped experts are -inf, as
+      // DeepSeek-V3's inference code (Gate.forward) fills them.
+      if (!kept[e / size]) choice[e] = d.v3 ? -INFINITY : 0.0;
     }
   }
   const auto picked = TopK(choice, top_k_);

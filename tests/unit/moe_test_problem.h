@@ -136,9 +136,12 @@ inline Routing RouteByRule(const std::vector<std::vector<double>>& logits, const
       }
       std::vector<bool> kept(r.n_group, false);
       for (int64_t k = 0; k < r.topk_group; ++k) kept[order[k]] = true;
+      // Out of reach: noaux_tc's biased choices may be negative (DeepSeek-V3's
+      // inference code fills -inf); softmax scores are all above 0.
+      const double out = r.topk_method == MoeTopkMethod::kNoAuxTc ? -INFINITY : 0.0;
       for (int64_t e = 0; e < n; ++e) {
         if (kept[e / size]) continue;
-        choice[e] = 0.0;
+        choice[e] = out;
         if (r.topk_method == MoeTopkMethod::kGroupLimitedGreedy) score[e] = 0.0;
       }
     }

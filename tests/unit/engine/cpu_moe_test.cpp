@@ -7,6 +7,7 @@
 // to, whatever the token count.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <random>
 #include <vector>
 
@@ -161,7 +162,8 @@ TEST(CpuMoeTest, DeepseekRoutingMatchesTheReference) {
   const int64_t experts = 16;
   // Positive and negative corrections, large enough against sigmoid scores
   // to change choices; some rows then have negative choices, which the
-  // zeroed experts of dropped groups outrank.
+  // experts of dropped groups must still not outrank (top_k 10 reaches past
+  // the 8 experts of the kept groups: the dropped ones follow by id).
   const std::vector<float> bias = moe_test::Uniform(rng, experts, 0.6f);
   int64_t steered = 0, grouped = 0;
   for (const int64_t top_k : {1, 2, 4, 10}) {
@@ -216,6 +218,35 @@ TEST(CpuMoeTest, DeepseekRoutingMatchesTheReference) {
   }
   EXPECT_GT(steered, 0);
   EXPECT_GT(grouped, 0);
+}
+
+// noaux_tc by hand: experts of dropped groups are out of reach even when
+// every kept expert's biased choice is negative (a fill of 0 picked experts
+// 2 and 3 here), and shifting every bias by one constant changes nothing.
+TEST(CpuMoeTest, NoauxTcNeverPicksADroppedGroupOverAKeptOne) {
+  CpuBackend cpu(1);
+  MoeRouting r = MoeRouting::Softmax(4, 2, /*norm_topk_prob=*/true);
+  r.scoring = MoeScoring::kSigmoid;
+  r.topk_method = MoeTopkMethod::kNoAuxTc;
+  r.n_group = 2;
+  r.topk_group = 1;
+  r.norm_epsilon = 1e-20f;
+  r.routed_scaling_factor = 1.0f;
+  // sigmoid(l) = 0.6, 0.5, 0.3, 0.2.
+  std::vector<float> logits;
+  for (double p : {0.6, 0.5, 0.3, 0.2}) logits.push_back(static_cast<float>(std::log(p / (1 - p))));
+  for (float shift : {-0.9f, 0.0f, 3.0f}) {
+    SCOPED_TRACE(testing::Message() << "every bias " << shift);
+    // Choices 0.6+b, 0.5+b | 0.3+b, 0.2+b: group 0 stays whatever b.
+    const std::vector<float> bias(4, shift);
+    r.correction_bias = bias.data();
+    std::vector<int32_t> ids(2, -1);
+    std::vector<float> weights(2, NAN);
+    cpu.MoeRoute(X(logits, 1, 4), r, ids.data(), weights.data());
+    EXPECT_EQ(ids, (std::vector<int32_t>{0, 1}));
+    EXPECT_NEAR(weights[0], 0.6 / 1.1, 1e-6);
+    EXPECT_NEAR(weights[1], 0.5 / 1.1, 1e-6);
+  }
 }
 
 // DeepSeek's block: noaux_tc routing plus a shared expert of another width,
