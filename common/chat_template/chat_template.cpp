@@ -59,14 +59,26 @@ template <typename Json>
 StatusOr<std::string> RenderChatJson(const chat_template_detail::Program& program,
                                      const Json& messages, bool add_generation_prompt,
                                      std::string_view bos_token, std::string_view eos_token,
-                                     const Json* tools = nullptr) {
+                                     const Json* tools = nullptr, const Json* kwargs = nullptr) {
   if (!messages.is_array()) return Status::InvalidArgument("'messages' must be an array");
+  if (kwargs != nullptr && !kwargs->is_null() && !kwargs->is_object()) {
+    return Status::InvalidArgument("'chat_template_kwargs' must be an object");
+  }
   return RenderWith(program, [&] {
     Dict variables;
-    variables.Set("messages", Value::FromJson(messages, /*depth=*/1));
-    if (tools != nullptr && tools->is_array() && !tools->empty()) {
-      variables.Set("tools", Value::FromJson(*tools, /*depth=*/1));
+    // The caller's extra variables first: the ones below are never theirs.
+    if (kwargs != nullptr && kwargs->is_object()) {
+      for (auto it = kwargs->begin(); it != kwargs->end(); ++it) {
+        variables.Set(it.key(), Value::FromJson(it.value(), /*depth=*/1));
+      }
     }
+    variables.Set("messages", Value::FromJson(messages, /*depth=*/1));
+    // None, not undefined, without tools: transformers renders with
+    // tools=None and documents=None, and templates test `tools is not none`.
+    variables.Set("tools", tools != nullptr && tools->is_array() && !tools->empty()
+                               ? Value::FromJson(*tools, /*depth=*/1)
+                               : Value::None());
+    variables.Set("documents", Value::None());
     variables.Set("add_generation_prompt", Value::Bool(add_generation_prompt));
     variables.Set("bos_token", Value::String(std::string(bos_token)));
     variables.Set("eos_token", Value::String(std::string(eos_token)));
@@ -92,9 +104,10 @@ StatusOr<std::string> RenderChat(const ChatTemplate& tmpl, const nlohmann::json&
 
 StatusOr<std::string> RenderChat(const ChatTemplate& tmpl, const nlohmann::ordered_json& messages,
                                  bool add_generation_prompt, std::string_view bos_token,
-                                 std::string_view eos_token, const nlohmann::ordered_json& tools) {
+                                 std::string_view eos_token, const nlohmann::ordered_json& tools,
+                                 const nlohmann::ordered_json& template_kwargs) {
   return RenderChatJson(*tmpl.program_, messages, add_generation_prompt, bos_token, eos_token,
-                        &tools);
+                        &tools, &template_kwargs);
 }
 
 }  // namespace pdserve

@@ -65,6 +65,7 @@ class ChatTemplate {
                                           std::string_view, std::string_view);
   friend StatusOr<std::string> RenderChat(const ChatTemplate&, const nlohmann::ordered_json&, bool,
                                           std::string_view, std::string_view,
+                                          const nlohmann::ordered_json&,
                                           const nlohmann::ordered_json&);
   explicit ChatTemplate(std::shared_ptr<const chat_template_detail::Program> program)
       : program_(std::move(program)) {}
@@ -73,15 +74,19 @@ class ChatTemplate {
 
 // The router's /v1/chat/completions path: `messages` is the OpenAI messages
 // array. Renders with messages, add_generation_prompt, bos_token, eos_token,
-// and `tools` when `tools` is a non-empty array (the request's tool
-// definitions, as OpenAI's API gives them). A `messages` that is not an
-// array is kInvalidArgument.
+// `tools` (the request's tool definitions, as OpenAI's API gives them; None
+// unless a non-empty array) and `documents` (None), as transformers'
+// apply_chat_template does, plus the variables of `template_kwargs` (an
+// object or null: a request's chat_template_kwargs, e.g. enable_thinking),
+// which never replace those named here. A `messages` that is not an array,
+// or `template_kwargs` neither object nor null, is kInvalidArgument.
 StatusOr<std::string> RenderChat(const ChatTemplate& tmpl, const nlohmann::json& messages,
                                  bool add_generation_prompt, std::string_view bos_token,
                                  std::string_view eos_token);
 StatusOr<std::string> RenderChat(const ChatTemplate& tmpl, const nlohmann::ordered_json& messages,
                                  bool add_generation_prompt, std::string_view bos_token,
                                  std::string_view eos_token,
-                                 const nlohmann::ordered_json& tools = nullptr);
+                                 const nlohmann::ordered_json& tools = nullptr,
+                                 const nlohmann::ordered_json& template_kwargs = nullptr);
 
 }  // namespace pdserve

@@ -639,7 +639,8 @@ class RouterServiceImpl : public RouterService {
       }
       if (auto err = PrepareTools(api)) return reject(*err, "rejected");
       auto text = RenderChat(*chat_template_, api.messages, api.add_generation_prompt,
-                             tokenizer_->bos_token(), tokenizer_->eos_token(), api.tools);
+                             tokenizer_->bos_token(), tokenizer_->eos_token(), api.tools,
+                             api.chat_template_kwargs);
       if (!text.ok()) {
         return reject({400, "the chat template rejected the messages: " + text.status().message(),
                        "invalid_request_error", "messages", ""},

@@ -60,6 +60,9 @@ struct ApiRequest {
   // /v1/chat/completions: the messages array, key order kept for the template.
   nlohmann::ordered_json messages;
   bool add_generation_prompt = true;
+  // Chat: extra variables for the chat template, as vLLM takes them (e.g.
+  // Qwen3's {"enable_thinking": false}); null or an object.
+  nlohmann::ordered_json chat_template_kwargs;
   bool echo = false;  // completions only: prepend the prompt to the output
   // Choices to return (n), and (completions) how many to generate to pick
   // them from by likelihood (best_of >= n; 0: n). Several choices share the

@@ -342,6 +342,35 @@ TEST(ChatTemplate, RenderChatPassesTheStandardVariables) {
   EXPECT_EQ(not_object.status().code(), StatusCode::kInvalidArgument);
 }
 
+// As transformers renders: tools and documents are None (not undefined)
+// without tools, and a request's chat_template_kwargs are variables of
+// their own that never replace the standard ones.
+TEST(ChatTemplate, RenderChatToolsAreNoneAndKwargsAreVariables) {
+  auto t = ChatTemplate::Parse(
+      "{% if tools is not none %}tools {{ tools | length }}|{% endif %}"
+      "{% if documents is none %}no documents|{% endif %}"
+      "{% if enable_thinking is defined and not enable_thinking %}no thinking|{% endif %}"
+      "{{ messages[0].content }}");
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  const auto messages = nlohmann::ordered_json::parse(R"([{"role": "user", "content": "hi"}])");
+  auto out = RenderChat(*t, messages, true, "", "");
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  EXPECT_EQ(*out, "no documents|hi");
+  const auto tools = nlohmann::ordered_json::parse(R"([{"type": "function"}])");
+  out = RenderChat(*t, messages, true, "", "", tools);
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  EXPECT_EQ(*out, "tools 1|no documents|hi");
+  const auto kwargs =
+      nlohmann::ordered_json::parse(R"({"enable_thinking": false, "messages": "not these"})");
+  out = RenderChat(*t, messages, true, "", "", nullptr, kwargs);
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  EXPECT_EQ(*out, "no documents|no thinking|hi");
+  EXPECT_EQ(RenderChat(*t, messages, true, "", "", nullptr, nlohmann::ordered_json::array())
+                .status()
+                .code(),
+            StatusCode::kInvalidArgument);
+}
+
 TEST(ChatTemplate, StrftimeNowFormatsTheCurrentDate) {
   std::string year = Render("{{ strftime_now('%Y') }}");
   ASSERT_EQ(year.size(), 4u);

@@ -46,6 +46,23 @@ TEST(OpenAiApiTest, CompletionsHappyPath) {
   EXPECT_EQ(r.cache_salt, "tenant-a");
 }
 
+// vLLM's chat_template_kwargs: an object kept for the template, null as
+// absent, anything else refused naming it.
+TEST(OpenAiApiTest, ChatTemplateKwargs) {
+  auto r = ParseOk(Endpoint::kChatCompletions,
+                   R"({"messages":[{"role":"user","content":"hi"}],
+                       "chat_template_kwargs":{"enable_thinking":false}})");
+  EXPECT_EQ(r.chat_template_kwargs, nlohmann::ordered_json::parse(R"({"enable_thinking":false})"));
+  r = ParseOk(Endpoint::kChatCompletions,
+              R"({"messages":[{"role":"user","content":"hi"}],"chat_template_kwargs":null})");
+  EXPECT_TRUE(r.chat_template_kwargs.is_null());
+  const ApiError e =
+      ParseBad(Endpoint::kChatCompletions,
+               R"({"messages":[{"role":"user","content":"hi"}],"chat_template_kwargs":["x"]})");
+  EXPECT_EQ(e.status, 400);
+  EXPECT_EQ(e.param, "chat_template_kwargs");
+}
+
 // OpenAI's penalties and logit_bias: kept as given, the bias sorted by
 // token; 0 and {} (what clients send by default) are no adjustment.
 TEST(OpenAiApiTest, PenaltiesAndLogitBias) {
@@ -307,6 +324,29 @@ TEST(OpenAiApiTest, EchoWithLogprobsScoresThePrompt) {
   ResponseFormatter::ChoiceOutput bare{0, &pieces, "length", nullptr, nullptr};
   EXPECT_EQ(fmt.Complete("Hi", {bare}, {2, 1, 0})["choices"][0]["logprobs"]["text_offset"],
             (nlohmann::json{2}));
+}
+
+// Completions' top_logprobs always hold the chosen token (OpenAI: "up to
+// logprobs + 1 elements"), so logprobs 0 still names it; chat's hold the
+// top ones alone, as OpenAI's chat does.
+TEST(OpenAiApiTest, CompletionsTopLogprobsHoldTheChosenToken) {
+  std::vector<TokenPiece> pieces = {{5, "!", "!", -2.5f, {{"?", -0.125f}}},
+                                    {6, ".", ".", -0.25f, {}}};
+  auto req = ParseOk(Endpoint::kCompletions, R"({"prompt":"Hi","logprobs":1})");
+  ResponseFormatter fmt(req, "cmpl-1", 1700000000);
+  const auto lp = fmt.Complete("Hi", pieces, "length", {2, 2, 0})["choices"][0]["logprobs"];
+  EXPECT_EQ(lp["top_logprobs"][0], (nlohmann::json{{"?", -0.125}, {"!", -2.5}}));
+  EXPECT_EQ(lp["top_logprobs"][1], (nlohmann::json{{".", -0.25}}));
+  const auto event = nlohmann::json::parse(fmt.StreamDelta({pieces[0]}).substr(6));
+  EXPECT_EQ(event["choices"][0]["logprobs"]["top_logprobs"][0],
+            (nlohmann::json{{"?", -0.125}, {"!", -2.5}}));
+
+  auto chat_req = ParseOk(Endpoint::kChatCompletions,
+                          R"({"messages":[{"role":"user","content":"x"}],"logprobs":true,
+                              "top_logprobs":1})");
+  ResponseFormatter chat(chat_req, "chatcmpl-1", 1700000000);
+  const auto c = chat.Complete("", {pieces[0]}, "stop", {1, 1, 0});
+  EXPECT_EQ(c["choices"][0]["logprobs"]["content"][0]["top_logprobs"].size(), 1u);
 }
 
 TEST(OpenAiApiTest, ChatStreamEvents) {
