@@ -520,6 +520,12 @@ std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view body,
   } else {
     PDSERVE_API_CHECK(ParseMessages(j, out));
     PDSERVE_API_CHECK(f.Bool("add_generation_prompt", &out->add_generation_prompt));
+    if (const ojson* kwargs = f.Get("chat_template_kwargs"); kwargs && !kwargs->is_null()) {
+      if (!kwargs->is_object()) {
+        return Bad("chat_template_kwargs", "'chat_template_kwargs' must be an object");
+      }
+      out->chat_template_kwargs = *kwargs;
+    }
   }
 
   // Streaming.
@@ -781,6 +787,9 @@ nlohmann::json ResponseFormatter::Logprobs(const std::vector<TokenPiece>& pieces
       token_logprobs.push_back(Logprob(*p.logprob));
       nlohmann::json top = nlohmann::json::object();
       for (const auto& [tok, lp] : p.top_logprobs) top[Utf8Text(tok)] = Logprob(lp);
+      // The chosen token is always among them (up to logprobs + 1 entries),
+      // as OpenAI's legacy completions and vLLM give it.
+      top.emplace(Utf8Text(p.token_text), Logprob(*p.logprob));
       top_logprobs.push_back(top);
     }
     offsets.push_back(offset);
