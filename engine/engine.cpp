@@ -480,18 +480,15 @@ void Engine::ProcessToken(Sequence* s, const SampledToken& sampled, RequestOutpu
   }
   FinishReason reason = FinishReason::kNone;
   if (s->stop) {
-    // A stop token's own bytes never reach the detokenizer, so that what it
-    // still holds when generation ends is the earlier tokens' text alone.
-    const bool stop_token = s->stop->IsStopToken(token);
-    auto step = s->stop->OnToken(token, stop_token ? "" : s->detokenizer->Push(token));
+    // A stop token's own bytes never reach the detokenizer. On the last
+    // token, what the detokenizer still holds (a byte token's run, which
+    // only the next token would have released) goes with it, and is
+    // searched for stop strings like any text.
+    std::string text = s->stop->IsStopToken(token) ? "" : s->detokenizer->Push(token);
+    if (s->stop->EndsAt(token)) text += s->detokenizer->Flush();
+    auto step = s->stop->OnToken(token, text);
     out->text += step.text;
     reason = step.finish;
-    // Ended by a stop token or the length: text the detokenizer still holds
-    // (a byte token's run, which only the next token would have released)
-    // belongs to the output.
-    if (reason != FinishReason::kNone && !step.matched_stop_string) {
-      out->text += s->detokenizer->Flush();
-    }
   } else {
     const auto& p = s->params;
     const auto& eos = model_->config().eos_token_ids;
@@ -505,12 +502,12 @@ void Engine::ProcessToken(Sequence* s, const SampledToken& sampled, RequestOutpu
   }
   if (reason == FinishReason::kNone && s->prefill_only) {
     // A prefill worker's job ends with the first token.
-    if (s->stop) out->text += s->stop->Flush();
+    if (s->stop) out->text += s->stop->Flush(s->detokenizer->Flush());
     FinishSequence(s, FinishReason::kNone, out);
     return;
   }
   if (reason == FinishReason::kNone && static_cast<int64_t>(s->tokens.size()) >= max_model_len_) {
-    if (s->stop) out->text += s->stop->Flush();
+    if (s->stop) out->text += s->stop->Flush(s->detokenizer->Flush());
     reason = FinishReason::kLength;  // the context is full
   }
   if (reason != FinishReason::kNone) FinishSequence(s, reason, out);
@@ -860,7 +857,7 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
     if (outgrew) {
       RequestOutput out;
       out.id = s->id;
-      if (s->stop) out.text = s->stop->Flush();
+      if (s->stop) out.text = s->stop->Flush(s->detokenizer->Flush());
       PDSERVE_LOG(WARN) << "engine: request " << s->id << " outgrew the KV pool";
       FinishSequence(s, FinishReason::kLength, &out);
       finished_early.push_back(std::move(out));
@@ -1127,7 +1124,7 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
     // rather than emit text its constraint refuses.
     TakePromptLogprobs(s, &out);
     if (s->matcher && !s->matcher->AcceptToken(token.token)) {
-      if (s->stop) out.text = s->stop->Flush();
+      if (s->stop) out.text = s->stop->Flush(s->detokenizer->Flush());
       FinishSequence(s, FinishReason::kLength, &out);
       outputs.push_back(std::move(out));
       continue;
@@ -1147,7 +1144,7 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
     RequestOutput out;
     out.id = s->id;
     TakePromptLogprobs(s, &out);
-    if (s->stop) out.text = s->stop->Flush();
+    if (s->stop) out.text = s->stop->Flush(s->detokenizer->Flush());
     FinishSequence(s, FinishReason::kLength, &out);  // nothing can follow
     outputs.push_back(std::move(out));
   }

@@ -130,14 +130,6 @@ StopChecker::Step StopChecker::OnToken(TokenId token, std::string_view text) {
     return step;
   }
   ++num_tokens_;
-  if (IsStopToken(token)) {
-    // What is held back cannot contain a whole stop string (it would have
-    // matched already), so it is all released; the stop token's text is not.
-    finish_ = step.finish = FinishReason::kStop;
-    step.matched_stop_token = token;
-    step.text = std::exchange(pending_, {});
-    return step;
-  }
   pending_.append(text);
   // The earliest occurrence of any stop string ends the text.
   size_t best = std::string::npos;
@@ -154,6 +146,12 @@ StopChecker::Step StopChecker::OnToken(TokenId token, std::string_view text) {
     pending_.clear();
     return step;
   }
+  if (IsStopToken(token)) {
+    finish_ = step.finish = FinishReason::kStop;
+    step.matched_stop_token = token;
+    step.text = std::exchange(pending_, {});
+    return step;
+  }
   if (num_tokens_ >= max_tokens_) {
     finish_ = step.finish = FinishReason::kLength;
     step.text = std::exchange(pending_, {});
@@ -165,7 +163,17 @@ StopChecker::Step StopChecker::OnToken(TokenId token, std::string_view text) {
   return step;
 }
 
-std::string StopChecker::Flush() { return std::exchange(pending_, {}); }
+std::string StopChecker::Flush(std::string_view more) {
+  pending_.append(more);
+  size_t best = std::string::npos;
+  for (const std::string& s : stop_strings_) best = std::min(best, pending_.find(s));
+  if (best != std::string::npos) pending_.resize(best);
+  return std::exchange(pending_, {});
+}
+
+bool StopChecker::EndsAt(TokenId token) const {
+  return finish_ == FinishReason::kNone && (IsStopToken(token) || num_tokens_ + 1 >= max_tokens_);
+}
 
 bool StopChecker::IsStopToken(TokenId token) const {
   return std::find(stop_ids_.begin(), stop_ids_.end(), token) != stop_ids_.end();

@@ -113,15 +113,24 @@ class StopChecker {
     std::optional<TokenId> matched_stop_token;
   };
 
-  // Feeds one generated token and the text the detokenizer released for it.
+  // Feeds one generated token and the text the detokenizer released for it;
+  // for a stop token, whose own text is never output, only what the
+  // detokenizer still held of the earlier tokens. The text held back and
+  // `text` are searched for stop strings first: on a stop string the text
+  // ends before it. Else on kLength or a stop token all of it is released.
   // Once it returned a finish reason, further calls are an error (return
-  // finish again, with no text). On kLength or a stop token, the held-back
-  // text (and, for kLength, `text`) is released; on a stop token its own
-  // text is dropped; on a stop string the text ends before it.
+  // finish again, with no text).
   Step OnToken(TokenId token, std::string_view text);
 
-  // End of the stream by other means (cancel): releases held-back text.
-  std::string Flush();
+  // True when `token`, fed next, ends generation unless a stop string does
+  // first (a stop token, or max_tokens reached): the caller then passes
+  // what its detokenizer still holds too, so that it is searched as well.
+  bool EndsAt(TokenId token) const;
+
+  // End of the stream by other means (a dead end, the context full):
+  // releases the held-back text and `more` (what the detokenizer still
+  // held), ending before a stop string in them.
+  std::string Flush(std::string_view more = {});
 
   // True when `token` ends generation as a stop token (EOS included unless
   // ignore_eos): its own text is never output.

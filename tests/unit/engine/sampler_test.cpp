@@ -395,10 +395,23 @@ TEST(StopCheckerTest, EosAndStopTokens) {
   {
     StopChecker c(p, eos);
     EXPECT_EQ(c.OnToken(5, "ab z").text, "ab ");
-    auto s = c.OnToken(7, "<eot>");
+    EXPECT_TRUE(c.EndsAt(7));
+    EXPECT_FALSE(c.EndsAt(5));
+    auto s = c.OnToken(7, "");
     EXPECT_EQ(s.finish, FinishReason::kStop);
     EXPECT_EQ(s.matched_stop_token, 7);
-    EXPECT_EQ(s.text, "z");  // held-back text released, the eos text dropped
+    EXPECT_EQ(s.text, "z");  // held-back text released
+  }
+  {
+    // What the detokenizer held until the stop token is searched too: a
+    // stop string in it ends the text there, and is the reason.
+    StopChecker c(p, eos);
+    EXPECT_EQ(c.OnToken(5, "ab ").text, "ab ");
+    auto s = c.OnToken(7, "xzzy");
+    EXPECT_EQ(s.finish, FinishReason::kStop);
+    EXPECT_EQ(s.matched_stop_string, "zz");
+    EXPECT_FALSE(s.matched_stop_token.has_value());
+    EXPECT_EQ(s.text, "x");
   }
   {
     StopChecker c(p, eos);
