@@ -17,8 +17,20 @@ IncrementalDetokenizer::IncrementalDetokenizer(const Tokenizer& tokenizer, bool 
   auto produces_text = [&](TokenId id) {
     return !(skip_special_tokens_ && tokenizer_.IsSpecial(id)) && tokenizer_.IdToToken(id);
   };
+  // A window that starts inside a run of byte tokens starts with bytes cut
+  // from their character: that run decodes to replacement characters, and so
+  // would every shorter window. Start at the run's first byte instead (a
+  // character is at most 4 bytes; runs of several characters are allowed a
+  // bounded reach).
+  constexpr size_t kMaxRunReach = 64;
   size_t end = context.size();
   size_t begin = end > kContextIds ? end - kContextIds : 0;
+  for (size_t reach = 0;
+       reach < kMaxRunReach && begin > 0 && tokenizer_.IsByteToken(context[begin]) &&
+       tokenizer_.IsByteToken(context[begin - 1]);
+       ++reach) {
+    --begin;
+  }
   while (begin < end && !produces_text(context[begin])) ++begin;
   for (; end > begin; --end) {
     ids_.assign(context.begin() + static_cast<ptrdiff_t>(begin),

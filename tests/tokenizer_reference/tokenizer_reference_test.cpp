@@ -2,6 +2,7 @@
 // ids with and without special tokens, decoded text (with special tokens
 // kept and skipped), and streaming decode through IncrementalDetokenizer.
 #include <fstream>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -76,6 +77,36 @@ TEST_P(ReferenceTest, MatchesJavaScriptReference) {
     check(StreamDecode(tokenizer, ids_special, true), decoded_special_skip,
           "Streaming decode skipping special tokens");
     if (!ok && ++failures >= 20) FAIL() << "stopping after 20 failing strings";
+  }
+}
+
+// Streaming after a prompt (the engine's and the router's use): the pieces
+// are what decoding prompt + output adds to the prompt's own decoding, as
+// transformers and vLLM define an output's text, also when the prompt ends
+// in runs of byte tokens (characters SentencePiece spells byte by byte),
+// where the output's first word keeps its leading space.
+TEST_P(ReferenceTest, StreamingAfterAPromptAddsWhatTheWholeDecodeAdds) {
+  const json& expected = Expected();
+  ASSERT_TRUE(expected.is_object()) << PDSERVE_TOKENIZER_EXPECTED << " is missing";
+  auto loaded = Tokenizer::Load(expected["tokenizers"][GetParam()]["dir"].get<std::string>());
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  const Tokenizer& tokenizer = **loaded;
+  const std::vector<TokenId> output = tokenizer.Encode("Hello world", false);
+  for (const std::string prompt :
+       {"Math: \U0001D518\U0001D52B", "Math: x\U0001D518", "Say \U0001F600\U0001F600\U0001F600",
+        "\u4E2D\u6587\u5B57\u7B26\u4E32", "plain words here"}) {
+    SCOPED_TRACE(Show(prompt));
+    std::vector<TokenId> ids = tokenizer.Encode(prompt, true);
+    const std::string before = tokenizer.Decode(ids, true);
+    ids.insert(ids.end(), output.begin(), output.end());
+    const std::string whole = tokenizer.Decode(ids, true);
+    ASSERT_TRUE(whole.starts_with(before));
+    IncrementalDetokenizer detok(tokenizer, true,
+                                 std::span<const TokenId>(ids).first(ids.size() - output.size()));
+    std::string streamed;
+    for (TokenId id : output) streamed += detok.Push(id);
+    streamed += detok.Flush();
+    EXPECT_EQ(Show(streamed), Show(whole.substr(before.size())));
   }
 }
 
