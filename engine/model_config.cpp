@@ -162,6 +162,7 @@ Status ParseRopeScaling(const json& rope, const std::string& source, const char*
     if (s.beta_fast == 0) s.beta_fast = 32;
     if (s.beta_slow == 0) s.beta_slow = 1;
     PDSERVE_RETURN_IF_ERROR(r.Double("mscale", &s.mscale, -1e9, 1e9));
+    if (auto m = rope.find("mscale"); m != rope.end() && !m->is_null()) s.mscale_given = true;
     if (auto a = rope.find("attention_factor"); a != rope.end() && !a->is_null()) {
       double factor = 1;
       PDSERVE_RETURN_IF_ERROR(r.Double("attention_factor", &factor, 0, 1e9));
@@ -714,16 +715,21 @@ double YarnMscale(double scale, double mscale) {
 }
 }  // namespace
 
-// transformers' _compute_yarn_parameters. deepseek-ai's
-// DeepseekV2YarnRotaryEmbedding always takes mscale(factor, mscale) /
-// mscale(factor, mscale_all_dim), absent keys read as 1 and 0, ignores
-// attention_factor and defaults original_max_position_embeddings to 4096.
-// The two agree whenever both mscales are non-zero, as in every published
-// DeepSeek-V2/V3 checkpoint; elsewhere transformers' reading is followed, as
-// for every key the loader reads.
+// transformers' _compute_yarn_parameters, except for DeepSeek's latent
+// attention: deepseek-ai's DeepseekV2YarnRotaryEmbedding (V3's is the same)
+// always takes mscale(factor, mscale) / mscale(factor, mscale_all_dim),
+// absent keys read as 1 and 0, and ignores attention_factor; vLLM and SGLang
+// compute the same. The two readings agree whenever both mscales are
+// non-zero, as in every published DeepSeek-V2/V3 checkpoint; where they
+// differ (one of the two set), the authors' code is the one the models were
+// trained and are served with.
 double ModelConfig::RopeAttentionFactor() const {
   const auto& s = rope_scaling;
   if (s.type != RopeScaling::Type::kYarn) return 1.0;
+  if (is_mla()) {
+    return YarnMscale(s.factor, s.mscale_given ? s.mscale : 1.0) /
+           YarnMscale(s.factor, s.mscale_all_dim);
+  }
   if (s.attention_factor) return *s.attention_factor;
   if (s.mscale != 0 && s.mscale_all_dim != 0) {
     return YarnMscale(s.factor, s.mscale) / YarnMscale(s.factor, s.mscale_all_dim);
@@ -924,7 +930,10 @@ StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std::strin
                                  ": type 'yarn' is not supported for Gemma");
     }
     if (c.rope_scaling.original_max_position_embeddings == 0) {
-      c.rope_scaling.original_max_position_embeddings = c.max_position_embeddings;
+      // DeepSeek's rotary embedding defaults it to 4096, transformers to
+      // max_position_embeddings.
+      c.rope_scaling.original_max_position_embeddings =
+          is_deepseek_v2 || is_deepseek_v3 ? 4096 : c.max_position_embeddings;
     }
   }
   if (is_deepseek_v2 || is_deepseek_v3) {

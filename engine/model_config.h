@@ -48,9 +48,13 @@ struct RopeScaling {
   // false), and cos/sin are multiplied by attention_factor (when absent:
   // mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are
   // non-zero, else mscale(factor, 1), with mscale(s, m) = 0.1 m ln s + 1).
+  // DeepSeek (MLA) models take their authors' rule instead: always
+  // mscale(factor, mscale) / mscale(factor, mscale_all_dim), an absent
+  // mscale read as 1, attention_factor ignored (ModelConfig::RopeAttentionFactor).
   double beta_fast = 32;
   double beta_slow = 1;
   double mscale = 0;          // 0: absent
+  bool mscale_given = false;  // "mscale" was in the config
   double mscale_all_dim = 0;  // 0: absent; read for every scaled type
   std::optional<double> attention_factor;
   bool truncate = true;

@@ -110,18 +110,16 @@ bool ReferenceModel::LoadDeepseek(const json& c, const std::string& dir, std::st
     inv_freq_.push_back(static_cast<float>(1.0 / pos_freq));
   }
   if (rope_type == "yarn") {
-    // transformers' _compute_yarn_parameters.
+    // deepseek-ai's DeepseekV2YarnRotaryEmbedding (DeepSeek-V3's is the
+    // same), which defines these models: mscale read as 1 and mscale_all_dim
+    // as 0 when absent, original_max_position_embeddings as 4096, and cos
+    // and sin scaled by mscale(factor, mscale) / mscale(factor,
+    // mscale_all_dim) always (attention_factor is not read).
     const double factor = Number(*rs, "factor", 1.0);
-    const double original =
-        static_cast<double>(Int(*rs, "original_max_position_embeddings",
-                                Int(c, "max_position_embeddings", d.v3 ? 4096 : 2048)));
-    const double mscale = Number(*rs, "mscale", 0),
+    const double original = static_cast<double>(Int(*rs, "original_max_position_embeddings", 4096));
+    const double mscale = Number(*rs, "mscale", 1),
                  mscale_all_dim = Number(*rs, "mscale_all_dim", 0);
-    d.attention_factor = rs->contains("attention_factor") && !(*rs)["attention_factor"].is_null()
-                             ? (*rs)["attention_factor"].get<double>()
-                         : mscale != 0 && mscale_all_dim != 0
-                             ? YarnMscale(factor, mscale) / YarnMscale(factor, mscale_all_dim)
-                             : YarnMscale(factor, 1.0);
+    d.attention_factor = YarnMscale(factor, mscale) / YarnMscale(factor, mscale_all_dim);
     double beta_fast = Number(*rs, "beta_fast", 0), beta_slow = Number(*rs, "beta_slow", 0);
     if (beta_fast == 0) beta_fast = 32;
     if (beta_slow == 0) beta_slow = 1;

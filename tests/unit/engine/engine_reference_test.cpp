@@ -534,8 +534,10 @@ TEST(EngineReferenceTest, DeepseekV2YarnSoftmaxMscaleMatchesReference) {
   fs::copy(dir, old_dir, fs::copy_options::recursive | fs::copy_options::overwrite_existing);
   nlohmann::json config;
   std::ifstream(old_dir / "config.json") >> config;
+  // mscale 0 and no mscale_all_dim: cos and sin unscaled (mscale(f, 0) /
+  // mscale(f, 0) = 1, DeepSeek's rule), and no softmax correction.
   config["rope_scaling"].erase("mscale_all_dim");
-  config["rope_scaling"]["attention_factor"] = 1.0;
+  config["rope_scaling"]["mscale"] = 0.0;
   std::ofstream(old_dir / "config.json") << config.dump(2);
   auto uncorrected = Model::Load(old_dir.string(), l.backend.get());
   ASSERT_TRUE(uncorrected.ok()) << uncorrected.status().ToString();

@@ -109,6 +109,31 @@ TEST(MlaConfigTest, DeepSeekV2SoftmaxScaleHasYarnMscale) {
   EXPECT_NEAR(c->AttentionScale() * std::sqrt(192.0), 1.2056281810045126, 1e-12);
 }
 
+// YaRN's factor on cos and sin, by DeepSeek's rule (its
+// DeepseekV2YarnRotaryEmbedding; vLLM and SGLang alike), where transformers
+// reads the keys otherwise: mscale(f, mscale) / mscale(f, mscale_all_dim)
+// always, an absent mscale read as 1, attention_factor not read, and
+// original_max_position_embeddings 4096 when absent.
+TEST(MlaConfigTest, YarnCosSinFactorIsDeepSeeksRule) {
+  const double m40 = 0.1 * std::log(40.0);  // mscale(40, m) = m x this + 1
+  // Only mscale_all_dim: (1 + m40) / (1 + 0.707 m40) = 1.0857 (transformers: 1 + m40 = 1.3689).
+  auto c = ParseModelConfig(V2Config(R"({"type": "yarn", "factor": 40, "mscale_all_dim": 0.707})"),
+                            "v2");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_NEAR(c->RopeAttentionFactor(), (1 + m40) / (1 + 0.707 * m40), 1e-12);
+  EXPECT_EQ(c->rope_scaling.original_max_position_embeddings, 4096);
+  // Only mscale: 1 + 0.707 m40 (transformers: 1 + m40).
+  c = ParseModelConfig(V2Config(R"({"type": "yarn", "factor": 40, "mscale": 0.707,
+    "attention_factor": 3.0})"),
+                       "v2");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_NEAR(c->RopeAttentionFactor(), 1 + 0.707 * m40, 1e-12);
+  // An explicit mscale of 0 is mscale(40, 0) = 1.
+  c = ParseModelConfig(V2Config(R"({"type": "yarn", "factor": 40, "mscale": 0})"), "v2");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_DOUBLE_EQ(c->RopeAttentionFactor(), 1.0);
+}
+
 TEST(MlaConfigTest, SoftmaxMscaleNeedsScaledRopeAndMscaleAllDim) {
   // Any scaled rope type carries the correction (the authors' code tests
   // only that rope_scaling is set, transformers that it is not default) ...
