@@ -131,15 +131,7 @@ StopChecker::Step StopChecker::OnToken(TokenId token, std::string_view text) {
   }
   ++num_tokens_;
   pending_.append(text);
-  // The earliest occurrence of any stop string ends the text.
-  size_t best = std::string::npos;
-  for (const std::string& s : stop_strings_) {
-    size_t pos = pending_.find(s);
-    if (pos < best) {
-      best = pos;
-      step.matched_stop_string = s;
-    }
-  }
+  const size_t best = FirstStopString(&step.matched_stop_string);
   if (best != std::string::npos) {
     finish_ = step.finish = FinishReason::kStop;
     step.text = pending_.substr(0, best);
@@ -165,10 +157,25 @@ StopChecker::Step StopChecker::OnToken(TokenId token, std::string_view text) {
 
 std::string StopChecker::Flush(std::string_view more) {
   pending_.append(more);
-  size_t best = std::string::npos;
-  for (const std::string& s : stop_strings_) best = std::min(best, pending_.find(s));
-  if (best != std::string::npos) pending_.resize(best);
+  std::optional<std::string> matched;
+  if (const size_t best = FirstStopString(&matched); best != std::string::npos) {
+    pending_.resize(best);
+  }
   return std::exchange(pending_, {});
+}
+
+// The earliest occurrence of any stop string in the pending text, which
+// ends the text there.
+size_t StopChecker::FirstStopString(std::optional<std::string>* matched) const {
+  size_t best = std::string::npos;
+  for (const std::string& s : stop_strings_) {
+    const size_t pos = pending_.find(s);
+    if (pos < best) {
+      best = pos;
+      *matched = s;
+    }
+  }
+  return best;
 }
 
 bool StopChecker::EndsAt(TokenId token) const {

@@ -144,6 +144,9 @@ class StopChecker {
 
  private:
   size_t HeldBackLength() const;
+  // Where the first stop string starts in the pending text (npos: none),
+  // and which it is.
+  size_t FirstStopString(std::optional<std::string>* matched) const;
 
   std::vector<TokenId> stop_ids_;
   std::vector<std::string> stop_strings_;
