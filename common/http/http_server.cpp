@@ -53,6 +53,29 @@ Response ErrorResponse(int status, std::string_view message, std::string_view ty
   return r;
 }
 
+std::optional<std::string> PercentDecode(std::string_view segment) {
+  auto hex = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+  };
+  std::string out;
+  out.reserve(segment.size());
+  for (size_t i = 0; i < segment.size(); ++i) {
+    if (segment[i] != '%') {
+      out += segment[i];
+      continue;
+    }
+    if (i + 2 >= segment.size()) return std::nullopt;
+    const int hi = hex(segment[i + 1]), lo = hex(segment[i + 2]);
+    if (hi < 0 || lo < 0) return std::nullopt;
+    out += static_cast<char>(hi * 16 + lo);
+    i += 2;
+  }
+  return out;
+}
+
 namespace {
 
 std::string ToStd(beast::string_view s) { return std::string(s.data(), s.size()); }

@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -72,6 +73,13 @@ struct Response {
 Response ErrorResponse(int status, std::string_view message,
                        std::string_view type = "invalid_request_error", std::string_view param = {},
                        std::string_view code = {});
+
+// A path segment as the client meant it: every "%XY" (two hex digits) turned
+// back into its byte, as clients encode path parameters ("org%2Fname" for
+// the model "org/name"). Nothing else changes ('+' stays '+': that rule is
+// the query string's, not the path's). nullopt when a '%' is not followed by
+// two hex digits.
+std::optional<std::string> PercentDecode(std::string_view segment);
 
 class Exchange {
  public:

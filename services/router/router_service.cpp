@@ -271,7 +271,7 @@ struct Inflight {
     // Chat with tools (tool_choice not none), streaming: output parsed into calls.
     std::unique_ptr<ToolCallStreamer> tool_stream;
     size_t tool_calls_sent = 0;
-    size_t streamed_text_bytes = 0;  // completions' logprobs.text_offset in a stream
+    size_t streamed_text_chars = 0;  // completions' logprobs.text_offset (TextOffsetLength)
     bool finished = false;
     std::string finish_reason;
     double logprob_sum = 0;  // best_of: the sequence's likelihood
@@ -542,7 +542,9 @@ class RouterServiceImpl : public RouterService {
                    nlohmann::json{{"object", "list"}, {"data", {model}}}.dump()});
         return;
       }
-      const std::string id = req.path.substr(kModelsPath.size() + 1);
+      // Clients encode the id as a path parameter ("org%2Fname").
+      const std::string raw_id = req.path.substr(kModelsPath.size() + 1);
+      const std::string id = http::PercentDecode(raw_id).value_or(raw_id);
       if (id != model_id_) {
         return ex->Reply(http::ErrorResponse(404, "The model `" + id + "` does not exist.",
                                              "invalid_request_error", "model", "model_not_found"));
@@ -570,6 +572,15 @@ class RouterServiceImpl : public RouterService {
   void ServeBatch(const http::Request& req, std::shared_ptr<http::Exchange> ex,
                   const PromptBatchSplit& split, std::optional<size_t> api_key) {
     PromptBatch batch(std::move(ex), split);
+    // One x-request-id for every prompt: the batch's log lines join on it
+    // and the client gets it back.
+    http::Headers headers;
+    for (const auto& h : req.headers) {
+      if (h.first != "x-request-id") headers.push_back(h);
+    }
+    const std::string_view client_rid = req.Header("x-request-id");
+    headers.emplace_back("x-request-id",
+                         IsPlainTraceId(client_rid) ? std::string(client_rid) : NewUnguessableId());
     for (size_t i = 0; i < split.bodies.size() && !batch.failed(); ++i) {
       // Field by field, not a copy of `req`: that would copy the whole
       // batch's body for every prompt.
@@ -577,7 +588,7 @@ class RouterServiceImpl : public RouterService {
       one.method = req.method;
       one.target = req.target;
       one.path = req.path;
-      one.headers = req.headers;
+      one.headers = headers;
       one.remote = req.remote;
       one.body = split.bodies[i];
       HandleGenerate(one, batch.ExchangeFor(i), Endpoint::kCompletions, api_key);
@@ -694,7 +705,7 @@ class RouterServiceImpl : public RouterService {
                " tokens. However, you requested " + std::to_string(prompt_len + max_tokens) +
                " tokens (" + std::to_string(prompt_len) + " in the prompt, " +
                std::to_string(max_tokens) + " for the completion).",
-           "invalid_request_error", "max_tokens", "context_length_exceeded"},
+           "invalid_request_error", api.max_tokens_param, "context_length_exceeded"},
           "rejected");
     }
     max_tokens = std::min(max_tokens, room);
@@ -727,7 +738,7 @@ class RouterServiceImpl : public RouterService {
     }
     // A streamed echo sends the prompt first: text offsets count from its end.
     if (api.echo) {
-      for (auto& c : r->choices) c.streamed_text_bytes = r->prompt_text.size();
+      for (auto& c : r->choices) c.streamed_text_chars = TextOffsetLength(r->prompt_text);
     }
     if (ToolsActive(api) && api.stream) {
       for (auto& c : r->choices)
@@ -1603,8 +1614,8 @@ class RouterServiceImpl : public RouterService {
     if (r.api->stream && c.tool_stream) {
       StreamToolText(r, index, pieces, /*final=*/false);
     } else if (r.api->stream) {
-      std::string event = r.formatter->StreamDelta(pieces, index, c.streamed_text_bytes);
-      for (const auto& p : pieces) c.streamed_text_bytes += p.text.size();
+      std::string event = r.formatter->StreamDelta(pieces, index, c.streamed_text_chars);
+      for (const auto& p : pieces) c.streamed_text_chars += TextOffsetLength(p.text);
       if (!event.empty()) r.exchange->Write(std::move(event));
     } else {
       for (auto& p : pieces) c.pieces.push_back(std::move(p));
@@ -1643,7 +1654,7 @@ class RouterServiceImpl : public RouterService {
     IncrementalDetokenizer detok(*tokenizer_,
                                  /*skip_special_tokens=*/r.api->prompt_text.has_value());
     r.prompt_pieces.resize(n);
-    size_t bytes = 0;
+    size_t chars = 0;
     for (size_t i = 0; i < n; ++i) {
       TokenPiece& p = r.prompt_pieces[i];
       if (i > 0) p = std::move(r.prompt_pieces_pending[i - 1]);  // nothing scores the first token
@@ -1651,11 +1662,11 @@ class RouterServiceImpl : public RouterService {
       p.token_text = TokenString(p.token);
       p.text = detok.Push(p.token);
       if (i + 1 == n) p.text += detok.Flush();
-      bytes += p.text.size();
+      chars += TextOffsetLength(p.text);
     }
     r.prompt_pieces_pending.clear();
     // A streamed output's offsets continue from the prompt's pieces.
-    for (auto& c : r.choices) c.streamed_text_bytes = bytes;
+    for (auto& c : r.choices) c.streamed_text_chars = chars;
   }
 
   // parallel_tool_calls false: a turn makes one call at most, whatever the
@@ -1680,7 +1691,7 @@ class RouterServiceImpl : public RouterService {
       StreamToolText(r, index, {tail}, /*final=*/false);
     } else if (r.api->stream) {
       std::string event = r.formatter->StreamText(t.text(), index);
-      c.streamed_text_bytes += t.text().size();
+      c.streamed_text_chars += TextOffsetLength(t.text());
       if (!event.empty()) r.exchange->Write(std::move(event));
     } else if (!c.pieces.empty()) {
       c.pieces.back().text += t.text();  // the text its last token left held back
@@ -1739,7 +1750,7 @@ class RouterServiceImpl : public RouterService {
         // A turn cut off by max_tokens stays "length", calls or not.
         if (c.tool_calls_sent > 0 && c.finish_reason == "stop") c.finish_reason = "tool_calls";
       } else if (!tail_pieces.empty()) {
-        r.exchange->Write(r.formatter->StreamDelta(tail_pieces, index, c.streamed_text_bytes));
+        r.exchange->Write(r.formatter->StreamDelta(tail_pieces, index, c.streamed_text_chars));
       }
       r.exchange->Write(r.formatter->StreamChoiceFinish(c.finish_reason, index));
       if (!last) return;

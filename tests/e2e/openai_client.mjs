@@ -44,22 +44,25 @@ function readLog(log) {
   return execFileSync('cat', [log]).toString();
 }
 
+// A Hub-style id with a slash: the client sends it percent-encoded in paths
+// (models.retrieve).
+const modelId = 'pdserve-org/tiny';
 const routerLog = start('router', ['router', '--model', model, '--host', '127.0.0.1', '--port', '0',
-  '--control-port', '0', '--max-local-prefill', '16', '--cluster-secret-file', secretFile]);
+  '--control-port', '0', '--max-local-prefill', '16', '--cluster-secret-file', secretFile,
+  '--model-id', modelId]);
 const ports = await waitFor(() => readLog(routerLog).match(/on http :(\d+), control :(\d+)/), 'router ports');
 const [httpPort, controlPort] = [ports[1], ports[2]];
 for (const role of ['prefill', 'decode']) {
   start(role, ['worker', '--role', role, '--model', model, '--router', `127.0.0.1:${controlPort}`,
     '--host', '127.0.0.1', '--port', '0', '--metrics-port', '0', '--worker-id', `${role}-0`, '--threads', '1',
     '--transfer-tls', 'tcp', '--kv-cache-bytes', '8MiB',
-    '--cluster-secret-file', secretFile]);
+    '--cluster-secret-file', secretFile, '--model-id', modelId]);
 }
 await waitFor(async () => {
   try { return (await fetch(`http://127.0.0.1:${httpPort}/ready`)).status === 200; } catch { return false; }
 }, 'router /ready');
 
 const client = new OpenAI({ baseURL: `http://127.0.0.1:${httpPort}/v1`, apiKey: 'unused', maxRetries: 0 });
-const modelId = 'pdserve-tiny';  // make-model's _name_or_path
 const prompt = 'The quick brown fox jumps over the lazy dog, and then the dog chases the fox around the yard.';
 const offline = JSON.parse(execFileSync(bin, ['generate', '--model', model, '--prompt', prompt,
   '--max-tokens', '12', '--temperature', '0', '--ignore-eos', '--json', '--threads', '1']).toString());
@@ -110,16 +113,20 @@ test('models.retrieve and a batch of prompts', async () => {
   assert.equal(r.choices[0].text, offline.text);
   assert.equal(r.choices[2].text, offline.text);
   assert.equal(r.usage.completion_tokens, 36);
+  assert.match(r._request_id ?? '', /./, 'the batch answers with its x-request-id');
   const stream = await client.completions.create({ model: modelId, prompt: [prompt, prompt],
     max_tokens: 12, temperature: 0, ignore_eos: true, stream: true,
     stream_options: { include_usage: true } });
   const texts = ['', ''];
   let usage = null;
+  const ids = new Set();
   for await (const chunk of stream) {
     for (const c of chunk.choices) texts[c.index] += c.text;
     if (chunk.usage) usage = chunk.usage;
+    ids.add(chunk.id);
   }
   assert.deepEqual(texts, [offline.text, offline.text]);
+  assert.equal(ids.size, 1, 'one stream, one response id');
   assert.equal(usage.completion_tokens, 24);
 });
 

@@ -145,7 +145,6 @@ void CheckAccepted(Endpoint endpoint, const ApiLimits& limits, std::string_view 
   }
   if (endpoint == Endpoint::kCompletions) {
     if (r.prompt_text.has_value() == r.prompt_ids.has_value()) Fail("not exactly one prompt form");
-    if (r.prompt_text && r.prompt_text->empty()) Fail("accepted an empty prompt");
     if (r.prompt_ids && r.prompt_ids->empty()) Fail("accepted an empty token prompt");
   } else {
     if (!r.messages.is_array() || r.messages.empty()) Fail("accepted chat without messages");
@@ -210,6 +209,7 @@ constexpr const char* kKeys[] = {"model",
                                  "logprobs",
                                  "top_logprobs",
                                  "echo",
+                                 "suffix",
                                  "add_generation_prompt",
                                  "user",
                                  "cache_salt"};

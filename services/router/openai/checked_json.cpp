@@ -1,5 +1,7 @@
 #include "services/router/openai/checked_json.h"
 
+#include <cmath>
+#include <limits>
 #include <map>
 #include <vector>
 
@@ -173,6 +175,23 @@ std::optional<JsonError> ParseCheckedJson(std::string_view text, int max_depth,
     return JsonError{"", "the request body is not valid JSON"};
   }
   *out = std::move(builder.root());
+  return std::nullopt;
+}
+
+std::optional<int64_t> AsInt64(const nlohmann::ordered_json& v) {
+  if (v.is_number_unsigned()) {
+    const auto u = v.get<uint64_t>();
+    if (u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) return std::nullopt;
+    return static_cast<int64_t>(u);
+  }
+  if (v.is_number_integer()) return v.get<int64_t>();
+  if (v.is_number_float()) {
+    const double d = v.get<double>();
+    // [-2^63, 2^63): outside it the cast would be undefined.
+    if (!(d >= -9223372036854775808.0 && d < 9223372036854775808.0) || d != std::trunc(d))
+      return std::nullopt;
+    return static_cast<int64_t>(d);
+  }
   return std::nullopt;
 }
 

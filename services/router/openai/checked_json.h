@@ -12,6 +12,7 @@
 // byte of the input other than printable ASCII, so it can be echoed back.
 #pragma once
 
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -29,5 +30,10 @@ inline constexpr int kDefaultMaxJsonDepth = 64;
 
 std::optional<JsonError> ParseCheckedJson(std::string_view text, int max_depth,
                                           nlohmann::ordered_json* out);
+
+// The value as a signed 64-bit integer: integers in range, and floats with an
+// integral value in range (16.0 is an integer to Python clients too);
+// nullopt for anything else.
+std::optional<int64_t> AsInt64(const nlohmann::ordered_json& v);
 
 }  // namespace pdserve::router

@@ -45,25 +45,6 @@ const char* TypeName(const ojson& v) {
   }
 }
 
-// The value as a signed 64-bit integer: integers in range, and floats with an
-// integral value in range (16.0 is an integer to Python clients too).
-std::optional<int64_t> AsInt64(const ojson& v) {
-  if (v.is_number_unsigned()) {
-    const auto u = v.get<uint64_t>();
-    if (u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) return std::nullopt;
-    return static_cast<int64_t>(u);
-  }
-  if (v.is_number_integer()) return v.get<int64_t>();
-  if (v.is_number_float()) {
-    const double d = v.get<double>();
-    // [-2^63, 2^63): outside it the cast would be undefined.
-    if (!(d >= -9223372036854775808.0 && d < 9223372036854775808.0) || d != std::trunc(d))
-      return std::nullopt;
-    return static_cast<int64_t>(d);
-  }
-  return std::nullopt;
-}
-
 // Field accessors: absent or null → nullopt; wrong type → error.
 class Fields {
  public:
@@ -179,8 +160,9 @@ std::optional<ApiError> ParsePrompt(const ojson& body, ApiRequest* out) {
   // larger batches into requests of one prompt each (prompt_batch.h).
   if (p->is_array() && p->size() == 1 && ((*p)[0].is_string() || (*p)[0].is_array())) p = &(*p)[0];
   if (p->is_string()) {
-    if (p->get_ref<const std::string&>().empty())
-      return Bad("prompt", "'prompt' must not be empty");
+    // "" is a prompt (OpenAI samples unconditionally from it): with a
+    // tokenizer that adds BOS it is [BOS]; the router refuses a prompt that
+    // tokenizes to nothing.
     out->prompt_text = p->get<std::string>();
     return std::nullopt;
   }
@@ -517,6 +499,16 @@ std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view body,
   if (endpoint == Endpoint::kCompletions) {
     PDSERVE_API_CHECK(ParsePrompt(j, out));
     PDSERVE_API_CHECK(f.Bool("echo", &out->echo));
+    // Insertion (text after the cursor) is not served: refused, as vLLM
+    // does, rather than ignored, so that fill-in-the-middle clients can
+    // tell and fall back to the prefix alone.
+    std::string suffix;
+    PDSERVE_API_CHECK(f.String("suffix", &suffix));
+    if (!suffix.empty()) {
+      return Bad("suffix",
+                 "'suffix' (insertion) is not supported; send the text before the insertion "
+                 "point as the prompt");
+    }
   } else {
     PDSERVE_API_CHECK(ParseMessages(j, out));
     PDSERVE_API_CHECK(f.Bool("add_generation_prompt", &out->add_generation_prompt));
@@ -579,6 +571,7 @@ std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view body,
               ", got " + std::to_string(*max_tokens));
     }
     out->max_tokens = static_cast<int>(*max_tokens);
+    out->max_tokens_param = param;
   }
 
   // Sampling.
@@ -742,29 +735,36 @@ std::vector<uint8_t> Bytes(const std::string& s) {
 
 }  // namespace
 
+size_t TextOffsetLength(std::string_view text) {
+  const std::string repaired = Utf8Text(text);
+  // Valid UTF-8: every byte but a continuation byte starts a code point.
+  return static_cast<size_t>(std::count_if(repaired.begin(), repaired.end(), [](char c) {
+    return (static_cast<unsigned char>(c) & 0xC0) != 0x80;
+  }));
+}
+
 ResponseFormatter::ResponseFormatter(const ApiRequest& request, std::string id,
                                      int64_t created_unix)
     : request_(request), id_(Utf8Text(id)), created_(created_unix) {}
 
-nlohmann::json ResponseFormatter::Envelope(const char* object) const {
+ojson ResponseFormatter::Envelope(const char* object) const {
   return {{"id", id_}, {"object", object}, {"created", created_}, {"model", request_.model}};
 }
 
-nlohmann::json ResponseFormatter::UsageJson(const Usage& u) const {
+ojson ResponseFormatter::UsageJson(const Usage& u) const {
   return {{"prompt_tokens", u.prompt_tokens},
           {"completion_tokens", u.completion_tokens},
           {"total_tokens", u.prompt_tokens + u.completion_tokens},
           {"prompt_tokens_details", {{"cached_tokens", u.cached_tokens}}}};
 }
 
-nlohmann::json ResponseFormatter::Logprobs(const std::vector<TokenPiece>& pieces,
-                                           size_t text_offset,
-                                           const std::vector<TokenPiece>* prompt) const {
+ojson ResponseFormatter::Logprobs(const std::vector<TokenPiece>& pieces, size_t text_offset,
+                                  const std::vector<TokenPiece>* prompt) const {
   if (!request_.sampling.logprobs) return nullptr;
   if (request_.endpoint == Endpoint::kChatCompletions) {
-    nlohmann::json content = nlohmann::json::array();
+    ojson content = ojson::array();
     for (const auto& p : pieces) {
-      nlohmann::json top = nlohmann::json::array();
+      ojson top = ojson::array();
       for (const auto& [tok, lp] : p.top_logprobs) {
         top.push_back({{"token", Utf8Text(tok)}, {"logprob", Logprob(lp)}, {"bytes", Bytes(tok)}});
       }
@@ -775,8 +775,8 @@ nlohmann::json ResponseFormatter::Logprobs(const std::vector<TokenPiece>& pieces
     }
     return {{"content", content}};
   }
-  nlohmann::json tokens = nlohmann::json::array(), token_logprobs = nlohmann::json::array(),
-                 top_logprobs = nlohmann::json::array(), offsets = nlohmann::json::array();
+  ojson tokens = ojson::array(), token_logprobs = ojson::array(), top_logprobs = ojson::array(),
+        offsets = ojson::array();
   size_t offset = text_offset;
   auto add = [&](const TokenPiece& p) {
     tokens.push_back(Utf8Text(p.token_text));
@@ -785,15 +785,19 @@ nlohmann::json ResponseFormatter::Logprobs(const std::vector<TokenPiece>& pieces
       top_logprobs.push_back(nullptr);
     } else {
       token_logprobs.push_back(Logprob(*p.logprob));
-      nlohmann::json top = nlohmann::json::object();
-      for (const auto& [tok, lp] : p.top_logprobs) top[Utf8Text(tok)] = Logprob(lp);
+      // Most likely first, as OpenAI and vLLM order them (clients read the
+      // first key as the top token); of tokens whose texts are the same the
+      // most likely one is kept.
+      ojson top = ojson::object();
+      for (const auto& [tok, lp] : p.top_logprobs) top.emplace(Utf8Text(tok), Logprob(lp));
       // The chosen token is always among them (up to logprobs + 1 entries),
-      // as OpenAI's legacy completions and vLLM give it.
+      // as OpenAI's legacy completions and vLLM give it: last when it is
+      // not one of the most likely.
       top.emplace(Utf8Text(p.token_text), Logprob(*p.logprob));
       top_logprobs.push_back(top);
     }
     offsets.push_back(offset);
-    offset += p.text.size();
+    offset += TextOffsetLength(p.text);
   };
   if (prompt != nullptr) {
     for (const auto& p : *prompt) add(p);
@@ -807,8 +811,8 @@ nlohmann::json ResponseFormatter::Logprobs(const std::vector<TokenPiece>& pieces
 
 namespace {
 // The values are valid UTF-8 already; replace() is the net for any that is not.
-std::string Sse(const nlohmann::json& j) {
-  return "data: " + j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n\n";
+std::string Sse(const ojson& j) {
+  return "data: " + j.dump(-1, ' ', false, ojson::error_handler_t::replace) + "\n\n";
 }
 std::string JoinRaw(const std::vector<TokenPiece>& pieces) {
   std::string text;
@@ -820,7 +824,7 @@ std::string JoinText(const std::vector<TokenPiece>& pieces) { return Utf8Text(Jo
 
 // With stream_options.include_usage every chunk but the last carries
 // "usage": null, as OpenAI sends them.
-std::string ResponseFormatter::Chunk(nlohmann::json j) const {
+std::string ResponseFormatter::Chunk(ojson j) const {
   if (request_.include_usage) j["usage"] = nullptr;
   return Sse(j);
 }
@@ -834,17 +838,17 @@ std::string ResponseFormatter::StreamStart(int n, const std::string& prompt_text
     // its logprobs with the prompt's.
     const bool scored = prompt_pieces != nullptr && !prompt_pieces->empty();
     for (int index = 0; index < n; ++index) {
-      nlohmann::json j = Envelope("text_completion");
+      ojson j = Envelope("text_completion");
       j["choices"] = {{{"index", index},
                        {"text", Utf8Text(prompt_text)},
-                       {"logprobs", scored ? Logprobs(*prompt_pieces, 0) : nlohmann::json()},
+                       {"logprobs", scored ? Logprobs(*prompt_pieces, 0) : ojson()},
                        {"finish_reason", nullptr}}};
       out += Chunk(j);
     }
     return out;
   }
   for (int index = 0; index < n; ++index) {
-    nlohmann::json j = Envelope("chat.completion.chunk");
+    ojson j = Envelope("chat.completion.chunk");
     j["choices"] = {{{"index", index},
                      {"delta", {{"role", "assistant"}, {"content", ""}}},
                      {"logprobs", nullptr},
@@ -859,14 +863,14 @@ std::string ResponseFormatter::StreamDelta(const std::vector<TokenPiece>& pieces
   const std::string text = JoinText(pieces);
   if (text.empty() && !request_.sampling.logprobs) return "";
   if (request_.endpoint == Endpoint::kChatCompletions) {
-    nlohmann::json j = Envelope("chat.completion.chunk");
+    ojson j = Envelope("chat.completion.chunk");
     j["choices"] = {{{"index", index},
                      {"delta", {{"content", text}}},
                      {"logprobs", Logprobs(pieces, 0)},
                      {"finish_reason", nullptr}}};
     return Chunk(j);
   }
-  nlohmann::json j = Envelope("text_completion");
+  ojson j = Envelope("text_completion");
   j["choices"] = {{{"index", index},
                    {"text", text},
                    {"logprobs", Logprobs(pieces, text_offset)},
@@ -877,7 +881,7 @@ std::string ResponseFormatter::StreamDelta(const std::vector<TokenPiece>& pieces
 std::string ResponseFormatter::StreamText(const std::string& text, int index) const {
   if (text.empty()) return "";
   const bool chat = request_.endpoint == Endpoint::kChatCompletions;
-  nlohmann::json choice = {{"index", index}};
+  ojson choice = {{"index", index}};
   if (chat) {
     choice["delta"] = {{"content", Utf8Text(text)}};
   } else {
@@ -885,14 +889,14 @@ std::string ResponseFormatter::StreamText(const std::string& text, int index) co
   }
   choice["logprobs"] = Logprobs({}, 0);
   choice["finish_reason"] = nullptr;
-  nlohmann::json j = Envelope(chat ? "chat.completion.chunk" : "text_completion");
+  ojson j = Envelope(chat ? "chat.completion.chunk" : "text_completion");
   j["choices"] = {choice};
   return Chunk(j);
 }
 
 std::string ResponseFormatter::StreamContent(const std::string& text, int index) const {
   if (text.empty()) return "";
-  nlohmann::json j = Envelope("chat.completion.chunk");
+  ojson j = Envelope("chat.completion.chunk");
   j["choices"] = {{{"index", index},
                    {"delta", {{"content", Utf8Text(text)}}},
                    {"logprobs", nullptr},
@@ -901,7 +905,7 @@ std::string ResponseFormatter::StreamContent(const std::string& text, int index)
 }
 
 namespace {
-nlohmann::json ToolCallJson(const ToolCall& c) {
+ojson ToolCallJson(const ToolCall& c) {
   return {{"id", c.id},
           {"type", "function"},
           {"function", {{"name", Utf8Text(c.name)}, {"arguments", Utf8Text(c.arguments)}}}};
@@ -912,11 +916,11 @@ std::string ResponseFormatter::StreamToolCalls(const std::vector<ToolCall>& call
                                                size_t first_index, int index) const {
   std::string out;
   for (size_t k = 0; k < calls.size(); ++k) {
-    nlohmann::json call = ToolCallJson(calls[k]);
+    ojson call = ToolCallJson(calls[k]);
     call["index"] = first_index + k;
-    nlohmann::json j = Envelope("chat.completion.chunk");
+    ojson j = Envelope("chat.completion.chunk");
     j["choices"] = {{{"index", index},
-                     {"delta", {{"tool_calls", nlohmann::json::array({call})}}},
+                     {"delta", {{"tool_calls", ojson::array({call})}}},
                      {"logprobs", nullptr},
                      {"finish_reason", nullptr}}};
     out += Chunk(j);
@@ -927,14 +931,14 @@ std::string ResponseFormatter::StreamToolCalls(const std::vector<ToolCall>& call
 std::string ResponseFormatter::StreamChoiceFinish(const std::string& finish_reason,
                                                   int index) const {
   if (request_.endpoint == Endpoint::kChatCompletions) {
-    nlohmann::json j = Envelope("chat.completion.chunk");
+    ojson j = Envelope("chat.completion.chunk");
     j["choices"] = {{{"index", index},
-                     {"delta", nlohmann::json::object()},
+                     {"delta", ojson::object()},
                      {"logprobs", nullptr},
                      {"finish_reason", finish_reason}}};
     return Chunk(j);
   }
-  nlohmann::json j = Envelope("text_completion");
+  ojson j = Envelope("text_completion");
   j["choices"] = {
       {{"index", index}, {"text", ""}, {"logprobs", nullptr}, {"finish_reason", finish_reason}}};
   return Chunk(j);
@@ -943,10 +947,9 @@ std::string ResponseFormatter::StreamChoiceFinish(const std::string& finish_reas
 std::string ResponseFormatter::StreamEnd(const Usage& usage) const {
   std::string out;
   if (request_.include_usage) {
-    nlohmann::json j =
-        Envelope(request_.endpoint == Endpoint::kChatCompletions ? "chat.completion.chunk"
-                                                                 : "text_completion");
-    j["choices"] = nlohmann::json::array();
+    ojson j = Envelope(request_.endpoint == Endpoint::kChatCompletions ? "chat.completion.chunk"
+                                                                       : "text_completion");
+    j["choices"] = ojson::array();
     j["usage"] = UsageJson(usage);
     out += Sse(j);
   }
@@ -960,24 +963,21 @@ std::string ResponseFormatter::StreamFinish(const std::string& finish_reason,
 }
 
 std::string ResponseFormatter::StreamError(const ApiError& error) {
-  nlohmann::json err = {
-      {"message", error.message},
-      {"type", error.type},
-      {"param", error.param.empty() ? nlohmann::json(nullptr) : nlohmann::json(error.param)},
-      {"code", error.code.empty() ? nlohmann::json(nullptr) : nlohmann::json(error.code)}};
+  ojson err = {{"message", error.message},
+               {"type", error.type},
+               {"param", error.param.empty() ? ojson(nullptr) : ojson(error.param)},
+               {"code", error.code.empty() ? ojson(nullptr) : ojson(error.code)}};
   return Sse({{"error", err}}) + "data: [DONE]\n\n";
 }
 
-nlohmann::json ResponseFormatter::Choice(const std::string& prompt_text,
-                                         const ChoiceOutput& c) const {
+ojson ResponseFormatter::Choice(const std::string& prompt_text, const ChoiceOutput& c) const {
   const std::vector<TokenPiece>& pieces = *c.pieces;
   if (request_.endpoint == Endpoint::kChatCompletions) {
-    nlohmann::json message = {{"role", "assistant"}, {"content", JoinText(pieces)}};
+    ojson message = {{"role", "assistant"}, {"content", JoinText(pieces)}};
     if (c.tools && !c.tools->calls.empty()) {
       const bool blank = c.tools->content.find_first_not_of(" \t\r\n") == std::string::npos;
-      message["content"] =
-          blank ? nlohmann::json(nullptr) : nlohmann::json(Utf8Text(c.tools->content));
-      message["tool_calls"] = nlohmann::json::array();
+      message["content"] = blank ? ojson(nullptr) : ojson(Utf8Text(c.tools->content));
+      message["tool_calls"] = ojson::array();
       for (const ToolCall& call : c.tools->calls)
         message["tool_calls"].push_back(ToolCallJson(call));
     }
@@ -987,13 +987,13 @@ nlohmann::json ResponseFormatter::Choice(const std::string& prompt_text,
             {"finish_reason", Utf8Text(c.finish_reason)}};
   }
   const std::string prefix = request_.echo ? prompt_text : "";
-  nlohmann::json logprobs;
+  ojson logprobs;
   if (request_.echo && c.prompt_pieces != nullptr && !c.prompt_pieces->empty()) {
     // The prompt's scored tokens, then the output's: offsets run on from
     // the prompt's pieces.
     logprobs = Logprobs(pieces, 0, c.prompt_pieces);
   } else {
-    logprobs = Logprobs(pieces, prefix.size());
+    logprobs = Logprobs(pieces, TextOffsetLength(prefix));
   }
   return {{"index", c.index},
           {"text", Utf8Text(prefix + JoinRaw(pieces))},
@@ -1001,21 +1001,21 @@ nlohmann::json ResponseFormatter::Choice(const std::string& prompt_text,
           {"finish_reason", Utf8Text(c.finish_reason)}};
 }
 
-nlohmann::json ResponseFormatter::Complete(const std::string& prompt_text,
-                                           const std::vector<ChoiceOutput>& choices,
-                                           const Usage& usage) const {
-  nlohmann::json j = Envelope(request_.endpoint == Endpoint::kChatCompletions ? "chat.completion"
-                                                                              : "text_completion");
-  j["choices"] = nlohmann::json::array();
+ojson ResponseFormatter::Complete(const std::string& prompt_text,
+                                  const std::vector<ChoiceOutput>& choices,
+                                  const Usage& usage) const {
+  ojson j = Envelope(request_.endpoint == Endpoint::kChatCompletions ? "chat.completion"
+                                                                     : "text_completion");
+  j["choices"] = ojson::array();
   for (const ChoiceOutput& c : choices) j["choices"].push_back(Choice(prompt_text, c));
   j["usage"] = UsageJson(usage);
   return j;
 }
 
-nlohmann::json ResponseFormatter::Complete(const std::string& prompt_text,
-                                           const std::vector<TokenPiece>& pieces,
-                                           const std::string& finish_reason, const Usage& usage,
-                                           const ToolOutcome* tools) const {
+ojson ResponseFormatter::Complete(const std::string& prompt_text,
+                                  const std::vector<TokenPiece>& pieces,
+                                  const std::string& finish_reason, const Usage& usage,
+                                  const ToolOutcome* tools) const {
   return Complete(prompt_text, {ChoiceOutput{0, &pieces, finish_reason, tools}}, usage);
 }
 

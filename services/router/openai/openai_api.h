@@ -71,6 +71,8 @@ struct ApiRequest {
   int best_of = 0;
   // max_tokens as given (nullopt: the router fills in the endpoint default).
   std::optional<int> max_tokens;
+  // The field max_tokens came from, for errors about it.
+  std::string max_tokens_param = "max_tokens";
   SamplingParams sampling;     // max_tokens is filled by the router once the prompt length is known
   bool chat_logprobs = false;  // chat: logprobs=true (top_logprobs in sampling.logprobs)
   std::string user;
@@ -121,6 +123,11 @@ struct ToolOutcome {
   std::vector<ToolCall> calls;
 };
 
+// How far completions' logprobs.text_offset moves over `text`: its
+// characters (code points) as the client gets them, invalid UTF-8 repaired
+// with U+FFFD, as OpenAI and vLLM count them (not bytes).
+size_t TextOffsetLength(std::string_view text);
+
 // Builds the bodies for one request: non-streaming JSON, or SSE events.
 class ResponseFormatter {
  public:
@@ -135,8 +142,9 @@ class ResponseFormatter {
   std::string StreamStart(int n = 1, const std::string& prompt_text = "",
                           const std::vector<TokenPiece>* prompt_pieces = nullptr) const;
   // Streaming: one event carrying `text` (and logprobs when requested) for
-  // choice `index`; `text_offset`: how many bytes of text the choice has
-  // streamed before (completions' logprobs.text_offset counts from there).
+  // choice `index`; `text_offset`: the TextOffsetLength of the text the
+  // choice has streamed before (completions' logprobs.text_offset counts
+  // from there).
   std::string StreamDelta(const std::vector<TokenPiece>& pieces, int index = 0,
                           size_t text_offset = 0) const;
   // Streaming: text of choice `index` that came without a token of its own
@@ -159,9 +167,10 @@ class ResponseFormatter {
 
   // Non-streaming: the whole response object. `tools`: a chat choice's
   // content and tool calls, which replace the text of `pieces`.
-  nlohmann::json Complete(const std::string& prompt_text, const std::vector<TokenPiece>& pieces,
-                          const std::string& finish_reason, const Usage& usage,
-                          const ToolOutcome* tools = nullptr) const;
+  nlohmann::ordered_json Complete(const std::string& prompt_text,
+                                  const std::vector<TokenPiece>& pieces,
+                                  const std::string& finish_reason, const Usage& usage,
+                                  const ToolOutcome* tools = nullptr) const;
   // Several choices (n > 1), in the order given.
   struct ChoiceOutput {
     int index = 0;
@@ -172,18 +181,19 @@ class ResponseFormatter {
     // whose logprobs come first (null or empty: none came).
     const std::vector<TokenPiece>* prompt_pieces = nullptr;
   };
-  nlohmann::json Complete(const std::string& prompt_text, const std::vector<ChoiceOutput>& choices,
-                          const Usage& usage) const;
+  nlohmann::ordered_json Complete(const std::string& prompt_text,
+                                  const std::vector<ChoiceOutput>& choices,
+                                  const Usage& usage) const;
 
  private:
   // `prompt` (completions with echo): the prompt's scored pieces, listed
   // before `pieces`, offsets counted from the first of them.
-  nlohmann::json Logprobs(const std::vector<TokenPiece>& pieces, size_t text_offset,
-                          const std::vector<TokenPiece>* prompt = nullptr) const;
-  nlohmann::json Choice(const std::string& prompt_text, const ChoiceOutput& c) const;
-  nlohmann::json UsageJson(const Usage& usage) const;
-  nlohmann::json Envelope(const char* object) const;
-  std::string Chunk(nlohmann::json chunk) const;
+  nlohmann::ordered_json Logprobs(const std::vector<TokenPiece>& pieces, size_t text_offset,
+                                  const std::vector<TokenPiece>* prompt = nullptr) const;
+  nlohmann::ordered_json Choice(const std::string& prompt_text, const ChoiceOutput& c) const;
+  nlohmann::ordered_json UsageJson(const Usage& usage) const;
+  nlohmann::ordered_json Envelope(const char* object) const;
+  std::string Chunk(nlohmann::ordered_json chunk) const;
 
   const ApiRequest& request_;
   std::string id_;

@@ -43,9 +43,11 @@ std::optional<PromptBatchSplit> SplitPromptBatch(const std::string& body, ApiErr
       return std::nullopt;
     }
   }
-  if (auto n = j.find("n"); n != j.end() && n->is_number_integer() && n->get<int64_t>() > 0 &&
-                            n->get<int64_t>() <= 1024) {
-    split.choices_per_prompt = static_cast<int>(n->get<int64_t>());
+  // n as ParseRequest reads it (2.0 is 2); a value it refuses fails the
+  // first prompt, so what is kept here for one out of range does not matter.
+  if (auto n = j.find("n"); n != j.end()) {
+    if (const std::optional<int64_t> value = AsInt64(*n); value && *value > 0 && *value <= 1024)
+      split.choices_per_prompt = static_cast<int>(*value);
   }
   if (auto s = j.find("stream"); s != j.end() && s->is_boolean()) split.stream = s->get<bool>();
   const ordered_json prompts = std::move(*prompt);
@@ -69,7 +71,11 @@ struct PromptBatch::State {
   size_t done = 0;                                   // prompts whose answer is in
   std::vector<bool> prompt_done;                     // by prompt
   std::vector<std::optional<ordered_json>> replies;  // not streamed: each prompt's body
-  ordered_json usage_event;                          // streamed: the last usage event seen
+  http::Headers first_reply_headers;                 // not streamed: prompt 0's (x-request-id)
+  // Streamed: the id and created of the first event, which every event of
+  // the batch carries (one stream is one response to its client).
+  ordered_json stream_id, stream_created;
+  ordered_json usage_event;  // streamed: the last usage event seen
   int64_t prompt_tokens = 0, completion_tokens = 0, cached_tokens = 0;
   std::vector<std::vector<std::function<void()>>> gone_callbacks;  // by prompt
 
@@ -85,6 +91,15 @@ struct PromptBatch::State {
             {"completion_tokens", completion_tokens},
             {"total_tokens", prompt_tokens + completion_tokens},
             {"prompt_tokens_details", {{"cached_tokens", cached_tokens}}}};
+  }
+  // Under mu: the event one response's: the batch's id and created.
+  void UseStreamIdentity(ordered_json& event) {
+    if (stream_id.is_null()) {
+      stream_id = event.value("id", ordered_json());
+      stream_created = event.value("created", ordered_json());
+    }
+    if (!stream_id.is_null()) event["id"] = stream_id;
+    if (!stream_created.is_null()) event["created"] = stream_created;
   }
   void MoveChoiceIndexes(ordered_json& body, size_t prompt) const {
     auto choices = body.find("choices");
@@ -124,7 +139,7 @@ struct PromptBatch::State {
     ordered_json merged = std::move(*replies[0]);  // its id, object, created, model
     merged["choices"] = std::move(choices);
     merged["usage"] = Usage();
-    client->Reply({200, "application/json", {}, Dump(merged)});
+    client->Reply({200, "application/json", std::move(first_reply_headers), Dump(merged)});
   }
 
   // Under mu: a prompt answered with an error (`response`, not 200), which
@@ -157,9 +172,11 @@ struct PromptBatch::State {
       if (auto u = j.find("usage");
           u != j.end() && u->is_object() && j.value("choices", ordered_json::array()).empty()) {
         AddUsage(*u);  // one usage event for the batch, at its end
+        UseStreamIdentity(j);
         usage_event = std::move(j);
         continue;
       }
+      UseStreamIdentity(j);
       MoveChoiceIndexes(j, index);
       out += "data: " + Dump(j) + "\n\n";
     }
@@ -191,6 +208,7 @@ class PromptExchange : public http::Exchange {
       return;
     }
     state_->replies[index_] = std::move(j);
+    if (index_ == 0) state_->first_reply_headers = std::move(response.headers);
     state_->PromptDone(index_);
   }
 

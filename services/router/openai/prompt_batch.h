@@ -7,11 +7,14 @@
 // router serves each prompt as any other request (routing, retries, logs):
 // SplitPromptBatch makes one body per prompt, and PromptBatch hands out one
 // http::Exchange per prompt whose answers it merges into the client's.
-//  - Not streamed: one JSON object once every prompt answered; the first
-//    error any prompt gets is the answer instead (the others' are dropped).
+//  - Not streamed: one JSON object once every prompt answered, with the
+//    first prompt's id, created and headers (x-request-id); the first error
+//    any prompt gets is the answer instead (the others' are dropped).
 //  - Streamed: every prompt's events go to the client as they come, their
-//    choice indexes moved; one usage event (with include_usage) and one
-//    [DONE] end the stream once every prompt's stream ended.
+//    choice indexes moved and all with one id and created (the first
+//    event's), as one response's chunks; one usage event (with
+//    include_usage) and one [DONE] end the stream once every prompt's
+//    stream ended.
 // A client that leaves cancels every prompt's request. Once the batch has
 // failed, every prompt's exchange says client_gone(), so the router cancels
 // a prompt still running at its next token.

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <condition_variable>
+#include <cstdio>
 #include <mutex>
 #include <vector>
 
@@ -217,6 +218,12 @@ TEST_F(RouterServiceTest, TheContextLimitIsTheRegisteredWorkersOne) {
   error = nlohmann::json::parse(r.body)["error"];
   EXPECT_EQ(error["code"], "context_length_exceeded");
   EXPECT_EQ(error["param"], "max_tokens");
+  // The error names the field the client sent.
+  nlohmann::json newer = {
+      {"model", model_id_}, {"prompt", std::vector<int>(10, 5)}, {"max_completion_tokens", 55}};
+  r = pdserve::testing::HttpRequest(service_->http_port(), "POST", "/v1/completions", newer.dump());
+  EXPECT_EQ(r.status, 400);
+  EXPECT_EQ(nlohmann::json::parse(r.body)["error"]["param"], "max_completion_tokens");
 
   EXPECT_EQ(Complete(10, 54).status, 200);  // exactly 64 tokens
 
@@ -442,6 +449,18 @@ TEST_F(RouterServiceTest, ModelsAreRetrievedById) {
   auto model = nlohmann::json::parse(found.body);
   EXPECT_EQ(model["id"], model_id_);
   EXPECT_EQ(model["object"], "model");
+  // Clients send the id percent-encoded ("org%2Fname"); every byte encoded
+  // is the same id.
+  std::string encoded;
+  for (unsigned char c : model_id_) {
+    char hex[4];
+    std::snprintf(hex, sizeof hex, "%%%02X", c);
+    encoded += hex;
+  }
+  auto found_encoded =
+      pdserve::testing::HttpRequest(service_->http_port(), "GET", "/v1/models/" + encoded);
+  ASSERT_EQ(found_encoded.status, 200) << found_encoded.body;
+  EXPECT_EQ(nlohmann::json::parse(found_encoded.body)["id"], model_id_);
   auto missing = pdserve::testing::HttpRequest(service_->http_port(), "GET", "/v1/models/nope");
   EXPECT_EQ(missing.status, 404);
   auto error = nlohmann::json::parse(missing.body)["error"];

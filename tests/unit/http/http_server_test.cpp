@@ -95,6 +95,19 @@ std::string Fetch(int port, const std::string& request) {
   return r;
 }
 
+// Path parameters as clients encode them: "%XY" is the byte, nothing else
+// changes, a '%' without two hex digits is refused.
+TEST(PercentDecodeTest, DecodesEscapesAndRefusesBrokenOnes) {
+  EXPECT_EQ(PercentDecode("org%2Fname"), "org/name");
+  EXPECT_EQ(PercentDecode("a%2fb%20c+d"), "a/b c+d");
+  EXPECT_EQ(PercentDecode("%C3%A9"), "\xC3\xA9");
+  EXPECT_EQ(PercentDecode("%00"), std::string(1, '\0'));
+  EXPECT_EQ(PercentDecode(""), "");
+  EXPECT_EQ(PercentDecode("%"), std::nullopt);
+  EXPECT_EQ(PercentDecode("a%2"), std::nullopt);
+  EXPECT_EQ(PercentDecode("%zz"), std::nullopt);
+  EXPECT_EQ(PercentDecode("%%41"), std::nullopt);
+}
 TEST(HttpServerTest, EchoAndKeepAlive) {
   Server server({.host = "127.0.0.1"}, [](const Request& req, std::shared_ptr<Exchange> ex) {
     Response r;

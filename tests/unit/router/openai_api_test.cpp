@@ -92,6 +92,11 @@ TEST(OpenAiApiTest, PromptForms) {
   EXPECT_EQ(ParseOk(Endpoint::kCompletions, R"({"prompt":[1,2,3]})").prompt_ids,
             (std::vector<TokenId>{1, 2, 3}));
   EXPECT_EQ(ParseOk(Endpoint::kCompletions, R"({"prompt":["one"]})").prompt_text, "one");
+  // "" is a prompt (the router refuses one that tokenizes to nothing); an
+  // empty or null suffix asks for nothing.
+  EXPECT_EQ(ParseOk(Endpoint::kCompletions, R"({"prompt":""})").prompt_text, "");
+  EXPECT_EQ(ParseOk(Endpoint::kCompletions, R"({"prompt":"a","suffix":""})").prompt_text, "a");
+  EXPECT_EQ(ParseOk(Endpoint::kCompletions, R"({"prompt":"a","suffix":null})").prompt_text, "a");
   EXPECT_EQ(ParseOk(Endpoint::kCompletions, R"({"prompt":[[4,5]]})").prompt_ids,
             (std::vector<TokenId>{4, 5}));
   // Several prompts: left to the router to split, marked by their code.
@@ -193,7 +198,8 @@ TEST(OpenAiApiTest, BadInputTable) {
       {C, R"({"model":"gpt-9","prompt":"x"})", 404, "model"},      // unknown model
       {C, R"({"model":5,"prompt":"x"})", 400, "model"},            // wrong type
       {C, R"({})", 400, "prompt"},                                 // missing prompt
-      {C, R"({"prompt":""})", 400, "prompt"},                      // empty prompt
+      {C, R"({"prompt":"a","suffix":"b"})", 400, "suffix"},        // insertion
+      {C, R"({"prompt":"a","suffix":5})", 400, "suffix"},          // wrong type
       {C, R"({"prompt":[]})", 400, "prompt"},                      // empty ids
       {C, R"({"prompt":["a","b"]})", 400, "prompt"},               // batch
       {C, R"({"prompt":[1,-2]})", 400, "prompt"},                  // negative id
@@ -335,7 +341,8 @@ TEST(OpenAiApiTest, CompletionsTopLogprobsHoldTheChosenToken) {
   auto req = ParseOk(Endpoint::kCompletions, R"({"prompt":"Hi","logprobs":1})");
   ResponseFormatter fmt(req, "cmpl-1", 1700000000);
   const auto lp = fmt.Complete("Hi", pieces, "length", {2, 2, 0})["choices"][0]["logprobs"];
-  EXPECT_EQ(lp["top_logprobs"][0], (nlohmann::json{{"?", -0.125}, {"!", -2.5}}));
+  // Most likely first: the chosen token, outside the top one, comes last.
+  EXPECT_EQ(lp["top_logprobs"][0], (nlohmann::ordered_json{{"?", -0.125}, {"!", -2.5}}));
   EXPECT_EQ(lp["top_logprobs"][1], (nlohmann::json{{".", -0.25}}));
   const auto event = nlohmann::json::parse(fmt.StreamDelta({pieces[0]}).substr(6));
   EXPECT_EQ(event["choices"][0]["logprobs"]["top_logprobs"][0],
@@ -417,6 +424,41 @@ TEST(OpenAiApiTest, StreamedTextOffsetsContinueAcrossChunks) {
   EXPECT_EQ(a["choices"][0]["logprobs"]["text_offset"], (nlohmann::json{0}));
   EXPECT_EQ(b["choices"][0]["logprobs"]["text_offset"], (nlohmann::json{3, 6}));
   EXPECT_EQ(b["choices"][0]["logprobs"]["tokens"], (nlohmann::json{"llo", " x"}));
+}
+
+// Completions' logprobs as OpenAI and vLLM give them: text_offset counts
+// characters of the text the client gets (not bytes), and each top_logprobs
+// object lists the most likely token first (clients read the first key as
+// the top token), the chosen one last when it is not among them.
+TEST(OpenAiApiTest, TextOffsetsCountCharactersAndTopLogprobsComeMostLikelyFirst) {
+  EXPECT_EQ(TextOffsetLength("h\xC3\xA9llo"), 5u);
+  EXPECT_EQ(TextOffsetLength("\xF0\x9F\x98\x80"), 1u);  // one emoji
+  EXPECT_EQ(TextOffsetLength("a\xFF"), 2u);             // repaired: U+FFFD
+  auto req = ParseOk(Endpoint::kCompletions, R"({"prompt":"h\u00e9llo","logprobs":2,"echo":true})");
+  ResponseFormatter fmt(req, "cmpl-1", 1700000000);
+  std::vector<TokenPiece> pieces = {
+      {5, "\xC3\xB6", "\xC3\xB6", -0.1f, {{"\xC3\xB6", -0.1f}, {"a", -2.5f}}},
+      {6, "x", "x", -3.0f, {{"zz", -0.2f}, {"b", -1.0f}}}};
+  const std::string prompt = "h\xC3\xA9llo";
+  const std::string body = fmt.Complete(prompt, pieces, "length", {5, 2, 0}).dump();
+  const auto j = nlohmann::ordered_json::parse(body);  // in the order the client reads it
+  const auto& lp = j["choices"][0]["logprobs"];
+  EXPECT_EQ(j["choices"][0]["text"], "h\xC3\xA9llo\xC3\xB6x");
+  EXPECT_EQ(lp["text_offset"], (nlohmann::ordered_json{5, 6}));
+  auto keys = [](const nlohmann::ordered_json& top) {
+    std::vector<std::string> out;
+    for (const auto& [key, value] : top.items()) out.push_back(key);
+    return out;
+  };
+  EXPECT_EQ(keys(lp["top_logprobs"][0]), (std::vector<std::string>{"\xC3\xB6", "a"}));
+  EXPECT_EQ(keys(lp["top_logprobs"][1]), (std::vector<std::string>{"zz", "b", "x"}));
+  // Streamed, offsets continue from the characters streamed before.
+  const std::string event =
+      fmt.StreamDelta(pieces, 0, TextOffsetLength(prompt)).substr(6);  // after "data: "
+  const auto streamed = nlohmann::ordered_json::parse(event.substr(0, event.find("\n\n")));
+  EXPECT_EQ(streamed["choices"][0]["logprobs"]["text_offset"], (nlohmann::ordered_json{5, 6}));
+  EXPECT_EQ(keys(streamed["choices"][0]["logprobs"]["top_logprobs"][1]),
+            (std::vector<std::string>{"zz", "b", "x"}));
 }
 
 // A message that can be echoed in any JSON and any log: printable ASCII.

@@ -55,6 +55,10 @@ TEST(PromptBatchTest, SplitsBatchesAndLeavesSinglePromptsAlone) {
   EXPECT_TRUE(split->stream);
   EXPECT_EQ(json::parse(split->bodies[1])["prompt"], "b");
   EXPECT_EQ(json::parse(split->bodies[1])["max_tokens"], 3);
+  // n as the parser reads it: 2.0 is 2, so the choices are numbered 0..3.
+  auto float_n = SplitPromptBatch(R"({"prompt":["a","b"],"n":2.0})", &error);
+  ASSERT_TRUE(float_n.has_value());
+  EXPECT_EQ(float_n->choices_per_prompt, 2);
   auto ids = SplitPromptBatch(R"({"prompt":[[1,2],[3]]})", &error);
   ASSERT_TRUE(ids.has_value());
   EXPECT_EQ(json::parse(ids->bodies[0])["prompt"], json({1, 2}));
@@ -98,11 +102,16 @@ TEST(PromptBatchTest, RepliesMergeInPromptOrderWhateverOrderTheyCome) {
   split.choices_per_prompt = 2;
   PromptBatch batch(client, split);
   auto second = batch.ExchangeFor(1), first = batch.ExchangeFor(0);
-  second->Reply({200, "application/json", {}, Answer("b", 5).dump()});
+  json answer_b = Answer("b", 5);
+  answer_b["id"] = "cmpl-b";
+  second->Reply({200, "application/json", {{"x-request-id", "rid-b"}}, answer_b.dump()});
   EXPECT_EQ(client->replies, 0);
-  first->Reply({200, "application/json", {}, Answer("a", 3).dump()});
+  first->Reply({200, "application/json", {{"x-request-id", "rid-a"}}, Answer("a", 3).dump()});
   ASSERT_EQ(client->replies, 1);
+  // The first prompt's id and headers: the client's request id comes back.
+  EXPECT_EQ(client->reply.headers, (http::Headers{{"x-request-id", "rid-a"}}));
   json merged = json::parse(client->reply.body);
+  EXPECT_EQ(merged["id"], "cmpl-x");
   ASSERT_EQ(merged["choices"].size(), 4u);
   EXPECT_EQ(merged["choices"][0]["text"], "a");
   EXPECT_EQ(merged["choices"][1]["text"], "a!");
@@ -138,9 +147,12 @@ TEST(PromptBatchTest, StreamsMoveIndexesAndEndWithOneUsageAndOneDone) {
   split.stream = true;
   PromptBatch batch(client, split);
   auto a = batch.ExchangeFor(0), b = batch.ExchangeFor(1);
+  // Each prompt's request has its own id and created: the client sees one.
   auto chunk = [](int index, const std::string& text) {
     return "data: " +
-           json({{"object", "text_completion"},
+           json({{"id", "cmpl-" + text},
+                 {"created", text == "x" ? 100 : 101},
+                 {"object", "text_completion"},
                  {"choices", {{{"index", index}, {"text", text}, {"finish_reason", nullptr}}}},
                  {"usage", nullptr}})
                .dump() +
@@ -180,6 +192,10 @@ TEST(PromptBatchTest, StreamsMoveIndexesAndEndWithOneUsageAndOneDone) {
   EXPECT_EQ(events[1]["choices"][0]["index"], 1);
   EXPECT_EQ(events[2]["choices"][0]["text"], "z");
   EXPECT_EQ(events[2]["choices"][0]["index"], 1);
+  for (const json& event : events) {
+    EXPECT_EQ(event["id"], "cmpl-x") << event;
+    EXPECT_EQ(event["created"], 100) << event;
+  }
   EXPECT_EQ(events[3]["usage"]["prompt_tokens"], 7);
   EXPECT_EQ(events[3]["usage"]["total_tokens"], 9);
 }
