@@ -297,6 +297,8 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(const std::vector<Model*>& rank
   runner.max_num_seqs = options.max_num_seqs;
   runner.max_model_len = e->max_model_len_;
   runner.graphs = options.graphs;
+  // A checkpoint's logits rows past the tokenizer's ids are padding.
+  if (tokenizer != nullptr) runner.sampled_vocab = static_cast<int64_t>(tokenizer->vocab_size());
   auto executor = Executor::Create(ranks, pools, runner);
   if (!executor.ok()) return executor.status();
   e->executor_ = std::move(*executor);

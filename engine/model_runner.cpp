@@ -109,8 +109,10 @@ StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(Model* model,
   r->device_tables_ =
       static_cast<int32_t*>(b->Allocate(G * r->table_rows_ * r->table_width_ * sizeof(int32_t)));
   r->device_tokens_ = static_cast<int32_t*>(b->Allocate(R * sizeof(int32_t)));
+  r->sampled_vocab_ =
+      options.sampled_vocab > 0 ? std::min(options.sampled_vocab, c.vocab_size) : c.vocab_size;
   // Only sampled rows are sampled: the prompt-logprob rows are read back whole.
-  PDSERVE_RETURN_IF_ERROR(r->sampling_.Allocate(b, R - kMaxPromptLogprobRows, c.vocab_size));
+  PDSERVE_RETURN_IF_ERROR(r->sampling_.Allocate(b, R - kMaxPromptLogprobRows, r->sampled_vocab_));
   if (r->host_ == nullptr || r->device_ == nullptr || r->device_tables_ == nullptr ||
       r->device_tokens_ == nullptr) {
     return Status::ResourceExhausted("model runner: out of memory for the step's inputs");
@@ -331,7 +333,7 @@ StatusOr<std::vector<SampledToken>> ModelRunner::Execute(std::span<const Schedul
                                        : n * sizeof(kernels::SampleRowParams);
     backend_->UploadAsync(sb.device, sb.host_in, in_bytes);
     const kernels::SampleRowsOutput out = sb.Output(sb.device + sb.out);
-    backend_->SampleRows(model_->logits(logit_rows),
+    backend_->SampleRows(SampledLogits(logit_rows),
                          reinterpret_cast<const kernels::SampleRowParams*>(sb.device), n,
                          reinterpret_cast<const uint64_t*>(sb.device + sb.masks), sb.words, out);
     const size_t out_bytes = logprobs ? sb.top_ids + n * kernels::kMaxTopLogprobs * sizeof(int32_t)
@@ -362,7 +364,7 @@ StatusOr<std::vector<SampledToken>> ModelRunner::Execute(std::span<const Schedul
       out.push_back(std::move(token));
       continue;
     }
-    out.push_back(SampledTokenOf(got.tokens[j], NumTopLogprobs(*s.params, c.vocab_size),
+    out.push_back(SampledTokenOf(got.tokens[j], NumTopLogprobs(*s.params, sampled_vocab_),
                                  got.logprobs + j * kernels::kLogprobStride,
                                  got.top_ids + j * kernels::kMaxTopLogprobs));
     ++j;
@@ -370,9 +372,13 @@ StatusOr<std::vector<SampledToken>> ModelRunner::Execute(std::span<const Schedul
   for (int64_t i = 0, q = 0; i < S; ++i) {
     const ScheduledSeq& s = step[i];
     for (int64_t j = 0; j < PromptLogprobRows(s); ++j, ++q) {
-      const std::span<const float> row(prompt_logits.data() + q * c.vocab_size,
-                                       static_cast<size_t>(c.vocab_size));
-      out.push_back(ScoreToken(row, s.tokens[s.num_computed + j + 1], s.num_prompt_logprobs));
+      // A prompt token is scored among the ids that may be sampled, as a
+      // generated one is; one past them (a prompt of ids) among all.
+      const TokenId token = s.tokens[s.num_computed + j + 1];
+      const std::span<const float> row(
+          prompt_logits.data() + q * c.vocab_size,
+          static_cast<size_t>(token < sampled_vocab_ ? sampled_vocab_ : c.vocab_size));
+      out.push_back(ScoreToken(row, token, s.num_prompt_logprobs));
     }
   }
   return out;
@@ -470,9 +476,14 @@ void ModelRunner::AdjustSampledLogits(std::span<const ScheduledSeq> step, bool g
   const size_t bytes = adjustments_.size() * sizeof(kernels::LogitAdjustment);
   std::memcpy(adjust_host_, adjustments_.data(), bytes);
   backend_->UploadAsync(adjust_device_, adjust_host_, bytes);
-  const kernels::Tensor logits = model_->logits(logit_rows);
-  backend_->AdjustLogits(logits, adjust_device_, static_cast<int64_t>(adjustments_.size()));
-  backend_->ArgMaxRows(logits, device_tokens_);
+  backend_->AdjustLogits(model_->logits(logit_rows), adjust_device_,
+                         static_cast<int64_t>(adjustments_.size()));
+  backend_->ArgMaxRows(SampledLogits(logit_rows), device_tokens_);
+}
+
+kernels::Tensor ModelRunner::SampledLogits(int64_t rows) const {
+  const kernels::Tensor logits = model_->logits(rows);
+  return sampled_vocab_ < model_->config().vocab_size ? logits.Columns(0, sampled_vocab_) : logits;
 }
 
 Status ModelRunner::SamplingBuffers::Allocate(kernels::Backend* b, int64_t rows, int64_t vocab) {
@@ -634,7 +645,7 @@ void ModelRunner::Run(int64_t tokens, int64_t seqs, int64_t logits, int64_t max_
     in.num_logits = logits;
     in.logits_rows = reinterpret_cast<const int32_t*>(device_ + st.logits_rows);
     model_->Forward(in, plan);
-    if (logits > 0) backend_->ArgMaxRows(model_->logits(logits), device_tokens_);
+    if (logits > 0) backend_->ArgMaxRows(SampledLogits(logits), device_tokens_);
   };
   if (!graph) {
     queue();

@@ -59,6 +59,12 @@ struct RunnerOptions {
   // given whole (Forward) may want one per token.
   int64_t max_logits = 0;
   GraphMode graphs = GraphMode::kAuto;
+  // Ids below it may be sampled (greedy, sampled, their logprobs and top
+  // ones): the tokenizer's vocabulary. Logits rows past it are a
+  // checkpoint's padding (Qwen's 151,936 rows for 151,669 ids), which decode
+  // to nothing and are never chosen or listed. 0 (or past the model's
+  // vocabulary): every row of the model's.
+  int64_t sampled_vocab = 0;
   // Tensor parallelism (engine/executor.h): returns the bitwise AND of
   // `local` over the group's ranks, whose runners call it at the same
   // points in the same order, so that every rank takes the same path
@@ -213,6 +219,11 @@ class ModelRunner {
   // sampled sequence, or sequence k of a graph's step), then takes the
   // greedy ids again. Does nothing when no row asks for them.
   void AdjustSampledLogits(std::span<const ScheduledSeq> step, bool graph, int64_t logit_rows);
+  // The first `rows` rows of the logits, narrowed to the ids that may be
+  // sampled (RunnerOptions::sampled_vocab): what greedy choice and sampling
+  // read.
+  kernels::Tensor SampledLogits(int64_t rows) const;
+  int64_t sampled_vocab_ = 0;  // RunnerOptions::sampled_vocab, within the model's
   // Captures the decode graph of every bucket up to max_num_seqs on
   // padding rows, at creation, so that no request's step waits for a
   // capture (tens of milliseconds each on a GPU; vLLM captures at start

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdio>
 #include <filesystem>
@@ -90,6 +91,41 @@ TEST_F(GenerateCliTest, GenerateJsonIsDeterministicAndConsistent) {
                               " --prompt hi --max-tokens 4 --kv-dtype fp8 --temperature 0 --json");
   ASSERT_EQ(f.exit_code, 0);
   EXPECT_EQ(nlohmann::json::parse(f.out)["token_ids"].size(), 4u);
+}
+
+// A checkpoint with more logits rows than its tokenizer has ids (Qwen's
+// padding): the tiny model with its last three added tokens removed from
+// the tokenizer. Those rows decode to nothing and are never sampled; the
+// same sampling over the full tokenizer picks them (the model is random).
+TEST_F(GenerateCliTest, RowsPastTheTokenizerAreNeverSampled) {
+  const std::string padded = testing::NewTempDir("cli-padded") + "/model";
+  std::filesystem::copy(*dir_, padded);
+  for (const char* file : {"tokenizer.json", "tokenizer_config.json"}) {
+    nlohmann::json j = nlohmann::json::parse(Slurp(padded + "/" + file));
+    if (j.contains("added_tokens")) {
+      nlohmann::json kept = nlohmann::json::array();
+      for (const auto& t : j["added_tokens"])
+        if (t["id"].get<int>() < 509) kept.push_back(t);
+      j["added_tokens"] = kept;
+    }
+    if (j.contains("added_tokens_decoder")) {
+      for (const char* id : {"509", "510", "511"}) j["added_tokens_decoder"].erase(id);
+    }
+    std::ofstream(padded + "/" + file) << j.dump();
+  }
+  auto max_id = [](const std::string& model) {
+    const Result r = RunPdserve("generate --model " + model +
+                                " --prompt Hello --max-tokens 300 --temperature 1"
+                                " --ignore-eos --seed 1 --json --threads 1");
+    EXPECT_EQ(r.exit_code, 0) << r.out;
+    int most = -1;
+    const auto j = nlohmann::json::parse(r.out);
+    EXPECT_EQ(j["token_ids"].size(), 300u) << r.out;
+    for (const auto& id : j["token_ids"]) most = std::max(most, id.get<int>());
+    return most;
+  };
+  EXPECT_GE(max_id(*dir_), 509) << "the full tokenizer's last ids are sampled";
+  EXPECT_LT(max_id(padded), 509);
 }
 
 TEST_F(GenerateCliTest, BenchEngineRunsARealShapeFromConfigAloneWithDummyWeights) {

@@ -44,7 +44,8 @@ struct Rig {
   std::unique_ptr<ModelRunner> runner;
   uint32_t next_block = 0;
 
-  explicit Rig(GraphMode graphs, Model* model = testing::TinyCpuModel()) {
+  explicit Rig(GraphMode graphs, Model* model = testing::TinyCpuModel(),
+               int64_t sampled_vocab = 0) {
     auto p = KvCachePool::Create(model->backend(), model->config(), DType::kF32, 16, 4 << 20);
     EXPECT_TRUE(p.ok()) << p.status().ToString();
     pool = std::move(*p);
@@ -53,6 +54,7 @@ struct Rig {
     o.max_num_seqs = 8;
     o.max_model_len = 256;
     o.graphs = graphs;
+    o.sampled_vocab = sampled_vocab;
     auto r = ModelRunner::Create(model, pool->layout(), pool->base(), o);
     EXPECT_TRUE(r.ok()) << r.status().ToString();
     runner = std::move(*r);
@@ -265,6 +267,63 @@ TEST(ModelRunnerTest, MaskedRowsSampleOnlyAllowedTokens) {
     seqs[0].params.ignore_eos = true;
     rig.Step(seqs);
     EXPECT_EQ(decode(rig, seqs[0], mask).token, last);
+  }
+}
+
+// Logits rows past the tokenizer's ids (a checkpoint's padding) are never
+// chosen, greedy or sampled, nor listed among the top logprobs, however
+// likely the model makes them: here +100 on the last three of 512 rows,
+// which a runner over the whole vocabulary then always picks.
+TEST(ModelRunnerTest, PaddingRowsPastTheTokenizerAreNeverChosen) {
+  const int64_t vocab = testing::TinyCpuModel()->config().vocab_size;
+  const int64_t tokenizer_vocab = vocab - 3;
+  for (GraphMode mode : {GraphMode::kOff, GraphMode::kAlways}) {
+    SCOPED_TRACE(mode == GraphMode::kOff ? "eager" : "graphs");
+    for (int64_t sampled_vocab : {int64_t{0}, tokenizer_vocab}) {
+      SCOPED_TRACE("sampled_vocab " + std::to_string(sampled_vocab));
+      Rig rig(mode, testing::TinyCpuModel(), sampled_vocab);
+      std::vector<Seq> seqs = {{1, Prompt(9, 5), 0, {}, {}}, {2, Prompt(7, 6), 0, {}, {}}};
+      for (Seq& s : seqs) {
+        s.params.ignore_eos = true;
+        for (auto t = static_cast<TokenId>(tokenizer_vocab); t < vocab; ++t)
+          s.params.logit_bias.push_back({t, 100.0f});
+      }
+      seqs[0].params.temperature = 0;  // greedy: the step's argmax
+      seqs[1].params.temperature = 2;  // sampled, with its top logprobs
+      seqs[1].params.logprobs = 5;
+      for (int step = 0; step < 24; ++step) {
+        const std::vector<TokenId> got = rig.Step(seqs);
+        for (TokenId t : got) {
+          if (sampled_vocab == 0) {
+            EXPECT_GE(t, tokenizer_vocab) << "the bias makes a padding row the likeliest";
+          } else {
+            EXPECT_LT(t, tokenizer_vocab);
+          }
+        }
+      }
+    }
+    // The top logprobs of a narrowed runner name tokenizer ids only.
+    Rig rig(mode, testing::TinyCpuModel(), tokenizer_vocab);
+    Seq s{3, Prompt(9, 8), 0, {}, {}};
+    s.params.temperature = 1;
+    s.params.logprobs = 20;
+    s.params.ignore_eos = true;
+    for (auto t = static_cast<TokenId>(tokenizer_vocab); t < vocab; ++t)
+      s.params.logit_bias.push_back({t, 100.0f});
+    std::vector<ScheduledSeq> step(1);
+    step[0].id = s.id;
+    step[0].tokens = s.tokens;
+    step[0].num_new = static_cast<int64_t>(s.tokens.size());
+    s.blocks.push_back(rig.next_block++);
+    step[0].tables = {s.blocks};
+    step[0].sample = true;
+    step[0].params = &s.params;
+    step[0].seed = 9;
+    auto sampled = rig.runner->Execute(step);
+    ASSERT_TRUE(sampled.ok()) << sampled.status().ToString();
+    ASSERT_EQ((*sampled)[0].top_logprobs.size(), 20u);
+    for (const TokenLogprob& top : (*sampled)[0].top_logprobs)
+      EXPECT_LT(top.token, tokenizer_vocab);
   }
 }
 
