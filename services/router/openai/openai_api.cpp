@@ -152,6 +152,40 @@ std::optional<ApiError> ParseLogitBias(const ojson* v,
   return std::nullopt;
 }
 
+// vLLM's request fields that change the output and that pdserve does not
+// serve: refused when they ask for anything but their neutral value (or
+// null), so that a client never gets an output made without them unawares.
+// Unknown fields stay ignored (openai_api.h).
+std::optional<ApiError> RefuseUnservedExtensions(const ojson& body) {
+  struct Extension {
+    const char* name;
+    ojson neutral;
+    const char* instead;  // what to use, or ""
+  };
+  static const Extension kExtensions[] = {
+      {"repetition_penalty", 1, "'presence_penalty' and 'frequency_penalty'"},
+      {"min_tokens", 0, ""},
+      {"length_penalty", 1, ""},
+      {"use_beam_search", false, ""},
+      {"include_stop_str_in_output", false, ""},
+      {"skip_special_tokens", true, ""},
+      {"spaces_between_special_tokens", true, ""},
+      {"bad_words", ojson::array(), "'logit_bias'"},
+      {"allowed_token_ids", ojson::array(), "'logit_bias'"},
+      {"truncate_prompt_tokens", ojson(), ""},
+      {"prompt_logprobs", ojson(), "'echo' with 'logprobs' (completions)"},
+      {"continue_final_message", false, ""},
+  };
+  for (const Extension& e : kExtensions) {
+    auto it = body.find(e.name);
+    if (it == body.end() || it->is_null() || *it == e.neutral) continue;
+    std::string message = std::string("'") + e.name + "' is not supported";
+    if (*e.instead != '\0') message += std::string("; use ") + e.instead;
+    return Bad(e.name, message);
+  }
+  return std::nullopt;
+}
+
 std::optional<ApiError> ParsePrompt(const ojson& body, ApiRequest* out) {
   auto it = body.find("prompt");
   if (it == body.end() || it->is_null()) return Bad("prompt", "'prompt' is required");
@@ -667,6 +701,7 @@ std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view body,
     if (out->chat_logprobs) s.logprobs = static_cast<int>(top.value_or(0));
   }
 
+  PDSERVE_API_CHECK(RefuseUnservedExtensions(j));
   PDSERVE_API_CHECK(f.String("user", &out->user));
   PDSERVE_API_CHECK(f.String("cache_salt", &out->cache_salt));
   if (f.Get("cache_salt") && out->cache_salt.empty()) {

@@ -9,7 +9,10 @@
 // body is checked as a whole first (checked_json.h: nesting depth, UTF-8,
 // number range), and a fault there names its field too
 // ("messages[0].content"). Unknown fields are ignored (clients send many);
-// known fields of the wrong type or out of range are rejected.
+// known fields of the wrong type or out of range are rejected, and so are
+// vLLM's extensions that would change the output but are not served
+// (repetition_penalty, min_tokens, bad_words, ...) unless they hold their
+// neutral value, and completions' suffix (insertion).
 //
 // The response formats never fail on text that is not valid UTF-8 (byte
 // tokens, cut multi-byte characters): such text is repaired with U+FFFD, and

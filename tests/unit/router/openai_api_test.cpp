@@ -97,6 +97,15 @@ TEST(OpenAiApiTest, PromptForms) {
   EXPECT_EQ(ParseOk(Endpoint::kCompletions, R"({"prompt":""})").prompt_text, "");
   EXPECT_EQ(ParseOk(Endpoint::kCompletions, R"({"prompt":"a","suffix":""})").prompt_text, "a");
   EXPECT_EQ(ParseOk(Endpoint::kCompletions, R"({"prompt":"a","suffix":null})").prompt_text, "a");
+  // vLLM's extensions at their neutral values (as clients send defaults)
+  // ask for nothing.
+  EXPECT_EQ(ParseOk(Endpoint::kCompletions,
+                    R"({"prompt":"a","repetition_penalty":1.0,"min_tokens":0,
+                        "skip_special_tokens":true,"include_stop_str_in_output":false,
+                        "bad_words":[],"allowed_token_ids":null,
+                        "length_penalty":1,"use_beam_search":false})")
+                .prompt_text,
+            "a");
   EXPECT_EQ(ParseOk(Endpoint::kCompletions, R"({"prompt":[[4,5]]})").prompt_ids,
             (std::vector<TokenId>{4, 5}));
   // Several prompts: left to the router to split, marked by their code.
@@ -193,12 +202,22 @@ struct BadCase {
 TEST(OpenAiApiTest, BadInputTable) {
   const Endpoint C = Endpoint::kCompletions, H = Endpoint::kChatCompletions;
   const std::vector<BadCase> cases = {
-      {C, R"({"prompt": "x",)", 400, ""},                          // malformed JSON
-      {C, R"([1,2])", 400, ""},                                    // not an object
-      {C, R"({"model":"gpt-9","prompt":"x"})", 404, "model"},      // unknown model
-      {C, R"({"model":5,"prompt":"x"})", 400, "model"},            // wrong type
-      {C, R"({})", 400, "prompt"},                                 // missing prompt
-      {C, R"({"prompt":"a","suffix":"b"})", 400, "suffix"},        // insertion
+      {C, R"({"prompt": "x",)", 400, ""},                      // malformed JSON
+      {C, R"([1,2])", 400, ""},                                // not an object
+      {C, R"({"model":"gpt-9","prompt":"x"})", 404, "model"},  // unknown model
+      {C, R"({"model":5,"prompt":"x"})", 400, "model"},        // wrong type
+      {C, R"({})", 400, "prompt"},                             // missing prompt
+      {C, R"({"prompt":"a","suffix":"b"})", 400, "suffix"},    // insertion
+      {C, R"({"prompt":"a","repetition_penalty":1.2})", 400, "repetition_penalty"},
+      {C, R"({"prompt":"a","min_tokens":4})", 400, "min_tokens"},
+      {C, R"({"prompt":"a","include_stop_str_in_output":true})", 400, "include_stop_str_in_output"},
+      {C, R"({"prompt":"a","skip_special_tokens":false})", 400, "skip_special_tokens"},
+      {C, R"({"prompt":"a","bad_words":["x"]})", 400, "bad_words"},
+      {C, R"({"prompt":"a","allowed_token_ids":[1,2]})", 400, "allowed_token_ids"},
+      {C, R"({"prompt":"a","prompt_logprobs":1})", 400, "prompt_logprobs"},
+      {C, R"({"prompt":"a","repetition_penalty":"x"})", 400, "repetition_penalty"},
+      {H, R"({"messages":[{"role":"user","content":"x"}],"continue_final_message":true})", 400,
+       "continue_final_message"},
       {C, R"({"prompt":"a","suffix":5})", 400, "suffix"},          // wrong type
       {C, R"({"prompt":[]})", 400, "prompt"},                      // empty ids
       {C, R"({"prompt":["a","b"]})", 400, "prompt"},               // batch
