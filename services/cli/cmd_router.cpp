@@ -107,9 +107,15 @@ int RunRouter(int argc, char** argv) {
   flags.AddString("tool-call-parser", &o.tool_call_parser,
                   "how the model writes tool calls: hermes|qwen3|mistral|llama3_json (default: "
                   "from the chat template's markers)");
+  flags.AddString("generation-config", &o.generation_config,
+                  "sampling a request leaves out: auto (the model's generation_config.json: "
+                  "temperature, top_p, top_k, min_p) or none (OpenAI's defaults)");
   flags.AddString("log-level", &log_level, "debug|info|warn|error");
   ParseFlagsOrExit(flags, argc, argv);
   o.structured = structured.OptionsOrExit("router");
+  if (o.generation_config != "auto" && o.generation_config != "none")
+    UsageError("router",
+               "--generation-config must be auto or none, got '" + o.generation_config + "'");
   if (!o.tool_call_parser.empty() && !router::ParseToolParserName(o.tool_call_parser).ok())
     UsageError("router", "--tool-call-parser: " +
                              router::ParseToolParserName(o.tool_call_parser).status().message());

@@ -11,6 +11,9 @@
 #include <cctype>
 #include <chrono>
 #include <condition_variable>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <mutex>
 #include <thread>
 #include <unordered_map>
@@ -305,6 +308,7 @@ class RouterServiceImpl : public RouterService {
     } else {
       tool_parser_ = ToolParserForTemplate(tokenizer_->chat_template());
     }
+    PDSERVE_RETURN_IF_ERROR(LoadSamplingDefaults());
     // The context length is not read here: workers report theirs (Register).
     auto model_id = ServedModelIdOfFolder(opts_.model_dir, opts_.model_id);
     if (!model_id.ok()) return model_id.status();
@@ -333,6 +337,36 @@ class RouterServiceImpl : public RouterService {
     core_ = std::move(*core);
     limits_.model_ids = {model_id_};
     PDSERVE_RETURN_IF_ERROR(InitHttpOptions());
+    return Status::Ok();
+  }
+
+  // --generation-config auto: the model's recommended sampling, for the
+  // values a request leaves out.
+  Status LoadSamplingDefaults() {
+    if (opts_.generation_config == "none") return Status::Ok();
+    if (opts_.generation_config != "auto") {
+      return Status::InvalidArgument("generation_config must be auto or none, got '" +
+                                     opts_.generation_config + "'");
+    }
+    const std::string path =
+        (std::filesystem::path(opts_.model_dir) / "generation_config.json").string();
+    std::ifstream in(path);
+    if (!in) return Status::Ok();  // none: OpenAI's defaults
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const auto config = nlohmann::ordered_json::parse(text, nullptr, false);
+    if (config.is_discarded() || !config.is_object()) {
+      return Status::InvalidArgument(path + ": not a JSON object");
+    }
+    std::vector<std::string> ignored;
+    limits_.sampling_defaults = ParseSamplingDefaults(config, &ignored);
+    for (const std::string& what : ignored) {
+      PDSERVE_LOG(WARN) << "router: generation_config.json: " << what << " not applied";
+    }
+    if (!limits_.sampling_defaults.empty()) {
+      PDSERVE_LOG(INFO) << "router: sampling defaults from generation_config.json: "
+                        << limits_.sampling_defaults.ToString()
+                        << " (a request's own values win; --generation-config none: OpenAI's)";
+    }
     return Status::Ok();
   }
 

@@ -99,6 +99,10 @@ struct RouterServiceOptions {
   // How the model writes tool calls (tool_calls.h: hermes, qwen3, mistral,
   // llama3_json); "": chosen from the chat template's markers.
   std::string tool_call_parser;
+  // Sampling a request leaves out: "auto" takes the model folder's
+  // generation_config.json values (temperature, top_p, top_k, min_p), as
+  // vLLM does; "none": OpenAI's defaults (temperature 1, no truncation).
+  std::string generation_config = "auto";
 };
 
 class RouterService {

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <sstream>
 #include <stdexcept>
 
 namespace pdserve::router {
@@ -151,6 +152,57 @@ std::optional<ApiError> ParseLogitBias(const ojson* v,
   }
   return std::nullopt;
 }
+
+}  // namespace
+
+SamplingDefaults ParseSamplingDefaults(const ojson& config, std::vector<std::string>* ignored) {
+  SamplingDefaults d;
+  if (!config.is_object()) return d;
+  auto number = [&](const char* key, double low, double high, bool low_open) {
+    std::optional<float> out;
+    auto it = config.find(key);
+    if (it == config.end() || it->is_null()) return out;
+    const double v = it->is_number() ? it->get<double>() : std::nan("");
+    if (v >= low && v <= high && !(low_open && v == low)) {
+      out = static_cast<float>(v);
+    } else {
+      ignored->push_back(std::string(key) + " " + it->dump());
+    }
+    return out;
+  };
+  d.temperature = number("temperature", 0, 2, false);
+  d.top_p = number("top_p", 0, 1, true);
+  d.min_p = number("min_p", 0, 1, false);
+  if (auto it = config.find("top_k"); it != config.end() && !it->is_null()) {
+    const std::optional<int64_t> k = AsInt64(*it);
+    if (k && *k >= -1 && *k <= std::numeric_limits<int>::max()) {
+      d.top_k = static_cast<int>(*k == 0 ? -1 : *k);  // transformers' 0: off
+    } else {
+      ignored->push_back("top_k " + it->dump());
+    }
+  }
+  if (auto it = config.find("repetition_penalty");
+      it != config.end() && !it->is_null() && *it != ojson(1)) {
+    ignored->push_back("repetition_penalty " + it->dump() + " (not served)");
+  }
+  return d;
+}
+
+std::string SamplingDefaults::ToString() const {
+  std::ostringstream out;
+  const char* sep = "";
+  auto put = [&](const char* name, auto value) {
+    out << sep << name << " " << value;
+    sep = ", ";
+  };
+  if (temperature) put("temperature", *temperature);
+  if (top_p) put("top_p", *top_p);
+  if (top_k) put("top_k", *top_k);
+  if (min_p) put("min_p", *min_p);
+  return out.str();
+}
+
+namespace {
 
 // vLLM's request fields that change the output and that pdserve does not
 // serve: refused when they ask for anything but their neutral value (or
@@ -614,6 +666,11 @@ std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view body,
   PDSERVE_API_CHECK(f.Number("temperature", &temperature));
   PDSERVE_API_CHECK(f.Number("top_p", &top_p));
   PDSERVE_API_CHECK(f.Number("min_p", &min_p));
+  // The model's recommended values where the request gives none.
+  const SamplingDefaults& defaults = limits.sampling_defaults;
+  if (!temperature && defaults.temperature) s.temperature = *defaults.temperature;
+  if (!top_p && defaults.top_p) s.top_p = *defaults.top_p;
+  if (!min_p && defaults.min_p) s.min_p = *defaults.min_p;
   if (temperature) {
     if (*temperature < 0 || *temperature > 2)
       return Bad("temperature", "'temperature' must be in [0, 2]");
@@ -629,6 +686,7 @@ std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view body,
   }
   std::optional<int64_t> top_k, seed;
   PDSERVE_API_CHECK(f.Int("top_k", &top_k));
+  if (!top_k && defaults.top_k) s.top_k = *defaults.top_k;
   if (top_k) {
     if (*top_k < -1 || *top_k > std::numeric_limits<int>::max()) {
       return Bad("top_k", "'top_k' must be -1 (off) or a positive integer");

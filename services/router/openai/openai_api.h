@@ -94,8 +94,26 @@ struct ApiRequest {
 };
 
 // What the router accepts: the served model id(s) and size limits.
+// A model's recommended sampling, from its generation_config.json, taken
+// where a request leaves a value out (as vLLM does by default); a value the
+// request gives wins.
+struct SamplingDefaults {
+  std::optional<float> temperature, top_p, min_p;
+  std::optional<int> top_k;
+  bool empty() const { return !temperature && !top_p && !min_p && !top_k; }
+  std::string ToString() const;  // "temperature 0.6, top_p 0.95" ("" when empty)
+};
+
+// The sampling keys of a generation_config.json object. A value the API
+// would refuse from a client (temperature 5, top_p 0), a key of the wrong
+// type, and keys that change sampling but are not served
+// (repetition_penalty) are left out, each named in `*ignored`.
+SamplingDefaults ParseSamplingDefaults(const nlohmann::ordered_json& generation_config,
+                                       std::vector<std::string>* ignored);
+
 struct ApiLimits {
   std::vector<std::string> model_ids;  // empty model in a request = the first
+  SamplingDefaults sampling_defaults = {};
   int max_stop_strings = 16;
   int max_n = 16;                             // largest n (and best_of)
   int max_json_depth = kDefaultMaxJsonDepth;  // nesting of the request body

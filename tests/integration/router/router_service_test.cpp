@@ -11,6 +11,9 @@
 #include <algorithm>
 #include <condition_variable>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <mutex>
 #include <vector>
 
@@ -198,6 +201,53 @@ class RouterServiceTest : public ::testing::Test {
   std::string model_id_;
   std::vector<std::unique_ptr<FakeWorker>> workers_;
 };
+
+// The model's generation_config.json sampling is what a request leaves
+// out (--generation-config auto, as vLLM does); a request's own values win;
+// none keeps OpenAI's defaults (temperature 1, no top-k).
+TEST(RouterSamplingDefaultsTest, TheModelsGenerationConfigFillsWhatARequestLeavesOut) {
+  const std::string dir = pdserve::testing::NewTempDir("generation-config") + "/model";
+  std::filesystem::copy(pdserve::testing::TinyModelDir(), dir);
+  const std::string gen_path = dir + "/generation_config.json";
+  std::ifstream in(gen_path);
+  nlohmann::json gen = nlohmann::json::parse(std::string(std::istreambuf_iterator<char>(in), {}));
+  gen["temperature"] = 0.25;
+  gen["top_k"] = 7;
+  std::ofstream(gen_path) << gen.dump();
+  auto model_id = ServedModelIdOfFolder(dir);
+  ASSERT_TRUE(model_id.ok());
+  for (const std::string mode : {"auto", "none"}) {
+    SCOPED_TRACE(mode);
+    RouterServiceOptions o;
+    o.model_dir = dir;
+    o.host = "127.0.0.1";
+    o.http_port = 0;
+    o.control_port = 0;
+    o.generation_config = mode;
+    auto service = RouterService::Create(o);
+    ASSERT_TRUE(service.ok()) << service.status().ToString();
+    ASSERT_TRUE((*service)->Start().ok());
+    control::EventLoop loop{"fake-workers", 1};
+    FakeWorker worker(&loop, (*service)->control_port(), *model_id, "decode", proto::ROLE_DECODE,
+                      1024);
+    ASSERT_TRUE(worker.WaitRegistered());
+    for (const char* extra : {"", R"(,"temperature":0.5,"top_k":-1)"}) {
+      const std::string body =
+          R"({"model":")" + *model_id + R"(","prompt":[5,5,5],"max_tokens":1)" + extra + "}";
+      EXPECT_EQ(
+          pdserve::testing::HttpRequest((*service)->http_port(), "POST", "/v1/completions", body)
+              .status,
+          200);
+    }
+    const auto g = worker.generates();
+    ASSERT_EQ(g.size(), 2u);
+    EXPECT_FLOAT_EQ(g[0].sampling().temperature(), mode == "auto" ? 0.25f : 1.0f);
+    EXPECT_EQ(g[0].sampling().top_k() > 0 ? g[0].sampling().top_k() : 0, mode == "auto" ? 7 : 0);
+    EXPECT_FLOAT_EQ(g[1].sampling().temperature(), 0.5f);
+    EXPECT_LE(g[1].sampling().top_k(), 0);
+    (*service)->Stop();
+  }
+}
 
 TEST_F(RouterServiceTest, TheContextLimitIsTheRegisteredWorkersOne) {
   EXPECT_TRUE(Models()["max_model_len"].is_null());  // no worker said yet

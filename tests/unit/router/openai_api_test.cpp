@@ -480,6 +480,51 @@ TEST(OpenAiApiTest, TextOffsetsCountCharactersAndTopLogprobsComeMostLikelyFirst)
             (std::vector<std::string>{"zz", "b", "x"}));
 }
 
+// generation_config.json's sampling keys are the values a request leaves
+// out (as vLLM takes them); values a client could not send, keys of the
+// wrong type and repetition_penalty (not served) are left out and named.
+TEST(OpenAiApiTest, TheModelsGenerationConfigFillsWhatARequestLeavesOut) {
+  std::vector<std::string> ignored;
+  const SamplingDefaults d = ParseSamplingDefaults(
+      nlohmann::ordered_json::parse(R"({"bos_token_id":1,"do_sample":true,"temperature":0.6,
+          "top_p":0.95,"top_k":20,"repetition_penalty":1.05})"),
+      &ignored);
+  EXPECT_EQ(d.temperature, 0.6f);
+  EXPECT_EQ(d.top_p, 0.95f);
+  EXPECT_EQ(d.top_k, 20);
+  EXPECT_FALSE(d.min_p.has_value());
+  EXPECT_EQ(d.ToString(), "temperature 0.6, top_p 0.95, top_k 20");
+  ASSERT_EQ(ignored.size(), 1u);
+  EXPECT_NE(ignored[0].find("repetition_penalty 1.05"), std::string::npos);
+  ignored.clear();
+  const SamplingDefaults bad = ParseSamplingDefaults(
+      nlohmann::ordered_json::parse(
+          R"({"temperature":5,"top_p":0,"top_k":"x","min_p":0.1,"repetition_penalty":1.0})"),
+      &ignored);
+  EXPECT_FALSE(bad.temperature || bad.top_p || bad.top_k);
+  EXPECT_EQ(bad.min_p, 0.1f);
+  EXPECT_EQ(ignored.size(), 3u);
+  EXPECT_EQ(ParseSamplingDefaults(nlohmann::ordered_json::parse(R"({"top_k":0})"), &ignored).top_k,
+            -1)
+      << "transformers' top_k 0 is off";
+  EXPECT_TRUE(ParseSamplingDefaults(nlohmann::ordered_json::parse("{}"), &ignored).empty());
+
+  ApiLimits limits;
+  limits.sampling_defaults = d;
+  ApiRequest r;
+  ASSERT_FALSE(ParseRequest(Endpoint::kCompletions, R"({"prompt":"x"})", limits, &r));
+  EXPECT_EQ(r.sampling.temperature, 0.6f);
+  EXPECT_EQ(r.sampling.top_p, 0.95f);
+  EXPECT_EQ(r.sampling.top_k, 20);
+  ApiRequest own;
+  ASSERT_FALSE(ParseRequest(Endpoint::kCompletions,
+                            R"({"prompt":"x","temperature":0,"top_p":1,"top_k":-1})", limits,
+                            &own));
+  EXPECT_EQ(own.sampling.temperature, 0.0f);
+  EXPECT_EQ(own.sampling.top_p, 1.0f);
+  EXPECT_EQ(own.sampling.top_k, -1);
+}
+
 // A message that can be echoed in any JSON and any log: printable ASCII.
 bool Printable(const std::string& s) {
   return std::all_of(s.begin(), s.end(), [](char c) { return c >= 0x20 && c < 0x7f; });
