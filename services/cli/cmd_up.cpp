@@ -234,6 +234,7 @@ int RunUp(int argc, char** argv) {
   std::string log_level = "info", device = "auto", load_format = "safetensors";
   std::string kv_dtype = "fp32";
   std::string tool_call_parser;
+  std::string generation_config = "auto";
   bool stream_chunks = true, expert_parallel = false;
   FlagSet flags("up",
                 "Start a local stack: the router plus prefill and decode workers as child "
@@ -288,6 +289,9 @@ int RunUp(int argc, char** argv) {
   flags.AddString("tool-call-parser", &tool_call_parser,
                   "router: how the model writes tool calls (hermes|qwen3|mistral|llama3_json; "
                   "default: from the chat template)");
+  flags.AddString("generation-config", &generation_config,
+                  "router: sampling a request leaves out: auto (the model's "
+                  "generation_config.json) or none (OpenAI's defaults)");
   StructuredFlags structured;  // passed on to the router and the workers
   structured.AddTo(flags, /*worker=*/true);
   KvEvictionFlags eviction;  // passed on to the workers
@@ -346,6 +350,8 @@ int RunUp(int argc, char** argv) {
     UsageError("up", "--policy: unknown routing policy '" + policy +
                          "' (valid: " + router::PolicyChoices() + ")");
   }
+  if (generation_config != "auto" && generation_config != "none")
+    UsageError("up", "--generation-config must be auto or none, got '" + generation_config + "'");
   if (!tool_call_parser.empty()) {
     if (auto parser = router::ParseToolParserName(tool_call_parser); !parser.ok())
       UsageError("up", "--tool-call-parser: " + parser.status().message());
@@ -444,6 +450,7 @@ int RunUp(int argc, char** argv) {
   if (!tool_call_parser.empty()) {
     router_args.insert(router_args.end(), {"--tool-call-parser", tool_call_parser});
   }
+  router_args.insert(router_args.end(), {"--generation-config", generation_config});
   for (std::string& a : structured.Args(/*worker=*/false)) router_args.push_back(std::move(a));
   router_args.insert(router_args.end(), {"--cluster-secret-file", secret_file});
   router_args.insert(router_args.end(), {"--replication-copy-cost", copy_cost});

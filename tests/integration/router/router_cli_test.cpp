@@ -77,6 +77,7 @@ TEST(ControlSecurityCliTest, RouterAndWorkerRefuseToStartWithoutAClusterSecret) 
        "exclude each other"},
       {"router " + model + " --insecure-control-plane --control-tls-cert x.pem",
        "--control-tls-cert, --control-tls-key and --control-tls-ca go together"},
+      {"router " + model + " --generation-config vllm", "--generation-config must be auto or none"},
   };
   for (const auto& c : cases) {
     CliRun r = Pdserve(c.args);
