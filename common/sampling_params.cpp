@@ -61,6 +61,16 @@ Status ValidateSamplingParams(const SamplingParams& p, size_t vocab_size) {
       return Status::InvalidArgument(std::string(name) + " must be in [-2, 2], got " + Num(value));
     }
   }
+  if (!(p.repetition_penalty > 0 && p.repetition_penalty <= kMaxRepetitionPenalty)) {
+    return Status::InvalidArgument("repetition_penalty must be in (0, " +
+                                   Num(kMaxRepetitionPenalty) + "], got " +
+                                   Num(p.repetition_penalty));
+  }
+  if (p.min_tokens < 0 || p.min_tokens > p.max_tokens) {
+    return Status::InvalidArgument("min_tokens must be in [0, max_tokens " +
+                                   std::to_string(p.max_tokens) + "], got " +
+                                   std::to_string(p.min_tokens));
+  }
   if (p.logit_bias.size() > kMaxLogitBias) {
     return Status::InvalidArgument("logit_bias: at most " + std::to_string(kMaxLogitBias) +
                                    " tokens, got " + std::to_string(p.logit_bias.size()));

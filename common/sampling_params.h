@@ -20,6 +20,9 @@ inline constexpr int kMaxLogprobs = 20;  // OpenAI's top_logprobs cap
 // Entries of one request's logit_bias (OpenAI documents none; a bound keeps
 // a request's per-step work and its wire size small).
 inline constexpr size_t kMaxLogitBias = 1024;
+// Largest repetition_penalty (vLLM takes any > 0; past this it only makes
+// every seen token impossible, which logit_bias says plainly).
+inline constexpr float kMaxRepetitionPenalty = 10.0f;
 
 // Structured outputs: a constraint the output text must satisfy, as the
 // client gave it (common/structured compiles it to a grammar; the router
@@ -67,21 +70,31 @@ struct SamplingParams {
   // document the constraint accepts are sampled, and EOS only once it is
   // complete.
   std::optional<OutputConstraint> constraint;
-  // OpenAI's logit adjustments, added to the model's logits before anything
-  // else (greedy argmax, logprobs, temperature, top-k/p, min-p, masks):
-  // token t's logit gains logit_bias's value for t, and loses
-  // frequency_penalty times the number of times t was generated so far plus
-  // presence_penalty if it was generated at all (the prompt is not counted).
-  float presence_penalty = 0.0f;   // in [-2, 2]
-  float frequency_penalty = 0.0f;  // in [-2, 2]
+  // Logit adjustments, applied to the model's logits before anything else
+  // (greedy argmax, logprobs, temperature, top-k/p, min-p, masks), in
+  // vLLM's order: token t's logit gains logit_bias's value for t; then, if
+  // t is in the prompt or the output so far, vLLM's repetition_penalty r
+  // divides it by r when positive and multiplies it by r otherwise; then it
+  // loses OpenAI's frequency_penalty times the number of times t was
+  // generated so far plus presence_penalty if it was generated at all (the
+  // prompt not counted for these two).
+  float presence_penalty = 0.0f;    // in [-2, 2]
+  float frequency_penalty = 0.0f;   // in [-2, 2]
+  float repetition_penalty = 1.0f;  // in (0, kMaxRepetitionPenalty]; 1: off
+  // vLLM's min_tokens: before this many output tokens, EOS and the stop
+  // token ids are never sampled and stop strings are not looked for (in
+  // [0, max_tokens]).
+  int min_tokens = 0;
   // (token, bias): ids strictly increasing, biases in [-100, 100], at most
   // kMaxLogitBias entries.
   std::vector<std::pair<TokenId, float>> logit_bias;
 };
 
-// Whether params change the logits before sampling (logit_bias, penalties).
+// Whether params change the logits before sampling (logit_bias, penalties;
+// min_tokens is the engine's, for its first tokens only).
 inline bool AdjustsLogits(const SamplingParams& p) {
-  return p.presence_penalty != 0 || p.frequency_penalty != 0 || !p.logit_bias.empty();
+  return p.presence_penalty != 0 || p.frequency_penalty != 0 || p.repetition_penalty != 1 ||
+         !p.logit_bias.empty();
 }
 
 // Checks every field; the message names the field and the accepted range

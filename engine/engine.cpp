@@ -48,6 +48,9 @@ struct Engine::Sequence {
   bool finished = false;
   std::optional<IncrementalDetokenizer> detokenizer;
   std::optional<StopChecker> stop;
+  // min_tokens: the ids not sampled before the output is that long (EOS
+  // unless ignore_eos, and the stop token ids).
+  std::vector<TokenId> banned_until_min_tokens;
   std::optional<structured::Matcher> matcher;  // structured outputs
   RequestId share_prompt_with = 0;             // admitted once that prompt's KV is computed
   // SnapKV: the prompt tokens its compression removed (position p is at
@@ -384,11 +387,20 @@ std::unique_ptr<Engine::Sequence> Engine::NewSequence(EngineRequest r) {
   s->stream_kv_blocks = r.prefill_only && r.stream_kv_blocks && !compresses;
   if (r.grammar) s->matcher.emplace(std::move(r.grammar));
   s->share_prompt_with = r.share_prompt_with;
+  std::vector<TokenId> eos = model_->config().eos_token_ids;
   if (tokenizer_ != nullptr) {
-    std::vector<TokenId> eos = model_->config().eos_token_ids;
     for (TokenId id : tokenizer_->eos_token_ids()) {
       if (std::find(eos.begin(), eos.end(), id) == eos.end()) eos.push_back(id);
     }
+  }
+  if (s->params.min_tokens > 0) {
+    std::vector<TokenId>& banned = s->banned_until_min_tokens;
+    banned = s->params.stop_token_ids;
+    if (!s->params.ignore_eos) banned.insert(banned.end(), eos.begin(), eos.end());
+    std::sort(banned.begin(), banned.end());
+    banned.erase(std::unique(banned.begin(), banned.end()), banned.end());
+  }
+  if (tokenizer_ != nullptr) {
     // The prompt is the text's context: the output's first piece keeps the
     // space SentencePiece would strip at the start of a text.
     s->detokenizer.emplace(*tokenizer_, /*skip_special_tokens=*/true,
@@ -994,6 +1006,7 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
     }
     x.seed = s->seed;
     x.output_index = static_cast<uint64_t>(s->num_output());
+    if (s->num_output() < s->params.min_tokens) x.banned = s->banned_until_min_tokens;
     if (x.sample && s->matcher) {
       // Structured outputs: the tokens the constraint allows next (the
       // matcher stands after the tokens so far). None: a dead end, which

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 
 #include "common/logging.h"
 #include "engine/block_manager.h"  // kNoBlock
@@ -391,27 +392,28 @@ Status ModelRunner::PrepareLogitAdjustments(std::span<const ScheduledSeq> step) 
     if (!s.sample) continue;
     const auto row = static_cast<int32_t>(i);  // the sequence; its logits row is set later
     const SamplingParams& p = *s.params;
-    if (!AdjustsLogits(p)) continue;
-    touched_.push_back(s.id);
+    if (!AdjustsLogits(p) && s.banned.empty()) continue;
     const auto& bias = p.logit_bias;  // sorted by token (ValidateSamplingParams)
-    auto bias_of = [&](TokenId token) -> const std::pair<TokenId, float>* {
-      auto it =
-          std::lower_bound(bias.begin(), bias.end(), std::pair<TokenId, float>{token, -1e30f});
-      return it != bias.end() && it->first == token ? &*it : nullptr;
-    };
-    auto add = [&](TokenId token, float delta) {
-      if (delta != 0) adjustments_.push_back({row, token, delta});
-    };
-    if (p.presence_penalty == 0 && p.frequency_penalty == 0) {
-      for (const auto& [token, b] : bias) add(token, b);
+    if (p.presence_penalty == 0 && p.frequency_penalty == 0 && p.repetition_penalty == 1 &&
+        s.banned.empty()) {
+      for (const auto& [token, b] : bias) adjustments_.push_back({row, token, b, 1.0f, 0.0f});
       continue;
     }
+    touched_.push_back(s.id);
     // The tokens generated so far are the last output_index of the row's
     // tokens: counted once each, as they come (a request seen afresh, or
-    // with fewer outputs than counted, is counted from the start).
+    // with fewer outputs than counted, is counted from the start). The
+    // prompt's distinct tokens (the repetition penalty's) once per request.
     GeneratedCounts& g = generated_[s.id];
     const size_t n = std::min<size_t>(s.output_index, s.tokens.size());
     if (n < g.counted) g = {};
+    if (p.repetition_penalty != 1 && !g.prompt_read) {
+      g.prompt_tokens.assign(s.tokens.begin(), s.tokens.end() - static_cast<std::ptrdiff_t>(n));
+      std::sort(g.prompt_tokens.begin(), g.prompt_tokens.end());
+      g.prompt_tokens.erase(std::unique(g.prompt_tokens.begin(), g.prompt_tokens.end()),
+                            g.prompt_tokens.end());
+      g.prompt_read = true;
+    }
     for (size_t t = s.tokens.size() - n + g.counted; t < s.tokens.size(); ++t) {
       const TokenId token = s.tokens[t];
       auto [at, fresh] = g.index.try_emplace(token, static_cast<uint32_t>(g.counts.size()));
@@ -419,14 +421,33 @@ Status ModelRunner::PrepareLogitAdjustments(std::span<const ScheduledSeq> step) 
       ++g.counts[at->second].second;
     }
     g.counted = n;
+    // One entry per token (AdjustLogits' contract): the generated ones,
+    // then the biased, the prompt's and the banned ones not among them.
+    const size_t first = adjustments_.size();
+    std::unordered_map<TokenId, size_t>& entry = adjustment_index_;
+    entry.clear();
+    auto at = [&](TokenId token) -> kernels::LogitAdjustment& {
+      auto [it, fresh] = entry.try_emplace(token, adjustments_.size());
+      if (fresh) adjustments_.push_back({row, token, 0.0f, 1.0f, 0.0f});
+      return adjustments_[it->second];
+    };
     for (const auto& [token, count] : g.counts) {
-      const auto* b = bias_of(token);
-      add(token, (b != nullptr ? b->second : 0.0f) -
-                     p.frequency_penalty * static_cast<float>(count) - p.presence_penalty);
+      kernels::LogitAdjustment& a = at(token);
+      a.repetition = p.repetition_penalty;
+      a.delta = -p.frequency_penalty * static_cast<float>(count) - p.presence_penalty;
     }
-    for (const auto& [token, b] : bias) {
-      if (!g.index.contains(token)) add(token, b);
+    for (const auto& [token, b] : bias) at(token).bias = b;
+    if (p.repetition_penalty != 1) {
+      for (TokenId token : g.prompt_tokens) at(token).repetition = p.repetition_penalty;
     }
+    for (TokenId token : s.banned) at(token).delta = -std::numeric_limits<float>::infinity();
+    // Entries that move nothing are not sent.
+    auto idle = [](const kernels::LogitAdjustment& a) {
+      return a.bias == 0 && a.repetition == 1 && a.delta == 0;
+    };
+    adjustments_.erase(std::remove_if(adjustments_.begin() + static_cast<std::ptrdiff_t>(first),
+                                      adjustments_.end(), idle),
+                       adjustments_.end());
   }
   // Counts of requests this step did not adjust are dropped (a request that
   // comes back is counted afresh).

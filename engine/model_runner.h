@@ -104,6 +104,10 @@ struct ScheduledSeq {
   // t / 64, at least one set); empty: any. The sampled token is always one
   // of them (the lowest allowed id when every allowed logit is -inf or NaN).
   std::span<const uint64_t> allowed;
+  // Ids never sampled this step (their logits -inf, after the request's
+  // adjustments): min_tokens' EOS and stop ids before the output is long
+  // enough.
+  std::span<const TokenId> banned;
   // Prompt logprobs: every new position p below this scores token p + 1
   // (tokens[p + 1]) under its logits, with the `num_prompt_logprobs` most
   // likely tokens beside it (0: the token's alone). 0: none.
@@ -258,9 +262,13 @@ class ModelRunner {
     size_t counted = 0;
     std::vector<std::pair<TokenId, int32_t>> counts;
     std::unordered_map<TokenId, uint32_t> index;  // token -> its entry in counts
+    // The prompt's distinct tokens, sorted (a repetition penalty's).
+    std::vector<TokenId> prompt_tokens;
+    bool prompt_read = false;
   };
   std::unordered_map<uint64_t, GeneratedCounts> generated_;
-  std::vector<uint64_t> touched_;  // requests adjusted this step
+  std::vector<uint64_t> touched_;                         // requests adjusted this step
+  std::unordered_map<TokenId, size_t> adjustment_index_;  // one row's: token -> its entry
   kernels::LogitAdjustment* adjust_host_ = nullptr;
   kernels::LogitAdjustment* adjust_device_ = nullptr;
   size_t adjust_capacity_ = 0;

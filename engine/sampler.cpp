@@ -104,7 +104,8 @@ const char* FinishReasonName(FinishReason reason) {
 StopChecker::StopChecker(const SamplingParams& params, std::span<const TokenId> eos_token_ids)
     : stop_ids_(params.stop_token_ids),
       stop_strings_(params.stop),
-      max_tokens_(static_cast<size_t>(std::max(params.max_tokens, 1))) {
+      max_tokens_(static_cast<size_t>(std::max(params.max_tokens, 1))),
+      min_tokens_(static_cast<size_t>(std::max(params.min_tokens, 0))) {
   if (!params.ignore_eos)
     stop_ids_.insert(stop_ids_.end(), eos_token_ids.begin(), eos_token_ids.end());
 }
@@ -131,6 +132,12 @@ StopChecker::Step StopChecker::OnToken(TokenId token, std::string_view text) {
   }
   ++num_tokens_;
   pending_.append(text);
+  if (num_tokens_ < min_tokens_) {
+    // min_tokens: nothing stops the output before it is that long, and its
+    // text so far is no stop string's start (vLLM looks from there on too).
+    step.text = std::exchange(pending_, {});
+    return step;
+  }
   const size_t best = FirstStopString(&step.matched_stop_string);
   if (best != std::string::npos) {
     finish_ = step.finish = FinishReason::kStop;
@@ -179,7 +186,8 @@ size_t StopChecker::FirstStopString(std::optional<std::string>* matched) const {
 }
 
 bool StopChecker::EndsAt(TokenId token) const {
-  return finish_ == FinishReason::kNone && (IsStopToken(token) || num_tokens_ + 1 >= max_tokens_);
+  return finish_ == FinishReason::kNone && num_tokens_ + 1 >= min_tokens_ &&
+         (IsStopToken(token) || num_tokens_ + 1 >= max_tokens_);
 }
 
 bool StopChecker::IsStopToken(TokenId token) const {

@@ -202,10 +202,11 @@ class Backend {
   // sampling on the backend, so that only token ids leave it. The lowest
   // column wins ties, NaN counts as -inf, and a row of -inf gives 0.
   virtual void ArgMaxRows(const Tensor& x, int32_t* out) = 0;
-  // x[row][token] += delta for each of `count` adjustments (backend memory,
-  // no two naming the same element; rows and tokens inside x [rows, n],
-  // fp32): a request's logit_bias and penalties (common/sampling_params.h),
-  // applied before ArgMaxRows and sampling.
+  // x[row][token] = AdjustedLogit(x[row][token], a) for each of `count`
+  // adjustments a (kernels/step.h; backend memory, no two naming the same
+  // element; rows and tokens inside x [rows, n], fp32): a request's
+  // logit_bias and penalties (common/sampling_params.h), applied before
+  // ArgMaxRows and sampling.
   virtual void AdjustLogits(const Tensor& x, const LogitAdjustment* adjustments, int64_t count) = 0;
   // Sampling on the backend, so that only token ids and the logprobs asked
   // for leave it: for each i < count, the algorithm of kernels/sampling.h

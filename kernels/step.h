@@ -143,12 +143,24 @@ struct AttentionPlan {
 };
 
 // One element of a step's logits to move: a request's logit_bias and
-// penalties (Backend::AdjustLogits).
+// penalties (Backend::AdjustLogits), in vLLM's order: x gains `bias`; then
+// `repetition` divides it when positive and multiplies it otherwise; then
+// it gains `delta` (the frequency and presence penalties, or -inf for a
+// token banned this step).
 struct LogitAdjustment {
   int32_t row = 0;
   int32_t token = 0;
+  float bias = 0.0f;
+  float repetition = 1.0f;  // 1: none
   float delta = 0.0f;
 };
+
+// The adjusted value of one logit, as every backend computes it.
+PDSERVE_HOST_DEVICE inline float AdjustedLogit(float x, const LogitAdjustment& a) {
+  x += a.bias;
+  if (a.repetition != 1.0f) x = x > 0 ? x / a.repetition : x * a.repetition;
+  return x + a.delta;
+}
 
 // The largest step a caller runs, so that a backend sizes its scratch once
 // (Backend::Reserve) rather than growing it while a step runs.

@@ -279,7 +279,8 @@ void CpuBackend::AdjustLogits(const Tensor& x, const LogitAdjustment* adjustment
     const LogitAdjustment& a = adjustments[i];
     OpCheck(a.row >= 0 && a.row < x.rows() && a.token >= 0 && a.token < x.row_size(),
             "AdjustLogits", "takes rows and tokens inside x");
-    x.as<float>()[l.offset(a.row) + a.token] += a.delta;
+    float& v = x.as<float>()[l.offset(a.row) + a.token];
+    v = AdjustedLogit(v, a);
   }
 }
 

@@ -65,7 +65,8 @@ __global__ void AdjustLogitsKernel(float* x, int64_t row_stride,
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= count) return;
   const kernels::LogitAdjustment a = adjustments[i];
-  x[a.row * row_stride + a.token] += a.delta;
+  float& v = x[a.row * row_stride + a.token];
+  v = kernels::AdjustedLogit(v, a);
 }
 
 // ---- SampleRows: one block of kSampleThreads per row. The weights are

@@ -19,6 +19,8 @@ void ToProto(const SamplingParams& s, proto::SamplingParams* p) {
   p->set_min_p(s.min_p);
   p->set_presence_penalty(s.presence_penalty);
   p->set_frequency_penalty(s.frequency_penalty);
+  p->set_repetition_penalty(s.repetition_penalty);
+  p->set_min_tokens(static_cast<uint32_t>(s.min_tokens));
   for (const auto& [token, bias] : s.logit_bias) {
     proto::TokenBias* b = p->add_logit_bias();
     b->set_token(token);
@@ -49,6 +51,9 @@ SamplingParams FromProto(const proto::SamplingParams& p) {
   s.min_p = p.min_p();
   s.presence_penalty = p.presence_penalty();
   s.frequency_penalty = p.frequency_penalty();
+  s.repetition_penalty = p.repetition_penalty() != 0 ? p.repetition_penalty() : 1.0f;
+  // Clamped into int's range; the engine refuses anything past max_tokens.
+  s.min_tokens = static_cast<int>(std::min<uint32_t>(p.min_tokens(), 1u << 30));
   // As sent (the engine refuses ids out of order, repeated or outside the
   // vocabulary: ValidateSamplingParams).
   for (const proto::TokenBias& b : p.logit_bias()) s.logit_bias.emplace_back(b.token(), b.bias());

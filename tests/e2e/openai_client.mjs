@@ -183,6 +183,16 @@ test('logit_bias takes every token, prefilled remotely or not; penalties are acc
   await assert.rejects(
     client.completions.create({ model: modelId, prompt: 'x', logit_bias: { '999999': 5 } }),
     (e) => e.status === 400 && /logit_bias/.test(e.message));
+  // vLLM's min_tokens holds EOS off (here the likeliest token) on both
+  // workers: the first token is the prefill worker's; repetition_penalty
+  // is taken there too.
+  const eos = { '508': 100, '511': 100 };
+  for (const min_tokens of [0, 5]) {
+    const r = await client.completions.create({ model: modelId, prompt, max_tokens: 5,
+      temperature: 0, logit_bias: eos, min_tokens, repetition_penalty: 1.3 });
+    assert.equal(r.choices[0].finish_reason, min_tokens ? 'length' : 'stop');
+    assert.equal(r.usage.completion_tokens, min_tokens ? 5 : 1);
+  }
 });
 
 test('bad requests surface as OpenAI errors', async () => {

@@ -181,10 +181,7 @@ SamplingDefaults ParseSamplingDefaults(const ojson& config, std::vector<std::str
       ignored->push_back("top_k " + it->dump());
     }
   }
-  if (auto it = config.find("repetition_penalty");
-      it != config.end() && !it->is_null() && *it != ojson(1)) {
-    ignored->push_back("repetition_penalty " + it->dump() + " (not served)");
-  }
+  d.repetition_penalty = number("repetition_penalty", 0, kMaxRepetitionPenalty, true);
   return d;
 }
 
@@ -199,6 +196,7 @@ std::string SamplingDefaults::ToString() const {
   if (top_p) put("top_p", *top_p);
   if (top_k) put("top_k", *top_k);
   if (min_p) put("min_p", *min_p);
+  if (repetition_penalty) put("repetition_penalty", *repetition_penalty);
   return out.str();
 }
 
@@ -215,8 +213,6 @@ std::optional<ApiError> RefuseUnservedExtensions(const ojson& body) {
     const char* instead;  // what to use, or ""
   };
   static const Extension kExtensions[] = {
-      {"repetition_penalty", 1, "'presence_penalty' and 'frequency_penalty'"},
-      {"min_tokens", 0, ""},
       {"length_penalty", 1, ""},
       {"use_beam_search", false, ""},
       {"include_stop_str_in_output", false, ""},
@@ -706,6 +702,28 @@ std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view body,
     if (!(*frequency >= -2 && *frequency <= 2))
       return Bad("frequency_penalty", "'frequency_penalty' must be in [-2, 2]");
     s.frequency_penalty = static_cast<float>(*frequency);
+  }
+  // vLLM's repetition penalty and min_tokens.
+  std::optional<double> repetition;
+  PDSERVE_API_CHECK(f.Number("repetition_penalty", &repetition));
+  if (!repetition && defaults.repetition_penalty)
+    s.repetition_penalty = *defaults.repetition_penalty;
+  if (repetition) {
+    if (!(*repetition > 0 && *repetition <= kMaxRepetitionPenalty)) {
+      return Bad("repetition_penalty", "'repetition_penalty' must be in (0, " +
+                                           std::to_string(static_cast<int>(kMaxRepetitionPenalty)) +
+                                           "]");
+    }
+    s.repetition_penalty = static_cast<float>(*repetition);
+  }
+  std::optional<int64_t> min_tokens;
+  PDSERVE_API_CHECK(f.Int("min_tokens", &min_tokens));
+  if (min_tokens) {
+    if (*min_tokens < 0 || (out->max_tokens && *min_tokens > *out->max_tokens) ||
+        *min_tokens > std::numeric_limits<int>::max()) {
+      return Bad("min_tokens", "'min_tokens' must be in [0, " + out->max_tokens_param + "]");
+    }
+    s.min_tokens = static_cast<int>(*min_tokens);
   }
   PDSERVE_API_CHECK(ParseLogitBias(f.Get("logit_bias"), &s.logit_bias));
   if (endpoint == Endpoint::kChatCompletions) {

@@ -11,7 +11,7 @@
 // ("messages[0].content"). Unknown fields are ignored (clients send many);
 // known fields of the wrong type or out of range are rejected, and so are
 // vLLM's extensions that would change the output but are not served
-// (repetition_penalty, min_tokens, bad_words, ...) unless they hold their
+// (bad_words, allowed_token_ids, ...) unless they hold their
 // neutral value, and completions' suffix (insertion).
 //
 // The response formats never fail on text that is not valid UTF-8 (byte
@@ -98,16 +98,16 @@ struct ApiRequest {
 // where a request leaves a value out (as vLLM does by default); a value the
 // request gives wins.
 struct SamplingDefaults {
-  std::optional<float> temperature, top_p, min_p;
+  std::optional<float> temperature, top_p, min_p, repetition_penalty;
   std::optional<int> top_k;
-  bool empty() const { return !temperature && !top_p && !min_p && !top_k; }
+  bool empty() const { return !temperature && !top_p && !min_p && !top_k && !repetition_penalty; }
   std::string ToString() const;  // "temperature 0.6, top_p 0.95" ("" when empty)
 };
 
-// The sampling keys of a generation_config.json object. A value the API
-// would refuse from a client (temperature 5, top_p 0), a key of the wrong
-// type, and keys that change sampling but are not served
-// (repetition_penalty) are left out, each named in `*ignored`.
+// The sampling keys of a generation_config.json object (temperature,
+// top_p, top_k, min_p, repetition_penalty). A value the API would refuse
+// from a client (temperature 5, top_p 0) or a key of the wrong type is left
+// out, each named in `*ignored`.
 SamplingDefaults ParseSamplingDefaults(const nlohmann::ordered_json& generation_config,
                                        std::vector<std::string>* ignored);
 

@@ -1,10 +1,13 @@
-// OpenAI's logit_bias, presence_penalty and frequency_penalty through the
-// engine: greedy requests with and without them running in one batch,
-// every token and logprob checked against the float64 reference's logits
-// with the adjustments applied by this test's own reading of the rule
-// (bias added; frequency penalty times the count of the token among the
-// tokens generated before, presence penalty once if it is among them; the
-// prompt not counted), eagerly and through the runner's graph lifecycle.
+// OpenAI's logit_bias, presence_penalty and frequency_penalty and vLLM's
+// repetition_penalty and min_tokens through the engine: greedy requests with
+// and without them running in one batch, every token and logprob checked
+// against the float64 reference's logits with the adjustments applied by
+// this test's own reading of the rule (bias added; then a token of the
+// prompt or of the output so far divided by the repetition penalty when
+// positive, multiplied by it otherwise, as vLLM's apply_penalties does; then
+// frequency penalty times the count of the token among the tokens generated
+// before, presence penalty once if it is among them, the prompt not
+// counted), eagerly and through the runner's graph lifecycle.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -63,9 +66,19 @@ void ExpectAdjustedReference(const testing::ReferenceModel& ref, const Request& 
   for (const auto& s : run.sampled) all.push_back(s.token);
   const auto logits = ref.Forward(all);
   std::map<int32_t, int> counts;  // tokens generated before the current one
+  const double repetition = run.params.repetition_penalty;
   for (size_t i = 0; i < run.sampled.size(); ++i) {
     std::vector<double> adjusted = logits[run.prompt.size() - 1 + i];
     for (const auto& [token, bias] : run.params.logit_bias) adjusted[token] += bias;
+    // vLLM's repetition penalty: every token seen in the prompt or the
+    // output so far, by the sign of its (biased) logit.
+    std::vector<bool> seen(adjusted.size(), false);
+    for (int32_t t : run.prompt) seen[t] = true;
+    for (const auto& [token, count] : counts) seen[token] = true;
+    for (size_t t = 0; t < adjusted.size(); ++t) {
+      if (seen[t])
+        adjusted[t] = adjusted[t] > 0 ? adjusted[t] / repetition : adjusted[t] * repetition;
+    }
     for (const auto& [token, count] : counts) {
       adjusted[token] -= run.params.frequency_penalty * count + run.params.presence_penalty;
     }
@@ -110,7 +123,7 @@ TEST_P(EngineLogitAdjustmentsTest, PenaltiesAndBiasMatchTheReferenceBesidePlainR
   ASSERT_EQ(plain[0].sampled.size(), static_cast<size_t>(kTokens));
   const int32_t first = plain[0].sampled[0].token;
 
-  std::vector<Request> runs(4);
+  std::vector<Request> runs(6);
   runs[0] = {prompt, Greedy(kTokens), {}};
   runs[1] = {prompt, Greedy(kTokens), {}};
   runs[1].params.frequency_penalty = 1.5f;
@@ -122,6 +135,18 @@ TEST_P(EngineLogitAdjustmentsTest, PenaltiesAndBiasMatchTheReferenceBesidePlainR
   runs[3] = {RandomTokens(9, vocab, 6), Greedy(kTokens), {}};
   runs[3].params.frequency_penalty = -0.5f;
   runs[3].params.presence_penalty = -1.0f;
+  // 5: a repetition penalty alone; 6: with a bias and penalties on the
+  // same tokens (each applies in its turn).
+  runs[4] = {prompt, Greedy(kTokens), {}};
+  runs[4].params.repetition_penalty = 1.8f;
+  runs[5] = {RandomTokens(9, vocab, 6), Greedy(kTokens), {}};
+  runs[5].params.repetition_penalty = 1.3f;
+  runs[5].params.frequency_penalty = 0.5f;
+  runs[5].params.presence_penalty = 0.25f;
+  runs[5].params.logit_bias = {{runs[5].prompt[0], 2.0f}, {lifted, -1.0f}};
+  std::sort(runs[5].params.logit_bias.begin(), runs[5].params.logit_bias.end());
+  if (runs[5].params.logit_bias[0].first == runs[5].params.logit_bias[1].first)
+    runs[5].params.logit_bias.pop_back();
   GenerateTogether(**e, runs);
 
   for (size_t i = 0; i < runs.size(); ++i) {
@@ -138,6 +163,7 @@ TEST_P(EngineLogitAdjustmentsTest, PenaltiesAndBiasMatchTheReferenceBesidePlainR
     return v;
   };
   EXPECT_NE(tokens(runs[1]), tokens(plain[0]));
+  EXPECT_NE(tokens(runs[4]), tokens(plain[0])) << "the repetition penalty changed nothing";
   EXPECT_NE(runs[2].sampled[0].token, first);
   for (const auto& s : runs[2].sampled) EXPECT_NE(s.token, first);
 }
@@ -158,6 +184,47 @@ TEST_P(EngineLogitAdjustmentsTest, ALargeBiasForcesItsToken) {
   GenerateTogether(**e, runs);
   ASSERT_EQ(runs[0].sampled.size(), 6u);
   for (const auto& s : runs[0].sampled) EXPECT_EQ(s.token, 42);
+}
+
+// min_tokens: EOS and the stop token ids are never sampled before the
+// output is that long, however the model leans (+100 on them here), and
+// end it the step after.
+TEST_P(EngineLogitAdjustmentsTest, MinTokensHoldsOffEosAndStopIds) {
+  const std::string dir = testing::ModelDir("logit-adjustments", Spec());
+  testing::LoadedCpuModel l = testing::LoadCpuModel(dir);
+  ASSERT_NE(l.model, nullptr);
+  EngineOptions o;
+  o.graphs = GetParam();
+  auto e = Engine::Create(l.model.get(), o);
+  ASSERT_TRUE(e.ok()) << e.status().ToString();
+  const std::vector<TokenId>& eos = l.model->config().eos_token_ids;
+  ASSERT_FALSE(eos.empty());
+  const TokenId stop_id = 42;
+  std::vector<Request> runs(3);
+  for (size_t i = 0; i < runs.size(); ++i) {
+    runs[i] = {RandomTokens(6, Spec().vocab_size(), 11 + static_cast<uint32_t>(i)), Greedy(20), {}};
+    runs[i].params.ignore_eos = false;
+    runs[i].params.stop_token_ids = {stop_id};
+  }
+  runs[0].params.logit_bias = {{eos[0], 100.0f}};  // EOS the likeliest
+  runs[0].params.min_tokens = 5;
+  runs[1].params.logit_bias = {{stop_id, 100.0f}};  // a stop id the likeliest, sampled
+  runs[1].params.min_tokens = 3;
+  runs[1].params.temperature = 0.7f;
+  runs[1].params.seed = 4;
+  runs[2].params.logit_bias = {{eos[0], 100.0f}};  // no min_tokens: EOS at once
+  GenerateTogether(**e, runs);
+  auto is_stop = [&](TokenId t) {
+    return t == stop_id || std::find(eos.begin(), eos.end(), t) != eos.end();
+  };
+  ASSERT_EQ(runs[0].sampled.size(), 6u);
+  for (size_t i = 0; i < 5; ++i) EXPECT_FALSE(is_stop(runs[0].sampled[i].token)) << i;
+  EXPECT_EQ(runs[0].sampled[5].token, eos[0]);
+  ASSERT_EQ(runs[1].sampled.size(), 4u);
+  for (size_t i = 0; i < 3; ++i) EXPECT_FALSE(is_stop(runs[1].sampled[i].token)) << i;
+  EXPECT_EQ(runs[1].sampled[3].token, stop_id);
+  ASSERT_EQ(runs[2].sampled.size(), 1u);
+  EXPECT_EQ(runs[2].sampled[0].token, eos[0]);
 }
 
 INSTANTIATE_TEST_SUITE_P(Graphs, EngineLogitAdjustmentsTest,

@@ -98,6 +98,18 @@ TEST(SamplerValidationTest, AcceptsDefaultsAndRejectsEachBadField) {
   p = {};
   p.top_p = 0;
   expect_bad(p, "top_p");
+  p = {};
+  p.repetition_penalty = 0;
+  expect_bad(p, "repetition_penalty");
+  p.repetition_penalty = 10.5f;
+  expect_bad(p, "repetition_penalty");
+  p = {};
+  p.min_tokens = -1;
+  expect_bad(p, "min_tokens");
+  p.min_tokens = p.max_tokens + 1;
+  expect_bad(p, "min_tokens");
+  p.min_tokens = p.max_tokens;
+  EXPECT_TRUE(ValidateSamplingParams(p).ok());
   p.top_p = 1.5f;
   expect_bad(p, "top_p");
   p.top_p = std::nanf("");
@@ -423,6 +435,31 @@ TEST(StopCheckerTest, EosAndStopTokens) {
     EXPECT_EQ(c.OnToken(2, "<eos>").finish, FinishReason::kNone);
     EXPECT_EQ(c.OnToken(9, "x").finish, FinishReason::kStop);  // explicit ids still stop
   }
+}
+
+// min_tokens (vLLM's): before the min_tokens-th token nothing stops the
+// output, a stop string there included, and nothing is held back; from
+// that token on, stop strings, stop tokens and EOS end it as usual.
+TEST(StopCheckerTest, MinTokensDefersEveryStop) {
+  const std::vector<TokenId> eos = {2};
+  SamplingParams p = StopParams({"zz"});
+  p.min_tokens = 3;
+  StopChecker c(p, eos);
+  EXPECT_FALSE(c.EndsAt(2));
+  auto first = c.OnToken(5, "azz z");
+  EXPECT_EQ(first.finish, FinishReason::kNone);
+  EXPECT_EQ(first.text, "azz z");  // the stop string before min_tokens is text
+  EXPECT_FALSE(c.EndsAt(2));
+  EXPECT_EQ(c.OnToken(2, "").finish, FinishReason::kNone);  // EOS as the 2nd token
+  EXPECT_TRUE(c.EndsAt(2));                                 // the 3rd token may end it
+  auto third = c.OnToken(6, "bzzc");
+  EXPECT_EQ(third.finish, FinishReason::kStop);
+  EXPECT_EQ(third.text, "b");
+  EXPECT_EQ(third.matched_stop_string, "zz");
+  StopChecker eos_third(p, eos);
+  eos_third.OnToken(5, "a");
+  eos_third.OnToken(5, "a");
+  EXPECT_EQ(eos_third.OnToken(2, "").finish, FinishReason::kStop);
 }
 
 TEST(StopCheckerTest, MaxTokensReleasesEverything) {

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <random>
 #include <string>
@@ -575,18 +576,28 @@ TEST_F(BackendOpsTest, ArgMaxRows) {
   for (Target& t : targets_) EXPECT_EQ(run(*t.backend), want) << t.name;
 }
 
-// Logit adjustments (logit_bias, penalties): exactly the additions the
-// pairs name, on every row they name and nowhere else, byte for byte.
+// Logit adjustments (logit_bias, repetition, frequency and presence
+// penalties, bans): exactly what the entries name, in vLLM's order (bias,
+// then the repetition penalty by the sign of the biased logit, then the
+// penalties), on every element they name and nowhere else, byte for byte.
 TEST_F(BackendOpsTest, AdjustLogits) {
   const int64_t rows = 5, n = 32000;
   const auto logits = Random(rows * n, -30, 30);
   std::vector<LogitAdjustment> adjustments;
   std::vector<float> want = logits;
   for (int32_t r = 0; r < rows; r += 2) {
-    for (int32_t token : {0, 7, 31999, 12345 + r}) {
-      const float delta = static_cast<float>(token % 13) - 6.5f;
-      adjustments.push_back({r, token, delta});
-      want[r * n + token] += delta;
+    for (int32_t token : {0, 7, 31999, 12345 + r, 100 + r}) {
+      LogitAdjustment a;
+      a.row = r;
+      a.token = token;
+      a.bias = token == 7 ? 40.0f : static_cast<float>(token % 5);  // 7: turns positive
+      a.repetition = token % 2 == 0 ? 1.0f : 1.5f + static_cast<float>(r);
+      a.delta = token == 100 + r ? -std::numeric_limits<float>::infinity()  // banned
+                                 : static_cast<float>(token % 13) - 6.5f;
+      adjustments.push_back(a);
+      float v = want[r * n + token] + a.bias;
+      if (a.repetition != 1.0f) v = v > 0 ? v / a.repetition : v * a.repetition;
+      want[r * n + token] = v + a.delta;
     }
   }
   auto run = [&](Backend& b) {

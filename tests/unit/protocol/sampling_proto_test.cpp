@@ -22,12 +22,16 @@ TEST(SamplingProtoTest, RoundTripKeepsEveryField) {
   s.constraint = OutputConstraint{OutputConstraint::Kind::kRegex, "[a-z]+"};
   s.presence_penalty = -1.25f;
   s.frequency_penalty = 0.5f;
+  s.repetition_penalty = 1.3f;
+  s.min_tokens = 9;
   s.logit_bias = {{3, -100.0f}, {17, 2.5f}, {32000, 100.0f}};
   proto::SamplingParams wire;
   ToProto(s, &wire);
   const SamplingParams back = FromProto(wire);
   EXPECT_EQ(back.presence_penalty, s.presence_penalty);
   EXPECT_EQ(back.frequency_penalty, s.frequency_penalty);
+  EXPECT_EQ(back.repetition_penalty, s.repetition_penalty);
+  EXPECT_EQ(back.min_tokens, s.min_tokens);
   EXPECT_EQ(back.logit_bias, s.logit_bias);
   EXPECT_EQ(back.temperature, s.temperature);
   EXPECT_EQ(back.top_p, s.top_p);
@@ -58,6 +62,8 @@ TEST(SamplingProtoTest, EveryConstraintKindRoundTrips) {
 TEST(SamplingProtoTest, UnsetKnobsMeanOff) {
   const SamplingParams s = FromProto(proto::SamplingParams{});
   EXPECT_EQ(s.top_p, 1.0f);
+  EXPECT_EQ(s.repetition_penalty, 1.0f);  // an older router's Generate: off
+  EXPECT_EQ(s.min_tokens, 0);
   EXPECT_EQ(s.top_k, -1);
   EXPECT_FALSE(s.seed.has_value());
   EXPECT_FALSE(s.logprobs.has_value());

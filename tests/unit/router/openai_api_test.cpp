@@ -97,6 +97,12 @@ TEST(OpenAiApiTest, PromptForms) {
   EXPECT_EQ(ParseOk(Endpoint::kCompletions, R"({"prompt":""})").prompt_text, "");
   EXPECT_EQ(ParseOk(Endpoint::kCompletions, R"({"prompt":"a","suffix":""})").prompt_text, "a");
   EXPECT_EQ(ParseOk(Endpoint::kCompletions, R"({"prompt":"a","suffix":null})").prompt_text, "a");
+  // vLLM's repetition penalty and min_tokens are served.
+  const ApiRequest rep =
+      ParseOk(Endpoint::kCompletions, R"({"prompt":"a","repetition_penalty":1.2,"min_tokens":4})");
+  EXPECT_FLOAT_EQ(rep.sampling.repetition_penalty, 1.2f);
+  EXPECT_EQ(rep.sampling.min_tokens, 4);
+  EXPECT_TRUE(AdjustsLogits(rep.sampling));
   // vLLM's extensions at their neutral values (as clients send defaults)
   // ask for nothing.
   EXPECT_EQ(ParseOk(Endpoint::kCompletions,
@@ -208,8 +214,10 @@ TEST(OpenAiApiTest, BadInputTable) {
       {C, R"({"model":5,"prompt":"x"})", 400, "model"},        // wrong type
       {C, R"({})", 400, "prompt"},                             // missing prompt
       {C, R"({"prompt":"a","suffix":"b"})", 400, "suffix"},    // insertion
-      {C, R"({"prompt":"a","repetition_penalty":1.2})", 400, "repetition_penalty"},
-      {C, R"({"prompt":"a","min_tokens":4})", 400, "min_tokens"},
+      {C, R"({"prompt":"a","repetition_penalty":0})", 400, "repetition_penalty"},
+      {C, R"({"prompt":"a","repetition_penalty":11})", 400, "repetition_penalty"},
+      {C, R"({"prompt":"a","min_tokens":-1})", 400, "min_tokens"},
+      {C, R"({"prompt":"a","min_tokens":5,"max_tokens":3})", 400, "min_tokens"},
       {C, R"({"prompt":"a","include_stop_str_in_output":true})", 400, "include_stop_str_in_output"},
       {C, R"({"prompt":"a","skip_special_tokens":false})", 400, "skip_special_tokens"},
       {C, R"({"prompt":"a","bad_words":["x"]})", 400, "bad_words"},
@@ -481,8 +489,8 @@ TEST(OpenAiApiTest, TextOffsetsCountCharactersAndTopLogprobsComeMostLikelyFirst)
 }
 
 // generation_config.json's sampling keys are the values a request leaves
-// out (as vLLM takes them); values a client could not send, keys of the
-// wrong type and repetition_penalty (not served) are left out and named.
+// out (as vLLM takes them); values a client could not send and keys of the
+// wrong type are left out and named.
 TEST(OpenAiApiTest, TheModelsGenerationConfigFillsWhatARequestLeavesOut) {
   std::vector<std::string> ignored;
   const SamplingDefaults d = ParseSamplingDefaults(
@@ -493,17 +501,16 @@ TEST(OpenAiApiTest, TheModelsGenerationConfigFillsWhatARequestLeavesOut) {
   EXPECT_EQ(d.top_p, 0.95f);
   EXPECT_EQ(d.top_k, 20);
   EXPECT_FALSE(d.min_p.has_value());
-  EXPECT_EQ(d.ToString(), "temperature 0.6, top_p 0.95, top_k 20");
-  ASSERT_EQ(ignored.size(), 1u);
-  EXPECT_NE(ignored[0].find("repetition_penalty 1.05"), std::string::npos);
-  ignored.clear();
+  EXPECT_EQ(d.repetition_penalty, 1.05f);
+  EXPECT_EQ(d.ToString(), "temperature 0.6, top_p 0.95, top_k 20, repetition_penalty 1.05");
+  EXPECT_TRUE(ignored.empty());
   const SamplingDefaults bad = ParseSamplingDefaults(
       nlohmann::ordered_json::parse(
-          R"({"temperature":5,"top_p":0,"top_k":"x","min_p":0.1,"repetition_penalty":1.0})"),
+          R"({"temperature":5,"top_p":0,"top_k":"x","min_p":0.1,"repetition_penalty":0})"),
       &ignored);
-  EXPECT_FALSE(bad.temperature || bad.top_p || bad.top_k);
+  EXPECT_FALSE(bad.temperature || bad.top_p || bad.top_k || bad.repetition_penalty);
   EXPECT_EQ(bad.min_p, 0.1f);
-  EXPECT_EQ(ignored.size(), 3u);
+  EXPECT_EQ(ignored.size(), 4u);
   EXPECT_EQ(ParseSamplingDefaults(nlohmann::ordered_json::parse(R"({"top_k":0})"), &ignored).top_k,
             -1)
       << "transformers' top_k 0 is off";
@@ -516,6 +523,7 @@ TEST(OpenAiApiTest, TheModelsGenerationConfigFillsWhatARequestLeavesOut) {
   EXPECT_EQ(r.sampling.temperature, 0.6f);
   EXPECT_EQ(r.sampling.top_p, 0.95f);
   EXPECT_EQ(r.sampling.top_k, 20);
+  EXPECT_FLOAT_EQ(r.sampling.repetition_penalty, 1.05f);
   ApiRequest own;
   ASSERT_FALSE(ParseRequest(Endpoint::kCompletions,
                             R"({"prompt":"x","temperature":0,"top_p":1,"top_k":-1})", limits,
