@@ -239,6 +239,13 @@ void DecodeSide::Admit(const ConnectionPtr& router, proto::Generate g,
       sr->arrived = requests_.at(id)->arrived;
       sr->prompt_tokens = static_cast<int64_t>(sib.prompt.size());
       if (Status st = ctx_->engine->AddRequest(std::move(sib)); !st.ok()) {
+        if (prefill) {
+          // Its Prefill was never sent: no peer writes its blocks, which
+          // go back now rather than when a remote request gives up.
+          Request& leader = *requests_.at(id);
+          leader.remote = false;
+          by_prefill_rid_.erase(leader.prefill_rid);
+        }
         CancelGroup(id, "a sequence could not be added: " + st.message());
         (void)router->Send(RequestError(g.request_id(), st.code(), st.message(), false));
         return;
