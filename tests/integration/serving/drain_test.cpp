@@ -262,6 +262,14 @@ TEST(DrainTest, AdminUndrainPutsADrainedWorkerBack) {
   complete("after a came back");
   EXPECT_EQ(wait_served(a, 1), 1);
   EXPECT_EQ(served(b), 4);
+  // Every worker drained: the router takes nothing, and is not ready.
+  EXPECT_EQ(HttpRequest(stack.http_port(), "GET", "/ready").status, 200);
+  ASSERT_EQ(admin("/admin/drain", a.id, auth).status, 200);
+  const HttpResult unready = HttpRequest(stack.http_port(), "GET", "/ready");
+  EXPECT_EQ(unready.status, 503) << unready.body;
+  EXPECT_EQ(nlohmann::json::parse(unready.body)["decode_workers"], 0) << unready.body;
+  ASSERT_EQ(admin("/admin/undrain", a.id, auth).status, 200);
+  EXPECT_TRUE(stack.WaitReady());
   // Undraining a worker that is not drained changes nothing.
   EXPECT_EQ(admin("/admin/undrain", a.id, auth).status, 200);
 
