@@ -71,6 +71,12 @@ Status ValidateSamplingParams(const SamplingParams& p, size_t vocab_size) {
                                    std::to_string(p.max_tokens) + "], got " +
                                    std::to_string(p.min_tokens));
   }
+  if (p.min_tokens > 0 && p.constraint) {
+    // The grammar may end the output (EOS its only token) before then.
+    return Status::InvalidArgument(
+        "min_tokens cannot be combined with a structured output (its grammar decides where the "
+        "output ends)");
+  }
   if (p.logit_bias.size() > kMaxLogitBias) {
     return Status::InvalidArgument("logit_bias: at most " + std::to_string(kMaxLogitBias) +
                                    " tokens, got " + std::to_string(p.logit_bias.size()));

@@ -59,6 +59,11 @@ struct SamplingParams {
   // ends right before it (OpenAI semantics). Non-empty strings, at most 16.
   std::vector<std::string> stop;
   bool ignore_eos = false;
+  // Whether the output text leaves out special tokens (vLLM's; the ids are
+  // output either way). The router turns it off where a tool parser needs
+  // markers that are special tokens ([TOOL_CALLS], <tool_call>), as vLLM
+  // does.
+  bool skip_special_tokens = true;
   // nullopt: no logprobs. n: the chosen token's logprob plus the n most
   // likely tokens' (0 <= n <= kMaxLogprobs).
   std::optional<int> logprobs;
@@ -81,9 +86,10 @@ struct SamplingParams {
   float presence_penalty = 0.0f;    // in [-2, 2]
   float frequency_penalty = 0.0f;   // in [-2, 2]
   float repetition_penalty = 1.0f;  // in (0, kMaxRepetitionPenalty]; 1: off
-  // vLLM's min_tokens: before this many output tokens, EOS and the stop
-  // token ids are never sampled and stop strings are not looked for (in
-  // [0, max_tokens]).
+  // vLLM's min_tokens: the first min_tokens output tokens are never EOS or
+  // a stop token id, and stop strings are looked for only in the text after
+  // them (in [0, max_tokens]; not with a constraint, whose grammar decides
+  // where the output may end).
   int min_tokens = 0;
   // (token, bias): ids strictly increasing, biases in [-100, 100], at most
   // kMaxLogitBias entries.

@@ -403,7 +403,7 @@ std::unique_ptr<Engine::Sequence> Engine::NewSequence(EngineRequest r) {
   if (tokenizer_ != nullptr) {
     // The prompt is the text's context: the output's first piece keeps the
     // space SentencePiece would strip at the start of a text.
-    s->detokenizer.emplace(*tokenizer_, /*skip_special_tokens=*/true,
+    s->detokenizer.emplace(*tokenizer_, s->params.skip_special_tokens,
                            std::span<const TokenId>(s->tokens));
     s->stop.emplace(s->params, eos);
   }

@@ -132,9 +132,11 @@ StopChecker::Step StopChecker::OnToken(TokenId token, std::string_view text) {
   }
   ++num_tokens_;
   pending_.append(text);
-  if (num_tokens_ < min_tokens_) {
-    // min_tokens: nothing stops the output before it is that long, and its
-    // text so far is no stop string's start (vLLM looks from there on too).
+  if (num_tokens_ <= min_tokens_) {
+    // min_tokens: nothing but max_tokens stops the output until it is
+    // longer (vLLM v1's detokenizer checks from there), and its text so far
+    // is released whole: stop strings are looked for in the text after it.
+    if (num_tokens_ >= max_tokens_) finish_ = step.finish = FinishReason::kLength;
     step.text = std::exchange(pending_, {});
     return step;
   }
@@ -186,8 +188,8 @@ size_t StopChecker::FirstStopString(std::optional<std::string>* matched) const {
 }
 
 bool StopChecker::EndsAt(TokenId token) const {
-  return finish_ == FinishReason::kNone && num_tokens_ + 1 >= min_tokens_ &&
-         (IsStopToken(token) || num_tokens_ + 1 >= max_tokens_);
+  return finish_ == FinishReason::kNone &&
+         ((num_tokens_ + 1 > min_tokens_ && IsStopToken(token)) || num_tokens_ + 1 >= max_tokens_);
 }
 
 bool StopChecker::IsStopToken(TokenId token) const {

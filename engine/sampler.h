@@ -121,8 +121,8 @@ class StopChecker {
   // detokenizer still held of the earlier tokens. The text held back and
   // `text` are searched for stop strings first: on a stop string the text
   // ends before it. Else on kLength or a stop token all of it is released.
-  // Before the params.min_tokens-th token nothing stops and nothing is
-  // held back: stop strings are looked for in the text from there on.
+  // Up to the params.min_tokens-th token nothing stops and nothing is held
+  // back: stop strings are looked for in the text after it.
   // Once it returned a finish reason, further calls are an error (return
   // finish again, with no text).
   Step OnToken(TokenId token, std::string_view text);
@@ -153,7 +153,7 @@ class StopChecker {
   std::vector<TokenId> stop_ids_;
   std::vector<std::string> stop_strings_;
   size_t max_tokens_;
-  size_t min_tokens_;  // params.min_tokens: no stop before this many tokens
+  size_t min_tokens_;  // params.min_tokens: no stop up to this many tokens
   size_t num_tokens_ = 0;
   std::string pending_;  // text not yet released (a possible stop-string start)
   FinishReason finish_ = FinishReason::kNone;

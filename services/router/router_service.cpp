@@ -730,8 +730,12 @@ class RouterServiceImpl : public RouterService {
           "rejected");
     }
     const int64_t room = max_len > 0 ? max_len - prompt_len : kMaxTokensWhenContextUnknown;
-    int64_t max_tokens =
-        api.max_tokens ? *api.max_tokens : (endpoint == Endpoint::kCompletions ? 16 : room);
+    // Unsaid: the model's max_new_tokens (generation_config.json), else
+    // completions' 16 (OpenAI's) and chat's room in the context.
+    const std::optional<int>& model_max = limits_.sampling_defaults.max_tokens;
+    int64_t max_tokens = api.max_tokens ? *api.max_tokens
+                         : model_max    ? *model_max
+                                        : (endpoint == Endpoint::kCompletions ? 16 : room);
     if (max_len > 0 && api.max_tokens && max_tokens > room) {
       return reject(
           {400,
@@ -774,6 +778,11 @@ class RouterServiceImpl : public RouterService {
     if (api.echo) {
       for (auto& c : r->choices) c.streamed_text_chars = TextOffsetLength(r->prompt_text);
     }
+    // A tool parser reads markers that may be special tokens ([TOOL_CALLS],
+    // a special <tool_call>): the workers keep them in the text, as vLLM
+    // does, and the parser takes them out.
+    if (ToolsActive(api) && tool_parser_ != ToolParser::kNone)
+      api.sampling.skip_special_tokens = false;
     if (ToolsActive(api) && api.stream) {
       for (auto& c : r->choices)
         c.tool_stream = std::make_unique<ToolCallStreamer>(tool_parser_, ToolNames(api));

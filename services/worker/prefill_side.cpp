@@ -208,6 +208,9 @@ void PrefillSide::Start(const ConnectionPtr& decode, PeerId peer, proto::Prefill
   req.prompt.assign(p.prompt_token_ids().begin(), p.prompt_token_ids().end());
   req.params = FromProto(p.sampling());
   req.params.max_tokens = 1;
+  // Its one token is the first of the output: min_tokens holds EOS off it
+  // (the decode worker holds the rest).
+  req.params.min_tokens = std::min(req.params.min_tokens, 1);
   req.cache_salt = p.cache_salt();
   req.prefill_only = true;
   req.snapkv_dense = p.prefix_copy();  // a copy moves the blocks the receiver caches

@@ -187,11 +187,17 @@ test('logit_bias takes every token, prefilled remotely or not; penalties are acc
   // workers: the first token is the prefill worker's; repetition_penalty
   // is taken there too.
   const eos = { '508': 100, '511': 100 };
-  for (const min_tokens of [0, 5]) {
-    const r = await client.completions.create({ model: modelId, prompt, max_tokens: 5,
-      temperature: 0, logit_bias: eos, min_tokens, repetition_penalty: 1.3 });
-    assert.equal(r.choices[0].finish_reason, min_tokens ? 'length' : 'stop');
-    assert.equal(r.usage.completion_tokens, min_tokens ? 5 : 1);
+  for (const p of [prompt, 'Hi']) {
+    for (const [min_tokens, max_tokens] of [[0, 5], [5, 5], [3, 6]]) {
+      const r = await client.completions.create({ model: modelId, prompt: p, max_tokens,
+        temperature: 0, logit_bias: eos, min_tokens, repetition_penalty: 1.3 });
+      const what = JSON.stringify({ p, min_tokens, max_tokens });
+      // EOS (the likeliest) right after min_tokens, unless max_tokens comes first.
+      const want = Math.min(min_tokens + 1, max_tokens);
+      assert.equal(r.usage.completion_tokens, want, what);
+      assert.equal(r.choices[0].finish_reason, want === max_tokens && min_tokens === max_tokens
+        ? 'length' : 'stop', what);
+    }
   }
 });
 

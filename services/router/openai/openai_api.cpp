@@ -170,18 +170,32 @@ SamplingDefaults ParseSamplingDefaults(const ojson& config, std::vector<std::str
     }
     return out;
   };
+  auto integer = [&](const char* key, int64_t low) {
+    std::optional<int> out;
+    auto it = config.find(key);
+    if (it == config.end() || it->is_null()) return out;
+    const std::optional<int64_t> v = AsInt64(*it);
+    if (v && *v >= low && *v <= std::numeric_limits<int>::max()) {
+      out = static_cast<int>(*v);
+    } else {
+      ignored->push_back(std::string(key) + " " + it->dump());
+    }
+    return out;
+  };
   d.temperature = number("temperature", 0, 2, false);
   d.top_p = number("top_p", 0, 1, true);
   d.min_p = number("min_p", 0, 1, false);
-  if (auto it = config.find("top_k"); it != config.end() && !it->is_null()) {
-    const std::optional<int64_t> k = AsInt64(*it);
-    if (k && *k >= -1 && *k <= std::numeric_limits<int>::max()) {
-      d.top_k = static_cast<int>(*k == 0 ? -1 : *k);  // transformers' 0: off
-    } else {
-      ignored->push_back("top_k " + it->dump());
-    }
-  }
   d.repetition_penalty = number("repetition_penalty", 0, kMaxRepetitionPenalty, true);
+  d.top_k = integer("top_k", -1);
+  if (d.top_k == 0) d.top_k = -1;  // transformers' 0: off
+  d.max_tokens = integer("max_new_tokens", 1);
+  // Values equal to transformers' own defaults are no recommendation (vLLM
+  // drops them too): a config that spells out top_k 50 keeps OpenAI's
+  // sampling.
+  if (d.temperature == 1.0f) d.temperature.reset();
+  if (d.top_p == 1.0f) d.top_p.reset();
+  if (d.top_k == 50) d.top_k.reset();
+  if (d.repetition_penalty == 1.0f) d.repetition_penalty.reset();
   return d;
 }
 
@@ -197,6 +211,7 @@ std::string SamplingDefaults::ToString() const {
   if (top_k) put("top_k", *top_k);
   if (min_p) put("min_p", *min_p);
   if (repetition_penalty) put("repetition_penalty", *repetition_penalty);
+  if (max_tokens) put("max_tokens", *max_tokens);
   return out.str();
 }
 
@@ -206,7 +221,7 @@ namespace {
 // serve: refused when they ask for anything but their neutral value (or
 // null), so that a client never gets an output made without them unawares.
 // Unknown fields stay ignored (openai_api.h).
-std::optional<ApiError> RefuseUnservedExtensions(const ojson& body) {
+std::optional<ApiError> RefuseUnservedExtensions(Endpoint endpoint, const ojson& body) {
   struct Extension {
     const char* name;
     ojson neutral;
@@ -216,14 +231,29 @@ std::optional<ApiError> RefuseUnservedExtensions(const ojson& body) {
       {"length_penalty", 1, ""},
       {"use_beam_search", false, ""},
       {"include_stop_str_in_output", false, ""},
-      {"skip_special_tokens", true, ""},
       {"spaces_between_special_tokens", true, ""},
       {"bad_words", ojson::array(), "'logit_bias'"},
       {"allowed_token_ids", ojson::array(), "'logit_bias'"},
       {"truncate_prompt_tokens", ojson(), ""},
       {"prompt_logprobs", ojson(), "'echo' with 'logprobs' (completions)"},
       {"continue_final_message", false, ""},
+      {"return_tokens_as_token_ids", false, ""},
+      {"logits_processors", ojson(), ""},
   };
+  const bool chat = endpoint == Endpoint::kChatCompletions;
+  // Served on completions, vLLM's on chat: echo (the last message), and
+  // add_special_tokens (BOS on top of the template's), whose neutral value
+  // is each endpoint's default.
+  if (chat) {
+    if (auto it = body.find("echo"); it != body.end() && !it->is_null() && *it != ojson(false))
+      return Bad("echo", "'echo' is not supported on /v1/chat/completions");
+  }
+  if (auto it = body.find("add_special_tokens");
+      it != body.end() && !it->is_null() && *it != ojson(!chat)) {
+    return Bad("add_special_tokens", std::string("'add_special_tokens' is not supported (") +
+                                         (chat ? "the chat template adds them" : "always true") +
+                                         " here)");
+  }
   for (const Extension& e : kExtensions) {
     auto it = body.find(e.name);
     if (it == body.end() || it->is_null() || *it == e.neutral) continue;
@@ -745,6 +775,7 @@ std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view body,
     PDSERVE_API_CHECK(ParseTokenArray(*ids, "stop_token_ids", &s.stop_token_ids));
   }
   PDSERVE_API_CHECK(f.Bool("ignore_eos", &s.ignore_eos));
+  PDSERVE_API_CHECK(f.Bool("skip_special_tokens", &s.skip_special_tokens));
 
   // Logprobs: an integer for completions, a boolean plus top_logprobs for chat.
   if (endpoint == Endpoint::kCompletions) {
@@ -777,7 +808,7 @@ std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view body,
     if (out->chat_logprobs) s.logprobs = static_cast<int>(top.value_or(0));
   }
 
-  PDSERVE_API_CHECK(RefuseUnservedExtensions(j));
+  PDSERVE_API_CHECK(RefuseUnservedExtensions(endpoint, j));
   PDSERVE_API_CHECK(f.String("user", &out->user));
   PDSERVE_API_CHECK(f.String("cache_salt", &out->cache_salt));
   if (f.Get("cache_salt") && out->cache_salt.empty()) {
@@ -896,9 +927,9 @@ ojson ResponseFormatter::Logprobs(const std::vector<TokenPiece>& pieces, size_t 
       top_logprobs.push_back(nullptr);
     } else {
       token_logprobs.push_back(Logprob(*p.logprob));
-      // Most likely first, as OpenAI and vLLM order them (clients read the
-      // first key as the top token); of tokens whose texts are the same the
-      // most likely one is kept.
+      // Most likely first, as OpenAI orders them (clients read the first key
+      // as the top token; vLLM puts the sampled one first); of tokens whose
+      // texts are the same the most likely one is kept.
       ojson top = ojson::object();
       for (const auto& [tok, lp] : p.top_logprobs) top.emplace(Utf8Text(tok), Logprob(lp));
       // The chosen token is always among them (up to logprobs + 1 entries),

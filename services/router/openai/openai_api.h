@@ -100,14 +100,19 @@ struct ApiRequest {
 struct SamplingDefaults {
   std::optional<float> temperature, top_p, min_p, repetition_penalty;
   std::optional<int> top_k;
-  bool empty() const { return !temperature && !top_p && !min_p && !top_k && !repetition_penalty; }
+  std::optional<int> max_tokens;  // max_new_tokens: where a request gives no max_tokens
+  bool empty() const {
+    return !temperature && !top_p && !min_p && !top_k && !repetition_penalty && !max_tokens;
+  }
   std::string ToString() const;  // "temperature 0.6, top_p 0.95" ("" when empty)
 };
 
 // The sampling keys of a generation_config.json object (temperature,
-// top_p, top_k, min_p, repetition_penalty). A value the API would refuse
-// from a client (temperature 5, top_p 0) or a key of the wrong type is left
-// out, each named in `*ignored`.
+// top_p, top_k, min_p, repetition_penalty, max_new_tokens). A value the API
+// would refuse from a client (temperature 5, top_p 0) or a key of the wrong
+// type is left out, each named in `*ignored`; one equal to transformers'
+// default (temperature 1, top_p 1, top_k 50, repetition_penalty 1) is no
+// recommendation and is left out too, as vLLM leaves it.
 SamplingDefaults ParseSamplingDefaults(const nlohmann::ordered_json& generation_config,
                                        std::vector<std::string>* ignored);
 

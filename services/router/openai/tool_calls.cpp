@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "common/random_id.h"
+#include "services/router/openai/checked_json.h"
 
 namespace pdserve::router {
 namespace {
@@ -112,8 +113,25 @@ std::string ToolCallStreamer::NewId() const {
   return "call_" + id.substr(0, 24);
 }
 
+namespace {
+
+// Nesting the model's JSON may have to be read as a call: deeper arguments
+// stay content (what reads the value, copies it and writes it back recurses
+// once a level).
+constexpr int kMaxCallJsonDepth = 256;
+
+// The model's JSON text, or a discarded value: parsed with the limits client
+// JSON gets (checked_json.h), whatever the model wrote.
+ojson ParseModelJson(std::string_view text) {
+  ojson out;
+  if (ParseCheckedJson(text, kMaxCallJsonDepth, &out)) return ojson(ojson::value_t::discarded);
+  return out;
+}
+
+}  // namespace
+
 std::optional<ToolCall> ToolCallStreamer::CallFromJson(std::string_view json) const {
-  ojson j = ojson::parse(Trim(json), nullptr, /*allow_exceptions=*/false);
+  ojson j = ParseModelJson(Trim(json));
   if (!j.is_object()) return std::nullopt;
   auto name = j.find("name");
   if (name == j.end() || !name->is_string()) return std::nullopt;
@@ -125,9 +143,9 @@ std::optional<ToolCall> ToolCallStreamer::CallFromJson(std::string_view json) co
   auto args = j.find("arguments");
   if (args == j.end()) args = j.find("parameters");
   ojson value = ojson::object();
-  if (args != j.end()) {
+  if (args != j.end() && !args->is_null()) {  // null: no arguments
     value = *args;
-    if (value.is_string()) value = ojson::parse(value.get<std::string>(), nullptr, false);
+    if (value.is_string()) value = ParseModelJson(value.get<std::string>());
     if (!value.is_object()) return std::nullopt;
   }
   call.arguments = value.dump(-1, ' ', false, ojson::error_handler_t::replace);
@@ -140,7 +158,7 @@ std::optional<std::vector<ToolCall>> ToolCallStreamer::CallsFromRest(std::string
   std::string_view s = Trim(text);
   if (parser_ == ToolParser::kMistral) {
     if (!s.empty() && s.front() == '[') {
-      ojson arr = ojson::parse(s, nullptr, false);
+      ojson arr = ParseModelJson(s);
       if (!arr.is_array() || arr.empty()) return std::nullopt;
       for (const auto& item : arr) {
         auto call = CallFromJson(item.dump());
@@ -157,8 +175,7 @@ std::optional<std::vector<ToolCall>> ToolCallStreamer::CallsFromRest(std::string
       s.remove_prefix(args + kMistralArgs.size());
       const size_t end = JsonEnd(s);
       if (end == std::string_view::npos) return std::nullopt;
-      ojson call_json = {{"name", name},
-                         {"arguments", ojson::parse(s.substr(0, end), nullptr, false)}};
+      ojson call_json = {{"name", name}, {"arguments", ParseModelJson(s.substr(0, end))}};
       auto call = CallFromJson(call_json.dump());
       if (!call) return std::nullopt;
       calls.push_back(std::move(*call));
@@ -251,8 +268,13 @@ void ToolCallStreamer::Drain(bool final, std::string* content, std::vector<ToolC
         return;
       }
       case State::kCall: {
-        const size_t at = buffer_.find(kHermesClose);
-        if (at == std::string::npos && !final) return;
+        const size_t at = buffer_.find(kHermesClose, close_scan_from_);
+        if (at == std::string::npos) {
+          // The marker may start in the last bytes: searched again with more.
+          close_scan_from_ = buffer_.size() - std::min(buffer_.size(), kHermesClose.size() - 1);
+          if (!final) return;
+        }
+        close_scan_from_ = 0;
         const std::string_view body = std::string_view(buffer_).substr(0, at);
         auto call = CallFromJson(body);
         if (call) {

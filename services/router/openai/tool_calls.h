@@ -71,6 +71,10 @@ class ToolCallStreamer {
   std::string buffer_;
   bool seen_call_ = false;
   bool marker_seen_ = false;  // the opening marker was in the text
+  // kCall: where the search for the closing marker goes on (the text
+  // before it holds none), so that a long call is scanned once, not once a
+  // token.
+  size_t close_scan_from_ = 0;
   std::string pending_space_;
 };
 

@@ -213,6 +213,7 @@ TEST(RouterSamplingDefaultsTest, TheModelsGenerationConfigFillsWhatARequestLeave
   nlohmann::json gen = nlohmann::json::parse(std::string(std::istreambuf_iterator<char>(in), {}));
   gen["temperature"] = 0.25;
   gen["top_k"] = 7;
+  gen["max_new_tokens"] = 9;
   std::ofstream(gen_path) << gen.dump();
   auto model_id = ServedModelIdOfFolder(dir);
   ASSERT_TRUE(model_id.ok());
@@ -231,9 +232,8 @@ TEST(RouterSamplingDefaultsTest, TheModelsGenerationConfigFillsWhatARequestLeave
     FakeWorker worker(&loop, (*service)->control_port(), *model_id, "decode", proto::ROLE_DECODE,
                       1024);
     ASSERT_TRUE(worker.WaitRegistered());
-    for (const char* extra : {"", R"(,"temperature":0.5,"top_k":-1)"}) {
-      const std::string body =
-          R"({"model":")" + *model_id + R"(","prompt":[5,5,5],"max_tokens":1)" + extra + "}";
+    for (const char* extra : {"", R"(,"temperature":0.5,"top_k":-1,"max_tokens":1)"}) {
+      const std::string body = R"({"model":")" + *model_id + R"(","prompt":[5,5,5])" + extra + "}";
       EXPECT_EQ(
           pdserve::testing::HttpRequest((*service)->http_port(), "POST", "/v1/completions", body)
               .status,
@@ -243,6 +243,8 @@ TEST(RouterSamplingDefaultsTest, TheModelsGenerationConfigFillsWhatARequestLeave
     ASSERT_EQ(g.size(), 2u);
     EXPECT_FLOAT_EQ(g[0].sampling().temperature(), mode == "auto" ? 0.25f : 1.0f);
     EXPECT_EQ(g[0].sampling().top_k() > 0 ? g[0].sampling().top_k() : 0, mode == "auto" ? 7 : 0);
+    EXPECT_EQ(g[0].sampling().max_tokens(), mode == "auto" ? 9u : 16u);
+    EXPECT_EQ(g[1].sampling().max_tokens(), 1u);
     EXPECT_FLOAT_EQ(g[1].sampling().temperature(), 0.5f);
     EXPECT_LE(g[1].sampling().top_k(), 0);
     (*service)->Stop();
@@ -440,6 +442,17 @@ TEST_F(RouterServiceTest, ParallelToolCallsFalseKeepsTheFirstCall) {
     }
     EXPECT_EQ(named, parallel ? 2u : 1u) << s.body;
   }
+  // The parser reads markers that may be special tokens: the workers keep
+  // special tokens in these requests' text (as vLLM does), in no other.
+  body["tool_choice"] = "none";
+  ASSERT_EQ(pdserve::testing::HttpRequest(service_->http_port(), "POST", "/v1/chat/completions",
+                                          body.dump())
+                .status,
+            200);
+  const auto g = w.generates();
+  ASSERT_EQ(g.size(), 5u);
+  for (size_t i = 0; i < 4; ++i) EXPECT_TRUE(g[i].sampling().keep_special_tokens()) << i;
+  EXPECT_FALSE(g[4].sampling().keep_special_tokens());
 }
 
 // An unstreamed request whose worker dies mid-generation has sent the

@@ -112,6 +112,25 @@ TEST_P(DisaggregationTest, SharedPrefixIsComputedAndSentOnce) {
   EXPECT_TRUE(DecodePoolsIdle());
 }
 
+// vLLM's min_tokens and repetition_penalty reach the prefill worker, which
+// samples the first token under them (its own max_tokens is 1): the request
+// is prefilled there, not refused and computed again on the decode worker.
+TEST_P(DisaggregationTest, MinTokensAndRepetitionPenaltyArePrefilledRemotely) {
+  const double bytes_before =
+      Sum("prefill", "pdserve_kv_transfer_bytes_total", "direction=\"out\"");
+  auto [status, body] = stack_.Post("/v1/completions", {{"prompt", Words(120)},
+                                                        {"max_tokens", 6},
+                                                        {"min_tokens", 6},
+                                                        {"repetition_penalty", 1.3},
+                                                        {"temperature", 0}});
+  ASSERT_EQ(status, 200) << body.dump();
+  EXPECT_EQ(body["usage"]["completion_tokens"], 6);
+  EXPECT_GT(Sum("prefill", "pdserve_kv_transfer_bytes_total", "direction=\"out\""), bytes_before)
+      << "the prefill worker refused the request";
+  for (auto& w : stack_.workers()) EXPECT_EQ(w->proc.Log().find("refused"), std::string::npos);
+  EXPECT_TRUE(DecodePoolsIdle());
+}
+
 TEST_P(DisaggregationTest, PrefillWorkerKilledMidTransferFallsBackToLocal) {
   // Several long prompts in flight, then the prefill workers die.
   std::vector<std::thread> clients;

@@ -110,6 +110,8 @@ TEST(SamplerValidationTest, AcceptsDefaultsAndRejectsEachBadField) {
   expect_bad(p, "min_tokens");
   p.min_tokens = p.max_tokens;
   EXPECT_TRUE(ValidateSamplingParams(p).ok());
+  p.constraint = OutputConstraint{OutputConstraint::Kind::kJsonObject, ""};
+  expect_bad(p, "min_tokens");
   p.top_p = 1.5f;
   expect_bad(p, "top_p");
   p.top_p = std::nanf("");
@@ -437,21 +439,21 @@ TEST(StopCheckerTest, EosAndStopTokens) {
   }
 }
 
-// min_tokens (vLLM's): before the min_tokens-th token nothing stops the
-// output, a stop string there included, and nothing is held back; from
-// that token on, stop strings, stop tokens and EOS end it as usual.
+// min_tokens (vLLM v1's): up to the min_tokens-th token nothing stops the
+// output, a stop string there included, and nothing is held back; after
+// it, stop strings, stop tokens and EOS end it as usual.
 TEST(StopCheckerTest, MinTokensDefersEveryStop) {
   const std::vector<TokenId> eos = {2};
   SamplingParams p = StopParams({"zz"});
-  p.min_tokens = 3;
+  p.min_tokens = 2;
   StopChecker c(p, eos);
   EXPECT_FALSE(c.EndsAt(2));
   auto first = c.OnToken(5, "azz z");
   EXPECT_EQ(first.finish, FinishReason::kNone);
-  EXPECT_EQ(first.text, "azz z");  // the stop string before min_tokens is text
+  EXPECT_EQ(first.text, "azz z");  // the stop string within min_tokens is text
   EXPECT_FALSE(c.EndsAt(2));
-  EXPECT_EQ(c.OnToken(2, "").finish, FinishReason::kNone);  // EOS as the 2nd token
-  EXPECT_TRUE(c.EndsAt(2));                                 // the 3rd token may end it
+  EXPECT_EQ(c.OnToken(2, "z").finish, FinishReason::kNone);  // EOS as the 2nd token
+  EXPECT_TRUE(c.EndsAt(2));                                  // the 3rd token may end it
   auto third = c.OnToken(6, "bzzc");
   EXPECT_EQ(third.finish, FinishReason::kStop);
   EXPECT_EQ(third.text, "b");
@@ -460,6 +462,15 @@ TEST(StopCheckerTest, MinTokensDefersEveryStop) {
   eos_third.OnToken(5, "a");
   eos_third.OnToken(5, "a");
   EXPECT_EQ(eos_third.OnToken(2, "").finish, FinishReason::kStop);
+  // max_tokens still ends it, min_tokens equal to it included.
+  SamplingParams all = StopParams({"zz"}, 2);
+  all.min_tokens = 2;
+  StopChecker full(all, eos);
+  EXPECT_EQ(full.OnToken(5, "a").finish, FinishReason::kNone);
+  EXPECT_TRUE(full.EndsAt(5));
+  const auto last = full.OnToken(5, "zz");
+  EXPECT_EQ(last.finish, FinishReason::kLength);
+  EXPECT_EQ(last.text, "zz");
 }
 
 TEST(StopCheckerTest, MaxTokensReleasesEverything) {

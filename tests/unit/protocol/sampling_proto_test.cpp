@@ -17,6 +17,7 @@ TEST(SamplingProtoTest, RoundTripKeepsEveryField) {
   s.stop = {"\n\n", "END"};
   s.stop_token_ids = {2, 32000};
   s.ignore_eos = true;
+  s.skip_special_tokens = false;
   s.logprobs = 5;
   s.min_p = 0.05f;
   s.constraint = OutputConstraint{OutputConstraint::Kind::kRegex, "[a-z]+"};
@@ -41,6 +42,7 @@ TEST(SamplingProtoTest, RoundTripKeepsEveryField) {
   EXPECT_EQ(back.stop, s.stop);
   EXPECT_EQ(back.stop_token_ids, s.stop_token_ids);
   EXPECT_EQ(back.ignore_eos, s.ignore_eos);
+  EXPECT_EQ(back.skip_special_tokens, s.skip_special_tokens);
   EXPECT_EQ(back.logprobs, s.logprobs);
   EXPECT_EQ(back.min_p, s.min_p);
   EXPECT_EQ(back.constraint, s.constraint);
@@ -64,6 +66,7 @@ TEST(SamplingProtoTest, UnsetKnobsMeanOff) {
   EXPECT_EQ(s.top_p, 1.0f);
   EXPECT_EQ(s.repetition_penalty, 1.0f);  // an older router's Generate: off
   EXPECT_EQ(s.min_tokens, 0);
+  EXPECT_TRUE(s.skip_special_tokens);
   EXPECT_EQ(s.top_k, -1);
   EXPECT_FALSE(s.seed.has_value());
   EXPECT_FALSE(s.logprobs.has_value());

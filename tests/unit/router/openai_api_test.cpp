@@ -102,16 +102,24 @@ TEST(OpenAiApiTest, PromptForms) {
       ParseOk(Endpoint::kCompletions, R"({"prompt":"a","repetition_penalty":1.2,"min_tokens":4})");
   EXPECT_FLOAT_EQ(rep.sampling.repetition_penalty, 1.2f);
   EXPECT_EQ(rep.sampling.min_tokens, 4);
+  EXPECT_TRUE(rep.sampling.skip_special_tokens);
+  EXPECT_FALSE(ParseOk(Endpoint::kCompletions, R"({"prompt":"a","skip_special_tokens":false})")
+                   .sampling.skip_special_tokens);
   EXPECT_TRUE(AdjustsLogits(rep.sampling));
   // vLLM's extensions at their neutral values (as clients send defaults)
   // ask for nothing.
   EXPECT_EQ(ParseOk(Endpoint::kCompletions,
                     R"({"prompt":"a","repetition_penalty":1.0,"min_tokens":0,
-                        "skip_special_tokens":true,"include_stop_str_in_output":false,
+                        "include_stop_str_in_output":false,
                         "bad_words":[],"allowed_token_ids":null,
-                        "length_penalty":1,"use_beam_search":false})")
+                        "length_penalty":1,"use_beam_search":false,"add_special_tokens":true})")
                 .prompt_text,
             "a");
+  EXPECT_EQ(ParseOk(Endpoint::kChatCompletions,
+                    R"({"messages":[{"role":"user","content":"x"}],"add_special_tokens":false,
+                        "echo":false})")
+                .messages.size(),
+            1u);
   EXPECT_EQ(ParseOk(Endpoint::kCompletions, R"({"prompt":[[4,5]]})").prompt_ids,
             (std::vector<TokenId>{4, 5}));
   // Several prompts: left to the router to split, marked by their code.
@@ -219,13 +227,18 @@ TEST(OpenAiApiTest, BadInputTable) {
       {C, R"({"prompt":"a","min_tokens":-1})", 400, "min_tokens"},
       {C, R"({"prompt":"a","min_tokens":5,"max_tokens":3})", 400, "min_tokens"},
       {C, R"({"prompt":"a","include_stop_str_in_output":true})", 400, "include_stop_str_in_output"},
-      {C, R"({"prompt":"a","skip_special_tokens":false})", 400, "skip_special_tokens"},
+      {C, R"({"prompt":"a","skip_special_tokens":0})", 400, "skip_special_tokens"},
       {C, R"({"prompt":"a","bad_words":["x"]})", 400, "bad_words"},
       {C, R"({"prompt":"a","allowed_token_ids":[1,2]})", 400, "allowed_token_ids"},
       {C, R"({"prompt":"a","prompt_logprobs":1})", 400, "prompt_logprobs"},
       {C, R"({"prompt":"a","repetition_penalty":"x"})", 400, "repetition_penalty"},
       {H, R"({"messages":[{"role":"user","content":"x"}],"continue_final_message":true})", 400,
        "continue_final_message"},
+      {H, R"({"messages":[{"role":"user","content":"x"}],"echo":true})", 400, "echo"},
+      {H, R"({"messages":[{"role":"user","content":"x"}],"add_special_tokens":true})", 400,
+       "add_special_tokens"},
+      {C, R"({"prompt":"a","add_special_tokens":false})", 400, "add_special_tokens"},
+      {C, R"({"prompt":"a","return_tokens_as_token_ids":true})", 400, "return_tokens_as_token_ids"},
       {C, R"({"prompt":"a","suffix":5})", 400, "suffix"},          // wrong type
       {C, R"({"prompt":[]})", 400, "prompt"},                      // empty ids
       {C, R"({"prompt":["a","b"]})", 400, "prompt"},               // batch
@@ -515,6 +528,15 @@ TEST(OpenAiApiTest, TheModelsGenerationConfigFillsWhatARequestLeavesOut) {
             -1)
       << "transformers' top_k 0 is off";
   EXPECT_TRUE(ParseSamplingDefaults(nlohmann::ordered_json::parse("{}"), &ignored).empty());
+  // transformers' own defaults spelled out are no recommendation (vLLM
+  // drops them too); max_new_tokens is the max_tokens a request leaves out.
+  const SamplingDefaults hf = ParseSamplingDefaults(
+      nlohmann::ordered_json::parse(R"({"temperature":1.0,"top_p":1,"top_k":50,
+          "repetition_penalty":1.0,"max_new_tokens":256})"),
+      &ignored);
+  EXPECT_FALSE(hf.temperature || hf.top_p || hf.top_k || hf.repetition_penalty);
+  EXPECT_EQ(hf.max_tokens, 256);
+  EXPECT_EQ(hf.ToString(), "max_tokens 256");
 
   ApiLimits limits;
   limits.sampling_defaults = d;

@@ -122,6 +122,65 @@ TEST(ToolCalls, Llama3Json) {
   Check(p, not_call, {not_call, {}});
 }
 
+// With special tokens kept in the text (the router asks workers for that
+// when a parser runs), Mistral's markers are there: a call after text, and
+// the v11 form, are calls. "parameters": null is a call without arguments.
+TEST(ToolCalls, MarkersKeptAsTextAndNullArguments) {
+  Check(ToolParser::kMistral,
+        "Let me check.[TOOL_CALLS][{\"name\": \"get_weather\", \"arguments\": {\"city\": "
+        "\"Rome\"}}]",
+        {"Let me check.", {{"get_weather", R"({"city":"Rome"})"}}});
+  Check(ToolParser::kMistral, "[TOOL_CALLS]get_weather[ARGS]{\"city\": \"Rome\"}",
+        {"", {{"get_weather", R"({"city":"Rome"})"}}});
+  Check(ToolParser::kLlama3Json, "{\"name\": \"search\", \"parameters\": null}",
+        {"", {{"search", "{}"}}});
+  Check(ToolParser::kHermes, "<tool_call>{\"name\": \"search\", \"arguments\": null}</tool_call>",
+        {"", {{"search", "{}"}}});
+}
+
+// Whatever the model writes, the router survives it: arguments nested past
+// 256 levels stay content (reading them recursed once a level, and 100,000
+// levels overflowed the stack), and a long call full of '<' streamed a few
+// bytes at a time is one call (its closing marker is searched in new text
+// only).
+TEST(ToolCalls, HostileModelOutputIsContentOrOneCall) {
+  const std::string deep =
+      "<tool_call>{\"name\": \"search\", \"arguments\": {\"a\": " + std::string(100000, '[') +
+      std::string(100000, ']') + "}}</tool_call>";
+  for (ToolParser p : {ToolParser::kHermes, ToolParser::kMistral, ToolParser::kLlama3Json}) {
+    std::string content;
+    std::vector<ToolCall> calls;
+    const std::string text =
+        p == ToolParser::kHermes ? deep
+        : p == ToolParser::kMistral
+            ? "[TOOL_CALLS][{\"name\": \"search\", \"arguments\": " + std::string(100000, '[') +
+                  std::string(100000, ']') + "}]"
+            : "{\"name\": \"search\", \"parameters\": " + std::string(100000, '[') +
+                  std::string(100000, ']') + "}";
+    ParseToolCalls(p, kFunctions, text, &content, &calls);
+    EXPECT_TRUE(calls.empty()) << ToolParserName(p);
+    EXPECT_EQ(content, text) << ToolParserName(p);
+  }
+  // 256 levels are still a call.
+  Check(ToolParser::kHermes,
+        "<tool_call>{\"name\": \"search\", \"arguments\": {\"a\": " + std::string(250, '[') +
+            std::string(250, ']') + "}}</tool_call>",
+        {"", {{"search", "{\"a\":" + std::string(250, '[') + std::string(250, ']') + "}"}}});
+  std::string code;
+  for (int i = 0; i < 20000; ++i) code += "a<b ";
+  const std::string long_call = "<tool_call>{\"name\": \"search\", \"arguments\": {\"query\": \"" +
+                                code + "\"}}</tool_call>tail";
+  ToolCallStreamer s(ToolParser::kHermes, kFunctions);
+  std::string content;
+  std::vector<ToolCall> calls;
+  for (size_t at = 0; at < long_call.size(); at += 3)
+    s.Push(long_call.substr(at, 3), &content, &calls);
+  s.Finish(&content, &calls);
+  ASSERT_EQ(calls.size(), 1u);
+  EXPECT_EQ(calls[0].arguments, "{\"query\":\"" + code + "\"}");
+  EXPECT_EQ(content, "tail");
+}
+
 TEST(ToolCalls, ParserFromTemplateAndName) {
   EXPECT_EQ(ToolParserForTemplate("{{ '<tool_call>' }}"), ToolParser::kHermes);
   EXPECT_EQ(ToolParserForTemplate("<think> <tool_call>"), ToolParser::kQwen3);
