@@ -402,17 +402,27 @@ Status ModelRunner::PrepareLogitAdjustments(std::span<const ScheduledSeq> step) 
     touched_.push_back(s.id);
     // The tokens generated so far are the last output_index of the row's
     // tokens: counted once each, as they come (a request seen afresh, or
-    // with fewer outputs than counted, is counted from the start). The
-    // prompt's distinct tokens (the repetition penalty's) once per request.
+    // with fewer outputs than counted, is counted from the start).
     GeneratedCounts& g = generated_[s.id];
     const size_t n = std::min<size_t>(s.output_index, s.tokens.size());
     if (n < g.counted) g = {};
-    if (p.repetition_penalty != 1 && !g.prompt_read) {
-      g.prompt_tokens.assign(s.tokens.begin(), s.tokens.end() - static_cast<std::ptrdiff_t>(n));
-      std::sort(g.prompt_tokens.begin(), g.prompt_tokens.end());
-      g.prompt_tokens.erase(std::unique(g.prompt_tokens.begin(), g.prompt_tokens.end()),
-                            g.prompt_tokens.end());
-      g.prompt_read = true;
+    if (!g.base_built) {
+      // Once per request: an entry for each biased token and, with a
+      // repetition penalty, each distinct token of the prompt, by token.
+      std::vector<TokenId> seen;
+      if (p.repetition_penalty != 1) {
+        seen.assign(s.tokens.begin(), s.tokens.end() - static_cast<std::ptrdiff_t>(n));
+        std::sort(seen.begin(), seen.end());
+        seen.erase(std::unique(seen.begin(), seen.end()), seen.end());
+      }
+      auto add = [&](TokenId token) -> kernels::LogitAdjustment& {
+        auto [it, fresh] = g.base_index.try_emplace(token, static_cast<uint32_t>(g.base.size()));
+        if (fresh) g.base.push_back({0, token, 0.0f, 1.0f, 0.0f});
+        return g.base[it->second];
+      };
+      for (TokenId token : seen) add(token).repetition = p.repetition_penalty;
+      for (const auto& [token, b] : bias) add(token).bias = b;
+      g.base_built = true;
     }
     for (size_t t = s.tokens.size() - n + g.counted; t < s.tokens.size(); ++t) {
       const TokenId token = s.tokens[t];
@@ -421,33 +431,42 @@ Status ModelRunner::PrepareLogitAdjustments(std::span<const ScheduledSeq> step) 
       ++g.counts[at->second].second;
     }
     g.counted = n;
-    // One entry per token (AdjustLogits' contract): the generated ones,
-    // then the biased, the prompt's and the banned ones not among them.
+    // One entry per token (AdjustLogits' contract): the request's base
+    // entries as they are, the generated tokens' merged into them or after
+    // them, then the banned ones likewise.
     const size_t first = adjustments_.size();
-    std::unordered_map<TokenId, size_t>& entry = adjustment_index_;
-    entry.clear();
-    auto at = [&](TokenId token) -> kernels::LogitAdjustment& {
-      auto [it, fresh] = entry.try_emplace(token, adjustments_.size());
-      if (fresh) adjustments_.push_back({row, token, 0.0f, 1.0f, 0.0f});
-      return adjustments_[it->second];
+    adjustments_.insert(adjustments_.end(), g.base.begin(), g.base.end());
+    for (size_t k = first; k < adjustments_.size(); ++k) adjustments_[k].row = row;
+    const bool penalised =
+        p.repetition_penalty != 1 || p.presence_penalty != 0 || p.frequency_penalty != 0;
+    auto entry_of = [&](TokenId token) -> kernels::LogitAdjustment* {
+      if (auto b = g.base_index.find(token); b != g.base_index.end())
+        return &adjustments_[first + b->second];
+      return nullptr;
     };
-    for (const auto& [token, count] : g.counts) {
-      kernels::LogitAdjustment& a = at(token);
-      a.repetition = p.repetition_penalty;
-      a.delta = -p.frequency_penalty * static_cast<float>(count) - p.presence_penalty;
+    const size_t generated_first = adjustments_.size();
+    if (penalised) {
+      for (const auto& [token, count] : g.counts) {
+        kernels::LogitAdjustment* a = entry_of(token);
+        if (a == nullptr) a = &adjustments_.emplace_back(kernels::LogitAdjustment{row, token});
+        a->repetition = p.repetition_penalty;
+        a->delta = -p.frequency_penalty * static_cast<float>(count) - p.presence_penalty;
+      }
     }
-    for (const auto& [token, b] : bias) at(token).bias = b;
-    if (p.repetition_penalty != 1) {
-      for (TokenId token : g.prompt_tokens) at(token).repetition = p.repetition_penalty;
+    for (TokenId token : s.banned) {
+      kernels::LogitAdjustment* a = entry_of(token);
+      if (a == nullptr && penalised) {
+        if (auto c = g.index.find(token); c != g.index.end()) {
+          // Generated entries follow the base ones in count order, the ones
+          // merged into the base skipped: found by a scan (few are banned).
+          for (size_t k = generated_first; k < adjustments_.size(); ++k) {
+            if (adjustments_[k].token == token) a = &adjustments_[k];
+          }
+        }
+      }
+      if (a == nullptr) a = &adjustments_.emplace_back(kernels::LogitAdjustment{row, token});
+      a->delta = -std::numeric_limits<float>::infinity();
     }
-    for (TokenId token : s.banned) at(token).delta = -std::numeric_limits<float>::infinity();
-    // Entries that move nothing are not sent.
-    auto idle = [](const kernels::LogitAdjustment& a) {
-      return a.bias == 0 && a.repetition == 1 && a.delta == 0;
-    };
-    adjustments_.erase(std::remove_if(adjustments_.begin() + static_cast<std::ptrdiff_t>(first),
-                                      adjustments_.end(), idle),
-                       adjustments_.end());
   }
   // Counts of requests this step did not adjust are dropped (a request that
   // comes back is counted afresh).

@@ -262,13 +262,15 @@ class ModelRunner {
     size_t counted = 0;
     std::vector<std::pair<TokenId, int32_t>> counts;
     std::unordered_map<TokenId, uint32_t> index;  // token -> its entry in counts
-    // The prompt's distinct tokens, sorted (a repetition penalty's).
-    std::vector<TokenId> prompt_tokens;
-    bool prompt_read = false;
+    // Entries that hold for the request's life, built on its first
+    // adjusted step: each biased token's and, with a repetition penalty,
+    // each distinct prompt token's (rows set per step).
+    std::vector<kernels::LogitAdjustment> base;
+    std::unordered_map<TokenId, uint32_t> base_index;  // token -> its entry in base
+    bool base_built = false;
   };
   std::unordered_map<uint64_t, GeneratedCounts> generated_;
-  std::vector<uint64_t> touched_;                         // requests adjusted this step
-  std::unordered_map<TokenId, size_t> adjustment_index_;  // one row's: token -> its entry
+  std::vector<uint64_t> touched_;  // requests adjusted this step
   kernels::LogitAdjustment* adjust_host_ = nullptr;
   kernels::LogitAdjustment* adjust_device_ = nullptr;
   size_t adjust_capacity_ = 0;
