@@ -87,6 +87,13 @@ const char* ToolParserName(ToolParser p) {
 }
 
 ToolParser ToolParserForTemplate(std::string_view t) {
+  // Qwen3-Coder's XML calls (<function=NAME><parameter=K>V...) inside
+  // <tool_call>: no parser here reads them, so none is chosen (a request
+  // with tools is then refused, naming --tool-call-parser), rather than
+  // hermes leaving every call as content.
+  if (t.find("<function=") != std::string_view::npos ||
+      t.find("<parameter=") != std::string_view::npos)
+    return ToolParser::kNone;
   if (t.find("<tool_call>") != std::string_view::npos) {
     return t.find("<think>") != std::string_view::npos ? ToolParser::kQwen3 : ToolParser::kHermes;
   }
@@ -153,18 +160,22 @@ std::optional<ToolCall> ToolCallStreamer::CallFromJson(std::string_view json) co
   return call;
 }
 
-std::optional<std::vector<ToolCall>> ToolCallStreamer::CallsFromRest(std::string_view text) const {
+std::optional<std::vector<ToolCall>> ToolCallStreamer::CallsFromRest(std::string_view text,
+                                                                     std::string* trailing) const {
   std::vector<ToolCall> calls;
   std::string_view s = Trim(text);
   if (parser_ == ToolParser::kMistral) {
     if (!s.empty() && s.front() == '[') {
-      ojson arr = ParseModelJson(s);
+      const size_t end = JsonEnd(s);
+      if (end == std::string_view::npos) return std::nullopt;
+      ojson arr = ParseModelJson(s.substr(0, end));
       if (!arr.is_array() || arr.empty()) return std::nullopt;
       for (const auto& item : arr) {
         auto call = CallFromJson(item.dump());
         if (!call) return std::nullopt;
         calls.push_back(std::move(*call));
       }
+      *trailing = s.substr(end);  // what the model wrote after its calls
       return calls;
     }
     // name[ARGS]{...}, repeated after [TOOL_CALLS].
@@ -189,9 +200,13 @@ std::optional<std::vector<ToolCall>> ToolCallStreamer::CallsFromRest(std::string
   if (s.substr(0, kPythonTag.size()) == kPythonTag) s = Trim(s.substr(kPythonTag.size()));
   while (!s.empty()) {
     const size_t end = JsonEnd(s);
-    if (end == std::string_view::npos || s.front() != '{') return std::nullopt;
-    auto call = CallFromJson(s.substr(0, end));
-    if (!call) return std::nullopt;
+    std::optional<ToolCall> call;
+    if (end != std::string_view::npos && s.front() == '{') call = CallFromJson(s.substr(0, end));
+    if (!call) {
+      if (calls.empty()) return std::nullopt;
+      *trailing = s;  // text after the calls: content
+      break;
+    }
     calls.push_back(std::move(*call));
     s = Trim(s.substr(end));
     if (!s.empty() && s.front() == ';') s = Trim(s.substr(1));
@@ -292,10 +307,12 @@ void ToolCallStreamer::Drain(bool final, std::string* content, std::vector<ToolC
       }
       case State::kRest: {
         if (!final) return;
-        auto found = CallsFromRest(buffer_);
+        std::string trailing;
+        auto found = CallsFromRest(buffer_, &trailing);
         if (found) {
           for (auto& c : *found) calls->push_back(std::move(c));
           seen_call_ = true;
+          Emit(trailing, content);
         } else {
           // As written: the marker, unless it was a special token (not shown).
           Emit(

@@ -35,7 +35,8 @@ enum class ToolParser { kNone, kHermes, kQwen3, kMistral, kLlama3Json };
 StatusOr<ToolParser> ParseToolParserName(std::string_view name);
 const char* ToolParserName(ToolParser p);
 // The format a chat template writes tool calls in, from the markers it
-// renders (kNone: it renders none).
+// renders (kNone: it renders none, or a format no parser here reads, such
+// as Qwen3-Coder's XML calls).
 ToolParser ToolParserForTemplate(std::string_view chat_template);
 
 struct ToolCall {
@@ -60,7 +61,10 @@ class ToolCallStreamer {
   void Drain(bool final, std::string* content, std::vector<ToolCall>* calls);
   // Parses one call object (JSON text); nullopt when it is not one.
   std::optional<ToolCall> CallFromJson(std::string_view json) const;
-  std::optional<std::vector<ToolCall>> CallsFromRest(std::string_view text) const;
+  // The calls that start `text` (all of it, for kMistral's name[ARGS] form);
+  // what follows the last one goes to `*trailing`, as content.
+  std::optional<std::vector<ToolCall>> CallsFromRest(std::string_view text,
+                                                     std::string* trailing) const;
   std::string NewId() const;
   // Content, except whitespace after a call until something else follows.
   void Emit(std::string_view text, std::string* content);

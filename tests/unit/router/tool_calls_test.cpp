@@ -136,6 +136,12 @@ TEST(ToolCalls, MarkersKeptAsTextAndNullArguments) {
         {"", {{"search", "{}"}}});
   Check(ToolParser::kHermes, "<tool_call>{\"name\": \"search\", \"arguments\": null}</tool_call>",
         {"", {{"search", "{}"}}});
+  // Text the model wrote after its calls is content, not a reason to drop
+  // them (vLLM's parsers recover these too).
+  Check(ToolParser::kLlama3Json, "{\"name\": \"search\", \"parameters\": {}} I'll wait.",
+        {"I'll wait.", {{"search", "{}"}}});
+  Check(ToolParser::kMistral, "[TOOL_CALLS][{\"name\": \"search\", \"arguments\": {}}] Done.",
+        {" Done.", {{"search", "{}"}}});
 }
 
 // Whatever the model writes, the router survives it: arguments nested past
@@ -187,6 +193,9 @@ TEST(ToolCalls, ParserFromTemplateAndName) {
   EXPECT_EQ(ToolParserForTemplate("[TOOL_CALLS]"), ToolParser::kMistral);
   EXPECT_EQ(ToolParserForTemplate("<|python_tag|>"), ToolParser::kLlama3Json);
   EXPECT_EQ(ToolParserForTemplate("{{ messages }}"), ToolParser::kNone);
+  // Qwen3-Coder's XML calls are not hermes JSON.
+  EXPECT_EQ(ToolParserForTemplate("<tool_call>\n<function={{ name }}>\n<parameter={{ k }}>"),
+            ToolParser::kNone);
   EXPECT_TRUE(ParseToolParserName("llama3_json").ok());
   EXPECT_FALSE(ParseToolParserName("gpt").ok());
 }
