@@ -1,6 +1,7 @@
 #include "services/router/openai/tool_calls.h"
 
 #include <algorithm>
+#include <cctype>
 
 #include "common/random_id.h"
 #include "services/router/openai/checked_json.h"
@@ -225,6 +226,35 @@ void ToolCallStreamer::Emit(std::string_view text, std::string* content) {
   }
 }
 
+void ToolCallStreamer::ScanCallObject() {
+  CallScan& s = call_scan_;
+  for (; s.pos < buffer_.size() && s.end == std::string::npos; ++s.pos) {
+    const char c = buffer_[s.pos];
+    if (s.level == 0) {  // before the object
+      if (std::isspace(static_cast<unsigned char>(c))) continue;
+      if (c != '{') {
+        s.plain = true;
+        return;
+      }
+      s.level = 1;
+    } else if (s.in_string) {
+      if (s.escape) {
+        s.escape = false;
+      } else if (c == '\\') {
+        s.escape = true;
+      } else if (c == '"') {
+        s.in_string = false;
+      }
+    } else if (c == '"') {
+      s.in_string = true;
+    } else if (c == '{' || c == '[') {
+      ++s.level;
+    } else if ((c == '}' || c == ']') && --s.level == 0) {
+      s.end = s.pos + 1;
+    }
+  }
+}
+
 void ToolCallStreamer::Push(std::string_view text, std::string* content,
                             std::vector<ToolCall>* calls) {
   buffer_.append(text);
@@ -283,13 +313,38 @@ void ToolCallStreamer::Drain(bool final, std::string* content, std::vector<ToolC
         return;
       }
       case State::kCall: {
-        const size_t at = buffer_.find(kHermesClose, close_scan_from_);
+        // The call ends at the closing marker after its JSON object, read
+        // as JSON (strings skipped, so that an argument holding the marker
+        // does not end it), a few new bytes at a time.
+        size_t at = std::string::npos;
+        if (!call_scan_.plain) {
+          ScanCallObject();
+          if (call_scan_.end != std::string::npos) {
+            size_t k = call_scan_.end;
+            while (k < buffer_.size() && std::isspace(static_cast<unsigned char>(buffer_[k]))) ++k;
+            const std::string_view after = std::string_view(buffer_).substr(k);
+            if (after.starts_with(kHermesClose)) {
+              at = k;
+            } else if (!final && kHermesClose.starts_with(after)) {
+              return;  // the marker may follow
+            } else {
+              call_scan_.plain = true;  // something else follows the object
+            }
+          } else if (!call_scan_.plain && !final) {
+            return;  // the object is still open
+          }
+        }
         if (at == std::string::npos) {
-          // The marker may start in the last bytes: searched again with more.
-          close_scan_from_ = buffer_.size() - std::min(buffer_.size(), kHermesClose.size() - 1);
-          if (!final) return;
+          // Not one JSON object: the marker as written, wherever it is.
+          at = buffer_.find(kHermesClose, close_scan_from_);
+          if (at == std::string::npos) {
+            // The marker may start in the last bytes: searched again with more.
+            close_scan_from_ = buffer_.size() - std::min(buffer_.size(), kHermesClose.size() - 1);
+            if (!final) return;
+          }
         }
         close_scan_from_ = 0;
+        call_scan_ = {};
         const std::string_view body = std::string_view(buffer_).substr(0, at);
         auto call = CallFromJson(body);
         if (call) {

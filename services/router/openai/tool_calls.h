@@ -79,6 +79,17 @@ class ToolCallStreamer {
   // before it holds none), so that a long call is scanned once, not once a
   // token.
   size_t close_scan_from_ = 0;
+  // kCall: the call's JSON object read so far (ScanCallObject advances it
+  // over new bytes): where it ends, or that the body is not one object
+  // (`plain`: the marker is then searched as written).
+  struct CallScan {
+    size_t pos = 0;
+    int level = 0;  // 0: before the object's '{'
+    bool in_string = false, escape = false, plain = false;
+    size_t end = std::string::npos;
+  };
+  CallScan call_scan_;
+  void ScanCallObject();
   std::string pending_space_;
 };
 

@@ -81,6 +81,15 @@ TEST(ToolCalls, HermesAndQwen) {
     const std::string cut = "<tool_call>\n{\"name\": \"search\", \"argum";
     Check(p, cut, {cut, {}});
     Check(p, "a <tool_ca b", {"a <tool_ca b", {}});
+    // The closing marker inside an argument does not end the call (its
+    // object is read as JSON); text after the object that is not the
+    // marker makes the body plain text again.
+    Check(p,
+          "<tool_call>{\"name\": \"search\", \"arguments\": {\"query\": \"see </tool_call> "
+          "{here}\"}}</tool_call> after",
+          {" after", {{"search", R"({"query":"see </tool_call> {here}"})"}}});
+    const std::string two_objects = "<tool_call>{\"name\": \"search\"} {\"x\": 1}</tool_call>";
+    Check(p, two_objects, {two_objects, {}});
   }
 }
 
