@@ -48,8 +48,8 @@ struct Engine::Sequence {
   bool finished = false;
   std::optional<IncrementalDetokenizer> detokenizer;
   std::optional<StopChecker> stop;
-  // min_tokens: the ids not sampled before the output is that long (EOS
-  // unless ignore_eos, and the stop token ids).
+  // min_tokens: the ids not sampled before the output is that long (EOS,
+  // ignore_eos or not, and the stop token ids).
   std::vector<TokenId> banned_until_min_tokens;
   std::optional<structured::Matcher> matcher;  // structured outputs
   RequestId share_prompt_with = 0;             // admitted once that prompt's KV is computed
@@ -396,7 +396,7 @@ std::unique_ptr<Engine::Sequence> Engine::NewSequence(EngineRequest r) {
   if (s->params.min_tokens > 0) {
     std::vector<TokenId>& banned = s->banned_until_min_tokens;
     banned = s->params.stop_token_ids;
-    if (!s->params.ignore_eos) banned.insert(banned.end(), eos.begin(), eos.end());
+    banned.insert(banned.end(), eos.begin(), eos.end());  // ignore_eos too, as vLLM bans it
     std::sort(banned.begin(), banned.end());
     banned.erase(std::unique(banned.begin(), banned.end()), banned.end());
   }

@@ -200,7 +200,7 @@ TEST_P(EngineLogitAdjustmentsTest, MinTokensHoldsOffEosAndStopIds) {
   const std::vector<TokenId>& eos = l.model->config().eos_token_ids;
   ASSERT_FALSE(eos.empty());
   const TokenId stop_id = 42;
-  std::vector<Request> runs(3);
+  std::vector<Request> runs(4);
   for (size_t i = 0; i < runs.size(); ++i) {
     runs[i] = {RandomTokens(6, Spec().vocab_size(), 11 + static_cast<uint32_t>(i)), Greedy(20), {}};
     runs[i].params.ignore_eos = false;
@@ -213,6 +213,12 @@ TEST_P(EngineLogitAdjustmentsTest, MinTokensHoldsOffEosAndStopIds) {
   runs[1].params.temperature = 0.7f;
   runs[1].params.seed = 4;
   runs[2].params.logit_bias = {{eos[0], 100.0f}};  // no min_tokens: EOS at once
+  // ignore_eos: EOS ends nothing, and is still held off for min_tokens (as
+  // vLLM holds it), then taken.
+  runs[3].params.logit_bias = {{eos[0], 100.0f}};
+  runs[3].params.ignore_eos = true;
+  runs[3].params.min_tokens = 3;
+  runs[3].params.max_tokens = 5;
   GenerateTogether(**e, runs);
   auto is_stop = [&](TokenId t) {
     return t == stop_id || std::find(eos.begin(), eos.end(), t) != eos.end();
@@ -225,6 +231,10 @@ TEST_P(EngineLogitAdjustmentsTest, MinTokensHoldsOffEosAndStopIds) {
   EXPECT_EQ(runs[1].sampled[3].token, stop_id);
   ASSERT_EQ(runs[2].sampled.size(), 1u);
   EXPECT_EQ(runs[2].sampled[0].token, eos[0]);
+  ASSERT_EQ(runs[3].sampled.size(), 5u);
+  for (size_t i = 0; i < 3; ++i) EXPECT_FALSE(is_stop(runs[3].sampled[i].token)) << i;
+  EXPECT_EQ(runs[3].sampled[3].token, eos[0]);
+  EXPECT_EQ(runs[3].sampled[4].token, eos[0]);
 }
 
 INSTANTIATE_TEST_SUITE_P(Graphs, EngineLogitAdjustmentsTest,
