@@ -87,9 +87,9 @@ struct SamplingParams {
   float frequency_penalty = 0.0f;   // in [-2, 2]
   float repetition_penalty = 1.0f;  // in (0, kMaxRepetitionPenalty]; 1: off
   // vLLM's min_tokens: the first min_tokens output tokens are never EOS
-  // (ignore_eos or not, as vLLM holds it) or a stop token id, and stop strings are looked for only in the text after
-  // them (in [0, max_tokens]; not with a constraint, whose grammar decides
-  // where the output may end).
+  // (ignore_eos or not, as vLLM holds it) or a stop token id, and stop strings are looked for only
+  // in the text after them (in [0, max_tokens]; not with a constraint, whose grammar decides where
+  // the output may end).
   int min_tokens = 0;
   // (token, bias): ids strictly increasing, biases in [-100, 100], at most
   // kMaxLogitBias entries.
