@@ -730,12 +730,14 @@ class RouterServiceImpl : public RouterService {
           "rejected");
     }
     const int64_t room = max_len > 0 ? max_len - prompt_len : kMaxTokensWhenContextUnknown;
-    // Unsaid: the model's max_new_tokens (generation_config.json), else
-    // completions' 16 (OpenAI's) and chat's room in the context.
+    // Unsaid: completions' 16 (OpenAI's, and vLLM's); chat's the model's
+    // max_new_tokens (generation_config.json, as vLLM takes it), else the
+    // room in the context.
     const std::optional<int>& model_max = limits_.sampling_defaults.max_tokens;
-    int64_t max_tokens = api.max_tokens ? *api.max_tokens
-                         : model_max    ? *model_max
-                                        : (endpoint == Endpoint::kCompletions ? 16 : room);
+    int64_t max_tokens = api.max_tokens                       ? *api.max_tokens
+                         : endpoint == Endpoint::kCompletions ? 16
+                         : model_max                          ? *model_max
+                                                              : room;
     if (max_len > 0 && api.max_tokens && max_tokens > room) {
       return reject(
           {400,

@@ -338,9 +338,13 @@ std::optional<ApiError> ParseMessages(const ojson& body, ApiRequest* out) {
         }
         ojson call = c;
         // Templates read the arguments as an object (as vLLM passes them).
+        // Parsed with the body's limits (the string is the client's JSON
+        // too: 100,000 levels in it overflowed the stack); past them it
+        // stays a string.
         if (auto args = fn->find("arguments"); args != fn->end() && args->is_string()) {
-          ojson parsed = ojson::parse(args->get<std::string>(), nullptr, false);
-          if (!parsed.is_discarded()) call["function"]["arguments"] = std::move(parsed);
+          ojson parsed;
+          if (!ParseCheckedJson(args->get_ref<const std::string&>(), kDefaultMaxJsonDepth, &parsed))
+            call["function"]["arguments"] = std::move(parsed);
         }
         rendered.push_back(std::move(call));
       }

@@ -182,7 +182,11 @@ std::optional<std::vector<ToolCall>> ToolCallStreamer::CallsFromRest(std::string
     // name[ARGS]{...}, repeated after [TOOL_CALLS].
     while (!s.empty()) {
       const size_t args = s.find(kMistralArgs);
-      if (args == std::string_view::npos) return std::nullopt;
+      if (args == std::string_view::npos) {
+        if (calls.empty()) return std::nullopt;
+        *trailing = s;  // text after the calls: content
+        break;
+      }
       const std::string name(Trim(s.substr(0, args)));
       s.remove_prefix(args + kMistralArgs.size());
       const size_t end = JsonEnd(s);
@@ -220,8 +224,9 @@ void ToolCallStreamer::Emit(std::string_view text, std::string* content) {
     content->append(text);
     return;
   }
+  // pending_space_ holds whitespace only: the new text decides.
   pending_space_.append(text);
-  if (pending_space_.find_first_not_of(" \t\r\n") != std::string::npos) {
+  if (text.find_first_not_of(" \t\r\n") != std::string_view::npos) {
     content->append(std::exchange(pending_space_, {}));
   }
 }
@@ -320,7 +325,8 @@ void ToolCallStreamer::Drain(bool final, std::string* content, std::vector<ToolC
         if (!call_scan_.plain) {
           ScanCallObject();
           if (call_scan_.end != std::string::npos) {
-            size_t k = call_scan_.end;
+            size_t& k = call_scan_.after;  // whitespace after the object, read once
+            k = std::max(k, call_scan_.end);
             while (k < buffer_.size() && std::isspace(static_cast<unsigned char>(buffer_[k]))) ++k;
             const std::string_view after = std::string_view(buffer_).substr(k);
             if (after.starts_with(kHermesClose)) {

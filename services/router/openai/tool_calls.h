@@ -87,6 +87,7 @@ class ToolCallStreamer {
     int level = 0;  // 0: before the object's '{'
     bool in_string = false, escape = false, plain = false;
     size_t end = std::string::npos;
+    size_t after = 0;  // whitespace after the object read up to here
   };
   CallScan call_scan_;
   void ScanCallObject();

@@ -239,11 +239,24 @@ TEST(RouterSamplingDefaultsTest, TheModelsGenerationConfigFillsWhatARequestLeave
               .status,
           200);
     }
+    // Chat without max_tokens: the model's max_new_tokens, else the room in
+    // the context (completions keep OpenAI's 16 either way, as vLLM does).
+    const std::string chat =
+        R"({"model":")" + *model_id + R"(","messages":[{"role":"user","content":"hi"}]})";
+    EXPECT_EQ(
+        pdserve::testing::HttpRequest((*service)->http_port(), "POST", "/v1/chat/completions", chat)
+            .status,
+        200);
     const auto g = worker.generates();
-    ASSERT_EQ(g.size(), 2u);
+    ASSERT_EQ(g.size(), 3u);
     EXPECT_FLOAT_EQ(g[0].sampling().temperature(), mode == "auto" ? 0.25f : 1.0f);
     EXPECT_EQ(g[0].sampling().top_k() > 0 ? g[0].sampling().top_k() : 0, mode == "auto" ? 7 : 0);
-    EXPECT_EQ(g[0].sampling().max_tokens(), mode == "auto" ? 9u : 16u);
+    EXPECT_EQ(g[0].sampling().max_tokens(), 16u);
+    if (mode == "auto") {
+      EXPECT_EQ(g[2].sampling().max_tokens(), 9u);
+    } else {
+      EXPECT_GT(g[2].sampling().max_tokens(), 900u);
+    }
     EXPECT_EQ(g[1].sampling().max_tokens(), 1u);
     EXPECT_FLOAT_EQ(g[1].sampling().temperature(), 0.5f);
     EXPECT_LE(g[1].sampling().top_k(), 0);

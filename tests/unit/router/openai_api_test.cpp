@@ -555,6 +555,27 @@ TEST(OpenAiApiTest, TheModelsGenerationConfigFillsWhatARequestLeavesOut) {
   EXPECT_EQ(own.sampling.top_k, -1);
 }
 
+// An assistant message's tool-call arguments are a JSON string the
+// template reads as an object: parsed with the body's limits, so that
+// 100,000 levels in it (which overflowed the router's stack) stay a string.
+TEST(OpenAiApiTest, DeepToolCallArgumentsStayAString) {
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  nlohmann::json body = {{"messages",
+                          {{{"role", "user"}, {"content", "x"}},
+                           {{"role", "assistant"},
+                            {"content", nullptr},
+                            {"tool_calls",
+                             {{{"id", "call_1"},
+                               {"type", "function"},
+                               {"function", {{"name", "f"}, {"arguments", deep}}}}}}},
+                           {{"role", "tool"}, {"tool_call_id", "call_1"}, {"content", "ok"}}}}};
+  const ApiRequest r = ParseOk(Endpoint::kChatCompletions, body.dump());
+  EXPECT_TRUE(r.messages[1]["tool_calls"][0]["function"]["arguments"].is_string());
+  body["messages"][1]["tool_calls"][0]["function"]["arguments"] = R"({"a": [1]})";
+  const ApiRequest shallow = ParseOk(Endpoint::kChatCompletions, body.dump());
+  EXPECT_TRUE(shallow.messages[1]["tool_calls"][0]["function"]["arguments"].is_object());
+}
+
 // A message that can be echoed in any JSON and any log: printable ASCII.
 bool Printable(const std::string& s) {
   return std::all_of(s.begin(), s.end(), [](char c) { return c >= 0x20 && c < 0x7f; });

@@ -151,6 +151,8 @@ TEST(ToolCalls, MarkersKeptAsTextAndNullArguments) {
         {"I'll wait.", {{"search", "{}"}}});
   Check(ToolParser::kMistral, "[TOOL_CALLS][{\"name\": \"search\", \"arguments\": {}}] Done.",
         {" Done.", {{"search", "{}"}}});
+  Check(ToolParser::kMistral, "[TOOL_CALLS]search[ARGS]{\"query\": \"a\"} thanks",
+        {"thanks", {{"search", R"({"query":"a"})"}}});
 }
 
 // Whatever the model writes, the router survives it: arguments nested past
@@ -194,6 +196,20 @@ TEST(ToolCalls, HostileModelOutputIsContentOrOneCall) {
   ASSERT_EQ(calls.size(), 1u);
   EXPECT_EQ(calls[0].arguments, "{\"query\":\"" + code + "\"}");
   EXPECT_EQ(content, "tail");
+  // A long run of whitespace after a call's object, a token at a time, and
+  // after the call: one call, and the text that follows.
+  ToolCallStreamer spaced(ToolParser::kHermes, kFunctions);
+  std::string spaced_content;
+  std::vector<ToolCall> spaced_calls;
+  spaced.Push("<tool_call>{\"name\": \"search\", \"arguments\": {}}", &spaced_content,
+              &spaced_calls);
+  for (int i = 0; i < 20000; ++i) spaced.Push("\n", &spaced_content, &spaced_calls);
+  spaced.Push("</tool_call>", &spaced_content, &spaced_calls);
+  for (int i = 0; i < 20000; ++i) spaced.Push(" ", &spaced_content, &spaced_calls);
+  spaced.Push("end", &spaced_content, &spaced_calls);
+  spaced.Finish(&spaced_content, &spaced_calls);
+  ASSERT_EQ(spaced_calls.size(), 1u);
+  EXPECT_EQ(spaced_content, std::string(20000, ' ') + "end");
 }
 
 TEST(ToolCalls, ParserFromTemplateAndName) {
