@@ -192,7 +192,8 @@ std::optional<std::vector<ToolCall>> ToolCallStreamer::CallsFromRest(std::string
       const size_t end = JsonEnd(s);
       if (end == std::string_view::npos) return std::nullopt;
       ojson call_json = {{"name", name}, {"arguments", ParseModelJson(s.substr(0, end))}};
-      auto call = CallFromJson(call_json.dump());
+      // The name is the model's bytes, UTF-8 or not: repaired, never thrown on.
+      auto call = CallFromJson(call_json.dump(-1, ' ', false, ojson::error_handler_t::replace));
       if (!call) return std::nullopt;
       calls.push_back(std::move(*call));
       s = Trim(s.substr(end));

@@ -153,6 +153,9 @@ TEST(ToolCalls, MarkersKeptAsTextAndNullArguments) {
         {" Done.", {{"search", "{}"}}});
   Check(ToolParser::kMistral, "[TOOL_CALLS]search[ARGS]{\"query\": \"a\"} thanks",
         {"thanks", {{"search", R"({"query":"a"})"}}});
+  // A name that is not UTF-8 is no function's: content, not an exception.
+  const std::string bad_name = "[TOOL_CALLS]se\xffrch[ARGS]{}";
+  Check(ToolParser::kMistral, bad_name, {bad_name, {}});
 }
 
 // Whatever the model writes, the router survives it: arguments nested past
