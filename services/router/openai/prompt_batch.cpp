@@ -92,7 +92,8 @@ struct PromptBatch::State {
             {"total_tokens", prompt_tokens + completion_tokens},
             {"prompt_tokens_details", {{"cached_tokens", cached_tokens}}}};
   }
-  // Under mu: the event one response's: the batch's id and created.
+  // Under mu: gives `event` the batch's id and created (the first event's),
+  // so that the client's stream reads as one response.
   void UseStreamIdentity(ordered_json& event) {
     if (stream_id.is_null()) {
       stream_id = event.value("id", ordered_json());
