@@ -99,7 +99,22 @@ SamplingParams Greedy(int max_tokens) {
   return p;
 }
 
-class EngineLogitAdjustmentsTest : public ::testing::TestWithParam<GraphMode> {};
+class EngineLogitAdjustmentsTest : public ::testing::TestWithParam<GraphMode> {
+ protected:
+  // The tiny model on the CPU and an engine over it in this test's graph mode.
+  void LoadEngine() {
+    loaded_ = testing::LoadCpuModel(testing::ModelDir("logit-adjustments", Spec()));
+    ASSERT_NE(loaded_.model, nullptr);
+    EngineOptions o;
+    o.graphs = GetParam();
+    auto e = Engine::Create(loaded_.model.get(), o);
+    ASSERT_TRUE(e.ok()) << e.status().ToString();
+    engine_ = std::move(*e);
+  }
+
+  testing::LoadedCpuModel loaded_;
+  std::unique_ptr<Engine> engine_;
+};
 
 TEST_P(EngineLogitAdjustmentsTest, PenaltiesAndBiasMatchTheReferenceBesidePlainRows) {
   const std::string dir = testing::ModelDir("logit-adjustments", Spec());
@@ -170,18 +185,12 @@ TEST_P(EngineLogitAdjustmentsTest, PenaltiesAndBiasMatchTheReferenceBesidePlainR
 
 // A bias of +100 on one token takes every step, however the model leans.
 TEST_P(EngineLogitAdjustmentsTest, ALargeBiasForcesItsToken) {
-  const std::string dir = testing::ModelDir("logit-adjustments", Spec());
-  testing::LoadedCpuModel l = testing::LoadCpuModel(dir);
-  ASSERT_NE(l.model, nullptr);
-  EngineOptions o;
-  o.graphs = GetParam();
-  auto e = Engine::Create(l.model.get(), o);
-  ASSERT_TRUE(e.ok()) << e.status().ToString();
+  ASSERT_NO_FATAL_FAILURE(LoadEngine());
   std::vector<Request> runs = {{RandomTokens(5, Spec().vocab_size(), 9), Greedy(6), {}}};
   runs[0].params.logit_bias = {{42, 100.0f}};
   runs[0].params.temperature = 0.8f;  // sampled, not greedy: the bias still decides
   runs[0].params.seed = 3;
-  GenerateTogether(**e, runs);
+  GenerateTogether(*engine_, runs);
   ASSERT_EQ(runs[0].sampled.size(), 6u);
   for (const auto& s : runs[0].sampled) EXPECT_EQ(s.token, 42);
 }
@@ -190,14 +199,8 @@ TEST_P(EngineLogitAdjustmentsTest, ALargeBiasForcesItsToken) {
 // output is that long, however the model leans (+100 on them here), and
 // end it the step after.
 TEST_P(EngineLogitAdjustmentsTest, MinTokensHoldsOffEosAndStopIds) {
-  const std::string dir = testing::ModelDir("logit-adjustments", Spec());
-  testing::LoadedCpuModel l = testing::LoadCpuModel(dir);
-  ASSERT_NE(l.model, nullptr);
-  EngineOptions o;
-  o.graphs = GetParam();
-  auto e = Engine::Create(l.model.get(), o);
-  ASSERT_TRUE(e.ok()) << e.status().ToString();
-  const std::vector<TokenId>& eos = l.model->config().eos_token_ids;
+  ASSERT_NO_FATAL_FAILURE(LoadEngine());
+  const std::vector<TokenId>& eos = loaded_.model->config().eos_token_ids;
   ASSERT_FALSE(eos.empty());
   const TokenId stop_id = 42;
   std::vector<Request> runs(4);
@@ -219,7 +222,7 @@ TEST_P(EngineLogitAdjustmentsTest, MinTokensHoldsOffEosAndStopIds) {
   runs[3].params.ignore_eos = true;
   runs[3].params.min_tokens = 3;
   runs[3].params.max_tokens = 5;
-  GenerateTogether(**e, runs);
+  GenerateTogether(*engine_, runs);
   auto is_stop = [&](TokenId t) {
     return t == stop_id || std::find(eos.begin(), eos.end(), t) != eos.end();
   };
