@@ -1660,7 +1660,10 @@ class RouterServiceImpl : public RouterService {
       StreamToolText(r, index, pieces, /*final=*/false);
     } else if (r.api->stream) {
       std::string event = r.formatter->StreamDelta(pieces, index, c.streamed_text_chars);
-      for (const auto& p : pieces) c.streamed_text_chars += TextOffsetLength(p.text);
+      // text_offset is logprobs' alone: counted only where it is sent.
+      if (r.api->sampling.logprobs) {
+        for (const auto& p : pieces) c.streamed_text_chars += TextOffsetLength(p.text);
+      }
       if (!event.empty()) r.exchange->Write(std::move(event));
     } else {
       for (auto& p : pieces) c.pieces.push_back(std::move(p));
@@ -1736,7 +1739,7 @@ class RouterServiceImpl : public RouterService {
       StreamToolText(r, index, {tail}, /*final=*/false);
     } else if (r.api->stream) {
       std::string event = r.formatter->StreamText(t.text(), index);
-      c.streamed_text_chars += TextOffsetLength(t.text());
+      if (r.api->sampling.logprobs) c.streamed_text_chars += TextOffsetLength(t.text());
       if (!event.empty()) r.exchange->Write(std::move(event));
     } else if (!c.pieces.empty()) {
       c.pieces.back().text += t.text();  // the text its last token left held back
