@@ -105,8 +105,8 @@ int RunRouter(int argc, char** argv) {
   StructuredFlags structured;
   structured.AddTo(flags, /*worker=*/false);
   flags.AddString("tool-call-parser", &o.tool_call_parser,
-                  "how the model writes tool calls: hermes|qwen3|mistral|llama3_json (default: "
-                  "from the chat template's markers)");
+                  "how the model writes tool calls: hermes|qwen3|qwen3_coder|mistral|llama3_json "
+                  "(default: from the chat template's markers)");
   flags.AddString("generation-config", &o.generation_config,
                   "sampling a request leaves out: auto (the model's generation_config.json: "
                   "temperature, top_p, top_k, min_p) or none (OpenAI's defaults)");

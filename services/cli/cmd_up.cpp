@@ -287,7 +287,8 @@ int RunUp(int argc, char** argv) {
   flags.AddBytes("kv-disk-write-bytes-per-second", &kv_disk_write_bps,
                  "through: pace of each worker's background disk copies (0: unpaced)");
   flags.AddString("tool-call-parser", &tool_call_parser,
-                  "router: how the model writes tool calls (hermes|qwen3|mistral|llama3_json; "
+                  "router: how the model writes tool calls "
+                  "(hermes|qwen3|qwen3_coder|mistral|llama3_json; "
                   "default: from the chat template)");
   flags.AddString("generation-config", &generation_config,
                   "router: sampling a request leaves out: auto (the model's "

@@ -36,6 +36,7 @@
 #include "services/protocol/sampling.h"
 #include "services/router/openai/openai_api.h"
 #include "services/router/openai/prompt_batch.h"
+#include "services/router/openai/tool_call_grammar.h"
 #include "services/router/router_core.h"
 #include "transport/control/connection.h"
 
@@ -787,7 +788,7 @@ class RouterServiceImpl : public RouterService {
       api.sampling.skip_special_tokens = false;
     if (ToolsActive(api) && api.stream) {
       for (auto& c : r->choices)
-        c.tool_stream = std::make_unique<ToolCallStreamer>(tool_parser_, ToolNames(api));
+        c.tool_stream = std::make_unique<ToolCallStreamer>(tool_parser_, ToolFunctions(api.tools));
     }
 
     const uint64_t id = r->id;
@@ -810,12 +811,6 @@ class RouterServiceImpl : public RouterService {
     return !api.tools.is_null() && api.tool_choice != ApiRequest::ToolChoice::kNone;
   }
 
-  static std::vector<std::string> ToolNames(const ApiRequest& api) {
-    std::vector<std::string> names;
-    for (const auto& t : api.tools) names.push_back(t["function"]["name"].get<std::string>());
-    return names;
-  }
-
   // Tool calling: a parser must know the model's format; tool_choice
   // required or named constrains the output to calls in that format, each
   // function's parameters checked as a schema first so that an error names
@@ -825,8 +820,8 @@ class RouterServiceImpl : public RouterService {
     if (tool_parser_ == ToolParser::kNone) {
       return ApiError{400,
                       "this model's chat template writes no tool calls this server can parse; "
-                      "start the router with --tool-call-parser (hermes, qwen3, mistral, "
-                      "llama3_json)",
+                      "start the router with --tool-call-parser (hermes, qwen3, qwen3_coder, "
+                      "mistral, llama3_json)",
                       "invalid_request_error", "tools", ""};
     }
     using TC = ApiRequest::ToolChoice;
@@ -1825,7 +1820,8 @@ class RouterServiceImpl : public RouterService {
         if (ToolsActive(*r.api)) {
           std::string text;
           for (const auto& p : ch.pieces) text += p.text;
-          ParseToolCalls(tool_parser_, ToolNames(*r.api), text, &tools[k].content, &tools[k].calls);
+          ParseToolCalls(tool_parser_, ToolFunctions(r.api->tools), text, &tools[k].content,
+                         &tools[k].calls);
           KeepOneCallUnlessParallel(*r.api, 0, &tools[k].calls);
           if (!tools[k].calls.empty() && o.finish_reason == "stop") o.finish_reason = "tool_calls";
           o.tools = &tools[k];

@@ -96,7 +96,7 @@ struct RouterServiceOptions {
   // before a request is routed; one that does not compile is a 400 naming
   // the reason. Routed only to workers that announce structured outputs.
   structured::CompileOptions structured;
-  // How the model writes tool calls (tool_calls.h: hermes, qwen3, mistral,
+  // How the model writes tool calls (tool_calls.h: hermes, qwen3, qwen3_coder, mistral,
   // llama3_json); "": chosen from the chat template's markers.
   std::string tool_call_parser;
   // Sampling a request leaves out: "auto" takes the model folder's

@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <cctype>
+#include <charconv>
+#include <cmath>
+#include <cstdlib>
 
 #include "common/random_id.h"
 #include "services/router/openai/checked_json.h"
@@ -16,6 +19,10 @@ constexpr std::string_view kHermesClose = "</tool_call>";
 constexpr std::string_view kMistralMarker = "[TOOL_CALLS]";
 constexpr std::string_view kMistralArgs = "[ARGS]";
 constexpr std::string_view kPythonTag = "<|python_tag|>";
+constexpr std::string_view kXmlFunction = "<function=";
+constexpr std::string_view kXmlFunctionEnd = "</function>";
+constexpr std::string_view kXmlParameter = "<parameter=";
+constexpr std::string_view kXmlParameterEnd = "</parameter>";
 
 bool IsSpace(char c) { return c == ' ' || c == '\n' || c == '\t' || c == '\r'; }
 
@@ -65,10 +72,11 @@ size_t JsonEnd(std::string_view s) {
 StatusOr<ToolParser> ParseToolParserName(std::string_view name) {
   if (name == "hermes") return ToolParser::kHermes;
   if (name == "qwen3") return ToolParser::kQwen3;
+  if (name == "qwen3_coder" || name == "qwen3_xml") return ToolParser::kQwen3Coder;
   if (name == "mistral") return ToolParser::kMistral;
   if (name == "llama3_json") return ToolParser::kLlama3Json;
   return Status::InvalidArgument("unknown tool-call parser '" + std::string(name) +
-                                 "' (hermes, qwen3, mistral, llama3_json)");
+                                 "' (hermes, qwen3, qwen3_coder, mistral, llama3_json)");
 }
 
 const char* ToolParserName(ToolParser p) {
@@ -77,6 +85,8 @@ const char* ToolParserName(ToolParser p) {
       return "hermes";
     case ToolParser::kQwen3:
       return "qwen3";
+    case ToolParser::kQwen3Coder:
+      return "qwen3_coder";
     case ToolParser::kMistral:
       return "mistral";
     case ToolParser::kLlama3Json:
@@ -89,12 +99,10 @@ const char* ToolParserName(ToolParser p) {
 
 ToolParser ToolParserForTemplate(std::string_view t) {
   // Qwen3-Coder's XML calls (<function=NAME><parameter=K>V...) inside
-  // <tool_call>: no parser here reads them, so none is chosen (a request
-  // with tools is then refused, naming --tool-call-parser), rather than
-  // hermes leaving every call as content.
-  if (t.find("<function=") != std::string_view::npos ||
-      t.find("<parameter=") != std::string_view::npos)
-    return ToolParser::kNone;
+  // <tool_call>: before hermes, whose marker they share.
+  if (t.find(kXmlFunction) != std::string_view::npos ||
+      t.find(kXmlParameter) != std::string_view::npos)
+    return ToolParser::kQwen3Coder;
   if (t.find("<tool_call>") != std::string_view::npos) {
     return t.find("<think>") != std::string_view::npos ? ToolParser::kQwen3 : ToolParser::kHermes;
   }
@@ -106,8 +114,25 @@ ToolParser ToolParserForTemplate(std::string_view t) {
   return ToolParser::kNone;
 }
 
-ToolCallStreamer::ToolCallStreamer(ToolParser parser, std::vector<std::string> functions)
+std::vector<ToolFunction> ToolFunctions(const ojson& tools) {
+  std::vector<ToolFunction> out;
+  for (const auto& t : tools) {
+    const ojson& f = t["function"];
+    auto params = f.find("parameters");
+    out.push_back({f["name"].get<std::string>(), params != f.end() ? *params : ojson()});
+  }
+  return out;
+}
+
+ToolCallStreamer::ToolCallStreamer(ToolParser parser, std::vector<ToolFunction> functions)
     : parser_(parser), functions_(std::move(functions)) {}
+
+const ToolFunction* ToolCallStreamer::FindFunction(std::string_view name) const {
+  for (const auto& f : functions_) {
+    if (f.name == name) return &f;
+  }
+  return nullptr;
+}
 
 std::string ToolCallStreamer::NewId() const {
   std::string id = NewUnguessableId();
@@ -145,9 +170,7 @@ std::optional<ToolCall> ToolCallStreamer::CallFromJson(std::string_view json) co
   if (name == j.end() || !name->is_string()) return std::nullopt;
   ToolCall call;
   call.name = name->get<std::string>();
-  if (!functions_.empty() &&
-      std::find(functions_.begin(), functions_.end(), call.name) == functions_.end())
-    return std::nullopt;
+  if (!functions_.empty() && !FindFunction(call.name)) return std::nullopt;
   auto args = j.find("arguments");
   if (args == j.end()) args = j.find("parameters");
   ojson value = ojson::object();
@@ -220,6 +243,169 @@ std::optional<std::vector<ToolCall>> ToolCallStreamer::CallsFromRest(std::string
   return calls.empty() ? std::nullopt : std::optional(calls);
 }
 
+namespace {
+
+std::string AsciiLower(std::string_view s) {
+  std::string out(s);
+  for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return out;
+}
+
+}  // namespace
+
+XmlParameterType XmlParameterTypeOf(const ojson* property) {
+  if (!property || !property->is_object()) return XmlParameterType::kText;
+  auto t = property->find("type");
+  if (t == property->end()) {
+    for (const char* k : {"$ref", "anyOf", "oneOf", "allOf", "properties", "items", "const"}) {
+      if (property->contains(k)) return XmlParameterType::kJson;
+    }
+    if (auto e = property->find("enum"); e != property->end() && e->is_array()) {
+      for (const auto& v : *e) {
+        if (!v.is_string()) return XmlParameterType::kJson;
+      }
+    }
+    return XmlParameterType::kText;
+  }
+  if (!t->is_string()) return XmlParameterType::kJson;
+  const std::string type = AsciiLower(Trim(t->get_ref<const std::string&>()));
+  const auto starts = [&](std::string_view p) { return type.starts_with(p); };
+  if (type == "string" || type == "str" || type == "text" || type == "varchar" || type == "char" ||
+      type == "enum")
+    return XmlParameterType::kText;
+  if (starts("int") || starts("uint") || starts("long") || starts("short") || starts("unsigned"))
+    return XmlParameterType::kInteger;
+  if (starts("num") || starts("float")) return XmlParameterType::kNumber;
+  if (type == "boolean" || type == "bool" || type == "binary") return XmlParameterType::kBoolean;
+  return XmlParameterType::kJson;
+}
+
+namespace {
+
+// An integer as Python's int() reads one (sign, digits, whitespace around).
+std::optional<ojson> XmlInteger(std::string_view text) {
+  std::string_view t = Trim(text);
+  const bool negative = !t.empty() && t.front() == '-';
+  if (!t.empty() && (t.front() == '-' || t.front() == '+')) t.remove_prefix(1);
+  if (t.empty() || t.find_first_not_of("0123456789") != std::string_view::npos) return std::nullopt;
+  uint64_t u = 0;
+  if (std::from_chars(t.data(), t.data() + t.size(), u).ec == std::errc()) {
+    if (!negative) return ojson(u);
+    if (u <= uint64_t{1} << 63) return ojson(static_cast<int64_t>(0 - u));
+  }
+  // Past 64 bits it stays a number, as a double (JSON's arguments do too).
+  const double v = std::strtod(std::string(t).c_str(), nullptr);
+  return ojson(negative ? -v : v);
+}
+
+// A number as Python's float() reads one; an integral value is an integer
+// (vLLM's rule: "2.0" is 2). Infinities and NaN, which JSON cannot hold,
+// are no number.
+std::optional<ojson> XmlNumber(std::string_view text) {
+  const std::string t(Trim(text));
+  if (t.empty() || std::isspace(static_cast<unsigned char>(t.front()))) return std::nullopt;
+  char* end = nullptr;
+  const double v = std::strtod(t.c_str(), &end);
+  if (end != t.c_str() + t.size() || !std::isfinite(v)) return std::nullopt;
+  // strtod also reads hexadecimal, which Python's float() does not.
+  if (t.find_first_of("xX") != std::string::npos) return std::nullopt;
+  if (v == std::trunc(v) && std::fabs(v) < 9.2e18) return ojson(static_cast<int64_t>(v));
+  return ojson(v);
+}
+
+// A qwen3_coder parameter's value (its text, the newline after the opening
+// tag and before the closing one taken off), read as XmlValueOf says:
+// "null" (any case) is null whatever the type; a value that is not of its
+// type stays text, except a boolean's, which is false unless "true" (any
+// case), as vLLM reads them.
+ojson XmlParameterValue(std::string_view text, const ojson* property) {
+  const std::string lower = AsciiLower(text);
+  if (lower == "null") return nullptr;
+  const ojson as_text(std::string{text});
+  switch (XmlParameterTypeOf(property)) {
+    case XmlParameterType::kText:
+      return as_text;
+    case XmlParameterType::kInteger:
+      return XmlInteger(text).value_or(as_text);
+    case XmlParameterType::kNumber:
+      return XmlNumber(text).value_or(as_text);
+    case XmlParameterType::kBoolean:
+      return lower == "true";
+    case XmlParameterType::kJson:
+      break;
+  }
+  ojson v = ParseModelJson(text);
+  return v.is_discarded() ? as_text : v;
+}
+
+}  // namespace
+
+constexpr size_t kMaxXmlParameters = 1024;
+
+std::optional<std::vector<ToolCall>> ToolCallStreamer::CallsFromXml(std::string_view body) const {
+  const auto skip_space = [](std::string_view& s) {
+    while (!s.empty() && IsSpace(s.front())) s.remove_prefix(1);
+  };
+  // `<prefix` NAME `>`: the name, and `s` after the '>'.
+  const auto tag_name = [](std::string_view& s,
+                           std::string_view prefix) -> std::optional<std::string_view> {
+    if (!s.starts_with(prefix)) return std::nullopt;
+    s.remove_prefix(prefix.size());
+    const size_t gt = s.find('>');
+    if (gt == std::string_view::npos) return std::nullopt;
+    const std::string_view name = s.substr(0, gt);
+    s.remove_prefix(gt + 1);
+    return name;
+  };
+  std::vector<ToolCall> calls;
+  std::string_view s = body;
+  skip_space(s);
+  while (!s.empty()) {
+    auto name = tag_name(s, kXmlFunction);
+    if (!name) return std::nullopt;
+    const ToolFunction* fn = FindFunction(*name);
+    if (!fn && !functions_.empty()) return std::nullopt;
+    const ojson* properties = nullptr;
+    if (fn && fn->parameters.is_object()) {
+      auto p = fn->parameters.find("properties");
+      if (p != fn->parameters.end() && p->is_object()) properties = &*p;
+    }
+    ojson args = ojson::object();
+    while (true) {
+      skip_space(s);
+      if (s.starts_with(kXmlFunctionEnd)) {
+        s.remove_prefix(kXmlFunctionEnd.size());
+        break;
+      }
+      auto key = tag_name(s, kXmlParameter);
+      // Each new key is looked for among the others (an ordered object):
+      // a call with more parameters than any function has is no call.
+      if (!key || args.size() >= kMaxXmlParameters) return std::nullopt;
+      const size_t end = s.find(kXmlParameterEnd);
+      if (end == std::string_view::npos) return std::nullopt;
+      std::string_view value = s.substr(0, end);
+      s.remove_prefix(end + kXmlParameterEnd.size());
+      if (value.starts_with('\n')) value.remove_prefix(1);
+      if (value.ends_with('\n')) value.remove_suffix(1);
+      const ojson* property = nullptr;
+      if (properties) {
+        auto p = properties->find(std::string(*key));
+        if (p != properties->end()) property = &*p;
+      }
+      // A key given twice keeps its first place and its last value (vLLM's dict).
+      args[std::string(*key)] = XmlParameterValue(value, property);
+    }
+    ToolCall call;
+    call.id = NewId();
+    call.name = std::string(*name);
+    call.arguments = args.dump(-1, ' ', false, ojson::error_handler_t::replace);
+    calls.push_back(std::move(call));
+    skip_space(s);
+  }
+  if (calls.empty()) return std::nullopt;
+  return calls;
+}
+
 void ToolCallStreamer::Emit(std::string_view text, std::string* content) {
   if (!seen_call_) {
     content->append(text);
@@ -258,6 +444,78 @@ void ToolCallStreamer::ScanCallObject() {
     } else if ((c == '}' || c == ']') && --s.level == 0) {
       s.end = s.pos + 1;
     }
+  }
+}
+
+std::optional<size_t> ToolCallStreamer::CallClose(bool final) {
+  size_t at = std::string::npos;
+  if (parser_ == ToolParser::kQwen3Coder) {
+    at = ScanXmlCall();
+    if (at == std::string::npos && !final) return std::nullopt;
+  } else if (!call_scan_.plain) {
+    // The call ends at the closing marker after its JSON object, read as
+    // JSON (strings skipped, so that an argument holding the marker does
+    // not end it), a few new bytes at a time.
+    ScanCallObject();
+    if (call_scan_.end != std::string::npos) {
+      size_t& k = call_scan_.after;  // whitespace after the object, read once
+      k = std::max(k, call_scan_.end);
+      while (k < buffer_.size() && std::isspace(static_cast<unsigned char>(buffer_[k]))) ++k;
+      const std::string_view after = std::string_view(buffer_).substr(k);
+      if (after.starts_with(kHermesClose)) {
+        at = k;
+      } else if (!final && kHermesClose.starts_with(after)) {
+        return std::nullopt;  // the marker may follow
+      } else {
+        call_scan_.plain = true;  // something else follows the object
+      }
+    } else if (!call_scan_.plain && !final) {
+      return std::nullopt;  // the object is still open
+    }
+  }
+  if (at == std::string::npos) {
+    // Not one JSON object (or, at the end, a qwen3_coder value never
+    // closed): the marker as written, wherever it is.
+    at = buffer_.find(kHermesClose, close_scan_from_);
+    if (at == std::string::npos) {
+      // The marker may start in the last bytes: searched again with more.
+      close_scan_from_ = buffer_.size() - std::min(buffer_.size(), kHermesClose.size() - 1);
+      if (!final) return std::nullopt;
+    }
+  }
+  close_scan_from_ = 0;
+  call_scan_ = {};
+  xml_scan_ = {};
+  return at;
+}
+
+size_t ToolCallStreamer::ScanXmlCall() {
+  XmlScan& x = xml_scan_;
+  // Bytes at the end that may begin a marker: searched again with more.
+  const auto keep_tail = [&](size_t marker) {
+    x.pos = std::max(x.pos, buffer_.size() - std::min(buffer_.size(), marker - 1));
+  };
+  while (true) {
+    if (x.in_value) {
+      const size_t end = buffer_.find(kXmlParameterEnd, x.pos);
+      if (end == std::string::npos) {
+        keep_tail(kXmlParameterEnd.size());
+        return std::string::npos;
+      }
+      x.in_value = false;
+      x.pos = end + kXmlParameterEnd.size();
+      continue;
+    }
+    const size_t close = buffer_.find(kHermesClose, x.pos);
+    const size_t value = buffer_.find(kXmlParameter, x.pos);
+    if (value < close) {  // a value, which may hold anything but its own end
+      x.in_value = true;
+      x.pos = value + kXmlParameter.size();
+      continue;
+    }
+    if (close != std::string::npos) return close;
+    keep_tail(std::max(kHermesClose.size(), kXmlParameter.size()));
+    return std::string::npos;
   }
 }
 
@@ -319,43 +577,18 @@ void ToolCallStreamer::Drain(bool final, std::string* content, std::vector<ToolC
         return;
       }
       case State::kCall: {
-        // The call ends at the closing marker after its JSON object, read
-        // as JSON (strings skipped, so that an argument holding the marker
-        // does not end it), a few new bytes at a time.
-        size_t at = std::string::npos;
-        if (!call_scan_.plain) {
-          ScanCallObject();
-          if (call_scan_.end != std::string::npos) {
-            size_t& k = call_scan_.after;  // whitespace after the object, read once
-            k = std::max(k, call_scan_.end);
-            while (k < buffer_.size() && std::isspace(static_cast<unsigned char>(buffer_[k]))) ++k;
-            const std::string_view after = std::string_view(buffer_).substr(k);
-            if (after.starts_with(kHermesClose)) {
-              at = k;
-            } else if (!final && kHermesClose.starts_with(after)) {
-              return;  // the marker may follow
-            } else {
-              call_scan_.plain = true;  // something else follows the object
-            }
-          } else if (!call_scan_.plain && !final) {
-            return;  // the object is still open
-          }
-        }
-        if (at == std::string::npos) {
-          // Not one JSON object: the marker as written, wherever it is.
-          at = buffer_.find(kHermesClose, close_scan_from_);
-          if (at == std::string::npos) {
-            // The marker may start in the last bytes: searched again with more.
-            close_scan_from_ = buffer_.size() - std::min(buffer_.size(), kHermesClose.size() - 1);
-            if (!final) return;
-          }
-        }
-        close_scan_from_ = 0;
-        call_scan_ = {};
+        const std::optional<size_t> close = CallClose(final);
+        if (!close) return;  // the call may still close
+        const size_t at = *close;
         const std::string_view body = std::string_view(buffer_).substr(0, at);
-        auto call = CallFromJson(body);
-        if (call) {
-          calls->push_back(std::move(*call));
+        std::optional<std::vector<ToolCall>> found;
+        if (parser_ == ToolParser::kQwen3Coder) {
+          found = CallsFromXml(body);
+        } else if (auto call = CallFromJson(body)) {
+          found.emplace().push_back(std::move(*call));
+        }
+        if (found) {
+          for (auto& c : *found) calls->push_back(std::move(c));
           seen_call_ = true;
         } else {
           Emit(std::string(kHermesOpen) + std::string(body) +
@@ -389,50 +622,11 @@ void ToolCallStreamer::Drain(bool final, std::string* content, std::vector<ToolC
   }
 }
 
-void ParseToolCalls(ToolParser parser, const std::vector<std::string>& functions,
+void ParseToolCalls(ToolParser parser, const std::vector<ToolFunction>& functions,
                     std::string_view text, std::string* content, std::vector<ToolCall>* calls) {
   ToolCallStreamer s(parser, functions);
   s.Push(text, content, calls);
   s.Finish(content, calls);
-}
-
-std::string ToolCallGrammar(ToolParser parser, const ojson& tools,
-                            const std::optional<std::string>& named, bool parallel) {
-  const char* args_key = parser == ToolParser::kLlama3Json ? "parameters" : "arguments";
-  // Each call is written out as grammar text around its own %json: the
-  // function's parameters are a schema root of their own, so that their
-  // "$ref": "#/$defs/..." (and "#") resolve inside them, not against a
-  // wrapper. Names are letters, digits, '_' and '-' (ParseRequest), safe in
-  // a literal.
-  std::string rules, calls;
-  int k = 0;
-  for (const auto& tool : tools) {
-    const ojson& f = tool["function"];
-    const std::string name = f["name"].get<std::string>();
-    if (named && *named != name) continue;
-    // No parameters: the function takes none (OpenAI), so {} alone.
-    const ojson params = f.contains("parameters") && !f["parameters"].is_null()
-                             ? f["parameters"]
-                             : ojson{{"type", "object"},
-                                     {"properties", ojson::object()},
-                                     {"additionalProperties", false}};
-    const std::string rule = "call" + std::to_string(k++);
-    rules += rule + " ::= \"{\" ws \"\\\"name\\\"\" ws \":\" ws \"\\\"" + name +
-             "\\\"\" ws \",\" ws \"\\\"" + args_key + "\\\"\" ws \":\" ws %json " + params.dump() +
-             " ws \"}\"\n";
-    calls += (calls.empty() ? "" : " | ") + rule;
-  }
-  rules += "call ::= " + calls + "\nws ::= [ \\t\\n]{0,2}\n";
-  switch (parser) {
-    case ToolParser::kMistral:
-      return "root ::= \"[TOOL_CALLS]\" \"[\" ws call" +
-             std::string(parallel ? " (ws \",\" ws call)*" : "") + " ws \"]\"\n" + rules;
-    case ToolParser::kLlama3Json:
-      return std::string("root ::= call") + (parallel ? " (\"; \" call)*" : "") + "\n" + rules;
-    default:
-      return std::string("root ::= tagged") + (parallel ? " (\"\\n\" tagged)*" : "") +
-             "\ntagged ::= \"<tool_call>\\n\" call \"\\n</tool_call>\"\n" + rules;
-  }
 }
 
 }  // namespace pdserve::router

@@ -1,13 +1,17 @@
 // Tool calling: how each model family writes a tool call in its output, and
 // how the router turns that text into OpenAI `tool_calls` (whole, or as
-// stream deltas), plus the grammar that makes a model call a tool when the
-// request requires it.
+// stream deltas). The grammar that makes a model call a tool when the
+// request requires it is tool_call_grammar.h.
 //
 // Formats (`--tool-call-parser`, or chosen from the chat template):
 //   hermes, qwen3  <tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>
 //                  (Hermes 2/3, Qwen2.5, Qwen3), several in a row for parallel calls
 //   mistral        [TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]
 //                  or [TOOL_CALLS]f[ARGS]{...} (newer tokenizers)
+//   qwen3_coder    <tool_call>\n<function=f>\n<parameter=k>\nvalue\n</parameter>\n
+//                  </function>\n</tool_call> (Qwen3-Coder's XML calls): a
+//                  value is raw text up to the first </parameter>, read as
+//                  the type its property's schema gives (XmlParameterTypeOf)
 //   llama3_json    {"name": "f", "parameters": {...}}, optionally after
 //                  <|python_tag|> (Llama 3.1/3.2); several separated by ";"
 //
@@ -29,15 +33,38 @@
 
 namespace pdserve::router {
 
-enum class ToolParser { kNone, kHermes, kQwen3, kMistral, kLlama3Json };
+enum class ToolParser { kNone, kHermes, kQwen3, kQwen3Coder, kMistral, kLlama3Json };
 
-// "hermes", "qwen3", "mistral", "llama3_json"; InvalidArgument otherwise.
+// "hermes", "qwen3", "qwen3_coder" (or vLLM's other name for it,
+// "qwen3_xml"), "mistral", "llama3_json"; InvalidArgument otherwise.
 StatusOr<ToolParser> ParseToolParserName(std::string_view name);
 const char* ToolParserName(ToolParser p);
 // The format a chat template writes tool calls in, from the markers it
-// renders (kNone: it renders none, or a format no parser here reads, such
-// as Qwen3-Coder's XML calls).
+// renders (kNone: it renders none).
 ToolParser ToolParserForTemplate(std::string_view chat_template);
+
+// A function a call may name, with its parameters' JSON Schema (null when
+// the request gave none): qwen3_coder reads each value as its property's
+// type says.
+struct ToolFunction {
+  std::string name;
+  nlohmann::ordered_json parameters;
+};
+// The functions of a request's `tools` array (each {"type": "function",
+// "function": {"name", "parameters"?}}, as the request parser checked).
+std::vector<ToolFunction> ToolFunctions(const nlohmann::ordered_json& tools);
+
+// How qwen3_coder reads a parameter's value, from its property's schema
+// (null: the schema does not list the parameter).
+// vLLM's rules by the type named: string types as text; integer and number
+// types as their number; boolean types as true or false; any other type (a
+// list of types too) as JSON. A property the schema does not list is text,
+// and so is one without a type, as in vLLM, unless it is built of other
+// schemas ($ref, anyOf, oneOf, allOf, properties, items, const, or an enum
+// not only of strings): that is read as JSON, which is what such a schema
+// describes.
+enum class XmlParameterType { kText, kInteger, kNumber, kBoolean, kJson };
+XmlParameterType XmlParameterTypeOf(const nlohmann::ordered_json* property);
 
 struct ToolCall {
   std::string id;  // "call_..." (mistral: 9 characters, as its templates require)
@@ -48,8 +75,8 @@ struct ToolCall {
 // Splits a model's output into content and tool calls as it streams.
 class ToolCallStreamer {
  public:
-  // `functions`: the names a call may have (others stay content).
-  ToolCallStreamer(ToolParser parser, std::vector<std::string> functions);
+  // `functions`: what a call may name (others stay content).
+  ToolCallStreamer(ToolParser parser, std::vector<ToolFunction> functions);
   // Appends generated text. `content` gets what can be shown as content now
   // (never part of a call); `calls` the calls completed by this text.
   void Push(std::string_view text, std::string* content, std::vector<ToolCall>* calls);
@@ -59,8 +86,12 @@ class ToolCallStreamer {
  private:
   enum class State { kStart, kContent, kCall, kRest };
   void Drain(bool final, std::string* content, std::vector<ToolCall>* calls);
+  const ToolFunction* FindFunction(std::string_view name) const;
   // Parses one call object (JSON text); nullopt when it is not one.
   std::optional<ToolCall> CallFromJson(std::string_view json) const;
+  // qwen3_coder: the <function=...>...</function> elements of one
+  // <tool_call> (whitespace around them); nullopt unless all are calls.
+  std::optional<std::vector<ToolCall>> CallsFromXml(std::string_view body) const;
   // The calls that start `text` (all of it, for kMistral's name[ARGS] form);
   // what follows the last one goes to `*trailing`, as content.
   std::optional<std::vector<ToolCall>> CallsFromRest(std::string_view text,
@@ -70,7 +101,7 @@ class ToolCallStreamer {
   void Emit(std::string_view text, std::string* content);
 
   ToolParser parser_;
-  std::vector<std::string> functions_;
+  std::vector<ToolFunction> functions_;
   State state_ = State::kStart;
   std::string buffer_;
   bool seen_call_ = false;
@@ -91,18 +122,23 @@ class ToolCallStreamer {
   };
   CallScan call_scan_;
   void ScanCallObject();
+  // kCall for qwen3_coder: how far the search for </tool_call> outside
+  // parameter values got (values may hold any text but </parameter>).
+  struct XmlScan {
+    size_t pos = 0;
+    bool in_value = false;
+  };
+  XmlScan xml_scan_;
+  // Where </tool_call> is, scanning new bytes only; npos: not yet.
+  size_t ScanXmlCall();
+  // kCall: where the call's closing marker is (npos: nowhere, at the end
+  // of the output), or nullopt while more text may close it.
+  std::optional<size_t> CallClose(bool final);
   std::string pending_space_;
 };
 
 // The whole output at once (non-streaming responses): the same rules.
-void ParseToolCalls(ToolParser parser, const std::vector<std::string>& functions,
+void ParseToolCalls(ToolParser parser, const std::vector<ToolFunction>& functions,
                     std::string_view text, std::string* content, std::vector<ToolCall>* calls);
-
-// The GBNF grammar (common/structured/ebnf.h) of output that is only tool
-// calls in `parser`'s format: calls of `tools` (the request's array), or of
-// the one named, at least one, several when `parallel`; each call's
-// arguments valid under its function's parameters.
-std::string ToolCallGrammar(ToolParser parser, const nlohmann::ordered_json& tools,
-                            const std::optional<std::string>& named, bool parallel);
 
 }  // namespace pdserve::router

@@ -161,7 +161,7 @@ class RouterServiceTest : public ::testing::Test {
     o.control_port = 0;
     o.max_local_prefill = 16;
     o.request_timeout_ms = 20'000;
-    o.tool_call_parser = "hermes";
+    o.tool_call_parser = ToolCallParser();
     auto s = RouterService::Create(o);
     ASSERT_TRUE(s.ok()) << s.status().ToString();
     service_ = std::move(*s);
@@ -174,6 +174,7 @@ class RouterServiceTest : public ::testing::Test {
     workers_.clear();
     if (service_) service_->Stop();
   }
+  virtual std::string ToolCallParser() const { return "hermes"; }
 
   FakeWorker& AddWorker(const std::string& name, proto::Role role, uint32_t max_model_len) {
     workers_.push_back(std::make_unique<FakeWorker>(&loop_, service_->control_port(), model_id_,
@@ -420,6 +421,65 @@ TEST_F(RouterServiceTest, PromptBatchesAreServedPromptByPrompt) {
       pdserve::testing::HttpRequest(service_->http_port(), "POST", "/v1/completions", body.dump());
   EXPECT_EQ(nested.status, 400) << nested.body;
   for (const auto& g : w.generates()) EXPECT_NE(g.prompt_token_ids_size(), 1);
+}
+
+class RouterServiceQwen3CoderTest : public RouterServiceTest {
+ protected:
+  std::string ToolCallParser() const override { return "qwen3_coder"; }
+};
+
+// Qwen3-Coder's XML calls reach the client as OpenAI tool calls, their
+// values typed by the function's parameters, streamed and not; the text
+// before them is content.
+TEST_F(RouterServiceQwen3CoderTest, XmlCallsAreTypedToolCalls) {
+  FakeWorker& w = AddWorker("w", proto::ROLE_BOTH, 4096);
+  w.SetReplyText(
+      "Let me look.\n<tool_call>\n<function=edit>\n<parameter=path>\na.html\n</parameter>\n"
+      "<parameter=text>\n<p>x < y</p>\n</parameter>\n<parameter=line>\n12\n</parameter>\n"
+      "<parameter=dry_run>\nfalse\n</parameter>\n</function>\n</tool_call>");
+  const auto tools = nlohmann::json::parse(R"([{"type": "function", "function": {"name": "edit",
+    "parameters": {"type": "object", "properties": {"path": {"type": "string"},
+      "text": {"type": "string"}, "line": {"type": "integer"},
+      "dry_run": {"type": "boolean"}}}}}])");
+  nlohmann::json body = {{"model", model_id_},
+                         {"messages", {{{"role", "user"}, {"content", "fix it"}}}},
+                         {"tools", tools},
+                         {"max_tokens", 4}};
+  const nlohmann::json want_args = {
+      {"path", "a.html"}, {"text", "<p>x < y</p>"}, {"line", 12}, {"dry_run", false}};
+  auto r = pdserve::testing::HttpRequest(service_->http_port(), "POST", "/v1/chat/completions",
+                                         body.dump());
+  ASSERT_EQ(r.status, 200) << r.body;
+  const auto message = nlohmann::json::parse(r.body)["choices"][0]["message"];
+  EXPECT_EQ(message["content"], "Let me look.\n") << r.body;
+  ASSERT_EQ(message["tool_calls"].size(), 1u) << r.body;
+  EXPECT_EQ(message["tool_calls"][0]["function"]["name"], "edit");
+  EXPECT_EQ(
+      nlohmann::json::parse(message["tool_calls"][0]["function"]["arguments"].get<std::string>()),
+      want_args);
+  body["stream"] = true;
+  auto s = pdserve::testing::HttpRequest(service_->http_port(), "POST", "/v1/chat/completions",
+                                         body.dump());
+  ASSERT_EQ(s.status, 200) << s.body;
+  std::string content;
+  std::vector<nlohmann::json> calls;
+  for (size_t at = s.body.find("data: {"); at != std::string::npos;
+       at = s.body.find("data: {", at + 1)) {
+    const auto chunk = nlohmann::json::parse(s.body.substr(at + 6, s.body.find('\n', at) - at - 6));
+    for (const auto& c : chunk["choices"]) {
+      const auto& d = c["delta"];
+      if (d.contains("content") && d["content"].is_string()) content += d["content"];
+      if (d.contains("tool_calls")) {
+        for (const auto& t : d["tool_calls"]) calls.push_back(t);
+      }
+    }
+  }
+  EXPECT_EQ(content, "Let me look.\n") << s.body;
+  ASSERT_EQ(calls.size(), 1u) << s.body;
+  EXPECT_EQ(calls[0]["function"]["name"], "edit");
+  EXPECT_EQ(nlohmann::json::parse(calls[0]["function"]["arguments"].get<std::string>()), want_args);
+  // The markers may be special tokens: kept in the text for the parser.
+  for (const auto& g : w.generates()) EXPECT_TRUE(g.sampling().keep_special_tokens());
 }
 
 // parallel_tool_calls false: one call at most, though the model wrote two

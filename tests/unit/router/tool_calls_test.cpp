@@ -2,6 +2,7 @@
 // ones included (they stay content), streamed in every split, and the
 // grammar that forces a call.
 #include "services/router/openai/tool_calls.h"
+#include "services/router/openai/tool_call_grammar.h"
 
 #include <gtest/gtest.h>
 
@@ -15,7 +16,16 @@ struct Expect {
   std::vector<std::pair<std::string, std::string>> calls;  // name, arguments
 };
 
-const std::vector<std::string> kFunctions = {"get_weather", "search", "chain"};
+// The functions a call may name; qwen3_coder reads values by their types.
+const std::vector<ToolFunction> kFunctions = ToolFunctions(nlohmann::ordered_json::parse(R"([
+  {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}},
+  {"type": "function", "function": {"name": "search"}},
+  {"type": "function", "function": {"name": "chain"}},
+  {"type": "function", "function": {"name": "typed", "parameters": {"type": "object",
+    "properties": {"s": {"type": "string"}, "i": {"type": "integer"}, "n": {"type": "number"},
+      "b": {"type": "boolean"}, "o": {"type": "object"}, "a": {"type": "array"},
+      "u": {"type": ["integer", "null"]}, "untyped": {"description": "no type"}}}}}])"));
 
 void Check(ToolParser p, const std::string& text, const Expect& want) {
   std::string content;
@@ -131,6 +141,85 @@ TEST(ToolCalls, Llama3Json) {
   Check(p, not_call, {not_call, {}});
 }
 
+// Qwen3-Coder's XML calls: values are raw text up to </parameter>, read by
+// their property's type as vLLM's qwen3_coder parser reads them.
+TEST(ToolCalls, Qwen3CoderXml) {
+  const ToolParser p = ToolParser::kQwen3Coder;
+  Check(p, "No tools needed.", {"No tools needed.", {}});
+  Check(p,
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
+        {"", {{"get_weather", R"({"city":"Paris","days":3})"}}});
+  // Content first, two calls (one without parameters), text after them.
+  Check(p,
+        "Checking.\n<tool_call>\n<function=search>\n</function>\n</tool_call>\n<tool_call>\n"
+        "<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n"
+        "</tool_call> done",
+        {"Checking.\n\n done", {{"search", "{}"}, {"get_weather", R"({"city":"Oslo"})"}}});
+  // Two functions in one <tool_call>.
+  Check(p,
+        "<tool_call>\n<function=search>\n</function>\n<function=search>\n</function>\n"
+        "</tool_call>",
+        {"", {{"search", "{}"}, {"search", "{}"}}});
+  // Each type as vLLM reads it: integers and numbers (2.0 is 2), booleans
+  // ("yes" is false), objects and arrays as JSON, "null" as null whatever
+  // the type, a list of types as JSON, an unlisted or untyped parameter as
+  // text; a value that is not of its type stays text.
+  Check(p,
+        "<tool_call>\n<function=typed>\n<parameter=i>\n-42\n</parameter>\n<parameter=n>\n"
+        "2.0\n</parameter>\n<parameter=b>\nTrue\n</parameter>\n<parameter=o>\n{\"k\": [1, "
+        "\"x\"]}\n</parameter>\n<parameter=a>\n[1, 2.5]\n</parameter>\n<parameter=u>\n7\n"
+        "</parameter>\n<parameter=untyped>\n12\n</parameter>\n<parameter=extra>\ntrue\n"
+        "</parameter>\n</function>\n</tool_call>",
+        {"",
+         {{"typed", R"({"i":-42,"n":2,"b":true,"o":{"k":[1,"x"]},"a":[1,2.5],"u":7,"untyped":"12",)"
+                    R"("extra":"true"})"}}});
+  Check(p,
+        "<tool_call>\n<function=typed>\n<parameter=s>\nNULL\n</parameter>\n<parameter=i>\n"
+        "4.5\n</parameter>\n<parameter=n>\ninf\n</parameter>\n<parameter=b>\nyes\n</parameter>\n"
+        "<parameter=o>\n{bad\n</parameter>\n<parameter=u>\nabc\n</parameter>\n</function>\n"
+        "</tool_call>",
+        {"", {{"typed", R"({"s":null,"i":"4.5","n":"inf","b":false,"o":"{bad","u":"abc"})"}}});
+  // Past 64 bits an integer is still a number; leading zeros are read as
+  // Python's int() reads them.
+  Check(p,
+        "<tool_call>\n<function=typed>\n<parameter=i>\n007\n</parameter>\n</function>\n"
+        "</tool_call>",
+        {"", {{"typed", R"({"i":7})"}}});
+  // A value holds any text but </parameter>: code with '<', newlines and
+  // the closing marker of the call itself.
+  Check(p,
+        "<tool_call>\n<function=typed>\n<parameter=s>\nif a < b:\n    print(\"</tool_call>\")\n\n"
+        "</parameter>\n</function>\n</tool_call>tail",
+        {"tail", {{"typed", R"({"s":"if a < b:\n    print(\"</tool_call>\")\n"})"}}});
+  // Cut off after a complete function: still a call.
+  Check(p, "<tool_call>\n<function=search>\n</function>\n", {"", {{"search", "{}"}}});
+  // Malformed: content, as written.
+  for (const std::string bad : {
+           "<tool_call>\n<function=rm_rf>\n</function>\n</tool_call>",
+           "<tool_call>\n<function=search>\n</tool_call>",
+           "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</function>\n"
+           "</tool_call>",
+           "<tool_call>\nsure: <function=search>\n</function>\n</tool_call>",
+           "<tool_call>\n<function=search>\n</function>\nand more\n</tool_call>",
+           "<tool_call>\n</tool_call>",
+           "<tool_call>\n<function=get_weather>\n<parameter=city>\nRo",
+       }) {
+    Check(p, bad, {bad, {}});
+  }
+  // A value never closed holds the call's marker: all of it is content,
+  // and what follows the marker too.
+  const std::string open_value =
+      "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome</tool_call> after";
+  Check(p, open_value, {open_value, {}});
+  // A parameter given twice keeps its first place and its last value.
+  Check(p,
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nA\n</parameter>\n"
+        "<parameter=days>\n1\n</parameter>\n<parameter=city>\nB\n</parameter>\n</function>\n"
+        "</tool_call>",
+        {"", {{"get_weather", R"({"city":"B","days":1})"}}});
+}
+
 // With special tokens kept in the text (the router asks workers for that
 // when a parser runs), Mistral's markers are there: a call after text, and
 // the v11 form, are calls. "parameters": null is a call without arguments.
@@ -199,6 +288,28 @@ TEST(ToolCalls, HostileModelOutputIsContentOrOneCall) {
   ASSERT_EQ(calls.size(), 1u);
   EXPECT_EQ(calls[0].arguments, "{\"query\":\"" + code + "\"}");
   EXPECT_EQ(content, "tail");
+  // The same code as a qwen3_coder value, and a call with more parameters
+  // than a function can have (content).
+  const std::string xml_call = "<tool_call>\n<function=search>\n<parameter=query>\n" + code +
+                               "\n</parameter>\n</function>\n</tool_call>tail";
+  ToolCallStreamer xml(ToolParser::kQwen3Coder, kFunctions);
+  std::string xml_content;
+  std::vector<ToolCall> xml_calls;
+  for (size_t at = 0; at < xml_call.size(); at += 3)
+    xml.Push(xml_call.substr(at, 3), &xml_content, &xml_calls);
+  xml.Finish(&xml_content, &xml_calls);
+  ASSERT_EQ(xml_calls.size(), 1u);
+  EXPECT_EQ(xml_calls[0].arguments, nlohmann::json({{"query", code}}).dump());
+  EXPECT_EQ(xml_content, "tail");
+  std::string many = "<tool_call>\n<function=search>\n";
+  for (int i = 0; i < 5000; ++i)
+    many += "<parameter=p" + std::to_string(i) + ">\n1\n</parameter>\n";
+  many += "</function>\n</tool_call>";
+  std::string many_content;
+  std::vector<ToolCall> many_calls;
+  ParseToolCalls(ToolParser::kQwen3Coder, kFunctions, many, &many_content, &many_calls);
+  EXPECT_TRUE(many_calls.empty());
+  EXPECT_EQ(many_content, many);
   // A long run of whitespace after a call's object, a token at a time, and
   // after the call: one call, and the text that follows.
   ToolCallStreamer spaced(ToolParser::kHermes, kFunctions);
@@ -221,10 +332,13 @@ TEST(ToolCalls, ParserFromTemplateAndName) {
   EXPECT_EQ(ToolParserForTemplate("[TOOL_CALLS]"), ToolParser::kMistral);
   EXPECT_EQ(ToolParserForTemplate("<|python_tag|>"), ToolParser::kLlama3Json);
   EXPECT_EQ(ToolParserForTemplate("{{ messages }}"), ToolParser::kNone);
-  // Qwen3-Coder's XML calls are not hermes JSON.
+  // Qwen3-Coder's XML calls are not hermes JSON, though both use <tool_call>.
   EXPECT_EQ(ToolParserForTemplate("<tool_call>\n<function={{ name }}>\n<parameter={{ k }}>"),
-            ToolParser::kNone);
+            ToolParser::kQwen3Coder);
   EXPECT_TRUE(ParseToolParserName("llama3_json").ok());
+  EXPECT_EQ(*ParseToolParserName("qwen3_coder"), ToolParser::kQwen3Coder);
+  EXPECT_EQ(*ParseToolParserName("qwen3_xml"), ToolParser::kQwen3Coder);
+  EXPECT_STREQ(ToolParserName(ToolParser::kQwen3Coder), "qwen3_coder");
   EXPECT_FALSE(ParseToolParserName("gpt").ok());
 }
 
@@ -288,6 +402,41 @@ TEST(ToolCalls, ForcedCallGrammarOnlyAdmitsValidCalls) {
        false},
       {ToolParser::kMistral, std::string("chain"), false,
        "[TOOL_CALLS][{\"name\":\"chain\",\"arguments\":{\"v\":3,\"next\":{\"v\":4}}}]", true},
+      // qwen3_coder: properties in the schema's order, those not required
+      // optional, strings as text without </parameter>, the rest as JSON
+      // under the property's schema ("$ref"s resolved in the parameters).
+      {ToolParser::kQwen3Coder, std::nullopt, true,
+       "<tool_call>\n<function=get_weather>\n<parameter=city>\nSan <Fran> </cisco </parameter\n"
+       "</parameter>\n<parameter=unit>\nf\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
+       "<function=search>\n</function>\n</tool_call>",
+       true},
+      {ToolParser::kQwen3Coder, std::nullopt, false,
+       "<tool_call>\n<function=search>\n</function>\n</tool_call>\n<tool_call>\n"
+       "<function=search>\n</function>\n</tool_call>",
+       false},
+      {ToolParser::kQwen3Coder, std::nullopt, true,
+       "<tool_call>\n<function=get_weather>\n<parameter=city>\nx\n</parameter>\n"
+       "<parameter=unit>\nk\n</parameter>\n</function>\n</tool_call>",
+       false},
+      {ToolParser::kQwen3Coder, std::nullopt, true,
+       "<tool_call>\n<function=get_weather>\n<parameter=unit>\nc\n</parameter>\n</function>\n"
+       "</tool_call>",
+       false},
+      {ToolParser::kQwen3Coder, std::nullopt, true,
+       "<tool_call>\n<function=get_weather>\n<parameter=city>\na</parameter>b\n</parameter>\n"
+       "</function>\n</tool_call>",
+       false},
+      {ToolParser::kQwen3Coder, std::string("chain"), false,
+       "<tool_call>\n<function=chain>\n<parameter=v>\n1\n</parameter>\n<parameter=next>\n"
+       "{\"v\": 2, \"next\": {\"v\": 3}}\n</parameter>\n<parameter=tree>\n{\"kids\": "
+       "[{\"kids\": []}]}\n</parameter>\n</function>\n</tool_call>",
+       true},
+      {ToolParser::kQwen3Coder, std::string("chain"), false,
+       "<tool_call>\n<function=chain>\n<parameter=v>\n1\n</parameter>\n<parameter=next>\n"
+       "{\"v\": \"x\"}\n</parameter>\n</function>\n</tool_call>",
+       false},
+      {ToolParser::kQwen3Coder, std::string("get_weather"), false,
+       "<tool_call>\n<function=search>\n</function>\n</tool_call>", false},
   };
   for (const auto& c : cases) {
     const std::string g = ToolCallGrammar(c.parser, tools, c.named, c.parallel);
@@ -302,13 +451,30 @@ TEST(ToolCalls, ForcedCallGrammarOnlyAdmitsValidCalls) {
     ASSERT_TRUE(compiled.ok());
     structured::Matcher m(*compiled);
     EXPECT_EQ(m.AcceptBytes(c.text) && m.CanEnd(), c.ok) << g << "\n" << c.text;
-    // And what the grammar admits, the parser reads as calls.
+    // And what the grammar admits, the parser reads as calls whose
+    // arguments are valid under their function's parameters.
     if (c.ok) {
       std::string content;
       std::vector<ToolCall> calls;
-      ParseToolCalls(c.parser, kFunctions, c.text, &content, &calls);
-      EXPECT_FALSE(calls.empty());
+      ParseToolCalls(c.parser, ToolFunctions(tools), c.text, &content, &calls);
+      EXPECT_FALSE(calls.empty()) << c.text;
       EXPECT_EQ(content.find_first_not_of(" \n"), std::string::npos) << content;
+      for (const auto& call : calls) {
+        nlohmann::ordered_json params = {{"type", "object"}, {"additionalProperties", false}};
+        for (const auto& t : tools) {
+          if (t["function"]["name"] == call.name && t["function"].contains("parameters"))
+            params = t["function"]["parameters"];
+        }
+        auto schema = structured::ConstraintGrammar(
+            {OutputConstraint::Kind::kJsonSchema, params.dump()}, structured::CompileOptions{});
+        ASSERT_TRUE(schema.ok());
+        auto args = structured::CompiledGrammar::Create(
+            *schema, structured::Vocabulary::Create(bytes, {256}));
+        ASSERT_TRUE(args.ok());
+        structured::Matcher am(*args);
+        EXPECT_TRUE(am.AcceptBytes(call.arguments) && am.CanEnd())
+            << call.name << ": " << call.arguments;
+      }
     }
   }
 }

@@ -1,0 +1,25 @@
+// The grammar that makes a model call a tool when a request requires it
+// (tool_choice "required" or a named function): output that is only calls
+// in the model's format (tool_calls.h), each call's arguments valid under
+// its function's parameters.
+#pragma once
+
+#include <optional>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "services/router/openai/tool_calls.h"
+
+namespace pdserve::router {
+
+// The GBNF grammar (common/structured/ebnf.h) of output that is only tool
+// calls in `parser`'s format: calls of `tools` (the request's array), or of
+// the one named, at least one, several when `parallel`; each call's
+// arguments valid under its function's parameters. qwen3_coder's calls
+// give each property in the schema's order (those not required may be left
+// out): string values as text without </parameter>, others as JSON.
+std::string ToolCallGrammar(ToolParser parser, const nlohmann::ordered_json& tools,
+                            const std::optional<std::string>& named, bool parallel);
+
+}  // namespace pdserve::router
