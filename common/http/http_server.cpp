@@ -53,6 +53,38 @@ Response ErrorResponse(int status, std::string_view message, std::string_view ty
   return r;
 }
 
+StatusOr<std::vector<std::string>> ParseCorsOrigins(std::string_view list) {
+  std::vector<std::string> out;
+  for (bool more = !list.empty(); more;) {
+    const size_t comma = list.find(',');
+    std::string_view item = list.substr(0, comma);
+    more = comma != std::string_view::npos;
+    if (more) list.remove_prefix(comma + 1);
+    while (!item.empty() && item.front() == ' ') item.remove_prefix(1);
+    while (!item.empty() && item.back() == ' ') item.remove_suffix(1);
+    // An origin as browsers send it: scheme "://" host [":" port], lower-
+    // case letters, digits and "-._[]:" (IPv6 included), nothing more.
+    bool ok = item == "*";
+    if (!ok) {
+      const size_t sep = item.find("://");
+      const std::string_view scheme = item.substr(0, sep);
+      const std::string_view host = sep == std::string_view::npos ? "" : item.substr(sep + 3);
+      ok = !scheme.empty() && !host.empty() &&
+           scheme.find_first_not_of("abcdefghijklmnopqrstuvwxyz0123456789+.-") ==
+               std::string_view::npos &&
+           host.find_first_not_of("abcdefghijklmnopqrstuvwxyz0123456789-._[]:") ==
+               std::string_view::npos;
+    }
+    if (!ok) {
+      return Status::InvalidArgument("'" + std::string(item.substr(0, 200)) +
+                                     "' is no origin: give '*' or scheme://host[:port], such as "
+                                     "https://app.example.com");
+    }
+    out.emplace_back(item);
+  }
+  return out;
+}
+
 std::optional<std::string> PercentDecode(std::string_view segment) {
   auto hex = [](char c) -> int {
     if (c >= '0' && c <= '9') return c - '0';
@@ -302,6 +334,7 @@ class Session : public std::enable_shared_from_this<Session> {
 
   void DoRead() {
     state_ = State::kReading;
+    cors_origin_.clear();
     parser_.emplace();
     parser_->body_limit(server_->options.max_body_bytes);
     parser_->header_limit(static_cast<uint32_t>(server_->options.max_header_bytes));
@@ -354,6 +387,13 @@ class Session : public std::enable_shared_from_this<Session> {
     keep_alive_ = msg.keep_alive();
     version_ = msg.version();
 
+    cors_origin_ = CorsOrigin(req.Header("origin"));
+    if (!cors_origin_.empty() && req.method == "OPTIONS" &&
+        !req.Header("access-control-request-method").empty()) {
+      PDSERVE_LOG(INFO) << "http " << remote_ << " OPTIONS " << Printable(req.path)
+                        << ": 204, CORS preflight from " << Printable(req.Header("origin"), 200);
+      return WriteResponse(Preflight(req));
+    }
     const auto& unlimited = server_->options.unlimited_paths;
     const bool limited = std::find(unlimited.begin(), unlimited.end(), req.path) == unlimited.end();
     if (limited && server_->in_flight.load() >= server_->options.max_concurrent_requests) {
@@ -431,6 +471,41 @@ class Session : public std::enable_shared_from_this<Session> {
     Close();
   }
 
+  // The Access-Control-Allow-Origin an Origin header gets: "*" when any
+  // origin is allowed, the origin itself when it is listed, else "" (no
+  // CORS headers: the browser keeps the answer from the page).
+  std::string CorsOrigin(std::string_view origin) const {
+    if (origin.empty()) return "";
+    for (const auto& allowed : server_->options.cors_allowed_origins) {
+      if (allowed == "*") return "*";
+      if (allowed == origin) return std::string(origin);
+    }
+    return "";
+  }
+
+  // A CORS preflight from an allowed origin: any method, the headers it
+  // asks for, cached by the browser for 10 minutes.
+  static Response Preflight(const Request& req) {
+    Response r;
+    r.status = 204;
+    r.content_type = "text/plain";
+    r.headers = {{"Access-Control-Allow-Methods", "GET, POST, DELETE, OPTIONS"},
+                 {"Access-Control-Max-Age", "600"}};
+    if (const auto asked = req.Header("access-control-request-headers"); !asked.empty())
+      r.headers.emplace_back("Access-Control-Allow-Headers", std::string(asked));
+    return r;
+  }
+
+  // The CORS headers of an answer to an allowed origin: the request id
+  // readable by the page; Vary, since the answer depends on the origin.
+  template <class Message>
+  void SetCorsHeaders(Message& res) const {
+    if (cors_origin_.empty()) return;
+    res.set(bhttp::field::access_control_allow_origin, cors_origin_);
+    res.set(bhttp::field::access_control_expose_headers, "x-request-id");
+    if (cors_origin_ != "*") res.set(bhttp::field::vary, "Origin");
+  }
+
   // Writes a whole response; the exchange (if any) ends when it is written.
   void WriteResponse(Response r) {
     if (state_ == State::kClosed || state_ == State::kWritingReply || state_ == State::kStreaming ||
@@ -444,6 +519,7 @@ class Session : public std::enable_shared_from_this<Session> {
     res->set(bhttp::field::server, "pdserve");
     res->set(bhttp::field::content_type, r.content_type);
     SetHeaders(*res, r.headers);
+    SetCorsHeaders(*res);
     res->keep_alive(keep_alive_);
     res->body() = std::move(r.body);
     res->prepare_payload();
@@ -464,6 +540,7 @@ class Session : public std::enable_shared_from_this<Session> {
     res.set(bhttp::field::content_type, content_type);
     res.set(bhttp::field::cache_control, "no-cache");
     SetHeaders(res, headers);
+    SetCorsHeaders(res);
     res.keep_alive(keep_alive_);
     res.chunked(true);
     serializer_.emplace(res);
@@ -532,7 +609,8 @@ class Session : public std::enable_shared_from_this<Session> {
   beast::tcp_stream stream_;
   Server::Impl* server_;
   std::string remote_;
-  std::string what_;  // "METHOD /path" of the current request, for log lines
+  std::string what_;         // "METHOD /path" of the current request, for log lines
+  std::string cors_origin_;  // the current request's Access-Control-Allow-Origin ("": none)
   beast::flat_buffer buffer_;
   std::optional<bhttp::request_parser<bhttp::string_body>> parser_;
   std::weak_ptr<ExchangeImpl> exchange_;

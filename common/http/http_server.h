@@ -81,6 +81,12 @@ Response ErrorResponse(int status, std::string_view message,
 // two hex digits.
 std::optional<std::string> PercentDecode(std::string_view segment);
 
+// A comma-separated list of CORS origins as a flag gives it ("*", or
+// origins such as "https://app.example.com" or "http://localhost:3000":
+// scheme, host and optional port, no path); InvalidArgument naming the
+// first entry that is none. "" is the empty list.
+StatusOr<std::vector<std::string>> ParseCorsOrigins(std::string_view list);
+
 class Exchange {
  public:
   virtual ~Exchange() = default;
@@ -117,6 +123,15 @@ struct ServerOptions {
   // and the memory their buffers take.
   int max_connections = 16384;
   std::chrono::seconds idle_timeout{120};
+  // Origins whose web pages may call this server from a browser (CORS):
+  // "*" for any, else exact origins ("https://app.example.com"). Empty: no
+  // CORS headers, and OPTIONS reaches the handler like any method. A
+  // preflight (OPTIONS with Origin and Access-Control-Request-Method) from
+  // an allowed origin is answered 204 by the server itself, before the
+  // handler and its authentication (browsers send preflights without
+  // credentials); every other answer to an allowed origin carries
+  // Access-Control-Allow-Origin.
+  std::vector<std::string> cors_allowed_origins = {};
 };
 
 class Server {

@@ -3,6 +3,7 @@
 #include <string>
 
 #include "common/flags.h"
+#include "common/http/http_server.h"
 #include "common/logging.h"
 #include "common/signals.h"
 #include "services/cli/command.h"
@@ -92,6 +93,10 @@ int RunRouter(int argc, char** argv) {
   flags.AddInt("max-json-depth", &max_json_depth, "deepest nesting accepted in a request body");
   flags.AddInt("http-threads", &http_threads, "HTTP I/O threads");
   flags.AddInt("max-concurrent-requests", &max_concurrent, "requests in flight before 503");
+  std::string allowed_origins;
+  flags.AddString("allowed-origins", &allowed_origins,
+                  "comma-separated origins whose web pages may call the API from a browser "
+                  "(CORS), or '*' for any; default: none");
   flags.AddBytes("max-body-bytes", &max_body, "largest accepted request body");
   flags.AddInt("request-timeout", &timeout_s, "seconds before a request fails with 504");
   flags.AddInt("max-attempts", &max_attempts, "workers tried per request before it fails");
@@ -163,6 +168,11 @@ int RunRouter(int argc, char** argv) {
   }
   if (http_threads < 1 || max_concurrent < 1 || max_body < 1 || timeout_s < 1 || max_attempts < 1) {
     UsageError("router", "thread, request, size, timeout and attempt limits must be positive");
+  }
+  if (auto origins = http::ParseCorsOrigins(allowed_origins); origins.ok()) {
+    o.allowed_origins = std::move(*origins);
+  } else {
+    UsageError("router", "--allowed-origins: " + origins.status().message());
   }
   {
     // After the other flags: its warning about an open control plane is for

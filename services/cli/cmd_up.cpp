@@ -30,6 +30,7 @@
 #include "common/dtype.h"
 #include "common/flags.h"
 #include "common/http/http_client.h"
+#include "common/http/http_server.h"
 #include "common/logging.h"
 #include "common/signals.h"
 #include "engine/kv_tier_store.h"
@@ -286,6 +287,10 @@ int RunUp(int argc, char** argv) {
                "through: host-tier blocks that may wait for their disk copy, per worker");
   flags.AddBytes("kv-disk-write-bytes-per-second", &kv_disk_write_bps,
                  "through: pace of each worker's background disk copies (0: unpaced)");
+  std::string allowed_origins;
+  flags.AddString("allowed-origins", &allowed_origins,
+                  "router: comma-separated origins whose web pages may call the API from a "
+                  "browser (CORS), or '*' for any; default: none");
   flags.AddString("tool-call-parser", &tool_call_parser,
                   "router: how the model writes tool calls "
                   "(hermes|qwen3|qwen3_coder|mistral|llama3_json; "
@@ -353,6 +358,8 @@ int RunUp(int argc, char** argv) {
   }
   if (generation_config != "auto" && generation_config != "none")
     UsageError("up", "--generation-config must be auto or none, got '" + generation_config + "'");
+  if (auto origins = http::ParseCorsOrigins(allowed_origins); !origins.ok())
+    UsageError("up", "--allowed-origins: " + origins.status().message());
   if (!tool_call_parser.empty()) {
     if (auto parser = router::ParseToolParserName(tool_call_parser); !parser.ok())
       UsageError("up", "--tool-call-parser: " + parser.status().message());
@@ -451,6 +458,8 @@ int RunUp(int argc, char** argv) {
   if (!tool_call_parser.empty()) {
     router_args.insert(router_args.end(), {"--tool-call-parser", tool_call_parser});
   }
+  if (!allowed_origins.empty())
+    router_args.insert(router_args.end(), {"--allowed-origins", allowed_origins});
   router_args.insert(router_args.end(), {"--generation-config", generation_config});
   for (std::string& a : structured.Args(/*worker=*/false)) router_args.push_back(std::move(a));
   router_args.insert(router_args.end(), {"--cluster-secret-file", secret_file});

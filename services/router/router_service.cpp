@@ -404,6 +404,7 @@ class RouterServiceImpl : public RouterService {
     // open: a router at its limit is busy, not broken.
     ho.unlimited_paths = {"/health", "/live", "/ready", "/metrics"};
     ho.on_overload = [this](const http::Request&) { CountRequest("overloaded"); };
+    ho.cors_allowed_origins = opts_.allowed_origins;
     http_ = std::make_unique<http::Server>(
         ho, [this](const http::Request& r, std::shared_ptr<http::Exchange> ex) {
           HandleHttp(r, std::move(ex));

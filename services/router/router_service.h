@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "common/status.h"
 #include "common/structured/structured.h"
@@ -75,6 +76,9 @@ struct RouterServiceOptions {
   int max_json_depth = 64;  // nesting allowed in a request body
   int http_threads = 2;
   int max_concurrent_requests = 512;
+  // Origins whose web pages may call the API from a browser (CORS:
+  // http::ServerOptions::cors_allowed_origins); empty: none.
+  std::vector<std::string> allowed_origins;
   size_t max_body_bytes = 4u << 20;
   size_t max_header_bytes = 16u << 10;
   int max_attempts = 3;  // dispatches per request (1 + retries)

@@ -651,6 +651,13 @@ describe('metrics key and per-key cache salt', () => {
     assert.equal(flags(mainContainer(r.deployment('router'))).get('salt-per-api-key'), true);
     for (const c of ['prefill', 'decode']) assert.ok(!flags(mainContainer(r.deployment(c))).has('salt-per-api-key'));
   });
+  test('allowedOrigins passes --allowed-origins to the router only', () => {
+    const r = render({ set: ['router.allowedOrigins={https://app.example.com,http://localhost:3000}'] });
+    assert.equal(flags(mainContainer(r.deployment('router'))).get('allowed-origins'),
+      'https://app.example.com,http://localhost:3000');
+    for (const c of ['prefill', 'decode']) assert.ok(!flags(mainContainer(r.deployment(c))).has('allowed-origins'));
+    assert.ok(!flags(mainContainer(render({}).deployment('router'))).has('allowed-origins'));
+  });
   test('networkPolicy.enabled=false removes the policies', () => {
     assert.ok(!render({ set: ['networkPolicy.enabled=false'] }).has('NetworkPolicy'));
   });
@@ -1090,6 +1097,7 @@ describe('values.schema.json rejects bad values with its message', () => {
     [['controlPlane.tls.enabled=true', 'controlPlane.tls.certManager.enabled=true', 'controlPlane.tls.certManager.duration=90d'],
       /at '\/controlPlane\/tls\/certManager\/duration'/],
     [['router.saltPerApiKey=true'], /at '\/router\/apiKeys\/existingSecret': minLength: got 0, want 1/],
+    [['router.allowedOrigins={app.example.com}'], /at '\/router\/allowedOrigins\/0'/],
     [['metrics.auth.key=a/b'], /at '\/metrics\/auth\/key'/],
     // Device, KV transfer and staging.
     [['prefill.device=gpu'], /at '\/prefill\/device': 'gpu' does not match pattern/],

@@ -115,7 +115,8 @@ class HostileHttpTest : public ::testing::Test {
     const std::string metrics_keys = WriteFile(*dir_, "metrics-keys", kMetricsKey);
     stack_ = new LocalStack("hostile-http");
     stack_->StartRouter({"--api-key-file", api_keys, "--salt-per-api-key", "--metrics-key-file",
-                         metrics_keys, "--max-concurrent-requests", "4"});
+                         metrics_keys, "--max-concurrent-requests", "4", "--allowed-origins",
+                         "https://app.example.com"});
     worker_ = &stack_->StartWorker("decode", {"--metrics-key-file", metrics_keys});
     ASSERT_TRUE(stack_->WaitReady());
   }
@@ -341,6 +342,38 @@ TEST_F(HostileHttpTest, BearerInAnyCaseAndOneAuthorizationHeaderOnly) {
   }
   EXPECT_EQ(logged(refused_401), before_401 + 2) << stack_->router().Log();
   EXPECT_EQ(logged(refused_400), before_400 + 2);
+}
+
+// A browser page of an allowed origin: its preflight (sent without the
+// API key) is answered 204, its calls carry the Access-Control headers, a
+// refusal included, so that the page can read why; other origins get none.
+TEST_F(HostileHttpTest, BrowserPagesOfAllowedOriginsMayCallTheApi) {
+  const std::string origin = "Origin: https://app.example.com\r\n";
+  const std::string allow = "Access-Control-Allow-Origin: https://app.example.com\r\n";
+  const std::string preflight = Exchange(
+      port(), Raw("OPTIONS", "/v1/chat/completions", "",
+                  origin + "Access-Control-Request-Method: POST\r\n"
+                           "Access-Control-Request-Headers: authorization, content-type\r\n"));
+  EXPECT_EQ(Parse(preflight).status, 204) << preflight;
+  EXPECT_NE(preflight.find(allow), std::string::npos) << preflight;
+  EXPECT_NE(preflight.find("Access-Control-Allow-Headers: authorization, content-type"),
+            std::string::npos)
+      << preflight;
+  const std::string body = R"({"prompt":"cors","max_tokens":1})";
+  const std::string ok =
+      Exchange(port(), Raw("POST", "/v1/completions", body,
+                           origin + "Authorization: Bearer " + std::string(kKeyA) + "\r\n"));
+  EXPECT_EQ(Parse(ok).status, 200) << ok;
+  EXPECT_NE(ok.find(allow), std::string::npos) << ok;
+  const std::string refused = Exchange(port(), Raw("POST", "/v1/completions", body, origin));
+  EXPECT_EQ(Parse(refused).status, 401) << refused;
+  EXPECT_NE(refused.find(allow), std::string::npos) << refused;
+  const std::string other =
+      Exchange(port(), Raw("POST", "/v1/completions", body,
+                           "Origin: https://evil.example.com\r\nAuthorization: Bearer " +
+                               std::string(kKeyA) + "\r\n"));
+  EXPECT_EQ(Parse(other).status, 200) << other;
+  EXPECT_EQ(other.find("Access-Control"), std::string::npos) << other;
 }
 
 TEST_F(HostileHttpTest, MetricsNeedTheirKeyWhileProbesStayOpen) {

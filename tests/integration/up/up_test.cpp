@@ -300,6 +300,7 @@ TEST(UpTest, BadFlagsAreUsageErrors) {
            {"--policy", "bogus"},
            {"--load-format", "gguf"},
            {"--tool-call-parser", "foo"},
+           {"--allowed-origins", "app.example.com"},
            {"--host", "999.1.1.1"},
            {"--host", "localhost"},
        }) {

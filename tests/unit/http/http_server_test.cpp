@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 #include <prometheus/counter.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <filesystem>
 #include <fstream>
@@ -108,6 +109,111 @@ TEST(PercentDecodeTest, DecodesEscapesAndRefusesBrokenOnes) {
   EXPECT_EQ(PercentDecode("%zz"), std::nullopt);
   EXPECT_EQ(PercentDecode("%%41"), std::nullopt);
 }
+// --allowed-origins: "*" or scheme://host[:port], nothing else.
+TEST(CorsOriginsTest, ParsesOriginsAndRefusesOthers) {
+  EXPECT_EQ(*ParseCorsOrigins(""), std::vector<std::string>{});
+  EXPECT_EQ(*ParseCorsOrigins("*"), std::vector<std::string>{"*"});
+  EXPECT_EQ(*ParseCorsOrigins("https://app.example.com, http://localhost:3000,http://[::1]:8080"),
+            (std::vector<std::string>{"https://app.example.com", "http://localhost:3000",
+                                      "http://[::1]:8080"}));
+  for (const char* bad :
+       {"app.example.com", "https://app.example.com/", "https://a.com/x", "https://", "://a.com",
+        "https://a.com,", "https://A.com", "http://a b"}) {
+    auto r = ParseCorsOrigins(bad);
+    ASSERT_FALSE(r.ok()) << bad;
+    EXPECT_NE(r.status().message().find("is no origin"), std::string::npos);
+  }
+}
+
+// Browsers' cross-origin calls: a preflight from an allowed origin is
+// answered by the server (the handler, which would ask for credentials,
+// never sees it); answers to that origin carry its Access-Control headers,
+// streamed ones too; other origins, and requests without one, get none, and
+// their OPTIONS reach the handler as before.
+TEST(HttpServerTest, CorsHeadersGoToAllowedOriginsOnly) {
+  std::atomic<int> handled{0};
+  const auto handler = [&](const Request& req, std::shared_ptr<Exchange> ex) {
+    ++handled;
+    if (req.path == "/stream") {
+      ex->BeginStream(200, "text/event-stream");
+      ex->Write("data: 1\n\n");
+      ex->End();
+      return;
+    }
+    Response r;
+    r.headers.emplace_back("x-request-id", "rid");
+    r.body = nlohmann::json{{"method", req.method}}.dump();
+    ex->Reply(std::move(r));
+  };
+  Server server({.host = "127.0.0.1", .cors_allowed_origins = {"https://app.example.com"}},
+                handler);
+  ASSERT_TRUE(server.Start().ok());
+  const auto request = [](const std::string& method, const std::string& path,
+                          const std::string& headers) {
+    return method + " " + path + " HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" + headers +
+           "Content-Length: 0\r\n\r\n";
+  };
+  const std::string app = "Origin: https://app.example.com\r\n";
+  const std::string preflight =
+      Fetch(server.port(), request("OPTIONS", "/v1/chat/completions",
+                                   app + "Access-Control-Request-Method: POST\r\n"
+                                         "Access-Control-Request-Headers: authorization, "
+                                         "content-type\r\n"));
+  EXPECT_NE(preflight.find("HTTP/1.1 204"), std::string::npos) << preflight;
+  EXPECT_NE(preflight.find("Access-Control-Allow-Origin: https://app.example.com\r\n"),
+            std::string::npos)
+      << preflight;
+  EXPECT_NE(preflight.find("Access-Control-Allow-Headers: authorization, content-type\r\n"),
+            std::string::npos)
+      << preflight;
+  EXPECT_NE(preflight.find("Access-Control-Allow-Methods: "), std::string::npos) << preflight;
+  EXPECT_NE(preflight.find("Vary: Origin\r\n"), std::string::npos) << preflight;
+  EXPECT_EQ(handled.load(), 0);
+  const std::string post = Fetch(server.port(), request("POST", "/v1/x", app));
+  EXPECT_NE(post.find("HTTP/1.1 200"), std::string::npos) << post;
+  EXPECT_NE(post.find("Access-Control-Allow-Origin: https://app.example.com\r\n"),
+            std::string::npos)
+      << post;
+  EXPECT_NE(post.find("Access-Control-Expose-Headers: x-request-id\r\n"), std::string::npos)
+      << post;
+  const std::string stream = Fetch(server.port(), request("GET", "/stream", app));
+  EXPECT_NE(stream.find("Access-Control-Allow-Origin: https://app.example.com\r\n"),
+            std::string::npos)
+      << stream;
+  EXPECT_NE(stream.find("data: 1"), std::string::npos) << stream;
+  // Another origin, or none: no CORS headers, and OPTIONS is the handler's.
+  const std::string evil = "Origin: https://evil.example.com\r\n";
+  for (const std::string& r :
+       {request("POST", "/v1/x", evil), request("POST", "/v1/x", ""),
+        request("OPTIONS", "/v1/x", evil + "Access-Control-Request-Method: POST\r\n"),
+        request("OPTIONS", "/v1/x", app)}) {
+    const std::string answer = Fetch(server.port(), r);
+    EXPECT_NE(answer.find("HTTP/1.1 200"), std::string::npos) << r << answer;
+    if (r.find("evil") != std::string::npos || r.find("Origin") == std::string::npos) {
+      EXPECT_EQ(answer.find("Access-Control"), std::string::npos) << r << answer;
+    }
+  }
+  EXPECT_EQ(handled.load(), 6);
+  // On one keep-alive connection, a request without an Origin after one
+  // with it gets no CORS headers.
+  int fd = Connect(server.port());
+  ASSERT_GE(fd, 0);
+  SendAll(fd, "POST /v1/x HTTP/1.1\r\nHost: x\r\n" + app + "Content-Length: 0\r\n\r\n");
+  const std::string first = ReadUntil(fd, "}");
+  EXPECT_NE(first.find("Access-Control-Allow-Origin"), std::string::npos) << first;
+  SendAll(fd, request("POST", "/v1/x", ""));
+  const std::string second = ReadAll(fd);
+  EXPECT_NE(second.find("HTTP/1.1 200"), std::string::npos) << second;
+  EXPECT_EQ(second.find("Access-Control"), std::string::npos) << second;
+  ::close(fd);
+  // "*": any origin, with no Vary.
+  Server any({.host = "127.0.0.1", .cors_allowed_origins = {"*"}}, handler);
+  ASSERT_TRUE(any.Start().ok());
+  const std::string star = Fetch(any.port(), request("POST", "/v1/x", evil));
+  EXPECT_NE(star.find("Access-Control-Allow-Origin: *\r\n"), std::string::npos) << star;
+  EXPECT_EQ(star.find("Vary:"), std::string::npos) << star;
+}
+
 TEST(HttpServerTest, EchoAndKeepAlive) {
   Server server({.host = "127.0.0.1"}, [](const Request& req, std::shared_ptr<Exchange> ex) {
     Response r;
