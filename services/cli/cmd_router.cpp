@@ -109,6 +109,9 @@ int RunRouter(int argc, char** argv) {
   security.AddTo(flags);
   StructuredFlags structured;
   structured.AddTo(flags, /*worker=*/false);
+  flags.AddString("chat-template", &o.chat_template_file,
+                  "Jinja chat template file to use instead of the model's (a tool-calling "
+                  "template, or one for a model without a template)");
   flags.AddString("tool-call-parser", &o.tool_call_parser,
                   "how the model writes tool calls: hermes|qwen3|qwen3_coder|mistral|llama3_json "
                   "(default: from the chat template's markers)");

@@ -287,6 +287,9 @@ int RunUp(int argc, char** argv) {
                "through: host-tier blocks that may wait for their disk copy, per worker");
   flags.AddBytes("kv-disk-write-bytes-per-second", &kv_disk_write_bps,
                  "through: pace of each worker's background disk copies (0: unpaced)");
+  std::string chat_template;
+  flags.AddString("chat-template", &chat_template,
+                  "router: Jinja chat template file to use instead of the model's");
   std::string allowed_origins;
   flags.AddString("allowed-origins", &allowed_origins,
                   "router: comma-separated origins whose web pages may call the API from a "
@@ -358,6 +361,8 @@ int RunUp(int argc, char** argv) {
   }
   if (generation_config != "auto" && generation_config != "none")
     UsageError("up", "--generation-config must be auto or none, got '" + generation_config + "'");
+  if (!chat_template.empty() && !std::ifstream(chat_template))
+    UsageError("up", "--chat-template: cannot read " + chat_template);
   if (auto origins = http::ParseCorsOrigins(allowed_origins); !origins.ok())
     UsageError("up", "--allowed-origins: " + origins.status().message());
   if (!tool_call_parser.empty()) {
@@ -460,6 +465,8 @@ int RunUp(int argc, char** argv) {
   }
   if (!allowed_origins.empty())
     router_args.insert(router_args.end(), {"--allowed-origins", allowed_origins});
+  if (!chat_template.empty())
+    router_args.insert(router_args.end(), {"--chat-template", chat_template});
   router_args.insert(router_args.end(), {"--generation-config", generation_config});
   for (std::string& a : structured.Args(/*worker=*/false)) router_args.push_back(std::move(a));
   router_args.insert(router_args.end(), {"--cluster-secret-file", secret_file});

@@ -15,6 +15,7 @@
 #include <fstream>
 #include <iterator>
 #include <mutex>
+#include <sstream>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
@@ -293,8 +294,25 @@ class RouterServiceImpl : public RouterService {
     auto tok = Tokenizer::Load(opts_.model_dir);
     if (!tok.ok()) return tok.status();
     tokenizer_ = std::move(*tok);
-    if (!tokenizer_->chat_template().empty()) {
-      auto tmpl = ChatTemplate::Parse(tokenizer_->chat_template());
+    std::string template_text = tokenizer_->chat_template();
+    if (!opts_.chat_template_file.empty()) {
+      std::ifstream in(opts_.chat_template_file, std::ios::binary);
+      std::stringstream text;
+      if (!in || !(text << in.rdbuf()) || text.str().empty()) {
+        return Status::InvalidArgument("chat template " + opts_.chat_template_file +
+                                       ": cannot read it, or it is empty");
+      }
+      auto tmpl = ChatTemplate::Parse(text.str());
+      if (!tmpl.ok()) {
+        return Status::InvalidArgument("chat template " + opts_.chat_template_file + ": " +
+                                       tmpl.status().message());
+      }
+      chat_template_.emplace(std::move(*tmpl));
+      template_text = text.str();
+      PDSERVE_LOG(INFO) << "chat template from " << opts_.chat_template_file
+                        << " (the model's is not used)";
+    } else if (!template_text.empty()) {
+      auto tmpl = ChatTemplate::Parse(template_text);
       if (!tmpl.ok()) {
         PDSERVE_LOG(WARN) << "chat template unusable, /v1/chat/completions disabled: "
                           << tmpl.status().message();
@@ -307,7 +325,7 @@ class RouterServiceImpl : public RouterService {
       if (!parser.ok()) return parser.status();
       tool_parser_ = *parser;
     } else {
-      tool_parser_ = ToolParserForTemplate(tokenizer_->chat_template());
+      tool_parser_ = ToolParserForTemplate(template_text);
     }
     PDSERVE_RETURN_IF_ERROR(LoadSamplingDefaults());
     // The context length is not read here: workers report theirs (Register).

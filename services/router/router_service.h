@@ -103,6 +103,10 @@ struct RouterServiceOptions {
   // How the model writes tool calls (tool_calls.h: hermes, qwen3, qwen3_coder, mistral,
   // llama3_json); "": chosen from the chat template's markers.
   std::string tool_call_parser;
+  // A Jinja chat template file used instead of the model's (as vLLM's
+  // --chat-template: a tool-calling template, or one for a model that has
+  // none); it must parse, or the router does not start. "": the model's.
+  std::string chat_template_file;
   // Sampling a request leaves out: "auto" takes the model folder's
   // generation_config.json values (temperature, top_p, top_k, min_p), as
   // vLLM does; "none": OpenAI's defaults (temperature 1, no truncation).

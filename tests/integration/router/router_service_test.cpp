@@ -22,6 +22,7 @@
 #include "common/block_hash.h"
 #include "common/model_id.h"
 #include "common/proto/pdserve.pb.h"
+#include "common/tokenizer/tokenizer.h"
 #include "tests/support/http_client.h"
 #include "tests/support/test_models.h"
 #include "transport/control/connection.h"
@@ -162,6 +163,7 @@ class RouterServiceTest : public ::testing::Test {
     o.max_local_prefill = 16;
     o.request_timeout_ms = 20'000;
     o.tool_call_parser = ToolCallParser();
+    o.chat_template_file = ChatTemplateFile();
     auto s = RouterService::Create(o);
     ASSERT_TRUE(s.ok()) << s.status().ToString();
     service_ = std::move(*s);
@@ -175,6 +177,7 @@ class RouterServiceTest : public ::testing::Test {
     if (service_) service_->Stop();
   }
   virtual std::string ToolCallParser() const { return "hermes"; }
+  virtual std::string ChatTemplateFile() const { return ""; }
 
   FakeWorker& AddWorker(const std::string& name, proto::Role role, uint32_t max_model_len) {
     workers_.push_back(std::make_unique<FakeWorker>(&loop_, service_->control_port(), model_id_,
@@ -480,6 +483,74 @@ TEST_F(RouterServiceQwen3CoderTest, XmlCallsAreTypedToolCalls) {
   EXPECT_EQ(nlohmann::json::parse(calls[0]["function"]["arguments"].get<std::string>()), want_args);
   // The markers may be special tokens: kept in the text for the parser.
   for (const auto& g : w.generates()) EXPECT_TRUE(g.sampling().keep_special_tokens());
+}
+
+// A file of the test's own: its text, at a path that lives as long as the test binary.
+std::string WriteTemplate(const std::string& name, const std::string& text) {
+  const std::string path =
+      ::testing::TempDir() + "router_service_" + std::to_string(::getpid()) + "_" + name + ".jinja";
+  std::ofstream(path) << text;
+  return path;
+}
+
+// --chat-template: this template renders the messages, not the model's;
+// its markers choose the tool-call parser (no --tool-call-parser given).
+class RouterServiceChatTemplateTest : public RouterServiceTest {
+ protected:
+  std::string ToolCallParser() const override { return ""; }
+  std::string ChatTemplateFile() const override {
+    return WriteTemplate("custom",
+                         "{% for m in messages %}[{{ m.role }}|{{ m.content }}]{% endfor %}"
+                         "{% if tools %}(call as <tool_call><function=NAME>){% endif %}"
+                         "{% if add_generation_prompt %}>{% endif %}");
+  }
+};
+
+TEST_F(RouterServiceChatTemplateTest, TheGivenTemplateRendersAndChoosesTheParser) {
+  FakeWorker& w = AddWorker("w", proto::ROLE_BOTH, 4096);
+  w.SetReplyText(
+      "<tool_call>\n<function=f>\n<parameter=n>\n2\n</parameter>\n</function>\n"
+      "</tool_call>");
+  nlohmann::json body = {{"model", model_id_},
+                         {"messages", {{{"role", "user"}, {"content", "hi there"}}}},
+                         {"max_tokens", 4}};
+  auto r = pdserve::testing::HttpRequest(service_->http_port(), "POST", "/v1/chat/completions",
+                                         body.dump());
+  ASSERT_EQ(r.status, 200) << r.body;
+  auto tok = Tokenizer::Load(pdserve::testing::TinyModelDir());
+  ASSERT_TRUE(tok.ok());
+  const auto want = (*tok)->Encode("[user|hi there]>", /*add_special_tokens=*/false);
+  const auto generates = w.generates();
+  ASSERT_EQ(generates.size(), 1u);
+  const auto& ids = generates[0].prompt_token_ids();
+  EXPECT_EQ(std::vector<TokenId>(ids.begin(), ids.end()), want);
+  body["tools"] = nlohmann::json::parse(R"([{"type": "function", "function": {"name": "f",
+    "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}}}}])");
+  r = pdserve::testing::HttpRequest(service_->http_port(), "POST", "/v1/chat/completions",
+                                    body.dump());
+  ASSERT_EQ(r.status, 200) << r.body;
+  const auto calls = nlohmann::json::parse(r.body)["choices"][0]["message"]["tool_calls"];
+  ASSERT_EQ(calls.size(), 1u) << r.body;
+  EXPECT_EQ(calls[0]["function"]["arguments"], R"({"n":2})");
+}
+
+// A template file that cannot be read or parsed stops the router at start,
+// naming the file (the CLI's exit 2).
+TEST(RouterServiceCreateTest, AChatTemplateFileThatIsUnusableIsRefused) {
+  RouterServiceOptions o;
+  o.model_dir = pdserve::testing::TinyModelDir();
+  o.host = "127.0.0.1";
+  for (const auto& [file, message] :
+       {std::pair<std::string, std::string>{"/nonexistent/t.jinja", "cannot read it"},
+        {WriteTemplate("empty", ""), "cannot read it, or it is empty"},
+        {WriteTemplate("broken", "{% for m in messages %}{{ m.content }"), "chat template"}}) {
+    o.chat_template_file = file;
+    auto s = RouterService::Create(o);
+    ASSERT_FALSE(s.ok()) << file;
+    EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument) << file;
+    EXPECT_NE(s.status().message().find(file), std::string::npos) << s.status().message();
+    EXPECT_NE(s.status().message().find(message), std::string::npos) << s.status().message();
+  }
 }
 
 // parallel_tool_calls false: one call at most, though the model wrote two

@@ -301,6 +301,7 @@ TEST(UpTest, BadFlagsAreUsageErrors) {
            {"--load-format", "gguf"},
            {"--tool-call-parser", "foo"},
            {"--allowed-origins", "app.example.com"},
+           {"--chat-template", "/nonexistent/template.jinja"},
            {"--host", "999.1.1.1"},
            {"--host", "localhost"},
        }) {
