@@ -658,6 +658,31 @@ describe('metrics key and per-key cache salt', () => {
     for (const c of ['prefill', 'decode']) assert.ok(!flags(mainContainer(r.deployment(c))).has('allowed-origins'));
     assert.ok(!flags(mainContainer(render({}).deployment('router'))).has('allowed-origins'));
   });
+  test('chatTemplate: a ConfigMap mounted read-only in the router, passed as --chat-template, its checksum rolling the pods', () => {
+    const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'pdserve-chart-'));
+    const values = (t) => {
+      const f = path.join(dir, `${crypto.randomUUID()}.yaml`);
+      fs.writeFileSync(f, YAML.stringify({ router: { chatTemplate: t } }));
+      return f;
+    };
+    const text = '{% for m in messages %}{{ m.content }}, {{ m.role }}{% endfor %}\n';
+    const r = render({ files: [values(text)] });
+    const map = r.get('ConfigMap', `${release}-pdserve-chat-template`);
+    assert.equal(map.data['template.jinja'], text);
+    const d = r.deployment('router');
+    const flag = flags(mainContainer(d)).get('chat-template');
+    const mount = mainContainer(d).volumeMounts.find((m) => m.name === 'chat-template');
+    assert.equal(flag, `${mount.mountPath}/template.jinja`);
+    assert.equal(mount.readOnly, true);
+    assert.equal(podSpec(d).volumes.find((v) => v.name === 'chat-template').configMap.name, map.metadata.name);
+    const sum = d.spec.template.metadata.annotations['checksum/chat-template'];
+    assert.match(sum, /^[0-9a-f]{64}$/);
+    const other = render({ files: [values(`${text} `)] }).deployment('router');
+    assert.notEqual(other.spec.template.metadata.annotations['checksum/chat-template'], sum);
+    for (const c of ['prefill', 'decode']) assert.ok(!flags(mainContainer(r.deployment(c))).has('chat-template'));
+    assert.ok(!render({}).has('ConfigMap'));
+    fs.rmSync(dir, { recursive: true });
+  });
   test('networkPolicy.enabled=false removes the policies', () => {
     assert.ok(!render({ set: ['networkPolicy.enabled=false'] }).has('NetworkPolicy'));
   });
