@@ -155,11 +155,20 @@ struct LogitAdjustment {
   float delta = 0.0f;
 };
 
-// The adjusted value of one logit, as every backend computes it.
+// The adjusted value of one logit, as every backend computes it: each
+// operation rounded on its own. On the device the intrinsics say so, since
+// nvcc may otherwise fuse x * repetition + delta into one multiply-add,
+// which rounds once and can differ from the CPU in the last bit.
 PDSERVE_HOST_DEVICE inline float AdjustedLogit(float x, const LogitAdjustment& a) {
+#ifdef __CUDA_ARCH__
+  x = __fadd_rn(x, a.bias);
+  if (a.repetition != 1.0f) x = x > 0 ? __fdiv_rn(x, a.repetition) : __fmul_rn(x, a.repetition);
+  return __fadd_rn(x, a.delta);
+#else
   x += a.bias;
   if (a.repetition != 1.0f) x = x > 0 ? x / a.repetition : x * a.repetition;
   return x + a.delta;
+#endif
 }
 
 // The largest step a caller runs, so that a backend sizes its scratch once

@@ -113,7 +113,8 @@ int RunRouter(int argc, char** argv) {
                   "Jinja chat template file to use instead of the model's (a tool-calling "
                   "template, or one for a model without a template)");
   flags.AddString("tool-call-parser", &o.tool_call_parser,
-                  "how the model writes tool calls: hermes|qwen3|qwen3_coder|mistral|llama3_json "
+                  "how the model writes tool calls: "
+                  "hermes|qwen3|qwen3_coder|mistral|llama3_json|deepseek_v3|deepseek_v31 "
                   "(default: from the chat template's markers)");
   flags.AddString("generation-config", &o.generation_config,
                   "sampling a request leaves out: auto (the model's generation_config.json: "

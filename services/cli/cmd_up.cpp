@@ -296,7 +296,7 @@ int RunUp(int argc, char** argv) {
                   "browser (CORS), or '*' for any; default: none");
   flags.AddString("tool-call-parser", &tool_call_parser,
                   "router: how the model writes tool calls "
-                  "(hermes|qwen3|qwen3_coder|mistral|llama3_json; "
+                  "(hermes|qwen3|qwen3_coder|mistral|llama3_json|deepseek_v3|deepseek_v31; "
                   "default: from the chat template)");
   flags.AddString("generation-config", &generation_config,
                   "router: sampling a request leaves out: auto (the model's "

@@ -840,7 +840,7 @@ class RouterServiceImpl : public RouterService {
       return ApiError{400,
                       "this model's chat template writes no tool calls this server can parse; "
                       "start the router with --tool-call-parser (hermes, qwen3, qwen3_coder, "
-                      "mistral, llama3_json)",
+                      "mistral, llama3_json, deepseek_v3, deepseek_v31)",
                       "invalid_request_error", "tools", ""};
     }
     using TC = ApiRequest::ToolChoice;

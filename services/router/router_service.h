@@ -100,8 +100,8 @@ struct RouterServiceOptions {
   // before a request is routed; one that does not compile is a 400 naming
   // the reason. Routed only to workers that announce structured outputs.
   structured::CompileOptions structured;
-  // How the model writes tool calls (tool_calls.h: hermes, qwen3, qwen3_coder, mistral,
-  // llama3_json); "": chosen from the chat template's markers.
+  // How the model writes tool calls (tool_calls.h: hermes, qwen3, qwen3_coder, deepseek_v3,
+  // deepseek_v31, mistral, llama3_json); "": chosen from the chat template's markers.
   std::string tool_call_parser;
   // A Jinja chat template file used instead of the model's (as vLLM's
   // --chat-template: a tool-calling template, or one for a model that has

@@ -155,6 +155,16 @@ std::string ToolCallGrammar(ToolParser parser, const ojson& tools,
       xml_text = xml_text || params_rules.find("xml-text") != std::string::npos;
       continue;
     }
+    if (parser == ToolParser::kDeepSeekV3 || parser == ToolParser::kDeepSeekV31) {
+      const bool v3 = parser == ToolParser::kDeepSeekV3;
+      rules += rule + " ::= " +
+               GbnfLiteral(v3 ? std::string(kDsCallBegin) + "function" + std::string(kDsSep) +
+                                    name + "\n```json\n"
+                              : std::string(kDsCallBegin) + name + std::string(kDsSep)) +
+               " %json " + params.dump() + " " +
+               GbnfLiteral(v3 ? "\n```" + std::string(kDsCallEnd) : std::string(kDsCallEnd)) + "\n";
+      continue;
+    }
     rules += rule + " ::= \"{\" ws \"\\\"name\\\"\" ws \":\" ws \"\\\"" + name +
              "\\\"\" ws \",\" ws \"\\\"" + args_key + "\\\"\" ws \":\" ws %json " + params.dump() +
              " ws \"}\"\n";
@@ -162,6 +172,11 @@ std::string ToolCallGrammar(ToolParser parser, const ojson& tools,
   rules += "call ::= " + calls + "\nws ::= [ \\t\\n]{0,2}\n";
   if (xml_text) rules += kXmlTextRules;
   switch (parser) {
+    case ToolParser::kDeepSeekV3:
+    case ToolParser::kDeepSeekV31:
+      return "root ::= " + GbnfLiteral(kDsCallsBegin) + " call" +
+             (parallel ? parser == ToolParser::kDeepSeekV3 ? " (\"\\n\" call)*" : " call*" : "") +
+             " " + GbnfLiteral(kDsCallsEnd) + "\n" + rules;
     case ToolParser::kMistral:
       return "root ::= \"[TOOL_CALLS]\" \"[\" ws call" +
              std::string(parallel ? " (ws \",\" ws call)*" : "") + " ws \"]\"\n" + rules;

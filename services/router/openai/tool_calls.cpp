@@ -75,8 +75,11 @@ StatusOr<ToolParser> ParseToolParserName(std::string_view name) {
   if (name == "qwen3_coder" || name == "qwen3_xml") return ToolParser::kQwen3Coder;
   if (name == "mistral") return ToolParser::kMistral;
   if (name == "llama3_json") return ToolParser::kLlama3Json;
-  return Status::InvalidArgument("unknown tool-call parser '" + std::string(name) +
-                                 "' (hermes, qwen3, qwen3_coder, mistral, llama3_json)");
+  if (name == "deepseek_v3") return ToolParser::kDeepSeekV3;
+  if (name == "deepseek_v31") return ToolParser::kDeepSeekV31;
+  return Status::InvalidArgument(
+      "unknown tool-call parser '" + std::string(name) +
+      "' (hermes, qwen3, qwen3_coder, mistral, llama3_json, deepseek_v3, deepseek_v31)");
 }
 
 const char* ToolParserName(ToolParser p) {
@@ -91,6 +94,10 @@ const char* ToolParserName(ToolParser p) {
       return "mistral";
     case ToolParser::kLlama3Json:
       return "llama3_json";
+    case ToolParser::kDeepSeekV3:
+      return "deepseek_v3";
+    case ToolParser::kDeepSeekV31:
+      return "deepseek_v31";
     case ToolParser::kNone:
       break;
   }
@@ -100,6 +107,11 @@ const char* ToolParserName(ToolParser p) {
 ToolParser ToolParserForTemplate(std::string_view t) {
   // Qwen3-Coder's XML calls (<function=NAME><parameter=K>V...) inside
   // <tool_call>: before hermes, whose marker they share.
+  // DeepSeek: V3 (and R1) wrap the arguments in a ```json block, V3.1 not.
+  if (t.find(kDsCallsBegin) != std::string_view::npos) {
+    return t.find("```json") != std::string_view::npos ? ToolParser::kDeepSeekV3
+                                                       : ToolParser::kDeepSeekV31;
+  }
   if (t.find(kXmlFunction) != std::string_view::npos ||
       t.find(kXmlParameter) != std::string_view::npos)
     return ToolParser::kQwen3Coder;
@@ -126,6 +138,16 @@ std::vector<ToolFunction> ToolFunctions(const ojson& tools) {
 
 ToolCallStreamer::ToolCallStreamer(ToolParser parser, std::vector<ToolFunction> functions)
     : parser_(parser), functions_(std::move(functions)) {}
+
+bool ToolCallStreamer::IsDeepSeek() const {
+  return parser_ == ToolParser::kDeepSeekV3 || parser_ == ToolParser::kDeepSeekV31;
+}
+std::string_view ToolCallStreamer::OpenMarker() const {
+  return IsDeepSeek() ? kDsCallsBegin : kHermesOpen;
+}
+std::string_view ToolCallStreamer::CloseMarker() const {
+  return IsDeepSeek() ? kDsCallsEnd : kHermesClose;
+}
 
 const ToolFunction* ToolCallStreamer::FindFunction(std::string_view name) const {
   for (const auto& f : functions_) {
@@ -168,20 +190,57 @@ std::optional<ToolCall> ToolCallStreamer::CallFromJson(std::string_view json) co
   if (!j.is_object()) return std::nullopt;
   auto name = j.find("name");
   if (name == j.end() || !name->is_string()) return std::nullopt;
-  ToolCall call;
-  call.name = name->get<std::string>();
-  if (!functions_.empty() && !FindFunction(call.name)) return std::nullopt;
   auto args = j.find("arguments");
   if (args == j.end()) args = j.find("parameters");
-  ojson value = ojson::object();
-  if (args != j.end() && !args->is_null()) {  // null: no arguments
-    value = *args;
-    if (value.is_string()) value = ParseModelJson(value.get<std::string>());
-    if (!value.is_object()) return std::nullopt;
-  }
-  call.arguments = value.dump(-1, ' ', false, ojson::error_handler_t::replace);
+  ojson value = args == j.end() ? ojson() : *args;
+  if (value.is_string()) value = ParseModelJson(value.get<std::string>());
+  return CallWithArguments(name->get<std::string>(), value);
+}
+
+std::optional<ToolCall> ToolCallStreamer::CallWithArguments(std::string name,
+                                                            const ojson& arguments) const {
+  if (!functions_.empty() && !FindFunction(name)) return std::nullopt;
+  if (!arguments.is_null() && !arguments.is_object()) return std::nullopt;  // null: none
+  ToolCall call;
+  call.name = std::move(name);
+  call.arguments =
+      arguments.is_null() ? "{}" : arguments.dump(-1, ' ', false, ojson::error_handler_t::replace);
   call.id = NewId();
   return call;
+}
+
+std::optional<std::vector<ToolCall>> ToolCallStreamer::CallsFromDeepSeek(
+    std::string_view body) const {
+  std::vector<ToolCall> calls;
+  std::string_view s = Trim(body);
+  while (!s.empty()) {
+    if (!s.starts_with(kDsCallBegin)) return std::nullopt;
+    s.remove_prefix(kDsCallBegin.size());
+    const size_t end = s.find(kDsCallEnd);
+    const size_t sep = s.find(kDsSep);
+    if (end == std::string_view::npos || sep > end) return std::nullopt;
+    std::string_view head = s.substr(0, sep), args = s.substr(sep + kDsSep.size());
+    args = args.substr(0, end - sep - kDsSep.size());
+    s = Trim(s.substr(end + kDsCallEnd.size()));
+    std::string_view name = head;
+    if (parser_ == ToolParser::kDeepSeekV3) {
+      // TYPE<sep>NAME\n```json\nARGS\n```: the type is "function".
+      const size_t newline = args.find('\n');
+      if (newline == std::string_view::npos) return std::nullopt;
+      name = args.substr(0, newline);
+      args = Trim(args.substr(newline + 1));
+      if (!args.starts_with("```json") || !args.ends_with("```") || args.size() < 10)
+        return std::nullopt;
+      args = args.substr(7, args.size() - 10);
+    }
+    ojson value = ParseModelJson(Trim(args));
+    if (value.is_discarded()) return std::nullopt;
+    auto call = CallWithArguments(std::string(Trim(name)), value);
+    if (!call) return std::nullopt;
+    calls.push_back(std::move(*call));
+  }
+  if (calls.empty()) return std::nullopt;
+  return calls;
 }
 
 std::optional<std::vector<ToolCall>> ToolCallStreamer::CallsFromRest(std::string_view text,
@@ -452,7 +511,7 @@ std::optional<size_t> ToolCallStreamer::CallClose(bool final) {
   if (parser_ == ToolParser::kQwen3Coder) {
     at = ScanXmlCall();
     if (at == std::string::npos && !final) return std::nullopt;
-  } else if (!call_scan_.plain) {
+  } else if (!call_scan_.plain && !IsDeepSeek()) {
     // The call ends at the closing marker after its JSON object, read as
     // JSON (strings skipped, so that an argument holding the marker does
     // not end it), a few new bytes at a time.
@@ -476,10 +535,10 @@ std::optional<size_t> ToolCallStreamer::CallClose(bool final) {
   if (at == std::string::npos) {
     // Not one JSON object (or, at the end, a qwen3_coder value never
     // closed): the marker as written, wherever it is.
-    at = buffer_.find(kHermesClose, close_scan_from_);
+    at = buffer_.find(CloseMarker(), close_scan_from_);
     if (at == std::string::npos) {
       // The marker may start in the last bytes: searched again with more.
-      close_scan_from_ = buffer_.size() - std::min(buffer_.size(), kHermesClose.size() - 1);
+      close_scan_from_ = buffer_.size() - std::min(buffer_.size(), CloseMarker().size() - 1);
       if (!final) return std::nullopt;
     }
   }
@@ -562,7 +621,7 @@ void ToolCallStreamer::Drain(bool final, std::string* content, std::vector<ToolC
           return;
         }
         const std::string_view marker =
-            parser_ == ToolParser::kMistral ? kMistralMarker : kHermesOpen;
+            parser_ == ToolParser::kMistral ? kMistralMarker : OpenMarker();
         const size_t at = buffer_.find(marker);
         if (at != std::string::npos) {
           Emit(std::string_view(buffer_).substr(0, at), content);
@@ -584,6 +643,8 @@ void ToolCallStreamer::Drain(bool final, std::string* content, std::vector<ToolC
         std::optional<std::vector<ToolCall>> found;
         if (parser_ == ToolParser::kQwen3Coder) {
           found = CallsFromXml(body);
+        } else if (IsDeepSeek()) {
+          found = CallsFromDeepSeek(body);
         } else if (auto call = CallFromJson(body)) {
           found.emplace().push_back(std::move(*call));
         }
@@ -591,11 +652,11 @@ void ToolCallStreamer::Drain(bool final, std::string* content, std::vector<ToolC
           for (auto& c : *found) calls->push_back(std::move(c));
           seen_call_ = true;
         } else {
-          Emit(std::string(kHermesOpen) + std::string(body) +
-                   (at == std::string::npos ? "" : std::string(kHermesClose)),
+          Emit(std::string(OpenMarker()) + std::string(body) +
+                   (at == std::string::npos ? "" : std::string(CloseMarker())),
                content);
         }
-        buffer_.erase(0, at == std::string::npos ? buffer_.size() : at + kHermesClose.size());
+        buffer_.erase(0, at == std::string::npos ? buffer_.size() : at + CloseMarker().size());
         state_ = State::kContent;
         if (final && buffer_.empty()) return;
         continue;

@@ -14,6 +14,11 @@
 //                  the type its property's schema gives (XmlParameterTypeOf)
 //   llama3_json    {"name": "f", "parameters": {...}}, optionally after
 //                  <|python_tag|> (Llama 3.1/3.2); several separated by ";"
+//   deepseek_v3    <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f
+//                  ```json\n{...}\n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>
+//                  (DeepSeek-V3, R1)
+//   deepseek_v31   <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{...}
+//                  <｜tool▁call▁end｜>...<｜tool▁calls▁end｜> (DeepSeek-V3.1)
 //
 // Contract: parsing never fails. Text that is not a well-formed call of the
 // family's format (bad JSON, no name, an unknown function, a cut-off call)
@@ -33,10 +38,27 @@
 
 namespace pdserve::router {
 
-enum class ToolParser { kNone, kHermes, kQwen3, kQwen3Coder, kMistral, kLlama3Json };
+enum class ToolParser {
+  kNone,
+  kHermes,
+  kQwen3,
+  kQwen3Coder,
+  kMistral,
+  kLlama3Json,
+  kDeepSeekV3,
+  kDeepSeekV31
+};
+
+// DeepSeek's markers (special tokens of its tokenizer, kept in the text).
+inline constexpr std::string_view kDsCallsBegin = "<｜tool▁calls▁begin｜>";
+inline constexpr std::string_view kDsCallsEnd = "<｜tool▁calls▁end｜>";
+inline constexpr std::string_view kDsCallBegin = "<｜tool▁call▁begin｜>";
+inline constexpr std::string_view kDsCallEnd = "<｜tool▁call▁end｜>";
+inline constexpr std::string_view kDsSep = "<｜tool▁sep｜>";
 
 // "hermes", "qwen3", "qwen3_coder" (or vLLM's other name for it,
-// "qwen3_xml"), "mistral", "llama3_json"; InvalidArgument otherwise.
+// "qwen3_xml"), "mistral", "llama3_json", "deepseek_v3", "deepseek_v31";
+// InvalidArgument otherwise.
 StatusOr<ToolParser> ParseToolParserName(std::string_view name);
 const char* ToolParserName(ToolParser p);
 // The format a chat template writes tool calls in, from the markers it
@@ -87,11 +109,23 @@ class ToolCallStreamer {
   enum class State { kStart, kContent, kCall, kRest };
   void Drain(bool final, std::string* content, std::vector<ToolCall>* calls);
   const ToolFunction* FindFunction(std::string_view name) const;
+  bool IsDeepSeek() const;
+  // The markers around a kCall body (hermes' and qwen3_coder's <tool_call>,
+  // DeepSeek's block of calls).
+  std::string_view OpenMarker() const;
+  std::string_view CloseMarker() const;
+  // A call of `name` (one of functions_) with these arguments (an object,
+  // or null for none); nullopt otherwise.
+  std::optional<ToolCall> CallWithArguments(std::string name,
+                                            const nlohmann::ordered_json& arguments) const;
   // Parses one call object (JSON text); nullopt when it is not one.
   std::optional<ToolCall> CallFromJson(std::string_view json) const;
   // qwen3_coder: the <function=...>...</function> elements of one
   // <tool_call> (whitespace around them); nullopt unless all are calls.
   std::optional<std::vector<ToolCall>> CallsFromXml(std::string_view body) const;
+  // DeepSeek: the calls of one block (between its markers); nullopt unless
+  // all are calls.
+  std::optional<std::vector<ToolCall>> CallsFromDeepSeek(std::string_view body) const;
   // The calls that start `text` (all of it, for kMistral's name[ARGS] form);
   // what follows the last one goes to `*trailing`, as content.
   std::optional<std::vector<ToolCall>> CallsFromRest(std::string_view text,

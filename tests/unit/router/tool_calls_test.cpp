@@ -220,6 +220,47 @@ TEST(ToolCalls, Qwen3CoderXml) {
         {"", {{"get_weather", R"({"city":"B","days":1})"}}});
 }
 
+// DeepSeek's calls: a block of them between its markers (special tokens,
+// kept in the text), the arguments in a ```json block (V3, R1) or as they
+// are (V3.1).
+TEST(ToolCalls, DeepSeek) {
+  const std::string b = std::string(kDsCallsBegin), e = std::string(kDsCallsEnd),
+                    cb = std::string(kDsCallBegin), ce = std::string(kDsCallEnd),
+                    sep = std::string(kDsSep);
+  const ToolParser v3 = ToolParser::kDeepSeekV3, v31 = ToolParser::kDeepSeekV31;
+  Check(v3, "No tools.", {"No tools.", {}});
+  Check(v3,
+        "Checking." + b + cb + "function" + sep +
+            "get_weather\n```json\n{\"city\": \"Paris\"}\n```" + ce + "\n" + cb + "function" + sep +
+            "search\n```json\n{}\n```" + ce + e,
+        {"Checking.", {{"get_weather", R"({"city":"Paris"})"}, {"search", "{}"}}});
+  Check(v31,
+        b + cb + "get_weather" + sep + "{\"city\": \"Oslo\", \"days\": 2}" + ce + cb + "search" +
+            sep + "{}" + ce + e + " done",
+        {" done", {{"get_weather", R"({"city":"Oslo","days":2})"}, {"search", "{}"}}});
+  // Cut off after a complete call: still a call.
+  Check(v31, b + cb + "search" + sep + "{}" + ce, {"", {{"search", "{}"}}});
+  // Malformed blocks stay content as written: an unknown function, bad
+  // JSON, arguments that are no object, V3's block without its ```json,
+  // a call not closed.
+  for (const auto& [p, bad] : std::vector<std::pair<ToolParser, std::string>>{
+           {v31, b + cb + "rm_rf" + sep + "{}" + ce + e},
+           {v31, b + cb + "search" + sep + "{\"q\": }" + ce + e},
+           {v31, b + cb + "search" + sep + "[1]" + ce + e},
+           {v3, b + cb + "function" + sep + "search\n{}" + ce + e},
+           {v31, b + cb + "search" + sep + "{}" + e},
+           {v31, b + "text" + e},
+       }) {
+    Check(p, bad, {bad, {}});
+  }
+  EXPECT_EQ(ToolParserForTemplate("{{'" + b + cb + "' + tool['type'] + '" + sep +
+                                  "' + name + '\\n```json\\n' + args}}"),
+            v3);
+  EXPECT_EQ(ToolParserForTemplate("{{'" + b + cb + "' + name + '" + sep + "' + args}}"), v31);
+  EXPECT_EQ(*ParseToolParserName("deepseek_v3"), v3);
+  EXPECT_EQ(*ParseToolParserName("deepseek_v31"), v31);
+}
+
 // With special tokens kept in the text (the router asks workers for that
 // when a parser runs), Mistral's markers are there: a call after text, and
 // the v11 form, are calls. "parameters": null is a call without arguments.
@@ -437,6 +478,22 @@ TEST(ToolCalls, ForcedCallGrammarOnlyAdmitsValidCalls) {
        false},
       {ToolParser::kQwen3Coder, std::string("get_weather"), false,
        "<tool_call>\n<function=search>\n</function>\n</tool_call>", false},
+      // DeepSeek: its block of calls, the arguments as JSON under the schema.
+      {ToolParser::kDeepSeekV3, std::nullopt, true,
+       std::string(kDsCallsBegin) + std::string(kDsCallBegin) + "function" + std::string(kDsSep) +
+           "get_weather\n```json\n{\"city\": \"x\"}\n```" + std::string(kDsCallEnd) + "\n" +
+           std::string(kDsCallBegin) + "function" + std::string(kDsSep) +
+           "search\n```json\n{}\n```" + std::string(kDsCallEnd) + std::string(kDsCallsEnd),
+       true},
+      {ToolParser::kDeepSeekV31, std::string("chain"), false,
+       std::string(kDsCallsBegin) + std::string(kDsCallBegin) + "chain" + std::string(kDsSep) +
+           "{\"v\": 1, \"next\": {\"v\": 2}}" + std::string(kDsCallEnd) + std::string(kDsCallsEnd),
+       true},
+      {ToolParser::kDeepSeekV31, std::nullopt, false,
+       std::string(kDsCallsBegin) + std::string(kDsCallBegin) + "get_weather" +
+           std::string(kDsSep) + "{\"unit\": \"c\"}" + std::string(kDsCallEnd) +
+           std::string(kDsCallsEnd),
+       false},
   };
   for (const auto& c : cases) {
     const std::string g = ToolCallGrammar(c.parser, tools, c.named, c.parallel);
