@@ -58,6 +58,10 @@ struct SamplingParams {
   // Generation stops when the output text contains one; the text returned
   // ends right before it (OpenAI semantics). Non-empty strings, at most 16.
   std::vector<std::string> stop;
+  // vLLM's include_stop_str_in_output: the text ends after the stop string
+  // that ended it, and a stop token's own text (a stop_token_ids id's, or
+  // EOS's when special tokens are kept) is part of it.
+  bool include_stop_str_in_output = false;
   bool ignore_eos = false;
   // Whether the output text leaves out special tokens (vLLM's; the ids are
   // output either way). The router turns it off where a tool parser needs

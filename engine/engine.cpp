@@ -494,11 +494,13 @@ void Engine::ProcessToken(Sequence* s, const SampledToken& sampled, RequestOutpu
   }
   FinishReason reason = FinishReason::kNone;
   if (s->stop) {
-    // A stop token's own bytes never reach the detokenizer. On the last
-    // token, what the detokenizer still holds (a byte token's run, which
-    // only the next token would have released) goes with it, and is
-    // searched for stop strings like any text.
-    std::string text = s->stop->IsStopToken(token) ? "" : s->detokenizer->Push(token);
+    // A stop token's own bytes never reach the detokenizer (unless the
+    // request keeps them: include_stop_str_in_output). On the last token,
+    // what the detokenizer still holds (a byte token's run, which only the
+    // next token would have released) goes with it, and is searched for
+    // stop strings like any text.
+    std::string text =
+        s->stop->IsStopToken(token) && !s->stop->KeepsStopText() ? "" : s->detokenizer->Push(token);
     if (s->stop->EndsAt(token)) text += s->detokenizer->Flush();
     auto step = s->stop->OnToken(token, text);
     out->text += step.text;

@@ -811,6 +811,14 @@ Status Model::Reserve(int64_t tokens, int64_t logits, int64_t seqs, int64_t bloc
   limits.max_blocks_per_seq = (n.keys + block_size - 1) / block_size;
   limits.kv_selection = c.kv_eviction.quest_blocks > 0;
   limits.vocab_size = c.vocab_size;
+  if (c.num_experts > 0) {
+    limits.moe_experts = c.num_experts;
+    limits.moe_top_k = c.num_experts_per_tok;
+    limits.moe_hidden = c.hidden_size;
+    limits.moe_inter = c.moe_intermediate_size;
+    // At most this: tensor parallelism slices the shared experts too.
+    limits.moe_shared_inter = c.moe_intermediate_size * c.num_shared_experts;
+  }
   return backend_->Reserve(limits);
 }
 

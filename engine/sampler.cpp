@@ -104,6 +104,7 @@ const char* FinishReasonName(FinishReason reason) {
 StopChecker::StopChecker(const SamplingParams& params, std::span<const TokenId> eos_token_ids)
     : stop_ids_(params.stop_token_ids),
       stop_strings_(params.stop),
+      include_stop_(params.include_stop_str_in_output),
       max_tokens_(static_cast<size_t>(std::max(params.max_tokens, 1))),
       min_tokens_(static_cast<size_t>(std::max(params.min_tokens, 0))) {
   if (!params.ignore_eos)
@@ -143,7 +144,7 @@ StopChecker::Step StopChecker::OnToken(TokenId token, std::string_view text) {
   const size_t best = FirstStopString(&step.matched_stop_string);
   if (best != std::string::npos) {
     finish_ = step.finish = FinishReason::kStop;
-    step.text = pending_.substr(0, best);
+    step.text = pending_.substr(0, best + (include_stop_ ? step.matched_stop_string->size() : 0));
     pending_.clear();
     return step;
   }
@@ -168,7 +169,7 @@ std::string StopChecker::Flush(std::string_view more) {
   pending_.append(more);
   std::optional<std::string> matched;
   if (const size_t best = FirstStopString(&matched); best != std::string::npos) {
-    pending_.resize(best);
+    pending_.resize(best + (include_stop_ ? matched->size() : 0));
   }
   return std::exchange(pending_, {});
 }

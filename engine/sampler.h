@@ -117,10 +117,12 @@ class StopChecker {
   };
 
   // Feeds one generated token and the text the detokenizer released for it;
-  // for a stop token, whose own text is never output, only what the
-  // detokenizer still held of the earlier tokens. The text held back and
-  // `text` are searched for stop strings first: on a stop string the text
-  // ends before it. Else on kLength or a stop token all of it is released.
+  // for a stop token, whose own text is never output (unless
+  // include_stop_str_in_output), only what the detokenizer still held of
+  // the earlier tokens. The text held back and `text` are searched for stop
+  // strings first: on a stop string the text ends before it (after it with
+  // include_stop_str_in_output). Else on kLength or a stop token all of it
+  // is released.
   // Up to the params.min_tokens-th token nothing stops and nothing is held
   // back: stop strings are looked for in the text after it.
   // Once it returned a finish reason, further calls are an error (return
@@ -138,8 +140,10 @@ class StopChecker {
   std::string Flush(std::string_view more = {});
 
   // True when `token` ends generation as a stop token (EOS included unless
-  // ignore_eos): its own text is never output.
+  // ignore_eos).
   bool IsStopToken(TokenId token) const;
+  // True when a stop token's own text is output (include_stop_str_in_output).
+  bool KeepsStopText() const { return include_stop_; }
 
   size_t num_tokens() const { return num_tokens_; }
   FinishReason finish() const { return finish_; }
@@ -152,6 +156,7 @@ class StopChecker {
 
   std::vector<TokenId> stop_ids_;
   std::vector<std::string> stop_strings_;
+  bool include_stop_ = false;  // params.include_stop_str_in_output
   size_t max_tokens_;
   size_t min_tokens_;  // params.min_tokens: no stop up to this many tokens
   size_t num_tokens_ = 0;

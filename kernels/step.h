@@ -182,6 +182,14 @@ struct StepLimits {
   KvCacheLayout layout;            // the KV pool's
   bool kv_selection = false;       // Quest selects blocks (AttentionBatch::quest_blocks)
   int64_t vocab_size = 0;          // logits row width (SampleRows' scratch per row)
+  // Sparse MoE blocks (0 experts: none), for MoeFfn's scratch: experts,
+  // experts a token, hidden size, an expert's width on this rank, and the
+  // shared experts' (0: none).
+  int64_t moe_experts = 0;
+  int64_t moe_top_k = 0;
+  int64_t moe_hidden = 0;
+  int64_t moe_inter = 0;
+  int64_t moe_shared_inter = 0;
 };
 
 }  // namespace pdserve::kernels

@@ -262,6 +262,14 @@ Status CudaBackend::Reserve(const StepLimits& limits) {
                                         sizeof(uint64_t),
                                     state_->stream);
   }
+  if (limits.moe_experts > 0) {
+    // MoeFfn's scratch at the step's most tokens, by the same rule (its
+    // grouped GEMM's bf16 rows made it gigabytes for long prompts).
+    state_->moe.device.Reserve(
+        cuda::MoeScratchBytes(limits.max_tokens, limits.moe_experts, limits.moe_top_k,
+                              limits.moe_hidden, limits.moe_inter, limits.moe_shared_inter),
+        state_->stream);
+  }
   if (limits.layout.is_mla() && limits.num_heads > 0) {
     // MLA's split-K partials, by the same rule.
     const int64_t floats =

@@ -619,6 +619,62 @@ void MoeRoute(const Tensor& logits, const MoeRouting& routing, int32_t* expert_i
   Check(cudaGetLastError(), "MoeRoute");
 }
 
+namespace {
+
+// Tiles of the grouped GEMM for n (token, choice) rows: each active expert's
+// rows in tiles of kMoeGemmTileRows, its last one ragged.
+int64_t MoeGemmTiles(int64_t n, int64_t num_experts) {
+  return (n + kMoeGemmTileRows - 1) / kMoeGemmTileRows + std::min(n, num_experts);
+}
+
+// MoeFfn's one scratch region, carved into 256-byte aligned pieces: where
+// each starts, and the whole. `listed`: the grouping lists the slots;
+// `grouped_gemm`: the grouped GEMM's tiles and bf16 rows are there too.
+struct MoeScratchLayout {
+  size_t logits = 0, weights = 0, ids = 0, counts = 0, src_row = 0, row_of = 0, slots = 0,
+         tiles = 0, x_bf16 = 0, xg = 0, gate_up = 0, act = 0, y = 0, shared_gate_up = 0,
+         shared_act = 0, shared = 0, total = 0;
+};
+MoeScratchLayout LayOutMoeScratch(int64_t tokens, int64_t num_experts, int64_t k, int64_t hidden,
+                                  int64_t inter, int64_t shared_inter, bool listed,
+                                  bool grouped_gemm) {
+  MoeScratchLayout l;
+  auto carve = [&l](int64_t elems, size_t elem_bytes) {
+    const size_t at = l.total;
+    l.total += (static_cast<size_t>(elems) * elem_bytes + 255) / 256 * 256;
+    return at;
+  };
+  const int64_t n = tokens * k, max_slots = std::min(n, num_experts);
+  const int64_t gemm_tiles = MoeGemmTiles(n, num_experts);
+  l.logits = carve(tokens * num_experts, 4);
+  l.weights = carve(n, 4);
+  l.ids = carve(n, 4);
+  l.counts = carve(num_experts, 4);
+  l.src_row = carve(n, 4);
+  l.row_of = carve(n, 4);
+  l.slots = carve(listed ? 3 * max_slots + 1 : 0, 4);
+  l.tiles = carve(grouped_gemm ? 2 * gemm_tiles + 1 : 0, 4);
+  l.x_bf16 = carve(grouped_gemm ? n * std::max(hidden, inter) : 0, 2);
+  l.xg = carve(n * hidden, 4);
+  l.gate_up = carve(n * 2 * inter, 4);
+  l.act = carve(n * inter, 4);
+  l.y = carve(n * hidden, 4);
+  l.shared_gate_up = carve(tokens * 2 * shared_inter, 4);
+  l.shared_act = carve(tokens * shared_inter, 4);
+  l.shared = carve(shared_inter > 0 ? tokens * hidden : 0, 4);
+  return l;
+}
+
+}  // namespace
+
+size_t MoeScratchBytes(int64_t tokens, int64_t num_experts, int64_t top_k, int64_t hidden,
+                       int64_t inter, int64_t shared_inter) {
+  // Every piece of every way: the grouped GEMM's layout holds the others'.
+  return LayOutMoeScratch(tokens, num_experts, top_k, hidden, inter, shared_inter,
+                          /*listed=*/true, /*grouped_gemm=*/true)
+      .total;
+}
+
 void MoeFfn(const Gemm& g, MoeScratch& scratch, const Tensor& x, const MoeWeights& w,
             const Tensor& out) {
   kernels::CheckPackedF32(x, "MoeFfn");
@@ -643,81 +699,65 @@ void MoeFfn(const Gemm& g, MoeScratch& scratch, const Tensor& x, const MoeWeight
   const bool grouped = table != nullptr && (capturing || tokens <= kMoeGroupedMaxTokens);
   const int64_t max_slots = std::min(n, num_experts);
   // Longer calls with bf16 experts in a table: the grouped GEMM.
-  const int64_t gemm_tiles = (n + kMoeGemmTileRows - 1) / kMoeGemmTileRows + max_slots;
+  const int64_t gemm_tiles = MoeGemmTiles(n, num_experts);
   const bool grouped_gemm =
       table != nullptr && !grouped && held->gate_up.parts[0].dtype == DType::kBF16 &&
       held->gate_up.parts[0].scheme == kernels::WeightScheme::kNone && gemm_tiles <= 65535;
   const bool listed = grouped || grouped_gemm;  // MoeGroupKernel lists the slots
 
-  // One scratch region, carved into 256-byte aligned pieces.
-  size_t total = 0;
-  auto carve = [&total](int64_t elems, size_t elem_bytes) {
-    const size_t at = total;
-    total += (static_cast<size_t>(elems) * elem_bytes + 255) / 256 * 256;
-    return at;
-  };
-  const size_t logits_at = carve(tokens * num_experts, 4), weights_at = carve(n, 4);
-  const size_t ids_at = carve(n, 4), counts_at = carve(num_experts, 4);
-  const size_t src_row_at = carve(n, 4), row_of_at = carve(n, 4);
-  const size_t slots_at = carve(listed ? 3 * max_slots + 1 : 0, 4);
-  const size_t tiles_at = carve(grouped_gemm ? 2 * gemm_tiles + 1 : 0, 4);
-  const size_t x_bf16_at = carve(grouped_gemm ? n * std::max(hidden, inter) : 0, 2);
-  const size_t xg_at = carve(n * hidden, 4), gate_up_at = carve(n * 2 * inter, 4);
-  const size_t act_at = carve(n * inter, 4), y_at = carve(n * hidden, 4);
   const int64_t shared_inter = w.shared != nullptr ? w.shared->down.cols : 0;
-  const size_t shared_gate_up_at = carve(tokens * 2 * shared_inter, 4);
-  const size_t shared_act_at = carve(tokens * shared_inter, 4);
-  const size_t shared_at = carve(w.shared != nullptr ? tokens * hidden : 0, 4);
-  auto* base = scratch.device.Get<char>(static_cast<int64_t>(total), stream);
+  const MoeScratchLayout lay =
+      LayOutMoeScratch(tokens, num_experts, k, hidden, inter, shared_inter, listed, grouped_gemm);
+  auto* base = scratch.device.Get<char>(static_cast<int64_t>(lay.total), stream);
   auto f32 = [base](size_t at, int64_t rows, int64_t cols) {
     return Tensor::Of(base + at, DType::kF32, {rows, cols});
   };
-  auto* weights = reinterpret_cast<float*>(base + weights_at);
-  auto* ids = reinterpret_cast<int32_t*>(base + ids_at);
-  auto* counts = reinterpret_cast<int32_t*>(base + counts_at);
-  auto* src_row = reinterpret_cast<int32_t*>(base + src_row_at);
-  auto* row_of = reinterpret_cast<int32_t*>(base + row_of_at);
+  auto* weights = reinterpret_cast<float*>(base + lay.weights);
+  auto* ids = reinterpret_cast<int32_t*>(base + lay.ids);
+  auto* counts = reinterpret_cast<int32_t*>(base + lay.counts);
+  auto* src_row = reinterpret_cast<int32_t*>(base + lay.src_row);
+  auto* row_of = reinterpret_cast<int32_t*>(base + lay.row_of);
   MoeSlots slots;
   if (listed) {
-    auto* at = reinterpret_cast<int32_t*>(base + slots_at);
+    auto* at = reinterpret_cast<int32_t*>(base + lay.slots);
     slots = {at, at + max_slots, at + 2 * max_slots, at + 3 * max_slots};
   }
   if (grouped_gemm) {
-    auto* at = reinterpret_cast<int32_t*>(base + tiles_at);
+    auto* at = reinterpret_cast<int32_t*>(base + lay.tiles);
     slots.tile_slot = at;
     slots.tile_row = at + gemm_tiles;
     slots.num_tiles = at + 2 * gemm_tiles;
   }
 
-  Linear(g, x, w.router, f32(logits_at, tokens, num_experts));
-  MoeRoute(f32(logits_at, tokens, num_experts), w.routing, ids, weights, stream);
+  Linear(g, x, w.router, f32(lay.logits, tokens, num_experts));
+  MoeRoute(f32(lay.logits, tokens, num_experts), w.routing, ids, weights, stream);
   const size_t group_shared_bytes = (kMoeTile + num_experts) * sizeof(int32_t);
   MoeGroupKernel<<<1, kMoeGroupThreads, group_shared_bytes, stream>>>(
       ids, n, k, num_experts, counts, src_row, row_of, slots, table, scratch.device_stats);
   Check(cudaGetLastError(), "MoeGroup");
-  GatherRows(x, src_row, f32(xg_at, n, hidden), stream);
-  const Tensor gate_up = f32(gate_up_at, n, 2 * inter);
+  GatherRows(x, src_row, f32(lay.xg, n, hidden), stream);
+  const Tensor gate_up = f32(lay.gate_up, n, 2 * inter);
 
   if (grouped) {
     GroupedGemv(table, /*down=*/false, held->gate_up.parts[0], slots, max_slots,
-                reinterpret_cast<const float*>(base + xg_at), gate_up.as<float>(), stream);
-    SwiGlu(gate_up.Columns(0, inter), gate_up.Columns(inter, 2 * inter), f32(act_at, n, inter),
+                reinterpret_cast<const float*>(base + lay.xg), gate_up.as<float>(), stream);
+    SwiGlu(gate_up.Columns(0, inter), gate_up.Columns(inter, 2 * inter), f32(lay.act, n, inter),
            stream);
     GroupedGemv(table, /*down=*/true, held->down.parts[0], slots, max_slots,
-                reinterpret_cast<const float*>(base + act_at),
-                reinterpret_cast<float*>(base + y_at), stream);
+                reinterpret_cast<const float*>(base + lay.act),
+                reinterpret_cast<float*>(base + lay.y), stream);
   } else if (grouped_gemm) {
     const MoeSlotList list{slots.expert,    slots.start,    slots.count,    slots.num,
                            slots.tile_slot, slots.tile_row, slots.num_tiles};
-    auto* xb = reinterpret_cast<uint16_t*>(base + x_bf16_at);
-    RoundToBf16(reinterpret_cast<const float*>(base + xg_at), xb, n * hidden, stream);
+    auto* xb = reinterpret_cast<uint16_t*>(base + lay.x_bf16);
+    RoundToBf16(reinterpret_cast<const float*>(base + lay.xg), xb, n * hidden, stream);
     MoeGroupedGemm(table, /*down=*/false, list, gemm_tiles, xb, 2 * inter, hidden,
                    gate_up.as<float>(), stream);
-    SwiGlu(gate_up.Columns(0, inter), gate_up.Columns(inter, 2 * inter), f32(act_at, n, inter),
+    SwiGlu(gate_up.Columns(0, inter), gate_up.Columns(inter, 2 * inter), f32(lay.act, n, inter),
            stream);
-    RoundToBf16(reinterpret_cast<const float*>(base + act_at), xb, n * inter, stream);
+    RoundToBf16(reinterpret_cast<const float*>(base + lay.act), xb, n * inter, stream);
     MoeGroupedGemm(table, /*down=*/true, list, gemm_tiles, xb, hidden, inter,
-                   reinterpret_cast<float*>(base + y_at), stream);
+                   reinterpret_cast<float*>(base + lay.y), stream);
   } else {
     // The per-expert row counts decide the products' shapes: read them back.
     if (scratch.host_capacity < num_experts) {
@@ -736,18 +776,18 @@ void MoeFfn(const Gemm& g, MoeScratch& scratch, const Tensor& x, const MoeWeight
       if (rows == 0) continue;
       if (!w.experts[e].held()) {
         // Held by another expert-parallel rank: its rows of y count as zero.
-        Check(cudaMemsetAsync(base + y_at + start * hidden * 4, 0, rows * hidden * 4, stream),
+        Check(cudaMemsetAsync(base + lay.y + start * hidden * 4, 0, rows * hidden * 4, stream),
               "MoeFfn");
         start += rows;
         continue;
       }
-      Linear(g, f32(xg_at, n, hidden).Rows(start, start + rows), w.experts[e].gate_up,
+      Linear(g, f32(lay.xg, n, hidden).Rows(start, start + rows), w.experts[e].gate_up,
              gate_up.Rows(start, start + rows));
       ++scratch.host_stats.active_experts;
       scratch.host_stats.expert_bytes_read += w.experts[e].stored_bytes();
       start += rows;
     }
-    SwiGlu(gate_up.Columns(0, inter), gate_up.Columns(inter, 2 * inter), f32(act_at, n, inter),
+    SwiGlu(gate_up.Columns(0, inter), gate_up.Columns(inter, 2 * inter), f32(lay.act, n, inter),
            stream);
     start = 0;
     for (int64_t e = 0; e < num_experts; ++e) {
@@ -757,8 +797,8 @@ void MoeFfn(const Gemm& g, MoeScratch& scratch, const Tensor& x, const MoeWeight
         start += rows;
         continue;
       }
-      Linear(g, f32(act_at, n, inter).Rows(start, start + rows), w.experts[e].down,
-             f32(y_at, n, hidden).Rows(start, start + rows));
+      Linear(g, f32(lay.act, n, inter).Rows(start, start + rows), w.experts[e].down,
+             f32(lay.y, n, hidden).Rows(start, start + rows));
       start += rows;
     }
   }
@@ -766,16 +806,16 @@ void MoeFfn(const Gemm& g, MoeScratch& scratch, const Tensor& x, const MoeWeight
   // alias x) is written.
   float* shared = nullptr;
   if (w.shared != nullptr) {
-    const Tensor sgu = f32(shared_gate_up_at, tokens, 2 * shared_inter);
+    const Tensor sgu = f32(lay.shared_gate_up, tokens, 2 * shared_inter);
     Linear(g, x, w.shared->gate_up, sgu);
     SwiGlu(sgu.Columns(0, shared_inter), sgu.Columns(shared_inter, 2 * shared_inter),
-           f32(shared_act_at, tokens, shared_inter), stream);
-    Linear(g, f32(shared_act_at, tokens, shared_inter), w.shared->down,
-           f32(shared_at, tokens, hidden));
-    shared = reinterpret_cast<float*>(base + shared_at);
+           f32(lay.shared_act, tokens, shared_inter), stream);
+    Linear(g, f32(lay.shared_act, tokens, shared_inter), w.shared->down,
+           f32(lay.shared, tokens, hidden));
+    shared = reinterpret_cast<float*>(base + lay.shared);
   }
   MoeCombineKernel<<<Blocks(tokens * hidden), kThreads, 0, stream>>>(
-      reinterpret_cast<const float*>(base + y_at), row_of, weights, shared, tokens, k, hidden,
+      reinterpret_cast<const float*>(base + lay.y), row_of, weights, shared, tokens, k, hidden,
       out.as<float>());
   Check(cudaGetLastError(), "MoeCombine");
 }

@@ -182,6 +182,13 @@ struct MoeScratch {
   MoeStats host_stats;
   void Release();
 };
+// The most device scratch MoeFfn takes for `tokens` tokens of a sparse
+// block of this shape (`inter`: an expert's width on this rank;
+// `shared_inter`: the shared experts', 0 for none), whichever way it
+// computes them: reserved at start (Backend::Reserve), so that the first
+// long prefill never allocates after the KV pool took the memory.
+size_t MoeScratchBytes(int64_t tokens, int64_t num_experts, int64_t top_k, int64_t hidden,
+                       int64_t inter, int64_t shared_inter);
 // The active experts of a call as MoeFfn's grouping lists them on the
 // device: slot s < *num is expert expert[s], its gathered rows [start[s],
 // start[s] + count[s]); for the grouped GEMM also its tiles of

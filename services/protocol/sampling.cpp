@@ -14,6 +14,7 @@ void ToProto(const SamplingParams& s, proto::SamplingParams* p) {
   for (TokenId id : s.stop_token_ids) p->add_stop_token_ids(id);
   p->set_ignore_eos(s.ignore_eos);
   p->set_keep_special_tokens(!s.skip_special_tokens);
+  p->set_include_stop_str_in_output(s.include_stop_str_in_output);
   p->set_logprobs(s.logprobs.has_value());
   p->set_top_logprobs(static_cast<uint32_t>(s.logprobs.value_or(0)));
   if (s.prompt_logprobs) p->set_prompt_logprobs(static_cast<uint32_t>(*s.prompt_logprobs));
@@ -45,6 +46,7 @@ SamplingParams FromProto(const proto::SamplingParams& p) {
   s.stop_token_ids.assign(p.stop_token_ids().begin(), p.stop_token_ids().end());
   s.ignore_eos = p.ignore_eos();
   s.skip_special_tokens = !p.keep_special_tokens();
+  s.include_stop_str_in_output = p.include_stop_str_in_output();
   if (p.logprobs()) s.logprobs = static_cast<int>(p.top_logprobs());
   if (p.has_prompt_logprobs()) {
     // Clamped into int's range; the engine refuses anything past kMaxLogprobs.

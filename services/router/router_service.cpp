@@ -711,6 +711,20 @@ class RouterServiceImpl : public RouterService {
                        "invalid_request_error", "messages", ""},
                       "rejected");
       }
+      if (api.continue_final_message) {
+        const auto& last = api.messages.back();
+        const auto content = last.find("content");
+        auto cut = CutAfterFinalMessage(
+            *text, content != last.end() && content->is_string()
+                       ? std::string_view(content->get_ref<const std::string&>())
+                       : std::string_view());
+        if (!cut.ok()) {
+          return reject(
+              {400, cut.status().message(), "invalid_request_error", "continue_final_message", ""},
+              "rejected");
+        }
+        text = std::move(cut);
+      }
       r->prompt_text = *text;
       r->prompt_ids = tokenizer_->Encode(*text, /*add_special_tokens=*/false);
     } else if (api.prompt_text) {
@@ -728,6 +742,27 @@ class RouterServiceImpl : public RouterService {
         }
       }
       if (api.echo) r->prompt_text = tokenizer_->Decode(r->prompt_ids, false);
+    }
+    // vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: as many
+    // as the context holds), the echoed text theirs.
+    if (api.truncate_prompt_tokens) {
+      const int64_t context = core_->MaxModelLen();
+      const int64_t keep = *api.truncate_prompt_tokens > 0 ? *api.truncate_prompt_tokens : context;
+      if (context > 0 && keep > context) {
+        return reject({400,
+                       "truncate_prompt_tokens value (" + std::to_string(keep) +
+                           ") is greater than max_model_len (" + std::to_string(context) +
+                           "). Please, select a smaller truncation size.",
+                       "invalid_request_error", "truncate_prompt_tokens", ""},
+                      "rejected");
+      }
+      if (keep > 0 && static_cast<int64_t>(r->prompt_ids.size()) > keep) {
+        r->prompt_ids.erase(r->prompt_ids.begin(), r->prompt_ids.end() - keep);
+        // A text prompt's special tokens were added by encoding it: not its text.
+        r->prompt_text = tokenizer_->Decode(
+            r->prompt_ids, /*skip_special_tokens=*/endpoint == Endpoint::kCompletions &&
+                               api.prompt_text.has_value());
+      }
     }
     const int64_t prompt_len = static_cast<int64_t>(r->prompt_ids.size());
     const char* prompt_param = endpoint == Endpoint::kChatCompletions ? "messages" : "prompt";
@@ -792,7 +827,7 @@ class RouterServiceImpl : public RouterService {
     if (api.echo && api.sampling.logprobs && r->prompt_ids.size() == 1) {
       TokenPiece p;
       p.token = r->prompt_ids[0];
-      p.token_text = TokenString(p.token);
+      p.token_text = LogprobToken(api, p.token);
       p.text = r->prompt_text;
       r->prompt_pieces.push_back(std::move(p));
     }
@@ -1597,6 +1632,11 @@ class RouterServiceImpl : public RouterService {
     if (auto bytes = tokenizer_->TokenBytes(id)) return *std::move(bytes);
     return tokenizer_->Decode(std::span<const TokenId>(&id, 1), /*skip_special_tokens=*/false);
   }
+  // A token as logprobs name it: its text, or "token_id:ID" when the
+  // request asked for ids (return_tokens_as_token_ids).
+  std::string LogprobToken(const ApiRequest& api, TokenId id) const {
+    return api.return_tokens_as_token_ids ? "token_id:" + std::to_string(id) : TokenString(id);
+  }
 
   void OnTokenLocked(WorkerLink& link, const proto::Token& t) {
     Inflight* found = DispatchedOnLocked(link, t.request_id(), "Token");
@@ -1651,13 +1691,13 @@ class RouterServiceImpl : public RouterService {
       p.token = t.token_ids(i);
       if (i < t.logprobs_size()) c.logprob_sum += t.logprobs(i);
       if (r.api->sampling.logprobs) {
-        p.token_text = TokenString(p.token);
+        p.token_text = LogprobToken(*r.api, p.token);
         if (i < t.logprobs_size()) p.logprob = t.logprobs(i);
         if (i < t.top_logprobs_size()) {
           const auto& top = t.top_logprobs(i);
           for (int k = 0; k < top.token_ids_size() && k < top.logprobs_size(); ++k) {
             TokenId tid = top.token_ids(k);
-            p.top_logprobs.emplace_back(TokenString(tid), top.logprobs(k));
+            p.top_logprobs.emplace_back(LogprobToken(*r.api, tid), top.logprobs(k));
           }
         }
       }
@@ -1705,7 +1745,7 @@ class RouterServiceImpl : public RouterService {
       p.logprob = t.prompt_logprobs(i);
       const auto& top = t.prompt_top_logprobs(i);
       for (int k = 0; k < top.token_ids_size() && k < top.logprobs_size(); ++k) {
-        p.top_logprobs.emplace_back(TokenString(top.token_ids(k)), top.logprobs(k));
+        p.top_logprobs.emplace_back(LogprobToken(*r.api, top.token_ids(k)), top.logprobs(k));
       }
       r.prompt_pieces_pending.push_back(std::move(p));
     }
@@ -1721,7 +1761,7 @@ class RouterServiceImpl : public RouterService {
       TokenPiece& p = r.prompt_pieces[i];
       if (i > 0) p = std::move(r.prompt_pieces_pending[i - 1]);  // nothing scores the first token
       p.token = r.prompt_ids[i];
-      p.token_text = TokenString(p.token);
+      p.token_text = LogprobToken(*r.api, p.token);
       p.text = detok.Push(p.token);
       if (i + 1 == n) p.text += detok.Flush();
       chars += TextOffsetLength(p.text);
@@ -1763,12 +1803,16 @@ class RouterServiceImpl : public RouterService {
   void StreamToolText(Inflight& r, int index, const std::vector<TokenPiece>& pieces, bool final) {
     Inflight::Choice& c = r.choices[index];
     std::string text, content;
-    for (const auto& p : pieces) text += p.text;
+    std::vector<TokenPiece> scored;  // the new tokens: their logprobs go out now
+    for (const auto& p : pieces) {
+      text += p.text;
+      if (p.logprob) scored.push_back(p);
+    }
     std::vector<ToolCall> calls;
     c.tool_stream->Push(text, &content, &calls);
     if (final) c.tool_stream->Finish(&content, &calls);
     KeepOneCallUnlessParallel(*r.api, c.tool_calls_sent, &calls);
-    std::string events = r.formatter->StreamContent(content, index);
+    std::string events = r.formatter->StreamContent(content, index, scored);
     events += r.formatter->StreamToolCalls(calls, c.tool_calls_sent, index);
     c.tool_calls_sent += calls.size();
     if (!events.empty()) r.exchange->Write(std::move(events));

@@ -230,14 +230,10 @@ std::optional<ApiError> RefuseUnservedExtensions(Endpoint endpoint, const ojson&
   static const Extension kExtensions[] = {
       {"length_penalty", 1, ""},
       {"use_beam_search", false, ""},
-      {"include_stop_str_in_output", false, ""},
       {"spaces_between_special_tokens", true, ""},
       {"bad_words", ojson::array(), "'logit_bias'"},
       {"allowed_token_ids", ojson::array(), "'logit_bias'"},
-      {"truncate_prompt_tokens", ojson(), ""},
       {"prompt_logprobs", ojson(), "'echo' with 'logprobs' (completions)"},
-      {"continue_final_message", false, ""},
-      {"return_tokens_as_token_ids", false, ""},
       {"logits_processors", ojson(), ""},
   };
   const bool chat = endpoint == Endpoint::kChatCompletions;
@@ -628,6 +624,17 @@ std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view body,
   } else {
     PDSERVE_API_CHECK(ParseMessages(j, out));
     PDSERVE_API_CHECK(f.Bool("add_generation_prompt", &out->add_generation_prompt));
+    PDSERVE_API_CHECK(f.Bool("continue_final_message", &out->continue_final_message));
+    if (out->continue_final_message) {
+      // vLLM's rule: not with a generation prompt asked for; left out, it
+      // is off.
+      if (out->add_generation_prompt && f.Get("add_generation_prompt") != nullptr &&
+          !f.Get("add_generation_prompt")->is_null()) {
+        return Bad("continue_final_message",
+                   "Cannot set both `continue_final_message` and `add_generation_prompt` to True.");
+      }
+      out->add_generation_prompt = false;
+    }
     if (const ojson* kwargs = f.Get("chat_template_kwargs"); kwargs && !kwargs->is_null()) {
       if (!kwargs->is_object()) {
         return Bad("chat_template_kwargs", "'chat_template_kwargs' must be an object");
@@ -635,6 +642,25 @@ std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view body,
       out->chat_template_kwargs = *kwargs;
     }
   }
+
+  if (endpoint == Endpoint::kCompletions) {
+    bool continue_final = false;
+    PDSERVE_API_CHECK(f.Bool("continue_final_message", &continue_final));
+    if (continue_final) {
+      return Bad("continue_final_message",
+                 "'continue_final_message' is only allowed on /v1/chat/completions");
+    }
+  }
+  std::optional<int64_t> truncate;
+  PDSERVE_API_CHECK(f.Int("truncate_prompt_tokens", &truncate));
+  if (truncate && *truncate < 1 && *truncate != -1) {
+    return Bad("truncate_prompt_tokens",
+               "'truncate_prompt_tokens' must be at least 1, or -1 (the context length)");
+  }
+  out->truncate_prompt_tokens = truncate;
+  PDSERVE_API_CHECK(f.Bool("return_tokens_as_token_ids", &out->return_tokens_as_token_ids));
+  PDSERVE_API_CHECK(
+      f.Bool("include_stop_str_in_output", &out->sampling.include_stop_str_in_output));
 
   // Streaming.
   PDSERVE_API_CHECK(f.Bool("stream", &out->stream));
@@ -823,6 +849,27 @@ std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view body,
 
 // ---------------------------------------------------------------------------
 // Responses
+
+StatusOr<std::string> CutAfterFinalMessage(const std::string& rendered,
+                                           std::string_view final_content) {
+  constexpr std::string_view kSpace = " \t\n\r\v\f";
+  std::string_view lstripped = final_content;
+  lstripped.remove_prefix(std::min(lstripped.size(), lstripped.find_first_not_of(kSpace)));
+  std::string_view stripped = lstripped;
+  stripped.remove_suffix(stripped.size() -
+                         std::min(stripped.size(), stripped.find_last_not_of(kSpace) + 1));
+  const size_t at = rendered.rfind(stripped);
+  if (at == std::string::npos) {
+    return Status::InvalidArgument(
+        "continue_final_message is set but the final message does not appear in the chat after "
+        "applying the chat template");
+  }
+  // As transformers: the content as given when the template kept it whole,
+  // else (its trailing whitespace trimmed) up to its last non-space.
+  if (rendered.compare(at, lstripped.size(), final_content) == 0)
+    return rendered.substr(0, at + lstripped.size());
+  return rendered.substr(0, at + stripped.size());
+}
 
 namespace {
 
@@ -1040,12 +1087,14 @@ std::string ResponseFormatter::StreamText(const std::string& text, int index) co
   return Chunk(j);
 }
 
-std::string ResponseFormatter::StreamContent(const std::string& text, int index) const {
-  if (text.empty()) return "";
+std::string ResponseFormatter::StreamContent(const std::string& text, int index,
+                                             const std::vector<TokenPiece>& scored) const {
+  const bool logprobs = request_.sampling.logprobs && !scored.empty();
+  if (text.empty() && !logprobs) return "";
   ojson j = Envelope("chat.completion.chunk");
   j["choices"] = {{{"index", index},
                    {"delta", {{"content", Utf8Text(text)}}},
-                   {"logprobs", nullptr},
+                   {"logprobs", logprobs ? Logprobs(scored, 0) : ojson(nullptr)},
                    {"finish_reason", nullptr}}};
   return Chunk(j);
 }

@@ -66,6 +66,15 @@ struct ApiRequest {
   // Chat: extra variables for the chat template, as vLLM takes them (e.g.
   // Qwen3's {"enable_thinking": false}); null or an object.
   nlohmann::ordered_json chat_template_kwargs;
+  // Chat: the last message rendered open, so that the model continues it
+  // (vLLM's continue_final_message; add_generation_prompt is then false).
+  bool continue_final_message = false;
+  // Only the prompt's last this many tokens are kept (vLLM's
+  // truncate_prompt_tokens; -1: as many as the context holds); nullopt: all.
+  std::optional<int64_t> truncate_prompt_tokens;
+  // Logprobs name each token "token_id:ID" (vLLM's
+  // return_tokens_as_token_ids: tokens that are not text stay distinct).
+  bool return_tokens_as_token_ids = false;
   bool echo = false;  // completions only: prepend the prompt to the output
   // Choices to return (n), and (completions) how many to generate to pick
   // them from by likelihood (best_of >= n; 0: n). Several choices share the
@@ -124,6 +133,14 @@ struct ApiLimits {
   int max_json_depth = kDefaultMaxJsonDepth;  // nesting of the request body
 };
 
+// continue_final_message as transformers applies it: `rendered` (the chat
+// template's output) cut right after the last place the final message's
+// content (`final_content`) appears, stripped of whitespace, so that the
+// model goes on with that message; InvalidArgument when the template did
+// not render that content.
+StatusOr<std::string> CutAfterFinalMessage(const std::string& rendered,
+                                           std::string_view final_content);
+
 // Parses and validates a request body for `endpoint`.
 std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view body,
                                      const ApiLimits& limits, ApiRequest* out);
@@ -179,7 +196,11 @@ class ResponseFormatter {
   std::string StreamText(const std::string& text, int index = 0) const;
   // Streaming chat with tools: a content delta ("" when `text` is empty),
   // and tool calls as OpenAI streams them (index, id, type, name, arguments).
-  std::string StreamContent(const std::string& text, int index = 0) const;
+  // `scored`: the tokens generated since the last delta, whose logprobs go
+  // with this one when requested (then sent with empty content too, so that
+  // every token's logprob reaches the client once, as unstreamed).
+  std::string StreamContent(const std::string& text, int index = 0,
+                            const std::vector<TokenPiece>& scored = {}) const;
   std::string StreamToolCalls(const std::vector<ToolCall>& calls, size_t first_index,
                               int index = 0) const;
   // Streaming: choice `index` finished.

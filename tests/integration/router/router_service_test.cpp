@@ -95,6 +95,7 @@ class FakeWorker {
           proto::Envelope token;
           token.mutable_token()->set_request_id(e.generate().request_id());
           token.mutable_token()->add_token_ids(5);
+          if (g.sampling().logprobs()) token.mutable_token()->add_logprobs(-0.25f);
           token.mutable_token()->set_text(text);
           (void)c->Send(std::move(token));
         }
@@ -426,6 +427,14 @@ TEST_F(RouterServiceTest, PromptBatchesAreServedPromptByPrompt) {
   for (const auto& g : w.generates()) EXPECT_NE(g.prompt_token_ids_size(), 1);
 }
 
+// The JSON chunks of a streamed answer ("data: {...}" lines), in order.
+std::vector<nlohmann::json> SseChunks(const std::string& body) {
+  std::vector<nlohmann::json> chunks;
+  for (size_t at = body.find("data: {"); at != std::string::npos; at = body.find("data: {", at + 1))
+    chunks.push_back(nlohmann::json::parse(body.substr(at + 6, body.find('\n', at) - at - 6)));
+  return chunks;
+}
+
 class RouterServiceQwen3CoderTest : public RouterServiceTest {
  protected:
   std::string ToolCallParser() const override { return "qwen3_coder"; }
@@ -466,9 +475,7 @@ TEST_F(RouterServiceQwen3CoderTest, XmlCallsAreTypedToolCalls) {
   ASSERT_EQ(s.status, 200) << s.body;
   std::string content;
   std::vector<nlohmann::json> calls;
-  for (size_t at = s.body.find("data: {"); at != std::string::npos;
-       at = s.body.find("data: {", at + 1)) {
-    const auto chunk = nlohmann::json::parse(s.body.substr(at + 6, s.body.find('\n', at) - at - 6));
+  for (const auto& chunk : SseChunks(s.body)) {
     for (const auto& c : chunk["choices"]) {
       const auto& d = c["delta"];
       if (d.contains("content") && d["content"].is_string()) content += d["content"];
@@ -483,6 +490,25 @@ TEST_F(RouterServiceQwen3CoderTest, XmlCallsAreTypedToolCalls) {
   EXPECT_EQ(nlohmann::json::parse(calls[0]["function"]["arguments"].get<std::string>()), want_args);
   // The markers may be special tokens: kept in the text for the parser.
   for (const auto& g : w.generates()) EXPECT_TRUE(g.sampling().keep_special_tokens());
+  // Logprobs, streamed: every token's once, whether its text was content
+  // or part of a call (the second reply is all call).
+  body["logprobs"] = true;
+  for (const std::string& reply :
+       {std::string(), std::string("<tool_call>\n<function=edit>\n</function>\n</tool_call>")}) {
+    if (!reply.empty()) w.SetReplyText(reply);
+    auto l = pdserve::testing::HttpRequest(service_->http_port(), "POST", "/v1/chat/completions",
+                                           body.dump());
+    ASSERT_EQ(l.status, 200) << l.body;
+    std::vector<double> logprobs;
+    for (const auto& chunk : SseChunks(l.body)) {
+      for (const auto& c : chunk["choices"]) {
+        if (c.contains("logprobs") && c["logprobs"].is_object()) {
+          for (const auto& e : c["logprobs"]["content"]) logprobs.push_back(e["logprob"]);
+        }
+      }
+    }
+    EXPECT_EQ(logprobs, std::vector<double>{-0.25}) << l.body;
+  }
 }
 
 // A file of the test's own: its text, at a path that lives as long as the test binary.
@@ -532,6 +558,51 @@ TEST_F(RouterServiceChatTemplateTest, TheGivenTemplateRendersAndChoosesTheParser
   const auto calls = nlohmann::json::parse(r.body)["choices"][0]["message"]["tool_calls"];
   ASSERT_EQ(calls.size(), 1u) << r.body;
   EXPECT_EQ(calls[0]["function"]["arguments"], R"({"n":2})");
+}
+
+// vLLM's prompt extensions through the router: the final message continued
+// (the template's end of turn cut off), the prompt's last tokens kept, and
+// logprobs naming token ids.
+TEST_F(RouterServiceChatTemplateTest, VllmPromptExtensions) {
+  FakeWorker& w = AddWorker("w", proto::ROLE_BOTH, 4096);
+  w.SetReplyText(" 42");
+  auto tok = Tokenizer::Load(pdserve::testing::TinyModelDir());
+  ASSERT_TRUE(tok.ok());
+  nlohmann::json chat = {{"model", model_id_},
+                         {"messages",
+                          {{{"role", "user"}, {"content", "hi"}},
+                           {{"role", "assistant"}, {"content", "The answer is"}}}},
+                         {"continue_final_message", true},
+                         {"max_tokens", 2}};
+  auto r = pdserve::testing::HttpRequest(service_->http_port(), "POST", "/v1/chat/completions",
+                                         chat.dump());
+  ASSERT_EQ(r.status, 200) << r.body;
+  nlohmann::json completion = {{"model", model_id_},
+                               {"prompt", {5, 6, 7, 8, 9}},
+                               {"truncate_prompt_tokens", 3},
+                               {"echo", true},
+                               {"logprobs", 1},
+                               {"return_tokens_as_token_ids", true},
+                               {"max_tokens", 2}};
+  r = pdserve::testing::HttpRequest(service_->http_port(), "POST", "/v1/completions",
+                                    completion.dump());
+  ASSERT_EQ(r.status, 200) << r.body;
+  const auto answer = nlohmann::json::parse(r.body)["choices"][0];
+  EXPECT_EQ(answer["text"], (*tok)->Decode(std::vector<TokenId>{7, 8, 9}, false) + " 42");
+  EXPECT_EQ(answer["logprobs"]["tokens"].back(), "token_id:5") << r.body;
+  const auto g = w.generates();
+  ASSERT_EQ(g.size(), 2u);
+  const auto want = (*tok)->Encode("[user|hi][assistant|The answer is", false);
+  EXPECT_EQ(std::vector<TokenId>(g[0].prompt_token_ids().begin(), g[0].prompt_token_ids().end()),
+            want);
+  EXPECT_EQ(std::vector<TokenId>(g[1].prompt_token_ids().begin(), g[1].prompt_token_ids().end()),
+            (std::vector<TokenId>{7, 8, 9}));
+  // A truncation longer than the context is a 400 naming it.
+  completion["truncate_prompt_tokens"] = 5000;
+  r = pdserve::testing::HttpRequest(service_->http_port(), "POST", "/v1/completions",
+                                    completion.dump());
+  EXPECT_EQ(r.status, 400) << r.body;
+  EXPECT_EQ(nlohmann::json::parse(r.body)["error"]["param"], "truncate_prompt_tokens");
 }
 
 // A template file that cannot be read or parsed stops the router at start,

@@ -190,6 +190,33 @@ void FirstTokenFinishTest::Run(const Case& c) {
   }
 }
 
+// Unless the request keeps it (vLLM's include_stop_str_in_output): then
+// the text is the stop string, or the stop token's own text, whichever
+// worker sampled the token.
+TEST_F(FirstTokenFinishTest, IncludeStopStrInOutputKeepsTheStop) {
+  for (const Case& c : cases_) {
+    if (c.stream || (c.finish != Finish::kStopString && c.finish != Finish::kStopToken)) continue;
+    SCOPED_TRACE(Name(c));
+    nlohmann::json req = {{"prompt", c.prompt},
+                          {"temperature", 0},
+                          {"max_tokens", 4},
+                          {"ignore_eos", true},
+                          {"include_stop_str_in_output", true}};
+    if (c.finish == Finish::kStopString) {
+      req["stop"] = c.first_text;
+    } else {
+      req["stop_token_ids"] = {c.first_token};
+    }
+    HttpResult r =
+        HttpRequest(stack_.http_port(), "POST", "/v1/completions", req.dump(), {}, kClientDeadline);
+    ASSERT_EQ(r.status, 200) << r.body;
+    const nlohmann::json body = nlohmann::json::parse(r.body);
+    EXPECT_EQ(body["choices"][0]["finish_reason"], "stop") << r.body;
+    EXPECT_EQ(body["choices"][0]["text"], c.first_text) << r.body;
+    EXPECT_EQ(body["usage"]["completion_tokens"], 1) << r.body;
+  }
+}
+
 TEST_F(FirstTokenFinishTest, EveryFirstTokenFinishAnswersAndFreesItsSlot) {
   for (const Case& c : cases_) {
     SCOPED_TRACE(Name(c));

@@ -483,6 +483,23 @@ TEST(StopCheckerTest, MaxTokensReleasesEverything) {
   EXPECT_STREQ(FinishReasonName(FinishReason::kStop), "stop");
 }
 
+// include_stop_str_in_output (vLLM's): the text ends after the stop
+// string, what followed it in the same token still left out; Flush too.
+TEST(StopCheckerTest, IncludeStopStrInOutputEndsAfterIt) {
+  SamplingParams p = StopParams({"lo W"});
+  p.include_stop_str_in_output = true;
+  StopChecker c(p, {});
+  EXPECT_TRUE(c.KeepsStopText());
+  EXPECT_EQ(c.OnToken(1, "Hel").text, "He");
+  auto s = c.OnToken(2, "lo World");
+  EXPECT_EQ(s.finish, FinishReason::kStop);
+  EXPECT_EQ(s.text, "llo W");
+  StopChecker f(p, {});
+  EXPECT_EQ(f.OnToken(1, "x").text, "x");
+  EXPECT_EQ(f.Flush("alo Wyz"), "alo W");
+  EXPECT_FALSE(StopChecker(StopParams({"a"}), {}).KeepsStopText());
+}
+
 TEST(StopCheckerTest, FlushReleasesHeldBackText) {
   StopChecker c(StopParams({"END"}), {});
   EXPECT_EQ(c.OnToken(1, "the E").text, "the ");
@@ -499,6 +516,9 @@ TEST(StopCheckerTest, RandomTextsAgreeWithBruteForce) {
   };
   int stopped = 0;
   for (int trial = 0; trial < 2000; ++trial) {
+    // Every other trial with include_stop_str_in_output: the text then ends
+    // after the stop string.
+    const bool include = trial % 2 == 1;
     std::vector<std::string> stops;
     for (size_t n = 1 + rng() % 3; n > 0; --n) stops.push_back(rand_str(1, 5));
     std::vector<std::string> pieces;
@@ -514,14 +534,21 @@ TEST(StopCheckerTest, RandomTextsAgreeWithBruteForce) {
     std::string so_far;
     for (size_t i = 0; i < pieces.size() && !expect_stop; ++i) {
       so_far += pieces[i];
-      size_t best = std::string::npos;
-      for (const auto& s : stops) best = std::min(best, so_far.find(s));
+      size_t best = std::string::npos, length = 0;
+      for (const auto& s : stops) {
+        if (const size_t at = so_far.find(s); at < best) {
+          best = at;
+          length = s.size();
+        }
+      }
       if (best != std::string::npos) {
-        expected = so_far.substr(0, best);
+        expected = so_far.substr(0, best + (include ? length : 0));
         expect_stop = true;
       }
     }
-    StopChecker c(StopParams(stops, static_cast<int>(pieces.size()) + 1), {});
+    SamplingParams params = StopParams(stops, static_cast<int>(pieces.size()) + 1);
+    params.include_stop_str_in_output = include;
+    StopChecker c(params, {});
     std::string got;
     FinishReason finish = FinishReason::kNone;
     for (size_t i = 0; i < pieces.size() && finish == FinishReason::kNone; ++i) {

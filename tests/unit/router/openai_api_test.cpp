@@ -206,6 +206,52 @@ TEST(OpenAiApiTest, ChatMessages) {
   EXPECT_EQ(r.messages[0].begin().key(), "role");
 }
 
+// vLLM's continue_final_message, truncate_prompt_tokens and
+// return_tokens_as_token_ids are read; continuing the final message turns
+// the generation prompt off.
+TEST(OpenAiApiTest, VllmPromptExtensions) {
+  ApiRequest r;
+  ASSERT_FALSE(ParseRequest(Endpoint::kChatCompletions,
+                            R"({"messages":[{"role":"user","content":"x"},)"
+                            R"({"role":"assistant","content":"The answer is"}],)"
+                            R"("continue_final_message":true,"truncate_prompt_tokens":-1,)"
+                            R"("return_tokens_as_token_ids":true})",
+                            ApiLimits{}, &r));
+  EXPECT_TRUE(r.continue_final_message);
+  EXPECT_FALSE(r.add_generation_prompt);
+  EXPECT_EQ(r.truncate_prompt_tokens, -1);
+  EXPECT_TRUE(r.return_tokens_as_token_ids);
+  ASSERT_FALSE(ParseRequest(Endpoint::kChatCompletions,
+                            R"({"messages":[{"role":"user","content":"x"}],)"
+                            R"("continue_final_message":true,"add_generation_prompt":false})",
+                            ApiLimits{}, &r));
+  EXPECT_TRUE(r.continue_final_message);
+  ASSERT_FALSE(ParseRequest(Endpoint::kCompletions, R"({"prompt":"x","truncate_prompt_tokens":7})",
+                            ApiLimits{}, &r));
+  EXPECT_EQ(r.truncate_prompt_tokens, 7);
+  EXPECT_FALSE(r.return_tokens_as_token_ids);
+}
+
+// transformers' cut: after the last place the final message's content
+// appears, its trailing whitespace kept only where the template kept it.
+TEST(OpenAiApiTest, CutAfterFinalMessageAsTransformersCuts) {
+  const std::string chatml =
+      "<|im_start|>user\nThe answer is?<|im_end|>\n<|im_start|>assistant\nThe answer "
+      "is<|im_end|>\n";
+  EXPECT_EQ(*CutAfterFinalMessage(chatml, "The answer is"),
+            "<|im_start|>user\nThe answer is?<|im_end|>\n<|im_start|>assistant\nThe answer is");
+  // The template trimmed the content's trailing space: cut after "is".
+  EXPECT_EQ(*CutAfterFinalMessage(chatml, "The answer is "),
+            "<|im_start|>user\nThe answer is?<|im_end|>\n<|im_start|>assistant\nThe answer is");
+  // Kept by the template: kept.
+  EXPECT_EQ(*CutAfterFinalMessage("[A]Hi there \n[/A]", "Hi there \n"), "[A]Hi there \n");
+  // Leading whitespace of the content: cut after its last non-space.
+  EXPECT_EQ(*CutAfterFinalMessage("[A]  Hi  [/A]", "  Hi  "), "[A]  Hi");
+  auto missing = CutAfterFinalMessage(chatml, "something else");
+  ASSERT_FALSE(missing.ok());
+  EXPECT_NE(missing.status().message().find("does not appear"), std::string::npos);
+}
+
 struct BadCase {
   Endpoint endpoint;
   std::string body;
@@ -226,19 +272,25 @@ TEST(OpenAiApiTest, BadInputTable) {
       {C, R"({"prompt":"a","repetition_penalty":11})", 400, "repetition_penalty"},
       {C, R"({"prompt":"a","min_tokens":-1})", 400, "min_tokens"},
       {C, R"({"prompt":"a","min_tokens":5,"max_tokens":3})", 400, "min_tokens"},
-      {C, R"({"prompt":"a","include_stop_str_in_output":true})", 400, "include_stop_str_in_output"},
+      {C, R"({"prompt":"a","include_stop_str_in_output":1})", 400, "include_stop_str_in_output"},
       {C, R"({"prompt":"a","skip_special_tokens":0})", 400, "skip_special_tokens"},
       {C, R"({"prompt":"a","bad_words":["x"]})", 400, "bad_words"},
       {C, R"({"prompt":"a","allowed_token_ids":[1,2]})", 400, "allowed_token_ids"},
       {C, R"({"prompt":"a","prompt_logprobs":1})", 400, "prompt_logprobs"},
       {C, R"({"prompt":"a","repetition_penalty":"x"})", 400, "repetition_penalty"},
-      {H, R"({"messages":[{"role":"user","content":"x"}],"continue_final_message":true})", 400,
-       "continue_final_message"},
+      {H,
+       R"({"messages":[{"role":"user","content":"x"}],"continue_final_message":true,)"
+       R"("add_generation_prompt":true})",
+       400, "continue_final_message"},
+      {C, R"({"prompt":"a","continue_final_message":true})", 400, "continue_final_message"},
+      {C, R"({"prompt":"a","truncate_prompt_tokens":0})", 400, "truncate_prompt_tokens"},
+      {C, R"({"prompt":"a","truncate_prompt_tokens":-2})", 400, "truncate_prompt_tokens"},
+      {C, R"({"prompt":"a","truncate_prompt_tokens":"5"})", 400, "truncate_prompt_tokens"},
+      {C, R"({"prompt":"a","return_tokens_as_token_ids":1})", 400, "return_tokens_as_token_ids"},
       {H, R"({"messages":[{"role":"user","content":"x"}],"echo":true})", 400, "echo"},
       {H, R"({"messages":[{"role":"user","content":"x"}],"add_special_tokens":true})", 400,
        "add_special_tokens"},
       {C, R"({"prompt":"a","add_special_tokens":false})", 400, "add_special_tokens"},
-      {C, R"({"prompt":"a","return_tokens_as_token_ids":true})", 400, "return_tokens_as_token_ids"},
       {C, R"({"prompt":"a","suffix":5})", 400, "suffix"},          // wrong type
       {C, R"({"prompt":[]})", 400, "prompt"},                      // empty ids
       {C, R"({"prompt":["a","b"]})", 400, "prompt"},               // batch
