@@ -254,6 +254,9 @@ struct Inflight {
   std::shared_ptr<http::Exchange> exchange;
   std::unique_ptr<ApiRequest> api;
   std::unique_ptr<ResponseFormatter> formatter;
+  // With tools: the functions a call may name, built once (outside the
+  // router's lock) for every choice's parser.
+  ToolFunctionList tool_functions;
   std::string prompt_text;  // for echo
   std::vector<TokenId> prompt_ids;
   // echo with logprobs: the prompt's tokens as the worker scored them.
@@ -840,9 +843,10 @@ class RouterServiceImpl : public RouterService {
     // does, and the parser takes them out.
     if (ToolsActive(api) && tool_parser_ != ToolParser::kNone)
       api.sampling.skip_special_tokens = false;
+    if (ToolsActive(api)) r->tool_functions = ToolFunctions(api.tools);
     if (ToolsActive(api) && api.stream) {
       for (auto& c : r->choices)
-        c.tool_stream = std::make_unique<ToolCallStreamer>(tool_parser_, ToolFunctions(api.tools));
+        c.tool_stream = std::make_unique<ToolCallStreamer>(tool_parser_, r->tool_functions);
     }
 
     const uint64_t id = r->id;
@@ -895,9 +899,12 @@ class RouterServiceImpl : public RouterService {
     // A named function is called once (OpenAI's forced call), whatever
     // parallel_tool_calls says; `required` may call several unless it is false.
     const bool parallel = api.parallel_tool_calls && !named;
+    auto grammar =
+        ToolCallGrammar(tool_parser_, api.tools, named, parallel, opts_.structured.max_text_bytes);
+    if (!grammar.ok())
+      return ApiError{400, grammar.status().message(), "invalid_request_error", "tools", ""};
     api.sampling.constraint =
-        OutputConstraint{OutputConstraint::Kind::kGrammar,
-                         ToolCallGrammar(tool_parser_, api.tools, named, parallel)};
+        OutputConstraint{OutputConstraint::Kind::kGrammar, std::move(grammar).value()};
     api.constraint_param = "tools";
     return std::nullopt;
   }
@@ -1883,8 +1890,7 @@ class RouterServiceImpl : public RouterService {
         if (ToolsActive(*r.api)) {
           std::string text;
           for (const auto& p : ch.pieces) text += p.text;
-          ParseToolCalls(tool_parser_, ToolFunctions(r.api->tools), text, &tools[k].content,
-                         &tools[k].calls);
+          ParseToolCalls(tool_parser_, r.tool_functions, text, &tools[k].content, &tools[k].calls);
           KeepOneCallUnlessParallel(*r.api, 0, &tools[k].calls);
           if (!tools[k].calls.empty() && o.finish_reason == "stop") o.finish_reason = "tool_calls";
           o.tools = &tools[k];

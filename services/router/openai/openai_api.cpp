@@ -9,6 +9,7 @@
 #include <limits>
 #include <sstream>
 #include <stdexcept>
+#include <vector>
 
 namespace pdserve::router {
 
@@ -850,6 +851,34 @@ std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view body,
 // ---------------------------------------------------------------------------
 // Responses
 
+namespace {
+
+// Where `needle` last starts in `text` (npos: nowhere; an empty needle is at
+// the end), in time linear in both: Knuth-Morris-Pratt over the reversed
+// strings. (std::string::rfind compares at every position, quadratic on a
+// prompt of one repeated letter that the needle never matches.)
+size_t LastOccurrence(std::string_view text, std::string_view needle) {
+  const size_t m = needle.size();
+  if (m == 0) return text.size();
+  if (m > text.size()) return std::string::npos;
+  const auto pat = [&](size_t i) { return needle[m - 1 - i]; };  // reversed
+  std::vector<size_t> fail(m, 0);
+  for (size_t i = 1, k = 0; i < m; ++i) {
+    while (k > 0 && pat(i) != pat(k)) k = fail[k - 1];
+    if (pat(i) == pat(k)) ++k;
+    fail[i] = k;
+  }
+  for (size_t i = 0, k = 0; i < text.size(); ++i) {
+    const char c = text[text.size() - 1 - i];
+    while (k > 0 && c != pat(k)) k = fail[k - 1];
+    if (c == pat(k)) ++k;
+    if (k == m) return text.size() - 1 - i;  // the match's first byte
+  }
+  return std::string::npos;
+}
+
+}  // namespace
+
 StatusOr<std::string> CutAfterFinalMessage(const std::string& rendered,
                                            std::string_view final_content) {
   constexpr std::string_view kSpace = " \t\n\r\v\f";
@@ -858,7 +887,7 @@ StatusOr<std::string> CutAfterFinalMessage(const std::string& rendered,
   std::string_view stripped = lstripped;
   stripped.remove_suffix(stripped.size() -
                          std::min(stripped.size(), stripped.find_last_not_of(kSpace) + 1));
-  const size_t at = rendered.rfind(stripped);
+  const size_t at = LastOccurrence(rendered, stripped);
   if (at == std::string::npos) {
     return Status::InvalidArgument(
         "continue_final_message is set but the final message does not appear in the chat after "

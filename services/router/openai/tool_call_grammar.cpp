@@ -53,6 +53,10 @@ bool RebaseRefs(ojson& schema) {
   bool any = false;
   if (schema.is_object()) {
     for (auto it = schema.begin(); it != schema.end(); ++it) {
+      // Values, not schemas: a "$ref" in them is data.
+      if (it.key() == "const" || it.key() == "enum" || it.key() == "default" ||
+          it.key() == "examples")
+        continue;
       if (it.key() == "$ref" && it->is_string()) {
         const std::string ref = it->get<std::string>();
         if (ref.starts_with("#")) {
@@ -73,7 +77,7 @@ bool RebaseRefs(ojson& schema) {
 // not required optional; string values (as the parser reads them) as text,
 // others as JSON under the property's schema.
 std::string XmlCallRule(const std::string& rule, const std::string& name, const ojson& params,
-                        std::string* extra_rules) {
+                        size_t max_bytes, std::string* extra_rules) {
   std::string body = GbnfLiteral("<function=" + name + ">\n");
   const ojson* properties = nullptr;
   if (params.is_object()) {
@@ -116,6 +120,7 @@ std::string XmlCallRule(const std::string& rule, const std::string& name, const 
     const std::string item = rule + "-p" + std::to_string(k++);
     *extra_rules += item + " ::= " + GbnfLiteral("<parameter=" + it.key() + ">\n") + " " + value +
                     " " + GbnfLiteral("\n</parameter>\n") + "\n";
+    if (extra_rules->size() > max_bytes) return "";  // the caller refuses it
     const bool is_required =
         std::find(required.begin(), required.end(), it.key()) != required.end();
     body += " " + item + (is_required ? "" : "?");
@@ -125,8 +130,13 @@ std::string XmlCallRule(const std::string& rule, const std::string& name, const 
 
 }  // namespace
 
-std::string ToolCallGrammar(ToolParser parser, const ojson& tools,
-                            const std::optional<std::string>& named, bool parallel) {
+StatusOr<std::string> ToolCallGrammar(ToolParser parser, const ojson& tools,
+                                      const std::optional<std::string>& named, bool parallel,
+                                      size_t max_bytes) {
+  const auto too_long = [max_bytes] {
+    return Status::InvalidArgument("the grammar of the tools' calls is longer than " +
+                                   std::to_string(max_bytes) + " bytes");
+  };
   const char* args_key = parser == ToolParser::kLlama3Json ? "parameters" : "arguments";
   // Each call is written out as grammar text around its own %json: the
   // function's parameters are a schema root of their own, so that their
@@ -150,8 +160,11 @@ std::string ToolCallGrammar(ToolParser parser, const ojson& tools,
     calls += (calls.empty() ? "" : " | ") + rule;
     if (parser == ToolParser::kQwen3Coder) {
       std::string params_rules;
-      rules +=
-          rule + " ::= " + XmlCallRule(rule, name, params, &params_rules) + "\n" + params_rules;
+      const std::string call = XmlCallRule(
+          rule, name, params, max_bytes - std::min(max_bytes, rules.size()), &params_rules);
+      if (call.empty()) return too_long();
+      rules += rule + " ::= " + call + "\n" + params_rules;
+      if (rules.size() > max_bytes) return too_long();
       xml_text = xml_text || params_rules.find("xml-text") != std::string::npos;
       continue;
     }
@@ -163,11 +176,13 @@ std::string ToolCallGrammar(ToolParser parser, const ojson& tools,
                               : std::string(kDsCallBegin) + name + std::string(kDsSep)) +
                " %json " + params.dump() + " " +
                GbnfLiteral(v3 ? "\n```" + std::string(kDsCallEnd) : std::string(kDsCallEnd)) + "\n";
+      if (rules.size() > max_bytes) return too_long();
       continue;
     }
     rules += rule + " ::= \"{\" ws \"\\\"name\\\"\" ws \":\" ws \"\\\"" + name +
              "\\\"\" ws \",\" ws \"\\\"" + args_key + "\\\"\" ws \":\" ws %json " + params.dump() +
              " ws \"}\"\n";
+    if (rules.size() > max_bytes) return too_long();
   }
   rules += "call ::= " + calls + "\nws ::= [ \\t\\n]{0,2}\n";
   if (xml_text) rules += kXmlTextRules;

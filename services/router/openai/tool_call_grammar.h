@@ -9,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/status.h"
 #include "services/router/openai/tool_calls.h"
 
 namespace pdserve::router {
@@ -19,7 +20,11 @@ namespace pdserve::router {
 // arguments valid under its function's parameters. qwen3_coder's calls
 // give each property in the schema's order (those not required may be left
 // out): string values as text without </parameter>, others as JSON.
-std::string ToolCallGrammar(ToolParser parser, const nlohmann::ordered_json& tools,
-                            const std::optional<std::string>& named, bool parallel);
+// InvalidArgument, as soon as the text would pass `max_bytes`, when it is
+// longer (a qwen3_coder call repeats the parameters' schema for each
+// property whose "$ref" points into it).
+StatusOr<std::string> ToolCallGrammar(ToolParser parser, const nlohmann::ordered_json& tools,
+                                      const std::optional<std::string>& named, bool parallel,
+                                      size_t max_bytes);
 
 }  // namespace pdserve::router

@@ -126,18 +126,20 @@ ToolParser ToolParserForTemplate(std::string_view t) {
   return ToolParser::kNone;
 }
 
-std::vector<ToolFunction> ToolFunctions(const ojson& tools) {
-  std::vector<ToolFunction> out;
+ToolFunctionList ToolFunctions(const ojson& tools) {
+  auto out = std::make_shared<std::vector<ToolFunction>>();
   for (const auto& t : tools) {
     const ojson& f = t["function"];
     auto params = f.find("parameters");
-    out.push_back({f["name"].get<std::string>(), params != f.end() ? *params : ojson()});
+    out->push_back({f["name"].get<std::string>(), params != f.end() ? *params : ojson()});
   }
   return out;
 }
 
-ToolCallStreamer::ToolCallStreamer(ToolParser parser, std::vector<ToolFunction> functions)
-    : parser_(parser), functions_(std::move(functions)) {}
+ToolCallStreamer::ToolCallStreamer(ToolParser parser, ToolFunctionList functions)
+    : parser_(parser),
+      functions_(functions ? std::move(functions)
+                           : std::make_shared<const std::vector<ToolFunction>>()) {}
 
 bool ToolCallStreamer::IsDeepSeek() const {
   return parser_ == ToolParser::kDeepSeekV3 || parser_ == ToolParser::kDeepSeekV31;
@@ -150,7 +152,7 @@ std::string_view ToolCallStreamer::CloseMarker() const {
 }
 
 const ToolFunction* ToolCallStreamer::FindFunction(std::string_view name) const {
-  for (const auto& f : functions_) {
+  for (const auto& f : *functions_) {
     if (f.name == name) return &f;
   }
   return nullptr;
@@ -199,7 +201,7 @@ std::optional<ToolCall> ToolCallStreamer::CallFromJson(std::string_view json) co
 
 std::optional<ToolCall> ToolCallStreamer::CallWithArguments(std::string name,
                                                             const ojson& arguments) const {
-  if (!functions_.empty() && !FindFunction(name)) return std::nullopt;
+  if (!functions_->empty() && !FindFunction(name)) return std::nullopt;
   if (!arguments.is_null() && !arguments.is_object()) return std::nullopt;  // null: none
   ToolCall call;
   call.name = std::move(name);
@@ -423,7 +425,7 @@ std::optional<std::vector<ToolCall>> ToolCallStreamer::CallsFromXml(std::string_
     auto name = tag_name(s, kXmlFunction);
     if (!name) return std::nullopt;
     const ToolFunction* fn = FindFunction(*name);
-    if (!fn && !functions_.empty()) return std::nullopt;
+    if (!fn && !functions_->empty()) return std::nullopt;
     const ojson* properties = nullptr;
     if (fn && fn->parameters.is_object()) {
       auto p = fn->parameters.find("properties");
@@ -565,7 +567,15 @@ size_t ToolCallStreamer::ScanXmlCall() {
       x.pos = end + kXmlParameterEnd.size();
       continue;
     }
-    const size_t close = buffer_.find(kHermesClose, x.pos);
+    // The next closing marker at or after pos: searched once over any byte
+    // (the last search's result stands while pos has not passed it).
+    if (x.close == std::string::npos || x.close < x.pos) {
+      x.close = buffer_.find(kHermesClose, std::max(x.pos, x.close_searched));
+      x.close_searched = x.close != std::string::npos
+                             ? x.close
+                             : buffer_.size() - std::min(buffer_.size(), kHermesClose.size() - 1);
+    }
+    const size_t close = x.close;
     const size_t value = buffer_.find(kXmlParameter, x.pos);
     if (value < close) {  // a value, which may hold anything but its own end
       x.in_value = true;
@@ -683,8 +693,8 @@ void ToolCallStreamer::Drain(bool final, std::string* content, std::vector<ToolC
   }
 }
 
-void ParseToolCalls(ToolParser parser, const std::vector<ToolFunction>& functions,
-                    std::string_view text, std::string* content, std::vector<ToolCall>* calls) {
+void ParseToolCalls(ToolParser parser, const ToolFunctionList& functions, std::string_view text,
+                    std::string* content, std::vector<ToolCall>* calls) {
   ToolCallStreamer s(parser, functions);
   s.Push(text, content, calls);
   s.Finish(content, calls);

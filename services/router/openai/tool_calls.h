@@ -73,8 +73,10 @@ struct ToolFunction {
   nlohmann::ordered_json parameters;
 };
 // The functions of a request's `tools` array (each {"type": "function",
-// "function": {"name", "parameters"?}}, as the request parser checked).
-std::vector<ToolFunction> ToolFunctions(const nlohmann::ordered_json& tools);
+// "function": {"name", "parameters"?}}, as the request parser checked):
+// built once a request, shared by its choices' parsers.
+using ToolFunctionList = std::shared_ptr<const std::vector<ToolFunction>>;
+ToolFunctionList ToolFunctions(const nlohmann::ordered_json& tools);
 
 // How qwen3_coder reads a parameter's value, from its property's schema
 // (null: the schema does not list the parameter).
@@ -98,7 +100,7 @@ struct ToolCall {
 class ToolCallStreamer {
  public:
   // `functions`: what a call may name (others stay content).
-  ToolCallStreamer(ToolParser parser, std::vector<ToolFunction> functions);
+  ToolCallStreamer(ToolParser parser, ToolFunctionList functions);
   // Appends generated text. `content` gets what can be shown as content now
   // (never part of a call); `calls` the calls completed by this text.
   void Push(std::string_view text, std::string* content, std::vector<ToolCall>* calls);
@@ -135,7 +137,7 @@ class ToolCallStreamer {
   void Emit(std::string_view text, std::string* content);
 
   ToolParser parser_;
-  std::vector<ToolFunction> functions_;
+  ToolFunctionList functions_;  // never null
   State state_ = State::kStart;
   std::string buffer_;
   bool seen_call_ = false;
@@ -161,6 +163,8 @@ class ToolCallStreamer {
   struct XmlScan {
     size_t pos = 0;
     bool in_value = false;
+    size_t close = std::string::npos;  // the next </tool_call> found, if any
+    size_t close_searched = 0;         // no </tool_call> starts before this
   };
   XmlScan xml_scan_;
   // Where </tool_call> is, scanning new bytes only; npos: not yet.
@@ -172,7 +176,7 @@ class ToolCallStreamer {
 };
 
 // The whole output at once (non-streaming responses): the same rules.
-void ParseToolCalls(ToolParser parser, const std::vector<ToolFunction>& functions,
-                    std::string_view text, std::string* content, std::vector<ToolCall>* calls);
+void ParseToolCalls(ToolParser parser, const ToolFunctionList& functions, std::string_view text,
+                    std::string* content, std::vector<ToolCall>* calls);
 
 }  // namespace pdserve::router

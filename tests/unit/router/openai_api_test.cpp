@@ -250,6 +250,14 @@ TEST(OpenAiApiTest, CutAfterFinalMessageAsTransformersCuts) {
   auto missing = CutAfterFinalMessage(chatml, "something else");
   ASSERT_FALSE(missing.ok());
   EXPECT_NE(missing.status().message().find("does not appear"), std::string::npos);
+  // The last of overlapping occurrences; and a long prompt of one letter
+  // against content that nearly matches everywhere is searched in linear
+  // time (a search from every position took about 10^10 comparisons here).
+  EXPECT_EQ(*CutAfterFinalMessage("xaaaay", "aaa"), "xaaaa");
+  const std::string letters(200000, 'A');
+  EXPECT_FALSE(CutAfterFinalMessage(letters, std::string(100000, 'A') + "B").ok());
+  EXPECT_EQ(CutAfterFinalMessage(letters + "B" + letters, std::string(1000, 'A') + "B")->size(),
+            200001u);
 }
 
 struct BadCase {

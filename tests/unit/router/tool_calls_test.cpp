@@ -17,7 +17,7 @@ struct Expect {
 };
 
 // The functions a call may name; qwen3_coder reads values by their types.
-const std::vector<ToolFunction> kFunctions = ToolFunctions(nlohmann::ordered_json::parse(R"([
+const ToolFunctionList kFunctions = ToolFunctions(nlohmann::ordered_json::parse(R"([
   {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
     "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}},
   {"type": "function", "function": {"name": "search"}},
@@ -383,6 +383,36 @@ TEST(ToolCalls, ParserFromTemplateAndName) {
   EXPECT_FALSE(ParseToolParserName("gpt").ok());
 }
 
+// A forced qwen3_coder call repeats the parameters' schema for each
+// property whose "$ref" points into it: past the size limit the grammar is
+// refused as soon as it gets there, never built whole (a ~100 KB schema
+// with 2,000 such properties would make 200 MB of text). "$ref" inside a
+// value ("default", "const") is data and copies nothing.
+TEST(ToolCalls, ForcedCallGrammarStopsAtItsSizeLimit) {
+  nlohmann::ordered_json params = {{"type", "object"},
+                                   {"description", std::string(100000, 'x')},
+                                   {"$defs", {{"d", {{"type", "integer"}}}}},
+                                   {"properties", nlohmann::ordered_json::object()}};
+  for (int i = 0; i < 2000; ++i)
+    params["properties"]["p" + std::to_string(i)] = {{"$ref", "#/$defs/d"}};
+  const nlohmann::ordered_json tools = {
+      {{"type", "function"}, {"function", {{"name", "f"}, {"parameters", params}}}}};
+  auto g = ToolCallGrammar(ToolParser::kQwen3Coder, tools, std::nullopt, true, 1 << 20);
+  ASSERT_FALSE(g.ok());
+  EXPECT_NE(g.status().message().find("longer than 1048576 bytes"), std::string::npos);
+  nlohmann::ordered_json data = {{"type", "object"},
+                                 {"description", std::string(100000, 'x')},
+                                 {"properties",
+                                  {{"a", {{"type", "object"}, {"default", {{"$ref", "#"}}}}},
+                                   {"b", {{"type", "integer"}, {"const", 3}}}}}};
+  const nlohmann::ordered_json plain = {
+      {{"type", "function"}, {"function", {{"name", "f"}, {"parameters", data}}}}};
+  auto small = ToolCallGrammar(ToolParser::kQwen3Coder, plain, std::nullopt, true, 1 << 20);
+  ASSERT_TRUE(small.ok());
+  EXPECT_LT(small->size(), 2000u);
+  EXPECT_NE(small->find("\"default\":{\"$ref\":\"#\"}"), std::string::npos) << *small;
+}
+
 TEST(ToolCalls, ForcedCallGrammarOnlyAdmitsValidCalls) {
   const auto tools = nlohmann::ordered_json::parse(R"([
     {"type":"function","function":{"name":"get_weather","parameters":{"type":"object",
@@ -496,7 +526,7 @@ TEST(ToolCalls, ForcedCallGrammarOnlyAdmitsValidCalls) {
        false},
   };
   for (const auto& c : cases) {
-    const std::string g = ToolCallGrammar(c.parser, tools, c.named, c.parallel);
+    const std::string g = *ToolCallGrammar(c.parser, tools, c.named, c.parallel, 1 << 20);
     auto grammar = structured::ConstraintGrammar({OutputConstraint::Kind::kGrammar, g},
                                                  structured::CompileOptions{});
     ASSERT_TRUE(grammar.ok()) << g << ": " << grammar.status().message();
