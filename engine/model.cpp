@@ -811,13 +811,22 @@ Status Model::Reserve(int64_t tokens, int64_t logits, int64_t seqs, int64_t bloc
   limits.max_blocks_per_seq = (n.keys + block_size - 1) / block_size;
   limits.kv_selection = c.kv_eviction.quest_blocks > 0;
   limits.vocab_size = c.vocab_size;
-  if (c.num_experts > 0) {
+  // MoE blocks: the widths this rank holds (tensor parallelism slices the
+  // experts, expert parallelism gives each rank whole ones), from the first
+  // sparse layer.
+  for (const Layer& L : layers_) {
+    if (L.moe.experts == nullptr) continue;
+    const kernels::MoeExpertWeights* held = nullptr;
+    for (int64_t e = 0; e < c.num_experts && held == nullptr; ++e) {
+      if (L.moe.experts[e].held()) held = &L.moe.experts[e];
+    }
+    if (held == nullptr) break;
     limits.moe_experts = c.num_experts;
     limits.moe_top_k = c.num_experts_per_tok;
     limits.moe_hidden = c.hidden_size;
-    limits.moe_inter = c.moe_intermediate_size;
-    // At most this: tensor parallelism slices the shared experts too.
-    limits.moe_shared_inter = c.moe_intermediate_size * c.num_shared_experts;
+    limits.moe_inter = held->down.cols;
+    limits.moe_shared_inter = L.moe.shared != nullptr ? L.moe.shared->down.cols : 0;
+    break;
   }
   return backend_->Reserve(limits);
 }
