@@ -364,7 +364,7 @@ std::optional<ojson> XmlInteger(std::string_view text) {
 // are no number.
 std::optional<ojson> XmlNumber(std::string_view text) {
   const std::string t(Trim(text));
-  if (t.empty() || std::isspace(static_cast<unsigned char>(t.front()))) return std::nullopt;
+  if (t.empty()) return std::nullopt;
   char* end = nullptr;
   const double v = std::strtod(t.c_str(), &end);
   if (end != t.c_str() + t.size() || !std::isfinite(v)) return std::nullopt;
@@ -375,7 +375,7 @@ std::optional<ojson> XmlNumber(std::string_view text) {
 }
 
 // A qwen3_coder parameter's value (its text, the newline after the opening
-// tag and before the closing one taken off), read as XmlValueOf says:
+// tag and before the closing one taken off), read as XmlParameterTypeOf says:
 // "null" (any case) is null whatever the type; a value that is not of its
 // type stays text, except a boolean's, which is false unless "true" (any
 // case), as vLLM reads them.
@@ -456,11 +456,9 @@ std::optional<std::vector<ToolCall>> ToolCallStreamer::CallsFromXml(std::string_
       // A key given twice keeps its first place and its last value (vLLM's dict).
       args[std::string(*key)] = XmlParameterValue(value, property);
     }
-    ToolCall call;
-    call.id = NewId();
-    call.name = std::string(*name);
-    call.arguments = args.dump(-1, ' ', false, ojson::error_handler_t::replace);
-    calls.push_back(std::move(call));
+    auto call = CallWithArguments(std::string(*name), args);
+    if (!call) return std::nullopt;
+    calls.push_back(std::move(*call));
     skip_space(s);
   }
   if (calls.empty()) return std::nullopt;
