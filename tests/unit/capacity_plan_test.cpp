@@ -295,8 +295,9 @@ TEST(CapacityPlanTest, SlidingWindowsBoundWhatASequenceKeeps) {
   EXPECT_EQ(plan(llama, 4096).blocks_per_sequence, 256);  // the window holds it all
   // The shapes as the engine reads them from config.json.
   auto from = [](const char* name) {
-    return KvShapeFromConfigFile(std::string(PDSERVE_SOURCE_DIR) + "/bench/configs/" + name +
-                                 "/config.json");
+    std::string path = PDSERVE_SOURCE_DIR;
+    path.append("/bench/configs/").append(name).append("/config.json");
+    return KvShapeFromConfigFile(path);
   };
   auto g2 = from("gemma-2-9b");
   ASSERT_TRUE(g2.ok()) << g2.status().ToString();

@@ -76,7 +76,8 @@ TEST(WorkerCliTest, KvTierFlagsThatDoNotAgreeAreRefused) {
 
 // Calibrated KV scales must be readable and of the worker's KV type.
 TEST(WorkerCliTest, KvScalesOfAnotherTypeOrUnreadableAreRefused) {
-  const std::string file = std::string(PDSERVE_BINARY_DIR) + "/worker-cli-nvfp4-scales.json";
+  std::string file = PDSERVE_BINARY_DIR;
+  file += "/worker-cli-nvfp4-scales.json";
   std::ofstream(file) << R"({"kv_dtype":"nvfp4","layers":[[0.5,0.25]]})";
   ExpectOneLineUsageError(Worker({"--kv-dtype", "fp8", "--kv-scales", file}),
                           "calibrated for nvfp4 KV, --kv-dtype is fp8");
