@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdio>
 #include <random>
+#include <string>
 
 namespace pdserve {
 namespace {
@@ -95,6 +96,42 @@ Status ValidateSamplingParams(const SamplingParams& p, size_t vocab_size) {
     if (!(bias >= -100 && bias <= 100)) {
       return Status::InvalidArgument("logit_bias: the bias of token " + std::to_string(id) +
                                      " must be in [-100, 100], got " + Num(bias));
+    }
+  }
+  auto in_vocab = [&](TokenId id) {
+    return id >= 0 && (vocab_size == 0 || static_cast<size_t>(id) < vocab_size);
+  };
+  auto not_a_token = [&](const char* field, TokenId id) {
+    return Status::InvalidArgument(std::string(field) + ": " + std::to_string(id) +
+                                   " is not a token id of this model (vocabulary size " +
+                                   std::to_string(vocab_size) + ")");
+  };
+  if (p.allowed_token_ids.size() > kMaxAllowedTokenIds) {
+    return Status::InvalidArgument("allowed_token_ids: at most " +
+                                   std::to_string(kMaxAllowedTokenIds) + " ids, got " +
+                                   std::to_string(p.allowed_token_ids.size()));
+  }
+  for (size_t i = 0; i < p.allowed_token_ids.size(); ++i) {
+    const TokenId id = p.allowed_token_ids[i];
+    if (!in_vocab(id)) return not_a_token("allowed_token_ids", id);
+    if (i > 0 && id <= p.allowed_token_ids[i - 1]) {
+      return Status::InvalidArgument("allowed_token_ids: token " + std::to_string(id) +
+                                     " is out of order or given twice");
+    }
+  }
+  if (p.bad_words_token_ids.size() > kMaxBadWordSequences) {
+    return Status::InvalidArgument("bad_words: at most " + std::to_string(kMaxBadWordSequences) +
+                                   " token sequences, got " +
+                                   std::to_string(p.bad_words_token_ids.size()));
+  }
+  for (const std::vector<TokenId>& word : p.bad_words_token_ids) {
+    if (word.empty() || word.size() > kMaxBadWordTokens) {
+      return Status::InvalidArgument("bad_words: a word must be 1 to " +
+                                     std::to_string(kMaxBadWordTokens) + " tokens, got " +
+                                     std::to_string(word.size()));
+    }
+    for (TokenId id : word) {
+      if (!in_vocab(id)) return not_a_token("bad_words", id);
     }
   }
   if (p.logprobs.has_value() && (*p.logprobs < 0 || *p.logprobs > kMaxLogprobs)) {

@@ -20,6 +20,13 @@ inline constexpr int kMaxLogprobs = 20;  // OpenAI's top_logprobs cap
 // Entries of one request's logit_bias (OpenAI documents none; a bound keeps
 // a request's per-step work and its wire size small).
 inline constexpr size_t kMaxLogitBias = 1024;
+// allowed_token_ids: at most this many ids (a bound on the wire size; a
+// client that bans a few tokens says so with bad_words or logit_bias).
+inline constexpr size_t kMaxAllowedTokenIds = size_t{1} << 17;
+// bad_words: at most this many token sequences (two per word at most), each
+// of at most kMaxBadWordTokens ids, so that a step's matching stays small.
+inline constexpr size_t kMaxBadWordSequences = 256;
+inline constexpr size_t kMaxBadWordTokens = 64;
 // Largest repetition_penalty (vLLM takes any > 0; past this it only makes
 // every seen token impossible, which logit_bias says plainly).
 inline constexpr float kMaxRepetitionPenalty = 10.0f;
@@ -98,6 +105,16 @@ struct SamplingParams {
   // (token, bias): ids strictly increasing, biases in [-100, 100], at most
   // kMaxLogitBias entries.
   std::vector<std::pair<TokenId, float>> logit_bias;
+  // vLLM's allowed_token_ids: only these ids are sampled (with a constraint,
+  // only those both allow); ids strictly increasing, at most
+  // kMaxAllowedTokenIds. Empty: any.
+  std::vector<TokenId> allowed_token_ids;
+  // vLLM's bad_words as token sequences (the router encodes the words as
+  // vLLM does): a sequence's last token is not sampled where the output so
+  // far ends with the sequence's other tokens (a sequence of one token:
+  // never). Each of 1 to kMaxBadWordTokens ids, at most
+  // kMaxBadWordSequences of them.
+  std::vector<std::vector<TokenId>> bad_words_token_ids;
 };
 
 // Whether params change the logits before sampling (logit_bias, penalties;

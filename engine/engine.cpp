@@ -51,6 +51,12 @@ struct Engine::Sequence {
   // min_tokens: the ids not sampled before the output is that long (EOS,
   // ignore_eos or not, and the stop token ids).
   std::vector<TokenId> banned_until_min_tokens;
+  // The ids not sampled this step: the above while they apply, and the
+  // last tokens of bad words the output ends with the rest of.
+  std::vector<TokenId> banned_now;
+  // allowed_token_ids as a bitmask over the vocabulary (bit t % 64 of word
+  // t / 64); empty: any token.
+  std::vector<uint64_t> allowed_mask;
   std::optional<structured::Matcher> matcher;  // structured outputs
   RequestId share_prompt_with = 0;             // admitted once that prompt's KV is computed
   // SnapKV: the prompt tokens its compression removed (position p is at
@@ -386,6 +392,11 @@ std::unique_ptr<Engine::Sequence> Engine::NewSequence(EngineRequest r) {
       ev.mode == KvEviction::Mode::kSnapKv && s->prompt_len > ev.budget_tokens && !s->snapkv_dense;
   s->stream_kv_blocks = r.prefill_only && r.stream_kv_blocks && !compresses;
   if (r.grammar) s->matcher.emplace(std::move(r.grammar));
+  if (!s->params.allowed_token_ids.empty()) {
+    s->allowed_mask.assign(static_cast<size_t>(model_->config().vocab_size + 63) / 64, 0);
+    for (TokenId t : s->params.allowed_token_ids)
+      s->allowed_mask[static_cast<size_t>(t) / 64] |= uint64_t{1} << (t % 64);
+  }
   s->share_prompt_with = r.share_prompt_with;
   std::vector<TokenId> eos = model_->config().eos_token_ids;
   if (tokenizer_ != nullptr) {
@@ -978,10 +989,13 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
   int64_t row = 0;
   const auto groups = static_cast<uint32_t>(blocks_->num_groups());
   step.reserve(sched.size());
+  // A row's mask: its grammar's tokens (structured outputs) and its
+  // allowed_token_ids, both where both are set.
+  auto mask_words_of = [](const Sequence& s) -> size_t {
+    return s.matcher ? s.matcher->compiled().mask_words() : s.allowed_mask.size();
+  };
   size_t mask_words = 0, mask_at = 0;
-  for (const auto& sc : sched) {
-    if (sc.seq->matcher) mask_words += sc.seq->matcher->compiled().mask_words();
-  }
+  for (const auto& sc : sched) mask_words += mask_words_of(*sc.seq);
   token_masks_.resize(mask_words);  // spans into it stay valid through Execute
   for (const auto& sc : sched) {
     Sequence* s = sc.seq;
@@ -1008,16 +1022,38 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
     }
     x.seed = s->seed;
     x.output_index = static_cast<uint64_t>(s->num_output());
-    if (s->num_output() < s->params.min_tokens) x.banned = s->banned_until_min_tokens;
-    if (x.sample && s->matcher) {
+    const bool before_min_tokens = s->num_output() < s->params.min_tokens;
+    if (x.sample && !s->params.bad_words_token_ids.empty()) {
+      s->banned_now.clear();
+      if (before_min_tokens) s->banned_now = s->banned_until_min_tokens;
+      AppendBadWordBans(s->params.bad_words_token_ids,
+                        std::span<const TokenId>(s->tokens).subspan(s->prompt_len), &s->banned_now);
+      x.banned = s->banned_now;
+    } else if (before_min_tokens) {
+      x.banned = s->banned_until_min_tokens;
+    }
+    if (x.sample && (s->matcher || !s->allowed_mask.empty())) {
       // Structured outputs: the tokens the constraint allows next (the
-      // matcher stands after the tokens so far). None: a dead end, which
-      // computes its KV but samples nothing and ends with kLength.
-      const size_t words = s->matcher->compiled().mask_words();
-      const std::span<uint64_t> mask(token_masks_.data() + mask_at, words);
-      if (s->matcher->FillNextTokenBitmask(mask)) {
+      // matcher stands after the tokens so far), of the allowed_token_ids
+      // if given. None: a dead end, which computes its KV but samples
+      // nothing and ends with kLength.
+      const std::span<uint64_t> mask(token_masks_.data() + mask_at, mask_words_of(*s));
+      bool any = true;
+      if (s->matcher) {
+        any = s->matcher->FillNextTokenBitmask(mask);
+        if (any && !s->allowed_mask.empty()) {
+          any = false;
+          for (size_t w = 0; w < mask.size(); ++w) {
+            mask[w] &= w < s->allowed_mask.size() ? s->allowed_mask[w] : 0;
+            any |= mask[w] != 0;
+          }
+        }
+      } else {
+        std::copy(s->allowed_mask.begin(), s->allowed_mask.end(), mask.begin());
+      }
+      if (any) {
         x.allowed = mask;
-        mask_at += words;
+        mask_at += mask.size();
       } else {
         x.sample = false;
         dead_ends.push_back(s);
@@ -1302,6 +1338,12 @@ StatusOr<RequestOutput> Engine::CompleteRemotePrefill(RequestId id, TokenId firs
       return Status::InvalidArgument("first token " + std::to_string(first_token) +
                                      " is not allowed by the request's constraint");
     }
+  }
+  if (const auto t = static_cast<size_t>(first_token);
+      !s->allowed_mask.empty() &&
+      (t / 64 >= s->allowed_mask.size() || (s->allowed_mask[t / 64] >> (t % 64) & 1) == 0)) {
+    return Status::InvalidArgument("first token " + std::to_string(first_token) +
+                                   " is not one of the request's allowed_token_ids");
   }
   s->num_computed = s->prompt_len;
   ReceivedKeyBounds(*s);

@@ -89,6 +89,18 @@ void ApplyTokenBitmask(std::span<float> logits, std::span<const uint64_t> allowe
                              static_cast<int64_t>(allowed.size()));
 }
 
+void AppendBadWordBans(std::span<const std::vector<TokenId>> words, std::span<const TokenId> output,
+                       std::vector<TokenId>* banned) {
+  for (const std::vector<TokenId>& word : words) {
+    if (word.empty() || word.size() - 1 > output.size()) continue;
+    const size_t prefix = word.size() - 1;
+    if (std::equal(word.begin(), word.end() - 1, output.end() - prefix))
+      banned->push_back(word.back());
+  }
+  std::sort(banned->begin(), banned->end());
+  banned->erase(std::unique(banned->begin(), banned->end()), banned->end());
+}
+
 const char* FinishReasonName(FinishReason reason) {
   switch (reason) {
     case FinishReason::kStop:

@@ -96,6 +96,13 @@ std::vector<TokenProb> SamplingDistribution(std::span<const float> logits,
 // the mask composes with temperature, top-k/p and seeds. Allocates nothing.
 void ApplyTokenBitmask(std::span<float> logits, std::span<const uint64_t> allowed);
 
+// vLLM's bad_words rule for the next token: appends to `banned` the last
+// token of every word (a token sequence) whose other tokens `output` (the
+// tokens generated so far, not the prompt) ends with; a one-token word
+// always. `banned` comes back sorted, without repeats.
+void AppendBadWordBans(std::span<const std::vector<TokenId>> words, std::span<const TokenId> output,
+                       std::vector<TokenId>* banned);
+
 enum class FinishReason { kNone, kStop, kLength };
 // "stop", "length" (OpenAI's finish_reason), "" for kNone.
 const char* FinishReasonName(FinishReason reason);

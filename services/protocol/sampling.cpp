@@ -28,6 +28,9 @@ void ToProto(const SamplingParams& s, proto::SamplingParams* p) {
     b->set_token(token);
     b->set_bias(bias);
   }
+  for (TokenId id : s.allowed_token_ids) p->add_allowed_token_ids(id);
+  for (const std::vector<TokenId>& word : s.bad_words_token_ids)
+    p->add_bad_words()->mutable_tokens()->Add(word.begin(), word.end());
   if (s.constraint) {
     auto* c = p->mutable_constraint();
     c->set_kind(static_cast<proto::OutputConstraint::Kind>(s.constraint->kind));
@@ -61,6 +64,10 @@ SamplingParams FromProto(const proto::SamplingParams& p) {
   // As sent (the engine refuses ids out of order, repeated or outside the
   // vocabulary: ValidateSamplingParams).
   for (const proto::TokenBias& b : p.logit_bias()) s.logit_bias.emplace_back(b.token(), b.bias());
+  // As sent: the engine refuses what ValidateSamplingParams does not pass.
+  s.allowed_token_ids.assign(p.allowed_token_ids().begin(), p.allowed_token_ids().end());
+  for (const proto::TokenSequence& word : p.bad_words())
+    s.bad_words_token_ids.emplace_back(word.tokens().begin(), word.tokens().end());
   if (p.has_constraint()) {
     OutputConstraint c;
     c.kind = static_cast<OutputConstraint::Kind>(p.constraint().kind());

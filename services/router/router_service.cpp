@@ -563,7 +563,8 @@ class RouterServiceImpl : public RouterService {
       return ex->Reply(http::ErrorResponse(404, "no such endpoint: " + req.method + " " + req.path,
                                            "invalid_request_error", "", "not_found"));
     }
-    const bool is_api = req.path.rfind("/v1/", 0) == 0;
+    const bool tokenizer_path = req.path == "/tokenize" || req.path == "/detokenize";
+    const bool is_api = req.path.rfind("/v1/", 0) == 0 || tokenizer_path;
     std::optional<size_t> api_key;  // which key authorized the request
     if (is_api && !api_keys_.empty()) {
       const http::BearerCheck auth = http::CheckBearer(req, api_keys_);
@@ -618,6 +619,7 @@ class RouterServiceImpl : public RouterService {
           api_key);
       return;
     }
+    if (tokenizer_path) return HandleTokenizer(req, *ex);
     ex->Reply(http::ErrorResponse(404, "no such endpoint: " + req.method + " " + req.path,
                                   "invalid_request_error", "", "not_found"));
   }
@@ -700,36 +702,8 @@ class RouterServiceImpl : public RouterService {
 
     // Tokenize.
     if (endpoint == Endpoint::kChatCompletions) {
-      if (!chat_template_) {
-        return reject({400, "this model has no chat template; use /v1/completions",
-                       "invalid_request_error", "messages", ""},
-                      "rejected");
-      }
-      if (auto err = PrepareTools(api)) return reject(*err, "rejected");
-      auto text = RenderChat(*chat_template_, api.messages, api.add_generation_prompt,
-                             tokenizer_->bos_token(), tokenizer_->eos_token(), api.tools,
-                             api.chat_template_kwargs);
-      if (!text.ok()) {
-        return reject({400, "the chat template rejected the messages: " + text.status().message(),
-                       "invalid_request_error", "messages", ""},
-                      "rejected");
-      }
-      if (api.continue_final_message) {
-        const auto& last = api.messages.back();
-        const auto content = last.find("content");
-        auto cut = CutAfterFinalMessage(
-            *text, content != last.end() && content->is_string()
-                       ? std::string_view(content->get_ref<const std::string&>())
-                       : std::string_view());
-        if (!cut.ok()) {
-          return reject(
-              {400, cut.status().message(), "invalid_request_error", "continue_final_message", ""},
-              "rejected");
-        }
-        text = std::move(cut);
-      }
-      r->prompt_text = *text;
-      r->prompt_ids = tokenizer_->Encode(*text, /*add_special_tokens=*/false);
+      if (auto err = RenderChatPrompt(api, &r->prompt_text)) return reject(*err, "rejected");
+      r->prompt_ids = tokenizer_->Encode(r->prompt_text, /*add_special_tokens=*/false);
     } else if (api.prompt_text) {
       r->prompt_text = *api.prompt_text;
       r->prompt_ids = tokenizer_->Encode(*api.prompt_text, /*add_special_tokens=*/true);
@@ -808,6 +782,7 @@ class RouterServiceImpl : public RouterService {
     }
     max_tokens = std::min(max_tokens, room);
     api.sampling.max_tokens = static_cast<int>(max_tokens);
+    api.sampling.bad_words_token_ids = BadWordsTokenIds(*tokenizer_, api.bad_words);
     if (Status st = ValidateSamplingParams(api.sampling, tokenizer_->vocab_size()); !st.ok()) {
       // Its messages start with the parameter's name ("logit_bias: ...",
       // "top_p must be ..."): that is the error's param.
@@ -863,6 +838,99 @@ class RouterServiceImpl : public RouterService {
       std::lock_guard<std::mutex> lock(mu_);
       CancelLocked(id, "client disconnected");
     });
+  }
+
+  // The text a chat request prefills: its messages through the chat
+  // template, tools prepared (PrepareTools) and, for continue_final_message,
+  // cut after the final message; or the error to answer.
+  std::optional<ApiError> RenderChatPrompt(ApiRequest& api, std::string* text) {
+    if (!chat_template_) {
+      return ApiError{400, "this model has no chat template; use /v1/completions",
+                      "invalid_request_error", "messages", ""};
+    }
+    if (auto err = PrepareTools(api)) return err;
+    auto rendered = RenderChat(*chat_template_, api.messages, api.add_generation_prompt,
+                               tokenizer_->bos_token(), tokenizer_->eos_token(), api.tools,
+                               api.chat_template_kwargs);
+    if (!rendered.ok()) {
+      return ApiError{400,
+                      "the chat template rejected the messages: " + rendered.status().message(),
+                      "invalid_request_error", "messages", ""};
+    }
+    if (api.continue_final_message) {
+      const StatusOr<std::string_view> final_text = FinalMessageText(api.messages.back());
+      StatusOr<std::string> cut = final_text.ok() ? CutAfterFinalMessage(*rendered, *final_text)
+                                                  : StatusOr<std::string>(final_text.status());
+      if (!cut.ok()) {
+        return ApiError{400, cut.status().message(), "invalid_request_error",
+                        "continue_final_message", ""};
+      }
+      rendered = std::move(cut);
+    }
+    *text = std::move(*rendered);
+    return std::nullopt;
+  }
+
+  // vLLM's POST /tokenize and /detokenize, answered here from the model's
+  // tokenizer and chat template: no worker takes part. A prompt's ids are
+  // those the generation endpoints would prefill for the same body.
+  void HandleTokenizer(const http::Request& req, http::Exchange& ex) {
+    std::string rid(req.Header("x-request-id"));
+    if (!IsPlainTraceId(rid)) rid = NewUnguessableId();
+    auto reply = [&](int status, const nlohmann::json& body, const std::string& what) {
+      http::Response resp{status,
+                          "application/json",
+                          {},
+                          // Token strings and decoded text need not be UTF-8.
+                          body.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)};
+      resp.headers.emplace_back("x-request-id", rid);
+      ex.Reply(std::move(resp));
+      PDSERVE_LOG(INFO) << "request " << rid << " " << req.path << " " << what;
+    };
+    auto refuse = [&](const ApiError& e) {
+      http::Response resp = e.ToResponse();
+      resp.headers.emplace_back("x-request-id", rid);
+      ex.Reply(std::move(resp));
+      PDSERVE_LOG(INFO) << "request " << rid << " " << req.path << " rejected " << e.status << ": "
+                        << e.message;
+    };
+    if (req.method != "POST")
+      return refuse({405, "use POST for " + req.path, "invalid_request_error", "", ""});
+    if (req.path == "/detokenize") {
+      DetokenizeRequest d;
+      if (auto err = ParseDetokenizeRequest(req.body, limits_, &d)) return refuse(*err);
+      for (TokenId id : d.tokens) {
+        if (static_cast<size_t>(id) >= tokenizer_->vocab_size()) {
+          return refuse({400,
+                         "'tokens' holds " + std::to_string(id) +
+                             ", outside the vocabulary (size " +
+                             std::to_string(tokenizer_->vocab_size()) + ")",
+                         "invalid_request_error", "tokens", ""});
+        }
+      }
+      return reply(200, {{"prompt", tokenizer_->Decode(d.tokens, /*skip_special_tokens=*/false)}},
+                   "ok: " + std::to_string(d.tokens.size()) + " tokens");
+    }
+    TokenizeRequest t;
+    if (auto err = ParseTokenizeRequest(req.body, limits_, &t)) return refuse(*err);
+    std::string text;
+    if (t.input.endpoint == Endpoint::kChatCompletions) {
+      if (auto err = RenderChatPrompt(t.input, &text)) return refuse(*err);
+    } else {
+      text = *t.input.prompt_text;
+    }
+    const std::vector<TokenId> ids = tokenizer_->Encode(text, t.add_special_tokens);
+    nlohmann::json body = {{"count", ids.size()},
+                           {"max_model_len", nullptr},
+                           {"tokens", ids},
+                           {"token_strs", nullptr}};
+    if (const int64_t max_len = core_->MaxModelLen(); max_len > 0) body["max_model_len"] = max_len;
+    if (t.return_token_strs) {
+      nlohmann::json strs = nlohmann::json::array();
+      for (TokenId id : ids) strs.push_back(tokenizer_->IdToToken(id).value_or(""));
+      body["token_strs"] = std::move(strs);
+    }
+    reply(200, body, "ok: " + std::to_string(ids.size()) + " tokens");
   }
 
   static bool ToolsActive(const ApiRequest& api) {

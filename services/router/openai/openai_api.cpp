@@ -28,6 +28,45 @@ ApiError Bad(std::string param, std::string message) {
   return e;
 }
 
+// The length of the whitespace character (as Python's str.isspace counts
+// it: Unicode's White_Space, which str.strip removes) that starts at byte
+// `i` of `s`, or 0.
+size_t SpaceAt(std::string_view s, size_t i) {
+  static constexpr std::string_view kMultiByte[] = {"\xC2\x85",     "\xC2\xA0",     "\xE1\x9A\x80",
+                                                    "\xE2\x80\xA8", "\xE2\x80\xA9", "\xE2\x80\xAF",
+                                                    "\xE2\x81\x9F", "\xE3\x80\x80"};
+  const auto c = static_cast<unsigned char>(s[i]);
+  if ((c >= 0x09 && c <= 0x0D) || (c >= 0x1C && c <= 0x20)) return 1;
+  // U+2000 to U+200A.
+  if (c == 0xE2 && i + 2 < s.size() && s[i + 1] == '\x80' &&
+      static_cast<unsigned char>(s[i + 2]) >= 0x80 && static_cast<unsigned char>(s[i + 2]) <= 0x8A)
+    return 3;
+  for (std::string_view w : kMultiByte) {
+    if (s.substr(i, w.size()) == w) return w.size();
+  }
+  return 0;
+}
+
+std::string_view LStrip(std::string_view s) {
+  for (size_t n; !s.empty() && (n = SpaceAt(s, 0)) > 0;) s.remove_prefix(n);
+  return s;
+}
+
+std::string_view RStrip(std::string_view s) {
+  // A whitespace character ends at the end: try its 1 to 3 bytes.
+  for (bool cut = true; cut && !s.empty();) {
+    cut = false;
+    for (size_t n = 1; n <= 3 && n <= s.size(); ++n) {
+      if (SpaceAt(s, s.size() - n) == n) {
+        s.remove_suffix(n);
+        cut = true;
+        break;
+      }
+    }
+  }
+  return s;
+}
+
 const char* TypeName(const ojson& v) {
   switch (v.type()) {
     case ojson::value_t::null:
@@ -100,6 +139,22 @@ class Fields {
   do {                                   \
     if (auto err_ = (expr)) return err_; \
   } while (0)
+
+// The request's model: one the router serves (404 otherwise), the first
+// when the request names none.
+std::optional<ApiError> ParseModel(const Fields& f, const ApiLimits& limits, std::string* model) {
+  PDSERVE_API_CHECK(f.String("model", model));
+  if (model->empty()) {
+    if (!limits.model_ids.empty()) *model = limits.model_ids.front();
+  } else if (std::find(limits.model_ids.begin(), limits.model_ids.end(), *model) ==
+             limits.model_ids.end()) {
+    ApiError e = Bad("model", "The model `" + *model + "` does not exist.");
+    e.status = 404;
+    e.code = "model_not_found";
+    return e;
+  }
+  return std::nullopt;
+}
 
 std::optional<ApiError> ParseTokenArray(const ojson& v, const char* param,
                                         std::vector<TokenId>* out) {
@@ -232,8 +287,6 @@ std::optional<ApiError> RefuseUnservedExtensions(Endpoint endpoint, const ojson&
       {"length_penalty", 1, ""},
       {"use_beam_search", false, ""},
       {"spaces_between_special_tokens", true, ""},
-      {"bad_words", ojson::array(), "'logit_bias'"},
-      {"allowed_token_ids", ojson::array(), "'logit_bias'"},
       {"prompt_logprobs", ojson(), "'echo' with 'logprobs' (completions)"},
       {"logits_processors", ojson(), ""},
   };
@@ -596,17 +649,7 @@ std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view body,
   if (!j.is_object()) return Bad("", "the request body must be a JSON object");
   Fields f(j);
 
-  // Model.
-  PDSERVE_API_CHECK(f.String("model", &out->model));
-  if (out->model.empty()) {
-    if (!limits.model_ids.empty()) out->model = limits.model_ids.front();
-  } else if (std::find(limits.model_ids.begin(), limits.model_ids.end(), out->model) ==
-             limits.model_ids.end()) {
-    ApiError e = Bad("model", "The model `" + out->model + "` does not exist.");
-    e.status = 404;
-    e.code = "model_not_found";
-    return e;
-  }
+  PDSERVE_API_CHECK(ParseModel(f, limits, &out->model));
 
   // Prompt or messages.
   if (endpoint == Endpoint::kCompletions) {
@@ -807,6 +850,34 @@ std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view body,
   }
   PDSERVE_API_CHECK(f.Bool("ignore_eos", &s.ignore_eos));
   PDSERVE_API_CHECK(f.Bool("skip_special_tokens", &s.skip_special_tokens));
+  // vLLM's allowed_token_ids (any order, repeats allowed; kept sorted and
+  // distinct) and bad_words (encoded by the router, which has the
+  // tokenizer: BadWordsTokenIds).
+  if (const ojson* ids = f.Get("allowed_token_ids")) {
+    if (!ids->is_array() || ids->empty())
+      return Bad("allowed_token_ids", "'allowed_token_ids' must be a non-empty array of token ids");
+    if (ids->size() > kMaxAllowedTokenIds) {
+      return Bad("allowed_token_ids", "'allowed_token_ids' takes at most " +
+                                          std::to_string(kMaxAllowedTokenIds) + " ids");
+    }
+    PDSERVE_API_CHECK(ParseTokenArray(*ids, "allowed_token_ids", &s.allowed_token_ids));
+    std::sort(s.allowed_token_ids.begin(), s.allowed_token_ids.end());
+    s.allowed_token_ids.erase(std::unique(s.allowed_token_ids.begin(), s.allowed_token_ids.end()),
+                              s.allowed_token_ids.end());
+  }
+  if (const ojson* words = f.Get("bad_words")) {
+    const char* shape = "'bad_words' must be an array of non-empty strings";
+    if (!words->is_array()) return Bad("bad_words", shape);
+    if (words->size() > kMaxBadWordSequences / 2) {
+      return Bad("bad_words", "'bad_words' takes at most " +
+                                  std::to_string(kMaxBadWordSequences / 2) + " words");
+    }
+    for (const ojson& w : *words) {
+      if (!w.is_string() || LStrip(w.get_ref<const std::string&>()).empty())
+        return Bad("bad_words", shape);
+      out->bad_words.push_back(w.get<std::string>());
+    }
+  }
 
   // Logprobs: an integer for completions, a boolean plus top_logprobs for chat.
   if (endpoint == Endpoint::kCompletions) {
@@ -848,6 +919,49 @@ std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view body,
   return std::nullopt;
 }
 
+std::optional<ApiError> ParseTokenizeRequest(std::string_view body, const ApiLimits& limits,
+                                             TokenizeRequest* out) {
+  *out = TokenizeRequest{};
+  ojson j;
+  if (auto err = ParseCheckedJson(body, limits.max_json_depth, &j))
+    return Bad(err->path, err->message);
+  if (!j.is_object()) return Bad("", "the request body must be a JSON object");
+  const bool chat = j.contains("messages");
+  // Tokenize's own fields; the rest is the generation endpoint's body,
+  // which refuses add_special_tokens other than its default.
+  out->add_special_tokens = !chat;
+  {
+    Fields f(j);
+    PDSERVE_API_CHECK(f.Bool("add_special_tokens", &out->add_special_tokens));
+    PDSERVE_API_CHECK(f.Bool("return_token_strs", &out->return_token_strs));
+  }
+  j.erase("add_special_tokens");
+  j.erase("return_token_strs");
+  if (!chat) {
+    auto prompt = j.find("prompt");
+    if (prompt == j.end() || !prompt->is_string()) {
+      return Bad("prompt", "/tokenize takes 'prompt' as a string or 'messages' as an array");
+    }
+  }
+  return ParseRequest(chat ? Endpoint::kChatCompletions : Endpoint::kCompletions, j.dump(), limits,
+                      &out->input);
+}
+
+std::optional<ApiError> ParseDetokenizeRequest(std::string_view body, const ApiLimits& limits,
+                                               DetokenizeRequest* out) {
+  *out = DetokenizeRequest{};
+  ojson j;
+  if (auto err = ParseCheckedJson(body, limits.max_json_depth, &j))
+    return Bad(err->path, err->message);
+  if (!j.is_object()) return Bad("", "the request body must be a JSON object");
+  Fields f(j);
+  PDSERVE_API_CHECK(ParseModel(f, limits, &out->model));
+  const ojson* tokens = f.Get("tokens");
+  if (tokens == nullptr || !tokens->is_array())
+    return Bad("tokens", "'tokens' must be an array of token ids");
+  return ParseTokenArray(*tokens, "tokens", &out->tokens);
+}
+
 // ---------------------------------------------------------------------------
 // Responses
 
@@ -879,14 +993,42 @@ size_t LastOccurrence(std::string_view text, std::string_view needle) {
 
 }  // namespace
 
+StatusOr<std::string_view> FinalMessageText(const nlohmann::ordered_json& message) {
+  const auto content = message.find("content");
+  if (content != message.end() && content->is_string())
+    return std::string_view(content->get_ref<const std::string&>());
+  if (content != message.end() && content->is_array()) {
+    for (auto part = content->rbegin(); part != content->rend(); ++part) {
+      if (!part->is_object()) continue;
+      const auto text = part->find("text");
+      if (text != part->end() && text->is_string())
+        return std::string_view(text->get_ref<const std::string&>());
+    }
+  }
+  return Status::InvalidArgument(
+      "continue_final_message is set but the final message has no text to continue");
+}
+
+std::vector<std::vector<TokenId>> BadWordsTokenIds(const Tokenizer& tokenizer,
+                                                   const std::vector<std::string>& words) {
+  std::vector<std::vector<TokenId>> out;
+  for (const std::string& word : words) {
+    const std::string_view bare = LStrip(word);
+    std::vector<TokenId> alone = tokenizer.Encode(bare, /*add_special_tokens=*/false);
+    std::vector<TokenId> spaced =
+        tokenizer.Encode(" " + std::string(bare), /*add_special_tokens=*/false);
+    const bool spaced_differs = !alone.empty() && !spaced.empty() &&
+                                spaced.front() != alone.front() && spaced.size() == alone.size();
+    if (!alone.empty()) out.push_back(std::move(alone));
+    if (spaced_differs) out.push_back(std::move(spaced));
+  }
+  return out;
+}
+
 StatusOr<std::string> CutAfterFinalMessage(const std::string& rendered,
                                            std::string_view final_content) {
-  constexpr std::string_view kSpace = " \t\n\r\v\f";
-  std::string_view lstripped = final_content;
-  lstripped.remove_prefix(std::min(lstripped.size(), lstripped.find_first_not_of(kSpace)));
-  std::string_view stripped = lstripped;
-  stripped.remove_suffix(stripped.size() -
-                         std::min(stripped.size(), stripped.find_last_not_of(kSpace) + 1));
+  const std::string_view lstripped = LStrip(final_content);
+  const std::string_view stripped = RStrip(lstripped);
   const size_t at = LastOccurrence(rendered, stripped);
   if (at == std::string::npos) {
     return Status::InvalidArgument(

@@ -11,7 +11,7 @@
 // ("messages[0].content"). Unknown fields are ignored (clients send many);
 // known fields of the wrong type or out of range are rejected, and so are
 // vLLM's extensions that would change the output but are not served
-// (bad_words, allowed_token_ids, ...) unless they hold their
+// (prompt_logprobs, logits_processors, ...) unless they hold their
 // neutral value, and completions' suffix (insertion).
 //
 // The response formats never fail on text that is not valid UTF-8 (byte
@@ -31,6 +31,7 @@
 #include "common/block_hash.h"
 #include "common/http/http_server.h"
 #include "common/sampling_params.h"
+#include "common/tokenizer/tokenizer.h"
 #include "services/router/openai/checked_json.h"
 #include "services/router/openai/tool_calls.h"
 
@@ -85,6 +86,9 @@ struct ApiRequest {
   std::optional<int> max_tokens;
   // The field max_tokens came from, for errors about it.
   std::string max_tokens_param = "max_tokens";
+  // vLLM's bad_words as given; the router encodes them into
+  // sampling.bad_words_token_ids (BadWordsTokenIds).
+  std::vector<std::string> bad_words;
   SamplingParams sampling;     // max_tokens is filled by the router once the prompt length is known
   bool chat_logprobs = false;  // chat: logprobs=true (top_logprobs in sampling.logprobs)
   std::string user;
@@ -135,15 +139,50 @@ struct ApiLimits {
 
 // continue_final_message as transformers applies it: `rendered` (the chat
 // template's output) cut right after the last place the final message's
-// content (`final_content`) appears, stripped of whitespace, so that the
-// model goes on with that message; InvalidArgument when the template did
-// not render that content.
+// text (`final_content`, from FinalMessageText) appears, stripped of
+// whitespace as Python's str.strip strips it (Unicode's, not only ASCII's),
+// so that the model goes on with that message; InvalidArgument when the
+// template did not render that text.
 StatusOr<std::string> CutAfterFinalMessage(const std::string& rendered,
                                            std::string_view final_content);
+// vLLM's bad_words as token sequences, encoded as vLLM's
+// SamplingParams.update_from_tokenizer encodes them: each word, its leading
+// whitespace dropped, without special tokens; and again after a space when
+// that spells it in as many tokens with another first one (the word inside
+// a text, where tokenizers without a prefix space give it one).
+std::vector<std::vector<TokenId>> BadWordsTokenIds(const Tokenizer& tokenizer,
+                                                   const std::vector<std::string>& words);
+
+// The text continue_final_message continues, as transformers picks it: the
+// final message's content, or the last text part of a content array;
+// InvalidArgument when it has none. A view into `message`.
+StatusOr<std::string_view> FinalMessageText(const nlohmann::ordered_json& message);
 
 // Parses and validates a request body for `endpoint`.
 std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view body,
                                      const ApiLimits& limits, ApiRequest* out);
+
+// vLLM's POST /tokenize: a completions body ({"prompt": text}) or a chat
+// body ({"messages": [...]}, with the chat endpoint's add_generation_prompt,
+// continue_final_message, chat_template_kwargs and tools, checked by
+// ParseRequest so that the ids are those /v1/chat/completions would
+// prefill), plus add_special_tokens (true for a prompt, false for messages,
+// vLLM's defaults) and return_token_strs.
+struct TokenizeRequest {
+  ApiRequest input;  // endpoint kCompletions with prompt_text, or kChatCompletions
+  bool add_special_tokens = true;
+  bool return_token_strs = false;
+};
+std::optional<ApiError> ParseTokenizeRequest(std::string_view body, const ApiLimits& limits,
+                                             TokenizeRequest* out);
+
+// vLLM's POST /detokenize: {"tokens": [ids]} (and an optional model).
+struct DetokenizeRequest {
+  std::string model;
+  std::vector<TokenId> tokens;
+};
+std::optional<ApiError> ParseDetokenizeRequest(std::string_view body, const ApiLimits& limits,
+                                               DetokenizeRequest* out);
 
 struct Usage {
   int64_t prompt_tokens = 0;

@@ -180,6 +180,21 @@ TEST_F(HostileHttpTest, RequestsThatUsedToKillTheRouterAreAnsweredAndItServesOn)
       {"a message nested 100k levels deep", Raw("POST", "/v1/chat/completions", deep), 400, ""},
       {"an unpaired surrogate", Raw("POST", "/v1/completions", R"({"prompt":"\udc00"})"), 400,
        "prompt"},
+      {"a token id past the vocabulary to detokenize",
+       Raw("POST", "/detokenize", R"({"tokens":[1,2147483647]})"), 400, "tokens"},
+      {"a token id past 32 bits to detokenize",
+       Raw("POST", "/detokenize", R"({"tokens":[4294967296]})"), 400, "tokens"},
+      {"tokens that are not an array", Raw("POST", "/detokenize", R"({"tokens":"1 2"})"), 400,
+       "tokens"},
+      {"invalid UTF-8 to tokenize", Raw("POST", "/tokenize", "{\"prompt\":\"caf\xe9\"}"), 400,
+       "prompt"},
+      {"token ids to tokenize", Raw("POST", "/tokenize", R"({"prompt":[1,2]})"), 400, "prompt"},
+      {"a chat to tokenize that asks for both ends of a turn",
+       Raw("POST", "/tokenize",
+           R"({"messages":[{"role":"user","content":"x"}],"continue_final_message":true,)"
+           R"("add_generation_prompt":true})"),
+       400, "continue_final_message"},
+      {"a GET of /tokenize", Raw("GET", "/tokenize", ""), 405, ""},
   };
   for (const auto& c : cases) {
     const Answer a = Parse(Exchange(port(), c.request));
@@ -342,6 +357,12 @@ TEST_F(HostileHttpTest, BearerInAnyCaseAndOneAuthorizationHeaderOnly) {
   }
   EXPECT_EQ(logged(refused_401), before_401 + 2) << stack_->router().Log();
   EXPECT_EQ(logged(refused_400), before_400 + 2);
+  // The tokenizer endpoints need a key as /v1/ does.
+  for (const char* path : {"/tokenize", "/detokenize"}) {
+    const std::string tokenize_body = R"({"prompt":"auth","tokens":[1]})";
+    EXPECT_EQ(Parse(Exchange(port(), Raw("POST", path, tokenize_body, ""))).status, 401) << path;
+    EXPECT_EQ(Parse(Exchange(port(), Raw("POST", path, tokenize_body))).status, 200) << path;
+  }
 }
 
 // A browser page of an allowed origin: its preflight (sent without the

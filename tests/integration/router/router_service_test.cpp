@@ -23,6 +23,7 @@
 #include "common/model_id.h"
 #include "common/proto/pdserve.pb.h"
 #include "common/tokenizer/tokenizer.h"
+#include "services/router/openai/openai_api.h"
 #include "tests/support/http_client.h"
 #include "tests/support/test_models.h"
 #include "transport/control/connection.h"
@@ -603,6 +604,101 @@ TEST_F(RouterServiceChatTemplateTest, VllmPromptExtensions) {
                                     completion.dump());
   EXPECT_EQ(r.status, 400) << r.body;
   EXPECT_EQ(nlohmann::json::parse(r.body)["error"]["param"], "truncate_prompt_tokens");
+}
+
+// vLLM's /tokenize gives the ids a generation request of the same body
+// prefills (what the worker was sent), for a prompt and for messages through
+// the chat template; /detokenize gives their text back.
+TEST_F(RouterServiceChatTemplateTest, TokenizeGivesTheIdsAGenerationPrefills) {
+  FakeWorker& w = AddWorker("w", proto::ROLE_BOTH, 4096);
+  w.SetReplyText("ok");
+  auto tok = Tokenizer::Load(pdserve::testing::TinyModelDir());
+  ASSERT_TRUE(tok.ok());
+  auto post = [&](const std::string& path, const nlohmann::json& body) {
+    auto r = pdserve::testing::HttpRequest(service_->http_port(), "POST", path, body.dump());
+    return std::pair(r.status, nlohmann::json::parse(r.body, nullptr, false));
+  };
+  auto sent = [&](size_t i) {
+    const auto g = w.generates();
+    EXPECT_GT(g.size(), i);
+    return g.size() > i ? std::vector<TokenId>(g[i].prompt_token_ids().begin(),
+                                               g[i].prompt_token_ids().end())
+                        : std::vector<TokenId>();
+  };
+  const nlohmann::json prompt = {{"model", model_id_}, {"prompt", "tokens of a prompt"}};
+  auto [status, t] = post("/tokenize", prompt);
+  ASSERT_EQ(status, 200) << t.dump();
+  ASSERT_EQ(post("/v1/completions", prompt).first, 200);
+  const std::vector<TokenId> ids = t["tokens"].get<std::vector<TokenId>>();
+  EXPECT_EQ(ids, sent(0));
+  EXPECT_EQ(t["count"], ids.size());
+  EXPECT_EQ(t["max_model_len"], 4096);
+  EXPECT_TRUE(t["token_strs"].is_null());
+  // The vocabulary's strings on request; without special tokens, any BOS
+  // the prompt's encoding adds is gone.
+  auto [status2, strs] = post("/tokenize", {{"prompt", "tokens of a prompt"},
+                                            {"return_token_strs", true},
+                                            {"add_special_tokens", false}});
+  ASSERT_EQ(status2, 200) << strs.dump();
+  const auto bare = (*tok)->Encode("tokens of a prompt", /*add_special_tokens=*/false);
+  EXPECT_EQ(strs["tokens"].get<std::vector<TokenId>>(), bare);
+  ASSERT_EQ(strs["token_strs"].size(), bare.size());
+  for (size_t i = 0; i < bare.size(); ++i)
+    EXPECT_EQ(strs["token_strs"][i], (*tok)->IdToToken(bare[i]).value()) << i;
+
+  const nlohmann::json chat = {{"messages",
+                                {{{"role", "user"}, {"content", "hi"}},
+                                 {{"role", "assistant"}, {"content", "The answer is"}}}},
+                               {"continue_final_message", true}};
+  auto [status3, c] = post("/tokenize", chat);
+  ASSERT_EQ(status3, 200) << c.dump();
+  ASSERT_EQ(post("/v1/chat/completions", chat).first, 200);
+  const std::vector<TokenId> chat_ids = c["tokens"].get<std::vector<TokenId>>();
+  EXPECT_EQ(chat_ids, sent(1));
+  EXPECT_EQ(chat_ids, (*tok)->Encode("[user|hi][assistant|The answer is", false));
+  auto [status4, text] = post("/detokenize", {{"tokens", chat_ids}});
+  ASSERT_EQ(status4, 200) << text.dump();
+  EXPECT_EQ(text["prompt"], "[user|hi][assistant|The answer is");
+
+  // An unknown model is a 404; a token past the vocabulary a 400 naming it.
+  auto [status5, e] = post("/detokenize", {{"model", "other"}, {"tokens", {1}}});
+  EXPECT_EQ(status5, 404) << e.dump();
+  auto [status6, e2] = post("/detokenize", {{"tokens", {1, (*tok)->vocab_size()}}});
+  EXPECT_EQ(status6, 400) << e2.dump();
+  EXPECT_EQ(e2["error"]["param"], "tokens");
+}
+
+// allowed_token_ids reach the worker sorted and distinct; bad_words as
+// token sequences (BadWordsTokenIds over the model's tokenizer); ids past
+// the vocabulary are a 400 naming the field.
+TEST_F(RouterServiceTest, AllowedTokenIdsAndBadWordsReachTheWorker) {
+  FakeWorker& w = AddWorker("w", proto::ROLE_BOTH, 4096);
+  auto tok = Tokenizer::Load(pdserve::testing::TinyModelDir());
+  ASSERT_TRUE(tok.ok());
+  nlohmann::json body = {{"model", model_id_},
+                         {"prompt", "hello"},
+                         {"max_tokens", 2},
+                         {"allowed_token_ids", {40, 7, 40, 12}},
+                         {"bad_words", {"once upon", " a"}}};
+  auto r =
+      pdserve::testing::HttpRequest(service_->http_port(), "POST", "/v1/completions", body.dump());
+  ASSERT_EQ(r.status, 200) << r.body;
+  const auto g = w.generates();
+  ASSERT_EQ(g.size(), 1u);
+  const auto& sampling = g[0].sampling();
+  EXPECT_EQ(std::vector<int32_t>(sampling.allowed_token_ids().begin(),
+                                 sampling.allowed_token_ids().end()),
+            (std::vector<int32_t>{7, 12, 40}));
+  const auto want = BadWordsTokenIds(**tok, {"once upon", " a"});
+  ASSERT_EQ(sampling.bad_words_size(), static_cast<int>(want.size()));
+  for (size_t i = 0; i < want.size(); ++i) {
+    const auto& sent = sampling.bad_words(static_cast<int>(i)).tokens();
+    EXPECT_EQ(std::vector<TokenId>(sent.begin(), sent.end()), want[i]) << i;
+  }
+  body["allowed_token_ids"] = {1, (*tok)->vocab_size()};
+  r = pdserve::testing::HttpRequest(service_->http_port(), "POST", "/v1/completions", body.dump());
+  EXPECT_EQ(r.status, 400) << r.body;
+  EXPECT_EQ(nlohmann::json::parse(r.body)["error"]["param"], "allowed_token_ids") << r.body;
 }
 
 // A template file that cannot be read or parsed stops the router at start,

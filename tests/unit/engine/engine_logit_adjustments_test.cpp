@@ -1,5 +1,6 @@
 // OpenAI's logit_bias, presence_penalty and frequency_penalty and vLLM's
-// repetition_penalty and min_tokens through the engine: greedy requests with
+// repetition_penalty, min_tokens, allowed_token_ids and bad_words through
+// the engine: greedy requests with
 // and without them running in one batch, every token and logprob checked
 // against the float64 reference's logits with the adjustments applied by
 // this test's own reading of the rule (bias added; then a token of the
@@ -11,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <limits>
 #include <map>
 #include <memory>
 #include <vector>
@@ -81,6 +83,21 @@ void ExpectAdjustedReference(const testing::ReferenceModel& ref, const Request& 
     }
     for (const auto& [token, count] : counts) {
       adjusted[token] -= run.params.frequency_penalty * count + run.params.presence_penalty;
+    }
+    // allowed_token_ids: every other token out. bad_words, as vLLM's
+    // apply_bad_words reads them: a word's last token out where the output
+    // so far ends with its other tokens.
+    const auto& allowed = run.params.allowed_token_ids;
+    for (size_t t = 0; t < adjusted.size(); ++t) {
+      if (!allowed.empty() && std::find(allowed.begin(), allowed.end(), t) == allowed.end())
+        adjusted[t] = -std::numeric_limits<double>::infinity();
+    }
+    for (const auto& word : run.params.bad_words_token_ids) {
+      const size_t prefix = word.size() - 1;
+      if (prefix > i) continue;
+      bool ends_with = true;
+      for (size_t k = 0; k < prefix; ++k) ends_with &= run.sampled[i - prefix + k].token == word[k];
+      if (ends_with) adjusted[word.back()] = -std::numeric_limits<double>::infinity();
     }
     const auto lp = LogSoftmax(adjusted);
     const int32_t best = ArgMax(lp), got = run.sampled[i].token;
@@ -238,6 +255,86 @@ TEST_P(EngineLogitAdjustmentsTest, MinTokensHoldsOffEosAndStopIds) {
   for (size_t i = 0; i < 3; ++i) EXPECT_FALSE(is_stop(runs[3].sampled[i].token)) << i;
   EXPECT_EQ(runs[3].sampled[3].token, eos[0]);
   EXPECT_EQ(runs[3].sampled[4].token, eos[0]);
+}
+
+// allowed_token_ids and bad_words beside a plain row: tokens and logprobs
+// are the reference's with the other tokens out; the plain row's first two
+// tokens, banned alone and as a pair, change the output where they would
+// have come; a ban applies beside min_tokens' and a sampled row stays in
+// its allowed set.
+TEST_P(EngineLogitAdjustmentsTest, AllowedTokenIdsAndBadWordsMatchTheReference) {
+  const std::string dir = testing::ModelDir("logit-adjustments", Spec());
+  testing::LoadedCpuModel l = testing::LoadCpuModelAndReference(dir);
+  ASSERT_NE(l.model, nullptr);
+  ASSERT_NE(l.reference, nullptr);
+  EngineOptions o;
+  o.block_size = 8;
+  o.graphs = GetParam();
+  auto e = Engine::Create(l.model.get(), o);
+  ASSERT_TRUE(e.ok()) << e.status().ToString();
+  const int64_t vocab = Spec().vocab_size();
+  const auto prompt = RandomTokens(10, vocab, 21);
+  constexpr int kTokens = 24;
+  std::vector<Request> plain = {{prompt, Greedy(kTokens), {}}};
+  GenerateTogether(**e, plain);
+  ASSERT_EQ(plain[0].sampled.size(), static_cast<size_t>(kTokens));
+  const TokenId g0 = plain[0].sampled[0].token, g1 = plain[0].sampled[1].token;
+
+  std::vector<Request> runs(5, {prompt, Greedy(kTokens), {}});
+  // 2: twenty allowed tokens, none of the plain row's first two.
+  for (TokenId t = 3; runs[1].params.allowed_token_ids.size() < 20; t += 7) {
+    if (t != g0 && t != g1) runs[1].params.allowed_token_ids.push_back(t % vocab);
+  }
+  std::sort(runs[1].params.allowed_token_ids.begin(), runs[1].params.allowed_token_ids.end());
+  runs[1].params.allowed_token_ids.erase(
+      std::unique(runs[1].params.allowed_token_ids.begin(), runs[1].params.allowed_token_ids.end()),
+      runs[1].params.allowed_token_ids.end());
+  // 3: the first token banned; 4: the first two as a pair (the first still
+  // comes, the second not after it), and a word longer than any output.
+  runs[2].params.bad_words_token_ids = {{g0}};
+  runs[3].params.bad_words_token_ids = {{g0, g1}, std::vector<TokenId>(kTokens + 2, g0)};
+  // 5: a ban beside min_tokens' EOS ban, EOS the likeliest.
+  const std::vector<TokenId>& eos = l.model->config().eos_token_ids;
+  ASSERT_FALSE(eos.empty());
+  runs[4].params.ignore_eos = false;
+  runs[4].params.min_tokens = 4;
+  runs[4].params.logit_bias = {{eos[0], 100.0f}};
+  runs[4].params.bad_words_token_ids = {{g1}, {g0, g0}};
+  GenerateTogether(**e, runs);
+  for (size_t i = 0; i < 4; ++i) {  // the fifth's min_tokens is not the reference's to apply
+    SCOPED_TRACE("request " + std::to_string(i + 1));
+    ExpectAdjustedReference(*l.reference, runs[i]);
+  }
+  ASSERT_EQ(runs[1].sampled.size(), static_cast<size_t>(kTokens));
+  for (const auto& s : runs[1].sampled) {
+    EXPECT_TRUE(std::binary_search(runs[1].params.allowed_token_ids.begin(),
+                                   runs[1].params.allowed_token_ids.end(), s.token))
+        << s.token;
+  }
+  for (const auto& s : runs[2].sampled) EXPECT_NE(s.token, g0);
+  ASSERT_GE(runs[3].sampled.size(), 2u);
+  EXPECT_EQ(runs[3].sampled[0].token, g0);
+  EXPECT_NE(runs[3].sampled[1].token, g1);
+  ASSERT_EQ(runs[4].sampled.size(), 5u);
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_NE(runs[4].sampled[i].token, eos[0]) << i;
+    EXPECT_NE(runs[4].sampled[i].token, g1) << i;
+    if (i > 0 && runs[4].sampled[i - 1].token == g0) {
+      EXPECT_NE(runs[4].sampled[i].token, g0) << i;
+    }
+  }
+  EXPECT_EQ(runs[4].sampled[4].token, eos[0]);
+
+  // Sampled, not greedy: still only allowed tokens.
+  std::vector<Request> sampled = {{prompt, Greedy(kTokens), {}}};
+  sampled[0].params.temperature = 1.5f;
+  sampled[0].params.seed = 8;
+  sampled[0].params.allowed_token_ids = {5, 17, 40};
+  GenerateTogether(**e, sampled);
+  ASSERT_EQ(sampled[0].sampled.size(), static_cast<size_t>(kTokens));
+  for (const auto& s : sampled[0].sampled) {
+    EXPECT_TRUE(s.token == 5 || s.token == 17 || s.token == 40) << s.token;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Graphs, EngineLogitAdjustmentsTest,

@@ -567,5 +567,22 @@ TEST(StopCheckerTest, RandomTextsAgreeWithBruteForce) {
   EXPECT_LT(stopped, 1900);
 }
 
+// vLLM's bad_words rule: a one-token word always; a longer word's last
+// token only right after its other tokens, which must all be output (a
+// prompt's tokens do not count); bans already there stay, sorted, once.
+TEST(BadWordsTest, TheLastTokenGoesWhereTheOutputEndsWithTheRest) {
+  const std::vector<std::vector<TokenId>> words = {{7}, {1, 2}, {3, 1, 4}, {9, 9}};
+  auto bans = [&](std::vector<TokenId> output, std::vector<TokenId> already = {}) {
+    AppendBadWordBans(words, output, &already);
+    return already;
+  };
+  EXPECT_EQ(bans({}), (std::vector<TokenId>{7}));
+  EXPECT_EQ(bans({5, 1}), (std::vector<TokenId>{2, 7}));
+  EXPECT_EQ(bans({1, 5}), (std::vector<TokenId>{7}));
+  EXPECT_EQ(bans({3, 1}), (std::vector<TokenId>{2, 4, 7}));
+  EXPECT_EQ(bans({1}), (std::vector<TokenId>{2, 7}));  // {3, 1, 4} needs 3 before
+  EXPECT_EQ(bans({9}, {9, 0}), (std::vector<TokenId>{0, 7, 9}));
+}
+
 }  // namespace
 }  // namespace pdserve

@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <limits>
+#include <string>
+#include <vector>
 
 namespace pdserve::router {
 namespace {
@@ -130,6 +132,43 @@ TEST(OpenAiApiTest, PromptForms) {
       ParseOk(Endpoint::kCompletions, R"({"prompt":"x","max_tokens":3,"max_completion_tokens":9})");
   EXPECT_EQ(r.model, "tiny");
   EXPECT_EQ(r.max_tokens, 9);
+}
+
+// vLLM's allowed_token_ids (kept sorted and distinct) and bad_words (as
+// given, for the router to encode) are served.
+TEST(OpenAiApiTest, AllowedTokenIdsAndBadWords) {
+  const ApiRequest r = ParseOk(Endpoint::kCompletions,
+                               R"({"prompt":"a","allowed_token_ids":[9,3,9,4],
+                                   "bad_words":["  wolf","big bad"]})");
+  EXPECT_EQ(r.sampling.allowed_token_ids, (std::vector<TokenId>{3, 4, 9}));
+  EXPECT_EQ(r.bad_words, (std::vector<std::string>{"  wolf", "big bad"}));
+}
+
+// bad_words encoded as vLLM encodes them, on the real Llama 3 (byte-level
+// BPE: " wolf" is one other token, so both spellings are banned) and
+// Llama 2 (SentencePiece: the word already starts with its space marker, and
+// the spaced form takes more tokens, so it is left out) tokenizers.
+TEST(OpenAiApiTest, BadWordsAreEncodedAloneAndAfterASpace) {
+  const std::string npm = std::string(PDSERVE_SOURCE_DIR) + "/.deps/npm/node_modules/@lenml/";
+  auto llama3 = Tokenizer::Load(npm + "tokenizer-llama3/models");
+  auto llama2 = Tokenizer::Load(npm + "tokenizer-llama2/models");
+  if (!llama3.ok() || !llama2.ok())
+    GTEST_SKIP() << "the npm reference tokenizers are absent (deploy/local/install-deps.sh)";
+  auto encode = [](const Tokenizer& t, const std::string& text) {
+    return t.Encode(text, /*add_special_tokens=*/false);
+  };
+  const auto l3 = BadWordsTokenIds(**llama3, {" \u3000wolf", "big bad"});
+  ASSERT_EQ(l3.size(), 4u);
+  EXPECT_EQ(l3[0], encode(**llama3, "wolf"));
+  EXPECT_EQ(l3[1], encode(**llama3, " wolf"));
+  EXPECT_EQ(l3[2], encode(**llama3, "big bad"));
+  EXPECT_EQ(l3[3], encode(**llama3, " big bad"));
+  EXPECT_NE(l3[0], l3[1]);
+  EXPECT_EQ(l3[2].size(), 2u);
+  const auto l2 = BadWordsTokenIds(**llama2, {"wolf"});
+  ASSERT_EQ(l2.size(), 1u);
+  EXPECT_EQ(l2[0], encode(**llama2, "wolf"));
+  EXPECT_GT(encode(**llama2, " wolf").size(), l2[0].size());
 }
 
 TEST(OpenAiApiTest, SeveralChoices) {
@@ -258,6 +297,29 @@ TEST(OpenAiApiTest, CutAfterFinalMessageAsTransformersCuts) {
   EXPECT_FALSE(CutAfterFinalMessage(letters, std::string(100000, 'A') + "B").ok());
   EXPECT_EQ(CutAfterFinalMessage(letters + "B" + letters, std::string(1000, 'A') + "B")->size(),
             200001u);
+  // Whitespace is Python's str.strip's: a no-break space (U+00A0), an
+  // ideographic space (U+3000) and an en quad (U+2000) go as a space does;
+  // a zero-width space (U+200B) is not whitespace there and stays.
+  EXPECT_EQ(*CutAfterFinalMessage("[A]Hi[/A]", "\u3000Hi\u00A0\u2000"), "[A]Hi");
+  EXPECT_EQ(*CutAfterFinalMessage("[A]Hi\u00A0[/A]", "Hi\u00A0"), "[A]Hi\u00A0");
+  EXPECT_FALSE(CutAfterFinalMessage("[A]Hi[/A]", "Hi\u200B").ok());
+}
+
+// The text that is continued: a string content, or a content array's last
+// text part (transformers' choice); none is an error, not an empty cut.
+TEST(OpenAiApiTest, FinalMessageTextIsTheLastTextPart) {
+  using ojson = nlohmann::ordered_json;
+  EXPECT_EQ(*FinalMessageText(ojson::parse(R"({"role":"assistant","content":"So"})")), "So");
+  EXPECT_EQ(*FinalMessageText(ojson::parse(R"({"role":"assistant","content":[
+      {"type":"text","text":"first"},{"type":"text","text":"last"},{"type":"image_url"}]})")),
+            "last");
+  for (const char* m :
+       {R"({"role":"assistant","content":null,"tool_calls":[]})",
+        R"({"role":"assistant","content":[{"type":"image_url"}]})", R"({"role":"assistant"})"}) {
+    auto t = FinalMessageText(ojson::parse(m));
+    ASSERT_FALSE(t.ok()) << m;
+    EXPECT_NE(t.status().message().find("no text to continue"), std::string::npos);
+  }
 }
 
 struct BadCase {
@@ -282,8 +344,13 @@ TEST(OpenAiApiTest, BadInputTable) {
       {C, R"({"prompt":"a","min_tokens":5,"max_tokens":3})", 400, "min_tokens"},
       {C, R"({"prompt":"a","include_stop_str_in_output":1})", 400, "include_stop_str_in_output"},
       {C, R"({"prompt":"a","skip_special_tokens":0})", 400, "skip_special_tokens"},
-      {C, R"({"prompt":"a","bad_words":["x"]})", 400, "bad_words"},
-      {C, R"({"prompt":"a","allowed_token_ids":[1,2]})", 400, "allowed_token_ids"},
+      {C, R"({"prompt":"a","bad_words":"x"})", 400, "bad_words"},
+      {C, R"({"prompt":"a","bad_words":["x",""]})", 400, "bad_words"},
+      {C, R"({"prompt":"a","bad_words":[" \t"]})", 400, "bad_words"},
+      {C, R"({"prompt":"a","bad_words":[5]})", 400, "bad_words"},
+      {C, R"({"prompt":"a","allowed_token_ids":[]})", 400, "allowed_token_ids"},
+      {C, R"({"prompt":"a","allowed_token_ids":[1,-2]})", 400, "allowed_token_ids"},
+      {C, R"({"prompt":"a","allowed_token_ids":5})", 400, "allowed_token_ids"},
       {C, R"({"prompt":"a","prompt_logprobs":1})", 400, "prompt_logprobs"},
       {C, R"({"prompt":"a","repetition_penalty":"x"})", 400, "repetition_penalty"},
       {H,
