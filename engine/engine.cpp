@@ -1035,23 +1035,24 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
     if (x.sample && (s->matcher || !s->allowed_mask.empty())) {
       // Structured outputs: the tokens the constraint allows next (the
       // matcher stands after the tokens so far), of the allowed_token_ids
-      // if given. None: a dead end, which computes its KV but samples
+      // if given, less this step's bans (the sampler falls back to an
+      // allowed token when every allowed logit is -inf, which must not be
+      // a banned one). None: a dead end, which computes its KV but samples
       // nothing and ends with kLength.
       const std::span<uint64_t> mask(token_masks_.data() + mask_at, mask_words_of(*s));
-      bool any = true;
       if (s->matcher) {
-        any = s->matcher->FillNextTokenBitmask(mask);
-        if (any && !s->allowed_mask.empty()) {
-          any = false;
-          for (size_t w = 0; w < mask.size(); ++w) {
+        if (s->matcher->FillNextTokenBitmask(mask) && !s->allowed_mask.empty()) {
+          for (size_t w = 0; w < mask.size(); ++w)
             mask[w] &= w < s->allowed_mask.size() ? s->allowed_mask[w] : 0;
-            any |= mask[w] != 0;
-          }
         }
       } else {
         std::copy(s->allowed_mask.begin(), s->allowed_mask.end(), mask.begin());
       }
-      if (any) {
+      for (const TokenId t : x.banned) {
+        if (static_cast<size_t>(t) / 64 < mask.size())
+          mask[static_cast<size_t>(t) / 64] &= ~(uint64_t{1} << (t % 64));
+      }
+      if (std::any_of(mask.begin(), mask.end(), [](uint64_t w) { return w != 0; })) {
         x.allowed = mask;
         mask_at += mask.size();
       } else {
@@ -1344,6 +1345,14 @@ StatusOr<RequestOutput> Engine::CompleteRemotePrefill(RequestId id, TokenId firs
       (t / 64 >= s->allowed_mask.size() || (s->allowed_mask[t / 64] >> (t % 64) & 1) == 0)) {
     return Status::InvalidArgument("first token " + std::to_string(first_token) +
                                    " is not one of the request's allowed_token_ids");
+  }
+  // A first token's bans: one-token bad words, and min_tokens' EOS and stop ids.
+  std::vector<TokenId> first_bans =
+      s->params.min_tokens > 0 ? s->banned_until_min_tokens : std::vector<TokenId>();
+  AppendBadWordBans(s->params.bad_words_token_ids, {}, &first_bans);
+  if (std::binary_search(first_bans.begin(), first_bans.end(), first_token)) {
+    return Status::InvalidArgument("first token " + std::to_string(first_token) +
+                                   " is banned for the request (bad_words or min_tokens)");
   }
   s->num_computed = s->prompt_len;
   ReceivedKeyBounds(*s);

@@ -100,13 +100,14 @@ struct ScheduledSeq {
   const SamplingParams* params = nullptr;
   uint64_t seed = 0;          // resolved seed (ResolveSeed)
   uint64_t output_index = 0;  // which output token this is, 0 first
-  // Structured outputs: the tokens that may be sampled (bit t % 64 of word
-  // t / 64, at least one set); empty: any. The sampled token is always one
-  // of them (the lowest allowed id when every allowed logit is -inf or NaN).
+  // The tokens that may be sampled (bit t % 64 of word t / 64, at least one
+  // set): a structured output's and allowed_token_ids', less the banned
+  // ones; empty: any. The sampled token is always one of them (the lowest
+  // allowed id when every allowed logit is -inf or NaN).
   std::span<const uint64_t> allowed;
   // Ids never sampled this step (their logits -inf, after the request's
   // adjustments): min_tokens' EOS and stop ids before the output is long
-  // enough.
+  // enough, and bad words' last tokens where the output ends with the rest.
   std::span<const TokenId> banned;
   // Prompt logprobs: every new position p below this scores token p + 1
   // (tokens[p + 1]) under its logits, with the `num_prompt_logprobs` most

@@ -919,7 +919,13 @@ class RouterServiceImpl : public RouterService {
     } else {
       text = *t.input.prompt_text;
     }
-    const std::vector<TokenId> ids = tokenizer_->Encode(text, t.add_special_tokens);
+    std::vector<TokenId> ids = tokenizer_->Encode(text, t.add_special_tokens);
+    // truncate_prompt_tokens as generation applies it: the last k ids.
+    if (const auto& k = t.input.truncate_prompt_tokens) {
+      const int64_t keep = *k > 0 ? *k : core_->MaxModelLen();
+      if (keep > 0 && static_cast<int64_t>(ids.size()) > keep)
+        ids.erase(ids.begin(), ids.end() - keep);
+    }
     nlohmann::json body = {{"count", ids.size()},
                            {"max_model_len", nullptr},
                            {"tokens", ids},

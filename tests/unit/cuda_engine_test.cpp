@@ -177,6 +177,29 @@ TEST(CudaEngineTest, SeededSampledTokensEqualTheCpuEngine) {
   EXPECT_EQ(RunSampled(gpu->get(), batch, 32), want);
 }
 
+// allowed_token_ids (a mask on rows without a grammar) and bad_words (bans
+// through AdjustLogits) on the device: the CPU engine's tokens, greedy and
+// seeded, beside a plain row.
+TEST(CudaEngineTest, AllowedTokenIdsAndBadWordsGiveTheCpuTokens) {
+  auto gpu = kernels::CreateBackend("cuda", 0);
+  if (!gpu.ok()) GTEST_SKIP() << gpu.status().message();
+  auto cpu = kernels::CreateBackend("cpu", 2);
+  ASSERT_TRUE(cpu.ok());
+  SamplingParams allowed;
+  allowed.temperature = 0;
+  for (TokenId t = 3; t < 200; t += 9) allowed.allowed_token_ids.push_back(t);
+  SamplingParams banned;
+  banned.temperature = 0.9f;
+  banned.seed = 11;
+  banned.bad_words_token_ids = {{5}, {7, 9}, {12, 12, 13}};
+  banned.allowed_token_ids = {5, 7, 9, 12, 13, 40};
+  SamplingParams plain;
+  plain.temperature = 0;
+  const std::vector<SamplingParams> batch = {allowed, banned, plain};
+  const auto want = RunSampled(cpu->get(), batch, 32);
+  EXPECT_EQ(RunSampled(gpu->get(), batch, 32), want);
+}
+
 // The greedy tokens of a make-model preset, 40 per prompt for prompts of 1,
 // 17, 300 and 600 tokens (within one block, past a block boundary, and long
 // enough that attention walks many blocks), on the device and on the CPU.

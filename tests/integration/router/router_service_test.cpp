@@ -660,6 +660,12 @@ TEST_F(RouterServiceChatTemplateTest, TokenizeGivesTheIdsAGenerationPrefills) {
   ASSERT_EQ(status4, 200) << text.dump();
   EXPECT_EQ(text["prompt"], "[user|hi][assistant|The answer is");
 
+  // truncate_prompt_tokens as generation applies it: the last ids.
+  auto [status7, last] =
+      post("/tokenize", {{"prompt", "tokens of a prompt"}, {"truncate_prompt_tokens", 2}});
+  ASSERT_EQ(status7, 200) << last.dump();
+  EXPECT_EQ(last["tokens"].get<std::vector<TokenId>>(),
+            std::vector<TokenId>(ids.end() - 2, ids.end()));
   // An unknown model is a 404; a token past the vocabulary a 400 naming it.
   auto [status5, e] = post("/detokenize", {{"model", "other"}, {"tokens", {1}}});
   EXPECT_EQ(status5, 404) << e.dump();

@@ -272,6 +272,27 @@ TEST_P(EngineDisaggTest, CancelParkedRequestFreesReservation) {
   EXPECT_EQ(decode->CompleteRemotePrefill(1, 0).status().code(), StatusCode::kNotFound);
 }
 
+// A prefill peer's first token outside allowed_token_ids, or a one-token
+// bad word, is refused (the worker then prefills locally) and changes
+// nothing: an allowed one is taken after.
+TEST_P(EngineDisaggTest, RemoteFirstTokensTheRequestForbidsAreRefused) {
+  auto decode = MakeEngine();
+  EngineRequest r = Request(1, 40, 5, 10);
+  r.params.allowed_token_ids = {5, 6};
+  r.params.bad_words_token_ids = {{5}, {6, 6}};
+  ASSERT_TRUE(decode->AddRemotePrefillRequest(r).ok());
+  for (TokenId refused : {7, 5}) {
+    auto out = decode->CompleteRemotePrefill(1, refused);
+    ASSERT_FALSE(out.ok()) << refused;
+    EXPECT_EQ(out.status().code(), StatusCode::kInvalidArgument) << refused;
+  }
+  auto out = decode->CompleteRemotePrefill(1, 6);
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  EXPECT_EQ(out->new_token_ids, (std::vector<TokenId>{6}));
+  ASSERT_TRUE(decode->Cancel(1).ok());
+  EXPECT_EQ(decode->GetStats().blocks.used_blocks, 0u);
+}
+
 // A first token that ends the request (max_tokens 1, a stop token) comes
 // back finished from CompleteRemotePrefill itself: nothing is left to step,
 // and every block is free at once.

@@ -337,6 +337,29 @@ TEST_P(EngineLogitAdjustmentsTest, AllowedTokenIdsAndBadWordsMatchTheReference) 
   }
 }
 
+// When the bans take every allowed token (allowed_token_ids of EOS alone
+// under min_tokens, or of a bad word's token alone), nothing can be
+// sampled: the request ends at once with no token, never with a banned one.
+TEST_P(EngineLogitAdjustmentsTest, BansThatTakeEveryAllowedTokenEndTheRequest) {
+  ASSERT_NO_FATAL_FAILURE(LoadEngine());
+  const std::vector<TokenId>& eos = loaded_.model->config().eos_token_ids;
+  ASSERT_FALSE(eos.empty());
+  std::vector<Request> runs(3, {RandomTokens(6, Spec().vocab_size(), 31), Greedy(8), {}});
+  runs[0].params.allowed_token_ids = {eos[0]};
+  runs[0].params.ignore_eos = false;
+  runs[0].params.min_tokens = 3;
+  runs[1].params.allowed_token_ids = {42};
+  runs[1].params.bad_words_token_ids = {{42}};
+  runs[2].params.allowed_token_ids = {42, 43};  // one left: it every time
+  runs[2].params.bad_words_token_ids = {{42}};
+  GenerateTogether(*engine_, runs);
+  EXPECT_TRUE(runs[0].sampled.empty());
+  EXPECT_TRUE(runs[1].sampled.empty());
+  ASSERT_EQ(runs[2].sampled.size(), 8u);
+  for (const auto& s : runs[2].sampled) EXPECT_EQ(s.token, 43);
+  EXPECT_FALSE(engine_->HasUnfinished());
+}
+
 INSTANTIATE_TEST_SUITE_P(Graphs, EngineLogitAdjustmentsTest,
                          ::testing::Values(GraphMode::kOff, GraphMode::kAlways),
                          [](const auto& info) {

@@ -154,8 +154,27 @@ TEST(SamplerValidationTest, AcceptsDefaultsAndRejectsEachBadField) {
   EXPECT_NE(too_many.message().find("logit_bias: at most"), std::string::npos)
       << too_many.message();
 
+  p = {};
+  p.allowed_token_ids = {1000};  // past the vocabulary
+  expect_bad(p, "allowed_token_ids");
+  p.allowed_token_ids = {5, 5};
+  expect_bad(p, "allowed_token_ids");
+  p.allowed_token_ids.assign(kMaxAllowedTokenIds + 1, 0);
+  expect_bad(p, "allowed_token_ids");
+  p = {};
+  p.bad_words_token_ids = {{}};
+  expect_bad(p, "bad_words");
+  p.bad_words_token_ids = {{1, 1000}};
+  expect_bad(p, "bad_words");
+  p.bad_words_token_ids = {std::vector<TokenId>(kMaxBadWordTokens + 1, 1)};
+  expect_bad(p, "bad_words");
+  p.bad_words_token_ids.assign(kMaxBadWordSequences + 1, {1});
+  expect_bad(p, "bad_words");
+
   // Edges that are valid.
   p = {};
+  p.allowed_token_ids = {0, 999};
+  p.bad_words_token_ids = {{999}, std::vector<TokenId>(kMaxBadWordTokens, 0)};
   p.top_p = 1;
   p.top_k = 0;
   p.temperature = 0;

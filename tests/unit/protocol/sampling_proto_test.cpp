@@ -26,6 +26,9 @@ TEST(SamplingProtoTest, RoundTripKeepsEveryField) {
   s.repetition_penalty = 1.3f;
   s.min_tokens = 9;
   s.logit_bias = {{3, -100.0f}, {17, 2.5f}, {32000, 100.0f}};
+  s.include_stop_str_in_output = true;
+  s.allowed_token_ids = {4, 9, 31999};
+  s.bad_words_token_ids = {{7}, {1, 2, 3}};
   proto::SamplingParams wire;
   ToProto(s, &wire);
   const SamplingParams back = FromProto(wire);
@@ -46,6 +49,9 @@ TEST(SamplingProtoTest, RoundTripKeepsEveryField) {
   EXPECT_EQ(back.logprobs, s.logprobs);
   EXPECT_EQ(back.min_p, s.min_p);
   EXPECT_EQ(back.constraint, s.constraint);
+  EXPECT_EQ(back.include_stop_str_in_output, s.include_stop_str_in_output);
+  EXPECT_EQ(back.allowed_token_ids, s.allowed_token_ids);
+  EXPECT_EQ(back.bad_words_token_ids, s.bad_words_token_ids);
 }
 
 TEST(SamplingProtoTest, EveryConstraintKindRoundTrips) {
