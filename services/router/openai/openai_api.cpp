@@ -140,6 +140,14 @@ class Fields {
     if (auto err_ = (expr)) return err_; \
   } while (0)
 
+// A request body: a JSON object that passes checked_json.h's checks.
+std::optional<ApiError> ParseObject(std::string_view body, const ApiLimits& limits, ojson* out) {
+  if (auto err = ParseCheckedJson(body, limits.max_json_depth, out))
+    return Bad(err->path, err->message);
+  if (!out->is_object()) return Bad("", "the request body must be a JSON object");
+  return std::nullopt;
+}
+
 // The request's model: one the router serves (404 otherwise), the first
 // when the request names none.
 std::optional<ApiError> ParseModel(const Fields& f, const ApiLimits& limits, std::string* model) {
@@ -644,9 +652,7 @@ std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view body,
   *out = ApiRequest{};
   out->endpoint = endpoint;
   ojson j;
-  if (auto err = ParseCheckedJson(body, limits.max_json_depth, &j))
-    return Bad(err->path, err->message);
-  if (!j.is_object()) return Bad("", "the request body must be a JSON object");
+  PDSERVE_API_CHECK(ParseObject(body, limits, &j));
   Fields f(j);
 
   PDSERVE_API_CHECK(ParseModel(f, limits, &out->model));
@@ -923,9 +929,7 @@ std::optional<ApiError> ParseTokenizeRequest(std::string_view body, const ApiLim
                                              TokenizeRequest* out) {
   *out = TokenizeRequest{};
   ojson j;
-  if (auto err = ParseCheckedJson(body, limits.max_json_depth, &j))
-    return Bad(err->path, err->message);
-  if (!j.is_object()) return Bad("", "the request body must be a JSON object");
+  PDSERVE_API_CHECK(ParseObject(body, limits, &j));
   const bool chat = j.contains("messages");
   // Tokenize's own fields; the rest is the generation endpoint's body,
   // which refuses add_special_tokens other than its default.
@@ -951,9 +955,7 @@ std::optional<ApiError> ParseDetokenizeRequest(std::string_view body, const ApiL
                                                DetokenizeRequest* out) {
   *out = DetokenizeRequest{};
   ojson j;
-  if (auto err = ParseCheckedJson(body, limits.max_json_depth, &j))
-    return Bad(err->path, err->message);
-  if (!j.is_object()) return Bad("", "the request body must be a JSON object");
+  PDSERVE_API_CHECK(ParseObject(body, limits, &j));
   Fields f(j);
   PDSERVE_API_CHECK(ParseModel(f, limits, &out->model));
   const ojson* tokens = f.Get("tokens");

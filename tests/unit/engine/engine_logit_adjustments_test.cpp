@@ -118,11 +118,14 @@ SamplingParams Greedy(int max_tokens) {
 
 class EngineLogitAdjustmentsTest : public ::testing::TestWithParam<GraphMode> {
  protected:
-  // The tiny model on the CPU and an engine over it in this test's graph mode.
+  // The tiny model on the CPU with its float64 reference, and an engine of
+  // 8-token blocks over it in this test's graph mode.
   void LoadEngine() {
-    loaded_ = testing::LoadCpuModel(testing::ModelDir("logit-adjustments", Spec()));
+    loaded_ = testing::LoadCpuModelAndReference(testing::ModelDir("logit-adjustments", Spec()));
     ASSERT_NE(loaded_.model, nullptr);
+    ASSERT_NE(loaded_.reference, nullptr);
     EngineOptions o;
+    o.block_size = 8;
     o.graphs = GetParam();
     auto e = Engine::Create(loaded_.model.get(), o);
     ASSERT_TRUE(e.ok()) << e.status().ToString();
@@ -134,15 +137,9 @@ class EngineLogitAdjustmentsTest : public ::testing::TestWithParam<GraphMode> {
 };
 
 TEST_P(EngineLogitAdjustmentsTest, PenaltiesAndBiasMatchTheReferenceBesidePlainRows) {
-  const std::string dir = testing::ModelDir("logit-adjustments", Spec());
-  testing::LoadedCpuModel l = testing::LoadCpuModelAndReference(dir);
-  ASSERT_NE(l.model, nullptr);
-  ASSERT_NE(l.reference, nullptr);
-  EngineOptions o;
-  o.block_size = 8;
-  o.graphs = GetParam();
-  auto e = Engine::Create(l.model.get(), o);
-  ASSERT_TRUE(e.ok()) << e.status().ToString();
+  ASSERT_NO_FATAL_FAILURE(LoadEngine());
+  const testing::LoadedCpuModel& l = loaded_;
+  Engine* const e = engine_.get();
   const int64_t vocab = Spec().vocab_size();
   const auto prompt = RandomTokens(12, vocab, 5);
   constexpr int kTokens = 40;
@@ -151,7 +148,7 @@ TEST_P(EngineLogitAdjustmentsTest, PenaltiesAndBiasMatchTheReferenceBesidePlainR
   // 3: a bias that bans what greedy would pick first and lifts two others;
   // 4: negative penalties (repetition encouraged), another prompt.
   std::vector<Request> plain = {{prompt, Greedy(kTokens), {}}};
-  GenerateTogether(**e, plain);
+  GenerateTogether(*e, plain);
   ASSERT_EQ(plain[0].sampled.size(), static_cast<size_t>(kTokens));
   const int32_t first = plain[0].sampled[0].token;
 
@@ -179,7 +176,7 @@ TEST_P(EngineLogitAdjustmentsTest, PenaltiesAndBiasMatchTheReferenceBesidePlainR
   std::sort(runs[5].params.logit_bias.begin(), runs[5].params.logit_bias.end());
   if (runs[5].params.logit_bias[0].first == runs[5].params.logit_bias[1].first)
     runs[5].params.logit_bias.pop_back();
-  GenerateTogether(**e, runs);
+  GenerateTogether(*e, runs);
 
   for (size_t i = 0; i < runs.size(); ++i) {
     SCOPED_TRACE("request " + std::to_string(i + 1));
@@ -263,20 +260,14 @@ TEST_P(EngineLogitAdjustmentsTest, MinTokensHoldsOffEosAndStopIds) {
 // have come; a ban applies beside min_tokens' and a sampled row stays in
 // its allowed set.
 TEST_P(EngineLogitAdjustmentsTest, AllowedTokenIdsAndBadWordsMatchTheReference) {
-  const std::string dir = testing::ModelDir("logit-adjustments", Spec());
-  testing::LoadedCpuModel l = testing::LoadCpuModelAndReference(dir);
-  ASSERT_NE(l.model, nullptr);
-  ASSERT_NE(l.reference, nullptr);
-  EngineOptions o;
-  o.block_size = 8;
-  o.graphs = GetParam();
-  auto e = Engine::Create(l.model.get(), o);
-  ASSERT_TRUE(e.ok()) << e.status().ToString();
+  ASSERT_NO_FATAL_FAILURE(LoadEngine());
+  const testing::LoadedCpuModel& l = loaded_;
+  Engine* const e = engine_.get();
   const int64_t vocab = Spec().vocab_size();
   const auto prompt = RandomTokens(10, vocab, 21);
   constexpr int kTokens = 24;
   std::vector<Request> plain = {{prompt, Greedy(kTokens), {}}};
-  GenerateTogether(**e, plain);
+  GenerateTogether(*e, plain);
   ASSERT_EQ(plain[0].sampled.size(), static_cast<size_t>(kTokens));
   const TokenId g0 = plain[0].sampled[0].token, g1 = plain[0].sampled[1].token;
 
@@ -300,7 +291,7 @@ TEST_P(EngineLogitAdjustmentsTest, AllowedTokenIdsAndBadWordsMatchTheReference) 
   runs[4].params.min_tokens = 4;
   runs[4].params.logit_bias = {{eos[0], 100.0f}};
   runs[4].params.bad_words_token_ids = {{g1}, {g0, g0}};
-  GenerateTogether(**e, runs);
+  GenerateTogether(*e, runs);
   for (size_t i = 0; i < 4; ++i) {  // the fifth's min_tokens is not the reference's to apply
     SCOPED_TRACE("request " + std::to_string(i + 1));
     ExpectAdjustedReference(*l.reference, runs[i]);
@@ -330,7 +321,7 @@ TEST_P(EngineLogitAdjustmentsTest, AllowedTokenIdsAndBadWordsMatchTheReference) 
   sampled[0].params.temperature = 1.5f;
   sampled[0].params.seed = 8;
   sampled[0].params.allowed_token_ids = {5, 17, 40};
-  GenerateTogether(**e, sampled);
+  GenerateTogether(*e, sampled);
   ASSERT_EQ(sampled[0].sampled.size(), static_cast<size_t>(kTokens));
   for (const auto& s : sampled[0].sampled) {
     EXPECT_TRUE(s.token == 5 || s.token == 17 || s.token == 40) << s.token;
