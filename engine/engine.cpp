@@ -1040,8 +1040,10 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
       // a banned one). None: a dead end, which computes its KV but samples
       // nothing and ends with kLength.
       const std::span<uint64_t> mask(token_masks_.data() + mask_at, mask_words_of(*s));
+      bool any = true;
       if (s->matcher) {
-        if (s->matcher->FillNextTokenBitmask(mask) && !s->allowed_mask.empty()) {
+        any = s->matcher->FillNextTokenBitmask(mask);
+        if (any && !s->allowed_mask.empty()) {
           for (size_t w = 0; w < mask.size(); ++w)
             mask[w] &= w < s->allowed_mask.size() ? s->allowed_mask[w] : 0;
         }
@@ -1052,7 +1054,7 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
         if (static_cast<size_t>(t) / 64 < mask.size())
           mask[static_cast<size_t>(t) / 64] &= ~(uint64_t{1} << (t % 64));
       }
-      if (std::any_of(mask.begin(), mask.end(), [](uint64_t w) { return w != 0; })) {
+      if (any && std::any_of(mask.begin(), mask.end(), [](uint64_t w) { return w != 0; })) {
         x.allowed = mask;
         mask_at += mask.size();
       } else {
