@@ -19,6 +19,14 @@ std::string Num(double v) {
 }  // namespace
 
 Status ValidateSamplingParams(const SamplingParams& p, size_t vocab_size) {
+  auto in_vocab = [&](TokenId id) {
+    return id >= 0 && (vocab_size == 0 || static_cast<size_t>(id) < vocab_size);
+  };
+  auto not_a_token = [&](const char* field, TokenId id) {
+    return Status::InvalidArgument(std::string(field) + ": " + std::to_string(id) +
+                                   " is not a token id of this model (vocabulary size " +
+                                   std::to_string(vocab_size) + ")");
+  };
   if (!std::isfinite(p.temperature) || p.temperature < 0) {
     return Status::InvalidArgument("temperature must be a number >= 0, got " + Num(p.temperature));
   }
@@ -43,11 +51,7 @@ Status ValidateSamplingParams(const SamplingParams& p, size_t vocab_size) {
                                    std::to_string(*p.prompt_logprobs));
   }
   for (TokenId id : p.stop_token_ids) {
-    if (id < 0 || (vocab_size > 0 && static_cast<size_t>(id) >= vocab_size)) {
-      return Status::InvalidArgument("stop_token_ids: " + std::to_string(id) +
-                                     " is not a token id of this model (vocabulary size " +
-                                     std::to_string(vocab_size) + ")");
-    }
+    if (!in_vocab(id)) return not_a_token("stop_token_ids", id);
   }
   if (p.stop.size() > kMaxStopStrings) {
     return Status::InvalidArgument("stop: at most " + std::to_string(kMaxStopStrings) +
@@ -84,11 +88,7 @@ Status ValidateSamplingParams(const SamplingParams& p, size_t vocab_size) {
   }
   for (size_t i = 0; i < p.logit_bias.size(); ++i) {
     const auto [id, bias] = p.logit_bias[i];
-    if (id < 0 || (vocab_size > 0 && static_cast<size_t>(id) >= vocab_size)) {
-      return Status::InvalidArgument("logit_bias: " + std::to_string(id) +
-                                     " is not a token id of this model (vocabulary size " +
-                                     std::to_string(vocab_size) + ")");
-    }
+    if (!in_vocab(id)) return not_a_token("logit_bias", id);
     if (i > 0 && id <= p.logit_bias[i - 1].first) {
       return Status::InvalidArgument("logit_bias: token " + std::to_string(id) +
                                      " is out of order or given twice");
@@ -98,14 +98,6 @@ Status ValidateSamplingParams(const SamplingParams& p, size_t vocab_size) {
                                      " must be in [-100, 100], got " + Num(bias));
     }
   }
-  auto in_vocab = [&](TokenId id) {
-    return id >= 0 && (vocab_size == 0 || static_cast<size_t>(id) < vocab_size);
-  };
-  auto not_a_token = [&](const char* field, TokenId id) {
-    return Status::InvalidArgument(std::string(field) + ": " + std::to_string(id) +
-                                   " is not a token id of this model (vocabulary size " +
-                                   std::to_string(vocab_size) + ")");
-  };
   if (p.allowed_token_ids.size() > kMaxAllowedTokenIds) {
     return Status::InvalidArgument("allowed_token_ids: at most " +
                                    std::to_string(kMaxAllowedTokenIds) + " ids, got " +

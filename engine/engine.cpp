@@ -990,7 +990,8 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
   const auto groups = static_cast<uint32_t>(blocks_->num_groups());
   step.reserve(sched.size());
   // A row's mask: its grammar's tokens (structured outputs) and its
-  // allowed_token_ids, both where both are set.
+  // allowed_token_ids, both where both are set (room for every masked row,
+  // though a row of allowed_token_ids alone without bans uses its own).
   auto mask_words_of = [](const Sequence& s) -> size_t {
     return s.matcher ? s.matcher->compiled().mask_words() : s.allowed_mask.size();
   };
@@ -1039,27 +1040,31 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
       // allowed token when every allowed logit is -inf, which must not be
       // a banned one). None: a dead end, which computes its KV but samples
       // nothing and ends with kLength.
-      const std::span<uint64_t> mask(token_masks_.data() + mask_at, mask_words_of(*s));
-      bool any = true;
-      if (s->matcher) {
-        any = s->matcher->FillNextTokenBitmask(mask);
-        if (any && !s->allowed_mask.empty()) {
-          for (size_t w = 0; w < mask.size(); ++w)
-            mask[w] &= w < s->allowed_mask.size() ? s->allowed_mask[w] : 0;
+      if (!s->matcher && x.banned.empty()) {
+        x.allowed = s->allowed_mask;  // nothing to take out: the request's own, uncopied
+      } else {
+        const std::span<uint64_t> mask(token_masks_.data() + mask_at, mask_words_of(*s));
+        bool any = true;
+        if (s->matcher) {
+          any = s->matcher->FillNextTokenBitmask(mask);
+          if (any && !s->allowed_mask.empty()) {
+            for (size_t w = 0; w < mask.size(); ++w)
+              mask[w] &= w < s->allowed_mask.size() ? s->allowed_mask[w] : 0;
+          }
+        } else {
+          std::copy(s->allowed_mask.begin(), s->allowed_mask.end(), mask.begin());
         }
-      } else {
-        std::copy(s->allowed_mask.begin(), s->allowed_mask.end(), mask.begin());
-      }
-      for (const TokenId t : x.banned) {
-        if (static_cast<size_t>(t) / 64 < mask.size())
-          mask[static_cast<size_t>(t) / 64] &= ~(uint64_t{1} << (t % 64));
-      }
-      if (any && std::any_of(mask.begin(), mask.end(), [](uint64_t w) { return w != 0; })) {
-        x.allowed = mask;
-        mask_at += mask.size();
-      } else {
-        x.sample = false;
-        dead_ends.push_back(s);
+        for (const TokenId t : x.banned) {
+          if (static_cast<size_t>(t) / 64 < mask.size())
+            mask[static_cast<size_t>(t) / 64] &= ~(uint64_t{1} << (t % 64));
+        }
+        if (any && std::any_of(mask.begin(), mask.end(), [](uint64_t w) { return w != 0; })) {
+          x.allowed = mask;
+          mask_at += mask.size();
+        } else {
+          x.sample = false;
+          dead_ends.push_back(s);
+        }
       }
     }
     if (x.sample) sampled_seqs.push_back(s);
