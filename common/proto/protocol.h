@@ -15,7 +15,12 @@ namespace pdserve::proto {
 
 // 2: authenticated handshake (Hello.auth_nonce, Auth), layout-first transfer
 // handshake, PrefillWorkers.
-inline constexpr uint32_t kProtocolVersion = 2;
+// 3: SamplingParams' fields 12-22 (min_p, structured outputs, penalties,
+// logit_bias, prompt_logprobs, keep_special_tokens,
+// include_stop_str_in_output, allowed_token_ids, bad_words) and the KV
+// tiers and windows of Register and KvEvents: a version-2 worker would drop
+// them silently and sample without them.
+inline constexpr uint32_t kProtocolVersion = 3;
 
 // Lossless both ways for every StatusCode; unknown wire codes map to kInternal.
 ErrorCode ToErrorCode(StatusCode code);

@@ -477,6 +477,14 @@ void ToolCallStreamer::Emit(std::string_view text, std::string* content) {
   }
 }
 
+namespace {
+// Whether c may stand in a JSON value outside its strings and brackets:
+// separators, whitespace, numbers and the letters of true, false and null.
+bool MayFollowInJson(char c) {
+  return std::string_view(" \t\n\r,:-+.0123456789eEtrufalsn").find(c) != std::string_view::npos;
+}
+}  // namespace
+
 void ToolCallStreamer::ScanCallObject() {
   CallScan& s = call_scan_;
   for (; s.pos < buffer_.size() && s.end == std::string::npos; ++s.pos) {
@@ -495,13 +503,22 @@ void ToolCallStreamer::ScanCallObject() {
         s.escape = true;
       } else if (c == '"') {
         s.in_string = false;
+      } else if (static_cast<unsigned char>(c) < 0x20) {
+        s.plain = true;  // no JSON string holds a raw control character
+        return;
       }
     } else if (c == '"') {
       s.in_string = true;
     } else if (c == '{' || c == '[') {
       ++s.level;
-    } else if ((c == '}' || c == ']') && --s.level == 0) {
-      s.end = s.pos + 1;
+    } else if (c == '}' || c == ']') {
+      if (--s.level == 0) s.end = s.pos + 1;
+    } else if (!MayFollowInJson(c)) {
+      // Not JSON (the closing marker after a brace the model left out, say):
+      // the call is content, and the marker as written ends it, so that
+      // what follows streams instead of waiting for the end of the output.
+      s.plain = true;
+      return;
     }
   }
 }

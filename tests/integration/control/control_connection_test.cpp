@@ -338,28 +338,35 @@ TEST(ControlConnectionTest, StoppedProcessIsDetectedByHeartbeatTimeout) {
   ::kill(child, SIGCONT);
 }
 
+// 99: a peer from the future. 2: a worker built before SamplingParams'
+// fields 12-22, which would sample without a request's constraints.
 TEST(ControlConnectionTest, UnknownProtocolVersionIsRefusedWithMessage) {
-  EventLoop loop("test");
-  Recorder server_rec;
-  Server server(&loop, FastOptions("router", proto::ROLE_ROUTER), server_rec.Handlers());
-  ASSERT_TRUE(server.Listen("127.0.0.1", 0).ok());
-  RawSocket future_peer;
-  ASSERT_TRUE(future_peer.Connect(server.port()));
-  ASSERT_TRUE(future_peer.WriteEnvelope(HelloEnvelope(99, "from-the-future")));
-  std::vector<proto::Envelope> from_server;
-  ASSERT_TRUE(future_peer.ReadUntilClosed(&from_server));
-  ASSERT_EQ(from_server.size(), 2u);
-  EXPECT_EQ(from_server[0].hello().protocol_version(), proto::kProtocolVersion);
-  ASSERT_TRUE(from_server[1].has_error());
-  const auto& error = from_server[1].error();
-  EXPECT_EQ(error.code(), proto::ERROR_CODE_UNSUPPORTED);
-  EXPECT_FALSE(error.retryable());
-  EXPECT_TRUE(Contains(error.message(), "protocol version 99 is not supported")) << error.message();
+  for (const uint32_t version : {99u, 2u}) {
+    SCOPED_TRACE(version);
+    EventLoop loop("test");
+    Recorder server_rec;
+    Server server(&loop, FastOptions("router", proto::ROLE_ROUTER), server_rec.Handlers());
+    ASSERT_TRUE(server.Listen("127.0.0.1", 0).ok());
+    RawSocket other_peer;
+    ASSERT_TRUE(other_peer.Connect(server.port()));
+    ASSERT_TRUE(other_peer.WriteEnvelope(HelloEnvelope(version, "other-version")));
+    std::vector<proto::Envelope> from_server;
+    ASSERT_TRUE(other_peer.ReadUntilClosed(&from_server));
+    ASSERT_EQ(from_server.size(), 2u);
+    EXPECT_EQ(from_server[0].hello().protocol_version(), proto::kProtocolVersion);
+    ASSERT_TRUE(from_server[1].has_error());
+    const auto& error = from_server[1].error();
+    EXPECT_EQ(error.code(), proto::ERROR_CODE_UNSUPPORTED);
+    EXPECT_FALSE(error.retryable());
+    EXPECT_TRUE(Contains(error.message(),
+                         "protocol version " + std::to_string(version) + " is not supported"))
+        << error.message();
 
-  ASSERT_TRUE(server_rec.WaitForCloses(1));
-  EXPECT_EQ(server_rec.closes()[0].code(), StatusCode::kUnsupported);
-  EXPECT_TRUE(server_rec.opened().empty());
-  EXPECT_TRUE(server_rec.messages().empty());
+    ASSERT_TRUE(server_rec.WaitForCloses(1));
+    EXPECT_EQ(server_rec.closes()[0].code(), StatusCode::kUnsupported);
+    EXPECT_TRUE(server_rec.opened().empty());
+    EXPECT_TRUE(server_rec.messages().empty());
+  }
 }
 
 TEST(ControlConnectionTest, ClientRefusesNewerServerAndKeepsRetrying) {

@@ -100,6 +100,29 @@ TEST(ToolCalls, HermesAndQwen) {
           {" after", {{"search", R"({"query":"see </tool_call> {here}"})"}}});
     const std::string two_objects = "<tool_call>{\"name\": \"search\"} {\"x\": 1}</tool_call>";
     Check(p, two_objects, {two_objects, {}});
+    // A call that is not JSON (a brace left out, a raw newline in a string,
+    // which JSON does not allow) is content up to its closing marker, and
+    // what follows streams as it comes, a call included, instead of waiting
+    // for the end of the output.
+    const std::string valid =
+        "<tool_call>{\"name\": \"search\", \"arguments\": {\"q\": \"x\"}}</tool_call>";
+    for (const std::string bad :
+         {"<tool_call>\n{\"name\": \"search\", \"arguments\": {\"q\": 1}\n</tool_call>",
+          "<tool_call>\n{\"name\": \"search\", \"arguments\": {\"q\": \"a\nb\"}}\n</tool_call>"}) {
+      SCOPED_TRACE(bad);
+      Check(p, bad + " then " + valid, {bad + " then ", {{"search", R"({"q":"x"})"}}});
+      ToolCallStreamer s(p, kFunctions);
+      std::string content;
+      std::vector<ToolCall> calls;
+      s.Push(bad, &content, &calls);
+      s.Push(" then more", &content, &calls);
+      EXPECT_EQ(content, bad + " then more");
+      s.Push(valid, &content, &calls);
+      EXPECT_EQ(calls.size(), 1u);
+      s.Finish(&content, &calls);
+      EXPECT_EQ(content, bad + " then more");
+      EXPECT_EQ(calls.size(), 1u);
+    }
   }
 }
 
