@@ -610,14 +610,21 @@ class RouterServiceImpl : public RouterService {
       ex->Reply({200, "application/json", {}, model.dump()});
       return;
     }
-    if (req.path == "/v1/completions" || req.path == "/v1/chat/completions") {
+    if (req.path == "/v1/completions" || req.path == "/v1/chat/completions" ||
+        req.path == "/v1/responses") {
       if (req.method != "POST")
         return ex->Reply(http::ErrorResponse(405, "use POST for " + req.path));
-      HandleGenerate(
-          req, std::move(ex),
-          req.path == "/v1/completions" ? Endpoint::kCompletions : Endpoint::kChatCompletions,
-          api_key);
+      HandleGenerate(req, std::move(ex),
+                     req.path == "/v1/completions" ? Endpoint::kCompletions
+                     : req.path == "/v1/responses" ? Endpoint::kResponses
+                                                   : Endpoint::kChatCompletions,
+                     api_key);
       return;
+    }
+    if (req.path.starts_with("/v1/responses/")) {
+      return ex->Reply(http::ErrorResponse(
+          404, "responses are not stored here: each is answered once, to the request that made it",
+          "invalid_request_error", "", "not_found"));
     }
     if (tokenizer_path) return HandleTokenizer(req, *ex);
     ex->Reply(http::ErrorResponse(404, "no such endpoint: " + req.method + " " + req.path,
@@ -672,7 +679,9 @@ class RouterServiceImpl : public RouterService {
     // the response: only a bounded id of a plain alphabet is taken, so that
     // no client can write fields of its own into the log.
     if (!IsPlainTraceId(rid)) rid = NewUnguessableId();
-    r->request_id = (endpoint == Endpoint::kCompletions ? "cmpl-" : "chatcmpl-") +
+    r->request_id = (endpoint == Endpoint::kCompletions ? "cmpl-"
+                     : endpoint == Endpoint::kResponses ? "resp_"
+                                                        : "chatcmpl-") +
                     NewUnguessableId().substr(0, 24);
     r->http_request_id = rid;
     auto reject = [&](const ApiError& e, const char* status) {
@@ -701,7 +710,7 @@ class RouterServiceImpl : public RouterService {
       api.cache_salt = TenantCacheSalt(api_keys_[*api_key], api.cache_salt);
 
     // Tokenize.
-    if (endpoint == Endpoint::kChatCompletions) {
+    if (endpoint != Endpoint::kCompletions) {  // chat, and responses as chat
       if (auto err = RenderChatPrompt(api, &r->prompt_text)) return reject(*err, "rejected");
       r->prompt_ids = tokenizer_->Encode(r->prompt_text, /*add_special_tokens=*/false);
     } else if (api.prompt_text) {
@@ -742,7 +751,9 @@ class RouterServiceImpl : public RouterService {
       }
     }
     const int64_t prompt_len = static_cast<int64_t>(r->prompt_ids.size());
-    const char* prompt_param = endpoint == Endpoint::kChatCompletions ? "messages" : "prompt";
+    const char* prompt_param = endpoint == Endpoint::kCompletions ? "prompt"
+                               : endpoint == Endpoint::kResponses ? "input"
+                                                                  : "messages";
     if (prompt_len == 0) {
       return reject({400, "the prompt is empty after tokenization", "invalid_request_error",
                      prompt_param, ""},

@@ -4,7 +4,9 @@
 // (tool_choice required, named, auto, none; streamed and not) with the call,
 // the tool's answer and the model's reply as a round trip, on a copy of the
 // tiny model whose chat template renders tools in the Hermes format; n: 3
-// (distinct seeds per choice), streamed and not, and best_of.
+// (distinct seeds per choice), streamed and not, and best_of; the Responses
+// API (responses.create, .stream, .parse with zod, function calls and their
+// outputs as input items) against chat's answers for the same request.
 // Usage: node openai_apps.mjs PDSERVE_BIN NODE_MODULES_DIR
 import { spawn, execFileSync } from 'node:child_process';
 import { mkdtempSync, rmSync, openSync, readFileSync, writeFileSync } from 'node:fs';
@@ -17,7 +19,7 @@ import assert from 'node:assert/strict';
 const [bin, nodeModules] = process.argv.slice(2);
 const require = createRequire(path.join(nodeModules, 'noop.js'));
 const OpenAI = require('openai').default ?? require('openai');
-const { zodResponseFormat } = require('openai/helpers/zod');
+const { zodResponseFormat, zodTextFormat } = require('openai/helpers/zod');
 const { z } = require('zod');
 
 const dir = mkdtempSync(path.join(os.tmpdir(), 'pdserve-apps-'));
@@ -283,4 +285,96 @@ test('n: 3 under a schema, and best_of', async () => {
   assert.ok(sum(best.choices[0]) >= sum(best.choices[1]), 'the most likely first');
   await assert.rejects(client.completions.create({ model: modelId, prompt: 'x', n: 2, best_of: 1 }),
     (e) => e.status === 400);
+});
+
+// The Responses API: the same template, tools and grammars as chat.
+const responseTools = tools.map((t) => ({ type: 'function', ...t.function }));
+// The text of a response's messages (the client adds output_text to some
+// responses only).
+const outputText = (r) => r.output.filter((o) => o.type === 'message').flatMap((o) => o.content)
+  .filter((c) => c.type === 'output_text').map((c) => c.text).join('');
+
+test('responses.create answers as chat does; streamed, the same response', async () => {
+  const input = 'Tell me a story.';
+  for (const seed of [1, 2]) {
+    const sampling = { model: modelId, temperature: seed === 1 ? 0 : 1, seed };
+    const chat = await client.chat.completions.create({ ...sampling, max_tokens: 12,
+      messages: [{ role: 'system', content: 'Be brief.' }, { role: 'user', content: input }] });
+    const params = { ...sampling, max_output_tokens: 12, instructions: 'Be brief.', input };
+    const r = await client.responses.create(params);
+    assert.equal(r.object, 'response');
+    assert.ok(r.id.startsWith('resp_'), r.id);
+    assert.equal(r.output_text, chat.choices[0].message.content);
+    const cut = chat.choices[0].finish_reason === 'length';
+    assert.equal(r.status, cut ? 'incomplete' : 'completed');
+    assert.deepEqual(r.incomplete_details, cut ? { reason: 'max_output_tokens' } : null);
+    assert.equal(r.usage.input_tokens, chat.usage.prompt_tokens);
+    assert.equal(r.usage.output_tokens, chat.usage.completion_tokens);
+    assert.equal(r.instructions, 'Be brief.');
+    assert.equal(r.max_output_tokens, 12);
+    // The client's stream helper rebuilds the response from the events.
+    const stream = client.responses.stream(params);
+    const types = [];
+    let text = '';
+    let last = -1;
+    for await (const event of stream) {
+      types.push(event.type);
+      assert.ok(event.sequence_number > last, `${event.type} after ${last}`);
+      last = event.sequence_number;
+      if (event.type === 'response.output_text.delta') text += event.delta;
+    }
+    const final = await stream.finalResponse();
+    assert.equal(text, r.output_text);
+    assert.equal(outputText(final), r.output_text);
+    assert.equal(outputText(r), r.output_text);
+    assert.deepEqual(types.slice(0, 4), ['response.created', 'response.in_progress',
+      'response.output_item.added', 'response.content_part.added']);
+    assert.deepEqual(types.slice(-4), ['response.output_text.done', 'response.content_part.done',
+      'response.output_item.done', cut ? 'response.incomplete' : 'response.completed']);
+  }
+});
+
+test('responses.parse with a zod text format', async () => {
+  for (const stream of [false, true]) {
+    const params = { model: modelId, temperature: 1, seed: 2, max_output_tokens: 500,
+      input: [{ role: 'user', content: 'Describe an event.' }], text: { format: zodTextFormat(Event, 'event') } };
+    const r = stream ? await client.responses.stream(params).finalResponse() : await client.responses.parse(params);
+    assert.equal(r.status, 'completed');
+    assert.deepEqual(Event.parse(JSON.parse(r.output_text)), r.output_parsed);
+  }
+});
+
+test('responses with function tools: a forced call, then its output as input', async () => {
+  for (const stream of [false, true]) {
+    const params = { model: modelId, input: question, tools: responseTools, tool_choice: 'required',
+      parallel_tool_calls: false, temperature: 1, seed: 5, max_output_tokens: 300 };
+    const r = stream ? await client.responses.stream(params).finalResponse() : await client.responses.create(params);
+    assert.equal(r.status, 'completed');
+    const calls = r.output.filter((o) => o.type === 'function_call');
+    assert.equal(calls.length, 1);
+    checkCall({ type: 'function', id: calls[0].call_id,
+      function: { name: calls[0].name, arguments: calls[0].arguments } });
+    // The call and the tool's answer go back as items; the model answers.
+    const next = await client.responses.create({ model: modelId, tools: responseTools, temperature: 0,
+      max_output_tokens: 16, input: [...question, ...r.output,
+        { type: 'function_call_output', call_id: calls[0].call_id, output: '{"temp": 21}' }] });
+    assert.ok(next.usage.input_tokens > r.usage.input_tokens, 'the history was rendered');
+    // A named function.
+    const named = await client.responses.create({ ...params, tool_choice: { type: 'function', name: 'get_time' } });
+    const call = named.output.find((o) => o.type === 'function_call');
+    assert.equal(call.name, 'get_time');
+    Time.parse(JSON.parse(call.arguments));
+  }
+});
+
+test('responses: what needs a stored response or a hosted tool is a 400 naming the field', async () => {
+  const refused = async (extra, param) => assert.rejects(
+    client.responses.create({ model: modelId, input: 'x', max_output_tokens: 4, ...extra }),
+    (e) => e.status === 400 && e.param === param);
+  await refused({ previous_response_id: 'resp_1' }, 'previous_response_id');
+  await refused({ tools: [{ type: 'web_search' }] }, 'tools[0].type');
+  await refused({ input: [{ role: 'user', content: [{ type: 'input_image', image_url: 'x' }] }] },
+    'input[0].content[0].type');
+  await refused({ max_output_tokens: 0 }, 'max_output_tokens');
+  await assert.rejects(client.responses.retrieve('resp_1'), (e) => e.status === 404);
 });

@@ -11,6 +11,8 @@
 #include <stdexcept>
 #include <vector>
 
+#include "services/router/openai/responses_api.h"
+
 namespace pdserve::router {
 
 using ojson = nlohmann::ordered_json;
@@ -647,12 +649,12 @@ std::optional<ApiError> ParseConstraint(const ojson& body, ApiRequest* out) {
 
 }  // namespace
 
-std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view body,
-                                     const ApiLimits& limits, ApiRequest* out) {
-  *out = ApiRequest{};
+namespace {
+
+// The body (an object) of a completions or chat request.
+std::optional<ApiError> ParseBody(Endpoint endpoint, const ojson& j, const ApiLimits& limits,
+                                  ApiRequest* out) {
   out->endpoint = endpoint;
-  ojson j;
-  PDSERVE_API_CHECK(ParseObject(body, limits, &j));
   Fields f(j);
 
   PDSERVE_API_CHECK(ParseModel(f, limits, &out->model));
@@ -925,6 +927,40 @@ std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view body,
   return std::nullopt;
 }
 
+// A chat parser's error about a field the Responses API names otherwise,
+// in its names: messages are its input (instructions first), max_tokens
+// its max_output_tokens.
+ApiError InResponsesTerms(ApiError e) {
+  auto rename = [&e](std::string_view from, std::string_view to) {
+    if (!e.param.starts_with(from)) return;
+    e.param = std::string(to) + e.param.substr(from.size());
+    for (size_t at = 0; (at = e.message.find(from, at)) != std::string::npos; at += to.size())
+      e.message.replace(at, from.size(), to);
+  };
+  rename("messages", "input");
+  rename("max_tokens", "max_output_tokens");
+  rename("response_format", "text.format");
+  return e;
+}
+
+}  // namespace
+
+std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view body,
+                                     const ApiLimits& limits, ApiRequest* out) {
+  *out = ApiRequest{};
+  ojson j;
+  PDSERVE_API_CHECK(ParseObject(body, limits, &j));
+  if (endpoint != Endpoint::kResponses) return ParseBody(endpoint, j, limits, out);
+  ojson chat, echo;
+  PDSERVE_API_CHECK(ResponsesToChat(j, &chat, &echo));
+  if (auto err = ParseBody(Endpoint::kChatCompletions, chat, limits, out))
+    return InResponsesTerms(std::move(*err));
+  out->endpoint = Endpoint::kResponses;
+  out->response_fields = std::move(echo);
+  if (out->max_tokens_param == "max_tokens") out->max_tokens_param = "max_output_tokens";
+  return std::nullopt;
+}
+
 std::optional<ApiError> ParseTokenizeRequest(std::string_view body, const ApiLimits& limits,
                                              TokenizeRequest* out) {
   *out = TokenizeRequest{};
@@ -1111,7 +1147,10 @@ size_t TextOffsetLength(std::string_view text) {
 
 ResponseFormatter::ResponseFormatter(const ApiRequest& request, std::string id,
                                      int64_t created_unix)
-    : request_(request), id_(Utf8Text(id)), created_(created_unix) {}
+    : request_(request), id_(Utf8Text(id)), created_(created_unix) {
+  if (request.endpoint == Endpoint::kResponses)
+    responses_ = std::make_shared<ResponsesWriter>(request, id_, created_unix);
+}
 
 ojson ResponseFormatter::Envelope(const char* object) const {
   return {{"id", id_}, {"object", object}, {"created", created_}, {"model", request_.model}};
@@ -1127,7 +1166,7 @@ ojson ResponseFormatter::UsageJson(const Usage& u) const {
 ojson ResponseFormatter::Logprobs(const std::vector<TokenPiece>& pieces, size_t text_offset,
                                   const std::vector<TokenPiece>* prompt) const {
   if (!request_.sampling.logprobs) return nullptr;
-  if (request_.endpoint == Endpoint::kChatCompletions) {
+  if (request_.endpoint != Endpoint::kCompletions) {
     ojson content = ojson::array();
     for (const auto& p : pieces) {
       ojson top = ojson::array();
@@ -1175,6 +1214,11 @@ ojson ResponseFormatter::Logprobs(const std::vector<TokenPiece>& pieces, size_t 
           {"text_offset", offsets}};
 }
 
+ojson ResponseFormatter::LogprobList(const std::vector<TokenPiece>& pieces) const {
+  if (!request_.sampling.logprobs || pieces.empty()) return ojson::array();
+  return Logprobs(pieces, 0)["content"];
+}
+
 namespace {
 // The values are valid UTF-8 already; replace() is the net for any that is not.
 std::string Sse(const ojson& j) {
@@ -1197,6 +1241,7 @@ std::string ResponseFormatter::Chunk(ojson j) const {
 
 std::string ResponseFormatter::StreamStart(int n, const std::string& prompt_text,
                                            const std::vector<TokenPiece>* prompt_pieces) const {
+  if (responses_) return responses_->Start();
   std::string out;
   if (request_.endpoint != Endpoint::kChatCompletions) {
     if (!request_.echo || prompt_text.empty()) return "";
@@ -1227,6 +1272,7 @@ std::string ResponseFormatter::StreamStart(int n, const std::string& prompt_text
 std::string ResponseFormatter::StreamDelta(const std::vector<TokenPiece>& pieces, int index,
                                            size_t text_offset) const {
   const std::string text = JoinText(pieces);
+  if (responses_) return responses_->Text(text, LogprobList(pieces));
   if (text.empty() && !request_.sampling.logprobs) return "";
   if (request_.endpoint == Endpoint::kChatCompletions) {
     ojson j = Envelope("chat.completion.chunk");
@@ -1246,6 +1292,7 @@ std::string ResponseFormatter::StreamDelta(const std::vector<TokenPiece>& pieces
 
 std::string ResponseFormatter::StreamText(const std::string& text, int index) const {
   if (text.empty()) return "";
+  if (responses_) return responses_->Text(Utf8Text(text), ojson::array());
   const bool chat = request_.endpoint == Endpoint::kChatCompletions;
   ojson choice = {{"index", index}};
   if (chat) {
@@ -1262,6 +1309,7 @@ std::string ResponseFormatter::StreamText(const std::string& text, int index) co
 
 std::string ResponseFormatter::StreamContent(const std::string& text, int index,
                                              const std::vector<TokenPiece>& scored) const {
+  if (responses_) return responses_->Text(Utf8Text(text), LogprobList(scored));
   const bool logprobs = request_.sampling.logprobs && !scored.empty();
   if (text.empty() && !logprobs) return "";
   ojson j = Envelope("chat.completion.chunk");
@@ -1282,6 +1330,7 @@ ojson ToolCallJson(const ToolCall& c) {
 
 std::string ResponseFormatter::StreamToolCalls(const std::vector<ToolCall>& calls,
                                                size_t first_index, int index) const {
+  if (responses_) return responses_->Calls(calls);
   std::string out;
   for (size_t k = 0; k < calls.size(); ++k) {
     ojson call = ToolCallJson(calls[k]);
@@ -1298,6 +1347,7 @@ std::string ResponseFormatter::StreamToolCalls(const std::vector<ToolCall>& call
 
 std::string ResponseFormatter::StreamChoiceFinish(const std::string& finish_reason,
                                                   int index) const {
+  if (responses_) return responses_->Finish(finish_reason);
   if (request_.endpoint == Endpoint::kChatCompletions) {
     ojson j = Envelope("chat.completion.chunk");
     j["choices"] = {{{"index", index},
@@ -1313,6 +1363,7 @@ std::string ResponseFormatter::StreamChoiceFinish(const std::string& finish_reas
 }
 
 std::string ResponseFormatter::StreamEnd(const Usage& usage) const {
+  if (responses_) return responses_->End(usage);
   std::string out;
   if (request_.include_usage) {
     ojson j = Envelope(request_.endpoint == Endpoint::kChatCompletions ? "chat.completion.chunk"
@@ -1372,6 +1423,13 @@ ojson ResponseFormatter::Choice(const std::string& prompt_text, const ChoiceOutp
 ojson ResponseFormatter::Complete(const std::string& prompt_text,
                                   const std::vector<ChoiceOutput>& choices,
                                   const Usage& usage) const {
+  if (responses_) {  // one output: the Responses API has no choices
+    const ChoiceOutput& c = choices.at(0);
+    const bool tools = c.tools != nullptr;
+    return responses_->Complete(tools ? Utf8Text(c.tools->content) : JoinText(*c.pieces),
+                                LogprobList(*c.pieces), tools ? &c.tools->calls : nullptr,
+                                c.finish_reason, usage);
+  }
   ojson j = Envelope(request_.endpoint == Endpoint::kChatCompletions ? "chat.completion"
                                                                      : "text_completion");
   j["choices"] = ojson::array();

@@ -21,6 +21,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -37,7 +38,11 @@
 
 namespace pdserve::router {
 
-enum class Endpoint { kCompletions, kChatCompletions };
+class ResponsesWriter;
+
+// kResponses: /v1/responses, served as the chat request it translates to
+// (responses_api.h); chat's rules apply to it unless said otherwise.
+enum class Endpoint { kCompletions, kChatCompletions, kResponses };
 
 struct ApiError {
   int status = 400;
@@ -104,6 +109,9 @@ struct ApiRequest {
   enum class ToolChoice { kNone, kAuto, kRequired, kNamed } tool_choice = ToolChoice::kNone;
   std::string tool_choice_name;
   bool parallel_tool_calls = true;
+  // /v1/responses: the request's fields its response object repeats
+  // (ResponsesToChat's echo).
+  nlohmann::ordered_json response_fields;
 };
 
 // What the router accepts: the served model id(s) and size limits.
@@ -281,9 +289,15 @@ class ResponseFormatter {
   nlohmann::ordered_json Envelope(const char* object) const;
   std::string Chunk(nlohmann::ordered_json chunk) const;
 
+  // The token logprobs of `pieces` as a list of chat's entries (empty when
+  // the request asked for none): what /v1/responses sends with its text.
+  nlohmann::ordered_json LogprobList(const std::vector<TokenPiece>& pieces) const;
+
   const ApiRequest& request_;
   std::string id_;
   int64_t created_;
+  // /v1/responses: its events and object, which need what came before.
+  std::shared_ptr<ResponsesWriter> responses_;
 };
 
 // Tenancy (--salt-per-api-key): the cache salt of a request authorized by

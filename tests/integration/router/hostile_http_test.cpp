@@ -195,6 +195,19 @@ TEST_F(HostileHttpTest, RequestsThatUsedToKillTheRouterAreAnsweredAndItServesOn)
            R"("add_generation_prompt":true})"),
        400, "continue_final_message"},
       {"a GET of /tokenize", Raw("GET", "/tokenize", ""), 405, ""},
+      {"invalid UTF-8 in a response's input",
+       Raw("POST", "/v1/responses", "{\"input\":[{\"role\":\"user\",\"content\":\"caf\xe9\"}]}"),
+       400, "input[0].content"},
+      {"a response's input nested 100k levels deep",
+       Raw("POST", "/v1/responses",
+           R"({"input":[{"role":"user","content":)" + std::string(100000, '[') +
+               std::string(100000, ']') + "}]}"),
+       400, ""},
+      {"a stored response's id",
+       Raw("POST", "/v1/responses", R"({"input":"x","previous_response_id":"resp_1"})"), 400,
+       "previous_response_id"},
+      {"a GET of /v1/responses", Raw("GET", "/v1/responses", ""), 405, ""},
+      {"a GET of a stored response", Raw("GET", "/v1/responses/resp_1", ""), 404, ""},
   };
   for (const auto& c : cases) {
     const Answer a = Parse(Exchange(port(), c.request));

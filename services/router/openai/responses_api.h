@@ -1,0 +1,91 @@
+// OpenAI's Responses API (POST /v1/responses) on top of chat completions: a
+// request is translated into the chat request it asks for and served as one
+// (the same template, tools, structured outputs and sampling), and the output
+// is written as a response object, or streamed as the API's typed events.
+//
+// Contract: responses are not stored (`store` is answered false), so what
+// needs a stored one (previous_response_id, conversation, background) is
+// refused with a 400 naming the field, as are built-in tools, truncation
+// "auto" and input that is not text; nothing is ignored that would change
+// the output. The events follow OpenAI's order, so that the official
+// clients' stream helpers rebuild the same response: response.created and
+// response.in_progress; per output item output_item.added, its content part
+// or arguments, their .done events and output_item.done; last
+// response.completed (response.incomplete when max_output_tokens cut it).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "services/router/openai/openai_api.h"
+
+namespace pdserve::router {
+
+// The chat completions body a Responses request `body` asks for:
+// `instructions` and `input` as messages (function calls as the assistant's
+// tool_calls, their outputs as tool messages), function tools in chat's
+// shape, `text.format` as response_format, `max_output_tokens` as
+// max_tokens, logprobs from `include` / `top_logprobs`; vLLM's sampling
+// fields pass as they are. `*echo` gets the fields a response object
+// repeats (instructions, max_output_tokens, metadata, parallel_tool_calls,
+// text, tool_choice, tools, top_logprobs, user), defaults filled in.
+std::optional<ApiError> ResponsesToChat(const nlohmann::ordered_json& body,
+                                        nlohmann::ordered_json* chat, nlohmann::ordered_json* echo);
+
+// One response's output in the Responses API's shapes. One per request,
+// called in output order (not thread-safe).
+class ResponsesWriter {
+ public:
+  // `request.response_fields`: ResponsesToChat's echo.
+  ResponsesWriter(const ApiRequest& request, std::string id, int64_t created_at);
+
+  // Streaming: each returns Server-Sent Events ("event: TYPE\ndata: {...}").
+  // response.created and response.in_progress.
+  std::string Start();
+  // Output text (valid UTF-8) and its tokens' logprobs (chat's entries:
+  // token, logprob, bytes, top_logprobs; an array, empty when none): a
+  // delta of the open message, which the first text opens. "" when both
+  // are empty.
+  std::string Text(const std::string& text, const nlohmann::ordered_json& logprobs);
+  // Complete calls: a function_call item each (the open message closed
+  // first).
+  std::string Calls(const std::vector<ToolCall>& calls);
+  // The output ended for `finish_reason` ("length": incomplete, for
+  // max_output_tokens): the open message closed (an empty one when there is
+  // no output at all).
+  std::string Finish(const std::string& finish_reason);
+  // response.completed or response.incomplete, with the whole response.
+  std::string End(const Usage& usage);
+
+  // Non-streaming: the whole response object for one output. `calls`: the
+  // tool calls parsed out of it (null without tools), `text` then the
+  // content around them.
+  nlohmann::ordered_json Complete(const std::string& text, const nlohmann::ordered_json& logprobs,
+                                  const std::vector<ToolCall>* calls,
+                                  const std::string& finish_reason, const Usage& usage);
+
+ private:
+  nlohmann::ordered_json Response(const char* status) const;
+  std::string Event(const char* type, nlohmann::ordered_json fields);
+  std::string OpenMessage();
+  std::string CloseMessage();
+  nlohmann::ordered_json CallItem(const ToolCall& call, size_t output_index) const;
+  std::string ItemId(const char* prefix, size_t output_index) const;
+
+  const ApiRequest& request_;
+  std::string id_;
+  int64_t created_at_;
+  int64_t sequence_ = 0;
+  nlohmann::ordered_json output_ = nlohmann::ordered_json::array();  // finished items
+  bool message_open_ = false;
+  std::string message_text_;
+  nlohmann::ordered_json message_logprobs_ = nlohmann::ordered_json::array();
+  std::string finish_reason_ = "stop";
+  nlohmann::ordered_json usage_;
+};
+
+}  // namespace pdserve::router

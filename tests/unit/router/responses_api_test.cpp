@@ -1,0 +1,299 @@
+// The Responses API's translation into chat requests and its output: the
+// chat body a request becomes, what is refused (and named), and the events
+// and object a response is written as. The official client against a real
+// stack: tests/e2e/openai_apps.mjs.
+#include "services/router/openai/responses_api.h"
+
+#include <gtest/gtest.h>
+
+namespace pdserve::router {
+namespace {
+
+using ojson = nlohmann::ordered_json;
+
+ApiLimits Limits() {
+  ApiLimits limits;
+  limits.model_ids = {"m"};
+  return limits;
+}
+
+TEST(ResponsesApiTest, InputItemsBecomeTheChatConversation) {
+  const ojson body = ojson::parse(R"({
+    "model": "m", "instructions": "Be brief.", "seed": 7, "top_k": 5,
+    "input": [
+      {"role": "user", "content": [{"type": "input_text", "text": "Weather"},
+                                   {"type": "input_text", "text": "in Oslo?"}]},
+      {"type": "reasoning", "id": "rs_1", "summary": []},
+      {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+       "content": [{"type": "output_text", "text": "Checking.", "annotations": []}]},
+      {"type": "function_call", "id": "fc_1", "call_id": "call_a", "name": "get_weather",
+       "arguments": "{\"city\": \"Oslo\"}", "status": "completed"},
+      {"type": "function_call", "call_id": "call_b", "name": "get_time", "arguments": "{}"},
+      {"type": "function_call_output", "call_id": "call_a", "output": "{\"temp\": 3}"},
+      {"type": "function_call_output", "call_id": "call_b",
+       "output": [{"type": "input_text", "text": "12:00"}]},
+      {"role": "developer", "content": "Answer now."}],
+    "tools": [{"type": "function", "name": "get_weather", "description": "d",
+               "parameters": {"type": "object"}, "strict": true},
+              {"type": "function", "name": "get_time"}],
+    "tool_choice": {"type": "function", "name": "get_time"},
+    "text": {"format": {"type": "json_schema", "name": "w", "schema": {"type": "object"},
+                        "strict": true}},
+    "max_output_tokens": 50, "include": ["message.output_text.logprobs"], "top_logprobs": 2,
+    "store": true, "metadata": {"k": "v"}})");
+  ojson chat, echo;
+  ASSERT_FALSE(ResponsesToChat(body, &chat, &echo));
+  const ojson want_messages = ojson::parse(R"([
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": [{"type": "text", "text": "Weather"},
+                                 {"type": "text", "text": "in Oslo?"}]},
+    {"role": "assistant", "content": [{"type": "text", "text": "Checking."}],
+     "tool_calls": [
+       {"id": "call_a", "type": "function",
+        "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}},
+       {"id": "call_b", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+    {"role": "tool", "tool_call_id": "call_a", "content": "{\"temp\": 3}"},
+    {"role": "tool", "tool_call_id": "call_b", "content": [{"type": "text", "text": "12:00"}]},
+    {"role": "developer", "content": "Answer now."}])");
+  EXPECT_EQ(chat["messages"], want_messages) << chat["messages"].dump(1);
+  EXPECT_EQ(chat["tools"], ojson::parse(R"([
+    {"type": "function", "function": {"name": "get_weather", "description": "d",
+                                      "parameters": {"type": "object"}, "strict": true}},
+    {"type": "function", "function": {"name": "get_time"}}])"));
+  EXPECT_EQ(chat["tool_choice"],
+            ojson::parse(R"({"type": "function", "function": {"name": "get_time"}})"));
+  EXPECT_EQ(chat["response_format"], ojson::parse(R"({"type": "json_schema", "json_schema":
+    {"name": "w", "schema": {"type": "object"}, "strict": true}})"));
+  EXPECT_EQ(chat["max_tokens"], 50);
+  EXPECT_EQ(chat["logprobs"], true);
+  EXPECT_EQ(chat["top_logprobs"], 2);
+  EXPECT_EQ(chat["seed"], 7);  // vLLM's sampling fields pass as they are
+  EXPECT_EQ(chat["top_k"], 5);
+  for (const char* own :
+       {"input", "instructions", "text", "max_output_tokens", "include", "store", "metadata"}) {
+    EXPECT_FALSE(chat.contains(own)) << own;
+  }
+  EXPECT_EQ(echo["instructions"], "Be brief.");
+  EXPECT_EQ(echo["tools"], body["tools"]);
+  EXPECT_EQ(echo["tool_choice"], body["tool_choice"]);
+  EXPECT_EQ(echo["text"], body["text"]);
+  EXPECT_EQ(echo["max_output_tokens"], 50);
+  EXPECT_EQ(echo["metadata"], body["metadata"]);
+  EXPECT_EQ(echo["top_logprobs"], 2);
+
+  // The whole parse: a chat request under the Responses API's names (a
+  // schema and a forced call together are refused, as on chat).
+  ojson whole = body;
+  whole["tool_choice"] = "auto";
+  ApiRequest api;
+  const auto parse_error = ParseRequest(Endpoint::kResponses, whole.dump(), Limits(), &api);
+  ASSERT_FALSE(parse_error) << parse_error->param << ": " << parse_error->message;
+  EXPECT_EQ(api.endpoint, Endpoint::kResponses);
+  EXPECT_EQ(api.messages.size(), 6u);
+  EXPECT_EQ(api.max_tokens, 50);
+  EXPECT_EQ(api.max_tokens_param, "max_output_tokens");
+  EXPECT_EQ(api.sampling.logprobs, 2);
+  EXPECT_EQ(api.tool_choice, ApiRequest::ToolChoice::kAuto);
+  ASSERT_TRUE(api.sampling.constraint.has_value());
+  ojson echo_auto = echo;
+  echo_auto["tool_choice"] = "auto";
+  EXPECT_EQ(api.response_fields, echo_auto);
+  ASSERT_TRUE(ParseRequest(Endpoint::kResponses, body.dump(), Limits(), &api));
+
+  // A string input is the user's message.
+  ASSERT_FALSE(ResponsesToChat(ojson::parse(R"({"model": "m", "input": "Hi"})"), &chat, &echo));
+  EXPECT_EQ(chat["messages"], ojson::parse(R"([{"role": "user", "content": "Hi"}])"));
+  EXPECT_EQ(echo["tool_choice"], "auto");
+  EXPECT_EQ(echo["text"], ojson::parse(R"({"format": {"type": "text"}})"));
+}
+
+TEST(ResponsesApiTest, WhatIsNotServedIsRefusedNamingTheField) {
+  const std::pair<const char*, const char*> cases[] = {
+      {R"({"input": "x", "previous_response_id": "resp_1"})", "previous_response_id"},
+      {R"({"input": "x", "conversation": "conv_1"})", "conversation"},
+      {R"({"input": "x", "background": true})", "background"},
+      {R"({"input": "x", "truncation": "auto"})", "truncation"},
+      {R"({"input": "x", "reasoning": {"effort": "high"}})", "reasoning"},
+      {R"({"input": "x", "max_tool_calls": 3})", "max_tool_calls"},
+      {R"({"input": "x", "messages": []})", "messages"},
+      {R"({"input": "x", "max_tokens": 5})", "max_tokens"},
+      {R"({"input": "x", "n": 2})", "n"},
+      {R"({"input": "x", "response_format": {"type": "json_object"}})", "response_format"},
+      {R"({})", "input"},
+      {R"({"input": []})", "input"},
+      {R"({"input": 5})", "input"},
+      {R"({"input": [5]})", "input[0]"},
+      {R"({"input": [{"role": "tool", "content": "x"}]})", "input[0].role"},
+      {R"({"input": [{"role": "user"}]})", "input[0].content"},
+      {R"({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]})",
+       "input[0].content[0].type"},
+      {R"({"input": [{"role": "user", "content": [{"type": "input_text"}]}]})",
+       "input[0].content[0].text"},
+      {R"({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]})",
+       "input[0].call_id"},
+      {R"({"input": [{"type": "function_call_output", "call_id": "c"}]})", "input[0].output"},
+      {R"({"input": [{"type": "item_reference", "id": "x"}]})", "input[0].type"},
+      {R"({"input": "x", "instructions": 5})", "instructions"},
+      {R"({"input": "x", "tools": [{"type": "web_search"}]})", "tools[0].type"},
+      {R"({"input": "x", "tools": [{"type": "function"}]})", "tools[0].name"},
+      {R"({"input": "x", "tool_choice": {"type": "web_search"}})", "tool_choice"},
+      {R"({"input": "x", "text": {"format": {"type": "grammar"}}})", "text.format.type"},
+      {R"({"input": "x", "include": "all"})", "include"},
+      {R"({"input": "x", "metadata": []})", "metadata"},
+  };
+  for (const auto& [text, param] : cases) {
+    ojson chat, echo;
+    const auto err = ResponsesToChat(ojson::parse(text), &chat, &echo);
+    ASSERT_TRUE(err.has_value()) << text;
+    EXPECT_EQ(err->status, 400) << text;
+    EXPECT_EQ(err->param, param) << text << ": " << err->message;
+  }
+  // The chat parser's faults come back in the Responses API's names.
+  const std::pair<const char*, const char*> parsed[] = {
+      {R"({"model": "m", "input": "x", "max_output_tokens": 0})", "max_output_tokens"},
+      {R"({"model": "m", "input": "x", "temperature": 5})", "temperature"},
+      {R"({"model": "m", "input": [{"role": "assistant", "content": "a"},
+          {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}],
+          "tool_choice": "required"})",
+       "tool_choice"},
+      {R"({"model": "other", "input": "x"})", "model"},
+  };
+  for (const auto& [text, param] : parsed) {
+    ApiRequest api;
+    const auto err = ParseRequest(Endpoint::kResponses, text, Limits(), &api);
+    ASSERT_TRUE(err.has_value()) << text;
+    EXPECT_EQ(err->param, param) << text << ": " << err->message;
+    EXPECT_EQ(err->message.find("max_tokens"), std::string::npos) << err->message;
+  }
+}
+
+// The events of a stream, split; each event's name matches its data's type.
+std::vector<ojson> Events(const std::string& sse) {
+  std::vector<ojson> out;
+  size_t at = 0;
+  while (at < sse.size()) {
+    const size_t end = sse.find("\n\n", at);
+    EXPECT_NE(end, std::string::npos);
+    const std::string event = sse.substr(at, end - at);
+    at = end + 2;
+    const size_t data = event.find("\ndata: ");
+    EXPECT_EQ(event.rfind("event: ", 0), 0u) << event;
+    ojson j = ojson::parse(event.substr(data + 7));
+    EXPECT_EQ(event.substr(7, data - 7), j["type"].get<std::string>());
+    out.push_back(std::move(j));
+  }
+  return out;
+}
+
+ApiRequest ResponsesRequest() {
+  ApiRequest api;
+  const char* body = R"({"model": "m", "input": "x", "instructions": "I",
+                         "metadata": {"k": "v"}, "temperature": 0.5})";
+  EXPECT_FALSE(ParseRequest(Endpoint::kResponses, body, Limits(), &api));
+  return api;
+}
+
+TEST(ResponsesApiTest, StreamEventsBuildTheResponseInOrder) {
+  const ApiRequest api = ResponsesRequest();
+  ResponsesWriter w(api, "resp_abc", 1700000000);
+  ToolCall call{"call_1", "get_time", R"({"zone":"UTC"})"};
+  const ojson lp = ojson::parse(R"([{"token": "Hi", "logprob": -0.5, "bytes": [72, 105],
+                                     "top_logprobs": []}])");
+  std::string sse = w.Start();
+  sse += w.Text("Hi", lp);
+  sse += w.Text("", ojson::array());  // nothing: no event
+  sse += w.Calls({call});
+  sse += w.Text(" after", ojson::array());
+  sse += w.Finish("stop");
+  sse += w.End({10, 3, 4});
+  const std::vector<ojson> events = Events(sse);
+  std::vector<std::string> types;
+  for (size_t i = 0; i < events.size(); ++i) {
+    types.push_back(events[i]["type"]);
+    EXPECT_EQ(events[i]["sequence_number"], i);
+  }
+  const std::vector<std::string> want = {
+      "response.created", "response.in_progress",
+      // message 0
+      "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+      "response.output_text.done", "response.content_part.done", "response.output_item.done",
+      // the call, 1
+      "response.output_item.added", "response.function_call_arguments.delta",
+      "response.function_call_arguments.done", "response.output_item.done",
+      // message 2
+      "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+      "response.output_text.done", "response.content_part.done", "response.output_item.done",
+      "response.completed"};
+  ASSERT_EQ(types, want);
+  EXPECT_EQ(events[0]["response"]["status"], "in_progress");
+  EXPECT_EQ(events[0]["response"]["output"], ojson::array());
+  EXPECT_EQ(events[4]["delta"], "Hi");
+  EXPECT_EQ(events[4]["logprobs"], lp);
+  EXPECT_EQ(events[8]["item"]["arguments"], "");
+  EXPECT_EQ(events[9]["output_index"], 1);
+  EXPECT_EQ(events[9]["delta"], call.arguments);
+  EXPECT_EQ(events[14]["output_index"], 2);
+  const ojson& r = events.back()["response"];
+  EXPECT_EQ(r["id"], "resp_abc");
+  EXPECT_EQ(r["status"], "completed");
+  EXPECT_EQ(r["incomplete_details"], nullptr);
+  EXPECT_EQ(r["instructions"], "I");
+  EXPECT_EQ(r["metadata"], ojson::parse(R"({"k": "v"})"));
+  EXPECT_EQ(r["temperature"], 0.5);
+  EXPECT_EQ(r["store"], false);
+  ASSERT_EQ(r["output"].size(), 3u);
+  EXPECT_EQ(r["output"][0]["content"][0]["text"], "Hi");
+  EXPECT_EQ(r["output"][0]["content"][0]["logprobs"], lp);
+  EXPECT_EQ(r["output"][1], ojson::parse(R"({"id": "fc_abc_1", "type": "function_call",
+    "status": "completed", "call_id": "call_1", "name": "get_time",
+    "arguments": "{\"zone\":\"UTC\"}"})"));
+  EXPECT_EQ(r["output"][2]["content"][0]["text"], " after");
+  EXPECT_EQ(r["usage"], ojson::parse(R"({"input_tokens": 10, "input_tokens_details":
+    {"cached_tokens": 4}, "output_tokens": 3, "output_tokens_details": {"reasoning_tokens": 0},
+    "total_tokens": 13})"));
+  // Item ids stay the same from added to done.
+  EXPECT_EQ(events[2]["item"]["id"], events[7]["item"]["id"]);
+  EXPECT_EQ(events[3]["item_id"], events[2]["item"]["id"]);
+
+  // Cut by max_output_tokens before any text: one empty message, incomplete.
+  ResponsesWriter cut(api, "resp_def", 1700000000);
+  std::string cut_sse = cut.Start();
+  cut_sse += cut.Finish("length");
+  cut_sse += cut.End({5, 4, 0});
+  const std::vector<ojson> cut_events = Events(cut_sse);
+  ASSERT_EQ(cut_events.size(), 8u);
+  EXPECT_EQ(cut_events.back()["type"], "response.incomplete");
+  const ojson& cr = cut_events.back()["response"];
+  EXPECT_EQ(cr["status"], "incomplete");
+  EXPECT_EQ(cr["incomplete_details"], ojson::parse(R"({"reason": "max_output_tokens"})"));
+  ASSERT_EQ(cr["output"].size(), 1u);
+  EXPECT_EQ(cr["output"][0]["status"], "incomplete");
+  EXPECT_EQ(cr["output"][0]["content"][0]["text"], "");
+}
+
+TEST(ResponsesApiTest, CompleteResponseHasTheMessageAndTheCalls) {
+  const ApiRequest api = ResponsesRequest();
+  ToolCall call{"call_1", "f", "{}"};
+  const std::vector<ToolCall> calls = {call};
+  // Blank content beside calls: the calls alone.
+  ojson r = ResponsesWriter(api, "resp_1", 1)
+                .Complete(" \n", ojson::array(), &calls, "tool_calls", {3, 2, 0});
+  ASSERT_EQ(r["output"].size(), 1u);
+  EXPECT_EQ(r["output"][0]["type"], "function_call");
+  EXPECT_EQ(r["status"], "completed");
+  // Content and a call: both, the message first.
+  r = ResponsesWriter(api, "resp_2", 1)
+          .Complete("Let me see.", ojson::array(), &calls, "tool_calls", {3, 2, 0});
+  ASSERT_EQ(r["output"].size(), 2u);
+  EXPECT_EQ(r["output"][0]["content"][0]["text"], "Let me see.");
+  EXPECT_EQ(r["output"][1]["call_id"], "call_1");
+  // Text alone, cut: incomplete.
+  r = ResponsesWriter(api, "resp_3", 1)
+          .Complete("abc", ojson::array(), nullptr, "length", {3, 2, 0});
+  EXPECT_EQ(r["status"], "incomplete");
+  EXPECT_EQ(r["output"][0]["status"], "incomplete");
+  EXPECT_EQ(r["usage"]["total_tokens"], 5);
+}
+
+}  // namespace
+}  // namespace pdserve::router
