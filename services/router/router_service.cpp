@@ -37,6 +37,7 @@
 #include "services/protocol/sampling.h"
 #include "services/router/openai/openai_api.h"
 #include "services/router/openai/prompt_batch.h"
+#include "services/router/openai/responses_api.h"
 #include "services/router/openai/tool_call_grammar.h"
 #include "services/router/router_core.h"
 #include "transport/control/connection.h"
@@ -323,6 +324,7 @@ class RouterServiceImpl : public RouterService {
         chat_template_.emplace(std::move(*tmpl));
       }
     }
+    template_knows_developer_ = template_text.find("developer") != std::string::npos;
     if (!opts_.tool_call_parser.empty()) {
       auto parser = ParseToolParserName(opts_.tool_call_parser);
       if (!parser.ok()) return parser.status();
@@ -684,7 +686,10 @@ class RouterServiceImpl : public RouterService {
                                                         : "chatcmpl-") +
                     NewUnguessableId().substr(0, 24);
     r->http_request_id = rid;
-    auto reject = [&](const ApiError& e, const char* status) {
+    auto reject = [&](const ApiError& chat_error, const char* status) {
+      // A Responses request was served as chat: its errors name its fields.
+      const ApiError e =
+          endpoint == Endpoint::kResponses ? InResponsesTerms(chat_error) : chat_error;
       http::Response resp = e.ToResponse();
       resp.headers.emplace_back("x-request-id", rid);
       ex->Reply(std::move(resp));
@@ -860,6 +865,13 @@ class RouterServiceImpl : public RouterService {
                       "invalid_request_error", "messages", ""};
     }
     if (auto err = PrepareTools(api)) return err;
+    // OpenAI's developer messages are its system messages; a template that
+    // never names the role would drop them (Qwen3's does).
+    if (!template_knows_developer_) {
+      for (auto& m : api.messages) {
+        if (m["role"] == "developer") m["role"] = "system";
+      }
+    }
     auto rendered = RenderChat(*chat_template_, api.messages, api.add_generation_prompt,
                                tokenizer_->bos_token(), tokenizer_->eos_token(), api.tools,
                                api.chat_template_kwargs);
@@ -2026,7 +2038,7 @@ class RouterServiceImpl : public RouterService {
     Inflight& r = *it->second;
     ApiError err{status, message, type, "", ""};
     if (r.started_stream) {
-      r.exchange->Write(ResponseFormatter::StreamError(err));
+      r.exchange->Write(r.formatter->StreamFailure(err));
       r.exchange->End();
     } else {
       http::Response resp = err.ToResponse();
@@ -2192,6 +2204,7 @@ class RouterServiceImpl : public RouterService {
   RouterServiceOptions opts_;
   std::unique_ptr<Tokenizer> tokenizer_;
   std::optional<ChatTemplate> chat_template_;
+  bool template_knows_developer_ = false;  // the template's source names the role
   ToolParser tool_parser_ = ToolParser::kNone;
   std::string model_id_;
   std::vector<std::string> api_keys_;

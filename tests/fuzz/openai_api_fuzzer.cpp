@@ -2,10 +2,10 @@
 // (services/router/openai/openai_api.h).
 //
 // Input layout:
-//   byte 0        the endpoint (bit 0: chat), the ApiLimits (bits 1-2: the
-//                 served model ids, bits 3-5: max_stop_strings, bit 7:
-//                 max_json_depth 4 instead of the default) and the body's
-//                 form (bit 6)
+//   byte 0        the endpoint (bit 0: chat; chat with bits 3-5 all set:
+//                 /v1/responses), the ApiLimits (bits 1-2: the served model
+//                 ids, bits 3-5: max_stop_strings, bit 7: max_json_depth 4
+//                 instead of the default) and the body's form (bit 6)
 //   raw form:     the request body up to the first NUL byte (or the end), then
 //                 the script below
 //   generated:    bytes that GenerateBody turns into a JSON object of the
@@ -13,7 +13,8 @@
 //                 edge-case numbers and strings; then the script below
 //   script        ResponseFormatter calls for a request that parses:
 //                 StreamStart, then per op byte StreamDelta / Complete /
-//                 StreamFinish / StreamError, with token pieces whose text and
+//                 StreamFinish / StreamError (responses: StreamError or
+//                 StreamToolCalls), with token pieces whose text and
 //                 token_text are arbitrary bytes (invalid UTF-8 included) and
 //                 whose logprobs are arbitrary floats (NaN and inf included)
 //
@@ -24,8 +25,11 @@
 //     stop strings within the limit, the body nested no deeper than the limit);
 //   - every formatter output is well-formed: SSE is a sequence of
 //     "data: <JSON object>\n\n" events ending in "data: [DONE]\n\n" where the
-//     stream ends, each JSON payload valid (UTF-8 included); Complete() is a
-//     JSON object that serializes and parses back;
+//     stream ends, each JSON payload valid (UTF-8 included); responses' are
+//     "event: TYPE\ndata: <JSON object of that type>\n\n", numbered in
+//     sequence from 0, and a finished stream's last is response.completed or
+//     response.incomplete; Complete() is a JSON object that serializes and
+//     parses back;
 //   - the text of a delta or completion is the pieces' text, when that text is
 //     valid UTF-8.
 #include <algorithm>
@@ -53,6 +57,7 @@ using pdserve::router::ApiRequest;
 using pdserve::router::Endpoint;
 using pdserve::router::ResponseFormatter;
 using pdserve::router::TokenPiece;
+using pdserve::router::ToolCall;
 using pdserve::router::Usage;
 
 constexpr size_t kMaxScriptBytes = 32;  // strings of up to 31 bytes
@@ -95,6 +100,35 @@ std::vector<json> ParseSse(const std::string& body, const char* what, bool* done
       }
       events.push_back(std::move(j));
     }
+    pos = end + 2;
+  }
+  return events;
+}
+
+// Parses a /v1/responses SSE body: "event: TYPE\ndata: <object>\n\n" events
+// whose object's type is TYPE and whose sequence_number continues
+// `*sequence`.
+std::vector<json> ParseResponsesSse(const std::string& body, const char* what, int64_t* sequence) {
+  std::vector<json> events;
+  size_t pos = 0;
+  while (pos < body.size()) {
+    const size_t end = body.find("\n\n", pos);
+    if (body.compare(pos, 7, "event: ") != 0 || end == std::string::npos) {
+      Fail(std::string(what) + ": not an 'event: ' ended by a blank line");
+    }
+    const std::string event = body.substr(pos, end - pos);
+    const size_t data = event.find("\ndata: ");
+    if (data == std::string::npos) Fail(std::string(what) + ": event without data");
+    const std::string type = event.substr(7, data - 7);
+    const std::string payload = event.substr(data + 7);
+    if (payload.find('\n') != std::string::npos) Fail(std::string(what) + ": newline in data");
+    json j = json::parse(payload, nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded() || !j.is_object() || j["type"] != type) {
+      Fail(std::string(what) + ": data is not an object of the event's type: " + payload);
+    }
+    if (j["sequence_number"] != *sequence) Fail(std::string(what) + ": sequence number");
+    ++*sequence;
+    events.push_back(std::move(j));
     pos = end + 2;
   }
   return events;
@@ -212,7 +246,21 @@ constexpr const char* kKeys[] = {"model",
                                  "suffix",
                                  "add_generation_prompt",
                                  "user",
-                                 "cache_salt"};
+                                 "cache_salt",
+                                 "input",
+                                 "instructions",
+                                 "max_output_tokens",
+                                 "include",
+                                 "format",
+                                 "name",
+                                 "arguments",
+                                 "call_id",
+                                 "output",
+                                 "tool_choice",
+                                 "previous_response_id",
+                                 "truncation",
+                                 "reasoning",
+                                 "metadata"};
 constexpr const char* kNumbers[] = {"0",
                                     "1",
                                     "-1",
@@ -235,10 +283,28 @@ constexpr const char* kNumbers[] = {"0",
                                     "-9223372036854775809",
                                     "18446744073709551616",
                                     "1e19"};
-constexpr const char* kStrings[] = {"",          "m",         "pdserve-tiny", "user",
-                                    "assistant", "system",    "tool",         "developer",
-                                    "text",      "image_url", "\\u00e9",      "\\ud83d\\ude00",
-                                    "\\ud800",   "\\u0000",   "\\n"};
+constexpr const char* kStrings[] = {"",
+                                    "m",
+                                    "pdserve-tiny",
+                                    "user",
+                                    "assistant",
+                                    "system",
+                                    "tool",
+                                    "developer",
+                                    "text",
+                                    "image_url",
+                                    "\\u00e9",
+                                    "\\ud83d\\ude00",
+                                    "\\ud800",
+                                    "\\u0000",
+                                    "\\n",
+                                    "message",
+                                    "input_text",
+                                    "output_text",
+                                    "function_call",
+                                    "function_call_output",
+                                    "json_schema",
+                                    "function"};
 
 void AppendValue(Script& in, int depth, std::string* out);
 
@@ -339,7 +405,76 @@ Usage RandomUsage(Script& in) {
   return u;
 }
 
+// A parsed /v1/responses request: its events and objects.
+void DriveResponses(const ApiRequest& request, Script& in) {
+  const ResponseFormatter f(request, "resp_" + in.Bytes(), in.Bits<int64_t>());
+  int64_t sequence = 0;
+  const auto start = ParseResponsesSse(f.StreamStart(), "StreamStart", &sequence);
+  if (start.size() != 2u || start[0]["response"]["status"] != "in_progress") {
+    Fail("StreamStart is not response.created and response.in_progress");
+  }
+  for (int ops = 0; !in.done() && ops < 32; ++ops) {
+    switch (in.Byte() % 4) {
+      case 0: {
+        const auto pieces = Pieces(in);
+        const auto events = ParseResponsesSse(f.StreamDelta(pieces), "StreamDelta", &sequence);
+        const std::string text = JoinText(pieces);
+        if (!events.empty() && ValidUtf8(text) &&
+            (events.back()["type"] != "response.output_text.delta" ||
+             events.back()["delta"] != text)) {
+          Fail("StreamDelta's last event is not the pieces' text");
+        }
+        break;
+      }
+      case 1: {
+        const auto pieces = Pieces(in);
+        const json j = f.Complete("", pieces, in.Bytes(), RandomUsage(in));
+        std::string dumped;
+        try {
+          dumped = j.dump();
+        } catch (const json::exception& e) {
+          Fail(std::string("Complete's JSON cannot be serialized: ") + e.what());
+        }
+        if (json::parse(dumped, nullptr, false) != j) Fail("Complete does not round-trip");
+        if (j["object"] != "response" || !j["output"].is_array() || j["output"].empty()) {
+          Fail("Complete is not a response with output");
+        }
+        break;
+      }
+      case 2: {
+        std::string sse = f.StreamChoiceFinish(in.Bytes(), 0);
+        sse += f.StreamEnd(RandomUsage(in));
+        const auto events = ParseResponsesSse(sse, "StreamFinish", &sequence);
+        const json& last = events.back();
+        if (last["type"] != "response.completed" && last["type"] != "response.incomplete") {
+          Fail("a finished stream's last event is " + last["type"].dump());
+        }
+        break;
+      }
+      case 3: {
+        if (in.Byte() & 1) {
+          ApiError e;
+          e.status = 400 + in.Byte() % 200;
+          e.message = "x" + in.Bytes();
+          e.type = "t" + in.Bytes();
+          CheckError(e);
+          break;
+        }
+        std::vector<ToolCall> calls(in.Byte() % 3);
+        for (auto& c : calls) {
+          c.id = in.Bytes();
+          c.name = in.Bytes();
+          c.arguments = in.Bytes();
+        }
+        ParseResponsesSse(f.StreamToolCalls(calls, 0, 0), "StreamToolCalls", &sequence);
+        break;
+      }
+    }
+  }
+}
+
 void DriveFormatter(const ApiRequest& request, Script& in) {
+  if (request.endpoint == Endpoint::kResponses) return DriveResponses(request, in);
   const ResponseFormatter f(request, "cmpl-" + in.Bytes(), in.Bits<int64_t>());
   const bool chat = request.endpoint == Endpoint::kChatCompletions;
   bool done = false;
@@ -409,7 +544,9 @@ void DriveFormatter(const ApiRequest& request, Script& in) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
   const uint8_t config = data[0];
-  const Endpoint endpoint = (config & 1) ? Endpoint::kChatCompletions : Endpoint::kCompletions;
+  const Endpoint endpoint = !(config & 1)              ? Endpoint::kCompletions
+                            : ((config >> 3) & 7) == 7 ? Endpoint::kResponses
+                                                       : Endpoint::kChatCompletions;
   ApiLimits limits;
   switch ((config >> 1) & 3) {
     case 0:

@@ -927,22 +927,6 @@ std::optional<ApiError> ParseBody(Endpoint endpoint, const ojson& j, const ApiLi
   return std::nullopt;
 }
 
-// A chat parser's error about a field the Responses API names otherwise,
-// in its names: messages are its input (instructions first), max_tokens
-// its max_output_tokens.
-ApiError InResponsesTerms(ApiError e) {
-  auto rename = [&e](std::string_view from, std::string_view to) {
-    if (!e.param.starts_with(from)) return;
-    e.param = std::string(to) + e.param.substr(from.size());
-    for (size_t at = 0; (at = e.message.find(from, at)) != std::string::npos; at += to.size())
-      e.message.replace(at, from.size(), to);
-  };
-  rename("messages", "input");
-  rename("max_tokens", "max_output_tokens");
-  rename("response_format", "text.format");
-  return e;
-}
-
 }  // namespace
 
 std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view body,
@@ -958,6 +942,7 @@ std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view body,
   out->endpoint = Endpoint::kResponses;
   out->response_fields = std::move(echo);
   if (out->max_tokens_param == "max_tokens") out->max_tokens_param = "max_output_tokens";
+  if (out->sampling.constraint) out->constraint_param = "text.format";
   return std::nullopt;
 }
 
@@ -1387,6 +1372,10 @@ std::string ResponseFormatter::StreamError(const ApiError& error) {
                {"param", error.param.empty() ? ojson(nullptr) : ojson(error.param)},
                {"code", error.code.empty() ? ojson(nullptr) : ojson(error.code)}};
   return Sse({{"error", err}}) + "data: [DONE]\n\n";
+}
+
+std::string ResponseFormatter::StreamFailure(const ApiError& error) const {
+  return responses_ ? responses_->Error(error) : StreamError(error);
 }
 
 ojson ResponseFormatter::Choice(const std::string& prompt_text, const ChoiceOutput& c) const {

@@ -258,6 +258,9 @@ class ResponseFormatter {
   std::string StreamFinish(const std::string& finish_reason, const Usage& usage) const;
   // Streaming: an error event after the stream started, then [DONE].
   static std::string StreamError(const ApiError& error);
+  // The same for this request's endpoint (/v1/responses: its error and
+  // response.failed events).
+  std::string StreamFailure(const ApiError& error) const;
 
   // Non-streaming: the whole response object. `tools`: a chat choice's
   // content and tool calls, which replace the text of `pieces`.

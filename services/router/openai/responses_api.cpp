@@ -1,5 +1,7 @@
 #include "services/router/openai/responses_api.h"
 
+#include <charconv>
+#include <string_view>
 #include <utility>
 
 namespace pdserve::router {
@@ -54,6 +56,19 @@ std::optional<ApiError> ContentToChat(const ojson& content, const std::string& a
   return std::nullopt;
 }
 
+// Appends chat content (a string or text parts) to a turn's (null, a
+// string or text parts): text parts of both.
+void MergeContent(ojson more, ojson* content) {
+  auto parts = [](ojson c) {
+    if (c.is_null()) return ojson::array();
+    if (c.is_string()) return ojson::array({{{"type", "text"}, {"text", std::move(c)}}});
+    return c;
+  };
+  ojson merged = parts(std::move(*content));
+  for (ojson& part : parts(std::move(more))) merged.push_back(std::move(part));
+  *content = std::move(merged);
+}
+
 // `input` as chat messages, after `instructions` (a system message).
 std::optional<ApiError> InputToMessages(const ojson& body, ojson* messages) {
   if (auto it = body.find("instructions"); it != body.end() && !it->is_null()) {
@@ -99,6 +114,13 @@ std::optional<ApiError> InputToMessages(const ojson& body, ojson* messages) {
       if (content == item.end()) return Bad(at + ".content", "'" + at + ".content' is required");
       ojson chat_content;
       if (auto err = ContentToChat(*content, at + ".content", &chat_content)) return err;
+      if (role == "assistant" && assistant_open) {
+        // More of the same turn (a streamed answer's text after its calls):
+        // its parts follow the turn's, so that tool answers still come
+        // right after the turn that called.
+        MergeContent(std::move(chat_content), &messages->back()["content"]);
+        continue;
+      }
       messages->push_back({{"role", role}, {"content", std::move(chat_content)}});
       assistant_open = role == "assistant";
     } else if (type == "function_call") {
@@ -217,21 +239,26 @@ std::optional<ApiError> TextFormatToChat(const ojson& body, ojson* chat, ojson* 
 
 std::optional<ApiError> ResponsesToChat(const ojson& body, ojson* chat, ojson* echo) {
   // Chat's own spellings of what the Responses API names otherwise.
-  static const std::pair<const char*, const char*> kChatFields[] = {
-      {"messages", "'input'"},
-      {"response_format", "'text.format'"},
-      {"max_tokens", "'max_output_tokens'"},
-      {"max_completion_tokens", "'max_output_tokens'"},
-      {"logprobs", "'include': [\"message.output_text.logprobs\"]"},
-      {"n", "one request a response"},
-      {"best_of", "one request a response"},
-      {"echo", "'input'"},
-      {"stream_options", "the usage in response.completed"},
-      {"functions", "'tools'"},
-      {"function_call", "'tool_choice'"},
+  // (Their neutral values are no request for anything: let through.)
+  struct ChatField {
+    const char* name;
+    const char* instead;
+    ojson neutral;
   };
-  for (const auto& [field, instead] : kChatFields) {
-    if (Present(body, field)) {
+  static const ChatField kChatFields[] = {
+      {"messages", "'input'", nullptr},
+      {"response_format", "'text.format'", nullptr},
+      {"max_tokens", "'max_output_tokens'", nullptr},
+      {"max_completion_tokens", "'max_output_tokens'", nullptr},
+      {"logprobs", "'include': [\"message.output_text.logprobs\"]", false},
+      {"n", "one request a response", 1},
+      {"best_of", "one request a response", 1},
+      {"echo", "'input'", false},
+      {"functions", "'tools'", nullptr},
+      {"function_call", "'tool_choice'", nullptr},
+  };
+  for (const auto& [field, instead, neutral] : kChatFields) {
+    if (Present(body, field) && body[field] != neutral) {
       return Bad(field,
                  std::string("'") + field + "' is not a field of /v1/responses; use " + instead);
     }
@@ -267,8 +294,25 @@ std::optional<ApiError> ResponsesToChat(const ojson& body, ojson* chat, ojson* e
   }
   if (auto it = body.find("store"); it != body.end() && !it->is_null() && !it->is_boolean())
     return Bad("store", "'store' must be a boolean");
-  if (auto it = body.find("metadata"); it != body.end() && !it->is_null() && !it->is_object())
-    return Bad("metadata", "'metadata' must be an object");
+  if (auto it = body.find("metadata"); it != body.end() && !it->is_null()) {
+    // OpenAI's bounds: 16 pairs, keys of up to 64 characters, string values
+    // of up to 512 (each response repeats them).
+    const char* shape =
+        "'metadata' must be an object of at most 16 strings of up to 512 "
+        "characters, keys of up to 64";
+    if (!it->is_object() || it->size() > 16) return Bad("metadata", shape);
+    for (auto kv = it->begin(); kv != it->end(); ++kv) {
+      if (kv.key().size() > 64 || !kv.value().is_string() ||
+          kv.value().get_ref<const std::string&>().size() > 512) {
+        return Bad("metadata", shape);
+      }
+    }
+  }
+  if (auto it = body.find("stream_options"); it != body.end() && !it->is_null()) {
+    // Its one option, include_obfuscation, pads events against length
+    // side channels on OpenAI's network; here there is nothing to pad.
+    if (!it->is_object()) return Bad("stream_options", "'stream_options' must be an object");
+  }
 
   *echo = {{"instructions", nullptr},
            {"max_output_tokens", nullptr},
@@ -282,12 +326,29 @@ std::optional<ApiError> ResponsesToChat(const ojson& body, ojson* chat, ojson* e
   // Everything else passes: model, stream, temperature, top_p, user,
   // parallel_tool_calls and vLLM's sampling fields.
   *chat = ojson::object();
-  static const char* kOwnFields[] = {"input",           "instructions", "tools",
-                                     "tool_choice",     "text",         "max_output_tokens",
-                                     "include",         "top_logprobs", "store",
-                                     "metadata",        "reasoning",    "truncation",
-                                     "background",      "service_tier", "safety_identifier",
-                                     "prompt_cache_key"};
+  // ("logprobs", "n", "best_of" and "echo" got here only as their neutral
+  // values: dropped, the chat defaults are those.)
+  static const char* kOwnFields[] = {"input",
+                                     "instructions",
+                                     "tools",
+                                     "tool_choice",
+                                     "text",
+                                     "max_output_tokens",
+                                     "include",
+                                     "top_logprobs",
+                                     "store",
+                                     "metadata",
+                                     "reasoning",
+                                     "truncation",
+                                     "background",
+                                     "service_tier",
+                                     "safety_identifier",
+                                     "prompt_cache_key",
+                                     "stream_options",
+                                     "logprobs",
+                                     "n",
+                                     "best_of",
+                                     "echo"};
   for (auto it = body.begin(); it != body.end(); ++it) {
     bool own = false;
     for (const char* f : kOwnFields) own = own || it.key() == f;
@@ -325,10 +386,43 @@ std::optional<ApiError> ResponsesToChat(const ojson& body, ojson* chat, ojson* e
   return std::nullopt;
 }
 
+namespace {
+// A float sampling value as the decimal the client wrote (0.7, not the
+// double nearest the float, 0.699999988...).
+double ShortestDouble(float v) {
+  char text[32];
+  const auto end = std::to_chars(text, text + sizeof text, v).ptr;
+  double out = v;
+  std::from_chars(text, end, out);
+  return out;
+}
+}  // namespace
+
+ApiError InResponsesTerms(ApiError e) {
+  const std::string old_param = e.param;
+  std::string& p = e.param;
+  if (p.starts_with("messages")) {
+    p = "input" + p.substr(8);
+  } else if (p == "max_tokens") {
+    p = "max_output_tokens";
+  } else if (p.starts_with("response_format")) {
+    std::string rest = p.substr(15);
+    if (rest.starts_with(".json_schema")) rest = rest.substr(12);
+    p = "text.format" + rest;
+  } else if (p.starts_with("tools[")) {
+    if (const size_t at = p.find("].function"); at != std::string::npos) p.erase(at + 1, 9);
+  }
+  if (p != old_param && !old_param.empty()) {
+    for (size_t at = 0; (at = e.message.find(old_param, at)) != std::string::npos; at += p.size())
+      e.message.replace(at, old_param.size(), p);
+  }
+  return e;
+}
+
 ResponsesWriter::ResponsesWriter(const ApiRequest& request, std::string id, int64_t created_at)
     : request_(request), id_(std::move(id)), created_at_(created_at) {}
 
-ojson ResponsesWriter::Response(const char* status) const {
+ojson ResponsesWriter::Response(const char* status, const ojson& output, const ojson& usage) const {
   const ojson& e = request_.response_fields;
   auto echoed = [&](const char* key, ojson fallback) {
     auto it = e.find(key);
@@ -348,19 +442,19 @@ ojson ResponsesWriter::Response(const char* status) const {
       {"max_tool_calls", nullptr},
       {"metadata", echoed("metadata", ojson::object())},
       {"model", request_.model},
-      {"output", output_},
+      {"output", output},
       {"parallel_tool_calls", echoed("parallel_tool_calls", true)},
       {"previous_response_id", nullptr},
       {"reasoning", {{"effort", nullptr}, {"summary", nullptr}}},
       {"store", false},
-      {"temperature", request_.sampling.temperature},
+      {"temperature", ShortestDouble(request_.sampling.temperature)},
       {"text", echoed("text", {{"format", {{"type", "text"}}}})},
       {"tool_choice", echoed("tool_choice", "auto")},
       {"tools", echoed("tools", ojson::array())},
       {"top_logprobs", echoed("top_logprobs", 0)},
-      {"top_p", request_.sampling.top_p},
+      {"top_p", ShortestDouble(request_.sampling.top_p)},
       {"truncation", "disabled"},
-      {"usage", usage_.is_null() ? ojson(nullptr) : usage_},
+      {"usage", usage},
       {"user", echoed("user", nullptr)}};
 }
 
@@ -377,8 +471,9 @@ std::string ResponsesWriter::Event(const char* type, ojson fields) {
 }
 
 std::string ResponsesWriter::Start() {
-  std::string out = Event("response.created", {{"response", Response("in_progress")}});
-  out += Event("response.in_progress", {{"response", Response("in_progress")}});
+  std::string out =
+      Event("response.created", {{"response", Response("in_progress", output_, nullptr)}});
+  out += Event("response.in_progress", {{"response", Response("in_progress", output_, nullptr)}});
   return out;
 }
 
@@ -404,44 +499,68 @@ std::string ResponsesWriter::OpenMessage() {
   return out;
 }
 
+namespace {
+bool Blank(std::string_view text) { return text.find_first_not_of(" \t\r\n") == std::string::npos; }
+}  // namespace
+
 std::string ResponsesWriter::Text(const std::string& text, const ojson& logprobs) {
   if (text.empty() && logprobs.empty()) return "";
-  std::string out = message_open_ ? "" : OpenMessage();
+  if (!message_open_ && Blank(text)) {
+    // Whitespace (or a call's tokens' logprobs) before a call is no
+    // message, as in Complete: held until text or the end says it is one.
+    held_text_ += text;
+    for (const ojson& lp : logprobs) held_logprobs_.push_back(lp);
+    return "";
+  }
+  std::string out;
+  std::string delta = text;
+  ojson delta_logprobs = logprobs;
+  if (!message_open_) {
+    out = OpenMessage();
+    delta = std::exchange(held_text_, {}) + text;
+    delta_logprobs = std::exchange(held_logprobs_, ojson::array());
+    for (const ojson& lp : logprobs) delta_logprobs.push_back(lp);
+  }
   const size_t index = output_.size();
-  message_text_ += text;
-  for (const ojson& lp : logprobs) message_logprobs_.push_back(lp);
+  message_text_ += delta;
+  for (const ojson& lp : delta_logprobs) message_logprobs_.push_back(lp);
   out += Event("response.output_text.delta", {{"item_id", ItemId("msg_", index)},
                                               {"output_index", index},
                                               {"content_index", 0},
-                                              {"delta", text},
-                                              {"logprobs", logprobs}});
+                                              {"delta", delta},
+                                              {"logprobs", delta_logprobs}});
   return out;
+}
+
+ojson ResponsesWriter::MessageItem(const std::string& text, const ojson& logprobs,
+                                   size_t output_index) const {
+  const ojson part = {{"type", "output_text"},
+                      {"text", text},
+                      {"annotations", ojson::array()},
+                      {"logprobs", logprobs}};
+  return {{"id", ItemId("msg_", output_index)},
+          {"type", "message"},
+          {"status", finish_reason_ == "length" ? "incomplete" : "completed"},
+          {"role", "assistant"},
+          {"content", ojson::array({part})}};
 }
 
 std::string ResponsesWriter::CloseMessage() {
   if (!message_open_) return "";
   message_open_ = false;
   const size_t index = output_.size();
-  const std::string item_id = ItemId("msg_", index);
-  const ojson part = {{"type", "output_text"},
-                      {"text", message_text_},
-                      {"annotations", ojson::array()},
-                      {"logprobs", message_logprobs_}};
-  std::string out = Event("response.output_text.done", {{"item_id", item_id},
+  ojson item = MessageItem(message_text_, message_logprobs_, index);
+  const ojson& part = item["content"][0];
+  std::string out = Event("response.output_text.done", {{"item_id", item["id"]},
                                                         {"output_index", index},
                                                         {"content_index", 0},
                                                         {"text", message_text_},
                                                         {"logprobs", message_logprobs_}});
-  out +=
-      Event("response.content_part.done",
-            {{"item_id", item_id}, {"output_index", index}, {"content_index", 0}, {"part", part}});
-  const ojson item = {{"id", item_id},
-                      {"type", "message"},
-                      {"status", finish_reason_ == "length" ? "incomplete" : "completed"},
-                      {"role", "assistant"},
-                      {"content", ojson::array({part})}};
+  out += Event(
+      "response.content_part.done",
+      {{"item_id", item["id"]}, {"output_index", index}, {"content_index", 0}, {"part", part}});
   out += Event("response.output_item.done", {{"output_index", index}, {"item", item}});
-  output_.push_back(item);
+  output_.push_back(std::move(item));
   return out;
 }
 
@@ -456,6 +575,8 @@ ojson ResponsesWriter::CallItem(const ToolCall& call, size_t output_index) const
 
 std::string ResponsesWriter::Calls(const std::vector<ToolCall>& calls) {
   if (calls.empty()) return "";
+  held_text_.clear();
+  held_logprobs_ = ojson::array();
   std::string out = CloseMessage();
   for (const ToolCall& call : calls) {
     const size_t index = output_.size();
@@ -478,9 +599,31 @@ std::string ResponsesWriter::Calls(const std::vector<ToolCall>& calls) {
 
 std::string ResponsesWriter::Finish(const std::string& finish_reason) {
   finish_reason_ = finish_reason;
-  // An empty output is one empty message, as OpenAI answers it.
-  std::string out = output_.empty() && !message_open_ ? OpenMessage() : "";
+  std::string out;
+  // Held whitespace after the last call is dropped; without calls it is the
+  // message. An empty output is one empty message, as OpenAI answers it.
+  if (output_.empty() && !message_open_) {
+    out = OpenMessage();
+    if (!held_text_.empty() || !held_logprobs_.empty()) {
+      const std::string text = std::exchange(held_text_, {});
+      out += Text(text, std::exchange(held_logprobs_, ojson::array()));
+    }
+  }
+  held_text_.clear();
+  held_logprobs_ = ojson::array();
   return out + CloseMessage();
+}
+
+std::string ResponsesWriter::Error(const ApiError& error) {
+  const ojson code = error.code.empty() ? ojson(error.type) : ojson(error.code);
+  std::string out = Event("error", {{"code", code},
+                                    {"message", error.message},
+                                    {"param", error.param.empty() ? ojson() : ojson(error.param)}});
+  ojson failed = Response("failed", output_, nullptr);
+  failed["error"] = {{"code", error.status >= 500 ? "server_error" : code},
+                     {"message", error.message}};
+  out += Event("response.failed", {{"response", std::move(failed)}});
+  return out;
 }
 
 namespace {
@@ -494,10 +637,10 @@ ojson UsageObject(const Usage& u) {
 }  // namespace
 
 std::string ResponsesWriter::End(const Usage& usage) {
-  usage_ = UsageObject(usage);
   const bool incomplete = finish_reason_ == "length";
   return Event(incomplete ? "response.incomplete" : "response.completed",
-               {{"response", Response(incomplete ? "incomplete" : "completed")}});
+               {{"response",
+                 Response(incomplete ? "incomplete" : "completed", output_, UsageObject(usage))}});
 }
 
 ojson ResponsesWriter::Complete(const std::string& text, const ojson& logprobs,
@@ -506,17 +649,13 @@ ojson ResponsesWriter::Complete(const std::string& text, const ojson& logprobs,
   finish_reason_ = finish_reason;
   const bool has_calls = calls != nullptr && !calls->empty();
   const bool blank = text.find_first_not_of(" \t\r\n") == std::string::npos;
-  if (!(has_calls && blank)) {
-    message_open_ = true;
-    message_text_ = text;
-    message_logprobs_ = logprobs;
-    CloseMessage();
-  }
+  ojson output = ojson::array();
+  if (!(has_calls && blank)) output.push_back(MessageItem(text, logprobs, 0));
   if (has_calls) {
-    for (const ToolCall& call : *calls) output_.push_back(CallItem(call, output_.size()));
+    for (const ToolCall& call : *calls) output.push_back(CallItem(call, output.size()));
   }
-  usage_ = UsageObject(usage);
-  return Response(finish_reason == "length" ? "incomplete" : "completed");
+  return Response(finish_reason == "length" ? "incomplete" : "completed", output,
+                  UsageObject(usage));
 }
 
 }  // namespace pdserve::router

@@ -36,6 +36,13 @@ namespace pdserve::router {
 std::optional<ApiError> ResponsesToChat(const nlohmann::ordered_json& body,
                                         nlohmann::ordered_json* chat, nlohmann::ordered_json* echo);
 
+// An error about a chat request that was a Responses one, in the Responses
+// API's names: `messages` is its `input`, `max_tokens` its
+// `max_output_tokens`, `response_format.json_schema` its `text.format`,
+// `tools[N].function.X` its `tools[N].X` (the param, and where the message
+// quotes it).
+ApiError InResponsesTerms(ApiError error);
+
 // One response's output in the Responses API's shapes. One per request,
 // called in output order (not thread-safe).
 class ResponsesWriter {
@@ -48,8 +55,9 @@ class ResponsesWriter {
   std::string Start();
   // Output text (valid UTF-8) and its tokens' logprobs (chat's entries:
   // token, logprob, bytes, top_logprobs; an array, empty when none): a
-  // delta of the open message, which the first text opens. "" when both
-  // are empty.
+  // delta of the open message, which the first text that is not whitespace
+  // opens (whitespace before it is held: before a call it is dropped, as
+  // Complete drops blank content beside calls). "" when nothing is sent.
   std::string Text(const std::string& text, const nlohmann::ordered_json& logprobs);
   // Complete calls: a function_call item each (the open message closed
   // first).
@@ -60,16 +68,23 @@ class ResponsesWriter {
   std::string Finish(const std::string& finish_reason);
   // response.completed or response.incomplete, with the whole response.
   std::string End(const Usage& usage);
+  // The request failed after the stream began: an error event, then
+  // response.failed with the output so far.
+  std::string Error(const ApiError& error);
 
-  // Non-streaming: the whole response object for one output. `calls`: the
-  // tool calls parsed out of it (null without tools), `text` then the
-  // content around them.
+  // Non-streaming: the whole response object for one output (the stream's
+  // state is not used). `calls`: the tool calls parsed out of it (null
+  // without tools), `text` then the content around them.
   nlohmann::ordered_json Complete(const std::string& text, const nlohmann::ordered_json& logprobs,
                                   const std::vector<ToolCall>* calls,
                                   const std::string& finish_reason, const Usage& usage);
 
  private:
-  nlohmann::ordered_json Response(const char* status) const;
+  nlohmann::ordered_json Response(const char* status, const nlohmann::ordered_json& output,
+                                  const nlohmann::ordered_json& usage) const;
+  nlohmann::ordered_json MessageItem(const std::string& text,
+                                     const nlohmann::ordered_json& logprobs,
+                                     size_t output_index) const;
   std::string Event(const char* type, nlohmann::ordered_json fields);
   std::string OpenMessage();
   std::string CloseMessage();
@@ -82,10 +97,11 @@ class ResponsesWriter {
   int64_t sequence_ = 0;
   nlohmann::ordered_json output_ = nlohmann::ordered_json::array();  // finished items
   bool message_open_ = false;
+  std::string held_text_;  // whitespace while no message is open
+  nlohmann::ordered_json held_logprobs_ = nlohmann::ordered_json::array();
   std::string message_text_;
   nlohmann::ordered_json message_logprobs_ = nlohmann::ordered_json::array();
   std::string finish_reason_ = "stop";
-  nlohmann::ordered_json usage_;
 };
 
 }  // namespace pdserve::router

@@ -561,6 +561,71 @@ TEST_F(RouterServiceChatTemplateTest, TheGivenTemplateRendersAndChoosesTheParser
   EXPECT_EQ(calls[0]["function"]["arguments"], R"({"n":2})");
 }
 
+// /v1/responses through the router: the chat prompt its request
+// translates to (developer messages as system ones, since this template
+// never names the role), its tool calls parsed into function_call items,
+// and errors found after parsing named as the Responses API names them.
+TEST_F(RouterServiceChatTemplateTest, ResponsesAreServedAsTheirChatRequest) {
+  FakeWorker& w = AddWorker("w", proto::ROLE_BOTH, 4096);
+  w.SetReplyText(
+      "<tool_call>\n<function=f>\n<parameter=n>\n2\n</parameter>\n</function>\n"
+      "</tool_call>");
+  auto tok = Tokenizer::Load(pdserve::testing::TinyModelDir());
+  ASSERT_TRUE(tok.ok());
+  auto post = [&](const char* path, const nlohmann::json& body) {
+    return pdserve::testing::HttpRequest(service_->http_port(), "POST", path, body.dump());
+  };
+  auto sent = [&](size_t i) {
+    const auto g = w.generates();
+    EXPECT_GT(g.size(), i);
+    return g.size() > i ? std::vector<TokenId>(g[i].prompt_token_ids().begin(),
+                                               g[i].prompt_token_ids().end())
+                        : std::vector<TokenId>();
+  };
+  const nlohmann::json tools = nlohmann::json::parse(R"([{"type": "function", "name": "f",
+    "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}}}])");
+  auto r =
+      post("/v1/responses",
+           {{"model", model_id_},
+            {"instructions", "I"},
+            {"input",
+             {{{"role", "developer"}, {"content", "D"}}, {{"role", "user"}, {"content", "hi"}}}},
+            {"tools", tools},
+            {"max_output_tokens", 40}});
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(sent(0), (*tok)->Encode("[system|I][system|D][user|hi](call as "
+                                    "<tool_call><function=NAME>)>",
+                                    /*add_special_tokens=*/false));
+  const auto response = nlohmann::json::parse(r.body);
+  EXPECT_EQ(response["object"], "response");
+  ASSERT_EQ(response["output"].size(), 1u) << r.body;
+  EXPECT_EQ(response["output"][0]["type"], "function_call");
+  EXPECT_EQ(response["output"][0]["name"], "f");
+  EXPECT_EQ(response["output"][0]["arguments"], R"({"n":2})");
+  // The fake worker ends every answer at max_tokens.
+  EXPECT_EQ(response["status"], "incomplete");
+  EXPECT_EQ(response["incomplete_details"]["reason"], "max_output_tokens");
+  // Chat's developer messages render the same way.
+  ASSERT_EQ(
+      post("/v1/chat/completions",
+           {{"messages",
+             {{{"role", "developer"}, {"content", "D"}}, {{"role", "user"}, {"content", "hi"}}}},
+            {"max_tokens", 2}})
+          .status,
+      200);
+  EXPECT_EQ(sent(1), (*tok)->Encode("[system|D][user|hi]>", /*add_special_tokens=*/false));
+  // A function whose parameters the grammar compiler refuses, found when
+  // the router prepares the tools: named as the Responses API names it.
+  const nlohmann::json bad_tools = nlohmann::json::parse(R"([{"type": "function", "name": "f",
+    "parameters": {"type": "object", "properties": {"n": {"type": "integer",
+    "multipleOf": 3}}}}])");
+  r = post("/v1/responses", {{"input", "x"}, {"tools", bad_tools}, {"tool_choice", "required"}});
+  ASSERT_EQ(r.status, 400) << r.body;
+  const auto error = nlohmann::json::parse(r.body)["error"];
+  EXPECT_EQ(error["param"], "tools[0].parameters") << r.body;
+  EXPECT_EQ(error["message"].get<std::string>().find("function"), std::string::npos) << r.body;
+}
+
 // vLLM's prompt extensions through the router: the final message continued
 // (the template's end of turn cut off), the prompt's last tokens kept, and
 // logprobs naming token ids.

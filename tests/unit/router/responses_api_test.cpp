@@ -295,5 +295,117 @@ TEST(ResponsesApiTest, CompleteResponseHasTheMessageAndTheCalls) {
   EXPECT_EQ(r["usage"]["total_tokens"], 5);
 }
 
+TEST(ResponsesApiTest, WhitespaceBeforeACallIsNoMessageAndErrorsEndTheStream) {
+  const ApiRequest api = ResponsesRequest();
+  const ToolCall call{"call_1", "f", "{}"};
+  const ojson lp = ojson::parse(R"([{"token": "<", "logprob": -1, "bytes": [60],
+                                     "top_logprobs": []}])");
+  // Streamed as Complete answers it: the call alone.
+  ResponsesWriter w(api, "resp_a", 1);
+  std::string sse = w.Start();
+  EXPECT_EQ(w.Text("\n", ojson::array()), "");
+  EXPECT_EQ(w.Text("", lp), "");  // a call token's logprob
+  sse += w.Calls({call});
+  sse += w.Finish("tool_calls");
+  sse += w.End({1, 1, 0});
+  const ojson done = Events(sse).back()["response"];
+  ASSERT_EQ(done["output"].size(), 1u) << done.dump();
+  EXPECT_EQ(done["output"][0]["type"], "function_call");
+  // Whitespace and no call: that is the message, its logprobs with it.
+  ResponsesWriter blank(api, "resp_b", 1);
+  sse = blank.Start();
+  sse += blank.Text(" ", lp);
+  sse += blank.Finish("stop");
+  sse += blank.End({1, 1, 0});
+  const ojson only = Events(sse).back()["response"];
+  ASSERT_EQ(only["output"].size(), 1u);
+  EXPECT_EQ(only["output"][0]["content"][0]["text"], " ");
+  EXPECT_EQ(only["output"][0]["content"][0]["logprobs"], lp);
+  // Whitespace then text: one delta with both.
+  ResponsesWriter spaced(api, "resp_c", 1);
+  sse = spaced.Start();
+  sse += spaced.Text("  ", ojson::array());
+  sse += spaced.Text("Hi", ojson::array());
+  const std::vector<ojson> events = Events(sse);
+  EXPECT_EQ(events.back()["delta"], "  Hi");
+
+  // A failure after the stream began: OpenAI's error event, then
+  // response.failed with the output so far, numbered on.
+  ApiError error{500, "worker lost", "server_error", "", ""};
+  sse += spaced.Error(error);
+  const std::vector<ojson> failed = Events(sse);
+  ASSERT_GE(failed.size(), 2u);
+  const ojson& e = failed[failed.size() - 2];
+  EXPECT_EQ(e["type"], "error");
+  EXPECT_EQ(e["message"], "worker lost");
+  EXPECT_EQ(e["code"], "server_error");
+  const ojson& f = failed.back();
+  EXPECT_EQ(f["type"], "response.failed");
+  EXPECT_EQ(f["response"]["status"], "failed");
+  EXPECT_EQ(f["response"]["error"]["message"], "worker lost");
+  EXPECT_EQ(f["sequence_number"], failed.size() - 1);
+}
+
+TEST(ResponsesApiTest, FollowUpsAndNeutralFields) {
+  // A streamed answer fed back: text, a call, more text, then the call's
+  // output. The text after the call stays in the calling turn, so the
+  // tool's answer follows it.
+  ojson chat, echo;
+  ASSERT_FALSE(ResponsesToChat(ojson::parse(R"({"input": [
+      {"role": "user", "content": "q"},
+      {"type": "message", "role": "assistant", "content": "a"},
+      {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+      {"type": "message", "role": "assistant",
+       "content": [{"type": "output_text", "text": "b"}]},
+      {"type": "function_call_output", "call_id": "c", "output": "r"}]})"),
+                               &chat, &echo));
+  EXPECT_EQ(chat["messages"], ojson::parse(R"([
+      {"role": "user", "content": "q"},
+      {"role": "assistant", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+       "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+      {"role": "tool", "tool_call_id": "c", "content": "r"}])"))
+      << chat["messages"].dump(1);
+  // Chat's fields at their neutral values, and stream_options, pass.
+  ApiRequest api;
+  const auto err = ParseRequest(
+      Endpoint::kResponses,
+      R"({"model": "m", "input": "x", "n": 1, "logprobs": false, "echo": false, "stream": true,
+          "stream_options": {"include_obfuscation": false}, "temperature": 0.7, "top_p": 0.9})",
+      Limits(), &api);
+  ASSERT_FALSE(err) << err->message;
+  EXPECT_EQ(api.n, 1);
+  EXPECT_FALSE(api.include_usage);
+  // The sampling values come back as written, not as the floats' doubles.
+  const ojson r =
+      ResponsesWriter(api, "resp_1", 1).Complete("t", ojson::array(), nullptr, "stop", {1, 1, 0});
+  EXPECT_EQ(r["temperature"].dump(), "0.7");
+  EXPECT_EQ(r["top_p"].dump(), "0.9");
+  // Metadata within OpenAI's bounds only.
+  ojson big = ojson::object();
+  for (int i = 0; i < 17; ++i) big["k" + std::to_string(i)] = "v";
+  for (const ojson& metadata : {big, ojson{{"k", std::string(513, 'v')}},
+                                ojson{{std::string(65, 'k'), "v"}}, ojson{{"k", 1}}}) {
+    const auto refused = ResponsesToChat({{"input", "x"}, {"metadata", metadata}}, &chat, &echo);
+    ASSERT_TRUE(refused.has_value());
+    EXPECT_EQ(refused->param, "metadata");
+  }
+  // Errors the router finds later are named as the Responses API names them.
+  const std::pair<const char*, const char*> renamed[] = {
+      {"tools[2].function.parameters", "tools[2].parameters"},
+      {"response_format.json_schema.schema", "text.format.schema"},
+      {"response_format", "text.format"},
+      {"messages", "input"},
+      {"messages[3].content", "input[3].content"},
+      {"max_tokens", "max_output_tokens"},
+      {"temperature", "temperature"},
+  };
+  for (const auto& [from, to] : renamed) {
+    const ApiError e = InResponsesTerms(
+        {400, std::string("'") + from + "' is bad", "invalid_request_error", from, ""});
+    EXPECT_EQ(e.param, to);
+    EXPECT_EQ(e.message, std::string("'") + to + "' is bad");
+  }
+}
+
 }  // namespace
 }  // namespace pdserve::router
