@@ -105,7 +105,14 @@ KeptTokens FilterRow(const float* logits, int64_t n, const SampleRowParams& p) {
     split_at(cross);
     const auto take = static_cast<std::ptrdiff_t>(k - above);
     std::partial_sort(s.crossing.begin(), s.crossing.begin() + take, s.crossing.end(), more_likely);
-    s.ids.insert(s.ids.end(), s.crossing.begin(), s.crossing.begin() + take);
+    // Every token as likely as the k-th stays (vLLM's and transformers'
+    // top-k): the tied ones left unsorted have higher ids, so they follow
+    // in id order, which is their rank.
+    const float kth = w[s.crossing[take - 1]];
+    const auto tied_end = std::partition(s.crossing.begin() + take, s.crossing.end(),
+                                         [&w, kth](int32_t id) { return w[id] == kth; });
+    std::sort(s.crossing.begin() + take, tied_end);
+    s.ids.insert(s.ids.end(), s.crossing.begin(), tied_end);
   }
 
   if (p.top_p < 1.0f) {

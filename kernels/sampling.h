@@ -7,7 +7,9 @@
 //  1. temperature 0: the argmax (lowest id on ties, 0 if nothing is finite).
 //  2. otherwise weights w = exp((l - max) / T) in [0, 1] (the max itself 1;
 //     with a +inf max, the +inf logits share it all), w == 0 or NaN dropped;
-//  3. top-k then top-p over what top-k kept, then min-p (w >= min_p). The
+//  3. top-k (the k most likely, and every token as likely as the k-th, as
+//     vLLM and transformers keep ties) then top-p over what top-k kept, then
+//     min-p (w >= min_p). The
 //     weights are bucketed into 1024 bins by their float bits (exponent and
 //     3 mantissa bits), so both cuts are one pass: bins above the crossing
 //     bin are kept whole, only the crossing bin's tokens are ranked (weight

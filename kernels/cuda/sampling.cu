@@ -281,8 +281,16 @@ __global__ void __launch_bounds__(kSampleThreads)
         }
         __syncthreads();
         const int b = shared_i[1];
+        const int count = static_cast<int>(bin_count[b]);
+        rank_bin(b, count);
+        if (tid == 0) {
+          // Every token as likely as the k-th stays (the host's rule).
+          int take = shared_take;
+          while (take < count && KeyWeight(ranked[take]) == KeyWeight(ranked[take - 1])) ++take;
+          shared_take = take;
+        }
+        __syncthreads();
         const int take = shared_take;
-        rank_bin(b, static_cast<int>(bin_count[b]));
         cross = b;
         kmin = ranked[take - 1];
         taken = take;

@@ -19,6 +19,7 @@
 #include <limits>
 #include <memory>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -611,6 +612,46 @@ TEST_F(BackendOpsTest, AdjustLogits) {
   for (Target& t : targets_) EXPECT_EQ(run(*t.backend), want) << t.name;
 }
 
+// top-k keeps the k most likely tokens and every token as likely as the
+// k-th (vLLM's and transformers' rule: a cut between equal logits would
+// depend on ids), on rows of few distinct values, against a brute force;
+// every kept token can be drawn, no other.
+TEST(SamplingTest, TopKKeepsEveryTokenAsLikelyAsTheKth) {
+  std::mt19937_64 rng(5);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int64_t vocab = 1 + static_cast<int64_t>(rng() % 300);
+    std::vector<float> row(static_cast<size_t>(vocab));
+    const int levels = 1 + static_cast<int>(rng() % 6);
+    for (float& l : row) l = static_cast<float>(rng() % levels) - 2.0f;
+    SampleRowParams p;
+    p.temperature = 1;
+    p.top_k = 1 + static_cast<int32_t>(rng() % (vocab + 2));
+    std::vector<float> sorted = row;
+    std::sort(sorted.begin(), sorted.end(), std::greater<float>());
+    const float kth = sorted[static_cast<size_t>(std::min<int64_t>(p.top_k, vocab) - 1)];
+    std::set<int32_t> want;
+    for (int64_t i = 0; i < vocab; ++i) {
+      if (row[i] >= kth) want.insert(static_cast<int32_t>(i));
+    }
+    const KeptTokens kept = FilterRow(row.data(), vocab, p);
+    const std::set<int32_t> got(kept.ids, kept.ids + kept.count);
+    ASSERT_EQ(got, want) << "trial " << trial << ", top_k " << p.top_k;
+    ASSERT_EQ(static_cast<size_t>(kept.count), want.size());  // each once
+    // Each kept token is drawn by the draws in its share of the mass.
+    const std::vector<int32_t> order(kept.ids, kept.ids + kept.count);
+    const std::vector<float> weights(kept.weight, kept.weight + vocab);
+    const double total = kept.total;
+    double before = 0;
+    for (const int32_t id : order) {
+      p.draw = (before + weights[id] / 2) / total;
+      before += weights[id];
+      int32_t token = -1;
+      SampleRow(row.data(), vocab, p, nullptr, 0, &token, nullptr, nullptr);
+      ASSERT_EQ(token, id) << "trial " << trial << ", draw " << p.draw;
+    }
+  }
+}
+
 // SampleRows on CUDA against the CPU backend (kernels/sampling.h's host
 // code) on random logits: every knob alone and together, masks, NaN, -inf
 // and +inf rows, logprobs, and flat rows whose crossing bin outgrows the
@@ -682,6 +723,17 @@ TEST_F(BackendOpsTest, SampleRowsMatchesTheHostSampler) {
     auto dead = Random(vocab, -8, 8);
     for (int64_t t = 0; t < vocab; t += vocab / 3) dead[t] = -INFINITY;
     add_row(dead, masked);
+    // Tied rows: logits of a few values, the k-th among equals (top-k keeps
+    // them all), with and without top-p after it.
+    for (const int32_t k : {3, 10, 100}) {
+      SampleRowParams tied;
+      tied.temperature = 1;
+      tied.top_k = k;
+      tied.top_p = k == 10 ? 0.8f : 1.0f;
+      auto row = Random(vocab, -4, 4);
+      for (float& l : row) l = std::round(l);
+      add_row(row, tied);
+    }
     // Flat rows: thousands of tokens in the crossing bin. Each token holds
     // less of the mass than the boundary window (1e-4) at the larger
     // vocabularies, so every draw lies within rounding of some boundary and
