@@ -367,6 +367,27 @@ test('responses with function tools: a forced call, then its output as input', a
   }
 });
 
+test('responses streamed with tools and logprobs: the items of the unstreamed answer', async () => {
+  for (const tool_choice of ['required', 'auto']) {
+    const params = { model: modelId, input: question, tools: responseTools, tool_choice,
+      parallel_tool_calls: false, temperature: 1, seed: 8, max_output_tokens: 300,
+      include: ['message.output_text.logprobs'], top_logprobs: 2 };
+    const once = await client.responses.create(params);
+    const streamed = await client.responses.stream(params).finalResponse();
+    assert.deepEqual(streamed.output.map((o) => o.type), once.output.map((o) => o.type), tool_choice);
+    assert.equal(outputText(streamed), outputText(once));
+    for (const o of streamed.output.filter((x) => x.type === 'message')) {
+      for (const lp of o.content[0].logprobs) assert.ok(lp.top_logprobs.length <= 2);
+    }
+    // The streamed output goes back as input as it came.
+    const next = await client.responses.create({ model: modelId, tools: responseTools, temperature: 0,
+      max_output_tokens: 8, input: [...question, ...streamed.output,
+        ...streamed.output.filter((o) => o.type === 'function_call')
+          .map((c) => ({ type: 'function_call_output', call_id: c.call_id, output: 'ok' }))] });
+    assert.ok(next.usage.input_tokens > once.usage.input_tokens);
+  }
+});
+
 test('responses: what needs a stored response or a hosted tool is a 400 naming the field', async () => {
   const refused = async (extra, param) => assert.rejects(
     client.responses.create({ model: modelId, input: 'x', max_output_tokens: 4, ...extra }),

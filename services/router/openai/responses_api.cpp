@@ -490,12 +490,14 @@ std::string ResponsesWriter::OpenMessage() {
                                                            {"status", "in_progress"},
                                                            {"role", "assistant"},
                                                            {"content", ojson::array()}}}});
-  out +=
-      Event("response.content_part.added",
-            {{"item_id", item_id},
-             {"output_index", index},
-             {"content_index", 0},
-             {"part", {{"type", "output_text"}, {"text", ""}, {"annotations", ojson::array()}}}});
+  out += Event("response.content_part.added", {{"item_id", item_id},
+                                               {"output_index", index},
+                                               {"content_index", 0},
+                                               {"part",
+                                                {{"type", "output_text"},
+                                                 {"text", ""},
+                                                 {"annotations", ojson::array()},
+                                                 {"logprobs", ojson::array()}}}});
   return out;
 }
 
