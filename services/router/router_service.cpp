@@ -859,12 +859,17 @@ class RouterServiceImpl : public RouterService {
   // The text a chat request prefills: its messages through the chat
   // template, tools prepared (PrepareTools) and, for continue_final_message,
   // cut after the final message; or the error to answer.
-  std::optional<ApiError> RenderChatPrompt(ApiRequest& api, std::string* text) {
+  // `generates`: false for /tokenize, which renders the tools as the
+  // template does but parses no output, so needs no tool parser (vLLM's).
+  std::optional<ApiError> RenderChatPrompt(ApiRequest& api, std::string* text,
+                                           bool generates = true) {
     if (!chat_template_) {
       return ApiError{400, "this model has no chat template; use /v1/completions",
                       "invalid_request_error", "messages", ""};
     }
-    if (auto err = PrepareTools(api)) return err;
+    if (generates) {
+      if (auto err = PrepareTools(api)) return err;
+    }
     // OpenAI's developer messages are its system messages; a template that
     // never names the role would drop them (Qwen3's does).
     if (!template_knows_developer_) {
@@ -938,7 +943,7 @@ class RouterServiceImpl : public RouterService {
     if (auto err = ParseTokenizeRequest(req.body, limits_, &t)) return refuse(*err);
     std::string text;
     if (t.input.endpoint == Endpoint::kChatCompletions) {
-      if (auto err = RenderChatPrompt(t.input, &text)) return refuse(*err);
+      if (auto err = RenderChatPrompt(t.input, &text, /*generates=*/false)) return refuse(*err);
     } else {
       text = *t.input.prompt_text;
     }

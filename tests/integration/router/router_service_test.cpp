@@ -626,6 +626,37 @@ TEST_F(RouterServiceChatTemplateTest, ResponsesAreServedAsTheirChatRequest) {
   EXPECT_EQ(error["message"].get<std::string>().find("function"), std::string::npos) << r.body;
 }
 
+// A template that renders tools but writes calls in no format the router
+// parses: generation with tools is refused (no parser), /tokenize renders
+// them all the same, as vLLM's does.
+class RouterServiceNoToolParserTest : public RouterServiceTest {
+ protected:
+  std::string ToolCallParser() const override { return ""; }
+  std::string ChatTemplateFile() const override {
+    return WriteTemplate("no-calls",
+                         "{% for m in messages %}[{{ m.role }}|{{ m.content }}]{% endfor %}"
+                         "{% if tools %}(tools: {{ tools | length }}){% endif %}"
+                         "{% if add_generation_prompt %}>{% endif %}");
+  }
+};
+
+TEST_F(RouterServiceNoToolParserTest, TokenizeRendersToolsWithoutAParser) {
+  AddWorker("w", proto::ROLE_BOTH, 4096);
+  const nlohmann::json body = {
+      {"messages", {{{"role", "user"}, {"content", "hi"}}}},
+      {"tools", nlohmann::json::parse(R"([{"type": "function", "function": {"name": "f"}}])")}};
+  auto r = pdserve::testing::HttpRequest(service_->http_port(), "POST", "/tokenize", body.dump());
+  ASSERT_EQ(r.status, 200) << r.body;
+  auto tok = Tokenizer::Load(pdserve::testing::TinyModelDir());
+  ASSERT_TRUE(tok.ok());
+  EXPECT_EQ(nlohmann::json::parse(r.body)["tokens"].get<std::vector<TokenId>>(),
+            (*tok)->Encode("[user|hi](tools: 1)>", /*add_special_tokens=*/false));
+  r = pdserve::testing::HttpRequest(service_->http_port(), "POST", "/v1/chat/completions",
+                                    body.dump());
+  ASSERT_EQ(r.status, 400) << r.body;
+  EXPECT_EQ(nlohmann::json::parse(r.body)["error"]["param"], "tools");
+}
+
 // vLLM's prompt extensions through the router: the final message continued
 // (the template's end of turn cut off), the prompt's last tokens kept, and
 // logprobs naming token ids.
