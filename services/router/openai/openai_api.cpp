@@ -21,14 +21,14 @@ http::Response ApiError::ToResponse() const {
   return http::ErrorResponse(status, message, type, param, code);
 }
 
-namespace {
-
-ApiError Bad(std::string param, std::string message) {
+ApiError InvalidParam(std::string param, std::string message) {
   ApiError e;
   e.param = std::move(param);
   e.message = std::move(message);
   return e;
 }
+
+namespace {
 
 // The length of the whitespace character (as Python's str.isspace counts
 // it: Unicode's White_Space, which str.strip removes) that starts at byte
@@ -100,7 +100,8 @@ class Fields {
   std::optional<ApiError> Bool(const char* name, bool* out) const {
     if (const ojson* v = Get(name)) {
       if (!v->is_boolean())
-        return Bad(name, std::string("'") + name + "' must be a boolean, got " + TypeName(*v));
+        return InvalidParam(name,
+                            std::string("'") + name + "' must be a boolean, got " + TypeName(*v));
       *out = v->get<bool>();
     }
     return std::nullopt;
@@ -109,9 +110,9 @@ class Fields {
     if (const ojson* v = Get(name)) {
       *out = AsInt64(*v);
       if (!*out) {
-        return Bad(name, std::string("'") + name + "' must be an integer" +
-                             (v->is_number() ? " in the 64-bit range" : "") + ", got " +
-                             TypeName(*v));
+        return InvalidParam(name, std::string("'") + name + "' must be an integer" +
+                                      (v->is_number() ? " in the 64-bit range" : "") + ", got " +
+                                      TypeName(*v));
       }
     }
     return std::nullopt;
@@ -119,7 +120,8 @@ class Fields {
   std::optional<ApiError> Number(const char* name, std::optional<double>* out) const {
     if (const ojson* v = Get(name)) {
       if (!v->is_number())
-        return Bad(name, std::string("'") + name + "' must be a number, got " + TypeName(*v));
+        return InvalidParam(name,
+                            std::string("'") + name + "' must be a number, got " + TypeName(*v));
       *out = v->get<double>();
     }
     return std::nullopt;
@@ -127,7 +129,8 @@ class Fields {
   std::optional<ApiError> String(const char* name, std::string* out) const {
     if (const ojson* v = Get(name)) {
       if (!v->is_string())
-        return Bad(name, std::string("'") + name + "' must be a string, got " + TypeName(*v));
+        return InvalidParam(name,
+                            std::string("'") + name + "' must be a string, got " + TypeName(*v));
       *out = v->get<std::string>();
     }
     return std::nullopt;
@@ -145,8 +148,8 @@ class Fields {
 // A request body: a JSON object that passes checked_json.h's checks.
 std::optional<ApiError> ParseObject(std::string_view body, const ApiLimits& limits, ojson* out) {
   if (auto err = ParseCheckedJson(body, limits.max_json_depth, out))
-    return Bad(err->path, err->message);
-  if (!out->is_object()) return Bad("", "the request body must be a JSON object");
+    return InvalidParam(err->path, err->message);
+  if (!out->is_object()) return InvalidParam("", "the request body must be a JSON object");
   return std::nullopt;
 }
 
@@ -158,7 +161,7 @@ std::optional<ApiError> ParseModel(const Fields& f, const ApiLimits& limits, std
     if (!limits.model_ids.empty()) *model = limits.model_ids.front();
   } else if (std::find(limits.model_ids.begin(), limits.model_ids.end(), *model) ==
              limits.model_ids.end()) {
-    ApiError e = Bad("model", "The model `" + *model + "` does not exist.");
+    ApiError e = InvalidParam("model", "The model `" + *model + "` does not exist.");
     e.status = 404;
     e.code = "model_not_found";
     return e;
@@ -171,7 +174,8 @@ std::optional<ApiError> ParseTokenArray(const ojson& v, const char* param,
   for (const auto& t : v) {
     const std::optional<int64_t> id = t.is_number_float() ? std::nullopt : AsInt64(t);
     if (!id || *id < 0 || *id > std::numeric_limits<TokenId>::max()) {
-      return Bad(param, std::string("'") + param + "' token ids must be non-negative integers");
+      return InvalidParam(param,
+                          std::string("'") + param + "' token ids must be non-negative integers");
     }
     out->push_back(static_cast<TokenId>(*id));
   }
@@ -184,13 +188,14 @@ std::optional<ApiError> ParseLogitBias(const ojson* v,
                                        std::vector<std::pair<TokenId, float>>* out) {
   if (v == nullptr || v->is_null()) return std::nullopt;
   if (!v->is_object()) {
-    return Bad("logit_bias", std::string("'logit_bias' must be an object from token ids to "
-                                         "numbers, got ") +
-                                 TypeName(*v));
+    return InvalidParam("logit_bias",
+                        std::string("'logit_bias' must be an object from token ids to "
+                                    "numbers, got ") +
+                            TypeName(*v));
   }
   if (v->size() > kMaxLogitBias) {
-    return Bad("logit_bias",
-               "'logit_bias' takes at most " + std::to_string(kMaxLogitBias) + " tokens");
+    return InvalidParam("logit_bias",
+                        "'logit_bias' takes at most " + std::to_string(kMaxLogitBias) + " tokens");
   }
   for (auto it = v->begin(); it != v->end(); ++it) {
     const std::string& key = it.key();
@@ -198,22 +203,23 @@ std::optional<ApiError> ParseLogitBias(const ojson* v,
     const auto [end, ec] = std::from_chars(key.data(), key.data() + key.size(), id);
     if (ec != std::errc() || end != key.data() + key.size() || key.empty() || id < 0 ||
         id > std::numeric_limits<TokenId>::max()) {
-      return Bad("logit_bias",
-                 "'logit_bias' keys must be token ids (non-negative integers), got '" +
-                     key.substr(0, 32) + "'");
+      return InvalidParam("logit_bias",
+                          "'logit_bias' keys must be token ids (non-negative integers), got '" +
+                              key.substr(0, 32) + "'");
     }
     const double bias = it->is_number() ? it->get<double>() : std::nan("");
     if (!(bias >= -100 && bias <= 100)) {
-      return Bad("logit_bias", "'logit_bias' values must be numbers in [-100, 100] (token " +
-                                   std::to_string(id) + ")");
+      return InvalidParam(
+          "logit_bias",
+          "'logit_bias' values must be numbers in [-100, 100] (token " + std::to_string(id) + ")");
     }
     out->emplace_back(static_cast<TokenId>(id), static_cast<float>(bias));
   }
   std::sort(out->begin(), out->end());
   for (size_t i = 1; i < out->size(); ++i) {
     if ((*out)[i].first == (*out)[i - 1].first) {
-      return Bad("logit_bias",
-                 "'logit_bias' names token " + std::to_string((*out)[i].first) + " twice");
+      return InvalidParam("logit_bias",
+                          "'logit_bias' names token " + std::to_string((*out)[i].first) + " twice");
     }
   }
   return std::nullopt;
@@ -306,27 +312,27 @@ std::optional<ApiError> RefuseUnservedExtensions(Endpoint endpoint, const ojson&
   // is each endpoint's default.
   if (chat) {
     if (auto it = body.find("echo"); it != body.end() && !it->is_null() && *it != ojson(false))
-      return Bad("echo", "'echo' is not supported on /v1/chat/completions");
+      return InvalidParam("echo", "'echo' is not supported on /v1/chat/completions");
   }
   if (auto it = body.find("add_special_tokens");
       it != body.end() && !it->is_null() && *it != ojson(!chat)) {
-    return Bad("add_special_tokens", std::string("'add_special_tokens' is not supported (") +
-                                         (chat ? "the chat template adds them" : "always true") +
-                                         " here)");
+    return InvalidParam("add_special_tokens",
+                        std::string("'add_special_tokens' is not supported (") +
+                            (chat ? "the chat template adds them" : "always true") + " here)");
   }
   for (const Extension& e : kExtensions) {
     auto it = body.find(e.name);
     if (it == body.end() || it->is_null() || *it == e.neutral) continue;
     std::string message = std::string("'") + e.name + "' is not supported";
     if (*e.instead != '\0') message += std::string("; use ") + e.instead;
-    return Bad(e.name, message);
+    return InvalidParam(e.name, message);
   }
   return std::nullopt;
 }
 
 std::optional<ApiError> ParsePrompt(const ojson& body, ApiRequest* out) {
   auto it = body.find("prompt");
-  if (it == body.end() || it->is_null()) return Bad("prompt", "'prompt' is required");
+  if (it == body.end() || it->is_null()) return InvalidParam("prompt", "'prompt' is required");
   const ojson* p = &*it;
   // A batch of exactly one prompt is the same request; the router splits
   // larger batches into requests of one prompt each (prompt_batch.h).
@@ -339,52 +345,55 @@ std::optional<ApiError> ParsePrompt(const ojson& body, ApiRequest* out) {
     return std::nullopt;
   }
   if (p->is_array()) {
-    if (p->empty()) return Bad("prompt", "'prompt' must not be empty");
+    if (p->empty()) return InvalidParam("prompt", "'prompt' must not be empty");
     if ((*p)[0].is_string() || (*p)[0].is_array()) {
       // Several prompts: the router serves them one by one (prompt_batch.h).
-      ApiError batch = Bad("prompt", "'prompt' is a batch of several prompts");
+      ApiError batch = InvalidParam("prompt", "'prompt' is a batch of several prompts");
       batch.code = std::string(kPromptBatchCode);
       return batch;
     }
     if (!(*p)[0].is_number()) {
-      return Bad("prompt",
-                 "'prompt' must be a string, an array of token ids, or a batch of either");
+      return InvalidParam("prompt",
+                          "'prompt' must be a string, an array of token ids, or a batch of either");
     }
     std::vector<TokenId> ids;
     PDSERVE_API_CHECK(ParseTokenArray(*p, "prompt", &ids));
     out->prompt_ids = std::move(ids);
     return std::nullopt;
   }
-  return Bad("prompt", std::string("'prompt' must be a string or an array of token ids, got ") +
-                           TypeName(*p));
+  return InvalidParam(
+      "prompt",
+      std::string("'prompt' must be a string or an array of token ids, got ") + TypeName(*p));
 }
 
 std::optional<ApiError> ParseMessages(const ojson& body, ApiRequest* out) {
   auto it = body.find("messages");
-  if (it == body.end() || it->is_null()) return Bad("messages", "'messages' is required");
+  if (it == body.end() || it->is_null()) return InvalidParam("messages", "'messages' is required");
   if (!it->is_array())
-    return Bad("messages", std::string("'messages' must be an array, got ") + TypeName(*it));
-  if (it->empty()) return Bad("messages", "'messages' must not be empty");
+    return InvalidParam("messages",
+                        std::string("'messages' must be an array, got ") + TypeName(*it));
+  if (it->empty()) return InvalidParam("messages", "'messages' must not be empty");
   ojson messages = ojson::array();
   for (size_t i = 0; i < it->size(); ++i) {
     const ojson& m = (*it)[i];
     const std::string where = "messages[" + std::to_string(i) + "]";
-    if (!m.is_object()) return Bad(where, "'" + where + "' must be an object");
+    if (!m.is_object()) return InvalidParam(where, "'" + where + "' must be an object");
     auto role = m.find("role");
     if (role == m.end() || !role->is_string())
-      return Bad(where + ".role", "'" + where + ".role' must be a string");
+      return InvalidParam(where + ".role", "'" + where + ".role' must be a string");
     const std::string r = role->get<std::string>();
     if (r != "system" && r != "user" && r != "assistant" && r != "tool" && r != "developer") {
-      return Bad(where + ".role", "'" + where +
-                                      ".role' must be one of system, developer, user, "
-                                      "assistant, tool; got '" +
-                                      r + "'");
+      return InvalidParam(where + ".role", "'" + where +
+                                               ".role' must be one of system, developer, user, "
+                                               "assistant, tool; got '" +
+                                               r + "'");
     }
     ojson copy = m;
     if (auto calls = m.find("tool_calls"); calls != m.end() && !calls->is_null()) {
       const std::string at = where + ".tool_calls";
-      if (r != "assistant") return Bad(at, "'" + at + "' is only allowed on assistant messages");
-      if (!calls->is_array()) return Bad(at, "'" + at + "' must be an array");
+      if (r != "assistant")
+        return InvalidParam(at, "'" + at + "' is only allowed on assistant messages");
+      if (!calls->is_array()) return InvalidParam(at, "'" + at + "' must be an array");
       ojson rendered = ojson::array();
       for (size_t k = 0; k < calls->size(); ++k) {
         const ojson& c = (*calls)[k];
@@ -392,9 +401,9 @@ std::optional<ApiError> ParseMessages(const ojson& body, ApiRequest* out) {
         auto fn = c.is_object() ? c.find("function") : c.end();
         if (fn == c.end() || !fn->is_object() || !fn->contains("name") ||
             !(*fn)["name"].is_string()) {
-          return Bad(call_at, "'" + call_at +
-                                  "' must be {\"type\": \"function\", \"function\": "
-                                  "{\"name\", \"arguments\"}}");
+          return InvalidParam(call_at, "'" + call_at +
+                                           "' must be {\"type\": \"function\", \"function\": "
+                                           "{\"name\", \"arguments\"}}");
         }
         ojson call = c;
         // Templates read the arguments as an object (as vLLM passes them).
@@ -412,7 +421,8 @@ std::optional<ApiError> ParseMessages(const ojson& body, ApiRequest* out) {
     }
     auto content = m.find("content");
     if (content == m.end() || content->is_null()) {
-      if (r != "assistant") return Bad(where + ".content", "'" + where + ".content' is required");
+      if (r != "assistant")
+        return InvalidParam(where + ".content", "'" + where + ".content' is required");
       copy["content"] = "";
     } else if (content->is_array()) {
       // Text parts are joined as vLLM does; other part types need a multimodal model.
@@ -422,17 +432,18 @@ std::optional<ApiError> ParseMessages(const ojson& body, ApiRequest* out) {
         auto part_text = part.is_object() ? part.find("text") : part.end();
         if (!part.is_object() || type == part.end() || *type != "text" || part_text == part.end() ||
             !part_text->is_string()) {
-          return Bad(where + ".content", "'" + where +
-                                             ".content' parts must be {\"type\": \"text\", "
-                                             "\"text\": ...}; this model takes text only");
+          return InvalidParam(where + ".content",
+                              "'" + where +
+                                  ".content' parts must be {\"type\": \"text\", "
+                                  "\"text\": ...}; this model takes text only");
         }
         if (!text.empty()) text += "\n";
         text += part_text->get_ref<const std::string&>();
       }
       copy["content"] = text;
     } else if (!content->is_string()) {
-      return Bad(where + ".content",
-                 "'" + where + ".content' must be a string or an array of text parts");
+      return InvalidParam(where + ".content",
+                          "'" + where + ".content' must be a string or an array of text parts");
     }
     messages.push_back(std::move(copy));
   }
@@ -448,19 +459,21 @@ std::optional<ApiError> ParseStop(const ojson& body, const ApiLimits& limits, Ap
     stops.push_back(it->get<std::string>());
   } else if (it->is_array()) {
     for (const auto& s : *it) {
-      if (!s.is_string()) return Bad("stop", "'stop' must be a string or an array of strings");
+      if (!s.is_string())
+        return InvalidParam("stop", "'stop' must be a string or an array of strings");
       stops.push_back(s.get<std::string>());
     }
   } else {
-    return Bad("stop",
-               std::string("'stop' must be a string or an array of strings, got ") + TypeName(*it));
+    return InvalidParam(
+        "stop",
+        std::string("'stop' must be a string or an array of strings, got ") + TypeName(*it));
   }
   for (const auto& s : stops) {
-    if (s.empty()) return Bad("stop", "'stop' strings must not be empty");
+    if (s.empty()) return InvalidParam("stop", "'stop' strings must not be empty");
   }
   if (static_cast<int>(stops.size()) > limits.max_stop_strings) {
-    return Bad("stop",
-               "at most " + std::to_string(limits.max_stop_strings) + " stop strings are allowed");
+    return InvalidParam(
+        "stop", "at most " + std::to_string(limits.max_stop_strings) + " stop strings are allowed");
   }
   out->sampling.stop = std::move(stops);
   return std::nullopt;
@@ -477,7 +490,7 @@ bool ValidFunctionName(const std::string& n) {
 std::optional<ApiError> ParseTools(const ojson& body, ApiRequest* out) {
   Fields f(body);
   const ojson* tools = f.Get("tools");
-  if (tools && !tools->is_array()) return Bad("tools", "'tools' must be an array");
+  if (tools && !tools->is_array()) return InvalidParam("tools", "'tools' must be an array");
   if (tools && !tools->empty()) {
     std::vector<std::string> names;
     for (size_t k = 0; k < tools->size(); ++k) {
@@ -485,30 +498,32 @@ std::optional<ApiError> ParseTools(const ojson& body, ApiRequest* out) {
       const std::string at = "tools[" + std::to_string(k) + "]";
       if (!t.is_object() || !t.contains("type") || t["type"] != "function" ||
           !t.contains("function") || !t["function"].is_object()) {
-        return Bad(at, "'" + at + "' must be {\"type\": \"function\", \"function\": {...}}");
+        return InvalidParam(at,
+                            "'" + at + "' must be {\"type\": \"function\", \"function\": {...}}");
       }
       const ojson& fn = t["function"];
       if (!fn.contains("name") || !fn["name"].is_string() ||
           !ValidFunctionName(fn["name"].get<std::string>())) {
-        return Bad(at + ".function.name", "'" + at +
-                                              ".function.name' must be 1 to 64 letters, digits, "
-                                              "'_' or '-'");
+        return InvalidParam(at + ".function.name",
+                            "'" + at +
+                                ".function.name' must be 1 to 64 letters, digits, "
+                                "'_' or '-'");
       }
       const std::string name = fn["name"].get<std::string>();
       if (std::find(names.begin(), names.end(), name) != names.end()) {
-        return Bad(at + ".function.name",
-                   "'" + at + ".function.name': '" + name + "' is given twice");
+        return InvalidParam(at + ".function.name",
+                            "'" + at + ".function.name': '" + name + "' is given twice");
       }
       names.push_back(name);
       if (fn.contains("parameters") && !fn["parameters"].is_null() &&
           !fn["parameters"].is_object()) {
-        return Bad(at + ".function.parameters",
-                   "'" + at + ".function.parameters' must be a JSON Schema object");
+        return InvalidParam(at + ".function.parameters",
+                            "'" + at + ".function.parameters' must be a JSON Schema object");
       }
       if (fn.contains("description") && !fn["description"].is_null() &&
           !fn["description"].is_string()) {
-        return Bad(at + ".function.description",
-                   "'" + at + ".function.description' must be a string");
+        return InvalidParam(at + ".function.description",
+                            "'" + at + ".function.description' must be a string");
       }
     }
     out->tools = *tools;
@@ -522,10 +537,11 @@ std::optional<ApiError> ParseTools(const ojson& body, ApiRequest* out) {
         out->tool_choice = TC::kNone;
       } else if (c == "auto" || c == "required") {
         if (out->tools.is_null())
-          return Bad("tool_choice", "'tool_choice' '" + c + "' needs 'tools'");
+          return InvalidParam("tool_choice", "'tool_choice' '" + c + "' needs 'tools'");
         out->tool_choice = c == "auto" ? TC::kAuto : TC::kRequired;
       } else {
-        return Bad("tool_choice", "'tool_choice' must be none, auto, required or a named function");
+        return InvalidParam("tool_choice",
+                            "'tool_choice' must be none, auto, required or a named function");
       }
     } else if (choice->is_object() && choice->contains("function") &&
                (*choice)["function"].is_object() && (*choice)["function"].contains("name") &&
@@ -536,13 +552,14 @@ std::optional<ApiError> ParseTools(const ojson& body, ApiRequest* out) {
         for (const auto& t : out->tools) known = known || t["function"]["name"] == name;
       }
       if (!known)
-        return Bad("tool_choice", "'tool_choice' names '" + name + "', which is not in 'tools'");
+        return InvalidParam("tool_choice",
+                            "'tool_choice' names '" + name + "', which is not in 'tools'");
       out->tool_choice = TC::kNamed;
       out->tool_choice_name = name;
     } else {
-      return Bad("tool_choice",
-                 "'tool_choice' must be none, auto, required or "
-                 "{\"type\": \"function\", \"function\": {\"name\": ...}}");
+      return InvalidParam("tool_choice",
+                          "'tool_choice' must be none, auto, required or "
+                          "{\"type\": \"function\", \"function\": {\"name\": ...}}");
     }
   }
   return f.Bool("parallel_tool_calls", &out->parallel_tool_calls);
@@ -556,7 +573,7 @@ std::optional<ApiError> ParseConstraint(const ojson& body, ApiRequest* out) {
   if (const ojson* rf = f.Get("response_format")) {
     auto type = rf->is_object() ? rf->find("type") : rf->end();
     if (!rf->is_object() || type == rf->end() || !type->is_string()) {
-      return Bad("response_format", "'response_format' must be an object with a 'type'");
+      return InvalidParam("response_format", "'response_format' must be an object with a 'type'");
     }
     const std::string t = type->get<std::string>();
     if (t == "json_object") {
@@ -565,22 +582,23 @@ std::optional<ApiError> ParseConstraint(const ojson& body, ApiRequest* out) {
     } else if (t == "json_schema") {
       auto js = rf->find("json_schema");
       if (js == rf->end() || !js->is_object()) {
-        return Bad("response_format.json_schema",
-                   "'response_format.json_schema' must be an object with a 'schema'");
+        return InvalidParam("response_format.json_schema",
+                            "'response_format.json_schema' must be an object with a 'schema'");
       }
       auto schema = js->find("schema");
       if (schema == js->end() || !(schema->is_object() || schema->is_boolean())) {
-        return Bad("response_format.json_schema.schema",
-                   "'response_format.json_schema.schema' must be a JSON Schema (an object)");
+        return InvalidParam(
+            "response_format.json_schema.schema",
+            "'response_format.json_schema.schema' must be a JSON Schema (an object)");
       }
       if (auto name = js->find("name"); name != js->end() && !name->is_string()) {
-        return Bad("response_format.json_schema.name",
-                   "'response_format.json_schema.name' must be a string");
+        return InvalidParam("response_format.json_schema.name",
+                            "'response_format.json_schema.name' must be a string");
       }
       found.emplace_back("response_format",
                          OutputConstraint{OutputConstraint::Kind::kJsonSchema, schema->dump()});
     } else if (t != "text") {
-      return Bad(
+      return InvalidParam(
           "response_format.type",
           "'response_format.type' must be text, json_object or json_schema, got '" + t + "'");
     }
@@ -594,30 +612,30 @@ std::optional<ApiError> ParseConstraint(const ojson& body, ApiRequest* out) {
       } else if (v.is_object() || v.is_boolean()) {
         found.emplace_back(param, OutputConstraint{Kind::kJsonSchema, v.dump()});
       } else {
-        return Bad(param, "'" + param + "' must be a JSON Schema (an object or its text)");
+        return InvalidParam(param, "'" + param + "' must be a JSON Schema (an object or its text)");
       }
     } else if (key == "regex" || key == "grammar") {
       if (!v.is_string() || v.get_ref<const std::string&>().empty())
-        return Bad(param, "'" + param + "' must be a non-empty string");
+        return InvalidParam(param, "'" + param + "' must be a non-empty string");
       found.emplace_back(param, OutputConstraint{key == "regex" ? Kind::kRegex : Kind::kGrammar,
                                                  v.get<std::string>()});
     } else if (key == "choice") {
       if (!v.is_array() || v.empty())
-        return Bad(param, "'" + param + "' must be a non-empty array of strings");
+        return InvalidParam(param, "'" + param + "' must be a non-empty array of strings");
       for (const auto& c : v) {
         if (!c.is_string())
-          return Bad(param, "'" + param + "' must be a non-empty array of strings");
+          return InvalidParam(param, "'" + param + "' must be a non-empty array of strings");
       }
       found.emplace_back(param, OutputConstraint{Kind::kChoice, v.dump()});
     } else if (key == "json_object") {
-      if (!v.is_boolean()) return Bad(param, "'" + param + "' must be a boolean");
+      if (!v.is_boolean()) return InvalidParam(param, "'" + param + "' must be a boolean");
       if (v.get<bool>()) found.emplace_back(param, OutputConstraint{Kind::kJsonObject, ""});
     }
     return std::nullopt;
   };
   if (const ojson* so = f.Get("structured_outputs")) {
     if (!so->is_object())
-      return Bad("structured_outputs", "'structured_outputs' must be an object");
+      return InvalidParam("structured_outputs", "'structured_outputs' must be an object");
     for (auto it = so->begin(); it != so->end(); ++it) {
       const std::string& key = it.key();
       const std::string param = "structured_outputs." + key;
@@ -626,7 +644,7 @@ std::optional<ApiError> ParseConstraint(const ojson& body, ApiRequest* out) {
           key == "json_object") {
         if (auto err = add(param, *it, key)) return err;
       } else if (key == "structural_tag") {
-        return Bad(param, "'" + param + "' is not supported");
+        return InvalidParam(param, "'" + param + "' is not supported");
       }
     }
   }
@@ -637,8 +655,8 @@ std::optional<ApiError> ParseConstraint(const ojson& body, ApiRequest* out) {
     }
   }
   if (found.size() > 1) {
-    return Bad(found[1].first, "give one constraint: '" + found[0].first + "' and '" +
-                                   found[1].first + "' were both given");
+    return InvalidParam(found[1].first, "give one constraint: '" + found[0].first + "' and '" +
+                                            found[1].first + "' were both given");
   }
   if (!found.empty()) {
     out->constraint_param = found[0].first;
@@ -669,9 +687,10 @@ std::optional<ApiError> ParseBody(Endpoint endpoint, const ojson& j, const ApiLi
     std::string suffix;
     PDSERVE_API_CHECK(f.String("suffix", &suffix));
     if (!suffix.empty()) {
-      return Bad("suffix",
-                 "'suffix' (insertion) is not supported; send the text before the insertion "
-                 "point as the prompt");
+      return InvalidParam(
+          "suffix",
+          "'suffix' (insertion) is not supported; send the text before the insertion "
+          "point as the prompt");
     }
   } else {
     PDSERVE_API_CHECK(ParseMessages(j, out));
@@ -682,14 +701,15 @@ std::optional<ApiError> ParseBody(Endpoint endpoint, const ojson& j, const ApiLi
       // is off.
       if (out->add_generation_prompt && f.Get("add_generation_prompt") != nullptr &&
           !f.Get("add_generation_prompt")->is_null()) {
-        return Bad("continue_final_message",
-                   "Cannot set both `continue_final_message` and `add_generation_prompt` to True.");
+        return InvalidParam(
+            "continue_final_message",
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.");
       }
       out->add_generation_prompt = false;
     }
     if (const ojson* kwargs = f.Get("chat_template_kwargs"); kwargs && !kwargs->is_null()) {
       if (!kwargs->is_object()) {
-        return Bad("chat_template_kwargs", "'chat_template_kwargs' must be an object");
+        return InvalidParam("chat_template_kwargs", "'chat_template_kwargs' must be an object");
       }
       out->chat_template_kwargs = *kwargs;
     }
@@ -699,15 +719,15 @@ std::optional<ApiError> ParseBody(Endpoint endpoint, const ojson& j, const ApiLi
     bool continue_final = false;
     PDSERVE_API_CHECK(f.Bool("continue_final_message", &continue_final));
     if (continue_final) {
-      return Bad("continue_final_message",
-                 "'continue_final_message' is only allowed on /v1/chat/completions");
+      return InvalidParam("continue_final_message",
+                          "'continue_final_message' is only allowed on /v1/chat/completions");
     }
   }
   std::optional<int64_t> truncate;
   PDSERVE_API_CHECK(f.Int("truncate_prompt_tokens", &truncate));
   if (truncate && *truncate < 1 && *truncate != -1) {
-    return Bad("truncate_prompt_tokens",
-               "'truncate_prompt_tokens' must be at least 1, or -1 (the context length)");
+    return InvalidParam("truncate_prompt_tokens",
+                        "'truncate_prompt_tokens' must be at least 1, or -1 (the context length)");
   }
   out->truncate_prompt_tokens = truncate;
   PDSERVE_API_CHECK(f.Bool("return_tokens_as_token_ids", &out->return_tokens_as_token_ids));
@@ -717,9 +737,11 @@ std::optional<ApiError> ParseBody(Endpoint endpoint, const ojson& j, const ApiLi
   // Streaming.
   PDSERVE_API_CHECK(f.Bool("stream", &out->stream));
   if (const ojson* so = f.Get("stream_options")) {
-    if (!so->is_object()) return Bad("stream_options", "'stream_options' must be an object");
+    if (!so->is_object())
+      return InvalidParam("stream_options", "'stream_options' must be an object");
     if (!out->stream)
-      return Bad("stream_options", "'stream_options' is only allowed when 'stream' is true");
+      return InvalidParam("stream_options",
+                          "'stream_options' is only allowed when 'stream' is true");
     PDSERVE_API_CHECK(Fields(*so).Bool("include_usage", &out->include_usage));
   }
 
@@ -728,21 +750,21 @@ std::optional<ApiError> ParseBody(Endpoint endpoint, const ojson& j, const ApiLi
   PDSERVE_API_CHECK(f.Int("n", &n));
   if (n) {
     if (*n < 1 || *n > limits.max_n) {
-      return Bad("n", "'n' must be in [1, " + std::to_string(limits.max_n) + "], got " +
-                          std::to_string(*n));
+      return InvalidParam("n", "'n' must be in [1, " + std::to_string(limits.max_n) + "], got " +
+                                   std::to_string(*n));
     }
     out->n = static_cast<int>(*n);
   }
   PDSERVE_API_CHECK(f.Int("best_of", &best_of));
   if (best_of) {
     if (endpoint != Endpoint::kCompletions)
-      return Bad("best_of", "'best_of' is for /v1/completions");
+      return InvalidParam("best_of", "'best_of' is for /v1/completions");
     if (*best_of < out->n || *best_of > limits.max_n) {
-      return Bad("best_of", "'best_of' must be in [n, " + std::to_string(limits.max_n) + "], got " +
-                                std::to_string(*best_of));
+      return InvalidParam("best_of", "'best_of' must be in [n, " + std::to_string(limits.max_n) +
+                                         "], got " + std::to_string(*best_of));
     }
     if (*best_of > out->n && out->stream) {
-      return Bad("best_of", "'best_of' greater than 'n' cannot be streamed");
+      return InvalidParam("best_of", "'best_of' greater than 'n' cannot be streamed");
     }
     out->best_of = static_cast<int>(*best_of);
   }
@@ -758,7 +780,7 @@ std::optional<ApiError> ParseBody(Endpoint endpoint, const ojson& j, const ApiLi
     // (lm-evaluation-harness's loglikelihood requests).
     const int64_t least = out->echo ? 0 : 1;
     if (*max_tokens < least || *max_tokens > std::numeric_limits<int>::max()) {
-      return Bad(
+      return InvalidParam(
           param,
           std::string("'") + param + "' must be at least " + std::to_string(least) +
               (out->echo || endpoint != Endpoint::kCompletions ? "" : " (0 only with 'echo')") +
@@ -781,15 +803,15 @@ std::optional<ApiError> ParseBody(Endpoint endpoint, const ojson& j, const ApiLi
   if (!min_p && defaults.min_p) s.min_p = *defaults.min_p;
   if (temperature) {
     if (*temperature < 0 || *temperature > 2)
-      return Bad("temperature", "'temperature' must be in [0, 2]");
+      return InvalidParam("temperature", "'temperature' must be in [0, 2]");
     s.temperature = static_cast<float>(*temperature);
   }
   if (top_p) {
-    if (!(*top_p > 0 && *top_p <= 1)) return Bad("top_p", "'top_p' must be in (0, 1]");
+    if (!(*top_p > 0 && *top_p <= 1)) return InvalidParam("top_p", "'top_p' must be in (0, 1]");
     s.top_p = static_cast<float>(*top_p);
   }
   if (min_p) {
-    if (!(*min_p >= 0 && *min_p <= 1)) return Bad("min_p", "'min_p' must be in [0, 1]");
+    if (!(*min_p >= 0 && *min_p <= 1)) return InvalidParam("min_p", "'min_p' must be in [0, 1]");
     s.min_p = static_cast<float>(*min_p);
   }
   std::optional<int64_t> top_k, seed;
@@ -797,7 +819,7 @@ std::optional<ApiError> ParseBody(Endpoint endpoint, const ojson& j, const ApiLi
   if (!top_k && defaults.top_k) s.top_k = *defaults.top_k;
   if (top_k) {
     if (*top_k < -1 || *top_k > std::numeric_limits<int>::max()) {
-      return Bad("top_k", "'top_k' must be -1 (off) or a positive integer");
+      return InvalidParam("top_k", "'top_k' must be -1 (off) or a positive integer");
     }
     s.top_k = static_cast<int>(*top_k);
   }
@@ -807,12 +829,12 @@ std::optional<ApiError> ParseBody(Endpoint endpoint, const ojson& j, const ApiLi
   PDSERVE_API_CHECK(f.Number("frequency_penalty", &frequency));
   if (presence) {
     if (!(*presence >= -2 && *presence <= 2))
-      return Bad("presence_penalty", "'presence_penalty' must be in [-2, 2]");
+      return InvalidParam("presence_penalty", "'presence_penalty' must be in [-2, 2]");
     s.presence_penalty = static_cast<float>(*presence);
   }
   if (frequency) {
     if (!(*frequency >= -2 && *frequency <= 2))
-      return Bad("frequency_penalty", "'frequency_penalty' must be in [-2, 2]");
+      return InvalidParam("frequency_penalty", "'frequency_penalty' must be in [-2, 2]");
     s.frequency_penalty = static_cast<float>(*frequency);
   }
   // vLLM's repetition penalty and min_tokens.
@@ -822,9 +844,9 @@ std::optional<ApiError> ParseBody(Endpoint endpoint, const ojson& j, const ApiLi
     s.repetition_penalty = *defaults.repetition_penalty;
   if (repetition) {
     if (!(*repetition > 0 && *repetition <= kMaxRepetitionPenalty)) {
-      return Bad("repetition_penalty", "'repetition_penalty' must be in (0, " +
-                                           std::to_string(static_cast<int>(kMaxRepetitionPenalty)) +
-                                           "]");
+      return InvalidParam("repetition_penalty",
+                          "'repetition_penalty' must be in (0, " +
+                              std::to_string(static_cast<int>(kMaxRepetitionPenalty)) + "]");
     }
     s.repetition_penalty = static_cast<float>(*repetition);
   }
@@ -833,7 +855,8 @@ std::optional<ApiError> ParseBody(Endpoint endpoint, const ojson& j, const ApiLi
   if (min_tokens) {
     if (*min_tokens < 0 || (out->max_tokens && *min_tokens > *out->max_tokens) ||
         *min_tokens > std::numeric_limits<int>::max()) {
-      return Bad("min_tokens", "'min_tokens' must be in [0, " + out->max_tokens_param + "]");
+      return InvalidParam("min_tokens",
+                          "'min_tokens' must be in [0, " + out->max_tokens_param + "]");
     }
     s.min_tokens = static_cast<int>(*min_tokens);
   }
@@ -841,19 +864,20 @@ std::optional<ApiError> ParseBody(Endpoint endpoint, const ojson& j, const ApiLi
   if (endpoint == Endpoint::kChatCompletions) {
     PDSERVE_API_CHECK(ParseTools(j, out));
   } else if (const ojson* tools = f.Get("tools"); tools && !(tools->is_array() && tools->empty())) {
-    return Bad("tools", "'tools' is for /v1/chat/completions");
+    return InvalidParam("tools", "'tools' is for /v1/chat/completions");
   }
   PDSERVE_API_CHECK(ParseConstraint(j, out));
   if (out->sampling.constraint && (out->tool_choice == ApiRequest::ToolChoice::kRequired ||
                                    out->tool_choice == ApiRequest::ToolChoice::kNamed)) {
-    return Bad(out->constraint_param, "'" + out->constraint_param +
-                                          "' cannot be combined with a 'tool_choice' that forces a "
-                                          "tool call");
+    return InvalidParam(out->constraint_param,
+                        "'" + out->constraint_param +
+                            "' cannot be combined with a 'tool_choice' that forces a "
+                            "tool call");
   }
   PDSERVE_API_CHECK(ParseStop(j, limits, out));
   if (const ojson* ids = f.Get("stop_token_ids")) {
     if (!ids->is_array())
-      return Bad("stop_token_ids", "'stop_token_ids' must be an array of token ids");
+      return InvalidParam("stop_token_ids", "'stop_token_ids' must be an array of token ids");
     PDSERVE_API_CHECK(ParseTokenArray(*ids, "stop_token_ids", &s.stop_token_ids));
   }
   PDSERVE_API_CHECK(f.Bool("ignore_eos", &s.ignore_eos));
@@ -863,10 +887,11 @@ std::optional<ApiError> ParseBody(Endpoint endpoint, const ojson& j, const ApiLi
   // tokenizer: BadWordsTokenIds).
   if (const ojson* ids = f.Get("allowed_token_ids")) {
     if (!ids->is_array() || ids->empty())
-      return Bad("allowed_token_ids", "'allowed_token_ids' must be a non-empty array of token ids");
+      return InvalidParam("allowed_token_ids",
+                          "'allowed_token_ids' must be a non-empty array of token ids");
     if (ids->size() > kMaxAllowedTokenIds) {
-      return Bad("allowed_token_ids", "'allowed_token_ids' takes at most " +
-                                          std::to_string(kMaxAllowedTokenIds) + " ids");
+      return InvalidParam("allowed_token_ids", "'allowed_token_ids' takes at most " +
+                                                   std::to_string(kMaxAllowedTokenIds) + " ids");
     }
     PDSERVE_API_CHECK(ParseTokenArray(*ids, "allowed_token_ids", &s.allowed_token_ids));
     std::sort(s.allowed_token_ids.begin(), s.allowed_token_ids.end());
@@ -875,14 +900,14 @@ std::optional<ApiError> ParseBody(Endpoint endpoint, const ojson& j, const ApiLi
   }
   if (const ojson* words = f.Get("bad_words")) {
     const char* shape = "'bad_words' must be an array of non-empty strings";
-    if (!words->is_array()) return Bad("bad_words", shape);
+    if (!words->is_array()) return InvalidParam("bad_words", shape);
     if (words->size() > kMaxBadWordSequences / 2) {
-      return Bad("bad_words", "'bad_words' takes at most " +
-                                  std::to_string(kMaxBadWordSequences / 2) + " words");
+      return InvalidParam("bad_words", "'bad_words' takes at most " +
+                                           std::to_string(kMaxBadWordSequences / 2) + " words");
     }
     for (const ojson& w : *words) {
       if (!w.is_string() || LStrip(w.get_ref<const std::string&>()).empty())
-        return Bad("bad_words", shape);
+        return InvalidParam("bad_words", shape);
       out->bad_words.push_back(w.get<std::string>());
     }
   }
@@ -892,8 +917,8 @@ std::optional<ApiError> ParseBody(Endpoint endpoint, const ojson& j, const ApiLi
     if (const ojson* lp = f.Get("logprobs"); lp && !(lp->is_boolean() && !lp->get<bool>())) {
       const std::optional<int64_t> n = lp->is_number_float() ? std::nullopt : AsInt64(*lp);
       if (!n || *n < 0 || *n > kMaxLogprobs) {
-        return Bad("logprobs",
-                   "'logprobs' must be an integer in [0, " + std::to_string(kMaxLogprobs) + "]");
+        return InvalidParam("logprobs", "'logprobs' must be an integer in [0, " +
+                                            std::to_string(kMaxLogprobs) + "]");
       }
       s.logprobs = static_cast<int>(*n);
     }
@@ -909,10 +934,10 @@ std::optional<ApiError> ParseBody(Endpoint endpoint, const ojson& j, const ApiLi
     PDSERVE_API_CHECK(f.Int("top_logprobs", &top));
     if (top) {
       if (!out->chat_logprobs)
-        return Bad("top_logprobs", "'top_logprobs' requires 'logprobs': true");
+        return InvalidParam("top_logprobs", "'top_logprobs' requires 'logprobs': true");
       if (*top < 0 || *top > kMaxLogprobs) {
-        return Bad("top_logprobs",
-                   "'top_logprobs' must be in [0, " + std::to_string(kMaxLogprobs) + "]");
+        return InvalidParam("top_logprobs",
+                            "'top_logprobs' must be in [0, " + std::to_string(kMaxLogprobs) + "]");
       }
     }
     if (out->chat_logprobs) s.logprobs = static_cast<int>(top.value_or(0));
@@ -922,7 +947,7 @@ std::optional<ApiError> ParseBody(Endpoint endpoint, const ojson& j, const ApiLi
   PDSERVE_API_CHECK(f.String("user", &out->user));
   PDSERVE_API_CHECK(f.String("cache_salt", &out->cache_salt));
   if (f.Get("cache_salt") && out->cache_salt.empty()) {
-    return Bad("cache_salt", "'cache_salt' must not be empty when given");
+    return InvalidParam("cache_salt", "'cache_salt' must not be empty when given");
   }
   return std::nullopt;
 }
@@ -965,7 +990,8 @@ std::optional<ApiError> ParseTokenizeRequest(std::string_view body, const ApiLim
   if (!chat) {
     auto prompt = j.find("prompt");
     if (prompt == j.end() || !prompt->is_string()) {
-      return Bad("prompt", "/tokenize takes 'prompt' as a string or 'messages' as an array");
+      return InvalidParam("prompt",
+                          "/tokenize takes 'prompt' as a string or 'messages' as an array");
     }
   }
   return ParseRequest(chat ? Endpoint::kChatCompletions : Endpoint::kCompletions, j.dump(), limits,
@@ -981,7 +1007,7 @@ std::optional<ApiError> ParseDetokenizeRequest(std::string_view body, const ApiL
   PDSERVE_API_CHECK(ParseModel(f, limits, &out->model));
   const ojson* tokens = f.Get("tokens");
   if (tokens == nullptr || !tokens->is_array())
-    return Bad("tokens", "'tokens' must be an array of token ids");
+    return InvalidParam("tokens", "'tokens' must be an array of token ids");
   return ParseTokenArray(*tokens, "tokens", &out->tokens);
 }
 

@@ -53,6 +53,9 @@ struct ApiError {
   http::Response ToResponse() const;
 };
 
+// A 400 invalid_request_error about `param`.
+ApiError InvalidParam(std::string param, std::string message);
+
 // ApiError::code of a completions prompt that is a batch of two or more
 // prompts, which ParseRequest leaves to the router to split
 // (services/router/openai/prompt_batch.h).

@@ -10,13 +10,6 @@ using ojson = nlohmann::ordered_json;
 
 namespace {
 
-ApiError Bad(std::string param, std::string message) {
-  ApiError e;
-  e.message = std::move(message);
-  e.param = std::move(param);
-  return e;
-}
-
 bool Present(const ojson& body, const char* key) {
   auto it = body.find(key);
   return it != body.end() && !it->is_null();
@@ -30,26 +23,27 @@ std::optional<ApiError> ContentToChat(const ojson& content, const std::string& a
     return std::nullopt;
   }
   if (!content.is_array())
-    return Bad(at, "'" + at + "' must be a string or an array of content parts");
+    return InvalidParam(at, "'" + at + "' must be a string or an array of content parts");
   ojson parts = ojson::array();
   for (size_t k = 0; k < content.size(); ++k) {
     const ojson& part = content[k];
     const std::string part_at = at + "[" + std::to_string(k) + "]";
     auto type = part.is_object() ? part.find("type") : part.end();
     if (type == part.end() || !type->is_string())
-      return Bad(part_at, "'" + part_at + "' must be an object with a 'type'");
+      return InvalidParam(part_at, "'" + part_at + "' must be an object with a 'type'");
     const std::string t = type->get<std::string>();
     const char* text_key = t == "input_text" || t == "output_text" ? "text"
                            : t == "refusal"                        ? "refusal"
                                                                    : nullptr;
     if (text_key == nullptr) {
-      return Bad(part_at + ".type", "'" + part_at + ".type' '" + t +
-                                        "' is not supported: this model takes text only "
-                                        "(input_text, output_text)");
+      return InvalidParam(part_at + ".type", "'" + part_at + ".type' '" + t +
+                                                 "' is not supported: this model takes text only "
+                                                 "(input_text, output_text)");
     }
     auto text = part.find(text_key);
     if (text == part.end() || !text->is_string())
-      return Bad(part_at + "." + text_key, "'" + part_at + "." + text_key + "' must be a string");
+      return InvalidParam(part_at + "." + text_key,
+                          "'" + part_at + "." + text_key + "' must be a string");
     parts.push_back({{"type", "text"}, {"text", *text}});
   }
   *out = std::move(parts);
@@ -72,32 +66,32 @@ void MergeContent(ojson more, ojson* content) {
 // `input` as chat messages, after `instructions` (a system message).
 std::optional<ApiError> InputToMessages(const ojson& body, ojson* messages) {
   if (auto it = body.find("instructions"); it != body.end() && !it->is_null()) {
-    if (!it->is_string()) return Bad("instructions", "'instructions' must be a string");
+    if (!it->is_string()) return InvalidParam("instructions", "'instructions' must be a string");
     messages->push_back({{"role", "system"}, {"content", *it}});
   }
   auto input = body.find("input");
-  if (input == body.end() || input->is_null()) return Bad("input", "'input' is required");
+  if (input == body.end() || input->is_null()) return InvalidParam("input", "'input' is required");
   if (input->is_string()) {
     messages->push_back({{"role", "user"}, {"content", *input}});
     return std::nullopt;
   }
   if (!input->is_array() || input->empty())
-    return Bad("input", "'input' must be a string or a non-empty array of items");
+    return InvalidParam("input", "'input' must be a string or a non-empty array of items");
   // An assistant message and the function calls after it are one turn.
   bool assistant_open = false;
   for (size_t i = 0; i < input->size(); ++i) {
     const ojson& item = (*input)[i];
     const std::string at = "input[" + std::to_string(i) + "]";
-    if (!item.is_object()) return Bad(at, "'" + at + "' must be an object");
+    if (!item.is_object()) return InvalidParam(at, "'" + at + "' must be an object");
     std::string type = "message";  // EasyInputMessage: a role and content, no type
     if (auto t = item.find("type"); t != item.end() && !t->is_null()) {
-      if (!t->is_string()) return Bad(at + ".type", "'" + at + ".type' must be a string");
+      if (!t->is_string()) return InvalidParam(at + ".type", "'" + at + ".type' must be a string");
       type = t->get<std::string>();
     }
     auto string_field = [&](const char* key, std::string* value) -> std::optional<ApiError> {
       auto v = item.find(key);
       if (v == item.end() || !v->is_string())
-        return Bad(at + "." + key, "'" + at + "." + key + "' must be a string");
+        return InvalidParam(at + "." + key, "'" + at + "." + key + "' must be a string");
       *value = v->get<std::string>();
       return std::nullopt;
     };
@@ -105,13 +99,14 @@ std::optional<ApiError> InputToMessages(const ojson& body, ojson* messages) {
       std::string role;
       if (auto err = string_field("role", &role)) return err;
       if (role != "user" && role != "system" && role != "developer" && role != "assistant") {
-        return Bad(at + ".role", "'" + at +
-                                     ".role' must be one of user, system, developer, "
-                                     "assistant; got '" +
-                                     role + "'");
+        return InvalidParam(at + ".role", "'" + at +
+                                              ".role' must be one of user, system, developer, "
+                                              "assistant; got '" +
+                                              role + "'");
       }
       auto content = item.find("content");
-      if (content == item.end()) return Bad(at + ".content", "'" + at + ".content' is required");
+      if (content == item.end())
+        return InvalidParam(at + ".content", "'" + at + ".content' is required");
       ojson chat_content;
       if (auto err = ContentToChat(*content, at + ".content", &chat_content)) return err;
       if (role == "assistant" && assistant_open) {
@@ -141,7 +136,8 @@ std::optional<ApiError> InputToMessages(const ojson& body, ojson* messages) {
       std::string call_id;
       if (auto err = string_field("call_id", &call_id)) return err;
       auto output = item.find("output");
-      if (output == item.end()) return Bad(at + ".output", "'" + at + ".output' is required");
+      if (output == item.end())
+        return InvalidParam(at + ".output", "'" + at + ".output' is required");
       ojson content;
       if (auto err = ContentToChat(*output, at + ".output", &content)) return err;
       messages->push_back({{"role", "tool"}, {"tool_call_id", call_id}, {"content", content}});
@@ -149,9 +145,9 @@ std::optional<ApiError> InputToMessages(const ojson& body, ojson* messages) {
     } else if (type == "reasoning") {
       // A reasoning model's earlier thoughts: not part of the prompt.
     } else {
-      return Bad(at + ".type", "'" + at + ".type' '" + type +
-                                   "' is not supported (message, function_call, "
-                                   "function_call_output)");
+      return InvalidParam(at + ".type", "'" + at + ".type' '" + type +
+                                            "' is not supported (message, function_call, "
+                                            "function_call_output)");
     }
   }
   return std::nullopt;
@@ -160,20 +156,21 @@ std::optional<ApiError> InputToMessages(const ojson& body, ojson* messages) {
 std::optional<ApiError> ToolsToChat(const ojson& body, ojson* chat, ojson* echo) {
   auto tools = body.find("tools");
   if (tools == body.end() || tools->is_null()) return std::nullopt;
-  if (!tools->is_array()) return Bad("tools", "'tools' must be an array");
+  if (!tools->is_array()) return InvalidParam("tools", "'tools' must be an array");
   ojson chat_tools = ojson::array();
   for (size_t k = 0; k < tools->size(); ++k) {
     const ojson& t = (*tools)[k];
     const std::string at = "tools[" + std::to_string(k) + "]";
     auto type = t.is_object() ? t.find("type") : t.end();
     if (type == t.end() || *type != "function") {
-      return Bad(at + ".type", "'" + at +
-                                   ".type' must be 'function': built-in tools (web search, "
-                                   "file search, ...) are not served here");
+      return InvalidParam(at + ".type",
+                          "'" + at +
+                              ".type' must be 'function': built-in tools (web search, "
+                              "file search, ...) are not served here");
     }
     auto name = t.find("name");
     if (name == t.end() || !name->is_string())
-      return Bad(at + ".name", "'" + at + ".name' must be a string");
+      return InvalidParam(at + ".name", "'" + at + ".name' must be a string");
     ojson fn = {{"name", *name}};
     for (const char* key : {"description", "parameters", "strict"}) {
       if (auto v = t.find(key); v != t.end()) fn[key] = *v;
@@ -196,9 +193,9 @@ std::optional<ApiError> ToolChoiceToChat(const ojson& body, ojson* chat, ojson* 
   auto type = choice->is_object() ? choice->find("type") : choice->end();
   auto name = choice->is_object() ? choice->find("name") : choice->end();
   if (type == choice->end() || *type != "function" || name == choice->end() || !name->is_string()) {
-    return Bad("tool_choice",
-               "'tool_choice' must be none, auto, required or {\"type\": \"function\", "
-               "\"name\": ...}");
+    return InvalidParam("tool_choice",
+                        "'tool_choice' must be none, auto, required or {\"type\": \"function\", "
+                        "\"name\": ...}");
   }
   (*chat)["tool_choice"] = {{"type", "function"}, {"function", {{"name", *name}}}};
   return std::nullopt;
@@ -207,7 +204,7 @@ std::optional<ApiError> ToolChoiceToChat(const ojson& body, ojson* chat, ojson* 
 std::optional<ApiError> TextFormatToChat(const ojson& body, ojson* chat, ojson* echo) {
   auto text = body.find("text");
   if (text == body.end() || text->is_null()) return std::nullopt;
-  if (!text->is_object()) return Bad("text", "'text' must be an object");
+  if (!text->is_object()) return InvalidParam("text", "'text' must be an object");
   (*echo)["text"] = *text;
   auto format = text->find("format");
   if (format == text->end() || format->is_null()) {
@@ -216,7 +213,7 @@ std::optional<ApiError> TextFormatToChat(const ojson& body, ojson* chat, ojson* 
   }
   auto type = format->is_object() ? format->find("type") : format->end();
   if (type == format->end() || !type->is_string())
-    return Bad("text.format", "'text.format' must be an object with a 'type'");
+    return InvalidParam("text.format", "'text.format' must be an object with a 'type'");
   const std::string t = type->get<std::string>();
   if (t == "text") return std::nullopt;
   if (t == "json_object") {
@@ -224,8 +221,9 @@ std::optional<ApiError> TextFormatToChat(const ojson& body, ojson* chat, ojson* 
     return std::nullopt;
   }
   if (t != "json_schema") {
-    return Bad("text.format.type",
-               "'text.format.type' must be text, json_object or json_schema; got '" + t + "'");
+    return InvalidParam(
+        "text.format.type",
+        "'text.format.type' must be text, json_object or json_schema; got '" + t + "'");
   }
   ojson schema = ojson::object();
   for (const char* key : {"name", "schema", "strict", "description"}) {
@@ -259,8 +257,8 @@ std::optional<ApiError> ResponsesToChat(const ojson& body, ojson* chat, ojson* e
   };
   for (const auto& [field, instead, neutral] : kChatFields) {
     if (Present(body, field) && body[field] != neutral) {
-      return Bad(field,
-                 std::string("'") + field + "' is not a field of /v1/responses; use " + instead);
+      return InvalidParam(
+          field, std::string("'") + field + "' is not a field of /v1/responses; use " + instead);
     }
   }
   // What needs a stored response or a feature not served here.
@@ -274,44 +272,45 @@ std::optional<ApiError> ResponsesToChat(const ojson& body, ojson* chat, ojson* e
     if (Present(body, field)) {
       std::string message = std::string("'") + field + "' is not supported";
       if (*instead != '\0') message += std::string(": ") + instead;
-      return Bad(field, message);
+      return InvalidParam(field, message);
     }
   }
   if (auto it = body.find("background"); it != body.end() && !it->is_null() && *it != false)
-    return Bad("background", "'background' is not supported: responses are not stored");
+    return InvalidParam("background", "'background' is not supported: responses are not stored");
   if (auto it = body.find("truncation"); it != body.end() && !it->is_null() && *it != "disabled") {
-    return Bad("truncation",
-               "'truncation' must be 'disabled': a prompt past the context is "
-               "refused, never cut");
+    return InvalidParam("truncation",
+                        "'truncation' must be 'disabled': a prompt past the context is "
+                        "refused, never cut");
   }
   if (auto it = body.find("reasoning"); it != body.end() && !it->is_null()) {
     auto effort = it->is_object() ? it->find("effort") : it->end();
     auto summary = it->is_object() ? it->find("summary") : it->end();
     if (!it->is_object() || (effort != it->end() && !effort->is_null()) ||
         (summary != it->end() && !summary->is_null())) {
-      return Bad("reasoning", "'reasoning' settings are not supported by this model");
+      return InvalidParam("reasoning", "'reasoning' settings are not supported by this model");
     }
   }
   if (auto it = body.find("store"); it != body.end() && !it->is_null() && !it->is_boolean())
-    return Bad("store", "'store' must be a boolean");
+    return InvalidParam("store", "'store' must be a boolean");
   if (auto it = body.find("metadata"); it != body.end() && !it->is_null()) {
     // OpenAI's bounds: 16 pairs, keys of up to 64 characters, string values
     // of up to 512 (each response repeats them).
     const char* shape =
         "'metadata' must be an object of at most 16 strings of up to 512 "
         "characters, keys of up to 64";
-    if (!it->is_object() || it->size() > 16) return Bad("metadata", shape);
+    if (!it->is_object() || it->size() > 16) return InvalidParam("metadata", shape);
     for (auto kv = it->begin(); kv != it->end(); ++kv) {
       if (kv.key().size() > 64 || !kv.value().is_string() ||
           kv.value().get_ref<const std::string&>().size() > 512) {
-        return Bad("metadata", shape);
+        return InvalidParam("metadata", shape);
       }
     }
   }
   if (auto it = body.find("stream_options"); it != body.end() && !it->is_null()) {
     // Its one option, include_obfuscation, pads events against length
     // side channels on OpenAI's network; here there is nothing to pad.
-    if (!it->is_object()) return Bad("stream_options", "'stream_options' must be an object");
+    if (!it->is_object())
+      return InvalidParam("stream_options", "'stream_options' must be an object");
   }
 
   *echo = {{"instructions", nullptr},
@@ -366,9 +365,10 @@ std::optional<ApiError> ResponsesToChat(const ojson& body, ojson* chat, ojson* e
   }
   bool logprobs = false;
   if (auto it = body.find("include"); it != body.end() && !it->is_null()) {
-    if (!it->is_array()) return Bad("include", "'include' must be an array of strings");
+    if (!it->is_array()) return InvalidParam("include", "'include' must be an array of strings");
     for (const ojson& what : *it) {
-      if (!what.is_string()) return Bad("include", "'include' must be an array of strings");
+      if (!what.is_string())
+        return InvalidParam("include", "'include' must be an array of strings");
       // Other inclusions (search results, encrypted reasoning, ...) are of
       // tools and models not served: there is nothing of them to include.
       logprobs = logprobs || what == "message.output_text.logprobs";
