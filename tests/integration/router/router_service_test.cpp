@@ -629,14 +629,13 @@ TEST_F(RouterServiceChatTemplateTest, ResponsesAreServedAsTheirChatRequest) {
 // A template that renders tools but writes calls in no format the router
 // parses: generation with tools is refused (no parser), /tokenize renders
 // them all the same, as vLLM's does.
-class RouterServiceNoToolParserTest : public RouterServiceTest {
+class RouterServiceNoToolParserTest : public RouterServiceChatTemplateTest {
  protected:
-  std::string ToolCallParser() const override { return ""; }
   std::string ChatTemplateFile() const override {
     return WriteTemplate("no-calls",
-                         "{% for m in messages %}[{{ m.role }}|{{ m.content }}]{% endfor %}"
-                         "{% if tools %}(tools: {{ tools | length }}){% endif %}"
-                         "{% if add_generation_prompt %}>{% endif %}");
+                         "{% for m in messages %}[{{ m.role }}|{{ m.content }}]"
+                         "{% endfor %}{% if tools %}(tools: {{ tools | length }})"
+                         "{% endif %}{% if add_generation_prompt %}>{% endif %}");
   }
 };
 
