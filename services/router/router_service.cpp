@@ -686,10 +686,11 @@ class RouterServiceImpl : public RouterService {
                                                         : "chatcmpl-") +
                     NewUnguessableId().substr(0, 24);
     r->http_request_id = rid;
+    bool parsed = false;  // ParseRequest's own errors are in the endpoint's terms already
     auto reject = [&](const ApiError& chat_error, const char* status) {
       // A Responses request was served as chat: its errors name its fields.
       const ApiError e =
-          endpoint == Endpoint::kResponses ? InResponsesTerms(chat_error) : chat_error;
+          endpoint == Endpoint::kResponses && parsed ? InResponsesTerms(chat_error) : chat_error;
       http::Response resp = e.ToResponse();
       resp.headers.emplace_back("x-request-id", rid);
       ex->Reply(std::move(resp));
@@ -709,6 +710,7 @@ class RouterServiceImpl : public RouterService {
       }
       return reject(*err, "rejected");
     }
+    parsed = true;
     ApiRequest& api = *r->api;
     // Tenancy: each key's requests share cache only among themselves.
     if (opts_.salt_per_api_key && api_key)

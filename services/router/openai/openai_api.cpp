@@ -967,7 +967,7 @@ std::optional<ApiError> ParseRequest(Endpoint endpoint, std::string_view body,
   out->endpoint = Endpoint::kResponses;
   out->response_fields = std::move(echo);
   if (out->max_tokens_param == "max_tokens") out->max_tokens_param = "max_output_tokens";
-  if (out->sampling.constraint) out->constraint_param = "text.format";
+  if (out->constraint_param == "response_format") out->constraint_param = "text.format";
   return std::nullopt;
 }
 

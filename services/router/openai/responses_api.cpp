@@ -109,7 +109,7 @@ std::optional<ApiError> InputToMessages(const ojson& body, ojson* messages) {
         return InvalidParam(at + ".content", "'" + at + ".content' is required");
       ojson chat_content;
       if (auto err = ContentToChat(*content, at + ".content", &chat_content)) return err;
-      if (role == "assistant" && assistant_open) {
+      if (role == "assistant" && assistant_open && messages->back().contains("tool_calls")) {
         // More of the same turn (a streamed answer's text after its calls):
         // its parts follow the turn's, so that tool answers still come
         // right after the turn that called.

@@ -624,6 +624,13 @@ TEST_F(RouterServiceChatTemplateTest, ResponsesAreServedAsTheirChatRequest) {
   const auto error = nlohmann::json::parse(r.body)["error"];
   EXPECT_EQ(error["param"], "tools[0].parameters") << r.body;
   EXPECT_EQ(error["message"].get<std::string>().find("function"), std::string::npos) << r.body;
+  // A refusal of the translation itself is named once, as the client sent it.
+  r = post("/v1/responses", {{"input", "x"}, {"max_tokens", 5}});
+  ASSERT_EQ(r.status, 400) << r.body;
+  const auto refusal = nlohmann::json::parse(r.body)["error"];
+  EXPECT_EQ(refusal["param"], "max_tokens") << r.body;
+  EXPECT_EQ(refusal["message"],
+            "'max_tokens' is not a field of /v1/responses; use 'max_output_tokens'");
 }
 
 // A template that renders tools but writes calls in no format the router

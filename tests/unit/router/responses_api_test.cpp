@@ -365,6 +365,11 @@ TEST(ResponsesApiTest, FollowUpsAndNeutralFields) {
        "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
       {"role": "tool", "tool_call_id": "c", "content": "r"}])"))
       << chat["messages"].dump(1);
+  // Two assistant messages without a call between them stay two turns.
+  ASSERT_FALSE(ResponsesToChat(ojson::parse(R"({"input": [
+      {"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}]})"),
+                               &chat, &echo));
+  EXPECT_EQ(chat["messages"].size(), 2u);
   // Chat's fields at their neutral values, and stream_options, pass.
   ApiRequest api;
   const auto err = ParseRequest(
