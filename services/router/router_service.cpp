@@ -1912,6 +1912,14 @@ class RouterServiceImpl : public RouterService {
   }
 
   void StreamToolText(Inflight& r, int index, const std::vector<TokenPiece>& pieces, bool final) {
+    std::string events = ToolTextEvents(r, index, pieces, final);
+    if (!events.empty()) r.exchange->Write(std::move(events));
+  }
+
+  // The events of a choice's next text with tools (content and calls, as
+  // its tool streamer splits them).
+  std::string ToolTextEvents(Inflight& r, int index, const std::vector<TokenPiece>& pieces,
+                             bool final) {
     Inflight::Choice& c = r.choices[index];
     std::string text, content;
     std::vector<TokenPiece> scored;  // the new tokens: their logprobs go out now
@@ -1926,7 +1934,24 @@ class RouterServiceImpl : public RouterService {
     std::string events = r.formatter->StreamContent(content, index, scored);
     events += r.formatter->StreamToolCalls(calls, c.tool_calls_sent, index);
     c.tool_calls_sent += calls.size();
-    if (!events.empty()) r.exchange->Write(std::move(events));
+    return events;
+  }
+
+  // An unstreamed response (/v1/responses): its stream replayed token by
+  // token and its events dropped, so that its items come in the order and
+  // shape a streamed one's do (text after a call is an item after it).
+  nlohmann::ordered_json ReplayedResponse(Inflight& r) {
+    Inflight::Choice& c = r.choices[0];
+    if (ToolsActive(*r.api)) {
+      c.tool_stream = std::make_unique<ToolCallStreamer>(tool_parser_, r.tool_functions);
+      for (const TokenPiece& p : c.pieces) (void)ToolTextEvents(r, 0, {p}, /*final=*/false);
+      (void)ToolTextEvents(r, 0, {}, /*final=*/true);
+      if (c.tool_calls_sent > 0 && c.finish_reason == "stop") c.finish_reason = "tool_calls";
+    } else {
+      (void)r.formatter->StreamDelta(c.pieces, 0, 0);
+    }
+    (void)r.formatter->StreamChoiceFinish(c.finish_reason, 0);
+    return r.formatter->ResponseObject(r.usage);
   }
 
   void OnFinishedLocked(WorkerLink& link, const proto::Finished& f) {
@@ -1976,33 +2001,39 @@ class RouterServiceImpl : public RouterService {
     } else {
       for (auto& p : tail_pieces) c.pieces.push_back(std::move(p));
       if (!last) return;
-      // best_of: the n most likely sequences, in that order.
-      std::vector<size_t> order(r.choices.size());
-      for (size_t k = 0; k < order.size(); ++k) order[k] = k;
-      if (r.api->best_of > r.api->n) {
-        std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-          return r.choices[a].logprob_sum > r.choices[b].logprob_sum;
-        });
-      }
-      order.resize(static_cast<size_t>(r.api->n));
-      std::vector<ToolOutcome> tools(order.size());
-      std::vector<ResponseFormatter::ChoiceOutput> out;
-      for (size_t k = 0; k < order.size(); ++k) {
-        Inflight::Choice& ch = r.choices[order[k]];
-        ResponseFormatter::ChoiceOutput o{static_cast<int>(k), &ch.pieces, ch.finish_reason,
-                                          nullptr, &r.prompt_pieces};
-        if (ToolsActive(*r.api)) {
-          std::string text;
-          for (const auto& p : ch.pieces) text += p.text;
-          ParseToolCalls(tool_parser_, r.tool_functions, text, &tools[k].content, &tools[k].calls);
-          KeepOneCallUnlessParallel(*r.api, 0, &tools[k].calls);
-          if (!tools[k].calls.empty() && o.finish_reason == "stop") o.finish_reason = "tool_calls";
-          o.tools = &tools[k];
-        }
-        out.push_back(o);
-      }
       http::Response resp;
-      resp.body = r.formatter->Complete(r.prompt_text, out, r.usage).dump();
+      if (r.api->endpoint == Endpoint::kResponses) {
+        resp.body = ReplayedResponse(r).dump();
+      } else {
+        // best_of: the n most likely sequences, in that order.
+        std::vector<size_t> order(r.choices.size());
+        for (size_t k = 0; k < order.size(); ++k) order[k] = k;
+        if (r.api->best_of > r.api->n) {
+          std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+            return r.choices[a].logprob_sum > r.choices[b].logprob_sum;
+          });
+        }
+        order.resize(static_cast<size_t>(r.api->n));
+        std::vector<ToolOutcome> tools(order.size());
+        std::vector<ResponseFormatter::ChoiceOutput> out;
+        for (size_t k = 0; k < order.size(); ++k) {
+          Inflight::Choice& ch = r.choices[order[k]];
+          ResponseFormatter::ChoiceOutput o{static_cast<int>(k), &ch.pieces, ch.finish_reason,
+                                            nullptr, &r.prompt_pieces};
+          if (ToolsActive(*r.api)) {
+            std::string text;
+            for (const auto& p : ch.pieces) text += p.text;
+            ParseToolCalls(tool_parser_, r.tool_functions, text, &tools[k].content,
+                           &tools[k].calls);
+            KeepOneCallUnlessParallel(*r.api, 0, &tools[k].calls);
+            if (!tools[k].calls.empty() && o.finish_reason == "stop")
+              o.finish_reason = "tool_calls";
+            o.tools = &tools[k];
+          }
+          out.push_back(o);
+        }
+        resp.body = r.formatter->Complete(r.prompt_text, out, r.usage).dump();
+      }
       resp.headers.emplace_back("x-request-id", r.http_request_id);
       r.exchange->Reply(std::move(resp));
     }

@@ -428,9 +428,10 @@ void DriveResponses(const ApiRequest& request, Script& in) {
         }
         break;
       }
-      case 1: {
+      case 1: {  // a request of its own: unstreamed, its stream is replayed
         const auto pieces = Pieces(in);
-        const json j = f.Complete("", pieces, in.Bytes(), RandomUsage(in));
+        const ResponseFormatter once(request, "resp_" + in.Bytes(), 1);
+        const json j = once.Complete("", pieces, in.Bytes(), RandomUsage(in));
         std::string dumped;
         try {
           dumped = j.dump();

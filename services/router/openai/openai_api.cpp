@@ -1400,6 +1400,10 @@ std::string ResponseFormatter::StreamError(const ApiError& error) {
   return Sse({{"error", err}}) + "data: [DONE]\n\n";
 }
 
+ojson ResponseFormatter::ResponseObject(const Usage& usage) const {
+  return responses_ ? responses_->Object(usage) : ojson();
+}
+
 std::string ResponseFormatter::StreamFailure(const ApiError& error) const {
   return responses_ ? responses_->Error(error) : StreamError(error);
 }
@@ -1440,10 +1444,9 @@ ojson ResponseFormatter::Complete(const std::string& prompt_text,
                                   const Usage& usage) const {
   if (responses_) {  // one output: the Responses API has no choices
     const ChoiceOutput& c = choices.at(0);
-    const bool tools = c.tools != nullptr;
-    return responses_->Complete(tools ? Utf8Text(c.tools->content) : JoinText(*c.pieces),
-                                LogprobList(*c.pieces), tools ? &c.tools->calls : nullptr,
-                                c.finish_reason, usage);
+    (void)StreamDelta(*c.pieces);
+    (void)StreamChoiceFinish(c.finish_reason, 0);
+    return ResponseObject(usage);
   }
   ojson j = Envelope(request_.endpoint == Endpoint::kChatCompletions ? "chat.completion"
                                                                      : "text_completion");

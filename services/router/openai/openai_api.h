@@ -265,8 +265,15 @@ class ResponseFormatter {
   // response.failed events).
   std::string StreamFailure(const ApiError& error) const;
 
+  // /v1/responses, unstreamed: the response object once its stream has
+  // been replayed through the calls above (events dropped), StreamChoiceFinish
+  // included.
+  nlohmann::ordered_json ResponseObject(const Usage& usage) const;
+
   // Non-streaming: the whole response object. `tools`: a chat choice's
-  // content and tool calls, which replace the text of `pieces`.
+  // content and tool calls, which replace the text of `pieces`. For
+  // /v1/responses: the pieces' text as a stream replayed (ResponseObject);
+  // tool output must be replayed through StreamContent / StreamToolCalls.
   nlohmann::ordered_json Complete(const std::string& prompt_text,
                                   const std::vector<TokenPiece>& pieces,
                                   const std::string& finish_reason, const Usage& usage,

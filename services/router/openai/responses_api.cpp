@@ -638,26 +638,14 @@ ojson UsageObject(const Usage& u) {
 }
 }  // namespace
 
-std::string ResponsesWriter::End(const Usage& usage) {
-  const bool incomplete = finish_reason_ == "length";
-  return Event(incomplete ? "response.incomplete" : "response.completed",
-               {{"response",
-                 Response(incomplete ? "incomplete" : "completed", output_, UsageObject(usage))}});
+ojson ResponsesWriter::Object(const Usage& usage) const {
+  return Response(finish_reason_ == "length" ? "incomplete" : "completed", output_,
+                  UsageObject(usage));
 }
 
-ojson ResponsesWriter::Complete(const std::string& text, const ojson& logprobs,
-                                const std::vector<ToolCall>* calls,
-                                const std::string& finish_reason, const Usage& usage) {
-  finish_reason_ = finish_reason;
-  const bool has_calls = calls != nullptr && !calls->empty();
-  const bool blank = text.find_first_not_of(" \t\r\n") == std::string::npos;
-  ojson output = ojson::array();
-  if (!(has_calls && blank)) output.push_back(MessageItem(text, logprobs, 0));
-  if (has_calls) {
-    for (const ToolCall& call : *calls) output.push_back(CallItem(call, output.size()));
-  }
-  return Response(finish_reason == "length" ? "incomplete" : "completed", output,
-                  UsageObject(usage));
+std::string ResponsesWriter::End(const Usage& usage) {
+  return Event(finish_reason_ == "length" ? "response.incomplete" : "response.completed",
+               {{"response", Object(usage)}});
 }
 
 }  // namespace pdserve::router

@@ -72,12 +72,10 @@ class ResponsesWriter {
   // response.failed with the output so far.
   std::string Error(const ApiError& error);
 
-  // Non-streaming: the whole response object for one output (the stream's
-  // state is not used). `calls`: the tool calls parsed out of it (null
-  // without tools), `text` then the content around them.
-  nlohmann::ordered_json Complete(const std::string& text, const nlohmann::ordered_json& logprobs,
-                                  const std::vector<ToolCall>* calls,
-                                  const std::string& finish_reason, const Usage& usage);
+  // The response object after Finish: an unstreamed response is its
+  // stream replayed (the same calls, events dropped), so that both have the
+  // same items in the same order.
+  nlohmann::ordered_json Object(const Usage& usage) const;
 
  private:
   nlohmann::ordered_json Response(const char* status, const nlohmann::ordered_json& output,

@@ -271,25 +271,36 @@ TEST(ResponsesApiTest, StreamEventsBuildTheResponseInOrder) {
   EXPECT_EQ(cr["output"][0]["content"][0]["text"], "");
 }
 
-TEST(ResponsesApiTest, CompleteResponseHasTheMessageAndTheCalls) {
+// An unstreamed response is its stream replayed: the same items in the
+// same order.
+TEST(ResponsesApiTest, AnUnstreamedResponseIsItsStreamReplayed) {
   const ApiRequest api = ResponsesRequest();
-  ToolCall call{"call_1", "f", "{}"};
-  const std::vector<ToolCall> calls = {call};
-  // Blank content beside calls: the calls alone.
-  ojson r = ResponsesWriter(api, "resp_1", 1)
-                .Complete(" \n", ojson::array(), &calls, "tool_calls", {3, 2, 0});
+  const ToolCall call{"call_1", "f", "{}"};
+  // Blank content before a call: the call alone.
+  ResponsesWriter a(api, "resp_1", 1);
+  (void)a.Text(" \n", ojson::array());
+  (void)a.Calls({call});
+  (void)a.Finish("tool_calls");
+  ojson r = a.Object({3, 2, 0});
   ASSERT_EQ(r["output"].size(), 1u);
   EXPECT_EQ(r["output"][0]["type"], "function_call");
   EXPECT_EQ(r["status"], "completed");
-  // Content and a call: both, the message first.
-  r = ResponsesWriter(api, "resp_2", 1)
-          .Complete("Let me see.", ojson::array(), &calls, "tool_calls", {3, 2, 0});
-  ASSERT_EQ(r["output"].size(), 2u);
+  // Text, a call, text: three items in that order.
+  ResponsesWriter b(api, "resp_2", 1);
+  (void)b.Text("Let me see.", ojson::array());
+  (void)b.Calls({call});
+  (void)b.Text(" Done.", ojson::array());
+  (void)b.Finish("tool_calls");
+  r = b.Object({3, 2, 0});
+  ASSERT_EQ(r["output"].size(), 3u);
   EXPECT_EQ(r["output"][0]["content"][0]["text"], "Let me see.");
   EXPECT_EQ(r["output"][1]["call_id"], "call_1");
+  EXPECT_EQ(r["output"][2]["content"][0]["text"], " Done.");
   // Text alone, cut: incomplete.
-  r = ResponsesWriter(api, "resp_3", 1)
-          .Complete("abc", ojson::array(), nullptr, "length", {3, 2, 0});
+  ResponsesWriter c(api, "resp_3", 1);
+  (void)c.Text("abc", ojson::array());
+  (void)c.Finish("length");
+  r = c.Object({3, 2, 0});
   EXPECT_EQ(r["status"], "incomplete");
   EXPECT_EQ(r["output"][0]["status"], "incomplete");
   EXPECT_EQ(r["usage"]["total_tokens"], 5);
@@ -381,8 +392,9 @@ TEST(ResponsesApiTest, FollowUpsAndNeutralFields) {
   EXPECT_EQ(api.n, 1);
   EXPECT_FALSE(api.include_usage);
   // The sampling values come back as written, not as the floats' doubles.
-  const ojson r =
-      ResponsesWriter(api, "resp_1", 1).Complete("t", ojson::array(), nullptr, "stop", {1, 1, 0});
+  ResponsesWriter w(api, "resp_1", 1);
+  (void)w.Finish("stop");
+  const ojson r = w.Object({1, 1, 0});
   EXPECT_EQ(r["temperature"].dump(), "0.7");
   EXPECT_EQ(r["top_p"].dump(), "0.9");
   // Metadata within OpenAI's bounds only.
