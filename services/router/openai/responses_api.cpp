@@ -509,7 +509,7 @@ std::string ResponsesWriter::Text(const std::string& text, const ojson& logprobs
   if (text.empty() && logprobs.empty()) return "";
   if (!message_open_ && Blank(text)) {
     // Whitespace (or a call's tokens' logprobs) before a call is no
-    // message, as in Complete: held until text or the end says it is one.
+    // message, as on chat: held until text or the end says it is one.
     held_text_ += text;
     for (const ojson& lp : logprobs) held_logprobs_.push_back(lp);
     return "";

@@ -57,9 +57,9 @@ class ResponsesWriter {
   // token, logprob, bytes, top_logprobs; an array, empty when none): a
   // delta of the open message, which the first text that is not whitespace
   // opens (whitespace before it is held: before a call it is dropped, as
-  // Complete drops blank content beside calls). "" when nothing is sent.
+  // chat drops blank content beside calls). "" when nothing is sent.
   std::string Text(const std::string& text, const nlohmann::ordered_json& logprobs);
-  // Complete calls: a function_call item each (the open message closed
+  // Calls parsed whole: a function_call item each (the open message closed
   // first).
   std::string Calls(const std::vector<ToolCall>& calls);
   // The output ended for `finish_reason` ("length": incomplete, for
