@@ -1942,14 +1942,12 @@ class RouterServiceImpl : public RouterService {
   // shape a streamed one's do (text after a call is an item after it).
   nlohmann::ordered_json ReplayedResponse(Inflight& r) {
     Inflight::Choice& c = r.choices[0];
-    if (ToolsActive(*r.api)) {
-      c.tool_stream = std::make_unique<ToolCallStreamer>(tool_parser_, r.tool_functions);
-      for (const TokenPiece& p : c.pieces) (void)ToolTextEvents(r, 0, {p}, /*final=*/false);
-      (void)ToolTextEvents(r, 0, {}, /*final=*/true);
-      if (c.tool_calls_sent > 0 && c.finish_reason == "stop") c.finish_reason = "tool_calls";
-    } else {
-      (void)r.formatter->StreamDelta(c.pieces, 0, 0);
-    }
+    if (!ToolsActive(*r.api))  // the formatter replays plain text itself
+      return r.formatter->Complete(r.prompt_text, c.pieces, c.finish_reason, r.usage);
+    c.tool_stream = std::make_unique<ToolCallStreamer>(tool_parser_, r.tool_functions);
+    for (const TokenPiece& p : c.pieces) (void)ToolTextEvents(r, 0, {p}, /*final=*/false);
+    (void)ToolTextEvents(r, 0, {}, /*final=*/true);
+    if (c.tool_calls_sent > 0 && c.finish_reason == "stop") c.finish_reason = "tool_calls";
     (void)r.formatter->StreamChoiceFinish(c.finish_reason, 0);
     return r.formatter->ResponseObject(r.usage);
   }
