@@ -1916,24 +1916,37 @@ class RouterServiceImpl : public RouterService {
     if (!events.empty()) r.exchange->Write(std::move(events));
   }
 
-  // The events of a choice's next text with tools (content and calls, as
-  // its tool streamer splits them).
+  // The events of a choice's next text with tools: content and calls in
+  // the order written, as its tool streamer splits them (a Responses item
+  // after a call comes after it).
   std::string ToolTextEvents(Inflight& r, int index, const std::vector<TokenPiece>& pieces,
                              bool final) {
     Inflight::Choice& c = r.choices[index];
-    std::string text, content;
+    std::string text;
     std::vector<TokenPiece> scored;  // the new tokens: their logprobs go out now
     for (const auto& p : pieces) {
       text += p.text;
       if (p.logprob) scored.push_back(p);
     }
-    std::vector<ToolCall> calls;
-    c.tool_stream->Push(text, &content, &calls);
-    if (final) c.tool_stream->Finish(&content, &calls);
-    KeepOneCallUnlessParallel(*r.api, c.tool_calls_sent, &calls);
-    std::string events = r.formatter->StreamContent(content, index, scored);
-    events += r.formatter->StreamToolCalls(calls, c.tool_calls_sent, index);
-    c.tool_calls_sent += calls.size();
+    std::vector<ToolStreamPart> parts;
+    c.tool_stream->Push(text, &parts);
+    if (final) c.tool_stream->Finish(&parts);
+    // The logprobs go with the first content, or alone before any call.
+    if (parts.empty() || parts.front().call) parts.insert(parts.begin(), ToolStreamPart{});
+    std::string events;
+    for (size_t k = 0; k < parts.size();) {
+      if (!parts[k].call) {
+        events += r.formatter->StreamContent(parts[k].content, index,
+                                             k == 0 ? scored : std::vector<TokenPiece>{});
+        ++k;
+        continue;
+      }
+      std::vector<ToolCall> calls;
+      for (; k < parts.size() && parts[k].call; ++k) calls.push_back(std::move(*parts[k].call));
+      KeepOneCallUnlessParallel(*r.api, c.tool_calls_sent, &calls);
+      events += r.formatter->StreamToolCalls(calls, c.tool_calls_sent, index);
+      c.tool_calls_sent += calls.size();
+    }
     return events;
   }
 

@@ -465,15 +465,23 @@ std::optional<std::vector<ToolCall>> ToolCallStreamer::CallsFromXml(std::string_
   return calls;
 }
 
-void ToolCallStreamer::Emit(std::string_view text, std::string* content) {
+namespace {
+void AppendContent(std::string_view text, std::vector<ToolStreamPart>* parts) {
+  if (text.empty()) return;
+  if (parts->empty() || parts->back().call) parts->emplace_back();
+  parts->back().content.append(text);
+}
+}  // namespace
+
+void ToolCallStreamer::Emit(std::string_view text, std::vector<ToolStreamPart>* parts) {
   if (!seen_call_) {
-    content->append(text);
+    AppendContent(text, parts);
     return;
   }
   // pending_space_ holds whitespace only: the new text decides.
   pending_space_.append(text);
   if (text.find_first_not_of(" \t\r\n") != std::string_view::npos) {
-    content->append(std::exchange(pending_space_, {}));
+    AppendContent(std::exchange(pending_space_, {}), parts);
   }
 }
 
@@ -603,20 +611,49 @@ size_t ToolCallStreamer::ScanXmlCall() {
   }
 }
 
-void ToolCallStreamer::Push(std::string_view text, std::string* content,
-                            std::vector<ToolCall>* calls) {
+void ToolCallStreamer::Push(std::string_view text, std::vector<ToolStreamPart>* parts) {
   buffer_.append(text);
-  Drain(false, content, calls);
+  Drain(false, parts);
 }
 
-void ToolCallStreamer::Finish(std::string* content, std::vector<ToolCall>* calls) {
-  Drain(true, content, calls);
+void ToolCallStreamer::Finish(std::vector<ToolStreamPart>* parts) {
+  Drain(true, parts);
   pending_space_.clear();  // whitespace after the last call is no content
 }
 
-void ToolCallStreamer::Drain(bool final, std::string* content, std::vector<ToolCall>* calls) {
+namespace {
+void SplitParts(std::vector<ToolStreamPart>&& parts, std::string* content,
+                std::vector<ToolCall>* calls) {
+  for (auto& part : parts) {
+    if (part.call) {
+      calls->push_back(std::move(*part.call));
+    } else {
+      content->append(part.content);
+    }
+  }
+}
+}  // namespace
+
+void ToolCallStreamer::Push(std::string_view text, std::string* content,
+                            std::vector<ToolCall>* calls) {
+  std::vector<ToolStreamPart> parts;
+  Push(text, &parts);
+  SplitParts(std::move(parts), content, calls);
+}
+
+void ToolCallStreamer::Finish(std::string* content, std::vector<ToolCall>* calls) {
+  std::vector<ToolStreamPart> parts;
+  Finish(&parts);
+  SplitParts(std::move(parts), content, calls);
+}
+
+void ToolCallStreamer::Drain(bool final, std::vector<ToolStreamPart>* parts) {
+  const auto add_calls = [&](std::vector<ToolCall>&& found) {
+    for (auto& c : found) parts->push_back({{}, std::move(c)});
+    seen_call_ = true;
+  };
   if (parser_ == ToolParser::kNone) {
-    Emit(std::exchange(buffer_, {}), content);
+    Emit(std::exchange(buffer_, {}), parts);
     return;
   }
   while (true) {
@@ -642,21 +679,21 @@ void ToolCallStreamer::Drain(bool final, std::string* content, std::vector<ToolC
       }
       case State::kContent: {
         if (parser_ == ToolParser::kLlama3Json) {
-          Emit(std::exchange(buffer_, {}), content);
+          Emit(std::exchange(buffer_, {}), parts);
           return;
         }
         const std::string_view marker =
             parser_ == ToolParser::kMistral ? kMistralMarker : OpenMarker();
         const size_t at = buffer_.find(marker);
         if (at != std::string::npos) {
-          Emit(std::string_view(buffer_).substr(0, at), content);
+          Emit(std::string_view(buffer_).substr(0, at), parts);
           buffer_.erase(0, at + marker.size());
           state_ = parser_ == ToolParser::kMistral ? State::kRest : State::kCall;
           marker_seen_ = true;
           continue;
         }
         const size_t hold = final ? 0 : PartialMarker(buffer_, marker);
-        Emit(std::string_view(buffer_).substr(0, buffer_.size() - hold), content);
+        Emit(std::string_view(buffer_).substr(0, buffer_.size() - hold), parts);
         buffer_.erase(0, buffer_.size() - hold);
         return;
       }
@@ -674,12 +711,11 @@ void ToolCallStreamer::Drain(bool final, std::string* content, std::vector<ToolC
           found.emplace().push_back(std::move(*call));
         }
         if (found) {
-          for (auto& c : *found) calls->push_back(std::move(c));
-          seen_call_ = true;
+          add_calls(std::move(*found));
         } else {
           Emit(std::string(OpenMarker()) + std::string(body) +
                    (at == std::string::npos ? "" : std::string(CloseMarker())),
-               content);
+               parts);
         }
         buffer_.erase(0, at == std::string::npos ? buffer_.size() : at + CloseMarker().size());
         state_ = State::kContent;
@@ -691,15 +727,14 @@ void ToolCallStreamer::Drain(bool final, std::string* content, std::vector<ToolC
         std::string trailing;
         auto found = CallsFromRest(buffer_, &trailing);
         if (found) {
-          for (auto& c : *found) calls->push_back(std::move(c));
-          seen_call_ = true;
-          Emit(trailing, content);
+          add_calls(std::move(*found));
+          Emit(trailing, parts);
         } else {
           // As written: the marker, unless it was a special token (not shown).
           Emit(
               (parser_ == ToolParser::kMistral && marker_seen_ ? std::string(kMistralMarker) : "") +
                   buffer_,
-              content);
+              parts);
         }
         buffer_.clear();
         return;

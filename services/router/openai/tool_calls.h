@@ -96,20 +96,31 @@ struct ToolCall {
   std::string arguments;  // a JSON object, as text
 };
 
+// One piece of a model's output, in the order written: content, or a call.
+struct ToolStreamPart {
+  std::string content;           // empty when `call` is set
+  std::optional<ToolCall> call;  // set: this part is a call
+};
+
 // Splits a model's output into content and tool calls as it streams.
 class ToolCallStreamer {
  public:
   // `functions`: what a call may name (others stay content).
   ToolCallStreamer(ToolParser parser, ToolFunctionList functions);
-  // Appends generated text. `content` gets what can be shown as content now
-  // (never part of a call); `calls` the calls completed by this text.
-  void Push(std::string_view text, std::string* content, std::vector<ToolCall>* calls);
+  // Appends generated text. `parts` gets, in the order written, what can be
+  // shown as content now (never part of a call) and the calls completed by
+  // this text; content parts never stand next to each other.
+  void Push(std::string_view text, std::vector<ToolStreamPart>* parts);
   // End of the output: whatever is still held back, as calls or content.
+  void Finish(std::vector<ToolStreamPart>* parts);
+  // The same, for callers that keep content and calls apart (a chat
+  // message's content is one string whatever the calls' places in it).
+  void Push(std::string_view text, std::string* content, std::vector<ToolCall>* calls);
   void Finish(std::string* content, std::vector<ToolCall>* calls);
 
  private:
   enum class State { kStart, kContent, kCall, kRest };
-  void Drain(bool final, std::string* content, std::vector<ToolCall>* calls);
+  void Drain(bool final, std::vector<ToolStreamPart>* parts);
   const ToolFunction* FindFunction(std::string_view name) const;
   bool IsDeepSeek() const;
   // The markers around a kCall body (hermes' and qwen3_coder's <tool_call>,
@@ -134,7 +145,7 @@ class ToolCallStreamer {
                                                      std::string* trailing) const;
   std::string NewId() const;
   // Content, except whitespace after a call until something else follows.
-  void Emit(std::string_view text, std::string* content);
+  void Emit(std::string_view text, std::vector<ToolStreamPart>* parts);
 
   ToolParser parser_;
   ToolFunctionList functions_;  // never null

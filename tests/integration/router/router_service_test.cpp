@@ -605,6 +605,30 @@ TEST_F(RouterServiceChatTemplateTest, ResponsesAreServedAsTheirChatRequest) {
   // The fake worker ends every answer at max_tokens.
   EXPECT_EQ(response["status"], "incomplete");
   EXPECT_EQ(response["incomplete_details"]["reason"], "max_output_tokens");
+  // Text after the call in the same token message: an item after the
+  // call's, streamed or not.
+  w.SetReplyText(
+      "<tool_call>\n<function=f>\n<parameter=n>\n2\n</parameter>\n</function>\n"
+      "</tool_call>Done.");
+  const nlohmann::json call_then_text = {
+      {"input", "hi"}, {"tools", tools}, {"max_output_tokens", 40}};
+  r = post("/v1/responses", call_then_text);
+  ASSERT_EQ(r.status, 200) << r.body;
+  const auto both = nlohmann::json::parse(r.body)["output"];
+  ASSERT_EQ(both.size(), 2u) << r.body;
+  EXPECT_EQ(both[0]["type"], "function_call");
+  EXPECT_EQ(both[1]["type"], "message");
+  EXPECT_EQ(both[1]["content"][0]["text"], "Done.");
+  nlohmann::json streamed = call_then_text;
+  streamed["stream"] = true;
+  r = post("/v1/responses", streamed);
+  ASSERT_EQ(r.status, 200) << r.body;
+  const size_t call_done = r.body.find("response.function_call_arguments.done");
+  ASSERT_NE(call_done, std::string::npos) << r.body;
+  EXPECT_LT(call_done, r.body.find("\"delta\":\"Done.\"")) << r.body;
+  w.SetReplyText(
+      "<tool_call>\n<function=f>\n<parameter=n>\n2\n</parameter>\n</function>\n"
+      "</tool_call>");
   // Chat's developer messages render the same way.
   ASSERT_EQ(
       post("/v1/chat/completions",
@@ -613,7 +637,7 @@ TEST_F(RouterServiceChatTemplateTest, ResponsesAreServedAsTheirChatRequest) {
             {"max_tokens", 2}})
           .status,
       200);
-  EXPECT_EQ(sent(1), (*tok)->Encode("[system|D][user|hi]>", /*add_special_tokens=*/false));
+  EXPECT_EQ(sent(3), (*tok)->Encode("[system|D][user|hi]>", /*add_special_tokens=*/false));
   // A function whose parameters the grammar compiler refuses, found when
   // the router prepares the tools: named as the Responses API names it.
   const nlohmann::json bad_tools = nlohmann::json::parse(R"([{"type": "function", "name": "f",

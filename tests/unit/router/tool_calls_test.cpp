@@ -126,6 +126,31 @@ TEST(ToolCalls, HermesAndQwen) {
   }
 }
 
+// Content and calls come in the order written, though one push holds them
+// all (a Responses item after a call comes after it).
+TEST(ToolCalls, PartsKeepTheOrderWritten) {
+  const std::string call = "<tool_call>{\"name\": \"search\", \"arguments\": {}}</tool_call>";
+  ToolCallStreamer s(ToolParser::kHermes, kFunctions);
+  std::vector<ToolStreamPart> parts;
+  s.Push("A " + call + " B " + call + "\n C", &parts);
+  s.Finish(&parts);
+  ASSERT_EQ(parts.size(), 5u);
+  EXPECT_EQ(parts[0].content, "A ");
+  ASSERT_TRUE(parts[1].call);
+  EXPECT_EQ(parts[1].call->name, "search");
+  EXPECT_EQ(parts[2].content, " B ");
+  EXPECT_FALSE(parts[2].call);
+  ASSERT_TRUE(parts[3].call);
+  EXPECT_EQ(parts[4].content, "\n C");
+  // Whitespace after the last call is no content.
+  ToolCallStreamer spaced(ToolParser::kHermes, kFunctions);
+  std::vector<ToolStreamPart> spaced_parts;
+  spaced.Push(call + "\n", &spaced_parts);
+  spaced.Finish(&spaced_parts);
+  ASSERT_EQ(spaced_parts.size(), 1u);
+  EXPECT_TRUE(spaced_parts[0].call);
+}
+
 TEST(ToolCalls, Mistral) {
   const ToolParser p = ToolParser::kMistral;
   Check(p, "[TOOL_CALLS][{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Rome\"}}]",
