@@ -130,7 +130,7 @@ for (const v of variants) {
         'deploy/docker/runtime-packages.sh', 'deploy/local/install-deps.sh']) {
         if (fs.existsSync(path.join(root, p))) assert.ok(!ignored(p), `${p} is excluded by the .dockerignore`);
       }
-      for (const p of ['.deps', '.git', 'build', 'build-asan', 'build-foo/x']) assert.ok(ignored(p), `${p} enters the context`);
+      for (const p of ['.deps', '.git', 'build', 'build-asan', 'build-foo/x', '.pdserve/cluster-secret', '.gpu-kit.tar.xz']) assert.ok(ignored(p), `${p} enters the context`);
     });
 
     test('the build stage runs the documented commands', () => {
