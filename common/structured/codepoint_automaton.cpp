@@ -84,6 +84,14 @@ StatusOr<CpDfa> CpDfa::FromNfa(const CpNfa& nfa, size_t max_states, const std::s
   uint32_t stamp = 0;
   std::map<std::vector<int>, int> ids;
   std::vector<std::vector<int>> sets;
+  // Steps: NFA states in the sets formed plus range ends swept. States
+  // alone do not bound them (a few thousand states of large sets).
+  const size_t max_work = max_states * kWorkPerState;
+  size_t work = 0;
+  auto too_much_work = [&] {
+    return Status::ResourceExhausted(what + " is too complex: more than " +
+                                     std::to_string(max_work) + " steps to compile");
+  };
   auto intern = [&](std::vector<int> set, bool initial) -> StatusOr<int> {
     auto it = ids.find(set);
     if (it != ids.end()) return it->second;
@@ -91,6 +99,8 @@ StatusOr<CpDfa> CpDfa::FromNfa(const CpNfa& nfa, size_t max_states, const std::s
       return Status::ResourceExhausted(what + " is too complex: more than " +
                                        std::to_string(max_states) + " automaton states");
     }
+    work += set.size();
+    if (work > max_work) return too_much_work();
     std::vector<int> end = set;
     Closure(nfa, &end, initial, /*at_end=*/true, &seen, &stamp);
     const bool acc = std::binary_search(end.begin(), end.end(), nfa.accept);
@@ -120,6 +130,8 @@ StatusOr<CpDfa> CpDfa::FromNfa(const CpNfa& nfa, size_t max_states, const std::s
         if (e.hi < kMaxCodepoint) points.push_back({e.hi + 1, e.to, false});
       }
     }
+    work += sets[d].size() + points.size();
+    if (work > max_work) return too_much_work();
     if (points.empty()) continue;
     std::sort(points.begin(), points.end(),
               [](const Point& a, const Point& b) { return a.at < b.at; });

@@ -80,7 +80,10 @@ class CpDfa {
   int start = 0;
 
   size_t size() const { return edges.size(); }
-  // Subset construction. kResourceExhausted past `max_states`.
+  // Subset construction. kResourceExhausted past `max_states`, or past
+  // max_states x kWorkPerState steps (NFA states in the sets it forms plus
+  // the range ends it sweeps): states alone do not bound its time.
+  static constexpr size_t kWorkPerState = 1000;
   static StatusOr<CpDfa> FromNfa(const CpNfa& nfa, size_t max_states, const std::string& what);
   // The product automaton (both accept).
   static StatusOr<CpDfa> Intersect(const CpDfa& a, const CpDfa& b, size_t max_states,

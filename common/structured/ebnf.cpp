@@ -298,9 +298,10 @@ class EbnfParser {
         }
       }
       if (level != 0) return Error("unterminated %json object");
-      auto schema = nlohmann::ordered_json::parse(s_.substr(from, i_ - from), nullptr, false);
-      if (schema.is_discarded()) return Error("%json is not followed by valid JSON");
-      schemas_.push_back(std::make_unique<nlohmann::ordered_json>(std::move(schema)));
+      auto schema = ParseSchemaText(s_.substr(from, i_ - from), o_);
+      if (!schema.ok())
+        return Error("%json is not followed by a valid schema: " + schema.status().message());
+      schemas_.push_back(std::make_unique<nlohmann::ordered_json>(std::move(*schema)));
       auto e = AddJsonSchema(&b_, *schemas_.back(), o_);
       if (!e.ok()) return Error("%json schema: " + e.status().message());
       return *e;

@@ -196,6 +196,10 @@ class GrammarCompiler {
   using Node = GrammarBuilder::Node;
 
   Status TooManyStates() const {
+    if (work_ > limits_.max_work) {
+      return Status::ResourceExhausted("grammar is too complex: more than " +
+                                       std::to_string(limits_.max_work) + " steps to compile");
+    }
     return Status::ResourceExhausted("grammar is too large: more than " +
                                      std::to_string(limits_.max_dfa_states) + " states");
   }
@@ -525,6 +529,8 @@ class GrammarCompiler {
     auto intern = [&](std::vector<int> set) -> int32_t {
       auto it = ids.find(set);
       if (it != ids.end()) return it->second;
+      work_ += set.size();
+      if (work_ > limits_.max_work) return -1;
       const int32_t id = NewDfaState(rule);
       if (id < 0) return -1;
       dfa_accept_[id] = std::binary_search(set.begin(), set.end(), accept);
@@ -556,6 +562,8 @@ class GrammarCompiler {
         }
         for (const auto& c : nfa_[s].calls) by_rule[c.rule].push_back(c.to);
       }
+      work_ += set.size() + edges.size();
+      if (work_ > limits_.max_work) return TooManyStates();
       std::sort(edges.begin(), edges.end(),
                 [](const ByteEdge& a, const ByteEdge& b) { return a.lo < b.lo; });
       std::sort(bounds.begin(), bounds.end());
@@ -951,6 +959,7 @@ class GrammarCompiler {
 
   const GrammarBuilder& b_;
   GrammarLimits limits_;
+  size_t work_ = 0;  // subset construction steps (GrammarLimits::max_work)
   std::vector<NState> nfa_;
   std::vector<std::pair<int, int>> rule_nfa_;  // start, accept
   std::vector<uint8_t> nullable_;

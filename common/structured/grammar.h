@@ -34,6 +34,10 @@ struct GrammarLimits {
   size_t max_nfa_states = 400000;
   size_t max_dfa_states = 50000;  // all rules together: the matcher's positions
   size_t max_rules = 10000;
+  // Steps of the subset construction (NFA states in the sets it forms plus
+  // the byte edges it sweeps, over all rules): states alone do not bound
+  // it, as a few thousand states of large sets can take a minute.
+  size_t max_work = 20'000'000;
 };
 
 // How a code-point automaton is spelled in bytes.

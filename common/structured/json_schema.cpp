@@ -378,16 +378,25 @@ class SchemaCompiler {
     for (const CpRange& r : ComplementSet({{0, 0x1F}, {'"', '"'}, {'\\', '\\'}}))
       plain->edges[0].push_back({r.lo, r.hi, 1});
     const Expr hex = b_.ByteSet({{'0', '9'}, {'a', 'f'}, {'A', 'F'}});
-    const Expr escape =
-        b_.Seq({b_.Bytes("\\"), b_.Alt({b_.ByteSet({{'"', '"'},
-                                                    {'\\', '\\'},
-                                                    {'/', '/'},
-                                                    {'b', 'b'},
-                                                    {'f', 'f'},
-                                                    {'n', 'n'},
-                                                    {'r', 'r'},
-                                                    {'t', 't'}}),
-                                        b_.Seq({b_.Bytes("u"), b_.Repeat(hex, 4, 4)})})});
+    // \u escapes of characters: no lone surrogate (strict parsers, the
+    // router's tool-call parser among them, refuse one), a pair as two.
+    const Expr hex_d = b_.ByteSet({{'D', 'D'}, {'d', 'd'}});
+    const Expr unicode =
+        b_.Alt({b_.Seq({b_.ByteSet({{'0', '9'}, {'a', 'c'}, {'A', 'C'}, {'e', 'f'}, {'E', 'F'}}),
+                        b_.Repeat(hex, 3, 3)}),
+                b_.Seq({hex_d, b_.ByteSet({{'0', '7'}}), b_.Repeat(hex, 2, 2)}),
+                b_.Seq({hex_d, b_.ByteSet({{'8', '9'}, {'a', 'b'}, {'A', 'B'}}),
+                        b_.Repeat(hex, 2, 2), b_.Bytes("\\u"), hex_d,
+                        b_.ByteSet({{'c', 'f'}, {'C', 'F'}}), b_.Repeat(hex, 2, 2)})});
+    const Expr escape = b_.Seq({b_.Bytes("\\"), b_.Alt({b_.ByteSet({{'"', '"'},
+                                                                    {'\\', '\\'},
+                                                                    {'/', '/'},
+                                                                    {'b', 'b'},
+                                                                    {'f', 'f'},
+                                                                    {'n', 'n'},
+                                                                    {'r', 'r'},
+                                                                    {'t', 't'}}),
+                                                        b_.Seq({b_.Bytes("u"), unicode})})});
     const Expr ch = b_.Alt({b_.Codepoints(plain, CpEncoding::kUtf8), escape});
     b_.DefineRule(string_rule_, b_.Seq({b_.Bytes("\""), b_.Repeat(ch, 0, -1), b_.Bytes("\"")}));
     return b_.Call(string_rule_);
@@ -412,10 +421,12 @@ class SchemaCompiler {
     return std::make_shared<const CpDfa>(std::move(*d));
   }
 
+  // Exponents of two digits: 20 digits times 1e99 is still a double (1e999
+  // is a number no strict parser reads, the router's tool-call one included).
   Expr NumberSyntax(bool integer) {
     const std::string re = integer
                                ? "-?(?:0|[1-9]\\d{0,19})"
-                               : "-?(?:0|[1-9]\\d{0,19})(?:\\.\\d{1,20})?(?:[eE][+-]?\\d{1,3})?";
+                               : "-?(?:0|[1-9]\\d{0,19})(?:\\.\\d{1,20})?(?:[eE][+-]?\\d{1,2})?";
     auto& cached = integer ? int_syntax_ : num_syntax_;
     if (!cached) {
       RegexOptions ro;
@@ -696,7 +707,7 @@ class SchemaCompiler {
   }
 
   // $ref: a rule per target, so that recursion works.
-  StatusOr<Expr> Ref(const ojson& s, const std::string& ptr) {
+  StatusOr<Expr> Ref(const ojson& s, const std::string& ptr, int depth) {
     const ojson& ref = s["$ref"];
     if (!ref.is_string()) return Error(ptr + "/$ref", "'$ref' must be a string");
     std::string target = ref.get<std::string>();
@@ -725,7 +736,9 @@ class SchemaCompiler {
     if (at == nullptr) return Error(ptr + "/$ref", "'$ref' target '" + target + "' does not exist");
     const int rule = b_.DeclareRule("ref" + pointer);
     ref_rules_[pointer] = rule;
-    auto body = Compile(*at, pointer, 1);
+    // One level deeper than the reference: a chain of references nests
+    // (and recurses here) as deep as the schemas it names.
+    auto body = Compile(*at, pointer, depth + 1);
     if (!body.ok()) return body;
     b_.DefineRule(rule, *body);
     return b_.Call(rule);
@@ -1040,6 +1053,11 @@ class SchemaCompiler {
     if (depth > o_.max_depth) {
       return Error(ptr, "schema nested deeper than " + std::to_string(o_.max_depth) + " levels");
     }
+    if (++compiled_ > o_.max_subschemas) {
+      return Status::ResourceExhausted("the schema expands to more than " +
+                                       std::to_string(o_.max_subschemas) + " subschemas (at '" +
+                                       ptr + "')");
+    }
     if (s.is_boolean()) return s.get<bool>() ? AnyValue() : b_.Never();
     if (!s.is_object()) return Error(ptr, "a schema must be an object or a boolean");
     for (auto it = s.begin(); it != s.end(); ++it) {
@@ -1053,7 +1071,7 @@ class SchemaCompiler {
           return Error(ptr, "'$ref' beside keyword '" + it.key() + "' is not supported");
         }
       }
-      return Ref(s, ptr);
+      return Ref(s, ptr, depth);
     }
     if (s.contains("allOf")) {
       auto merged = MergeAllOf(s, ptr);
@@ -1154,6 +1172,10 @@ class SchemaCompiler {
           case ojson::value_t::string:
             type = "string";
             break;
+          case ojson::value_t::number_integer:
+          case ojson::value_t::number_unsigned:
+            type = "integer";  // written without a fraction, however large
+            break;
           default: {
             const double d = v.get<double>();
             type = d == std::floor(d) && std::abs(d) < 1e16 ? "integer" : "number";
@@ -1184,6 +1206,7 @@ class SchemaCompiler {
   JsonSchemaOptions o_;
   int value_rule_ = -1;
   int string_rule_ = -1;
+  size_t compiled_ = 0;  // Compile calls (max_subschemas)
   std::map<std::string, int> ref_rules_, string_rules_, key_rules_;
   std::shared_ptr<const CpDfa> int_syntax_, num_syntax_;
 };
@@ -1232,6 +1255,36 @@ StatusOr<GrammarBuilder::Expr> AddJsonSchema(GrammarBuilder* b, const ojson& sch
                                              const JsonSchemaOptions& options) {
   SchemaCompiler c(b, schema, options);
   return c.CompileRoot();
+}
+
+StatusOr<ojson> ParseSchemaText(std::string_view text, const JsonSchemaOptions& options) {
+  // Brackets outside strings: a cheap bound before any recursion.
+  const int limit = 2 * options.max_depth;
+  int level = 0;
+  bool in_string = false, escape = false;
+  for (const char c : text) {
+    if (in_string) {
+      if (escape) {
+        escape = false;
+      } else if (c == '\\') {
+        escape = true;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '{' || c == '[') {
+      if (++level > limit) {
+        return Status::InvalidArgument("the schema nests deeper than " + std::to_string(limit) +
+                                       " JSON levels");
+      }
+    } else if (c == '}' || c == ']') {
+      --level;
+    }
+  }
+  auto schema = ojson::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (schema.is_discarded()) return Status::InvalidArgument("the schema is not valid JSON");
+  return schema;
 }
 
 StatusOr<std::shared_ptr<const Grammar>> JsonSchemaGrammar(const ojson& schema,

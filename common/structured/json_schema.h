@@ -49,9 +49,22 @@ struct JsonSchemaOptions {
   // and compiles a typical schema several times faster than 16.
   int max_whitespace = 4;
   int max_depth = 64;  // schema nesting
+  // Subschemas compiled, each time one is (a definition that allOf copies
+  // into many places counts at each): a few kilobytes of schema that
+  // references definitions twice a level would otherwise compile 2^levels
+  // of them. ResourceExhausted past it.
+  size_t max_subschemas = 20000;
   RegexOptions regex;
   GrammarLimits grammar;
 };
+
+// A schema given as text (structured outputs' `json` as a string, %json in
+// a grammar): parsed, after checking that it nests no deeper than
+// 2 x max_depth JSON levels, values inside it included (the compiler and
+// canonical forms recurse over a `const`, so a deep one would take the
+// process down). InvalidArgument otherwise.
+StatusOr<nlohmann::ordered_json> ParseSchemaText(std::string_view text,
+                                                 const JsonSchemaOptions& options);
 
 // Adds the schema's rules to `b` and returns the expression of one JSON
 // value valid under it (no surrounding whitespace).

@@ -172,7 +172,9 @@ class Parser {
           while (i_ < s_.size() && s_[i_] != '>') ++i_;
           if (!Eat('>')) return Error("unterminated group name");
         } else {
-          return Unsupported("group modifier '(?" + std::string(1, static_cast<char>(c)) + "'");
+          return Unsupported("group modifier '(?" +
+                             (i_ < s_.size() ? std::string(1, static_cast<char>(s_[i_])) : "") +
+                             "'");
         }
       }
       auto inner = Disjunction(depth + 1);
@@ -335,7 +337,15 @@ class Parser {
           --i_;
           return Unsupported("backreference");
         }
-        return one(c);  // identity escape
+        if ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z')) {
+          // ECMAScript (with the u flag, as JSON Schema's pattern is
+          // checked) refuses these; read as the letter, Python's \Z or \A
+          // would silently match a 'Z' or an 'A'.
+          --i_;
+          return Unsupported("escape \\" + std::string(1, static_cast<char>(c)) +
+                             (c == 'A' || c == 'Z' || c == 'z' ? " (anchors are ^ and $)" : ""));
+        }
+        return one(c);  // identity escape of a syntax character
     }
   }
 

@@ -20,9 +20,9 @@ StatusOr<std::shared_ptr<const Grammar>> ConstraintGrammar(const OutputConstrain
     case Kind::kJsonObject:
       return JsonObjectGrammar(options.json);
     case Kind::kJsonSchema: {
-      auto schema = nlohmann::ordered_json::parse(c.text, nullptr, /*allow_exceptions=*/false);
-      if (schema.is_discarded()) return Status::InvalidArgument("the schema is not valid JSON");
-      return JsonSchemaGrammar(schema, options.json);
+      auto schema = ParseSchemaText(c.text, options.json);
+      if (!schema.ok()) return schema.status();
+      return JsonSchemaGrammar(*schema, options.json);
     }
     case Kind::kRegex: {
       RegexOptions ro = options.json.regex;

@@ -174,8 +174,10 @@ namespace {
 
 // Nesting the model's JSON may have to be read as a call: deeper arguments
 // stay content (what reads the value, copies it and writes it back recurses
-// once a level).
-constexpr int kMaxCallJsonDepth = 256;
+// once a level). As deep as a structured output's matcher lets JSON nest
+// (its stack of 1,024 frames), so that a forced call's arguments, which
+// that grammar admitted, always parse.
+constexpr int kMaxCallJsonDepth = 1024;
 
 // The model's JSON text, or a discarded value: parsed with the limits client
 // JSON gets (checked_json.h), whatever the model wrote.

@@ -359,11 +359,17 @@ TEST(ToolCalls, HostileModelOutputIsContentOrOneCall) {
     EXPECT_TRUE(calls.empty()) << ToolParserName(p);
     EXPECT_EQ(content, text) << ToolParserName(p);
   }
-  // 256 levels are still a call.
-  Check(ToolParser::kHermes,
-        "<tool_call>{\"name\": \"search\", \"arguments\": {\"a\": " + std::string(250, '[') +
-            std::string(250, ']') + "}}</tool_call>",
-        {"", {{"search", "{\"a\":" + std::string(250, '[') + std::string(250, ']') + "}"}}});
+  // As deep as a structured output's matcher lets JSON nest (1,024 frames),
+  // so that arguments a forced call's grammar admitted are still a call.
+  const std::string nested = std::string(1000, '[') + std::string(1000, ']');
+  std::string nested_content;
+  std::vector<ToolCall> nested_calls;
+  ParseToolCalls(
+      ToolParser::kHermes, kFunctions,
+      "<tool_call>{\"name\": \"search\", \"arguments\": {\"a\": " + nested + "}}</tool_call>",
+      &nested_content, &nested_calls);
+  ASSERT_EQ(nested_calls.size(), 1u);
+  EXPECT_EQ(nested_calls[0].arguments, "{\"a\":" + nested + "}");
   std::string code;
   for (int i = 0; i < 20000; ++i) code += "a<b ";
   const std::string long_call = "<tool_call>{\"name\": \"search\", \"arguments\": {\"query\": \"" +

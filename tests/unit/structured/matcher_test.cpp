@@ -110,6 +110,32 @@ TEST(Matcher, MasksEqualTokenByTokenChecksOnJson) {
   EXPECT_TRUE(CheckWalk(g, R"({"name":"x","age":1,"when":"2024-02-29"})"));
 }
 
+// Integers in enum or const are integers however large (written without a
+// fraction): kept under "type": "integer".
+TEST(Matcher, LargeIntegerEnumValuesStayIntegers) {
+  auto g =
+      Compile(Schema(R"({"type":"integer","enum":[10000000000000000,-20000000000000000,1.5]})"));
+  ASSERT_TRUE(g);
+  EXPECT_TRUE(CheckWalk(g, "10000000000000000"));
+  EXPECT_TRUE(CheckWalk(g, "-20000000000000000"));
+  EXPECT_FALSE(CheckWalk(g, "1.5"));
+}
+
+// What the JSON grammars admit, strict parsers read (the router's
+// tool-call parser among them): no lone surrogate escape, no exponent past
+// a double's.
+TEST(Matcher, StringsAndNumbersAreWhatStrictParsersRead) {
+  auto g = Compile(Schema(R"({"type":"object","properties":{"s":{"type":"string"},
+      "n":{"type":"number"}},"required":["s","n"],"additionalProperties":false})"));
+  ASSERT_TRUE(g);
+  EXPECT_TRUE(CheckWalk(g, R"({"s":"\u00e9\uD83D\uDE00\uffff","n":1e99})"));
+  EXPECT_TRUE(CheckWalk(g, R"({"s":"","n":-12345678901234567890.5E-99})"));
+  EXPECT_FALSE(CheckWalk(g, R"({"s":"\ud800","n":1})"));
+  EXPECT_FALSE(CheckWalk(g, R"({"s":"\udc00\ud800","n":1})"));
+  EXPECT_FALSE(CheckWalk(g, R"({"s":"\ud800\u0041","n":1})"));
+  EXPECT_FALSE(CheckWalk(g, R"({"s":"","n":1e999})"));
+}
+
 TEST(Matcher, JsonObjectAndRecursion) {
   auto g = Compile({OutputConstraint::Kind::kJsonObject, ""});
   ASSERT_TRUE(g);
@@ -361,6 +387,81 @@ TEST(Grammar, HostileSchemasAreBoundedInTime) {
     }
     // Generous: only a runaway (minutes) fails this.
     EXPECT_LT(seconds, 60) << s.substr(0, 80);
+  }
+}
+
+// Schemas whose compile would recurse without bound (a chain of 20,000
+// references, a const 100,000 arrays deep in schema text, as a schema or
+// as %json in a grammar) or multiply (definitions referenced twice a level
+// through allOf, 2^24 copies) are refused, not a crash or gigabytes; a
+// chain and a DAG of ordinary size still compile.
+TEST(Grammar, SchemasThatWouldRecurseOrMultiplyAreRefused) {
+  auto chain = [](int n) {
+    std::string s = R"({"$defs":{)";
+    for (int i = 0; i < n; ++i)
+      s += "\"d" + std::to_string(i) + "\":{\"$ref\":\"#/$defs/d" + std::to_string(i + 1) + "\"},";
+    return s + "\"d" + std::to_string(n) + R"(":{"type":"integer"}},"$ref":"#/$defs/d0"})";
+  };
+  auto dag = [](int k) {
+    std::string s = R"({"$defs":{)";
+    for (int i = 0; i < k; ++i) {
+      const std::string next =
+          "{\"allOf\":[{\"$ref\":\"#/$defs/N" + std::to_string(i + 1) + "\"}]}";
+      s += "\"N" + std::to_string(i) + R"(":{"type":"object","properties":{"a":)" + next +
+           ",\"b\":" + next + "}},";
+    }
+    return s + "\"N" + std::to_string(k) + R"(":{"type":"integer"}},"$ref":"#/$defs/N0"})";
+  };
+  const std::string deep_const =
+      R"({"const":)" + std::string(100000, '[') + std::string(100000, ']') + "}";
+  struct Case {
+    OutputConstraint c;
+    StatusCode code;
+    std::string fragment;
+  };
+  const std::vector<Case> refused = {
+      {Schema(chain(20000)), StatusCode::kInvalidArgument, "nested deeper than 64"},
+      {Schema(deep_const), StatusCode::kInvalidArgument, "nests deeper than 128"},
+      {{OutputConstraint::Kind::kGrammar, "root ::= %json " + deep_const + "\n"},
+       StatusCode::kInvalidArgument,
+       "nests deeper than 128"},
+      {Schema(dag(24)), StatusCode::kResourceExhausted, "more than 20000 subschemas"},
+  };
+  for (const auto& c : refused) {
+    auto g = ConstraintGrammar(c.c, CompileOptions{});
+    ASSERT_FALSE(g.ok()) << c.c.text.substr(0, 80);
+    EXPECT_EQ(g.status().code(), c.code) << g.status().message();
+    EXPECT_NE(g.status().message().find(c.fragment), std::string::npos) << g.status().message();
+  }
+  for (const std::string& ok : {chain(40), dag(6)}) {
+    auto g = ConstraintGrammar(Schema(ok), CompileOptions{});
+    EXPECT_TRUE(g.ok()) << g.status().message();
+  }
+}
+
+// Inputs within every state limit whose subset construction is still huge
+// (a few thousand states of large sets): 1,000 copies of one alternative in
+// a grammar, 500 in a pattern. Refused by the work budget, naming it,
+// rather than compiled for tens of seconds (and gigabytes) on a router's
+// I/O thread.
+TEST(Grammar, CompileWorkIsBounded) {
+  std::string grammar = "root ::= ";
+  for (int i = 0; i < 1000; ++i)
+    grammar += std::string(i ? " | " : "") + "([ab]* \"a\" [ab]{12} \"c\")";
+  grammar += "\n";
+  std::string pattern = "^(?:";
+  for (int i = 0; i < 500; ++i) pattern += std::string(i ? "|" : "") + "[ab]*a[ab]{12}";
+  pattern += ")$";
+  const std::vector<OutputConstraint> heavy = {
+      {OutputConstraint::Kind::kGrammar, grammar},
+      Schema(R"({"type":"string","pattern":")" + pattern + "\"}"),
+  };
+  for (const auto& c : heavy) {
+    auto g = ConstraintGrammar(c, CompileOptions{});
+    ASSERT_FALSE(g.ok()) << c.text.substr(0, 80);
+    EXPECT_EQ(g.status().code(), StatusCode::kResourceExhausted) << g.status().message();
+    EXPECT_NE(g.status().message().find("steps to compile"), std::string::npos)
+        << g.status().message();
   }
 }
 

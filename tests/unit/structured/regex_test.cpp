@@ -72,6 +72,24 @@ TEST(Regex, RefusesWhatItDoesNotImplement) {
   }
 }
 
+// Escapes of letters with no meaning here are refused by name (Python's
+// \Z, \z and \A would otherwise match the letters), and a group modifier
+// is named as written; escapes of syntax characters stay literal.
+TEST(Regex, UnknownLetterEscapesAreRefusedByName) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"x\\z", "escape \\z (anchors are ^ and $)"},
+      {"^\\d{2}\\Z", "escape \\Z (anchors are ^ and $)"},
+      {"\\Aabc", "escape \\A (anchors"},
+      {"\\h", "escape \\h"},
+      {"(?P<n>a)", "group modifier '(?P'"}};
+  for (const auto& [p, fragment] : cases) {
+    auto d = CompileRegex(p, RegexOptions{});
+    ASSERT_FALSE(d.ok()) << p;
+    EXPECT_NE(d.status().message().find(fragment), std::string::npos) << d.status().message();
+  }
+  EXPECT_TRUE(Full("a\\.b\\-\\/", "a.b-/"));
+}
+
 TEST(Regex, BlowUpsAreRefusedNotRun) {
   RegexOptions o;
   o.full_match = true;
