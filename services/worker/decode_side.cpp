@@ -108,10 +108,12 @@ void DecodeSide::OnGenerate(const ConnectionPtr& router, proto::Generate g) {
   if (!g.sampling().has_constraint()) return Admit(router, std::move(g), nullptr);
   // Structured outputs: the grammar first, off the engine thread; the
   // request is admitted once it is there (unless cancelled meanwhile).
-  compiling_.emplace(key, TraceIdOf(g));
+  Compiling& compiling = compiling_[key];
+  compiling.trace_id = TraceIdOf(g);
   const OutputConstraint constraint = FromProto(g.sampling()).constraint.value();
   ctx_->grammars->Compile(
-      constraint, [this, router, key, g = std::move(g)](GrammarCompiler::Result grammar) mutable {
+      constraint,
+      [this, router, key, g = std::move(g)](GrammarCompiler::Result grammar) mutable {
         ctx_->post([this, router, key, g = std::move(g), grammar = std::move(grammar)]() mutable {
           if (compiling_.erase(key) == 0) return;  // cancelled while compiling
           if (!grammar.ok()) {
@@ -123,7 +125,13 @@ void DecodeSide::OnGenerate(const ConnectionPtr& router, proto::Generate g) {
           }
           Admit(router, std::move(g), std::move(*grammar));
         });
-      });
+      },
+      compiling.cancelled);
+}
+
+void DecodeSide::StopCompiling(std::map<std::pair<uint64_t, std::string>, Compiling>::iterator it) {
+  it->second.cancelled->store(true);  // the compiler thread skips it if not started
+  compiling_.erase(it);
 }
 
 void DecodeSide::Refuse(const ConnectionPtr& router, const proto::Generate& g, const Status& st) {
@@ -263,8 +271,9 @@ void DecodeSide::Admit(const ConnectionPtr& router, proto::Generate g,
 
 void DecodeSide::OnRouterCancel(const ConnectionPtr& router, const std::string& rid) {
   if (auto c = compiling_.find({router->id(), rid}); c != compiling_.end()) {
-    PDSERVE_LOG(INFO) << "request " << c->second << " cancelled while its grammar compiled";
-    compiling_.erase(c);
+    PDSERVE_LOG(INFO) << "request " << c->second.trace_id
+                      << " cancelled while its grammar compiled";
+    StopCompiling(c);
     ctx_->metrics->CountRequest("decode", "cancelled");
     return;
   }
@@ -292,7 +301,10 @@ void DecodeSide::CancelGroup(RequestId leader, const std::string& why) {
 }
 
 void DecodeSide::OnRouterGone(const ConnectionPtr& router) {
-  std::erase_if(compiling_, [&](const auto& entry) { return entry.first.first == router->id(); });
+  for (auto it = compiling_.lower_bound({router->id(), std::string()});
+       it != compiling_.end() && it->first.first == router->id();) {
+    StopCompiling(it++);
+  }
   std::vector<RequestId> orphans;
   for (auto it = by_router_rid_.lower_bound({router->id(), std::string()});
        it != by_router_rid_.end() && it->first.first == router->id(); ++it) {
@@ -302,7 +314,7 @@ void DecodeSide::OnRouterGone(const ConnectionPtr& router) {
 }
 
 void DecodeSide::CancelAll(const std::string& why) {
-  compiling_.clear();
+  while (!compiling_.empty()) StopCompiling(compiling_.begin());
   std::vector<RequestId> ids;
   for (auto& [id, _] : requests_) ids.push_back(id);
   for (RequestId id : ids) {

@@ -157,8 +157,15 @@ class DecodeSide {
   };
   std::unordered_map<RequestId, Group> groups_;
   // Requests waiting for their grammar (router connection id, request id),
-  // with their trace ids.
-  std::map<std::pair<uint64_t, std::string>, std::string> compiling_;
+  // with their trace ids; a cancelled one's flag tells the compiler thread
+  // to skip it if it has not started.
+  struct Compiling {
+    std::string trace_id;
+    std::shared_ptr<std::atomic<bool>> cancelled = std::make_shared<std::atomic<bool>>(false);
+  };
+  // Drops a request waiting for its grammar (cancelled, its router gone).
+  void StopCompiling(std::map<std::pair<uint64_t, std::string>, Compiling>::iterator it);
+  std::map<std::pair<uint64_t, std::string>, Compiling> compiling_;
   // Id used with the prefill peer -> request (remote hand-offs in progress).
   std::unordered_map<std::string, RequestId> by_prefill_rid_;
   HeldBlocksMap held_for_peers_;

@@ -21,7 +21,8 @@ GrammarCompiler::~GrammarCompiler() {
   thread_.join();
 }
 
-void GrammarCompiler::Compile(const OutputConstraint& constraint, Done done) {
+void GrammarCompiler::Compile(const OutputConstraint& constraint, Done done,
+                              std::shared_ptr<const std::atomic<bool>> cancelled) {
   if (auto hit = cache_.Lookup(constraint)) {
     if (metrics_) metrics_->grammar_requests.Add({{"result", "cached"}}).Increment();
     done(std::move(hit));
@@ -30,7 +31,7 @@ void GrammarCompiler::Compile(const OutputConstraint& constraint, Done done) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!stop_) {
-      queue_.emplace_back(constraint, std::move(done));
+      queue_.push_back({constraint, std::move(done), std::move(cancelled)});
       cv_.notify_one();
       return;
     }
@@ -52,20 +53,24 @@ void GrammarCompiler::Loop() {
                       << " ms";
   }
   while (true) {
-    std::pair<OutputConstraint, Done> job;
+    Job job;
     {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
       if (stop_) {
-        for (auto& [c, done] : queue_) done(Status::Cancelled("the worker is stopping"));
+        for (auto& queued : queue_) queued.done(Status::Cancelled("the worker is stopping"));
         queue_.clear();
         return;
       }
       job = std::move(queue_.front());
       queue_.pop_front();
     }
+    if (job.cancelled && job.cancelled->load()) {
+      job.done(Status::Cancelled("the request was cancelled before its grammar compiled"));
+      continue;
+    }
     const auto start = std::chrono::steady_clock::now();
-    Result r = cache_.Get(job.first);
+    Result r = cache_.Get(job.constraint);
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (metrics_) {
@@ -78,7 +83,7 @@ void GrammarCompiler::Loop() {
                         << " ms: " << (*r)->grammar().num_states() << " states, " << st.bytes / 1024
                         << " KiB of token masks";
     }
-    job.second(std::move(r));
+    job.done(std::move(r));
   }
 }
 

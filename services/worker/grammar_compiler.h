@@ -6,6 +6,8 @@
 // parts (strings, numbers, any value), which every schema then shares.
 #pragma once
 
+#include <atomic>
+
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -30,8 +32,10 @@ class GrammarCompiler {
   // `done` runs with the compiled grammar or the reason it cannot be: on
   // the calling thread when the grammar is cached, else later on the
   // compiler thread. After the destructor began, queued work is answered
-  // with kCancelled.
-  void Compile(const OutputConstraint& constraint, Done done);
+  // with kCancelled, and so is a job whose `cancelled` was set before its
+  // turn (its request is gone: the thread compiles nothing for it).
+  void Compile(const OutputConstraint& constraint, Done done,
+               std::shared_ptr<const std::atomic<bool>> cancelled = nullptr);
 
  private:
   void Loop();
@@ -40,7 +44,12 @@ class GrammarCompiler {
   WorkerMetrics* metrics_;
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::pair<OutputConstraint, Done>> queue_;
+  struct Job {
+    OutputConstraint constraint;
+    Done done;
+    std::shared_ptr<const std::atomic<bool>> cancelled;  // may be null
+  };
+  std::deque<Job> queue_;
   bool stop_ = false;
   std::thread thread_;
 };
