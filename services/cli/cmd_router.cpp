@@ -173,10 +173,16 @@ int RunRouter(int argc, char** argv) {
   if (http_threads < 1 || max_concurrent < 1 || max_body < 1 || timeout_s < 1 || max_attempts < 1) {
     UsageError("router", "thread, request, size, timeout and attempt limits must be positive");
   }
+  if (worker_stall_s < 0 || worker_stall_s > 86400)
+    UsageError("router", "--worker-stall-timeout must be in [0, 86400]");
   if (auto origins = http::ParseCorsOrigins(allowed_origins); origins.ok()) {
     o.allowed_origins = std::move(*origins);
   } else {
     UsageError("router", "--allowed-origins: " + origins.status().message());
+  }
+  o.worker_stall_timeout_ms = worker_stall_s * 1000;
+  if (Status st = router::RouterService::CheckRoutingOptions(o); !st.ok()) {
+    UsageError("router", st.message());
   }
   {
     // After the other flags: its warning about an open control plane is for
@@ -192,9 +198,6 @@ int RunRouter(int argc, char** argv) {
   o.max_concurrent_requests = static_cast<int>(max_concurrent);
   o.max_body_bytes = static_cast<size_t>(max_body);
   o.request_timeout_ms = timeout_s * 1000;
-  if (worker_stall_s < 0 || worker_stall_s > 86400)
-    UsageError("router", "--worker-stall-timeout must be in [0, 86400]");
-  o.worker_stall_timeout_ms = worker_stall_s * 1000;
   o.max_attempts = static_cast<int>(max_attempts);
 
   auto service = router::RouterService::Create(o);

@@ -176,11 +176,6 @@ int RunWorker(int argc, char** argv) {
     }
     o.kv_scales = std::move(*scales);
   }
-  {
-    ControlSecurity sec = security.LoadOrExit("worker");
-    o.cluster_secret = std::move(sec.secret);
-    o.control_tls = std::move(sec.tls);
-  }
   if (routers.empty()) UsageError("worker", "--router is required");
   std::stringstream ss(routers);
   for (std::string item; std::getline(ss, item, ',');) {
@@ -204,6 +199,13 @@ int RunWorker(int argc, char** argv) {
   o.engine_stall_timeout_ms = stall_s * 1000;
   o.structured = structured.OptionsOrExit("worker");
   o.kv_eviction = eviction.EvictionOrExit("worker");
+  {
+    // After the other flags: its warning about an open control plane is for
+    // a worker that is about to start, not one refused for a bad flag.
+    ControlSecurity sec = security.LoadOrExit("worker");
+    o.cluster_secret = std::move(sec.secret);
+    o.control_tls = std::move(sec.tls);
+  }
 
   auto service = worker::WorkerService::Create(o);
   if (!service.ok()) {

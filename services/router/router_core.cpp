@@ -19,7 +19,8 @@ struct alignas(64) RouterCore::Worker {
   Role role = Role::kBoth;
   bool has_report = false;
   bool draining = false;
-  int64_t max_model_len = 0;  // 0: unknown
+  int64_t max_model_len = 0;       // 0: unknown
+  int64_t kv_capacity_blocks = 0;  // 0: unknown
   int64_t last_report_us = 0;
   WorkerLoad reported;
   int64_t inflight_requests = 0;
@@ -125,9 +126,12 @@ StatusOr<std::unique_ptr<RouterCore>> RouterCore::Create(RouterOptions options) 
   return core;
 }
 
-StatusOr<WorkerId> RouterCore::AddWorker(const std::string& name, Role role,
-                                         int64_t max_model_len) {
+StatusOr<WorkerId> RouterCore::AddWorker(const std::string& name, Role role, int64_t max_model_len,
+                                         int64_t kv_capacity_blocks) {
   if (max_model_len < 0) return Status::InvalidArgument("max_model_len must not be negative");
+  if (kv_capacity_blocks < 0) {
+    return Status::InvalidArgument("kv_capacity_blocks must not be negative");
+  }
   std::lock_guard lock(mu_);
   FlushPendingLocked();  // a reused slot must not inherit the last holder's entries
   std::optional<WorkerId> free_slot;
@@ -148,6 +152,7 @@ StatusOr<WorkerId> RouterCore::AddWorker(const std::string& name, Role role,
   w->name = name;
   w->role = role;
   w->max_model_len = max_model_len;
+  w->kv_capacity_blocks = kv_capacity_blocks;
   workers_[*free_slot] = std::move(w);
   if (governor_) {
     governor_->AddWorker(*free_slot);
@@ -364,11 +369,18 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
     return Status::InvalidArgument("request id " + std::to_string(request.request_id) +
                                    " is already in flight");
   }
-  // SnapKV: a prompt over the budget computes its observation window's
-  // queries whatever is cached, so no worker reuses the blocks from there
-  // on; the decode worker of a remote prefill receives the compressed
-  // prompt into blocks of the request's own, which it never caches.
+  // What a worker can reuse: the blocks before the last token's (see
+  // RouterOptions), and under SnapKV, for a prompt over the budget, those
+  // before its observation window: the window's queries are computed
+  // whatever is cached, and the decode worker of a remote prefill receives
+  // the compressed prompt into blocks of the request's own, which it never
+  // caches.
   std::span<const BlockHash> reusable = request.block_hashes;
+  if (options_.reuse_stops_before_last_token) {
+    const auto before_last = static_cast<size_t>(std::max<int64_t>(0, request.prompt_tokens - 1) /
+                                                 options_.block_tokens);
+    reusable = reusable.first(std::min(reusable.size(), before_last));
+  }
   const bool compresses = snapkv_budget_ > 0 && request.prompt_tokens > snapkv_budget_;
   if (compresses) {
     const auto cap =
@@ -390,15 +402,31 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
   auto holds = [](const Worker& w, int64_t tokens) {
     return w.max_model_len == 0 || tokens <= w.max_model_len;
   };
+  // Whether a worker's whole KV pool is too small for the prompt and its
+  // first token, as its engine refuses them (without windows, whose groups
+  // need fewer blocks than the sequence has).
+  const int64_t prompt_blocks =
+      (request.prompt_tokens + 1 + options_.block_tokens - 1) / options_.block_tokens;
+  auto pool_too_small = [&](const Worker& w) {
+    return !GroupedLocked() && w.kv_capacity_blocks > 0 && prompt_blocks > w.kv_capacity_blocks;
+  };
+  auto avoided = [&](const Worker& w) {
+    return std::find(request.avoid.begin(), request.avoid.end(), w.id) != request.avoid.end();
+  };
+  // How far down a worker comes: one that failed the request already or
+  // whose pool cannot hold it only when no other can decode (a retry goes
+  // elsewhere: the same worker would most likely fail it again), and a
+  // stalled one (load reports stopped) after those: a long step is then
+  // waited for, as before the check, not refused.
+  auto rank = [&](const Worker& w) {
+    return (StalledLocked(w, now) ? 2 : 0) + (avoided(w) || pool_too_small(w) ? 1 : 0);
+  };
   const int64_t sequence_tokens = request.prompt_tokens + request.max_new_tokens;
   candidates_.clear();
   bool too_short = false;
-  // Stalled workers (load reports stopped) only when no other can decode:
-  // a long step is then waited for, as before the check, not refused.
-  for (const bool take_stalled : {false, true}) {
+  for (int take_rank = 0; take_rank < 4 && candidates_.empty(); ++take_rank) {
     for (const auto& w : workers_) {
-      if (w && !w->draining && w->role != Role::kPrefill &&
-          StalledLocked(*w, now) == take_stalled) {
+      if (w && !w->draining && w->role != Role::kPrefill && rank(*w) == take_rank) {
         if (!holds(*w, sequence_tokens)) {
           too_short = true;
           continue;
@@ -406,7 +434,6 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
         candidates_.push_back(MakeCandidateLocked(*w, overlap_[w->id], request, now));
       }
     }
-    if (!candidates_.empty()) break;
   }
   if (candidates_.empty()) {
     return Status::Unavailable(
@@ -444,9 +471,11 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
   }
   if (decision.prefill_tokens > options_.max_local_prefill) {
     candidates_.clear();
+    // Not a prefill worker that failed the request or whose pool is too
+    // small: without another, the decode worker prefills it.
     for (const auto& w : workers_) {
       if (w && !w->draining && w->role == Role::kPrefill && !StalledLocked(*w, now) &&
-          holds(*w, request.prompt_tokens + 1)) {
+          holds(*w, request.prompt_tokens + 1) && !avoided(*w) && !pool_too_small(*w)) {
         candidates_.push_back(MakeCandidateLocked(*w, overlap_[w->id], request, now));
       }
     }
@@ -583,13 +612,17 @@ void RouterCore::OfferCopiesLocked(const RouteRequest& request, int64_t now_us) 
   traffic_ = Decayed(traffic_, traffic_at_us_, now_us, options_.copy_window_us) + 1;
   traffic_at_us_ = now_us;
   // The longest prefix any KV writer holds, its least busy holder, and how
-  // many workers hold it.
+  // many workers hold it. A draining or stalled worker counts as no holder:
+  // it serves none of the prefix's requests and sends no copy (a draining
+  // one, the least busy as it takes no requests, would have its copy
+  // dropped; a stuck one would leave the request waiting).
   int64_t best = 0;
   int64_t holders = 0;
   double best_work = 0;
   bool found = false;
   for (const auto& w : workers_) {
-    if (!w) continue;  // any holder copies (decode-only workers too: prefix_copy)
+    // Any holder copies (decode-only workers too: prefix_copy).
+    if (!w || w->draining || StalledLocked(*w, now_us)) continue;
     const int64_t overlap = overlap_[w->id];
     if (overlap == 0 || overlap < best) continue;
     const double work = static_cast<double>(std::max(

@@ -122,6 +122,13 @@ struct RouterOptions {
   // no new requests while another worker can take them (a decode worker
   // then prefills itself), until they resume (WorkerView::stalled). 0: never.
   int64_t worker_stall_us = 0;
+  // A worker's engine always computes a prompt's last token (its logits
+  // are the first output), so it reuses cached blocks only up to the one
+  // before it: a block-aligned prompt's last block never, and a windowed
+  // group's reach is judged from that block's start. Predictions stop
+  // there too. The simulator, whose cache model counts a trace's blocks
+  // whole, turns this off.
+  bool reuse_stops_before_last_token = true;
   // Microseconds on a monotonic clock; the simulator supplies simulated time.
   std::function<int64_t()> clock_us;
 };
@@ -131,10 +138,17 @@ struct RouteRequest {
   std::span<const BlockHash> block_hashes;  // full prompt blocks (hash spec v1)
   int64_t prompt_tokens = 0;                // >= block_hashes.size() * block_tokens
   int64_t max_new_tokens = 0;               // for the KV footprint estimate
+  // Workers that failed this request already (a retry): taken again only
+  // when no other can take it.
+  std::span<const WorkerId> avoid;
 };
 // Only workers whose max_model_len (when known) holds prompt_tokens +
 // max_new_tokens decode the request, and only those whose max_model_len holds
-// the prompt and its first token prefill it.
+// the prompt and its first token prefill it. A decode worker whose whole KV
+// pool (when known) is too small for the prompt and its first token (its
+// engine refuses them), or one to avoid, decodes only when no other can,
+// and a stalled one after those; such a prefill worker never prefills (the
+// decode worker does).
 
 // A leaving worker's prompt it could push to a survivor (PlanDrainPush).
 struct PushCandidate {
@@ -204,10 +218,12 @@ class RouterCore {
 
   // Registers a worker (a fresh connection). Its KV events are accepted after
   // its first snapshot (OnSnapshot). `max_model_len`: the longest sequence
-  // (prompt + output) it runs, 0 when it did not say. InvalidArgument for a
+  // (prompt + output) it runs, 0 when it did not say; `kv_capacity_blocks`:
+  // the blocks of its KV pool, 0 when unknown. InvalidArgument for a
   // duplicate name or a negative length, ResourceExhausted when all index
   // slots are taken.
-  StatusOr<WorkerId> AddWorker(const std::string& name, Role role, int64_t max_model_len = 0);
+  StatusOr<WorkerId> AddWorker(const std::string& name, Role role, int64_t max_model_len = 0,
+                               int64_t kv_capacity_blocks = 0);
   // Disconnect: purges the worker from the index and the load view. Returns
   // the ids of requests it was decoding and that had not finished (the caller
   // retries or fails them; they are no longer accounted). Requests it was

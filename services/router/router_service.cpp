@@ -51,6 +51,25 @@ double SecondsSince(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
+// The routing core's options, as the service's flags give them.
+RouterOptions RoutingOptionsOf(const RouterServiceOptions& o) {
+  RouterOptions ro;
+  ro.policy = o.policy;
+  ro.policy_options.temperature = o.policy_temperature;
+  ro.policy_options.host_tier_weight = o.host_tier_weight;
+  ro.policy_options.disk_tier_weight = o.disk_tier_weight;
+  ro.block_tokens = o.block_size;
+  ro.max_local_prefill = o.max_local_prefill;
+  ro.copy_cost = o.replication_copy_cost;
+  ro.copy_min_requests = o.replication_min_requests;
+  ro.copy_window_us = static_cast<int64_t>(o.replication_window_s * 1e6);
+  ro.copy_max_inflight = o.replication_max_inflight;
+  ro.copy_max_tokens_per_s = o.replication_max_copy_tokens_per_s;
+  ro.drain_push = o.drain_push_blocks > 0;
+  ro.worker_stall_us = o.worker_stall_timeout_ms * 1000;
+  return ro;
+}
+
 // max_tokens of a chat request that gives none while no registered worker
 // reported its context length (older workers): the worker still stops at its
 // own limit, with finish_reason "length".
@@ -190,6 +209,12 @@ struct RouterMetrics {
       copies_declined.Add({{"reason", CopyDeclineName(static_cast<CopyDecline>(k))}});
     for (const char* outcome : {"reused", "unused"}) copy_outcomes.Add({{"outcome", outcome}});
     for (const char* tier : {"host", "disk"}) predicted_tier_hit_tokens.Add({{"tier", tier}});
+    // Before any worker registers too: "no ready decode worker" must be
+    // visible on a router that never had one.
+    for (const char* role : {"prefill", "decode", "both"}) {
+      for (const char* state : {"ready", "syncing", "draining", "stalled"})
+        workers.Add({{"role", role}, {"state", state}});
+    }
   }
 
   prometheus::Family<prometheus::Counter>& requests;
@@ -267,6 +292,11 @@ struct Inflight {
   Clock::time_point arrived;
   Clock::time_point deadline;
   int attempts = 0;
+  // Workers that failed it (a retryable error): a retry goes elsewhere
+  // while another can take it.
+  std::vector<WorkerId> failed_on;
+  bool counted = false;        // its prompt is in the router's counters
+  bool ttft_observed = false;  // its TTFT is in the histogram
   std::optional<WorkerId> decode;
   std::optional<WorkerId> prefill;
   std::optional<WorkerId> copy_from;  // a holder copying a hot prefix as its prefill worker
@@ -342,21 +372,7 @@ class RouterServiceImpl : public RouterService {
       if (!keys.ok()) return keys.status();
       api_keys_ = std::move(*keys);
     }
-    RouterOptions ro;
-    ro.policy = opts_.policy;
-    ro.policy_options.temperature = opts_.policy_temperature;
-    ro.policy_options.host_tier_weight = opts_.host_tier_weight;
-    ro.policy_options.disk_tier_weight = opts_.disk_tier_weight;
-    ro.block_tokens = opts_.block_size;
-    ro.max_local_prefill = opts_.max_local_prefill;
-    ro.copy_cost = opts_.replication_copy_cost;
-    ro.copy_min_requests = opts_.replication_min_requests;
-    ro.copy_window_us = static_cast<int64_t>(opts_.replication_window_s * 1e6);
-    ro.copy_max_inflight = opts_.replication_max_inflight;
-    ro.copy_max_tokens_per_s = opts_.replication_max_copy_tokens_per_s;
-    ro.drain_push = opts_.drain_push_blocks > 0;
-    ro.worker_stall_us = opts_.worker_stall_timeout_ms * 1000;
-    auto core = RouterCore::Create(ro);
+    auto core = RouterCore::Create(RoutingOptionsOf(opts_));
     if (!core.ok()) return core.status();
     core_ = std::move(*core);
     limits_.model_ids = {model_id_};
@@ -1047,6 +1063,7 @@ class RouterServiceImpl : public RouterService {
       rr.block_hashes = r.hashes;
       rr.prompt_tokens = static_cast<int64_t>(r.prompt_ids.size());
       rr.max_new_tokens = r.api->sampling.max_tokens;
+      rr.avoid = r.failed_on;
       auto decision = core_->Route(rr);
       // Tokenizing, hashing and the first choice of workers, as its help says.
       if (r.attempts == 1) metrics_.route_seconds.Observe(SecondsSince(r.arrived));
@@ -1135,18 +1152,27 @@ class RouterServiceImpl : public RouterService {
       r.decode = decision->decode;
       r.decode_conn = decode_link->conn->id();
       r.prefill = decision->prefill;
-      if (opts_.drain_push_blocks > 0) RecordHotPromptLocked(decision->decode, r);
-      metrics_.prompt_tokens.Increment(static_cast<double>(r.prompt_ids.size()));
-      const int64_t overlap =
-          decision->prefill ? decision->prefill_overlap_blocks : decision->decode_overlap_blocks;
-      metrics_.predicted_hit_tokens.Increment(static_cast<double>(overlap * opts_.block_size));
-      if (decision->prefill_host_blocks > 0) {
-        metrics_.predicted_tier_hit_tokens.Add({{"tier", "host"}})
-            .Increment(static_cast<double>(decision->prefill_host_blocks * opts_.block_size));
+      if (opts_.drain_push_blocks > 0) {
+        // Both hold the prompt once it is served: either may drain.
+        RecordHotPromptLocked(decision->decode, r);
+        if (decision->prefill) RecordHotPromptLocked(*decision->prefill, r);
       }
-      if (decision->prefill_disk_blocks > 0) {
-        metrics_.predicted_tier_hit_tokens.Add({{"tier", "disk"}})
-            .Increment(static_cast<double>(decision->prefill_disk_blocks * opts_.block_size));
+      // A request's prompt and predicted hits count once (at its first
+      // dispatch), as its TTFT does; every decision counts.
+      if (!r.counted) {
+        r.counted = true;
+        metrics_.prompt_tokens.Increment(static_cast<double>(r.prompt_ids.size()));
+        const int64_t overlap =
+            decision->prefill ? decision->prefill_overlap_blocks : decision->decode_overlap_blocks;
+        metrics_.predicted_hit_tokens.Increment(static_cast<double>(overlap * opts_.block_size));
+        if (decision->prefill_host_blocks > 0) {
+          metrics_.predicted_tier_hit_tokens.Add({{"tier", "host"}})
+              .Increment(static_cast<double>(decision->prefill_host_blocks * opts_.block_size));
+        }
+        if (decision->prefill_disk_blocks > 0) {
+          metrics_.predicted_tier_hit_tokens.Add({{"tier", "disk"}})
+              .Increment(static_cast<double>(decision->prefill_disk_blocks * opts_.block_size));
+        }
       }
       metrics_.decisions
           .Add({{"kind", decision->prefill || r.copy_from ? "remote_prefill" : "local_prefill"}})
@@ -1618,7 +1644,8 @@ class RouterServiceImpl : public RouterService {
                           "control_address of " + std::to_string(reg.control_address().size()) +
                               " bytes (at most " + std::to_string(kMaxControlAddressBytes) + ")");
     }
-    auto id = core_->AddWorker(reg.worker_id(), *role, reg.max_model_len());
+    auto id = core_->AddWorker(reg.worker_id(), *role, reg.max_model_len(),
+                               static_cast<int64_t>(reg.kv_capacity_blocks()));
     if (!id.ok()) {
       // The live worker of that name keeps its place: a second connection
       // claiming it never evicts the first.
@@ -1770,7 +1797,8 @@ class RouterServiceImpl : public RouterService {
     if (!r.first_token_seen) {
       r.first_token_seen = true;
       r.ttft_s = SecondsSince(r.arrived);
-      metrics_.ttft.Observe(r.ttft_s);
+      // Once a request: a retry after a token (unstreamed) does not add one.
+      if (!std::exchange(r.ttft_observed, true)) metrics_.ttft.Observe(r.ttft_s);
       core_->OnPrefillDone(r.id);
       // A copy that fell back to local prefill (the holder evicted the
       // prefix, the hand-off failed) copied nothing.
@@ -2072,7 +2100,10 @@ class RouterServiceImpl : public RouterService {
     PDSERVE_LOG(WARN) << "worker " << link.name << " failed request " << found->http_request_id
                       << ": " << e.message();
     core_->OnRequestFinished(id);
-    if (e.retryable()) return RetryOrFailLocked(id, "worker " + link.name + ": " + e.message());
+    if (e.retryable()) {
+      if (link.id) found->failed_on.push_back(*link.id);
+      return RetryOrFailLocked(id, "worker " + link.name + ": " + e.message());
+    }
     const int status = e.code() == proto::ERROR_CODE_INVALID_ARGUMENT ? 400 : 500;
     FailLocked(id, status, e.message(), status == 400 ? "invalid_request_error" : "server_error");
   }
@@ -2299,6 +2330,10 @@ class RouterServiceImpl : public RouterService {
 };
 
 }  // namespace
+
+Status RouterService::CheckRoutingOptions(const RouterServiceOptions& options) {
+  return RouterCore::Create(RoutingOptionsOf(options)).status();
+}
 
 StatusOr<std::unique_ptr<RouterService>> RouterService::Create(RouterServiceOptions options) {
   auto service = std::make_unique<RouterServiceImpl>(std::move(options));

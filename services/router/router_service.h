@@ -116,6 +116,10 @@ struct RouterServiceOptions {
 class RouterService {
  public:
   static StatusOr<std::unique_ptr<RouterService>> Create(RouterServiceOptions options);
+  // What Create would refuse of the routing options (policy, its weights,
+  // replication), without loading anything: for a command line to refuse a
+  // bad flag before it starts.
+  static Status CheckRoutingOptions(const RouterServiceOptions& options);
   virtual ~RouterService() = default;
   // Binds the HTTP, metrics and control ports and starts serving.
   virtual Status Start() = 0;

@@ -817,6 +817,8 @@ StatusOr<SimResult> RunSimulation(const std::vector<TraceRequest>& trace, const 
   // The simulated caches announce their stored blocks without parents (and
   // runs of several requests as one): the index walks every prompt.
   ro.index.chained_parents = false;
+  // Its cache model reuses a trace request's blocks whole (the last one too).
+  ro.reuse_stops_before_last_token = false;
   const Simulation* clock_source = nullptr;
   ro.clock_us = [&clock_source] {
     return clock_source ? static_cast<int64_t>(clock_source->now() * 1e6) : 0;

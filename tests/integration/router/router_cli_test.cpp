@@ -145,6 +145,15 @@ TEST(SimCliTest, BadFlagsAndBadTracesAreOneLineErrors) {
            {"router --insecure-control-plane --model /nonexistent-model "
             "--replication-window-s -1",
             "--replication-window-s must be in [0.001, 86400]"},
+           // Checked before the model loads and before the open control
+           // plane's warning: one line.
+           {"router --insecure-control-plane --model /nonexistent-model --policy nope",
+            "unknown routing policy 'nope'"},
+           {"router --insecure-control-plane --model /nonexistent-model --policy-temperature -1",
+            "temperature must be finite and non-negative"},
+           {"worker --insecure-control-plane --model /nonexistent-model --router x:1 "
+            "--block-size 0",
+            "sizes, limits and timeouts must be positive"},
        }) {
     const CliRun r = Pdserve(c.args);
     EXPECT_EQ(r.exit_code, 2) << c.args;

@@ -70,6 +70,13 @@ class FakeWorker {
       proto::Finished unsent;  // SetFinish(false): the Finished never sent
       if (e.has_resync()) {
         reply.mutable_kv_snapshot()->set_last_chunk(true);
+      } else if (e.has_generate() && refuse()) {
+        // As an engine whose pool cannot hold the prompt answers.
+        proto::Error* error = reply.mutable_error();
+        error->set_request_id(e.generate().request_id());
+        error->set_code(proto::ERROR_CODE_RESOURCE_EXHAUSTED);
+        error->set_message("the whole pool is too small");
+        error->set_retryable(true);
       } else if (e.has_generate()) {
         std::string text;
         bool finish = true;
@@ -142,6 +149,15 @@ class FakeWorker {
     std::lock_guard lock(mu_);
     return generates_;
   }
+  // true: Generates are answered with a retryable error.
+  void SetRefuse(bool refuse) {
+    std::lock_guard lock(mu_);
+    refuse_ = refuse;
+  }
+  bool refuse() {
+    std::lock_guard lock(mu_);
+    return refuse_;
+  }
 
  private:
   std::string name_;
@@ -152,6 +168,7 @@ class FakeWorker {
   std::vector<proto::Generate> generates_;
   std::string reply_text_;
   bool finish_ = true;
+  bool refuse_ = false;
 };
 
 class RouterServiceTest : public ::testing::Test {
@@ -267,6 +284,47 @@ TEST(RouterSamplingDefaultsTest, TheModelsGenerationConfigFillsWhatARequestLeave
     EXPECT_FLOAT_EQ(g[1].sampling().temperature(), 0.5f);
     EXPECT_LE(g[1].sampling().top_k(), 0);
     (*service)->Stop();
+  }
+}
+
+// A router no worker ever reached already says it has no ready decode
+// worker (the alert on it needs the series to exist).
+TEST_F(RouterServiceTest, WorkerGaugesExistBeforeAnyWorkerRegisters) {
+  const auto r = pdserve::testing::HttpRequest(service_->http_port(), "GET", "/metrics");
+  ASSERT_EQ(r.status, 200);
+  for (const char* role : {"decode", "both", "prefill"}) {
+    EXPECT_NE(
+        r.body.find(std::string("pdserve_router_workers{role=\"") + role + "\",state=\"ready\"} 0"),
+        std::string::npos)
+        << role << "\n"
+        << r.body;
+  }
+}
+
+// A worker that refuses a request with a retryable error gets the retry
+// only when no other can take it, though the prompt looks warm there.
+TEST_F(RouterServiceTest, ARetryGoesToAnotherWorker) {
+  FakeWorker& a = AddWorker("a", proto::ROLE_BOTH, 4096);
+  FakeWorker& b = AddWorker("b", proto::ROLE_BOTH, 4096);
+  a.SetRefuse(true);
+  b.SetRefuse(true);
+  // Both refuse: every attempt is made, then 503. (Prompts of several
+  // blocks: the worker a request went to looks warm for the next.)
+  auto r = Complete(64, 4);
+  EXPECT_EQ(r.status, 503) << r.body;
+  const size_t a_before = a.generates().size(), b_before = b.generates().size();
+  EXPECT_GE(a_before, 1u);
+  EXPECT_GE(b_before, 1u);
+  for (int i = 0; i < 4; ++i) {
+    FakeWorker& refusing = i % 2 ? a : b;
+    FakeWorker& serving = i % 2 ? b : a;
+    refusing.SetRefuse(true);
+    serving.SetRefuse(false);
+    const size_t refused_before = refusing.generates().size();
+    r = Complete(64 + i, 4);
+    EXPECT_EQ(r.status, 200) << r.body;
+    // Refused at most once, and the retry went to the other.
+    EXPECT_LE(refusing.generates().size(), refused_before + 1);
   }
 }
 
@@ -921,6 +979,11 @@ TEST_F(RouterServiceTest, AnUnstreamedRequestIsRetriedWhenItsWorkerDiesMidGenera
   workers_.erase(workers_.begin());                             // "first" goes away
   client.join();
   EXPECT_EQ(workers_.front()->generates().size(), 1u);
+  // One request: one TTFT and its prompt once, though dispatched twice.
+  const auto m = pdserve::testing::HttpRequest(service_->http_port(), "GET", "/metrics");
+  EXPECT_NE(m.body.find("pdserve_router_time_to_first_token_seconds_count 1\n"), std::string::npos)
+      << m.body;
+  EXPECT_NE(m.body.find("pdserve_router_prompt_tokens_total 20\n"), std::string::npos) << m.body;
 }
 
 // A prompt's scores may come over several Tokens: the router joins them, in

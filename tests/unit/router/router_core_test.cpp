@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <set>
+#include <tuple>
 
 #include "common/kv_groups.h"
 
@@ -193,13 +194,20 @@ TEST(RouterCoreTest, ConditionalDisaggregation) {
   o.max_local_prefill = 100;
   Fixture f(o, {Role::kDecode, Role::kPrefill, Role::kPrefill});
   f.Store(2, Prompt(500, 16));  // prefill worker w2 is warm for this prompt
-  // 256 tokens to compute on the decode worker > 100: remote, on the warm prefill worker.
+  // 256 tokens to compute on the decode worker > 100: remote, on the warm
+  // prefill worker, which computes the last block again (an engine always
+  // computes a prompt's last token: block-aligned, its whole block).
   RouteDecision d = f.Route(1, Prompt(500, 16));
   EXPECT_EQ(f.IndexOf(d.decode), 0u);
   ASSERT_TRUE(d.remote_prefill());
   EXPECT_EQ(f.IndexOf(*d.prefill), 2u);
+  EXPECT_EQ(d.prefill_overlap_blocks, 15);
+  EXPECT_EQ(d.prefill_tokens, 16);
+  // One token more: every cached block is reused.
+  d = f.Route(5, Prompt(500, 16), /*extra=*/1);
   EXPECT_EQ(d.prefill_overlap_blocks, 16);
-  EXPECT_EQ(d.prefill_tokens, 0);
+  EXPECT_EQ(d.prefill_tokens, 1);
+  f.core->OnRequestFinished(5);
   // 64 tokens: local.
   d = f.Route(2, Prompt(900, 4));
   EXPECT_FALSE(d.remote_prefill());
@@ -212,7 +220,7 @@ TEST(RouterCoreTest, ConditionalDisaggregation) {
   d = f.Route(4, Prompt(700, 10), /*extra=*/101);
   EXPECT_TRUE(d.remote_prefill());
   const RouterStats s = f.core->stats();
-  EXPECT_EQ(s.remote_prefill, 2u);
+  EXPECT_EQ(s.remote_prefill, 3u);
   EXPECT_EQ(s.local_prefill, 2u);
 }
 
@@ -262,7 +270,7 @@ TEST(RouterCoreTest, OneRemotePrefillThresholdWithOneDefault) {
 
 TEST(RouterCoreTest, RequestsGoOnlyToWorkersWhoseContextHoldsThem) {
   RouterOptions o = Policy("kv");
-  o.max_local_prefill = 10;
+  o.max_local_prefill = 16;
   Fixture f(o, {});
   auto add = [&](const std::string& name, Role role, int64_t max_model_len) {
     auto id = f.core->AddWorker(name, role, max_model_len);
@@ -291,7 +299,7 @@ TEST(RouterCoreTest, RequestsGoOnlyToWorkersWhoseContextHoldsThem) {
   auto d = route(1, 4, 36, /*first=*/7);
   ASSERT_TRUE(d.ok());
   EXPECT_EQ(d->decode, short_decode);
-  EXPECT_FALSE(d->remote_prefill());  // nothing left to compute
+  EXPECT_FALSE(d->remote_prefill());  // only the last block to compute
   f.core->OnRequestFinished(1);
   // ...but 64 + 37 only fit the 200-token worker, cache or not; its 64
   // tokens to compute go to the prefill worker, whose 150 hold them.
@@ -321,6 +329,97 @@ TEST(RouterCoreTest, RequestsGoOnlyToWorkersWhoseContextHoldsThem) {
   EXPECT_EQ(f.core->Workers()[short_decode].max_model_len, 100);
 }
 
+// A retry avoids the workers that failed the request (the same one would
+// most likely fail it again), unless no other can take it; a worker whose
+// whole KV pool cannot hold the prompt (its engine refuses it) comes after
+// every other too, cache or not.
+TEST(RouterCoreTest, RetriesAndTooSmallPoolsGoElsewhere) {
+  RouterOptions o = Policy("kv");
+  o.max_local_prefill = 1 << 20;
+  Fixture f(o, {});
+  auto add = [&](const std::string& name, Role role, int64_t kv_blocks) {
+    auto id = f.core->AddWorker(name, role, 0, kv_blocks);
+    EXPECT_TRUE(id.ok()) << id.status().ToString();
+    EXPECT_TRUE(f.core->OnSnapshot(*id, 0, {}).ok());
+    f.ids.push_back(*id);
+    f.seqs.push_back(0);
+    return *id;
+  };
+  EXPECT_FALSE(f.core->AddWorker("bad", Role::kDecode, 0, -1).ok());
+  const WorkerId small = add("small", Role::kDecode, 16);
+  const WorkerId big = add("big", Role::kDecode, 32768);
+  f.Store(0, Prompt(100, 10));  // the small worker holds the prefix
+  // 160 + 1 tokens fit its 16 blocks: the cache wins.
+  EXPECT_EQ(f.Route(1, Prompt(100, 10)).decode, small);
+  f.core->OnRequestFinished(1);
+  // A retry of it after the small worker failed it: the big one.
+  RouteRequest retry;
+  retry.request_id = 2;
+  const auto prompt = Prompt(100, 10);
+  retry.block_hashes = prompt;
+  retry.prompt_tokens = 160;
+  const std::vector<WorkerId> failed = {small};
+  retry.avoid = failed;
+  auto d = f.core->Route(retry);
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->decode, big);
+  f.core->OnRequestFinished(2);
+  // Both failed it: taken again rather than refused.
+  const std::vector<WorkerId> both = {small, big};
+  retry.request_id = 3;
+  retry.avoid = both;
+  d = f.core->Route(retry);
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->decode, small);  // the cache decides again
+  f.core->OnRequestFinished(3);
+  // 300 tokens extending the prefix need 19 blocks: not the small pool's.
+  const auto longer = Prompt(100, 18);
+  RouteRequest r;
+  r.request_id = 4;
+  r.block_hashes = longer;
+  r.prompt_tokens = 300;
+  d = f.core->Route(r);
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->decode, big);
+  f.core->OnRequestFinished(4);
+}
+
+// A prefill worker that failed the request, or whose pool cannot hold it,
+// prefills nothing: the decode worker does.
+TEST(RouterCoreTest, RetriesAndTooSmallPoolsPrefillLocally) {
+  RouterOptions o = Policy("kv");
+  o.max_local_prefill = 10;
+  Fixture f(o, {});
+  std::vector<WorkerId> ids;
+  for (auto [name, role, blocks] :
+       {std::tuple{"d", Role::kDecode, 1000}, std::tuple{"p", Role::kPrefill, 1000},
+        std::tuple{"tiny-p", Role::kPrefill, 4}}) {
+    auto id = f.core->AddWorker(name, role, 0, blocks);
+    ASSERT_TRUE(id.ok());
+    ASSERT_TRUE(f.core->OnSnapshot(*id, 0, {}).ok());
+    ids.push_back(*id);
+  }
+  const auto prompt = Prompt(100, 10);
+  RouteRequest r;
+  r.block_hashes = prompt;
+  r.prompt_tokens = 160;
+  for (uint64_t id = 1; id <= 3; ++id) {  // the tiny pool never prefills
+    r.request_id = id;
+    auto d = f.core->Route(r);
+    ASSERT_TRUE(d.ok());
+    ASSERT_TRUE(d->remote_prefill());
+    EXPECT_EQ(*d->prefill, ids[1]);
+    f.core->OnRequestFinished(id);
+  }
+  const std::vector<WorkerId> failed = {ids[1]};
+  r.request_id = 4;
+  r.avoid = failed;
+  auto d = f.core->Route(r);
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->decode, ids[0]);
+  EXPECT_FALSE(d->remote_prefill());
+}
+
 TEST(RouterCoreTest, NoPrefillWorkerMeansLocalPrefill) {
   RouterOptions o = Policy("kv");
   o.max_local_prefill = 0;
@@ -345,7 +444,7 @@ TEST(RouterCoreTest, PendingEntriesCoLocateABurstUntilTheyExpire) {
   for (uint64_t i = 2; i <= 4; ++i) {
     const RouteDecision d = f.Route(i, prompt);
     EXPECT_EQ(d.decode, first.decode) << "request " << i;
-    EXPECT_EQ(d.decode_overlap_blocks, 32);
+    EXPECT_EQ(d.decode_overlap_blocks, 31);  // the last token's block is computed again
   }
   for (uint64_t i = 1; i <= 4; ++i) f.core->OnRequestFinished(i);
   f.now_us = 1'000'000;  // the worker never confirmed with a Stored event
@@ -801,6 +900,35 @@ TEST(RouterCoreTest, ADecodeOnlyHolderIsACopySource) {
   EXPECT_EQ(f.IndexOf(*d.copy_from), 0u);
   EXPECT_GT(d.copy_blocks, 0);
   EXPECT_FALSE(d.remote_prefill()) << "a copy is not a prefill worker's prefill";
+}
+
+// A draining holder copies nothing, though it looks the least busy (it
+// takes no requests): its copy would be dropped and the prompt recomputed.
+// A live holder copies instead.
+TEST(RouterCoreTest, ADrainingHolderIsNoCopySource) {
+  RouterOptions o = Policy("kv");
+  o.copy_cost = 0.1;
+  o.copy_min_requests = 1;
+  Fixture f(o, {Role::kDecode, Role::kDecode, Role::kDecode});
+  f.Store(0, Prompt(100, 8));
+  f.core->SetDraining(f.ids[0], true);
+  f.Route(50, Prompt(100, 9));
+  f.core->OnRequestFinished(50);
+  RouteDecision d = f.Route(1, Prompt(100, 9));
+  EXPECT_FALSE(d.copy_from.has_value());
+  EXPECT_EQ(d.prefill_tokens, 9 * kBlock);
+  f.core->OnRequestFinished(1);
+  f.Store(2, Prompt(100, 8));
+  f.Queue(2, 10000);
+  // Once its share of the requests earns the prefix another holder.
+  std::optional<WorkerId> copied_from;
+  for (uint64_t id = 2; id < 6 && !copied_from; ++id) {
+    d = f.Route(id, Prompt(100, 9));
+    copied_from = d.copy_from;
+    f.core->OnRequestFinished(id);
+  }
+  ASSERT_TRUE(copied_from.has_value());
+  EXPECT_EQ(f.IndexOf(*copied_from), 2u);
 }
 
 size_t Declined(const RouterCore& core, CopyDecline reason) {
