@@ -314,8 +314,10 @@ StatusOr<AdmitResult> BlockManager::Admit(const AdmitRequest& request) {
                                    std::to_string(request.num_tokens) + "]");
   }
   const size_t filled = CeilDiv(computed, bs);  // entries the cache or the caller fill
-  // Per group, the entries to hold: those the first query reaches.
-  auto hold = [&](size_t g, size_t i) { return m.InReach(g, computed, i); };
+  const size_t reach_from = std::min(request.reach_from.value_or(computed), computed);
+  // Per group, the entries to hold: those the first query (or the one at
+  // reach_from) reaches.
+  auto hold = [&](size_t g, size_t i) { return m.InReach(g, reach_from, i); };
 
   // Cached entries to take (below k and in reach), and how many fresh ones.
   // Matched blocks that are evictable now stop being allocatable once taken.

@@ -161,6 +161,11 @@ struct AdmitRequest {
   // ceil(computed_tokens / B) that the cache does not give is returned in
   // AdmitResult::to_fill. At least the cached prefix, at most num_tokens.
   std::optional<size_t> computed_tokens;
+  // Windowed groups get blocks from the reach of the query at this
+  // position on instead (at most computed_tokens): a decode side that
+  // receives a prompt keeps what a repeat of it starts from, which may be a
+  // block before what its first decode query reaches.
+  std::optional<size_t> reach_from;
 };
 
 struct AdmitResult {

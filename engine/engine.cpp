@@ -469,12 +469,13 @@ void Engine::FinishSequence(Sequence* s, FinishReason reason, RequestOutput* out
   out->finished = true;
   out->finish_reason = reason;
   if (s->prefill_only && blocks_->HasSequence(s->id)) {
-    // Windowed layers' blocks the first decode query does not reach are
-    // not handed off (the decode side reserves only those it reaches):
-    // released here, as a decoding sequence releases them, so that they
-    // count as evicted (pdserve_kv_evicted_tokens_total) on this worker.
+    // Windowed layers' blocks that neither the first decode query nor a
+    // repeat of the prompt (FirstReusableQuery) reaches are not handed off
+    // (the decode side reserves only those): released here, as a decoding
+    // sequence releases them, so that they count as evicted
+    // (pdserve_kv_evicted_tokens_total) on this worker.
     const auto kv_tokens = static_cast<size_t>(s->prompt_len - s->kv_shift);
-    (void)blocks_->AllocateSlots(s->id, kv_tokens, kv_tokens);
+    (void)blocks_->AllocateSlots(s->id, kv_tokens, FirstReusableQuery(kv_tokens));
     auto pin = blocks_->Pin(s->id);
     if (pin.ok()) {
       out->kv_pin = *pin;
@@ -691,6 +692,10 @@ void Engine::ProcessTierWork() {
     s->state = Sequence::State::kRunning;  // computes what the tiers did not hold
   }
   blocks_->RecordTierChanges(tier_mover_->TakeChanges());
+}
+
+void Engine::RecordTierChanges() {
+  if (tier_mover_) blocks_->RecordTierChanges(tier_mover_->TakeChanges());
 }
 
 bool Engine::ranks_failed() const { return executor_->failed(); }
@@ -1138,7 +1143,14 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
     Sequence* s = sc.seq;
     s->num_computed += sc.n;
     if (options_.enable_prefix_caching && !s->compressed) {
-      ExtendPromptHashes(s->hash_seed, std::span<const TokenId>(s->tokens.data(), s->num_computed),
+      // Quest: a generated token's KV comes from sparse attention, which a
+      // prefill of the same tokens (a later turn, a recompute) does not
+      // reproduce, so only the prompt's blocks, computed densely, are
+      // shared.
+      const int64_t shared = model_->config().kv_eviction.quest_blocks > 0
+                                 ? std::min(s->num_computed, s->prompt_len)
+                                 : s->num_computed;
+      ExtendPromptHashes(s->hash_seed, std::span<const TokenId>(s->tokens.data(), shared),
                          static_cast<size_t>(B), &s->hashes);
       PDSERVE_RETURN_IF_ERROR(blocks_->CommitBlocks(s->id, s->hashes));
     }
@@ -1238,6 +1250,13 @@ std::vector<std::vector<int32_t>> Engine::SnapKvKept(RequestId id) const {
   return it == requests_.end() ? std::vector<std::vector<int32_t>>{} : it->second->snapkv_kept;
 }
 
+size_t Engine::FirstReusableQuery(size_t prompt_tokens) const {
+  // A prompt's blocks are reused up to the one its last token is in (that
+  // token is always computed: PrefixHashes): its queries run from there.
+  const auto B = static_cast<size_t>(options_.block_size);
+  return prompt_tokens == 0 ? 0 : (prompt_tokens - 1) / B * B;
+}
+
 StatusOr<RemotePrefillPlan> Engine::AddRemotePrefillRequest(EngineRequest request) {
   PDSERVE_RETURN_IF_ERROR(ValidateRequest(request));
   if (request.prefill_only) {
@@ -1264,8 +1283,9 @@ StatusOr<RemotePrefillPlan> Engine::AddRemotePrefillRequest(EngineRequest reques
   req.num_tokens = kv_tokens;
   req.prompt_tokens_for_stats = 0;  // blocks received by transfer are not hits
   // The peer writes the whole prompt: windowed groups need only what the
-  // first decode query reaches.
+  // first decode query reaches, and what a repeat of the prompt starts from.
   req.computed_tokens = kv_tokens;
+  req.reach_from = FirstReusableQuery(kv_tokens);
   auto admitted = blocks_->Admit(req);
   if (!admitted.ok()) return admitted.status();
   s->num_computed = static_cast<int64_t>(admitted->num_cached_tokens);

@@ -12,7 +12,9 @@
 // front of the queue, to be recomputed (prompt + tokens generated so far)
 // when it is admitted again. Sampling is a pure function of (logits, params,
 // seed, output index), so preemption, batching and chunking do not change
-// the tokens a request gets (up to floating-point noise in the logits).
+// the tokens a request gets (up to floating-point noise in the logits;
+// under Quest, a preempted request recomputes its generated tokens densely,
+// which its sparse decode steps did not: docs/kv-eviction.md).
 //
 // A step is split as vLLM's: this class is the scheduler (what runs: the
 // sequences and their new tokens, above); the executor (engine/executor.h)
@@ -387,6 +389,12 @@ class Engine {
   // them). Nothing without a disk tier.
   StatusOr<TierFlush> FlushTiersToDisk(std::chrono::steady_clock::time_point deadline);
 
+  // Records what the tiers' threads changed since the last step as KV
+  // events (Step() does it too): an idle worker calls it each turn of its
+  // loop, so that the router's view of its tiers (and a snapshot) trails
+  // them by a turn, not until the next request. Nothing without tiers.
+  void RecordTierChanges();
+
  private:
   struct Sequence;
   Engine() = default;
@@ -407,6 +415,9 @@ class Engine {
   int64_t BlocksHeld(int64_t computed, int64_t tokens) const;
   // Copies finished onloads into the pool and records the tiers' changes.
   void ProcessTierWork();
+  // Where a repeat of a prompt of this many KV tokens starts computing:
+  // what a hand-off keeps the windowed groups' blocks from.
+  size_t FirstReusableQuery(size_t prompt_tokens) const;
   // SnapKV (engine/snapkv.h): whether `s` has a prompt over the budget yet
   // to compress; the chunk of n tokens it may run now (its observation
   // window whole in one chunk that ends the prompt; 0: wait); the

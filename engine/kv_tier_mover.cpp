@@ -65,7 +65,6 @@ void KvTierMover::WriteLoop() {
     std::vector<KvTierChange> changes;
     const StatusOr<int64_t> n = store_->WriteQueued(&changes);
     lock.lock();
-    changes_.insert(changes_.end(), changes.begin(), changes.end());
     if (!n.ok()) {
       NoteFailureLocked(n.status());
       write_pending_ = true;  // the next queued block may fare better
@@ -93,7 +92,6 @@ StatusOr<KvTierMover::FlushResult> KvTierMover::Flush(
   int64_t left = 0;
   const StatusOr<int64_t> written = store_->FlushHostToDisk(deadline, &changes, &left);
   std::lock_guard<std::mutex> lock(mu_);
-  changes_.insert(changes_.end(), changes.begin(), changes.end());
   if (!written.ok()) return written.status();
   r.written = *written;
   r.left += left;
@@ -144,10 +142,7 @@ std::vector<KvTierMover::Loaded> KvTierMover::TakeLoaded() {
   return std::exchange(loaded_, {});
 }
 
-std::vector<KvTierChange> KvTierMover::TakeChanges() {
-  std::lock_guard<std::mutex> lock(mu_);
-  return std::exchange(changes_, {});
-}
+std::vector<KvTierChange> KvTierMover::TakeChanges() { return store_->TakeChanges(); }
 
 KvTierMover::Counters KvTierMover::counters() const {
   std::lock_guard<std::mutex> lock(mu_);
@@ -165,6 +160,12 @@ void KvTierMover::Run() {
     if (jobs_.empty()) return;  // stopping, and every queued offload is done
     Job job = std::move(jobs_.front());
     jobs_.pop_front();
+    if (job.onload && stop_) {
+      // Stopping: nobody takes the blocks any more, and on_ready_'s owner
+      // may be partly destroyed already. Queued offloads still land.
+      --onloads_in_flight_;
+      continue;
+    }
     std::vector<KvTierChange> changes;
     if (!job.onload) {
       const std::shared_ptr<const HostBlockBuffers::Buffer> bytes = queued_.at(job.hash);
@@ -206,8 +207,7 @@ void KvTierMover::Run() {
       loaded_.push_back(std::move(out));
       --onloads_in_flight_;
     }
-    changes_.insert(changes_.end(), changes.begin(), changes.end());
-    if (job.onload && on_ready_) {
+    if (job.onload && on_ready_ && !stop_) {
       lock.unlock();
       on_ready_();
       lock.lock();

@@ -60,7 +60,9 @@ class KvTierMover {
   // Onloads read into buffers from `buffers` (of the store's block size).
   KvTierMover(KvTierStore* store, HostBlockBuffers* buffers, std::function<void()> on_ready,
               int64_t write_bytes_per_second = 0);
-  ~KvTierMover();  // finishes queued offloads, then joins; queued write-through copies are left
+  // Finishes queued offloads, drops queued onloads (on_ready is not called
+  // once stopping), then joins; queued write-through copies are left.
+  ~KvTierMover();
   KvTierMover(const KvTierMover&) = delete;
   KvTierMover& operator=(const KvTierMover&) = delete;
 
@@ -70,6 +72,8 @@ class KvTierMover {
   void Onload(uint64_t ticket, std::vector<BlockHash> hashes);
 
   std::vector<Loaded> TakeLoaded();
+  // The tiers' changes since the last call, in the store's order
+  // (KvTierStore::TakeChanges), whichever thread made them.
   std::vector<KvTierChange> TakeChanges();
 
   struct FlushResult {
@@ -117,7 +121,6 @@ class KvTierMover {
   // Offloaded copies not yet in the store, by hash.
   std::unordered_map<BlockHash, std::shared_ptr<const HostBlockBuffers::Buffer>> queued_;
   std::vector<Loaded> loaded_;
-  std::vector<KvTierChange> changes_;
   int64_t onloads_in_flight_ = 0;
   int64_t offload_failures_ = 0;
   bool stop_ = false;

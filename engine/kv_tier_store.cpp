@@ -442,12 +442,22 @@ bool KvTierStore::ReplaceDiskCopyLocked(BlockHash hash, int64_t fresh_slot) {
   return true;
 }
 
+void KvTierStore::NoteLocked(std::vector<KvTierChange>* changes, const KvTierChange& change) {
+  changes->push_back(change);
+  log_.push_back(change);
+}
+
+std::vector<KvTierChange> KvTierStore::TakeChanges() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return std::exchange(log_, {});
+}
+
 int64_t KvTierStore::TakeDiskSlotLocked(std::vector<KvTierChange>* changes) {
   Tier& d = *disk_;
   if (d.free.empty()) {
     const int64_t victim = d.Victim();
     if (victim < 0) return -1;
-    changes->push_back({d.slots[victim].hash, KvTier::kDisk, false});
+    NoteLocked(changes, {d.slots[victim].hash, KvTier::kDisk, false});
     d.Release(victim);
   }
   const int64_t slot = d.free.back();
@@ -474,13 +484,13 @@ Status KvTierStore::DemoteLocked(std::unique_lock<std::mutex>& lock,
   // as recent as a block written now would be.
   if (auto it = d.index.find(hash); it != d.index.end()) {
     d.Touch(it->second);
-    changes->push_back({hash, KvTier::kHost, false});
+    NoteLocked(changes, {hash, KvTier::kHost, false});
     h.Release(victim);
     return Status::Ok();
   }
   const int64_t disk_slot = has_disk() ? TakeDiskSlotLocked(changes) : -1;
   if (disk_slot < 0) {  // no disk tier (or every slot busy): the block is gone
-    changes->push_back({hash, KvTier::kHost, false});
+    NoteLocked(changes, {hash, KvTier::kHost, false});
     h.Release(victim);
     return Status::Ok();
   }
@@ -494,7 +504,7 @@ Status KvTierStore::DemoteLocked(std::unique_lock<std::mutex>& lock,
   const Status written = WriteDiskSlot(disk_slot, hash, generation, bytes);
   lock.lock();
   h.Release(victim);
-  changes->push_back({hash, KvTier::kHost, false});
+  NoteLocked(changes, {hash, KvTier::kHost, false});
   d.slots[disk_slot].state = Slot::State::kFree;
   if (!written.ok()) {
     ++write_errors_;
@@ -507,7 +517,7 @@ Status KvTierStore::DemoteLocked(std::unique_lock<std::mutex>& lock,
   d.Hold(disk_slot, hash, generation);
   d.bytes_written += options_.block_bytes;
   ++writes_evict_;
-  changes->push_back({hash, KvTier::kDisk, true});
+  NoteLocked(changes, {hash, KvTier::kDisk, true});
   return Status::Ok();
 }
 
@@ -538,7 +548,7 @@ Status KvTierStore::CopyHostToDiskLocked(std::unique_lock<std::mutex>& lock, int
   d.Hold(disk_slot, hash, generation);
   d.bytes_written += options_.block_bytes;
   ++*counter;
-  changes->push_back({hash, KvTier::kDisk, true});
+  NoteLocked(changes, {hash, KvTier::kDisk, true});
   return Status::Ok();
 }
 
@@ -622,7 +632,7 @@ Status KvTierStore::Put(BlockHash hash, const uint8_t* bytes, std::vector<KvTier
     d.Hold(slot, hash, generation);
     d.bytes_written += options_.block_bytes;
     ++writes_evict_;
-    changes->push_back({hash, KvTier::kDisk, true});
+    NoteLocked(changes, {hash, KvTier::kDisk, true});
     return Status::Ok();
   }
   while (h.free.empty()) PDSERVE_RETURN_IF_ERROR(DemoteLocked(lock, changes));
@@ -638,7 +648,7 @@ Status KvTierStore::Put(BlockHash hash, const uint8_t* bytes, std::vector<KvTier
       on_disk = true;  // its disk copy stays: nothing to write
     } else {
       // Write-back: one lower tier holds a block at a time.
-      changes->push_back({hash, KvTier::kDisk, false});
+      NoteLocked(changes, {hash, KvTier::kDisk, false});
       d.Release(it->second);
     }
   }
@@ -648,7 +658,7 @@ Status KvTierStore::Put(BlockHash hash, const uint8_t* bytes, std::vector<KvTier
               static_cast<size_t>(options_.block_bytes));
   h.Hold(slot, hash, next_generation_++);
   h.bytes_written += options_.block_bytes;
-  changes->push_back({hash, KvTier::kHost, true});
+  NoteLocked(changes, {hash, KvTier::kHost, true});
   if (through && !on_disk) {
     if (queued_ >= options_.write_queue_blocks) {
       ++write_dropped_;  // it reaches the disk when the host tier evicts it
@@ -702,7 +712,7 @@ Status KvTierStore::Get(BlockHash hash, uint8_t* out, std::vector<KvTierChange>*
   d.slots[slot].state = Slot::State::kHeld;
   if (!ok) {
     ++corrupt_dropped_;
-    changes->push_back({hash, KvTier::kDisk, false});
+    NoteLocked(changes, {hash, KvTier::kDisk, false});
     d.Release(slot);
     return Status::NotFound("disk KV tier block " + Hex(hash) +
                             " failed its checksums: dropped, not served");

@@ -182,6 +182,12 @@ class KvTierStore {
   // Every hash `tier` holds, for snapshots and resync.
   std::vector<BlockHash> Blocks(KvTier tier) const;
 
+  // Every change since the last call, from every caller, in the order the
+  // store made them (what the *changes arguments above got, merged): the
+  // threads that move blocks append theirs after their I/O, so only this
+  // order replays into what Blocks() says.
+  std::vector<KvTierChange> TakeChanges();
+
   KvTierStats stats() const;
   const KvTierOptions& options() const { return options_; }
 
@@ -206,6 +212,8 @@ class KvTierStore {
   // slot instead and returns false.
   bool ReplaceDiskCopyLocked(BlockHash hash, int64_t fresh_slot);
   int64_t TakeDiskSlotLocked(std::vector<KvTierChange>* changes);
+  // Records a change for the caller and in the store's own log.
+  void NoteLocked(std::vector<KvTierChange>* changes, const KvTierChange& change);
   Status WriteDiskSlot(int64_t slot, BlockHash hash, uint64_t generation, const uint8_t* bytes);
   // Reads and verifies; false when the checksums fail.
   bool ReadDiskSlot(int64_t slot, BlockHash hash, uint8_t* out);
@@ -234,6 +242,7 @@ class KvTierStore {
   int64_t corrupt_dropped_ = 0;
   int64_t writes_through_ = 0, writes_evict_ = 0, writes_flush_ = 0;
   int64_t write_dropped_ = 0, write_errors_ = 0, discarded_ = 0, resliced_ = 0;
+  std::vector<KvTierChange> log_;  // TakeChanges
 };
 
 }  // namespace pdserve

@@ -529,6 +529,10 @@ class WorkerServiceImpl : public WorkerService {
             if (!prefill_.HandleOutput(out)) decode_.HandleOutput(out);
           }
         }
+      } else {
+        // The tiers' threads go on after the last step (offloads landing,
+        // write-through copies, disk evictions): their changes go out now.
+        engine_->RecordTierChanges();
       }
       PublishEvents();
       if (Clock::now() >= next_load) {

@@ -189,7 +189,7 @@ class Driver {
 
     const SeqId id = next_seq_++;
     const auto before = bm_->GetStats();
-    auto r = bm_->Admit({id, hashes, num_tokens, tokens.size(), {}});
+    auto r = bm_->Admit({id, hashes, num_tokens, tokens.size(), {}, {}});
     if (!fits) {
       ASSERT_EQ(r.status().code(), StatusCode::kResourceExhausted);
       ExpectUnchanged(before);

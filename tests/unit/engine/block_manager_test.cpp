@@ -39,7 +39,7 @@ std::vector<BlockHash> Hashes(const std::vector<TokenId>& tokens) {
 
 AdmitResult AdmitOk(BlockManager& bm, SeqId seq, const std::vector<BlockHash>& hashes,
                     size_t num_tokens, size_t stats_tokens = 0) {
-  auto r = bm.Admit({seq, hashes, num_tokens, stats_tokens, {}});
+  auto r = bm.Admit({seq, hashes, num_tokens, stats_tokens, {}, {}});
   EXPECT_TRUE(r.ok()) << r.status().ToString();
   return r.ok() ? *r : AdmitResult{};
 }
@@ -81,7 +81,7 @@ TEST(BlockManagerTest, ExactFitAllocationAndCleanFailure) {
   // One more token fails and changes nothing.
   EXPECT_EQ(bm->AllocateSlots(1, 17).code(), StatusCode::kResourceExhausted);
   EXPECT_EQ(bm->BlockTable(1).size(), 4u);
-  EXPECT_EQ(bm->Admit({2, {}, 1, 0, {}}).status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(bm->Admit({2, {}, 1, 0, {}, {}}).status().code(), StatusCode::kResourceExhausted);
   EXPECT_FALSE(bm->HasSequence(2));
   ASSERT_TRUE(bm->Free(1).ok());
   EXPECT_EQ(bm->GetStats().free_blocks, 4u);
@@ -97,7 +97,7 @@ TEST(BlockManagerTest, FailedAdmitLeavesCachedPrefixUntouched) {
   ASSERT_TRUE(bm->Free(1).ok());  // 2 evictable + 2 free
   bm->DrainEvents();
   // Reusing the 2 cached blocks leaves only 2 allocatable: 20 tokens need 3 fresh.
-  auto r = bm->Admit({2, h, 20, 20, {}});
+  auto r = bm->Admit({2, h, 20, 20, {}, {}});
   EXPECT_EQ(r.status().code(), StatusCode::kResourceExhausted);
   EXPECT_EQ(bm->GetStats().evictable_blocks, 2u);
   EXPECT_EQ(bm->GetStats().prefix_cache_query_tokens, 0u);
@@ -229,7 +229,7 @@ TEST(BlockManagerTest, CommitErrors) {
   std::vector<BlockHash> wrong = {h[0] ^ 1};
   EXPECT_EQ(bm->CommitBlocks(1, wrong).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(bm->CommitBlocks(99, h).code(), StatusCode::kNotFound);
-  EXPECT_EQ(bm->Admit({1, {}, 4, 0, {}}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(bm->Admit({1, {}, 4, 0, {}, {}}).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(bm->AllocateSlots(99, 4).code(), StatusCode::kNotFound);
   EXPECT_EQ(bm->BlocksNeeded(99, 4).status().code(), StatusCode::kNotFound);
   EXPECT_TRUE(bm->BlockTable(99).empty());
@@ -335,7 +335,7 @@ TEST(BlockManagerTest, PinKeepsBlocksThroughFreeUntilUnpin) {
   EXPECT_EQ(s.used_blocks, 3u);
   EXPECT_EQ(s.num_pins, 1u);
   // Only one block is allocatable: the pinned ones cannot be taken or evicted.
-  EXPECT_EQ(bm->Admit({2, {}, 8, 0, {}}).status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(bm->Admit({2, {}, 8, 0, {}, {}}).status().code(), StatusCode::kResourceExhausted);
   EXPECT_EQ(bm->Evict(10), 0u);
   ASSERT_TRUE(bm->Unpin(*pin).ok());
   EXPECT_EQ(bm->Unpin(*pin).code(), StatusCode::kNotFound);

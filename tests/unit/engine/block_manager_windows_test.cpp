@@ -42,7 +42,7 @@ std::vector<BlockHash> Hashes(size_t n, BlockHash base) {
 TEST(BlockManagerWindowsTest, WindowedGroupHoldsOnlyWhatQueriesReach) {
   const size_t B = 4, W = 10;
   auto bm = Make(200, B, {0, static_cast<int64_t>(W)});
-  ASSERT_TRUE(bm->Admit({1, {}, 5, 0, {}}).ok());
+  ASSERT_TRUE(bm->Admit({1, {}, 5, 0, {}, {}}).ok());
   EXPECT_EQ(Held(*bm, 1, 0), 2u);
   EXPECT_EQ(Held(*bm, 1, 1), 2u);
   const size_t bound = (W - 1 + B - 1) / B + 1;  // ceil((W-1)/B) + 1
@@ -70,7 +70,7 @@ TEST(BlockManagerWindowsTest, RepeatedPromptHitsThroughReleasedWindowedBlocks) {
   const size_t B = 4, W = 6;
   auto bm = Make(100, B, {static_cast<int64_t>(W), 0});
   const auto hashes = Hashes(10, 100);  // 40 tokens
-  AdmitRequest req{1, {}, 8, 40, {}};
+  AdmitRequest req{1, {}, 8, 40, {}, {}};
   ASSERT_TRUE(bm->Admit(req).ok());
   for (size_t done = 8; done <= 40; done += 8) {
     ASSERT_TRUE(bm->CommitBlocks(1, std::span(hashes).first(done / B)).ok());
@@ -85,7 +85,7 @@ TEST(BlockManagerWindowsTest, RepeatedPromptHitsThroughReleasedWindowedBlocks) {
   EXPECT_GT(bm->GetStats().evictable_blocks, 0u);
   ASSERT_TRUE(bm->Free(1).ok());
   EXPECT_EQ(bm->FindCachedPrefix(hashes), 10u);
-  auto again = bm->Admit({2, hashes, 41, 41, {}});
+  auto again = bm->Admit({2, hashes, 41, 41, {}, {}});
   ASSERT_TRUE(again.ok());
   EXPECT_EQ(again->num_cached_blocks, 10u);
   EXPECT_EQ(bm->GetStats().prefix_cache_hit_tokens, 40u);
@@ -104,7 +104,7 @@ TEST(BlockManagerWindowsTest, HitFollowsTheWindowedRule) {
   const size_t B = 2, W = 5;
   auto bm = Make(64, B, {0, static_cast<int64_t>(W)});
   const auto hashes = Hashes(8, 5);
-  ASSERT_TRUE(bm->Admit({1, {}, 4, 0, {}}).ok());
+  ASSERT_TRUE(bm->Admit({1, {}, 4, 0, {}, {}}).ok());
   for (size_t done = 4; done <= 16; done += 4) {
     ASSERT_TRUE(bm->CommitBlocks(1, std::span(hashes).first(done / B)).ok());
     if (done < 16) {
@@ -133,7 +133,7 @@ TEST(BlockManagerWindowsTest, EventsCarryGroupsAndKeys) {
   const size_t B = 2;
   auto bm = Make(8, B, {0, 3});
   const auto hashes = Hashes(3, 9);
-  ASSERT_TRUE(bm->Admit({1, {}, 6, 0, {}}).ok());
+  ASSERT_TRUE(bm->Admit({1, {}, 6, 0, {}, {}}).ok());
   ASSERT_TRUE(bm->CommitBlocks(1, hashes).ok());
   auto batches = bm->DrainEvents();
   ASSERT_EQ(batches.size(), 1u);
@@ -149,7 +149,7 @@ TEST(BlockManagerWindowsTest, EventsCarryGroupsAndKeys) {
                                     GroupBlockKey(hashes[2], 1)}));
   // Fill the pool with another sequence: evictions come out per group.
   ASSERT_TRUE(bm->Free(1).ok());
-  ASSERT_TRUE(bm->Admit({2, {}, 8, 0, {}}).ok());
+  ASSERT_TRUE(bm->Admit({2, {}, 8, 0, {}, {}}).ok());
   std::unordered_set<BlockHash> replica;
   ApplyKvEventBatch(batches[0], &replica);
   for (const auto& b : bm->DrainEvents()) {
@@ -176,11 +176,11 @@ TEST(BlockManagerWindowsTest, ComputedTokensListsTheBlocksToFill) {
   auto bm = Make(64, B, {0, static_cast<int64_t>(W)});
   const auto hashes = Hashes(8, 77);
   // Cache the first 2 blocks.
-  ASSERT_TRUE(bm->Admit({1, {}, 8, 0, {}}).ok());
+  ASSERT_TRUE(bm->Admit({1, {}, 8, 0, {}, {}}).ok());
   ASSERT_TRUE(bm->CommitBlocks(1, std::span(hashes).first(2)).ok());
   ASSERT_TRUE(bm->Free(1).ok());
   // A prompt of 30 tokens whose KV a peer writes: 8 cached, 22 to fill.
-  AdmitRequest req{2, std::span(hashes).first(7), 30, 0, 30};
+  AdmitRequest req{2, std::span(hashes).first(7), 30, 0, 30, {}};
   auto r = bm->Admit(req);
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_EQ(r->num_cached_blocks, 2u);
@@ -201,7 +201,7 @@ TEST(BlockManagerWindowsTest, ComputedTokensListsTheBlocksToFill) {
   ASSERT_TRUE(bm->Unpin(*pin).ok());
   EXPECT_EQ(bm->GetStats().used_blocks, 0u);
   // Out of range.
-  EXPECT_EQ(bm->Admit({3, hashes, 30, 0, 31}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(bm->Admit({3, hashes, 30, 0, 31, {}}).status().code(), StatusCode::kInvalidArgument);
 }
 
 // Random traffic over shared prefixes on a small pool: invariants hold,
@@ -236,7 +236,7 @@ TEST(BlockManagerWindowsTest, RandomTrafficKeepsInvariants) {
           return bm->IsCached(prefix[i], static_cast<uint32_t>(g));
         };
         ASSERT_EQ(expect_hit, CachedPrefixBlocks(windows, B, prefix.size(), held));
-        auto r = bm->Admit({next, prefix, std::min(s.len, expect_hit * B + 2 * B), 0, {}});
+        auto r = bm->Admit({next, prefix, std::min(s.len, expect_hit * B + 2 * B), 0, {}, {}});
         if (r.ok()) {
           ASSERT_EQ(r->num_cached_blocks, expect_hit);
           s.computed = expect_hit * B;

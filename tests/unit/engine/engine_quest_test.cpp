@@ -178,6 +178,37 @@ TEST(EngineQuestTest, GenerationWithPrefixCachingMatchesTheReference) {
   EXPECT_LT(read, dense * 3 / 4);
 }
 
+// A generated token's KV comes from Quest's sparse attention, which a
+// prefill of the same tokens does not reproduce: a later turn whose prompt
+// holds the first turn's output reuses only the first prompt's blocks, and
+// generates what the reference gives for that prompt computed whole (as on
+// a worker that never saw the first turn).
+TEST(EngineQuestTest, AnOutputsKvIsNotReusedAsALaterPrompts) {
+  const auto ref = Reference();
+  ASSERT_NE(ref, nullptr);
+  const auto prompt = RandomTokens(30, PresetModelSpec("tiny")->vocab_size(), 5);
+  QuestRun q = MakeQuestRun(3, 8, static_cast<int64_t>(prompt.size()));
+  ASSERT_NE(q.engine, nullptr);
+  const auto first = Generate(*q.engine, 1, prompt, 100);
+  ASSERT_EQ(first.size(), 100u);
+  std::vector<int32_t> next = prompt;
+  for (const auto& s : first) next.push_back(s.token);
+  for (int32_t t : RandomTokens(5, PresetModelSpec("tiny")->vocab_size(), 6)) next.push_back(t);
+  int64_t cached = -1;
+  const auto second = Generate(*q.engine, 2, next, 20, &cached);
+  EXPECT_EQ(cached, 24);  // the first prompt's full blocks only
+  ASSERT_EQ(second.size(), 20u);
+  KvEvictionRule rule = q.rule;
+  rule.first_decode = static_cast<int64_t>(next.size());
+  std::vector<int32_t> all = next;
+  for (const auto& s : second) all.push_back(s.token);
+  const auto logits = ref->Forward(all, {}, rule);
+  for (size_t i = 0; i < second.size(); ++i) {
+    const auto lp = LogSoftmax(logits[next.size() - 1 + i]);
+    ASSERT_NEAR(second[i].logprob, lp[second[i].token], 1e-3) << "step " << i;
+  }
+}
+
 // A prompt's last token is a prompt row even when a prefix-cache hit leaves
 // it alone in its step (41 tokens, 40 cached): it attends to every block, as
 // when the prompt was computed whole, so a repeated request generates the

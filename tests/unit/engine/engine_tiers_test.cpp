@@ -180,6 +180,31 @@ TEST_F(EngineTiersTest, EvictedPrefixesComeBackFromHostAndDiskWithTheSameTokens)
   EXPECT_EQ(e->GetStats().blocks.used_blocks, 0u) << "a block stayed held";
 }
 
+// The tier thread goes on after the last step (the last evictions land in
+// the host tier, pushing older blocks to disk): RecordTierChanges, which an
+// idle worker's loop calls each turn, makes those changes events without
+// another step, so the router's view and a snapshot follow the tiers.
+TEST_F(EngineTiersTest, TierChangesAfterTheLastStepAreRecordedWithoutAnother) {
+  const std::string dir = testing::NewTempDir("engine-tiers-idle");
+  auto e =
+      MakeEngine(/*host_blocks=*/6, dir, /*disk_blocks=*/32, /*fingerprint=*/0, KvDiskWrite::kBack);
+  ASSERT_NE(e, nullptr);
+  RequestId id = 1;
+  for (uint32_t i = 0; i < 4; ++i) (void)Run(*e, id++, Prompt(97, 20 + i));
+  // Wait for the tier thread, without stepping (write-back: it is the only
+  // one moving blocks, and what it moved is recorded once nothing is queued).
+  for (int i = 0; i < 20000 && e->GetStats().tiers.offloads_queued > 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_EQ(e->GetStats().tiers.offloads_queued, 0);
+  e->RecordTierChanges();
+  const KvCacheSnapshot snap = e->block_manager().Snapshot();
+  const EngineTierStats t = e->GetStats().tiers;
+  EXPECT_GT(t.store.disk.blocks, 0);
+  EXPECT_EQ(static_cast<int64_t>(snap.host_block_hashes.size()), t.store.host.blocks);
+  EXPECT_EQ(static_cast<int64_t>(snap.disk_block_hashes.size()), t.store.disk.blocks);
+}
+
 TEST_F(EngineTiersTest, ARestartedEngineComesBackWarmFromItsDisk) {
   const std::string dir = testing::NewTempDir("engine-tiers-restart");
   std::vector<std::vector<TokenId>> prompts;

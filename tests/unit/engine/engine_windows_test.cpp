@@ -24,6 +24,7 @@
 #include "engine/text_eval.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "services/router/prefix_index.h"
+#include "services/router/router_core.h"
 #include "tests/support/numerics.h"
 #include "tests/support/reference_model.h"
 #include "tests/support/reference_tokens.h"
@@ -371,6 +372,71 @@ TEST(EngineWindowsTest, RepeatedPromptHitsAndTheRouterPredictsIt) {
   EXPECT_EQ(stats.prefix_cache_hit_tokens, static_cast<uint64_t>(144 + 144 + shorter));
 }
 
+// The router hashes the whole prompt, the engine reuses blocks only up to
+// its last token's: for a block-aligned prompt the router must judge each
+// windowed group's reach as the engine does, from the block before, or it
+// predicts a full hit where the engine reuses nothing (and sends a long
+// prefill to the decode worker).
+TEST(EngineWindowsTest, RouterPredictsTheEnginesHitForABlockAlignedPrompt) {
+  Loaded l = Load("gemma2", *PresetModelSpec("gemma2"));
+  ASSERT_NE(l.model, nullptr);
+  EngineOptions o;
+  o.kv_cache_bytes = 8 << 20;
+  o.max_num_batched_tokens = 32;
+  o.record_kv_events = true;
+  auto created = Engine::Create(l.model.get(), o);
+  ASSERT_TRUE(created.ok());
+  Engine& e = **created;
+  BlockManager& bm = e.block_manager();
+  router::RouterOptions ro;
+  ro.block_tokens = 16;
+  ro.pending_ttl_us = 0;
+  auto core = router::RouterCore::Create(std::move(ro));
+  ASSERT_TRUE(core.ok());
+  (*core)->SetKvGroupWindows(bm.group_windows());
+  auto worker = (*core)->AddWorker("w", Role::kBoth);
+  ASSERT_TRUE(worker.ok());
+  ASSERT_TRUE((*core)->OnSnapshot(*worker, 0, {}).ok());
+  // As the router hashes a prompt: every full block, the last one too.
+  const auto hashes_of = [&](const std::vector<int32_t>& prompt) {
+    return HashPrompt(BlockHashSeed(l.model->model_id()), prompt, 16);
+  };
+  uint64_t next_request = 1;
+  auto predicted = [&](const std::vector<int32_t>& prompt) {
+    for (const auto& b : bm.DrainEvents()) {
+      EXPECT_EQ((*core)->OnKvEvents(*worker, b), router::ApplyOutcome::kApplied);
+    }
+    const auto hashes = hashes_of(prompt);
+    EXPECT_EQ(hashes.size(), 9u);
+    router::RouteRequest r;
+    r.request_id = next_request++;
+    r.block_hashes = hashes;
+    r.prompt_tokens = static_cast<int64_t>(prompt.size());
+    auto d = (*core)->Route(r);
+    EXPECT_TRUE(d.ok());
+    (*core)->OnRequestFinished(r.request_id);
+    return d.ok() ? d->decode_overlap_blocks * 16 : -1;
+  };
+  const auto warm_prompt = RandomTokens(144, l.model->config().vocab_size, 9);
+  EXPECT_EQ(Generate(e, 1, warm_prompt, 3).cached_tokens, 0);
+  const int64_t warm = predicted(warm_prompt);
+  EXPECT_EQ(warm, 128);  // the engine computes the last block again
+  EXPECT_EQ(Generate(e, 2, warm_prompt, 3).cached_tokens, warm);
+  // Another prompt, whose windowed block 6 goes (and what was released
+  // before it): the last block's queries reach blocks 7 and 8 only, still
+  // held, but those of the block before, where the engine starts, need 6.
+  const auto prompt = RandomTokens(144, l.model->config().vocab_size, 10);
+  EXPECT_EQ(Generate(e, 3, prompt, 3).cached_tokens, 0);
+  const auto hashes = hashes_of(prompt);
+  while (bm.IsCached(hashes[6], 0)) ASSERT_EQ(bm.Evict(1), 1u);
+  ASSERT_TRUE(bm.IsCached(hashes[7], 0) && bm.IsCached(hashes[8], 0));
+  const int64_t cold = predicted(prompt);
+  EXPECT_LT(cold, 128);
+  const Generated third = Generate(e, 4, prompt, 3);
+  EXPECT_EQ(third.cached_tokens, cold);
+  ExpectReferenceTokens(*l.reference, prompt, third);
+}
+
 // n > 1 on a model with windowed and full layer groups: sequences sharing
 // a prompt (share_prompt_with) wait for its KV, then take the blocks of every
 // group from the prefix cache (the windowed group's early blocks, released
@@ -414,15 +480,24 @@ TEST(EngineWindowsTest, SharedPromptSequencesTakeEveryGroupsBlocks) {
 // Disaggregated prefill on a windowed model: the decode engine reserves, and
 // the prefill engine's blocks fill, only what the decode side keeps; the
 // decode engine then generates exactly what one engine does, and fewer bytes
-// move than the dense layout would move.
+// move than the dense layout would move. What it keeps is what a repeat of
+// the prompt starts from (its queries from the block before the last
+// token's, one block earlier than the first decode query when the prompt
+// ends a block or one token into it): the repeat reuses as much as on the
+// engine that computed the prompt itself.
 TEST(EngineWindowsTest, DisaggregatedPrefillMovesOnlyWhatTheDecodeSideKeeps) {
-  for (const char* preset : {"gemma2", "mistral-window"}) {
-    SCOPED_TRACE(preset);
+  for (const auto& [preset, prompt_tokens] :
+       std::vector<std::pair<const char*, int>>{{"gemma2", 150},
+                                                {"gemma2", 159},
+                                                {"gemma2", 160},
+                                                {"mistral-window", 150},
+                                                {"mistral-window", 160}}) {
+    SCOPED_TRACE(std::string(preset) + " " + std::to_string(prompt_tokens));
     Loaded l = Load(preset, *PresetModelSpec(preset));
     ASSERT_NE(l.model, nullptr);
     EngineRequest request;
     request.id = 1;
-    request.prompt = RandomTokens(150, l.model->config().vocab_size, 8);
+    request.prompt = RandomTokens(prompt_tokens, l.model->config().vocab_size, 8);
     request.params.temperature = 0;
     request.params.max_tokens = 20;
     request.params.ignore_eos = true;
@@ -478,13 +553,18 @@ TEST(EngineWindowsTest, DisaggregatedPrefillMovesOnlyWhatTheDecodeSideKeeps) {
       }
     }
     EXPECT_EQ(got, expected);
-    // The dense layout moves every group's every block: 10 blocks of 150 tokens.
-    const int64_t dense = 10 * static_cast<int64_t>(l.model->kv_groups().size()) * bytes;
+    // The dense layout moves every group's every block.
+    const int64_t dense =
+        (prompt_tokens + 15) / 16 * static_cast<int64_t>(l.model->kv_groups().size()) * bytes;
     EXPECT_LT(moved, dense);
     std::printf(
-        "{\"model\": \"%s\", \"prompt_tokens\": 150, \"kv_bytes_moved\": %lld, "
+        "{\"model\": \"%s\", \"prompt_tokens\": %d, \"kv_bytes_moved\": %lld, "
         "\"kv_bytes_dense_layout\": %lld}\n",
-        preset, static_cast<long long>(moved), static_cast<long long>(dense));
+        preset, prompt_tokens, static_cast<long long>(moved), static_cast<long long>(dense));
+    // The same prompt again, on each engine.
+    const int64_t reusable = (prompt_tokens - 1) / 16 * 16;
+    EXPECT_EQ(Generate(*alone, 2, request.prompt, 2).cached_tokens, reusable);
+    EXPECT_EQ(Generate(*decode, 2, request.prompt, 2).cached_tokens, reusable);
   }
 }
 

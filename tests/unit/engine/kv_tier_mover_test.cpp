@@ -15,6 +15,7 @@
 #include <cstring>
 #include <mutex>
 #include <random>
+#include <set>
 
 #include "kernels/cpu/cpu_backend.h"
 #include "tests/support/file_size_limit.h"
@@ -175,6 +176,42 @@ TEST_F(KvTierMoverTest, TheWriterCopiesHostBlocksToDiskByItself) {
   }
   EXPECT_EQ(disk_stored, 3);
   EXPECT_EQ(host_stored, 3);
+}
+
+// The mover's thread and the writer's change the tiers at once, each
+// releasing the store's lock for its I/O: their changes, replayed in the
+// order given, say what the store holds (one block evicted from disk by the
+// writer while the mover demoted it there again must not end "removed").
+TEST_F(KvTierMoverTest, ChangesReplayIntoWhatTheStoreHolds) {
+  auto store = TwoTiers(&backend_, KvDiskWrite::kThrough);
+  ASSERT_NE(store, nullptr);
+  std::set<BlockHash> held[2];
+  auto replay = [&](const std::vector<KvTierChange>& changes) {
+    for (const KvTierChange& c : changes) {
+      auto& set = held[c.tier == KvTier::kHost ? 0 : 1];
+      if (c.stored) {
+        set.insert(c.hash);  // a fresh disk copy of a block held there is stored again
+      } else {
+        EXPECT_EQ(set.erase(c.hash), 1u) << c.hash << " removed but not held";
+      }
+    }
+  };
+  {
+    KvTierMover mover(store.get(), &buffers_, {});
+    std::mt19937 rng(5);
+    for (int i = 0; i < 3000; ++i) {
+      // Some hashes come back: refreshed, or put again after they left.
+      const BlockHash h = 1 + rng() % 60;
+      mover.Offload(h, Copy(buffers_, BlockBytes(static_cast<uint32_t>(h))));
+      if (i % 100 == 0) replay(mover.TakeChanges());
+    }
+  }  // joins both threads
+  replay(store->TakeChanges());
+  for (KvTier tier : {KvTier::kHost, KvTier::kDisk}) {
+    const auto blocks = store->Blocks(tier);
+    EXPECT_EQ(std::set<BlockHash>(blocks.begin(), blocks.end()),
+              held[tier == KvTier::kHost ? 0 : 1]);
+  }
 }
 
 TEST_F(KvTierMoverTest, TheWriterKeepsItsPaceAndStopsWithoutWaitingForIt) {
