@@ -79,10 +79,23 @@ Status AddSafetensorsHeader(Digest& d, const std::string& path) {
   return Status::Ok();
 }
 
+// The token tables (input embeddings, output head): a revision may change
+// only a few of their rows (new or retrained special tokens, PEFT's
+// trainable tokens merged in), which sampled windows miss, and every K/V
+// from such a token on depends on them. Hashed whole: one or two tensors of
+// a model, a fraction of its bytes.
+bool IsTokenTable(const std::string& name) {
+  for (const char* part :
+       {"embed_tokens", "lm_head", "wte", "word_embeddings", "embed_in", "embed_out"}) {
+    if (name.find(part) != std::string::npos) return true;
+  }
+  return false;
+}
+
 void AddTensorSamples(Digest& d, const TensorView& t) {
   d.String(t.name);
   d.U64(t.bytes);
-  if (t.bytes <= kWholeTensorBytes) {
+  if (t.bytes <= kWholeTensorBytes || IsTokenTable(t.name)) {
     d.Bytes(t.data, t.bytes);
     return;
   }
@@ -95,7 +108,7 @@ void AddTensorSamples(Digest& d, const TensorView& t) {
 StatusOr<uint64_t> ModelFingerprint(const std::string& dir, LoadFormat format) {
   namespace fs = std::filesystem;
   Digest d;
-  d.String("pdserve model fingerprint v1");
+  d.String("pdserve model fingerprint v2");
   for (const char* name :
        {"config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model"}) {
     PDSERVE_RETURN_IF_ERROR(AddFile(d, fs::path(dir) / name));

@@ -91,6 +91,35 @@ TEST(ModelFingerprintTest, OneRewrittenTensorChangesIt) {
   EXPECT_NE(Fingerprint(a), base);
 }
 
+// One token's embedding row retrained (a new special token, PEFT's
+// trainable tokens merged in): a change no sampled window covers, which the
+// token table's whole hash sees.
+TEST(ModelFingerprintTest, OneEditedRowOfTheTokenTableChangesIt) {
+  const std::string a = Write("fp-row", ModelSpec{});
+  const uint64_t base = Fingerprint(a);
+  auto files = WeightFiles::Open(a);
+  ASSERT_TRUE(files.ok()) << files.status().ToString();
+  std::vector<TensorToWrite> tensors;
+  for (const auto& [name, t] : (*files)->tensors()) {
+    tensors.push_back(
+        {name, t->dtype_name, t->shape, std::vector<uint8_t>(t->data, t->data + t->bytes)});
+  }
+  files->reset();
+  bool edited = false;
+  for (auto& t : tensors) {
+    if (t.name != "model.embed_tokens.weight") continue;
+    ASSERT_GT(t.data.size(), 64u << 10) << "a table past the size hashed whole anyway";
+    // Halfway between two of the 16 sampled windows.
+    const size_t last = t.data.size() - 256;
+    const size_t at = (last * 7 / 15 + last * 8 / 15) / 2;
+    t.data[at] ^= 0x01;
+    edited = true;
+  }
+  ASSERT_TRUE(edited);
+  ASSERT_TRUE(WriteSafetensors(a + "/model.safetensors", tensors).ok());
+  EXPECT_NE(Fingerprint(a), base);
+}
+
 TEST(ModelFingerprintTest, AFolderWithoutWeightsIsAnError) {
   const std::string dir = testing::NewTempDir("fp-empty");
   { std::ofstream(dir + "/config.json") << "{}"; }
