@@ -159,6 +159,17 @@ TEST_F(HostileHttpTest, RequestsThatUsedToKillTheRouterAreAnsweredAndItServesOn)
     int status;
     std::string param;  // expected "param", or "" not to check
   };
+  // Schemas whose compile recursed once per reference or per level of a
+  // value (SIGSEGV before): a chain of 20,000 $refs, and a const 100,000
+  // arrays deep in schema text.
+  std::string chain = R"({"$defs":{)";
+  for (int i = 0; i < 20000; ++i) {
+    chain +=
+        "\"d" + std::to_string(i) + "\":{\"$ref\":\"#/$defs/d" + std::to_string(i + 1) + "\"},";
+  }
+  chain += R"("d20000":{"type":"integer"}},"$ref":"#/$defs/d0"})";
+  const std::string deep_const =
+      R"({"const":)" + std::string(100000, '[') + std::string(100000, ']') + "}";
   const std::string deep = R"({"messages":[{"role":"user","content":"x","extra":)" +
                            std::string(100000, '[') + std::string(100000, ']') + "}]}";
   const std::vector<Case> cases = {
@@ -208,6 +219,17 @@ TEST_F(HostileHttpTest, RequestsThatUsedToKillTheRouterAreAnsweredAndItServesOn)
        "previous_response_id"},
       {"a GET of /v1/responses", Raw("GET", "/v1/responses", ""), 405, ""},
       {"a GET of a stored response", Raw("GET", "/v1/responses/resp_1", ""), 404, ""},
+      {"a schema of 20,000 chained references",
+       Raw("POST", "/v1/completions",
+           R"({"prompt":"x","max_tokens":1,"response_format":{"type":"json_schema",)"
+           R"("json_schema":{"name":"s","schema":)" +
+               chain + "}}}"),
+       400, ""},
+      {"a schema's text nesting 100k levels",
+       Raw("POST", "/v1/completions",
+           R"({"prompt":"x","max_tokens":1,"structured_outputs":{"json":)" +
+               nlohmann::json(deep_const).dump() + "}}"),
+       400, ""},
   };
   for (const auto& c : cases) {
     const Answer a = Parse(Exchange(port(), c.request));
