@@ -76,6 +76,9 @@ int RunRouter(int argc, char** argv) {
                "the most prompt tokens a decode worker prefills itself: a request whose decode "
                "worker would compute more (cached prefix excluded) goes to a prefill worker; "
                "the router alone decides, workers follow");
+  flags.AddInt("max-prefill-queue-tokens", &o.max_prefill_queue_tokens,
+               "a prefill worker with more prompt tokens queued than this takes no new prompt; "
+               "with none under it, the decode worker prefills itself (0: no bound)");
   flags.AddInt("block-size", &o.block_size, "tokens per KV block (must match the workers)");
   flags.AddString("api-key-file", &o.api_key_file, "file of accepted API keys, one per line");
   flags.AddBool("salt-per-api-key", &o.salt_per_api_key,
@@ -154,6 +157,9 @@ int RunRouter(int argc, char** argv) {
     UsageError("router", "--metrics-port must be -1 or in [0, 65535]");
   if (o.block_size <= 0) UsageError("router", "--block-size must be positive");
   if (o.max_local_prefill < 0) UsageError("router", "--max-local-prefill must not be negative");
+  if (o.max_prefill_queue_tokens < 0) {
+    UsageError("router", "--max-prefill-queue-tokens must not be negative");
+  }
   if (o.drain_push_blocks < 0) UsageError("router", "--drain-push-blocks must not be negative");
   if (o.replication_max_inflight < 0 || !(o.replication_max_copy_tokens_per_s >= 0)) {
     UsageError("router",

@@ -226,7 +226,7 @@ int RunUp(int argc, char** argv) {
   int64_t prefill = 1, decode = 1, port = 8000, control_port = 9000;
   int64_t prefill_metrics_port = 9100, decode_metrics_port = 9200, threads = 0;
   int64_t kv_cache_bytes = 64ll << 20, start_timeout_s = 120, stop_timeout_s = 40;
-  int64_t max_local_prefill = 512, tensor_parallel = 1;
+  int64_t max_local_prefill = 512, max_prefill_queue_tokens = 0, tensor_parallel = 1;
   int64_t kv_host_cache_bytes = 0, kv_disk_cache_bytes = 0;
   std::string kv_disk_cache_dir, kv_disk_write;
   int64_t kv_disk_write_queue = 1024, kv_disk_write_bps = 0;
@@ -256,6 +256,9 @@ int RunUp(int argc, char** argv) {
   flags.AddString("policy", &policy, "routing policy: " + router::PolicyChoices());
   flags.AddInt("max-local-prefill", &max_local_prefill,
                "prompt tokens a decode worker computes itself; more go to a prefill worker");
+  flags.AddInt("max-prefill-queue-tokens", &max_prefill_queue_tokens,
+               "prompt tokens queued on a prefill worker past which it takes no new prompt "
+               "(0: no bound)");
   flags.AddString("replication-copy-cost", &copy_cost,
                   "kv: hot-prefix replication's copy price, as the router's "
                   "--replication-copy-cost (0: off)");
@@ -334,6 +337,9 @@ int RunUp(int argc, char** argv) {
     UsageError("up", "--expert-parallel needs --tensor-parallel 2 or more");
   }
   if (max_local_prefill < 0) UsageError("up", "--max-local-prefill must not be negative");
+  if (max_prefill_queue_tokens < 0) {
+    UsageError("up", "--max-prefill-queue-tokens must not be negative");
+  }
   if (char* end = nullptr;
       copy_cost.empty() || !(std::strtod(copy_cost.c_str(), &end) >= 0) || *end != '\0') {
     UsageError("up", "--replication-copy-cost must be a non-negative number");
@@ -457,6 +463,8 @@ int RunUp(int argc, char** argv) {
                                           policy,
                                           "--max-local-prefill",
                                           std::to_string(max_local_prefill),
+                                          "--max-prefill-queue-tokens",
+                                          std::to_string(max_prefill_queue_tokens),
                                           "--log-level",
                                           log_level};
   if (!model_id.empty()) router_args.insert(router_args.end(), {"--model-id", model_id});

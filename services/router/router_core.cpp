@@ -44,6 +44,9 @@ StatusOr<std::unique_ptr<RouterCore>> RouterCore::Create(RouterOptions options) 
   if (options.max_local_prefill < 0) {
     return Status::InvalidArgument("max_local_prefill must not be negative");
   }
+  if (options.max_prefill_queue_tokens < 0) {
+    return Status::InvalidArgument("max_prefill_queue_tokens must not be negative");
+  }
   if (!(options.copy_cost >= 0) || !std::isfinite(options.copy_cost)) {
     return Status::InvalidArgument("copy_cost must be finite and non-negative");
   }
@@ -471,11 +474,18 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
   }
   if (decision.prefill_tokens > options_.max_local_prefill) {
     candidates_.clear();
-    // Not a prefill worker that failed the request or whose pool is too
-    // small: without another, the decode worker prefills it.
+    // Not a prefill worker that failed the request, whose pool is too
+    // small or whose queue is past the bound: without another, the decode
+    // worker prefills it.
+    auto queue_full = [&](const Worker& w) {
+      const int64_t queued =
+          std::max(w.inflight_prefill_tokens, w.has_report ? w.reported.queued_prefill_tokens : 0);
+      return options_.max_prefill_queue_tokens > 0 && queued > options_.max_prefill_queue_tokens;
+    };
     for (const auto& w : workers_) {
       if (w && !w->draining && w->role == Role::kPrefill && !StalledLocked(*w, now) &&
-          holds(*w, request.prompt_tokens + 1) && !avoided(*w) && !pool_too_small(*w)) {
+          holds(*w, request.prompt_tokens + 1) && !avoided(*w) && !pool_too_small(*w) &&
+          !queue_full(*w)) {
         candidates_.push_back(MakeCandidateLocked(*w, overlap_[w->id], request, now));
       }
     }

@@ -81,6 +81,13 @@ struct RouterOptions {
   // prefilled on a prefill worker, when one is registered. The router's
   // --max-local-prefill; this decision is the only one (workers follow it).
   int64_t max_local_prefill = kDefaultMaxLocalPrefill;
+  // A prefill worker with more prefill queued than this (tokens: its load
+  // report or the router's own count, whichever is larger) prefills no new
+  // request; with none left under it, the decode worker prefills itself, so
+  // an overloaded prefill pool does not queue every long prompt while
+  // decode workers idle (Dynamo's disaggregated router has the same lever,
+  // in requests). 0: no bound.
+  int64_t max_prefill_queue_tokens = 0;
   int64_t pending_ttl_us = 2'000'000;
   // Hot-prefix replication by KV copy. A decode candidate that lacks part of
   // the longest cached prefix any worker holds may have those blocks copied

@@ -60,6 +60,7 @@ RouterOptions RoutingOptionsOf(const RouterServiceOptions& o) {
   ro.policy_options.disk_tier_weight = o.disk_tier_weight;
   ro.block_tokens = o.block_size;
   ro.max_local_prefill = o.max_local_prefill;
+  ro.max_prefill_queue_tokens = o.max_prefill_queue_tokens;
   ro.copy_cost = o.replication_copy_cost;
   ro.copy_min_requests = o.replication_min_requests;
   ro.copy_window_us = static_cast<int64_t>(o.replication_window_s * 1e6);

@@ -46,6 +46,7 @@ struct RouterServiceOptions {
   double host_tier_weight = 0.75;
   double disk_tier_weight = 0.25;
   int64_t max_local_prefill = kDefaultMaxLocalPrefill;  // see RouterOptions
+  int64_t max_prefill_queue_tokens = 0;                 // see RouterOptions
   // Hot-prefix replication (RouterOptions::copy_cost; 0: off). A copy is a
   // remote prefill by a holder of role both or prefill, which then writes the
   // prefix's blocks to the chosen worker; with it on, workers of role both

@@ -420,6 +420,37 @@ TEST(RouterCoreTest, RetriesAndTooSmallPoolsPrefillLocally) {
   EXPECT_FALSE(d->remote_prefill());
 }
 
+// A prefill worker past --max-prefill-queue-tokens takes no new prompt:
+// with none under it, the decode worker prefills itself rather than queue
+// behind an overloaded prefill pool; without the bound (0) it queues.
+TEST(RouterCoreTest, AnOverloadedPrefillPoolLeavesPromptsToTheDecodeWorker) {
+  for (const int64_t bound : {int64_t{1000}, int64_t{0}}) {
+    RouterOptions o = Policy("kv");
+    o.max_local_prefill = 100;
+    o.max_prefill_queue_tokens = bound;
+    Fixture f(o, {Role::kDecode, Role::kPrefill, Role::kPrefill});
+    f.Queue(1, 5000);
+    f.Queue(2, 900);
+    // The second prefill worker is under the bound: it takes the prompt.
+    RouteDecision d = f.Route(1, Prompt(100, 125));
+    ASSERT_TRUE(d.remote_prefill());
+    EXPECT_EQ(f.IndexOf(*d.prefill), 2u);
+    f.core->OnRequestFinished(1);
+    f.Queue(2, 5000);
+    d = f.Route(2, Prompt(200, 125));
+    if (bound > 0) {
+      EXPECT_FALSE(d.remote_prefill());
+      EXPECT_EQ(d.prefill_tokens, 125 * kBlock);
+    } else {
+      EXPECT_TRUE(d.remote_prefill());
+    }
+    f.core->OnRequestFinished(2);
+  }
+  RouterOptions bad = Policy("kv");
+  bad.max_prefill_queue_tokens = -1;
+  EXPECT_FALSE(RouterCore::Create(bad).ok());
+}
+
 TEST(RouterCoreTest, NoPrefillWorkerMeansLocalPrefill) {
   RouterOptions o = Policy("kv");
   o.max_local_prefill = 0;
