@@ -635,10 +635,20 @@ Status KvTierStore::Put(BlockHash hash, const uint8_t* bytes, std::vector<KvTier
     NoteLocked(changes, {hash, KvTier::kDisk, true});
     return Status::Ok();
   }
-  while (h.free.empty()) PDSERVE_RETURN_IF_ERROR(DemoteLocked(lock, changes));
+  // A failed disk write loses the demoted block but frees its host slot:
+  // the new block still goes in, and the error is returned for the caller
+  // to log and count.
+  Status demoted = Status::Ok();
+  while (h.free.empty()) {
+    Status st = DemoteLocked(lock, changes);
+    if (!st.ok()) {
+      if (h.free.empty()) return st;
+      demoted = std::move(st);
+    }
+  }
   if (auto it = h.index.find(hash); it != h.index.end()) {  // put by another thread meanwhile
     h.Touch(it->second);
-    return Status::Ok();
+    return demoted;
   }
   const bool through = writes_through();
   bool on_disk = false;
@@ -676,7 +686,7 @@ Status KvTierStore::Put(BlockHash hash, const uint8_t* bytes, std::vector<KvTier
       }
     }
   }
-  return Status::Ok();
+  return demoted;
 }
 
 std::optional<KvTier> KvTierStore::Find(BlockHash hash) const {
@@ -706,6 +716,13 @@ Status KvTierStore::Get(BlockHash hash, uint8_t* out, std::vector<KvTierChange>*
   d.slots[slot].state = Slot::State::kBusy;
   lock.unlock();
   const bool ok = ReadDiskSlot(slot, hash, out);
+  if (!ok) {
+    // Its header is cleared (the slot is still busy, nobody else writes
+    // it), so that a restart does not index and announce it again.
+    SlotHeader cleared;
+    cleared.magic = 0;
+    (void)::pwrite(fd_, &cleared, sizeof(cleared), static_cast<off_t>(slot * slot_stride_));
+  }
   lock.lock();
   // Busy slots are never released (ReplaceDiskCopyLocked), so the slot is
   // still this block's.

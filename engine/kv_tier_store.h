@@ -155,7 +155,9 @@ class KvTierStore {
   // highest tier that has one (host, else disk); a tier that is full first
   // moves its least recently used block down (or drops it from the last
   // tier). A hash already held is refreshed, not copied again. Appends what
-  // changed to *changes.
+  // changed to *changes. A demotion whose disk write failed is returned as
+  // the error, though the block itself was kept (in the slot the demoted
+  // block left).
   Status Put(BlockHash hash, const uint8_t* bytes, std::vector<KvTierChange>* changes);
 
   // The tier that holds `hash`, if any (host first).

@@ -133,6 +133,11 @@ TEST(KvTierStoreTest, ACorruptDiskBlockIsDroppedAndCounted) {
   EXPECT_EQ(served, 2);
   EXPECT_EQ(refused, 1);
   EXPECT_EQ((*s)->stats().corrupt_dropped, 1);
+  // Reopened, the dropped slot is not indexed (and announced) again.
+  s->reset();
+  auto reopened = KvTierStore::Open(Options(0, dir, 4));
+  ASSERT_TRUE(reopened.ok()) << reopened.status().ToString();
+  EXPECT_EQ((*reopened)->Blocks(KvTier::kDisk).size(), 2u);
 }
 
 TEST(KvTierStoreTest, ReopeningRebuildsTheDiskIndexOfTheSameLayoutOnly) {
@@ -433,6 +438,29 @@ TEST(KvTierStoreTest, AWriteCutShortReportsItsRealErrorAndIsNeverServed) {
   const Status torn = (*again)->Get(2, out.data(), &changes);
   EXPECT_EQ(torn.code(), StatusCode::kNotFound);
   EXPECT_NE(out, BlockBytes(2));
+}
+
+// A demotion whose disk write fails loses the demoted block only: the block
+// being put takes the host slot it freed, and the error is reported.
+TEST(KvTierStoreTest, AFailedDemotionStillKeepsTheNewBlock) {
+  const std::string dir = testing::NewTempDir("tiers-demote-fail");
+  auto s = KvTierStore::Open(Options(1, dir, 4));
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  std::vector<KvTierChange> changes;
+  ASSERT_TRUE((*s)->Put(1, BlockBytes(1).data(), &changes).ok());  // the host's one slot
+  Status st;
+  {
+    testing::FileSizeLimit limit(64);  // no disk slot can be written
+    ASSERT_TRUE(limit.ok());
+    st = (*s)->Put(2, BlockBytes(2).data(), &changes);
+  }
+  EXPECT_FALSE(st.ok());
+  EXPECT_EQ((*s)->stats().disk_write_errors, 1);
+  EXPECT_FALSE((*s)->Find(1).has_value());
+  EXPECT_EQ((*s)->Find(2), KvTier::kHost);
+  std::vector<uint8_t> out(kBlock);
+  ASSERT_TRUE((*s)->Get(2, out.data(), &changes).ok());
+  EXPECT_EQ(out, BlockBytes(2));
 }
 
 TEST(KvTierStoreTest, OneProcessAtATimeOwnsADiskFolder) {
