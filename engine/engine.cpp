@@ -283,7 +283,10 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(const std::vector<Model*>& rank
         return;
       }
       HostBlockBuffers::Buffer copy = self->tier_buffers_->Take();
-      if (!copy) return;  // no host memory left: the block is dropped, as without tiers
+      if (!copy) {  // no host memory left: the block is dropped, as without tiers
+        ++self->offloads_dropped_;
+        return;
+      }
       // One copy of each shard: the first rank of those that hold it.
       const int n = static_cast<int>(self->ranks_.size());
       const size_t shard = copy.size() / static_cast<size_t>(TierSplit(self->tier_kv_heads_, n));
@@ -294,8 +297,7 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(const std::vector<Model*>& rank
         self->ranks_[r]->backend()->Download(copy.data() + at * shard,
                                              self->kv_pool(r).block(block), shard);
       }
-      self->tier_mover_->Offload(hash, std::move(copy));
-      ++self->offloaded_blocks_;
+      if (self->tier_mover_->Offload(hash, std::move(copy))) ++self->offloaded_blocks_;
     };
   }
   auto blocks = BlockManager::Create(bm);

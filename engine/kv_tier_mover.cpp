@@ -98,20 +98,21 @@ StatusOr<KvTierMover::FlushResult> KvTierMover::Flush(
   return r;
 }
 
-void KvTierMover::Offload(BlockHash hash, HostBlockBuffers::Buffer bytes) {
+bool KvTierMover::Offload(BlockHash hash, HostBlockBuffers::Buffer bytes) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     // One queued copy per hash: a block evicted again before its first copy
     // landed holds the same KV.
     if (!queued_.emplace(hash, std::make_shared<const HostBlockBuffers::Buffer>(std::move(bytes)))
              .second) {
-      return;
+      return false;
     }
     Job job;
     job.hash = hash;
     jobs_.push_back(std::move(job));
   }
   cv_.notify_one();
+  return true;
 }
 
 bool KvTierMover::Holds(BlockHash hash) const {

@@ -66,7 +66,9 @@ class KvTierMover {
   KvTierMover(const KvTierMover&) = delete;
   KvTierMover& operator=(const KvTierMover&) = delete;
 
-  void Offload(BlockHash hash, HostBlockBuffers::Buffer bytes);
+  // Queues an evicted block's copy; false when a copy of `hash` is queued
+  // already (the same KV: this one is dropped).
+  bool Offload(BlockHash hash, HostBlockBuffers::Buffer bytes);
   // Whether the tiers (or the offload queue) hold `hash` now.
   bool Holds(BlockHash hash) const;
   void Onload(uint64_t ticket, std::vector<BlockHash> hashes);
