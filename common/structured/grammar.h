@@ -37,7 +37,7 @@ struct GrammarLimits {
   // Steps of the subset construction (NFA states in the sets it forms plus
   // the byte edges it sweeps, over all rules): states alone do not bound
   // it, as a few thousand states of large sets can take a minute.
-  size_t max_work = 20'000'000;
+  size_t max_work = 50'000'000;
 };
 
 // How a code-point automaton is spelled in bytes.
