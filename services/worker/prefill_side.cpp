@@ -13,6 +13,12 @@ namespace {
 using control::ConnectionPtr;
 
 constexpr uint32_t kDefaultPrefillDeadlineMs = 30'000;
+// A peer's deadline past this is cut to it: a job holds pins and staging
+// slots until its deadline, so an unbounded one would let a peer that never
+// receives starve every other hand-off.
+constexpr uint32_t kMaxPrefillDeadlineMs = 600'000;
+// Early cancels remembered at once (each expires with the longest deadline).
+constexpr size_t kMaxEarlyCancels = 4096;
 
 proto::Envelope PrefillFailure(const std::string& rid, const std::string& why, bool retryable) {
   proto::Envelope env;
@@ -66,9 +72,9 @@ void PrefillSide::OnPeerMessage(const ConnectionPtr& c, proto::Envelope& e) {
       auto it = decode_peers_.find(c->id());
       if (it != decode_peers_.end()) peer = it->second.transfer_peer;
     }
-    ctx_->post([this, c, peer, p = std::move(*e.mutable_prefill())]() mutable {
-      OnPrefill(c, peer, std::move(p));
-    });
+    ctx_->post(
+        [this, c, peer, p = std::move(*e.mutable_prefill()),
+         received = WorkerClock::now()]() mutable { OnPrefill(c, peer, std::move(p), received); });
   }
 }
 
@@ -134,14 +140,16 @@ void PrefillSide::OnPeerClosed(const ConnectionPtr& c) {
 
 // ----------------------------------------------------------------- jobs
 
-void PrefillSide::OnPrefill(const ConnectionPtr& decode, PeerId peer, proto::Prefill p) {
-  if (!p.sampling().has_constraint()) return Start(decode, peer, std::move(p), nullptr);
+void PrefillSide::OnPrefill(const ConnectionPtr& decode, PeerId peer, proto::Prefill p,
+                            WorkerClock::time_point received) {
+  if (!p.sampling().has_constraint()) return Start(decode, peer, std::move(p), nullptr, received);
   // Structured outputs: the first token is sampled here, under the
   // request's grammar, compiled off the engine thread.
   const OutputConstraint constraint = FromProto(p.sampling()).constraint.value();
-  ctx_->grammars->Compile(
-      constraint, [this, decode, peer, p = std::move(p)](GrammarCompiler::Result grammar) mutable {
-        ctx_->post([this, decode, peer, p = std::move(p), grammar = std::move(grammar)]() mutable {
+  ctx_->grammars->Compile(constraint, [this, decode, peer, received,
+                                       p = std::move(p)](GrammarCompiler::Result grammar) mutable {
+    ctx_->post(
+        [this, decode, peer, received, p = std::move(p), grammar = std::move(grammar)]() mutable {
           if (!grammar.ok()) {
             PDSERVE_LOG(INFO) << "prefill "
                               << (IsPlainTraceId(p.trace_id()) ? p.trace_id() : p.request_id())
@@ -153,13 +161,14 @@ void PrefillSide::OnPrefill(const ConnectionPtr& decode, PeerId peer, proto::Pre
             ctx_->metrics->CountRequest("prefill", "failed");
             return;
           }
-          Start(decode, peer, std::move(p), std::move(*grammar));
+          Start(decode, peer, std::move(p), std::move(*grammar), received);
         });
-      });
+  });
 }
 
 void PrefillSide::Start(const ConnectionPtr& decode, PeerId peer, proto::Prefill p,
-                        std::shared_ptr<const structured::CompiledGrammar> grammar) {
+                        std::shared_ptr<const structured::CompiledGrammar> grammar,
+                        WorkerClock::time_point received) {
   // Log lines carry the request's trace id (proto Generate.trace_id).
   const std::string trace_id = IsPlainTraceId(p.trace_id()) ? p.trace_id() : p.request_id();
   auto refuse = [&](const std::string& why, bool retryable) {
@@ -168,6 +177,20 @@ void PrefillSide::Start(const ConnectionPtr& decode, PeerId peer, proto::Prefill
     ctx_->metrics->transfer_failures.Increment();
     ctx_->metrics->CountRequest("prefill", "failed");
   };
+  // The deadline runs from the Prefill's arrival, as the decode worker's
+  // give-up does: a job that waited (an engine step, a grammar's compile)
+  // past it would write into blocks the decode worker freed and may have
+  // given to another request.
+  const WorkerClock::time_point deadline =
+      received +
+      std::chrono::milliseconds(std::min(
+          p.deadline_ms() ? p.deadline_ms() : kDefaultPrefillDeadlineMs, kMaxPrefillDeadlineMs));
+  if (WorkerClock::now() >= deadline) return refuse("its deadline passed before it started", false);
+  if (auto early = cancelled_early_.find({decode->id(), p.request_id()});
+      early != cancelled_early_.end()) {
+    cancelled_early_.erase(early);
+    return refuse("cancelled by its decode worker before it started", false);
+  }
   // A decode-only worker prefills for others only prefix copies (a hot
   // prefix it holds, or its own prompts pushed as it drains), whose prompt
   // it has mostly cached.
@@ -224,9 +247,8 @@ void PrefillSide::Start(const ConnectionPtr& decode, PeerId peer, proto::Prefill
   job->trace_id = trace_id;
   job->decode = decode;
   job->transfer_peer = peer;
-  job->arrived = WorkerClock::now();
-  job->deadline = job->arrived + std::chrono::milliseconds(
-                                     p.deadline_ms() ? p.deadline_ms() : kDefaultPrefillDeadlineMs);
+  job->arrived = received;
+  job->deadline = deadline;
   ctx_->metrics->prefill_tokens.Increment(static_cast<double>(p.prompt_token_ids_size()));
   jobs_.emplace(id, std::move(job));
   ctx_->busy->fetch_add(1);
@@ -240,6 +262,13 @@ void PrefillSide::OnCancel(uint64_t connection_id, const std::string& decode_rid
     job->cancelled = true;
     return FailJobs({id}, "cancelled by its decode worker");
   }
+  // Not started yet (its grammar compiling, its post queued): Start refuses
+  // it when it comes. Entries outlive any deadline, then go.
+  const auto now = WorkerClock::now();
+  std::erase_if(cancelled_early_, [now](const auto& e) { return e.second <= now; });
+  if (cancelled_early_.size() >= kMaxEarlyCancels) return;  // a flood: its jobs time out
+  cancelled_early_.emplace(std::pair{connection_id, decode_rid},
+                           now + std::chrono::milliseconds(kMaxPrefillDeadlineMs));
 }
 
 void PrefillSide::CheckDeadlines() {

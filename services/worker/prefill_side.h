@@ -62,9 +62,13 @@ class PrefillSide {
 
   void OnPeerTransferHello(const control::ConnectionPtr& c, const proto::TransferHello& hello);
   // Engine thread.
-  void OnPrefill(const control::ConnectionPtr& decode, PeerId peer, proto::Prefill p);
+  // `received`: when the Prefill arrived (its deadline runs from then, as
+  // the decode worker's give-up does).
+  void OnPrefill(const control::ConnectionPtr& decode, PeerId peer, proto::Prefill p,
+                 WorkerClock::time_point received);
   void Start(const control::ConnectionPtr& decode, PeerId peer, proto::Prefill p,
-             std::shared_ptr<const structured::CompiledGrammar> grammar);
+             std::shared_ptr<const structured::CompiledGrammar> grammar,
+             WorkerClock::time_point received);
   void OnDecodeGone(uint64_t connection_id);
   // The decode worker on `connection_id` cancelled its request `decode_rid`.
   void OnCancel(uint64_t connection_id, const std::string& decode_rid);
@@ -83,6 +87,10 @@ class PrefillSide {
 
   // Engine thread.
   std::unordered_map<RequestId, std::unique_ptr<Job>> jobs_;
+  // Cancels that came before their Prefill started (its grammar compiling,
+  // or its post not yet run), by (connection id, request id), until their
+  // expiry: Start refuses those, so a Cancel is never lost. Bounded.
+  std::map<std::pair<uint64_t, std::string>, WorkerClock::time_point> cancelled_early_;
 
   std::mutex peers_mu_;
   std::unordered_map<uint64_t, DecodePeer> decode_peers_;  // by connection id
