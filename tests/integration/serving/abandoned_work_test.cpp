@@ -124,5 +124,33 @@ TEST(AbandonedWorkTest, ALateJobFailsAloneAndTheLinkServesOn) {
   EXPECT_TRUE(WaitForMetric(decode.metrics_port, "pdserve_kv_blocks_held_for_peers", "", 0, 5s));
 }
 
+// A Prefill that waits past its deadline before the engine thread starts it
+// (here behind a six-second step) is refused then, never started: its
+// deadline runs from its arrival, as the decode worker's give-up does, so
+// no write can reach blocks that worker has freed meanwhile.
+TEST(AbandonedWorkTest, AJobWhoseDeadlinePassedBeforeItStartedIsRefused) {
+  LocalStack stack("abandoned-unstarted");
+  stack.StartRouter({"--max-local-prefill", "32"});
+  stack.SetWorkerEnv({{"PDSERVE_TEST_STEP_DELAY_MS", "6000"}});
+  WorkerProc& prefill = stack.StartWorker("prefill", {"--max-num-batched-tokens", "64"});
+  stack.SetWorkerEnv({});
+  stack.StartWorker("decode", {"--prefill-timeout-ms", "2000"});
+  ASSERT_TRUE(stack.WaitReady());
+
+  std::thread first([&] {
+    auto [status, body] =
+        stack.Post("/v1/completions", {{"prompt", Prompt("occupies", 120)}, {"max_tokens", 2}});
+    EXPECT_EQ(status, 200) << body.dump();
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  auto [status, body] =
+      stack.Post("/v1/completions", {{"prompt", Prompt("waits", 60)}, {"max_tokens", 2}});
+  EXPECT_EQ(status, 200) << body.dump();
+  first.join();
+  EXPECT_TRUE(
+      prefill.proc.WaitForLog(std::regex("refused: its deadline passed before it started"), 10s))
+      << prefill.proc.Log();
+}
+
 }  // namespace
 }  // namespace pdserve::testing
