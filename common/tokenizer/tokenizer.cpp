@@ -26,6 +26,14 @@ using nlohmann::json;
 using namespace tokenizer_detail;
 namespace fs = std::filesystem;
 
+// Token ids a tokenizer file may name: those of a vocabulary the model
+// config allows (2^22 entries), so that an id never sizes a table past it.
+constexpr int64_t kMaxTokenId = (int64_t{1} << 22) - 1;
+constexpr const char* kTokenIdRange = "integer in [0, 4194303]";
+bool IsTokenId(const json& id) {
+  return id.is_number_integer() && id.get<int64_t>() >= 0 && id.get<int64_t>() <= kMaxTokenId;
+}
+
 // Whether a decoder (or a Sequence of them) contains ByteFallback.
 bool HasByteFallback(const json& decoder) {
   if (!decoder.is_object()) return false;
@@ -272,9 +280,9 @@ Status HfBpeTokenizer::LoadTokenizerJson(const json& j) {
   BpeConfig bpe;
   bpe.vocab.reserve(m["vocab"].size());
   for (const auto& [token, id] : m["vocab"].items()) {
-    if (!id.is_number_integer()) {
-      return Status::InvalidArgument("tokenizer.json: vocab id of '" + token +
-                                     "' is not an integer");
+    if (!IsTokenId(id)) {
+      return Status::InvalidArgument("tokenizer.json: vocab id of '" + token + "' is not an " +
+                                     kTokenIdRange);
     }
     bpe.vocab.emplace(token, id.get<TokenId>());
   }
@@ -326,6 +334,10 @@ Status HfBpeTokenizer::LoadTokenizerJson(const json& j) {
       if (!a.contains("id") || !a.contains("content") || !a["content"].is_string()) {
         return Status::InvalidArgument("tokenizer.json: added token without id/content: " +
                                        a.dump());
+      }
+      if (!IsTokenId(a["id"])) {
+        return Status::InvalidArgument("tokenizer.json: added token id " + a["id"].dump() +
+                                       " is not an " + kTokenIdRange);
       }
       auto token = std::make_unique<AddedToken>();
       token->id = a["id"].get<TokenId>();
@@ -463,10 +475,10 @@ Status HfBpeTokenizer::LoadConfig(const json& config) {
 void HfBpeTokenizer::LoadGenerationConfig(const json& config) {
   if (!config.is_object() || !config.contains("eos_token_id")) return;
   const json& e = config["eos_token_id"];
-  if (e.is_number_integer()) eos_ids_.push_back(e.get<TokenId>());
+  if (IsTokenId(e)) eos_ids_.push_back(e.get<TokenId>());
   if (e.is_array()) {
     for (const auto& id : e)
-      if (id.is_number_integer()) eos_ids_.push_back(id.get<TokenId>());
+      if (IsTokenId(id)) eos_ids_.push_back(id.get<TokenId>());
   }
 }
 

@@ -487,6 +487,19 @@ TEST(TokenizerLoad, RefusesBadOrUnsupportedFilesNamingTheProblem) {
        "vocab"},
       {"types", [](json& j) { j["model"]["fuse_unk"] = "yes"; }, StatusCode::kInvalidArgument,
        "unexpected content"},
+      // Ids that would size a table past any vocabulary (or wrap negative).
+      {"huge vocab id", [](json& j) { j["model"]["vocab"]["zz"] = 2147483647; },
+       StatusCode::kInvalidArgument, "vocab id of 'zz' is not an integer in [0, 4194303]"},
+      {"negative added id",
+       [](json& j) {
+         j["added_tokens"] = json::array({{{"id", -5}, {"content", "<x>"}}});
+       },
+       StatusCode::kInvalidArgument, "added token id -5"},
+      {"added id past 32 bits",
+       [](json& j) {
+         j["added_tokens"] = json::array({{{"id", 4000000000LL}, {"content", "<x>"}}});
+       },
+       StatusCode::kInvalidArgument, "added token id 4000000000"},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.name);
