@@ -22,8 +22,29 @@ StatusOr<CapacityPlan> PlanCapacity(const CapacityRequest& r) {
   } else if (r.shape.layers <= 0 || r.shape.kv_heads <= 0 || r.shape.head_dim <= 0) {
     return Status::InvalidArgument("layers, kv heads and head dim must all be positive");
   }
+  // Past what any engine runs, so that no product below overflows: layers,
+  // heads and widths to 2^16, a context to 2^31 tokens (32-bit positions),
+  // blocks to 1,024 tokens (as the engine), memory to 2^30 GiB.
+  constexpr int64_t kMaxDim = int64_t{1} << 16;
+  for (const auto& [name, value] :
+       {std::pair{"layers", r.shape.layers}, std::pair{"kv heads", r.shape.kv_heads},
+        std::pair{"head dim", r.shape.head_dim}, std::pair{"kv_lora_rank", r.shape.kv_lora_rank},
+        std::pair{"qk_rope_head_dim", r.shape.qk_rope_head_dim}}) {
+    if (value > kMaxDim) {
+      return Status::InvalidArgument(std::string(name) + " " + std::to_string(value) + " is past " +
+                                     std::to_string(kMaxDim));
+    }
+  }
   if (r.context_tokens <= 0) return Status::InvalidArgument("context must be positive");
+  if (r.context_tokens > (int64_t{1} << 31)) {
+    return Status::InvalidArgument("context must be at most 2^31 tokens");
+  }
   if (r.block_size <= 0) return Status::InvalidArgument("block size must be positive");
+  if (r.block_size > 1024) return Status::InvalidArgument("block size must be at most 1024");
+  if (r.shape.sliding_window > (int64_t{1} << 31) || r.shape.sink_tokens > (int64_t{1} << 31) ||
+      r.snapkv_budget > (int64_t{1} << 31)) {
+    return Status::InvalidArgument("windows, sinks and budgets must be at most 2^31 tokens");
+  }
   if (r.shape.sliding_layers < 0 || r.shape.sliding_layers > r.shape.layers) {
     return Status::InvalidArgument("sliding layers must be between 0 and the layers");
   }
@@ -38,7 +59,9 @@ StatusOr<CapacityPlan> PlanCapacity(const CapacityRequest& r) {
     return Status::InvalidArgument("sliding window must be positive");
   }
   if (!(r.gpu_mem_gib > 0)) return Status::InvalidArgument("GPU memory must be positive");
-  if (r.weights_gib < 0) return Status::InvalidArgument("weights size must not be negative");
+  if (!(r.gpu_mem_gib <= 1 << 30)) return Status::InvalidArgument("GPU memory past 2^30 GiB");
+  if (!(r.weights_gib >= 0)) return Status::InvalidArgument("weights size must not be negative");
+  if (!(r.weights_gib <= 1 << 30)) return Status::InvalidArgument("weights size past 2^30 GiB");
   if (!(r.reserve_ratio >= 0 && r.reserve_ratio < 1)) {
     return Status::InvalidArgument("reserve ratio must be in [0, 1)");
   }

@@ -115,6 +115,21 @@ TEST(CapacityPlanTest, RejectsBadInput) {
   r.reserve_ratio = 0.1;
   r.context_tokens = -1;
   EXPECT_EQ(PlanCapacity(r).status().code(), StatusCode::kInvalidArgument);
+  // Sizes whose products would overflow (a divide by zero, negative counts).
+  r.context_tokens = 8192;
+  r.shape = {int64_t{1} << 60, 1, 1};
+  EXPECT_EQ(PlanCapacity(r).status().code(), StatusCode::kInvalidArgument);
+  r.shape = {32, 8, 128};
+  r.context_tokens = INT64_MAX;
+  EXPECT_EQ(PlanCapacity(r).status().code(), StatusCode::kInvalidArgument);
+  r.context_tokens = 8192;
+  r.gpu_mem_gib = 1e300;
+  EXPECT_EQ(PlanCapacity(r).status().code(), StatusCode::kInvalidArgument);
+  r.gpu_mem_gib = 80;
+  r.block_size = INT64_MAX;
+  EXPECT_EQ(PlanCapacity(r).status().code(), StatusCode::kInvalidArgument);
+  r.block_size = 16;
+  EXPECT_TRUE(PlanCapacity(r).ok());
 }
 
 // The planner reads a config.json as the engine does, for every family.
