@@ -26,6 +26,8 @@ int64_t TokensOfLeadingBlocks(const TraceRequest& r, int64_t blocks, int64_t blo
   return std::min(blocks * block_tokens, r.input_length);
 }
 
+constexpr int64_t kMaxTraceTokens = 10'000'000;
+
 StatusOr<int64_t> GetCount(const nlohmann::json& j, const char* key, const std::string& where) {
   auto it = j.find(key);
   if (it == j.end() || !it->is_number_integer()) {
@@ -33,6 +35,12 @@ StatusOr<int64_t> GetCount(const nlohmann::json& j, const char* key, const std::
   }
   const int64_t v = it->get<int64_t>();
   if (v < 0) return Status::InvalidArgument(where + ": '" + key + "' is negative");
+  // Lengths past any context (a trace's timestamps may be epoch
+  // milliseconds, so they are not bounded).
+  if (std::string_view(key) != "timestamp" && v > kMaxTraceTokens) {
+    return Status::InvalidArgument(where + ": '" + key + "' is past " +
+                                   std::to_string(kMaxTraceTokens) + " tokens");
+  }
   return v;
 }
 
@@ -165,8 +173,8 @@ Status CheckTimes(const SimOptions& o) {
     return Status::InvalidArgument(
         "drain push budget must not be negative and the after-removal window must be positive");
   }
-  if (!(o.load_report_interval_s > 0)) {
-    return Status::InvalidArgument("load report interval must be positive");
+  if (!(o.load_report_interval_s >= 1e-3) || !std::isfinite(o.load_report_interval_s)) {
+    return Status::InvalidArgument("load report interval must be at least 1 ms");
   }
   return Status::Ok();
 }
@@ -200,9 +208,12 @@ class Simulation {
   double now() const { return now_; }
 
   Status Run(const SimProgress& progress) {
+    arrival_times_.clear();
     for (size_t i = 0; i < trace_.size(); ++i) {
       Push(ArrivalTime(i), EventType::kArrival, i);
+      arrival_times_.push_back(ArrivalTime(i));
     }
+    std::sort(arrival_times_.begin(), arrival_times_.end());
     Push(0, EventType::kLoadReport, 0);
     if (o_.remove_at_s >= 0 && o_.remove_worker >= 0) {
       Push(o_.remove_at_s, EventType::kRemove, static_cast<size_t>(o_.remove_worker));
@@ -217,6 +228,7 @@ class Simulation {
         case EventType::kArrival:
           PDSERVE_RETURN_IF_ERROR(Arrive(e.index));
           if (++arrived % progress_every == 0 && progress) progress(arrived, trace_.size());
+          arrived_ = arrived;
           break;
         case EventType::kWorkerDone:
           Finish(workers_[e.index]);
@@ -250,12 +262,21 @@ class Simulation {
           Kick(w);
           break;
         }
-        case EventType::kLoadReport:
+        case EventType::kLoadReport: {
           ReportLoad();
-          if (finished_ < trace_.size()) {
-            Push(now_ + o_.load_report_interval_s, EventType::kLoadReport, 0);
+          if (finished_ >= trace_.size()) break;
+          double next = now_ + o_.load_report_interval_s;
+          // Idle (every arrived request finished) and reported so once:
+          // nothing changes until the next arrival, however far (a trace in
+          // epoch milliseconds starts decades in).
+          const bool idle = finished_ == arrived_;
+          if (idle && idle_reported_ && arrived_ < arrival_times_.size()) {
+            next = std::max(next, arrival_times_[arrived_]);
           }
+          idle_reported_ = idle;
+          Push(next, EventType::kLoadReport, 0);
           break;
+        }
       }
     }
     return Status::Ok();
@@ -323,6 +344,10 @@ class Simulation {
   }
 
  private:
+  std::vector<double> arrival_times_;  // every request's, ascending
+  size_t arrived_ = 0;                 // requests arrived so far
+  bool idle_reported_ = false;         // the last load report found no request running
+
   double ArrivalTime(size_t i) const {
     return static_cast<double>(trace_[i].timestamp_ms) / 1000.0 * o_.time_scale;
   }

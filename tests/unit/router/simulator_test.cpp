@@ -41,6 +41,24 @@ const char* kConversations =
 {"timestamp": 30000, "input_length": 12, "output_length": 1, "hash_ids": [5, 6, 7]}
 )";
 
+// A trace stamped in epoch milliseconds (decades of idle time before its
+// first request) runs as fast as one stamped from 0: an idle cluster's load
+// reports wait for the next arrival.
+TEST(SimulatorTest, EpochTimestampsRunAsFastAsRelativeOnes) {
+  const auto trace = Parse(
+      R"({"timestamp": 1732870000000, "input_length": 10, "output_length": 5, "hash_ids": [1, 2, 3]}
+{"timestamp": 1732870000010, "input_length": 10, "output_length": 5, "hash_ids": [1, 2, 3]}
+)",
+      4);
+  ASSERT_EQ(trace.size(), 2u);
+  auto r = RunSimulation(trace, SmallOptions("kv", 1, 100));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->requests, 2);
+  SimOptions tiny = SmallOptions("kv", 1, 100);
+  tiny.load_report_interval_s = 1e-300;
+  EXPECT_EQ(RunSimulation(trace, tiny).status().code(), StatusCode::kInvalidArgument);
+}
+
 TEST(SimulatorTest, KvReachesTheOracleOnConversations) {
   const auto trace = Parse(kConversations, 4);
   ASSERT_EQ(trace.size(), 4u);
@@ -123,6 +141,9 @@ TEST(SimulatorTest, TraceErrorsNameTheLine) {
             "expected 2"},
            {R"({"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1, "x"]})",
             "non-integer"},
+           {R"({"timestamp": 0, "input_length": 5, "output_length": 1000000000000000,)"
+            R"( "hash_ids": [1, 2]})",
+            "t.jsonl:1: 'output_length' is past 10000000 tokens"},
        }) {
     auto r = parse(c.text);
     ASSERT_FALSE(r.ok()) << c.text;
