@@ -89,6 +89,10 @@ void ParseFlagsOrExit(FlagSet& flags, int argc, char** argv);
 // Prints "pdserve <command>: <message> (see 'pdserve <command> --help')" and exits 2.
 [[noreturn]] void UsageError(std::string_view command, std::string_view message);
 
+// The most threads a count flag may ask for (CPU compute, HTTP): past it a
+// thread pool fails to start or the count wraps when narrowed.
+inline constexpr int64_t kMaxThreadsFlag = 1024;
+
 // Parses "64KiB", "2G", "1048576" into bytes.
 StatusOr<int64_t> ParseBytes(std::string_view text);
 

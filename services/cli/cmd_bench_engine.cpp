@@ -148,6 +148,9 @@ int RunBenchEngine(int argc, char** argv) {
       UsageError("bench engine", "--json-schema: cannot read " + json_schema_file);
     schema = OutputConstraint{OutputConstraint::Kind::kJsonSchema, std::move(text)};
   }
+  if (threads < 0 || threads > kMaxThreadsFlag) {
+    UsageError("bench engine", "--threads must be in [0, 1024]");
+  }
   auto kv_dtype = ParseDType(kv_dtype_name);
   if (!kv_dtype) UsageError("bench engine", "--kv-dtype: expected " + std::string(kKvDTypeChoices));
   const auto load_format = ParseLoadFormat(load_format_name);

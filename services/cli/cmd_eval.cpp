@@ -80,7 +80,8 @@ int RunEval(int argc, char** argv) {
   if (block_size < 1 || block_size > 1024) UsageError("eval", "--block-size must be in [1, 1024]");
   if (prefill_tokens < 1) UsageError("eval", "--prefill-tokens must be >= 1");
   if (decode_chunk < 1) UsageError("eval", "--decode-chunk must be >= 1");
-  if (threads < 0) UsageError("eval", "--threads must be >= 0");
+  if (threads < 0 || threads > kMaxThreadsFlag)
+    UsageError("eval", "--threads must be in [0, 1024]");
   if (nll_buckets < 0) UsageError("eval", "--nll-buckets must be >= 0");
   const KvEviction eviction = eviction_flags.EvictionOrExit("eval");
   if (!kv_scales_path.empty() && !write_kv_scales_path.empty())

@@ -58,7 +58,9 @@ int RunGenerate(int argc, char** argv) {
     UsageError("generate", "--kv-dtype: expected " + std::string(kKvDTypeChoices) + ", got '" +
                                kv_dtype_name + "'");
   }
-  if (threads < 0) UsageError("generate", "--threads must be >= 0");
+  if (threads < 0 || threads > kMaxThreadsFlag) {
+    UsageError("generate", "--threads must be in [0, 1024]");
+  }
   const KvEviction eviction = eviction_flags.EvictionOrExit("generate");
   const std::vector<std::string> devices = tensor_parallel.DevicesOrExit("generate", device);
   SamplingParams params;

@@ -155,7 +155,9 @@ int RunRouter(int argc, char** argv) {
   if (!port_ok(control_port, false)) UsageError("router", "--control-port must be in [0, 65535]");
   if (!port_ok(metrics_port, true))
     UsageError("router", "--metrics-port must be -1 or in [0, 65535]");
-  if (o.block_size <= 0) UsageError("router", "--block-size must be positive");
+  if (o.block_size <= 0 || o.block_size > 1024) {
+    UsageError("router", "--block-size must be in [1, 1024] (as the workers')");
+  }
   if (o.max_local_prefill < 0) UsageError("router", "--max-local-prefill must not be negative");
   if (o.max_prefill_queue_tokens < 0) {
     UsageError("router", "--max-prefill-queue-tokens must not be negative");
@@ -178,6 +180,12 @@ int RunRouter(int argc, char** argv) {
   }
   if (http_threads < 1 || max_concurrent < 1 || max_body < 1 || timeout_s < 1 || max_attempts < 1) {
     UsageError("router", "thread, request, size, timeout and attempt limits must be positive");
+  }
+  if (http_threads > kMaxThreadsFlag || max_concurrent > 1'000'000 || max_attempts > 100 ||
+      timeout_s > 86400 * 365) {
+    UsageError("router",
+               "--http-threads must be at most 1024, --max-concurrent-requests 1000000, "
+               "--max-attempts 100 and --request-timeout a year");
   }
   if (worker_stall_s < 0 || worker_stall_s > 86400)
     UsageError("router", "--worker-stall-timeout must be in [0, 86400]");

@@ -330,7 +330,7 @@ int RunUp(int argc, char** argv) {
     UsageError("up", "--decode-metrics-port leaves no room for every decode worker");
   (void)structured.OptionsOrExit("up");  // out-of-range values fail here, not in a child
   (void)eviction.EvictionOrExit("up");   // bad budgets fail here, not in a child
-  if (threads < 0) UsageError("up", "--threads must not be negative");
+  if (threads < 0 || threads > kMaxThreadsFlag) UsageError("up", "--threads must be in [0, 1024]");
   if (tensor_parallel < 1 || tensor_parallel > 8)
     UsageError("up", "--tensor-parallel must be 1 to 8, got " + std::to_string(tensor_parallel));
   if (expert_parallel && tensor_parallel == 1) {

@@ -187,9 +187,9 @@ int RunWorker(int argc, char** argv) {
   if (metrics_port < -1 || metrics_port > 65535)
     UsageError("worker", "--metrics-port must be -1 or in [0, 65535]");
   if (o.block_size <= 0 || o.kv_cache_bytes <= 0 || o.max_num_seqs <= 0 ||
-      o.max_num_batched_tokens <= 0 || threads < 0 || o.kv_staging_bytes <= 0 ||
-      prefill_timeout_ms <= 0 || drain_s < 0 || stall_s < 0) {
-    UsageError("worker", "sizes, limits and timeouts must be positive");
+      o.max_num_batched_tokens <= 0 || threads < 0 || threads > kMaxThreadsFlag ||
+      o.kv_staging_bytes <= 0 || prefill_timeout_ms <= 0 || drain_s < 0 || stall_s < 0) {
+    UsageError("worker", "sizes, limits and timeouts must be positive, --threads at most 1024");
   }
   o.port = static_cast<int>(port);
   o.metrics_port = static_cast<int>(metrics_port);

@@ -154,6 +154,19 @@ TEST(SimCliTest, BadFlagsAndBadTracesAreOneLineErrors) {
            {"worker --insecure-control-plane --model /nonexistent-model --router x:1 "
             "--block-size 0",
             "sizes, limits and timeouts must be positive"},
+           // Counts that would start 100,000 threads or wrap to 0 as an int.
+           {"router --insecure-control-plane --model /nonexistent-model --http-threads 100000",
+            "--http-threads must be at most 1024"},
+           {"router --insecure-control-plane --model /nonexistent-model "
+            "--max-concurrent-requests 4294967296",
+            "--max-concurrent-requests 1000000"},
+           {"router --insecure-control-plane --model /nonexistent-model --block-size 100000000000",
+            "--block-size must be in [1, 1024]"},
+           {"generate --model /nonexistent-model --prompt hi --threads 100000",
+            "--threads must be in [0, 1024]"},
+           {"worker --insecure-control-plane --model /nonexistent-model --router x:1 "
+            "--threads 100000",
+            "--threads at most 1024"},
        }) {
     const CliRun r = Pdserve(c.args);
     EXPECT_EQ(r.exit_code, 2) << c.args;
