@@ -1,11 +1,14 @@
 #include "engine/make_model.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <set>
 #include <thread>
@@ -713,18 +716,80 @@ StatusOr<ModelSpec> PresetModelSpec(std::string_view preset) {
       "gemma3, mistral-window, qwen2-window or qwen3-window)");
 }
 
-Status WriteModel(const ModelSpec& spec, const std::string& dir) {
+namespace {
+
+// Writes a model folder's files into a staging folder inside `dir`, then
+// moves them in (config.json last, which is what marks a folder as a model)
+// and removes the weight files of the folder's earlier layout that the new
+// one does not have. A failure leaves `dir` as it was, and no folder where
+// there was none: an interrupted or failed write never leaves a model that
+// looks complete (`up` reuses a folder with a config.json), nor wrecks an
+// existing one.
+Status WriteFolderStaged(const std::string& dir,
+                         const std::function<Status(const std::filesystem::path&)>& write) {
   namespace fs = std::filesystem;
+  std::error_code ec;
+  const bool existed = fs::exists(dir, ec);
+  fs::create_directories(dir, ec);
+  if (ec) return Status::InvalidArgument(dir + ": cannot create folder: " + ec.message());
+  const fs::path root(dir);
+  const fs::path staging = root / (".make-model-" + std::to_string(::getpid()));
+  fs::remove_all(staging, ec);
+  fs::create_directory(staging, ec);
+  if (ec) return Status::InvalidArgument(dir + ": cannot create folder: " + ec.message());
+  auto abandon = [&](Status st) {
+    std::error_code ignored;
+    fs::remove_all(staging, ignored);
+    if (!existed) fs::remove(root, ignored);  // only if empty: nothing else was there
+    return st;
+  };
+  if (Status st = write(staging); !st.ok()) return abandon(st);
+  std::set<std::string> written;
+  for (const auto& entry : fs::directory_iterator(staging, ec)) {
+    written.insert(entry.path().filename().string());
+  }
+  if (ec) return abandon(Status::Internal(dir + ": cannot list what was written: " + ec.message()));
+  // The earlier layout's weights (one file, or shards and their index): a
+  // folder never mixes both.
+  for (const auto& entry : fs::directory_iterator(root, ec)) {
+    const std::string name = entry.path().filename().string();
+    if ((name.ends_with(".safetensors") || name == "model.safetensors.index.json") &&
+        !written.count(name)) {
+      fs::remove(entry.path(), ec);
+    }
+  }
+  for (const bool config : {false, true}) {
+    for (const std::string& name : written) {
+      if ((name == "config.json") != config) continue;
+      fs::rename(staging / name, root / name, ec);
+      if (ec)
+        return abandon(
+            Status::Internal(dir + "/" + name + ": cannot move into place: " + ec.message()));
+    }
+  }
+  fs::remove_all(staging, ec);
+  return Status::Ok();
+}
+
+Status WriteModelFiles(const ModelSpec& spec, const std::filesystem::path& root);
+
+}  // namespace
+
+Status WriteModel(const ModelSpec& spec, const std::string& dir) {
   if (spec.dtype != DType::kF32 && spec.dtype != DType::kBF16 && spec.dtype != DType::kF16) {
     return Status::InvalidArgument("model dtype must be fp32, bf16 or fp16");
   }
   if (spec.num_merges < 0 || spec.shards < 1 || spec.num_heads % spec.num_kv_heads != 0) {
     return Status::InvalidArgument("inconsistent model spec");
   }
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (ec) return Status::InvalidArgument(dir + ": cannot create folder: " + ec.message());
-  const fs::path root(dir);
+  return WriteFolderStaged(
+      dir, [&](const std::filesystem::path& root) { return WriteModelFiles(spec, root); });
+}
+
+namespace {
+
+Status WriteModelFiles(const ModelSpec& spec, const std::filesystem::path& root) {
+  namespace fs = std::filesystem;
   const bool qwen2 = spec.architecture == "Qwen2ForCausalLM";
   const bool qwen3 = spec.architecture == "Qwen3ForCausalLM";
   const bool llama = spec.architecture == "LlamaForCausalLM";
@@ -910,9 +975,6 @@ Status WriteModel(const ModelSpec& spec, const std::string& dir) {
   if (!shapes.ok()) return shapes.status();
   const std::vector<TensorPlan> plan = PlanTensors(*shapes, /*with_mtp_layers=*/true);
 
-  // Remove files of an earlier layout so a folder never mixes both.
-  fs::remove(root / "model.safetensors", ec);
-  fs::remove(root / "model.safetensors.index.json", ec);
   const int shards = std::min<int>(spec.shards, static_cast<int>(plan.size()));
   if (shards == 1) {
     std::vector<TensorToWrite> tensors;
@@ -939,6 +1001,8 @@ Status WriteModel(const ModelSpec& spec, const std::string& dir) {
   return WriteJson(root / "model.safetensors.index.json",
                    {{"metadata", {{"total_size", total_bytes}}}, {"weight_map", weight_map}});
 }
+
+}  // namespace
 
 StatusOr<std::unique_ptr<WeightFiles>> RandomWeights(const ModelConfig& config, DType dtype,
                                                      uint64_t seed) {
@@ -1055,21 +1119,22 @@ Status QuantizeModel(const std::string& from, kernels::WeightScheme scheme,
     tensors.push_back(std::move(copy));
   }
   if (quantised == 0) return Status::InvalidArgument(from + ": no Linear weights to quantise");
-  fs::create_directories(root, ec);
-  if (ec) return Status::InvalidArgument(dir + ": cannot create folder: " + ec.message());
-  // Everything else of the folder (tokenizer, generation config) as it is.
-  for (const auto& entry : fs::directory_iterator(src)) {
-    const std::string file = entry.path().filename().string();
-    if (!entry.is_regular_file() || file == "config.json" || file.ends_with(".safetensors") ||
-        file == "model.safetensors.index.json") {
-      continue;
+  return WriteFolderStaged(dir, [&](const fs::path& staging) {
+    std::error_code copy_ec;
+    // Everything else of the folder (tokenizer, generation config) as it is.
+    for (const auto& entry : fs::directory_iterator(src)) {
+      const std::string file = entry.path().filename().string();
+      if (!entry.is_regular_file() || file == "config.json" || file.ends_with(".safetensors") ||
+          file == "model.safetensors.index.json") {
+        continue;
+      }
+      fs::copy_file(entry.path(), staging / file, fs::copy_options::overwrite_existing, copy_ec);
+      if (copy_ec)
+        return Status::Internal(dir + "/" + file + ": copy failed: " + copy_ec.message());
     }
-    fs::copy_file(entry.path(), root / file, fs::copy_options::overwrite_existing, ec);
-    if (ec) return Status::Internal(dir + "/" + file + ": copy failed: " + ec.message());
-  }
-  fs::remove(root / "model.safetensors.index.json", ec);
-  PDSERVE_RETURN_IF_ERROR(WriteJson(root / "config.json", config));
-  return WriteSafetensors((root / "model.safetensors").string(), tensors);
+    PDSERVE_RETURN_IF_ERROR(WriteJson(staging / "config.json", config));
+    return WriteSafetensors((staging / "model.safetensors").string(), tensors);
+  });
 }
 
 }  // namespace pdserve

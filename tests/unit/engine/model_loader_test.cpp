@@ -17,6 +17,7 @@
 #include "engine/safetensors.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/float_convert.h"
+#include "tests/support/file_size_limit.h"
 #include "tests/support/test_models.h"
 
 namespace pdserve {
@@ -192,6 +193,48 @@ TEST(ModelLoaderTest, MlaAbsorbedProjectionsKeepTheStoredSixteenBits) {
     den += static_cast<double>(lb[i]) * lb[i];
   }
   EXPECT_LE(std::sqrt(num / den), 1e-5);
+}
+
+// make-model writes a folder whole or not at all: a write that fails (a
+// full disk) leaves no new folder behind, and an existing model as it was,
+// still loadable; a success replaces it, config.json last.
+TEST(ModelLoaderTest, AFailedMakeModelLeavesNothingHalfWritten) {
+  namespace fs = std::filesystem;
+  const std::string fresh = testing::NewTempDir("mm-fresh") + "/model";
+  Status st;
+  {
+    testing::FileSizeLimit limit(64 << 10);  // the weights cannot be written
+    ASSERT_TRUE(limit.ok());
+    st = WriteModel(ModelSpec{}, fresh);
+  }
+  EXPECT_FALSE(st.ok());
+  EXPECT_FALSE(fs::exists(fresh)) << "a half-written folder stayed";
+
+  const std::string existing = testing::NewTempDir("mm-existing") + "/model";
+  ASSERT_TRUE(WriteModel(ModelSpec{}, existing).ok());
+  { std::ofstream(existing + "/notes.txt") << "kept"; }
+  ModelSpec other;
+  other.seed = 9;
+  {
+    testing::FileSizeLimit limit(64 << 10);
+    ASSERT_TRUE(limit.ok());
+    st = WriteModel(other, existing);
+  }
+  EXPECT_FALSE(st.ok());
+  auto files = WeightFiles::Open(existing);
+  EXPECT_TRUE(files.ok()) << "the existing model was damaged: " << files.status().ToString();
+  EXPECT_TRUE(fs::exists(existing + "/notes.txt"));
+  size_t entries = 0;
+  for (const auto& e : fs::directory_iterator(existing)) {
+    EXPECT_EQ(e.path().filename().string().find(".make-model"), std::string::npos);
+    ++entries;
+  }
+  EXPECT_GT(entries, 0u);
+  // A success over it: the new weights, its other files kept.
+  files->reset();
+  ASSERT_TRUE(WriteModel(other, existing).ok());
+  EXPECT_TRUE(fs::exists(existing + "/notes.txt"));
+  EXPECT_TRUE(WeightFiles::Open(existing).ok());
 }
 
 TEST(ModelLoaderTest, MakeModelIsDeterministic) {
