@@ -307,6 +307,14 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(const std::vector<Model*>& rank
   runner.max_num_batched_tokens = options.max_num_batched_tokens;
   runner.max_num_seqs = options.max_num_seqs;
   runner.max_model_len = e->max_model_len_;
+  // Without windows a sequence holds at most the pool's blocks: its block
+  // table needs no more entries, whatever context the config names (16M
+  // tokens sized gigabytes of tables at blocks of 1).
+  const std::vector<int64_t>& windows = e->blocks_->group_windows();
+  if (std::all_of(windows.begin(), windows.end(), [](int64_t w) { return w <= 0; })) {
+    runner.max_model_len =
+        std::min(runner.max_model_len, e->pool_->num_blocks() * options.block_size);
+  }
   runner.graphs = options.graphs;
   // A checkpoint's logits rows past the tokenizer's ids are padding.
   if (tokenizer != nullptr) runner.sampled_vocab = static_cast<int64_t>(tokenizer->vocab_size());
