@@ -3,6 +3,8 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <map>
 #include <optional>
 
@@ -1407,6 +1409,15 @@ StatusOr<RequestOutput> Engine::CompleteRemotePrefill(RequestId id, TokenId firs
   InsertSorted(&running_, s);
   SampledToken token = sampled.value_or(SampledToken{});
   token.token = first_token;
+  // The peer's scores as a sampler's would be: a log-probability (<= 0,
+  // NaN as -inf) and no more alternatives than the request asked for.
+  auto score = [](float lp) {
+    return std::isnan(lp) ? -std::numeric_limits<float>::infinity() : std::min(lp, 0.0f);
+  };
+  token.logprob = score(token.logprob);
+  token.top_logprobs.resize(std::min(
+      token.top_logprobs.size(), static_cast<size_t>(std::max(0, s->params.logprobs.value_or(0)))));
+  for (auto& alt : token.top_logprobs) alt.logprob = score(alt.logprob);
   RequestOutput out;
   out.id = id;
   ProcessToken(s, token, &out);

@@ -641,7 +641,7 @@ void DecodeSide::CompleteRemote(RequestId id) {
     return FallBackToLocal(id);
   }
   const proto::PrefillDone& done = *r.done;
-  r.cached_tokens = done.cached_tokens();
+  r.cached_tokens = std::min<int64_t>(done.cached_tokens(), r.prompt_tokens);  // the peer's word
   std::optional<SampledToken> sampled;
   if (done.has_first_token_top_logprobs() || done.first_token_logprob() != 0) {
     SampledToken s;

@@ -19,6 +19,10 @@ constexpr uint32_t kDefaultPrefillDeadlineMs = 30'000;
 constexpr uint32_t kMaxPrefillDeadlineMs = 600'000;
 // Early cancels remembered at once (each expires with the longest deadline).
 constexpr size_t kMaxEarlyCancels = 4096;
+// Jobs one decode worker may have in flight here: a peer flooding Prefills
+// would otherwise queue prompts until memory runs out (a decode worker
+// holds no more hand-offs pending for one peer itself).
+constexpr size_t kMaxJobsPerDecodePeer = 4096;
 
 proto::Envelope PrefillFailure(const std::string& rid, const std::string& why, bool retryable) {
   proto::Envelope env;
@@ -190,6 +194,18 @@ void PrefillSide::Start(const ConnectionPtr& decode, PeerId peer, proto::Prefill
       early != cancelled_early_.end()) {
     cancelled_early_.erase(early);
     return refuse("cancelled by its decode worker before it started", false);
+  }
+  size_t in_flight = 0;
+  for (const auto& [_, other] : jobs_) {
+    if (other->decode->id() != decode->id()) continue;
+    if (other->decode_rid == p.request_id()) {
+      return refuse("request id " + p.request_id() + " is in flight here already", false);
+    }
+    ++in_flight;
+  }
+  if (in_flight >= kMaxJobsPerDecodePeer) {
+    return refuse(std::to_string(in_flight) + " prefills of this decode worker in flight here",
+                  true);
   }
   // A decode-only worker prefills for others only prefix copies (a hot
   // prefix it holds, or its own prompts pushed as it drains), whose prompt

@@ -272,6 +272,29 @@ TEST_P(EngineDisaggTest, CancelParkedRequestFreesReservation) {
   EXPECT_EQ(decode->CompleteRemotePrefill(1, 0).status().code(), StatusCode::kNotFound);
 }
 
+// A prefill peer's scores of the first token are taken as a sampler's
+// would be: no more alternatives than the request asked for, and
+// log-probabilities (a NaN is -inf, nothing above 0).
+TEST_P(EngineDisaggTest, APeersFirstTokenScoresAreBoundedAsTheRequestAsked) {
+  auto decode = MakeEngine();
+  EngineRequest r = Request(1, 40, 5, 3);
+  r.params.logprobs = 2;
+  ASSERT_TRUE(decode->AddRemotePrefillRequest(r).ok());
+  SampledToken peer;
+  peer.token = 7;
+  peer.logprob = std::nanf("");
+  for (int k = 0; k < 50; ++k) peer.top_logprobs.push_back({k, k == 0 ? 3.0f : -1.0f * k});
+  auto first = decode->CompleteRemotePrefill(1, 7, peer);
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  ASSERT_EQ(first->logprobs.size(), 1u);
+  const SampledToken& got = first->logprobs[0];
+  EXPECT_EQ(got.logprob, -INFINITY);
+  ASSERT_EQ(got.top_logprobs.size(), 2u);
+  EXPECT_EQ(got.top_logprobs[0].logprob, 0.0f);
+  EXPECT_EQ(got.top_logprobs[1].logprob, -1.0f);
+  ASSERT_TRUE(decode->Cancel(1).ok() || !decode->HasUnfinished());
+}
+
 // A prefill peer's first token outside allowed_token_ids, or a one-token
 // bad word, is refused (the worker then prefills locally) and changes
 // nothing: an allowed one is taken after.
