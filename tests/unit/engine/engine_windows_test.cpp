@@ -152,10 +152,12 @@ void ExpectReferenceTokens(const ReferenceModel& ref, const std::vector<int32_t>
                                  prompt.size(), g.sampled);
 }
 
-std::unique_ptr<Engine> MakeEngine(Model* model, int64_t kv_bytes, int64_t chunk = 16) {
+std::unique_ptr<Engine> MakeEngine(Model* model, int64_t kv_bytes, int64_t chunk = 16,
+                                   bool record_kv_events = false) {
   EngineOptions o;
   o.kv_cache_bytes = kv_bytes;
   o.max_num_batched_tokens = chunk;
+  o.record_kv_events = record_kv_events;
   auto e = Engine::Create(model, o);
   EXPECT_TRUE(e.ok()) << e.status().ToString();
   return e.ok() ? std::move(*e) : nullptr;
@@ -311,13 +313,9 @@ TEST(EngineWindowsTest, WindowedLayersHoldOnlyTheWindow) {
 TEST(EngineWindowsTest, RepeatedPromptHitsAndTheRouterPredictsIt) {
   Loaded l = Load("gemma2", *PresetModelSpec("gemma2"));
   ASSERT_NE(l.model, nullptr);
-  EngineOptions o;
-  o.kv_cache_bytes = 8 << 20;
-  o.max_num_batched_tokens = 32;
-  o.record_kv_events = true;
-  auto created = Engine::Create(l.model.get(), o);
-  ASSERT_TRUE(created.ok());
-  Engine& e = **created;
+  const auto engine = MakeEngine(l.model.get(), 8 << 20, 32, /*record_kv_events=*/true);
+  ASSERT_NE(engine, nullptr);
+  Engine& e = *engine;
   BlockManager& bm = e.block_manager();
   const auto prompt = RandomTokens(150, l.model->config().vocab_size, 7);
   const auto hashes = HashPrompt(BlockHashSeed(l.model->model_id()),
@@ -380,13 +378,9 @@ TEST(EngineWindowsTest, RepeatedPromptHitsAndTheRouterPredictsIt) {
 TEST(EngineWindowsTest, RouterPredictsTheEnginesHitForABlockAlignedPrompt) {
   Loaded l = Load("gemma2", *PresetModelSpec("gemma2"));
   ASSERT_NE(l.model, nullptr);
-  EngineOptions o;
-  o.kv_cache_bytes = 8 << 20;
-  o.max_num_batched_tokens = 32;
-  o.record_kv_events = true;
-  auto created = Engine::Create(l.model.get(), o);
-  ASSERT_TRUE(created.ok());
-  Engine& e = **created;
+  const auto engine = MakeEngine(l.model.get(), 8 << 20, 32, /*record_kv_events=*/true);
+  ASSERT_NE(engine, nullptr);
+  Engine& e = *engine;
   BlockManager& bm = e.block_manager();
   router::RouterOptions ro;
   ro.block_tokens = 16;
