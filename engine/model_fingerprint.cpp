@@ -60,12 +60,12 @@ Status AddFile(Digest& d, const std::filesystem::path& path) {
 
 // A safetensors file's name, size and raw header (length and JSON).
 Status AddSafetensorsHeader(Digest& d, const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);  // a FIFO: no hang
   if (fd < 0) return Status::NotFound(path + ": cannot open: " + std::strerror(errno));
   struct stat st {};
   uint64_t header_len = 0;
   std::string header;
-  bool ok = ::fstat(fd, &st) == 0 && ::pread(fd, &header_len, 8, 0) == 8 &&
+  bool ok = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && ::pread(fd, &header_len, 8, 0) == 8 &&
             header_len <= static_cast<uint64_t>(st.st_size) - 8;
   if (ok) {
     header.resize(header_len);

@@ -45,10 +45,8 @@ int RunTokenize(int argc, char** argv) {
     UsageError("tokenize", "give exactly one of --text and --decode");
   }
   auto tokenizer = Tokenizer::Load(tokenizer_path);
-  if (!tokenizer.ok()) {
-    std::fprintf(stderr, "pdserve tokenize: %s\n", tokenizer.status().message().c_str());
-    return 1;
-  }
+  // A missing or malformed tokenizer is bad input (exit 2), as for generate.
+  if (!tokenizer.ok()) UsageError("tokenize", tokenizer.status().message());
 
   if (encoding) {
     if (text == "-") {

@@ -164,6 +164,7 @@ TEST(SimCliTest, BadFlagsAndBadTracesAreOneLineErrors) {
             "--block-size must be in [1, 1024]"},
            {"generate --model /nonexistent-model --prompt hi --threads 100000",
             "--threads must be in [0, 1024]"},
+           {"tokenize --tokenizer /nonexistent-tokenizer --text hi", "/nonexistent-tokenizer"},
            {"worker --insecure-control-plane --model /nonexistent-model --router x:1 "
             "--threads 100000",
             "--threads at most 1024"},

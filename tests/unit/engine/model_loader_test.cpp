@@ -1,6 +1,7 @@
 // Model loading: config validation, safetensors parsing (single and
 // sharded), zero-copy, and a specific error for every kind of broken input.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <cmath>
@@ -674,6 +675,19 @@ TEST(ModelLoaderTest, TruncatedAndCorruptSafetensors) {
   std::string huge = bytes;
   huge[7] = 0x7f;  // header length of ~2^63
   ExpectError(with_file("s-huge", huge), StatusCode::kInvalidArgument, {"header length"});
+  // Not a regular file: a directory, a FIFO (which a blocking open would
+  // wait on forever).
+  for (const char* kind : {"dir", "fifo"}) {
+    const std::string dir = CopyOfTiny(std::string("s-") + kind);
+    const fs::path weights = fs::path(dir) / "model.safetensors";
+    fs::remove(weights);
+    if (std::string(kind) == "dir") {
+      fs::create_directory(weights);
+    } else {
+      ASSERT_EQ(::mkfifo(weights.c_str(), 0600), 0);
+    }
+    ExpectError(LoadStatus(dir), StatusCode::kInvalidArgument, {"not a regular file"});
+  }
   // Two tensors of one shape whose offsets point at the same bytes (the
   // header rewritten at its own length, padded with spaces).
   json header = json::parse(bytes.substr(8, header_len));
