@@ -58,7 +58,66 @@ struct PrefillSide::Job {
 };
 
 PrefillSide::PrefillSide(WorkerContext* ctx) : ctx_(ctx) {}
-PrefillSide::~PrefillSide() = default;
+PrefillSide::~PrefillSide() { StopHandshakes(); }
+
+void PrefillSide::StopHandshakes() {
+  {
+    std::lock_guard<std::mutex> lock(handshake_mu_);
+    handshakes_stopped_ = true;
+    handshakes_.clear();
+  }
+  handshake_cv_.notify_all();
+  if (handshake_thread_.joinable()) handshake_thread_.join();
+}
+
+void PrefillSide::HandshakeLoop() {
+  while (true) {
+    ConnectJob job;
+    {
+      std::unique_lock<std::mutex> lock(handshake_mu_);
+      handshake_cv_.wait(lock, [this] { return handshakes_stopped_ || !handshakes_.empty(); });
+      if (handshakes_stopped_) return;
+      job = std::move(handshakes_.front());
+      handshakes_.pop_front();
+    }
+    FinishConnect(job);
+  }
+}
+
+void PrefillSide::FinishConnect(const ConnectJob& job) {
+  const ConnectionPtr& c = job.connection;
+  auto conn = ctx_->transfer->Connect(job.descriptor);
+  bool live = false;
+  {
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    auto it = decode_peers_.find(c->id());
+    if (it != decode_peers_.end()) {
+      live = true;
+      it->second.connecting = false;
+      if (conn.ok()) it->second.transfer_peer = conn->peer;
+    }
+  }
+  if (!live) {  // the decode worker left meanwhile
+    if (conn.ok()) ctx_->transfer->Disconnect(conn->peer);
+    return;
+  }
+  if (!conn.ok()) {
+    PDSERVE_LOG(ERROR) << "decode worker " << job.worker_id << " from " << c->remote_address()
+                       << " refused: " << conn.status().message();
+    proto::Envelope err;
+    err.mutable_error()->set_code(proto::ToErrorCode(conn.status().code()));
+    err.mutable_error()->set_message(conn.status().message());
+    (void)c->Send(std::move(err));
+    c->Close(conn.status().message());
+    return;
+  }
+  proto::Envelope reply;
+  auto* h = reply.mutable_transfer_hello();
+  h->set_worker_id(ctx_->opts->worker_id);
+  h->set_transfer_descriptor(conn->reply);
+  (void)c->Send(std::move(reply));
+  PDSERVE_LOG(INFO) << "decode worker " << job.worker_id << " connected for KV hand-off";
+}
 
 // ------------------------------------------------------------ handshake
 
@@ -109,23 +168,18 @@ void PrefillSide::OnPeerTransferHello(const ConnectionPtr& c, const proto::Trans
   {
     std::lock_guard<std::mutex> lock(peers_mu_);
     auto it = decode_peers_.find(c->id());
-    if (it == decode_peers_.end() || !it->second.layout_accepted || it->second.transfer_peer) {
+    if (it == decode_peers_.end() || !it->second.layout_accepted || it->second.transfer_peer ||
+        it->second.connecting) {
       return refuse(Status::InvalidArgument(
           "transfer descriptor out of order (layout first, descriptor once)"));
     }
+    it->second.connecting = true;
   }
-  auto conn = ctx_->transfer->Connect(hello.transfer_descriptor());
-  if (!conn.ok()) return refuse(conn.status());
-  {
-    std::lock_guard<std::mutex> lock(peers_mu_);
-    decode_peers_[c->id()].transfer_peer = conn->peer;
-  }
-  proto::Envelope reply;
-  auto* h = reply.mutable_transfer_hello();
-  h->set_worker_id(ctx_->opts->worker_id);
-  h->set_transfer_descriptor(conn->reply);
-  (void)c->Send(std::move(reply));
-  PDSERVE_LOG(INFO) << "decode worker " << hello.worker_id() << " connected for KV hand-off";
+  std::lock_guard<std::mutex> lock(handshake_mu_);
+  if (handshakes_stopped_) return;
+  handshakes_.push_back({c, hello.transfer_descriptor(), hello.worker_id()});
+  if (!handshake_thread_.joinable()) handshake_thread_ = std::thread([this] { HandshakeLoop(); });
+  handshake_cv_.notify_one();
 }
 
 void PrefillSide::OnPeerClosed(const ConnectionPtr& c) {

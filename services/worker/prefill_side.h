@@ -21,11 +21,14 @@
 // decode worker frees the blocks it reserved at once.
 #pragma once
 
+#include <condition_variable>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -41,6 +44,9 @@ class PrefillSide {
   // --- control loop thread: connections of decode workers ---
   void OnPeerMessage(const control::ConnectionPtr& c, proto::Envelope& e);
   void OnPeerClosed(const control::ConnectionPtr& c);
+  // At shutdown, before the transfer goes: ends the handshake thread (a
+  // Connect under way finishes first).
+  void StopHandshakes();
 
   // --- engine thread ---
   // True when `out` was one of this side's jobs.
@@ -57,8 +63,20 @@ class PrefillSide {
   struct Job;
   struct DecodePeer {
     bool layout_accepted = false;  // step 1 of the transfer handshake passed
+    bool connecting = false;       // step 3 under way (on the handshake thread)
     PeerId transfer_peer = 0;      // after step 3; 0 before
   };
+  // Step 3 of a decode worker's handshake: the transfer's Connect may wait
+  // for its backend's wireup (seconds, per rank pair), so it runs on a
+  // thread of its own, never on the control loop, which carries every
+  // router's and peer's heartbeats.
+  struct ConnectJob {
+    control::ConnectionPtr connection;
+    std::string descriptor;
+    std::string worker_id;
+  };
+  void HandshakeLoop();
+  void FinishConnect(const ConnectJob& job);
 
   void OnPeerTransferHello(const control::ConnectionPtr& c, const proto::TransferHello& hello);
   // Engine thread.
@@ -94,6 +112,12 @@ class PrefillSide {
 
   std::mutex peers_mu_;
   std::unordered_map<uint64_t, DecodePeer> decode_peers_;  // by connection id
+
+  std::mutex handshake_mu_;
+  std::condition_variable handshake_cv_;
+  std::deque<ConnectJob> handshakes_;  // under handshake_mu_
+  bool handshakes_stopped_ = false;
+  std::thread handshake_thread_;  // started with the first job
 };
 
 }  // namespace pdserve::worker

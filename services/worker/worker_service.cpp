@@ -294,6 +294,7 @@ class WorkerServiceImpl : public WorkerService {
     if (peer_server_) peer_server_->Stop("worker stopping");
     peer_server_.reset();
     if (metrics_http_) metrics_http_->Stop();
+    prefill_.StopHandshakes();  // a Connect under way uses the transfer and the loop
     loop_.reset();
     transfer_.reset();  // after every connection that could write
     PDSERVE_LOG(INFO) << "worker " << opts_.worker_id << " stopped";
