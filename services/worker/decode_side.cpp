@@ -82,8 +82,9 @@ struct DecodeSide::Request {
 // Our client connection to one prefill worker.
 struct DecodeSide::PrefillPeer {
   std::unique_ptr<control::Client> client;
-  bool ready = false;      // transfer handshake done
-  bool forgotten = false;  // no router lists it: dropped when its connection closes
+  bool ready = false;            // transfer handshake done
+  bool descriptor_sent = false;  // step 2 answered on this connection (once)
+  bool forgotten = false;        // no router lists it: dropped when its connection closes
   PeerId transfer_peer = 0;
   std::deque<PendingPrefill> pending;  // Prefill messages waiting for the handshake
   std::string last_error;
@@ -938,6 +939,12 @@ size_t DecodeSide::ControlBufferedBytes() {
 // Step 1 of the transfer handshake (pdserve.proto, TransferHello): our layout
 // only; the descriptor follows once the peer accepted it.
 void DecodeSide::OnPrefillPeerOpen(const std::string& address, const ConnectionPtr& c) {
+  {
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    if (auto it = prefill_peers_.find(address); it != prefill_peers_.end()) {
+      it->second->descriptor_sent = false;  // a fresh handshake on a fresh connection
+    }
+  }
   (void)c->Send(LayoutHello(*ctx_));
   PDSERVE_LOG(INFO) << "connected to prefill worker " << address << "; transfer handshake sent";
 }
@@ -960,6 +967,16 @@ void DecodeSide::OnPrefillPeerMessage(const std::string& address, const Connecti
       // descriptor is minted for this connection alone (NCCL bootstraps one
       // pair from it).
       if (Status st = CheckPeerLayout(*ctx_, hello); !st.ok()) return refuse(st.message());
+      // Once a connection: each export mints a pair's resources (an NCCL
+      // bootstrap thread and socket), which a peer repeating this would pile up.
+      {
+        std::lock_guard<std::mutex> lock(peers_mu_);
+        auto it = prefill_peers_.find(address);
+        if (it == prefill_peers_.end()) return;  // forgotten meanwhile
+        if (std::exchange(it->second->descriptor_sent, true)) {
+          return refuse("the writer's layout came twice");
+        }
+      }
       auto descriptor = ctx_->transfer->ExportDescriptor();
       if (!descriptor.ok()) return refuse(descriptor.status().message());
       proto::Envelope offer;
@@ -968,7 +985,15 @@ void DecodeSide::OnPrefillPeerMessage(const std::string& address, const Connecti
       (void)c->Send(std::move(offer));
       return;
     }
-    // Step 4: the writer's reply to our descriptor.
+    // Step 4: the writer's reply to our descriptor, once, after it.
+    {
+      std::lock_guard<std::mutex> lock(peers_mu_);
+      auto it = prefill_peers_.find(address);
+      if (it == prefill_peers_.end()) return;  // forgotten meanwhile
+      if (!it->second->descriptor_sent || it->second->ready) {
+        return refuse("the writer's reply came out of order (after our descriptor, once)");
+      }
+    }
     auto peer = ctx_->transfer->Accept(hello.transfer_descriptor());
     if (!peer.ok()) return refuse(peer.status().message());
     std::deque<PendingPrefill> flush;
@@ -1033,6 +1058,7 @@ void DecodeSide::OnPrefillPeerClosed(const std::string& address, const Status& w
     if (it != prefill_peers_.end()) {
       PrefillPeer& peer = *it->second;
       peer.ready = false;
+      peer.descriptor_sent = false;
       transfer_peer = std::exchange(peer.transfer_peer, 0);
       dropped.swap(peer.pending);
       if (!why.ok() && peer.last_error.empty()) peer.last_error = why.message();
