@@ -45,6 +45,16 @@ StatusOr<CapacityPlan> PlanCapacity(const CapacityRequest& r) {
       r.snapkv_budget > (int64_t{1} << 31)) {
     return Status::InvalidArgument("windows, sinks and budgets must be at most 2^31 tokens");
   }
+  // The products below in doubles first: a sequence's KV at 4 bytes an
+  // element past 2^60 bytes is no plan (and would wrap in 64 bits).
+  const double widths = r.shape.is_mla() ? static_cast<double>(r.shape.kv_lora_rank) +
+                                               static_cast<double>(r.shape.qk_rope_head_dim)
+                                         : 2.0 * static_cast<double>(r.shape.kv_heads) *
+                                               static_cast<double>(r.shape.head_dim);
+  if (static_cast<double>(r.shape.layers) * widths * 4.0 * static_cast<double>(r.context_tokens) >
+      std::ldexp(1.0, 60)) {
+    return Status::InvalidArgument("one sequence's KV would be past 2^60 bytes");
+  }
   if (r.shape.sliding_layers < 0 || r.shape.sliding_layers > r.shape.layers) {
     return Status::InvalidArgument("sliding layers must be between 0 and the layers");
   }

@@ -875,10 +875,18 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
       continue;
     }
     const int64_t at = s->num_computed - s->kv_shift;  // cache index of the first new token
+    // Windowed blocks are released from what this chunk's first query
+    // reaches; a prefill for a peer keeps, besides, what a repeat of the
+    // prompt starts from (the blocks the hand-off sends: FinishSequence).
+    const int64_t release_from =
+        s->prefill_only
+            ? std::min<int64_t>(at, static_cast<int64_t>(FirstReusableQuery(
+                                        static_cast<size_t>(s->prompt_len - s->kv_shift))))
+            : at;
     bool scheduled = true, outgrew = false, sized = false;
     for (;;) {
-      Status st =
-          blocks_->AllocateSlots(s->id, static_cast<size_t>(at + n), static_cast<size_t>(at));
+      Status st = blocks_->AllocateSlots(s->id, static_cast<size_t>(at + n),
+                                         static_cast<size_t>(release_from));
       if (st.ok()) break;
       if (st.code() != StatusCode::kResourceExhausted) return st;
       if (!sized && BlocksHeld(at, at + n) > pool_->num_blocks()) {

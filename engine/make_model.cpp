@@ -749,22 +749,52 @@ Status WriteFolderStaged(const std::string& dir,
     written.insert(entry.path().filename().string());
   }
   if (ec) return abandon(Status::Internal(dir + ": cannot list what was written: " + ec.message()));
-  // The earlier layout's weights (one file, or shards and their index): a
-  // folder never mixes both.
+  // What the new files replace, and the earlier layout's weights (one
+  // file, or shards and their index: a folder never mixes both), go aside
+  // first, config.json before the rest: from then on the folder is no model
+  // until the new config.json is in, and a failure puts them back.
+  const fs::path aside = staging / ".old";
+  fs::create_directory(aside, ec);
+  if (ec) return abandon(Status::Internal(dir + ": cannot create folder: " + ec.message()));
+  std::vector<std::string> moved_aside;
+  auto restore = [&](Status st) {
+    std::error_code ignored;
+    for (const std::string& name : written) {
+      if (std::find(moved_aside.begin(), moved_aside.end(), name) == moved_aside.end()) {
+        fs::remove(root / name, ignored);  // a new file that went in: not the old folder's
+      }
+    }
+    for (auto it = moved_aside.rbegin(); it != moved_aside.rend(); ++it) {
+      fs::rename(aside / *it, root / *it, ignored);
+    }
+    return abandon(st);
+  };
+  std::vector<std::string> old;
   for (const auto& entry : fs::directory_iterator(root, ec)) {
     const std::string name = entry.path().filename().string();
-    if ((name.ends_with(".safetensors") || name == "model.safetensors.index.json") &&
-        !written.count(name)) {
-      fs::remove(entry.path(), ec);
+    if (entry.path() == staging) continue;
+    if (written.count(name) || name.ends_with(".safetensors") ||
+        name == "model.safetensors.index.json") {
+      old.push_back(name);
     }
+  }
+  std::stable_partition(old.begin(), old.end(),
+                        [](const std::string& n) { return n == "config.json"; });
+  for (const std::string& name : old) {
+    fs::rename(root / name, aside / name, ec);
+    if (ec) {
+      return restore(Status::Internal(dir + "/" + name + ": cannot move aside: " + ec.message()));
+    }
+    moved_aside.push_back(name);
   }
   for (const bool config : {false, true}) {
     for (const std::string& name : written) {
       if ((name == "config.json") != config) continue;
       fs::rename(staging / name, root / name, ec);
-      if (ec)
-        return abandon(
+      if (ec) {
+        return restore(
             Status::Internal(dir + "/" + name + ": cannot move into place: " + ec.message()));
+      }
     }
   }
   fs::remove_all(staging, ec);

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <random>
+#include <tuple>
 
 namespace pdserve::router {
 namespace {
@@ -84,9 +85,39 @@ Status ValidateTraceGenOptions(const TraceGenOptions& o) {
   if (!(o.think_s >= 0) || !std::isfinite(o.think_s)) {
     return Status::InvalidArgument("think-s must be finite and non-negative");
   }
-  // Keeps ids and token counts far from overflow.
+  // Keeps ids and token counts far from overflow: each count first (their
+  // product would wrap), then the requests, then the tokens of a session's
+  // last turn, which holds every turn before it.
+  for (auto [v, name, most] :
+       {std::tuple{o.sessions, "sessions", int64_t{100'000'000}},
+        std::tuple{o.turns, "turns", int64_t{100'000}},
+        std::tuple{o.prefixes, "prefixes", int64_t{1'000'000}},
+        std::tuple{o.prefix_tokens, "prefix-tokens", int64_t{10'000'000}},
+        std::tuple{o.question_tokens, "question-tokens", int64_t{10'000'000}},
+        std::tuple{o.answer_tokens, "answer-tokens", int64_t{10'000'000}}}) {
+    if (v > most) {
+      return Status::InvalidArgument(std::string(name) + " must be at most " +
+                                     std::to_string(most));
+    }
+  }
   if (o.sessions * o.turns > 100'000'000) {
     return Status::InvalidArgument("sessions x --turns must be at most 100,000,000 requests");
+  }
+  if (o.turns * (o.question_tokens + o.answer_tokens) > 10'000'000) {
+    return Status::InvalidArgument(
+        "turns x (question-tokens + answer-tokens) must be at most 10,000,000 tokens: a "
+        "session's last turn holds every turn before it");
+  }
+  // Every turn's prompt holds the turns before it: the trace's block ids
+  // grow with sessions x turns^2 (in doubles: the product may pass 2^63).
+  const double block_ids = static_cast<double>(o.sessions) * static_cast<double>(o.turns) *
+                           static_cast<double>(o.turns) *
+                           static_cast<double>(o.question_tokens + o.answer_tokens) /
+                           (2.0 * static_cast<double>(o.block_tokens));
+  if (block_ids > 1e9) {
+    return Status::InvalidArgument(
+        "the trace would hold about " + std::to_string(static_cast<int64_t>(block_ids)) +
+        " block ids (sessions x turns^2 x tokens per turn / 2 blocks); at most 1,000,000,000");
   }
   return Status::Ok();
 }

@@ -17,8 +17,6 @@ constexpr uint32_t kDefaultPrefillDeadlineMs = 30'000;
 // slots until its deadline, so an unbounded one would let a peer that never
 // receives starve every other hand-off.
 constexpr uint32_t kMaxPrefillDeadlineMs = 600'000;
-// Early cancels remembered at once (each expires with the longest deadline).
-constexpr size_t kMaxEarlyCancels = 4096;
 // Jobs one decode worker may have in flight here: a peer flooding Prefills
 // would otherwise queue prompts until memory runs out (a decode worker
 // holds no more hand-offs pending for one peer itself).
@@ -86,6 +84,10 @@ void PrefillSide::HandshakeLoop() {
 
 void PrefillSide::FinishConnect(const ConnectJob& job) {
   const ConnectionPtr& c = job.connection;
+  {
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    if (!decode_peers_.count(c->id())) return;  // left while it waited its turn
+  }
   auto conn = ctx_->transfer->Connect(job.descriptor);
   bool live = false;
   {
@@ -204,10 +206,25 @@ void PrefillSide::OnPrefill(const ConnectionPtr& decode, PeerId peer, proto::Pre
   // Structured outputs: the first token is sampled here, under the
   // request's grammar, compiled off the engine thread.
   const OutputConstraint constraint = FromProto(p.sampling()).constraint.value();
+  // A duplicate id is refused when it starts (Start); a Cancel meanwhile is
+  // remembered here.
+  compiling_.emplace(std::pair{decode->id(), p.request_id()}, false);
   ctx_->grammars->Compile(constraint, [this, decode, peer, received,
                                        p = std::move(p)](GrammarCompiler::Result grammar) mutable {
     ctx_->post(
         [this, decode, peer, received, p = std::move(p), grammar = std::move(grammar)]() mutable {
+          if (auto it = compiling_.find({decode->id(), p.request_id()}); it != compiling_.end()) {
+            const bool cancelled = it->second;
+            compiling_.erase(it);
+            if (cancelled) {
+              PDSERVE_LOG(INFO) << "prefill "
+                                << (IsPlainTraceId(p.trace_id()) ? p.trace_id() : p.request_id())
+                                << " cancelled by its decode worker while its grammar compiled";
+              (void)decode->Send(PrefillFailure(p.request_id(), "cancelled", false));
+              ctx_->metrics->CountRequest("prefill", "cancelled");
+              return;
+            }
+          }
           if (!grammar.ok()) {
             PDSERVE_LOG(INFO) << "prefill "
                               << (IsPlainTraceId(p.trace_id()) ? p.trace_id() : p.request_id())
@@ -244,11 +261,6 @@ void PrefillSide::Start(const ConnectionPtr& decode, PeerId peer, proto::Prefill
       std::chrono::milliseconds(std::min(
           p.deadline_ms() ? p.deadline_ms() : kDefaultPrefillDeadlineMs, kMaxPrefillDeadlineMs));
   if (WorkerClock::now() >= deadline) return refuse("its deadline passed before it started", false);
-  if (auto early = cancelled_early_.find({decode->id(), p.request_id()});
-      early != cancelled_early_.end()) {
-    cancelled_early_.erase(early);
-    return refuse("cancelled by its decode worker before it started", false);
-  }
   size_t in_flight = 0;
   for (const auto& [_, other] : jobs_) {
     if (other->decode->id() != decode->id()) continue;
@@ -332,13 +344,11 @@ void PrefillSide::OnCancel(uint64_t connection_id, const std::string& decode_rid
     job->cancelled = true;
     return FailJobs({id}, "cancelled by its decode worker");
   }
-  // Not started yet (its grammar compiling, its post queued): Start refuses
-  // it when it comes. Entries outlive any deadline, then go.
-  const auto now = WorkerClock::now();
-  std::erase_if(cancelled_early_, [now](const auto& e) { return e.second <= now; });
-  if (cancelled_early_.size() >= kMaxEarlyCancels) return;  // a flood: its jobs time out
-  cancelled_early_.emplace(std::pair{connection_id, decode_rid},
-                           now + std::chrono::milliseconds(kMaxPrefillDeadlineMs));
+  // Its grammar still compiling: it is refused when that ends. (A Prefill
+  // without one starts as it arrives, before any Cancel that follows it.)
+  if (auto it = compiling_.find({connection_id, decode_rid}); it != compiling_.end()) {
+    it->second = true;
+  }
 }
 
 void PrefillSide::CheckDeadlines() {
@@ -351,6 +361,9 @@ void PrefillSide::CheckDeadlines() {
 }
 
 void PrefillSide::OnDecodeGone(uint64_t connection_id) {
+  for (auto& [key, cancelled] : compiling_) {
+    if (key.first == connection_id) cancelled = true;  // nobody to write for
+  }
   std::vector<RequestId> orphans;
   for (auto& [id, job] : jobs_) {
     if (job->decode->id() == connection_id && !job->computed) orphans.push_back(id);

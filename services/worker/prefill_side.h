@@ -105,10 +105,10 @@ class PrefillSide {
 
   // Engine thread.
   std::unordered_map<RequestId, std::unique_ptr<Job>> jobs_;
-  // Cancels that came before their Prefill started (its grammar compiling,
-  // or its post not yet run), by (connection id, request id), until their
-  // expiry: Start refuses those, so a Cancel is never lost. Bounded.
-  std::map<std::pair<uint64_t, std::string>, WorkerClock::time_point> cancelled_early_;
+  // Prefills whose grammar compiles, by (connection id, request id), and
+  // whether their decode worker cancelled them meanwhile: Start refuses
+  // those, so a Cancel is never lost.
+  std::map<std::pair<uint64_t, std::string>, bool> compiling_;
 
   std::mutex peers_mu_;
   std::unordered_map<uint64_t, DecodePeer> decode_peers_;  // by connection id

@@ -130,6 +130,10 @@ TEST(CapacityPlanTest, RejectsBadInput) {
   EXPECT_EQ(PlanCapacity(r).status().code(), StatusCode::kInvalidArgument);
   r.block_size = 16;
   EXPECT_TRUE(PlanCapacity(r).ok());
+  // Each size within its bound, their product not.
+  r.shape = {128, 128, 65536};
+  r.context_tokens = int64_t{1} << 31;
+  EXPECT_EQ(PlanCapacity(r).status().code(), StatusCode::kInvalidArgument);
 }
 
 // The planner reads a config.json as the engine does, for every family.

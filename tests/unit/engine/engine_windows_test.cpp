@@ -474,18 +474,22 @@ TEST(EngineWindowsTest, SharedPromptSequencesTakeEveryGroupsBlocks) {
 // Disaggregated prefill on a windowed model: the decode engine reserves, and
 // the prefill engine's blocks fill, only what the decode side keeps; the
 // decode engine then generates exactly what one engine does, and fewer bytes
-// move than the dense layout would move. What it keeps is what a repeat of
-// the prompt starts from (its queries from the block before the last
-// token's, one block earlier than the first decode query when the prompt
-// ends a block or one token into it): the repeat reuses as much as on the
-// engine that computed the prompt itself.
+// move than the dense layout would move. What it keeps is also what a
+// repeat of the prompt starts from (the queries of the block its last token
+// is in, which the engine always computes): for a window a multiple of the
+// block size, a block earlier than the first decode query reaches when the
+// prompt ends a block or one token short of it. The repeat then reuses as
+// much as on the engine that computed the prompt itself, also when the
+// prefill's last chunk starts past that block's first query (gemma3's
+// window of 24 at chunks of 17).
 TEST(EngineWindowsTest, DisaggregatedPrefillMovesOnlyWhatTheDecodeSideKeeps) {
-  for (const auto& [preset, prompt_tokens] :
-       std::vector<std::pair<const char*, int>>{{"gemma2", 150},
-                                                {"gemma2", 159},
-                                                {"gemma2", 160},
-                                                {"mistral-window", 150},
-                                                {"mistral-window", 160}}) {
+  for (const auto& [preset, prompt_tokens, chunk] :
+       std::vector<std::tuple<const char*, int, int>>{{"gemma2", 150, 32},
+                                                      {"gemma2", 159, 32},
+                                                      {"gemma2", 160, 32},
+                                                      {"gemma3", 160, 17},
+                                                      {"mistral-window", 150, 32},
+                                                      {"mistral-window", 160, 32}}) {
     SCOPED_TRACE(std::string(preset) + " " + std::to_string(prompt_tokens));
     Loaded l = Load(preset, *PresetModelSpec(preset));
     ASSERT_NE(l.model, nullptr);
@@ -508,7 +512,7 @@ TEST(EngineWindowsTest, DisaggregatedPrefillMovesOnlyWhatTheDecodeSideKeeps) {
     }
     ASSERT_EQ(expected.size(), 20u);
 
-    auto prefill = MakeEngine(l.model.get(), 8 << 20, 32);
+    auto prefill = MakeEngine(l.model.get(), 8 << 20, chunk);
     auto decode = MakeEngine(l.model.get(), 8 << 20, 32);
     auto plan = decode->AddRemotePrefillRequest(request);
     ASSERT_TRUE(plan.ok()) << plan.status().ToString();

@@ -233,6 +233,21 @@ TEST(TraceGeneratorTest, BadOptionsAreRefused) {
   refused([](TraceGenOptions& o) { o.think_s = -1; }, "think-s");
   refused([](TraceGenOptions& o) { o.turns_alpha = -1; }, "turns-alpha");
   refused([](TraceGenOptions& o) { o.prefix_tokens_max = -5; }, "prefix-tokens-max");
+  // Counts whose product wrapped past the request cap, or whose trace would
+  // not fit in memory (each turn holds every turn before it).
+  refused(
+      [](TraceGenOptions& o) {
+        o.sessions = int64_t{1} << 62;
+        o.turns = 4;
+      },
+      "sessions must be at most");
+  refused([](TraceGenOptions& o) { o.prefixes = 100'000'000'000; }, "prefixes must be at most");
+  refused(
+      [](TraceGenOptions& o) {
+        o.sessions = 1;
+        o.turns = 100'000;
+      },
+      "turns x (question-tokens + answer-tokens)");
 }
 
 }  // namespace

@@ -65,8 +65,7 @@ TEST(GrammarCompilerTest, ACancelledJobIsSkippedAndTheOthersCompile) {
   EXPECT_EQ(results.codes[0], StatusCode::kOk);
   EXPECT_EQ(results.codes[1], StatusCode::kCancelled);
   EXPECT_EQ(results.codes[2], StatusCode::kOk);
-  // Nothing was compiled for the cancelled one: asked again, it compiles
-  // (not a cache hit on the calling thread).
+  // Asked again without the flag, it compiles.
   Results again;
   compiler.Compile(b, again.For(0));
   ASSERT_TRUE(again.WaitAll());
