@@ -1114,6 +1114,18 @@ Status QuantizeModel(const std::string& from, kernels::WeightScheme scheme,
   if (!parsed.ok()) return parsed.status();
   auto files = WeightFiles::Open(from);
   if (!files.ok()) return files.status();
+  // Every tensor the config names has the shape the loader expects: a
+  // source it would refuse is refused here, before anything is written.
+  std::map<std::string, std::vector<int64_t>> expected;
+  for (const TensorPlan& p : PlanTensors(*parsed, /*with_mtp_layers=*/true)) {
+    expected.emplace(p.name, p.shape);
+  }
+  for (const auto& [name, t] : (*files)->tensors()) {
+    if (auto it = expected.find(name); it != expected.end() && it->second != t->shape) {
+      return Status::InvalidArgument(from + ": tensor " + name + " has shape " + t->ShapeString() +
+                                     ", the config expects another");
+    }
+  }
   std::vector<TensorToWrite> tensors;
   int64_t quantised = 0;
   for (const auto& [name, t] : (*files)->tensors()) {

@@ -318,6 +318,31 @@ TEST(Fp8ModelTest, LongPrefillMatchesTheReference) {
   }
 }
 
+// make-model --from refuses a source whose tensors the config does not
+// describe (here the embedding transposed), naming the tensor, and writes
+// nothing, rather than a model the loader then refuses.
+TEST(Fp8ModelTest, QuantizeRefusesASourceItsConfigDoesNotDescribe) {
+  const std::string src = testing::NewTempDir("fp8-bad-src") + "/model";
+  ASSERT_TRUE(WriteModel(ModelSpec{}, src).ok());
+  auto files = WeightFiles::Open(src);
+  ASSERT_TRUE(files.ok()) << files.status().ToString();
+  std::vector<TensorToWrite> tensors;
+  for (const auto& [name, t] : (*files)->tensors()) {
+    std::vector<int64_t> shape = t->shape;
+    if (name == "model.embed_tokens.weight") std::swap(shape[0], shape[1]);
+    tensors.push_back(
+        {name, t->dtype_name, shape, std::vector<uint8_t>(t->data, t->data + t->bytes)});
+  }
+  files->reset();
+  ASSERT_TRUE(WriteSafetensors(src + "/model.safetensors", tensors).ok());
+  const std::string out = testing::NewTempDir("fp8-bad-out") + "/model";
+  const Status st = QuantizeModel(src, WeightScheme::kFp8Channel, out);
+  ASSERT_FALSE(st.ok());
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("model.embed_tokens.weight"), std::string::npos) << st.message();
+  EXPECT_FALSE(fs::exists(out));
+}
+
 TEST(Fp8ModelTest, Stories260KQuantisedByMakeModelMatchesTheReference) {
   const std::string real = testing::RealModelDir();
   if (real.empty()) GTEST_SKIP() << "the shared stories260K model is absent";
