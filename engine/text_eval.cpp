@@ -279,6 +279,7 @@ StatusOr<TextEvalResult> EvaluateText(const std::vector<Model*>& ranks,
       kl_sum += kl;
     }
     start += len;
+    if (options.progress) options.progress(start, n);
   }
   r.tokens = n - 1;
   r.nll = nll_sum / r.tokens;

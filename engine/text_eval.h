@@ -17,6 +17,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -94,6 +95,9 @@ struct TextEvalOptions {
   // anyway, RoPE extrapolating past its trained positions: the dense
   // baseline of docs/kv-eviction.md. The engine never serves that.
   bool past_context = false;
+  // Called after each step with the tokens fed so far and the total, so a
+  // long evaluation can show progress (null: none).
+  std::function<void(int64_t done, int64_t total)> progress;
 };
 
 struct TextEvalResult {

@@ -164,6 +164,15 @@ int RunEval(int argc, char** argv) {
   options.decode_chunk = decode_chunk;
   options.baseline = baseline.get();
   options.past_context = past_context;
+  // Progress on stderr, about every tenth of the text (a real model on the
+  // CPU can take hours).
+  int64_t next_report = 0;
+  options.progress = [&next_report](int64_t done, int64_t total) {
+    if (done < next_report && done < total) return;
+    std::fprintf(stderr, "eval: %lld/%lld tokens\n", static_cast<long long>(done),
+                 static_cast<long long>(total));
+    next_report = done + std::max<int64_t>(1, total / 10);
+  };
   auto result = EvaluateText(group->shards(), tokens, options);
   if (!result.ok()) {
     if (result.status().code() == StatusCode::kInvalidArgument)

@@ -48,6 +48,13 @@ nlohmann::json Eval(const std::string& model, const std::string& text, const std
       RunPdserve("eval --model " + model + " --text " + text + " --kv-dtype " + dtype + " --json");
   EXPECT_EQ(r.exit_code, 0) << r.err;
   if (r.exit_code != 0) return nlohmann::json::object();
+  // Progress on stderr as it goes, the whole text last.
+  EXPECT_NE(r.err.find("eval: "), std::string::npos) << r.err;
+  const auto tokens = nlohmann::json::parse(r.out)["tokens"].get<int64_t>() + 1;
+  EXPECT_NE(
+      r.err.find("eval: " + std::to_string(tokens) + "/" + std::to_string(tokens) + " tokens"),
+      std::string::npos)
+      << r.err;
   return nlohmann::json::parse(r.out);
 }
 
