@@ -269,7 +269,9 @@ class Simulation {
           // Idle (every arrived request finished) and reported so once:
           // nothing changes until the next arrival, however far (a trace in
           // epoch milliseconds starts decades in).
-          const bool idle = finished_ == arrived_;
+          // (Not with a worker removal in the run: its drain pushes copies
+          // that no request accounts for.)
+          const bool idle = finished_ == arrived_ && o_.remove_at_s < 0;
           if (idle && idle_reported_ && arrived_ < arrival_times_.size()) {
             next = std::max(next, arrival_times_[arrived_]);
           }
