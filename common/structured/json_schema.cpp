@@ -1,5 +1,7 @@
 #include "common/structured/json_schema.h"
 
+#include "common/checked_json.h"
+
 #include <algorithm>
 #include <cmath>
 #include <map>
@@ -1258,32 +1260,10 @@ StatusOr<GrammarBuilder::Expr> AddJsonSchema(GrammarBuilder* b, const ojson& sch
 }
 
 StatusOr<ojson> ParseSchemaText(std::string_view text, const JsonSchemaOptions& options) {
-  // Brackets outside strings: a cheap bound before any recursion.
-  const int limit = 2 * options.max_depth;
-  int level = 0;
-  bool in_string = false, escape = false;
-  for (const char c : text) {
-    if (in_string) {
-      if (escape) {
-        escape = false;
-      } else if (c == '\\') {
-        escape = true;
-      } else if (c == '"') {
-        in_string = false;
-      }
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '{' || c == '[') {
-      if (++level > limit) {
-        return Status::InvalidArgument("the schema nests deeper than " + std::to_string(limit) +
-                                       " JSON levels");
-      }
-    } else if (c == '}' || c == ']') {
-      --level;
-    }
+  ojson schema;
+  if (auto err = ParseCheckedJson(text, 2 * options.max_depth, &schema)) {
+    return Status::InvalidArgument("the schema is not valid JSON: " + err->message);
   }
-  auto schema = ojson::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (schema.is_discarded()) return Status::InvalidArgument("the schema is not valid JSON");
   return schema;
 }
 

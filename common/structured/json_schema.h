@@ -59,9 +59,9 @@ struct JsonSchemaOptions {
 };
 
 // A schema given as text (structured outputs' `json` as a string, %json in
-// a grammar): parsed, after checking that it nests no deeper than
-// 2 x max_depth JSON levels, values inside it included (the compiler and
-// canonical forms recurse over a `const`, so a deep one would take the
+// a grammar): parsed as client JSON is (common/checked_json.h), nesting at
+// most 2 x max_depth JSON levels, values inside it included (the compiler
+// and canonical forms recurse over a `const`, so a deep one would take the
 // process down). InvalidArgument otherwise.
 StatusOr<nlohmann::ordered_json> ParseSchemaText(std::string_view text,
                                                  const JsonSchemaOptions& options);

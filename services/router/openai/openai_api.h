@@ -30,10 +30,10 @@
 #include <nlohmann/json.hpp>
 
 #include "common/block_hash.h"
+#include "common/checked_json.h"
 #include "common/http/http_server.h"
 #include "common/sampling_params.h"
 #include "common/tokenizer/tokenizer.h"
-#include "services/router/openai/checked_json.h"
 #include "services/router/openai/tool_calls.h"
 
 namespace pdserve::router {

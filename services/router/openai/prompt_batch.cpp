@@ -8,7 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "services/router/openai/checked_json.h"
+#include "common/checked_json.h"
 
 namespace pdserve::router {
 

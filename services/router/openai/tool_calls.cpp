@@ -6,8 +6,8 @@
 #include <cmath>
 #include <cstdlib>
 
+#include "common/checked_json.h"
 #include "common/random_id.h"
-#include "services/router/openai/checked_json.h"
 
 namespace pdserve::router {
 namespace {

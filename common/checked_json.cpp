@@ -1,11 +1,11 @@
-#include "services/router/openai/checked_json.h"
+#include "common/checked_json.h"
 
 #include <cmath>
 #include <limits>
 #include <map>
 #include <vector>
 
-namespace pdserve::router {
+namespace pdserve {
 namespace {
 
 using ojson = nlohmann::ordered_json;
@@ -195,4 +195,4 @@ std::optional<int64_t> AsInt64(const nlohmann::ordered_json& v) {
   return std::nullopt;
 }
 
-}  // namespace pdserve::router
+}  // namespace pdserve

@@ -19,7 +19,7 @@
 
 #include <nlohmann/json.hpp>
 
-namespace pdserve::router {
+namespace pdserve {
 
 struct JsonError {
   std::string path;     // "" when the document as a whole is at fault
@@ -36,4 +36,4 @@ std::optional<JsonError> ParseCheckedJson(std::string_view text, int max_depth,
 // nullopt for anything else.
 std::optional<int64_t> AsInt64(const nlohmann::ordered_json& v);
 
-}  // namespace pdserve::router
+}  // namespace pdserve
