@@ -304,17 +304,13 @@ TEST_F(GenerateCliTest, Qwen3PresetRunsAndUnimplementedKeysExitTwo) {
   const Case cases[] = {
       {with_config("cli-longrope", "rope_scaling", {{"rope_type", "longrope"}, {"factor", 4.0}}),
        "rope_scaling"},
-      // Windows: refused naming the key (zero or negative, larger than the
-      // context, layer_types of the wrong length or an unknown type).
+      // Windows: refused naming the key (zero or negative, layer_types of
+      // the wrong length or an unknown type).
       {with_patch("cli-window-zero",
                   {{"use_sliding_window", true}, {"sliding_window", 0}, {"max_window_layers", 0}}),
        "'sliding_window' = 0"},
       {with_patch("cli-window-negative", {{"use_sliding_window", true}, {"sliding_window", -4}}),
        "sliding_window"},
-      {with_patch(
-           "cli-window-large",
-           {{"use_sliding_window", true}, {"sliding_window", 5000}, {"max_window_layers", 1}}),
-       "'sliding_window' 5000 is larger than the context"},
       {with_config("cli-layer-types-length", "layer_types", {"full_attention"}), "layer_types"},
       {with_config("cli-layer-types-unknown", "layer_types",
                    {"full_attention", "linear_attention"}),
