@@ -191,6 +191,11 @@ int RunWorker(int argc, char** argv) {
       o.kv_staging_bytes <= 0 || prefill_timeout_ms <= 0 || drain_s < 0 || stall_s < 0) {
     UsageError("worker", "sizes, limits and timeouts must be positive, --threads at most 1024");
   }
+  if (prefill_timeout_ms > worker::WorkerOptions::kMaxPrefillTimeoutMs) {
+    UsageError("worker", "--prefill-timeout-ms must be at most " +
+                             std::to_string(worker::WorkerOptions::kMaxPrefillTimeoutMs) +
+                             " (a prefill worker holds a hand-off no longer)");
+  }
   o.port = static_cast<int>(port);
   o.metrics_port = static_cast<int>(metrics_port);
   o.threads = static_cast<int>(threads);

@@ -15,8 +15,9 @@ using control::ConnectionPtr;
 constexpr uint32_t kDefaultPrefillDeadlineMs = 30'000;
 // A peer's deadline past this is cut to it: a job holds pins and staging
 // slots until its deadline, so an unbounded one would let a peer that never
-// receives starve every other hand-off.
-constexpr uint32_t kMaxPrefillDeadlineMs = 600'000;
+// receives starve every other hand-off. The decode side's flag is bounded
+// by the same limit, so an honest peer's deadline is never cut.
+constexpr uint32_t kMaxPrefillDeadlineMs = WorkerOptions::kMaxPrefillTimeoutMs;
 // Jobs one decode worker may have in flight here: a peer flooding Prefills
 // would otherwise queue prompts until memory runs out (a decode worker
 // holds no more hand-offs pending for one peer itself).

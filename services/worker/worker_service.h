@@ -95,7 +95,10 @@ struct WorkerOptions {
   // Prefill side: write each finished chunk's full blocks while the next
   // chunk computes (off: everything once the prompt is done).
   bool stream_prefill_chunks = true;
-  int64_t prefill_timeout_ms = 30'000;  // transfer deadline given to the prefill peer
+  // Transfer deadline given to the prefill peer, at most kMaxPrefillTimeoutMs
+  // (a prefill worker cuts a longer one to that).
+  int64_t prefill_timeout_ms = 30'000;
+  static constexpr int64_t kMaxPrefillTimeoutMs = 600'000;
   // /health fails while one engine step has run longer than this (a hung
   // device or a deadlock: the network thread still answers the router's
   // heartbeats, so only the liveness probe can tell). 0: never.

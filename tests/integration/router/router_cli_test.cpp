@@ -168,6 +168,10 @@ TEST(SimCliTest, BadFlagsAndBadTracesAreOneLineErrors) {
            {"worker --insecure-control-plane --model /nonexistent-model --router x:1 "
             "--threads 100000",
             "--threads at most 1024"},
+           // A prefill worker holds a hand-off 10 minutes at most.
+           {"worker --insecure-control-plane --model /nonexistent-model --router x:1 "
+            "--prefill-timeout-ms 600001",
+            "--prefill-timeout-ms must be at most 600000"},
        }) {
     const CliRun r = Pdserve(c.args);
     EXPECT_EQ(r.exit_code, 2) << c.args;
