@@ -44,6 +44,13 @@ struct OutputConstraint {
   };
   Kind kind = Kind::kJsonObject;
   std::string text;
+  // vLLM's structured_outputs options, for the JSON kinds
+  // (structured::JsonSchemaOptions has their rules): JSON written with
+  // json.dumps' ", " and ": " and no other whitespace (schema and object);
+  // objects of a schema closed where additionalProperties is absent
+  // (schema only).
+  bool disable_any_whitespace = false;
+  bool disable_additional_properties = false;
   bool operator==(const OutputConstraint&) const = default;
 };
 

@@ -20,7 +20,10 @@ namespace pdserve::proto {
 // include_stop_str_in_output, allowed_token_ids, bad_words) and the KV
 // tiers and windows of Register and KvEvents: a version-2 worker would drop
 // them silently and sample without them.
-inline constexpr uint32_t kProtocolVersion = 3;
+// 4: OutputConstraint's disable_any_whitespace and
+// disable_additional_properties (a version-3 worker would compile a
+// different grammar than the router checked).
+inline constexpr uint32_t kProtocolVersion = 4;
 
 // Lossless both ways for every StatusCode; unknown wire codes map to kInternal.
 ErrorCode ToErrorCode(StatusCode code);

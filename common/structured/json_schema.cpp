@@ -345,7 +345,7 @@ class SchemaCompiler {
   StatusOr<Expr> CompileRoot() { return Compile(root_, "", 0); }
 
   Expr Ws() {
-    if (o_.max_whitespace <= 0) return b_.Empty();
+    if (o_.fixed_separators || o_.max_whitespace <= 0) return b_.Empty();
     return b_.Repeat(b_.ByteSet({{' ', ' '}, {'\t', '\t'}, {'\n', '\n'}, {'\r', '\r'}}), 0,
                      o_.max_whitespace);
   }
@@ -354,7 +354,7 @@ class SchemaCompiler {
     if (value_rule_ >= 0) return b_.Call(value_rule_);
     value_rule_ = b_.DeclareRule("value");
     const Expr sep = Sep(",");
-    const Expr member = b_.Seq({GenericString(), Ws(), b_.Bytes(":"), Ws(), b_.Call(value_rule_)});
+    const Expr member = b_.Seq({GenericString(), Sep(":"), b_.Call(value_rule_)});
     const Expr object =
         b_.Seq({b_.Bytes("{"), Ws(), b_.Members({}, sep, member), Ws(), b_.Bytes("}")});
     const Expr array = b_.Seq(
@@ -369,7 +369,11 @@ class SchemaCompiler {
     return Status::InvalidArgument(what + " at '" + ptr + "'");
   }
 
-  Expr Sep(const char* c) { return b_.Seq({Ws(), b_.Bytes(c), Ws()}); }
+  // Between items or members (",") and after a member name (":").
+  Expr Sep(const char* c) {
+    if (o_.fixed_separators) return b_.Bytes(std::string(c) + " ");
+    return b_.Seq({Ws(), b_.Bytes(c), Ws()});
+  }
 
   Expr GenericString() {
     if (string_rule_ >= 0) return b_.Call(string_rule_);
@@ -653,8 +657,8 @@ class SchemaCompiler {
         required.insert(r.get<std::string>());
       }
     }
-    const ojson any = true;
-    const ojson* additional = &any;
+    static const ojson kAny = true, kNone = false;
+    const ojson* additional = o_.closed_objects ? &kNone : &kAny;
     if (auto it = s.find("additionalProperties"); it != s.end()) additional = &*it;
     const bool closed = additional->is_boolean() && !additional->get<bool>();
     // Required names without a property schema take additionalProperties'.
@@ -679,7 +683,7 @@ class SchemaCompiler {
         if (!e.ok()) return e;
         value = *e;
       }
-      members.push_back({b_.Seq({b_.Bytes(JsonQuote(names[k])), Ws(), b_.Bytes(":"), Ws(), value}),
+      members.push_back({b_.Seq({b_.Bytes(JsonQuote(names[k])), Sep(":"), value}),
                          required.count(names[k]) == 0});
     }
     Expr rest = -1;
@@ -703,7 +707,7 @@ class SchemaCompiler {
         key_rules_[key] = rule;
         name = b_.Call(rule);
       }
-      rest = b_.Seq({name, Ws(), b_.Bytes(":"), Ws(), *value});
+      rest = b_.Seq({name, Sep(":"), *value});
     }
     return b_.Seq({b_.Bytes("{"), Ws(), b_.Members(members, Sep(","), rest), Ws(), b_.Bytes("}")});
   }

@@ -48,6 +48,15 @@ struct JsonSchemaOptions {
   // which the token masks are precomputed for: 4 keeps ", " and "\n  "
   // and compiles a typical schema several times faster than 16.
   int max_whitespace = 4;
+  // Whitespace exactly as Python's json.dumps writes it on one line: ", "
+  // between items and members, ": " after a member name, none elsewhere
+  // (max_whitespace unused). Structured outputs' disable_any_whitespace, as
+  // xgrammar, vLLM's default backend, writes it.
+  bool fixed_separators = false;
+  // An object schema without additionalProperties takes no members beyond
+  // its properties, as if it said `"additionalProperties": false`
+  // (structured outputs' disable_additional_properties).
+  bool closed_objects = false;
   int max_depth = 64;  // schema nesting
   // Subschemas compiled, each time one is (a definition that allOf copies
   // into many places counts at each): a few kilobytes of schema that

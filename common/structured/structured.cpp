@@ -10,8 +10,13 @@
 namespace pdserve::structured {
 
 StatusOr<std::shared_ptr<const Grammar>> ConstraintGrammar(const OutputConstraint& c,
-                                                           const CompileOptions& options) {
+                                                           const CompileOptions& given) {
   using Kind = OutputConstraint::Kind;
+  CompileOptions options = given;
+  const bool json = c.kind == Kind::kJsonSchema || c.kind == Kind::kJsonObject;
+  options.json.fixed_separators = json && c.disable_any_whitespace;
+  // Not for json_object: its "any object" would become only {}.
+  options.json.closed_objects = c.kind == Kind::kJsonSchema && c.disable_additional_properties;
   if (c.text.size() > options.max_text_bytes) {
     return Status::InvalidArgument("the constraint is larger than " +
                                    std::to_string(options.max_text_bytes) + " bytes");
@@ -61,8 +66,10 @@ StatusOr<std::shared_ptr<const Grammar>> ConstraintGrammar(const OutputConstrain
 }
 
 uint64_t ConstraintHash(const OutputConstraint& c) {
-  const uint8_t kind = static_cast<uint8_t>(c.kind);
-  return XXH3_64bits_withSeed(c.text.data(), c.text.size(), kind + 1);
+  const uint64_t kind = static_cast<uint8_t>(c.kind);
+  const uint64_t flags =
+      (c.disable_any_whitespace ? 1u : 0u) | (c.disable_additional_properties ? 2u : 0u);
+  return XXH3_64bits_withSeed(c.text.data(), c.text.size(), (kind + 1) | (flags << 8));
 }
 
 GrammarCache::GrammarCache(std::shared_ptr<const Vocabulary> vocab, CompileOptions options,

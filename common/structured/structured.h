@@ -39,7 +39,7 @@ struct CompileOptions {
 StatusOr<std::shared_ptr<const Grammar>> ConstraintGrammar(const OutputConstraint& c,
                                                            const CompileOptions& options);
 
-// Identifies a constraint's content (kind and text).
+// Identifies a constraint's content (kind, text and options).
 uint64_t ConstraintHash(const OutputConstraint& c);
 
 // Compiled constraints for one vocabulary, by content hash, least recently

@@ -35,6 +35,8 @@ void ToProto(const SamplingParams& s, proto::SamplingParams* p) {
     auto* c = p->mutable_constraint();
     c->set_kind(static_cast<proto::OutputConstraint::Kind>(s.constraint->kind));
     c->set_text(s.constraint->text);
+    c->set_disable_any_whitespace(s.constraint->disable_any_whitespace);
+    c->set_disable_additional_properties(s.constraint->disable_additional_properties);
   }
 }
 
@@ -72,6 +74,8 @@ SamplingParams FromProto(const proto::SamplingParams& p) {
     OutputConstraint c;
     c.kind = static_cast<OutputConstraint::Kind>(p.constraint().kind());
     c.text = p.constraint().text();
+    c.disable_any_whitespace = p.constraint().disable_any_whitespace();
+    c.disable_additional_properties = p.constraint().disable_additional_properties();
     s.constraint = std::move(c);
   }
   return s;

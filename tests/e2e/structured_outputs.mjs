@@ -210,6 +210,16 @@ async function checkSchemas(base, route, count, seed, maxTokens) {
   return jobs.length;
 }
 
+// Python's json.dumps(v) (separators ", " and ": ") for booleans, strings,
+// arrays and objects.
+function pyDumps(v) {
+  if (Array.isArray(v)) return `[${v.map(pyDumps).join(', ')}]`;
+  if (v !== null && typeof v === 'object') {
+    return `{${Object.entries(v).map(([k, x]) => `${JSON.stringify(k)}: ${pyDumps(x)}`).join(', ')}}`;
+  }
+  return JSON.stringify(v);
+}
+
 async function checkExtras(base, route) {
   const prompt = route === 'chat/completions' ? { messages: [{ role: 'user', content: 'Answer:' }] } : { prompt: 'Answer:' };
   const cases = [
@@ -219,6 +229,12 @@ async function checkExtras(base, route) {
       (t) => /^\([1-9][0-9]{0,2}(,[1-9][0-9]{0,2}){0,3}\)$/.test(t)],
     [{ json: { type: 'object', properties: { v: { type: 'integer', minimum: 10, maximum: 20 } },
       required: ['v'], additionalProperties: false } }, (t) => { const v = JSON.parse(t).v; return v >= 10 && v <= 20; }],
+    // vLLM's options: json.dumps' one-line spacing exactly, and objects
+    // closed where the schema does not say (o can only be {}).
+    [{ json: { type: 'object', properties: { a: { type: 'array', items: { type: 'boolean' }, maxItems: 3 },
+      s: { type: 'string', maxLength: 8 }, o: { type: 'object' } }, required: ['a', 's', 'o'] },
+    disable_any_whitespace: true, disable_additional_properties: true },
+    (t) => { const v = JSON.parse(t); return pyDumps(v) === t && Object.keys(v.o).length === 0; }],
   ];
   for (const [so, ok] of cases) {
     for (const temperature of [0, 1]) {

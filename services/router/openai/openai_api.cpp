@@ -633,6 +633,11 @@ std::optional<ApiError> ParseConstraint(const ojson& body, ApiRequest* out) {
     }
     return std::nullopt;
   };
+  // vLLM's options of the constraint: whitespace and closed objects for the
+  // JSON kinds (OutputConstraint), which pdserve's one compiler honours;
+  // disable_fallback means nothing where there is no other backend to fall
+  // back to; a whitespace regex (outlines' whitespace_pattern) is refused.
+  bool no_whitespace = false, closed_objects = false;
   if (const ojson* so = f.Get("structured_outputs")) {
     if (!so->is_object())
       return InvalidParam("structured_outputs", "'structured_outputs' must be an object");
@@ -643,6 +648,17 @@ std::optional<ApiError> ParseConstraint(const ojson& body, ApiRequest* out) {
       if (key == "json" || key == "regex" || key == "choice" || key == "grammar" ||
           key == "json_object") {
         if (auto err = add(param, *it, key)) return err;
+      } else if (key == "disable_any_whitespace" || key == "disable_additional_properties" ||
+                 key == "disable_fallback") {
+        if (!it->is_boolean()) return InvalidParam(param, "'" + param + "' must be a boolean");
+        if (key == "disable_any_whitespace") no_whitespace = it->get<bool>();
+        if (key == "disable_additional_properties") closed_objects = it->get<bool>();
+      } else if (key == "whitespace_pattern") {
+        if (!it->is_string()) return InvalidParam(param, "'" + param + "' must be a string");
+        if (!it->get_ref<const std::string&>().empty()) {
+          return InvalidParam(param,
+                              "'" + param + "' is not supported; 'disable_any_whitespace' is");
+        }
       } else if (key == "structural_tag") {
         return InvalidParam(param, "'" + param + "' is not supported");
       }
@@ -654,6 +670,12 @@ std::optional<ApiError> ParseConstraint(const ojson& body, ApiRequest* out) {
       if (auto err = add(param, *v, key)) return err;
     }
   }
+  if (const ojson* v = f.Get("guided_whitespace_pattern");
+      v && !(v->is_string() && v->get_ref<const std::string&>().empty())) {
+    return InvalidParam("guided_whitespace_pattern",
+                        "'guided_whitespace_pattern' is not supported; "
+                        "'structured_outputs.disable_any_whitespace' is");
+  }
   if (found.size() > 1) {
     return InvalidParam(found[1].first, "give one constraint: '" + found[0].first + "' and '" +
                                             found[1].first + "' were both given");
@@ -661,6 +683,8 @@ std::optional<ApiError> ParseConstraint(const ojson& body, ApiRequest* out) {
   if (!found.empty()) {
     out->constraint_param = found[0].first;
     out->sampling.constraint = std::move(found[0].second);
+    out->sampling.constraint->disable_any_whitespace = no_whitespace;
+    out->sampling.constraint->disable_additional_properties = closed_objects;
   }
   return std::nullopt;
 }

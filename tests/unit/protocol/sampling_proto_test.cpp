@@ -58,11 +58,13 @@ TEST(SamplingProtoTest, EveryConstraintKindRoundTrips) {
   for (auto kind : {OutputConstraint::Kind::kJsonSchema, OutputConstraint::Kind::kJsonObject,
                     OutputConstraint::Kind::kRegex, OutputConstraint::Kind::kChoice,
                     OutputConstraint::Kind::kGrammar}) {
-    SamplingParams s;
-    s.constraint = OutputConstraint{kind, "text"};
-    proto::SamplingParams wire;
-    ToProto(s, &wire);
-    EXPECT_EQ(FromProto(wire).constraint, s.constraint);
+    for (int options = 0; options < 4; ++options) {
+      SamplingParams s;
+      s.constraint = OutputConstraint{kind, "text", (options & 1) != 0, (options & 2) != 0};
+      proto::SamplingParams wire;
+      ToProto(s, &wire);
+      EXPECT_EQ(FromProto(wire).constraint, s.constraint);
+    }
   }
   EXPECT_FALSE(FromProto(proto::SamplingParams{}).constraint.has_value());
 }

@@ -222,6 +222,16 @@ TEST(OpenAiApiTest, StructuredOutputConstraints) {
       {R"("structured_outputs":{"choice":["yes","no"]})", {Kind::kChoice, R"(["yes","no"])"}},
       {R"("structured_outputs":{"grammar":"root ::= \"a\""})", {Kind::kGrammar, "root ::= \"a\""}},
       {R"("guided_choice":["x"])", {Kind::kChoice, R"(["x"])"}},
+      // vLLM's options of the constraint ride with it, whichever field gave it.
+      {R"("structured_outputs":{"json":{"type":"object"},"disable_any_whitespace":true,
+          "disable_additional_properties":true,"disable_fallback":true,"whitespace_pattern":""})",
+       {Kind::kJsonSchema, R"({"type":"object"})", true, true}},
+      {R"("response_format":{"type":"json_object"},
+          "structured_outputs":{"disable_any_whitespace":true})",
+       {Kind::kJsonObject, "", true, false}},
+      {R"("structured_outputs":{"json":{},"disable_additional_properties":true,
+          "disable_any_whitespace":false})",
+       {Kind::kJsonSchema, "{}", false, true}},
   };
   for (const auto& [extra, want] : extras) {
     auto p = ParseOk(Endpoint::kCompletions, std::string(R"({"prompt":"x",)") + extra + "}");
@@ -756,6 +766,12 @@ TEST(OpenAiApiTest, HostileBodiesAre400sNamingTheField) {
        "string"},
       {C, R"({"prompt":"x","structured_outputs":{"structural_tag":{}}})",
        "structured_outputs.structural_tag", "not supported"},
+      {C, R"({"prompt":"x","structured_outputs":{"json":{},"disable_any_whitespace":"yes"}})",
+       "structured_outputs.disable_any_whitespace", "must be a boolean"},
+      {C, R"({"prompt":"x","structured_outputs":{"json":{},"whitespace_pattern":"[ ]?"}})",
+       "structured_outputs.whitespace_pattern", "'disable_any_whitespace' is"},
+      {C, R"({"prompt":"x","guided_json":{},"guided_whitespace_pattern":" *"})",
+       "guided_whitespace_pattern", "not supported"},
       {C, R"({"prompt":"x","response_format":{"type":"json_object"},"guided_regex":"a"})",
        "guided_regex", "one constraint"},
       {H, R"({"messages":[{"role":"user","content":[{"type":7,"text":"a"}]}]})",

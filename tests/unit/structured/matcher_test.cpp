@@ -151,6 +151,47 @@ TEST(Matcher, JsonObjectAndRecursion) {
   EXPECT_FALSE(CheckWalk(tree, R"({"v":1,"kids":[{"w":2}]})"));
 }
 
+// vLLM's structured_outputs options: disable_any_whitespace writes JSON as
+// json.dumps does on one line (", " and ": ", nothing else), as xgrammar
+// does; disable_additional_properties closes objects that do not say.
+TEST(Matcher, WhitespaceAndAdditionalPropertiesOptions) {
+  OutputConstraint c = Schema(R"({"type":"object","properties":{"name":{"type":"string"},
+      "tags":{"type":"array","items":{"type":"integer"}},"o":{"type":"object"}},
+      "required":["name"]})");
+  c.disable_any_whitespace = true;
+  auto fixed = Compile(c);
+  ASSERT_TRUE(fixed);
+  EXPECT_TRUE(CheckWalk(fixed, R"({"name": "a b", "tags": [1, 2], "o": {"k": [true]}})"));
+  EXPECT_TRUE(CheckWalk(fixed, R"({"name": "x", "extra": {}})"));  // open: absent is true
+  EXPECT_FALSE(CheckWalk(fixed, R"({"name":"x"})"));
+  EXPECT_FALSE(CheckWalk(fixed, R"({ "name": "x"})"));
+  EXPECT_FALSE(CheckWalk(fixed, R"({"name": "x", "tags": [1,2]})"));
+  EXPECT_FALSE(CheckWalk(fixed, "{\"name\": \"x\",\n\"tags\": []}"));
+  c.disable_additional_properties = true;
+  auto closed = Compile(c);
+  ASSERT_TRUE(closed);
+  EXPECT_TRUE(CheckWalk(closed, R"({"name": "x", "o": {}})"));
+  EXPECT_FALSE(CheckWalk(closed, R"({"name": "x", "extra": {}})"));
+  EXPECT_FALSE(CheckWalk(closed, R"({"name": "x", "o": {"k": 1}})"));  // nested objects too
+  c.disable_any_whitespace = false;
+  auto spaced = Compile(c);
+  ASSERT_TRUE(spaced);
+  EXPECT_TRUE(CheckWalk(spaced, "{\n  \"name\":\"x\"}"));
+  EXPECT_FALSE(CheckWalk(spaced, R"({"name":"x","extra":1})"));
+  // json_object stays any object under both (closing it would leave {}).
+  OutputConstraint object{OutputConstraint::Kind::kJsonObject, "", true, true};
+  auto any = Compile(object);
+  ASSERT_TRUE(any);
+  EXPECT_TRUE(CheckWalk(any, R"({"a": [1, {"b": null}], "c": "d e"})"));
+  EXPECT_FALSE(CheckWalk(any, R"({"a":1})"));
+  // An explicit additionalProperties keeps its word.
+  OutputConstraint open = Schema(R"({"type":"object","additionalProperties":true})");
+  open.disable_additional_properties = true;
+  auto explicitly_open = Compile(open);
+  ASSERT_TRUE(explicitly_open);
+  EXPECT_TRUE(CheckWalk(explicitly_open, R"({"k":1})"));
+}
+
 TEST(Matcher, RegexChoiceAndEbnf) {
   auto re = Compile({OutputConstraint::Kind::kRegex, "(yes|no)[0-9]{2}"});
   ASSERT_TRUE(re);
@@ -506,6 +547,12 @@ TEST(GrammarCache, CachesByContent) {
       {OutputConstraint::Kind::kRegex, R"({"type":"integer"})"});  // same text, other kind
   ASSERT_TRUE(c.ok());
   EXPECT_NE(a->get(), c->get());
+  OutputConstraint compact = Schema(R"({"type":"integer"})");  // same text, other options
+  compact.disable_any_whitespace = true;
+  EXPECT_NE(ConstraintHash(compact), ConstraintHash(Schema(R"({"type":"integer"})")));
+  auto d = cache.Get(compact);
+  ASSERT_TRUE(d.ok());
+  EXPECT_NE(a->get(), d->get());
   EXPECT_FALSE(cache.Get(Schema(R"({"not":{}})")).ok());
 }
 
