@@ -101,7 +101,9 @@ int RunRouter(int argc, char** argv) {
                   "comma-separated origins whose web pages may call the API from a browser "
                   "(CORS), or '*' for any; default: none");
   flags.AddBytes("max-body-bytes", &max_body, "largest accepted request body");
-  flags.AddInt("request-timeout", &timeout_s, "seconds before a request fails with 504");
+  flags.AddInt("request-timeout", &timeout_s,
+               "seconds a request may wait for its next token (the first included) before it "
+               "fails with 504");
   flags.AddInt("max-attempts", &max_attempts, "workers tried per request before it fails");
   flags.AddInt("worker-stall-timeout", &worker_stall_s,
                "seconds without a worker's load report (its engine loop sends them between "

@@ -291,6 +291,9 @@ struct Inflight {
   std::vector<TokenPiece> prompt_pieces_pending;  // scores come in, until all are here
   std::vector<BlockHash> hashes;
   Clock::time_point arrived;
+  // --request-timeout after its arrival, then after each token: a request
+  // fails when it waits that long for its next token (the first included),
+  // never while its tokens flow (a long answer is not a stuck one).
   Clock::time_point deadline;
   int attempts = 0;
   // Workers that failed it (a retryable error): a retry goes elsewhere
@@ -1791,6 +1794,7 @@ class RouterServiceImpl : public RouterService {
     // callback ran, or another prompt of its batch failed, which answered
     // the client (prompt_batch.h) without cancelling the prompts running.
     if (r.exchange->client_gone()) return CancelLocked(r.id, "its answer is no longer wanted");
+    r.deadline = Clock::now() + std::chrono::milliseconds(opts_.request_timeout_ms);
     if (t.prompt_logprobs_size() > 0) {
       TakePromptScoresLocked(link, r, t);
       if (!r.prompt_pieces_pending.empty()) return;  // more of them to come
@@ -2174,7 +2178,10 @@ class RouterServiceImpl : public RouterService {
         if (now > r->deadline) expired.push_back(id);
       }
       for (uint64_t id : expired)
-        FailLocked(id, 504, "the request exceeded its deadline", "timeout");
+        FailLocked(id, 504,
+                   "no token came for " + std::to_string(opts_.request_timeout_ms / 1000) +
+                       " s (--request-timeout)",
+                   "timeout");
       const RouterStats s = core_->stats();
       ExportCopyGovernorLocked(s.copy);
       metrics_.index_blocks.Set(static_cast<double>(s.index.entries));

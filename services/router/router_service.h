@@ -83,6 +83,9 @@ struct RouterServiceOptions {
   size_t max_body_bytes = 4u << 20;
   size_t max_header_bytes = 16u << 10;
   int max_attempts = 3;  // dispatches per request (1 + retries)
+  // A request waiting this long for its next token (its first included:
+  // queueing, prefill) fails with 504; tokens that keep coming never time
+  // it out.
   int64_t request_timeout_ms = 600'000;
   // A worker whose load reports (sent from its engine loop) stop this long
   // while its connection lives is stuck in an engine step: it gets no new

@@ -77,6 +77,25 @@ class FakeWorker {
         error->set_code(proto::ERROR_CODE_RESOURCE_EXHAUSTED);
         error->set_message("the whole pool is too small");
         error->set_retryable(true);
+      } else if (e.has_generate() && trickle().first > 0) {
+        // Tokens `gap` apart from a thread of their own, then Finished.
+        const auto [tokens, gap] = trickle();
+        const std::string id = e.generate().request_id();
+        std::lock_guard lock(mu_);
+        tricklers_.emplace_back([c, id, tokens, gap] {
+          for (int i = 0; i < tokens; ++i) {
+            std::this_thread::sleep_for(gap);
+            proto::Envelope token;
+            token.mutable_token()->set_request_id(id);
+            token.mutable_token()->add_token_ids(5);
+            token.mutable_token()->set_text("t");
+            if (!c->Send(std::move(token)).ok()) return;
+          }
+          proto::Envelope done;
+          done.mutable_finished()->set_request_id(id);
+          done.mutable_finished()->set_reason(proto::FINISH_REASON_LENGTH);
+          (void)c->Send(std::move(done));
+        });
       } else if (e.has_generate()) {
         std::string text;
         bool finish = true;
@@ -125,7 +144,15 @@ class FakeWorker {
                                                 static_cast<uint16_t>(router_port), co, h);
     client_->Start();
   }
-  ~FakeWorker() { client_->Stop(); }
+  ~FakeWorker() {
+    std::vector<std::thread> tricklers;
+    {
+      std::lock_guard lock(mu_);
+      tricklers.swap(tricklers_);
+    }
+    for (auto& t : tricklers) t.join();
+    client_->Stop();
+  }
 
   std::string address() const { return name_ + ".test:9000"; }
 
@@ -158,6 +185,16 @@ class FakeWorker {
     std::lock_guard lock(mu_);
     return refuse_;
   }
+  // > 0: Generates are answered with this many tokens `gap` apart (a
+  // long answer that keeps coming), then Finished.
+  void SetTrickle(int tokens, std::chrono::milliseconds gap) {
+    std::lock_guard lock(mu_);
+    trickle_ = {tokens, gap};
+  }
+  std::pair<int, std::chrono::milliseconds> trickle() {
+    std::lock_guard lock(mu_);
+    return trickle_;
+  }
 
  private:
   std::string name_;
@@ -169,6 +206,8 @@ class FakeWorker {
   std::string reply_text_;
   bool finish_ = true;
   bool refuse_ = false;
+  std::pair<int, std::chrono::milliseconds> trickle_{0, std::chrono::milliseconds(0)};
+  std::vector<std::thread> tricklers_;
 };
 
 class RouterServiceTest : public ::testing::Test {
@@ -180,7 +219,7 @@ class RouterServiceTest : public ::testing::Test {
     o.http_port = 0;
     o.control_port = 0;
     o.max_local_prefill = 16;
-    o.request_timeout_ms = 20'000;
+    o.request_timeout_ms = RequestTimeoutMs();
     o.tool_call_parser = ToolCallParser();
     o.chat_template_file = ChatTemplateFile();
     auto s = RouterService::Create(o);
@@ -195,6 +234,7 @@ class RouterServiceTest : public ::testing::Test {
     workers_.clear();
     if (service_) service_->Stop();
   }
+  virtual int64_t RequestTimeoutMs() const { return 20'000; }
   virtual std::string ToolCallParser() const { return "hermes"; }
   virtual std::string ChatTemplateFile() const { return ""; }
 
@@ -326,6 +366,33 @@ TEST_F(RouterServiceTest, ARetryGoesToAnotherWorker) {
     // Refused at most once, and the retry went to the other.
     EXPECT_LE(refusing.generates().size(), refused_before + 1);
   }
+}
+
+class RouterTimeoutTest : public RouterServiceTest {
+ protected:
+  int64_t RequestTimeoutMs() const override { return 1000; }
+};
+
+// --request-timeout bounds the wait for each next token, not the answer:
+// tokens 300 ms apart for 2.4 s finish under a 1 s timeout, streamed or
+// not; a worker that sends nothing times out with 504 naming the flag.
+TEST_F(RouterTimeoutTest, TokensThatKeepComingNeverTimeOut) {
+  FakeWorker& w = AddWorker("decode", proto::ROLE_DECODE, 4096);
+  w.SetTrickle(8, std::chrono::milliseconds(300));
+  auto r = Complete(8, 8);
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(nlohmann::json::parse(r.body)["choices"][0]["text"], "tttttttt");
+  nlohmann::json body = {
+      {"model", model_id_}, {"prompt", {5, 5}}, {"max_tokens", 8}, {"stream", true}};
+  r = pdserve::testing::HttpRequest(service_->http_port(), "POST", "/v1/completions", body.dump());
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_NE(r.body.find("[DONE]"), std::string::npos) << r.body;
+  EXPECT_EQ(r.body.find("error"), std::string::npos) << r.body;
+  w.SetTrickle(0, std::chrono::milliseconds(0));
+  w.SetFinish(false);  // no token, no Finished
+  r = Complete(8, 8);
+  EXPECT_EQ(r.status, 504) << r.body;
+  EXPECT_NE(r.body.find("--request-timeout"), std::string::npos) << r.body;
 }
 
 TEST_F(RouterServiceTest, TheContextLimitIsTheRegisteredWorkersOne) {
