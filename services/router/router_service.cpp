@@ -1751,6 +1751,9 @@ class RouterServiceImpl : public RouterService {
       if (r.copy_from && !r.first_token_seen) {
         metrics_.replications.Add({{"outcome", "failed"}}).Increment();
       }
+      // The failed attempt's other sequences (n > 1: one failed, the rest
+      // run on) stop there; the retry has a wire id of its own.
+      if (r.decode) SendCancelLocked(r, "retried after: " + why);
       r.decode.reset();
       r.prefill.reset();
       if (r.first_token_seen) {

@@ -136,6 +136,8 @@ class FakeWorker {
         std::lock_guard lock(mu_);
         if (e.has_resync()) registered_ = true;
         if (e.has_generate()) generates_.push_back(e.generate());
+        if (e.has_cancel()) cancels_.push_back(e.cancel().request_id());
+        if (e.has_generate() && reply.has_error()) refused_.push_back(e.generate().request_id());
         cv_.notify_all();
       }
       if (reply.body_case() != proto::Envelope::BODY_NOT_SET) (void)c->Send(std::move(reply));
@@ -176,6 +178,15 @@ class FakeWorker {
     std::lock_guard lock(mu_);
     return generates_;
   }
+  // Request ids of the Cancels received, and of the Generates refused.
+  std::vector<std::string> cancels() {
+    std::lock_guard lock(mu_);
+    return cancels_;
+  }
+  std::vector<std::string> refused() {
+    std::lock_guard lock(mu_);
+    return refused_;
+  }
   // true: Generates are answered with a retryable error.
   void SetRefuse(bool refuse) {
     std::lock_guard lock(mu_);
@@ -203,6 +214,7 @@ class FakeWorker {
   std::condition_variable cv_;
   bool registered_ = false;
   std::vector<proto::Generate> generates_;
+  std::vector<std::string> cancels_, refused_;
   std::string reply_text_;
   bool finish_ = true;
   bool refuse_ = false;
@@ -365,6 +377,23 @@ TEST_F(RouterServiceTest, ARetryGoesToAnotherWorker) {
     EXPECT_EQ(r.status, 200) << r.body;
     // Refused at most once, and the retry went to the other.
     EXPECT_LE(refusing.generates().size(), refused_before + 1);
+  }
+  // Each refused attempt was cancelled where it ran (with n > 1 the
+  // sequences that did not fail would otherwise run on for nobody).
+  for (FakeWorker* w : {&a, &b}) {
+    EXPECT_FALSE(w->refused().empty());
+    const auto all_cancelled = [w] {
+      const auto cancels = w->cancels();
+      for (const auto& id : w->refused()) {
+        if (std::find(cancels.begin(), cancels.end(), id) == cancels.end()) return false;
+      }
+      return true;
+    };
+    const auto until = std::chrono::steady_clock::now() + kWait;
+    while (!all_cancelled() && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    EXPECT_TRUE(all_cancelled());
   }
 }
 
