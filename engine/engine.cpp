@@ -1471,6 +1471,12 @@ EngineStats Engine::GetStats() const {
   for (const auto& [id, s] : requests_) {
     if (s->state == Sequence::State::kRemote) ++st.num_remote_waiting;
     if (s->state == Sequence::State::kLoading) ++st.num_loading;
+    // A decoding sequence has all but its newest token computed.
+    const int64_t left = static_cast<int64_t>(s->tokens.size()) - s->num_computed;
+    if (s->state != Sequence::State::kRemote && s->share_prompt_with == 0 &&
+        (s->state == Sequence::State::kWaiting || left > 1)) {
+      st.queued_prefill_tokens += std::max<int64_t>(0, left);
+    }
   }
   if (tier_store_) {
     st.tiers.enabled = true;

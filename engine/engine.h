@@ -270,7 +270,13 @@ struct EngineStats {
   int64_t num_loading = 0;         // of those, waiting for blocks from a lower tier
   int64_t num_waiting = 0;         // queued, including preempted ones
   int64_t num_remote_waiting = 0;  // parked for remote KV
-  uint64_t num_preemptions = 0;    // pdserve_preemptions_total
+  // Tokens still to compute before the queued and prefilling sequences can
+  // decode: what is not in the pool yet (a waiting prompt whole, until its
+  // admission finds its cached prefix; a prefilling one's chunks left; a
+  // preempted one's recompute), each shared prompt once, remote ones not
+  // (their prefill worker counts them). The load report's queued prefill.
+  int64_t queued_prefill_tokens = 0;
+  uint64_t num_preemptions = 0;  // pdserve_preemptions_total
   uint64_t num_steps = 0;
   // Steps that scheduled, finished and preempted nothing although requests
   // were waiting: each waits on parked requests (remote prefills, the

@@ -510,17 +510,6 @@ void DecodeSide::LogFinished(const Request& r, FinishReason reason, WorkerClock:
                     << Seconds(now - r.arrived) << "s";
 }
 
-int64_t DecodeSide::QueuedPrefillTokens() const {
-  int64_t queued = 0;
-  for (auto& [id, r] : requests_) {
-    // The other sequences of a group (n > 1) share its leader's prompt KV:
-    // the prompt is computed once.
-    if (r->leader != 0 && r->leader != id) continue;
-    if (!r->first_token_sent && !r->remote) queued += r->prompt_tokens - r->cached_tokens;
-  }
-  return std::max<int64_t>(0, queued);
-}
-
 // ------------------------------------------------------- remote hand-off
 
 RequestId DecodeSide::FindByPrefillRid(const std::string& address, const std::string& rid) const {

@@ -59,8 +59,6 @@ class DecodeSide {
   // True when `out` was one of this side's requests.
   bool HandleOutput(RequestOutput& out);
   void CheckDeadlines();
-  // Prompt tokens admitted here and not yet computed (for Load reports).
-  int64_t QueuedPrefillTokens() const;
   // Blocks held because a prefill peer given up on may still write into them
   // (any thread).
   size_t HeldBlocks() const { return held_blocks_.load(); }

@@ -628,7 +628,7 @@ class WorkerServiceImpl : public WorkerService {
     const EngineStats s = engine_->GetStats();
     proto::Envelope env;
     auto* l = env.mutable_load();
-    l->set_queued_prefill_tokens(static_cast<uint64_t>(decode_.QueuedPrefillTokens()));
+    l->set_queued_prefill_tokens(static_cast<uint64_t>(s.queued_prefill_tokens));
     l->set_running_requests(static_cast<uint32_t>(s.num_running));
     l->set_waiting_requests(static_cast<uint32_t>(s.num_waiting + s.num_remote_waiting));
     l->set_free_blocks(s.blocks.allocatable_blocks);

@@ -213,6 +213,36 @@ TEST_F(EngineSchedulerTest, SeededSamplingIsUnchangedByPreemption) {
   EXPECT_NE(Alone(a), Alone(b));
 }
 
+// The load report's queued prefill tokens: what is not in the pool yet,
+// chunk by chunk, a cached prefix not counted once admitted, remote prompts
+// not at all (their prefill worker counts them), decoding sequences zero.
+TEST_F(EngineSchedulerTest, QueuedPrefillTokensCountWhatIsNotComputedYet) {
+  EngineOptions o;
+  o.max_num_batched_tokens = 32;
+  auto e = MakeEngine(o);
+  EXPECT_EQ(e->GetStats().queued_prefill_tokens, 0);
+  const std::vector<TokenId> prompt = Prompt(100, 7);
+  ASSERT_TRUE(e->AddRequest(Greedy(1, prompt, 3)).ok());
+  ASSERT_TRUE(e->AddRemotePrefillRequest(Greedy(2, Prompt(40, 8), 3)).ok());
+  EXPECT_EQ(e->GetStats().queued_prefill_tokens, 100);
+  ASSERT_TRUE(e->Step().ok());  // one chunk of 32
+  EXPECT_EQ(e->GetStats().queued_prefill_tokens, 68);
+  while (e->GetStats().queued_prefill_tokens > 0) ASSERT_TRUE(e->Step().ok());
+  // Decoding now: nothing queued while it runs.
+  ASSERT_TRUE(e->HasUnfinished());
+  ASSERT_TRUE(e->Step().ok());
+  EXPECT_EQ(e->GetStats().queued_prefill_tokens, 0);
+  ASSERT_TRUE(e->Cancel(2).ok());
+  RunAll(*e);
+  // The same prompt again: whole while it waits, then its cached prefix
+  // (96 tokens in full blocks) is not counted.
+  ASSERT_TRUE(e->AddRequest(Greedy(3, prompt, 3)).ok());
+  EXPECT_EQ(e->GetStats().queued_prefill_tokens, 100);
+  ASSERT_TRUE(e->Step().ok());
+  EXPECT_EQ(e->GetStats().queued_prefill_tokens, 0);
+  RunAll(*e);
+}
+
 TEST_F(EngineSchedulerTest, MaxNumSeqsIsRespected) {
   EngineOptions o;
   o.max_num_seqs = 2;
