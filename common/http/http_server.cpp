@@ -339,9 +339,31 @@ class Session : public std::enable_shared_from_this<Session> {
     parser_->body_limit(server_->options.max_body_bytes);
     parser_->header_limit(static_cast<uint32_t>(server_->options.max_header_bytes));
     stream_.expires_after(server_->options.idle_timeout);
-    bhttp::async_read(
+    bhttp::async_read_header(
         stream_, buffer_, *parser_,
-        [self = shared_from_this()](beast::error_code ec, size_t) { self->OnRead(ec); });
+        [self = shared_from_this()](beast::error_code ec, size_t) { self->OnHeader(ec); });
+  }
+
+  // A client that sent "Expect: 100-continue" (curl does for bodies over
+  // 1 MB) waits for a 100 Continue before its body, a second by default:
+  // answered at once (a body over the limit is still refused, by the read).
+  void OnHeader(beast::error_code ec) {
+    if (ec) return OnRead(ec);
+    auto read_body = [self = shared_from_this()] {
+      bhttp::async_read(self->stream_, self->buffer_, *self->parser_,
+                        [self](beast::error_code ec, size_t) { self->OnRead(ec); });
+    };
+    const auto& msg = parser_->get();
+    if (msg.version() < 11 || !beast::iequals(msg[bhttp::field::expect], "100-continue") ||
+        parser_->is_done()) {
+      return read_body();
+    }
+    static const std::string kContinue = "HTTP/1.1 100 Continue\r\n\r\n";
+    net::async_write(stream_, net::buffer(kContinue),
+                     [self = shared_from_this(), read_body](beast::error_code ec, size_t) {
+                       if (ec) return self->Close();
+                       read_body();
+                     });
   }
 
   void OnRead(beast::error_code ec) {
@@ -541,8 +563,11 @@ class Session : public std::enable_shared_from_this<Session> {
     res.set(bhttp::field::cache_control, "no-cache");
     SetHeaders(res, headers);
     SetCorsHeaders(res);
+    // HTTP/1.0 has no chunked coding: the body runs to the connection's end.
+    chunked_ = version_ >= 11;
+    if (!chunked_) keep_alive_ = false;
     res.keep_alive(keep_alive_);
-    res.chunked(true);
+    res.chunked(chunked_);
     serializer_.emplace(res);
     writing_ = true;
     bhttp::async_write_header(stream_, *serializer_,
@@ -555,8 +580,12 @@ class Session : public std::enable_shared_from_this<Session> {
 
   void Pump() {
     if (writing_ || queue_.empty() || state_ == State::kClosed) return;
-    writing_ = true;
     if (std::holds_alternative<LastChunk>(queue_.front())) {
+      if (!chunked_) {
+        queue_.clear();
+        return FinishExchange({});  // closes the connection, which ends the body
+      }
+      writing_ = true;
       net::async_write(stream_, bhttp::make_chunk_last(),
                        [self = shared_from_this()](beast::error_code ec, size_t) {
                          self->writing_ = false;
@@ -565,14 +594,19 @@ class Session : public std::enable_shared_from_this<Session> {
                        });
       return;
     }
-    const std::string& data = std::get<std::string>(queue_.front());
-    net::async_write(stream_, bhttp::make_chunk(net::buffer(data)),
-                     [self = shared_from_this()](beast::error_code ec, size_t) {
-                       self->writing_ = false;
-                       if (ec) return self->PeerGone();
-                       self->queue_.pop_front();
-                       self->Pump();
-                     });
+    writing_ = true;
+    auto written = [self = shared_from_this()](beast::error_code ec, size_t) {
+      self->writing_ = false;
+      if (ec) return self->PeerGone();
+      self->queue_.pop_front();
+      self->Pump();
+    };
+    const auto data = net::buffer(std::get<std::string>(queue_.front()));
+    if (chunked_) {
+      net::async_write(stream_, bhttp::make_chunk(data), std::move(written));
+    } else {
+      net::async_write(stream_, data, std::move(written));
+    }
   }
 
   void FinishExchange(beast::error_code ec) {
@@ -624,6 +658,7 @@ class Session : public std::enable_shared_from_this<Session> {
   bool keep_alive_ = true;
   bool counted_ = false;
   unsigned version_ = 11;
+  bool chunked_ = true;  // the stream's body in chunks (HTTP/1.1)
 };
 
 ExchangeImpl::~ExchangeImpl() {

@@ -419,6 +419,51 @@ TEST(HttpServerTest, StreamsChunksAsTheyAreWritten) {
   EXPECT_NE(rest.find("0\r\n\r\n"), std::string::npos);  // chunked terminator
 }
 
+// HTTP/1.0 has no chunked coding: a stream to an HTTP/1.0 client is the
+// bytes as written, ended by the connection's close.
+TEST(HttpServerTest, StreamsToHttp10ClientsEndWithTheConnection) {
+  Server server({.host = "127.0.0.1"}, [&](const Request&, std::shared_ptr<Exchange> ex) {
+    ex->BeginStream(200, "text/event-stream");
+    ex->Write("data: one\n\n");
+    ex->Write("data: two\n\n");
+    ex->End();
+  });
+  ASSERT_TRUE(server.Start().ok());
+  const std::string got = Fetch(server.port(), "GET /stream HTTP/1.0\r\nHost: x\r\n\r\n");
+  EXPECT_NE(got.find("HTTP/1.0 200"), std::string::npos) << got;
+  EXPECT_EQ(got.find("chunked"), std::string::npos) << got;
+  EXPECT_EQ(BodyOf(got), "data: one\n\ndata: two\n\n");
+}
+
+// "Expect: 100-continue" (curl sends it for bodies over 1 MB and waits a
+// second for the answer before sending the body anyway) gets its 100
+// Continue at once; the body then reads as usual.
+TEST(HttpServerTest, ExpectContinueIsAnsweredBeforeTheBody) {
+  Server server({.host = "127.0.0.1"}, [](const Request& req, std::shared_ptr<Exchange> ex) {
+    Response r;
+    r.body = req.body;
+    ex->Reply(std::move(r));
+  });
+  ASSERT_TRUE(server.Start().ok());
+  int fd = Connect(server.port());
+  ASSERT_GE(fd, 0);
+  SendAll(fd,
+          "POST /x HTTP/1.1\r\nHost: x\r\nConnection: close\r\nExpect: 100-continue\r\n"
+          "Content-Length: 5\r\n\r\n");
+  // Nothing of the body sent: only the interim answer can come.
+  const std::string interim = ReadUntil(fd, "\r\n\r\n");
+  EXPECT_EQ(interim, "HTTP/1.1 100 Continue\r\n\r\n");
+  SendAll(fd, "hello");
+  const std::string final_answer = ReadAll(fd);
+  ::close(fd);
+  EXPECT_NE(final_answer.find("HTTP/1.1 200"), std::string::npos) << final_answer;
+  EXPECT_EQ(BodyOf(final_answer), "hello");
+  // Without the header, no interim answer.
+  const std::string plain = Fetch(server.port(), Post("/x", "hi"));
+  EXPECT_EQ(plain.find("100 Continue"), std::string::npos) << plain;
+  EXPECT_EQ(BodyOf(plain), "hi");
+}
+
 // WaitIdle is what a graceful stop waits on: an answer handed to its
 // Exchange but not yet written (a client reading slowly, a loaded machine)
 // keeps the server busy, and Stop after WaitIdle cuts nothing.
