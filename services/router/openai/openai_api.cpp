@@ -957,7 +957,8 @@ std::optional<ApiError> ParseBody(Endpoint endpoint, const ojson& j, const ApiLi
     std::optional<int64_t> top;
     PDSERVE_API_CHECK(f.Int("top_logprobs", &top));
     if (top) {
-      if (!out->chat_logprobs)
+      // 0 asks for nothing, so it needs nothing (vLLM refuses only more).
+      if (!out->chat_logprobs && *top != 0)
         return InvalidParam("top_logprobs", "'top_logprobs' requires 'logprobs': true");
       if (*top < 0 || *top > kMaxLogprobs) {
         return InvalidParam("top_logprobs",

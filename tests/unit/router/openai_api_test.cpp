@@ -253,6 +253,11 @@ TEST(OpenAiApiTest, ChatMessages) {
   EXPECT_EQ(r.sampling.logprobs, 3);
   // Key order survives for the chat template.
   EXPECT_EQ(r.messages[0].begin().key(), "role");
+  // top_logprobs 0 asks for nothing: fine without logprobs, and none come.
+  auto zero = ParseOk(Endpoint::kChatCompletions,
+                      R"({"messages":[{"role":"user","content":"x"}],"top_logprobs":0})");
+  EXPECT_FALSE(zero.chat_logprobs);
+  EXPECT_FALSE(zero.sampling.logprobs.has_value());
 }
 
 // vLLM's continue_final_message, truncate_prompt_tokens and
