@@ -318,6 +318,7 @@ struct Inflight {
     bool finished = false;
     std::string finish_reason;
     double logprob_sum = 0;  // best_of: the sequence's likelihood
+    int64_t tokens = 0;      // generated so far (continuous usage)
   };
   std::vector<Choice> choices;
   size_t choices_finished = 0;
@@ -1817,6 +1818,7 @@ class RouterServiceImpl : public RouterService {
       if (r.api->stream) {
         r.exchange->BeginStream(200, "text/event-stream", {{"x-request-id", r.http_request_id}});
         r.started_stream = true;
+        RunningUsageLocked(r, 0);
         r.exchange->Write(r.formatter->StreamStart(r.api->n, r.prompt_text, &r.prompt_pieces));
       }
     }
@@ -1832,6 +1834,8 @@ class RouterServiceImpl : public RouterService {
     }
     const int index = static_cast<int>(t.index());
     Inflight::Choice& c = r.choices[t.index()];
+    c.tokens += t.token_ids_size();
+    RunningUsageLocked(r, c.tokens);
     std::vector<TokenPiece> pieces;
     for (int i = 0; i < t.token_ids_size(); ++i) {
       TokenPiece p;
@@ -1934,6 +1938,7 @@ class RouterServiceImpl : public RouterService {
     if (t.text().empty() || t.index() >= r.choices.size()) return;
     const int index = static_cast<int>(t.index());
     Inflight::Choice& c = r.choices[index];
+    RunningUsageLocked(r, c.tokens);
     if (r.api->stream && c.tool_stream) {
       TokenPiece tail;
       tail.text = t.text();
@@ -2031,9 +2036,11 @@ class RouterServiceImpl : public RouterService {
     if (r.api->stream) {
       if (!r.started_stream) {
         r.exchange->BeginStream(200, "text/event-stream", {{"x-request-id", r.http_request_id}});
+        RunningUsageLocked(r, 0);
         r.exchange->Write(r.formatter->StreamStart(r.api->n, r.prompt_text, &r.prompt_pieces));
         r.started_stream = true;
       }
+      RunningUsageLocked(r, c.tokens);
       if (c.tool_stream) {
         StreamToolText(r, index, tail_pieces, /*final=*/true);
         // A turn cut off by max_tokens stays "length", calls or not.
@@ -2146,6 +2153,14 @@ class RouterServiceImpl : public RouterService {
     PDSERVE_LOG(INFO) << "request " << r.http_request_id << " cancelled: " << why;
     if (r.decode) SendCancelLocked(r, why);
     FinishLocked(id, "cancelled");
+  }
+
+  // The usage the next stream chunks carry (stream_options'
+  // continuous_usage_stats): the prompt and one choice's tokens so far.
+  static void RunningUsageLocked(Inflight& r, int64_t completion_tokens) {
+    if (r.api->continuous_usage) {
+      r.formatter->SetRunningUsage(static_cast<int64_t>(r.prompt_ids.size()), completion_tokens);
+    }
   }
 
   void SendCancelLocked(Inflight& r, const std::string& why) {

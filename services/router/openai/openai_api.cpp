@@ -767,6 +767,9 @@ std::optional<ApiError> ParseBody(Endpoint endpoint, const ojson& j, const ApiLi
       return InvalidParam("stream_options",
                           "'stream_options' is only allowed when 'stream' is true");
     PDSERVE_API_CHECK(Fields(*so).Bool("include_usage", &out->include_usage));
+    bool continuous = false;
+    PDSERVE_API_CHECK(Fields(*so).Bool("continuous_usage_stats", &continuous));
+    out->continuous_usage = continuous && out->include_usage;
   }
 
   // n (and best_of): several choices of one prompt.
@@ -1269,9 +1272,16 @@ std::string JoinText(const std::vector<TokenPiece>& pieces) { return Utf8Text(Jo
 }  // namespace
 
 // With stream_options.include_usage every chunk but the last carries
-// "usage": null, as OpenAI sends them.
+// "usage": null, as OpenAI sends them; with continuous_usage_stats too, the
+// usage so far, as vLLM sends it.
 std::string ResponseFormatter::Chunk(ojson j) const {
-  if (request_.include_usage) j["usage"] = nullptr;
+  if (request_.continuous_usage) {
+    j["usage"] = {{"prompt_tokens", running_.prompt_tokens},
+                  {"total_tokens", running_.prompt_tokens + running_.completion_tokens},
+                  {"completion_tokens", running_.completion_tokens}};
+  } else if (request_.include_usage) {
+    j["usage"] = nullptr;
+  }
   return Sse(j);
 }
 

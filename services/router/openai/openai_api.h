@@ -66,6 +66,9 @@ struct ApiRequest {
   std::string model;
   bool stream = false;
   bool include_usage = false;  // stream_options.include_usage
+  // stream_options.continuous_usage_stats (vLLM's; with include_usage):
+  // every chunk carries the usage so far (ResponseFormatter::SetRunningUsage).
+  bool continuous_usage = false;
   // /v1/completions: exactly one of these is set.
   std::optional<std::string> prompt_text;
   std::optional<std::vector<TokenId>> prompt_ids;
@@ -259,6 +262,12 @@ class ResponseFormatter {
   std::string StreamEnd(const Usage& usage) const;
   // One choice: its finish event, then StreamEnd.
   std::string StreamFinish(const std::string& finish_reason, const Usage& usage) const;
+  // Streaming with continuous_usage: the usage the next chunks carry, the
+  // prompt's tokens and those of the choice they are about so far (0 for
+  // the role chunks), as vLLM counts them.
+  void SetRunningUsage(int64_t prompt_tokens, int64_t completion_tokens) {
+    running_ = {prompt_tokens, completion_tokens, 0};
+  }
   // Streaming: an error event after the stream started, then [DONE].
   static std::string StreamError(const ApiError& error);
   // The same for this request's endpoint (/v1/responses: its error and
@@ -309,6 +318,7 @@ class ResponseFormatter {
   const ApiRequest& request_;
   std::string id_;
   int64_t created_;
+  Usage running_;  // SetRunningUsage
   // /v1/responses: its events and object, which need what came before.
   std::shared_ptr<ResponsesWriter> responses_;
 };

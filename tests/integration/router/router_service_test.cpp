@@ -81,8 +81,9 @@ class FakeWorker {
         // Tokens `gap` apart from a thread of their own, then Finished.
         const auto [tokens, gap] = trickle();
         const std::string id = e.generate().request_id();
+        const auto prompt = static_cast<uint32_t>(e.generate().prompt_token_ids_size());
         std::lock_guard lock(mu_);
-        tricklers_.emplace_back([c, id, tokens, gap] {
+        tricklers_.emplace_back([c, id, tokens, gap, prompt] {
           for (int i = 0; i < tokens; ++i) {
             std::this_thread::sleep_for(gap);
             proto::Envelope token;
@@ -94,6 +95,9 @@ class FakeWorker {
           proto::Envelope done;
           done.mutable_finished()->set_request_id(id);
           done.mutable_finished()->set_reason(proto::FINISH_REASON_LENGTH);
+          done.mutable_finished()->mutable_usage()->set_prompt_tokens(prompt);
+          done.mutable_finished()->mutable_usage()->set_completion_tokens(
+              static_cast<uint32_t>(tokens));
           (void)c->Send(std::move(done));
         });
       } else if (e.has_generate()) {
@@ -422,6 +426,45 @@ TEST_F(RouterTimeoutTest, TokensThatKeepComingNeverTimeOut) {
   r = Complete(8, 8);
   EXPECT_EQ(r.status, 504) << r.body;
   EXPECT_NE(r.body.find("--request-timeout"), std::string::npos) << r.body;
+}
+
+// stream_options.continuous_usage_stats (vLLM's): every chunk carries the
+// usage so far, the prompt and the choice's tokens; without it (or without
+// include_usage, as vLLM requires) chunks carry none.
+TEST_F(RouterServiceTest, ContinuousUsageCountsTokensAsTheyStream) {
+  FakeWorker& w = AddWorker("decode", proto::ROLE_DECODE, 4096);
+  w.SetTrickle(3, std::chrono::milliseconds(5));
+  for (const bool continuous : {true, false}) {
+    nlohmann::json body = {
+        {"model", model_id_},
+        {"prompt", {5, 5, 5, 5}},
+        {"max_tokens", 3},
+        {"stream", true},
+        {"stream_options", {{"include_usage", true}, {"continuous_usage_stats", continuous}}}};
+    const auto r = pdserve::testing::HttpRequest(service_->http_port(), "POST", "/v1/completions",
+                                                 body.dump());
+    ASSERT_EQ(r.status, 200) << r.body;
+    std::vector<nlohmann::json> chunks;
+    for (size_t at = r.body.find("data: {"); at != std::string::npos;
+         at = r.body.find("data: {", at + 1)) {
+      chunks.push_back(
+          nlohmann::json::parse(r.body.substr(at + 6, r.body.find("\n", at) - at - 6)));
+    }
+    ASSERT_EQ(chunks.size(), 5u) << r.body;  // three tokens, the finish, the usage
+    for (size_t k = 0; k < 4; ++k) {
+      if (!continuous) {
+        EXPECT_TRUE(chunks[k]["usage"].is_null()) << chunks[k];
+        continue;
+      }
+      const int64_t done = std::min<int64_t>(static_cast<int64_t>(k) + 1, 3);
+      EXPECT_EQ(chunks[k]["usage"]["prompt_tokens"], 4) << chunks[k];
+      EXPECT_EQ(chunks[k]["usage"]["completion_tokens"], done) << chunks[k];
+      EXPECT_EQ(chunks[k]["usage"]["total_tokens"], 4 + done) << chunks[k];
+    }
+    EXPECT_TRUE(chunks[4]["choices"].empty());
+    EXPECT_EQ(chunks[4]["usage"]["prompt_tokens"], 4);
+    EXPECT_EQ(chunks[4]["usage"]["completion_tokens"], 3);
+  }
 }
 
 TEST_F(RouterServiceTest, TheContextLimitIsTheRegisteredWorkersOne) {
