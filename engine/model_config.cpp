@@ -126,6 +126,18 @@ Status ParseRopeScaling(const json& rope, const std::string& source, const char*
     type = t2->get<std::string>();
   }
   const std::string where = source + ": " + key;
+  if (type.empty()) {
+    // transformers 5 reads a dict without a type as the default rotary
+    // embedding; one that also carries scaling keys is ambiguous.
+    for (auto it = rope.begin(); it != rope.end(); ++it) {
+      if (it.key() != "rope_theta" && it.key() != "partial_rotary_factor" &&
+          !(it.key() == "rope_type" || it.key() == "type")) {
+        return Status::InvalidArgument(where + ": has '" + it.key() +
+                                       "' but no 'rope_type' (or 'type')");
+      }
+    }
+    type = "default";
+  }
   if (auto f = rope.find("partial_rotary_factor");
       f != rope.end() && !(f->is_number() && f->get<double>() == 1.0)) {
     return Status::Unsupported(where + ": 'partial_rotary_factor' " + f->dump() +
@@ -141,10 +153,18 @@ Status ParseRopeScaling(const json& rope, const std::string& source, const char*
     s.type = RopeScaling::Type::kLinear;
   } else if (type == "llama3") {
     s.type = RopeScaling::Type::kLlama3;
+    // Required, as transformers reads them (no default to guess).
+    for (const char* k : {"low_freq_factor", "high_freq_factor"}) {
+      if (auto v = rope.find(k); v == rope.end() || v->is_null()) {
+        return Status::InvalidArgument(where + ": missing '" + k + "'");
+      }
+    }
     PDSERVE_RETURN_IF_ERROR(r.Double("low_freq_factor", &s.low_freq_factor, 0, 1e6));
     PDSERVE_RETURN_IF_ERROR(r.Double("high_freq_factor", &s.high_freq_factor, 0, 1e6));
+    // Absent: the top-level key, as transformers 5 reads it (the caller).
+    s.original_max_position_embeddings = 0;
     PDSERVE_RETURN_IF_ERROR(r.Int("original_max_position_embeddings",
-                                  &s.original_max_position_embeddings, true, 1, kMaxPositions));
+                                  &s.original_max_position_embeddings, false, 1, kMaxPositions));
     if (!(s.high_freq_factor > s.low_freq_factor)) {
       return Status::InvalidArgument(where + ": high_freq_factor must exceed low_freq_factor");
     }
@@ -173,11 +193,55 @@ Status ParseRopeScaling(const json& rope, const std::string& source, const char*
     return Status::Unsupported(where + ": type '" + type +
                                "' is not supported (default, linear, llama3 and yarn are)");
   }
-  if (rope.find("factor") == rope.end()) {
-    return Status::InvalidArgument(where + ": missing 'factor'");
+  if (auto f = rope.find("factor"); f == rope.end() || f->is_null()) {
+    // transformers 5: yarn's null factor is max_position_embeddings over the
+    // original context (the caller, which knows both); others have none.
+    if (s.type != RopeScaling::Type::kYarn || f == rope.end()) {
+      return Status::InvalidArgument(where + ": missing 'factor'");
+    }
+    s.factor = 0;
+  } else {
+    PDSERVE_RETURN_IF_ERROR(r.Double("factor", &s.factor, 0, 1e6));  // (0, 1e6]
   }
-  PDSERVE_RETURN_IF_ERROR(r.Double("factor", &s.factor, 0, 1e6));
   *out = s;
+  return Status::Ok();
+}
+
+// The original context of llama3 and yarn rope: the rope dict's
+// original_max_position_embeddings (Meta's and YaRN's own parameter, all
+// transformers 4.x reads), or the top-level key of that name where the dict
+// has none and transformers versions agree on it (llama3: 4.x refuses the
+// config, 5 takes the top-level key). A top-level key that disagrees with the
+// dict's, or would decide yarn's where 4.x takes max_position_embeddings and
+// 5 the top-level key, is refused naming both.
+Status ResolveOriginalContext(const json& j, const std::string& source, const char* rope_key,
+                              ModelConfig* c) {
+  RopeScaling& s = c->rope_scaling;
+  if (s.type != RopeScaling::Type::kLlama3 && s.type != RopeScaling::Type::kYarn) {
+    return Status::Ok();
+  }
+  int64_t top = 0;
+  Reader r(j, source);
+  PDSERVE_RETURN_IF_ERROR(r.Int("original_max_position_embeddings", &top, false, 1, kMaxPositions));
+  const std::string inner = std::string(rope_key) + ".original_max_position_embeddings";
+  if (top > 0 && s.original_max_position_embeddings > 0 &&
+      top != s.original_max_position_embeddings) {
+    return Status::InvalidArgument(source + ": 'original_max_position_embeddings' " +
+                                   std::to_string(top) + " disagrees with '" + inner + "' " +
+                                   std::to_string(s.original_max_position_embeddings));
+  }
+  if (s.original_max_position_embeddings == 0) {
+    if (s.type == RopeScaling::Type::kLlama3) {
+      if (top == 0) return Status::InvalidArgument(source + ": missing '" + inner + "'");
+      s.original_max_position_embeddings = top;
+    } else if (top > 0) {
+      return Status::InvalidArgument(
+          source +
+          ": 'original_max_position_embeddings' is given at the top level only; put it in '" +
+          std::string(rope_key) +
+          "' (transformers versions differ on which context a yarn rope stretches)");
+    }
+  }
   return Status::Ok();
 }
 
@@ -941,6 +1005,7 @@ StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std::strin
   } else if (auto rs = j.find("rope_scaling"); rs != j.end() && !rs->is_null()) {
     PDSERVE_RETURN_IF_ERROR(ParseRopeScaling(*rs, source, "rope_scaling", &c.rope_scaling));
   }
+  PDSERVE_RETURN_IF_ERROR(ResolveOriginalContext(j, source, rope_key, &c));
   if (c.rope_scaling.type == RopeScaling::Type::kYarn) {
     if (is_gemma) {
       // Gemma-3 scales the global layers' rope only, so yarn's attention
@@ -953,6 +1018,10 @@ StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std::strin
       // max_position_embeddings.
       c.rope_scaling.original_max_position_embeddings =
           is_deepseek_v2 || is_deepseek_v3 ? 4096 : c.max_position_embeddings;
+    }
+    if (c.rope_scaling.factor == 0) {  // null: transformers 5's ratio
+      c.rope_scaling.factor = static_cast<double>(c.max_position_embeddings) /
+                              static_cast<double>(c.rope_scaling.original_max_position_embeddings);
     }
   }
   if (is_deepseek_v2 || is_deepseek_v3) {

@@ -91,7 +91,6 @@ bool ReferenceModel::LoadDeepseek(const json& c, const std::string& dir, std::st
   d.v_dim = Int(c, "v_head_dim", 128);
   // modeling_deepseek_v2 always multiplies complex pairs; V3 reads the flag.
   d.interleave = !v3 || c.value("rope_interleave", true);
-  const double theta = Number(c, "rope_theta", 10000.0);
   const int64_t dim = d.rope;
   d.softmax_scale = 1.0 / std::sqrt(static_cast<double>(d.nope + d.rope));
   const json* rs = nullptr;
@@ -99,6 +98,9 @@ bool ReferenceModel::LoadDeepseek(const json& c, const std::string& dir, std::st
     if (auto it = c.find(key); it != c.end() && it->is_object()) rs = &*it;
     if (rs) break;
   }
+  // transformers 5 keeps rope_theta in rope_parameters.
+  const double theta = rs && rs->contains("rope_theta") ? Number(*rs, "rope_theta", 10000.0)
+                                                        : Number(c, "rope_theta", 10000.0);
   std::string rope_type = "default";
   if (rs) rope_type = rs->value("rope_type", rs->value("type", std::string("default")));
   if (rope_type != "default" && rope_type != "yarn") {

@@ -46,7 +46,25 @@ std::unique_ptr<ReferenceModel> ReferenceModel::Load(const std::string& dir, std
   m->eps_ = c.value("rms_norm_eps", mixtral ? 1e-5 : 1e-6);
   const bool gemma2 = arch == "Gemma2ForCausalLM", gemma3 = arch == "Gemma3ForCausalLM";
   m->gemma_ = gemma2 || gemma3;
-  const double theta = c.value("rope_theta", gemma3 || mixtral ? 1e6 : 10000.0);
+  // The rotary settings: transformers 5 writes rope_parameters (rope_theta
+  // inside it; Gemma-3 one set per layer type), 4.x rope_scaling beside a
+  // top-level rope_theta.
+  json rope = json::object();
+  double local_theta = c.value("rope_local_base_freq", 10000.0);
+  if (auto rp = c.find("rope_parameters"); rp != c.end() && rp->is_object()) {
+    if (rp->contains("full_attention")) {
+      rope = (*rp)["full_attention"];
+      const json& local = rp->value("sliding_attention", json::object());
+      if (local.contains("rope_theta")) local_theta = local["rope_theta"].get<double>();
+    } else {
+      rope = *rp;
+    }
+  } else if (auto rs = c.find("rope_scaling"); rs != c.end() && rs->is_object()) {
+    rope = *rs;
+  }
+  const double theta = rope.contains("rope_theta")
+                           ? rope["rope_theta"].get<double>()
+                           : c.value("rope_theta", gemma3 || mixtral ? 1e6 : 10000.0);
   const bool tied = c.value("tie_word_embeddings", m->gemma_);
   if (arch == "DeepseekV2ForCausalLM" || arch == "DeepseekV3ForCausalLM") {
     m->deepseek_ = true;
@@ -145,11 +163,21 @@ std::unique_ptr<ReferenceModel> ReferenceModel::Load(const std::string& dir, std
 
   // Rotary frequencies as Hugging Face computes them, including rope_scaling,
   // then held as float32 (the dtype of HF's inv_freq buffer).
-  const json no_scaling = json::object();
-  const json& rs_or_none =
-      c.contains("rope_scaling") && c["rope_scaling"].is_object() ? c["rope_scaling"] : no_scaling;
-  const std::string rope_type =
-      rs_or_none.value("rope_type", rs_or_none.value("type", std::string("default")));
+  const std::string rope_type = rope.value("rope_type", rope.value("type", std::string("default")));
+  // standardize_rope_params (transformers 5): for llama3 and yarn the
+  // top-level original_max_position_embeddings wins; yarn's null factor is
+  // max_position_embeddings over the original context.
+  if ((rope_type == "llama3" || rope_type == "yarn") &&
+      c.contains("original_max_position_embeddings")) {
+    rope["original_max_position_embeddings"] = c["original_max_position_embeddings"];
+  }
+  if (rope_type == "yarn" && rope.contains("factor") && rope["factor"].is_null()) {
+    const double original = rope.value("original_max_position_embeddings", json()).is_number()
+                                ? rope["original_max_position_embeddings"].get<double>()
+                                : c["max_position_embeddings"].get<double>();
+    rope["factor"] = c["max_position_embeddings"].get<double>() / original;
+  }
+  const json& rs_or_none = rope;
   // _compute_yarn_parameters (transformers 5: `factor` as given): the
   // correction range of beta_fast / beta_slow rotations over the original
   // context, and the factor cos and sin are multiplied by.
@@ -212,8 +240,8 @@ std::unique_ptr<ReferenceModel> ReferenceModel::Load(const std::string& dir, std
     }
     m->inv_freq_.push_back(static_cast<float>(f));
     // Gemma3RotaryEmbedding's local_inv_freq: rope_local_base_freq, unscaled.
-    m->inv_freq_local_.push_back(static_cast<float>(
-        1.0 / std::pow(c.value("rope_local_base_freq", 10000.0), 2.0 * i / m->head_dim_)));
+    m->inv_freq_local_.push_back(
+        static_cast<float>(1.0 / std::pow(local_theta, 2.0 * i / m->head_dim_)));
   }
 
   Tensors t;

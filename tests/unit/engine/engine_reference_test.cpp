@@ -8,6 +8,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -335,6 +336,42 @@ TEST(EngineReferenceTest, VariantsMatchReference) {
     CheckPrompt(l, 17, 512, 3);
     CheckPrompt(l, 70, 16, 4);
     CheckDecode(l, 9);
+  }
+}
+
+// transformers 5 writes the rotary settings as rope_parameters, rope_theta
+// inside them, and may leave yarn's factor null (max_position_embeddings
+// over the original context): the same models rewritten so compute as the
+// reference reads them, which is also what they computed before.
+TEST(EngineReferenceTest, TransformersFiveRopeParametersMatchReference) {
+  std::map<std::string, ModelSpec> specs;
+  for (const auto& v : Variants()) specs[v.name] = v.spec;
+  for (const char* name : {"mqa_llama3_rope", "qwen3_yarn"}) {
+    SCOPED_TRACE(name);
+    ASSERT_EQ(specs.count(name), 1u);
+    const std::filesystem::path from = testing::ModelDir(name, specs[name]);
+    const std::filesystem::path dir = testing::NewTempDir(std::string("v5-") + name);
+    std::filesystem::copy(from, dir, std::filesystem::copy_options::recursive);
+    nlohmann::ordered_json c;
+    std::ifstream(dir / "config.json") >> c;
+    nlohmann::ordered_json params = c["rope_scaling"];
+    params["rope_theta"] = c["rope_theta"];
+    if (params.value("rope_type", params.value("type", std::string())) == "yarn") {
+      // A null factor is max_position_embeddings / original: made this
+      // model's (the context is longer than the prompts either way).
+      c["max_position_embeddings"] = params["original_max_position_embeddings"].get<int64_t>() *
+                                     params["factor"].get<int64_t>();
+      params["factor"] = nullptr;
+    }
+    c.erase("rope_scaling");
+    c.erase("rope_theta");
+    c["rope_parameters"] = params;
+    std::ofstream(dir / "config.json") << c.dump(2);
+    Loaded l = LoadBoth(dir.string());
+    ASSERT_NE(l.model, nullptr);
+    Loaded original = LoadBoth(from.string());
+    EXPECT_EQ(l.model->config().RopeInvFreq(false), original.model->config().RopeInvFreq(false));
+    CheckPrompt(l, 70, 16, 4);
   }
 }
 

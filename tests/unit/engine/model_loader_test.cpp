@@ -276,6 +276,80 @@ TEST(ModelLoaderTest, UnsupportedArchitectureAndRopeScaling) {
   ExpectError(LoadStatus(dir), StatusCode::kUnsupported, {"longrope"});
 }
 
+// Rope settings as transformers reads them, where its versions agree, and
+// refused naming the keys where they do not (rather than one reading chosen
+// silently).
+TEST(ModelLoaderTest, RopeKeysAsTransformersReadsThem) {
+  const json base = {{"architectures", {"LlamaForCausalLM"}},
+                     {"vocab_size", 64},
+                     {"hidden_size", 32},
+                     {"intermediate_size", 64},
+                     {"num_hidden_layers", 1},
+                     {"num_attention_heads", 4},
+                     {"num_key_value_heads", 2},
+                     {"max_position_embeddings", 16384}};
+  auto parse = [](const json& c) { return ParseModelConfig(c.dump(), "config.json"); };
+  auto refused = [&](const json& c, const std::vector<std::string>& needles) {
+    auto p = parse(c);
+    ASSERT_FALSE(p.ok()) << c.dump();
+    for (const auto& n : needles) {
+      EXPECT_NE(p.status().message().find(n), std::string::npos) << n << " not in: " << p.status().message();
+    }
+  };
+  // A dict without a type is the default rope (transformers 5), unless it
+  // carries scaling keys.
+  json c = base;
+  c["rope_parameters"] = {{"rope_theta", 5e5}};
+  auto plain = parse(c);
+  ASSERT_TRUE(plain.ok()) << plain.status().ToString();
+  EXPECT_EQ(plain->rope_scaling.type, RopeScaling::Type::kNone);
+  EXPECT_DOUBLE_EQ(plain->rope_theta, 5e5);
+  c = base;
+  c["rope_scaling"] = json::object();
+  EXPECT_TRUE(parse(c).ok());
+  c["rope_scaling"] = {{"factor", 2.0}};
+  refused(c, {"'factor'", "no 'rope_type'"});
+  // llama3: the factors are required; the original context from the dict,
+  // or from the top level where the dict has none (transformers 5).
+  const json llama3 = {{"rope_type", "llama3"},
+                       {"factor", 8.0},
+                       {"low_freq_factor", 1.0},
+                       {"high_freq_factor", 4.0},
+                       {"original_max_position_embeddings", 8192}};
+  c = base;
+  c["rope_scaling"] = llama3;
+  c["rope_scaling"].erase("high_freq_factor");
+  refused(c, {"missing 'high_freq_factor'"});
+  c["rope_scaling"] = llama3;
+  c["rope_scaling"].erase("original_max_position_embeddings");
+  refused(c, {"rope_scaling.original_max_position_embeddings"});
+  c["original_max_position_embeddings"] = 8192;
+  auto top = parse(c);
+  ASSERT_TRUE(top.ok()) << top.status().ToString();
+  EXPECT_EQ(top->rope_scaling.original_max_position_embeddings, 8192);
+  c["rope_scaling"] = llama3;
+  EXPECT_TRUE(parse(c).ok());  // both, agreeing
+  c["original_max_position_embeddings"] = 4096;
+  refused(c, {"'original_max_position_embeddings' 4096", "8192"});
+  // yarn: a top-level original context alone is refused (4.x stretches
+  // max_position_embeddings, 5 the top-level key); a null factor is 5's
+  // ratio; linear's null factor is refused.
+  c = base;
+  c["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}};
+  c["original_max_position_embeddings"] = 4096;
+  refused(c, {"top level only", "rope_scaling"});
+  c.erase("original_max_position_embeddings");
+  c["rope_scaling"] = {
+      {"rope_type", "yarn"}, {"factor", nullptr}, {"original_max_position_embeddings", 4096}};
+  auto ratio = parse(c);
+  ASSERT_TRUE(ratio.ok()) << ratio.status().ToString();
+  EXPECT_DOUBLE_EQ(ratio->rope_scaling.factor, 4.0);
+  c["rope_scaling"] = {{"rope_type", "linear"}, {"factor", nullptr}};
+  refused(c, {"missing 'factor'"});
+  c["rope_scaling"] = {{"rope_type", "linear"}, {"factor", 0}};
+  refused(c, {"'factor' = 0 is out of range"});
+}
+
 // Each key that would change the computation in a way pdserve does not
 // implement refuses the model with one line naming the key.
 TEST(ModelLoaderTest, UnimplementedConfigKeysAreRefusedByName) {
@@ -362,7 +436,11 @@ TEST(ModelLoaderTest, SlidingWindowDoesNotCapTheContext) {
   auto longer = Engine::Create(m->get(), options);
   ASSERT_TRUE(longer.ok()) << longer.status().ToString();
   EXPECT_EQ((*longer)->max_model_len(), 1024);
-  EditConfig(dir, [](json& c) { c.erase("sliding_window"); });
+  // (A context of 8192, so that the default window binds.)
+  EditConfig(dir, [](json& c) {
+    c.erase("sliding_window");
+    c["max_position_embeddings"] = 8192;
+  });
   auto by_default = Model::Load(dir, &backend);
   ASSERT_TRUE(by_default.ok()) << by_default.status().ToString();
   EXPECT_EQ((*by_default)->config().sliding_window, 4096);
