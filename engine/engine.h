@@ -482,7 +482,6 @@ class Engine {
   uint64_t num_stalled_steps_ = 0;
   uint64_t snapkv_evicted_tokens_ = 0;
   std::vector<uint64_t> token_masks_;           // structured outputs' masks of the step
-  std::vector<RequestOutput> pending_outputs_;  // reported by the next Step()
   std::unique_ptr<Executor> executor_;          // runs each step (declared last: goes first)
 };
 

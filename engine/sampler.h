@@ -11,10 +11,10 @@
 // Processing order (as Hugging Face's warpers): temperature, then top-k,
 // then top-p on what top-k kept, then min-p; the kept tokens are
 // renormalised and one is drawn. vLLM v1 applies min-p before top-k/top-p,
-// so a request that sets both min_p and top_p can keep another set there;
-// and top-k keeps exactly k here (ties with the k-th by lower id), where
-// both keep every token tied with it. temperature == 0 is greedy (argmax, lowest id on ties) and
-// ignores the other knobs. Logprobs are those of the model's raw
+// so a request that sets both min_p and top_p can keep another set there.
+// Top-k keeps every token tied with the k-th, as both do
+// (kernels/sampling.h). temperature == 0 is greedy (argmax, lowest id on
+// ties) and ignores the other knobs. Logprobs are those of the model's raw
 // distribution, log_softmax(logits), before any of the processing above
 // (vLLM's default "raw logprobs"). The logits are the model's after the
 // request's logit_bias and penalties (common/sampling_params.h), which the
