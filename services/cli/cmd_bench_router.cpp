@@ -151,15 +151,25 @@ int RunBenchRouter(int argc, char** argv) {
   ParseFlagsOrExit(flags, argc, argv);
   const char* cmd = "bench router";
   if (workers < 1 || workers > 1024) UsageError(cmd, "--workers must be in [1, 1024]");
-  if (prompt_blocks < 1) UsageError(cmd, "--prompt-blocks must be positive");
+  // Bounds that keep the run in memory (an index entry is ~100 bytes) and
+  // in minutes.
+  if (prompt_blocks < 1 || prompt_blocks > 1'000'000) {
+    UsageError(cmd, "--prompt-blocks must be in [1, 1000000]");
+  }
+  if (indexed_blocks > 50'000'000) UsageError(cmd, "--indexed-blocks must be at most 50000000");
   if (stored_after < 0 || evicted_after < 0) {
     UsageError(cmd, "--stored-events-after and --evicted-after must not be negative");
   }
   if (indexed_blocks < prompt_blocks)
     UsageError(cmd, "--indexed-blocks must be >= --prompt-blocks");
-  if (block_tokens < 1) UsageError(cmd, "--block-tokens must be positive");
-  if (decisions < 1) UsageError(cmd, "--decisions must be positive");
-  if (events_per_batch < 1) UsageError(cmd, "--events-per-batch must be positive");
+  if (block_tokens < 1 || block_tokens > 1024)
+    UsageError(cmd, "--block-tokens must be in [1, 1024]");
+  if (decisions < 1 || decisions > 100'000'000) {
+    UsageError(cmd, "--decisions must be in [1, 100000000]");
+  }
+  if (events_per_batch < 1 || events_per_batch > 1'000'000) {
+    UsageError(cmd, "--events-per-batch must be in [1, 1000000]");
+  }
 
   router::RouterOptions ro;
   ro.policy = policy;
@@ -167,7 +177,9 @@ int RunBenchRouter(int argc, char** argv) {
   ro.index.max_workers = static_cast<size_t>(workers);
   ro.index.max_entries = static_cast<size_t>(indexed_blocks) * 2;
   ro.policy_options.seed = static_cast<uint64_t>(seed);
-  if (!(pending_ttl_ms >= 0)) UsageError(cmd, "--pending-ttl-ms must not be negative");
+  if (!(pending_ttl_ms >= 0) || pending_ttl_ms > 86'400'000) {
+    UsageError(cmd, "--pending-ttl-ms must be in [0, 86400000]");
+  }
   ro.pending_ttl_us = static_cast<int64_t>(pending_ttl_ms * 1e3);
   if (!(copy_cost >= 0) || copy_cost >= 1)
     UsageError(cmd, "--replication-copy-cost must be in [0, 1)");
@@ -456,8 +468,7 @@ int RunBenchRouter(int argc, char** argv) {
       {"policy", policy},
       {"pending_ttl_ms", pending_ttl_ms},
       {"threads", 1},
-      {"cores", std::thread::hardware_concurrency()},
-      {"cpu_model", CpuModel()},
+      {"machine", MachineJson()},
       {"load_avg_1m", LoadAverage()},
       {"os_gaps_per_ms", noise.gaps_per_ms},
       {"os_gap_p50_us", noise.gap_p50_us},

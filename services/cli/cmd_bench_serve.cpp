@@ -295,6 +295,10 @@ int RunBenchServe(int argc, char** argv) {
   if (!host_port.ok()) UsageError("bench serve", "--url: " + host_port.status().message());
   if (requests < 1 || concurrency < 1 || max_tokens < 1 || timeout_s < 1 || seed < 0)
     UsageError("bench serve", "requests, concurrency, max tokens and timeout must be positive");
+  // Each request's record is kept for the percentiles.
+  if (requests > 10'000'000 || concurrency > 100'000) {
+    UsageError("bench serve", "--requests must be at most 10000000, --concurrency 100000");
+  }
   if (workload != "random" && workload != "shared-prefix" && workload != "trace") {
     UsageError("bench serve",
                "--workload must be random, shared-prefix or trace, not '" + workload + "'");

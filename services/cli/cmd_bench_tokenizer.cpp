@@ -168,7 +168,9 @@ int RunBenchTokenizer(int argc, char** argv) {
   flags.AddInt("repeats", &repeats, "timed passes after one warm-up pass; the median is reported");
   flags.AddBool("json", &json, "print one JSON line per tokenizer");
   ParseFlagsOrExit(flags, argc, argv);
-  if (corpus_bytes < 1024) UsageError("bench tokenizer", "--corpus-bytes must be at least 1KiB");
+  if (corpus_bytes < 1024 || corpus_bytes > (int64_t{1} << 30)) {
+    UsageError("bench tokenizer", "--corpus-bytes must be in [1KiB, 1GiB]");
+  }
   if (repeats < 1) UsageError("bench tokenizer", "--repeats must be at least 1");
 
   std::vector<std::string> tokenizers;

@@ -284,6 +284,10 @@ int RunBenchTransferImpl(int argc, char** argv) {
   if (block_bytes <= 0) UsageError(kCommand, "--block-bytes must be positive");
   if (blocks <= 0) UsageError(kCommand, "--blocks must be positive");
   if (inflight <= 0) UsageError(kCommand, "--inflight must be positive");
+  if (iters < 0 || iters > 1'000'000'000) UsageError(kCommand, "--iters must be in [0, 1e9]");
+  if (!(seconds > 0) || seconds > 86'400) {
+    UsageError(kCommand, "--seconds must be positive and at most a day");
+  }
   if (run_blocks <= 0 || run_blocks > blocks) UsageError(kCommand, "--run-blocks out of range");
   if (receiver_pool != "allocate" && receiver_pool != "register") {
     UsageError(kCommand, "--receiver-pool must be allocate or register");
@@ -544,6 +548,9 @@ int RunBenchTransferImpl(int argc, char** argv) {
         {"receiver_pool", ranked != nullptr ? "register" : receiver_pool},
         {"split", split_text.empty() ? "none" : split_text},
         {"idle_peers", idle_peers},
+        {"seed", seed},
+        {"iters_requested", iters},
+        {"seconds_requested", seconds},
         {"us_per_transfer", writes > 0 ? elapsed / static_cast<double>(writes) * 1e6 : 0.0},
         {"bytes_per_block_moved", bytes_per_block},
         {"transfers", writes},

@@ -122,7 +122,9 @@ double Percentile(std::vector<double> v, double p) {
 Status CheckTimes(const SimOptions& o) {
   if (o.workers <= 0) return Status::InvalidArgument("workers must be positive");
   if (o.workers > 1024) return Status::InvalidArgument("at most 1024 simulated workers");
-  if (o.capacity_blocks <= 0) return Status::InvalidArgument("capacity-blocks must be positive");
+  if (o.capacity_blocks <= 0 || o.capacity_blocks > (int64_t{1} << 40)) {
+    return Status::InvalidArgument("capacity-blocks must be in [1, 2^40]");
+  }
   if (o.block_tokens <= 0) return Status::InvalidArgument("block-tokens must be positive");
   if (!(o.prefill_tokens_per_s > 0)) {
     return Status::InvalidArgument("prefill rate must be positive");
@@ -133,8 +135,10 @@ Status CheckTimes(const SimOptions& o) {
   }
   for (double v : {o.pending_ttl_s, o.prefill_overhead_s, o.decode_step_s, o.decode_step_per_seq_s,
                    o.event_delay_s}) {
-    if (!(v >= 0) || !std::isfinite(v)) {
-      return Status::InvalidArgument("simulated times must be finite and non-negative");
+    if (!(v >= 0) || !(v <= 86400)) {
+      return Status::InvalidArgument(
+          "simulated times (pending TTL, prefill overhead, decode steps, event delay) must be "
+          "in [0, 1 day]");
     }
   }
   if (o.replication_min_requests < 1 || o.replication_min_requests > kMaxCopyMinRequests) {

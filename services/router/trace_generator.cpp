@@ -166,6 +166,12 @@ StatusOr<std::vector<TraceRequest>> GenerateTrace(const TraceGenOptions& o) {
     for (int64_t turn = 0; turn < turns; ++turn) {
       if (turn > 0) t += s.Exponential(o.think_s);
       TraceRequest r;
+      // Past 2^53 ms (285,000 years) a timestamp is no longer an exact
+      // integer, and further on no int64 at all: a rate that low is an error.
+      if (!(t * 1000.0 <= 9007199254740992.0)) {
+        return Status::InvalidArgument(
+            "the trace would span more than 2^53 ms: raise --rate or lower --think-s");
+      }
       r.timestamp_ms = std::llround(t * 1000.0);
       r.input_length = history + s.Around(o.question_tokens);
       r.output_length = s.Around(o.answer_tokens);

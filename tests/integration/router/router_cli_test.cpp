@@ -132,6 +132,10 @@ TEST(SimCliTest, BadFlagsAndBadTracesAreOneLineErrors) {
            {"sim --workers 2", "--trace is required"},
            {"sim --trace " + trace + " --policy fastest", "unknown policy 'fastest'"},
            {"sim --trace " + one + " --workers 0 --block-tokens 4", "workers must be positive"},
+           {"sim --trace " + one + " --block-tokens 4 --pending-ttl-ms 1e300",
+            "must be in [0, 1 day]"},
+           {"sim --trace " + one + " --block-tokens 4 --capacity-blocks 4611686018427387904",
+            "capacity-blocks must be in"},
            {"sim --trace " + trace + " --block-tokens 4", "bad.jsonl:2: 'hash_ids'"},
            {"sim --trace " + trace, "expected 1 at 512 tokens per block"},
            {"bench router --workers 0", "--workers must be in [1, 1024]"},
@@ -168,6 +172,16 @@ TEST(SimCliTest, BadFlagsAndBadTracesAreOneLineErrors) {
            {"worker --insecure-control-plane --model /nonexistent-model --router x:1 "
             "--threads 100000",
             "--threads at most 1024"},
+           // Bench knobs past what fits in memory or in a run are refused, not
+           // aborted on allocation.
+           {"bench router --prompt-blocks 100000000 --indexed-blocks 100000000",
+            "--prompt-blocks must be in [1, 1000000]"},
+           {"bench router --decisions 100000000000", "--decisions must be in"},
+           {"bench tokenizer --tokenizer /nonexistent --corpus-bytes 1T", "--corpus-bytes must be"},
+           {"bench serve --url http://127.0.0.1:1 --model x --requests 1000000000000",
+            "--requests"},
+           {"bench transfer --iters -3", "--iters must be in [0, 1e9]"},
+           {"trace generate --sessions 10 --rate 1e-300 --output -", "more than 2^53 ms"},
            // A prefill worker holds a hand-off 10 minutes at most.
            {"worker --insecure-control-plane --model /nonexistent-model --router x:1 "
             "--prefill-timeout-ms 600001",
@@ -295,9 +309,10 @@ TEST(BenchRouterCliTest, PrintsItsFigures) {
   const auto lines = Lines(r.out);
   ASSERT_EQ(lines.size(), 1u) << r.out;
   const auto j = nlohmann::json::parse(lines[0]);
-  for (const char* key : {"route_p50_us", "route_p99_us", "events_per_s", "cores", "cpu_model"}) {
+  for (const char* key : {"route_p50_us", "route_p99_us", "events_per_s", "machine"}) {
     EXPECT_TRUE(j.contains(key)) << key;
   }
+  EXPECT_GT(j["machine"]["cores"].get<int64_t>(), 0);  // as every bench writes it
   EXPECT_GT(j["events_per_s"].get<double>(), 0);
   EXPECT_LE(j["route_p50_us"].get<double>(), j["route_p99_us"].get<double>());
   EXPECT_EQ(j["index_entries"].get<int64_t>(), 4096);

@@ -248,6 +248,13 @@ TEST(TraceGeneratorTest, BadOptionsAreRefused) {
         o.turns = 100'000;
       },
       "turns x (question-tokens + answer-tokens)");
+  // A rate so low the timestamps pass 2^53 ms (they wrapped to -2^63).
+  refused(
+      [](TraceGenOptions& o) {
+        o.sessions = 10;
+        o.sessions_per_s = 1e-300;
+      },
+      "more than 2^53 ms");
 }
 
 }  // namespace
