@@ -147,13 +147,23 @@ StopChecker::Step StopChecker::OnToken(TokenId token, std::string_view text) {
   pending_.append(text);
   if (num_tokens_ <= min_tokens_) {
     // min_tokens: nothing but max_tokens stops the output until it is
-    // longer (vLLM v1's detokenizer checks from there), and its text so far
-    // is released whole: stop strings are looked for in the text after it.
-    if (num_tokens_ >= max_tokens_) finish_ = step.finish = FinishReason::kLength;
-    step.text = std::exchange(pending_, {});
+    // longer (vLLM v1's detokenizer checks from there). What may start a
+    // stop string is still held back: vLLM looks for a stop string that
+    // reaches into the text after min_tokens, wherever it starts, and ends
+    // the output before it.
+    if (num_tokens_ >= max_tokens_) {
+      finish_ = step.finish = FinishReason::kLength;
+      step.text = std::exchange(pending_, {});
+      return step;
+    }
+    const size_t held = HeldBackLength();
+    step.text = pending_.substr(0, pending_.size() - held);
+    pending_.erase(0, pending_.size() - held);
+    match_end_after_ = pending_.size();
     return step;
   }
   const size_t best = FirstStopString(&step.matched_stop_string);
+  match_end_after_ = 0;  // what is held from here on was searched
   if (best != std::string::npos) {
     finish_ = step.finish = FinishReason::kStop;
     step.text = pending_.substr(0, best + (include_stop_ ? step.matched_stop_string->size() : 0));
@@ -191,7 +201,11 @@ std::string StopChecker::Flush(std::string_view more) {
 size_t StopChecker::FirstStopString(std::optional<std::string>* matched) const {
   size_t best = std::string::npos;
   for (const std::string& s : stop_strings_) {
-    const size_t pos = pending_.find(s);
+    size_t pos = pending_.find(s);
+    // One within the text held from min_tokens' last token does not count.
+    while (pos != std::string::npos && pos + s.size() <= match_end_after_) {
+      pos = pending_.find(s, pos + 1);
+    }
     if (pos < best) {
       best = pos;
       *matched = s;

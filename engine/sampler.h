@@ -130,8 +130,9 @@ class StopChecker {
   // strings first: on a stop string the text ends before it (after it with
   // include_stop_str_in_output). Else on kLength or a stop token all of it
   // is released.
-  // Up to the params.min_tokens-th token nothing stops and nothing is held
-  // back: stop strings are looked for in the text after it.
+  // Up to the params.min_tokens-th token nothing stops: a stop string is
+  // one that ends in the text after it (it may start before, as vLLM finds
+  // it, the output then ending where it starts).
   // Once it returned a finish reason, further calls are an error (return
   // finish again, with no text).
   Step OnToken(TokenId token, std::string_view text);
@@ -168,6 +169,9 @@ class StopChecker {
   size_t min_tokens_;  // params.min_tokens: no stop up to this many tokens
   size_t num_tokens_ = 0;
   std::string pending_;  // text not yet released (a possible stop-string start)
+  // A stop string counts only if it ends past this offset of pending_ (the
+  // text held from the min_tokens-th token, where none may end).
+  size_t match_end_after_ = 0;
   FinishReason finish_ = FinishReason::kNone;
 };
 

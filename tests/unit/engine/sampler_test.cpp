@@ -459,8 +459,10 @@ TEST(StopCheckerTest, EosAndStopTokens) {
 }
 
 // min_tokens (vLLM v1's): up to the min_tokens-th token nothing stops the
-// output, a stop string there included, and nothing is held back; after
-// it, stop strings, stop tokens and EOS end it as usual.
+// output, a stop string there included; after it, stop strings, stop tokens
+// and EOS end it as usual, a stop string that reaches past the min_tokens-th
+// token's text included wherever it starts (vLLM searches from the new
+// text back the length of a stop string).
 TEST(StopCheckerTest, MinTokensDefersEveryStop) {
   const std::vector<TokenId> eos = {2};
   SamplingParams p = StopParams({"zz"});
@@ -469,14 +471,35 @@ TEST(StopCheckerTest, MinTokensDefersEveryStop) {
   EXPECT_FALSE(c.EndsAt(2));
   auto first = c.OnToken(5, "azz z");
   EXPECT_EQ(first.finish, FinishReason::kNone);
-  EXPECT_EQ(first.text, "azz z");  // the stop string within min_tokens is text
+  EXPECT_EQ(first.text, "azz ");  // the stop string within min_tokens is text
   EXPECT_FALSE(c.EndsAt(2));
-  EXPECT_EQ(c.OnToken(2, "z").finish, FinishReason::kNone);  // EOS as the 2nd token
-  EXPECT_TRUE(c.EndsAt(2));                                  // the 3rd token may end it
+  // EOS as the 2nd token; "zz" across the two tokens, both within min_tokens.
+  auto second = c.OnToken(2, "z");
+  EXPECT_EQ(second.finish, FinishReason::kNone);
+  EXPECT_EQ(second.text, "z");
+  EXPECT_TRUE(c.EndsAt(2));  // the 3rd token may end it
   auto third = c.OnToken(6, "bzzc");
   EXPECT_EQ(third.finish, FinishReason::kStop);
-  EXPECT_EQ(third.text, "b");
+  EXPECT_EQ(third.text, "zb");
   EXPECT_EQ(third.matched_stop_string, "zz");
+  // A stop string that starts within min_tokens and ends after it stops the
+  // output where it starts (vLLM: "a<S" + "TOP>b" ends as "a").
+  SamplingParams straddle = StopParams({"<STOP>"});
+  straddle.min_tokens = 1;
+  StopChecker s(straddle, eos);
+  EXPECT_EQ(s.OnToken(5, "a<S").text, "a");
+  auto stopped = s.OnToken(6, "TOP>b");
+  EXPECT_EQ(stopped.finish, FinishReason::kStop);
+  EXPECT_EQ(stopped.text, "");
+  EXPECT_EQ(stopped.matched_stop_string, "<STOP>");
+  // A shorter stop string wholly within the held text does not count.
+  SamplingParams nested = StopParams({"b", "abc"});
+  nested.min_tokens = 1;
+  StopChecker n(nested, eos);
+  EXPECT_EQ(n.OnToken(5, "xab").text, "x");
+  auto after = n.OnToken(6, "z");
+  EXPECT_EQ(after.finish, FinishReason::kNone);
+  EXPECT_EQ(after.text, "abz");
   StopChecker eos_third(p, eos);
   eos_third.OnToken(5, "a");
   eos_third.OnToken(5, "a");
