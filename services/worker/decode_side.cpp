@@ -176,7 +176,16 @@ void DecodeSide::Admit(const ConnectionPtr& router, proto::Generate g,
   // The router decided: a named prefill worker means remote prefill; but a
   // prompt to score is computed here, where its logits are.
   std::optional<proto::Envelope> prefill;
-  if (!g.prefill_address().empty() && !req.params.prompt_logprobs) {
+  bool remote = !g.prefill_address().empty() && !req.params.prompt_logprobs;
+  if (remote && !ListedBy(router, g.prefill_address())) {
+    // Only a worker the router listed (PrefillWorkers) is dialled: an
+    // address from nowhere would start a client that reconnects forever.
+    PDSERVE_LOG(WARN) << "request " << r->trace_id << ": the router named a prefill worker ("
+                      << g.prefill_address().size()
+                      << "-byte address) that is not on its list; prefilling here";
+    remote = false;
+  }
+  if (remote) {
     EngineRequest copy = req;
     copy.snapkv_dense = g.prefix_copy();  // cached here, as on the holder
     auto plan = ctx_->engine->AddRemotePrefillRequest(std::move(copy));
@@ -814,6 +823,12 @@ void DecodeSide::SendToPrefillPeer(const std::string& address, proto::Envelope p
   // Nothing was sent: nothing can write, so the fallback is immediate.
   requests_.at(id)->writer_settled = true;
   GiveUpRemote(id, "prefill peer " + address + " unavailable");
+}
+
+bool DecodeSide::ListedBy(const ConnectionPtr& router, const std::string& address) {
+  std::lock_guard<std::mutex> lock(peers_mu_);
+  auto view = router_prefill_views_.find(router->id());
+  return view != router_prefill_views_.end() && view->second.count(address) > 0;
 }
 
 // A router's list of the prefill workers it admits (see the header).

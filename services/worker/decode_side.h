@@ -126,6 +126,8 @@ class DecodeSide {
   static std::vector<std::string> PrefillRids(const std::deque<PendingPrefill>& pending);
 
   // Peers (peers_mu_).
+  // Whether `router`'s last PrefillWorkers list holds `address` (takes the lock).
+  bool ListedBy(const control::ConnectionPtr& router, const std::string& address);
   PrefillPeer& EnsurePrefillPeerLocked(const std::string& address);
   std::vector<std::string> ReconcilePrefillPeersLocked(std::vector<std::string>* unsent);
   void StopRetiredClients();

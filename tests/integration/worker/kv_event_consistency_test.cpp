@@ -5,7 +5,14 @@
 // stream alone, and at each forced Resync compares that rebuild with the
 // snapshot the worker takes of its actual block manager. After a Resync the
 // rebuild restarts from the snapshot, as the router does, and must stay exact.
+// The same stand-in checks what a decode worker takes from a router's
+// Generate: only a prefill worker the router listed is dialled.
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <condition_variable>
 #include <fstream>
@@ -53,10 +60,13 @@ class RouterStandIn {
   }
 
   // Sends a request and waits for its Finished.
-  bool Generate(const std::string& id, const std::vector<int>& prompt) {
+  // `prefill_address`: the prefill worker the Generate names (remote prefill).
+  bool Generate(const std::string& id, const std::vector<int>& prompt,
+                const std::string& prefill_address = "") {
     proto::Envelope e;
     auto* g = e.mutable_generate();
     g->set_request_id(id);
+    g->set_prefill_address(prefill_address);
     for (int t : prompt) g->add_prompt_token_ids(t);
     g->mutable_sampling()->set_max_tokens(3);
     g->mutable_sampling()->set_ignore_eos(true);
@@ -216,6 +226,60 @@ TEST(KvEventConsistencyTest, EventStreamRebuildsTheWorkersCacheAcrossResyncs) {
   EXPECT_EQ(from_events, snapshot);
   EXPECT_GT(router.removed(), 50) << "the cache never evicted: the test lost its point";
   EXPECT_EQ(router.error(), "");
+}
+
+// A decode worker dials only prefill workers a router listed
+// (PrefillWorkers): a Generate naming another address is prefilled locally,
+// and nothing connects to that address (it would have started a client
+// that reconnects forever).
+TEST(KvEventConsistencyTest, AnUnlistedPrefillAddressIsNeverDialled) {
+  const std::string dir = NewTempDir("unlisted-prefill");
+  CommandResult made =
+      RunCommand({kPdserve, "make-model", "--preset", "tiny", "--out", dir + "/model"});
+  ASSERT_EQ(made.exit_code, 0) << made.err;
+  // What the Generate names: a listener that only counts connections.
+  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(listener, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(listener, 8), 0);
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  const std::string unlisted = "127.0.0.1:" + std::to_string(ntohs(addr.sin_port));
+
+  RouterStandIn router(dir + "/cluster-secret");
+  ChildProcess worker = ChildProcess::Start({kPdserve,
+                                             "worker",
+                                             "--role",
+                                             "decode",
+                                             "--model",
+                                             dir + "/model",
+                                             "--router",
+                                             "127.0.0.1:" + std::to_string(router.port()),
+                                             "--metrics-port",
+                                             "-1",
+                                             "--worker-id",
+                                             "d0",
+                                             "--threads",
+                                             "1",
+                                             "--kv-cache-bytes",
+                                             "512KiB",
+                                             "--transfer-tls",
+                                             "tcp",
+                                             "--cluster-secret-file",
+                                             dir + "/cluster-secret"},
+                                            dir + "/worker.log");
+  ASSERT_TRUE(router.WaitRegistered()) << worker.Log();
+  std::vector<int> prompt(40);
+  for (int k = 0; k < 40; ++k) prompt[k] = 3 + k;
+  ASSERT_TRUE(router.Generate("r0", prompt, unlisted)) << router.error() << "\n" << worker.Log();
+  pollfd p{listener, POLLIN, 0};
+  EXPECT_EQ(::poll(&p, 1, 0), 0) << "the worker dialled " << unlisted;
+  EXPECT_NE(worker.Log().find("not on its list; prefilling here"), std::string::npos)
+      << worker.Log();
+  ::close(listener);
 }
 
 }  // namespace
