@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <charconv>
 
+#include "common/logging.h"
+
 namespace pdserve::worker {
 
 std::pair<std::string, uint16_t> SplitHostPort(const std::string& address) {
@@ -19,13 +21,17 @@ std::pair<std::string, uint16_t> SplitHostPort(const std::string& address) {
   return {address.substr(0, colon), port};
 }
 
-std::vector<std::string> ResolveIpv4(const std::string& host) {
+std::optional<std::vector<std::string>> ResolveIpv4(const std::string& host) {
   addrinfo hints{};
   hints.ai_family = AF_INET;
   hints.ai_socktype = SOCK_STREAM;
   addrinfo* res = nullptr;
   std::vector<std::string> out;
-  if (getaddrinfo(host.c_str(), nullptr, &hints, &res) != 0) return out;
+  if (const int err = getaddrinfo(host.c_str(), nullptr, &hints, &res); err != 0) {
+    // Definite answers: no such name, or none of this family.
+    if (err == EAI_NONAME || err == EAI_NODATA || err == EAI_ADDRFAMILY) return out;
+    return std::nullopt;  // EAI_AGAIN, EAI_FAIL, EAI_SYSTEM, ...: unknown
+  }
   for (addrinfo* p = res; p; p = p->ai_next) {
     char buf[INET_ADDRSTRLEN];
     auto* sin = reinterpret_cast<sockaddr_in*>(p->ai_addr);
@@ -35,6 +41,25 @@ std::vector<std::string> ResolveIpv4(const std::string& host) {
   std::sort(out.begin(), out.end());
   out.erase(std::unique(out.begin(), out.end()), out.end());
   return out;
+}
+
+std::set<std::string> RouterAddresses(const std::vector<std::string>& specs,
+                                      const Resolver& resolve,
+                                      std::map<std::string, std::vector<std::string>>* last) {
+  std::set<std::string> want;
+  for (const auto& spec : specs) {
+    auto [host, port] = SplitHostPort(spec);
+    std::vector<std::string>& known = (*last)[spec];
+    if (auto ips = resolve(host)) {
+      known.clear();
+      for (const auto& ip : *ips) known.push_back(ip + ":" + std::to_string(port));
+    } else {
+      PDSERVE_LOG(WARN) << "router " << spec << ": DNS lookup failed; keeping its " << known.size()
+                        << " known address(es)";
+    }
+    want.insert(known.begin(), known.end());
+  }
+  return want;
 }
 
 }  // namespace pdserve::worker

@@ -3,6 +3,10 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -13,7 +17,19 @@ namespace pdserve::worker {
 std::pair<std::string, uint16_t> SplitHostPort(const std::string& address);
 
 // Every IPv4 address of `host`, sorted, without duplicates (an address
-// resolves to itself; an unknown name to none).
-std::vector<std::string> ResolveIpv4(const std::string& host);
+// resolves to itself; a name the resolver says does not exist, or has no
+// IPv4 address, to none). nullopt when the lookup itself failed (a
+// resolver timeout, a server failure): the answer is unknown, not empty.
+std::optional<std::vector<std::string>> ResolveIpv4(const std::string& host);
+
+using Resolver = std::function<std::optional<std::vector<std::string>>(const std::string& host)>;
+
+// The "ip:port" control addresses of the routers `specs` ("host:port") name:
+// each spec's addresses as `resolve` answers now, or where its lookup failed,
+// as it last answered (`last`, by spec, updated here). Only an answer that
+// no longer lists an address drops it: a DNS blip keeps every connection.
+std::set<std::string> RouterAddresses(const std::vector<std::string>& specs,
+                                      const Resolver& resolve,
+                                      std::map<std::string, std::vector<std::string>>* last);
 
 }  // namespace pdserve::worker

@@ -345,11 +345,9 @@ class WorkerServiceImpl : public WorkerService {
     std::unique_lock<std::mutex> lock(dns_mu_);
     while (!stop_engine_) {
       lock.unlock();
-      std::set<std::string> want;
-      for (const auto& spec : opts_.routers) {
-        auto [host, port] = SplitHostPort(spec);
-        for (const auto& ip : ResolveIpv4(host)) want.insert(ip + ":" + std::to_string(port));
-      }
+      // A DNS blip keeps every connection (or one would cut every worker
+      // off every router at once): only an answer drops an address.
+      const std::set<std::string> want = RouterAddresses(opts_.routers, ResolveIpv4, &resolved_);
       {
         std::lock_guard<std::mutex> rl(routers_mu_);
         for (auto it = routers_.begin(); it != routers_.end();) {
@@ -803,6 +801,8 @@ class WorkerServiceImpl : public WorkerService {
   std::thread dns_thread_;
   std::mutex dns_mu_;
   std::condition_variable dns_cv_;
+  // DnsLoop's own: each --router spec's addresses at its last answer.
+  std::map<std::string, std::vector<std::string>> resolved_;
   std::mutex routers_mu_;
   std::map<std::string, std::unique_ptr<control::Client>> routers_;  // by resolved ip:port
   std::atomic<int> routers_connected_{0};
