@@ -2001,7 +2001,7 @@ class RouterServiceImpl : public RouterService {
     c.tool_stream = std::make_unique<ToolCallStreamer>(tool_parser_, r.tool_functions);
     for (const TokenPiece& p : c.pieces) (void)ToolTextEvents(r, 0, {p}, /*final=*/false);
     (void)ToolTextEvents(r, 0, {}, /*final=*/true);
-    if (c.tool_calls_sent > 0 && c.finish_reason == "stop") c.finish_reason = "tool_calls";
+    c.finish_reason = CallsFinishReason(*r.api, c.finish_reason, c.tool_calls_sent > 0);
     (void)r.formatter->StreamChoiceFinish(c.finish_reason, 0);
     return r.formatter->ResponseObject(r.usage);
   }
@@ -2044,7 +2044,7 @@ class RouterServiceImpl : public RouterService {
       if (c.tool_stream) {
         StreamToolText(r, index, tail_pieces, /*final=*/true);
         // A turn cut off by max_tokens stays "length", calls or not.
-        if (c.tool_calls_sent > 0 && c.finish_reason == "stop") c.finish_reason = "tool_calls";
+        c.finish_reason = CallsFinishReason(*r.api, c.finish_reason, c.tool_calls_sent > 0);
       } else if (!tail_pieces.empty()) {
         r.exchange->Write(r.formatter->StreamDelta(tail_pieces, index, c.streamed_text_chars));
       }
@@ -2080,8 +2080,7 @@ class RouterServiceImpl : public RouterService {
             ParseToolCalls(tool_parser_, r.tool_functions, text, &tools[k].content,
                            &tools[k].calls);
             KeepOneCallUnlessParallel(*r.api, 0, &tools[k].calls);
-            if (!tools[k].calls.empty() && o.finish_reason == "stop")
-              o.finish_reason = "tool_calls";
+            o.finish_reason = CallsFinishReason(*r.api, o.finish_reason, !tools[k].calls.empty());
             o.tools = &tools[k];
           }
           out.push_back(o);
@@ -2161,6 +2160,17 @@ class RouterServiceImpl : public RouterService {
     if (r.api->continuous_usage) {
       r.formatter->SetRunningUsage(static_cast<int64_t>(r.prompt_ids.size()), completion_tokens);
     }
+  }
+
+  // A turn that made calls ends "tool_calls", as OpenAI's do, except where
+  // tool_choice named the function: OpenAI (and vLLM) end those "stop". A
+  // turn cut off by max_tokens stays "length".
+  static std::string CallsFinishReason(const ApiRequest& api, const std::string& reason,
+                                       bool made_calls) {
+    if (!made_calls || reason != "stop" || api.tool_choice == ApiRequest::ToolChoice::kNamed) {
+      return reason;
+    }
+    return "tool_calls";
   }
 
   void SendCancelLocked(Inflight& r, const std::string& why) {

@@ -412,12 +412,23 @@ std::optional<ApiError> ParseMessages(const ojson& body, ApiRequest* out) {
         // stays a string.
         if (auto args = fn->find("arguments"); args != fn->end() && args->is_string()) {
           ojson parsed;
-          if (!ParseCheckedJson(args->get_ref<const std::string&>(), kDefaultMaxJsonDepth, &parsed))
+          if (args->get_ref<const std::string&>().empty()) {
+            call["function"]["arguments"] = ojson::object();  // vLLM's reading of ""
+          } else if (!ParseCheckedJson(args->get_ref<const std::string&>(), kDefaultMaxJsonDepth,
+                                       &parsed)) {
             call["function"]["arguments"] = std::move(parsed);
+          }
+        } else if (args == fn->end() || args->is_null()) {
+          call["function"]["arguments"] = ojson::object();  // none: no arguments
         }
         rendered.push_back(std::move(call));
       }
-      copy["tool_calls"] = std::move(rendered);
+      // An empty list is no calls: the template's plain assistant path (vLLM).
+      if (rendered.empty()) {
+        copy.erase("tool_calls");
+      } else {
+        copy["tool_calls"] = std::move(rendered);
+      }
     }
     auto content = m.find("content");
     if (content == m.end() || content->is_null()) {
@@ -519,6 +530,26 @@ std::optional<ApiError> ParseTools(const ojson& body, ApiRequest* out) {
           !fn["parameters"].is_object()) {
         return InvalidParam(at + ".function.parameters",
                             "'" + at + ".function.parameters' must be a JSON Schema object");
+      }
+      // Arguments are an object (OpenAI refuses other schemas): a type that
+      // admits anything else would let a forced call's grammar write
+      // arguments no call can carry.
+      if (fn.contains("parameters") && fn["parameters"].is_object()) {
+        const ojson& params = fn["parameters"];
+        auto type = params.find("type");
+        bool object = type == params.end();
+        if (type != params.end() && type->is_string()) object = *type == "object";
+        if (type != params.end() && type->is_array()) {
+          object = !type->empty();
+          for (const auto& t : *type) object = object && (t == "object" || t == "null");
+        }
+        if (!object) {
+          return InvalidParam(at + ".function.parameters",
+                              "'" + at +
+                                  ".function.parameters' must describe an object (its "
+                                  "'type' is " +
+                                  type->dump() + ")");
+        }
       }
       if (fn.contains("description") && !fn["description"].is_null() &&
           !fn["description"].is_string()) {

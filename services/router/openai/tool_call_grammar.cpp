@@ -151,11 +151,19 @@ StatusOr<std::string> ToolCallGrammar(ToolParser parser, const ojson& tools,
     const std::string name = f["name"].get<std::string>();
     if (named && *named != name) continue;
     // No parameters: the function takes none (OpenAI), so {} alone.
-    const ojson params = f.contains("parameters") && !f["parameters"].is_null()
-                             ? f["parameters"]
-                             : ojson{{"type", "object"},
-                                     {"properties", ojson::object()},
-                                     {"additionalProperties", false}};
+    ojson params = f.contains("parameters") && !f["parameters"].is_null()
+                       ? f["parameters"]
+                       : ojson{{"type", "object"},
+                               {"properties", ojson::object()},
+                               {"additionalProperties", false}};
+    // Parameters without a type are an object's (ParseRequest refuses other
+    // types): {} or bare properties would otherwise admit any JSON value.
+    // A root that refers or combines ($ref, anyOf, ...) is left as written
+    // (the compiler takes no type beside a $ref).
+    if (!params.contains("type") && !params.contains("$ref") && !params.contains("anyOf") &&
+        !params.contains("oneOf") && !params.contains("allOf")) {
+      params["type"] = "object";
+    }
     const std::string rule = "call" + std::to_string(k++);
     calls += (calls.empty() ? "" : " | ") + rule;
     if (parser == ToolParser::kQwen3Coder) {

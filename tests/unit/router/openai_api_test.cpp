@@ -443,6 +443,15 @@ TEST(OpenAiApiTest, BadInputTable) {
       {H, R"({"messages":[{"role":"user","content":"x","tool_calls":[]}]})", 400,
        "messages[0].tool_calls"},
       {C, R"({"prompt":"x","tools":[{"type":"function","function":{"name":"f"}}]})", 400, "tools"},
+      // Arguments are an object: a schema of another type is refused (OpenAI).
+      {H,
+       R"({"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":
+          {"name":"f","parameters":{"type":"string"}}}]})",
+       400, "tools[0].function.parameters"},
+      {H,
+       R"({"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":
+          {"name":"f","parameters":{"type":["object","array"]}}}]})",
+       400, "tools[0].function.parameters"},
   };
   for (const auto& c : cases) {
     ApiError e = ParseBad(c.endpoint, c.body);
@@ -716,6 +725,14 @@ TEST(OpenAiApiTest, DeepToolCallArgumentsStayAString) {
   body["messages"][1]["tool_calls"][0]["function"]["arguments"] = R"({"a": [1]})";
   const ApiRequest shallow = ParseOk(Endpoint::kChatCompletions, body.dump());
   EXPECT_TRUE(shallow.messages[1]["tool_calls"][0]["function"]["arguments"].is_object());
+  // "" or no arguments are none ({}), as vLLM reads them: a template that
+  // prints them would otherwise write `"arguments": }`.
+  for (const nlohmann::json& none : {nlohmann::json(""), nlohmann::json(nullptr)}) {
+    body["messages"][1]["tool_calls"][0]["function"]["arguments"] = none;
+    const ApiRequest empty = ParseOk(Endpoint::kChatCompletions, body.dump());
+    EXPECT_EQ(empty.messages[1]["tool_calls"][0]["function"]["arguments"],
+              nlohmann::ordered_json::object());
+  }
 }
 
 // A message that can be echoed in any JSON and any log: printable ASCII.

@@ -478,7 +478,8 @@ TEST(ToolCalls, ForcedCallGrammarOnlyAdmitsValidCalls) {
         "tree":{"$ref":"#/$defs/node"}},
       "required":["v"],"additionalProperties":false,
       "$defs":{"node":{"type":"object","properties":{"kids":{"type":"array",
-        "items":{"$ref":"#/$defs/node"}}},"additionalProperties":false}}}}}])");
+        "items":{"$ref":"#/$defs/node"}}},"additionalProperties":false}}}}},
+    {"type":"function","function":{"name":"loose","parameters":{}}}])");
   struct Case {
     ToolParser parser;
     std::optional<std::string> named;
@@ -514,6 +515,14 @@ TEST(ToolCalls, ForcedCallGrammarOnlyAdmitsValidCalls) {
        "<tool_call>\n{\"name\": \"search\", \"arguments\": {\"q\": 1}}\n</tool_call>", false},
       {ToolParser::kHermes, std::string("search"), false,
        "<tool_call>\n{\"name\": \"search\", \"arguments\": {}}\n</tool_call>", true},
+      // Parameters without a type ({}) are an object's: a forced call's
+      // arguments are never a string or an array, which no call carries.
+      {ToolParser::kHermes, std::string("loose"), false,
+       "<tool_call>\n{\"name\": \"loose\", \"arguments\": \"Paris\"}\n</tool_call>", false},
+      {ToolParser::kHermes, std::string("loose"), false,
+       "<tool_call>\n{\"name\": \"loose\", \"arguments\": [1]}\n</tool_call>", false},
+      {ToolParser::kHermes, std::string("loose"), false,
+       "<tool_call>\n{\"name\": \"loose\", \"arguments\": {\"a\": [1]}}\n</tool_call>", true},
       // References inside parameters resolve against the parameters: "#"
       // is the arguments object (not the call around it), "#/$defs/..." its
       // own definitions.
