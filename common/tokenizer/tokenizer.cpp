@@ -195,6 +195,9 @@ class HfBpeTokenizer final : public Tokenizer {
   const std::string& bos_token() const override { return bos_token_; }
   const std::string& eos_token() const override { return eos_token_; }
   const std::string& chat_template() const override { return chat_template_; }
+  const std::string& tool_use_chat_template() const override { return tool_use_template_; }
+  void SetChatTemplate(std::string text) { chat_template_ = std::move(text); }
+  void SetToolUseChatTemplate(std::string text) { tool_use_template_ = std::move(text); }
 
   Status LoadTokenizerJson(const json& j);
   Status LoadConfig(const json& config);
@@ -232,6 +235,7 @@ class HfBpeTokenizer final : public Tokenizer {
   std::string bos_token_;
   std::string eos_token_;
   std::string chat_template_;
+  std::string tool_use_template_;
 };
 
 template <typename T>
@@ -450,11 +454,15 @@ Status HfBpeTokenizer::LoadConfig(const json& config) {
     if (t.is_string()) {
       chat_template_ = t.get<std::string>();
     } else if (t.is_array()) {
-      // Named templates: prefer "default", else the first.
+      // Named templates: prefer "default", else the first; "tool_use" is
+      // for requests with tools.
       for (const auto& named : t) {
         if (!named.is_object() || !named.contains("template")) continue;
         if (chat_template_.empty() || named.value("name", "") == "default") {
           chat_template_ = named["template"].get<std::string>();
+        }
+        if (named.value("name", "") == "tool_use") {
+          tool_use_template_ = named["template"].get<std::string>();
         }
       }
     }
@@ -642,6 +650,16 @@ StatusOr<json> ReadJson(const fs::path& path) {
   return j;
 }
 
+// A template file's text; nullopt when there is no such regular file.
+std::optional<std::string> ReadTextFile(const fs::path& path) {
+  std::error_code ec;
+  if (!fs::is_regular_file(path, ec)) return std::nullopt;
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream buffer;
+  if (!in || !(buffer << in.rdbuf())) return std::nullopt;
+  return buffer.str();
+}
+
 }  // namespace
 
 StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::string& path) {
@@ -668,6 +686,14 @@ StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::string& path) {
       if (!config.ok()) return config.status();
       s = tokenizer->LoadConfig(*config);
       if (!s.ok()) return Status(s.code(), config_path.string() + ": " + s.message());
+    }
+    // transformers (4.47 on) saves templates as files beside the config,
+    // and loads them in its place.
+    if (auto text = ReadTextFile(dir / "chat_template.jinja")) {
+      tokenizer->SetChatTemplate(std::move(*text));
+    }
+    if (auto text = ReadTextFile(dir / "additional_chat_templates" / "tool_use.jinja")) {
+      tokenizer->SetToolUseChatTemplate(std::move(*text));
     }
     const fs::path generation_path = dir / "generation_config.json";
     if (fs::exists(generation_path, ec)) {

@@ -73,8 +73,14 @@ class Tokenizer {
   virtual const std::vector<TokenId>& eos_token_ids() const = 0;
   virtual const std::string& bos_token() const = 0;  // text form, "" if none
   virtual const std::string& eos_token() const = 0;
-  // Jinja chat template from tokenizer_config.json ("" if none).
+  // Jinja chat template ("" if none), as transformers loads it: the
+  // folder's chat_template.jinja, else tokenizer_config.json's
+  // chat_template (a string, or the "default" of named ones).
   virtual const std::string& chat_template() const = 0;
+  // The template transformers renders a request with tools through: the
+  // one named "tool_use" (additional_chat_templates/tool_use.jinja, or in
+  // tokenizer_config.json's list); "" when there is none.
+  virtual const std::string& tool_use_chat_template() const = 0;
 };
 
 // Streaming detokenizer: turns a token stream into text pieces that are safe

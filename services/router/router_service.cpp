@@ -358,6 +358,20 @@ class RouterServiceImpl : public RouterService {
       } else {
         chat_template_.emplace(std::move(*tmpl));
       }
+      // The model's "tool_use" template renders requests with tools, as
+      // transformers does (Hermes-2-Pro, Command-R); its call format is
+      // the one the tool parser reads.
+      if (const std::string& tools_text = tokenizer_->tool_use_chat_template();
+          !tools_text.empty()) {
+        auto tools_tmpl = ChatTemplate::Parse(tools_text);
+        if (!tools_tmpl.ok()) {
+          PDSERVE_LOG(WARN) << "chat template 'tool_use' unusable, the default one renders tools: "
+                            << tools_tmpl.status().message();
+        } else {
+          tool_use_template_.emplace(std::move(*tools_tmpl));
+          template_text = tools_text + template_text;
+        }
+      }
     }
     template_knows_developer_ = template_text.find("developer") != std::string::npos;
     if (!opts_.tool_call_parser.empty()) {
@@ -900,9 +914,12 @@ class RouterServiceImpl : public RouterService {
         if (m["role"] == "developer") m["role"] = "system";
       }
     }
-    auto rendered = RenderChat(*chat_template_, api.messages, api.add_generation_prompt,
-                               tokenizer_->bos_token(), tokenizer_->eos_token(), api.tools,
-                               api.chat_template_kwargs);
+    const bool with_tools = api.tools.is_array() && !api.tools.empty();
+    const ChatTemplate& tmpl =
+        with_tools && tool_use_template_ ? *tool_use_template_ : *chat_template_;
+    auto rendered =
+        RenderChat(tmpl, api.messages, api.add_generation_prompt, tokenizer_->bos_token(),
+                   tokenizer_->eos_token(), api.tools, api.chat_template_kwargs);
     if (!rendered.ok()) {
       return ApiError{400,
                       "the chat template rejected the messages: " + rendered.status().message(),
@@ -2320,7 +2337,8 @@ class RouterServiceImpl : public RouterService {
   RouterServiceOptions opts_;
   std::unique_ptr<Tokenizer> tokenizer_;
   std::optional<ChatTemplate> chat_template_;
-  bool template_knows_developer_ = false;  // the template's source names the role
+  std::optional<ChatTemplate> tool_use_template_;  // the model's "tool_use", if any
+  bool template_knows_developer_ = false;          // the template's source names the role
   ToolParser tool_parser_ = ToolParser::kNone;
   std::string model_id_;
   std::vector<std::string> api_keys_;

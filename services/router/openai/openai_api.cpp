@@ -382,10 +382,13 @@ std::optional<ApiError> ParseMessages(const ojson& body, ApiRequest* out) {
     if (role == m.end() || !role->is_string())
       return InvalidParam(where + ".role", "'" + where + ".role' must be a string");
     const std::string r = role->get<std::string>();
-    if (r != "system" && r != "user" && r != "assistant" && r != "tool" && r != "developer") {
+    // ipython: Llama-3's role for a tool's output, which its templates and
+    // vLLM take as they are.
+    if (r != "system" && r != "user" && r != "assistant" && r != "tool" && r != "developer" &&
+        r != "ipython") {
       return InvalidParam(where + ".role", "'" + where +
                                                ".role' must be one of system, developer, user, "
-                                               "assistant, tool; got '" +
+                                               "assistant, tool, ipython; got '" +
                                                r + "'");
     }
     ojson copy = m;

@@ -343,6 +343,49 @@ TEST(RouterSamplingDefaultsTest, TheModelsGenerationConfigFillsWhatARequestLeave
   }
 }
 
+// A model's named "tool_use" template renders the requests that bring
+// tools, as transformers picks it; the default one the others. The files
+// transformers writes (chat_template.jinja) win over tokenizer_config.json.
+TEST(RouterChatTemplateTest, ToolUseTemplateRendersRequestsWithTools) {
+  const std::string dir = pdserve::testing::NewTempDir("tool-use-template") + "/model";
+  std::filesystem::copy(pdserve::testing::TinyModelDir(), dir);
+  const std::string config_path = dir + "/tokenizer_config.json";
+  nlohmann::json config = nlohmann::json::object();
+  if (std::ifstream in(config_path); in) config = nlohmann::json::parse(in);
+  config["chat_template"] = {
+      {{"name", "default"}, {"template", "D:{{ messages[0]['content'] }}"}},
+      {{"name", "tool_use"}, {"template", "T{{ tools | length }}:{{ messages[0]['content'] }}"}}};
+  std::ofstream(config_path) << config.dump();
+  auto render = [&](RouterService& service, bool tools) {
+    nlohmann::json body = {{"messages", {{{"role", "user"}, {"content", "hi"}}}}};
+    if (tools) {
+      body["tools"] = {{{"type", "function"}, {"function", {{"name", "f"}}}}};
+    }
+    auto tok = pdserve::testing::HttpRequest(service.http_port(), "POST", "/tokenize", body.dump());
+    EXPECT_EQ(tok.status, 200) << tok.body;
+    nlohmann::json ids = {{"tokens", nlohmann::json::parse(tok.body)["tokens"]}};
+    auto text =
+        pdserve::testing::HttpRequest(service.http_port(), "POST", "/detokenize", ids.dump());
+    EXPECT_EQ(text.status, 200) << text.body;
+    return nlohmann::json::parse(text.body)["prompt"].get<std::string>();
+  };
+  for (const bool jinja_file : {false, true}) {
+    SCOPED_TRACE(jinja_file);
+    if (jinja_file) std::ofstream(dir + "/chat_template.jinja") << "J:{{ messages[0]['content'] }}";
+    RouterServiceOptions o;
+    o.model_dir = dir;
+    o.host = "127.0.0.1";
+    o.http_port = 0;
+    o.control_port = 0;
+    auto service = RouterService::Create(o);
+    ASSERT_TRUE(service.ok()) << service.status().ToString();
+    ASSERT_TRUE((*service)->Start().ok());
+    EXPECT_EQ(render(**service, false), jinja_file ? "J:hi" : "D:hi");
+    EXPECT_EQ(render(**service, true), "T1:hi");
+    (*service)->Stop();
+  }
+}
+
 // A router no worker ever reached already says it has no ready decode
 // worker (the alert on it needs the series to exist).
 TEST_F(RouterServiceTest, WorkerGaugesExistBeforeAnyWorkerRegisters) {

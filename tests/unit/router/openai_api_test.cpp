@@ -253,6 +253,11 @@ TEST(OpenAiApiTest, ChatMessages) {
   EXPECT_EQ(r.sampling.logprobs, 3);
   // Key order survives for the chat template.
   EXPECT_EQ(r.messages[0].begin().key(), "role");
+  // Llama-3's ipython role (a tool's output) goes to the template as it is.
+  auto ipython = ParseOk(Endpoint::kChatCompletions,
+                         R"({"messages":[{"role":"user","content":"x"},
+                             {"role":"ipython","content":"42"}]})");
+  EXPECT_EQ(ipython.messages[1]["role"], "ipython");
   // top_logprobs 0 asks for nothing: fine without logprobs, and none come.
   auto zero = ParseOk(Endpoint::kChatCompletions,
                       R"({"messages":[{"role":"user","content":"x"}],"top_logprobs":0})");

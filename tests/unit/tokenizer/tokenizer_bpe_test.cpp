@@ -411,10 +411,20 @@ TEST(TokenizerConfig, BosEosAndTemplateFromConfigFiles) {
   EXPECT_EQ(t->eos_token(), "</s>");
   EXPECT_THAT(t->eos_token_ids(), ElementsAre(2, 5));
   EXPECT_EQ(t->chat_template(), "{{ bos_token }}");
+  EXPECT_EQ(t->tool_use_chat_template(), "T");
   // The tokenizer.json file itself also loads, with its folder's config.
   auto direct = Tokenizer::Load(files.dir() + "/tokenizer.json");
   ASSERT_TRUE(direct.ok());
   EXPECT_THAT((*direct)->Encode("hi", true), ElementsAre(hi, 2));
+  // transformers 4.47 on saves templates as files, which it loads in place
+  // of the config's.
+  files.Write("chat_template.jinja", std::string("{{ eos_token }}"));
+  fs::create_directories(fs::path(files.dir()) / "additional_chat_templates");
+  files.Write("additional_chat_templates/tool_use.jinja", std::string("tools: {{ tools }}"));
+  auto from_files = files.Load();
+  ASSERT_TRUE(from_files);
+  EXPECT_EQ(from_files->chat_template(), "{{ eos_token }}");
+  EXPECT_EQ(from_files->tool_use_chat_template(), "tools: {{ tools }}");
 }
 
 TEST(ByteLevelBpe, SharedAcrossThreads) {
