@@ -308,15 +308,24 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(const std::vector<Model*>& rank
   RunnerOptions runner;
   runner.max_num_batched_tokens = options.max_num_batched_tokens;
   runner.max_num_seqs = options.max_num_seqs;
-  runner.max_model_len = e->max_model_len_;
-  // Without windows a sequence holds at most the pool's blocks: its block
-  // table needs no more entries, whatever context the config names (16M
-  // tokens sized gigabytes of tables at blocks of 1).
+  // Without windows a sequence holds at most the pool's blocks: a longer
+  // one could never run (vLLM refuses to start there), so requests are
+  // limited to what the pool holds, with a warning, and the router is told
+  // so (its 400 names the limit; it answered 503 after its retries). Its
+  // block table needs no more entries either (16M tokens sized gigabytes of
+  // tables at blocks of 1).
   const std::vector<int64_t>& windows = e->blocks_->group_windows();
   if (std::all_of(windows.begin(), windows.end(), [](int64_t w) { return w <= 0; })) {
-    runner.max_model_len =
-        std::min(runner.max_model_len, e->pool_->num_blocks() * options.block_size);
+    const int64_t pool_tokens = e->pool_->num_blocks() * options.block_size;
+    if (e->max_model_len_ > pool_tokens) {
+      PDSERVE_LOG(WARN) << "engine: the KV pool holds " << pool_tokens
+                        << " tokens, fewer than the model's context of " << e->max_model_len_
+                        << ": requests are limited to " << pool_tokens
+                        << " tokens (give the pool more memory: --kv-cache-bytes)";
+      e->max_model_len_ = pool_tokens;
+    }
   }
+  runner.max_model_len = e->max_model_len_;
   runner.graphs = options.graphs;
   // A checkpoint's logits rows past the tokenizer's ids are padding.
   if (tokenizer != nullptr) runner.sampled_vocab = static_cast<int64_t>(tokenizer->vocab_size());

@@ -385,12 +385,15 @@ TEST_F(EngineSchedulerTest, BadRequestsAreRefusedClearly) {
   r = Greedy(1, Prompt(5, 1), 5);
   r.params.stop = {"x"};
   expect_error(r, StatusCode::kInvalidArgument, "tokenizer");
-  // A prompt that cannot fit in the pool at all.
+  // A prompt that cannot fit in the pool at all: the context is what the
+  // pool holds (2 blocks), so it is refused as too long for it.
   EngineOptions small;
   small.kv_cache_bytes = 2 * kBlockBytes;
   auto tiny_pool = MakeEngine(small);
-  EXPECT_EQ(tiny_pool->AddRequest(Greedy(1, Prompt(40, 1), 5)).code(),
-            StatusCode::kResourceExhausted);
+  EXPECT_EQ(tiny_pool->max_model_len(), 32);
+  const Status too_long = tiny_pool->AddRequest(Greedy(1, Prompt(40, 1), 5));
+  EXPECT_EQ(too_long.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(too_long.message().find("32"), std::string::npos) << too_long.message();
   // Nothing was queued, and the engine still works.
   EXPECT_FALSE(e->HasUnfinished());
   ASSERT_TRUE(e->AddRequest(Greedy(1, Prompt(5, 1), 3)).ok());
