@@ -1,8 +1,12 @@
 #include "common/http/bearer_auth.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <cctype>
 #include <fstream>
+
+#include "common/logging.h"
 
 namespace pdserve::http {
 
@@ -20,6 +24,46 @@ StatusOr<std::vector<std::string>> LoadApiKeys(const std::string& path) {
   }
   if (keys.empty()) return Status::InvalidArgument(path + ": the API key file holds no key");
   return keys;
+}
+
+StatusOr<std::shared_ptr<ReloadingKeys>> ReloadingKeys::Load(std::string path,
+                                                             std::chrono::milliseconds every) {
+  const Stamp stamp = StampOf(path);
+  auto keys = LoadApiKeys(path);
+  if (!keys.ok()) return keys.status();
+  auto k = std::shared_ptr<ReloadingKeys>(new ReloadingKeys());
+  k->path_ = std::move(path);
+  k->every_ = every;
+  k->keys_ = std::make_shared<const std::vector<std::string>>(std::move(*keys));
+  k->stamp_ = stamp;
+  k->next_look_ = std::chrono::steady_clock::now() + every;
+  return k;
+}
+
+ReloadingKeys::Stamp ReloadingKeys::StampOf(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) return {};
+  return {static_cast<int64_t>(st.st_mtim.tv_sec) * 1'000'000'000 + st.st_mtim.tv_nsec,
+          static_cast<int64_t>(st.st_size)};
+}
+
+std::shared_ptr<const std::vector<std::string>> ReloadingKeys::Current() {
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto now = std::chrono::steady_clock::now();
+  if (now < next_look_) return keys_;
+  next_look_ = now + every_;
+  const Stamp stamp = StampOf(path_);
+  if (stamp == stamp_) return keys_;
+  stamp_ = stamp;  // a bad file is reported once, until it changes again
+  auto keys = LoadApiKeys(path_);
+  if (!keys.ok()) {
+    PDSERVE_LOG(WARN) << path_ << ": keys not reread (" << keys.status().message()
+                      << "); keeping the " << keys_->size() << " known";
+    return keys_;
+  }
+  keys_ = std::make_shared<const std::vector<std::string>>(std::move(*keys));
+  PDSERVE_LOG(INFO) << path_ << ": reread, " << keys_->size() << " key(s)";
+  return keys_;
 }
 
 std::optional<size_t> MatchBearer(std::string_view header, const std::vector<std::string>& keys) {

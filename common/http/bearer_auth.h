@@ -11,7 +11,11 @@
 //   ambiguous (400), never judged by one of them.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -23,6 +27,35 @@
 namespace pdserve::http {
 
 StatusOr<std::vector<std::string>> LoadApiKeys(const std::string& path);
+
+// A key file that follows its changes, so that keys are added and revoked
+// (a leaked one) without a restart: Current() rereads the file when its
+// modification time or size changed, looking at most once a second. A
+// reread that fails or finds no key keeps the keys it had, logged once per
+// change. Thread-safe.
+class ReloadingKeys {
+ public:
+  // Fails as LoadApiKeys does (the first read must succeed). `every`: how
+  // often Current() looks at the file.
+  static StatusOr<std::shared_ptr<ReloadingKeys>> Load(
+      std::string path, std::chrono::milliseconds every = std::chrono::seconds(1));
+  std::shared_ptr<const std::vector<std::string>> Current();
+
+ private:
+  struct Stamp {
+    int64_t mtime_ns = 0;
+    int64_t size = -1;
+    bool operator==(const Stamp&) const = default;
+  };
+  static Stamp StampOf(const std::string& path);
+
+  std::string path_;
+  std::chrono::milliseconds every_{1000};
+  std::mutex mu_;
+  std::shared_ptr<const std::vector<std::string>> keys_;
+  Stamp stamp_;
+  std::chrono::steady_clock::time_point next_look_;
+};
 
 // The index in `keys` of the key an Authorization header value presents, or
 // nullopt when it presents none of them (or is not a Bearer credential).

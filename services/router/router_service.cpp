@@ -387,7 +387,7 @@ class RouterServiceImpl : public RouterService {
     if (!model_id.ok()) return model_id.status();
     model_id_ = std::move(*model_id);
     if (!opts_.api_key_file.empty()) {
-      auto keys = http::LoadApiKeys(opts_.api_key_file);
+      auto keys = http::ReloadingKeys::Load(opts_.api_key_file);
       if (!keys.ok()) return keys.status();
       api_keys_ = std::move(*keys);
     }
@@ -476,7 +476,7 @@ class RouterServiceImpl : public RouterService {
       metrics_http_ = std::make_unique<http::Server>(
           mo, [this](const http::Request& r, std::shared_ptr<http::Exchange> ex) {
             if (!metrics::ServeStandardEndpoints(
-                    r, *ex, *registry_, [] { return metrics::Health{}; }, metrics_keys_)) {
+                    r, *ex, *registry_, [] { return metrics::Health{}; }, *Keys(metrics_keys_))) {
               ex->Reply(http::ErrorResponse(404, "only /metrics and /health are served here"));
             }
           });
@@ -544,17 +544,17 @@ class RouterServiceImpl : public RouterService {
     if (opts_.max_json_depth < 1)
       return Status::InvalidArgument("--max-json-depth must be at least 1");
     limits_.max_json_depth = opts_.max_json_depth;
-    if (opts_.salt_per_api_key && api_keys_.empty()) {
+    if (opts_.salt_per_api_key && !api_keys_) {
       return Status::InvalidArgument(
           "--salt-per-api-key derives cache salts from API keys: it needs --api-key-file");
     }
     if (!opts_.metrics_key_file.empty()) {
-      auto keys = http::LoadApiKeys(opts_.metrics_key_file);
+      auto keys = http::ReloadingKeys::Load(opts_.metrics_key_file);
       if (!keys.ok()) return keys.status();
       metrics_keys_ = std::move(*keys);
     }
     if (!opts_.admin_key_file.empty()) {
-      auto keys = http::LoadApiKeys(opts_.admin_key_file);
+      auto keys = http::ReloadingKeys::Load(opts_.admin_key_file);
       if (!keys.ok()) return keys.status();
       admin_keys_ = std::move(*keys);
     }
@@ -564,7 +564,7 @@ class RouterServiceImpl : public RouterService {
   void HandleHttp(const http::Request& req, std::shared_ptr<http::Exchange> ex) {
     if (!metrics_http_ &&
         metrics::ServeStandardEndpoints(
-            req, *ex, *registry_, [] { return metrics::Health{}; }, metrics_keys_)) {
+            req, *ex, *registry_, [] { return metrics::Health{}; }, *Keys(metrics_keys_))) {
       return;
     }
     if (req.path == "/health" || req.path == "/live") {  // metrics on their own port: probes stay
@@ -589,11 +589,11 @@ class RouterServiceImpl : public RouterService {
       return;
     }
     if (req.path.rfind("/admin/", 0) == 0) {
-      if (admin_keys_.empty()) {
+      if (!admin_keys_) {
         return ex->Reply(http::ErrorResponse(404, "admin endpoints are off (--admin-key-file)",
                                              "invalid_request_error", "", "not_found"));
       }
-      const http::BearerCheck auth = http::CheckBearer(req, admin_keys_);
+      const http::BearerCheck auth = http::CheckBearer(req, *admin_keys_->Current());
       if (!auth.accepted()) return ex->Reply(http::BearerRefusal(auth));
       if (req.path == "/admin/drain") return HandleAdminDrain(req, ex);
       if (req.path == "/admin/undrain") return HandleAdminUndrain(req, ex);
@@ -602,9 +602,10 @@ class RouterServiceImpl : public RouterService {
     }
     const bool tokenizer_path = req.path == "/tokenize" || req.path == "/detokenize";
     const bool is_api = req.path.rfind("/v1/", 0) == 0 || tokenizer_path;
-    std::optional<size_t> api_key;  // which key authorized the request
-    if (is_api && !api_keys_.empty()) {
-      const http::BearerCheck auth = http::CheckBearer(req, api_keys_);
+    std::optional<std::string> api_key;  // the key that authorized the request
+    if (is_api && api_keys_) {
+      const auto keys = api_keys_->Current();
+      const http::BearerCheck auth = http::CheckBearer(req, *keys);
       if (!auth.accepted()) {
         http::Response refusal = http::BearerRefusal(auth);
         const int status = refusal.status;
@@ -618,7 +619,7 @@ class RouterServiceImpl : public RouterService {
                                   : "no valid API key");
         return;
       }
-      api_key = auth.key_index;
+      api_key = (*keys)[auth.key_index];
     }
     // GET /v1/models lists the model; GET /v1/models/{id} retrieves it.
     constexpr std::string_view kModelsPath = "/v1/models";
@@ -673,7 +674,7 @@ class RouterServiceImpl : public RouterService {
   // prompt's answer is an error, which is then the batch's, the prompts
   // after it are not served.
   void ServeBatch(const http::Request& req, std::shared_ptr<http::Exchange> ex,
-                  const PromptBatchSplit& split, std::optional<size_t> api_key) {
+                  const PromptBatchSplit& split, std::optional<std::string> api_key) {
     PromptBatch batch(std::move(ex), split);
     // One x-request-id for every prompt: the batch's log lines join on it
     // and the client gets it back.
@@ -698,9 +699,9 @@ class RouterServiceImpl : public RouterService {
     }
   }
 
-  // `api_key`: the index of the key that authorized the request, if any.
+  // `api_key`: the key that authorized the request, if any.
   void HandleGenerate(const http::Request& req, std::shared_ptr<http::Exchange> ex,
-                      Endpoint endpoint, std::optional<size_t> api_key) {
+                      Endpoint endpoint, std::optional<std::string> api_key) {
     const auto arrived = Clock::now();
     auto r = std::make_unique<Inflight>();
     r->arrived = arrived;
@@ -728,6 +729,8 @@ class RouterServiceImpl : public RouterService {
           endpoint == Endpoint::kResponses && parsed ? InResponsesTerms(chat_error) : chat_error;
       http::Response resp = e.ToResponse();
       resp.headers.emplace_back("x-request-id", rid);
+      // Unavailable here, not for the client: another router takes it.
+      if (e.status == 503) resp.headers.emplace_back("Retry-After", "1");
       ex->Reply(std::move(resp));
       CountRequest(status);
       PDSERVE_LOG(INFO) << "request " << rid << " " << req.path << " rejected " << e.status << ": "
@@ -749,7 +752,7 @@ class RouterServiceImpl : public RouterService {
     ApiRequest& api = *r->api;
     // Tenancy: each key's requests share cache only among themselves.
     if (opts_.salt_per_api_key && api_key)
-      api.cache_salt = TenantCacheSalt(api_keys_[*api_key], api.cache_salt);
+      api.cache_salt = TenantCacheSalt(*api_key, api.cache_salt);
 
     // Tokenize.
     if (endpoint != Endpoint::kCompletions) {  // chat, and responses as chat
@@ -2341,9 +2344,14 @@ class RouterServiceImpl : public RouterService {
   bool template_knows_developer_ = false;          // the template's source names the role
   ToolParser tool_parser_ = ToolParser::kNone;
   std::string model_id_;
-  std::vector<std::string> api_keys_;
-  std::vector<std::string> metrics_keys_;  // empty: /metrics is open
-  std::vector<std::string> admin_keys_;    // empty: /admin/* is off
+  // Key files, reread as they change (null: off; /metrics open, /admin/* off).
+  std::shared_ptr<http::ReloadingKeys> api_keys_, metrics_keys_, admin_keys_;
+  // The keys `file` holds now; none when it is off.
+  static std::shared_ptr<const std::vector<std::string>> Keys(
+      const std::shared_ptr<http::ReloadingKeys>& file) {
+    static const auto kNone = std::make_shared<const std::vector<std::string>>();
+    return file ? file->Current() : kNone;
+  }
   ApiLimits limits_;
   std::unique_ptr<RouterCore> core_;
   std::shared_ptr<prometheus::Registry> registry_ = std::make_shared<prometheus::Registry>();

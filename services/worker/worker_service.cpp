@@ -84,7 +84,7 @@ class WorkerServiceImpl : public WorkerService {
 
   Status Init() {
     if (!opts_.metrics_key_file.empty()) {
-      auto keys = http::LoadApiKeys(opts_.metrics_key_file);
+      auto keys = http::ReloadingKeys::Load(opts_.metrics_key_file);
       if (!keys.ok()) return keys.status();
       metrics_keys_ = std::move(*keys);
     }
@@ -239,7 +239,8 @@ class WorkerServiceImpl : public WorkerService {
           ho, [this](const http::Request& r, std::shared_ptr<http::Exchange> ex) {
             if (r.path == "/metrics") RefreshCacheCounters();
             if (!metrics::ServeStandardEndpoints(
-                    r, *ex, *registry_, [this] { return Health(); }, metrics_keys_)) {
+                    r, *ex, *registry_, [this] { return Health(); },
+                    metrics_keys_ ? *metrics_keys_->Current() : std::vector<std::string>())) {
               ex->Reply(
                   http::ErrorResponse(404, "only /metrics, /health and /live are served here"));
             }
@@ -780,7 +781,8 @@ class WorkerServiceImpl : public WorkerService {
   std::unique_ptr<control::EventLoop> loop_;
   std::unique_ptr<control::Server> peer_server_;
   std::unique_ptr<http::Server> metrics_http_;
-  std::vector<std::string> metrics_keys_;  // empty: /metrics is open
+  std::shared_ptr<http::ReloadingKeys>
+      metrics_keys_;  // null: /metrics is open (reread as it changes)
 
   std::thread engine_thread_;
   std::mutex cmd_mu_;

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <regex>
 #include <sstream>
 #include <string>
@@ -450,6 +451,41 @@ TEST_F(HostileHttpTest, MetricsNeedTheirKeyWhileProbesStayOpen) {
     EXPECT_EQ(Parse(Exchange(metrics_port, Raw("GET", "/health", "", ""))).status, 200) << where;
   }
   EXPECT_EQ(Parse(Exchange(port(), Raw("GET", "/ready", "", ""))).status, 200);
+}
+
+// Keys rotate by editing their files, as the chart's Secrets change under
+// running pods: a new key is taken and a revoked one refused without a
+// restart, on the router's API and on every process's /metrics.
+TEST_F(HostileHttpTest, KeyFilesRotateWithoutARestart) {
+  auto eventually = [](const std::function<bool()>& ok) {
+    for (int i = 0; i < 1000 && !ok(); ++i) std::this_thread::sleep_for(10ms);
+    return ok();
+  };
+  constexpr const char* kNewKey = "sk-rotated-in";
+  WriteFile(*dir_, "api-keys", std::string(kKeyA) + "\n" + kNewKey + "\n");  // B revoked
+  EXPECT_TRUE(eventually([&] { return Complete("rotation", kNewKey).status == 200; }));
+  EXPECT_TRUE(eventually([&] { return Complete("rotation", kKeyB).status == 401; }));
+  EXPECT_EQ(Complete("rotation", kKeyA).status, 200);
+  WriteFile(*dir_, "api-keys", std::string(kKeyA) + "\n" + kKeyB + "\n");
+  EXPECT_TRUE(eventually([&] { return Complete("rotation", kKeyB).status == 200; }));
+  EXPECT_TRUE(eventually([&] { return Complete("rotation", kNewKey).status == 401; }));
+  // A scrape key added, then the old one dropped: every process follows.
+  WriteFile(*dir_, "metrics-keys", std::string(kMetricsKey) + "\nscrape-new\n");
+  for (int metrics_port : {port(), worker_->metrics_port}) {
+    EXPECT_TRUE(eventually([&] {
+      return Parse(Exchange(metrics_port,
+                            Raw("GET", "/metrics", "", "Authorization: Bearer scrape-new\r\n")))
+                 .status == 200;
+    })) << metrics_port;
+  }
+  WriteFile(*dir_, "metrics-keys", kMetricsKey);
+  for (int metrics_port : {port(), worker_->metrics_port}) {
+    EXPECT_TRUE(eventually([&] {
+      return Parse(Exchange(metrics_port,
+                            Raw("GET", "/metrics", "", "Authorization: Bearer scrape-new\r\n")))
+                 .status == 401;
+    })) << metrics_port;
+  }
 }
 
 TEST_F(HostileHttpTest, TenantsNeverShareCachedPrefixes) {

@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <fstream>
 
 namespace pdserve::http {
@@ -27,6 +28,25 @@ TEST(BearerAuthTest, LoadsKeyFiles) {
   std::ofstream(path) << "# nothing\n";
   EXPECT_FALSE(LoadApiKeys(path).ok());
   EXPECT_FALSE(LoadApiKeys(path + ".missing").ok());
+}
+
+// Keys are added and revoked by editing the file, without a restart; a file
+// that turns empty or unreadable keeps the keys there were.
+TEST(BearerAuthTest, KeyFilesAreRereadAsTheyChange) {
+  const std::string path = ::testing::TempDir() + "/reloading_keys.txt";
+  std::ofstream(path) << "sk-alpha\nsk-beta\n";
+  auto file = ReloadingKeys::Load(path, std::chrono::milliseconds(0));
+  ASSERT_TRUE(file.ok()) << file.status().ToString();
+  EXPECT_EQ(*(*file)->Current(), kKeys);
+  std::ofstream(path) << "sk-gamma-new\n";  // alpha and beta revoked
+  EXPECT_EQ(*(*file)->Current(), (std::vector<std::string>{"sk-gamma-new"}));
+  std::ofstream(path) << "# emptied by mistake\n";
+  EXPECT_EQ(*(*file)->Current(), (std::vector<std::string>{"sk-gamma-new"}));
+  std::remove(path.c_str());
+  EXPECT_EQ(*(*file)->Current(), (std::vector<std::string>{"sk-gamma-new"}));
+  std::ofstream(path) << "sk-alpha\nsk-delta\n";
+  EXPECT_EQ(*(*file)->Current(), (std::vector<std::string>{"sk-alpha", "sk-delta"}));
+  EXPECT_FALSE(ReloadingKeys::Load(path + ".missing").ok());
 }
 
 TEST(BearerAuthTest, SchemeInAnyCaseAndWhichKeyMatched) {
