@@ -29,7 +29,9 @@ int RunRouter(int argc, char** argv) {
   flags.SetEnvPrefix("PDSERVE_");
   flags.AddString("model", &o.model_dir,
                   "model folder (tokenizer, chat template; config.json for the served name)");
-  flags.AddString("model-id", &o.model_id, "served model name (default: the model folder's name)");
+  flags.AddString(
+      "model-id", &o.model_id,
+      "served model name (default: config.json's _name_or_path, else the model folder's name)");
   flags.AddAddress("host", &o.host, "address to listen on");
   flags.AddInt("drain-timeout", &drain_s,
                "seconds SIGTERM lets requests in flight finish (new ones get 503 and /ready "

@@ -32,7 +32,9 @@ int RunWorker(int argc, char** argv) {
   flags.AddString("role", &role, "prefill|decode|both");
   flags.AddString("model", &o.model_dir,
                   "model folder (config.json, *.safetensors, tokenizer.json)");
-  flags.AddString("model-id", &o.model_id, "served model name (default: the model folder's name)");
+  flags.AddString(
+      "model-id", &o.model_id,
+      "served model name (default: config.json's _name_or_path, else the model folder's name)");
   flags.AddString(
       "load-format", &load_format,
       "safetensors|dummy (dummy: random weights of config.json's shapes, for benchmarks)");

@@ -137,9 +137,13 @@ function checkProbesAndPorts(r) {
   assert.equal(String(portByName(router, 'control')), rf.get('control-port'));
   if (rf.has('metrics-port')) assert.equal(String(portByName(router, 'metrics')), rf.get('metrics-port'));
   assert.deepEqual(router.readinessProbe.httpGet, { path: '/ready', port: 'http' });
-  // SIGTERM drains the requests in flight for the grace period less 5 s.
+  // A preStop wait first (endpoints forget the pod meanwhile), then SIGTERM
+  // drains the requests in flight for the rest of the grace period less 5 s.
   const routerGrace = r.deployment('router').spec.template.spec.terminationGracePeriodSeconds;
-  assert.equal(rf.get('drain-timeout'), String(Math.max(0, routerGrace - 5)));
+  const preStop = router.lifecycle?.preStop?.exec?.command;
+  if (preStop) assert.equal(preStop[0], 'sleep');
+  const wait = preStop ? Number(preStop[1]) : 0;
+  assert.equal(rf.get('drain-timeout'), String(Math.max(0, routerGrace - wait - 5)));
   // Liveness reads /live, which only fails when the process itself is broken.
   assert.deepEqual(router.livenessProbe.httpGet, { path: '/live', port: 'http' });
   assert.deepEqual(router.startupProbe.httpGet, { path: '/live', port: 'http' });
@@ -280,6 +284,11 @@ describe('default values', () => {
     r.get('ServiceAccount', `${release}-pdserve`);
   });
   test('probes and ports agree with the container flags', () => checkProbesAndPorts(r));
+  test('a router roll waits for endpoints, then drains as long as the decode pool', () => {
+    assert.deepEqual(mainContainer(r.deployment('router')).lifecycle.preStop.exec.command, ['sleep', '5']);
+    assert.equal(podSpec(r.deployment('router')).terminationGracePeriodSeconds,
+      podSpec(r.deployment('decode')).terminationGracePeriodSeconds);
+  });
   test('workers reach every router replica through the headless Service', () => checkRouterWiring(r));
   test('Services select their pods and existing ports', () => checkServices(r));
   test('one GPU (nvidia.com/gpu) on every worker, none on the router', () => {
@@ -738,6 +747,11 @@ describe('values-full.yaml', () => {
     assert.equal(flags(mainContainer(r.deployment('router'))).get('port'), '8080');
     assert.equal(flags(mainContainer(r.deployment('decode'))).get('router'), `${release}-pdserve-router-headless.${namespace}.svc:9500`);
   });
+  test('one served model id, given to the router and every worker alike', () => {
+    for (const d of components) {
+      assert.equal(flags(mainContainer(r.deployment(d))).get('model-id'), 'meta-llama/Llama-3.1-8B-Instruct', d);
+    }
+  });
   test('GPU resource name and count per pool', () => {
     assert.equal(workerResources(r, 'prefill').limits['amd.com/gpu'], 2);
     assert.equal(workerResources(r, 'decode').limits['amd.com/gpu'], 1);
@@ -955,6 +969,10 @@ describe('targeted overrides', () => {
       assert.equal(envOf(spec.initContainers[0]).HF_REPO.value, 'Qwen/Qwen2.5-0.5B-Instruct');
       assert.equal(envOf(spec.initContainers[0]).HF_TOKEN, undefined, 'no token without a Secret');
       assert.ok(spec.volumes.find((v) => v.name === 'models').emptyDir);
+      // The router reads the JSON and template files only: no weights for it.
+      const patterns = JSON.parse(envOf(spec.initContainers[0]).HF_ALLOW_PATTERNS.value);
+      assert.equal(patterns.includes('*.safetensors'), c !== 'router', c);
+      assert.ok(patterns.includes('*.json') && patterns.includes('*.jinja'), c);
     }
     const res = runHelm(['template', release, chart, '--set', 'model.storage.type=download']);
     assert.notEqual(res.status, 0);

@@ -119,9 +119,16 @@ matchExpressions:
 {{- end }}
 {{- end }}
 
-{{/* The download container (per-pod initContainer or the newClaim Job). */}}
+{{/* The download container (per-pod initContainer or the newClaim Job).
+     Takes (dict "root" . "router" BOOL): the router reads the model's JSON
+     and template files only, and downloads those, not the weights. */}}
 {{- define "pdserve.downloadContainer" -}}
-{{- $d := .Values.model.download }}
+{{- $root := .root }}
+{{- $d := $root.Values.model.download }}
+{{- $patterns := $d.allowPatterns }}
+{{- if .router }}
+{{- $patterns = list "*.json" "*.jinja" "tokenizer.model" "additional_chat_templates/*" }}
+{{- end }}
 - name: model-download
   image: "{{ $d.image.repository }}:{{ $d.image.tag }}"
   imagePullPolicy: {{ $d.image.pullPolicy }}
@@ -149,11 +156,11 @@ matchExpressions:
     - name: HF_REVISION
       value: {{ $d.revision | quote }}
     - name: HF_ALLOW_PATTERNS
-      value: {{ toJson $d.allowPatterns | quote }}
+      value: {{ toJson $patterns | quote }}
     - name: HF_HUB_VERSION
       value: {{ $d.huggingfaceHubVersion | quote }}
     - name: MODEL_DIR
-      value: {{ include "pdserve.modelDir" . }}
+      value: {{ include "pdserve.modelDir" $root }}
     - name: HOME
       value: /tmp
     - name: HF_HOME
@@ -166,7 +173,7 @@ matchExpressions:
           key: {{ $d.hfTokenSecret.key }}
     {{- end }}
   securityContext:
-    {{- toYaml .Values.containerSecurityContext | nindent 4 }}
+    {{- toYaml $root.Values.containerSecurityContext | nindent 4 }}
   resources:
     {{- toYaml $d.resources | nindent 4 }}
   volumeMounts:
@@ -176,24 +183,26 @@ matchExpressions:
       mountPath: /tmp
 {{- end }}
 
-{{/* initContainers that make the model available before the server starts. */}}
+{{/* initContainers that make the model available before the server starts;
+     takes (dict "root" . "router" BOOL), as pdserve.downloadContainer. */}}
 {{- define "pdserve.modelInitContainers" -}}
-{{- $type := .Values.model.storage.type }}
+{{- $ctx := .root }}
+{{- $type := $ctx.Values.model.storage.type }}
 {{- if eq $type "download" }}
 {{- include "pdserve.downloadContainer" . }}
 {{- else if eq $type "tiny" }}
 - name: make-model
-  image: {{ include "pdserve.image" . }}
-  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  image: {{ include "pdserve.image" $ctx }}
+  imagePullPolicy: {{ $ctx.Values.image.pullPolicy }}
   command:
     - sh
     - -c
     - test -f "$MODEL_DIR/config.json" || pdserve make-model --preset tiny --out "$MODEL_DIR"
   env:
     - name: MODEL_DIR
-      value: {{ include "pdserve.modelDir" . }}
+      value: {{ include "pdserve.modelDir" $ctx }}
   securityContext:
-    {{- toYaml .Values.containerSecurityContext | nindent 4 }}
+    {{- toYaml $ctx.Values.containerSecurityContext | nindent 4 }}
   volumeMounts:
     - name: models
       mountPath: /models
@@ -201,21 +210,21 @@ matchExpressions:
       mountPath: /tmp
 {{- else if eq $type "newClaim" }}
 - name: wait-for-model
-  image: {{ include "pdserve.image" . }}
-  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  image: {{ include "pdserve.image" $ctx }}
+  imagePullPolicy: {{ $ctx.Values.image.pullPolicy }}
   command:
     - sh
     - -c
     - |
       until [ -f "$MODEL_DIR/.pdserve-model-ready" ]; do
-        echo "waiting for Job {{ include "pdserve.downloadJobName" . }} to download the model into $MODEL_DIR"
+        echo "waiting for Job {{ include "pdserve.downloadJobName" $ctx }} to download the model into $MODEL_DIR"
         sleep 10
       done
   env:
     - name: MODEL_DIR
-      value: {{ include "pdserve.modelDir" . }}
+      value: {{ include "pdserve.modelDir" $ctx }}
   securityContext:
-    {{- toYaml .Values.containerSecurityContext | nindent 4 }}
+    {{- toYaml $ctx.Values.containerSecurityContext | nindent 4 }}
   volumeMounts:
     - name: models
       mountPath: /models
