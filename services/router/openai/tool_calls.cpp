@@ -213,16 +213,26 @@ std::optional<ToolCall> ToolCallStreamer::CallWithArguments(std::string name,
   return call;
 }
 
-std::optional<std::vector<ToolCall>> ToolCallStreamer::CallsFromDeepSeek(
-    std::string_view body) const {
+std::optional<std::vector<ToolCall>> ToolCallStreamer::CallsFromDeepSeek(std::string_view body,
+                                                                         std::string* rest) const {
   std::vector<ToolCall> calls;
   std::string_view s = Trim(body);
+  // The calls that parse, in order; from the first that does not (cut off
+  // by max_tokens, an unknown function) the text stays content, as hermes'
+  // and vLLM's parsers keep a block's complete calls.
+  std::string_view call_start = s;
+  auto failed = [&]() -> std::optional<std::vector<ToolCall>> {
+    if (calls.empty()) return std::nullopt;
+    *rest = std::string(call_start);
+    return std::move(calls);
+  };
   while (!s.empty()) {
-    if (!s.starts_with(kDsCallBegin)) return std::nullopt;
+    call_start = s;
+    if (!s.starts_with(kDsCallBegin)) return failed();
     s.remove_prefix(kDsCallBegin.size());
     const size_t end = s.find(kDsCallEnd);
     const size_t sep = s.find(kDsSep);
-    if (end == std::string_view::npos || sep > end) return std::nullopt;
+    if (end == std::string_view::npos || sep > end) return failed();
     std::string_view head = s.substr(0, sep), args = s.substr(sep + kDsSep.size());
     args = args.substr(0, end - sep - kDsSep.size());
     s = Trim(s.substr(end + kDsCallEnd.size()));
@@ -230,17 +240,17 @@ std::optional<std::vector<ToolCall>> ToolCallStreamer::CallsFromDeepSeek(
     if (parser_ == ToolParser::kDeepSeekV3) {
       // TYPE<sep>NAME\n```json\nARGS\n```: the type is "function".
       const size_t newline = args.find('\n');
-      if (newline == std::string_view::npos) return std::nullopt;
+      if (newline == std::string_view::npos) return failed();
       name = args.substr(0, newline);
       args = Trim(args.substr(newline + 1));
       if (!args.starts_with("```json") || !args.ends_with("```") || args.size() < 10)
-        return std::nullopt;
+        return failed();
       args = args.substr(7, args.size() - 10);
     }
     ojson value = ParseModelJson(Trim(args));
-    if (value.is_discarded()) return std::nullopt;
+    if (value.is_discarded()) return failed();
     auto call = CallWithArguments(std::string(Trim(name)), value);
-    if (!call) return std::nullopt;
+    if (!call) return failed();
     calls.push_back(std::move(*call));
   }
   if (calls.empty()) return std::nullopt;
@@ -265,7 +275,11 @@ std::optional<std::vector<ToolCall>> ToolCallStreamer::CallsFromRest(std::string
       *trailing = s.substr(end);  // what the model wrote after its calls
       return calls;
     }
-    // name[ARGS]{...}, repeated after [TOOL_CALLS].
+    // name[ARGS]{...}, repeated after [TOOL_CALLS]. The calls that parse
+    // are kept; from the first that does not (cut off, an unknown name) the
+    // text, its marker included, stays content (vLLM's v11 parser keeps a
+    // turn's complete calls too).
+    std::string_view call_start = s;
     while (!s.empty()) {
       const size_t args = s.find(kMistralArgs);
       if (args == std::string_view::npos) {
@@ -274,15 +288,22 @@ std::optional<std::vector<ToolCall>> ToolCallStreamer::CallsFromRest(std::string
         break;
       }
       const std::string name(Trim(s.substr(0, args)));
-      s.remove_prefix(args + kMistralArgs.size());
-      const size_t end = JsonEnd(s);
-      if (end == std::string_view::npos) return std::nullopt;
-      ojson call_json = {{"name", name}, {"arguments", ParseModelJson(s.substr(0, end))}};
-      // The name is the model's bytes, UTF-8 or not: repaired, never thrown on.
-      auto call = CallFromJson(call_json.dump(-1, ' ', false, ojson::error_handler_t::replace));
-      if (!call) return std::nullopt;
+      std::string_view after = s.substr(args + kMistralArgs.size());
+      const size_t end = JsonEnd(after);
+      std::optional<ToolCall> call;
+      if (end != std::string_view::npos) {
+        ojson call_json = {{"name", name}, {"arguments", ParseModelJson(after.substr(0, end))}};
+        // The name is the model's bytes, UTF-8 or not: repaired, never thrown on.
+        call = CallFromJson(call_json.dump(-1, ' ', false, ojson::error_handler_t::replace));
+      }
+      if (!call) {
+        if (calls.empty()) return std::nullopt;
+        *trailing = call_start;
+        break;
+      }
       calls.push_back(std::move(*call));
-      s = Trim(s.substr(end));
+      s = Trim(after.substr(end));
+      call_start = s;
       if (s.substr(0, kMistralMarker.size()) == kMistralMarker)
         s = Trim(s.substr(kMistralMarker.size()));
     }
@@ -705,15 +726,17 @@ void ToolCallStreamer::Drain(bool final, std::vector<ToolStreamPart>* parts) {
         const size_t at = *close;
         const std::string_view body = std::string_view(buffer_).substr(0, at);
         std::optional<std::vector<ToolCall>> found;
+        std::string rest;  // DeepSeek: the block's text from a call that did not parse
         if (parser_ == ToolParser::kQwen3Coder) {
           found = CallsFromXml(body);
         } else if (IsDeepSeek()) {
-          found = CallsFromDeepSeek(body);
+          found = CallsFromDeepSeek(body, &rest);
         } else if (auto call = CallFromJson(body)) {
           found.emplace().push_back(std::move(*call));
         }
         if (found) {
           add_calls(std::move(*found));
+          Emit(rest, parts);
         } else {
           Emit(std::string(OpenMarker()) + std::string(body) +
                    (at == std::string::npos ? "" : std::string(CloseMarker())),

@@ -138,7 +138,10 @@ class ToolCallStreamer {
   std::optional<std::vector<ToolCall>> CallsFromXml(std::string_view body) const;
   // DeepSeek: the calls of one block (between its markers); nullopt unless
   // all are calls.
-  std::optional<std::vector<ToolCall>> CallsFromDeepSeek(std::string_view body) const;
+  // The block's calls up to the first that does not parse, whose text on
+  // goes to `rest`; nullopt when the first does not.
+  std::optional<std::vector<ToolCall>> CallsFromDeepSeek(std::string_view body,
+                                                         std::string* rest) const;
   // The calls that start `text` (all of it, for kMistral's name[ARGS] form);
   // what follows the last one goes to `*trailing`, as content.
   std::optional<std::vector<ToolCall>> CallsFromRest(std::string_view text,

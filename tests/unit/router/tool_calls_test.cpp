@@ -170,6 +170,12 @@ TEST(ToolCalls, Mistral) {
   Check(p, bad, {bad, {}});
   const std::string list = "[1, 2, 3]";
   Check(p, list, {list, {}});
+  // The v11 form keeps the calls it completed; from one cut off (or naming
+  // no function) the text stays content, its marker with it.
+  Check(p, "[TOOL_CALLS]search[ARGS]{\"q\": 1}[TOOL_CALLS]get_weather[ARGS]{\"city\": \"x\"",
+        {"[TOOL_CALLS]get_weather[ARGS]{\"city\": \"x\"", {{"search", R"({"q":1})"}}});
+  Check(p, "[TOOL_CALLS]search[ARGS]{}[TOOL_CALLS]nope[ARGS]{}",
+        {"[TOOL_CALLS]nope[ARGS]{}", {{"search", "{}"}}});
 }
 
 TEST(ToolCalls, Llama3Json) {
@@ -288,6 +294,14 @@ TEST(ToolCalls, DeepSeek) {
         {" done", {{"get_weather", R"({"city":"Oslo","days":2})"}, {"search", "{}"}}});
   // Cut off after a complete call: still a call.
   Check(v31, b + cb + "search" + sep + "{}" + ce, {"", {{"search", "{}"}}});
+  // Cut off in a later call, or a later one naming no function: the calls
+  // before it are kept, its text stays content (vLLM keeps them too).
+  Check(v31, b + cb + "search" + sep + "{}" + ce + cb + "get_weather" + sep + "{\"ci",
+        {cb + "get_weather" + sep + "{\"ci", {{"search", "{}"}}});
+  Check(v3,
+        b + cb + "function" + sep + "search\n```json\n{}\n```" + ce + cb + "function" + sep +
+            "rm_rf\n```json\n{}\n```" + ce + e,
+        {cb + "function" + sep + "rm_rf\n```json\n{}\n```" + ce, {{"search", "{}"}}});
   // Malformed blocks stay content as written: an unknown function, bad
   // JSON, arguments that are no object, V3's block without its ```json,
   // a call not closed.
