@@ -433,6 +433,14 @@ std::optional<ApiError> ParseMessages(const ojson& body, ApiRequest* out) {
         copy["tool_calls"] = std::move(rendered);
       }
     }
+    // vLLM answers with `reasoning` and reads it back for templates that
+    // name it `reasoning_content` (Qwen3's): a history echoed as vLLM wrote
+    // it keeps its reasoning there. A `reasoning_content` given wins.
+    if (auto reasoning = m.find("reasoning");
+        r == "assistant" && reasoning != m.end() && reasoning->is_string() &&
+        !(m.contains("reasoning_content") && !m["reasoning_content"].is_null())) {
+      copy["reasoning_content"] = *reasoning;
+    }
     auto content = m.find("content");
     if (content == m.end() || content->is_null()) {
       if (r != "assistant")
@@ -797,7 +805,8 @@ std::optional<ApiError> ParseBody(Endpoint endpoint, const ojson& j, const ApiLi
   if (const ojson* so = f.Get("stream_options")) {
     if (!so->is_object())
       return InvalidParam("stream_options", "'stream_options' must be an object");
-    if (!out->stream)
+    // An empty object asks for nothing (vLLM takes it without a stream).
+    if (!out->stream && !so->empty())
       return InvalidParam("stream_options",
                           "'stream_options' is only allowed when 'stream' is true");
     PDSERVE_API_CHECK(Fields(*so).Bool("include_usage", &out->include_usage));

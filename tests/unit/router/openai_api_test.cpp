@@ -253,6 +253,16 @@ TEST(OpenAiApiTest, ChatMessages) {
   EXPECT_EQ(r.sampling.logprobs, 3);
   // Key order survives for the chat template.
   EXPECT_EQ(r.messages[0].begin().key(), "role");
+  // A history as vLLM answers it: `reasoning` reaches templates as
+  // `reasoning_content` (one given wins).
+  auto reasoned = ParseOk(Endpoint::kChatCompletions,
+                          R"({"messages":[{"role":"user","content":"x"},
+                              {"role":"assistant","content":"4","reasoning":"2+2"},
+                              {"role":"assistant","content":"5","reasoning":"r",
+                               "reasoning_content":"mine"},{"role":"user","content":"y"}],
+                              "stream_options":{}})");
+  EXPECT_EQ(reasoned.messages[1]["reasoning_content"], "2+2");
+  EXPECT_EQ(reasoned.messages[2]["reasoning_content"], "mine");
   // Llama-3's ipython role (a tool's output) goes to the template as it is.
   auto ipython = ParseOk(Endpoint::kChatCompletions,
                          R"({"messages":[{"role":"user","content":"x"},
