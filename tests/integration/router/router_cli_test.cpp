@@ -13,6 +13,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "tests/support/test_models.h"
+
 namespace {
 
 struct CliRun {
@@ -27,8 +29,10 @@ std::string ReadFile(const std::string& path) {
   return s.str();
 }
 
+// In the test binary's own folder, removed at its exit.
 std::string TempPath(const std::string& name) {
-  return ::testing::TempDir() + "router_cli_" + std::to_string(::getpid()) + "_" + name;
+  static const std::string dir = pdserve::testing::NewTempDir("router-cli");
+  return dir + "/" + name;
 }
 
 CliRun Pdserve(const std::string& args) {

@@ -754,8 +754,8 @@ TEST_F(RouterServiceQwen3CoderTest, XmlCallsAreTypedToolCalls) {
 
 // A file of the test's own: its text, at a path that lives as long as the test binary.
 std::string WriteTemplate(const std::string& name, const std::string& text) {
-  const std::string path =
-      ::testing::TempDir() + "router_service_" + std::to_string(::getpid()) + "_" + name + ".jinja";
+  static const std::string dir = pdserve::testing::NewTempDir("router-service");
+  const std::string path = dir + "/" + name + ".jinja";
   std::ofstream(path) << text;
   return path;
 }
