@@ -29,14 +29,17 @@ const std::vector<double>& RequestLatencyBuckets() {
 }
 
 const std::vector<double>& KvTransferBuckets() {
-  static const std::vector<double> b = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
-                                        0.1,    0.25,  0.5,    1.0,   2.5,  5.0,   10.0};
+  // Up to a minute: a hand-off may take its whole --prefill-timeout-ms (30 s).
+  static const std::vector<double> b = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                                        0.5,    1.0,   2.5,    5.0,   10.0, 20.0,  30.0, 60.0};
   return b;
 }
 
 const std::vector<double>& RouteDecisionBuckets() {
-  static const std::vector<double> b = {1e-6, 2.5e-6, 5e-6, 1e-5, 2e-5, 5e-5,
-                                        1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 1e-2};
+  // Up to a quarter second: a decision includes tokenizing and hashing the
+  // prompt, 12 ms for 32k tokens.
+  static const std::vector<double> b = {1e-6, 2.5e-6, 5e-6, 1e-5, 2e-5,   5e-5, 1e-4, 2.5e-4,
+                                        5e-4, 1e-3,   5e-3, 1e-2, 2.5e-2, 5e-2, 0.1,  0.25};
   return b;
 }
 
