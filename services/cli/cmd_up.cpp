@@ -33,6 +33,7 @@
 #include "common/http/http_server.h"
 #include "common/logging.h"
 #include "common/signals.h"
+#include "common/tokenizer/tokenizer.h"
 #include "engine/kv_tier_store.h"
 #include "engine/make_model.h"
 #include "engine/model.h"
@@ -607,20 +608,30 @@ int RunUp(int argc, char** argv) {
     list += (list.empty() ? "" : ",") + addr;
     worker_metrics += "           http://" + addr + "/metrics (" + c.name + ")\n";
   }
-  const std::string body = nlohmann::json{
-      {"model", served},
-      {"messages", {{{"role", "user"}, {"content", "Hello!"}}}},
-      {"max_tokens", 16}}.dump();
+  // Chat needs a chat template: without one the example is a completion.
+  bool chat = !chat_template.empty();
+  if (!chat) {
+    auto tokenizer = Tokenizer::Load(model);
+    chat = tokenizer.ok() && !(*tokenizer)->chat_template().empty();
+  }
+  nlohmann::json example = {{"model", served}, {"max_tokens", 16}};
+  if (chat) {
+    example["messages"] = {{{"role", "user"}, {"content", "Hello!"}}};
+  } else {
+    example["prompt"] = "Once upon a time";
+  }
+  const std::string body = example.dump();
+  const char* endpoint = chat ? "/v1/chat/completions" : "/v1/completions";
   std::printf(
       "\npdserve up: ready at %s (%lld prefill, %lld decode worker%s, model %s)\n"
-      "  try:     curl -s %s/v1/chat/completions -H 'Content-Type: application/json' -d '%s'\n"
+      "  try:     curl -s %s%s -H 'Content-Type: application/json' -d '%s'\n"
       "  metrics: %s/metrics (router)\n%s"
       "  logs:    %s/logs/\n"
       "  prometheus, from a pdserve checkout: deploy/local/prometheus.sh --router %s:%d "
       "--prefill '%s' --decode '%s'\n"
       "Ctrl-C stops the stack.\n",
       base.c_str(), static_cast<long long>(prefill), static_cast<long long>(decode),
-      decode == 1 ? "" : "s", served.c_str(), base.c_str(), body.c_str(), base.c_str(),
+      decode == 1 ? "" : "s", served.c_str(), base.c_str(), endpoint, body.c_str(), base.c_str(),
       worker_metrics.c_str(), dir.c_str(), local.c_str(), http_port, prefill_targets.c_str(),
       decode_targets.c_str());
   std::fflush(stdout);

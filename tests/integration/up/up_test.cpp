@@ -206,14 +206,31 @@ TEST(UpTest, TensorParallelWorkersHandKvOff) {
   EXPECT_EQ(*code, 0) << up.Log();
 }
 
+// (On a model without a chat template, whose printed example is then a
+// completion: chat would answer 400.)
 TEST(UpTest, EvictionFlagsReachTheWorkers) {
   const std::string dir = NewTempDir("up-eviction");
+  const std::string model = dir + "/plain";
+  ASSERT_EQ(RunCommand({kPdserve, "make-model", "--preset", "tiny", "--out", model}).exit_code, 0);
+  {
+    std::ifstream in(model + "/tokenizer_config.json");
+    nlohmann::json config = nlohmann::json::parse(in);
+    config.erase("chat_template");
+    std::ofstream(model + "/tokenizer_config.json") << config.dump();
+  }
   ChildProcess up = ChildProcess::Start(
-      UpArgs(dir, {"--prefill", "0", "--decode", "1", "--kv-eviction", "streaming",
-                   "--kv-sink-tokens", "4", "--kv-window-tokens", "32"}),
+      UpArgs(dir, {"--model", model, "--prefill", "0", "--decode", "1", "--kv-eviction",
+                   "streaming", "--kv-sink-tokens", "4", "--kv-window-tokens", "32"}),
       dir + "/up.log");
   ASSERT_TRUE(up.WaitForLog(std::regex("Ctrl-C stops the stack"), 120s)) << up.Log();
   const std::string log = up.Log();
+  std::smatch example;
+  ASSERT_TRUE(std::regex_search(log, example, std::regex(R"(try:\s+(curl .*))"))) << log;
+  EXPECT_NE(example[1].str().find("/v1/completions"), std::string::npos) << log;
+  CommandResult curl = RunCommand({"/bin/bash", "-c", example[1].str()});
+  ASSERT_EQ(curl.exit_code, 0) << curl.err;
+  EXPECT_EQ(nlohmann::json::parse(curl.out, nullptr, false).value("object", ""), "text_completion")
+      << curl.out;
   std::smatch port;
   ASSERT_TRUE(std::regex_search(log, port, std::regex(R"(http://127\.0\.0\.1:(\d+)/v1)"))) << log;
   const nlohmann::json req = {
