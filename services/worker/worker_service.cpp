@@ -88,6 +88,27 @@ class WorkerServiceImpl : public WorkerService {
       if (!keys.ok()) return keys.status();
       metrics_keys_ = std::move(*keys);
     }
+    // /live, /health and /metrics from the start: loading a large model
+    // takes minutes, and a process that answers nothing meanwhile looks
+    // down to Prometheus (its "down" alerts fired on every rollout). /live
+    // says it is alive, /health that it is loading.
+    if (opts_.metrics_port >= 0) {
+      http::ServerOptions ho;
+      ho.host = opts_.host;
+      ho.port = opts_.metrics_port;
+      ho.threads = 1;
+      metrics_http_ = std::make_unique<http::Server>(
+          ho, [this](const http::Request& r, std::shared_ptr<http::Exchange> ex) {
+            if (r.path == "/metrics" && loaded_) RefreshCacheCounters();
+            if (!metrics::ServeStandardEndpoints(
+                    r, *ex, *registry_, [this] { return Health(); },
+                    metrics_keys_ ? *metrics_keys_->Current() : std::vector<std::string>())) {
+              ex->Reply(
+                  http::ErrorResponse(404, "only /metrics, /health and /live are served here"));
+            }
+          });
+      PDSERVE_RETURN_IF_ERROR(metrics_http_->Start());
+    }
     if (opts_.worker_id.empty()) {
       char host[256] = {0};
       gethostname(host, sizeof(host) - 1);
@@ -205,6 +226,7 @@ class WorkerServiceImpl : public WorkerService {
     ctx_.post = [this](std::function<void()> fn) { Post(std::move(fn)); };
     ctx_.busy = &busy_;
     ctx_.draining = &draining_;
+    loaded_ = true;
     return Status::Ok();
   }
 
@@ -230,23 +252,6 @@ class WorkerServiceImpl : public WorkerService {
     control_address_ = (opts_.advertise_host.empty() ? "127.0.0.1" : opts_.advertise_host) + ":" +
                        std::to_string(peer_server_->port());
 
-    if (opts_.metrics_port >= 0) {
-      http::ServerOptions ho;
-      ho.host = opts_.host;
-      ho.port = opts_.metrics_port;
-      ho.threads = 1;
-      metrics_http_ = std::make_unique<http::Server>(
-          ho, [this](const http::Request& r, std::shared_ptr<http::Exchange> ex) {
-            if (r.path == "/metrics") RefreshCacheCounters();
-            if (!metrics::ServeStandardEndpoints(
-                    r, *ex, *registry_, [this] { return Health(); },
-                    metrics_keys_ ? *metrics_keys_->Current() : std::vector<std::string>())) {
-              ex->Reply(
-                  http::ErrorResponse(404, "only /metrics, /health and /live are served here"));
-            }
-          });
-      PDSERVE_RETURN_IF_ERROR(metrics_http_->Start());
-    }
     engine_thread_ = std::thread([this] { EngineLoop(); });
     dns_thread_ = std::thread([this] { DnsLoop(); });
     PDSERVE_LOG(INFO) << "worker " << opts_.worker_id << " (" << RoleName(opts_.role)
@@ -260,7 +265,10 @@ class WorkerServiceImpl : public WorkerService {
 
   void Stop() override {
     if (stopped_.exchange(true)) return;
-    if (!engine_thread_.joinable()) return;
+    if (!engine_thread_.joinable()) {  // never started (Init failed, or no Start)
+      if (metrics_http_) metrics_http_->Stop();
+      return;
+    }
     // Drain: tell the routers, finish what runs, then leave.
     draining_ = true;
     ForEachRouter([](control::Client& c) {
@@ -318,6 +326,7 @@ class WorkerServiceImpl : public WorkerService {
 
   // ------------------------------------------------------------- routers
   metrics::Health Health() {
+    if (!loaded_) return {false, "loading the model"};
     if (stopped_) return {false, "stopping"};
     if (routers_connected_.load() == 0) return {false, "no router connection"};
     if (const int64_t started = step_started_ns_.load();
@@ -780,9 +789,11 @@ class WorkerServiceImpl : public WorkerService {
 
   std::unique_ptr<control::EventLoop> loop_;
   std::unique_ptr<control::Server> peer_server_;
+  // null: /metrics is open (reread as it changes). Before the server that
+  // reads it.
+  std::shared_ptr<http::ReloadingKeys> metrics_keys_;
   std::unique_ptr<http::Server> metrics_http_;
-  std::shared_ptr<http::ReloadingKeys>
-      metrics_keys_;  // null: /metrics is open (reread as it changes)
+  std::atomic<bool> loaded_{false};  // Init finished: the engine exists
 
   std::thread engine_thread_;
   std::mutex cmd_mu_;

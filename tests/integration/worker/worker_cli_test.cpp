@@ -1,13 +1,22 @@
 // `pdserve worker` refuses a device or a KV transport it cannot use with one
 // line and exit 2, before it reads the model or binds a port.
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "tests/support/http_client.h"
 #include "tests/support/process.h"
+#include "tests/support/test_models.h"
 
 namespace pdserve::testing {
 namespace {
@@ -27,6 +36,51 @@ void ExpectOneLineUsageError(const CommandResult& r, const std::string& needle) 
   EXPECT_NE(r.err.find(needle), std::string::npos) << r.err;
   EXPECT_EQ(r.err.find("nonexistent-model"), std::string::npos) << "the model was read: " << r.err;
   EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << "not one line: " << r.err;
+}
+
+// A port free now (bound, then released) for a process to listen on.
+int FreePort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
+  ::close(fd);
+  return ok ? ntohs(addr.sin_port) : 0;
+}
+
+// A worker answers /live (200) and /health (503, "loading the model") while
+// it loads its weights, which takes minutes for a large model: Prometheus
+// sees it up, not down. (A 0.5B model of dummy weights, and no tokenizer:
+// the worker then stops, as it would at any failed start.)
+TEST(WorkerCliTest, LiveAndHealthAnswerWhileTheModelLoads) {
+  const std::string dir = NewTempDir("loading");
+  std::filesystem::copy_file(
+      std::filesystem::path(PDSERVE_SOURCE_DIR) / "bench/configs/qwen2.5-0.5b/config.json",
+      dir + "/config.json");
+  const int port = FreePort();
+  ASSERT_GT(port, 0);
+  ChildProcess worker =
+      ChildProcess::Start({PDSERVE_BIN_PATH, "worker", "--model", dir, "--load-format", "dummy",
+                           "--router", "127.0.0.1:1", "--insecure-control-plane", "--threads", "1",
+                           "--metrics-port", std::to_string(port)},
+                          dir + "/worker.log");
+  bool seen_loading = false;
+  for (int i = 0; i < 6000 && worker.running() && !seen_loading; ++i) {
+    const HttpResult health = HttpRequest(port, "GET", "/health");
+    if (health.status == 503 && health.body.find("loading the model") != std::string::npos) {
+      seen_loading = HttpRequest(port, "GET", "/live").status == 200 &&
+                     HttpRequest(port, "GET", "/metrics").status == 200;
+    }
+    if (!seen_loading) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_TRUE(seen_loading) << worker.Log();
+  const auto code = worker.Wait(std::chrono::seconds(120));
+  ASSERT_TRUE(code) << worker.Log();
+  EXPECT_EQ(*code, 2) << worker.Log();
+  EXPECT_NE(worker.Log().find("tokenizer.json"), std::string::npos) << worker.Log();
 }
 
 TEST(WorkerCliTest, AMissingCudaDeviceIsRefusedNamingWhatExists) {
