@@ -15,6 +15,7 @@
 #include <fstream>
 #include <iterator>
 #include <mutex>
+#include <regex>
 #include <sstream>
 #include <thread>
 #include <unordered_map>
@@ -374,6 +375,16 @@ class RouterServiceImpl : public RouterService {
       }
     }
     template_knows_developer_ = template_text.find("developer") != std::string::npos;
+    // A template that loops over a message's content takes its parts
+    // (Gemma-3's, Mistral-Small-3.1's, the vision Llamas'), others a string:
+    // vLLM's content-format detection.
+    static const std::regex kLoopsOverContent(
+        R"(for\s+\w+\s+in\s+\w+\s*(\[\s*['"]content['"]\s*\]|\.content\b))");
+    auto loops = [](const std::string& text) { return std::regex_search(text, kLoopsOverContent); };
+    template_takes_parts_ =
+        chat_template_ &&
+        loops(opts_.chat_template_file.empty() ? tokenizer_->chat_template() : template_text);
+    tool_use_takes_parts_ = tool_use_template_ && loops(tokenizer_->tool_use_chat_template());
     if (!opts_.tool_call_parser.empty()) {
       auto parser = ParseToolParserName(opts_.tool_call_parser);
       if (!parser.ok()) return parser.status();
@@ -918,11 +929,23 @@ class RouterServiceImpl : public RouterService {
       }
     }
     const bool with_tools = api.tools.is_array() && !api.tools.empty();
-    const ChatTemplate& tmpl =
-        with_tools && tool_use_template_ ? *tool_use_template_ : *chat_template_;
-    auto rendered =
-        RenderChat(tmpl, api.messages, api.add_generation_prompt, tokenizer_->bos_token(),
-                   tokenizer_->eos_token(), api.tools, api.chat_template_kwargs);
+    const bool tool_use = with_tools && tool_use_template_;
+    const ChatTemplate& tmpl = tool_use ? *tool_use_template_ : *chat_template_;
+    // Content given as parts goes to a template that loops over them as
+    // parts (not for continue_final_message, whose cut finds the final
+    // message's text as one string).
+    nlohmann::ordered_json with_parts;
+    const bool parts =
+        (tool_use ? tool_use_takes_parts_ : template_takes_parts_) && !api.continue_final_message;
+    if (parts) {
+      with_parts = api.messages;
+      for (size_t i = 0; i < api.content_parts.size() && i < with_parts.size(); ++i) {
+        if (!api.content_parts[i].is_null()) with_parts[i]["content"] = api.content_parts[i];
+      }
+    }
+    auto rendered = RenderChat(tmpl, parts ? with_parts : api.messages, api.add_generation_prompt,
+                               tokenizer_->bos_token(), tokenizer_->eos_token(), api.tools,
+                               api.chat_template_kwargs);
     if (!rendered.ok()) {
       return ApiError{400,
                       "the chat template rejected the messages: " + rendered.status().message(),
@@ -2341,7 +2364,9 @@ class RouterServiceImpl : public RouterService {
   std::unique_ptr<Tokenizer> tokenizer_;
   std::optional<ChatTemplate> chat_template_;
   std::optional<ChatTemplate> tool_use_template_;  // the model's "tool_use", if any
-  bool template_knows_developer_ = false;          // the template's source names the role
+  // Whether each template loops over a message's content (then given parts).
+  bool template_takes_parts_ = false, tool_use_takes_parts_ = false;
+  bool template_knows_developer_ = false;  // the template's source names the role
   ToolParser tool_parser_ = ToolParser::kNone;
   std::string model_id_;
   // Key files, reread as they change (null: off; /metrics open, /admin/* off).

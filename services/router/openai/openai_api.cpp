@@ -9,6 +9,7 @@
 #include <limits>
 #include <sstream>
 #include <stdexcept>
+#include <utility>
 #include <vector>
 
 #include "services/router/openai/responses_api.h"
@@ -449,6 +450,8 @@ std::optional<ApiError> ParseMessages(const ojson& body, ApiRequest* out) {
     } else if (content->is_array()) {
       // Text parts are joined as vLLM does; other part types need a multimodal model.
       std::string text;
+      ojson parts = ojson::array();
+      bool first = true;
       for (const auto& part : *content) {
         auto type = part.is_object() ? part.find("type") : part.end();
         auto part_text = part.is_object() ? part.find("text") : part.end();
@@ -459,10 +462,13 @@ std::optional<ApiError> ParseMessages(const ojson& body, ApiRequest* out) {
                                   ".content' parts must be {\"type\": \"text\", "
                                   "\"text\": ...}; this model takes text only");
         }
-        if (!text.empty()) text += "\n";
+        if (!std::exchange(first, false)) text += "\n";
         text += part_text->get_ref<const std::string&>();
+        parts.push_back({{"type", "text"}, {"text", *part_text}});
       }
       copy["content"] = text;
+      out->content_parts.resize(i + 1);
+      out->content_parts[i] = std::move(parts);
     } else if (!content->is_string()) {
       return InvalidParam(where + ".content",
                           "'" + where + ".content' must be a string or an array of text parts");
@@ -470,6 +476,7 @@ std::optional<ApiError> ParseMessages(const ojson& body, ApiRequest* out) {
     messages.push_back(std::move(copy));
   }
   out->messages = std::move(messages);
+  out->content_parts.resize(out->messages.size());
   return std::nullopt;
 }
 

@@ -72,8 +72,14 @@ struct ApiRequest {
   // /v1/completions: exactly one of these is set.
   std::optional<std::string> prompt_text;
   std::optional<std::vector<TokenId>> prompt_ids;
-  // /v1/chat/completions: the messages array, key order kept for the template.
+  // /v1/chat/completions: the messages array, key order kept for the
+  // template; a content given as text parts holds them joined with "\n",
+  // as vLLM passes them to a template that takes strings.
   nlohmann::ordered_json messages;
+  // Chat: by message, the text parts its content came as ([{"type":
+  // "text", "text": ...}, ...]), or null: what a template that iterates
+  // over a message's content gets instead (vLLM's "openai" content format).
+  std::vector<nlohmann::ordered_json> content_parts;
   bool add_generation_prompt = true;
   // Chat: extra variables for the chat template, as vLLM takes them (e.g.
   // Qwen3's {"enable_thinking": false}); null or an object.

@@ -386,6 +386,46 @@ TEST(RouterChatTemplateTest, ToolUseTemplateRendersRequestsWithTools) {
   }
 }
 
+// Content given as text parts: a template that loops over a message's
+// content gets the parts (Gemma-3's trims each and joins them), one that
+// takes strings gets them joined with "\n" (vLLM's content formats).
+TEST(RouterChatTemplateTest, ContentPartsReachTemplatesThatLoopOverThem) {
+  const std::string dir = pdserve::testing::NewTempDir("content-parts") + "/model";
+  std::filesystem::copy(pdserve::testing::TinyModelDir(), dir);
+  auto render = [&](const std::string& template_text) {
+    std::ofstream(dir + "/chat_template.jinja") << template_text;
+    RouterServiceOptions o;
+    o.model_dir = dir;
+    o.host = "127.0.0.1";
+    o.http_port = 0;
+    o.control_port = 0;
+    auto service = RouterService::Create(o);
+    EXPECT_TRUE(service.ok()) << service.status().ToString();
+    if (!service.ok()) return std::string();
+    EXPECT_TRUE((*service)->Start().ok());
+    const nlohmann::json body = {
+        {"messages",
+         {{{"role", "user"},
+           {"content",
+            {{{"type", "text"}, {"text", "Describe:"}}, {{"type", "text"}, {"text", " a cat"}}}}},
+          {{"role", "user"}, {"content", "plain"}}}}};
+    auto tok =
+        pdserve::testing::HttpRequest((*service)->http_port(), "POST", "/tokenize", body.dump());
+    EXPECT_EQ(tok.status, 200) << tok.body;
+    nlohmann::json ids = {{"tokens", nlohmann::json::parse(tok.body)["tokens"]}};
+    auto text =
+        pdserve::testing::HttpRequest((*service)->http_port(), "POST", "/detokenize", ids.dump());
+    (*service)->Stop();
+    return nlohmann::json::parse(text.body)["prompt"].get<std::string>();
+  };
+  EXPECT_EQ(render("{% for m in messages %}{% if m['content'] is string %}<{{ m['content'] }}>"
+                   "{% else %}{% for p in m['content'] %}[{{ p['text'] | trim }}]{% endfor %}"
+                   "{% endif %}{% endfor %}"),
+            "[Describe:][a cat]<plain>");
+  EXPECT_EQ(render("{% for m in messages %}<{{ m['content'] }}>{% endfor %}"),
+            "<Describe:\n a cat><plain>");
+}
+
 // A router no worker ever reached already says it has no ready decode
 // worker (the alert on it needs the series to exist).
 TEST_F(RouterServiceTest, WorkerGaugesExistBeforeAnyWorkerRegisters) {
