@@ -509,36 +509,16 @@ Status ParseWindows(const json& j, const std::string& source, ModelConfig* c) {
                                    ": 'layer_types' has sliding_attention layers but no "
                                    "'sliding_window' is in effect");
   }
+  // A window at least the context never binds at the context's lengths,
+  // and is kept as given (transformers loads it so): its layers stay
+  // windowed, which changes nothing there, and still binds where a context
+  // runs longer (eval --past-context).
   c->sliding_window = window;
   c->layer_windows.assign(static_cast<size_t>(n), 0);
   for (int64_t l = 0; l < n; ++l) {
     if (sliding[l]) c->layer_windows[l] = *window;
   }
   return Status::Ok();
-}
-
-// A window at least the context never binds (transformers' mask lets a
-// query see the `window` positions up to itself, and no two positions of a
-// sequence are a context apart), so it changes nothing: Qwen2Config's default
-// of 4096 under a 2k context, a checkpoint's window above its own
-// max_position_embeddings. Such windows are dropped, so the model serves as
-// the full-attention model it is (whole-prompt reuse, no windowed pool),
-// except where the window also chooses the layer's rotary base (Gemma-3's
-// sliding layers rotate with rope_local_theta): there it is clamped to the
-// context. Needs rope_scaling read (max_context).
-void BoundWindowsByContext(ModelConfig* c) {
-  if (!c->sliding_window) return;
-  const int64_t context = c->max_context();
-  if (*c->sliding_window < context) return;
-  if (c->rope_local_theta > 0) {
-    c->sliding_window = context;
-    for (int64_t& w : c->layer_windows) {
-      if (w > 0) w = context;
-    }
-    return;
-  }
-  c->sliding_window.reset();
-  c->layer_windows.clear();
 }
 
 // Gemma2Config / Gemma3TextConfig's keys beyond the shapes: the softmax
@@ -1016,6 +996,14 @@ StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std::strin
     if (c.rope_scaling.original_max_position_embeddings == 0) {
       // DeepSeek's rotary embedding defaults it to 4096, transformers to
       // max_position_embeddings.
+      if (c.rope_scaling.factor == 0 && (is_deepseek_v2 || is_deepseek_v3)) {
+        // A null factor is transformers 5's ratio over an original context
+        // this default makes 4096 and transformers max_position_embeddings:
+        // the two would scale differently (deepseek-ai's code takes no null).
+        return Status::InvalidArgument(source + ": " + rope_key +
+                                       ": a null 'factor' needs "
+                                       "'original_max_position_embeddings' on DeepSeek models");
+      }
       c.rope_scaling.original_max_position_embeddings =
           is_deepseek_v2 || is_deepseek_v3 ? 4096 : c.max_position_embeddings;
     }
@@ -1027,7 +1015,6 @@ StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std::strin
   if (is_deepseek_v2 || is_deepseek_v3) {
     PDSERVE_RETURN_IF_ERROR(ParseDeepseekAttention(j, source, is_deepseek_v3, &c));
   }
-  BoundWindowsByContext(&c);
   PDSERVE_RETURN_IF_ERROR(ReadTokenIds(j, "eos_token_id", source, &c.eos_token_ids));
   std::vector<TokenId> bos;
   PDSERVE_RETURN_IF_ERROR(ReadTokenIds(j, "bos_token_id", source, &bos));

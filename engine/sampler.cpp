@@ -163,7 +163,6 @@ StopChecker::Step StopChecker::OnToken(TokenId token, std::string_view text) {
     return step;
   }
   const size_t best = FirstStopString(&step.matched_stop_string);
-  match_end_after_ = 0;  // what is held from here on was searched
   if (best != std::string::npos) {
     finish_ = step.finish = FinishReason::kStop;
     step.text = pending_.substr(0, best + (include_stop_ ? step.matched_stop_string->size() : 0));
@@ -182,8 +181,12 @@ StopChecker::Step StopChecker::OnToken(TokenId token, std::string_view text) {
     return step;
   }
   const size_t held = HeldBackLength();
-  step.text = pending_.substr(0, pending_.size() - held);
-  pending_.erase(0, pending_.size() - held);
+  const size_t released = pending_.size() - held;
+  step.text = pending_.substr(0, released);
+  pending_.erase(0, released);
+  // What is left of the text held from min_tokens' tokens still counts no
+  // stop string that ends within it.
+  match_end_after_ = match_end_after_ > released ? match_end_after_ - released : 0;
   return step;
 }
 

@@ -44,7 +44,8 @@ ReloadingKeys::Stamp ReloadingKeys::StampOf(const std::string& path) {
   struct stat st {};
   if (::stat(path.c_str(), &st) != 0) return {};
   return {static_cast<int64_t>(st.st_mtim.tv_sec) * 1'000'000'000 + st.st_mtim.tv_nsec,
-          static_cast<int64_t>(st.st_size)};
+          static_cast<int64_t>(st.st_ctim.tv_sec) * 1'000'000'000 + st.st_ctim.tv_nsec,
+          static_cast<int64_t>(st.st_size), static_cast<uint64_t>(st.st_ino)};
 }
 
 std::shared_ptr<const std::vector<std::string>> ReloadingKeys::Current() {

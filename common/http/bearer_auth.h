@@ -42,9 +42,14 @@ class ReloadingKeys {
   std::shared_ptr<const std::vector<std::string>> Current();
 
  private:
+  // What tells a changed file: a rewrite of the same length within the
+  // clock's resolution changes the change time or (a Secret's symlink
+  // swap, an editor's rename) the inode.
   struct Stamp {
     int64_t mtime_ns = 0;
+    int64_t ctime_ns = 0;
     int64_t size = -1;
+    uint64_t inode = 0;
     bool operator==(const Stamp&) const = default;
   };
   static Stamp StampOf(const std::string& path);

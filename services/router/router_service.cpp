@@ -533,7 +533,9 @@ class RouterServiceImpl : public RouterService {
       std::lock_guard<std::mutex> lock(mu_);
       std::vector<uint64_t> ids;
       for (auto& [id, _] : inflight_) ids.push_back(id);
-      for (uint64_t id : ids) FailLocked(id, 503, "the router is shutting down", "server_error");
+      for (uint64_t id : ids) {
+        FailLocked(id, 503, "the router is shutting down", "server_error", /*retry_after=*/true);
+      }
     }
     if (http_) http_->Stop();
     if (metrics_http_) metrics_http_->Stop();
@@ -2250,8 +2252,11 @@ class RouterServiceImpl : public RouterService {
       }
       for (uint64_t id : expired)
         FailLocked(id, 504,
-                   "no token came for " + std::to_string(opts_.request_timeout_ms / 1000) +
-                       " s (--request-timeout)",
+                   "no token came for " +
+                       (opts_.request_timeout_ms % 1000 == 0
+                            ? std::to_string(opts_.request_timeout_ms / 1000) + " s"
+                            : std::to_string(opts_.request_timeout_ms) + " ms") +
+                       " (--request-timeout)",
                    "timeout");
       const RouterStats s = core_->stats();
       ExportCopyGovernorLocked(s.copy);

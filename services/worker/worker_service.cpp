@@ -88,10 +88,10 @@ class WorkerServiceImpl : public WorkerService {
       if (!keys.ok()) return keys.status();
       metrics_keys_ = std::move(*keys);
     }
-    // /live, /health and /metrics from the start: loading a large model
-    // takes minutes, and a process that answers nothing meanwhile looks
-    // down to Prometheus (its "down" alerts fired on every rollout). /live
-    // says it is alive, /health that it is loading.
+    // /metrics (and /live, /health saying "loading the model", 503) from
+    // the start: loading a large model takes minutes, and a process that
+    // answers nothing meanwhile looks down to Prometheus (its "down" alerts
+    // fired on every rollout).
     if (opts_.metrics_port >= 0) {
       http::ServerOptions ho;
       ho.host = opts_.host;
@@ -326,7 +326,9 @@ class WorkerServiceImpl : public WorkerService {
 
   // ------------------------------------------------------------- routers
   metrics::Health Health() {
-    if (!loaded_) return {false, "loading the model"};
+    // Not live either: the startup probe reads /live, and its failures are
+    // what bounds a load that hangs. /metrics answers meanwhile.
+    if (!loaded_) return {false, "loading the model", /*live=*/false};
     if (stopped_) return {false, "stopping"};
     if (routers_connected_.load() == 0) return {false, "no router connection"};
     if (const int64_t started = step_started_ns_.load();

@@ -558,7 +558,8 @@ std::optional<ApiError> ParseTools(const ojson& body, ApiRequest* out) {
         bool object = type == params.end();
         if (type != params.end() && type->is_string()) object = *type == "object";
         if (type != params.end() && type->is_array()) {
-          object = !type->empty();
+          // ["object", "null"]: null arguments read as none ({}).
+          object = std::find(type->begin(), type->end(), "object") != type->end();
           for (const auto& t : *type) object = object && (t == "object" || t == "null");
         }
         if (!object) {

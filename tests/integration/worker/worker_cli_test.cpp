@@ -51,10 +51,11 @@ int FreePort() {
   return ok ? ntohs(addr.sin_port) : 0;
 }
 
-// A worker answers /live (200) and /health (503, "loading the model") while
-// it loads its weights, which takes minutes for a large model: Prometheus
-// sees it up, not down. (A 0.5B model of dummy weights, and no tokenizer:
-// the worker then stops, as it would at any failed start.)
+// A worker answers /metrics while it loads its weights, which takes minutes
+// for a large model: Prometheus sees it up, not down. /live and /health say
+// it is loading (503: the startup probe's failures bound a load that
+// hangs). (A 0.5B model of dummy weights, and no tokenizer: the worker then
+// stops, as it would at any failed start.)
 TEST(WorkerCliTest, LiveAndHealthAnswerWhileTheModelLoads) {
   const std::string dir = NewTempDir("loading");
   std::filesystem::copy_file(
@@ -71,7 +72,7 @@ TEST(WorkerCliTest, LiveAndHealthAnswerWhileTheModelLoads) {
   for (int i = 0; i < 6000 && worker.running() && !seen_loading; ++i) {
     const HttpResult health = HttpRequest(port, "GET", "/health");
     if (health.status == 503 && health.body.find("loading the model") != std::string::npos) {
-      seen_loading = HttpRequest(port, "GET", "/live").status == 200 &&
+      seen_loading = HttpRequest(port, "GET", "/live").status == 503 &&
                      HttpRequest(port, "GET", "/metrics").status == 200;
     }
     if (!seen_loading) std::this_thread::sleep_for(std::chrono::milliseconds(5));

@@ -293,7 +293,8 @@ TEST(ModelLoaderTest, RopeKeysAsTransformersReadsThem) {
     auto p = parse(c);
     ASSERT_FALSE(p.ok()) << c.dump();
     for (const auto& n : needles) {
-      EXPECT_NE(p.status().message().find(n), std::string::npos) << n << " not in: " << p.status().message();
+      EXPECT_NE(p.status().message().find(n), std::string::npos)
+          << n << " not in: " << p.status().message();
     }
   };
   // A dict without a type is the default rope (transformers 5), unless it
@@ -348,6 +349,12 @@ TEST(ModelLoaderTest, RopeKeysAsTransformersReadsThem) {
   refused(c, {"missing 'factor'"});
   c["rope_scaling"] = {{"rope_type", "linear"}, {"factor", 0}};
   refused(c, {"'factor' = 0 is out of range"});
+  // DeepSeek reads an absent original context as 4096, transformers as
+  // max_position_embeddings: with a null factor the two would differ.
+  json ds = base;
+  ds["architectures"] = {"DeepseekV3ForCausalLM"};
+  ds["rope_scaling"] = {{"type", "yarn"}, {"factor", nullptr}};
+  refused(ds, {"null 'factor'", "original_max_position_embeddings"});
 }
 
 // Each key that would change the computation in a way pdserve does not
@@ -436,11 +443,7 @@ TEST(ModelLoaderTest, SlidingWindowDoesNotCapTheContext) {
   auto longer = Engine::Create(m->get(), options);
   ASSERT_TRUE(longer.ok()) << longer.status().ToString();
   EXPECT_EQ((*longer)->max_model_len(), 1024);
-  // (A context of 8192, so that the default window binds.)
-  EditConfig(dir, [](json& c) {
-    c.erase("sliding_window");
-    c["max_position_embeddings"] = 8192;
-  });
+  EditConfig(dir, [](json& c) { c.erase("sliding_window"); });
   auto by_default = Model::Load(dir, &backend);
   ASSERT_TRUE(by_default.ok()) << by_default.status().ToString();
   EXPECT_EQ((*by_default)->config().sliding_window, 4096);

@@ -500,6 +500,19 @@ TEST(StopCheckerTest, MinTokensDefersEveryStop) {
   auto after = n.OnToken(6, "z");
   EXPECT_EQ(after.finish, FinishReason::kNone);
   EXPECT_EQ(after.text, "abz");
+  // ... however many tokens it stays held: "\n" within min_tokens is text,
+  // though "\nObs" then "\nObscure" keep it held as a start of the other.
+  SamplingParams held = StopParams({"\n", "\nObservation:"});
+  held.min_tokens = 1;
+  StopChecker h(held, eos);
+  EXPECT_EQ(h.OnToken(5, "a\n").text, "a");
+  EXPECT_EQ(h.OnToken(6, "Obs").finish, FinishReason::kNone);
+  auto later = h.OnToken(7, "cure");
+  EXPECT_EQ(later.finish, FinishReason::kNone);
+  EXPECT_EQ(later.text, "\nObscure");
+  auto next = h.OnToken(8, "x\ny");
+  EXPECT_EQ(next.finish, FinishReason::kStop);
+  EXPECT_EQ(next.text, "x");
   StopChecker eos_third(p, eos);
   eos_third.OnToken(5, "a");
   eos_third.OnToken(5, "a");

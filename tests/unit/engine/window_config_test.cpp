@@ -167,52 +167,35 @@ TEST(WindowConfigTest, QwenWindowsTheLayersFromMaxWindowLayersOn) {
   ASSERT_TRUE(q3.ok());
   EXPECT_EQ(q3->layer_windows, (std::vector<int64_t>{0, 0, 0, 64, 64, 64}));
   EXPECT_EQ(q3->kv_groups().layers_per_group, 3);
-  // Qwen2Config's defaults: window 4096 (not below this context of 512, so
-  // it never binds and the model is a full-attention one), max_window_layers 28.
+  // Qwen2Config's defaults: window 4096 (above this context of 512: kept,
+  // though it never binds there), max_window_layers 28.
   j.erase("sliding_window");
   j["max_window_layers"] = 0;
   auto wide = Parse(j);
   ASSERT_TRUE(wide.ok()) << wide.status().ToString();
-  EXPECT_FALSE(wide->sliding_window.has_value());
-  EXPECT_TRUE(wide->layer_windows.empty());
-  EXPECT_EQ(wide->kv_groups().windows, (std::vector<int64_t>{0}));
+  EXPECT_EQ(wide->sliding_window, 4096);
+  EXPECT_EQ(wide->LayerWindow(0), 4096);
 }
 
-// A window no two positions of a sequence are apart (at least the context)
-// never binds: the model is served as the full-attention model it is, where
-// transformers loads it too; one below the context stays.
-TEST(WindowConfigTest, WindowsThatNeverBindAreDropped) {
+// A window at least the context is kept as given, where it was refused:
+// transformers loads such a model, and the window still binds where a
+// context runs longer than the model's (eval --past-context). Gemma-3's
+// sliding layers keep their own rotary base.
+TEST(WindowConfigTest, WindowsLargerThanTheContextAreKept) {
   json j = Small("MistralForCausalLM");
   for (int64_t w : {511, 512, 513, 100000}) {
     j["sliding_window"] = w;
     auto c = Parse(j);
     ASSERT_TRUE(c.ok()) << w << ": " << c.status().ToString();
-    if (w < 512) {
-      EXPECT_EQ(c->sliding_window, w);
-      EXPECT_EQ(c->LayerWindow(3), w);
-    } else {
-      EXPECT_FALSE(c->sliding_window.has_value()) << w;
-      EXPECT_EQ(c->LayerWindow(3), 0) << w;
-    }
+    EXPECT_EQ(c->sliding_window, w);
+    EXPECT_EQ(c->LayerWindow(3), w);
   }
-  // Under yarn the context is the stretched one (original x factor): a
-  // window between max_position_embeddings and it still binds.
-  j["sliding_window"] = 1024;
-  j["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0},
-                       {"original_max_position_embeddings", 512}};
-  auto yarn = Parse(j);
-  ASSERT_TRUE(yarn.ok()) << yarn.status().ToString();
-  EXPECT_EQ(yarn->max_context(), 2048);
-  EXPECT_EQ(yarn->sliding_window, 1024);
-  // Gemma-3's sliding layers rotate with their own base whether or not the
-  // window binds: the window is clamped to the context, the layers stay local.
   json g = Small("Gemma3ForCausalLM");
   g["sliding_window"] = 4096;
   auto gemma = Parse(g);
   ASSERT_TRUE(gemma.ok()) << gemma.status().ToString();
-  EXPECT_EQ(gemma->sliding_window, 512);
   for (int64_t l = 0; l < 6; ++l) {
-    EXPECT_EQ(gemma->LayerWindow(l), l == 5 ? 0 : 512) << l;
+    EXPECT_EQ(gemma->LayerWindow(l), l == 5 ? 0 : 4096) << l;
     EXPECT_EQ(gemma->UsesLocalRope(l), l != 5) << l;
   }
 }

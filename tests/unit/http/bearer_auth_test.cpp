@@ -46,6 +46,11 @@ TEST(BearerAuthTest, KeyFilesAreRereadAsTheyChange) {
   EXPECT_EQ(*(*file)->Current(), (std::vector<std::string>{"sk-gamma-new"}));
   std::ofstream(path) << "sk-alpha\nsk-delta\n";
   EXPECT_EQ(*(*file)->Current(), (std::vector<std::string>{"sk-alpha", "sk-delta"}));
+  // A file of the same length put in its place at once (as a Secret's
+  // update swaps it): another inode, though the times may not have moved.
+  std::ofstream(path + ".new") << "sk-omega\nsk-theta\n";
+  std::rename((path + ".new").c_str(), path.c_str());
+  EXPECT_EQ(*(*file)->Current(), (std::vector<std::string>{"sk-omega", "sk-theta"}));
   EXPECT_FALSE(ReloadingKeys::Load(path + ".missing").ok());
 }
 

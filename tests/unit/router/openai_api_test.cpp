@@ -467,6 +467,10 @@ TEST(OpenAiApiTest, BadInputTable) {
        R"({"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":
           {"name":"f","parameters":{"type":["object","array"]}}}]})",
        400, "tools[0].function.parameters"},
+      {H,
+       R"({"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":
+          {"name":"f","parameters":{"type":["null"]}}}]})",
+       400, "tools[0].function.parameters"},
   };
   for (const auto& c : cases) {
     ApiError e = ParseBad(c.endpoint, c.body);
