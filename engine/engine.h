@@ -111,7 +111,9 @@ struct EngineOptions {
   std::optional<KvScales> kv_scales;
   int64_t max_num_seqs = 64;             // sequences running at once
   int64_t max_num_batched_tokens = 512;  // tokens per step (the prefill chunk size)
-  int64_t max_model_len = 0;             // 0: the model's context (ModelConfig::max_context)
+  // 0: the model's context (ModelConfig::max_context). Either way at most
+  // what the KV pool holds when no layer is windowed (Engine::max_model_len).
+  int64_t max_model_len = 0;
   bool enable_prefix_caching = true;
   bool record_kv_events = false;  // on for workers that publish KV events
   // The served model id, first input of the block-hash seed (hash spec v1);
@@ -481,8 +483,8 @@ class Engine {
   uint64_t num_steps_ = 0;
   uint64_t num_stalled_steps_ = 0;
   uint64_t snapkv_evicted_tokens_ = 0;
-  std::vector<uint64_t> token_masks_;           // structured outputs' masks of the step
-  std::unique_ptr<Executor> executor_;          // runs each step (declared last: goes first)
+  std::vector<uint64_t> token_masks_;   // structured outputs' masks of the step
+  std::unique_ptr<Executor> executor_;  // runs each step (declared last: goes first)
 };
 
 }  // namespace pdserve

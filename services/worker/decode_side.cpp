@@ -182,7 +182,8 @@ void DecodeSide::Admit(const ConnectionPtr& router, proto::Generate g,
     // address from nowhere would start a client that reconnects forever.
     PDSERVE_LOG(WARN) << "request " << r->trace_id << ": the router named a prefill worker ("
                       << g.prefill_address().size()
-                      << "-byte address) that is not on its list; prefilling here";
+                      << "-byte address) that is not on its list (never, or no longer: removed "
+                         "since); prefilling here";
     remote = false;
   }
   if (remote) {
