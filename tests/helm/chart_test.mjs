@@ -807,7 +807,9 @@ describe('values-full.yaml', () => {
     assert.deepEqual(podSpec(r.deployment('router')).nodeSelector, full.router.nodeSelector);
     assert.equal(flags(mainContainer(r.deployment('prefill'))).get('kv-cache-bytes'), '40GiB');
     assert.deepEqual(r.deployment('decode').spec.strategy, full.decode.strategy);
-    assert.equal(r.deployment('prefill').spec.strategy, undefined);
+    // The default: no surge pod, which would wait for a free GPU.
+    assert.deepEqual(r.deployment('prefill').spec.strategy,
+      { type: 'RollingUpdate', rollingUpdate: { maxSurge: 0, maxUnavailable: 1 } });
   });
   test('HPA owns the router replica count; PDB and Ingress point at the router', () => {
     const hpa = r.get('HorizontalPodAutoscaler', `${release}-pdserve-router`);
@@ -821,6 +823,13 @@ describe('values-full.yaml', () => {
     assert.equal(backend.name, r.service('router').metadata.name);
     assert.ok(r.service('router').spec.ports.some((p) => p.name === backend.port.name));
     assert.equal(ing.spec.tls[0].secretName, 'llm-tls');
+  });
+  test('a worker pool\'s PDB bounds how many of its pods a drain evicts', () => {
+    const pdb = r.get('PodDisruptionBudget', `${release}-pdserve-decode`);
+    assert.equal(pdb.spec.maxUnavailable, '25%');
+    assert.ok(matches(pdb.spec.selector.matchLabels, r.deployment('decode').spec.template.metadata.labels));
+    assert.ok(!matches(pdb.spec.selector.matchLabels, r.deployment('prefill').spec.template.metadata.labels));
+    assert.equal(r.all('PodDisruptionBudget').some((p) => p.metadata.name.endsWith('-prefill')), false);
   });
   test('API keys mounted from the Secret the router reads', () => {
     const d = r.deployment('router');
