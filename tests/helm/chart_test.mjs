@@ -803,7 +803,17 @@ describe('values-full.yaml', () => {
   test('scheduling constraints reach the pods', () => {
     assert.deepEqual(podSpec(r.deployment('prefill')).nodeSelector, full.prefill.nodeSelector);
     assert.deepEqual(podSpec(r.deployment('prefill')).tolerations, full.prefill.tolerations);
-    assert.deepEqual(podSpec(r.deployment('prefill')).affinity, full.prefill.affinity);
+    // The pool's own affinity, and (its disk tier is a node directory) one
+    // pod per node: a second would find the slab locked.
+    const affinity = podSpec(r.deployment('prefill')).affinity;
+    assert.deepEqual(affinity.podAntiAffinity.preferredDuringSchedulingIgnoredDuringExecution,
+      full.prefill.affinity.podAntiAffinity.preferredDuringSchedulingIgnoredDuringExecution);
+    assert.deepEqual(affinity.podAntiAffinity.requiredDuringSchedulingIgnoredDuringExecution, [{
+      topologyKey: 'kubernetes.io/hostname',
+      labelSelector: { matchLabels: { 'app.kubernetes.io/component': 'prefill',
+        'app.kubernetes.io/instance': release, 'app.kubernetes.io/name': 'pdserve' } } }]);
+    // decode's disk tier is an emptyDir: no such rule.
+    assert.equal(podSpec(r.deployment('decode')).affinity?.podAntiAffinity?.requiredDuringSchedulingIgnoredDuringExecution, undefined);
     assert.deepEqual(podSpec(r.deployment('router')).nodeSelector, full.router.nodeSelector);
     assert.equal(flags(mainContainer(r.deployment('prefill'))).get('kv-cache-bytes'), '40GiB');
     assert.deepEqual(r.deployment('decode').spec.strategy, full.decode.strategy);
