@@ -277,8 +277,7 @@ TEST(KvEventConsistencyTest, AnUnlistedPrefillAddressIsNeverDialled) {
   ASSERT_TRUE(router.Generate("r0", prompt, unlisted)) << router.error() << "\n" << worker.Log();
   pollfd p{listener, POLLIN, 0};
   EXPECT_EQ(::poll(&p, 1, 0), 0) << "the worker dialled " << unlisted;
-  EXPECT_NE(worker.Log().find("not on its list"), std::string::npos)
-      << worker.Log();
+  EXPECT_NE(worker.Log().find("not on its list"), std::string::npos) << worker.Log();
   ::close(listener);
 }
 
