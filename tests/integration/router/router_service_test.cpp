@@ -343,6 +343,28 @@ TEST(RouterSamplingDefaultsTest, TheModelsGenerationConfigFillsWhatARequestLeave
   }
 }
 
+// The prompt a router on `model_dir` renders for a chat `body`: /tokenize,
+// then /detokenize of its ids.
+std::string RenderedPrompt(const std::string& model_dir, const nlohmann::json& body) {
+  RouterServiceOptions o;
+  o.model_dir = model_dir;
+  o.host = "127.0.0.1";
+  o.http_port = 0;
+  o.control_port = 0;
+  auto service = RouterService::Create(o);
+  EXPECT_TRUE(service.ok()) << service.status().ToString();
+  if (!service.ok() || !(*service)->Start().ok()) return "";
+  auto tok =
+      pdserve::testing::HttpRequest((*service)->http_port(), "POST", "/tokenize", body.dump());
+  EXPECT_EQ(tok.status, 200) << tok.body;
+  const nlohmann::json ids = {{"tokens", nlohmann::json::parse(tok.body)["tokens"]}};
+  auto text =
+      pdserve::testing::HttpRequest((*service)->http_port(), "POST", "/detokenize", ids.dump());
+  EXPECT_EQ(text.status, 200) << text.body;
+  (*service)->Stop();
+  return nlohmann::json::parse(text.body)["prompt"].get<std::string>();
+}
+
 // A model's named "tool_use" template renders the requests that bring
 // tools, as transformers picks it; the default one the others. The files
 // transformers writes (chat_template.jinja) win over tokenizer_config.json.
@@ -356,34 +378,14 @@ TEST(RouterChatTemplateTest, ToolUseTemplateRendersRequestsWithTools) {
       {{"name", "default"}, {"template", "D:{{ messages[0]['content'] }}"}},
       {{"name", "tool_use"}, {"template", "T{{ tools | length }}:{{ messages[0]['content'] }}"}}};
   std::ofstream(config_path) << config.dump();
-  auto render = [&](RouterService& service, bool tools) {
-    nlohmann::json body = {{"messages", {{{"role", "user"}, {"content", "hi"}}}}};
-    if (tools) {
-      body["tools"] = {{{"type", "function"}, {"function", {{"name", "f"}}}}};
-    }
-    auto tok = pdserve::testing::HttpRequest(service.http_port(), "POST", "/tokenize", body.dump());
-    EXPECT_EQ(tok.status, 200) << tok.body;
-    nlohmann::json ids = {{"tokens", nlohmann::json::parse(tok.body)["tokens"]}};
-    auto text =
-        pdserve::testing::HttpRequest(service.http_port(), "POST", "/detokenize", ids.dump());
-    EXPECT_EQ(text.status, 200) << text.body;
-    return nlohmann::json::parse(text.body)["prompt"].get<std::string>();
-  };
-  for (const bool jinja_file : {false, true}) {
-    SCOPED_TRACE(jinja_file);
-    if (jinja_file) std::ofstream(dir + "/chat_template.jinja") << "J:{{ messages[0]['content'] }}";
-    RouterServiceOptions o;
-    o.model_dir = dir;
-    o.host = "127.0.0.1";
-    o.http_port = 0;
-    o.control_port = 0;
-    auto service = RouterService::Create(o);
-    ASSERT_TRUE(service.ok()) << service.status().ToString();
-    ASSERT_TRUE((*service)->Start().ok());
-    EXPECT_EQ(render(**service, false), jinja_file ? "J:hi" : "D:hi");
-    EXPECT_EQ(render(**service, true), "T1:hi");
-    (*service)->Stop();
-  }
+  nlohmann::json plain = {{"messages", {{{"role", "user"}, {"content", "hi"}}}}};
+  nlohmann::json with_tools = plain;
+  with_tools["tools"] = {{{"type", "function"}, {"function", {{"name", "f"}}}}};
+  EXPECT_EQ(RenderedPrompt(dir, plain), "D:hi");
+  EXPECT_EQ(RenderedPrompt(dir, with_tools), "T1:hi");
+  std::ofstream(dir + "/chat_template.jinja") << "J:{{ messages[0]['content'] }}";
+  EXPECT_EQ(RenderedPrompt(dir, plain), "J:hi");
+  EXPECT_EQ(RenderedPrompt(dir, with_tools), "T1:hi");
 }
 
 // Content given as text parts: a template that loops over a message's
@@ -392,38 +394,20 @@ TEST(RouterChatTemplateTest, ToolUseTemplateRendersRequestsWithTools) {
 TEST(RouterChatTemplateTest, ContentPartsReachTemplatesThatLoopOverThem) {
   const std::string dir = pdserve::testing::NewTempDir("content-parts") + "/model";
   std::filesystem::copy(pdserve::testing::TinyModelDir(), dir);
-  auto render = [&](const std::string& template_text) {
-    std::ofstream(dir + "/chat_template.jinja") << template_text;
-    RouterServiceOptions o;
-    o.model_dir = dir;
-    o.host = "127.0.0.1";
-    o.http_port = 0;
-    o.control_port = 0;
-    auto service = RouterService::Create(o);
-    EXPECT_TRUE(service.ok()) << service.status().ToString();
-    if (!service.ok()) return std::string();
-    EXPECT_TRUE((*service)->Start().ok());
-    const nlohmann::json body = {
-        {"messages",
-         {{{"role", "user"},
-           {"content",
-            {{{"type", "text"}, {"text", "Describe:"}}, {{"type", "text"}, {"text", " a cat"}}}}},
-          {{"role", "user"}, {"content", "plain"}}}}};
-    auto tok =
-        pdserve::testing::HttpRequest((*service)->http_port(), "POST", "/tokenize", body.dump());
-    EXPECT_EQ(tok.status, 200) << tok.body;
-    nlohmann::json ids = {{"tokens", nlohmann::json::parse(tok.body)["tokens"]}};
-    auto text =
-        pdserve::testing::HttpRequest((*service)->http_port(), "POST", "/detokenize", ids.dump());
-    (*service)->Stop();
-    return nlohmann::json::parse(text.body)["prompt"].get<std::string>();
-  };
-  EXPECT_EQ(render("{% for m in messages %}{% if m['content'] is string %}<{{ m['content'] }}>"
-                   "{% else %}{% for p in m['content'] %}[{{ p['text'] | trim }}]{% endfor %}"
-                   "{% endif %}{% endfor %}"),
-            "[Describe:][a cat]<plain>");
-  EXPECT_EQ(render("{% for m in messages %}<{{ m['content'] }}>{% endfor %}"),
-            "<Describe:\n a cat><plain>");
+  const nlohmann::json body = {
+      {"messages",
+       {{{"role", "user"},
+         {"content",
+          {{{"type", "text"}, {"text", "Describe:"}}, {{"type", "text"}, {"text", " a cat"}}}}},
+        {{"role", "user"}, {"content", "plain"}}}}};
+  std::ofstream(dir + "/chat_template.jinja")
+      << "{% for m in messages %}{% if m['content'] is string %}<{{ m['content'] }}>"
+         "{% else %}{% for p in m['content'] %}[{{ p['text'] | trim }}]{% endfor %}"
+         "{% endif %}{% endfor %}";
+  EXPECT_EQ(RenderedPrompt(dir, body), "[Describe:][a cat]<plain>");
+  std::ofstream(dir + "/chat_template.jinja")
+      << "{% for m in messages %}<{{ m['content'] }}>{% endfor %}";
+  EXPECT_EQ(RenderedPrompt(dir, body), "<Describe:\n a cat><plain>");
 }
 
 // A router no worker ever reached already says it has no ready decode
