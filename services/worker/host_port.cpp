@@ -18,12 +18,20 @@ std::pair<std::string, uint16_t> SplitHostPort(const std::string& address) {
   const char* last = address.data() + address.size();
   auto [end, err] = std::from_chars(first, last, port);
   if (err != std::errc() || end != last) port = 0;
-  return {address.substr(0, colon), port};
+  std::string host = address.substr(0, colon);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);  // [IPv6]:port
+  }
+  return {host, port};
 }
 
-std::optional<std::vector<std::string>> ResolveIpv4(const std::string& host) {
+namespace {
+
+// `host`'s addresses of one family, sorted, without duplicates (IPv6 ones
+// in brackets, so that "ADDRESS:port" splits at the port's colon).
+std::optional<std::vector<std::string>> Resolve(const std::string& host, int family) {
   addrinfo hints{};
-  hints.ai_family = AF_INET;
+  hints.ai_family = family;
   hints.ai_socktype = SOCK_STREAM;
   addrinfo* res = nullptr;
   std::vector<std::string> out;
@@ -33,14 +41,29 @@ std::optional<std::vector<std::string>> ResolveIpv4(const std::string& host) {
     return std::nullopt;  // EAI_AGAIN, EAI_FAIL, EAI_SYSTEM, ...: unknown
   }
   for (addrinfo* p = res; p; p = p->ai_next) {
-    char buf[INET_ADDRSTRLEN];
-    auto* sin = reinterpret_cast<sockaddr_in*>(p->ai_addr);
-    if (inet_ntop(AF_INET, &sin->sin_addr, buf, sizeof(buf))) out.emplace_back(buf);
+    char buf[INET6_ADDRSTRLEN];
+    if (family == AF_INET) {
+      auto* sin = reinterpret_cast<sockaddr_in*>(p->ai_addr);
+      if (inet_ntop(AF_INET, &sin->sin_addr, buf, sizeof(buf))) out.emplace_back(buf);
+    } else {
+      auto* sin6 = reinterpret_cast<sockaddr_in6*>(p->ai_addr);
+      if (inet_ntop(AF_INET6, &sin6->sin6_addr, buf, sizeof(buf))) {
+        out.push_back("[" + std::string(buf) + "]");
+      }
+    }
   }
   freeaddrinfo(res);
   std::sort(out.begin(), out.end());
   out.erase(std::unique(out.begin(), out.end()), out.end());
   return out;
+}
+
+}  // namespace
+
+std::optional<std::vector<std::string>> ResolveIp(const std::string& host) {
+  auto v4 = Resolve(host, AF_INET);
+  if (!v4 || !v4->empty()) return v4;
+  return Resolve(host, AF_INET6);
 }
 
 std::set<std::string> RouterAddresses(const std::vector<std::string>& specs,

@@ -14,13 +14,17 @@
 namespace pdserve::worker {
 
 // {"host", port}; port 0 when there is no ":port" or it is not a number.
+// "[IPv6]:port" gives the address without its brackets.
 std::pair<std::string, uint16_t> SplitHostPort(const std::string& address);
 
-// Every IPv4 address of `host`, sorted, without duplicates (an address
-// resolves to itself; a name the resolver says does not exist, or has no
-// IPv4 address, to none). nullopt when the lookup itself failed (a
-// resolver timeout, a server failure): the answer is unknown, not empty.
-std::optional<std::vector<std::string>> ResolveIpv4(const std::string& host);
+// Every IPv4 address of `host`, or where it has none its IPv6 ones in
+// brackets ("[fd00::5]"; single-stack IPv6 clusters), sorted, without
+// duplicates: one family, so that a dual-stack name does not connect a
+// worker to each router twice. An address resolves to itself; a name the
+// resolver says does not exist to none. nullopt when the lookup itself
+// failed (a resolver timeout, a server failure): the answer is unknown,
+// not empty.
+std::optional<std::vector<std::string>> ResolveIp(const std::string& host);
 
 using Resolver = std::function<std::optional<std::vector<std::string>>(const std::string& host)>;
 

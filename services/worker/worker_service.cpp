@@ -359,7 +359,7 @@ class WorkerServiceImpl : public WorkerService {
       lock.unlock();
       // A DNS blip keeps every connection (or one would cut every worker
       // off every router at once): only an answer drops an address.
-      const std::set<std::string> want = RouterAddresses(opts_.routers, ResolveIpv4, &resolved_);
+      const std::set<std::string> want = RouterAddresses(opts_.routers, ResolveIp, &resolved_);
       {
         std::lock_guard<std::mutex> rl(routers_mu_);
         for (auto it = routers_.begin(); it != routers_.end();) {

@@ -26,11 +26,21 @@ TEST(HostPortTest, AFailedLookupKeepsTheLastAnswer) {
   EXPECT_EQ(RouterAddresses(specs, resolve, &last), (std::set<std::string>{"10.0.0.9:8001"}));
 }
 
+// An address resolves to itself; IPv6 ones (single-stack clusters) come
+// bracketed, so that "[address]:port" splits back into them.
 TEST(HostPortTest, AnAddressResolvesToItself) {
-  EXPECT_EQ(ResolveIpv4("127.0.0.1"), (std::vector<std::string>{"127.0.0.1"}));
+  EXPECT_EQ(ResolveIp("127.0.0.1"), (std::vector<std::string>{"127.0.0.1"}));
+  EXPECT_EQ(ResolveIp("::1"), (std::vector<std::string>{"[::1]"}));
+  EXPECT_EQ(ResolveIp("fd00::5"), (std::vector<std::string>{"[fd00::5]"}));
   auto [host, port] = SplitHostPort("10.1.2.3:8001");
   EXPECT_EQ(host, "10.1.2.3");
   EXPECT_EQ(port, 8001);
+  auto [host6, port6] = SplitHostPort("[fd00::5]:8001");
+  EXPECT_EQ(host6, "fd00::5");
+  EXPECT_EQ(port6, 8001);
+  std::map<std::string, std::vector<std::string>> last;
+  EXPECT_EQ(RouterAddresses({"[::1]:9000"}, ResolveIp, &last),
+            (std::set<std::string>{"[::1]:9000"}));
 }
 
 }  // namespace
