@@ -465,10 +465,23 @@ std::optional<std::vector<ToolCall>> ToolCallStreamer::CallsFromXml(std::string_
       // Each new key is looked for among the others (an ordered object):
       // a call with more parameters than any function has is no call.
       if (!key || args.size() >= kMaxXmlParameters) return std::nullopt;
-      const size_t end = s.find(kXmlParameterEnd);
-      if (end == std::string_view::npos) return std::nullopt;
+      // A value ends at its </parameter>. One the model left open (a slip
+      // vLLM's parser forgives) ends where the next parameter or, with no
+      // </parameter> left, the function does; </function> inside a value
+      // closed after it stays text.
+      size_t end = s.find(kXmlParameterEnd);
+      size_t skip = kXmlParameterEnd.size();
+      const size_t next = s.find(kXmlParameter);
+      if (next != std::string_view::npos && (end == std::string_view::npos || next < end)) {
+        end = next;
+        skip = 0;
+      } else if (end == std::string_view::npos) {
+        end = s.find(kXmlFunctionEnd);
+        if (end == std::string_view::npos) return std::nullopt;  // cut off: no call
+        skip = 0;
+      }
       std::string_view value = s.substr(0, end);
-      s.remove_prefix(end + kXmlParameterEnd.size());
+      s.remove_prefix(end + skip);
       if (value.starts_with('\n')) value.remove_prefix(1);
       if (value.ends_with('\n')) value.remove_suffix(1);
       const ojson* property = nullptr;

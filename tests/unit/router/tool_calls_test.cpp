@@ -252,8 +252,6 @@ TEST(ToolCalls, Qwen3CoderXml) {
   for (const std::string bad : {
            "<tool_call>\n<function=rm_rf>\n</function>\n</tool_call>",
            "<tool_call>\n<function=search>\n</tool_call>",
-           "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</function>\n"
-           "</tool_call>",
            "<tool_call>\nsure: <function=search>\n</function>\n</tool_call>",
            "<tool_call>\n<function=search>\n</function>\nand more\n</tool_call>",
            "<tool_call>\n</tool_call>",
@@ -266,6 +264,21 @@ TEST(ToolCalls, Qwen3CoderXml) {
   const std::string open_value =
       "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome</tool_call> after";
   Check(p, open_value, {open_value, {}});
+  // A value the model left open (no </parameter>) ends where the next
+  // parameter or the function does, as vLLM's parser reads it; one closed
+  // after a </function> in its text keeps that text.
+  Check(p,
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</function>\n"
+        "</tool_call>",
+        {"", {{"get_weather", R"({"city":"Rome"})"}}});
+  Check(p,
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n<parameter=days>\n2\n"
+        "</parameter>\n</function>\n</tool_call>",
+        {"", {{"get_weather", R"({"city":"Rome","days":2})"}}});
+  Check(p,
+        "<tool_call>\n<function=typed>\n<parameter=s>\na</function>b\n</parameter>\n</function>\n"
+        "</tool_call>",
+        {"", {{"typed", R"({"s":"a</function>b"})"}}});
   // A parameter given twice keeps its first place and its last value.
   Check(p,
         "<tool_call>\n<function=get_weather>\n<parameter=city>\nA\n</parameter>\n"
