@@ -164,4 +164,20 @@ bool WaitForHttpStatus(int port, const std::string& path, int status,
   return false;
 }
 
+LoopbackListener::LoopbackListener() {
+  fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  if (fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+      ::listen(fd, 8) == 0 && ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+    port = ntohs(addr.sin_port);
+  }
+}
+
+LoopbackListener::~LoopbackListener() {
+  if (fd >= 0) ::close(fd);
+}
+
 }  // namespace pdserve::testing

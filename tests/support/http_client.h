@@ -31,6 +31,18 @@ HttpResult HttpStream(int port, const std::string& path, const std::string& body
 // test instead of hanging it.
 int ConnectLoopback(int port, std::chrono::seconds receive_timeout = std::chrono::seconds(0));
 
+// A socket listening on a free loopback port that accepts nothing: a peer
+// that never answers, a place whose connections can be counted, or (once
+// destroyed) a port nothing listens on.
+struct LoopbackListener {
+  LoopbackListener();
+  ~LoopbackListener();
+  LoopbackListener(const LoopbackListener&) = delete;
+  LoopbackListener& operator=(const LoopbackListener&) = delete;
+  int fd = -1;
+  int port = 0;  // 0 when no socket could be bound
+};
+
 // Polls GET `path` until it answers `status` or the timeout passes.
 bool WaitForHttpStatus(int port, const std::string& path, int status,
                        std::chrono::milliseconds timeout);

@@ -375,6 +375,7 @@ std::optional<ApiError> ParseMessages(const ojson& body, ApiRequest* out) {
                         std::string("'messages' must be an array, got ") + TypeName(*it));
   if (it->empty()) return InvalidParam("messages", "'messages' must not be empty");
   ojson messages = ojson::array();
+  out->content_parts.assign(it->size(), ojson());  // null: content was a string
   for (size_t i = 0; i < it->size(); ++i) {
     const ojson& m = (*it)[i];
     const std::string where = "messages[" + std::to_string(i) + "]";
@@ -467,7 +468,6 @@ std::optional<ApiError> ParseMessages(const ojson& body, ApiRequest* out) {
         parts.push_back({{"type", "text"}, {"text", *part_text}});
       }
       copy["content"] = text;
-      out->content_parts.resize(i + 1);
       out->content_parts[i] = std::move(parts);
     } else if (!content->is_string()) {
       return InvalidParam(where + ".content",
@@ -476,7 +476,6 @@ std::optional<ApiError> ParseMessages(const ojson& body, ApiRequest* out) {
     messages.push_back(std::move(copy));
   }
   out->messages = std::move(messages);
-  out->content_parts.resize(out->messages.size());
   return std::nullopt;
 }
 

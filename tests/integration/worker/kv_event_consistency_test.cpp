@@ -7,12 +7,8 @@
 // rebuild restarts from the snapshot, as the router does, and must stay exact.
 // The same stand-in checks what a decode worker takes from a router's
 // Generate: only a prefill worker the router listed is dialled.
-#include <arpa/inet.h>
 #include <gtest/gtest.h>
-#include <netinet/in.h>
 #include <poll.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <condition_variable>
 #include <fstream>
@@ -20,6 +16,7 @@
 #include <random>
 #include <set>
 
+#include "tests/support/http_client.h"
 #include "tests/support/process.h"
 #include "tests/support/test_models.h"
 #include "transport/control/connection.h"
@@ -238,16 +235,9 @@ TEST(KvEventConsistencyTest, AnUnlistedPrefillAddressIsNeverDialled) {
       RunCommand({kPdserve, "make-model", "--preset", "tiny", "--out", dir + "/model"});
   ASSERT_EQ(made.exit_code, 0) << made.err;
   // What the Generate names: a listener that only counts connections.
-  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
-  ASSERT_GE(listener, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  ASSERT_EQ(::listen(listener, 8), 0);
-  socklen_t len = sizeof(addr);
-  ASSERT_EQ(::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
-  const std::string unlisted = "127.0.0.1:" + std::to_string(ntohs(addr.sin_port));
+  LoopbackListener listener;
+  ASSERT_GT(listener.port, 0);
+  const std::string unlisted = "127.0.0.1:" + std::to_string(listener.port);
 
   RouterStandIn router(dir + "/cluster-secret");
   ChildProcess worker = ChildProcess::Start({kPdserve,
@@ -275,10 +265,9 @@ TEST(KvEventConsistencyTest, AnUnlistedPrefillAddressIsNeverDialled) {
   std::vector<int> prompt(40);
   for (int k = 0; k < 40; ++k) prompt[k] = 3 + k;
   ASSERT_TRUE(router.Generate("r0", prompt, unlisted)) << router.error() << "\n" << worker.Log();
-  pollfd p{listener, POLLIN, 0};
+  pollfd p{listener.fd, POLLIN, 0};
   EXPECT_EQ(::poll(&p, 1, 0), 0) << "the worker dialled " << unlisted;
   EXPECT_NE(worker.Log().find("not on its list"), std::string::npos) << worker.Log();
-  ::close(listener);
 }
 
 }  // namespace

@@ -1,10 +1,6 @@
 // `pdserve worker` refuses a device or a KV transport it cannot use with one
 // line and exit 2, before it reads the model or binds a port.
-#include <arpa/inet.h>
 #include <gtest/gtest.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -38,19 +34,6 @@ void ExpectOneLineUsageError(const CommandResult& r, const std::string& needle) 
   EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << "not one line: " << r.err;
 }
 
-// A port free now (bound, then released) for a process to listen on.
-int FreePort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
-                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
-  ::close(fd);
-  return ok ? ntohs(addr.sin_port) : 0;
-}
-
 // A worker answers /metrics while it loads its weights, which takes minutes
 // for a large model: Prometheus sees it up, not down. /live and /health say
 // it is loading (503: the startup probe's failures bound a load that
@@ -61,7 +44,7 @@ TEST(WorkerCliTest, LiveAndHealthAnswerWhileTheModelLoads) {
   std::filesystem::copy_file(
       std::filesystem::path(PDSERVE_SOURCE_DIR) / "bench/configs/qwen2.5-0.5b/config.json",
       dir + "/config.json");
-  const int port = FreePort();
+  const int port = LoopbackListener().port;  // free now, released for the worker
   ASSERT_GT(port, 0);
   ChildProcess worker =
       ChildProcess::Start({PDSERVE_BIN_PATH, "worker", "--model", dir, "--load-format", "dummy",

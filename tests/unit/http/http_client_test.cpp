@@ -3,8 +3,6 @@
 // the kept-alive connection, a server that never answers, refused connects.
 #include "common/http/http_client.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -15,28 +13,12 @@
 
 #include <nlohmann/json.hpp>
 
+#include "tests/support/http_client.h"
+
 namespace pdserve::http {
 namespace {
 
 using namespace std::chrono_literals;
-
-// A listening loopback socket on a free port.
-struct RawListener {
-  int fd = -1;
-  int port = 0;
-  RawListener() {
-    fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-    EXPECT_EQ(::listen(fd, 8), 0);
-    socklen_t len = sizeof(addr);
-    ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-    port = ntohs(addr.sin_port);
-  }
-  ~RawListener() { ::close(fd); }
-};
 
 std::string ReadRequest(int fd) {
   std::string in;
@@ -119,7 +101,7 @@ TEST(HttpClientTest, StreamsChunksAsTheyArriveAndCanHangUp) {
 }
 
 TEST(HttpClientTest, RetriesOnceWhenTheServerClosedTheKeptConnection) {
-  RawListener listener;
+  pdserve::testing::LoopbackListener listener;
   std::thread server([&] {
     // Two connections: each answers one request as keep-alive, then closes.
     for (int i = 0; i < 2; ++i) {
@@ -148,7 +130,7 @@ TEST(HttpClientTest, RetriesOnceWhenTheServerClosedTheKeptConnection) {
 }
 
 TEST(HttpClientTest, ServerThatNeverAnswersHitsTheDeadline) {
-  RawListener listener;
+  pdserve::testing::LoopbackListener listener;
   HttpConnection conn("127.0.0.1", listener.port);
   auto r = conn.Send("GET", "/slow", {}, {}, 200ms);
   ASSERT_FALSE(r.ok());
@@ -158,7 +140,7 @@ TEST(HttpClientTest, ServerThatNeverAnswersHitsTheDeadline) {
 TEST(HttpClientTest, RefusedConnectIsUnavailable) {
   int port;
   {
-    RawListener gone;  // closed at once: nothing listens there afterwards
+    pdserve::testing::LoopbackListener gone;  // closed at once: nothing listens there afterwards
     port = gone.port;
   }
   HttpConnection conn("127.0.0.1", port);
