@@ -148,6 +148,7 @@ std::string_view ToolCallStreamer::OpenMarker() const {
   return IsDeepSeek() ? kDsCallsBegin : kHermesOpen;
 }
 std::string_view ToolCallStreamer::CloseMarker() const {
+  if (bare_xml_call_) return kXmlFunctionEnd;
   return IsDeepSeek() ? kDsCallsEnd : kHermesClose;
 }
 
@@ -628,11 +629,12 @@ size_t ToolCallStreamer::ScanXmlCall() {
     }
     // The next closing marker at or after pos: searched once over any byte
     // (the last search's result stands while pos has not passed it).
+    const std::string_view close_marker = CloseMarker();
     if (x.close == std::string::npos || x.close < x.pos) {
-      x.close = buffer_.find(kHermesClose, std::max(x.pos, x.close_searched));
+      x.close = buffer_.find(close_marker, std::max(x.pos, x.close_searched));
       x.close_searched = x.close != std::string::npos
                              ? x.close
-                             : buffer_.size() - std::min(buffer_.size(), kHermesClose.size() - 1);
+                             : buffer_.size() - std::min(buffer_.size(), close_marker.size() - 1);
     }
     const size_t close = x.close;
     const size_t value = buffer_.find(kXmlParameter, x.pos);
@@ -642,7 +644,7 @@ size_t ToolCallStreamer::ScanXmlCall() {
       continue;
     }
     if (close != std::string::npos) return close;
-    keep_tail(std::max(kHermesClose.size(), kXmlParameter.size()));
+    keep_tail(std::max(close_marker.size(), kXmlParameter.size()));
     return std::string::npos;
   }
 }
@@ -720,15 +722,26 @@ void ToolCallStreamer::Drain(bool final, std::vector<ToolStreamPart>* parts) {
         }
         const std::string_view marker =
             parser_ == ToolParser::kMistral ? kMistralMarker : OpenMarker();
-        const size_t at = buffer_.find(marker);
+        size_t at = buffer_.find(marker);
+        // Qwen3-Coder may write a <function=...> element without its
+        // <tool_call> wrapper; vLLM's parser takes it as a call too.
+        bool bare = false;
+        if (parser_ == ToolParser::kQwen3Coder) {
+          const size_t function = buffer_.find(kXmlFunction);
+          bare = function < at;
+          at = std::min(at, function);
+        }
         if (at != std::string::npos) {
           Emit(std::string_view(buffer_).substr(0, at), parts);
-          buffer_.erase(0, at + marker.size());
+          buffer_.erase(0, at + (bare ? 0 : marker.size()));  // a bare call keeps its element
           state_ = parser_ == ToolParser::kMistral ? State::kRest : State::kCall;
+          bare_xml_call_ = bare;
           marker_seen_ = true;
           continue;
         }
-        const size_t hold = final ? 0 : PartialMarker(buffer_, marker);
+        size_t hold = final ? 0 : PartialMarker(buffer_, marker);
+        if (!final && parser_ == ToolParser::kQwen3Coder)
+          hold = std::max(hold, PartialMarker(buffer_, kXmlFunction));
         Emit(std::string_view(buffer_).substr(0, buffer_.size() - hold), parts);
         buffer_.erase(0, buffer_.size() - hold);
         return;
@@ -736,8 +749,12 @@ void ToolCallStreamer::Drain(bool final, std::vector<ToolStreamPart>* parts) {
       case State::kCall: {
         const std::optional<size_t> close = CallClose(final);
         if (!close) return;  // the call may still close
+        // A bare qwen3_coder call's body is its whole element, </function>
+        // included, as written.
+        const size_t close_size = CloseMarker().size();
         const size_t at = *close;
-        const std::string_view body = std::string_view(buffer_).substr(0, at);
+        const std::string_view body = std::string_view(buffer_).substr(
+            0, bare_xml_call_ && at != std::string::npos ? at + close_size : at);
         std::optional<std::vector<ToolCall>> found;
         std::string rest;  // DeepSeek: the block's text from a call that did not parse
         if (parser_ == ToolParser::kQwen3Coder) {
@@ -750,12 +767,15 @@ void ToolCallStreamer::Drain(bool final, std::vector<ToolStreamPart>* parts) {
         if (found) {
           add_calls(std::move(*found));
           Emit(rest, parts);
+        } else if (bare_xml_call_) {
+          Emit(body, parts);
         } else {
           Emit(std::string(OpenMarker()) + std::string(body) +
                    (at == std::string::npos ? "" : std::string(CloseMarker())),
                parts);
         }
-        buffer_.erase(0, at == std::string::npos ? buffer_.size() : at + CloseMarker().size());
+        buffer_.erase(0, at == std::string::npos ? buffer_.size() : at + close_size);
+        bare_xml_call_ = false;
         state_ = State::kContent;
         if (final && buffer_.empty()) return;
         continue;

@@ -11,7 +11,8 @@
 //   qwen3_coder    <tool_call>\n<function=f>\n<parameter=k>\nvalue\n</parameter>\n
 //                  </function>\n</tool_call> (Qwen3-Coder's XML calls): a
 //                  value is raw text up to the first </parameter>, read as
-//                  the type its property's schema gives (XmlParameterTypeOf)
+//                  the type its property's schema gives (XmlParameterTypeOf);
+//                  a <function=...> element without the wrapper is a call too
 //   llama3_json    {"name": "f", "parameters": {...}}, optionally after
 //                  <|python_tag|> (Llama 3.1/3.2); several separated by ";"
 //   deepseek_v3    <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f
@@ -156,6 +157,9 @@ class ToolCallStreamer {
   std::string buffer_;
   bool seen_call_ = false;
   bool marker_seen_ = false;  // the opening marker was in the text
+  // kCall: a qwen3_coder <function=...> element without <tool_call>
+  // around it, which </function> ends.
+  bool bare_xml_call_ = false;
   // kCall: where the search for the closing marker goes on (the text
   // before it holds none), so that a long call is scanned once, not once a
   // token.

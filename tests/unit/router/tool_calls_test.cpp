@@ -279,6 +279,26 @@ TEST(ToolCalls, Qwen3CoderXml) {
         "<tool_call>\n<function=typed>\n<parameter=s>\na</function>b\n</parameter>\n</function>\n"
         "</tool_call>",
         {"", {{"typed", R"({"s":"a</function>b"})"}}});
+  // A <function=...> element without its <tool_call> wrapper is a call too,
+  // as vLLM's parser reads it; one cut off, or of a function the request
+  // does not have, stays content.
+  Check(p, "<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>",
+        {"", {{"get_weather", R"({"city":"Paris"})"}}});
+  Check(p,
+        "Let me check.\n<function=search>\n</function>\n<function=get_weather>\n"
+        "<parameter=city>\nOslo\n</parameter>\n</function> done",
+        {"Let me check.\n\n done", {{"search", "{}"}, {"get_weather", R"({"city":"Oslo"})"}}});
+  Check(p,
+        "<function=search>\n</function>\n<tool_call>\n<function=search>\n</function>\n"
+        "</tool_call>",
+        {"", {{"search", "{}"}, {"search", "{}"}}});
+  for (const std::string bad : {
+           "<function=get_weather>\n<parameter=city>\nRo",
+           "Write <function=name> where the call goes.",
+           "<function=rm_rf>\n</function> after",
+       }) {
+    Check(p, bad, {bad, {}});
+  }
   // A parameter given twice keeps its first place and its last value.
   Check(p,
         "<tool_call>\n<function=get_weather>\n<parameter=city>\nA\n</parameter>\n"
