@@ -356,6 +356,7 @@ class RouterServiceImpl : public RouterService {
       if (!tmpl.ok()) {
         PDSERVE_LOG(WARN) << "chat template unusable, /v1/chat/completions disabled: "
                           << tmpl.status().message();
+        chat_template_error_ = std::string(tmpl.status().message());
       } else {
         chat_template_.emplace(std::move(*tmpl));
       }
@@ -917,7 +918,12 @@ class RouterServiceImpl : public RouterService {
   std::optional<ApiError> RenderChatPrompt(ApiRequest& api, std::string* text,
                                            bool generates = true) {
     if (!chat_template_) {
-      return ApiError{400, "this model has no chat template; use /v1/completions",
+      return ApiError{400,
+                      chat_template_error_.empty()
+                          ? "this model has no chat template; use /v1/completions"
+                          : "this model's chat template cannot be used (" + chat_template_error_ +
+                                "); give the router one with --chat-template, or use "
+                                "/v1/completions",
                       "invalid_request_error", "messages", ""};
     }
     if (generates) {
@@ -2368,6 +2374,7 @@ class RouterServiceImpl : public RouterService {
   RouterServiceOptions opts_;
   std::unique_ptr<Tokenizer> tokenizer_;
   std::optional<ChatTemplate> chat_template_;
+  std::string chat_template_error_;  // why the model's template could not be used, if so
   std::optional<ChatTemplate> tool_use_template_;  // the model's "tool_use", if any
   // Whether each template loops over a message's content (then given parts).
   bool template_takes_parts_ = false, tool_use_takes_parts_ = false;

@@ -388,6 +388,30 @@ TEST(RouterChatTemplateTest, ToolUseTemplateRendersRequestsWithTools) {
   EXPECT_EQ(RenderedPrompt(dir, with_tools), "T1:hi");
 }
 
+// A model whose chat template this router cannot run: chat requests get a
+// 400 that says why and what to do, not that the model has none.
+TEST(RouterChatTemplateTest, AnUnusableTemplateIsNamedInTheError) {
+  const std::string dir = pdserve::testing::NewTempDir("unusable-template") + "/model";
+  std::filesystem::copy(pdserve::testing::TinyModelDir(), dir);
+  std::ofstream(dir + "/chat_template.jinja") << "{% with x = 1 %}{{ x }}{% endwith %}";
+  RouterServiceOptions o;
+  o.model_dir = dir;
+  o.host = "127.0.0.1";
+  o.http_port = 0;
+  o.control_port = 0;
+  auto service = RouterService::Create(o);
+  ASSERT_TRUE(service.ok()) << service.status().ToString();
+  ASSERT_TRUE((*service)->Start().ok());
+  const nlohmann::json body = {{"messages", {{{"role", "user"}, {"content", "hi"}}}}};
+  auto r = pdserve::testing::HttpRequest((*service)->http_port(), "POST", "/v1/chat/completions",
+                                         body.dump());
+  EXPECT_EQ(r.status, 400) << r.body;
+  const std::string message = nlohmann::json::parse(r.body)["error"]["message"];
+  EXPECT_NE(message.find("{% with %}"), std::string::npos) << message;
+  EXPECT_NE(message.find("--chat-template"), std::string::npos) << message;
+  (*service)->Stop();
+}
+
 // Content given as text parts: a template that loops over a message's
 // content gets the parts (Gemma-3's trims each and joins them), one that
 // takes strings gets them joined with "\n" (vLLM's content formats).
