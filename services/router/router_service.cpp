@@ -393,6 +393,7 @@ class RouterServiceImpl : public RouterService {
     } else {
       tool_parser_ = ToolParserForTemplate(template_text);
     }
+    mistral_name_args_ = MistralNameArgsForm(template_text);
     PDSERVE_RETURN_IF_ERROR(LoadSamplingDefaults());
     // The context length is not read here: workers report theirs (Register).
     auto model_id = ServedModelIdOfFolder(opts_.model_dir, opts_.model_id);
@@ -1075,8 +1076,8 @@ class RouterServiceImpl : public RouterService {
     // A named function is called once (OpenAI's forced call), whatever
     // parallel_tool_calls says; `required` may call several unless it is false.
     const bool parallel = api.parallel_tool_calls && !named;
-    auto grammar =
-        ToolCallGrammar(tool_parser_, api.tools, named, parallel, opts_.structured.max_text_bytes);
+    auto grammar = ToolCallGrammar(tool_parser_, api.tools, named, parallel,
+                                   opts_.structured.max_text_bytes, mistral_name_args_);
     if (!grammar.ok())
       return ApiError{400, grammar.status().message(), "invalid_request_error", "tools", ""};
     api.sampling.constraint =
@@ -2380,6 +2381,8 @@ class RouterServiceImpl : public RouterService {
   bool template_takes_parts_ = false, tool_use_takes_parts_ = false;
   bool template_knows_developer_ = false;  // the template's source names the role
   ToolParser tool_parser_ = ToolParser::kNone;
+  // Forced mistral calls as [TOOL_CALLS]name[ARGS]{...}, as the template writes them.
+  bool mistral_name_args_ = false;
   std::string model_id_;
   // Key files, reread as they change (null: off; /metrics open, /admin/* off).
   std::shared_ptr<http::ReloadingKeys> api_keys_, metrics_keys_, admin_keys_;

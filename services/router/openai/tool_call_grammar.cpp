@@ -130,9 +130,13 @@ std::string XmlCallRule(const std::string& rule, const std::string& name, const 
 
 }  // namespace
 
+bool MistralNameArgsForm(std::string_view chat_template) {
+  return chat_template.find("[ARGS]") != std::string_view::npos;
+}
+
 StatusOr<std::string> ToolCallGrammar(ToolParser parser, const ojson& tools,
                                       const std::optional<std::string>& named, bool parallel,
-                                      size_t max_bytes) {
+                                      size_t max_bytes, bool mistral_name_args) {
   const auto too_long = [max_bytes] {
     return Status::InvalidArgument("the grammar of the tools' calls is longer than " +
                                    std::to_string(max_bytes) + " bytes");
@@ -187,6 +191,12 @@ StatusOr<std::string> ToolCallGrammar(ToolParser parser, const ojson& tools,
       if (rules.size() > max_bytes) return too_long();
       continue;
     }
+    if (parser == ToolParser::kMistral && mistral_name_args) {
+      rules += rule + " ::= " + GbnfLiteral("[TOOL_CALLS]" + name + "[ARGS]") + " %json " +
+               params.dump() + "\n";
+      if (rules.size() > max_bytes) return too_long();
+      continue;
+    }
     rules += rule + " ::= \"{\" ws \"\\\"name\\\"\" ws \":\" ws \"\\\"" + name +
              "\\\"\" ws \",\" ws \"\\\"" + args_key + "\\\"\" ws \":\" ws %json " + params.dump() +
              " ws \"}\"\n";
@@ -201,6 +211,9 @@ StatusOr<std::string> ToolCallGrammar(ToolParser parser, const ojson& tools,
              (parallel ? parser == ToolParser::kDeepSeekV3 ? " (\"\\n\" call)*" : " call*" : "") +
              " " + GbnfLiteral(kDsCallsEnd) + "\n" + rules;
     case ToolParser::kMistral:
+      if (mistral_name_args) {
+        return std::string("root ::= call") + (parallel ? " call*" : "") + "\n" + rules;
+      }
       return "root ::= \"[TOOL_CALLS]\" \"[\" ws call" +
              std::string(parallel ? " (ws \",\" ws call)*" : "") + " ws \"]\"\n" + rules;
     case ToolParser::kLlama3Json:

@@ -6,6 +6,7 @@
 
 #include <optional>
 #include <string>
+#include <string_view>
 
 #include <nlohmann/json.hpp>
 
@@ -23,8 +24,15 @@ namespace pdserve::router {
 // InvalidArgument, as soon as the text would pass `max_bytes`, when it is
 // longer (a qwen3_coder call repeats the parameters' schema for each
 // property whose "$ref" points into it).
+// `mistral_name_args`: mistral calls in the form of Mistral's v11 and later
+// tokenizers, [TOOL_CALLS]name[ARGS]{...} for each call (MistralNameArgsForm),
+// not [TOOL_CALLS][{"name": ..., "arguments": ...}, ...].
 StatusOr<std::string> ToolCallGrammar(ToolParser parser, const nlohmann::ordered_json& tools,
                                       const std::optional<std::string>& named, bool parallel,
-                                      size_t max_bytes);
+                                      size_t max_bytes, bool mistral_name_args = false);
+
+// Whether a chat template writes mistral calls as [TOOL_CALLS]name[ARGS]{...}
+// (Mistral's v11 and later tokenizers) rather than as a JSON array.
+bool MistralNameArgsForm(std::string_view chat_template);
 
 }  // namespace pdserve::router

@@ -514,6 +514,13 @@ TEST(ToolCalls, ForcedCallGrammarStopsAtItsSizeLimit) {
   EXPECT_NE(small->find("\"default\":{\"$ref\":\"#\"}"), std::string::npos) << *small;
 }
 
+// Mistral's templates say which form their calls take.
+TEST(ToolCalls, MistralCallFormFromTheTemplate) {
+  EXPECT_TRUE(MistralNameArgsForm(
+      "{{- '[TOOL_CALLS]' + tool_call['function']['name'] + '[ARGS]' + arguments }}"));
+  EXPECT_FALSE(MistralNameArgsForm("{{- '[TOOL_CALLS][' + tool_calls | tojson + ']' }}"));
+}
+
 TEST(ToolCalls, ForcedCallGrammarOnlyAdmitsValidCalls) {
   const auto tools = nlohmann::ordered_json::parse(R"([
     {"type":"function","function":{"name":"get_weather","parameters":{"type":"object",
@@ -533,6 +540,7 @@ TEST(ToolCalls, ForcedCallGrammarOnlyAdmitsValidCalls) {
     bool parallel;
     std::string text;
     bool ok;
+    bool mistral_name_args = false;  // [TOOL_CALLS]name[ARGS]{...} (v11 tokenizers)
   };
   const std::vector<Case> cases = {
       {ToolParser::kHermes, std::nullopt, true,
@@ -583,6 +591,19 @@ TEST(ToolCalls, ForcedCallGrammarOnlyAdmitsValidCalls) {
        false},
       {ToolParser::kMistral, std::string("chain"), false,
        "[TOOL_CALLS][{\"name\":\"chain\",\"arguments\":{\"v\":3,\"next\":{\"v\":4}}}]", true},
+      // Mistral's v11 form: [TOOL_CALLS] before each call's name, [ARGS]
+      // before its arguments; the array form is not admitted there.
+      {ToolParser::kMistral, std::nullopt, true,
+       "[TOOL_CALLS]search[ARGS]{}[TOOL_CALLS]get_weather[ARGS]{\"city\":\"y\",\"unit\":\"f\"}",
+       true, true},
+      {ToolParser::kMistral, std::string("chain"), false,
+       "[TOOL_CALLS]chain[ARGS]{\"v\":3,\"next\":{\"v\":4}}", true, true},
+      {ToolParser::kMistral, std::nullopt, false,
+       "[TOOL_CALLS]search[ARGS]{}[TOOL_CALLS]search[ARGS]{}", false, true},
+      {ToolParser::kMistral, std::nullopt, true, "[TOOL_CALLS]get_weather[ARGS]{\"unit\":\"c\"}",
+       false, true},
+      {ToolParser::kMistral, std::nullopt, true,
+       "[TOOL_CALLS][{\"name\":\"search\",\"arguments\":{}}]", false, true},
       // qwen3_coder: properties in the schema's order, those not required
       // optional, strings as text without </parameter>, the rest as JSON
       // under the property's schema ("$ref"s resolved in the parameters).
@@ -636,7 +657,8 @@ TEST(ToolCalls, ForcedCallGrammarOnlyAdmitsValidCalls) {
        false},
   };
   for (const auto& c : cases) {
-    const std::string g = *ToolCallGrammar(c.parser, tools, c.named, c.parallel, 1 << 20);
+    const std::string g =
+        *ToolCallGrammar(c.parser, tools, c.named, c.parallel, 1 << 20, c.mistral_name_args);
     auto grammar = structured::ConstraintGrammar({OutputConstraint::Kind::kGrammar, g},
                                                  structured::CompileOptions{});
     ASSERT_TRUE(grammar.ok()) << g << ": " << grammar.status().message();
