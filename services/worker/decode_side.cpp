@@ -75,7 +75,8 @@ struct DecodeSide::Request {
   int pending_receives = 0;
   std::string failure;                     // first reason the hand-off cannot succeed
   std::optional<proto::PrefillDone> done;  // the peer's report (or a give-up standing for it)
-  bool writer_settled = false;             // the peer's own report came: it writes no more
+  bool writer_settled = false;             // the peer writes no more (its report came, ...)
+  bool reported = false;                   // the peer's report came
   bool cancel_after_remote = false;        // cancelled while the peer may still write
 };
 
@@ -578,15 +579,20 @@ void DecodeSide::OnPrefillDone(const std::string& address, const proto::PrefillD
   const RequestId id = FindByPrefillRid(address, done.request_id());
   if (id == 0) {
     // A hand-off given up on before its report: the peer writes no more.
+    // A failed write's bytes may still land: those stay held to the end.
     auto held = held_for_peers_.find(done.request_id());
-    if (held != held_for_peers_.end() && held->second.address == address) {
+    if (held != held_for_peers_.end() && held->second.address == address &&
+        !done.writes_may_land()) {
       ReleaseHeldBlocks(held, "its prefill worker reported");
     }
     return;
   }
   Request& r = *requests_.at(id);
-  if (r.writer_settled) return;  // one report per hand-off
-  r.writer_settled = true;
+  if (r.writer_settled || r.reported) return;  // one report per hand-off
+  r.reported = true;
+  // A report settles the writer unless a failed write's bytes may still
+  // land: then the blocks stay held until the give-up time.
+  r.writer_settled = done.ok() || !done.writes_may_land();
   r.done = done;
   if (!done.ok() && r.failure.empty()) r.failure = "prefill failed: " + done.failure_reason();
   if (done.ok()) {

@@ -50,10 +50,11 @@ struct PrefillSide::Job {
   int pending_writes = 0;
   uint32_t blocks_written = 0;
   uint64_t bytes_written = 0;
-  bool computed = false;   // the engine is done with it
-  bool cancelled = false;  // by its decode worker (Cancel)
-  std::string failure;     // first reason the job fails
-  proto::Envelope done;    // the success report, filled when computed
+  bool computed = false;      // the engine is done with it
+  bool cancelled = false;     // by its decode worker (Cancel)
+  bool write_failed = false;  // bytes of a failed write may still land
+  std::string failure;        // first reason the job fails
+  proto::Envelope done;       // the success report, filled when computed
 };
 
 PrefillSide::PrefillSide(WorkerContext* ctx) : ctx_(ctx) {}
@@ -489,13 +490,23 @@ void PrefillSide::OnWriteDone(RequestId id, const Status& st, uint64_t bytes,
   if (it == jobs_.end()) return;
   Job& job = *it->second;
   --job.pending_writes;
-  if (st.ok()) {
+  // Tests make a write that landed report failure (a write whose deadline
+  // passed while the network still held its bytes cannot be timed here).
+  static const bool fail_writes = std::getenv("PDSERVE_TEST_FAIL_KV_WRITES") != nullptr;
+  const Status result =
+      st.ok() && fail_writes
+          ? Status::DeadlineExceeded("injected fault (PDSERVE_TEST_FAIL_KV_WRITES)")
+          : st;
+  if (result.ok()) {
     job.bytes_written += bytes;
     ctx_->metrics->transfer_bytes.Add({{"direction", "out"}}).Increment(static_cast<double>(bytes));
-  } else if (job.failure.empty()) {
-    job.failure = "KV transfer failed: " + st.message();
-    // The pair is unusable now: the decode worker reconnects and handshakes anew.
-    ctx_->loop->Post([c = job.decode, why = job.failure] { c->Close(why); });
+  } else {
+    job.write_failed = true;
+    if (job.failure.empty()) {
+      job.failure = "KV transfer failed: " + result.message();
+      // The pair is unusable now: the decode worker reconnects and handshakes anew.
+      ctx_->loop->Post([c = job.decode, why = job.failure] { c->Close(why); });
+    }
   }
   TryFinish(id);
 }
@@ -516,12 +527,16 @@ void PrefillSide::TryFinish(RequestId id) {
                       << " blocks (" << job.bytes_written << " bytes) written, "
                       << Seconds(now - job.arrived) << "s";
   } else if (job.cancelled) {
-    (void)job.decode->Send(PrefillFailure(job.decode_rid, job.failure, false));
+    proto::Envelope failure = PrefillFailure(job.decode_rid, job.failure, false);
+    failure.mutable_prefill_done()->set_writes_may_land(job.write_failed);
+    (void)job.decode->Send(std::move(failure));
     ctx_->metrics->CountRequest("prefill", "cancelled");
     PDSERVE_LOG(INFO) << "prefill " << job.trace_id << " cancelled by its decode worker after "
                       << Seconds(now - job.arrived) << "s";
   } else {
-    (void)job.decode->Send(PrefillFailure(job.decode_rid, job.failure, true));
+    proto::Envelope failure = PrefillFailure(job.decode_rid, job.failure, true);
+    failure.mutable_prefill_done()->set_writes_may_land(job.write_failed);
+    (void)job.decode->Send(std::move(failure));
     ctx_->metrics->transfer_failures.Increment();
     ctx_->metrics->CountRequest("prefill", "failed");
     PDSERVE_LOG(WARN) << "prefill " << job.trace_id << " failed: " << job.failure;

@@ -124,6 +124,40 @@ TEST(AbandonedWorkTest, ALateJobFailsAloneAndTheLinkServesOn) {
   EXPECT_TRUE(WaitForMetric(decode.metrics_port, "pdserve_kv_blocks_held_for_peers", "", 0, 5s));
 }
 
+// A prefill worker whose write failed cannot say that none of its bytes
+// land later (the kernel may still hold them): the decode worker prefills
+// the request itself and keeps the blocks that write targeted out of use
+// until its give-up time, instead of handing them to the next request when
+// the failure report comes. The worker's test hook makes every write that
+// landed report failure; a write that misses its deadline cannot be timed.
+TEST(AbandonedWorkTest, BlocksAFailedWriteTargetedStayHeldUntilTheGiveUp) {
+  LocalStack stack("abandoned-failed-write");
+  stack.StartRouter({"--max-local-prefill", "0"});
+  stack.SetWorkerEnv({{"PDSERVE_TEST_FAIL_KV_WRITES", "1"}});
+  WorkerProc& prefill = stack.StartWorker("prefill");
+  stack.SetWorkerEnv({});
+  WorkerProc& decode = stack.StartWorker("decode", {"--prefill-timeout-ms", "3000"});
+  ASSERT_TRUE(stack.WaitReady());
+
+  const std::string prompt = Prompt("failed write", 120);
+  const nlohmann::json want = Generate(prompt, 3);
+  auto [status, body] =
+      stack.Post("/v1/completions",
+                 {{"prompt", prompt}, {"max_tokens", 3}, {"temperature", 0}, {"ignore_eos", true}});
+  ASSERT_EQ(status, 200) << body.dump();
+  EXPECT_EQ(body["choices"][0]["text"], want["text"]);
+  ASSERT_TRUE(prefill.proc.WaitForLog(std::regex("injected fault"), 10s)) << prefill.proc.Log();
+  double held = 0;
+  for (int i = 0; i < 100 && held == 0; ++i) {
+    held = LocalStack::Metric(decode.metrics_port, "pdserve_kv_blocks_held_for_peers");
+    if (held == 0) std::this_thread::sleep_for(50ms);
+  }
+  EXPECT_GT(held, 0) << decode.proc.Log();
+  EXPECT_TRUE(decode.proc.WaitForLog(std::regex("its transfer deadline has passed"), 30s))
+      << decode.proc.Log();
+  EXPECT_TRUE(WaitForMetric(decode.metrics_port, "pdserve_kv_blocks_held_for_peers", "", 0, 5s));
+}
+
 // A Prefill that waits past its deadline before the engine thread starts it
 // (here behind a six-second step) is refused then, never started: its
 // deadline runs from its arrival, as the decode worker's give-up does, so
