@@ -93,6 +93,10 @@ void ParseFlagsOrExit(FlagSet& flags, int argc, char** argv);
 // thread pool fails to start or the count wraps when narrowed.
 inline constexpr int64_t kMaxThreadsFlag = 1024;
 
+// The longest a timeout flag in seconds may ask for (a year): past it the
+// milliseconds it becomes wrap around (a huge timeout turned into a tiny one).
+inline constexpr int64_t kMaxTimeoutSecondsFlag = 86400LL * 365;
+
 // Parses "64KiB", "2G", "1048576" into bytes.
 StatusOr<int64_t> ParseBytes(std::string_view text);
 

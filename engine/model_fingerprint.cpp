@@ -12,6 +12,7 @@
 #include <fstream>
 #include <iterator>
 #include <set>
+#include <sstream>
 #include <vector>
 
 #include "engine/safetensors.h"
@@ -52,9 +53,12 @@ Status AddFile(Digest& d, const std::filesystem::path& path) {
     return Status::Ok();
   }
   d.U64(1);
-  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (in.bad()) return Status::Unavailable("cannot read " + path.string());
-  d.String(bytes);
+  std::error_code ec;
+  std::stringstream bytes;
+  if (!std::filesystem::is_regular_file(path, ec) ||
+      (std::filesystem::file_size(path, ec) > 0 && !(bytes << in.rdbuf())))
+    return Status::Unavailable("cannot read " + path.string() + " (not a readable file)");
+  d.String(bytes.str());
   return Status::Ok();
 }
 

@@ -13,6 +13,7 @@
 #include <fstream>
 #include <iterator>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <thread>
 
@@ -140,13 +141,19 @@ int RunBenchEngine(int argc, char** argv) {
     UsageError("bench engine", "--prompt-tokens must be >= 1 and --gen-tokens >= 2");
   }
   if (rounds < 1) UsageError("bench engine", "--rounds must be >= 1");
+  if (block_size < 1 || block_size > 1024) {
+    UsageError("bench engine", "--block-size must be in [1, 1024]");
+  }
   std::optional<OutputConstraint> schema;
   if (!json_schema_file.empty()) {
+    std::error_code ec;
+    if (!std::filesystem::is_regular_file(json_schema_file, ec))
+      UsageError("bench engine", "--json-schema: " + json_schema_file + " is not a file");
     std::ifstream in(json_schema_file, std::ios::binary);
-    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    if (!in && !in.eof())
+    std::stringstream text;
+    if (!in || (std::filesystem::file_size(json_schema_file, ec) > 0 && !(text << in.rdbuf())))
       UsageError("bench engine", "--json-schema: cannot read " + json_schema_file);
-    schema = OutputConstraint{OutputConstraint::Kind::kJsonSchema, std::move(text)};
+    schema = OutputConstraint{OutputConstraint::Kind::kJsonSchema, text.str()};
   }
   if (threads < 0 || threads > kMaxThreadsFlag) {
     UsageError("bench engine", "--threads must be in [0, 1024]");
@@ -187,7 +194,8 @@ int RunBenchEngine(int argc, char** argv) {
     if (!compiled.ok()) UsageError("bench engine", "--json-schema: " + compiled.status().message());
     grammar = *compiled;
   }
-  if (prompt_tokens + gen_tokens > cfg.max_context()) {
+  // Each on its own first: their sum could overflow.
+  if (prompt_tokens > cfg.max_context() || gen_tokens > cfg.max_context() - prompt_tokens) {
     UsageError("bench engine", "--prompt-tokens + --gen-tokens exceed the model context");
   }
   // The pool's layout, for its block size in bytes (scales included): K and

@@ -293,8 +293,11 @@ int RunBenchServe(int argc, char** argv) {
   }
   auto host_port = http::SplitHostPort(authority);
   if (!host_port.ok()) UsageError("bench serve", "--url: " + host_port.status().message());
-  if (requests < 1 || concurrency < 1 || max_tokens < 1 || timeout_s < 1 || seed < 0)
+  if (requests < 1 || concurrency < 1 || max_tokens < 1 || timeout_s < 1)
     UsageError("bench serve", "requests, concurrency, max tokens and timeout must be positive");
+  if (seed < 0) UsageError("bench serve", "--seed must not be negative");
+  if (timeout_s > kMaxTimeoutSecondsFlag)
+    UsageError("bench serve", "--timeout must be at most a year (31536000)");
   // Each request's record is kept for the percentiles.
   if (requests > 10'000'000 || concurrency > 100'000) {
     UsageError("bench serve", "--requests must be at most 10000000, --concurrency 100000");

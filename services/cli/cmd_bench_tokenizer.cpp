@@ -179,6 +179,8 @@ int RunBenchTokenizer(int argc, char** argv) {
     if (comma > pos) tokenizers.push_back(paths.substr(pos, comma - pos));
     pos = comma + 1;
   }
+  if (tokenizers.empty() && !paths.empty())
+    UsageError("bench tokenizer", "--tokenizer names no folder");
   if (tokenizers.empty()) tokenizers = DefaultTokenizers();
   if (tokenizers.empty()) {
     UsageError("bench tokenizer",

@@ -87,8 +87,8 @@ int RunRouter(int argc, char** argv) {
                 "derive each request's cache salt from its API key, so that tenants never share "
                 "cached prefixes or see each other's cache timing (needs --api-key-file)");
   flags.AddString("metrics-key-file", &o.metrics_key_file,
-                  "file of keys /metrics requires as 'Authorization: Bearer KEY' (/health and "
-                  "/ready stay open)");
+                  "file of keys /metrics requires as 'Authorization: Bearer KEY' (/health, "
+                  "/live and /ready stay open)");
   flags.AddString("admin-key-file", &o.admin_key_file,
                   "file of keys the admin endpoints require as 'Authorization: Bearer KEY': POST "
                   "/admin/drain {\"worker\": NAME} stops routing to a worker and pushes its hot "
@@ -145,7 +145,8 @@ int RunRouter(int argc, char** argv) {
     UsageError("router", "--log-level: unknown level '" + log_level + "'");
   SetLogLevel(level);
   if (o.model_dir.empty()) UsageError("router", "--model is required");
-  if (drain_s < 0) UsageError("router", "--drain-timeout must not be negative");
+  if (drain_s < 0 || drain_s > kMaxTimeoutSecondsFlag)
+    UsageError("router", "--drain-timeout must be in [0, 31536000] (a year)");
   if (o.salt_per_api_key && o.api_key_file.empty())
     UsageError("router", "--salt-per-api-key needs --api-key-file (salts derive from the keys)");
   if (max_json_depth < 1 || max_json_depth > 1000)
@@ -186,7 +187,7 @@ int RunRouter(int argc, char** argv) {
     UsageError("router", "thread, request, size, timeout and attempt limits must be positive");
   }
   if (http_threads > kMaxThreadsFlag || max_concurrent > 1'000'000 || max_attempts > 100 ||
-      timeout_s > 86400 * 365) {
+      timeout_s > kMaxTimeoutSecondsFlag) {
     UsageError("router",
                "--http-threads must be at most 1024, --max-concurrent-requests 1000000, "
                "--max-attempts 100 and --request-timeout a year");

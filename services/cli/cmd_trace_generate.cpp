@@ -69,6 +69,7 @@ int RunTraceGenerate(int argc, char** argv) {
   auto trace = router::GenerateTrace(o);
   if (!trace.ok()) UsageError("trace generate", trace.status().message());
 
+  if (output.empty()) UsageError("trace generate", "--output must name a file, or '-'");
   if (output == "-") {
     router::WriteMooncakeTrace(*trace, std::cout);
     std::cout.flush();

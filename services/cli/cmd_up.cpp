@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -21,6 +22,7 @@
 #include <fstream>
 #include <optional>
 #include <regex>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -82,7 +84,9 @@ std::string Tail(const std::string& path, size_t n) {
 
 std::string ReadFile(const std::string& path) {
   std::ifstream in(path);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  std::stringstream text;
+  text << in.rdbuf();  // a read error leaves what was read; never throws
+  return text.str();
 }
 
 // A fresh cluster secret for this stack's control plane, readable by the
@@ -341,10 +345,12 @@ int RunUp(int argc, char** argv) {
   if (max_prefill_queue_tokens < 0) {
     UsageError("up", "--max-prefill-queue-tokens must not be negative");
   }
-  if (char* end = nullptr;
-      copy_cost.empty() || !(std::strtod(copy_cost.c_str(), &end) >= 0) || *end != '\0') {
+  if (char* end = nullptr; copy_cost.empty() || !(std::strtod(copy_cost.c_str(), &end) >= 0) ||
+                           *end != '\0' ||
+                           !std::isfinite(std::strtod(copy_cost.c_str(), nullptr))) {
     UsageError("up", "--replication-copy-cost must be a non-negative number");
   }
+  if (dir.empty()) UsageError("up", "--dir must not be empty");
   if (kv_cache_bytes <= 0) UsageError("up", "--kv-cache-bytes must be positive");
   if (kv_host_cache_bytes < 0) UsageError("up", "--kv-host-cache-bytes must not be negative");
   if (kv_disk_cache_dir.empty() != (kv_disk_cache_bytes <= 0)) {
@@ -384,7 +390,10 @@ int RunUp(int argc, char** argv) {
     UsageError("up",
                "--kv-dtype: expected " + std::string(kKvDTypeChoices) + ", got '" + kv_dtype + "'");
   }
-  if (start_timeout_s < 1 || stop_timeout_s < 1) UsageError("up", "timeouts must be positive");
+  if (start_timeout_s < 1 || stop_timeout_s < 1 || start_timeout_s > kMaxTimeoutSecondsFlag ||
+      stop_timeout_s > kMaxTimeoutSecondsFlag) {
+    UsageError("up", "--start-timeout and --stop-timeout must be in [1, 31536000] (a year)");
+  }
   LogLevel level;
   if (!ParseLogLevel(log_level, &level))
     UsageError("up", "--log-level: unknown level '" + log_level + "'");

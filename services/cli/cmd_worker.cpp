@@ -44,10 +44,11 @@ int RunWorker(int argc, char** argv) {
   flags.AddString("advertise-host", &o.advertise_host,
                   "address other workers use to reach this one");
   flags.AddInt("port", &port, "control port for peer workers (0: any free port)");
-  flags.AddInt("metrics-port", &metrics_port, "port of /metrics and /health (0: any, -1: off)");
+  flags.AddInt("metrics-port", &metrics_port,
+               "port of /metrics, /health and /live (0: any, -1: off)");
   flags.AddString("metrics-key-file", &o.metrics_key_file,
-                  "file of keys /metrics requires as 'Authorization: Bearer KEY' (/health stays "
-                  "open)");
+                  "file of keys /metrics requires as 'Authorization: Bearer KEY' (/health and "
+                  "/live stay open)");
   flags.AddString("worker-id", &o.worker_id, "unique worker name (default: role-host-pid)");
   flags.AddBytes("kv-cache-bytes", &o.kv_cache_bytes, "memory for the paged KV cache");
   flags.AddBytes("kv-host-cache-bytes", &o.kv_host_cache_bytes,
@@ -99,7 +100,7 @@ int RunWorker(int argc, char** argv) {
   flags.AddInt("drain-timeout", &drain_s, "seconds SIGTERM waits for running requests");
   int64_t stall_s = o.engine_stall_timeout_ms / 1000;
   flags.AddInt("engine-stall-timeout", &stall_s,
-               "seconds one engine step may run before /health fails (0: never)");
+               "seconds one engine step may run before /health and /live fail (0: never)");
   ControlSecurityFlags security;
   security.AddTo(flags);
   StructuredFlags structured;
@@ -161,6 +162,8 @@ int RunWorker(int argc, char** argv) {
                "--kv-disk-write-queue must be positive, --kv-disk-write-bytes-per-second and "
                "--kv-disk-flush-timeout not negative");
   }
+  if (flush_s > kMaxTimeoutSecondsFlag)
+    UsageError("worker", "--kv-disk-flush-timeout must be at most a year (31536000)");
   o.kv_disk_flush_timeout_ms = flush_s * 1000;
   auto dtype = ParseDType(kv_dtype);
   if (!dtype) {
@@ -202,6 +205,10 @@ int RunWorker(int argc, char** argv) {
   o.metrics_port = static_cast<int>(metrics_port);
   o.threads = static_cast<int>(threads);
   o.prefill_timeout_ms = prefill_timeout_ms;
+  if (drain_s > kMaxTimeoutSecondsFlag || stall_s > kMaxTimeoutSecondsFlag) {
+    UsageError("worker",
+               "--drain-timeout and --engine-stall-timeout must be at most a year (31536000)");
+  }
   o.drain_timeout_ms = drain_s * 1000;
   o.engine_stall_timeout_ms = stall_s * 1000;
   o.structured = structured.OptionsOrExit("worker");

@@ -126,12 +126,15 @@ Status CheckTimes(const SimOptions& o) {
     return Status::InvalidArgument("capacity-blocks must be in [1, 2^40]");
   }
   if (o.block_tokens <= 0) return Status::InvalidArgument("block-tokens must be positive");
-  if (!(o.prefill_tokens_per_s > 0)) {
-    return Status::InvalidArgument("prefill rate must be positive");
+  // Bounded so that a prompt's prefill or copy lasts simulated seconds, not
+  // ages: the simulated clock advances in load-report ticks.
+  if (!(o.prefill_tokens_per_s >= 1) || !(o.prefill_tokens_per_s <= 1e9)) {
+    return Status::InvalidArgument("prefill rate must be in [1, 1e9] tokens/s");
   }
-  if (!(o.kv_bytes_per_token > 0) || !(o.copy_gbps > 0) || !std::isfinite(o.kv_bytes_per_token) ||
-      !std::isfinite(o.copy_gbps)) {
-    return Status::InvalidArgument("KV bytes per token and copy bandwidth must be positive");
+  if (!(o.kv_bytes_per_token > 0) || !(o.kv_bytes_per_token <= 1e8) || !(o.copy_gbps >= 1e-3) ||
+      !(o.copy_gbps <= 1e6)) {
+    return Status::InvalidArgument(
+        "KV bytes per token must be in (0, 1e8] and copy bandwidth in [0.001, 1e6] GB/s");
   }
   for (double v : {o.pending_ttl_s, o.prefill_overhead_s, o.decode_step_s, o.decode_step_per_seq_s,
                    o.event_delay_s}) {

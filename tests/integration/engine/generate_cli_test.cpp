@@ -244,6 +244,10 @@ TEST_F(GenerateCliTest, BadFlagsExitTwoWithOneLine) {
       "make-model --preset tiny",
       "bench engine --batch 0",
       "bench engine --load-format pt",
+      // A division by zero, a directory read as a file, a sum that wrapped.
+      "bench engine --block-size 0",
+      "bench engine --json-schema /tmp",
+      "bench engine --prompt-tokens 9223372036854775807 --gen-tokens 2",
   };
   for (const char* b : bad) {
     SCOPED_TRACE(b);

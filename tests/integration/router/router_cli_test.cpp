@@ -181,6 +181,28 @@ TEST(SimCliTest, BadFlagsAndBadTracesAreOneLineErrors) {
            {"bench router --prompt-blocks 100000000 --indexed-blocks 100000000",
             "--prompt-blocks must be in [1, 1000000]"},
            {"bench router --decisions 100000000000", "--decisions must be in"},
+           // A rate so small that the simulated clock could never pass a
+           // prompt's prefill (the sim ran forever).
+           {"sim --trace " + one + " --block-tokens 4 --prefill-tokens-per-s 1e-300",
+            "prefill rate must be in [1, 1e9]"},
+           {"sim --trace " + one + " --block-tokens 4 --copy-gbps 1e-300",
+            "copy bandwidth in [0.001, 1e6]"},
+           // Seconds that would wrap to a few milliseconds as milliseconds.
+           {"worker --insecure-control-plane --model /nonexistent-model --router x:1 "
+            "--engine-stall-timeout 18446744073709552",
+            "--engine-stall-timeout must be at most a year"},
+           {"worker --insecure-control-plane --model /nonexistent-model --router x:1 "
+            "--kv-disk-flush-timeout 9223372036854775",
+            "--kv-disk-flush-timeout must be at most a year"},
+           {"router --insecure-control-plane --model /nonexistent-model "
+            "--drain-timeout 9223372036854775",
+            "--drain-timeout must be in [0, 31536000]"},
+           {"bench serve --url http://127.0.0.1:1 --model x --timeout 9223372036854775807",
+            "--timeout must be at most a year"},
+           {"generate --model /nonexistent-model --prompt hi --top-k 4294967296",
+            "--top-k must be at most 2147483647"},
+           {"trace generate --output ''", "--output must name a file"},
+           {"bench tokenizer --tokenizer ,", "--tokenizer names no folder"},
            {"bench tokenizer --tokenizer /nonexistent --corpus-bytes 1T", "--corpus-bytes must be"},
            {"bench serve --url http://127.0.0.1:1 --model x --requests 1000000000000",
             "--requests"},

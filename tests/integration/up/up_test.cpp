@@ -321,6 +321,9 @@ TEST(UpTest, BadFlagsAreUsageErrors) {
            {"--chat-template", "/nonexistent/template.jinja"},
            {"--host", "999.1.1.1"},
            {"--host", "localhost"},
+           {"--replication-copy-cost", "inf"},
+           {"--dir", ""},  // would write its logs and secret at the root
+           {"--start-timeout", "9223372036854775807"},
        }) {
     std::vector<std::string> argv = {kPdserve, "up"};
     argv.insert(argv.end(), args.begin(), args.end());

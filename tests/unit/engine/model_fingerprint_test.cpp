@@ -131,5 +131,21 @@ TEST(ModelFingerprintTest, AFolderWithoutWeightsIsAnError) {
   EXPECT_EQ(f.status().code(), StatusCode::kNotFound);
 }
 
+// A folder where a fingerprinted file is a directory: an error naming it,
+// never an exception out of the read (the worker aborted at start).
+TEST(ModelFingerprintTest, ADirectoryInPlaceOfAFileIsAnError) {
+  const std::string dir = Write("fp-dir", ModelSpec{});
+  fs::remove(dir + "/tokenizer_config.json");
+  fs::create_directory(dir + "/tokenizer_config.json");
+  auto f = ModelFingerprint(dir, LoadFormat::kDummy);
+  ASSERT_FALSE(f.ok());
+  EXPECT_NE(f.status().message().find("tokenizer_config.json"), std::string::npos)
+      << f.status().ToString();
+  // An empty file is a file.
+  fs::remove(dir + "/tokenizer_config.json");
+  { std::ofstream(dir + "/tokenizer_config.json"); }
+  EXPECT_TRUE(ModelFingerprint(dir, LoadFormat::kDummy).ok());
+}
+
 }  // namespace
 }  // namespace pdserve
