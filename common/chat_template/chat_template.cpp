@@ -66,7 +66,10 @@ StatusOr<std::string> RenderChatJson(const chat_template_detail::Program& progra
   }
   return RenderWith(program, [&] {
     Dict variables;
-    // The caller's extra variables first: the ones below are never theirs.
+    // None, not undefined, without documents (transformers' default), unless
+    // the caller's variables give them.
+    variables.Set("documents", Value::None());
+    // The caller's extra variables next: the ones below are never theirs.
     if (kwargs != nullptr && kwargs->is_object()) {
       for (auto it = kwargs->begin(); it != kwargs->end(); ++it) {
         variables.Set(it.key(), Value::FromJson(it.value(), /*depth=*/1));
@@ -74,11 +77,10 @@ StatusOr<std::string> RenderChatJson(const chat_template_detail::Program& progra
     }
     variables.Set("messages", Value::FromJson(messages, /*depth=*/1));
     // None, not undefined, without tools: transformers renders with
-    // tools=None and documents=None, and templates test `tools is not none`.
+    // tools=None, and templates test `tools is not none`.
     variables.Set("tools", tools != nullptr && tools->is_array() && !tools->empty()
                                ? Value::FromJson(*tools, /*depth=*/1)
                                : Value::None());
-    variables.Set("documents", Value::None());
     variables.Set("add_generation_prompt", Value::Bool(add_generation_prompt));
     variables.Set("bos_token", Value::String(std::string(bos_token)));
     variables.Set("eos_token", Value::String(std::string(eos_token)));

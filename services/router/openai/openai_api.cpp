@@ -314,6 +314,39 @@ std::optional<ApiError> RefuseUnservedExtensions(Endpoint endpoint, const ojson&
   if (chat) {
     if (auto it = body.find("echo"); it != body.end() && !it->is_null() && *it != ojson(false))
       return InvalidParam("echo", "'echo' is not supported on /v1/chat/completions");
+    // OpenAI's fields that ask for what this server never produces: refused
+    // by name rather than answered without it.
+    struct Refused {
+      const char* name;
+      const char* message;
+    };
+    static const Refused kRefused[] = {
+        {"functions", "'functions' is not supported; use 'tools'"},
+        {"function_call", "'function_call' is not supported; use 'tool_choice'"},
+        {"audio", "'audio' output is not supported: this server writes text only"},
+        {"web_search_options", "'web_search_options' is not supported: this server has no search"},
+        // vLLM refuses a request's own template unless told to trust it.
+        {"chat_template",
+         "a chat template per request is not supported; the router's own (its model's, or "
+         "--chat-template) renders every request"},
+    };
+    for (const Refused& r : kRefused) {
+      if (auto it = body.find(r.name); it != body.end() && !it->is_null())
+        return InvalidParam(r.name, r.message);
+    }
+    if (auto it = body.find("chat_template_kwargs"); it != body.end() && it->is_object() &&
+                                                     it->contains("chat_template") &&
+                                                     !(*it)["chat_template"].is_null()) {
+      return InvalidParam("chat_template_kwargs",
+                          "a chat template per request is not supported; the router's own (its "
+                          "model's, or --chat-template) renders every request");
+    }
+    if (auto it = body.find("modalities");
+        it != body.end() && !it->is_null() && *it != ojson::array({"text"})) {
+      return InvalidParam("modalities",
+                          "'modalities' must be [\"text\"]: this server writes "
+                          "text only");
+    }
   }
   if (auto it = body.find("add_special_tokens");
       it != body.end() && !it->is_null() && *it != ojson(!chat)) {
@@ -785,6 +818,32 @@ std::optional<ApiError> ParseBody(Endpoint endpoint, const ojson& j, const ApiLi
         return InvalidParam("chat_template_kwargs", "'chat_template_kwargs' must be an object");
       }
       out->chat_template_kwargs = *kwargs;
+    }
+    // vLLM's: the template gets reasoning_effort, and enable_thinking
+    // follows it ("none": off; Qwen3's templates read it) unless the
+    // kwargs say otherwise.
+    if (const ojson* effort = f.Get("reasoning_effort"); effort && !effort->is_null()) {
+      static const char* kEfforts[] = {"none", "minimal", "low", "medium", "high"};
+      if (!effort->is_string() ||
+          std::none_of(std::begin(kEfforts), std::end(kEfforts),
+                       [&](const char* e) { return effort->get<std::string>() == e; })) {
+        return InvalidParam("reasoning_effort",
+                            "'reasoning_effort' must be one of none, minimal, low, medium, high");
+      }
+      ojson& kwargs = out->chat_template_kwargs;
+      if (!kwargs.is_object()) kwargs = ojson::object();
+      if (!kwargs.contains("reasoning_effort")) kwargs["reasoning_effort"] = *effort;
+      if (!kwargs.contains("enable_thinking")) kwargs["enable_thinking"] = *effort != "none";
+    }
+    // vLLM's RAG documents (Command-R's, Granite's templates render them).
+    if (const ojson* documents = f.Get("documents"); documents && !documents->is_null()) {
+      if (!documents->is_array() || std::any_of(documents->begin(), documents->end(),
+                                                [](const ojson& d) { return !d.is_object(); })) {
+        return InvalidParam("documents", "'documents' must be an array of objects");
+      }
+      ojson& kwargs = out->chat_template_kwargs;
+      if (!kwargs.is_object()) kwargs = ojson::object();
+      kwargs["documents"] = *documents;
     }
   }
 

@@ -388,6 +388,22 @@ TEST(RouterChatTemplateTest, ToolUseTemplateRendersRequestsWithTools) {
   EXPECT_EQ(RenderedPrompt(dir, with_tools), "T1:hi");
 }
 
+// vLLM's documents and reasoning_effort reach the template: a RAG template
+// renders the documents, a Qwen3-style one turns thinking off for "none".
+TEST(RouterChatTemplateTest, DocumentsAndReasoningEffortReachTheTemplate) {
+  const std::string dir = pdserve::testing::NewTempDir("documents-template") + "/model";
+  std::filesystem::copy(pdserve::testing::TinyModelDir(), dir);
+  std::ofstream(dir + "/chat_template.jinja")
+      << "{% if documents is not none %}{% for d in documents %}[{{ d['text'] }}]{% endfor %}"
+         "{% endif %}{{ messages[0]['content'] }}"
+         "{% if enable_thinking is defined and enable_thinking is false %}/no_think{% endif %}";
+  nlohmann::json body = {{"messages", {{{"role", "user"}, {"content", "q"}}}}};
+  EXPECT_EQ(RenderedPrompt(dir, body), "q");
+  body["documents"] = {{{"title", "t"}, {"text", "fact"}}};
+  body["reasoning_effort"] = "none";
+  EXPECT_EQ(RenderedPrompt(dir, body), "[fact]q/no_think");
+}
+
 // A model whose chat template this router cannot run: chat requests get a
 // 400 that says why and what to do, not that the model has none.
 TEST(RouterChatTemplateTest, AnUnusableTemplateIsNamedInTheError) {

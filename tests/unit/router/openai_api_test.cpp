@@ -65,6 +65,27 @@ TEST(OpenAiApiTest, ChatTemplateKwargs) {
   EXPECT_EQ(e.param, "chat_template_kwargs");
 }
 
+// reasoning_effort reaches the template, and turns thinking off ("none") or
+// on unless the kwargs say (vLLM's); documents reach it too; text-only
+// modalities are what this server writes anyway.
+TEST(OpenAiApiTest, ReasoningEffortAndDocumentsReachTheTemplate) {
+  using ojson = nlohmann::ordered_json;
+  auto r = ParseOk(Endpoint::kChatCompletions,
+                   R"({"messages":[{"role":"user","content":"hi"}],"reasoning_effort":"none",
+                       "modalities":["text"]})");
+  EXPECT_EQ(r.chat_template_kwargs,
+            ojson::parse(R"({"reasoning_effort":"none","enable_thinking":false})"));
+  r = ParseOk(Endpoint::kChatCompletions,
+              R"({"messages":[{"role":"user","content":"hi"}],"reasoning_effort":"high",
+                  "chat_template_kwargs":{"enable_thinking":false}})");
+  EXPECT_EQ(r.chat_template_kwargs,
+            ojson::parse(R"({"enable_thinking":false,"reasoning_effort":"high"})"));
+  r = ParseOk(Endpoint::kChatCompletions,
+              R"({"messages":[{"role":"user","content":"hi"}],
+                  "documents":[{"title":"A","text":"b"}]})");
+  EXPECT_EQ(r.chat_template_kwargs, ojson::parse(R"({"documents":[{"title":"A","text":"b"}]})"));
+}
+
 // OpenAI's penalties and logit_bias: kept as given, the bias sorted by
 // token; 0 and {} (what clients send by default) are no adjustment.
 TEST(OpenAiApiTest, PenaltiesAndLogitBias) {
@@ -368,6 +389,27 @@ TEST(OpenAiApiTest, BadInputTable) {
       {C, R"({"model":5,"prompt":"x"})", 400, "model"},        // wrong type
       {C, R"({})", 400, "prompt"},                             // missing prompt
       {C, R"({"prompt":"a","suffix":"b"})", 400, "suffix"},    // insertion
+      // What this server never produces, or a template of the client's:
+      // refused by name, not answered without it.
+      {H, R"({"messages":[{"role":"user","content":"x"}],"functions":[{"name":"f"}]})", 400,
+       "functions"},
+      {H, R"({"messages":[{"role":"user","content":"x"}],"function_call":"auto"})", 400,
+       "function_call"},
+      {H, R"({"messages":[{"role":"user","content":"x"}],"audio":{"voice":"alloy"}})", 400,
+       "audio"},
+      {H, R"({"messages":[{"role":"user","content":"x"}],"modalities":["text","audio"]})", 400,
+       "modalities"},
+      {H, R"({"messages":[{"role":"user","content":"x"}],"web_search_options":{}})", 400,
+       "web_search_options"},
+      {H, R"({"messages":[{"role":"user","content":"x"}],"chat_template":"{{ 1 }}"})", 400,
+       "chat_template"},
+      {H,
+       R"({"messages":[{"role":"user","content":"x"}],"chat_template_kwargs":{"chat_template":"x"}})",
+       400, "chat_template_kwargs"},
+      {H, R"({"messages":[{"role":"user","content":"x"}],"reasoning_effort":"max"})", 400,
+       "reasoning_effort"},
+      {H, R"({"messages":[{"role":"user","content":"x"}],"documents":"x"})", 400, "documents"},
+      {H, R"({"messages":[{"role":"user","content":"x"}],"documents":[1]})", 400, "documents"},
       {C, R"({"prompt":"a","repetition_penalty":0})", 400, "repetition_penalty"},
       {C, R"({"prompt":"a","repetition_penalty":11})", 400, "repetition_penalty"},
       {C, R"({"prompt":"a","min_tokens":-1})", 400, "min_tokens"},
