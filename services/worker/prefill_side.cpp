@@ -202,21 +202,53 @@ void PrefillSide::OnPeerClosed(const ConnectionPtr& c) {
 
 // ----------------------------------------------------------------- jobs
 
+void PrefillSide::Refuse(const ConnectionPtr& decode, const proto::Prefill& p,
+                         const std::string& why, bool retryable) {
+  PDSERVE_LOG(INFO) << "prefill " << (IsPlainTraceId(p.trace_id()) ? p.trace_id() : p.request_id())
+                    << " refused: " << why;
+  (void)decode->Send(PrefillFailure(p.request_id(), why, retryable));
+  ctx_->metrics->transfer_failures.Increment();
+  ctx_->metrics->CountRequest("prefill", "failed");
+}
+
 void PrefillSide::OnPrefill(const ConnectionPtr& decode, PeerId peer, proto::Prefill p,
                             WorkerClock::time_point received) {
   if (!p.sampling().has_constraint()) return Start(decode, peer, std::move(p), nullptr, received);
   // Structured outputs: the first token is sampled here, under the
-  // request's grammar, compiled off the engine thread.
+  // request's grammar, compiled off the engine thread. What Start checks
+  // of its peer is checked first here too: a peer's compiles are its jobs.
+  const std::pair<uint64_t, std::string> key{decode->id(), p.request_id()};
+  size_t in_flight = 0;
+  for (const auto& [_, job] : jobs_) {
+    if (job->decode->id() != decode->id()) continue;
+    if (job->decode_rid == p.request_id()) {
+      return Refuse(decode, p, "request id " + p.request_id() + " is in flight here already",
+                    false);
+    }
+    ++in_flight;
+  }
+  if (compiling_.count(key)) {
+    return Refuse(decode, p, "request id " + p.request_id() + " is in flight here already", false);
+  }
+  for (auto it = compiling_.lower_bound({decode->id(), ""});
+       it != compiling_.end() && it->first.first == decode->id(); ++it) {
+    ++in_flight;
+  }
+  if (in_flight >= kMaxJobsPerDecodePeer) {
+    return Refuse(decode, p,
+                  std::to_string(in_flight) + " prefills of this decode worker in flight here",
+                  true);
+  }
   const OutputConstraint constraint = FromProto(p.sampling()).constraint.value();
-  // A duplicate id is refused when it starts (Start); a Cancel meanwhile is
-  // remembered here.
-  compiling_.emplace(std::pair{decode->id(), p.request_id()}, false);
-  ctx_->grammars->Compile(constraint, [this, decode, peer, received,
-                                       p = std::move(p)](GrammarCompiler::Result grammar) mutable {
-    ctx_->post(
-        [this, decode, peer, received, p = std::move(p), grammar = std::move(grammar)]() mutable {
+  auto cancelled = std::make_shared<std::atomic<bool>>(false);
+  compiling_.emplace(key, cancelled);
+  ctx_->grammars->Compile(
+      constraint,
+      [this, decode, peer, received, p = std::move(p)](GrammarCompiler::Result grammar) mutable {
+        ctx_->post([this, decode, peer, received, p = std::move(p),
+                    grammar = std::move(grammar)]() mutable {
           if (auto it = compiling_.find({decode->id(), p.request_id()}); it != compiling_.end()) {
-            const bool cancelled = it->second;
+            const bool cancelled = it->second->load();
             compiling_.erase(it);
             if (cancelled) {
               PDSERVE_LOG(INFO) << "prefill "
@@ -240,7 +272,8 @@ void PrefillSide::OnPrefill(const ConnectionPtr& decode, PeerId peer, proto::Pre
           }
           Start(decode, peer, std::move(p), std::move(*grammar), received);
         });
-  });
+      },
+      cancelled);
 }
 
 void PrefillSide::Start(const ConnectionPtr& decode, PeerId peer, proto::Prefill p,
@@ -248,12 +281,7 @@ void PrefillSide::Start(const ConnectionPtr& decode, PeerId peer, proto::Prefill
                         WorkerClock::time_point received) {
   // Log lines carry the request's trace id (proto Generate.trace_id).
   const std::string trace_id = IsPlainTraceId(p.trace_id()) ? p.trace_id() : p.request_id();
-  auto refuse = [&](const std::string& why, bool retryable) {
-    PDSERVE_LOG(INFO) << "prefill " << trace_id << " refused: " << why;
-    (void)decode->Send(PrefillFailure(p.request_id(), why, retryable));
-    ctx_->metrics->transfer_failures.Increment();
-    ctx_->metrics->CountRequest("prefill", "failed");
-  };
+  auto refuse = [&](const std::string& why, bool retryable) { Refuse(decode, p, why, retryable); };
   // The deadline runs from the Prefill's arrival, as the decode worker's
   // give-up does: a job that waited (an engine step, a grammar's compile)
   // past it would write into blocks the decode worker freed and may have
@@ -349,7 +377,7 @@ void PrefillSide::OnCancel(uint64_t connection_id, const std::string& decode_rid
   // Its grammar still compiling: it is refused when that ends. (A Prefill
   // without one starts as it arrives, before any Cancel that follows it.)
   if (auto it = compiling_.find({connection_id, decode_rid}); it != compiling_.end()) {
-    it->second = true;
+    it->second->store(true);
   }
 }
 
@@ -364,7 +392,7 @@ void PrefillSide::CheckDeadlines() {
 
 void PrefillSide::OnDecodeGone(uint64_t connection_id) {
   for (auto& [key, cancelled] : compiling_) {
-    if (key.first == connection_id) cancelled = true;  // nobody to write for
+    if (key.first == connection_id) cancelled->store(true);  // nobody to write for
   }
   std::vector<RequestId> orphans;
   for (auto& [id, job] : jobs_) {

@@ -21,6 +21,7 @@
 // decode worker frees the blocks it reserved at once.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <map>
@@ -106,9 +107,13 @@ class PrefillSide {
   // Engine thread.
   std::unordered_map<RequestId, std::unique_ptr<Job>> jobs_;
   // Prefills whose grammar compiles, by (connection id, request id), and
-  // whether their decode worker cancelled them meanwhile: Start refuses
-  // those, so a Cancel is never lost.
-  std::map<std::pair<uint64_t, std::string>, bool> compiling_;
+  // whether their decode worker cancelled them (or went) meanwhile: the
+  // compiler skips those not started, and Start is never reached for them,
+  // so a Cancel is never lost. They count toward their peer's job cap.
+  std::map<std::pair<uint64_t, std::string>, std::shared_ptr<std::atomic<bool>>> compiling_;
+  // Refuses a Prefill before it becomes a job.
+  void Refuse(const control::ConnectionPtr& decode, const proto::Prefill& p, const std::string& why,
+              bool retryable);
 
   std::mutex peers_mu_;
   std::unordered_map<uint64_t, DecodePeer> decode_peers_;  // by connection id
