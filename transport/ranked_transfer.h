@@ -60,7 +60,10 @@ HeadRange KvHeadRange(int64_t kv_heads, int n, int r);
 
 class RankedKvTransfer : public KvTransfer {
  public:
-  static constexpr int kMaxRanks = 64;
+  // The most ranks a worker runs (--tensor-parallel 1 to 8): a peer
+  // declaring more would hold the handshake thread for one UCX wireup
+  // timeout per rank pair.
+  static constexpr int kMaxRanks = 8;
 
   // At least one rank; every rank the same backend. `kv_heads`: the model's
   // KV heads, all ranks together (replicated ones once).

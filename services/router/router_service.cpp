@@ -1887,6 +1887,14 @@ class RouterServiceImpl : public RouterService {
     const int index = static_cast<int>(t.index());
     Inflight::Choice& c = r.choices[t.index()];
     c.tokens += t.token_ids_size();
+    // A worker that writes past max_tokens is broken: its stream would grow
+    // an unstreamed answer here without end.
+    if (c.tokens > std::max(1, r.api->sampling.max_tokens)) {
+      PDSERVE_LOG(WARN) << "worker " << link.name << " sent " << c.tokens << " tokens for sequence "
+                        << t.index() << " of request " << r.http_request_id
+                        << ", which asked for at most " << r.api->sampling.max_tokens;
+      return FailLocked(r.id, 502, "the worker sent more tokens than max_tokens", "server_error");
+    }
     RunningUsageLocked(r, c.tokens);
     std::vector<TokenPiece> pieces;
     for (int i = 0; i < t.token_ids_size(); ++i) {

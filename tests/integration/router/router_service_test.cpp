@@ -574,6 +574,22 @@ TEST_F(RouterServiceTest, ContinuousUsageCountsTokensAsTheyStream) {
   }
 }
 
+// A worker that writes past max_tokens is broken: the request fails (502)
+// and the worker gets its Cancel, instead of the answer growing here
+// without end.
+TEST_F(RouterServiceTest, AWorkerWritingPastMaxTokensFailsTheRequest) {
+  FakeWorker& w = AddWorker("decode", proto::ROLE_DECODE, 4096);
+  w.SetTrickle(6, std::chrono::milliseconds(1));
+  const nlohmann::json body = {{"model", model_id_}, {"prompt", {5, 5, 5, 5}}, {"max_tokens", 3}};
+  const auto r =
+      pdserve::testing::HttpRequest(service_->http_port(), "POST", "/v1/completions", body.dump());
+  EXPECT_EQ(r.status, 502) << r.body;
+  EXPECT_NE(r.body.find("more tokens than max_tokens"), std::string::npos) << r.body;
+  for (int i = 0; i < 100 && w.cancels().empty(); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_EQ(w.cancels().size(), 1u);
+}
+
 TEST_F(RouterServiceTest, TheContextLimitIsTheRegisteredWorkersOne) {
   EXPECT_TRUE(Models()["max_model_len"].is_null());  // no worker said yet
   AddWorker("decode-a", proto::ROLE_DECODE, 64);

@@ -383,8 +383,8 @@ TEST(RankedTransferTest, HostileDescriptorsAreRefusedByName) {
   PutU32(&zero, kRankFieldsOffset - 4, 0);
   ExpectRefused(*two.transfer, zero, "tensor_parallel 0 on peer is out of range");
   std::string many = *desc;
-  PutU32(&many, kRankFieldsOffset - 4, 65);
-  ExpectRefused(*two.transfer, many, "tensor_parallel 65 on peer is out of range");
+  PutU32(&many, kRankFieldsOffset - 4, 16);  // splits 4 heads, but no worker runs 16 ranks
+  ExpectRefused(*two.transfer, many, "tensor_parallel 16 on peer is out of range");
   std::string three = *desc;
   PutU32(&three, kRankFieldsOffset - 4, 3);
   ExpectRefused(*two.transfer, three, "tensor_parallel 3 on peer does not split 4 KV heads");
