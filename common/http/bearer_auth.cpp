@@ -12,7 +12,7 @@ namespace pdserve::http {
 
 StatusOr<std::vector<std::string>> LoadApiKeys(const std::string& path) {
   std::ifstream in(path);
-  if (!in) return Status::NotFound(path + ": cannot open the API key file");
+  if (!in) return Status::NotFound(path + ": cannot open the key file");
   std::vector<std::string> keys;
   std::string line;
   while (std::getline(in, line)) {
@@ -22,7 +22,7 @@ StatusOr<std::vector<std::string>> LoadApiKeys(const std::string& path) {
     if (start == std::string::npos || line[start] == '#') continue;
     keys.push_back(line.substr(start));
   }
-  if (keys.empty()) return Status::InvalidArgument(path + ": the API key file holds no key");
+  if (keys.empty()) return Status::InvalidArgument(path + ": the key file holds no key");
   return keys;
 }
 

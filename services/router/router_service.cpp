@@ -401,7 +401,8 @@ class RouterServiceImpl : public RouterService {
     model_id_ = std::move(*model_id);
     if (!opts_.api_key_file.empty()) {
       auto keys = http::ReloadingKeys::Load(opts_.api_key_file);
-      if (!keys.ok()) return keys.status();
+      if (!keys.ok())
+        return Status(keys.status().code(), "--api-key-file " + keys.status().message());
       api_keys_ = std::move(*keys);
     }
     auto core = RouterCore::Create(RoutingOptionsOf(opts_));
@@ -565,12 +566,14 @@ class RouterServiceImpl : public RouterService {
     }
     if (!opts_.metrics_key_file.empty()) {
       auto keys = http::ReloadingKeys::Load(opts_.metrics_key_file);
-      if (!keys.ok()) return keys.status();
+      if (!keys.ok())
+        return Status(keys.status().code(), "--metrics-key-file " + keys.status().message());
       metrics_keys_ = std::move(*keys);
     }
     if (!opts_.admin_key_file.empty()) {
       auto keys = http::ReloadingKeys::Load(opts_.admin_key_file);
-      if (!keys.ok()) return keys.status();
+      if (!keys.ok())
+        return Status(keys.status().code(), "--admin-key-file " + keys.status().message());
       admin_keys_ = std::move(*keys);
     }
     return Status::Ok();

@@ -85,7 +85,8 @@ class WorkerServiceImpl : public WorkerService {
   Status Init() {
     if (!opts_.metrics_key_file.empty()) {
       auto keys = http::ReloadingKeys::Load(opts_.metrics_key_file);
-      if (!keys.ok()) return keys.status();
+      if (!keys.ok())
+        return Status(keys.status().code(), "--metrics-key-file " + keys.status().message());
       metrics_keys_ = std::move(*keys);
     }
     // /metrics (and /live, /health saying "loading the model", 503) from
