@@ -1555,7 +1555,9 @@ std::string ResponseFormatter::StreamFailure(const ApiError& error) const {
 ojson ResponseFormatter::Choice(const std::string& prompt_text, const ChoiceOutput& c) const {
   const std::vector<TokenPiece>& pieces = *c.pieces;
   if (request_.endpoint == Endpoint::kChatCompletions) {
-    ojson message = {{"role", "assistant"}, {"content", JoinText(pieces)}};
+    // refusal: OpenAI's message always has it (null but for its safety
+    // refusals, which this server never writes).
+    ojson message = {{"role", "assistant"}, {"content", JoinText(pieces)}, {"refusal", nullptr}};
     if (c.tools && !c.tools->calls.empty()) {
       const bool blank = c.tools->content.find_first_not_of(" \t\r\n") == std::string::npos;
       message["content"] = blank ? ojson(nullptr) : ojson(Utf8Text(c.tools->content));

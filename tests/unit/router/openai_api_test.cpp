@@ -945,6 +945,9 @@ TEST(OpenAiApiTest, ResponsesSurviveTextThatIsNotUtf8) {
   ResponseFormatter chat(chat_req, "chatcmpl-1", 1700000000);
   const auto c = nlohmann::json::parse(chat.Complete("", {pieces[0]}, "stop", {1, 1, 0}).dump());
   EXPECT_EQ(c["choices"][0]["message"]["content"], "\xef\xbf\xbd");
+  // OpenAI's message always says it refused nothing.
+  EXPECT_TRUE(c["choices"][0]["message"].contains("refusal"));
+  EXPECT_TRUE(c["choices"][0]["message"]["refusal"].is_null());
   // "bytes" keeps the token's exact bytes.
   EXPECT_EQ(c["choices"][0]["logprobs"]["content"][0]["bytes"], (nlohmann::json{0xe2, 0x82}));
   const std::string err =
