@@ -219,6 +219,8 @@ function checkSecurity(r, { rdma }) {
     const spec = podSpec(d);
     assert.equal(spec.securityContext.runAsNonRoot, true);
     assert.equal(spec.automountServiceAccountToken, false);
+    // No PDSERVE_PORT from a Service named pdserve: pdserve reads such variables as flags.
+    assert.equal(spec.enableServiceLinks, false, d.metadata.name);
     assert.equal(spec.serviceAccountName, `${release}-pdserve`);
     for (const c of [...spec.containers, ...(spec.initContainers || [])]) {
       const sc = c.securityContext;
