@@ -343,9 +343,8 @@ TEST(RouterSamplingDefaultsTest, TheModelsGenerationConfigFillsWhatARequestLeave
   }
 }
 
-// The prompt a router on `model_dir` renders for a chat `body`: /tokenize,
-// then /detokenize of its ids.
-std::string RenderedPrompt(const std::string& model_dir, const nlohmann::json& body) {
+// A started router on `model_dir` with no worker (null when it failed).
+std::unique_ptr<RouterService> StartedRouter(const std::string& model_dir) {
   RouterServiceOptions o;
   o.model_dir = model_dir;
   o.host = "127.0.0.1";
@@ -353,15 +352,22 @@ std::string RenderedPrompt(const std::string& model_dir, const nlohmann::json& b
   o.control_port = 0;
   auto service = RouterService::Create(o);
   EXPECT_TRUE(service.ok()) << service.status().ToString();
-  if (!service.ok() || !(*service)->Start().ok()) return "";
-  auto tok =
-      pdserve::testing::HttpRequest((*service)->http_port(), "POST", "/tokenize", body.dump());
+  if (!service.ok() || !(*service)->Start().ok()) return nullptr;
+  return std::move(*service);
+}
+
+// The prompt a router on `model_dir` renders for a chat `body`: /tokenize,
+// then /detokenize of its ids.
+std::string RenderedPrompt(const std::string& model_dir, const nlohmann::json& body) {
+  auto service = StartedRouter(model_dir);
+  if (!service) return "";
+  auto tok = pdserve::testing::HttpRequest(service->http_port(), "POST", "/tokenize", body.dump());
   EXPECT_EQ(tok.status, 200) << tok.body;
   const nlohmann::json ids = {{"tokens", nlohmann::json::parse(tok.body)["tokens"]}};
   auto text =
-      pdserve::testing::HttpRequest((*service)->http_port(), "POST", "/detokenize", ids.dump());
+      pdserve::testing::HttpRequest(service->http_port(), "POST", "/detokenize", ids.dump());
   EXPECT_EQ(text.status, 200) << text.body;
-  (*service)->Stop();
+  service->Stop();
   return nlohmann::json::parse(text.body)["prompt"].get<std::string>();
 }
 
@@ -410,22 +416,16 @@ TEST(RouterChatTemplateTest, AnUnusableTemplateIsNamedInTheError) {
   const std::string dir = pdserve::testing::NewTempDir("unusable-template") + "/model";
   std::filesystem::copy(pdserve::testing::TinyModelDir(), dir);
   std::ofstream(dir + "/chat_template.jinja") << "{% with x = 1 %}{{ x }}{% endwith %}";
-  RouterServiceOptions o;
-  o.model_dir = dir;
-  o.host = "127.0.0.1";
-  o.http_port = 0;
-  o.control_port = 0;
-  auto service = RouterService::Create(o);
-  ASSERT_TRUE(service.ok()) << service.status().ToString();
-  ASSERT_TRUE((*service)->Start().ok());
+  auto service = StartedRouter(dir);
+  ASSERT_TRUE(service);
   const nlohmann::json body = {{"messages", {{{"role", "user"}, {"content", "hi"}}}}};
-  auto r = pdserve::testing::HttpRequest((*service)->http_port(), "POST", "/v1/chat/completions",
+  auto r = pdserve::testing::HttpRequest(service->http_port(), "POST", "/v1/chat/completions",
                                          body.dump());
   EXPECT_EQ(r.status, 400) << r.body;
   const std::string message = nlohmann::json::parse(r.body)["error"]["message"];
   EXPECT_NE(message.find("{% with %}"), std::string::npos) << message;
   EXPECT_NE(message.find("--chat-template"), std::string::npos) << message;
-  (*service)->Stop();
+  service->Stop();
 }
 
 // Content given as text parts: a template that loops over a message's
