@@ -47,17 +47,20 @@ class Digest {
 // A small text file of the folder (absent ones count as absent).
 Status AddFile(Digest& d, const std::filesystem::path& path) {
   d.String(path.filename().string());
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec)) {
     d.U64(0);  // absent
     return Status::Ok();
   }
-  d.U64(1);
-  std::error_code ec;
+  // Checked before opening: a FIFO would block the open, a directory throws
+  // from the read.
+  if (!std::filesystem::is_regular_file(path, ec))
+    return Status::Unavailable("cannot read " + path.string() + ": not a regular file");
+  std::ifstream in(path, std::ios::binary);
   std::stringstream bytes;
-  if (!std::filesystem::is_regular_file(path, ec) ||
-      (std::filesystem::file_size(path, ec) > 0 && !(bytes << in.rdbuf())))
-    return Status::Unavailable("cannot read " + path.string() + " (not a readable file)");
+  if (!in || (std::filesystem::file_size(path, ec) > 0 && !(bytes << in.rdbuf())))
+    return Status::Unavailable("cannot read " + path.string());
+  d.U64(1);
   d.String(bytes.str());
   return Status::Ok();
 }

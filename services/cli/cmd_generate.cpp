@@ -67,7 +67,7 @@ int RunGenerate(int argc, char** argv) {
   params.max_tokens = static_cast<int>(std::min<int64_t>(max_tokens, 1 << 30));
   if (max_tokens < 1) UsageError("generate", "--max-tokens must be >= 1");
   params.temperature = static_cast<float>(temperature);
-  if (top_k > INT32_MAX) UsageError("generate", "--top-k must be at most 2147483647");
+  if (top_k < INT32_MIN || top_k > INT32_MAX) UsageError("generate", "--top-k is out of range");
   params.top_k = static_cast<int>(top_k);
   params.top_p = static_cast<float>(top_p);
   if (seed >= 0) params.seed = static_cast<uint64_t>(seed);

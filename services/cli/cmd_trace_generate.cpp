@@ -66,10 +66,10 @@ int RunTraceGenerate(int argc, char** argv) {
   if (Status st = router::ValidateTraceGenOptions(o); !st.ok()) {
     UsageError("trace generate", "--" + st.message());
   }
+  if (output.empty()) UsageError("trace generate", "--output must name a file, or '-'");
   auto trace = router::GenerateTrace(o);
   if (!trace.ok()) UsageError("trace generate", trace.status().message());
 
-  if (output.empty()) UsageError("trace generate", "--output must name a file, or '-'");
   if (output == "-") {
     router::WriteMooncakeTrace(*trace, std::cout);
     std::cout.flush();

@@ -167,13 +167,13 @@ Status CheckTimes(const SimOptions& o) {
     return Status::InvalidArgument("tier capacities must not be negative");
   }
   for (double v : {o.host_onload_gbps, o.disk_onload_gbps}) {
-    if (!(v > 0) || !std::isfinite(v)) {
-      return Status::InvalidArgument("onload bandwidths must be finite and positive");
+    if (!(v >= 1e-3) || !(v <= 1e6)) {
+      return Status::InvalidArgument("onload bandwidths must be in [0.001, 1e6] GB/s");
     }
   }
   for (double v : {o.host_onload_latency_s, o.disk_onload_latency_s}) {
-    if (!(v >= 0) || !std::isfinite(v)) {
-      return Status::InvalidArgument("onload latencies must be finite and non-negative");
+    if (!(v >= 0) || !(v <= 86400)) {
+      return Status::InvalidArgument("onload latencies must be in [0, 1 day]");
     }
   }
   if (o.drain_push_blocks < 0 || !(o.after_removal_s > 0)) {

@@ -318,21 +318,24 @@ std::optional<ApiError> RefuseUnservedExtensions(Endpoint endpoint, const ojson&
     // by name rather than answered without it.
     struct Refused {
       const char* name;
+      ojson neutral;  // asks for nothing (besides null)
       const char* message;
     };
     static const Refused kRefused[] = {
-        {"functions", "'functions' is not supported; use 'tools'"},
-        {"function_call", "'function_call' is not supported; use 'tool_choice'"},
-        {"audio", "'audio' output is not supported: this server writes text only"},
-        {"web_search_options", "'web_search_options' is not supported: this server has no search"},
+        {"functions", ojson::array(), "'functions' is not supported; use 'tools'"},
+        {"function_call", "none", "'function_call' is not supported; use 'tool_choice'"},
+        {"audio", ojson(), "'audio' output is not supported: this server writes text only"},
+        {"web_search_options", ojson(),
+         "'web_search_options' is not supported: this server has no search"},
         // vLLM refuses a request's own template unless told to trust it.
-        {"chat_template",
+        {"chat_template", ojson(),
          "a chat template per request is not supported; the router's own (its model's, or "
          "--chat-template) renders every request"},
     };
     for (const Refused& r : kRefused) {
-      if (auto it = body.find(r.name); it != body.end() && !it->is_null())
-        return InvalidParam(r.name, r.message);
+      auto it = body.find(r.name);
+      if (it == body.end() || it->is_null() || *it == r.neutral) continue;
+      return InvalidParam(r.name, r.message);
     }
     if (auto it = body.find("chat_template_kwargs"); it != body.end() && it->is_object() &&
                                                      it->contains("chat_template") &&
@@ -541,10 +544,8 @@ std::optional<ApiError> ParseStop(const ojson& body, const ApiLimits& limits, Ap
 }
 
 bool ValidFunctionName(const std::string& n) {
-  if (n.empty() || n.size() > 64) return false;
-  return std::all_of(n.begin(), n.end(), [](char c) {
-    return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-';
-  });
+  if (n.empty() || n.size() > kMaxToolNameBytes) return false;
+  return std::all_of(n.begin(), n.end(), IsToolNameChar);
 }
 
 // tools, tool_choice, parallel_tool_calls (chat only).
@@ -823,12 +824,13 @@ std::optional<ApiError> ParseBody(Endpoint endpoint, const ojson& j, const ApiLi
     // follows it ("none": off; Qwen3's templates read it) unless the
     // kwargs say otherwise.
     if (const ojson* effort = f.Get("reasoning_effort"); effort && !effort->is_null()) {
-      static const char* kEfforts[] = {"none", "minimal", "low", "medium", "high"};
+      static const char* kEfforts[] = {"none", "minimal", "low", "medium", "high", "xhigh"};
       if (!effort->is_string() ||
           std::none_of(std::begin(kEfforts), std::end(kEfforts),
                        [&](const char* e) { return effort->get<std::string>() == e; })) {
         return InvalidParam("reasoning_effort",
-                            "'reasoning_effort' must be one of none, minimal, low, medium, high");
+                            "'reasoning_effort' must be one of none, minimal, low, medium, high, "
+                            "xhigh");
       }
       ojson& kwargs = out->chat_template_kwargs;
       if (!kwargs.is_object()) kwargs = ojson::object();
@@ -843,7 +845,7 @@ std::optional<ApiError> ParseBody(Endpoint endpoint, const ojson& j, const ApiLi
       }
       ojson& kwargs = out->chat_template_kwargs;
       if (!kwargs.is_object()) kwargs = ojson::object();
-      kwargs["documents"] = *documents;
+      if (!kwargs.contains("documents")) kwargs["documents"] = *documents;
     }
   }
 

@@ -285,10 +285,12 @@ std::optional<ApiError> ResponsesToChat(const ojson& body, ojson* chat, ojson* e
   if (auto it = body.find("reasoning"); it != body.end() && !it->is_null()) {
     auto effort = it->is_object() ? it->find("effort") : it->end();
     auto summary = it->is_object() ? it->find("summary") : it->end();
-    if (!it->is_object() || (effort != it->end() && !effort->is_null()) ||
-        (summary != it->end() && !summary->is_null())) {
-      return InvalidParam("reasoning", "'reasoning' settings are not supported by this model");
+    // The effort goes to the chat template as chat's reasoning_effort does
+    // (checked there); summaries are not written.
+    if (!it->is_object() || (summary != it->end() && !summary->is_null())) {
+      return InvalidParam("reasoning", "'reasoning.summary' is not supported by this server");
     }
+    (void)effort;
   }
   if (auto it = body.find("store"); it != body.end() && !it->is_null() && !it->is_boolean())
     return InvalidParam("store", "'store' must be a boolean");
@@ -383,6 +385,15 @@ std::optional<ApiError> ResponsesToChat(const ojson& body, ojson* chat, ojson* e
   for (const char* key : {"instructions", "metadata", "parallel_tool_calls", "user"}) {
     if (auto it = body.find(key); it != body.end() && !it->is_null()) (*echo)[key] = *it;
   }
+  // reasoning.effort is chat's reasoning_effort; a top-level one is not a
+  // Responses field and is dropped with the other unknown fields.
+  chat->erase("reasoning_effort");
+  if (auto it = body.find("reasoning"); it != body.end() && it->is_object()) {
+    if (auto effort = it->find("effort"); effort != it->end() && !effort->is_null()) {
+      (*chat)["reasoning_effort"] = *effort;
+      (*echo)["reasoning"] = {{"effort", *effort}, {"summary", nullptr}};
+    }
+  }
   return std::nullopt;
 }
 
@@ -405,6 +416,8 @@ ApiError InResponsesTerms(ApiError e) {
     p = "input" + p.substr(8);
   } else if (p == "max_tokens") {
     p = "max_output_tokens";
+  } else if (p == "reasoning_effort") {
+    p = "reasoning.effort";
   } else if (p.starts_with("response_format")) {
     std::string rest = p.substr(15);
     if (rest.starts_with(".json_schema")) rest = rest.substr(12);
@@ -445,7 +458,7 @@ ojson ResponsesWriter::Response(const char* status, const ojson& output, const o
       {"output", output},
       {"parallel_tool_calls", echoed("parallel_tool_calls", true)},
       {"previous_response_id", nullptr},
-      {"reasoning", {{"effort", nullptr}, {"summary", nullptr}}},
+      {"reasoning", echoed("reasoning", {{"effort", nullptr}, {"summary", nullptr}})},
       {"store", false},
       {"temperature", ShortestDouble(request_.sampling.temperature)},
       {"text", echoed("text", {{"format", {{"type", "text"}}}})},

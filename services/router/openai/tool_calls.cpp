@@ -723,13 +723,35 @@ void ToolCallStreamer::Drain(bool final, std::vector<ToolStreamPart>* parts) {
         const std::string_view marker =
             parser_ == ToolParser::kMistral ? kMistralMarker : OpenMarker();
         size_t at = buffer_.find(marker);
-        // Qwen3-Coder may write a <function=...> element without its
-        // <tool_call> wrapper; vLLM's parser takes it as a call too.
+        // Qwen3-Coder may write a <function=NAME> element without its
+        // <tool_call> wrapper; vLLM's parser takes it as a call too. Only a
+        // whole header naming one of the functions starts one: any other
+        // "<function=" is text, and the search goes on past it (a call
+        // wrapped later in the output still parses).
         bool bare = false;
         if (parser_ == ToolParser::kQwen3Coder) {
-          const size_t function = buffer_.find(kXmlFunction);
-          bare = function < at;
-          at = std::min(at, function);
+          for (size_t from = 0;;) {
+            const size_t function = buffer_.find(kXmlFunction, from);
+            if (function == std::string::npos || function >= at) break;
+            size_t end = function + kXmlFunction.size();
+            const size_t name_end =
+                std::min(buffer_.size(), function + kXmlFunction.size() + kMaxToolNameBytes + 1);
+            while (end < name_end && IsToolNameChar(buffer_[end])) ++end;
+            if (end == buffer_.size() && !final) {  // the header is still being written
+              Emit(std::string_view(buffer_).substr(0, function), parts);
+              buffer_.erase(0, function);
+              return;
+            }
+            const std::string_view name = std::string_view(buffer_).substr(
+                function + kXmlFunction.size(), end - function - kXmlFunction.size());
+            if (end < buffer_.size() && buffer_[end] == '>' && !name.empty() &&
+                (FindFunction(name) != nullptr || functions_->empty())) {
+              bare = true;
+              at = function;
+              break;
+            }
+            from = function + 1;
+          }
         }
         if (at != std::string::npos) {
           Emit(std::string_view(buffer_).substr(0, at), parts);

@@ -66,6 +66,14 @@ const char* ToolParserName(ToolParser p);
 // renders (kNone: it renders none).
 ToolParser ToolParserForTemplate(std::string_view chat_template);
 
+// A function's name: 1 to 64 letters, digits, '_' or '-' (the request
+// parser refuses others).
+inline constexpr size_t kMaxToolNameBytes = 64;
+inline bool IsToolNameChar(char c) {
+  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' ||
+         c == '-';
+}
+
 // A function a call may name, with its parameters' JSON Schema (null when
 // the request gave none): qwen3_coder reads each value as its property's
 // type says.

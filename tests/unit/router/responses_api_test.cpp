@@ -113,7 +113,7 @@ TEST(ResponsesApiTest, WhatIsNotServedIsRefusedNamingTheField) {
       {R"({"input": "x", "conversation": "conv_1"})", "conversation"},
       {R"({"input": "x", "background": true})", "background"},
       {R"({"input": "x", "truncation": "auto"})", "truncation"},
-      {R"({"input": "x", "reasoning": {"effort": "high"}})", "reasoning"},
+      {R"({"input": "x", "reasoning": {"summary": "auto"}})", "reasoning"},
       {R"({"input": "x", "max_tool_calls": 3})", "max_tool_calls"},
       {R"({"input": "x", "messages": []})", "messages"},
       {R"({"input": "x", "max_tokens": 5})", "max_tokens"},
@@ -157,6 +157,7 @@ TEST(ResponsesApiTest, WhatIsNotServedIsRefusedNamingTheField) {
           "tool_choice": "required"})",
        "tool_choice"},
       {R"({"model": "other", "input": "x"})", "model"},
+      {R"({"model": "m", "input": "x", "reasoning": {"effort": "max"}})", "reasoning.effort"},
   };
   for (const auto& [text, param] : parsed) {
     ApiRequest api;
@@ -397,6 +398,18 @@ TEST(ResponsesApiTest, FollowUpsAndNeutralFields) {
   const ojson r = w.Object({1, 1, 0});
   EXPECT_EQ(r["temperature"].dump(), "0.7");
   EXPECT_EQ(r["top_p"].dump(), "0.9");
+  EXPECT_EQ(r["reasoning"], ojson::parse(R"({"effort": null, "summary": null})"));
+  // reasoning.effort reaches the chat template as chat's reasoning_effort
+  // does, and the response says so.
+  ASSERT_FALSE(ParseRequest(Endpoint::kResponses,
+                            R"({"input": "x", "reasoning": {"effort": "none", "summary": null}})",
+                            Limits(), &api));
+  EXPECT_EQ(api.chat_template_kwargs,
+            ojson::parse(R"({"reasoning_effort": "none", "enable_thinking": false})"));
+  ResponsesWriter thinking(api, "resp_2", 1);
+  (void)thinking.Finish("stop");
+  EXPECT_EQ(thinking.Object({1, 1, 0})["reasoning"],
+            ojson::parse(R"({"effort": "none", "summary": null})"));
   // Metadata within OpenAI's bounds only.
   ojson big = ojson::object();
   for (int i = 0; i < 17; ++i) big["k" + std::to_string(i)] = "v";

@@ -296,9 +296,16 @@ TEST(ToolCalls, Qwen3CoderXml) {
            "<function=get_weather>\n<parameter=city>\nRo",
            "Write <function=name> where the call goes.",
            "<function=rm_rf>\n</function> after",
+           "<function=get weather>\n</function>",
        }) {
     Check(p, bad, {bad, {}});
   }
+  // A "<function=" that starts no call (no header naming a function) is
+  // text: a call wrapped later still parses.
+  Check(p,
+        "Use <function=NAME> or <function=search to call.\n<tool_call>\n<function=search>\n"
+        "</function>\n</tool_call>",
+        {"Use <function=NAME> or <function=search to call.\n", {{"search", "{}"}}});
   // A parameter given twice keeps its first place and its last value.
   Check(p,
         "<tool_call>\n<function=get_weather>\n<parameter=city>\nA\n</parameter>\n"
