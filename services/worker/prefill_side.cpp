@@ -211,6 +211,27 @@ void PrefillSide::Refuse(const ConnectionPtr& decode, const proto::Prefill& p,
   ctx_->metrics->CountRequest("prefill", "failed");
 }
 
+std::optional<std::pair<std::string, bool>> PrefillSide::InFlightRefusal(
+    uint64_t connection_id, const std::string& rid) const {
+  const auto duplicate = std::pair{"request id " + rid + " is in flight here already", false};
+  size_t in_flight = 0;
+  for (const auto& [_, job] : jobs_) {
+    if (job->decode->id() != connection_id) continue;
+    if (job->decode_rid == rid) return duplicate;
+    ++in_flight;
+  }
+  if (compiling_.count({connection_id, rid})) return duplicate;
+  for (auto it = compiling_.lower_bound({connection_id, ""});
+       it != compiling_.end() && it->first.first == connection_id; ++it) {
+    ++in_flight;
+  }
+  if (in_flight >= kMaxJobsPerDecodePeer) {
+    return std::pair{std::to_string(in_flight) + " prefills of this decode worker in flight here",
+                     true};
+  }
+  return std::nullopt;
+}
+
 void PrefillSide::OnPrefill(const ConnectionPtr& decode, PeerId peer, proto::Prefill p,
                             WorkerClock::time_point received) {
   if (!p.sampling().has_constraint()) return Start(decode, peer, std::move(p), nullptr, received);
@@ -218,26 +239,8 @@ void PrefillSide::OnPrefill(const ConnectionPtr& decode, PeerId peer, proto::Pre
   // request's grammar, compiled off the engine thread. What Start checks
   // of its peer is checked first here too: a peer's compiles are its jobs.
   const std::pair<uint64_t, std::string> key{decode->id(), p.request_id()};
-  size_t in_flight = 0;
-  for (const auto& [_, job] : jobs_) {
-    if (job->decode->id() != decode->id()) continue;
-    if (job->decode_rid == p.request_id()) {
-      return Refuse(decode, p, "request id " + p.request_id() + " is in flight here already",
-                    false);
-    }
-    ++in_flight;
-  }
-  if (compiling_.count(key)) {
-    return Refuse(decode, p, "request id " + p.request_id() + " is in flight here already", false);
-  }
-  for (auto it = compiling_.lower_bound({decode->id(), ""});
-       it != compiling_.end() && it->first.first == decode->id(); ++it) {
-    ++in_flight;
-  }
-  if (in_flight >= kMaxJobsPerDecodePeer) {
-    return Refuse(decode, p,
-                  std::to_string(in_flight) + " prefills of this decode worker in flight here",
-                  true);
+  if (auto refused = InFlightRefusal(decode->id(), p.request_id())) {
+    return Refuse(decode, p, refused->first, refused->second);
   }
   const OutputConstraint constraint = FromProto(p.sampling()).constraint.value();
   auto cancelled = std::make_shared<std::atomic<bool>>(false);
@@ -291,17 +294,9 @@ void PrefillSide::Start(const ConnectionPtr& decode, PeerId peer, proto::Prefill
       std::chrono::milliseconds(std::min(
           p.deadline_ms() ? p.deadline_ms() : kDefaultPrefillDeadlineMs, kMaxPrefillDeadlineMs));
   if (WorkerClock::now() >= deadline) return refuse("its deadline passed before it started", false);
-  size_t in_flight = 0;
-  for (const auto& [_, other] : jobs_) {
-    if (other->decode->id() != decode->id()) continue;
-    if (other->decode_rid == p.request_id()) {
-      return refuse("request id " + p.request_id() + " is in flight here already", false);
-    }
-    ++in_flight;
-  }
-  if (in_flight >= kMaxJobsPerDecodePeer) {
-    return refuse(std::to_string(in_flight) + " prefills of this decode worker in flight here",
-                  true);
+  // (A compiled Prefill left compiling_ before it got here.)
+  if (auto refused = InFlightRefusal(decode->id(), p.request_id())) {
+    return refuse(refused->first, refused->second);
   }
   // A decode-only worker prefills for others only prefix copies (a hot
   // prefix it holds, or its own prompts pushed as it drains), whose prompt

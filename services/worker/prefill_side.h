@@ -111,6 +111,11 @@ class PrefillSide {
   // compiler skips those not started, and Start is never reached for them,
   // so a Cancel is never lost. They count toward their peer's job cap.
   std::map<std::pair<uint64_t, std::string>, std::shared_ptr<std::atomic<bool>>> compiling_;
+  // Why a Prefill `rid` of the decode worker on `connection_id` cannot be
+  // taken now (its id in flight here, computing or compiling, or its
+  // peer's jobs at kMaxJobsPerDecodePeer), and whether to retry it.
+  std::optional<std::pair<std::string, bool>> InFlightRefusal(uint64_t connection_id,
+                                                              const std::string& rid) const;
   // Refuses a Prefill before it becomes a job.
   void Refuse(const control::ConnectionPtr& decode, const proto::Prefill& p, const std::string& why,
               bool retryable);
