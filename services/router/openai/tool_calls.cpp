@@ -826,7 +826,12 @@ void ToolCallStreamer::Drain(bool final, std::vector<ToolStreamPart>* parts) {
 void ParseToolCalls(ToolParser parser, const ToolFunctionList& functions, std::string_view text,
                     std::string* content, std::vector<ToolCall>* calls) {
   ToolCallStreamer s(parser, functions);
-  s.Push(text, content, calls);
+  // Pushed in slices, as a stream's tokens come: what each settles leaves
+  // the buffer, so many calls in one long output cost linear time, not one
+  // pass over the rest of the output per call.
+  constexpr size_t kSlice = 4096;
+  for (size_t at = 0; at < text.size(); at += kSlice)
+    s.Push(text.substr(at, kSlice), content, calls);
   s.Finish(content, calls);
 }
 
