@@ -136,7 +136,7 @@ TEST(AbandonedWorkTest, BlocksAFailedWriteTargetedStayHeldUntilTheGiveUp) {
   stack.SetWorkerEnv({{"PDSERVE_TEST_FAIL_KV_WRITES", "1"}});
   WorkerProc& prefill = stack.StartWorker("prefill");
   stack.SetWorkerEnv({});
-  WorkerProc& decode = stack.StartWorker("decode", {"--prefill-timeout-ms", "3000"});
+  WorkerProc& decode = stack.StartWorker("decode", {"--prefill-timeout-ms", "5000"});
   ASSERT_TRUE(stack.WaitReady());
 
   const std::string prompt = Prompt("failed write", 120);
