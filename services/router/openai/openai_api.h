@@ -153,7 +153,7 @@ struct ApiLimits {
   std::vector<std::string> model_ids;  // empty model in a request = the first
   SamplingDefaults sampling_defaults = {};
   int max_stop_strings = 16;
-  int max_n = 16;                             // largest n (and best_of)
+  int max_n = 128;                            // largest n (and best_of): OpenAI's
   int max_json_depth = kDefaultMaxJsonDepth;  // nesting of the request body
 };
 

@@ -459,6 +459,43 @@ TEST_F(EngineSchedulerTest, SharedPromptIsComputedOnceAndSequencesKeepTheirSeeds
   EXPECT_NE(out[2], out[3]);  // different seeds, different samples
 }
 
+// More sequences of one prompt than run at once (n = 40 over max_num_seqs
+// 4, as OpenAI's n allows up to 128): the rest wait their turn, and each
+// still draws what it draws alone with its seed.
+TEST_F(EngineSchedulerTest, MoreSharedSequencesThanRunAtOnceEachKeepTheirSeed) {
+  const std::vector<TokenId> prompt = Prompt(40, 12);
+  auto request = [&](RequestId id, RequestId share) {
+    EngineRequest r;
+    r.id = id;
+    r.prompt = prompt;
+    r.params.temperature = 1.0f;
+    r.params.seed = 500 + id;
+    r.params.max_tokens = 6;
+    r.params.ignore_eos = true;
+    r.share_prompt_with = share;
+    return r;
+  };
+  EngineOptions o;
+  o.max_num_seqs = 4;
+  auto e = MakeEngine(o);
+  constexpr RequestId kSequences = 40;
+  for (RequestId id = 1; id <= kSequences; ++id) {
+    ASSERT_TRUE(e->AddRequest(request(id, id == 1 ? 0 : 1)).ok());
+  }
+  std::map<RequestId, std::vector<TokenId>> out;
+  while (e->HasUnfinished()) {
+    auto step = e->Step();
+    ASSERT_TRUE(step.ok()) << step.status().ToString();
+    for (const auto& o : *step)
+      out[o.id].insert(out[o.id].end(), o.new_token_ids.begin(), o.new_token_ids.end());
+  }
+  ASSERT_EQ(out.size(), kSequences);
+  for (RequestId id = 1; id <= kSequences; ++id) {
+    EXPECT_EQ(out[id], Alone(request(id, 0))) << "sequence " << id;
+  }
+  EXPECT_EQ(e->block_manager().GetStats().used_blocks, 0u) << "blocks left held";
+}
+
 TEST_F(EngineSchedulerTest, SharedPromptWaitsForARemotePrefill) {
   const std::vector<TokenId> prompt = Prompt(40, 10);
   auto e = MakeEngine();
