@@ -410,6 +410,27 @@ TEST(RouterChatTemplateTest, DocumentsAndReasoningEffortReachTheTemplate) {
   EXPECT_EQ(RenderedPrompt(dir, body), "[fact]q/no_think");
 }
 
+// A key file that cannot be read stops the router naming its flag (the
+// metrics and admin key files were called "the API key file").
+TEST(RouterStartTest, AKeyFileErrorNamesItsFlag) {
+  for (const char* flag : {"--api-key-file", "--metrics-key-file", "--admin-key-file"}) {
+    RouterServiceOptions o;
+    o.model_dir = pdserve::testing::TinyModelDir();
+    o.host = "127.0.0.1";
+    o.http_port = 0;
+    o.control_port = 0;
+    const std::string missing = "/nonexistent/keys";
+    (std::string(flag) == "--api-key-file"       ? o.api_key_file
+     : std::string(flag) == "--metrics-key-file" ? o.metrics_key_file
+                                                 : o.admin_key_file) = missing;
+    auto service = RouterService::Create(o);
+    Status st = service.ok() ? (*service)->Start() : service.status();
+    ASSERT_FALSE(st.ok()) << flag;
+    EXPECT_EQ(st.message().rfind(std::string(flag) + " " + missing, 0), 0u) << st.ToString();
+    if (service.ok()) (*service)->Stop();
+  }
+}
+
 // A model whose chat template this router cannot run: chat requests get a
 // 400 that says why and what to do, not that the model has none.
 TEST(RouterChatTemplateTest, AnUnusableTemplateIsNamedInTheError) {
