@@ -40,6 +40,22 @@ StatusOr<std::shared_ptr<ReloadingKeys>> ReloadingKeys::Load(std::string path,
   return k;
 }
 
+StatusOr<std::shared_ptr<ReloadingKeys>> ReloadingKeys::LoadFlag(std::string_view flag,
+                                                                 const std::string& path) {
+  if (path.empty()) return std::shared_ptr<ReloadingKeys>();
+  auto keys = Load(path);
+  if (!keys.ok()) {
+    return Status(keys.status().code(), std::string(flag) + " " + keys.status().message());
+  }
+  return keys;
+}
+
+std::shared_ptr<const std::vector<std::string>> ReloadingKeys::CurrentOf(
+    const std::shared_ptr<ReloadingKeys>& file) {
+  static const auto kNone = std::make_shared<const std::vector<std::string>>();
+  return file ? file->Current() : kNone;
+}
+
 ReloadingKeys::Stamp ReloadingKeys::StampOf(const std::string& path) {
   struct stat st {};
   if (::stat(path.c_str(), &st) != 0) return {};

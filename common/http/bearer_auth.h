@@ -39,7 +39,14 @@ class ReloadingKeys {
   // often Current() looks at the file.
   static StatusOr<std::shared_ptr<ReloadingKeys>> Load(
       std::string path, std::chrono::milliseconds every = std::chrono::seconds(1));
+  // The file a flag names: null when `path` is empty (the flag not given);
+  // an error names the flag ("--metrics-key-file PATH: ...").
+  static StatusOr<std::shared_ptr<ReloadingKeys>> LoadFlag(std::string_view flag,
+                                                           const std::string& path);
   std::shared_ptr<const std::vector<std::string>> Current();
+  // The keys `file` holds now; none when it is null.
+  static std::shared_ptr<const std::vector<std::string>> CurrentOf(
+      const std::shared_ptr<ReloadingKeys>& file);
 
  private:
   // What tells a changed file: a rewrite of the same length within the

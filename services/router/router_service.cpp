@@ -399,12 +399,9 @@ class RouterServiceImpl : public RouterService {
     auto model_id = ServedModelIdOfFolder(opts_.model_dir, opts_.model_id);
     if (!model_id.ok()) return model_id.status();
     model_id_ = std::move(*model_id);
-    if (!opts_.api_key_file.empty()) {
-      auto keys = http::ReloadingKeys::Load(opts_.api_key_file);
-      if (!keys.ok())
-        return Status(keys.status().code(), "--api-key-file " + keys.status().message());
-      api_keys_ = std::move(*keys);
-    }
+    auto api_keys = http::ReloadingKeys::LoadFlag("--api-key-file", opts_.api_key_file);
+    if (!api_keys.ok()) return api_keys.status();
+    api_keys_ = std::move(*api_keys);
     auto core = RouterCore::Create(RoutingOptionsOf(opts_));
     if (!core.ok()) return core.status();
     core_ = std::move(*core);
@@ -490,7 +487,8 @@ class RouterServiceImpl : public RouterService {
       metrics_http_ = std::make_unique<http::Server>(
           mo, [this](const http::Request& r, std::shared_ptr<http::Exchange> ex) {
             if (!metrics::ServeStandardEndpoints(
-                    r, *ex, *registry_, [] { return metrics::Health{}; }, *Keys(metrics_keys_))) {
+                    r, *ex, *registry_, [] { return metrics::Health{}; },
+                    *http::ReloadingKeys::CurrentOf(metrics_keys_))) {
               ex->Reply(http::ErrorResponse(404, "only /metrics and /health are served here"));
             }
           });
@@ -564,25 +562,19 @@ class RouterServiceImpl : public RouterService {
       return Status::InvalidArgument(
           "--salt-per-api-key derives cache salts from API keys: it needs --api-key-file");
     }
-    if (!opts_.metrics_key_file.empty()) {
-      auto keys = http::ReloadingKeys::Load(opts_.metrics_key_file);
-      if (!keys.ok())
-        return Status(keys.status().code(), "--metrics-key-file " + keys.status().message());
-      metrics_keys_ = std::move(*keys);
-    }
-    if (!opts_.admin_key_file.empty()) {
-      auto keys = http::ReloadingKeys::Load(opts_.admin_key_file);
-      if (!keys.ok())
-        return Status(keys.status().code(), "--admin-key-file " + keys.status().message());
-      admin_keys_ = std::move(*keys);
-    }
+    auto metrics_keys = http::ReloadingKeys::LoadFlag("--metrics-key-file", opts_.metrics_key_file);
+    if (!metrics_keys.ok()) return metrics_keys.status();
+    metrics_keys_ = std::move(*metrics_keys);
+    auto admin_keys = http::ReloadingKeys::LoadFlag("--admin-key-file", opts_.admin_key_file);
+    if (!admin_keys.ok()) return admin_keys.status();
+    admin_keys_ = std::move(*admin_keys);
     return Status::Ok();
   }
 
   void HandleHttp(const http::Request& req, std::shared_ptr<http::Exchange> ex) {
-    if (!metrics_http_ &&
-        metrics::ServeStandardEndpoints(
-            req, *ex, *registry_, [] { return metrics::Health{}; }, *Keys(metrics_keys_))) {
+    if (!metrics_http_ && metrics::ServeStandardEndpoints(
+                              req, *ex, *registry_, [] { return metrics::Health{}; },
+                              *http::ReloadingKeys::CurrentOf(metrics_keys_))) {
       return;
     }
     if (req.path == "/health" || req.path == "/live") {  // metrics on their own port: probes stay
@@ -2397,12 +2389,6 @@ class RouterServiceImpl : public RouterService {
   std::string model_id_;
   // Key files, reread as they change (null: off; /metrics open, /admin/* off).
   std::shared_ptr<http::ReloadingKeys> api_keys_, metrics_keys_, admin_keys_;
-  // The keys `file` holds now; none when it is off.
-  static std::shared_ptr<const std::vector<std::string>> Keys(
-      const std::shared_ptr<http::ReloadingKeys>& file) {
-    static const auto kNone = std::make_shared<const std::vector<std::string>>();
-    return file ? file->Current() : kNone;
-  }
   ApiLimits limits_;
   std::unique_ptr<RouterCore> core_;
   std::shared_ptr<prometheus::Registry> registry_ = std::make_shared<prometheus::Registry>();

@@ -23,13 +23,17 @@ constexpr uint32_t kMaxPrefillDeadlineMs = WorkerOptions::kMaxPrefillTimeoutMs;
 // holds no more hand-offs pending for one peer itself).
 constexpr size_t kMaxJobsPerDecodePeer = 4096;
 
-proto::Envelope PrefillFailure(const std::string& rid, const std::string& why, bool retryable) {
+// `writes_may_land`: a write of the job failed, and bytes the network
+// already took may still reach the decode worker's blocks.
+proto::Envelope PrefillFailure(const std::string& rid, const std::string& why, bool retryable,
+                               bool writes_may_land = false) {
   proto::Envelope env;
   auto* d = env.mutable_prefill_done();
   d->set_request_id(rid);
   d->set_ok(false);
   d->set_failure_reason(why);
   d->set_retryable(retryable);
+  d->set_writes_may_land(writes_may_land);
   return env;
 }
 
@@ -550,16 +554,12 @@ void PrefillSide::TryFinish(RequestId id) {
                       << " blocks (" << job.bytes_written << " bytes) written, "
                       << Seconds(now - job.arrived) << "s";
   } else if (job.cancelled) {
-    proto::Envelope failure = PrefillFailure(job.decode_rid, job.failure, false);
-    failure.mutable_prefill_done()->set_writes_may_land(job.write_failed);
-    (void)job.decode->Send(std::move(failure));
+    (void)job.decode->Send(PrefillFailure(job.decode_rid, job.failure, false, job.write_failed));
     ctx_->metrics->CountRequest("prefill", "cancelled");
     PDSERVE_LOG(INFO) << "prefill " << job.trace_id << " cancelled by its decode worker after "
                       << Seconds(now - job.arrived) << "s";
   } else {
-    proto::Envelope failure = PrefillFailure(job.decode_rid, job.failure, true);
-    failure.mutable_prefill_done()->set_writes_may_land(job.write_failed);
-    (void)job.decode->Send(std::move(failure));
+    (void)job.decode->Send(PrefillFailure(job.decode_rid, job.failure, true, job.write_failed));
     ctx_->metrics->transfer_failures.Increment();
     ctx_->metrics->CountRequest("prefill", "failed");
     PDSERVE_LOG(WARN) << "prefill " << job.trace_id << " failed: " << job.failure;

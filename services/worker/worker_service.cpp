@@ -83,12 +83,9 @@ class WorkerServiceImpl : public WorkerService {
   ~WorkerServiceImpl() override { Stop(); }
 
   Status Init() {
-    if (!opts_.metrics_key_file.empty()) {
-      auto keys = http::ReloadingKeys::Load(opts_.metrics_key_file);
-      if (!keys.ok())
-        return Status(keys.status().code(), "--metrics-key-file " + keys.status().message());
-      metrics_keys_ = std::move(*keys);
-    }
+    auto metrics_keys = http::ReloadingKeys::LoadFlag("--metrics-key-file", opts_.metrics_key_file);
+    if (!metrics_keys.ok()) return metrics_keys.status();
+    metrics_keys_ = std::move(*metrics_keys);
     // /metrics (and /live, /health saying "loading the model", 503) from
     // the start: loading a large model takes minutes, and a process that
     // answers nothing meanwhile looks down to Prometheus (its "down" alerts
@@ -103,7 +100,7 @@ class WorkerServiceImpl : public WorkerService {
             if (r.path == "/metrics" && loaded_) RefreshCacheCounters();
             if (!metrics::ServeStandardEndpoints(
                     r, *ex, *registry_, [this] { return Health(); },
-                    metrics_keys_ ? *metrics_keys_->Current() : std::vector<std::string>())) {
+                    *http::ReloadingKeys::CurrentOf(metrics_keys_))) {
               ex->Reply(
                   http::ErrorResponse(404, "only /metrics, /health and /live are served here"));
             }

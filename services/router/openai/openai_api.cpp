@@ -316,6 +316,9 @@ std::optional<ApiError> RefuseUnservedExtensions(Endpoint endpoint, const ojson&
       return InvalidParam("echo", "'echo' is not supported on /v1/chat/completions");
     // OpenAI's fields that ask for what this server never produces: refused
     // by name rather than answered without it.
+    constexpr const char* kNoRequestTemplate =
+        "a chat template per request is not supported; the router's own (its model's, or "
+        "--chat-template) renders every request";
     struct Refused {
       const char* name;
       ojson neutral;  // asks for nothing (besides null)
@@ -328,9 +331,7 @@ std::optional<ApiError> RefuseUnservedExtensions(Endpoint endpoint, const ojson&
         {"web_search_options", ojson(),
          "'web_search_options' is not supported: this server has no search"},
         // vLLM refuses a request's own template unless told to trust it.
-        {"chat_template", ojson(),
-         "a chat template per request is not supported; the router's own (its model's, or "
-         "--chat-template) renders every request"},
+        {"chat_template", ojson(), kNoRequestTemplate},
     };
     for (const Refused& r : kRefused) {
       auto it = body.find(r.name);
@@ -340,9 +341,7 @@ std::optional<ApiError> RefuseUnservedExtensions(Endpoint endpoint, const ojson&
     if (auto it = body.find("chat_template_kwargs"); it != body.end() && it->is_object() &&
                                                      it->contains("chat_template") &&
                                                      !(*it)["chat_template"].is_null()) {
-      return InvalidParam("chat_template_kwargs",
-                          "a chat template per request is not supported; the router's own (its "
-                          "model's, or --chat-template) renders every request");
+      return InvalidParam("chat_template_kwargs", kNoRequestTemplate);
     }
     if (auto it = body.find("modalities");
         it != body.end() && !it->is_null() && *it != ojson::array({"text"})) {
@@ -541,6 +540,13 @@ std::optional<ApiError> ParseStop(const ojson& body, const ApiLimits& limits, Ap
   }
   out->sampling.stop = std::move(stops);
   return std::nullopt;
+}
+
+// The request's chat template variables, an object from here on (the
+// router adds to what the client gave).
+ojson& TemplateKwargs(ApiRequest* out) {
+  if (!out->chat_template_kwargs.is_object()) out->chat_template_kwargs = ojson::object();
+  return out->chat_template_kwargs;
 }
 
 bool ValidFunctionName(const std::string& n) {
@@ -832,8 +838,7 @@ std::optional<ApiError> ParseBody(Endpoint endpoint, const ojson& j, const ApiLi
                             "'reasoning_effort' must be one of none, minimal, low, medium, high, "
                             "xhigh");
       }
-      ojson& kwargs = out->chat_template_kwargs;
-      if (!kwargs.is_object()) kwargs = ojson::object();
+      ojson& kwargs = TemplateKwargs(out);
       if (!kwargs.contains("reasoning_effort")) kwargs["reasoning_effort"] = *effort;
       if (!kwargs.contains("enable_thinking")) kwargs["enable_thinking"] = *effort != "none";
     }
@@ -843,8 +848,7 @@ std::optional<ApiError> ParseBody(Endpoint endpoint, const ojson& j, const ApiLi
                                                 [](const ojson& d) { return !d.is_object(); })) {
         return InvalidParam("documents", "'documents' must be an array of objects");
       }
-      ojson& kwargs = out->chat_template_kwargs;
-      if (!kwargs.is_object()) kwargs = ojson::object();
+      ojson& kwargs = TemplateKwargs(out);
       if (!kwargs.contains("documents")) kwargs["documents"] = *documents;
     }
   }
