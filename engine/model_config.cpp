@@ -1,4 +1,5 @@
 #include "engine/model_config.h"
+#include "common/read_file.h"
 
 #include <algorithm>
 #include <cmath>
@@ -23,14 +24,6 @@ constexpr int64_t kMaxHeads = 1024;
 constexpr int64_t kMaxHeadDim = 1024;
 constexpr int64_t kMaxPositions = int64_t{1} << 24;
 constexpr int64_t kMaxExperts = 1 << 14;
-
-StatusOr<std::string> ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return Status::NotFound(path + ": cannot open");
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 class Reader {
  public:
@@ -1044,13 +1037,13 @@ StatusOr<ModelConfig> LoadModelConfig(const std::string& dir) {
   if (!std::filesystem::exists(path)) {
     return Status::NotFound(dir + ": no config.json (expected a Hugging Face model folder)");
   }
-  auto text = ReadFile(path);
+  auto text = ReadRegularFile(path);
   if (!text.ok()) return text.status();
   auto config = ParseModelConfig(*text, path);
   if (!config.ok()) return config;
   const std::string gen_path = (std::filesystem::path(dir) / "generation_config.json").string();
   if (std::filesystem::exists(gen_path)) {
-    auto gen_text = ReadFile(gen_path);
+    auto gen_text = ReadRegularFile(gen_path);
     if (!gen_text.ok()) return gen_text.status();
     json g = json::parse(*gen_text, nullptr, false);
     if (g.is_discarded() || !g.is_object()) {

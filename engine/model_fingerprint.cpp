@@ -1,4 +1,5 @@
 #include "engine/model_fingerprint.h"
+#include "common/read_file.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -12,7 +13,6 @@
 #include <fstream>
 #include <iterator>
 #include <set>
-#include <sstream>
 #include <vector>
 
 #include "engine/safetensors.h"
@@ -47,21 +47,14 @@ class Digest {
 // A small text file of the folder (absent ones count as absent).
 Status AddFile(Digest& d, const std::filesystem::path& path) {
   d.String(path.filename().string());
-  std::error_code ec;
-  if (!std::filesystem::exists(path, ec)) {
+  auto bytes = ReadRegularFile(path.string());
+  if (bytes.status().code() == StatusCode::kNotFound) {
     d.U64(0);  // absent
     return Status::Ok();
   }
-  // Checked before opening: a FIFO would block the open, a directory throws
-  // from the read.
-  if (!std::filesystem::is_regular_file(path, ec))
-    return Status::Unavailable("cannot read " + path.string() + ": not a regular file");
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream bytes;
-  if (!in || (std::filesystem::file_size(path, ec) > 0 && !(bytes << in.rdbuf())))
-    return Status::Unavailable("cannot read " + path.string());
+  if (!bytes.ok()) return bytes.status();
   d.U64(1);
-  d.String(bytes.str());
+  d.String(*bytes);
   return Status::Ok();
 }
 

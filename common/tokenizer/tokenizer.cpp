@@ -5,6 +5,7 @@
 // pre-tokenize → BPE → post-process (BOS/EOS). Decoding maps ids to token
 // strings and runs the decoder chain.
 #include "common/tokenizer/tokenizer.h"
+#include "common/read_file.h"
 
 #include <algorithm>
 #include <cctype>
@@ -641,23 +642,18 @@ std::string HfBpeTokenizer::Decode(std::span<const TokenId> ids, bool skip_speci
 }
 
 StatusOr<json> ReadJson(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return Status::NotFound(path.string() + ": cannot open");
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  json j = json::parse(buffer.str(), nullptr, /*allow_exceptions=*/false);
+  auto text = ReadRegularFile(path.string());
+  if (!text.ok()) return text.status();
+  json j = json::parse(*text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return Status::InvalidArgument(path.string() + ": not valid JSON");
   return j;
 }
 
 // A template file's text; nullopt when there is no such regular file.
 std::optional<std::string> ReadTextFile(const fs::path& path) {
-  std::error_code ec;
-  if (!fs::is_regular_file(path, ec)) return std::nullopt;
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream buffer;
-  if (!in || !(buffer << in.rdbuf())) return std::nullopt;
-  return buffer.str();
+  auto text = ReadRegularFile(path.string());
+  if (!text.ok()) return std::nullopt;
+  return std::move(*text);
 }
 
 }  // namespace

@@ -13,7 +13,6 @@
 #include <fstream>
 #include <iterator>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <thread>
 
@@ -21,6 +20,7 @@
 
 #include "common/flags.h"
 #include "common/logging.h"
+#include "common/read_file.h"
 #include "common/structured/structured.h"
 #include "common/tokenizer/tokenizer.h"
 #include "engine/engine.h"
@@ -146,14 +146,9 @@ int RunBenchEngine(int argc, char** argv) {
   }
   std::optional<OutputConstraint> schema;
   if (!json_schema_file.empty()) {
-    std::error_code ec;
-    if (!std::filesystem::is_regular_file(json_schema_file, ec))
-      UsageError("bench engine", "--json-schema: " + json_schema_file + " is not a file");
-    std::ifstream in(json_schema_file, std::ios::binary);
-    std::stringstream text;
-    if (!in || (std::filesystem::file_size(json_schema_file, ec) > 0 && !(text << in.rdbuf())))
-      UsageError("bench engine", "--json-schema: cannot read " + json_schema_file);
-    schema = OutputConstraint{OutputConstraint::Kind::kJsonSchema, text.str()};
+    auto text = ReadRegularFile(json_schema_file);
+    if (!text.ok()) UsageError("bench engine", "--json-schema: " + text.status().message());
+    schema = OutputConstraint{OutputConstraint::Kind::kJsonSchema, std::move(*text)};
   }
   if (threads < 0 || threads > kMaxThreadsFlag) {
     UsageError("bench engine", "--threads must be in [0, 1024]");

@@ -22,7 +22,6 @@
 #include <fstream>
 #include <optional>
 #include <regex>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -34,6 +33,7 @@
 #include "common/http/http_client.h"
 #include "common/http/http_server.h"
 #include "common/logging.h"
+#include "common/read_file.h"
 #include "common/signals.h"
 #include "common/tokenizer/tokenizer.h"
 #include "engine/kv_tier_store.h"
@@ -83,10 +83,8 @@ std::string Tail(const std::string& path, size_t n) {
 }
 
 std::string ReadFile(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();  // a read error leaves what was read; never throws
-  return text.str();
+  auto text = ReadRegularFile(path);
+  return text.ok() ? std::move(*text) : std::string();
 }
 
 // A fresh cluster secret for this stack's control plane, readable by the

@@ -32,6 +32,7 @@
 #include "common/model_id.h"
 #include "common/proto/pdserve.pb.h"
 #include "common/random_id.h"
+#include "common/read_file.h"
 #include "common/tokenizer/tokenizer.h"
 #include "services/protocol/kv_events.h"
 #include "services/protocol/role.h"
@@ -336,19 +337,18 @@ class RouterServiceImpl : public RouterService {
     tokenizer_ = std::move(*tok);
     std::string template_text = tokenizer_->chat_template();
     if (!opts_.chat_template_file.empty()) {
-      std::ifstream in(opts_.chat_template_file, std::ios::binary);
-      std::stringstream text;
-      if (!in || !(text << in.rdbuf()) || text.str().empty()) {
+      auto text = ReadRegularFile(opts_.chat_template_file);
+      if (!text.ok() || text->empty()) {
         return Status::InvalidArgument("chat template " + opts_.chat_template_file +
                                        ": cannot read it, or it is empty");
       }
-      auto tmpl = ChatTemplate::Parse(text.str());
+      auto tmpl = ChatTemplate::Parse(*text);
       if (!tmpl.ok()) {
         return Status::InvalidArgument("chat template " + opts_.chat_template_file + ": " +
                                        tmpl.status().message());
       }
       chat_template_.emplace(std::move(*tmpl));
-      template_text = text.str();
+      template_text = std::move(*text);
       PDSERVE_LOG(INFO) << "chat template from " << opts_.chat_template_file
                         << " (the model's is not used)";
     } else if (!template_text.empty()) {
@@ -420,10 +420,10 @@ class RouterServiceImpl : public RouterService {
     }
     const std::string path =
         (std::filesystem::path(opts_.model_dir) / "generation_config.json").string();
-    std::ifstream in(path);
-    if (!in) return Status::Ok();  // none: OpenAI's defaults
-    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    const auto config = nlohmann::ordered_json::parse(text, nullptr, false);
+    auto text = ReadRegularFile(path);
+    if (text.status().code() == StatusCode::kNotFound) return Status::Ok();  // OpenAI's defaults
+    if (!text.ok()) return text.status();
+    const auto config = nlohmann::ordered_json::parse(*text, nullptr, false);
     if (config.is_discarded() || !config.is_object()) {
       return Status::InvalidArgument(path + ": not a JSON object");
     }
