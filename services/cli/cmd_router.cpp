@@ -9,6 +9,7 @@
 #include "services/cli/command.h"
 #include "services/cli/control_security_flags.h"
 #include "services/cli/structured_flags.h"
+#include "services/router/openai/reasoning.h"
 #include "services/router/openai/tool_calls.h"
 #include "services/router/router_service.h"
 
@@ -123,6 +124,9 @@ int RunRouter(int argc, char** argv) {
                   "how the model writes tool calls: "
                   "hermes|qwen3|qwen3_coder|mistral|llama3_json|deepseek_v3|deepseek_v31 "
                   "(default: from the chat template's markers)");
+  flags.AddString("reasoning-parser", &o.reasoning_parser,
+                  "how a reasoning model marks its thoughts, returned apart from the answer: "
+                  "deepseek_r1|qwen3 (default: none, thoughts stay in the content)");
   flags.AddString("generation-config", &o.generation_config,
                   "sampling a request leaves out: auto (the model's generation_config.json: "
                   "temperature, top_p, top_k, min_p) or none (OpenAI's defaults)");
@@ -135,6 +139,10 @@ int RunRouter(int argc, char** argv) {
   if (!o.tool_call_parser.empty() && !router::ParseToolParserName(o.tool_call_parser).ok())
     UsageError("router", "--tool-call-parser: " +
                              router::ParseToolParserName(o.tool_call_parser).status().message());
+  if (!o.reasoning_parser.empty()) {
+    if (auto parser = router::ParseReasoningParserName(o.reasoning_parser); !parser.ok())
+      UsageError("router", "--reasoning-parser: " + parser.status().message());
+  }
   for (auto [name, w] : {std::pair{"host-tier-weight", o.host_tier_weight},
                          {"disk-tier-weight", o.disk_tier_weight}}) {
     if (!(w >= 0 && w <= 1)) UsageError("router", std::string("--") + name + " must be in [0, 1]");

@@ -44,6 +44,7 @@
 #include "services/cli/command.h"
 #include "services/cli/kv_eviction_flags.h"
 #include "services/cli/structured_flags.h"
+#include "services/router/openai/reasoning.h"
 #include "services/router/openai/tool_calls.h"
 #include "services/router/policy.h"
 #include "transport/control/handshake.h"
@@ -304,6 +305,10 @@ int RunUp(int argc, char** argv) {
                   "router: how the model writes tool calls "
                   "(hermes|qwen3|qwen3_coder|mistral|llama3_json|deepseek_v3|deepseek_v31; "
                   "default: from the chat template)");
+  std::string reasoning_parser;
+  flags.AddString("reasoning-parser", &reasoning_parser,
+                  "router: how a reasoning model marks its thoughts (deepseek_r1|qwen3; "
+                  "default: none, thoughts stay in the content)");
   flags.AddString("generation-config", &generation_config,
                   "router: sampling a request leaves out: auto (the model's "
                   "generation_config.json) or none (OpenAI's defaults)");
@@ -379,6 +384,10 @@ int RunUp(int argc, char** argv) {
   if (!tool_call_parser.empty()) {
     if (auto parser = router::ParseToolParserName(tool_call_parser); !parser.ok())
       UsageError("up", "--tool-call-parser: " + parser.status().message());
+  }
+  if (!reasoning_parser.empty()) {
+    if (auto parser = router::ParseReasoningParserName(reasoning_parser); !parser.ok())
+      UsageError("up", "--reasoning-parser: " + parser.status().message());
   }
   if (!ParseLoadFormat(load_format))
     UsageError("up", "--load-format must be safetensors or dummy, not '" + load_format + "'");
@@ -479,6 +488,8 @@ int RunUp(int argc, char** argv) {
   if (!tool_call_parser.empty()) {
     router_args.insert(router_args.end(), {"--tool-call-parser", tool_call_parser});
   }
+  if (!reasoning_parser.empty())
+    router_args.insert(router_args.end(), {"--reasoning-parser", reasoning_parser});
   if (!allowed_origins.empty())
     router_args.insert(router_args.end(), {"--allowed-origins", allowed_origins});
   if (!chat_template.empty())

@@ -39,6 +39,7 @@
 #include "services/protocol/sampling.h"
 #include "services/router/openai/openai_api.h"
 #include "services/router/openai/prompt_batch.h"
+#include "services/router/openai/reasoning.h"
 #include "services/router/openai/responses_api.h"
 #include "services/router/openai/tool_call_grammar.h"
 #include "services/router/router_core.h"
@@ -286,7 +287,10 @@ struct Inflight {
   // With tools: the functions a call may name, built once (outside the
   // router's lock) for every choice's parser.
   ToolFunctionList tool_functions;
-  std::string prompt_text;  // for echo
+  // Set when a reasoning parser splits the output: whether it begins
+  // inside thinking (from the rendered prompt, reasoning.h).
+  std::optional<bool> starts_thinking;
+  std::string prompt_text;  // for echo; a chat's rendered prompt
   std::vector<TokenId> prompt_ids;
   // echo with logprobs: the prompt's tokens as the worker scored them.
   std::vector<TokenPiece> prompt_pieces;
@@ -315,6 +319,9 @@ struct Inflight {
     std::unique_ptr<IncrementalDetokenizer> detok;  // when workers send ids only
     // Chat with tools (tool_choice not none), streaming: output parsed into calls.
     std::unique_ptr<ToolCallStreamer> tool_stream;
+    // With a reasoning parser, streaming: the thoughts split from the rest
+    // (which the tool streamer, if any, reads).
+    std::unique_ptr<ReasoningStreamer> reasoning;
     size_t tool_calls_sent = 0;
     size_t streamed_text_chars = 0;  // completions' logprobs.text_offset (TextOffsetLength)
     bool finished = false;
@@ -392,6 +399,11 @@ class RouterServiceImpl : public RouterService {
       tool_parser_ = *parser;
     } else {
       tool_parser_ = ToolParserForTemplate(template_text);
+    }
+    if (!opts_.reasoning_parser.empty()) {
+      auto parser = ParseReasoningParserName(opts_.reasoning_parser);
+      if (!parser.ok()) return parser.status();
+      reasoning_parser_ = *parser;
     }
     mistral_name_args_ = MistralNameArgsForm(template_text);
     PDSERVE_RETURN_IF_ERROR(LoadSamplingDefaults());
@@ -888,6 +900,16 @@ class RouterServiceImpl : public RouterService {
     if (ToolsActive(api) && api.stream) {
       for (auto& c : r->choices)
         c.tool_stream = std::make_unique<ToolCallStreamer>(tool_parser_, r->tool_functions);
+    }
+    // A constrained output (a structured output, a forced call) follows its
+    // grammar from its first token: it has no thoughts to split off.
+    if (reasoning_parser_ != ReasoningParser::kNone && endpoint != Endpoint::kCompletions &&
+        !api.sampling.constraint) {
+      r->starts_thinking = OutputStartsThinking(reasoning_parser_, r->prompt_text);
+      if (api.stream) {
+        for (auto& c : r->choices)
+          c.reasoning = std::make_unique<ReasoningStreamer>(*r->starts_thinking);
+      }
     }
 
     const uint64_t id = r->id;
@@ -1916,8 +1938,8 @@ class RouterServiceImpl : public RouterService {
       pieces.push_back(std::move(p));
     }
     if (t.has_text() && !pieces.empty()) pieces.back().text = t.text();
-    if (r.api->stream && c.tool_stream) {
-      StreamToolText(r, index, pieces, /*final=*/false);
+    if (r.api->stream && (c.tool_stream || c.reasoning)) {
+      StreamParsedText(r, index, pieces, /*final=*/false);
     } else if (r.api->stream) {
       std::string event = r.formatter->StreamDelta(pieces, index, c.streamed_text_chars);
       // text_offset is logprobs' alone: counted only where it is sent.
@@ -1985,7 +2007,6 @@ class RouterServiceImpl : public RouterService {
     calls->resize(sent > 0 ? 0 : std::min<size_t>(calls->size(), 1));
   }
 
-  // Streaming chat with tools: content as it comes, each call once complete.
   // Text a worker released without a new token: what it held back for a
   // possible stop string when the sequence ended without one (a structured
   // output's dead end, the context outgrowing the KV pool).
@@ -1994,10 +2015,10 @@ class RouterServiceImpl : public RouterService {
     const int index = static_cast<int>(t.index());
     Inflight::Choice& c = r.choices[index];
     RunningUsageLocked(r, c.tokens);
-    if (r.api->stream && c.tool_stream) {
+    if (r.api->stream && (c.tool_stream || c.reasoning)) {
       TokenPiece tail;
       tail.text = t.text();
-      StreamToolText(r, index, {tail}, /*final=*/false);
+      StreamParsedText(r, index, {tail}, /*final=*/false);
     } else if (r.api->stream) {
       std::string event = r.formatter->StreamText(t.text(), index);
       if (r.api->sampling.logprobs) c.streamed_text_chars += TextOffsetLength(t.text());
@@ -2007,16 +2028,18 @@ class RouterServiceImpl : public RouterService {
     }
   }
 
-  void StreamToolText(Inflight& r, int index, const std::vector<TokenPiece>& pieces, bool final) {
-    std::string events = ToolTextEvents(r, index, pieces, final);
+  // Streaming chat with tools or a reasoning parser: thoughts and content
+  // as they come, each call once complete.
+  void StreamParsedText(Inflight& r, int index, const std::vector<TokenPiece>& pieces, bool final) {
+    std::string events = ParsedTextEvents(r, index, pieces, final);
     if (!events.empty()) r.exchange->Write(std::move(events));
   }
 
-  // The events of a choice's next text with tools: content and calls in
-  // the order written, as its tool streamer splits them (a Responses item
-  // after a call comes after it).
-  std::string ToolTextEvents(Inflight& r, int index, const std::vector<TokenPiece>& pieces,
-                             bool final) {
+  // The events of a choice's next text: thoughts, content and calls in the
+  // order written, as its reasoning and tool streamers split them (a
+  // Responses item after a call comes after it).
+  std::string ParsedTextEvents(Inflight& r, int index, const std::vector<TokenPiece>& pieces,
+                               bool final) {
     Inflight::Choice& c = r.choices[index];
     std::string text;
     std::vector<TokenPiece> scored;  // the new tokens: their logprobs go out now
@@ -2024,21 +2047,52 @@ class RouterServiceImpl : public RouterService {
       text += p.text;
       if (p.logprob) scored.push_back(p);
     }
-    std::vector<ToolStreamPart> parts;
-    c.tool_stream->Push(text, &parts);
-    if (final) c.tool_stream->Finish(&parts);
-    // The logprobs go with the first content, or alone before any call.
-    if (parts.empty() || parts.front().call) parts.insert(parts.begin(), ToolStreamPart{});
+    std::vector<ReasoningPart> split;
+    if (c.reasoning) {
+      c.reasoning->Push(text, &split);
+      if (final) c.reasoning->Finish(&split);
+    } else {
+      split.push_back({false, std::move(text)});
+    }
+    struct Part {
+      bool reasoning = false;
+      ToolStreamPart tool;  // not reasoning: content or a call
+    };
+    std::vector<Part> parts;
+    for (ReasoningPart& p : split) {
+      if (p.reasoning) {
+        parts.push_back({true, ToolStreamPart{std::move(p.text), std::nullopt}});
+      } else if (!c.tool_stream) {
+        parts.push_back({false, ToolStreamPart{std::move(p.text), std::nullopt}});
+      } else {
+        std::vector<ToolStreamPart> tool_parts;
+        c.tool_stream->Push(p.text, &tool_parts);
+        for (auto& tp : tool_parts) parts.push_back({false, std::move(tp)});
+      }
+    }
+    if (final && c.tool_stream) {
+      std::vector<ToolStreamPart> tool_parts;
+      c.tool_stream->Finish(&tool_parts);
+      for (auto& tp : tool_parts) parts.push_back({false, std::move(tp)});
+    }
+    // The logprobs go with the first text, or alone before any call.
+    if (parts.empty() || parts.front().tool.call) parts.insert(parts.begin(), Part{});
     std::string events;
     for (size_t k = 0; k < parts.size();) {
-      if (!parts[k].call) {
-        events += r.formatter->StreamContent(parts[k].content, index,
-                                             k == 0 ? scored : std::vector<TokenPiece>{});
+      const std::vector<TokenPiece> logprobs = k == 0 ? scored : std::vector<TokenPiece>{};
+      if (parts[k].reasoning) {
+        events += r.formatter->StreamReasoning(parts[k].tool.content, index, logprobs);
+        ++k;
+        continue;
+      }
+      if (!parts[k].tool.call) {
+        events += r.formatter->StreamContent(parts[k].tool.content, index, logprobs);
         ++k;
         continue;
       }
       std::vector<ToolCall> calls;
-      for (; k < parts.size() && parts[k].call; ++k) calls.push_back(std::move(*parts[k].call));
+      for (; k < parts.size() && !parts[k].reasoning && parts[k].tool.call; ++k)
+        calls.push_back(std::move(*parts[k].tool.call));
       KeepOneCallUnlessParallel(*r.api, c.tool_calls_sent, &calls);
       events += r.formatter->StreamToolCalls(calls, c.tool_calls_sent, index);
       c.tool_calls_sent += calls.size();
@@ -2051,11 +2105,13 @@ class RouterServiceImpl : public RouterService {
   // shape a streamed one's do (text after a call is an item after it).
   nlohmann::ordered_json ReplayedResponse(Inflight& r) {
     Inflight::Choice& c = r.choices[0];
-    if (!ToolsActive(*r.api))  // the formatter replays plain text itself
+    if (!ToolsActive(*r.api) && !r.starts_thinking)  // the formatter replays plain text itself
       return r.formatter->Complete(r.prompt_text, c.pieces, c.finish_reason, r.usage);
-    c.tool_stream = std::make_unique<ToolCallStreamer>(tool_parser_, r.tool_functions);
-    for (const TokenPiece& p : c.pieces) (void)ToolTextEvents(r, 0, {p}, /*final=*/false);
-    (void)ToolTextEvents(r, 0, {}, /*final=*/true);
+    if (ToolsActive(*r.api))
+      c.tool_stream = std::make_unique<ToolCallStreamer>(tool_parser_, r.tool_functions);
+    if (r.starts_thinking) c.reasoning = std::make_unique<ReasoningStreamer>(*r.starts_thinking);
+    for (const TokenPiece& p : c.pieces) (void)ParsedTextEvents(r, 0, {p}, /*final=*/false);
+    (void)ParsedTextEvents(r, 0, {}, /*final=*/true);
     c.finish_reason = CallsFinishReason(*r.api, c.finish_reason, c.tool_calls_sent > 0);
     (void)r.formatter->StreamChoiceFinish(c.finish_reason, 0);
     return r.formatter->ResponseObject(r.usage);
@@ -2096,8 +2152,8 @@ class RouterServiceImpl : public RouterService {
         r.started_stream = true;
       }
       RunningUsageLocked(r, c.tokens);
-      if (c.tool_stream) {
-        StreamToolText(r, index, tail_pieces, /*final=*/true);
+      if (c.tool_stream || c.reasoning) {
+        StreamParsedText(r, index, tail_pieces, /*final=*/true);
         // A turn cut off by max_tokens stays "length", calls or not.
         c.finish_reason = CallsFinishReason(*r.api, c.finish_reason, c.tool_calls_sent > 0);
       } else if (!tail_pieces.empty()) {
@@ -2123,20 +2179,30 @@ class RouterServiceImpl : public RouterService {
           });
         }
         order.resize(static_cast<size_t>(r.api->n));
-        std::vector<ToolOutcome> tools(order.size());
+        std::vector<ChatOutcome> outcomes(order.size());
         std::vector<ResponseFormatter::ChoiceOutput> out;
         for (size_t k = 0; k < order.size(); ++k) {
           Inflight::Choice& ch = r.choices[order[k]];
           ResponseFormatter::ChoiceOutput o{static_cast<int>(k), &ch.pieces, ch.finish_reason,
                                             nullptr, &r.prompt_pieces};
-          if (ToolsActive(*r.api)) {
+          if (ToolsActive(*r.api) || r.starts_thinking) {
+            ChatOutcome& out = outcomes[k];
             std::string text;
             for (const auto& p : ch.pieces) text += p.text;
-            ParseToolCalls(tool_parser_, r.tool_functions, text, &tools[k].content,
-                           &tools[k].calls);
-            KeepOneCallUnlessParallel(*r.api, 0, &tools[k].calls);
-            o.finish_reason = CallsFinishReason(*r.api, o.finish_reason, !tools[k].calls.empty());
-            o.tools = &tools[k];
+            if (r.starts_thinking) {
+              out.split_reasoning = true;
+              std::string answer;
+              SplitReasoning(*r.starts_thinking, text, &out.reasoning, &answer);
+              text = std::move(answer);
+            }
+            if (ToolsActive(*r.api)) {
+              ParseToolCalls(tool_parser_, r.tool_functions, text, &out.content, &out.calls);
+              KeepOneCallUnlessParallel(*r.api, 0, &out.calls);
+              o.finish_reason = CallsFinishReason(*r.api, o.finish_reason, !out.calls.empty());
+            } else {
+              out.content = std::move(text);
+            }
+            o.outcome = &out;
           }
           out.push_back(o);
         }
@@ -2384,6 +2450,7 @@ class RouterServiceImpl : public RouterService {
   bool template_takes_parts_ = false, tool_use_takes_parts_ = false;
   bool template_knows_developer_ = false;  // the template's source names the role
   ToolParser tool_parser_ = ToolParser::kNone;
+  ReasoningParser reasoning_parser_ = ReasoningParser::kNone;
   // Forced mistral calls as [TOOL_CALLS]name[ARGS]{...}, as the template writes them.
   bool mistral_name_args_ = false;
   std::string model_id_;

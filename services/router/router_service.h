@@ -107,6 +107,9 @@ struct RouterServiceOptions {
   // How the model writes tool calls (tool_calls.h: hermes, qwen3, qwen3_coder, deepseek_v3,
   // deepseek_v31, mistral, llama3_json); "": chosen from the chat template's markers.
   std::string tool_call_parser;
+  // How a reasoning model marks its thoughts (reasoning.h: deepseek_r1,
+  // qwen3); "": none, thoughts stay in the content.
+  std::string reasoning_parser;
   // A Jinja chat template file used instead of the model's (as vLLM's
   // --chat-template: a tool-calling template, or one for a model that has
   // none); it must parse, or the router does not start. "": the model's.

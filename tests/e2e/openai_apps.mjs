@@ -6,7 +6,8 @@
 // tiny model whose chat template renders tools in the Hermes format; n: 3
 // (distinct seeds per choice), streamed and not, and best_of; the Responses
 // API (responses.create, .stream, .parse with zod, function calls and their
-// outputs as input items) against chat's answers for the same request.
+// outputs as input items) against chat's answers for the same request;
+// thoughts apart from the answer (--reasoning-parser), on chat and responses.
 // Usage: node openai_apps.mjs PDSERVE_BIN NODE_MODULES_DIR
 import { spawn, execFileSync } from 'node:child_process';
 import { mkdtempSync, rmSync, openSync, readFileSync, writeFileSync } from 'node:fs';
@@ -64,7 +65,8 @@ execFileSync('cp', ['-r', model, toolModel]);
     "<tool_call>\n{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}\n" +
     "</tool_call>{% endfor %}<|eot_id|>{% else %}<|start_header_id|>{{ message.role }}" +
     "<|end_header_id|>\n\n{{ message.content }}<|eot_id|>{% endif %}{% endfor %}" +
-    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}";
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n" +
+    "{% if enable_thinking is defined and enable_thinking %}<think>\n{% endif %}{% endif %}";
   writeFileSync(configPath, JSON.stringify(config));
 }
 
@@ -74,7 +76,7 @@ execFileSync('cp', ['-r', model, toolModel]);
 const upLog = path.join(dir, 'up.log');
 up = spawn(bin, ['up', '--model', toolModel, '--dir', path.join(dir, 'up'), '--port', '0', '--control-port', '0',
   '--prefill-metrics-port', '0', '--decode-metrics-port', '0', '--max-local-prefill', '16', '--threads', '1',
-  '--kv-cache-bytes', '16MiB', '--grammar-max-whitespace', '2'],
+  '--kv-cache-bytes', '16MiB', '--grammar-max-whitespace', '2', '--reasoning-parser', 'qwen3'],
 { stdio: ['ignore', openSync(upLog, 'w'), openSync(upLog, 'a')] });
 const base = (await waitFor(() => {
   if (up.exitCode !== null) throw new Error(`pdserve up exited: ${readFileSync(upLog, 'utf8')}`);
@@ -403,4 +405,49 @@ test('responses: what needs a stored response or a hosted tool is a 400 naming t
     'input[0].content[0].type');
   await refused({ max_output_tokens: 0 }, 'max_output_tokens');
   await assert.rejects(client.responses.retrieve('resp_1'), (e) => e.status === 404);
+});
+
+// --reasoning-parser qwen3: the template opens a thought when asked to
+// reason (reasoning_effort sets enable_thinking), so the output is
+// thoughts; the tiny model never closes them, so all of it is reasoning,
+// and it is what the same prompt's tokens complete to.
+test('reasoning: thoughts come apart from the answer on chat and responses, streamed and not', async () => {
+  const messages = [{ role: 'user', content: 'Think of a story.' }];
+  const sampling = { model: modelId, temperature: 0, max_tokens: 10 };
+  const chat = await client.chat.completions.create({ ...sampling, messages, reasoning_effort: 'high' });
+  const message = chat.choices[0].message;
+  const rendered = await (await fetch(`${base}/tokenize`, { method: 'POST',
+    headers: { 'content-type': 'application/json' },
+    body: JSON.stringify({ model: modelId, messages, chat_template_kwargs: { enable_thinking: true } }) })).json();
+  const completion = await client.completions.create({ ...sampling, prompt: rendered.tokens });
+  const text = completion.choices[0].text;
+  assert.ok(text.length > 0, 'the reference completion is empty');
+  assert.equal(message.reasoning, text);
+  assert.equal(message.reasoning_content, text);
+  assert.equal(message.content, null);
+
+  const stream = await client.chat.completions.create({ ...sampling, messages, reasoning_effort: 'high', stream: true });
+  let reasoning = '';
+  let content = '';
+  for await (const chunk of stream) {
+    const delta = chunk.choices[0]?.delta ?? {};
+    reasoning += delta.reasoning ?? '';
+    content += delta.content ?? '';
+  }
+  assert.equal(reasoning, text);
+  assert.equal(content, '');
+
+  const params = { model: modelId, temperature: 0, max_output_tokens: 10, input: messages, reasoning: { effort: 'high' } };
+  const once = await client.responses.create(params);
+  const streamed = await client.responses.stream(params).finalResponse();
+  for (const r of [once, streamed]) {
+    assert.equal(r.output[0].type, 'reasoning', JSON.stringify(r.output));
+    assert.equal(r.output[0].content[0].type, 'reasoning_text');
+    assert.equal(r.output[0].content[0].text, text);
+  }
+
+  // Not asked to reason: the answer, and no thoughts.
+  const plain = await client.chat.completions.create({ ...sampling, messages });
+  assert.equal(plain.choices[0].message.reasoning, undefined);
+  assert.equal(typeof plain.choices[0].message.content, 'string');
 });

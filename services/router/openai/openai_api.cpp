@@ -1468,6 +1468,20 @@ std::string ResponseFormatter::StreamText(const std::string& text, int index) co
   return Chunk(j);
 }
 
+std::string ResponseFormatter::StreamReasoning(const std::string& text, int index,
+                                               const std::vector<TokenPiece>& scored) const {
+  if (responses_) return responses_->Reasoning(Utf8Text(text));
+  const bool logprobs = request_.sampling.logprobs && !scored.empty();
+  if (text.empty() && !logprobs) return "";
+  ojson j = Envelope("chat.completion.chunk");
+  const std::string utf8 = Utf8Text(text);
+  j["choices"] = {{{"index", index},
+                   {"delta", {{"reasoning", utf8}, {"reasoning_content", utf8}}},
+                   {"logprobs", logprobs ? Logprobs(scored, 0) : ojson(nullptr)},
+                   {"finish_reason", nullptr}}};
+  return Chunk(j);
+}
+
 std::string ResponseFormatter::StreamContent(const std::string& text, int index,
                                              const std::vector<TokenPiece>& scored) const {
   if (responses_) return responses_->Text(Utf8Text(text), LogprobList(scored));
@@ -1564,12 +1578,22 @@ ojson ResponseFormatter::Choice(const std::string& prompt_text, const ChoiceOutp
     // refusal: OpenAI's message always has it (null but for its safety
     // refusals, which this server never writes).
     ojson message = {{"role", "assistant"}, {"content", JoinText(pieces)}, {"refusal", nullptr}};
-    if (c.tools && !c.tools->calls.empty()) {
-      const bool blank = c.tools->content.find_first_not_of(" \t\r\n") == std::string::npos;
-      message["content"] = blank ? ojson(nullptr) : ojson(Utf8Text(c.tools->content));
+    const ChatOutcome* out = c.outcome;
+    if (out && out->split_reasoning) {
+      // vLLM's names: `reasoning`, and `reasoning_content` kept in step for
+      // the clients that read the older one. No answer (thinking cut off)
+      // is null content, as vLLM answers.
+      message["content"] = out->content.empty() ? ojson(nullptr) : ojson(Utf8Text(out->content));
+      if (!out->reasoning.empty()) {
+        message["reasoning"] = Utf8Text(out->reasoning);
+        message["reasoning_content"] = message["reasoning"];
+      }
+    }
+    if (out && !out->calls.empty()) {
+      const bool blank = out->content.find_first_not_of(" \t\r\n") == std::string::npos;
+      message["content"] = blank ? ojson(nullptr) : ojson(Utf8Text(out->content));
       message["tool_calls"] = ojson::array();
-      for (const ToolCall& call : c.tools->calls)
-        message["tool_calls"].push_back(ToolCallJson(call));
+      for (const ToolCall& call : out->calls) message["tool_calls"].push_back(ToolCallJson(call));
     }
     return {{"index", c.index},
             {"message", message},
@@ -1611,8 +1635,8 @@ ojson ResponseFormatter::Complete(const std::string& prompt_text,
 ojson ResponseFormatter::Complete(const std::string& prompt_text,
                                   const std::vector<TokenPiece>& pieces,
                                   const std::string& finish_reason, const Usage& usage,
-                                  const ToolOutcome* tools) const {
-  return Complete(prompt_text, {ChoiceOutput{0, &pieces, finish_reason, tools}}, usage);
+                                  const ChatOutcome* outcome) const {
+  return Complete(prompt_text, {ChoiceOutput{0, &pieces, finish_reason, outcome}}, usage);
 }
 
 std::string TenantCacheSalt(std::string_view api_key, std::string_view client_salt) {

@@ -219,8 +219,11 @@ struct TokenPiece {
   std::vector<std::pair<std::string, float>> top_logprobs;  // token text, logprob
 };
 
-// A chat choice's output split into content and tool calls (tool_calls.h).
-struct ToolOutcome {
+// A chat choice's output split into reasoning (reasoning.h), content and
+// tool calls (tool_calls.h).
+struct ChatOutcome {
+  bool split_reasoning = false;  // a reasoning parser read the output
+  std::string reasoning;         // its thoughts ("": none, the field is left out)
   std::string content;
   std::vector<ToolCall> calls;
 };
@@ -262,6 +265,11 @@ class ResponseFormatter {
                             const std::vector<TokenPiece>& scored = {}) const;
   std::string StreamToolCalls(const std::vector<ToolCall>& calls, size_t first_index,
                               int index = 0) const;
+  // Streaming with a reasoning parser: a delta of the thoughts (chat's
+  // `reasoning` and `reasoning_content`; the open reasoning item's text on
+  // /v1/responses), "" when `text` is empty and no logprobs go with it.
+  std::string StreamReasoning(const std::string& text, int index = 0,
+                              const std::vector<TokenPiece>& scored = {}) const;
   // Streaming: choice `index` finished.
   std::string StreamChoiceFinish(const std::string& finish_reason, int index) const;
   // Streaming: the usage event when requested, and [DONE].
@@ -285,20 +293,20 @@ class ResponseFormatter {
   // included.
   nlohmann::ordered_json ResponseObject(const Usage& usage) const;
 
-  // Non-streaming: the whole response object. `tools`: a chat choice's
-  // content and tool calls, which replace the text of `pieces`. For
+  // Non-streaming: the whole response object. `outcome`: a chat choice's
+  // reasoning, content and tool calls, which replace the text of `pieces`. For
   // /v1/responses: the pieces' text as a stream replayed (ResponseObject);
   // tool output must be replayed through StreamContent / StreamToolCalls.
   nlohmann::ordered_json Complete(const std::string& prompt_text,
                                   const std::vector<TokenPiece>& pieces,
                                   const std::string& finish_reason, const Usage& usage,
-                                  const ToolOutcome* tools = nullptr) const;
+                                  const ChatOutcome* outcome = nullptr) const;
   // Several choices (n > 1), in the order given.
   struct ChoiceOutput {
     int index = 0;
     const std::vector<TokenPiece>* pieces = nullptr;
     std::string finish_reason;
-    const ToolOutcome* tools = nullptr;
+    const ChatOutcome* outcome = nullptr;
     // Completions with echo and logprobs: the prompt's tokens as scored,
     // whose logprobs come first (null or empty: none came).
     const std::vector<TokenPiece>* prompt_pieces = nullptr;

@@ -490,19 +490,71 @@ std::string ResponsesWriter::Start() {
   return out;
 }
 
+std::string ResponsesWriter::Reasoning(const std::string& text) {
+  if (text.empty()) return "";
+  std::string out;
+  const size_t index = output_.size();
+  const std::string item_id = ItemId("rs_", index);
+  if (!reasoning_open_) {
+    reasoning_open_ = true;
+    reasoning_text_.clear();
+    out = Event("response.output_item.added", {{"output_index", index},
+                                               {"item",
+                                                {{"id", item_id},
+                                                 {"type", "reasoning"},
+                                                 {"summary", ojson::array()},
+                                                 {"content", ojson::array()},
+                                                 {"status", "in_progress"}}}});
+    out += Event("response.content_part.added",
+                 {{"item_id", item_id},
+                  {"output_index", index},
+                  {"content_index", 0},
+                  {"part", {{"type", "reasoning_text"}, {"text", ""}}}});
+  }
+  reasoning_text_ += text;
+  out +=
+      Event("response.reasoning_text.delta",
+            {{"item_id", item_id}, {"output_index", index}, {"content_index", 0}, {"delta", text}});
+  return out;
+}
+
+std::string ResponsesWriter::CloseReasoning() {
+  if (!reasoning_open_) return "";
+  reasoning_open_ = false;
+  const size_t index = output_.size();
+  const std::string item_id = ItemId("rs_", index);
+  const ojson part = {{"type", "reasoning_text"}, {"text", reasoning_text_}};
+  const ojson item = {{"id", item_id},
+                      {"type", "reasoning"},
+                      {"summary", ojson::array()},
+                      {"content", ojson::array({part})},
+                      {"status", "completed"}};
+  std::string out = Event("response.reasoning_text.done", {{"item_id", item_id},
+                                                           {"output_index", index},
+                                                           {"content_index", 0},
+                                                           {"text", reasoning_text_}});
+  out +=
+      Event("response.content_part.done",
+            {{"item_id", item_id}, {"output_index", index}, {"content_index", 0}, {"part", part}});
+  out += Event("response.output_item.done", {{"output_index", index}, {"item", item}});
+  output_.push_back(item);
+  return out;
+}
+
 std::string ResponsesWriter::OpenMessage() {
+  std::string out = CloseReasoning();
   message_open_ = true;
   message_text_.clear();
   message_logprobs_ = ojson::array();
   const size_t index = output_.size();
   const std::string item_id = ItemId("msg_", index);
-  std::string out = Event("response.output_item.added", {{"output_index", index},
-                                                         {"item",
-                                                          {{"id", item_id},
-                                                           {"type", "message"},
-                                                           {"status", "in_progress"},
-                                                           {"role", "assistant"},
-                                                           {"content", ojson::array()}}}});
+  out += Event("response.output_item.added", {{"output_index", index},
+                                              {"item",
+                                               {{"id", item_id},
+                                                {"type", "message"},
+                                                {"status", "in_progress"},
+                                                {"role", "assistant"},
+                                                {"content", ojson::array()}}}});
   out += Event("response.content_part.added", {{"item_id", item_id},
                                                {"output_index", index},
                                                {"content_index", 0},
@@ -592,7 +644,7 @@ std::string ResponsesWriter::Calls(const std::vector<ToolCall>& calls) {
   if (calls.empty()) return "";
   held_text_.clear();
   held_logprobs_ = ojson::array();
-  std::string out = CloseMessage();
+  std::string out = CloseReasoning() + CloseMessage();
   for (const ToolCall& call : calls) {
     const size_t index = output_.size();
     ojson item = CallItem(call, index);
@@ -614,11 +666,11 @@ std::string ResponsesWriter::Calls(const std::vector<ToolCall>& calls) {
 
 std::string ResponsesWriter::Finish(const std::string& finish_reason) {
   finish_reason_ = finish_reason;
-  std::string out;
+  std::string out = CloseReasoning();
   // Held whitespace after the last call is dropped; without calls it is the
   // message. An empty output is one empty message, as OpenAI answers it.
   if (output_.empty() && !message_open_) {
-    out = OpenMessage();
+    out += OpenMessage();
     if (!held_text_.empty() || !held_logprobs_.empty()) {
       const std::string text = std::exchange(held_text_, {});
       out += Text(text, std::exchange(held_logprobs_, ojson::array()));

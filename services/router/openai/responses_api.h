@@ -59,6 +59,11 @@ class ResponsesWriter {
   // opens (whitespace before it is held: before a call it is dropped, as
   // chat drops blank content beside calls). "" when nothing is sent.
   std::string Text(const std::string& text, const nlohmann::ordered_json& logprobs);
+  // Thoughts (a reasoning parser's, before any text or call): a delta of
+  // the open reasoning item, which the first opens; the next text, call or
+  // the end closes it. Reasoning text has no logprobs in this API: the
+  // thoughts' tokens' are dropped.
+  std::string Reasoning(const std::string& text);
   // Calls parsed whole: a function_call item each (the open message closed
   // first).
   std::string Calls(const std::vector<ToolCall>& calls);
@@ -86,6 +91,7 @@ class ResponsesWriter {
   std::string Event(const char* type, nlohmann::ordered_json fields);
   std::string OpenMessage();
   std::string CloseMessage();
+  std::string CloseReasoning();
   nlohmann::ordered_json CallItem(const ToolCall& call, size_t output_index) const;
   std::string ItemId(const char* prefix, size_t output_index) const;
 
@@ -94,6 +100,8 @@ class ResponsesWriter {
   int64_t created_at_;
   int64_t sequence_ = 0;
   nlohmann::ordered_json output_ = nlohmann::ordered_json::array();  // finished items
+  bool reasoning_open_ = false;
+  std::string reasoning_text_;
   bool message_open_ = false;
   std::string held_text_;  // whitespace while no message is open
   nlohmann::ordered_json held_logprobs_ = nlohmann::ordered_json::array();

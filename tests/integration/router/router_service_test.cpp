@@ -238,6 +238,7 @@ class RouterServiceTest : public ::testing::Test {
     o.request_timeout_ms = RequestTimeoutMs();
     o.tool_call_parser = ToolCallParser();
     o.chat_template_file = ChatTemplateFile();
+    o.reasoning_parser = ReasoningParser();
     auto s = RouterService::Create(o);
     ASSERT_TRUE(s.ok()) << s.status().ToString();
     service_ = std::move(*s);
@@ -253,6 +254,7 @@ class RouterServiceTest : public ::testing::Test {
   virtual int64_t RequestTimeoutMs() const { return 20'000; }
   virtual std::string ToolCallParser() const { return "hermes"; }
   virtual std::string ChatTemplateFile() const { return ""; }
+  virtual std::string ReasoningParser() const { return ""; }
 
   FakeWorker& AddWorker(const std::string& name, proto::Role role, uint32_t max_model_len) {
     workers_.push_back(std::make_unique<FakeWorker>(&loop_, service_->control_port(), model_id_,
@@ -996,6 +998,159 @@ TEST_F(RouterServiceChatTemplateTest, ResponsesAreServedAsTheirChatRequest) {
   EXPECT_EQ(refusal["param"], "max_tokens") << r.body;
   EXPECT_EQ(refusal["message"],
             "'max_tokens' is not a field of /v1/responses; use 'max_output_tokens'");
+}
+
+// --reasoning-parser: a thinking model's thoughts come apart from its
+// answer (chat's reasoning and reasoning_content, a reasoning item on
+// /v1/responses), streamed and not; tool calls are read from the answer;
+// a template told not to think leaves the output all answer; completions
+// are never split.
+class RouterServiceReasoningTest : public RouterServiceTest {
+ protected:
+  std::string ReasoningParser() const override { return "qwen3"; }
+  std::string ChatTemplateFile() const override {
+    // Qwen3-Thinking's way: the prompt opens the thinking, or closes an
+    // empty one when told not to think.
+    return WriteTemplate("thinking",
+                         "{% for m in messages %}[{{ m.role }}|{{ m.content }}]{% endfor %}"
+                         "{% if add_generation_prompt %}>"
+                         "{% if enable_thinking is defined and enable_thinking is false %}"
+                         "<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}{% endif %}");
+  }
+};
+
+TEST_F(RouterServiceReasoningTest, ThoughtsComeApartFromTheAnswer) {
+  FakeWorker& w = AddWorker("w", proto::ROLE_BOTH, 4096);
+  w.SetReplyText("Add them.\n</think>\n\n2 + 2 = 4.");
+  auto post = [&](const char* path, const nlohmann::json& body) {
+    return pdserve::testing::HttpRequest(service_->http_port(), "POST", path, body.dump());
+  };
+  nlohmann::json body = {{"model", model_id_},
+                         {"messages", {{{"role", "user"}, {"content", "2 + 2?"}}}},
+                         {"max_tokens", 4}};
+  auto r = post("/v1/chat/completions", body);
+  ASSERT_EQ(r.status, 200) << r.body;
+  auto message = nlohmann::json::parse(r.body)["choices"][0]["message"];
+  EXPECT_EQ(message["reasoning"], "Add them.\n") << r.body;
+  EXPECT_EQ(message["reasoning_content"], "Add them.\n") << r.body;
+  EXPECT_EQ(message["content"], "2 + 2 = 4.") << r.body;
+
+  body["stream"] = true;
+  r = post("/v1/chat/completions", body);
+  ASSERT_EQ(r.status, 200) << r.body;
+  std::string reasoning, reasoning_content, content;
+  for (const auto& chunk : SseChunks(r.body)) {
+    for (const auto& c : chunk["choices"]) {
+      const auto& d = c["delta"];
+      if (d.contains("reasoning")) {
+        EXPECT_TRUE(content.empty()) << "thoughts after the answer: " << r.body;
+        reasoning += d["reasoning"].get<std::string>();
+        reasoning_content += d["reasoning_content"].get<std::string>();
+      }
+      if (d.contains("content") && d["content"].is_string()) content += d["content"];
+    }
+  }
+  EXPECT_EQ(reasoning, "Add them.\n") << r.body;
+  EXPECT_EQ(reasoning_content, reasoning);
+  EXPECT_EQ(content, "2 + 2 = 4.") << r.body;
+
+  // Told not to think (as reasoning_effort none tells it): all answer.
+  w.SetReplyText("4. </think> is a tag.");
+  for (const nlohmann::json& no_thinking :
+       {nlohmann::json{{"chat_template_kwargs", {{"enable_thinking", false}}}},
+        nlohmann::json{{"reasoning_effort", "none"}}}) {
+    nlohmann::json quiet = body;
+    quiet.erase("stream");
+    quiet.update(no_thinking);
+    r = post("/v1/chat/completions", quiet);
+    ASSERT_EQ(r.status, 200) << r.body;
+    message = nlohmann::json::parse(r.body)["choices"][0]["message"];
+    EXPECT_EQ(message["content"], "4. </think> is a tag.") << r.body;
+    EXPECT_FALSE(message.contains("reasoning")) << r.body;
+  }
+
+  // Completions are text as generated.
+  r = post("/v1/completions", {{"model", model_id_}, {"prompt", "2 + 2?"}, {"max_tokens", 4}});
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(nlohmann::json::parse(r.body)["choices"][0]["text"], "4. </think> is a tag.");
+
+  // Cut off while thinking: thoughts, and no answer.
+  w.SetReplyText("Add the");
+  nlohmann::json plain = body;
+  plain.erase("stream");
+  r = post("/v1/chat/completions", plain);
+  ASSERT_EQ(r.status, 200) << r.body;
+  message = nlohmann::json::parse(r.body)["choices"][0]["message"];
+  EXPECT_EQ(message["reasoning"], "Add the") << r.body;
+  EXPECT_TRUE(message["content"].is_null()) << r.body;
+
+  // A call after the thoughts is a call; a call written inside them is not.
+  w.SetReplyText(
+      "Maybe <tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>?</think>\n"
+      "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"n\": 2}}\n</tool_call>");
+  plain["tools"] = nlohmann::json::parse(R"([{"type": "function", "function": {"name": "f",
+    "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}}}}])");
+  r = post("/v1/chat/completions", plain);
+  ASSERT_EQ(r.status, 200) << r.body;
+  message = nlohmann::json::parse(r.body)["choices"][0]["message"];
+  EXPECT_EQ(message["reasoning"],
+            "Maybe <tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>?")
+      << r.body;
+  ASSERT_EQ(message["tool_calls"].size(), 1u) << r.body;
+  EXPECT_EQ(
+      nlohmann::json::parse(message["tool_calls"][0]["function"]["arguments"].get<std::string>()),
+      nlohmann::json({{"n", 2}}));
+  EXPECT_TRUE(message["content"].is_null()) << r.body;
+}
+
+TEST_F(RouterServiceReasoningTest, ResponsesHaveAReasoningItemBeforeTheMessage) {
+  FakeWorker& w = AddWorker("w", proto::ROLE_BOTH, 4096);
+  w.SetReplyText("Add them.\n</think>\n\n2 + 2 = 4.");
+  nlohmann::json body = {{"model", model_id_}, {"input", "2 + 2?"}, {"max_output_tokens", 40}};
+  auto r =
+      pdserve::testing::HttpRequest(service_->http_port(), "POST", "/v1/responses", body.dump());
+  ASSERT_EQ(r.status, 200) << r.body;
+  const auto output = nlohmann::json::parse(r.body)["output"];
+  ASSERT_EQ(output.size(), 2u) << r.body;
+  EXPECT_EQ(output[0]["type"], "reasoning");
+  EXPECT_EQ(output[0]["content"],
+            nlohmann::json::parse(R"([{"type": "reasoning_text", "text": "Add them.\n"}])"));
+  EXPECT_EQ(output[0]["summary"], nlohmann::json::array());
+  EXPECT_EQ(output[1]["type"], "message");
+  EXPECT_EQ(output[1]["content"][0]["text"], "2 + 2 = 4.");
+
+  body["stream"] = true;
+  r = pdserve::testing::HttpRequest(service_->http_port(), "POST", "/v1/responses", body.dump());
+  ASSERT_EQ(r.status, 200) << r.body;
+  std::vector<std::string> types;
+  nlohmann::json completed;
+  for (const auto& e : SseChunks(r.body)) {
+    types.push_back(e["type"]);
+    if (e["type"] == "response.completed" || e["type"] == "response.incomplete")
+      completed = e["response"];
+  }
+  const std::vector<std::string> want = {"response.created",
+                                         "response.in_progress",
+                                         "response.output_item.added",
+                                         "response.content_part.added",
+                                         "response.reasoning_text.delta",
+                                         "response.reasoning_text.done",
+                                         "response.content_part.done",
+                                         "response.output_item.done",
+                                         "response.output_item.added",
+                                         "response.content_part.added",
+                                         "response.output_text.delta",
+                                         "response.output_text.done",
+                                         "response.content_part.done",
+                                         "response.output_item.done",
+                                         "response.incomplete"};
+  EXPECT_EQ(types, want) << r.body;
+  // The same items as unstreamed (their ids are the response's own).
+  auto without_ids = [](nlohmann::json items) {
+    for (auto& item : items) item.erase("id");
+    return items;
+  };
+  EXPECT_EQ(without_ids(completed["output"]), without_ids(output)) << r.body;
 }
 
 // A template that renders tools but writes calls in no format the router

@@ -317,6 +317,7 @@ TEST(UpTest, BadFlagsAreUsageErrors) {
            {"--policy", "bogus"},
            {"--load-format", "gguf"},
            {"--tool-call-parser", "foo"},
+           {"--reasoning-parser", "foo"},
            {"--allowed-origins", "app.example.com"},
            {"--chat-template", "/nonexistent/template.jinja"},
            {"--host", "999.1.1.1"},
