@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <set>
 #include <unordered_set>
 
 #include "common/logging.h"
@@ -581,10 +582,11 @@ void DecodeSide::OnPrefillDone(const std::string& address, const proto::PrefillD
     // A hand-off given up on before its report: the peer writes no more.
     // A failed write's bytes may still land: those stay held to the end.
     auto held = held_for_peers_.find(done.request_id());
-    if (held != held_for_peers_.end() && held->second.address == address &&
-        !done.writes_may_land()) {
-      ReleaseHeldBlocks(held, "its prefill worker reported");
-    }
+    if (held == held_for_peers_.end() || held->second.address != address) return;
+    if (!done.writes_may_land()) return ReleaseHeldBlocks(held, "its prefill worker reported");
+    HeldForPeer& h = held->second;
+    h.awaiting_report = false;
+    h.until = std::max(h.give_up, WorkerClock::now() + RemoteWriteGrace(ctx_->control));
     return;
   }
   Request& r = *requests_.at(id);
@@ -684,12 +686,31 @@ void DecodeSide::FallBackToLocal(RequestId id) {
   r.prefilled_remotely = false;
   by_prefill_rid_.erase(r.prefill_rid);
   if (!r.cancel_after_remote) ctx_->metrics->transfer_failures.Increment();
-  const bool hold = !r.writer_settled && WorkerClock::now() < r.remote_give_up;
+  // Held until the peer's deadline, which runs from the Prefill's arrival
+  // there, cannot have passed. Its report says when; with none yet over a
+  // live connection, the Prefill may still be on its way, so that time is
+  // unknown: held until the report comes or the connection closes (capped
+  // a deadline and a grace after the give-up, when the connection is
+  // closed). A peer gone (or a failed write's bytes) leaves the give-up
+  // time, or a grace from now.
+  const auto now = WorkerClock::now();
+  const auto grace = RemoteWriteGrace(ctx_->control);
+  HeldForPeer held;
+  held.give_up = r.remote_give_up;
+  held.address = r.prefill_address;
+  held.until = std::max(r.remote_give_up, now + grace);
+  const bool hold = !r.writer_settled;
+  if (hold && !r.reported && PrefillPeerConnected(r.prefill_address)) {
+    held.awaiting_report = true;
+    held.until = std::max(r.remote_give_up, now) +
+                 std::chrono::milliseconds(ctx_->opts->prefill_timeout_ms) + grace;
+  }
   auto failed = ctx_->engine->FailRemotePrefill(id, hold);
   if (failed.ok() && failed->has_value()) {
-    const size_t blocks = ctx_->engine->block_manager().PinnedBlocks(**failed).size();
-    held_for_peers_[r.prefill_rid] = {**failed, r.remote_give_up, r.prefill_address, blocks};
-    held_blocks_.fetch_add(blocks);
+    held.pin = **failed;
+    held.blocks = ctx_->engine->block_manager().PinnedBlocks(held.pin).size();
+    held_blocks_.fetch_add(held.blocks);
+    held_for_peers_[r.prefill_rid] = std::move(held);
   }
   if (r.cancel_after_remote) {
     (void)ctx_->engine->Cancel(id);
@@ -718,11 +739,52 @@ void DecodeSide::CheckDeadlines() {
     if (r->remote && now > r->remote_give_up) late.push_back(id);
   }
   for (RequestId id : late) GiveUpRemote(id, "prefill worker timed out");
+  std::set<std::string> silent;  // peers that never reported a hand-off given up on
   for (auto it = held_for_peers_.begin(); it != held_for_peers_.end();) {
     auto next = std::next(it);
-    if (now >= it->second.until) ReleaseHeldBlocks(it, "its transfer deadline has passed");
+    HeldForPeer& h = it->second;
+    if (now >= h.until && h.awaiting_report) {
+      // Its connection is closed, which stops its writes; a grace more for
+      // bytes already under way.
+      silent.insert(h.address);
+      h.awaiting_report = false;
+      h.until = now + RemoteWriteGrace(ctx_->control);
+    } else if (now >= h.until) {
+      ReleaseHeldBlocks(it, "its transfer deadline has passed");
+    }
     it = next;
   }
+  for (const std::string& address : silent) {
+    PDSERVE_LOG(ERROR) << "prefill worker " << address
+                       << " never reported hand-offs given up on long ago; closing its connection";
+    ClosePrefillPeer(address, "it never reported hand-offs given up on");
+  }
+}
+
+void DecodeSide::StopAwaitingReportsOf(const std::string& address) {
+  const auto until = WorkerClock::now() + RemoteWriteGrace(ctx_->control);
+  for (auto& [rid, h] : held_for_peers_) {
+    if (h.address != address || !h.awaiting_report) continue;
+    h.awaiting_report = false;
+    h.until = std::max(h.give_up, until);
+  }
+}
+
+bool DecodeSide::PrefillPeerConnected(const std::string& address) {
+  std::lock_guard<std::mutex> lock(peers_mu_);
+  auto it = prefill_peers_.find(address);
+  return it != prefill_peers_.end() && it->second->ready;
+}
+
+void DecodeSide::ClosePrefillPeer(const std::string& address, const std::string& why) {
+  ConnectionPtr connection;
+  {
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    auto it = prefill_peers_.find(address);
+    if (it != prefill_peers_.end() && it->second->client)
+      connection = it->second->client->connection();
+  }
+  if (connection) connection->Close(why);
 }
 
 // Requests waiting on prefill peers that are gone (or whose connection
@@ -1089,6 +1151,9 @@ void DecodeSide::OnPrefillPeerClosed(const std::string& address, const Status& w
   // it may still write into.
   if (transfer_peer) ctx_->transfer->Disconnect(transfer_peer);
   FallBackRequestsOf({address}, "prefill worker lost: " + why.message());
+  // After those fall back (posted in order): no report comes on this
+  // connection any more.
+  ctx_->post([this, address] { StopAwaitingReportsOf(address); });
 }
 
 }  // namespace pdserve::worker

@@ -88,9 +88,17 @@ class DecodeSide {
   // Blocks of a fallen-back hand-off that its peer may still write into.
   struct HeldForPeer {
     PinId pin = 0;
-    WorkerClock::time_point until;  // the peer's transfer deadline plus the grace
-    std::string address;            // the prefill peer
+    // Released then; or, awaiting a report, the peer's connection is closed
+    // then (the cap on a peer that never reports).
+    WorkerClock::time_point until;
+    WorkerClock::time_point give_up;  // the hand-off's give-up time (transfer deadline + grace)
+    std::string address;              // the prefill peer
     size_t blocks = 0;
+    // Given up on with no report over a live connection: the Prefill may
+    // still be on its way (a congested link delays it past our give-up), so
+    // the peer's own deadline may run later than ours. Held until its report
+    // comes or its connection closes.
+    bool awaiting_report = false;
   };
   using HeldBlocksMap = std::unordered_map<std::string, HeldForPeer>;  // by prefill rid
 
@@ -114,6 +122,13 @@ class DecodeSide {
   void CompleteRemote(RequestId id);
   void FallBackToLocal(RequestId id);
   void ReleaseHeldBlocks(HeldBlocksMap::iterator it, const char* why);
+  // The blocks held for `address` awaiting its reports: its connection
+  // closed, so none come; released a grace after.
+  void StopAwaitingReportsOf(const std::string& address);
+  bool PrefillPeerConnected(const std::string& address);
+  // Closes our connection to a prefill peer (which then falls back every
+  // hand-off on it and stops its writes). Any thread but under peers_mu_.
+  void ClosePrefillPeer(const std::string& address, const std::string& why);
   void FallBackRequestsOf(const std::vector<std::string>& addresses, const std::string& why);
   RequestId FindByPrefillRid(const std::string& address, const std::string& rid) const;
   void GiveUpUnsent(std::vector<std::string> prefill_rids, const std::string& why);

@@ -1,6 +1,7 @@
 #include "services/worker/prefill_side.h"
 
 #include <algorithm>
+#include <cstdlib>
 
 #include "common/logging.h"
 #include "common/proto/protocol.h"
@@ -132,9 +133,9 @@ void PrefillSide::FinishConnect(const ConnectJob& job) {
 void PrefillSide::OnPeerMessage(const ConnectionPtr& c, proto::Envelope& e) {
   if (e.has_transfer_hello()) return OnPeerTransferHello(c, e.transfer_hello());
   if (e.has_cancel()) {
-    ctx_->post(
-        [this, connection = c->id(), rid = e.cancel().request_id()] { OnCancel(connection, rid); });
-    return;
+    return Take([this, connection = c->id(), rid = e.cancel().request_id()](auto) {
+      OnCancel(connection, rid);
+    });
   }
   if (e.has_prefill()) {
     PeerId peer = 0;
@@ -143,10 +144,27 @@ void PrefillSide::OnPeerMessage(const ConnectionPtr& c, proto::Envelope& e) {
       auto it = decode_peers_.find(c->id());
       if (it != decode_peers_.end()) peer = it->second.transfer_peer;
     }
-    ctx_->post(
-        [this, c, peer, p = std::move(*e.mutable_prefill()),
-         received = WorkerClock::now()]() mutable { OnPrefill(c, peer, std::move(p), received); });
+    // (A std::function must be copyable: the Prefill goes in a shared_ptr.)
+    auto p = std::make_shared<proto::Prefill>(std::move(*e.mutable_prefill()));
+    Take([this, c, peer, p](WorkerClock::time_point received) {
+      OnPrefill(c, peer, std::move(*p), received);
+    });
   }
+}
+
+void PrefillSide::Take(std::function<void(WorkerClock::time_point)> handle) {
+  static const std::chrono::milliseconds delay = [] {
+    const char* v = std::getenv("PDSERVE_TEST_DECODE_LINK_DELAY_MS");
+    return std::chrono::milliseconds(v ? std::atoll(v) : 0);
+  }();
+  const WorkerClock::time_point arrived = WorkerClock::now();
+  if (delay.count() <= 0) {
+    ctx_->post([handle = std::move(handle), arrived] { handle(arrived); });
+    return;
+  }
+  ctx_->post([this, handle = std::move(handle), due = arrived + delay]() mutable {
+    delayed_.emplace_back(due, std::move(handle));
+  });
 }
 
 // The writer's half of the transfer handshake (pdserve.proto, TransferHello).
@@ -382,6 +400,11 @@ void PrefillSide::OnCancel(uint64_t connection_id, const std::string& decode_rid
 
 void PrefillSide::CheckDeadlines() {
   const auto now = WorkerClock::now();
+  while (!delayed_.empty() && now >= delayed_.front().first) {
+    auto [due, handle] = std::move(delayed_.front());
+    delayed_.pop_front();
+    handle(due);
+  }
   std::vector<RequestId> late;
   for (auto& [id, job] : jobs_) {
     if (!job->computed && now >= job->deadline) late.push_back(id);

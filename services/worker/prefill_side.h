@@ -24,6 +24,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -80,6 +81,12 @@ class PrefillSide {
   void FinishConnect(const ConnectJob& job);
 
   void OnPeerTransferHello(const control::ConnectionPtr& c, const proto::TransferHello& hello);
+  // Control loop thread: has the engine thread run `handle` with the time a
+  // decode worker's message arrived. Tests delay it
+  // (PDSERVE_TEST_DECODE_LINK_DELAY_MS=N: taken N ms after it arrives, in
+  // order, as a congested link delivers messages; a Prefill's deadline
+  // then runs from that later time, as it would).
+  void Take(std::function<void(WorkerClock::time_point arrived)> handle);
   // Engine thread.
   // `received`: when the Prefill arrived (its deadline runs from then, as
   // the decode worker's give-up does).
@@ -106,6 +113,9 @@ class PrefillSide {
 
   // Engine thread.
   std::unordered_map<RequestId, std::unique_ptr<Job>> jobs_;
+  // Messages Take holds back for tests, in arrival order, by when they are due.
+  std::deque<std::pair<WorkerClock::time_point, std::function<void(WorkerClock::time_point)>>>
+      delayed_;
   // Prefills whose grammar compiles, by (connection id, request id), and
   // whether their decode worker cancelled them (or went) meanwhile: the
   // compiler skips those not started, and Start is never reached for them,

@@ -158,6 +158,47 @@ TEST(AbandonedWorkTest, BlocksAFailedWriteTargetedStayHeldUntilTheGiveUp) {
   EXPECT_TRUE(WaitForMetric(decode.metrics_port, "pdserve_kv_blocks_held_for_peers", "", 0, 5s));
 }
 
+// A Prefill delayed on a congested link past the decode worker's give-up
+// (here by the prefill worker's test hook, which takes a decode worker's
+// messages 12 s after they arrive) runs with a deadline from when it
+// arrives, later than that give-up: its writes would land in blocks the
+// decode worker had freed. The decode worker prefills the request itself
+// at its give-up, as before, but keeps the blocks the peer was to write
+// held until the peer's report comes, over the connection that stayed up.
+TEST(AbandonedWorkTest, BlocksStayHeldUntilALatePrefillIsReported) {
+  LocalStack stack("abandoned-late-arrival");
+  stack.StartRouter({"--max-local-prefill", "0"});
+  stack.SetWorkerEnv({{"PDSERVE_TEST_DECODE_LINK_DELAY_MS", "12000"}});
+  WorkerProc& prefill = stack.StartWorker("prefill");
+  stack.SetWorkerEnv({});
+  // Given up on 1 s + the 7 s grace after it is sent.
+  WorkerProc& decode = stack.StartWorker("decode", {"--prefill-timeout-ms", "1000"});
+  ASSERT_TRUE(stack.WaitReady());
+
+  const std::string prompt = Prompt("late arrival", 120);
+  const nlohmann::json want = Generate(prompt, 3);
+  auto [status, body] =
+      stack.Post("/v1/completions",
+                 {{"prompt", prompt}, {"max_tokens", 3}, {"temperature", 0}, {"ignore_eos", true}});
+  ASSERT_EQ(status, 200) << body.dump();
+  EXPECT_EQ(body["choices"][0]["text"], want["text"]);
+  // Answered after the give-up (about 8 s in), before the Prefill arrives
+  // (12 s): the gauge shows the blocks held within its update period.
+  double held = 0;
+  for (int i = 0; i < 40 && held == 0; ++i) {
+    held = LocalStack::Metric(decode.metrics_port, "pdserve_kv_blocks_held_for_peers");
+    if (held == 0) std::this_thread::sleep_for(50ms);
+  }
+  EXPECT_GT(held, 0) << decode.proc.Log();
+  EXPECT_EQ(prefill.proc.Log().find("done:"), std::string::npos) << prefill.proc.Log();
+  ASSERT_TRUE(prefill.proc.WaitForLog(std::regex("prefill \\S+ done: [1-9]"), 20s))
+      << prefill.proc.Log();
+  EXPECT_TRUE(decode.proc.WaitForLog(std::regex("released: its prefill worker reported"), 10s))
+      << decode.proc.Log();
+  EXPECT_TRUE(WaitForMetric(decode.metrics_port, "pdserve_kv_blocks_held_for_peers", "", 0, 5s));
+  EXPECT_EQ(decode.proc.Log().find("prefill worker lost"), std::string::npos) << decode.proc.Log();
+}
+
 // A Prefill that waits past its deadline before the engine thread starts it
 // (here behind a six-second step) is refused then, never started: its
 // deadline runs from its arrival, as the decode worker's give-up does, so
