@@ -199,6 +199,33 @@ TEST(AbandonedWorkTest, BlocksStayHeldUntilALatePrefillIsReported) {
   EXPECT_EQ(decode.proc.Log().find("prefill worker lost"), std::string::npos) << decode.proc.Log();
 }
 
+// A peer that never reports a hand-off given up on (its link delays
+// everything a minute) does not hold the blocks forever: a deadline and a
+// grace after the give-up the decode worker closes its connection, which
+// ends the peer's writes, and frees the blocks a grace later.
+TEST(AbandonedWorkTest, APeerThatNeverReportsHasItsConnectionClosed) {
+  LocalStack stack("abandoned-silent-peer");
+  stack.StartRouter({"--max-local-prefill", "0"});
+  stack.SetWorkerEnv({{"PDSERVE_TEST_DECODE_LINK_DELAY_MS", "60000"}});
+  WorkerProc& prefill = stack.StartWorker("prefill");
+  stack.SetWorkerEnv({});
+  // Given up on at 8 s; the connection closed at 16 s; freed at 23 s.
+  WorkerProc& decode = stack.StartWorker("decode", {"--prefill-timeout-ms", "1000"});
+  ASSERT_TRUE(stack.WaitReady());
+
+  auto [status, body] =
+      stack.Post("/v1/completions", {{"prompt", Prompt("silent", 120)}, {"max_tokens", 2}});
+  ASSERT_EQ(status, 200) << body.dump();
+  EXPECT_TRUE(decode.proc.WaitForLog(std::regex("never reported hand-offs given up on"), 15s))
+      << decode.proc.Log();
+  EXPECT_GT(LocalStack::Metric(decode.metrics_port, "pdserve_kv_blocks_held_for_peers"), 0)
+      << decode.proc.Log();
+  EXPECT_TRUE(decode.proc.WaitForLog(std::regex("released: its transfer deadline has passed"), 15s))
+      << decode.proc.Log();
+  EXPECT_TRUE(WaitForMetric(decode.metrics_port, "pdserve_kv_blocks_held_for_peers", "", 0, 5s));
+  EXPECT_EQ(prefill.proc.Log().find("done:"), std::string::npos) << prefill.proc.Log();
+}
+
 // A Prefill that waits past its deadline before the engine thread starts it
 // (here behind a six-second step) is refused then, never started: its
 // deadline runs from its arrival, as the decode worker's give-up does, so
