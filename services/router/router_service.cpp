@@ -2081,7 +2081,9 @@ class RouterServiceImpl : public RouterService {
     for (size_t k = 0; k < parts.size();) {
       const std::vector<TokenPiece> logprobs = k == 0 ? scored : std::vector<TokenPiece>{};
       if (parts[k].reasoning) {
-        events += r.formatter->StreamReasoning(parts[k].tool.content, index, logprobs);
+        // Left out (include_reasoning false): its tokens' logprobs still go.
+        const std::string& thoughts = r.api->include_reasoning ? parts[k].tool.content : "";
+        events += r.formatter->StreamReasoning(thoughts, index, logprobs);
         ++k;
         continue;
       }
@@ -2193,6 +2195,7 @@ class RouterServiceImpl : public RouterService {
               out.split_reasoning = true;
               std::string answer;
               SplitReasoning(*r.starts_thinking, text, &out.reasoning, &answer);
+              if (!r.api->include_reasoning) out.reasoning.clear();
               text = std::move(answer);
             }
             if (ToolsActive(*r.api)) {

@@ -1005,6 +1005,7 @@ std::optional<ApiError> ParseBody(Endpoint endpoint, const ojson& j, const ApiLi
   PDSERVE_API_CHECK(ParseLogitBias(f.Get("logit_bias"), &s.logit_bias));
   if (endpoint == Endpoint::kChatCompletions) {
     PDSERVE_API_CHECK(ParseTools(j, out));
+    PDSERVE_API_CHECK(f.Bool("include_reasoning", &out->include_reasoning));
   } else if (const ojson* tools = f.Get("tools"); tools && !(tools->is_array() && tools->empty())) {
     return InvalidParam("tools", "'tools' is for /v1/chat/completions");
   }
@@ -1475,8 +1476,10 @@ std::string ResponseFormatter::StreamReasoning(const std::string& text, int inde
   if (text.empty() && !logprobs) return "";
   ojson j = Envelope("chat.completion.chunk");
   const std::string utf8 = Utf8Text(text);
+  ojson delta = ojson::object();
+  if (!utf8.empty()) delta = {{"reasoning", utf8}, {"reasoning_content", utf8}};
   j["choices"] = {{{"index", index},
-                   {"delta", {{"reasoning", utf8}, {"reasoning_content", utf8}}},
+                   {"delta", std::move(delta)},
                    {"logprobs", logprobs ? Logprobs(scored, 0) : ojson(nullptr)},
                    {"finish_reason", nullptr}}};
   return Chunk(j);

@@ -121,6 +121,9 @@ struct ApiRequest {
   enum class ToolChoice { kNone, kAuto, kRequired, kNamed } tool_choice = ToolChoice::kNone;
   std::string tool_choice_name;
   bool parallel_tool_calls = true;
+  // vLLM's include_reasoning (chat): false leaves a reasoning parser's
+  // thoughts out of the answer (reasoning.h).
+  bool include_reasoning = true;
   // /v1/responses: the request's fields its response object repeats
   // (ResponsesToChat's echo).
   nlohmann::ordered_json response_fields;

@@ -1054,6 +1054,20 @@ TEST_F(RouterServiceReasoningTest, ThoughtsComeApartFromTheAnswer) {
   EXPECT_EQ(reasoning_content, reasoning);
   EXPECT_EQ(content, "2 + 2 = 4.") << r.body;
 
+  // include_reasoning false (vLLM's): the answer alone, streamed and not.
+  nlohmann::json answer_only = body;
+  answer_only["include_reasoning"] = false;
+  r = post("/v1/chat/completions", answer_only);
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(r.body.find("reasoning"), std::string::npos) << r.body;
+  EXPECT_NE(r.body.find("2 + 2 = 4."), std::string::npos) << r.body;
+  answer_only.erase("stream");
+  r = post("/v1/chat/completions", answer_only);
+  ASSERT_EQ(r.status, 200) << r.body;
+  message = nlohmann::json::parse(r.body)["choices"][0]["message"];
+  EXPECT_FALSE(message.contains("reasoning")) << r.body;
+  EXPECT_EQ(message["content"], "2 + 2 = 4.") << r.body;
+
   // Told not to think (as reasoning_effort none tells it): all answer.
   w.SetReplyText("4. </think> is a tag.");
   for (const nlohmann::json& no_thinking :
