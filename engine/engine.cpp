@@ -28,6 +28,7 @@ struct Engine::Sequence {
   std::vector<BlockHash> hashes;  // of the leading full blocks whose KV is computed
   int64_t num_computed = 0;       // tokens whose KV is in the pool
   uint64_t arrival = 0;
+  int32_t priority = 0;  // EngineRequest::priority
   bool prefill_only = false;
   bool stream_kv_blocks = false;
   int64_t reported_full_blocks = 0;  // stream_kv_blocks: prompt blocks already reported
@@ -402,6 +403,7 @@ std::unique_ptr<Engine::Sequence> Engine::NewSequence(EngineRequest r) {
   s->params = std::move(r.params);
   s->hash_seed = BlockHashSeed(model_id_, r.cache_salt);
   s->arrival = next_arrival_++;
+  s->priority = r.priority;
   s->prefill_only = r.prefill_only;
   // A prompt SnapKV compresses hands off only its compressed blocks, which
   // exist once the prompt is done: none of its full blocks is streamed.
@@ -447,13 +449,14 @@ Status Engine::AddRequest(EngineRequest request) {
   auto seq = NewSequence(std::move(request));
   Sequence* s = seq.get();
   requests_.emplace(s->id, std::move(seq));
-  waiting_.push_back(s);
+  InsertSorted(&waiting_, s);
   return Status::Ok();
 }
 
 void Engine::InsertSorted(std::vector<Sequence*>* list, Sequence* seq) {
-  auto it = std::upper_bound(list->begin(), list->end(), seq,
-                             [](Sequence* a, Sequence* b) { return a->arrival < b->arrival; });
+  auto it = std::upper_bound(list->begin(), list->end(), seq, [](Sequence* a, Sequence* b) {
+    return std::pair(a->priority, a->arrival) < std::pair(b->priority, b->arrival);
+  });
   list->insert(it, seq);
 }
 
@@ -967,8 +970,19 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
     if (from_tiers > 0) req.computed_tokens = static_cast<size_t>(cached + planned);
     auto admitted = blocks_->Admit(req);
     if (!admitted.ok()) {
-      if (admitted.status().code() == StatusCode::kResourceExhausted) break;
-      return admitted.status();
+      if (admitted.status().code() != StatusCode::kResourceExhausted) return admitted.status();
+      // Priority: the last running sequence makes room when it ranks
+      // lower; then s tries again (the victim queues behind it).
+      Sequence* victim = running_.empty() ? nullptr : running_.back();
+      if (victim == nullptr || victim->priority <= s->priority) break;
+      for (auto it = sched.begin(); it != sched.end(); ++it) {
+        if (it->seq != victim) continue;
+        budget += it->n;
+        sched.erase(it);
+        break;
+      }
+      Preempt(victim);
+      continue;
     }
     s->num_computed = static_cast<int64_t>(admitted->num_cached_tokens);
     s->hashes.assign(hashes.begin(), hashes.begin() + admitted->num_cached_blocks);

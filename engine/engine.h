@@ -2,15 +2,19 @@
 // (prefix cache, KV events) and a continuous-batching scheduler.
 //
 // Scheduling (vLLM vocabulary): every Step() builds one batch under a token
-// budget (max_num_batched_tokens). Running sequences come first, in arrival
-// order (FCFS): a decoding sequence takes 1 token, a prefilling one its next
-// chunk (whatever budget is left). Then waiting requests are admitted in
-// arrival order while budget, max_num_seqs and free blocks allow, each
+// budget (max_num_batched_tokens). Running sequences come first, in order of
+// priority (EngineRequest::priority, lower first), then of arrival (FCFS
+// among equals): a decoding sequence takes 1 token, a prefilling one its
+// next chunk (whatever budget is left). Then waiting requests are admitted
+// in the same order while budget, max_num_seqs and free blocks allow, each
 // reusing its longest cached prefix (full blocks, hash spec v1). When a
-// running sequence needs a block and none is free, the newest running
-// sequence is preempted: its blocks are released and it goes back to the
-// front of the queue, to be recomputed (prompt + tokens generated so far)
-// when it is admitted again. Sampling is a pure function of (logits, params,
+// running sequence needs a block and none is free, the last running
+// sequence in that order (the newest of the lowest priority) is preempted:
+// its blocks are released and it goes back to the queue, in its place by
+// that order, to be recomputed (prompt + tokens generated so far) when it
+// is admitted again. A waiting request finds no free block for its prompt:
+// it preempts the last running sequence only when that one has a lower
+// priority (vLLM's priority policy). Sampling is a pure function of (logits, params,
 // seed, output index), so preemption, batching and chunking do not change
 // the tokens a request gets (up to floating-point noise in the logits;
 // under Quest, a preempted request recomputes its generated tokens densely,
@@ -171,6 +175,10 @@ struct EngineRequest {
   // (reference counts) rather than computed again; only the last, partial
   // block is this request's own. Requests behind it in the queue pass it.
   RequestId share_prompt_with = 0;
+  // Scheduling priority (vLLM's): lower runs first, and a waiting request
+  // preempts running ones of a lower priority (a higher value) when the
+  // pool is full. Equal priorities run in arrival order.
+  int32_t priority = 0;
   // SnapKV: keep this prompt's KV by position, never compressed. A hot-prefix
   // copy or a drain push (Prefill.prefix_copy) moves the full prompt's
   // blocks, which the receiver caches as the holder does, not a request's
@@ -476,8 +484,8 @@ class Engine {
   int64_t offloads_dropped_ = 0;
   std::vector<TierOnload> tier_onloads_;
   std::unordered_map<RequestId, std::unique_ptr<Sequence>> requests_;
-  std::vector<Sequence*> waiting_;  // arrival order
-  std::vector<Sequence*> running_;  // arrival order
+  std::vector<Sequence*> waiting_;  // by priority, then arrival (InsertSorted)
+  std::vector<Sequence*> running_;  // by priority, then arrival (InsertSorted)
   uint64_t next_arrival_ = 0;
   uint64_t num_preemptions_ = 0;
   uint64_t num_steps_ = 0;

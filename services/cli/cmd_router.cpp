@@ -127,6 +127,9 @@ int RunRouter(int argc, char** argv) {
   flags.AddString("reasoning-parser", &o.reasoning_parser,
                   "how a reasoning model marks its thoughts, returned apart from the answer: "
                   "deepseek_r1|qwen3 (default: none, thoughts stay in the content)");
+  flags.AddString("scheduling-policy", &o.scheduling_policy,
+                  "fcfs (requests run in arrival order; a request's 'priority' is refused) or "
+                  "priority (vLLM's: lower 'priority' first, preempting lower ones)");
   flags.AddString("generation-config", &o.generation_config,
                   "sampling a request leaves out: auto (the model's generation_config.json: "
                   "temperature, top_p, top_k, min_p) or none (OpenAI's defaults)");
@@ -139,6 +142,9 @@ int RunRouter(int argc, char** argv) {
   if (!o.tool_call_parser.empty() && !router::ParseToolParserName(o.tool_call_parser).ok())
     UsageError("router", "--tool-call-parser: " +
                              router::ParseToolParserName(o.tool_call_parser).status().message());
+  if (o.scheduling_policy != "fcfs" && o.scheduling_policy != "priority")
+    UsageError("router",
+               "--scheduling-policy must be fcfs or priority, got '" + o.scheduling_policy + "'");
   if (!o.reasoning_parser.empty()) {
     if (auto parser = router::ParseReasoningParserName(o.reasoning_parser); !parser.ok())
       UsageError("router", "--reasoning-parser: " + parser.status().message());

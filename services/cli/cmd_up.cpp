@@ -305,6 +305,10 @@ int RunUp(int argc, char** argv) {
                   "router: how the model writes tool calls "
                   "(hermes|qwen3|qwen3_coder|mistral|llama3_json|deepseek_v3|deepseek_v31; "
                   "default: from the chat template)");
+  std::string scheduling_policy = "fcfs";
+  flags.AddString("scheduling-policy", &scheduling_policy,
+                  "router: fcfs (arrival order; a request's 'priority' is refused) or priority "
+                  "(vLLM's: lower 'priority' first, preempting lower ones)");
   std::string reasoning_parser;
   flags.AddString("reasoning-parser", &reasoning_parser,
                   "router: how a reasoning model marks its thoughts (deepseek_r1|qwen3; "
@@ -389,6 +393,9 @@ int RunUp(int argc, char** argv) {
     if (auto parser = router::ParseReasoningParserName(reasoning_parser); !parser.ok())
       UsageError("up", "--reasoning-parser: " + parser.status().message());
   }
+  if (scheduling_policy != "fcfs" && scheduling_policy != "priority")
+    UsageError("up",
+               "--scheduling-policy must be fcfs or priority, got '" + scheduling_policy + "'");
   if (!ParseLoadFormat(load_format))
     UsageError("up", "--load-format must be safetensors or dummy, not '" + load_format + "'");
   if (auto resolved = kernels::ResolveDevice(device); !resolved.ok())
@@ -490,6 +497,7 @@ int RunUp(int argc, char** argv) {
   }
   if (!reasoning_parser.empty())
     router_args.insert(router_args.end(), {"--reasoning-parser", reasoning_parser});
+  router_args.insert(router_args.end(), {"--scheduling-policy", scheduling_policy});
   if (!allowed_origins.empty())
     router_args.insert(router_args.end(), {"--allowed-origins", allowed_origins});
   if (!chat_template.empty())

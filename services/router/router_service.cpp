@@ -400,6 +400,10 @@ class RouterServiceImpl : public RouterService {
     } else {
       tool_parser_ = ToolParserForTemplate(template_text);
     }
+    if (opts_.scheduling_policy != "fcfs" && opts_.scheduling_policy != "priority") {
+      return Status::InvalidArgument("scheduling policy must be fcfs or priority, not '" +
+                                     opts_.scheduling_policy + "'");
+    }
     if (!opts_.reasoning_parser.empty()) {
       auto parser = ParseReasoningParserName(opts_.reasoning_parser);
       if (!parser.ok()) return parser.status();
@@ -772,6 +776,13 @@ class RouterServiceImpl : public RouterService {
     }
     parsed = true;
     ApiRequest& api = *r->api;
+    if (api.priority != 0 && opts_.scheduling_policy != "priority") {
+      return reject({400,
+                     "'priority' is not enabled on this server: it schedules requests in "
+                     "arrival order (start the router with --scheduling-policy priority)",
+                     "invalid_request_error", "priority", ""},
+                    "rejected");
+    }
     // Tenancy: each key's requests share cache only among themselves.
     if (opts_.salt_per_api_key && api_key)
       api.cache_salt = TenantCacheSalt(*api_key, api.cache_salt);
@@ -1175,6 +1186,7 @@ class RouterServiceImpl : public RouterService {
       ToProto(sampling, g->mutable_sampling());
       g->set_n(static_cast<uint32_t>(r.choices.size()));
       g->set_cache_salt(r.api->cache_salt);
+      g->set_priority(r.api->priority);
       // The prefill decision travels with the request: an address means
       // "prefill remotely there", none means "prefill locally". A prompt to
       // score is prefilled where its logits are wanted: locally, no copy.

@@ -110,6 +110,10 @@ struct RouterServiceOptions {
   // How a reasoning model marks its thoughts (reasoning.h: deepseek_r1,
   // qwen3); "": none, thoughts stay in the content.
   std::string reasoning_parser;
+  // "fcfs": requests run in arrival order and a nonzero `priority` is
+  // refused (it would let any client jump the queue); "priority": vLLM's
+  // policy, `priority` passed to the workers (lower first, preempting).
+  std::string scheduling_policy = "fcfs";
   // A Jinja chat template file used instead of the model's (as vLLM's
   // --chat-template: a tool-calling template, or one for a model that has
   // none); it must parse, or the router does not start. "": the model's.

@@ -163,6 +163,7 @@ void DecodeSide::Admit(const ConnectionPtr& router, proto::Generate g,
   const uint32_t sequences = n / finishes;
   req.params.seed = ResolveSeed(req.params);  // the prefill peer must sample with the same seed
   req.cache_salt = g.cache_salt();
+  req.priority = g.priority();
   req.grammar = std::move(grammar);
   const EngineRequest base = req;  // n > 1: the other sequences' template
   auto r = std::make_unique<Request>();
@@ -207,6 +208,7 @@ void DecodeSide::Admit(const ConnectionPtr& router, proto::Generate g,
     for (TokenId t : req.prompt) p->add_prompt_token_ids(t);
     ToProto(req.params, p->mutable_sampling());
     p->set_cache_salt(req.cache_salt);
+    p->set_priority(req.priority);
     // Every layer group's blocks the engine reserved to be written (a
     // windowed group's only within the first decode query's reach).
     for (const BlockSlot& slot : plan->fill) {

@@ -359,6 +359,7 @@ void PrefillSide::Start(const ConnectionPtr& decode, PeerId peer, proto::Prefill
   req.id = ctx_->next_id++;
   req.prompt.assign(p.prompt_token_ids().begin(), p.prompt_token_ids().end());
   req.params = FromProto(p.sampling());
+  req.priority = p.priority();
   req.params.max_tokens = 1;
   // Its one token is the first of the output: min_tokens holds EOS off it
   // (the decode worker holds the rest).

@@ -1088,6 +1088,15 @@ std::optional<ApiError> ParseBody(Endpoint endpoint, const ojson& j, const ApiLi
   }
 
   PDSERVE_API_CHECK(RefuseUnservedExtensions(endpoint, j));
+  std::optional<int64_t> priority;
+  PDSERVE_API_CHECK(f.Int("priority", &priority));
+  if (priority) {
+    if (*priority < std::numeric_limits<int32_t>::min() ||
+        *priority > std::numeric_limits<int32_t>::max()) {
+      return InvalidParam("priority", "'priority' must be a 32-bit integer");
+    }
+    out->priority = static_cast<int32_t>(*priority);
+  }
   PDSERVE_API_CHECK(f.String("user", &out->user));
   PDSERVE_API_CHECK(f.String("cache_salt", &out->cache_salt));
   if (f.Get("cache_salt") && out->cache_salt.empty()) {

@@ -124,6 +124,9 @@ struct ApiRequest {
   // vLLM's include_reasoning (chat): false leaves a reasoning parser's
   // thoughts out of the answer (reasoning.h).
   bool include_reasoning = true;
+  // vLLM's priority: lower is scheduled first (the router refuses a
+  // nonzero one unless started with --scheduling-policy priority).
+  int32_t priority = 0;
   // /v1/responses: the request's fields its response object repeats
   // (ResponsesToChat's echo).
   nlohmann::ordered_json response_fields;

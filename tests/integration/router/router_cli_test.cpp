@@ -82,6 +82,8 @@ TEST(ControlSecurityCliTest, RouterAndWorkerRefuseToStartWithoutAClusterSecret) 
       {"router " + model + " --insecure-control-plane --control-tls-cert x.pem",
        "--control-tls-cert, --control-tls-key and --control-tls-ca go together"},
       {"router " + model + " --generation-config vllm", "--generation-config must be auto or none"},
+      {"router " + model + " --scheduling-policy lifo",
+       "--scheduling-policy must be fcfs or priority, got 'lifo'"},
       {"router " + model + " --reasoning-parser granite",
        "--reasoning-parser: unknown reasoning parser 'granite' (deepseek_r1, qwen3)"},
       {"router " + model + " --allowed-origins https://app.example.com/path",

@@ -239,6 +239,7 @@ class RouterServiceTest : public ::testing::Test {
     o.tool_call_parser = ToolCallParser();
     o.chat_template_file = ChatTemplateFile();
     o.reasoning_parser = ReasoningParser();
+    o.scheduling_policy = SchedulingPolicy();
     auto s = RouterService::Create(o);
     ASSERT_TRUE(s.ok()) << s.status().ToString();
     service_ = std::move(*s);
@@ -255,6 +256,7 @@ class RouterServiceTest : public ::testing::Test {
   virtual std::string ToolCallParser() const { return "hermes"; }
   virtual std::string ChatTemplateFile() const { return ""; }
   virtual std::string ReasoningParser() const { return ""; }
+  virtual std::string SchedulingPolicy() const { return "fcfs"; }
 
   FakeWorker& AddWorker(const std::string& name, proto::Role role, uint32_t max_model_len) {
     workers_.push_back(std::make_unique<FakeWorker>(&loop_, service_->control_port(), model_id_,
@@ -1165,6 +1167,47 @@ TEST_F(RouterServiceReasoningTest, ResponsesHaveAReasoningItemBeforeTheMessage) 
     return items;
   };
   EXPECT_EQ(without_ids(completed["output"]), without_ids(output)) << r.body;
+}
+
+// vLLM's priority: refused under the default policy (any client could
+// jump the queue), passed to the workers under --scheduling-policy priority.
+TEST_F(RouterServiceTest, PriorityIsRefusedUnlessThePolicyTakesIt) {
+  AddWorker("w", proto::ROLE_BOTH, 4096);
+  nlohmann::json body = {{"model", model_id_}, {"prompt", "hi"}, {"max_tokens", 2}};
+  body["priority"] = 0;
+  EXPECT_EQ(
+      pdserve::testing::HttpRequest(service_->http_port(), "POST", "/v1/completions", body.dump())
+          .status,
+      200);
+  body["priority"] = 5;
+  auto r =
+      pdserve::testing::HttpRequest(service_->http_port(), "POST", "/v1/completions", body.dump());
+  ASSERT_EQ(r.status, 400) << r.body;
+  EXPECT_EQ(nlohmann::json::parse(r.body)["error"]["param"], "priority");
+  EXPECT_NE(r.body.find("--scheduling-policy priority"), std::string::npos) << r.body;
+}
+
+class RouterServicePriorityTest : public RouterServiceTest {
+ protected:
+  std::string SchedulingPolicy() const override { return "priority"; }
+};
+
+TEST_F(RouterServicePriorityTest, PriorityReachesTheWorker) {
+  FakeWorker& w = AddWorker("w", proto::ROLE_BOTH, 4096);
+  for (const int64_t priority : {-7, 0, 3}) {
+    nlohmann::json body = {
+        {"model", model_id_}, {"prompt", "hi"}, {"max_tokens", 2}, {"priority", priority}};
+    auto r = pdserve::testing::HttpRequest(service_->http_port(), "POST", "/v1/completions",
+                                           body.dump());
+    ASSERT_EQ(r.status, 200) << r.body;
+    ASSERT_FALSE(w.generates().empty());
+    EXPECT_EQ(w.generates().back().priority(), priority);
+  }
+  nlohmann::json too_big = {
+      {"model", model_id_}, {"prompt", "hi"}, {"max_tokens", 2}, {"priority", int64_t{1} << 31}};
+  auto r = pdserve::testing::HttpRequest(service_->http_port(), "POST", "/v1/completions",
+                                         too_big.dump());
+  EXPECT_EQ(r.status, 400) << r.body;
 }
 
 // A template that renders tools but writes calls in no format the router

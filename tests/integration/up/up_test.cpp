@@ -318,6 +318,7 @@ TEST(UpTest, BadFlagsAreUsageErrors) {
            {"--load-format", "gguf"},
            {"--tool-call-parser", "foo"},
            {"--reasoning-parser", "foo"},
+           {"--scheduling-policy", "lifo"},
            {"--allowed-origins", "app.example.com"},
            {"--chat-template", "/nonexistent/template.jinja"},
            {"--host", "999.1.1.1"},

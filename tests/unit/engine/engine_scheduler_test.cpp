@@ -213,6 +213,71 @@ TEST_F(EngineSchedulerTest, SeededSamplingIsUnchangedByPreemption) {
   EXPECT_NE(Alone(a), Alone(b));
 }
 
+// Priority (vLLM's policy): the queue runs lower values first, arrival
+// order among equals.
+TEST_F(EngineSchedulerTest, PriorityOrdersTheQueue) {
+  EngineOptions o;
+  o.max_num_seqs = 1;  // one at a time: the order is the finishing order
+  auto e = MakeEngine(o);
+  const int priorities[] = {1, 0, 1, -3};
+  for (int i = 0; i < 4; ++i) {
+    EngineRequest r = Greedy(i + 1, Prompt(20, 40 + i), 4);
+    r.priority = priorities[i];
+    ASSERT_TRUE(e->AddRequest(r).ok());
+  }
+  std::vector<RequestId> finished;
+  while (e->HasUnfinished()) {
+    auto step = e->Step();
+    ASSERT_TRUE(step.ok()) << step.status().ToString();
+    for (const auto& out : *step) {
+      if (out.finished) finished.push_back(out.id);
+    }
+  }
+  EXPECT_EQ(finished, (std::vector<RequestId>{4, 2, 1, 3}));
+}
+
+// A request that finds no room preempts a running one of a lower priority
+// (and only such a one), which later resumes with the tokens it would have
+// had alone.
+TEST_F(EngineSchedulerTest, AHigherPriorityRequestPreemptsALowerOne) {
+  for (const int late_priority : {0, -1}) {
+    SCOPED_TRACE(late_priority);
+    EngineRequest early = Greedy(1, Prompt(40, 50), 60);  // 100 tokens: 7 of the 9 blocks
+    EngineRequest late = Greedy(2, Prompt(40, 51), 20);   // needs 3 to start
+    late.priority = late_priority;
+    const std::vector<TokenId> early_alone = Alone(early), late_alone = Alone(late);
+    EngineOptions o;
+    o.kv_cache_bytes = 9 * kBlockBytes;
+    auto e = MakeEngine(o);
+    ASSERT_TRUE(e->AddRequest(early).ok());
+    std::map<RequestId, std::vector<TokenId>> out;
+    std::vector<RequestId> finished;
+    auto step = [&] {
+      auto s = e->Step();
+      ASSERT_TRUE(s.ok()) << s.status().ToString();
+      for (const auto& o : *s) {
+        out[o.id].insert(out[o.id].end(), o.new_token_ids.begin(), o.new_token_ids.end());
+        if (o.finished) finished.push_back(o.id);
+      }
+    };
+    while (out[1].size() < 57) step();  // 97 tokens: 7 blocks held, 2 free
+    ASSERT_TRUE(e->AddRequest(late).ok());
+    while (e->HasUnfinished()) step();
+    EXPECT_EQ(out[1], early_alone);
+    EXPECT_EQ(out[2], late_alone);
+    if (late_priority < 0) {
+      EXPECT_GT(e->GetStats().num_preemptions, 0u);
+      EXPECT_EQ(finished, (std::vector<RequestId>{2, 1}));
+    } else {
+      // Equal priority: the request that came first keeps its place.
+      EXPECT_EQ(finished, (std::vector<RequestId>{1, 2}));
+    }
+    Status inv = e->block_manager().CheckInvariants();
+    EXPECT_TRUE(inv.ok()) << inv.ToString();
+    EXPECT_EQ(e->GetStats().blocks.used_blocks, 0u);
+  }
+}
+
 // The load report's queued prefill tokens: what is not in the pool yet,
 // chunk by chunk, a cached prefix not counted once admitted, remote prompts
 // not at all (their prefill worker counts them), decoding sequences zero.
