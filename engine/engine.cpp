@@ -384,8 +384,11 @@ Status Engine::ValidateRequest(const EngineRequest& r) const {
   if (r.params.constraint.has_value() && r.grammar == nullptr) {
     return Status::InvalidArgument("a constrained request needs its compiled grammar");
   }
+  // Room for the prompt and the first output token's KV; a prompt scored
+  // alone (max_tokens 0) has no next token.
+  const int64_t end = r.params.max_tokens == 0 ? len : len + 1;
   const int64_t blocks_needed =
-      BlocksHeld(std::max<int64_t>(0, len + 1 - options_.max_num_batched_tokens), len + 1);
+      BlocksHeld(std::max<int64_t>(0, end - options_.max_num_batched_tokens), end);
   if (blocks_needed > pool_->num_blocks()) {
     return Status::ResourceExhausted(
         "prompt of " + std::to_string(len) + " tokens needs " + std::to_string(blocks_needed) +

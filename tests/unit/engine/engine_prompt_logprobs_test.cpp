@@ -223,5 +223,23 @@ TEST(EnginePromptLogprobsTest, APromptFillingTheContextIsScoredAlone) {
   ExpectMatchesReference(runs[2].prompt_logprobs, prompt, *l.reference, 0);
 }
 
+// A prompt scored alone needs room for itself only, not for a next token:
+// one that fills the whole KV pool (here the context limit too) is scored.
+TEST(EnginePromptLogprobsTest, APromptFillingThePoolIsScoredAlone) {
+  auto l = testing::LoadCpuModelAndReference(testing::TinyModelDir());
+  ASSERT_NE(l.model, nullptr);
+  EngineOptions options;
+  options.kv_cache_bytes = 8 * (8 << 10);  // 8 blocks of 16 tokens (fp32 KV)
+  auto engine = Engine::Create(l.model.get(), options);
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  const auto prompt = RandomTokens(128, l.model->config().vocab_size, 17);
+  // A token after it would not fit: the context (capped at the pool's) is full.
+  EXPECT_EQ((*engine)->AddRequest(Request(1, prompt, 1, 0)).code(), StatusCode::kInvalidArgument);
+  ASSERT_TRUE((*engine)->AddRequest(Request(2, prompt, 0, 0)).ok());
+  auto runs = RunAll(engine->get());
+  EXPECT_EQ(runs[2].finish, FinishReason::kLength);
+  ExpectMatchesReference(runs[2].prompt_logprobs, prompt, *l.reference, 0);
+}
+
 }  // namespace
 }  // namespace pdserve
