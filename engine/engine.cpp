@@ -495,6 +495,12 @@ void Engine::Preempt(Sequence* s) {
 void Engine::FinishSequence(Sequence* s, FinishReason reason, RequestOutput* out) {
   out->finished = true;
   out->finish_reason = reason;
+  // Ended before any token (a constraint or mask allowing none, a pool
+  // outgrown): its usage still counts the prefix it found cached.
+  if (!s->reported_cached) {
+    out->num_cached_tokens = s->num_cached_tokens;
+    s->reported_cached = true;
+  }
   if (s->prefill_only && blocks_->HasSequence(s->id)) {
     // Windowed layers' blocks that neither the first decode query nor a
     // repeat of the prompt (FirstReusableQuery) reaches are not handed off

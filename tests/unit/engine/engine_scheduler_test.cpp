@@ -213,6 +213,25 @@ TEST_F(EngineSchedulerTest, SeededSamplingIsUnchangedByPreemption) {
   EXPECT_NE(Alone(a), Alone(b));
 }
 
+// A request that ends before its first token (its masks allow none) still
+// reports the prefix it found cached, for its usage.
+TEST_F(EngineSchedulerTest, ARequestEndingWithoutATokenReportsItsCachedPrefix) {
+  auto e = MakeEngine();
+  const std::vector<TokenId> prompt = Prompt(40, 60);
+  ASSERT_TRUE(e->AddRequest(Greedy(1, prompt, 2)).ok());
+  RunAll(*e);
+  EngineRequest none = Greedy(2, prompt, 2);
+  none.params.allowed_token_ids = {5};
+  none.params.bad_words_token_ids = {{5}};
+  ASSERT_TRUE(e->AddRequest(none).ok());
+  std::map<RequestId, RequestOutput> last;
+  auto out = RunAll(*e, &last);
+  EXPECT_TRUE(out[2].empty());
+  ASSERT_TRUE(last.count(2));
+  EXPECT_EQ(last[2].finish_reason, FinishReason::kLength);
+  EXPECT_EQ(last[2].num_cached_tokens, 32);  // two full blocks of the prompt
+}
+
 // Priority (vLLM's policy): the queue runs lower values first, arrival
 // order among equals.
 TEST_F(EngineSchedulerTest, PriorityOrdersTheQueue) {
