@@ -1,6 +1,7 @@
 // Compares pdserve's chat-template rendering with @huggingface/jinja, byte
-// for byte, on the real Llama 2 / Llama 3 / Qwen3 chat templates. The
-// reference renderings come from generate_expected.mjs (ctest fixture).
+// for byte, on the real Llama 2, Llama 3, Llama 3.1, Qwen3, Gemma 3 and
+// DeepSeek-V3 chat templates. The reference renderings come from
+// generate_expected.mjs (ctest fixture).
 #include <fstream>
 #include <map>
 #include <set>
@@ -57,7 +58,8 @@ TEST(ChatTemplateReference, RealTemplatesMatchHuggingFaceJinja) {
     ASSERT_TRUE(parsed.ok()) << it.key() << ": " << parsed.status().ToString();
     templates.emplace(it.key(), std::move(parsed).value());
   }
-  EXPECT_EQ(templates.size(), 3u) << "expected the llama2, llama3 and qwen3 templates";
+  EXPECT_EQ(templates.size(), 6u)
+      << "expected the llama2, llama3, llama3_1, qwen3, gemma3 and deepseek_v3 templates";
 
   const Json& results = expected["results"];
   ASSERT_GE(results.size(), 100u) << "fixture looks truncated";

