@@ -223,10 +223,10 @@ std::string DescribeLayoutDifferences(const KvLayout& here, const KvLayout& peer
   cmp("memory_type", std::string(MemoryTypeName(here.memory_type)),
       std::string(MemoryTypeName(peer.memory_type)));
   cmp("transfer_backend", here.transfer_backend, peer.transfer_backend);
-  // Same name and shapes, other weights (or config, tokenizer, KV scales):
-  // the peer's KV would be another model's.
-  cmp("model_fingerprint (weights, config, tokenizer, KV scales)", Hex(here.model_fingerprint),
-      Hex(peer.model_fingerprint));
+  // Same name and shapes, other weights (or config, tokenizer, KV scales,
+  // or a build that computes KV otherwise): the peer's KV would not be ours.
+  cmp("model_fingerprint (weights, config, tokenizer, KV scales, KV compute version)",
+      Hex(here.model_fingerprint), Hex(peer.model_fingerprint));
   cmp("group_windows", Windows(here.group_windows), Windows(peer.group_windows));
   cmp("kv_eviction", "'" + (here.kv_eviction.empty() ? "none" : here.kv_eviction) + "'",
       "'" + (peer.kv_eviction.empty() ? "none" : peer.kv_eviction) + "'");

@@ -1,10 +1,10 @@
 #include "common/model_id.h"
 
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 
 #include <nlohmann/json.hpp>
+
+#include "common/read_file.h"
 
 namespace pdserve {
 
@@ -22,13 +22,12 @@ StatusOr<std::string> ServedModelIdOfFolder(const std::string& model_dir,
                                             const std::string& explicit_id) {
   if (!explicit_id.empty()) return explicit_id;
   const std::string path = (std::filesystem::path(model_dir) / "config.json").string();
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
+  auto text = ReadRegularFile(path);
+  if (!text.ok() && text.status().code() == StatusCode::kNotFound) {
     return Status::NotFound(model_dir + ": no config.json (expected a Hugging Face model folder)");
   }
-  std::stringstream text;
-  text << in.rdbuf();
-  const auto j = nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+  if (!text.ok()) return text.status();
+  const auto j = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
   if (!j.is_object()) return Status::InvalidArgument(path + ": not a JSON object");
   std::string name_or_path;
   if (auto n = j.find("_name_or_path"); n != j.end() && n->is_string()) {

@@ -2,11 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
-#include <fstream>
-#include <sstream>
 
 #include <nlohmann/json.hpp>
 
+#include "common/read_file.h"
 #include "engine/model_config.h"
 #include "engine/safetensors.h"
 #include "kernels/kv_cache_layout.h"
@@ -172,16 +171,15 @@ StatusOr<CapacityPlan> PlanCapacity(const CapacityRequest& r) {
 }
 
 StatusOr<KvShape> KvShapeFromConfigFile(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return Status::NotFound(path + ": cannot open");
-  std::stringstream text;
-  text << in.rdbuf();
+  auto read = ReadRegularFile(path);
+  if (!read.ok()) return read.status();
+  const std::string& text = *read;
   // The engine's own reading: every architecture it serves, with the same
   // defaults (Qwen3's head_dim of 128, say) and the same refusals, bar the
   // weights' quantization, which does not change the KV cache.
-  nlohmann::json j = nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+  nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_object()) j.erase("quantization_config");
-  auto config = ParseModelConfig(j.is_discarded() ? text.str() : j.dump(), path);
+  auto config = ParseModelConfig(j.is_discarded() ? text : j.dump(), path);
   if (!config.ok()) return config.status();
   KvShape s;
   s.layers = config->num_layers;

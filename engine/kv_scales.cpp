@@ -2,10 +2,10 @@
 
 #include <cmath>
 #include <fstream>
-#include <sstream>
 
 #include <nlohmann/json.hpp>
 
+#include "common/read_file.h"
 #include "kernels/kv_quant.h"
 
 namespace pdserve {
@@ -19,11 +19,10 @@ StatusOr<KvScales> ReadKvScales(const std::string& path) {
   auto bad = [&](const std::string& why) {
     return Status::InvalidArgument("KV scales file " + path + ": " + why);
   };
-  std::ifstream in(path);
-  if (!in) return bad("cannot be read");
-  std::stringstream text;
-  text << in.rdbuf();
-  const nlohmann::json j = nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+  // (A FIFO or directory is refused here, not waited on.)
+  auto text = ReadRegularFile(path);
+  if (!text.ok()) return bad("cannot be read (" + text.status().message() + ")");
+  const nlohmann::json j = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) return bad("not a JSON object");
   if (!j.contains("kv_dtype") || !j["kv_dtype"].is_string()) return bad("no \"kv_dtype\" string");
   const auto dtype = ParseDType(j["kv_dtype"].get<std::string>());

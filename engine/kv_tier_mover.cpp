@@ -131,8 +131,11 @@ void KvTierMover::Onload(uint64_t ticket, std::vector<BlockHash> hashes) {
     job.ticket = ticket;
     job.hashes = std::move(hashes);
     job.asked = std::chrono::steady_clock::now();
-    // Ahead of queued offloads: a request is waiting for these.
-    jobs_.push_front(std::move(job));
+    // Ahead of queued offloads (a request is waiting for these), behind the
+    // onloads queued before it: requests are served in turn.
+    auto first_offload =
+        std::find_if(jobs_.begin(), jobs_.end(), [](const Job& j) { return !j.onload; });
+    jobs_.insert(first_offload, std::move(job));
     ++onloads_in_flight_;
   }
   cv_.notify_one();

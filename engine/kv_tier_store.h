@@ -31,7 +31,8 @@
 // it), after checking the folder's free space against `disk_bytes`.
 // Plain buffered I/O: crash safety does not depend on write ordering or
 // fsync but on the header: block hash, the writing layout's hash (which
-// covers the model's fingerprint: weights, config, tokenizer, KV scales),
+// covers the model's fingerprint: weights, config, tokenizer, KV scales, the
+// engine's KV compute version),
 // a generation number and checksums of header and payload (XXH3). A block
 // whose checksums fail when it is read (a torn write from a kill, a
 // corrupted sector) is never served: it is dropped and counted. Opening

@@ -109,6 +109,7 @@ StatusOr<uint64_t> ModelFingerprint(const std::string& dir, LoadFormat format) {
   namespace fs = std::filesystem;
   Digest d;
   d.String("pdserve model fingerprint v2");
+  d.String("kv compute version " + std::to_string(kKvComputeVersion));
   for (const char* name :
        {"config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model"}) {
     PDSERVE_RETURN_IF_ERROR(AddFile(d, fs::path(dir) / name));

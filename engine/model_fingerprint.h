@@ -11,7 +11,7 @@
 // config.json (RoPE settings and every other knob); tokenizer.json,
 // tokenizer_config.json and tokenizer.model where present. `--load-format
 // dummy` weights are a function of config.json, so config.json and the
-// format stand for them.
+// format stand for them. And the engine's kKvComputeVersion.
 //
 // Cost: the headers and a few pages per tensor, which the model's own load
 // has just brought into the page cache; never every byte a second time.
@@ -25,7 +25,15 @@
 
 namespace pdserve {
 
-// The fingerprint of the model in `dir` as `format` loads it. NotFound or
+// How this engine computes a block's KV from a model: RoPE and its scaling,
+// norms, the KV codecs and their rounding, how config.json is read. Part of
+// every fingerprint, and raised with any change to those bytes, so that KV
+// an older build wrote to a disk tier, or sends a newer peer over a
+// transfer, is never taken for this build's (the same weights, other KV).
+inline constexpr uint32_t kKvComputeVersion = 1;
+
+// The fingerprint of the model in `dir` as `format` loads it (and
+// kKvComputeVersion). NotFound or
 // InvalidArgument as WeightFiles::Open for missing or malformed weights.
 StatusOr<uint64_t> ModelFingerprint(const std::string& dir,
                                     LoadFormat format = LoadFormat::kSafetensors);

@@ -9,9 +9,10 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <sstream>
 
 #include <nlohmann/json.hpp>
+
+#include "common/read_file.h"
 
 namespace pdserve {
 namespace {
@@ -174,9 +175,10 @@ StatusOr<std::unique_ptr<WeightFiles>> WeightFiles::Open(const std::string& dir)
   const fs::path index_path = fs::path(dir) / "model.safetensors.index.json";
   const fs::path single_path = fs::path(dir) / "model.safetensors";
   if (fs::exists(index_path)) {
-    std::ifstream in(index_path);
-    json j = json::parse(in, nullptr, false);
     const std::string ip = index_path.string();
+    auto text = ReadRegularFile(ip);
+    if (!text.ok()) return text.status();
+    json j = json::parse(*text, nullptr, false);
     if (j.is_discarded() || !j.is_object())
       return Status::InvalidArgument(ip + ": not a JSON object");
     auto wm = j.find("weight_map");

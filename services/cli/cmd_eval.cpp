@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/flags.h"
+#include "common/read_file.h"
 #include "common/tokenizer/tokenizer.h"
 #include "engine/text_eval.h"
 #include "kernels/backend_factory.h"
@@ -92,10 +93,9 @@ int RunEval(int argc, char** argv) {
     if (!read.ok()) UsageError("eval", "--kv-scales: " + read.status().message());
     kv_scales = std::move(*read);
   }
-  std::ifstream in(text_path, std::ios::binary);
-  if (!in) UsageError("eval", "--text: cannot read '" + text_path + "'");
-  std::stringstream text;
-  text << in.rdbuf();
+  auto read = ReadRegularFile(text_path);
+  if (!read.ok()) UsageError("eval", "--text: " + read.status().message());
+  std::stringstream text(std::move(*read));
 
   const std::vector<std::string> devices = tensor_parallel.DevicesOrExit("eval", device);
   if (devices.size() > 1 && !write_kv_scales_path.empty()) {

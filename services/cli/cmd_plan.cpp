@@ -1,13 +1,12 @@
 // pdserve plan: KV memory / capacity planner.
 #include <algorithm>
 #include <cstdio>
-#include <fstream>
-#include <sstream>
 #include <string>
 
 #include <nlohmann/json.hpp>
 
 #include "common/flags.h"
+#include "common/read_file.h"
 #include "engine/capacity_plan.h"
 #include "engine/make_model.h"
 #include "engine/model_config.h"
@@ -103,11 +102,9 @@ int RunPlan(int argc, char** argv) {
     if (!weights_from.empty() || flags.WasSet("weights-gib")) {
       UsageError("plan", "give one of --weights-from-config, --weights-from and --weights-gib");
     }
-    std::ifstream in(config);
-    std::stringstream text;
-    text << in.rdbuf();
-    if (!in) UsageError("plan", "--config: cannot read " + config);
-    auto model = ParseModelConfig(text.str(), config);
+    auto text = ReadRegularFile(config);
+    if (!text.ok()) UsageError("plan", "--config: " + text.status().message());
+    auto model = ParseModelConfig(*text, config);
     if (!model.ok()) UsageError("plan", "--weights-from-config: " + model.status().message());
     const DType dtype = model->torch_dtype == "float32"   ? DType::kF32
                         : model->torch_dtype == "float16" ? DType::kF16
@@ -188,10 +185,9 @@ int RunPlan(int argc, char** argv) {
   // vocabulary (else each rank holds vocab / N of its rows; tied, the
   // embedding's own rows).
   if (req.tensor_parallel > 1 && !config.empty() && req.weights_gib > 0) {
-    std::ifstream in(config);
-    std::stringstream text;
-    text << in.rdbuf();
-    auto model = ParseModelConfig(text.str(), config);
+    auto text = ReadRegularFile(config);
+    if (!text.ok()) UsageError("plan", "--config: " + text.status().message());
+    auto model = ParseModelConfig(*text, config);
     if (!model.ok()) UsageError("plan", "--config: " + model.status().message());
     const int64_t element_bytes = model->torch_dtype == "float32" ? 4 : 2;
     const bool vocab_parallel = model->vocab_size % req.tensor_parallel == 0;

@@ -3,6 +3,8 @@
 // or shape.
 #include "engine/kv_scales.h"
 
+#include <sys/stat.h>
+
 #include <cmath>
 
 #include <gtest/gtest.h>
@@ -77,6 +79,17 @@ TEST(KvScalesTest, RefusesMalformedFilesNamingTheProblem) {
     EXPECT_NE(r.status().message().find(why), std::string::npos) << r.status().message();
   }
   EXPECT_FALSE(ReadKvScales("/nonexistent/scales.json").ok());
+  // A FIFO (which an open would wait on for a writer) or a directory is
+  // refused at once.
+  const std::string dir = testing::NewTempDir("kv-scales-fifo");
+  const std::string fifo = dir + "/scales.json";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  for (const std::string& path : {fifo, dir}) {
+    auto r = ReadKvScales(path);
+    ASSERT_FALSE(r.ok()) << path;
+    EXPECT_NE(r.status().message().find("not a regular file"), std::string::npos)
+        << r.status().message();
+  }
 }
 
 TEST(KvScalesTest, APoolRefusesScalesOfAnotherDtypeOrShape) {

@@ -1,7 +1,8 @@
 // engine/kv_tier_mover.h and engine/host_block_buffers.h: an onload racing
 // the offload of the same block gets the queued copy (a write in flight is
-// not lost); onloads go ahead of queued offloads; a run ends at the first
-// block the tiers do not hold; transfer buffers are recycled. With both
+// not lost); onloads go ahead of queued offloads, in the order asked; a run
+// ends at the first block the tiers do not hold; transfer buffers are
+// recycled. With both
 // tiers, the writer thread copies host blocks to disk by itself
 // (write-through), no faster than its pace; a flush puts queued offloads
 // away and writes the host tier to disk (write-back). Failed disk writes
@@ -124,6 +125,29 @@ TEST_F(KvTierMoverTest, AnOnloadRacingTheOffloadOfItsBlockGetsTheQueuedCopy) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   EXPECT_EQ(store_->Find(7), KvTier::kHost);
+}
+
+// Onloads queued while the mover is busy are served in the order asked
+// (each ahead of the queued offloads), so a request's onload is never
+// passed by later ones without end.
+TEST_F(KvTierMoverTest, OnloadsAreServedInTheOrderAsked) {
+  Gate gate;
+  bool first = true;
+  KvTierMover mover(store_.get(), &buffers_, [&] {
+    if (std::exchange(first, false)) gate.Wait();
+  });
+  mover.Onload(0, {99});
+  gate.AwaitEntered();
+  mover.Offload(7, Copy(buffers_, BlockBytes(7)));
+  for (uint64_t ticket : {1, 2, 3}) mover.Onload(ticket, {7});
+  gate.Open();
+  auto loaded = TakeLoaded(mover, 4);
+  std::vector<uint64_t> order;
+  for (const auto& l : loaded) order.push_back(l.ticket);
+  EXPECT_EQ(order, (std::vector<uint64_t>{0, 1, 2, 3}));
+  // Each went ahead of the offload: served from its queued copy.
+  for (size_t i = 1; i < loaded.size(); ++i) EXPECT_EQ(loaded[i].blocks.size(), 1u);
+  EXPECT_EQ(store_->stats().host.hits, 0);
 }
 
 TEST_F(KvTierMoverTest, ARunEndsAtTheFirstBlockTheTiersDoNotHold) {

@@ -156,7 +156,8 @@ TEST(KvLayoutTest, MismatchNamesEachDifferingField) {
   peer = here;
   peer.model_fingerprint = 0xfedcba9876543210ull;
   EXPECT_EQ(CheckLayoutsMatch(here, peer).message(),
-            "KV layout mismatch: model_fingerprint (weights, config, tokenizer, KV scales): "
+            "KV layout mismatch: model_fingerprint (weights, config, tokenizer, KV scales, KV "
+            "compute version): "
             "0123456789abcdef here, fedcba9876543210 on peer");
 }
 
