@@ -1519,6 +1519,7 @@ EngineStats Engine::GetStats() const {
     const KvTierMover::Counters c = tier_mover_->counters();
     st.tiers.offload_failures = c.offload_failures;
     st.tiers.onloads_in_flight = c.onloads_in_flight;
+    st.tiers.onloads_ready = c.onloads_ready;
     st.tiers.offloads_queued = c.offloads_queued;
     st.tiers.offloads_dropped = offloads_dropped_;
   }

@@ -257,6 +257,7 @@ struct EngineTierStats {
   int64_t offloaded_blocks = 0;                      // evicted blocks handed down
   int64_t offload_failures = 0;
   int64_t onloads_in_flight = 0;
+  int64_t onloads_ready = 0;     // done, waiting for the next Step to take their blocks
   int64_t offloads_queued = 0;   // evicted blocks not yet in a tier
   int64_t offloads_dropped = 0;  // evicted while that queue was full or host memory ran out: lost
 };

@@ -153,6 +153,7 @@ KvTierMover::Counters KvTierMover::counters() const {
   Counters c;
   c.offloads_queued = static_cast<int64_t>(queued_.size());
   c.onloads_in_flight = onloads_in_flight_;
+  c.onloads_ready = static_cast<int64_t>(loaded_.size());
   c.offload_failures = offload_failures_;
   return c;
 }

@@ -90,6 +90,7 @@ class KvTierMover {
   struct Counters {
     int64_t offloads_queued = 0;  // now
     int64_t onloads_in_flight = 0;
+    int64_t onloads_ready = 0;     // done, their blocks not yet taken (TakeLoaded)
     int64_t offload_failures = 0;  // puts the store refused (disk errors)
   };
   Counters counters() const;

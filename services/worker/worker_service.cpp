@@ -576,11 +576,13 @@ class WorkerServiceImpl : public WorkerService {
   }
 
   // Requests parked for lower-tier blocks do not count: the tier thread
-  // wakes the loop when they are back (on_tier_ready).
+  // wakes the loop when they are back (on_tier_ready). One onload done is
+  // enough to step: its request must not wait for another's disk read.
   bool HasRunnableWork() const {
     const auto s = engine_->GetStats();
     return s.num_running - s.num_loading + s.num_waiting > 0 ||
-           (s.tiers.enabled && s.num_loading > 0 && s.tiers.onloads_in_flight == 0);
+           (s.tiers.enabled && s.num_loading > 0 &&
+            (s.tiers.onloads_in_flight == 0 || s.tiers.onloads_ready > 0));
   }
 
   // ------------------------------------------------------ events and load

@@ -140,8 +140,12 @@ TEST_F(KvTierMoverTest, OnloadsAreServedInTheOrderAsked) {
   gate.AwaitEntered();
   mover.Offload(7, Copy(buffers_, BlockBytes(7)));
   for (uint64_t ticket : {1, 2, 3}) mover.Onload(ticket, {7});
+  // The first is done while the others wait: the engine can step for it.
+  EXPECT_EQ(mover.counters().onloads_ready, 1);
+  EXPECT_EQ(mover.counters().onloads_in_flight, 3);
   gate.Open();
   auto loaded = TakeLoaded(mover, 4);
+  EXPECT_EQ(mover.counters().onloads_ready, 0);  // all taken
   std::vector<uint64_t> order;
   for (const auto& l : loaded) order.push_back(l.ticket);
   EXPECT_EQ(order, (std::vector<uint64_t>{0, 1, 2, 3}));
