@@ -45,6 +45,8 @@ struct Engine::Sequence {
   size_t load_first_block = 0;        // kLoading: where the onloaded blocks start
   size_t load_end_block = 0;          // kLoading: the prefix the onload completes
   std::vector<BlockSlot> load_slots;  // kLoading: the blocks onloaded, in request order
+  size_t load_received = 0;           // kLoading: of load_slots, copied in so far
+  std::vector<KvTier> load_tiers;     // kLoading: the tier each of those came from
   // kLoading: the prompt's block hashes up to the end of the onloaded run,
   // committed when the blocks are in (computed once, at admission).
   std::vector<BlockHash> load_hashes;
@@ -266,9 +268,12 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(const std::vector<Model*>& rank
     // prompt reuses them rather than allocating page-locked memory again.
     e->tier_buffers_ = std::make_unique<HostBlockBuffers>(model->backend(),
                                                           static_cast<size_t>(to.block_bytes), 64);
-    e->tier_mover_ = std::make_unique<KvTierMover>(e->tier_store_.get(), e->tier_buffers_.get(),
-                                                   options.on_tier_ready,
-                                                   options.kv_disk_write_bytes_per_second);
+    e->tier_mover_ = std::make_unique<KvTierMover>(
+        e->tier_store_.get(), e->tier_buffers_.get(), options.on_tier_ready,
+        options.kv_disk_write_bytes_per_second,
+        options.kv_onload_part_blocks > 0
+            ? options.kv_onload_part_blocks
+            : std::max<int64_t>(64, (int64_t{1} << 30) / to.block_bytes));
     // An evicted block's KV, copied while it is still intact (the block
     // manager hands it out right after).
     Engine* self = e.get();
@@ -645,7 +650,7 @@ void Engine::ProcessTierWork() {
     auto load = loads_.find(done.ticket);
     if (load == loads_.end()) continue;
     const RequestId id = load->second;
-    loads_.erase(load);
+    if (done.last) loads_.erase(load);
     auto it = requests_.find(id);
     // Cancelled or preempted meanwhile: the blocks are gone, and so is the need.
     if (it == requests_.end() || it->second->state != Sequence::State::kLoading ||
@@ -653,7 +658,23 @@ void Engine::ProcessTierWork() {
       continue;
     }
     Sequence* s = it->second.get();
-    const size_t n = done.blocks.size();
+    // Each part is copied in as it comes (its buffers go back at once).
+    for (size_t k = 0; k < done.blocks.size(); ++k) {
+      const size_t slot = done.first + k;
+      if (slot != s->load_received || slot >= s->load_slots.size()) break;  // not the next one
+      const int ranks = static_cast<int>(ranks_.size());
+      const size_t shard =
+          done.blocks[k].size() / static_cast<size_t>(TierSplit(tier_kv_heads_, ranks));
+      for (int r = 0; r < ranks; ++r) {
+        ranks_[r]->backend()->Upload(
+            kv_pool(r).block(s->load_slots[slot].block),
+            done.blocks[k].data() + TierShardOfRank(tier_kv_heads_, ranks, r) * shard, shard);
+      }
+      s->load_tiers.push_back(done.tiers[k]);
+      ++s->load_received;
+    }
+    if (!done.last) continue;
+    const size_t n = s->load_received;
     // Several groups, or a windowed one (sinks included), onload the blocks
     // the first query reaches, not one run from the cached prefix on: the
     // prefix they complete is load_end_block's, whatever their count.
@@ -668,6 +689,7 @@ void Engine::ProcessTierWork() {
       s->num_computed = 0;
       s->hashes.clear();
       s->load_slots.clear();
+      s->load_tiers.clear();
       s->load_hashes = {};
       s->state = Sequence::State::kWaiting;
       Remove(&running_, s);
@@ -677,19 +699,11 @@ void Engine::ProcessTierWork() {
     // Tokens brought back: B per prompt block any of whose groups' blocks
     // came back, counted at its slowest tier (slots are by index).
     for (size_t k = 0; k < n; ++k) {
-      const int ranks = static_cast<int>(ranks_.size());
-      const size_t shard =
-          done.blocks[k].size() / static_cast<size_t>(TierSplit(tier_kv_heads_, ranks));
-      for (int r = 0; r < ranks; ++r) {
-        ranks_[r]->backend()->Upload(
-            kv_pool(r).block(s->load_slots[k].block),
-            done.blocks[k].data() + TierShardOfRank(tier_kv_heads_, ranks, r) * shard, shard);
-      }
       const bool last_of_index = k + 1 == n || s->load_slots[k + 1].index != s->load_slots[k].index;
       if (!last_of_index) continue;
       bool disk = false;
       for (size_t j = k + 1; j-- > 0 && s->load_slots[j].index == s->load_slots[k].index;) {
-        disk |= done.tiers[j] == KvTier::kDisk;
+        disk |= s->load_tiers[j] == KvTier::kDisk;
       }
       (disk ? disk_hit_tokens_ : host_hit_tokens_) += B;
     }
@@ -715,13 +729,14 @@ void Engine::ProcessTierWork() {
       TierOnload record;
       record.blocks = static_cast<int64_t>(n);
       record.seconds = done.seconds;
-      for (KvTier t : done.tiers) {
+      for (KvTier t : s->load_tiers) {
         if (t == KvTier::kDisk) record.tier = KvTier::kDisk;
       }
       tier_onloads_.push_back(record);
     }
     s->load_hashes = {};
     s->load_slots.clear();
+    s->load_tiers.clear();
     s->state = Sequence::State::kRunning;  // computes what the tiers did not hold
   }
   blocks_->RecordTierChanges(tier_mover_->TakeChanges());
@@ -1007,6 +1022,8 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
       s->load_first_block = admitted->num_cached_blocks;
       s->load_end_block = admitted->num_cached_blocks + static_cast<size_t>(from_tiers);
       s->load_slots = admitted->to_fill;
+      s->load_received = 0;
+      s->load_tiers.clear();
       loads_[s->load_ticket] = s->id;
       const auto first = hashes.begin() + static_cast<ptrdiff_t>(admitted->num_cached_blocks);
       s->load_hashes.assign(hashes.begin(), first + from_tiers);

@@ -143,6 +143,10 @@ struct EngineOptions {
   // least 64); past it evicted blocks are dropped, and a flush at stop goes
   // in batches of half of it.
   int64_t kv_offload_queue_blocks = 0;
+  // Blocks an onload brings back in one part at most (0: 1 GiB of them, at
+  // least 64): a longer prefix comes in parts, each read once the one
+  // before is copied in, so page-locked memory holds two parts at most.
+  int64_t kv_onload_part_blocks = 0;
   // ModelFingerprint() of the model's folder (engine/model_fingerprint.h):
   // with the KV scales, it keys the disk tier's blocks, so that a folder
   // written with other weights is discarded, not served. 0: unknown.

@@ -13,11 +13,13 @@ constexpr auto kFailureLogInterval = std::chrono::seconds(10);
 }  // namespace
 
 KvTierMover::KvTierMover(KvTierStore* store, HostBlockBuffers* buffers,
-                         std::function<void()> on_ready, int64_t write_bytes_per_second)
+                         std::function<void()> on_ready, int64_t write_bytes_per_second,
+                         int64_t max_onload_blocks)
     : store_(store),
       buffers_(buffers),
       on_ready_(std::move(on_ready)),
       write_bytes_per_second_(write_bytes_per_second),
+      max_onload_blocks_(static_cast<size_t>(std::max<int64_t>(0, max_onload_blocks))),
       thread_([this] { Run(); }) {
   if (store_->writes_through()) writer_ = std::thread([this] { WriteLoop(); });
 }
@@ -142,8 +144,27 @@ void KvTierMover::Onload(uint64_t ticket, std::vector<BlockHash> hashes) {
 }
 
 std::vector<KvTierMover::Loaded> KvTierMover::TakeLoaded() {
-  std::lock_guard<std::mutex> lock(mu_);
-  return std::exchange(loaded_, {});
+  std::vector<Loaded> taken;
+  bool resume = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    taken = std::exchange(loaded_, {});
+    resume = parked_.has_value();
+  }
+  if (resume) cv_.notify_all();  // a parked onload's next part
+  return taken;
+}
+
+std::optional<KvTierMover::Job> KvTierMover::NextJobLocked() {
+  if (parked_ && loaded_.empty()) return std::exchange(parked_, std::nullopt);
+  auto it = jobs_.begin();
+  if (parked_) {
+    it = std::find_if(jobs_.begin(), jobs_.end(), [](const Job& j) { return !j.onload; });
+  }
+  if (it == jobs_.end()) return std::nullopt;
+  Job job = std::move(*it);
+  jobs_.erase(it);
+  return job;
 }
 
 std::vector<KvTierChange> KvTierMover::TakeChanges() { return store_->TakeChanges(); }
@@ -161,10 +182,14 @@ KvTierMover::Counters KvTierMover::counters() const {
 void KvTierMover::Run() {
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
-    cv_.wait(lock, [this] { return stop_ || !jobs_.empty(); });
-    if (jobs_.empty()) return;  // stopping, and every queued offload is done
-    Job job = std::move(jobs_.front());
-    jobs_.pop_front();
+    std::optional<Job> next;
+    cv_.wait(lock, [&] { return (next = NextJobLocked()).has_value() || stop_; });
+    if (!next) {  // stopping, and every queued offload is done
+      if (parked_) --onloads_in_flight_;
+      parked_.reset();
+      return;
+    }
+    Job job = std::move(*next);
     if (job.onload && stop_) {
       // Stopping: nobody takes the blocks any more, and on_ready_'s owner
       // may be partly destroyed already. Queued offloads still land.
@@ -187,7 +212,17 @@ void KvTierMover::Run() {
     } else {
       Loaded out;
       out.ticket = job.ticket;
-      for (BlockHash hash : job.hashes) {
+      out.first = job.next;
+      bool parked = false;
+      for (; job.next < job.hashes.size(); ++job.next) {
+        const BlockHash hash = job.hashes[job.next];
+        if (max_onload_blocks_ > 0 && out.blocks.size() == max_onload_blocks_) {
+          // A part is full: reported, and the rest read once the engine has
+          // taken it (its buffers go back as the engine copies it in).
+          out.last = false;
+          parked = true;
+          break;
+        }
         lock.unlock();
         HostBlockBuffers::Buffer block = buffers_->Take();
         lock.lock();
@@ -210,7 +245,11 @@ void KvTierMover::Run() {
       out.seconds =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - job.asked).count();
       loaded_.push_back(std::move(out));
-      --onloads_in_flight_;
+      if (parked) {
+        parked_ = job;
+      } else {
+        --onloads_in_flight_;
+      }
     }
     if (job.onload && on_ready_ && !stop_) {
       lock.unlock();

@@ -12,7 +12,10 @@
 //  - Onload: the engine asks for a run of blocks a prompt continues with;
 //    the mover reads them (host memory or disk) into such buffers and
 //    reports them; the engine copies them into the pool and the request goes
-//    on.
+//    on. A run longer than `max_onload_blocks` is reported in parts of that
+//    many, each read once the engine has taken the ones before (offloads go
+//    on meanwhile), so that one long prefix holds at most two parts of
+//    page-locked memory, not its whole length.
 //
 //  - Write-through (KvTierStore::writes_through): a writer thread of its
 //    own copies host-tier blocks to disk as they arrive, at most
@@ -37,6 +40,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -51,15 +55,20 @@ class KvTierMover {
   struct Loaded {
     uint64_t ticket = 0;
     // The leading requested blocks found, in order (a block missing, or
-    // dropped as corrupt, ends the run), with the tier each came from.
+    // dropped as corrupt, ends the run), with the tier each came from:
+    // from the `first`-th block asked, to the end of the run when `last`,
+    // else a part of it that more parts of the same ticket follow.
+    size_t first = 0;
+    bool last = true;
     std::vector<HostBlockBuffers::Buffer> blocks;
     std::vector<KvTier> tiers;
     double seconds = 0;  // from the request to the last block read
   };
 
-  // Onloads read into buffers from `buffers` (of the store's block size).
+  // Onloads read into buffers from `buffers` (of the store's block size),
+  // at most `max_onload_blocks` a part (0: a run in one part).
   KvTierMover(KvTierStore* store, HostBlockBuffers* buffers, std::function<void()> on_ready,
-              int64_t write_bytes_per_second = 0);
+              int64_t write_bytes_per_second = 0, int64_t max_onload_blocks = 0);
   // Finishes queued offloads, drops queued onloads (on_ready is not called
   // once stopping), then joins; queued write-through copies are left.
   ~KvTierMover();
@@ -101,8 +110,13 @@ class KvTierMover {
     BlockHash hash = 0;                           // offload
     uint64_t ticket = 0;                          // onload
     std::vector<BlockHash> hashes;                // onload
+    size_t next = 0;                              // onload: the first hash not read yet
     std::chrono::steady_clock::time_point asked;  // onload
   };
+  // Takes the next job to run (mu_ held): a parked onload once its parts
+  // were taken, else the queue's first, but no other onload while one is
+  // parked (onloads are served in turn). Null: nothing to run now.
+  std::optional<Job> NextJobLocked();
   void Run();
   void WriteLoop();
   // Logs a failed offload or disk write: the first, then one line per 10 s
@@ -113,6 +127,7 @@ class KvTierMover {
   HostBlockBuffers* buffers_;
   std::function<void()> on_ready_;
   int64_t write_bytes_per_second_;
+  size_t max_onload_blocks_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::condition_variable writer_cv_;   // write_pending_ or stop_
@@ -124,6 +139,8 @@ class KvTierMover {
   // Offloaded copies not yet in the store, by hash.
   std::unordered_map<BlockHash, std::shared_ptr<const HostBlockBuffers::Buffer>> queued_;
   std::vector<Loaded> loaded_;
+  // An onload whose last part waits in loaded_: resumed once it is taken.
+  std::optional<Job> parked_;
   int64_t onloads_in_flight_ = 0;
   int64_t offload_failures_ = 0;
   bool stop_ = false;

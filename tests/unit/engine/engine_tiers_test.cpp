@@ -37,9 +37,11 @@ class EngineTiersTest : public ::testing::Test {
   static std::unique_ptr<Engine> MakeEngine(int64_t host_blocks, const std::string& disk_dir,
                                             int64_t disk_blocks, uint64_t fingerprint = 0,
                                             KvDiskWrite write = KvDiskWrite::kThrough,
-                                            int64_t offload_queue_blocks = 0) {
+                                            int64_t offload_queue_blocks = 0,
+                                            int64_t onload_part_blocks = 0) {
     EngineOptions o;
     o.kv_offload_queue_blocks = offload_queue_blocks;
+    o.kv_onload_part_blocks = onload_part_blocks;
     o.model_fingerprint = fingerprint;
     o.kv_disk_write = write;
     o.kv_cache_bytes = 12 * kBlockBytes;
@@ -177,6 +179,29 @@ TEST_F(EngineTiersTest, EvictedPrefixesComeBackFromHostAndDiskWithTheSameTokens)
             e->GetStats().tiers.store.host.blocks);
   EXPECT_EQ(static_cast<int64_t>(snap.disk_block_hashes.size()),
             e->GetStats().tiers.store.disk.blocks);
+  EXPECT_EQ(e->GetStats().blocks.used_blocks, 0u) << "a block stayed held";
+}
+
+// A prefix longer than an onload's part comes back in parts (here of two
+// blocks), each copied in as it comes, with the same tokens and hits.
+TEST_F(EngineTiersTest, ALongPrefixComesBackInParts) {
+  const std::string dir = testing::NewTempDir("engine-tiers-parts");
+  auto e = MakeEngine(/*host_blocks=*/6, dir, /*disk_blocks=*/32, 0, KvDiskWrite::kThrough, 0,
+                      /*onload_part_blocks=*/2);
+  ASSERT_NE(e, nullptr);
+  std::vector<std::vector<TokenId>> prompts;
+  for (uint32_t i = 0; i < 3; ++i) prompts.push_back(Prompt(97, 40 + i));
+  const auto want = Reference(model_, prompts);
+  RequestId id = 1;
+  for (size_t i = 0; i < prompts.size(); ++i) EXPECT_EQ(Run(*e, id++, prompts[i]), want.at(i)) << i;
+  Settle(*e);
+  EXPECT_EQ(Run(*e, id++, prompts[0]), want.at(0));
+  const EngineTierStats t = e->GetStats().tiers;
+  EXPECT_GE(t.host_hit_tokens + t.disk_hit_tokens, 16 * 5) << "most of the prefix came back";
+  const auto onloads = e->TakeTierOnloads();
+  ASSERT_EQ(onloads.size(), 1u);
+  EXPECT_GE(onloads[0].blocks, 5) << "one onload of the whole run, in parts";
+  EXPECT_EQ(t.onloads_in_flight, 0);
   EXPECT_EQ(e->GetStats().blocks.used_blocks, 0u) << "a block stayed held";
 }
 

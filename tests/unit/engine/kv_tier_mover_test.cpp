@@ -154,6 +154,46 @@ TEST_F(KvTierMoverTest, OnloadsAreServedInTheOrderAsked) {
   EXPECT_EQ(store_->stats().host.hits, 0);
 }
 
+// A run longer than a part comes in parts, each read only once the one
+// before was taken, so that its buffers never hold the whole run.
+TEST_F(KvTierMoverTest, ALongRunComesInPartsEachAfterTheLastWasTaken) {
+  KvTierMover mover(store_.get(), &buffers_, {}, 0, /*max_onload_blocks=*/3);
+  std::vector<BlockHash> run;
+  for (uint32_t h = 1; h <= 7; ++h) {
+    mover.Offload(h, Copy(buffers_, BlockBytes(h)));
+    run.push_back(h);
+  }
+  for (int i = 0; i < 10000 && mover.counters().offloads_queued > 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  mover.Onload(9, run);
+  std::vector<KvTierMover::Loaded> parts;
+  for (int i = 0; i < 10000 && (parts.empty() || !parts.back().last); ++i) {
+    auto taken = mover.TakeLoaded();
+    if (taken.empty()) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      continue;
+    }
+    ASSERT_EQ(taken.size(), 1u) << "a part was read before the one before it was taken";
+    parts.push_back(std::move(taken[0]));
+  }
+  ASSERT_EQ(parts.size(), 3u);
+  size_t first = 0;
+  for (size_t p = 0; p < parts.size(); ++p) {
+    EXPECT_EQ(parts[p].ticket, 9u);
+    EXPECT_EQ(parts[p].first, first);
+    EXPECT_EQ(parts[p].last, p + 1 == parts.size());
+    EXPECT_EQ(parts[p].blocks.size(), p + 1 < parts.size() ? 3u : 1u);
+    for (size_t k = 0; k < parts[p].blocks.size(); ++k) {
+      const auto& b = parts[p].blocks[k];
+      EXPECT_EQ(std::vector<uint8_t>(b.data(), b.data() + kBlock),
+                BlockBytes(static_cast<uint32_t>(first + k + 1)));
+    }
+    first += parts[p].blocks.size();
+  }
+  EXPECT_EQ(mover.counters().onloads_in_flight, 0);
+}
+
 TEST_F(KvTierMoverTest, ARunEndsAtTheFirstBlockTheTiersDoNotHold) {
   KvTierMover mover(store_.get(), &buffers_, {});
   mover.Offload(1, Copy(buffers_, BlockBytes(1)));
