@@ -260,8 +260,11 @@ struct WorkerLink {
   std::string control_address;
   int64_t kv_capacity_blocks = 0;                      // as registered
   int64_t host_tier_blocks = 0, disk_tier_blocks = 0;  // likewise, its lower KV tiers
-  bool structured_outputs = false;                     // honours SamplingParams.constraint
-  bool parallel_sampling = false;                      // honours Generate.n
+  // A tier registered larger than --max-snapshot-blocks: its snapshot lists
+  // are cut to that many (the rest not indexed), not refused.
+  bool host_tier_clamped = false, disk_tier_clamped = false;
+  bool structured_outputs = false;  // honours SamplingParams.constraint
+  bool parallel_sampling = false;   // honours Generate.n
   bool synced = false;
   bool draining = false;  // no new requests (its own goodbye, or POST /admin/drain)
   bool leaving = false;   // it said it is shutting down: never undrained
@@ -1304,25 +1307,34 @@ class RouterServiceImpl : public RouterService {
         // A worker cannot cache more blocks than it has, in its pool or in
         // a tier; a snapshot that claims more is a fault, and must not grow
         // the router without bound.
+        // A tier larger than --max-snapshot-blocks (its capacity was cut
+        // to that at Register) is indexed up to that many blocks.
         const struct {
           const google::protobuf::RepeatedField<uint64_t>& hashes;
           int64_t capacity;
+          bool clamped;
           const char* what;
-        } tiers[] = {{s.block_hashes(), link.kv_capacity_blocks, "KV"},
-                     {s.host_block_hashes(), link.host_tier_blocks, "host tier"},
-                     {s.disk_block_hashes(), link.disk_tier_blocks, "disk tier"}};
+        } tiers[] = {
+            {s.block_hashes(), link.kv_capacity_blocks, false, "KV"},
+            {s.host_block_hashes(), link.host_tier_blocks, link.host_tier_clamped, "host tier"},
+            {s.disk_block_hashes(), link.disk_tier_blocks, link.disk_tier_clamped, "disk tier"}};
         for (size_t t = 0; t < 3; ++t) {
           const size_t limit =
               static_cast<size_t>(std::min<int64_t>(opts_.max_snapshot_blocks, tiers[t].capacity));
-          if (parts[t]->size() + static_cast<size_t>(tiers[t].hashes.size()) > limit) {
-            metrics_.control_rejected.Add({{"reason", "snapshot_too_large"}}).Increment();
-            return RefuseLocked(link, std::string(tiers[t].what) + " snapshot of more than " +
-                                          std::to_string(limit) + " blocks (registered capacity " +
-                                          std::to_string(tiers[t].capacity) + ")");
+          size_t take = static_cast<size_t>(tiers[t].hashes.size());
+          if (parts[t]->size() + take > limit) {
+            if (!tiers[t].clamped) {
+              metrics_.control_rejected.Add({{"reason", "snapshot_too_large"}}).Increment();
+              return RefuseLocked(link, std::string(tiers[t].what) + " snapshot of more than " +
+                                            std::to_string(limit) +
+                                            " blocks (registered capacity " +
+                                            std::to_string(tiers[t].capacity) + ")");
+            }
+            take = limit - std::min(limit, parts[t]->size());
           }
-          parts[t]->insert(parts[t]->end(), tiers[t].hashes.begin(), tiers[t].hashes.end());
-          snapshot_pending_bytes_ +=
-              static_cast<size_t>(tiers[t].hashes.size()) * sizeof(BlockHash);
+          parts[t]->insert(parts[t]->end(), tiers[t].hashes.begin(),
+                           tiers[t].hashes.begin() + static_cast<ptrdiff_t>(take));
+          snapshot_pending_bytes_ += take * sizeof(BlockHash);
         }
         if (s.last_chunk()) {
           Status st = core_->OnSnapshot(*link.id, s.sequence(), link.snapshot, link.snapshot_host,
@@ -1749,6 +1761,10 @@ class RouterServiceImpl : public RouterService {
     link.kv_capacity_blocks = static_cast<int64_t>(reg.kv_capacity_blocks());
     link.host_tier_blocks = static_cast<int64_t>(
         std::min<uint64_t>(reg.host_tier_capacity_blocks(), opts_.max_snapshot_blocks));
+    link.host_tier_clamped =
+        reg.host_tier_capacity_blocks() > static_cast<uint64_t>(opts_.max_snapshot_blocks);
+    link.disk_tier_clamped =
+        reg.disk_tier_capacity_blocks() > static_cast<uint64_t>(opts_.max_snapshot_blocks);
     link.structured_outputs = reg.structured_outputs();
     link.parallel_sampling = reg.parallel_sampling();
     link.disk_tier_blocks = static_cast<int64_t>(

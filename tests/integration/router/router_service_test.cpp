@@ -38,11 +38,14 @@ constexpr auto kWait = std::chrono::seconds(20);
 class FakeWorker {
  public:
   // `windows` and `sinks`: the KV layer groups it registers (a windowed
-  // model, attention sinks); `snapkv`: its SnapKV budget and window.
+  // model, attention sinks); `snapkv`: its SnapKV budget and window;
+  // `disk_tier_blocks`: its disk tier's capacity, `disk_hashes` what its
+  // snapshots say the tier holds.
   FakeWorker(control::EventLoop* loop, int router_port, const std::string& model_id,
              const std::string& name, proto::Role role, uint32_t max_model_len,
              std::vector<uint32_t> windows = {}, uint32_t sinks = 0,
-             std::pair<uint32_t, uint32_t> snapkv = {0, 0})
+             std::pair<uint32_t, uint32_t> snapkv = {0, 0}, uint64_t disk_tier_blocks = 0,
+             std::vector<uint64_t> disk_hashes = {})
       : name_(name) {
     control::ClientOptions co;
     co.connection.role = role;
@@ -63,13 +66,15 @@ class FakeWorker {
       r->set_kv_sink_tokens(sinks);
       r->set_kv_snapkv_budget_tokens(snapkv.first);
       r->set_kv_snapkv_observation_window(snapkv.second);
+      r->set_disk_tier_capacity_blocks(disk_tier_blocks);
       (void)c->Send(std::move(env));
     };
-    h.on_message = [this](const control::ConnectionPtr& c, proto::Envelope& e) {
+    h.on_message = [this, disk_hashes](const control::ConnectionPtr& c, proto::Envelope& e) {
       proto::Envelope reply;
       proto::Finished unsent;  // SetFinish(false): the Finished never sent
       if (e.has_resync()) {
         reply.mutable_kv_snapshot()->set_last_chunk(true);
+        for (uint64_t h : disk_hashes) reply.mutable_kv_snapshot()->add_disk_block_hashes(h);
       } else if (e.has_generate() && refuse()) {
         // As an engine whose pool cannot hold the prompt answers.
         proto::Error* error = reply.mutable_error();
@@ -240,6 +245,7 @@ class RouterServiceTest : public ::testing::Test {
     o.chat_template_file = ChatTemplateFile();
     o.reasoning_parser = ReasoningParser();
     o.scheduling_policy = SchedulingPolicy();
+    o.max_snapshot_blocks = MaxSnapshotBlocks();
     auto s = RouterService::Create(o);
     ASSERT_TRUE(s.ok()) << s.status().ToString();
     service_ = std::move(*s);
@@ -257,6 +263,7 @@ class RouterServiceTest : public ::testing::Test {
   virtual std::string ChatTemplateFile() const { return ""; }
   virtual std::string ReasoningParser() const { return ""; }
   virtual std::string SchedulingPolicy() const { return "fcfs"; }
+  virtual int64_t MaxSnapshotBlocks() const { return RouterServiceOptions{}.max_snapshot_blocks; }
 
   FakeWorker& AddWorker(const std::string& name, proto::Role role, uint32_t max_model_len) {
     workers_.push_back(std::make_unique<FakeWorker>(&loop_, service_->control_port(), model_id_,
@@ -1208,6 +1215,35 @@ TEST_F(RouterServicePriorityTest, PriorityReachesTheWorker) {
   auto r = pdserve::testing::HttpRequest(service_->http_port(), "POST", "/v1/completions",
                                          too_big.dump());
   EXPECT_EQ(r.status, 400) << r.body;
+}
+
+// A disk tier larger than --max-snapshot-blocks (its registered capacity
+// cut to that) is indexed up to that many blocks; its worker is synced, not
+// refused on every snapshot and reconnected for ever.
+class RouterServiceSmallSnapshotTest : public RouterServiceTest {
+ protected:
+  int64_t MaxSnapshotBlocks() const override { return 100; }
+};
+
+TEST_F(RouterServiceSmallSnapshotTest, ATierLargerThanTheSnapshotBoundIsIndexedUpToIt) {
+  std::vector<uint64_t> disk(150);
+  for (size_t i = 0; i < disk.size(); ++i) disk[i] = 0x1000 + i;
+  workers_.push_back(std::make_unique<FakeWorker>(&loop_, service_->control_port(), model_id_, "w",
+                                                  proto::ROLE_BOTH, 4096, std::vector<uint32_t>{},
+                                                  0, std::pair<uint32_t, uint32_t>{0, 0},
+                                                  /*disk_tier_blocks=*/1000, disk));
+  ASSERT_TRUE(workers_.back()->WaitRegistered());
+  const std::string ready = "pdserve_router_workers{role=\"both\",state=\"ready\"} 1";
+  std::string metrics;
+  for (int i = 0; i < 200; ++i) {
+    metrics = pdserve::testing::HttpRequest(service_->http_port(), "GET", "/metrics").body;
+    if (metrics.find(ready) != std::string::npos) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_NE(metrics.find(ready), std::string::npos) << metrics;
+  EXPECT_NE(metrics.find("pdserve_router_control_rejected_total{reason=\"snapshot_too_large\"} 0"),
+            std::string::npos)
+      << metrics;
 }
 
 // A template that renders tools but writes calls in no format the router
