@@ -574,16 +574,25 @@ StatusOr<int64_t> KvTierStore::FlushHostToDisk(std::chrono::steady_clock::time_p
   if (left != nullptr) *left = 0;
   if (!has_host() || !has_disk()) return int64_t{0};
   Tier& h = *host_;
-  // (slot, hash) of the host blocks without a disk copy, least recently used first.
-  std::vector<std::pair<int64_t, BlockHash>> without_disk_copy;
+  // The disk keeps the most recently used host blocks, those with a copy
+  // already included: their copies are moved up in the disk's LRU in host
+  // order (a host hit does not touch them), so that the writes of the others
+  // evict colder blocks, never a hotter block's only copy on disk.
+  std::vector<std::pair<int64_t, BlockHash>> hottest;  // (slot, hash), least recent first
   for (int64_t slot : h.lru) {
     const Slot& s = h.slots[slot];
-    if (s.state == Slot::State::kHeld && !disk_->index.count(s.hash))
-      without_disk_copy.push_back({slot, s.hash});
+    if (s.state == Slot::State::kHeld) hottest.push_back({slot, s.hash});
   }
-  // The disk keeps the most recently used of them.
-  if (static_cast<int64_t>(without_disk_copy.size()) > disk_slots_) {
-    without_disk_copy.erase(without_disk_copy.begin(), without_disk_copy.end() - disk_slots_);
+  if (static_cast<int64_t>(hottest.size()) > disk_slots_) {
+    hottest.erase(hottest.begin(), hottest.end() - disk_slots_);
+  }
+  std::vector<std::pair<int64_t, BlockHash>> without_disk_copy;
+  for (const auto& [slot, hash] : hottest) {
+    if (auto copy = disk_->index.find(hash); copy != disk_->index.end()) {
+      disk_->Touch(copy->second);
+    } else {
+      without_disk_copy.push_back({slot, hash});
+    }
   }
   int64_t written = 0;
   for (size_t i = 0; i < without_disk_copy.size(); ++i) {

@@ -321,6 +321,35 @@ TEST(KvTierStoreTest, AFullWriteQueueDropsTheCopyNotTheBlock) {
   EXPECT_EQ(Sorted((*s)->Blocks(KvTier::kDisk)), (std::vector<BlockHash>{1, 2, 4}));
 }
 
+// Write-through with a full queue: a flush leaves the disk holding the most
+// recently used host blocks, a hot block whose copy was written early
+// included (its copy is not the first thing the flush's writes evict).
+TEST(KvTierStoreTest, AFlushKeepsTheHottestHostBlocksOnDisk) {
+  const std::string dir = testing::NewTempDir("tiers-flush-hot");
+  {
+    KvTierOptions o = Options(4, dir, 2);
+    o.write_queue_blocks = 1;
+    auto s = KvTierStore::Open(o);
+    ASSERT_TRUE(s.ok());
+    std::vector<KvTierChange> changes;
+    // A is queued (and written); B, C, D find the queue full.
+    for (BlockHash h : {0xA, 0xB, 0xC, 0xD})
+      ASSERT_TRUE((*s)->Put(h, BlockBytes(static_cast<uint32_t>(h)).data(), &changes).ok());
+    ASSERT_TRUE((*s)->WriteQueued(&changes).ok());
+    EXPECT_EQ((*s)->Blocks(KvTier::kDisk), (std::vector<BlockHash>{0xA}));
+    // Hits make A the hottest, then D.
+    std::vector<uint8_t> out(kBlock);
+    for (BlockHash h : {0xB, 0xC, 0xD, 0xA}) ASSERT_TRUE((*s)->Get(h, out.data(), &changes).ok());
+    auto n = (*s)->FlushHostToDisk(std::chrono::steady_clock::now() + std::chrono::seconds(60),
+                                   &changes, nullptr);
+    ASSERT_TRUE(n.ok()) << n.status().ToString();
+    EXPECT_EQ(*n, 1) << "D only: A has its copy";
+  }
+  auto again = KvTierStore::Open(Options(4, dir, 2));
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(Sorted((*again)->Blocks(KvTier::kDisk)), (std::vector<BlockHash>{0xA, 0xD}));
+}
+
 TEST(KvTierStoreTest, WriteBackFlushWritesTheMostRecentHostBlocks) {
   const std::string dir = testing::NewTempDir("tiers-flush");
   {
