@@ -996,9 +996,19 @@ StatusOr<std::vector<RequestOutput>> Engine::Step() {
     if (!admitted.ok()) {
       if (admitted.status().code() != StatusCode::kResourceExhausted) return admitted.status();
       // Priority: the last running sequence makes room when it ranks
-      // lower; then s tries again (the victim queues behind it).
+      // lower; then s tries again (the victim queues behind it). Only when
+      // what all lower ones hold would make room: else their progress would
+      // be thrown away for nothing.
       Sequence* victim = running_.empty() ? nullptr : running_.back();
       if (victim == nullptr || victim->priority <= s->priority) break;
+      const BlockManagerStats pool = blocks_->GetStats();
+      size_t reclaimable = pool.free_blocks + pool.evictable_blocks;
+      for (Sequence* r : running_) {
+        if (r->priority > s->priority) reclaimable += blocks_->BlockTable(r->id).size();
+      }
+      const size_t needed = (req.num_tokens + static_cast<size_t>(B) - 1) / static_cast<size_t>(B) -
+                            static_cast<size_t>(cached / B);
+      if (reclaimable < needed) break;
       for (auto it = sched.begin(); it != sched.end(); ++it) {
         if (it->seq != victim) continue;
         budget += it->n;

@@ -406,10 +406,12 @@ StatusOr<RouteDecision> RouterCore::Route(const RouteRequest& request) {
     return w.max_model_len == 0 || tokens <= w.max_model_len;
   };
   // Whether a worker's whole KV pool is too small for the prompt and its
-  // first token, as its engine refuses them (without windows, whose groups
-  // need fewer blocks than the sequence has).
+  // first token (a prompt scored alone has none), as its engine refuses
+  // them (without windows, whose groups need fewer blocks than the sequence
+  // has).
+  const int64_t first_token = request.max_new_tokens == 0 ? 0 : 1;
   const int64_t prompt_blocks =
-      (request.prompt_tokens + 1 + options_.block_tokens - 1) / options_.block_tokens;
+      (request.prompt_tokens + first_token + options_.block_tokens - 1) / options_.block_tokens;
   auto pool_too_small = [&](const Worker& w) {
     return !GroupedLocked() && w.kv_capacity_blocks > 0 && prompt_blocks > w.kv_capacity_blocks;
   };

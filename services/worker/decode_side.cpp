@@ -439,6 +439,10 @@ bool DecodeSide::HandleOutput(RequestOutput& out) {
     }
     (void)r.router->Send(std::move(env));
   }
+  // Ended before its first token (masks allowing none, the pool outgrown):
+  // its usage still counts the prefix it found cached.
+  if (out.new_token_ids.empty() && out.finished && !r.first_token_sent && !r.prefilled_remotely)
+    r.cached_tokens = out.num_cached_tokens;
   if (!out.new_token_ids.empty()) {
     const bool first = !r.first_token_sent;
     if (first) {

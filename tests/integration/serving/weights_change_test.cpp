@@ -89,7 +89,8 @@ TEST(WeightsChangeTest, WorkersWithOtherWeightsNeverPair) {
   // Answered by the decode worker's own weights, prefilled locally.
   ExpectSameAsGenerate(stack, Prompt(1), 6);
   const std::regex refused(
-      "KV layout mismatch: model_fingerprint \\(weights, config, tokenizer, KV scales\\): "
+      "KV layout mismatch: model_fingerprint \\(weights, config, tokenizer, KV scales, KV "
+      "compute version\\): "
       "[0-9a-f]{16} here, [0-9a-f]{16} on peer");
   EXPECT_TRUE(prefill.proc.WaitForLog(refused, 10s)) << prefill.proc.Log();
   EXPECT_TRUE(decode.proc.WaitForLog(refused, 10s)) << decode.proc.Log();
