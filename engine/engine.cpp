@@ -482,6 +482,7 @@ std::vector<BlockHash> Engine::PrefixHashes(const Sequence& s) const {
 }
 
 void Engine::Preempt(Sequence* s) {
+  AbandonOnload(s);
   (void)blocks_->Free(s->id);
   s->num_computed = 0;
   s->reported_full_blocks = 0;  // recomputed blocks are reported again
@@ -1313,11 +1314,19 @@ Status Engine::Cancel(RequestId id) {
     return Status::NotFound("request " + std::to_string(id) + " is not active");
   }
   Sequence* s = it->second.get();
+  AbandonOnload(s);
   if (blocks_->HasSequence(id)) PDSERVE_RETURN_IF_ERROR(blocks_->Free(id));
   Remove(&running_, s);
   Remove(&waiting_, s);
   requests_.erase(it);
   return Status::Ok();
+}
+
+void Engine::AbandonOnload(Sequence* s) {
+  if (s->state != Sequence::State::kLoading || !tier_mover_) return;
+  // Its blocks go now: what the tiers still had to read for it is not read.
+  tier_mover_->Abandon(s->load_ticket);
+  loads_.erase(s->load_ticket);
 }
 
 bool Engine::HasUnfinished() const { return !requests_.empty(); }

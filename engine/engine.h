@@ -421,6 +421,9 @@ class Engine {
   Engine() = default;
   Status ValidateRequest(const EngineRequest& request) const;
   std::unique_ptr<Sequence> NewSequence(EngineRequest request);
+  // A loading sequence leaves that state (cancelled, preempted): its
+  // onload is abandoned.
+  void AbandonOnload(Sequence* s);
   void Preempt(Sequence* seq);
   void FinishSequence(Sequence* seq, FinishReason reason, RequestOutput* out);
   void ProcessToken(Sequence* seq, const SampledToken& sampled, RequestOutput* out);

@@ -143,6 +143,25 @@ void KvTierMover::Onload(uint64_t ticket, std::vector<BlockHash> hashes) {
   cv_.notify_one();
 }
 
+void KvTierMover::Abandon(uint64_t ticket) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (parked_ && parked_->ticket == ticket) {
+    parked_.reset();
+    --onloads_in_flight_;
+  }
+  for (auto it = jobs_.begin(); it != jobs_.end();) {
+    if (it->onload && it->ticket == ticket) {
+      it = jobs_.erase(it);
+      --onloads_in_flight_;
+    } else {
+      ++it;
+    }
+  }
+  std::erase_if(loaded_, [&](const Loaded& l) { return l.ticket == ticket; });
+  if (reading_ == ticket) reading_abandoned_ = true;
+  cv_.notify_all();  // loaded_ may be empty now: a parked onload goes on
+}
+
 std::vector<KvTierMover::Loaded> KvTierMover::TakeLoaded() {
   std::vector<Loaded> taken;
   bool resume = false;
@@ -214,7 +233,9 @@ void KvTierMover::Run() {
       out.ticket = job.ticket;
       out.first = job.next;
       bool parked = false;
-      for (; job.next < job.hashes.size(); ++job.next) {
+      reading_ = job.ticket;
+      reading_abandoned_ = false;
+      for (; job.next < job.hashes.size() && !reading_abandoned_; ++job.next) {
         const BlockHash hash = job.hashes[job.next];
         if (max_onload_blocks_ > 0 && out.blocks.size() == max_onload_blocks_) {
           // A part is full: reported, and the rest read once the engine has
@@ -244,11 +265,16 @@ void KvTierMover::Run() {
       }
       out.seconds =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - job.asked).count();
-      loaded_.push_back(std::move(out));
-      if (parked) {
-        parked_ = job;
+      reading_.reset();
+      if (reading_abandoned_) {
+        --onloads_in_flight_;  // nobody wants it: dropped, the rest not read
       } else {
-        --onloads_in_flight_;
+        loaded_.push_back(std::move(out));
+        if (parked) {
+          parked_ = job;
+        } else {
+          --onloads_in_flight_;
+        }
       }
     }
     if (job.onload && on_ready_ && !stop_) {

@@ -81,6 +81,10 @@ class KvTierMover {
   // Whether the tiers (or the offload queue) hold `hash` now.
   bool Holds(BlockHash hash) const;
   void Onload(uint64_t ticket, std::vector<BlockHash> hashes);
+  // The onload of `ticket` is not wanted any more (its request was cancelled
+  // or preempted): what of it is not read yet is not read, and its parts
+  // not yet taken are dropped.
+  void Abandon(uint64_t ticket);
 
   std::vector<Loaded> TakeLoaded();
   // The tiers' changes since the last call, in the store's order
@@ -141,6 +145,9 @@ class KvTierMover {
   std::vector<Loaded> loaded_;
   // An onload whose last part waits in loaded_: resumed once it is taken.
   std::optional<Job> parked_;
+  // The onload being read now, and whether Abandon asked for it meanwhile.
+  std::optional<uint64_t> reading_;
+  bool reading_abandoned_ = false;
   int64_t onloads_in_flight_ = 0;
   int64_t offload_failures_ = 0;
   bool stop_ = false;

@@ -518,7 +518,7 @@ std::string ResponsesWriter::Reasoning(const std::string& text) {
   return out;
 }
 
-std::string ResponsesWriter::CloseReasoning() {
+std::string ResponsesWriter::CloseReasoning(bool cut_off) {
   if (!reasoning_open_) return "";
   reasoning_open_ = false;
   const size_t index = output_.size();
@@ -528,7 +528,7 @@ std::string ResponsesWriter::CloseReasoning() {
                       {"type", "reasoning"},
                       {"summary", ojson::array()},
                       {"content", ojson::array({part})},
-                      {"status", "completed"}};
+                      {"status", cut_off ? "incomplete" : "completed"}};
   std::string out = Event("response.reasoning_text.done", {{"item_id", item_id},
                                                            {"output_index", index},
                                                            {"content_index", 0},
@@ -666,7 +666,7 @@ std::string ResponsesWriter::Calls(const std::vector<ToolCall>& calls) {
 
 std::string ResponsesWriter::Finish(const std::string& finish_reason) {
   finish_reason_ = finish_reason;
-  std::string out = CloseReasoning();
+  std::string out = CloseReasoning(/*cut_off=*/finish_reason == "length");
   // Held whitespace after the last call is dropped; without calls it is the
   // message. An empty output is one empty message, as OpenAI answers it.
   if (output_.empty() && !message_open_) {

@@ -91,7 +91,8 @@ class ResponsesWriter {
   std::string Event(const char* type, nlohmann::ordered_json fields);
   std::string OpenMessage();
   std::string CloseMessage();
-  std::string CloseReasoning();
+  // `cut_off`: max_output_tokens ended the output while it thought.
+  std::string CloseReasoning(bool cut_off = false);
   nlohmann::ordered_json CallItem(const ToolCall& call, size_t output_index) const;
   std::string ItemId(const char* prefix, size_t output_index) const;
 

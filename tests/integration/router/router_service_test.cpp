@@ -1168,12 +1168,23 @@ TEST_F(RouterServiceReasoningTest, ResponsesHaveAReasoningItemBeforeTheMessage) 
                                          "response.output_item.done",
                                          "response.incomplete"};
   EXPECT_EQ(types, want) << r.body;
+  EXPECT_EQ(output[0]["status"], "completed");
   // The same items as unstreamed (their ids are the response's own).
   auto without_ids = [](nlohmann::json items) {
     for (auto& item : items) item.erase("id");
     return items;
   };
   EXPECT_EQ(without_ids(completed["output"]), without_ids(output)) << r.body;
+
+  // Cut off while thinking: the reasoning item alone, incomplete.
+  w.SetReplyText("Add the");
+  body.erase("stream");
+  r = pdserve::testing::HttpRequest(service_->http_port(), "POST", "/v1/responses", body.dump());
+  ASSERT_EQ(r.status, 200) << r.body;
+  const auto cut = nlohmann::json::parse(r.body)["output"];
+  ASSERT_EQ(cut.size(), 1u) << r.body;
+  EXPECT_EQ(cut[0]["type"], "reasoning");
+  EXPECT_EQ(cut[0]["status"], "incomplete");
 }
 
 // vLLM's priority: refused under the default policy (any client could

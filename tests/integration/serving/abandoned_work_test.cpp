@@ -160,7 +160,7 @@ TEST(AbandonedWorkTest, BlocksAFailedWriteTargetedStayHeldUntilTheGiveUp) {
 
 // A Prefill delayed on a congested link past the decode worker's give-up
 // (here by the prefill worker's test hook, which takes a decode worker's
-// messages 12 s after they arrive) runs with a deadline from when it
+// messages 14 s after they arrive) runs with a deadline from when it
 // arrives, later than that give-up: its writes would land in blocks the
 // decode worker had freed. The decode worker prefills the request itself
 // at its give-up, as before, but keeps the blocks the peer was to write
@@ -168,11 +168,12 @@ TEST(AbandonedWorkTest, BlocksAFailedWriteTargetedStayHeldUntilTheGiveUp) {
 TEST(AbandonedWorkTest, BlocksStayHeldUntilALatePrefillIsReported) {
   LocalStack stack("abandoned-late-arrival");
   stack.StartRouter({"--max-local-prefill", "0"});
-  stack.SetWorkerEnv({{"PDSERVE_TEST_DECODE_LINK_DELAY_MS", "12000"}});
+  stack.SetWorkerEnv({{"PDSERVE_TEST_DECODE_LINK_DELAY_MS", "14000"}});
   WorkerProc& prefill = stack.StartWorker("prefill");
   stack.SetWorkerEnv({});
-  // Given up on 1 s + the 7 s grace after it is sent.
-  WorkerProc& decode = stack.StartWorker("decode", {"--prefill-timeout-ms", "1000"});
+  // Given up on 3 s + the 7 s grace after it is sent; 3 s is the prefill
+  // worker's time to compute it once it arrives.
+  WorkerProc& decode = stack.StartWorker("decode", {"--prefill-timeout-ms", "3000"});
   ASSERT_TRUE(stack.WaitReady());
 
   const std::string prompt = Prompt("late arrival", 120);
@@ -182,8 +183,8 @@ TEST(AbandonedWorkTest, BlocksStayHeldUntilALatePrefillIsReported) {
                  {{"prompt", prompt}, {"max_tokens", 3}, {"temperature", 0}, {"ignore_eos", true}});
   ASSERT_EQ(status, 200) << body.dump();
   EXPECT_EQ(body["choices"][0]["text"], want["text"]);
-  // Answered after the give-up (about 8 s in), before the Prefill arrives
-  // (12 s): the gauge shows the blocks held within its update period.
+  // Answered after the give-up (about 10 s in), before the Prefill arrives
+  // (14 s): the gauge shows the blocks held within its update period.
   double held = 0;
   for (int i = 0; i < 40 && held == 0; ++i) {
     held = LocalStack::Metric(decode.metrics_port, "pdserve_kv_blocks_held_for_peers");

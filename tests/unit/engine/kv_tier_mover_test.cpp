@@ -194,6 +194,38 @@ TEST_F(KvTierMoverTest, ALongRunComesInPartsEachAfterTheLastWasTaken) {
   EXPECT_EQ(mover.counters().onloads_in_flight, 0);
 }
 
+// An onload abandoned (its request cancelled or preempted) is read no
+// further: its parts not taken are dropped, queued ones never start, and
+// the onloads behind it go on.
+TEST_F(KvTierMoverTest, AnAbandonedOnloadIsReadNoFurther) {
+  KvTierMover mover(store_.get(), &buffers_, {}, 0, /*max_onload_blocks=*/2);
+  std::vector<BlockHash> run;
+  for (uint32_t h = 1; h <= 6; ++h) {
+    mover.Offload(h, Copy(buffers_, BlockBytes(h)));
+    run.push_back(h);
+  }
+  for (int i = 0; i < 10000 && mover.counters().offloads_queued > 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  mover.Onload(1, run);
+  mover.Onload(2, {5, 6});
+  mover.Onload(3, {1});
+  // The first part of 1 is read; 1 then waits for it to be taken.
+  for (int i = 0; i < 10000 && mover.counters().onloads_ready == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  mover.Abandon(1);
+  mover.Abandon(2);  // queued: never starts
+  auto loaded = TakeLoaded(mover, 1);
+  ASSERT_EQ(loaded.size(), 1u);
+  EXPECT_EQ(loaded[0].ticket, 3u);
+  EXPECT_TRUE(loaded[0].last);
+  EXPECT_EQ(loaded[0].blocks.size(), 1u);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_TRUE(mover.TakeLoaded().empty()) << "an abandoned onload went on";
+  EXPECT_EQ(mover.counters().onloads_in_flight, 0);
+}
+
 TEST_F(KvTierMoverTest, ARunEndsAtTheFirstBlockTheTiersDoNotHold) {
   KvTierMover mover(store_.get(), &buffers_, {});
   mover.Offload(1, Copy(buffers_, BlockBytes(1)));
