@@ -72,6 +72,17 @@ std::string MapChars(const std::string& s, char32_t (*fn)(char32_t)) {
 }
 std::string Upper(const std::string& s) { return MapChars(s, ToUpper); }
 std::string Lower(const std::string& s) { return MapChars(s, ToLower); }
+// Python's str.isupper() / islower() (jinja2's `upper` / `lower` tests): a
+// cased character at least, each already in that case.
+bool AllCasedAs(const std::string& s, bool upper) {
+  bool any_cased = false;
+  for (char32_t c : DecodeUtf8(s)) {
+    if (!IsCased(c)) continue;
+    any_cased = true;
+    if (upper ? ToUpper(c) != c : ToLower(c) != c) return false;
+  }
+  return any_cased;
+}
 
 std::string Title(const std::string& s) {
   std::u32string cps = DecodeUtf8(s);
@@ -1215,14 +1226,7 @@ Value Interpreter::CallMethod(const Value& obj, const std::string& name, const C
     }
     if (name == "isspace") return all([](char32_t c) { return IsPySpace(c); });
     if (name == "isupper" || name == "islower") {
-      bool upper = name == "isupper";
-      bool any_cased = false;
-      for (char32_t c : cps) {
-        if (!IsCased(c)) continue;
-        any_cased = true;
-        if (upper ? ToUpper(c) != c : ToLower(c) != c) return Value::Bool(false);
-      }
-      return Value::Bool(any_cased);
+      return Value::Bool(AllCasedAs(obj.str(), name == "isupper"));
     }
   }
   if (obj.kind() == Value::Kind::kDict) {
@@ -1589,6 +1593,8 @@ Value FilterRound(Interpreter&, const Value& v, const CallArgs& a) {
   const Value* method_v = a.Get(1, "method");
   std::string method = method_v ? SoftStr(*method_v) : "common";
   if (!v.is_number()) Error("round filter expects a number");
+  // Python's round() of an int is that int; jinja2's ceil and floor give floats.
+  if (v.kind() == Value::Kind::kInt && method == "common" && precision >= 0) return v;
   double scale = std::pow(10.0, static_cast<double>(precision));
   double x = v.as_float() * scale;
   if (method == "common") {
@@ -1777,16 +1783,10 @@ const std::map<std::string, TestFn, std::less<>>& Tests() {
        }},
       {"callable",
        [](Interpreter&, const Value& v, const CallArgs&) { return v.kind() == K::kCallable; }},
-      {"lower",
-       [](Interpreter&, const Value& v, const CallArgs&) {
-         std::string s = ToPrintString(v);
-         return Lower(s) == s;
-       }},
-      {"upper",
-       [](Interpreter&, const Value& v, const CallArgs&) {
-         std::string s = ToPrintString(v);
-         return Upper(s) == s;
-       }},
+      {"lower", [](Interpreter&, const Value& v,
+                   const CallArgs&) { return AllCasedAs(ToPrintString(v), /*upper=*/false); }},
+      {"upper", [](Interpreter&, const Value& v,
+                   const CallArgs&) { return AllCasedAs(ToPrintString(v), /*upper=*/true); }},
       {"even", [](Interpreter&, const Value& v,
                   const CallArgs&) { return CheckedInt(v, "even test operand") % 2 == 0; }},
       {"odd", [](Interpreter&, const Value& v,

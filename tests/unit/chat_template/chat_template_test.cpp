@@ -214,6 +214,16 @@ const Case kCases[] = {
      "  - 1\n  - 2\n"},
     {"MinusAfterBlankLines", "line1\n\n{%- if true %}\nX{% endif %}", "{}", "line1X"},
     {"RawBlock", "{% raw -%}  {{ x }} {% if %}  {%- endraw %}|", "{}", "{{ x }} {% if %}|"},
+    // jinja2: round of an int is that int (Python's round); ceil and floor
+    // give floats.
+    {"RoundKeepsIntegers",
+     "{{ 7|round }}|{{ 7|round(1) }}|{{ 7.0|round }}|{{ 2|round(0, 'ceil') }}", "{}",
+     "7|7|7.0|2.0"},
+    // jinja2's lower / upper tests are str.islower / isupper: a cased
+    // character is needed.
+    {"LowerUpperTestsNeedCasedChars",
+     "{{ '1 2' is lower }}{{ '-' is upper }}{{ 'ab' is lower }}{{ 'A1' is upper }}", "{}",
+     "FalseFalseTrueTrue"},
     {"OneTrailingNewlineDropped", "{{ 'a' }}\n\n", "{}", "a\n"},
     {"CrLfNormalized", "a\r\n{% if true %}\r\nb\r\n{% endif %}\r\nc", "{}", "a\nb\nc"},
 };
