@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <map>
 #include <regex>
 #include <string>
 #include <thread>
@@ -37,6 +38,42 @@ bool WaitForMetric(int port, const std::string& name, const std::string& labels,
     std::this_thread::sleep_for(50ms);
   }
   return LocalStack::Metric(port, name, labels) == want;
+}
+
+// Every prompt prefilled remotely: a prefill worker run with `prefill_env`
+// (a test hook) and a decode worker with `decode_flags`.
+std::pair<WorkerProc*, WorkerProc*> StartHandOffPair(LocalStack& stack,
+                                                     std::map<std::string, std::string> prefill_env,
+                                                     const std::vector<std::string>& decode_flags) {
+  stack.StartRouter({"--max-local-prefill", "0"});
+  stack.SetWorkerEnv(std::move(prefill_env));
+  WorkerProc* prefill = &stack.StartWorker("prefill");
+  stack.SetWorkerEnv({});
+  WorkerProc* decode = &stack.StartWorker("decode", decode_flags);
+  return {prefill, decode};
+}
+
+// A greedy request the decode worker ends up prefilling itself: answered
+// with `pdserve generate`'s text.
+void ExpectAnsweredAsGenerate(LocalStack& stack, const std::string& salt) {
+  const std::string prompt = Prompt(salt, 120);
+  const nlohmann::json want = Generate(prompt, 3);
+  auto [status, body] =
+      stack.Post("/v1/completions",
+                 {{"prompt", prompt}, {"max_tokens", 3}, {"temperature", 0}, {"ignore_eos", true}});
+  ASSERT_EQ(status, 200) << body.dump();
+  EXPECT_EQ(body["choices"][0]["text"], want["text"]);
+}
+
+// The decode worker's blocks held for peers, once its gauge shows any
+// (within `tries` polls 50 ms apart), else 0.
+double HeldForPeersSoon(const WorkerProc& decode, int tries) {
+  double held = 0;
+  for (int i = 0; i < tries && held == 0; ++i) {
+    held = LocalStack::Metric(decode.metrics_port, "pdserve_kv_blocks_held_for_peers");
+    if (held == 0) std::this_thread::sleep_for(50ms);
+  }
+  return held;
 }
 
 // One prompt of a batch is refused: the client gets the 400 at once, and
@@ -132,30 +169,15 @@ TEST(AbandonedWorkTest, ALateJobFailsAloneAndTheLinkServesOn) {
 // landed report failure; a write that misses its deadline cannot be timed.
 TEST(AbandonedWorkTest, BlocksAFailedWriteTargetedStayHeldUntilTheGiveUp) {
   LocalStack stack("abandoned-failed-write");
-  stack.StartRouter({"--max-local-prefill", "0"});
-  stack.SetWorkerEnv({{"PDSERVE_TEST_FAIL_KV_WRITES", "1"}});
-  WorkerProc& prefill = stack.StartWorker("prefill");
-  stack.SetWorkerEnv({});
-  WorkerProc& decode = stack.StartWorker("decode", {"--prefill-timeout-ms", "5000"});
+  auto [prefill, decode] = StartHandOffPair(stack, {{"PDSERVE_TEST_FAIL_KV_WRITES", "1"}},
+                                            {"--prefill-timeout-ms", "5000"});
   ASSERT_TRUE(stack.WaitReady());
-
-  const std::string prompt = Prompt("failed write", 120);
-  const nlohmann::json want = Generate(prompt, 3);
-  auto [status, body] =
-      stack.Post("/v1/completions",
-                 {{"prompt", prompt}, {"max_tokens", 3}, {"temperature", 0}, {"ignore_eos", true}});
-  ASSERT_EQ(status, 200) << body.dump();
-  EXPECT_EQ(body["choices"][0]["text"], want["text"]);
-  ASSERT_TRUE(prefill.proc.WaitForLog(std::regex("injected fault"), 10s)) << prefill.proc.Log();
-  double held = 0;
-  for (int i = 0; i < 100 && held == 0; ++i) {
-    held = LocalStack::Metric(decode.metrics_port, "pdserve_kv_blocks_held_for_peers");
-    if (held == 0) std::this_thread::sleep_for(50ms);
-  }
-  EXPECT_GT(held, 0) << decode.proc.Log();
-  EXPECT_TRUE(decode.proc.WaitForLog(std::regex("its transfer deadline has passed"), 30s))
-      << decode.proc.Log();
-  EXPECT_TRUE(WaitForMetric(decode.metrics_port, "pdserve_kv_blocks_held_for_peers", "", 0, 5s));
+  ASSERT_NO_FATAL_FAILURE(ExpectAnsweredAsGenerate(stack, "failed write"));
+  ASSERT_TRUE(prefill->proc.WaitForLog(std::regex("injected fault"), 10s)) << prefill->proc.Log();
+  EXPECT_GT(HeldForPeersSoon(*decode, 100), 0) << decode->proc.Log();
+  EXPECT_TRUE(decode->proc.WaitForLog(std::regex("its transfer deadline has passed"), 30s))
+      << decode->proc.Log();
+  EXPECT_TRUE(WaitForMetric(decode->metrics_port, "pdserve_kv_blocks_held_for_peers", "", 0, 5s));
 }
 
 // A Prefill delayed on a congested link past the decode worker's give-up
@@ -167,37 +189,23 @@ TEST(AbandonedWorkTest, BlocksAFailedWriteTargetedStayHeldUntilTheGiveUp) {
 // held until the peer's report comes, over the connection that stayed up.
 TEST(AbandonedWorkTest, BlocksStayHeldUntilALatePrefillIsReported) {
   LocalStack stack("abandoned-late-arrival");
-  stack.StartRouter({"--max-local-prefill", "0"});
-  stack.SetWorkerEnv({{"PDSERVE_TEST_DECODE_LINK_DELAY_MS", "14000"}});
-  WorkerProc& prefill = stack.StartWorker("prefill");
-  stack.SetWorkerEnv({});
   // Given up on 3 s + the 7 s grace after it is sent; 3 s is the prefill
   // worker's time to compute it once it arrives.
-  WorkerProc& decode = stack.StartWorker("decode", {"--prefill-timeout-ms", "3000"});
+  auto [prefill, decode] = StartHandOffPair(stack, {{"PDSERVE_TEST_DECODE_LINK_DELAY_MS", "14000"}},
+                                            {"--prefill-timeout-ms", "3000"});
   ASSERT_TRUE(stack.WaitReady());
-
-  const std::string prompt = Prompt("late arrival", 120);
-  const nlohmann::json want = Generate(prompt, 3);
-  auto [status, body] =
-      stack.Post("/v1/completions",
-                 {{"prompt", prompt}, {"max_tokens", 3}, {"temperature", 0}, {"ignore_eos", true}});
-  ASSERT_EQ(status, 200) << body.dump();
-  EXPECT_EQ(body["choices"][0]["text"], want["text"]);
+  ASSERT_NO_FATAL_FAILURE(ExpectAnsweredAsGenerate(stack, "late arrival"));
   // Answered after the give-up (about 10 s in), before the Prefill arrives
   // (14 s): the gauge shows the blocks held within its update period.
-  double held = 0;
-  for (int i = 0; i < 40 && held == 0; ++i) {
-    held = LocalStack::Metric(decode.metrics_port, "pdserve_kv_blocks_held_for_peers");
-    if (held == 0) std::this_thread::sleep_for(50ms);
-  }
-  EXPECT_GT(held, 0) << decode.proc.Log();
-  EXPECT_EQ(prefill.proc.Log().find("done:"), std::string::npos) << prefill.proc.Log();
-  ASSERT_TRUE(prefill.proc.WaitForLog(std::regex("prefill \\S+ done: [1-9]"), 20s))
-      << prefill.proc.Log();
-  EXPECT_TRUE(decode.proc.WaitForLog(std::regex("released: its prefill worker reported"), 10s))
-      << decode.proc.Log();
-  EXPECT_TRUE(WaitForMetric(decode.metrics_port, "pdserve_kv_blocks_held_for_peers", "", 0, 5s));
-  EXPECT_EQ(decode.proc.Log().find("prefill worker lost"), std::string::npos) << decode.proc.Log();
+  EXPECT_GT(HeldForPeersSoon(*decode, 40), 0) << decode->proc.Log();
+  EXPECT_EQ(prefill->proc.Log().find("done:"), std::string::npos) << prefill->proc.Log();
+  ASSERT_TRUE(prefill->proc.WaitForLog(std::regex("prefill \\S+ done: [1-9]"), 20s))
+      << prefill->proc.Log();
+  EXPECT_TRUE(decode->proc.WaitForLog(std::regex("released: its prefill worker reported"), 10s))
+      << decode->proc.Log();
+  EXPECT_TRUE(WaitForMetric(decode->metrics_port, "pdserve_kv_blocks_held_for_peers", "", 0, 5s));
+  EXPECT_EQ(decode->proc.Log().find("prefill worker lost"), std::string::npos)
+      << decode->proc.Log();
 }
 
 // A peer that never reports a hand-off given up on (its link delays
@@ -206,12 +214,11 @@ TEST(AbandonedWorkTest, BlocksStayHeldUntilALatePrefillIsReported) {
 // ends the peer's writes, and frees the blocks a grace later.
 TEST(AbandonedWorkTest, APeerThatNeverReportsHasItsConnectionClosed) {
   LocalStack stack("abandoned-silent-peer");
-  stack.StartRouter({"--max-local-prefill", "0"});
-  stack.SetWorkerEnv({{"PDSERVE_TEST_DECODE_LINK_DELAY_MS", "60000"}});
-  WorkerProc& prefill = stack.StartWorker("prefill");
-  stack.SetWorkerEnv({});
   // Given up on at 8 s; the connection closed at 16 s; freed at 23 s.
-  WorkerProc& decode = stack.StartWorker("decode", {"--prefill-timeout-ms", "1000"});
+  auto [prefill_ptr, decode_ptr] = StartHandOffPair(
+      stack, {{"PDSERVE_TEST_DECODE_LINK_DELAY_MS", "60000"}}, {"--prefill-timeout-ms", "1000"});
+  WorkerProc& prefill = *prefill_ptr;
+  WorkerProc& decode = *decode_ptr;
   ASSERT_TRUE(stack.WaitReady());
 
   auto [status, body] =
