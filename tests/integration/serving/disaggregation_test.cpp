@@ -193,6 +193,35 @@ TEST_P(DisaggregationTest, AllowedTokenIdsAndBadWordsHoldOnBothWorkers) {
   EXPECT_TRUE(DecodePoolsIdle());
 }
 
+// A request whose masks allow no token at all (its allowed ids are its
+// bad word's tokens) ends without one, "length", and its usage still counts
+// the prefix the decode worker found cached (an earlier request's).
+TEST_P(DisaggregationTest, ARequestEndingWithoutATokenCountsItsCachedPrefix) {
+  const std::string prompt = Words(60);
+  auto [warm_status, warm] =
+      stack_.Post("/v1/completions", {{"prompt", prompt}, {"max_tokens", 2}, {"temperature", 0}});
+  ASSERT_EQ(warm_status, 200) << warm.dump();
+  std::vector<int> banned;
+  for (const char* text : {"t", " t"}) {
+    auto [s, t] = stack_.Post("/tokenize", {{"prompt", text}, {"add_special_tokens", false}});
+    ASSERT_EQ(s, 200) << t.dump();
+    ASSERT_EQ(t["count"], 1) << t.dump();
+    banned.push_back(t["tokens"][0].get<int>());
+  }
+  auto [status, body] =
+      stack_.Post("/v1/completions", {{"prompt", prompt},
+                                      {"max_tokens", 4},
+                                      {"temperature", 0},
+                                      {"allowed_token_ids", banned},
+                                      {"bad_words", nlohmann::json::array({"t"})}});
+  ASSERT_EQ(status, 200) << body.dump();
+  EXPECT_EQ(body["choices"][0]["text"], "") << body.dump();
+  EXPECT_EQ(body["choices"][0]["finish_reason"], "length") << body.dump();
+  EXPECT_EQ(body["usage"]["completion_tokens"], 0) << body.dump();
+  EXPECT_GT(body["usage"]["prompt_tokens_details"]["cached_tokens"].get<int>(), 0) << body.dump();
+  EXPECT_TRUE(DecodePoolsIdle());
+}
+
 TEST_P(DisaggregationTest, PrefillWorkerKilledMidTransferFallsBackToLocal) {
   // Several long prompts in flight, then the prefill workers die.
   std::vector<std::thread> clients;
