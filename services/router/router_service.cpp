@@ -325,6 +325,7 @@ struct Inflight {
     // With a reasoning parser, streaming: the thoughts split from the rest
     // (which the tool streamer, if any, reads).
     std::unique_ptr<ReasoningStreamer> reasoning;
+    int64_t reasoning_tokens = 0;  // its tokens the reasoning streamer read as thoughts
     size_t tool_calls_sent = 0;
     size_t streamed_text_chars = 0;  // completions' logprobs.text_offset (TextOffsetLength)
     bool finished = false;
@@ -2077,8 +2078,20 @@ class RouterServiceImpl : public RouterService {
     }
     std::vector<ReasoningPart> split;
     if (c.reasoning) {
-      c.reasoning->Push(text, &split);
+      // Token by token, to count the thoughts' tokens (a piece without text
+      // of its own, its text on a later one, counts as the state it finds).
+      for (const auto& p : pieces) c.reasoning_tokens += c.reasoning->PushToken(p.text, &split);
       if (final) c.reasoning->Finish(&split);
+      // Pushed in several calls: merge neighbours of one kind.
+      std::vector<ReasoningPart> merged;
+      for (auto& p : split) {
+        if (!merged.empty() && merged.back().reasoning == p.reasoning) {
+          merged.back().text += p.text;
+        } else {
+          merged.push_back(std::move(p));
+        }
+      }
+      split = std::move(merged);
     } else {
       split.push_back({false, std::move(text)});
     }
@@ -2140,8 +2153,10 @@ class RouterServiceImpl : public RouterService {
     if (ToolsActive(*r.api))
       c.tool_stream = std::make_unique<ToolCallStreamer>(tool_parser_, r.tool_functions);
     if (r.starts_thinking) c.reasoning = std::make_unique<ReasoningStreamer>(*r.starts_thinking);
+    c.reasoning_tokens = 0;
     for (const TokenPiece& p : c.pieces) (void)ParsedTextEvents(r, 0, {p}, /*final=*/false);
     (void)ParsedTextEvents(r, 0, {}, /*final=*/true);
+    if (r.starts_thinking) r.usage.reasoning_tokens = c.reasoning_tokens;
     c.finish_reason = CallsFinishReason(*r.api, c.finish_reason, c.tool_calls_sent > 0);
     (void)r.formatter->StreamChoiceFinish(c.finish_reason, 0);
     return r.formatter->ResponseObject(r.usage);
@@ -2191,6 +2206,10 @@ class RouterServiceImpl : public RouterService {
       }
       r.exchange->Write(r.formatter->StreamChoiceFinish(c.finish_reason, index));
       if (!last) return;
+      if (r.starts_thinking) {
+        r.usage.reasoning_tokens = 0;
+        for (const auto& ch : r.choices) *r.usage.reasoning_tokens += ch.reasoning_tokens;
+      }
       r.exchange->Write(r.formatter->StreamEnd(r.usage));
       r.exchange->End();
     } else {
@@ -2236,6 +2255,16 @@ class RouterServiceImpl : public RouterService {
             o.outcome = &out;
           }
           out.push_back(o);
+        }
+        if (r.starts_thinking) {
+          // Every sequence's, as completion_tokens counts them.
+          r.usage.reasoning_tokens = 0;
+          for (const auto& ch : r.choices) {
+            ReasoningStreamer count(*r.starts_thinking);
+            std::vector<ReasoningPart> unused;
+            for (const auto& p : ch.pieces)
+              *r.usage.reasoning_tokens += count.PushToken(p.text, &unused);
+          }
         }
         resp.body = r.formatter->Complete(r.prompt_text, out, r.usage).dump();
       }

@@ -425,17 +425,23 @@ test('reasoning: thoughts come apart from the answer on chat and responses, stre
   assert.equal(message.reasoning, text);
   assert.equal(message.reasoning_content, text);
   assert.equal(message.content, null);
+  // Every token was thought.
+  assert.equal(chat.usage.completion_tokens_details.reasoning_tokens, chat.usage.completion_tokens);
 
-  const stream = await client.chat.completions.create({ ...sampling, messages, reasoning_effort: 'high', stream: true });
+  const stream = await client.chat.completions.create({ ...sampling, messages, reasoning_effort: 'high',
+    stream: true, stream_options: { include_usage: true } });
   let reasoning = '';
   let content = '';
+  let usage = null;
   for await (const chunk of stream) {
     const delta = chunk.choices[0]?.delta ?? {};
     reasoning += delta.reasoning ?? '';
     content += delta.content ?? '';
+    if (chunk.usage) usage = chunk.usage;
   }
   assert.equal(reasoning, text);
   assert.equal(content, '');
+  assert.deepEqual(usage.completion_tokens_details, chat.usage.completion_tokens_details);
 
   const params = { model: modelId, temperature: 0, max_output_tokens: 10, input: messages, reasoning: { effort: 'high' } };
   const once = await client.responses.create(params);
@@ -445,9 +451,13 @@ test('reasoning: thoughts come apart from the answer on chat and responses, stre
     assert.equal(r.output[0].content[0].type, 'reasoning_text');
     assert.equal(r.output[0].content[0].text, text);
   }
+  // (The stream helper keeps a response.incomplete's usage out of its final
+  // response: the unstreamed one carries it.)
+  assert.equal(once.usage.output_tokens_details.reasoning_tokens, once.usage.output_tokens);
 
   // Not asked to reason: the answer, and no thoughts.
   const plain = await client.chat.completions.create({ ...sampling, messages });
   assert.equal(plain.choices[0].message.reasoning, undefined);
   assert.equal(typeof plain.choices[0].message.content, 'string');
+  assert.equal(plain.usage.completion_tokens_details.reasoning_tokens, 0);
 });

@@ -1321,10 +1321,14 @@ ojson ResponseFormatter::Envelope(const char* object) const {
 }
 
 ojson ResponseFormatter::UsageJson(const Usage& u) const {
-  return {{"prompt_tokens", u.prompt_tokens},
-          {"completion_tokens", u.completion_tokens},
-          {"total_tokens", u.prompt_tokens + u.completion_tokens},
-          {"prompt_tokens_details", {{"cached_tokens", u.cached_tokens}}}};
+  ojson j = {{"prompt_tokens", u.prompt_tokens},
+             {"completion_tokens", u.completion_tokens},
+             {"total_tokens", u.prompt_tokens + u.completion_tokens},
+             {"prompt_tokens_details", {{"cached_tokens", u.cached_tokens}}}};
+  if (u.reasoning_tokens) {
+    j["completion_tokens_details"] = {{"reasoning_tokens", *u.reasoning_tokens}};
+  }
+  return j;
 }
 
 ojson ResponseFormatter::Logprobs(const std::vector<TokenPiece>& pieces, size_t text_offset,

@@ -211,9 +211,15 @@ std::optional<ApiError> ParseDetokenizeRequest(std::string_view body, const ApiL
                                                DetokenizeRequest* out);
 
 struct Usage {
+  Usage() = default;
+  Usage(int64_t prompt, int64_t completion, int64_t cached)
+      : prompt_tokens(prompt), completion_tokens(completion), cached_tokens(cached) {}
   int64_t prompt_tokens = 0;
   int64_t completion_tokens = 0;
   int64_t cached_tokens = 0;
+  // Of completion_tokens, those a reasoning parser read as thoughts; set
+  // only when one split the output (chat's completion_tokens_details).
+  std::optional<int64_t> reasoning_tokens;
 };
 
 // One generated token as the response formats need it.

@@ -60,10 +60,21 @@ class ReasoningStreamer {
   void Push(std::string_view text, std::vector<ReasoningPart>* parts);
   // End of the output: whatever is still held back.
   void Finish(std::vector<ReasoningPart>* parts);
+  // Push for one token's text: whether the token is part of the thinking
+  // (a reasoning token for usage: those with <think> and </think> count).
+  bool PushToken(std::string_view text, std::vector<ReasoningPart>* parts) {
+    const bool before = in_thought();
+    Push(text, parts);
+    return before || in_thought();
+  }
 
  private:
   enum class State { kStart, kThinking, kAfterThinking, kAnswer };
   static void Add(bool reasoning, std::string_view text, std::vector<ReasoningPart>* parts);
+  // Whether text pushed now would be thoughts.
+  bool in_thought() const {
+    return state_ == State::kThinking || (state_ == State::kStart && starts_thinking_);
+  }
 
   bool starts_thinking_;
   State state_ = State::kStart;

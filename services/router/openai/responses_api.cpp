@@ -698,7 +698,7 @@ ojson UsageObject(const Usage& u) {
   return {{"input_tokens", u.prompt_tokens},
           {"input_tokens_details", {{"cached_tokens", u.cached_tokens}}},
           {"output_tokens", u.completion_tokens},
-          {"output_tokens_details", {{"reasoning_tokens", 0}}},
+          {"output_tokens_details", {{"reasoning_tokens", u.reasoning_tokens.value_or(0)}}},
           {"total_tokens", u.prompt_tokens + u.completion_tokens}};
 }
 }  // namespace

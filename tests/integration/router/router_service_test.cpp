@@ -1040,6 +1040,10 @@ TEST_F(RouterServiceReasoningTest, ThoughtsComeApartFromTheAnswer) {
   auto r = post("/v1/chat/completions", body);
   ASSERT_EQ(r.status, 200) << r.body;
   auto message = nlohmann::json::parse(r.body)["choices"][0]["message"];
+  // (The fake worker sends the whole text with one token: a thinking one.)
+  EXPECT_EQ(nlohmann::json::parse(r.body)["usage"]["completion_tokens_details"]["reasoning_tokens"],
+            1)
+      << r.body;
   EXPECT_EQ(message["reasoning"], "Add them.\n") << r.body;
   EXPECT_EQ(message["reasoning_content"], "Add them.\n") << r.body;
   EXPECT_EQ(message["content"], "2 + 2 = 4.") << r.body;
@@ -1096,6 +1100,7 @@ TEST_F(RouterServiceReasoningTest, ThoughtsComeApartFromTheAnswer) {
   r = post("/v1/completions", {{"model", model_id_}, {"prompt", "2 + 2?"}, {"max_tokens", 4}});
   ASSERT_EQ(r.status, 200) << r.body;
   EXPECT_EQ(nlohmann::json::parse(r.body)["choices"][0]["text"], "4. </think> is a tag.");
+  EXPECT_FALSE(nlohmann::json::parse(r.body)["usage"].contains("completion_tokens_details"));
 
   // Cut off while thinking: thoughts, and no answer.
   w.SetReplyText("Add the");

@@ -142,6 +142,22 @@ TEST(ReasoningTest, ThePromptSaysWhetherTheOutputStartsThinking) {
   EXPECT_FALSE(OutputStartsThinking(P::kQwen3, "<think>a</think>b<|im_start|>assistant\n"));
 }
 
+// Usage's reasoning tokens: those pushed while thinking, the markers' own
+// tokens included; none of the answer's.
+TEST(ReasoningTest, ReasoningTokensAreTheThinkingOnes) {
+  auto count = [](bool starts_thinking, const std::vector<std::string>& tokens) {
+    ReasoningStreamer s(starts_thinking);
+    std::vector<ReasoningPart> parts;
+    int n = 0;
+    for (const std::string& t : tokens) n += s.PushToken(t, &parts);
+    return n;
+  };
+  EXPECT_EQ(count(false, {"<think>", "a", "b", "</think>", "\n\n", "It", " is"}), 4);
+  EXPECT_EQ(count(true, {"a", "</th", "ink>", "ok"}), 3);
+  EXPECT_EQ(count(false, {"It", " is"}), 0);
+  EXPECT_EQ(count(true, {"cut", " off"}), 2);
+}
+
 TEST(ReasoningTest, ParserNames) {
   EXPECT_EQ(*ParseReasoningParserName("deepseek_r1"), ReasoningParser::kDeepSeekR1);
   EXPECT_EQ(*ParseReasoningParserName("qwen3"), ReasoningParser::kQwen3);
