@@ -2228,6 +2228,18 @@ class RouterServiceImpl : public RouterService {
           });
         }
         order.resize(static_cast<size_t>(r.api->n));
+        // Thoughts and answer of every sequence (usage counts each one's
+        // thought tokens, as completion_tokens counts its tokens).
+        std::vector<std::pair<std::string, std::string>> split(r.choices.size());
+        if (r.starts_thinking) {
+          r.usage.reasoning_tokens = 0;
+          for (size_t i = 0; i < r.choices.size(); ++i) {
+            std::vector<std::string_view> tokens;
+            for (const auto& p : r.choices[i].pieces) tokens.push_back(p.text);
+            *r.usage.reasoning_tokens +=
+                SplitReasoning(*r.starts_thinking, tokens, &split[i].first, &split[i].second);
+          }
+        }
         std::vector<ChatOutcome> outcomes(order.size());
         std::vector<ResponseFormatter::ChoiceOutput> out;
         for (size_t k = 0; k < order.size(); ++k) {
@@ -2237,13 +2249,12 @@ class RouterServiceImpl : public RouterService {
           if (ToolsActive(*r.api) || r.starts_thinking) {
             ChatOutcome& out = outcomes[k];
             std::string text;
-            for (const auto& p : ch.pieces) text += p.text;
             if (r.starts_thinking) {
               out.split_reasoning = true;
-              std::string answer;
-              SplitReasoning(*r.starts_thinking, text, &out.reasoning, &answer);
-              if (!r.api->include_reasoning) out.reasoning.clear();
-              text = std::move(answer);
+              if (r.api->include_reasoning) out.reasoning = std::move(split[order[k]].first);
+              text = std::move(split[order[k]].second);
+            } else {
+              for (const auto& p : ch.pieces) text += p.text;
             }
             if (ToolsActive(*r.api)) {
               ParseToolCalls(tool_parser_, r.tool_functions, text, &out.content, &out.calls);
@@ -2255,16 +2266,6 @@ class RouterServiceImpl : public RouterService {
             o.outcome = &out;
           }
           out.push_back(o);
-        }
-        if (r.starts_thinking) {
-          // Every sequence's, as completion_tokens counts them.
-          r.usage.reasoning_tokens = 0;
-          for (const auto& ch : r.choices) {
-            ReasoningStreamer count(*r.starts_thinking);
-            std::vector<ReasoningPart> unused;
-            for (const auto& p : ch.pieces)
-              *r.usage.reasoning_tokens += count.PushToken(p.text, &unused);
-          }
         }
         resp.body = r.formatter->Complete(r.prompt_text, out, r.usage).dump();
       }

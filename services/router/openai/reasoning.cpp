@@ -114,15 +114,17 @@ void ReasoningStreamer::Finish(std::vector<ReasoningPart>* parts) {
   }
 }
 
-void SplitReasoning(bool starts_thinking, std::string_view text, std::string* reasoning,
-                    std::string* answer) {
+int64_t SplitReasoning(bool starts_thinking, const std::vector<std::string_view>& tokens,
+                       std::string* reasoning, std::string* answer) {
   ReasoningStreamer streamer(starts_thinking);
   std::vector<ReasoningPart> parts;
-  streamer.Push(text, &parts);
+  int64_t thought = 0;
+  for (std::string_view t : tokens) thought += streamer.PushToken(t, &parts);
   streamer.Finish(&parts);
   reasoning->clear();
   answer->clear();
   for (const ReasoningPart& p : parts) (p.reasoning ? reasoning : answer)->append(p.text);
+  return thought;
 }
 
 }  // namespace pdserve::router

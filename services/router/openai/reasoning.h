@@ -27,6 +27,7 @@
 // the same fields.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -81,8 +82,10 @@ class ReasoningStreamer {
   std::string held_;  // kStart: whitespace and a possible <think>; kThinking: a possible </think>
 };
 
-// The whole output at once: its reasoning and its answer.
-void SplitReasoning(bool starts_thinking, std::string_view text, std::string* reasoning,
-                    std::string* answer);
+// A whole output, given as its tokens' texts: its reasoning and its answer,
+// as streaming splits them; returns how many of the tokens were thoughts
+// (ReasoningStreamer::PushToken).
+int64_t SplitReasoning(bool starts_thinking, const std::vector<std::string_view>& tokens,
+                       std::string* reasoning, std::string* answer);
 
 }  // namespace pdserve::router

@@ -19,7 +19,7 @@ std::ostream& operator<<(std::ostream& os, const Split& s) {
 
 Split Whole(bool starts_thinking, const std::string& text) {
   Split s;
-  SplitReasoning(starts_thinking, text, &s.reasoning, &s.answer);
+  SplitReasoning(starts_thinking, {text}, &s.reasoning, &s.answer);
   return s;
 }
 
