@@ -154,8 +154,9 @@ class KvTransfer {
   // memory. The memory belongs to the KvTransfer and lives as long as it.
   virtual StatusOr<MemoryRegion> AllocatePool(size_t blocks, const KvLayout& layout) = 0;
 
-  // This worker's descriptor (requires a pool). Backends that bootstrap a
-  // per-pair channel from it (NCCL) make every call's result single-use.
+  // This worker's descriptor (requires a pool), for one writer: every call's
+  // result is single-use (NCCL bootstraps a pair's channel from it, UCX
+  // mints the pair's receive worker, which Disconnect ends).
   virtual StatusOr<std::string> ExportDescriptor() = 0;
 
   // Writer side of the handshake; see the top of this file.

@@ -107,6 +107,9 @@ constexpr auto kPairWorkerRetireLimit = std::chrono::seconds(1);
 // call, and a writer connected to 64 idle peers paid 0.5 us per peer on
 // every small transfer (bench/transfer_idle_peers.sh).
 constexpr uint64_t kIdlePairStride = 16;
+// A descriptor's receive worker that no writer's reply has named within this
+// long is destroyed (the handshake that would use it was abandoned).
+constexpr auto kUnacceptedDescriptorLifetime = std::chrono::seconds(60);
 
 class UcxTransfer;
 
@@ -128,24 +131,31 @@ struct WriteOp {
 // The UCX part of the descriptor's "channel" field: u8 version | u8 needs
 // staging | u32 chunk blocks (0: this side cannot stage) | u64 connection
 // nonce (reply only) | u32 slices | slices x (u64 writer offset | u64
-// receiver offset | u64 bytes). A sliced pair's reply carries its slices
-// (writer's view) and, when the pair is gathered (staged), the pair's chunk
-// in blocks rather than the writer's own.
+// receiver offset | u64 bytes) | u64 receive worker (version 3 only). A
+// sliced pair's reply carries its slices (writer's view) and, when the pair
+// is gathered (staged), the pair's chunk in blocks rather than the writer's
+// own. The receive worker names the receiver's worker that the descriptor's
+// address belongs to; the reply repeats it. Version 2 (no such worker: the
+// receiver's own) is still read, and written where the receiver wrote it, so
+// that a receiver of the previous format still accepts our replies.
 struct StagingWire {
   bool staged = false;
   uint32_t chunk_blocks = 0;
   uint64_t nonce = 0;
   std::vector<BlockSlice> slices;
+  uint64_t receive_worker = 0;
 };
-constexpr uint8_t kStagingWireVersion = 2;
+constexpr uint8_t kStagingWireVersion = 3;
+constexpr uint8_t kStagingWireVersionWithoutReceiveWorker = 2;
 
 std::string EncodeStaging(const StagingWire& w) {
   codec::ByteWriter b;
-  b.U8(kStagingWireVersion);
+  b.U8(w.receive_worker != 0 ? kStagingWireVersion : kStagingWireVersionWithoutReceiveWorker);
   b.U8(w.staged ? 1 : 0);
   b.U32(w.chunk_blocks);
   b.U64(w.nonce);
   transport_detail::EncodeBlockSlices(b, w.slices);
+  if (w.receive_worker != 0) b.U64(w.receive_worker);
   return b.Take();
 }
 
@@ -154,13 +164,17 @@ StatusOr<StagingWire> DecodeStaging(std::string_view bytes) {
   uint8_t version = 0, staged = 0;
   StagingWire w;
   PDSERVE_RETURN_IF_ERROR(r.U8("version", &version));
-  if (version != kStagingWireVersion) {
+  if (version != kStagingWireVersion && version != kStagingWireVersionWithoutReceiveWorker) {
     return r.Error("staging parameters version " + std::to_string(version) + " is not supported");
   }
   PDSERVE_RETURN_IF_ERROR(r.U8("staged", &staged));
   PDSERVE_RETURN_IF_ERROR(r.U32("chunk_blocks", &w.chunk_blocks));
   PDSERVE_RETURN_IF_ERROR(r.U64("nonce", &w.nonce));
   PDSERVE_RETURN_IF_ERROR(transport_detail::DecodeBlockSlices(r, &w.slices));
+  if (version == kStagingWireVersion) {
+    PDSERVE_RETURN_IF_ERROR(r.U64("receive_worker", &w.receive_worker));
+    if (w.receive_worker == 0) return r.Error("receive worker 0 in a version 3 encoding");
+  }
   if (r.remaining() != 0) return r.Error(std::to_string(r.remaining()) + " trailing bytes");
   w.staged = staged != 0;
   return w;
@@ -244,7 +258,9 @@ struct Peer {
   uint64_t instance = 0;
   bool writer_side = false;  // true: we write to it (Connect); false: Accept
   ucp_ep_h ep = nullptr;
-  // The UCP worker ep lives on (a writer pair's own: see CloseEndpoint).
+  // A writer's: the UCP worker ep lives on (the pair's own: see
+  // CloseEndpoint). A receiver's: the worker the writer's data arrives on
+  // (the receive worker of the descriptor it answered; see Disconnect).
   ucp_worker_h worker = nullptr;
   ucp_rkey_h rkey = nullptr;
   uint64_t remote_base = 0;
@@ -372,10 +388,19 @@ class UcxTransfer final : public KvTransfer {
   void CloseAndRelease(std::unique_ptr<Peer> peer);
   void PollClosing();
   void CloseDeferred();
-  // The worker of one writer pair (see CloseEndpoint), progressed and armed
-  // with the transfer's own.
-  StatusOr<ucp_worker_h> CreatePairWorker(PeerId peer);
+  struct PairWorker;
+  // The worker of one writer pair (see CloseEndpoint), or a receive worker
+  // (`peer` 0), progressed and armed with the transfer's own; the pointer
+  // lasts until the next worker is created.
+  StatusOr<PairWorker*> CreatePairWorker(PeerId peer);
   void DestroyPairWorker(ucp_worker_h worker);
+  // Marks a pair's worker to go after options_.closed_endpoint_linger.
+  void RetirePairWorker(ucp_worker_h worker);
+  // A pair that could not have a worker of its own shares worker_ (UCX 1.13
+  // creates none once an interface it listed at start is gone); said once.
+  void WarnSharingWorker(const std::string& who, const std::string& why);
+  // The worker a pair's messages arrive on (nullptr once the pair is gone).
+  ucp_worker_h WorkerOf(PeerId peer) const;
   // Destroys the pair workers whose endpoint is closed once the close and
   // every request on them have completed (or kPairWorkerRetireLimit after
   // the close, whatever is left: `all` at shutdown, at once).
@@ -405,7 +430,7 @@ class UcxTransfer final : public KvTransfer {
   void OnCopyDone(Slot* slot, Status status);
   void SendSlot(Slot* slot);
   bool ReceiveNext(StagedOp* op);
-  void DrainMessage(ucp_tag_message_h msg, size_t length);
+  void DrainMessage(ucp_worker_h worker, ucp_tag_message_h msg, size_t length);
   void PumpDrains();
   void FinishStaged(StagedOp* op, Status status);
   // A failed staged write closes its connection (as a failed direct write does).
@@ -420,14 +445,24 @@ class UcxTransfer final : public KvTransfer {
   uint64_t instance_id_ = 0;
 
   ucp_context_h context_ = nullptr;
-  ucp_worker_h worker_ = nullptr;  // receives; its address is in our descriptor
+  // Receives from writers whose reply named no receive worker of ours (the
+  // previous descriptor format, or one exported when no worker could be
+  // created); its address is in such descriptors.
+  ucp_worker_h worker_ = nullptr;
   std::string worker_address_;
   int worker_efd_ = -1;
+  // A worker of one pair: a writer's (Connect), or a receive worker, minted
+  // by ExportDescriptor for the writer that answers that descriptor.
   struct PairWorker {
     ucp_worker_h worker = nullptr;
     int efd = -1;  // -1: polled
+    // The pair's; 0 for a receive worker no reply has named yet.
     PeerId peer = 0;
-    bool retiring = false;    // its endpoint is closed
+    // A receive worker's name in descriptors (0: a writer's), and when it
+    // goes unless a reply names it first.
+    uint64_t receive_worker = 0;
+    TransferClock::time_point unaccepted_until{};
+    bool retiring = false;    // its endpoint is closed / its writer disconnected
     bool progressed = false;  // since then
     bool active = false;      // had events on its last progress, or woke the loop
     TransferClock::time_point retire_by{};
@@ -435,6 +470,7 @@ class UcxTransfer final : public KvTransfer {
   std::vector<PairWorker> pair_workers_;  // progress thread only
   uint64_t progress_turns_ = 0;           // progress thread only
   bool shared_worker_warned_ = false;     // progress thread only
+  uint64_t next_receive_worker_ = 1;      // progress thread only
   std::vector<PeerId> busy_peers_;        // ProgressWorkers' scratch
   int wake_fd_ = -1;
   int epoll_fd_ = -1;
@@ -957,13 +993,7 @@ bool UcxTransfer::CloseEndpoint(Peer* peer) {
   peer->rkey = nullptr;
   peer->ops.clear();
   peer->worker = nullptr;
-  for (PairWorker& p : pair_workers_) {
-    if (p.worker == holder->worker && !p.retiring) {
-      p.retiring = true;
-      p.progressed = false;
-      p.retire_by = TransferClock::now() + options_.closed_endpoint_linger;
-    }
-  }
+  RetirePairWorker(holder->worker);
   if (UCS_PTR_IS_PTR(req)) {
     closing_.push_back({req, std::move(holder), nullptr});
     return true;
@@ -984,7 +1014,7 @@ void UcxTransfer::PollClosing() {
   }
 }
 
-StatusOr<ucp_worker_h> UcxTransfer::CreatePairWorker(PeerId peer) {
+StatusOr<UcxTransfer::PairWorker*> UcxTransfer::CreatePairWorker(PeerId peer) {
   PairWorker p;
   p.peer = peer;
   PDSERVE_RETURN_IF_ERROR(CreateWorker(context_, &p.worker));
@@ -997,7 +1027,29 @@ StatusOr<ucp_worker_h> UcxTransfer::CreatePairWorker(PeerId peer) {
     p.efd = -1;
   }
   pair_workers_.push_back(p);
-  return p.worker;
+  return &pair_workers_.back();
+}
+
+void UcxTransfer::WarnSharingWorker(const std::string& who, const std::string& why) {
+  if (std::exchange(shared_worker_warned_, true)) return;
+  PDSERVE_LOG(WARN) << who << ": " << why
+                    << "; connections that cannot have a worker of their own share the "
+                       "transfer's (logged once)";
+}
+
+void UcxTransfer::RetirePairWorker(ucp_worker_h worker) {
+  for (PairWorker& p : pair_workers_) {
+    if (p.worker == worker && !p.retiring) {
+      p.retiring = true;
+      p.progressed = false;
+      p.retire_by = TransferClock::now() + options_.closed_endpoint_linger;
+    }
+  }
+}
+
+ucp_worker_h UcxTransfer::WorkerOf(PeerId peer) const {
+  auto it = peers_.find(peer);
+  return it == peers_.end() ? nullptr : it->second->worker;
 }
 
 void UcxTransfer::DestroyPairWorker(ucp_worker_h worker) {
@@ -1011,8 +1063,12 @@ void UcxTransfer::DestroyPairWorker(ucp_worker_h worker) {
 
 void UcxTransfer::ReapPairWorkers(bool all) {
   const auto now = TransferClock::now();
-  std::vector<ucp_worker_h> done;
+  std::vector<std::pair<ucp_worker_h, PeerId>> done;
   for (const PairWorker& p : pair_workers_) {
+    if (!all && p.peer == 0 && p.receive_worker != 0 && now >= p.unaccepted_until) {
+      done.emplace_back(p.worker, p.peer);  // no writer answered its descriptor
+      continue;
+    }
     if (!all) {
       if (!p.retiring || now < p.retire_by) continue;
       bool pending = false;
@@ -1029,9 +1085,9 @@ void UcxTransfer::ReapPairWorkers(bool all) {
                           << ": requests still pending when its worker was destroyed";
       }
     }
-    done.push_back(p.worker);
+    done.emplace_back(p.worker, p.peer);
   }
-  for (ucp_worker_h w : done) {
+  for (const auto& [w, peer] : done) {
     // A close still pending ends with the worker (its request with it); the
     // Peers its callbacks could reach go after the worker.
     std::vector<Closing> ended;
@@ -1046,6 +1102,12 @@ void UcxTransfer::ReapPairWorkers(bool all) {
       closing_.erase(closing_.begin() + i);
     }
     DestroyPairWorker(w);
+    // A chunk still being received on it never will be: its slot is free.
+    for (Slot& slot : slots_) {
+      if (slot.state == SlotState::kReceiving && peer != 0 && slot.op->peer == peer) {
+        ReleaseSlot(&slot);
+      }
+    }
   }
 }
 
@@ -1219,10 +1281,42 @@ WireDescriptor UcxTransfer::OwnDescriptor(DescriptorKind kind) const {
   return d;
 }
 
+// Each descriptor names a receive worker of its own, which the writer that
+// answers it connects to and which goes when that writer is disconnected
+// (Disconnect): the receiver then stops hearing from it, so that nothing it
+// still sends (a put the kernel held through a partition) is processed
+// after the pair was given up. UCX 1.13 aborts a receiver that answers such
+// a put once its reply endpoint has failed (docs/architecture.md, section 6).
 StatusOr<std::string> UcxTransfer::ExportDescriptor() {
   return RunSync<StatusOr<std::string>>([&]() -> StatusOr<std::string> {
     if (!registered_) return Status::InvalidArgument("register the KV pool before exporting");
-    return EncodeDescriptor(OwnDescriptor(DescriptorKind::kDescriptor));
+    WireDescriptor d = OwnDescriptor(DescriptorKind::kDescriptor);
+    auto worker = CreatePairWorker(/*peer=*/0);
+    ucp_address_t* address = nullptr;
+    size_t address_len = 0;
+    ucs_status_t s = UCS_ERR_NO_RESOURCE;
+    if (worker.ok()) {
+      s = ucp_worker_get_address((*worker)->worker, &address, &address_len);
+      if (s != UCS_OK) DestroyPairWorker((*worker)->worker);
+    }
+    if (!worker.ok() || s != UCS_OK) {
+      // As for a writer's pair (ConnectLocked): no worker once an interface
+      // UCX listed at start is gone. This pair then shares the transfer's.
+      WarnSharingWorker("UCX receive worker", worker.ok() ? UcsError("ucp_worker_get_address", s)
+                                                          : worker.status().message());
+      return EncodeDescriptor(d);
+    }
+    PairWorker& p = **worker;
+    p.receive_worker = next_receive_worker_++;
+    p.unaccepted_until = TransferClock::now() + kUnacceptedDescriptorLifetime;
+    d.address.assign(reinterpret_cast<const char*>(address), address_len);
+    ucp_worker_release_address(p.worker, address);
+    StagingWire w;
+    w.staged = own_staged_;
+    w.chunk_blocks = own_chunk_blocks_;
+    w.receive_worker = p.receive_worker;
+    d.channel = EncodeStaging(w);
+    return EncodeDescriptor(d);
   });
 }
 
@@ -1332,18 +1426,13 @@ StatusOr<KvTransfer::Connection> UcxTransfer::ConnectLocked(std::string_view blo
   ep_params.err_handler.arg = peer.get();
   auto worker = CreatePairWorker(peer->id);
   if (worker.ok()) {
-    peer->worker = *worker;
+    peer->worker = (*worker)->worker;
   } else {
     // UCX 1.13 creates no worker once a network interface it listed at
     // start is gone (a container's veth, a VPN): "No such device". The pair
     // then shares the transfer's own worker, without the isolation above,
     // rather than refusing every connection until a restart.
-    if (!shared_worker_warned_) {
-      PDSERVE_LOG(WARN) << "UCX peer " << peer->id << ": " << worker.status().message()
-                        << "; connections that cannot have a worker of their own share the "
-                           "transfer's (logged once)";
-      shared_worker_warned_ = true;
-    }
+    WarnSharingWorker("UCX peer " + std::to_string(peer->id), worker.status().message());
     peer->worker = worker_;
   }
   ucs_status_t s = ucp_ep_create(peer->worker, &ep_params, &peer->ep);
@@ -1370,6 +1459,7 @@ StatusOr<KvTransfer::Connection> UcxTransfer::ConnectLocked(std::string_view blo
   w.chunk_blocks = sliced && peer->staged ? peer->chunk_blocks : own_chunk_blocks_;
   w.nonce = peer->nonce;
   if (slices != nullptr) w.slices = *slices;
+  w.receive_worker = theirs.receive_worker;  // the receiver's worker we reached
   own.channel = EncodeStaging(w);
   c.reply = EncodeDescriptor(own);
   PDSERVE_LOG(INFO) << "UCX KV transfer connected to " << PeerName(peer->id, peer->instance) << ": "
@@ -1421,6 +1511,23 @@ StatusOr<PeerId> UcxTransfer::AcceptImpl(std::string_view reply, bool sliced) {
     }
     PDSERVE_RETURN_IF_ERROR(
         AgreeStaging(peer.get(), theirs, /*peer_is_receiver=*/false, d->block_bytes));
+    // The worker the writer reached: the one its reply names, or ours.
+    PairWorker* receive = nullptr;
+    if (theirs.receive_worker != 0) {
+      for (PairWorker& p : pair_workers_) {
+        if (p.receive_worker == theirs.receive_worker) receive = &p;
+      }
+      if (receive == nullptr) {
+        return Status::InvalidArgument(
+            "the writer's reply answers a descriptor this transfer no longer has (unanswered "
+            "for " +
+            std::to_string(kUnacceptedDescriptorLifetime.count()) + " s, or never exported)");
+      }
+      if (receive->peer != 0) {
+        return Status::InvalidArgument(
+            "the writer's reply answers a descriptor already accepted (export one per writer)");
+      }
+    }
     if (peer->staged && transport_detail::ProcessIsVisible(d->process)) {
       // A staged receive waits for the writer: notice a same-host writer's death.
       peer->process = d->process;
@@ -1428,6 +1535,12 @@ StatusOr<PeerId> UcxTransfer::AcceptImpl(std::string_view reply, bool sliced) {
     }
     PDSERVE_LOG(INFO) << "UCX KV transfer accepted writer " << PeerName(peer->id, peer->instance)
                       << (peer->staged ? (sliced ? " (gathered slices)" : " (staged)") : "");
+    if (receive != nullptr) {
+      receive->peer = peer->id;
+      peer->worker = receive->worker;
+    } else {
+      peer->worker = worker_;
+    }
     const PeerId id = peer->id;
     peers_.emplace(id, std::move(peer));
     return id;
@@ -1577,6 +1690,12 @@ void UcxTransfer::Disconnect(PeerId peer_id) {
     if (it == peers_.end()) return 0;
     FailPeer(it->second.get(), Status::Cancelled("connection to peer " + std::to_string(peer_id) +
                                                  " closed by Disconnect"));
+    // A writer's receive worker goes after the same linger as a writer's
+    // own (its last answers to what reached it before may still be due),
+    // and with it everything the writer still sends (see ExportDescriptor).
+    if (!it->second->writer_side && it->second->worker != worker_) {
+      RetirePairWorker(it->second->worker);
+    }
     // Closed while still listed, as ever; kept past the erase while the
     // close is pending (CloseAndRelease's reason).
     if (CloseEndpoint(it->second.get())) closing_.back().handler_arg = std::move(it->second);
@@ -1969,9 +2088,11 @@ void UcxTransfer::OnStagedFlushed(StagedOp* op, ucs_status_t status) {
 
 bool UcxTransfer::ReceiveNext(StagedOp* op) {
   if (op->finished || op->next_chunk >= op->chunks || free_slots_.empty()) return false;
+  ucp_worker_h worker = WorkerOf(op->peer);
+  if (worker == nullptr) return false;
   ucp_tag_recv_info_t info{};
   ucp_tag_message_h msg =
-      ucp_tag_probe_nb(worker_, op->tag_base | (op->next_chunk & 0xFFFF), kTagFullMask, 1, &info);
+      ucp_tag_probe_nb(worker, op->tag_base | (op->next_chunk & 0xFFFF), kTagFullMask, 1, &info);
   if (msg == nullptr) return false;
   Slot* slot = TakeSlot(op);
   const uint32_t chunk = op->next_chunk++;
@@ -1979,7 +2100,7 @@ bool UcxTransfer::ReceiveNext(StagedOp* op) {
   slot->chunk = chunk;
   slot->blocks = static_cast<uint32_t>(std::min<size_t>(op->chunk_blocks, op->seq.size() - first));
   if (info.length > slot_bytes_) {
-    DrainMessage(msg, info.length);
+    DrainMessage(worker, msg, info.length);
     FinishStaged(op, Status::InvalidArgument(StagedWhat(op) + ": chunk " + std::to_string(chunk) +
                                              " has " + std::to_string(info.length) +
                                              " bytes; the writer's pairs differ from this "
@@ -1998,7 +2119,7 @@ bool UcxTransfer::ReceiveNext(StagedOp* op) {
   param.user_data = slot;
   slot->state = SlotState::kReceiving;
   const size_t length = info.length;
-  ucs_status_ptr_t req = ucp_tag_msg_recv_nbx(worker_, slot->buf, length, msg, &param);
+  ucs_status_ptr_t req = ucp_tag_msg_recv_nbx(worker, slot->buf, length, msg, &param);
   if (UCS_PTR_IS_ERR(req)) {
     FinishStaged(op, Status::Unavailable(UcsError("ucp_tag_msg_recv_nbx", UCS_PTR_STATUS(req))));
     ReleaseSlot(slot);
@@ -2037,7 +2158,7 @@ void UcxTransfer::OnSlotReceived(Slot* slot, ucs_status_t status, size_t length)
   if (!s.ok() || !copier_->asynchronous()) OnCopyDone(slot, std::move(s));
 }
 
-void UcxTransfer::DrainMessage(ucp_tag_message_h msg, size_t length) {
+void UcxTransfer::DrainMessage(ucp_worker_h worker, ucp_tag_message_h msg, size_t length) {
   // The length is the peer's word and the bytes are thrown away, so the
   // buffer stays small whatever it declares: a receive shorter than its
   // message completes with UCS_ERR_MESSAGE_TRUNCATED, and UCX drops the
@@ -2052,7 +2173,7 @@ void UcxTransfer::DrainMessage(ucp_tag_message_h msg, size_t length) {
       UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
   param.cb.recv = Drained;
   param.user_data = d;
-  ucs_status_ptr_t req = ucp_tag_msg_recv_nbx(worker_, d->buf.data(), length, msg, &param);
+  ucs_status_ptr_t req = ucp_tag_msg_recv_nbx(worker, d->buf.data(), length, msg, &param);
   if (UCS_PTR_IS_ERR(req) || req == nullptr) OnDrained(d);
 }
 
@@ -2064,18 +2185,19 @@ void UcxTransfer::PumpDrains() {
   const auto now = TransferClock::now();
   for (size_t i = 0; i < drains_.size();) {
     Drain& d = drains_[i];
-    if (d.remaining == 0 || now > d.until) {
+    ucp_worker_h worker = WorkerOf(d.peer);
+    if (d.remaining == 0 || now > d.until || worker == nullptr) {
       drains_.erase(drains_.begin() + static_cast<std::ptrdiff_t>(i));
       continue;
     }
     ucp_tag_recv_info_t info{};
-    ucp_tag_message_h msg = ucp_tag_probe_nb(worker_, d.tag, kTagTransferMask, 1, &info);
+    ucp_tag_message_h msg = ucp_tag_probe_nb(worker, d.tag, kTagTransferMask, 1, &info);
     if (msg == nullptr) {
       ++i;
       continue;
     }
     --d.remaining;
-    DrainMessage(msg, info.length);
+    DrainMessage(worker, msg, info.length);
   }
 }
 
@@ -2225,7 +2347,7 @@ void UcxTransfer::ShutdownStaging() {
   };
   const auto give_up = TransferClock::now() + std::chrono::milliseconds(200);
   while (busy() && TransferClock::now() < give_up) {
-    ucp_worker_progress(worker_);
+    ProgressWorkers();
     PollClosing();
     for (Slot& slot : slots_) {
       Status s;

@@ -5,7 +5,12 @@
 // address in their descriptor, with error handling mode "peer" so that a dead
 // peer turns into kUnavailable instead of a hang. Each endpoint lives on a
 // UCP worker of its own, destroyed with it (a UCX 1.13 TCP fault outlives a
-// closed endpoint in its worker: docs/architecture.md, section 6). A Write coalesces contiguous
+// closed endpoint in its worker: docs/architecture.md, section 6); likewise
+// each exported descriptor names a receive worker of its own, which serves
+// the one writer whose reply names it (a second reply, or one naming no
+// worker of ours, is refused) and goes closed_endpoint_linger after that
+// writer is disconnected, so that nothing it still sends is processed; one
+// no reply named within 60 s goes too. A Write coalesces contiguous
 // block runs, issues one ucp_put_nbx per run and one ucp_ep_flush_nbx, and
 // reports success only when the flush completes (the data is then in the
 // peer's memory). A missed deadline force-closes the endpoint, so that nothing
@@ -116,14 +121,14 @@ struct UcxTransferOptions {
   size_t staging_bytes = size_t{256} << 20;
   // CUDA device of a kCuda pool; -1: the device that holds the pool.
   int cuda_device = -1;
-  // A closed endpoint's worker is destroyed this long after the close (then
-  // once the requests the close cancelled have called back, at most 1 s
-  // more). Two UCX 1.13 faults bound it (docs/architecture.md, section 6):
-  // a peer still answering what reached it before the close aborts if the
-  // worker is gone (a receiver that stalled longer than the peer timeout
-  // plus this), and the worker's leftover TCP endpoint crashes this process
-  // if the link returns after the peer has closed its socket while the
-  // worker lives.
+  // A closed endpoint's worker, or a disconnected writer's receive worker,
+  // is destroyed this long after the close (then once the requests the
+  // close cancelled have called back, at most 1 s more). Two UCX 1.13
+  // faults bound it (docs/architecture.md, section 6): a peer still
+  // answering what reached it before the close aborts if the worker is gone
+  // (a receiver that stalled longer than the peer timeout plus this), and
+  // the worker's leftover TCP endpoint crashes this process if the link
+  // returns after the peer has closed its socket while the worker lives.
   std::chrono::milliseconds closed_endpoint_linger{5000};
 };
 

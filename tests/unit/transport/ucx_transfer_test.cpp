@@ -308,12 +308,13 @@ TEST_P(UcxTransferTest, RepeatedSetupAndTeardownLeaksNoThreadsOrDescriptors) {
   EXPECT_EQ(CountDir("/proc/self/fd"), fds) << "file descriptors leaked";
 }
 
-// Every connection's endpoint lives on a UCP worker of its own, destroyed
-// closed_endpoint_linger after the endpoint is closed (here 300 ms): one
-// writer connecting, writing and disconnecting again and again (a write left
-// in flight at each Disconnect, which the receiver is still answering) ends
+// Every connection lives on a UCP worker of its own on each side (the
+// writer's endpoint, the receive worker its descriptor named), destroyed
+// closed_endpoint_linger after the close (here 300 ms): one writer
+// connecting, writing and disconnecting again and again (a write left in
+// flight at each Disconnect, which the receiver is still answering) ends
 // with the file descriptors it had after the first round (a couple more,
-// transiently, on the receiver's side), every write reported exactly once.
+// transiently), every write reported exactly once.
 TEST_P(UcxTransferTest, ReconnectingLeavesNoWorkerBehind) {
   const KvLayout layout = TinyLayout();
   Pool src(16, layout.bytes_per_block, 16), dst(16, layout.bytes_per_block, 17);
@@ -322,7 +323,9 @@ TEST_P(UcxTransferTest, ReconnectingLeavesNoWorkerBehind) {
   opts.closed_endpoint_linger = 300ms;
   auto writer = CreateUcxTransfer(opts);
   ASSERT_TRUE(writer.ok()) << writer.status().ToString();
-  Pair p{std::move(*writer), MakeTransfer(GetParam())};
+  auto receiver = CreateUcxTransfer(opts);
+  ASSERT_TRUE(receiver.ok()) << receiver.status().ToString();
+  Pair p{std::move(*writer), std::move(*receiver)};
   ASSERT_TRUE(p.writer->RegisterPool(src.region(), layout).ok());
   ASSERT_TRUE(p.receiver->RegisterPool(dst.region(), layout).ok());
   auto round = [&] {
@@ -350,6 +353,85 @@ TEST_P(UcxTransferTest, ReconnectingLeavesNoWorkerBehind) {
   const size_t fds = CountDir("/proc/self/fd");
   for (int i = 0; i < 8; ++i) round();
   EXPECT_LE(settled(fds), fds + 2) << "workers (their descriptors) left behind";
+}
+
+// A receiver that disconnected a writer (its peer timed out: a partition,
+// a frozen process) hears nothing more from it once the linger is over:
+// what the writer still sends, such as a put the kernel held through a
+// partition, lands nowhere and fails there. Without that, the blocks a
+// given-up hand-off held could be written after their reuse, and UCX 1.13
+// aborts a receiver that answers such a put on a failed reply endpoint.
+TEST_P(UcxTransferTest, AWriterTheReceiverDisconnectedLandsNothingMore) {
+  const KvLayout layout = TinyLayout();
+  Pool src(8, layout.bytes_per_block, 18), dst(8, layout.bytes_per_block, 19);
+  const Pool dst_before = dst;
+  UcxTransferOptions opts;
+  opts.tls = GetParam();
+  opts.closed_endpoint_linger = 100ms;
+  auto receiver = CreateUcxTransfer(opts);
+  ASSERT_TRUE(receiver.ok()) << receiver.status().ToString();
+  Pair p{MakeTransfer(GetParam()), std::move(*receiver)};
+  ASSERT_TRUE(p.writer->RegisterPool(src.region(), layout).ok());
+  ASSERT_TRUE(p.receiver->RegisterPool(dst.region(), layout).ok());
+  Handshake(&p);
+  Completion first;
+  p.writer->Write(p.to_receiver, {{0, 0}}, TransferClock::now() + 20s, first.callback());
+  ASSERT_TRUE(first.Wait().ok());
+  ASSERT_EQ(std::memcmp(dst.block(0), src.block(0), layout.bytes_per_block), 0);
+
+  p.receiver->Disconnect(p.from_writer);
+  std::this_thread::sleep_for(1500ms);  // linger, then at most 1 s for its requests
+  Completion late;
+  p.writer->Write(p.to_receiver, {{1, 1}, {2, 2}}, TransferClock::now() + 3s, late.callback());
+  const Status s = late.Wait();
+  EXPECT_FALSE(s.ok()) << "a write after the receiver disconnected the writer succeeded";
+  for (BlockId b = 1; b < 8; ++b) {
+    EXPECT_EQ(std::memcmp(dst.block(b), dst_before.block(b), layout.bytes_per_block), 0)
+        << "block " << b << " was written after the receiver disconnected its writer";
+  }
+  // The receiver still takes a new writer.
+  Handshake(&p);
+  Completion again;
+  p.writer->Write(p.to_receiver, {{3, 3}}, TransferClock::now() + 20s, again.callback());
+  ASSERT_TRUE(again.Wait().ok());
+  EXPECT_EQ(std::memcmp(dst.block(3), src.block(3), layout.bytes_per_block), 0);
+}
+
+// A reply names the descriptor (its receive worker) it answers: one that
+// answers a descriptor already accepted, or one this receiver never
+// exported, is refused.
+TEST_P(UcxTransferTest, AReplyIsAcceptedOnceForTheDescriptorItAnswers) {
+  const KvLayout layout = TinyLayout();
+  Pool a(4, layout.bytes_per_block, 20), b(4, layout.bytes_per_block, 21),
+      c(4, layout.bytes_per_block, 22);
+  auto writer = MakeTransfer(GetParam());
+  auto receiver = MakeTransfer(GetParam());
+  auto stranger = MakeTransfer(GetParam());
+  ASSERT_TRUE(writer->RegisterPool(a.region(), layout).ok());
+  ASSERT_TRUE(receiver->RegisterPool(b.region(), layout).ok());
+  ASSERT_TRUE(stranger->RegisterPool(c.region(), layout).ok());
+  auto desc = receiver->ExportDescriptor();
+  ASSERT_TRUE(desc.ok());
+  auto conn = writer->Connect(*desc);
+  ASSERT_TRUE(conn.ok()) << conn.status().ToString();
+  auto first = receiver->Accept(conn->reply);
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  auto again = receiver->Accept(conn->reply);
+  ASSERT_FALSE(again.ok());
+  EXPECT_NE(again.status().message().find("already accepted"), std::string::npos)
+      << again.status().message();
+  // A reply to another receiver's descriptor names a worker this one lacks
+  // (receive workers are numbered per transfer: the stranger's first is
+  // this one's first too, so export a second here first).
+  ASSERT_TRUE(stranger->ExportDescriptor().ok());
+  auto theirs = stranger->ExportDescriptor();
+  ASSERT_TRUE(theirs.ok());
+  auto conn2 = writer->Connect(*theirs);
+  ASSERT_TRUE(conn2.ok()) << conn2.status().ToString();
+  auto wrong = receiver->Accept(conn2->reply);
+  ASSERT_FALSE(wrong.ok());
+  EXPECT_NE(wrong.status().message().find("no longer has"), std::string::npos)
+      << wrong.status().message();
 }
 
 // A pair joining two tensor-parallel splits (ConnectSlices/AcceptSlices):
