@@ -154,9 +154,10 @@ class KvTransfer {
   // memory. The memory belongs to the KvTransfer and lives as long as it.
   virtual StatusOr<MemoryRegion> AllocatePool(size_t blocks, const KvLayout& layout) = 0;
 
-  // This worker's descriptor (requires a pool), for one writer: every call's
-  // result is single-use (NCCL bootstraps a pair's channel from it, UCX
-  // mints the pair's receive worker, which Disconnect ends).
+  // This worker's descriptor (requires a pool), for one connecting peer:
+  // NCCL bootstraps a pair's channel from it (single-use); UCX mints a
+  // receive worker for the writers that answer it (a tensor-parallel
+  // peer's ranks may share one), which goes once Disconnect has ended each.
   virtual StatusOr<std::string> ExportDescriptor() = 0;
 
   // Writer side of the handshake; see the top of this file.

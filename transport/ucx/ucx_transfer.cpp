@@ -390,8 +390,9 @@ class UcxTransfer final : public KvTransfer {
   void CloseDeferred();
   struct PairWorker;
   // The worker of one writer pair (see CloseEndpoint), or a receive worker
-  // (`peer` 0), progressed and armed with the transfer's own; the pointer
-  // lasts until the next worker is created.
+  // (`peer` 0: its writers come with their replies), progressed and armed
+  // with the transfer's own; the pointer lasts until the next worker is
+  // created.
   StatusOr<PairWorker*> CreatePairWorker(PeerId peer);
   void DestroyPairWorker(ucp_worker_h worker);
   // Marks a pair's worker to go after options_.closed_endpoint_linger.
@@ -456,12 +457,18 @@ class UcxTransfer final : public KvTransfer {
   struct PairWorker {
     ucp_worker_h worker = nullptr;
     int efd = -1;  // -1: polled
-    // The pair's; 0 for a receive worker no reply has named yet.
-    PeerId peer = 0;
+    // A writer's: its pair. A receive worker's: the writers whose replies
+    // named it (several for tensor-parallel ranks of other sizes), and how
+    // many of them are still connected.
+    std::vector<PeerId> peers;
+    size_t connected = 0;
     // A receive worker's name in descriptors (0: a writer's), and when it
     // goes unless a reply names it first.
     uint64_t receive_worker = 0;
     TransferClock::time_point unaccepted_until{};
+    bool Serves(PeerId peer) const {
+      return std::find(peers.begin(), peers.end(), peer) != peers.end();
+    }
     bool retiring = false;    // its endpoint is closed / its writer disconnected
     bool progressed = false;  // since then
     bool active = false;      // had events on its last progress, or woke the loop
@@ -1016,7 +1023,7 @@ void UcxTransfer::PollClosing() {
 
 StatusOr<UcxTransfer::PairWorker*> UcxTransfer::CreatePairWorker(PeerId peer) {
   PairWorker p;
-  p.peer = peer;
+  if (peer != 0) p.peers.push_back(peer);
   PDSERVE_RETURN_IF_ERROR(CreateWorker(context_, &p.worker));
   if (worker_efd_ >= 0 && ucp_worker_get_efd(p.worker, &p.efd) == UCS_OK) {
     epoll_event ev{};
@@ -1063,10 +1070,10 @@ void UcxTransfer::DestroyPairWorker(ucp_worker_h worker) {
 
 void UcxTransfer::ReapPairWorkers(bool all) {
   const auto now = TransferClock::now();
-  std::vector<std::pair<ucp_worker_h, PeerId>> done;
+  std::vector<std::pair<ucp_worker_h, std::vector<PeerId>>> done;
   for (const PairWorker& p : pair_workers_) {
-    if (!all && p.peer == 0 && p.receive_worker != 0 && now >= p.unaccepted_until) {
-      done.emplace_back(p.worker, p.peer);  // no writer answered its descriptor
+    if (!all && p.receive_worker != 0 && p.peers.empty() && now >= p.unaccepted_until) {
+      done.emplace_back(p.worker, p.peers);  // no writer answered its descriptor
       continue;
     }
     if (!all) {
@@ -1074,20 +1081,20 @@ void UcxTransfer::ReapPairWorkers(bool all) {
       bool pending = false;
       for (const Closing& c : closing_) pending = pending || c.peer->worker == p.worker;
       for (const WriteOp* op : live_ops_) {
-        pending = pending || (op->peer == p.peer && op->pending > 0);
+        pending = pending || (p.Serves(op->peer) && op->pending > 0);
       }
       for (const StagedOp* op : staged_ops_) {
-        pending = pending || (op->peer == p.peer && (op->pending > 0 || op->slots_held > 0));
+        pending = pending || (p.Serves(op->peer) && (op->pending > 0 || op->slots_held > 0));
       }
       if ((pending || !p.progressed) && now < p.retire_by + kPairWorkerRetireLimit) continue;
       if (pending) {
-        PDSERVE_LOG(WARN) << "UCX peer " << p.peer
+        PDSERVE_LOG(WARN) << "UCX peer " << (p.peers.empty() ? 0 : p.peers.front())
                           << ": requests still pending when its worker was destroyed";
       }
     }
-    done.emplace_back(p.worker, p.peer);
+    done.emplace_back(p.worker, p.peers);
   }
-  for (const auto& [w, peer] : done) {
+  for (const auto& [w, peers] : done) {
     // A close still pending ends with the worker (its request with it); the
     // Peers its callbacks could reach go after the worker.
     std::vector<Closing> ended;
@@ -1104,7 +1111,8 @@ void UcxTransfer::ReapPairWorkers(bool all) {
     DestroyPairWorker(w);
     // A chunk still being received on it never will be: its slot is free.
     for (Slot& slot : slots_) {
-      if (slot.state == SlotState::kReceiving && peer != 0 && slot.op->peer == peer) {
+      if (slot.state == SlotState::kReceiving &&
+          std::find(peers.begin(), peers.end(), slot.op->peer) != peers.end()) {
         ReleaseSlot(&slot);
       }
     }
@@ -1132,7 +1140,8 @@ bool UcxTransfer::ProgressWorkers() {
   for (size_t i = 0; i < pair_workers_.size(); ++i) {
     PairWorker& p = pair_workers_[i];
     const bool due = p.retiring || p.active || p.efd < 0 ||
-                     (progress_turns_ + i) % kIdlePairStride == 0 || busy(p.peer);
+                     (progress_turns_ + i) % kIdlePairStride == 0 ||
+                     std::any_of(p.peers.begin(), p.peers.end(), busy);
     if (!due) continue;
     const bool retiring = p.retiring;
     bool had_events = false;
@@ -1517,15 +1526,12 @@ StatusOr<PeerId> UcxTransfer::AcceptImpl(std::string_view reply, bool sliced) {
       for (PairWorker& p : pair_workers_) {
         if (p.receive_worker == theirs.receive_worker) receive = &p;
       }
-      if (receive == nullptr) {
+      if (receive == nullptr || receive->retiring) {
         return Status::InvalidArgument(
-            "the writer's reply answers a descriptor this transfer no longer has (unanswered "
+            "the writer's reply answers a descriptor this transfer no longer serves (unanswered "
             "for " +
-            std::to_string(kUnacceptedDescriptorLifetime.count()) + " s, or never exported)");
-      }
-      if (receive->peer != 0) {
-        return Status::InvalidArgument(
-            "the writer's reply answers a descriptor already accepted (export one per writer)");
+            std::to_string(kUnacceptedDescriptorLifetime.count()) +
+            " s, its writers disconnected, or never exported)");
       }
     }
     if (peer->staged && transport_detail::ProcessIsVisible(d->process)) {
@@ -1536,7 +1542,8 @@ StatusOr<PeerId> UcxTransfer::AcceptImpl(std::string_view reply, bool sliced) {
     PDSERVE_LOG(INFO) << "UCX KV transfer accepted writer " << PeerName(peer->id, peer->instance)
                       << (peer->staged ? (sliced ? " (gathered slices)" : " (staged)") : "");
     if (receive != nullptr) {
-      receive->peer = peer->id;
+      receive->peers.push_back(peer->id);
+      ++receive->connected;
       peer->worker = receive->worker;
     } else {
       peer->worker = worker_;
@@ -1690,11 +1697,16 @@ void UcxTransfer::Disconnect(PeerId peer_id) {
     if (it == peers_.end()) return 0;
     FailPeer(it->second.get(), Status::Cancelled("connection to peer " + std::to_string(peer_id) +
                                                  " closed by Disconnect"));
-    // A writer's receive worker goes after the same linger as a writer's
-    // own (its last answers to what reached it before may still be due),
-    // and with it everything the writer still sends (see ExportDescriptor).
+    // A receive worker goes when its last writer is disconnected, after
+    // the same linger as a writer's own (its last answers to what reached it
+    // before may still be due), and with it everything its writers still
+    // send (see ExportDescriptor).
     if (!it->second->writer_side && it->second->worker != worker_) {
-      RetirePairWorker(it->second->worker);
+      for (PairWorker& p : pair_workers_) {
+        if (p.worker == it->second->worker && p.connected > 0 && --p.connected == 0) {
+          RetirePairWorker(p.worker);
+        }
+      }
     }
     // Closed while still listed, as ever; kept past the erase while the
     // close is pending (CloseAndRelease's reason).

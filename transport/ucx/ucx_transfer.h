@@ -7,10 +7,10 @@
 // UCP worker of its own, destroyed with it (a UCX 1.13 TCP fault outlives a
 // closed endpoint in its worker: docs/architecture.md, section 6); likewise
 // each exported descriptor names a receive worker of its own, which serves
-// the one writer whose reply names it (a second reply, or one naming no
-// worker of ours, is refused) and goes closed_endpoint_linger after that
-// writer is disconnected, so that nothing it still sends is processed; one
-// no reply named within 60 s goes too. A Write coalesces contiguous
+// the writers whose replies name it (a reply naming no worker we still
+// serve is refused) and goes closed_endpoint_linger after the last of them
+// is disconnected, so that nothing they still send is processed; one no
+// reply named within 60 s goes too. A Write coalesces contiguous
 // block runs, issues one ucp_put_nbx per run and one ucp_ep_flush_nbx, and
 // reports success only when the flush completes (the data is then in the
 // peer's memory). A missed deadline force-closes the endpoint, so that nothing

@@ -397,40 +397,69 @@ TEST_P(UcxTransferTest, AWriterTheReceiverDisconnectedLandsNothingMore) {
   EXPECT_EQ(std::memcmp(dst.block(3), src.block(3), layout.bytes_per_block), 0);
 }
 
-// A reply names the descriptor (its receive worker) it answers: one that
-// answers a descriptor already accepted, or one this receiver never
-// exported, is refused.
-TEST_P(UcxTransferTest, AReplyIsAcceptedOnceForTheDescriptorItAnswers) {
+// A reply names the descriptor (its receive worker) it answers. Several
+// writers may answer one (the ranks of a tensor-parallel peer of another
+// size do): the worker serves each and goes when the last is disconnected.
+// A reply naming a worker this receiver never exported is refused.
+TEST_P(UcxTransferTest, AReceiveWorkerServesEveryWriterOfItsDescriptorUntilTheLastLeaves) {
   const KvLayout layout = TinyLayout();
-  Pool a(4, layout.bytes_per_block, 20), b(4, layout.bytes_per_block, 21),
-      c(4, layout.bytes_per_block, 22);
-  auto writer = MakeTransfer(GetParam());
-  auto receiver = MakeTransfer(GetParam());
+  const size_t bb = layout.bytes_per_block;
+  Pool a(4, bb, 20), b(4, bb, 21), dst(8, bb, 22), c(4, bb, 23);
+  UcxTransferOptions opts;
+  opts.tls = GetParam();
+  opts.closed_endpoint_linger = 100ms;
+  auto receiver = CreateUcxTransfer(opts);
+  ASSERT_TRUE(receiver.ok()) << receiver.status().ToString();
+  auto first = MakeTransfer(GetParam());
+  auto second = MakeTransfer(GetParam());
   auto stranger = MakeTransfer(GetParam());
-  ASSERT_TRUE(writer->RegisterPool(a.region(), layout).ok());
-  ASSERT_TRUE(receiver->RegisterPool(b.region(), layout).ok());
+  ASSERT_TRUE(first->RegisterPool(a.region(), layout).ok());
+  ASSERT_TRUE(second->RegisterPool(b.region(), layout).ok());
+  ASSERT_TRUE((*receiver)->RegisterPool(dst.region(), layout).ok());
   ASSERT_TRUE(stranger->RegisterPool(c.region(), layout).ok());
-  auto desc = receiver->ExportDescriptor();
+  auto desc = (*receiver)->ExportDescriptor();
   ASSERT_TRUE(desc.ok());
-  auto conn = writer->Connect(*desc);
-  ASSERT_TRUE(conn.ok()) << conn.status().ToString();
-  auto first = receiver->Accept(conn->reply);
-  ASSERT_TRUE(first.ok()) << first.status().ToString();
-  auto again = receiver->Accept(conn->reply);
-  ASSERT_FALSE(again.ok());
-  EXPECT_NE(again.status().message().find("already accepted"), std::string::npos)
-      << again.status().message();
-  // A reply to another receiver's descriptor names a worker this one lacks
-  // (receive workers are numbered per transfer: the stranger's first is
-  // this one's first too, so export a second here first).
+  auto to_first = first->Connect(*desc);
+  auto to_second = second->Connect(*desc);
+  ASSERT_TRUE(to_first.ok() && to_second.ok());
+  auto from_first = (*receiver)->Accept(to_first->reply);
+  auto from_second = (*receiver)->Accept(to_second->reply);
+  ASSERT_TRUE(from_first.ok()) << from_first.status().ToString();
+  ASSERT_TRUE(from_second.ok()) << from_second.status().ToString();
+  auto write = [&](KvTransfer& w, PeerId to, BlockId local, BlockId remote) {
+    Completion done;
+    w.Write(to, {{local, remote}}, TransferClock::now() + 3s, done.callback());
+    return done.Wait();
+  };
+  ASSERT_TRUE(write(*first, to_first->peer, 0, 0).ok());
+  ASSERT_TRUE(write(*second, to_second->peer, 0, 1).ok());
+
+  (*receiver)->Disconnect(*from_first);
+  std::this_thread::sleep_for(1500ms);  // a linger and more: the second still writes
+  EXPECT_TRUE(write(*second, to_second->peer, 1, 2).ok());
+  EXPECT_EQ(std::memcmp(dst.block(2), b.block(1), bb), 0);
+
+  (*receiver)->Disconnect(*from_second);
+  std::this_thread::sleep_for(1500ms);
+  const Pool before = dst;
+  EXPECT_FALSE(write(*second, to_second->peer, 2, 3).ok());
+  EXPECT_FALSE(write(*first, to_first->peer, 2, 4).ok());
+  EXPECT_EQ(dst.bytes, before.bytes) << "a writer wrote after its receive worker went";
+  // Its descriptor is no longer served; another receiver's never was here
+  // (receive workers are numbered per transfer: export a second there, so
+  // that its number is one this receiver never had).
+  auto late = second->Connect(*desc);
+  if (late.ok()) {
+    EXPECT_FALSE((*receiver)->Accept(late->reply).ok());
+  }
   ASSERT_TRUE(stranger->ExportDescriptor().ok());
   auto theirs = stranger->ExportDescriptor();
   ASSERT_TRUE(theirs.ok());
-  auto conn2 = writer->Connect(*theirs);
-  ASSERT_TRUE(conn2.ok()) << conn2.status().ToString();
-  auto wrong = receiver->Accept(conn2->reply);
+  auto to_stranger = first->Connect(*theirs);
+  ASSERT_TRUE(to_stranger.ok()) << to_stranger.status().ToString();
+  auto wrong = (*receiver)->Accept(to_stranger->reply);
   ASSERT_FALSE(wrong.ok());
-  EXPECT_NE(wrong.status().message().find("no longer has"), std::string::npos)
+  EXPECT_NE(wrong.status().message().find("no longer serves"), std::string::npos)
       << wrong.status().message();
 }
 
@@ -476,10 +505,13 @@ TEST(UcxSlicedTransferTest, SlicesPastEitherBlockAreRefusedOnBothSides) {
     auto d = transport_detail::DecodeDescriptor(
         conn->reply, transport_detail::DescriptorKind::kReply, transport_detail::BackendCode::kUcx);
     EXPECT_TRUE(d.ok()) << d.status().ToString();
-    // The UCX channel: u8 version | u8 staged | u32 chunk | u64 nonce | slices.
+    // The UCX channel: u8 version | u8 staged | u32 chunk | u64 nonce |
+    // slices | u64 receive worker.
+    const std::string_view channel = d->channel;
     codec::ByteWriter w;
-    w.Raw(std::string_view(d->channel).substr(0, 14));
+    w.Raw(channel.substr(0, 14));
     transport_detail::EncodeBlockSlices(w, hostile);
+    w.Raw(channel.substr(channel.size() - 8));
     d->channel = w.Take();
     return transport_detail::EncodeDescriptor(*d);
   };
