@@ -484,15 +484,18 @@ std::optional<ApiError> ParseMessages(const ojson& body, ApiRequest* out) {
         return InvalidParam(where + ".content", "'" + where + ".content' is required");
       copy["content"] = "";
     } else if (content->is_array()) {
-      // Text parts are joined as vLLM does; other part types need a multimodal model.
+      // Text parts are joined as vLLM does; other part types need a multimodal
+      // model. An assistant's refusal part (a history replayed from OpenAI)
+      // is its text, as vLLM reads it.
       std::string text;
       ojson parts = ojson::array();
       bool first = true;
       for (const auto& part : *content) {
         auto type = part.is_object() ? part.find("type") : part.end();
-        auto part_text = part.is_object() ? part.find("text") : part.end();
-        if (!part.is_object() || type == part.end() || *type != "text" || part_text == part.end() ||
-            !part_text->is_string()) {
+        const bool refusal = r == "assistant" && type != part.end() && *type == "refusal";
+        auto part_text = part.is_object() ? part.find(refusal ? "refusal" : "text") : part.end();
+        if (!part.is_object() || type == part.end() || (*type != "text" && !refusal) ||
+            part_text == part.end() || !part_text->is_string()) {
           return InvalidParam(where + ".content",
                               "'" + where +
                                   ".content' parts must be {\"type\": \"text\", "
@@ -559,7 +562,11 @@ std::optional<ApiError> ParseTools(const ojson& body, ApiRequest* out) {
   Fields f(body);
   const ojson* tools = f.Get("tools");
   if (tools && !tools->is_array()) return InvalidParam("tools", "'tools' must be an array");
-  if (tools && !tools->empty()) {
+  // As OpenAI and vLLM answer: no tools is the field left out.
+  if (tools && tools->empty()) {
+    return InvalidParam("tools", "'tools' must not be an empty array (leave it out for no tools)");
+  }
+  if (tools) {
     std::vector<std::string> names;
     for (size_t k = 0; k < tools->size(); ++k) {
       const ojson& t = (*tools)[k];

@@ -177,7 +177,8 @@ std::optional<ApiError> ToolsToChat(const ojson& body, ojson* chat, ojson* echo)
     }
     chat_tools.push_back({{"type", "function"}, {"function", std::move(fn)}});
   }
-  (*chat)["tools"] = std::move(chat_tools);
+  // Responses take `tools: []` (the default they echo); chat wants none.
+  if (!chat_tools.empty()) (*chat)["tools"] = std::move(chat_tools);
   (*echo)["tools"] = *tools;
   return std::nullopt;
 }
@@ -187,7 +188,11 @@ std::optional<ApiError> ToolChoiceToChat(const ojson& body, ojson* chat, ojson* 
   if (choice == body.end() || choice->is_null()) return std::nullopt;
   (*echo)["tool_choice"] = *choice;
   if (choice->is_string()) {
-    (*chat)["tool_choice"] = *choice;
+    // "auto" (the default they echo) or "none" without tools asks for
+    // nothing; chat would refuse a choice without tools.
+    if (chat->contains("tools") || (*choice != "auto" && *choice != "none")) {
+      (*chat)["tool_choice"] = *choice;
+    }
     return std::nullopt;
   }
   auto type = choice->is_object() ? choice->find("type") : choice->end();

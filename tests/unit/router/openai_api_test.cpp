@@ -373,6 +373,18 @@ TEST(OpenAiApiTest, FinalMessageTextIsTheLastTextPart) {
   }
 }
 
+// An assistant message replayed from OpenAI may hold a refusal part: its
+// text, as vLLM reads it (a user's refusal part is refused: BadInputTable).
+TEST(OpenAiApiTest, AnAssistantRefusalPartIsItsText) {
+  auto r = ParseOk(Endpoint::kChatCompletions, R"({"messages":[
+      {"role":"user","content":"x"},
+      {"role":"assistant","content":[{"type":"text","text":"Sorry,"},
+                                     {"type":"refusal","refusal":"I cannot."}]},
+      {"role":"user","content":"y"}]})");
+  ASSERT_EQ(r.messages.size(), 3u);
+  EXPECT_EQ(r.messages[1]["content"], "Sorry,\nI cannot.");
+}
+
 struct BadCase {
   Endpoint endpoint;
   std::string body;
@@ -482,6 +494,9 @@ TEST(OpenAiApiTest, BadInputTable) {
       {H, R"({"messages":[{"role":"user"}]})", 400, "messages[0].content"},
       {H, R"({"messages":[{"role":"user","content":[{"type":"image_url"}]}]})", 400,
        "messages[0].content"},
+      {H, R"({"messages":[{"role":"user","content":[{"type":"refusal","refusal":"no"}]}]})", 400,
+       "messages[0].content"},
+      {H, R"({"messages":[{"role":"user","content":"x"}],"tools":[]})", 400, "tools"},
       {H, R"({"messages":[{"role":"user","content":"x"}],"top_logprobs":2})", 400, "top_logprobs"},
       {H, R"({"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function"}]})", 400,
        "tools[0]"},

@@ -387,10 +387,12 @@ TEST(ResponsesApiTest, FollowUpsAndNeutralFields) {
   const auto err = ParseRequest(
       Endpoint::kResponses,
       R"({"model": "m", "input": "x", "n": 1, "logprobs": false, "echo": false, "stream": true,
-          "stream_options": {"include_obfuscation": false}, "temperature": 0.7, "top_p": 0.9})",
+          "stream_options": {"include_obfuscation": false}, "temperature": 0.7, "top_p": 0.9,
+          "tools": [], "tool_choice": "auto"})",
       Limits(), &api);
   ASSERT_FALSE(err) << err->message;
   EXPECT_EQ(api.n, 1);
+  EXPECT_EQ(api.tool_choice, ApiRequest::ToolChoice::kNone);  // no tools (chat refuses [])
   EXPECT_FALSE(api.include_usage);
   // The sampling values come back as written, not as the floats' doubles.
   ResponsesWriter w(api, "resp_1", 1);
