@@ -1426,10 +1426,10 @@ std::string ResponseFormatter::StreamStart(int n, const std::string& prompt_text
   if (responses_) return responses_->Start();
   std::string out;
   if (request_.endpoint != Endpoint::kChatCompletions) {
-    if (!request_.echo || prompt_text.empty()) return "";
     // echo: each choice's text starts with the prompt, as unstreamed, and
-    // its logprobs with the prompt's.
+    // its logprobs with the prompt's (an empty prompt's BOS included).
     const bool scored = prompt_pieces != nullptr && !prompt_pieces->empty();
+    if (!request_.echo || (prompt_text.empty() && !scored)) return "";
     for (int index = 0; index < n; ++index) {
       ojson j = Envelope("text_completion");
       j["choices"] = {{{"index", index},

@@ -677,6 +677,18 @@ TEST(OpenAiApiTest, StreamedEchoSendsThePromptFirst) {
   EXPECT_EQ(b["choices"][0]["index"], 1);
   auto plain = ParseOk(Endpoint::kCompletions, R"({"prompt":"Hi","stream":true})");
   EXPECT_EQ(ResponseFormatter(plain, "cmpl-2", 1700000000).StreamStart(1, "Hi"), "");
+  // An empty prompt (BOS alone) scored: its one token entry comes first, as
+  // unstreamed; unscored there is nothing to send.
+  auto empty =
+      ParseOk(Endpoint::kCompletions, R"({"prompt":"","echo":true,"logprobs":1,"stream":true})");
+  const std::vector<TokenPiece> bos = {{1, "", "<s>", std::nullopt, {}}};
+  const std::string bos_start =
+      ResponseFormatter(empty, "cmpl-3", 1700000000).StreamStart(1, "", &bos);
+  ASSERT_EQ(bos_start.rfind("data: ", 0), 0u) << bos_start;
+  auto c = nlohmann::json::parse(bos_start.substr(6));
+  EXPECT_EQ(c["choices"][0]["text"], "");
+  EXPECT_EQ(c["choices"][0]["logprobs"]["tokens"], (nlohmann::json{"<s>"}));
+  EXPECT_EQ(ResponseFormatter(empty, "cmpl-4", 1700000000).StreamStart(1, ""), "");
 }
 
 // A streamed completion's logprobs.text_offset counts from the text the
