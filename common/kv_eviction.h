@@ -23,7 +23,9 @@
 // every token but has each decode query head read only the K blocks whose
 // keys can score highest, by per-channel key bounds, plus the newest block
 // (kernels/step.h, AttentionBatch::quest_blocks): it saves reads, not
-// memory.
+// memory. The first kQuestDenseLayers layers attend densely, as the
+// authors' code has them (its `_quest_skip_layer`): their attention is
+// spread too widely for a few blocks to stand for the rest.
 #pragma once
 
 #include <cstdint>
@@ -32,6 +34,8 @@
 #include <string_view>
 
 namespace pdserve {
+
+inline constexpr int64_t kQuestDenseLayers = 2;
 
 struct KvEviction {
   enum class Mode { kNone, kStreaming, kSnapKv };

@@ -133,11 +133,13 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir, kernels::Ba
   m->files_ = std::move(*files);
   m->store_ = std::make_unique<kernels::WeightStore>(backend);
   PDSERVE_RETURN_IF_ERROR(m->LoadWeights(*m->files_));
-  for (kernels::LayerAttention& a : m->layer_attention_) {
+  for (size_t l = 0; l < m->layer_attention_.size(); ++l) {
+    kernels::LayerAttention& a = m->layer_attention_[l];
     // Sinks re-index positions: the layer's RoPE frequencies rotate them.
     a.sinks = m->config_.kv_eviction.sink_tokens;
     a.rope_inv_freq = m->inv_freq_;
-    a.quest_blocks = m->config_.kv_eviction.quest_blocks;
+    a.quest_blocks =
+        static_cast<int64_t>(l) < kQuestDenseLayers ? 0 : m->config_.kv_eviction.quest_blocks;
   }
   if (tp.size > 1) {
     // From here on the model is the rank's shard (config()).

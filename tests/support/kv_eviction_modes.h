@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "common/kv_eviction.h"
+#include "engine/make_model.h"
 
 namespace pdserve::testing {
 
@@ -27,6 +28,15 @@ inline KvEviction Quest(int64_t blocks) {
   KvEviction e;
   e.quest_blocks = blocks;
   return e;
+}
+
+// The tiny preset (4 query heads over 2 KV heads) with two more layers:
+// Quest reads every block in the first kQuestDenseLayers, so its tests need
+// layers past them.
+inline ModelSpec TinyForQuest() {
+  ModelSpec s = *PresetModelSpec("tiny");
+  s.num_layers = kQuestDenseLayers + 2;
+  return s;
 }
 
 }  // namespace pdserve::testing

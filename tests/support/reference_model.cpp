@@ -375,6 +375,10 @@ std::vector<std::vector<double>> ReferenceModel::Forward(const std::vector<int32
     }
   };
   for (const Layer& L : layers_) {
+    // Quest reads every block in the first two layers (the authors' code:
+    // quest/models/llama.py's _quest_skip_layer, quest_attention.py's
+    // `layer_id < 2`).
+    const bool quest_layer = &L - layers_.data() >= 2;
     std::vector<std::vector<double>> q(T), k(T), v(T);
     for (int64_t t = 0; t < T; ++t) {
       const auto h = RmsNorm(x[t], L.in_norm, eps_);
@@ -413,7 +417,7 @@ std::vector<std::vector<double>> ReferenceModel::Forward(const std::vector<int32
         // own positions) against the query rotated by its own; the sinks
         // and the newest block are always read.
         const int64_t QB = eviction.block_size, newest = t / QB, from = first / QB;
-        const bool quest = eviction.quest_blocks > 0 && t >= eviction.first_decode &&
+        const bool quest = eviction.quest_blocks > 0 && quest_layer && t >= eviction.first_decode &&
                            newest - from > eviction.quest_blocks;
         std::vector<std::vector<bool>> read(heads_, std::vector<bool>(newest + 1, true));
         if (quest) {
@@ -581,7 +585,7 @@ std::vector<std::vector<double>> ReferenceModel::Forward(const std::vector<int32
         // Quest: the blocks of cache indices this head reads (every block
         // when off), by bounds over the keys each block holds.
         const int64_t newest = (static_cast<int64_t>(at.size()) - 1) / B;
-        const bool quest = eviction.quest_blocks > 0 && t >= eviction.first_decode &&
+        const bool quest = eviction.quest_blocks > 0 && quest_layer && t >= eviction.first_decode &&
                            newest > eviction.quest_blocks;
         std::vector<bool> read(newest + 1, true);
         if (quest) {

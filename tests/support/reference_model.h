@@ -74,7 +74,8 @@ inline reference::ScaledKv ScaledKvOf(KvRounding::Type t) {
 // and t-window+1 .. t, and the keys and the query are rotated by their rank
 // in that cache (the sinks 0..S-1, the window from S on). window 0: off.
 //
-// Quest's rule (Tang et al. 2024; quest_blocks > 0, window 0): a query at
+// Quest's rule (Tang et al. 2024; quest_blocks > 0, window 0), in every
+// layer but the first two (dense in the authors' code): a query at
 // t >= first_decode whose full blocks of block_size positions before its
 // own number more than quest_blocks attends, per head, to the
 // quest_blocks of them with the highest sum_i max(q_i min_i, q_i max_i)
@@ -84,7 +85,8 @@ inline reference::ScaledKv ScaledKvOf(KvRounding::Type t) {
 // the first it reaches (bounds over their keys rotated by their own
 // positions, the query by t), and the sinks are always attended.
 //
-// SnapKV's rule (Li et al. 2024; snapkv_budget B > 0, window 0): positions
+// SnapKV's rule adapted to GQA (Li et al. 2024, whose code selects per
+// query head; docs/kv-eviction.md; snapkv_budget B > 0, window 0): positions
 // [0, snapkv_prompt) are the prompt. When it is longer than B, every layer
 // and KV head keeps the B - W prompt positions (W = snapkv_window) that the
 // prompt's last W queries attended to most, and those W: position j of the

@@ -12,6 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "tests/support/kv_eviction_modes.h"
 #include "tests/support/process.h"
 #include "tests/support/test_models.h"
 
@@ -41,10 +42,11 @@ Result RunPdserve(const std::string& args) {
   return testing::RunCommand(argv);
 }
 
-// The tiny preset with a trained context of 64 positions.
+// The tiny preset with a trained context of 64 positions (and layers past
+// the two Quest leaves dense).
 const std::string& ShortModel() {
   static const std::string dir = [] {
-    ModelSpec s = *PresetModelSpec("tiny");
+    ModelSpec s = testing::TinyForQuest();
     s.max_position_embeddings = 64;
     s.name = "eviction-cli-tiny";
     return testing::ModelDir("eviction-cli-tiny", s);

@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "tests/integration/serving/stack.h"
+#include "tests/support/kv_eviction_modes.h"
 
 namespace pdserve::testing {
 namespace {
@@ -109,7 +110,7 @@ TEST_F(StreamingServingTest, RepeatedPromptIsAHitTheRouterPredicts) {
 TEST(QuestServingTest, DisaggregatedOutputEqualsGenerate) {
   const std::vector<std::string> quest = {"--kv-selection", "quest", "--kv-selection-blocks", "2"};
   LocalStack stack{"quest"};
-  stack.SetModel(ModelDir("quest-serving", *PresetModelSpec("tiny")));
+  stack.SetModel(ModelDir("quest-serving", TinyForQuest()));
   stack.StartRouter({"--max-local-prefill", "32"});
   stack.StartWorker("prefill", quest);
   stack.StartWorker("decode", quest);
@@ -133,7 +134,7 @@ TEST(QuestSnapKvServingTest, DisaggregatedOutputEqualsGenerate) {
       "--kv-eviction",  "snapkv", "--kv-budget-tokens",    "40", "--kv-observation-window", "8",
       "--kv-selection", "quest",  "--kv-selection-blocks", "1"};
   LocalStack stack{"quest-snapkv"};
-  stack.SetModel(ModelDir("quest-snapkv-serving", *PresetModelSpec("tiny")));
+  stack.SetModel(ModelDir("quest-snapkv-serving", TinyForQuest()));
   stack.StartRouter({"--max-local-prefill", "16"});
   stack.StartWorker("prefill", both);
   stack.StartWorker("decode", both);

@@ -36,7 +36,7 @@ using testing::LogSoftmax;
 using testing::RandomTokens;
 using testing::ReferenceModel;
 
-ModelSpec Spec() { return *PresetModelSpec("tiny"); }  // 4 query heads over 2 KV heads
+ModelSpec Spec() { return testing::TinyForQuest(); }  // 4 query heads over 2 KV heads
 
 const std::string& Dir() {
   static const std::string dir = testing::ModelDir("quest-snapkv", Spec());

@@ -244,20 +244,25 @@ TEST(EngineTiersModesTest, SnapKvOnloadsThePromptBlocksAndCompressesAlike) {
 // without tiers selects. (Without the bounds the blocks would keep those of
 // whatever the pool held there before.)
 TEST(EngineTiersModesTest, QuestSelectsByTheBoundsOfOnloadedBlocks) {
-  testing::LoadedCpuModel l = testing::LoadCpuModel(LongDir(), Quest());
+  // Layers past the two Quest leaves dense; its blocks are `x` times the
+  // preset's, which MakeEngine's counts are in.
+  const ModelSpec spec = testing::TinyForQuest();
+  const int64_t x = spec.num_layers / PresetModelSpec("tiny")->num_layers;
+  const std::string dir = testing::ModelDir("tiers-modes-quest", spec);
+  testing::LoadedCpuModel l = testing::LoadCpuModel(dir, Quest());
   ASSERT_NE(l.model, nullptr);
-  testing::LoadedCpuModel dense = testing::LoadCpuModel(LongDir());
+  testing::LoadedCpuModel dense = testing::LoadCpuModel(dir);
   ASSERT_NE(dense.model, nullptr);
   const auto prompt = RandomTokens(150, 512, 9);
-  auto plain = MakeEngine(l.model.get(), 64, 0);
+  auto plain = MakeEngine(l.model.get(), 64 * x, 0);
   ASSERT_NE(plain, nullptr);
   const Result want = RunGreedy(*plain, 1, prompt, 40);
-  auto dense_engine = MakeEngine(dense.model.get(), 64, 0);
+  auto dense_engine = MakeEngine(dense.model.get(), 64 * x, 0);
   ASSERT_NE(dense_engine, nullptr);
   EXPECT_NE(RunGreedy(*dense_engine, 1, prompt, 40).tokens, want.tokens)
       << "the selection should matter for this prompt";
 
-  auto e = MakeEngine(l.model.get(), 16, 64);
+  auto e = MakeEngine(l.model.get(), 16 * x, 64 * x);
   ASSERT_NE(e, nullptr);
   ExpectSame(RunGreedy(*e, 1, prompt, 40), want);
   RequestId id = 2;

@@ -551,12 +551,13 @@ KvEviction QuestSelection() {
   return e;
 }
 
+std::string QuestTinyModel() { return testing::ModelDir("tiny-quest", testing::TinyForQuest()); }
+
 // Quest reading 2 blocks of 8 plus the newest: each rank bounds and selects
 // over its own KV heads' keys (TP 4 of the tiny preset and TP 8 of
 // stories260K replicate KV heads).
 TEST(TensorParallelTest, QuestEqualsOneRank) {
-  const std::string tiny = testing::ModelDir("tiny", *PresetModelSpec("tiny"));
-  ExpectEvictionSameAsOneRank(tiny, QuestSelection(), {2, 4}, 512);
+  ExpectEvictionSameAsOneRank(QuestTinyModel(), QuestSelection(), {2, 4}, 512);
   const std::string dir = testing::RealModelDir();
   if (dir.empty() || !std::filesystem::exists(dir + "/config.json")) {
     GTEST_SKIP() << "stories260K not found beside the sources";
@@ -570,7 +571,7 @@ TEST(TensorParallelTest, QuestEqualsOneRank) {
 // At TP 4 the tiny model's 2 KV heads are replicated: the tier entry holds
 // one copy of each, which both ranks of the head load.
 TEST(TensorParallelTest, QuestAfterATierOnloadEqualsOneRank) {
-  const std::string dir = testing::ModelDir("tiny", *PresetModelSpec("tiny"));
+  const std::string dir = QuestTinyModel();
   const auto prompt = testing::RandomTokens(150, 512, 9);
   const EngineRun want = EngineGreedyRun(dir, 1, {prompt}, 40, false, QuestSelection(), 16);
   ASSERT_EQ(want.tokens.size(), 1u);
@@ -582,15 +583,15 @@ TEST(TensorParallelTest, QuestAfterATierOnloadEqualsOneRank) {
     RankModels loaded = LoadRankModels(dir, group, QuestSelection());
     ASSERT_EQ(loaded.ranks.size(), static_cast<size_t>(kSize));
     const std::vector<Model*>& ranks = loaded.ranks;
-    // A rank's shard of a block: 2 layers x K|V x 1 KV head x 16 tokens x 16 x 4 bytes.
-    constexpr int64_t kShard = 4096;
+    // A rank's shard of a block: layers x K|V x 1 KV head x 16 tokens x 16 x 4 bytes.
+    const int64_t shard_bytes = testing::TinyForQuest().num_layers * 2 * 16 * 16 * 4;
     EngineOptions o;
-    o.kv_cache_bytes = 16 * kShard;
-    o.kv_host_cache_bytes = 64 * kSize * kShard;
+    o.kv_cache_bytes = 16 * shard_bytes;
+    o.kv_host_cache_bytes = 64 * kSize * shard_bytes;
     auto engine = Engine::Create(ranks, o);
     ASSERT_TRUE(engine.ok()) << engine.status().ToString();
     Engine& e = **engine;
-    ASSERT_EQ(e.kv_pool(1).bytes_per_block(), kShard);
+    ASSERT_EQ(e.kv_pool(1).bytes_per_block(), shard_bytes);
     auto run = [&](RequestId id, const std::vector<TokenId>& tokens) {
       EngineRequest r;
       r.id = id;
