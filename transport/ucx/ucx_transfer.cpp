@@ -453,7 +453,7 @@ class UcxTransfer final : public KvTransfer {
   std::string worker_address_;
   int worker_efd_ = -1;
   // A worker of one pair: a writer's (Connect), or a receive worker, minted
-  // by ExportDescriptor for the writer that answers that descriptor.
+  // by ExportDescriptor for the writers that answer that descriptor.
   struct PairWorker {
     ucp_worker_h worker = nullptr;
     int efd = -1;  // -1: polled
@@ -474,11 +474,11 @@ class UcxTransfer final : public KvTransfer {
     bool active = false;      // had events on its last progress, or woke the loop
     TransferClock::time_point retire_by{};
   };
-  std::vector<PairWorker> pair_workers_;  // progress thread only
-  uint64_t progress_turns_ = 0;           // progress thread only
-  bool shared_worker_warned_ = false;     // progress thread only
-  uint64_t next_receive_worker_ = 1;      // progress thread only
-  std::vector<PeerId> busy_peers_;        // ProgressWorkers' scratch
+  std::vector<PairWorker> pair_workers_;                          // progress thread only
+  uint64_t progress_turns_ = 0;                                   // progress thread only
+  bool shared_worker_warned_ = false;                             // progress thread only
+  std::mt19937_64 receive_worker_names_{std::random_device{}()};  // progress thread only
+  std::vector<PeerId> busy_peers_;                                // ProgressWorkers' scratch
   int wake_fd_ = -1;
   int epoll_fd_ = -1;
   bool cuda_memory_supported_ = false;
@@ -1122,9 +1122,12 @@ void UcxTransfer::ReapPairWorkers(bool all) {
 bool UcxTransfer::ProgressWorkers() {
   bool worked = false;
   while (ucp_worker_progress(worker_) != 0) worked = true;
-  if (pair_workers_.empty()) return worked;  // a receiver's loop pays nothing here
+  if (pair_workers_.empty()) return worked;
   // Every turn: the pair workers with a transfer in flight, a closed
-  // endpoint, recent events or no event fd (polled). The others in turn,
+  // endpoint, recent events or no event fd (polled), and the receive
+  // workers with a writer (a put over TCP completes only once the receiver
+  // has progressed and answered it, and a receiver sees no transfer of a
+  // direct write to mark it busy). The others in turn,
   // one turn in kIdlePairStride each: what reaches an idle one (its peer
   // leaving, a keepalive) waits that many turns at most, and none waits
   // across a sleep, for which every worker is armed.
@@ -1139,7 +1142,7 @@ bool UcxTransfer::ProgressWorkers() {
   // add or remove one.
   for (size_t i = 0; i < pair_workers_.size(); ++i) {
     PairWorker& p = pair_workers_[i];
-    const bool due = p.retiring || p.active || p.efd < 0 ||
+    const bool due = p.retiring || p.active || p.efd < 0 || p.connected > 0 ||
                      (progress_turns_ + i) % kIdlePairStride == 0 ||
                      std::any_of(p.peers.begin(), p.peers.end(), busy);
     if (!due) continue;
@@ -1290,12 +1293,15 @@ WireDescriptor UcxTransfer::OwnDescriptor(DescriptorKind kind) const {
   return d;
 }
 
-// Each descriptor names a receive worker of its own, which the writer that
-// answers it connects to and which goes when that writer is disconnected
-// (Disconnect): the receiver then stops hearing from it, so that nothing it
-// still sends (a put the kernel held through a partition) is processed
-// after the pair was given up. UCX 1.13 aborts a receiver that answers such
-// a put once its reply endpoint has failed (docs/architecture.md, section 6).
+// Each descriptor names a receive worker of its own, which the writers that
+// answer it connect to (one, or a tensor-parallel peer's ranks) and which
+// goes when the last of them is disconnected (Disconnect): the receiver
+// then stops hearing from them, so that nothing they still send (a put the
+// kernel held through a partition) is processed after the pair was given
+// up. UCX 1.13 aborts a receiver that answers such a put once its reply
+// endpoint has failed (docs/architecture.md, section 6). Its name in the
+// descriptor is random, so that a reply cannot name another writer's
+// worker by counting.
 StatusOr<std::string> UcxTransfer::ExportDescriptor() {
   return RunSync<StatusOr<std::string>>([&]() -> StatusOr<std::string> {
     if (!registered_) return Status::InvalidArgument("register the KV pool before exporting");
@@ -1316,7 +1322,12 @@ StatusOr<std::string> UcxTransfer::ExportDescriptor() {
       return EncodeDescriptor(d);
     }
     PairWorker& p = **worker;
-    p.receive_worker = next_receive_worker_++;
+    do {
+      p.receive_worker = receive_worker_names_();
+    } while (p.receive_worker == 0 ||
+             std::count_if(pair_workers_.begin(), pair_workers_.end(), [&](const PairWorker& o) {
+               return o.receive_worker == p.receive_worker;
+             }) > 1);
     p.unaccepted_until = TransferClock::now() + kUnacceptedDescriptorLifetime;
     d.address.assign(reinterpret_cast<const char*>(address), address_len);
     ucp_worker_release_address(p.worker, address);
