@@ -8,14 +8,13 @@ CMAKE_ARGS ?=
 UP_ARGS    ?=
 # ctest parallelism: tests start real processes on loopback, two per core is plenty.
 TEST_JOBS  ?= 2
-# CUDA architectures of the build (-DCMAKE_CUDA_ARCHITECTURES); empty: the
-# project's default (sm_80 and sm_90 code, compute_90 PTX). `make test` on a
-# machine without a GPU (CI) compiles the kernels for sm_90 alone: there they
-# are compiled to be checked, never run, and each architecture costs a full
-# device compile of every kernel.
-CUDA_ARCHS ?=
-HAVE_NVCC  := $(wildcard /usr/local/cuda/bin/nvcc)
-HAVE_GPU    = $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+# `make test` on a machine with nvcc but no GPU (CI) compiles the CUDA
+# kernels for sm_90 alone: there they are compiled to be checked, never run,
+# and each architecture costs a full device compile of every kernel. Every
+# other build keeps the project's default (sm_80 and sm_90 code, compute_90
+# PTX); CMAKE_ARGS given on the command line replace this.
+HAVE_NVCC := $(wildcard /usr/local/cuda/bin/nvcc)
+HAVE_GPU   = $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 
 .PHONY: up test deps configure build build-pdserve build-asan test-unit-asan format clean
 
@@ -25,7 +24,7 @@ HAVE_GPU    = $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 up: deps build-pdserve
 	$(BUILD)/pdserve up --dir .deps/up $(UP_ARGS)
 
-test: CUDA_ARCHS = $(if $(filter-out 0,$(HAVE_GPU)),,90-real)
+test: CMAKE_ARGS += $(if $(and $(HAVE_NVCC),$(filter 0,$(HAVE_GPU))),-DCMAKE_CUDA_ARCHITECTURES=90-real)
 test: deps build build-asan
 	cd $(BUILD) && PATH="$(CURDIR)/.deps/bin:$$PATH" ctest --output-on-failure -j $(TEST_JOBS) --timeout 900
 	cd $(ASAN_BUILD) && ctest --output-on-failure -j $(TEST_JOBS) -L unit --timeout 900
@@ -35,7 +34,7 @@ deps:
 
 configure:
 	@echo "== configuring $(BUILD)/ (CMake, Ninja)"
-	cmake -S . -B $(BUILD) -G Ninja $(if $(and $(HAVE_NVCC),$(CUDA_ARCHS)),-DCMAKE_CUDA_ARCHITECTURES="$(CUDA_ARCHS)") $(CMAKE_ARGS)
+	cmake -S . -B $(BUILD) -G Ninja $(CMAKE_ARGS)
 
 build: configure
 	@echo "== building everything in $(BUILD)/: the pdserve binary, tests and benchmarks"
