@@ -80,6 +80,25 @@ class KvTierMoverTest : public ::testing::Test {
     store_ = std::move(*s);
   }
 
+  // Until every queued offload has landed.
+  static void WaitForOffloads(KvTierMover& mover) {
+    for (int i = 0; i < 10000 && mover.counters().offloads_queued > 0; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+
+  // Offloads blocks 1..n (block h holds BlockBytes(h)), waits for them to
+  // land and returns their hashes in order: a run to onload.
+  std::vector<BlockHash> OffloadRun(KvTierMover& mover, uint32_t n) {
+    std::vector<BlockHash> run;
+    for (uint32_t h = 1; h <= n; ++h) {
+      mover.Offload(h, Copy(buffers_, BlockBytes(h)));
+      run.push_back(h);
+    }
+    WaitForOffloads(mover);
+    return run;
+  }
+
   // Every onload result, waiting for `n` of them.
   std::vector<KvTierMover::Loaded> TakeLoaded(KvTierMover& mover, size_t n) {
     std::vector<KvTierMover::Loaded> all;
@@ -121,9 +140,7 @@ TEST_F(KvTierMoverTest, AnOnloadRacingTheOffloadOfItsBlockGetsTheQueuedCopy) {
             BlockBytes(7));
   EXPECT_EQ(store_->stats().host.hits, 0);  // not read from the tier
   // The offload then landed.
-  for (int i = 0; i < 10000 && mover.counters().offloads_queued > 0; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
+  WaitForOffloads(mover);
   EXPECT_EQ(store_->Find(7), KvTier::kHost);
 }
 
@@ -158,14 +175,7 @@ TEST_F(KvTierMoverTest, OnloadsAreServedInTheOrderAsked) {
 // before was taken, so that its buffers never hold the whole run.
 TEST_F(KvTierMoverTest, ALongRunComesInPartsEachAfterTheLastWasTaken) {
   KvTierMover mover(store_.get(), &buffers_, {}, 0, /*max_onload_blocks=*/3);
-  std::vector<BlockHash> run;
-  for (uint32_t h = 1; h <= 7; ++h) {
-    mover.Offload(h, Copy(buffers_, BlockBytes(h)));
-    run.push_back(h);
-  }
-  for (int i = 0; i < 10000 && mover.counters().offloads_queued > 0; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
+  const std::vector<BlockHash> run = OffloadRun(mover, 7);
   mover.Onload(9, run);
   std::vector<KvTierMover::Loaded> parts;
   for (int i = 0; i < 10000 && (parts.empty() || !parts.back().last); ++i) {
@@ -199,14 +209,7 @@ TEST_F(KvTierMoverTest, ALongRunComesInPartsEachAfterTheLastWasTaken) {
 // the onloads behind it go on.
 TEST_F(KvTierMoverTest, AnAbandonedOnloadIsReadNoFurther) {
   KvTierMover mover(store_.get(), &buffers_, {}, 0, /*max_onload_blocks=*/2);
-  std::vector<BlockHash> run;
-  for (uint32_t h = 1; h <= 6; ++h) {
-    mover.Offload(h, Copy(buffers_, BlockBytes(h)));
-    run.push_back(h);
-  }
-  for (int i = 0; i < 10000 && mover.counters().offloads_queued > 0; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
+  const std::vector<BlockHash> run = OffloadRun(mover, 6);
   mover.Onload(1, run);
   mover.Onload(2, {5, 6});
   mover.Onload(3, {1});

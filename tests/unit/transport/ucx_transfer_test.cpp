@@ -258,16 +258,21 @@ TEST_P(UcxTransferTest, BadDescriptorsAreRejected) {
   EXPECT_FALSE(writer->Connect(good->reply).ok());
 }
 
+// Registers both pools, joins the pair and writes block 0 into block 0.
+void JoinAndWriteBlockZero(Pair* p, Pool* src, Pool* dst, const KvLayout& layout) {
+  ASSERT_TRUE(p->writer->RegisterPool(src->region(), layout).ok());
+  ASSERT_TRUE(p->receiver->RegisterPool(dst->region(), layout).ok());
+  Handshake(p);
+  Completion first;
+  p->writer->Write(p->to_receiver, {{0, 0}}, TransferClock::now() + 20s, first.callback());
+  ASSERT_TRUE(first.Wait().ok());
+}
+
 TEST_P(UcxTransferTest, ReceiverGoneFailsTheWriteAndLaterWrites) {
   const KvLayout layout = TinyLayout();
   Pool src(512, layout.bytes_per_block, 12), dst(512, layout.bytes_per_block, 13);
   Pair p{MakeTransfer(GetParam()), MakeTransfer(GetParam())};
-  ASSERT_TRUE(p.writer->RegisterPool(src.region(), layout).ok());
-  ASSERT_TRUE(p.receiver->RegisterPool(dst.region(), layout).ok());
-  Handshake(&p);
-  Completion first;
-  p.writer->Write(p.to_receiver, {{0, 0}}, TransferClock::now() + 20s, first.callback());
-  ASSERT_TRUE(first.Wait().ok());
+  ASSERT_NO_FATAL_FAILURE(JoinAndWriteBlockZero(&p, &src, &dst, layout));
   p.receiver.reset();  // its worker, endpoints and memory registration are gone
   // Writes keep failing explicitly, never hang, once the loss is noticed.
   Status last;
@@ -371,12 +376,7 @@ TEST_P(UcxTransferTest, AWriterTheReceiverDisconnectedLandsNothingMore) {
   auto receiver = CreateUcxTransfer(opts);
   ASSERT_TRUE(receiver.ok()) << receiver.status().ToString();
   Pair p{MakeTransfer(GetParam()), std::move(*receiver)};
-  ASSERT_TRUE(p.writer->RegisterPool(src.region(), layout).ok());
-  ASSERT_TRUE(p.receiver->RegisterPool(dst.region(), layout).ok());
-  Handshake(&p);
-  Completion first;
-  p.writer->Write(p.to_receiver, {{0, 0}}, TransferClock::now() + 20s, first.callback());
-  ASSERT_TRUE(first.Wait().ok());
+  ASSERT_NO_FATAL_FAILURE(JoinAndWriteBlockZero(&p, &src, &dst, layout));
   ASSERT_EQ(std::memcmp(dst.block(0), src.block(0), layout.bytes_per_block), 0);
 
   p.receiver->Disconnect(p.from_writer);
